@@ -8,6 +8,7 @@ network.
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import json
 import os
@@ -206,7 +207,11 @@ def embedded_checkpoint(name: str = "smollm2-135m") -> Path:
     folder = sparrow_home() / "models" / name
     if _cache_ok(folder):
         return folder
-    _build_embedded(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(folder.parent / f".{name}.lock", "w") as lock:  # one converter at a time
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not _cache_ok(folder):
+            _build_embedded(folder)
     return folder
 
 

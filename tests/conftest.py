@@ -1,0 +1,22 @@
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# One converted SmolLM2 cache shared by all test sessions on this machine (the conversion is what
+# `make demo` does too); tests that exercise the conversion itself use their own SPARROW_HOME.
+os.environ.setdefault("SPARROW_HOME", str(Path(__file__).resolve().parent.parent / ".sparrow-home"))
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    import torch
+
+    from sparrow.stages.model.loading import load_model
+
+    torch.manual_seed(0)
+    return load_model("smollm2-135m")
