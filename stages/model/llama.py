@@ -52,6 +52,7 @@ class AttentionContext:
     positions: Tensor  # [B, T] position (= cache slot) of each new token
     cache: KVCache | None  # None: the tokens are the whole sequence (teacher forced)
     kv_len: int  # slots in use after this step (max over the batch)
+    starts_at_zero: bool = False  # every sequence's new tokens sit at positions 0..T-1
 
 
 class Attention(Protocol):
@@ -65,6 +66,9 @@ class DenseAttention:
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext) -> Tensor:
         keys, values = cached_kv(layer, k, v, ctx)
+        if ctx.starts_at_zero and q.shape[2] == keys.shape[2]:
+            # Whole sequences (or prefill into an empty cache): plain causal, no [T, S] mask.
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         key_pos = torch.arange(keys.shape[2], device=q.device)
         mask = key_pos[None, None, None, :] <= ctx.positions[:, None, :, None]  # [B, 1, T, S]
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
@@ -186,7 +190,8 @@ class Transformer(nn.Module):
         kv_len = int(positions.max()) + 1
         if kv_len > self.cfg.max_position_embeddings or (cache is not None and kv_len > cache.capacity):
             raise ValueError(f"position {kv_len - 1} is beyond the model's context or the cache")
-        ctx = AttentionContext(positions=positions, cache=cache, kv_len=kv_len)
+        starts_at_zero = kv_len == t and bool((positions[:, 0] == 0).all())
+        ctx = AttentionContext(positions, cache, kv_len, starts_at_zero)
         cos = self.rope_cos[positions][:, None].to(self.embed_tokens.weight.dtype)  # [B, 1, T, D]
         sin = self.rope_sin[positions][:, None].to(self.embed_tokens.weight.dtype)
         attention = attention or DenseAttention()

@@ -1,0 +1,19 @@
+"""Block top-k sparse attention (the rule of DESIGN.md "Definitions") in decode and teacher-forced form."""
+
+from .block_topk import (
+    DEFAULT_DENSE_LAYERS,
+    PAGE_SIZE,
+    kept_page_mask,
+    page_centroids,
+    validate_budget,
+)
+from .sparse import SparseAttention
+
+__all__ = [
+    "DEFAULT_DENSE_LAYERS",
+    "PAGE_SIZE",
+    "SparseAttention",
+    "kept_page_mask",
+    "page_centroids",
+    "validate_budget",
+]

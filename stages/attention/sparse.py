@@ -1,0 +1,53 @@
+"""`SparseAttention`: block top-k attention as a pluggable `Attention` for our decoder.
+
+One object serves both forms. Decode: T = 1 new token per request, keys come from the KV cache.
+Teacher forced: the whole sequence at once, every query selecting its own pages from its own causal
+prefix; queries are processed in chunks so that the [T, S] masks and scores stay bounded for 8K
+sequences (the dense path uses the memory-efficient causal kernel). Per-query budgets make schedules exact: the budget of the step whose query sits at
+position t is the schedule's budget at cache length t + 1. Prompt (prefill) queries and the layers in
+`dense_layers` get budget 0, i.e. dense.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..model.llama import AttentionContext, DenseAttention, cached_kv
+from .block_topk import DEFAULT_DENSE_LAYERS, PAGE_SIZE, kept_page_mask, kept_token_mask, page_centroids
+
+
+class SparseAttention:
+    def __init__(self, budgets: Tensor, dense_layers: Sequence[int] = DEFAULT_DENSE_LAYERS,
+                 page: int = PAGE_SIZE, chunk_elements: int = 1 << 25):
+        """budgets [B, T]: token budget of each new query (0 = dense); [B] or [B, 1] for decode."""
+        self.budgets = budgets if budgets.dim() == 2 else budgets[:, None]
+        self.dense_layers = set(dense_layers)
+        self.page = page
+        self.chunk_elements = chunk_elements  # bounds the [B, Hq, chunk, S] scores per chunk
+        self._dense = DenseAttention()
+
+    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext) -> Tensor:
+        if layer in self.dense_layers or not bool((self.budgets > 0).any()):
+            return self._dense(layer, q, k, v, ctx)
+        keys, values = cached_kv(layer, k, v, ctx)  # [B, Hkv, S, D]
+        centroids = page_centroids(keys, self.page)
+        budgets = self.budgets.expand(q.shape[0], q.shape[2])
+        hq, hkv = q.shape[1], keys.shape[1]
+        b, t, s = q.shape[0], q.shape[2], keys.shape[2]
+        chunk = max(16, min(t, self.chunk_elements // (b * hq * s)))
+        out = []
+        for start in range(0, t, chunk):
+            pos = ctx.positions[:, start:start + chunk]
+            kv_hi = int(pos.max()) + 1  # keys past the chunk's last query are never visible
+            pages = kept_page_mask(q[:, :, start:start + chunk], centroids, pos,
+                                   budgets[:, start:start + chunk], self.page)
+            mask = kept_token_mask(pages, pos, kv_hi, self.page)  # [B, Hkv, chunk, kv_hi]
+            mask = mask.repeat_interleave(hq // hkv, dim=1)
+            out.append(F.scaled_dot_product_attention(
+                q[:, :, start:start + chunk], keys[:, :, :kv_hi], values[:, :, :kv_hi],
+                attn_mask=mask, enable_gqa=True))
+        return torch.cat(out, dim=2)
