@@ -1,0 +1,7 @@
+"""Artifact schemas (one Arrow schema per artifact kind) with validated, atomic read and write."""
+
+from .artifacts import SCHEMAS, VERSION, ArtifactError, ArtifactSpec, Col
+from .io import artifact_kind, artifact_metadata, read_artifact, write_artifact
+
+__all__ = ["SCHEMAS", "VERSION", "ArtifactError", "ArtifactSpec", "Col", "artifact_kind", "artifact_metadata",
+           "read_artifact", "write_artifact"]

@@ -10,7 +10,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import typer  # noqa: E402
 
-from . import models, prompts, sql  # noqa: E402
+from . import calibrate, models, profile, prompts, sql  # noqa: E402
 
 app = typer.Typer(
     name="sparrow",
@@ -24,6 +24,8 @@ app = typer.Typer(
 app.command("models")(models.models)
 app.command("prompts")(prompts.prompts)
 app.command("sql")(sql.sql)
+app.command("profile")(profile.profile)
+app.command("calibrate-threshold")(calibrate.calibrate_threshold)
 
 
 def main() -> None:

@@ -26,7 +26,7 @@ def fail(message: str, code: int = 2) -> NoReturn:
 def friendly_errors(fn: Callable) -> Callable:
     """Turn the project's input errors into one clear line and a non-zero exit."""
     from sparrow.schemas import ArtifactError
-    from sparrow.stages.model.loading import ModelSpecError
+    from sparrow.stages.model.config import ModelSpecError
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):

@@ -31,7 +31,7 @@ def brute_force_pages(q, keys, t, budget, page=16):
 @pytest.mark.parametrize("hq,hkv,d", [(4, 2, 16), (9, 3, 64), (8, 1, 32), (2, 2, 8)])
 def test_selection_equals_brute_force(hq, hkv, d):
     g = torch.Generator().manual_seed(hq * 100 + d)
-    b, s, page = 3, 200, 16
+    b, s = 3, 200
     keys = torch.randn(b, hkv, s, d, generator=g)
     q = torch.randn(b, hq, s, d, generator=g)
     positions = torch.arange(s).expand(b, s)

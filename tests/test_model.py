@@ -92,11 +92,12 @@ def test_smollm2_logits_and_greedy_match_transformers(smollm2):
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         embedded_checkpoint(), dtype=torch.float32).eval()
     tok = smollm2.tokenizer
-    text = tok.apply_chat_template([{"role": "user", "content": "Write a story about a sparrow who learns to fly."}],
-                                   add_generation_prompt=True, tokenize=False)
+    msg = {"role": "user", "content": "Write a story about a sparrow who learns to fly."}
+    text = tok.apply_chat_template([msg], add_generation_prompt=True, tokenize=False)
     prompt = tok(text, add_special_tokens=False).input_ids
     with torch.no_grad():
-        assert (smollm2.model(torch.tensor([prompt])) - hf(torch.tensor([prompt])).logits).abs().max() <= 1e-4
+        x = torch.tensor([prompt])
+        assert (smollm2.model(x) - hf(x).logits).abs().max() <= 1e-4
         expected = hf.generate(torch.tensor([prompt]), max_new_tokens=64, do_sample=False,
                                eos_token_id=2, pad_token_id=2)[0, len(prompt):].tolist()
     got = generate(smollm2.model, [prompt], 64, temperature=0.0, eos_ids=[2])[0].tokens

@@ -3,7 +3,8 @@
 One object serves both forms. Decode: T = 1 new token per request, keys come from the KV cache.
 Teacher forced: the whole sequence at once, every query selecting its own pages from its own causal
 prefix; queries are processed in chunks so that the [T, S] masks and scores stay bounded for 8K
-sequences (the dense path uses the memory-efficient causal kernel). Per-query budgets make schedules exact: the budget of the step whose query sits at
+sequences (the dense path uses the memory-efficient causal kernel).
+Per-query budgets make schedules exact: the budget of the step whose query sits at
 position t is the schedule's budget at cache length t + 1. Prompt (prefill) queries and the layers in
 `dense_layers` get budget 0, i.e. dense.
 """

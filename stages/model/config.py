@@ -16,6 +16,10 @@ HF_ARCHITECTURE_NAMES = {
 }
 
 
+class ModelSpecError(ValueError):
+    """A --model argument that names nothing we can load."""
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     arch: str  # llama | qwen2 (qkv bias) | qwen3 (per-head q/k RMSNorm)

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from .config import ModelConfig
+from .config import ModelConfig, ModelSpecError
 from .gguf_loader import read_gguf
 from .llama import Transformer, hf_to_ours, ours_to_hf
 from .presets import PRESETS, get_preset
@@ -30,10 +30,6 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CACHE_FORMAT = 1
-
-
-class ModelSpecError(ValueError):
-    """A --model argument that names nothing we can load."""
 
 
 @dataclass

@@ -1,0 +1,80 @@
+"""Tasks with verifiable rewards: a registry, prompt building and scoring.
+
+`make_prompts` turns a task's examples into rows of the `prompts` artifact. Every prompt is
+formatted with the model's own chat template (an optional system message first) and stored both
+as text and as token ids, so later stages never re-tokenise and never disagree about the prompt.
+A tokenizer without a chat template gets the plain text (system message, blank line, user
+message). Prompt ids are `<task>-<seed>-<index>`: stable for a seed, distinct across seeds.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+from . import longcontext, reasoning
+from .base import Example, Task, TaskError
+
+__all__ = ["TASKS", "Example", "Task", "TaskError", "chat_format", "get_task", "make_prompts", "score"]
+
+TASKS: dict[str, Task] = {t.name: t for t in [*reasoning.tasks(), *longcontext.tasks()]}
+
+
+def get_task(name: str) -> Task:
+    try:
+        return TASKS[name]
+    except KeyError:
+        raise KeyError(f"unknown task {name!r}; known tasks: {', '.join(TASKS)}") from None
+
+
+def chat_format(tokenizer, user: str, system: str | None = None) -> tuple[str, list[int]]:
+    """The prompt text a model sees for one user message, and its token ids."""
+    if getattr(tokenizer, "chat_template", None):
+        messages = [{"role": "system", "content": system}] if system else []
+        messages.append({"role": "user", "content": user})
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    else:
+        text = f"{system}\n\n{user}" if system else user
+    return text, list(tokenizer(text, add_special_tokens=False).input_ids)
+
+
+def make_prompts(task: str | Task, n: int, seed: int, tokenizer, *, system: str | None = None,
+                 progress: Callable[[int], None] | None = None, **options: Any) -> list[dict]:
+    """`n` rows of the prompts artifact for `task`; `progress(done)` is called after each row."""
+    task = get_task(task) if isinstance(task, str) else task
+    if tokenizer is None:
+        raise TaskError(
+            f"task {task.name} needs a tokenizer to format prompts, and this model has none "
+            "(a checkpoint without tokenizer files?)"
+        )
+    if n < 1:
+        raise TaskError(f"the number of prompts must be at least 1, got {n}")
+    unknown = sorted(k for k, v in options.items() if v is not None and k not in task.options)
+    if unknown:
+        accepted = ", ".join(task.options) or "none"
+        raise TaskError(f"task {task.name} does not take {', '.join(unknown)} (its options: {accepted})")
+    options = {k: v for k, v in options.items() if v is not None}
+    measure = lambda user: len(chat_format(tokenizer, user, system)[1])
+    rows = []
+    for i, example in enumerate(task.generate(n, seed, measure, **options)):
+        text, ids = chat_format(tokenizer, example.user, system)
+        rows.append({
+            "prompt_id": f"{task.name}-{seed}-{i}",
+            "task": task.name,
+            "prompt": text,
+            "prompt_token_ids": ids,
+            "answer": example.answer,
+            "metadata": json.dumps(example.metadata, sort_keys=True),
+        })
+        if progress is not None:
+            progress(i + 1)
+    return rows
+
+
+def score(task_name: str, completion_text: str, answer: str | None, metadata: str | dict | None) -> float:
+    """Reward in [0, 1] for a completion; `metadata` is the artifact's JSON string or a dict."""
+    if answer is None:
+        return 0.0
+    meta = json.loads(metadata) if isinstance(metadata, str) and metadata else (metadata or {})
+    return float(min(1.0, max(0.0, get_task(task_name).score(completion_text, answer, meta))))

@@ -1,0 +1,327 @@
+"""Artifact schemas, version 1: one declarative `ArtifactSpec` per artifact kind, and its validation.
+
+Design decisions:
+- A column is declared once (`Col`): Arrow type, nullability, an allowed range in interval notation
+  ("[0, 1]", "(0, inf)") that applies to every element of list columns, and optional allowed values.
+  Cross-column rules are small functions that return a problem phrase or None.
+- Types are checked by family, not width: integer columns take any integer width, float columns any
+  float width (and integers, which widen), string columns string/large_string, list columns any list
+  kind of the right value family; values are then cast to the declared type, safely (an int64 that
+  does not fit int32 is an error, never a wraparound). All-null columns of Arrow type null are fine.
+- Closed bounds of float columns allow a 1e-6 tolerance (float32 rounding); NaN is out of any range.
+- Unknown columns are an error (catches typos; a new column means a new schema version).
+- Validation uses pyarrow.compute on whole columns, so it stays fast on millions of per-token rows.
+- Every problem is one sentence that starts with the subject (the file, or the data meant for it).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+VERSION = "1"
+KEY_KIND = "sparrow.artifact"
+KEY_VERSION = "sparrow.version"
+KEY_META = "sparrow.meta"
+FLOAT_TOL = 1e-6
+
+
+class ArtifactError(ValueError):
+    """An artifact file or table that does not match its schema; the message is one sentence."""
+
+
+@dataclass(frozen=True)
+class Interval:
+    lo: float
+    hi: float
+    lo_closed: bool
+    hi_closed: bool
+    text: str
+
+    @classmethod
+    def parse(cls, text: str) -> Interval:
+        m = re.fullmatch(r"([\[(])\s*([^,]+?)\s*,\s*([^,]+?)\s*([\])])", text)
+        if not m:
+            raise ValueError(f"bad interval {text!r}")
+        return cls(float(m[2]), float(m[3]), m[1] == "[", m[4] == "]", text)
+
+    def outside(self, values: pa.Array | pa.ChunkedArray, tol: float) -> pa.ChunkedArray:
+        lo = pc.less(values, self.lo - tol) if self.lo_closed else pc.less_equal(values, self.lo)
+        hi = pc.greater(values, self.hi + tol) if self.hi_closed else pc.greater_equal(values, self.hi)
+        bad = pc.or_(lo, hi)
+        if pa.types.is_floating(values.type):
+            bad = pc.or_(bad, pc.is_nan(values))
+        return pc.fill_null(bad, False)
+
+
+@dataclass(frozen=True)
+class Col:
+    name: str
+    type: pa.DataType
+    nullable: bool = False
+    range: str | None = None
+    choices: tuple[str, ...] | None = None
+
+    @property
+    def field(self) -> pa.Field:
+        return pa.field(self.name, self.type, nullable=self.nullable)
+
+
+Rule = Callable[[pa.Table], "str | None"]
+
+
+@dataclass(frozen=True)
+class ArtifactSpec:
+    kind: str
+    doc: str
+    columns: tuple[Col, ...]
+    rules: tuple[Rule, ...] = field(default=())
+
+    @property
+    def names(self) -> list[str]:
+        return [c.name for c in self.columns]
+
+    @property
+    def schema(self) -> pa.Schema:
+        meta = {KEY_KIND: self.kind, KEY_VERSION: VERSION}
+        return pa.schema([c.field for c in self.columns], metadata=meta)
+
+    def conform(self, table: pa.Table, subject: str, fill_missing: bool = False) -> pa.Table:
+        """Cast `table` to this schema and check every rule; raise ArtifactError("<subject> ...")."""
+
+        def problem(phrase: str) -> ArtifactError:
+            return ArtifactError(f"{subject} {phrase}")
+
+        names = table.column_names
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise problem(f"has column {_quoted(dupes)} more than once")
+        unknown = [n for n in names if n not in self.names]
+        if unknown:
+            raise problem(f"has column {_quoted(unknown)}, which the '{self.kind}' schema does not have "
+                          f"(its columns: {', '.join(self.names)})")
+        missing = [c.name for c in self.columns if c.name not in names and not (fill_missing and c.nullable)]
+        if missing:
+            raise problem(f"lacks column {_quoted(missing)} required by the '{self.kind}' schema")
+
+        arrays = []
+        for col in self.columns:
+            if col.name not in names:
+                arrays.append(pa.nulls(table.num_rows, col.type))
+                continue
+            arrays.append(_check_column(table.column(col.name), col, problem))
+        out = pa.Table.from_arrays(arrays, schema=self.schema)
+        for rule in self.rules:
+            phrase = rule(out)
+            if phrase:
+                raise problem(phrase)
+        return out
+
+
+def _check_column(values: pa.ChunkedArray, col: Col,
+                  problem: Callable[[str], ArtifactError]) -> pa.ChunkedArray:
+    if not _accepts(col.type, values.type):
+        raise problem(f"has column '{col.name}' of type {_type_name(values.type)}, expected "
+                      f"{_type_name(col.type)} "
+                      f"({_family(col.type)})")
+    if values.type != col.type:
+        try:
+            values = values.cast(col.type)
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
+            raise problem(f"has values in column '{col.name}' that do not fit {col.type} "
+                          f"({first_line(e)})") from None
+    if not col.nullable and values.null_count:
+        raise problem(f"has nulls in {_count(values.null_count, 'row')} of column '{col.name}', "
+                      f"which allows no nulls")
+    is_list = pa.types.is_list(col.type)
+    elements = pc.list_flatten(values) if is_list else values
+    if is_list and not col.nullable and elements.null_count:
+        raise problem(f"has {_count(elements.null_count, 'null element')} inside the lists of "
+                      f"column '{col.name}'")
+    if col.range:
+        interval = Interval.parse(col.range)
+        tol = FLOAT_TOL if pa.types.is_floating(elements.type) else 0.0
+        n, first = _count_first(interval.outside(elements, tol))
+        if n:
+            row = pc.list_parent_indices(values)[first].as_py() if is_list else first
+            raise problem(f"has {_count(n, 'value')} of column '{col.name}' outside the allowed range "
+                          f"{interval.text} (first: {_fmt(elements[first].as_py())} in row {row})")
+    if col.choices:
+        bad = pc.and_(pc.is_valid(values), pc.invert(pc.is_in(values, value_set=pa.array(col.choices))))
+        n, first = _count_first(bad)
+        if n:
+            raise problem(f"has {_count(n, 'value')} of column '{col.name}' other than "
+                          f"{_quoted(col.choices, ' or ')} (first: {values[first].as_py()!r} in row {first})")
+    return values
+
+
+def _family(t: pa.DataType) -> str:
+    if pa.types.is_integer(t):
+        return "any integer type"
+    if pa.types.is_floating(t):
+        return "any float or integer type"
+    if pa.types.is_string(t):
+        return "string or large_string"
+    if pa.types.is_list(t):
+        return f"any list of {'integers' if pa.types.is_integer(t.value_type) else 'floats'}"
+    return str(t)
+
+
+def _type_name(t: pa.DataType) -> str:
+    if pa.types.is_dictionary(t):
+        return f"dictionary<{_type_name(t.value_type)}>"
+    if hasattr(t, "value_type"):
+        return f"{str(t).split('<', 1)[0]}<{_type_name(t.value_type)}>"
+    return str(t)
+
+
+def _accepts(target: pa.DataType, found: pa.DataType) -> bool:
+    if pa.types.is_dictionary(found):
+        found = found.value_type
+    if pa.types.is_null(found):
+        return True
+    if pa.types.is_integer(target):
+        return pa.types.is_integer(found)
+    if pa.types.is_floating(target):
+        return pa.types.is_floating(found) or pa.types.is_integer(found)
+    if pa.types.is_string(target):
+        return pa.types.is_string(found) or pa.types.is_large_string(found) or pa.types.is_string_view(found)
+    if pa.types.is_list(target):
+        is_list = (pa.types.is_list(found) or pa.types.is_large_list(found)
+                   or pa.types.is_fixed_size_list(found) or pa.types.is_list_view(found)
+                   or pa.types.is_large_list_view(found))
+        return is_list and _accepts(target.value_type, found.value_type)
+    return found == target
+
+
+def _count_first(mask: pa.Array | pa.ChunkedArray) -> tuple[int, int]:
+    n = pc.sum(mask).as_py() or 0
+    return (n, pc.indices_nonzero(mask)[0].as_py()) if n else (0, -1)
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'s' * (n != 1)}"
+
+
+def _fmt(v: object) -> str:
+    if isinstance(v, float) and math.isfinite(v):
+        return f"{v:.7g}"
+    return str(v)
+
+
+def _quoted(names, sep: str = ", ") -> str:
+    return sep.join(f"'{n}'" for n in names)
+
+
+def first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
+# Cross-column rules: each returns a phrase that follows the subject, or None.
+
+def _prompt_or_token_ids(t: pa.Table) -> str | None:
+    n, first = _count_first(pc.and_(pc.is_null(t["prompt"]), pc.is_null(t["prompt_token_ids"])))
+    if n:
+        return f"has {_count(n, 'row')} with neither 'prompt' nor 'prompt_token_ids' (first: row {first})"
+    return None
+
+
+def _budget_non_decreasing(t: pa.Table) -> str | None:
+    bins = t["bin"].to_numpy()
+    order = np.argsort(bins, kind="stable")
+    bins = bins[order]
+    budgets = t["budget"].fill_null(np.iinfo(np.int32).max).to_numpy()[order]
+    dup = np.flatnonzero(np.diff(bins) == 0)
+    if dup.size:
+        return f"has bin {bins[dup[0]]} more than once"
+    dec = np.flatnonzero(np.diff(budgets) < 0)
+    if dec.size:
+        i = dec[0]
+        shown = ["dense" if b == np.iinfo(np.int32).max else str(b) for b in budgets[i:i + 2]]
+        return (f"has budget {shown[0]} in bin {bins[i]} but {shown[1]} in bin {bins[i + 1]}, and a "
+                f"schedule's budget must not decrease with position (null = dense counts as largest)")
+    return None
+
+
+def _equal_lengths(*names: str) -> Rule:
+    def rule(t: pa.Table) -> str | None:
+        lengths = [pc.list_value_length(t[n]) for n in names]
+        bad = pc.or_(pc.not_equal(lengths[0], lengths[1]), pc.not_equal(lengths[0], lengths[2]))
+        n, first = _count_first(pc.fill_null(bad, False))
+        if n:
+            found = ", ".join(str(ln[first].as_py()) for ln in lengths)
+            return (f"has {_count(n, 'row')} whose {_quoted(names)} lengths differ "
+                    f"(first: row {first} with lengths {found})")
+        return None
+
+    return rule
+
+
+I32, I64, F32, F64, STR = pa.int32(), pa.int64(), pa.float32(), pa.float64(), pa.string()
+LIST_I32, LIST_F32 = pa.list_(pa.int32()), pa.list_(pa.float32())
+UNIT, NONNEG, POS, NONPOS, OPEN_UNIT = "[0, 1]", "[0, inf)", "(0, inf)", "(-inf, 0]", "(0, 1)"
+
+
+def _spec(kind: str, doc: str, *columns: Col, rules: tuple[Rule, ...] = ()) -> ArtifactSpec:
+    return ArtifactSpec(kind, doc, columns, rules)
+
+
+SCHEMAS: dict[str, ArtifactSpec] = {s.kind: s for s in (
+    _spec("prompts", "one row per prompt",
+          Col("prompt_id", STR), Col("task", STR),
+          Col("prompt", STR, nullable=True),
+          Col("prompt_token_ids", LIST_I32, nullable=True, range=NONNEG),
+          Col("answer", STR, nullable=True),
+          Col("metadata", STR, nullable=True),
+          rules=(_prompt_or_token_ids,)),
+    _spec("mismatch", "one row per generated token per budget",
+          Col("prompt_id", STR), Col("sample", I32, range=NONNEG),
+          Col("position", I32, range=NONNEG), Col("bin", I32, range=NONNEG),
+          Col("budget", I32, range=POS), Col("token_id", I32, range=NONNEG),
+          Col("alpha", F32, range=UNIT),
+          Col("logp_dense", F32, range=NONPOS), Col("logp_sparse", F32, range=NONPOS),
+          Col("log_ratio", F32), Col("k1", F32),
+          Col("k2", F32, range=NONNEG), Col("k3", F32, range=NONNEG),
+          Col("entropy_dense", F32, range=NONNEG)),
+    _spec("threshold", "one row: the critical tail threshold",
+          Col("threshold", F64, range=OPEN_UNIT),
+          Col("lower", F64, nullable=True, range=UNIT), Col("upper", F64, nullable=True, range=UNIT),
+          Col("quantile", F64, range=OPEN_UNIT),
+          Col("source", STR, choices=("prior", "calibrated")),
+          Col("n_runs", I32, range=NONNEG), Col("n_collapsed", I32, range=NONNEG),
+          Col("note", STR, nullable=True)),
+    _spec("cost", "one row per measured or analytic decode-step point; coefficients in the metadata",
+          Col("model", STR), Col("device", STR),
+          Col("batch", I32, range=POS), Col("context", I32, range=NONNEG),
+          Col("budget", I32, nullable=True, range=POS),
+          Col("seconds", F64, nullable=True, range=NONNEG),
+          Col("predicted_seconds", F64, range=NONNEG)),
+    _spec("schedule", "one row per position bin; null budget = dense",
+          Col("bin", I32, range=NONNEG), Col("bin_start", I64, range=NONNEG),
+          Col("bin_end", I64, nullable=True, range=NONNEG),
+          Col("budget", I32, nullable=True, range=POS),
+          Col("tail", F64, nullable=True, range=UNIT),
+          Col("predicted_step_seconds", F64, nullable=True, range=NONNEG),
+          rules=(_budget_non_decreasing,)),
+    _spec("rollouts", "one row per sample; budgets per token, 0 = dense",
+          Col("prompt_id", STR), Col("sample", I32, range=NONNEG),
+          Col("prompt_token_ids", LIST_I32, range=NONNEG), Col("token_ids", LIST_I32, range=NONNEG),
+          Col("text", STR, nullable=True),
+          Col("logprobs", LIST_F32, range=NONPOS), Col("budgets", LIST_I32, range=NONNEG),
+          Col("finish_reason", STR, choices=("stop", "length")),
+          Col("reward", F64, nullable=True),
+          rules=(_equal_lengths("token_ids", "logprobs", "budgets"),)),
+    _spec("metrics", "one row per training step",
+          Col("run_id", STR), Col("step", I32, range=NONNEG), Col("reward_mean", F64),
+          *(Col(n, F64, nullable=True)
+            for n in ("reward_std", "loss", "grad_norm", "entropy", "mismatch_kl")),
+          Col("truncation_rate", F64, nullable=True, range=UNIT),
+          Col("repetition_rate", F64, nullable=True, range=UNIT),
+          *(Col(n, F64, nullable=True) for n in ("response_length", "lr", "seconds"))),
+)}

@@ -1,0 +1,197 @@
+"""Reading and writing artifacts: Parquet files whose schema metadata names their kind and version.
+
+Design decisions:
+- Metadata keys: `sparrow.artifact` (kind), `sparrow.version` ("1") and `sparrow.meta`, a JSON object
+  with the stage's own metadata (page size, cost coefficients, ...). A table read from disk keeps all
+  three, so `artifact_metadata(read_artifact(p))` works and `write_artifact` of such a table keeps
+  its metadata unless new metadata is given.
+- The file is checked before its data is read: existence, Parquet magic bytes at both ends (a missing
+  footer means a truncated file), then kind and version from the footer alone.
+- Writing validates exactly as reading does (errors name the target path), except that nullable
+  columns absent from the input are filled with nulls. The bytes go to a hidden temporary file in
+  the target folder, which is fsynced and then renamed over the target with os.replace, so readers
+  see the old artifact or the new one, never half of one; the temporary file is removed on any error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from .artifacts import (
+    KEY_KIND,
+    KEY_META,
+    KEY_VERSION,
+    SCHEMAS,
+    VERSION,
+    ArtifactError,
+    ArtifactSpec,
+    first_line,
+)
+
+MAGIC = b"PAR1"
+TableLike = pa.Table | pa.RecordBatch | Mapping[str, Sequence] | Sequence[Mapping[str, object]]
+
+
+def write_artifact(data: TableLike, path: str | os.PathLike, kind: str,
+                   metadata: Mapping[str, str | int | float] | None = None) -> Path:
+    """Validate `data` against the `kind` schema and write it atomically to `path`; return the path."""
+    path = Path(path)
+    spec = _spec(kind)
+    subject = f"the '{kind}' data for {path}"
+    table = _to_table(data, spec, subject)
+    if metadata is None:
+        meta_json = (table.schema.metadata or {}).get(KEY_META.encode(), b"{}").decode()
+    else:
+        try:
+            meta_json = json.dumps(dict(metadata), sort_keys=True)
+        except (TypeError, ValueError) as e:
+            raise ArtifactError(f"the metadata for {path} is not JSON-serializable ({e})") from None
+    table = spec.conform(table, subject, fill_missing=True)
+    table = table.replace_schema_metadata({**spec.schema.metadata, KEY_META.encode(): meta_json.encode()})
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.tmp")
+    try:
+        with open(tmp, "xb") as f:
+            pq.write_table(table, f, compression="zstd")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
+def read_artifact(path: str | os.PathLike, kind: str | None = None) -> pa.Table:
+    """Read and validate an artifact; `kind=None` accepts any known kind."""
+    path = Path(path)
+    if kind is not None:
+        _spec(kind)
+    schema = _read_schema(path)
+    found, version = _kind_version(schema)
+    if found is None:
+        raise ArtifactError(f"{path} is a Parquet file without Sparrow artifact metadata "
+                            f"(no '{KEY_KIND}' key), so it is not a Sparrow artifact")
+    if kind is not None and found != kind:
+        raise ArtifactError(f"{path} is a '{found}' artifact, expected '{kind}'")
+    if found not in SCHEMAS:
+        raise ArtifactError(f"{path} is a '{found}' artifact, a kind this Sparrow does not know "
+                            f"(known kinds: {', '.join(SCHEMAS)})")
+    if version is None:
+        raise ArtifactError(f"{path} is a '{found}' artifact without a '{KEY_VERSION}' key, "
+                            f"but this Sparrow reads only version {VERSION}")
+    if version != VERSION:
+        hint = "upgrade Sparrow to read it" if _newer(version) else "regenerate it with this Sparrow"
+        raise ArtifactError(f"{path} has version {version} of the '{found}' schema but this Sparrow reads "
+                            f"only version {VERSION}, so {hint}")
+    try:
+        table = pq.read_table(path)
+    except (pa.ArrowException, OSError) as e:
+        raise ArtifactError(f"{path} is a corrupt Parquet file ({first_line(e)})") from None
+    table = SCHEMAS[found].conform(table, str(path))
+    return table.replace_schema_metadata(schema.metadata)
+
+
+def artifact_kind(path: str | os.PathLike) -> str | None:
+    """The artifact kind from the Parquet footer (no data is read); None for other Parquet files."""
+    return _kind_version(_read_schema(Path(path)))[0]
+
+
+def artifact_metadata(table_or_path: pa.Table | pa.Schema | str | os.PathLike) -> dict:
+    """The stage's own metadata (the `sparrow.meta` JSON object) of a table or an artifact file."""
+    if isinstance(table_or_path, pa.Table | pa.RecordBatch):
+        schema, where = table_or_path.schema, "the table"
+    elif isinstance(table_or_path, pa.Schema):
+        schema, where = table_or_path, "the schema"
+    else:
+        where = Path(table_or_path)
+        schema = _read_schema(where)
+    raw = (schema.metadata or {}).get(KEY_META.encode())
+    if raw is None:
+        return {}
+    try:
+        meta = json.loads(raw)
+    except ValueError:
+        meta = None
+    if not isinstance(meta, dict):
+        raise ArtifactError(f"{where} has '{KEY_META}' metadata that is not a JSON object")
+    return meta
+
+
+def _spec(kind: str) -> ArtifactSpec:
+    if kind not in SCHEMAS:
+        raise ArtifactError(f"'{kind}' is not an artifact kind (known kinds: {', '.join(SCHEMAS)})")
+    return SCHEMAS[kind]
+
+
+def _to_table(data: TableLike, spec: ArtifactSpec, subject: str) -> pa.Table:
+    if isinstance(data, pa.Table):
+        return data
+    if isinstance(data, pa.RecordBatch):
+        return pa.Table.from_batches([data])
+    if isinstance(data, Mapping):
+        arrays = {}
+        for name, values in data.items():
+            try:
+                arrays[name] = values if isinstance(values, pa.Array | pa.ChunkedArray) else pa.array(values)
+            except (pa.ArrowException, TypeError, ValueError) as e:
+                raise ArtifactError(f"{subject} has column '{name}' that Arrow cannot convert "
+                                    f"({first_line(e)})") from None
+        lengths = {len(a) for a in arrays.values()}
+        if len(lengths) > 1:
+            raise ArtifactError(f"{subject} has columns of different lengths ({sorted(lengths)})")
+        return pa.table(arrays) if arrays else spec.schema.empty_table()
+    if isinstance(data, Sequence) and not isinstance(data, str | bytes):
+        if not data:
+            return spec.schema.empty_table()
+        try:
+            return pa.Table.from_pylist(list(data))
+        except (pa.ArrowException, TypeError, ValueError, AttributeError) as e:
+            raise ArtifactError(f"{subject} cannot be converted to an Arrow table "
+                                f"({first_line(e)})") from None
+    raise ArtifactError(f"{subject} is a {type(data).__name__}, expected an Arrow table, a dict of "
+                        f"columns or a list of row dicts")
+
+
+def _read_schema(path: Path) -> pa.Schema:
+    if not path.exists():
+        raise ArtifactError(f"{path} does not exist")
+    if path.is_dir():
+        raise ArtifactError(f"{path} is a directory, not a Parquet file")
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(4)
+        f.seek(max(size - 4, 0))
+        tail = f.read(4)
+    if size == 0:
+        raise ArtifactError(f"{path} is an empty file, not a Parquet file")
+    if head != MAGIC:
+        raise ArtifactError(f"{path} is not a Parquet file (it does not start with the Parquet magic bytes)")
+    if size < 12 or tail != MAGIC:
+        raise ArtifactError(f"{path} is a truncated Parquet file (its footer is missing; "
+                            f"was its writer interrupted?)")
+    try:
+        return pq.read_schema(path)
+    except (pa.ArrowException, OSError) as e:
+        raise ArtifactError(f"{path} is a corrupt Parquet file ({first_line(e)})") from None
+
+
+def _kind_version(schema: pa.Schema) -> tuple[str | None, str | None]:
+    meta = schema.metadata or {}
+    kind, version = meta.get(KEY_KIND.encode()), meta.get(KEY_VERSION.encode())
+    return (kind.decode() if kind is not None else None, version.decode() if version is not None else None)
+
+
+def _newer(version: str) -> bool:
+    try:
+        return int(version) > int(VERSION)
+    except ValueError:
+        return False

@@ -1,0 +1,63 @@
+"""`sparrow calibrate-threshold`: the critical tail threshold from past runs, or the prior."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+from rich.table import Table
+
+from .common import UsageError, console, friendly_errors
+
+
+@friendly_errors
+def calibrate_threshold(
+    profile: Path = typer.Option(..., "--profile", help="A mismatch artifact (sparrow profile)."),
+    runs: list[Path] = typer.Option([], "--runs", help="Run directories, each with a metrics and a "
+                                    "schedule artifact. Repeat the flag or pass several."),
+    quantile: float = typer.Option(0.05, "--quantile", help="Tail quantile of alpha per bin."),
+    window: int = typer.Option(5, "--window", help="Steps of smoothing for the detectors."),
+    reward_drop: float = typer.Option(0.5, "--reward-drop",
+                                      help="Collapsed if the final reward < (1 - this) x best."),
+    grad_norm_factor: float = typer.Option(10.0, "--grad-norm-factor",
+                                           help="Collapsed if grad norm > this x its early median."),
+    mismatch_kl_limit: float = typer.Option(0.05, "--mismatch-kl-limit",
+                                            help="Collapsed if the smoothed mismatch KL exceeds it."),
+    truncation_limit: float = typer.Option(0.5, "--truncation-limit"),
+    repetition_limit: float = typer.Option(0.5, "--repetition-limit"),
+    entropy_factor: float = typer.Option(3.0, "--entropy-factor",
+                                         help="Collapsed if entropy ends above this x its start."),
+    bootstrap: int = typer.Option(2000, "--bootstrap", help="Bootstrap resamples for the interval."),
+    output: Path = typer.Option(..., "-o", "--output"),
+) -> None:
+    """Label each run stable or collapsed, relate that to each run's tail statistic under its
+    schedule, and write the critical threshold with an interval. Without runs (or when the runs do
+    not separate) the published prior 0.86 is written, marked as the prior."""
+    from sparrow.schemas import read_artifact, write_artifact
+    from sparrow.stages.calibrate import Detectors, calibrate, load_run, threshold_table
+
+    if not 0 < quantile < 1:
+        raise UsageError(f"--quantile must be in (0, 1), got {quantile}")
+    mismatch = read_artifact(profile, "mismatch")
+    if mismatch.num_rows == 0:
+        raise UsageError(f"{profile}: the mismatch profile has no tokens")
+    det = Detectors(window, reward_drop, grad_norm_factor, mismatch_kl_limit, truncation_limit,
+                    repetition_limit, entropy_factor)
+    results = [load_run(r, mismatch, quantile, det) for r in runs]  # all validated before writing
+    cal = calibrate(results, quantile, bootstrap)
+    per_run = [{"run": r.name, "tail": r.tail, "collapsed": r.collapsed, "reasons": r.reasons}
+               for r in results]
+    write_artifact(threshold_table(cal, quantile), output, "threshold",
+                   metadata={"profile": str(profile), "runs": json.dumps(per_run)})
+    if results:
+        t = Table(title="runs")
+        for c in ("run", "tail", "label", "reasons / notes"):
+            t.add_column(c)
+        for r in sorted(results, key=lambda r: r.tail):
+            t.add_row(r.name, f"{r.tail:.4f}", "[red]collapsed[/]" if r.collapsed else "[green]stable[/]",
+                      "; ".join(r.reasons + r.notes))
+        console.print(t)
+    interval = f" [{cal.lower:.4f}, {cal.upper:.4f}]" if cal.lower is not None else ""
+    console.print(f"threshold {cal.threshold:.4f}{interval} ({cal.source}): {cal.note}")
+    console.print(f"wrote {output}")

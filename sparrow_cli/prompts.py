@@ -1,0 +1,113 @@
+"""`sparrow prompts`: build a prompts artifact for a task, formatted for a model's chat template.
+
+Everything the user typed is checked before any work (task, count, model, context length); then
+only the model's tokenizer is loaded, never its weights. A progress bar appears only when
+generation runs longer than a second.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import typer
+
+from sparrow.stages.tasks import TASKS, TaskError, get_task, make_prompts
+from sparrow.stages.tasks.longcontext import DEFAULT_CONTEXT_TOKENS, MIN_CONTEXT_TOKENS
+
+from .common import UsageError, console, friendly_errors
+
+
+class _LazyProgress:
+    """A progress callback that shows a bar once the work has taken more than `delay` seconds."""
+
+    def __init__(self, total: int, label: str, delay: float = 1.0):
+        self.total, self.label, self.delay = total, label, delay
+        self.started = time.monotonic()
+        self.bar = None
+        self.task_id = None
+
+    def __call__(self, done: int) -> None:
+        if self.bar is None and time.monotonic() - self.started > self.delay and done < self.total:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
+
+            self.bar = Progress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
+                                TimeRemainingColumn(), console=console, transient=True)
+            self.bar.start()
+            self.task_id = self.bar.add_task(self.label, total=self.total)
+        if self.bar is not None:
+            self.bar.update(self.task_id, completed=done)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+def _context_tokens(task_name: str, long_context: bool, requested: int | None, model: str,
+                    max_positions: int) -> int | None:
+    if not long_context:
+        if requested is not None:
+            long_tasks = ", ".join(t.name for t in TASKS.values() if t.long_context)
+            raise UsageError(f"--context-tokens applies only to long-context tasks ({long_tasks}), "
+                             f"not to {task_name}")
+        return None
+    if requested is None:
+        return min(DEFAULT_CONTEXT_TOKENS, max_positions // 2)
+    if requested > max_positions:
+        raise UsageError(f"--context-tokens {requested} exceeds the context of {model} "
+                         f"({max_positions} tokens)")
+    if requested < MIN_CONTEXT_TOKENS:
+        raise UsageError(f"--context-tokens must be at least {MIN_CONTEXT_TOKENS}, got {requested}")
+    return requested
+
+
+@friendly_errors
+def prompts(
+    task: str = typer.Option(..., "--task", help=f"task to generate: {', '.join(TASKS)}"),
+    n: int = typer.Option(16, "--n", help="number of prompts"),
+    seed: int = typer.Option(0, "--seed", help="generator seed: same seed, same prompts"),
+    model: str = typer.Option("smollm2-135m", "--model",
+                              help="preset, checkpoint dir or .gguf; its tokenizer and chat template "
+                                   "format the prompts"),
+    context_tokens: int | None = typer.Option(
+        None, "--context-tokens",
+        help=f"prompt length in tokens for long-context tasks (default {DEFAULT_CONTEXT_TOKENS}, "
+             "or half the model's context if that is less)"),
+    output: Path = typer.Option(..., "-o", "--output", help="prompts artifact to write (.parquet)"),
+) -> None:
+    """Generate prompts with verifiable answers for a task, formatted with the model's chat template."""
+    from sparrow.schemas import write_artifact
+    from sparrow.stages.model.loading import resolve_config
+    from sparrow.stages.tasks.tokenizers import load_model_tokenizer
+
+    spec = get_task(task)
+    if n < 1:
+        raise UsageError(f"--n must be at least 1, got {n}")
+    if output.is_dir():
+        raise UsageError(f"--output {output} is a directory; give a file path such as prompts.parquet")
+    config = resolve_config(model)
+    context = _context_tokens(spec.name, spec.long_context, context_tokens, model,
+                              config.max_position_embeddings)
+
+    tokenizer = load_model_tokenizer(model)
+    if tokenizer is None:
+        raise UsageError(f"model {model} has no tokenizer, and prompts need one to apply its chat template")
+    progress = _LazyProgress(n, f"{spec.name} prompts")
+    try:
+        rows = make_prompts(spec, n, seed, tokenizer, progress=progress, context_tokens=context)
+    except TaskError as e:
+        raise UsageError(str(e)) from None
+    finally:
+        progress.close()
+
+    metadata = {"task": spec.name, "n": n, "seed": seed, "model": model}
+    if context is not None:
+        metadata["context_tokens"] = context
+    path = write_artifact(rows, output, "prompts", metadata)
+
+    lengths = [len(r["prompt_token_ids"]) for r in rows]
+    console.print(
+        f"[green]wrote[/] {len(rows)} {spec.name} prompts (seed {seed}, model {model}) to [bold]{path}[/]\n"
+        f"prompt tokens: mean {sum(lengths) / len(lengths):.0f}, min {min(lengths)}, max {max(lengths)}",
+        highlight=False,
+    )

@@ -1,0 +1,131 @@
+"""`sparrow sql`: query a run directory with DuckDB; each artifact kind is a view.
+
+Design decisions: results go to stdout as a rich table (at most TABLE_ROWS rows shown), CSV or a JSON
+list of records (NaN and infinities become null, so it is strict JSON); `-o x.parquet` writes every
+row to Parquet atomically (temporary file, then rename) and prints a one-line summary on stderr.
+Every failure is one "error: ..." line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime as dt
+import json
+import math
+import os
+import sys
+import uuid
+from decimal import Decimal
+from pathlib import Path
+from typing import Annotated
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import typer
+from rich.table import Table
+
+from sparrow.stages.sql import QueryError, run_query
+
+from .common import console, fail, friendly_errors, out
+
+FORMATS = ("table", "csv", "json")
+TABLE_ROWS = 1000
+
+
+@friendly_errors
+def sql(
+    query: Annotated[str, typer.Argument(help="SQL over the run's views, e.g. \"SELECT bin, budget, "
+                                              "quantile_cont(alpha, 0.05) FROM mismatch GROUP BY ALL\".")],
+    run: Annotated[Path, typer.Option("--run", help="Run directory: each *.parquet artifact in it is a "
+                                                    "view named by its kind (mismatch, schedule, ...).")]
+    = Path("."),
+    format: Annotated[str, typer.Option("--format", "-f", help="Output on stdout: table, csv or json.")]
+    = "table",
+    output: Annotated[Path | None, typer.Option("-o", "--output", help="Write the result to this "
+                                                                        ".parquet file instead.")] = None,
+) -> None:
+    """Run a SQL query (DuckDB) over the artifacts of a run directory."""
+    if format not in FORMATS:
+        fail(f"unknown --format {format!r}; choose table, csv or json")
+    if output is not None and output.suffix != ".parquet":
+        fail(f"-o writes Parquet, so give a path ending in .parquet (not {output.name}); "
+             f"use --format csv or json with a shell redirect for text")
+    try:
+        result = run_query(run, query)
+    except QueryError as e:
+        fail(f"query failed: {e}")
+    if output is not None:
+        _write_parquet(result, output)
+        console.print(f"wrote {result.num_rows} rows x {result.num_columns} columns to {output}",
+                      highlight=False)
+    elif format == "table":
+        _print_table(result)
+    elif format == "csv":
+        _print_csv(result)
+    else:
+        sys.stdout.write(json.dumps([_jsonable(r) for r in result.to_pylist()]) + "\n")
+
+
+def _write_parquet(table: pa.Table, path: Path) -> None:
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(table, tmp, compression="zstd")
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        fail(f"cannot write {path} ({e.strerror or e})")
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _print_table(table: pa.Table) -> None:
+    shown = table.slice(0, TABLE_ROWS)
+    caption = f"{table.num_rows} row{'s' * (table.num_rows != 1)}"
+    if table.num_rows > TABLE_ROWS:
+        caption += f", first {TABLE_ROWS} shown (use --format csv or -o for all)"
+    t = Table(caption=caption)
+    for field in table.schema:
+        numeric = pa.types.is_integer(field.type) or pa.types.is_floating(field.type) \
+            or pa.types.is_decimal(field.type)
+        t.add_column(field.name, justify="right" if numeric else "left")
+    for row in shown.to_pylist():
+        t.add_row(*(_cell(v) for v in row.values()))
+    out.print(t)
+
+
+def _cell(v: object) -> str:
+    if v is None:
+        return "[dim]null[/]"
+    if isinstance(v, float):
+        return f"{v:.6g}"
+    text = json.dumps(_jsonable(v)) if isinstance(v, list | dict) else str(v)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _print_csv(table: pa.Table) -> None:
+    writer = csv.writer(sys.stdout, lineterminator="\n")
+    writer.writerow(table.column_names)
+    for batch in table.to_batches(max_chunksize=65536):
+        for row in batch.to_pylist():
+            writer.writerow(["" if v is None else json.dumps(_jsonable(v)) if isinstance(v, list | dict)
+                             else v for v in row.values()])
+
+
+def _jsonable(v: object) -> object:
+    if isinstance(v, float):
+        return v if math.isfinite(v) else None
+    if isinstance(v, Decimal):
+        return int(v) if v == v.to_integral_value() else float(v)
+    if isinstance(v, dict):
+        return {str(k): _jsonable(x) for k, x in v.items()}
+    if isinstance(v, list | tuple):
+        return [_jsonable(x) for x in v]
+    if isinstance(v, dt.date | dt.time | dt.datetime):
+        return v.isoformat()
+    if isinstance(v, dt.timedelta):
+        return v.total_seconds()
+    if isinstance(v, bytes):
+        return v.hex()
+    return v

@@ -1,0 +1,161 @@
+"""`profile`: sample trajectories, then measure the per-token sparse-to-dense mismatch.
+
+Sampling and scoring are separate on purpose: the trajectories come from whichever sampler the user
+names (dense, a fixed budget or a schedule, as the rollouts of a run would), and every generated
+token is then scored under dense attention and under each candidate budget by teacher forcing.
+The output is long and narrow (one row per token per budget) so DuckDB answers "5th percentile of
+alpha per bin per budget" with one GROUP BY; `summarize` is exactly that query.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+
+import duckdb
+import numpy as np
+import pyarrow as pa
+
+from .attention import DEFAULT_DENSE_LAYERS, PAGE_SIZE, validate_budget
+from .mismatch import make_budget_fn, sample, score_sequences
+from .model.loading import LoadedModel
+from .schedule import Schedule
+
+PRIOR_THRESHOLD = 0.86
+Progress = Callable[[str, int, int], None]  # (phase, done, total)
+
+
+@dataclass
+class ProfileOptions:
+    budgets: list[int]
+    samples: int = 4
+    max_new_tokens: int = 256
+    sampler: str = "dense"  # dense | budget:B | schedule:FILE
+    bin_width: int = 512
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int = 0
+    batch_size: int = 8
+    score_tokens: int = 16384  # tokens per teacher-forced scoring batch
+    dense_layers: tuple[int, ...] = DEFAULT_DENSE_LAYERS
+    page_size: int = PAGE_SIZE
+    schedule: Schedule | None = field(default=None, repr=False)
+
+    def validate(self) -> None:
+        if not self.budgets:
+            raise ValueError("--budgets is empty")
+        for b in self.budgets:
+            validate_budget(b, self.page_size)
+        for name in ("samples", "max_new_tokens", "bin_width", "batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+        if self.temperature < 0:
+            raise ValueError("--temperature must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError("--top-p must be in (0, 1]")
+        if self.sampler.startswith("budget:"):
+            try:
+                validate_budget(int(self.sampler.split(":", 1)[1]), self.page_size)
+            except ValueError as e:
+                raise ValueError(f"--sampler {self.sampler}: {e}") from None
+        elif self.sampler != "dense" and not self.sampler.startswith("schedule:"):
+            raise ValueError(f"--sampler must be dense, budget:B or schedule:FILE, got {self.sampler!r}")
+
+    def metadata(self) -> dict:
+        d = {k: v for k, v in asdict(self).items() if k != "schedule"}
+        d["budgets"] = json.dumps(self.budgets)
+        d["dense_layers"] = json.dumps(list(self.dense_layers))
+        return d
+
+
+def run_profile(model: LoadedModel, prompt_ids: Sequence[str], prompts: Sequence[list[int]],
+                opts: ProfileOptions, progress: Progress | None = None) -> pa.Table:
+    """Sample `opts.samples` trajectories per prompt and score each token under each budget."""
+    opts.validate()
+    sampler = opts.schedule if opts.sampler.startswith("schedule:") else opts.sampler
+    budget_at = make_budget_fn(sampler)
+    jobs = [(pid, k, p) for pid, p in zip(prompt_ids, prompts) for k in range(opts.samples)]
+    eos = model.config.eos_token_ids
+    completions: list[list[int]] = []
+    total_steps = -(-len(jobs) // opts.batch_size) * opts.max_new_tokens
+    for bi, start in enumerate(range(0, len(jobs), opts.batch_size)):
+        batch = jobs[start:start + opts.batch_size]
+        done_before = bi * opts.max_new_tokens
+        tick = (lambda s, d=done_before: progress("sampling", d + s + 1, total_steps)) if progress else None
+        gens = sample(model.model, [p for _, _, p in batch], opts.max_new_tokens, opts.temperature,
+                      opts.top_p, opts.seed + bi, budget_at, eos, opts.dense_layers,
+                      opts.page_size, on_step=tick)
+        completions += [g.tokens for g in gens]
+        if progress:
+            progress("sampling", done_before + opts.max_new_tokens, total_steps)
+    order = sorted(range(len(jobs)), key=lambda i: len(jobs[i][2]) + len(completions[i]))
+    columns: dict[str, list[np.ndarray]] = {}
+    done = 0
+    for group in _batches_by_tokens(order, [len(j[2]) + len(c) for j, c in zip(jobs, completions)],
+                                    opts.score_tokens):
+        scored = score_sequences(model.model, [jobs[i][2] for i in group],
+                                 [completions[i] for i in group], opts.budgets, opts.temperature,
+                                 opts.dense_layers, opts.page_size)
+        for budget in opts.budgets:
+            alpha, logp_sparse = scored.sparse[budget]
+            _append_rows(columns, [jobs[group[s]] for s in scored.seq], scored, budget, alpha,
+                         logp_sparse, opts.bin_width)
+        done += len(group)
+        if progress:
+            progress("scoring", done, len(jobs))
+    return _to_table(columns)
+
+
+def _batches_by_tokens(order: list[int], lengths: list[int], max_tokens: int) -> list[list[int]]:
+    groups, current = [], []
+    for i in order:
+        if current and (len(current) + 1) * lengths[i] > max_tokens:
+            groups.append(current)
+            current = []
+        current.append(i)
+    return groups + ([current] if current else [])
+
+
+def _append_rows(columns, jobs, scored, budget, alpha, logp_sparse, bin_width) -> None:
+    log_ratio = scored.logp_dense - logp_sparse  # log r, r = p_dense / p_sparse
+    n = len(alpha)
+    parts = {
+        "prompt_id": np.array([j[0] for j in jobs], dtype=object),
+        "sample": np.array([j[1] for j in jobs], dtype=np.int32),
+        "position": scored.position.astype(np.int32),
+        "bin": (scored.position // bin_width).astype(np.int32),
+        "budget": np.full(n, budget, dtype=np.int32),
+        "token_id": scored.token_id.astype(np.int32),
+        "alpha": alpha.astype(np.float32),
+        "logp_dense": np.minimum(scored.logp_dense, 0).astype(np.float32),
+        "logp_sparse": np.minimum(logp_sparse, 0).astype(np.float32),
+        "log_ratio": log_ratio.astype(np.float32),
+        "k1": (-log_ratio).astype(np.float32),
+        "k2": (0.5 * log_ratio**2).astype(np.float32),
+        "k3": np.maximum(np.expm1(log_ratio) - log_ratio, 0).astype(np.float32),
+        "entropy_dense": scored.entropy_dense.astype(np.float32),
+    }
+    for k, v in parts.items():
+        columns.setdefault(k, []).append(v)
+
+
+def _to_table(columns: dict[str, list[np.ndarray]]) -> pa.Table:
+    if not columns:
+        raise ValueError("no tokens were generated, so there is nothing to profile")
+    return pa.table({k: pa.array(np.concatenate(v)) for k, v in columns.items()})
+
+
+def summarize(mismatch: pa.Table, quantile: float = 0.05,
+              threshold: float = PRIOR_THRESHOLD) -> pa.Table:
+    """Per bin and budget: tokens, mean alpha, the q-quantile of alpha, and whether it clears the
+    threshold. The same GROUP BY a user would type into `sparrow sql`."""
+    con = duckdb.connect()
+    con.register("mismatch", mismatch)
+    return con.execute(
+        """SELECT bin, budget, count(*) AS tokens, avg(alpha) AS mean_alpha,
+                  quantile_cont(alpha::DOUBLE, ?) AS tail_alpha,
+                  quantile_cont(alpha::DOUBLE, ?) >= ? AS above
+           FROM mismatch GROUP BY bin, budget ORDER BY bin, budget""",
+        [quantile, quantile, threshold],
+    ).to_arrow_table()
