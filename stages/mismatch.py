@@ -1,7 +1,8 @@
 """Per-token sparse-to-dense mismatch by teacher forcing, and the samplers that produce the tokens.
 
-A sequence is scored by one dense forward pass and one sparse forward pass per budget over the whole
-sequence; in the sparse pass every generated position selects its own pages (see
+A batch of sequences is scored by one dense prefill of the prompts (prefill is dense in every mode),
+then one pass over the completions per attention mode (dense, and each budget) on top of the shared
+prompt KV; in a sparse pass every generated position selects its own pages from its own prefix (see
 `attention.SparseAttention`), which reproduces incremental sparse decoding exactly. The
 vocabulary-sized work (softmax, alpha, entropy) runs over chunks of positions so memory stays
 bounded for 8K-token sequences. Alpha and the logprobs use the sampling temperature (1 for greedy).
@@ -18,7 +19,7 @@ from torch import Tensor
 
 from .attention import DEFAULT_DENSE_LAYERS, PAGE_SIZE, SparseAttention
 from .generate import Generation, generate
-from .model.llama import Attention, Transformer
+from .model.llama import Attention, KVCache, Transformer
 from .schedule import Schedule
 
 BudgetFn = Callable[[int], int]  # cache length at which a token is produced -> budget (0 = dense)
@@ -78,53 +79,71 @@ def score_sequences(model: Transformer, prompts: Sequence[Sequence[int]],
                     completions: Sequence[Sequence[int]], budgets: Sequence[int | BudgetFn],
                     temperature: float = 1.0, dense_layers: Sequence[int] = DEFAULT_DENSE_LAYERS,
                     page: int = PAGE_SIZE, vocab_chunk: int = 1024) -> ScoredTokens:
-    """Teacher-forced dense and sparse scoring of every completion token."""
+    """Teacher-forced dense and sparse scoring of every completion token.
+
+    The prompt is prefilled once, densely, into a KV cache (prefill is dense in every mode); the
+    completions then run as one chunk per attention mode on top of it, each query selecting its own
+    pages. Every mode rewrites the same completion slots, so the prompt's KV is shared by all."""
     device = model.embed_tokens.weight.device
-    seqs = [list(p) + list(c) for p, c in zip(prompts, completions)]
-    b, t_max = len(seqs), max(len(s) for s in seqs)
-    tokens = torch.zeros(b, t_max, dtype=torch.long, device=device)
-    for i, s in enumerate(seqs):
-        tokens[i, : len(s)] = torch.as_tensor(s, device=device)
-    prompt_lens = torch.tensor([len(p) for p in prompts], device=device)
-    positions = torch.arange(t_max, device=device).expand(b, t_max)
-    # hidden index i predicts token i + 1; generated token j of sequence s sits at index len(p) + j
-    rows = [(i, len(p) - 1 + j) for i, (p, c) in enumerate(zip(prompts, completions))
-            for j in range(len(c))]
-    seq_idx = torch.tensor([r[0] for r in rows], dtype=torch.long, device=device)
-    hid_idx = torch.tensor([r[1] for r in rows], dtype=torch.long, device=device)
-    targets = tokens[seq_idx, hid_idx + 1]
-    temp = temperature if temperature > 0 else 1.0
+    b = len(prompts)
+    n = torch.tensor([len(p) for p in prompts], device=device)  # prompt lengths
+    g = torch.tensor([len(c) for c in completions], device=device)
+    if int(g.min()) < 1:
+        raise ValueError("every completion needs at least one token")
+    prompt_tok = _pad([list(p) for p in prompts], device)  # [B, Nmax]
+    gen_tok = _pad([list(c) for c in completions], device)  # [B, Gmax]
+    cache = KVCache.allocate(model.cfg, b, int((n + g).max()), model.embed_tokens.weight.dtype, device)
+    prefill_h = model.hidden_states(prompt_tok, cache, positions=_arange(b, prompt_tok.shape[1], 0, device))
+    last_prompt_h = prefill_h[torch.arange(b, device=device), n - 1]  # predicts completion token 0
+    gen_pos = n[:, None] + torch.arange(gen_tok.shape[1], device=device)  # [B, Gmax]
 
-    def logprobs(hidden: Tensor, lo: int, hi: int) -> Tensor:
-        h = hidden[seq_idx[lo:hi], hid_idx[lo:hi]]
-        return torch.log_softmax(model.lm_head(h).float() / temp, dim=-1)  # [n, V]
+    def completion_hidden(attention: Attention | None) -> Tensor:
+        """[B, Gmax, H]: row j predicts completion token j (0 from the prompt's last position)."""
+        h = model.hidden_states(gen_tok, cache, positions=gen_pos, attention=attention)
+        return torch.cat([last_prompt_h[:, None], h[:, :-1]], dim=1)
 
-    dense_h = model.hidden_states(tokens, positions=positions)
-    sparse_h = {}
+    hidden = {None: completion_hidden(None)}
     for budget in budgets:
         budget_at = budget if callable(budget) else (lambda _, b_=int(budget): b_)
-        q_budgets = decode_budgets(positions, prompt_lens, budget_at)
-        attention = SparseAttention(q_budgets, dense_layers, page)
-        sparse_h[budget] = model.hidden_states(tokens, positions=positions, attention=attention)
+        attention = SparseAttention(decode_budgets(gen_pos, n, budget_at), dense_layers, page)
+        hidden[budget] = completion_hidden(attention)
 
-    n = len(rows)
-    logp_dense = torch.empty(n)
-    entropy = torch.empty(n)
-    sparse = {k: (torch.empty(n), torch.empty(n)) for k in sparse_h}
-    for lo in range(0, n, vocab_chunk):
-        hi = min(n, lo + vocab_chunk)
-        ld = logprobs(dense_h, lo, hi)
+    valid = torch.arange(gen_tok.shape[1], device=device)[None, :] < g[:, None]
+    seq_idx, tok_idx = valid.nonzero(as_tuple=True)  # row order: sequence, then token
+    targets = gen_tok[seq_idx, tok_idx]
+    temp = temperature if temperature > 0 else 1.0
+    rows = len(targets)
+    logp_dense, entropy = torch.empty(rows), torch.empty(rows)
+    sparse = {k: (torch.empty(rows), torch.empty(rows)) for k in budgets}
+    for lo in range(0, rows, vocab_chunk):
+        sl = slice(lo, min(rows, lo + vocab_chunk))
+        tgt = targets[sl, None]
+
+        def logprobs(h: Tensor) -> Tensor:
+            return torch.log_softmax(model.lm_head(h[seq_idx[sl], tok_idx[sl]]).float() / temp, -1)
+
+        ld = logprobs(hidden[None])
         pd = ld.exp()
-        tgt = targets[lo:hi, None]
-        logp_dense[lo:hi] = ld.gather(-1, tgt).squeeze(-1).cpu()
-        entropy[lo:hi] = -(pd * ld).sum(-1).clamp_min(0).cpu()
-        for k, h in sparse_h.items():
-            ls = logprobs(h, lo, hi)
-            sparse[k][0][lo:hi] = torch.minimum(pd, ls.exp()).sum(-1).clamp(0, 1).cpu()
-            sparse[k][1][lo:hi] = ls.gather(-1, tgt).squeeze(-1).cpu()
+        logp_dense[sl] = ld.gather(-1, tgt).squeeze(-1).cpu()
+        entropy[sl] = -(pd * ld).sum(-1).clamp_min(0).cpu()
+        for k in budgets:
+            ls = logprobs(hidden[k])
+            sparse[k][0][sl] = torch.minimum(pd, ls.exp()).sum(-1).clamp(0, 1).cpu()
+            sparse[k][1][sl] = ls.gather(-1, tgt).squeeze(-1).cpu()
     return ScoredTokens(
-        seq=seq_idx.cpu().numpy(), position=(hid_idx + 1).cpu().numpy(),
+        seq=seq_idx.cpu().numpy(), position=(n[seq_idx] + tok_idx).cpu().numpy(),
         token_id=targets.cpu().numpy(), logp_dense=logp_dense.numpy(),
         entropy_dense=entropy.numpy(),
         sparse={k: (a.numpy(), lp.numpy()) for k, (a, lp) in sparse.items()},
     )
+
+
+def _pad(rows: list[list[int]], device) -> Tensor:
+    out = torch.zeros(len(rows), max(len(r) for r in rows), dtype=torch.long, device=device)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = torch.as_tensor(r, device=device)
+    return out
+
+
+def _arange(b: int, t: int, start: int, device) -> Tensor:
+    return (start + torch.arange(t, device=device)).expand(b, t)
