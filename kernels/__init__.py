@@ -1,0 +1,1 @@
+"""Paged-KV kernels (Triton) beside their torch references; the op API is `sparrow.kernels.ops`."""

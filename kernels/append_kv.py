@@ -1,0 +1,107 @@
+"""append_kv: write one new token's K/V per request into the paged cache and update page centroids.
+
+Computes, for each row n of `k`/`v` [N, Hkv, D] with physical slot s = page * P + offset,
+k_pages[page, :, offset] = k[n], v_pages[page, :, offset] = v[n] and the running mean key of the page
+c <- c + (k - c) / (offset + 1) (offset 0 sets c = k), in place; rows with a negative slot are skipped
+(padding). The Triton kernel runs one program per (row, KV head): it loads one D-vector of K and of V,
+stores them at the slot, and updates that head's centroid in fp32, so rows must target distinct pages
+(true in decode: one new token per request, shared pages are copied before they are appended to).
+`write_prefill` (torch only) scatters many tokens at once and recomputes the touched pages' centroids
+as the mean of their keys over offsets 0..max written offset.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ._triton_utils import lazy_jit, next_pow2, require_triton
+
+tl = None  # triton.language, bound on the first kernel launch (see _triton_utils)
+
+
+def append_kv_reference(k_pages: Tensor, v_pages: Tensor, centroids: Tensor, k: Tensor, v: Tensor,
+                        slots: Tensor) -> None:
+    page_size = k_pages.shape[2]
+    slots = slots.long()
+    keep = slots >= 0
+    if not bool(keep.all()):
+        slots, k, v = slots[keep], k[keep], v[keep]
+    page, off = slots // page_size, slots % page_size
+    k_new = k.to(k_pages.dtype)
+    k_pages[page, :, off] = k_new
+    v_pages[page, :, off] = v.to(v_pages.dtype)
+    c = centroids[page]  # [N, Hkv, D]
+    centroids[page] = c + (k_new.to(centroids.dtype) - c) / (off + 1).to(centroids.dtype)[:, None, None]
+
+
+def write_prefill(k_pages: Tensor, v_pages: Tensor, centroids: Tensor, k: Tensor, v: Tensor,
+                  slots: Tensor) -> None:
+    """Scatter many tokens (any number per page), then recompute the touched pages' centroids."""
+    page_size = k_pages.shape[2]
+    slots = slots.long()
+    keep = slots >= 0
+    if not bool(keep.all()):
+        slots, k, v = slots[keep], k[keep], v[keep]
+    if slots.numel() == 0:
+        return
+    page, off = slots // page_size, slots % page_size
+    k_pages[page, :, off] = k.to(k_pages.dtype)
+    v_pages[page, :, off] = v.to(v_pages.dtype)
+    touched, inverse = torch.unique(page, return_inverse=True)
+    max_off = torch.full((touched.numel(),), -1, dtype=torch.long, device=slots.device)
+    max_off.scatter_reduce_(0, inverse, off, reduce="amax")
+    keys = k_pages[touched].to(centroids.dtype)  # [T, Hkv, P, D]
+    valid = torch.arange(page_size, device=slots.device) <= max_off[:, None]  # [T, P]
+    sums = torch.where(valid[:, None, :, None], keys, 0.0).sum(2)  # unwritten slots may hold garbage
+    centroids[touched] = sums / (max_off + 1).to(centroids.dtype)[:, None, None]
+
+
+def _append_kv_kernel(k_pages, v_pages, centroids, k, v, slots,
+                      s_kp0, s_kp1, s_kp2, s_vp0, s_vp1, s_vp2, s_c0, s_c1,
+                      s_k0, s_k1, s_v0, s_v1,
+                      D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr):
+    n = tl.program_id(0)
+    h = tl.program_id(1)
+    slot = tl.load(slots + n)
+    if slot >= 0:
+        page = slot // PAGE
+        off = slot % PAGE
+        d = tl.arange(0, BLOCK_D)
+        dm = d < D
+        kk = tl.load(k + n * s_k0 + h * s_k1 + d, mask=dm, other=0.0)
+        vv = tl.load(v + n * s_v0 + h * s_v1 + d, mask=dm, other=0.0)
+        kq = kk.to(k_pages.dtype.element_ty)
+        tl.store(k_pages + page * s_kp0 + h * s_kp1 + off * s_kp2 + d, kq, mask=dm)
+        tl.store(v_pages + page * s_vp0 + h * s_vp1 + off * s_vp2 + d,
+                 vv.to(v_pages.dtype.element_ty), mask=dm)
+        cptr = centroids + page * s_c0 + h * s_c1 + d
+        c = tl.load(cptr, mask=dm, other=0.0)
+        c = c + (kq.to(tl.float32) - c) / (off + 1).to(tl.float32)
+        tl.store(cptr, c, mask=dm)
+
+
+_append_kv_jit = lazy_jit(_append_kv_kernel)
+
+
+def append_kv_triton(k_pages: Tensor, v_pages: Tensor, centroids: Tensor, k: Tensor, v: Tensor,
+                     slots: Tensor, num_warps: int = 1) -> None:
+    require_triton()
+    n, hkv, d = k.shape
+    if n == 0:
+        return
+    page_size = k_pages.shape[2]
+    if k_pages.stride(3) != 1 or v_pages.stride(3) != 1 or centroids.stride(2) != 1:
+        raise ValueError("k_pages, v_pages and centroids must be contiguous in the head dim")
+    assert centroids.dtype == torch.float32, "centroids are float32"
+    k = k if k.stride(2) == 1 else k.contiguous()
+    v = v if v.stride(2) == 1 else v.contiguous()
+    slots = slots.to(torch.int64).contiguous()
+    _append_kv_jit[(n, hkv)](
+        k_pages, v_pages, centroids, k, v, slots,
+        k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
+        v_pages.stride(0), v_pages.stride(1), v_pages.stride(2),
+        centroids.stride(0), centroids.stride(1),
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        D=d, BLOCK_D=next_pow2(d), PAGE=page_size, num_warps=num_warps,
+    )

@@ -1,0 +1,103 @@
+"""The paged-KV ops of kernels/CONTRACT.md, dispatching between Triton kernels and torch references.
+
+`impl="auto"` runs the Triton kernel when the tensors are on CUDA (and triton is importable) and the
+torch reference otherwise; `impl="triton"` forces the kernel (on CPU tensors only under
+`TRITON_INTERPRET=1`), `impl="torch"` forces the reference. Layout (per layer): k_pages, v_pages
+[num_pages_total, Hkv, P, D]; centroids [num_pages_total, Hkv, D] float32; block_table [B, max_pages]
+int32 physical page ids (-1 unused); seq_lens [B] int32 including the token being decoded.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from ._triton_utils import HAS_TRITON, interpreter_usable
+from .append_kv import append_kv_reference, append_kv_triton, write_prefill
+from .dense_decode import dense_decode_reference, dense_decode_triton
+from .page_scoring import (
+    finish_selection,
+    page_scores_reference,
+    page_scores_triton,
+    page_scoring_reference,
+    page_scoring_triton,
+)
+from .sparse_decode import sparse_decode_reference, sparse_decode_triton
+
+IMPLS = ("auto", "triton", "torch")
+
+__all__ = [
+    "HAS_TRITON",
+    "IMPLS",
+    "append_kv",
+    "dense_paged_attention",
+    "finish_selection",
+    "page_scores",
+    "select_pages",
+    "sparse_paged_attention",
+    "use_triton",
+    "write_prefill",
+]
+
+
+def use_triton(impl: str, tensor: Tensor) -> bool:
+    """Whether an op called with `impl` on `tensor` runs the Triton kernel."""
+    if impl == "torch":
+        return False
+    if impl == "triton":
+        if not HAS_TRITON:
+            raise RuntimeError("impl='triton' but triton is not installed")
+        if not tensor.is_cuda and not interpreter_usable():
+            raise RuntimeError("impl='triton' on CPU tensors needs TRITON_INTERPRET=1, set before triton is "
+                               "first imported in the process")
+        return True
+    if impl == "auto":
+        return HAS_TRITON and tensor.is_cuda
+    raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+
+
+def append_kv(k_pages: Tensor, v_pages: Tensor, centroids: Tensor, k: Tensor, v: Tensor, slots: Tensor,
+              impl: str = "auto") -> None:
+    """Write one token per row (k, v [N, Hkv, D]) at physical slots [N] (page * P + offset; < 0 skipped)
+    and update the pages' centroids incrementally, in place. Rows must target distinct pages."""
+    if use_triton(impl, k):
+        append_kv_triton(k_pages, v_pages, centroids, k, v, slots)
+    else:
+        append_kv_reference(k_pages, v_pages, centroids, k, v, slots)
+
+
+def page_scores(q: Tensor, centroids: Tensor, block_table: Tensor, seq_lens: Tensor, page_size: int = 16,
+                impl: str = "auto") -> Tensor:
+    """[B, Hkv, max_pages] fp32 candidate-page scores (-inf for reserved pages and pages past the end)."""
+    if use_triton(impl, q):
+        return page_scores_triton(q, centroids, block_table, seq_lens, page_size)
+    return page_scores_reference(q, centroids, block_table, seq_lens, page_size)
+
+
+def select_pages(q: Tensor, centroids: Tensor, block_table: Tensor, seq_lens: Tensor, budgets: Tensor,
+                 page_size: int = 16, impl: str = "auto", max_selected: int | None = None) -> Tensor:
+    """Block top-k selection -> [B, Hkv, K] int32 logical pages, sorted ascending, padded with -1.
+
+    K = max kept pages over the batch (a host sync), or `max_selected` when given (no sync; it must be
+    at least that maximum, e.g. max(budget) / P, or max_pages when a request may be dense)."""
+    if use_triton(impl, q):
+        return page_scoring_triton(q, centroids, block_table, seq_lens, budgets, page_size, max_selected)
+    return page_scoring_reference(q, centroids, block_table, seq_lens, budgets, page_size, max_selected)
+
+
+def sparse_paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor,
+                           seq_lens: Tensor, selected: Tensor, scale: float | None = None,
+                           impl: str = "auto", num_splits: int | None = None) -> Tensor:
+    """Exact softmax attention over the tokens of the selected logical pages -> [B, Hq, D]."""
+    if use_triton(impl, q):
+        return sparse_decode_triton(q, k_pages, v_pages, block_table, seq_lens, selected, scale,
+                                    num_splits=num_splits)
+    return sparse_decode_reference(q, k_pages, v_pages, block_table, seq_lens, selected, scale)
+
+
+def dense_paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor,
+                          seq_lens: Tensor, scale: float | None = None, impl: str = "auto",
+                          num_splits: int | None = None) -> Tensor:
+    """Exact softmax attention over all cached tokens (positions < seq_len) -> [B, Hq, D]."""
+    if use_triton(impl, q):
+        return dense_decode_triton(q, k_pages, v_pages, block_table, seq_lens, scale, num_splits=num_splits)
+    return dense_decode_reference(q, k_pages, v_pages, block_table, seq_lens, scale)

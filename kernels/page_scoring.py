@@ -1,0 +1,148 @@
+"""Page scoring and block top-k page selection over a paged KV cache (the selection half of sparse decode).
+
+For each request b and KV head h at a decode step with cache length seq_len (positions 0..t, t = seq_len-1,
+last = t // P), score every candidate page j in 1..last-2 as mean(query heads of h's group) . centroid of
+the physical page block_table[b, j]; non-candidates score -inf. The selection keeps pages 0, last-1, last
+and the best budget/P - 3 candidates (all pages when budget == 0 or n_pages <= budget/P) and returns their
+LOGICAL indices sorted ascending, padded with -1, [B, Hkv, K] with K = max kept over the batch (or
+`max_selected` when given, which avoids a device-to-host sync, e.g. under CUDA graphs). The Triton kernel
+computes only the scores: grid (B, Hkv, page blocks); each program averages the group's query heads once
+(group padded to a power of two with masks), gathers BLOCK_P centroids through the block table and
+writes BLOCK_P scores; torch.topk, the reserved pages, the sort and the padding are shared with the torch
+reference (`finish_selection`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ._triton_utils import lazy_jit, next_pow2, require_triton
+
+tl = None  # triton.language, bound on the first kernel launch (see _triton_utils)
+
+RESERVED_PAGES = 3  # sink + two most recent
+
+
+def page_scores_reference(q: Tensor, centroids: Tensor, block_table: Tensor, seq_lens: Tensor,
+                          page_size: int = 16) -> Tensor:
+    """[B, Hkv, max_pages] fp32 scores; -inf for pages that are not candidates (0, last-1, last, beyond)."""
+    b, hq, d = q.shape
+    hkv = centroids.shape[1]
+    max_pages = block_table.shape[1]
+    q_mean = q.float().view(b, hkv, hq // hkv, d).mean(2)  # [B, Hkv, D]
+    cent = centroids[block_table.long().clamp(min=0)].float()  # [B, max_pages, Hkv, D]
+    scores = torch.einsum("bhd,bphd->bhp", q_mean, cent)
+    page_idx = torch.arange(max_pages, device=q.device)
+    last = ((seq_lens.long() - 1) // page_size)[:, None, None]
+    candidate = (page_idx >= 1) & (page_idx <= last - 2) & (block_table.long() >= 0)[:, None, :]
+    return scores.masked_fill(~candidate, float("-inf"))
+
+
+def finish_selection(scores: Tensor, seq_lens: Tensor, budgets: Tensor, page_size: int = 16,
+                     max_selected: int | None = None) -> Tensor:
+    """Scores [B, Hkv, max_pages] (-inf = not a candidate) -> selected logical pages [B, Hkv, K]."""
+    b, hkv, max_pages = scores.shape
+    device = scores.device
+    page_idx = torch.arange(max_pages, device=device)
+    seq_lens = seq_lens.long()
+    budgets = budgets.long()
+    last = ((seq_lens - 1) // page_size)[:, None, None]  # [B, 1, 1]
+    n_pages = (seq_lens + page_size - 1) // page_size
+    candidate = (page_idx >= 1) & (page_idx <= last - 2)
+    reserved = (page_idx == 0) | ((page_idx >= last - 1) & (page_idx <= last))
+    reserved = reserved & (page_idx < n_pages[:, None, None])
+    n_select = torch.where(budgets > 0, budgets // page_size - RESERVED_PAGES, max_pages).clamp(min=0)
+    if max_selected is None:
+        k_top = int(min(max_pages, int(n_select.max()))) if b else 0
+    else:
+        k_top = min(max_pages, max_selected)
+    kept = reserved.expand(b, hkv, max_pages)
+    if k_top > 0:
+        top = scores.topk(k_top, dim=-1).indices  # [B, Hkv, k_top]
+        rank_ok = torch.arange(k_top, device=device) < n_select[:, None, None]
+        chosen = torch.zeros_like(kept).scatter_(-1, top, rank_ok.expand_as(top))
+        kept = kept | (chosen & candidate & (scores > float("-inf")))
+    if max_selected is None:
+        width = int(kept.sum(-1).max()) if b else 0
+    else:
+        width = max_selected
+    order = torch.where(kept, page_idx, max_pages)
+    if width <= max_pages:
+        order = order.sort(dim=-1).values[..., :width]
+    else:
+        order = torch.nn.functional.pad(order.sort(dim=-1).values, (0, width - max_pages), value=max_pages)
+    return torch.where(order == max_pages, -1, order).to(torch.int32)
+
+
+def page_scoring_reference(q: Tensor, centroids: Tensor, block_table: Tensor, seq_lens: Tensor,
+                           budgets: Tensor, page_size: int = 16, max_selected: int | None = None) -> Tensor:
+    """select_pages in torch: [B, Hkv, K] int32 logical pages, sorted, padded with -1."""
+    scores = page_scores_reference(q, centroids, block_table, seq_lens, page_size)
+    return finish_selection(scores, seq_lens, budgets, page_size, max_selected)
+
+
+def _page_scores_kernel(q, centroids, block_table, seq_lens, scores,
+                        s_qb, s_qh, s_c0, s_c1, s_bt0, s_sb, s_sh, max_pages,
+                        D: tl.constexpr, BLOCK_D: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr,
+                        PAGE: tl.constexpr, BLOCK_P: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    pb = tl.program_id(2)
+    d = tl.arange(0, BLOCK_D)
+    g = tl.arange(0, BLOCK_G)
+    dm = d < D
+    qg = tl.load(q + b * s_qb + (h * G + g)[:, None] * s_qh + d[None, :],
+                 mask=(g < G)[:, None] & dm[None, :], other=0.0).to(tl.float32)
+    q_mean = tl.sum(qg, axis=0) / G  # [BLOCK_D]
+    seq_len = tl.load(seq_lens + b).to(tl.int32)
+    last = (seq_len - 1) // PAGE
+    p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
+    in_table = p < max_pages
+    phys = tl.load(block_table + b * s_bt0 + p, mask=in_table, other=-1).to(tl.int64)
+    cand = in_table & (p >= 1) & (p <= last - 2) & (phys >= 0)
+    cent = tl.load(centroids + phys[:, None] * s_c0 + h * s_c1 + d[None, :],
+                   mask=cand[:, None] & dm[None, :], other=0.0).to(tl.float32)
+    s = tl.sum(cent * q_mean[None, :], axis=1)
+    s = tl.where(cand, s, float("-inf"))
+    tl.store(scores + b * s_sb + h * s_sh + p, s, mask=in_table)
+
+
+_page_scores_jit = lazy_jit(_page_scores_kernel)
+
+
+def page_scores_triton(q: Tensor, centroids: Tensor, block_table: Tensor, seq_lens: Tensor,
+                       page_size: int = 16, block_p: int = 64, num_warps: int = 4) -> Tensor:
+    require_triton()
+    b, hq, d = q.shape
+    hkv = centroids.shape[1]
+    assert hq % hkv == 0, "Hq must be a multiple of Hkv"
+    max_pages = block_table.shape[1]
+    scores = torch.empty(b, hkv, max_pages, device=q.device, dtype=torch.float32)
+    if b == 0 or max_pages == 0:
+        return scores
+    q = q if q.stride(2) == 1 else q.contiguous()
+    assert centroids.stride(2) == 1, "centroids must be contiguous in the head dim"
+    block_table = block_table.contiguous()
+    seq_lens = seq_lens.contiguous()
+    block_p = min(block_p, next_pow2(max_pages))
+    grid = (b, hkv, triton_cdiv(max_pages, block_p))
+    _page_scores_jit[grid](
+        q, centroids, block_table, seq_lens, scores,
+        q.stride(0), q.stride(1), centroids.stride(0), centroids.stride(1), block_table.stride(0),
+        scores.stride(0), scores.stride(1), max_pages,
+        D=d, BLOCK_D=next_pow2(d), G=hq // hkv, BLOCK_G=next_pow2(hq // hkv), PAGE=page_size,
+        BLOCK_P=block_p, num_warps=num_warps,
+    )
+    return scores
+
+
+def page_scoring_triton(q: Tensor, centroids: Tensor, block_table: Tensor, seq_lens: Tensor,
+                        budgets: Tensor, page_size: int = 16, max_selected: int | None = None) -> Tensor:
+    """select_pages with the scores from Triton; top-k, reserved pages and sort in torch."""
+    scores = page_scores_triton(q, centroids, block_table, seq_lens, page_size)
+    return finish_selection(scores, seq_lens, budgets, page_size, max_selected)
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)

@@ -1,0 +1,239 @@
+"""Sparse paged decode attention: exact softmax attention of one query token per request over the KV
+tokens of the selected pages, with a flash-decoding Triton kernel that `dense_decode` shares.
+
+out[b, hq] = softmax(scale * q[b, hq] . K_sel^T) V_sel over the tokens of the logical pages
+`selected[b, hq // G]` (sorted, -1 = padding) at positions < seq_lens[b], read through the block table;
+G = Hq // Hkv query heads share a KV head (GQA). The Triton kernel runs a grid (B, Hkv, splits): each
+program owns a contiguous range of the selected-page list (dense: of the logical pages 0..n_pages-1),
+loads the query heads of its KV head's group as one [BLOCK_G, D] tile (the group padded to a power of
+two >= 16 with masks, so each K/V page is read once per group and tl.dot applies), streams BLOCK_N
+tokens (BLOCK_N / P pages) per iteration and keeps an online softmax (running max, sum, fp32
+accumulator) in base 2. Each split writes its partial (max, sum, acc) to a workspace and a second small
+kernel, grid (B, Hq), merges the splits. fp32 inputs use IEEE fp32 dots; bf16 inputs use bf16 dots with
+fp32 accumulation (under the interpreter, whose tl.dot mishandles bf16, the same bf16-rounded operands
+are upcast to fp32).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor
+
+from ._triton_utils import interpreting, lazy_jit, next_pow2, require_triton
+
+tl = None  # triton.language, bound on the first kernel launch (see _triton_utils)
+
+LOG2E = 1.4426950408889634
+
+
+def _attend_pages_reference(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor,
+                            seq_lens: Tensor, pages: Tensor, scale: float | None) -> Tensor:
+    """Attention over the logical pages `pages` [B, Hkv, K] (-1 = none), batched with index tensors."""
+    b, hq, d = q.shape
+    hkv, page_size = k_pages.shape[1], k_pages.shape[2]
+    g = hq // hkv
+    n_sel = pages.shape[2]
+    scale = d ** -0.5 if scale is None else scale
+    if n_sel == 0:
+        return torch.zeros_like(q)
+    pages = pages.long()
+    phys = torch.gather(block_table.long()[:, None, :].expand(b, hkv, -1), 2, pages.clamp(min=0))
+    head = torch.arange(hkv, device=q.device)[None, :, None]
+    keys = k_pages[phys, head].float().reshape(b, hkv, n_sel * page_size, d)  # [B, Hkv, K*P, D]
+    values = v_pages[phys, head].float().reshape(b, hkv, n_sel * page_size, d)
+    pos = (pages[..., None] * page_size + torch.arange(page_size, device=q.device)).reshape(b, hkv, -1)
+    valid = (pages[..., None] >= 0).expand(-1, -1, -1, page_size).reshape(b, hkv, -1)
+    valid = valid & (pos < seq_lens.long()[:, None, None]) & (phys >= 0).repeat_interleave(page_size, -1)
+    qg = q.float().view(b, hkv, g, d)
+    scores = (qg @ keys.transpose(-1, -2)) * scale  # [B, Hkv, G, K*P]
+    scores = scores.masked_fill(~valid[:, :, None, :], float("-inf"))
+    values = torch.where(valid[..., None], values, 0.0)  # unwritten slots may hold garbage (NaN)
+    any_valid = valid.any(-1)[:, :, None, None]
+    probs = torch.softmax(scores, dim=-1)
+    probs = torch.where(any_valid, probs, torch.zeros_like(probs))
+    return (probs @ values).reshape(b, hq, d).to(q.dtype)
+
+
+def sparse_decode_reference(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor,
+                            seq_lens: Tensor, selected: Tensor, scale: float | None = None) -> Tensor:
+    """sparse_paged_attention in torch: q [B, Hq, D], selected [B, Hkv, K] logical pages -> [B, Hq, D]."""
+    return _attend_pages_reference(q, k_pages, v_pages, block_table, seq_lens, selected, scale)
+
+
+def _paged_decode_kernel(q, k_pages, v_pages, block_table, seq_lens, selected, ws_m, ws_l, ws_acc,
+                         scale_log2, n_slots, pages_per_split,
+                         s_qb, s_qh, s_kp0, s_kp1, s_kp2, s_vp0, s_vp1, s_vp2, s_bt0, s_sel0, s_sel1,
+                         s_mb, s_mh, s_ab, s_ah, s_as,
+                         D: tl.constexpr, BLOCK_D: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr,
+                         PAGE: tl.constexpr, BLOCK_N: tl.constexpr, DENSE: tl.constexpr,
+                         PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    sp = tl.program_id(2)
+    d = tl.arange(0, BLOCK_D)
+    g = tl.arange(0, BLOCK_G)
+    dm = d < D
+    gm = g < G
+    qg = tl.load(q + b * s_qb + (h * G + g)[:, None] * s_qh + d[None, :],
+                 mask=gm[:, None] & dm[None, :], other=0.0)
+    if UPCAST:  # the interpreter's tl.dot mishandles bf16 (raw bits): same rounded values, fp32 dots
+        qg = qg.to(tl.float32)
+    seq_len = tl.load(seq_lens + b).to(tl.int32)
+    start = sp * pages_per_split
+    end = tl.minimum(start + pages_per_split, n_slots)
+    if DENSE:
+        end = tl.minimum(end, (seq_len + PAGE - 1) // PAGE)
+    tok = tl.arange(0, BLOCK_N)
+    tok_off = tok % PAGE
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    for ps in range(start, end, BLOCK_N // PAGE):
+        slot = ps + tok // PAGE
+        in_range = slot < end
+        if DENSE:
+            lp = tl.where(in_range, slot, -1)
+        else:
+            lp = tl.load(selected + b * s_sel0 + h * s_sel1 + slot, mask=in_range, other=-1)
+        pos = lp * PAGE + tok_off
+        valid = (lp >= 0) & (pos < seq_len)
+        phys = tl.load(block_table + b * s_bt0 + lp, mask=valid, other=-1).to(tl.int64)
+        valid = valid & (phys >= 0)
+        kv_mask = valid[:, None] & dm[None, :]
+        kt = tl.load(k_pages + phys[:, None] * s_kp0 + h * s_kp1 + tok_off[:, None] * s_kp2 + d[None, :],
+                     mask=kv_mask, other=0.0)
+        if UPCAST:
+            kt = kt.to(tl.float32)
+        s = tl.dot(qg, tl.trans(kt), input_precision=PRECISION) * scale_log2  # [BLOCK_G, BLOCK_N]
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        vt = tl.load(v_pages + phys[:, None] * s_vp0 + h * s_vp1 + tok_off[:, None] * s_vp2 + d[None, :],
+                     mask=kv_mask, other=0.0)
+        p_lo = p.to(vt.dtype)  # bf16 inputs: P @ V as a bf16 dot with fp32 accumulation
+        if UPCAST:
+            p_lo = p_lo.to(tl.float32)
+            vt = vt.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p_lo, vt, input_precision=PRECISION)
+        m_i = m_new
+    hq = h * G + g
+    tl.store(ws_m + b * s_mb + hq * s_mh + sp, m_i, mask=gm)
+    tl.store(ws_l + b * s_mb + hq * s_mh + sp, l_i, mask=gm)
+    tl.store(ws_acc + b * s_ab + hq[:, None] * s_ah + sp * s_as + d[None, :], acc,
+             mask=gm[:, None] & dm[None, :])
+
+
+def _merge_splits_kernel(ws_m, ws_l, ws_acc, out, n_splits, s_mb, s_mh, s_ab, s_ah, s_as, s_ob, s_oh,
+                         D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    sm = s < n_splits
+    dm = d < D
+    m = tl.load(ws_m + b * s_mb + h * s_mh + s, mask=sm, other=float("-inf"))
+    l_s = tl.load(ws_l + b * s_mb + h * s_mh + s, mask=sm, other=0.0)
+    acc = tl.load(ws_acc + b * s_ab + h * s_ah + s[:, None] * s_as + d[None, :],
+                  mask=sm[:, None] & dm[None, :], other=0.0)
+    m_max = tl.max(m, axis=0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.exp2(m - m_max)
+    total = tl.sum(w * l_s, axis=0)
+    o = tl.sum(acc * w[:, None], axis=0)
+    o = tl.where(total > 0, o / tl.where(total > 0, total, 1.0), 0.0)
+    tl.store(out + b * s_ob + h * s_oh + d, o.to(out.dtype.element_ty), mask=dm)
+
+
+_paged_decode_jit = lazy_jit(_paged_decode_kernel)
+_merge_splits_jit = lazy_jit(_merge_splits_kernel)
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _default_splits(q: Tensor, b: int, hkv: int, n_blocks: int) -> int:
+    """Enough splits for ~2 programs per SM, never more than one split per BLOCK_N block."""
+    if q.is_cuda:
+        target = 2 * _sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device())
+    else:
+        target = 4  # interpreter: a few splits so the merge is exercised, no more (it is slow)
+    return max(1, min(n_blocks, -(-target // max(1, b * hkv))))
+
+
+def paged_decode_triton(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor, seq_lens: Tensor,
+                        selected: Tensor | None, scale: float | None = None, num_splits: int | None = None,
+                        block_n: int | None = None, num_warps: int = 4, num_stages: int = 2) -> Tensor:
+    """Shared launcher: selected=None -> dense over all pages, else sparse over `selected`."""
+    require_triton()
+    b, hq, d = q.shape
+    _, hkv, page_size, dk = k_pages.shape
+    assert dk == d and hq % hkv == 0, "q [B, Hq, D] and k_pages [N, Hkv, P, D] disagree"
+    assert page_size >= 1 and page_size & (page_size - 1) == 0, "page size must be a power of two"
+    assert k_pages.dtype == v_pages.dtype, "k_pages and v_pages must share a dtype"
+    g = hq // hkv
+    scale = d ** -0.5 if scale is None else float(scale)
+    out = torch.empty_like(q)
+    dense = selected is None
+    n_slots = block_table.shape[1] if dense else selected.shape[2]
+    if b == 0:
+        return out
+    if n_slots == 0:
+        return out.zero_()
+    if k_pages.stride(3) != 1 or v_pages.stride(3) != 1:
+        raise ValueError("k_pages and v_pages must be contiguous in the head dim")
+    q_dot = q.to(k_pages.dtype)
+    q_dot = q_dot if q_dot.stride(2) == 1 else q_dot.contiguous()
+    block_table = block_table.contiguous()
+    seq_lens = seq_lens.contiguous()
+    sel = block_table if dense else selected.contiguous()
+    if block_n is None:
+        block_n = max(page_size, 64 if d <= 64 else 32) if not q.is_cuda else max(page_size, 64)
+    assert block_n % page_size == 0 and block_n & (block_n - 1) == 0 and block_n >= 16
+    pages_per_block = block_n // page_size
+    n_blocks = -(-n_slots // pages_per_block)
+    splits = num_splits or _default_splits(q, b, hkv, n_blocks)
+    splits = max(1, min(splits, n_blocks))
+    pages_per_split = -(-n_blocks // splits) * pages_per_block
+    splits = -(-n_slots // pages_per_split)
+    ws_m = torch.empty(b, hq, splits, device=q.device, dtype=torch.float32)
+    ws_l = torch.empty_like(ws_m)
+    ws_acc = torch.empty(b, hq, splits, d, device=q.device, dtype=torch.float32)
+    upcast = interpreting() and k_pages.dtype != torch.float32
+    precision = "ieee"  # fp32 inputs: true fp32 dots (no tf32); ignored for bf16/fp16 operands
+    _paged_decode_jit[(b, hkv, splits)](
+        q_dot, k_pages, v_pages, block_table, seq_lens, sel, ws_m, ws_l, ws_acc,
+        scale * LOG2E, n_slots, pages_per_split,
+        q_dot.stride(0), q_dot.stride(1),
+        k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
+        v_pages.stride(0), v_pages.stride(1), v_pages.stride(2),
+        block_table.stride(0), sel.stride(0), sel.stride(1) if not dense else 0,
+        ws_m.stride(0), ws_m.stride(1), ws_acc.stride(0), ws_acc.stride(1), ws_acc.stride(2),
+        D=d, BLOCK_D=max(16, next_pow2(d)), G=g, BLOCK_G=max(16, next_pow2(g)), PAGE=page_size,
+        BLOCK_N=block_n, DENSE=dense, PRECISION=precision, UPCAST=upcast,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    _merge_splits_jit[(b, hq)](
+        ws_m, ws_l, ws_acc, out, splits,
+        ws_m.stride(0), ws_m.stride(1), ws_acc.stride(0), ws_acc.stride(1), ws_acc.stride(2),
+        out.stride(0), out.stride(1),
+        D=d, BLOCK_D=next_pow2(d), BLOCK_S=next_pow2(splits), num_warps=1 if d <= 64 else 2,
+    )
+    return out
+
+
+def sparse_decode_triton(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor,
+                         seq_lens: Tensor, selected: Tensor, scale: float | None = None,
+                         num_splits: int | None = None, block_n: int | None = None,
+                         num_warps: int = 4) -> Tensor:
+    """sparse_paged_attention in Triton (flash-decoding over the selected pages)."""
+    return paged_decode_triton(q, k_pages, v_pages, block_table, seq_lens, selected, scale,
+                               num_splits=num_splits, block_n=block_n, num_warps=num_warps)
+
+

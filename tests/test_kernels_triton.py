@@ -1,0 +1,270 @@
+"""Every Triton kernel of sparrow.kernels against its torch reference: under the Triton interpreter
+(`TRITON_INTERPRET=1`, set when this module is imported) on a machine without CUDA, compiled on CUDA.
+
+fp32 inputs must match the fp32 reference to 1e-4; bf16 inputs are compared with the fp32 reference
+run on the same bf16-rounded inputs, to 2e-2. The unmarked tests use small shapes so `make test` runs
+every kernel; the @slow ones sweep GQA ratios 1/2/3/4/8, head dims 64/128, both dtypes and budgets.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu":
+    # Triton picks interpreter or compiler when it is first imported: set this before anything imports it
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from sparrow.kernels import ops  # noqa: E402
+from sparrow.kernels._triton_utils import HAS_TRITON, interpreter_usable  # noqa: E402
+
+if not HAS_TRITON:
+    pytest.skip("triton is not installed", allow_module_level=True)
+
+from test_kernels import Cache  # noqa: E402  (tests/ is on sys.path: rootdir-relative test imports)
+
+from sparrow.kernels.append_kv import append_kv_triton  # noqa: E402
+from sparrow.kernels.sparse_decode import paged_decode_triton  # noqa: E402
+
+# Some module of this session imported triton before TRITON_INTERPRET was set: the interpreter cannot
+# run here, so these tests run in a fresh process instead (test_in_fresh_process).
+IN_PROCESS = DEVICE == "cuda" or interpreter_usable()
+
+
+@pytest.fixture(autouse=True)
+def _in_process_only(request):
+    if not IN_PROCESS and request.node.originalname != "test_in_fresh_process":
+        pytest.skip("triton was imported without the interpreter; test_in_fresh_process runs these")
+
+
+def tol(dtype):
+    return dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+
+
+def as_fp32(cache: Cache):
+    """The fp32 reference inputs of a (possibly bf16) cache: the same rounded values, upcast."""
+    return cache.q.float(), cache.k_pages.float(), cache.v_pages.float()
+
+
+def check_attention(cache: Cache, budgets, splits=(None,), scale=None):
+    cache.to(DEVICE)
+    dtype = cache.q.dtype
+    q32, k32, v32 = as_fp32(cache)
+    budgets = budgets.to(DEVICE)
+    sel = ops.select_pages(q32, cache.centroids, cache.block_table, cache.seq_lens, budgets, impl="torch")
+    want_sparse = ops.sparse_paged_attention(q32, k32, v32, cache.block_table, cache.seq_lens, sel, scale,
+                                             impl="torch")
+    want_dense = ops.dense_paged_attention(q32, k32, v32, cache.block_table, cache.seq_lens, scale,
+                                           impl="torch")
+    for ns in splits:
+        got = ops.sparse_paged_attention(cache.q, cache.k_pages, cache.v_pages, cache.block_table,
+                                         cache.seq_lens, sel, scale, impl="triton", num_splits=ns)
+        assert got.dtype == dtype and got.shape == cache.q.shape
+        torch.testing.assert_close(got.float(), want_sparse, **tol(dtype))
+        got = ops.dense_paged_attention(cache.q, cache.k_pages, cache.v_pages, cache.block_table,
+                                        cache.seq_lens, scale, impl="triton", num_splits=ns)
+        torch.testing.assert_close(got.float(), want_dense, **tol(dtype))
+
+
+def check_selection(cache: Cache, budgets, max_selected=None):
+    cache.to(DEVICE)
+    budgets = budgets.to(DEVICE)
+    q = cache.q
+    scores_t = ops.page_scores(q, cache.centroids, cache.block_table, cache.seq_lens, impl="triton")
+    scores_r = ops.page_scores(q, cache.centroids, cache.block_table, cache.seq_lens, impl="torch")
+    assert torch.equal(torch.isinf(scores_t), torch.isinf(scores_r))
+    finite = torch.isfinite(scores_r)
+    torch.testing.assert_close(scores_t[finite], scores_r[finite], atol=1e-4, rtol=1e-4)
+    sel_t = ops.select_pages(q, cache.centroids, cache.block_table, cache.seq_lens, budgets, impl="triton",
+                             max_selected=max_selected)
+    sel_r = ops.select_pages(q, cache.centroids, cache.block_table, cache.seq_lens, budgets, impl="torch",
+                             max_selected=max_selected)
+    assert torch.equal(sel_t, sel_r)
+
+
+def check_append(lengths, hq, hkv, d, dtype, shared=None, appended=5):
+    got = Cache(lengths, hq, hkv, d, shared=shared, appended=appended, dtype=dtype, impl="triton",
+                device=DEVICE)
+    want = Cache(lengths, hq, hkv, d, shared=shared, appended=appended, dtype=dtype, impl="torch",
+                 device=DEVICE)
+    assert torch.equal(got.k_pages.nan_to_num(), want.k_pages.nan_to_num())
+    assert torch.equal(got.v_pages.nan_to_num(), want.v_pages.nan_to_num())
+    torch.testing.assert_close(got.centroids, want.centroids, atol=1e-5, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------------
+# fast: every kernel once, small shapes (part of `make test`)
+# ----------------------------------------------------------------------------------------------------
+
+def test_append_kv_triton_fast():
+    check_append([5, 40, 33], hq=4, hkv=2, d=64, dtype=torch.float32, shared=(1, 2, 2), appended=4)
+
+
+def test_append_kv_triton_bf16_and_padding_rows():
+    check_append([17, 3], hq=2, hkv=1, d=64, dtype=torch.bfloat16, appended=4)  # row 1 pads with -1 first
+
+
+def test_page_scoring_triton_fast():
+    cache = Cache([5, 300, 100], hq=6, hkv=2, d=64, shared=(1, 2, 4), seed=11)
+    check_selection(cache, torch.tensor([48, 64, 0], dtype=torch.int32))
+
+
+def test_sparse_and_dense_decode_triton_fast():
+    cache = Cache([5, 300, 70], hq=6, hkv=2, d=64, shared=(1, 2, 3), seed=12)
+    check_attention(cache, torch.tensor([48, 64, 48], dtype=torch.int32), splits=(None, 1), scale=0.2)
+
+
+def test_decode_triton_bf16_fast():
+    cache = Cache([37, 130], hq=4, hkv=1, d=128, seed=13, dtype=torch.bfloat16)
+    check_attention(cache, torch.tensor([48, 64], dtype=torch.int32))
+    check_selection(cache, torch.tensor([48, 64], dtype=torch.int32))
+
+
+def test_empty_request_rows_give_zeros():
+    """A batch slot with seq_len 0 (no pages) yields zeros, not NaN, in both implementations."""
+    cache = Cache([40, 20], hq=2, hkv=2, d=16, seed=14, device=DEVICE)
+    seq_lens = cache.seq_lens.clone()
+    seq_lens[1] = 0
+    table = cache.block_table.clone()
+    table[1] = -1
+    for impl in ("torch", "triton"):
+        budgets = torch.tensor([48, 48], device=DEVICE)
+        sel = ops.select_pages(cache.q, cache.centroids, table, seq_lens, budgets, impl=impl)
+        assert bool((sel[1] == -1).all())
+        sparse = ops.sparse_paged_attention(cache.q, cache.k_pages, cache.v_pages, table, seq_lens, sel,
+                                            impl=impl)
+        dense = ops.dense_paged_attention(cache.q, cache.k_pages, cache.v_pages, table, seq_lens, impl=impl)
+        for out in (sparse, dense):
+            assert torch.isfinite(out).all() and bool((out[1] == 0).all())
+
+
+# ----------------------------------------------------------------------------------------------------
+# slow: the sweep
+# ----------------------------------------------------------------------------------------------------
+
+GQA = [(4, 4), (4, 2), (6, 2), (8, 2), (8, 1)]  # ratios 1, 2, 3, 4, 8
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("hq,hkv", GQA)
+def test_decode_triton_sweep(hq, hkv, d, dtype):
+    cache = Cache([5, 300, 16, 130, 200], hq, hkv, d, shared=(1, 3, 4), seed=hq * 10 + hkv + d, dtype=dtype)
+    budgets = torch.tensor([48, 64, 0, 48, 1024], dtype=torch.int32)  # 1024 > length: dense fallback
+    check_attention(cache, budgets, splits=(None, 1, 64) if dtype == torch.float32 else (None,))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("hq,hkv", GQA)
+def test_page_scoring_triton_sweep(hq, hkv, d):
+    cache = Cache([5, 300, 16, 130, 200, 47], hq, hkv, d, shared=(1, 3, 4), seed=hq + hkv + d)
+    budgets = torch.tensor([48, 64, 0, 48, 1024, 64], dtype=torch.int32)
+    check_selection(cache, budgets)
+    check_selection(cache, budgets, max_selected=cache.block_table.shape[1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hq,hkv,d", [(4, 4, 64), (6, 2, 128), (8, 1, 64)])
+def test_append_kv_triton_sweep(hq, hkv, d, dtype):
+    check_append([5, 300, 16, 47], hq, hkv, d, dtype, shared=(1, 3, 2), appended=17)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("block_n", [16, 32, 128])
+def test_decode_triton_block_sizes_and_wide_selection(block_n):
+    cache = Cache([5, 300, 77], hq=6, hkv=2, d=64, seed=21, device=DEVICE)
+    budgets = torch.tensor([48, 64, 0], dtype=torch.int32, device=DEVICE)
+    sel = ops.select_pages(cache.q, cache.centroids, cache.block_table, cache.seq_lens, budgets,
+                           max_selected=cache.block_table.shape[1], impl="torch")  # lots of -1 padding
+    want = ops.sparse_paged_attention(cache.q, cache.k_pages, cache.v_pages, cache.block_table,
+                                      cache.seq_lens, sel, impl="torch")
+    for ns in (1, 2, 5):
+        got = paged_decode_triton(cache.q, cache.k_pages, cache.v_pages, cache.block_table, cache.seq_lens,
+                                  sel, num_splits=ns, block_n=block_n)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    # budget 0 selects every page: sparse over that selection equals dense
+    dense_sel = ops.select_pages(cache.q, cache.centroids, cache.block_table, cache.seq_lens,
+                                 torch.zeros(3, dtype=torch.int32, device=DEVICE), impl="torch")
+    args = (cache.q, cache.k_pages, cache.v_pages, cache.block_table, cache.seq_lens)
+    a = paged_decode_triton(*args, dense_sel, block_n=block_n)
+    b = paged_decode_triton(*args, None, block_n=block_n)
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_append_kv_triton_direct_noncontiguous_inputs():
+    """k/v handed over as views (e.g. slices of a fused qkv projection) are accepted."""
+    k_pages = torch.zeros(4, 2, 16, 64, device=DEVICE)
+    v_pages = torch.zeros(4, 2, 16, 64, device=DEVICE)
+    cents = torch.zeros(4, 2, 64, device=DEVICE)
+    kv = torch.randn(3, 2, 2, 64, device=DEVICE)
+    slots = torch.tensor([16 * 2 + 0, 16 * 0 + 5, -1], device=DEVICE)
+    ref = [t.clone() for t in (k_pages, v_pages, cents)]
+    append_kv_triton(k_pages, v_pages, cents, kv[:, 0], kv[:, 1], slots)
+    ops.append_kv(*ref, kv[:, 0], kv[:, 1], slots, impl="torch")
+    for a, b in zip((k_pages, v_pages, cents), ref):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.skipif(IN_PROCESS, reason="the interpreter works in this process")
+def test_in_fresh_process(request):
+    """Fallback when triton was imported before TRITON_INTERPRET=1: rerun this module in a new process."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    marker = request.config.getoption("-m") or "not slow"
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", marker,
+                           __file__], env=env, capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+
+
+AOT_SCRIPT = """
+import inspect, sys
+import triton, triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from sparrow.kernels import append_kv, page_scoring, sparse_decode
+
+def build(lazy, types, consts, arch, num_warps=4):
+    lazy.fn.__globals__["tl"] = tl
+    fn = triton.jit(lazy.fn)
+    names = inspect.signature(lazy.fn).parameters
+    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in names}
+    triton.compile(ASTSource(fn, sig, constexprs=consts), target=GPUTarget("cuda", arch, 32),
+                   options=dict(num_warps=num_warps, num_stages=2))
+
+for arch in (80, 90):
+    for dt in ("bf16", "fp32"):
+        for d, g in ((64, 3), (128, 8)):
+            build(append_kv._append_kv_jit, dict(k_pages="*" + dt, v_pages="*" + dt, centroids="*fp32",
+                  k="*" + dt, v="*" + dt, slots="*i64"), dict(D=d, BLOCK_D=d, PAGE=16), arch, 1)
+            build(page_scoring._page_scores_jit, dict(q="*" + dt, centroids="*fp32", block_table="*i32",
+                  seq_lens="*i32", scores="*fp32"),
+                  dict(D=d, BLOCK_D=d, G=g, BLOCK_G=triton.next_power_of_2(g), PAGE=16, BLOCK_P=64), arch)
+            for dense in (False, True):
+                build(sparse_decode._paged_decode_jit, dict(q="*" + dt, k_pages="*" + dt, v_pages="*" + dt,
+                      block_table="*i32", seq_lens="*i32", selected="*i32", ws_m="*fp32", ws_l="*fp32",
+                      ws_acc="*fp32", scale_log2="fp32"),
+                      dict(D=d, BLOCK_D=d, G=g, BLOCK_G=16, PAGE=16, BLOCK_N=64, DENSE=dense,
+                           PRECISION="ieee", UPCAST=False), arch)
+            build(sparse_decode._merge_splits_jit, dict(ws_m="*fp32", ws_l="*fp32", ws_acc="*fp32",
+                  out="*" + dt), dict(D=d, BLOCK_D=d, BLOCK_S=32), arch, 2)
+print("compiled")
+"""
+
+
+@pytest.mark.slow
+def test_kernels_compile_for_sm80_and_sm90():
+    """Ahead-of-time compile (Triton -> PTX -> ptxas cubin) of every kernel for A100 and H100, no GPU
+    needed: catches what the interpreter accepts but the compiler does not (dot shapes, types)."""
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    proc = subprocess.run([sys.executable, "-c", AOT_SCRIPT], env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-4000:]
