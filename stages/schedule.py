@@ -8,7 +8,7 @@ Budget 0 means dense.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -41,3 +41,223 @@ class Schedule:
         budgets = [0 if b is None else int(b) for b in table.column("budget").to_pylist()]
         starts = [int(s) for s in table.column("bin_start").to_pylist()]
         return cls(tuple(starts), tuple(budgets), int(meta.get("page_size", 16)))
+
+
+# ---------------------------------------------------------------- the planner
+#
+# A `TailProfile` is the tail statistic (q-quantile of alpha) per position bin and candidate budget,
+# non-decreasing in the budget. It comes from a measured `mismatch` artifact (`measured_profile`) or,
+# for the Qwen3 presets, from the published schedules (`reference_profiles.reference_profile`).
+# `plan` picks, per bin, the smallest candidate budget whose tail is at or above the threshold; the
+# smallest is the cheapest, because a step's cost grows with its budget (except in the sliver where a
+# budget almost covers the cache and scoring pages costs more than it saves, ignored). Budgets are then
+# made non-decreasing across bins (a running maximum), so a bin never gets less than the one before.
+# A bin where no candidate reaches the threshold is dense (alpha = 1 exactly), and so is every later
+# bin. A measured bin with fewer than `min_tokens` tokens has no trustworthy tail: it inherits the
+# budget of the previous bin (leading thin bins take the first well-measured bin's budget); both
+# cases are reported in `Plan.notes`.
+
+DENSE = np.iinfo(np.int32).max  # sorts above every budget while planning; 0 in a Schedule
+
+
+class ScheduleError(ValueError):
+    """Input the planner cannot use (a profile that does not cover a bin, a bad threshold, ...)."""
+
+
+@dataclass(frozen=True)
+class TailProfile:
+    bin_starts: np.ndarray  # [n] first position of each bin
+    bin_width: int
+    candidates: np.ndarray  # [m] candidate budgets, increasing multiples of the page size
+    tail: np.ndarray  # [n, m] tail statistic, non-decreasing along the budget axis
+    quantile: float
+    source: str  # "reference:qwen3-4b" or the mismatch file
+    page_size: int = 16
+    thin: np.ndarray | None = None  # [n] bool: too few tokens to trust (measured profiles)
+    tokens: np.ndarray | None = None  # [n] tokens per bin (measured profiles)
+    threshold_range: tuple[float, float] | None = None  # thresholds the profile is built from
+
+    @property
+    def num_bins(self) -> int:
+        return len(self.bin_starts)
+
+
+@dataclass
+class Plan:
+    schedule: Schedule
+    bin_width: int
+    tails: list[float | None]  # tail at the chosen budget (1.0 for dense, None for thin bins)
+    threshold: float
+    quantile: float
+    source: str
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def num_bins(self) -> int:
+        return len(self.schedule.budgets)
+
+    def bin_end(self, i: int) -> int | None:
+        return None if i == self.num_bins - 1 else self.schedule.bin_starts[i + 1]
+
+
+def plan(profile: TailProfile, threshold: float) -> Plan:
+    """The cheapest non-decreasing schedule whose tail is at or above `threshold` in every bin."""
+    check_threshold(threshold)
+    n = profile.num_bins
+    thin = profile.thin if profile.thin is not None else np.zeros(n, dtype=bool)
+    if thin.all():
+        raise ScheduleError(f"{profile.source}: no bin has enough tokens to plan from")
+    feasible = profile.tail >= threshold
+    first = np.where(feasible.any(axis=1), profile.candidates[feasible.argmax(axis=1)], DENSE)
+    notes = []
+    if profile.threshold_range and not (
+            profile.threshold_range[0] <= threshold <= profile.threshold_range[1]):
+        lo, hi = profile.threshold_range
+        notes.append(f"threshold {threshold:g} is outside the published range [{lo:g}, {hi:g}], "
+                     "so the reference profile extrapolates")
+    budgets = np.zeros(n, dtype=np.int64)
+    current = None
+    for i in range(n):
+        if thin[i]:
+            budgets[i] = current if current is not None else -1
+            continue
+        current = max(current or 0, int(first[i]))
+        budgets[i] = current
+    budgets[budgets < 0] = budgets[int(np.argmin(thin))]  # leading thin bins
+    _note_bins(notes, np.flatnonzero(thin), profile,
+               "fewer tokens than --min-tokens, so it inherits the previous bin's budget",
+               "fewer tokens than --min-tokens, so they inherit the previous bin's budget")
+    dense = np.flatnonzero((first == DENSE) & ~thin)
+    reach = f"no profiled budget reaches a tail of {threshold:g}, so"
+    _note_bins(notes, dense, profile, f"{reach} it is dense, and so is every later bin",
+               f"{reach} they are dense, and so is every later bin")
+    tails = []
+    for i, b in enumerate(budgets):
+        if thin[i]:
+            tails.append(None)
+        elif b == DENSE:
+            tails.append(1.0)
+        else:
+            tails.append(float(profile.tail[i, np.searchsorted(profile.candidates, b)]))
+    schedule = Schedule(tuple(int(s) for s in profile.bin_starts),
+                        tuple(0 if b == DENSE else int(b) for b in budgets), profile.page_size)
+    return Plan(schedule, profile.bin_width, tails, threshold, profile.quantile, profile.source, notes)
+
+
+def _note_bins(notes: list[str], bins: np.ndarray, profile: TailProfile, one: str, many: str) -> None:
+    if len(bins):
+        shown = ", ".join(f"{i} ({profile.bin_starts[i]}+)" for i in bins[:8])
+        more = f" and {len(bins) - 8} more" if len(bins) > 8 else ""
+        notes.append(f"bin{'s' * (len(bins) > 1)} {shown}{more}: {one if len(bins) == 1 else many}")
+
+
+def check_threshold(threshold: float) -> None:
+    if not 0 < threshold < 1:
+        raise ScheduleError(f"the threshold must be in (0, 1), got {threshold:g}")
+
+
+def measured_profile(mismatch, quantile: float, bin_width: int, num_bins: int, source: str,
+                     page_size: int = 16, min_tokens: int = 50) -> TailProfile:
+    """Tails from a `mismatch` table: the q-quantile of alpha per bin (position // bin_width) and
+    profiled budget, the same quantile DuckDB's quantile_cont (and `sparrow profile`) computes.
+
+    A larger budget is never worse: the measured tails are replaced by their running maximum from
+    the smallest to the largest budget (sampling noise can make a larger budget look slightly worse
+    than a smaller one, which the planner must not exploit). Candidate budgets are every page count
+    from the smallest to the largest profiled budget; between profiled budgets the tail is linear in
+    log2(budget). No candidate lies outside the profiled range.
+    """
+    import duckdb
+
+    check_quantile(quantile)
+    con = duckdb.connect()
+    con.register("mismatch", mismatch)
+    rows = con.execute(
+        """SELECT position // ? AS bin, budget, count(*) AS tokens,
+                  quantile_cont(alpha::DOUBLE, ?) AS tail
+           FROM mismatch GROUP BY ALL ORDER BY bin, budget""", [bin_width, quantile]).fetchall()
+    if not rows:
+        raise ScheduleError(f"{source}: the mismatch profile has no tokens")
+    measured = np.array(sorted({r[1] for r in rows}), dtype=np.int64)
+    bad = [int(b) for b in measured if b % page_size or b < 3 * page_size]
+    if bad:
+        raise ScheduleError(f"{source}: budget {bad[0]} is not a multiple of the page size {page_size} "
+                            "of at least three pages")
+    last = max(r[0] for r in rows)
+    if num_bins > last + 1:
+        raise ScheduleError(
+            f"{source} covers positions up to bin {last} (< {(last + 1) * bin_width} tokens) but the "
+            f"schedule needs bins up to {num_bins - 1}; bins {last + 1}-{num_bins - 1} are missing, so "
+            "profile longer generations or lower --gen-len")
+    tails = np.full((num_bins, len(measured)), np.nan)
+    tokens = np.zeros(num_bins, dtype=np.int64)
+    for b, budget, count, tail in rows:
+        if b < num_bins:
+            tails[b, np.searchsorted(measured, budget)] = tail
+            tokens[b] = max(tokens[b], count)
+    monotone = np.fmax.accumulate(np.nan_to_num(tails, nan=-np.inf), axis=1)
+    candidates = np.arange(measured[0], measured[-1] + 1, page_size)
+    x, xp = np.log2(candidates), np.log2(measured)
+    interp = np.stack([np.interp(x, xp, row) for row in monotone])
+    thin = (tokens < min_tokens) | ~np.isfinite(interp).all(axis=1)
+    interp = np.where(np.isfinite(interp), interp, 0.0)
+    return TailProfile(np.arange(num_bins) * bin_width, bin_width, candidates, interp, quantile,
+                       source, page_size, thin, tokens)
+
+
+def check_quantile(quantile: float) -> None:
+    if not 0 < quantile < 1:
+        raise ScheduleError(f"the tail quantile must be in (0, 1), got {quantile:g}")
+
+
+# ---------------------------------------------------------------- outputs
+
+
+def mid_contexts(plan_: Plan) -> np.ndarray:
+    """A representative cache length per bin (its middle) for per-bin step costs."""
+    return np.asarray(plan_.schedule.bin_starts) + plan_.bin_width // 2
+
+
+def schedule_table(plan_: Plan, step_seconds: np.ndarray | None = None):
+    """The `schedule` artifact's rows; `step_seconds` = predicted decode-step time per bin."""
+    import pyarrow as pa
+
+    n = plan_.num_bins
+    seconds = pa.nulls(n, pa.float64()) if step_seconds is None else pa.array(step_seconds, pa.float64())
+    return pa.table({
+        "bin": pa.array(range(n), pa.int32()),
+        "bin_start": pa.array(plan_.schedule.bin_starts, pa.int64()),
+        "bin_end": pa.array([plan_.bin_end(i) for i in range(n)], pa.int64()),
+        "budget": pa.array([b or None for b in plan_.schedule.budgets], pa.int32()),
+        "tail": pa.array(plan_.tails, pa.float64()),
+        "predicted_step_seconds": seconds,
+    })
+
+
+def export_json(plan_: Plan, model: str, extra: dict | None = None) -> dict:
+    """A plain, engine-neutral JSON form (null budget = dense)."""
+    bins = [{"bin": i, "start": plan_.schedule.bin_starts[i], "end": plan_.bin_end(i),
+             "budget": plan_.schedule.budgets[i] or None, "tail": plan_.tails[i]}
+            for i in range(plan_.num_bins)]
+    return {"model": model, "page_size": plan_.schedule.page_size, "threshold": plan_.threshold,
+            "quantile": plan_.quantile, "source": plan_.source, "bins": bins, **(extra or {})}
+
+
+def export_sglang_vortex(plan_: Plan, context: int, bin_tokens: int = 2000,
+                         reserved_pages: int = 3) -> dict:
+    """The published engine's form: one selected-page count per 2,000-token bin (pages beyond the
+    sink and the two most recent), i.e. budget / page_size - 3. Each 2,000-token bin takes the largest
+    budget of the schedule bins it overlaps (never sparser than planned); dense becomes enough pages
+    to cover the whole context."""
+    page = plan_.schedule.page_size
+    starts = np.asarray(plan_.schedule.bin_starts)
+    ends = np.append(starts[1:], np.iinfo(np.int64).max)
+    budgets = np.asarray(plan_.schedule.budgets)
+    end = int(starts[-1]) + plan_.bin_width
+    dense_pages = -(-context // page) - reserved_pages
+    values = []
+    for start in range(0, end, bin_tokens):
+        hit = budgets[(starts < start + bin_tokens) & (ends > start)]
+        values.append(dense_pages if (hit == 0).any() else int(hit.max()) // page - reserved_pages)
+    return {"page_size": page, "bin_tokens": bin_tokens, "reserved_pages": reserved_pages,
+            "num_selected_pages": values}

@@ -1,0 +1,151 @@
+"""`sparrow fit-cost`: the decode-step cost model, measured on this device or from a hardware preset."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+from rich.table import Table
+
+from .common import UsageError, console, friendly_errors, parse_int_list
+from .plan import stage_errors
+
+MEASURED_GRID = ("1,4", "1024,2048,4096", "dense,256,512")
+ANALYTIC_GRID = ("1,16,64", "2048,8192,16384,32768", "dense,512,2048,4096")
+
+
+def parse_budgets(text: str) -> list[int]:
+    """'dense,256,512' -> [0, 256, 512] (0 = dense)."""
+    items = [x.strip().lower() for x in text.split(",") if x.strip()]
+    if not items:
+        raise UsageError("--budgets is empty")
+    return [0 if x == "dense" else parse_int_list(x, "--budgets")[0] for x in items]
+
+
+@friendly_errors
+def fit_cost(
+    model: str = typer.Option("smollm2-135m", "--model", help="Preset, checkpoint dir or .gguf."),
+    device: str = typer.Option(None, "--device", help="Measure decode steps here: cpu or cuda "
+                               "(the default when --hardware is not given is cpu)."),
+    hardware: str = typer.Option(None, "--hardware", help="Write the analytic model of a hardware "
+                                 "preset (h100, h200, a100) instead of measuring."),
+    batches: str = typer.Option(None, "--batches", help="Batch sizes of the grid "
+                                f"(measured {MEASURED_GRID[0]}; analytic {ANALYTIC_GRID[0]})."),
+    contexts: str = typer.Option(None, "--contexts", help="Cache lengths of the grid "
+                                 f"(measured {MEASURED_GRID[1]}; analytic {ANALYTIC_GRID[1]})."),
+    budgets: str = typer.Option(None, "--budgets", help="Budgets of the grid, 'dense' for dense "
+                                f"(measured {MEASURED_GRID[2]}; analytic {ANALYTIC_GRID[2]})."),
+    repeats: int = typer.Option(5, "--repeats", help="Timed steps per point (the median is kept)."),
+    warmup: int = typer.Option(2, "--warmup", help="Untimed steps per point before timing."),
+    threads: int = typer.Option(None, "--threads", help="CPU threads for torch while timing (default: "
+                                "torch's own choice; 1 gives steadier timings on a shared machine)."),
+    seed: int = typer.Option(0, "--seed"),
+    output: Path = typer.Option(..., "-o", "--output", help="Where to write the cost artifact."),
+) -> None:
+    """Fit the decode-step cost model: time our decoder's decode steps, dense and sparse, over a
+    (batch, context, budget) grid and fit the coefficients by least squares; or, with --hardware,
+    write the analytic model of a hardware preset. Every point is written with its prediction."""
+    from sparrow.stages.attention import validate_budget
+    from sparrow.stages.cost import Grid, get_hardware
+    from sparrow.stages.model.loading import model_name, resolve_config
+
+    if device and hardware:
+        raise UsageError("--device measures and --hardware writes an analytic preset; pass only one")
+    if hardware:
+        with stage_errors():
+            get_hardware(hardware)
+    grid_defaults = ANALYTIC_GRID if hardware else MEASURED_GRID
+    cfg = resolve_config(model)
+    b_list = parse_int_list(batches or grid_defaults[0], "--batches")
+    c_list = parse_int_list(contexts or grid_defaults[1], "--contexts")
+    if not contexts:  # the default grid stays inside the model's context
+        c_list = [c for c in c_list if c <= cfg.max_position_embeddings] or [cfg.max_position_embeddings]
+    k_list = parse_budgets(budgets or grid_defaults[2])
+    if min(b_list) < 1 or min(c_list) < 1:
+        raise UsageError("--batches and --contexts must be positive")
+    if max(c_list) > cfg.max_position_embeddings:
+        raise UsageError(f"--contexts {max(c_list)} exceeds the model's context of "
+                         f"{cfg.max_position_embeddings}")
+    for k in k_list:
+        if k:
+            try:
+                validate_budget(k)
+            except ValueError as e:
+                raise UsageError(f"--budgets: {e}") from None
+    if repeats < 1 or warmup < 0:
+        raise UsageError("--repeats must be at least 1 and --warmup at least 0")
+    if threads is not None and threads < 1:
+        raise UsageError(f"--threads must be at least 1, got {threads}")
+    if device is not None and device.split(":")[0] not in ("cpu", "cuda"):
+        raise UsageError(f"--device must be cpu or cuda, got {device!r}")
+    name = model_name(model)
+    with stage_errors():
+        write_cost(model, name, cfg, device, hardware, Grid(b_list, c_list, k_list, warmup, repeats),
+                   seed, output, threads)
+
+
+def write_cost(model: str, name: str, cfg, device: str | None, hardware: str | None, grid, seed: int,
+               output: Path, threads: int | None = None) -> None:
+    from sparrow.schemas import write_artifact
+    from sparrow.stages.cost import analytic, analytic_points, cost_table, fit, get_hardware
+
+    if hardware:
+        cost = analytic(cfg, get_hardware(hardware))
+        points = analytic_points(grid.batches, grid.contexts, grid.budgets)
+        write_artifact(cost_table(cost, name, hardware.lower(), points), output, "cost",
+                       metadata=cost.metadata() | {"model": name})
+        print_coefficients(cost)
+        console.print(f"wrote the analytic {hardware.lower()} model for {name} ({len(points)} points) "
+                      f"to {output}")
+        return
+
+    device = device or "cpu"
+    points, threads = measure(model, device, grid, seed, threads)
+    cost = fit(cfg, points, f"measured:{device}")
+    table = cost_table(cost, name, device, points)
+    write_artifact(table, output, "cost", metadata=cost.metadata() | {"model": name, "threads": threads})
+    print_points(table)
+    print_coefficients(cost)
+    console.print(f"fit over {len(points)} points: median relative error "
+                  f"{cost.extra['median_relative_error']:.1%}, worst {cost.extra['max_relative_error']:.1%}")
+    console.print(f"wrote {output}")
+
+
+def measure(model: str, device: str, grid, seed: int, threads: int | None = None):
+    """Timed points and the CPU threads torch used."""
+    import torch
+
+    from sparrow.stages.cost import time_decode_steps
+    from sparrow.stages.model.loading import load_model
+
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise UsageError("--device cuda was asked for but torch sees no CUDA device")
+    if threads is not None:
+        torch.set_num_threads(threads)
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    loaded = load_model(model, device=device, dtype=dtype, random_weights=True, seed=seed)
+    with Progress(TextColumn(f"timing {len(grid.points())} points (rounds)"), BarColumn(),
+                  MofNCompleteColumn(), console=console, transient=True) as bar:
+        task = bar.add_task("timing", total=grid.warmup + grid.repeats)
+        points = time_decode_steps(loaded, grid, device, seed,
+                                   lambda done, total: bar.update(task, completed=done))
+    return points, torch.get_num_threads()
+
+
+def print_points(table) -> None:
+    t = Table(title="decode step: measured vs fitted")
+    for col in ("batch", "context", "budget", "measured ms", "predicted ms", "error"):
+        t.add_column(col, justify="right")
+    for r in table.to_pylist():
+        err = (r["predicted_seconds"] - r["seconds"]) / r["seconds"]
+        t.add_row(str(r["batch"]), str(r["context"]), str(r["budget"] or "dense"),
+                  f"{r['seconds'] * 1e3:.2f}", f"{r['predicted_seconds'] * 1e3:.2f}", f"{err:+.1%}")
+    console.print(t)
+
+
+def print_coefficients(cost) -> None:
+    c = cost.coefficients
+    console.print(f"{cost.source}: step {c['step'] * 1e3:.4g} ms + batch x {c['seq'] * 1e6:.4g} us "
+                  f"+ KV token-layer x {c['kv'] * 1e9:.4g} ns + scored page-layer x "
+                  f"{c['page'] * 1e9:.4g} ns")

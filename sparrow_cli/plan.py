@@ -1,0 +1,278 @@
+"""`sparrow plan-schedule`: the cheapest per-bin budgets whose tail stays above the threshold."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import typer
+from rich.table import Table
+
+from .common import UsageError, console, friendly_errors, out
+
+EXPORTS = ("json", "sglang-vortex")
+REFERENCE_GEN_LEN = 32768
+
+
+@contextmanager
+def stage_errors() -> Iterator[None]:
+    """The stages' own input errors, as the CLI's one-sentence usage errors."""
+    from sparrow.stages.cost import CostError
+    from sparrow.stages.schedule import ScheduleError
+
+    try:
+        yield
+    except (CostError, ScheduleError) as e:
+        raise UsageError(str(e)) from None
+
+
+def parse_thresholds(text: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"--sweep expects comma-separated thresholds, got {text!r}") from None
+    if not values:
+        raise UsageError("--sweep is empty")
+    return values
+
+
+@friendly_errors
+def plan_schedule(
+    model: str = typer.Option(None, "--model", help="Preset, checkpoint dir or .gguf."),
+    profile: Path = typer.Option(None, "--profile", help="A mismatch artifact (sparrow profile); "
+                                 "default: the reference profile of a Qwen3 preset."),
+    threshold: float = typer.Option(None, "--threshold", help="Tail threshold (default: the "
+                                    "published prior 0.86)."),
+    threshold_file: Path = typer.Option(None, "--threshold-file",
+                                        help="A threshold artifact (sparrow calibrate-threshold)."),
+    quantile: float = typer.Option(None, "--quantile", help="Tail quantile of alpha per bin "
+                                   "(default 0.05, or the threshold file's)."),
+    cost: Path = typer.Option(None, "--cost", help="A cost artifact (sparrow fit-cost)."),
+    hardware: str = typer.Option(None, "--hardware", help="Analytic cost model of a hardware preset "
+                                 "(h100, h200, a100; default h100 when no --cost)."),
+    gen_len: int = typer.Option(None, "--gen-len", help="Generated tokens per rollout for the "
+                                f"predicted speedup (default {REFERENCE_GEN_LEN} with the reference "
+                                "profile, the profile's longest position with a measured one)."),
+    prompt_len: int = typer.Option(0, "--prompt-len", help="Prompt tokens before generation."),
+    batch: int = typer.Option(64, "--batch", help="Sequences decoded together (per GPU)."),
+    bin_width: int = typer.Option(None, "--bin-width", help="Position bin width in tokens (default: "
+                                  "the profile's; the reference profile has 2,000-token bins)."),
+    min_tokens: int = typer.Option(50, "--min-tokens", help="Bins of a measured profile with fewer "
+                                   "tokens inherit the previous bin's budget."),
+    sweep: str = typer.Option(None, "--sweep", help="Also print the predicted speedup at each of "
+                              "these thresholds, e.g. 0.80,0.83,0.86,0.90,0.92."),
+    export: str = typer.Option(None, "--export", help="Also print the schedule as json or in the "
+                               "sglang-vortex engine form (stdout, or --export-to)."),
+    export_to: Path = typer.Option(None, "--export-to", help="Write the --export form here."),
+    output: Path = typer.Option(None, "-o", "--output", help="Where to write the schedule artifact."),
+    compare_published: bool = typer.Option(False, "--compare-published", help="Instead of one plan, "
+                                           "print the predicted speedup of every Qwen3 model with "
+                                           "published schedules next to the published speedup."),
+) -> None:
+    """Plan the sparsity schedule: for each position bin the cheapest budget whose tail statistic is
+    at or above the threshold, non-decreasing across bins; prints the table and the predicted
+    rollout speedup over dense."""
+    from sparrow.schemas import write_artifact
+    from sparrow.stages.schedule import (
+        check_threshold,
+        export_json,
+        export_sglang_vortex,
+        mid_contexts,
+        plan,
+        schedule_table,
+    )
+
+    if compare_published:
+        with stage_errors():
+            return print_comparison(hardware or "h100", threshold, gen_len, batch, prompt_len)
+    if model is None:
+        raise UsageError("--model is required (a preset such as qwen3-4b, a checkpoint dir or a .gguf)")
+    if threshold is not None and threshold_file is not None:
+        raise UsageError("pass --threshold or --threshold-file, not both")
+    if cost is not None and hardware is not None:
+        raise UsageError("pass --cost or --hardware, not both")
+    if export is not None and export not in EXPORTS:
+        raise UsageError(f"--export must be one of {', '.join(EXPORTS)}, got {export!r}")
+    if export_to is not None and export is None:
+        raise UsageError("--export-to needs --export json or --export sglang-vortex")
+    for flag, value, low in (("--batch", batch, 1), ("--prompt-len", prompt_len, 0),
+                             ("--gen-len", gen_len, 2), ("--bin-width", bin_width, 1),
+                             ("--min-tokens", min_tokens, 1)):
+        if value is not None and value < low:
+            raise UsageError(f"{flag} must be at least {low}, got {value}")
+    sweep_values = parse_thresholds(sweep) if sweep else []
+    with stage_errors():
+        threshold, quantile, t_source = resolve_threshold(threshold, threshold_file, quantile)
+        for t in sweep_values:
+            check_threshold(t)
+        cfg, name = model_shape(model)
+        cost_model = load_cost_model(cfg, cost, hardware)
+        tails, gen_len = load_profile(name, profile, quantile, bin_width, prompt_len, gen_len,
+                                      min_tokens)
+        if prompt_len + gen_len > cfg.max_position_embeddings:
+            raise UsageError(f"--prompt-len {prompt_len} + --gen-len {gen_len} exceeds the model's "
+                             f"context of {cfg.max_position_embeddings}")
+        result = plan(tails, threshold)
+        speedup = cost_model.speedup(result.schedule.budgets_at, gen_len, batch, prompt_len)
+        frontier = [(t, plan(tails, t)) for t in sweep_values]
+
+    mids = mid_contexts(result)
+    sparse_s = cost_model.step_seconds(batch, mids, result.schedule.budgets_at(mids))
+    dense_s = cost_model.step_seconds(batch, mids, 0)
+    meta = {"model": name, "page_size": result.schedule.page_size, "bin_width": result.bin_width,
+            "threshold": threshold, "threshold_source": t_source, "quantile": result.quantile,
+            "profile": result.source, "cost": cost_model.source, "gen_len": gen_len,
+            "prompt_len": prompt_len, "batch": batch, "predicted_speedup": speedup,
+            "notes": json.dumps(result.notes)}
+    exported = None
+    if export == "json":
+        exported = export_json(result, name, {"predicted_speedup": speedup, "cost": cost_model.source,
+                                              "gen_len": gen_len, "batch": batch})
+    elif export == "sglang-vortex":
+        exported = export_sglang_vortex(result, cfg.max_position_embeddings)
+    if output is not None:
+        write_artifact(schedule_table(result, sparse_s), output, "schedule", metadata=meta)
+
+    print_plan(result, sparse_s, dense_s, batch)
+    for note in result.notes:
+        console.print(f"[yellow]note:[/] {note}", highlight=False)
+    console.print(f"predicted rollout speedup over dense: [bold]{speedup:.2f}x[/] ({gen_len} generated "
+                  f"tokens after a {prompt_len}-token prompt, batch {batch}, {cost_model.source} cost, "
+                  f"threshold {threshold:g} ({t_source}), {result.source})", highlight=False)
+    if frontier:
+        print_frontier(frontier, cost_model, gen_len, batch, prompt_len)
+    if exported is not None:
+        text = json.dumps(exported, indent=2 if export == "json" else None)
+        if export_to is not None:
+            export_to.parent.mkdir(parents=True, exist_ok=True)
+            export_to.write_text(text + "\n")
+            console.print(f"wrote the {export} form to {export_to}")
+        else:
+            out.print(text, highlight=False, soft_wrap=True)
+    if output is not None:
+        console.print(f"wrote {output}")
+
+
+def model_shape(spec: str):
+    """(ModelConfig, name); presets resolve without importing torch, so planning starts fast."""
+    from sparrow.stages.model.presets import PRESETS
+
+    if spec.lower() in PRESETS:
+        return PRESETS[spec.lower()].config, spec.lower()
+    from sparrow.stages.model.loading import model_name, resolve_config
+
+    return resolve_config(spec), model_name(spec)
+
+
+def resolve_threshold(threshold: float | None, threshold_file: Path | None,
+                      quantile: float | None) -> tuple[float, float, str]:
+    from sparrow.schemas import read_artifact
+    from sparrow.stages.calibrate import PRIOR_THRESHOLD
+    from sparrow.stages.schedule import check_quantile, check_threshold
+
+    source = "prior" if threshold is None else "given"
+    if threshold_file is not None:
+        row = read_artifact(threshold_file, "threshold").to_pylist()
+        if len(row) != 1:
+            raise UsageError(f"{threshold_file} has {len(row)} rows, expected one threshold")
+        threshold, source = row[0]["threshold"], f"{row[0]['source']}, {threshold_file}"
+        if quantile is not None and abs(quantile - row[0]["quantile"]) > 1e-12:
+            raise UsageError(f"--quantile {quantile:g} differs from the quantile {row[0]['quantile']:g} "
+                             f"that {threshold_file} was calibrated at")
+        quantile = row[0]["quantile"]
+    threshold = PRIOR_THRESHOLD if threshold is None else threshold
+    check_threshold(threshold)
+    quantile = 0.05 if quantile is None else quantile
+    check_quantile(quantile)
+    return threshold, quantile, source
+
+
+def load_cost_model(cfg, cost: Path | None, hardware: str | None):
+    from sparrow.stages.cost import analytic, load_cost
+
+    return load_cost(cost, cfg) if cost is not None else analytic(cfg, hardware or "h100")
+
+
+def load_profile(name: str, profile: Path | None, quantile: float, bin_width: int | None,
+                 prompt_len: int, gen_len: int | None, min_tokens: int):
+    """The tail profile and the generation length it is planned for."""
+    from sparrow.schemas import artifact_metadata, read_artifact
+    from sparrow.stages.reference_profiles import QUANTILE, reference_profile
+    from sparrow.stages.schedule import measured_profile
+
+    if profile is None:
+        tails = reference_profile(name)
+        if tails is None:
+            from sparrow.stages.published_schedules import published_models
+
+            raise UsageError(
+                f"{name} has no reference profile (published schedules exist only for "
+                f"{', '.join(published_models())}), so run `sparrow profile --model {name} ...` first "
+                "and pass its output with --profile")
+        if abs(quantile - QUANTILE) > 1e-12:
+            raise UsageError(f"the reference profile is the published {QUANTILE:g} quantile of alpha; "
+                             f"--quantile {quantile:g} needs a measured --profile")
+        if bin_width is not None and bin_width != tails.bin_width:
+            raise UsageError(f"the reference profile has {tails.bin_width}-token bins; --bin-width "
+                             f"{bin_width} needs a measured --profile")
+        return tails, gen_len or REFERENCE_GEN_LEN
+    table = read_artifact(profile, "mismatch")
+    if table.num_rows == 0:
+        raise UsageError(f"{profile}: the mismatch profile has no tokens")
+    meta = artifact_metadata(table)
+    width = bin_width or int(meta.get("bin_width", 2000))
+    if gen_len is None:
+        gen_len = max(int(table.column("position").to_numpy().max()) + 1 - prompt_len, 2)
+    num_bins = (prompt_len + gen_len - 1) // width + 1
+    tails = measured_profile(table, quantile, width, num_bins, str(profile),
+                             int(meta.get("page_size", 16)), min_tokens)
+    return tails, gen_len
+
+
+def print_plan(result, sparse_s, dense_s, batch: int) -> None:
+    t = Table(title=f"schedule (threshold {result.threshold:g}, tail = {result.quantile:g} quantile "
+                    f"of alpha; step times at batch {batch}, mid-bin)")
+    for col in ("bin", "positions", "budget", "tail", "step ms", "dense ms"):
+        t.add_column(col, justify="right")
+    for i, budget in enumerate(result.schedule.budgets):
+        start, end = result.schedule.bin_starts[i], result.bin_end(i)
+        tail = result.tails[i]
+        t.add_row(str(i), f"{start}-{end if end is not None else ''}", str(budget or "dense"),
+                  "thin" if tail is None else f"{tail:.4f}", f"{sparse_s[i] * 1e3:.2f}",
+                  f"{dense_s[i] * 1e3:.2f}")
+    console.print(t)
+
+
+def print_frontier(frontier, cost_model, gen_len: int, batch: int, prompt_len: int) -> None:
+    t = Table(title=f"stability-speed frontier ({cost_model.source}, {gen_len} tokens, batch {batch})")
+    for col in ("threshold", "speedup", "mean budget", "dense bins"):
+        t.add_column(col, justify="right")
+    for threshold, result in frontier:
+        budgets = [b for b in result.schedule.budgets if b]
+        t.add_row(f"{threshold:g}",
+                  f"{cost_model.speedup(result.schedule.budgets_at, gen_len, batch, prompt_len):.2f}x",
+                  f"{sum(budgets) / len(budgets):.0f}" if budgets else "-",
+                  str(len(result.schedule.budgets) - len(budgets)))
+    console.print(t)
+
+
+def print_comparison(hardware: str, threshold: float | None, gen_len: int | None, batch: int,
+                     prompt_len: int) -> None:
+    from sparrow.stages.published_schedules import PUBLISHED_SPEEDUP_THRESHOLD
+    from sparrow.stages.reference_profiles import compare_published
+    from sparrow.stages.schedule import check_threshold
+
+    threshold = PUBLISHED_SPEEDUP_THRESHOLD if threshold is None else threshold
+    check_threshold(threshold)
+    gen_len = gen_len or REFERENCE_GEN_LEN
+    rows = compare_published(hardware, threshold, gen_len, batch, prompt_len)
+    t = Table(title=f"rollout speedup over dense at threshold {threshold:g}: analytic {hardware} model "
+                    f"({gen_len} tokens, batch {batch}) vs published (4 x H200, AIME24)")
+    for col in ("model", "published", "predicted", "predicted / published"):
+        t.add_column(col, justify="right")
+    for r in rows:
+        t.add_row(r["model"], "-" if r["published"] is None else f"{r['published']:.2f}x",
+                  f"{r['predicted']:.2f}x", "-" if r["ratio"] is None else f"{r['ratio']:.2f}")
+    out.print(t)

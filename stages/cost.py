@@ -1,0 +1,316 @@
+"""Decode-step cost model: analytic (hardware presets) or fitted to timings on this device.
+
+Design decisions:
+- Decode only, one step at a time. Prefill is dense in both the sparse and the dense rollout, so it
+  cancels out of the question the planner asks (how much cheaper is sparse decode).
+- One linear form for both sources, in four physically meaningful features of a step at batch N
+  whose cache holds `context` positions (the new token included) under budget B:
+      step   = 1                                    fixed per step: launches, sampling, weights (*)
+      seq    = N                                    per sequence: weight matmuls, lm head
+      kv     = N x sum over layers of tokens read   K and V streamed through attention
+      page   = N x sum over sparse layers of pages  page centroids scored for the top-k
+  (*) the weights are read once per step whatever N is, so their bytes are a per-step constant.
+  A sparse layer reads min(context, B) tokens and scores ceil(context / page) pages; a layer in
+  `dense_layers`, a dense step, or a cache of at most B / page pages reads everything and scores none
+  (the selection rule of DESIGN.md).
+- Analytic coefficients follow the eFLOPs model of Kinetics/Sparrow (FLOPs plus bytes at the
+  machine's FLOP/byte ratio, i.e. seconds = FLOPs / peak + bytes / bandwidth, additive, bf16):
+      step = overhead + weight bytes / bandwidth;  seq = 2 x active params / peak
+      kv   = K+V bytes per token-layer / bandwidth + 4 x q heads x head dim / peak
+      page = one K centroid per page-layer / bandwidth + 2 x kv heads x head dim / peak
+  The hardware numbers are spec-sheet values; nothing is tuned to match published speedups.
+  Each sequence reads its own KV (no prefix sharing between the samples of a prompt).
+- Measured coefficients: decode steps of our own model timed over a (batch, context, budget) grid,
+  fitted by non-negative least squares on relative residuals (each row divided by its measured time),
+  because the fit is judged by relative error. The features are the same, so a CPU fit also absorbs
+  the costs of our torch sparse path (it recomputes centroids and masks the full cache each step,
+  which the `page` coefficient then prices).
+- The model shape travels with the coefficients (cost artifact metadata), so a cost artifact is
+  never silently applied to another model.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import pyarrow as pa
+
+from .model.config import ModelConfig
+
+PAGE_SIZE = 16  # = attention.PAGE_SIZE and DEFAULT_DENSE_LAYERS (not imported: planning needs no torch)
+DEFAULT_DENSE_LAYERS = (0, 1)
+FEATURES = ("step", "seq", "kv", "page")
+BF16 = 2
+SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+              "num_kv_heads", "head_dim", "tie_word_embeddings")
+
+
+class CostError(ValueError):
+    """Bad input to the cost model (unknown hardware, a cost artifact for another model, ...)."""
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    bandwidth: float  # bytes / s (HBM)
+    flops: float  # dense bf16 FLOP / s
+    overhead: float  # seconds per decode step that do not scale with work
+    summary: str
+
+
+# Spec-sheet numbers. The overhead (0.5 ms) is an a-priori allowance for a CUDA-graph decode step:
+# ~40 layers x ~10 kernels of a few microseconds each, plus sampling and the engine's scheduler.
+HARDWARE: dict[str, Hardware] = {h.name: h for h in (
+    Hardware("h100", 3.35e12, 989e12, 5e-4, "NVIDIA H100 SXM: 3.35 TB/s HBM3, 989 TFLOP/s bf16"),
+    Hardware("h200", 4.8e12, 989e12, 5e-4, "NVIDIA H200 SXM: 4.8 TB/s HBM3e, 989 TFLOP/s bf16"),
+    Hardware("a100", 2.039e12, 312e12, 5e-4, "NVIDIA A100 80GB SXM: 2.04 TB/s HBM2e, 312 TFLOP/s bf16"),
+)}
+
+
+def get_hardware(name: str) -> Hardware:
+    try:
+        return HARDWARE[name.lower()]
+    except KeyError:
+        raise CostError(f"unknown hardware {name!r}; known hardware presets: {', '.join(HARDWARE)}") from None
+
+
+def active_parameters(cfg: ModelConfig) -> int:
+    """Parameters that a decode step multiplies (the input embedding is a lookup, unless tied)."""
+    untied_embedding = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size
+    return cfg.num_parameters - untied_embedding
+
+
+def shape_of(cfg: ModelConfig) -> dict:
+    return {k: getattr(cfg, k) for k in SHAPE_KEYS}
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Seconds per decode step = coefficients . features(batch, context, budget)."""
+
+    config: ModelConfig
+    coefficients: dict[str, float]  # keyed by FEATURES
+    source: str  # "analytic:h200", "measured:cpu", ...
+    page_size: int = PAGE_SIZE
+    dense_layers: tuple[int, ...] = DEFAULT_DENSE_LAYERS
+    extra: dict = field(default_factory=dict)  # fit quality etc., written to metadata
+
+    @property
+    def num_sparse_layers(self) -> int:
+        return self.config.num_layers - len({i for i in self.dense_layers if i < self.config.num_layers})
+
+    def features(self, batch, context, budget) -> np.ndarray:
+        """[..., 4] features; arguments broadcast; budget 0 (or None) = dense."""
+        batch = np.asarray(batch, dtype=np.float64)
+        context = np.asarray(context, dtype=np.float64)
+        budget = np.asarray(0 if budget is None else budget, dtype=np.float64)
+        pages = np.ceil(context / self.page_size)
+        sparse = (budget > 0) & (pages > budget / self.page_size)
+        read = np.where(sparse, np.minimum(context, budget), context)
+        n_sparse = self.num_sparse_layers
+        n_dense = self.config.num_layers - n_sparse
+        kv = batch * (n_dense * context + n_sparse * read)
+        page = batch * np.where(sparse, n_sparse * pages, 0.0)
+        ones = np.ones(np.broadcast(batch, context, budget).shape)
+        return np.stack(np.broadcast_arrays(ones, batch * ones, kv, page), axis=-1)
+
+    @property
+    def vector(self) -> np.ndarray:
+        return np.array([self.coefficients[k] for k in FEATURES])
+
+    def step_seconds(self, batch, context, budget) -> np.ndarray:
+        return self.features(batch, context, budget) @ self.vector
+
+    def rollout_seconds(self, budget_at: Callable[[np.ndarray], np.ndarray] | None, gen_len: int,
+                        batch: int, prompt_len: int = 0) -> float:
+        """Decode seconds of `batch` sequences generating `gen_len` tokens after `prompt_len` prompt
+        tokens. The first token comes from the (dense) prefill; the token at position t, for t from
+        prompt_len + 1 to prompt_len + gen_len - 1, from a decode step that attends to t cached
+        positions with budget `budget_at(t)` (None = dense), as `Schedule.budget_at` defines it."""
+        contexts = np.arange(prompt_len + 1, prompt_len + gen_len)
+        budgets = 0 if budget_at is None else budget_at(contexts)
+        return float(self.step_seconds(batch, contexts, budgets).sum())
+
+    def speedup(self, budget_at: Callable[[np.ndarray], np.ndarray], gen_len: int, batch: int,
+                prompt_len: int = 0) -> float:
+        return (self.rollout_seconds(None, gen_len, batch, prompt_len)
+                / self.rollout_seconds(budget_at, gen_len, batch, prompt_len))
+
+    def check_model(self, cfg: ModelConfig, subject: str) -> None:
+        theirs, ours = shape_of(self.config), shape_of(cfg)
+        diff = [k for k in SHAPE_KEYS if theirs[k] != ours[k]]
+        if diff:
+            shown = ", ".join(f"{k} {theirs[k]} vs {ours[k]}" for k in diff[:3])
+            raise CostError(f"{subject} was fitted for another model shape ({shown}); "
+                            "run `sparrow fit-cost` for this model or use --hardware")
+
+    def metadata(self) -> dict:
+        return {"source": self.source, "coefficients": json.dumps(self.coefficients),
+                "model_config": json.dumps(self.config.to_dict()), "page_size": self.page_size,
+                "dense_layers": json.dumps(list(self.dense_layers)),
+                **self.extra}
+
+    @classmethod
+    def from_metadata(cls, meta: dict, subject: str) -> CostModel:
+        try:
+            coefficients = json.loads(meta["coefficients"])
+            cfg = ModelConfig.from_dict(json.loads(meta["model_config"]))
+            return cls(cfg, {k: float(coefficients[k]) for k in FEATURES}, str(meta["source"]),
+                       int(meta.get("page_size", PAGE_SIZE)),
+                       tuple(json.loads(meta.get("dense_layers", "[0, 1]"))))
+        except (KeyError, TypeError, ValueError) as e:
+            raise CostError(f"{subject} lacks usable cost-model metadata ({type(e).__name__}: {e}); "
+                            "write it with `sparrow fit-cost`") from None
+
+
+def analytic(cfg: ModelConfig, hardware: str | Hardware, page_size: int = PAGE_SIZE,
+             dense_layers: Sequence[int] = DEFAULT_DENSE_LAYERS) -> CostModel:
+    hw = get_hardware(hardware) if isinstance(hardware, str) else hardware
+    p = active_parameters(cfg)
+    kv_token_layer = 2 * cfg.num_kv_heads * cfg.head_dim * BF16
+    coefficients = {
+        "step": hw.overhead + p * BF16 / hw.bandwidth,
+        "seq": 2 * p / hw.flops,
+        "kv": kv_token_layer / hw.bandwidth + 4 * cfg.num_heads * cfg.head_dim / hw.flops,
+        "page": kv_token_layer / 2 / hw.bandwidth + 2 * cfg.num_kv_heads * cfg.head_dim / hw.flops,
+    }
+    return CostModel(cfg, coefficients, f"analytic:{hw.name}", page_size, tuple(dense_layers),
+                     {"hardware": json.dumps(asdict(hw))})
+
+
+# ---------------------------------------------------------------- fitting measured points
+
+
+def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Exact non-negative least squares for a handful of columns: the best unconstrained fit over
+    every subset of columns whose solution is non-negative (2^k small solves; k = 4 here)."""
+    scale = np.abs(a).max(axis=0)
+    scale[scale == 0] = 1.0
+    a = a / scale
+    best, best_res = np.zeros(a.shape[1]), float(np.sum(b**2))
+    for r in range(1, a.shape[1] + 1):
+        for cols in itertools.combinations(range(a.shape[1]), r):
+            x, *_ = np.linalg.lstsq(a[:, cols], b, rcond=None)
+            if (x < 0).any():
+                continue
+            res = float(np.sum((a[:, cols] @ x - b) ** 2))
+            if res < best_res - 1e-15:
+                best, best_res = np.zeros(a.shape[1]), res
+                best[list(cols)] = x
+    return best / scale
+
+
+def fit(cfg: ModelConfig, points: Sequence[tuple[int, int, int, float]], source: str,
+        page_size: int = PAGE_SIZE, dense_layers: Sequence[int] = DEFAULT_DENSE_LAYERS) -> CostModel:
+    """Fit coefficients to (batch, context, budget (0 = dense), seconds) points."""
+    if len(points) < 2:
+        raise CostError("fitting the cost model needs at least two measured points")
+    probe = CostModel(cfg, dict.fromkeys(FEATURES, 0.0), source, page_size, tuple(dense_layers))
+    b, c, bud, sec = (np.array(x, dtype=np.float64) for x in zip(*points))
+    x = probe.features(b, c, bud)
+    coef = nnls(x / sec[:, None], np.ones_like(sec))
+    rel = np.abs(x @ coef - sec) / sec
+    extra = {"median_relative_error": float(np.median(rel)), "max_relative_error": float(rel.max()),
+             "points": len(points)}
+    return CostModel(cfg, dict(zip(FEATURES, map(float, coef))), source, page_size,
+                     tuple(dense_layers), extra)
+
+
+# ---------------------------------------------------------------- timing our decoder
+
+
+@dataclass
+class Grid:
+    batches: list[int]
+    contexts: list[int]
+    budgets: list[int]  # 0 = dense
+    warmup: int = 2
+    repeats: int = 5
+
+    def points(self) -> list[tuple[int, int, int]]:
+        return [(b, c, k) for b in self.batches for c in self.contexts for k in self.budgets]
+
+
+def time_decode_steps(loaded, grid: Grid, device: str = "cpu", seed: int = 0,
+                      progress: Callable[[int, int], None] | None = None
+                      ) -> list[tuple[int, int, int, float]]:
+    """Seconds of one decode step per (batch, context, budget) point, dense or SparseAttention(budget).
+
+    One cache of the largest batch and context is filled with random keys and values once; a point
+    uses its first `batch` rows with `context - 1` cached positions, and each timed step writes the
+    new token at slot context - 1 (the cache length stays put). The points are timed round-robin,
+    `repeats` rounds after `warmup` rounds, and each keeps its fastest step: on a shared machine
+    other work only ever adds time, so the minimum is the most reproducible estimate.
+    """
+    import torch
+
+    from .attention import SparseAttention
+    from .model.llama import DenseAttention, KVCache
+
+    model, cfg = loaded.model.eval(), loaded.config
+    if max(grid.contexts) > cfg.max_position_embeddings:
+        raise CostError(f"context {max(grid.contexts)} is beyond the model's {cfg.max_position_embeddings}")
+    dtype = next(model.parameters()).dtype
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    big = KVCache.allocate(cfg, max(grid.batches), max(grid.contexts), dtype=dtype, device=device)
+    for t in (big.k, big.v):
+        t.copy_(torch.randn(t.shape, generator=gen, dtype=torch.float32).to(dtype))
+    tokens = torch.randint(0, cfg.vocab_size, (max(grid.batches), 1), generator=gen).to(device)
+    steps = []
+    for batch, context, budget in grid.points():
+        cache = KVCache(big.k[:, :batch], big.v[:, :batch],
+                        torch.full((batch,), context - 1, dtype=torch.long, device=device))
+        attention = (DenseAttention() if budget == 0 else
+                     SparseAttention(torch.full((batch,), budget, device=device)))
+        steps.append((cache, context, tokens[:batch], attention))
+    best = [float("inf")] * len(steps)
+    rounds = grid.warmup + grid.repeats
+    with torch.inference_mode():
+        for r in range(rounds):
+            for i, (cache, context, tok, attention) in enumerate(steps):
+                cache.lengths.fill_(context - 1)
+                sync()
+                t0 = time.perf_counter()
+                model(tok, cache, attention=attention)
+                sync()
+                if r >= grid.warmup:
+                    best[i] = min(best[i], time.perf_counter() - t0)
+            if progress:
+                progress(r + 1, rounds)
+    return [(b, c, k, s) for (b, c, k), s in zip(grid.points(), best)]
+
+
+# ---------------------------------------------------------------- the cost artifact
+
+
+def cost_table(model: CostModel, name: str, device: str,
+               points: Sequence[tuple[int, int, int, float | None]]) -> pa.Table:
+    b, c, k, s = zip(*points)
+    pred = model.step_seconds(np.array(b), np.array(c), np.array(k))
+    return pa.table({
+        "model": [name] * len(points), "device": [device] * len(points),
+        "batch": pa.array(b, pa.int32()), "context": pa.array(c, pa.int32()),
+        "budget": pa.array([None if x == 0 else x for x in k], pa.int32()),
+        "seconds": pa.array(s, pa.float64()), "predicted_seconds": pa.array(pred, pa.float64()),
+    })
+
+
+def analytic_points(batches: Sequence[int], contexts: Sequence[int],
+                    budgets: Sequence[int]) -> list[tuple[int, int, int, None]]:
+    return [(b, c, k, None) for b in batches for c in contexts for k in budgets]
+
+
+def load_cost(path, cfg: ModelConfig) -> CostModel:
+    """A cost artifact's model, checked against `cfg`'s shape."""
+    from sparrow.schemas import artifact_metadata, read_artifact
+
+    table = read_artifact(path, "cost")
+    model = CostModel.from_metadata(artifact_metadata(table), str(path))
+    model.check_model(cfg, str(path))
+    return model

@@ -1,0 +1,154 @@
+"""The decode-step cost model: features, analytic presets, the fit, and `sparrow fit-cost`."""
+
+import json
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from sparrow.cli.app import app
+from sparrow.schemas import artifact_metadata, read_artifact
+from sparrow.stages import attention
+from sparrow.stages.cost import (
+    DEFAULT_DENSE_LAYERS,
+    FEATURES,
+    HARDWARE,
+    PAGE_SIZE,
+    CostError,
+    CostModel,
+    analytic,
+    fit,
+    get_hardware,
+    load_cost,
+    nnls,
+)
+from sparrow.stages.model.presets import get_preset
+from sparrow.stages.schedule import Schedule
+
+runner = CliRunner()
+QWEN4B = get_preset("qwen3-4b").config
+
+
+def test_constants_match_the_attention_package():
+    assert PAGE_SIZE == attention.PAGE_SIZE
+    assert DEFAULT_DENSE_LAYERS == attention.DEFAULT_DENSE_LAYERS
+
+
+def test_features_follow_the_selection_rule():
+    cm = analytic(QWEN4B, "h100")
+    layers, sparse = QWEN4B.num_layers, QWEN4B.num_layers - 2
+    step, seq, kv, page = cm.features(4, 10000, 0)
+    assert (step, seq, kv, page) == (1, 4, 4 * layers * 10000, 0)
+    _, _, kv, page = cm.features(4, 10000, 1024)
+    assert kv == 4 * (2 * 10000 + sparse * 1024)
+    assert page == 4 * sparse * np.ceil(10000 / 16)
+    assert (cm.features(4, 1024, 1024) == cm.features(4, 1024, 0)).all()  # all pages fit: dense
+    budgets = np.arange(48, 16000, 16)  # below the context: more budget, more cost
+    assert (np.diff(cm.step_seconds(8, 16000, budgets)) > 0).all()
+    assert cm.step_seconds(8, 16000, 16000) == cm.step_seconds(8, 16000, 0)
+
+
+def test_analytic_step_respects_the_memory_bound():
+    for name, hw in HARDWARE.items():
+        cm = analytic(QWEN4B, name)
+        context, batch = 32768, 64
+        weights = cm.config.num_parameters * 2  # tied embeddings: all weights are read
+        kv = batch * context * QWEN4B.kv_bytes_per_token(2)
+        bound = (weights + kv) / hw.bandwidth
+        assert bound < cm.step_seconds(batch, context, 0) < 1.5 * bound + hw.overhead
+
+
+def test_analytic_speedup_grows_with_generation_length():
+    cm = analytic(QWEN4B, "h200")
+    s = Schedule(tuple(range(0, 40000, 2000)), (512, 768, 1024, 1280, 1536, 2048, 2560, 3584, 4096,
+                                                  4096, 5120, 5120, 5120, 5120, 6144, 6144, 6144,
+                                                  6144, 8192, 8192))
+    speedups = [cm.speedup(s.budgets_at, n, 64) for n in (2048, 8192, 32768)]
+    assert 1 < speedups[0] < speedups[1] < speedups[2]
+
+
+def test_unknown_hardware_is_one_sentence():
+    with pytest.raises(CostError, match="unknown hardware 'b300'.*h100, h200, a100"):
+        get_hardware("b300")
+
+
+def test_nnls_recovers_non_negative_coefficients():
+    rng = np.random.default_rng(0)
+    a = rng.uniform(0, 1, (40, 4)) * np.array([1, 10, 1e5, 1e3])
+    true = np.array([0.5, 0.0, 2e-6, 3e-4])
+    assert np.allclose(nnls(a, a @ true), true, rtol=1e-6, atol=1e-12)
+    x = nnls(a, a @ np.array([0.5, -0.2, 2e-6, 3e-4]))
+    assert (x >= 0).all()
+
+
+def test_fit_recovers_a_known_cost_model():
+    truth = analytic(QWEN4B, "a100")
+    points = [(b, c, k, float(truth.step_seconds(b, c, k)))
+              for b in (1, 8, 32) for c in (1024, 4096, 16384) for k in (0, 256, 2048)]
+    fitted = fit(QWEN4B, points, "synthetic")
+    assert fitted.extra["median_relative_error"] < 1e-6
+    for k in FEATURES:
+        assert fitted.coefficients[k] == pytest.approx(truth.coefficients[k], rel=1e-4)
+
+
+def test_fit_cost_hardware_writes_the_analytic_preset(tmp_path):
+    out = tmp_path / "cost.parquet"
+    result = runner.invoke(app, ["fit-cost", "--model", "qwen3-4b", "--hardware", "h200", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    table = read_artifact(out, "cost")
+    assert table.column("seconds").null_count == table.num_rows
+    assert set(table.column("device").to_pylist()) == {"h200"}
+    meta = artifact_metadata(out)
+    assert meta["source"] == "analytic:h200" and json.loads(meta["hardware"])["name"] == "h200"
+    model = load_cost(out, QWEN4B)
+    assert model.coefficients == analytic(QWEN4B, "h200").coefficients
+    rows = table.to_pylist()
+    pred = model.step_seconds(np.array([r["batch"] for r in rows]), np.array([r["context"] for r in rows]),
+                              np.array([r["budget"] or 0 for r in rows]))
+    assert np.allclose(pred, [r["predicted_seconds"] for r in rows])
+
+
+def test_cost_artifact_for_another_shape_is_rejected(tmp_path):
+    out = tmp_path / "cost.parquet"
+    runner.invoke(app, ["fit-cost", "--model", "qwen3-8b", "--hardware", "h100", "-o", str(out)])
+    with pytest.raises(CostError, match="another model shape"):
+        load_cost(out, QWEN4B)
+
+
+@pytest.mark.parametrize("args,phrase", [
+    (["--hardware", "b300"], "unknown hardware 'b300'"),
+    (["--hardware", "h100", "--device", "cpu"], "pass only one"),
+    (["--device", "cpu", "--budgets", "dense,100"], "not a multiple of the page size"),
+    (["--device", "cpu", "--contexts", "100000"], "exceeds the model's context"),
+    (["--device", "tpu"], "--device must be cpu or cuda"),
+])
+def test_fit_cost_bad_input(tmp_path, args, phrase):
+    out = tmp_path / "cost.parquet"
+    result = runner.invoke(app, ["fit-cost", "--model", "smollm2-135m", *args, "-o", str(out)])
+    assert result.exit_code != 0
+    lines = [ln for ln in result.output.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1 and phrase in lines[0], result.output
+    assert not out.exists()
+
+
+def test_measured_fit_on_cpu_is_within_ten_percent(tmp_path):
+    """A small grid of real decode steps of the 30-layer SmolLM2 shape (random weights) on the CPU."""
+    import torch
+
+    threads = torch.get_num_threads()
+    try:
+        out = tmp_path / "cost.parquet"
+        result = runner.invoke(app, ["fit-cost", "--model", "smollm2-135m", "--device", "cpu",
+                                     "--batches", "1,2", "--contexts", "256,512,1024",
+                                     "--budgets", "dense,128", "--repeats", "5", "--warmup", "1",
+                                     "--threads", "1", "-o", str(out)])  # 1 thread: steadier
+    finally:
+        torch.set_num_threads(threads)
+    assert result.exit_code == 0, result.output
+    meta = artifact_metadata(out)
+    assert meta["source"] == "measured:cpu" and meta["points"] == 12 and meta["threads"] == 1
+    assert meta["median_relative_error"] <= 0.10, result.output
+    table = read_artifact(out, "cost")
+    assert table.column("seconds").null_count == 0
+    model = CostModel.from_metadata(meta, str(out))
+    assert all(v >= 0 for v in model.coefficients.values())
