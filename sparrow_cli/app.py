@@ -10,7 +10,16 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import typer  # noqa: E402
 
-from . import calibrate, models, profile, prompts, sql  # noqa: E402
+from . import (  # noqa: E402
+    calibrate,
+    cost,
+    models,
+    plan,
+    profile,
+    prompts,
+    rollout,  # noqa: E402
+    sql,
+)
 
 app = typer.Typer(
     name="sparrow",
@@ -26,6 +35,9 @@ app.command("prompts")(prompts.prompts)
 app.command("sql")(sql.sql)
 app.command("profile")(profile.profile)
 app.command("calibrate-threshold")(calibrate.calibrate_threshold)
+app.command("fit-cost")(cost.fit_cost)
+app.command("plan-schedule")(plan.plan_schedule)
+app.command("rollout")(rollout.rollout)
 
 
 def main() -> None:

@@ -119,7 +119,7 @@ def score_sequences(model: Transformer, prompts: Sequence[Sequence[int]],
         sl = slice(lo, min(rows, lo + vocab_chunk))
         tgt = targets[sl, None]
 
-        def logprobs(h: Tensor) -> Tensor:
+        def logprobs(h: Tensor, sl: slice = sl) -> Tensor:
             return torch.log_softmax(model.lm_head(h[seq_idx[sl], tok_idx[sl]]).float() / temp, -1)
 
         ld = logprobs(hidden[None])

@@ -152,10 +152,10 @@ def summarize(mismatch: pa.Table, quantile: float = 0.05,
     threshold. The same GROUP BY a user would type into `sparrow sql`."""
     con = duckdb.connect()
     con.register("mismatch", mismatch)
-    return con.execute(
+    return con.sql(
         """SELECT bin, budget, count(*) AS tokens, avg(alpha) AS mean_alpha,
                   quantile_cont(alpha::DOUBLE, ?) AS tail_alpha,
                   quantile_cont(alpha::DOUBLE, ?) >= ? AS above
            FROM mismatch GROUP BY bin, budget ORDER BY bin, budget""",
-        [quantile, quantile, threshold],
+        params=[quantile, quantile, threshold],
     ).to_arrow_table()

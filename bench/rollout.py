@@ -1,0 +1,206 @@
+"""Rollout engine throughput: dense vs block top-k sparse engine vs Hugging Face `generate` (CPU or GPU).
+
+Issue targets (reported, not asserted), SmolLM2-135M, one ~6K-token kv_lookup prompt, 8 samples x 1,024
+new tokens, EOS ignored so every run does the same work: the sparse engine at budget 512 reaches >= 2x
+the dense engine's decode tokens/s, and the dense engine >= HF generate on the same batch.
+Measured in one process on the same device: the dense engine, the sparse engine at a fixed budget and
+with a schedule, and transformers' greedy `generate` on the same weights (the embedded checkpoint
+directory) with the prompt repeated once per sample (HF prefills every copy; the engine prefills once
+and shares the pages, so end-to-end numbers favour the engine and decode-only numbers are the fair
+comparison). Per decode step, the fraction of the memory-bandwidth limit reached = (weight bytes + KV
+bytes read) / step time / the device's copy bandwidth (a large tensor copy, read + write).
+Writes bench/results/rollout.parquet.
+
+    .venv/bin/python bench/rollout.py                         # the full run (long on a CPU)
+    .venv/bin/python bench/rollout.py --context 1000 --new-tokens 64 --samples 4   # a quick one
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+from sparrow.stages.model.loading import embedded_checkpoint, load_model
+from sparrow.stages.rollout import Engine, SamplingParams, tune_cpu_allocator
+from sparrow.stages.schedule import Schedule
+from sparrow.stages.tasks import make_prompts
+
+
+def copy_bandwidth(device: torch.device, gib: float = 1.0) -> float:
+    """Bytes/s of a large device copy (read + write counted), best of 5."""
+    n = int(gib * 2**30) // 4
+    src = torch.ones(n, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(5):
+        sync(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n * 4 / best
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def weight_bytes(model) -> int:
+    seen, total = set(), 0
+    for name, p in model.named_parameters():
+        if p.data_ptr() in seen:
+            continue
+        seen.add(p.data_ptr())
+        if name == "embed_tokens.weight" and not model.cfg.tie_word_embeddings:
+            continue  # an untied embedding is read one row per token, not whole
+        total += p.numel() * p.element_size()
+    return total
+
+
+def kv_bytes_per_step(cfg, prompt: int, new: int, samples: int, budget_at, dense_layers, elem: int,
+                      page: int = 16) -> float:
+    """Mean K+V (+ centroid) bytes one decode step reads over the run."""
+    per_token = 2 * cfg.num_kv_heads * cfg.head_dim * elem
+    total = 0.0
+    for i in range(1, new):  # decode steps: cache holds prompt + i tokens
+        n = prompt + i
+        b = budget_at(n) if budget_at else 0
+        n_pages = -(-n // page)
+        sparse = b > 0 and n_pages > b // page
+        kept = min(n, b) if sparse else n
+        n_sparse = cfg.num_layers - len(dense_layers) if b > 0 else 0
+        layers_tokens = (cfg.num_layers - n_sparse) * n + n_sparse * kept
+        centroids = n_sparse * n_pages * cfg.num_kv_heads * cfg.head_dim * 4
+        total += samples * (layers_tokens * per_token + centroids)
+    return total / max(new - 1, 1)
+
+
+def run_engine(model, prompt, args, sparsity, label):
+    engine = Engine(model, sparsity, max_batch=args.samples)
+    params = SamplingParams(max_new_tokens=args.new_tokens, n=args.samples, temperature=args.temperature,
+                            seed=0, ignore_eos=True)
+    t0 = time.perf_counter()
+    out = engine.generate([prompt], params)
+    total = time.perf_counter() - t0
+    s = engine.stats
+    assert all(len(c.token_ids) == args.new_tokens for c in out[0])
+    return {"engine": label, "total_s": total, "prefill_s": s.prefill_s, "decode_s": s.decode_s,
+            "decode_steps": s.decode_steps, "step_ms": 1e3 * float(np.mean(s.step_times)),
+            "mean_budget": s.budget_sum / max(s.decode_tokens, 1)}, engine.budget_at
+
+
+def run_hf(args, prompt, device, dtype):
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(embedded_checkpoint(), dtype=dtype).to(device)
+    hf.eval()
+    x = torch.tensor([prompt] * args.samples, device=device)
+    stamps = []
+
+    class Stamp(transformers.LogitsProcessor):  # called once per forward: marks the steps
+        def __call__(self, ids, scores):
+            sync(device)
+            stamps.append(time.perf_counter())
+            return scores
+
+    kw = dict(do_sample=False)
+    if args.temperature > 0:
+        kw = dict(do_sample=True, temperature=args.temperature, top_p=1.0, top_k=0)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=args.new_tokens,
+                          min_new_tokens=args.new_tokens, pad_token_id=0,
+                          logits_processor=[Stamp()], **kw)
+    sync(device)
+    total = time.perf_counter() - t0
+    assert out.shape[1] - len(prompt) == args.new_tokens
+    steps = np.diff(stamps)
+    del hf
+    return {"engine": "hf-generate", "total_s": total, "prefill_s": stamps[0] - t0,
+            "decode_s": float(steps.sum()), "decode_steps": len(steps),
+            "step_ms": 1e3 * float(steps.mean()) if len(steps) else float("nan"), "mean_budget": 0.0}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--context", type=int, default=6000, help="prompt tokens (kv_lookup)")
+    ap.add_argument("--samples", type=int, default=8)
+    ap.add_argument("--new-tokens", type=int, default=1024)
+    ap.add_argument("--budget", type=int, default=512)
+    ap.add_argument("--schedule", default=None, help="a schedule artifact (default: 256 below 4K "
+                    "tokens, 512 to 6.5K, 768 beyond)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (all runs)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    ap.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if device.type == "cpu":
+        tune_cpu_allocator()  # for every run in this process, HF included
+    loaded = load_model(args.model, device=str(device), dtype=dtype)
+    model, cfg = loaded.model, loaded.config
+    prompt = make_prompts("kv_lookup", 1, 0, loaded.tokenizer, context_tokens=args.context)[0]
+    prompt = list(prompt["prompt_token_ids"])
+    schedule = (Schedule.from_artifact(args.schedule) if args.schedule
+                else Schedule((0, 4096, 6656), (256, 512, 768)))
+    bw = copy_bandwidth(device)
+    w_bytes = weight_bytes(model)
+    elem = torch.tensor([], dtype=dtype).element_size()
+
+    rows = []
+    for label, sparsity in (("dense", None), (f"sparse-{args.budget}", args.budget),
+                            ("sparse-schedule", schedule)):
+        row, budget_at = run_engine(model, prompt, args, sparsity, label)
+        row["kv_bytes_per_step"] = kv_bytes_per_step(cfg, len(prompt), args.new_tokens, args.samples,
+                                                     budget_at, (0, 1), elem)
+        rows.append(row)
+        print(f"  {label}: {row['total_s']:.1f} s", flush=True)
+    if not args.no_hf:
+        row = run_hf(args, prompt, device, dtype)
+        row["kv_bytes_per_step"] = kv_bytes_per_step(cfg, len(prompt), args.new_tokens, args.samples,
+                                                     None, (0, 1), elem)
+        rows.append(row)
+        print(f"  hf-generate: {row['total_s']:.1f} s", flush=True)
+
+    tokens = args.samples * args.new_tokens
+    decode_tokens = args.samples * (args.new_tokens - 1)
+    dense = rows[0]
+    for r in rows:
+        r["tok_s"] = tokens / r["total_s"]
+        r["decode_tok_s"] = decode_tokens / r["decode_s"] if r["decode_s"] > 0 else float("nan")
+        r["x_dense_decode"] = r["decode_tok_s"] / (decode_tokens / dense["decode_s"])
+        r["bytes_per_step"] = w_bytes + r["kv_bytes_per_step"]
+        r["bw_fraction"] = r["bytes_per_step"] / (r["step_ms"] / 1e3) / bw
+        r.update(prompt_tokens=len(prompt), samples=args.samples, new_tokens=args.new_tokens,
+                 device=str(device), threads=torch.get_num_threads(), copy_gb_s=bw / 1e9)
+    print(f"{loaded.name}, prompt {len(prompt)} tokens, {args.samples} samples x {args.new_tokens} new "
+          f"tokens (EOS ignored, temperature {args.temperature}), {device} "
+          f"({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads), "
+          f"copy bandwidth {bw / 1e9:.1f} GB/s, weights {w_bytes / 1e6:.0f} MB")
+    head = (f"{'engine':>16} {'total s':>8} {'prefill s':>9} {'decode s':>9} {'tok/s':>7} "
+            f"{'dec tok/s':>9} {'x dense':>7} {'step ms':>8} {'MB/step':>8} {'BW frac':>7}")
+    print(head)
+    for r in rows:
+        print(f"{r['engine']:>16} {r['total_s']:>8.1f} {r['prefill_s']:>9.1f} {r['decode_s']:>9.1f} "
+              f"{r['tok_s']:>7.1f} {r['decode_tok_s']:>9.1f} {r['x_dense_decode']:>7.2f} "
+              f"{r['step_ms']:>8.1f} {r['bytes_per_step'] / 1e6:>8.0f} {r['bw_fraction']:>7.2f}")
+    out = Path(__file__).parent / "results" / "rollout.parquet"
+    out.parent.mkdir(exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(rows), out)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

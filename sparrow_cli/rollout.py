@@ -1,0 +1,174 @@
+"""`sparrow rollout`: batched sampling with the schedule's sparse attention, to a rollouts artifact."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from .common import UsageError, console, friendly_errors
+
+
+def _sparsity(schedule: Path | None, budget: int | None, dense: bool, page_size: int):
+    """The one sparsity spec the user gave (None = dense), validated."""
+    from sparrow.stages.attention import validate_budget
+    from sparrow.stages.schedule import Schedule
+
+    given = [f for f, v in (("--schedule", schedule), ("--budget", budget), ("--dense", dense)) if v]
+    if len(given) > 1:
+        raise UsageError(f"{' and '.join(given)} were given together; pick one of --schedule, "
+                         "--budget and --dense")
+    if budget is not None:
+        try:
+            validate_budget(budget, page_size)
+        except ValueError as e:
+            raise UsageError(f"--budget: {e}") from None
+        return budget
+    if schedule is not None:
+        if not schedule.exists():
+            raise UsageError(f"{schedule}: no such schedule file")
+        sched = Schedule.from_artifact(schedule)
+        if sched.page_size != page_size:
+            raise UsageError(f"{schedule}: the schedule was planned for pages of {sched.page_size} "
+                             f"tokens, but the engine uses pages of {page_size}")
+        for b in sched.budgets:
+            if b:
+                try:
+                    validate_budget(b, page_size)
+                except ValueError as e:
+                    raise UsageError(f"{schedule}: {e}") from None
+        return sched
+    return None
+
+
+def _prompt_rows(path: Path) -> list[dict]:
+    from sparrow.schemas import read_artifact
+
+    if not path.exists():
+        raise UsageError(f"{path}: no such prompts file")
+    table = read_artifact(path, "prompts")
+    if table.num_rows == 0:
+        raise UsageError(f"{path}: the prompt set is empty")
+    cols = [c for c in ("prompt_id", "task", "prompt", "prompt_token_ids", "answer", "metadata")
+            if c in table.column_names]
+    return table.select(cols).to_pylist()
+
+
+@friendly_errors
+def rollout(
+    model: str = typer.Option("smollm2-135m", "--model", help="Preset, checkpoint dir or .gguf."),
+    prompts: Path = typer.Option(..., "--prompts", help="A prompts artifact (sparrow prompts)."),
+    schedule: Path = typer.Option(None, "--schedule", help="A schedule artifact (sparrow plan-schedule)."),
+    budget: int = typer.Option(None, "--budget", help="A fixed budget in tokens (multiple of 16, "
+                               "at least 48)."),
+    dense: bool = typer.Option(False, "--dense", help="Dense attention (the default)."),
+    samples: int = typer.Option(1, "--samples", help="Samples per prompt (they share one prefill)."),
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens"),
+    temperature: float = typer.Option(1.0, "--temperature", help="0 = greedy."),
+    top_p: float = typer.Option(1.0, "--top-p"),
+    top_k: int = typer.Option(0, "--top-k", help="0 = off."),
+    seed: int = typer.Option(0, "--seed"),
+    ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Always generate --max-new-tokens."),
+    max_batch: int = typer.Option(16, "--max-batch", help="Samples decoded together."),
+    lora: Path = typer.Option(None, "--lora", help="A peft LoRA adapter directory for the sparse actor."),
+    device: str = typer.Option("cpu", "--device", help="cpu or cuda (bf16 and Triton kernels)."),
+    output: Path = typer.Option(..., "-o", "--output", help="Where to write the rollouts artifact."),
+) -> None:
+    """Generate K samples per prompt with dense, fixed-budget or scheduled block top-k sparse attention:
+    tokens, sampled-token logprobs, the budget of every token, finish reason and the task's reward."""
+    import torch
+
+    from sparrow.schemas import write_artifact
+    from sparrow.stages.attention import PAGE_SIZE
+    from sparrow.stages.model.loading import load_model, resolve_config
+    from sparrow.stages.rollout import RolloutOptions, load_lora, run_rollouts
+
+    sparsity = _sparsity(schedule, budget, dense, PAGE_SIZE)
+    for flag, value in (("--samples", samples), ("--max-new-tokens", max_new_tokens),
+                        ("--max-batch", max_batch)):
+        if value < 1:
+            raise UsageError(f"{flag} must be at least 1, got {value}")
+    if temperature < 0:
+        raise UsageError(f"--temperature must be >= 0, got {temperature}")
+    if not 0 < top_p <= 1:
+        raise UsageError(f"--top-p must be in (0, 1], got {top_p}")
+    if top_k < 0:
+        raise UsageError(f"--top-k must be >= 0, got {top_k}")
+    if device not in ("cpu", "cuda"):
+        raise UsageError(f"--device must be cpu or cuda, got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda was given but no CUDA device is available")
+    if lora is not None and not (lora / "adapter_config.json").exists():
+        raise UsageError(f"{lora}: not a LoRA adapter directory (no adapter_config.json)")
+    cfg = resolve_config(model)
+    rows = _prompt_rows(prompts)
+    context = cfg.max_position_embeddings
+
+    def check(rows_with_ids: list[dict]) -> None:
+        longest = max(rows_with_ids, key=lambda r: len(r["prompt_token_ids"]))
+        if len(longest["prompt_token_ids"]) + max_new_tokens > context:
+            raise UsageError(
+                f"{prompts}: prompt {longest['prompt_id']!r} has {len(longest['prompt_token_ids'])} "
+                f"tokens, which with --max-new-tokens {max_new_tokens} exceeds the model's context "
+                f"of {context}")
+
+    if all(r.get("prompt_token_ids") for r in rows):
+        check(rows)  # before any weights are read
+    loaded = load_model(model, device=device,
+                        dtype=torch.bfloat16 if device == "cuda" else torch.float32)
+    for r in rows:
+        if not r.get("prompt_token_ids"):
+            if loaded.tokenizer is None:
+                raise UsageError(f"{prompts}: prompt {r['prompt_id']!r} has only text and the model "
+                                 "has no tokenizer; write prompts with token ids")
+            r["prompt_token_ids"] = loaded.tokenizer(r["prompt"], add_special_tokens=False).input_ids
+    check(rows)
+    opts = RolloutOptions(samples=samples, max_new_tokens=max_new_tokens, temperature=temperature,
+                          top_p=top_p, top_k=top_k, seed=seed, ignore_eos=ignore_eos,
+                          max_batch=max_batch, sparsity=sparsity,
+                          lora=load_lora(lora) if lora is not None else None)
+
+    total = len(rows) * samples
+    start = time.perf_counter()
+    state = {"tokens": 0, "done": 0}
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), console=console,
+                  transient=True) as bar:
+        task = bar.add_task("rollouts (samples)", total=total, rate="")
+
+        def on_step(new_tokens: int, finished: int) -> None:
+            state["tokens"] += new_tokens
+            state["done"] += finished
+            rate = state["tokens"] / max(time.perf_counter() - start, 1e-9)
+            bar.update(task, completed=state["done"],
+                       rate=f"{state['tokens']} tokens, {rate:,.1f} tok/s")
+
+        table, summary = run_rollouts(loaded, rows, opts, on_step)
+    mode = ("dense" if sparsity is None else f"budget {sparsity}" if isinstance(sparsity, int)
+            else f"schedule {schedule}")
+    write_artifact(table, output, "rollouts", metadata={
+        "model": loaded.name, "prompts": str(prompts), "sparsity": mode, "samples": samples,
+        "max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k,
+        "seed": seed, "ignore_eos": ignore_eos, "page_size": PAGE_SIZE, "device": device,
+        "lora": str(lora) if lora else ""})
+    print_summary(summary, mode)
+    console.print(f"wrote {table.num_rows} rollouts to {output}")
+
+
+def print_summary(s, mode: str) -> None:
+    t = Table(title=f"rollouts ({mode})")
+    t.add_column("")
+    t.add_column("value", justify="right")
+    t.add_row("samples", str(s.samples))
+    t.add_row("generated tokens", str(s.tokens))
+    t.add_row("seconds (prefill + decode)", f"{s.seconds:.1f} ({s.prefill_seconds:.1f} + "
+              f"{s.decode_seconds:.1f})")
+    t.add_row("tokens / s", f"{s.tokens_per_s:,.1f}")
+    t.add_row("mean budget (sparse tokens)", "dense" if s.mean_budget is None else f"{s.mean_budget:.0f}")
+    t.add_row("dense tokens", f"{100 * s.dense_fraction:.1f}%")
+    t.add_row("stopped at EOS", f"{100 * s.stop_fraction:.1f}%")
+    t.add_row("mean reward", "n/a" if s.reward_mean is None else f"{s.reward_mean:.3f}")
+    console.print(t)

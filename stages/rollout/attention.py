@@ -1,0 +1,76 @@
+"""The engine's `Attention` objects: our decoder calls them once per layer with post-RoPE q, k, v.
+
+`PrefillAttention`: prompts (right-padded to one length) attend causally to themselves with plain
+SDPA (prefill is dense), and their keys/values are scattered into the pages (`ops.write_prefill`,
+which also sets the page centroids).
+`DecodeAttention`: one new token per running sequence. Its k/v are appended to the sequence's page
+(`ops.append_kv`, incremental centroid), then the query attends either to every page
+(`ops.dense_paged_attention`) or, in sparse layers when some request has a budget, to the pages
+chosen by block top-k (`ops.select_pages` + `ops.sparse_paged_attention`). Requests with budget 0 in a
+sparse step keep all their pages, so mixed batches need no special case.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..model.llama import AttentionContext
+from .kv_cache import PagedKVCache
+
+
+def _ops():
+    from sparrow.kernels import ops
+
+    return ops
+
+
+class PrefillAttention:
+    def __init__(self, cache: PagedKVCache, valid: Tensor, slots: Tensor, impl: str = "auto"):
+        """valid [G, T] bool (real prompt tokens); slots [N] int64, one per valid token in row order."""
+        self.cache, self.valid, self.slots, self.impl = cache, valid, slots, impl
+        self.ops = _ops()
+
+    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext) -> Tensor:
+        k_pages, v_pages, centroids = self.cache.layer(layer)
+        kt, vt = k.transpose(1, 2), v.transpose(1, 2)  # [G, T, Hkv, D]
+        if kt.shape[0] == 1 and bool(self.valid.all()):
+            kv_new, vv_new = kt[0], vt[0]
+        else:
+            kv_new, vv_new = kt[self.valid], vt[self.valid]
+        self.ops.write_prefill(k_pages, v_pages, centroids, kv_new, vv_new, self.slots)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
+class DecodeAttention:
+    def __init__(self, cache: PagedKVCache, block_table: Tensor, seq_lens: Tensor, budgets: Tensor,
+                 slots: Tensor, dense_layers: Collection[int], scale: float, impl: str = "auto",
+                 any_sparse: bool | None = None, max_selected: int | None = None):
+        """block_table [B, max_pages] int32 (-1 unused), seq_lens [B] int32 (including the new token),
+        budgets [B] int32 (0 = dense), slots [B] int64 (where the new token's k/v go).
+        `max_selected`: a bound on the kept pages, so that selection needs no device-to-host sync
+        (the engine passes it on CUDA)."""
+        self.cache, self.block_table, self.seq_lens = cache, block_table, seq_lens
+        self.budgets, self.slots, self.scale, self.impl = budgets, slots, scale, impl
+        self.dense_layers = frozenset(dense_layers)
+        self.any_sparse = bool((budgets > 0).any()) if any_sparse is None else any_sparse
+        self.max_selected = max_selected
+        self.ops = _ops()
+
+    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext) -> Tensor:
+        ops = self.ops
+        k_pages, v_pages, centroids = self.cache.layer(layer)
+        ops.append_kv(k_pages, v_pages, centroids, k[:, :, 0], v[:, :, 0], self.slots, impl=self.impl)
+        q1 = q[:, :, 0]  # [B, Hq, D]
+        if self.any_sparse and layer not in self.dense_layers:
+            selected = ops.select_pages(q1, centroids, self.block_table, self.seq_lens, self.budgets,
+                                        page_size=self.cache.page_size, impl=self.impl,
+                                        max_selected=self.max_selected)
+            out = ops.sparse_paged_attention(q1, k_pages, v_pages, self.block_table, self.seq_lens,
+                                             selected, self.scale, impl=self.impl)
+        else:
+            out = ops.dense_paged_attention(q1, k_pages, v_pages, self.block_table, self.seq_lens,
+                                            self.scale, impl=self.impl)
+        return out[:, :, None].to(q.dtype)

@@ -1,0 +1,319 @@
+"""`Engine`: paged KV cache + continuous batching + block top-k sparse decode, over our decoder.
+
+    engine = Engine(model, sparsity=Schedule(...) | 512 | None, max_batch=16)
+    results = engine.generate(prompts, SamplingParams(n=8, max_new_tokens=1024, temperature=1.0))
+
+One engine step is either a prefill (new prompts, dense, padded into one batch) or a decode step
+(one token for every running sample). The n samples of a prompt share one prefill: its full pages are
+shared through the block tables (reference counted) and the partial last page is copied per sample.
+Each decode step uses, per sample, the budget of the sparsity schedule at the cache length at which
+the token is produced (`budget_at(num_tokens)`, query at position num_tokens - 1), so the rollout's
+logprobs are exactly those teacher-forced sparse scoring gives (`stages.mismatch.score_sequences`).
+On a CPU the kernels are their batched torch references in fp32; on CUDA the Triton kernels.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..attention import DEFAULT_DENSE_LAYERS, PAGE_SIZE, validate_budget
+from ..model.llama import Transformer
+from ..schedule import Schedule
+from .attention import DecodeAttention, PrefillAttention
+from .block_manager import BlockManager
+from .kv_cache import PagedKVCache
+from .sampler import sample_tokens
+from .scheduler import Scheduler, pages_needed
+from .sequence import BudgetFn, Completion, Request, SamplingParams, Sequence
+
+Sparsity = BudgetFn | Schedule | int | str | None  # None / 0 / "dense": dense
+
+
+def budget_fn(sparsity: Sparsity, page_size: int = PAGE_SIZE) -> BudgetFn | None:
+    """Normalise a sparsity spec (None | 'dense' | 'budget:B' | B | Schedule | callable) and validate
+    its budgets for the page size."""
+    if sparsity is None or sparsity == "dense" or sparsity == 0:
+        return None
+    if isinstance(sparsity, Schedule):
+        if sparsity.page_size != page_size:
+            raise ValueError(f"the schedule is for pages of {sparsity.page_size} tokens, "
+                             f"the engine uses {page_size}")
+        for b in sparsity.budgets:
+            if b:
+                validate_budget(b, page_size)
+        return sparsity.budget_at
+    if callable(sparsity):
+        return sparsity
+    budget = int(sparsity.split(":", 1)[1]) if isinstance(sparsity, str) else int(sparsity)
+    validate_budget(budget, page_size)
+    return lambda _: budget
+
+
+def tune_cpu_allocator() -> bool:
+    """Keep glibc from returning large freed blocks to the OS after every step.
+
+    A CPU decode step allocates and frees tens of MB of gathered K/V per layer; with glibc's defaults
+    these come from fresh mmaps (or a heap that is trimmed on free), so every step pays a page fault
+    per 4 KiB, which measured 2-3x the whole step time at 6K context. Raising the mmap and trim
+    thresholds and padding the heap (what tcmalloc/jemalloc give for free) removes that. Process-wide;
+    returns False where it does not apply (not glibc)."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        ok = libc.mallopt(-3, ctypes.c_int(1 << 30))  # M_MMAP_THRESHOLD: 1 GiB
+        ok &= libc.mallopt(-1, ctypes.c_int(2**31 - 1))  # M_TRIM_THRESHOLD: never trim
+        ok &= libc.mallopt(-2, ctypes.c_int(1 << 30))  # M_TOP_PAD: grow the heap 1 GiB at a time
+        return bool(ok)
+    except (OSError, AttributeError):
+        return False
+
+
+@dataclass
+class EngineStats:
+    prefill_tokens: int = 0
+    generated_tokens: int = 0
+    decode_steps: int = 0
+    decode_tokens: int = 0
+    budget_sum: int = 0  # over decode tokens, dense counted as 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    step_times: list[float] = field(default_factory=list)
+
+    @property
+    def seconds(self) -> float:
+        return self.prefill_s + self.decode_s
+
+
+class Engine:
+    def __init__(self, model: Transformer, sparsity: Sparsity = None, *, max_batch: int = 16,
+                 num_pages: int | None = None, page_size: int = PAGE_SIZE,
+                 dense_layers: Seq[int] = DEFAULT_DENSE_LAYERS, eos_ids: Seq[int] | None = None,
+                 max_prefill_tokens: int = 8192, impl: str = "auto", tune_allocator: bool = True):
+        """`num_pages`: size of the KV page pool (None: sized from the first requests).
+        `tune_allocator`: on a CPU, call `tune_cpu_allocator()` (process-wide glibc settings)."""
+        if max_batch < 1:
+            raise ValueError("max_batch must be at least 1")
+        self.model, self.cfg = model, model.cfg
+        self.device = model.embed_tokens.weight.device
+        self.dtype = model.embed_tokens.weight.dtype
+        if tune_allocator and self.device.type == "cpu":
+            tune_cpu_allocator()
+        self.page_size, self.dense_layers, self.impl = page_size, tuple(dense_layers), impl
+        self.budget_at = budget_fn(sparsity, page_size)
+        self.eos_ids = frozenset(self.cfg.eos_token_ids if eos_ids is None else eos_ids)
+        self.max_batch, self.max_prefill_tokens = max_batch, max_prefill_tokens
+        self.scale = 1.0 / math.sqrt(self.cfg.head_dim)
+        self.num_pages = num_pages
+        self.cache: PagedKVCache | None = None
+        self.scheduler: Scheduler | None = None
+        self.stats = EngineStats()
+        self._next_id = 0
+        self._pending: list[Request] = []
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(self, prompt: Seq[int], params: SamplingParams, request_id: int | None = None,
+                    sparsity: Sparsity = "engine") -> int:
+        """Queue a prompt (token ids) for `params.n` samples; `sparsity` overrides the engine's."""
+        prompt = [int(t) for t in prompt]
+        if not prompt:
+            raise ValueError("every prompt needs at least one token")
+        if len(prompt) + params.max_new_tokens > self.cfg.max_position_embeddings:
+            raise ValueError(f"a prompt of {len(prompt)} tokens with max_new_tokens "
+                             f"{params.max_new_tokens} exceeds the model's context of "
+                             f"{self.cfg.max_position_embeddings}")
+        rid = self._next_id if request_id is None else request_id
+        self._next_id = max(self._next_id, rid + 1)
+        fn = self.budget_at if sparsity == "engine" else budget_fn(sparsity, self.page_size)
+        req = Request(rid, prompt, params, fn, frozenset() if params.ignore_eos else self.eos_ids)
+        if self.scheduler is None:
+            self._pending.append(req)
+        else:
+            self.scheduler.add(req)
+        return rid
+
+    def _start(self) -> None:
+        reqs = self._pending
+        if self.num_pages is None:
+            need = [pages_needed(len(r.prompt), r.params.n, r.params.max_new_tokens, self.page_size)
+                    for r in reqs] or [(0, 1)]
+            group = max(s + r.params.n * o for r, (s, o) in zip(reqs, need))
+            per_seq = max(s + o for s, o in need)
+            seqs = sum(r.params.n for r in reqs)
+            self.num_pages = max(group, min(self.max_batch, max(seqs, 1)) * per_seq)
+        self.cache = PagedKVCache(self.cfg, self.num_pages, self.page_size, self.dtype, self.device)
+        self.blocks = BlockManager(self.num_pages, self.page_size)
+        self.scheduler = Scheduler(self.blocks, self.max_batch, self.max_prefill_tokens)
+        for r in reqs:
+            self.scheduler.add(r)
+        self._pending = []
+
+    def has_work(self) -> bool:
+        return bool(self._pending) or (self.scheduler is not None and self.scheduler.has_work())
+
+    # ------------------------------------------------------------------ the loop
+
+    @torch.inference_mode()
+    def step(self) -> tuple[list[Completion], int]:
+        """Run one prefill or decode step; returns (samples finished in it, tokens generated)."""
+        if self.scheduler is None:
+            self._start()
+        kind, batch = self.scheduler.schedule()
+        t0 = time.perf_counter()
+        if kind == "prefill":
+            seqs = self._prefill(batch)
+            new = len(seqs)
+        else:
+            seqs = batch
+            new = self._decode(batch) if batch else 0
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        dt = time.perf_counter() - t0
+        if kind == "prefill":
+            self.stats.prefill_s += dt
+        else:
+            self.stats.decode_s += dt
+            self.stats.step_times.append(dt)
+        self.stats.generated_tokens += new
+        done = []
+        for s in seqs:
+            if s.finish_reason is not None:
+                self.scheduler.finish(s)
+                done.append(s.completion())
+        return done, new
+
+    def generate(self, prompts: Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams],
+                 on_step: Callable[[int, int], None] | None = None) -> list[list[Completion]]:
+        """All samples of every prompt, in prompt order then sample order. `on_step(new_tokens,
+        finished_samples)` is called after every engine step."""
+        params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        base = self._next_id
+        ids = [self.add_request(p, sp, base + i) for i, (p, sp) in enumerate(zip(prompts, params))]
+        out: dict[int, list[Completion]] = {i: [] for i in ids}
+        while self.has_work():
+            done, new = self.step()
+            for c in done:
+                if c.request_id in out:
+                    out[c.request_id].append(c)
+            if on_step is not None:
+                on_step(new, len(done))
+        return [sorted(out[i], key=lambda c: c.sample) for i in ids]
+
+    # ------------------------------------------------------------------ prefill
+
+    def _generator(self, req: Request, sample: int) -> torch.Generator | None:
+        if req.params.temperature <= 0:
+            return None
+        seed = int(np.random.SeedSequence([req.params.seed, req.request_id, sample]).generate_state(1)[0])
+        return torch.Generator(device=self.device).manual_seed(seed)
+
+    def _prefill(self, reqs: list[Request]) -> list[Sequence]:
+        P, blocks = self.page_size, self.blocks
+        lens = [len(r.prompt) for r in reqs]
+        t_max = max(lens)
+        tokens = torch.zeros(len(reqs), t_max, dtype=torch.long)
+        valid = torch.zeros(len(reqs), t_max, dtype=torch.bool)
+        slots, prompt_pages = [], []
+        for i, r in enumerate(reqs):
+            tokens[i, : lens[i]] = torch.tensor(r.prompt)
+            valid[i, : lens[i]] = True
+            pages = [blocks.allocate() for _ in range(blocks.pages_for(lens[i]))]
+            prompt_pages.append(pages)
+            pos = np.arange(lens[i])
+            slots.append(np.asarray(pages)[pos // P] * P + pos % P)
+        dev = self.device
+        tokens, valid = tokens.to(dev), valid.to(dev)
+        slots = torch.from_numpy(np.concatenate(slots)).to(dev)
+        positions = torch.arange(t_max, device=dev).expand(len(reqs), t_max)
+        attn = PrefillAttention(self.cache, valid, slots, self.impl)
+        hidden = self.model.hidden_states(tokens, positions=positions, attention=attn)
+        last = hidden[torch.arange(len(reqs), device=dev), torch.tensor(lens, device=dev) - 1]
+        logits = self.model.lm_head(last).float()  # [G, V]
+        self.stats.prefill_tokens += sum(lens)
+
+        seqs: list[Sequence] = []
+        copies_src, copies_dst = [], []
+        for r, pages, n_tok in zip(reqs, prompt_pages, lens):
+            shared, own = pages_needed(n_tok, r.params.n, r.params.max_new_tokens, P)
+            partial = n_tok % P != 0
+            for s in range(r.params.n):
+                seq = Sequence(r, s, self._generator(r, s), reserved=own)
+                seq.pages = [blocks.share(p) if s else p for p in pages[:shared]]
+                if partial:
+                    if s == 0:
+                        seq.pages.append(pages[shared])
+                    else:
+                        seq.pages.append(blocks.allocate())
+                        copies_src.append(pages[shared])
+                        copies_dst.append(seq.pages[-1])
+                    seq.reserved -= 1
+                seqs.append(seq)
+            # the reservation counted the shared pages once and each sample's own pages; sample 0's
+            # partial page came out of the prompt allocation, which already drew one page
+        self.cache.copy_pages(copies_src, copies_dst)
+        rows = torch.tensor([i for i, r in enumerate(reqs) for _ in range(r.params.n)], device=dev)
+        self._sample(seqs, logits[rows], [0] * len(seqs))
+        self.scheduler.admit_prefilled([s for s in seqs if s.finish_reason is None])
+        return seqs
+
+    # ------------------------------------------------------------------ decode
+
+    def _decode(self, seqs: list[Sequence]) -> int:
+        P, blocks = self.page_size, self.blocks
+        pos, slots, budgets = [], [], []
+        for s in seqs:
+            p = s.num_tokens - 1  # the last sampled token: its k/v are written in this step
+            if p // P == len(s.pages):
+                s.pages.append(blocks.allocate())
+                s.reserved -= 1
+            pos.append(p)
+            slots.append(s.pages[p // P] * P + p % P)
+            budgets.append(s.budget_now())
+        width = max(len(s.pages) for s in seqs)
+        table = np.full((len(seqs), width), -1, dtype=np.int32)
+        for i, s in enumerate(seqs):
+            table[i, : len(s.pages)] = s.pages
+        dev = self.device
+        positions = torch.tensor(pos, device=dev)
+        attn = DecodeAttention(
+            self.cache, torch.from_numpy(table).to(dev), (positions + 1).to(torch.int32),
+            torch.tensor(budgets, dtype=torch.int32, device=dev),
+            torch.tensor(slots, dtype=torch.int64, device=dev),
+            self.dense_layers, self.scale, self.impl, any_sparse=any(b > 0 for b in budgets),
+            max_selected=None if dev.type != "cuda" else
+            (width if min(budgets) == 0 else max(budgets) // P))
+        tokens = torch.tensor([s.tokens[-1] for s in seqs], device=dev)[:, None]
+        hidden = self.model.hidden_states(tokens, positions=positions[:, None], attention=attn)
+        logits = self.model.lm_head(hidden[:, 0]).float()
+        self._sample(seqs, logits, budgets)
+        self.stats.decode_steps += 1
+        self.stats.decode_tokens += len(seqs)
+        self.stats.budget_sum += sum(budgets)
+        return len(seqs)
+
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor, budgets: list[int]) -> None:
+        k = max(s.request.params.logprobs for s in seqs)
+        tokens, logps, top = sample_tokens(logits, [s.request.params for s in seqs],
+                                           [s.generator for s in seqs], k)
+        tokens, logps = tokens.tolist(), logps.tolist()
+        for i, s in enumerate(seqs):
+            s.tokens.append(tokens[i])
+            s.logprobs.append(logps[i])
+            s.budgets.append(budgets[i])
+            n = s.request.params.logprobs
+            if n:
+                s.top_logprobs = s.top_logprobs or []
+                s.top_logprobs.append(list(zip(top[1][i, :n].tolist(), top[0][i, :n].tolist())))
+            if tokens[i] in s.request.eos_ids:
+                s.finish_reason = "stop"
+            elif len(s.tokens) >= s.request.params.max_new_tokens:
+                s.finish_reason = "length"

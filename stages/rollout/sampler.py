@@ -1,0 +1,52 @@
+"""Batched sampling: temperature, top-k, top-p, one random generator per sample.
+
+Each sample owns a `torch.Generator` seeded from (seed, request, sample), so what a sample draws does
+not depend on which other sequences share its batch: the same seed gives the same rollouts with any
+--max-batch. Logprobs follow `stages.generate.sample_next`: log_softmax(logits / T) of the sampled
+token, T = 1 when greedy, before truncation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+
+import torch
+from torch import Tensor
+
+from .sequence import SamplingParams
+
+
+def sample_tokens(logits: Tensor, params: Seq[SamplingParams], generators: Seq[torch.Generator | None],
+                  top_logprobs: int = 0):
+    """logits [B, V] -> (tokens [B], logprobs [B], top (values, ids) [B, k] or None), on the CPU."""
+    logits = logits.float()
+    dev = logits.device
+    temps = torch.tensor([p.temperature for p in params], device=dev)
+    greedy = temps <= 0
+    logp = torch.log_softmax(logits / torch.where(greedy, 1.0, temps)[:, None], dim=-1)
+    tokens = logits.argmax(-1)
+    if not bool(greedy.all()):
+        rows = (~greedy).nonzero().flatten()
+        probs = logp[rows].exp()
+        sub = [params[i] for i in rows.tolist()]
+        top_k = torch.tensor([p.top_k for p in sub], device=dev)
+        if bool((top_k > 0).any()):
+            kmax = int(top_k.max())
+            kth = probs.topk(min(kmax, probs.shape[-1]), dim=-1).values
+            idx = (top_k.clamp(1, kth.shape[-1]) - 1)[:, None]
+            thresh = torch.where(top_k[:, None] > 0, kth.gather(-1, idx), 0.0)
+            probs = probs * (probs >= thresh)
+        top_p = torch.tensor([p.top_p for p in sub], device=dev)
+        if bool((top_p < 1).any()):
+            sorted_p, order = probs.sort(-1, descending=True)
+            # cumulative mass of the kept distribution before each token; keeps the most likely one
+            cum = sorted_p.cumsum(-1) - sorted_p
+            mass = torch.where(top_k > 0, sorted_p.sum(-1), 1.0)  # top-p of the top-k distribution
+            keep = cum < top_p[:, None] * mass[:, None]
+            probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p * keep)
+        drawn = [torch.multinomial(probs[j], 1, generator=generators[i])
+                 for j, i in enumerate(rows.tolist())]
+        tokens[rows] = torch.cat(drawn)
+    chosen = logp.gather(-1, tokens[:, None]).squeeze(-1)
+    top = logp.topk(top_logprobs, dim=-1) if top_logprobs > 0 else None
+    return tokens.cpu(), chosen.cpu(), (None if top is None else (top.values.cpu(), top.indices.cpu()))

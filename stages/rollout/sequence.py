@@ -1,0 +1,97 @@
+"""Requests, sampling parameters and the per-sample state the scheduler moves around."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+BudgetFn = Callable[[int], int]  # cache length at which a token is produced -> budget (0 = dense)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample. Temperature 0 is greedy. Top-k (0 = off) is applied before top-p. Reported
+    logprobs are those of the full distribution at the sampling temperature (1 when greedy), before
+    any top-k/top-p truncation: the convention of `stages.generate.sample_next`."""
+
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    n: int = 1  # samples of the prompt, sharing one prefill
+    ignore_eos: bool = False
+    logprobs: int = 0  # also return this many top logprobs per generated token
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be at least 1")
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError("top_p must be in (0, 1]")
+        if self.top_k < 0 or self.n < 1 or self.logprobs < 0:
+            raise ValueError("top_k and logprobs must be >= 0 and n >= 1")
+
+
+@dataclass
+class Completion:
+    """One finished sample."""
+
+    request_id: int
+    sample: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]  # of each sampled token
+    budgets: list[int]  # budget of the step that produced each token (0 = dense; the first is prefill)
+    finish_reason: str  # stop | length
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+class Status(enum.Enum):
+    READY = 0  # prefilled (its first token sampled), waiting for a slot in the running batch
+    RUNNING = 1
+    FINISHED = 2
+
+
+@dataclass
+class Request:
+    """A prompt and its n samples; `pages` are its prompt pages until the samples are forked."""
+
+    request_id: int
+    prompt: list[int]
+    params: SamplingParams
+    budget_at: BudgetFn | None
+    eos_ids: frozenset[int]
+
+
+@dataclass(eq=False)
+class Sequence:
+    request: Request
+    sample: int
+    generator: torch.Generator | None
+    pages: list[int] = field(default_factory=list)  # block table: physical page of logical page i
+    reserved: int = 0  # pages still reserved for this sample's future tokens
+    tokens: list[int] = field(default_factory=list)  # generated so far
+    logprobs: list[float] = field(default_factory=list)
+    budgets: list[int] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    finish_reason: str | None = None
+    status: Status = Status.READY
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.request.prompt) + len(self.tokens)
+
+    def budget_now(self) -> int:
+        """Budget of the next decode step: its query sits at position num_tokens - 1."""
+        fn = self.request.budget_at
+        return int(fn(self.num_tokens)) if fn is not None else 0
+
+    def completion(self) -> Completion:
+        return Completion(self.request.request_id, self.sample, self.request.prompt, self.tokens,
+                          self.logprobs, self.budgets, self.finish_reason or "length",
+                          self.top_logprobs)

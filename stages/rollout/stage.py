@@ -1,0 +1,104 @@
+"""`run_rollouts`: the `sparrow rollout` stage over a prompt set, as a `rollouts` table.
+
+One row per sample: prompt id, token ids, decoded text, sampled-token logprobs, the budget of the step
+that produced each token (0 = dense; the first token comes from the dense prefill), finish reason
+and the task's reward (`stages.tasks.score`, from the prompt row's task, answer and metadata).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow as pa
+
+from ..attention import DEFAULT_DENSE_LAYERS, PAGE_SIZE
+from ..model.loading import LoadedModel
+from .engine import Engine, EngineStats, Sparsity
+from .lora import LoraWeights, lora_merged
+from .sequence import SamplingParams
+
+
+@dataclass
+class RolloutOptions:
+    samples: int = 1
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    ignore_eos: bool = False
+    max_batch: int = 16
+    sparsity: Sparsity = None  # None (dense) | budget | Schedule
+    dense_layers: tuple[int, ...] = DEFAULT_DENSE_LAYERS
+    page_size: int = PAGE_SIZE
+    impl: str = "auto"
+    lora: LoraWeights | None = field(default=None, repr=False)
+
+    def params(self) -> SamplingParams:
+        return SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature,
+                              top_p=self.top_p, top_k=self.top_k, seed=self.seed, n=self.samples,
+                              ignore_eos=self.ignore_eos)
+
+
+@dataclass
+class RolloutSummary:
+    samples: int
+    tokens: int
+    seconds: float
+    prefill_seconds: float
+    decode_seconds: float
+    mean_budget: float | None  # over sparse decode tokens (None: all dense)
+    dense_fraction: float  # of generated tokens produced with dense attention (incl. the first)
+    reward_mean: float | None
+    stop_fraction: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def run_rollouts(loaded: LoadedModel, rows: Seq[dict], opts: RolloutOptions,
+                 on_step: Callable[[int, int], None] | None = None) -> tuple[pa.Table, RolloutSummary]:
+    """`rows`: prompts-artifact rows with `prompt_id` and `prompt_token_ids` (and optionally `task`,
+    `answer`, `metadata` for the reward)."""
+    from ..tasks import TASKS, score
+
+    engine = Engine(loaded.model, opts.sparsity, max_batch=opts.max_batch, page_size=opts.page_size,
+                    dense_layers=opts.dense_layers, impl=opts.impl)
+    with lora_merged(loaded.model, opts.lora):
+        results = engine.generate([r["prompt_token_ids"] for r in rows], opts.params(), on_step)
+    tok = loaded.tokenizer
+    out = {k: [] for k in ("prompt_id", "sample", "prompt_token_ids", "token_ids", "text", "logprobs",
+                           "budgets", "finish_reason", "reward")}
+    for row, completions in zip(rows, results):
+        for c in completions:
+            text = tok.decode(c.token_ids, skip_special_tokens=True) if tok is not None else None
+            reward = None
+            if text is not None and row.get("task") in TASKS and row.get("answer") is not None:
+                reward = score(row["task"], text, row["answer"], row.get("metadata"))
+            out["prompt_id"].append(row["prompt_id"])
+            out["sample"].append(c.sample)
+            out["prompt_token_ids"].append(c.prompt_token_ids)
+            out["token_ids"].append(c.token_ids)
+            out["text"].append(text)
+            out["logprobs"].append([min(0.0, x) for x in c.logprobs])
+            out["budgets"].append(c.budgets)
+            out["finish_reason"].append(c.finish_reason)
+            out["reward"].append(reward)
+    return pa.table(out), summarize(out, engine.stats)
+
+
+def summarize(out: dict, stats: EngineStats) -> RolloutSummary:
+    budgets = np.concatenate([np.asarray(b, dtype=np.int64) for b in out["budgets"]] or [np.zeros(0)])
+    sparse = budgets[budgets > 0]
+    rewards = [r for r in out["reward"] if r is not None]
+    n = len(out["sample"])
+    return RolloutSummary(
+        samples=n, tokens=int(budgets.size), seconds=stats.seconds, prefill_seconds=stats.prefill_s,
+        decode_seconds=stats.decode_s, mean_budget=float(sparse.mean()) if sparse.size else None,
+        dense_fraction=float((budgets == 0).mean()) if budgets.size else 1.0,
+        reward_mean=float(np.mean(rewards)) if rewards else None,
+        stop_fraction=sum(f == "stop" for f in out["finish_reason"]) / max(n, 1))
