@@ -20,6 +20,17 @@ $SPARROW profile --prompts "$RUN/prompts.parquet" --budgets 64,128,256,512 --sam
 echo "== critical threshold (no training runs yet: the published prior)"
 $SPARROW calibrate-threshold --profile "$RUN/mismatch.parquet" -o "$RUN/threshold.parquet"
 
+echo "== schedule: the cheapest budget per bin whose tail stays above the threshold"
+$SPARROW plan-schedule --model smollm2-135m --profile "$RUN/mismatch.parquet" \
+    --threshold-file "$RUN/threshold.parquet" --bin-width 512 -o "$RUN/schedule.parquet"
+
+echo "== the same planner on a Qwen3 preset with the published reference profile (no flags needed)"
+$SPARROW plan-schedule --model qwen3-4b --sweep 0.80,0.83,0.86,0.90,0.92
+
+echo "== sparse rollouts with the planned schedule, rewards from the task's scorer"
+$SPARROW rollout --prompts "$RUN/prompts.parquet" --schedule "$RUN/schedule.parquet" --samples 2 \
+    --max-new-tokens 64 -o "$RUN/rollouts.parquet"
+
 echo "== SQL: the 5th percentile of alpha per bin and budget"
 $SPARROW sql "SELECT bin, budget, count(*) AS tokens, round(avg(alpha), 4) AS mean_alpha,
                      round(quantile_cont(alpha, 0.05), 4) AS p5_alpha
