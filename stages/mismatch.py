@@ -85,6 +85,12 @@ def score_sequences(model: Transformer, prompts: Sequence[Sequence[int]],
     completions then run as one chunk per attention mode on top of it, each query selecting its own
     pages. Every mode rewrites the same completion slots, so the prompt's KV is shared by all."""
     device = model.embed_tokens.weight.device
+    longest = max(len(p) + len(c) for p, c in zip(prompts, completions))
+    if len(prompts) > 1 and longest >= model.cfg.max_position_embeddings:
+        # no room for the padding slot below: score one sequence at a time (no padding needed)
+        parts = [score_sequences(model, [p], [c], budgets, temperature, dense_layers, page,
+                                 vocab_chunk) for p, c in zip(prompts, completions)]
+        return _concat(parts)
     b = len(prompts)
     n = torch.tensor([len(p) for p in prompts], device=device)  # prompt lengths
     g = torch.tensor([len(c) for c in completions], device=device)
@@ -92,10 +98,12 @@ def score_sequences(model: Transformer, prompts: Sequence[Sequence[int]],
         raise ValueError("every completion needs at least one token")
     prompt_tok = _pad([list(p) for p in prompts], device)  # [B, Nmax]
     gen_tok = _pad([list(c) for c in completions], device)  # [B, Gmax]
-    cache = KVCache.allocate(model.cfg, b, int((n + g).max()), model.embed_tokens.weight.dtype, device)
+    scratch = int((n + g).max())  # padded completion tokens all go to this slot, after every real one
+    cache = KVCache.allocate(model.cfg, b, scratch + 1, model.embed_tokens.weight.dtype, device)
     prefill_h = model.hidden_states(prompt_tok, cache, positions=_arange(b, prompt_tok.shape[1], 0, device))
     last_prompt_h = prefill_h[torch.arange(b, device=device), n - 1]  # predicts completion token 0
-    gen_pos = n[:, None] + torch.arange(gen_tok.shape[1], device=device)  # [B, Gmax]
+    steps = torch.arange(gen_tok.shape[1], device=device)
+    gen_pos = torch.where(steps < g[:, None], n[:, None] + steps, scratch)  # [B, Gmax]
 
     def completion_hidden(attention: Attention | None) -> Tensor:
         """[B, Gmax, H]: row j predicts completion token j (0 from the prompt's last position)."""
@@ -135,6 +143,17 @@ def score_sequences(model: Transformer, prompts: Sequence[Sequence[int]],
         token_id=targets.cpu().numpy(), logp_dense=logp_dense.numpy(),
         entropy_dense=entropy.numpy(),
         sparse={k: (a.numpy(), lp.numpy()) for k, (a, lp) in sparse.items()},
+    )
+
+
+def _concat(parts: list[ScoredTokens]) -> ScoredTokens:
+    offsets = np.cumsum([0] + [int(p.seq.max()) + 1 for p in parts[:-1]])
+    cat = lambda name: np.concatenate([getattr(p, name) for p in parts])
+    return ScoredTokens(
+        seq=np.concatenate([p.seq + o for p, o in zip(parts, offsets)]), position=cat("position"),
+        token_id=cat("token_id"), logp_dense=cat("logp_dense"), entropy_dense=cat("entropy_dense"),
+        sparse={k: (np.concatenate([p.sparse[k][0] for p in parts]),
+                    np.concatenate([p.sparse[k][1] for p in parts])) for k in parts[0].sparse},
     )
 
 

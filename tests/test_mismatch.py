@@ -52,3 +52,20 @@ def test_smollm2_teacher_forced_equals_decode(smollm2, sampler):
     scored, gens = _check_tf_equals_decode(smollm2.model, [prompt, prompt[:250]], sampler, 40, 1e-4)
     alpha = scored.sparse[next(iter(scored.sparse))][0]
     assert alpha.min() < 0.99
+
+
+def test_ragged_batch_scores_like_one_at_a_time():
+    """Short prompt + short completion next to long ones (padding must not collide with real slots)."""
+    m = load_model("tiny-qwen3").model
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (60, 200, 130)]
+    completions = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (10, 90, 40)]
+    batched = score_sequences(m, prompts, completions, [48, 96], dense_layers=(0,))
+    singles = [score_sequences(m, [p], [c], [48, 96], dense_layers=(0,))
+               for p, c in zip(prompts, completions)]
+    assert np.array_equal(batched.position, np.concatenate([s.position for s in singles]))
+    for k in (48, 96):
+        for i in (0, 1):
+            expected = np.concatenate([s.sparse[k][i] for s in singles])
+            assert np.abs(batched.sparse[k][i] - expected).max() <= 1e-4
+    assert np.abs(batched.logp_dense - np.concatenate([s.logp_dense for s in singles])).max() <= 1e-4
