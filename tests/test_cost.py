@@ -131,7 +131,7 @@ def test_fit_cost_bad_input(tmp_path, args, phrase):
     assert not out.exists()
 
 
-def test_measured_fit_on_cpu_is_within_ten_percent(tmp_path):
+def _measure_smollm2(tmp_path):
     """A small grid of real decode steps of the 30-layer SmolLM2 shape (random weights) on the CPU."""
     import torch
 
@@ -145,10 +145,20 @@ def test_measured_fit_on_cpu_is_within_ten_percent(tmp_path):
     finally:
         torch.set_num_threads(threads)
     assert result.exit_code == 0, result.output
-    meta = artifact_metadata(out)
+    return out, artifact_metadata(out), result
+
+
+def test_measured_fit_on_cpu_writes_every_point(tmp_path):
+    out, meta, _ = _measure_smollm2(tmp_path)
     assert meta["source"] == "measured:cpu" and meta["points"] == 12 and meta["threads"] == 1
-    assert meta["median_relative_error"] <= 0.10, result.output
+    assert 0 <= meta["median_relative_error"] < float("inf")
     table = read_artifact(out, "cost")
     assert table.column("seconds").null_count == 0
     model = CostModel.from_metadata(meta, str(out))
     assert all(v >= 0 for v in model.coefficients.values())
+
+
+@pytest.mark.slow  # depends on timing noise: run alone (make test-slow), not beside other workers
+def test_measured_fit_on_cpu_is_within_ten_percent(tmp_path):
+    _, meta, result = _measure_smollm2(tmp_path)
+    assert meta["median_relative_error"] <= 0.10, result.output

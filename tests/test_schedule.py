@@ -199,6 +199,7 @@ def test_threshold_file_sets_threshold_and_quantile(tmp_path):
     assert tuple(Schedule.from_artifact(out).budgets) == published_budgets("qwen3-1.7b", 0.88)
 
 
+@pytest.mark.slow  # a timing bound: run alone (make test-slow), never beside other workers
 def test_planning_twenty_bins_by_twenty_budgets_is_instant():
     rng = np.random.default_rng(3)
     cands = np.arange(1, 21) * 256
