@@ -20,13 +20,16 @@ from ._triton_utils import lazy_jit, next_pow2, require_triton
 tl = None  # triton.language, bound on the first kernel launch (see _triton_utils)
 
 
+def _drop_padding(slots: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Rows with a negative slot are padding and write nothing."""
+    keep = slots >= 0
+    return (slots, k, v) if bool(keep.all()) else (slots[keep], k[keep], v[keep])
+
+
 def append_kv_reference(k_pages: Tensor, v_pages: Tensor, centroids: Tensor, k: Tensor, v: Tensor,
                         slots: Tensor) -> None:
     page_size = k_pages.shape[2]
-    slots = slots.long()
-    keep = slots >= 0
-    if not bool(keep.all()):
-        slots, k, v = slots[keep], k[keep], v[keep]
+    slots, k, v = _drop_padding(slots.long(), k, v)
     page, off = slots // page_size, slots % page_size
     k_new = k.to(k_pages.dtype)
     k_pages[page, :, off] = k_new
@@ -39,10 +42,7 @@ def write_prefill(k_pages: Tensor, v_pages: Tensor, centroids: Tensor, k: Tensor
                   slots: Tensor) -> None:
     """Scatter many tokens (any number per page), then recompute the touched pages' centroids."""
     page_size = k_pages.shape[2]
-    slots = slots.long()
-    keep = slots >= 0
-    if not bool(keep.all()):
-        slots, k, v = slots[keep], k[keep], v[keep]
+    slots, k, v = _drop_padding(slots.long(), k, v)
     if slots.numel() == 0:
         return
     page, off = slots // page_size, slots % page_size

@@ -21,6 +21,7 @@ import pyarrow.compute as pc
 from .schedule import Schedule
 
 PRIOR_THRESHOLD = 0.86
+PRIOR_RANGE = (0.85, 0.90)  # the published 'between 0.85 and 0.90'
 PRIOR_NOTE = "published prior (Sparrow, arXiv 2606.08446): keep the per-bin 5th percentile above 0.86"
 
 
@@ -135,14 +136,14 @@ def boundary(tails: np.ndarray, collapsed: np.ndarray) -> float | None:
 def calibrate(runs: list[RunResult], quantile: float = 0.05, n_boot: int = 2000,
               seed: int = 0) -> Calibration:
     if not runs:
-        return Calibration(PRIOR_THRESHOLD, 0.85, 0.90, "prior", PRIOR_NOTE + " (no runs given)", [])
+        return Calibration(PRIOR_THRESHOLD, *PRIOR_RANGE, "prior", PRIOR_NOTE + " (no runs given)", [])
     tails = np.array([r.tail for r in runs])
     collapsed = np.array([r.collapsed for r in runs])
     point = boundary(tails, collapsed)
     if point is None:
         why = ("all runs collapsed" if collapsed.all() else "no run collapsed"
                if not collapsed.any() else "collapsed and stable runs overlap in tail")
-        return Calibration(PRIOR_THRESHOLD, 0.85, 0.90, "prior", f"{PRIOR_NOTE} ({why})", runs)
+        return Calibration(PRIOR_THRESHOLD, *PRIOR_RANGE, "prior", f"{PRIOR_NOTE} ({why})", runs)
     rng = np.random.default_rng(seed)
     boots = []
     for _ in range(n_boot):

@@ -44,6 +44,14 @@ def sample_next(logits: Tensor, temperature: float, top_p: float,
     return token, logp.gather(-1, token[:, None]).squeeze(-1)
 
 
+def pad_right(rows: Sequence[Sequence[int]], device) -> Tensor:
+    """Token-id rows -> [B, max len] long tensor, right-padded with 0."""
+    out = torch.zeros(len(rows), max(len(r) for r in rows), dtype=torch.long, device=device)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = torch.as_tensor(list(r), device=device)
+    return out
+
+
 @torch.inference_mode()
 def generate(model: Transformer, prompts: Sequence[Sequence[int]], max_new_tokens: int,
              temperature: float = 1.0, top_p: float = 1.0, seed: int = 0,
@@ -60,9 +68,7 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], max_new_token
     cache = KVCache.allocate(model.cfg, b, int(lens.max()) + max_new_tokens,
                              model.embed_tokens.weight.dtype, device)
     gen = torch.Generator(device=device).manual_seed(seed)
-    padded = torch.zeros(b, int(lens.max()), dtype=torch.long, device=device)
-    for i, p in enumerate(prompts):
-        padded[i, : len(p)] = torch.as_tensor(list(p), device=device)
+    padded = pad_right(prompts, device)
     logits = model(padded, cache, attention=DenseAttention())  # [B, T, V]
     cache.lengths = lens.clone()
     last = logits[torch.arange(b, device=device), lens - 1]  # [B, V]

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from .attention import DEFAULT_DENSE_LAYERS, PAGE_SIZE, SparseAttention
-from .generate import Generation, generate
+from .generate import Generation, generate, pad_right
 from .model.llama import Attention, KVCache, Transformer
 from .schedule import Schedule
 
@@ -96,8 +96,8 @@ def score_sequences(model: Transformer, prompts: Sequence[Sequence[int]],
     g = torch.tensor([len(c) for c in completions], device=device)
     if int(g.min()) < 1:
         raise ValueError("every completion needs at least one token")
-    prompt_tok = _pad([list(p) for p in prompts], device)  # [B, Nmax]
-    gen_tok = _pad([list(c) for c in completions], device)  # [B, Gmax]
+    prompt_tok = pad_right(prompts, device)  # [B, Nmax]
+    gen_tok = pad_right(completions, device)  # [B, Gmax]
     scratch = int((n + g).max())  # padded completion tokens all go to this slot, after every real one
     cache = KVCache.allocate(model.cfg, b, scratch + 1, model.embed_tokens.weight.dtype, device)
     prefill_h = model.hidden_states(prompt_tok, cache, positions=_arange(b, prompt_tok.shape[1], 0, device))
@@ -155,13 +155,6 @@ def _concat(parts: list[ScoredTokens]) -> ScoredTokens:
         sparse={k: (np.concatenate([p.sparse[k][0] for p in parts]),
                     np.concatenate([p.sparse[k][1] for p in parts])) for k in parts[0].sparse},
     )
-
-
-def _pad(rows: list[list[int]], device) -> Tensor:
-    out = torch.zeros(len(rows), max(len(r) for r in rows), dtype=torch.long, device=device)
-    for i, r in enumerate(rows):
-        out[i, : len(r)] = torch.as_tensor(r, device=device)
-    return out
 
 
 def _arange(b: int, t: int, start: int, device) -> Tensor:

@@ -18,11 +18,11 @@ import numpy as np
 import pyarrow as pa
 
 from .attention import DEFAULT_DENSE_LAYERS, PAGE_SIZE, validate_budget
+from .calibrate import PRIOR_THRESHOLD
 from .mismatch import make_budget_fn, sample, score_sequences
 from .model.loading import LoadedModel
 from .schedule import Schedule
 
-PRIOR_THRESHOLD = 0.86
 Progress = Callable[[str, int, int], None]  # (phase, done, total)
 
 

@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 
 from .config import ModelConfig, ModelSpecError
 from .gguf_loader import read_gguf
-from .llama import Transformer, hf_to_ours, ours_to_hf
+from .llama import Transformer, hf_to_ours, ours_to_hf, rope_tables
 from .presets import PRESETS, get_preset
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -128,15 +128,10 @@ def build_model(cfg: ModelConfig, hf_state: dict[str, torch.Tensor]) -> Transfor
     model.load_state_dict(state, strict=True, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    cos, sin = _rope_buffers(cfg)
-    model.rope_cos, model.rope_sin = cos, sin
+    # buffers built on the meta device hold no values: compute them for real
+    model.rope_cos, model.rope_sin = rope_tables(cfg.head_dim, cfg.rope_theta,
+                                                 cfg.max_position_embeddings)
     return model
-
-
-def _rope_buffers(cfg: ModelConfig):
-    from .llama import rope_tables
-
-    return rope_tables(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
 
 
 def save_checkpoint(model: Transformer, tokenizer, folder: Path) -> None:
