@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from ._triton_utils import interpreting, lazy_jit, next_pow2, require_triton
@@ -30,9 +31,14 @@ LOG2E = 1.4426950408889634
 
 def _attend_pages_reference(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor,
                             seq_lens: Tensor, pages: Tensor, scale: float | None) -> Tensor:
-    """Attention over the logical pages `pages` [B, Hkv, K] (-1 = none), batched with index tensors."""
+    """Attention over the logical pages `pages` [B, Hkv, K] (-1 = none), batched with index tensors.
+
+    This is also the CPU hot path, so it gathers whole (page, KV head) rows with one `index_select`
+    (a memcpy per 4 KiB row; advanced indexing is several times slower) and zeroes only the value rows
+    and key rows of invalid positions, which unwritten slots need (they may hold NaN, and NaN + -inf
+    is NaN) and which are few."""
     b, hq, d = q.shape
-    hkv, page_size = k_pages.shape[1], k_pages.shape[2]
+    total, hkv, page_size = k_pages.shape[0], k_pages.shape[1], k_pages.shape[2]
     g = hq // hkv
     n_sel = pages.shape[2]
     scale = d ** -0.5 if scale is None else scale
@@ -40,20 +46,23 @@ def _attend_pages_reference(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_t
         return torch.zeros_like(q)
     pages = pages.long()
     phys = torch.gather(block_table.long()[:, None, :].expand(b, hkv, -1), 2, pages.clamp(min=0))
-    head = torch.arange(hkv, device=q.device)[None, :, None]
-    keys = k_pages[phys, head].float().reshape(b, hkv, n_sel * page_size, d)  # [B, Hkv, K*P, D]
-    values = v_pages[phys, head].float().reshape(b, hkv, n_sel * page_size, d)
+    rows = (phys.clamp(min=0) * hkv + torch.arange(hkv, device=q.device)[None, :, None]).reshape(-1)
+    keys = k_pages.reshape(total * hkv, page_size, d).index_select(0, rows)  # [B*Hkv*K, P, D]
+    values = v_pages.reshape(total * hkv, page_size, d).index_select(0, rows)
+    keys = keys.float().view(b * hkv * n_sel * page_size, d)
+    values = values.float().view(b * hkv * n_sel * page_size, d)
     pos = (pages[..., None] * page_size + torch.arange(page_size, device=q.device)).reshape(b, hkv, -1)
-    valid = (pages[..., None] >= 0).expand(-1, -1, -1, page_size).reshape(b, hkv, -1)
-    valid = valid & (pos < seq_lens.long()[:, None, None]) & (phys >= 0).repeat_interleave(page_size, -1)
-    qg = q.float().view(b, hkv, g, d)
-    scores = (qg @ keys.transpose(-1, -2)) * scale  # [B, Hkv, G, K*P]
-    scores = scores.masked_fill(~valid[:, :, None, :], float("-inf"))
-    values = torch.where(valid[..., None], values, 0.0)  # unwritten slots may hold garbage (NaN)
-    any_valid = valid.any(-1)[:, :, None, None]
-    probs = torch.softmax(scores, dim=-1)
-    probs = torch.where(any_valid, probs, torch.zeros_like(probs))
-    return (probs @ values).reshape(b, hq, d).to(q.dtype)
+    valid = ((pages >= 0) & (phys >= 0)).repeat_interleave(page_size, -1)
+    valid = valid & (pos < seq_lens.long()[:, None, None])  # [B, Hkv, K*P]
+    invalid = (~valid).view(-1).nonzero().squeeze(1)
+    keys.index_fill_(0, invalid, 0.0)
+    values.index_fill_(0, invalid, 0.0)
+    # The G query heads of a KV head are SDPA's query length: one fused pass over K and V.
+    out = F.scaled_dot_product_attention(q.float().view(b, hkv, g, d),
+                                         keys.view(b, hkv, n_sel * page_size, d), values.view(b, hkv, n_sel * page_size, d),
+                                         attn_mask=valid[:, :, None, :], scale=scale)
+    out = out.nan_to_num_(0.0)  # a request with no valid position (SDPA gives NaN) -> zeros
+    return out.reshape(b, hq, d).to(q.dtype)
 
 
 def sparse_decode_reference(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor,
