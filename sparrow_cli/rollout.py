@@ -84,7 +84,7 @@ def rollout(
     from sparrow.schemas import write_artifact
     from sparrow.stages.attention import PAGE_SIZE
     from sparrow.stages.model.loading import load_model, resolve_config
-    from sparrow.stages.rollout import RolloutOptions, load_lora, run_rollouts
+    from sparrow.stages.rollout import RolloutOptions, SamplingParams, load_lora, run_rollouts
 
     sparsity = _sparsity(schedule, budget, dense, PAGE_SIZE)
     for flag, value in (("--samples", samples), ("--max-new-tokens", max_new_tokens),
@@ -126,9 +126,9 @@ def rollout(
                                  "has no tokenizer; write prompts with token ids")
             r["prompt_token_ids"] = loaded.tokenizer(r["prompt"], add_special_tokens=False).input_ids
     check(rows)
-    opts = RolloutOptions(samples=samples, max_new_tokens=max_new_tokens, temperature=temperature,
-                          top_p=top_p, top_k=top_k, seed=seed, ignore_eos=ignore_eos,
-                          max_batch=max_batch, sparsity=sparsity,
+    sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                              top_k=top_k, seed=seed, n=samples, ignore_eos=ignore_eos)
+    opts = RolloutOptions(sampling=sampling, max_batch=max_batch, sparsity=sparsity,
                           lora=load_lora(lora) if lora is not None else None)
 
     total = len(rows) * samples

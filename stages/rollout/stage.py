@@ -23,24 +23,15 @@ from .sequence import SamplingParams
 
 @dataclass
 class RolloutOptions:
-    samples: int = 1
-    max_new_tokens: int = 256
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int = 0
-    ignore_eos: bool = False
+    """How to run the engine over a prompt set; how to sample is `sampling` (n = samples per prompt)."""
+
+    sampling: SamplingParams = field(default_factory=SamplingParams)
     max_batch: int = 16
     sparsity: Sparsity = None  # None (dense) | budget | Schedule
     dense_layers: tuple[int, ...] = DEFAULT_DENSE_LAYERS
     page_size: int = PAGE_SIZE
     impl: str = "auto"
     lora: LoraWeights | None = field(default=None, repr=False)
-
-    def params(self) -> SamplingParams:
-        return SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature,
-                              top_p=self.top_p, top_k=self.top_k, seed=self.seed, n=self.samples,
-                              ignore_eos=self.ignore_eos)
 
 
 @dataclass
@@ -69,7 +60,7 @@ def run_rollouts(loaded: LoadedModel, rows: Seq[dict], opts: RolloutOptions,
     engine = Engine(loaded.model, opts.sparsity, max_batch=opts.max_batch, page_size=opts.page_size,
                     dense_layers=opts.dense_layers, impl=opts.impl)
     with lora_merged(loaded.model, opts.lora):
-        results = engine.generate([r["prompt_token_ids"] for r in rows], opts.params(), on_step)
+        results = engine.generate([r["prompt_token_ids"] for r in rows], opts.sampling, on_step)
     tok = loaded.tokenizer
     out = {k: [] for k in ("prompt_id", "sample", "prompt_token_ids", "token_ids", "text", "logprobs",
                            "budgets", "finish_reason", "reward")}
