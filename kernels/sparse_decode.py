@@ -58,9 +58,9 @@ def _attend_pages_reference(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_t
     keys.index_fill_(0, invalid, 0.0)
     values.index_fill_(0, invalid, 0.0)
     # The G query heads of a KV head are SDPA's query length: one fused pass over K and V.
-    out = F.scaled_dot_product_attention(q.float().view(b, hkv, g, d),
-                                         keys.view(b, hkv, n_sel * page_size, d), values.view(b, hkv, n_sel * page_size, d),
-                                         attn_mask=valid[:, :, None, :], scale=scale)
+    kv_shape = (b, hkv, n_sel * page_size, d)
+    out = F.scaled_dot_product_attention(q.float().view(b, hkv, g, d), keys.view(kv_shape),
+                                         values.view(kv_shape), attn_mask=valid[:, :, None, :], scale=scale)
     out = out.nan_to_num_(0.0)  # a request with no valid position (SDPA gives NaN) -> zeros
     return out.reshape(b, hq, d).to(q.dtype)
 
