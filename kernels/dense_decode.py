@@ -14,15 +14,16 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .sparse_decode import _attend_pages_reference, paged_decode_triton
+from .sparse_decode import GatherWorkspace, _attend_pages_reference, paged_decode_triton
 
 
 def dense_decode_reference(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor,
-                           seq_lens: Tensor, scale: float | None = None) -> Tensor:
+                           seq_lens: Tensor, scale: float | None = None,
+                           workspace: GatherWorkspace | None = None) -> Tensor:
     """dense_paged_attention in torch: every logical page of the block table, positions < seq_len."""
     b, hkv, max_pages = q.shape[0], k_pages.shape[1], block_table.shape[1]
     pages = torch.arange(max_pages, device=q.device, dtype=torch.long).expand(b, hkv, max_pages)
-    return _attend_pages_reference(q, k_pages, v_pages, block_table, seq_lens, pages, scale)
+    return _attend_pages_reference(q, k_pages, v_pages, block_table, seq_lens, pages, scale, workspace)
 
 
 def dense_decode_triton(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor,

@@ -21,11 +21,12 @@ from .page_scoring import (
     page_scoring_reference,
     page_scoring_triton,
 )
-from .sparse_decode import sparse_decode_reference, sparse_decode_triton
+from .sparse_decode import GatherWorkspace, sparse_decode_reference, sparse_decode_triton
 
 IMPLS = ("auto", "triton", "torch")
 
 __all__ = [
+    "GatherWorkspace",
     "HAS_TRITON",
     "IMPLS",
     "append_kv",
@@ -86,18 +87,20 @@ def select_pages(q: Tensor, centroids: Tensor, block_table: Tensor, seq_lens: Te
 
 def sparse_paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor,
                            seq_lens: Tensor, selected: Tensor, scale: float | None = None,
-                           impl: str = "auto", num_splits: int | None = None) -> Tensor:
-    """Exact softmax attention over the tokens of the selected logical pages -> [B, Hq, D]."""
+                           impl: str = "auto", num_splits: int | None = None,
+                           workspace: GatherWorkspace | None = None) -> Tensor:
+    """Exact softmax attention over the tokens of the selected logical pages -> [B, Hq, D].
+    `workspace`: reused gather buffers for the torch path (the kernels need none)."""
     if use_triton(impl, q):
         return sparse_decode_triton(q, k_pages, v_pages, block_table, seq_lens, selected, scale,
                                     num_splits=num_splits)
-    return sparse_decode_reference(q, k_pages, v_pages, block_table, seq_lens, selected, scale)
+    return sparse_decode_reference(q, k_pages, v_pages, block_table, seq_lens, selected, scale, workspace)
 
 
 def dense_paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor,
                           seq_lens: Tensor, scale: float | None = None, impl: str = "auto",
-                          num_splits: int | None = None) -> Tensor:
+                          num_splits: int | None = None, workspace: GatherWorkspace | None = None) -> Tensor:
     """Exact softmax attention over all cached tokens (positions < seq_len) -> [B, Hq, D]."""
     if use_triton(impl, q):
         return dense_decode_triton(q, k_pages, v_pages, block_table, seq_lens, scale, num_splits=num_splits)
-    return dense_decode_reference(q, k_pages, v_pages, block_table, seq_lens, scale)
+    return dense_decode_reference(q, k_pages, v_pages, block_table, seq_lens, scale, workspace)

@@ -115,8 +115,8 @@ def test_smollm2_greedy_matches_transformers(smollm2):
 # ---------------------------------------------------------------------------- logprob invariants
 
 
-def _check_against_teacher_forced(model, prompts, params, sparsity, max_batch, tol=1e-4):
-    engine = Engine(model, sparsity, max_batch=max_batch)
+def _check_against_teacher_forced(model, prompts, params, sparsity, max_batch, tol=1e-4, **engine_kw):
+    engine = Engine(model, sparsity, max_batch=max_batch, **engine_kw)
     results = engine.generate(prompts, params)
     budget_at = make_budget_fn(sparsity)
     temperature = (params[0] if isinstance(params, list) else params).temperature
@@ -175,6 +175,71 @@ def test_tiny_sparse_logprobs_equal_teacher_forced_many_requests(tiny_qwen3):
               for i, n in enumerate((30, 12, 25, 40, 5))]
     for sparsity in (64, Schedule((0, 160, 240), (48, 80, 128))):
         _check_against_teacher_forced(model, prompts, params, sparsity, max_batch=3)
+
+
+# ---------------------------------------------------------------------------- the static (CUDA graph) step
+
+
+def test_batch_buckets_and_kept_pages():
+    from sparrow.stages.rollout.static_decode import batch_buckets, kept_pages
+
+    assert batch_buckets(1) == [1]
+    assert batch_buckets(5) == [1, 2, 4, 5]
+    assert batch_buckets(48) == [1, 2, 4, 8, 16, 32, 48]
+    assert batch_buckets(40) == [1, 2, 4, 8, 16, 32, 40]
+    assert kept_pages([0, 0], 16, 100) == 0
+    assert kept_pages([64, 128], 16, 100) == 8
+    assert kept_pages([0, 128], 16, 100) == 100  # a dense request in a sparse step: the whole table
+    assert kept_pages([4096], 16, 100) == 100
+
+
+@pytest.mark.parametrize("sparsity", [None, 64, Schedule((0, 160, 240), (48, 80, 128))],
+                         ids=["dense", "budget64", "schedule"])
+def test_static_padded_step_equals_teacher_forced(tiny_qwen3, sparsity):
+    """The step that CUDA graphs replay (static buffers, batch padded to a bucket, fixed K), run
+    eagerly: its logprobs equal teacher-forced scoring while batches of 3 to 7 samples come and go
+    (buckets 4 and 7 padded in 15 of 39 steps: padding rows must write nothing to the cache)."""
+    prompts = _prompts((150, 97, 210, 33, 64))
+    params = [SamplingParams(max_new_tokens=m, n=k, seed=i, ignore_eos=True)
+              for i, (m, k) in enumerate(((40, 3), (12, 1), (25, 2), (30, 1), (5, 2)))]
+    engine, *_ = _check_against_teacher_forced(tiny_qwen3.model, prompts, params, sparsity, max_batch=7,
+                                               decode_graphs="eager")
+    assert engine.static is not None and engine.static.max_pages == -(-(210 + 25) // 16)
+
+
+def test_static_step_mixed_dense_and_sparse_requests(tiny_qwen3):
+    """A dense request and sparse ones in the same steps (K = the whole table): same tokens and
+    logprobs as the plain step."""
+    prompts = _prompts((120, 90, 200))
+    params = SamplingParams(max_new_tokens=20, n=2, seed=4, temperature=1.0, ignore_eos=True)
+    out = {}
+    for mode in ("off", "eager"):
+        engine = Engine(tiny_qwen3.model, 48, max_batch=6, decode_graphs=mode)
+        for i, (p, sp) in enumerate(zip(prompts, (None, 48, Schedule((0, 210), (64, 96))))):
+            engine.add_request(p, params, request_id=i, sparsity=sp)
+        done = []
+        while engine.has_work():
+            done += engine.step()[0]
+        out[mode] = sorted(done, key=lambda c: (c.request_id, c.sample))
+    assert [c.budgets for c in out["eager"]] == [c.budgets for c in out["off"]]
+    assert {b for c in out["eager"] for b in c.budgets} == {0, 48, 64, 96}
+    for a, b in zip(out["off"], out["eager"]):
+        assert a.token_ids == b.token_ids
+        assert np.abs(np.array(a.logprobs) - np.array(b.logprobs)).max() <= 1e-5
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_cuda_graph_step_equals_eager_step(tmp_path):
+    """On a GPU (bf16, Triton kernels): replayed graphs give the eager static step's tokens."""
+    model = load_model("tiny-qwen3", device="cuda", dtype=torch.bfloat16, random_weights=True).model
+    prompts = _prompts((150, 97, 210), vocab=512)
+    params = SamplingParams(max_new_tokens=24, n=3, seed=2, temperature=0.0, ignore_eos=True)
+    for sparsity in (None, Schedule((0, 160, 240), (48, 80, 128))):
+        ref = Engine(model, sparsity, max_batch=5, decode_graphs="eager").generate(prompts, params)
+        engine = Engine(model, sparsity, max_batch=5, decode_graphs="cuda")
+        got = engine.generate(prompts, params)
+        assert engine.static.graphs
+        assert [[c.token_ids for c in r] for r in got] == [[c.token_ids for c in r] for r in ref]
 
 
 # ---------------------------------------------------------------------------- engine mechanics
@@ -344,20 +409,24 @@ g = torch.Generator().manual_seed(1)
 prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (70, 41)]
 params = SamplingParams(max_new_tokens=20, n=2, seed=5, ignore_eos=True)
 out = {}
-for impl in ("torch", "triton"):
-    out[impl] = Engine(model, 48, max_batch=3, dense_layers=(0,), impl=impl).generate(prompts, params)
-for a, b in zip(out["torch"], out["triton"]):
-    for x, y in zip(a, b):
-        assert x.token_ids == y.token_ids, (x.token_ids, y.token_ids)
-        assert max(abs(p - q) for p, q in zip(x.logprobs, y.logprobs)) < 1e-4
+for run, impl, graphs in (("torch", "torch", "off"), ("triton", "triton", "off"),
+                          ("triton-static", "triton", "eager")):
+    engine = Engine(model, 48, max_batch=3, dense_layers=(0,), impl=impl, decode_graphs=graphs)
+    out[run] = engine.generate(prompts, params)
+for run in ("triton", "triton-static"):
+    for a, b in zip(out["torch"], out[run]):
+        for x, y in zip(a, b):
+            assert x.token_ids == y.token_ids, (run, x.token_ids, y.token_ids)
+            assert max(abs(p - q) for p, q in zip(x.logprobs, y.logprobs)) < 1e-4
 print("ok")
 """
 
 
 @pytest.mark.slow
 def test_engine_with_triton_kernels_under_the_interpreter(tmp_path):
-    """The GPU code path (impl='triton') on the CPU through Triton's interpreter, against the torch
-    references: same tokens, same logprobs. (No CUDA here: bf16 and CUDA timings are untested.)"""
+    """The GPU code path (impl='triton', plain and as the static padded step that CUDA graphs
+    replay) on the CPU through Triton's interpreter, against the torch references: same tokens, same
+    logprobs. (No CUDA here: bf16, graph capture and CUDA timings are untested.)"""
     import os
     import subprocess
     import sys

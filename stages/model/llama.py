@@ -177,20 +177,26 @@ class Transformer(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
 
     def hidden_states(self, tokens: Tensor, cache: KVCache | None = None,
-                      positions: Tensor | None = None, attention: Attention | None = None) -> Tensor:
+                      positions: Tensor | None = None, attention: Attention | None = None,
+                      kv_len: int | None = None) -> Tensor:
         """tokens [B, T] -> final normed hidden states [B, T, hidden].
 
         With a cache, the new tokens go to slots `positions` (default: right after each sequence's
         cached length); the caller advances `cache.lengths` by the number of real tokens.
+        `kv_len`: a bound on the positions that the caller guarantees (no check); giving it keeps the
+        forward free of device-to-host syncs, which CUDA graph capture needs.
         """
         b, t = tokens.shape
         if positions is None:
             start = cache.lengths[:, None] if cache is not None else 0
             positions = start + torch.arange(t, device=tokens.device)[None, :].expand(b, t)
-        kv_len = int(positions.max()) + 1
-        if kv_len > self.cfg.max_position_embeddings or (cache is not None and kv_len > cache.capacity):
-            raise ValueError(f"position {kv_len - 1} is beyond the model's context or the cache")
-        starts_at_zero = kv_len == t and bool((positions[:, 0] == 0).all())
+        if kv_len is None:
+            kv_len = int(positions.max()) + 1
+            if kv_len > self.cfg.max_position_embeddings or (cache is not None and kv_len > cache.capacity):
+                raise ValueError(f"position {kv_len - 1} is beyond the model's context or the cache")
+            starts_at_zero = kv_len == t and bool((positions[:, 0] == 0).all())
+        else:
+            starts_at_zero = False
         ctx = AttentionContext(positions, cache, kv_len, starts_at_zero)
         cos = self.rope_cos[positions][:, None].to(self.embed_tokens.weight.dtype)  # [B, 1, T, D]
         sin = self.rope_sin[positions][:, None].to(self.embed_tokens.weight.dtype)

@@ -89,9 +89,10 @@ def load_model(spec: str, device: str = "cpu", dtype: torch.dtype = torch.float3
                 "directory or a .gguf file to --model"
             )
         torch.manual_seed(seed)
-        model = Transformer(preset.config)
-        _init_random(model)
-        return LoadedModel(preset.name, preset.config, model.to(device=device, dtype=dtype),
+        with torch.device(device):  # built where it runs: a 4B model is 16 GB in fp32 on the host
+            model = Transformer(preset.config)
+            _init_random(model)
+        return LoadedModel(preset.name, preset.config, model.to(dtype=dtype),
                            load_tokenizer(preset.tokenizer))
     path = Path(spec)
     if path.is_dir():

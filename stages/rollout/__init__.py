@@ -8,7 +8,7 @@ kernels of `sparrow.kernels.ops`. `merge_lora` (lora.py) merges a sparse-actor L
 `run_rollouts` (stage.py) is the `sparrow rollout` stage.
 """
 
-from .engine import Engine, EngineStats, budget_fn, tune_cpu_allocator
+from .engine import Engine, EngineStats, budget_fn
 from .lora import LoraWeights, load_lora, lora_merged, merge_lora, unmerge_lora
 from .sequence import Completion, SamplingParams
 from .stage import RolloutOptions, run_rollouts
@@ -25,6 +25,5 @@ __all__ = [
     "lora_merged",
     "merge_lora",
     "run_rollouts",
-    "tune_cpu_allocator",
     "unmerge_lora",
 ]

@@ -47,16 +47,16 @@ class PrefillAttention:
 class DecodeAttention:
     def __init__(self, cache: PagedKVCache, block_table: Tensor, seq_lens: Tensor, budgets: Tensor,
                  slots: Tensor, dense_layers: Collection[int], scale: float, impl: str = "auto",
-                 any_sparse: bool | None = None, max_selected: int | None = None):
+                 any_sparse: bool | None = None, max_selected: int | None = None, workspace=None):
         """block_table [B, max_pages] int32 (-1 unused), seq_lens [B] int32 (including the new token),
         budgets [B] int32 (0 = dense), slots [B] int64 (where the new token's k/v go).
         `max_selected`: a bound on the kept pages, so that selection needs no device-to-host sync
-        (the engine passes it on CUDA)."""
+        (the engine passes it on CUDA). `workspace`: an `ops.GatherWorkspace` for the torch path."""
         self.cache, self.block_table, self.seq_lens = cache, block_table, seq_lens
         self.budgets, self.slots, self.scale, self.impl = budgets, slots, scale, impl
         self.dense_layers = frozenset(dense_layers)
         self.any_sparse = bool((budgets > 0).any()) if any_sparse is None else any_sparse
-        self.max_selected = max_selected
+        self.max_selected, self.workspace = max_selected, workspace
         self.ops = _ops()
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext) -> Tensor:
@@ -69,8 +69,8 @@ class DecodeAttention:
                                         page_size=self.cache.page_size, impl=self.impl,
                                         max_selected=self.max_selected)
             out = ops.sparse_paged_attention(q1, k_pages, v_pages, self.block_table, self.seq_lens,
-                                             selected, self.scale, impl=self.impl)
+                                             selected, self.scale, impl=self.impl, workspace=self.workspace)
         else:
             out = ops.dense_paged_attention(q1, k_pages, v_pages, self.block_table, self.seq_lens,
-                                            self.scale, impl=self.impl)
+                                            self.scale, impl=self.impl, workspace=self.workspace)
         return out[:, :, None].to(q.dtype)

@@ -9,7 +9,8 @@ shared through the block tables (reference counted) and the partial last page is
 Each decode step uses, per sample, the budget of the sparsity schedule at the cache length at which
 the token is produced (`budget_at(num_tokens)`, query at position num_tokens - 1), so the rollout's
 logprobs are exactly those teacher-forced sparse scoring gives (`stages.mismatch.score_sequences`).
-On a CPU the kernels are their batched torch references in fp32; on CUDA the Triton kernels.
+On a CPU the kernels are their batched torch references in fp32; on CUDA the Triton kernels, and the
+decode step is replayed from CUDA graphs over static buffers (static_decode.py).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from sparrow.kernels.ops import GatherWorkspace
+
 from ..attention import DEFAULT_DENSE_LAYERS, PAGE_SIZE, validate_budget
 from ..model.llama import Transformer
 from ..schedule import Schedule
@@ -32,8 +35,10 @@ from .kv_cache import PagedKVCache
 from .sampler import sample_tokens
 from .scheduler import Scheduler, pages_needed
 from .sequence import BudgetFn, Completion, Request, SamplingParams, Sequence
+from .static_decode import StaticDecode
 
 Sparsity = BudgetFn | Schedule | int | str | None  # None / 0 / "dense": dense
+DECODE_GRAPHS = ("auto", "cuda", "eager", "off")
 
 
 def budget_fn(sparsity: Sparsity, page_size: int = PAGE_SIZE) -> BudgetFn | None:
@@ -56,27 +61,6 @@ def budget_fn(sparsity: Sparsity, page_size: int = PAGE_SIZE) -> BudgetFn | None
     return lambda _: budget
 
 
-def tune_cpu_allocator() -> bool:
-    """Keep glibc from returning large freed blocks to the OS after every step.
-
-    A CPU decode step allocates and frees tens of MB of gathered K/V per layer; with glibc's defaults
-    these come from fresh mmaps (or a heap that is trimmed on free), so every step pays a page fault
-    per 4 KiB, which measured 2-3x the whole step time at 6K context. Raising the mmap and trim
-    thresholds and padding the heap (what tcmalloc/jemalloc give for free) removes that. Process-wide;
-    returns False where it does not apply (not glibc)."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        ok = libc.mallopt(-3, ctypes.c_int(1 << 30))  # M_MMAP_THRESHOLD: 1 GiB
-        ok &= libc.mallopt(-1, ctypes.c_int(2**31 - 1))  # M_TRIM_THRESHOLD: never trim
-        ok &= libc.mallopt(-2, ctypes.c_int(1 << 30))  # M_TOP_PAD: grow the heap 1 GiB at a time
-        return bool(ok)
-    except (OSError, AttributeError):
-        return False
-
-
 @dataclass
 class EngineStats:
     prefill_tokens: int = 0
@@ -97,22 +81,30 @@ class Engine:
     def __init__(self, model: Transformer, sparsity: Sparsity = None, *, max_batch: int = 16,
                  num_pages: int | None = None, page_size: int = PAGE_SIZE,
                  dense_layers: Seq[int] = DEFAULT_DENSE_LAYERS, eos_ids: Seq[int] | None = None,
-                 max_prefill_tokens: int = 8192, impl: str = "auto", tune_allocator: bool = True):
+                 max_prefill_tokens: int = 8192, impl: str = "auto", decode_graphs: str = "auto"):
         """`num_pages`: size of the KV page pool (None: sized from the first requests).
-        `tune_allocator`: on a CPU, call `tune_cpu_allocator()` (process-wide glibc settings)."""
+        `decode_graphs`: "auto" (CUDA graphs on CUDA, the plain step on a CPU), "cuda" (CUDA graphs),
+        "eager" (the graphs' static padded step without capture, any device) or "off"."""
         if max_batch < 1:
             raise ValueError("max_batch must be at least 1")
+        if decode_graphs not in DECODE_GRAPHS:
+            raise ValueError(f"decode_graphs must be one of {DECODE_GRAPHS}, got {decode_graphs!r}")
         self.model, self.cfg = model, model.cfg
         self.device = model.embed_tokens.weight.device
         self.dtype = model.embed_tokens.weight.dtype
-        if tune_allocator and self.device.type == "cpu":
-            tune_cpu_allocator()
         self.page_size, self.dense_layers, self.impl = page_size, tuple(dense_layers), impl
         self.budget_at = budget_fn(sparsity, page_size)
         self.eos_ids = frozenset(self.cfg.eos_token_ids if eos_ids is None else eos_ids)
         self.max_batch, self.max_prefill_tokens = max_batch, max_prefill_tokens
         self.scale = 1.0 / math.sqrt(self.cfg.head_dim)
         self.num_pages = num_pages
+        if decode_graphs == "auto":
+            decode_graphs = "cuda" if self.device.type == "cuda" else "off"
+        if decode_graphs == "cuda" and self.device.type != "cuda":
+            raise ValueError("decode_graphs='cuda' needs the model on a CUDA device")
+        self.decode_graphs = decode_graphs
+        self.static: StaticDecode | None = None
+        self.workspace = GatherWorkspace()  # the CPU path's K/V gather buffers, reused every step
         self.cache: PagedKVCache | None = None
         self.scheduler: Scheduler | None = None
         self.stats = EngineStats()
@@ -155,6 +147,12 @@ class Engine:
         self.scheduler = Scheduler(self.blocks, self.max_batch, self.max_prefill_tokens)
         for r in reqs:
             self.scheduler.add(r)
+        if self.decode_graphs != "off":
+            longest = max((len(r.prompt) + r.params.max_new_tokens for r in reqs), default=1)
+            self.static = StaticDecode(self.model, self.cache, max_batch=self.max_batch,
+                                       max_pages=self.blocks.pages_for(longest),
+                                       dense_layers=self.dense_layers, scale=self.scale, impl=self.impl,
+                                       capture=self.decode_graphs == "cuda", workspace=self.workspace)
         self._pending = []
 
     def has_work(self) -> bool:
@@ -282,6 +280,20 @@ class Engine:
         table = np.full((len(seqs), width), -1, dtype=np.int32)
         for i, s in enumerate(seqs):
             table[i, : len(s.pages)] = s.pages
+        tokens = [s.tokens[-1] for s in seqs]
+        if self.static is not None and self.static.fits(len(seqs), width):
+            logits = self.static.run(tokens, pos, table, budgets, slots)
+        else:
+            logits = self._decode_eager(tokens, pos, table, budgets, slots)
+        self._sample(seqs, logits, budgets)
+        self.stats.decode_steps += 1
+        self.stats.decode_tokens += len(seqs)
+        self.stats.budget_sum += sum(budgets)
+        return len(seqs)
+
+    def _decode_eager(self, tokens: list[int], pos: list[int], table: np.ndarray, budgets: list[int],
+                      slots: list[int]) -> torch.Tensor:
+        """The decode step at this batch's own shapes -> logits [B, V] float32."""
         dev = self.device
         positions = torch.tensor(pos, device=dev)
         attn = DecodeAttention(
@@ -290,15 +302,11 @@ class Engine:
             torch.tensor(slots, dtype=torch.int64, device=dev),
             self.dense_layers, self.scale, self.impl, any_sparse=any(b > 0 for b in budgets),
             max_selected=None if dev.type != "cuda" else
-            (width if min(budgets) == 0 else max(budgets) // P))
-        tokens = torch.tensor([s.tokens[-1] for s in seqs], device=dev)[:, None]
-        hidden = self.model.hidden_states(tokens, positions=positions[:, None], attention=attn)
-        logits = self.model.lm_head(hidden[:, 0]).float()
-        self._sample(seqs, logits, budgets)
-        self.stats.decode_steps += 1
-        self.stats.decode_tokens += len(seqs)
-        self.stats.budget_sum += sum(budgets)
-        return len(seqs)
+            (table.shape[1] if min(budgets) == 0 else max(budgets) // self.page_size),
+            workspace=self.workspace)
+        hidden = self.model.hidden_states(torch.tensor(tokens, device=dev)[:, None],
+                                          positions=positions[:, None], attention=attn)
+        return self.model.lm_head(hidden[:, 0]).float()
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor, budgets: list[int]) -> None:
         k = max(s.request.params.logprobs for s in seqs)

@@ -1,0 +1,131 @@
+"""`StaticDecode`: the engine's decode step over preallocated buffers, replayed from CUDA graphs.
+
+A CUDA graph replays the same kernels on the same addresses, so every input of a decode step lives in
+a buffer sized for the largest batch and the widest block table, and a step of B samples runs the
+graph captured for the smallest batch bucket >= B. Rows past B are padding: slot -1 (no KV write)
+and seq_len 0 (attention over nothing, output zero). Two more things are fixed at capture and key
+the graphs with the bucket: whether the sparse layers select pages, and how many they keep, K (the
+batch's largest budget / P, or the whole table when a dense request shares a sparse step). A
+schedule has few distinct budgets, so there are few graphs; each is captured on first use, all in
+one memory pool. Sampling stays outside the graph: it needs per-sample generators and host-side stop
+decisions.
+
+Nothing inside the step may wait on the device: the model gets `kv_len` from here instead of reading
+the positions, selection gets `max_selected`, and the ops were written so (kernels/CONTRACT.md).
+Warm-up and capture run with every row padded, so they write nothing to the cache; the real inputs
+are copied in afterwards and the graph is replayed.
+
+With `capture=False` the same padded step runs eagerly on any device. That is how the CPU tests hold
+this path to the plain decode step and to teacher-forced scoring; only the capture needs CUDA.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from ..model.llama import Transformer
+from .attention import DecodeAttention
+from .kv_cache import PagedKVCache
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    """Batch sizes with a graph of their own: 1, 2, 4, 8, then every 16, and max_batch."""
+    small = [b for b in (1, 2, 4, 8) if b < max_batch]
+    return small + list(range(16, max_batch, 16)) + [max_batch]
+
+
+def kept_pages(budgets: Collection[int], page_size: int, max_pages: int) -> int:
+    """K of the graph for these budgets: 0 = no selection (all dense), else the selected width."""
+    if max(budgets) == 0:
+        return 0
+    if min(budgets) == 0:
+        return max_pages  # a dense request in a sparse step keeps all of its pages
+    return min(max(budgets) // page_size, max_pages)
+
+
+class StaticDecode:
+    def __init__(self, model: Transformer, cache: PagedKVCache, *, max_batch: int, max_pages: int,
+                 dense_layers: Collection[int], scale: float, impl: str = "auto", capture: bool = True,
+                 workspace=None):
+        """`max_pages`: block table width, enough for the longest sequence the engine will decode.
+        `workspace`: the CPU path's `ops.GatherWorkspace`."""
+        if capture and cache.k.device.type != "cuda":
+            raise ValueError("CUDA graphs need the model and cache on a CUDA device")
+        dev = cache.k.device
+        self.model, self.cache, self.capture = model, cache, capture
+        self.max_pages, self.page_size = max_pages, cache.page_size
+        self.dense_layers, self.scale, self.impl = tuple(dense_layers), scale, impl
+        self.workspace = workspace
+        self.buckets = batch_buckets(max_batch)
+        rows = self.buckets[-1]
+        self.tokens = torch.zeros(rows, 1, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(rows, 1, dtype=torch.long, device=dev)
+        self.block_table = torch.full((rows, max_pages), -1, dtype=torch.int32, device=dev)
+        self.seq_lens = torch.zeros(rows, dtype=torch.int32, device=dev)
+        self.budgets = torch.zeros(rows, dtype=torch.int32, device=dev)
+        self.slots = torch.full((rows,), -1, dtype=torch.int64, device=dev)
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
+        self.pool = None
+
+    def fits(self, batch: int, width: int) -> bool:
+        return batch <= self.buckets[-1] and width <= self.max_pages
+
+    def run(self, tokens: list[int], positions: list[int], block_table: np.ndarray, budgets: list[int],
+            slots: list[int]) -> Tensor:
+        """One decode step for B samples -> logits [B, V] float32 (a view of a static buffer on CUDA:
+        consume it before the next step). block_table [B, width] int32, -1 past each sample's pages."""
+        b = len(tokens)
+        n = next(s for s in self.buckets if s >= b)
+        k = kept_pages(budgets, self.page_size, self.max_pages)
+        graph = self._graph(n, k) if self.capture else None
+        self._fill(b, n, tokens, positions, block_table, budgets, slots)
+        if graph is None:
+            return self._forward(n, k)[:b]
+        graph[0].replay()
+        return graph[1][:b]
+
+    def _fill(self, b: int, n: int, tokens, positions, block_table: np.ndarray, budgets, slots) -> None:
+        width = block_table.shape[1]
+        self.tokens[:b, 0].copy_(torch.as_tensor(tokens))
+        self.positions[:b, 0].copy_(torch.as_tensor(positions))
+        self.block_table[:b, :width].copy_(torch.from_numpy(block_table))
+        self.block_table[:b, width:] = -1
+        self.seq_lens[:b].copy_(torch.as_tensor(positions) + 1)
+        self.budgets[:b].copy_(torch.as_tensor(budgets))
+        self.slots[:b].copy_(torch.as_tensor(slots))
+        self._pad(b, n)
+
+    def _pad(self, start: int, end: int) -> None:
+        self.tokens[start:end] = 0
+        self.positions[start:end] = 0
+        self.seq_lens[start:end] = 0
+        self.budgets[start:end] = 0
+        self.slots[start:end] = -1
+
+    def _forward(self, n: int, k: int) -> Tensor:
+        attn = DecodeAttention(self.cache, self.block_table[:n], self.seq_lens[:n], self.budgets[:n],
+                               self.slots[:n], self.dense_layers, self.scale, self.impl,
+                               any_sparse=k > 0, max_selected=k or None, workspace=self.workspace)
+        hidden = self.model.hidden_states(self.tokens[:n], positions=self.positions[:n], attention=attn,
+                                          kv_len=self.max_pages * self.page_size)
+        return self.model.lm_head(hidden[:, 0]).float()
+
+    def _graph(self, n: int, k: int) -> tuple[torch.cuda.CUDAGraph, Tensor]:
+        key = (n, k)
+        if key not in self.graphs:
+            self._pad(0, n)  # warm-up and capture see only padding rows: they write nothing
+            side = torch.cuda.Stream(self.cache.k.device)
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self._forward(n, k)  # Triton compiles and cuBLAS sets up outside the capture
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                out = self._forward(n, k)
+            self.pool = graph.pool()
+            self.graphs[key] = (graph, out)
+        return self.graphs[key]
