@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -59,3 +60,14 @@ def tune_cpu_allocator() -> bool:
         return bool(ok)
     except (OSError, AttributeError):
         return False
+
+
+def write_results(rows: list[dict], name: str) -> None:
+    """bench/results/<name>.parquet (machine-specific, not tracked)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    out = Path(__file__).parent / "results" / f"{name}.parquet"
+    out.parent.mkdir(exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(rows), out)
+    print(f"wrote {out}")

@@ -18,12 +18,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
-from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
-from common import copy_bandwidth, timed
+from common import copy_bandwidth, timed, write_results
 
 from sparrow.kernels import ops
 from sparrow.stages.model.presets import get_preset
@@ -110,10 +107,7 @@ def main() -> None:
             rows.append(r)
             print(f"{context:>8} {r['kernel']:>12} {r['ms']:>9.3f} {r['x_dense']:>8.2f} "
                   f"{r['bytes'] / 1e9:>8.2f} {r['bw_fraction']:>8.2f}")
-    out = Path(__file__).parent / "results" / "kernels.parquet"
-    out.parent.mkdir(exist_ok=True)
-    pq.write_table(pa.Table.from_pylist(rows), out)
-    print(f"wrote {out}")
+    write_results(rows, "kernels")
 
 
 if __name__ == "__main__":

@@ -26,13 +26,10 @@ from __future__ import annotations
 import argparse
 import platform
 import time
-from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
-from common import copy_bandwidth, sync, tune_cpu_allocator
+from common import copy_bandwidth, sync, tune_cpu_allocator, write_results
 
 from sparrow.stages.model.loading import embedded_checkpoint, load_model
 from sparrow.stages.published_schedules import published_budgets
@@ -210,10 +207,7 @@ def main() -> None:
               f"{r['step_ms']:>8.1f} {r['bytes_per_step'] / 1e6:>8.0f} {r['bw_fraction']:>7.2f}")
     if device.type == "cuda":
         print(f"GPU: {torch.cuda.get_device_name(device)}; CUDA graphs for the decode step")
-    out = Path(__file__).parent / "results" / "rollout.parquet"
-    out.parent.mkdir(exist_ok=True)
-    pq.write_table(pa.Table.from_pylist(rows), out)
-    print(f"wrote {out}")
+    write_results(rows, "rollout")
 
 
 if __name__ == "__main__":

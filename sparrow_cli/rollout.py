@@ -74,7 +74,9 @@ def rollout(
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Always generate --max-new-tokens."),
     max_batch: int = typer.Option(16, "--max-batch", help="Samples decoded together."),
     lora: Path = typer.Option(None, "--lora", help="A peft LoRA adapter directory for the sparse actor."),
-    device: str = typer.Option("cpu", "--device", help="cpu or cuda (bf16 and Triton kernels)."),
+    device: str = typer.Option("cpu", "--device", help="cpu or cuda (bf16, Triton kernels, CUDA graphs)."),
+    eager: bool = typer.Option(False, "--eager", help="On cuda, run every decode step eagerly instead of "
+                               "replaying CUDA graphs (for debugging; slower)."),
     output: Path = typer.Option(..., "-o", "--output", help="Where to write the rollouts artifact."),
 ) -> None:
     """Generate K samples per prompt with dense, fixed-budget or scheduled block top-k sparse attention:
@@ -129,7 +131,8 @@ def rollout(
     sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                               top_k=top_k, seed=seed, n=samples, ignore_eos=ignore_eos)
     opts = RolloutOptions(sampling=sampling, max_batch=max_batch, sparsity=sparsity,
-                          lora=load_lora(lora) if lora is not None else None)
+                          lora=load_lora(lora) if lora is not None else None,
+                          decode_graphs="off" if eager else "auto")
 
     total = len(rows) * samples
     start = time.perf_counter()

@@ -35,7 +35,7 @@ from .kv_cache import PagedKVCache
 from .sampler import sample_tokens
 from .scheduler import Scheduler, pages_needed
 from .sequence import BudgetFn, Completion, Request, SamplingParams, Sequence
-from .static_decode import StaticDecode
+from .static_decode import StaticDecode, kept_pages
 
 Sparsity = BudgetFn | Schedule | int | str | None  # None / 0 / "dense": dense
 DECODE_GRAPHS = ("auto", "cuda", "eager", "off")
@@ -301,8 +301,7 @@ class Engine:
             torch.tensor(budgets, dtype=torch.int32, device=dev),
             torch.tensor(slots, dtype=torch.int64, device=dev),
             self.dense_layers, self.scale, self.impl, any_sparse=any(b > 0 for b in budgets),
-            max_selected=None if dev.type != "cuda" else
-            (table.shape[1] if min(budgets) == 0 else max(budgets) // self.page_size),
+            max_selected=kept_pages(budgets, self.page_size, table.shape[1]) if dev.type == "cuda" else None,
             workspace=self.workspace)
         hidden = self.model.hidden_states(torch.tensor(tokens, device=dev)[:, None],
                                           positions=positions[:, None], attention=attn)

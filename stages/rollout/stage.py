@@ -32,6 +32,7 @@ class RolloutOptions:
     page_size: int = PAGE_SIZE
     impl: str = "auto"
     lora: LoraWeights | None = field(default=None, repr=False)
+    decode_graphs: str = "auto"  # see Engine: CUDA graphs on CUDA unless "off"
 
 
 @dataclass
@@ -58,7 +59,7 @@ def run_rollouts(loaded: LoadedModel, rows: Seq[dict], opts: RolloutOptions,
     from ..tasks import TASKS, score
 
     engine = Engine(loaded.model, opts.sparsity, max_batch=opts.max_batch, page_size=opts.page_size,
-                    dense_layers=opts.dense_layers, impl=opts.impl)
+                    dense_layers=opts.dense_layers, impl=opts.impl, decode_graphs=opts.decode_graphs)
     with lora_merged(loaded.model, opts.lora):
         results = engine.generate([r["prompt_token_ids"] for r in rows], opts.sampling, on_step)
     tok = loaded.tokenizer
