@@ -45,12 +45,12 @@ class GatherWorkspace:
     def take(self, rows: int, like: Tensor) -> tuple[Tensor, Tensor]:
         """Two [rows, P, D] buffers with the dtype and device of `like` [N, P, D]."""
         k = self.keys
-        if k is None or k.shape[0] < rows or k.shape[1:] != like.shape[1:] or k.dtype != like.dtype \
-                or k.device != like.device:
-            n = max(rows, int(1.25 * k.shape[0])) if k is not None and k.shape[1:] == like.shape[1:] \
-                else rows
-            self.keys = like.new_empty((n,) + tuple(like.shape[1:]))
-            self.values = like.new_empty((n,) + tuple(like.shape[1:]))
+        same_kind = (k is not None and k.shape[1:] == like.shape[1:] and k.dtype == like.dtype
+                     and k.device == like.device)
+        if not same_kind or k.shape[0] < rows:
+            n = max(rows, int(1.25 * k.shape[0])) if same_kind else rows
+            self.keys = like.new_empty((n, *like.shape[1:]))
+            self.values = like.new_empty((n, *like.shape[1:]))
         return self.keys[:rows], self.values[:rows]
 
 

@@ -90,11 +90,12 @@ class StaticDecode:
 
     def _fill(self, b: int, n: int, tokens, positions, block_table: np.ndarray, budgets, slots) -> None:
         width = block_table.shape[1]
+        pos = torch.as_tensor(positions)
         self.tokens[:b, 0].copy_(torch.as_tensor(tokens))
-        self.positions[:b, 0].copy_(torch.as_tensor(positions))
+        self.positions[:b, 0].copy_(pos)
         self.block_table[:b, :width].copy_(torch.from_numpy(block_table))
         self.block_table[:b, width:] = -1
-        self.seq_lens[:b].copy_(torch.as_tensor(positions) + 1)
+        self.seq_lens[:b].copy_(pos + 1)
         self.budgets[:b].copy_(torch.as_tensor(budgets))
         self.slots[:b].copy_(torch.as_tensor(slots))
         self._pad(b, n)
