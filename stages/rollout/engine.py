@@ -133,15 +133,30 @@ class Engine:
             self.scheduler.add(req)
         return rid
 
+    def _default_num_pages(self, reqs: list[Request]) -> int:
+        """Room for the largest request's group, or for `max_batch` unshared sequences of the longest
+        request when that is more; on CUDA no more than fits in 90% of the free device memory."""
+        need = [pages_needed(len(r.prompt), r.params.n, r.params.max_new_tokens, self.page_size)
+                for r in reqs] or [(0, 1)]
+        group = max(s + r.params.n * o for r, (s, o) in zip(reqs, need))
+        per_seq = max(s + o for s, o in need)
+        seqs = sum(r.params.n for r in reqs)
+        pages = max(group, min(self.max_batch, max(seqs, 1)) * per_seq)
+        if self.device.type == "cuda":
+            free = torch.cuda.mem_get_info(self.device)[0]
+            free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+            page_bytes = PagedKVCache.bytes_per_page(self.cfg, self.page_size, self.dtype)
+            fit = int(0.9 * free) // page_bytes
+            if fit < group:
+                raise RuntimeError(f"the KV cache needs {group * page_bytes / 2**30:.1f} GiB for one "
+                                   f"request's samples but {free / 2**30:.1f} GiB of device memory are free")
+            pages = min(pages, fit)
+        return pages
+
     def _start(self) -> None:
         reqs = self._pending
         if self.num_pages is None:
-            need = [pages_needed(len(r.prompt), r.params.n, r.params.max_new_tokens, self.page_size)
-                    for r in reqs] or [(0, 1)]
-            group = max(s + r.params.n * o for r, (s, o) in zip(reqs, need))
-            per_seq = max(s + o for s, o in need)
-            seqs = sum(r.params.n for r in reqs)
-            self.num_pages = max(group, min(self.max_batch, max(seqs, 1)) * per_seq)
+            self.num_pages = self._default_num_pages(reqs)
         self.cache = PagedKVCache(self.cfg, self.num_pages, self.page_size, self.dtype, self.device)
         self.blocks = BlockManager(self.num_pages, self.page_size)
         self.scheduler = Scheduler(self.blocks, self.max_batch, self.max_prefill_tokens)
