@@ -6,7 +6,10 @@ the way a real block manager leaves them: the sparse kernel at a 2,048-token bud
 dense kernel at 32K. Also reported: the selection's own cost (Triton page scoring + torch.topk), and
 the fraction of the memory-bandwidth limit each kernel reaches (K/V bytes it must read, plus the
 centroids for selection, over the device's measured copy bandwidth).
-Times are CUDA-event medians over repeated calls (each call reads far more than the L2 cache holds).
+Times are CUDA-event medians over repeated replays of a CUDA graph of each op, as the engine's decode
+step replays them (each call reads far more than the L2 cache holds); `--eager` times plain calls, which
+adds the host's launch gaps between small kernels. "select-torch" is the selection before its fused
+kernel (Triton scores, then topk, masks and a sort in torch), kept for comparison.
 On a CPU the torch references run instead, at a smaller default size (the CPU engine's path).
 Writes bench/results/kernels.parquet.
 
@@ -20,9 +23,10 @@ import argparse
 import statistics
 
 import torch
-from common import copy_bandwidth, timed, write_results
+from common import copy_bandwidth, timed, timed_graph, write_results
 
 from sparrow.kernels import ops
+from sparrow.kernels.page_scoring import finish_selection
 from sparrow.stages.model.presets import get_preset
 
 
@@ -53,6 +57,8 @@ def bench_context(args, device, dtype, context: int, bw: float) -> list[dict]:
     runs = {
         "dense": lambda: ops.dense_paged_attention(q, k_pages, v_pages, table, lens, scale),
         "select": lambda: ops.select_pages(q, cents, table, lens, budgets, page, max_selected=k_sel),
+        "select-torch": lambda: finish_selection(ops.page_scores(q, cents, table, lens, page), lens,
+                                                 budgets, page, max_selected=k_sel),
         "sparse-attn": lambda: ops.sparse_paged_attention(q, k_pages, v_pages, table, lens, selected,
                                                           scale),
         "sparse": lambda: ops.sparse_paged_attention(
@@ -64,11 +70,13 @@ def bench_context(args, device, dtype, context: int, bw: float) -> list[dict]:
     n_pages = table.shape[1]
     read = {"dense": args.batch * context * kv_token,
             "select": args.batch * n_pages * hkv * d * 4,
+            "select-torch": args.batch * n_pages * hkv * d * 4,
             "sparse-attn": args.batch * min(args.budget, context) * kv_token}
     read["sparse"] = read["select"] + read["sparse-attn"]
     rows = []
+    timer = timed if args.eager else timed_graph
     for name, fn in runs.items():
-        seconds = statistics.median(timed(fn, device, args.reps))
+        seconds = statistics.median(timer(fn, device, args.reps))
         rows.append({"kernel": name, "context": context, "batch": args.batch, "budget": args.budget,
                      "hq": hq, "hkv": hkv, "head_dim": d, "dtype": str(dtype).removeprefix("torch."),
                      "device": str(device), "ms": 1e3 * seconds, "bytes": read[name],
@@ -88,6 +96,7 @@ def main() -> None:
     ap.add_argument("--contexts", default=None, help="default: 16384,32768 on a GPU, 4096,8192 on a CPU")
     ap.add_argument("--budget", type=int, default=2048)
     ap.add_argument("--reps", type=int, default=None, help="timed calls per kernel (default 20 / 3)")
+    ap.add_argument("--eager", action="store_true", help="time plain calls instead of CUDA graph replays")
     args = ap.parse_args()
     device = torch.device(args.device)
     on_gpu = device.type == "cuda"
@@ -98,8 +107,9 @@ def main() -> None:
     bw = copy_bandwidth(device)
     name = torch.cuda.get_device_name(device) if on_gpu else "cpu"
     impl = "Triton" if ops.use_triton("auto", torch.empty(0, device=device)) else "torch reference"
+    timing = "eager calls" if args.eager or not on_gpu else "CUDA graph replays"
     print(f"{args.model} attention shapes, batch {args.batch}, budget {args.budget}, {dtype}, {name}, "
-          f"copy bandwidth {bw / 1e9:.0f} GB/s, {impl}")
+          f"{timing}, copy bandwidth {bw / 1e9:.0f} GB/s, {impl}")
     print(f"{'context':>8} {'kernel':>12} {'ms':>9} {'x dense':>8} {'GB read':>8} {'BW frac':>8}")
     rows = []
     for context in contexts:

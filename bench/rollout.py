@@ -12,7 +12,9 @@ and shares the pages, so end-to-end numbers favour the engine and decode-only nu
 comparison). HF runs last, after `tune_cpu_allocator` (its growing cache needs it; our engine does
 not). Per decode step, the fraction of the memory-bandwidth limit reached = (weight bytes + KV bytes
 read) / step time / the device's copy bandwidth (a large tensor copy, read + write). With shared
-prompt pages every sample's read of them counts, though some may come from a cache.
+prompt pages every sample's read of them counts, though some may come from a cache; "floor ms" is
+the step time at the copy bandwidth if shared prompt pages were read once per step (weights + unique KV
+bytes), and "x floor" the measured step over it.
 Writes bench/results/rollout.parquet.
 
     .venv/bin/python bench/rollout.py                         # the CPU run (about 25 minutes)
@@ -53,8 +55,10 @@ def weight_bytes(model) -> int:
 
 
 def kv_bytes_per_step(cfg, prompt: int, new: int, samples: int, budget_at, dense_layers, elem: int,
-                      page: int = 16) -> float:
-    """Mean K+V (+ centroid) bytes one decode step reads over the run."""
+                      page: int = 16, shared_once: bool = False) -> float:
+    """Mean K+V (+ centroid) bytes one decode step reads over the run: as the kernels request them (each
+    sample reads the prompt pages it shares), or with `shared_once` the floor where shared prompt
+    pages (and their centroids) are read once per step, as cascade attention would."""
     per_token = 2 * cfg.num_kv_heads * cfg.head_dim * elem
     total = 0.0
     for i in range(1, new):  # decode steps: cache holds prompt + i tokens
@@ -64,9 +68,12 @@ def kv_bytes_per_step(cfg, prompt: int, new: int, samples: int, budget_at, dense
         sparse = b > 0 and n_pages > b // page
         kept = min(n, b) if sparse else n
         n_sparse = cfg.num_layers - len(dense_layers) if b > 0 else 0
-        layers_tokens = (cfg.num_layers - n_sparse) * n + n_sparse * kept
-        centroids = n_sparse * n_pages * cfg.num_kv_heads * cfg.head_dim * 4
-        total += samples * (layers_tokens * per_token + centroids)
+        unique = prompt + samples * i  # tokens in the cache, the prompt's once
+        dense_tokens = unique if shared_once else samples * n
+        sparse_tokens = min(samples * kept, unique) if shared_once else samples * kept
+        cent_pages = -(-unique // page) if shared_once else samples * n_pages
+        total += ((cfg.num_layers - n_sparse) * dense_tokens + n_sparse * sparse_tokens) * per_token
+        total += n_sparse * cent_pages * cfg.num_kv_heads * cfg.head_dim * 4
     return total / max(new - 1, 1)
 
 
@@ -170,16 +177,18 @@ def main() -> None:
     for label, sparsity in (("dense", None), (f"sparse-{args.budget}", args.budget),
                             ("sparse-schedule", schedule)):
         row, budget_at = run_engine(model, prompt, args, sparsity, label)
-        row["kv_bytes_per_step"] = kv_bytes_per_step(cfg, len(prompt), args.new_tokens, args.samples,
-                                                     budget_at, (0, 1), elem)
+        for key, once in (("kv_bytes_per_step", False), ("kv_unique_bytes_per_step", True)):
+            row[key] = kv_bytes_per_step(cfg, len(prompt), args.new_tokens, args.samples, budget_at, (0, 1),
+                                         elem, shared_once=once)
         rows.append(row)
         print(f"  {label}: {row['total_s']:.1f} s", flush=True)
     if not (args.no_hf or args.random_weights):
         if device.type == "cpu":
             tune_cpu_allocator()  # after our runs: it is process-wide
         row = run_hf(args, prompt, device, dtype)
-        row["kv_bytes_per_step"] = kv_bytes_per_step(cfg, len(prompt), args.new_tokens, args.samples,
-                                                     None, (0, 1), elem)
+        for key, once in (("kv_bytes_per_step", False), ("kv_unique_bytes_per_step", True)):
+            row[key] = kv_bytes_per_step(cfg, len(prompt), args.new_tokens, args.samples, None, (0, 1),
+                                         elem, shared_once=once)
         rows.append(row)
         print(f"  hf-generate: {row['total_s']:.1f} s", flush=True)
 
@@ -192,6 +201,8 @@ def main() -> None:
         r["x_dense_decode"] = r["decode_tok_s"] / (decode_tokens / dense["decode_s"])
         r["bytes_per_step"] = w_bytes + r["kv_bytes_per_step"]
         r["bw_fraction"] = r["bytes_per_step"] / (r["step_ms"] / 1e3) / bw
+        r["floor_ms"] = 1e3 * (w_bytes + r["kv_unique_bytes_per_step"]) / bw  # shared pages read once
+        r["x_floor"] = r["step_ms"] / r["floor_ms"]
         r.update(prompt_tokens=len(prompt), samples=args.samples, new_tokens=args.new_tokens,
                  device=str(device), threads=torch.get_num_threads(), copy_gb_s=bw / 1e9)
     print(f"{loaded.name}, prompt {len(prompt)} tokens, {args.samples} samples x {args.new_tokens} new "
@@ -199,12 +210,14 @@ def main() -> None:
           f"({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads), "
           f"copy bandwidth {bw / 1e9:.1f} GB/s, weights {w_bytes / 1e6:.0f} MB")
     head = (f"{'engine':>16} {'total s':>8} {'prefill s':>9} {'decode s':>9} {'tok/s':>7} "
-            f"{'dec tok/s':>9} {'x dense':>7} {'step ms':>8} {'MB/step':>8} {'BW frac':>7}")
+            f"{'dec tok/s':>9} {'x dense':>7} {'step ms':>8} {'MB/step':>8} {'BW frac':>7} {'floor ms':>8} "
+            f"{'x floor':>7}")
     print(head)
     for r in rows:
         print(f"{r['engine']:>16} {r['total_s']:>8.1f} {r['prefill_s']:>9.1f} {r['decode_s']:>9.1f} "
               f"{r['tok_s']:>7.1f} {r['decode_tok_s']:>9.1f} {r['x_dense_decode']:>7.2f} "
-              f"{r['step_ms']:>8.1f} {r['bytes_per_step'] / 1e6:>8.0f} {r['bw_fraction']:>7.2f}")
+              f"{r['step_ms']:>8.1f} {r['bytes_per_step'] / 1e6:>8.0f} {r['bw_fraction']:>7.2f} "
+              f"{r['floor_ms']:>8.1f} {r['x_floor']:>7.2f}")
     if device.type == "cuda":
         print(f"GPU: {torch.cuda.get_device_name(device)}; CUDA graphs for the decode step")
     write_results(rows, "rollout")

@@ -5,11 +5,17 @@ last = t // P), score every candidate page j in 1..last-2 as mean(query heads of
 the physical page block_table[b, j]; non-candidates score -inf. The selection keeps pages 0, last-1, last
 and the best budget/P - 3 candidates (all pages when budget == 0 or n_pages <= budget/P) and returns their
 LOGICAL indices sorted ascending, padded with -1, [B, Hkv, K] with K = max kept over the batch (or
-`max_selected` when given, which avoids a device-to-host sync, e.g. under CUDA graphs). The Triton kernel
-computes only the scores: grid (B, Hkv, page blocks); each program averages the group's query heads once
-(group padded to a power of two with masks), gathers BLOCK_P centroids through the block table and
-writes BLOCK_P scores; torch.topk, the reserved pages, the sort and the padding are shared with the torch
-reference (`finish_selection`).
+`max_selected` when given, which avoids a device-to-host sync, e.g. under CUDA graphs).
+
+Two Triton kernels. The scoring kernel, grid (B, Hkv, page blocks): each program averages the group's
+query heads once (group padded to a power of two with masks), gathers BLOCK_P centroids through the block
+table and writes BLOCK_P scores. The selection kernel, grid (B, Hkv), does in one program per row what the
+torch reference does with topk, masks and a sort (about twenty small launches, measured at 0.7 ms per
+layer on an H100 at Qwen3-4B shapes, batch 32, against 0.09 ms for the scores): it maps the row's scores
+to order-preserving integer keys, finds the n-th largest key by a 32-step bitwise search (each step one
+count over the row), keeps the keys above it and, of the keys equal to it, the lowest page indices
+first, adds the reserved pages, and writes the kept pages in index order by a prefix sum. Ties are the
+only place it may differ from torch.topk, whose order among equal scores is unspecified.
 """
 
 from __future__ import annotations
@@ -137,11 +143,74 @@ def page_scores_triton(q: Tensor, centroids: Tensor, block_table: Tensor, seq_le
     return scores
 
 
+def _select_kernel(scores, seq_lens, budgets, selected, counts, s_sb, s_sh, s_ob, s_oh, max_pages, width,
+                   PAGE: tl.constexpr, RESERVED: tl.constexpr, BLOCK_P: tl.constexpr,
+                   BLOCK_W: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    p = tl.arange(0, BLOCK_P)
+    s = tl.load(scores + b * s_sb + h * s_sh + p, mask=p < max_pages, other=float("-inf"))
+    seq_len = tl.load(seq_lens + b).to(tl.int32)
+    budget = tl.load(budgets + b).to(tl.int32)
+    n_pages = (seq_len + PAGE - 1) // PAGE
+    last = n_pages - 1
+    reserved = ((p == 0) | ((p >= last - 1) & (p <= last))) & (p < n_pages)
+    cand = s > float("-inf")
+    n_sel = tl.maximum(tl.where(budget > 0, budget // PAGE - RESERVED, max_pages), 0)
+    # fp32 -> int32 with the same order (negatives: flip the magnitude bits), then to [0, 2^32) in int64;
+    # non-candidates get key 0, below every candidate
+    bits = s.to(tl.int32, bitcast=True)
+    key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64) + 2147483648
+    key = tl.where(cand, key, 0)
+    thr = tl.zeros([], dtype=tl.int64)  # the largest t with count(key >= t) >= n_sel
+    for i in tl.static_range(32):
+        t = thr + (1 << (31 - i))
+        thr = tl.where(tl.sum((key >= t).to(tl.int32), axis=0) >= n_sel, t, thr)
+    above = cand & (key > thr)
+    tie = cand & (key == thr)
+    need = n_sel - tl.sum(above.to(tl.int32), axis=0)
+    chosen = above | (tie & (tl.cumsum(tie.to(tl.int32), axis=0) <= need))
+    kept = chosen | reserved
+    kept_i = kept.to(tl.int32)
+    count = tl.sum(kept_i, axis=0)
+    pos = tl.cumsum(kept_i, axis=0) - 1
+    out = selected + b * s_ob + h * s_oh
+    tl.store(out + pos, p, mask=kept & (pos < width))
+    w = tl.arange(0, BLOCK_W)
+    tl.store(out + w, tl.full([BLOCK_W], -1, tl.int32), mask=(w >= count) & (w < width))
+    tl.store(counts + b * tl.num_programs(1) + h, count)
+
+
+_select_jit = lazy_jit(_select_kernel)
+
+
+def select_from_scores_triton(scores: Tensor, seq_lens: Tensor, budgets: Tensor, page_size: int = 16,
+                              max_selected: int | None = None) -> Tensor:
+    """`finish_selection` in one Triton kernel: scores [B, Hkv, max_pages] -> selected [B, Hkv, K]."""
+    require_triton()
+    b, hkv, max_pages = scores.shape
+    width = max_pages if max_selected is None else max_selected
+    selected = torch.empty(b, hkv, width, device=scores.device, dtype=torch.int32)
+    counts = torch.empty(b, hkv, device=scores.device, dtype=torch.int32)
+    if b == 0 or width == 0 or max_pages == 0:
+        return selected.fill_(-1)
+    scores = scores.contiguous()
+    _select_jit[(b, hkv)](
+        scores, seq_lens.contiguous(), budgets.contiguous(), selected, counts,
+        scores.stride(0), scores.stride(1), selected.stride(0), selected.stride(1), max_pages, width,
+        PAGE=page_size, RESERVED=RESERVED_PAGES, BLOCK_P=next_pow2(max_pages), BLOCK_W=next_pow2(width),
+        num_warps=4 if max_pages <= 2048 else 8,
+    )
+    if max_selected is None:  # as narrow as the widest row, like the reference (a host sync)
+        selected = selected[..., : int(counts.max())]
+    return selected
+
+
 def page_scoring_triton(q: Tensor, centroids: Tensor, block_table: Tensor, seq_lens: Tensor,
                         budgets: Tensor, page_size: int = 16, max_selected: int | None = None) -> Tensor:
-    """select_pages with the scores from Triton; top-k, reserved pages and sort in torch."""
+    """select_pages in Triton: the scoring kernel, then the selection kernel."""
     scores = page_scores_triton(q, centroids, block_table, seq_lens, page_size)
-    return finish_selection(scores, seq_lens, budgets, page_size, max_selected)
+    return select_from_scores_triton(scores, seq_lens, budgets, page_size, max_selected)
 
 
 def triton_cdiv(a: int, b: int) -> int:

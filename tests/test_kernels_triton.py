@@ -125,6 +125,44 @@ def test_decode_triton_bf16_fast():
     check_selection(cache, torch.tensor([48, 64], dtype=torch.int32))
 
 
+def _kept_scores(scores, selected):
+    """The sorted scores of the selected pages of each row (padding as +inf)."""
+    picked = torch.gather(scores, 2, selected.long().clamp(min=0))
+    return picked.masked_fill(selected < 0, float("inf")).sort(-1).values
+
+
+def test_selection_kernel_equals_finish_selection():
+    """The fused top-k selection kernel against the torch reference on random score rows: short and
+    empty requests, dense and sparse budgets, the sync-free widths; with tied scores (where torch.topk's
+    order is unspecified) the number kept per row and the multiset of kept scores agree."""
+    from sparrow.kernels.page_scoring import finish_selection, select_from_scores_triton
+
+    g = torch.Generator().manual_seed(5)
+    for trial in range(24):
+        b, hkv, mp = 1 + trial % 4, 1 + trial % 3, int(torch.randint(1, 90, (1,), generator=g))
+        seq = torch.randint(0, mp * 16 + 1, (b,), generator=g, dtype=torch.int32)
+        scores = torch.randn(b, hkv, mp, generator=g)
+        ties = trial % 3 == 0
+        if ties:
+            scores = scores.round()
+        last = ((seq.long() - 1) // 16)[:, None, None]
+        page = torch.arange(mp)
+        scores = scores.masked_fill(~((page >= 1) & (page <= last - 2)), float("-inf"))
+        budgets = torch.randint(0, 8, (b,), generator=g, dtype=torch.int32) * 16
+        budgets[budgets > 0] += 48
+        scores, seq, budgets = scores.to(DEVICE), seq.to(DEVICE), budgets.to(DEVICE)
+        need = finish_selection(scores, seq, budgets).shape[-1]
+        for width in (None, need, mp + 5):
+            want = finish_selection(scores, seq, budgets, max_selected=width)
+            got = select_from_scores_triton(scores, seq, budgets, max_selected=width)
+            assert got.shape == want.shape
+            if not ties:
+                assert torch.equal(got, want), (trial, width)
+                continue
+            assert torch.equal((got >= 0).sum(-1), (want >= 0).sum(-1))
+            assert torch.equal(_kept_scores(scores, got), _kept_scores(scores, want))
+
+
 def test_empty_request_rows_give_zeros():
     """A batch slot with seq_len 0 (no pages) yields zeros, not NaN, in both implementations."""
     cache = Cache([40, 20], hq=2, hkv=2, d=16, seed=14, device=DEVICE)
@@ -252,6 +290,9 @@ for arch in (80, 90):
                       ws_acc="*fp32", scale_log2="fp32"),
                       dict(D=d, BLOCK_D=d, G=g, BLOCK_G=16, PAGE=16, BLOCK_N=64, DENSE=dense,
                            PRECISION="ieee", UPCAST=False), arch)
+            build(page_scoring._select_jit, dict(scores="*fp32", seq_lens="*i32", budgets="*i32",
+                  selected="*i32", counts="*i32"),
+                  dict(PAGE=16, RESERVED=3, BLOCK_P=2048 if d == 128 else 64, BLOCK_W=128), arch)
             build(sparse_decode._merge_splits_jit, dict(ws_m="*fp32", ws_l="*fp32", ws_acc="*fp32",
                   out="*" + dt), dict(D=d, BLOCK_D=d, BLOCK_S=32), arch, 2)
 print("compiled")
