@@ -3,7 +3,8 @@
 Each sample owns a `torch.Generator` seeded from (seed, request, sample), so what a sample draws does
 not depend on which other sequences share its batch: the same seed gives the same rollouts with any
 --max-batch. Logprobs follow `stages.generate.sample_next`: log_softmax(logits / T) of the sampled
-token, T = 1 when greedy, before truncation.
+token, T = 1 when greedy, before truncation. A sampled row draws by an exponential race, argmax p / E
+with E ~ Exp(1) per token, which is exact and needs one noise draw per sample and one batched argmax.
 """
 
 from __future__ import annotations
@@ -44,9 +45,13 @@ def sample_tokens(logits: Tensor, params: Seq[SamplingParams], generators: Seq[t
             mass = torch.where(top_k > 0, sorted_p.sum(-1), 1.0)  # top-p of the top-k distribution
             keep = cum < top_p[:, None] * mass[:, None]
             probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p * keep)
-        drawn = [torch.multinomial(probs[j], 1, generator=generators[i])
-                 for j, i in enumerate(rows.tolist())]
-        tokens[rows] = torch.cat(drawn)
+        # exponential race: argmax p / E with E ~ Exp(1) draws from p exactly; one noise draw per
+        # sample from its own generator (torch.multinomial per row cost ~13 launches each, 6-8 ms per
+        # step at 32 samples on an H100), then one batched argmax
+        noise = torch.empty_like(probs)
+        for j, i in enumerate(rows.tolist()):
+            noise[j].exponential_(generator=generators[i])
+        tokens[rows] = (probs / noise.clamp_(min=torch.finfo(noise.dtype).tiny)).argmax(-1)
     chosen = logp.gather(-1, tokens[:, None]).squeeze(-1)
     top = logp.topk(top_logprobs, dim=-1) if top_logprobs > 0 else None
     return tokens.cpu(), chosen.cpu(), (None if top is None else (top.values.cpu(), top.indices.cpu()))

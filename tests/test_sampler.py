@@ -1,0 +1,54 @@
+"""The batched sampler against the distributions it must draw from (brute-force frequencies)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from sparrow.stages.rollout import SamplingParams
+from sparrow.stages.rollout.sampler import sample_tokens
+
+
+def _frequencies(logits, params, draws=20000, seed=0):
+    """Empirical token frequencies of row 0 over `draws` calls, each with its own generator state."""
+    g = torch.Generator().manual_seed(seed)
+    counts = np.zeros(logits.shape[-1])
+    batch = logits.expand(500, -1)
+    for _ in range(draws // 500):
+        gens = [g] * 500  # one generator shared by the rows: draws stay independent
+        tokens, logp, _ = sample_tokens(batch, [params] * 500, gens)
+        np.add.at(counts, tokens.numpy(), 1)
+    return counts / counts.sum(), logp
+
+
+def _expected(logits, temperature, top_k=0, top_p=1.0):
+    p = torch.softmax(logits[0].double() / temperature, -1).numpy()
+    order = np.argsort(-p)
+    keep = np.zeros_like(p, dtype=bool)
+    keep[order[: top_k or len(p)]] = True
+    p = np.where(keep, p, 0)
+    p = p / p.sum()
+    cum = np.cumsum(p[order]) - p[order]
+    keep_p = np.zeros_like(keep)
+    keep_p[order[cum < top_p]] = True
+    p = np.where(keep_p, p, 0)
+    return p / p.sum()
+
+
+def test_sampled_frequencies_match_the_truncated_distribution():
+    logits = torch.randn(1, 12, generator=torch.Generator().manual_seed(3)) * 1.5
+    for temperature, top_k, top_p in ((1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8), (1.0, 6, 0.9)):
+        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=1)
+        freq, logp = _frequencies(logits, params)
+        want = _expected(logits, temperature, top_k, top_p)
+        assert np.abs(freq - want).max() < 0.015, (temperature, top_k, top_p, freq, want)
+        assert freq[want == 0].sum() == 0  # truncated tokens are never drawn
+
+
+def test_per_sample_generators_make_draws_independent_of_the_batch():
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(4))
+    params = [SamplingParams(temperature=1.0, max_new_tokens=1)] * 6
+    alone = [sample_tokens(logits[i:i + 1], params[:1], [torch.Generator().manual_seed(i)])[0].item()
+             for i in range(6)]
+    together = sample_tokens(logits, params, [torch.Generator().manual_seed(i) for i in range(6)])[0]
+    assert together.tolist() == alone
