@@ -5,7 +5,7 @@
 # on Qwen3-4B shapes with random bf16 weights. Each step runs under its own time limit and goes on
 # after a failure; logs go to $OUT (default bench/results/gpu), a summary is printed last.
 #
-#   bash bench/gpu_checks.sh [all|tests|kernels|rollout] [extra args for bench/rollout.py]
+#   bash bench/gpu_checks.sh [all|tests|engine|kernels|rollout|profile] [extra args for bench/rollout.py]
 set -u
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -46,6 +46,8 @@ $PY -c "import torch, triton, transformers; print('torch', torch.__version__, 't
 
 if [[ $WHAT == all || $WHAT == tests ]]; then
     step kernel-tests 200 $PY -m pytest -q -x -p no:cacheprovider -m "slow or not slow" tests/test_kernels_triton.py
+fi
+if [[ $WHAT == all || $WHAT == tests || $WHAT == engine ]]; then
     step engine-tests 150 $PY -m pytest -q -s -p no:cacheprovider tests/test_gpu.py \
         "tests/test_rollout.py::test_cuda_graph_step_equals_eager_step"
 fi
@@ -58,6 +60,11 @@ if [[ $WHAT == all || $WHAT == rollout ]]; then
         step "rollout-$ctx" 280 $PY bench/rollout.py --model qwen3-4b --random-weights --context "$ctx" \
             --samples 32 --budget 2048 --schedule published:qwen3-4b:0.86 "$@"
         cp bench/results/rollout.parquet "$OUT/rollout-$ctx.parquet" 2>/dev/null
+    done
+fi
+if [[ $WHAT == profile ]]; then  # not in "all": a breakdown to read, not a check
+    for budget in ${PROFILE_BUDGETS:-2048 0}; do
+        step "profile-$budget" 200 $PY bench/step_profile.py --budget "$budget"
     done
 fi
 echo "=== summary"
