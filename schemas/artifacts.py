@@ -323,5 +323,21 @@ SCHEMAS: dict[str, ArtifactSpec] = {s.kind: s for s in (
             for n in ("reward_std", "loss", "grad_norm", "entropy", "mismatch_kl")),
           Col("truncation_rate", F64, nullable=True, range=UNIT),
           Col("repetition_rate", F64, nullable=True, range=UNIT),
-          *(Col(n, F64, nullable=True) for n in ("response_length", "lr", "seconds"))),
+          *(Col(n, F64, nullable=True) for n in ("response_length", "lr", "seconds")),
+          *(Col(n, F64, nullable=True, range=UNIT)
+            for n in ("accuracy", "eval_accuracy", "clip_fraction", "masked_fraction", "vetoed_fraction",
+                      "alpha_lb_mean", "alpha_lb_p5")),
+          *(Col(n, F64, nullable=True)
+            for n in ("policy_loss", "kl", "mean_budget", "rollout_seconds", "scoring_seconds",
+                      "update_seconds", "tokens_per_second")),
+          Col("collapse", STR, nullable=True)),
+    _spec("train_mismatch", "one row per generated token per training step (the sparse actor vs the "
+          "dense learner)",
+          Col("step", I32, range=NONNEG), Col("prompt_id", STR), Col("sample", I32, range=NONNEG),
+          Col("position", I32, range=NONNEG), Col("bin", I32, range=NONNEG),
+          Col("budget", I32, range=NONNEG), Col("token_id", I32, range=NONNEG),
+          Col("logp_rollout", F32, range=NONPOS), Col("logp_dense", F32, range=NONPOS),
+          Col("log_ratio", F32), Col("k3", F32, range=NONNEG),
+          Col("alpha_top20_lb", F32, nullable=True, range=UNIT),
+          Col("weight", F32, range=NONNEG), Col("masked", pa.bool_()), Col("vetoed", pa.bool_())),
 )}

@@ -19,6 +19,7 @@ from . import (  # noqa: E402
     prompts,
     rollout,  # noqa: E402
     sql,
+    train,
 )
 
 app = typer.Typer(
@@ -38,6 +39,7 @@ app.command("calibrate-threshold")(calibrate.calibrate_threshold)
 app.command("fit-cost")(cost.fit_cost)
 app.command("plan-schedule")(plan.plan_schedule)
 app.command("rollout")(rollout.rollout)
+app.command("train")(train.train)
 
 
 def main() -> None:

@@ -55,6 +55,17 @@ VALID: dict[str, dict[str, list]] = {
         "loss": [1.0, float("nan")], "grad_norm": [2.0, 3.0], "entropy": [1.1, 1.0],
         "mismatch_kl": [1e-3, 2e-3], "truncation_rate": [0.0, 0.5], "repetition_rate": [0.0, 1.0],
         "response_length": [100.0, 120.0], "lr": [1e-6, 1e-6], "seconds": [3.0, 3.1],
+        "accuracy": [0.0, 0.25], "eval_accuracy": [0.1, None], "clip_fraction": [0.0, 0.01],
+        "masked_fraction": [0.0, 0.02], "vetoed_fraction": [0.0, 0.1], "alpha_lb_mean": [0.9, 0.8],
+        "alpha_lb_p5": [0.5, 0.4], "policy_loss": [0.1, -0.1], "kl": [0.0, 0.01], "mean_budget": [0.0, 512.0],
+        "rollout_seconds": [2.0, 2.1], "scoring_seconds": [0.5, 0.5], "update_seconds": [0.5, 0.5],
+        "tokens_per_second": [100.0, 90.0], "collapse": [None, "reward_drop"],
+    },
+    "train_mismatch": {
+        "step": [0, 0], "prompt_id": ["p0", "p0"], "sample": [0, 1], "position": [100, 101], "bin": [0, 0],
+        "budget": [0, 64], "token_id": [5, 9], "logp_rollout": [-0.2, -1.0], "logp_dense": [-0.1, -2.0],
+        "log_ratio": [-0.1, 1.0], "k3": [0.005, 0.37], "alpha_top20_lb": [0.95, None],
+        "weight": [1.0, 0.0], "masked": [False, True], "vetoed": [False, False],
     },
 }
 
@@ -81,7 +92,7 @@ def one_sentence(e: pytest.ExceptionInfo, path) -> str:
 
 def test_every_kind_has_valid_example():
     assert set(VALID) == set(SCHEMAS) == {"prompts", "mismatch", "threshold", "cost", "schedule",
-                                          "rollouts", "metrics"}
+                                          "rollouts", "metrics", "train_mismatch"}
     for kind, spec in SCHEMAS.items():
         assert spec.schema.metadata == {b"sparrow.artifact": kind.encode(), b"sparrow.version": b"1"}
         assert set(VALID[kind]) == set(spec.names)

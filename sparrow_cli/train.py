@@ -1,0 +1,135 @@
+"""`sparrow train`: GRPO on sparse rollouts, a run directory of metrics, per-token mismatch and an adapter."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from .common import UsageError, console, friendly_errors
+from .rollout import _sparsity
+
+
+def _spec(schedule: Path | None, budget: int | None, dense: bool) -> str:
+    from sparrow.stages.attention import PAGE_SIZE
+
+    sparsity = _sparsity(schedule, budget, dense, PAGE_SIZE)  # validated, one sentence on error
+    if sparsity is None:
+        return "dense"
+    return f"budget:{sparsity}" if isinstance(sparsity, int) else f"schedule:{schedule.resolve()}"
+
+
+@friendly_errors
+def train(
+    model: str = typer.Option("smollm2-135m", "--model", help="Preset, checkpoint dir or .gguf."),
+    prompts: Path = typer.Option(..., "--prompts", help="Training prompts (with answers)."),
+    eval_prompts: Path = typer.Option(None, "--eval-prompts", help="Held-out prompts: greedy dense "
+                                      "accuracy at the start and every --eval-every steps."),
+    schedule: Path = typer.Option(None, "--schedule", help="Roll out with this schedule artifact."),
+    budget: int = typer.Option(None, "--budget", help="Roll out with a fixed budget (tokens)."),
+    dense: bool = typer.Option(False, "--dense", help="Roll out densely (the default)."),
+    steps: int = typer.Option(20, "--steps"),
+    prompts_per_step: int = typer.Option(4, "--prompts-per-step"),
+    samples: int = typer.Option(4, "--samples", help="Samples per prompt: the GRPO group."),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens"),
+    temperature: float = typer.Option(1.0, "--temperature"),
+    lr: float = typer.Option(1e-4, "--lr"),
+    lora_rank: int = typer.Option(16, "--lora-rank", help="LoRA rank on every projection (peft)."),
+    lora_alpha: float = typer.Option(32.0, "--lora-alpha"),
+    full: bool = typer.Option(False, "--full", help="Full fine-tuning instead of a LoRA."),
+    correction: str = typer.Option("tis", "--correction",
+                                   help="none | tis | mis | veto | sparse-rl (stages/train/objective.py)."),
+    kl_coef: float = typer.Option(0.0, "--kl-coef", help="k3 KL to the initial policy."),
+    seed: int = typer.Option(0, "--seed"),
+    micro_batch: int = typer.Option(8, "--micro-batch", help="Sequences per forward/backward."),
+    ppo_epochs: int = typer.Option(1, "--ppo-epochs"),
+    checkpoint_every: int = typer.Option(10, "--checkpoint-every"),
+    eval_every: int = typer.Option(5, "--eval-every"),
+    bin_width: int = typer.Option(512, "--bin-width", help="Position bin of the mismatch logs."),
+    resume: bool = typer.Option(False, "--resume", help="Continue the run in --output-dir from its "
+                                "checkpoint."),
+    output_dir: Path = typer.Option(..., "-o", "--output-dir", help="The run directory."),
+) -> None:
+    """GRPO whose rollouts come from the sparse engine: rewards from the task's scorer, dense recompute of
+    the sampled tokens, rollout correction, PPO-clipped update. Writes RUN/metrics.parquet,
+    RUN/mismatch/step=N.parquet (query both with `sparrow sql --run RUN`), RUN/checkpoint/ and, with a
+    LoRA, RUN/adapter/ (peft format)."""
+    from sparrow.stages.model.loading import load_model
+    from sparrow.stages.train import TrainConfig, Trainer, load_prompts
+
+    spec = _spec(schedule, budget, dense)
+    for flag, path in (("--prompts", prompts), ("--eval-prompts", eval_prompts)):
+        if path is not None and not path.exists():
+            raise UsageError(f"{flag} {path}: no such file")
+    cfg = TrainConfig(model=model, steps=steps, prompts_per_step=prompts_per_step, samples=samples,
+                      max_new_tokens=max_new_tokens, temperature=temperature, lr=lr,
+                      lora_rank=0 if full else lora_rank, lora_alpha=lora_alpha, correction=correction,
+                      kl_coef=kl_coef, seed=seed, micro_batch=micro_batch, ppo_epochs=ppo_epochs,
+                      checkpoint_every=checkpoint_every, eval_every=eval_every, bin_width=bin_width,
+                      sparsity=spec)
+    try:
+        cfg.validate()
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    loaded = load_model(model)
+    try:
+        rows = load_prompts(prompts, loaded.tokenizer)
+        held_out = load_prompts(eval_prompts, loaded.tokenizer) if eval_prompts else None
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    longest = max(len(r.token_ids) for r in rows + (held_out or []))
+    if longest + max_new_tokens > loaded.config.max_position_embeddings:
+        raise UsageError(f"a prompt of {longest} tokens with --max-new-tokens {max_new_tokens} exceeds the "
+                         f"model's context of {loaded.config.max_position_embeddings}")
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console) as bar:
+        task = bar.add_task("train steps", total=steps, info="")
+
+        def on_phase(phase: str) -> None:
+            bar.update(task, description=f"train steps ({phase})")
+
+        def on_step(r: dict) -> None:
+            ev = "" if r.get("eval_accuracy") is None else f" eval {r['eval_accuracy']:.2f}"
+            bar.update(task, completed=r["step"] + 1, info=(
+                f"reward {r['reward_mean']:.3f} acc {r['accuracy']:.2f}{ev} | mismatch KL "
+                f"{r['mismatch_kl']:.2e} alpha-lb p5 {r['alpha_lb_p5']:.2f} | {r['seconds']:.1f} s"
+                + (f" | collapse: {r['collapse']}" if r.get("collapse") else "")))
+
+        try:
+            trainer = Trainer(cfg, loaded, rows, output_dir, eval_prompts=held_out, resume=resume,
+                              on_step=on_step, on_phase=on_phase)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        bar.update(task, completed=trainer.step)
+        summary = trainer.run()
+    print_summary(trainer.history, summary, output_dir)
+
+
+def print_summary(history: list[dict], s: dict, run: Path) -> None:
+    def mean(key: str) -> float:
+        values = [r[key] for r in history if r.get(key) is not None]
+        return sum(values) / max(len(values), 1)
+
+    t = Table(title=f"sparrow train: {run}")
+    t.add_column("")
+    t.add_column("value", justify="right")
+    t.add_row("steps", str(s["steps"]))
+    t.add_row("reward (first -> last step)", f"{s['reward_first']:.3f} -> {s['reward_last']:.3f}")
+    if s["initial_eval_accuracy"] is not None:
+        final = s["final_eval_accuracy"]
+        t.add_row("eval accuracy (start -> last eval)",
+                  f"{s['initial_eval_accuracy']:.3f} -> {'n/a' if final is None else f'{final:.3f}'}")
+    t.add_row("mismatch KL (mean)", f"{mean('mismatch_kl'):.2e}")
+    t.add_row("alpha top-20 lower bound, p5 (mean over steps)", f"{mean('alpha_lb_p5'):.3f}")
+    t.add_row("masked / vetoed tokens", f"{mean('masked_fraction'):.3f} / {mean('vetoed_fraction'):.3f}")
+    t.add_row("s per step: rollout / scoring / update",
+              f"{mean('rollout_seconds'):.1f} / {mean('scoring_seconds'):.1f} / {mean('update_seconds'):.1f}")
+    t.add_row("label", s["label"] + (f" (from step {s['first_collapse_step']}: {', '.join(s['detectors'])})"
+                                      if s["detectors"] else ""))
+    if s["adapter"]:
+        t.add_row("adapter", s["adapter"])
+    console.print(t)
+    console.print(f"metrics: {run / 'metrics.parquet'}; per-token mismatch: {run / 'mismatch'}/")

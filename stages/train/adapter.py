@@ -1,0 +1,89 @@
+"""Training a LoRA through peft on our decoder, saved in peft's format under Hugging Face module names.
+
+peft injects its `lora.Linear` wrappers into our `Transformer` in place (`inject_adapter_in_model`), so
+the learner, the rollout engine and teacher-forced scoring all run the same modules: after an update the
+engine samples with the new adapter at once, unmerged, with nothing reloaded or copied. B starts at
+zero, so a fresh adapter leaves the model's outputs exactly as they were. Only the LoRA matrices train.
+The saved adapter (adapter_config.json + adapter_model.safetensors) names its tensors as peft does for
+the Hugging Face model (`base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`), so
+`transformers` + `peft` load it onto the base checkpoint and `sparrow rollout --adapter` merges it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from ..model.llama import hf_to_ours, ours_to_hf
+
+TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+PEFT_PREFIX = "base_model.model."
+
+
+def add_lora(model: nn.Module, rank: int, alpha: float, dropout: float = 0.0):
+    """Inject a LoRA of `rank` into every attention and MLP projection; freeze everything else.
+    Returns the peft `LoraConfig`."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    if rank < 1:
+        raise ValueError(f"--lora-rank must be at least 1, got {rank}")
+    config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(TARGET_MODULES),
+                        bias="none", task_type="CAUSAL_LM")
+    inject_adapter_in_model(config, model)
+    for name, p in model.named_parameters():
+        p.requires_grad_("lora_" in name)
+    return config
+
+
+def lora_state(model: nn.Module) -> dict[str, Tensor]:
+    """The adapter's tensors under peft's names for the Hugging Face model."""
+    out = {}
+    for name, p in model.named_parameters():
+        if "lora_" in name:
+            module, _, kind = name.partition(".lora_")  # kind: "A.default.weight"
+            ab = kind.split(".")[0]
+            out[f"{PEFT_PREFIX}{ours_to_hf(module)}.lora_{ab}.weight"] = p.detach().cpu().contiguous()
+    return out
+
+
+def load_lora_state(model: nn.Module, state: dict[str, Tensor]) -> None:
+    """Copy an adapter saved by `save_adapter` into the injected LoRA parameters (same rank)."""
+    params = dict(model.named_parameters())
+    for key, value in state.items():
+        module, _, kind = key.removeprefix(PEFT_PREFIX).partition(".lora_")
+        name = f"{hf_to_ours(module)}.lora_{kind.split('.')[0]}.default.weight"
+        if name not in params:
+            raise ValueError(f"the adapter has {key!r}, which this model has no LoRA layer for")
+        if params[name].shape != value.shape:
+            raise ValueError(f"the adapter's {key!r} has shape {tuple(value.shape)}, the model's LoRA "
+                             f"{tuple(params[name].shape)} (another rank or base model?)")
+        with torch.no_grad():
+            params[name].copy_(value)
+
+
+def save_adapter(model: nn.Module, config, folder: str | os.PathLike, base_model: str) -> Path:
+    """Write the adapter directory atomically (a temporary sibling, then a rename)."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    tmp = folder.with_name(f".{folder.name}.{uuid.uuid4().hex[:8]}.tmp")
+    tmp.mkdir(parents=True)
+    try:
+        cfg = config.to_dict()
+        cfg["base_model_name_or_path"] = base_model
+        cfg["target_modules"] = sorted(cfg["target_modules"])
+        (tmp / "adapter_config.json").write_text(json.dumps(cfg, indent=2, default=str))
+        save_file(lora_state(model), str(tmp / "adapter_model.safetensors"))
+        if folder.exists():
+            shutil.rmtree(folder)
+        os.replace(tmp, folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return folder

@@ -1,0 +1,132 @@
+"""GRPO's numbers: group advantages, rollout correction toward the dense learner, the clipped loss.
+
+Shapes: N sequences (P prompts x K samples, prompt-major), T tokens (right-padded), `mask` [N, T] bool.
+Design decisions, with the conventions they follow:
+- Advantages (r - mean) / (std + eps) per prompt group, std with Bessel's correction and eps = 1e-4
+  (TRL's GRPOTrainer); `scale_std=False` leaves r - mean (Dr. GRPO). A group of one sample, or of equal
+  rewards, has advantage 0.
+- Rollout correction acts on r_t = exp(logp_dense_old - logp_rollout), the learner's probability of
+  the sampled token over the sparse actor's. Weights are constants (no gradient). `none`: the samples
+  are taken as on-policy. `tis`: weight min(r_t, C), C = 2 (truncated IS, as TRL's vLLM importance
+  sampling cap). `mis`: tokens with r_t outside [0.5, 2] are masked out of the loss. `veto`: a sequence
+  with any r_t < 1e-4 is dropped whole. `sparse-rl`: veto, then mask outside [0.5, 1.5], then weights
+  min(r_t, 1.5) normalised to mean 1 over the batch's kept tokens.
+- Loss per token: PPO's clipped surrogate on ratio = exp(logp_new - logp_old), separate bounds
+  [1 - 0.2, 1 + 0.28] (DAPO's clip-higher), dual clip at 3 for negative advantages, times the
+  correction weight, plus kl_coef x k3(ref || new); the batch loss is the sum over kept tokens divided
+  by `normalizer` (the batch's kept-token count: token mean over micro-batches).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+CORRECTIONS = ("none", "tis", "mis", "veto", "sparse-rl")
+
+
+@dataclass
+class LossConfig:
+    correction: str = "tis"
+    kl_coef: float = 0.0
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    dual_clip: float = 3.0
+    tis_cap: float = 2.0
+    mis_low: float = 0.5
+    mis_high: float = 2.0
+    veto_threshold: float = 1e-4
+    sparse_rl_low: float = 0.5
+    sparse_rl_high: float = 1.5
+    scale_std: bool = True
+    eps: float = 1e-4
+
+    def validate(self) -> LossConfig:
+        if self.correction not in CORRECTIONS:
+            raise ValueError(f"--correction must be one of {', '.join(CORRECTIONS)}, got {self.correction!r}")
+        if not (0 < self.clip_low < 1 and self.clip_high > 0):
+            raise ValueError(f"the clip bounds must satisfy 0 < clip_low < 1 and clip_high > 0, got "
+                             f"{self.clip_low} and {self.clip_high}")
+        if self.dual_clip <= 1:
+            raise ValueError(f"the dual clip constant must be > 1, got {self.dual_clip}")
+        if not 0 < self.mis_low < 1 < self.mis_high or not 0 < self.sparse_rl_low < 1 < self.sparse_rl_high:
+            raise ValueError("masking bounds must satisfy 0 < low < 1 < high")
+        if self.tis_cap <= 0 or self.veto_threshold <= 0 or self.kl_coef < 0:
+            raise ValueError("the TIS cap and the veto threshold must be positive and kl_coef >= 0")
+        return self
+
+
+def group_advantages(rewards: Tensor, cfg: LossConfig) -> Tensor:
+    """rewards [P, K] -> advantages [P, K]."""
+    centred = rewards - rewards.mean(1, keepdim=True)
+    if not cfg.scale_std:
+        return centred
+    if rewards.shape[1] < 2:
+        return torch.zeros_like(rewards)
+    return centred / (rewards.std(1, keepdim=True) + cfg.eps)
+
+
+@dataclass
+class Correction:
+    weights: Tensor  # [N, T] float, 0 where not kept
+    mask: Tensor  # [N, T] bool, tokens kept in the loss
+    vetoed: Tensor  # [N] bool, sequences dropped whole
+    stats: dict[str, float]
+
+
+def rollout_correction(log_ratio: Tensor, mask: Tensor, cfg: LossConfig) -> Correction:
+    """log_ratio [N, T] = logp_dense_old - logp_rollout (any value at padding), mask [N, T]."""
+    ratio = torch.where(mask, log_ratio, 0.0).exp()
+    keep = mask.clone()
+    vetoed = torch.zeros(mask.shape[0], dtype=torch.bool, device=mask.device)
+    weights = torch.ones_like(ratio)
+    mode = cfg.correction
+    if mode in ("veto", "sparse-rl"):
+        vetoed = ((ratio < cfg.veto_threshold) & mask).any(1)
+        keep &= ~vetoed[:, None]
+    if mode == "tis":
+        weights = ratio.clamp(max=cfg.tis_cap)
+    elif mode == "mis":
+        keep &= (ratio >= cfg.mis_low) & (ratio <= cfg.mis_high)
+    elif mode == "sparse-rl":
+        keep &= (ratio >= cfg.sparse_rl_low) & (ratio <= cfg.sparse_rl_high)
+        weights = ratio.clamp(max=cfg.sparse_rl_high)
+        if bool(keep.any()):
+            weights = weights / weights[keep].mean()
+    weights = torch.where(keep, weights, 0.0).detach()
+    n = max(int(mask.sum()), 1)
+    stats = {"masked_fraction": float((mask & ~keep).sum()) / n,
+             "vetoed_fraction": float(vetoed.float().mean()) if len(vetoed) else 0.0,
+             "mean_weight": float(weights[keep].mean()) if bool(keep.any()) else 0.0}
+    return Correction(weights, keep, vetoed, stats)
+
+
+def policy_loss(logp_new: Tensor, logp_old: Tensor, advantages: Tensor, weights: Tensor, mask: Tensor,
+                cfg: LossConfig, ref_logp: Tensor | None = None, normalizer: int | None = None
+                ) -> tuple[Tensor, dict[str, float]]:
+    """The clipped, corrected GRPO loss of one (micro-)batch: [N, T] logprobs, advantages [N].
+    Returns (loss, stats); every stat is this batch's share of a token mean over `normalizer` tokens,
+    so the stats of micro-batches add up to the batch's."""
+    norm = float(normalizer if normalizer is not None else max(int(mask.sum()), 1))
+    adv = advantages[:, None].to(logp_new.dtype)
+    ratio = (logp_new - logp_old).exp()
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high)
+    pg = torch.maximum(unclipped, clipped)
+    pg = torch.where(adv < 0, torch.minimum(pg, -adv * cfg.dual_clip), pg)
+    token = pg * weights
+    kl = torch.zeros_like(token)
+    if ref_logp is not None and cfg.kl_coef > 0:
+        d = ref_logp - logp_new
+        kl = d.exp() - 1 - d
+        token = token + cfg.kl_coef * kl
+    zero = torch.zeros((), dtype=token.dtype, device=token.device)
+    loss = torch.where(mask, token, zero).sum() / norm
+    with torch.no_grad():
+        stats = {"loss": float(loss),
+                 "policy_loss": float(torch.where(mask, pg * weights, zero).sum() / norm),
+                 "kl": float(torch.where(mask, kl, zero).sum() / norm),
+                 "clip_fraction": float(((clipped > unclipped) & mask).sum() / norm)}
+    return loss, stats

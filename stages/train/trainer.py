@@ -1,0 +1,505 @@
+"""`sparrow train`: GRPO whose rollouts come from the sparse engine, corrected toward the dense learner.
+
+One step, for P prompts x K samples:
+1. rollout: the engine samples with the current weights (a LoRA is injected in place, so there is
+   nothing to reload) under the sparsity spec, returning each token's logprob under the sparse actor
+   and its top-20 logprobs;
+2. rewards from the task's scorer, group advantages (r - mean) / (std + eps) per prompt;
+3. scoring: the learner's dense, teacher-forced logprobs of the same tokens with the same weights
+   ("old" logprobs, no gradient), which also give the dense probabilities of the actor's top-20 tokens,
+   hence a lower bound of alpha (sum over those 20 of min(p_dense, p_sparse); exact alpha needs the
+   full vocabulary of the sparse actor, which the engine does not keep);
+4. correction on r_t = exp(logp_dense_old - logp_rollout): importance weights, token masks, sequence
+   vetoes (`grpo.rollout_correction`);
+5. update: PPO-clipped loss on the new dense logprobs against the old ones, token mean over the batch,
+   optional k3 KL to the reference policy, micro-batches with gradient accumulation, clipping, AdamW.
+Every generated token of the step goes to `RUN/mismatch/step=NNNNN.parquet` (`train_mismatch`), one
+metrics row per step to `RUN/metrics.parquet`, with the collapse detectors' verdicts. Checkpoints
+(`RUN/checkpoint/`) hold the trainable weights, the optimizer, the data cursor and RNG states, so a
+resumed run reaches bit-for-bit the weights and metrics of an uninterrupted one on the CPU in fp32: every
+source of randomness is seeded per step (the engine's per-sample generators from (seed, step)), and the
+prompt order per epoch from (seed, epoch).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import random
+import shutil
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from sparrow.schemas import artifact_metadata, read_artifact, write_artifact
+
+from ..attention import validate_budget
+from ..model.loading import LoadedModel
+from ..rollout import Engine, SamplingParams
+from ..schedule import Schedule
+from ..tasks import TASKS, score
+from . import collapse
+from . import objective as grpo
+from .adapter import add_lora, load_lora_state, lora_state, save_adapter
+from .policy import completion_logprobs
+
+TOP_LOGPROBS = 20
+
+
+@dataclass
+class TrainConfig:
+    """Everything that defines a run; a resumed run must agree on all of it but `steps`."""
+
+    model: str
+    steps: int = 20
+    prompts_per_step: int = 4
+    samples: int = 4
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    lr: float = 1e-4
+    lora_rank: int = 16  # 0 = full fine-tuning
+    lora_alpha: float = 32.0
+    correction: str = "tis"
+    kl_coef: float = 0.0
+    seed: int = 0
+    micro_batch: int = 8
+    ppo_epochs: int = 1
+    max_grad_norm: float = 1.0
+    checkpoint_every: int = 10
+    eval_every: int = 5
+    bin_width: int = 512
+    sparsity: str = "dense"  # "dense" | "budget:B" | "schedule:<path>", as given
+    loss: dict = field(default_factory=dict)  # grpo.LossConfig overrides
+
+    def validate(self) -> None:
+        positive = ("steps", "prompts_per_step", "samples", "max_new_tokens", "micro_batch", "ppo_epochs",
+                    "checkpoint_every", "eval_every", "bin_width")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if self.lr <= 0:
+            raise ValueError(f"--lr must be positive, got {self.lr}")
+        if self.lora_rank < 0:
+            raise ValueError(f"--lora-rank must be >= 0 (0 = full fine-tuning), got {self.lora_rank}")
+        if self.kl_coef < 0:
+            raise ValueError(f"--kl-coef must be >= 0, got {self.kl_coef}")
+        grpo.LossConfig(correction=self.correction, kl_coef=self.kl_coef, **self.loss).validate()
+
+    def differences(self, other: TrainConfig) -> list[str]:
+        return [f.name for f in fields(self)
+                if f.name != "steps" and getattr(self, f.name) != getattr(other, f.name)]
+
+
+@dataclass
+class PromptRow:
+    prompt_id: str
+    task: str
+    token_ids: list[int]
+    answer: str
+    metadata: str | None
+
+
+def load_prompts(path: str | os.PathLike, tokenizer=None) -> list[PromptRow]:
+    """Rows of a prompts artifact that training can use: token ids (or text to tokenize), an answer and a
+    known task; anything else is refused with one sentence."""
+    table = read_artifact(path, "prompts").to_pylist()
+    rows = []
+    for r in table:
+        where = f"{path}: prompt {r['prompt_id']!r}"
+        if r["task"] not in TASKS:
+            raise ValueError(f"{where} has task {r['task']!r}, which has no scorer "
+                             f"(known: {', '.join(TASKS)})")
+        if r["answer"] is None:
+            raise ValueError(f"{where} has no answer, so its reward cannot be verified")
+        ids = r["prompt_token_ids"]
+        if ids is None:
+            if tokenizer is None:
+                raise ValueError(f"{where} has no prompt_token_ids and the model has no tokenizer")
+            ids = list(tokenizer(r["prompt"], add_special_tokens=False).input_ids)
+        rows.append(PromptRow(r["prompt_id"], r["task"], list(ids), r["answer"], r["metadata"]))
+    if not rows:
+        raise ValueError(f"{path} holds no prompts")
+    return rows
+
+
+def parse_sparsity(spec: str, page_size: int = 16) -> Schedule | int | None:
+    """'dense' | 'budget:B' | 'schedule:<path>' -> what the engine takes."""
+    if spec == "dense":
+        return None
+    kind, _, value = spec.partition(":")
+    if kind == "budget":
+        validate_budget(int(value), page_size)
+        return int(value)
+    if kind == "schedule":
+        schedule = Schedule.from_artifact(value)
+        if schedule.page_size != page_size:
+            raise ValueError(f"the schedule {value} is for pages of {schedule.page_size} tokens, the engine "
+                             f"uses {page_size}")
+        return schedule
+    raise ValueError(f"unknown sparsity spec {spec!r}")
+
+
+def repetition(tokens: Sequence[int], n: int = 4) -> bool:
+    """A completion loops when fewer than half of its n-grams are distinct (only from 16 tokens on)."""
+    if len(tokens) < 16:
+        return False
+    grams = [tuple(tokens[i:i + n]) for i in range(len(tokens) - n + 1)]
+    return len(set(grams)) < 0.5 * len(grams)
+
+
+@contextmanager
+def adapters_disabled(model: torch.nn.Module):
+    """The base model: every injected LoRA switched off inside the block."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    for m in layers:
+        m.enable_adapters(False)
+    try:
+        yield model
+    finally:
+        for m in layers:
+            m.enable_adapters(True)
+
+
+class Trainer:
+    def __init__(self, config: TrainConfig, loaded: LoadedModel, prompts: list[PromptRow],
+                 run_dir: str | Path, eval_prompts: list[PromptRow] | None = None, resume: bool = False,
+                 on_step: Callable[[dict], None] | None = None,
+                 on_phase: Callable[[str], None] | None = None):
+        config.validate()
+        self.cfg, self.loaded, self.model = config, loaded, loaded.model
+        self.prompts, self.eval_prompts = prompts, eval_prompts or []
+        self.run_dir = Path(run_dir)
+        self.on_step, self.on_phase = on_step or (lambda row: None), on_phase or (lambda phase: None)
+        self.sparsity = parse_sparsity(config.sparsity)
+        self.loss_cfg = grpo.LossConfig(correction=config.correction, kl_coef=config.kl_coef, **config.loss)
+        self.run_id = self.run_dir.name
+        self.history: list[dict] = []
+        self.step = 0
+        self._check_run_dir(resume)
+        torch.manual_seed(config.seed)
+        self.reference = None
+        if config.lora_rank:
+            self.lora_config = add_lora(self.model, config.lora_rank, config.lora_alpha)
+        else:
+            self.lora_config = None
+            if config.kl_coef > 0:
+                self.reference = copy.deepcopy(self.model).requires_grad_(False)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, weight_decay=0.0)
+        if resume:
+            self._load_checkpoint()
+
+    # ------------------------------------------------------------------ run directory
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.run_dir / "checkpoint"
+
+    def _check_run_dir(self, resume: bool) -> None:
+        has_run = (self.run_dir / "metrics.parquet").exists() or self.checkpoint_dir.exists()
+        if resume and not self.checkpoint_dir.exists():
+            raise ValueError(f"--resume: {self.run_dir} has no checkpoint to resume from")
+        if not resume and has_run:
+            raise ValueError(f"{self.run_dir} already holds a run; pass --resume to continue it or choose "
+                             "another --output-dir")
+        if resume:
+            saved = TrainConfig(**json.loads((self.checkpoint_dir / "config.json").read_text()))
+            diff = saved.differences(self.cfg)
+            if diff:
+                name = diff[0]
+                raise ValueError(f"--resume: {self.run_dir} was trained with {name}="
+                                 f"{getattr(saved, name)!r}, not {getattr(self.cfg, name)!r}; only --steps "
+                                 "may change on resume")
+
+    # ------------------------------------------------------------------ data
+
+    def _batch(self, step: int) -> list[PromptRow]:
+        """Prompts of a step: epoch e visits the prompts in the order of permutation(seed, e)."""
+        n, p = len(self.prompts), self.cfg.prompts_per_step
+        out = []
+        for k in range(step * p, (step + 1) * p):
+            epoch, i = divmod(k, n)
+            order = np.random.default_rng([self.cfg.seed, epoch]).permutation(n)
+            out.append(self.prompts[int(order[i])])
+        return out
+
+    # ------------------------------------------------------------------ one step
+
+    def run(self) -> dict:
+        """Train until `steps`; returns the run's summary (also in the metrics artifact's metadata)."""
+        if self.step == 0 and self.eval_prompts:
+            self.initial_eval = self.evaluate()
+        while self.step < self.cfg.steps:
+            row = self.train_step()
+            self.on_step(row)
+            if self.step % self.cfg.checkpoint_every == 0 or self.step == self.cfg.steps:
+                self._save_checkpoint()
+        return self.summary()
+
+    def train_step(self) -> dict:
+        cfg, step = self.cfg, self.step
+        batch = self._batch(step)
+        t0 = time.perf_counter()
+        self.on_phase("rollout")
+        comps = self._rollout(batch, step)
+        t_roll = time.perf_counter() - t0
+        tok = self.loaded.tokenizer
+        rewards = np.array([[score(r.task, tok.decode(c.token_ids, skip_special_tokens=True), r.answer,
+                                   r.metadata) for c in group] for r, group in zip(batch, comps)])
+        flat = [c for group in comps for c in group]
+        rewards_t = torch.tensor(rewards, dtype=torch.float32)
+        advantages = grpo.group_advantages(rewards_t, self.loss_cfg).flatten()
+
+        t1 = time.perf_counter()
+        self.on_phase("scoring")
+        old = self._score(batch, flat)
+        t_score = time.perf_counter() - t1
+
+        t2 = time.perf_counter()
+        self.on_phase("update")
+        correction = grpo.rollout_correction(old["logp"] - old["logp_rollout"], old["mask"], self.loss_cfg)
+        update = self._update(batch, flat, advantages, old, correction)
+        t_update = time.perf_counter() - t2
+
+        self.step = step + 1
+        row = self._metrics(step, flat, rewards, old, correction, update, (t_roll, t_score, t_update))
+        if self.eval_prompts and self.step % cfg.eval_every == 0:
+            row["eval_accuracy"] = self.evaluate()
+        self.history.append(row)
+        row["collapse"] = ",".join(collapse.detect(self.history)) or None
+        self._write_mismatch(step, batch, flat, old, correction)
+        self._write_metrics()
+        return row
+
+    def _rollout(self, batch: list[PromptRow], step: int):
+        cfg = self.cfg
+        params = SamplingParams(max_new_tokens=cfg.max_new_tokens, n=cfg.samples, temperature=cfg.temperature,
+                                seed=cfg.seed * 1_000_003 + step, logprobs=TOP_LOGPROBS)
+        self.model.eval()
+        engine = Engine(self.model, self.sparsity, max_batch=len(batch) * cfg.samples)
+        out = engine.generate([r.token_ids for r in batch], params)
+        self.rollout_stats = engine.stats
+        return out
+
+    def _padded(self, rows: Sequence[Sequence[float]], fill=0.0, dtype=torch.float32) -> torch.Tensor:
+        width = max(len(r) for r in rows)
+        return torch.tensor([list(r) + [fill] * (width - len(r)) for r in rows], dtype=dtype)
+
+    @torch.no_grad()
+    def _score(self, batch: list[PromptRow], flat) -> dict:
+        """Dense old logprobs (+ reference, + top-20 dense probabilities) of every sampled token."""
+        prompts = [c.prompt_token_ids for c in flat]
+        comps = [c.token_ids for c in flat]
+        width = max(len(c) for c in comps)
+        top_ids = torch.zeros(len(flat), width, TOP_LOGPROBS, dtype=torch.long)
+        top_lp = torch.full((len(flat), width, TOP_LOGPROBS), float("-inf"))
+        for i, c in enumerate(flat):
+            for j, pairs in enumerate(c.top_logprobs or []):
+                top_ids[i, j] = torch.tensor([t for t, _ in pairs])
+                top_lp[i, j] = torch.tensor([lp for _, lp in pairs])
+        logp, entropy, dense_top, ref = [], [], [], []
+        mb = self.cfg.micro_batch
+        for s in range(0, len(flat), mb):
+            part = completion_logprobs(self.model, prompts[s:s + mb], comps[s:s + mb], self.cfg.temperature,
+                                       extra_ids=top_ids[s:s + mb, : max(len(c) for c in comps[s:s + mb])])
+            logp.append(part.logp), entropy.append(part.entropy), dense_top.append(part.extra_logp)
+            if self.cfg.kl_coef > 0:
+                ref.append(self._reference_logprobs(prompts[s:s + mb], comps[s:s + mb]))
+        pad = lambda parts: torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in parts])
+        dense_top_all = torch.cat([torch.nn.functional.pad(p, (0, 0, 0, width - p.shape[1]))
+                                   for p in dense_top])
+        mask = self._padded([[1] * len(c) for c in comps], 0, torch.bool)
+        alpha_lb = torch.minimum(dense_top_all.exp(), top_lp.exp()).sum(-1).clamp(max=1.0)
+        return {"logp": pad(logp), "entropy": pad(entropy), "mask": mask,
+                "logp_rollout": self._padded([c.logprobs for c in flat]),
+                "budgets": self._padded([c.budgets for c in flat], 0, torch.int32),
+                "alpha_lb": torch.where(mask, alpha_lb, 0.0),
+                "ref": pad(ref) if ref else None}
+
+    def _reference_logprobs(self, prompts, comps) -> torch.Tensor:
+        if self.reference is not None:
+            return completion_logprobs(self.reference, prompts, comps, self.cfg.temperature).logp
+        with adapters_disabled(self.model):
+            return completion_logprobs(self.model, prompts, comps, self.cfg.temperature).logp
+
+    def _update(self, batch, flat, advantages: torch.Tensor, old: dict, correction) -> dict:
+        """PPO epochs over micro-batches; the loss is the token mean over the whole batch."""
+        cfg = self.cfg
+        prompts = [c.prompt_token_ids for c in flat]
+        comps = [c.token_ids for c in flat]
+        keep = correction.mask & old["mask"]
+        n_tokens = max(int(keep.sum()), 1)
+        self.model.train()
+        stats: dict[str, float] = {}
+        grad_norm = 0.0
+        for _ in range(cfg.ppo_epochs):
+            self.optimizer.zero_grad(set_to_none=True)
+            sums: dict[str, float] = {}
+            for s in range(0, len(flat), cfg.micro_batch):
+                sl = slice(s, s + cfg.micro_batch)
+                new = completion_logprobs(self.model, prompts[sl], comps[sl], cfg.temperature)
+                t = new.logp.shape[1]
+                loss, part = grpo.policy_loss(
+                    new.logp, old["logp"][sl, :t], advantages[sl], correction.weights[sl, :t], keep[sl, :t],
+                    self.loss_cfg, ref_logp=None if old["ref"] is None else old["ref"][sl, :t],
+                    normalizer=n_tokens)
+                loss.backward()
+                for k, v in part.items():
+                    sums[k] = sums.get(k, 0.0) + float(v)
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm))
+            self.optimizer.step()
+            stats = sums
+        self.model.eval()
+        stats["grad_norm"] = grad_norm
+        return stats
+
+    # ------------------------------------------------------------------ logs
+
+    def _metrics(self, step: int, flat, rewards: np.ndarray, old: dict, correction, update: dict,
+                 seconds: tuple[float, float, float]) -> dict:
+        mask = old["mask"]
+        d = (old["logp"] - old["logp_rollout"])[mask]
+        k3 = (d.exp() - 1 - d)
+        alpha = old["alpha_lb"][mask]
+        budgets = old["budgets"][mask].float()
+        generated = sum(len(c.token_ids) for c in flat)
+        t_roll, t_score, t_update = seconds
+        return {
+            "run_id": self.run_id, "step": step, "reward_mean": float(rewards.mean()),
+            "reward_std": float(rewards.std()), "accuracy": float((rewards >= 1.0 - 1e-9).mean()),
+            "eval_accuracy": None, "loss": update.get("loss"), "policy_loss": update.get("policy_loss"),
+            "kl": update.get("kl"), "clip_fraction": update.get("clip_fraction"),
+            "grad_norm": update["grad_norm"], "entropy": float(old["entropy"][mask].mean()),
+            "mismatch_kl": float(k3.mean()), "masked_fraction": correction.stats["masked_fraction"],
+            "vetoed_fraction": correction.stats["vetoed_fraction"],
+            "alpha_lb_mean": float(alpha.mean()), "alpha_lb_p5": float(torch.quantile(alpha, 0.05)),
+            "mean_budget": float(budgets.mean()),
+            "truncation_rate": float(np.mean([c.finish_reason == "length" for c in flat])),
+            "repetition_rate": float(np.mean([repetition(c.token_ids) for c in flat])),
+            "response_length": generated / len(flat), "lr": self.cfg.lr,
+            "rollout_seconds": t_roll, "scoring_seconds": t_score, "update_seconds": t_update,
+            "seconds": t_roll + t_score + t_update, "tokens_per_second": generated / max(t_roll, 1e-9),
+        }
+
+    def _write_mismatch(self, step: int, batch, flat, old: dict, correction) -> None:
+        mask = old["mask"]
+        seq, pos_in = mask.nonzero(as_tuple=True)
+        samples = [c.sample for c in flat]
+        prompt_ids = [batch[i // self.cfg.samples].prompt_id for i in range(len(flat))]
+        prompt_len = torch.tensor([len(c.prompt_token_ids) for c in flat])
+        position = prompt_len[seq] + pos_in  # cache length when the token was produced
+        lr_ = (old["logp_rollout"] - old["logp"])[seq, pos_in]
+        d = -lr_
+        vetoed = correction.vetoed[seq]
+        table = {
+            "step": [step] * len(seq), "prompt_id": [prompt_ids[i] for i in seq.tolist()],
+            "sample": [samples[i] for i in seq.tolist()], "position": position.tolist(),
+            "bin": (position // self.cfg.bin_width).tolist(),
+            "budget": old["budgets"][seq, pos_in].tolist(),
+            "token_id": [flat[i].token_ids[j] for i, j in zip(seq.tolist(), pos_in.tolist())],
+            "logp_rollout": old["logp_rollout"][seq, pos_in].tolist(),
+            "logp_dense": old["logp"][seq, pos_in].clamp(max=0).tolist(),
+            "log_ratio": lr_.tolist(), "k3": (d.exp() - 1 - d).clamp(min=0).tolist(),
+            "alpha_top20_lb": old["alpha_lb"][seq, pos_in].clamp(0, 1).tolist(),
+            "weight": correction.weights[seq, pos_in].tolist(),
+            "masked": (~correction.mask[seq, pos_in]).tolist(), "vetoed": vetoed.tolist(),
+        }
+        write_artifact(table, self.run_dir / "mismatch" / f"step={step:05d}.parquet", "train_mismatch",
+                       metadata={"bin_width": self.cfg.bin_width, "sparsity": self.cfg.sparsity})
+
+    def _write_metrics(self) -> None:
+        meta = {"config": json.dumps(asdict(self.cfg)), **collapse.label(self.history),
+                "initial_eval_accuracy": getattr(self, "initial_eval", None)}
+        meta["detectors"] = ",".join(meta["detectors"])
+        meta = {k: v for k, v in meta.items() if v is not None}
+        write_artifact(self.history, self.run_dir / "metrics.parquet", "metrics", metadata=meta)
+
+    def summary(self) -> dict:
+        h = self.history
+        out = {"steps": len(h), **collapse.label(h),
+               "reward_first": h[0]["reward_mean"] if h else None,
+               "reward_last": h[-1]["reward_mean"] if h else None,
+               "initial_eval_accuracy": getattr(self, "initial_eval", None),
+               "final_eval_accuracy": next((r["eval_accuracy"] for r in reversed(h)
+                                           if r.get("eval_accuracy") is not None), None),
+               "seconds": sum(r["seconds"] for r in h), "adapter": None}
+        if self.lora_config is not None:
+            out["adapter"] = str(save_adapter(self.model, self.lora_config, self.run_dir / "adapter",
+                                              self.cfg.model))
+        return out
+
+    # ------------------------------------------------------------------ evaluation
+
+    def evaluate(self) -> float:
+        """Accuracy of greedy dense completions of the eval prompts (reward 1 counts as correct)."""
+        params = SamplingParams(max_new_tokens=self.cfg.max_new_tokens, temperature=0.0)
+        self.model.eval()
+        rows = self.eval_prompts
+        engine = Engine(self.model, None, max_batch=min(len(rows), 32))
+        out = engine.generate([r.token_ids for r in rows], params)
+        tok = self.loaded.tokenizer
+        rewards = [score(r.task, tok.decode(o[0].token_ids, skip_special_tokens=True), r.answer, r.metadata)
+                   for r, o in zip(rows, out)]
+        return float(np.mean([x >= 1.0 - 1e-9 for x in rewards]))
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def _trainable_state(self) -> dict[str, torch.Tensor]:
+        if self.lora_config is not None:
+            return lora_state(self.model)
+        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
+    def _save_checkpoint(self) -> None:
+        """RUN/checkpoint/ replaced atomically: weights, optimizer, RNG states, step, config."""
+        tmp = self.run_dir / f".checkpoint.{uuid.uuid4().hex[:8]}.tmp"
+        tmp.mkdir(parents=True)
+        try:
+            torch.save({"step": self.step, "weights": self._trainable_state(),
+                        "optimizer": self.optimizer.state_dict(), "torch_rng": torch.get_rng_state(),
+                        "numpy_rng": np.random.get_state(), "python_rng": random.getstate(),
+                        "history": self.history, "initial_eval": getattr(self, "initial_eval", None)},
+                       tmp / "state.pt")
+            (tmp / "config.json").write_text(json.dumps(asdict(self.cfg), indent=2))
+            old = self.checkpoint_dir.with_name(f".checkpoint.old.{uuid.uuid4().hex[:8]}")
+            if self.checkpoint_dir.exists():
+                os.replace(self.checkpoint_dir, old)
+            os.replace(tmp, self.checkpoint_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+    def _load_checkpoint(self) -> None:
+        state = torch.load(self.checkpoint_dir / "state.pt", weights_only=False)
+        if self.lora_config is not None:
+            load_lora_state(self.model, state["weights"])
+        else:
+            self.model.load_state_dict(state["weights"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["torch_rng"])
+        np.random.set_state(state["numpy_rng"])
+        random.setstate(state["python_rng"])
+        self.step, self.history = state["step"], state["history"]
+        if state["initial_eval"] is not None:
+            self.initial_eval = state["initial_eval"]
+        for f in (self.run_dir / "mismatch").glob("step=*.parquet"):  # steps after the checkpoint
+            if int(f.stem.split("=")[1]) >= self.step:
+                f.unlink()
+        self._write_metrics()
+
+
+def read_metrics(run_dir: str | Path) -> tuple[list[dict], dict]:
+    path = Path(run_dir) / "metrics.parquet"
+    return read_artifact(path, "metrics").to_pylist(), artifact_metadata(path)
+
+
+__all__ = ["PromptRow", "TrainConfig", "Trainer", "load_prompts", "parse_sparsity", "read_metrics"]

@@ -1,0 +1,315 @@
+"""`sparrow train`: the GRPO objective against a float64 reference written out by hand, the rollout
+corrections, and the trainer end to end on a tiny Llama with SmolLM2's tokenizer (resume bit-exact, the
+adapter readable by transformers + peft, the per-token logs, bad input)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from sparrow.schemas import read_artifact, write_artifact
+from sparrow.stages.model.loading import embedded_checkpoint, load_model
+from sparrow.stages.tasks import TASKS, Task
+from sparrow.stages.train import (
+    CORRECTIONS,
+    LossConfig,
+    TrainConfig,
+    Trainer,
+    group_advantages,
+    load_prompts,
+    policy_loss,
+    rollout_correction,
+)
+
+# ---------------------------------------------------------------------------- the objective
+
+
+def reference_loss(logp_new, logp_old, log_ratio, adv, mask, cfg: LossConfig, ref=None):
+    """The corrected, clipped GRPO loss token by token in float64 Python (no tensor ops)."""
+    n, t = len(logp_new), len(logp_new[0])
+    r = [[math.exp(log_ratio[i][j]) if mask[i][j] else 1.0 for j in range(t)] for i in range(n)]
+    keep = [[bool(mask[i][j]) for j in range(t)] for i in range(n)]
+    w = [[1.0] * t for _ in range(n)]
+    if cfg.correction in ("veto", "sparse-rl"):
+        for i in range(n):
+            if any(keep[i][j] and r[i][j] < cfg.veto_threshold for j in range(t)):
+                keep[i] = [False] * t
+    for i in range(n):
+        for j in range(t):
+            if cfg.correction == "tis":
+                w[i][j] = min(r[i][j], cfg.tis_cap)
+            elif cfg.correction == "mis" and not cfg.mis_low <= r[i][j] <= cfg.mis_high:
+                keep[i][j] = False
+            elif cfg.correction == "sparse-rl":
+                if not cfg.sparse_rl_low <= r[i][j] <= cfg.sparse_rl_high:
+                    keep[i][j] = False
+                w[i][j] = min(r[i][j], cfg.sparse_rl_high)
+    if cfg.correction == "sparse-rl":
+        kept = [w[i][j] for i in range(n) for j in range(t) if keep[i][j]]
+        mean = sum(kept) / len(kept)
+        w = [[x / mean for x in row] for row in w]
+    total, count = 0.0, sum(keep[i][j] for i in range(n) for j in range(t))
+    for i in range(n):
+        for j in range(t):
+            if not keep[i][j]:
+                continue
+            ratio = math.exp(logp_new[i][j] - logp_old[i][j])
+            a = adv[i]
+            pg = max(-a * ratio, -a * min(max(ratio, 1 - cfg.clip_low), 1 + cfg.clip_high))
+            if a < 0:
+                pg = min(pg, -a * cfg.dual_clip)
+            term = pg * w[i][j]
+            if ref is not None:
+                d = ref[i][j] - logp_new[i][j]
+                term += cfg.kl_coef * (math.exp(d) - 1 - d)
+            total += term
+    return total / count
+
+
+def _batch(seed=0, n=6, t=7):
+    g = torch.Generator().manual_seed(seed)
+    lengths = [7, 3, 5, 1, 6, 7][:n]
+    mask = torch.arange(t)[None, :] < torch.tensor(lengths)[:, None]
+    logp_old = -torch.rand(n, t, generator=g, dtype=torch.float64) * 3
+    logp_new = logp_old + torch.randn(n, t, generator=g, dtype=torch.float64) * 0.4  # ratios beyond clip
+    log_ratio = torch.randn(n, t, generator=g, dtype=torch.float64) * 0.5
+    log_ratio[2, 1] = -12.0  # r < 1e-4: vetoes sequence 2
+    adv = torch.tensor([1.3, -0.7, 0.4, -1.9, 0.0, 2.1], dtype=torch.float64)[:n]
+    ref = logp_old + torch.randn(n, t, generator=g, dtype=torch.float64) * 0.2
+    return logp_new, logp_old, log_ratio, adv, mask, ref
+
+
+@pytest.mark.parametrize("correction", CORRECTIONS)
+@pytest.mark.parametrize("kl", [0.0, 0.1])
+def test_loss_and_gradient_match_float64_reference(correction, kl):
+    logp_new, logp_old, log_ratio, adv, mask, ref = _batch()
+    cfg = LossConfig(correction=correction, kl_coef=kl).validate()
+    corr = rollout_correction(log_ratio, mask, cfg)
+    x = logp_new.clone().requires_grad_(True)
+    loss, _ = policy_loss(x, logp_old, adv, corr.weights, corr.mask, cfg, ref_logp=ref if kl else None)
+    loss.backward()
+    loss = loss.detach()
+    as_list = lambda a: a.tolist()
+    want = reference_loss(as_list(logp_new), as_list(logp_old), as_list(log_ratio), as_list(adv),
+                          as_list(mask), cfg, as_list(ref) if kl else None)
+    assert abs(float(loss) - want) < 1e-12
+    h = 1e-6  # central differences of the reference, token by token
+    for i, j in [(0, 0), (0, 6), (1, 2), (3, 0), (5, 4), (2, 0)]:
+        plus, minus = logp_new.clone(), logp_new.clone()
+        plus[i, j] += h
+        minus[i, j] -= h
+        numeric = (reference_loss(as_list(plus), as_list(logp_old), as_list(log_ratio), as_list(adv),
+                                  as_list(mask), cfg, as_list(ref) if kl else None)
+                   - reference_loss(as_list(minus), as_list(logp_old), as_list(log_ratio), as_list(adv),
+                                    as_list(mask), cfg, as_list(ref) if kl else None)) / (2 * h)
+        assert abs(float(x.grad[i, j]) - numeric) < 1e-6, (i, j)
+
+
+def test_veto_drops_exactly_the_sequences_with_a_tiny_ratio():
+    _, _, log_ratio, _, mask, _ = _batch()
+    log_ratio[4, 6] = -20.0  # padding of sequence 4 (length 6): must not veto it
+    log_ratio[5, 6] = -9.3  # r = 9e-5 at a real token: vetoes sequence 5
+    for mode in ("veto", "sparse-rl"):
+        corr = rollout_correction(log_ratio, mask, LossConfig(correction=mode))
+        assert corr.vetoed.tolist() == [False, False, True, False, False, True]
+        assert not corr.mask[2].any() and not corr.mask[5].any()
+        assert bool((corr.weights[corr.vetoed] == 0).all())
+
+
+def test_group_advantages_against_numpy():
+    rewards = torch.tensor([[1.0, 0.0, 0.5, 0.5], [0.3, 0.3, 0.3, 0.3]])
+    got = group_advantages(rewards, LossConfig())
+    r = rewards.numpy().astype(np.float64)
+    want = (r - r.mean(1, keepdims=True)) / (r.std(1, ddof=1, keepdims=True) + 1e-4)
+    assert np.allclose(got.numpy(), want, atol=1e-6) and torch.isfinite(got).all()
+    centred = group_advantages(rewards, LossConfig(scale_std=False))
+    assert torch.equal(centred, rewards - rewards.mean(1, keepdim=True))
+    assert torch.equal(group_advantages(rewards[:, :1], LossConfig()), torch.zeros(2, 1))
+
+
+@pytest.mark.parametrize("bad,message", [(dict(correction="nope"), "--correction must be one of"),
+                                         (dict(clip_low=0.0), "clip bounds"),
+                                         (dict(dual_clip=1.0), "dual clip")])
+def test_loss_config_rejects_bad_values(bad, message):
+    with pytest.raises(ValueError, match=message):
+        LossConfig(**bad).validate()
+
+
+# ---------------------------------------------------------------------------- the trainer, end to end
+
+
+def _vowels_score(completion: str, answer: str, metadata) -> float:
+    """Share of the completion's letters that are vowels: graded, so random text has variance."""
+    letters = [ch for ch in completion.lower() if ch.isalpha()]
+    return sum(ch in "aeiou" for ch in letters) / max(len(letters), 1)
+
+
+VOWELS = Task("vowels", "math", "test task: use vowels", lambda *a, **k: iter(()), _vowels_score)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    """A tiny random Llama on SmolLM2's vocabulary, saved with SmolLM2's tokenizer, and its HF twin."""
+    tok = transformers.AutoTokenizer.from_pretrained(embedded_checkpoint())
+    cfg = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                   head_dim=8, max_position_embeddings=512, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
+    path = tmp_path_factory.mktemp("tiny-llama")
+    hf.save_pretrained(path, safe_serialization=True)
+    tok.save_pretrained(path)
+    return str(path), hf
+
+
+@pytest.fixture()
+def vowel_prompts(tmp_path, monkeypatch, tiny_llama):
+    monkeypatch.setitem(TASKS, "vowels", VOWELS)
+    tok = load_model(tiny_llama[0]).tokenizer
+    rows = []
+    for i in range(6):
+        text = f"Write the number {i * 37}. " * 12  # about 100 tokens: budget 48 is sparse here
+        rows.append({"prompt_id": f"vowels-{i}", "task": "vowels", "prompt": text,
+                     "prompt_token_ids": tok(text).input_ids, "answer": str(i * 37), "metadata": None})
+    return write_artifact(rows, tmp_path / "prompts.parquet", "prompts")
+
+
+def _config(path, **kw) -> TrainConfig:
+    base = dict(model=path, steps=3, prompts_per_step=2, samples=3, max_new_tokens=10, lora_rank=4,
+                lr=5e-2, micro_batch=4, checkpoint_every=1, eval_every=2, correction="tis")
+    return TrainConfig(**{**base, **kw})
+
+
+def _train(path, prompts, run, **kw):
+    loaded = load_model(path)
+    rows = load_prompts(prompts, loaded.tokenizer)
+    trainer = Trainer(_config(path, **kw.pop("cfg", {})), loaded, rows, run, eval_prompts=rows[:2], **kw)
+    return trainer, trainer.run()
+
+
+TIMING = {"run_id", "seconds", "rollout_seconds", "scoring_seconds", "update_seconds", "tokens_per_second"}
+
+
+def _metrics(run):
+    return [{k: v for k, v in r.items() if k not in TIMING}
+            for r in read_artifact(run / "metrics.parquet", "metrics").to_pylist()]
+
+
+def test_resume_after_a_crash_is_bit_exact(tiny_llama, vowel_prompts, tmp_path):
+    path = tiny_llama[0]
+    straight, summary = _train(path, vowel_prompts, tmp_path / "straight")
+    assert summary["steps"] == 3 and any(r["grad_norm"] > 0 for r in _metrics(tmp_path / "straight"))
+
+    class Crash(RuntimeError):
+        pass
+
+    calls = []
+
+    def crash_in_third_update(phase):
+        calls.append(phase)
+        if phase == "update" and calls.count("update") == 3:
+            raise Crash
+
+    with pytest.raises(Crash):
+        _train(path, vowel_prompts, tmp_path / "resumed", on_phase=crash_in_third_update)
+    assert len(_metrics(tmp_path / "resumed")) == 2  # steps 0 and 1 were logged and checkpointed
+    resumed, _ = _train(path, vowel_prompts, tmp_path / "resumed", resume=True)
+    assert _metrics(tmp_path / "resumed") == _metrics(tmp_path / "straight")
+    a = {k: v for k, v in straight.model.named_parameters() if "lora_" in k}
+    b = {k: v for k, v in resumed.model.named_parameters() if "lora_" in k}
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    steps = sorted(p.name for p in (tmp_path / "resumed" / "mismatch").iterdir())
+    assert steps == ["step=00000.parquet", "step=00001.parquet", "step=00002.parquet"]
+
+
+def test_adapter_loads_in_transformers_and_peft(tiny_llama, vowel_prompts, tmp_path):
+    from peft import PeftModel
+
+    path, hf = tiny_llama
+    trainer, summary = _train(path, vowel_prompts, tmp_path / "run", cfg=dict(steps=2))
+    peft_model = PeftModel.from_pretrained(hf, summary["adapter"]).eval()
+    x = torch.randint(0, 1000, (2, 20))
+    with torch.no_grad():
+        want = peft_model(x).logits
+        got = trainer.model(x)
+    assert (want - got).abs().max() < 1e-4
+    assert any(v.abs().sum() > 0 for k, v in trainer.model.named_parameters() if "lora_B" in k)
+
+
+def test_dense_sampler_ratios_are_one_and_corrections_no_ops(tiny_llama, vowel_prompts, tmp_path):
+    """Dense rollouts: the learner's recompute equals the engine's logprobs (r_t = 1 up to float
+    rounding), so every correction keeps every token with weight 1, and the first PPO epoch's ratio
+    is exactly 1."""
+    loaded = load_model(tiny_llama[0])
+    rows = load_prompts(vowel_prompts, loaded.tokenizer)
+    trainer = Trainer(_config(tiny_llama[0], steps=1), loaded, rows, tmp_path / "run")
+    batch = trainer._batch(0)
+    flat = [c for group in trainer._rollout(batch, 0) for c in group]
+    old = trainer._score(batch, flat)
+    log_ratio = old["logp"] - old["logp_rollout"]
+    assert log_ratio[old["mask"]].abs().max() < 1e-5
+    for mode in CORRECTIONS:
+        corr = rollout_correction(log_ratio, old["mask"], LossConfig(correction=mode))
+        assert torch.equal(corr.mask, old["mask"]) and not corr.vetoed.any()
+        assert (corr.weights[old["mask"]] - 1).abs().max() < 1e-4
+    from sparrow.stages.train.policy import completion_logprobs
+
+    mb = trainer.cfg.micro_batch  # the update recomputes in the scoring pass's micro-batches
+    for s in range(0, len(flat), mb):
+        part = flat[s:s + mb]
+        prompts, comps = [c.prompt_token_ids for c in part], [c.token_ids for c in part]
+        new = completion_logprobs(trainer.model, prompts, comps)
+        assert torch.equal(new.logp.detach(), old["logp"][s:s + mb, : new.logp.shape[1]])
+
+
+def test_per_token_logs(tiny_llama, vowel_prompts, tmp_path):
+    _train(tiny_llama[0], vowel_prompts, tmp_path / "run", cfg=dict(steps=1, sparsity="budget:48"))
+    table = read_artifact(tmp_path / "run" / "mismatch" / "step=00000.parquet", "train_mismatch").to_pylist()
+    assert len(table) == 2 * 3 * 10  # every generated token (EOS is rare for a random model)
+    assert {r["budget"] for r in table} == {0, 48}  # the first token of a sample comes from the prefill
+    assert all(0 <= r["alpha_top20_lb"] <= 1 for r in table)
+    metrics = _metrics(tmp_path / "run")[0]
+    assert metrics["mean_budget"] > 0 and metrics["alpha_lb_p5"] <= metrics["alpha_lb_mean"]
+
+
+def test_bad_input(tiny_llama, vowel_prompts, tmp_path):
+    path = tiny_llama[0]
+    rows = read_artifact(vowel_prompts, "prompts").to_pylist()
+    no_answer = write_artifact([{**rows[0], "answer": None}], tmp_path / "a.parquet", "prompts")
+    with pytest.raises(ValueError, match="has no answer"):
+        load_prompts(no_answer)
+    unknown = write_artifact([{**rows[0], "task": "nope"}], tmp_path / "b.parquet", "prompts")
+    with pytest.raises(ValueError, match="has task 'nope', which has no scorer"):
+        load_prompts(unknown)
+    _train(path, vowel_prompts, tmp_path / "run", cfg=dict(steps=1))
+    before = (tmp_path / "run" / "metrics.parquet").read_bytes()
+    with pytest.raises(ValueError, match="already holds a run"):
+        _train(path, vowel_prompts, tmp_path / "run", cfg=dict(steps=1))
+    with pytest.raises(ValueError, match="trained with lr=0.05, not 0.1"):
+        _train(path, vowel_prompts, tmp_path / "run", cfg=dict(steps=2, lr=0.1), resume=True)
+    assert (tmp_path / "run" / "metrics.parquet").read_bytes() == before
+
+
+def test_cli_train_and_resume(tiny_llama, vowel_prompts, tmp_path):
+    from typer.testing import CliRunner
+
+    from sparrow.cli.app import app
+
+    run = tmp_path / "run"
+    args = ["train", "--model", tiny_llama[0], "--prompts", str(vowel_prompts), "--eval-prompts",
+            str(vowel_prompts), "--steps", "2", "--prompts-per-step", "2", "--samples", "2",
+            "--max-new-tokens", "6", "--lora-rank", "2", "--budget", "48", "--checkpoint-every", "1",
+            "-o", str(run)]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert (run / "adapter" / "adapter_config.json").exists()
+    assert len(read_artifact(run / "metrics.parquet", "metrics")) == 2
+    again = CliRunner().invoke(app, args)  # an existing run without --resume: refused, nothing written
+    assert again.exit_code != 0 and "already holds a run" in again.output
+    more = CliRunner().invoke(app, [*args[:-2], "--steps", "3", "--resume", "-o", str(run)])
+    assert more.exit_code == 0, more.output
+    assert len(read_artifact(run / "metrics.parquet", "metrics")) == 3
