@@ -5,7 +5,7 @@
 # on Qwen3-4B shapes with random bf16 weights. Each step runs under its own time limit and goes on
 # after a failure; logs go to $OUT (default bench/results/gpu), a summary is printed last.
 #
-#   bash bench/gpu_checks.sh [all|tests|engine|kernels|rollout|profile] [extra args for bench/rollout.py]
+#   bash bench/gpu_checks.sh [all|tests|engine|kernels|rollout|profile|train] [extra args for bench/rollout.py]
 set -u
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -60,6 +60,15 @@ if [[ $WHAT == all || $WHAT == rollout ]]; then
         step "rollout-$ctx" 280 $PY bench/rollout.py --model qwen3-4b --random-weights --context "$ctx" \
             --samples 32 --budget 2048 --schedule published:qwen3-4b:0.86 "$@"
         cp bench/results/rollout.parquet "$OUT/rollout-$ctx.parquet" 2>/dev/null
+    done
+fi
+if [[ $WHAT == train ]]; then  # a few GRPO steps on random Qwen3 weights: the GPU path of sparrow train
+    for mode in "--budget 256" "--dense"; do
+        name="train-${mode#--}"
+        name=${name// /-}
+        step "$name" 150 $PY -c "from sparrow.cli.app import main; main()" train --model qwen3-0.6b \
+            --random-weights --device cuda --prompts "${TRAIN_PROMPTS:-.gputmp/qwen_prompts.parquet}" \
+            --steps 3 --prompts-per-step 4 --samples 8 --max-new-tokens 128 $mode -o "$(mktemp -d)/run"
     done
 fi
 if [[ $WHAT == profile ]]; then  # not in "all": a breakdown to read, not a check

@@ -48,6 +48,10 @@ def train(
     checkpoint_every: int = typer.Option(10, "--checkpoint-every"),
     eval_every: int = typer.Option(5, "--eval-every"),
     bin_width: int = typer.Option(512, "--bin-width", help="Position bin of the mismatch logs."),
+    device: str = typer.Option("cpu", "--device", help="cpu (fp32) or cuda (bf16, Triton kernels, "
+                               "CUDA graphs)."),
+    random_weights: bool = typer.Option(False, "--random-weights", help="Random weights for a shapes-only "
+                                        "preset such as qwen3-0.6b (to time the GPU path)."),
     resume: bool = typer.Option(False, "--resume", help="Continue the run in --output-dir from its "
                                 "checkpoint."),
     output_dir: Path = typer.Option(..., "-o", "--output-dir", help="The run directory."),
@@ -56,6 +60,8 @@ def train(
     the sampled tokens, rollout correction, PPO-clipped update. Writes RUN/metrics.parquet,
     RUN/mismatch/step=N.parquet (query both with `sparrow sql --run RUN`), RUN/checkpoint/ and, with a
     LoRA, RUN/adapter/ (peft format)."""
+    import torch
+
     from sparrow.stages.model.loading import load_model
     from sparrow.stages.train import TrainConfig, Trainer, load_prompts
 
@@ -68,12 +74,17 @@ def train(
                       lora_rank=0 if full else lora_rank, lora_alpha=lora_alpha, correction=correction,
                       kl_coef=kl_coef, seed=seed, micro_batch=micro_batch, ppo_epochs=ppo_epochs,
                       checkpoint_every=checkpoint_every, eval_every=eval_every, bin_width=bin_width,
-                      sparsity=spec)
+                      sparsity=spec, device=device, random_weights=random_weights)
     try:
         cfg.validate()
     except ValueError as e:
         raise UsageError(str(e)) from None
-    loaded = load_model(model)
+    if device not in ("cpu", "cuda"):
+        raise UsageError(f"--device must be cpu or cuda, got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda was given but no CUDA device is available")
+    loaded = load_model(model, device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float32,
+                        random_weights=random_weights)
     try:
         rows = load_prompts(prompts, loaded.tokenizer)
         held_out = load_prompts(eval_prompts, loaded.tokenizer) if eval_prompts else None

@@ -76,6 +76,8 @@ class TrainConfig:
     eval_every: int = 5
     bin_width: int = 512
     sparsity: str = "dense"  # "dense" | "budget:B" | "schedule:<path>", as given
+    device: str = "cpu"  # cuda: bf16 weights, the engine's Triton kernels and CUDA graphs
+    random_weights: bool = False  # a shapes-only preset with random weights (timing the GPU path)
     loss: dict = field(default_factory=dict)  # grpo.LossConfig overrides
 
     def validate(self) -> None:
@@ -311,9 +313,10 @@ class Trainer:
         for s in range(0, len(flat), mb):
             part = completion_logprobs(self.model, prompts[s:s + mb], comps[s:s + mb], self.cfg.temperature,
                                        extra_ids=top_ids[s:s + mb, : max(len(c) for c in comps[s:s + mb])])
-            logp.append(part.logp), entropy.append(part.entropy), dense_top.append(part.extra_logp)
+            logp.append(part.logp.cpu()), entropy.append(part.entropy.cpu())
+            dense_top.append(part.extra_logp.cpu())
             if self.cfg.kl_coef > 0:
-                ref.append(self._reference_logprobs(prompts[s:s + mb], comps[s:s + mb]))
+                ref.append(self._reference_logprobs(prompts[s:s + mb], comps[s:s + mb]).cpu())
         pad = lambda parts: torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in parts])
         dense_top_all = torch.cat([torch.nn.functional.pad(p, (0, 0, 0, width - p.shape[1]))
                                    for p in dense_top])
@@ -347,10 +350,11 @@ class Trainer:
             for s in range(0, len(flat), cfg.micro_batch):
                 sl = slice(s, s + cfg.micro_batch)
                 new = completion_logprobs(self.model, prompts[sl], comps[sl], cfg.temperature)
-                t = new.logp.shape[1]
+                t, dev = new.logp.shape[1], new.logp.device
+                ref = None if old["ref"] is None else old["ref"][sl, :t].to(dev)
                 loss, part = grpo.policy_loss(
-                    new.logp, old["logp"][sl, :t], advantages[sl], correction.weights[sl, :t], keep[sl, :t],
-                    self.loss_cfg, ref_logp=None if old["ref"] is None else old["ref"][sl, :t],
+                    new.logp, old["logp"][sl, :t].to(dev), advantages[sl].to(dev),
+                    correction.weights[sl, :t].to(dev), keep[sl, :t].to(dev), self.loss_cfg, ref_logp=ref,
                     normalizer=n_tokens)
                 loss.backward()
                 for k, v in part.items():
