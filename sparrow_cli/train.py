@@ -138,8 +138,8 @@ def print_summary(history: list[dict], s: dict, run: Path) -> None:
     t.add_row("masked / vetoed tokens", f"{mean('masked_fraction'):.3f} / {mean('vetoed_fraction'):.3f}")
     t.add_row("s per step: rollout / scoring / update",
               f"{mean('rollout_seconds'):.1f} / {mean('scoring_seconds'):.1f} / {mean('update_seconds'):.1f}")
-    t.add_row("label", s["label"] + (f" (from step {s['first_collapse_step']}: {', '.join(s['detectors'])})"
-                                      if s["detectors"] else ""))
+    t.add_row("label", s["label"] + (f" (from step {s['first_collapse_step']}: {'; '.join(s['reasons'])})"
+                                      if s["reasons"] else ""))
     if s["adapter"]:
         t.add_row("adapter", s["adapter"])
     console.print(t)

@@ -11,8 +11,10 @@ import pytest
 import torch
 import transformers
 
-from sparrow.schemas import read_artifact, write_artifact
+from sparrow.schemas import artifact_metadata, read_artifact, write_artifact
+from sparrow.stages.calibrate import collapse_reasons
 from sparrow.stages.model.loading import embedded_checkpoint, load_model
+from sparrow.stages.schedule import Schedule
 from sparrow.stages.tasks import TASKS, Task
 from sparrow.stages.train import (
     CORRECTIONS,
@@ -274,6 +276,11 @@ def test_per_token_logs(tiny_llama, vowel_prompts, tmp_path):
     assert all(0 <= r["alpha_top20_lb"] <= 1 for r in table)
     metrics = _metrics(tmp_path / "run")[0]
     assert metrics["mean_budget"] > 0 and metrics["alpha_lb_p5"] <= metrics["alpha_lb_mean"]
+    # what calibrate-threshold reads from a run directory: the schedule it sampled with, the label
+    assert Schedule.from_artifact(tmp_path / "run" / "schedule.parquet") == Schedule((0,), (48,))
+    table = read_artifact(tmp_path / "run" / "metrics.parquet", "metrics")
+    label = artifact_metadata(table)["label"]
+    assert label == ("collapsed" if collapse_reasons(table) else "stable")
 
 
 def test_bad_input(tiny_llama, vowel_prompts, tmp_path):

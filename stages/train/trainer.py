@@ -14,7 +14,10 @@ One step, for P prompts x K samples:
 5. update: PPO-clipped loss on the new dense logprobs against the old ones, token mean over the batch,
    optional k3 KL to the reference policy, micro-batches with gradient accumulation, clipping, AdamW.
 Every generated token of the step goes to `RUN/mismatch/step=NNNNN.parquet` (`train_mismatch`), one
-metrics row per step to `RUN/metrics.parquet`, with the collapse detectors' verdicts. Checkpoints
+metrics row per step to `RUN/metrics.parquet`, and the schedule the run sampled with to
+`RUN/schedule.parquet`, so that `calibrate-threshold` reads a training run directory as it is. The
+collapse detectors are `calibrate.collapse_reasons` (one definition for both stages): each step's row
+records the reasons that hold for the history up to it, and the run's metadata its label. Checkpoints
 (`RUN/checkpoint/`) hold the trainable weights, the optimizer, the data cursor and RNG states, so a
 resumed run reaches bit-for-bit the weights and metrics of an uninterrupted one on the CPU in fp32: every
 source of randomness is seeded per step (the engine's per-sample generators from (seed, step)), and the
@@ -36,16 +39,17 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import torch
 
 from sparrow.schemas import artifact_metadata, read_artifact, write_artifact
 
 from ..attention import validate_budget
+from ..calibrate import collapse_reasons
 from ..model.loading import LoadedModel
 from ..rollout import Engine, SamplingParams
 from ..schedule import Schedule
 from ..tasks import TASKS, score
-from . import collapse
 from . import objective as grpo
 from .adapter import add_lora, load_lora_state, lora_state, save_adapter
 from .policy import completion_logprobs
@@ -238,8 +242,10 @@ class Trainer:
 
     def run(self) -> dict:
         """Train until `steps`; returns the run's summary (also in the metrics artifact's metadata)."""
-        if self.step == 0 and self.eval_prompts:
-            self.initial_eval = self.evaluate()
+        if self.step == 0:
+            self._write_schedule()
+            if self.eval_prompts:
+                self.initial_eval = self.evaluate()
         while self.step < self.cfg.steps:
             row = self.train_step()
             self.on_step(row)
@@ -277,7 +283,7 @@ class Trainer:
         if self.eval_prompts and self.step % cfg.eval_every == 0:
             row["eval_accuracy"] = self.evaluate()
         self.history.append(row)
-        row["collapse"] = ",".join(collapse.detect(self.history)) or None
+        row["collapse"] = "; ".join(collapse_reasons(pa.Table.from_pylist(self.history))) or None
         self._write_mismatch(step, batch, flat, old, correction)
         self._write_metrics()
         return row
@@ -420,16 +426,38 @@ class Trainer:
         write_artifact(table, self.run_dir / "mismatch" / f"step={step:05d}.parquet", "train_mismatch",
                        metadata={"bin_width": self.cfg.bin_width, "sparsity": self.cfg.sparsity})
 
+    def label(self) -> dict:
+        """stable | collapsed, the reasons over the whole run, and the first step any reason held."""
+        reasons = collapse_reasons(pa.Table.from_pylist(self.history)) if self.history else []
+        first = next((r["step"] for r in self.history if r.get("collapse")), None)
+        return {"label": "collapsed" if reasons else "stable", "reasons": reasons,
+                "first_collapse_step": first if reasons else None}
+
     def _write_metrics(self) -> None:
-        meta = {"config": json.dumps(asdict(self.cfg)), **collapse.label(self.history),
+        label = self.label()
+        meta = {"config": json.dumps(asdict(self.cfg)), "label": label["label"],
+                "reasons": "; ".join(label["reasons"]), "first_collapse_step": label["first_collapse_step"],
                 "initial_eval_accuracy": getattr(self, "initial_eval", None)}
-        meta["detectors"] = ",".join(meta["detectors"])
         meta = {k: v for k, v in meta.items() if v is not None}
         write_artifact(self.history, self.run_dir / "metrics.parquet", "metrics", metadata=meta)
 
+    def _write_schedule(self) -> None:
+        """The schedule the rollouts used, as a `schedule` artifact (dense: one bin, null budget)."""
+        if isinstance(self.sparsity, Schedule):
+            schedule = self.sparsity
+        else:
+            schedule = Schedule.constant(self.sparsity or 0)
+        n = len(schedule.budgets)
+        ends = [*schedule.bin_starts[1:], None]
+        write_artifact({"bin": list(range(n)), "bin_start": list(schedule.bin_starts), "bin_end": ends,
+                        "budget": [b or None for b in schedule.budgets], "tail": [None] * n,
+                        "predicted_step_seconds": [None] * n},
+                       self.run_dir / "schedule.parquet", "schedule",
+                       metadata={"page_size": schedule.page_size, "source": self.cfg.sparsity})
+
     def summary(self) -> dict:
         h = self.history
-        out = {"steps": len(h), **collapse.label(h),
+        out = {"steps": len(h), **self.label(),
                "reward_first": h[0]["reward_mean"] if h else None,
                "reward_last": h[-1]["reward_mean"] if h else None,
                "initial_eval_accuracy": getattr(self, "initial_eval", None),
