@@ -17,6 +17,7 @@ from . import (  # noqa: E402
     plan,
     profile,
     prompts,
+    report,
     rollout,  # noqa: E402
     sql,
     train,
@@ -40,6 +41,7 @@ app.command("fit-cost")(cost.fit_cost)
 app.command("plan-schedule")(plan.plan_schedule)
 app.command("rollout")(rollout.rollout)
 app.command("train")(train.train)
+app.command("report")(report.report)
 
 
 def main() -> None:

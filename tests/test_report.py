@@ -1,0 +1,73 @@
+"""`sparrow report` on a run directory with every kind of artifact it draws, and a training run."""
+
+from __future__ import annotations
+
+import numpy as np
+from typer.testing import CliRunner
+
+from sparrow.cli.app import app
+from sparrow.schemas import write_artifact
+
+
+def _run_dir(tmp_path):
+    rng = np.random.default_rng(0)
+    run = tmp_path / "run"
+    n = 600
+    budgets = rng.choice([64, 128, 256], n)
+    bins = rng.integers(0, 4, n)
+    alpha = np.clip(1 - rng.exponential(0.05, n) * (1 + bins) * 64 / budgets, 0, 1)
+    write_artifact({"prompt_id": ["p"] * n, "sample": [0] * n, "position": (bins * 512 + 10).tolist(),
+                    "bin": bins.tolist(), "budget": budgets.tolist(), "token_id": [1] * n,
+                    "alpha": alpha.tolist(), "logp_dense": [-1.0] * n, "logp_sparse": [-1.1] * n,
+                    "log_ratio": [0.1] * n, "k1": [0.1] * n, "k2": [0.005] * n, "k3": [0.005] * n,
+                    "entropy_dense": [1.0] * n}, run / "mismatch.parquet", "mismatch",
+                   metadata={"bin_width": 512})
+    write_artifact({"threshold": [0.86], "lower": [None], "upper": [None], "quantile": [0.05],
+                    "source": ["prior"], "n_runs": [0], "n_collapsed": [0], "note": [None]},
+                   run / "threshold.parquet", "threshold")
+    write_artifact({"bin": [0, 1, 2], "bin_start": [0, 512, 1024], "bin_end": [512, 1024, None],
+                    "budget": [64, 128, None], "tail": [0.9, 0.87, None],
+                    "predicted_step_seconds": [None] * 3}, run / "schedule.parquet", "schedule",
+                   metadata={"page_size": 16})
+    write_artifact({"model": ["m"] * 4, "device": ["cpu"] * 4, "batch": [1, 8, 1, 8],
+                    "context": [1024, 1024, 4096, 4096], "budget": [None, None, 256, 256],
+                    "seconds": [0.01, 0.03, 0.012, 0.02], "predicted_seconds": [0.011, 0.028, 0.013, 0.022]},
+                   run / "cost.parquet", "cost")
+    write_artifact({"prompt_id": ["p0", "p0"], "sample": [0, 1], "prompt_token_ids": [[1, 2], [1, 2]],
+                    "token_ids": [[7, 8, 9], [7]], "text": ["abc", None],
+                    "logprobs": [[-0.1, -0.2, 0.0], [-1.5]], "budgets": [[0, 64, 64], [0]], "finish_reason": ["stop", "length"], "reward": [1.0, 0.0]},
+                   run / "rollouts.parquet", "rollouts")
+    steps = 6
+    write_artifact([{"run_id": "t", "step": s, "reward_mean": 0.1 * s, "grad_norm": 1.0, "entropy": 1.0,
+                     "mismatch_kl": 1e-3, "eval_accuracy": 0.1 if s % 2 else None, "alpha_lb_p5": 0.8,
+                     "collapse": "reward fell" if s == 5 else None} for s in range(steps)],
+                   run / "train" / "metrics.parquet", "metrics", metadata={"label": "collapsed"})
+    for s in range(steps):
+        write_artifact({"step": [s] * 3, "prompt_id": ["p"] * 3, "sample": [0, 1, 2],
+                        "position": [10, 11, 12], "bin": [0] * 3, "budget": [0, 64, 64], "token_id": [1, 2, 3],
+                        "logp_rollout": [-1.0] * 3, "logp_dense": [-1.1] * 3, "log_ratio": [0.1] * 3,
+                        "k3": [0.005] * 3, "alpha_top20_lb": [0.9, 0.8, 0.7], "weight": [1.0] * 3,
+                        "masked": [False] * 3, "vetoed": [False] * 3},
+                       run / "train" / "mismatch" / f"step={s:05d}.parquet", "train_mismatch")
+    return run
+
+
+def test_report_draws_every_figure_with_data(tmp_path):
+    run = _run_dir(tmp_path)
+    result = CliRunner().invoke(app, ["report", str(run)])
+    assert result.exit_code == 0, result.output
+    out = run / "report"
+    page = (out / "index.html").read_text()
+    expected = {"tail.png": 12, "schedule.png": 3, "cost.png": 4, "rollouts.png": 2, "train-train.png": 6,
+                "train-mismatch-train.png": 6}
+    for name, points in expected.items():
+        png = out / name
+        assert png.stat().st_size > 5000 and png.read_bytes()[:4] == b"\x89PNG"
+        assert f"src='{name}'" in page
+        assert f"{name}: " in result.output and f"({points} points)" in result.output.split(f"{name}: ")[1]
+
+
+def test_report_of_an_empty_directory_is_one_sentence(tmp_path):
+    (tmp_path / "empty").mkdir()
+    result = CliRunner().invoke(app, ["report", str(tmp_path / "empty")])
+    assert result.exit_code != 0 and "holds nothing to plot" in result.output
