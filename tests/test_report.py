@@ -35,7 +35,8 @@ def _run_dir(tmp_path):
                    run / "cost.parquet", "cost")
     write_artifact({"prompt_id": ["p0", "p0"], "sample": [0, 1], "prompt_token_ids": [[1, 2], [1, 2]],
                     "token_ids": [[7, 8, 9], [7]], "text": ["abc", None],
-                    "logprobs": [[-0.1, -0.2, 0.0], [-1.5]], "budgets": [[0, 64, 64], [0]], "finish_reason": ["stop", "length"], "reward": [1.0, 0.0]},
+                    "logprobs": [[-0.1, -0.2, 0.0], [-1.5]], "budgets": [[0, 64, 64], [0]],
+                    "finish_reason": ["stop", "length"], "reward": [1.0, 0.0]},
                    run / "rollouts.parquet", "rollouts")
     steps = 6
     write_artifact([{"run_id": "t", "step": s, "reward_mean": 0.1 * s, "grad_norm": 1.0, "entropy": 1.0,
@@ -44,7 +45,8 @@ def _run_dir(tmp_path):
                    run / "train" / "metrics.parquet", "metrics", metadata={"label": "collapsed"})
     for s in range(steps):
         write_artifact({"step": [s] * 3, "prompt_id": ["p"] * 3, "sample": [0, 1, 2],
-                        "position": [10, 11, 12], "bin": [0] * 3, "budget": [0, 64, 64], "token_id": [1, 2, 3],
+                        "position": [10, 11, 12], "bin": [0] * 3, "budget": [0, 64, 64],
+                        "token_id": [1, 2, 3],
                         "logp_rollout": [-1.0] * 3, "logp_dense": [-1.1] * 3, "log_ratio": [0.1] * 3,
                         "k3": [0.005] * 3, "alpha_top20_lb": [0.9, 0.8, 0.7], "weight": [1.0] * 3,
                         "masked": [False] * 3, "vetoed": [False] * 3},
