@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -11,6 +12,7 @@ import typer
 from rich.table import Table
 
 from .common import UsageError, console, friendly_errors, out
+from .output import emit, format_option, resolve_format
 
 EXPORTS = ("json", "sglang-vortex")
 REFERENCE_GEN_LEN = 32768
@@ -70,6 +72,7 @@ def plan_schedule(
     compare_published: bool = typer.Option(False, "--compare-published", help="Instead of one plan, "
                                            "print the predicted speedup of every Qwen3 model with "
                                            "published schedules next to the published speedup."),
+    format: str = format_option(),
 ) -> None:
     """Plan the sparsity schedule: for each position bin the cheapest budget whose tail statistic is
     at or above the threshold, non-decreasing across bins; prints the table and the predicted
@@ -84,9 +87,10 @@ def plan_schedule(
         schedule_table,
     )
 
+    fmt = resolve_format(format)
     if compare_published:
         with stage_errors():
-            return print_comparison(hardware or "h100", threshold, gen_len, batch, prompt_len)
+            return print_comparison(hardware or "h100", threshold, gen_len, batch, prompt_len, fmt)
     if model is None:
         raise UsageError("--model is required (a preset such as qwen3-4b, a checkpoint dir or a .gguf)")
     if threshold is not None and threshold_file is not None:
@@ -135,14 +139,16 @@ def plan_schedule(
     if output is not None:
         write_artifact(schedule_table(result, sparse_s), output, "schedule", metadata=meta)
 
-    print_plan(result, sparse_s, dense_s, batch)
+    # stdout carries one product: the --export text when it goes there, else the plan's tables
+    tables_fmt = None if exported is not None and export_to is None else fmt
+    print_plan(result, sparse_s, dense_s, batch, tables_fmt)
     for note in result.notes:
         console.print(f"[yellow]note:[/] {note}", highlight=False)
     console.print(f"predicted rollout speedup over dense: [bold]{speedup:.2f}x[/] ({gen_len} generated "
                   f"tokens after a {prompt_len}-token prompt, batch {batch}, {cost_model.source} cost, "
                   f"threshold {threshold:g} ({t_source}), {result.source})", highlight=False)
     if frontier:
-        print_frontier(frontier, cost_model, gen_len, batch, prompt_len)
+        print_frontier(frontier, cost_model, gen_len, batch, prompt_len, tables_fmt)
     if exported is not None:
         text = json.dumps(exported, indent=2 if export == "json" else None)
         if export_to is not None:
@@ -231,35 +237,48 @@ def load_profile(name: str, profile: Path | None, quantile: float, bin_width: in
     return tails, gen_len
 
 
-def print_plan(result, sparse_s, dense_s, batch: int) -> None:
-    t = Table(title=f"schedule (threshold {result.threshold:g}, tail = {result.quantile:g} quantile "
-                    f"of alpha; step times at batch {batch}, mid-bin)")
-    for col in ("bin", "positions", "budget", "tail", "step ms", "dense ms"):
+def _show(columns, rows, fmt: str | None, title: str) -> None:
+    """A table on stdout in `fmt`, or (fmt None: stdout is taken) as a rich table on stderr."""
+    if fmt is not None:
+        return emit(columns, rows, fmt, title=title)
+    t = Table(title=title)
+    for col in columns:
         t.add_column(col, justify="right")
+    for r in rows:
+        t.add_row(*("" if v is None else str(v) for v in r))
+    console.print(t)
+
+
+def print_plan(result, sparse_s, dense_s, batch: int, fmt: str | None) -> None:
+    rows = []
     for i, budget in enumerate(result.schedule.budgets):
         start, end = result.schedule.bin_starts[i], result.bin_end(i)
         tail = result.tails[i]
-        t.add_row(str(i), f"{start}-{end if end is not None else ''}", str(budget or "dense"),
-                  "thin" if tail is None else f"{tail:.4f}", f"{sparse_s[i] * 1e3:.2f}",
-                  f"{dense_s[i] * 1e3:.2f}")
-    console.print(t)
+        rows.append([i, f"{start}-{end if end is not None else ''}", budget or "dense",
+                     "thin" if tail is None else f"{tail:.4f}", f"{sparse_s[i] * 1e3:.2f}",
+                     f"{dense_s[i] * 1e3:.2f}"])
+    _show(("bin", "positions", "budget", "tail", "step ms", "dense ms"), rows, fmt,
+          f"schedule (threshold {result.threshold:g}, tail = {result.quantile:g} quantile of alpha; step "
+          f"times at batch {batch}, mid-bin)")
 
 
-def print_frontier(frontier, cost_model, gen_len: int, batch: int, prompt_len: int) -> None:
-    t = Table(title=f"stability-speed frontier ({cost_model.source}, {gen_len} tokens, batch {batch})")
-    for col in ("threshold", "speedup", "mean budget", "dense bins"):
-        t.add_column(col, justify="right")
+def print_frontier(frontier, cost_model, gen_len: int, batch: int, prompt_len: int,
+                   fmt: str | None) -> None:
+    rows = []
     for threshold, result in frontier:
         budgets = [b for b in result.schedule.budgets if b]
-        t.add_row(f"{threshold:g}",
-                  f"{cost_model.speedup(result.schedule.budgets_at, gen_len, batch, prompt_len):.2f}x",
-                  f"{sum(budgets) / len(budgets):.0f}" if budgets else "-",
-                  str(len(result.schedule.budgets) - len(budgets)))
-    console.print(t)
+        rows.append([f"{threshold:g}",
+                     f"{cost_model.speedup(result.schedule.budgets_at, gen_len, batch, prompt_len):.2f}x",
+                     f"{sum(budgets) / len(budgets):.0f}" if budgets else "-",
+                     len(result.schedule.budgets) - len(budgets)])
+    if fmt in ("csv", "tsv"):
+        sys.stdout.write("\n")  # the second table of the stream
+    _show(("threshold", "speedup", "mean budget", "dense bins"), rows, fmt,
+          f"stability-speed frontier ({cost_model.source}, {gen_len} tokens, batch {batch})")
 
 
 def print_comparison(hardware: str, threshold: float | None, gen_len: int | None, batch: int,
-                     prompt_len: int) -> None:
+                     prompt_len: int, fmt: str = "table") -> None:
     from sparrow.stages.published_schedules import PUBLISHED_SPEEDUP_THRESHOLD
     from sparrow.stages.reference_profiles import compare_published
     from sparrow.stages.schedule import check_threshold
@@ -268,11 +287,8 @@ def print_comparison(hardware: str, threshold: float | None, gen_len: int | None
     check_threshold(threshold)
     gen_len = gen_len or REFERENCE_GEN_LEN
     rows = compare_published(hardware, threshold, gen_len, batch, prompt_len)
-    t = Table(title=f"rollout speedup over dense at threshold {threshold:g}: analytic {hardware} model "
-                    f"({gen_len} tokens, batch {batch}) vs published (4 x H200, AIME24)")
-    for col in ("model", "published", "predicted", "predicted / published"):
-        t.add_column(col, justify="right")
-    for r in rows:
-        t.add_row(r["model"], "-" if r["published"] is None else f"{r['published']:.2f}x",
-                  f"{r['predicted']:.2f}x", "-" if r["ratio"] is None else f"{r['ratio']:.2f}")
-    out.print(t)
+    table = [[r["model"], "-" if r["published"] is None else f"{r['published']:.2f}x",
+              f"{r['predicted']:.2f}x", "-" if r["ratio"] is None else f"{r['ratio']:.2f}"] for r in rows]
+    emit(("model", "published", "predicted", "predicted / published"), table, fmt,
+         title=f"rollout speedup over dense at threshold {threshold:g}: analytic {hardware} model "
+               f"({gen_len} tokens, batch {batch}) vs published (4 x H200, AIME24)")

@@ -1,7 +1,8 @@
 """`sparrow sql`: query a run directory with DuckDB; each artifact kind is a view.
 
-Design decisions: results go to stdout as a rich table (at most TABLE_ROWS rows shown), CSV or a JSON
-list of records (NaN and infinities become null, so it is strict JSON); `-o x.parquet` writes every
+Design decisions: results go to stdout as a rich table (at most TABLE_ROWS rows shown; the default on a
+terminal), TSV (every row; the default in a pipe), CSV or a JSON list of records (NaN and infinities
+become null, so it is strict JSON); `-o x.parquet` writes every
 row to Parquet atomically (temporary file, then rename) and prints a one-line summary on stderr.
 Every failure is one "error: ..." line on stderr and exit code 2.
 """
@@ -26,9 +27,9 @@ from rich.table import Table
 
 from sparrow.stages.sql import QueryError, run_query
 
-from .common import console, fail, friendly_errors, out
+from .common import UsageError, console, fail, friendly_errors, out
+from .output import FORMAT_HELP, emit, resolve_format
 
-FORMATS = ("table", "csv", "json")
 TABLE_ROWS = 1000
 
 
@@ -39,14 +40,15 @@ def sql(
     run: Annotated[Path, typer.Option("--run", help="Run directory: each *.parquet artifact in it is a "
                                                     "view named by its kind (mismatch, schedule, ...).")]
     = Path("."),
-    format: Annotated[str, typer.Option("--format", "-f", help="Output on stdout: table, csv or json.")]
-    = "table",
+    format: Annotated[str | None, typer.Option("--format", "-f", help=FORMAT_HELP)] = None,
     output: Annotated[Path | None, typer.Option("-o", "--output", help="Write the result to this "
                                                                         ".parquet file instead.")] = None,
 ) -> None:
     """Run a SQL query (DuckDB) over the artifacts of a run directory."""
-    if format not in FORMATS:
-        fail(f"unknown --format {format!r}; choose table, csv or json")
+    try:
+        format = resolve_format(format)
+    except UsageError as e:
+        fail(str(e))
     if output is not None and output.suffix != ".parquet":
         fail(f"-o writes Parquet, so give a path ending in .parquet (not {output.name}); "
              f"use --format csv or json with a shell redirect for text")
@@ -62,6 +64,8 @@ def sql(
         _print_table(result)
     elif format == "csv":
         _print_csv(result)
+    elif format == "tsv":
+        emit(result.column_names, [[_tsv_cell(v) for v in r.values()] for r in result.to_pylist()], "tsv")
     else:
         sys.stdout.write(json.dumps([_jsonable(r) for r in result.to_pylist()]) + "\n")
 
@@ -102,6 +106,10 @@ def _cell(v: object) -> str:
         return f"{v:.6g}"
     text = json.dumps(_jsonable(v)) if isinstance(v, list | dict) else str(v)
     return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _tsv_cell(v: object) -> object:
+    return json.dumps(_jsonable(v)) if isinstance(v, list | dict) else v
 
 
 def _print_csv(table: pa.Table) -> None:

@@ -124,9 +124,18 @@ def test_cli_csv_and_json(run_dir):
 
 
 def test_cli_table(run_dir):
-    r = invoke("SELECT bin, budget FROM schedule ORDER BY bin", "--run", str(run_dir))
+    r = invoke("SELECT bin, budget FROM schedule ORDER BY bin", "--run", str(run_dir), "--format", "table")
     assert r.exit_code == 0, r.output
     assert "budget" in r.stdout and "128" in r.stdout and "null" in r.stdout and "2 rows" in r.stdout
+
+
+def test_cli_default_in_a_pipe_is_complete_tsv(run_dir):
+    """stdout is not a terminal here: every row, tab-separated, nothing truncated."""
+    r = invoke("SELECT bin, budget, repeat('x', 200) AS wide FROM schedule ORDER BY bin", "--run", str(run_dir))
+    assert r.exit_code == 0, r.output
+    lines = r.stdout.splitlines()
+    assert lines[0] == "bin\tbudget\twide" and len(lines) == 3
+    assert lines[2].split("\t")[1] == "" and lines[1].endswith("x" * 200)
 
 
 def test_cli_parquet_output(run_dir, tmp_path_factory):
@@ -143,7 +152,7 @@ def test_cli_parquet_output(run_dir, tmp_path_factory):
 @pytest.mark.parametrize("args,words", [
     (["SELEC 1"], "query failed: Parser Error: syntax error"),
     (["SELECT * FROM rollouts"], "rollouts does not exist"),
-    (["SELECT 1", "--format", "xml"], "unknown --format 'xml'"),
+    (["SELECT 1", "--format", "xml"], "--format must be one of table, csv, json, tsv, got 'xml'"),
     (["SELECT 1", "-o", "out.csv"], "-o writes Parquet"),
 ])
 def test_cli_errors(run_dir, args, words):
