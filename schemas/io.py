@@ -71,15 +71,25 @@ def write_artifact(data: TableLike, path: str | os.PathLike, kind: str,
 
 
 def read_artifact(path: str | os.PathLike, kind: str | None = None) -> pa.Table:
-    """Read and validate an artifact; `kind=None` accepts any known kind."""
+    """Read and validate an artifact; `kind=None` accepts any known kind.
+
+    With an explicit `kind`, files from other tools are first-class: a Parquet file without Sparrow's
+    metadata (written by DuckDB, pandas, polars...) and, for prompts, a JSONL file are validated by
+    their columns alone (columns the schema does not have are dropped, integer and string widths are
+    cast), and refused with one sentence only when a column is missing or of the wrong type."""
     path = Path(path)
     if kind is not None:
         _spec(kind)
+    if kind == "prompts" and path.suffix in (".jsonl", ".ndjson"):
+        return _read_foreign(_read_jsonl(path), path, kind)
     schema = _read_schema(path)
     found, version = _kind_version(schema)
     if found is None:
+        if kind is not None:
+            return _read_foreign(_read_parquet(path), path, kind)
         raise ArtifactError(f"{path} is a Parquet file without Sparrow artifact metadata "
-                            f"(no '{KEY_KIND}' key), so it is not a Sparrow artifact")
+                            f"(no '{KEY_KIND}' key), so its kind is unknown; read it where a specific "
+                            "artifact kind is expected")
     if kind is not None and found != kind:
         raise ArtifactError(f"{path} is a '{found}' artifact, expected '{kind}'")
     if found not in SCHEMAS:
@@ -98,6 +108,46 @@ def read_artifact(path: str | os.PathLike, kind: str | None = None) -> pa.Table:
         raise ArtifactError(f"{path} is a corrupt Parquet file ({first_line(e)})") from None
     table = SCHEMAS[found].conform(table, str(path))
     return table.replace_schema_metadata(schema.metadata)
+
+
+def _read_parquet(path: Path) -> pa.Table:
+    try:
+        return pq.read_table(path)
+    except (pa.ArrowException, OSError) as e:
+        raise ArtifactError(f"{path} is a corrupt Parquet file ({first_line(e)})") from None
+
+
+def _read_jsonl(path: Path) -> pa.Table:
+    """One JSON object per line; nested values of string columns (metadata) are kept as JSON text."""
+    if not path.exists():
+        raise ArtifactError(f"{path} does not exist")
+    rows = []
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ArtifactError(f"{path} line {i} is not JSON ({e.msg})") from None
+        if not isinstance(row, dict):
+            raise ArtifactError(f"{path} line {i} is not a JSON object")
+        if isinstance(row.get("metadata"), dict):
+            row["metadata"] = json.dumps(row["metadata"])
+        rows.append(row)
+    if not rows:
+        raise ArtifactError(f"{path} holds no JSON lines")
+    keys = list(dict.fromkeys(k for row in rows for k in row))  # a key absent from a line is null there
+    try:
+        return pa.table({k: [row.get(k) for row in rows] for k in keys})
+    except (pa.ArrowException, TypeError) as e:
+        raise ArtifactError(f"{path}: its lines do not form one table ({first_line(e)})") from None
+
+
+def _read_foreign(table: pa.Table, path: Path, kind: str) -> pa.Table:
+    spec = SCHEMAS[kind]
+    table = table.select([c for c in table.column_names if c in spec.names])
+    table = spec.conform(table, f"{path} (read as '{kind}' by its columns)", fill_missing=True)
+    return table.replace_schema_metadata(spec.schema.metadata)
 
 
 def artifact_kind(path: str | os.PathLike) -> str | None:

@@ -215,13 +215,61 @@ def test_wrong_artifact_kind(tmp_path):
 
 
 def test_parquet_without_sparrow_metadata(tmp_path):
+    """Read where a kind is expected, a plain Parquet file is validated by its columns; with no kind
+    to go by it is refused in one sentence."""
     path = tmp_path / "plain.parquet"
     pq.write_table(pa.table(VALID["threshold"]), path)
     assert artifact_kind(path) is None
+    assert read_artifact(path, "threshold").to_pydict() == VALID["threshold"]
     with pytest.raises(ArtifactError, match="without Sparrow artifact metadata") as e:
-        read_artifact(path, "threshold")
+        read_artifact(path)
     one_sentence(e, path)
     assert artifact_metadata(path) == {}
+
+
+def test_prompts_written_by_duckdb_and_pandas_are_read_by_columns(tmp_path):
+    import duckdb
+
+    sparrow_file = write_artifact(VALID["prompts"], tmp_path / "ours.parquet", "prompts")
+    duck = tmp_path / "duck.parquet"
+    duckdb.sql(f"COPY (SELECT * FROM read_parquet('{sparrow_file}')) TO '{duck}' (FORMAT parquet)")
+    assert artifact_kind(duck) is None  # DuckDB keeps no Arrow schema metadata
+    assert read_artifact(duck, "prompts").to_pydict() == VALID["prompts"]
+    # pandas-style: 64-bit ints, large strings, an index column the schema does not have
+    table = pa.table({**{k: v for k, v in VALID["prompts"].items() if k != "prompt_token_ids"},
+                      "prompt_token_ids": pa.array([None, [1, 2, 3]], pa.large_list(pa.int64())),
+                      "__index_level_0__": [0, 1]})
+    pq.write_table(table.cast(pa.schema([pa.field(f.name, pa.large_string()) if f.type == pa.string()
+                                         else f for f in table.schema])), tmp_path / "pd.parquet")
+    assert read_artifact(tmp_path / "pd.parquet", "prompts").to_pydict() == VALID["prompts"]
+
+
+def test_prompts_from_jsonl(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt_id": "a", "task": "passkey", "prompt": "hi", "answer": "1", '
+                    '"metadata": {"depth": 0.2}}\n\n{"prompt_id": "b", "task": "t", '
+                    '"prompt_token_ids": [4, 5]}\n')
+    rows = read_artifact(path, "prompts").to_pylist()
+    assert rows[0]["metadata"] == '{"depth": 0.2}' and rows[1]["prompt_token_ids"] == [4, 5]
+    assert rows[1]["answer"] is None
+    path.write_text('{"prompt_id": "a", "task": "t", "prompt": "x"}\nnot json\n')
+    with pytest.raises(ArtifactError, match="line 2 is not JSON"):
+        read_artifact(path, "prompts")
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(drop="task"), "lacks column 'task' required by the 'prompts' schema"),
+    (dict(prompt_token_ids=["1 2", "3"]), "has column 'prompt_token_ids' of type string"),
+])
+def test_foreign_prompts_with_a_missing_or_mistyped_column(tmp_path, change, message):
+    data = dict(VALID["prompts"])
+    data.pop(change.pop("drop", None), None)
+    data.update(change)
+    path = tmp_path / "bad.parquet"
+    pq.write_table(pa.table(data), path)
+    with pytest.raises(ArtifactError, match=message) as e:
+        read_artifact(path, "prompts")
+    assert str(e.value).startswith(f"{path} (read as 'prompts' by its columns)")
 
 
 def test_unknown_kind(tmp_path):
