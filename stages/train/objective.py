@@ -6,11 +6,13 @@ Design decisions, with the conventions they follow:
   (TRL's GRPOTrainer); `scale_std=False` leaves r - mean (Dr. GRPO). A group of one sample, or of equal
   rewards, has advantage 0.
 - Rollout correction acts on r_t = exp(logp_dense_old - logp_rollout), the learner's probability of
-  the sampled token over the sparse actor's. Weights are constants (no gradient). `none`: the samples
-  are taken as on-policy. `tis`: weight min(r_t, C), C = 2 (truncated IS, as TRL's vLLM importance
-  sampling cap). `mis`: tokens with r_t outside [0.5, 2] are masked out of the loss. `veto`: a sequence
-  with any r_t < 1e-4 is dropped whole. `sparse-rl`: veto, then mask outside [0.5, 1.5], then weights
-  min(r_t, 1.5) normalised to mean 1 over the batch's kept tokens.
+  the sampled token over the sparse actor's, with log r_t clamped to [-20, 20] before exp (verl's
+  safety bound). Weights are constants (no gradient). `none`: the samples are taken as on-policy.
+  `tis`: weight min(r_t, C), C = 2 (verl's rollout_is_threshold; TRL's vLLM importance-sampling cap is
+  3). `mis`: tokens with r_t outside [0.5, 2] are masked out of the loss (verl's bounds: the threshold
+  and its reciprocal). `veto`: a sequence with any r_t < 1e-4 is dropped whole (verl's veto threshold).
+  `sparse-rl`: veto, then mask outside [0.5, 1.5], then weights min(r_t, 1.5) normalised to mean 1
+  over the batch's kept tokens.
 - Loss per token: PPO's clipped surrogate on ratio = exp(logp_new - logp_old), separate bounds
   [1 - 0.2, 1 + 0.28] (DAPO's clip-higher), dual clip at 3 for negative advantages, times the
   correction weight, plus kl_coef x k3(ref || new); the batch loss is the sum over kept tokens divided
@@ -51,10 +53,16 @@ class LossConfig:
                              f"{self.clip_low} and {self.clip_high}")
         if self.dual_clip <= 1:
             raise ValueError(f"the dual clip constant must be > 1, got {self.dual_clip}")
-        if not 0 < self.mis_low < 1 < self.mis_high or not 0 < self.sparse_rl_low < 1 < self.sparse_rl_high:
-            raise ValueError("masking bounds must satisfy 0 < low < 1 < high")
-        if self.tis_cap <= 0 or self.veto_threshold <= 0 or self.kl_coef < 0:
-            raise ValueError("the TIS cap and the veto threshold must be positive and kl_coef >= 0")
+        for name in ("mis", "sparse_rl"):
+            low, high = getattr(self, f"{name}_low"), getattr(self, f"{name}_high")
+            if not 0 < low < 1 < high:
+                raise ValueError(f"the {name} masking bounds must satisfy 0 < low < 1 < high, "
+                                 f"got [{low}, {high}]")
+        for name in ("tis_cap", "veto_threshold"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.kl_coef < 0:
+            raise ValueError(f"--kl-coef must be >= 0, got {self.kl_coef}")
         return self
 
 
@@ -78,7 +86,7 @@ class Correction:
 
 def rollout_correction(log_ratio: Tensor, mask: Tensor, cfg: LossConfig) -> Correction:
     """log_ratio [N, T] = logp_dense_old - logp_rollout (any value at padding), mask [N, T]."""
-    ratio = torch.where(mask, log_ratio, 0.0).exp()
+    ratio = torch.where(mask, log_ratio, 0.0).clamp(-20.0, 20.0).exp()
     keep = mask.clone()
     vetoed = torch.zeros(mask.shape[0], dtype=torch.bool, device=mask.device)
     weights = torch.ones_like(ratio)
