@@ -13,12 +13,12 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from . import longcontext, reasoning
+from . import learnable, longcontext, reasoning
 from .base import Example, Task, TaskError
 
 __all__ = ["TASKS", "Example", "Task", "TaskError", "chat_format", "get_task", "make_prompts", "score"]
 
-TASKS: dict[str, Task] = {t.name: t for t in [*reasoning.tasks(), *longcontext.tasks()]}
+TASKS: dict[str, Task] = {t.name: t for t in [*reasoning.tasks(), *longcontext.tasks(), *learnable.tasks()]}
 
 
 def get_task(name: str) -> Task:
