@@ -1,7 +1,9 @@
 """DuckDB over a run directory: every artifact kind is a view, so questions about a run are SQL.
 
 Design decisions:
-- Only `*.parquet` directly inside the run directory (not subfolders), sorted by name.
+- `*.parquet` directly inside the run directory, and the parts of partitioned artifacts: subfolders
+  that hold nothing but Parquet files (a training run's `mismatch/step=N.parquet`), sorted by name.
+  Other subfolders (a training run inside a pipeline's directory) are runs of their own.
 - A view per artifact kind, named after the kind read from the Parquet footer (`artifact_kind`), not
   after the file name. All files of one kind are unioned by column name (`union_by_name`), and the
   view always has an extra column `source_file` (the file name) so that queries do not depend on how
@@ -46,6 +48,10 @@ def run_views(run_dir: str | Path) -> list[View]:
     if not run_dir.is_dir():
         raise ArtifactError(f"{run_dir} is not a directory, and a run is a directory of artifacts")
     files = sorted(p for p in run_dir.glob("*.parquet") if p.is_file())
+    for sub in sorted(p for p in run_dir.iterdir() if p.is_dir()):
+        entries = [e for e in sub.iterdir() if not e.name.startswith(".")]
+        if entries and all(e.is_file() and e.suffix == ".parquet" for e in entries):
+            files += sorted(entries)
     kinds = {p: artifact_kind(p) for p in files}
     by_kind: dict[str, list[Path]] = {}
     for p in files:

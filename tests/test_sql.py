@@ -44,8 +44,9 @@ def run_dir(tmp_path) -> Path:
     pq.write_table(pa.table({"x": [1, 2, 3]}), tmp_path / "my data-2.parquet")
     pq.write_table(pa.table({"y": ["a"]}), tmp_path / "schedule.parquet")  # plain file, clashing name
     (tmp_path / "notes.csv").write_text("a,b\n1,2\n")
-    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub").mkdir()  # a run of its own (not only Parquet parts): not part of this run's views
     write_artifact(mismatch(10, 2), tmp_path / "sub" / "ignored.parquet", "mismatch")
+    (tmp_path / "sub" / "notes.txt").write_text("another run")
     return tmp_path
 
 
@@ -131,7 +132,8 @@ def test_cli_table(run_dir):
 
 def test_cli_default_in_a_pipe_is_complete_tsv(run_dir):
     """stdout is not a terminal here: every row, tab-separated, nothing truncated."""
-    r = invoke("SELECT bin, budget, repeat('x', 200) AS wide FROM schedule ORDER BY bin", "--run", str(run_dir))
+    r = invoke("SELECT bin, budget, repeat('x', 200) AS wide FROM schedule ORDER BY bin",
+               "--run", str(run_dir))
     assert r.exit_code == 0, r.output
     lines = r.stdout.splitlines()
     assert lines[0] == "bin\tbudget\twide" and len(lines) == 3

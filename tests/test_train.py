@@ -320,3 +320,14 @@ def test_cli_train_and_resume(tiny_llama, vowel_prompts, tmp_path):
     more = CliRunner().invoke(app, [*args[:-2], "--steps", "3", "--resume", "-o", str(run)])
     assert more.exit_code == 0, more.output
     assert len(read_artifact(run / "metrics.parquet", "metrics")) == 3
+
+
+def test_sql_sees_every_step_of_a_run_as_one_view(tiny_llama, vowel_prompts, tmp_path):
+    from sparrow.stages.sql import run_query
+
+    _train(tiny_llama[0], vowel_prompts, tmp_path / "run", cfg=dict(steps=2, sparsity="budget:48"))
+    rows = run_query(tmp_path / "run", "SELECT step, count(*) AS n, count(DISTINCT source_file) AS files "
+                                       "FROM train_mismatch GROUP BY step ORDER BY step").to_pylist()
+    assert [(r["step"], r["n"], r["files"]) for r in rows] == [(0, 60, 1), (1, 60, 1)]
+    joined = run_query(tmp_path / "run", "SELECT count(*) AS n FROM metrics JOIN schedule ON true")
+    assert joined.to_pylist() == [{"n": 2}]
