@@ -220,9 +220,12 @@ def test_planning_twenty_bins_by_twenty_budgets_is_instant():
 def test_sweep_prints_the_frontier():
     result = invoke("--model", "qwen3-4b", "--sweep", "0.80,0.83,0.86,0.90,0.92")
     assert result.exit_code == 0, result.output
-    frontier = result.output[result.output.index("frontier"):]
+    plan_table, frontier = result.stdout.split("\n\n")  # a pipe: two TSV tables, a blank line apart
+    assert frontier.splitlines()[0] == "threshold\tspeedup\tmean budget\tdense bins"
     speeds = [float(x) for x in re.findall(r"(\d+\.\d+)x", frontier)]
     assert len(speeds) == 5 and speeds == sorted(speeds, reverse=True) and speeds[-1] > 1
+    table = invoke("--model", "qwen3-4b", "--sweep", "0.80,0.86", "--format", "table")
+    assert "frontier" in table.stdout
 
 
 def test_export_sglang_vortex_is_selected_pages_per_2000_token_bin(tmp_path):
