@@ -178,8 +178,13 @@ def training_figure(run: Path, out: Path, plt) -> Figure | None:
               ("grad_norm", "grad norm"))
     fig, axes = plt.subplots(2, 3, figsize=(13, 6.5))
     collapsed = [r["step"] for r in rows if r.get("collapse")]
+    from matplotlib.ticker import MaxNLocator
+
     for ax, (key, title) in zip(axes.flat, panels):
         pts = [(s, r[key]) for s, r in zip(steps, rows) if r.get(key) is not None]
+        if key == "eval_accuracy" and meta.get("initial_eval_accuracy") is not None:
+            pts.insert(0, (-1, float(meta["initial_eval_accuracy"])))  # before the first update
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         if pts:
             ax.plot(*zip(*pts), marker="o", ms=3)
         for s in collapsed:
@@ -190,7 +195,8 @@ def training_figure(run: Path, out: Path, plt) -> Figure | None:
     name = f"train-{run.name}.png"
     caption = (f"From {run.name}/metrics.parquet: {len(rows)} steps, label {meta.get('label', 'unknown')}"
                + (f" ({meta['reasons']})" if meta.get("reasons") else "")
-               + "; red lines mark steps where a collapse reason held.")
+               + "; red lines mark steps where a collapse reason held; eval accuracy at step -1 is before "
+               "any update.")
     return _save(fig, out, name, f"Training run {run.name}", caption, plt, len(rows))
 
 
