@@ -134,7 +134,7 @@ def _check_column(values: pa.ChunkedArray, col: Col,
         try:
             values = values.cast(col.type)
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
-            raise problem(f"has values in column '{col.name}' that do not fit {col.type} "
+            raise problem(f"has values in column '{col.name}' that do not fit {_type_name(col.type)} "
                           f"({first_line(e)})") from None
     if not col.nullable and values.null_count:
         raise problem(f"has nulls in {_count(values.null_count, 'row')} of column '{col.name}', "

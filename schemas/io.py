@@ -40,7 +40,7 @@ TableLike = pa.Table | pa.RecordBatch | Mapping[str, Sequence] | Sequence[Mappin
 
 
 def write_artifact(data: TableLike, path: str | os.PathLike, kind: str,
-                   metadata: Mapping[str, str | int | float] | None = None) -> Path:
+                   metadata: Mapping[str, object] | None = None) -> Path:
     """Validate `data` against the `kind` schema and write it atomically to `path`; return the path."""
     path = Path(path)
     spec = _spec(kind)

@@ -6,9 +6,9 @@ import json
 from pathlib import Path
 
 import typer
-from rich.table import Table
 
 from .common import UsageError, console, friendly_errors
+from .output import emit, format_option, resolve_format
 
 
 @friendly_errors
@@ -30,6 +30,7 @@ def calibrate_threshold(
                                          help="Collapsed if entropy ends above this x its start."),
     bootstrap: int = typer.Option(2000, "--bootstrap", help="Bootstrap resamples for the interval."),
     output: Path = typer.Option(..., "-o", "--output"),
+    format: str = format_option(),
 ) -> None:
     """Label each run stable or collapsed, relate that to each run's tail statistic under its
     schedule, and write the critical threshold with an interval. Without runs (or when the runs do
@@ -37,6 +38,7 @@ def calibrate_threshold(
     from sparrow.schemas import read_artifact, write_artifact
     from sparrow.stages.calibrate import Detectors, calibrate, load_run, threshold_table
 
+    fmt = resolve_format(format)
     if not 0 < quantile < 1:
         raise UsageError(f"--quantile must be in (0, 1), got {quantile}")
     mismatch = read_artifact(profile, "mismatch")
@@ -50,14 +52,10 @@ def calibrate_threshold(
                for r in results]
     write_artifact(threshold_table(cal, quantile), output, "threshold",
                    metadata={"profile": str(profile), "runs": json.dumps(per_run)})
-    if results:
-        t = Table(title="runs")
-        for c in ("run", "tail", "label", "reasons / notes"):
-            t.add_column(c)
-        for r in sorted(results, key=lambda r: r.tail):
-            t.add_row(r.name, f"{r.tail:.4f}", "[red]collapsed[/]" if r.collapsed else "[green]stable[/]",
-                      "; ".join(r.reasons + r.notes))
-        console.print(t)
     interval = f" [{cal.lower:.4f}, {cal.upper:.4f}]" if cal.lower is not None else ""
     console.print(f"threshold {cal.threshold:.4f}{interval} ({cal.source}): {cal.note}")
     console.print(f"wrote {output}")
+    if results:  # the runs are the data; the threshold itself is in the artifact
+        rows = [[r.name, r.tail, "collapsed" if r.collapsed else "stable", "; ".join(r.reasons + r.notes)]
+                for r in sorted(results, key=lambda r: r.tail)]
+        emit(("run", "tail", "label", "reasons"), rows, fmt, title="runs", left=("run", "label", "reasons"))

@@ -10,7 +10,8 @@ from typing import NoReturn
 import typer
 from rich.console import Console
 
-console = Console(stderr=True)  # progress and summaries; stdout stays clean for pipelines
+console = Console(stderr=True, soft_wrap=True)  # messages and progress; stdout holds only data
+# (soft_wrap: a message is never broken inside a path, so logs stay greppable)
 out = Console()
 
 

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
-from rich.table import Table
 
 from .common import UsageError, console, friendly_errors, parse_int_list
+from .output import emit, format_option, resolve_format
 from .plan import stage_errors
 
 MEASURED_GRID = ("1,4", "1024,2048,4096", "dense,256,512")
@@ -42,6 +42,7 @@ def fit_cost(
                                 "torch's own choice; 1 gives steadier timings on a shared machine)."),
     seed: int = typer.Option(0, "--seed"),
     output: Path = typer.Option(..., "-o", "--output", help="Where to write the cost artifact."),
+    format: str = format_option(),
 ) -> None:
     """Fit the decode-step cost model: time our decoder's decode steps, dense and sparse, over a
     (batch, context, budget) grid and fit the coefficients by least squares; or, with --hardware,
@@ -50,6 +51,7 @@ def fit_cost(
     from sparrow.stages.cost import Grid, get_hardware
     from sparrow.stages.model.loading import model_name, resolve_config
 
+    fmt = resolve_format(format)
     if device and hardware:
         raise UsageError("--device measures and --hardware writes an analytic preset; pass only one")
     if hardware:
@@ -82,11 +84,11 @@ def fit_cost(
     name = model_name(model)
     with stage_errors():
         write_cost(model, name, cfg, device, hardware, Grid(b_list, c_list, k_list, warmup, repeats),
-                   seed, output, threads)
+                   seed, output, threads, fmt)
 
 
 def write_cost(model: str, name: str, cfg, device: str | None, hardware: str | None, grid, seed: int,
-               output: Path, threads: int | None = None) -> None:
+               output: Path, threads: int | None = None, fmt: str = "table") -> None:
     from sparrow.schemas import write_artifact
     from sparrow.stages.cost import analytic, analytic_points, cost_table, fit, get_hardware
 
@@ -105,11 +107,11 @@ def write_cost(model: str, name: str, cfg, device: str | None, hardware: str | N
     cost = fit(cfg, points, f"measured:{device}")
     table = cost_table(cost, name, device, points)
     write_artifact(table, output, "cost", metadata=cost.metadata() | {"model": name, "threads": threads})
-    print_points(table)
     print_coefficients(cost)
     console.print(f"fit over {len(points)} points: median relative error "
                   f"{cost.extra['median_relative_error']:.1%}, worst {cost.extra['max_relative_error']:.1%}")
     console.print(f"wrote {output}")
+    print_points(table, fmt)
 
 
 def measure(model: str, device: str, grid, seed: int, threads: int | None = None):
@@ -133,15 +135,15 @@ def measure(model: str, device: str, grid, seed: int, threads: int | None = None
     return points, torch.get_num_threads()
 
 
-def print_points(table) -> None:
-    t = Table(title="decode step: measured vs fitted")
-    for col in ("batch", "context", "budget", "measured ms", "predicted ms", "error"):
-        t.add_column(col, justify="right")
+def print_points(table, fmt: str) -> None:
+    """Measured vs fitted step time per grid point, on stdout (budget empty = dense)."""
+    rows = []
     for r in table.to_pylist():
         err = (r["predicted_seconds"] - r["seconds"]) / r["seconds"]
-        t.add_row(str(r["batch"]), str(r["context"]), str(r["budget"] or "dense"),
-                  f"{r['seconds'] * 1e3:.2f}", f"{r['predicted_seconds'] * 1e3:.2f}", f"{err:+.1%}")
-    console.print(t)
+        rows.append([r["batch"], r["context"], r["budget"] or ("dense" if fmt == "table" else None),
+                     r["seconds"] * 1e3, r["predicted_seconds"] * 1e3, err])
+    emit(("batch", "context", "budget", "measured_ms", "predicted_ms", "relative_error"), rows, fmt,
+         title="decode step: measured vs fitted")
 
 
 def print_coefficients(cost) -> None:

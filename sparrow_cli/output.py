@@ -3,6 +3,10 @@
 Every command that prints a table takes `--format table|csv|json|tsv`. Without it, stdout decides: a
 terminal gets the rich table, a pipe or a file gets TSV (every row, every character: greppable, and
 readable by `cut`, `sort` and DuckDB's read_csv). Data goes to stdout, messages to stderr.
+
+A stage's summary (rollout, profile, fit-cost, train) is data too: `emit_record` prints one record as a
+two-column rich table on a terminal, and as a header and one row (csv, tsv) or one JSON object elsewhere,
+with the same keys that scripts find in the artifact's metadata.
 """
 
 from __future__ import annotations
@@ -11,9 +15,10 @@ import csv
 import json
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import typer
+from rich.console import Console
 from rich.table import Table
 
 from .common import UsageError, out
@@ -49,16 +54,16 @@ def _text(v: object) -> str:
 
 
 def emit(columns: Sequence[str], rows: Sequence[Sequence[object]], fmt: str, title: str | None = None,
-         left: Sequence[str] = ()) -> None:
+         left: Sequence[str] = (), to: Console | None = None) -> None:
     """Print `rows` under `columns` in `fmt` (already resolved); numbers are right-aligned in tables
-    unless named in `left`."""
+    unless named in `left`. A rich table goes to `to` (default stdout; stderr when stdout is taken)."""
     if fmt == "table":
         t = Table(title=title)
         for c in columns:
             t.add_column(c, justify="left" if c in left else "right")
         for r in rows:
             t.add_row(*(_text(v) for v in r))
-        out.print(t)
+        (to or out).print(t)
     elif fmt == "json":
         sys.stdout.write(json.dumps([{c: _plain(v) for c, v in zip(columns, r)} for r in rows]) + "\n")
     elif fmt == "csv":
@@ -70,3 +75,17 @@ def emit(columns: Sequence[str], rows: Sequence[Sequence[object]], fmt: str, tit
         for r in rows:
             sys.stdout.write("\t".join(_text(v) for v in r) + "\n")
     sys.stdout.flush()
+
+
+def emit_record(record: Mapping[str, object], fmt: str, title: str | None = None,
+                labels: Mapping[str, str] | None = None) -> None:
+    """Print one record: a field/value rich table (fields shown by `labels` where given), else the
+    record's keys as the header of one row, or one JSON object."""
+    if fmt == "table":
+        labels = labels or {}
+        emit(("", "value"), [[labels.get(k, k), v] for k, v in record.items()], fmt, title=title, left=("",))
+    elif fmt == "json":
+        sys.stdout.write(json.dumps({k: _plain(v) for k, v in record.items()}) + "\n")
+        sys.stdout.flush()
+    else:
+        emit(list(record), [list(record.values())], fmt)

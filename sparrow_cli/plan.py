@@ -9,7 +9,6 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import typer
-from rich.table import Table
 
 from .common import UsageError, console, friendly_errors, out
 from .output import emit, format_option, resolve_format
@@ -239,14 +238,7 @@ def load_profile(name: str, profile: Path | None, quantile: float, bin_width: in
 
 def _show(columns, rows, fmt: str | None, title: str) -> None:
     """A table on stdout in `fmt`, or (fmt None: stdout is taken) as a rich table on stderr."""
-    if fmt is not None:
-        return emit(columns, rows, fmt, title=title)
-    t = Table(title=title)
-    for col in columns:
-        t.add_column(col, justify="right")
-    for r in rows:
-        t.add_row(*("" if v is None else str(v) for v in r))
-    console.print(t)
+    emit(columns, rows, fmt or "table", title=title, to=None if fmt is not None else console)
 
 
 def print_plan(result, sparse_s, dense_s, batch: int, fmt: str | None) -> None:

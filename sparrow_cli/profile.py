@@ -6,9 +6,10 @@ from pathlib import Path
 
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-from rich.table import Table
 
 from .common import UsageError, console, friendly_errors, parse_int_list
+from .output import emit, format_option, resolve_format
+from .rollout import check_vocab
 
 
 def load_prompt_tokens(path: Path, tokenizer) -> tuple[list[str], list[list[int]]]:
@@ -43,7 +44,8 @@ def check_context(path: Path, ids: list[str], tokens: list[list[int]], max_new: 
 @friendly_errors
 def profile(
     model: str = typer.Option("smollm2-135m", "--model", help="Preset, checkpoint dir or .gguf."),
-    prompts: Path = typer.Option(..., "--prompts", help="A prompts artifact (sparrow prompts)."),
+    prompts: Path = typer.Option(..., "--prompts", help="A prompts artifact (sparrow prompts), or any "
+                                 "Parquet or JSONL file with its columns (token ids or text)."),
     budgets: str = typer.Option("256,512,1024", "--budgets",
                                 help="Candidate budgets in tokens, multiples of the page size."),
     samples: int = typer.Option(4, "--samples", help="Trajectories per prompt."),
@@ -61,6 +63,7 @@ def profile(
     threshold: float = typer.Option(0.86, "--threshold", help="Tail threshold shown in the summary."),
     device: str = typer.Option("cpu", "--device"),
     output: Path = typer.Option(..., "-o", "--output", help="Where to write the mismatch artifact."),
+    format: str = format_option(),
 ) -> None:
     """Sample K trajectories per prompt, then score every generated token under dense attention
     and under each budget (teacher forced): one row per token per budget."""
@@ -69,6 +72,7 @@ def profile(
     from sparrow.stages.profile import ProfileOptions, run_profile, summarize
     from sparrow.stages.schedule import Schedule
 
+    fmt = resolve_format(format)
     opts = ProfileOptions(budgets=parse_int_list(budgets, "--budgets"), samples=samples,
                           max_new_tokens=max_new_tokens, sampler=sampler, bin_width=bin_width,
                           temperature=temperature, top_p=top_p, seed=seed, batch_size=batch_size)
@@ -83,6 +87,8 @@ def profile(
     cfg = resolve_config(model)
     loaded = load_model(model, device=device)
     ids, tokens = load_prompt_tokens(prompts, loaded.tokenizer)
+    check_vocab(prompts, [{"prompt_id": i, "prompt_token_ids": t} for i, t in zip(ids, tokens)],
+                cfg.vocab_size)
     check_context(prompts, ids, tokens, max_new_tokens, cfg.max_position_embeddings)
 
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -94,16 +100,17 @@ def profile(
                                                                   total=total))
     meta = opts.metadata() | {"model": loaded.name, "prompts": str(prompts)}
     write_artifact(table, output, "mismatch", metadata=meta)
-    print_summary(summarize(table, quantile, threshold), quantile, threshold)
     console.print(f"wrote {table.num_rows} rows ({table.num_rows // len(opts.budgets)} tokens x "
                   f"{len(opts.budgets)} budgets) to {output}")
+    print_summary(summarize(table, quantile, threshold), quantile, threshold, fmt)
 
 
-def print_summary(summary, quantile: float, threshold: float) -> None:
-    t = Table(title=f"alpha per bin and budget (tail = {quantile:g} quantile, threshold {threshold})")
-    for col in ("bin", "budget", "tokens", "mean alpha", "tail alpha", f">= {threshold}"):
-        t.add_column(col, justify="right")
-    for r in summary.to_pylist():
-        t.add_row(str(r["bin"]), str(r["budget"]), str(r["tokens"]), f"{r['mean_alpha']:.4f}",
-                  f"{r['tail_alpha']:.4f}", "[green]yes[/]" if r["above"] else "[red]no[/]")
-    console.print(t)
+def print_summary(summary, quantile: float, threshold: float, fmt: str) -> None:
+    """Mean and tail alpha per bin and budget, on stdout; `above` says whether the tail clears the
+    threshold."""
+    columns = ("bin", "budget", "tokens", "mean_alpha", "tail_alpha", "above")
+    rows = [[r["bin"], r["budget"], r["tokens"], r["mean_alpha"], r["tail_alpha"],
+             ("yes" if r["above"] else "no") if fmt == "table" else r["above"]]
+            for r in summary.to_pylist()]
+    emit(columns, rows, fmt, title=f"alpha per bin and budget (tail = {quantile:g} quantile, "
+                                   f"above = tail >= {threshold})")

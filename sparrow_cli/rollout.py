@@ -7,9 +7,15 @@ from pathlib import Path
 
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
 from .common import UsageError, console, friendly_errors
+from .output import emit_record, format_option, resolve_format
+
+SUMMARY_LABELS = {"tokens": "generated tokens", "seconds": "seconds (total)",
+                  "prefill_seconds": "  prefill seconds", "decode_seconds": "  decode seconds",
+                  "tokens_per_s": "tokens / s", "mean_budget": "mean budget (sparse tokens; empty = dense)",
+                  "dense_fraction": "dense tokens (fraction)", "stop_fraction": "stopped at EOS (fraction)",
+                  "reward_mean": "mean reward (empty = no scorer)"}
 
 
 def _sparsity(schedule: Path | None, budget: int | None, dense: bool, page_size: int):
@@ -57,10 +63,21 @@ def _prompt_rows(path: Path) -> list[dict]:
     return table.select(cols).to_pylist()
 
 
+def check_vocab(path: Path, rows: list[dict], vocab_size: int) -> None:
+    """Token ids from another tokenizer (a foreign prompts file) are refused before any weights load."""
+    for r in rows:
+        top = max(r["prompt_token_ids"], default=0)
+        if top >= vocab_size:
+            raise UsageError(f"{path}: prompt {r['prompt_id']!r} has token id {top} in column "
+                             f"'prompt_token_ids', but the model's vocabulary has {vocab_size} tokens "
+                             "(were the ids made with another tokenizer?)")
+
+
 @friendly_errors
 def rollout(
     model: str = typer.Option("smollm2-135m", "--model", help="Preset, checkpoint dir or .gguf."),
-    prompts: Path = typer.Option(..., "--prompts", help="A prompts artifact (sparrow prompts)."),
+    prompts: Path = typer.Option(..., "--prompts", help="A prompts artifact (sparrow prompts), or any "
+                                 "Parquet or JSONL file with its columns (token ids or text)."),
     schedule: Path = typer.Option(None, "--schedule", help="A schedule artifact (sparrow plan-schedule)."),
     budget: int = typer.Option(None, "--budget", help="A fixed budget in tokens (multiple of 16, "
                                "at least 48)."),
@@ -78,9 +95,12 @@ def rollout(
     eager: bool = typer.Option(False, "--eager", help="On cuda, run every decode step eagerly instead of "
                                "replaying CUDA graphs (for debugging; slower)."),
     output: Path = typer.Option(..., "-o", "--output", help="Where to write the rollouts artifact."),
+    format: str = format_option(),
 ) -> None:
     """Generate K samples per prompt with dense, fixed-budget or scheduled block top-k sparse attention:
-    tokens, sampled-token logprobs, the budget of every token, finish reason and the task's reward."""
+    tokens, sampled-token logprobs, the budget of every token, finish reason and the task's reward.
+    The summary (tokens/s, mean budget, reward) goes to stdout and into the artifact's metadata
+    ("summary")."""
     import torch
 
     from sparrow.schemas import write_artifact
@@ -88,6 +108,7 @@ def rollout(
     from sparrow.stages.model.loading import load_model, resolve_config
     from sparrow.stages.rollout import RolloutOptions, SamplingParams, load_lora, run_rollouts
 
+    fmt = resolve_format(format)
     sparsity = _sparsity(schedule, budget, dense, PAGE_SIZE)
     for flag, value in (("--samples", samples), ("--max-new-tokens", max_new_tokens),
                         ("--max-batch", max_batch)):
@@ -110,6 +131,7 @@ def rollout(
     context = cfg.max_position_embeddings
 
     def check(rows_with_ids: list[dict]) -> None:
+        check_vocab(prompts, rows_with_ids, cfg.vocab_size)
         longest = max(rows_with_ids, key=lambda r: len(r["prompt_token_ids"]))
         if len(longest["prompt_token_ids"]) + max_new_tokens > context:
             raise UsageError(
@@ -156,22 +178,7 @@ def rollout(
         "model": loaded.name, "prompts": str(prompts), "sparsity": mode, "samples": samples,
         "max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k,
         "seed": seed, "ignore_eos": ignore_eos, "page_size": PAGE_SIZE, "device": device,
-        "lora": str(lora) if lora else ""})
-    print_summary(summary, mode)
+        "lora": str(lora) if lora else "", "summary": summary.metadata()})
     console.print(f"wrote {table.num_rows} rollouts to {output}")
+    emit_record(summary.metadata(), fmt, title=f"rollouts ({mode})", labels=SUMMARY_LABELS)
 
-
-def print_summary(s, mode: str) -> None:
-    t = Table(title=f"rollouts ({mode})")
-    t.add_column("")
-    t.add_column("value", justify="right")
-    t.add_row("samples", str(s.samples))
-    t.add_row("generated tokens", str(s.tokens))
-    t.add_row("seconds (prefill + decode)", f"{s.seconds:.1f} ({s.prefill_seconds:.1f} + "
-              f"{s.decode_seconds:.1f})")
-    t.add_row("tokens / s", f"{s.tokens_per_s:,.1f}")
-    t.add_row("mean budget (sparse tokens)", "dense" if s.mean_budget is None else f"{s.mean_budget:.0f}")
-    t.add_row("dense tokens", f"{100 * s.dense_fraction:.1f}%")
-    t.add_row("stopped at EOS", f"{100 * s.stop_fraction:.1f}%")
-    t.add_row("mean reward", "n/a" if s.reward_mean is None else f"{s.reward_mean:.3f}")
-    console.print(t)

@@ -6,10 +6,19 @@ from pathlib import Path
 
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
 from .common import UsageError, console, friendly_errors
+from .output import emit_record, format_option, resolve_format
 from .rollout import _sparsity
+
+TRAIN_LABELS = {"reward_first": "reward, first step", "reward_last": "reward, last step",
+                "initial_eval_accuracy": "eval accuracy before training",
+                "final_eval_accuracy": "eval accuracy, last eval", "mean_mismatch_kl": "mismatch KL (mean)",
+                "mean_alpha_lb_p5": "alpha top-20 lower bound, p5 (mean over steps)",
+                "mean_masked_fraction": "masked tokens (mean fraction)",
+                "mean_vetoed_fraction": "vetoed tokens (mean fraction)",
+                "mean_rollout_seconds": "s per step: rollout", "mean_scoring_seconds": "s per step: scoring",
+                "mean_update_seconds": "s per step: update", "first_collapse_step": "first collapse step"}
 
 
 def _spec(schedule: Path | None, budget: int | None, dense: bool) -> str:
@@ -55,6 +64,7 @@ def train(
     resume: bool = typer.Option(False, "--resume", help="Continue the run in --output-dir from its "
                                 "checkpoint."),
     output_dir: Path = typer.Option(..., "-o", "--output-dir", help="The run directory."),
+    format: str = format_option(),
 ) -> None:
     """GRPO whose rollouts come from the sparse engine: rewards from the task's scorer, dense recompute of
     the sampled tokens, rollout correction, PPO-clipped update. Writes RUN/metrics.parquet,
@@ -65,6 +75,7 @@ def train(
     from sparrow.stages.model.loading import load_model
     from sparrow.stages.train import TrainConfig, Trainer, load_prompts
 
+    fmt = resolve_format(format)
     spec = _spec(schedule, budget, dense)
     for flag, path in (("--prompts", prompts), ("--eval-prompts", eval_prompts)):
         if path is not None and not path.exists():
@@ -116,31 +127,23 @@ def train(
             raise UsageError(str(e)) from None
         bar.update(task, completed=trainer.step)
         summary = trainer.run()
-    print_summary(trainer.history, summary, output_dir)
+    print_summary(trainer.history, summary, output_dir, fmt)
 
 
-def print_summary(history: list[dict], s: dict, run: Path) -> None:
-    def mean(key: str) -> float:
+def print_summary(history: list[dict], s: dict, run: Path, fmt: str) -> None:
+    """The run's summary as one record on stdout; the per-step numbers are in metrics.parquet."""
+
+    def mean(key: str) -> float | None:
         values = [r[key] for r in history if r.get(key) is not None]
-        return sum(values) / max(len(values), 1)
+        return sum(values) / len(values) if values else None
 
-    t = Table(title=f"sparrow train: {run}")
-    t.add_column("")
-    t.add_column("value", justify="right")
-    t.add_row("steps", str(s["steps"]))
-    t.add_row("reward (first -> last step)", f"{s['reward_first']:.3f} -> {s['reward_last']:.3f}")
-    if s["initial_eval_accuracy"] is not None:
-        final = s["final_eval_accuracy"]
-        t.add_row("eval accuracy (start -> last eval)",
-                  f"{s['initial_eval_accuracy']:.3f} -> {'n/a' if final is None else f'{final:.3f}'}")
-    t.add_row("mismatch KL (mean)", f"{mean('mismatch_kl'):.2e}")
-    t.add_row("alpha top-20 lower bound, p5 (mean over steps)", f"{mean('alpha_lb_p5'):.3f}")
-    t.add_row("masked / vetoed tokens", f"{mean('masked_fraction'):.3f} / {mean('vetoed_fraction'):.3f}")
-    t.add_row("s per step: rollout / scoring / update",
-              f"{mean('rollout_seconds'):.1f} / {mean('scoring_seconds'):.1f} / {mean('update_seconds'):.1f}")
-    t.add_row("label", s["label"] + (f" (from step {s['first_collapse_step']}: {'; '.join(s['reasons'])})"
-                                      if s["reasons"] else ""))
-    if s["adapter"]:
-        t.add_row("adapter", s["adapter"])
-    console.print(t)
+    record = {"steps": s["steps"], "reward_first": s["reward_first"], "reward_last": s["reward_last"],
+              "initial_eval_accuracy": s["initial_eval_accuracy"],
+              "final_eval_accuracy": s["final_eval_accuracy"],
+              **{f"mean_{k}": mean(k) for k in ("mismatch_kl", "alpha_lb_p5", "masked_fraction",
+                                                 "vetoed_fraction", "rollout_seconds", "scoring_seconds",
+                                                 "update_seconds")},
+              "label": s["label"], "first_collapse_step": s["first_collapse_step"],
+              "reasons": "; ".join(s["reasons"]), "adapter": s["adapter"] or None}
     console.print(f"metrics: {run / 'metrics.parquet'}; per-token mismatch: {run / 'mismatch'}/")
+    emit_record(record, fmt, title=f"sparrow train: {run}", labels=TRAIN_LABELS)

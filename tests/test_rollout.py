@@ -357,7 +357,8 @@ def test_cli_writes_rollouts(prompts_file, tmp_path):
         assert x["reward"] in (0.0, 1.0) and isinstance(x["text"], str)
     meta = artifact_metadata(out)
     assert meta["sparsity"] == "budget 48" and meta["samples"] == 2
-    assert "tokens / s" in r.stderr and "wrote 4 rollouts" in r.stderr
+    assert meta["summary"]["samples"] == 4 and meta["summary"]["tokens_per_s"] > 0
+    assert "wrote 4 rollouts" in r.stderr and "tokens_per_s" in r.stdout.splitlines()[0]
 
 
 def _schedule_file(path, page_size):

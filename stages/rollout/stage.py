@@ -51,6 +51,16 @@ class RolloutSummary:
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
+    def metadata(self) -> dict[str, float | int | None]:
+        """The summary as plain JSON values (None: not applicable), stored under "summary" in the
+        rollouts artifact's metadata so that scripts read what `sparrow rollout` printed."""
+        return {"samples": self.samples, "tokens": self.tokens, "seconds": round(self.seconds, 4),
+                "prefill_seconds": round(self.prefill_seconds, 4),
+                "decode_seconds": round(self.decode_seconds, 4),
+                "tokens_per_s": round(self.tokens_per_s, 3), "mean_budget": self.mean_budget,
+                "dense_fraction": self.dense_fraction, "stop_fraction": self.stop_fraction,
+                "reward_mean": self.reward_mean}
+
 
 def run_rollouts(loaded: LoadedModel, rows: Seq[dict], opts: RolloutOptions,
                  on_step: Callable[[int, int], None] | None = None) -> tuple[pa.Table, RolloutSummary]:
