@@ -90,7 +90,8 @@ def rollout(
     seed: int = typer.Option(0, "--seed"),
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Always generate --max-new-tokens."),
     max_batch: int = typer.Option(16, "--max-batch", help="Samples decoded together."),
-    lora: Path = typer.Option(None, "--lora", help="A peft LoRA adapter directory for the sparse actor."),
+    lora: Path = typer.Option(None, "--adapter", "--lora", help="A peft LoRA adapter directory (e.g. "
+                              "`sparrow train`'s RUN/adapter), merged into the weights."),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda (bf16, Triton kernels, CUDA graphs)."),
     eager: bool = typer.Option(False, "--eager", help="On cuda, run every decode step eagerly instead of "
                                "replaying CUDA graphs (for debugging; slower)."),

@@ -320,6 +320,10 @@ def test_cli_train_and_resume(tiny_llama, vowel_prompts, tmp_path):
     more = CliRunner().invoke(app, [*args[:-2], "--steps", "3", "--resume", "-o", str(run)])
     assert more.exit_code == 0, more.output
     assert len(read_artifact(run / "metrics.parquet", "metrics")) == 3
+    rolled = CliRunner().invoke(app, ["rollout", "--model", tiny_llama[0], "--prompts", str(vowel_prompts),
+                                      "--adapter", str(run / "adapter"), "--max-new-tokens", "3",
+                                      "-o", str(tmp_path / "r.parquet")])
+    assert rolled.exit_code == 0, rolled.output
 
 
 def test_sql_sees_every_step_of_a_run_as_one_view(tiny_llama, vowel_prompts, tmp_path):
