@@ -201,25 +201,34 @@ def training_figure(run: Path, out: Path, plt) -> Figure | None:
 
 
 def train_mismatch_figure(run: Path, out: Path, plt) -> Figure | None:
+    """Per position bin, over training: the per-step summaries are in the training figure already."""
     import duckdb
 
     files = sorted((run / "mismatch").glob("step=*.parquet"))
     if not files:
         return None
     paths = ", ".join(f"'{p}'" for p in files)
-    rows = duckdb.sql(f"""SELECT step, avg(log_ratio) AS lr, avg(k3) AS k3,
-                          quantile_cont(alpha_top20_lb, 0.05) AS p5 FROM read_parquet([{paths}])
-                          GROUP BY step ORDER BY step""").fetchall()
+    rows = duckdb.sql(f"""SELECT step, bin, quantile_cont(alpha_top20_lb, 0.05) AS p5, avg(k3) AS k3
+                          FROM read_parquet([{paths}]) GROUP BY ALL ORDER BY ALL""").fetchall()
+    width = int(artifact_metadata(files[0]).get("bin_width", 512))
+    steps = sorted({r[0] for r in rows})
+    colors = plt.cm.viridis(np.linspace(0, 1, len(steps)))
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
-    axes[0].plot([r[0] for r in rows], [r[2] for r in rows], marker="o", ms=3)
-    axes[0].set_title("mean k3 per step (rollout vs dense learner)", fontsize=10)
-    axes[1].plot([r[0] for r in rows], [r[3] for r in rows], marker="o", ms=3)
-    axes[1].set_title("p5 of alpha's top-20 lower bound per step", fontsize=10)
+    for step, color in zip(steps, colors):
+        part = [r for r in rows if r[0] == step]
+        x = [(r[1] + 0.5) * width for r in part]
+        label = f"step {step}" if step in (steps[0], steps[-1]) else None
+        axes[0].plot(x, [r[2] for r in part], marker="o", ms=3, color=color, label=label)
+        axes[1].plot(x, [r[3] for r in part], marker="o", ms=3, color=color, label=label)
+    axes[0].set_title("p5 of alpha's top-20 lower bound per bin", fontsize=10)
+    axes[1].set_title("mean k3 per bin (rollout vs dense learner)", fontsize=10)
     for ax in axes:
-        ax.set_xlabel("step")
+        ax.set_xlabel("position (cache length when the token was produced)")
         ax.grid(alpha=0.3)
-    return _save(fig, out, f"train-mismatch-{run.name}.png", f"Per-token mismatch of {run.name}",
-                 f"From {len(files)} files {run.name}/mismatch/step=N.parquet.", plt, len(rows))
+    axes[1].legend(fontsize=8)
+    return _save(fig, out, f"train-mismatch-{run.name}.png", f"Mismatch per position bin over {run.name}",
+                 f"From {len(files)} files {run.name}/mismatch/step=N.parquet, bins of {width} tokens; "
+                 "colour runs from the first step (dark) to the last (light).", plt, len(rows))
 
 
 def _save(fig, out: Path, name: str, title: str, caption: str, plt, points: int) -> Figure:

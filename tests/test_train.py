@@ -251,7 +251,7 @@ def test_dense_sampler_ratios_are_one_and_corrections_no_ops(tiny_llama, vowel_p
     trainer = Trainer(_config(tiny_llama[0], steps=1), loaded, rows, tmp_path / "run")
     batch = trainer._batch(0)
     flat = [c for group in trainer._rollout(batch, 0) for c in group]
-    old = trainer._score(batch, flat)
+    old = trainer._score(flat)
     log_ratio = old["logp"] - old["logp_rollout"]
     assert log_ratio[old["mask"]].abs().max() < 1e-5
     for mode in CORRECTIONS:

@@ -66,6 +66,11 @@ class LossConfig:
         return self
 
 
+def k3(d: Tensor) -> Tensor:
+    """The k3 estimator exp(d) - 1 - d (>= 0) of a KL from the log ratio d of the two policies."""
+    return d.exp() - 1 - d
+
+
 def group_advantages(rewards: Tensor, cfg: LossConfig) -> Tensor:
     """rewards [P, K] -> advantages [P, K]."""
     centred = rewards - rewards.mean(1, keepdim=True)
@@ -127,8 +132,7 @@ def policy_loss(logp_new: Tensor, logp_old: Tensor, advantages: Tensor, weights:
     token = pg * weights
     kl = torch.zeros_like(token)
     if ref_logp is not None and cfg.kl_coef > 0:
-        d = ref_logp - logp_new
-        kl = d.exp() - 1 - d
+        kl = k3(ref_logp - logp_new)
         token = token + cfg.kl_coef * kl
     zero = torch.zeros((), dtype=token.dtype, device=token.device)
     loss = torch.where(mask, token, zero).sum() / norm

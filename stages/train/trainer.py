@@ -52,7 +52,7 @@ from ..schedule import Schedule
 from ..tasks import TASKS, score
 from . import objective as grpo
 from .adapter import add_lora, load_lora_state, lora_state, save_adapter
-from .policy import completion_logprobs
+from .policy import completion_logprobs, completion_mask
 
 TOP_LOGPROBS = 20
 
@@ -160,6 +160,12 @@ def repetition(tokens: Sequence[int], n: int = 4) -> bool:
     return len(set(grams)) < 0.5 * len(grams)
 
 
+def _pad_rows(rows: Sequence[Sequence[float]], fill=0.0, dtype=torch.float32) -> torch.Tensor:
+    """Ragged rows -> [N, longest] right-padded with `fill`."""
+    width = max(len(r) for r in rows)
+    return torch.tensor([list(r) + [fill] * (width - len(r)) for r in rows], dtype=dtype)
+
+
 @contextmanager
 def adapters_disabled(model: torch.nn.Module):
     """The base model: every injected LoRA switched off inside the block."""
@@ -190,6 +196,7 @@ class Trainer:
         self.run_id = self.run_dir.name
         self.history: list[dict] = []
         self.step = 0
+        self.initial_eval: float | None = None
         self._check_run_dir(resume)
         torch.manual_seed(config.seed)
         self.reference = None
@@ -231,11 +238,13 @@ class Trainer:
     def _batch(self, step: int) -> list[PromptRow]:
         """Prompts of a step: epoch e visits the prompts in the order of permutation(seed, e)."""
         n, p = len(self.prompts), self.cfg.prompts_per_step
+        orders: dict[int, np.ndarray] = {}
         out = []
         for k in range(step * p, (step + 1) * p):
             epoch, i = divmod(k, n)
-            order = np.random.default_rng([self.cfg.seed, epoch]).permutation(n)
-            out.append(self.prompts[int(order[i])])
+            if epoch not in orders:
+                orders[epoch] = np.random.default_rng([self.cfg.seed, epoch]).permutation(n)
+            out.append(self.prompts[int(orders[epoch][i])])
         return out
 
     # ------------------------------------------------------------------ one step
@@ -269,13 +278,13 @@ class Trainer:
 
         t1 = time.perf_counter()
         self.on_phase("scoring")
-        old = self._score(batch, flat)
+        old = self._score(flat)
         t_score = time.perf_counter() - t1
 
         t2 = time.perf_counter()
         self.on_phase("update")
         correction = grpo.rollout_correction(old["logp"] - old["logp_rollout"], old["mask"], self.loss_cfg)
-        update = self._update(batch, flat, advantages, old, correction)
+        update = self._update(flat, advantages, old, correction)
         t_update = time.perf_counter() - t2
 
         self.step = step + 1
@@ -283,6 +292,7 @@ class Trainer:
         if self.eval_prompts and self.step % cfg.eval_every == 0:
             row["eval_accuracy"] = self.evaluate()
         self.history.append(row)
+        # the reasons that hold for the run so far; the run's label is those of its last step
         row["collapse"] = "; ".join(collapse_reasons(pa.Table.from_pylist(self.history))) or None
         self._write_mismatch(step, batch, flat, old, correction)
         self._write_metrics()
@@ -294,16 +304,10 @@ class Trainer:
                                 seed=cfg.seed * 1_000_003 + step, logprobs=TOP_LOGPROBS)
         self.model.eval()
         engine = Engine(self.model, self.sparsity, max_batch=len(batch) * cfg.samples)
-        out = engine.generate([r.token_ids for r in batch], params)
-        self.rollout_stats = engine.stats
-        return out
-
-    def _padded(self, rows: Sequence[Sequence[float]], fill=0.0, dtype=torch.float32) -> torch.Tensor:
-        width = max(len(r) for r in rows)
-        return torch.tensor([list(r) + [fill] * (width - len(r)) for r in rows], dtype=dtype)
+        return engine.generate([r.token_ids for r in batch], params)
 
     @torch.no_grad()
-    def _score(self, batch: list[PromptRow], flat) -> dict:
+    def _score(self, flat) -> dict:
         """Dense old logprobs (+ reference, + top-20 dense probabilities) of every sampled token."""
         prompts = [c.prompt_token_ids for c in flat]
         comps = [c.token_ids for c in flat]
@@ -311,9 +315,10 @@ class Trainer:
         top_ids = torch.zeros(len(flat), width, TOP_LOGPROBS, dtype=torch.long)
         top_lp = torch.full((len(flat), width, TOP_LOGPROBS), float("-inf"))
         for i, c in enumerate(flat):
-            for j, pairs in enumerate(c.top_logprobs or []):
-                top_ids[i, j] = torch.tensor([t for t, _ in pairs])
-                top_lp[i, j] = torch.tensor([lp for _, lp in pairs])
+            if c.top_logprobs:
+                pairs = torch.tensor(c.top_logprobs, dtype=torch.float64)  # [T, 20, (id, logp)]
+                top_ids[i, : len(pairs)] = pairs[..., 0].long()
+                top_lp[i, : len(pairs)] = pairs[..., 1].float()
         logp, entropy, dense_top, ref = [], [], [], []
         mb = self.cfg.micro_batch
         for s in range(0, len(flat), mb):
@@ -326,11 +331,11 @@ class Trainer:
         pad = lambda parts: torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in parts])
         dense_top_all = torch.cat([torch.nn.functional.pad(p, (0, 0, 0, width - p.shape[1]))
                                    for p in dense_top])
-        mask = self._padded([[1] * len(c) for c in comps], 0, torch.bool)
+        mask = completion_mask([len(c) for c in comps], "cpu")
         alpha_lb = torch.minimum(dense_top_all.exp(), top_lp.exp()).sum(-1).clamp(max=1.0)
         return {"logp": pad(logp), "entropy": pad(entropy), "mask": mask,
-                "logp_rollout": self._padded([c.logprobs for c in flat]),
-                "budgets": self._padded([c.budgets for c in flat], 0, torch.int32),
+                "logp_rollout": _pad_rows([c.logprobs for c in flat]),
+                "budgets": _pad_rows([c.budgets for c in flat], 0, torch.int32),
                 "alpha_lb": torch.where(mask, alpha_lb, 0.0),
                 "ref": pad(ref) if ref else None}
 
@@ -340,7 +345,7 @@ class Trainer:
         with adapters_disabled(self.model):
             return completion_logprobs(self.model, prompts, comps, self.cfg.temperature).logp
 
-    def _update(self, batch, flat, advantages: torch.Tensor, old: dict, correction) -> dict:
+    def _update(self, flat, advantages: torch.Tensor, old: dict, correction) -> dict:
         """PPO epochs over micro-batches; the loss is the token mean over the whole batch."""
         cfg = self.cfg
         prompts = [c.prompt_token_ids for c in flat]
@@ -377,8 +382,7 @@ class Trainer:
     def _metrics(self, step: int, flat, rewards: np.ndarray, old: dict, correction, update: dict,
                  seconds: tuple[float, float, float]) -> dict:
         mask = old["mask"]
-        d = (old["logp"] - old["logp_rollout"])[mask]
-        k3 = (d.exp() - 1 - d)
+        mismatch = grpo.k3((old["logp"] - old["logp_rollout"])[mask])
         alpha = old["alpha_lb"][mask]
         budgets = old["budgets"][mask].float()
         generated = sum(len(c.token_ids) for c in flat)
@@ -389,7 +393,7 @@ class Trainer:
             "eval_accuracy": None, "loss": update.get("loss"), "policy_loss": update.get("policy_loss"),
             "kl": update.get("kl"), "clip_fraction": update.get("clip_fraction"),
             "grad_norm": update["grad_norm"], "entropy": float(old["entropy"][mask].mean()),
-            "mismatch_kl": float(k3.mean()), "masked_fraction": correction.stats["masked_fraction"],
+            "mismatch_kl": float(mismatch.mean()), "masked_fraction": correction.stats["masked_fraction"],
             "vetoed_fraction": correction.stats["vetoed_fraction"],
             "alpha_lb_mean": float(alpha.mean()), "alpha_lb_p5": float(torch.quantile(alpha, 0.05)),
             "mean_budget": float(budgets.mean()),
@@ -407,9 +411,7 @@ class Trainer:
         prompt_ids = [batch[i // self.cfg.samples].prompt_id for i in range(len(flat))]
         prompt_len = torch.tensor([len(c.prompt_token_ids) for c in flat])
         position = prompt_len[seq] + pos_in  # cache length when the token was produced
-        lr_ = (old["logp_rollout"] - old["logp"])[seq, pos_in]
-        d = -lr_
-        vetoed = correction.vetoed[seq]
+        log_ratio = (old["logp_rollout"] - old["logp"])[seq, pos_in]
         table = {
             "step": [step] * len(seq), "prompt_id": [prompt_ids[i] for i in seq.tolist()],
             "sample": [samples[i] for i in seq.tolist()], "position": position.tolist(),
@@ -418,17 +420,18 @@ class Trainer:
             "token_id": [flat[i].token_ids[j] for i, j in zip(seq.tolist(), pos_in.tolist())],
             "logp_rollout": old["logp_rollout"][seq, pos_in].tolist(),
             "logp_dense": old["logp"][seq, pos_in].clamp(max=0).tolist(),
-            "log_ratio": lr_.tolist(), "k3": (d.exp() - 1 - d).clamp(min=0).tolist(),
+            "log_ratio": log_ratio.tolist(), "k3": grpo.k3(-log_ratio).clamp(min=0).tolist(),
             "alpha_top20_lb": old["alpha_lb"][seq, pos_in].clamp(0, 1).tolist(),
             "weight": correction.weights[seq, pos_in].tolist(),
-            "masked": (~correction.mask[seq, pos_in]).tolist(), "vetoed": vetoed.tolist(),
+            "masked": (~correction.mask[seq, pos_in]).tolist(), "vetoed": correction.vetoed[seq].tolist(),
         }
         write_artifact(table, self.run_dir / "mismatch" / f"step={step:05d}.parquet", "train_mismatch",
                        metadata={"bin_width": self.cfg.bin_width, "sparsity": self.cfg.sparsity})
 
     def label(self) -> dict:
         """stable | collapsed, the reasons over the whole run, and the first step any reason held."""
-        reasons = collapse_reasons(pa.Table.from_pylist(self.history)) if self.history else []
+        last = self.history[-1].get("collapse") if self.history else None
+        reasons = last.split("; ") if last else []
         first = next((r["step"] for r in self.history if r.get("collapse")), None)
         return {"label": "collapsed" if reasons else "stable", "reasons": reasons,
                 "first_collapse_step": first if reasons else None}
@@ -437,7 +440,7 @@ class Trainer:
         label = self.label()
         meta = {"config": json.dumps(asdict(self.cfg)), "label": label["label"],
                 "reasons": "; ".join(label["reasons"]), "first_collapse_step": label["first_collapse_step"],
-                "initial_eval_accuracy": getattr(self, "initial_eval", None)}
+                "initial_eval_accuracy": self.initial_eval}
         meta = {k: v for k, v in meta.items() if v is not None}
         write_artifact(self.history, self.run_dir / "metrics.parquet", "metrics", metadata=meta)
 
@@ -460,7 +463,7 @@ class Trainer:
         out = {"steps": len(h), **self.label(),
                "reward_first": h[0]["reward_mean"] if h else None,
                "reward_last": h[-1]["reward_mean"] if h else None,
-               "initial_eval_accuracy": getattr(self, "initial_eval", None),
+               "initial_eval_accuracy": self.initial_eval,
                "final_eval_accuracy": next((r["eval_accuracy"] for r in reversed(h)
                                            if r.get("eval_accuracy") is not None), None),
                "seconds": sum(r["seconds"] for r in h), "adapter": None}
@@ -498,7 +501,7 @@ class Trainer:
             torch.save({"step": self.step, "weights": self._trainable_state(),
                         "optimizer": self.optimizer.state_dict(), "torch_rng": torch.get_rng_state(),
                         "numpy_rng": np.random.get_state(), "python_rng": random.getstate(),
-                        "history": self.history, "initial_eval": getattr(self, "initial_eval", None)},
+                        "history": self.history, "initial_eval": self.initial_eval},
                        tmp / "state.pt")
             (tmp / "config.json").write_text(json.dumps(asdict(self.cfg), indent=2))
             old = self.checkpoint_dir.with_name(f".checkpoint.old.{uuid.uuid4().hex[:8]}")
@@ -521,8 +524,7 @@ class Trainer:
         np.random.set_state(state["numpy_rng"])
         random.setstate(state["python_rng"])
         self.step, self.history = state["step"], state["history"]
-        if state["initial_eval"] is not None:
-            self.initial_eval = state["initial_eval"]
+        self.initial_eval = state["initial_eval"]
         for f in (self.run_dir / "mismatch").glob("step=*.parquet"):  # steps after the checkpoint
             if int(f.stem.split("=")[1]) >= self.step:
                 f.unlink()
