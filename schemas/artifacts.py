@@ -325,8 +325,9 @@ SCHEMAS: dict[str, ArtifactSpec] = {s.kind: s for s in (
           Col("repetition_rate", F64, nullable=True, range=UNIT),
           *(Col(n, F64, nullable=True) for n in ("response_length", "lr", "seconds")),
           *(Col(n, F64, nullable=True, range=UNIT)
-            for n in ("accuracy", "eval_accuracy", "clip_fraction", "masked_fraction", "vetoed_fraction",
-                      "alpha_lb_mean", "alpha_lb_p5")),
+            for n in ("accuracy", "eval_accuracy", "clip_fraction", "clip_fraction_low", "clip_fraction_high",
+                      "dual_clip_fraction", "masked_fraction", "vetoed_fraction", "alpha_lb_mean",
+                      "alpha_lb_p5")),
           *(Col(n, F64, nullable=True)
             for n in ("policy_loss", "kl", "mean_budget", "rollout_seconds", "scoring_seconds",
                       "update_seconds", "tokens_per_second")),

@@ -51,6 +51,8 @@ def train(
     correction: str = typer.Option("tis", "--correction",
                                    help="none | tis | mis | veto | sparse-rl (stages/train/objective.py)."),
     kl_coef: float = typer.Option(0.0, "--kl-coef", help="k3 KL to the initial policy."),
+    loss_agg: str = typer.Option("token-mean", "--loss-agg", help="token-mean (over the batch's tokens) | "
+                                 "seq-mean-token-mean (per sequence, then over sequences)."),
     seed: int = typer.Option(0, "--seed"),
     micro_batch: int = typer.Option(8, "--micro-batch", help="Sequences per forward/backward."),
     ppo_epochs: int = typer.Option(1, "--ppo-epochs"),
@@ -85,7 +87,8 @@ def train(
                       lora_rank=0 if full else lora_rank, lora_alpha=lora_alpha, correction=correction,
                       kl_coef=kl_coef, seed=seed, micro_batch=micro_batch, ppo_epochs=ppo_epochs,
                       checkpoint_every=checkpoint_every, eval_every=eval_every, bin_width=bin_width,
-                      sparsity=spec, device=device, random_weights=random_weights)
+                      sparsity=spec, device=device, random_weights=random_weights,
+                      loss={} if loss_agg == "token-mean" else {"loss_agg": loss_agg})
     try:
         cfg.validate()
     except ValueError as e:

@@ -56,6 +56,8 @@ VALID: dict[str, dict[str, list]] = {
         "mismatch_kl": [1e-3, 2e-3], "truncation_rate": [0.0, 0.5], "repetition_rate": [0.0, 1.0],
         "response_length": [100.0, 120.0], "lr": [1e-6, 1e-6], "seconds": [3.0, 3.1],
         "accuracy": [0.0, 0.25], "eval_accuracy": [0.1, None], "clip_fraction": [0.0, 0.01],
+        "clip_fraction_low": [0.0, 0.004], "clip_fraction_high": [0.0, 0.006],
+        "dual_clip_fraction": [0.0, 0.0],
         "masked_fraction": [0.0, 0.02], "vetoed_fraction": [0.0, 0.1], "alpha_lb_mean": [0.9, 0.8],
         "alpha_lb_p5": [0.5, 0.4], "policy_loss": [0.1, -0.1], "kl": [0.0, 0.01], "mean_budget": [0.0, 512.0],
         "rollout_seconds": [2.0, 2.1], "scoring_seconds": [0.5, 0.5], "update_seconds": [0.5, 0.5],

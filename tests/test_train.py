@@ -54,7 +54,12 @@ def reference_loss(logp_new, logp_old, log_ratio, adv, mask, cfg: LossConfig, re
         kept = [w[i][j] for i in range(n) for j in range(t) if keep[i][j]]
         mean = sum(kept) / len(kept)
         w = [[x / mean for x in row] for row in w]
-    total, count = 0.0, sum(keep[i][j] for i in range(n) for j in range(t))
+    kept = [sum(keep[i]) for i in range(n)]
+    if cfg.loss_agg == "seq-mean-token-mean":  # each sequence's token mean, then the mean over sequences
+        share = [[1.0 / (kept[i] * sum(k > 0 for k in kept)) if kept[i] else 0.0] * t for i in range(n)]
+    else:
+        share = [[1.0 / sum(kept)] * t for _ in range(n)]
+    total = 0.0
     for i in range(n):
         for j in range(t):
             if not keep[i][j]:
@@ -68,8 +73,8 @@ def reference_loss(logp_new, logp_old, log_ratio, adv, mask, cfg: LossConfig, re
             if ref is not None:
                 d = ref[i][j] - logp_new[i][j]
                 term += cfg.kl_coef * (math.exp(d) - 1 - d)
-            total += term
-    return total / count
+            total += term * share[i][j]
+    return total
 
 
 def _batch(seed=0, n=6, t=7):
@@ -87,9 +92,10 @@ def _batch(seed=0, n=6, t=7):
 
 @pytest.mark.parametrize("correction", CORRECTIONS)
 @pytest.mark.parametrize("kl", [0.0, 0.1])
-def test_loss_and_gradient_match_float64_reference(correction, kl):
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_loss_and_gradient_match_float64_reference(correction, kl, agg):
     logp_new, logp_old, log_ratio, adv, mask, ref = _batch()
-    cfg = LossConfig(correction=correction, kl_coef=kl).validate()
+    cfg = LossConfig(correction=correction, kl_coef=kl, loss_agg=agg).validate()
     corr = rollout_correction(log_ratio, mask, cfg)
     x = logp_new.clone().requires_grad_(True)
     loss, _ = policy_loss(x, logp_old, adv, corr.weights, corr.mask, cfg, ref_logp=ref if kl else None)
@@ -109,6 +115,23 @@ def test_loss_and_gradient_match_float64_reference(correction, kl):
                    - reference_loss(as_list(minus), as_list(logp_old), as_list(log_ratio), as_list(adv),
                                     as_list(mask), cfg, as_list(ref) if kl else None)) / (2 * h)
         assert abs(float(x.grad[i, j]) - numeric) < 1e-6, (i, j)
+
+
+def test_clip_statistics_count_each_bound():
+    """Token-mean clip fractions against a count by hand: the low bound cuts negative advantages whose
+    ratio fell below 1 - clip_low, the high bound positive ones above 1 + clip_high, the dual clip
+    negative advantages whose loss exceeds dual_clip x |A|."""
+    cfg = LossConfig(correction="none")
+    ratio = torch.tensor([[0.5, 0.9, 1.5, 4.0], [0.5, 0.9, 1.5, 4.0]], dtype=torch.float64)
+    adv = torch.tensor([1.0, -1.0], dtype=torch.float64)
+    mask = torch.ones(2, 4, dtype=torch.bool)
+    _, stats = policy_loss(ratio.log(), torch.zeros_like(ratio), adv, torch.ones_like(ratio), mask, cfg)
+    # positive advantage: 1.5 and 4.0 exceed 1.28 (high); negative: 0.5 is below 0.8 (low), 4.0 hits
+    # the dual clip (4 > 3)
+    assert stats["clip_fraction_high"] == pytest.approx(2 / 8)
+    assert stats["clip_fraction_low"] == pytest.approx(1 / 8)
+    assert stats["clip_fraction"] == pytest.approx(3 / 8)
+    assert stats["dual_clip_fraction"] == pytest.approx(1 / 8)
 
 
 def test_veto_drops_exactly_the_sequences_with_a_tiny_ratio():
@@ -135,7 +158,8 @@ def test_group_advantages_against_numpy():
 
 @pytest.mark.parametrize("bad,message", [(dict(correction="nope"), "--correction must be one of"),
                                          (dict(clip_low=0.0), "clip bounds"),
-                                         (dict(dual_clip=1.0), "dual clip")])
+                                         (dict(dual_clip=1.0), "dual clip"),
+                                         (dict(loss_agg="sum"), "--loss-agg must be one of")])
 def test_loss_config_rejects_bad_values(bad, message):
     with pytest.raises(ValueError, match=message):
         LossConfig(**bad).validate()
@@ -199,6 +223,40 @@ TIMING = {"run_id", "seconds", "rollout_seconds", "scoring_seconds", "update_sec
 def _metrics(run):
     return [{k: v for k, v in r.items() if k not in TIMING}
             for r in read_artifact(run / "metrics.parquet", "metrics").to_pylist()]
+
+
+def test_shared_prompt_scoring_matches_transformers_logprobs_and_gradient(tiny_llama):
+    """Groups of completions sharing a prompt (prompts of different lengths, completions of 1..9
+    tokens): the logprobs, and the gradient of their sum, equal those of transformers run on each
+    prompt + completion as one sequence."""
+    from sparrow.stages.model.llama import hf_to_ours
+    from sparrow.stages.train.policy import completion_logprobs
+
+    path, hf = tiny_llama
+    ours = load_model(path).model
+    g = torch.Generator().manual_seed(0)
+    prompts, comps = [], []
+    for i, n in enumerate((37, 52, 5)):
+        prompt = torch.randint(0, 1000, (n,), generator=g).tolist()
+        for k in range(3):
+            prompts.append(prompt)
+            comps.append(torch.randint(0, 1000, (1 + (4 * i + 3 * k) % 9,), generator=g).tolist())
+    got = completion_logprobs(ours, prompts, comps, temperature=0.7)
+    got.logp.sum().backward()
+    hf.zero_grad()
+    want_sum = 0.0
+    for b, (p, c) in enumerate(zip(prompts, comps)):
+        logits = hf(torch.tensor([p + c])).logits[0, len(p) - 1 : -1].float() / 0.7
+        want = torch.log_softmax(logits, -1).gather(-1, torch.tensor(c)[:, None]).squeeze(-1)
+        assert (got.logp[b, : len(c)] - want).abs().max() < 1e-5
+        assert (got.logp[b, len(c):] == 0).all() and got.mask[b].sum() == len(c)
+        want_sum = want_sum + want.sum()
+    want_sum.backward()
+    grads = {hf_to_ours(k): p.grad for k, p in hf.named_parameters()}
+    for name, p in ours.named_parameters():
+        scale = grads[name].abs().max().clamp(min=1e-6)
+        assert (p.grad - grads[name]).abs().max() / scale < 1e-4, name
+    hf.zero_grad()
 
 
 def test_resume_after_a_crash_is_bit_exact(tiny_llama, vowel_prompts, tmp_path):

@@ -15,8 +15,14 @@ Design decisions, with the conventions they follow:
   over the batch's kept tokens.
 - Loss per token: PPO's clipped surrogate on ratio = exp(logp_new - logp_old), separate bounds
   [1 - 0.2, 1 + 0.28] (DAPO's clip-higher), dual clip at 3 for negative advantages, times the
-  correction weight, plus kl_coef x k3(ref || new); the batch loss is the sum over kept tokens divided
-  by `normalizer` (the batch's kept-token count: token mean over micro-batches).
+  correction weight, plus kl_coef x k3(ref || new).
+- Aggregation (verl's loss_agg_mode names): `token-mean` (default, DAPO's) sums over the batch's kept
+  tokens and divides by their count, so long completions weigh more; `seq-mean-token-mean` (the GRPO
+  paper's) averages each sequence's kept tokens, then the sequences that kept any. Either way the
+  batch-wide denominator is `loss_normalizer`, so micro-batches add up to the batch's loss.
+- Clip statistics: `clip_fraction_low` / `clip_fraction_high` are the kept tokens whose ratio was cut at
+  1 - clip_low (negative advantage) / 1 + clip_high (positive advantage), `dual_clip_fraction` those
+  held at the dual-clip bound; `clip_fraction` is the first two together.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import torch
 from torch import Tensor
 
 CORRECTIONS = ("none", "tis", "mis", "veto", "sparse-rl")
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean")
 
 
 @dataclass
@@ -44,10 +51,13 @@ class LossConfig:
     sparse_rl_high: float = 1.5
     scale_std: bool = True
     eps: float = 1e-4
+    loss_agg: str = "token-mean"
 
     def validate(self) -> LossConfig:
         if self.correction not in CORRECTIONS:
             raise ValueError(f"--correction must be one of {', '.join(CORRECTIONS)}, got {self.correction!r}")
+        if self.loss_agg not in AGGREGATIONS:
+            raise ValueError(f"--loss-agg must be one of {', '.join(AGGREGATIONS)}, got {self.loss_agg!r}")
         if not (0 < self.clip_low < 1 and self.clip_high > 0):
             raise ValueError(f"the clip bounds must satisfy 0 < clip_low < 1 and clip_high > 0, got "
                              f"{self.clip_low} and {self.clip_high}")
@@ -116,29 +126,43 @@ def rollout_correction(log_ratio: Tensor, mask: Tensor, cfg: LossConfig) -> Corr
     return Correction(weights, keep, vetoed, stats)
 
 
+def loss_normalizer(keep: Tensor, cfg: LossConfig) -> int:
+    """The batch-wide denominator of the loss: kept tokens, or sequences that kept any (`keep` [N, T])."""
+    count = keep.any(1).sum() if cfg.loss_agg == "seq-mean-token-mean" else keep.sum()
+    return max(int(count), 1)
+
+
 def policy_loss(logp_new: Tensor, logp_old: Tensor, advantages: Tensor, weights: Tensor, mask: Tensor,
                 cfg: LossConfig, ref_logp: Tensor | None = None, normalizer: int | None = None
                 ) -> tuple[Tensor, dict[str, float]]:
     """The clipped, corrected GRPO loss of one (micro-)batch: [N, T] logprobs, advantages [N].
-    Returns (loss, stats); every stat is this batch's share of a token mean over `normalizer` tokens,
-    so the stats of micro-batches add up to the batch's."""
-    norm = float(normalizer if normalizer is not None else max(int(mask.sum()), 1))
+    Returns (loss, stats); every stat is this batch's share of the batch-wide aggregate over
+    `normalizer` (default: this batch's own `loss_normalizer`), so the stats of micro-batches add up to
+    the batch's."""
+    norm = float(normalizer if normalizer is not None else loss_normalizer(mask, cfg))
+    scale = torch.full_like(logp_new, 1.0 / norm)  # [N, T] each kept token's share of the aggregate
+    if cfg.loss_agg == "seq-mean-token-mean":
+        scale = scale / mask.sum(1, keepdim=True).clamp(min=1).to(scale.dtype)
+    scale = torch.where(mask, scale, 0.0)
     adv = advantages[:, None].to(logp_new.dtype)
     ratio = (logp_new - logp_old).exp()
     unclipped = -adv * ratio
     clipped = -adv * ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high)
     pg = torch.maximum(unclipped, clipped)
-    pg = torch.where(adv < 0, torch.minimum(pg, -adv * cfg.dual_clip), pg)
+    dual = (adv < 0) & (pg > -adv * cfg.dual_clip)
+    pg = torch.where(dual, -adv * cfg.dual_clip, pg)
     token = pg * weights
     kl = torch.zeros_like(token)
     if ref_logp is not None and cfg.kl_coef > 0:
         kl = k3(ref_logp - logp_new)
         token = token + cfg.kl_coef * kl
-    zero = torch.zeros((), dtype=token.dtype, device=token.device)
-    loss = torch.where(mask, token, zero).sum() / norm
+    loss = (token * scale).sum()
     with torch.no_grad():
-        stats = {"loss": float(loss),
-                 "policy_loss": float(torch.where(mask, pg * weights, zero).sum() / norm),
-                 "kl": float(torch.where(mask, kl, zero).sum() / norm),
-                 "clip_fraction": float(((clipped > unclipped) & mask).sum() / norm)}
+        share = lambda x: float((x * scale).sum())
+        cut = clipped > unclipped
+        stats = {"loss": float(loss), "policy_loss": share(pg * weights), "kl": share(kl),
+                 "clip_fraction": share(cut.to(scale.dtype)),
+                 "clip_fraction_low": share((cut & (ratio < 1)).to(scale.dtype)),
+                 "clip_fraction_high": share((cut & (ratio > 1)).to(scale.dtype)),
+                 "dual_clip_fraction": share(dual.to(scale.dtype))}
     return loss, stats

@@ -351,7 +351,7 @@ class Trainer:
         prompts = [c.prompt_token_ids for c in flat]
         comps = [c.token_ids for c in flat]
         keep = correction.mask & old["mask"]
-        n_tokens = max(int(keep.sum()), 1)
+        normalizer = grpo.loss_normalizer(keep, self.loss_cfg)
         self.model.train()
         stats: dict[str, float] = {}
         grad_norm = 0.0
@@ -366,7 +366,7 @@ class Trainer:
                 loss, part = grpo.policy_loss(
                     new.logp, old["logp"][sl, :t].to(dev), advantages[sl].to(dev),
                     correction.weights[sl, :t].to(dev), keep[sl, :t].to(dev), self.loss_cfg, ref_logp=ref,
-                    normalizer=n_tokens)
+                    normalizer=normalizer)
                 loss.backward()
                 for k, v in part.items():
                     sums[k] = sums.get(k, 0.0) + float(v)
@@ -391,7 +391,9 @@ class Trainer:
             "run_id": self.run_id, "step": step, "reward_mean": float(rewards.mean()),
             "reward_std": float(rewards.std()), "accuracy": float((rewards >= 1.0 - 1e-9).mean()),
             "eval_accuracy": None, "loss": update.get("loss"), "policy_loss": update.get("policy_loss"),
-            "kl": update.get("kl"), "clip_fraction": update.get("clip_fraction"),
+            "kl": update.get("kl"),
+            **{k: update.get(k) for k in ("clip_fraction", "clip_fraction_low", "clip_fraction_high",
+                                          "dual_clip_fraction")},
             "grad_norm": update["grad_norm"], "entropy": float(old["entropy"][mask].mean()),
             "mismatch_kl": float(mismatch.mean()), "masked_fraction": correction.stats["masked_fraction"],
             "vetoed_fraction": correction.stats["vetoed_fraction"],
