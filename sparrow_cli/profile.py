@@ -1,15 +1,27 @@
-"""`sparrow profile`: per-token sparse-to-dense mismatch of a model on a prompt set."""
+"""`sparrow profile`: per-token sparse-to-dense mismatch of a model on a prompt set or on given rollouts."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeRemainingColumn,
+)
 
 from .common import UsageError, console, friendly_errors, parse_int_list
 from .output import emit, format_option, resolve_format
 from .rollout import check_vocab
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 
 def load_prompt_tokens(path: Path, tokenizer) -> tuple[list[str], list[list[int]]]:
@@ -41,11 +53,21 @@ def check_context(path: Path, ids: list[str], tokens: list[list[int]], max_new: 
             f"--max-new-tokens {max_new} exceeds the model's context of {context}")
 
 
+SAMPLING_FLAGS = {"samples": "--samples", "max_new_tokens": "--max-new-tokens", "sampler": "--sampler",
+                  "top_p": "--top-p", "seed": "--seed", "batch_size": "--batch-size"}
+PHASES = {"sampling": "sampling (samples)", "scoring": "scoring (sequences)"}
+
+
 @friendly_errors
 def profile(
+    ctx: typer.Context,
     model: str = typer.Option("smollm2-135m", "--model", help="Preset, checkpoint dir or .gguf."),
-    prompts: Path = typer.Option(..., "--prompts", help="A prompts artifact (sparrow prompts), or any "
-                                 "Parquet or JSONL file with its columns (token ids or text)."),
+    prompts: Path = typer.Option(None, "--prompts", help="A prompts artifact (sparrow prompts), or any "
+                                 "Parquet or JSONL file with its columns (token ids or text): sample "
+                                 "trajectories of these prompts with the engine."),
+    rollouts: Path = typer.Option(None, "--rollouts", help="A rollouts artifact (sparrow rollout), or any "
+                                  "Parquet file from another sampler with columns prompt_id, token_ids and "
+                                  "prompt_token_ids (or prompt text): score these trajectories instead."),
     budgets: str = typer.Option("256,512,1024", "--budgets",
                                 help="Candidate budgets in tokens, multiples of the page size."),
     samples: int = typer.Option(4, "--samples", help="Trajectories per prompt."),
@@ -54,55 +76,106 @@ def profile(
                                 help="How trajectories are sampled: dense, budget:B or schedule:FILE."),
     bin_width: int = typer.Option(512, "--bin-width", help="Position bin width in tokens "
                                   "(the embedded model's 8K context wants 512; Qwen3 runs use 2000)."),
-    temperature: float = typer.Option(1.0, "--temperature", help="Sampling temperature (0 = greedy); "
-                                      "alpha is measured at this temperature (1 when greedy)."),
+    temperature: float = typer.Option(None, "--temperature", help="Sampling temperature (0 = greedy; "
+                                      "default 1, or what a --rollouts artifact records); alpha is "
+                                      "measured at this temperature (1 when greedy)."),
     top_p: float = typer.Option(1.0, "--top-p"),
-    seed: int = typer.Option(0, "--seed"),
-    batch_size: int = typer.Option(8, "--batch-size", help="Sequences sampled together."),
+    seed: int = typer.Option(0, "--seed", help="Each sample draws from its own generator seeded from "
+                             "(seed, prompt, sample): the same trajectories as sparrow rollout --seed."),
+    batch_size: int = typer.Option(8, "--batch-size", help="Samples decoded together (does not change "
+                                   "the trajectories)."),
     quantile: float = typer.Option(0.05, "--quantile", help="Tail quantile shown in the summary."),
     threshold: float = typer.Option(0.86, "--threshold", help="Tail threshold shown in the summary."),
     device: str = typer.Option("cpu", "--device"),
     output: Path = typer.Option(..., "-o", "--output", help="Where to write the mismatch artifact."),
     format: str = format_option(),
 ) -> None:
-    """Sample K trajectories per prompt, then score every generated token under dense attention
-    and under each budget (teacher forced): one row per token per budget."""
+    """Sample K trajectories per prompt with the rollout engine (or take them from --rollouts), then
+    score every generated token under dense attention and under each budget (teacher forced): one row
+    per token per budget."""
     from sparrow.schemas import write_artifact
     from sparrow.stages.model.loading import load_model, resolve_config
-    from sparrow.stages.profile import ProfileOptions, run_profile, summarize
+    from sparrow.stages.profile import ProfileOptions, profile_trajectories, run_profile, summarize
     from sparrow.stages.schedule import Schedule
+    from sparrow.stages.trajectories import read_rollouts
 
     fmt = resolve_format(format)
+    if (prompts is None) == (rollouts is None):
+        raise UsageError("give one of --prompts (sample trajectories with the engine) and --rollouts "
+                         "(score trajectories sampled before)" + (", not both" if prompts else ""))
     opts = ProfileOptions(budgets=parse_int_list(budgets, "--budgets"), samples=samples,
                           max_new_tokens=max_new_tokens, sampler=sampler, bin_width=bin_width,
-                          temperature=temperature, top_p=top_p, seed=seed, batch_size=batch_size)
+                          temperature=1.0 if temperature is None else temperature, top_p=top_p, seed=seed,
+                          batch_size=batch_size)
     try:
         opts.validate()
     except ValueError as e:
         raise UsageError(str(e)) from None
-    if sampler.startswith("schedule:"):
-        opts.schedule = Schedule.from_artifact(sampler.split(":", 1)[1])
-    if not prompts.exists():
-        raise UsageError(f"{prompts}: no such prompts file")
     cfg = resolve_config(model)
-    loaded = load_model(model, device=device)
-    ids, tokens = load_prompt_tokens(prompts, loaded.tokenizer)
-    check_vocab(prompts, [{"prompt_id": i, "prompt_token_ids": t} for i, t in zip(ids, tokens)],
-                cfg.vocab_size)
-    check_context(prompts, ids, tokens, max_new_tokens, cfg.max_position_embeddings)
-
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TimeRemainingColumn(), console=console, transient=True) as bar:
-        tasks = {"sampling": bar.add_task("sampling (decode steps)", total=None),
-                 "scoring": bar.add_task("scoring (sequences)", total=None)}
-        table = run_profile(loaded, ids, tokens, opts,
-                            lambda phase, done, total: bar.update(tasks[phase], completed=done,
-                                                                  total=total))
-    meta = opts.metadata() | {"model": loaded.name, "prompts": str(prompts)}
-    write_artifact(table, output, "mismatch", metadata=meta)
+    if rollouts is not None:
+        refuse_sampling_flags(ctx, rollouts)
+        given = read_rollouts(rollouts)
+        opts.temperature = rollouts_temperature(rollouts, given.temperature, temperature)
+        trajectories = None if given.needs_tokenizer else given.trajectories(
+            None, cfg.vocab_size, cfg.max_position_embeddings)  # checked before any weights load
+        loaded = load_model(model, device=device)
+        if trajectories is None:
+            trajectories = given.trajectories(loaded.tokenizer, cfg.vocab_size, cfg.max_position_embeddings)
+        if given.temperature is None and temperature is None:
+            console.print(f"{rollouts} records no sampling temperature; alpha is measured at temperature 1 "
+                          "(--temperature sets another)")
+        meta = opts.metadata(sampled=False) | {"rollouts": str(rollouts)} | (
+            {"sampler": given.sampler} if given.sampler else {})
+        table = with_progress(lambda progress: profile_trajectories(loaded, trajectories, opts, progress))
+    else:
+        if sampler.startswith("schedule:"):
+            opts.schedule = Schedule.from_artifact(sampler.split(":", 1)[1])
+        if not prompts.exists():
+            raise UsageError(f"{prompts}: no such prompts file")
+        loaded = load_model(model, device=device)
+        ids, tokens = load_prompt_tokens(prompts, loaded.tokenizer)
+        check_vocab(prompts, [{"prompt_id": i, "prompt_token_ids": t} for i, t in zip(ids, tokens)],
+                    cfg.vocab_size)
+        check_context(prompts, ids, tokens, max_new_tokens, cfg.max_position_embeddings)
+        meta = opts.metadata() | {"prompts": str(prompts)}
+        table = with_progress(lambda progress: run_profile(loaded, ids, tokens, opts, progress))
+    write_artifact(table, output, "mismatch", metadata=meta | {"model": loaded.name})
     console.print(f"wrote {table.num_rows} rows ({table.num_rows // len(opts.budgets)} tokens x "
                   f"{len(opts.budgets)} budgets) to {output}")
     print_summary(summarize(table, quantile, threshold), quantile, threshold, fmt)
+
+
+def refuse_sampling_flags(ctx: typer.Context, rollouts: Path) -> None:
+    """Sampling options do nothing to trajectories that are given: refuse them rather than ignore them."""
+    for name, flag in SAMPLING_FLAGS.items():
+        source = ctx.get_parameter_source(name)  # typer vendors click: compare by name, not by enum class
+        if source is not None and source.name in ("COMMANDLINE", "ENVIRONMENT"):
+            raise UsageError(f"{flag} applies only when sampling from --prompts; the trajectories of "
+                             f"--rollouts {rollouts} are already sampled")
+
+
+def rollouts_temperature(path: Path, recorded: float | None, given: float | None) -> float:
+    """Alpha is measured at the sampling temperature: the one the artifact records, else --temperature,
+    else 1."""
+    if recorded is not None and given is not None and given != recorded:
+        raise UsageError(f"{path} was sampled at temperature {recorded:g} (its metadata), but "
+                         f"--temperature {given:g} was given; leave --temperature out to measure alpha at "
+                         "the sampling temperature")
+    return recorded if recorded is not None else 1.0 if given is None else given
+
+
+def with_progress(run: Callable[[Callable[[str, int, int], None]], pa.Table]) -> pa.Table:
+    """Run a profile with one progress bar per phase (sampling, scoring) on stderr."""
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeRemainingColumn(), console=console, transient=True) as bar:
+        tasks: dict[str, TaskID] = {}
+
+        def update(phase: str, done: int, total: int) -> None:
+            if phase not in tasks:
+                tasks[phase] = bar.add_task(PHASES[phase], total=total)
+            bar.update(tasks[phase], completed=done, total=total)
+
+        return run(update)
 
 
 def print_summary(summary, quantile: float, threshold: float, fmt: str) -> None:

@@ -1,4 +1,9 @@
-"""Reference generator: batched, KV-cached, plain torch. Correctness first, not speed.
+"""Reference generator: batched, KV-cached, plain torch. Correctness first, not speed. A test oracle.
+
+Every stage samples through the rollout engine (`stages.rollout`); this loop stays as the independent
+reference the engine and teacher-forced scoring are tested against (`sample` is the sparse sampler of
+tests/test_mismatch.py). Its trajectories depend on how sequences are batched (one generator per
+batch), the engine's do not.
 
 Sequences of different prompt lengths share one batch: prompts are right-padded, every sequence
 writes its tokens to its own cache slots (slot = position), and padded slots are overwritten by the
@@ -16,7 +21,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from .attention import DEFAULT_DENSE_LAYERS, PAGE_SIZE, SparseAttention
+from .mismatch import BudgetFn, pad_right
 from .model.llama import Attention, DenseAttention, KVCache, Transformer
+
+__all__ = ["Generation", "generate", "sample", "sample_next", "sparse_step_attention"]
 
 
 @dataclass
@@ -42,14 +51,6 @@ def sample_next(logits: Tensor, temperature: float, top_p: float,
             probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
         token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
     return token, logp.gather(-1, token[:, None]).squeeze(-1)
-
-
-def pad_right(rows: Sequence[Sequence[int]], device) -> Tensor:
-    """Token-id rows -> [B, max len] long tensor, right-padded with 0."""
-    out = torch.zeros(len(rows), max(len(r) for r in rows), dtype=torch.long, device=device)
-    for i, r in enumerate(rows):
-        out[i, : len(r)] = torch.as_tensor(list(r), device=device)
-    return out
 
 
 @torch.inference_mode()
@@ -93,3 +94,22 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], max_new_token
         last = model(token[:, None], cache, attention=attention)[:, -1]
         cache.lengths = cache.lengths + 1
     return outs
+
+
+def sparse_step_attention(budget_at: BudgetFn, dense_layers: Sequence[int] = DEFAULT_DENSE_LAYERS,
+                          page: int = PAGE_SIZE) -> Callable[[Tensor], Attention]:
+    """For the generator: the attention of a decode step whose queries sit at `lengths`."""
+    def pick(lengths: Tensor) -> Attention:
+        budgets = torch.tensor([budget_at(int(n) + 1) for n in lengths], device=lengths.device)
+        return SparseAttention(budgets, dense_layers, page)
+    return pick
+
+
+def sample(model: Transformer, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+           temperature: float, top_p: float, seed: int, budget_at: BudgetFn | None,
+           eos_ids: Sequence[int] = (), dense_layers: Sequence[int] = DEFAULT_DENSE_LAYERS,
+           page: int = PAGE_SIZE, on_step: Callable[[int], None] | None = None) -> list[Generation]:
+    """`generate` with the sparse attention of `budget_at` at every decode step (None: dense)."""
+    step_attention = sparse_step_attention(budget_at, dense_layers, page) if budget_at else None
+    return generate(model, prompts, max_new_tokens, temperature, top_p, seed, eos_ids,
+                    attention_for_step=step_attention, on_step=on_step)

@@ -1,4 +1,4 @@
-"""Per-token sparse-to-dense mismatch by teacher forcing, and the samplers that produce the tokens.
+"""Per-token sparse-to-dense mismatch by teacher forcing.
 
 A batch of sequences is scored by one dense prefill of the prompts (prefill is dense in every mode),
 then one pass over the completions per attention mode (dense, and each budget) on top of the shared
@@ -6,6 +6,8 @@ prompt KV; in a sparse pass every generated position selects its own pages from 
 `attention.SparseAttention`), which reproduces incremental sparse decoding exactly. The
 vocabulary-sized work (softmax, alpha, entropy) runs over chunks of positions so memory stays
 bounded for 8K-token sequences. Alpha and the logprobs use the sampling temperature (1 for greedy).
+The tokens come from elsewhere: the rollout engine (`stages.rollout`) or any other sampler; the
+reference generator `stages.generate` is a test oracle only.
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ import torch
 from torch import Tensor
 
 from .attention import DEFAULT_DENSE_LAYERS, PAGE_SIZE, SparseAttention
-from .generate import Generation, generate, pad_right
 from .model.llama import Attention, KVCache, Transformer
 from .schedule import Schedule
 
@@ -34,13 +35,12 @@ def decode_budgets(positions: Tensor, prompt_lens: Tensor, budget_at: BudgetFn |
     return torch.where(positions >= prompt_lens[:, None], table[positions + 1], 0)
 
 
-def sparse_step_attention(budget_at: BudgetFn, dense_layers: Sequence[int] = DEFAULT_DENSE_LAYERS,
-                          page: int = PAGE_SIZE) -> Callable[[Tensor], Attention]:
-    """For the generator: the attention of a decode step whose queries sit at `lengths`."""
-    def pick(lengths: Tensor) -> Attention:
-        budgets = torch.tensor([budget_at(int(n) + 1) for n in lengths], device=lengths.device)
-        return SparseAttention(budgets, dense_layers, page)
-    return pick
+def pad_right(rows: Sequence[Sequence[int]], device) -> Tensor:
+    """Token-id rows -> [B, max len] long tensor, right-padded with 0."""
+    out = torch.zeros(len(rows), max(len(r) for r in rows), dtype=torch.long, device=device)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = torch.as_tensor(list(r), device=device)
+    return out
 
 
 def make_budget_fn(sampler: str | Schedule | int | None) -> BudgetFn | None:
@@ -51,15 +51,6 @@ def make_budget_fn(sampler: str | Schedule | int | None) -> BudgetFn | None:
         return sampler.budget_at
     budget = int(sampler.split(":", 1)[1]) if isinstance(sampler, str) else int(sampler)
     return lambda _: budget
-
-
-def sample(model: Transformer, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-           temperature: float, top_p: float, seed: int, budget_at: BudgetFn | None,
-           eos_ids: Sequence[int] = (), dense_layers: Sequence[int] = DEFAULT_DENSE_LAYERS,
-           page: int = PAGE_SIZE, on_step=None) -> list[Generation]:
-    step_attention = sparse_step_attention(budget_at, dense_layers, page) if budget_at else None
-    return generate(model, prompts, max_new_tokens, temperature, top_p, seed, eos_ids,
-                    attention_for_step=step_attention, on_step=on_step)
 
 
 @dataclass

@@ -1,8 +1,14 @@
-"""`profile`: sample trajectories, then measure the per-token sparse-to-dense mismatch.
+"""`profile`: sample trajectories, or take them from a rollouts file, then measure the per-token
+sparse-to-dense mismatch.
 
 Sampling and scoring are separate on purpose: the trajectories come from whichever sampler the user
 names (dense, a fixed budget or a schedule, as the rollouts of a run would), and every generated
 token is then scored under dense attention and under each candidate budget by teacher forcing.
+There is one sampler, the rollout engine (`stages.rollout.Engine`): each sample draws from its own
+generator seeded from (seed, prompt, sample), so the trajectories do not depend on --batch-size, and
+`run_profile` over a prompt set gives the same rows as `profile_trajectories` over the `sparrow
+rollout` artifact of the same prompts, seed, sampler and temperature. `profile_trajectories` scores
+trajectories of any sampler (`stages.trajectories` reads them from a file).
 The output is long and narrow (one row per token per budget) so DuckDB answers "5th percentile of
 alpha per bin per budget" with one GROUP BY; `summarize` is exactly that query.
 """
@@ -19,11 +25,14 @@ import pyarrow as pa
 
 from .attention import DEFAULT_DENSE_LAYERS, PAGE_SIZE, validate_budget
 from .calibrate import PRIOR_THRESHOLD
-from .mismatch import make_budget_fn, sample, score_sequences
+from .mismatch import score_sequences
 from .model.loading import LoadedModel
+from .rollout import Engine, SamplingParams
 from .schedule import Schedule
+from .trajectories import Trajectory
 
 Progress = Callable[[str, int, int], None]  # (phase, done, total)
+SAMPLING = ("samples", "max_new_tokens", "sampler", "top_p", "seed", "batch_size")
 
 
 @dataclass
@@ -36,7 +45,7 @@ class ProfileOptions:
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int = 0
-    batch_size: int = 8
+    batch_size: int = 8  # samples decoded together (the engine's max_batch)
     score_tokens: int = 16384  # tokens per teacher-forced scoring batch
     dense_layers: tuple[int, ...] = DEFAULT_DENSE_LAYERS
     page_size: int = PAGE_SIZE
@@ -62,8 +71,18 @@ class ProfileOptions:
         elif self.sampler != "dense" and not self.sampler.startswith("schedule:"):
             raise ValueError(f"--sampler must be dense, budget:B or schedule:FILE, got {self.sampler!r}")
 
-    def metadata(self) -> dict:
-        d = {k: v for k, v in asdict(self).items() if k != "schedule"}
+    def sparsity(self) -> Schedule | str:
+        """The engine's sparsity spec: 'dense', 'budget:B' or the loaded schedule."""
+        if not self.sampler.startswith("schedule:"):
+            return self.sampler
+        if self.schedule is None:
+            raise ValueError(f"--sampler {self.sampler}: ProfileOptions.schedule is not loaded")
+        return self.schedule
+
+    def metadata(self, sampled: bool = True) -> dict:
+        """The options as artifact metadata; without `sampled` (given trajectories) the sampling
+        options, which did not apply, are left out."""
+        d = {k: v for k, v in asdict(self).items() if k != "schedule" and (sampled or k not in SAMPLING)}
         d["budgets"] = json.dumps(self.budgets)
         d["dense_layers"] = json.dumps(list(self.dense_layers))
         return d
@@ -71,31 +90,45 @@ class ProfileOptions:
 
 def run_profile(model: LoadedModel, prompt_ids: Sequence[str], prompts: Sequence[list[int]],
                 opts: ProfileOptions, progress: Progress | None = None) -> pa.Table:
-    """Sample `opts.samples` trajectories per prompt and score each token under each budget."""
+    """Sample `opts.samples` trajectories per prompt through the engine; score each token under each
+    budget."""
     opts.validate()
-    sampler = opts.schedule if opts.sampler.startswith("schedule:") else opts.sampler
-    budget_at = make_budget_fn(sampler)
-    jobs = [(pid, k, p) for pid, p in zip(prompt_ids, prompts) for k in range(opts.samples)]
-    eos = model.config.eos_token_ids
-    completions: list[list[int]] = []
-    total_steps = -(-len(jobs) // opts.batch_size) * opts.max_new_tokens
-    for bi, start in enumerate(range(0, len(jobs), opts.batch_size)):
-        batch = jobs[start:start + opts.batch_size]
-        done_before = bi * opts.max_new_tokens
-        tick = (lambda s, d=done_before: progress("sampling", d + s + 1, total_steps)) if progress else None
-        gens = sample(model.model, [p for _, _, p in batch], opts.max_new_tokens, opts.temperature,
-                      opts.top_p, opts.seed + bi, budget_at, eos, opts.dense_layers,
-                      opts.page_size, on_step=tick)
-        completions += [g.tokens for g in gens]
-        if progress:
-            progress("sampling", done_before + opts.max_new_tokens, total_steps)
-    order = sorted(range(len(jobs)), key=lambda i: len(jobs[i][2]) + len(completions[i]))
+    trajectories = sample_trajectories(model, prompt_ids, prompts, opts, progress)
+    return profile_trajectories(model, trajectories, opts, progress)
+
+
+def sample_trajectories(model: LoadedModel, prompt_ids: Sequence[str], prompts: Sequence[list[int]],
+                        opts: ProfileOptions, progress: Progress | None = None) -> list[Trajectory]:
+    """The engine's samples under `opts.sampler`, in prompt order then sample order."""
+    engine = Engine(model.model, opts.sparsity(), max_batch=opts.batch_size, page_size=opts.page_size,
+                    dense_layers=opts.dense_layers)
+    params = SamplingParams(max_new_tokens=opts.max_new_tokens, temperature=opts.temperature,
+                            top_p=opts.top_p, seed=opts.seed, n=opts.samples)
+    total, done = len(prompts) * opts.samples, 0
+
+    def on_step(_new_tokens: int, finished: int) -> None:
+        nonlocal done
+        done += finished
+        progress("sampling", done, total)
+
+    results = engine.generate(prompts, params, on_step if progress else None)
+    return [Trajectory(pid, c.sample, list(p), c.token_ids)
+            for pid, p, completions in zip(prompt_ids, prompts, results) for c in completions]
+
+
+def profile_trajectories(model: LoadedModel, trajectories: Sequence[Trajectory], opts: ProfileOptions,
+                         progress: Progress | None = None) -> pa.Table:
+    """Score every generated token of the given trajectories (any sampler's) under dense attention and
+    each of `opts.budgets`, teacher forced, at `opts.temperature`."""
+    opts.validate()
+    jobs = [t for t in trajectories if t.completion]
+    lengths = [len(t.prompt) + len(t.completion) for t in jobs]
+    order = sorted(range(len(jobs)), key=lambda i: lengths[i])
     columns: dict[str, list[np.ndarray]] = {}
     done = 0
-    for group in _batches_by_tokens(order, [len(j[2]) + len(c) for j, c in zip(jobs, completions)],
-                                    opts.score_tokens):
-        scored = score_sequences(model.model, [jobs[i][2] for i in group],
-                                 [completions[i] for i in group], opts.budgets, opts.temperature,
+    for group in _batches_by_tokens(order, lengths, opts.score_tokens):
+        scored = score_sequences(model.model, [jobs[i].prompt for i in group],
+                                 [jobs[i].completion for i in group], opts.budgets, opts.temperature,
                                  opts.dense_layers, opts.page_size)
         for budget in opts.budgets:
             alpha, logp_sparse = scored.sparse[budget]
@@ -117,12 +150,13 @@ def _batches_by_tokens(order: list[int], lengths: list[int], max_tokens: int) ->
     return groups + ([current] if current else [])
 
 
-def _append_rows(columns, jobs, scored, budget, alpha, logp_sparse, bin_width) -> None:
+def _append_rows(columns: dict[str, list[np.ndarray]], jobs: list[Trajectory], scored, budget: int,
+                 alpha: np.ndarray, logp_sparse: np.ndarray, bin_width: int) -> None:
     log_ratio = scored.logp_dense - logp_sparse  # log r, r = p_dense / p_sparse
     n = len(alpha)
     parts = {
-        "prompt_id": np.array([j[0] for j in jobs], dtype=object),
-        "sample": np.array([j[1] for j in jobs], dtype=np.int32),
+        "prompt_id": np.array([j.prompt_id for j in jobs], dtype=object),
+        "sample": np.array([j.sample for j in jobs], dtype=np.int32),
         "position": scored.position.astype(np.int32),
         "bin": (scored.position // bin_width).astype(np.int32),
         "budget": np.full(n, budget, dtype=np.int32),

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from sparrow.stages.mismatch import make_budget_fn, sample, score_sequences
+from sparrow.stages.generate import sample
+from sparrow.stages.mismatch import make_budget_fn, score_sequences
 from sparrow.stages.model.loading import load_model
 from sparrow.stages.schedule import Schedule
 

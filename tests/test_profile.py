@@ -1,12 +1,16 @@
-"""`sparrow profile` end to end on SmolLM2, checked against numpy, DuckDB and the invariants."""
+"""`sparrow profile` end to end on SmolLM2, checked against numpy, DuckDB and the invariants; and on a
+tiny model, profiling a rollouts artifact (ours, or DuckDB's) against profiling that samples itself."""
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
 
 from sparrow.cli.app import app
 from sparrow.schemas import artifact_metadata, read_artifact, write_artifact
-from sparrow.stages.profile import summarize
+from sparrow.stages.model.loading import load_model
+from sparrow.stages.profile import ProfileOptions, run_profile, sample_trajectories, summarize
 
 runner = CliRunner()
 
@@ -103,3 +107,182 @@ def test_wrong_kind_and_empty_prompts(profiled, tmp_path):
                     "metadata": []}, empty, "prompts")
     r = runner.invoke(app, ["profile", "--prompts", str(empty), "-o", str(tmp_path / "m.parquet")])
     assert r.exit_code != 0 and "empty" in r.output
+
+
+# ------------------------------------------- one sampler: the engine; profiling given rollouts (issue 11.3)
+
+TINY_ROLLOUT = ["--samples", "2", "--max-new-tokens", "32", "--temperature", "0.8", "--seed", "3"]
+TINY_OPTS = dict(samples=2, max_new_tokens=32, temperature=0.8, seed=3, sampler="budget:48")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A 3-layer Qwen3 checkpoint without a tokenizer: layer 2 is sparse beside the dense layers 0-1."""
+    import torch
+    import transformers
+
+    cfg = transformers.Qwen3Config(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                                   head_dim=16, num_attention_heads=4, num_key_value_heads=2,
+                                   tie_word_embeddings=True, max_position_embeddings=512, rope_theta=5000.0)
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.2)
+    path = tmp_path_factory.mktemp("tiny-profile")
+    hf.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_prompts(tmp_path_factory):
+    rng = np.random.default_rng(1)
+    rows = [{"prompt_id": f"t{i}", "task": "test", "prompt": None, "answer": None, "metadata": None,
+             "prompt_token_ids": rng.integers(3, 300, n).tolist()} for i, n in enumerate((70, 130))]
+    return write_artifact(rows, tmp_path_factory.mktemp("tiny-prompts") / "prompts.parquet", "prompts")
+
+
+@pytest.fixture(scope="module")
+def engine_rollouts(tiny, tiny_prompts, tmp_path_factory):
+    """`sparrow rollout` at budget 48, then `sparrow profile --rollouts` over its artifact."""
+    folder = tmp_path_factory.mktemp("tiny-rollouts")
+    rollouts, mismatch = folder / "rollouts.parquet", folder / "mismatch.parquet"
+    r = runner.invoke(app, ["rollout", "--model", str(tiny), "--prompts", str(tiny_prompts), "--budget", "48",
+                            *TINY_ROLLOUT, "--max-batch", "3", "-o", str(rollouts)])
+    assert r.exit_code == 0, r.output
+    r = runner.invoke(app, ["profile", "--model", str(tiny), "--rollouts", str(rollouts),
+                            "--budgets", "48,64", "-o", str(mismatch)])
+    assert r.exit_code == 0, r.output
+    return rollouts, mismatch
+
+
+def _tiny_prompt_tokens(tiny_prompts):
+    rows = read_artifact(tiny_prompts, "prompts").to_pylist()
+    return [r["prompt_id"] for r in rows], [r["prompt_token_ids"] for r in rows]
+
+
+def _sorted(table):
+    return table.to_pandas().sort_values(["prompt_id", "sample", "budget", "position"]).reset_index(drop=True)
+
+
+def test_profile_of_engine_rollouts_equals_profile_sampling_itself(tiny, tiny_prompts, engine_rollouts):
+    rollouts, mismatch = engine_rollouts
+    given = _sorted(read_artifact(mismatch, "mismatch"))
+    ids, tokens = _tiny_prompt_tokens(tiny_prompts)
+    opts = ProfileOptions(budgets=[48, 64], batch_size=2, **TINY_OPTS)
+    sampled = _sorted(run_profile(load_model(str(tiny)), ids, tokens, opts))
+    keys = ["prompt_id", "sample", "budget", "position", "token_id"]
+    assert given[keys].equals(sampled[keys])
+    for col in ("alpha", "logp_dense", "logp_sparse", "entropy_dense"):
+        assert np.abs(given[col] - sampled[col]).max() <= 1e-5, col
+    assert given.alpha.min() < 0.999  # layer 2's sparsity changed something
+    # the rollout's own logprobs are the teacher-forced ones under its budget
+    rows = read_artifact(rollouts, "rollouts").to_pylist()
+    logp = np.concatenate([r["logprobs"] for r in sorted(rows, key=lambda r: (r["prompt_id"], r["sample"]))])
+    assert np.abs(given[given.budget == 48].logp_sparse.to_numpy() - logp).max() <= 1e-4
+    meta = artifact_metadata(mismatch)
+    assert meta["temperature"] == 0.8 and meta["sampler"] == "budget:48" and meta["rollouts"] == str(rollouts)
+    assert "seed" not in meta and "samples" not in meta  # sampling options did not apply
+
+
+def test_trajectories_do_not_depend_on_batch_size(tiny, tiny_prompts):
+    loaded = load_model(str(tiny))
+    ids, tokens = _tiny_prompt_tokens(tiny_prompts)
+    opts = TINY_OPTS | {"max_new_tokens": 16}
+    runs = [sample_trajectories(loaded, ids, tokens, ProfileOptions(budgets=[48], batch_size=b, **opts))
+            for b in (1, 3)]
+    assert runs[0] == runs[1]
+    assert [(t.prompt_id, t.sample) for t in runs[0]] == [("t0", 0), ("t0", 1), ("t1", 0), ("t1", 1)]
+    other = sample_trajectories(loaded, ids, tokens, ProfileOptions(budgets=[48], **(opts | {"seed": 4})))
+    assert [t.completion for t in other] != [t.completion for t in runs[0]]
+
+
+def test_duckdb_written_rollouts_are_profiled(tiny, engine_rollouts, tmp_path):
+    """Only the needed columns, BIGINT ids, no `sample` (numbered per prompt) and a column of its own."""
+    import duckdb
+
+    rollouts, mismatch = engine_rollouts
+    duck = tmp_path / "duck.parquet"
+    duckdb.sql(f"COPY (SELECT prompt_id, prompt_token_ids::BIGINT[] AS prompt_token_ids, "
+               f"token_ids::BIGINT[] AS token_ids, 'vllm' AS engine FROM read_parquet('{rollouts}') "
+               f"ORDER BY prompt_id, sample) TO '{duck}' (FORMAT parquet)")
+    out = tmp_path / "m.parquet"
+    r = runner.invoke(app, ["profile", "--model", str(tiny), "--rollouts", str(duck), "--budgets", "48,64",
+                            "--temperature", "0.8", "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    ours, theirs = _sorted(read_artifact(mismatch, "mismatch")), _sorted(read_artifact(out, "mismatch"))
+    assert ours.drop(columns="alpha").equals(theirs.drop(columns="alpha"))
+    assert np.abs(ours.alpha - theirs.alpha).max() <= 1e-6
+    assert "sampler" not in artifact_metadata(out)
+
+
+def _write_bad_rollouts(rollouts, change: str, path) -> None:
+    """Token ids that do not fit the model in a Sparrow artifact; missing columns in a foreign file."""
+    t = read_artifact(rollouts, "rollouts")
+    if change in ("outside vocabulary", "longer than context"):
+        write_artifact(_changed_ids(t, change), path, "rollouts")
+    else:
+        pq.write_table(_foreign(t, change), path)
+
+
+def _foreign(t: pa.Table, change: str) -> pa.Table:
+    t = t.replace_schema_metadata(None)
+    if change == "no token_ids":
+        return t.drop_columns(["token_ids"])
+    if change == "no prompt":
+        return t.select(["prompt_id", "token_ids"])
+    if change == "text, no tokenizer":
+        return pa.table({"prompt_id": ["a"], "prompt": ["What is 2 + 3?"], "token_ids": [[5, 6]]})
+    raise ValueError(change)
+
+
+def _changed_ids(t: pa.Table, change: str) -> pa.Table:
+    if change == "outside vocabulary":
+        ids = t["token_ids"].to_pylist()
+        ids[1][-1] = 999
+        return t.set_column(t.column_names.index("token_ids"), "token_ids", pa.array(ids))
+    prompts = t["prompt_token_ids"].to_pylist()
+    prompts[2] = prompts[2] * 4
+    return t.set_column(t.column_names.index("prompt_token_ids"), "prompt_token_ids", pa.array(prompts))
+
+
+@pytest.mark.parametrize("change,expected", [
+    ("no token_ids", "lacks column 'token_ids'"),
+    ("no prompt", "lacks column 'prompt_token_ids' (or 'prompt' with the prompt's text)"),
+    ("outside vocabulary", "has token id 999 in column 'token_ids', but the model's vocabulary has 300"),
+    ("longer than context", "(columns 'prompt_token_ids' and 'token_ids'), more than the model's context "
+                            "of 512"),
+    ("text, no tokenizer", "has no 'prompt_token_ids', only the prompt's text in column 'prompt', and the "
+                           "model has no tokenizer"),
+])
+def test_bad_rollouts_are_one_sentence_before_any_scoring(tiny, engine_rollouts, tmp_path, change, expected):
+    path, out = tmp_path / "bad.parquet", tmp_path / "m.parquet"
+    _write_bad_rollouts(engine_rollouts[0], change, path)
+    r = runner.invoke(app, ["profile", "--model", str(tiny), "--rollouts", str(path), "-o", str(out)])
+    assert r.exit_code != 0
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:") and str(path) in lines[0], r.stderr
+    assert expected in lines[0]
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["--prompts", "{prompts}"], "not both"),
+    ([], "give one of --prompts"),
+    (["--samples", "8"], "--samples applies only when sampling from --prompts"),
+    (["--temperature", "1.0"], "sampled at temperature 0.8 (its metadata), but --temperature 1 was given"),
+])
+def test_rollouts_flags(tiny, tiny_prompts, engine_rollouts, tmp_path, args, expected):
+    source = ["--rollouts", str(engine_rollouts[0])] if args else []
+    args = [a.format(prompts=tiny_prompts) for a in args]
+    out = tmp_path / "m.parquet"
+    r = runner.invoke(app, ["profile", "--model", str(tiny), *source, *args, "-o", str(out)])
+    assert r.exit_code != 0 and expected in r.output and "Traceback" not in r.output
+    assert not out.exists()
+
+
+def test_a_prompts_file_is_not_rollouts(tiny, tiny_prompts, tmp_path):
+    r = runner.invoke(app, ["profile", "--model", str(tiny), "--rollouts", str(tiny_prompts),
+                            "-o", str(tmp_path / "m.parquet")])
+    assert r.exit_code != 0 and "is a 'prompts' artifact, expected 'rollouts'" in r.output

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..generate import pad_right
+from ..mismatch import pad_right
 from ..model.llama import AttentionContext, DenseAttention, Transformer
 
 
