@@ -19,35 +19,13 @@ SUMMARY_LABELS = {"tokens": "generated tokens", "seconds": "seconds (total)",
 
 
 def _sparsity(schedule: Path | None, budget: int | None, dense: bool, page_size: int):
-    """The one sparsity spec the user gave (None = dense), validated."""
-    from sparrow.stages.attention import validate_budget
-    from sparrow.stages.schedule import Schedule
+    """The one sparsity spec the user gave (None = dense), validated; one sentence on error."""
+    from sparrow.stages.sparsity import sparsity_from_flags
 
-    given = [f for f, v in (("--schedule", schedule), ("--budget", budget), ("--dense", dense)) if v]
-    if len(given) > 1:
-        raise UsageError(f"{' and '.join(given)} were given together; pick one of --schedule, "
-                         "--budget and --dense")
-    if budget is not None:
-        try:
-            validate_budget(budget, page_size)
-        except ValueError as e:
-            raise UsageError(f"--budget: {e}") from None
-        return budget
-    if schedule is not None:
-        if not schedule.exists():
-            raise UsageError(f"{schedule}: no such schedule file")
-        sched = Schedule.from_artifact(schedule)
-        if sched.page_size != page_size:
-            raise UsageError(f"{schedule}: the schedule was planned for pages of {sched.page_size} "
-                             f"tokens, but the engine uses pages of {page_size}")
-        for b in sched.budgets:
-            if b:
-                try:
-                    validate_budget(b, page_size)
-                except ValueError as e:
-                    raise UsageError(f"{schedule}: {e}") from None
-        return sched
-    return None
+    try:
+        return sparsity_from_flags(schedule, budget, dense, page_size)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
 
 def _prompt_rows(path: Path) -> list[dict]:

@@ -23,11 +23,9 @@ TRAIN_LABELS = {"reward_first": "reward, first step", "reward_last": "reward, la
 
 def _spec(schedule: Path | None, budget: int | None, dense: bool) -> str:
     from sparrow.stages.attention import PAGE_SIZE
+    from sparrow.stages.sparsity import spec_of
 
-    sparsity = _sparsity(schedule, budget, dense, PAGE_SIZE)  # validated, one sentence on error
-    if sparsity is None:
-        return "dense"
-    return f"budget:{sparsity}" if isinstance(sparsity, int) else f"schedule:{schedule.resolve()}"
+    return spec_of(_sparsity(schedule, budget, dense, PAGE_SIZE), schedule)
 
 
 @friendly_errors
@@ -44,6 +42,8 @@ def train(
     samples: int = typer.Option(4, "--samples", help="Samples per prompt: the GRPO group."),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens"),
     temperature: float = typer.Option(1.0, "--temperature"),
+    ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Every sample generates --max-new-tokens "
+                                    "tokens (fixed-length steps, for timing)."),
     lr: float = typer.Option(1e-4, "--lr"),
     lora_rank: int = typer.Option(16, "--lora-rank", help="LoRA rank on every projection (peft)."),
     lora_alpha: float = typer.Option(32.0, "--lora-alpha"),
@@ -83,7 +83,7 @@ def train(
         if path is not None and not path.exists():
             raise UsageError(f"{flag} {path}: no such file")
     cfg = TrainConfig(model=model, steps=steps, prompts_per_step=prompts_per_step, samples=samples,
-                      max_new_tokens=max_new_tokens, temperature=temperature, lr=lr,
+                      max_new_tokens=max_new_tokens, temperature=temperature, ignore_eos=ignore_eos, lr=lr,
                       lora_rank=0 if full else lora_rank, lora_alpha=lora_alpha, correction=correction,
                       kl_coef=kl_coef, seed=seed, micro_batch=micro_batch, ppo_epochs=ppo_epochs,
                       checkpoint_every=checkpoint_every, eval_every=eval_every, bin_width=bin_width,

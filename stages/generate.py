@@ -22,8 +22,9 @@ import torch
 from torch import Tensor
 
 from .attention import DEFAULT_DENSE_LAYERS, PAGE_SIZE, SparseAttention
-from .mismatch import BudgetFn, pad_right
+from .mismatch import pad_right
 from .model.llama import Attention, DenseAttention, KVCache, Transformer
+from .sparsity import BudgetFn
 
 __all__ = ["Generation", "generate", "sample", "sample_next", "sparse_step_attention"]
 

@@ -12,7 +12,7 @@ reference generator `stages.generate` is a test oracle only.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,9 +21,7 @@ from torch import Tensor
 
 from .attention import DEFAULT_DENSE_LAYERS, PAGE_SIZE, SparseAttention
 from .model.llama import Attention, KVCache, Transformer
-from .schedule import Schedule
-
-BudgetFn = Callable[[int], int]  # cache length at which a token is produced -> budget (0 = dense)
+from .sparsity import BudgetFn
 
 
 def decode_budgets(positions: Tensor, prompt_lens: Tensor, budget_at: BudgetFn | None) -> Tensor:
@@ -41,16 +39,6 @@ def pad_right(rows: Sequence[Sequence[int]], device) -> Tensor:
     for i, r in enumerate(rows):
         out[i, : len(r)] = torch.as_tensor(list(r), device=device)
     return out
-
-
-def make_budget_fn(sampler: str | Schedule | int | None) -> BudgetFn | None:
-    """'dense' | 'budget:B' | a Schedule | an int budget -> budget function (None = dense)."""
-    if sampler is None or sampler == "dense" or sampler == 0:
-        return None
-    if isinstance(sampler, Schedule):
-        return sampler.budget_at
-    budget = int(sampler.split(":", 1)[1]) if isinstance(sampler, str) else int(sampler)
-    return lambda _: budget
 
 
 @dataclass

@@ -14,10 +14,11 @@ import pytest
 import torch
 import transformers
 
-from sparrow.stages.mismatch import make_budget_fn, score_sequences
+from sparrow.stages.mismatch import score_sequences
 from sparrow.stages.model.loading import load_model
 from sparrow.stages.rollout import Engine, SamplingParams
 from sparrow.stages.schedule import Schedule
+from sparrow.stages.sparsity import budget_fn
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -73,7 +74,7 @@ def test_cuda_graph_engine_logprobs_equal_teacher_forced(tiny_qwen3, sparsity, d
     engine = Engine(model, sparsity, max_batch=5)
     results = engine.generate(prompts, params)
     assert engine.static is not None and engine.static.graphs
-    budget_at = make_budget_fn(sparsity)
+    budget_at = budget_fn(sparsity)
     gaps = []
     for samples in results:
         scored = score_sequences(model, [c.prompt_token_ids for c in samples], [c.token_ids for c in samples],

@@ -5,13 +5,14 @@ import pytest
 import torch
 
 from sparrow.stages.generate import sample
-from sparrow.stages.mismatch import make_budget_fn, score_sequences
+from sparrow.stages.mismatch import score_sequences
 from sparrow.stages.model.loading import load_model
 from sparrow.stages.schedule import Schedule
+from sparrow.stages.sparsity import budget_fn
 
 
 def _check_tf_equals_decode(model, prompts, sampler, max_new, tol, dense_layers=(0, 1)):
-    budget_at = make_budget_fn(sampler)
+    budget_at = budget_fn(sampler)
     gens = sample(model, prompts, max_new, 1.0, 1.0, seed=3, budget_at=budget_at,
                   dense_layers=dense_layers)
     completions = [g.tokens for g in gens]

@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 from sparrow.cli.app import app
 from sparrow.schemas import artifact_metadata, read_artifact, write_artifact
 from sparrow.stages.generate import generate
-from sparrow.stages.mismatch import make_budget_fn, score_sequences
+from sparrow.stages.mismatch import score_sequences
 from sparrow.stages.model.loading import load_model
 from sparrow.stages.rollout import (
     Engine,
@@ -27,6 +27,7 @@ from sparrow.stages.rollout import (
     unmerge_lora,
 )
 from sparrow.stages.schedule import Schedule
+from sparrow.stages.sparsity import budget_fn
 
 runner = CliRunner()
 
@@ -118,7 +119,7 @@ def test_smollm2_greedy_matches_transformers(smollm2):
 def _check_against_teacher_forced(model, prompts, params, sparsity, max_batch, tol=1e-4, **engine_kw):
     engine = Engine(model, sparsity, max_batch=max_batch, **engine_kw)
     results = engine.generate(prompts, params)
-    budget_at = make_budget_fn(sparsity)
+    budget_at = budget_fn(sparsity)
     temperature = (params[0] if isinstance(params, list) else params).temperature
     got, expected, alphas = [], [], []
     for samples in results:  # one scoring batch per prompt: its samples have equal lengths

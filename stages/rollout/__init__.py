@@ -8,7 +8,8 @@ kernels of `sparrow.kernels.ops`. `merge_lora` (lora.py) merges a sparse-actor L
 `run_rollouts` (stage.py) is the `sparrow rollout` stage.
 """
 
-from .engine import Engine, EngineStats, budget_fn
+from ..sparsity import budget_fn
+from .engine import Engine, EngineStats
 from .lora import LoraWeights, load_lora, lora_merged, merge_lora, unmerge_lora
 from .sequence import Completion, SamplingParams
 from .stage import RolloutOptions, run_rollouts

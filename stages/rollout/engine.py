@@ -26,39 +26,18 @@ import torch
 
 from sparrow.kernels.ops import GatherWorkspace
 
-from ..attention import DEFAULT_DENSE_LAYERS, PAGE_SIZE, validate_budget
+from ..attention import DEFAULT_DENSE_LAYERS, PAGE_SIZE
 from ..model.llama import Transformer
-from ..schedule import Schedule
+from ..sparsity import Sparsity, budget_fn
 from .attention import DecodeAttention, PrefillAttention
 from .block_manager import BlockManager
 from .kv_cache import PagedKVCache
 from .sampler import sample_tokens
 from .scheduler import Scheduler, pages_needed
-from .sequence import BudgetFn, Completion, Request, SamplingParams, Sequence
+from .sequence import Completion, Request, SamplingParams, Sequence
 from .static_decode import StaticDecode, kept_pages
 
-Sparsity = BudgetFn | Schedule | int | str | None  # None / 0 / "dense": dense
 DECODE_GRAPHS = ("auto", "cuda", "eager", "off")
-
-
-def budget_fn(sparsity: Sparsity, page_size: int = PAGE_SIZE) -> BudgetFn | None:
-    """Normalise a sparsity spec (None | 'dense' | 'budget:B' | B | Schedule | callable) and validate
-    its budgets for the page size."""
-    if sparsity is None or sparsity == "dense" or sparsity == 0:
-        return None
-    if isinstance(sparsity, Schedule):
-        if sparsity.page_size != page_size:
-            raise ValueError(f"the schedule is for pages of {sparsity.page_size} tokens, "
-                             f"the engine uses {page_size}")
-        for b in sparsity.budgets:
-            if b:
-                validate_budget(b, page_size)
-        return sparsity.budget_at
-    if callable(sparsity):
-        return sparsity
-    budget = int(sparsity.split(":", 1)[1]) if isinstance(sparsity, str) else int(sparsity)
-    validate_budget(budget, page_size)
-    return lambda _: budget
 
 
 @dataclass

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-BudgetFn = Callable[[int], int]  # cache length at which a token is produced -> budget (0 = dense)
+from ..sparsity import BudgetFn
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,8 @@ import pyarrow as pa
 
 from ..attention import DEFAULT_DENSE_LAYERS, PAGE_SIZE
 from ..model.loading import LoadedModel
-from .engine import Engine, EngineStats, Sparsity
+from ..sparsity import Sparsity
+from .engine import Engine, EngineStats
 from .lora import LoraWeights, lora_merged
 from .sequence import SamplingParams
 

@@ -44,11 +44,11 @@ import torch
 
 from sparrow.schemas import artifact_metadata, read_artifact, write_artifact
 
-from ..attention import validate_budget
 from ..calibrate import collapse_reasons
 from ..model.loading import LoadedModel
 from ..rollout import Engine, SamplingParams
 from ..schedule import Schedule
+from ..sparsity import parse_sparsity
 from ..tasks import TASKS, score
 from . import objective as grpo
 from .adapter import add_lora, load_lora_state, lora_state, save_adapter
@@ -67,6 +67,7 @@ class TrainConfig:
     samples: int = 4
     max_new_tokens: int = 64
     temperature: float = 1.0
+    ignore_eos: bool = False  # every sample generates max_new_tokens (fixed-length steps, for timing)
     lr: float = 1e-4
     lora_rank: int = 16  # 0 = full fine-tuning
     lora_alpha: float = 32.0
@@ -133,23 +134,6 @@ def load_prompts(path: str | os.PathLike, tokenizer=None) -> list[PromptRow]:
     if not rows:
         raise ValueError(f"{path} holds no prompts")
     return rows
-
-
-def parse_sparsity(spec: str, page_size: int = 16) -> Schedule | int | None:
-    """'dense' | 'budget:B' | 'schedule:<path>' -> what the engine takes."""
-    if spec == "dense":
-        return None
-    kind, _, value = spec.partition(":")
-    if kind == "budget":
-        validate_budget(int(value), page_size)
-        return int(value)
-    if kind == "schedule":
-        schedule = Schedule.from_artifact(value)
-        if schedule.page_size != page_size:
-            raise ValueError(f"the schedule {value} is for pages of {schedule.page_size} tokens, the engine "
-                             f"uses {page_size}")
-        return schedule
-    raise ValueError(f"unknown sparsity spec {spec!r}")
 
 
 def repetition(tokens: Sequence[int], n: int = 4) -> bool:
@@ -301,7 +285,8 @@ class Trainer:
     def _rollout(self, batch: list[PromptRow], step: int):
         cfg = self.cfg
         params = SamplingParams(max_new_tokens=cfg.max_new_tokens, n=cfg.samples, temperature=cfg.temperature,
-                                seed=cfg.seed * 1_000_003 + step, logprobs=TOP_LOGPROBS)
+                                seed=cfg.seed * 1_000_003 + step, logprobs=TOP_LOGPROBS,
+                                ignore_eos=cfg.ignore_eos)
         self.model.eval()
         engine = Engine(self.model, self.sparsity, max_batch=len(batch) * cfg.samples)
         return engine.generate([r.token_ids for r in batch], params)
@@ -538,4 +523,4 @@ def read_metrics(run_dir: str | Path) -> tuple[list[dict], dict]:
     return read_artifact(path, "metrics").to_pylist(), artifact_metadata(path)
 
 
-__all__ = ["PromptRow", "TrainConfig", "Trainer", "load_prompts", "parse_sparsity", "read_metrics"]
+__all__ = ["PromptRow", "TrainConfig", "Trainer", "load_prompts", "read_metrics"]

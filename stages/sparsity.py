@@ -1,0 +1,103 @@
+"""The one reading of a sparsity spec, shared by every stage, bench and CLI module.
+
+A spec is what a user or a run directory names: "dense", "budget:B" or "schedule:PATH" as text (the
+form a training config or a profile's --sampler stores), or the flags --dense / --budget B /
+--schedule PATH, or already a value: None (dense), an int budget, a `Schedule`, or a callable.
+Everything becomes one of two things: the value the engine takes (`Sparsity`), and, for sampling and
+scoring, a budget function of the cache length at which a token is produced (`BudgetFn`, None = dense).
+Every budget is validated for the page size here, so a schedule for another page size or a budget
+below the reserved pages is refused in one sentence before any work starts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from .attention import PAGE_SIZE, validate_budget
+from .schedule import Schedule
+
+BudgetFn = Callable[[int], int]  # cache length at which a token is produced -> budget (0 = dense)
+Sparsity = BudgetFn | Schedule | int | str | None  # None / 0 / "dense": dense
+
+
+def load_schedule(path: str | Path, page_size: int = PAGE_SIZE) -> Schedule:
+    """A schedule artifact, checked against the engine's page size and its budgets validated."""
+    schedule = Schedule.from_artifact(path)
+    if schedule.page_size != page_size:
+        raise ValueError(f"{path}: the schedule was planned for pages of {schedule.page_size} tokens, but "
+                         f"the engine uses pages of {page_size}")
+    for b in schedule.budgets:
+        if b:
+            try:
+                validate_budget(b, page_size)
+            except ValueError as e:
+                raise ValueError(f"{path}: {e}") from None
+    return schedule
+
+
+def parse_sparsity(spec: str, page_size: int = PAGE_SIZE) -> Schedule | int | None:
+    """'dense' | 'budget:B' | 'schedule:PATH' -> None | B | the loaded schedule."""
+    if spec == "dense":
+        return None
+    kind, _, value = spec.partition(":")
+    if kind == "budget":
+        try:
+            budget = int(value)
+        except ValueError:
+            raise ValueError(f"sparsity {spec!r}: the budget must be an integer number of tokens") from None
+        validate_budget(budget, page_size)
+        return budget
+    if kind == "schedule":
+        return load_schedule(value, page_size)
+    raise ValueError(f"unknown sparsity {spec!r}: expected dense, budget:B or schedule:FILE")
+
+
+def sparsity_from_flags(schedule: Path | None, budget: int | None, dense: bool,
+                        page_size: int = PAGE_SIZE) -> Schedule | int | None:
+    """The one of --schedule / --budget / --dense a user gave (none: dense), validated."""
+    given = [f for f, v in (("--schedule", schedule), ("--budget", budget), ("--dense", dense)) if v]
+    if len(given) > 1:
+        raise ValueError(f"{' and '.join(given)} were given together; pick one of --schedule, --budget and "
+                         "--dense")
+    if budget is not None:
+        try:
+            validate_budget(budget, page_size)
+        except ValueError as e:
+            raise ValueError(f"--budget: {e}") from None
+        return budget
+    if schedule is not None:
+        if not Path(schedule).exists():
+            raise ValueError(f"{schedule}: no such schedule file")
+        return load_schedule(schedule, page_size)
+    return None
+
+
+def spec_of(sparsity: Schedule | int | None, schedule_path: Path | None = None) -> str:
+    """The text form of a sparsity value (a schedule needs the path it was read from)."""
+    if sparsity is None:
+        return "dense"
+    if isinstance(sparsity, int):
+        return f"budget:{sparsity}"
+    return f"schedule:{Path(schedule_path).resolve()}"
+
+
+def budget_fn(sparsity: Sparsity, page_size: int = PAGE_SIZE) -> BudgetFn | None:
+    """Any sparsity spec or value -> the budget function (None = dense), budgets validated."""
+    if sparsity is None or sparsity == "dense" or sparsity == 0:
+        return None
+    if isinstance(sparsity, str):
+        return budget_fn(parse_sparsity(sparsity, page_size), page_size)
+    if isinstance(sparsity, Schedule):
+        if sparsity.page_size != page_size:
+            raise ValueError(f"the schedule is for pages of {sparsity.page_size} tokens, "
+                             f"the engine uses {page_size}")
+        for b in sparsity.budgets:
+            if b:
+                validate_budget(b, page_size)
+        return sparsity.budget_at
+    if callable(sparsity):
+        return sparsity
+    budget = int(sparsity)
+    validate_budget(budget, page_size)
+    return lambda _: budget
