@@ -37,6 +37,7 @@ test-all: setup
 	$(BIN)/python -m pytest -q -n 2 -m "slow or not slow"
 
 bench: setup
+	$(UV_INSTALL) -e ".[dev,bench]"
 	@for b in bench/*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
 
 lint: setup
