@@ -33,8 +33,10 @@ class Detectors:
     reward_drop: float = 0.5  # final reward below (1 - reward_drop) x best reward
     grad_norm_factor: float = 10.0  # grad norm above factor x median of the first window
     mismatch_kl_limit: float = 0.05  # smoothed mismatch KL above this
-    truncation_limit: float = 0.5  # final truncation rate above this
-    repetition_limit: float = 0.5  # final repetition rate above this
+    truncation_limit: float = 0.5  # final truncation rate above this, having risen by `surge`
+    repetition_limit: float = 0.5  # final repetition rate above this, having risen by `surge`
+    surge: float = 0.25  # rise over the first window's mean: a rate that was high from the start (a tight
+    # --max-new-tokens cap truncates every sample) says nothing about training
     entropy_factor: float = 3.0  # final entropy above factor x initial entropy
 
 
@@ -67,10 +69,11 @@ def collapse_reasons(metrics: pa.Table, det: Detectors = Detectors()) -> list[st
             reasons.append(f"gradient norm exploded to {g.max():.3g} ({g.max() / base:.0f}x)")
     if (k := _col(metrics, "mismatch_kl")) is not None and _smooth(k, w).max() > det.mismatch_kl_limit:
         reasons.append(f"mismatch KL spiked to {_smooth(k, w).max():.3g}")
-    if (t := _col(metrics, "truncation_rate")) is not None and _smooth(t, w)[-1] > det.truncation_limit:
-        reasons.append(f"truncation rate {_smooth(t, w)[-1]:.2f}")
-    if (p := _col(metrics, "repetition_rate")) is not None and _smooth(p, w)[-1] > det.repetition_limit:
-        reasons.append(f"repetition rate {_smooth(p, w)[-1]:.2f}")
+    for name, limit in (("truncation", det.truncation_limit), ("repetition", det.repetition_limit)):
+        if (x := _col(metrics, f"{name}_rate")) is not None:
+            first, last = x[:w].mean(), _smooth(x, w)[-1]
+            if last > limit and last - first >= det.surge:
+                reasons.append(f"{name} rate rose from {first:.2f} to {last:.2f}")
     if (e := _col(metrics, "entropy")) is not None and len(e) > w:
         first, last = e[:w].mean(), _smooth(e, w)[-1]
         if first > 0 and last > det.entropy_factor * first:

@@ -39,6 +39,8 @@ def metrics(steps=60, collapse_at=None, kind="reward"):
     grad = np.full(steps, 1.0)
     kl = np.full(steps, 0.001)
     entropy = np.full(steps, 0.5)
+    truncation = np.full(steps, 1.0 if kind == "capped" else 0.1)  # capped: every sample hits the cap
+    repetition = np.zeros(steps)
     if collapse_at is not None:
         after = step >= collapse_at
         if kind == "reward":
@@ -49,18 +51,31 @@ def metrics(steps=60, collapse_at=None, kind="reward"):
             kl = np.where(after, 0.3, kl)
         elif kind == "entropy":
             entropy = np.where(after, 4.0, entropy)
+        elif kind == "truncation":
+            truncation = np.where(after, 0.9, truncation)
+        elif kind == "repetition":
+            repetition = np.where(after, 0.8, repetition)
     return {"run_id": ["r"] * steps, "step": step, "reward_mean": reward, "grad_norm": grad,
-            "mismatch_kl": kl, "entropy": entropy, "reward_std": [None] * steps}
+            "mismatch_kl": kl, "entropy": entropy, "truncation_rate": truncation,
+            "repetition_rate": repetition, "reward_std": [None] * steps}
 
 
 @pytest.mark.parametrize("kind,word", [("reward", "reward"), ("grad", "gradient"), ("kl", "KL"),
-                                       ("entropy", "entropy")])
+                                       ("entropy", "entropy"), ("truncation", "truncation rate rose"),
+                                       ("repetition", "repetition rate rose")])
 def test_detectors_fire_on_their_collapse(tmp_path, kind, word):
     import pyarrow as pa
 
     assert collapse_reasons(pa.table(metrics())) == []
     reasons = collapse_reasons(pa.table(metrics(collapse_at=40, kind=kind)))
     assert len(reasons) >= 1 and any(word in r for r in reasons)
+
+
+def test_a_rate_high_from_the_start_is_no_surge():
+    """Every sample truncated by a tight --max-new-tokens from step 0 on is not a collapse."""
+    import pyarrow as pa
+
+    assert collapse_reasons(pa.table(metrics(kind="capped"))) == []
 
 
 def test_run_tail_brute_force():
