@@ -124,7 +124,8 @@ def plan_schedule(
     mids = mid_contexts(result)
     sparse_s = cost_model.step_seconds(batch, mids, result.schedule.budgets_at(mids))
     dense_s = cost_model.step_seconds(batch, mids, 0)
-    meta = {"model": name, "page_size": result.schedule.page_size, "bin_width": result.bin_width,
+    meta = {"model": name, "model_config": json.dumps(cfg.to_dict()),
+            "page_size": result.schedule.page_size, "bin_width": result.bin_width,
             "threshold": threshold, "threshold_source": t_source, "quantile": result.quantile,
             "profile": result.source, "cost": cost_model.source, "gen_len": gen_len,
             "prompt_len": prompt_len, "batch": batch, "predicted_speedup": speedup,

@@ -18,12 +18,20 @@ SUMMARY_LABELS = {"tokens": "generated tokens", "seconds": "seconds (total)",
                   "reward_mean": "mean reward (empty = no scorer)"}
 
 
-def _sparsity(schedule: Path | None, budget: int | None, dense: bool, page_size: int):
-    """The one sparsity spec the user gave (None = dense), validated; one sentence on error."""
+def _sparsity(schedule: Path | None, budget: int | None, dense: bool, model: str):
+    """The one sparsity spec the user gave (None = dense), validated for the engine's pages and, for a
+    schedule, for `model`'s shape; one sentence on error."""
+    from sparrow.stages.attention import PAGE_SIZE
+    from sparrow.stages.model.config import ModelSpecError
+    from sparrow.stages.model.loading import resolve_config
     from sparrow.stages.sparsity import sparsity_from_flags
 
     try:
-        return sparsity_from_flags(schedule, budget, dense, page_size)
+        cfg = resolve_config(model)
+    except ModelSpecError:
+        cfg = None  # the model's own error comes when it loads
+    try:
+        return sparsity_from_flags(schedule, budget, dense, PAGE_SIZE, cfg)
     except ValueError as e:
         raise UsageError(str(e)) from None
 
@@ -86,9 +94,10 @@ def rollout(
     from sparrow.stages.attention import PAGE_SIZE
     from sparrow.stages.model.loading import load_model, resolve_config
     from sparrow.stages.rollout import RolloutOptions, SamplingParams, load_lora, run_rollouts
+    from sparrow.stages.rollout.lora import check_lora_fits
 
     fmt = resolve_format(format)
-    sparsity = _sparsity(schedule, budget, dense, PAGE_SIZE)
+    sparsity = _sparsity(schedule, budget, dense, model)
     for flag, value in (("--samples", samples), ("--max-new-tokens", max_new_tokens),
                         ("--max-batch", max_batch)):
         if value < 1:
@@ -106,6 +115,13 @@ def rollout(
     if lora is not None and not (lora / "adapter_config.json").exists():
         raise UsageError(f"{lora}: not a LoRA adapter directory (no adapter_config.json)")
     cfg = resolve_config(model)
+    adapter = None
+    if lora is not None:
+        try:
+            adapter = load_lora(lora)
+            check_lora_fits(adapter, cfg, str(lora))
+        except ValueError as e:
+            raise UsageError(str(e)) from None
     rows = _prompt_rows(prompts)
     context = cfg.max_position_embeddings
 
@@ -132,7 +148,7 @@ def rollout(
     sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                               top_k=top_k, seed=seed, n=samples, ignore_eos=ignore_eos)
     opts = RolloutOptions(sampling=sampling, max_batch=max_batch, sparsity=sparsity,
-                          lora=load_lora(lora) if lora is not None else None,
+                          lora=adapter,
                           decode_graphs="off" if eager else "auto")
 
     total = len(rows) * samples

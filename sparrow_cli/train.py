@@ -21,11 +21,10 @@ TRAIN_LABELS = {"reward_first": "reward, first step", "reward_last": "reward, la
                 "mean_update_seconds": "s per step: update", "first_collapse_step": "first collapse step"}
 
 
-def _spec(schedule: Path | None, budget: int | None, dense: bool) -> str:
-    from sparrow.stages.attention import PAGE_SIZE
+def _spec(schedule: Path | None, budget: int | None, dense: bool, model: str) -> str:
     from sparrow.stages.sparsity import spec_of
 
-    return spec_of(_sparsity(schedule, budget, dense, PAGE_SIZE), schedule)
+    return spec_of(_sparsity(schedule, budget, dense, model), schedule)
 
 
 @friendly_errors
@@ -78,7 +77,7 @@ def train(
     from sparrow.stages.train import TrainConfig, Trainer, load_prompts
 
     fmt = resolve_format(format)
-    spec = _spec(schedule, budget, dense)
+    spec = _spec(schedule, budget, dense, model)
     for flag, path in (("--prompts", prompts), ("--eval-prompts", eval_prompts)):
         if path is not None and not path.exists():
             raise UsageError(f"{flag} {path}: no such file")

@@ -5,8 +5,9 @@ form a training config or a profile's --sampler stores), or the flags --dense / 
 --schedule PATH, or already a value: None (dense), an int budget, a `Schedule`, or a callable.
 Everything becomes one of two things: the value the engine takes (`Sparsity`), and, for sampling and
 scoring, a budget function of the cache length at which a token is produced (`BudgetFn`, None = dense).
-Every budget is validated for the page size here, so a schedule for another page size or a budget
-below the reserved pages is refused in one sentence before any work starts.
+Every budget is validated for the page size here, and a schedule planned for another model shape (its
+metadata's `model_config`, written by plan-schedule) is refused, so a schedule for another model or
+page size, or a budget below the reserved pages, gets one sentence before any work starts.
 """
 
 from __future__ import annotations
@@ -15,15 +16,32 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .attention import PAGE_SIZE, validate_budget
+from .model.config import ModelConfig
 from .schedule import Schedule
 
 BudgetFn = Callable[[int], int]  # cache length at which a token is produced -> budget (0 = dense)
 Sparsity = BudgetFn | Schedule | int | str | None  # None / 0 / "dense": dense
 
 
-def load_schedule(path: str | Path, page_size: int = PAGE_SIZE) -> Schedule:
-    """A schedule artifact, checked against the engine's page size and its budgets validated."""
+def load_schedule(path: str | Path, page_size: int = PAGE_SIZE, model: ModelConfig | None = None) -> Schedule:
+    """A schedule artifact, checked against the engine's page size (and `model`'s shape, when the schedule
+    records the shape it was planned for), its budgets validated."""
+    import json
+
+    from sparrow.schemas import artifact_metadata
+
+    from .cost import SHAPE_KEYS, shape_of
+
     schedule = Schedule.from_artifact(path)
+    planned = artifact_metadata(path).get("model_config")
+    if model is not None and planned:
+        theirs, ours = shape_of(ModelConfig.from_dict(json.loads(planned))), shape_of(model)
+        diff = [k for k in SHAPE_KEYS if theirs[k] != ours[k]]
+        if diff:
+            shown = ", ".join(f"{k} {theirs[k]} vs {ours[k]}" for k in diff[:3])
+            name = artifact_metadata(path).get("model", "another model")
+            raise ValueError(f"{path}: the schedule was planned for {name}, whose shape differs from this "
+                             f"model's ({shown}); plan one for this model with `sparrow plan-schedule`")
     if schedule.page_size != page_size:
         raise ValueError(f"{path}: the schedule was planned for pages of {schedule.page_size} tokens, but "
                          f"the engine uses pages of {page_size}")
@@ -36,7 +54,8 @@ def load_schedule(path: str | Path, page_size: int = PAGE_SIZE) -> Schedule:
     return schedule
 
 
-def parse_sparsity(spec: str, page_size: int = PAGE_SIZE) -> Schedule | int | None:
+def parse_sparsity(spec: str, page_size: int = PAGE_SIZE, model: ModelConfig | None = None
+                   ) -> Schedule | int | None:
     """'dense' | 'budget:B' | 'schedule:PATH' -> None | B | the loaded schedule."""
     if spec == "dense":
         return None
@@ -49,12 +68,13 @@ def parse_sparsity(spec: str, page_size: int = PAGE_SIZE) -> Schedule | int | No
         validate_budget(budget, page_size)
         return budget
     if kind == "schedule":
-        return load_schedule(value, page_size)
+        return load_schedule(value, page_size, model)
     raise ValueError(f"unknown sparsity {spec!r}: expected dense, budget:B or schedule:FILE")
 
 
 def sparsity_from_flags(schedule: Path | None, budget: int | None, dense: bool,
-                        page_size: int = PAGE_SIZE) -> Schedule | int | None:
+                        page_size: int = PAGE_SIZE, model: ModelConfig | None = None
+                        ) -> Schedule | int | None:
     """The one of --schedule / --budget / --dense a user gave (none: dense), validated."""
     given = [f for f, v in (("--schedule", schedule), ("--budget", budget), ("--dense", dense)) if v]
     if len(given) > 1:
@@ -69,7 +89,7 @@ def sparsity_from_flags(schedule: Path | None, budget: int | None, dense: bool,
     if schedule is not None:
         if not Path(schedule).exists():
             raise ValueError(f"{schedule}: no such schedule file")
-        return load_schedule(schedule, page_size)
+        return load_schedule(schedule, page_size, model)
     return None
 
 

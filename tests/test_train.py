@@ -383,6 +383,29 @@ def test_cli_train_and_resume(tiny_llama, vowel_prompts, tmp_path):
                                       "--adapter", str(run / "adapter"), "--max-new-tokens", "3",
                                       "-o", str(tmp_path / "r.parquet")])
     assert rolled.exit_code == 0, rolled.output
+    # the tiny model's adapter on SmolLM2: refused before any weights load, nothing written
+    other = CliRunner().invoke(app, ["rollout", "--model", "smollm2-135m", "--prompts", str(vowel_prompts),
+                                     "--adapter", str(run / "adapter"), "-o", str(tmp_path / "x.parquet")])
+    assert other.exit_code != 0 and "an adapter for another base model" in other.output
+    assert not (tmp_path / "x.parquet").exists()
+
+
+def test_a_schedule_planned_for_another_model_is_refused(tiny_llama, vowel_prompts, tmp_path):
+    from typer.testing import CliRunner
+
+    from sparrow.cli.app import app
+
+    qwen = tmp_path / "qwen3-4b.parquet"
+    planned = CliRunner().invoke(app, ["plan-schedule", "--model", "qwen3-4b", "-o", str(qwen)])
+    assert planned.exit_code == 0, planned.output
+    run = tmp_path / "run"
+    for cmd in (["train", "--steps", "1", "-o", str(run)], ["rollout", "-o", str(tmp_path / "r.parquet")]):
+        result = CliRunner().invoke(app, [*cmd, "--model", tiny_llama[0], "--prompts", str(vowel_prompts),
+                                          "--schedule", str(qwen)])
+        assert result.exit_code != 0 and "the schedule was planned for qwen3-4b" in result.output
+    assert not run.exists() and not (tmp_path / "r.parquet").exists()
+    with pytest.raises(ValueError, match="planned for qwen3-4b, whose shape differs"):
+        _train(tiny_llama[0], vowel_prompts, run, cfg=dict(sparsity=f"schedule:{qwen}"))
 
 
 def test_sql_sees_every_step_of_a_run_as_one_view(tiny_llama, vowel_prompts, tmp_path):

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from ..model.config import ModelConfig
 from ..model.llama import Transformer, hf_to_ours
 
 _KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.[A-Za-z0-9_]+)?\.weight$")
@@ -54,6 +55,21 @@ class LoraWeights:
                 raise ValueError(f"LoRA module {name!r} does not have rank {r}")
             modules[name] = (ab["A"], ab["B"])
         return cls(modules, float(alpha), int(r))
+
+
+def check_lora_fits(lora: LoraWeights, cfg: ModelConfig, subject: str) -> None:
+    """One sentence if an adapted module is missing from, or shaped unlike, the model `cfg` describes (an
+    adapter trained on another base model); shapes come from a weightless (meta-device) model."""
+    with torch.device("meta"):
+        linears = {n: m for n, m in Transformer(cfg).named_modules() if isinstance(m, nn.Linear)}
+    for name, (a, b) in lora.modules.items():
+        if name not in linears:
+            raise ValueError(f"{subject}: the adapter adapts {name!r}, which this model does not have "
+                             "(an adapter for another base model?)")
+        want, got = tuple(linears[name].weight.shape), (b.shape[0], a.shape[1])
+        if want != got:
+            raise ValueError(f"{subject}: the adapter's {name!r} maps {got[1]} -> {got[0]} features, this "
+                             f"model's {want[1]} -> {want[0]} (an adapter for another base model?)")
 
 
 def load_lora(folder: str | Path) -> LoraWeights:

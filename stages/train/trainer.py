@@ -175,7 +175,7 @@ class Trainer:
         self.prompts, self.eval_prompts = prompts, eval_prompts or []
         self.run_dir = Path(run_dir)
         self.on_step, self.on_phase = on_step or (lambda row: None), on_phase or (lambda phase: None)
-        self.sparsity = parse_sparsity(config.sparsity)
+        self.sparsity = parse_sparsity(config.sparsity, model=loaded.config)
         self.loss_cfg = grpo.LossConfig(correction=config.correction, kl_coef=config.kl_coef, **config.loss)
         self.run_id = self.run_dir.name
         self.history: list[dict] = []
