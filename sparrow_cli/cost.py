@@ -36,7 +36,7 @@ def fit_cost(
                                  f"(measured {MEASURED_GRID[1]}; analytic {ANALYTIC_GRID[1]})."),
     budgets: str = typer.Option(None, "--budgets", help="Budgets of the grid, 'dense' for dense "
                                 f"(measured {MEASURED_GRID[2]}; analytic {ANALYTIC_GRID[2]})."),
-    repeats: int = typer.Option(5, "--repeats", help="Timed steps per point (the median is kept)."),
+    repeats: int = typer.Option(5, "--repeats", help="Timed decode steps per point (the fastest is kept)."),
     warmup: int = typer.Option(2, "--warmup", help="Untimed steps per point before timing."),
     threads: int = typer.Option(None, "--threads", help="CPU threads for torch while timing (default: "
                                 "torch's own choice; 1 gives steadier timings on a shared machine)."),
@@ -44,7 +44,7 @@ def fit_cost(
     output: Path = typer.Option(..., "-o", "--output", help="Where to write the cost artifact."),
     format: str = format_option(),
 ) -> None:
-    """Fit the decode-step cost model: time our decoder's decode steps, dense and sparse, over a
+    """Fit the decode-step cost model: time the rollout engine's decode steps, dense and sparse, over a
     (batch, context, budget) grid and fit the coefficients by least squares; or, with --hardware,
     write the analytic model of a hardware preset. Every point is written with its prediction."""
     from sparrow.stages.attention import validate_budget
@@ -127,9 +127,9 @@ def measure(model: str, device: str, grid, seed: int, threads: int | None = None
         torch.set_num_threads(threads)
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     loaded = load_model(model, device=device, dtype=dtype, random_weights=True, seed=seed)
-    with Progress(TextColumn(f"timing {len(grid.points())} points (rounds)"), BarColumn(),
+    with Progress(TextColumn("timing the engine's decode step (points)"), BarColumn(),
                   MofNCompleteColumn(), console=console, transient=True) as bar:
-        task = bar.add_task("timing", total=grid.warmup + grid.repeats)
+        task = bar.add_task("timing", total=len(grid.points()))
         points = time_decode_steps(loaded, grid, device, seed,
                                    lambda done, total: bar.update(task, completed=done))
     return points, torch.get_num_threads()

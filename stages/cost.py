@@ -20,11 +20,11 @@ Design decisions:
       page = one K centroid per page-layer / bandwidth + 2 x kv heads x head dim / peak
   The hardware numbers are spec-sheet values; nothing is tuned to match published speedups.
   Each sequence reads its own KV (no prefix sharing between the samples of a prompt).
-- Measured coefficients: decode steps of our own model timed over a (batch, context, budget) grid,
-  fitted by non-negative least squares on relative residuals (each row divided by its measured time),
-  because the fit is judged by relative error. The features are the same, so a CPU fit also absorbs
-  the costs of our torch sparse path (it recomputes centroids and masks the full cache each step,
-  which the `page` coefficient then prices).
+- Measured coefficients: the rollout engine's decode steps (what `sparrow rollout` runs: paged cache,
+  centroid upkeep, selection, sampling; the samples of a prompt share its pages) timed over a (batch,
+  context, budget) grid, fitted by non-negative least squares on relative residuals (each row divided
+  by its measured time), because the fit is judged by relative error. The features are the same, so a
+  fit also absorbs the engine's own overheads (the `page` coefficient prices its selection).
 - The model shape travels with the coefficients (cost artifact metadata), so a cost artifact is
   never silently applied to another model.
 """
@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
@@ -221,7 +220,7 @@ def fit(cfg: ModelConfig, points: Sequence[tuple[int, int, int, float]], source:
                      tuple(dense_layers), extra)
 
 
-# ---------------------------------------------------------------- timing our decoder
+# ---------------------------------------------------------------- timing the rollout engine
 
 
 @dataclass
@@ -239,51 +238,37 @@ class Grid:
 def time_decode_steps(loaded, grid: Grid, device: str = "cpu", seed: int = 0,
                       progress: Callable[[int, int], None] | None = None
                       ) -> list[tuple[int, int, int, float]]:
-    """Seconds of one decode step per (batch, context, budget) point, dense or SparseAttention(budget).
+    """Seconds of one rollout-engine decode step per (batch, context, budget) point.
 
-    One cache of the largest batch and context is filled with random keys and values once; a point
-    uses its first `batch` rows with `context - 1` cached positions, and each timed step writes the
-    new token at slot context - 1 (the cache length stays put). The points are timed round-robin,
-    `repeats` rounds after `warmup` rounds, and each keeps its fastest step: on a shared machine
-    other work only ever adds time, so the minimum is the most reproducible estimate.
+    What is timed is the step `sparrow rollout` runs (`stages.rollout.Engine`: paged KV cache, centroid
+    upkeep, page selection, sparse or dense paged attention, sampling; CUDA graphs on CUDA): per point
+    one engine at that budget decodes `batch` samples of one random prompt of `context - 1` tokens, the
+    samples sharing the prompt's pages as a GRPO group does. The first `warmup` decode steps are not
+    timed, and each point keeps the fastest of the next `repeats`: on a shared machine other work only
+    ever adds time, so the minimum is the most reproducible estimate (the context grows by one token
+    per step, which is negligible).
     """
     import torch
 
-    from .attention import SparseAttention
-    from .model.llama import DenseAttention, KVCache
+    from .rollout import Engine, SamplingParams
 
     model, cfg = loaded.model.eval(), loaded.config
-    if max(grid.contexts) > cfg.max_position_embeddings:
-        raise CostError(f"context {max(grid.contexts)} is beyond the model's {cfg.max_position_embeddings}")
-    dtype = next(model.parameters()).dtype
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-    big = KVCache.allocate(cfg, max(grid.batches), max(grid.contexts), dtype=dtype, device=device)
-    for t in (big.k, big.v):
-        t.copy_(torch.randn(t.shape, generator=gen, dtype=torch.float32).to(dtype))
-    tokens = torch.randint(0, cfg.vocab_size, (max(grid.batches), 1), generator=gen).to(device)
-    steps = []
-    for batch, context, budget in grid.points():
-        cache = KVCache(big.k[:, :batch], big.v[:, :batch],
-                        torch.full((batch,), context - 1, dtype=torch.long, device=device))
-        attention = (DenseAttention() if budget == 0 else
-                     SparseAttention(torch.full((batch,), budget, device=device)))
-        steps.append((cache, context, tokens[:batch], attention))
-    best = [float("inf")] * len(steps)
-    rounds = grid.warmup + grid.repeats
-    with torch.inference_mode():
-        for r in range(rounds):
-            for i, (cache, context, tok, attention) in enumerate(steps):
-                cache.lengths.fill_(context - 1)
-                sync()
-                t0 = time.perf_counter()
-                model(tok, cache, attention=attention)
-                sync()
-                if r >= grid.warmup:
-                    best[i] = min(best[i], time.perf_counter() - t0)
-            if progress:
-                progress(r + 1, rounds)
-    return [(b, c, k, s) for (b, c, k), s in zip(grid.points(), best)]
+    if max(grid.contexts) > cfg.max_position_embeddings - grid.warmup - grid.repeats:
+        raise CostError(f"context {max(grid.contexts)} plus {grid.warmup + grid.repeats} timed steps is "
+                        f"beyond the model's {cfg.max_position_embeddings}")
+    gen = torch.Generator().manual_seed(seed)
+    prompts = {c: torch.randint(0, cfg.vocab_size, (c - 1,), generator=gen).tolist() for c in grid.contexts}
+    params = lambda batch: SamplingParams(max_new_tokens=grid.warmup + grid.repeats, n=batch,
+                                          temperature=1.0, seed=seed, ignore_eos=True)
+    points, out = grid.points(), []
+    for i, (batch, context, budget) in enumerate(points):
+        engine = Engine(model, budget or None, max_batch=batch, dense_layers=DEFAULT_DENSE_LAYERS)
+        engine.generate([prompts[context]], params(batch))
+        timed = engine.stats.step_times[grid.warmup:]
+        out.append((batch, context, budget, min(timed)))
+        if progress:
+            progress(i + 1, len(points))
+    return out
 
 
 # ---------------------------------------------------------------- the cost artifact
