@@ -23,11 +23,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from sparrow.stages.definitions import RESERVED_PAGES  # the sink page and the two most recent
+
 from ._triton_utils import lazy_jit, next_pow2, require_triton
 
 tl = None  # triton.language, bound on the first kernel launch (see _triton_utils)
-
-RESERVED_PAGES = 3  # sink + two most recent
 
 
 def page_scores_reference(q: Tensor, centroids: Tensor, block_table: Tensor, seq_lens: Tensor,

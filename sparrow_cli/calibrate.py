@@ -7,6 +7,8 @@ from pathlib import Path
 
 import typer
 
+from sparrow.stages.definitions import TAIL_QUANTILE
+
 from .common import UsageError, console, friendly_errors
 from .output import emit, format_option, resolve_format
 
@@ -16,7 +18,7 @@ def calibrate_threshold(
     profile: Path = typer.Option(..., "--profile", help="A mismatch artifact (sparrow profile)."),
     runs: list[Path] = typer.Option([], "--runs", help="Run directories, each with a metrics and a "
                                     "schedule artifact. Repeat the flag or pass several."),
-    quantile: float = typer.Option(0.05, "--quantile", help="Tail quantile of alpha per bin."),
+    quantile: float = typer.Option(TAIL_QUANTILE, "--quantile", help="Tail quantile of alpha per bin."),
     window: int = typer.Option(5, "--window", help="Steps of smoothing for the detectors."),
     reward_drop: float = typer.Option(0.5, "--reward-drop",
                                       help="Collapsed if the final reward < (1 - this) x best."),

@@ -175,7 +175,7 @@ def model_shape(spec: str):
 def resolve_threshold(threshold: float | None, threshold_file: Path | None,
                       quantile: float | None) -> tuple[float, float, str]:
     from sparrow.schemas import read_artifact
-    from sparrow.stages.calibrate import PRIOR_THRESHOLD
+    from sparrow.stages.definitions import PRIOR_THRESHOLD, TAIL_QUANTILE
     from sparrow.stages.schedule import check_quantile, check_threshold
 
     source = "prior" if threshold is None else "given"
@@ -190,7 +190,7 @@ def resolve_threshold(threshold: float | None, threshold_file: Path | None,
         quantile = row[0]["quantile"]
     threshold = PRIOR_THRESHOLD if threshold is None else threshold
     check_threshold(threshold)
-    quantile = 0.05 if quantile is None else quantile
+    quantile = TAIL_QUANTILE if quantile is None else quantile
     check_quantile(quantile)
     return threshold, quantile, source
 

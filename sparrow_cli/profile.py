@@ -16,6 +16,8 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+from sparrow.stages.definitions import PRIOR_THRESHOLD, TAIL_QUANTILE
+
 from .common import UsageError, console, friendly_errors, parse_int_list
 from .output import emit, format_option, resolve_format
 from .rollout import check_vocab
@@ -84,8 +86,8 @@ def profile(
                              "(seed, prompt, sample): the same trajectories as sparrow rollout --seed."),
     batch_size: int = typer.Option(8, "--batch-size", help="Samples decoded together (does not change "
                                    "the trajectories)."),
-    quantile: float = typer.Option(0.05, "--quantile", help="Tail quantile shown in the summary."),
-    threshold: float = typer.Option(0.86, "--threshold", help="Tail threshold shown in the summary."),
+    quantile: float = typer.Option(TAIL_QUANTILE, "--quantile", help="Tail quantile shown in the summary."),
+    threshold: float = typer.Option(PRIOR_THRESHOLD, "--threshold", help="Tail threshold shown in the summary."),
     device: str = typer.Option("cpu", "--device"),
     output: Path = typer.Option(..., "-o", "--output", help="Where to write the mismatch artifact."),
     format: str = format_option(),

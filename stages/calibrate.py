@@ -18,9 +18,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from .definitions import PRIOR_THRESHOLD, TAIL_QUANTILE
 from .schedule import Schedule
 
-PRIOR_THRESHOLD = 0.86
 PRIOR_RANGE = (0.85, 0.90)  # the published 'between 0.85 and 0.90'
 PRIOR_NOTE = "published prior (Sparrow, arXiv 2606.08446): keep the per-bin 5th percentile above 0.86"
 
@@ -81,7 +81,8 @@ def collapse_reasons(metrics: pa.Table, det: Detectors = Detectors()) -> list[st
     return reasons
 
 
-def run_tail(mismatch: pa.Table, schedule: Schedule, quantile: float = 0.05) -> tuple[float, list[str]]:
+def run_tail(mismatch: pa.Table, schedule: Schedule, quantile: float = TAIL_QUANTILE
+             ) -> tuple[float, list[str]]:
     """Min over bins of the q-quantile of alpha, each token at its schedule budget.
 
     A scheduled budget that was not profiled uses the largest profiled budget below it (a lower
@@ -136,7 +137,7 @@ def boundary(tails: np.ndarray, collapsed: np.ndarray) -> float | None:
     return None if hi_c >= lo_s else float((hi_c + lo_s) / 2)
 
 
-def calibrate(runs: list[RunResult], quantile: float = 0.05, n_boot: int = 2000,
+def calibrate(runs: list[RunResult], quantile: float = TAIL_QUANTILE, n_boot: int = 2000,
               seed: int = 0) -> Calibration:
     if not runs:
         return Calibration(PRIOR_THRESHOLD, *PRIOR_RANGE, "prior", PRIOR_NOTE + " (no runs given)", [])

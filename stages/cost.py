@@ -39,10 +39,9 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import pyarrow as pa
 
+from .definitions import DEFAULT_DENSE_LAYERS, PAGE_SIZE  # torch-free: planning needs no torch
 from .model.config import ModelConfig
 
-PAGE_SIZE = 16  # = attention.PAGE_SIZE and DEFAULT_DENSE_LAYERS (not imported: planning needs no torch)
-DEFAULT_DENSE_LAYERS = (0, 1)
 FEATURES = ("step", "seq", "kv", "page")
 BF16 = 2
 SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",

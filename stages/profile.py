@@ -25,6 +25,7 @@ import pyarrow as pa
 
 from .attention import DEFAULT_DENSE_LAYERS, PAGE_SIZE, validate_budget
 from .calibrate import PRIOR_THRESHOLD
+from .definitions import TAIL_QUANTILE
 from .mismatch import score_sequences
 from .model.loading import LoadedModel
 from .rollout import Engine, SamplingParams
@@ -180,7 +181,7 @@ def _to_table(columns: dict[str, list[np.ndarray]]) -> pa.Table:
     return pa.table({k: pa.array(np.concatenate(v)) for k, v in columns.items()})
 
 
-def summarize(mismatch: pa.Table, quantile: float = 0.05,
+def summarize(mismatch: pa.Table, quantile: float = TAIL_QUANTILE,
               threshold: float = PRIOR_THRESHOLD) -> pa.Table:
     """Per bin and budget: tokens, mean alpha, the q-quantile of alpha, and whether it clears the
     threshold. The same GROUP BY a user would type into `sparrow sql`."""

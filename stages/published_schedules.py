@@ -9,8 +9,8 @@ selected pages = pages - 3 (the sink page and the two most recent pages are alwa
 
 from __future__ import annotations
 
-PAGE_SIZE = 16
-RESERVED_PAGES = 3
+from .definitions import PAGE_SIZE
+
 BIN_TOKENS = 2000
 NUM_BINS = 20
 CONTEXT = 40960  # Qwen3's context; the published runs generate up to 37K tokens in a 40K context

@@ -26,7 +26,7 @@ import numpy as np
 
 from sparrow.schemas import artifact_kind, artifact_metadata, read_artifact
 
-from .calibrate import PRIOR_THRESHOLD
+from .definitions import PRIOR_THRESHOLD, TAIL_QUANTILE
 
 
 @dataclass
@@ -65,7 +65,7 @@ def _threshold(kinds: dict[str, Path]) -> tuple[float, str]:
 def tail_figure(mismatch: Path, kinds: dict[str, Path], out: Path, plt) -> Figure | None:
     import duckdb
 
-    rows = duckdb.sql(f"""SELECT budget, bin, quantile_cont(alpha, 0.05) AS p5, avg(alpha) AS mean,
+    rows = duckdb.sql(f"""SELECT budget, bin, quantile_cont(alpha, {TAIL_QUANTILE}) AS p5, avg(alpha) AS mean,
                           count(*) AS n FROM read_parquet('{mismatch}')
                           GROUP BY ALL ORDER BY ALL""").fetchall()
     if not rows:
@@ -208,8 +208,8 @@ def train_mismatch_figure(run: Path, out: Path, plt) -> Figure | None:
     if not files:
         return None
     paths = ", ".join(f"'{p}'" for p in files)
-    rows = duckdb.sql(f"""SELECT step, bin, quantile_cont(alpha_top20_lb, 0.05) AS p5, avg(k3) AS k3
-                          FROM read_parquet([{paths}]) GROUP BY ALL ORDER BY ALL""").fetchall()
+    rows = duckdb.sql(f"""SELECT step, bin, quantile_cont(alpha_top20_lb, {TAIL_QUANTILE}) AS p5,
+                          avg(k3) AS k3 FROM read_parquet([{paths}]) GROUP BY ALL ORDER BY ALL""").fetchall()
     width = int(artifact_metadata(files[0]).get("bin_width", 512))
     steps = sorted({r[0] for r in rows})
     colors = plt.cm.viridis(np.linspace(0, 1, len(steps)))

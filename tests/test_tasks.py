@@ -22,7 +22,7 @@ def tok():
 
 @pytest.fixture(scope="session")
 def qwen3():
-    from sparrow.stages.tasks.qwen_tokenizer import qwen3_tokenizer
+    from sparrow.stages.model.qwen_tokenizer import qwen3_tokenizer
 
     return qwen3_tokenizer()
 

@@ -1,8 +1,7 @@
 """Block top-k sparse attention (the rule of DESIGN.md "Definitions") in decode and teacher-forced form."""
 
+from ..definitions import DEFAULT_DENSE_LAYERS, PAGE_SIZE
 from .block_topk import (
-    DEFAULT_DENSE_LAYERS,
-    PAGE_SIZE,
     kept_page_mask,
     page_centroids,
     validate_budget,

@@ -14,9 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-PAGE_SIZE = 16
-RESERVED_PAGES = 3  # sink + two most recent
-DEFAULT_DENSE_LAYERS = (0, 1)
+from ..definitions import PAGE_SIZE, RESERVED_PAGES
 
 
 def validate_budget(budget: int, page: int = PAGE_SIZE) -> None:

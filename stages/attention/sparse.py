@@ -17,8 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..definitions import DEFAULT_DENSE_LAYERS, PAGE_SIZE
 from ..model.llama import AttentionContext, DenseAttention, cached_kv
-from .block_topk import DEFAULT_DENSE_LAYERS, PAGE_SIZE, kept_page_mask, kept_token_mask, page_centroids
+from .block_topk import kept_page_mask, kept_token_mask, page_centroids
 
 
 class SparseAttention:

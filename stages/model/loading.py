@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 
 from .config import ModelConfig, ModelSpecError
 from .gguf_loader import read_gguf
+from .home import sparrow_home
 from .llama import Transformer, hf_to_ours, ours_to_hf, rope_tables
 from .presets import PRESETS, get_preset
 
@@ -38,10 +39,6 @@ class LoadedModel:
     config: ModelConfig
     model: Transformer
     tokenizer: object | None  # a transformers PreTrainedTokenizerBase, when the source has one
-
-
-def sparrow_home() -> Path:
-    return Path(os.environ.get("SPARROW_HOME") or Path.home() / ".cache" / "sparrow")
 
 
 def model_name(spec: str) -> str:
@@ -169,7 +166,7 @@ def load_tokenizer(kind: str):
     if kind == "none":
         return None
     if kind == "qwen3":
-        from ..tasks.qwen_tokenizer import qwen3_tokenizer
+        from .qwen_tokenizer import qwen3_tokenizer
 
         return qwen3_tokenizer()
     if kind == "embedded":

@@ -45,6 +45,7 @@ import torch
 from sparrow.schemas import artifact_metadata, read_artifact, write_artifact
 
 from ..calibrate import collapse_reasons
+from ..definitions import TAIL_QUANTILE
 from ..model.loading import LoadedModel
 from ..rollout import Engine, SamplingParams
 from ..schedule import Schedule
@@ -382,7 +383,7 @@ class Trainer:
             "grad_norm": update["grad_norm"], "entropy": float(old["entropy"][mask].mean()),
             "mismatch_kl": float(mismatch.mean()), "masked_fraction": correction.stats["masked_fraction"],
             "vetoed_fraction": correction.stats["vetoed_fraction"],
-            "alpha_lb_mean": float(alpha.mean()), "alpha_lb_p5": float(torch.quantile(alpha, 0.05)),
+            "alpha_lb_mean": float(alpha.mean()), "alpha_lb_p5": float(torch.quantile(alpha, TAIL_QUANTILE)),
             "mean_budget": float(budgets.mean()),
             "truncation_rate": float(np.mean([c.finish_reason == "length" for c in flat])),
             "repetition_rate": float(np.mean([repetition(c.token_ids) for c in flat])),

@@ -21,7 +21,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from ..model.loading import sparrow_home
+from .home import sparrow_home
 
 CACHE_FORMAT = 1
 VOCAB_SIZE = 151936  # the embedding rows of Qwen3 models; the tokenizer uses 151,669 of them

@@ -1,0 +1,15 @@
+"""The numbers that DESIGN.md's definitions fix, in one torch-free module every stage, kernel, bench and
+CLI module imports (planning and the CLI's start-up never import torch for them).
+
+- Page: PAGE_SIZE consecutive KV positions; RESERVED_PAGES (the first page and the two most recent) are
+  always kept by block top-k selection, so a budget is at least RESERVED_PAGES pages.
+- Layers in DEFAULT_DENSE_LAYERS attend densely in every mode.
+- Tail statistic of a position bin: the TAIL_QUANTILE-quantile of alpha over its tokens.
+- PRIOR_THRESHOLD: the published critical threshold on the tail, used when no runs calibrate one.
+"""
+
+PAGE_SIZE = 16
+RESERVED_PAGES = 3
+DEFAULT_DENSE_LAYERS = (0, 1)
+TAIL_QUANTILE = 0.05
+PRIOR_THRESHOLD = 0.86
