@@ -36,29 +36,6 @@ def _sparsity(schedule: Path | None, budget: int | None, dense: bool, model: str
         raise UsageError(str(e)) from None
 
 
-def _prompt_rows(path: Path) -> list[dict]:
-    from sparrow.schemas import read_artifact
-
-    if not path.exists():
-        raise UsageError(f"{path}: no such prompts file")
-    table = read_artifact(path, "prompts")
-    if table.num_rows == 0:
-        raise UsageError(f"{path}: the prompt set is empty")
-    cols = [c for c in ("prompt_id", "task", "prompt", "prompt_token_ids", "answer", "metadata")
-            if c in table.column_names]
-    return table.select(cols).to_pylist()
-
-
-def check_vocab(path: Path, rows: list[dict], vocab_size: int) -> None:
-    """Token ids from another tokenizer (a foreign prompts file) are refused before any weights load."""
-    for r in rows:
-        top = max(r["prompt_token_ids"], default=0)
-        if top >= vocab_size:
-            raise UsageError(f"{path}: prompt {r['prompt_id']!r} has token id {top} in column "
-                             f"'prompt_token_ids', but the model's vocabulary has {vocab_size} tokens "
-                             "(were the ids made with another tokenizer?)")
-
-
 @friendly_errors
 def rollout(
     model: str = typer.Option("smollm2-135m", "--model", help="Preset, checkpoint dir or .gguf."),
@@ -93,6 +70,7 @@ def rollout(
     from sparrow.schemas import write_artifact
     from sparrow.stages.attention import PAGE_SIZE
     from sparrow.stages.model.loading import load_model, resolve_config
+    from sparrow.stages.prompt_set import PromptSet
     from sparrow.stages.rollout import RolloutOptions, SamplingParams, load_lora, run_rollouts
     from sparrow.stages.rollout.lora import check_lora_fits
 
@@ -122,29 +100,14 @@ def rollout(
             check_lora_fits(adapter, cfg, str(lora))
         except ValueError as e:
             raise UsageError(str(e)) from None
-    rows = _prompt_rows(prompts)
-    context = cfg.max_position_embeddings
-
-    def check(rows_with_ids: list[dict]) -> None:
-        check_vocab(prompts, rows_with_ids, cfg.vocab_size)
-        longest = max(rows_with_ids, key=lambda r: len(r["prompt_token_ids"]))
-        if len(longest["prompt_token_ids"]) + max_new_tokens > context:
-            raise UsageError(
-                f"{prompts}: prompt {longest['prompt_id']!r} has {len(longest['prompt_token_ids'])} "
-                f"tokens, which with --max-new-tokens {max_new_tokens} exceeds the model's context "
-                f"of {context}")
-
-    if all(r.get("prompt_token_ids") for r in rows):
-        check(rows)  # before any weights are read
+    prompt_set = PromptSet.read(prompts)
+    prompt_set.check_fits(cfg.vocab_size, cfg.max_position_embeddings, max_new_tokens)  # before weights
     loaded = load_model(model, device=device,
                         dtype=torch.bfloat16 if device == "cuda" else torch.float32)
-    for r in rows:
-        if not r.get("prompt_token_ids"):
-            if loaded.tokenizer is None:
-                raise UsageError(f"{prompts}: prompt {r['prompt_id']!r} has only text and the model "
-                                 "has no tokenizer; write prompts with token ids")
-            r["prompt_token_ids"] = loaded.tokenizer(r["prompt"], add_special_tokens=False).input_ids
-    check(rows)
+    if prompt_set.needs_tokenizer:
+        prompt_set.tokenize(loaded.tokenizer)
+        prompt_set.check_fits(cfg.vocab_size, cfg.max_position_embeddings, max_new_tokens)
+    rows = prompt_set.rows
     sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                               top_k=top_k, seed=seed, n=samples, ignore_eos=ignore_eos)
     opts = RolloutOptions(sampling=sampling, max_batch=max_batch, sparsity=sparsity,
