@@ -7,8 +7,8 @@ One engine step is either a prefill (new prompts, dense, padded into one batch, 
 being recomputed) or a decode step (one token for every running sample). The n samples of a prompt
 share one prefill: its pages are shared through the block tables (reference counted) and a sample
 copies the partial last page when it first writes to it. Pages are allocated as sequences grow and a
-full pool preempts the latest admitted sample, which is recomputed later with the same keys, values,
-centroids and page selections it had (scheduler.py), so preemption changes no token.
+full pool preempts the latest admitted sample, which is recomputed later with the keys, values,
+centroids and page selections it had (up to float rounding; scheduler.py), so its tokens stay the same.
 Each decode step uses, per sample, the budget of the sparsity schedule at the cache length at which
 the token is produced (`budget_at(num_tokens)`, query at position num_tokens - 1), so the rollout's
 logprobs are exactly those teacher-forced sparse scoring gives (`stages.mismatch.score_sequences`).

@@ -15,14 +15,17 @@ samples then share (the partial last page too), and before a decode step every r
 the page its next token goes to: a fresh page when it crosses a page boundary, its own copy of a page
 it still shares (copy on write). Admission only takes what leaves the running batch its next step's
 pages, so a new prefill does not immediately push anyone out. When a decode step finds no free page,
-the latest admitted sample is preempted (the end of `running`, then the end of `ready`; vLLM's
-choice): its pages are dropped (shared ones survive with their other owners) and it goes back to the
-front of `waiting`. Its recompute is a prefill of the prompt plus all its generated tokens but the
-last, which writes the same keys, values and running-mean centroids that decoding wrote and attends
-with the same block top-k rule per position (engine.py), so its next decode step feeds the last token
-exactly as it would have; it keeps its random generator, so it draws what it would have drawn. The
-oldest running sample is never the victim, so it always progresses: a request is refused up front if
-one of its samples at full length needs more pages than the pool has (engine.py), and with that no
+the latest admitted sample is preempted (vLLM's choice: the end of `running`, else the end of
+`ready`, else the sample asking itself): its pages are dropped (shared ones survive with their other
+owners) and it goes back to the front of `waiting`. Its recompute is a prefill of the prompt plus all
+its generated tokens but the last, into pages of its own (the prompt's are not re-shared: simpler, and
+it costs only the prompt's pages once per recomputed sample). It writes the keys and values decoding
+wrote (equal up to float rounding: a prefill's matrix products round differently from a decode
+step's) with the same running-mean centroids, and each generated position attends by the block top-k
+rule at the budget its decode step had (engine.py), so its next decode step feeds the last token as
+it would have; it keeps its random generator, so it draws what it would have drawn. The oldest
+running sample is never the victim, so it always progresses: a request is refused up front if one
+of its samples at full length needs more pages than the pool has (engine.py), and with that no
 schedule can stall.
 """
 
