@@ -35,7 +35,11 @@ def append_kv_reference(k_pages: Tensor, v_pages: Tensor, centroids: Tensor, k: 
     k_pages[page, :, off] = k_new
     v_pages[page, :, off] = v.to(v_pages.dtype)
     c = centroids[page]  # [N, Hkv, D]
-    centroids[page] = c + (k_new.to(centroids.dtype) - c) / (off + 1).to(centroids.dtype)[:, None, None]
+    kf = k_new.to(centroids.dtype)
+    # offset 0 sets c = k exactly: c + (k - c) would round through whatever a reused page held, and a
+    # recomputed sequence (preemption) must get bit-identical centroids from the same keys
+    running = c + (kf - c) / (off + 1).to(centroids.dtype)[:, None, None]
+    centroids[page] = torch.where((off == 0)[:, None, None], kf, running)
 
 
 def write_prefill(k_pages: Tensor, v_pages: Tensor, centroids: Tensor, k: Tensor, v: Tensor,
@@ -77,7 +81,8 @@ def _append_kv_kernel(k_pages, v_pages, centroids, k, v, slots,
                  vv.to(v_pages.dtype.element_ty), mask=dm)
         cptr = centroids + page * s_c0 + h * s_c1 + d
         c = tl.load(cptr, mask=dm, other=0.0)
-        c = c + (kq.to(tl.float32) - c) / (off + 1).to(tl.float32)
+        kf = kq.to(tl.float32)
+        c = tl.where(off == 0, kf, c + (kf - c) / (off + 1).to(tl.float32))  # offset 0: exactly k
         tl.store(cptr, c, mask=dm)
 
 

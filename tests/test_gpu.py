@@ -85,4 +85,4 @@ def test_cuda_graph_engine_logprobs_equal_teacher_forced(tiny_qwen3, sparsity, d
     tol = 1e-4 if dtype == torch.float32 else BF16_LOGPROB_TOL
     print(f"max |engine - teacher forced| logprob, {dtype}, {sparsity}: {max(gaps):.2e}")
     assert max(gaps) <= tol
-    assert engine.blocks.used == 0 and engine.blocks.reserved == 0
+    assert engine.blocks.used == 0

@@ -6,12 +6,13 @@ from .block_topk import (
     page_centroids,
     validate_budget,
 )
-from .sparse import SparseAttention
+from .sparse import SparseAttention, block_topk_sdpa
 
 __all__ = [
     "DEFAULT_DENSE_LAYERS",
     "PAGE_SIZE",
     "SparseAttention",
+    "block_topk_sdpa",
     "kept_page_mask",
     "page_centroids",
     "validate_budget",

@@ -36,20 +36,30 @@ class SparseAttention:
         if layer in self.dense_layers or not bool((self.budgets > 0).any()):
             return self._dense(layer, q, k, v, ctx)
         keys, values = cached_kv(layer, k, v, ctx)  # [B, Hkv, S, D]
-        centroids = page_centroids(keys, self.page)
         budgets = self.budgets.expand(q.shape[0], q.shape[2])
-        hq, hkv = q.shape[1], keys.shape[1]
-        b, t, s = q.shape[0], q.shape[2], keys.shape[2]
-        chunk = max(16, min(t, self.chunk_elements // (b * hq * s)))
-        out = []
-        for start in range(0, t, chunk):
-            pos = ctx.positions[:, start:start + chunk]
-            kv_hi = int(pos.max()) + 1  # keys past the chunk's last query are never visible
-            pages = kept_page_mask(q[:, :, start:start + chunk], centroids, pos,
-                                   budgets[:, start:start + chunk], self.page)
-            mask = kept_token_mask(pages, pos, kv_hi, self.page)  # [B, Hkv, chunk, kv_hi]
-            mask = mask.repeat_interleave(hq // hkv, dim=1)
-            out.append(F.scaled_dot_product_attention(
-                q[:, :, start:start + chunk], keys[:, :, :kv_hi], values[:, :, :kv_hi],
-                attn_mask=mask, enable_gqa=True))
-        return torch.cat(out, dim=2)
+        return block_topk_sdpa(q, keys, values, page_centroids(keys, self.page), ctx.positions, budgets,
+                               self.page, self.chunk_elements)
+
+
+def block_topk_sdpa(q: Tensor, keys: Tensor, values: Tensor, centroids: Tensor, positions: Tensor,
+                    budgets: Tensor, page: int = PAGE_SIZE, chunk_elements: int = 1 << 25) -> Tensor:
+    """Every query attends to the pages it keeps under the block top-k rule, in chunks of queries.
+
+    q [B, Hq, T, D]; keys, values [B, Hkv, S, D] (position s at index s); centroids [B, Hkv, ceil(S/page),
+    D], the scores' page means (the caller decides how they were computed); positions, budgets [B, T].
+    """
+    hq, hkv = q.shape[1], keys.shape[1]
+    b, t, s = q.shape[0], q.shape[2], keys.shape[2]
+    chunk = max(16, min(t, chunk_elements // (b * hq * s)))
+    out = []
+    for start in range(0, t, chunk):
+        pos = positions[:, start:start + chunk]
+        kv_hi = int(pos.max()) + 1  # keys past the chunk's last query are never visible
+        pages = kept_page_mask(q[:, :, start:start + chunk].to(centroids.dtype), centroids, pos,
+                               budgets[:, start:start + chunk], page)
+        mask = kept_token_mask(pages, pos, kv_hi, page)  # [B, Hkv, chunk, kv_hi]
+        mask = mask.repeat_interleave(hq // hkv, dim=1)
+        out.append(F.scaled_dot_product_attention(
+            q[:, :, start:start + chunk], keys[:, :, :kv_hi], values[:, :, :kv_hi],
+            attn_mask=mask, enable_gqa=True))
+    return torch.cat(out, dim=2)

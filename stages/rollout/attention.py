@@ -2,7 +2,12 @@
 
 `PrefillAttention`: prompts (right-padded to one length) attend causally to themselves with plain
 SDPA (prefill is dense), and their keys/values are scattered into the pages (`ops.write_prefill`,
-which also sets the page centroids).
+which also sets the page centroids). A row may also be a preempted sample's recompute (`Recompute`):
+its generated positions are written as decoding wrote them, one `ops.append_kv` per page offset in
+order, so the centroids are the same running means (of complete and partial pages) and not
+write_prefill's sums; and each generated query attends as its decode step did, by the block top-k rule
+at the budget that step had (`block_topk_sdpa` over the cache's centroids: the pages it scores were
+complete at that step, so their centroids then were what they are now).
 `DecodeAttention`: one new token per running sequence. Its k/v are appended to the sequence's page
 (`ops.append_kv`, incremental centroid), then the query attends either to every page
 (`ops.dense_paged_attention`) or, in sparse layers when some request has a budget, to the pages
@@ -13,10 +18,12 @@ sparse step keep all their pages, so mixed batches need no special case.
 from __future__ import annotations
 
 from collections.abc import Collection
+from dataclasses import dataclass
 
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..attention import block_topk_sdpa
 from ..model.llama import AttentionContext
 from .kv_cache import PagedKVCache
 
@@ -27,10 +34,29 @@ def _ops():
     return ops
 
 
+@dataclass
+class Recompute:
+    """What a prefill with recomputed rows needs beyond the prompts.
+
+    appended: per page offset 0..P-1 that occurs, (rows, cols, slots) of the generated tokens at that
+    offset: written in offset order, every page's running mean advances as in decode (each group
+    touches distinct pages). budgets [G, T] int (0 = dense, prompt positions and fresh rows) or None
+    when no query is sparse; positions [G, T]; block_table [G, ceil(T/P)] physical pages (>= 0)."""
+
+    appended: list[tuple[Tensor, Tensor, Tensor]]
+    budgets: Tensor | None
+    positions: Tensor
+    block_table: Tensor
+    dense_layers: frozenset[int]
+
+
 class PrefillAttention:
-    def __init__(self, cache: PagedKVCache, valid: Tensor, slots: Tensor, impl: str = "auto"):
-        """valid [G, T] bool (real prompt tokens); slots [N] int64, one per valid token in row order."""
+    def __init__(self, cache: PagedKVCache, valid: Tensor, slots: Tensor, impl: str = "auto",
+                 recompute: Recompute | None = None):
+        """valid [G, T] bool: the prompt tokens, which `write_prefill` writes; slots [N] int64, one per
+        valid token in row order. `recompute`: rows that continue past their prompt."""
         self.cache, self.valid, self.slots, self.impl = cache, valid, slots, impl
+        self.recompute = recompute
         self.ops = _ops()
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext) -> Tensor:
@@ -41,7 +67,16 @@ class PrefillAttention:
         else:
             kv_new, vv_new = kt[self.valid], vt[self.valid]
         self.ops.write_prefill(k_pages, v_pages, centroids, kv_new, vv_new, self.slots)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        rc = self.recompute
+        if rc is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        for rows, cols, slots in rc.appended:
+            self.ops.append_kv(k_pages, v_pages, centroids, kt[rows, cols], vt[rows, cols], slots,
+                               impl=self.impl)
+        if rc.budgets is None or layer in rc.dense_layers:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        pages = centroids[rc.block_table].transpose(1, 2)  # [G, Hkv, W, D]
+        return block_topk_sdpa(q, k, v, pages, rc.positions, rc.budgets, self.cache.page_size)
 
 
 class DecodeAttention:

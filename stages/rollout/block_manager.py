@@ -1,10 +1,11 @@
-"""Physical KV pages: a free list, reference counts and reservations.
+"""Physical KV pages: a free list and reference counts.
 
 A page holds `page_size` consecutive positions of one sequence for every layer (the storage itself
-lives in `PagedKVCache`). Pages are reference counted so that the K samples of a prompt can share its
-full prompt pages; a page with more than one owner is never written. Admission reserves pages up front
-(prompt pages + every sample's worst case), so a running sequence can always get its next page and
-the engine never has to preempt anyone.
+lives in `PagedKVCache`). Pages are reference counted so that the n samples of a prompt share all of
+its pages after the prefill, the partial last one included; a page with more than one owner is never
+written: the scheduler gives a sample its own copy before its first write (copy on write). Pages are
+handed out as sequences grow, not reserved up front; when none is free the scheduler preempts
+(scheduler.py).
 """
 
 from __future__ import annotations
@@ -19,32 +20,21 @@ class BlockManager:
         self.num_pages, self.page_size = num_pages, page_size
         self.free: list[int] = list(range(num_pages - 1, -1, -1))  # pop() hands out low ids first
         self.refcount = [0] * num_pages
-        self.reserved = 0  # pages promised to admitted sequences but not handed out yet
 
     @property
-    def available(self) -> int:
-        """Pages that a new admission may still reserve."""
-        return len(self.free) - self.reserved
+    def num_free(self) -> int:
+        return len(self.free)
+
+    @property
+    def used(self) -> int:
+        return self.num_pages - len(self.free)
 
     def pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_size)
 
-    def reserve(self, n: int) -> None:
-        if n > self.available:
-            raise OutOfPages(f"need {n} pages, {self.available} available")
-        self.reserved += n
-
-    def release(self, n: int) -> None:
-        """Give back reserved pages that were never allocated."""
-        assert 0 <= n <= self.reserved
-        self.reserved -= n
-
-    def allocate(self, reserved: bool = True) -> int:
-        """One fresh page (refcount 1), drawn from a reservation unless `reserved` is False."""
-        if reserved:
-            assert self.reserved > 0, "allocation without a reservation"
-            self.reserved -= 1
-        elif not self.free or self.available <= 0:
+    def allocate(self) -> int:
+        """One fresh page (refcount 1)."""
+        if not self.free:
             raise OutOfPages("no free page")
         page = self.free.pop()
         self.refcount[page] = 1
@@ -56,12 +46,9 @@ class BlockManager:
         return page
 
     def free_pages(self, pages: list[int]) -> None:
+        """Drop one reference to each page; a page nobody holds goes back to the free list."""
         for page in pages:
             self.refcount[page] -= 1
             assert self.refcount[page] >= 0
             if self.refcount[page] == 0:
                 self.free.append(page)
-
-    @property
-    def used(self) -> int:
-        return self.num_pages - len(self.free)

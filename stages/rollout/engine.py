@@ -3,9 +3,12 @@
     engine = Engine(model, sparsity=Schedule(...) | 512 | None, max_batch=16)
     results = engine.generate(prompts, SamplingParams(n=8, max_new_tokens=1024, temperature=1.0))
 
-One engine step is either a prefill (new prompts, dense, padded into one batch) or a decode step
-(one token for every running sample). The n samples of a prompt share one prefill: its full pages are
-shared through the block tables (reference counted) and the partial last page is copied per sample.
+One engine step is either a prefill (new prompts, dense, padded into one batch, and preempted samples
+being recomputed) or a decode step (one token for every running sample). The n samples of a prompt
+share one prefill: its pages are shared through the block tables (reference counted) and a sample
+copies the partial last page when it first writes to it. Pages are allocated as sequences grow and a
+full pool preempts the latest admitted sample, which is recomputed later with the keys, values,
+centroids and page selections it had (up to float rounding; scheduler.py), so its tokens stay the same.
 Each decode step uses, per sample, the budget of the sparsity schedule at the cache length at which
 the token is produced (`budget_at(num_tokens)`, query at position num_tokens - 1), so the rollout's
 logprobs are exactly those teacher-forced sparse scoring gives (`stages.mismatch.score_sequences`).
@@ -29,11 +32,11 @@ from sparrow.kernels.ops import GatherWorkspace
 from ..attention import DEFAULT_DENSE_LAYERS, PAGE_SIZE
 from ..model.llama import Transformer
 from ..sparsity import Sparsity, budget_fn
-from .attention import DecodeAttention, PrefillAttention
+from .attention import DecodeAttention, PrefillAttention, Recompute
 from .block_manager import BlockManager
 from .kv_cache import PagedKVCache
 from .sampler import sample_tokens
-from .scheduler import Scheduler, pages_needed
+from .scheduler import Scheduler, pages_needed, prefill_tokens
 from .sequence import Completion, Request, SamplingParams, Sequence
 from .static_decode import StaticDecode, kept_pages
 
@@ -47,6 +50,9 @@ class EngineStats:
     decode_steps: int = 0
     decode_tokens: int = 0
     budget_sum: int = 0  # over decode tokens, dense counted as 0
+    preemptions: int = 0
+    recomputed_tokens: int = 0  # prefilled again after a preemption
+    max_running: int = 0  # the largest decode batch
     prefill_s: float = 0.0
     decode_s: float = 0.0
     step_times: list[float] = field(default_factory=list)
@@ -61,7 +67,8 @@ class Engine:
                  num_pages: int | None = None, page_size: int = PAGE_SIZE,
                  dense_layers: Seq[int] = DEFAULT_DENSE_LAYERS, eos_ids: Seq[int] | None = None,
                  max_prefill_tokens: int = 8192, impl: str = "auto", decode_graphs: str = "auto"):
-        """`num_pages`: size of the KV page pool (None: sized from the first requests).
+        """`num_pages`: size of the KV page pool (None: sized from the first requests for every sample
+        at full length, so nothing is preempted; smaller pools preempt when they fill up).
         `decode_graphs`: "auto" (CUDA graphs on CUDA, the plain step on a CPU), "cuda" (CUDA graphs),
         "eager" (the graphs' static padded step without capture, any device) or "off"."""
         if max_batch < 1:
@@ -102,6 +109,8 @@ class Engine:
             raise ValueError(f"a prompt of {len(prompt)} tokens with max_new_tokens "
                              f"{params.max_new_tokens} exceeds the model's context of "
                              f"{self.cfg.max_position_embeddings}")
+        if self.num_pages is not None:
+            self._check_fits(len(prompt), params.max_new_tokens)
         rid = self._next_id if request_id is None else request_id
         self._next_id = max(self._next_id, rid + 1)
         fn = self.budget_at if sparsity == "engine" else budget_fn(sparsity, self.page_size)
@@ -112,9 +121,16 @@ class Engine:
             self.scheduler.add(req)
         return rid
 
+    def _check_fits(self, prompt_len: int, max_new: int) -> None:
+        need = -(-(prompt_len + max_new - 1) // self.page_size)
+        if need > self.num_pages:
+            raise ValueError(f"a prompt of {prompt_len} tokens with max_new_tokens {max_new} needs {need} "
+                             f"KV pages for one sample but the engine's pool has only {self.num_pages}")
+
     def _default_num_pages(self, reqs: list[Request]) -> int:
         """Room for the largest request's group, or for `max_batch` unshared sequences of the longest
-        request when that is more; on CUDA no more than fits in 90% of the free device memory."""
+        request when that is more; on CUDA no more than fits in 90% of the free device memory (then
+        samples are preempted when the pool fills up), as long as one sample at full length fits."""
         need = [pages_needed(len(r.prompt), r.params.n, r.params.max_new_tokens, self.page_size)
                 for r in reqs] or [(0, 1)]
         group = max(s + r.params.n * o for r, (s, o) in zip(reqs, need))
@@ -126,9 +142,9 @@ class Engine:
             free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
             page_bytes = PagedKVCache.bytes_per_page(self.cfg, self.page_size, self.dtype)
             fit = int(0.9 * free) // page_bytes
-            if fit < group:
-                raise RuntimeError(f"the KV cache needs {group * page_bytes / 2**30:.1f} GiB for one "
-                                   f"request's samples but {free / 2**30:.1f} GiB of device memory are free")
+            if fit < per_seq:
+                raise RuntimeError(f"the KV cache needs {per_seq * page_bytes / 2**30:.1f} GiB for one "
+                                   f"sample but {free / 2**30:.1f} GiB of device memory are free")
             pages = min(pages, fit)
         return pages
 
@@ -138,7 +154,8 @@ class Engine:
             self.num_pages = self._default_num_pages(reqs)
         self.cache = PagedKVCache(self.cfg, self.num_pages, self.page_size, self.dtype, self.device)
         self.blocks = BlockManager(self.num_pages, self.page_size)
-        self.scheduler = Scheduler(self.blocks, self.max_batch, self.max_prefill_tokens)
+        self.scheduler = Scheduler(self.blocks, self.max_batch, self.max_prefill_tokens,
+                                   self.cache.copy_pages)
         for r in reqs:
             self.scheduler.add(r)
         if self.decode_graphs != "off":
@@ -175,6 +192,8 @@ class Engine:
         else:
             self.stats.decode_s += dt
             self.stats.step_times.append(dt)
+            self.stats.max_running = max(self.stats.max_running, len(batch))
+        self.stats.preemptions = self.scheduler.preemptions
         self.stats.generated_tokens += new
         done = []
         for s in seqs:
@@ -208,65 +227,85 @@ class Engine:
         seed = int(np.random.SeedSequence([req.params.seed, req.request_id, sample]).generate_state(1)[0])
         return torch.Generator(device=self.device).manual_seed(seed)
 
-    def _prefill(self, reqs: list[Request]) -> list[Sequence]:
-        P, blocks = self.page_size, self.blocks
-        lens = [len(r.prompt) for r in reqs]
+    def _prefill(self, batch: list[Request | Sequence]) -> list[Sequence]:
+        """Prefill new requests (their samples then share the prompt's pages and sample their first
+        token) and recompute preempted samples (no sampling: their last token is fed next)."""
+        P, blocks, dev = self.page_size, self.blocks, self.device
+        rows = [prefill_tokens(x) for x in batch]
+        plens = [len(x.prompt if isinstance(x, Request) else x.request.prompt) for x in batch]
+        lens = [len(r) for r in rows]
         t_max = max(lens)
-        tokens = torch.zeros(len(reqs), t_max, dtype=torch.long)
-        valid = torch.zeros(len(reqs), t_max, dtype=torch.bool)
-        slots, prompt_pages = [], []
-        for i, r in enumerate(reqs):
-            tokens[i, : lens[i]] = torch.tensor(r.prompt)
-            valid[i, : lens[i]] = True
-            pages = [blocks.allocate() for _ in range(blocks.pages_for(lens[i]))]
-            prompt_pages.append(pages)
-            pos = np.arange(lens[i])
-            slots.append(np.asarray(pages)[pos // P] * P + pos % P)
-        dev = self.device
-        tokens, valid = tokens.to(dev), valid.to(dev)
-        slots = torch.from_numpy(np.concatenate(slots)).to(dev)
-        positions = torch.arange(t_max, device=dev).expand(len(reqs), t_max)
-        attn = PrefillAttention(self.cache, valid, slots, self.impl)
-        hidden = self.model.hidden_states(tokens, positions=positions, attention=attn)
-        last = hidden[torch.arange(len(reqs), device=dev), torch.tensor(lens, device=dev) - 1]
-        logits = self.model.lm_head(last).float()  # [G, V]
+        pages = [[blocks.allocate() for _ in range(blocks.pages_for(n))] for n in lens]
+        tokens = torch.zeros(len(batch), t_max, dtype=torch.long)
+        table = np.zeros((len(batch), blocks.pages_for(t_max)), dtype=np.int64)
+        for i, r in enumerate(rows):
+            tokens[i, : lens[i]] = torch.tensor(r)
+            table[i, : len(pages[i])] = pages[i]
+        pos = np.arange(t_max)
+        slot = table[:, pos // P] * P + pos % P  # [G, T]
+        prompt = pos[None] < np.asarray(plens)[:, None]
+        attn = PrefillAttention(self.cache, torch.from_numpy(prompt).to(dev),
+                                torch.from_numpy(slot[prompt]).to(dev), self.impl,
+                                self._recompute(batch, lens, plens, slot, table))
+        positions = torch.arange(t_max, device=dev).expand(len(batch), t_max)
+        hidden = self.model.hidden_states(tokens.to(dev), positions=positions, attention=attn)
         self.stats.prefill_tokens += sum(lens)
+        self.stats.recomputed_tokens += sum(n for x, n in zip(batch, lens) if isinstance(x, Sequence))
 
+        fresh = [i for i, x in enumerate(batch) if isinstance(x, Request)]
         seqs: list[Sequence] = []
-        copies_src, copies_dst = [], []
-        for r, pages, n_tok in zip(reqs, prompt_pages, lens):
-            shared, own = pages_needed(n_tok, r.params.n, r.params.max_new_tokens, P)
-            partial = n_tok % P != 0
+        for i in fresh:
+            r = batch[i]
             for s in range(r.params.n):
-                seq = Sequence(r, s, self._generator(r, s), reserved=own)
-                seq.pages = [blocks.share(p) if s else p for p in pages[:shared]]
-                if partial:
-                    if s == 0:
-                        seq.pages.append(pages[shared])
-                    else:
-                        seq.pages.append(blocks.allocate())
-                        copies_src.append(pages[shared])
-                        copies_dst.append(seq.pages[-1])
-                    seq.reserved -= 1
+                seq = Sequence(r, s, self._generator(r, s))
+                seq.pages = [blocks.share(p) if s else p for p in pages[i]]
                 seqs.append(seq)
-            # the reservation counted the shared pages once and each sample's own pages; sample 0's
-            # partial page came out of the prompt allocation, which already drew one page
-        self.cache.copy_pages(copies_src, copies_dst)
-        rows = torch.tensor([i for i, r in enumerate(reqs) for _ in range(r.params.n)], device=dev)
-        self._sample(seqs, logits[rows], [0] * len(seqs))
-        self.scheduler.admit_prefilled([s for s in seqs if s.finish_reason is None])
+        if seqs:
+            last = hidden[torch.tensor(fresh, device=dev), torch.tensor([lens[i] - 1 for i in fresh],
+                                                                        device=dev)]
+            logits = self.model.lm_head(last).float()  # [fresh, V]
+            owner = torch.tensor([j for j, i in enumerate(fresh) for _ in range(batch[i].params.n)],
+                                 device=dev)
+            self._sample(seqs, logits[owner], [0] * len(seqs))
+        again = [x for x in batch if isinstance(x, Sequence)]
+        for seq, p in zip(again, (pages[i] for i, x in enumerate(batch) if isinstance(x, Sequence))):
+            seq.pages = p
+        self.scheduler.admit_prefilled(again + [s for s in seqs if s.finish_reason is None])
         return seqs
+
+    def _recompute(self, batch: list[Request | Sequence], lens: list[int], plens: list[int],
+                   slot: np.ndarray, table: np.ndarray) -> Recompute | None:
+        """The generated positions of recomputed rows: their writes in page-offset order and the
+        budgets their decode steps had (`Sequence.budgets[j + 1]` for the token fed at plen + j)."""
+        if all(isinstance(x, Request) for x in batch):
+            return None
+        dev, P = self.device, self.page_size
+        budgets = np.zeros(slot.shape, dtype=np.int64)
+        gen_rows, gen_cols = [], []
+        for i, x in enumerate(batch):
+            if isinstance(x, Sequence):
+                budgets[i, plens[i]: lens[i]] = x.budgets[1: len(x.tokens)]
+                gen_rows.append(np.full(lens[i] - plens[i], i))
+                gen_cols.append(np.arange(plens[i], lens[i]))
+        rows, cols = np.concatenate(gen_rows), np.concatenate(gen_cols)
+        appended = []
+        for off in range(P):
+            at = cols % P == off
+            if at.any():
+                appended.append((torch.from_numpy(rows[at]).to(dev), torch.from_numpy(cols[at]).to(dev),
+                                 torch.from_numpy(slot[rows[at], cols[at]]).to(dev)))
+        positions = torch.arange(slot.shape[1], device=dev).expand(*slot.shape)
+        sparse = torch.from_numpy(budgets).to(dev) if budgets.any() else None
+        return Recompute(appended, sparse, positions, torch.from_numpy(table).to(dev),
+                         frozenset(self.dense_layers))
 
     # ------------------------------------------------------------------ decode
 
     def _decode(self, seqs: list[Sequence]) -> int:
-        P, blocks = self.page_size, self.blocks
+        P = self.page_size
         pos, slots, budgets = [], [], []
         for s in seqs:
-            p = s.num_tokens - 1  # the last sampled token: its k/v are written in this step
-            if p // P == len(s.pages):
-                s.pages.append(blocks.allocate())
-                s.reserved -= 1
+            p = s.num_tokens - 1  # the last sampled token: its k/v go to its page, given by the scheduler
             pos.append(p)
             slots.append(s.pages[p // P] * P + p % P)
             budgets.append(s.budget_now())

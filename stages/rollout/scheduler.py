@@ -1,27 +1,46 @@
-"""Continuous batching: who runs in the next engine step.
+"""Continuous batching with pages on demand and preemption by recompute: who runs in the next step.
 
-Three queues. `waiting`: requests not yet prefilled. `ready`: samples whose prompt is prefilled (and
-whose first token is sampled) but that have no slot in the running batch yet, e.g. the samples of a
-prompt with n > --max-batch. `running`: at most `max_batch` samples decoded together.
+Three queues. `waiting`: requests not yet prefilled, and preempted samples to be recomputed (at the
+front, oldest first). `ready`: samples whose prefill is done (a fresh request's samples have their
+first token) but that have no slot in the running batch yet, e.g. the samples of a prompt with
+n > --max-batch. `running`: at most `max_batch` samples decoded together, in admission order.
 
-Each step: ready samples fill free slots first; if slots are still free, waiting requests are
-admitted (FIFO, as many as the free slots, the prefill token cap and the page pool allow) and the
-step is a prefill; otherwise it is a decode step over everything running. Finished samples leave
-the batch after every step, so the next step can take new ones in. Admission reserves every page the
-request can need (its full prompt pages once, plus each sample's own pages up to max_new_tokens), so
-a running sample never waits for memory and nothing is ever preempted.
+Each step: ready samples fill free slots first; if slots are still free, waiting entries are admitted
+(FIFO, as many as the free slots, the prefill token cap and the free pages allow) and the step is a
+prefill; otherwise it is a decode step over everything running. Finished samples leave after every
+step, so the next step can take new ones in.
+
+Pages are allocated as sequences grow, as in vLLM: a prefill takes its prompt's pages, which its n
+samples then share (the partial last page too), and before a decode step every running sample gets
+the page its next token goes to: a fresh page when it crosses a page boundary, its own copy of a page
+it still shares (copy on write). Admission only takes what leaves the running batch its next step's
+pages, so a new prefill does not immediately push anyone out. When a decode step finds no free page,
+the latest admitted sample is preempted (vLLM's choice: the end of `running`, else the end of
+`ready`, else the sample asking itself): its pages are dropped (shared ones survive with their other
+owners) and it goes back to the front of `waiting`. Its recompute is a prefill of the prompt plus all
+its generated tokens but the last, into pages of its own (the prompt's are not re-shared: simpler, and
+it costs only the prompt's pages once per recomputed sample). It writes the keys and values decoding
+wrote (equal up to float rounding: a prefill's matrix products round differently from a decode
+step's) with the same running-mean centroids, and each generated position attends by the block top-k
+rule at the budget its decode step had (engine.py), so its next decode step feeds the last token as
+it would have; it keeps its random generator, so it draws what it would have drawn. The oldest
+running sample is never the victim, so it always progresses: a request is refused up front if one
+of its samples at full length needs more pages than the pool has (engine.py), and with that no
+schedule can stall.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
 from .block_manager import BlockManager
 from .sequence import Request, Sequence, Status
 
 
 def pages_needed(prompt_len: int, n: int, max_new: int, page: int) -> tuple[int, int]:
-    """(shared full prompt pages, own pages per sample) for a request.
+    """(shared full prompt pages, own pages per sample) of a request at its samples' full length,
+    the worst case a pool is sized for (pages on demand never need more).
 
     A sample caches at most prompt + max_new - 1 tokens (the last sampled token is never fed back);
     its own pages are everything past the full prompt pages, including its copy of a partial one.
@@ -31,12 +50,24 @@ def pages_needed(prompt_len: int, n: int, max_new: int, page: int) -> tuple[int,
     return shared, own
 
 
+def prefill_tokens(entry: Request | Sequence) -> list[int]:
+    """What a prefill of `entry` feeds: a request's prompt, or a preempted sample's prompt and every
+    generated token but the last (the last is fed by its next decode step)."""
+    if isinstance(entry, Request):
+        return entry.prompt
+    return entry.request.prompt + entry.tokens[:-1]
+
+
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_batch: int, max_prefill_tokens: int):
+    def __init__(self, blocks: BlockManager, max_batch: int, max_prefill_tokens: int,
+                 copy_pages: Callable[[list[int], list[int]], None]):
+        """`copy_pages(src, dst)` copies whole pages in the cache (copy on write before a decode)."""
         self.blocks, self.max_batch, self.max_prefill_tokens = blocks, max_batch, max_prefill_tokens
-        self.waiting: deque[Request] = deque()
+        self.copy_pages = copy_pages
+        self.waiting: deque[Request | Sequence] = deque()
         self.ready: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.preemptions = 0
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -44,49 +75,118 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.ready or self.running)
 
-    def need(self, r: Request) -> int:
-        shared, own = pages_needed(len(r.prompt), r.params.n, r.params.max_new_tokens, self.blocks.page_size)
-        return shared + r.params.n * own
+    def page_need(self, seq: Sequence) -> int:
+        """1 if the sample's next decode step needs a page (a fresh one, or a copy of a shared one)."""
+        i = (seq.num_tokens - 1) // self.blocks.page_size  # the page of the token it feeds next
+        if i == len(seq.pages):
+            return 1
+        return int(self.blocks.refcount[seq.pages[i]] > 1)
+
+    def _spare(self) -> int:
+        """Free pages beyond those the running batch's next decode step takes."""
+        return self.blocks.num_free - sum(self.page_need(s) for s in self.running)
 
     def schedule(self) -> tuple[str, list]:
-        """('prefill', requests) or ('decode', running samples)."""
-        while self.ready and len(self.running) < self.max_batch:
-            seq = self.ready.popleft()
-            seq.status = Status.RUNNING
-            self.running.append(seq)
-        free_slots = self.max_batch - len(self.running)
-        admitted, tokens = [], 0
-        while self.waiting and free_slots > 0 and not self.ready:
-            r = self.waiting[0]
-            if admitted and tokens + len(r.prompt) > self.max_prefill_tokens:
-                break
-            need = self.need(r)
-            if need > self.blocks.available:
-                if need > self.blocks.num_pages:
-                    raise RuntimeError(f"request {r.request_id} needs {need} KV pages but the pool has "
-                                       f"only {self.blocks.num_pages}")
-                break  # wait for running samples to finish and give their pages back
-            self.blocks.reserve(need)
-            self.waiting.popleft()
-            admitted.append(r)
-            tokens += len(r.prompt)
-            free_slots -= r.params.n
+        """('prefill', requests and preempted samples) or ('decode', running samples)."""
+        self._fill_slots()
+        admitted = self._admit()
         if admitted:
             return "prefill", admitted
+        self._grow()
         return "decode", list(self.running)
 
-    def admit_prefilled(self, seqs: list[Sequence]) -> None:
-        self.ready.extend(seqs)
+    def _fill_slots(self) -> None:
+        """Ready samples join the batch while slots and their next pages are free; with nothing
+        running, the first joins anyway (the decode step then preempts to make its room)."""
+        spare = self._spare()
         while self.ready and len(self.running) < self.max_batch:
+            need = self.page_need(self.ready[0])
+            if need > spare and self.running:
+                break
+            spare -= need
             seq = self.ready.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)
 
+    def _admit(self) -> list[Request | Sequence]:
+        free_slots = self.max_batch - len(self.running)
+        spare = self._spare()
+        admitted, tokens = [], 0
+        while self.waiting and free_slots > 0 and not self.ready:
+            entry = self.waiting[0]
+            n_tok = len(prefill_tokens(entry))
+            if admitted and tokens + n_tok > self.max_prefill_tokens:
+                break
+            pages = self.blocks.pages_for(n_tok)
+            samples = min(entry.params.n, free_slots) if isinstance(entry, Request) else 1
+            # each sample joining the batch may take a page at its first decode step; with nothing
+            # running or admitted, the prompt's pages alone (which always fit) are enough to go
+            growth = samples if (admitted or self.running) else 0
+            if pages + growth > spare:
+                break
+            spare -= pages + growth
+            self.waiting.popleft()
+            admitted.append(entry)
+            tokens += n_tok
+            free_slots -= entry.params.n if isinstance(entry, Request) else 1
+        return admitted
+
+    def _grow(self) -> None:
+        """Give every running sample the page its next token goes to, oldest first, preempting the
+        latest admitted when none is free."""
+        src, dst = [], []
+        i = 0
+        while i < len(self.running):
+            seq = self.running[i]
+            while seq.status == Status.RUNNING and self.page_need(seq) and not self.blocks.free:
+                self.preempt(self._victim(seq, i))
+            if seq.status != Status.RUNNING:
+                break  # it was the latest admitted itself: everyone before it has their page
+            if self.page_need(seq):
+                p = (seq.num_tokens - 1) // self.blocks.page_size
+                page = self.blocks.allocate()
+                if p < len(seq.pages):  # copy on write; copies run batched, reads before writes
+                    src.append(seq.pages[p])
+                    dst.append(page)
+                    self.blocks.free_pages([seq.pages[p]])
+                    seq.pages[p] = page
+                else:
+                    seq.pages.append(page)
+            i += 1
+        self.copy_pages(src, dst)
+
+    def _victim(self, seq: Sequence, i: int) -> Sequence:
+        """The latest admitted: the end of `running` after `seq`, else the end of `ready` (not yet
+        running), else `seq` itself unless it is the oldest, which always gets its page."""
+        if self.running[-1] is not seq:
+            return self.running[-1]
+        if self.ready:
+            return self.ready[-1]
+        if i > 0:
+            return seq
+        raise RuntimeError(f"request {seq.request.request_id} needs more KV pages than the pool's "
+                           f"{self.blocks.num_pages}")  # refused at add_request; never reached
+
+    def preempt(self, seq: Sequence) -> None:
+        """Drop the sample's pages and queue it, first in line, for recompute."""
+        (self.running if seq.status == Status.RUNNING else self.ready).remove(seq)
+        self.blocks.free_pages(seq.pages)
+        seq.pages = []
+        seq.status = Status.PREEMPTED
+        seq.preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def admit_prefilled(self, seqs: list[Sequence]) -> None:
+        for seq in seqs:
+            seq.status = Status.READY
+        self.ready.extend(seqs)
+        self._fill_slots()
+
     def finish(self, seq: Sequence) -> None:
-        """Give a finished sample's pages and unused reservation back."""
+        """Give a finished sample's pages back."""
         if seq.status == Status.RUNNING:
             self.running.remove(seq)
         seq.status = Status.FINISHED
         self.blocks.free_pages(seq.pages)
-        self.blocks.release(seq.reserved)
-        seq.pages, seq.reserved = [], 0
+        seq.pages = []

@@ -54,11 +54,12 @@ class Status(enum.Enum):
     READY = 0  # prefilled (its first token sampled), waiting for a slot in the running batch
     RUNNING = 1
     FINISHED = 2
+    PREEMPTED = 3  # its pages were taken back; waiting to be recomputed
 
 
 @dataclass
 class Request:
-    """A prompt and its n samples; `pages` are its prompt pages until the samples are forked."""
+    """A prompt and its n samples."""
 
     request_id: int
     prompt: list[int]
@@ -73,13 +74,13 @@ class Sequence:
     sample: int
     generator: torch.Generator | None
     pages: list[int] = field(default_factory=list)  # block table: physical page of logical page i
-    reserved: int = 0  # pages still reserved for this sample's future tokens
     tokens: list[int] = field(default_factory=list)  # generated so far
     logprobs: list[float] = field(default_factory=list)
     budgets: list[int] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] | None = None
     finish_reason: str | None = None
     status: Status = Status.READY
+    preemptions: int = 0
 
     @property
     def num_tokens(self) -> int:
