@@ -59,7 +59,8 @@ def run_one(args, name: str, overrides: dict, seed: int, prompts: Path, eval_pro
     cfg = TrainConfig(model=args.model, steps=args.steps, prompts_per_step=args.prompts_per_step,
                       samples=args.samples, max_new_tokens=args.max_new_tokens, lr=args.lr,
                       lora_rank=args.lora_rank, seed=seed, micro_batch=args.micro_batch,
-                      checkpoint_every=args.steps, eval_every=args.eval_every or args.steps, bin_width=args.bin_width,
+                      checkpoint_every=args.steps, eval_every=args.eval_every or args.steps,
+                      bin_width=args.bin_width,
                       **overrides)
     rows = load_prompts(prompts, loaded.tokenizer)
     held_out = load_prompts(eval_prompts, loaded.tokenizer)
