@@ -2,10 +2,10 @@
 
 Fast tests, always run, need no vLLM: what vLLM cannot do (sparse flags, adapters, truncated sampling)
 is refused in one sentence before anything loads, and a missing extra says how to install it (the
-only place the import is faked). The slow test runs only where vLLM is installed (`make vllm`): vLLM's
-greedy tokens on SmolLM2-135M equal transformers' greedy generate in fp32, and its sampled-token
-logprobs equal our teacher-forced dense logprobs (`score_sequences`) within 1e-3 nats, both through
-the CLI into the rollouts artifact.
+only place the import is faked). The slow tests run only where vLLM is installed (`make vllm`), each
+through the CLI into the rollouts artifact, vLLM in fp32: greedy tokens on SmolLM2-135M equal
+transformers' greedy generate, and sampled-token logprobs (greedy, and sampled at T = 0.7) equal our
+teacher-forced dense logprobs (`score_sequences`) within 1e-3 nats.
 """
 
 from __future__ import annotations
@@ -120,5 +120,26 @@ def test_vllm_rollouts_match_transformers_and_teacher_forcing(prompts_file, tmp_
 
     scored = score_sequences(smollm2.model, [x["prompt_token_ids"] for x in rows],
                              [x["token_ids"] for x in rows], [], temperature=1.0)
+    got = np.concatenate([x["logprobs"] for x in rows])
+    assert np.abs(got - scored.logp_dense).max() <= LOGPROB_TOL
+
+
+@pytest.mark.slow
+def test_vllm_sampled_logprobs_follow_our_temperature_convention(prompts_file, tmp_path, smollm2):
+    """Sampled at T = 0.7 (EOS ignored): each logprob is log_softmax(logits / T) of the sampled token,
+    as our engine reports it, so teacher forcing at T = 0.7 gives the same numbers."""
+    pytest.importorskip("vllm")
+    from sparrow.stages.mismatch import score_sequences
+
+    out = tmp_path / "r.parquet"
+    r = runner.invoke(app, ["rollout", "--prompts", str(prompts_file), "--engine", "vllm", "--samples", "3",
+                            "--temperature", "0.7", "--max-new-tokens", "16", "--ignore-eos", "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    rows = read_artifact(out, "rollouts").to_pylist()
+    assert [x["sample"] for x in rows] == [0, 1, 2, 0, 1, 2]
+    assert all(len(x["token_ids"]) == 16 and x["finish_reason"] == "length" for x in rows)
+    assert len({tuple(x["token_ids"]) for x in rows[:3]}) > 1  # sampled, not three copies
+    scored = score_sequences(smollm2.model, [x["prompt_token_ids"] for x in rows],
+                             [x["token_ids"] for x in rows], [], temperature=0.7)
     got = np.concatenate([x["logprobs"] for x in rows])
     assert np.abs(got - scored.logp_dense).max() <= LOGPROB_TOL

@@ -20,6 +20,10 @@ Design decisions:
   gives the same rollouts, but not the ones our engine draws for that seed (other random streams).
 - In-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0): no engine-core child that re-imports the
   caller's `__main__` (pytest, the CLI, a bench script), one process to time.
+- Threads: the same as our engine's (torch's intra-op threads, all cores by default), passed to vLLM as
+  OMP_NUM_THREADS unless that is set. Left alone, vLLM's CPU worker drops torch to 1 thread "for
+  serving" (and its default multi-process mode reserves a core for its scheduler), which on a 2-core
+  machine halves its compute against ours.
 - Memory: the machine is shared, so the CPU KV cache is 2 GiB unless VLLM_CPU_KVCACHE_SPACE is set
   (vLLM's own default takes a large share of RAM).
 - Timing comes from vLLM's per-request stats: prefill = scheduled until every request's first token,
@@ -91,7 +95,11 @@ class VllmSampler:
 
     def __init__(self, checkpoint: Path, *, dtype: str = "float32", seed: int = 0, max_model_len: int,
                  max_batch: int = 16, eos_ids: Seq[int] = (), kv_cache_gib: float | None = None):
+        import torch
+
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        # read by vLLM only to decide whether to drop torch to 1 thread; torch keeps its own count
+        os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib or DEFAULT_KV_CACHE_GIB))
         t0 = time.perf_counter()
         vllm = require_vllm()
