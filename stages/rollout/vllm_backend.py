@@ -26,8 +26,8 @@ Design decisions:
   machine halves its compute against ours.
 - Memory: the machine is shared, so the CPU KV cache is 2 GiB unless VLLM_CPU_KVCACHE_SPACE is set
   (vLLM's own default takes a large share of RAM).
-- Timing comes from vLLM's per-request stats: prefill = scheduled until every request's first token,
-  decode = the rest until the last token; start-up (model load, torch.compile, about 1.5-3 minutes
+- Timing comes from vLLM's per-request stats: prefill = from the call until every request's first
+  token, decode = the rest until the last token; start-up (model load, torch.compile, about 1.5-3 minutes
   on 2 CPU cores, cached compiles afterwards) is reported separately.
 """
 
@@ -123,10 +123,10 @@ class VllmSampler:
                         stop_token_ids=[] if params.ignore_eos else self.eos_ids, logprobs=0,
                         detokenize=False)
         requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts for _ in range(copies)]
-        t0 = time.perf_counter()
+        t0, start = time.perf_counter(), time.monotonic()
         outs = self.llm.generate(requests, vp, use_tqdm=False)
         self.timing.seconds = time.perf_counter() - t0
-        self._time_phases(outs)
+        self._time_phases(outs, start)
         results: list[list[Completion]] = [[] for _ in prompts]
         for k, out in enumerate(outs):
             rid = k // copies
@@ -137,12 +137,16 @@ class VllmSampler:
             r.sort(key=lambda c: c.sample)
         return results
 
-    def _time_phases(self, outs) -> None:
+    def _time_phases(self, outs, start: float) -> None:
+        """Prefill: from the call (`start`, time.monotonic, the clock of vLLM's engine-core stamps)
+        until every request has its first token; decode: from there to the last token. Not the
+        request's own `scheduled_ts`: with n samples vLLM returns the stats of one child (the last to
+        finish), which can be scheduled after a sibling has prefilled the shared prompt (measured:
+        that child's prefill + decode covered 32 s of a 66 s call)."""
         stats = [o.metrics for o in outs if o.metrics is not None]
         if not stats:  # stats off: all of it counts as decode
             self.timing.prefill_s, self.timing.decode_s = 0.0, self.timing.seconds
             return
-        start = min(s.scheduled_ts for s in stats)
         first = max(s.first_token_ts for s in stats)
         self.timing.prefill_s = first - start
         self.timing.decode_s = max(s.last_token_ts for s in stats) - first
