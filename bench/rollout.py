@@ -1,4 +1,4 @@
-"""Rollout engine throughput: dense vs block top-k sparse engine vs Hugging Face `generate` (CPU or GPU).
+"""Rollout engine throughput: dense vs block top-k sparse engine vs vLLM vs Hugging Face `generate`.
 
 Issue targets (reported, not asserted). CPU: SmolLM2-135M, one ~6K-token kv_lookup prompt, 8 samples x
 1,024 new tokens, EOS ignored so every run does the same work: the sparse engine at budget 512 reaches
@@ -10,15 +10,24 @@ with a schedule, and transformers' greedy `generate` on the same weights (the em
 directory) with the prompt repeated once per sample (HF prefills every copy; the engine prefills once
 and shares the pages, so end-to-end numbers favour the engine and decode-only numbers are the fair
 comparison). HF runs last, after `tune_cpu_allocator` (its growing cache needs it; our engine does
-not). Per decode step, the fraction of the memory-bandwidth limit reached = (weight bytes + KV bytes
-read) / step time / the device's copy bandwidth (a large tensor copy, read + write). With shared
-prompt pages every sample's read of them counts, though some may come from a cache; "floor ms" is
-the step time at the copy bandwidth if shared prompt pages were read once per step (weights + unique KV
-bytes), and "x floor" the measured step over it.
+not).
+vLLM (when installed: `make vllm`) runs after our engine, on the same prompt, samples, new tokens and
+temperature, dense, in `--vllm-dtype` (default: our engine's dtype, fp32 on the CPU), with prefix
+caching, in-process, with its global seed (per-request seeds fail on the CPU). Its start-up (load +
+torch.compile) is timed apart, then one short untimed generate warms it up and its prefix cache is
+reset; prefill s and decode s come from its request stats (first token, last token), its step time is
+decode s over the decode steps (no median).
+"command s" is what a `sparrow rollout` command would spend: model load (ours) or start-up (vLLM)
+plus the generate call. Per decode step, "BW frac" is the fraction of the memory-bandwidth limit
+reached: (weight bytes + KV bytes read, the prompt pages the samples share counted once) / step time /
+the device's copy bandwidth (a large tensor copy, read + write); "floor ms" is that limit's step time
+and "x floor" the measured step over it. "MB/step" and `bw_fraction_requested` count the KV bytes as
+the kernels request them (each sample reads the prompt pages it shares, some perhaps from a cache).
 Writes bench/results/rollout.parquet.
 
     .venv/bin/python bench/rollout.py                         # the CPU run (about 25 minutes)
     .venv/bin/python bench/rollout.py --context 1000 --new-tokens 64 --samples 4   # a quick one
+    .venv/bin/python bench/rollout.py --new-tokens 320 --temperature 1 --no-hf --no-schedule  # vs vLLM
     .venv/bin/python bench/rollout.py --model qwen3-4b --random-weights --context 16384 --samples 32 \
         --budget 2048 --schedule published:qwen3-4b:0.86                  # GPU (no HF baseline)
 """
@@ -26,6 +35,7 @@ Writes bench/results/rollout.parquet.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import platform
 import time
 
@@ -138,6 +148,30 @@ def run_hf(args, prompt, device, dtype):
             "mean_budget": 0.0}
 
 
+def run_vllm(args, prompt, cfg, dtype: str):
+    """vLLM dense on the same workload: start-up, an untimed warm-up, then the timed generate."""
+    from sparrow.stages.rollout.vllm_backend import VllmSampler, vllm_checkpoint
+
+    sampler = VllmSampler(vllm_checkpoint(args.model), dtype=dtype, seed=0, max_batch=args.samples,
+                          max_model_len=len(prompt) + args.new_tokens, eos_ids=cfg.eos_token_ids)
+    startup = sampler.timing.startup_s
+    g = torch.Generator().manual_seed(1)  # another prompt: the warm-up leaves no prefix to reuse
+    other = torch.randint(0, cfg.vocab_size, (256,), generator=g).tolist()
+    params = SamplingParams(max_new_tokens=args.new_tokens, n=args.samples, temperature=args.temperature,
+                            seed=0, ignore_eos=True)
+    sampler.generate([other], SamplingParams(max_new_tokens=8, n=args.samples,
+                                             temperature=args.temperature, ignore_eos=True))
+    sampler.llm.reset_prefix_cache()
+    out = sampler.generate([prompt], params)
+    t = sampler.timing
+    assert all(len(c.token_ids) == args.new_tokens for c in out[0])
+    step_ms = 1e3 * t.decode_s / max(args.new_tokens - 1, 1)
+    del sampler
+    return {"engine": f"vllm-{dtype}", "total_s": t.seconds, "setup_s": startup, "prefill_s": t.prefill_s,
+            "decode_s": t.decode_s, "decode_steps": args.new_tokens - 1, "step_ms": step_ms,
+            "median_step_ms": float("nan"), "mean_budget": 0.0}
+
+
 def parse_schedule(spec: str | None) -> Schedule:
     """A schedule artifact, 'published:MODEL:THRESHOLD', or the CPU default for SmolLM2's 8K context."""
     if spec is None:
@@ -175,13 +209,19 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    ap.add_argument("--no-schedule", action="store_true", help="skip the engine's schedule run")
+    ap.add_argument("--no-vllm", action="store_true", help="skip vLLM (run when installed)")
+    ap.add_argument("--vllm-dtype", default=None, help="vLLM's dtype, or several comma-separated, one "
+                    "engine each (default: our engine's; bfloat16 is vLLM's own CPU default)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     schedule = parse_schedule(args.schedule)
+    t0 = time.perf_counter()
     loaded = load_model(args.model, device=str(device), dtype=dtype, random_weights=args.random_weights)
+    load_s = time.perf_counter() - t0
     model, cfg = loaded.model, loaded.config
     prompt = make_prompt(loaded, args)
     bw = copy_bandwidth(device)
@@ -190,18 +230,32 @@ def main() -> None:
 
     rows = []
     runs = (("dense", None), (f"sparse-{args.budget}", args.budget), ("sparse-schedule", schedule))
+    runs = runs[:2] if args.no_schedule else runs
     warm_up(model, prompt, args, runs)
     for label, sparsity in runs:
         row, budget_at = run_engine(model, prompt, args, sparsity, label)
+        row["setup_s"] = load_s
         for key, once in (("kv_bytes_per_step", False), ("kv_unique_bytes_per_step", True)):
             row[key] = kv_bytes_per_step(cfg, len(prompt), args.new_tokens, args.samples, budget_at, (0, 1),
                                          elem, shared_once=once)
         rows.append(row)
         print(f"  {label}: {row['total_s']:.1f} s", flush=True)
+    if not (args.no_vllm or args.random_weights) and importlib.util.find_spec("vllm") is not None:
+        for vdtype in (args.vllm_dtype or str(dtype).removeprefix("torch.")).split(","):
+            row = run_vllm(args, prompt, cfg, vdtype)
+            velem = torch.tensor([], dtype=getattr(torch, vdtype)).element_size()
+            row["weight_bytes"] = w_bytes * velem // elem
+            for key, once in (("kv_bytes_per_step", False), ("kv_unique_bytes_per_step", True)):
+                row[key] = kv_bytes_per_step(cfg, len(prompt), args.new_tokens, args.samples, None, (0, 1),
+                                             velem, shared_once=once)
+            rows.append(row)
+            print(f"  {row['engine']}: {row['total_s']:.1f} s (+ {row['setup_s']:.0f} s start-up)",
+                  flush=True)
     if not (args.no_hf or args.random_weights):
         if device.type == "cpu":
             tune_cpu_allocator()  # after our runs: it is process-wide
         row = run_hf(args, prompt, device, dtype)
+        row["setup_s"] = float("nan")  # not timed (from_pretrained)
         for key, once in (("kv_bytes_per_step", False), ("kv_unique_bytes_per_step", True)):
             row[key] = kv_bytes_per_step(cfg, len(prompt), args.new_tokens, args.samples, None, (0, 1),
                                          elem, shared_once=once)
@@ -215,22 +269,26 @@ def main() -> None:
         r["tok_s"] = tokens / r["total_s"]
         r["decode_tok_s"] = decode_tokens / r["decode_s"] if r["decode_s"] > 0 else float("nan")
         r["x_dense_decode"] = r["decode_tok_s"] / (decode_tokens / dense["decode_s"])
-        r["bytes_per_step"] = w_bytes + r["kv_bytes_per_step"]
-        r["bw_fraction"] = r["bytes_per_step"] / (r["step_ms"] / 1e3) / bw
-        r["floor_ms"] = 1e3 * (w_bytes + r["kv_unique_bytes_per_step"]) / bw  # shared pages read once
+        wb = r.setdefault("weight_bytes", w_bytes)
+        r["command_s"] = r["setup_s"] + r["total_s"]
+        r["bytes_per_step"] = wb + r["kv_bytes_per_step"]
+        r["bw_fraction_requested"] = r["bytes_per_step"] / (r["step_ms"] / 1e3) / bw
+        r["floor_ms"] = 1e3 * (wb + r["kv_unique_bytes_per_step"]) / bw  # shared pages read once
         r["x_floor"] = r["step_ms"] / r["floor_ms"]
+        r["bw_fraction"] = 1 / r["x_floor"]
         r.update(prompt_tokens=len(prompt), samples=args.samples, new_tokens=args.new_tokens,
                  device=str(device), threads=torch.get_num_threads(), copy_gb_s=bw / 1e9)
     print(f"{loaded.name}, prompt {len(prompt)} tokens, {args.samples} samples x {args.new_tokens} new "
           f"tokens (EOS ignored, temperature {args.temperature}), {device} "
           f"({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads), "
           f"copy bandwidth {bw / 1e9:.1f} GB/s, weights {w_bytes / 1e6:.0f} MB")
-    head = (f"{'engine':>16} {'total s':>8} {'prefill s':>9} {'decode s':>9} {'tok/s':>7} "
+    head = (f"{'engine':>16} {'command s':>9} {'total s':>8} {'prefill s':>9} {'decode s':>9} {'tok/s':>7} "
             f"{'dec tok/s':>9} {'x dense':>7} {'step ms':>8} {'median':>7} {'MB/step':>8} {'BW frac':>7} "
             f"{'floor ms':>8} {'x floor':>7}")
     print(head)
     for r in rows:
-        print(f"{r['engine']:>16} {r['total_s']:>8.1f} {r['prefill_s']:>9.1f} {r['decode_s']:>9.1f} "
+        print(f"{r['engine']:>16} {r['command_s']:>9.1f} {r['total_s']:>8.1f} {r['prefill_s']:>9.1f} "
+              f"{r['decode_s']:>9.1f} "
               f"{r['tok_s']:>7.1f} {r['decode_tok_s']:>9.1f} {r['x_dense_decode']:>7.2f} "
               f"{r['step_ms']:>8.1f} {r['median_step_ms']:>7.1f} {r['bytes_per_step'] / 1e6:>8.0f} "
               f"{r['bw_fraction']:>7.2f} {r['floor_ms']:>8.1f} {r['x_floor']:>7.2f}")

@@ -36,6 +36,56 @@ def _sparsity(schedule: Path | None, budget: int | None, dense: bool, model: str
         raise UsageError(str(e)) from None
 
 
+def _check_vllm_flags(schedule, budget, lora, top_k: int, top_p: float) -> None:
+    """What vLLM cannot do is refused in one sentence, and a missing extra says how to install it,
+    before anything loads."""
+    from sparrow.stages.rollout.vllm_backend import VllmMissing, require_vllm
+
+    if schedule is not None or budget is not None:
+        raise UsageError("--budget and --schedule need --engine ours: vLLM samples with dense attention only")
+    if lora is not None:
+        raise UsageError("--adapter is not supported with --engine vllm; merge the adapter into a "
+                         "checkpoint directory or use --engine ours")
+    if top_k or top_p < 1:
+        raise UsageError("--top-k/--top-p are not supported with --engine vllm: it reports logprobs of the "
+                         "truncated distribution, not the full one that the rollouts artifact stores")
+    try:
+        require_vllm()
+    except VllmMissing as e:
+        raise UsageError(str(e)) from None
+
+
+def _rollout_vllm(model: str, prompt_set, output: Path, fmt: str, cfg, device: str, max_batch: int,
+                  sampling) -> None:
+    """Dense sampling with vLLM into the same rollouts artifact (budget 0 for every token)."""
+    from sparrow.schemas import write_artifact
+    from sparrow.stages.attention import PAGE_SIZE
+    from sparrow.stages.model.loading import _dir_tokenizer, model_name
+    from sparrow.stages.rollout.vllm_backend import run_vllm_rollouts, vllm_checkpoint
+
+    checkpoint = vllm_checkpoint(model)
+    tokenizer = _dir_tokenizer(checkpoint)
+    if prompt_set.needs_tokenizer:
+        prompt_set.tokenize(tokenizer)
+        prompt_set.check_fits(cfg.vocab_size, cfg.max_position_embeddings, sampling.max_new_tokens)
+    rows = prompt_set.rows
+    longest = max(len(r["prompt_token_ids"]) for r in rows)
+    dtype = "bfloat16" if device == "cuda" else "float32"
+    console.print(f"starting vLLM on {checkpoint} ({dtype}; 1-4 minutes on a small CPU)")
+    table, summary, timing = run_vllm_rollouts(
+        model, rows, sampling, tokenizer=tokenizer, eos_ids=cfg.eos_token_ids, max_batch=max_batch,
+        max_model_len=min(cfg.max_position_embeddings, longest + sampling.max_new_tokens), dtype=dtype)
+    write_artifact(table, output, "rollouts", metadata={
+        "model": model_name(model), "prompts": str(prompt_set.path), "sparsity": "dense", "engine": "vllm",
+        "samples": sampling.n, "max_new_tokens": sampling.max_new_tokens,
+        "temperature": sampling.temperature, "top_p": 1.0, "top_k": 0, "seed": sampling.seed,
+        "seed_scope": "vLLM global seed (per-request seeds fail on the CPU)",
+        "ignore_eos": sampling.ignore_eos, "page_size": PAGE_SIZE, "device": device, "dtype": dtype,
+        "lora": "", "vllm_startup_seconds": round(timing.startup_s, 2), "summary": summary.metadata()})
+    console.print(f"wrote {table.num_rows} rollouts to {output} (vLLM start-up {timing.startup_s:.0f} s)")
+    emit_record(summary.metadata(), fmt, title="rollouts (dense, vLLM)", labels=SUMMARY_LABELS)
+
+
 @friendly_errors
 def rollout(
     model: str = typer.Option("smollm2-135m", "--model", help="Preset, checkpoint dir or .gguf."),
@@ -59,6 +109,8 @@ def rollout(
     eager: bool = typer.Option(False, "--eager", help="On cuda, run every decode step eagerly instead of "
                                "replaying CUDA graphs (for debugging; slower)."),
     output: Path = typer.Option(..., "-o", "--output", help="Where to write the rollouts artifact."),
+    engine: str = typer.Option("ours", "--engine", help="ours (dense, budget or schedule) or vllm (dense "
+                               "only; the optional extra .[vllm])."),
     format: str = format_option(),
 ) -> None:
     """Generate K samples per prompt with dense, fixed-budget or scheduled block top-k sparse attention:
@@ -75,6 +127,10 @@ def rollout(
     from sparrow.stages.rollout.lora import check_lora_fits
 
     fmt = resolve_format(format)
+    if engine not in ("ours", "vllm"):
+        raise UsageError(f"--engine must be ours or vllm, got {engine!r}")
+    if engine == "vllm":
+        _check_vllm_flags(schedule, budget, lora, top_k, top_p)
     sparsity = _sparsity(schedule, budget, dense, model)
     for flag, value in (("--samples", samples), ("--max-new-tokens", max_new_tokens),
                         ("--max-batch", max_batch)):
@@ -102,6 +158,10 @@ def rollout(
             raise UsageError(str(e)) from None
     prompt_set = PromptSet.read(prompts)
     prompt_set.check_fits(cfg.vocab_size, cfg.max_position_embeddings, max_new_tokens)  # before weights
+    if engine == "vllm":
+        return _rollout_vllm(model, prompt_set, output, fmt, cfg, device, max_batch,
+                             SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
+                                            n=samples, ignore_eos=ignore_eos))
     loaded = load_model(model, device=device,
                         dtype=torch.bfloat16 if device == "cuda" else torch.float32)
     if prompt_set.needs_tokenizer:
@@ -135,7 +195,7 @@ def rollout(
     write_artifact(table, output, "rollouts", metadata={
         "model": loaded.name, "prompts": str(prompts), "sparsity": mode, "samples": samples,
         "max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k,
-        "seed": seed, "ignore_eos": ignore_eos, "page_size": PAGE_SIZE, "device": device,
+        "seed": seed, "ignore_eos": ignore_eos, "page_size": PAGE_SIZE, "device": device, "engine": "ours",
         "lora": str(lora) if lora else "", "summary": summary.metadata()})
     console.print(f"wrote {table.num_rows} rollouts to {output}")
     emit_record(summary.metadata(), fmt, title=f"rollouts ({mode})", labels=SUMMARY_LABELS)

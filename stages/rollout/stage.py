@@ -19,7 +19,7 @@ from ..model.loading import LoadedModel
 from ..sparsity import Sparsity
 from .engine import Engine, EngineStats
 from .lora import LoraWeights, lora_merged
-from .sequence import SamplingParams
+from .sequence import Completion, SamplingParams
 
 
 @dataclass
@@ -67,18 +67,24 @@ def run_rollouts(loaded: LoadedModel, rows: Seq[dict], opts: RolloutOptions,
                  on_step: Callable[[int, int], None] | None = None) -> tuple[pa.Table, RolloutSummary]:
     """`rows`: prompts-artifact rows with `prompt_id` and `prompt_token_ids` (and optionally `task`,
     `answer`, `metadata` for the reward)."""
-    from ..tasks import TASKS, score
-
     engine = Engine(loaded.model, opts.sparsity, max_batch=opts.max_batch, page_size=opts.page_size,
                     dense_layers=opts.dense_layers, impl=opts.impl, decode_graphs=opts.decode_graphs)
     with lora_merged(loaded.model, opts.lora):
         results = engine.generate([r["prompt_token_ids"] for r in rows], opts.sampling, on_step)
-    tok = loaded.tokenizer
+    out = rollout_columns(rows, results, loaded.tokenizer)
+    return pa.table(out), summarize(out, engine.stats)
+
+
+def rollout_columns(rows: Seq[dict], results: Seq[Seq[Completion]], tokenizer) -> dict[str, list]:
+    """The rollouts artifact's columns from the completions of each prompt row, whichever sampler made
+    them (our engine, or vLLM in vllm_backend.py): decoded text and the task's reward added."""
+    from ..tasks import TASKS, score
+
     out = {k: [] for k in ("prompt_id", "sample", "prompt_token_ids", "token_ids", "text", "logprobs",
                            "budgets", "finish_reason", "reward")}
     for row, completions in zip(rows, results):
         for c in completions:
-            text = tok.decode(c.token_ids, skip_special_tokens=True) if tok is not None else None
+            text = tokenizer.decode(c.token_ids, skip_special_tokens=True) if tokenizer is not None else None
             reward = None
             if text is not None and row.get("task") in TASKS and row.get("answer") is not None:
                 reward = score(row["task"], text, row["answer"], row.get("metadata"))
@@ -91,7 +97,7 @@ def run_rollouts(loaded: LoadedModel, rows: Seq[dict], opts: RolloutOptions,
             out["budgets"].append(c.budgets)
             out["finish_reason"].append(c.finish_reason)
             out["reward"].append(reward)
-    return pa.table(out), summarize(out, engine.stats)
+    return out
 
 
 def summarize(out: dict, stats: EngineStats) -> RolloutSummary:
