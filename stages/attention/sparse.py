@@ -36,6 +36,11 @@ class SparseAttention:
         if layer in self.dense_layers or not bool((self.budgets > 0).any()):
             return self._dense(layer, q, k, v, ctx)
         keys, values = cached_kv(layer, k, v, ctx)  # [B, Hkv, S, D]
+        return self.attend(q, keys, values, ctx.positions)
+
+    def attend(self, q: Tensor, keys: Tensor, values: Tensor, positions: Tensor) -> Tensor:
+        """Block top-k attention of q [B, Hq, T, D] at `positions` [B, T] over keys/values
+        [B, Hkv, S, D] whose slot i holds position i."""
         centroids = page_centroids(keys, self.page)
         budgets = self.budgets.expand(q.shape[0], q.shape[2])
         hq, hkv = q.shape[1], keys.shape[1]
@@ -43,7 +48,7 @@ class SparseAttention:
         chunk = max(16, min(t, self.chunk_elements // (b * hq * s)))
         out = []
         for start in range(0, t, chunk):
-            pos = ctx.positions[:, start:start + chunk]
+            pos = positions[:, start:start + chunk]
             kv_hi = int(pos.max()) + 1  # keys past the chunk's last query are never visible
             pages = kept_page_mask(q[:, :, start:start + chunk], centroids, pos,
                                    budgets[:, start:start + chunk], self.page)
