@@ -42,7 +42,8 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -290,6 +291,93 @@ class Distiller:
         return save_adapter(self.model, self.lora_config, folder, base_model)
 
 
+class JointSparseActor:
+    """`sparrow train --distill-sparse`: the sparse actor's adapter trained jointly with GRPO (published).
+
+    A second peft adapter ("sparse") sits beside the learner's ("default") in every linear layer. The
+    learner (scoring, its update, evaluation) runs with "default" active only; the engine samples with both
+    active, so the sparse actor is the current learner plus the sparse adapter, in every forward of the
+    rollout (as for `sparrow distill`). After the learner's update, with the learner frozen, `update` takes
+    one AdamW step (lr = lr_ratio x the learner's lr) on the sparse actor's PPO loss over the step's rollouts
+    (ratio = actor / rollout logprob, the step's advantages, the learner's clip rule, token mean) plus
+    kl_coef x k3(logp_dense_old - logp_actor), from the dense logprobs the step already computed.
+    """
+
+    ADAPTER = "sparse"
+
+    def __init__(self, model: Transformer, rank: int, alpha: float, lr: float, kl_coef: float,
+                 budget_at: BudgetFn, temperature: float, dense_layers: Sequence[int] = DEFAULT_DENSE_LAYERS,
+                 page: int = PAGE_SIZE):
+        from peft import LoraConfig, inject_adapter_in_model
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        from .train.adapter import TARGET_MODULES
+
+        self.model, self.kl_coef, self.budget_at = model, kl_coef, budget_at
+        self.temperature, self.dense_layers, self.page = temperature, tuple(dense_layers), page
+        self.config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, bias="none",
+                                 target_modules=list(TARGET_MODULES), task_type="CAUSAL_LM")
+        inject_adapter_in_model(self.config, model, adapter_name=self.ADAPTER)
+        self.layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+        lora = [(n, p) for n, p in model.named_parameters() if "lora_" in n]
+        self.params = [p for n, p in lora if f".{self.ADAPTER}." in n]
+        self.learner_params = [p for n, p in lora if ".default." in n]
+        self.use("learner")
+        self.optimizer = torch.optim.AdamW(self.params, lr=lr, weight_decay=0.0)
+
+    def use(self, who: str) -> None:
+        """"learner": the default adapter only (trainable); "actor": both, only the sparse one trainable."""
+        names = ["default"] if who == "learner" else ["default", self.ADAPTER]
+        for m in self.layers:
+            m.set_adapter(names)
+        for p in self.params:  # peft's set_adapter also sets requires_grad: state ours explicitly
+            p.requires_grad_(who == "actor")
+        for p in self.learner_params:
+            p.requires_grad_(who == "learner")
+
+    @contextmanager
+    def acting(self) -> Iterator[None]:
+        self.use("actor")
+        try:
+            yield
+        finally:
+            self.use("learner")
+
+    def update(self, completions, advantages: Tensor, old: dict, loss_cfg) -> dict[str, float]:
+        """One step on the sparse adapter; `completions` the step's engine samples, `old` the trainer's
+        scores (dense `logp`, `logp_rollout`, `mask`, [N, T] on the CPU)."""
+        from dataclasses import replace
+
+        from .train.objective import policy_loss
+
+        cfg = replace(loss_cfg, kl_coef=self.kl_coef, loss_agg="token-mean")
+        normalizer = max(int(old["mask"].sum()), 1)
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for i, c in enumerate(completions):
+            groups.setdefault(tuple(c.prompt_token_ids), []).append(i)
+        sums: dict[str, float] = {}
+        with self.acting():
+            self.model.train()
+            self.optimizer.zero_grad(set_to_none=True)
+            for prompt, idx in groups.items():
+                comps = [completions[i].token_ids for i in idx]
+                hidden = actor_hidden(self.model, prompt, comps, self.budget_at, self.dense_layers, self.page)
+                lp = log_probs(self.model, hidden, self.temperature)
+                logp = lp.gather(-1, pad_right(comps, lp.device)[..., None]).squeeze(-1)  # [K, T]
+                t, sel = logp.shape[1], torch.tensor(idx)
+                loss, part = policy_loss(logp, old["logp_rollout"][sel, :t], advantages[sel],
+                                         torch.ones_like(logp), old["mask"][sel, :t], cfg,
+                                         ref_logp=old["logp"][sel, :t], normalizer=normalizer)
+                loss.backward()
+                for k, v in part.items():
+                    sums[k] = sums.get(k, 0.0) + float(v)
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, 1.0))
+            self.optimizer.step()
+        self.model.eval()
+        return {"sparse_loss": sums.get("loss", 0.0), "sparse_policy_loss": sums.get("policy_loss", 0.0),
+                "sparse_kl": sums.get("kl", 0.0), "sparse_grad_norm": grad_norm}
+
+
 def evaluate(loaded: LoadedModel, trajectories: Sequence[Trajectory], budgets: Sequence[int],
              actor: LoraWeights | None, temperature: float, bin_width: int,
              dense_layers: Sequence[int] = DEFAULT_DENSE_LAYERS, page_size: int = PAGE_SIZE) -> pa.Table:
@@ -362,5 +450,6 @@ def save_result(distiller: Distiller, result: DistillResult, folder: str | os.Pa
     return folder
 
 
-__all__ = ["OBJECTIVES", "DistillConfig", "DistillResult", "Distiller", "SharedPromptSparse", "actor_hidden",
-           "evaluate", "run_distill", "save_result", "tail_comparison", "token_losses"]
+__all__ = ["OBJECTIVES", "DistillConfig", "DistillResult", "Distiller", "JointSparseActor",
+           "SharedPromptSparse",
+           "actor_hidden", "evaluate", "run_distill", "save_result", "tail_comparison", "token_losses"]

@@ -12,6 +12,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import test_train
 import torch
 import transformers
 from torch import nn
@@ -31,6 +32,8 @@ from sparrow.stages.train.trainer import adapters_disabled
 from sparrow.stages.trajectories import Trajectory
 
 runner = CliRunner()
+# the fixtures of test_train: a tiny Llama with SmolLM2's tokenizer, a graded toy task's prompts
+tiny_llama, vowel_prompts = test_train.tiny_llama, test_train.vowel_prompts
 VOCAB = 300
 
 
@@ -329,3 +332,43 @@ def test_cli_bad_input(cli_files, tmp_path, args, message):
     assert len(lines) == 1 and lines[0].startswith("error:"), r.stderr
     assert message in lines[0], lines[0]
     assert not out.exists()
+
+
+# ---------------------------------------------------------------------------- sparrow train --distill-sparse
+
+
+def test_train_distill_sparse_keeps_the_learner_apart(tiny_llama, vowel_prompts, tmp_path):
+    """Two GRPO steps with the sparse actor's adapter trained jointly: the learner (its saved adapter, its
+    forward) equals transformers + peft with the learner's adapter alone; the sparse actor is the learner
+    plus the sparse adapter (both merged into fresh base weights); the sparse adapter trained."""
+    import json
+
+    from peft import PeftModel
+
+    from sparrow.stages.train import TrainConfig
+
+    path, hf = tiny_llama
+    trainer, summary = test_train._train(path, vowel_prompts, tmp_path / "run", cfg=dict(
+        steps=2, sparsity="budget:48", distill_sparse=True, distill_rank=2, distill_alpha=4.0))
+    sparse_dir = tmp_path / "run" / "sparse_adapter"
+    assert summary["sparse_adapter"] == str(sparse_dir)
+    sparse = load_lora(sparse_dir)
+    assert sparse.r == 2 and any(b.abs().sum() > 0 for _, b in sparse.modules.values())
+    history = json.loads((sparse_dir / "sparrow_distill.json").read_text())["history"]
+    assert [h["step"] for h in history] == [0, 1] and all(np.isfinite(h["sparse_kl"]) for h in history)
+    x = torch.randint(0, 1000, (2, 20))
+    peft_model = PeftModel.from_pretrained(hf, summary["adapter"]).eval()
+    with torch.no_grad():
+        learner = trainer.model(x)
+        assert (peft_model(x).logits - learner).abs().max() < 1e-4
+        with trainer.sparse_actor.acting():
+            actor = trainer.model(x)
+        fresh = load_model(path).model
+        with lora_merged(fresh, load_lora(summary["adapter"])), lora_merged(fresh, sparse):
+            assert (fresh(x) - actor).abs().max() < 1e-4
+    assert (actor - learner).abs().max() > 1e-4
+    peft_model.unload()
+    for bad, message in ((dict(sparsity="dense"), "needs a sparse sampler"),
+                         (dict(sparsity="budget:48", lora_rank=0), "not --full")):
+        with pytest.raises(ValueError, match=message):
+            TrainConfig(model=path, distill_sparse=True, **bad).validate()
