@@ -35,6 +35,8 @@ recomputed). Objectives, token mean over the step's generated positions, at the 
   trajectories a sparse sampler produced (the rollouts' metadata says which), which is checked.
 Published settings (reference README): LoRA alpha 16 on all linear layers, LoRA lr = 5 x the base lr,
 k3 coefficient 0.001 inside the online loss; the rank is not published (default 16 here).
+The online form, trained jointly with GRPO from the dense logprobs each step computes anyway, is
+`JointSparseActor` (`sparrow train --distill-sparse`): the same actor, a second adapter beside the learner's.
 """
 
 from __future__ import annotations
