@@ -13,6 +13,7 @@ import typer  # noqa: E402
 from . import (  # noqa: E402
     calibrate,
     cost,
+    distill,
     models,
     plan,
     profile,
@@ -41,6 +42,7 @@ app.command("fit-cost")(cost.fit_cost)
 app.command("plan-schedule")(plan.plan_schedule)
 app.command("rollout")(rollout.rollout)
 app.command("train")(train.train)
+app.command("distill")(distill.distill)
 app.command("report")(report.report)
 
 

@@ -59,6 +59,9 @@ def profile(
     quantile: float = typer.Option(TAIL_QUANTILE, "--quantile", help="Tail quantile shown in the summary."),
     threshold: float = typer.Option(PRIOR_THRESHOLD, "--threshold",
                                     help="Tail threshold shown in the summary."),
+    adapter: Path = typer.Option(None, "--adapter", help="The sparse actor's LoRA (sparrow distill): every "
+                                 "budget is scored as sparse attention + this adapter against the dense "
+                                 "model without it, and a sparse --sampler samples with it."),
     device: str = typer.Option("cpu", "--device"),
     output: Path = typer.Option(..., "-o", "--output", help="Where to write the mismatch artifact."),
     format: str = format_option(),
@@ -86,6 +89,7 @@ def profile(
     except ValueError as e:
         raise UsageError(str(e)) from None
     cfg = resolve_config(model)
+    opts.adapter = load_actor(adapter, cfg)  # before any weights load
     if rollouts is not None:
         refuse_sampling_flags(ctx, rollouts)
         given = read_rollouts(rollouts)
@@ -113,10 +117,30 @@ def profile(
         ids, tokens = prompt_set.ids, prompt_set.tokens
         meta = opts.metadata() | {"prompts": str(prompts)}
         table = with_progress(lambda progress: run_profile(loaded, ids, tokens, opts, progress))
+    if adapter is not None:
+        meta["adapter"] = str(adapter)
     write_artifact(table, output, "mismatch", metadata=meta | {"model": loaded.name})
     console.print(f"wrote {table.num_rows} rows ({table.num_rows // len(opts.budgets)} tokens x "
                   f"{len(opts.budgets)} budgets) to {output}")
     print_summary(summarize(table, quantile, threshold), quantile, threshold, fmt)
+
+
+def load_actor(path: Path | None, cfg):
+    """The sparse actor's adapter, checked against the model's shapes (one sentence if it was trained on
+    another base model)."""
+    from sparrow.stages.rollout import load_lora
+    from sparrow.stages.rollout.lora import check_lora_fits
+
+    if path is None:
+        return None
+    if not (path / "adapter_config.json").exists():
+        raise UsageError(f"--adapter {path}: not a LoRA adapter directory (no adapter_config.json)")
+    try:
+        lora = load_lora(path)
+        check_lora_fits(lora, cfg, str(path))
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    return lora
 
 
 def refuse_sampling_flags(ctx: typer.Context, rollouts: Path) -> None:

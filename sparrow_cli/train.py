@@ -58,6 +58,14 @@ def train(
     checkpoint_every: int = typer.Option(10, "--checkpoint-every"),
     eval_every: int = typer.Option(5, "--eval-every"),
     bin_width: int = typer.Option(512, "--bin-width", help="Position bin of the mismatch logs."),
+    distill_sparse: bool = typer.Option(False, "--distill-sparse", help="DistillSparse: train a second LoRA "
+                                        "that only the sparse actor uses, jointly (RUN/sparse_adapter)."),
+    distill_rank: int = typer.Option(16, "--distill-rank", help="Rank of the sparse actor's LoRA."),
+    distill_alpha: float = typer.Option(16.0, "--distill-alpha", help="Its alpha (published: 16)."),
+    distill_lr_ratio: float = typer.Option(5.0, "--distill-lr-ratio",
+                                           help="Its lr over --lr (published: 5)."),
+    distill_kl_coef: float = typer.Option(0.001, "--distill-kl-coef", help="Its k3 coefficient toward the "
+                                          "dense logprobs (published: 0.001)."),
     device: str = typer.Option("cpu", "--device", help="cpu (fp32) or cuda (bf16, Triton kernels, "
                                "CUDA graphs)."),
     random_weights: bool = typer.Option(False, "--random-weights", help="Random weights for a shapes-only "
@@ -87,7 +95,9 @@ def train(
                       kl_coef=kl_coef, seed=seed, micro_batch=micro_batch, ppo_epochs=ppo_epochs,
                       checkpoint_every=checkpoint_every, eval_every=eval_every, bin_width=bin_width,
                       sparsity=spec, device=device, random_weights=random_weights,
-                      loss={} if loss_agg == "token-mean" else {"loss_agg": loss_agg})
+                      loss={} if loss_agg == "token-mean" else {"loss_agg": loss_agg},
+                      distill_sparse=distill_sparse, distill_rank=distill_rank, distill_alpha=distill_alpha,
+                      distill_lr_ratio=distill_lr_ratio, distill_kl_coef=distill_kl_coef)
     try:
         cfg.validate()
     except ValueError as e:
@@ -146,6 +156,7 @@ def print_summary(history: list[dict], s: dict, run: Path, fmt: str) -> None:
                                                  "vetoed_fraction", "rollout_seconds", "scoring_seconds",
                                                  "update_seconds")},
               "label": s["label"], "first_collapse_step": s["first_collapse_step"],
-              "reasons": "; ".join(s["reasons"]), "adapter": s["adapter"] or None}
+              "reasons": "; ".join(s["reasons"]), "adapter": s["adapter"] or None,
+              **({"sparse_adapter": s["sparse_adapter"]} if s.get("sparse_adapter") else {})}
     console.print(f"metrics: {run / 'metrics.parquet'}; per-token mismatch: {run / 'mismatch'}/")
     emit_record(record, fmt, title=f"sparrow train: {run}", labels=TRAIN_LABELS)

@@ -8,6 +8,12 @@ vocabulary-sized work (softmax, alpha, entropy) runs over chunks of positions so
 bounded for 8K-token sequences. Alpha and the logprobs use the sampling temperature (1 for greedy).
 The tokens come from elsewhere: the rollout engine (`stages.rollout`) or any other sampler; the
 reference generator `stages.generate` is a test oracle only.
+
+With an `actor` LoRA (DistillSparse, `stages.distill`), the sparse actor is the model with the LoRA
+merged into every adapted linear layer for its whole forward, prefill included, exactly as the rollout
+engine runs it: the dense pass uses the model's own weights, then the prompt is prefilled again with the
+LoRA merged and the sparse passes run on top of that KV. The weights are merged outside inference mode
+and restored bit for bit afterwards.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from torch import Tensor
 
 from .attention import DEFAULT_DENSE_LAYERS, PAGE_SIZE, SparseAttention
 from .model.llama import Attention, KVCache, Transformer
+from .rollout.lora import LoraWeights, lora_merged
 from .sparsity import BudgetFn
 
 
@@ -53,22 +60,23 @@ class ScoredTokens:
     sparse: dict[int, tuple[np.ndarray, np.ndarray]]  # budget -> (alpha, logp_sparse)
 
 
-@torch.inference_mode()
 def score_sequences(model: Transformer, prompts: Sequence[Sequence[int]],
                     completions: Sequence[Sequence[int]], budgets: Sequence[int | BudgetFn],
                     temperature: float = 1.0, dense_layers: Sequence[int] = DEFAULT_DENSE_LAYERS,
-                    page: int = PAGE_SIZE, vocab_chunk: int = 1024) -> ScoredTokens:
+                    page: int = PAGE_SIZE, vocab_chunk: int = 1024,
+                    actor: LoraWeights | None = None) -> ScoredTokens:
     """Teacher-forced dense and sparse scoring of every completion token.
 
     The prompt is prefilled once, densely, into a KV cache (prefill is dense in every mode); the
     completions then run as one chunk per attention mode on top of it, each query selecting its own
-    pages. Every mode rewrites the same completion slots, so the prompt's KV is shared by all."""
+    pages. Every mode rewrites the same completion slots, so the prompt's KV is shared by all. With an
+    `actor` LoRA the sparse modes run with it merged, on a prompt KV prefilled again with it."""
     device = model.embed_tokens.weight.device
     longest = max(len(p) + len(c) for p, c in zip(prompts, completions))
     if len(prompts) > 1 and longest >= model.cfg.max_position_embeddings:
         # no room for the padding slot below: score one sequence at a time (no padding needed)
         parts = [score_sequences(model, [p], [c], budgets, temperature, dense_layers, page,
-                                 vocab_chunk) for p, c in zip(prompts, completions)]
+                                 vocab_chunk, actor) for p, c in zip(prompts, completions)]
         return _concat(parts)
     b = len(prompts)
     n = torch.tensor([len(p) for p in prompts], device=device)  # prompt lengths
@@ -78,23 +86,41 @@ def score_sequences(model: Transformer, prompts: Sequence[Sequence[int]],
     prompt_tok = pad_right(prompts, device)  # [B, Nmax]
     gen_tok = pad_right(completions, device)  # [B, Gmax]
     scratch = int((n + g).max())  # padded completion tokens all go to this slot, after every real one
+    if actor is not None and "lm_head" in actor.modules:
+        raise ValueError("the sparse actor's LoRA adapts lm_head, which teacher-forced scoring does not "
+                         "support")
     cache = KVCache.allocate(model.cfg, b, scratch + 1, model.embed_tokens.weight.dtype, device)
-    prefill_h = model.hidden_states(prompt_tok, cache, positions=_arange(b, prompt_tok.shape[1], 0, device))
-    last_prompt_h = prefill_h[torch.arange(b, device=device), n - 1]  # predicts completion token 0
     steps = torch.arange(gen_tok.shape[1], device=device)
     gen_pos = torch.where(steps < g[:, None], n[:, None] + steps, scratch)  # [B, Gmax]
 
-    def completion_hidden(attention: Attention | None) -> Tensor:
+    def prefill() -> Tensor:
+        """Dense prefill of the prompts into `cache`; [B, H]: the state that predicts token 0."""
+        h = model.hidden_states(prompt_tok, cache, positions=_arange(b, prompt_tok.shape[1], 0, device))
+        return h[torch.arange(b, device=device), n - 1]
+
+    def completion_hidden(last_prompt_h: Tensor, attention: Attention | None) -> Tensor:
         """[B, Gmax, H]: row j predicts completion token j (0 from the prompt's last position)."""
         h = model.hidden_states(gen_tok, cache, positions=gen_pos, attention=attention)
         return torch.cat([last_prompt_h[:, None], h[:, :-1]], dim=1)
 
-    hidden = {None: completion_hidden(None)}
-    for budget in budgets:
-        budget_at = budget if callable(budget) else (lambda _, b_=int(budget): b_)
-        attention = SparseAttention(decode_budgets(gen_pos, n, budget_at), dense_layers, page)
-        hidden[budget] = completion_hidden(attention)
+    with torch.inference_mode():
+        last_prompt_h = prefill()
+        hidden = {None: completion_hidden(last_prompt_h, None)}
+    with lora_merged(model, actor), torch.inference_mode():
+        if actor is not None:
+            last_prompt_h = prefill()  # the actor's own prompt KV (prefill runs with its LoRA too)
+        for budget in budgets:
+            budget_at = budget if callable(budget) else (lambda _, b_=int(budget): b_)
+            attention = SparseAttention(decode_budgets(gen_pos, n, budget_at), dense_layers, page)
+            hidden[budget] = completion_hidden(last_prompt_h, attention)
+    return _score_hidden(model, hidden, gen_tok, g, n, budgets, temperature, vocab_chunk)
 
+
+@torch.inference_mode()
+def _score_hidden(model: Transformer, hidden: dict, gen_tok: Tensor, g: Tensor, n: Tensor,
+                  budgets: Sequence[int | BudgetFn], temperature: float, vocab_chunk: int) -> ScoredTokens:
+    """Alpha, logprobs and entropy from the hidden states of each mode (None = dense)."""
+    device = gen_tok.device
     valid = torch.arange(gen_tok.shape[1], device=device)[None, :] < g[:, None]
     seq_idx, tok_idx = valid.nonzero(as_tuple=True)  # row order: sequence, then token
     targets = gen_tok[seq_idx, tok_idx]

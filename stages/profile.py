@@ -29,6 +29,7 @@ from .definitions import TAIL_QUANTILE
 from .mismatch import score_sequences
 from .model.loading import LoadedModel
 from .rollout import Engine, SamplingParams
+from .rollout.lora import LoraWeights, lora_merged
 from .schedule import Schedule
 from .trajectories import Trajectory
 
@@ -51,6 +52,7 @@ class ProfileOptions:
     dense_layers: tuple[int, ...] = DEFAULT_DENSE_LAYERS
     page_size: int = PAGE_SIZE
     schedule: Schedule | None = field(default=None, repr=False)
+    adapter: LoraWeights | None = field(default=None, repr=False)  # the sparse actor's LoRA (distill)
 
     def validate(self) -> None:
         if not self.budgets:
@@ -83,7 +85,8 @@ class ProfileOptions:
     def metadata(self, sampled: bool = True) -> dict:
         """The options as artifact metadata; without `sampled` (given trajectories) the sampling
         options, which did not apply, are left out."""
-        d = {k: v for k, v in asdict(self).items() if k != "schedule" and (sampled or k not in SAMPLING)}
+        d = {k: v for k, v in asdict(self).items()
+             if k not in ("schedule", "adapter") and (sampled or k not in SAMPLING)}
         d["budgets"] = json.dumps(self.budgets)
         d["dense_layers"] = json.dumps(list(self.dense_layers))
         return d
@@ -100,7 +103,8 @@ def run_profile(model: LoadedModel, prompt_ids: Sequence[str], prompts: Sequence
 
 def sample_trajectories(model: LoadedModel, prompt_ids: Sequence[str], prompts: Sequence[list[int]],
                         opts: ProfileOptions, progress: Progress | None = None) -> list[Trajectory]:
-    """The engine's samples under `opts.sampler`, in prompt order then sample order."""
+    """The engine's samples under `opts.sampler`, in prompt order then sample order. A sparse sampler is
+    the sparse actor: with `opts.adapter`, the engine runs with it merged (`stages.distill`)."""
     engine = Engine(model.model, opts.sparsity(), max_batch=opts.batch_size, page_size=opts.page_size,
                     dense_layers=opts.dense_layers)
     params = SamplingParams(max_new_tokens=opts.max_new_tokens, temperature=opts.temperature,
@@ -112,7 +116,9 @@ def sample_trajectories(model: LoadedModel, prompt_ids: Sequence[str], prompts: 
         done += finished
         progress("sampling", done, total)
 
-    results = engine.generate(prompts, params, on_step if progress else None)
+    actor = opts.adapter if opts.sampler != "dense" else None
+    with lora_merged(model.model, actor):
+        results = engine.generate(prompts, params, on_step if progress else None)
     return [Trajectory(pid, c.sample, list(p), c.token_ids)
             for pid, p, completions in zip(prompt_ids, prompts, results) for c in completions]
 
@@ -120,7 +126,8 @@ def sample_trajectories(model: LoadedModel, prompt_ids: Sequence[str], prompts: 
 def profile_trajectories(model: LoadedModel, trajectories: Sequence[Trajectory], opts: ProfileOptions,
                          progress: Progress | None = None) -> pa.Table:
     """Score every generated token of the given trajectories (any sampler's) under dense attention and
-    each of `opts.budgets`, teacher forced, at `opts.temperature`."""
+    each of `opts.budgets`, teacher forced, at `opts.temperature`; the sparse modes are the sparse actor
+    (with `opts.adapter` merged, see `stages.distill`), dense is the model's own weights."""
     opts.validate()
     jobs = [t for t in trajectories if t.completion]
     lengths = [len(t.prompt) + len(t.completion) for t in jobs]
@@ -130,7 +137,7 @@ def profile_trajectories(model: LoadedModel, trajectories: Sequence[Trajectory],
     for group in _batches_by_tokens(order, lengths, opts.score_tokens):
         scored = score_sequences(model.model, [jobs[i].prompt for i in group],
                                  [jobs[i].completion for i in group], opts.budgets, opts.temperature,
-                                 opts.dense_layers, opts.page_size)
+                                 opts.dense_layers, opts.page_size, actor=opts.adapter)
         for budget in opts.budgets:
             alpha, logp_sparse = scored.sparse[budget]
             _append_rows(columns, [jobs[group[s]] for s in scored.seq], scored, budget, alpha,

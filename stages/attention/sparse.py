@@ -36,8 +36,13 @@ class SparseAttention:
         if layer in self.dense_layers or not bool((self.budgets > 0).any()):
             return self._dense(layer, q, k, v, ctx)
         keys, values = cached_kv(layer, k, v, ctx)  # [B, Hkv, S, D]
+        return self.attend(q, keys, values, ctx.positions)
+
+    def attend(self, q: Tensor, keys: Tensor, values: Tensor, positions: Tensor) -> Tensor:
+        """Block top-k attention of q [B, Hq, T, D] at `positions` [B, T] over keys/values
+        [B, Hkv, S, D] whose slot i holds position i, centroids computed from those keys."""
         budgets = self.budgets.expand(q.shape[0], q.shape[2])
-        return block_topk_sdpa(q, keys, values, page_centroids(keys, self.page), ctx.positions, budgets,
+        return block_topk_sdpa(q, keys, values, page_centroids(keys, self.page), positions, budgets,
                                self.page, self.chunk_elements)
 
 

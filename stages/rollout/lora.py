@@ -5,7 +5,8 @@ A peft-style adapter is a state dict of `<module>.lora_A.weight` [r, in] and `<m
 computes x @ W.T + (alpha / r) * x @ A.T @ B.T, which equals x @ (W + (alpha / r) * B @ A).T, so merging
 costs nothing per token. `merge_lora` merges in place and returns the original weights, which
 `unmerge_lora` (or the `lora_merged` context manager) puts back bit for bit: the dense learner keeps
-its exact weights.
+its exact weights. A layer that peft has wrapped (`sparrow distill` trains its adapter injected) is merged
+into its `base_layer`, so a model whose injected adapters are disabled can take another LoRA merged.
 """
 
 from __future__ import annotations
@@ -89,6 +90,7 @@ def merge_lora(model: Transformer, lora: LoraWeights) -> dict[str, Tensor]:
     originals = {}
     for name, (a, b) in lora.modules.items():
         layer = linears.get(name)
+        layer = getattr(layer, "base_layer", layer)  # peft's wrapper: merge into the wrapped linear
         if not isinstance(layer, nn.Linear):
             raise ValueError(f"LoRA module {name!r} is not a linear layer of the model")
         if name == "lm_head" and model.cfg.tie_word_embeddings:
@@ -108,7 +110,7 @@ def unmerge_lora(model: Transformer, originals: dict[str, Tensor]) -> None:
     linears = dict(model.named_modules())
     with torch.no_grad():
         for name, w in originals.items():
-            linears[name].weight.copy_(w)
+            getattr(linears[name], "base_layer", linears[name]).weight.copy_(w)
 
 
 @contextmanager

@@ -41,23 +41,25 @@ def add_lora(model: nn.Module, rank: int, alpha: float, dropout: float = 0.0):
     return config
 
 
-def lora_state(model: nn.Module) -> dict[str, Tensor]:
-    """The adapter's tensors under peft's names for the Hugging Face model."""
+def lora_state(model: nn.Module, adapter: str = "default") -> dict[str, Tensor]:
+    """The tensors of one injected adapter (peft's default, or another name) under peft's names for the
+    Hugging Face model."""
     out = {}
     for name, p in model.named_parameters():
         if "lora_" in name:
             module, _, kind = name.partition(".lora_")  # kind: "A.default.weight"
-            ab = kind.split(".")[0]
-            out[f"{PEFT_PREFIX}{ours_to_hf(module)}.lora_{ab}.weight"] = p.detach().cpu().contiguous()
+            ab, owner = kind.split(".")[:2]
+            if owner == adapter:
+                out[f"{PEFT_PREFIX}{ours_to_hf(module)}.lora_{ab}.weight"] = p.detach().cpu().contiguous()
     return out
 
 
-def load_lora_state(model: nn.Module, state: dict[str, Tensor]) -> None:
-    """Copy an adapter saved by `save_adapter` into the injected LoRA parameters (same rank)."""
+def load_lora_state(model: nn.Module, state: dict[str, Tensor], adapter: str = "default") -> None:
+    """Copy an adapter saved by `save_adapter` into the injected LoRA parameters of `adapter` (same rank)."""
     params = dict(model.named_parameters())
     for key, value in state.items():
         module, _, kind = key.removeprefix(PEFT_PREFIX).partition(".lora_")
-        name = f"{hf_to_ours(module)}.lora_{kind.split('.')[0]}.default.weight"
+        name = f"{hf_to_ours(module)}.lora_{kind.split('.')[0]}.{adapter}.weight"
         if name not in params:
             raise ValueError(f"the adapter has {key!r}, which this model has no LoRA layer for")
         if params[name].shape != value.shape:
@@ -67,7 +69,8 @@ def load_lora_state(model: nn.Module, state: dict[str, Tensor]) -> None:
             params[name].copy_(value)
 
 
-def save_adapter(model: nn.Module, config, folder: str | os.PathLike, base_model: str) -> Path:
+def save_adapter(model: nn.Module, config, folder: str | os.PathLike, base_model: str,
+                 adapter: str = "default") -> Path:
     """Write the adapter directory atomically (a temporary sibling, then a rename)."""
     from safetensors.torch import save_file
 
@@ -79,7 +82,7 @@ def save_adapter(model: nn.Module, config, folder: str | os.PathLike, base_model
         cfg["base_model_name_or_path"] = base_model
         cfg["target_modules"] = sorted(cfg["target_modules"])
         (tmp / "adapter_config.json").write_text(json.dumps(cfg, indent=2, default=str))
-        save_file(lora_state(model), str(tmp / "adapter_model.safetensors"))
+        save_file(lora_state(model, adapter), str(tmp / "adapter_model.safetensors"))
         if folder.exists():
             shutil.rmtree(folder)
         os.replace(tmp, folder)

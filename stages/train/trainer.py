@@ -13,6 +13,10 @@ One step, for P prompts x K samples:
    vetoes (`grpo.rollout_correction`);
 5. update: PPO-clipped loss on the new dense logprobs against the old ones, token mean over the batch,
    optional k3 KL to the reference policy, micro-batches with gradient accumulation, clipping, AdamW.
+With `distill_sparse` (DistillSparse, `distill.JointSparseActor`), step 1 samples with the learner plus a
+second, sparse-actor-only adapter, and after step 5, the learner frozen, that adapter takes its own step
+(PPO on the actor's logprobs plus the published k3 term toward the dense logprobs of step 3); the
+learner's scoring and update never see it. It is saved to `RUN/sparse_adapter/` (peft format).
 Every generated token of the step goes to `RUN/mismatch/step=NNNNN.parquet` (`train_mismatch`), one
 metrics row per step to `RUN/metrics.parquet`, and the schedule the run sampled with to
 `RUN/schedule.parquet`, so that `calibrate-threshold` reads a training run directory as it is. The
@@ -86,6 +90,11 @@ class TrainConfig:
     device: str = "cpu"  # cuda: bf16 weights, the engine's Triton kernels and CUDA graphs
     random_weights: bool = False  # a shapes-only preset with random weights (timing the GPU path)
     loss: dict = field(default_factory=dict)  # grpo.LossConfig overrides
+    distill_sparse: bool = False  # DistillSparse: train a sparse-actor-only adapter jointly (stages.distill)
+    distill_rank: int = 16
+    distill_alpha: float = 16.0  # published
+    distill_lr_ratio: float = 5.0  # published: the sparse adapter's lr = 5 x lr
+    distill_kl_coef: float = 0.001  # published k3 coefficient
 
     def validate(self) -> None:
         positive = ("steps", "prompts_per_step", "samples", "max_new_tokens", "micro_batch", "ppo_epochs",
@@ -100,6 +109,16 @@ class TrainConfig:
         if self.kl_coef < 0:
             raise ValueError(f"--kl-coef must be >= 0, got {self.kl_coef}")
         grpo.LossConfig(correction=self.correction, kl_coef=self.kl_coef, **self.loss).validate()
+        if self.distill_sparse:
+            if self.sparsity == "dense":
+                raise ValueError("--distill-sparse trains the sparse actor's adapter, so it needs a sparse "
+                                 "sampler (--budget or --schedule)")
+            if not self.lora_rank:
+                raise ValueError("--distill-sparse needs the learner to train a LoRA (not --full): the "
+                                 "sparse adapter is a second peft adapter beside it")
+            if self.distill_rank < 1 or self.distill_lr_ratio <= 0 or self.distill_kl_coef < 0:
+                raise ValueError("--distill-rank must be >= 1, --distill-lr-ratio > 0 and --distill-kl-coef "
+                                 ">= 0")
 
     def differences(self, other: TrainConfig) -> list[str]:
         return [f.name for f in fields(self)
@@ -187,6 +206,15 @@ class Trainer:
                 self.reference = copy.deepcopy(self.model).requires_grad_(False)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, weight_decay=0.0)
+        self.sparse_actor = None
+        self.sparse_history: list[dict] = []
+        if config.distill_sparse:
+            from ..distill import JointSparseActor
+            from ..sparsity import budget_fn
+
+            self.sparse_actor = JointSparseActor(
+                self.model, config.distill_rank, config.distill_alpha, config.lr * config.distill_lr_ratio,
+                config.distill_kl_coef, budget_fn(self.sparsity), config.temperature)
         if resume:
             self._load_checkpoint()
 
@@ -264,6 +292,9 @@ class Trainer:
         self.on_phase("update")
         correction = grpo.rollout_correction(old["logp"] - old["logp_rollout"], old["mask"], self.loss_cfg)
         update = self._update(flat, advantages, old, correction)
+        if self.sparse_actor is not None:  # the learner frozen, the sparse adapter's step
+            self.sparse_history.append({"step": step, **self.sparse_actor.update(flat, advantages, old,
+                                                                                 self.loss_cfg)})
         t_update = time.perf_counter() - t2
 
         self.step = step + 1
@@ -284,7 +315,10 @@ class Trainer:
                                 ignore_eos=cfg.ignore_eos)
         self.model.eval()
         engine = Engine(self.model, self.sparsity, max_batch=len(batch) * cfg.samples)
-        return engine.generate([r.token_ids for r in batch], params)
+        if self.sparse_actor is None:
+            return engine.generate([r.token_ids for r in batch], params)
+        with self.sparse_actor.acting():  # the sparse actor: the learner plus the sparse adapter
+            return engine.generate([r.token_ids for r in batch], params)
 
     @torch.no_grad()
     def _score(self, flat) -> dict:
@@ -452,6 +486,13 @@ class Trainer:
         if self.lora_config is not None:
             out["adapter"] = str(save_adapter(self.model, self.lora_config, self.run_dir / "adapter",
                                               self.cfg.model))
+        if self.sparse_actor is not None:
+            folder = save_adapter(self.model, self.sparse_actor.config, self.run_dir / "sparse_adapter",
+                                  self.cfg.model, adapter=self.sparse_actor.ADAPTER)
+            (folder / "sparrow_distill.json").write_text(json.dumps(
+                {"mode": "joint (sparrow train --distill-sparse)", "sparsity": self.cfg.sparsity,
+                 "history": self.sparse_history}, indent=2))
+            out["sparse_adapter"] = str(folder)
         return out
 
     # ------------------------------------------------------------------ evaluation
@@ -483,7 +524,11 @@ class Trainer:
             torch.save({"step": self.step, "weights": self._trainable_state(),
                         "optimizer": self.optimizer.state_dict(), "torch_rng": torch.get_rng_state(),
                         "numpy_rng": np.random.get_state(), "python_rng": random.getstate(),
-                        "history": self.history, "initial_eval": self.initial_eval},
+                        "history": self.history, "initial_eval": self.initial_eval,
+                        "sparse": None if self.sparse_actor is None else {
+                            "weights": lora_state(self.model, self.sparse_actor.ADAPTER),
+                            "optimizer": self.sparse_actor.optimizer.state_dict(),
+                            "history": self.sparse_history}},
                        tmp / "state.pt")
             (tmp / "config.json").write_text(json.dumps(asdict(self.cfg), indent=2))
             old = self.checkpoint_dir.with_name(f".checkpoint.old.{uuid.uuid4().hex[:8]}")
@@ -502,6 +547,11 @@ class Trainer:
         else:
             self.model.load_state_dict(state["weights"])
         self.optimizer.load_state_dict(state["optimizer"])
+        if self.sparse_actor is not None:
+            sparse = state["sparse"]
+            load_lora_state(self.model, sparse["weights"], self.sparse_actor.ADAPTER)
+            self.sparse_actor.optimizer.load_state_dict(sparse["optimizer"])
+            self.sparse_history = sparse["history"]
         torch.set_rng_state(state["torch_rng"])
         np.random.set_state(state["numpy_rng"])
         random.setstate(state["python_rng"])

@@ -1,0 +1,143 @@
+"""DistillSparse on the embedded model: the tail of an aggressive budget before and after distillation.
+
+Trains the sparse actor's LoRA (`stages.distill`) on trajectories that the plain sparse actor samples at
+--budget from --train-prompts prompts (seed 0), then scores held-out prompts (seed 1, another set) on
+trajectories of the dense policy (the same prefixes before and after) under every --budgets candidate,
+plain and with the adapter. Prints, per position bin: tokens, the p5 of alpha at --budget before -> after,
+and the smallest profiled budget whose p5 reaches --threshold before -> after; then the schedule planned
+from each profile (`schedule.plan` over `measured_profile`) and its predicted rollout speedup under the
+analytic --hardware cost model at the profile's own prompt and generation lengths; and the training
+seconds (sampling and scoring not included). The adapter is distilled at --budget only and is used with
+every candidate budget in the "after" profile. Writes bench/results/distill.parquet (one row per bin).
+
+    .venv/bin/python bench/distill.py                       # defaults: ~20-40 min on a shared 2-core CPU
+    .venv/bin/python bench/distill.py --steps 40 --objective k3
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+import torch
+from common import write_results
+
+from sparrow.stages.cost import analytic
+from sparrow.stages.distill import DistillConfig, run_distill
+from sparrow.stages.model.loading import load_model
+from sparrow.stages.profile import ProfileOptions, sample_trajectories, summarize
+from sparrow.stages.schedule import measured_profile, plan
+from sparrow.stages.sparsity import budget_fn
+from sparrow.stages.tasks import make_prompts
+
+
+def parse():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--task", default="kv_lookup")
+    ap.add_argument("--context", type=int, default=768, help="prompt tokens")
+    ap.add_argument("--train-prompts", type=int, default=8)
+    ap.add_argument("--eval-prompts", type=int, default=8)
+    ap.add_argument("--samples", type=int, default=4)
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--budget", type=int, default=64, help="the aggressive budget the actor is distilled at")
+    ap.add_argument("--budgets", default="48,64,96,128,192,256,384", help="profiled candidates")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--lr", type=float, default=5e-4)
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--alpha", type=float, default=16.0)
+    ap.add_argument("--objective", default="kl")
+    ap.add_argument("--threshold", type=float, default=0.86)
+    ap.add_argument("--quantile", type=float, default=0.05)
+    ap.add_argument("--bin-width", type=int, default=256)
+    ap.add_argument("--hardware", default="h100")
+    ap.add_argument("--batch", type=int, default=64, help="decode batch of the cost model")
+    return ap.parse_args()
+
+
+def tails(table, quantile: float, threshold: float) -> dict[tuple[int, int], dict]:
+    return {(r["bin"], r["budget"]): r for r in summarize(table, quantile, threshold).to_pylist()}
+
+
+def smallest(t: dict, b: int, budgets: list[int], threshold: float) -> int | None:
+    ok = [k for k in budgets if (b, k) in t and t[(b, k)]["tail_alpha"] >= threshold]
+    return min(ok) if ok else None
+
+
+def predicted_speedup(table, args, cfg) -> tuple[tuple[int, ...], float, int, int]:
+    positions = np.asarray(table.column("position"))
+    prompt_len, gen_len = int(positions.min()), int(positions.max() - positions.min() + 1)
+    num_bins = int(positions.max()) // args.bin_width + 1
+    profile = measured_profile(table, args.quantile, args.bin_width, num_bins, "bench", min_tokens=20)
+    result = plan(profile, args.threshold)
+    cost = analytic(cfg, args.hardware)
+    speedup = cost.speedup(result.schedule.budgets_at, gen_len, args.batch, prompt_len)
+    return result.schedule.budgets, speedup, prompt_len, gen_len
+
+
+def main() -> None:
+    args = parse()
+    torch.manual_seed(0)
+    budgets = [int(x) for x in args.budgets.split(",")]
+    loaded = load_model(args.model)
+    tok = loaded.tokenizer
+    train_rows = make_prompts(args.task, args.train_prompts, 0, tok, context_tokens=args.context)
+    eval_rows = make_prompts(args.task, args.eval_prompts, 1, tok, context_tokens=args.context)
+    ids = lambda rows: [r["prompt_id"] for r in rows]
+    toks = lambda rows: [r["prompt_token_ids"] for r in rows]
+    t0 = time.perf_counter()
+    sampling = dict(samples=args.samples, max_new_tokens=args.max_new_tokens, batch_size=16)
+    plain = ProfileOptions(budgets=budgets, sampler=f"budget:{args.budget}", seed=0, **sampling)
+    train = sample_trajectories(loaded, ids(train_rows), toks(train_rows), plain)
+    held = sample_trajectories(loaded, ids(eval_rows), toks(eval_rows),
+                               ProfileOptions(budgets=budgets, sampler="dense", seed=1, **sampling))
+    print(f"sampled {len(train)} training trajectories (plain actor, budget {args.budget}) and "
+          f"{len(held)} held-out dense ones in {time.perf_counter() - t0:.0f} s")
+    cfg = DistillConfig(steps=args.steps, batch_size=args.batch_size, lora_rank=args.rank,
+                        lora_alpha=args.alpha, lr=args.lr, objective=args.objective)
+
+    def on_step(r: dict) -> None:
+        print(f"  step {r['step']:3d}  {args.objective} loss {r['loss']:.4g}  "
+              f"grad norm {r['grad_norm']:.3g}  {r['seconds']:.1f} s", flush=True)
+
+    _, result = run_distill(loaded, train, budget_fn(args.budget), cfg, held, budgets, args.bin_width,
+                            on_step=on_step, on_phase=lambda p: print(p, flush=True))
+    before = tails(result.before, args.quantile, args.threshold)
+    after = tails(result.after, args.quantile, args.threshold)
+    plan_before = predicted_speedup(result.before, args, loaded.config)
+    plan_after = predicted_speedup(result.after, args, loaded.config)
+    rows = []
+    print(f"\n{args.model}, {args.task} at {args.context} prompt tokens, {args.max_new_tokens} new "
+          f"tokens; distilled at budget {args.budget} ({args.objective}, rank {args.rank}, alpha "
+          f"{args.alpha}, lr {args.lr}, {args.steps} steps x {args.batch_size} trajectories): "
+          f"{result.seconds:.0f} s of training")
+    print(f"{'bin':>4} {'tokens':>6} {'p5@' + str(args.budget) + ' before':>16} {'after':>7} "
+          f"{'mean before':>11} {'after':>7} {'min budget >= ' + str(args.threshold) + ' before':>26} "
+          f"{'after':>6}")
+    for b in sorted({k[0] for k in before}):
+        if (b, args.budget) not in before:
+            continue
+        x, y = before[(b, args.budget)], after[(b, args.budget)]
+        row = {"bin": b, "tokens": x["tokens"], "p5_before": x["tail_alpha"], "p5_after": y["tail_alpha"],
+               "mean_before": x["mean_alpha"], "mean_after": y["mean_alpha"],
+               "min_budget_before": smallest(before, b, budgets, args.threshold),
+               "min_budget_after": smallest(after, b, budgets, args.threshold)}
+        rows.append(row)
+        print(f"{b:>4} {row['tokens']:>6} {row['p5_before']:>16.3f} {row['p5_after']:>7.3f} "
+              f"{row['mean_before']:>11.3f} {row['mean_after']:>7.3f} {str(row['min_budget_before']):>26} "
+              f"{str(row['min_budget_after']):>6}")
+    for name, (sched, speedup, prompt_len, gen_len) in (("before", plan_before), ("after", plan_after)):
+        print(f"schedule planned from the {name} profile at {args.threshold}: budgets {list(sched)} per "
+              f"{args.bin_width}-token bin, predicted speedup {speedup:.3f}x ({args.hardware}, batch "
+              f"{args.batch}, {gen_len} tokens after {prompt_len})")
+    meta = {"training_seconds": result.seconds, "speedup_before": plan_before[1],
+            "speedup_after": plan_after[1],
+            "schedule_before": str(list(plan_before[0])), "schedule_after": str(list(plan_after[0])),
+            "loss_first": result.history[0]["loss"], "loss_last": result.history[-1]["loss"], **vars(args)}
+    write_results([{**r, **meta} for r in rows], "distill")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,204 @@
+"""`sparrow distill`: DistillSparse, a LoRA for the sparse actor only, distilled toward the dense policy."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from sparrow.stages.definitions import PRIOR_THRESHOLD, TAIL_QUANTILE
+
+from .common import UsageError, console, friendly_errors, parse_int_list
+from .output import emit, format_option, resolve_format
+from .profile import check_context, load_actor, load_prompt_tokens, rollouts_temperature
+from .rollout import _sparsity, check_vocab
+
+
+def eval_budgets_of(sparsity, given: str | None) -> list[int]:
+    """--eval-budgets, else the distilled budget, or the schedule's distinct sparse budgets."""
+    from sparrow.stages.attention import validate_budget
+
+    if given:
+        budgets = parse_int_list(given, "--eval-budgets")
+        for b in budgets:
+            try:
+                validate_budget(b)
+            except ValueError as e:
+                raise UsageError(f"--eval-budgets: {e}") from None
+        return budgets
+    if isinstance(sparsity, int):
+        return [sparsity]
+    return sorted({b for b in sparsity.budgets if b})
+
+
+def load_init_adapter(path: Path, cfg, rank: int):
+    """The adapter to start from, checked against the model's shapes and --lora-rank before any weights
+    load; returns (its peft state dict, its merge-ready weights)."""
+    from safetensors.torch import load_file
+
+    lora = load_actor(path, cfg)
+    if lora.r != rank:
+        raise UsageError(f"--init-adapter {path}: the adapter has rank {lora.r}, but --lora-rank is {rank}; "
+                         f"pass --lora-rank {lora.r} to continue it")
+    return load_file(path / "adapter_model.safetensors"), lora
+
+
+def check_k3_trajectories(path: Path, sampler: str | None) -> None:
+    """k3 estimates KL(actor || dense) only on tokens the sparse actor sampled."""
+    if sampler is None:
+        raise UsageError(f"--objective k3 needs trajectories sampled by the sparse actor, and {path} "
+                         "does not record how it was sampled (no 'sparsity' in its metadata); use "
+                         "--objective kl, which needs only the tokens")
+    if sampler == "dense":
+        raise UsageError(f"--objective k3 needs trajectories sampled by the sparse actor, but {path} was "
+                         "sampled densely; use --objective kl, or sample with sparrow rollout --budget or "
+                         "--schedule")
+
+
+@friendly_errors
+def distill(
+    model: str = typer.Option("smollm2-135m", "--model", help="Preset, checkpoint dir or .gguf."),
+    prompts: Path = typer.Option(None, "--prompts", help="Prompts to sample training trajectories from, "
+                                 "with the sparse actor (the engine under --budget/--schedule)."),
+    rollouts: Path = typer.Option(None, "--rollouts", help="Training trajectories sampled before (sparrow "
+                                  "rollout, or any sampler's Parquet with prompt_id, prompt_token_ids, "
+                                  "token_ids)."),
+    schedule: Path = typer.Option(None, "--schedule", help="The schedule the actor samples with."),
+    budget: int = typer.Option(None, "--budget", help="The fixed budget the actor samples with (tokens)."),
+    steps: int = typer.Option(50, "--steps"),
+    batch_size: int = typer.Option(8, "--batch-size", help="Trajectories per step."),
+    lora_rank: int = typer.Option(16, "--lora-rank", help="LoRA rank on every linear layer of every block."),
+    lora_alpha: float = typer.Option(16.0, "--lora-alpha", help="Published: 16."),
+    lr: float = typer.Option(5e-4, "--lr", help="AdamW learning rate of the LoRA (published: 5 x the "
+                             "base model's lr in joint training)."),
+    objective: str = typer.Option("kl", "--objective", help="kl: full-vocabulary KL(dense || actor) per "
+                                  "position; k3: the published sampled-token estimator (needs trajectories "
+                                  "the sparse actor sampled)."),
+    init_adapter: Path = typer.Option(None, "--init-adapter", help="Continue distilling this adapter."),
+    eval_prompts: Path = typer.Option(None, "--eval-prompts", help="Held-out prompts: their dense "
+                                      "trajectories are scored before and after (default: the training "
+                                      "trajectories, in-sample)."),
+    eval_budgets: str = typer.Option(None, "--eval-budgets", help="Budgets to score before and after "
+                                     "(default: --budget, or the schedule's budgets)."),
+    samples: int = typer.Option(4, "--samples", help="Trajectories per prompt (--prompts, --eval-prompts)."),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens"),
+    temperature: float = typer.Option(None, "--temperature", help="Sampling temperature (default 1, or what "
+                                      "--rollouts records); the objectives use it."),
+    seed: int = typer.Option(0, "--seed", help="Sampling and batch order; eval trajectories use seed + 1."),
+    bin_width: int = typer.Option(512, "--bin-width"),
+    quantile: float = typer.Option(TAIL_QUANTILE, "--quantile"),
+    threshold: float = typer.Option(PRIOR_THRESHOLD, "--threshold"),
+    output: Path = typer.Option(..., "-o", "--output", help="The adapter directory to write."),
+    format: str = format_option(),
+) -> None:
+    """Distill the sparse actor (block top-k attention + a LoRA on every linear layer, gradients through the
+    LoRA only) toward the frozen dense policy, teacher forced on trajectories. Writes OUTPUT/ in peft's
+    format (transformers + peft load it; sparrow rollout/profile --adapter use it as the sparse actor),
+    OUTPUT/mismatch/{before,after}.parquet and OUTPUT/sparrow_distill.json; prints the tail per bin before
+    and after."""
+    from sparrow.stages.distill import DistillConfig, run_distill, save_result, tail_comparison
+    from sparrow.stages.model.loading import load_model, resolve_config
+    from sparrow.stages.profile import ProfileOptions, sample_trajectories
+    from sparrow.stages.sparsity import budget_fn, spec_of
+    from sparrow.stages.trajectories import read_rollouts
+
+    fmt = resolve_format(format)
+    if (prompts is None) == (rollouts is None):
+        raise UsageError("give one of --prompts (sample training trajectories with the sparse actor) and "
+                         "--rollouts (trajectories sampled before)" + (", not both" if prompts else ""))
+    cfg = DistillConfig(steps=steps, batch_size=batch_size, lora_rank=lora_rank, lora_alpha=lora_alpha,
+                        lr=lr, objective=objective, seed=seed,
+                        temperature=1.0 if temperature is None else temperature)
+    try:
+        cfg.validate()
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    for flag, value in (("--samples", samples), ("--max-new-tokens", max_new_tokens),
+                        ("--bin-width", bin_width)):
+        if value < 1:
+            raise UsageError(f"{flag} must be at least 1, got {value}")
+    if output.exists() and not (output / "adapter_config.json").exists():
+        raise UsageError(f"-o {output} exists and is not an adapter directory; choose a new directory")
+    sparsity = _sparsity(schedule, budget, False, model)
+    if sparsity is None:
+        raise UsageError("give --budget or --schedule: the sparse actor to distill is the one that samples "
+                         "with that sparsity")
+    budgets = eval_budgets_of(sparsity, eval_budgets)
+    model_cfg = resolve_config(model)
+    init = init_actor = None
+    if init_adapter is not None:
+        init, init_actor = load_init_adapter(init_adapter, model_cfg, lora_rank)
+    for flag, path in (("--prompts", prompts), ("--rollouts", rollouts), ("--eval-prompts", eval_prompts)):
+        if path is not None and not path.exists():
+            raise UsageError(f"{flag} {path}: no such file")
+    given = trajectories = None
+    if rollouts is not None:
+        given = read_rollouts(rollouts)
+        if objective == "k3":
+            check_k3_trajectories(rollouts, given.sampler)
+        cfg.temperature = rollouts_temperature(rollouts, given.temperature, temperature)
+        if not given.needs_tokenizer:  # checked before any weights load
+            trajectories = given.trajectories(None, model_cfg.vocab_size, model_cfg.max_position_embeddings)
+
+    loaded = load_model(model)
+    sampling = dict(samples=samples, max_new_tokens=max_new_tokens, temperature=cfg.temperature)
+
+    def prompt_tokens(path: Path):
+        ids, tokens = load_prompt_tokens(path, loaded.tokenizer)
+        check_vocab(path, [{"prompt_id": i, "prompt_token_ids": t} for i, t in zip(ids, tokens)],
+                    model_cfg.vocab_size)
+        check_context(path, ids, tokens, max_new_tokens, model_cfg.max_position_embeddings)
+        return ids, tokens
+
+    train_ids = train_tokens = eval_ids = eval_tokens = None
+    if prompts is not None:
+        train_ids, train_tokens = prompt_tokens(prompts)
+    elif trajectories is None:
+        trajectories = given.trajectories(loaded.tokenizer, model_cfg.vocab_size,
+                                          model_cfg.max_position_embeddings)
+    if eval_prompts is not None:
+        eval_ids, eval_tokens = prompt_tokens(eval_prompts)
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console) as bar:
+        task = bar.add_task("sampling", total=None, info="")
+        if train_tokens is not None:  # the sparse actor as it starts samples the training trajectories
+            opts = ProfileOptions(budgets=budgets, sampler=spec_of(sparsity, schedule), seed=seed,
+                                  schedule=None if isinstance(sparsity, int) else sparsity,
+                                  adapter=init_actor, batch_size=16, **sampling)
+            trajectories = sample_trajectories(loaded, train_ids, train_tokens, opts)
+        eval_trajectories = trajectories
+        if eval_tokens is not None:  # the dense policy's trajectories: the same prefixes before and after
+            opts = ProfileOptions(budgets=budgets, sampler="dense", seed=seed + 1, batch_size=16, **sampling)
+            eval_trajectories = sample_trajectories(loaded, eval_ids, eval_tokens, opts)
+
+        def on_phase(name: str) -> None:
+            bar.update(task, description=name, total=steps if name == "distilling" else None,
+                       completed=0)
+
+        def on_step(r: dict) -> None:
+            bar.update(task, completed=r["step"] + 1,
+                       info=f"{objective} loss {r['loss']:.4g} | grad norm {r['grad_norm']:.3g} | "
+                            f"{r['seconds']:.1f} s/step")
+
+        try:
+            distiller, result = run_distill(loaded, trajectories, budget_fn(sparsity), cfg, eval_trajectories,
+                                            budgets, bin_width, init, init_actor, on_step, on_phase)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+    folder = save_result(distiller, result, output, model, {
+        "model": model, "sparsity": spec_of(sparsity, schedule), "objective": objective,
+        "trajectories": str(rollouts or prompts), "eval": str(eval_prompts) if eval_prompts else "training",
+        "bin_width": bin_width, "init_adapter": str(init_adapter) if init_adapter else None})
+    h = result.history
+    console.print(f"wrote the adapter to {folder} ({len(h)} steps, {result.seconds:.1f} s of training; "
+                  f"{objective} loss {h[0]['loss']:.4g} -> {h[-1]['loss']:.4g}); per-token mismatch before "
+                  f"and after: {folder / 'mismatch'}/")
+    rows = tail_comparison(result.before, result.after, quantile, threshold)
+    columns = ("bin", "budget", "tokens", "tail_before", "tail_after", "mean_before", "mean_after",
+               "above_after")
+    emit(columns, [[r[c] if c != "above_after" or fmt != "table" else ("yes" if r[c] else "no")
+                    for c in columns] for r in rows], fmt,
+         title=f"alpha per bin and budget, plain vs distilled sparse actor (tail = {quantile:g} quantile, "
+               f"above = tail >= {threshold}; eval: {eval_prompts or 'training trajectories'})")

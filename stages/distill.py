@@ -1,0 +1,457 @@
+"""`sparrow distill` (DistillSparse): a LoRA used only by the sparse actor, distilled toward the dense policy.
+
+The sparse actor's adapter, in DESIGN's terms:
+- The sparse actor is the base weights plus the adapter, in every forward the rollout engine runs for a
+  sparse sampler: the dense prefill of the prompt, the dense layers 0-1 and the sparse layers of every
+  decode step. So every KV entry of a sparse rollout, prompt and generated tokens alike, was written by
+  the adapted weights, and block top-k selection scores the adapted keys. The engine takes it merged
+  (`sparrow rollout --adapter DIR --schedule ...`, `rollout.lora`), which costs nothing per token.
+- The dense policy (the learner: its recompute, its update, the reference of alpha) never sees it: it is
+  the base weights alone, dense attention everywhere.
+- Teacher-forced sparse scoring with the adapter (`mismatch.score_sequences(actor=...)`, `sparrow profile
+  --adapter`) prefills the prompt again with the adapter merged and applies the block top-k rule at every
+  generated position, so it equals incremental sparse decoding with the adapter (tested within 1e-4 in
+  fp32), and alpha compares the actor with the plain dense policy. A zero adapter (peft initialises B to
+  zero) is exactly the plain sparse actor.
+Why the adapter runs everywhere rather than in the sparse decode steps only: one set of weights per actor
+keeps the invariant above trivial (incremental and teacher-forced runs use the same model), it is what
+the published method does (the sampler serves the LoRA for the whole request), and the dense positions of
+a schedule (its dense bins, the reserved pages) are then trained toward the dense policy too.
+
+Offline distillation, teacher forced on given trajectories: the base is frozen, peft injects a LoRA into
+every linear layer of every block (q, k, v, o, gate, up, down: "all linear layers"; lm_head is tied to
+the embeddings in the models here and not adapted), and AdamW updates only the LoRA. Each step takes
+`batch_size` trajectories (a permutation per epoch, seeded), runs per prompt group one dense prompt pass
+with the adapter (its keys/values recorded, gradients flowing into it) and the group's completions on
+top of it with block top-k attention (`SharedPromptSparse`: the same rule, each query selecting its own
+pages), and compares the actor's next-token distribution at every generated position with the dense
+policy's, computed once per trajectory with the adapter disabled (kept in memory when it fits, else
+recomputed). Objectives, token mean over the step's generated positions, at the sampling temperature:
+- `kl`: KL(dense || actor) = sum_v p_dense(v) (log p_dense(v) - log p_actor(v)), over the full
+  vocabulary at every position. 1 - alpha is the total variation distance, which Pinsker's inequality
+  bounds by sqrt(KL / 2), so this is the quantity that lifts the tail of alpha directly.
+- `k3`: the published sampled-token estimator k3(d) = exp(d) - 1 - d, d = log p_dense(y) - log p_actor(y),
+  an estimate of KL(actor || dense) that holds only on tokens the sparse actor sampled; it needs
+  trajectories a sparse sampler produced (the rollouts' metadata says which), which is checked.
+Published settings (reference README): LoRA alpha 16 on all linear layers, LoRA lr = 5 x the base lr,
+k3 coefficient 0.001 inside the online loss; the rank is not published (default 16 here).
+The online form, trained jointly with GRPO from the dense logprobs each step computes anyway, is
+`JointSparseActor` (`sparrow train --distill-sparse`): the same actor, a second adapter beside the learner's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from sparrow.schemas import write_artifact
+
+from .attention import DEFAULT_DENSE_LAYERS, PAGE_SIZE, SparseAttention
+from .mismatch import decode_budgets, pad_right
+from .model.llama import AttentionContext, Transformer
+from .model.loading import LoadedModel
+from .profile import ProfileOptions, profile_trajectories, summarize
+from .rollout.lora import LoraWeights
+from .sparsity import BudgetFn
+from .train.adapter import add_lora, load_lora_state, lora_state, save_adapter
+from .train.objective import k3
+from .train.policy import RecordingAttention, completion_hidden
+from .train.trainer import adapters_disabled
+from .trajectories import Trajectory
+
+OBJECTIVES = ("kl", "k3")
+PUBLISHED_LORA_ALPHA = 16.0
+PUBLISHED_K3_COEF = 0.001
+PUBLISHED_LR_RATIO = 5.0
+
+
+@dataclass
+class DistillConfig:
+    steps: int = 50
+    batch_size: int = 8  # trajectories per step
+    lora_rank: int = 16
+    lora_alpha: float = PUBLISHED_LORA_ALPHA
+    lr: float = 5e-4
+    objective: str = "kl"
+    temperature: float = 1.0  # the sampling temperature: logprobs and the KL use it (<= 0 counts as 1)
+    seed: int = 0
+    max_grad_norm: float = 1.0
+    dense_layers: tuple[int, ...] = DEFAULT_DENSE_LAYERS
+    page_size: int = PAGE_SIZE
+    dense_cache_gib: float = 2.0  # keep the dense targets in memory up to this size, else recompute
+
+    def validate(self) -> DistillConfig:
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"--objective must be one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
+        for name in ("steps", "batch_size", "lora_rank"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        for name in ("lr", "lora_alpha", "max_grad_norm"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        return self
+
+
+# ---------------------------------------------------------------------------- objectives
+
+
+def token_losses(objective: str, dense_logp: Tensor, actor_logp: Tensor, targets: Tensor) -> Tensor:
+    """Per generated position: dense_logp / actor_logp [N, V] log-probabilities (dense has no grad),
+    targets [N] the sampled tokens -> [N] loss terms."""
+    if objective == "kl":
+        return (dense_logp.exp() * (dense_logp - actor_logp)).sum(-1)
+    if objective == "k3":
+        pick = lambda lp: lp.gather(-1, targets[:, None]).squeeze(-1)
+        return k3(pick(dense_logp) - pick(actor_logp))
+    raise ValueError(f"unknown objective {objective!r}")
+
+
+def k3_from_sampled(dense_tok: Tensor, actor_tok: Tensor) -> Tensor:
+    """k3 from the sampled tokens' logprobs alone (what `token_losses` computes for k3)."""
+    return k3(dense_tok - actor_tok)
+
+
+# ---------------------------------------------------------------------------- the actor's forward
+
+
+class SharedPromptSparse(SparseAttention):
+    """Completions of one prompt attending to its recorded prompt keys/values and to themselves, with block
+    top-k selection over the whole prefix (slot i = position i, prompt slots first): the teacher-forced form
+    of sparse decoding for a group that shares its prompt, differentiable (no in-place cache)."""
+
+    def __init__(self, prompt_kv: list[tuple[Tensor, Tensor]], budgets: Tensor,
+                 dense_layers: Sequence[int] = DEFAULT_DENSE_LAYERS, page: int = PAGE_SIZE):
+        super().__init__(budgets, dense_layers, page)
+        self.prompt_kv = prompt_kv  # per layer ([1, Hkv, N, D], [1, Hkv, N, D])
+
+    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext) -> Tensor:
+        pk, pv = self.prompt_kv[layer]
+        b = q.shape[0]
+        keys = torch.cat([pk.expand(b, -1, -1, -1), k], dim=2)
+        values = torch.cat([pv.expand(b, -1, -1, -1), v], dim=2)
+        if layer in self.dense_layers or not bool((self.budgets > 0).any()):
+            visible = torch.arange(keys.shape[2], device=q.device) <= ctx.positions[:, None, :, None]
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=visible, enable_gqa=True)
+        return self.attend(q, keys, values, ctx.positions)
+
+
+def actor_hidden(model: Transformer, prompt: Sequence[int], completions: Sequence[Sequence[int]],
+                 budget_at: BudgetFn, dense_layers: Sequence[int] = DEFAULT_DENSE_LAYERS,
+                 page: int = PAGE_SIZE) -> Tensor:
+    """[K, T, hidden]: the sparse actor's states that predict each completion token of K completions of
+    one prompt (token 0 from the dense prefill's last position, token j from decode position n + j - 1
+    at budget budget_at(n + j)), with whatever adapter the model carries, gradients kept."""
+    device = model.embed_tokens.weight.device
+    n, k = len(prompt), len(completions)
+    recorder = RecordingAttention()
+    prompt_h = model.hidden_states(torch.tensor([list(prompt)], device=device), attention=recorder)
+    first = prompt_h[:, n - 1:n].expand(k, 1, -1)
+    t = max(len(c) for c in completions)
+    if t == 1:
+        return first
+    inputs = pad_right([c[:-1] for c in completions], device)  # [K, T - 1]
+    positions = n + torch.arange(t - 1, device=device).expand(k, t - 1)
+    budgets = decode_budgets(positions, torch.full((k,), n, device=device), budget_at)
+    rest = model.hidden_states(inputs, positions=positions,
+                               attention=SharedPromptSparse(recorder.kv, budgets, dense_layers, page))
+    return torch.cat([first, rest], dim=1)
+
+
+def log_probs(model: Transformer, hidden: Tensor, temperature: float) -> Tensor:
+    return torch.log_softmax(model.lm_head(hidden).float() / (temperature if temperature > 0 else 1.0), -1)
+
+
+# ---------------------------------------------------------------------------- training
+
+
+@dataclass
+class DistillResult:
+    history: list[dict]  # one row per step: step, loss, grad_norm, tokens, seconds
+    seconds: float  # training only (not sampling, not evaluation)
+    before: pa.Table | None = None  # mismatch of the eval trajectories, plain actor
+    after: pa.Table | None = None  # the same, distilled actor
+    lora: LoraWeights | None = field(default=None, repr=False)
+
+
+class Distiller:
+    """Holds the model with the LoRA injected; `run()` trains it, `lora()` / `save()` give it back."""
+
+    def __init__(self, loaded: LoadedModel, trajectories: Sequence[Trajectory], budget_at: BudgetFn,
+                 cfg: DistillConfig, init: dict[str, Tensor] | None = None,
+                 on_step: Callable[[dict], None] | None = None):
+        self.cfg = cfg.validate()
+        self.loaded, self.model = loaded, loaded.model
+        self.trajectories = [t for t in trajectories if t.completion]
+        if not self.trajectories:
+            raise ValueError("no trajectory has generated tokens, so there is nothing to distill on")
+        self.budget_at = budget_at
+        self.on_step = on_step or (lambda row: None)
+        torch.manual_seed(cfg.seed)
+        self.lora_config = add_lora(self.model, cfg.lora_rank, cfg.lora_alpha)
+        if init is not None:
+            load_lora_state(self.model, init)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=0.0)
+        tokens = sum(len(t.completion) for t in self.trajectories)
+        width = self.model.cfg.vocab_size if cfg.objective == "kl" else 1
+        self._cache_dense = tokens * width * 4 <= cfg.dense_cache_gib * 2**30
+        self._dense: dict[int, Tensor] = {}
+
+    def _order(self, step: int) -> list[int]:
+        n, b = len(self.trajectories), self.cfg.batch_size
+        out, orders = [], {}
+        for k in range(step * b, (step + 1) * b):
+            epoch, i = divmod(k, n)
+            if epoch not in orders:
+                orders[epoch] = np.random.default_rng([self.cfg.seed, epoch]).permutation(n)
+            out.append(int(orders[epoch][i]))
+        return list(dict.fromkeys(out))  # a batch larger than the data visits each trajectory once
+
+    @torch.no_grad()
+    def dense_targets(self, idx: Sequence[int]) -> list[Tensor]:
+        """The dense policy's log-probabilities at each generated position ([T, V] for kl, the sampled
+        tokens' [T] for k3), computed with the adapter disabled."""
+        missing = [i for i in idx if i not in self._dense]
+        if missing:
+            trajs = [self.trajectories[i] for i in missing]
+            self.model.eval()
+            with adapters_disabled(self.model):
+                hidden = completion_hidden(self.model, [t.prompt for t in trajs],
+                                           [t.completion for t in trajs])
+            for row, (i, t) in enumerate(zip(missing, trajs)):
+                lp = log_probs(self.model, hidden[row, : len(t.completion)], self.cfg.temperature)
+                if self.cfg.objective == "k3":
+                    lp = lp.gather(-1, torch.tensor(t.completion, device=lp.device)[:, None]).squeeze(-1)
+                self._dense[i] = lp
+        out = [self._dense[i] for i in idx]
+        if not self._cache_dense:
+            self._dense.clear()
+        return out
+
+    def step_loss(self, idx: Sequence[int], normalizer: int) -> float:
+        """Forward and backward over the trajectories `idx`, one shared prompt pass per prompt group;
+        returns their share of the step's token-mean loss."""
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for i in idx:
+            groups.setdefault(tuple(self.trajectories[i].prompt), []).append(i)
+        total = 0.0
+        for prompt, members in groups.items():
+            dense = self.dense_targets(members)
+            comps = [self.trajectories[i].completion for i in members]
+            hidden = actor_hidden(self.model, prompt, comps, self.budget_at, self.cfg.dense_layers,
+                                  self.cfg.page_size)
+            loss = hidden.new_zeros((), dtype=torch.float32)
+            for row, (c, d) in enumerate(zip(comps, dense)):
+                actor = log_probs(self.model, hidden[row, : len(c)], self.cfg.temperature)
+                targets = torch.tensor(c, device=actor.device)
+                if self.cfg.objective == "k3":
+                    terms = k3_from_sampled(d, actor.gather(-1, targets[:, None]).squeeze(-1))
+                else:
+                    terms = token_losses("kl", d, actor, targets)
+                loss = loss + terms.sum() / normalizer
+            loss.backward()
+            total += float(loss.detach())
+        return total
+
+    def train_step(self, step: int) -> dict:
+        t0 = time.perf_counter()
+        idx = self._order(step)
+        normalizer = sum(len(self.trajectories[i].completion) for i in idx)
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.step_loss(idx, normalizer)
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm))
+        self.optimizer.step()
+        self.model.eval()
+        return {"step": step, "loss": loss, "grad_norm": grad_norm, "tokens": normalizer,
+                "seconds": time.perf_counter() - t0}
+
+    def run(self) -> list[dict]:
+        history = []
+        for step in range(self.cfg.steps):
+            row = self.train_step(step)
+            history.append(row)
+            self.on_step(row)
+        return history
+
+    def lora(self) -> LoraWeights:
+        """The trained adapter as merge-ready weights (peft's names, our modules)."""
+        return LoraWeights.from_state_dict(lora_state(self.model), self.cfg.lora_alpha, self.cfg.lora_rank)
+
+    def save(self, folder, base_model: str):
+        return save_adapter(self.model, self.lora_config, folder, base_model)
+
+
+class JointSparseActor:
+    """`sparrow train --distill-sparse`: the sparse actor's adapter trained jointly with GRPO (published).
+
+    A second peft adapter ("sparse") sits beside the learner's ("default") in every linear layer. The
+    learner (scoring, its update, evaluation) runs with "default" active only; the engine samples with both
+    active, so the sparse actor is the current learner plus the sparse adapter, in every forward of the
+    rollout (as for `sparrow distill`). After the learner's update, with the learner frozen, `update` takes
+    one AdamW step (lr = lr_ratio x the learner's lr) on the sparse actor's PPO loss over the step's rollouts
+    (ratio = actor / rollout logprob, the step's advantages, the learner's clip rule, token mean) plus
+    kl_coef x k3(logp_dense_old - logp_actor), from the dense logprobs the step already computed.
+    """
+
+    ADAPTER = "sparse"
+
+    def __init__(self, model: Transformer, rank: int, alpha: float, lr: float, kl_coef: float,
+                 budget_at: BudgetFn, temperature: float, dense_layers: Sequence[int] = DEFAULT_DENSE_LAYERS,
+                 page: int = PAGE_SIZE):
+        from peft import LoraConfig, inject_adapter_in_model
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        from .train.adapter import TARGET_MODULES
+
+        self.model, self.kl_coef, self.budget_at = model, kl_coef, budget_at
+        self.temperature, self.dense_layers, self.page = temperature, tuple(dense_layers), page
+        self.config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, bias="none",
+                                 target_modules=list(TARGET_MODULES), task_type="CAUSAL_LM")
+        inject_adapter_in_model(self.config, model, adapter_name=self.ADAPTER)
+        self.layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+        lora = [(n, p) for n, p in model.named_parameters() if "lora_" in n]
+        self.params = [p for n, p in lora if f".{self.ADAPTER}." in n]
+        self.learner_params = [p for n, p in lora if ".default." in n]
+        self.use("learner")
+        self.optimizer = torch.optim.AdamW(self.params, lr=lr, weight_decay=0.0)
+
+    def use(self, who: str) -> None:
+        """"learner": the default adapter only (trainable); "actor": both, only the sparse one trainable."""
+        names = ["default"] if who == "learner" else ["default", self.ADAPTER]
+        for m in self.layers:
+            m.set_adapter(names)
+        for p in self.params:  # peft's set_adapter also sets requires_grad: state ours explicitly
+            p.requires_grad_(who == "actor")
+        for p in self.learner_params:
+            p.requires_grad_(who == "learner")
+
+    @contextmanager
+    def acting(self) -> Iterator[None]:
+        self.use("actor")
+        try:
+            yield
+        finally:
+            self.use("learner")
+
+    def update(self, completions, advantages: Tensor, old: dict, loss_cfg) -> dict[str, float]:
+        """One step on the sparse adapter; `completions` the step's engine samples, `old` the trainer's
+        scores (dense `logp`, `logp_rollout`, `mask`, [N, T] on the CPU)."""
+        from dataclasses import replace
+
+        from .train.objective import policy_loss
+
+        cfg = replace(loss_cfg, kl_coef=self.kl_coef, loss_agg="token-mean")
+        normalizer = max(int(old["mask"].sum()), 1)
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for i, c in enumerate(completions):
+            groups.setdefault(tuple(c.prompt_token_ids), []).append(i)
+        sums: dict[str, float] = {}
+        with self.acting():
+            self.model.train()
+            self.optimizer.zero_grad(set_to_none=True)
+            for prompt, idx in groups.items():
+                comps = [completions[i].token_ids for i in idx]
+                hidden = actor_hidden(self.model, prompt, comps, self.budget_at, self.dense_layers, self.page)
+                lp = log_probs(self.model, hidden, self.temperature)
+                logp = lp.gather(-1, pad_right(comps, lp.device)[..., None]).squeeze(-1)  # [K, T]
+                t, sel = logp.shape[1], torch.tensor(idx)
+                loss, part = policy_loss(logp, old["logp_rollout"][sel, :t], advantages[sel],
+                                         torch.ones_like(logp), old["mask"][sel, :t], cfg,
+                                         ref_logp=old["logp"][sel, :t], normalizer=normalizer)
+                loss.backward()
+                for k, v in part.items():
+                    sums[k] = sums.get(k, 0.0) + float(v)
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, 1.0))
+            self.optimizer.step()
+        self.model.eval()
+        return {"sparse_loss": sums.get("loss", 0.0), "sparse_policy_loss": sums.get("policy_loss", 0.0),
+                "sparse_kl": sums.get("kl", 0.0), "sparse_grad_norm": grad_norm}
+
+
+def evaluate(loaded: LoadedModel, trajectories: Sequence[Trajectory], budgets: Sequence[int],
+             actor: LoraWeights | None, temperature: float, bin_width: int,
+             dense_layers: Sequence[int] = DEFAULT_DENSE_LAYERS, page_size: int = PAGE_SIZE) -> pa.Table:
+    """The mismatch table (one row per token per budget) of the actor (None: the plain sparse actor)
+    against the plain dense policy, teacher forced on `trajectories`. Injected adapters are disabled, so
+    a model being distilled scores as its base plus `actor`."""
+    opts = ProfileOptions(budgets=list(budgets), bin_width=bin_width, temperature=temperature,
+                          dense_layers=tuple(dense_layers), page_size=page_size, adapter=actor)
+    with adapters_disabled(loaded.model):
+        return profile_trajectories(loaded, trajectories, opts)
+
+
+def tail_comparison(before: pa.Table, after: pa.Table, quantile: float, threshold: float) -> list[dict]:
+    """Per bin and budget: tokens, tail and mean alpha before and after distillation."""
+    a = {(r["bin"], r["budget"]): r for r in summarize(before, quantile, threshold).to_pylist()}
+    b = {(r["bin"], r["budget"]): r for r in summarize(after, quantile, threshold).to_pylist()}
+    return [{"bin": k[0], "budget": k[1], "tokens": a[k]["tokens"],
+             "tail_before": a[k]["tail_alpha"], "tail_after": b[k]["tail_alpha"],
+             "mean_before": a[k]["mean_alpha"], "mean_after": b[k]["mean_alpha"],
+             "above_after": bool(b[k]["tail_alpha"] >= threshold)} for k in sorted(a) if k in b]
+
+
+def config_dict(cfg: DistillConfig) -> dict:
+    d = asdict(cfg)
+    d["dense_layers"] = list(cfg.dense_layers)
+    return d
+
+
+def run_distill(loaded: LoadedModel, trajectories: Sequence[Trajectory], budget_at: BudgetFn,
+                cfg: DistillConfig, eval_trajectories: Sequence[Trajectory], eval_budgets: Sequence[int],
+                bin_width: int, init: dict[str, Tensor] | None = None, init_actor: LoraWeights | None = None,
+                on_step: Callable[[dict], None] | None = None,
+                on_phase: Callable[[str], None] | None = None) -> tuple[Distiller, DistillResult]:
+    """Score the eval trajectories with the actor as it starts (`init_actor`, None: the plain sparse actor),
+    distill, score them again with the distilled actor. The model keeps the LoRA injected afterwards."""
+    phase = on_phase or (lambda name: None)
+    phase("scoring before")
+    before = evaluate(loaded, eval_trajectories, eval_budgets, init_actor, cfg.temperature, bin_width,
+                      cfg.dense_layers, cfg.page_size)
+    distiller = Distiller(loaded, trajectories, budget_at, cfg, init, on_step)
+    phase("distilling")
+    t0 = time.perf_counter()
+    history = distiller.run()
+    seconds = time.perf_counter() - t0
+    phase("scoring after")
+    lora = distiller.lora()
+    after = evaluate(loaded, eval_trajectories, eval_budgets, lora, cfg.temperature, bin_width,
+                     cfg.dense_layers, cfg.page_size)
+    return distiller, DistillResult(history, seconds, before, after, lora)
+
+
+def save_result(distiller: Distiller, result: DistillResult, folder: str | os.PathLike, base_model: str,
+                metadata: dict) -> Path:
+    """FOLDER/: the peft adapter (adapter_config.json + adapter_model.safetensors), sparrow_distill.json
+    (the configuration, the sparsity, the loss per step, training seconds) and mismatch/before.parquet,
+    mismatch/after.parquet (`mismatch` artifacts of the eval trajectories, plain and distilled actor;
+    `sparrow sql --run FOLDER` sees both in one view, `sparrow plan-schedule` plans from either)."""
+    folder = distiller.save(folder, base_model)
+    record = {**metadata, "config": config_dict(distiller.cfg), "training_seconds": result.seconds,
+              "history": result.history}
+    (folder / "sparrow_distill.json").write_text(json.dumps(record, indent=2, default=str))
+    cfg = distiller.cfg
+    meta = {"model": base_model, "bin_width": metadata.get("bin_width"), "temperature": cfg.temperature,
+            "budgets": json.dumps(sorted({int(b) for b in result.before.column("budget").to_pylist()})),
+            "dense_layers": json.dumps(list(cfg.dense_layers)), "page_size": cfg.page_size}
+    write_artifact(result.before, folder / "mismatch" / "before.parquet", "mismatch",
+                   metadata=meta | {"actor": "plain sparse actor (before distillation)"})
+    write_artifact(result.after, folder / "mismatch" / "after.parquet", "mismatch",
+                   metadata=meta | {"actor": f"sparse actor + {folder}", "adapter": str(folder)})
+    return folder
+
+
+__all__ = ["OBJECTIVES", "DistillConfig", "DistillResult", "Distiller", "JointSparseActor",
+           "SharedPromptSparse",
+           "actor_hidden", "evaluate", "run_distill", "save_result", "tail_comparison", "token_losses"]
