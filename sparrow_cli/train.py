@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -10,6 +11,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from .common import UsageError, console, friendly_errors
 from .output import emit_record, format_option, resolve_format
 from .rollout import _sparsity
+
+if TYPE_CHECKING:
+    from sparrow.stages.train.distributed import World
 
 TRAIN_LABELS = {"reward_first": "reward, first step", "reward_last": "reward, last step",
                 "initial_eval_accuracy": "eval accuracy before training",
@@ -70,11 +74,12 @@ def train(
     """GRPO whose rollouts come from the sparse engine: rewards from the task's scorer, dense recompute of
     the sampled tokens, rollout correction, PPO-clipped update. Writes RUN/metrics.parquet,
     RUN/mismatch/step=N.parquet (query both with `sparrow sql --run RUN`), RUN/checkpoint/ and, with a
-    LoRA, RUN/adapter/ (peft format)."""
+    LoRA, RUN/adapter/ (peft format). Under `torchrun --nproc-per-node N` the ranks share each step's
+    batch and DDP sums their gradients; rank 0 writes, and a run resumes under any number of ranks."""
     import torch
 
-    from sparrow.stages.model.loading import load_model
-    from sparrow.stages.train import TrainConfig, Trainer, load_prompts
+    from sparrow.stages.train import TrainConfig
+    from sparrow.stages.train.distributed import init_world, shutdown_world
 
     fmt = resolve_format(format)
     spec = _spec(schedule, budget, dense, model)
@@ -96,8 +101,23 @@ def train(
         raise UsageError(f"--device must be cpu or cuda, got {device!r}")
     if device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda was given but no CUDA device is available")
+    world = init_world(device)
+    try:
+        _run(cfg, model, prompts, eval_prompts, resume, output_dir, fmt, world)
+    finally:
+        shutdown_world()
+
+
+def _run(cfg, model: str, prompts: Path, eval_prompts: Path | None, resume: bool, output_dir: Path,
+         fmt: str, world: World) -> None:
+    import torch
+
+    from sparrow.stages.model.loading import load_model
+    from sparrow.stages.train import Trainer, load_prompts
+
+    device, max_new_tokens, steps = cfg.device, cfg.max_new_tokens, cfg.steps
     loaded = load_model(model, device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float32,
-                        random_weights=random_weights)
+                        random_weights=cfg.random_weights)
     try:
         rows = load_prompts(prompts, loaded.tokenizer)
         held_out = load_prompts(eval_prompts, loaded.tokenizer) if eval_prompts else None
@@ -109,7 +129,8 @@ def train(
                          f"model's context of {loaded.config.max_position_embeddings}")
 
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console) as bar:
+                  TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console,
+                  disable=not world.main) as bar:
         task = bar.add_task("train steps", total=steps, info="")
 
         def on_phase(phase: str) -> None:
@@ -124,12 +145,13 @@ def train(
 
         try:
             trainer = Trainer(cfg, loaded, rows, output_dir, eval_prompts=held_out, resume=resume,
-                              on_step=on_step, on_phase=on_phase)
+                              on_step=on_step, on_phase=on_phase, world=world)
         except ValueError as e:
             raise UsageError(str(e)) from None
         bar.update(task, completed=trainer.step)
         summary = trainer.run()
-    print_summary(trainer.history, summary, output_dir, fmt)
+    if world.main:
+        print_summary(trainer.history, summary, output_dir, fmt)
 
 
 def print_summary(history: list[dict], s: dict, run: Path, fmt: str) -> None:
