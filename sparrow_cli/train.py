@@ -22,7 +22,9 @@ TRAIN_LABELS = {"reward_first": "reward, first step", "reward_last": "reward, la
                 "mean_masked_fraction": "masked tokens (mean fraction)",
                 "mean_vetoed_fraction": "vetoed tokens (mean fraction)",
                 "mean_rollout_seconds": "s per step: rollout", "mean_scoring_seconds": "s per step: scoring",
-                "mean_update_seconds": "s per step: update", "first_collapse_step": "first collapse step"}
+                "mean_update_seconds": "s per step: update",
+                "mean_weight_sync_seconds": "s per step: weight sync to the Ray workers (in rollout)",
+                "first_collapse_step": "first collapse step"}
 
 
 def _spec(schedule: Path | None, budget: int | None, dense: bool, model: str) -> str:
@@ -66,6 +68,10 @@ def train(
                                "CUDA graphs)."),
     random_weights: bool = typer.Option(False, "--random-weights", help="Random weights for a shapes-only "
                                         "preset such as qwen3-0.6b (to time the GPU path)."),
+    workers: int = typer.Option(0, "--workers", help="Roll out on N Ray workers (each loads the model once; "
+                                "the weights are pushed to them before every step's rollout)."),
+    ray_address: str = typer.Option(None, "--ray-address", help="An existing Ray cluster for --workers "
+                                    "(default: a local Ray started for the run)."),
     resume: bool = typer.Option(False, "--resume", help="Continue the run in --output-dir from its "
                                 "checkpoint."),
     output_dir: Path = typer.Option(..., "-o", "--output-dir", help="The run directory."),
@@ -101,15 +107,35 @@ def train(
         raise UsageError(f"--device must be cpu or cuda, got {device!r}")
     if device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda was given but no CUDA device is available")
+    if workers < 0:
+        raise UsageError(f"--workers must be >= 0, got {workers}")
+    if ray_address and not workers:
+        raise UsageError("--ray-address was given without --workers")
+    if workers:
+        from sparrow.stages.rollout.workers import RayMissing, require_ray
+
+        try:
+            require_ray()
+        except RayMissing as e:
+            raise UsageError(str(e)) from None
     world = init_world(device)
+    if workers and world.distributed:
+        raise UsageError("--workers (Ray rollout workers) cannot run under torchrun; use one of them")
+    pool = None
     try:
-        _run(cfg, model, prompts, eval_prompts, resume, output_dir, fmt, world)
+        if workers:
+            from sparrow.stages.rollout.workers import RolloutPool
+
+            pool = RolloutPool(model, workers, address=ray_address, device=device)
+        _run(cfg, model, prompts, eval_prompts, resume, output_dir, fmt, world, pool)
     finally:
+        if pool is not None:
+            pool.close()
         shutdown_world()
 
 
 def _run(cfg, model: str, prompts: Path, eval_prompts: Path | None, resume: bool, output_dir: Path,
-         fmt: str, world: World) -> None:
+         fmt: str, world: World, pool) -> None:
     import torch
 
     from sparrow.stages.model.loading import load_model
@@ -145,7 +171,7 @@ def _run(cfg, model: str, prompts: Path, eval_prompts: Path | None, resume: bool
 
         try:
             trainer = Trainer(cfg, loaded, rows, output_dir, eval_prompts=held_out, resume=resume,
-                              on_step=on_step, on_phase=on_phase, world=world)
+                              on_step=on_step, on_phase=on_phase, world=world, pool=pool)
         except ValueError as e:
             raise UsageError(str(e)) from None
         bar.update(task, completed=trainer.step)
@@ -166,7 +192,7 @@ def print_summary(history: list[dict], s: dict, run: Path, fmt: str) -> None:
               "final_eval_accuracy": s["final_eval_accuracy"],
               **{f"mean_{k}": mean(k) for k in ("mismatch_kl", "alpha_lb_p5", "masked_fraction",
                                                  "vetoed_fraction", "rollout_seconds", "scoring_seconds",
-                                                 "update_seconds")},
+                                                 "update_seconds", "weight_sync_seconds")},
               "label": s["label"], "first_collapse_step": s["first_collapse_step"],
               "reasons": "; ".join(s["reasons"]), "adapter": s["adapter"] or None}
     console.print(f"metrics: {run / 'metrics.parquet'}; per-token mismatch: {run / 'mismatch'}/")

@@ -6,6 +6,7 @@ The Ray test starts worker processes that import torch and load the model: run i
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import pyarrow as pa
 import pytest
@@ -103,3 +104,35 @@ def test_two_workers_equal_one_process_and_a_dead_workers_shard_is_redone(ray_cl
     assert metas[0]["summary"]["samples"] == 10 and metas[0]["summary"]["tokens"] == 120
     assert pa.concat_tables([read_artifact(p) for p in parts]).num_rows == 10  # nothing counted twice
     assert "wrote 10 rollouts in 2 parts" in two.stderr
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from sparrow.stages.tasks import TASKS
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from dist_helper import make_tiny, register_vowels
+
+    register_vowels()
+    yield make_tiny(tmp_path_factory.mktemp("tiny-llama"))
+    TASKS.pop("vowels", None)
+
+
+@pytest.mark.slow  # 2 worker processes and 3 short training runs: about 2 minutes on 2 shared cores
+def test_train_on_two_workers_equals_one_process_with_weights_synced(ray_cluster, tiny, tmp_path):
+    """Training whose rollouts come from 2 Ray workers, the LoRA pushed to them before every step, is the
+    run of one process: same tokens and rewards, metrics and weights up to float rounding."""
+    from dist_helper import assert_same_run
+
+    model, prompts = tiny
+    args = ["train", "--model", model, "--prompts", prompts, "--prompts-per-step", "3", "--samples", "2",
+            "--max-new-tokens", "6", "--lora-rank", "2", "--lr", "5e-2", "--budget", "48", "--steps", "3"]
+    one = runner.invoke(app, [*args, "-o", str(tmp_path / "one")])
+    assert one.exit_code == 0, one.output
+    two = runner.invoke(app, [*args, "--workers", "2", "-o", str(tmp_path / "two")])
+    assert two.exit_code == 0, two.output
+    assert_same_run(tmp_path / "one", tmp_path / "two")
+    rows = read_artifact(tmp_path / "two" / "metrics.parquet", "metrics").to_pylist()
+    assert all(0 < r["weight_sync_seconds"] < r["rollout_seconds"] for r in rows)
+    assert read_artifact(tmp_path / "one" / "metrics.parquet").column("weight_sync_seconds").null_count == 3
+    assert "mean_weight_sync_seconds" in two.stdout.splitlines()[0]

@@ -68,19 +68,44 @@ class RolloutWorker:
     def tokenize(self, texts: list[str]) -> list[list[int]]:
         return [list(self.loaded.tokenizer(t, add_special_tokens=False).input_ids) for t in texts]
 
-    def rollouts(self, shard: int, rows: list[dict], indices: list[int], opts: RolloutOptions
-                 ) -> tuple[pa.Table, RolloutSummary, int]:
+    def work(self, method: str, shard: int, items: list, indices: list[int], *args) -> tuple[object, int]:
+        """`method`'s result on one shard (items with their global indices), and this process's pid."""
+        self._maybe_die(shard)
+        return getattr(self, method)(items, indices, *args), os.getpid()
+
+    def rollouts(self, rows: list[dict], indices: list[int], opts: RolloutOptions
+                 ) -> tuple[pa.Table, RolloutSummary]:
+        """`sparrow rollout` on prompt rows."""
         from .stage import run_rollouts
 
-        self._maybe_die(shard)
-        table, summary = run_rollouts(self.loaded, rows, opts, request_ids=indices)
-        return table, summary, os.getpid()
+        return run_rollouts(self.loaded, rows, opts, request_ids=indices)
 
-    def load_lora_state(self, state: dict) -> None:
-        """Weight sync: the learner's LoRA tensors (peft names) into this worker's injected LoRA."""
+    def generate(self, prompts: list[list[int]], indices: list[int], params, sparsity, max_batch: int):
+        """The trainer's rollout phase: the engine's completions of each prompt."""
+        from .engine import Engine
+
+        self.loaded.model.eval()
+        engine = Engine(self.loaded.model, sparsity, max_batch=max_batch)
+        return engine.generate(prompts, params, request_ids=indices)
+
+    def profile(self, items: list, indices: list[int], opts, sample: bool) -> pa.Table:
+        """`sparrow profile` on (prompt id, prompt ids) pairs (sample first) or on trajectories."""
+        from ..profile import profile_trajectories, sample_trajectories
+
+        if sample:
+            ids, prompts = [i for i, _ in items], [p for _, p in items]
+            items = sample_trajectories(self.loaded, ids, prompts, opts, request_ids=indices)
+        return profile_trajectories(self.loaded, items, opts)
+
+    def load_weights(self, state: dict, lora: bool) -> None:
+        """Weight sync: the learner's LoRA tensors (peft names) into this worker's injected LoRA, or a
+        full state dict."""
         from ..train.adapter import load_lora_state
 
-        load_lora_state(self.loaded.model, state)
+        if lora:
+            load_lora_state(self.loaded.model, state)
+        else:
+            self.loaded.model.load_state_dict(state)
 
     def add_lora(self, rank: int, alpha: float) -> None:
         from ..train.adapter import add_lora
@@ -99,10 +124,17 @@ class RolloutWorker:
 @dataclass
 class ShardResult:
     shard: int
-    table: pa.Table
-    summary: RolloutSummary
+    value: object  # what the worker method returned
     worker_pid: int
     attempts: int
+
+    @property
+    def table(self) -> pa.Table:  # rollouts: (table, summary)
+        return self.value[0]
+
+    @property
+    def summary(self) -> RolloutSummary:
+        return self.value[1]
 
 
 class RolloutPool:
@@ -129,7 +161,14 @@ class RolloutPool:
         self.replaced = 0
 
     def _new_worker(self):
-        return self._actor_cls.remote(*self._args)
+        """A worker in the pool's current state: the LoRA injected and the last weights pushed (calls
+        on an actor run in order, so its first task sees them)."""
+        worker = self._actor_cls.remote(*self._args)
+        if getattr(self, "_lora", None):
+            worker.add_lora.remote(*self._lora)
+        if getattr(self, "_weights", None):
+            worker.load_weights.remote(*self._weights)
+        return worker
 
     def pids(self) -> list[int]:
         ray = require_ray()
@@ -141,11 +180,16 @@ class RolloutPool:
     def run(self, rows: Sequence[dict], opts: RolloutOptions,
             on_shard: Callable[[ShardResult], None] | None = None) -> list[ShardResult]:
         """Rollouts of `rows` in len(workers) shards by prompt index, in shard order."""
+        return self.map("rollouts", rows, opts, on_shard=on_shard)
+
+    def map(self, method: str, items: Sequence, *args,
+            on_shard: Callable[[ShardResult], None] | None = None) -> list[ShardResult]:
+        """`RolloutWorker.<method>` over len(workers) contiguous shards of `items`, in shard order."""
         from sparrow.stages.train.distributed import World
 
         ray = require_ray()
         n = len(self.workers)
-        shards = [World(k, n).shard(len(rows)) for k in range(n)]
+        shards = [World(k, n).shard(len(items)) for k in range(n)]
         pending, idle = deque(range(n)), list(self.workers)
         running: dict = {}
         attempts = [0] * n
@@ -154,13 +198,13 @@ class RolloutPool:
             while pending and idle:
                 k, worker = pending.popleft(), idle.pop(0)
                 attempts[k] += 1
-                fut = worker.rollouts.remote(k, list(rows[shards[k]]), list(range(len(rows)))[shards[k]],
-                                             opts)
+                fut = worker.work.remote(method, k, list(items[shards[k]]),
+                                         list(range(len(items)))[shards[k]], *args)
                 running[fut] = (k, worker)
             done, _ = ray.wait(list(running), num_returns=1)
             k, worker = running.pop(done[0])
             try:
-                table, summary, pid = ray.get(done[0])
+                value, pid = ray.get(done[0])
             except ray.exceptions.RayActorError:
                 if attempts[k] >= self.max_attempts:
                     raise RuntimeError(f"rollout shard {k} failed on {attempts[k]} workers; "
@@ -170,23 +214,25 @@ class RolloutPool:
                 self.replaced += 1
                 idle.append(replacement)
                 continue
-            results[k] = ShardResult(k, table, summary, pid, attempts[k])
+            results[k] = ShardResult(k, value, pid, attempts[k])
             idle.append(worker)
             if on_shard is not None:
                 on_shard(results[k])
         return [results[k] for k in range(n)]
 
-    def push_lora(self, state: dict) -> float:
-        """Weight sync: every worker loads `state` (LoRA tensors) from one copy in the object store;
-        returns the seconds until all have it."""
+    def push_weights(self, state: dict, lora: bool) -> float:
+        """Weight sync: every worker loads `state` (LoRA tensors, or a full state dict) from one copy
+        in the object store; returns the seconds until all have it. Replacement workers started later
+        get the last state pushed."""
         ray = require_ray()
         t0 = time.perf_counter()
-        ref = ray.put(state)
-        ray.get([w.load_lora_state.remote(ref) for w in self.workers])
+        self._weights = (ray.put(state), lora)
+        ray.get([w.load_weights.remote(*self._weights) for w in self.workers])
         return time.perf_counter() - t0
 
     def add_lora(self, rank: int, alpha: float) -> None:
         ray = require_ray()
+        self._lora = (rank, alpha)
         ray.get([w.add_lora.remote(rank, alpha) for w in self.workers])
 
     def close(self) -> None:

@@ -50,6 +50,7 @@ from ..calibrate import collapse_reasons
 from ..definitions import TAIL_QUANTILE
 from ..model.loading import LoadedModel
 from ..rollout import Engine, SamplingParams
+from ..rollout.workers import RolloutPool
 from ..schedule import Schedule
 from ..sparsity import parse_sparsity
 from ..tasks import TASKS, score
@@ -173,9 +174,13 @@ class Trainer:
     def __init__(self, config: TrainConfig, loaded: LoadedModel, prompts: list[PromptRow],
                  run_dir: str | Path, eval_prompts: list[PromptRow] | None = None, resume: bool = False,
                  on_step: Callable[[dict], None] | None = None,
-                 on_phase: Callable[[str], None] | None = None, world: World | None = None):
+                 on_phase: Callable[[str], None] | None = None, world: World | None = None,
+                 pool: RolloutPool | None = None):
         config.validate()
         self.world = world or current_world()
+        if pool is not None and self.world.distributed:
+            raise ValueError("Ray rollout workers and torchrun ranks cannot be combined; use one of them")
+        self.pool, self.sync_seconds = pool, None
         if config.prompts_per_step * config.samples < self.world.size:
             raise ValueError(f"--prompts-per-step x --samples ({config.prompts_per_step * config.samples} "
                              f"sequences) must be at least the world size ({self.world.size}), so that "
@@ -204,6 +209,8 @@ class Trainer:
         if resume:
             self._load_checkpoint()
         self.policy = data_parallel(self.model, self.world)
+        if pool is not None and self.lora_config is not None:
+            pool.add_lora(config.lora_rank, config.lora_alpha)
         self.world.barrier()  # no rank writes before every rank has checked the run directory
 
     # ------------------------------------------------------------------ run directory
@@ -311,6 +318,8 @@ class Trainer:
                                 seed=cfg.seed * 1_000_003 + step, logprobs=TOP_LOGPROBS,
                                 ignore_eos=cfg.ignore_eos)
         self.model.eval()
+        if self.pool is not None:
+            return self._rollout_on_workers(batch, params)
         shard = self.world.shard(len(batch))  # a prompt's group stays on one rank
         engine = Engine(self.model, self.sparsity, max_batch=max(len(batch[shard]), 1) * cfg.samples)
         mine = engine.generate([r.token_ids for r in batch[shard]], params,
@@ -328,6 +337,17 @@ class Trainer:
                 "logp_rollout": _pad_rows([c.logprobs for c in flat]),
                 "budgets": _pad_rows([c.budgets for c in flat], 0, torch.int32),
                 "alpha_lb": torch.where(mask, rows["alpha_lb"], 0.0), "ref": rows["ref"]}
+
+    def _rollout_on_workers(self, batch: list[PromptRow], params: SamplingParams):
+        """The rollout phase on Ray workers: this step's weights pushed to them (timed), then the prompts
+        shared by index with the seeds one process uses."""
+        lora = self.lora_config is not None
+        state = (lora_state(self.model) if lora
+                 else {k: v.detach().cpu() for k, v in self.model.state_dict().items()})
+        self.sync_seconds = self.pool.push_weights(state, lora)
+        results = self.pool.map("generate", [r.token_ids for r in batch], params, self.sparsity,
+                                len(batch) * self.cfg.samples)
+        return [group for r in results for group in r.value]
 
     @torch.no_grad()
     def _score_rows(self, flat, width: int) -> dict:
@@ -430,6 +450,7 @@ class Trainer:
             "response_length": generated / len(flat), "lr": self.cfg.lr,
             "rollout_seconds": t_roll, "scoring_seconds": t_score, "update_seconds": t_update,
             "seconds": t_roll + t_score + t_update, "tokens_per_second": generated / max(t_roll, 1e-9),
+            "weight_sync_seconds": self.sync_seconds,  # part of rollout_seconds; None without workers
         }
 
     def _write_mismatch(self, step: int, batch, flat, old: dict, correction) -> None:
