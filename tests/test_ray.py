@@ -136,3 +136,25 @@ def test_train_on_two_workers_equals_one_process_with_weights_synced(ray_cluster
     assert all(0 < r["weight_sync_seconds"] < r["rollout_seconds"] for r in rows)
     assert read_artifact(tmp_path / "one" / "metrics.parquet").column("weight_sync_seconds").null_count == 3
     assert "mean_weight_sync_seconds" in two.stdout.splitlines()[0]
+
+
+@pytest.mark.slow  # 2 worker processes: about a minute on 2 shared cores
+def test_profile_on_two_workers_equals_one_process(ray_cluster, tmp_path):
+    prompts = _prompts(tmp_path / "p.parquet")
+    args = ["profile", "--model", "tiny-qwen3", "--prompts", str(prompts), "--budgets", "48,64", "--samples",
+            "2", "--max-new-tokens", "10", "--sampler", "budget:48", "--bin-width", "16", "--seed", "3"]
+    one = runner.invoke(app, [*args, "-o", str(tmp_path / "one.parquet")])
+    assert one.exit_code == 0, one.output
+    two = runner.invoke(app, [*args, "--workers", "2", "-o", str(tmp_path / "two")])
+    assert two.exit_code == 0, two.output
+    assert len(list((tmp_path / "two").iterdir())) == 2 and one.stdout == two.stdout  # the same summary
+    keys = [(k, "ascending") for k in ("prompt_id", "sample", "position", "budget")]
+    a = read_artifact(tmp_path / "one.parquet", "mismatch").sort_by(keys)
+    b = read_artifact(tmp_path / "two", "mismatch").sort_by(keys)
+    assert a.num_rows == b.num_rows == 5 * 2 * 10 * 2
+    for col in a.column_names:
+        x, y = a.column(col).to_pylist(), b.column(col).to_pylist()
+        if isinstance(x[0], float):
+            assert torch.allclose(torch.tensor(x), torch.tensor(y), atol=1e-5), col
+        else:
+            assert x == y, col
