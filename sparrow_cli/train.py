@@ -126,7 +126,8 @@ def train(
         if workers:
             from sparrow.stages.rollout.workers import RolloutPool
 
-            pool = RolloutPool(model, workers, address=ray_address, device=device)
+            pool = RolloutPool(model, workers, address=ray_address, device=device,
+                               random_weights=random_weights)  # seeded: the learner's base weights
         _run(cfg, model, prompts, eval_prompts, resume, output_dir, fmt, world, pool)
     finally:
         if pool is not None:

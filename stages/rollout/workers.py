@@ -52,13 +52,14 @@ def require_ray():
 class RolloutWorker:
     """The body of a Ray actor: a model loaded once, rollouts of the shards it is given."""
 
-    def __init__(self, model: str, device: str = "cpu", threads: int = 1, fault_once: str | None = None):
+    def __init__(self, model: str, device: str = "cpu", threads: int = 1, fault_once: str | None = None,
+                 random_weights: bool = False):
         import torch
 
         from ..model.loading import load_model
 
         torch.set_num_threads(threads)
-        self.loaded = load_model(model, device=device,
+        self.loaded = load_model(model, device=device, random_weights=random_weights,
                                  dtype=torch.bfloat16 if device == "cuda" else torch.float32)
         self.fault_once = fault_once  # tests: "SHARD:MARKER", exit once on that shard
 
@@ -141,7 +142,8 @@ class RolloutPool:
     """N rollout workers on Ray; `run` shards a prompt set over them and returns one result per shard."""
 
     def __init__(self, model: str, workers: int, *, address: str | None = None, device: str = "cpu",
-                 threads: int = 1, max_attempts: int = 3, fault_once: str | None = None):
+                 threads: int = 1, max_attempts: int = 3, fault_once: str | None = None,
+                 random_weights: bool = False):
         if workers < 1:
             raise ValueError(f"--workers must be at least 1, got {workers}")
         ray = require_ray()
@@ -155,7 +157,7 @@ class RolloutPool:
         gpus = 1 if device == "cuda" else 0
         self._actor_cls = ray.remote(num_cpus=threads, num_gpus=gpus, max_restarts=0)(RolloutWorker)
         fault_once = fault_once or os.environ.get("SPARROW_TEST_FAULT_ONCE")  # tests through the CLI
-        self._args = (model, device, threads, fault_once)
+        self._args = (model, device, threads, fault_once, random_weights)
         self.max_attempts = max_attempts
         self.workers = [self._new_worker() for _ in range(workers)]
         self.replaced = 0
