@@ -59,7 +59,8 @@ def run_one(args, name: str, overrides: dict, seed: int, prompts: Path, eval_pro
     cfg = TrainConfig(model=args.model, steps=args.steps, prompts_per_step=args.prompts_per_step,
                       samples=args.samples, max_new_tokens=args.max_new_tokens, lr=args.lr,
                       lora_rank=args.lora_rank, seed=seed, micro_batch=args.micro_batch,
-                      checkpoint_every=args.steps, eval_every=args.steps, bin_width=args.bin_width,
+                      checkpoint_every=args.steps, eval_every=args.eval_every or args.steps,
+                      bin_width=args.bin_width,
                       **overrides)
     rows = load_prompts(prompts, loaded.tokenizer)
     held_out = load_prompts(eval_prompts, loaded.tokenizer)
@@ -89,6 +90,7 @@ def main() -> None:
     ap.add_argument("--train-prompts", type=int, default=64)
     ap.add_argument("--eval-prompts", type=int, default=32)
     ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--eval-every", type=int, default=None, help="steps between evals (default: --steps)")
     ap.add_argument("--prompts-per-step", type=int, default=4)
     ap.add_argument("--samples", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=12)
@@ -130,7 +132,8 @@ def main() -> None:
         finals = np.array([r["eval_end"] for r in dense])
         gains = finals - np.array([r["eval_start"] for r in dense])
         print(f"dense: eval gain {gains.mean():.3f} (per seed {np.round(gains, 3).tolist()}), "
-              f"spread of final eval accuracy over seeds {finals.max() - finals.min():.3f}")
+              f"spread of final eval accuracy over seeds: range {finals.max() - finals.min():.3f}, "
+              f"std {finals.std(ddof=1):.3f}")
     write_results(rows, "train")
 
 

@@ -31,12 +31,13 @@ def friendly_errors(fn: Callable) -> Callable:
     """Turn the project's input errors into one clear line and a non-zero exit."""
     from sparrow.schemas import ArtifactError
     from sparrow.stages.model.config import ModelSpecError
+    from sparrow.stages.prompt_set import PromptError
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
-        except (UsageError, ArtifactError, ModelSpecError, KeyError) as e:
+        except (UsageError, ArtifactError, ModelSpecError, PromptError, KeyError) as e:
             fail(str(e.args[0]) if e.args else str(e))
         except KeyboardInterrupt:
             console.print("[yellow]interrupted; nothing half-written was left behind[/]")

@@ -21,39 +21,10 @@ from sparrow.stages.definitions import PRIOR_THRESHOLD, TAIL_QUANTILE
 
 from .common import UsageError, console, friendly_errors, parse_int_list
 from .output import emit, format_option, resolve_format
-from .rollout import check_ray, check_vocab
+from .rollout import check_ray
 
 if TYPE_CHECKING:
     import pyarrow as pa
-
-
-def load_prompt_tokens(path: Path, tokenizer) -> tuple[list[str], list[list[int]]]:
-    """Prompt ids and token ids of a prompts artifact (token ids win; text needs a tokenizer)."""
-    from sparrow.schemas import read_artifact
-
-    table = read_artifact(path, "prompts")
-    if table.num_rows == 0:
-        raise UsageError(f"{path}: the prompt set is empty")
-    ids, tokens = [], []
-    for row in table.select(["prompt_id", "prompt", "prompt_token_ids"]).to_pylist():
-        if row["prompt_token_ids"]:
-            tokens.append(list(row["prompt_token_ids"]))
-        elif tokenizer is None:
-            raise UsageError(f"{path}: prompt {row['prompt_id']!r} has only text and the model has "
-                             "no tokenizer; write prompts with token ids")
-        else:
-            tokens.append(tokenizer(row["prompt"], add_special_tokens=False).input_ids)
-        ids.append(row["prompt_id"])
-    return ids, tokens
-
-
-def check_context(path: Path, ids: list[str], tokens: list[list[int]], max_new: int,
-                  context: int) -> None:
-    longest = max(range(len(tokens)), key=lambda i: len(tokens[i]))
-    if len(tokens[longest]) + max_new > context:
-        raise UsageError(
-            f"{path}: prompt {ids[longest]!r} has {len(tokens[longest])} tokens, which with "
-            f"--max-new-tokens {max_new} exceeds the model's context of {context}")
 
 
 SAMPLING_FLAGS = {"samples": "--samples", "max_new_tokens": "--max-new-tokens", "sampler": "--sampler",
@@ -105,6 +76,7 @@ def profile(
     from sparrow.schemas import write_artifact
     from sparrow.stages.model.loading import load_model, model_name, resolve_config, spec_tokenizer
     from sparrow.stages.profile import ProfileOptions, profile_trajectories, run_profile, summarize
+    from sparrow.stages.prompt_set import PromptSet
     from sparrow.stages.schedule import Schedule
     from sparrow.stages.trajectories import read_rollouts
 
@@ -152,13 +124,13 @@ def profile(
     else:
         if sampler.startswith("schedule:"):
             opts.schedule = Schedule.from_artifact(sampler.split(":", 1)[1])
-        if not prompts.exists():
-            raise UsageError(f"{prompts}: no such prompts file")
+        prompt_set = PromptSet.read(prompts)
+        prompt_set.check_fits(cfg.vocab_size, cfg.max_position_embeddings, max_new_tokens)  # before weights
         loaded = load()
-        ids, tokens = load_prompt_tokens(prompts, loaded.tokenizer)
-        check_vocab(prompts, [{"prompt_id": i, "prompt_token_ids": t} for i, t in zip(ids, tokens)],
-                    cfg.vocab_size)
-        check_context(prompts, ids, tokens, max_new_tokens, cfg.max_position_embeddings)
+        if prompt_set.needs_tokenizer:
+            prompt_set.tokenize(loaded.tokenizer)
+            prompt_set.check_fits(cfg.vocab_size, cfg.max_position_embeddings, max_new_tokens)
+        ids, tokens = prompt_set.ids, prompt_set.tokens
         meta = opts.metadata() | {"prompts": str(prompts)}
         if workers:
             table = _profile_on_ray(model, list(zip(ids, tokens)), opts, True, workers, ray_address, device,

@@ -36,29 +36,6 @@ def _sparsity(schedule: Path | None, budget: int | None, dense: bool, model: str
         raise UsageError(str(e)) from None
 
 
-def _prompt_rows(path: Path) -> list[dict]:
-    from sparrow.schemas import read_artifact
-
-    if not path.exists():
-        raise UsageError(f"{path}: no such prompts file")
-    table = read_artifact(path, "prompts")
-    if table.num_rows == 0:
-        raise UsageError(f"{path}: the prompt set is empty")
-    cols = [c for c in ("prompt_id", "task", "prompt", "prompt_token_ids", "answer", "metadata")
-            if c in table.column_names]
-    return table.select(cols).to_pylist()
-
-
-def check_vocab(path: Path, rows: list[dict], vocab_size: int) -> None:
-    """Token ids from another tokenizer (a foreign prompts file) are refused before any weights load."""
-    for r in rows:
-        top = max(r["prompt_token_ids"], default=0)
-        if top >= vocab_size:
-            raise UsageError(f"{path}: prompt {r['prompt_id']!r} has token id {top} in column "
-                             f"'prompt_token_ids', but the model's vocabulary has {vocab_size} tokens "
-                             "(were the ids made with another tokenizer?)")
-
-
 @friendly_errors
 def rollout(
     model: str = typer.Option("smollm2-135m", "--model", help="Preset, checkpoint dir or .gguf."),
@@ -97,7 +74,8 @@ def rollout(
 
     from sparrow.schemas import write_artifact
     from sparrow.stages.attention import PAGE_SIZE
-    from sparrow.stages.model.loading import load_model, model_name, resolve_config
+    from sparrow.stages.model.loading import load_model, model_name, resolve_config, spec_tokenizer
+    from sparrow.stages.prompt_set import PromptSet
     from sparrow.stages.rollout import RolloutOptions, SamplingParams, load_lora, run_rollouts
     from sparrow.stages.rollout.lora import check_lora_fits
 
@@ -133,20 +111,8 @@ def rollout(
             check_lora_fits(adapter, cfg, str(lora))
         except ValueError as e:
             raise UsageError(str(e)) from None
-    rows = _prompt_rows(prompts)
-    context = cfg.max_position_embeddings
-
-    def check(rows_with_ids: list[dict]) -> None:
-        check_vocab(prompts, rows_with_ids, cfg.vocab_size)
-        longest = max(rows_with_ids, key=lambda r: len(r["prompt_token_ids"]))
-        if len(longest["prompt_token_ids"]) + max_new_tokens > context:
-            raise UsageError(
-                f"{prompts}: prompt {longest['prompt_id']!r} has {len(longest['prompt_token_ids'])} "
-                f"tokens, which with --max-new-tokens {max_new_tokens} exceeds the model's context "
-                f"of {context}")
-
-    if all(r.get("prompt_token_ids") for r in rows):
-        check(rows)  # before any weights are read
+    prompt_set = PromptSet.read(prompts)
+    prompt_set.check_fits(cfg.vocab_size, cfg.max_position_embeddings, max_new_tokens)  # before weights
     sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                               top_k=top_k, seed=seed, n=samples, ignore_eos=ignore_eos)
     opts = RolloutOptions(sampling=sampling, max_batch=max_batch, sparsity=sparsity,
@@ -158,22 +124,21 @@ def rollout(
             "max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k,
             "seed": seed, "ignore_eos": ignore_eos, "page_size": PAGE_SIZE, "device": device,
             "lora": str(lora) if lora else ""}
-    if workers:
-        summary, n = _rollout_on_ray(model, rows, opts, workers, ray_address, device, meta, output, check,
-                                     prompts)
+    if workers:  # this process only tokenizes: the weights load in the workers
+        if prompt_set.needs_tokenizer:
+            prompt_set.tokenize(spec_tokenizer(model))
+            prompt_set.check_fits(cfg.vocab_size, cfg.max_position_embeddings, max_new_tokens)
+        summary, n = _rollout_on_ray(model, prompt_set.rows, opts, workers, ray_address, device, meta, output)
         console.print(f"wrote {n} rollouts in {workers} parts to {output}/")
         emit_record(summary.metadata(), fmt, title=f"rollouts ({mode}, {workers} workers)",
                     labels=SUMMARY_LABELS)
         return
     loaded = load_model(model, device=device,
                         dtype=torch.bfloat16 if device == "cuda" else torch.float32)
-    for r in rows:
-        if not r.get("prompt_token_ids"):
-            if loaded.tokenizer is None:
-                raise UsageError(f"{prompts}: prompt {r['prompt_id']!r} has only text and the model "
-                                 "has no tokenizer; write prompts with token ids")
-            r["prompt_token_ids"] = loaded.tokenizer(r["prompt"], add_special_tokens=False).input_ids
-    check(rows)
+    if prompt_set.needs_tokenizer:
+        prompt_set.tokenize(loaded.tokenizer)
+        prompt_set.check_fits(cfg.vocab_size, cfg.max_position_embeddings, max_new_tokens)
+    rows = prompt_set.rows
 
     total = len(rows) * samples
     start = time.perf_counter()
@@ -210,7 +175,7 @@ def check_ray(output: Path) -> None:
 
 
 def _rollout_on_ray(model: str, rows: list[dict], opts, workers: int, address: str | None, device: str,
-                    meta: dict, output: Path, check, prompts: Path):
+                    meta: dict, output: Path):
     """Rollouts of `rows` on a pool of Ray workers, written as one part per shard; (summary, rows)."""
     from sparrow.schemas import write_artifact_parts
     from sparrow.stages.rollout.workers import RolloutPool, merge_summaries
@@ -221,11 +186,6 @@ def _rollout_on_ray(model: str, rows: list[dict], opts, workers: int, address: s
         task = bar.add_task(f"starting {workers} Ray workers", total=total)
         pool = RolloutPool(model, workers, address=address, device=device)
         try:
-            missing = [r for r in rows if not r.get("prompt_token_ids")]
-            if missing:
-                for r, ids in zip(missing, pool.tokenize([r["prompt"] or "" for r in missing])):
-                    r["prompt_token_ids"] = ids
-                check(rows)
             bar.update(task, description=f"rollouts (samples) on {workers} workers")
             start = time.perf_counter()
             results = pool.run(rows, opts, on_shard=lambda r: bar.advance(task, r.table.num_rows))

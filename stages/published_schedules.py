@@ -14,6 +14,7 @@ from .definitions import PAGE_SIZE
 BIN_TOKENS = 2000
 NUM_BINS = 20
 CONTEXT = 40960  # Qwen3's context; the published runs generate up to 37K tokens in a 40K context
+REFERENCE_GEN_LEN = 32768  # the published speedups' 32K cutoff: what reference-profile plans are priced at
 
 _TABLE = """
 qwen3-1.7b 0.75 32 32 48 48 64 64 80 80 96 96 96 96 96 96 96 96 96 96 96 96

@@ -49,6 +49,7 @@ from sparrow.schemas import artifact_metadata, read_artifact, write_artifact
 from ..calibrate import collapse_reasons
 from ..definitions import TAIL_QUANTILE
 from ..model.loading import LoadedModel
+from ..prompt_set import PromptError, PromptSet
 from ..rollout import Engine, SamplingParams
 from ..rollout.workers import RolloutPool
 from ..schedule import Schedule
@@ -119,26 +120,19 @@ class PromptRow:
 
 
 def load_prompts(path: str | os.PathLike, tokenizer=None) -> list[PromptRow]:
-    """Rows of a prompts artifact that training can use: token ids (or text to tokenize), an answer and a
-    known task; anything else is refused with one sentence."""
-    table = read_artifact(path, "prompts").to_pylist()
-    rows = []
-    for r in table:
+    """Rows of a prompts file that training can use: token ids (or text to tokenize), an answer and a
+    known task; anything else is refused with one sentence (a PromptError, a ValueError)."""
+    prompt_set = PromptSet.read(path)
+    for r in prompt_set.rows:
         where = f"{path}: prompt {r['prompt_id']!r}"
-        if r["task"] not in TASKS:
-            raise ValueError(f"{where} has task {r['task']!r}, which has no scorer "
-                             f"(known: {', '.join(TASKS)})")
-        if r["answer"] is None:
-            raise ValueError(f"{where} has no answer, so its reward cannot be verified")
-        ids = r["prompt_token_ids"]
-        if ids is None:
-            if tokenizer is None:
-                raise ValueError(f"{where} has no prompt_token_ids and the model has no tokenizer")
-            ids = list(tokenizer(r["prompt"], add_special_tokens=False).input_ids)
-        rows.append(PromptRow(r["prompt_id"], r["task"], list(ids), r["answer"], r["metadata"]))
-    if not rows:
-        raise ValueError(f"{path} holds no prompts")
-    return rows
+        if r.get("task") not in TASKS:
+            raise PromptError(f"{where} has task {r.get('task')!r}, which has no scorer "
+                              f"(known: {', '.join(TASKS)})")
+        if r.get("answer") is None:
+            raise PromptError(f"{where} has no answer, so its reward cannot be verified")
+    prompt_set.tokenize(tokenizer)
+    return [PromptRow(r["prompt_id"], r["task"], list(r["prompt_token_ids"]), r["answer"], r.get("metadata"))
+            for r in prompt_set.rows]
 
 
 def repetition(tokens: Sequence[int], n: int = 4) -> bool:

@@ -1,0 +1,78 @@
+"""A prompt set read from a file for sampling: our `prompts` artifact, any Parquet with its columns
+(DuckDB, pandas) or JSONL.
+
+One reader for every stage that samples (rollout, profile, train), so each refuses the same bad
+input with the same sentence. The checks that need no weights (the file exists and holds prompts,
+token ids fit the vocabulary, the longest prompt plus the generation fits the context) run before any
+weights load; prompts that carry only text are tokenized once the model's tokenizer is there and then
+checked the same way.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from sparrow.schemas import read_artifact
+
+COLUMNS = ("prompt_id", "task", "prompt", "prompt_token_ids", "answer", "metadata")
+
+
+class PromptError(ValueError):
+    """A prompt file that cannot be sampled from; the message is one sentence naming the file."""
+
+
+@dataclass
+class PromptSet:
+    path: Path
+    rows: list[dict]  # the COLUMNS the file has; prompt_token_ids may be empty until tokenize()
+
+    @classmethod
+    def read(cls, path: str | os.PathLike) -> PromptSet:
+        path = Path(path)
+        if not path.exists():
+            raise PromptError(f"{path}: no such prompts file")
+        table = read_artifact(path, "prompts")
+        if table.num_rows == 0:
+            raise PromptError(f"{path}: the prompt set is empty")
+        return cls(path, table.select([c for c in COLUMNS if c in table.column_names]).to_pylist())
+
+    @property
+    def needs_tokenizer(self) -> bool:
+        return not all(r.get("prompt_token_ids") for r in self.rows)
+
+    @property
+    def ids(self) -> list[str]:
+        return [r["prompt_id"] for r in self.rows]
+
+    @property
+    def tokens(self) -> list[list[int]]:
+        return [list(r["prompt_token_ids"]) for r in self.rows]
+
+    def tokenize(self, tokenizer) -> None:
+        """Token ids for the rows that have only text (token ids, when present, win)."""
+        for r in self.rows:
+            if not r.get("prompt_token_ids"):
+                if tokenizer is None:
+                    raise PromptError(f"{self.path}: prompt {r['prompt_id']!r} has only text and the model "
+                                      "has no tokenizer; write prompts with token ids")
+                r["prompt_token_ids"] = tokenizer(r["prompt"], add_special_tokens=False).input_ids
+
+    def check_fits(self, vocab_size: int, context: int, max_new_tokens: int) -> None:
+        """Ids from another tokenizer and prompts too long for the context, among the tokenized rows."""
+        rows = [r for r in self.rows if r.get("prompt_token_ids")]
+        for r in rows:
+            top = max(r["prompt_token_ids"])
+            if top >= vocab_size:
+                raise PromptError(f"{self.path}: prompt {r['prompt_id']!r} has token id {top} in column "
+                                  f"'prompt_token_ids', but the model's vocabulary has {vocab_size} tokens "
+                                  "(were the ids made with another tokenizer?)")
+        if not rows:
+            return
+        longest = max(rows, key=lambda r: len(r["prompt_token_ids"]))
+        if len(longest["prompt_token_ids"]) + max_new_tokens > context:
+            raise PromptError(
+                f"{self.path}: prompt {longest['prompt_id']!r} has {len(longest['prompt_token_ids'])} "
+                f"tokens, which with --max-new-tokens {max_new_tokens} exceeds the model's context "
+                f"of {context}")
