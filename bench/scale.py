@@ -1,13 +1,13 @@
 """Rollout throughput with Ray workers: one process against 1 and 2 workers (`RolloutPool`), same rollouts.
 
 Measured in one run on this machine, on the same prompts, seeds and engine settings (EOS ignored so
-every configuration generates the same tokens): the engine in this process (torch's default threads),
-then a pool of 1 worker and a pool of 2 workers, each worker one process with `--threads` torch
-threads and the model loaded once. Pool start-up (processes, imports, model load) is timed apart from
-the rollouts; each configuration does one warm-up run, then `--reps` timed runs (the best is reported:
-the machine is shared, and the best run is the least disturbed one). The 2-worker / 1-worker ratio of
-tokens/s is the scaling; with 2 CPU cores shared with other users expect well under 2x (the in-process
-engine already uses both cores). On a cluster each worker owns a GPU (`--device cuda`, one per actor).
+every configuration generates the same tokens): the engine in this process (1 thread, and torch's
+default threads), then a pool of 1 worker and a pool of 2 workers, each worker one process with
+`--threads` torch threads and the model loaded once. Pool start-up (processes, imports, model load)
+is timed apart from the rollouts; each configuration does one warm-up run, then `--reps` timed runs
+(the best is reported: the machine is shared, and the best run is the least disturbed one). The
+2-worker / 1-worker ratio of tokens/s is the scaling; with 2 CPU cores shared with other users expect
+well under 2x. On a cluster each worker owns a GPU (`--device cuda`, one per actor).
 Writes bench/results/scale.parquet.
 
     .venv/bin/python bench/scale.py                              # SmolLM2-135M, 4 prompts x 2 x 32 tokens
@@ -61,10 +61,14 @@ def main() -> None:
                           max_batch=args.prompts * args.samples, sparsity=args.budget)
     tokens = args.prompts * args.samples * args.new_tokens
     results = []
-    seconds, _ = best(lambda: run_rollouts(loaded, rows, opts), args.reps)
-    results.append({"config": f"in-process ({torch.get_num_threads()} threads)", "workers": 0,
-                    "startup_s": 0.0, "seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds})
-    print(f"in-process: {seconds:.2f} s", flush=True)
+    default_threads = torch.get_num_threads()
+    for threads in sorted({1, default_threads}):
+        torch.set_num_threads(threads)
+        seconds, _ = best(lambda: run_rollouts(loaded, rows, opts), args.reps)
+        results.append({"config": f"in-process ({threads} thread(s))", "workers": 0, "startup_s": 0.0,
+                        "seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds})
+        print(f"in-process, {threads} thread(s): {seconds:.2f} s", flush=True)
+    torch.set_num_threads(default_threads)
     for n in (int(x) for x in args.workers.split(",")):
         t0 = time.perf_counter()
         pool = RolloutPool(args.model, n, device=args.device, threads=args.threads)
