@@ -12,7 +12,7 @@ Design decisions:
   workers; when a worker dies (`RayActorError`) its shard goes back to the queue for another worker
   and a replacement actor is started. A shard's result is taken once, from the first worker that
   finishes it, so nothing is lost or counted twice. A shard that kills `max_attempts` workers is an
-  error.
+  error. Tests make a worker exit once on a given shard (SPARROW_TEST_FAULT_ONCE=SHARD:MARKER_FILE).
 - Results come back to the driver through the object store and the driver writes one Parquet part
   per shard (`write_artifact_parts`), so a cluster needs no shared filesystem.
 - Weight sync (`push_lora`): the learner's LoRA state goes into the object store once (`ray.put`)
