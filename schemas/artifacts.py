@@ -330,7 +330,7 @@ SCHEMAS: dict[str, ArtifactSpec] = {s.kind: s for s in (
                       "alpha_lb_p5")),
           *(Col(n, F64, nullable=True)
             for n in ("policy_loss", "kl", "mean_budget", "rollout_seconds", "scoring_seconds",
-                      "update_seconds", "tokens_per_second")),
+                      "update_seconds", "tokens_per_second", "weight_sync_seconds")),
           Col("collapse", STR, nullable=True)),
     _spec("train_mismatch", "one row per generated token per training step (the sparse actor vs the "
           "dense learner)",

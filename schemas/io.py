@@ -11,12 +11,17 @@ Design decisions:
   columns absent from the input are filled with nulls. The bytes go to a hidden temporary file in
   the target folder, which is fsynced and then renamed over the target with os.replace, so readers
   see the old artifact or the new one, never half of one; the temporary file is removed on any error.
+- A directory of Parquet parts (`part-00000.parquet`, ...: one per Ray worker of `sparrow rollout
+  --workers N`) is one artifact: `read_artifact` validates every part (all of one kind) and
+  concatenates them in name order; its metadata and kind are those of the first part. Hidden files
+  (temporaries) are ignored. `write_artifact_parts` writes such a directory and replaces it whole.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -80,6 +85,8 @@ def read_artifact(path: str | os.PathLike, kind: str | None = None) -> pa.Table:
     path = Path(path)
     if kind is not None:
         _spec(kind)
+    if path.is_dir():
+        return _read_parts(path, kind)
     if kind == "prompts" and path.suffix in (".jsonl", ".ndjson"):
         return _read_foreign(_read_jsonl(path), path, kind)
     schema = _read_schema(path)
@@ -108,6 +115,48 @@ def read_artifact(path: str | os.PathLike, kind: str | None = None) -> pa.Table:
         raise ArtifactError(f"{path} is a corrupt Parquet file ({first_line(e)})") from None
     table = SCHEMAS[found].conform(table, str(path))
     return table.replace_schema_metadata(schema.metadata)
+
+
+def artifact_parts(path: str | os.PathLike) -> list[Path]:
+    """The Parquet parts of a directory artifact, in name order (hidden files are temporaries)."""
+    path = Path(path)
+    parts = sorted(p for p in path.iterdir() if p.suffix == ".parquet" and not p.name.startswith("."))
+    if not parts:
+        raise ArtifactError(f"{path} is a directory without Parquet parts, not an artifact")
+    return parts
+
+
+def _read_parts(path: Path, kind: str | None) -> pa.Table:
+    parts = artifact_parts(path)
+    first = read_artifact(parts[0], kind)
+    found = _kind_version(first.schema)[0]
+    tables = [first] + [read_artifact(p, found) for p in parts[1:]]
+    if found is None:  # foreign parts: conformed to `kind` already
+        return pa.concat_tables(tables)
+    plain = [t.replace_schema_metadata(None) for t in tables]
+    return pa.concat_tables(plain).replace_schema_metadata(first.schema.metadata)
+
+
+def write_artifact_parts(tables: Sequence[TableLike], path: str | os.PathLike, kind: str,
+                         metadata: Sequence[Mapping[str, object]]) -> Path:
+    """Write `tables[i]` as `path/part-0000i.parquet` (metadata[i]) into a fresh hidden directory, then
+    put it in place of `path`: readers see the old directory or the new one, never a mix."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise ArtifactError(f"{path} is a file; a directory of parts cannot replace it")
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.tmp")
+    try:
+        for i, (table, meta) in enumerate(zip(tables, metadata, strict=True)):
+            write_artifact(table, tmp / f"part-{i:05d}.parquet", kind, meta)
+        old = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.old")
+        if path.exists():
+            os.replace(path, old)
+        os.replace(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
 
 
 def _read_parquet(path: Path) -> pa.Table:
@@ -151,8 +200,12 @@ def _read_foreign(table: pa.Table, path: Path, kind: str) -> pa.Table:
 
 
 def artifact_kind(path: str | os.PathLike) -> str | None:
-    """The artifact kind from the Parquet footer (no data is read); None for other Parquet files."""
-    return _kind_version(_read_schema(Path(path)))[0]
+    """The artifact kind from the Parquet footer (no data is read); None for other Parquet files. A
+    directory of parts has the kind of its first part."""
+    path = Path(path)
+    if path.is_dir():
+        path = artifact_parts(path)[0]
+    return _kind_version(_read_schema(path))[0]
 
 
 def artifact_metadata(table_or_path: pa.Table | pa.Schema | str | os.PathLike) -> dict:
@@ -163,7 +216,7 @@ def artifact_metadata(table_or_path: pa.Table | pa.Schema | str | os.PathLike) -
         schema, where = table_or_path, "the schema"
     else:
         where = Path(table_or_path)
-        schema = _read_schema(where)
+        schema = _read_schema(artifact_parts(where)[0] if where.is_dir() else where)
     raw = (schema.metadata or {}).get(KEY_META.encode())
     if raw is None:
         return {}

@@ -13,6 +13,7 @@ from rich.progress import (
     Progress,
     TaskID,
     TextColumn,
+    TimeElapsedColumn,
     TimeRemainingColumn,
 )
 
@@ -20,6 +21,7 @@ from sparrow.stages.definitions import PRIOR_THRESHOLD, TAIL_QUANTILE
 
 from .common import UsageError, console, friendly_errors, parse_int_list
 from .output import emit, format_option, resolve_format
+from .rollout import check_ray
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -63,6 +65,11 @@ def profile(
                                  "budget is scored as sparse attention + this adapter against the dense "
                                  "model without it, and a sparse --sampler samples with it."),
     device: str = typer.Option("cpu", "--device"),
+    workers: int = typer.Option(0, "--workers", help="Ray workers, each a process with the model loaded "
+                                "once, sharing the prompts (or trajectories) by index (0 = this process). "
+                                "-o is then a directory of one Parquet part per worker."),
+    ray_address: str = typer.Option(None, "--ray-address", help="An existing Ray cluster for --workers "
+                                    "(default: a local Ray started for the run)."),
     output: Path = typer.Option(..., "-o", "--output", help="Where to write the mismatch artifact."),
     format: str = format_option(),
 ) -> None:
@@ -70,7 +77,7 @@ def profile(
     score every generated token under dense attention and under each budget (teacher forced): one row
     per token per budget."""
     from sparrow.schemas import write_artifact
-    from sparrow.stages.model.loading import load_model, resolve_config
+    from sparrow.stages.model.loading import load_model, model_name, resolve_config, spec_tokenizer
     from sparrow.stages.profile import ProfileOptions, profile_trajectories, run_profile, summarize
     from sparrow.stages.prompt_set import PromptSet
     from sparrow.stages.schedule import Schedule
@@ -88,38 +95,55 @@ def profile(
         opts.validate()
     except ValueError as e:
         raise UsageError(str(e)) from None
+    if workers < 0:
+        raise UsageError(f"--workers must be >= 0, got {workers}")
+    if ray_address and not workers:
+        raise UsageError("--ray-address was given without --workers")
+    if workers:
+        check_ray(output)
     cfg = resolve_config(model)
     opts.adapter = load_actor(adapter, cfg)  # before any weights load
+    actor = {"adapter": str(adapter)} if adapter is not None else {}
+    # with workers, this process only tokenizes: the weights load in the workers
+    load = ((lambda: _TokenizerOnly(spec_tokenizer(model))) if workers
+            else (lambda: load_model(model, device=device)))
     if rollouts is not None:
         refuse_sampling_flags(ctx, rollouts)
         given = read_rollouts(rollouts)
         opts.temperature = rollouts_temperature(rollouts, given.temperature, temperature)
         trajectories = None if given.needs_tokenizer else given.trajectories(
             None, cfg.vocab_size, cfg.max_position_embeddings)  # checked before any weights load
-        loaded = load_model(model, device=device)
+        loaded = load()
         if trajectories is None:
             trajectories = given.trajectories(loaded.tokenizer, cfg.vocab_size, cfg.max_position_embeddings)
         if given.temperature is None and temperature is None:
             console.print(f"{rollouts} records no sampling temperature; alpha is measured at temperature 1 "
                           "(--temperature sets another)")
-        meta = opts.metadata(sampled=False) | {"rollouts": str(rollouts)} | (
+        meta = opts.metadata(sampled=False) | {"rollouts": str(rollouts)} | actor | (
             {"sampler": given.sampler} if given.sampler else {})
-        table = with_progress(lambda progress: profile_trajectories(loaded, trajectories, opts, progress))
+        if workers:
+            table = _profile_on_ray(model, trajectories, opts, False, workers, ray_address, device, output,
+                                    meta | {"model": model_name(model)})
+        else:
+            table = with_progress(lambda progress: profile_trajectories(loaded, trajectories, opts, progress))
     else:
         if sampler.startswith("schedule:"):
             opts.schedule = Schedule.from_artifact(sampler.split(":", 1)[1])
         prompt_set = PromptSet.read(prompts)
         prompt_set.check_fits(cfg.vocab_size, cfg.max_position_embeddings, max_new_tokens)  # before weights
-        loaded = load_model(model, device=device)
+        loaded = load()
         if prompt_set.needs_tokenizer:
             prompt_set.tokenize(loaded.tokenizer)
             prompt_set.check_fits(cfg.vocab_size, cfg.max_position_embeddings, max_new_tokens)
         ids, tokens = prompt_set.ids, prompt_set.tokens
-        meta = opts.metadata() | {"prompts": str(prompts)}
-        table = with_progress(lambda progress: run_profile(loaded, ids, tokens, opts, progress))
-    if adapter is not None:
-        meta["adapter"] = str(adapter)
-    write_artifact(table, output, "mismatch", metadata=meta | {"model": loaded.name})
+        meta = opts.metadata() | {"prompts": str(prompts)} | actor
+        if workers:
+            table = _profile_on_ray(model, list(zip(ids, tokens)), opts, True, workers, ray_address, device,
+                                    output, meta | {"model": model_name(model)})
+        else:
+            table = with_progress(lambda progress: run_profile(loaded, ids, tokens, opts, progress))
+    if not workers:
+        write_artifact(table, output, "mismatch", metadata=meta | {"model": loaded.name})
     console.print(f"wrote {table.num_rows} rows ({table.num_rows // len(opts.budgets)} tokens x "
                   f"{len(opts.budgets)} budgets) to {output}")
     print_summary(summarize(table, quantile, threshold), quantile, threshold, fmt)
@@ -141,6 +165,36 @@ def load_actor(path: Path | None, cfg):
     except ValueError as e:
         raise UsageError(str(e)) from None
     return lora
+
+
+class _TokenizerOnly:
+    """What the profile needs of a LoadedModel in a driver whose workers hold the weights."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+
+def _profile_on_ray(model: str, items: list, opts, sample: bool, workers: int, address: str | None,
+                    device: str, output: Path, meta: dict) -> pa.Table:
+    """The profile of `items` (prompts to sample, or trajectories) on Ray workers, written as one
+    mismatch part per shard; returns all rows."""
+    import pyarrow as pa
+
+    from sparrow.schemas import write_artifact_parts
+    from sparrow.stages.rollout.workers import RolloutPool
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console, transient=True) as bar:
+        task = bar.add_task(f"profile on {workers} Ray workers (shards)", total=workers)
+        pool = RolloutPool(model, workers, address=address, device=device)
+        try:
+            results = pool.map("profile", items, opts, sample, on_shard=lambda r: bar.advance(task))
+        finally:
+            pool.close()
+    write_artifact_parts([r.value for r in results], output, "mismatch",
+                         [meta | {"part": r.shard, "parts": len(results), "worker_pid": r.worker_pid,
+                                  "attempts": r.attempts} for r in results])
+    return pa.concat_tables([r.value for r in results])
 
 
 def refuse_sampling_flags(ctx: typer.Context, rollouts: Path) -> None:

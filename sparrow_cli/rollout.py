@@ -108,6 +108,11 @@ def rollout(
     device: str = typer.Option("cpu", "--device", help="cpu or cuda (bf16, Triton kernels, CUDA graphs)."),
     eager: bool = typer.Option(False, "--eager", help="On cuda, run every decode step eagerly instead of "
                                "replaying CUDA graphs (for debugging; slower)."),
+    workers: int = typer.Option(0, "--workers", help="Ray workers, each a process with the model loaded "
+                                "once, sharing the prompts by index (0 = this process). -o is then a "
+                                "directory of one Parquet part per worker, read as one artifact."),
+    ray_address: str = typer.Option(None, "--ray-address", help="An existing Ray cluster (e.g. "
+                                    "ray://head:10001 or auto); default: a local Ray started for the run."),
     output: Path = typer.Option(..., "-o", "--output", help="Where to write the rollouts artifact."),
     engine: str = typer.Option("ours", "--engine", help="ours (dense, budget or schedule) or vllm (dense "
                                "only; the optional extra .[vllm])."),
@@ -116,12 +121,12 @@ def rollout(
     """Generate K samples per prompt with dense, fixed-budget or scheduled block top-k sparse attention:
     tokens, sampled-token logprobs, the budget of every token, finish reason and the task's reward.
     The summary (tokens/s, mean budget, reward) goes to stdout and into the artifact's metadata
-    ("summary")."""
+    ("summary"). With --workers N the same rollouts (same seeds) come from N Ray workers."""
     import torch
 
     from sparrow.schemas import write_artifact
     from sparrow.stages.attention import PAGE_SIZE
-    from sparrow.stages.model.loading import load_model, resolve_config
+    from sparrow.stages.model.loading import load_model, model_name, resolve_config, spec_tokenizer
     from sparrow.stages.prompt_set import PromptSet
     from sparrow.stages.rollout import RolloutOptions, SamplingParams, load_lora, run_rollouts
     from sparrow.stages.rollout.lora import check_lora_fits
@@ -144,8 +149,14 @@ def rollout(
         raise UsageError(f"--top-k must be >= 0, got {top_k}")
     if device not in ("cpu", "cuda"):
         raise UsageError(f"--device must be cpu or cuda, got {device!r}")
-    if device == "cuda" and not torch.cuda.is_available():
+    if device == "cuda" and not torch.cuda.is_available() and not ray_address:
         raise UsageError("--device cuda was given but no CUDA device is available")
+    if workers < 0:
+        raise UsageError(f"--workers must be >= 0, got {workers}")
+    if ray_address and not workers:
+        raise UsageError("--ray-address was given without --workers")
+    if workers:
+        check_ray(output)
     if lora is not None and not (lora / "adapter_config.json").exists():
         raise UsageError(f"{lora}: not a LoRA adapter directory (no adapter_config.json)")
     cfg = resolve_config(model)
@@ -162,17 +173,32 @@ def rollout(
         return _rollout_vllm(model, prompt_set, output, fmt, cfg, device, max_batch,
                              SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
                                             n=samples, ignore_eos=ignore_eos))
+    sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                              top_k=top_k, seed=seed, n=samples, ignore_eos=ignore_eos)
+    opts = RolloutOptions(sampling=sampling, max_batch=max_batch, sparsity=sparsity,
+                          lora=adapter,
+                          decode_graphs="off" if eager else "auto")
+    mode = ("dense" if sparsity is None else f"budget {sparsity}" if isinstance(sparsity, int)
+            else f"schedule {schedule}")
+    meta = {"model": model_name(model), "prompts": str(prompts), "sparsity": mode, "samples": samples,
+            "max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k,
+            "seed": seed, "ignore_eos": ignore_eos, "page_size": PAGE_SIZE, "device": device,
+            "engine": "ours", "lora": str(lora) if lora else ""}
+    if workers:  # this process only tokenizes: the weights load in the workers
+        if prompt_set.needs_tokenizer:
+            prompt_set.tokenize(spec_tokenizer(model))
+            prompt_set.check_fits(cfg.vocab_size, cfg.max_position_embeddings, max_new_tokens)
+        summary, n = _rollout_on_ray(model, prompt_set.rows, opts, workers, ray_address, device, meta, output)
+        console.print(f"wrote {n} rollouts in {workers} parts to {output}/")
+        emit_record(summary.metadata(), fmt, title=f"rollouts ({mode}, {workers} workers)",
+                    labels=SUMMARY_LABELS)
+        return
     loaded = load_model(model, device=device,
                         dtype=torch.bfloat16 if device == "cuda" else torch.float32)
     if prompt_set.needs_tokenizer:
         prompt_set.tokenize(loaded.tokenizer)
         prompt_set.check_fits(cfg.vocab_size, cfg.max_position_embeddings, max_new_tokens)
     rows = prompt_set.rows
-    sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                              top_k=top_k, seed=seed, n=samples, ignore_eos=ignore_eos)
-    opts = RolloutOptions(sampling=sampling, max_batch=max_batch, sparsity=sparsity,
-                          lora=adapter,
-                          decode_graphs="off" if eager else "auto")
 
     total = len(rows) * samples
     start = time.perf_counter()
@@ -190,13 +216,45 @@ def rollout(
                        rate=f"{state['tokens']} tokens, {rate:,.1f} tok/s")
 
         table, summary = run_rollouts(loaded, rows, opts, on_step)
-    mode = ("dense" if sparsity is None else f"budget {sparsity}" if isinstance(sparsity, int)
-            else f"schedule {schedule}")
-    write_artifact(table, output, "rollouts", metadata={
-        "model": loaded.name, "prompts": str(prompts), "sparsity": mode, "samples": samples,
-        "max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k,
-        "seed": seed, "ignore_eos": ignore_eos, "page_size": PAGE_SIZE, "device": device, "engine": "ours",
-        "lora": str(lora) if lora else "", "summary": summary.metadata()})
+    write_artifact(table, output, "rollouts", metadata={**meta, "summary": summary.metadata()})
     console.print(f"wrote {table.num_rows} rollouts to {output}")
     emit_record(summary.metadata(), fmt, title=f"rollouts ({mode})", labels=SUMMARY_LABELS)
 
+
+
+def check_ray(output: Path) -> None:
+    """--workers: Ray is installed and -o can be a directory; one sentence otherwise, before any work."""
+    from sparrow.stages.rollout.workers import RayMissing, require_ray
+
+    try:
+        require_ray()
+    except RayMissing as e:
+        raise UsageError(str(e)) from None
+    if output.exists() and not output.is_dir():
+        raise UsageError(f"-o {output} is a file, but --workers writes a directory of Parquet parts")
+
+
+def _rollout_on_ray(model: str, rows: list[dict], opts, workers: int, address: str | None, device: str,
+                    meta: dict, output: Path):
+    """Rollouts of `rows` on a pool of Ray workers, written as one part per shard; (summary, rows)."""
+    from sparrow.schemas import write_artifact_parts
+    from sparrow.stages.rollout.workers import RolloutPool, merge_summaries
+
+    total = len(rows) * opts.sampling.n
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=console, transient=True) as bar:
+        task = bar.add_task(f"starting {workers} Ray workers", total=total)
+        pool = RolloutPool(model, workers, address=address, device=device)
+        try:
+            bar.update(task, description=f"rollouts (samples) on {workers} workers")
+            start = time.perf_counter()
+            results = pool.run(rows, opts, on_shard=lambda r: bar.advance(task, r.table.num_rows))
+            wall = time.perf_counter() - start
+        finally:
+            pool.close()
+    summary = merge_summaries(results, wall)
+    parts_meta = [{**meta, "summary": summary.metadata(), "part": r.shard, "parts": len(results),
+                   "part_summary": r.summary.metadata(), "worker_pid": r.worker_pid, "attempts": r.attempts}
+                  for r in results]
+    write_artifact_parts([r.table for r in results], output, "rollouts", parts_meta)
+    return summary, sum(r.table.num_rows for r in results)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -11,6 +12,9 @@ from .common import UsageError, console, friendly_errors
 from .output import emit_record, format_option, resolve_format
 from .rollout import _sparsity
 
+if TYPE_CHECKING:
+    from sparrow.stages.train.distributed import World
+
 TRAIN_LABELS = {"reward_first": "reward, first step", "reward_last": "reward, last step",
                 "initial_eval_accuracy": "eval accuracy before training",
                 "final_eval_accuracy": "eval accuracy, last eval", "mean_mismatch_kl": "mismatch KL (mean)",
@@ -18,7 +22,9 @@ TRAIN_LABELS = {"reward_first": "reward, first step", "reward_last": "reward, la
                 "mean_masked_fraction": "masked tokens (mean fraction)",
                 "mean_vetoed_fraction": "vetoed tokens (mean fraction)",
                 "mean_rollout_seconds": "s per step: rollout", "mean_scoring_seconds": "s per step: scoring",
-                "mean_update_seconds": "s per step: update", "first_collapse_step": "first collapse step"}
+                "mean_update_seconds": "s per step: update",
+                "mean_weight_sync_seconds": "s per step: weight sync to the Ray workers (in rollout)",
+                "first_collapse_step": "first collapse step"}
 
 
 def _spec(schedule: Path | None, budget: int | None, dense: bool, model: str) -> str:
@@ -70,6 +76,10 @@ def train(
                                "CUDA graphs)."),
     random_weights: bool = typer.Option(False, "--random-weights", help="Random weights for a shapes-only "
                                         "preset such as qwen3-0.6b (to time the GPU path)."),
+    workers: int = typer.Option(0, "--workers", help="Roll out on N Ray workers (each loads the model once; "
+                                "the weights are pushed to them before every step's rollout)."),
+    ray_address: str = typer.Option(None, "--ray-address", help="An existing Ray cluster for --workers "
+                                    "(default: a local Ray started for the run)."),
     resume: bool = typer.Option(False, "--resume", help="Continue the run in --output-dir from its "
                                 "checkpoint."),
     output_dir: Path = typer.Option(..., "-o", "--output-dir", help="The run directory."),
@@ -78,11 +88,12 @@ def train(
     """GRPO whose rollouts come from the sparse engine: rewards from the task's scorer, dense recompute of
     the sampled tokens, rollout correction, PPO-clipped update. Writes RUN/metrics.parquet,
     RUN/mismatch/step=N.parquet (query both with `sparrow sql --run RUN`), RUN/checkpoint/ and, with a
-    LoRA, RUN/adapter/ (peft format)."""
+    LoRA, RUN/adapter/ (peft format). Under `torchrun --nproc-per-node N` the ranks share each step's
+    batch and DDP sums their gradients; rank 0 writes, and a run resumes under any number of ranks."""
     import torch
 
-    from sparrow.stages.model.loading import load_model
-    from sparrow.stages.train import TrainConfig, Trainer, load_prompts
+    from sparrow.stages.train import TrainConfig
+    from sparrow.stages.train.distributed import init_world, shutdown_world
 
     fmt = resolve_format(format)
     spec = _spec(schedule, budget, dense, model)
@@ -106,8 +117,44 @@ def train(
         raise UsageError(f"--device must be cpu or cuda, got {device!r}")
     if device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda was given but no CUDA device is available")
+    if workers < 0:
+        raise UsageError(f"--workers must be >= 0, got {workers}")
+    if ray_address and not workers:
+        raise UsageError("--ray-address was given without --workers")
+    if workers:
+        from sparrow.stages.rollout.workers import RayMissing, require_ray
+
+        try:
+            require_ray()
+        except RayMissing as e:
+            raise UsageError(str(e)) from None
+    world = init_world(device)
+    if workers and world.distributed:
+        raise UsageError("--workers (Ray rollout workers) cannot run under torchrun; use one of them")
+    pool = None
+    try:
+        if workers:
+            from sparrow.stages.rollout.workers import RolloutPool
+
+            pool = RolloutPool(model, workers, address=ray_address, device=device,
+                               random_weights=random_weights)  # seeded: the learner's base weights
+        _run(cfg, model, prompts, eval_prompts, resume, output_dir, fmt, world, pool)
+    finally:
+        if pool is not None:
+            pool.close()
+        shutdown_world()
+
+
+def _run(cfg, model: str, prompts: Path, eval_prompts: Path | None, resume: bool, output_dir: Path,
+         fmt: str, world: World, pool) -> None:
+    import torch
+
+    from sparrow.stages.model.loading import load_model
+    from sparrow.stages.train import Trainer, load_prompts
+
+    device, max_new_tokens, steps = cfg.device, cfg.max_new_tokens, cfg.steps
     loaded = load_model(model, device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float32,
-                        random_weights=random_weights)
+                        random_weights=cfg.random_weights)
     try:
         rows = load_prompts(prompts, loaded.tokenizer)
         held_out = load_prompts(eval_prompts, loaded.tokenizer) if eval_prompts else None
@@ -119,7 +166,8 @@ def train(
                          f"model's context of {loaded.config.max_position_embeddings}")
 
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console) as bar:
+                  TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console,
+                  disable=not world.main) as bar:
         task = bar.add_task("train steps", total=steps, info="")
 
         def on_phase(phase: str) -> None:
@@ -134,12 +182,13 @@ def train(
 
         try:
             trainer = Trainer(cfg, loaded, rows, output_dir, eval_prompts=held_out, resume=resume,
-                              on_step=on_step, on_phase=on_phase)
+                              on_step=on_step, on_phase=on_phase, world=world, pool=pool)
         except ValueError as e:
             raise UsageError(str(e)) from None
         bar.update(task, completed=trainer.step)
         summary = trainer.run()
-    print_summary(trainer.history, summary, output_dir, fmt)
+    if world.main:
+        print_summary(trainer.history, summary, output_dir, fmt)
 
 
 def print_summary(history: list[dict], s: dict, run: Path, fmt: str) -> None:
@@ -154,7 +203,7 @@ def print_summary(history: list[dict], s: dict, run: Path, fmt: str) -> None:
               "final_eval_accuracy": s["final_eval_accuracy"],
               **{f"mean_{k}": mean(k) for k in ("mismatch_kl", "alpha_lb_p5", "masked_fraction",
                                                  "vetoed_fraction", "rollout_seconds", "scoring_seconds",
-                                                 "update_seconds")},
+                                                 "update_seconds", "weight_sync_seconds")},
               "label": s["label"], "first_collapse_step": s["first_collapse_step"],
               "reasons": "; ".join(s["reasons"]), "adapter": s["adapter"] or None,
               **({"sparse_adapter": s["sparse_adapter"]} if s.get("sparse_adapter") else {})}

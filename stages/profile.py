@@ -102,9 +102,11 @@ def run_profile(model: LoadedModel, prompt_ids: Sequence[str], prompts: Sequence
 
 
 def sample_trajectories(model: LoadedModel, prompt_ids: Sequence[str], prompts: Sequence[list[int]],
-                        opts: ProfileOptions, progress: Progress | None = None) -> list[Trajectory]:
-    """The engine's samples under `opts.sampler`, in prompt order then sample order. A sparse sampler is
-    the sparse actor: with `opts.adapter`, the engine runs with it merged (`stages.distill`)."""
+                        opts: ProfileOptions, progress: Progress | None = None,
+                        request_ids: Sequence[int] | None = None) -> list[Trajectory]:
+    """The engine's samples under `opts.sampler`, in prompt order then sample order; `request_ids`:
+    the prompts' indices in the whole set when these are a shard of it (they seed the samples). A sparse
+    sampler is the sparse actor: with `opts.adapter`, the engine runs with it merged (`stages.distill`)."""
     engine = Engine(model.model, opts.sparsity(), max_batch=opts.batch_size, page_size=opts.page_size,
                     dense_layers=opts.dense_layers)
     params = SamplingParams(max_new_tokens=opts.max_new_tokens, temperature=opts.temperature,
@@ -118,7 +120,7 @@ def sample_trajectories(model: LoadedModel, prompt_ids: Sequence[str], prompts: 
 
     actor = opts.adapter if opts.sampler != "dense" else None
     with lora_merged(model.model, actor):
-        results = engine.generate(prompts, params, on_step if progress else None)
+        results = engine.generate(prompts, params, on_step if progress else None, request_ids=request_ids)
     return [Trajectory(pid, c.sample, list(p), c.token_ids)
             for pid, p, completions in zip(prompt_ids, prompts, results) for c in completions]
 

@@ -3,7 +3,8 @@
 Design decisions:
 - `*.parquet` directly inside the run directory, and the parts of partitioned artifacts: subfolders
   that hold nothing but Parquet files (a training run's `mismatch/step=N.parquet`), sorted by name.
-  Other subfolders (a training run inside a pipeline's directory) are runs of their own.
+  Other subfolders (a training run inside a pipeline's directory) are runs of their own; hidden ones
+  (a directory of parts being written) are skipped.
 - A view per artifact kind, named after the kind read from the Parquet footer (`artifact_kind`), not
   after the file name. All files of one kind are unioned by column name (`union_by_name`), and the
   view always has an extra column `source_file` (the file name) so that queries do not depend on how
@@ -48,7 +49,7 @@ def run_views(run_dir: str | Path) -> list[View]:
     if not run_dir.is_dir():
         raise ArtifactError(f"{run_dir} is not a directory, and a run is a directory of artifacts")
     files = sorted(p for p in run_dir.glob("*.parquet") if p.is_file())
-    for sub in sorted(p for p in run_dir.iterdir() if p.is_dir()):
+    for sub in sorted(p for p in run_dir.iterdir() if p.is_dir() and not p.name.startswith(".")):
         entries = [e for e in sub.iterdir() if not e.name.startswith(".")]
         if entries and all(e.is_file() and e.suffix == ".parquet" for e in entries):
             files += sorted(entries)

@@ -61,7 +61,8 @@ VALID: dict[str, dict[str, list]] = {
         "masked_fraction": [0.0, 0.02], "vetoed_fraction": [0.0, 0.1], "alpha_lb_mean": [0.9, 0.8],
         "alpha_lb_p5": [0.5, 0.4], "policy_loss": [0.1, -0.1], "kl": [0.0, 0.01], "mean_budget": [0.0, 512.0],
         "rollout_seconds": [2.0, 2.1], "scoring_seconds": [0.5, 0.5], "update_seconds": [0.5, 0.5],
-        "tokens_per_second": [100.0, 90.0], "collapse": [None, "reward_drop"],
+        "tokens_per_second": [100.0, 90.0], "weight_sync_seconds": [None, 0.01],
+        "collapse": [None, "reward_drop"],
     },
     "train_mismatch": {
         "step": [0, 0], "prompt_id": ["p0", "p0"], "sample": [0, 1], "position": [100, 101], "bin": [0, 0],

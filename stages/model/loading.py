@@ -148,6 +148,22 @@ def save_checkpoint(model: Transformer, tokenizer, folder: Path) -> None:
 # ---------------------------------------------------------------- tokenizers
 
 
+def spec_tokenizer(spec: str):
+    """The tokenizer `load_model(spec)` returns, without reading any weights (a driver that hands the
+    model to workers tokenizes with it)."""
+    if spec.lower() in PRESETS:
+        preset = get_preset(spec)
+        if preset.weights == "embedded":
+            return _dir_tokenizer(embedded_checkpoint(preset.name))
+        return load_tokenizer(preset.tokenizer)
+    path = Path(spec)
+    if path.is_dir():
+        return _dir_tokenizer(path)
+    if path.suffix == ".gguf" and path.is_file():
+        return gguf_tokenizer(path)
+    raise _unknown(spec)
+
+
 def _dir_tokenizer(path: Path):
     if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
         return None

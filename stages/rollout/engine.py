@@ -203,12 +203,19 @@ class Engine:
         return done, new
 
     def generate(self, prompts: Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams],
-                 on_step: Callable[[int, int], None] | None = None) -> list[list[Completion]]:
+                 on_step: Callable[[int, int], None] | None = None,
+                 request_ids: Seq[int] | None = None) -> list[list[Completion]]:
         """All samples of every prompt, in prompt order then sample order. `on_step(new_tokens,
-        finished_samples)` is called after every engine step."""
+        finished_samples)` is called after every engine step. `request_ids` (default: consecutive)
+        name the prompts in the per-sample seeds, so a shard of a prompt set given its global prompt
+        indices samples exactly what the whole set run in one engine samples for those prompts."""
         params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         base = self._next_id
-        ids = [self.add_request(p, sp, base + i) for i, (p, sp) in enumerate(zip(prompts, params))]
+        if request_ids is None:
+            request_ids = [base + i for i in range(len(prompts))]
+        if len(request_ids) != len(prompts) or len(set(request_ids)) != len(request_ids):
+            raise ValueError("request_ids must name every prompt once")
+        ids = [self.add_request(p, sp, rid) for p, sp, rid in zip(prompts, params, request_ids)]
         out: dict[int, list[Completion]] = {i: [] for i in ids}
         while self.has_work():
             done, new = self.step()

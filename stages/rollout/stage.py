@@ -64,13 +64,16 @@ class RolloutSummary:
 
 
 def run_rollouts(loaded: LoadedModel, rows: Seq[dict], opts: RolloutOptions,
-                 on_step: Callable[[int, int], None] | None = None) -> tuple[pa.Table, RolloutSummary]:
+                 on_step: Callable[[int, int], None] | None = None,
+                 request_ids: Seq[int] | None = None) -> tuple[pa.Table, RolloutSummary]:
     """`rows`: prompts-artifact rows with `prompt_id` and `prompt_token_ids` (and optionally `task`,
-    `answer`, `metadata` for the reward)."""
+    `answer`, `metadata` for the reward). `request_ids`: the rows' indices in the whole prompt set when
+    `rows` is a shard of it (they seed the samples; default 0, 1, ...)."""
     engine = Engine(loaded.model, opts.sparsity, max_batch=opts.max_batch, page_size=opts.page_size,
                     dense_layers=opts.dense_layers, impl=opts.impl, decode_graphs=opts.decode_graphs)
     with lora_merged(loaded.model, opts.lora):
-        results = engine.generate([r["prompt_token_ids"] for r in rows], opts.sampling, on_step)
+        results = engine.generate([r["prompt_token_ids"] for r in rows], opts.sampling, on_step,
+                                  request_ids=request_ids)
     out = rollout_columns(rows, results, loaded.tokenizer)
     return pa.table(out), summarize(out, engine.stats)
 

@@ -26,6 +26,8 @@ records the reasons that hold for the history up to it, and the run's metadata i
 resumed run reaches bit-for-bit the weights and metrics of an uninterrupted one on the CPU in fp32: every
 source of randomness is seeded per step (the engine's per-sample generators from (seed, step)), and the
 prompt order per epoch from (seed, epoch).
+Under torchrun each rank rolls out, recomputes and differentiates its shard of the global batch, and
+DDP sums the gradients (distributed.py); rank 0 alone writes.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ import shutil
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -53,11 +55,13 @@ from ..definitions import TAIL_QUANTILE
 from ..model.loading import LoadedModel
 from ..prompt_set import PromptError, PromptSet
 from ..rollout import Engine, SamplingParams
+from ..rollout.workers import RolloutPool
 from ..schedule import Schedule
 from ..sparsity import parse_sparsity
 from ..tasks import TASKS, score
 from . import objective as grpo
 from .adapter import add_lora, load_lora_state, lora_state, save_adapter
+from .distributed import World, current_world, data_parallel
 from .policy import completion_logprobs, completion_mask
 
 TOP_LOGPROBS = 20
@@ -183,8 +187,20 @@ class Trainer:
     def __init__(self, config: TrainConfig, loaded: LoadedModel, prompts: list[PromptRow],
                  run_dir: str | Path, eval_prompts: list[PromptRow] | None = None, resume: bool = False,
                  on_step: Callable[[dict], None] | None = None,
-                 on_phase: Callable[[str], None] | None = None):
+                 on_phase: Callable[[str], None] | None = None, world: World | None = None,
+                 pool: RolloutPool | None = None):
         config.validate()
+        self.world = world or current_world()
+        if pool is not None and self.world.distributed:
+            raise ValueError("Ray rollout workers and torchrun ranks cannot be combined; use one of them")
+        if config.distill_sparse and (pool is not None or self.world.distributed):
+            raise ValueError("--distill-sparse runs in one process for now: it cannot be combined with Ray "
+                             "rollout workers or torchrun ranks")
+        self.pool, self.sync_seconds = pool, None
+        if config.prompts_per_step * config.samples < self.world.size:
+            raise ValueError(f"--prompts-per-step x --samples ({config.prompts_per_step * config.samples} "
+                             f"sequences) must be at least the world size ({self.world.size}), so that "
+                             "every rank has a share of the update")
         self.cfg, self.loaded, self.model = config, loaded, loaded.model
         self.prompts, self.eval_prompts = prompts, eval_prompts or []
         self.run_dir = Path(run_dir)
@@ -217,6 +233,10 @@ class Trainer:
                 config.distill_kl_coef, budget_fn(self.sparsity), config.temperature)
         if resume:
             self._load_checkpoint()
+        self.policy = data_parallel(self.model, self.world)
+        if pool is not None and self.lora_config is not None:
+            pool.add_lora(config.lora_rank, config.lora_alpha)
+        self.world.barrier()  # no rank writes before every rank has checked the run directory
 
     # ------------------------------------------------------------------ run directory
 
@@ -258,7 +278,7 @@ class Trainer:
 
     def run(self) -> dict:
         """Train until `steps`; returns the run's summary (also in the metrics artifact's metadata)."""
-        if self.step == 0:
+        if self.step == 0 and self.world.main:
             self._write_schedule()
             if self.eval_prompts:
                 self.initial_eval = self.evaluate()
@@ -267,10 +287,13 @@ class Trainer:
             self.on_step(row)
             if self.step % self.cfg.checkpoint_every == 0 or self.step == self.cfg.steps:
                 self._save_checkpoint()
-        return self.summary()
+        summary = self.summary()
+        self.world.barrier()
+        return summary
 
-    def train_step(self) -> dict:
-        cfg, step = self.cfg, self.step
+    def experience(self, step: int) -> dict:
+        """Steps 1-4 of a step: its prompts, rollouts (flat, prompt-major), rewards, advantages, the dense
+        recompute ("old") and the rollout correction, with the seconds of the rollout and scoring."""
         batch = self._batch(step)
         t0 = time.perf_counter()
         self.on_phase("rollout")
@@ -287,25 +310,34 @@ class Trainer:
         self.on_phase("scoring")
         old = self._score(flat)
         t_score = time.perf_counter() - t1
+        correction = grpo.rollout_correction(old["logp"] - old["logp_rollout"], old["mask"], self.loss_cfg)
+        return {"batch": batch, "flat": flat, "rewards": rewards, "advantages": advantages, "old": old,
+                "correction": correction, "seconds": (t_roll, t_score)}
 
+    def train_step(self) -> dict:
+        cfg, step = self.cfg, self.step
+        exp = self.experience(step)
+        batch, flat, rewards, old, correction = (exp[k] for k in ("batch", "flat", "rewards", "old",
+                                                                  "correction"))
+        t_roll, t_score = exp["seconds"]
         t2 = time.perf_counter()
         self.on_phase("update")
-        correction = grpo.rollout_correction(old["logp"] - old["logp_rollout"], old["mask"], self.loss_cfg)
-        update = self._update(flat, advantages, old, correction)
+        update = self._update(flat, exp["advantages"], old, correction)
         if self.sparse_actor is not None:  # the learner frozen, the sparse adapter's step
-            self.sparse_history.append({"step": step, **self.sparse_actor.update(flat, advantages, old,
+            self.sparse_history.append({"step": step, **self.sparse_actor.update(flat, exp["advantages"], old,
                                                                                  self.loss_cfg)})
         t_update = time.perf_counter() - t2
 
         self.step = step + 1
         row = self._metrics(step, flat, rewards, old, correction, update, (t_roll, t_score, t_update))
-        if self.eval_prompts and self.step % cfg.eval_every == 0:
+        if self.eval_prompts and self.step % cfg.eval_every == 0 and self.world.main:
             row["eval_accuracy"] = self.evaluate()
         self.history.append(row)
         # the reasons that hold for the run so far; the run's label is those of its last step
         row["collapse"] = "; ".join(collapse_reasons(pa.Table.from_pylist(self.history))) or None
-        self._write_mismatch(step, batch, flat, old, correction)
-        self._write_metrics()
+        if self.world.main:
+            self._write_mismatch(step, batch, flat, old, correction)
+            self._write_metrics()
         return row
 
     def _rollout(self, batch: list[PromptRow], step: int):
@@ -314,18 +346,42 @@ class Trainer:
                                 seed=cfg.seed * 1_000_003 + step, logprobs=TOP_LOGPROBS,
                                 ignore_eos=cfg.ignore_eos)
         self.model.eval()
-        engine = Engine(self.model, self.sparsity, max_batch=len(batch) * cfg.samples)
-        if self.sparse_actor is None:
-            return engine.generate([r.token_ids for r in batch], params)
-        with self.sparse_actor.acting():  # the sparse actor: the learner plus the sparse adapter
-            return engine.generate([r.token_ids for r in batch], params)
+        if self.pool is not None:
+            return self._rollout_on_workers(batch, params)
+        shard = self.world.shard(len(batch))  # a prompt's group stays on one rank
+        engine = Engine(self.model, self.sparsity, max_batch=max(len(batch[shard]), 1) * cfg.samples)
+        mine = engine.generate([r.token_ids for r in batch[shard]], params,
+                               request_ids=range(shard.start, shard.stop))
+        return [group for part in self.world.gather(mine) for group in part]
+
+    def _score(self, flat) -> dict:
+        """Dense old logprobs (+ reference, + top-20 lower bound of alpha) of every sampled token; each
+        rank scores its shard of the sequences and every rank gets all of them."""
+        width = max(len(c.token_ids) for c in flat)
+        parts = self.world.gather(self._score_rows(flat[self.world.shard(len(flat))], width))
+        rows = {k: None if parts[0][k] is None else torch.cat([p[k] for p in parts]) for k in parts[0]}
+        mask = completion_mask([len(c.token_ids) for c in flat], "cpu")
+        return {"logp": rows["logp"], "entropy": rows["entropy"], "mask": mask,
+                "logp_rollout": _pad_rows([c.logprobs for c in flat]),
+                "budgets": _pad_rows([c.budgets for c in flat], 0, torch.int32),
+                "alpha_lb": torch.where(mask, rows["alpha_lb"], 0.0), "ref": rows["ref"]}
+
+    def _rollout_on_workers(self, batch: list[PromptRow], params: SamplingParams):
+        """The rollout phase on Ray workers: this step's weights pushed to them (timed), then the prompts
+        shared by index with the seeds one process uses."""
+        lora = self.lora_config is not None
+        state = (lora_state(self.model) if lora
+                 else {k: v.detach().cpu() for k, v in self.model.state_dict().items()})
+        self.sync_seconds = self.pool.push_weights(state, lora)
+        results = self.pool.map("generate", [r.token_ids for r in batch], params, self.sparsity,
+                                len(batch) * self.cfg.samples)
+        return [group for r in results for group in r.value]
 
     @torch.no_grad()
-    def _score(self, flat) -> dict:
-        """Dense old logprobs (+ reference, + top-20 dense probabilities) of every sampled token."""
+    def _score_rows(self, flat, width: int) -> dict:
+        """`_score`'s per-sequence tensors for some sequences, padded to `width` tokens."""
         prompts = [c.prompt_token_ids for c in flat]
         comps = [c.token_ids for c in flat]
-        width = max(len(c) for c in comps)
         top_ids = torch.zeros(len(flat), width, TOP_LOGPROBS, dtype=torch.long)
         top_lp = torch.full((len(flat), width, TOP_LOGPROBS), float("-inf"))
         for i, c in enumerate(flat):
@@ -345,12 +401,8 @@ class Trainer:
         pad = lambda parts: torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in parts])
         dense_top_all = torch.cat([torch.nn.functional.pad(p, (0, 0, 0, width - p.shape[1]))
                                    for p in dense_top])
-        mask = completion_mask([len(c) for c in comps], "cpu")
         alpha_lb = torch.minimum(dense_top_all.exp(), top_lp.exp()).sum(-1).clamp(max=1.0)
-        return {"logp": pad(logp), "entropy": pad(entropy), "mask": mask,
-                "logp_rollout": _pad_rows([c.logprobs for c in flat]),
-                "budgets": _pad_rows([c.budgets for c in flat], 0, torch.int32),
-                "alpha_lb": torch.where(mask, alpha_lb, 0.0),
+        return {"logp": pad(logp), "entropy": pad(entropy), "alpha_lb": alpha_lb,
                 "ref": pad(ref) if ref else None}
 
     def _reference_logprobs(self, prompts, comps) -> torch.Tensor:
@@ -361,35 +413,43 @@ class Trainer:
 
     def _update(self, flat, advantages: torch.Tensor, old: dict, correction) -> dict:
         """PPO epochs over micro-batches; the loss is the token mean over the whole batch."""
-        cfg = self.cfg
-        prompts = [c.prompt_token_ids for c in flat]
-        comps = [c.token_ids for c in flat]
-        keep = correction.mask & old["mask"]
-        normalizer = grpo.loss_normalizer(keep, self.loss_cfg)
         self.model.train()
         stats: dict[str, float] = {}
         grad_norm = 0.0
-        for _ in range(cfg.ppo_epochs):
-            self.optimizer.zero_grad(set_to_none=True)
-            sums: dict[str, float] = {}
-            for s in range(0, len(flat), cfg.micro_batch):
-                sl = slice(s, s + cfg.micro_batch)
-                new = completion_logprobs(self.model, prompts[sl], comps[sl], cfg.temperature)
-                t, dev = new.logp.shape[1], new.logp.device
-                ref = None if old["ref"] is None else old["ref"][sl, :t].to(dev)
-                loss, part = grpo.policy_loss(
-                    new.logp, old["logp"][sl, :t].to(dev), advantages[sl].to(dev),
-                    correction.weights[sl, :t].to(dev), keep[sl, :t].to(dev), self.loss_cfg, ref_logp=ref,
-                    normalizer=normalizer)
-                loss.backward()
-                for k, v in part.items():
-                    sums[k] = sums.get(k, 0.0) + float(v)
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm))
+        for _ in range(self.cfg.ppo_epochs):
+            stats = self._gradients(flat, advantages, old, correction)
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm))
             self.optimizer.step()
-            stats = sums
         self.model.eval()
         stats["grad_norm"] = grad_norm
         return stats
+
+    def _gradients(self, flat, advantages: torch.Tensor, old: dict, correction) -> dict[str, float]:
+        """The gradient of the global batch's loss in the parameters' .grad (this rank's shard of the
+        sequences in micro-batches, summed over ranks by DDP at the last one); the loss statistics."""
+        cfg = self.cfg
+        keep = correction.mask & old["mask"]
+        normalizer = grpo.loss_normalizer(keep, self.loss_cfg)  # of the global batch
+        shard = self.world.shard(len(flat))
+        starts = list(range(shard.start, shard.stop, cfg.micro_batch))
+        self.optimizer.zero_grad(set_to_none=True)
+        sums: dict[str, float] = {}
+        for s in starts:
+            sl = slice(s, min(s + cfg.micro_batch, shard.stop))
+            sync = s == starts[-1] or not self.world.distributed
+            with nullcontext() if sync else self.policy.no_sync():
+                logp = self.policy([c.prompt_token_ids for c in flat[sl]], [c.token_ids for c in flat[sl]],
+                                   cfg.temperature)
+                t, dev = logp.shape[1], logp.device
+                ref = None if old["ref"] is None else old["ref"][sl, :t].to(dev)
+                loss, part = grpo.policy_loss(
+                    logp, old["logp"][sl, :t].to(dev), advantages[sl].to(dev),
+                    correction.weights[sl, :t].to(dev), keep[sl, :t].to(dev), self.loss_cfg, ref_logp=ref,
+                    normalizer=normalizer)
+                loss.backward()
+            for k, v in part.items():
+                sums[k] = sums.get(k, 0.0) + float(v)
+        return self.world.sum(sums)
 
     # ------------------------------------------------------------------ logs
 
@@ -418,6 +478,7 @@ class Trainer:
             "response_length": generated / len(flat), "lr": self.cfg.lr,
             "rollout_seconds": t_roll, "scoring_seconds": t_score, "update_seconds": t_update,
             "seconds": t_roll + t_score + t_update, "tokens_per_second": generated / max(t_roll, 1e-9),
+            "weight_sync_seconds": self.sync_seconds,  # part of rollout_seconds; None without workers
         }
 
     def _write_mismatch(self, step: int, batch, flat, old: dict, correction) -> None:
@@ -483,7 +544,7 @@ class Trainer:
                "final_eval_accuracy": next((r["eval_accuracy"] for r in reversed(h)
                                            if r.get("eval_accuracy") is not None), None),
                "seconds": sum(r["seconds"] for r in h), "adapter": None}
-        if self.lora_config is not None:
+        if self.lora_config is not None and self.world.main:
             out["adapter"] = str(save_adapter(self.model, self.lora_config, self.run_dir / "adapter",
                                               self.cfg.model))
         if self.sparse_actor is not None:
@@ -517,7 +578,10 @@ class Trainer:
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
 
     def _save_checkpoint(self) -> None:
-        """RUN/checkpoint/ replaced atomically: weights, optimizer, RNG states, step, config."""
+        """RUN/checkpoint/ replaced atomically: weights, optimizer, RNG states, step, config (rank 0's:
+        the ranks hold the same weights and optimizer state)."""
+        if not self.world.main:
+            return
         tmp = self.run_dir / f".checkpoint.{uuid.uuid4().hex[:8]}.tmp"
         tmp.mkdir(parents=True)
         try:
@@ -557,6 +621,8 @@ class Trainer:
         random.setstate(state["python_rng"])
         self.step, self.history = state["step"], state["history"]
         self.initial_eval = state["initial_eval"]
+        if not self.world.main:
+            return
         for f in (self.run_dir / "mismatch").glob("step=*.parquet"):  # steps after the checkpoint
             if int(f.stem.split("=")[1]) >= self.step:
                 f.unlink()

@@ -1,0 +1,160 @@
+"""Rollouts on Ray workers (real processes, not local mode) against one process; directory artifacts.
+
+The Ray test starts worker processes that import torch and load the model: run it with
+`.venv/bin/python -m pytest -q -m slow tests/test_ray.py`."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from sparrow.cli.app import app
+from sparrow.schemas import ArtifactError, artifact_kind, artifact_metadata, read_artifact, write_artifact
+from sparrow.schemas.io import write_artifact_parts
+from sparrow.stages.sql import run_query
+from sparrow.stages.trajectories import read_rollouts
+
+runner = CliRunner()
+
+
+def _rollouts(prompt_id: str, n: int) -> dict:
+    return {"prompt_id": [prompt_id] * n, "sample": list(range(n)), "prompt_token_ids": [[1, 2]] * n,
+            "token_ids": [[3, 4, 5]] * n, "text": [None] * n, "logprobs": [[-0.5, -0.25, -1.0]] * n,
+            "budgets": [[0, 48, 48]] * n, "finish_reason": ["length"] * n, "reward": [None] * n}
+
+
+def test_a_directory_of_parts_reads_as_one_artifact(tmp_path):
+    out = write_artifact_parts([_rollouts("a", 2), _rollouts("b", 3)], tmp_path / "r", "rollouts",
+                               [{"temperature": 0.5, "part": 0}, {"temperature": 0.5, "part": 1}])
+    assert sorted(p.name for p in out.iterdir()) == ["part-00000.parquet", "part-00001.parquet"]
+    table = read_artifact(out, "rollouts")
+    assert table.column("prompt_id").to_pylist() == ["a", "a", "b", "b", "b"]
+    assert artifact_kind(out) == "rollouts" and artifact_metadata(out)["part"] == 0
+    assert artifact_metadata(table)["temperature"] == 0.5
+    assert read_rollouts(out).temperature == 0.5 and len(read_rollouts(out).rows) == 5  # profile --rollouts
+    got = run_query(out, "SELECT count(*) AS n, count(DISTINCT source_file) AS parts FROM rollouts")
+    assert got.to_pylist() == [{"n": 5, "parts": 2}]
+    # replaced whole: a rerun with fewer parts leaves no stale part behind
+    write_artifact_parts([_rollouts("c", 1)], out, "rollouts", [{}])
+    assert read_artifact(out).column("prompt_id").to_pylist() == ["c"]
+    write_artifact(_rollouts("d", 1), out / "part-00001.parquet", "rollouts")
+    (out / "part-00002.parquet").write_bytes(b"PAR1 not really")
+    with pytest.raises(ArtifactError, match="part-00002.parquet"):
+        read_artifact(out, "rollouts")
+    with pytest.raises(ArtifactError, match="without Parquet parts"):
+        (tmp_path / "empty").mkdir()
+        read_artifact(tmp_path / "empty", "rollouts")
+
+
+def _prompts(path):
+    g = torch.Generator().manual_seed(1)
+    rows = [{"prompt_id": f"p{i}", "task": "none", "prompt": "", "answer": None, "metadata": None,
+             "prompt_token_ids": torch.randint(3, 500, (17 + 9 * i,), generator=g).tolist()}
+            for i in range(5)]
+    return write_artifact(rows, path, "prompts")
+
+
+def test_workers_without_ray_is_one_sentence(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray -> ImportError
+    prompts = _prompts(tmp_path / "p.parquet")
+    r = runner.invoke(app, ["rollout", "--model", "tiny-qwen3", "--prompts", str(prompts), "--workers", "2",
+                            "-o", str(tmp_path / "out")])
+    assert r.exit_code != 0
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "pip install 'sparrow-rl[ray]'" in lines[0], r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=3, object_store_memory=300 * 2**20, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+@pytest.mark.slow  # starts 3 worker processes (each imports torch): about 2 minutes on 2 shared cores
+def test_two_workers_equal_one_process_and_a_dead_workers_shard_is_redone(ray_cluster, tmp_path,
+                                                                         monkeypatch):
+    prompts = _prompts(tmp_path / "p.parquet")
+    args = ["rollout", "--model", "tiny-qwen3", "--prompts", str(prompts), "--budget", "48", "--samples", "2",
+            "--max-new-tokens", "12", "--temperature", "0.9", "--max-batch", "4", "--seed", "7"]
+    one = runner.invoke(app, [*args, "-o", str(tmp_path / "one.parquet")])
+    assert one.exit_code == 0, one.output
+    marker = tmp_path / "died"
+    monkeypatch.setenv("SPARROW_TEST_FAULT_ONCE", f"0:{marker}")  # the worker of shard 0 exits once
+    two = runner.invoke(app, [*args, "--workers", "2", "-o", str(tmp_path / "two")])
+    assert two.exit_code == 0, two.output
+    dead_pid = int(marker.read_text())
+    parts = sorted((tmp_path / "two").iterdir())
+    assert [p.name for p in parts] == ["part-00000.parquet", "part-00001.parquet"]
+    metas = [artifact_metadata(p) for p in parts]
+    assert metas[0]["attempts"] == 2 and metas[0]["worker_pid"] != dead_pid and metas[1]["attempts"] == 1
+    assert [read_artifact(p).num_rows for p in parts] == [6, 4]  # prompts 0-2 and 3-4, 2 samples each
+    a, b = read_artifact(tmp_path / "one.parquet"), read_artifact(tmp_path / "two", "rollouts")
+    for col in ("prompt_id", "sample", "prompt_token_ids", "token_ids", "budgets", "finish_reason"):
+        assert a.column(col).to_pylist() == b.column(col).to_pylist(), col
+    for x, y in zip(a.column("logprobs").to_pylist(), b.column("logprobs").to_pylist()):
+        assert torch.allclose(torch.tensor(x), torch.tensor(y), atol=1e-5)  # other batch mates only
+    assert metas[0]["summary"]["samples"] == 10 and metas[0]["summary"]["tokens"] == 120
+    assert pa.concat_tables([read_artifact(p) for p in parts]).num_rows == 10  # nothing counted twice
+    assert "wrote 10 rollouts in 2 parts" in two.stderr
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from sparrow.stages.tasks import TASKS
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from dist_helper import make_tiny, register_vowels
+
+    register_vowels()
+    yield make_tiny(tmp_path_factory.mktemp("tiny-llama"))
+    TASKS.pop("vowels", None)
+
+
+@pytest.mark.slow  # 2 worker processes and 3 short training runs: about 2 minutes on 2 shared cores
+def test_train_on_two_workers_equals_one_process_with_weights_synced(ray_cluster, tiny, tmp_path):
+    """Training whose rollouts come from 2 Ray workers, the LoRA pushed to them before every step, is the
+    run of one process: same tokens and rewards, metrics and weights up to float rounding."""
+    from dist_helper import assert_same_run
+
+    model, prompts = tiny
+    args = ["train", "--model", model, "--prompts", prompts, "--prompts-per-step", "3", "--samples", "2",
+            "--max-new-tokens", "6", "--lora-rank", "2", "--lr", "5e-2", "--budget", "48", "--steps", "3"]
+    one = runner.invoke(app, [*args, "-o", str(tmp_path / "one")])
+    assert one.exit_code == 0, one.output
+    two = runner.invoke(app, [*args, "--workers", "2", "-o", str(tmp_path / "two")])
+    assert two.exit_code == 0, two.output
+    assert_same_run(tmp_path / "one", tmp_path / "two")
+    rows = read_artifact(tmp_path / "two" / "metrics.parquet", "metrics").to_pylist()
+    assert all(0 < r["weight_sync_seconds"] < r["rollout_seconds"] for r in rows)
+    assert read_artifact(tmp_path / "one" / "metrics.parquet").column("weight_sync_seconds").null_count == 3
+    assert "mean_weight_sync_seconds" in two.stdout.splitlines()[0]
+
+
+@pytest.mark.slow  # 2 worker processes: about a minute on 2 shared cores
+def test_profile_on_two_workers_equals_one_process(ray_cluster, tmp_path):
+    prompts = _prompts(tmp_path / "p.parquet")
+    args = ["profile", "--model", "tiny-qwen3", "--prompts", str(prompts), "--budgets", "48,64", "--samples",
+            "2", "--max-new-tokens", "10", "--sampler", "budget:48", "--bin-width", "16", "--seed", "3"]
+    one = runner.invoke(app, [*args, "-o", str(tmp_path / "one.parquet")])
+    assert one.exit_code == 0, one.output
+    two = runner.invoke(app, [*args, "--workers", "2", "-o", str(tmp_path / "two")])
+    assert two.exit_code == 0, two.output
+    assert len(list((tmp_path / "two").iterdir())) == 2 and one.stdout == two.stdout  # the same summary
+    keys = [(k, "ascending") for k in ("prompt_id", "sample", "position", "budget")]
+    a = read_artifact(tmp_path / "one.parquet", "mismatch").sort_by(keys)
+    b = read_artifact(tmp_path / "two", "mismatch").sort_by(keys)
+    assert a.num_rows == b.num_rows == 5 * 2 * 10 * 2
+    for col in a.column_names:
+        x, y = a.column(col).to_pylist(), b.column(col).to_pylist()
+        if isinstance(x[0], float):
+            assert torch.allclose(torch.tensor(x), torch.tensor(y), atol=1e-5), col
+        else:
+            assert x == y, col
