@@ -11,8 +11,8 @@ from sparrow.stages.definitions import PRIOR_THRESHOLD, TAIL_QUANTILE
 
 from .common import UsageError, console, friendly_errors, parse_int_list
 from .output import emit, format_option, resolve_format
-from .profile import check_context, load_actor, load_prompt_tokens, rollouts_temperature
-from .rollout import _sparsity, check_vocab
+from .profile import load_actor, rollouts_temperature
+from .rollout import _sparsity
 
 
 def eval_budgets_of(sparsity, given: str | None) -> list[int]:
@@ -100,6 +100,7 @@ def distill(
     from sparrow.stages.distill import DistillConfig, run_distill, save_result, tail_comparison
     from sparrow.stages.model.loading import load_model, resolve_config
     from sparrow.stages.profile import ProfileOptions, sample_trajectories
+    from sparrow.stages.prompt_set import PromptSet
     from sparrow.stages.sparsity import budget_fn, spec_of
     from sparrow.stages.trajectories import read_rollouts
 
@@ -141,15 +142,19 @@ def distill(
         if not given.needs_tokenizer:  # checked before any weights load
             trajectories = given.trajectories(None, model_cfg.vocab_size, model_cfg.max_position_embeddings)
 
+    fits = (model_cfg.vocab_size, model_cfg.max_position_embeddings, max_new_tokens)
+    prompt_sets = {path: PromptSet.read(path) for path in (prompts, eval_prompts) if path is not None}
+    for prompt_set in prompt_sets.values():
+        prompt_set.check_fits(*fits)  # before any weights load
     loaded = load_model(model)
     sampling = dict(samples=samples, max_new_tokens=max_new_tokens, temperature=cfg.temperature)
 
     def prompt_tokens(path: Path):
-        ids, tokens = load_prompt_tokens(path, loaded.tokenizer)
-        check_vocab(path, [{"prompt_id": i, "prompt_token_ids": t} for i, t in zip(ids, tokens)],
-                    model_cfg.vocab_size)
-        check_context(path, ids, tokens, max_new_tokens, model_cfg.max_position_embeddings)
-        return ids, tokens
+        prompt_set = prompt_sets[path]
+        if prompt_set.needs_tokenizer:
+            prompt_set.tokenize(loaded.tokenizer)
+            prompt_set.check_fits(*fits)
+        return prompt_set.ids, prompt_set.tokens
 
     train_ids = train_tokens = eval_ids = eval_tokens = None
     if prompts is not None:
