@@ -31,9 +31,11 @@ test: setup
 	$(BIN)/python -m pytest -q -n 2 --durations=10
 
 test-slow: setup
+	$(UV_INSTALL) -e ".[dev,ray]"  # the Ray workers' tests (real worker processes) are slow ones
 	$(BIN)/python -m pytest -q -m slow --durations=10
 
 test-all: setup
+	$(UV_INSTALL) -e ".[dev,ray]"
 	$(BIN)/python -m pytest -q -n 2 -m "slow or not slow"
 
 bench: setup

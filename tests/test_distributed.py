@@ -1,7 +1,7 @@
 """`sparrow train` under torchrun (gloo, 2 real processes) against the single process on the same batch.
 
-The torchrun tests are slow (real processes, each importing torch and loading the model): run them with
-`.venv/bin/python -m pytest -q -m slow tests/test_distributed.py`."""
+The torchrun tests start real processes; the DDP gradient test runs with `make test`, the resume across
+world sizes (about 3 minutes) with `make test-slow`."""
 
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ def test_shards_cover_every_item_once():
             assert max(map(len, parts)) - min(map(len, parts)) <= 1
 
 
-@pytest.mark.slow  # two torchrun launches of 2 processes each: about a minute on 2 shared cores
+# not slow: the one test of torch.distributed that CI runs (two torchrun launches of 2 processes each)
 def test_ddp_gradient_equals_the_single_process_gradient(tiny, tmp_path):
     """3 prompts x 3 samples over 2 ranks (2 + 1 prompts to roll out, 5 + 4 sequences to score and
     differentiate in micro-batches of 2): the summed gradient is the single process's within 1e-6."""
