@@ -21,7 +21,7 @@ from sparrow.stages.definitions import PRIOR_THRESHOLD, TAIL_QUANTILE
 
 from .common import UsageError, console, friendly_errors, parse_int_list
 from .output import emit, format_option, resolve_format
-from .rollout import check_ray
+from .rollout import check_workers
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -95,12 +95,7 @@ def profile(
         opts.validate()
     except ValueError as e:
         raise UsageError(str(e)) from None
-    if workers < 0:
-        raise UsageError(f"--workers must be >= 0, got {workers}")
-    if ray_address and not workers:
-        raise UsageError("--ray-address was given without --workers")
-    if workers:
-        check_ray(output)
+    check_workers(workers, ray_address, output)
     cfg = resolve_config(model)
     opts.adapter = load_actor(adapter, cfg)  # before any weights load
     actor = {"adapter": str(adapter)} if adapter is not None else {}

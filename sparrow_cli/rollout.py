@@ -151,12 +151,7 @@ def rollout(
         raise UsageError(f"--device must be cpu or cuda, got {device!r}")
     if device == "cuda" and not torch.cuda.is_available() and not ray_address:
         raise UsageError("--device cuda was given but no CUDA device is available")
-    if workers < 0:
-        raise UsageError(f"--workers must be >= 0, got {workers}")
-    if ray_address and not workers:
-        raise UsageError("--ray-address was given without --workers")
-    if workers:
-        check_ray(output)
+    check_workers(workers, ray_address, output)
     if lora is not None and not (lora / "adapter_config.json").exists():
         raise UsageError(f"{lora}: not a LoRA adapter directory (no adapter_config.json)")
     cfg = resolve_config(model)
@@ -222,15 +217,22 @@ def rollout(
 
 
 
-def check_ray(output: Path) -> None:
-    """--workers: Ray is installed and -o can be a directory; one sentence otherwise, before any work."""
+def check_workers(workers: int, ray_address: str | None, output: Path | None) -> None:
+    """--workers/--ray-address: a count, Ray installed, and -o (when the parts go there) a directory; one
+    sentence otherwise, before any work. Shared by rollout, profile and train."""
     from sparrow.stages.rollout.workers import RayMissing, require_ray
 
+    if workers < 0:
+        raise UsageError(f"--workers must be >= 0, got {workers}")
+    if ray_address and not workers:
+        raise UsageError("--ray-address was given without --workers")
+    if not workers:
+        return
     try:
         require_ray()
     except RayMissing as e:
         raise UsageError(str(e)) from None
-    if output.exists() and not output.is_dir():
+    if output is not None and output.exists() and not output.is_dir():
         raise UsageError(f"-o {output} is a file, but --workers writes a directory of Parquet parts")
 
 

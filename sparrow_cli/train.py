@@ -10,7 +10,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from .common import UsageError, console, friendly_errors
 from .output import emit_record, format_option, resolve_format
-from .rollout import _sparsity
+from .rollout import _sparsity, check_workers
 
 if TYPE_CHECKING:
     from sparrow.stages.train.distributed import World
@@ -117,17 +117,7 @@ def train(
         raise UsageError(f"--device must be cpu or cuda, got {device!r}")
     if device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda was given but no CUDA device is available")
-    if workers < 0:
-        raise UsageError(f"--workers must be >= 0, got {workers}")
-    if ray_address and not workers:
-        raise UsageError("--ray-address was given without --workers")
-    if workers:
-        from sparrow.stages.rollout.workers import RayMissing, require_ray
-
-        try:
-            require_ray()
-        except RayMissing as e:
-            raise UsageError(str(e)) from None
+    check_workers(workers, ray_address, None)
     world = init_world(device)
     if workers and world.distributed:
         raise UsageError("--workers (Ray rollout workers) cannot run under torchrun; use one of them")
