@@ -47,10 +47,12 @@ def sample_tokens(logits: Tensor, params: Seq[SamplingParams], generators: Seq[t
             probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p * keep)
         # exponential race: argmax p / E with E ~ Exp(1) draws from p exactly; one noise draw per
         # sample from its own generator (torch.multinomial per row cost ~13 launches each, 6-8 ms per
-        # step at 32 samples on an H100), then one batched argmax
+        # step at 32 samples on an H100), then one batched argmax. E = -log U: on a CPU uniform_ is
+        # vectorised and exponential_ is not (0.14 vs 0.93 ms per 49K-token row)
         noise = torch.empty_like(probs)
         for j, i in enumerate(rows.tolist()):
-            noise[j].exponential_(generator=generators[i])
+            noise[j].uniform_(generator=generators[i])
+        noise = noise.log_().neg_()
         tokens[rows] = (probs / noise.clamp_(min=torch.finfo(noise.dtype).tiny)).argmax(-1)
     chosen = logp.gather(-1, tokens[:, None]).squeeze(-1)
     top = logp.topk(top_logprobs, dim=-1) if top_logprobs > 0 else None
