@@ -100,7 +100,7 @@ def warm_up(model, prompt, args, runs) -> None:
 
 
 def run_engine(model, prompt, args, sparsity, label):
-    engine = Engine(model, sparsity, max_batch=args.samples)
+    engine = Engine(model, sparsity, max_batch=args.samples, cascade=False if args.no_cascade else None)
     params = SamplingParams(max_new_tokens=args.new_tokens, n=args.samples, temperature=args.temperature,
                             seed=0, ignore_eos=True)
     t0 = time.perf_counter()
@@ -208,6 +208,10 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (all runs)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    ap.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
+                    help="our engine's (and by default vLLM's) dtype; default: bfloat16 on CUDA, "
+                    "float32 on CPU")
+    ap.add_argument("--no-cascade", action="store_true", help="our engine without cascade attention")
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     ap.add_argument("--no-schedule", action="store_true", help="skip the engine's schedule run")
     ap.add_argument("--no-vllm", action="store_true", help="skip vLLM (run when installed)")
@@ -218,6 +222,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = getattr(torch, args.dtype) if args.dtype else dtype
     schedule = parse_schedule(args.schedule)
     t0 = time.perf_counter()
     loaded = load_model(args.model, device=str(device), dtype=dtype, random_weights=args.random_weights)

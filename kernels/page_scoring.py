@@ -35,11 +35,14 @@ def page_scores_reference(q: Tensor, centroids: Tensor, block_table: Tensor, seq
     """[B, Hkv, max_pages] fp32 scores; -inf for pages that are not candidates (0, last-1, last, beyond)."""
     b, hq, d = q.shape
     hkv = centroids.shape[1]
-    max_pages = block_table.shape[1]
     q_mean = q.float().view(b, hkv, hq // hkv, d).mean(2)  # [B, Hkv, D]
     cent = centroids[block_table.long().clamp(min=0)].float()  # [B, max_pages, Hkv, D]
-    scores = torch.einsum("bhd,bphd->bhp", q_mean, cent)
-    page_idx = torch.arange(max_pages, device=q.device)
+    return mask_candidates(torch.einsum("bhd,bphd->bhp", q_mean, cent), block_table, seq_lens, page_size)
+
+
+def mask_candidates(scores: Tensor, block_table: Tensor, seq_lens: Tensor, page_size: int) -> Tensor:
+    """Scores [B, Hkv, max_pages] with -inf where a page is not a candidate (0, last-1, last, beyond)."""
+    page_idx = torch.arange(scores.shape[2], device=scores.device)
     last = ((seq_lens.long() - 1) // page_size)[:, None, None]
     candidate = (page_idx >= 1) & (page_idx <= last - 2) & (block_table.long() >= 0)[:, None, :]
     return scores.masked_fill(~candidate, float("-inf"))

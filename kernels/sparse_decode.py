@@ -54,22 +54,17 @@ class GatherWorkspace:
         return self.keys[:rows], self.values[:rows]
 
 
-def _attend_pages_reference(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor,
-                            seq_lens: Tensor, pages: Tensor, scale: float | None,
-                            workspace: GatherWorkspace | None = None) -> Tensor:
-    """Attention over the logical pages `pages` [B, Hkv, K] (-1 = none), batched with index tensors.
+def gather_pages(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor, seq_lens: Tensor,
+                 pages: Tensor, workspace: GatherWorkspace | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """The keys and values of the logical pages `pages` [B, Hkv, K] (-1 = none), batched with index
+    tensors -> keys, values [B, Hkv, K*P, D] float32 (zero at invalid positions), valid [B, Hkv, K*P].
 
-    This is also the CPU hot path, so it gathers whole (page, KV head) rows with one `index_select`
+    This is the CPU hot path, so it gathers whole (page, KV head) rows with one `index_select`
     (a memcpy per 4 KiB row; advanced indexing is several times slower), into `workspace` when given,
     and zeroes only the value rows and key rows of invalid positions, which unwritten slots need
     (they may hold NaN, and NaN + -inf is NaN) and which are few."""
-    b, hq, d = q.shape
-    total, hkv, page_size = k_pages.shape[0], k_pages.shape[1], k_pages.shape[2]
-    g = hq // hkv
-    n_sel = pages.shape[2]
-    scale = d ** -0.5 if scale is None else scale
-    if n_sel == 0:
-        return torch.zeros_like(q)
+    b, hkv, n_sel = pages.shape
+    total, page_size, d = k_pages.shape[0], k_pages.shape[2], k_pages.shape[3]
     pages = pages.long()
     phys = torch.gather(block_table.long()[:, None, :].expand(b, hkv, -1), 2, pages.clamp(min=0))
     rows = (phys.clamp(min=0) * hkv + torch.arange(hkv, device=q.device)[None, :, None]).reshape(-1)
@@ -89,10 +84,39 @@ def _attend_pages_reference(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_t
     invalid = (~valid).view(-1).nonzero().squeeze(1)
     keys.index_fill_(0, invalid, 0.0)
     values.index_fill_(0, invalid, 0.0)
-    # The G query heads of a KV head are SDPA's query length: one fused pass over K and V.
     kv_shape = (b, hkv, n_sel * page_size, d)
-    out = F.scaled_dot_product_attention(q.float().view(b, hkv, g, d), keys.view(kv_shape),
-                                         values.view(kv_shape), attn_mask=valid[:, :, None, :], scale=scale)
+    return keys.view(kv_shape), values.view(kv_shape), valid
+
+
+def attend_gathered(q: Tensor, keys: Tensor, values: Tensor, valid: Tensor,
+                    scale: float) -> tuple[Tensor, Tensor]:
+    """q [B, Hq, D] over gathered keys/values [B, Hkv, S, D] fp32 at `valid` [B, Hkv, S] positions ->
+    out [B, Hq, D] fp32 and lse [B, Hq] fp32 (-inf, with out 0, for a row with no valid position).
+
+    The G query heads of a KV head are the query length of one CPU flash-attention call, which also
+    returns the log-sum-exp (SDPA does not); its mask must be additive in the query's dtype."""
+    b, hq, d = q.shape
+    hkv = keys.shape[1]
+    mask = torch.zeros(valid.shape, dtype=keys.dtype, device=q.device).masked_fill_(~valid, float("-inf"))
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q.to(keys.dtype).view(b, hkv, hq // hkv, d), keys, values, attn_mask=mask[:, :, None, :], scale=scale)
+    lse = lse.masked_fill(~valid.any(-1)[..., None], float("-inf"))  # [B, Hkv, G]
+    return out.nan_to_num_(0.0).reshape(b, hq, d).float(), lse.reshape(b, hq)
+
+
+def _attend_pages_reference(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor,
+                            seq_lens: Tensor, pages: Tensor, scale: float | None,
+                            workspace: GatherWorkspace | None = None) -> Tensor:
+    """Attention over the logical pages `pages` [B, Hkv, K] (-1 = none) -> [B, Hq, D] in q's dtype."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if pages.shape[2] == 0:
+        return torch.zeros_like(q)
+    b, hq, d = q.shape
+    hkv = k_pages.shape[1]
+    keys, values, valid = gather_pages(q, k_pages, v_pages, block_table, seq_lens, pages, workspace)
+    # The G query heads of a KV head are SDPA's query length: one fused pass over K and V.
+    out = F.scaled_dot_product_attention(q.float().view(b, hkv, hq // hkv, d), keys, values,
+                                         attn_mask=valid[:, :, None, :], scale=scale)
     out = out.nan_to_num_(0.0)  # a request with no valid position (SDPA gives NaN) -> zeros
     return out.reshape(b, hq, d).to(q.dtype)
 

@@ -55,8 +55,8 @@ def _check_vllm_flags(schedule, budget, lora, top_k: int, top_p: float) -> None:
         raise UsageError(str(e)) from None
 
 
-def _rollout_vllm(model: str, prompt_set, output: Path, fmt: str, cfg, device: str, max_batch: int,
-                  sampling) -> None:
+def _rollout_vllm(model: str, prompt_set, output: Path, fmt: str, cfg, device: str, dtype: str,
+                  max_batch: int, sampling) -> None:
     """Dense sampling with vLLM into the same rollouts artifact (budget 0 for every token)."""
     from sparrow.schemas import write_artifact
     from sparrow.stages.attention import PAGE_SIZE
@@ -70,7 +70,6 @@ def _rollout_vllm(model: str, prompt_set, output: Path, fmt: str, cfg, device: s
         prompt_set.check_fits(cfg.vocab_size, cfg.max_position_embeddings, sampling.max_new_tokens)
     rows = prompt_set.rows
     longest = max(len(r["prompt_token_ids"]) for r in rows)
-    dtype = "bfloat16" if device == "cuda" else "float32"
     console.print(f"starting vLLM on {checkpoint} ({dtype}; 1-4 minutes on a small CPU)")
     table, summary, timing = run_vllm_rollouts(
         model, rows, sampling, tokenizer=tokenizer, eos_ids=cfg.eos_token_ids, max_batch=max_batch,
@@ -106,6 +105,9 @@ def rollout(
     lora: Path = typer.Option(None, "--adapter", "--lora", help="A peft LoRA adapter directory (e.g. "
                               "`sparrow train`'s RUN/adapter), merged into the weights."),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda (bf16, Triton kernels, CUDA graphs)."),
+    dtype: str = typer.Option("auto", "--dtype", help="Weights and KV cache: auto (bfloat16 on cuda, "
+                              "float32 on cpu), float32 or bfloat16. bfloat16 decodes about 1.5x faster on "
+                              "a CPU with AVX512-BF16; float32 matches teacher-forced scoring exactly."),
     eager: bool = typer.Option(False, "--eager", help="On cuda, run every decode step eagerly instead of "
                                "replaying CUDA graphs (for debugging; slower)."),
     workers: int = typer.Option(0, "--workers", help="Ray workers, each a process with the model loaded "
@@ -126,7 +128,14 @@ def rollout(
 
     from sparrow.schemas import write_artifact
     from sparrow.stages.attention import PAGE_SIZE
-    from sparrow.stages.model.loading import load_model, model_name, resolve_config, spec_tokenizer
+    from sparrow.stages.model.loading import (
+        DTYPES,
+        load_model,
+        model_name,
+        resolve_config,
+        resolve_dtype,
+        spec_tokenizer,
+    )
     from sparrow.stages.prompt_set import PromptSet
     from sparrow.stages.rollout import RolloutOptions, SamplingParams, load_lora, run_rollouts
     from sparrow.stages.rollout.lora import check_lora_fits
@@ -151,6 +160,9 @@ def rollout(
         raise UsageError(f"--device must be cpu or cuda, got {device!r}")
     if device == "cuda" and not torch.cuda.is_available() and not ray_address:
         raise UsageError("--device cuda was given but no CUDA device is available")
+    if dtype not in DTYPES:
+        raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    dtype_name = str(resolve_dtype(dtype, device)).removeprefix("torch.")
     check_workers(workers, ray_address, output)
     if lora is not None and not (lora / "adapter_config.json").exists():
         raise UsageError(f"{lora}: not a LoRA adapter directory (no adapter_config.json)")
@@ -165,7 +177,7 @@ def rollout(
     prompt_set = PromptSet.read(prompts)
     prompt_set.check_fits(cfg.vocab_size, cfg.max_position_embeddings, max_new_tokens)  # before weights
     if engine == "vllm":
-        return _rollout_vllm(model, prompt_set, output, fmt, cfg, device, max_batch,
+        return _rollout_vllm(model, prompt_set, output, fmt, cfg, device, dtype_name, max_batch,
                              SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
                                             n=samples, ignore_eos=ignore_eos))
     sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
@@ -178,18 +190,18 @@ def rollout(
     meta = {"model": model_name(model), "prompts": str(prompts), "sparsity": mode, "samples": samples,
             "max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k,
             "seed": seed, "ignore_eos": ignore_eos, "page_size": PAGE_SIZE, "device": device,
-            "engine": "ours", "lora": str(lora) if lora else ""}
+            "dtype": dtype_name, "engine": "ours", "lora": str(lora) if lora else ""}
     if workers:  # this process only tokenizes: the weights load in the workers
         if prompt_set.needs_tokenizer:
             prompt_set.tokenize(spec_tokenizer(model))
             prompt_set.check_fits(cfg.vocab_size, cfg.max_position_embeddings, max_new_tokens)
-        summary, n = _rollout_on_ray(model, prompt_set.rows, opts, workers, ray_address, device, meta, output)
+        summary, n = _rollout_on_ray(model, prompt_set.rows, opts, workers, ray_address, device, dtype_name,
+                                     meta, output)
         console.print(f"wrote {n} rollouts in {workers} parts to {output}/")
         emit_record(summary.metadata(), fmt, title=f"rollouts ({mode}, {workers} workers)",
                     labels=SUMMARY_LABELS)
         return
-    loaded = load_model(model, device=device,
-                        dtype=torch.bfloat16 if device == "cuda" else torch.float32)
+    loaded = load_model(model, device=device, dtype=getattr(torch, dtype_name))
     if prompt_set.needs_tokenizer:
         prompt_set.tokenize(loaded.tokenizer)
         prompt_set.check_fits(cfg.vocab_size, cfg.max_position_embeddings, max_new_tokens)
@@ -237,7 +249,7 @@ def check_workers(workers: int, ray_address: str | None, output: Path | None) ->
 
 
 def _rollout_on_ray(model: str, rows: list[dict], opts, workers: int, address: str | None, device: str,
-                    meta: dict, output: Path):
+                    dtype: str, meta: dict, output: Path):
     """Rollouts of `rows` on a pool of Ray workers, written as one part per shard; (summary, rows)."""
     from sparrow.schemas import write_artifact_parts
     from sparrow.stages.rollout.workers import RolloutPool, merge_summaries
@@ -246,7 +258,7 @@ def _rollout_on_ray(model: str, rows: list[dict], opts, workers: int, address: s
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=console, transient=True) as bar:
         task = bar.add_task(f"starting {workers} Ray workers", total=total)
-        pool = RolloutPool(model, workers, address=address, device=device)
+        pool = RolloutPool(model, workers, address=address, device=device, dtype=dtype)
         try:
             bar.update(task, description=f"rollouts (samples) on {workers} workers")
             start = time.perf_counter()

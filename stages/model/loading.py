@@ -72,6 +72,18 @@ def _unknown(spec: str) -> ModelSpecError:
     )
 
 
+DTYPES = ("auto", "float32", "bfloat16")
+
+
+def resolve_dtype(dtype: str, device: str) -> torch.dtype:
+    """"auto": bfloat16 on CUDA, float32 on a CPU (exact against teacher-forced scoring in fp32)."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if dtype == "auto":
+        return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
+    return getattr(torch, dtype)
+
+
 def load_model(spec: str, device: str = "cpu", dtype: torch.dtype = torch.float32,
                random_weights: bool = False, seed: int = 0) -> LoadedModel:
     """Load `spec` for inference. `random_weights` allows weightless presets (timing only)."""

@@ -12,7 +12,10 @@ complete at that step, so their centroids then were what they are now).
 (`ops.append_kv`, incremental centroid), then the query attends either to every page
 (`ops.dense_paged_attention`) or, in sparse layers when some request has a budget, to the pages
 chosen by block top-k (`ops.select_pages` + `ops.sparse_paged_attention`). Requests with budget 0 in a
-sparse step keep all their pages, so mixed batches need no special case.
+sparse step keep all their pages, so mixed batches need no special case. On the CPU, dense attention of
+samples that share a prompt's pages is cascaded (`Cascade`): the shared prefix is read once per step
+for all of them (kernels/cascade_decode.py); in sparse layers the prefix's centroids are scored for all
+of them with one product, and each sample then reads only the pages it selected.
 """
 
 from __future__ import annotations
@@ -23,9 +26,11 @@ from dataclasses import dataclass
 import torch.nn.functional as F
 from torch import Tensor
 
+from sparrow.kernels.cascade_decode import cascade_decode_reference, cascade_page_scores
+
 from ..attention import block_topk_sdpa
 from ..model.llama import AttentionContext
-from .kv_cache import PagedKVCache
+from .kv_cache import PagedKVCache, SharedPrefix
 
 
 def _ops():
@@ -50,13 +55,24 @@ class Recompute:
     dense_layers: frozenset[int]
 
 
+@dataclass
+class Cascade:
+    """Shared-prefix groups of a decode batch: (rows [n] int64, store) for the samples whose block
+    tables start with store.pages, and the logical pages [B, Hkv, W] each row attends beyond its
+    prefix (all its pages for a row in no group)."""
+
+    groups: list[tuple[Tensor, SharedPrefix]]
+    suffix: Tensor
+
+
 class PrefillAttention:
     def __init__(self, cache: PagedKVCache, valid: Tensor, slots: Tensor, impl: str = "auto",
-                 recompute: Recompute | None = None):
+                 recompute: Recompute | None = None, prefixes: list[tuple[int, SharedPrefix]] = ()):
         """valid [G, T] bool: the prompt tokens, which `write_prefill` writes; slots [N] int64, one per
-        valid token in row order. `recompute`: rows that continue past their prompt."""
+        valid token in row order. `recompute`: rows that continue past their prompt. `prefixes`:
+        (row, store) pairs whose store receives the row's keys/values of its first store.tokens positions."""
         self.cache, self.valid, self.slots, self.impl = cache, valid, slots, impl
-        self.recompute = recompute
+        self.recompute, self.prefixes = recompute, prefixes
         self.ops = _ops()
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext) -> Tensor:
@@ -67,6 +83,10 @@ class PrefillAttention:
         else:
             kv_new, vv_new = kt[self.valid], vt[self.valid]
         self.ops.write_prefill(k_pages, v_pages, centroids, kv_new, vv_new, self.slots)
+        for row, prefix in self.prefixes:
+            prefix.k[layer] = k[row, :, : prefix.tokens]
+            prefix.v[layer] = v[row, :, : prefix.tokens]
+            prefix.centroids[layer] = centroids[list(prefix.pages)]
         rc = self.recompute
         if rc is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
@@ -82,16 +102,18 @@ class PrefillAttention:
 class DecodeAttention:
     def __init__(self, cache: PagedKVCache, block_table: Tensor, seq_lens: Tensor, budgets: Tensor,
                  slots: Tensor, dense_layers: Collection[int], scale: float, impl: str = "auto",
-                 any_sparse: bool | None = None, max_selected: int | None = None, workspace=None):
+                 any_sparse: bool | None = None, max_selected: int | None = None, workspace=None,
+                 cascade: Cascade | None = None):
         """block_table [B, max_pages] int32 (-1 unused), seq_lens [B] int32 (including the new token),
         budgets [B] int32 (0 = dense), slots [B] int64 (where the new token's k/v go).
         `max_selected`: a bound on the kept pages, so that selection needs no device-to-host sync
-        (the engine passes it on CUDA). `workspace`: an `ops.GatherWorkspace` for the torch path."""
+        (the engine passes it on CUDA). `workspace`: an `ops.GatherWorkspace` for the torch path.
+        `cascade`: shared-prefix groups for the dense layers (torch path only)."""
         self.cache, self.block_table, self.seq_lens = cache, block_table, seq_lens
         self.budgets, self.slots, self.scale, self.impl = budgets, slots, scale, impl
         self.dense_layers = frozenset(dense_layers)
         self.any_sparse = bool((budgets > 0).any()) if any_sparse is None else any_sparse
-        self.max_selected, self.workspace = max_selected, workspace
+        self.max_selected, self.workspace, self.cascade = max_selected, workspace, cascade
         self.ops = _ops()
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext) -> Tensor:
@@ -100,12 +122,28 @@ class DecodeAttention:
         ops.append_kv(k_pages, v_pages, centroids, k[:, :, 0], v[:, :, 0], self.slots, impl=self.impl)
         q1 = q[:, :, 0]  # [B, Hq, D]
         if self.any_sparse and layer not in self.dense_layers:
-            selected = ops.select_pages(q1, centroids, self.block_table, self.seq_lens, self.budgets,
-                                        page_size=self.cache.page_size, impl=self.impl,
-                                        max_selected=self.max_selected)
+            if self.cascade is not None:
+                selected = self._cascaded_selection(layer, q1, centroids)
+            else:
+                selected = ops.select_pages(q1, centroids, self.block_table, self.seq_lens, self.budgets,
+                                            page_size=self.cache.page_size, impl=self.impl,
+                                            max_selected=self.max_selected)
             out = ops.sparse_paged_attention(q1, k_pages, v_pages, self.block_table, self.seq_lens,
                                              selected, self.scale, impl=self.impl, workspace=self.workspace)
+        elif self.cascade is not None:
+            out = self._cascaded(layer, q1, k_pages, v_pages)
         else:
             out = ops.dense_paged_attention(q1, k_pages, v_pages, self.block_table, self.seq_lens,
                                             self.scale, impl=self.impl, workspace=self.workspace)
         return out[:, :, None].to(q.dtype)
+
+    def _cascaded_selection(self, layer: int, q1: Tensor, centroids: Tensor) -> Tensor:
+        prefixes = [(rows, p.centroids[layer]) for rows, p in self.cascade.groups]
+        scores = cascade_page_scores(q1, prefixes, centroids, self.block_table, self.seq_lens,
+                                     self.cascade.suffix, self.cache.page_size)
+        return self.ops.finish_selection(scores, self.seq_lens, self.budgets, self.cache.page_size)
+
+    def _cascaded(self, layer: int, q1: Tensor, k_pages: Tensor, v_pages: Tensor) -> Tensor:
+        prefixes = [(rows, p.k[layer], p.v[layer]) for rows, p in self.cascade.groups]
+        return cascade_decode_reference(q1, prefixes, k_pages, v_pages, self.block_table, self.seq_lens,
+                                        self.cascade.suffix, self.scale, self.workspace)

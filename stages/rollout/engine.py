@@ -12,8 +12,11 @@ centroids and page selections it had (up to float rounding; scheduler.py), so it
 Each decode step uses, per sample, the budget of the sparsity schedule at the cache length at which
 the token is produced (`budget_at(num_tokens)`, query at position num_tokens - 1), so the rollout's
 logprobs are exactly those teacher-forced sparse scoring gives (`stages.mismatch.score_sequences`).
-On a CPU the kernels are their batched torch references in fp32; on CUDA the Triton kernels, and the
-decode step is replayed from CUDA graphs over static buffers (static_decode.py).
+On a CPU the kernels are their batched torch references (fp32 or bf16 weights and cache), the dense
+attention of samples sharing a prompt is cascaded (the prompt's pages read once per step,
+kernels/cascade_decode.py), and bf16 linears run on oneDNN-packed weights (packed_linears.py); on CUDA
+the Triton kernels, and the decode step is replayed from CUDA graphs over static buffers
+(static_decode.py).
 """
 
 from __future__ import annotations
@@ -22,19 +25,22 @@ import math
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from sparrow.kernels.ops import GatherWorkspace
+from sparrow.kernels.cascade_decode import suffix_pages
+from sparrow.kernels.ops import GatherWorkspace, use_triton
 
 from ..attention import DEFAULT_DENSE_LAYERS, PAGE_SIZE
 from ..model.llama import Transformer
 from ..sparsity import Sparsity, budget_fn
-from .attention import DecodeAttention, PrefillAttention, Recompute
+from .attention import Cascade, DecodeAttention, PrefillAttention, Recompute
 from .block_manager import BlockManager
-from .kv_cache import PagedKVCache
+from .kv_cache import PagedKVCache, SharedPrefix
+from .packed_linears import PackedLinears, packing_available
 from .sampler import sample_tokens
 from .scheduler import Scheduler, pages_needed, prefill_tokens
 from .sequence import Completion, Request, SamplingParams, Sequence
@@ -66,11 +72,14 @@ class Engine:
     def __init__(self, model: Transformer, sparsity: Sparsity = None, *, max_batch: int = 16,
                  num_pages: int | None = None, page_size: int = PAGE_SIZE,
                  dense_layers: Seq[int] = DEFAULT_DENSE_LAYERS, eos_ids: Seq[int] | None = None,
-                 max_prefill_tokens: int = 8192, impl: str = "auto", decode_graphs: str = "auto"):
+                 max_prefill_tokens: int = 8192, impl: str = "auto", decode_graphs: str = "auto",
+                 cascade: bool | None = None):
         """`num_pages`: size of the KV page pool (None: sized from the first requests for every sample
         at full length, so nothing is preempted; smaller pools preempt when they fill up).
         `decode_graphs`: "auto" (CUDA graphs on CUDA, the plain step on a CPU), "cuda" (CUDA graphs),
-        "eager" (the graphs' static padded step without capture, any device) or "off"."""
+        "eager" (the graphs' static padded step without capture, any device) or "off".
+        `cascade`: dense decode attention reads a prompt's shared pages once per step for all its
+        samples, from a contiguous copy taken at prefill (None: on the torch path, i.e. the CPU)."""
         if max_batch < 1:
             raise ValueError("max_batch must be at least 1")
         if decode_graphs not in DECODE_GRAPHS:
@@ -91,6 +100,13 @@ class Engine:
         self.decode_graphs = decode_graphs
         self.static: StaticDecode | None = None
         self.workspace = GatherWorkspace()  # the CPU path's K/V gather buffers, reused every step
+        on_torch = not use_triton(impl, model.embed_tokens.weight)
+        if cascade and not on_torch:
+            raise ValueError("cascade attention runs on the torch path (the CPU), not the Triton kernels")
+        self.cascade = on_torch if cascade is None else cascade
+        self.prefixes: dict[int, SharedPrefix] = {}  # request id -> its shared prompt pages' K/V
+        self._unfinished: dict[int, int] = {}  # request id -> samples not finished (while it has a prefix)
+        self.packed = PackedLinears(model, max_batch) if on_torch and packing_available(model) else None
         self.cache: PagedKVCache | None = None
         self.scheduler: Scheduler | None = None
         self.stats = EngineStats()
@@ -199,6 +215,7 @@ class Engine:
         for s in seqs:
             if s.finish_reason is not None:
                 self.scheduler.finish(s)
+                self._release_prefix(s.request.request_id)
                 done.append(s.completion())
         return done, new
 
@@ -254,6 +271,7 @@ class Engine:
         attn = PrefillAttention(self.cache, torch.from_numpy(prompt).to(dev),
                                 torch.from_numpy(slot[prompt]).to(dev), self.impl,
                                 self._recompute(batch, lens, plens, slot, table))
+        attn.prefixes = self._new_prefixes(batch, pages, plens)
         positions = torch.arange(t_max, device=dev).expand(len(batch), t_max)
         hidden = self.model.hidden_states(tokens.to(dev), positions=positions, attention=attn)
         self.stats.prefill_tokens += sum(lens)
@@ -279,6 +297,44 @@ class Engine:
             seq.pages = p
         self.scheduler.admit_prefilled(again + [s for s in seqs if s.finish_reason is None])
         return seqs
+
+    def _new_prefixes(self, batch: list[Request | Sequence], pages: list[list[int]],
+                      plens: list[int]) -> list[tuple[int, SharedPrefix]]:
+        """Stores for the full prompt pages of the fresh requests in this prefill (cascade attention)."""
+        if not self.cascade:
+            return []
+        out, P = [], self.page_size
+        for i, x in enumerate(batch):
+            m = plens[i] // P
+            if isinstance(x, Request) and m > 0:
+                prefix = SharedPrefix.allocate(self.cfg, pages[i][:m], P, self.dtype, self.device)
+                self.prefixes[x.request_id] = prefix
+                self._unfinished[x.request_id] = x.params.n
+                out.append((i, prefix))
+        return out
+
+    def _release_prefix(self, request_id: int) -> None:
+        if request_id in self._unfinished:
+            self._unfinished[request_id] -= 1
+            if self._unfinished[request_id] == 0:
+                del self._unfinished[request_id], self.prefixes[request_id]
+
+    def _cascade(self, seqs: list[Sequence]) -> Cascade | None:
+        """Group the decode batch's samples by the shared prompt pages their block tables start with."""
+        if not self.prefixes:
+            return None
+        groups: dict[int, list[int]] = {}
+        first = [0] * len(seqs)
+        for i, s in enumerate(seqs):
+            prefix = self.prefixes.get(s.request.request_id)
+            if prefix is not None and tuple(s.pages[: len(prefix.pages)]) == prefix.pages:
+                groups.setdefault(s.request.request_id, []).append(i)
+                first[i] = len(prefix.pages)
+        if not groups:
+            return None
+        dev = self.device
+        return Cascade([(torch.tensor(rows, device=dev), self.prefixes[rid]) for rid, rows in groups.items()],
+                       suffix_pages(first, [len(s.pages) for s in seqs], self.cfg.num_kv_heads, dev))
 
     def _recompute(self, batch: list[Request | Sequence], lens: list[int], plens: list[int],
                    slot: np.ndarray, table: np.ndarray) -> Recompute | None:
@@ -324,7 +380,7 @@ class Engine:
         if self.static is not None and self.static.fits(len(seqs), width):
             logits = self.static.run(tokens, pos, table, budgets, slots)
         else:
-            logits = self._decode_eager(tokens, pos, table, budgets, slots)
+            logits = self._decode_eager(tokens, pos, table, budgets, slots, self._cascade(seqs))
         self._sample(seqs, logits, budgets)
         self.stats.decode_steps += 1
         self.stats.decode_tokens += len(seqs)
@@ -332,7 +388,7 @@ class Engine:
         return len(seqs)
 
     def _decode_eager(self, tokens: list[int], pos: list[int], table: np.ndarray, budgets: list[int],
-                      slots: list[int]) -> torch.Tensor:
+                      slots: list[int], cascade: Cascade | None = None) -> torch.Tensor:
         """The decode step at this batch's own shapes -> logits [B, V] float32."""
         dev = self.device
         positions = torch.tensor(pos, device=dev)
@@ -342,10 +398,11 @@ class Engine:
             torch.tensor(slots, dtype=torch.int64, device=dev),
             self.dense_layers, self.scale, self.impl, any_sparse=any(b > 0 for b in budgets),
             max_selected=kept_pages(budgets, self.page_size, table.shape[1]) if dev.type == "cuda" else None,
-            workspace=self.workspace)
-        hidden = self.model.hidden_states(torch.tensor(tokens, device=dev)[:, None],
-                                          positions=positions[:, None], attention=attn)
-        return self.model.lm_head(hidden[:, 0]).float()
+            workspace=self.workspace, cascade=cascade)
+        with self.packed.active() if self.packed is not None else nullcontext():
+            hidden = self.model.hidden_states(torch.tensor(tokens, device=dev)[:, None],
+                                              positions=positions[:, None], attention=attn)
+            return self.model.lm_head(hidden[:, 0]).float()
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor, budgets: list[int]) -> None:
         k = max(s.request.params.logprobs for s in seqs)

@@ -9,6 +9,8 @@ Memory is zero-initialised (calloc'd on the CPU, so untouched pages cost no resi
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ..model.config import ModelConfig
@@ -40,3 +42,29 @@ class PagedKVCache:
     def bytes_per_page(cfg: ModelConfig, page_size: int, dtype: torch.dtype) -> int:
         elem = torch.tensor([], dtype=dtype).element_size()
         return cfg.num_layers * cfg.num_kv_heads * (2 * page_size * elem + 4) * cfg.head_dim
+
+
+@dataclass
+class SharedPrefix:
+    """The full prompt pages that the samples of one request share, with a contiguous copy of their
+    keys, values and centroids taken at prefill, which cascade attention and page scoring read once
+    per decode step for all the samples whose block table starts with `pages`
+    (kernels/cascade_decode.py). Full prompt pages are never written again, so the copy stays exact."""
+
+    pages: tuple[int, ...]
+    k: torch.Tensor  # [L, Hkv, len(pages) * P, D] model dtype
+    v: torch.Tensor
+    centroids: torch.Tensor  # [L, len(pages), Hkv, D] float32
+
+    @classmethod
+    def allocate(cls, cfg: ModelConfig, pages: list[int], page_size: int, dtype: torch.dtype,
+                 device: torch.device | str) -> SharedPrefix:
+        shape = (cfg.num_layers, cfg.num_kv_heads, len(pages) * page_size, cfg.head_dim)
+        cent = (cfg.num_layers, len(pages), cfg.num_kv_heads, cfg.head_dim)
+        return cls(tuple(pages), torch.empty(shape, dtype=dtype, device=device),
+                   torch.empty(shape, dtype=dtype, device=device),
+                   torch.empty(cent, dtype=torch.float32, device=device))
+
+    @property
+    def tokens(self) -> int:
+        return self.k.shape[2]

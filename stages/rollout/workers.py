@@ -53,14 +53,14 @@ class RolloutWorker:
     """The body of a Ray actor: a model loaded once, rollouts of the shards it is given."""
 
     def __init__(self, model: str, device: str = "cpu", threads: int = 1, fault_once: str | None = None,
-                 random_weights: bool = False):
+                 random_weights: bool = False, dtype: str = "auto"):
         import torch
 
-        from ..model.loading import load_model
+        from ..model.loading import load_model, resolve_dtype
 
         torch.set_num_threads(threads)
         self.loaded = load_model(model, device=device, random_weights=random_weights,
-                                 dtype=torch.bfloat16 if device == "cuda" else torch.float32)
+                                 dtype=resolve_dtype(dtype, device))
         self.fault_once = fault_once  # tests: "SHARD:MARKER", exit once on that shard
 
     def pid(self) -> int:
@@ -143,7 +143,7 @@ class RolloutPool:
 
     def __init__(self, model: str, workers: int, *, address: str | None = None, device: str = "cpu",
                  threads: int = 1, max_attempts: int = 3, fault_once: str | None = None,
-                 random_weights: bool = False):
+                 random_weights: bool = False, dtype: str = "auto"):
         if workers < 1:
             raise ValueError(f"--workers must be at least 1, got {workers}")
         ray = require_ray()
@@ -157,7 +157,7 @@ class RolloutPool:
         gpus = 1 if device == "cuda" else 0
         self._actor_cls = ray.remote(num_cpus=threads, num_gpus=gpus, max_restarts=0)(RolloutWorker)
         fault_once = fault_once or os.environ.get("SPARROW_TEST_FAULT_ONCE")  # tests through the CLI
-        self._args = (model, device, threads, fault_once, random_weights)
+        self._args = (model, device, threads, fault_once, random_weights, dtype)
         self.max_attempts = max_attempts
         self.workers = [self._new_worker() for _ in range(workers)]
         self.replaced = 0

@@ -1,0 +1,101 @@
+"""Cascade (shared-prefix) dense decode attention: the n samples of one prompt read its pages once.
+
+The samples of a prompt share its full prompt pages (logical pages 0..m-1, DESIGN "paged KV"). Plain
+paged decode gathers and reads those pages once per sample per step; at a 6K-token prompt and 8 samples
+that is 8x the KV bytes the step needs. Cascade attention splits softmax attention at the prefix
+boundary and merges the two halves exactly by their log-sum-exp:
+
+    out = (e^{lse_p} out_p + e^{lse_s} out_s) / (e^{lse_p} + e^{lse_s}),   lse = logaddexp(lse_p, lse_s)
+
+- prefix: the n*G query heads of every KV head (n samples x its GQA group) form the query length of
+  one flash-attention call over the prefix's contiguous keys/values [Hkv, m*P, D] (a copy taken at
+  prefill, so the prefix is neither gathered nor read more than once per step); no mask is needed,
+  every prefix position precedes every sample's query;
+- suffix: each sample's own pages m.. (the copied partial prompt page and what it generated), gathered
+  for the whole batch at once as in `sparse_decode.gather_pages` and attended in fp32 with its
+  log-sum-exp; a row that shares no prefix has all its pages as its suffix.
+The result equals `dense_decode_reference` up to float rounding (the summation order differs). CPU
+only: the GPU path keeps its flash-decoding kernel (dense_decode.py), which splits the KV length.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from .page_scoring import mask_candidates
+from .sparse_decode import GatherWorkspace, attend_gathered, gather_pages
+
+
+def prefix_attention(q: Tensor, prefix_k: Tensor, prefix_v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """q [n, Hq, D] over a shared prefix [Hkv, S, D] -> out [n, Hq, D] float32, lse [n, Hq] float32."""
+    n, hq, d = q.shape
+    hkv = prefix_k.shape[0]
+    g = hq // hkv
+    qh = q.view(n, hkv, g, d).transpose(0, 1).reshape(1, hkv, n * g, d).to(prefix_k.dtype)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        qh, prefix_k[None], prefix_v[None], scale=scale)  # [1, Hkv, n*G, D], [1, Hkv, n*G]
+    out = out[0].float().view(hkv, n, g, d).transpose(0, 1).reshape(n, hq, d)
+    return out, lse[0].view(hkv, n, g).transpose(0, 1).reshape(n, hq)
+
+
+def pages_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor, seq_lens: Tensor,
+                    pages: Tensor, scale: float, workspace: GatherWorkspace | None = None
+                    ) -> tuple[Tensor, Tensor]:
+    """q [B, Hq, D] over the logical pages `pages` [B, Hkv, K] (-1 = none) -> out [B, Hq, D] fp32 and
+    lse [B, Hq] fp32 (-inf, with out 0, for a row with no valid position)."""
+    keys, values, valid = gather_pages(q, k_pages, v_pages, block_table, seq_lens, pages, workspace)
+    return attend_gathered(q, keys, values, valid, scale)
+
+
+def merge_attention(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> Tensor:
+    """Softmax attention over the union of two disjoint key sets from each half's output and lse."""
+    lse = torch.logaddexp(lse_a, lse_b)
+    return out_a * (lse_a - lse).exp()[..., None] + out_b * (lse_b - lse).exp()[..., None]
+
+
+def suffix_pages(first_pages: list[int], num_pages: list[int], hkv: int, device=None) -> Tensor:
+    """[B, Hkv, W] the logical pages first_pages[b]..num_pages[b]-1 of each row, padded with -1."""
+    width = max(n - f for f, n in zip(first_pages, num_pages))
+    j = torch.arange(width)
+    first, n = torch.tensor(first_pages)[:, None], torch.tensor(num_pages)[:, None]
+    pages = torch.where(first + j < n, first + j, -1)
+    return pages[:, None, :].expand(-1, hkv, -1).to(device)
+
+
+def cascade_decode_reference(q: Tensor, prefixes: Sequence[tuple[Tensor, Tensor, Tensor]], k_pages: Tensor,
+                             v_pages: Tensor, block_table: Tensor, seq_lens: Tensor, suffix: Tensor,
+                             scale: float | None = None, workspace: GatherWorkspace | None = None) -> Tensor:
+    """Dense paged attention of a decode batch q [B, Hq, D] in which each (rows [n], prefix_k,
+    prefix_v [Hkv, S, D]) of `prefixes` is a group of rows whose first S positions are that prefix;
+    `suffix` [B, Hkv, W] holds the logical pages each row attends beyond its prefix (all of them for a
+    row in no group) -> [B, Hq, D] in q's dtype."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    out, lse = pages_attention(q, k_pages, v_pages, block_table, seq_lens, suffix, scale, workspace)
+    for rows, prefix_k, prefix_v in prefixes:
+        out_p, lse_p = prefix_attention(q[rows], prefix_k, prefix_v, scale)
+        out[rows] = merge_attention(out_p, lse_p, out[rows], lse[rows])
+    return out.to(q.dtype)
+
+
+def cascade_page_scores(q: Tensor, prefixes: Sequence[tuple[Tensor, Tensor]], centroids: Tensor,
+                        block_table: Tensor, seq_lens: Tensor, suffix: Tensor, page_size: int) -> Tensor:
+    """`page_scores_reference` with the shared prefixes' centroids read once: each (rows [n],
+    prefix_centroids [m, Hkv, D]) scores logical pages 0..m-1 of its rows with one product, and the
+    pages in `suffix` [B, Hkv, W] are gathered per row -> [B, Hkv, max_pages] fp32, -inf where not a
+    candidate."""
+    b, hq, d = q.shape
+    hkv = centroids.shape[1]
+    q_mean = q.float().view(b, hkv, hq // hkv, d).mean(2)  # [B, Hkv, D]
+    scores = q_mean.new_zeros(b, hkv, block_table.shape[1])
+    pages = suffix[:, 0].long()  # [B, W] logical (-1 = none); the same for every KV head
+    phys = torch.gather(block_table.long(), 1, pages.clamp(min=0)).clamp(min=0)
+    cent = centroids[phys].float()  # [B, W, Hkv, D]
+    scores.scatter_(2, pages.clamp(min=0)[:, None, :].expand(-1, hkv, -1),
+                    torch.einsum("bhd,bwhd->bhw", q_mean, cent).masked_fill((pages < 0)[:, None, :], 0.0))
+    for rows, prefix_centroids in prefixes:
+        m = prefix_centroids.shape[0]
+        scores[rows, :, :m] = torch.einsum("nhd,phd->nhp", q_mean[rows], prefix_centroids)
+    return mask_candidates(scores, block_table, seq_lens, page_size)
