@@ -51,3 +51,44 @@ def test_bf16_sparse_logprobs_within_the_stated_tolerance(smollm2, smollm2_bf16)
     prompt = make_prompts("kv_lookup", 1, 0, smollm2.tokenizer, context_tokens=600)[0]["prompt_token_ids"]
     gaps = _gaps(smollm2_bf16.model, smollm2_bf16.model, prompt, 96)
     assert np.median(gaps) < 0.05 and gaps.mean() < 0.3
+
+
+def test_packed_linears_follow_the_weights():
+    """Packed bf16 products equal fp32 products of the bf16 values (within bf16 output rounding), and an
+    in-place weight change (a LoRA merge, an optimizer step) is picked up at the next `active()`."""
+    from sparrow.stages.rollout.packed_linears import PackedLinears, packing_available
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.Linear(96, 32, bias=False)).bfloat16()
+    if not packing_available(model):
+        pytest.skip("this torch has no oneDNN packed linear")
+    packed = PackedLinears(model, batch_hint=8)
+    x = torch.randn(5, 1, 64).bfloat16()
+
+    def reference():
+        h = torch.nn.functional.linear(x.float(), model[0].weight.float(), model[0].bias.float())
+        return torch.nn.functional.linear(h.bfloat16().float(), model[1].weight.float())
+
+    for _ in range(2):
+        with packed.active():
+            got = model(x).float()
+        torch.testing.assert_close(got, reference(), atol=0.05, rtol=0.02)
+        with torch.no_grad():
+            model[1].weight.mul_(-2.0)
+    assert "forward" not in model[0].__dict__  # the modules are their plain selves outside active()
+
+
+def test_cli_rollout_in_bf16(tmp_path, smollm2):
+    from typer.testing import CliRunner
+
+    from sparrow.cli.app import app
+    from sparrow.schemas import artifact_metadata, read_artifact, write_artifact
+
+    prompts = tmp_path / "p.parquet"
+    write_artifact(make_prompts("basic_arithmetic", 2, 0, smollm2.tokenizer), prompts, "prompts")
+    out = tmp_path / "r.parquet"
+    r = CliRunner().invoke(app, ["rollout", "--prompts", str(prompts), "--dtype", "bfloat16",
+                                 "--samples", "2", "--max-new-tokens", "6", "--budget", "48", "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    assert read_artifact(out, "rollouts").num_rows == 4
+    assert artifact_metadata(out)["dtype"] == "bfloat16"

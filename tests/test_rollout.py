@@ -379,6 +379,7 @@ def _schedule_file(path, page_size):
     (["--schedule", "SCHED32"], "pages of 32 tokens"),
     (["--max-new-tokens", "8190"], "exceeds the model's context of 8192"),
     (["--prompts", "EMPTY"], "the prompt set is empty"),
+    (["--dtype", "float16"], "--dtype must be one of auto, float32, bfloat16"),
 ])
 def test_cli_bad_input(prompts_file, tmp_path, args, message):
     files = {"SCHED16": str(_schedule_file(tmp_path / "s16.parquet", 16)),
