@@ -12,8 +12,8 @@ boundary and merges the two halves exactly by their log-sum-exp:
   prefill, so the prefix is neither gathered nor read more than once per step); no mask is needed,
   every prefix position precedes every sample's query;
 - suffix: each sample's own pages m.. (the copied partial prompt page and what it generated), gathered
-  for the whole batch at once as in `sparse_decode.gather_pages` and attended in fp32 with its
-  log-sum-exp; a row that shares no prefix has all its pages as its suffix.
+  for the whole batch at once as in `sparse_decode.gather_pages` and attended (fp32 accumulation) with
+  its log-sum-exp; a row that shares no prefix has all its pages as its suffix.
 The result equals `dense_decode_reference` up to float rounding (the summation order differs). CPU
 only: the GPU path keeps its flash-decoding kernel (dense_decode.py), which splits the KV length.
 """

@@ -57,7 +57,9 @@ class GatherWorkspace:
 def gather_pages(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor, seq_lens: Tensor,
                  pages: Tensor, workspace: GatherWorkspace | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """The keys and values of the logical pages `pages` [B, Hkv, K] (-1 = none), batched with index
-    tensors -> keys, values [B, Hkv, K*P, D] float32 (zero at invalid positions), valid [B, Hkv, K*P].
+    tensors -> keys, values [B, Hkv, K*P, D] in the cache's dtype (zero at invalid positions),
+    valid [B, Hkv, K*P]. A bf16 cache stays bf16: the attention that follows accumulates in fp32 anyway,
+    and converting the gathered rows cost a copy of them.
 
     This is the CPU hot path, so it gathers whole (page, KV head) rows with one `index_select`
     (a memcpy per 4 KiB row; advanced indexing is several times slower), into `workspace` when given,
@@ -76,8 +78,8 @@ def gather_pages(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tenso
         keys, values = workspace.take(rows.numel(), k_rows)
         torch.index_select(k_rows, 0, rows, out=keys)
         torch.index_select(v_rows, 0, rows, out=values)
-    keys = keys.float().view(b * hkv * n_sel * page_size, d)
-    values = values.float().view(b * hkv * n_sel * page_size, d)
+    keys = keys.view(b * hkv * n_sel * page_size, d)
+    values = values.view(b * hkv * n_sel * page_size, d)
     pos = (pages[..., None] * page_size + torch.arange(page_size, device=q.device)).reshape(b, hkv, -1)
     valid = ((pages >= 0) & (phys >= 0)).repeat_interleave(page_size, -1)
     valid = valid & (pos < seq_lens.long()[:, None, None])  # [B, Hkv, K*P]
@@ -90,7 +92,7 @@ def gather_pages(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tenso
 
 def attend_gathered(q: Tensor, keys: Tensor, values: Tensor, valid: Tensor,
                     scale: float) -> tuple[Tensor, Tensor]:
-    """q [B, Hq, D] over gathered keys/values [B, Hkv, S, D] fp32 at `valid` [B, Hkv, S] positions ->
+    """q [B, Hq, D] over gathered keys/values [B, Hkv, S, D] at `valid` [B, Hkv, S] positions ->
     out [B, Hq, D] fp32 and lse [B, Hq] fp32 (-inf, with out 0, for a row with no valid position).
 
     The G query heads of a KV head are the query length of one CPU flash-attention call, which also
@@ -115,7 +117,7 @@ def _attend_pages_reference(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_t
     hkv = k_pages.shape[1]
     keys, values, valid = gather_pages(q, k_pages, v_pages, block_table, seq_lens, pages, workspace)
     # The G query heads of a KV head are SDPA's query length: one fused pass over K and V.
-    out = F.scaled_dot_product_attention(q.float().view(b, hkv, hq // hkv, d), keys, values,
+    out = F.scaled_dot_product_attention(q.to(keys.dtype).view(b, hkv, hq // hkv, d), keys, values,
                                          attn_mask=valid[:, :, None, :], scale=scale)
     out = out.nan_to_num_(0.0)  # a request with no valid position (SDPA gives NaN) -> zeros
     return out.reshape(b, hq, d).to(q.dtype)
