@@ -15,7 +15,8 @@ SUMMARY_LABELS = {"tokens": "generated tokens", "seconds": "seconds (total)",
                   "prefill_seconds": "  prefill seconds", "decode_seconds": "  decode seconds",
                   "tokens_per_s": "tokens / s", "mean_budget": "mean budget (sparse tokens; empty = dense)",
                   "dense_fraction": "dense tokens (fraction)", "stop_fraction": "stopped at EOS (fraction)",
-                  "reward_mean": "mean reward (empty = no scorer)"}
+                  "reward_mean": "mean reward (empty = no scorer)",
+                  "preemptions": "preemptions (KV pool full, recomputed)"}
 
 
 def _sparsity(schedule: Path | None, budget: int | None, dense: bool, model: str):
@@ -102,6 +103,10 @@ def rollout(
     seed: int = typer.Option(0, "--seed"),
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Always generate --max-new-tokens."),
     max_batch: int = typer.Option(16, "--max-batch", help="Samples decoded together."),
+    kv_pages: int = typer.Option(None, "--kv-pages", help="KV cache pool in pages of 16 tokens (default: "
+                                 "room for every sample at full length). A smaller pool allocates pages as "
+                                 "samples grow and preempts (then recomputes) the latest sample when full: "
+                                 "same tokens, less memory, some recompute."),
     lora: Path = typer.Option(None, "--adapter", "--lora", help="A peft LoRA adapter directory (e.g. "
                               "`sparrow train`'s RUN/adapter), merged into the weights."),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda (bf16, Triton kernels, CUDA graphs)."),
@@ -147,7 +152,7 @@ def rollout(
         _check_vllm_flags(schedule, budget, lora, top_k, top_p)
     sparsity = _sparsity(schedule, budget, dense, model)
     for flag, value in (("--samples", samples), ("--max-new-tokens", max_new_tokens),
-                        ("--max-batch", max_batch)):
+                        ("--max-batch", max_batch), ("--kv-pages", 1 if kv_pages is None else kv_pages)):
         if value < 1:
             raise UsageError(f"{flag} must be at least 1, got {value}")
     if temperature < 0:
@@ -176,6 +181,8 @@ def rollout(
             raise UsageError(str(e)) from None
     prompt_set = PromptSet.read(prompts)
     prompt_set.check_fits(cfg.vocab_size, cfg.max_position_embeddings, max_new_tokens)  # before weights
+    if kv_pages is not None and engine == "vllm":
+        raise UsageError("--kv-pages sizes our engine's pool; vLLM sizes its own (VLLM_CPU_KVCACHE_SPACE)")
     if engine == "vllm":
         return _rollout_vllm(model, prompt_set, output, fmt, cfg, device, dtype_name, max_batch,
                              SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
@@ -183,8 +190,7 @@ def rollout(
     sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                               top_k=top_k, seed=seed, n=samples, ignore_eos=ignore_eos)
     opts = RolloutOptions(sampling=sampling, max_batch=max_batch, sparsity=sparsity,
-                          lora=adapter,
-                          decode_graphs="off" if eager else "auto")
+                          lora=adapter, decode_graphs="off" if eager else "auto", kv_pages=kv_pages)
     mode = ("dense" if sparsity is None else f"budget {sparsity}" if isinstance(sparsity, int)
             else f"schedule {schedule}")
     meta = {"model": model_name(model), "prompts": str(prompts), "sparsity": mode, "samples": samples,
@@ -195,6 +201,7 @@ def rollout(
         if prompt_set.needs_tokenizer:
             prompt_set.tokenize(spec_tokenizer(model))
             prompt_set.check_fits(cfg.vocab_size, cfg.max_position_embeddings, max_new_tokens)
+        _check_kv_pages(kv_pages, prompt_set.rows, max_new_tokens)
         summary, n = _rollout_on_ray(model, prompt_set.rows, opts, workers, ray_address, device, dtype_name,
                                      meta, output)
         console.print(f"wrote {n} rollouts in {workers} parts to {output}/")
@@ -206,6 +213,7 @@ def rollout(
         prompt_set.tokenize(loaded.tokenizer)
         prompt_set.check_fits(cfg.vocab_size, cfg.max_position_embeddings, max_new_tokens)
     rows = prompt_set.rows
+    _check_kv_pages(kv_pages, rows, max_new_tokens)
 
     total = len(rows) * samples
     start = time.perf_counter()
@@ -227,6 +235,19 @@ def rollout(
     console.print(f"wrote {table.num_rows} rollouts to {output}")
     emit_record(summary.metadata(), fmt, title=f"rollouts ({mode})", labels=SUMMARY_LABELS)
 
+
+
+def _check_kv_pages(kv_pages: int | None, rows: list[dict], max_new_tokens: int) -> None:
+    """One sample of the longest prompt at full length must fit in the pool (before any work)."""
+    from sparrow.stages.attention import PAGE_SIZE
+
+    if kv_pages is None:
+        return
+    longest = max(len(r["prompt_token_ids"]) for r in rows)
+    need = -(-(longest + max_new_tokens - 1) // PAGE_SIZE)
+    if need > kv_pages:
+        raise UsageError(f"--kv-pages {kv_pages} is too small: one sample of the longest prompt ({longest} "
+                         f"tokens) with --max-new-tokens {max_new_tokens} needs {need} pages")
 
 
 def check_workers(workers: int, ray_address: str | None, output: Path | None) -> None:

@@ -364,6 +364,23 @@ def test_cli_writes_rollouts(prompts_file, tmp_path):
     assert "wrote 4 rollouts" in r.stderr and "tokens_per_s" in r.stdout.splitlines()[0]
 
 
+def test_cli_small_kv_pool_preempts_and_gives_the_same_rollouts(prompts_file, tmp_path):
+    longest = max(len(r["prompt_token_ids"]) for r in read_artifact(prompts_file, "prompts").to_pylist())
+    pages = -(-(longest + 40 - 1) // 16) + 2  # one sample fits, not four
+    tables = []
+    for extra in ([], ["--kv-pages", str(pages)]):
+        out = tmp_path / f"r{len(extra)}.parquet"
+        r = runner.invoke(app, ["rollout", "--prompts", str(prompts_file), "--samples", "4", "--ignore-eos",
+                                "--max-new-tokens", "40", "--temperature", "1", "-o", str(out), *extra])
+        assert r.exit_code == 0, r.output
+        tables.append(read_artifact(out, "rollouts").to_pylist())
+        preempted = artifact_metadata(out)["summary"]["preemptions"]
+        assert (preempted > 0) == bool(extra)
+    assert [x["token_ids"] for x in tables[0]] == [x["token_ids"] for x in tables[1]]
+    for a, b in zip(*tables):
+        assert np.abs(np.array(a["logprobs"]) - np.array(b["logprobs"])).max() < 1e-4
+
+
 def _schedule_file(path, page_size):
     write_artifact({"bin": [0, 1], "bin_start": [0, 512], "bin_end": [512, None], "budget": [64, 128],
                     "tail": [None, None], "predicted_step_seconds": [None, None]}, path, "schedule",
@@ -380,6 +397,8 @@ def _schedule_file(path, page_size):
     (["--max-new-tokens", "8190"], "exceeds the model's context of 8192"),
     (["--prompts", "EMPTY"], "the prompt set is empty"),
     (["--dtype", "float16"], "--dtype must be one of auto, float32, bfloat16"),
+    (["--kv-pages", "0"], "--kv-pages must be at least 1"),
+    (["--kv-pages", "3", "--max-new-tokens", "64"], "--kv-pages 3 is too small"),
 ])
 def test_cli_bad_input(prompts_file, tmp_path, args, message):
     files = {"SCHED16": str(_schedule_file(tmp_path / "s16.parquet", 16)),

@@ -34,6 +34,7 @@ class RolloutOptions:
     impl: str = "auto"
     lora: LoraWeights | None = field(default=None, repr=False)
     decode_graphs: str = "auto"  # see Engine: CUDA graphs on CUDA unless "off"
+    kv_pages: int | None = None  # KV page pool (None: every sample fits at full length; smaller preempts)
 
 
 @dataclass
@@ -47,6 +48,7 @@ class RolloutSummary:
     dense_fraction: float  # of generated tokens produced with dense attention (incl. the first)
     reward_mean: float | None
     stop_fraction: float
+    preemptions: int = 0  # samples preempted (KV pool full) and recomputed
 
     @property
     def tokens_per_s(self) -> float:
@@ -60,7 +62,7 @@ class RolloutSummary:
                 "decode_seconds": round(self.decode_seconds, 4),
                 "tokens_per_s": round(self.tokens_per_s, 3), "mean_budget": self.mean_budget,
                 "dense_fraction": self.dense_fraction, "stop_fraction": self.stop_fraction,
-                "reward_mean": self.reward_mean}
+                "reward_mean": self.reward_mean, "preemptions": self.preemptions}
 
 
 def run_rollouts(loaded: LoadedModel, rows: Seq[dict], opts: RolloutOptions,
@@ -70,7 +72,8 @@ def run_rollouts(loaded: LoadedModel, rows: Seq[dict], opts: RolloutOptions,
     `answer`, `metadata` for the reward). `request_ids`: the rows' indices in the whole prompt set when
     `rows` is a shard of it (they seed the samples; default 0, 1, ...)."""
     engine = Engine(loaded.model, opts.sparsity, max_batch=opts.max_batch, page_size=opts.page_size,
-                    dense_layers=opts.dense_layers, impl=opts.impl, decode_graphs=opts.decode_graphs)
+                    dense_layers=opts.dense_layers, impl=opts.impl, decode_graphs=opts.decode_graphs,
+                    num_pages=opts.kv_pages)
     with lora_merged(loaded.model, opts.lora):
         results = engine.generate([r["prompt_token_ids"] for r in rows], opts.sampling, on_step,
                                   request_ids=request_ids)
@@ -113,4 +116,5 @@ def summarize(out: dict, stats: EngineStats) -> RolloutSummary:
         decode_seconds=stats.decode_s, mean_budget=float(sparse.mean()) if sparse.size else None,
         dense_fraction=float((budgets == 0).mean()) if budgets.size else 1.0,
         reward_mean=float(np.mean(rewards)) if rewards else None,
-        stop_fraction=sum(f == "stop" for f in out["finish_reason"]) / max(n, 1))
+        stop_fraction=sum(f == "stop" for f in out["finish_reason"]) / max(n, 1),
+        preemptions=getattr(stats, "preemptions", 0))
