@@ -1,14 +1,16 @@
-"""bfloat16 linear layers prepacked for oneDNN, for the CPU decode step.
+"""Linear layers prepacked for oneDNN, for the CPU decode step (fp32 and bf16).
 
-A decode step multiplies a few rows (one per running sample) by every weight matrix of the model. Called
-on a plain bf16 weight, oneDNN first reorders the weight into its blocked layout, on every call: for
-SmolLM2's 576x1536 MLP weight at 8 rows that doubled the time of the product (0.59 vs 0.29 ms, one
-thread). `PackedLinears` keeps each nn.Linear's weight reordered once (`mkldnn._reorder_linear_weight`)
-and, inside `active()`, routes the module's forward to `mkldnn._linear_pointwise` on the packed copy.
+A decode step multiplies a few rows (one per running sample) by every weight matrix of the model.
+Called on a plain bf16 weight, oneDNN first reorders the weight into its blocked layout, on every call:
+for SmolLM2's 576x1536 MLP weight at 8 rows that doubled the time of the product (0.59 vs 0.29 ms, one
+thread). A plain fp32 weight goes to MKL's sgemm, which on this AMD CPU ran 2.6x slower than oneDNN on
+a packed copy (0.65 vs 0.25 ms, two threads; the results agree to fp32 rounding). `PackedLinears`
+keeps each nn.Linear's weight reordered once (`mkldnn._reorder_linear_weight`) and, inside `active()`,
+routes the module's forward to `mkldnn._linear_pointwise` on the packed copy.
 
 The packed copies are refreshed whenever a weight changed since it was packed (its tensor version
 counter moved, as after an in-place LoRA merge or an optimizer step, or it was replaced), so the engine
-always samples with the current weights. fp32 is not packed: MKL's packed fp32 GEMM measured no faster.
+always samples with the current weights.
 """
 
 from __future__ import annotations
@@ -21,10 +23,10 @@ from torch import Tensor, nn
 
 
 def packing_available(model: nn.Module) -> bool:
-    """bf16 weights on a CPU whose torch has oneDNN's packed linear."""
+    """fp32 or bf16 weights on a CPU whose torch has oneDNN's packed linear."""
     w = next(model.parameters())
-    return (w.device.type == "cpu" and w.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+    return (w.device.type == "cpu" and w.dtype in (torch.float32, torch.bfloat16)
+            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
 class PackedLinears:
