@@ -14,7 +14,7 @@ the token is produced (`budget_at(num_tokens)`, query at position num_tokens - 1
 logprobs are exactly those teacher-forced sparse scoring gives (`stages.mismatch.score_sequences`).
 On a CPU the kernels are their batched torch references (fp32 or bf16 weights and cache), the dense
 attention of samples sharing a prompt is cascaded (the prompt's pages read once per step,
-kernels/cascade_decode.py), and bf16 linears run on oneDNN-packed weights (packed_linears.py); on CUDA
+kernels/cascade_decode.py), and the linears run on oneDNN-packed weights (packed_linears.py); on CUDA
 the Triton kernels, and the decode step is replayed from CUDA graphs over static buffers
 (static_decode.py).
 """
@@ -270,8 +270,8 @@ class Engine:
         prompt = pos[None] < np.asarray(plens)[:, None]
         attn = PrefillAttention(self.cache, torch.from_numpy(prompt).to(dev),
                                 torch.from_numpy(slot[prompt]).to(dev), self.impl,
-                                self._recompute(batch, lens, plens, slot, table))
-        attn.prefixes = self._new_prefixes(batch, pages, plens)
+                                self._recompute(batch, lens, plens, slot, table),
+                                self._new_prefixes(batch, pages, plens))
         positions = torch.arange(t_max, device=dev).expand(len(batch), t_max)
         hidden = self.model.hidden_states(tokens.to(dev), positions=positions, attention=attn)
         self.stats.prefill_tokens += sum(lens)
