@@ -12,6 +12,18 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("SPARROW_HOME", str(Path(__file__).resolve().parent.parent / ".sparrow-home"))
 
 
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory, smollm2):
+    """Two basic_arithmetic prompts (the embedded model's tokenizer) as a prompts artifact; test modules
+    that need other prompts define their own `prompts_file`."""
+    from sparrow.schemas import write_artifact
+    from sparrow.stages.tasks import make_prompts
+
+    path = tmp_path_factory.mktemp("prompts") / "prompts.parquet"
+    write_artifact(make_prompts("basic_arithmetic", 2, 0, smollm2.tokenizer), path, "prompts")
+    return path
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     import torch

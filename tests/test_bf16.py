@@ -78,16 +78,14 @@ def test_packed_linears_follow_the_weights():
     assert "forward" not in model[0].__dict__  # the modules are their plain selves outside active()
 
 
-def test_cli_rollout_in_bf16(tmp_path, smollm2):
+def test_cli_rollout_in_bf16(tmp_path, prompts_file):
     from typer.testing import CliRunner
 
     from sparrow.cli.app import app
-    from sparrow.schemas import artifact_metadata, read_artifact, write_artifact
+    from sparrow.schemas import artifact_metadata, read_artifact
 
-    prompts = tmp_path / "p.parquet"
-    write_artifact(make_prompts("basic_arithmetic", 2, 0, smollm2.tokenizer), prompts, "prompts")
     out = tmp_path / "r.parquet"
-    r = CliRunner().invoke(app, ["rollout", "--prompts", str(prompts), "--dtype", "bfloat16",
+    r = CliRunner().invoke(app, ["rollout", "--prompts", str(prompts_file), "--dtype", "bfloat16",
                                  "--samples", "2", "--max-new-tokens", "6", "--budget", "48", "-o", str(out)])
     assert r.exit_code == 0, r.output
     assert read_artifact(out, "rollouts").num_rows == 4

@@ -31,6 +31,8 @@ from sparrow.stages.sparsity import budget_fn
 from sparrow.stages.train.trainer import adapters_disabled
 from sparrow.stages.trajectories import Trajectory
 
+from cli_checks import error_line
+
 runner = CliRunner()
 # the fixtures of test_train: a tiny Llama with SmolLM2's tokenizer, a graded toy task's prompts
 tiny_llama, vowel_prompts = test_train.tiny_llama, test_train.vowel_prompts
@@ -327,10 +329,8 @@ def cli_files(tiny, tmp_path_factory):
 def test_cli_bad_input(cli_files, tmp_path, args, message):
     out = tmp_path / "out"
     r = runner.invoke(app, [cli_files.get(a, a) for a in args] + ["-o", str(out)])
-    assert r.exit_code != 0
-    lines = [line for line in r.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error:"), r.stderr
-    assert message in lines[0], lines[0]
+    line = error_line(r)
+    assert message in line, line
     assert not out.exists()
 
 

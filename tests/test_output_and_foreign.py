@@ -25,17 +25,12 @@ from sparrow.cli.app import app
 from sparrow.schemas import ArtifactError, artifact_kind, artifact_metadata, read_artifact
 from sparrow.stages.model.presets import PRESETS
 
+from cli_checks import error_line
+
 runner = CliRunner()
 ROOT = Path(__file__).resolve().parents[1]
 TINY_VOCAB = PRESETS["tiny-llama"].config.vocab_size
 
-
-def _error_line(result) -> str:
-    """The single stderr line of a refused command."""
-    assert result.exit_code != 0
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error:"), result.stderr
-    return lines[0]
 
 
 # ---------------------------------------------------------------- output that fits its reader
@@ -82,7 +77,7 @@ def test_formats_parse_with_csv_and_json():
     "command", [["models"], ["plan-schedule", "--model", "qwen3-4b"], ["sql", "SELECT 1", "--run", "."]]
 )
 def test_unknown_format_is_one_sentence(command):
-    line = _error_line(runner.invoke(app, [*command, "--format", "xml"]))
+    line = error_line(runner.invoke(app, [*command, "--format", "xml"]))
     assert "--format must be one of table, csv, json, tsv" in line
 
 
@@ -223,7 +218,7 @@ def test_text_only_prompts_are_tokenized_by_the_model_or_refused(tmp_path):
         json.dumps({"prompt_id": "t0", "task": "basic_arithmetic", "prompt": "What is 2 + 3?", "answer": "5"})
         + "\n"
     )
-    line = _error_line(
+    line = error_line(
         runner.invoke(
             app,
             ["rollout", "--model", "tiny-llama", "--prompts", str(path), "-o", str(tmp_path / "no.parquet")],
@@ -295,7 +290,7 @@ def test_a_parquet_whose_columns_do_not_fit_is_one_sentence(tmp_path, change, co
     message = str(e.value)
     assert message.startswith(f"{path} (read as 'prompts' by its columns)") and expected in message
     assert f"'{column}'" in message and "\n" not in message
-    line = _error_line(
+    line = error_line(
         runner.invoke(
             app,
             ["rollout", "--model", "tiny-llama", "--prompts", str(path), "-o", str(tmp_path / "r.parquet")],
@@ -317,7 +312,7 @@ def test_integer_widths_that_do_not_fit_are_refused_not_wrapped(tmp_path):
 
 def test_token_ids_outside_the_vocabulary_are_one_sentence(real_prompts, tmp_path):
     """Ids made by another tokenizer (SmolLM2's, 49K tokens) do not fit the tiny model's 512."""
-    line = _error_line(
+    line = error_line(
         runner.invoke(
             app,
             [

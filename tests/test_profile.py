@@ -12,6 +12,8 @@ from sparrow.schemas import artifact_metadata, read_artifact, write_artifact
 from sparrow.stages.model.loading import load_model
 from sparrow.stages.profile import ProfileOptions, run_profile, sample_trajectories, summarize
 
+from cli_checks import error_line
+
 runner = CliRunner()
 
 
@@ -260,10 +262,8 @@ def test_bad_rollouts_are_one_sentence_before_any_scoring(tiny, engine_rollouts,
     path, out = tmp_path / "bad.parquet", tmp_path / "m.parquet"
     _write_bad_rollouts(engine_rollouts[0], change, path)
     r = runner.invoke(app, ["profile", "--model", str(tiny), "--rollouts", str(path), "-o", str(out)])
-    assert r.exit_code != 0
-    lines = [line for line in r.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error:") and str(path) in lines[0], r.stderr
-    assert expected in lines[0]
+    line = error_line(r)
+    assert str(path) in line and expected in line
     assert not out.exists()
 
 

@@ -9,6 +9,8 @@ from typer.testing import CliRunner
 from sparrow.cli.prompts import _LazyProgress, prompts
 from sparrow.schemas import artifact_metadata, read_artifact
 
+from cli_checks import error_line
+
 runner = CliRunner()
 
 
@@ -27,13 +29,6 @@ def tiny_app() -> typer.Typer:
 def _run(app, *args: str):
     return runner.invoke(app, ["prompts", *args])
 
-
-def _one_line_error(result) -> str:
-    assert result.exit_code != 0
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("error:")
-    return lines[0]
 
 
 def test_writes_a_prompts_artifact(tiny_app, tmp_path):
@@ -63,7 +58,7 @@ def test_writes_a_prompts_artifact(tiny_app, tmp_path):
 ])
 def test_rejects_bad_input(tiny_app, tmp_path, args, message):
     out = tmp_path / "p.parquet"
-    line = _one_line_error(_run(tiny_app, *args, "-o", str(out)))
+    line = error_line(_run(tiny_app, *args, "-o", str(out)))
     assert message in line
     assert not out.exists()
 
@@ -80,7 +75,7 @@ def test_checkpoint_directory_uses_its_own_tokenizer(tiny_app, tmp_path):
 
 
 def test_rejects_a_directory_as_output(tiny_app, tmp_path):
-    assert "is a directory" in _one_line_error(_run(tiny_app, "--task", "chain_sum", "-o", str(tmp_path)))
+    assert "is a directory" in error_line(_run(tiny_app, "--task", "chain_sum", "-o", str(tmp_path)))
 
 
 def test_through_the_real_app(tmp_path):

@@ -29,6 +29,8 @@ from sparrow.stages.rollout import (
 from sparrow.stages.schedule import Schedule
 from sparrow.stages.sparsity import budget_fn
 
+from cli_checks import error_line
+
 runner = CliRunner()
 
 TINY = {
@@ -332,15 +334,6 @@ def test_lora_merge_matches_explicit_formula(tiny_qwen3):
 # ---------------------------------------------------------------------------- the CLI
 
 
-@pytest.fixture(scope="module")
-def prompts_file(tmp_path_factory, smollm2):
-    from sparrow.stages.tasks import make_prompts
-
-    rows = make_prompts("basic_arithmetic", 2, 0, smollm2.tokenizer)
-    path = tmp_path_factory.mktemp("rollout") / "prompts.parquet"
-    write_artifact(rows, path, "prompts")
-    return path
-
 
 def test_cli_writes_rollouts(prompts_file, tmp_path):
     out = tmp_path / "r.parquet"
@@ -410,10 +403,7 @@ def test_cli_bad_input(prompts_file, tmp_path, args, message):
     out = tmp_path / "r.parquet"
     args = [files.get(a, a) for a in args]
     r = runner.invoke(app, ["rollout", "--prompts", str(prompts_file), "-o", str(out), *args])
-    assert r.exit_code != 0
-    lines = [line for line in r.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error:"), r.stderr
-    assert message in lines[0]
+    assert message in error_line(r)
     assert not out.exists()
 
 

@@ -18,29 +18,16 @@ import torch
 from typer.testing import CliRunner
 
 from sparrow.cli.app import app
-from sparrow.schemas import artifact_metadata, read_artifact, write_artifact
+from sparrow.schemas import artifact_metadata, read_artifact
 from sparrow.stages.model.config import ModelSpecError
 from sparrow.stages.rollout.vllm_backend import vllm_checkpoint
+
+from cli_checks import error_line
 
 runner = CliRunner()
 LOGPROB_TOL = 1e-3  # nats; fp32 on both sides, different kernels (measured gap about 1e-4)
 
 
-@pytest.fixture(scope="module")
-def prompts_file(tmp_path_factory, smollm2):
-    from sparrow.stages.tasks import make_prompts
-
-    rows = make_prompts("basic_arithmetic", 2, 0, smollm2.tokenizer)
-    path = tmp_path_factory.mktemp("vllm") / "prompts.parquet"
-    write_artifact(rows, path, "prompts")
-    return path
-
-
-def _one_line_error(r) -> str:
-    assert r.exit_code != 0
-    lines = [line for line in r.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error:"), r.stderr
-    return lines[0]
 
 
 @pytest.mark.parametrize("args,message", [
@@ -55,21 +42,21 @@ def test_vllm_refuses_what_it_cannot_do(prompts_file, tmp_path, args, message):
     out = tmp_path / "r.parquet"
     r = runner.invoke(app, ["rollout", "--prompts", str(prompts_file), "--engine", "vllm", "-o", str(out),
                             *[files.get(a, a) for a in args]])
-    assert message in _one_line_error(r)
+    assert message in error_line(r)
     assert not out.exists()
 
 
 def test_unknown_engine_refused(prompts_file, tmp_path):
     r = runner.invoke(app, ["rollout", "--prompts", str(prompts_file), "--engine", "hf",
                             "-o", str(tmp_path / "r.parquet")])
-    assert "--engine must be ours or vllm, got 'hf'" in _one_line_error(r)
+    assert "--engine must be ours or vllm, got 'hf'" in error_line(r)
 
 
 def test_missing_extra_says_how_to_install(prompts_file, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` raises ImportError
     out = tmp_path / "r.parquet"
     r = runner.invoke(app, ["rollout", "--prompts", str(prompts_file), "--engine", "vllm", "-o", str(out)])
-    line = _one_line_error(r)
+    line = error_line(r)
     assert "pip install -e '.[vllm]'" in line and "make vllm" in line
     assert not out.exists()
 
