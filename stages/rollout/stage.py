@@ -117,4 +117,4 @@ def summarize(out: dict, stats: EngineStats) -> RolloutSummary:
         dense_fraction=float((budgets == 0).mean()) if budgets.size else 1.0,
         reward_mean=float(np.mean(rewards)) if rewards else None,
         stop_fraction=sum(f == "stop" for f in out["finish_reason"]) / max(n, 1),
-        preemptions=getattr(stats, "preemptions", 0))
+        preemptions=stats.preemptions)

@@ -253,7 +253,8 @@ def merge_summaries(results: Sequence[ShardResult], wall_seconds: float) -> Roll
     table = pa.concat_tables([r.table for r in results])
     cols = {k: table.column(k).to_pylist() for k in ("budgets", "reward", "finish_reason", "sample")}
     merged = summarize(cols, _Stats(sum(r.summary.prefill_seconds for r in results),
-                                    sum(r.summary.decode_seconds for r in results)))
+                                    sum(r.summary.decode_seconds for r in results),
+                                    sum(r.summary.preemptions for r in results)))
     return replace(merged, seconds=wall_seconds)
 
 
@@ -261,6 +262,7 @@ def merge_summaries(results: Sequence[ShardResult], wall_seconds: float) -> Roll
 class _Stats:
     prefill_s: float
     decode_s: float
+    preemptions: int
 
     @property
     def seconds(self) -> float:
