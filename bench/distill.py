@@ -7,11 +7,14 @@ plain and with the adapter. Prints, per position bin: tokens, the p5 of alpha at
 and the smallest profiled budget whose p5 reaches --threshold before -> after; then the schedule planned
 from each profile (`schedule.plan` over `measured_profile`) and its predicted rollout speedup under the
 analytic --hardware cost model at the profile's own prompt and generation lengths; and the training
-seconds (sampling and scoring not included). The adapter is distilled at --budget only and is used with
-every candidate budget in the "after" profile. Writes bench/results/distill.parquet (one row per bin).
+seconds (sampling and scoring not included). The adapter is taught at every candidate budget in turn
+(--train-budgets all, the default; `distilled` teaches it at --budget only, as stop 17 did) and is used
+with every candidate budget in the "after" profile. The published aim is read off a last table: per bin
+and budget b, the distilled actor's p5 at b against the plain actor's at 2b. Writes
+bench/results/distill.parquet (one row per bin and budget).
 
-    .venv/bin/python bench/distill.py                       # defaults: ~20-40 min on a shared 2-core CPU
-    .venv/bin/python bench/distill.py --steps 40 --objective k3
+    .venv/bin/python bench/distill.py                       # defaults: about 30 min on a 2-core CPU
+    .venv/bin/python bench/distill.py --steps 40 --objective k3 --train-budgets distilled
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ def parse():
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--budget", type=int, default=64, help="the aggressive budget the actor is distilled at")
     ap.add_argument("--budgets", default="48,64,96,128,192,256,384", help="profiled candidates")
+    ap.add_argument("--train-budgets", default="all", help="all: the candidates in turn; distilled: --budget "
+                    "only; or a comma list")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--lr", type=float, default=5e-4)
@@ -102,38 +107,56 @@ def main() -> None:
         print(f"  step {r['step']:3d}  {args.objective} loss {r['loss']:.4g}  "
               f"grad norm {r['grad_norm']:.3g}  {r['seconds']:.1f} s", flush=True)
 
-    _, result = run_distill(loaded, train, budget_fn(args.budget), cfg, held, budgets, args.bin_width,
+    taught = {"all": budgets, "distilled": [args.budget]}.get(args.train_budgets)
+    taught = taught or [int(x) for x in args.train_budgets.split(",")]
+    _, result = run_distill(loaded, train, [budget_fn(b) for b in taught], cfg, held, budgets, args.bin_width,
                             on_step=on_step, on_phase=lambda p: print(p, flush=True))
     before = tails(result.before, args.quantile, args.threshold)
     after = tails(result.after, args.quantile, args.threshold)
     plan_before = predicted_speedup(result.before, args, loaded.config)
     plan_after = predicted_speedup(result.after, args, loaded.config)
-    rows = []
     print(f"\n{args.model}, {args.task} at {args.context} prompt tokens, {args.max_new_tokens} new "
-          f"tokens; distilled at budget {args.budget} ({args.objective}, rank {args.rank}, alpha "
-          f"{args.alpha}, lr {args.lr}, {args.steps} steps x {args.batch_size} trajectories): "
-          f"{result.seconds:.0f} s of training")
-    print(f"{'bin':>4} {'tokens':>6} {'p5@' + str(args.budget) + ' before':>16} {'after':>7} "
-          f"{'mean before':>11} {'after':>7} {'min budget >= ' + str(args.threshold) + ' before':>26} "
-          f"{'after':>6}")
-    for b in sorted({k[0] for k in before}):
-        if (b, args.budget) not in before:
-            continue
-        x, y = before[(b, args.budget)], after[(b, args.budget)]
-        row = {"bin": b, "tokens": x["tokens"], "p5_before": x["tail_alpha"], "p5_after": y["tail_alpha"],
-               "mean_before": x["mean_alpha"], "mean_after": y["mean_alpha"],
-               "min_budget_before": smallest(before, b, budgets, args.threshold),
-               "min_budget_after": smallest(after, b, budgets, args.threshold)}
-        rows.append(row)
-        print(f"{b:>4} {row['tokens']:>6} {row['p5_before']:>16.3f} {row['p5_after']:>7.3f} "
-              f"{row['mean_before']:>11.3f} {row['mean_after']:>7.3f} {str(row['min_budget_before']):>26} "
-              f"{str(row['min_budget_after']):>6}")
+          f"tokens; sampled at budget {args.budget}, taught at budgets {taught} ({args.objective}, rank "
+          f"{args.rank}, alpha {args.alpha}, lr {args.lr}, {args.steps} steps x {args.batch_size} "
+          f"trajectories): {result.seconds:.0f} s of training")
+    bins = sorted({k[0] for k in before})
+    print(f"p5 of alpha per bin (rows) and budget (columns), plain -> distilled; '*': >= {args.threshold}")
+    print(f"{'bin':>4} {'tokens':>6} " + " ".join(f"{b:>13}" for b in budgets))
+    rows = []
+    for b in bins:
+        cells = []
+        for k in budgets:
+            x, y = before.get((b, k)), after.get((b, k))
+            if x is None or y is None:
+                cells.append(f"{'':>13}")
+                continue
+            half = before.get((b, 2 * k))
+            rows.append({"bin": b, "budget": k, "tokens": x["tokens"], "p5_before": x["tail_alpha"],
+                         "p5_after": y["tail_alpha"], "mean_before": x["mean_alpha"],
+                         "mean_after": y["mean_alpha"],
+                         "p5_before_at_double": half["tail_alpha"] if half else None,
+                         "min_budget_before": smallest(before, b, budgets, args.threshold),
+                         "min_budget_after": smallest(after, b, budgets, args.threshold)})
+            mark = lambda v: f"{v:.3f}{'*' if v >= args.threshold else ' '}"
+            cells.append(f"{mark(x['tail_alpha'])}->{mark(y['tail_alpha'])}")
+        tokens = before[(b, budgets[0])]["tokens"] if (b, budgets[0]) in before else 0
+        print(f"{b:>4} {tokens:>6} " + " ".join(cells))
+    print("the published aim, per bin: the distilled actor at budget b against the plain actor at 2b")
+    for r in rows:
+        if r["p5_before_at_double"] is not None:
+            verdict = "reached" if r["p5_after"] >= r["p5_before_at_double"] else "not reached"
+            print(f"  bin {r['bin']}: distilled at {r['budget']:>4}: {r['p5_after']:.3f}   plain at "
+                  f"{2 * r['budget']:>4}: {r['p5_before_at_double']:.3f}   {verdict}")
+    for b in bins:
+        print(f"  bin {b}: smallest budget with p5 >= {args.threshold}: plain "
+              f"{smallest(before, b, budgets, args.threshold)}, distilled "
+              f"{smallest(after, b, budgets, args.threshold)}")
     for name, (sched, speedup, prompt_len, gen_len) in (("before", plan_before), ("after", plan_after)):
         print(f"schedule planned from the {name} profile at {args.threshold}: budgets {list(sched)} per "
               f"{args.bin_width}-token bin, predicted speedup {speedup:.3f}x ({args.hardware}, batch "
               f"{args.batch}, {gen_len} tokens after {prompt_len})")
     meta = {"training_seconds": result.seconds, "speedup_before": plan_before[1],
-            "speedup_after": plan_after[1],
+            "speedup_after": plan_after[1], "taught": str(taught),
             "schedule_before": str(list(plan_before[0])), "schedule_after": str(list(plan_after[0])),
             "loss_first": result.history[0]["loss"], "loss_last": result.history[-1]["loss"], **vars(args)}
     write_results([{**r, **meta} for r in rows], "distill")

@@ -15,21 +15,39 @@ from .profile import load_actor, rollouts_temperature
 from .rollout import _sparsity
 
 
-def eval_budgets_of(sparsity, given: str | None) -> list[int]:
-    """--eval-budgets, else the distilled budget, or the schedule's distinct sparse budgets."""
+def budget_list(given: str, flag: str) -> list[int]:
     from sparrow.stages.attention import validate_budget
 
+    budgets = parse_int_list(given, flag)
+    for b in budgets:
+        try:
+            validate_budget(b)
+        except ValueError as e:
+            raise UsageError(f"{flag}: {e}") from None
+    return budgets
+
+
+def eval_budgets_of(sparsity, given: str | None) -> list[int]:
+    """--eval-budgets, else the distilled budget, or the schedule's distinct sparse budgets."""
     if given:
-        budgets = parse_int_list(given, "--eval-budgets")
-        for b in budgets:
-            try:
-                validate_budget(b)
-            except ValueError as e:
-                raise UsageError(f"--eval-budgets: {e}") from None
-        return budgets
+        return budget_list(given, "--eval-budgets")
     if isinstance(sparsity, int):
         return [sparsity]
     return sorted({b for b in sparsity.budgets if b})
+
+
+def train_budgets_of(sparsity, given: str | None, eval_given: str | None, eval_budgets: list[int]):
+    """The budget functions the adapter is taught at, and how the summary names them: --train-budgets, else
+    the --eval-budgets when given (the adapter then serves every budget it is compared and planned at),
+    else the sampling sparsity itself (per position for a schedule)."""
+    from sparrow.stages.sparsity import budget_fn
+
+    if given:
+        budgets = budget_list(given, "--train-budgets")
+        return [budget_fn(b) for b in budgets], ",".join(map(str, budgets))
+    if eval_given:
+        return [budget_fn(b) for b in eval_budgets], ",".join(map(str, eval_budgets))
+    return [budget_fn(sparsity)], None
 
 
 def load_init_adapter(path: Path, cfg, rank: int):
@@ -81,6 +99,11 @@ def distill(
                                       "trajectories, in-sample)."),
     eval_budgets: str = typer.Option(None, "--eval-budgets", help="Budgets to score before and after "
                                      "(default: --budget, or the schedule's budgets)."),
+    train_budgets: str = typer.Option(None, "--train-budgets", help="Budgets to teach the adapter at, each "
+                                      "trajectory of a step at one of them in turn (default: the "
+                                      "--eval-budgets when given, so that the one adapter helps at every "
+                                      "budget a schedule planned from its profile may pick; else the "
+                                      "sampling --budget/--schedule)."),
     samples: int = typer.Option(4, "--samples", help="Trajectories per prompt (--prompts, --eval-prompts)."),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens"),
     temperature: float = typer.Option(None, "--temperature", help="Sampling temperature (default 1, or what "
@@ -101,7 +124,7 @@ def distill(
     from sparrow.stages.model.loading import load_model, resolve_config
     from sparrow.stages.profile import ProfileOptions, sample_trajectories
     from sparrow.stages.prompt_set import PromptSet
-    from sparrow.stages.sparsity import budget_fn, spec_of
+    from sparrow.stages.sparsity import spec_of
     from sparrow.stages.trajectories import read_rollouts
 
     fmt = resolve_format(format)
@@ -126,6 +149,7 @@ def distill(
         raise UsageError("give --budget or --schedule: the sparse actor to distill is the one that samples "
                          "with that sparsity")
     budgets = eval_budgets_of(sparsity, eval_budgets)
+    train_fns, train_named = train_budgets_of(sparsity, train_budgets, eval_budgets, budgets)
     model_cfg = resolve_config(model)
     init = init_actor = None
     if init_adapter is not None:
@@ -188,18 +212,20 @@ def distill(
                             f"{r['seconds']:.1f} s/step")
 
         try:
-            distiller, result = run_distill(loaded, trajectories, budget_fn(sparsity), cfg, eval_trajectories,
+            distiller, result = run_distill(loaded, trajectories, train_fns, cfg, eval_trajectories,
                                             budgets, bin_width, init, init_actor, on_step, on_phase)
         except ValueError as e:
             raise UsageError(str(e)) from None
     folder = save_result(distiller, result, output, model, {
         "model": model, "sparsity": spec_of(sparsity, schedule), "objective": objective,
+        "train_budgets": train_named or spec_of(sparsity, schedule),
         "trajectories": str(rollouts or prompts), "eval": str(eval_prompts) if eval_prompts else "training",
         "bin_width": bin_width, "init_adapter": str(init_adapter) if init_adapter else None})
     h = result.history
-    console.print(f"wrote the adapter to {folder} ({len(h)} steps, {result.seconds:.1f} s of training; "
-                  f"{objective} loss {h[0]['loss']:.4g} -> {h[-1]['loss']:.4g}); per-token mismatch before "
-                  f"and after: {folder / 'mismatch'}/")
+    taught = f"budgets {train_named}" if train_named else spec_of(sparsity, schedule)
+    console.print(f"wrote the adapter to {folder} ({len(h)} steps at {taught}, {result.seconds:.1f} s of "
+                  f"training; {objective} loss {h[0]['loss']:.4g} -> {h[-1]['loss']:.4g}); per-token "
+                  f"mismatch before and after: {folder / 'mismatch'}/")
     rows = tail_comparison(result.before, result.after, quantile, threshold)
     columns = ("bin", "budget", "tokens", "tail_before", "tail_after", "mean_before", "mean_after",
                "above_after")

@@ -18,6 +18,14 @@ keeps the invariant above trivial (incremental and teacher-forced runs use the s
 the published method does (the sampler serves the LoRA for the whole request), and the dense positions of
 a schedule (its dense bins, the reserved pages) are then trained toward the dense policy too.
 
+Which budgets the adapter is taught at: one adapter serves every budget the actor is later used with, and
+a plan made from the distilled profile picks among the candidate budgets per bin. An adapter taught at
+one aggressive budget alone moved the larger budgets away from dense (stop 17's bench: budget 48 taught,
+budgets 64-256 worse), so the offline distiller takes a list of budget functions and teaches each
+trajectory of a step at one of them in turn (slot k of step s: function (s x batch + k) mod the count),
+which balances them and, as the batch order is reshuffled per epoch, gives each trajectory several.
+Large budgets then contribute small KL terms that keep the adapter from disturbing them.
+
 Offline distillation, teacher forced on given trajectories: the base is frozen, peft injects a LoRA into
 every linear layer of every block (q, k, v, o, gate, up, down: "all linear layers"; lm_head is tied to
 the embeddings in the models here and not adapted), and AdamW updates only the LoRA. Each step takes
@@ -147,11 +155,12 @@ class SharedPromptSparse(SparseAttention):
 
 
 def actor_hidden(model: Transformer, prompt: Sequence[int], completions: Sequence[Sequence[int]],
-                 budget_at: BudgetFn, dense_layers: Sequence[int] = DEFAULT_DENSE_LAYERS,
+                 budget_at: BudgetFn | Sequence[BudgetFn], dense_layers: Sequence[int] = DEFAULT_DENSE_LAYERS,
                  page: int = PAGE_SIZE) -> Tensor:
     """[K, T, hidden]: the sparse actor's states that predict each completion token of K completions of
     one prompt (token 0 from the dense prefill's last position, token j from decode position n + j - 1
-    at budget budget_at(n + j)), with whatever adapter the model carries, gradients kept."""
+    at budget budget_at(n + j); one function for all, or one per completion), with whatever adapter the
+    model carries, gradients kept."""
     device = model.embed_tokens.weight.device
     n, k = len(prompt), len(completions)
     recorder = RecordingAttention()
@@ -162,7 +171,9 @@ def actor_hidden(model: Transformer, prompt: Sequence[int], completions: Sequenc
         return first
     inputs = pad_right([c[:-1] for c in completions], device)  # [K, T - 1]
     positions = n + torch.arange(t - 1, device=device).expand(k, t - 1)
-    budgets = decode_budgets(positions, torch.full((k,), n, device=device), budget_at)
+    fns = [budget_at] * k if callable(budget_at) else list(budget_at)
+    starts = torch.full((1,), n, device=device)
+    budgets = torch.cat([decode_budgets(positions[:1], starts, f) for f in fns])  # [K, T - 1]
     rest = model.hidden_states(inputs, positions=positions,
                                attention=SharedPromptSparse(recorder.kv, budgets, dense_layers, page))
     return torch.cat([first, rest], dim=1)
@@ -187,15 +198,17 @@ class DistillResult:
 class Distiller:
     """Holds the model with the LoRA injected; `run()` trains it, `lora()` / `save()` give it back."""
 
-    def __init__(self, loaded: LoadedModel, trajectories: Sequence[Trajectory], budget_at: BudgetFn,
-                 cfg: DistillConfig, init: dict[str, Tensor] | None = None,
-                 on_step: Callable[[dict], None] | None = None):
+    def __init__(self, loaded: LoadedModel, trajectories: Sequence[Trajectory],
+                 budget_at: BudgetFn | Sequence[BudgetFn], cfg: DistillConfig,
+                 init: dict[str, Tensor] | None = None, on_step: Callable[[dict], None] | None = None):
         self.cfg = cfg.validate()
         self.loaded, self.model = loaded, loaded.model
         self.trajectories = [t for t in trajectories if t.completion]
         if not self.trajectories:
             raise ValueError("no trajectory has generated tokens, so there is nothing to distill on")
-        self.budget_at = budget_at
+        self.budget_fns = [budget_at] if callable(budget_at) else list(budget_at)
+        if not self.budget_fns:
+            raise ValueError("give at least one budget to distill at")
         self.on_step = on_step or (lambda row: None)
         torch.manual_seed(cfg.seed)
         self.lora_config = add_lora(self.model, cfg.lora_rank, cfg.lora_alpha)
@@ -239,17 +252,26 @@ class Distiller:
             self._dense.clear()
         return out
 
-    def step_loss(self, idx: Sequence[int], normalizer: int) -> float:
-        """Forward and backward over the trajectories `idx`, one shared prompt pass per prompt group;
-        returns their share of the step's token-mean loss."""
-        groups: dict[tuple[int, ...], list[int]] = {}
-        for i in idx:
-            groups.setdefault(tuple(self.trajectories[i].prompt), []).append(i)
+    def budgets_of(self, step: int, count: int) -> list[BudgetFn]:
+        """The budget function of each of a step's `count` trajectory slots: the list in turn."""
+        m = len(self.budget_fns)
+        return [self.budget_fns[(step * self.cfg.batch_size + k) % m] for k in range(count)]
+
+    def step_loss(self, idx: Sequence[int], normalizer: int,
+                  budgets: Sequence[BudgetFn] | None = None) -> float:
+        """Forward and backward over the trajectories `idx` (trajectory idx[k] at budgets[k], default the
+        first budget function), one shared prompt pass per prompt group; returns their share of the step's
+        token-mean loss."""
+        budgets = list(budgets) if budgets is not None else [self.budget_fns[0]] * len(idx)
+        groups: dict[tuple[int, ...], list[tuple[int, BudgetFn]]] = {}
+        for i, fn in zip(idx, budgets, strict=True):
+            groups.setdefault(tuple(self.trajectories[i].prompt), []).append((i, fn))
         total = 0.0
-        for prompt, members in groups.items():
+        for prompt, pairs in groups.items():
+            members = [i for i, _ in pairs]
             dense = self.dense_targets(members)
             comps = [self.trajectories[i].completion for i in members]
-            hidden = actor_hidden(self.model, prompt, comps, self.budget_at, self.cfg.dense_layers,
+            hidden = actor_hidden(self.model, prompt, comps, [fn for _, fn in pairs], self.cfg.dense_layers,
                                   self.cfg.page_size)
             loss = hidden.new_zeros((), dtype=torch.float32)
             for row, (c, d) in enumerate(zip(comps, dense)):
@@ -270,7 +292,7 @@ class Distiller:
         normalizer = sum(len(self.trajectories[i].completion) for i in idx)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self.step_loss(idx, normalizer)
+        loss = self.step_loss(idx, normalizer, self.budgets_of(step, len(idx)))
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm))
         self.optimizer.step()
         self.model.eval()
@@ -408,8 +430,9 @@ def config_dict(cfg: DistillConfig) -> dict:
     return d
 
 
-def run_distill(loaded: LoadedModel, trajectories: Sequence[Trajectory], budget_at: BudgetFn,
-                cfg: DistillConfig, eval_trajectories: Sequence[Trajectory], eval_budgets: Sequence[int],
+def run_distill(loaded: LoadedModel, trajectories: Sequence[Trajectory],
+                budget_at: BudgetFn | Sequence[BudgetFn], cfg: DistillConfig,
+                eval_trajectories: Sequence[Trajectory], eval_budgets: Sequence[int],
                 bin_width: int, init: dict[str, Tensor] | None = None, init_actor: LoraWeights | None = None,
                 on_step: Callable[[dict], None] | None = None,
                 on_phase: Callable[[str], None] | None = None) -> tuple[Distiller, DistillResult]:

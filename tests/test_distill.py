@@ -8,6 +8,8 @@ objectives.
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -170,21 +172,22 @@ def test_objective_terms_match_float64():
         assert np.allclose(got.numpy(), want, rtol=1e-5, atol=1e-6), name
 
 
-@pytest.mark.parametrize("objective", ["kl", "k3"])
-def test_step_loss_matches_float64_reference(tiny, objective):
+@pytest.mark.parametrize("objective,mixed", [("kl", False), ("k3", False), ("kl", True)])
+def test_step_loss_matches_float64_reference(tiny, objective, mixed):
     """The distiller's loss on a fixed batch (two prompt groups, ragged completions) equals a float64 token
-    mean built from transformers' dense logits and a whole-sequence sparse forward, one sequence at a time."""
+    mean built from transformers' dense logits and a whole-sequence sparse forward, one sequence at a time;
+    `mixed`: each trajectory at its own budget function, two different ones within one prompt group."""
     path, hf = tiny
     loaded = load_model(path)
     prompts = _tokens((100, 60), seed=7)
     comps = _tokens((9, 17, 5), seed=8)
     trajs = [Trajectory("a", 0, prompts[0], comps[0]), Trajectory("b", 0, prompts[1], comps[1]),
              Trajectory("a", 1, prompts[0], comps[2])]
-    budget_at = budget_fn(64)
+    fns = [budget_fn(64), SCHEDULE.budget_at, budget_fn(48)] if mixed else [budget_fn(64)] * 3
     temp = 0.8
     lora = _lora(loaded.model, seed=9, scale=0.2)
     total, count = 0.0, 0
-    for t in trajs:
+    for t, budget_at in zip(trajs, fns):
         seq = torch.tensor([t.prompt + t.completion])
         n, g = len(t.prompt), len(t.completion)
         with torch.no_grad():
@@ -201,11 +204,20 @@ def test_step_loss_matches_float64_reference(tiny, objective):
             total += (np.exp(r) - 1 - r).sum()
         count += g
     cfg = DistillConfig(lora_rank=2, lora_alpha=4.0, objective=objective, temperature=temp)
-    distiller = Distiller(loaded, trajs, budget_at, cfg, init=_peft_state(lora))
-    got = distiller.step_loss([0, 1, 2], count)
+    distiller = Distiller(loaded, trajs, fns[0], cfg, init=_peft_state(lora))
+    got = distiller.step_loss([0, 1, 2], count, fns)
     assert abs(got - total / count) <= 1e-4 * abs(total / count) + 1e-6
     assert all(p.grad is not None for p in distiller.params)
     assert not any(p.requires_grad for n, p in loaded.model.named_parameters() if "lora_" not in n)
+
+
+def test_steps_teach_the_budgets_in_turn(tiny):
+    loaded = load_model(tiny[0])
+    trajs = [Trajectory("q", k, [1] * 20, [2, 3]) for k in range(3)]
+    fns = [budget_fn(48), budget_fn(64), budget_fn(96)]
+    distiller = Distiller(loaded, trajs, fns, DistillConfig(batch_size=2, lora_rank=2))
+    got = [[f(1000) for f in distiller.budgets_of(step, 2)] for step in range(3)]
+    assert got == [[48, 64], [96, 48], [64, 96]]
 
 
 def test_distilling_lowers_the_objective_and_touches_only_the_lora(tiny):
@@ -255,6 +267,8 @@ def test_cli_distill_profile_and_rollout_with_the_adapter(tiny, tmp_path):
                             "--samples", "2", "--max-new-tokens", "8", "--lora-rank", "2", "--lr", "1e-2",
                             "--eval-budgets", "48,64", "--format", "csv", "-o", str(out)])
     assert r.exit_code == 0, r.output
+    record = json.loads((out / "sparrow_distill.json").read_text())
+    assert record["train_budgets"] == "48,64" and "steps at budgets 48,64" in " ".join(r.stderr.split())
     lines = r.stdout.strip().splitlines()
     assert lines[0].startswith("bin,budget,tokens,tail_before,tail_after") and len(lines) >= 3
     assert "wrote the adapter" in r.stderr
@@ -323,6 +337,8 @@ def cli_files(tiny, tmp_path_factory):
     (["distill", "--model", "MODEL", "--rollouts", "FOREIGN", "--budget", "48", "--objective", "k3"],
      "does not record how it was sampled"),
     (["distill", "--model", "MODEL", "--prompts", "PROMPTS"], "give --budget or --schedule"),
+    (["distill", "--model", "MODEL", "--prompts", "PROMPTS", "--budget", "48", "--train-budgets", "48,50"],
+     "--train-budgets: "),
     (["distill", "--model", "MODEL", "--prompts", "PROMPTS", "--budget", "48", "--objective", "kl2"],
      "--objective must be one of kl, k3"),
 ])
@@ -341,8 +357,6 @@ def test_train_distill_sparse_keeps_the_learner_apart(tiny_llama, vowel_prompts,
     """Two GRPO steps with the sparse actor's adapter trained jointly: the learner (its saved adapter, its
     forward) equals transformers + peft with the learner's adapter alone; the sparse actor is the learner
     plus the sparse adapter (both merged into fresh base weights); the sparse adapter trained."""
-    import json
-
     from peft import PeftModel
 
     from sparrow.stages.train import TrainConfig
@@ -372,3 +386,34 @@ def test_train_distill_sparse_keeps_the_learner_apart(tiny_llama, vowel_prompts,
                          (dict(sparsity="budget:48", lora_rank=0), "not --full")):
         with pytest.raises(ValueError, match=message):
             TrainConfig(model=path, distill_sparse=True, **bad).validate()
+
+
+def test_train_distill_sparse_resumes_bit_exact(tiny_llama, vowel_prompts, tmp_path):
+    """A --distill-sparse run that crashes in its third update and resumes from the step-1 checkpoint ends
+    with the uninterrupted run's metrics, both adapters bit for bit and the sparse adapter's history."""
+    path = tiny_llama[0]
+    cfg = dict(steps=3, sparsity="budget:48", distill_sparse=True, distill_rank=2, distill_alpha=4.0)
+    straight, _ = test_train._train(path, vowel_prompts, tmp_path / "straight", cfg=cfg)
+
+    class Crash(RuntimeError):
+        pass
+
+    calls = []
+
+    def crash_in_third_update(phase):
+        calls.append(phase)
+        if phase == "update" and calls.count("update") == 3:
+            raise Crash
+
+    with pytest.raises(Crash):
+        test_train._train(path, vowel_prompts, tmp_path / "resumed", cfg=cfg, on_phase=crash_in_third_update)
+    resumed, _ = test_train._train(path, vowel_prompts, tmp_path / "resumed", cfg=cfg, resume=True)
+    assert test_train._metrics(tmp_path / "resumed") == test_train._metrics(tmp_path / "straight")
+    a = {k: v for k, v in straight.model.named_parameters() if "lora_" in k}
+    b = {k: v for k, v in resumed.model.named_parameters() if "lora_" in k}
+    assert any(".sparse." in k for k in a) and a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    history = [json.loads((tmp_path / run / "sparse_adapter" / "sparrow_distill.json").read_text())["history"]
+               for run in ("straight", "resumed")]
+    assert [h["step"] for h in history[1]] == [0, 1, 2]
+    assert history[0] == history[1]
