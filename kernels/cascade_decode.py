@@ -10,7 +10,11 @@ boundary and merges the two halves exactly by their log-sum-exp:
 - prefix: the n*G query heads of every KV head (n samples x its GQA group) form the query length of
   one flash-attention call over the prefix's contiguous keys/values [Hkv, m*P, D] (a copy taken at
   prefill, so the prefix is neither gathered nor read more than once per step); no mask is needed,
-  every prefix position precedes every sample's query;
+  every prefix position precedes every sample's query. The CPU flash kernel parallelises over batch x
+  heads x query blocks, which is Hkv = 3 work items here (SmolLM2) for 2+ threads, and it does not split
+  the key length; so the prefix is cut into c equal key chunks that the call sees as c x Hkv heads
+  (a view of the contiguous copy: [Hkv, S, D] = [Hkv * c, S / c, D]), and the chunks are merged by their
+  log-sum-exp as the two halves are (`key_chunks` picks c, a power of two that divides S);
 - suffix: each sample's own pages m.. (the copied partial prompt page and what it generated), gathered
   for the whole batch at once as in `sparse_decode.gather_pages` and attended (fp32 accumulation) with
   its log-sum-exp; a row that shares no prefix has all its pages as its suffix.
@@ -26,28 +30,53 @@ import torch
 from torch import Tensor
 
 from .page_scoring import mask_candidates
-from .sparse_decode import GatherWorkspace, attend_gathered, gather_pages
+from .sparse_decode import GatherWorkspace, PagePlan, attend_gathered, gather_pages, plan_pages
+
+MIN_CHUNK = 512  # keys per chunk below which more chunks cost more in merging than they gain
 
 
-def prefix_attention(q: Tensor, prefix_k: Tensor, prefix_v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
-    """q [n, Hq, D] over a shared prefix [Hkv, S, D] -> out [n, Hq, D] float32, lse [n, Hq] float32."""
+def key_chunks(hkv: int, length: int, threads: int | None = None) -> int:
+    """How many key chunks give the flash call at least 4 work items per thread (a power of two <= 16
+    that divides `length` and keeps chunks of >= MIN_CHUNK keys; 1 when none does)."""
+    threads = torch.get_num_threads() if threads is None else threads
+    c = 1
+    while hkv * c < 4 * threads and c < 16 and length % (2 * c) == 0 and length // (2 * c) >= MIN_CHUNK:
+        c *= 2
+    return c
+
+
+def prefix_attention(q: Tensor, prefix_k: Tensor, prefix_v: Tensor, scale: float,
+                     chunks: int | None = None) -> tuple[Tensor, Tensor]:
+    """q [n, Hq, D] over a shared prefix [Hkv, S, D] -> out [n, Hq, D] float32, lse [n, Hq] float32,
+    the keys in `chunks` pieces (default `key_chunks`)."""
     n, hq, d = q.shape
-    hkv = prefix_k.shape[0]
+    hkv, length = prefix_k.shape[:2]
     g = hq // hkv
-    qh = q.view(n, hkv, g, d).transpose(0, 1).reshape(1, hkv, n * g, d).to(prefix_k.dtype)
+    c = key_chunks(hkv, length) if chunks is None else chunks
+    qh = q.view(n, hkv, g, d).transpose(0, 1)[:, None].expand(hkv, c, n, g, d)
+    qh = qh.reshape(1, hkv * c, n * g, d).to(prefix_k.dtype)
+    kv_shape = (1, hkv * c, length // c, d)  # chunk j of head h is head h * c + j
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        qh, prefix_k[None], prefix_v[None], scale=scale)  # [1, Hkv, n*G, D], [1, Hkv, n*G]
-    out = out[0].float().view(hkv, n, g, d).transpose(0, 1).reshape(n, hq, d)
-    return out, lse[0].view(hkv, n, g).transpose(0, 1).reshape(n, hq)
+        qh, prefix_k.view(kv_shape), prefix_v.view(kv_shape), scale=scale)  # [1, Hkv*c, n*G, D]
+    out, lse = out.view(hkv, c, n, g, d).float(), lse.view(hkv, c, n, g)
+    if c > 1:
+        total = torch.logsumexp(lse, 1, keepdim=True)
+        out = (out * (lse - total).exp()[..., None]).sum(1)
+        lse = total[:, 0]
+    else:
+        out, lse = out[:, 0], lse[:, 0]
+    return out.transpose(0, 1).reshape(n, hq, d), lse.transpose(0, 1).reshape(n, hq)
 
 
 def pages_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor, seq_lens: Tensor,
-                    pages: Tensor, scale: float, workspace: GatherWorkspace | None = None
-                    ) -> tuple[Tensor, Tensor]:
+                    pages: Tensor, scale: float, workspace: GatherWorkspace | None = None,
+                    plan: PagePlan | None = None) -> tuple[Tensor, Tensor]:
     """q [B, Hq, D] over the logical pages `pages` [B, Hkv, K] (-1 = none) -> out [B, Hq, D] fp32 and
-    lse [B, Hq] fp32 (-inf, with out 0, for a row with no valid position)."""
-    keys, values, valid = gather_pages(q, k_pages, v_pages, block_table, seq_lens, pages, workspace)
-    return attend_gathered(q, keys, values, valid, scale)
+    lse [B, Hq] fp32 (-inf, with out 0, for a row with no valid position). `plan`: `plan_pages` of
+    `pages`, reused across layers."""
+    plan = plan or plan_pages(block_table, seq_lens, pages, k_pages.shape[1], k_pages.shape[2])
+    keys, values, valid = gather_pages(q, k_pages, v_pages, block_table, seq_lens, pages, workspace, plan)
+    return attend_gathered(q, keys, values, valid, scale, plan)
 
 
 def merge_attention(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> Tensor:
@@ -67,13 +96,14 @@ def suffix_pages(first_pages: list[int], num_pages: list[int], hkv: int, device=
 
 def cascade_decode_reference(q: Tensor, prefixes: Sequence[tuple[Tensor, Tensor, Tensor]], k_pages: Tensor,
                              v_pages: Tensor, block_table: Tensor, seq_lens: Tensor, suffix: Tensor,
-                             scale: float | None = None, workspace: GatherWorkspace | None = None) -> Tensor:
+                             scale: float | None = None, workspace: GatherWorkspace | None = None,
+                             plan: PagePlan | None = None) -> Tensor:
     """Dense paged attention of a decode batch q [B, Hq, D] in which each (rows [n], prefix_k,
     prefix_v [Hkv, S, D]) of `prefixes` is a group of rows whose first S positions are that prefix;
     `suffix` [B, Hkv, W] holds the logical pages each row attends beyond its prefix (all of them for a
-    row in no group) -> [B, Hq, D] in q's dtype."""
+    row in no group), `plan` its `plan_pages` when the caller reuses it -> [B, Hq, D] in q's dtype."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    out, lse = pages_attention(q, k_pages, v_pages, block_table, seq_lens, suffix, scale, workspace)
+    out, lse = pages_attention(q, k_pages, v_pages, block_table, seq_lens, suffix, scale, workspace, plan)
     for rows, prefix_k, prefix_v in prefixes:
         out_p, lse_p = prefix_attention(q[rows], prefix_k, prefix_v, scale)
         out[rows] = merge_attention(out_p, lse_p, out[rows], lse[rows])

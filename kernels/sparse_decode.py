@@ -17,6 +17,7 @@ are upcast to fp32).
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -54,12 +55,51 @@ class GatherWorkspace:
         return self.keys[:rows], self.values[:rows]
 
 
+@dataclass
+class PagePlan:
+    """The index work of a page gather, which depends on the pages and the sequence lengths but not on
+    the layer: a cascade step gathers the same suffix pages in every layer, so it plans them once.
+    rows [B*Hkv*K] into the cache viewed as [pages*Hkv, P, D]; valid [B, Hkv, K*P]; invalid: the flat
+    positions to zero; empty [B, Hkv] rows with no valid position; masks: the additive mask per dtype."""
+
+    rows: Tensor
+    valid: Tensor
+    invalid: Tensor
+    empty: Tensor
+    masks: dict = field(default_factory=dict)
+
+    def mask(self, dtype: torch.dtype) -> Tensor:
+        if dtype not in self.masks:
+            self.masks[dtype] = additive_mask(self.valid, dtype)
+        return self.masks[dtype]
+
+
+def additive_mask(valid: Tensor, dtype: torch.dtype) -> Tensor:
+    """valid [B, Hkv, S] -> [B, Hkv, 1, S]: 0 where valid, -inf elsewhere (the CPU flash kernel's form)."""
+    zeros = torch.zeros(valid.shape, dtype=dtype, device=valid.device)
+    return zeros.masked_fill_(~valid, float("-inf"))[:, :, None, :]
+
+
+def plan_pages(block_table: Tensor, seq_lens: Tensor, pages: Tensor, hkv: int, page_size: int) -> PagePlan:
+    """The `PagePlan` of the logical pages `pages` [B, Hkv, K] (-1 = none)."""
+    b, _, n_sel = pages.shape
+    device = pages.device
+    pages = pages.long()
+    phys = torch.gather(block_table.long()[:, None, :].expand(b, hkv, -1), 2, pages.clamp(min=0))
+    rows = (phys.clamp(min=0) * hkv + torch.arange(hkv, device=device)[None, :, None]).reshape(-1)
+    pos = (pages[..., None] * page_size + torch.arange(page_size, device=device)).reshape(b, hkv, -1)
+    valid = ((pages >= 0) & (phys >= 0)).repeat_interleave(page_size, -1)
+    valid = valid & (pos < seq_lens.long()[:, None, None])  # [B, Hkv, K*P]
+    return PagePlan(rows, valid, (~valid).view(-1).nonzero().squeeze(1), ~valid.any(-1))
+
+
 def gather_pages(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor, seq_lens: Tensor,
-                 pages: Tensor, workspace: GatherWorkspace | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                 pages: Tensor, workspace: GatherWorkspace | None = None,
+                 plan: PagePlan | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """The keys and values of the logical pages `pages` [B, Hkv, K] (-1 = none), batched with index
     tensors -> keys, values [B, Hkv, K*P, D] in the cache's dtype (zero at invalid positions),
     valid [B, Hkv, K*P]. A bf16 cache stays bf16: the attention that follows accumulates in fp32 anyway,
-    and converting the gathered rows cost a copy of them.
+    and converting the gathered rows cost a copy of them. `plan`: `plan_pages` of these pages, reused.
 
     This is the CPU hot path, so it gathers whole (page, KV head) rows with one `index_select`
     (a memcpy per 4 KiB row; advanced indexing is several times slower), into `workspace` when given,
@@ -67,42 +107,38 @@ def gather_pages(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tenso
     (they may hold NaN, and NaN + -inf is NaN) and which are few."""
     b, hkv, n_sel = pages.shape
     total, page_size, d = k_pages.shape[0], k_pages.shape[2], k_pages.shape[3]
-    pages = pages.long()
-    phys = torch.gather(block_table.long()[:, None, :].expand(b, hkv, -1), 2, pages.clamp(min=0))
-    rows = (phys.clamp(min=0) * hkv + torch.arange(hkv, device=q.device)[None, :, None]).reshape(-1)
+    plan = plan or plan_pages(block_table, seq_lens, pages, hkv, page_size)
     k_rows = k_pages.reshape(total * hkv, page_size, d)
     v_rows = v_pages.reshape(total * hkv, page_size, d)
     if workspace is None:
-        keys, values = k_rows.index_select(0, rows), v_rows.index_select(0, rows)  # [B*Hkv*K, P, D]
+        keys, values = k_rows.index_select(0, plan.rows), v_rows.index_select(0, plan.rows)  # [B*Hkv*K, P, D]
     else:
-        keys, values = workspace.take(rows.numel(), k_rows)
-        torch.index_select(k_rows, 0, rows, out=keys)
-        torch.index_select(v_rows, 0, rows, out=values)
+        keys, values = workspace.take(plan.rows.numel(), k_rows)
+        torch.index_select(k_rows, 0, plan.rows, out=keys)
+        torch.index_select(v_rows, 0, plan.rows, out=values)
     keys = keys.view(b * hkv * n_sel * page_size, d)
     values = values.view(b * hkv * n_sel * page_size, d)
-    pos = (pages[..., None] * page_size + torch.arange(page_size, device=q.device)).reshape(b, hkv, -1)
-    valid = ((pages >= 0) & (phys >= 0)).repeat_interleave(page_size, -1)
-    valid = valid & (pos < seq_lens.long()[:, None, None])  # [B, Hkv, K*P]
-    invalid = (~valid).view(-1).nonzero().squeeze(1)
-    keys.index_fill_(0, invalid, 0.0)
-    values.index_fill_(0, invalid, 0.0)
+    keys.index_fill_(0, plan.invalid, 0.0)
+    values.index_fill_(0, plan.invalid, 0.0)
     kv_shape = (b, hkv, n_sel * page_size, d)
-    return keys.view(kv_shape), values.view(kv_shape), valid
+    return keys.view(kv_shape), values.view(kv_shape), plan.valid
 
 
-def attend_gathered(q: Tensor, keys: Tensor, values: Tensor, valid: Tensor,
-                    scale: float) -> tuple[Tensor, Tensor]:
+def attend_gathered(q: Tensor, keys: Tensor, values: Tensor, valid: Tensor, scale: float,
+                    plan: PagePlan | None = None) -> tuple[Tensor, Tensor]:
     """q [B, Hq, D] over gathered keys/values [B, Hkv, S, D] at `valid` [B, Hkv, S] positions ->
     out [B, Hq, D] fp32 and lse [B, Hq] fp32 (-inf, with out 0, for a row with no valid position).
+    `plan`: the gather's plan, whose mask is reused.
 
     The G query heads of a KV head are the query length of one CPU flash-attention call, which also
     returns the log-sum-exp (SDPA does not); its mask must be additive in the query's dtype."""
     b, hq, d = q.shape
     hkv = keys.shape[1]
-    mask = torch.zeros(valid.shape, dtype=keys.dtype, device=q.device).masked_fill_(~valid, float("-inf"))
+    mask = additive_mask(valid, keys.dtype) if plan is None else plan.mask(keys.dtype)
+    empty = ~valid.any(-1) if plan is None else plan.empty
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q.to(keys.dtype).view(b, hkv, hq // hkv, d), keys, values, attn_mask=mask[:, :, None, :], scale=scale)
-    lse = lse.masked_fill(~valid.any(-1)[..., None], float("-inf"))  # [B, Hkv, G]
+        q.to(keys.dtype).view(b, hkv, hq // hkv, d), keys, values, attn_mask=mask, scale=scale)
+    lse = lse.masked_fill(empty[..., None], float("-inf"))  # [B, Hkv, G]
     return out.nan_to_num_(0.0).reshape(b, hq, d).float(), lse.reshape(b, hq)
 
 

@@ -77,10 +77,15 @@ def test_suffix_pages_pads_each_row():
     assert pages[:, 0].tolist() == [[5, 6], [2, -1], [0, 1]]
 
 
-@pytest.mark.parametrize("sparsity", [None, 64])
-def test_engine_with_cascade_matches_engine_without(smollm2, sparsity):
+@pytest.mark.parametrize("sparsity,chunks", [(None, None), (64, None), (None, 4)])
+def test_engine_with_cascade_matches_engine_without(smollm2, sparsity, chunks, monkeypatch):
     """Same tokens and logprobs within fp32 rounding, for 2 prompts x 3 samples at T=1 (groups of 3),
-    a single-sample prompt (no sharing), and a budget (the dense layers cascade, the sparse ones not)."""
+    a single-sample prompt (no sharing), and a budget (the dense layers cascade, the sparse ones not);
+    `chunks`: the prefix attended in that many key chunks (short prompts get 1 otherwise)."""
+    if chunks:
+        import sparrow.kernels.cascade_decode as cascade
+
+        monkeypatch.setattr(cascade, "key_chunks", lambda hkv, length: chunks if length % chunks == 0 else 1)
     model = smollm2.model
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 1000, (n,), generator=g).tolist() for n in (150, 97)]
@@ -108,3 +113,22 @@ def test_cascade_page_scores_equal_the_reference_scores():
     ref = page_scores_reference(q, centroids, table, seq_lens, P)
     assert torch.equal(torch.isinf(got), torch.isinf(ref))
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("chunks", [1, 2, 4])
+def test_prefix_attention_in_key_chunks_equals_brute_force(chunks):
+    """The prefix cut into key chunks, merged by log-sum-exp: the same attention and lse as float64."""
+    from sparrow.kernels.cascade_decode import key_chunks, prefix_attention
+
+    g = torch.Generator().manual_seed(2)
+    n, s = 3, 64
+    q = torch.randn(n, HKV * G, D, generator=g)
+    k, v = torch.randn(HKV, s, D, generator=g), torch.randn(HKV, s, D, generator=g)
+    out, lse = prefix_attention(q, k, v, 0.3, chunks=chunks)
+    heads = torch.arange(HKV * G) // G
+    logits = torch.einsum("nhd,hsd->nhs", q.double(), k.double()[heads]) * 0.3
+    want = torch.einsum("nhs,hsd->nhd", torch.softmax(logits, -1), v.double()[heads])
+    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), torch.logsumexp(logits, -1), atol=1e-5, rtol=1e-5)
+    assert key_chunks(3, 6016, threads=2) == 4 and key_chunks(3, 1024, threads=2) == 2
+    assert key_chunks(8, 6016, threads=2) == 1 and key_chunks(3, 6002, threads=2) == 2

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from sparrow.kernels.cascade_decode import cascade_decode_reference, cascade_page_scores
+from sparrow.kernels.sparse_decode import plan_pages
 
 from ..attention import block_topk_sdpa
 from ..model.llama import AttentionContext
@@ -114,6 +115,7 @@ class DecodeAttention:
         self.dense_layers = frozenset(dense_layers)
         self.any_sparse = bool((budgets > 0).any()) if any_sparse is None else any_sparse
         self.max_selected, self.workspace, self.cascade = max_selected, workspace, cascade
+        self._suffix_plan = None
         self.ops = _ops()
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext) -> Tensor:
@@ -145,5 +147,8 @@ class DecodeAttention:
 
     def _cascaded(self, layer: int, q1: Tensor, k_pages: Tensor, v_pages: Tensor) -> Tensor:
         prefixes = [(rows, p.k[layer], p.v[layer]) for rows, p in self.cascade.groups]
+        if self._suffix_plan is None:  # the same suffix pages in every layer of the step
+            self._suffix_plan = plan_pages(self.block_table, self.seq_lens, self.cascade.suffix,
+                                           k_pages.shape[1], k_pages.shape[2])
         return cascade_decode_reference(q1, prefixes, k_pages, v_pages, self.block_table, self.seq_lens,
-                                        self.cascade.suffix, self.scale, self.workspace)
+                                        self.cascade.suffix, self.scale, self.workspace, self._suffix_plan)
