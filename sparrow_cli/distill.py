@@ -104,6 +104,10 @@ def distill(
                                       "--eval-budgets when given, so that the one adapter helps at every "
                                       "budget a schedule planned from its profile may pick; else the "
                                       "sampling --budget/--schedule)."),
+    balance_budgets: bool = typer.Option(False, "--balance-budgets", help="Weight each training budget by "
+                                         "1 / the objective the actor starts with at it, so that near-dense "
+                                         "budgets, whose loss starts small, are not traded for aggressive "
+                                         "ones."),
     samples: int = typer.Option(4, "--samples", help="Trajectories per prompt (--prompts, --eval-prompts)."),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens"),
     temperature: float = typer.Option(None, "--temperature", help="Sampling temperature (default 1, or what "
@@ -132,7 +136,7 @@ def distill(
         raise UsageError("give one of --prompts (sample training trajectories with the sparse actor) and "
                          "--rollouts (trajectories sampled before)" + (", not both" if prompts else ""))
     cfg = DistillConfig(steps=steps, batch_size=batch_size, lora_rank=lora_rank, lora_alpha=lora_alpha,
-                        lr=lr, objective=objective, seed=seed,
+                        lr=lr, objective=objective, seed=seed, balance_budgets=balance_budgets,
                         temperature=1.0 if temperature is None else temperature)
     try:
         cfg.validate()

@@ -24,7 +24,11 @@ one aggressive budget alone moved the larger budgets away from dense (stop 17's 
 budgets 64-256 worse), so the offline distiller takes a list of budget functions and teaches each
 trajectory of a step at one of them in turn (slot k of step s: function (s x batch + k) mod the count),
 which balances them and, as the batch order is reshuffled per epoch, gives each trajectory several.
-Large budgets then contribute small KL terms that keep the adapter from disturbing them.
+Large budgets then contribute small KL terms, which did not keep the adapter from disturbing them (the
+1.5K-token bench: taught at 64-1024, p5 alpha at 1024 fell from 0.91 to 0.79 while 64-256 rose), so
+`balance_budgets` weights each budget's terms by mean_j(o_j) / o_j, o_j the objective of the actor as it
+starts at budget j (measured once, on the first two batches): every budget then starts at the same loss,
+and a near-dense budget's relative loss counts as much as an aggressive one's.
 
 Offline distillation, teacher forced on given trajectories: the base is frozen, peft injects a LoRA into
 every linear layer of every block (q, k, v, o, gate, up, down: "all linear layers"; lm_head is tied to
@@ -98,6 +102,7 @@ class DistillConfig:
     dense_layers: tuple[int, ...] = DEFAULT_DENSE_LAYERS
     page_size: int = PAGE_SIZE
     dense_cache_gib: float = 2.0  # keep the dense targets in memory up to this size, else recompute
+    balance_budgets: bool = False  # weight each budget by 1 / its starting objective (see Distiller)
 
     def validate(self) -> DistillConfig:
         if self.objective not in OBJECTIVES:
@@ -220,6 +225,9 @@ class Distiller:
         width = self.model.cfg.vocab_size if cfg.objective == "kl" else 1
         self._cache_dense = tokens * width * 4 <= cfg.dense_cache_gib * 2**30
         self._dense: dict[int, Tensor] = {}
+        self.weights = [1.0] * len(self.budget_fns)
+        if cfg.balance_budgets and len(self.budget_fns) > 1:
+            self.weights = self.balance_weights()
 
     def _order(self, step: int) -> list[int]:
         n, b = len(self.trajectories), self.cfg.batch_size
@@ -252,39 +260,61 @@ class Distiller:
             self._dense.clear()
         return out
 
-    def budgets_of(self, step: int, count: int) -> list[BudgetFn]:
-        """The budget function of each of a step's `count` trajectory slots: the list in turn."""
+    def budgets_of(self, step: int, count: int) -> list[int]:
+        """The budget (an index into the budget functions) of each of a step's `count` trajectory slots:
+        the functions in turn."""
         m = len(self.budget_fns)
-        return [self.budget_fns[(step * self.cfg.batch_size + k) % m] for k in range(count)]
+        return [(step * self.cfg.batch_size + k) % m for k in range(count)]
 
-    def step_loss(self, idx: Sequence[int], normalizer: int,
-                  budgets: Sequence[BudgetFn] | None = None) -> float:
-        """Forward and backward over the trajectories `idx` (trajectory idx[k] at budgets[k], default the
-        first budget function), one shared prompt pass per prompt group; returns their share of the step's
-        token-mean loss."""
-        budgets = list(budgets) if budgets is not None else [self.budget_fns[0]] * len(idx)
-        groups: dict[tuple[int, ...], list[tuple[int, BudgetFn]]] = {}
-        for i, fn in zip(idx, budgets, strict=True):
-            groups.setdefault(tuple(self.trajectories[i].prompt), []).append((i, fn))
+    def step_loss(self, idx: Sequence[int], normalizer: int, budgets: Sequence[int] | None = None,
+                  backward: bool = True) -> float:
+        """Forward (and backward) over the trajectories `idx` (trajectory idx[k] at budget function
+        budgets[k], default the first), its terms weighted by `self.weights`, one shared prompt pass per
+        prompt group; returns their share of the step's token-mean loss."""
+        budgets = list(budgets) if budgets is not None else [0] * len(idx)
+        groups: dict[tuple[int, ...], list[tuple[int, int]]] = {}
+        for i, j in zip(idx, budgets, strict=True):
+            groups.setdefault(tuple(self.trajectories[i].prompt), []).append((i, j))
         total = 0.0
         for prompt, pairs in groups.items():
-            members = [i for i, _ in pairs]
-            dense = self.dense_targets(members)
-            comps = [self.trajectories[i].completion for i in members]
-            hidden = actor_hidden(self.model, prompt, comps, [fn for _, fn in pairs], self.cfg.dense_layers,
-                                  self.cfg.page_size)
-            loss = hidden.new_zeros((), dtype=torch.float32)
-            for row, (c, d) in enumerate(zip(comps, dense)):
-                actor = log_probs(self.model, hidden[row, : len(c)], self.cfg.temperature)
-                targets = torch.tensor(c, device=actor.device)
-                if self.cfg.objective == "k3":
-                    terms = k3_from_sampled(d, actor.gather(-1, targets[:, None]).squeeze(-1))
-                else:
-                    terms = token_losses("kl", d, actor, targets)
-                loss = loss + terms.sum() / normalizer
-            loss.backward()
+            with torch.set_grad_enabled(backward):
+                loss = self._group_loss(prompt, pairs) / normalizer
+            if backward:
+                loss.backward()
             total += float(loss.detach())
         return total
+
+    def _group_loss(self, prompt: tuple[int, ...], pairs: list[tuple[int, int]]) -> Tensor:
+        members = [i for i, _ in pairs]
+        dense = self.dense_targets(members)
+        comps = [self.trajectories[i].completion for i in members]
+        hidden = actor_hidden(self.model, prompt, comps, [self.budget_fns[j] for _, j in pairs],
+                              self.cfg.dense_layers, self.cfg.page_size)
+        loss = hidden.new_zeros((), dtype=torch.float32)
+        for row, ((_, j), c, d) in enumerate(zip(pairs, comps, dense)):
+            actor = log_probs(self.model, hidden[row, : len(c)], self.cfg.temperature)
+            targets = torch.tensor(c, device=actor.device)
+            if self.cfg.objective == "k3":
+                terms = k3_from_sampled(d, actor.gather(-1, targets[:, None]).squeeze(-1))
+            else:
+                terms = token_losses("kl", d, actor, targets)
+            loss = loss + terms.sum() * self.weights[j]
+        return loss
+
+    def balance_weights(self) -> list[float]:
+        """Per budget function: mean(o) / o_j, o_j the token-mean objective of the actor as it starts
+        at budget j over the first 2 x batch_size trajectories of the batch order."""
+        self.model.eval()
+        idx = list(dict.fromkeys(self._order(0) + self._order(1)))
+        tokens = sum(len(self.trajectories[i].completion) for i in idx)
+        saved, self.weights = self.weights, [1.0] * len(self.budget_fns)
+        try:
+            start = [self.step_loss(idx, tokens, [j] * len(idx), backward=False)
+                     for j in range(len(self.budget_fns))]
+        finally:
+            self.weights = saved
+        mean = sum(start) / len(start)
+        return [mean / max(o, 1e-12) for o in start]
 
     def train_step(self, step: int) -> dict:
         t0 = time.perf_counter()

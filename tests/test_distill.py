@@ -172,41 +172,53 @@ def test_objective_terms_match_float64():
         assert np.allclose(got.numpy(), want, rtol=1e-5, atol=1e-6), name
 
 
-@pytest.mark.parametrize("objective,mixed", [("kl", False), ("k3", False), ("kl", True)])
-def test_step_loss_matches_float64_reference(tiny, objective, mixed):
+def _reference_terms(hf, model, lora, t, budget_at, temp, objective) -> float:
+    """float64 sum over t's generated positions of the objective: transformers' dense logits against a
+    whole-sequence sparse forward with `lora` merged."""
+    seq = torch.tensor([t.prompt + t.completion])
+    n, g = len(t.prompt), len(t.completion)
+    with torch.no_grad():
+        d = _np_log_softmax(hf(seq).logits[0, n - 1: n + g - 1].double().numpy() / temp)
+        with lora_merged(model, lora):
+            pos = torch.arange(seq.shape[1])[None]
+            attn = SparseAttention(decode_budgets(pos, torch.tensor([n]), budget_at))
+            a = _np_log_softmax(model(seq, attention=attn)[0, n - 1: n + g - 1].double().numpy() / temp)
+    if objective == "kl":
+        return float((np.exp(d) * (d - a)).sum())
+    r = d[np.arange(g), t.completion] - a[np.arange(g), t.completion]
+    return float((np.exp(r) - 1 - r).sum())
+
+
+@pytest.mark.parametrize("objective,mixed,balance", [("kl", False, False), ("k3", False, False),
+                                                     ("kl", True, False), ("kl", True, True)])
+def test_step_loss_matches_float64_reference(tiny, objective, mixed, balance):
     """The distiller's loss on a fixed batch (two prompt groups, ragged completions) equals a float64 token
     mean built from transformers' dense logits and a whole-sequence sparse forward, one sequence at a time;
-    `mixed`: each trajectory at its own budget function, two different ones within one prompt group."""
+    `mixed`: each trajectory at its own budget function, two different ones within one prompt group;
+    `balance`: each budget's terms weighted by mean(o) / o_j, o_j its token-mean objective over the batch."""
     path, hf = tiny
     loaded = load_model(path)
     prompts = _tokens((100, 60), seed=7)
     comps = _tokens((9, 17, 5), seed=8)
     trajs = [Trajectory("a", 0, prompts[0], comps[0]), Trajectory("b", 0, prompts[1], comps[1]),
              Trajectory("a", 1, prompts[0], comps[2])]
-    fns = [budget_fn(64), SCHEDULE.budget_at, budget_fn(48)] if mixed else [budget_fn(64)] * 3
+    fns = [budget_fn(64), SCHEDULE.budget_at, budget_fn(48)] if mixed else [budget_fn(64)]
+    chosen = [0, 1, 2] if mixed else [0, 0, 0]
     temp = 0.8
     lora = _lora(loaded.model, seed=9, scale=0.2)
-    total, count = 0.0, 0
-    for t, budget_at in zip(trajs, fns):
-        seq = torch.tensor([t.prompt + t.completion])
-        n, g = len(t.prompt), len(t.completion)
-        with torch.no_grad():
-            d = _np_log_softmax(hf(seq).logits[0, n - 1: n + g - 1].double().numpy() / temp)
-            with lora_merged(loaded.model, lora):
-                pos = torch.arange(seq.shape[1])[None]
-                attn = SparseAttention(decode_budgets(pos, torch.tensor([n]), budget_at))
-                logits = loaded.model(seq, attention=attn)[0, n - 1: n + g - 1]
-                a = _np_log_softmax(logits.double().numpy() / temp)
-        if objective == "kl":
-            total += (np.exp(d) * (d - a)).sum()
-        else:
-            r = d[np.arange(g), t.completion] - a[np.arange(g), t.completion]
-            total += (np.exp(r) - 1 - r).sum()
-        count += g
-    cfg = DistillConfig(lora_rank=2, lora_alpha=4.0, objective=objective, temperature=temp)
-    distiller = Distiller(loaded, trajs, fns[0], cfg, init=_peft_state(lora))
-    got = distiller.step_loss([0, 1, 2], count, fns)
-    assert abs(got - total / count) <= 1e-4 * abs(total / count) + 1e-6
+    terms = [[_reference_terms(hf, loaded.model, lora, t, f, temp, objective) for f in fns] for t in trajs]
+    count = sum(len(t.completion) for t in trajs)
+    weights = [1.0] * len(fns)
+    if balance:
+        o = [sum(row[j] for row in terms) / count for j in range(len(fns))]
+        weights = [np.mean(o) / x for x in o]
+    want = sum(weights[j] * row[j] for row, j in zip(terms, chosen)) / count
+    cfg = DistillConfig(lora_rank=2, lora_alpha=4.0, objective=objective, temperature=temp,
+                        balance_budgets=balance)
+    distiller = Distiller(loaded, trajs, fns, cfg, init=_peft_state(lora))
+    assert np.allclose(distiller.weights, weights, rtol=1e-4)
+    got = distiller.step_loss([0, 1, 2], count, chosen)
+    assert abs(got - want) <= 1e-4 * abs(want) + 1e-6
     assert all(p.grad is not None for p in distiller.params)
     assert not any(p.requires_grad for n, p in loaded.model.named_parameters() if "lora_" not in n)
 
@@ -216,7 +228,7 @@ def test_steps_teach_the_budgets_in_turn(tiny):
     trajs = [Trajectory("q", k, [1] * 20, [2, 3]) for k in range(3)]
     fns = [budget_fn(48), budget_fn(64), budget_fn(96)]
     distiller = Distiller(loaded, trajs, fns, DistillConfig(batch_size=2, lora_rank=2))
-    got = [[f(1000) for f in distiller.budgets_of(step, 2)] for step in range(3)]
+    got = [[fns[j](1000) for j in distiller.budgets_of(step, 2)] for step in range(3)]
     assert got == [[48, 64], [96, 48], [64, 96]]
 
 
@@ -265,10 +277,12 @@ def test_cli_distill_profile_and_rollout_with_the_adapter(tiny, tmp_path):
     r = runner.invoke(app, ["distill", "--model", path, "--prompts", str(train), "--eval-prompts", str(held),
                             "--schedule", str(_schedule_file(tmp_path / "s.parquet", 16)), "--steps", "3",
                             "--samples", "2", "--max-new-tokens", "8", "--lora-rank", "2", "--lr", "1e-2",
-                            "--eval-budgets", "48,64", "--format", "csv", "-o", str(out)])
+                            "--eval-budgets", "48,64", "--balance-budgets", "--format", "csv",
+                            "-o", str(out)])
     assert r.exit_code == 0, r.output
     record = json.loads((out / "sparrow_distill.json").read_text())
-    assert record["train_budgets"] == "48,64" and "steps at budgets 48,64" in " ".join(r.stderr.split())
+    assert record["config"]["balance_budgets"] and record["train_budgets"] == "48,64"
+    assert "steps at budgets 48,64" in " ".join(r.stderr.split())
     lines = r.stdout.strip().splitlines()
     assert lines[0].startswith("bin,budget,tokens,tail_before,tail_after") and len(lines) >= 3
     assert "wrote the adapter" in r.stderr
