@@ -112,8 +112,8 @@ def main() -> None:
 
     taught = {"all": budgets, "distilled": [args.budget]}.get(args.train_budgets)
     taught = taught or [int(x) for x in args.train_budgets.split(",")]
-    _, result = run_distill(loaded, train, [budget_fn(b) for b in taught], cfg, held, budgets, args.bin_width,
-                            on_step=on_step, on_phase=lambda p: print(p, flush=True))
+    distiller, result = run_distill(loaded, train, [budget_fn(b) for b in taught], cfg, held, budgets,
+                                    args.bin_width, on_step=on_step, on_phase=lambda p: print(p, flush=True))
     before = tails(result.before, args.quantile, args.threshold)
     after = tails(result.after, args.quantile, args.threshold)
     plan_before = predicted_speedup(result.before, args, loaded.config)
@@ -123,6 +123,8 @@ def main() -> None:
           f"{' (balanced)' if args.balance_budgets else ''} ({args.objective}, rank "
           f"{args.rank}, alpha {args.alpha}, lr {args.lr}, {args.steps} steps x {args.batch_size} "
           f"trajectories): {result.seconds:.0f} s of training")
+    if args.balance_budgets:
+        print("budget weights: " + ", ".join(f"{b}: {w:.3g}" for b, w in zip(taught, distiller.weights)))
     bins = sorted({k[0] for k in before})
     print(f"p5 of alpha per bin (rows) and budget (columns), plain -> distilled; '*': >= {args.threshold}")
     print(f"{'bin':>4} {'tokens':>6} " + " ".join(f"{b:>13}" for b in budgets))

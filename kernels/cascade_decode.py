@@ -29,7 +29,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .page_scoring import mask_candidates
+from .page_scoring import SelectionPlan, mask_candidates
 from .sparse_decode import GatherWorkspace, PagePlan, attend_gathered, gather_pages, plan_pages
 
 MIN_CHUNK = 512  # keys per chunk below which more chunks cost more in merging than they gain
@@ -110,22 +110,32 @@ def cascade_decode_reference(q: Tensor, prefixes: Sequence[tuple[Tensor, Tensor,
     return out.to(q.dtype)
 
 
+def suffix_index(block_table: Tensor, suffix: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """For scoring the suffix pages [B, Hkv, W]: their logical pages (clamped, [B, Hkv, W]), physical
+    pages [B, W] and padding [B, 1, W] (the same for all layers of a step)."""
+    hkv = suffix.shape[1]
+    pages = suffix[:, 0].long()  # [B, W] logical (-1 = none); the same for every KV head
+    phys = torch.gather(block_table.long(), 1, pages.clamp(min=0)).clamp(min=0)
+    return pages.clamp(min=0)[:, None, :].expand(-1, hkv, -1), phys, (pages < 0)[:, None, :]
+
+
 def cascade_page_scores(q: Tensor, prefixes: Sequence[tuple[Tensor, Tensor]], centroids: Tensor,
-                        block_table: Tensor, seq_lens: Tensor, suffix: Tensor, page_size: int) -> Tensor:
+                        block_table: Tensor, seq_lens: Tensor, suffix: Tensor, page_size: int,
+                        plan: SelectionPlan | None = None,
+                        index: tuple[Tensor, Tensor, Tensor] | None = None) -> Tensor:
     """`page_scores_reference` with the shared prefixes' centroids read once: each (rows [n],
     prefix_centroids [m, Hkv, D]) scores logical pages 0..m-1 of its rows with one product, and the
     pages in `suffix` [B, Hkv, W] are gathered per row -> [B, Hkv, max_pages] fp32, -inf where not a
-    candidate."""
+    candidate. `plan` (`plan_selection` with the block table) and `index` (`suffix_index`): the step's
+    index work, reused across layers."""
     b, hq, d = q.shape
     hkv = centroids.shape[1]
     q_mean = q.float().view(b, hkv, hq // hkv, d).mean(2)  # [B, Hkv, D]
     scores = q_mean.new_zeros(b, hkv, block_table.shape[1])
-    pages = suffix[:, 0].long()  # [B, W] logical (-1 = none); the same for every KV head
-    phys = torch.gather(block_table.long(), 1, pages.clamp(min=0)).clamp(min=0)
+    pages, phys, pad = index or suffix_index(block_table, suffix)
     cent = centroids[phys].float()  # [B, W, Hkv, D]
-    scores.scatter_(2, pages.clamp(min=0)[:, None, :].expand(-1, hkv, -1),
-                    torch.einsum("bhd,bwhd->bhw", q_mean, cent).masked_fill((pages < 0)[:, None, :], 0.0))
+    scores.scatter_(2, pages, torch.einsum("bhd,bwhd->bhw", q_mean, cent).masked_fill(pad, 0.0))
     for rows, prefix_centroids in prefixes:
         m = prefix_centroids.shape[0]
         scores[rows, :, :m] = torch.einsum("nhd,phd->nhp", q_mean[rows], prefix_centroids)
-    return mask_candidates(scores, block_table, seq_lens, page_size)
+    return mask_candidates(scores, block_table, seq_lens, page_size, plan)

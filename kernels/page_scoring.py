@@ -20,6 +20,8 @@ only place it may differ from torch.topk, whose order among equal scores is unsp
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
@@ -40,43 +42,68 @@ def page_scores_reference(q: Tensor, centroids: Tensor, block_table: Tensor, seq
     return mask_candidates(torch.einsum("bhd,bphd->bhp", q_mean, cent), block_table, seq_lens, page_size)
 
 
-def mask_candidates(scores: Tensor, block_table: Tensor, seq_lens: Tensor, page_size: int) -> Tensor:
+@dataclass
+class SelectionPlan:
+    """What selection derives from a decode step's lengths, budgets and block table alone, which every
+    sparse layer of the step shares; the engine's CPU path builds it once per step (about twenty small
+    ops per layer otherwise). page_idx [max_pages]; candidate [B, 1, max_pages] (pages 1..last-2);
+    reserved [B, 1, max_pages] (pages 0, last-1, last that exist); n_select [B, 1, 1] candidates to keep;
+    k_top its maximum (bounded by max_pages); unscored [B, 1, max_pages] the pages whose score is -inf
+    (not candidates, or absent from the block table), when built with the block table."""
+
+    page_idx: Tensor
+    candidate: Tensor
+    reserved: Tensor
+    n_select: Tensor
+    k_top: int
+    unscored: Tensor | None = None
+
+
+def plan_selection(seq_lens: Tensor, budgets: Tensor, page_size: int, max_pages: int,
+                   max_selected: int | None = None, block_table: Tensor | None = None) -> SelectionPlan:
+    page_idx = torch.arange(max_pages, device=seq_lens.device)
+    seq_lens, budgets = seq_lens.long(), budgets.long()
+    last = ((seq_lens - 1) // page_size)[:, None, None]  # [B, 1, 1]
+    n_pages = ((seq_lens + page_size - 1) // page_size)[:, None, None]
+    candidate = (page_idx >= 1) & (page_idx <= last - 2)
+    reserved = ((page_idx == 0) | ((page_idx >= last - 1) & (page_idx <= last))) & (page_idx < n_pages)
+    n_select = torch.where(budgets > 0, budgets // page_size - RESERVED_PAGES, max_pages).clamp(min=0)
+    if max_selected is None:
+        k_top = int(min(max_pages, int(n_select.max()))) if len(n_select) else 0
+    else:
+        k_top = min(max_pages, max_selected)
+    unscored = None if block_table is None else ~(candidate & (block_table.long() >= 0)[:, None, :])
+    return SelectionPlan(page_idx, candidate, reserved, n_select[:, None, None], k_top, unscored)
+
+
+def mask_candidates(scores: Tensor, block_table: Tensor, seq_lens: Tensor, page_size: int,
+                    plan: SelectionPlan | None = None) -> Tensor:
     """Scores [B, Hkv, max_pages] with -inf where a page is not a candidate (0, last-1, last, beyond)."""
-    page_idx = torch.arange(scores.shape[2], device=scores.device)
-    last = ((seq_lens.long() - 1) // page_size)[:, None, None]
-    candidate = (page_idx >= 1) & (page_idx <= last - 2) & (block_table.long() >= 0)[:, None, :]
-    return scores.masked_fill(~candidate, float("-inf"))
+    if plan is None or plan.unscored is None:
+        page_idx = torch.arange(scores.shape[2], device=scores.device)
+        last = ((seq_lens.long() - 1) // page_size)[:, None, None]
+        candidate = (page_idx >= 1) & (page_idx <= last - 2) & (block_table.long() >= 0)[:, None, :]
+        return scores.masked_fill(~candidate, float("-inf"))
+    return scores.masked_fill(plan.unscored, float("-inf"))
 
 
 def finish_selection(scores: Tensor, seq_lens: Tensor, budgets: Tensor, page_size: int = 16,
-                     max_selected: int | None = None) -> Tensor:
-    """Scores [B, Hkv, max_pages] (-inf = not a candidate) -> selected logical pages [B, Hkv, K]."""
+                     max_selected: int | None = None, plan: SelectionPlan | None = None) -> Tensor:
+    """Scores [B, Hkv, max_pages] (-inf = not a candidate) -> selected logical pages [B, Hkv, K].
+    `plan`: this step's `plan_selection`, reused across layers."""
     b, hkv, max_pages = scores.shape
-    device = scores.device
-    page_idx = torch.arange(max_pages, device=device)
-    seq_lens = seq_lens.long()
-    budgets = budgets.long()
-    last = ((seq_lens - 1) // page_size)[:, None, None]  # [B, 1, 1]
-    n_pages = (seq_lens + page_size - 1) // page_size
-    candidate = (page_idx >= 1) & (page_idx <= last - 2)
-    reserved = (page_idx == 0) | ((page_idx >= last - 1) & (page_idx <= last))
-    reserved = reserved & (page_idx < n_pages[:, None, None])
-    n_select = torch.where(budgets > 0, budgets // page_size - RESERVED_PAGES, max_pages).clamp(min=0)
-    if max_selected is None:
-        k_top = int(min(max_pages, int(n_select.max()))) if b else 0
-    else:
-        k_top = min(max_pages, max_selected)
-    kept = reserved.expand(b, hkv, max_pages)
-    if k_top > 0:
-        top = scores.topk(k_top, dim=-1).indices  # [B, Hkv, k_top]
-        rank_ok = torch.arange(k_top, device=device) < n_select[:, None, None]
+    plan = plan or plan_selection(seq_lens, budgets, page_size, max_pages, max_selected)
+    kept = plan.reserved.expand(b, hkv, max_pages)
+    if plan.k_top > 0:
+        top = scores.topk(plan.k_top, dim=-1).indices  # [B, Hkv, k_top]
+        rank_ok = torch.arange(plan.k_top, device=scores.device) < plan.n_select
         chosen = torch.zeros_like(kept).scatter_(-1, top, rank_ok.expand_as(top))
-        kept = kept | (chosen & candidate & (scores > float("-inf")))
+        kept = kept | (chosen & plan.candidate & (scores > float("-inf")))
     if max_selected is None:
         width = int(kept.sum(-1).max()) if b else 0
     else:
         width = max_selected
-    order = torch.where(kept, page_idx, max_pages)
+    order = torch.where(kept, plan.page_idx, max_pages)
     if width <= max_pages:
         order = order.sort(dim=-1).values[..., :width]
     else:

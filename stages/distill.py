@@ -491,8 +491,8 @@ def save_result(distiller: Distiller, result: DistillResult, folder: str | os.Pa
     mismatch/after.parquet (`mismatch` artifacts of the eval trajectories, plain and distilled actor;
     `sparrow sql --run FOLDER` sees both in one view, `sparrow plan-schedule` plans from either)."""
     folder = distiller.save(folder, base_model)
-    record = {**metadata, "config": config_dict(distiller.cfg), "training_seconds": result.seconds,
-              "history": result.history}
+    record = {**metadata, "config": config_dict(distiller.cfg), "budget_weights": distiller.weights,
+              "training_seconds": result.seconds, "history": result.history}
     (folder / "sparrow_distill.json").write_text(json.dumps(record, indent=2, default=str))
     cfg = distiller.cfg
     meta = {"model": base_model, "bin_width": metadata.get("bin_width"), "temperature": cfg.temperature,

@@ -282,6 +282,7 @@ def test_cli_distill_profile_and_rollout_with_the_adapter(tiny, tmp_path):
     assert r.exit_code == 0, r.output
     record = json.loads((out / "sparrow_distill.json").read_text())
     assert record["config"]["balance_budgets"] and record["train_budgets"] == "48,64"
+    assert len(record["budget_weights"]) == 2 and min(record["budget_weights"]) > 0
     assert "steps at budgets 48,64" in " ".join(r.stderr.split())
     lines = r.stdout.strip().splitlines()
     assert lines[0].startswith("bin,budget,tokens,tail_before,tail_after") and len(lines) >= 3
