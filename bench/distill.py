@@ -48,8 +48,8 @@ def parse():
     ap.add_argument("--budgets", default="48,64,96,128,192,256,384", help="profiled candidates")
     ap.add_argument("--train-budgets", default="all", help="all: the candidates in turn; distilled: --budget "
                     "only; or a comma list")
-    ap.add_argument("--balance-budgets", action="store_true", help="weight each taught budget by 1 / its "
-                    "starting objective (DistillConfig.balance_budgets)")
+    ap.add_argument("--unbalanced", action="store_true", help="do not weight each taught budget by 1 / its "
+                    "starting objective (DistillConfig.balance_budgets, on by default)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--lr", type=float, default=5e-4)
@@ -104,7 +104,7 @@ def main() -> None:
           f"{len(held)} held-out dense ones in {time.perf_counter() - t0:.0f} s")
     cfg = DistillConfig(steps=args.steps, batch_size=args.batch_size, lora_rank=args.rank,
                         lora_alpha=args.alpha, lr=args.lr, objective=args.objective,
-                        balance_budgets=args.balance_budgets)
+                        balance_budgets=not args.unbalanced)
 
     def on_step(r: dict) -> None:
         print(f"  step {r['step']:3d}  {args.objective} loss {r['loss']:.4g}  "
@@ -120,10 +120,10 @@ def main() -> None:
     plan_after = predicted_speedup(result.after, args, loaded.config)
     print(f"\n{args.model}, {args.task} at {args.context} prompt tokens, {args.max_new_tokens} new "
           f"tokens; sampled at budget {args.budget}, taught at budgets {taught}"
-          f"{' (balanced)' if args.balance_budgets else ''} ({args.objective}, rank "
+          f"{' (unbalanced)' if args.unbalanced else ' (balanced)'} ({args.objective}, rank "
           f"{args.rank}, alpha {args.alpha}, lr {args.lr}, {args.steps} steps x {args.batch_size} "
           f"trajectories): {result.seconds:.0f} s of training")
-    if args.balance_budgets:
+    if not args.unbalanced:
         print("budget weights: " + ", ".join(f"{b}: {w:.3g}" for b, w in zip(taught, distiller.weights)))
     bins = sorted({k[0] for k in before})
     print(f"p5 of alpha per bin (rows) and budget (columns), plain -> distilled; '*': >= {args.threshold}")

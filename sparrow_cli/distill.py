@@ -104,10 +104,10 @@ def distill(
                                       "--eval-budgets when given, so that the one adapter helps at every "
                                       "budget a schedule planned from its profile may pick; else the "
                                       "sampling --budget/--schedule)."),
-    balance_budgets: bool = typer.Option(False, "--balance-budgets", help="Weight each training budget by "
-                                         "1 / the objective the actor starts with at it, so that near-dense "
-                                         "budgets, whose loss starts small, are not traded for aggressive "
-                                         "ones."),
+    balance_budgets: bool = typer.Option(True, "--balance-budgets/--no-balance-budgets",
+                                         help="Weight each training budget by 1 / the objective the actor "
+                                         "starts with at it, so that near-dense budgets, whose loss starts "
+                                         "small, are not traded for aggressive ones."),
     samples: int = typer.Option(4, "--samples", help="Trajectories per prompt (--prompts, --eval-prompts)."),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens"),
     temperature: float = typer.Option(None, "--temperature", help="Sampling temperature (default 1, or what "

@@ -230,6 +230,8 @@ def test_steps_teach_the_budgets_in_turn(tiny):
     distiller = Distiller(loaded, trajs, fns, DistillConfig(batch_size=2, lora_rank=2))
     got = [[fns[j](1000) for j in distiller.budgets_of(step, 2)] for step in range(3)]
     assert got == [[48, 64], [96, 48], [64, 96]]
+    # 22 tokens fit in budget 48: every budget is dense here, the objective 0, and the weights stay 1
+    assert distiller.weights == [1.0, 1.0, 1.0]
 
 
 def test_distilling_lowers_the_objective_and_touches_only_the_lora(tiny):
