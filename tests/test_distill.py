@@ -411,19 +411,9 @@ def test_train_distill_sparse_resumes_bit_exact(tiny_llama, vowel_prompts, tmp_p
     path = tiny_llama[0]
     cfg = dict(steps=3, sparsity="budget:48", distill_sparse=True, distill_rank=2, distill_alpha=4.0)
     straight, _ = test_train._train(path, vowel_prompts, tmp_path / "straight", cfg=cfg)
-
-    class Crash(RuntimeError):
-        pass
-
-    calls = []
-
-    def crash_in_third_update(phase):
-        calls.append(phase)
-        if phase == "update" and calls.count("update") == 3:
-            raise Crash
-
-    with pytest.raises(Crash):
-        test_train._train(path, vowel_prompts, tmp_path / "resumed", cfg=cfg, on_phase=crash_in_third_update)
+    with pytest.raises(test_train.Crash):
+        test_train._train(path, vowel_prompts, tmp_path / "resumed", cfg=cfg,
+                          on_phase=test_train.crash_in_update(3))
     resumed, _ = test_train._train(path, vowel_prompts, tmp_path / "resumed", cfg=cfg, resume=True)
     assert test_train._metrics(tmp_path / "resumed") == test_train._metrics(tmp_path / "straight")
     a = {k: v for k, v in straight.model.named_parameters() if "lora_" in k}

@@ -259,23 +259,29 @@ def test_shared_prompt_scoring_matches_transformers_logprobs_and_gradient(tiny_l
     hf.zero_grad()
 
 
+class Crash(RuntimeError):
+    pass
+
+
+def crash_in_update(n: int):
+    """An on_phase hook that raises Crash when the trainer enters its n-th update."""
+    updates = []
+
+    def on_phase(phase):
+        if phase == "update":
+            updates.append(phase)
+            if len(updates) == n:
+                raise Crash
+
+    return on_phase
+
+
 def test_resume_after_a_crash_is_bit_exact(tiny_llama, vowel_prompts, tmp_path):
     path = tiny_llama[0]
     straight, summary = _train(path, vowel_prompts, tmp_path / "straight")
     assert summary["steps"] == 3 and any(r["grad_norm"] > 0 for r in _metrics(tmp_path / "straight"))
-
-    class Crash(RuntimeError):
-        pass
-
-    calls = []
-
-    def crash_in_third_update(phase):
-        calls.append(phase)
-        if phase == "update" and calls.count("update") == 3:
-            raise Crash
-
     with pytest.raises(Crash):
-        _train(path, vowel_prompts, tmp_path / "resumed", on_phase=crash_in_third_update)
+        _train(path, vowel_prompts, tmp_path / "resumed", on_phase=crash_in_update(3))
     assert len(_metrics(tmp_path / "resumed")) == 2  # steps 0 and 1 were logged and checkpointed
     resumed, _ = _train(path, vowel_prompts, tmp_path / "resumed", resume=True)
     assert _metrics(tmp_path / "resumed") == _metrics(tmp_path / "straight")
