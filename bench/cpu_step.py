@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from sparrow.stages.attention import validate_budget
 from sparrow.stages.model.loading import load_model
 from sparrow.stages.rollout import Engine, SamplingParams
 
@@ -32,7 +33,13 @@ def parse():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-cascade", action="store_true")
     ap.add_argument("--profile", action="store_true")
-    return ap.parse_args()
+    args = ap.parse_args()
+    if args.budget:
+        try:
+            validate_budget(args.budget)
+        except ValueError as e:
+            ap.error(f"--budget: {e}")
+    return args
 
 
 def main() -> None:

@@ -126,6 +126,7 @@ def main() -> None:
     if not args.unbalanced:
         print("budget weights: " + ", ".join(f"{b}: {w:.3g}" for b, w in zip(taught, distiller.weights)))
     bins = sorted({k[0] for k in before})
+    mark = lambda v: f"{v:.3f}{'*' if v >= args.threshold else ' '}"
     print(f"p5 of alpha per bin (rows) and budget (columns), plain -> distilled; '*': >= {args.threshold}")
     print(f"{'bin':>4} {'tokens':>6} " + " ".join(f"{b:>13}" for b in budgets))
     rows = []
@@ -143,7 +144,6 @@ def main() -> None:
                          "p5_before_at_double": half["tail_alpha"] if half else None,
                          "min_budget_before": smallest(before, b, budgets, args.threshold),
                          "min_budget_after": smallest(after, b, budgets, args.threshold)})
-            mark = lambda v: f"{v:.3f}{'*' if v >= args.threshold else ' '}"
             cells.append(f"{mark(x['tail_alpha'])}->{mark(y['tail_alpha'])}")
         tokens = before[(b, budgets[0])]["tokens"] if (b, budgets[0]) in before else 0
         print(f"{b:>4} {tokens:>6} " + " ".join(cells))

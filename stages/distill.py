@@ -181,7 +181,8 @@ def actor_hidden(model: Transformer, prompt: Sequence[int], completions: Sequenc
     positions = n + torch.arange(t - 1, device=device).expand(k, t - 1)
     fns = [budget_at] * k if callable(budget_at) else list(budget_at)
     starts = torch.full((1,), n, device=device)
-    budgets = torch.cat([decode_budgets(positions[:1], starts, f) for f in fns])  # [K, T - 1]
+    rows = {f: decode_budgets(positions[:1], starts, f) for f in set(fns)}  # one table per function
+    budgets = torch.cat([rows[f] for f in fns])  # [K, T - 1]
     rest = model.hidden_states(inputs, positions=positions,
                                attention=SharedPromptSparse(recorder.kv, budgets, dense_layers, page))
     return torch.cat([first, rest], dim=1)
@@ -230,7 +231,7 @@ class Distiller:
         self._dense: dict[int, Tensor] = {}
         self.weights = [1.0] * len(self.budget_fns)
         if cfg.balance_budgets and len(self.budget_fns) > 1:
-            self.weights = self.balance_weights()
+            self.weights = self._balance_weights()
 
     def _order(self, step: int) -> list[int]:
         n, b = len(self.trajectories), self.cfg.batch_size
@@ -304,19 +305,16 @@ class Distiller:
             loss = loss + terms.sum() * self.weights[j]
         return loss
 
-    def balance_weights(self) -> list[float]:
+    def _balance_weights(self) -> list[float]:
         """Per budget function: mean(o) / o_j, o_j the token-mean objective of the actor as it starts
         at budget j over the first 2 x batch_size trajectories of the batch order, at most
-        MAX_BUDGET_WEIGHT (a budget that covers these trajectories' whole context is dense, o_j = 0)."""
+        MAX_BUDGET_WEIGHT (a budget that covers these trajectories' whole context is dense, o_j = 0).
+        Called while the weights are still all 1."""
         self.model.eval()
         idx = list(dict.fromkeys(self._order(0) + self._order(1)))
         tokens = sum(len(self.trajectories[i].completion) for i in idx)
-        saved, self.weights = self.weights, [1.0] * len(self.budget_fns)
-        try:
-            start = [self.step_loss(idx, tokens, [j] * len(idx), backward=False)
-                     for j in range(len(self.budget_fns))]
-        finally:
-            self.weights = saved
+        start = [self.step_loss(idx, tokens, [j] * len(idx), backward=False)
+                 for j in range(len(self.budget_fns))]
         mean = sum(start) / len(start)
         if mean <= 0:
             return [1.0] * len(start)
