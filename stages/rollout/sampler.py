@@ -22,23 +22,26 @@ def sample_tokens(logits: Tensor, params: Seq[SamplingParams], generators: Seq[t
     """logits [B, V] -> (tokens [B], logprobs [B], top (values, ids) [B, k] or None), on the CPU."""
     logits = logits.float()
     dev = logits.device
-    temps = torch.tensor([p.temperature for p in params], device=dev)
-    greedy = temps <= 0
-    logp = torch.log_softmax(logits / torch.where(greedy, 1.0, temps)[:, None], dim=-1)
-    tokens = logits.argmax(-1)
-    if not bool(greedy.all()):
-        rows = (~greedy).nonzero().flatten()
-        probs = logp[rows].exp()
-        sub = [params[i] for i in rows.tolist()]
+    temps = [p.temperature for p in params]
+    if any(t > 0 and t != 1 for t in temps):  # T = 1 and greedy rows need no division
+        logits = logits / torch.tensor([t if t > 0 else 1.0 for t in temps], device=dev)[:, None]
+    logp = torch.log_softmax(logits, dim=-1)
+    rows = [i for i, t in enumerate(temps) if t > 0]
+    tokens = logits.argmax(-1) if len(rows) < len(temps) else torch.empty(len(temps), dtype=torch.long,
+                                                                           device=dev)
+    if rows:
+        every = len(rows) == len(temps)
+        probs = logp.exp() if every else logp[torch.tensor(rows, device=dev)].exp()
+        sub = [params[i] for i in rows]
         top_k = torch.tensor([p.top_k for p in sub], device=dev)
-        if bool((top_k > 0).any()):
+        if any(p.top_k > 0 for p in sub):
             kmax = int(top_k.max())
             kth = probs.topk(min(kmax, probs.shape[-1]), dim=-1).values
             idx = (top_k.clamp(1, kth.shape[-1]) - 1)[:, None]
             thresh = torch.where(top_k[:, None] > 0, kth.gather(-1, idx), 0.0)
             probs = probs * (probs >= thresh)
-        top_p = torch.tensor([p.top_p for p in sub], device=dev)
-        if bool((top_p < 1).any()):
+        if any(p.top_p < 1 for p in sub):
+            top_p = torch.tensor([p.top_p for p in sub], device=dev)
             sorted_p, order = probs.sort(-1, descending=True)
             # cumulative mass of the kept distribution before each token; keeps the most likely one
             cum = sorted_p.cumsum(-1) - sorted_p
@@ -50,10 +53,14 @@ def sample_tokens(logits: Tensor, params: Seq[SamplingParams], generators: Seq[t
         # step at 32 samples on an H100), then one batched argmax. E = -log U: on a CPU uniform_ is
         # vectorised and exponential_ is not (0.14 vs 0.93 ms per 49K-token row)
         noise = torch.empty_like(probs)
-        for j, i in enumerate(rows.tolist()):
+        for j, i in enumerate(rows):
             noise[j].uniform_(generator=generators[i])
         noise = noise.log_().neg_()
-        tokens[rows] = (probs / noise.clamp_(min=torch.finfo(noise.dtype).tiny)).argmax(-1)
+        drawn = probs.div_(noise.clamp_(min=torch.finfo(noise.dtype).tiny)).argmax(-1)
+        if every:
+            tokens = drawn
+        else:
+            tokens[torch.tensor(rows, device=dev)] = drawn
     chosen = logp.gather(-1, tokens[:, None]).squeeze(-1)
     top = logp.topk(top_logprobs, dim=-1) if top_logprobs > 0 else None
     return tokens.cpu(), chosen.cpu(), (None if top is None else (top.values.cpu(), top.indices.cpu()))
