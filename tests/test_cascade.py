@@ -12,6 +12,7 @@ import torch
 
 from sparrow.kernels.cascade_decode import cascade_decode_reference, suffix_pages
 from sparrow.stages.rollout import Engine, SamplingParams
+from sparrow.stages.rollout.block_manager import BlockManager
 
 P, HKV, G, D = 4, 2, 3, 8
 
@@ -132,3 +133,39 @@ def test_prefix_attention_in_key_chunks_equals_brute_force(chunks):
     torch.testing.assert_close(lse.double(), torch.logsumexp(logits, -1), atol=1e-5, rtol=1e-5)
     assert key_chunks(3, 6016, threads=2) == 4 and key_chunks(3, 1024, threads=2) == 2
     assert key_chunks(8, 6016, threads=2) == 1 and key_chunks(3, 6002, threads=2) == 2
+
+
+def test_prefix_copy_lives_in_the_pool_and_is_given_back_before_a_preemption(smollm2):
+    """The cascade's copy of a 150-token prompt's 9 full pages takes 9 pool pages in a row (its
+    keys are a view of the pool); a pool too small for it and the samples' growth gives the copy back
+    instead of preempting, and a pool that cannot spare it at admission runs without it. Tokens equal
+    an engine without cascade in every case."""
+    model = smollm2.model
+    prompt = torch.randint(0, 1000, (150,), generator=torch.Generator().manual_seed(2)).tolist()
+    params = SamplingParams(max_new_tokens=40, n=3, temperature=1.0, seed=3, ignore_eos=True)
+    want = Engine(model, max_batch=8, cascade=False).generate([prompt], params)[0]
+    for pages, copy_at_start, copy_at_end in ((None, True, True), (23, True, False), (20, False, False)):
+        engine = Engine(model, max_batch=8, cascade=True, num_pages=pages)
+        engine.add_request(prompt, params)
+        engine.step()  # the prefill: the prompt's 10 pages (the last one partial), and the copy's 9
+        assert bool(engine.prefixes) == copy_at_start
+        if copy_at_start:
+            prefix = engine.prefixes[0]
+            assert list(prefix.run) == list(range(10, 19)) and engine.blocks.used == 19
+            assert prefix.k[0].untyped_storage().data_ptr() == engine.cache.k.untyped_storage().data_ptr()
+        done, had_copy = [], []
+        while engine.has_work():
+            done += engine.step()[0]
+            had_copy.append(bool(engine.prefixes) or not engine.has_work())
+        assert had_copy[-2] == copy_at_end and engine.stats.preemptions == 0
+        assert [c.token_ids for c in sorted(done, key=lambda c: c.sample)] == [c.token_ids for c in want]
+        assert engine.blocks.used == 0 and not engine.prefixes
+
+
+def test_allocate_run_takes_the_lowest_run_of_consecutive_free_pages():
+    blocks = BlockManager(8, 16)
+    held = [blocks.allocate() for _ in range(8)]
+    blocks.free_pages([held[i] for i in (1, 2, 4, 5, 6)])
+    assert blocks.allocate_run(4) is None
+    assert blocks.allocate_run(3) == [4, 5, 6] and sorted(blocks.free) == [1, 2]
+    assert blocks.allocate_run(2) == [1, 2] and blocks.num_free == 0

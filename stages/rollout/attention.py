@@ -86,9 +86,8 @@ class PrefillAttention:
             kv_new, vv_new = kt[self.valid], vt[self.valid]
         self.ops.write_prefill(k_pages, v_pages, centroids, kv_new, vv_new, self.slots)
         for row, prefix in self.prefixes:
-            prefix.k[layer] = k[row, :, : prefix.tokens]
-            prefix.v[layer] = v[row, :, : prefix.tokens]
-            prefix.centroids[layer] = centroids[list(prefix.pages)]
+            t = prefix.tokens
+            prefix.store(layer, k[row, :, :t], v[row, :, :t], centroids[list(prefix.pages)])
         rc = self.recompute
         if rc is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)

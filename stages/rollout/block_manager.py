@@ -40,6 +40,20 @@ class BlockManager:
         self.refcount[page] = 1
         return page
 
+    def allocate_run(self, count: int) -> list[int] | None:
+        """`count` free pages with consecutive ids (refcount 1 each), the lowest such run; None when the
+        free pages hold no run that long."""
+        free = sorted(self.free)
+        for i in range(len(free) - count + 1):
+            if free[i + count - 1] - free[i] == count - 1:  # sorted and distinct: consecutive
+                run = free[i: i + count]
+                taken = set(run)
+                self.free = [p for p in self.free if p not in taken]
+                for page in run:
+                    self.refcount[page] = 1
+                return run
+        return None
+
     def share(self, page: int) -> int:
         assert self.refcount[page] > 0
         self.refcount[page] += 1

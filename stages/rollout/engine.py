@@ -79,7 +79,8 @@ class Engine:
         `decode_graphs`: "auto" (CUDA graphs on CUDA, the plain step on a CPU), "cuda" (CUDA graphs),
         "eager" (the graphs' static padded step without capture, any device) or "off".
         `cascade`: dense decode attention reads a prompt's shared pages once per step for all its
-        samples, from a contiguous copy taken at prefill (None: on the torch path, i.e. the CPU)."""
+        samples, from a contiguous copy taken at prefill into pool pages (None: on the torch path,
+        i.e. the CPU)."""
         if max_batch < 1:
             raise ValueError("max_batch must be at least 1")
         if decode_graphs not in DECODE_GRAPHS:
@@ -149,7 +150,8 @@ class Engine:
         samples are preempted when the pool fills up), as long as one sample at full length fits."""
         need = [pages_needed(len(r.prompt), r.params.n, r.params.max_new_tokens, self.page_size)
                 for r in reqs] or [(0, 1)]
-        group = max(s + r.params.n * o for r, (s, o) in zip(reqs, need))
+        copy = 2 if self.cascade else 1  # the cascade's copy of the shared pages is in the pool too
+        group = max(copy * s + r.params.n * o for r, (s, o) in zip(reqs, need))
         per_seq = max(s + o for s, o in need)
         seqs = sum(r.params.n for r in reqs)
         pages = max(group, min(self.max_batch, max(seqs, 1)) * per_seq)
@@ -171,7 +173,7 @@ class Engine:
         self.cache = PagedKVCache(self.cfg, self.num_pages, self.page_size, self.dtype, self.device)
         self.blocks = BlockManager(self.num_pages, self.page_size)
         self.scheduler = Scheduler(self.blocks, self.max_batch, self.max_prefill_tokens,
-                                   self.cache.copy_pages)
+                                   self.cache.copy_pages, self._reclaim_prefix)
         for r in reqs:
             self.scheduler.add(r)
         if self.decode_graphs != "off":
@@ -306,8 +308,13 @@ class Engine:
         out, P = [], self.page_size
         for i, x in enumerate(batch):
             m = plens[i] // P
-            if isinstance(x, Request) and m > 0:
-                prefix = SharedPrefix.allocate(self.cfg, pages[i][:m], P, self.dtype, self.device)
+            # the copy takes m pool pages in a row; only while that leaves each sample a page to grow
+            # into (under pressure later, `_reclaim_prefix` gives them back before anyone is preempted)
+            if not isinstance(x, Request) or m == 0 or self.blocks.num_free - m < x.params.n:
+                continue
+            run = self.blocks.allocate_run(m)
+            if run is not None:
+                prefix = SharedPrefix.in_pool(self.cache, pages[i][:m], run)
                 self.prefixes[x.request_id] = prefix
                 self._unfinished[x.request_id] = x.params.n
                 out.append((i, prefix))
@@ -317,7 +324,19 @@ class Engine:
         if request_id in self._unfinished:
             self._unfinished[request_id] -= 1
             if self._unfinished[request_id] == 0:
-                del self._unfinished[request_id], self.prefixes[request_id]
+                self._drop_prefix(request_id)
+
+    def _drop_prefix(self, request_id: int) -> None:
+        del self._unfinished[request_id]
+        self.blocks.free_pages(list(self.prefixes.pop(request_id).run))
+
+    def _reclaim_prefix(self) -> bool:
+        """Give the newest prefix copy's pages back to the pool (its samples decode without cascade
+        from then on, reading the same keys from their own block tables); False if there is none."""
+        if not self.prefixes:
+            return False
+        self._drop_prefix(next(reversed(self.prefixes)))
+        return True
 
     def _cascade(self, seqs: list[Sequence]) -> Cascade | None:
         """Group the decode batch's samples by the shared prompt pages their block tables start with."""

@@ -49,22 +49,35 @@ class SharedPrefix:
     """The full prompt pages that the samples of one request share, with a contiguous copy of their
     keys, values and centroids taken at prefill, which cascade attention and page scoring read once
     per decode step for all the samples whose block table starts with `pages`
-    (kernels/cascade_decode.py). Full prompt pages are never written again, so the copy stays exact."""
+    (kernels/cascade_decode.py). Full prompt pages are never written again, so the copy stays exact.
+
+    The copy lives in the pool: `run` is as many pool pages with consecutive ids, held for the copy
+    (and in no block table), whose storage in layer l, [len(run), Hkv, P, D] contiguous, is viewed as
+    the [Hkv, len(run) * P, D] the flash call reads; their centroid rows hold the prompt pages'
+    centroids in the pool's own layout. So the copy counts against the pool (--kv-pages) like any page."""
 
     pages: tuple[int, ...]
-    k: torch.Tensor  # [L, Hkv, len(pages) * P, D] model dtype
-    v: torch.Tensor
-    centroids: torch.Tensor  # [L, len(pages), Hkv, D] float32
+    run: tuple[int, ...]
+    k: list[torch.Tensor]  # per layer [Hkv, len(pages) * P, D] model dtype, a view of the pool
+    v: list[torch.Tensor]
+    centroids: list[torch.Tensor]  # per layer [len(pages), Hkv, D] float32, a view of the pool
 
     @classmethod
-    def allocate(cls, cfg: ModelConfig, pages: list[int], page_size: int, dtype: torch.dtype,
-                 device: torch.device | str) -> SharedPrefix:
-        shape = (cfg.num_layers, cfg.num_kv_heads, len(pages) * page_size, cfg.head_dim)
-        cent = (cfg.num_layers, len(pages), cfg.num_kv_heads, cfg.head_dim)
-        return cls(tuple(pages), torch.empty(shape, dtype=dtype, device=device),
-                   torch.empty(shape, dtype=dtype, device=device),
-                   torch.empty(cent, dtype=torch.float32, device=device))
+    def in_pool(cls, cache: PagedKVCache, pages: list[int], run: list[int]) -> SharedPrefix:
+        """The store of prompt `pages` in the pool pages `run` (consecutive ids, as many as `pages`)."""
+        assert len(run) == len(pages) and run == list(range(run[0], run[0] + len(run)))
+        first, end = run[0], run[0] + len(run)
+        hkv, size, d = cache.k.shape[2:]
+        shape = (hkv, len(run) * size, d)
+        return cls(tuple(pages), tuple(run), [k[first:end].view(shape) for k in cache.k],
+                   [v[first:end].view(shape) for v in cache.v], [c[first:end] for c in cache.centroids])
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, centroids: torch.Tensor) -> None:
+        """Copy layer `layer`'s prompt keys/values [Hkv, tokens, D] and page centroids in."""
+        self.k[layer].copy_(k)
+        self.v[layer].copy_(v)
+        self.centroids[layer].copy_(centroids)
 
     @property
     def tokens(self) -> int:
-        return self.k.shape[2]
+        return self.k[0].shape[1]

@@ -60,10 +60,13 @@ def prefill_tokens(entry: Request | Sequence) -> list[int]:
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_batch: int, max_prefill_tokens: int,
-                 copy_pages: Callable[[list[int], list[int]], None]):
-        """`copy_pages(src, dst)` copies whole pages in the cache (copy on write before a decode)."""
+                 copy_pages: Callable[[list[int], list[int]], None],
+                 reclaim: Callable[[], bool] = lambda: False):
+        """`copy_pages(src, dst)` copies whole pages in the cache (copy on write before a decode).
+        `reclaim()` frees pages held for something other than a sample (the engine's cascade copies)
+        and says whether it did; it is tried before anyone is preempted."""
         self.blocks, self.max_batch, self.max_prefill_tokens = blocks, max_batch, max_prefill_tokens
-        self.copy_pages = copy_pages
+        self.copy_pages, self.reclaim = copy_pages, reclaim
         self.waiting: deque[Request | Sequence] = deque()
         self.ready: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -139,7 +142,8 @@ class Scheduler:
         while i < len(self.running):
             seq = self.running[i]
             while seq.status == Status.RUNNING and self.page_need(seq) and not self.blocks.free:
-                self.preempt(self._victim(seq, i))
+                if not self.reclaim():
+                    self.preempt(self._victim(seq, i))
             if seq.status != Status.RUNNING:
                 break  # it was the latest admitted itself: everyone before it has their page
             if self.page_need(seq):
