@@ -29,6 +29,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from .cpu_prefix_attention import packed_prefix_attention
 from .page_scoring import SelectionPlan, mask_candidates
 from .sparse_decode import GatherWorkspace, PagePlan, attend_gathered, gather_pages, plan_pages
 
@@ -48,7 +49,12 @@ def key_chunks(hkv: int, length: int, threads: int | None = None) -> int:
 def prefix_attention(q: Tensor, prefix_k: Tensor, prefix_v: Tensor, scale: float,
                      chunks: int | None = None) -> tuple[Tensor, Tensor]:
     """q [n, Hq, D] over a shared prefix [Hkv, S, D] -> out [n, Hq, D] float32, lse [n, Hq] float32,
-    the keys in `chunks` pieces (default `key_chunks`)."""
+    the keys in `chunks` pieces (default `key_chunks`). A prefix in the packed layouts of
+    kernels/cpu_prefix_attention.py (5-dim keys) goes to that kernel."""
+    if prefix_k.dim() == 5:
+        hkv, length = prefix_k.shape[0], prefix_k.shape[1] * prefix_k.shape[3]
+        c = key_chunks(hkv, length) if chunks is None else chunks
+        return packed_prefix_attention(q, prefix_k, prefix_v, scale, c)
     n, hq, d = q.shape
     hkv, length = prefix_k.shape[:2]
     g = hq // hkv

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from sparrow.kernels import cpu_prefix_attention
 from sparrow.kernels.cascade_decode import suffix_pages
 from sparrow.kernels.ops import GatherWorkspace, use_triton
 
@@ -314,11 +315,16 @@ class Engine:
                 continue
             run = self.blocks.allocate_run(m)
             if run is not None:
-                prefix = SharedPrefix.in_pool(self.cache, pages[i][:m], run)
+                prefix = SharedPrefix.in_pool(self.cache, pages[i][:m], run, self._pack_prefixes())
                 self.prefixes[x.request_id] = prefix
                 self._unfinished[x.request_id] = x.params.n
                 out.append((i, prefix))
         return out
+
+    def _pack_prefixes(self) -> bool:
+        """Prefix copies in the AVX512-BF16 kernel's layouts: bf16 on a CPU that runs the kernel."""
+        return (cpu_prefix_attention.supports(self.cfg.head_dim, self.page_size, self.dtype)
+                and cpu_prefix_attention.available())
 
     def _release_prefix(self, request_id: int) -> None:
         if request_id in self._unfinished:

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from sparrow.kernels.cpu_prefix_attention import pack_keys, pack_values, packed_key_shape, packed_value_shape
+
 from ..model.config import ModelConfig
 
 
@@ -58,26 +60,28 @@ class SharedPrefix:
 
     pages: tuple[int, ...]
     run: tuple[int, ...]
-    k: list[torch.Tensor]  # per layer [Hkv, len(pages) * P, D] model dtype, a view of the pool
+    tokens: int
+    k: list[torch.Tensor]  # per layer [Hkv, tokens, D] model dtype, a view of the pool (or packed)
     v: list[torch.Tensor]
     centroids: list[torch.Tensor]  # per layer [len(pages), Hkv, D] float32, a view of the pool
+    packed: bool = False  # k and v in the AVX512-BF16 kernel's layouts (kernels/cpu_prefix_attention.py)
 
     @classmethod
-    def in_pool(cls, cache: PagedKVCache, pages: list[int], run: list[int]) -> SharedPrefix:
+    def in_pool(cls, cache: PagedKVCache, pages: list[int], run: list[int],
+                packed: bool = False) -> SharedPrefix:
         """The store of prompt `pages` in the pool pages `run` (consecutive ids, as many as `pages`)."""
         assert len(run) == len(pages) and run == list(range(run[0], run[0] + len(run)))
         first, end = run[0], run[0] + len(run)
         hkv, size, d = cache.k.shape[2:]
-        shape = (hkv, len(run) * size, d)
-        return cls(tuple(pages), tuple(run), [k[first:end].view(shape) for k in cache.k],
-                   [v[first:end].view(shape) for v in cache.v], [c[first:end] for c in cache.centroids])
+        tokens = len(run) * size
+        k_shape = packed_key_shape(hkv, tokens, d) if packed else (hkv, tokens, d)
+        v_shape = packed_value_shape(hkv, tokens, d) if packed else (hkv, tokens, d)
+        return cls(tuple(pages), tuple(run), tokens, [k[first:end].view(k_shape) for k in cache.k],
+                   [v[first:end].view(v_shape) for v in cache.v], [c[first:end] for c in cache.centroids],
+                   packed)
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, centroids: torch.Tensor) -> None:
         """Copy layer `layer`'s prompt keys/values [Hkv, tokens, D] and page centroids in."""
-        self.k[layer].copy_(k)
-        self.v[layer].copy_(v)
+        self.k[layer].copy_(pack_keys(k) if self.packed else k)
+        self.v[layer].copy_(pack_values(v) if self.packed else v)
         self.centroids[layer].copy_(centroids)
-
-    @property
-    def tokens(self) -> int:
-        return self.k[0].shape[1]
