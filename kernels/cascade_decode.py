@@ -29,7 +29,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .cpu_prefix_attention import packed_prefix_attention
+from .cpu_attention import packed_prefix_attention, paged_attention, usable
 from .page_scoring import SelectionPlan, mask_candidates
 from .sparse_decode import GatherWorkspace, PagePlan, attend_gathered, gather_pages, plan_pages
 
@@ -50,7 +50,7 @@ def prefix_attention(q: Tensor, prefix_k: Tensor, prefix_v: Tensor, scale: float
                      chunks: int | None = None) -> tuple[Tensor, Tensor]:
     """q [n, Hq, D] over a shared prefix [Hkv, S, D] -> out [n, Hq, D] float32, lse [n, Hq] float32,
     the keys in `chunks` pieces (default `key_chunks`). A prefix in the packed layouts of
-    kernels/cpu_prefix_attention.py (5-dim keys) goes to that kernel."""
+    kernels/cpu_attention.py (5-dim keys) goes to that kernel."""
     if prefix_k.dim() == 5:
         hkv, length = prefix_k.shape[0], prefix_k.shape[1] * prefix_k.shape[3]
         c = key_chunks(hkv, length) if chunks is None else chunks
@@ -79,7 +79,10 @@ def pages_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Te
                     plan: PagePlan | None = None) -> tuple[Tensor, Tensor]:
     """q [B, Hq, D] over the logical pages `pages` [B, Hkv, K] (-1 = none) -> out [B, Hq, D] fp32 and
     lse [B, Hq] fp32 (-inf, with out 0, for a row with no valid position). `plan`: `plan_pages` of
-    `pages`, reused across layers."""
+    `pages`, reused across layers. Where the C++ kernel runs (kernels/cpu_attention.py), it reads the
+    pages in place instead (no gather, no plan)."""
+    if usable(q, k_pages):
+        return paged_attention(q, k_pages, v_pages, block_table, seq_lens, pages, scale)
     plan = plan or plan_pages(block_table, seq_lens, pages, k_pages.shape[1], k_pages.shape[2])
     keys, values, valid = gather_pages(q, k_pages, v_pages, block_table, seq_lens, pages, workspace, plan)
     return attend_gathered(q, keys, values, valid, scale, plan)

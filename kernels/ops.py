@@ -1,7 +1,8 @@
 """The paged-KV ops of kernels/CONTRACT.md, dispatching between Triton kernels and torch references.
 
-`impl="auto"` runs the Triton kernel when the tensors are on CUDA (and triton is importable) and the
-torch reference otherwise; `impl="triton"` forces the kernel (on CPU tensors only under
+`impl="auto"` runs the Triton kernel when the tensors are on CUDA (and triton is importable); on the
+CPU it runs the C++ kernel of kernels/cpu_attention.py for the attention ops where that kernel builds
+and runs, and the torch reference otherwise; `impl="triton"` forces the kernel (on CPU tensors only under
 `TRITON_INTERPRET=1`), `impl="torch"` forces the reference. Layout (per layer): k_pages, v_pages
 [num_pages_total, Hkv, P, D]; centroids [num_pages_total, Hkv, D] float32; block_table [B, max_pages]
 int32 physical page ids (-1 unused); seq_lens [B] int32 including the token being decoded.
@@ -9,8 +10,10 @@ int32 physical page ids (-1 unused); seq_lens [B] int32 including the token bein
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
+from . import cpu_attention
 from ._triton_utils import HAS_TRITON, interpreter_usable
 from .append_kv import append_kv_reference, append_kv_triton, write_prefill
 from .dense_decode import dense_decode_reference, dense_decode_triton
@@ -94,6 +97,10 @@ def sparse_paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_ta
     if use_triton(impl, q):
         return sparse_decode_triton(q, k_pages, v_pages, block_table, seq_lens, selected, scale,
                                     num_splits=num_splits)
+    if impl == "auto" and cpu_attention.usable(q, k_pages):
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        return cpu_attention.paged_attention(q, k_pages, v_pages, block_table, seq_lens, selected,
+                                             scale)[0].to(q.dtype)
     return sparse_decode_reference(q, k_pages, v_pages, block_table, seq_lens, selected, scale, workspace)
 
 
@@ -103,4 +110,9 @@ def dense_paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_tab
     """Exact softmax attention over all cached tokens (positions < seq_len) -> [B, Hq, D]."""
     if use_triton(impl, q):
         return dense_decode_triton(q, k_pages, v_pages, block_table, seq_lens, scale, num_splits=num_splits)
+    if impl == "auto" and cpu_attention.usable(q, k_pages):
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        every = torch.arange(block_table.shape[1])[None, None, :].expand(q.shape[0], k_pages.shape[1], -1)
+        return cpu_attention.paged_attention(q, k_pages, v_pages, block_table, seq_lens, every,
+                                             scale)[0].to(q.dtype)
     return dense_decode_reference(q, k_pages, v_pages, block_table, seq_lens, scale, workspace)

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from sparrow.kernels import cpu_prefix_attention
+from sparrow.kernels import cpu_attention
 from sparrow.kernels.cascade_decode import suffix_pages
 from sparrow.kernels.ops import GatherWorkspace, use_triton
 
@@ -323,8 +323,8 @@ class Engine:
 
     def _pack_prefixes(self) -> bool:
         """Prefix copies in the AVX512-BF16 kernel's layouts: bf16 on a CPU that runs the kernel."""
-        return (cpu_prefix_attention.supports(self.cfg.head_dim, self.page_size, self.dtype)
-                and cpu_prefix_attention.available())
+        return (cpu_attention.supports(self.cfg.head_dim, self.page_size, self.dtype)
+                and cpu_attention.available())
 
     def _release_prefix(self, request_id: int) -> None:
         if request_id in self._unfinished:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sparrow.kernels.cpu_prefix_attention import pack_keys, pack_values, packed_key_shape, packed_value_shape
+from sparrow.kernels.cpu_attention import pack_keys, pack_values, packed_key_shape, packed_value_shape
 
 from ..model.config import ModelConfig
 
@@ -64,7 +64,7 @@ class SharedPrefix:
     k: list[torch.Tensor]  # per layer [Hkv, tokens, D] model dtype, a view of the pool (or packed)
     v: list[torch.Tensor]
     centroids: list[torch.Tensor]  # per layer [len(pages), Hkv, D] float32, a view of the pool
-    packed: bool = False  # k and v in the AVX512-BF16 kernel's layouts (kernels/cpu_prefix_attention.py)
+    packed: bool = False  # k and v in the AVX512-BF16 kernel's layouts (kernels/cpu_attention.py)
 
     @classmethod
     def in_pool(cls, cache: PagedKVCache, pages: list[int], run: list[int],

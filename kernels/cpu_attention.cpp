@@ -1,5 +1,6 @@
-// Cascade prefix attention for a CPU decode step in bf16, with AVX512-BF16 dot products.
-// The torch reference, the layouts and why: kernels/cpu_prefix_attention.py.
+// CPU decode attention kernels (AVX512): the cascade's shared prefix in bf16 with AVX512-BF16 dot
+// products, and attention over listed pages of the paged pool read in place.
+// The torch references, the layouts and why: kernels/cpu_attention.py.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -166,9 +167,130 @@ std::tuple<at::Tensor, at::Tensor> prefix_attention(const at::Tensor& q, const a
   return {out, lse};
 }
 
+
+inline __m512 load_f32(const float* x) { return _mm512_loadu_ps(x); }
+inline __m512 load_f32(const at::BFloat16* x) {  // 16 bf16 -> fp32: the bf16 bits are the high half
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)x)), 16));
+}
+
+// One (sequence, KV head): the G query rows q [G, D] fp32 (scaled) over the valid positions of the
+// logical pages `pages` [K] (-1 = none) -> out [G, D] (normalised) and lse [G] fp32.
+template <typename T, int D>
+void attend_pages(const float* q, int G, const T* k_pages, const T* v_pages, int64_t page_stride,
+                  int64_t head_offset, int P, const int32_t* table, int n_table, int seq_len,
+                  const int64_t* pages, int K, float* out, float* lse) {
+  constexpr int DV = D / 16;
+  constexpr int GMAX = 16;
+  __m512 acc[GMAX][DV];
+  float m[GMAX], l[GMAX];
+  for (int g = 0; g < G; ++g) {
+    m[g] = -std::numeric_limits<float>::infinity();
+    l[g] = 0.f;
+    for (int d = 0; d < DV; ++d) acc[g][d] = _mm512_setzero_ps();
+  }
+  alignas(64) float s[GMAX][16];
+  for (int i = 0; i < K; ++i) {
+    const int64_t page = pages[i];
+    if (page < 0 || page >= n_table || table[page] < 0) continue;
+    const int n = std::min<int64_t>(P, seq_len - page * P);
+    if (n <= 0) continue;
+    const T* kp = k_pages + table[page] * page_stride + head_offset;
+    const T* vp = v_pages + table[page] * page_stride + head_offset;
+    for (int j0 = 0; j0 < n; j0 += 16) {  // pages of more than 16 positions go 16 at a time
+      const int nj = std::min(16, n - j0);
+      for (int j = 0; j < nj; ++j) {
+        __m512 kv[DV];
+        for (int d = 0; d < DV; ++d) kv[d] = load_f32(kp + (j0 + j) * D + d * 16);
+        for (int g = 0; g < G; ++g) {
+          __m512 dot = _mm512_mul_ps(_mm512_loadu_ps(q + g * D), kv[0]);
+          for (int d = 1; d < DV; ++d) dot = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * D + d * 16), kv[d], dot);
+          s[g][j] = _mm512_reduce_add_ps(dot);
+        }
+      }
+      const __mmask16 valid = (__mmask16)((1u << nj) - 1);
+      for (int g = 0; g < G; ++g) {
+        const __m512 sv = _mm512_mask_loadu_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), valid, s[g]);
+        const float m_new = std::max(m[g], _mm512_reduce_max_ps(sv));
+        const float alpha = std::exp(m[g] - m_new);
+        const __m512 p = _mm512_maskz_mov_ps(valid, exp_ps(_mm512_sub_ps(sv, _mm512_set1_ps(m_new))));
+        l[g] = l[g] * alpha + _mm512_reduce_add_ps(p);
+        m[g] = m_new;
+        for (int d = 0; d < DV; ++d) acc[g][d] = _mm512_mul_ps(acc[g][d], _mm512_set1_ps(alpha));
+        _mm512_store_ps(s[g], p);
+      }
+      for (int j = 0; j < nj; ++j) {
+        __m512 vv[DV];
+        for (int d = 0; d < DV; ++d) vv[d] = load_f32(vp + (j0 + j) * D + d * 16);
+        for (int g = 0; g < G; ++g) {
+          const __m512 pj = _mm512_set1_ps(s[g][j]);
+          for (int d = 0; d < DV; ++d) acc[g][d] = _mm512_fmadd_ps(pj, vv[d], acc[g][d]);
+        }
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
+    for (int d = 0; d < DV; ++d) _mm512_storeu_ps(out + g * D + d * 16, _mm512_mul_ps(acc[g][d], _mm512_set1_ps(inv)));
+    lse[g] = l[g] > 0.f ? m[g] + std::log(l[g]) : -std::numeric_limits<float>::infinity();
+  }
+}
+
+// q [B, Hq, D] fp32; k/v pages [N, Hkv, P, D] (fp32 or bf16); block_table [B, W] int32; seq_lens [B]
+// int32; pages [B, Hkv, K] int64 logical (-1 = none) -> out [B, Hq, D], lse [B, Hq] fp32
+std::tuple<at::Tensor, at::Tensor> paged_attention(const at::Tensor& q, const at::Tensor& k_pages,
+                                                   const at::Tensor& v_pages, const at::Tensor& block_table,
+                                                   const at::Tensor& seq_lens, const at::Tensor& pages,
+                                                   double scale) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && q.is_contiguous(), "q: contiguous fp32 expected");
+  TORCH_CHECK(k_pages.scalar_type() == v_pages.scalar_type() && k_pages.is_contiguous() && v_pages.is_contiguous(),
+              "k/v pages: contiguous, one dtype");
+  TORCH_CHECK(block_table.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+              pages.scalar_type() == at::kLong && block_table.is_contiguous() && pages.is_contiguous(),
+              "block_table/seq_lens int32, pages int64, contiguous");
+  const int B = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = k_pages.size(1), P = k_pages.size(2);
+  const int G = Hq / Hkv, K = pages.size(2), W = block_table.size(1);
+  TORCH_CHECK(D == 64 || D == 128, "head dim 64 or 128 expected");
+  TORCH_CHECK(G <= 16 && Hq % Hkv == 0, "at most 16 query heads per KV head");
+  auto qs = (q * scale).contiguous();
+  auto out = at::empty({B, Hq, D}, q.options()), lse = at::empty({B, Hq}, q.options());
+  const float* qd = qs.data_ptr<float>();
+  float *od = out.data_ptr<float>(), *ld = lse.data_ptr<float>();
+  const int32_t* table = block_table.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int64_t* pd = pages.data_ptr<int64_t>();
+  const int64_t page_stride = (int64_t)Hkv * P * D, head_stride = (int64_t)P * D;
+  const bool bf16 = k_pages.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(bf16 || k_pages.scalar_type() == at::kFloat, "k/v pages: fp32 or bf16");
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int b = t / Hkv, h = t % Hkv;
+      const float* qh = qd + ((int64_t)b * Hq + h * G) * D;
+      float* oh = od + ((int64_t)b * Hq + h * G) * D;
+      float* lh = ld + (int64_t)b * Hq + h * G;
+      const int64_t* ph = pd + ((int64_t)b * Hkv + h) * K;
+      const int32_t* tb = table + (int64_t)b * W;
+      if (bf16) {
+        auto* kd = k_pages.data_ptr<at::BFloat16>();
+        auto* vd = v_pages.data_ptr<at::BFloat16>();
+        if (D == 64) attend_pages<at::BFloat16, 64>(qh, G, kd, vd, page_stride, h * head_stride, P, tb, W, lens[b], ph, K, oh, lh);
+        else attend_pages<at::BFloat16, 128>(qh, G, kd, vd, page_stride, h * head_stride, P, tb, W, lens[b], ph, K, oh, lh);
+      } else {
+        auto* kd = k_pages.data_ptr<float>();
+        auto* vd = v_pages.data_ptr<float>();
+        if (D == 64) attend_pages<float, 64>(qh, G, kd, vd, page_stride, h * head_stride, P, tb, W, lens[b], ph, K, oh, lh);
+        else attend_pages<float, 128>(qh, G, kd, vd, page_stride, h * head_stride, P, tb, W, lens[b], ph, K, oh, lh);
+      }
+    }
+  });
+  return {out, lse};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(sparrow_cpu, m) {
   m.def("prefix_attention(Tensor q, Tensor kp, Tensor vp, float scale, int chunks) -> (Tensor, Tensor)");
   m.impl("prefix_attention", c10::DispatchKey::CPU, TORCH_FN(prefix_attention));
+  m.def("paged_attention(Tensor q, Tensor k_pages, Tensor v_pages, Tensor block_table, Tensor seq_lens, "
+        "Tensor pages, float scale) -> (Tensor, Tensor)");
+  m.impl("paged_attention", c10::DispatchKey::CPU, TORCH_FN(paged_attention));
 }

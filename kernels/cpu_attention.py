@@ -1,4 +1,14 @@
-"""The cascade's shared-prefix attention on the CPU in bf16: a C++ kernel with AVX512-BF16 dot products.
+"""CPU decode attention kernels in C++ (AVX512): the cascade's shared prefix in bf16, and listed pages.
+
+`paged_attention`: the G query rows of each (sequence, KV head) over the valid positions of a list of
+logical pages (the selected pages of a sparse layer, the suffix pages of a cascade step), read in place
+from the pool through the block table, with an online softmax in fp32 (bf16 pages are widened as they
+are loaded). The torch path gathers the pages into a buffer and calls the flash kernel, about 0.6 ms per
+layer at budget 512 x 8 samples, most of it the gather, the masks and a flash call whose 3-row queries
+it does not parallelise well; this reads each page once and splits the work over (sequence, KV head).
+Reference: `paged_attention_reference` (float64, positions listed one by one).
+
+`packed_prefix_attention`, the cascade's shared prefix:
 
 In a dense bf16 decode step of 8 samples over a shared 6K-token prompt, the prefix attention is most
 of the step: 24 query rows per KV head against 6K keys, about 0.11 GFLOP per layer. PyTorch's CPU
@@ -20,8 +30,8 @@ and attend in fp64.
 
 The kernel is built on first use with torch's C++ extension loader (a C++ compiler and ninja; 10-80 s,
 then cached) for CPUs with AVX512-BF16 only. Where it cannot be built or run, or with
-SPARROW_CPU_KERNELS=0, `available()` is False and the engine keeps the plain layout and the flash
-kernel.
+SPARROW_CPU_KERNELS=0, `available()` is False and the engine keeps the plain layout and the torch
+paths (gather + flash kernel).
 """
 
 from __future__ import annotations
@@ -53,9 +63,9 @@ def available() -> bool:
     try:
         from torch.utils.cpp_extension import _get_build_directory, load
 
-        name = "sparrow_cpu_prefix_attention"
+        name = "sparrow_cpu_attention"
         if not (Path(_get_build_directory(name, verbose=False)) / f"{name}.so").exists():
-            print("sparrow: building the AVX512-BF16 prefix attention kernel (once)", file=sys.stderr)
+            print("sparrow: building the CPU attention kernels (once)", file=sys.stderr)
         load(name, [str(Path(__file__).with_suffix(".cpp"))],
              extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512bf16",
                            "-fopenmp"],
@@ -69,7 +79,52 @@ def available() -> bool:
 
 
 def supports(head_dim: int, page_size: int, dtype: torch.dtype) -> bool:
+    """Whether a prefix of this shape can be packed for `packed_prefix_attention`."""
     return dtype == torch.bfloat16 and head_dim in (64, 128) and page_size % KEY_BLOCK == 0
+
+
+def usable(q: Tensor, k_pages: Tensor) -> bool:
+    """Whether `paged_attention` takes q [B, Hq, D] over pages [N, Hkv, P, D] here."""
+    d, hkv = k_pages.shape[-1], k_pages.shape[1]
+    return (q.device.type == "cpu" and k_pages.dtype in (torch.float32, torch.bfloat16) and d in (64, 128)
+            and q.shape[1] % hkv == 0 and q.shape[1] // hkv <= 16 and available())
+
+
+def paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor, seq_lens: Tensor,
+                    pages: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """q [B, Hq, D] over the positions < seq_lens of the logical pages `pages` [B, Hkv, K] (-1 = none),
+    read through block_table [B, W] -> out [B, Hq, D] fp32, lse [B, Hq] fp32 (-inf and 0 for a row with
+    no valid position)."""
+    if not available():
+        raise RuntimeError("the CPU attention kernels are not available here")
+    return torch.ops.sparrow_cpu.paged_attention(
+        q.float().contiguous(), k_pages, v_pages, block_table.int().contiguous(), seq_lens.int().contiguous(),
+        pages.long().contiguous(), scale)
+
+
+def paged_attention_reference(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor,
+                              seq_lens: Tensor, pages: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """`paged_attention` in float64, one (sequence, KV head) at a time."""
+    b, hq, d = q.shape
+    hkv, size = k_pages.shape[1], k_pages.shape[2]
+    g = hq // hkv
+    out = torch.zeros(b, hq, d, dtype=torch.float64)
+    lse = torch.full((b, hq), float("-inf"), dtype=torch.float64)
+    for i in range(b):
+        for h in range(hkv):
+            keys, values = [], []
+            for page in pages[i, h].tolist():
+                phys = int(block_table[i, page]) if 0 <= page < block_table.shape[1] else -1
+                for j in range(size) if phys >= 0 else ():
+                    if page * size + j < int(seq_lens[i]):
+                        keys.append(k_pages[phys, h, j])
+                        values.append(v_pages[phys, h, j])
+            if keys:
+                rows = slice(h * g, (h + 1) * g)
+                scores = q[i, rows].double() @ torch.stack(keys).double().T * scale
+                lse[i, rows] = torch.logsumexp(scores, -1)
+                out[i, rows] = torch.softmax(scores, -1) @ torch.stack(values).double()
+    return out, lse
 
 
 def packed_key_shape(hkv: int, length: int, head_dim: int) -> tuple[int, ...]:

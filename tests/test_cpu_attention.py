@@ -1,12 +1,12 @@
 """The AVX512-BF16 prefix attention kernel against float64 attention on the unpacked prefix, its
-layouts against their definition, and the engine using it in bf16 (kernels/cpu_prefix_attention.py)."""
+layouts against their definition, and the engine using it in bf16 (kernels/cpu_attention.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from sparrow.kernels import cpu_prefix_attention as kernel
+from sparrow.kernels import cpu_attention as kernel
 from sparrow.kernels.cascade_decode import prefix_attention
 from sparrow.stages.model.loading import load_model
 from sparrow.stages.rollout import Engine, SamplingParams
@@ -63,3 +63,42 @@ def test_engine_in_bf16_stores_packed_prefixes_and_samples_as_without():
     gaps = torch.tensor([abs(x - y) for a, b in zip(*runs) for x, y in zip(a.logprobs, b.logprobs)])
     assert [c.token_ids for c in runs[0]] == [c.token_ids for c in runs[1]]
     assert gaps.max() < 0.5 and gaps.mean() < 0.1
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("b,hq,hkv,d,page", [(3, 9, 3, 64, 16), (2, 8, 2, 128, 16), (2, 6, 3, 64, 32)])
+def test_paged_attention_equals_float64_over_the_listed_positions(dtype, b, hq, hkv, d, page):
+    """Listed pages in any order, -1 padding, pages past the block table's end or unmapped (-1), a
+    partial last page (positions >= seq_len left out) and a row with no page at all (lse -inf, out 0)."""
+    g = torch.Generator().manual_seed(b * d + page)
+    k_pages, v_pages = torch.randn(2, 40, hkv, page, d, generator=g).to(dtype)
+    table = torch.randperm(40, generator=g)[: b * 10].view(b, 10).int()
+    table[0, 8:] = -1
+    seq_lens = torch.tensor([8 * page - 5, 10 * page, 3 * page + 1][:b]).int()
+    pages = torch.randint(-1, 12, (b, hkv, 6), generator=g)
+    pages[-1, 0] = -1
+    q = torch.randn(b, hq, d, generator=g)
+    args = (q, k_pages, v_pages, table, seq_lens, pages, d ** -0.5)
+    out, lse = kernel.paged_attention(*args)
+    want_out, want_lse = kernel.paged_attention_reference(*args)
+    torch.testing.assert_close(out.double(), want_out, atol=2e-6, rtol=0)
+    assert torch.equal(lse.isinf(), want_lse.isinf()) and lse[-1, : hq // hkv].isinf().all()
+    finite = ~want_lse.isinf()
+    torch.testing.assert_close(lse.double()[finite], want_lse[finite], atol=2e-6, rtol=0)
+
+
+@needs_kernel
+def test_ops_run_the_kernel_on_auto_and_the_torch_reference_on_torch():
+    from sparrow.kernels import ops
+
+    g = torch.Generator().manual_seed(0)
+    k_pages, v_pages = torch.randn(2, 12, 3, 16, 64, generator=g)
+    table = torch.arange(12).view(2, 6).int()
+    seq_lens = torch.tensor([90, 57]).int()
+    q = torch.randn(2, 9, 64, generator=g)
+    selected = torch.tensor([[0, 2, 5], [1, 3, -1]]).int()[:, None, :].expand(-1, 3, -1)
+    for op, args in ((ops.sparse_paged_attention, (selected,)), (ops.dense_paged_attention, ())):
+        auto = op(q, k_pages, v_pages, table, seq_lens, *args)
+        reference = op(q, k_pages, v_pages, table, seq_lens, *args, impl="torch")
+        torch.testing.assert_close(auto, reference, atol=1e-5, rtol=0)
