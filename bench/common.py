@@ -58,27 +58,6 @@ def copy_bandwidth(device: torch.device, gib: float = 1.0) -> float:
     return 2 * src.numel() * 4 / min(timed(lambda: dst.copy_(src), device, 5))
 
 
-def tune_cpu_allocator() -> bool:
-    """Keep glibc from handing out every large block as a fresh mmap (and trimming the heap).
-
-    Code that allocates tens of MB per step, such as a growing `torch.cat` KV cache, otherwise pays a
-    page fault per 4 KiB every step (our engine's own step, before it reused its gather buffers: 0.90 s
-    instead of 0.44 s with these settings). Our engine no longer needs this; the rollout bench applies
-    it before the Hugging Face baseline so that the baseline runs at its best. Process-wide and irreversible;
-    returns False where it does not apply (not glibc)."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        ok = libc.mallopt(-3, ctypes.c_int(1 << 30))  # M_MMAP_THRESHOLD: 1 GiB
-        ok &= libc.mallopt(-1, ctypes.c_int(2**31 - 1))  # M_TRIM_THRESHOLD: never trim
-        ok &= libc.mallopt(-2, ctypes.c_int(1 << 30))  # M_TOP_PAD: grow the heap 1 GiB at a time
-        return bool(ok)
-    except (OSError, AttributeError):
-        return False
-
-
 def write_results(rows: list[dict], name: str) -> None:
     """bench/results/<name>.parquet (machine-specific, not tracked)."""
     import pyarrow as pa

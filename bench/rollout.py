@@ -9,8 +9,8 @@ Measured in one process on the same device: the dense engine, the sparse engine 
 with a schedule, and transformers' greedy `generate` on the same weights (the embedded checkpoint
 directory) with the prompt repeated once per sample (HF prefills every copy; the engine prefills once
 and shares the pages, so end-to-end numbers favour the engine and decode-only numbers are the fair
-comparison). HF runs last, after `tune_cpu_allocator` (its growing cache needs it; our engine does
-not).
+comparison). HF runs last. On the CPU our engine tunes glibc's allocator for the process
+(stages/rollout/allocator.py), so every run here, vLLM's and HF's included, runs with it.
 vLLM (when installed: `make vllm`) runs after our engine, on the same prompt, samples, new tokens and
 temperature, dense, in `--vllm-dtype` (default: our engine's dtype, fp32 on the CPU), with prefix
 caching, in-process, with its global seed (per-request seeds fail on the CPU). Its start-up (load +
@@ -41,7 +41,7 @@ import time
 
 import numpy as np
 import torch
-from common import copy_bandwidth, sync, tune_cpu_allocator, write_results
+from common import copy_bandwidth, sync, write_results
 
 from sparrow.stages.model.loading import embedded_checkpoint, load_model
 from sparrow.stages.published_schedules import published_budgets
@@ -257,8 +257,6 @@ def main() -> None:
             print(f"  {row['engine']}: {row['total_s']:.1f} s (+ {row['setup_s']:.0f} s start-up)",
                   flush=True)
     if not (args.no_hf or args.random_weights):
-        if device.type == "cpu":
-            tune_cpu_allocator()  # after our runs: it is process-wide
         row = run_hf(args, prompt, device, dtype)
         row["setup_s"] = float("nan")  # not timed (from_pretrained)
         for key, once in (("kv_bytes_per_step", False), ("kv_unique_bytes_per_step", True)):

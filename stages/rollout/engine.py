@@ -38,6 +38,7 @@ from sparrow.kernels.ops import GatherWorkspace, use_triton
 from ..attention import DEFAULT_DENSE_LAYERS, PAGE_SIZE
 from ..model.llama import Transformer
 from ..sparsity import Sparsity, budget_fn
+from .allocator import tune_cpu_allocator
 from .attention import Cascade, DecodeAttention, PrefillAttention, Recompute
 from .block_manager import BlockManager
 from .kv_cache import PagedKVCache, SharedPrefix
@@ -88,6 +89,8 @@ class Engine:
             raise ValueError(f"decode_graphs must be one of {DECODE_GRAPHS}, got {decode_graphs!r}")
         self.model, self.cfg = model, model.cfg
         self.device = model.embed_tokens.weight.device
+        if self.device.type == "cpu":
+            tune_cpu_allocator()
         self.dtype = model.embed_tokens.weight.dtype
         self.page_size, self.dense_layers, self.impl = page_size, tuple(dense_layers), impl
         self.budget_at = budget_fn(sparsity, page_size)
