@@ -13,6 +13,8 @@
 #include <cstring>
 #include <limits>
 #include <tuple>
+#include <utility>
+#include <vector>
 
 namespace {
 
@@ -285,6 +287,57 @@ std::tuple<at::Tensor, at::Tensor> paged_attention(const at::Tensor& q, const at
   return {out, lse};
 }
 
+// Block top-k selection from page scores [B, Hkv, W] fp32 (-inf = not a candidate): per row keep pages
+// 0, last-1, last (those that exist) and the n_select best candidates (ties: the lower page first;
+// n_select = budget / P - reserved, or every page when budget is 0) -> [B, Hkv, K] int32 logical
+// pages sorted ascending, padded with -1, K = max kept over the rows (at least `min_width`).
+at::Tensor select_pages(const at::Tensor& scores, const at::Tensor& seq_lens, const at::Tensor& budgets,
+                        int64_t page_size, int64_t reserved, int64_t min_width) {
+  TORCH_CHECK(scores.scalar_type() == at::kFloat && scores.is_contiguous(), "scores: contiguous fp32");
+  TORCH_CHECK(seq_lens.scalar_type() == at::kInt && budgets.scalar_type() == at::kInt, "int32 lengths, budgets");
+  const int B = scores.size(0), H = scores.size(1), W = scores.size(2);
+  const float* sd = scores.data_ptr<float>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* bud = budgets.data_ptr<int32_t>();
+  std::vector<std::vector<int32_t>> kept(B * H);
+  at::parallel_for(0, B * H, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<std::pair<float, int32_t>> cand;
+    std::vector<char> keep(W);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int b = t / H;
+      const int64_t last = (lens[b] - 1) / page_size, n_pages = (lens[b] + page_size - 1) / page_size;
+      const int64_t n_select = bud[b] > 0 ? std::max<int64_t>(bud[b] / page_size - reserved, 0) : W;
+      const float* row = sd + t * W;
+      std::fill(keep.begin(), keep.end(), 0);
+      cand.clear();
+      for (int j = 0; j < W; ++j) {
+        const bool is_reserved = (j == 0 || j == last - 1 || j == last) && j < n_pages;
+        if (is_reserved) keep[j] = 1;
+        else if (j >= 1 && j <= last - 2 && row[j] > -std::numeric_limits<float>::infinity())
+          cand.emplace_back(row[j], j);
+      }
+      auto better = [](const std::pair<float, int32_t>& a, const std::pair<float, int32_t>& b) {
+        return a.first > b.first || (a.first == b.first && a.second < b.second);
+      };
+      if ((int64_t)cand.size() > n_select) {
+        std::nth_element(cand.begin(), cand.begin() + n_select, cand.end(), better);
+        cand.resize(n_select);
+      }
+      for (const auto& c : cand) keep[c.second] = 1;
+      auto& out = kept[t];
+      out.clear();
+      for (int j = 0; j < W; ++j)
+        if (keep[j]) out.push_back(j);
+    }
+  });
+  int64_t width = min_width;
+  for (const auto& k : kept) width = std::max<int64_t>(width, k.size());
+  auto selected = at::full({B, H, width}, -1, scores.options().dtype(at::kInt));
+  int32_t* od = selected.data_ptr<int32_t>();
+  for (int64_t t = 0; t < B * H; ++t) std::copy(kept[t].begin(), kept[t].end(), od + t * width);
+  return selected;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(sparrow_cpu, m) {
@@ -293,4 +346,7 @@ TORCH_LIBRARY(sparrow_cpu, m) {
   m.def("paged_attention(Tensor q, Tensor k_pages, Tensor v_pages, Tensor block_table, Tensor seq_lens, "
         "Tensor pages, float scale) -> (Tensor, Tensor)");
   m.impl("paged_attention", c10::DispatchKey::CPU, TORCH_FN(paged_attention));
+  m.def("select_pages(Tensor scores, Tensor seq_lens, Tensor budgets, int page_size, int reserved, "
+        "int min_width) -> Tensor");
+  m.impl("select_pages", c10::DispatchKey::CPU, TORCH_FN(select_pages));
 }

@@ -8,6 +8,9 @@ layer at budget 512 x 8 samples, most of it the gather, the masks and a flash ca
 it does not parallelise well; this reads each page once and splits the work over (sequence, KV head).
 Reference: `paged_attention_reference` (float64, positions listed one by one).
 
+`select_pages`: block top-k selection from page scores in one op (the torch path's topk, scatter,
+masks and sort are about a dozen small ops per layer).
+
 `packed_prefix_attention`, the cascade's shared prefix:
 
 In a dense bf16 decode step of 8 samples over a shared 6K-token prompt, the prefix attention is most
@@ -43,6 +46,8 @@ from pathlib import Path
 
 import torch
 from torch import Tensor
+
+from sparrow.stages.definitions import RESERVED_PAGES
 
 KEY_BLOCK = 16  # keys per packed key block
 
@@ -100,6 +105,18 @@ def paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Te
     return torch.ops.sparrow_cpu.paged_attention(
         q.float().contiguous(), k_pages, v_pages, block_table.int().contiguous(), seq_lens.int().contiguous(),
         pages.long().contiguous(), scale)
+
+
+def select_pages(scores: Tensor, seq_lens: Tensor, budgets: Tensor, page_size: int,
+                 max_selected: int | None = None) -> Tensor:
+    """`page_scoring.finish_selection` in one op: page scores [B, Hkv, W] (-inf = not a candidate) ->
+    [B, Hkv, K] int32 logical pages, sorted, -1 padded. Ties keep the lower page, as the Triton
+    selection kernel does (torch.topk's order among equal scores is unspecified)."""
+    if not available():
+        raise RuntimeError("the CPU attention kernels are not available here")
+    selected = torch.ops.sparrow_cpu.select_pages(scores.float().contiguous(), seq_lens.int(), budgets.int(),
+                                                  page_size, RESERVED_PAGES, max_selected or 0)
+    return selected if max_selected is None else selected[..., :max_selected]
 
 
 def paged_attention_reference(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor,

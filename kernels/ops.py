@@ -18,11 +18,14 @@ from ._triton_utils import HAS_TRITON, interpreter_usable
 from .append_kv import append_kv_reference, append_kv_triton, write_prefill
 from .dense_decode import dense_decode_reference, dense_decode_triton
 from .page_scoring import (
-    finish_selection,
+    SelectionPlan,
     page_scores_reference,
     page_scores_triton,
     page_scoring_reference,
     page_scoring_triton,
+)
+from .page_scoring import (
+    finish_selection as finish_selection_reference,
 )
 from .sparse_decode import GatherWorkspace, sparse_decode_reference, sparse_decode_triton
 
@@ -85,7 +88,20 @@ def select_pages(q: Tensor, centroids: Tensor, block_table: Tensor, seq_lens: Te
     at least that maximum, e.g. max(budget) / P, or max_pages when a request may be dense)."""
     if use_triton(impl, q):
         return page_scoring_triton(q, centroids, block_table, seq_lens, budgets, page_size, max_selected)
+    if impl == "auto" and q.device.type == "cpu" and cpu_attention.available():
+        scores = page_scores_reference(q, centroids, block_table, seq_lens, page_size)
+        return cpu_attention.select_pages(scores, seq_lens, budgets, page_size, max_selected)
     return page_scoring_reference(q, centroids, block_table, seq_lens, budgets, page_size, max_selected)
+
+
+def finish_selection(scores: Tensor, seq_lens: Tensor, budgets: Tensor, page_size: int = 16,
+                     max_selected: int | None = None, plan: SelectionPlan | None = None,
+                     impl: str = "auto") -> Tensor:
+    """Page scores [B, Hkv, max_pages] (-inf = not a candidate) -> selected logical pages [B, Hkv, K]
+    (`plan`: the step's `plan_selection`, which the torch reference reuses across layers)."""
+    if impl == "auto" and scores.device.type == "cpu" and cpu_attention.available():
+        return cpu_attention.select_pages(scores, seq_lens, budgets, page_size, max_selected)
+    return finish_selection_reference(scores, seq_lens, budgets, page_size, max_selected, plan)
 
 
 def sparse_paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor,

@@ -8,6 +8,7 @@ import torch
 
 from sparrow.kernels import cpu_attention as kernel
 from sparrow.kernels.cascade_decode import prefix_attention
+from sparrow.kernels.page_scoring import mask_candidates
 from sparrow.stages.model.loading import load_model
 from sparrow.stages.rollout import Engine, SamplingParams
 
@@ -102,3 +103,24 @@ def test_ops_run_the_kernel_on_auto_and_the_torch_reference_on_torch():
         auto = op(q, k_pages, v_pages, table, seq_lens, *args)
         reference = op(q, k_pages, v_pages, table, seq_lens, *args, impl="torch")
         torch.testing.assert_close(auto, reference, atol=1e-5, rtol=0)
+
+
+@needs_kernel
+def test_select_pages_equals_the_torch_selection_and_keeps_the_lower_page_on_a_tie():
+    from sparrow.kernels.page_scoring import finish_selection
+
+    g = torch.Generator().manual_seed(0)
+    seq_lens = torch.tensor([300, 17, 1, 160, 700]).int()  # pages: 19, 2, 1, 10, 44
+    budgets = torch.tensor([96, 64, 48, 0, 160]).int()  # the fourth row dense
+    scores = torch.randn(5, 3, 48, generator=g)
+    table = torch.arange(5 * 48).view(5, 48).int()
+    table[4, 30:] = -1  # unmapped pages are never candidates
+    scores = mask_candidates(scores, table, seq_lens, 16)
+    want = finish_selection(scores, seq_lens, budgets)
+    assert torch.equal(kernel.select_pages(scores, seq_lens, budgets, 16), want)
+    assert torch.equal(kernel.select_pages(scores, seq_lens, budgets, 16, max_selected=48),
+                       finish_selection(scores, seq_lens, budgets, max_selected=48))
+    tied = torch.zeros(1, 1, 12)  # 12 pages, all candidates 1..9 scored equal; budget keeps 2 of them
+    tied = mask_candidates(tied, torch.arange(12).view(1, 12).int(), torch.tensor([192]).int(), 16)
+    picked = kernel.select_pages(tied, torch.tensor([192]).int(), torch.tensor([80]).int(), 16)
+    assert picked.tolist() == [[[0, 1, 2, 10, 11]]]
