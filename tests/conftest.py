@@ -12,6 +12,20 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("SPARROW_HOME", str(Path(__file__).resolve().parent.parent / ".sparrow-home"))
 
 
+def _share_the_cores_between_workers() -> None:
+    """Under `pytest -n W`, W worker processes each take cores / W threads: with every worker on every
+    core, OpenMP's spin-waiting parallel regions (torch's and our CPU kernels') fight each other
+    (`make test` went from about 8 to 14 minutes on 2 cores once the kernels ran in every engine test)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        import torch
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+
+
+_share_the_cores_between_workers()
+
+
 @pytest.fixture(scope="module")
 def prompts_file(tmp_path_factory, smollm2):
     """Two basic_arithmetic prompts (the embedded model's tokenizer) as a prompts artifact; test modules
