@@ -43,6 +43,7 @@ import numpy as np
 import torch
 from common import copy_bandwidth, sync, write_results
 
+from sparrow.kernels import cpu_attention
 from sparrow.stages.model.loading import embedded_checkpoint, load_model
 from sparrow.stages.published_schedules import published_budgets
 from sparrow.stages.rollout import Engine, SamplingParams
@@ -89,8 +90,10 @@ def kv_bytes_per_step(cfg, prompt: int, new: int, samples: int, budget_at, dense
 
 def warm_up(model, prompt, args, runs) -> None:
     """Compile every Triton kernel variant the timed runs use (a GPU's first launch of each costs about
-    a second) on a short generation past the budget, so that no timed run pays for compiling."""
+    a second) on a short generation past the budget, so that no timed run pays for compiling. On the
+    CPU, load (or build, once per machine) the C++ attention kernels."""
     if model.embed_tokens.weight.device.type != "cuda":
+        cpu_attention.available()
         return
     short = prompt[: max(4 * args.budget, 4096)]
     params = SamplingParams(max_new_tokens=4, n=args.samples, temperature=args.temperature, seed=0,

@@ -31,15 +31,16 @@ bf16. Work is split over (KV head, key chunk) and the chunks merged by log-sum-e
 `cascade_decode.prefix_attention` does. `prefix_attention_reference` is the torch reference: unpack
 and attend in fp64.
 
-The kernel is built on first use with torch's C++ extension loader (a C++ compiler and ninja; 10-80 s,
-then cached) for CPUs with AVX512-BF16 only. Where it cannot be built or run, or with
-SPARROW_CPU_KERNELS=0, `available()` is False and the engine keeps the plain layout and the torch
-paths (gather + flash kernel).
+The kernels are built on first use with torch's C++ extension loader (a C++ compiler and ninja; 10-80 s)
+for CPUs with AVX512-BF16 only, cached in a folder named by the source's hash and loaded directly from
+there afterwards. Where they cannot be built or run, or with SPARROW_CPU_KERNELS=0, `available()` is
+False and the engine keeps the plain layout and the torch paths (gather + flash kernel).
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import sys
 from pathlib import Path
@@ -60,25 +61,44 @@ def cpu_has_avx512_bf16() -> bool:
     return " avx512_bf16" in flags and " avx512bw" in flags
 
 
+CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512bf16", "-fopenmp"]
+
+
+def _build_directory() -> Path:
+    """One folder per version of the source and flags: checkouts with the same source share a build, and
+    an edited source never loads a stale one."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    source = Path(__file__).with_suffix(".cpp").read_bytes()
+    digest = hashlib.sha256(source + " ".join(CFLAGS).encode() + torch.__version__.encode()).hexdigest()
+    path = Path(_get_build_directory(f"sparrow_cpu_attention_{digest[:16]}", verbose=False))
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
 @functools.cache
 def available() -> bool:
-    """Whether the kernel runs here (building it on the first call)."""
+    """Whether the kernels run here (building them on the first call on this machine)."""
     if os.environ.get("SPARROW_CPU_KERNELS", "1") == "0" or not cpu_has_avx512_bf16():
         return False
     try:
-        from torch.utils.cpp_extension import _get_build_directory, load
+        library = _build_directory() / "sparrow_cpu_attention.so"
+        if library.exists():  # torch's loader would run ninja and probe the compiler again: about 3 s
+            try:
+                torch.ops.load_library(str(library))
+                return True
+            except OSError:  # another process is still linking it: wait on the loader's lock below
+                pass
+        from torch.utils.cpp_extension import load
 
-        name = "sparrow_cpu_attention"
-        if not (Path(_get_build_directory(name, verbose=False)) / f"{name}.so").exists():
-            print("sparrow: building the CPU attention kernels (once)", file=sys.stderr)
-        load(name, [str(Path(__file__).with_suffix(".cpp"))],
-             extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512bf16",
-                           "-fopenmp"],
-             extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
-    except Exception as e:  # no compiler, no ninja, a failed build: the flash path works everywhere
+        print("sparrow: building the CPU attention kernels (once per machine, 10-80 s)", file=sys.stderr)
+        load("sparrow_cpu_attention", [str(Path(__file__).with_suffix(".cpp"))], extra_cflags=CFLAGS,
+             extra_ldflags=["-fopenmp"], build_directory=str(library.parent), is_python_module=False,
+             verbose=False)
+    except Exception as e:  # no compiler, no ninja, a failed build: the torch paths work everywhere
         reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        print(f"sparrow: the CPU prefix attention kernel is not available ({reason}); using PyTorch's "
-              "flash attention", file=sys.stderr)
+        print(f"sparrow: the CPU attention kernels are not available ({reason}); using the PyTorch paths",
+              file=sys.stderr)
         return False
     return True
 
