@@ -338,6 +338,52 @@ at::Tensor select_pages(const at::Tensor& scores, const at::Tensor& seq_lens, co
   return selected;
 }
 
+template <typename T>
+void update_centroid(float* c, const T* key, int64_t D, int64_t off) {
+  const float count = static_cast<float>(off + 1);
+  for (int64_t d = 0; d < D; ++d) {
+    const float x = static_cast<float>(key[d]);
+    c[d] = off == 0 ? x : c[d] + (x - c[d]) / count;
+  }
+}
+
+// One new token per row: k/v [N, Hkv, D] (the pages' dtype) to physical slots [N] int64 (page * P + offset,
+// negative = skip) of pages [num_pages, Hkv, P, D], and the page's running mean key in centroids
+// [num_pages, Hkv, D] fp32: offset 0 sets it to the key, else c += (k - c) / (offset + 1), the same fp32
+// operations as append_kv_reference (so a recomputed sequence gets the same centroids bit for bit).
+void append_kv(at::Tensor& k_pages, at::Tensor& v_pages, at::Tensor& centroids, const at::Tensor& k,
+               const at::Tensor& v, const at::Tensor& slots) {
+  TORCH_CHECK(k_pages.is_contiguous() && v_pages.is_contiguous() && centroids.is_contiguous(),
+              "pages and centroids: contiguous");
+  TORCH_CHECK(centroids.scalar_type() == at::kFloat && slots.scalar_type() == at::kLong, "fp32 centroids, int64 slots");
+  TORCH_CHECK(k.scalar_type() == k_pages.scalar_type() && v.scalar_type() == v_pages.scalar_type() &&
+              k_pages.scalar_type() == v_pages.scalar_type(), "k/v in the pages' dtype");
+  const auto kc = k.contiguous(), vc = v.contiguous(), sc = slots.contiguous();
+  const int64_t N = kc.size(0), H = k_pages.size(1), P = k_pages.size(2), D = k_pages.size(3);
+  const int64_t row = H * D, page_stride = H * P * D;
+  const int64_t* sd = sc.data_ptr<int64_t>();
+  float* cd = centroids.data_ptr<float>();
+  const size_t bytes = D * k_pages.element_size();
+  auto* kd = static_cast<char*>(k_pages.data_ptr());
+  auto* vd = static_cast<char*>(v_pages.data_ptr());
+  const auto* ks = static_cast<const char*>(kc.data_ptr());
+  const auto* vs = static_cast<const char*>(vc.data_ptr());
+  const bool bf16 = k_pages.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(bf16 || k_pages.scalar_type() == at::kFloat, "k/v pages: fp32 or bf16");
+  for (int64_t n = 0; n < N; ++n) {
+    if (sd[n] < 0) continue;
+    const int64_t page = sd[n] / P, off = sd[n] % P;
+    for (int64_t h = 0; h < H; ++h) {
+      const int64_t src = (n * row + h * D), dst = page * page_stride + (h * P + off) * D;
+      std::memcpy(kd + dst * k_pages.element_size(), ks + src * k_pages.element_size(), bytes);
+      std::memcpy(vd + dst * v_pages.element_size(), vs + src * v_pages.element_size(), bytes);
+      float* c = cd + (page * H + h) * D;
+      if (bf16) update_centroid(c, kc.data_ptr<at::BFloat16>() + src, D, off);
+      else update_centroid(c, kc.data_ptr<float>() + src, D, off);
+    }
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY(sparrow_cpu, m) {
@@ -349,4 +395,7 @@ TORCH_LIBRARY(sparrow_cpu, m) {
   m.def("select_pages(Tensor scores, Tensor seq_lens, Tensor budgets, int page_size, int reserved, "
         "int min_width) -> Tensor");
   m.impl("select_pages", c10::DispatchKey::CPU, TORCH_FN(select_pages));
+  m.def("append_kv(Tensor(a!) k_pages, Tensor(b!) v_pages, Tensor(c!) centroids, Tensor k, Tensor v, "
+        "Tensor slots) -> ()");
+  m.impl("append_kv", c10::DispatchKey::CPU, TORCH_FN(append_kv));
 }

@@ -115,6 +115,19 @@ def usable(q: Tensor, k_pages: Tensor) -> bool:
             and q.shape[1] % hkv == 0 and q.shape[1] // hkv <= 16 and available())
 
 
+def append_kv_usable(k_pages: Tensor, centroids: Tensor, k: Tensor) -> bool:
+    """Whether `append_kv` takes these (the torch reference does otherwise)."""
+    return (k.device.type == "cpu" and k.dtype == k_pages.dtype
+            and k_pages.dtype in (torch.float32, torch.bfloat16) and centroids.dtype == torch.float32
+            and k_pages.is_contiguous() and centroids.is_contiguous() and available())
+
+
+def append_kv(k_pages: Tensor, v_pages: Tensor, centroids: Tensor, k: Tensor, v: Tensor,
+              slots: Tensor) -> None:
+    """`append_kv_reference` in one op (about a dozen small torch ops and a host sync per layer there)."""
+    torch.ops.sparrow_cpu.append_kv(k_pages, v_pages, centroids, k, v.to(v_pages.dtype), slots.long())
+
+
 def paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor, seq_lens: Tensor,
                     pages: Tensor, scale: float) -> tuple[Tensor, Tensor]:
     """q [B, Hq, D] over the positions < seq_lens of the logical pages `pages` [B, Hkv, K] (-1 = none),

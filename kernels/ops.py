@@ -1,9 +1,9 @@
 """The paged-KV ops of kernels/CONTRACT.md, dispatching between Triton kernels and torch references.
 
 `impl="auto"` runs the Triton kernel when the tensors are on CUDA (and triton is importable); on the
-CPU it runs the C++ kernel of kernels/cpu_attention.py for the attention ops where that kernel builds
-and runs, and the torch reference otherwise; `impl="triton"` forces the kernel (on CPU tensors only under
-`TRITON_INTERPRET=1`), `impl="torch"` forces the reference. Layout (per layer): k_pages, v_pages
+CPU it runs the C++ kernels of kernels/cpu_attention.py (attention, selection, append_kv) where they
+build and run, and the torch reference otherwise; `impl="triton"` forces the kernel (on CPU tensors
+only under `TRITON_INTERPRET=1`), `impl="torch"` forces the reference. Layout (per layer): k_pages, v_pages
 [num_pages_total, Hkv, P, D]; centroids [num_pages_total, Hkv, D] float32; block_table [B, max_pages]
 int32 physical page ids (-1 unused); seq_lens [B] int32 including the token being decoded.
 """
@@ -68,6 +68,8 @@ def append_kv(k_pages: Tensor, v_pages: Tensor, centroids: Tensor, k: Tensor, v:
     and update the pages' centroids incrementally, in place. Rows must target distinct pages."""
     if use_triton(impl, k):
         append_kv_triton(k_pages, v_pages, centroids, k, v, slots)
+    elif impl == "auto" and cpu_attention.append_kv_usable(k_pages, centroids, k):
+        cpu_attention.append_kv(k_pages, v_pages, centroids, k, v, slots)
     else:
         append_kv_reference(k_pages, v_pages, centroids, k, v, slots)
 

@@ -124,3 +124,34 @@ def test_select_pages_equals_the_torch_selection_and_keeps_the_lower_page_on_a_t
     tied = mask_candidates(tied, torch.arange(12).view(1, 12).int(), torch.tensor([192]).int(), 16)
     picked = kernel.select_pages(tied, torch.tensor([192]).int(), torch.tensor([80]).int(), 16)
     assert picked.tolist() == [[[0, 1, 2, 10, 11]]]
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_append_kv_writes_the_slots_and_running_means_as_the_torch_reference(dtype):
+    from sparrow.kernels.append_kv import append_kv_reference
+
+    g = torch.Generator().manual_seed(0)
+    n_pages, hkv, page, d = 12, 3, 16, 64
+    pages = [torch.randn(n_pages, hkv, page, d, generator=g).to(dtype) for _ in range(2)]  # garbage
+    centroids = torch.randn(n_pages, hkv, d, generator=g)
+    ours = [t.clone() for t in (*pages, centroids)]
+    theirs = [t.clone() for t in (*pages, centroids)]
+    rows = torch.tensor([5, 2, 9, 7])  # distinct pages; the third row is padding
+    written = {}
+    for off in range(page):  # every offset of each page in turn, as decode fills it
+        slots = rows * page + off
+        slots[2] = -1
+        k = torch.randn(4, hkv, d, generator=g).to(dtype)
+        v = torch.randn(4, hkv, d, generator=g).to(dtype)
+        kernel.append_kv(*ours, k[:, :, None][:, :, 0], v, slots)  # a strided view, as the engine passes
+        append_kv_reference(*theirs, k, v, slots)
+        for i in (0, 1, 3):
+            written.setdefault(int(rows[i]), []).append(k[i].double())
+    for a, b in zip(ours, theirs):
+        assert torch.equal(a, b)  # bit for bit: a preempted sequence recomputed by either gets the same means
+    for p, keys in written.items():  # independent: the mean of the keys written to the page
+        assert torch.allclose(ours[2][p].double(), torch.stack(keys).mean(0), atol=1e-5)
+        assert torch.equal(ours[0][p, :, -1], keys[-1].to(dtype))
+    pad = rows[2]  # its slot was -1 every time: nothing written
+    assert torch.equal(ours[2][pad], centroids[pad]) and torch.equal(ours[0][pad], pages[0][pad])
