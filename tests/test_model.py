@@ -52,6 +52,31 @@ def test_tiny_logits_match_transformers(tiny):
     assert (got - expected).abs().max().item() <= 1e-4, name
 
 
+def test_packed_stacked_projections_match_transformers_and_follow_the_weights(tiny):
+    """The CPU decode step's linears (oneDNN-packed; q/k/v and gate/up each one product over stacked
+    weights) give transformers' logits; an in-place weight change is picked up at the next `active()`."""
+    from sparrow.stages.rollout.packed_linears import PackedLinears, packing_available
+
+    hf, ours, name = tiny
+    if not packing_available(ours.model):
+        pytest.skip("this torch has no oneDNN packed linear")
+    packed = PackedLinears(ours.model, batch_hint=3)
+    assert len(packed.groups) == 2 * ours.config.num_layers, name
+    tokens = torch.randint(0, 300, (3, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        with packed.active():
+            got = ours.model(tokens)
+        assert (got - hf(tokens).logits).abs().max().item() <= 1e-4, name
+        ours.model.layers[1].attn.v_proj.weight.mul_(-1.5)
+        ours.model.layers[0].mlp.up_proj.weight.mul_(0.5)
+        with packed.active():
+            got = ours.model(tokens)
+        assert (got - ours.model(tokens)).abs().max().item() <= 1e-4, name
+        ours.model.layers[1].attn.v_proj.weight.div_(-1.5)
+        ours.model.layers[0].mlp.up_proj.weight.div_(0.5)
+    assert "qkv" not in ours.model.layers[0].attn.__dict__  # the modules are their plain selves outside
+
+
 def test_tiny_greedy_matches_transformers(tiny):
     hf, ours, _ = tiny
     prompt = [5, 17, 42, 99, 3, 250, 7]

@@ -122,13 +122,16 @@ class SelfAttention(nn.Module):
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
 
+    def qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The three projections (the CPU decode step swaps in one product over their stacked weights)."""
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attention: Attention,
                 ctx: AttentionContext) -> Tensor:
         b, t, _ = x.shape
         d = self.cfg.head_dim
-        q = self.q_proj(x).view(b, t, -1, d)
-        k = self.k_proj(x).view(b, t, -1, d)
-        v = self.v_proj(x).view(b, t, -1, d).transpose(1, 2)
+        q, k, v = self.qkv(x)
+        q, k, v = q.view(b, t, -1, d), k.view(b, t, -1, d), v.view(b, t, -1, d).transpose(1, 2)
         if self.cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q.transpose(1, 2), cos, sin)  # [B, Hq, T, D]
@@ -144,8 +147,12 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
+    def gate_up(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        return self.gate_proj(x), self.up_proj(x)
+
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Block(nn.Module):

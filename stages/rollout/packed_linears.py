@@ -6,7 +6,9 @@ for SmolLM2's 576x1536 MLP weight at 8 rows that doubled the time of the product
 thread). A plain fp32 weight goes to MKL's sgemm, which on this AMD CPU ran 2.6x slower than oneDNN on
 a packed copy (0.65 vs 0.25 ms, two threads; the results agree to fp32 rounding). `PackedLinears`
 keeps each nn.Linear's weight reordered once (`mkldnn._reorder_linear_weight`) and, inside `active()`,
-routes the module's forward to `mkldnn._linear_pointwise` on the packed copy.
+routes the module's forward to `mkldnn._linear_pointwise` on the packed copy. The projections that
+share an input (q/k/v, gate/up) are packed stacked and computed as one product (the model's `qkv` and
+`gate_up` methods are swapped): 4 products per layer instead of 7, and wider ones.
 
 The packed copies are refreshed whenever a weight changed since it was packed (its tensor version
 counter moved, as after an in-place LoRA merge or an optimizer step, or it was replaced), so the engine
@@ -29,37 +31,64 @@ def packing_available(model: nn.Module) -> bool:
             and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
+# methods of our model's modules that apply several linears to one input, and those linears' names
+FUSIBLE = {"qkv": ("q_proj", "k_proj", "v_proj"), "gate_up": ("gate_proj", "up_proj")}
+
+
 class PackedLinears:
     def __init__(self, model: nn.Module, batch_hint: int):
-        self.linears = [m for m in model.modules() if type(m) is nn.Linear]
         self.batch_hint = batch_hint
+        self.groups: list[tuple[nn.Module, str, list[nn.Linear]]] = []  # (owner, method, its linears)
+        for owner in model.modules():
+            for method, names in FUSIBLE.items():
+                members = [getattr(owner, n, None) for n in names]
+                if hasattr(owner, method) and all(type(m) is nn.Linear for m in members) \
+                        and len({m.bias is None for m in members}) == 1:
+                    self.groups.append((owner, method, members))
+        fused = {id(m) for _, _, members in self.groups for m in members}
+        self.linears = [m for m in model.modules() if type(m) is nn.Linear and id(m) not in fused]
         self.packed: dict[int, Tensor] = {}
-        self.stamps: dict[int, tuple[int, int]] = {}
+        self.stamps: dict[int, tuple] = {}
 
     def refresh(self) -> None:
         """Repack the weights that changed since they were packed."""
-        for m in self.linears:
-            stamp = (m.weight.data_ptr(), m.weight._version)
-            if self.stamps.get(id(m)) != stamp:
-                weight = m.weight.detach()
-                self.packed[id(m)] = torch.ops.mkldnn._reorder_linear_weight(weight, self.batch_hint)
-                self.stamps[id(m)] = stamp
+        for key, members in [(id(m), [m]) for m in self.linears] + [(id(g[2][0]), g[2]) for g in self.groups]:
+            stamp = tuple((m.weight.data_ptr(), m.weight._version) for m in members)
+            if self.stamps.get(key) != stamp:
+                weight = torch.cat([m.weight.detach() for m in members]) if len(members) > 1 \
+                    else members[0].weight.detach()
+                self.packed[key] = torch.ops.mkldnn._reorder_linear_weight(weight, self.batch_hint)
+                self.stamps[key] = stamp
 
     @contextmanager
     def active(self) -> Iterator[None]:
-        """Within: every nn.Linear of the model computes with its packed weight."""
+        """Within: every nn.Linear of the model computes with its packed weight, and the stacked
+        projections of one input (q/k/v, gate/up) with one product over their stacked weights."""
         self.refresh()
         for m in self.linears:
             m.forward = _packed_forward(self.packed[id(m)], m.bias)
+        for owner, method, members in self.groups:
+            bias = None if members[0].bias is None else torch.cat([m.bias for m in members])
+            setattr(owner, method, _fused_forward(self.packed[id(members[0])], bias,
+                                                  [m.out_features for m in members]))
         try:
             yield
         finally:
             for m in self.linears:
                 del m.forward
+            for owner, method, _ in self.groups:
+                delattr(owner, method)
 
 
 def _packed_forward(packed: Tensor, bias: Tensor | None):
     def forward(x: Tensor) -> Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+    return forward
+
+
+def _fused_forward(packed: Tensor, bias: Tensor | None, sizes: list[int]):
+    def forward(x: Tensor) -> tuple[Tensor, ...]:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "").split(sizes, -1)
 
     return forward
