@@ -384,6 +384,64 @@ void append_kv(at::Tensor& k_pages, at::Tensor& v_pages, at::Tensor& centroids, 
   }
 }
 
+inline float dot(const float* a, const float* b, int64_t D) {  // D a multiple of 16
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), _mm512_loadu_ps(b + d), acc);
+  return _mm512_reduce_add_ps(acc);
+}
+
+// Page scores for block top-k: the mean query of each KV head's G query heads (q [B, Hq, D], fp32 or bf16)
+// dotted with the centroid of each logical page < n_pages of its row -> [B, Hkv, W] fp32, -inf beyond.
+// A row with group g >= 0 takes its first prefixes[g].size(0) pages from that group's centroids
+// [m, Hkv, D] (the shared prefix: each centroid is read once for all the group's rows), the rest from
+// the pool's centroids [N, Hkv, D] through block_table [B, W] int32. Candidate rules are the selection's.
+at::Tensor score_pages(const at::Tensor& q, const at::Tensor& centroids, const at::Tensor& block_table,
+                       const at::Tensor& seq_lens, int64_t page_size, at::TensorList prefixes,
+                       const at::Tensor& group) {
+  TORCH_CHECK(centroids.scalar_type() == at::kFloat && centroids.is_contiguous(), "centroids: contiguous fp32");
+  TORCH_CHECK(block_table.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+              group.scalar_type() == at::kLong && block_table.is_contiguous(), "int32 table/lengths, int64 groups");
+  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2), H = centroids.size(1), W = block_table.size(1);
+  TORCH_CHECK(D % 16 == 0 && Hq % H == 0, "head dim a multiple of 16, whole GQA groups");
+  for (const auto& p : prefixes)
+    TORCH_CHECK(p.scalar_type() == at::kFloat && p.is_contiguous() && p.size(1) == H && p.size(2) == D,
+                "prefix centroids: contiguous fp32 [m, Hkv, D]");
+  auto q_mean = q.to(at::kFloat).view({B, H, Hq / H, D}).mean(2).contiguous();  // [B, H, D]
+  auto scores = at::full({B, H, W}, -std::numeric_limits<float>::infinity(), q_mean.options());
+  const float* qm = q_mean.data_ptr<float>();
+  const float* cd = centroids.data_ptr<float>();
+  float* out = scores.data_ptr<float>();
+  const int32_t* table = block_table.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int64_t* gd = group.data_ptr<int64_t>();
+  auto n_pages = [&](int64_t b) { return std::min<int64_t>((lens[b] + page_size - 1) / page_size, W); };
+  auto prefix_len = [&](int64_t b) { return gd[b] >= 0 ? std::min<int64_t>(prefixes[gd[b]].size(0), n_pages(b)) : 0; };
+  for (int64_t g = 0; g < (int64_t)prefixes.size(); ++g) {  // prefix pages: page-major, every row of the group
+    std::vector<int64_t> rows;
+    for (int64_t b = 0; b < B; ++b)
+      if (gd[b] == g) rows.push_back(b);
+    const float* pc = prefixes[g].data_ptr<float>();
+    const int64_t m = prefixes[g].size(0);
+    at::parallel_for(0, m * H, 64, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t page = t / H, h = t % H;
+        for (int64_t b : rows)
+          if (page < prefix_len(b)) out[(b * H + h) * W + page] = dot(qm + (b * H + h) * D, pc + t * D, D);
+      }
+    });
+  }
+  at::parallel_for(0, B * H, 1, [&](int64_t t0, int64_t t1) {  // each row's own pages, from the pool
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t b = t / H, h = t % H;
+      for (int64_t w = prefix_len(b); w < n_pages(b); ++w) {
+        const int32_t phys = table[b * W + w];
+        if (phys >= 0) out[t * W + w] = dot(qm + t * D, cd + ((int64_t)phys * H + h) * D, D);
+      }
+    }
+  });
+  return scores;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(sparrow_cpu, m) {
@@ -395,6 +453,9 @@ TORCH_LIBRARY(sparrow_cpu, m) {
   m.def("select_pages(Tensor scores, Tensor seq_lens, Tensor budgets, int page_size, int reserved, "
         "int min_width) -> Tensor");
   m.impl("select_pages", c10::DispatchKey::CPU, TORCH_FN(select_pages));
+  m.def("score_pages(Tensor q, Tensor centroids, Tensor block_table, Tensor seq_lens, int page_size, "
+        "Tensor[] prefixes, Tensor group) -> Tensor");
+  m.impl("score_pages", c10::DispatchKey::CPU, TORCH_FN(score_pages));
   m.def("append_kv(Tensor(a!) k_pages, Tensor(b!) v_pages, Tensor(c!) centroids, Tensor k, Tensor v, "
         "Tensor slots) -> ()");
   m.impl("append_kv", c10::DispatchKey::CPU, TORCH_FN(append_kv));

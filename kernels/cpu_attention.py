@@ -9,7 +9,9 @@ it does not parallelise well; this reads each page once and splits the work over
 Reference: `paged_attention_reference` (float64, positions listed one by one).
 
 `select_pages`: block top-k selection from page scores in one op (the torch path's topk, scatter,
-masks and sort are about a dozen small ops per layer).
+masks and sort are about a dozen small ops per layer); `score_pages`, the page scores of a cascade step
+(the shared prefix's centroids read once for its samples, each sample's own pages through its block
+table) in one op; `append_kv`, a decode step's new keys and values and the pages' running means.
 
 `packed_prefix_attention`, the cascade's shared prefix:
 
@@ -126,6 +128,16 @@ def append_kv(k_pages: Tensor, v_pages: Tensor, centroids: Tensor, k: Tensor, v:
               slots: Tensor) -> None:
     """`append_kv_reference` in one op (about a dozen small torch ops and a host sync per layer there)."""
     torch.ops.sparrow_cpu.append_kv(k_pages, v_pages, centroids, k, v.to(v_pages.dtype), slots.long())
+
+
+def score_pages(q: Tensor, prefixes: list[Tensor], group: Tensor, centroids: Tensor, block_table: Tensor,
+                seq_lens: Tensor, page_size: int) -> Tensor:
+    """`cascade_decode.cascade_page_scores` in one op, without its candidate mask (`select_pages` applies
+    the same rules): q [B, Hq, D]; prefixes[g] [m, Hkv, D] fp32, the centroids of group g's shared
+    pages, read once for the rows with group [B] == g (-1: none) -> [B, Hkv, W] fp32, -inf past a row's
+    pages."""
+    return torch.ops.sparrow_cpu.score_pages(q, centroids, block_table.int().contiguous(), seq_lens.int(),
+                                             page_size, [p.contiguous() for p in prefixes], group.long())
 
 
 def paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor, seq_lens: Tensor,

@@ -10,12 +10,15 @@ int32 physical page ids (-1 unused); seq_lens [B] int32 including the token bein
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
 from . import cpu_attention
 from ._triton_utils import HAS_TRITON, interpreter_usable
 from .append_kv import append_kv_reference, append_kv_triton, write_prefill
+from .cascade_decode import cascade_page_scores
 from .dense_decode import dense_decode_reference, dense_decode_triton
 from .page_scoring import (
     SelectionPlan,
@@ -36,6 +39,7 @@ __all__ = [
     "HAS_TRITON",
     "IMPLS",
     "append_kv",
+    "cascade_select_pages",
     "dense_paged_attention",
     "finish_selection",
     "page_scores",
@@ -103,6 +107,25 @@ def finish_selection(scores: Tensor, seq_lens: Tensor, budgets: Tensor, page_siz
     (`plan`: the step's `plan_selection`, which the torch reference reuses across layers)."""
     if impl == "auto" and scores.device.type == "cpu" and cpu_attention.available():
         return cpu_attention.select_pages(scores, seq_lens, budgets, page_size, max_selected)
+    return finish_selection_reference(scores, seq_lens, budgets, page_size, max_selected, plan)
+
+
+def cascade_select_pages(q: Tensor, prefixes: list[tuple[Tensor, Tensor]], group: Tensor, centroids: Tensor,
+                         block_table: Tensor, seq_lens: Tensor, budgets: Tensor, suffix: Tensor,
+                         page_size: int = 16, max_selected: int | None = None,
+                         plan_and_index: Callable[[], tuple[SelectionPlan, tuple]] | None = None,
+                         impl: str = "auto") -> Tensor:
+    """Block top-k selection in a cascade step: the shared prefixes' centroids (rows [n], centroids
+    [m, Hkv, D]) scored once for their rows, group [B] (the index of a row's prefix, -1 = none), each row's
+    pages in `suffix` [B, Hkv, W] through the block table. `plan_and_index`: the step's `plan_selection`
+    and `suffix_index`, built once for all layers, which only the torch reference needs."""
+    if impl == "auto" and q.device.type == "cpu" and cpu_attention.available():
+        scores = cpu_attention.score_pages(q, [c for _, c in prefixes], group, centroids, block_table,
+                                           seq_lens, page_size)
+        return cpu_attention.select_pages(scores, seq_lens, budgets, page_size, max_selected)
+    plan, index = plan_and_index() if plan_and_index is not None else (None, None)
+    scores = cascade_page_scores(q, prefixes, centroids, block_table, seq_lens, suffix, page_size, plan,
+                                 index)
     return finish_selection_reference(scores, seq_lens, budgets, page_size, max_selected, plan)
 
 

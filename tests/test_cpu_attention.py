@@ -155,3 +155,47 @@ def test_append_kv_writes_the_slots_and_running_means_as_the_torch_reference(dty
         assert torch.equal(ours[0][p, :, -1], keys[-1].to(dtype))
     pad = rows[2]  # its slot was -1 every time: nothing written
     assert torch.equal(ours[2][pad], centroids[pad]) and torch.equal(ours[0][pad], pages[0][pad])
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_score_pages_equals_float64_scores_and_the_cascade_selection_the_torch_one(dtype):
+    from sparrow.kernels import ops
+    from sparrow.kernels.cascade_decode import suffix_index
+    from sparrow.kernels.page_scoring import plan_selection
+
+    g = torch.Generator().manual_seed(0)
+    b, hq, hkv, d, page, width = 5, 9, 3, 64, 16, 12
+    centroids = torch.randn(80, hkv, d, generator=g)
+    prefixes = [torch.randn(4, hkv, d, generator=g), torch.randn(6, hkv, d, generator=g)]
+    group = torch.tensor([0, 1, 0, -1, 1])  # row 3 shares no prefix
+    seq_lens = torch.tensor([150, 97, 64, 190, 180]).int()  # pages 10, 7, 4, 12, 12
+    table = torch.randperm(80, generator=g)[: b * width].view(b, width).int()
+    table[0, 9:] = table[1, 7:] = table[2, 4:] = -1
+    q = torch.randn(b, hq, d, generator=g).to(dtype)
+    got = kernel.score_pages(q, prefixes, group, centroids, table, seq_lens, page)
+    q_mean = q.double().view(b, hkv, 3, d).mean(2)
+    for i in range(b):
+        n, m = -(-int(seq_lens[i]) // page), prefixes[group[i]].shape[0] if group[i] >= 0 else 0
+        for w in range(width):
+            if w >= n or (w >= m and table[i, w] < 0):
+                assert (got[i, :, w] == float("-inf")).all()
+                continue
+            cent = prefixes[group[i]][w] if w < m else centroids[table[i, w]]
+            want = (q_mean[i] * cent.double()).sum(-1)
+            torch.testing.assert_close(got[i, :, w].double(), want, atol=1e-4, rtol=1e-5)
+    suffix = torch.full((b, hkv, width), -1)  # the pages past each row's prefix
+    for i in range(b):
+        m = prefixes[group[i]].shape[0] if group[i] >= 0 else 0
+        own = torch.arange(m, -(-int(seq_lens[i]) // page))
+        suffix[i, :, : len(own)] = own
+    pairs = [((group == j).nonzero()[:, 0], p) for j, p in enumerate(prefixes)]
+    budgets = torch.tensor([96, 64, 48, 0, 80]).int()
+
+    def plan_and_index():
+        return (plan_selection(seq_lens, budgets, page, width, None, table), suffix_index(table, suffix))
+
+    auto = ops.cascade_select_pages(q, pairs, group, centroids, table, seq_lens, budgets, suffix, page)
+    reference = ops.cascade_select_pages(q, pairs, group, centroids, table, seq_lens, budgets, suffix, page,
+                                         plan_and_index=plan_and_index, impl="torch")
+    assert torch.equal(auto, reference)

@@ -23,10 +23,11 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import dataclass
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from sparrow.kernels.cascade_decode import cascade_decode_reference, cascade_page_scores, suffix_index
+from sparrow.kernels.cascade_decode import cascade_decode_reference, suffix_index
 from sparrow.kernels.page_scoring import plan_selection
 from sparrow.kernels.sparse_decode import plan_pages
 
@@ -115,7 +116,7 @@ class DecodeAttention:
         self.dense_layers = frozenset(dense_layers)
         self.any_sparse = bool((budgets > 0).any()) if any_sparse is None else any_sparse
         self.max_selected, self.workspace, self.cascade = max_selected, workspace, cascade
-        self._suffix_plan = self._selection = None  # per-step index work, built by the first layer
+        self._suffix_plan = self._selection = self._groups = None  # per-step work, built by the first layer
         self.ops = _ops()
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext) -> Tensor:
@@ -140,16 +141,22 @@ class DecodeAttention:
         return out[:, :, None].to(q.dtype)
 
     def _cascaded_selection(self, layer: int, q1: Tensor, centroids: Tensor) -> Tensor:
+        if self._groups is None:  # the same groups in every layer of the step
+            self._groups = torch.full((q1.shape[0],), -1, dtype=torch.int64, device=q1.device)
+            for g, (rows, _) in enumerate(self.cascade.groups):
+                self._groups[rows] = g
+        prefixes = [(rows, p.centroids[layer]) for rows, p in self.cascade.groups]
+        return self.ops.cascade_select_pages(q1, prefixes, self._groups, centroids, self.block_table,
+                                             self.seq_lens, self.budgets, self.cascade.suffix,
+                                             self.cache.page_size, self.max_selected, self._selection_plan,
+                                             impl=self.impl)
+
+    def _selection_plan(self):
         if self._selection is None:  # the same lengths, budgets and suffix pages in every layer of the step
             plan = plan_selection(self.seq_lens, self.budgets, self.cache.page_size,
                                   self.block_table.shape[1], self.max_selected, self.block_table)
             self._selection = plan, suffix_index(self.block_table, self.cascade.suffix)
-        plan, index = self._selection
-        prefixes = [(rows, p.centroids[layer]) for rows, p in self.cascade.groups]
-        scores = cascade_page_scores(q1, prefixes, centroids, self.block_table, self.seq_lens,
-                                     self.cascade.suffix, self.cache.page_size, plan, index)
-        return self.ops.finish_selection(scores, self.seq_lens, self.budgets, self.cache.page_size,
-                                         self.max_selected, plan)
+        return self._selection
 
     def _cascaded(self, layer: int, q1: Tensor, k_pages: Tensor, v_pages: Tensor) -> Tensor:
         prefixes = [(rows, p.k[layer], p.v[layer]) for rows, p in self.cascade.groups]
