@@ -63,6 +63,7 @@ def cpu_has_avx512_bf16() -> bool:
     return " avx512_bf16" in flags and " avx512bw" in flags
 
 
+SOURCES = [Path(__file__).with_suffix(".cpp"), Path(__file__).with_name("cpu_layers.cpp")]
 CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512bf16", "-fopenmp"]
 
 
@@ -71,7 +72,7 @@ def _build_directory() -> Path:
     an edited source never loads a stale one."""
     from torch.utils.cpp_extension import _get_build_directory
 
-    source = Path(__file__).with_suffix(".cpp").read_bytes()
+    source = b"".join(p.read_bytes() for p in SOURCES)
     digest = hashlib.sha256(source + " ".join(CFLAGS).encode() + torch.__version__.encode()).hexdigest()
     path = Path(_get_build_directory(f"sparrow_cpu_attention_{digest[:16]}", verbose=False))
     path.mkdir(parents=True, exist_ok=True)
@@ -94,7 +95,7 @@ def available() -> bool:
         from torch.utils.cpp_extension import load
 
         print("sparrow: building the CPU attention kernels (once per machine, 10-80 s)", file=sys.stderr)
-        load("sparrow_cpu_attention", [str(Path(__file__).with_suffix(".cpp"))], extra_cflags=CFLAGS,
+        load("sparrow_cpu_attention", [str(p) for p in SOURCES], extra_cflags=CFLAGS,
              extra_ldflags=["-fopenmp"], build_directory=str(library.parent), is_python_module=False,
              verbose=False)
     except Exception as e:  # no compiler, no ninja, a failed build: the torch paths work everywhere

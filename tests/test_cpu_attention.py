@@ -44,12 +44,14 @@ def test_kernel_equals_float64_attention(n, hq, hkv, d, length, chunks):
 
 @needs_kernel
 def test_engine_in_bf16_stores_packed_prefixes_and_samples_as_without():
-    """The same greedy tokens with the kernel as with the flash kernel. test_bf16.py holds each engine
+    """The same greedy tokens with the kernel as with the flash kernel, up to a near tie: bf16 logits
+    of SmolLM2 (16-32) are 0.125 apart, ties are frequent, and a rounding difference upstream may pick
+    another of the best tokens; past that point the samples differ. test_bf16.py holds each engine
     within 0.5 nats at a token and 0.05 on average of teacher-forced scoring (both measured 0.02-0.04
     mean here), so the two may differ by up to twice that on average."""
     model = load_model("smollm2-135m", dtype=torch.bfloat16).model
     prompt = torch.randint(0, 1000, (300,), generator=torch.Generator().manual_seed(3)).tolist()
-    params = SamplingParams(max_new_tokens=12, n=3, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=12, n=3, temperature=0.0, ignore_eos=True, logprobs=5)
     runs = []
     for packed in (True, False):
         engine = Engine(model, max_batch=4)
@@ -61,9 +63,17 @@ def test_engine_in_bf16_stores_packed_prefixes_and_samples_as_without():
         while engine.has_work():
             done += engine.step()[0]
         runs.append(sorted(done, key=lambda c: c.sample))
-    gaps = torch.tensor([abs(x - y) for a, b in zip(*runs) for x, y in zip(a.logprobs, b.logprobs)])
-    assert [c.token_ids for c in runs[0]] == [c.token_ids for c in runs[1]]
-    assert gaps.max() < 0.5 and gaps.mean() < 0.1
+    gaps = []
+    for a, b in zip(*runs):
+        for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)):
+            if x != y:  # a near tie: within two bf16 steps of a logit of 16-32 (0.125 each) of the best
+                for run, other in ((a, y), (b, x)):
+                    top = dict(run.top_logprobs[i])
+                    assert other in top and top[other] > max(top.values()) - 0.25, (i, run.top_logprobs[i])
+                break
+            gaps.append(abs(a.logprobs[i] - b.logprobs[i]))
+    gaps = torch.tensor(gaps)
+    assert len(gaps) >= 12 and gaps.max() < 0.5 and gaps.mean() < 0.1
 
 
 @needs_kernel
@@ -199,3 +209,26 @@ def test_score_pages_equals_float64_scores_and_the_cascade_selection_the_torch_o
     reference = ops.cascade_select_pages(q, pairs, group, centroids, table, seq_lens, budgets, suffix, page,
                                          plan_and_index=plan_and_index, impl="torch")
     assert torch.equal(auto, reference)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 2 ** -8)])
+def test_rms_norm_and_rope_ops_equal_float64_within_one_rounding(dtype, tol):
+    from sparrow.stages.rollout.cpu_layers import _rope
+
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(8, 1, 576, generator=g).to(dtype), (1 + torch.randn(576, generator=g)).to(dtype)
+    got = torch.ops.sparrow_cpu.rms_norm(x, w, 1e-5).double()
+    xd = x.double()
+    want = w.double() * xd / (xd.pow(2).mean(-1, keepdim=True) + 1e-5).sqrt()
+    assert ((got - want).abs() <= 2 * tol * want.abs() + 1e-30).all()
+    q = torch.randn(8, 1, 9, 64, generator=g).to(dtype).transpose(1, 2)  # the strides the model passes
+    k = torch.randn(8, 1, 3, 64, generator=g).to(dtype).transpose(1, 2)
+    angle = torch.rand(8, 1, 1, 32, generator=g).double() * 100
+    angle = torch.cat([angle, angle], -1)
+    cos, sin = angle.cos().to(dtype), angle.sin().to(dtype)
+    for x, out in zip((q, k), _rope(q, k, cos, sin)):
+        xd, c, s = x.double(), cos.double(), sin.double()
+        want = xd * c + torch.cat([-xd[..., 32:], xd[..., :32]], -1) * s  # Hugging Face's rotate_half
+        assert out.shape == x.shape
+        torch.testing.assert_close(out.double(), want, atol=2 * tol * want.abs().max().item(), rtol=0)

@@ -126,6 +126,9 @@ class SelfAttention(nn.Module):
         """The three projections (the CPU decode step swaps in one product over their stacked weights)."""
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
+    def rope(self, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attention: Attention,
                 ctx: AttentionContext) -> Tensor:
         b, t, _ = x.shape
@@ -134,8 +137,7 @@ class SelfAttention(nn.Module):
         q, k, v = q.view(b, t, -1, d), k.view(b, t, -1, d), v.view(b, t, -1, d).transpose(1, 2)
         if self.cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q.transpose(1, 2), cos, sin)  # [B, Hq, T, D]
-        k = apply_rope(k.transpose(1, 2), cos, sin)  # [B, Hkv, T, D]
+        q, k = self.rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # [B, Hq, T, D], [B, Hkv, T, D]
         out = attention(self.layer, q, k, v, ctx)  # [B, Hq, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 

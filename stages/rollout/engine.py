@@ -12,9 +12,11 @@ centroids and page selections it had (up to float rounding; scheduler.py), so it
 Each decode step uses, per sample, the budget of the sparsity schedule at the cache length at which
 the token is produced (`budget_at(num_tokens)`, query at position num_tokens - 1), so the rollout's
 logprobs are exactly those teacher-forced sparse scoring gives (`stages.mismatch.score_sequences`).
-On a CPU the kernels are their batched torch references (fp32 or bf16 weights and cache), the dense
-attention of samples sharing a prompt is cascaded (the prompt's pages read once per step,
-kernels/cascade_decode.py), and the linears run on oneDNN-packed weights (packed_linears.py); on CUDA
+On a CPU the kernels are the C++ ops of kernels/cpu_attention.py where they build, else their batched
+torch references (fp32 or bf16 weights and cache), the dense attention of samples sharing a prompt is
+cascaded (the prompt's pages read once per step, kernels/cascade_decode.py), the linears run on
+oneDNN-packed weights (packed_linears.py) and the norms and rotary embedding as C++ ops
+(cpu_layers.py); on CUDA
 the Triton kernels, and the decode step is replayed from CUDA graphs over static buffers
 (static_decode.py).
 """
@@ -41,6 +43,7 @@ from ..sparsity import Sparsity, budget_fn
 from .allocator import tune_cpu_allocator
 from .attention import Cascade, DecodeAttention, PrefillAttention, Recompute
 from .block_manager import BlockManager
+from .cpu_layers import CpuLayerOps, cpu_layers_available
 from .kv_cache import PagedKVCache, SharedPrefix
 from .packed_linears import PackedLinears, packing_available
 from .sampler import sample_tokens
@@ -112,6 +115,7 @@ class Engine:
         self.prefixes: dict[int, SharedPrefix] = {}  # request id -> its shared prompt pages' K/V
         self._unfinished: dict[int, int] = {}  # request id -> samples not finished (while it has a prefix)
         self.packed = PackedLinears(model, max_batch) if on_torch and packing_available(model) else None
+        self.layer_ops = CpuLayerOps(model) if impl == "auto" and cpu_layers_available(model) else None
         self.cache: PagedKVCache | None = None
         self.scheduler: Scheduler | None = None
         self.stats = EngineStats()
@@ -427,7 +431,8 @@ class Engine:
             self.dense_layers, self.scale, self.impl, any_sparse=any(b > 0 for b in budgets),
             max_selected=kept_pages(budgets, self.page_size, table.shape[1]) if dev.type == "cuda" else None,
             workspace=self.workspace, cascade=cascade)
-        with self.packed.active() if self.packed is not None else nullcontext():
+        with (self.packed.active() if self.packed is not None else nullcontext(),
+              self.layer_ops.active() if self.layer_ops is not None else nullcontext()):
             hidden = self.model.hidden_states(torch.tensor(tokens, device=dev)[:, None],
                                               positions=positions[:, None], attention=attn)
             return self.model.lm_head(hidden[:, 0]).float()
