@@ -119,7 +119,7 @@ def cascade_select_pages(q: Tensor, prefixes: list[tuple[Tensor, Tensor]], group
     [m, Hkv, D]) scored once for their rows, group [B] (the index of a row's prefix, -1 = none), each row's
     pages in `suffix` [B, Hkv, W] through the block table. `plan_and_index`: the step's `plan_selection`
     and `suffix_index`, built once for all layers, which only the torch reference needs."""
-    if impl == "auto" and q.device.type == "cpu" and cpu_attention.available():
+    if impl == "auto" and q.device.type == "cpu" and q.shape[-1] % 16 == 0 and cpu_attention.available():
         scores = cpu_attention.score_pages(q, [c for _, c in prefixes], group, centroids, block_table,
                                            seq_lens, page_size)
         return cpu_attention.select_pages(scores, seq_lens, budgets, page_size, max_selected)
