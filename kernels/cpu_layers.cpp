@@ -1,7 +1,10 @@
-// The small per-layer ops of a CPU decode step, each one op instead of a handful of eager ones: RMSNorm
-// and rotary embedding of q and k. Math in fp32, one rounding to the activations' dtype at the end.
-// The torch references: stages/model/llama.py (RMSNorm, apply_rope); why: kernels/cpu_layers.py.
+// The per-layer ops of a CPU decode step besides attention: RMSNorm and rotary embedding of q and k (each
+// one op instead of a handful of eager ones), and decode-sized bf16 products. Math in fp32, one rounding
+// to the activations' dtype at the end.
+// The torch references: stages/model/llama.py (RMSNorm, apply_rope), F.linear; where they are used and
+// why: stages/rollout/cpu_layers.py, stages/rollout/packed_linears.py.
 #include <ATen/ATen.h>
+#include <immintrin.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -80,6 +83,60 @@ std::tuple<at::Tensor, at::Tensor> rope_qk(const at::Tensor& q, const at::Tensor
   return {outs[0], outs[1]};
 }
 
+// Decode-sized products in bf16: x [M, K] (M <= 16 rows) times a weight packed as [N/16, K/2, 16, 2] (per
+// block of 16 outputs, per pair of inputs, the 16 outputs' two weights: one vdpbf16ps operand) -> [M, N]
+// bf16, fp32 accumulation, plus an optional bias [N]. Each weight is read once for all rows; at 8 rows
+// the product is bound by vdpbf16ps throughput, not memory.
+template <int M>
+void linear_block(const uint32_t* x, const uint16_t* w, int K2, const at::BFloat16* bias, at::BFloat16* out,
+                  int N, int n0) {
+  __m512 acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+  for (int p = 0; p < K2; ++p) {
+    const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + (int64_t)p * 32);
+    for (int m = 0; m < M; ++m) acc[m] = _mm512_dpbf16_ps(acc[m], (__m512bh)_mm512_set1_epi32((int)x[m * K2 + p]), wv);
+  }
+  const __m512 b = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(bias + n0))), 16)) : _mm512_setzero_ps();
+  for (int m = 0; m < M; ++m)
+    _mm256_storeu_si256((__m256i*)(out + (int64_t)m * N + n0), (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[m], b)));
+}
+
+template <int M>
+void linear_rows(const uint32_t* x, const uint16_t* w, int K2, int NB, const at::BFloat16* bias,
+                 at::BFloat16* out) {
+  at::parallel_for(0, NB, 4, [&](int64_t a, int64_t b) {
+    for (int64_t nb = a; nb < b; ++nb) linear_block<M>(x, w + nb * K2 * 32, K2, bias, out, NB * 16, nb * 16);
+  });
+}
+
+template <int M>
+void linear_dispatch(int rows, const uint32_t* x, const uint16_t* w, int K2, int NB, const at::BFloat16* bias,
+                     at::BFloat16* out) {
+  if constexpr (M > 1) {
+    if (rows < M) return linear_dispatch<M - 1>(rows, x, w, K2, NB, bias, out);
+  }
+  linear_rows<M>(x, w, K2, NB, bias, out);
+}
+
+at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16, "bf16 expected");
+  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == 16 && packed.size(3) == 2 && packed.is_contiguous(),
+              "packed weight [N/16, K/2, 16, 2] expected");
+  const int64_t K = x.size(-1), M = x.numel() / std::max<int64_t>(K, 1), NB = packed.size(0), K2 = packed.size(1);
+  TORCH_CHECK(K == 2 * K2 && M >= 1 && M <= 16, "x [..., K] with at most 16 rows expected");
+  const auto xc = x.contiguous();
+  auto sizes = x.sizes().vec();
+  sizes.back() = NB * 16;
+  auto out = at::empty(sizes, x.options());
+  at::Tensor b;
+  if (bias.has_value()) b = bias->contiguous();
+  linear_dispatch<16>(M, reinterpret_cast<const uint32_t*>(xc.data_ptr<at::BFloat16>()),
+                      reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), K2, NB,
+                      b.defined() ? b.data_ptr<at::BFloat16>() : nullptr, out.data_ptr<at::BFloat16>());
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(sparrow_cpu, m) {
@@ -87,4 +144,6 @@ TORCH_LIBRARY_FRAGMENT(sparrow_cpu, m) {
   m.impl("rms_norm", c10::DispatchKey::CPU, TORCH_FN(rms_norm));
   m.def("rope_qk(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)");
   m.impl("rope_qk", c10::DispatchKey::CPU, TORCH_FN(rope_qk));
+  m.def("linear_bf16(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
+  m.impl("linear_bf16", c10::DispatchKey::CPU, TORCH_FN(linear_bf16));
 }

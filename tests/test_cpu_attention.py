@@ -233,3 +233,24 @@ def test_rms_norm_and_rope_ops_equal_float64_within_one_rounding(dtype, tol):
         want = xd * c + torch.cat([-xd[..., 32:], xd[..., :32]], -1) * s  # Hugging Face's rotate_half
         assert out.shape == x.shape
         torch.testing.assert_close(out.double(), want, atol=2 * tol * want.abs().max().item(), rtol=0)
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 5, 8, 16])
+def test_linear_bf16_equals_float64_products_within_bf16_rounding(rows):
+    from sparrow.stages.rollout.packed_linears import PackedLinears
+
+    g = torch.Generator().manual_seed(0)
+    layer = torch.nn.Linear(96, 160).bfloat16()
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(160, 96, generator=g))
+        layer.bias.copy_(torch.randn(160, generator=g))
+    packed = PackedLinears(torch.nn.Sequential(layer), batch_hint=16)
+    packed.refresh()
+    kind, weight = packed.packed[id(layer)]
+    assert kind == "dot"
+    x = torch.randn(rows, 1, 96, generator=g).bfloat16()
+    got = torch.ops.sparrow_cpu.linear_bf16(x, weight, layer.bias).double()
+    want = x.double() @ layer.weight.double().T + layer.bias.double()
+    assert got.shape == want.shape
+    assert ((got - want).abs() <= 2 ** -8 * want.abs() + 1e-3).all()  # one bf16 rounding of the output

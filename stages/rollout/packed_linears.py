@@ -6,7 +6,10 @@ for SmolLM2's 576x1536 MLP weight at 8 rows that doubled the time of the product
 thread). A plain fp32 weight goes to MKL's sgemm, which on this AMD CPU ran 2.6x slower than oneDNN on
 a packed copy (0.65 vs 0.25 ms, two threads; the results agree to fp32 rounding). `PackedLinears`
 keeps each nn.Linear's weight reordered once (`mkldnn._reorder_linear_weight`) and, inside `active()`,
-routes the module's forward to `mkldnn._linear_pointwise` on the packed copy. The projections that
+routes the module's forward to `mkldnn._linear_pointwise` on the packed copy. In bf16, where the C++
+kernels build and a step has at most 16 rows, the weights are packed instead for our own product
+(`linear_bf16`, kernels/cpu_layers.cpp: each weight read once, `vdpbf16ps` over pairs of inputs), which
+ran 30 products of 576 x 3072 at 8 rows in 4.8-5.1 ms against oneDNN's 5.5-5.8. The projections that
 share an input (q/k/v, gate/up) are packed stacked and computed as one product (the model's `qkv` and
 `gate_up` methods are swapped): 4 products per layer instead of 7, and wider ones.
 
@@ -17,11 +20,13 @@ always samples with the current weights.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
 from torch import Tensor, nn
+
+from sparrow.kernels import cpu_attention
 
 
 def packing_available(model: nn.Module) -> bool:
@@ -35,9 +40,14 @@ def packing_available(model: nn.Module) -> bool:
 FUSIBLE = {"qkv": ("q_proj", "k_proj", "v_proj"), "gate_up": ("gate_proj", "up_proj")}
 
 
+DOT_MAX_ROWS = 16  # the C++ bf16 product's register block: at most this many decode rows
+
+
 class PackedLinears:
     def __init__(self, model: nn.Module, batch_hint: int):
         self.batch_hint = batch_hint
+        self.dot = (batch_hint <= DOT_MAX_ROWS and next(model.parameters()).dtype == torch.bfloat16
+                    and cpu_attention.available())
         self.groups: list[tuple[nn.Module, str, list[nn.Linear]]] = []  # (owner, method, its linears)
         for owner in model.modules():
             for method, names in FUSIBLE.items():
@@ -47,7 +57,7 @@ class PackedLinears:
                     self.groups.append((owner, method, members))
         fused = {id(m) for _, _, members in self.groups for m in members}
         self.linears = [m for m in model.modules() if type(m) is nn.Linear and id(m) not in fused]
-        self.packed: dict[int, Tensor] = {}
+        self.packed: dict[int, tuple[str, Tensor]] = {}
         self.stamps: dict[int, tuple] = {}
 
     def refresh(self) -> None:
@@ -57,8 +67,14 @@ class PackedLinears:
             if self.stamps.get(key) != stamp:
                 weight = torch.cat([m.weight.detach() for m in members]) if len(members) > 1 \
                     else members[0].weight.detach()
-                self.packed[key] = torch.ops.mkldnn._reorder_linear_weight(weight, self.batch_hint)
+                self.packed[key] = self._pack(weight)
                 self.stamps[key] = stamp
+
+    def _pack(self, weight: Tensor) -> tuple[str, Tensor]:
+        n, k = weight.shape
+        if self.dot and n % 16 == 0 and k % 2 == 0:  # [N/16, K/2, 16, 2]: kernels/cpu_layers.cpp
+            return "dot", weight.view(n // 16, 16, k // 2, 2).transpose(1, 2).contiguous()
+        return "onednn", torch.ops.mkldnn._reorder_linear_weight(weight, self.batch_hint)
 
     @contextmanager
     def active(self) -> Iterator[None]:
@@ -66,11 +82,11 @@ class PackedLinears:
         projections of one input (q/k/v, gate/up) with one product over their stacked weights."""
         self.refresh()
         for m in self.linears:
-            m.forward = _packed_forward(self.packed[id(m)], m.bias)
+            m.forward = _product(self.packed[id(m)], m.bias)
         for owner, method, members in self.groups:
             bias = None if members[0].bias is None else torch.cat([m.bias for m in members])
-            setattr(owner, method, _fused_forward(self.packed[id(members[0])], bias,
-                                                  [m.out_features for m in members]))
+            setattr(owner, method, _split(_product(self.packed[id(members[0])], bias),
+                                          [m.out_features for m in members]))
         try:
             yield
         finally:
@@ -80,15 +96,12 @@ class PackedLinears:
                 delattr(owner, method)
 
 
-def _packed_forward(packed: Tensor, bias: Tensor | None):
-    def forward(x: Tensor) -> Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+def _product(packed: tuple[str, Tensor], bias: Tensor | None) -> Callable[[Tensor], Tensor]:
+    kind, weight = packed
+    if kind == "dot":
+        return lambda x: torch.ops.sparrow_cpu.linear_bf16(x, weight, bias)
+    return lambda x: torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
-    return forward
 
-
-def _fused_forward(packed: Tensor, bias: Tensor | None, sizes: list[int]):
-    def forward(x: Tensor) -> tuple[Tensor, ...]:
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "").split(sizes, -1)
-
-    return forward
+def _split(product: Callable[[Tensor], Tensor], sizes: list[int]) -> Callable[[Tensor], tuple[Tensor, ...]]:
+    return lambda x: product(x).split(sizes, -1)
