@@ -176,57 +176,66 @@ inline __m512 load_f32(const at::BFloat16* x) {  // 16 bf16 -> fp32: the bf16 bi
 }
 
 // One (sequence, KV head): the G query rows q [G, D] fp32 (scaled) over the valid positions of the
-// logical pages `pages` [K] (-1 = none) -> out [G, D] (normalised) and lse [G] fp32.
+// logical pages `pages` [K] (-1 = none) -> out [G, D] (normalised) and lse [G] fp32. Three passes: every
+// score (in `scores`, G x K*P), one softmax per row, then the values: a decode row's few hundred keys
+// fit in L1/L2, and one softmax costs less than an online rescale per 16 keys.
 template <typename T, int D>
 void attend_pages(const float* q, int G, const T* k_pages, const T* v_pages, int64_t page_stride,
                   int64_t head_offset, int P, const int32_t* table, int n_table, int seq_len,
-                  const int64_t* pages, int K, float* out, float* lse) {
+                  const int64_t* pages, int K, float* out, float* lse, std::vector<float>& scores,
+                  std::vector<int>& valid) {
   constexpr int DV = D / 16;
   constexpr int GMAX = 16;
-  __m512 acc[GMAX][DV];
-  float m[GMAX], l[GMAX];
-  for (int g = 0; g < G; ++g) {
-    m[g] = -std::numeric_limits<float>::infinity();
-    l[g] = 0.f;
-    for (int d = 0; d < DV; ++d) acc[g][d] = _mm512_setzero_ps();
-  }
-  alignas(64) float s[GMAX][16];
-  for (int i = 0; i < K; ++i) {
+  const int width = K * P;  // score slots: page i's positions at i * P
+  scores.resize((size_t)G * width + 16);
+  valid.resize(K);  // positions per listed page (0: none)
+  __m512 qv[GMAX][DV];
+  for (int g = 0; g < G; ++g)
+    for (int d = 0; d < DV; ++d) qv[g][d] = _mm512_loadu_ps(q + g * D + d * 16);
+  float m[GMAX];
+  for (int g = 0; g < G; ++g) m[g] = -std::numeric_limits<float>::infinity();
+  for (int i = 0; i < K; ++i) {  // scores
     const int64_t page = pages[i];
-    if (page < 0 || page >= n_table || table[page] < 0) continue;
-    const int n = std::min<int64_t>(P, seq_len - page * P);
-    if (n <= 0) continue;
-    const T* kp = k_pages + table[page] * page_stride + head_offset;
-    const T* vp = v_pages + table[page] * page_stride + head_offset;
-    for (int j0 = 0; j0 < n; j0 += 16) {  // pages of more than 16 positions go 16 at a time
-      const int nj = std::min(16, n - j0);
-      for (int j = 0; j < nj; ++j) {
-        __m512 kv[DV];
-        for (int d = 0; d < DV; ++d) kv[d] = load_f32(kp + (j0 + j) * D + d * 16);
-        for (int g = 0; g < G; ++g) {
-          __m512 dot = _mm512_mul_ps(_mm512_loadu_ps(q + g * D), kv[0]);
-          for (int d = 1; d < DV; ++d) dot = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * D + d * 16), kv[d], dot);
-          s[g][j] = _mm512_reduce_add_ps(dot);
-        }
-      }
-      const __mmask16 valid = (__mmask16)((1u << nj) - 1);
+    valid[i] = page < 0 || page >= n_table || table[page] < 0 ? 0 : std::max<int64_t>(0, std::min<int64_t>(P, seq_len - page * P));
+    const T* kp = k_pages + (valid[i] ? table[page] * page_stride + head_offset : 0);
+    for (int j = 0; j < valid[i]; ++j) {
+      __m512 kv[DV];
+      for (int d = 0; d < DV; ++d) kv[d] = load_f32(kp + j * D + d * 16);
       for (int g = 0; g < G; ++g) {
-        const __m512 sv = _mm512_mask_loadu_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), valid, s[g]);
-        const float m_new = std::max(m[g], _mm512_reduce_max_ps(sv));
-        const float alpha = std::exp(m[g] - m_new);
-        const __m512 p = _mm512_maskz_mov_ps(valid, exp_ps(_mm512_sub_ps(sv, _mm512_set1_ps(m_new))));
-        l[g] = l[g] * alpha + _mm512_reduce_add_ps(p);
-        m[g] = m_new;
-        for (int d = 0; d < DV; ++d) acc[g][d] = _mm512_mul_ps(acc[g][d], _mm512_set1_ps(alpha));
-        _mm512_store_ps(s[g], p);
+        __m512 dot = _mm512_mul_ps(qv[g][0], kv[0]);
+        for (int d = 1; d < DV; ++d) dot = _mm512_fmadd_ps(qv[g][d], kv[d], dot);
+        const float sc = _mm512_reduce_add_ps(dot);
+        scores[(size_t)g * width + i * P + j] = sc;
+        m[g] = std::max(m[g], sc);
       }
-      for (int j = 0; j < nj; ++j) {
-        __m512 vv[DV];
-        for (int d = 0; d < DV; ++d) vv[d] = load_f32(vp + (j0 + j) * D + d * 16);
-        for (int g = 0; g < G; ++g) {
-          const __m512 pj = _mm512_set1_ps(s[g][j]);
-          for (int d = 0; d < DV; ++d) acc[g][d] = _mm512_fmadd_ps(pj, vv[d], acc[g][d]);
-        }
+    }
+  }
+  float l[GMAX];
+  for (int g = 0; g < G; ++g) {  // probabilities in place, each page's valid positions
+    __m512 sum = _mm512_setzero_ps();
+    const __m512 mv = _mm512_set1_ps(m[g]);
+    for (int i = 0; i < K; ++i)
+      for (int j0 = 0; j0 < valid[i]; j0 += 16) {
+        const __mmask16 mask = (__mmask16)((1u << std::min(16, valid[i] - j0)) - 1);
+        float* sp = scores.data() + (size_t)g * width + i * P + j0;
+        const __m512 pv = _mm512_maskz_mov_ps(mask, exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, sp), mv)));
+        _mm512_mask_storeu_ps(sp, mask, pv);
+        sum = _mm512_add_ps(sum, pv);
+      }
+    l[g] = _mm512_reduce_add_ps(sum);
+  }
+  __m512 acc[GMAX][DV];
+  for (int g = 0; g < G; ++g)
+    for (int d = 0; d < DV; ++d) acc[g][d] = _mm512_setzero_ps();
+  for (int i = 0; i < K; ++i) {  // values
+    if (!valid[i]) continue;
+    const T* vp = v_pages + table[pages[i]] * page_stride + head_offset;
+    for (int j = 0; j < valid[i]; ++j) {
+      __m512 vv[DV];
+      for (int d = 0; d < DV; ++d) vv[d] = load_f32(vp + j * D + d * 16);
+      for (int g = 0; g < G; ++g) {
+        const __m512 pj = _mm512_set1_ps(scores[(size_t)g * width + i * P + j]);
+        for (int d = 0; d < DV; ++d) acc[g][d] = _mm512_fmadd_ps(pj, vv[d], acc[g][d]);
       }
     }
   }
@@ -264,6 +273,8 @@ std::tuple<at::Tensor, at::Tensor> paged_attention(const at::Tensor& q, const at
   const bool bf16 = k_pages.scalar_type() == at::kBFloat16;
   TORCH_CHECK(bf16 || k_pages.scalar_type() == at::kFloat, "k/v pages: fp32 or bf16");
   at::parallel_for(0, B * Hkv, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> scores;
+    std::vector<int> valid;
     for (int64_t t = t0; t < t1; ++t) {
       const int b = t / Hkv, h = t % Hkv;
       const float* qh = qd + ((int64_t)b * Hq + h * G) * D;
@@ -274,13 +285,13 @@ std::tuple<at::Tensor, at::Tensor> paged_attention(const at::Tensor& q, const at
       if (bf16) {
         auto* kd = k_pages.data_ptr<at::BFloat16>();
         auto* vd = v_pages.data_ptr<at::BFloat16>();
-        if (D == 64) attend_pages<at::BFloat16, 64>(qh, G, kd, vd, page_stride, h * head_stride, P, tb, W, lens[b], ph, K, oh, lh);
-        else attend_pages<at::BFloat16, 128>(qh, G, kd, vd, page_stride, h * head_stride, P, tb, W, lens[b], ph, K, oh, lh);
+        if (D == 64) attend_pages<at::BFloat16, 64>(qh, G, kd, vd, page_stride, h * head_stride, P, tb, W, lens[b], ph, K, oh, lh, scores, valid);
+        else attend_pages<at::BFloat16, 128>(qh, G, kd, vd, page_stride, h * head_stride, P, tb, W, lens[b], ph, K, oh, lh, scores, valid);
       } else {
         auto* kd = k_pages.data_ptr<float>();
         auto* vd = v_pages.data_ptr<float>();
-        if (D == 64) attend_pages<float, 64>(qh, G, kd, vd, page_stride, h * head_stride, P, tb, W, lens[b], ph, K, oh, lh);
-        else attend_pages<float, 128>(qh, G, kd, vd, page_stride, h * head_stride, P, tb, W, lens[b], ph, K, oh, lh);
+        if (D == 64) attend_pages<float, 64>(qh, G, kd, vd, page_stride, h * head_stride, P, tb, W, lens[b], ph, K, oh, lh, scores, valid);
+        else attend_pages<float, 128>(qh, G, kd, vd, page_stride, h * head_stride, P, tb, W, lens[b], ph, K, oh, lh, scores, valid);
       }
     }
   });

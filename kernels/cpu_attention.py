@@ -2,10 +2,11 @@
 
 `paged_attention`: the G query rows of each (sequence, KV head) over the valid positions of a list of
 logical pages (the selected pages of a sparse layer, the suffix pages of a cascade step), read in place
-from the pool through the block table, with an online softmax in fp32 (bf16 pages are widened as they
-are loaded). The torch path gathers the pages into a buffer and calls the flash kernel, about 0.6 ms per
-layer at budget 512 x 8 samples, most of it the gather, the masks and a flash call whose 3-row queries
-it does not parallelise well; this reads each page once and splits the work over (sequence, KV head).
+from the pool through the block table, in fp32 (bf16 pages are widened as they are loaded): all the
+scores first, one softmax, then the values (an online softmax rescaled every 16 keys was slower: 36 vs
+31-35 ms per budget-512 step). The torch path gathers the pages into a buffer and calls the flash
+kernel, about 0.6 ms per layer at budget 512 x 8 samples, most of it the gather, the masks and a flash
+call whose 3-row queries it does not parallelise well; this splits the work over (sequence, KV head).
 Reference: `paged_attention_reference` (float64, positions listed one by one).
 
 `select_pages`: block top-k selection from page scores in one op (the torch path's topk, scatter,
