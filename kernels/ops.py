@@ -22,13 +22,11 @@ from .cascade_decode import cascade_page_scores
 from .dense_decode import dense_decode_reference, dense_decode_triton
 from .page_scoring import (
     SelectionPlan,
+    finish_selection,
     page_scores_reference,
     page_scores_triton,
     page_scoring_reference,
     page_scoring_triton,
-)
-from .page_scoring import (
-    finish_selection as finish_selection_reference,
 )
 from .sparse_decode import GatherWorkspace, sparse_decode_reference, sparse_decode_triton
 
@@ -100,16 +98,6 @@ def select_pages(q: Tensor, centroids: Tensor, block_table: Tensor, seq_lens: Te
     return page_scoring_reference(q, centroids, block_table, seq_lens, budgets, page_size, max_selected)
 
 
-def finish_selection(scores: Tensor, seq_lens: Tensor, budgets: Tensor, page_size: int = 16,
-                     max_selected: int | None = None, plan: SelectionPlan | None = None,
-                     impl: str = "auto") -> Tensor:
-    """Page scores [B, Hkv, max_pages] (-inf = not a candidate) -> selected logical pages [B, Hkv, K]
-    (`plan`: the step's `plan_selection`, which the torch reference reuses across layers)."""
-    if impl == "auto" and scores.device.type == "cpu" and cpu_attention.available():
-        return cpu_attention.select_pages(scores, seq_lens, budgets, page_size, max_selected)
-    return finish_selection_reference(scores, seq_lens, budgets, page_size, max_selected, plan)
-
-
 def cascade_select_pages(q: Tensor, prefixes: list[tuple[Tensor, Tensor]], group: Tensor, centroids: Tensor,
                          block_table: Tensor, seq_lens: Tensor, budgets: Tensor, suffix: Tensor,
                          page_size: int = 16, max_selected: int | None = None,
@@ -126,7 +114,7 @@ def cascade_select_pages(q: Tensor, prefixes: list[tuple[Tensor, Tensor]], group
     plan, index = plan_and_index() if plan_and_index is not None else (None, None)
     scores = cascade_page_scores(q, prefixes, centroids, block_table, seq_lens, suffix, page_size, plan,
                                  index)
-    return finish_selection_reference(scores, seq_lens, budgets, page_size, max_selected, plan)
+    return finish_selection(scores, seq_lens, budgets, page_size, max_selected, plan)
 
 
 def sparse_paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor,

@@ -15,10 +15,9 @@ logprobs are exactly those teacher-forced sparse scoring gives (`stages.mismatch
 On a CPU the kernels are the C++ ops of kernels/cpu_attention.py where they build, else their batched
 torch references (fp32 or bf16 weights and cache), the dense attention of samples sharing a prompt is
 cascaded (the prompt's pages read once per step, kernels/cascade_decode.py), the linears run on
-oneDNN-packed weights (packed_linears.py) and the norms and rotary embedding as C++ ops
-(cpu_layers.py); on CUDA
-the Triton kernels, and the decode step is replayed from CUDA graphs over static buffers
-(static_decode.py).
+prepacked weights (our C++ product in bf16, oneDNN's otherwise; packed_linears.py) and the norms and
+rotary embedding as C++ ops (cpu_layers.py); on CUDA the Triton kernels, and the decode step is
+replayed from CUDA graphs over static buffers (static_decode.py).
 """
 
 from __future__ import annotations
@@ -114,8 +113,9 @@ class Engine:
         self.cascade = on_torch if cascade is None else cascade
         self.prefixes: dict[int, SharedPrefix] = {}  # request id -> its shared prompt pages' K/V
         self._unfinished: dict[int, int] = {}  # request id -> samples not finished (while it has a prefix)
-        self.packed = PackedLinears(model, max_batch) if on_torch and packing_available(model) else None
-        self.layer_ops = CpuLayerOps(model) if impl == "auto" and cpu_layers_available(model) else None
+        own = impl == "auto"  # impl="torch": no C++ kernel anywhere in the step
+        self.packed = PackedLinears(model, max_batch, own) if on_torch and packing_available(model) else None
+        self.layer_ops = CpuLayerOps(model) if own and cpu_layers_available(model) else None
         self.cache: PagedKVCache | None = None
         self.scheduler: Scheduler | None = None
         self.stats = EngineStats()

@@ -44,10 +44,11 @@ DOT_MAX_ROWS = 16  # the C++ bf16 product's register block: at most this many de
 
 
 class PackedLinears:
-    def __init__(self, model: nn.Module, batch_hint: int):
+    def __init__(self, model: nn.Module, batch_hint: int, own_kernel: bool = True):
+        """`own_kernel`: bf16 products in our C++ kernel where it runs (the engine's impl="auto")."""
         self.batch_hint = batch_hint
-        self.dot = (batch_hint <= DOT_MAX_ROWS and next(model.parameters()).dtype == torch.bfloat16
-                    and cpu_attention.available())
+        self.dot = (own_kernel and batch_hint <= DOT_MAX_ROWS
+                    and next(model.parameters()).dtype == torch.bfloat16 and cpu_attention.available())
         self.groups: list[tuple[nn.Module, str, list[nn.Linear]]] = []  # (owner, method, its linears)
         for owner in model.modules():
             for method, names in FUSIBLE.items():
