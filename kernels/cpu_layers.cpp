@@ -138,6 +138,107 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, const c10:
   return out;
 }
 
+
+// ---- a decode layer as two ops around the attention (stages/rollout/cpu_decode.py) ----
+// Each rounds where the eager chain of the model's modules rounds (norm, product, rotary, residual sum,
+// silu, gate product), so that it equals the ops above called one by one.
+
+void linear_into(const at::BFloat16* x, int rows, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                 at::BFloat16* out) {
+  const int NB = packed.size(0), K2 = packed.size(1);
+  linear_dispatch<16>(rows, reinterpret_cast<const uint32_t*>(x),
+                      reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), K2, NB,
+                      bias.has_value() ? bias->data_ptr<at::BFloat16>() : nullptr, out);
+}
+
+void check_packed(const at::Tensor& packed, int64_t K, const char* name) {
+  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.dim() == 4 && packed.size(2) == 16 &&
+                  packed.size(3) == 2 && packed.is_contiguous() && packed.size(1) * 2 == K,
+              name, ": packed bf16 weight [N/16, K/2, 16, 2] with K = ", K, " expected");
+}
+
+// x [B, H] bf16 (the residual stream) -> q [B, Hq, D], k, v [B, Hkv, D]: input RMSNorm, the stacked q/k/v
+// product (+ bias), the optional per-head q/k RMSNorms (Qwen3), rotary embedding of q and k with
+// cos/sin [B, D].
+std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_qkv(
+    const at::Tensor& x, const at::Tensor& norm_w, const at::Tensor& qkv_packed, const c10::optional<at::Tensor>& qkv_bias,
+    const c10::optional<at::Tensor>& q_norm_w, const c10::optional<at::Tensor>& k_norm_w, const at::Tensor& cos,
+    const at::Tensor& sin, int64_t Hq, int64_t Hkv, double eps) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.is_contiguous(), "x [B, H] bf16 expected");
+  const int64_t B = x.size(0), H = x.size(1), D = cos.size(-1), N = (Hq + 2 * Hkv) * D;
+  TORCH_CHECK(B >= 1 && B <= 16, "decode_qkv: 1 to 16 rows");
+  check_packed(qkv_packed, H, "decode_qkv");
+  TORCH_CHECK(qkv_packed.size(0) * 16 == N, "decode_qkv: the packed weight has ", qkv_packed.size(0) * 16,
+              " outputs, (Hq + 2 Hkv) D = ", N, " expected");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == B * D && sin.numel() == B * D &&
+                  cos.scalar_type() == at::kBFloat16 && sin.scalar_type() == at::kBFloat16,
+              "cos/sin [B, D] bf16 expected");
+  const auto opts = x.options();
+  auto normed = at::empty({B, H}, opts);
+  rms_norm_rows(x.data_ptr<at::BFloat16>(), norm_w.data_ptr<at::BFloat16>(), normed.data_ptr<at::BFloat16>(), B, H,
+                static_cast<float>(eps));
+  auto qkv = at::empty({B, N}, opts);
+  linear_into(normed.data_ptr<at::BFloat16>(), B, qkv_packed, qkv_bias, qkv.data_ptr<at::BFloat16>());
+  auto q = at::empty({B, Hq, D}, opts), k = at::empty({B, Hkv, D}, opts), v = at::empty({B, Hkv, D}, opts);
+  const at::BFloat16* src = qkv.data_ptr<at::BFloat16>();
+  std::vector<at::BFloat16> head(D);
+  for (int64_t b = 0; b < B; ++b) {
+    const at::BFloat16* row = src + b * N;
+    const at::BFloat16* c = cos.data_ptr<at::BFloat16>() + b * D;
+    const at::BFloat16* s = sin.data_ptr<at::BFloat16>() + b * D;
+    for (int64_t h = 0; h < Hq + Hkv; ++h) {
+      const bool is_q = h < Hq;
+      const c10::optional<at::Tensor>& hn = is_q ? q_norm_w : k_norm_w;
+      const at::BFloat16* in = row + h * D;
+      if (hn.has_value()) {
+        rms_norm_rows(in, hn->data_ptr<at::BFloat16>(), head.data(), 1, D, static_cast<float>(eps));
+        in = head.data();
+      }
+      at::BFloat16* out = is_q ? q.data_ptr<at::BFloat16>() + (b * Hq + h) * D
+                               : k.data_ptr<at::BFloat16>() + (b * Hkv + h - Hq) * D;
+      rope_rows(in, c, s, out, 1, 1, D);
+    }
+    std::copy(row + (Hq + Hkv) * D, row + N, v.data_ptr<at::BFloat16>() + b * Hkv * D);
+  }
+  return {q, k, v};
+}
+
+// The rest of a layer: x [B, H] (the residual stream), attn [B, Hq * D] (the attention's output) ->
+// h + down(silu(gate) * up) of post_norm(h), with h = x + o_proj(attn).
+at::Tensor decode_mlp(const at::Tensor& x, const at::Tensor& attn, const at::Tensor& o_packed,
+                      const c10::optional<at::Tensor>& o_bias, const at::Tensor& norm_w, const at::Tensor& gate_up_packed,
+                      const at::Tensor& down_packed, double eps) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.is_contiguous(), "x [B, H] bf16 expected");
+  TORCH_CHECK(attn.scalar_type() == at::kBFloat16 && attn.dim() == 2 && attn.is_contiguous() &&
+                  attn.size(0) == x.size(0), "attn [B, Hq D] bf16 expected");
+  const int64_t B = x.size(0), H = x.size(1), I = gate_up_packed.size(0) * 8;
+  TORCH_CHECK(B >= 1 && B <= 16, "decode_mlp: 1 to 16 rows");
+  check_packed(o_packed, attn.size(1), "decode_mlp (o_proj)");
+  check_packed(gate_up_packed, H, "decode_mlp (gate/up)");
+  check_packed(down_packed, I, "decode_mlp (down)");
+  TORCH_CHECK(o_packed.size(0) * 16 == H && down_packed.size(0) * 16 == H, "decode_mlp: outputs of H expected");
+  const auto opts = x.options();
+  auto h = at::empty({B, H}, opts), normed = at::empty({B, H}, opts), gu = at::empty({B, 2 * I}, opts),
+       act = at::empty({B, I}, opts), out = at::empty({B, H}, opts);
+  at::BFloat16 *hp = h.data_ptr<at::BFloat16>(), *op = out.data_ptr<at::BFloat16>();
+  const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
+  linear_into(attn.data_ptr<at::BFloat16>(), B, o_packed, o_bias, hp);
+  for (int64_t i = 0; i < B * H; ++i) hp[i] = static_cast<at::BFloat16>(static_cast<float>(xp[i]) + static_cast<float>(hp[i]));
+  rms_norm_rows(hp, norm_w.data_ptr<at::BFloat16>(), normed.data_ptr<at::BFloat16>(), B, H, static_cast<float>(eps));
+  linear_into(normed.data_ptr<at::BFloat16>(), B, gate_up_packed, c10::nullopt, gu.data_ptr<at::BFloat16>());
+  const at::BFloat16* g = gu.data_ptr<at::BFloat16>();
+  at::BFloat16* a = act.data_ptr<at::BFloat16>();
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t i = 0; i < I; ++i) {
+      const float gi = static_cast<float>(g[b * 2 * I + i]);
+      const float silu = static_cast<float>(static_cast<at::BFloat16>(gi / (1.f + std::exp(-gi))));
+      a[b * I + i] = static_cast<at::BFloat16>(silu * static_cast<float>(g[b * 2 * I + I + i]));
+    }
+  linear_into(a, B, down_packed, c10::nullopt, op);
+  for (int64_t i = 0; i < B * H; ++i) op[i] = static_cast<at::BFloat16>(static_cast<float>(hp[i]) + static_cast<float>(op[i]));
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(sparrow_cpu, m) {
@@ -147,4 +248,10 @@ TORCH_LIBRARY_FRAGMENT(sparrow_cpu, m) {
   m.impl("rope_qk", c10::DispatchKey::CPU, TORCH_FN(rope_qk));
   m.def("linear_bf16(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
   m.impl("linear_bf16", c10::DispatchKey::CPU, TORCH_FN(linear_bf16));
+  m.def("decode_qkv(Tensor x, Tensor norm_w, Tensor qkv_packed, Tensor? qkv_bias, Tensor? q_norm_w, "
+        "Tensor? k_norm_w, Tensor cos, Tensor sin, int Hq, int Hkv, float eps) -> (Tensor, Tensor, Tensor)");
+  m.impl("decode_qkv", c10::DispatchKey::CPU, TORCH_FN(decode_qkv));
+  m.def("decode_mlp(Tensor x, Tensor attn, Tensor o_packed, Tensor? o_bias, Tensor norm_w, Tensor gate_up_packed, "
+        "Tensor down_packed, float eps) -> Tensor");
+  m.impl("decode_mlp", c10::DispatchKey::CPU, TORCH_FN(decode_mlp));
 }

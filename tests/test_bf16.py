@@ -92,3 +92,30 @@ def test_cli_rollout_in_bf16(tmp_path, prompts_file):
     assert r.exit_code == 0, r.output
     assert read_artifact(out, "rollouts").num_rows == 4
     assert artifact_metadata(out)["dtype"] == "bfloat16"
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m", "tiny-qwen2", "tiny-qwen3"])
+def test_fused_decode_layers_equal_the_modular_step(name):
+    """In bf16 a decode layer is two C++ ops around the attention (stages/rollout/cpu_decode.py); they
+    round where the chain of modules rounds, so tokens and logprobs are the modular step's bit for bit,
+    dense and sparse, with Qwen2's q/k/v biases and Qwen3's per-head q/k norms (made non-trivial here)."""
+    model = load_model(name, dtype=torch.bfloat16).model
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "norm" in pname or pname.endswith("bias"):
+                g = torch.Generator().manual_seed(len(pname))
+                p.add_(torch.randn(p.shape, generator=g).bfloat16() * 0.2)
+    prompt = torch.randint(0, 500, (200,), generator=torch.Generator().manual_seed(0)).tolist()
+    params = SamplingParams(max_new_tokens=10, n=3, seed=2, ignore_eos=True)
+    for budget in (None, 96):
+        runs = []
+        for fused in (True, False):
+            engine = Engine(model, budget, max_batch=4)
+            if engine.fused is None:
+                pytest.skip("no C++ kernels or no AVX512-BF16 here")
+            assert engine.fused.ready()  # every projection packed for the fused ops
+            if not fused:
+                engine.fused = None
+            runs.append(engine.generate([prompt], params)[0])
+        for a, b in zip(*runs):
+            assert a.token_ids == b.token_ids and a.logprobs == b.logprobs, (name, budget)

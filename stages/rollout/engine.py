@@ -16,7 +16,8 @@ On a CPU the kernels are the C++ ops of kernels/cpu_attention.py where they buil
 torch references (fp32 or bf16 weights and cache), the dense attention of samples sharing a prompt is
 cascaded (the prompt's pages read once per step, kernels/cascade_decode.py), the linears run on
 prepacked weights (our C++ product in bf16, oneDNN's otherwise; packed_linears.py) and the norms and
-rotary embedding as C++ ops (cpu_layers.py); on CUDA the Triton kernels, and the decode step is
+rotary embedding as C++ ops (cpu_layers.py); in bf16 with our product, a decode layer is two C++ ops
+around the attention (cpu_decode.py); on CUDA the Triton kernels, and the decode step is
 replayed from CUDA graphs over static buffers (static_decode.py).
 """
 
@@ -42,6 +43,7 @@ from ..sparsity import Sparsity, budget_fn
 from .allocator import tune_cpu_allocator
 from .attention import Cascade, DecodeAttention, PrefillAttention, Recompute
 from .block_manager import BlockManager
+from .cpu_decode import FusedCpuDecode
 from .cpu_layers import CpuLayerOps, cpu_layers_available
 from .kv_cache import PagedKVCache, SharedPrefix
 from .packed_linears import PackedLinears, packing_available
@@ -116,6 +118,9 @@ class Engine:
         own = impl == "auto"  # impl="torch": no C++ kernel anywhere in the step
         self.packed = PackedLinears(model, max_batch, own) if on_torch and packing_available(model) else None
         self.layer_ops = CpuLayerOps(model) if own and cpu_layers_available(model) else None
+        self.fused = FusedCpuDecode(model, self.packed) if (
+            self.packed is not None and self.packed.dot and self.layer_ops is not None
+            and isinstance(model, Transformer)) else None
         self.cache: PagedKVCache | None = None
         self.scheduler: Scheduler | None = None
         self.stats = EngineStats()
@@ -431,6 +436,8 @@ class Engine:
             self.dense_layers, self.scale, self.impl, any_sparse=any(b > 0 for b in budgets),
             max_selected=kept_pages(budgets, self.page_size, table.shape[1]) if dev.type == "cuda" else None,
             workspace=self.workspace, cascade=cascade)
+        if self.fused is not None and self.fused.ready():
+            return self.fused.logits(tokens, pos, attn)
         with (self.packed.active() if self.packed is not None else nullcontext(),
               self.layer_ops.active() if self.layer_ops is not None else nullcontext()):
             hidden = self.model.hidden_states(torch.tensor(tokens, device=dev)[:, None],

@@ -61,8 +61,9 @@ class PackedLinears:
         self.packed: dict[int, tuple[str, Tensor]] = {}
         self.stamps: dict[int, tuple] = {}
 
-    def refresh(self) -> None:
-        """Repack the weights that changed since they were packed."""
+    def refresh(self) -> bool:
+        """Repack the weights that changed since they were packed; whether any did."""
+        changed = False
         for key, members in [(id(m), [m]) for m in self.linears] + [(id(g[2][0]), g[2]) for g in self.groups]:
             stamp = tuple((m.weight.data_ptr(), m.weight._version) for m in members)
             if self.stamps.get(key) != stamp:
@@ -70,6 +71,14 @@ class PackedLinears:
                     else members[0].weight.detach()
                 self.packed[key] = self._pack(weight)
                 self.stamps[key] = stamp
+                changed = True
+        return changed
+
+    def dot_weight(self, first: nn.Linear) -> Tensor | None:
+        """The packed weight of a linear (or of the stacked group it leads) in our bf16 product's layout,
+        None if it is not packed so (call `refresh` first)."""
+        kind, weight = self.packed.get(id(first), ("", None))
+        return weight if kind == "dot" else None
 
     def _pack(self, weight: Tensor) -> tuple[str, Tensor]:
         n, k = weight.shape
