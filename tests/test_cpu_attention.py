@@ -43,6 +43,47 @@ def test_kernel_equals_float64_attention(n, hq, hkv, d, length, chunks):
 
 
 @needs_kernel
+@pytest.mark.parametrize("b,hq,hkv,t,d", [(1, 9, 3, 300, 64), (2, 9, 3, 77, 64), (1, 4, 2, 50, 128),
+                                          (1, 3, 3, 1, 64), (3, 8, 1, 130, 64)])
+def test_causal_prefill_kernel_equals_float64_attention(b, hq, hkv, t, d):
+    """Every position against positions <= it (right-padded rows of a batch included), q in the model's
+    strides; as close to float64 as PyTorch's flash kernel is (both round the probabilities to bf16)."""
+    g = torch.Generator().manual_seed(t + d)
+    q = (torch.randn(b, t, hq, d, generator=g) * 2).bfloat16().transpose(1, 2)
+    k = (torch.randn(b, hkv, t, d, generator=g) * 2).bfloat16()
+    v = torch.randn(b, hkv, t, d, generator=g).bfloat16()
+    assert kernel.causal_attention_usable(q, k)
+    got = kernel.causal_attention(q, k, v, d ** -0.5)
+    want = kernel.causal_attention_reference(q, k, v, d ** -0.5)
+    flash = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    assert got.shape == want.shape and got.dtype == torch.bfloat16
+    assert (got.double() - want).abs().max() <= 2 * (flash.double() - want).abs().max() + 1e-3
+    torch.testing.assert_close(got.double(), want, atol=2e-2, rtol=0)
+
+
+@needs_kernel
+def test_engine_prefills_through_the_kernel_as_through_flash(monkeypatch):
+    """The bf16 engine's prefill attention (our kernel on impl="auto") gives the first token's logprobs of
+    a prefill through PyTorch's flash kernel within bf16 rounding (prompts of two lengths, one padded)."""
+    model = load_model("smollm2-135m", dtype=torch.bfloat16).model
+    prompts = [torch.randint(0, 1000, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+               for n in (150, 97)]
+    params = SamplingParams(max_new_tokens=1, n=1, temperature=0.0, ignore_eos=True, logprobs=3)
+    calls, original = [], kernel.causal_attention
+    monkeypatch.setattr(kernel, "causal_attention", lambda *args: calls.append(1) or original(*args))
+    ours = Engine(model, max_batch=2).generate(prompts, params)
+    assert len(calls) == model.cfg.num_layers  # one padded prefill of both prompts
+    monkeypatch.setattr(kernel, "causal_attention_usable", lambda q, k: False)
+    flash = Engine(model, max_batch=2).generate(prompts, params)
+    assert len(calls) == model.cfg.num_layers
+    for a, b in zip(ours, flash):
+        top_a, top_b = dict(a[0].top_logprobs[0]), dict(b[0].top_logprobs[0])
+        assert len(set(top_a) & set(top_b)) >= 2
+        for token in set(top_a) & set(top_b):
+            assert abs(top_a[token] - top_b[token]) < 0.1
+
+
+@needs_kernel
 def test_engine_in_bf16_stores_packed_prefixes_and_samples_as_without():
     """The same greedy tokens with the kernel as with the flash kernel, up to a near tie: bf16 logits
     of SmolLM2 (16-32) are 0.125 apart, ties are frequent, and a rounding difference upstream may pick
