@@ -75,7 +75,7 @@ def cpu_has_avx512_bf16() -> bool:
 
 
 SOURCES = [Path(__file__).with_suffix(".cpp")] + [Path(__file__).with_name(f"cpu_{name}.cpp")
-                                                 for name in ("layers", "prefill")]
+                                                 for name in ("layers", "prefill", "sampling")]
 HEADERS = [Path(__file__).with_name("cpu_attend.h")]
 CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512bf16", "-fopenmp"]
 

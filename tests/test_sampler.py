@@ -67,3 +67,23 @@ def test_logprobs_and_greedy_rows_against_float64_log_softmax():
     ref_values, ref_ids = want.topk(3, dim=-1)
     assert torch.equal(top_ids, ref_ids) and torch.allclose(top_values.double(), ref_values, atol=1e-5)
 
+
+
+def test_cpu_race_kernel_draws_what_its_float64_reference_draws():
+    """The C++ race (kernels/cpu_sampling.cpp: splitmix64 noise, fp32 logs) picks the token the float64
+    numpy race over the same bits picks, on every row; the sampler takes it for untruncated rows (the
+    frequency test above holds it to the distribution)."""
+    import pytest
+
+    from sparrow.kernels import cpu_sampling
+
+    logp = torch.log_softmax(torch.randn(64, 3001, generator=torch.Generator().manual_seed(6)) * 3, -1)
+    if not cpu_sampling.usable(logp):
+        pytest.skip("no C++ kernels or no AVX512 here")
+    seeds = torch.randint(-2**62, 2**62, (64,), generator=torch.Generator().manual_seed(7))
+    drawn = cpu_sampling.race_sample(logp, seeds)
+    assert torch.equal(drawn, cpu_sampling.race_sample_reference(logp, seeds))
+    assert len(set(drawn.tolist())) > 50  # distinct seeds, distinct draws
+    bits = cpu_sampling.noise_bits(12345, 100000) >> np.uint64(8)
+    u = (bits.astype(np.float64) + 0.5) / 2**24
+    assert abs(u.mean() - 0.5) < 0.005 and abs(u.var() - 1 / 12) < 0.002

@@ -4,7 +4,8 @@ Each sample owns a `torch.Generator` seeded from (seed, request, sample), so wha
 not depend on which other sequences share its batch: the same seed gives the same rollouts with any
 --max-batch. Logprobs follow `stages.generate.sample_next`: log_softmax(logits / T) of the sampled
 token, T = 1 when greedy, before truncation. A sampled row draws by an exponential race, argmax p / E
-with E ~ Exp(1) per token, which is exact and needs one noise draw per sample and one batched argmax.
+with E ~ Exp(1) per token, which is exact and needs one noise draw per sample and one batched argmax; on a
+CPU, rows without top-k/top-p run it in one C++ pass with counter-based noise (kernels/cpu_sampling.py).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from collections.abc import Sequence as Seq
 
 import torch
 from torch import Tensor
+
+from sparrow.kernels import cpu_sampling
 
 from .sequence import SamplingParams
 
@@ -30,37 +33,45 @@ def sample_tokens(logits: Tensor, params: Seq[SamplingParams], generators: Seq[t
     tokens = logits.argmax(-1) if len(rows) < len(temps) else torch.empty(len(temps), dtype=torch.long,
                                                                            device=dev)
     if rows:
-        every = len(rows) == len(temps)
-        probs = logp.exp() if every else logp[torch.tensor(rows, device=dev)].exp()
         sub = [params[i] for i in rows]
-        top_k = torch.tensor([p.top_k for p in sub], device=dev)
-        if any(p.top_k > 0 for p in sub):
-            kmax = int(top_k.max())
-            kth = probs.topk(min(kmax, probs.shape[-1]), dim=-1).values
-            idx = (top_k.clamp(1, kth.shape[-1]) - 1)[:, None]
-            thresh = torch.where(top_k[:, None] > 0, kth.gather(-1, idx), 0.0)
-            probs = probs * (probs >= thresh)
-        if any(p.top_p < 1 for p in sub):
-            top_p = torch.tensor([p.top_p for p in sub], device=dev)
-            sorted_p, order = probs.sort(-1, descending=True)
-            # cumulative mass of the kept distribution before each token; keeps the most likely one
-            cum = sorted_p.cumsum(-1) - sorted_p
-            mass = torch.where(top_k > 0, sorted_p.sum(-1), 1.0)  # top-p of the top-k distribution
-            keep = cum < top_p[:, None] * mass[:, None]
-            probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p * keep)
-        # exponential race: argmax p / E with E ~ Exp(1) draws from p exactly; one noise draw per
-        # sample from its own generator (torch.multinomial per row cost ~13 launches each, 6-8 ms per
-        # step at 32 samples on an H100), then one batched argmax. E = -log U: on a CPU uniform_ is
-        # vectorised and exponential_ is not (0.14 vs 0.93 ms per 49K-token row)
-        noise = torch.empty_like(probs)
-        for j, i in enumerate(rows):
-            noise[j].uniform_(generator=generators[i])
-        noise = noise.log_().neg_()
-        drawn = probs.div_(noise.clamp_(min=torch.finfo(noise.dtype).tiny)).argmax(-1)
-        if every:
+        picked = logp if len(rows) == len(temps) else logp[torch.tensor(rows, device=dev)]
+        if any(p.top_k > 0 or p.top_p < 1 for p in sub) or not cpu_sampling.usable(logp):
+            drawn = _race(picked.exp(), sub, [generators[i] for i in rows])
+        else:  # the same race in one C++ pass, its noise from one seed per row (kernels/cpu_sampling.py)
+            drawn = cpu_sampling.race_sample(picked, cpu_sampling.draw_seeds([generators[i] for i in rows]))
+        if len(rows) == len(temps):
             tokens = drawn
         else:
             tokens[torch.tensor(rows, device=dev)] = drawn
     chosen = logp.gather(-1, tokens[:, None]).squeeze(-1)
     top = logp.topk(top_logprobs, dim=-1) if top_logprobs > 0 else None
     return tokens.cpu(), chosen.cpu(), (None if top is None else (top.values.cpu(), top.indices.cpu()))
+
+
+def _race(probs: Tensor, params: Seq[SamplingParams], generators: Seq[torch.Generator]) -> Tensor:
+    """Rows of probabilities [n, V], truncated by top-k then top-p, each drawn by its generator -> [n]."""
+    dev = probs.device
+    top_k = torch.tensor([p.top_k for p in params], device=dev)
+    if any(p.top_k > 0 for p in params):
+        kmax = int(top_k.max())
+        kth = probs.topk(min(kmax, probs.shape[-1]), dim=-1).values
+        idx = (top_k.clamp(1, kth.shape[-1]) - 1)[:, None]
+        thresh = torch.where(top_k[:, None] > 0, kth.gather(-1, idx), 0.0)
+        probs = probs * (probs >= thresh)
+    if any(p.top_p < 1 for p in params):
+        top_p = torch.tensor([p.top_p for p in params], device=dev)
+        sorted_p, order = probs.sort(-1, descending=True)
+        # cumulative mass of the kept distribution before each token; keeps the most likely one
+        cum = sorted_p.cumsum(-1) - sorted_p
+        mass = torch.where(top_k > 0, sorted_p.sum(-1), 1.0)  # top-p of the top-k distribution
+        keep = cum < top_p[:, None] * mass[:, None]
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p * keep)
+    # exponential race: argmax p / E with E ~ Exp(1) draws from p exactly; one noise draw per sample
+    # from its own generator (torch.multinomial per row cost ~13 launches each, 6-8 ms per step at 32
+    # samples on an H100), then one batched argmax. E = -log U: on a CPU uniform_ is vectorised and
+    # exponential_ is not (0.14 vs 0.93 ms per 49K-token row)
+    noise = torch.empty_like(probs)
+    for j, g in enumerate(generators):
+        noise[j].uniform_(generator=g)
+    noise = noise.log_().neg_()
+    return probs.div_(noise.clamp_(min=torch.finfo(noise.dtype).tiny)).argmax(-1)
