@@ -13,6 +13,7 @@
 #include <cstring>
 #include <limits>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -80,38 +81,100 @@ inline __m512 load_f32(const at::BFloat16* x) {  // 16 bf16 -> fp32: the bf16 bi
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)x)), 16));
 }
 
-// One (sequence, KV head): the G query rows q [G, D] fp32 (scaled) over the valid positions of the
-// logical pages `pages` [K] (-1 = none) -> out [G, D] (normalised) and lse [G] fp32. Three passes: every
-// score (in `scores`, G x K*P), one softmax per row, then the values: a decode row's few hundred keys
-// fit in L1/L2, and one softmax costs less than an online rescale per 16 keys.
+// 16 vectors -> one whose lane j is the sum of v[j]'s lanes (pairs, then quads, then 128-bit lanes combined)
+inline __m512 sum_lanes16(const __m512 (&v)[16]) {
+  __m512 a[8], b[4], c[2];
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i)
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i) {
+    const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+#pragma GCC unroll 2
+  for (int i = 0; i < 2; ++i)
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+}
+
+// The scores of G query rows q [G, D] (bf16 values in fp32) against one bf16 page of 16 keys kp [16, D] ->
+// s [G][16] (times scale): each key's dot product in D/32 vdpbf16ps steps, the 16 keys' partial sums
+// summed across lanes together (one horizontal sum per key cost about three times more).
+template <int D>
+inline void page_scores_bf16(const __m512bh (*qb)[D / 32], int G, const at::BFloat16* kp, float scale, __m512* s) {
+  const auto* k = reinterpret_cast<const uint16_t*>(kp);
+  for (int g = 0; g < G; ++g) {
+    __m512 acc[16];
+#pragma GCC unroll 16
+    for (int j = 0; j < 16; ++j) {
+      acc[j] = _mm512_dpbf16_ps(_mm512_setzero_ps(), qb[g][0], (__m512bh)_mm512_loadu_si512(k + j * D));
+#pragma GCC unroll 4
+      for (int d = 1; d < D / 32; ++d)
+        acc[j] = _mm512_dpbf16_ps(acc[j], qb[g][d], (__m512bh)_mm512_loadu_si512(k + j * D + d * 32));
+    }
+    s[g] = _mm512_mul_ps(sum_lanes16(acc), _mm512_set1_ps(scale));
+  }
+}
+
+// One (sequence, KV head): the G query rows q [G, D] fp32 over the valid positions of the logical pages
+// `pages` [K] (-1 = none) -> out [G, D] (normalised) and lse [G] fp32, scores times `scale`. Three passes:
+// every score (in `scores`, G x K*P), one softmax per row, then the values: a decode row's few hundred
+// keys fit in L1/L2, and one softmax costs less than an online rescale per 16 keys. Pages of 16 bf16 keys
+// are scored with vdpbf16ps (q is rounded to bf16: exact for a bf16 model's queries).
 template <typename T, int D>
 void attend_pages(const float* q, int G, const T* k_pages, const T* v_pages, int64_t page_stride,
                   int64_t head_offset, int P, const int32_t* table, int n_table, int seq_len,
-                  const int64_t* pages, int K, float* out, float* lse, std::vector<float>& scores,
+                  const int64_t* pages, int K, float scale, float* out, float* lse, std::vector<float>& scores,
                   std::vector<int>& valid) {
   constexpr int DV = D / 16;
   constexpr int GMAX = 16;
   const int width = K * P;  // score slots: page i's positions at i * P
   scores.resize((size_t)G * width + 16);
   valid.resize(K);  // positions per listed page (0: none)
-  __m512 qv[GMAX][DV];
-  for (int g = 0; g < G; ++g)
-    for (int d = 0; d < DV; ++d) qv[g][d] = _mm512_loadu_ps(q + g * D + d * 16);
-  float m[GMAX];
-  for (int g = 0; g < G; ++g) m[g] = -std::numeric_limits<float>::infinity();
-  for (int i = 0; i < K; ++i) {  // scores
+  for (int i = 0; i < K; ++i) {
     const int64_t page = pages[i];
     valid[i] = page < 0 || page >= n_table || table[page] < 0 ? 0 : std::max<int64_t>(0, std::min<int64_t>(P, seq_len - page * P));
-    const T* kp = k_pages + (valid[i] ? table[page] * page_stride + head_offset : 0);
-    for (int j = 0; j < valid[i]; ++j) {
-      __m512 kv[DV];
-      for (int d = 0; d < DV; ++d) kv[d] = load_f32(kp + j * D + d * 16);
-      for (int g = 0; g < G; ++g) {
-        __m512 dot = _mm512_mul_ps(qv[g][0], kv[0]);
-        for (int d = 1; d < DV; ++d) dot = _mm512_fmadd_ps(qv[g][d], kv[d], dot);
-        const float sc = _mm512_reduce_add_ps(dot);
-        scores[(size_t)g * width + i * P + j] = sc;
-        m[g] = std::max(m[g], sc);
+  }
+  float m[GMAX];
+  for (int g = 0; g < G; ++g) m[g] = -std::numeric_limits<float>::infinity();
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    if (P == 16) {
+      __m512bh qb[GMAX][D / 32];
+      for (int g = 0; g < G; ++g)
+        for (int d = 0; d < D / 32; ++d)
+          qb[g][d] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(q + g * D + d * 32 + 16), _mm512_loadu_ps(q + g * D + d * 32));
+      __m512 mx[GMAX], s[GMAX];
+      for (int g = 0; g < G; ++g) mx[g] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+      for (int i = 0; i < K; ++i) {
+        if (!valid[i]) continue;
+        const __mmask16 mask = (__mmask16)((1u << valid[i]) - 1);
+        page_scores_bf16<D>(qb, G, k_pages + table[pages[i]] * page_stride + head_offset, scale, s);
+        for (int g = 0; g < G; ++g) {
+          _mm512_mask_storeu_ps(scores.data() + (size_t)g * width + i * P, mask, s[g]);
+          mx[g] = _mm512_mask_max_ps(mx[g], mask, mx[g], s[g]);
+        }
+      }
+      for (int g = 0; g < G; ++g) m[g] = _mm512_reduce_max_ps(mx[g]);
+    }
+  }
+  if (!std::is_same_v<T, at::BFloat16> || P != 16) {
+    __m512 qv[GMAX][DV];
+    for (int g = 0; g < G; ++g)
+      for (int d = 0; d < DV; ++d) qv[g][d] = _mm512_mul_ps(_mm512_loadu_ps(q + g * D + d * 16), _mm512_set1_ps(scale));
+    for (int i = 0; i < K; ++i) {  // scores, one key at a time
+      const T* kp = k_pages + (valid[i] ? table[pages[i]] * page_stride + head_offset : 0);
+      for (int j = 0; j < valid[i]; ++j) {
+        __m512 kv[DV];
+        for (int d = 0; d < DV; ++d) kv[d] = load_f32(kp + j * D + d * 16);
+        for (int g = 0; g < G; ++g) {
+          __m512 dot = _mm512_mul_ps(qv[g][0], kv[0]);
+          for (int d = 1; d < DV; ++d) dot = _mm512_fmadd_ps(qv[g][d], kv[d], dot);
+          const float sc = _mm512_reduce_add_ps(dot);
+          scores[(size_t)g * width + i * P + j] = sc;
+          m[g] = std::max(m[g], sc);
+        }
       }
     }
   }
@@ -167,9 +230,8 @@ std::tuple<at::Tensor, at::Tensor> paged_attention(const at::Tensor& q, const at
   const int G = Hq / Hkv, K = pages.size(2), W = block_table.size(1);
   TORCH_CHECK(D == 64 || D == 128, "head dim 64 or 128 expected");
   TORCH_CHECK(G <= 16 && Hq % Hkv == 0, "at most 16 query heads per KV head");
-  auto qs = (q * scale).contiguous();
   auto out = at::empty({B, Hq, D}, q.options()), lse = at::empty({B, Hq}, q.options());
-  const float* qd = qs.data_ptr<float>();
+  const float* qd = q.data_ptr<float>();
   float *od = out.data_ptr<float>(), *ld = lse.data_ptr<float>();
   const int32_t* table = block_table.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
@@ -190,13 +252,13 @@ std::tuple<at::Tensor, at::Tensor> paged_attention(const at::Tensor& q, const at
       if (bf16) {
         auto* kd = k_pages.data_ptr<at::BFloat16>();
         auto* vd = v_pages.data_ptr<at::BFloat16>();
-        if (D == 64) attend_pages<at::BFloat16, 64>(qh, G, kd, vd, page_stride, h * head_stride, P, tb, W, lens[b], ph, K, oh, lh, scores, valid);
-        else attend_pages<at::BFloat16, 128>(qh, G, kd, vd, page_stride, h * head_stride, P, tb, W, lens[b], ph, K, oh, lh, scores, valid);
+        if (D == 64) attend_pages<at::BFloat16, 64>(qh, G, kd, vd, page_stride, h * head_stride, P, tb, W, lens[b], ph, K, (float)scale, oh, lh, scores, valid);
+        else attend_pages<at::BFloat16, 128>(qh, G, kd, vd, page_stride, h * head_stride, P, tb, W, lens[b], ph, K, (float)scale, oh, lh, scores, valid);
       } else {
         auto* kd = k_pages.data_ptr<float>();
         auto* vd = v_pages.data_ptr<float>();
-        if (D == 64) attend_pages<float, 64>(qh, G, kd, vd, page_stride, h * head_stride, P, tb, W, lens[b], ph, K, oh, lh, scores, valid);
-        else attend_pages<float, 128>(qh, G, kd, vd, page_stride, h * head_stride, P, tb, W, lens[b], ph, K, oh, lh, scores, valid);
+        if (D == 64) attend_pages<float, 64>(qh, G, kd, vd, page_stride, h * head_stride, P, tb, W, lens[b], ph, K, (float)scale, oh, lh, scores, valid);
+        else attend_pages<float, 128>(qh, G, kd, vd, page_stride, h * head_stride, P, tb, W, lens[b], ph, K, (float)scale, oh, lh, scores, valid);
       }
     }
   });

@@ -158,7 +158,8 @@ def paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Te
                     pages: Tensor, scale: float) -> tuple[Tensor, Tensor]:
     """q [B, Hq, D] over the positions < seq_lens of the logical pages `pages` [B, Hkv, K] (-1 = none),
     read through block_table [B, W] -> out [B, Hq, D] fp32, lse [B, Hq] fp32 (-inf and 0 for a row with
-    no valid position)."""
+    no valid position). Over bf16 pages of 16 keys, q is rounded to bf16 for the score products (exact for
+    a bf16 model, whose queries are bf16)."""
     if not available():
         raise RuntimeError("the CPU attention kernels are not available here")
     return torch.ops.sparrow_cpu.paged_attention(

@@ -122,7 +122,8 @@ def test_engine_in_bf16_stores_packed_prefixes_and_samples_as_without():
 @pytest.mark.parametrize("b,hq,hkv,d,page", [(3, 9, 3, 64, 16), (2, 8, 2, 128, 16), (2, 6, 3, 64, 32)])
 def test_paged_attention_equals_float64_over_the_listed_positions(dtype, b, hq, hkv, d, page):
     """Listed pages in any order, -1 padding, pages past the block table's end or unmapped (-1), a
-    partial last page (positions >= seq_len left out) and a row with no page at all (lse -inf, out 0)."""
+    partial last page (positions >= seq_len left out) and a row with no page at all (lse -inf, out 0).
+    With bf16 pages the queries are bf16 values, as a bf16 model's are (the kernel takes them in bf16)."""
     g = torch.Generator().manual_seed(b * d + page)
     k_pages, v_pages = torch.randn(2, 40, hkv, page, d, generator=g).to(dtype)
     table = torch.randperm(40, generator=g)[: b * 10].view(b, 10).int()
@@ -130,7 +131,7 @@ def test_paged_attention_equals_float64_over_the_listed_positions(dtype, b, hq, 
     seq_lens = torch.tensor([8 * page - 5, 10 * page, 3 * page + 1][:b]).int()
     pages = torch.randint(-1, 12, (b, hkv, 6), generator=g)
     pages[-1, 0] = -1
-    q = torch.randn(b, hq, d, generator=g)
+    q = torch.randn(b, hq, d, generator=g).to(dtype).float()
     args = (q, k_pages, v_pages, table, seq_lens, pages, d ** -0.5)
     out, lse = kernel.paged_attention(*args)
     want_out, want_lse = kernel.paged_attention_reference(*args)
