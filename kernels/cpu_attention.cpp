@@ -420,6 +420,23 @@ at::Tensor score_pages(const at::Tensor& q, const at::Tensor& centroids, const a
   return scores;
 }
 
+// A sparse decode layer's attention in one op (the chain DecodeAttention runs op by op): append the new
+// token's k/v [B, Hkv, D] at slots [B], score the pages (the shared prefixes' centroids once for their rows,
+// as score_pages), select by block top-k (select_pages), attend over the selected pages (paged_attention)
+// -> [B, Hq * D] in q's dtype.
+at::Tensor sparse_decode_layer(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_pages,
+                               at::Tensor& v_pages, at::Tensor& centroids, const at::Tensor& slots,
+                               const at::Tensor& block_table, const at::Tensor& seq_lens, const at::Tensor& budgets,
+                               int64_t page_size, int64_t reserved, at::TensorList prefixes, const at::Tensor& group,
+                               double scale) {
+  append_kv(k_pages, v_pages, centroids, k, v, slots);
+  const auto scores = score_pages(q, centroids, block_table, seq_lens, page_size, prefixes, group);
+  const auto selected = select_pages(scores, seq_lens, budgets, page_size, reserved, 0);
+  const auto out = std::get<0>(paged_attention(q.to(at::kFloat).contiguous(), k_pages, v_pages, block_table,
+                                               seq_lens, selected.to(at::kLong), scale));
+  return out.to(q.scalar_type()).view({q.size(0), q.size(1) * q.size(2)});
+}
+
 }  // namespace
 
 TORCH_LIBRARY(sparrow_cpu, m) {
@@ -437,4 +454,8 @@ TORCH_LIBRARY(sparrow_cpu, m) {
   m.def("append_kv(Tensor(a!) k_pages, Tensor(b!) v_pages, Tensor(c!) centroids, Tensor k, Tensor v, "
         "Tensor slots) -> ()");
   m.impl("append_kv", c10::DispatchKey::CPU, TORCH_FN(append_kv));
+  m.def("sparse_decode_layer(Tensor q, Tensor k, Tensor v, Tensor(a!) k_pages, Tensor(b!) v_pages, "
+        "Tensor(c!) centroids, Tensor slots, Tensor block_table, Tensor seq_lens, Tensor budgets, int page_size, "
+        "int reserved, Tensor[] prefixes, Tensor group, float scale) -> Tensor");
+  m.impl("sparse_decode_layer", c10::DispatchKey::CPU, TORCH_FN(sparse_decode_layer));
 }

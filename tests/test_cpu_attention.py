@@ -296,3 +296,23 @@ def test_linear_bf16_equals_float64_products_within_bf16_rounding(rows):
     want = x.double() @ layer.weight.double().T + layer.bias.double()
     assert got.shape == want.shape
     assert ((got - want).abs() <= 2 ** -8 * want.abs() + 1e-3).all()  # one bf16 rounding of the output
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_sparse_layer_as_one_op_samples_what_the_op_by_op_chain_samples(dtype, monkeypatch):
+    """`sparse_decode_layer` (append, cascade scoring, selection, paged attention in one C++ op) gives the
+    op-by-op chain's tokens and logprobs bit for bit, and the step takes it."""
+    from sparrow.stages.rollout.attention import DecodeAttention
+
+    model = load_model("smollm2-135m", dtype=dtype).model
+    prompt = torch.randint(0, 1000, (300,), generator=torch.Generator().manual_seed(5)).tolist()
+    params = SamplingParams(max_new_tokens=12, n=3, seed=4, ignore_eos=True)
+    taken, one_op = [], DecodeAttention._one_op
+    monkeypatch.setattr(DecodeAttention, "_one_op", lambda *a: taken.append(one_op(*a)) or taken[-1])
+    fused = Engine(model, 96, max_batch=4).generate([prompt], params)[0]
+    assert taken and all(taken)
+    monkeypatch.setattr(DecodeAttention, "_one_op", lambda *a: False)
+    chain = Engine(model, 96, max_batch=4).generate([prompt], params)[0]
+    for a, b in zip(fused, chain):
+        assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
