@@ -192,26 +192,42 @@ void attend_pages(const float* q, int G, const T* k_pages, const T* v_pages, int
       }
     l[g] = _mm512_reduce_add_ps(sum);
   }
-  __m512 acc[GMAX][DV];
-  for (int g = 0; g < G; ++g)
-    for (int d = 0; d < DV; ++d) acc[g][d] = _mm512_setzero_ps();
-  for (int i = 0; i < K; ++i) {  // values
-    if (!valid[i]) continue;
-    const T* vp = v_pages + table[pages[i]] * page_stride + head_offset;
-    for (int j = 0; j < valid[i]; ++j) {
-      __m512 vv[DV];
-      for (int d = 0; d < DV; ++d) vv[d] = load_f32(vp + j * D + d * 16);
-      for (int g = 0; g < G; ++g) {
-        const __m512 pj = _mm512_set1_ps(scores[(size_t)g * width + i * P + j]);
-        for (int d = 0; d < DV; ++d) acc[g][d] = _mm512_fmadd_ps(pj, vv[d], acc[g][d]);
+  constexpr int GB = D == 64 ? 4 : 2;  // heads per pass over the values: GB x DV accumulators in registers
+  for (int g0 = 0; g0 < G; g0 += GB) {  // (indexed by constants only: GCC spills them to memory otherwise)
+    const int gn = std::min(GB, G - g0);
+    __m512 acc[GB][DV];
+#pragma GCC unroll 4
+    for (int g = 0; g < GB; ++g)
+#pragma GCC unroll 8
+      for (int d = 0; d < DV; ++d) acc[g][d] = _mm512_setzero_ps();
+    for (int i = 0; i < K; ++i) {  // values
+      if (!valid[i]) continue;
+      const T* vp = v_pages + table[pages[i]] * page_stride + head_offset;
+      const float* p = scores.data() + (size_t)g0 * width + i * P;
+      for (int j = 0; j < valid[i]; ++j) {
+        __m512 vv[DV];
+#pragma GCC unroll 8
+        for (int d = 0; d < DV; ++d) vv[d] = load_f32(vp + j * D + d * 16);
+#pragma GCC unroll 4
+        for (int g = 0; g < GB; ++g) {
+          if (g >= gn) break;
+          const __m512 pj = _mm512_set1_ps(p[(size_t)g * width + j]);
+#pragma GCC unroll 8
+          for (int d = 0; d < DV; ++d) acc[g][d] = _mm512_fmadd_ps(pj, vv[d], acc[g][d]);
+        }
       }
     }
+#pragma GCC unroll 4
+    for (int g = 0; g < GB; ++g) {
+      if (g >= gn) break;
+      const float inv = l[g0 + g] > 0.f ? 1.f / l[g0 + g] : 0.f;
+#pragma GCC unroll 8
+      for (int d = 0; d < DV; ++d)
+        _mm512_storeu_ps(out + (g0 + g) * D + d * 16, _mm512_mul_ps(acc[g][d], _mm512_set1_ps(inv)));
+    }
   }
-  for (int g = 0; g < G; ++g) {
-    const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
-    for (int d = 0; d < DV; ++d) _mm512_storeu_ps(out + g * D + d * 16, _mm512_mul_ps(acc[g][d], _mm512_set1_ps(inv)));
+  for (int g = 0; g < G; ++g)
     lse[g] = l[g] > 0.f ? m[g] + std::log(l[g]) : -std::numeric_limits<float>::infinity();
-  }
 }
 
 // q [B, Hq, D] fp32; k/v pages [N, Hkv, P, D] (fp32 or bf16); block_table [B, W] int32; seq_lens [B]
