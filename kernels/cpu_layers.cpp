@@ -11,20 +11,70 @@
 #include <cmath>
 #include <cstdint>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
+// libtorch_cpu's exp of 16 floats: the one torch's own vectorised silu uses, so that ours rounds as F.silu does
+extern "C" __m512 Sleef_expf16_u10(__m512);
+
 namespace {
+
+inline __m512 load_bf16(const at::BFloat16* p, __mmask16 m) {  // 16 bf16 -> fp32 (the bf16 bits are the high half)
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+
+inline void store_bf16(at::BFloat16* p, __m512 x, __mmask16 m) {  // rounded to nearest even, as c10::BFloat16
+  _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(x));
+}
+
+inline __m512 round_bf16(__m512 x) {  // fp32 -> bf16 -> fp32
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x)), 16));
+}
+
+inline __mmask16 tail(int64_t n) { return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1); }
+
+// out = a + b over n bf16 values, each sum rounded once (as a bf16 tensor add)
+void add_bf16(const at::BFloat16* a, const at::BFloat16* b, at::BFloat16* out, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = tail(n - i);
+    store_bf16(out + i, _mm512_add_ps(load_bf16(a + i, m), load_bf16(b + i, m)), m);
+  }
+}
+
+// act = bf16(bf16(silu(gate)) * up) over n values: F.silu(gate) * up of bf16 tensors
+void silu_mul_bf16(const at::BFloat16* gate, const at::BFloat16* up, at::BFloat16* act, int64_t n) {
+  const __m512 one = _mm512_set1_ps(1.f);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = tail(n - i);
+    const __m512 g = load_bf16(gate + i, m);
+    const __m512 silu = round_bf16(_mm512_div_ps(g, _mm512_add_ps(one, Sleef_expf16_u10(_mm512_sub_ps(_mm512_setzero_ps(), g)))));
+    store_bf16(act + i, _mm512_mul_ps(silu, load_bf16(up + i, m)), m);
+  }
+}
 
 template <typename T>
 void rms_norm_rows(const T* x, const T* w, T* out, int64_t rows, int64_t H, float eps) {
   for (int64_t r = 0; r < rows; ++r) {
     const T* xr = x + r * H;
-    float ss = 0.f;
-    for (int64_t i = 0; i < H; ++i) ss += static_cast<float>(xr[i]) * static_cast<float>(xr[i]);
-    const float inv = 1.f / std::sqrt(ss / H + eps);
-    // as the reference: the normalised row is rounded to the dtype before the weight multiplies it
-    for (int64_t i = 0; i < H; ++i)
-      out[r * H + i] = static_cast<T>(static_cast<float>(w[i]) * static_cast<float>(static_cast<T>(xr[i] * inv)));
+    if constexpr (std::is_same_v<T, at::BFloat16>) {
+      __m512 ss = _mm512_setzero_ps();
+      for (int64_t i = 0; i < H; i += 16) {
+        const __m512 xv = load_bf16(xr + i, tail(H - i));
+        ss = _mm512_fmadd_ps(xv, xv, ss);
+      }
+      const __m512 inv = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(ss) / H + eps));
+      for (int64_t i = 0; i < H; i += 16) {  // as the reference: x * inv is rounded before the weight multiplies it
+        const __mmask16 m = tail(H - i);
+        store_bf16(out + r * H + i, _mm512_mul_ps(load_bf16(w + i, m), round_bf16(_mm512_mul_ps(load_bf16(xr + i, m), inv))), m);
+      }
+    } else {
+      float ss = 0.f;
+      for (int64_t i = 0; i < H; ++i) ss += static_cast<float>(xr[i]) * static_cast<float>(xr[i]);
+      const float inv = 1.f / std::sqrt(ss / H + eps);
+      // as the reference: the normalised row is rounded to the dtype before the weight multiplies it
+      for (int64_t i = 0; i < H; ++i)
+        out[r * H + i] = static_cast<T>(static_cast<float>(w[i]) * static_cast<float>(static_cast<T>(xr[i] * inv)));
+    }
   }
 }
 
@@ -52,9 +102,20 @@ void rope_rows(const T* x, const T* cos, const T* sin, T* out, int64_t B, int64_
       const T* c = cos + b * D;
       const T* s = sin + b * D;
       T* o = out + (b * H + h) * D;
-      for (int64_t i = 0; i < D; ++i) {
-        const float rotated = i < half ? -static_cast<float>(xr[i + half]) : static_cast<float>(xr[i - half]);
-        o[i] = static_cast<T>(static_cast<float>(xr[i]) * static_cast<float>(c[i]) + rotated * static_cast<float>(s[i]));
+      if constexpr (std::is_same_v<T, at::BFloat16>) {
+        for (int64_t i = 0; i < half; i += 16) {  // x c + rotate_half(x) s, both halves of 16 lanes at a time
+          const __mmask16 m = tail(half - i);
+          const __m512 lo = load_bf16(xr + i, m), hi = load_bf16(xr + half + i, m);
+          store_bf16(o + i, _mm512_fmadd_ps(_mm512_sub_ps(_mm512_setzero_ps(), hi), load_bf16(s + i, m),
+                                            _mm512_mul_ps(lo, load_bf16(c + i, m))), m);
+          store_bf16(o + half + i, _mm512_fmadd_ps(lo, load_bf16(s + half + i, m),
+                                                   _mm512_mul_ps(hi, load_bf16(c + half + i, m))), m);
+        }
+      } else {
+        for (int64_t i = 0; i < D; ++i) {
+          const float rotated = i < half ? -static_cast<float>(xr[i + half]) : static_cast<float>(xr[i - half]);
+          o[i] = static_cast<T>(static_cast<float>(xr[i]) * static_cast<float>(c[i]) + rotated * static_cast<float>(s[i]));
+        }
       }
     }
 }
@@ -223,19 +284,14 @@ at::Tensor decode_mlp(const at::Tensor& x, const at::Tensor& attn, const at::Ten
   at::BFloat16 *hp = h.data_ptr<at::BFloat16>(), *op = out.data_ptr<at::BFloat16>();
   const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
   linear_into(attn.data_ptr<at::BFloat16>(), B, o_packed, o_bias, hp);
-  for (int64_t i = 0; i < B * H; ++i) hp[i] = static_cast<at::BFloat16>(static_cast<float>(xp[i]) + static_cast<float>(hp[i]));
+  add_bf16(xp, hp, hp, B * H);
   rms_norm_rows(hp, norm_w.data_ptr<at::BFloat16>(), normed.data_ptr<at::BFloat16>(), B, H, static_cast<float>(eps));
   linear_into(normed.data_ptr<at::BFloat16>(), B, gate_up_packed, c10::nullopt, gu.data_ptr<at::BFloat16>());
   const at::BFloat16* g = gu.data_ptr<at::BFloat16>();
   at::BFloat16* a = act.data_ptr<at::BFloat16>();
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t i = 0; i < I; ++i) {
-      const float gi = static_cast<float>(g[b * 2 * I + i]);
-      const float silu = static_cast<float>(static_cast<at::BFloat16>(gi / (1.f + std::exp(-gi))));
-      a[b * I + i] = static_cast<at::BFloat16>(silu * static_cast<float>(g[b * 2 * I + I + i]));
-    }
+  for (int64_t b = 0; b < B; ++b) silu_mul_bf16(g + b * 2 * I, g + b * 2 * I + I, a + b * I, I);
   linear_into(a, B, down_packed, c10::nullopt, op);
-  for (int64_t i = 0; i < B * H; ++i) op[i] = static_cast<at::BFloat16>(static_cast<float>(hp[i]) + static_cast<float>(op[i]));
+  add_bf16(hp, op, op, B * H);
   return out;
 }
 
