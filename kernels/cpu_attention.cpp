@@ -400,37 +400,41 @@ at::Tensor score_pages(const at::Tensor& q, const at::Tensor& centroids, const a
   for (const auto& p : prefixes)
     TORCH_CHECK(p.scalar_type() == at::kFloat && p.is_contiguous() && p.size(1) == H && p.size(2) == D,
                 "prefix centroids: contiguous fp32 [m, Hkv, D]");
-  auto q_mean = q.to(at::kFloat).view({B, H, Hq / H, D}).mean(2).contiguous();  // [B, H, D]
-  auto scores = at::full({B, H, W}, -std::numeric_limits<float>::infinity(), q_mean.options());
-  const float* qm = q_mean.data_ptr<float>();
+  const int64_t G = Hq / H;
+  const auto qf = q.to(at::kFloat).contiguous();
+  const float* qd = qf.data_ptr<float>();
+  std::vector<float> q_mean(B * H * D);  // [B, H, D]: the mean query of each KV head's group, summed in order
+  for (int64_t t = 0; t < B * H; ++t)
+    for (int64_t d = 0; d < D; ++d) {
+      float sum = 0.f;
+      for (int64_t g = 0; g < G; ++g) sum += qd[(t * G + g) * D + d];
+      q_mean[t * D + d] = sum / G;
+    }
+  auto scores = at::empty({B, H, W}, qf.options());
+  const float* qm = q_mean.data();
   const float* cd = centroids.data_ptr<float>();
   float* out = scores.data_ptr<float>();
   const int32_t* table = block_table.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int64_t* gd = group.data_ptr<int64_t>();
-  auto n_pages = [&](int64_t b) { return std::min<int64_t>((lens[b] + page_size - 1) / page_size, W); };
-  auto prefix_len = [&](int64_t b) { return gd[b] >= 0 ? std::min<int64_t>(prefixes[gd[b]].size(0), n_pages(b)) : 0; };
-  for (int64_t g = 0; g < (int64_t)prefixes.size(); ++g) {  // prefix pages: page-major, every row of the group
-    std::vector<int64_t> rows;
-    for (int64_t b = 0; b < B; ++b)
-      if (gd[b] == g) rows.push_back(b);
-    const float* pc = prefixes[g].data_ptr<float>();
-    const int64_t m = prefixes[g].size(0);
-    at::parallel_for(0, m * H, 64, [&](int64_t t0, int64_t t1) {
-      for (int64_t t = t0; t < t1; ++t) {
-        const int64_t page = t / H, h = t % H;
-        for (int64_t b : rows)
-          if (page < prefix_len(b)) out[(b * H + h) * W + page] = dot(qm + (b * H + h) * D, pc + t * D, D);
-      }
-    });
-  }
-  at::parallel_for(0, B * H, 1, [&](int64_t t0, int64_t t1) {  // each row's own pages, from the pool
+  std::vector<const float*> prefix(prefixes.size());
+  std::vector<int64_t> prefix_pages(prefixes.size());
+  for (size_t g = 0; g < prefixes.size(); ++g) prefix[g] = prefixes[g].data_ptr<float>(), prefix_pages[g] = prefixes[g].size(0);
+  // each (row, KV head) scores its pages: the shared prefix's from its group's centroids (read by the
+  // group's rows one after another, so from cache), the rest through the block table
+  at::parallel_for(0, B * H, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = t / H, h = t % H;
-      for (int64_t w = prefix_len(b); w < n_pages(b); ++w) {
+      const int64_t n = std::min<int64_t>((lens[b] + page_size - 1) / page_size, W);
+      const int64_t m = gd[b] >= 0 ? std::min<int64_t>(prefix_pages[gd[b]], n) : 0;
+      const float* qv = qm + t * D;
+      float* row = out + t * W;
+      for (int64_t w = 0; w < m; ++w) row[w] = dot(qv, prefix[gd[b]] + (w * H + h) * D, D);
+      for (int64_t w = m; w < n; ++w) {
         const int32_t phys = table[b * W + w];
-        if (phys >= 0) out[t * W + w] = dot(qm + t * D, cd + ((int64_t)phys * H + h) * D, D);
+        row[w] = phys >= 0 ? dot(qv, cd + ((int64_t)phys * H + h) * D, D) : -std::numeric_limits<float>::infinity();
       }
+      std::fill(row + n, row + W, -std::numeric_limits<float>::infinity());
     }
   });
   return scores;
