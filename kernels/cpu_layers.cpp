@@ -201,6 +201,46 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, const c10:
   return out;
 }
 
+// The same in fp32: x [M, K] fp32 times a weight packed as [N/16, K, 16] (per block of 16 outputs, per
+// input, the 16 outputs' weights) -> [M, N] fp32, plus an optional bias [N]; one FMA per weight and row.
+template <int M>
+void linear_block_f32(const float* x, const float* w, int K, const float* bias, float* out, int N, int n0) {
+  __m512 acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+  for (int k = 0; k < K; ++k) {
+    const __m512 wv = _mm512_loadu_ps(w + (int64_t)k * 16);
+    for (int m = 0; m < M; ++m) acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(x[m * K + k]), wv, acc[m]);
+  }
+  const __m512 b = bias ? _mm512_loadu_ps(bias + n0) : _mm512_setzero_ps();
+  for (int m = 0; m < M; ++m) _mm512_storeu_ps(out + (int64_t)m * N + n0, _mm512_add_ps(acc[m], b));
+}
+
+template <int M>
+void linear_dispatch_f32(int rows, const float* x, const float* w, int K, int NB, const float* bias, float* out) {
+  if constexpr (M > 1) {
+    if (rows < M) return linear_dispatch_f32<M - 1>(rows, x, w, K, NB, bias, out);
+  }
+  at::parallel_for(0, NB, 4, [&](int64_t a, int64_t b) {
+    for (int64_t nb = a; nb < b; ++nb) linear_block_f32<M>(x, w + nb * K * 16, K, bias, out, NB * 16, nb * 16);
+  });
+}
+
+at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && packed.scalar_type() == at::kFloat, "fp32 expected");
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == 16 && packed.is_contiguous(), "packed weight [N/16, K, 16] expected");
+  const int64_t K = x.size(-1), M = x.numel() / std::max<int64_t>(K, 1), NB = packed.size(0);
+  TORCH_CHECK(K == packed.size(1) && M >= 1 && M <= 16, "x [..., K] with at most 16 rows expected");
+  const auto xc = x.contiguous();
+  auto sizes = x.sizes().vec();
+  sizes.back() = NB * 16;
+  auto out = at::empty(sizes, x.options());
+  at::Tensor b;
+  if (bias.has_value()) b = bias->contiguous();
+  linear_dispatch_f32<16>(M, xc.data_ptr<float>(), packed.data_ptr<float>(), K, NB,
+                          b.defined() ? b.data_ptr<float>() : nullptr, out.data_ptr<float>());
+  return out;
+}
+
 
 // ---- a decode layer as two ops around the attention (stages/rollout/cpu_decode.py) ----
 // Each rounds where the eager chain of the model's modules rounds (norm, product, rotary, residual sum,
@@ -214,87 +254,145 @@ void linear_into(const at::BFloat16* x, int rows, const at::Tensor& packed, cons
                       bias.has_value() ? bias->data_ptr<at::BFloat16>() : nullptr, out);
 }
 
-void check_packed(const at::Tensor& packed, int64_t K, const char* name) {
-  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.dim() == 4 && packed.size(2) == 16 &&
-                  packed.size(3) == 2 && packed.is_contiguous() && packed.size(1) * 2 == K,
-              name, ": packed bf16 weight [N/16, K/2, 16, 2] with K = ", K, " expected");
+void linear_into(const float* x, int rows, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                 float* out) {
+  linear_dispatch_f32<16>(rows, x, packed.data_ptr<float>(), packed.size(1), packed.size(0),
+                          bias.has_value() ? bias->data_ptr<float>() : nullptr, out);
 }
 
-// x [B, H] bf16 (the residual stream) -> q [B, Hq, D], k, v [B, Hkv, D]: input RMSNorm, the stacked q/k/v
+void check_packed(const at::Tensor& packed, int64_t K, const char* name, at::ScalarType dtype) {
+  if (dtype == at::kBFloat16) {
+    TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.dim() == 4 && packed.size(2) == 16 &&
+                    packed.size(3) == 2 && packed.is_contiguous() && packed.size(1) * 2 == K,
+                name, ": packed bf16 weight [N/16, K/2, 16, 2] with K = ", K, " expected");
+  } else {
+    TORCH_CHECK(packed.scalar_type() == at::kFloat && packed.dim() == 3 && packed.size(2) == 16 &&
+                    packed.is_contiguous() && packed.size(1) == K,
+                name, ": packed fp32 weight [N/16, K, 16] with K = ", K, " expected");
+  }
+}
+
+void add_rows(const at::BFloat16* a, const at::BFloat16* b, at::BFloat16* out, int64_t n) { add_bf16(a, b, out, n); }
+
+void add_rows(const float* a, const float* b, float* out, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = tail(n - i);
+    _mm512_mask_storeu_ps(out + i, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, a + i), _mm512_maskz_loadu_ps(m, b + i)));
+  }
+}
+
+void silu_mul(const at::BFloat16* gate, const at::BFloat16* up, at::BFloat16* act, int64_t n) {
+  silu_mul_bf16(gate, up, act, n);
+}
+
+void silu_mul(const float* gate, const float* up, float* act, int64_t n) {  // F.silu(gate) * up in fp32
+  const __m512 one = _mm512_set1_ps(1.f);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = tail(n - i);
+    const __m512 g = _mm512_maskz_loadu_ps(m, gate + i);
+    const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, Sleef_expf16_u10(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+    _mm512_mask_storeu_ps(act + i, m, _mm512_mul_ps(silu, _mm512_maskz_loadu_ps(m, up + i)));
+  }
+}
+
+// x [B, H] (the residual stream) -> q [B, Hq, D], k, v [B, Hkv, D]: input RMSNorm, the stacked q/k/v
 // product (+ bias), the optional per-head q/k RMSNorms (Qwen3), rotary embedding of q and k with
 // cos/sin [B, D].
-std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_qkv(
+template <typename T>
+std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_qkv_impl(
     const at::Tensor& x, const at::Tensor& norm_w, const at::Tensor& qkv_packed, const c10::optional<at::Tensor>& qkv_bias,
     const c10::optional<at::Tensor>& q_norm_w, const c10::optional<at::Tensor>& k_norm_w, const at::Tensor& cos,
     const at::Tensor& sin, int64_t Hq, int64_t Hkv, double eps) {
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.is_contiguous(), "x [B, H] bf16 expected");
   const int64_t B = x.size(0), H = x.size(1), D = cos.size(-1), N = (Hq + 2 * Hkv) * D;
   TORCH_CHECK(B >= 1 && B <= 16, "decode_qkv: 1 to 16 rows");
-  check_packed(qkv_packed, H, "decode_qkv");
+  check_packed(qkv_packed, H, "decode_qkv", x.scalar_type());
   TORCH_CHECK(qkv_packed.size(0) * 16 == N, "decode_qkv: the packed weight has ", qkv_packed.size(0) * 16,
               " outputs, (Hq + 2 Hkv) D = ", N, " expected");
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == B * D && sin.numel() == B * D &&
-                  cos.scalar_type() == at::kBFloat16 && sin.scalar_type() == at::kBFloat16,
-              "cos/sin [B, D] bf16 expected");
+                  cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(),
+              "cos/sin [B, D] in x's dtype expected");
   const auto opts = x.options();
   auto normed = at::empty({B, H}, opts);
-  rms_norm_rows(x.data_ptr<at::BFloat16>(), norm_w.data_ptr<at::BFloat16>(), normed.data_ptr<at::BFloat16>(), B, H,
+  rms_norm_rows(x.data_ptr<T>(), norm_w.data_ptr<T>(), normed.data_ptr<T>(), B, H,
                 static_cast<float>(eps));
   auto qkv = at::empty({B, N}, opts);
-  linear_into(normed.data_ptr<at::BFloat16>(), B, qkv_packed, qkv_bias, qkv.data_ptr<at::BFloat16>());
+  linear_into(normed.data_ptr<T>(), B, qkv_packed, qkv_bias, qkv.data_ptr<T>());
   auto q = at::empty({B, Hq, D}, opts), k = at::empty({B, Hkv, D}, opts), v = at::empty({B, Hkv, D}, opts);
-  const at::BFloat16* src = qkv.data_ptr<at::BFloat16>();
-  std::vector<at::BFloat16> head(D);
+  const T* src = qkv.data_ptr<T>();
+  std::vector<T> head(D);
   for (int64_t b = 0; b < B; ++b) {
-    const at::BFloat16* row = src + b * N;
-    const at::BFloat16* c = cos.data_ptr<at::BFloat16>() + b * D;
-    const at::BFloat16* s = sin.data_ptr<at::BFloat16>() + b * D;
+    const T* row = src + b * N;
+    const T* c = cos.data_ptr<T>() + b * D;
+    const T* s = sin.data_ptr<T>() + b * D;
     for (int64_t h = 0; h < Hq + Hkv; ++h) {
       const bool is_q = h < Hq;
       const c10::optional<at::Tensor>& hn = is_q ? q_norm_w : k_norm_w;
-      const at::BFloat16* in = row + h * D;
+      const T* in = row + h * D;
       if (hn.has_value()) {
-        rms_norm_rows(in, hn->data_ptr<at::BFloat16>(), head.data(), 1, D, static_cast<float>(eps));
+        rms_norm_rows(in, hn->data_ptr<T>(), head.data(), 1, D, static_cast<float>(eps));
         in = head.data();
       }
-      at::BFloat16* out = is_q ? q.data_ptr<at::BFloat16>() + (b * Hq + h) * D
-                               : k.data_ptr<at::BFloat16>() + (b * Hkv + h - Hq) * D;
+      T* out = is_q ? q.data_ptr<T>() + (b * Hq + h) * D
+                               : k.data_ptr<T>() + (b * Hkv + h - Hq) * D;
       rope_rows(in, c, s, out, 1, 1, D);
     }
-    std::copy(row + (Hq + Hkv) * D, row + N, v.data_ptr<at::BFloat16>() + b * Hkv * D);
+    std::copy(row + (Hq + Hkv) * D, row + N, v.data_ptr<T>() + b * Hkv * D);
   }
   return {q, k, v};
 }
 
 // The rest of a layer: x [B, H] (the residual stream), attn [B, Hq * D] (the attention's output) ->
 // h + down(silu(gate) * up) of post_norm(h), with h = x + o_proj(attn).
-at::Tensor decode_mlp(const at::Tensor& x, const at::Tensor& attn, const at::Tensor& o_packed,
+template <typename T>
+at::Tensor decode_mlp_impl(const at::Tensor& x, const at::Tensor& attn, const at::Tensor& o_packed,
                       const c10::optional<at::Tensor>& o_bias, const at::Tensor& norm_w, const at::Tensor& gate_up_packed,
                       const at::Tensor& down_packed, double eps) {
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.is_contiguous(), "x [B, H] bf16 expected");
-  TORCH_CHECK(attn.scalar_type() == at::kBFloat16 && attn.dim() == 2 && attn.is_contiguous() &&
-                  attn.size(0) == x.size(0), "attn [B, Hq D] bf16 expected");
-  const int64_t B = x.size(0), H = x.size(1), I = gate_up_packed.size(0) * 8;
+  TORCH_CHECK(attn.scalar_type() == x.scalar_type() && attn.dim() == 2 && attn.is_contiguous() &&
+                  attn.size(0) == x.size(0), "attn [B, Hq D] in x's dtype expected");
+  const int64_t B = x.size(0), H = x.size(1), I = gate_up_packed.size(0) * 8;  // 2 I outputs
   TORCH_CHECK(B >= 1 && B <= 16, "decode_mlp: 1 to 16 rows");
-  check_packed(o_packed, attn.size(1), "decode_mlp (o_proj)");
-  check_packed(gate_up_packed, H, "decode_mlp (gate/up)");
-  check_packed(down_packed, I, "decode_mlp (down)");
+  check_packed(o_packed, attn.size(1), "decode_mlp (o_proj)", x.scalar_type());
+  check_packed(gate_up_packed, H, "decode_mlp (gate/up)", x.scalar_type());
+  check_packed(down_packed, I, "decode_mlp (down)", x.scalar_type());
   TORCH_CHECK(o_packed.size(0) * 16 == H && down_packed.size(0) * 16 == H, "decode_mlp: outputs of H expected");
   const auto opts = x.options();
   auto h = at::empty({B, H}, opts), normed = at::empty({B, H}, opts), gu = at::empty({B, 2 * I}, opts),
        act = at::empty({B, I}, opts), out = at::empty({B, H}, opts);
-  at::BFloat16 *hp = h.data_ptr<at::BFloat16>(), *op = out.data_ptr<at::BFloat16>();
-  const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
-  linear_into(attn.data_ptr<at::BFloat16>(), B, o_packed, o_bias, hp);
-  add_bf16(xp, hp, hp, B * H);
-  rms_norm_rows(hp, norm_w.data_ptr<at::BFloat16>(), normed.data_ptr<at::BFloat16>(), B, H, static_cast<float>(eps));
-  linear_into(normed.data_ptr<at::BFloat16>(), B, gate_up_packed, c10::nullopt, gu.data_ptr<at::BFloat16>());
-  const at::BFloat16* g = gu.data_ptr<at::BFloat16>();
-  at::BFloat16* a = act.data_ptr<at::BFloat16>();
-  for (int64_t b = 0; b < B; ++b) silu_mul_bf16(g + b * 2 * I, g + b * 2 * I + I, a + b * I, I);
+  T *hp = h.data_ptr<T>(), *op = out.data_ptr<T>();
+  const T* xp = x.data_ptr<T>();
+  linear_into(attn.data_ptr<T>(), B, o_packed, o_bias, hp);
+  add_rows(xp, hp, hp, B * H);
+  rms_norm_rows(hp, norm_w.data_ptr<T>(), normed.data_ptr<T>(), B, H, static_cast<float>(eps));
+  linear_into(normed.data_ptr<T>(), B, gate_up_packed, c10::nullopt, gu.data_ptr<T>());
+  const T* g = gu.data_ptr<T>();
+  T* a = act.data_ptr<T>();
+  for (int64_t b = 0; b < B; ++b) silu_mul(g + b * 2 * I, g + b * 2 * I + I, a + b * I, I);
   linear_into(a, B, down_packed, c10::nullopt, op);
-  add_bf16(hp, op, op, B * H);
+  add_rows(hp, op, op, B * H);
   return out;
+}
+
+
+// x [B, H] (bf16 or fp32, the residual stream) and the layer's weights packed for our product of x's dtype
+std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_qkv(
+    const at::Tensor& x, const at::Tensor& norm_w, const at::Tensor& qkv_packed, const c10::optional<at::Tensor>& qkv_bias,
+    const c10::optional<at::Tensor>& q_norm_w, const c10::optional<at::Tensor>& k_norm_w, const at::Tensor& cos,
+    const at::Tensor& sin, int64_t Hq, int64_t Hkv, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x [B, H] contiguous expected");
+  if (x.scalar_type() == at::kBFloat16)
+    return decode_qkv_impl<at::BFloat16>(x, norm_w, qkv_packed, qkv_bias, q_norm_w, k_norm_w, cos, sin, Hq, Hkv, eps);
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "decode_qkv: bf16 or fp32");
+  return decode_qkv_impl<float>(x, norm_w, qkv_packed, qkv_bias, q_norm_w, k_norm_w, cos, sin, Hq, Hkv, eps);
+}
+
+at::Tensor decode_mlp(const at::Tensor& x, const at::Tensor& attn, const at::Tensor& o_packed,
+                      const c10::optional<at::Tensor>& o_bias, const at::Tensor& norm_w, const at::Tensor& gate_up_packed,
+                      const at::Tensor& down_packed, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x [B, H] contiguous expected");
+  if (x.scalar_type() == at::kBFloat16)
+    return decode_mlp_impl<at::BFloat16>(x, attn, o_packed, o_bias, norm_w, gate_up_packed, down_packed, eps);
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "decode_mlp: bf16 or fp32");
+  return decode_mlp_impl<float>(x, attn, o_packed, o_bias, norm_w, gate_up_packed, down_packed, eps);
 }
 
 }  // namespace
@@ -304,6 +402,8 @@ TORCH_LIBRARY_FRAGMENT(sparrow_cpu, m) {
   m.impl("rms_norm", c10::DispatchKey::CPU, TORCH_FN(rms_norm));
   m.def("rope_qk(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)");
   m.impl("rope_qk", c10::DispatchKey::CPU, TORCH_FN(rope_qk));
+  m.def("linear_f32(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
+  m.impl("linear_f32", c10::DispatchKey::CPU, TORCH_FN(linear_f32));
   m.def("linear_bf16(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
   m.impl("linear_bf16", c10::DispatchKey::CPU, TORCH_FN(linear_bf16));
   m.def("decode_qkv(Tensor x, Tensor norm_w, Tensor qkv_packed, Tensor? qkv_bias, Tensor? q_norm_w, "

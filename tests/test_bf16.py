@@ -94,17 +94,19 @@ def test_cli_rollout_in_bf16(tmp_path, prompts_file):
     assert artifact_metadata(out)["dtype"] == "bfloat16"
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("name", ["smollm2-135m", "tiny-qwen2", "tiny-qwen3"])
-def test_fused_decode_layers_equal_the_modular_step(name):
-    """In bf16 a decode layer is two C++ ops around the attention (stages/rollout/cpu_decode.py); they
-    round where the chain of modules rounds, so tokens and logprobs are the modular step's bit for bit,
-    dense and sparse, with Qwen2's q/k/v biases and Qwen3's per-head q/k norms (made non-trivial here)."""
-    model = load_model(name, dtype=torch.bfloat16).model
+def test_fused_decode_layers_equal_the_modular_step(name, dtype):
+    """A decode layer is two C++ ops around the attention (stages/rollout/cpu_decode.py); they round where
+    the chain of modules rounds (and use the same products), so tokens and logprobs are the modular step's
+    bit for bit, bf16 and fp32, dense and sparse, with Qwen2's q/k/v biases and Qwen3's per-head q/k norms
+    (made non-trivial here)."""
+    model = load_model(name, dtype=dtype).model
     with torch.no_grad():
         for pname, p in model.named_parameters():
             if "norm" in pname or pname.endswith("bias"):
                 g = torch.Generator().manual_seed(len(pname))
-                p.add_(torch.randn(p.shape, generator=g).bfloat16() * 0.2)
+                p.add_(torch.randn(p.shape, generator=g).to(dtype) * 0.2)
     prompt = torch.randint(0, 500, (200,), generator=torch.Generator().manual_seed(0)).tolist()
     params = SamplingParams(max_new_tokens=10, n=3, seed=2, ignore_eos=True)
     for budget in (None, 96):

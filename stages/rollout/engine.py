@@ -15,8 +15,8 @@ logprobs are exactly those teacher-forced sparse scoring gives (`stages.mismatch
 On a CPU the kernels are the C++ ops of kernels/cpu_attention.py where they build, else their batched
 torch references (fp32 or bf16 weights and cache), the dense attention of samples sharing a prompt is
 cascaded (the prompt's pages read once per step, kernels/cascade_decode.py), the linears run on
-prepacked weights (our C++ product in bf16, oneDNN's otherwise; packed_linears.py) and the norms and
-rotary embedding as C++ ops (cpu_layers.py); in bf16 with our product, a decode layer is two C++ ops
+prepacked weights (our C++ product in bf16 and fp32, oneDNN's otherwise; packed_linears.py) and the
+norms and rotary embedding as C++ ops (cpu_layers.py); with our product, a decode layer is two C++ ops
 around the attention (cpu_decode.py); on CUDA the Triton kernels, and the decode step is
 replayed from CUDA graphs over static buffers (static_decode.py).
 """

@@ -9,7 +9,9 @@ keeps each nn.Linear's weight reordered once (`mkldnn._reorder_linear_weight`) a
 routes the module's forward to `mkldnn._linear_pointwise` on the packed copy. In bf16, where the C++
 kernels build and a step has at most 16 rows, the weights are packed instead for our own product
 (`linear_bf16`, kernels/cpu_layers.cpp: each weight read once, `vdpbf16ps` over pairs of inputs), which
-ran 30 products of 576 x 3072 at 8 rows in 4.8-5.1 ms against oneDNN's 5.5-5.8. The projections that
+ran 30 products of 576 x 3072 at 8 rows in 4.8-5.1 ms against oneDNN's 5.5-5.8; fp32 weights likewise
+for `linear_f32` (one FMA per weight and row: 141 vs 168 us for oneDNN at 576 x 3072 x 8 rows from L3,
+the same from memory), so that the fused decode layers (cpu_decode.py) run in fp32 too. The projections that
 share an input (q/k/v, gate/up) are packed stacked and computed as one product (the model's `qkv` and
 `gate_up` methods are swapped): 4 products per layer instead of 7, and wider ones.
 
@@ -48,7 +50,8 @@ class PackedLinears:
         """`own_kernel`: bf16 products in our C++ kernel where it runs (the engine's impl="auto")."""
         self.batch_hint = batch_hint
         self.dot = (own_kernel and batch_hint <= DOT_MAX_ROWS
-                    and next(model.parameters()).dtype == torch.bfloat16 and cpu_attention.available())
+                    and next(model.parameters()).dtype in (torch.bfloat16, torch.float32)
+                    and cpu_attention.available())
         self.groups: list[tuple[nn.Module, str, list[nn.Linear]]] = []  # (owner, method, its linears)
         for owner in model.modules():
             for method, names in FUSIBLE.items():
@@ -82,6 +85,8 @@ class PackedLinears:
 
     def _pack(self, weight: Tensor) -> tuple[str, Tensor]:
         n, k = weight.shape
+        if self.dot and n % 16 == 0 and weight.dtype == torch.float32:  # [N/16, K, 16]: cpu_layers.cpp
+            return "dot", weight.view(n // 16, 16, k).transpose(1, 2).contiguous()
         if self.dot and n % 16 == 0 and k % 2 == 0:  # [N/16, K/2, 16, 2]: kernels/cpu_layers.cpp
             return "dot", weight.view(n // 16, 16, k // 2, 2).transpose(1, 2).contiguous()
         return "onednn", torch.ops.mkldnn._reorder_linear_weight(weight, self.batch_hint)
@@ -109,8 +114,19 @@ class PackedLinears:
 def _product(packed: tuple[str, Tensor], bias: Tensor | None) -> Callable[[Tensor], Tensor]:
     kind, weight = packed
     if kind == "dot":
-        return lambda x: torch.ops.sparrow_cpu.linear_bf16(x, weight, bias)
+        return lambda x: dot_product(x, weight, bias)
     return lambda x: torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+def dot_product(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """Our C++ product of a few rows (at most DOT_MAX_ROWS) with a weight packed for it (bf16 or fp32); more
+    rows (not a decode step) take F.linear on the unpacked weight."""
+    if x.numel() > DOT_MAX_ROWS * x.shape[-1]:
+        blocks, k = weight.shape[0], x.shape[-1]
+        plain = weight.transpose(1, 2).reshape(blocks * 16, k)  # [N/16, K(/2), 16(, 2)] -> [N, K]
+        return torch.nn.functional.linear(x, plain, bias)
+    ops = torch.ops.sparrow_cpu
+    return (ops.linear_bf16 if weight.dtype == torch.bfloat16 else ops.linear_f32)(x, weight, bias)
 
 
 def _split(product: Callable[[Tensor], Tensor], sizes: list[int]) -> Callable[[Tensor], tuple[Tensor, ...]]:
