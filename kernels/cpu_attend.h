@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 
 namespace sparrow_attend {
 
@@ -66,20 +67,52 @@ inline void scores(const uint32_t* q, int rn, const uint16_t* kb, int nb, float 
     for (int j = 0; j < BLOCKS; ++j) _mm512_store_ps(&s[i][j * KEYS], _mm512_mul_ps(acc[i][j], _mm512_set1_ps(scale)));
 }
 
+// The same in fp32: rows q [rn <= RB, D] against nb blocks of keys packed [D, 16] (per dim, the 16 keys'
+// values) -> s [RB][TILE] times scale, one FMA per dim.
+template <int D>
+inline void scores(const float* q, int rn, const float* kb, int nb, float scale, float (*s)[TILE]) {
+  __m512 acc[RB][BLOCKS];
+#pragma GCC unroll 4
+  for (int i = 0; i < RB; ++i)
+#pragma GCC unroll 4
+    for (int j = 0; j < BLOCKS; ++j) acc[i][j] = _mm512_setzero_ps();
+  const float* kj[BLOCKS];
+  for (int j = 0; j < BLOCKS; ++j) kj[j] = kb + (j < nb ? j : 0) * D * 16;
+  const float* qi[RB];
+  for (int i = 0; i < RB; ++i) qi[i] = q + std::min(i, rn - 1) * D;
+  for (int d = 0; d < D; ++d) {
+    __m512 kv[BLOCKS];
+#pragma GCC unroll 4
+    for (int j = 0; j < BLOCKS; ++j) kv[j] = _mm512_loadu_ps(kj[j] + d * 16);
+#pragma GCC unroll 4
+    for (int i = 0; i < RB; ++i) {
+      const __m512 qv = _mm512_set1_ps(qi[i][d]);
+#pragma GCC unroll 4
+      for (int j = 0; j < BLOCKS; ++j) acc[i][j] = _mm512_fmadd_ps(qv, kv[j], acc[i][j]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < RB; ++i)
+#pragma GCC unroll 4
+    for (int j = 0; j < BLOCKS; ++j) _mm512_store_ps(&s[i][j * KEYS], _mm512_mul_ps(acc[i][j], _mm512_set1_ps(scale)));
+}
+
 // Rows q [R, D/2] (bf16 pairs) of one head over its keys [s0, s1) (s0 a multiple of 16), each row only up
 // to its position when pos [R] (non-decreasing) is given (causal): kp [*, D/2, 16, 2] (packed keys), vp [*,
 // D, 2] (packed values) -> unnormalised out [R, D] fp32 with each row's running max m and sum l (of
 // exp(score - m)). Online softmax over key tiles; the probabilities are rounded to bf16 for the value
-// product (as PyTorch's flash kernel does in bf16).
-template <int D>
-void attend(const uint32_t* q, const int* pos, int R, const uint16_t* kp, const uint16_t* vp, int s0, int s1,
-            float scale, float* out, float* m, float* l) {
-  constexpr int P = D / 2, DV = D / 16;
+// product (as PyTorch's flash kernel does in bf16). T = float: the fp32 twin, rows q [R, D], keys packed
+// [*, D, 16], values [*, D] as they are, fp32 probabilities and FMAs throughout.
+template <int D, typename T = uint16_t>
+void attend(const T* q, const int* pos, int R, const T* kp, const T* vp, int s0, int s1, float scale, float* out,
+            float* m, float* l) {
+  constexpr bool f32 = std::is_same_v<T, float>;
+  constexpr int QW = f32 ? D : D / 2, DV = D / 16;  // q's row stride in elements of its scores() type
   std::fill(out, out + R * D, 0.f);
   std::fill(m, m + R, -std::numeric_limits<float>::infinity());
   std::fill(l, l + R, 0.f);
   alignas(64) float s[RB][TILE];
-  alignas(64) uint16_t pb[RB][TILE];
+  alignas(64) uint16_t pb[RB][TILE];  // bf16 probabilities (f32: they stay in s)
   auto end = [&](int r) { return pos ? std::min(s1, pos[r] + 1) : s1; };  // a row's keys end here
   for (int k0 = s0; k0 < end(R - 1); k0 += TILE) {
     for (int r0 = 0; r0 < R; r0 += RB) {
@@ -87,13 +120,15 @@ void attend(const uint32_t* q, const int* pos, int R, const uint16_t* kp, const 
       const int last = end(r0 + rn - 1);
       if (last <= k0) continue;  // these rows see none of the tile's keys
       const int nb = std::min(BLOCKS, (last - k0 + KEYS - 1) / KEYS);
-      scores<D>(q + r0 * P, rn, kp + (int64_t)(k0 / KEYS) * P * 32, nb, scale, s);
+      if constexpr (f32) scores<D>(q + r0 * QW, rn, kp + (int64_t)k0 * D, nb, scale, s);
+      else scores<D>(reinterpret_cast<const uint32_t*>(q) + r0 * QW, rn, kp + (int64_t)k0 * D, nb, scale, s);
       float alpha[RB];
       for (int i = 0; i < rn; ++i) {  // online softmax over the keys <= the row's position
         const int r = r0 + i, visible = std::min(nb * KEYS, end(r) - k0);
         if (visible <= 0) {  // nothing visible in this tile (only with rows of several positions)
           alpha[i] = 1.f;
           std::fill(pb[i], pb[i] + nb * KEYS, 0);
+          std::fill(s[i], s[i] + nb * KEYS, 0.f);
           continue;
         }
         __mmask16 mask[BLOCKS];
@@ -110,7 +145,8 @@ void attend(const uint32_t* q, const int* pos, int R, const uint16_t* kp, const 
           const __m512 x = _mm512_sub_ps(_mm512_load_ps(&s[i][b * KEYS]), _mm512_set1_ps(m_new));
           const __m512 p = _mm512_maskz_mov_ps(mask[b], exp_ps(x));
           sum = _mm512_add_ps(sum, p);
-          _mm256_store_si256((__m256i*)&pb[i][b * KEYS], (__m256i)_mm512_cvtneps_pbh(p));
+          if constexpr (f32) _mm512_store_ps(&s[i][b * KEYS], p);
+          else _mm256_store_si256((__m256i*)&pb[i][b * KEYS], (__m256i)_mm512_cvtneps_pbh(p));
         }
         l[r] = l[r] * alpha[i] + _mm512_reduce_add_ps(sum);
         m[r] = m_new;
@@ -124,14 +160,26 @@ void attend(const uint32_t* q, const int* pos, int R, const uint16_t* kp, const 
             o[i][d] = i < iv ? _mm512_mul_ps(_mm512_loadu_ps(out + (r0 + i0 + i) * D + d * 16),
                                              _mm512_set1_ps(alpha[i0 + i]))
                              : _mm512_setzero_ps();
-        for (int jp = 0; jp < nb * KEYS / 2; ++jp) {
-          const uint16_t* vrow = vp + (int64_t)(k0 / 2 + jp) * D * 2;
-          __m512bh pp[RV];
-          for (int i = 0; i < RV; ++i)
-            pp[i] = as_bh(_mm512_set1_epi32(*(const int*)&pb[i0 + std::min(i, iv - 1)][2 * jp]));
-          for (int d = 0; d < DV; ++d) {
-            const __m512bh vv = as_bh(_mm512_loadu_si512(vrow + d * 32));
-            for (int i = 0; i < RV; ++i) o[i][d] = _mm512_dpbf16_ps(o[i][d], pp[i], vv);
+        if constexpr (f32) {
+          for (int j = 0; j < nb * KEYS; ++j) {  // one key per step: lanes are 16 dims
+            const float* vrow = vp + (int64_t)(k0 + j) * D;
+            __m512 pp[RV];
+            for (int i = 0; i < RV; ++i) pp[i] = _mm512_set1_ps(s[i0 + std::min(i, iv - 1)][j]);
+            for (int d = 0; d < DV; ++d) {
+              const __m512 vv = _mm512_loadu_ps(vrow + d * 16);
+              for (int i = 0; i < RV; ++i) o[i][d] = _mm512_fmadd_ps(pp[i], vv, o[i][d]);
+            }
+          }
+        } else {
+          for (int jp = 0; jp < nb * KEYS / 2; ++jp) {
+            const uint16_t* vrow = vp + (int64_t)(k0 / 2 + jp) * D * 2;
+            __m512bh pp[RV];
+            for (int i = 0; i < RV; ++i)
+              pp[i] = as_bh(_mm512_set1_epi32(*(const int*)&pb[i0 + std::min(i, iv - 1)][2 * jp]));
+            for (int d = 0; d < DV; ++d) {
+              const __m512bh vv = as_bh(_mm512_loadu_si512(vrow + d * 32));
+              for (int i = 0; i < RV; ++i) o[i][d] = _mm512_dpbf16_ps(o[i][d], pp[i], vv);
+            }
           }
         }
         alignas(64) float ob[RV][D];

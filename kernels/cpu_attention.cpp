@@ -51,7 +51,7 @@ std::tuple<at::Tensor, at::Tensor> prefix_attention(const at::Tensor& q, const a
       const uint16_t* kh = kd + (int64_t)h * S * D;
       const uint16_t* vh = vd + (int64_t)h * S * D;
       auto run = D == 64 ? sparrow_attend::attend<64> : sparrow_attend::attend<128>;
-      run(qh, nullptr, R, kh, vh, s0, s1, (float)scale, po + t * R * D, pmd + t * R, pld + t * R);
+      run(reinterpret_cast<const uint16_t*>(qh), nullptr, R, kh, vh, s0, s1, (float)scale, po + t * R * D, pmd + t * R, pld + t * R);
     }
   });
   auto out = at::empty({H, R, D}, f32), lse = at::empty({H, R}, f32);

@@ -39,15 +39,18 @@ bf16. Work is split over (KV head, key chunk) and the chunks merged by log-sum-e
 `cascade_decode.prefix_attention` does. `prefix_attention_reference` is the torch reference: unpack
 and attend in fp64.
 
-`causal_attention`, a bf16 prefill (kernels/cpu_prefill.cpp): the same products over the keys and
-values packed per layer (padded with zeros to whole key blocks), every position against the positions up
-to it. Work items are (sequence, KV head, 32 query positions): the 3 x 32 query rows of SmolLM2's GQA
-group share each 64-key tile while it is in L1, and threads take the items largest first from a counter
-(the causal costs grow with the position). At 6K tokens it ran at about 300 GFLOP/s on 2 cores, 2.2x
-PyTorch's flash kernel (138 vs 302 ms per layer), which had been 68% of a 14.6 s prefill. One kernel
-(kernels/cpu_attend.h) serves the prefix and the prefill; its score and value accumulators are written
-back only with constant indices, else GCC spilled them to the stack in every step of the inner loop,
-which had held the same kernel at 140 GFLOP/s. `causal_attention_reference` is the float64 reference.
+`causal_attention`, a prefill (kernels/cpu_prefill.cpp): the same products over the keys and values
+packed per layer (padded with zeros to whole key blocks), every position against the positions up to it;
+in fp32 the same loops with FMAs (keys packed [Tp/16, D, 16], values as they are, fp32 probabilities):
+233 vs 302 ms per layer for PyTorch's fp32 flash kernel at 6K tokens (178 GFLOP/s, about 3/4 of this
+CPU's fp32 FMA peak). Work items are (sequence, KV head, 32 query positions): the 3 x 32 query rows of
+SmolLM2's GQA group share each 64-key tile while it is in L1, and threads take the items largest first
+from a counter (the causal costs grow with the position). At 6K tokens it ran at about 300 GFLOP/s on 2
+cores, 2.2x PyTorch's flash kernel (138 vs 302 ms per layer), which had been 68% of a 14.6 s prefill.
+One kernel (kernels/cpu_attend.h) serves the prefix and the prefill; its score and value accumulators
+are written back only with constant indices, else GCC spilled them to the stack in every step of the
+inner loop, which had held the same kernel at 140 GFLOP/s. `causal_attention_reference` is the float64
+reference.
 
 The kernels are built on first use with torch's C++ extension loader (a C++ compiler and ninja; 10-80 s)
 for CPUs with AVX512-BF16 only, cached in a folder named by the source's hash and loaded directly from
@@ -241,19 +244,23 @@ def unpack_values(vp: Tensor) -> Tensor:
 
 def causal_attention_usable(q: Tensor, k: Tensor) -> bool:
     """Whether `causal_attention` takes q [B, Hq, T, D], k [B, Hkv, T, D] here."""
-    return (q.device.type == "cpu" and q.dtype == k.dtype == torch.bfloat16 and q.shape[-1] in (64, 128)
-            and q.shape[1] % k.shape[1] == 0 and q.shape[2] == k.shape[2] and available())
+    return (q.device.type == "cpu" and q.dtype == k.dtype and q.dtype in (torch.bfloat16, torch.float32)
+            and q.shape[-1] in (64, 128) and q.shape[1] % k.shape[1] == 0 and q.shape[2] == k.shape[2]
+            and available())
 
 
 def causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
-    """Causal attention of a prefill in bf16 (kernels/cpu_prefill.cpp): q [B, Hq, T, D], k/v [B, Hkv, T, D]
-    -> [B, Hq, T, D] bf16 (a view of a [B, T, Hq, D] tensor, the layout the output projection reads).
-    The keys and values are packed first, padded with zeros to whole key blocks (never visible)."""
+    """Causal attention of a prefill (kernels/cpu_prefill.cpp), bf16 or fp32: q [B, Hq, T, D], k/v [B, Hkv,
+    T, D] -> [B, Hq, T, D] in q's dtype (a view of a [B, T, Hq, D] tensor, the layout the output projection
+    reads). The keys and values are packed first, padded with zeros to whole key blocks (never visible)."""
     b, hkv, t, d = k.shape
     pad = -t % KEY_BLOCK
     k, v = (torch.nn.functional.pad(x, (0, 0, 0, pad)).reshape(b * hkv, t + pad, d) for x in (k, v))
-    kp, vp = pack_keys(k).contiguous(), pack_values(v).contiguous()
-    return torch.ops.sparrow_cpu.prefill_attention(q, kp, vp, scale).transpose(1, 2)
+    if q.dtype == torch.float32:  # keys [B Hkv, Tp/16, D, 16] (16 keys' values per dim), values as they are
+        kp, vp = k.view(b * hkv, (t + pad) // KEY_BLOCK, KEY_BLOCK, d).transpose(2, 3).contiguous(), v
+    else:
+        kp, vp = pack_keys(k).contiguous(), pack_values(v).contiguous()
+    return torch.ops.sparrow_cpu.prefill_attention(q, kp, vp.contiguous(), scale).transpose(1, 2)
 
 
 def causal_attention_reference(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:

@@ -1,8 +1,8 @@
 """The engine's `Attention` objects: our decoder calls them once per layer with post-RoPE q, k, v.
 
 `PrefillAttention`: prompts (right-padded to one length) attend causally to themselves (prefill is
-dense): in bf16 on a CPU with AVX512-BF16 through our kernel (`cpu_attention.causal_attention`, 2.2x
-PyTorch's flash kernel at 6K tokens), else plain SDPA; their keys/values are scattered into the pages
+dense): on a CPU with the C++ kernels through ours (`cpu_attention.causal_attention`; at 6K tokens 2.2x
+PyTorch's flash kernel in bf16, 1.3x in fp32), else plain SDPA; their keys/values are scattered into the pages
 (`ops.write_prefill`, which also sets the page centroids). A row may also be a preempted sample's
 recompute (`Recompute`): its generated positions are written as decoding wrote them, one `ops.append_kv`
 per page offset in order, so the centroids are the same running means (of complete and partial pages)
