@@ -1,12 +1,13 @@
-// The AVX512-BF16 attention kernel shared by the decode prefix op (cpu_attention.cpp) and the causal prefill
-// op (cpu_prefill.cpp): bf16 operands multiplied with vdpbf16ps (pairs of bf16 products accumulated in
-// fp32) over keys and values packed as kernels/cpu_attention.py describes.
+// The attention kernel shared by the decode prefix op (cpu_attention.cpp) and the causal prefill op
+// (cpu_prefill.cpp): bf16 operands multiplied with vdpbf16ps (pairs of bf16 products accumulated in fp32),
+// or fp32 ones with FMAs, over keys and values packed as kernels/cpu_attention.py describes.
 #pragma once
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 
@@ -36,59 +37,35 @@ inline __m512 exp_ps(__m512 x) {
 
 inline __m512bh as_bh(__m512i x) { return (__m512bh)x; }
 
-// Scores of rows q [rn <= RB, D/2] (bf16 pairs) against nb <= BLOCKS blocks of packed keys kb -> s [RB][TILE]
-// fp32 times scale. Its own function, so that GCC keeps the 16 accumulators in registers.
-template <int D>
-inline void scores(const uint32_t* q, int rn, const uint16_t* kb, int nb, float scale, float (*s)[TILE]) {
-  constexpr int P = D / 2;
+// Scores of rows q [rn <= RB, D] against nb <= BLOCKS blocks of 16 packed keys kb -> s [RB][TILE] fp32
+// times scale. bf16 (T = uint16_t, the bits): blocks [D/2, 16, 2], one vdpbf16ps per pair of dims; fp32:
+// blocks [D, 16], one FMA per dim. Its own function, so that GCC keeps the 16 accumulators in registers.
+template <int D, typename T>
+inline void scores(const T* q, int rn, const T* kb, int nb, float scale, float (*s)[TILE]) {
+  constexpr bool f32 = std::is_same_v<T, float>;
+  constexpr int STEPS = f32 ? D : D / 2, LANE = f32 ? 1 : 2;  // elements of q per step
   __m512 acc[RB][BLOCKS];
 #pragma GCC unroll 4
   for (int i = 0; i < RB; ++i)
 #pragma GCC unroll 4
     for (int j = 0; j < BLOCKS; ++j) acc[i][j] = _mm512_setzero_ps();
-  const uint16_t* kj[BLOCKS];
-  for (int j = 0; j < BLOCKS; ++j) kj[j] = kb + (j < nb ? j : 0) * P * 32;
-  const uint32_t* qi[RB];
-  for (int i = 0; i < RB; ++i) qi[i] = q + std::min(i, rn - 1) * P;
-  for (int p = 0; p < P; ++p) {
-    __m512bh kv[BLOCKS];
-#pragma GCC unroll 4
-    for (int j = 0; j < BLOCKS; ++j) kv[j] = as_bh(_mm512_loadu_si512(kj[j] + p * 32));
-#pragma GCC unroll 4
-    for (int i = 0; i < RB; ++i) {
-      const __m512bh qv = as_bh(_mm512_set1_epi32((int)qi[i][p]));
-#pragma GCC unroll 4
-      for (int j = 0; j < BLOCKS; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], qv, kv[j]);
-    }
-  }
-#pragma GCC unroll 4
-  for (int i = 0; i < RB; ++i)
-#pragma GCC unroll 4
-    for (int j = 0; j < BLOCKS; ++j) _mm512_store_ps(&s[i][j * KEYS], _mm512_mul_ps(acc[i][j], _mm512_set1_ps(scale)));
-}
-
-// The same in fp32: rows q [rn <= RB, D] against nb blocks of keys packed [D, 16] (per dim, the 16 keys'
-// values) -> s [RB][TILE] times scale, one FMA per dim.
-template <int D>
-inline void scores(const float* q, int rn, const float* kb, int nb, float scale, float (*s)[TILE]) {
-  __m512 acc[RB][BLOCKS];
-#pragma GCC unroll 4
-  for (int i = 0; i < RB; ++i)
-#pragma GCC unroll 4
-    for (int j = 0; j < BLOCKS; ++j) acc[i][j] = _mm512_setzero_ps();
-  const float* kj[BLOCKS];
+  const T* kj[BLOCKS];
   for (int j = 0; j < BLOCKS; ++j) kj[j] = kb + (j < nb ? j : 0) * D * 16;
-  const float* qi[RB];
+  const T* qi[RB];
   for (int i = 0; i < RB; ++i) qi[i] = q + std::min(i, rn - 1) * D;
-  for (int d = 0; d < D; ++d) {
-    __m512 kv[BLOCKS];
+  for (int p = 0; p < STEPS; ++p) {
+    __m512i kv[BLOCKS];
 #pragma GCC unroll 4
-    for (int j = 0; j < BLOCKS; ++j) kv[j] = _mm512_loadu_ps(kj[j] + d * 16);
+    for (int j = 0; j < BLOCKS; ++j) kv[j] = _mm512_loadu_si512(kj[j] + p * 16 * LANE);
 #pragma GCC unroll 4
     for (int i = 0; i < RB; ++i) {
-      const __m512 qv = _mm512_set1_ps(qi[i][d]);
+      int32_t qp;  // q's element (fp32) or pair of elements (bf16) of this step, as bits
+      std::memcpy(&qp, qi[i] + p * LANE, 4);
+      const __m512i qv = _mm512_set1_epi32(qp);
 #pragma GCC unroll 4
-      for (int j = 0; j < BLOCKS; ++j) acc[i][j] = _mm512_fmadd_ps(qv, kv[j], acc[i][j]);
+      for (int j = 0; j < BLOCKS; ++j)
+        if constexpr (f32) acc[i][j] = _mm512_fmadd_ps(_mm512_castsi512_ps(qv), _mm512_castsi512_ps(kv[j]), acc[i][j]);
+        else acc[i][j] = _mm512_dpbf16_ps(acc[i][j], as_bh(qv), as_bh(kv[j]));
     }
   }
 #pragma GCC unroll 4
@@ -97,7 +74,7 @@ inline void scores(const float* q, int rn, const float* kb, int nb, float scale,
     for (int j = 0; j < BLOCKS; ++j) _mm512_store_ps(&s[i][j * KEYS], _mm512_mul_ps(acc[i][j], _mm512_set1_ps(scale)));
 }
 
-// Rows q [R, D/2] (bf16 pairs) of one head over its keys [s0, s1) (s0 a multiple of 16), each row only up
+// Rows q [R, D] (bf16 bits) of one head over its keys [s0, s1) (s0 a multiple of 16), each row only up
 // to its position when pos [R] (non-decreasing) is given (causal): kp [*, D/2, 16, 2] (packed keys), vp [*,
 // D, 2] (packed values) -> unnormalised out [R, D] fp32 with each row's running max m and sum l (of
 // exp(score - m)). Online softmax over key tiles; the probabilities are rounded to bf16 for the value
@@ -107,7 +84,7 @@ template <int D, typename T = uint16_t>
 void attend(const T* q, const int* pos, int R, const T* kp, const T* vp, int s0, int s1, float scale, float* out,
             float* m, float* l) {
   constexpr bool f32 = std::is_same_v<T, float>;
-  constexpr int QW = f32 ? D : D / 2, DV = D / 16;  // q's row stride in elements of its scores() type
+  constexpr int DV = D / 16;
   std::fill(out, out + R * D, 0.f);
   std::fill(m, m + R, -std::numeric_limits<float>::infinity());
   std::fill(l, l + R, 0.f);
@@ -120,8 +97,7 @@ void attend(const T* q, const int* pos, int R, const T* kp, const T* vp, int s0,
       const int last = end(r0 + rn - 1);
       if (last <= k0) continue;  // these rows see none of the tile's keys
       const int nb = std::min(BLOCKS, (last - k0 + KEYS - 1) / KEYS);
-      if constexpr (f32) scores<D>(q + r0 * QW, rn, kp + (int64_t)k0 * D, nb, scale, s);
-      else scores<D>(reinterpret_cast<const uint32_t*>(q) + r0 * QW, rn, kp + (int64_t)k0 * D, nb, scale, s);
+      scores<D>(q + r0 * D, rn, kp + (int64_t)k0 * D, nb, scale, s);
       float alpha[RB];
       for (int i = 0; i < rn; ++i) {  // online softmax over the keys <= the row's position
         const int r = r0 + i, visible = std::min(nb * KEYS, end(r) - k0);

@@ -178,7 +178,8 @@ void attend_pages(const float* q, int G, const T* k_pages, const T* v_pages, int
     for (int g = 0; g < G; ++g)
       for (int d = 0; d < DV; ++d) qv[g][d] = _mm512_mul_ps(_mm512_loadu_ps(q + g * D + d * 16), _mm512_set1_ps(scale));
     for (int i = 0; i < K; ++i) {  // scores, one key at a time
-      const T* kp = k_pages + (valid[i] ? table[pages[i]] * page_stride + head_offset : 0);
+      if (!valid[i]) continue;
+      const T* kp = page_at(k_pages, i);
       for (int j = 0; j < valid[i]; ++j) {
         __m512 kv[DV];
         for (int d = 0; d < DV; ++d) kv[d] = load_f32(kp + j * D + d * 16);
@@ -216,7 +217,7 @@ void attend_pages(const float* q, int G, const T* k_pages, const T* v_pages, int
       for (int d = 0; d < DV; ++d) acc[g][d] = _mm512_setzero_ps();
     for (int i = 0; i < K; ++i) {  // values
       if (!valid[i]) continue;
-      const T* vp = v_pages + table[pages[i]] * page_stride + head_offset;
+      const T* vp = page_at(v_pages, i);
       const float* p = scores.data() + (size_t)g0 * width + i * P;
       for (int j = 0; j < valid[i]; ++j) {
         __m512 vv[DV];
@@ -401,7 +402,7 @@ inline float dot(const float* a, const float* b, int64_t D) {  // D a multiple o
 // Page scores for block top-k: the mean query of each KV head's G query heads (q [B, Hq, D], fp32 or bf16)
 // dotted with the centroid of each logical page < n_pages of its row -> [B, Hkv, W] fp32, -inf beyond.
 // A row with group g >= 0 takes its first prefixes[g].size(0) pages from that group's centroids
-// [m, Hkv, D] (the shared prefix: each centroid is read once for all the group's rows), the rest from
+// [m, Hkv, D] (the shared prefix, read from cache by the group's rows one after another), the rest from
 // the pool's centroids [N, Hkv, D] through block_table [B, W] int32. Candidate rules are the selection's.
 at::Tensor score_pages(const at::Tensor& q, const at::Tensor& centroids, const at::Tensor& block_table,
                        const at::Tensor& seq_lens, int64_t page_size, at::TensorList prefixes,
@@ -455,8 +456,8 @@ at::Tensor score_pages(const at::Tensor& q, const at::Tensor& centroids, const a
 }
 
 // A sparse decode layer's attention in one op (the chain DecodeAttention runs op by op): append the new
-// token's k/v [B, Hkv, D] at slots [B], score the pages (the shared prefixes' centroids once for their rows,
-// as score_pages), select by block top-k (select_pages), attend over the selected pages (paged_attention)
+// token's k/v [B, Hkv, D] at slots [B], score the pages (score_pages, the shared prefixes' centroids for
+// their rows), select by block top-k (select_pages), attend over the selected pages (paged_attention)
 // -> [B, Hq * D] in q's dtype.
 at::Tensor sparse_decode_layer(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_pages,
                                at::Tensor& v_pages, at::Tensor& centroids, const at::Tensor& slots,
@@ -464,10 +465,11 @@ at::Tensor sparse_decode_layer(const at::Tensor& q, const at::Tensor& k, const a
                                int64_t page_size, int64_t reserved, at::TensorList prefixes, const at::Tensor& group,
                                double scale) {
   append_kv(k_pages, v_pages, centroids, k, v, slots);
-  const auto scores = score_pages(q, centroids, block_table, seq_lens, page_size, prefixes, group);
+  const auto qf = q.to(at::kFloat).contiguous();
+  const auto scores = score_pages(qf, centroids, block_table, seq_lens, page_size, prefixes, group);
   const auto selected = select_pages(scores, seq_lens, budgets, page_size, reserved, 0);
-  const auto out = std::get<0>(paged_attention(q.to(at::kFloat).contiguous(), k_pages, v_pages, block_table,
-                                               seq_lens, selected.to(at::kLong), scale));
+  const auto out = std::get<0>(paged_attention(qf, k_pages, v_pages, block_table, seq_lens, selected.to(at::kLong),
+                                               scale));
   return out.to(q.scalar_type()).view({q.size(0), q.size(1) * q.size(2)});
 }
 

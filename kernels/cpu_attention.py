@@ -1,4 +1,4 @@
-"""CPU attention kernels in C++ (AVX512): the cascade's shared prefix in bf16, listed pages, bf16 prefill.
+"""CPU attention kernels in C++ (AVX512): the cascade's shared prefix in bf16, listed pages, the prefill.
 
 `paged_attention`: the G query rows of each (sequence, KV head) over the valid positions of a list of
 logical pages (the selected pages of a sparse layer, the suffix pages of a cascade step), read in place
@@ -7,11 +7,11 @@ softmax rescaled every 16 keys was slower: 36 vs 31-35 ms per budget-512 step). 
 keys the scores are vdpbf16ps products whose 16 partial sums are summed across lanes together; the
 values are fp32 FMAs on widened bf16, with the accumulators of up to 4 heads in registers. All listed
 pages are prefetched into L2 first: they are scattered in the pool and mostly not in cache. At 8 rows x
-512 keys x 9/3 heads (from L3) a call went 136 -> 109 -> 70 us over these changes. The torch path
-gathers the pages into a buffer and calls the flash kernel, about 0.6 ms per layer at budget 512 x 8
-samples, most of it the gather, the masks and a flash call whose 3-row queries it does not parallelise
-well; this splits the work over (sequence, KV head). Reference: `paged_attention_reference` (float64,
-positions listed one by one).
+512 keys x 9/3 heads (from L3, before the prefetch) a call went 136 -> 109 -> 70 us over these changes.
+The torch path gathers the pages into a buffer and calls the flash kernel, about 0.6 ms per layer at
+budget 512 x 8 samples, most of it the gather, the masks and a flash call whose 3-row queries it does
+not parallelise well; this splits the work over (sequence, KV head). Reference:
+`paged_attention_reference` (float64, positions listed one by one).
 
 `select_pages`: block top-k selection from page scores in one op (the torch path's topk, scatter,
 masks and sort are about a dozen small ops per layer); `score_pages`, the page scores of a cascade step

@@ -1,6 +1,6 @@
 // The per-layer ops of a CPU decode step besides attention: RMSNorm and rotary embedding of q and k (each
-// one op instead of a handful of eager ones), decode-sized bf16 products, and a bf16 decode layer as two
-// ops around the attention. Math in fp32, rounded to the activations' dtype where the eager modules round;
+// one op instead of a handful of eager ones), decode-sized products (bf16 and fp32), and a decode layer as
+// two ops around the attention. Math in fp32, rounded to the activations' dtype where the eager modules round;
 // the bf16 elementwise work is vectorised (scalar c10::BFloat16 conversions had cost more than the
 // products: a decode_mlp call took 338 us against 135-165 us now, its three products alone 130-145 us).
 // The torch references: stages/model/llama.py (RMSNorm, apply_rope), F.linear; where they are used and
@@ -36,7 +36,7 @@ inline __m512 round_bf16(__m512 x) {  // fp32 -> bf16 -> fp32
 inline __mmask16 tail(int64_t n) { return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1); }
 
 // out = a + b over n bf16 values, each sum rounded once (as a bf16 tensor add)
-void add_bf16(const at::BFloat16* a, const at::BFloat16* b, at::BFloat16* out, int64_t n) {
+void add_rows(const at::BFloat16* a, const at::BFloat16* b, at::BFloat16* out, int64_t n) {
   for (int64_t i = 0; i < n; i += 16) {
     const __mmask16 m = tail(n - i);
     store_bf16(out + i, _mm512_add_ps(load_bf16(a + i, m), load_bf16(b + i, m)), m);
@@ -44,7 +44,7 @@ void add_bf16(const at::BFloat16* a, const at::BFloat16* b, at::BFloat16* out, i
 }
 
 // act = bf16(bf16(silu(gate)) * up) over n values: F.silu(gate) * up of bf16 tensors
-void silu_mul_bf16(const at::BFloat16* gate, const at::BFloat16* up, at::BFloat16* act, int64_t n) {
+void silu_mul(const at::BFloat16* gate, const at::BFloat16* up, at::BFloat16* act, int64_t n) {
   const __m512 one = _mm512_set1_ps(1.f);
   for (int64_t i = 0; i < n; i += 16) {
     const __mmask16 m = tail(n - i);
@@ -149,8 +149,8 @@ std::tuple<at::Tensor, at::Tensor> rope_qk(const at::Tensor& q, const at::Tensor
 
 // Decode-sized products in bf16: x [M, K] (M <= 16 rows) times a weight packed as [N/16, K/2, 16, 2] (per
 // block of 16 outputs, per pair of inputs, the 16 outputs' two weights: one vdpbf16ps operand) -> [M, N]
-// bf16, fp32 accumulation, plus an optional bias [N]. Each weight is read once for all rows; at 8 rows
-// the product is bound by vdpbf16ps throughput, not memory.
+// bf16, fp32 accumulation, plus an optional bias [N]. Each weight is read once for all rows; over a whole
+// model's weights the product is bound by memory bandwidth (about 27 GB/s here), not by vdpbf16ps.
 template <int M>
 void linear_block(const uint32_t* x, const uint16_t* w, int K2, const at::BFloat16* bias, at::BFloat16* out,
                   int N, int n0) {
@@ -183,24 +183,6 @@ void linear_dispatch(int rows, const uint32_t* x, const uint16_t* w, int K2, int
   linear_rows<M>(x, w, K2, NB, bias, out);
 }
 
-at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16, "bf16 expected");
-  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == 16 && packed.size(3) == 2 && packed.is_contiguous(),
-              "packed weight [N/16, K/2, 16, 2] expected");
-  const int64_t K = x.size(-1), M = x.numel() / std::max<int64_t>(K, 1), NB = packed.size(0), K2 = packed.size(1);
-  TORCH_CHECK(K == 2 * K2 && M >= 1 && M <= 16, "x [..., K] with at most 16 rows expected");
-  const auto xc = x.contiguous();
-  auto sizes = x.sizes().vec();
-  sizes.back() = NB * 16;
-  auto out = at::empty(sizes, x.options());
-  at::Tensor b;
-  if (bias.has_value()) b = bias->contiguous();
-  linear_dispatch<16>(M, reinterpret_cast<const uint32_t*>(xc.data_ptr<at::BFloat16>()),
-                      reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), K2, NB,
-                      b.defined() ? b.data_ptr<at::BFloat16>() : nullptr, out.data_ptr<at::BFloat16>());
-  return out;
-}
-
 // The same in fp32: x [M, K] fp32 times a weight packed as [N/16, K, 16] (per block of 16 outputs, per
 // input, the 16 outputs' weights) -> [M, N] fp32, plus an optional bias [N]; one FMA per weight and row.
 template <int M>
@@ -224,27 +206,6 @@ void linear_dispatch_f32(int rows, const float* x, const float* w, int K, int NB
     for (int64_t nb = a; nb < b; ++nb) linear_block_f32<M>(x, w + nb * K * 16, K, bias, out, NB * 16, nb * 16);
   });
 }
-
-at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && packed.scalar_type() == at::kFloat, "fp32 expected");
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == 16 && packed.is_contiguous(), "packed weight [N/16, K, 16] expected");
-  const int64_t K = x.size(-1), M = x.numel() / std::max<int64_t>(K, 1), NB = packed.size(0);
-  TORCH_CHECK(K == packed.size(1) && M >= 1 && M <= 16, "x [..., K] with at most 16 rows expected");
-  const auto xc = x.contiguous();
-  auto sizes = x.sizes().vec();
-  sizes.back() = NB * 16;
-  auto out = at::empty(sizes, x.options());
-  at::Tensor b;
-  if (bias.has_value()) b = bias->contiguous();
-  linear_dispatch_f32<16>(M, xc.data_ptr<float>(), packed.data_ptr<float>(), K, NB,
-                          b.defined() ? b.data_ptr<float>() : nullptr, out.data_ptr<float>());
-  return out;
-}
-
-
-// ---- a decode layer as two ops around the attention (stages/rollout/cpu_decode.py) ----
-// Each rounds where the eager chain of the model's modules rounds (norm, product, rotary, residual sum,
-// silu, gate product), so that it equals the ops above called one by one.
 
 void linear_into(const at::BFloat16* x, int rows, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                  at::BFloat16* out) {
@@ -272,17 +233,38 @@ void check_packed(const at::Tensor& packed, int64_t K, const char* name, at::Sca
   }
 }
 
-void add_rows(const at::BFloat16* a, const at::BFloat16* b, at::BFloat16* out, int64_t n) { add_bf16(a, b, out, n); }
+// x [..., K] (at most 16 rows) times a weight packed for our product of x's dtype (bf16 [N/16, K/2, 16, 2],
+// fp32 [N/16, K, 16]) plus an optional bias [N] -> [..., N]
+template <typename T>
+at::Tensor packed_linear_impl(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
+  const int64_t K = x.size(-1), M = x.numel() / std::max<int64_t>(K, 1);
+  check_packed(packed, K, "packed_linear", x.scalar_type());
+  TORCH_CHECK(M >= 1 && M <= 16, "packed_linear: x [..., K] with at most 16 rows expected");
+  const auto xc = x.contiguous();
+  auto sizes = x.sizes().vec();
+  sizes.back() = packed.size(0) * 16;
+  auto out = at::empty(sizes, x.options());
+  c10::optional<at::Tensor> b;
+  if (bias.has_value()) b = bias->contiguous();
+  linear_into(xc.data_ptr<T>(), M, packed, b, out.data_ptr<T>());
+  return out;
+}
+
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
+  if (x.scalar_type() == at::kBFloat16) return packed_linear_impl<at::BFloat16>(x, packed, bias);
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "packed_linear: bf16 or fp32 x expected");
+  return packed_linear_impl<float>(x, packed, bias);
+}
+
+// ---- a decode layer as two ops around the attention (stages/rollout/cpu_decode.py) ----
+// Each rounds where the eager chain of the model's modules rounds (norm, product, rotary, residual sum,
+// silu, gate product), so that it equals the ops above called one by one.
 
 void add_rows(const float* a, const float* b, float* out, int64_t n) {
   for (int64_t i = 0; i < n; i += 16) {
     const __mmask16 m = tail(n - i);
     _mm512_mask_storeu_ps(out + i, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, a + i), _mm512_maskz_loadu_ps(m, b + i)));
   }
-}
-
-void silu_mul(const at::BFloat16* gate, const at::BFloat16* up, at::BFloat16* act, int64_t n) {
-  silu_mul_bf16(gate, up, act, n);
 }
 
 void silu_mul(const float* gate, const float* up, float* act, int64_t n) {  // F.silu(gate) * up in fp32
@@ -402,10 +384,8 @@ TORCH_LIBRARY_FRAGMENT(sparrow_cpu, m) {
   m.impl("rms_norm", c10::DispatchKey::CPU, TORCH_FN(rms_norm));
   m.def("rope_qk(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)");
   m.impl("rope_qk", c10::DispatchKey::CPU, TORCH_FN(rope_qk));
-  m.def("linear_f32(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
-  m.impl("linear_f32", c10::DispatchKey::CPU, TORCH_FN(linear_f32));
-  m.def("linear_bf16(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
-  m.impl("linear_bf16", c10::DispatchKey::CPU, TORCH_FN(linear_bf16));
+  m.def("packed_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
+  m.impl("packed_linear", c10::DispatchKey::CPU, TORCH_FN(packed_linear));
   m.def("decode_qkv(Tensor x, Tensor norm_w, Tensor qkv_packed, Tensor? qkv_bias, Tensor? q_norm_w, "
         "Tensor? k_norm_w, Tensor cos, Tensor sin, int Hq, int Hkv, float eps) -> (Tensor, Tensor, Tensor)");
   m.impl("decode_qkv", c10::DispatchKey::CPU, TORCH_FN(decode_qkv));

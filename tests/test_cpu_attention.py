@@ -280,44 +280,27 @@ def test_rms_norm_and_rope_ops_equal_float64_within_one_rounding(dtype, tol):
 
 @needs_kernel
 @pytest.mark.parametrize("rows", [1, 5, 8, 16])
-def test_linear_f32_equals_float64_products(rows):
-    from sparrow.stages.rollout.packed_linears import PackedLinears
-
-    g = torch.Generator().manual_seed(1)
-    layer = torch.nn.Linear(96, 160)
-    with torch.no_grad():
-        layer.weight.copy_(torch.randn(160, 96, generator=g))
-        layer.bias.copy_(torch.randn(160, generator=g))
-    packed = PackedLinears(torch.nn.Sequential(layer), batch_hint=16)
-    packed.refresh()
-    kind, weight = packed.packed[id(layer)]
-    assert kind == "dot" and weight.shape == (10, 96, 16)
-    x = torch.randn(rows, 1, 96, generator=g)
-    got = torch.ops.sparrow_cpu.linear_f32(x, weight, layer.bias).double()
-    want = x.double() @ layer.weight.double().T + layer.bias.double()
-    assert got.shape == want.shape
-    assert ((got - want).abs() <= 1e-5 * want.abs() + 1e-4).all()  # fp32 sums of 96 products
-
-
-@needs_kernel
-@pytest.mark.parametrize("rows", [1, 5, 8, 16])
-def test_linear_bf16_equals_float64_products_within_bf16_rounding(rows):
+@pytest.mark.parametrize("dtype,shape,rel,abs_", [
+    (torch.float32, (10, 96, 16), 1e-5, 1e-4),  # fp32 sums of 96 products
+    (torch.bfloat16, (10, 48, 16, 2), 2 ** -8, 1e-3),  # one bf16 rounding of the output
+])
+def test_packed_linear_equals_float64_products(rows, dtype, shape, rel, abs_):
     from sparrow.stages.rollout.packed_linears import PackedLinears
 
     g = torch.Generator().manual_seed(0)
-    layer = torch.nn.Linear(96, 160).bfloat16()
+    layer = torch.nn.Linear(96, 160).to(dtype)
     with torch.no_grad():
         layer.weight.copy_(torch.randn(160, 96, generator=g))
         layer.bias.copy_(torch.randn(160, generator=g))
     packed = PackedLinears(torch.nn.Sequential(layer), batch_hint=16)
     packed.refresh()
     kind, weight = packed.packed[id(layer)]
-    assert kind == "dot"
-    x = torch.randn(rows, 1, 96, generator=g).bfloat16()
-    got = torch.ops.sparrow_cpu.linear_bf16(x, weight, layer.bias).double()
+    assert kind == "dot" and weight.shape == shape
+    x = torch.randn(rows, 1, 96, generator=g).to(dtype)
+    got = torch.ops.sparrow_cpu.packed_linear(x, weight, layer.bias).double()
     want = x.double() @ layer.weight.double().T + layer.bias.double()
     assert got.shape == want.shape
-    assert ((got - want).abs() <= 2 ** -8 * want.abs() + 1e-3).all()  # one bf16 rounding of the output
+    assert ((got - want).abs() <= rel * want.abs() + abs_).all()
 
 
 @needs_kernel

@@ -28,7 +28,7 @@ from .packed_linears import PackedLinears, dot_product
 class FusedCpuDecode:
     def __init__(self, model: Transformer, packed: PackedLinears):
         self.model, self.packed = model, packed
-        self.layers: list[tuple[Tensor, ...]] | None = None  # per layer: its packed weights and norms
+        self.layers: list[tuple[Tensor, ...]] | None = None  # per layer: its packed qkv, o, gate_up, down
         self.lm_head: Tensor | None = None
 
     def ready(self) -> bool:
