@@ -15,6 +15,10 @@ Design decisions:
   --workers N`) is one artifact: `read_artifact` validates every part (all of one kind) and
   concatenates them in name order; its metadata and kind are those of the first part. Hidden files
   (temporaries) are ignored. `write_artifact_parts` writes such a directory and replaces it whole.
+- Where a write lands is `locations.output_target`: a symlink's target (the link survives), never a
+  FIFO or device; `-` is stdout (the whole file is written to a temporary file first, then copied, so
+  a pipe gets a valid Parquet file or nothing). A folder that cannot be created or written is an
+  ArtifactError naming it.
 """
 
 from __future__ import annotations
@@ -22,9 +26,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
+import tempfile
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import BinaryIO
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -39,6 +46,7 @@ from .artifacts import (
     ArtifactSpec,
     first_line,
 )
+from .locations import is_stdio, output_target
 
 MAGIC = b"PAR1"
 TableLike = pa.Table | pa.RecordBatch | Mapping[str, Sequence] | Sequence[Mapping[str, object]]
@@ -61,18 +69,51 @@ def write_artifact(data: TableLike, path: str | os.PathLike, kind: str,
     table = spec.conform(table, subject, fill_missing=True)
     table = table.replace_schema_metadata({**spec.schema.metadata, KEY_META.encode(): meta_json.encode()})
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.tmp")
+    _write(path, lambda f: pq.write_table(table, f, compression="zstd"))
+    return path
+
+
+def write_table(table: pa.Table, path: str | os.PathLike) -> Path:
+    """Write a plain Parquet file (no artifact kind: a query's result) by the artifacts' rule."""
+    _write(Path(path), lambda f: pq.write_table(table, f, compression="zstd"))
+    return Path(path)
+
+
+def write_bytes(path: str | os.PathLike, data: bytes) -> Path:
+    """Write a file that is not an artifact (an exported schedule) by the same rule: atomically,
+    through a symlink, `-` to stdout."""
+    _write(Path(path), lambda f: f.write(data))
+    return Path(path)
+
+
+def _write(path: Path, write: Callable[[BinaryIO], object]) -> None:
+    """`write(f)` into a hidden temporary sibling of where `path` lands, fsynced, then renamed over it;
+    for `-`, into an anonymous temporary file whose bytes are then copied to stdout."""
+    if is_stdio(path):
+        with tempfile.TemporaryFile() as f:
+            write(f)
+            f.seek(0)
+            try:
+                shutil.copyfileobj(f, sys.stdout.buffer)
+                sys.stdout.buffer.flush()
+            except BrokenPipeError:
+                raise ArtifactError("stdout was closed before the whole file was written to it") from None
+        return
+    target = output_target(path)
+    tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex[:12]}.tmp")
     try:
+        target.parent.mkdir(parents=True, exist_ok=True)
         with open(tmp, "xb") as f:
-            pq.write_table(table, f, compression="zstd")
+            write(f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        os.replace(tmp, target)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise ArtifactError(f"cannot write {path} ({e.strerror or first_line(e)})") from None
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    return path
 
 
 def read_artifact(path: str | os.PathLike, kind: str | None = None) -> pa.Table:
@@ -141,9 +182,9 @@ def write_artifact_parts(tables: Sequence[TableLike], path: str | os.PathLike, k
                          metadata: Sequence[Mapping[str, object]]) -> Path:
     """Write `tables[i]` as `path/part-0000i.parquet` (metadata[i]) into a fresh hidden directory, then
     put it in place of `path`: readers see the old directory or the new one, never a mix."""
-    path = Path(path)
-    if path.exists() and not path.is_dir():
-        raise ArtifactError(f"{path} is a file; a directory of parts cannot replace it")
+    if is_stdio(path):
+        raise ArtifactError("a directory of parts cannot be written to stdout (-)")
+    shown, path = path, output_target(path, directory=True)
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.tmp")
     try:
         for i, (table, meta) in enumerate(zip(tables, metadata, strict=True)):
@@ -156,7 +197,7 @@ def write_artifact_parts(tables: Sequence[TableLike], path: str | os.PathLike, k
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return path
+    return Path(shown)
 
 
 def _read_parquet(path: Path) -> pa.Table:

@@ -9,13 +9,14 @@ import typer
 
 from sparrow.stages.definitions import TAIL_QUANTILE
 
-from .common import UsageError, console, friendly_errors
+from .common import UsageError, check_output, console, force_option, friendly_errors, input_path, output_help
 from .output import emit, format_option, resolve_format
 
 
 @friendly_errors
 def calibrate_threshold(
-    profile: Path = typer.Option(..., "--profile", help="A mismatch artifact (sparrow profile)."),
+    profile: Path = typer.Option(..., "--profile", callback=input_path,
+                                 help="A mismatch artifact (sparrow profile)."),
     runs: list[Path] = typer.Option([], "--runs", help="Run directories, each with a metrics and a "
                                     "schedule artifact. Repeat the flag or pass several."),
     quantile: float = typer.Option(TAIL_QUANTILE, "--quantile", help="Tail quantile of alpha per bin."),
@@ -31,7 +32,8 @@ def calibrate_threshold(
     entropy_factor: float = typer.Option(3.0, "--entropy-factor",
                                          help="Collapsed if entropy ends above this x its start."),
     bootstrap: int = typer.Option(2000, "--bootstrap", help="Bootstrap resamples for the interval."),
-    output: Path = typer.Option(..., "-o", "--output"),
+    output: Path = typer.Option(..., "-o", "--output", help=output_help("the threshold artifact")),
+    force: bool = force_option(),
     format: str = format_option(),
 ) -> None:
     """Label each run stable or collapsed, relate that to each run's tail statistic under its
@@ -43,6 +45,7 @@ def calibrate_threshold(
     fmt = resolve_format(format)
     if not 0 < quantile < 1:
         raise UsageError(f"--quantile must be in (0, 1), got {quantile}")
+    check_output(output, "threshold", force)
     mismatch = read_artifact(profile, "mismatch")
     if mismatch.num_rows == 0:
         raise UsageError(f"{profile}: the mismatch profile has no tokens")

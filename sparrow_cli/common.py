@@ -1,10 +1,15 @@
-"""Shared CLI plumbing: one-sentence errors, consoles, option parsing helpers."""
+"""Shared CLI plumbing: one-sentence errors, consoles, option parsing helpers, output locations.
+
+Every command that writes checks its output location with `check_output` (or `check_output_dir`) before
+any work: the rule itself is `sparrow.schemas.locations`; here it becomes one sentence that says how
+to force it, and `-o -` hands stdout to the artifact (tables and summaries then go to stderr)."""
 
 from __future__ import annotations
 
 import functools
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import NoReturn
 
 import typer
@@ -35,12 +40,16 @@ def friendly_errors(fn: Callable) -> Callable:
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        _stdout["taken"] = False
         try:
             return fn(*args, **kwargs)
         except (UsageError, ArtifactError, ModelSpecError, PromptError, KeyError) as e:
             fail(str(e.args[0]) if e.args else str(e))
-        except KeyboardInterrupt:
-            console.print("[yellow]interrupted; nothing half-written was left behind[/]")
+        except KeyboardInterrupt as e:  # a stage may say what it kept and how to go on
+            from rich.markup import escape
+
+            said = escape(str(e.args[0])) if e.args else "nothing half-written was left behind"
+            console.print(f"[yellow]interrupted; {said}[/]", highlight=False)
             sys.exit(130)
 
     return wrapper
@@ -54,3 +63,69 @@ def parse_int_list(text: str, flag: str) -> list[int]:
     if not values:
         raise UsageError(f"{flag} is empty")
     return values
+
+
+# ---------------------------------------------------------------- output locations and inputs
+
+FORCE_HELP = ("Replace an existing output that is not an artifact of the kind this command writes (a "
+              "directory of other files is never replaced).")
+_stdout = {"taken": False}
+
+
+def force_option():
+    return typer.Option(False, "--force", help=FORCE_HELP)
+
+
+def output_help(what: str) -> str:
+    """The help of an artifact's -o: what it is, stdout, and the overwrite rule."""
+    return (f"Where to write {what} (- = stdout, as Parquet). An existing file is replaced only if it is "
+            "an artifact of the same kind (or --force); a symlink is written through.")
+
+
+def stdout_taken() -> bool:
+    """Whether `-o -` made stdout the artifact's: tables and summaries then go to stderr."""
+    return _stdout["taken"]
+
+
+def check_output(path: Path | None, kind: str | None, force: bool, flag: str = "-o",
+                 parts: bool = False) -> None:
+    """The output location rule (sparrow.schemas.locations) before any work, as one sentence."""
+    from sparrow.schemas import OutputRefused
+    from sparrow.schemas import check_output as check
+    from sparrow.schemas.locations import is_stdio
+
+    if path is None:
+        return
+    if is_stdio(path) and sys.stdout.isatty():
+        raise UsageError(f"{flag} - writes Parquet to stdout, which is a terminal here; redirect it to a "
+                         "file or a pipe")
+    try:
+        check(path, kind, force, parts)
+    except OutputRefused as e:
+        raise UsageError(f"{flag} {e}; pass --force to replace it, or choose another path") from None
+    _stdout["taken"] = _stdout["taken"] or is_stdio(path)
+
+
+def check_output_dir(path: Path, what: str, ours: Callable[[Path], bool], force: bool,
+                     replaceable: Callable[[Path], bool] = lambda d: False, flag: str = "-o") -> Path:
+    """The rule for a directory output (a run, an adapter, a report folder); the directory written."""
+    from sparrow.schemas import OutputRefused
+    from sparrow.schemas import check_output_dir as check
+
+    try:
+        return check(path, what, ours, replaceable, force)
+    except OutputRefused as e:
+        raise UsageError(f"{flag} {e}; pass --force to replace it, or choose another directory") from None
+
+
+def input_path(ctx: typer.Context, param: typer.CallbackParam, value: Path | None) -> Path | None:
+    """typer callback of an artifact input: `-` is stdin, and stdin or a FIFO (such as /dev/stdin in a
+    pipe) is read whole first, since Parquet is read by seeking to its footer."""
+    from sparrow.schemas import ArtifactError, spool_input
+
+    if value is None or ctx.resilient_parsing:
+        return value
+    try:
+        return spool_input(value, param.opts[0] if param.opts else param.name)
+    except ArtifactError as e:
+        fail(str(e))

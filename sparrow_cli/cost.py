@@ -7,7 +7,15 @@ from pathlib import Path
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-from .common import UsageError, console, friendly_errors, parse_int_list
+from .common import (
+    UsageError,
+    check_output,
+    console,
+    force_option,
+    friendly_errors,
+    output_help,
+    parse_int_list,
+)
 from .output import emit, format_option, resolve_format
 from .plan import stage_errors
 
@@ -41,7 +49,8 @@ def fit_cost(
     threads: int = typer.Option(None, "--threads", help="CPU threads for torch while timing (default: "
                                 "torch's own choice; 1 gives steadier timings on a shared machine)."),
     seed: int = typer.Option(0, "--seed"),
-    output: Path = typer.Option(..., "-o", "--output", help="Where to write the cost artifact."),
+    output: Path = typer.Option(..., "-o", "--output", help=output_help("the cost artifact")),
+    force: bool = force_option(),
     format: str = format_option(),
 ) -> None:
     """Fit the decode-step cost model: time the rollout engine's decode steps, dense and sparse, over a
@@ -52,6 +61,7 @@ def fit_cost(
     from sparrow.stages.model.loading import model_name, resolve_config
 
     fmt = resolve_format(format)
+    check_output(output, "cost", force)
     if device and hardware:
         raise UsageError("--device measures and --hardware writes an analytic preset; pass only one")
     if hardware:

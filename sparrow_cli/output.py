@@ -21,7 +21,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from .common import UsageError, out
+from .common import UsageError, console, out, stdout_taken
 
 FORMATS = ("table", "csv", "json", "tsv")
 FORMAT_HELP = "table, csv, json or tsv on stdout (default: table on a terminal, tsv in a pipe)."
@@ -57,6 +57,8 @@ def emit(columns: Sequence[str], rows: Sequence[Sequence[object]], fmt: str, tit
          left: Sequence[str] = (), to: Console | None = None) -> None:
     """Print `rows` under `columns` in `fmt` (already resolved); numbers are right-aligned in tables
     unless named in `left`. A rich table goes to `to` (default stdout; stderr when stdout is taken)."""
+    if stdout_taken():  # `-o -`: stdout carries the artifact, so this goes to stderr as a table
+        fmt, to = "table", console
     if fmt == "table":
         t = Table(title=title)
         for c in columns:
@@ -81,6 +83,8 @@ def emit_record(record: Mapping[str, object], fmt: str, title: str | None = None
                 labels: Mapping[str, str] | None = None) -> None:
     """Print one record: a field/value rich table (fields shown by `labels` where given), else the
     record's keys as the header of one row, or one JSON object."""
+    if stdout_taken():
+        fmt = "table"
     if fmt == "table":
         labels = labels or {}
         emit(("", "value"), [[labels.get(k, k), v] for k, v in record.items()], fmt, title=title, left=("",))

@@ -12,7 +12,16 @@ import typer
 
 from sparrow.stages.published_schedules import REFERENCE_GEN_LEN
 
-from .common import UsageError, console, friendly_errors, out
+from .common import (
+    UsageError,
+    check_output,
+    console,
+    force_option,
+    friendly_errors,
+    input_path,
+    out,
+    output_help,
+)
 from .output import emit, format_option, resolve_format
 
 EXPORTS = ("json", "sglang-vortex")
@@ -43,15 +52,17 @@ def parse_thresholds(text: str) -> list[float]:
 @friendly_errors
 def plan_schedule(
     model: str = typer.Option(None, "--model", help="Preset, checkpoint dir or .gguf."),
-    profile: Path = typer.Option(None, "--profile", help="A mismatch artifact (sparrow profile); "
+    profile: Path = typer.Option(None, "--profile", callback=input_path, help="A mismatch artifact (sparrow "
+                                 "profile); "
                                  "default: the reference profile of a Qwen3 preset."),
     threshold: float = typer.Option(None, "--threshold", help="Tail threshold (default: the "
                                     "published prior 0.86)."),
-    threshold_file: Path = typer.Option(None, "--threshold-file",
+    threshold_file: Path = typer.Option(None, "--threshold-file", callback=input_path,
                                         help="A threshold artifact (sparrow calibrate-threshold)."),
     quantile: float = typer.Option(None, "--quantile", help="Tail quantile of alpha per bin "
                                    "(default 0.05, or the threshold file's)."),
-    cost: Path = typer.Option(None, "--cost", help="A cost artifact (sparrow fit-cost)."),
+    cost: Path = typer.Option(None, "--cost", callback=input_path,
+                              help="A cost artifact (sparrow fit-cost)."),
     hardware: str = typer.Option(None, "--hardware", help="Analytic cost model of a hardware preset "
                                  "(h100, h200, a100; default h100 when no --cost)."),
     gen_len: int = typer.Option(None, "--gen-len", help="Generated tokens per rollout for the "
@@ -67,8 +78,10 @@ def plan_schedule(
                               "these thresholds, e.g. 0.80,0.83,0.86,0.90,0.92."),
     export: str = typer.Option(None, "--export", help="Also print the schedule as json or in the "
                                "sglang-vortex engine form (stdout, or --export-to)."),
-    export_to: Path = typer.Option(None, "--export-to", help="Write the --export form here."),
-    output: Path = typer.Option(None, "-o", "--output", help="Where to write the schedule artifact."),
+    export_to: Path = typer.Option(None, "--export-to", help="Write the --export form here (an existing "
+                                   "file only if it holds the same form, or --force)."),
+    output: Path = typer.Option(None, "-o", "--output", help=output_help("the schedule artifact")),
+    force: bool = force_option(),
     compare_published: bool = typer.Option(False, "--compare-published", help="Instead of one plan, "
                                            "print the predicted speedup of every Qwen3 model with "
                                            "published schedules next to the published speedup."),
@@ -102,6 +115,10 @@ def plan_schedule(
         raise UsageError(f"--export must be one of {', '.join(EXPORTS)}, got {export!r}")
     if export_to is not None and export is None:
         raise UsageError("--export-to needs --export json or --export sglang-vortex")
+    check_output(output, "schedule", force)
+    if export is not None and export_to is None and output is not None and str(output) == "-":
+        raise UsageError("--export without --export-to prints to stdout, which -o - takes; give --export-to")
+    check_export_to(export_to, export, force)
     for flag, value, low in (("--batch", batch, 1), ("--prompt-len", prompt_len, 0),
                              ("--gen-len", gen_len, 2), ("--bin-width", bin_width, 1),
                              ("--min-tokens", min_tokens, 1)):
@@ -154,13 +171,49 @@ def plan_schedule(
     if exported is not None:
         text = json.dumps(exported, indent=2 if export == "json" else None)
         if export_to is not None:
-            export_to.parent.mkdir(parents=True, exist_ok=True)
-            export_to.write_text(text + "\n")
+            write_text(export_to, text + "\n")
             console.print(f"wrote the {export} form to {export_to}")
         else:
             out.print(text, highlight=False, soft_wrap=True)
     if output is not None:
         console.print(f"wrote {output}")
+
+
+def _export_form(path: Path) -> str | None:
+    """Which --export form a file holds (json, sglang-vortex), or None."""
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if isinstance(doc, dict) and {"bins", "threshold"} <= doc.keys():
+        return "json"
+    if isinstance(doc, dict) and "num_selected_pages" in doc:
+        return "sglang-vortex"
+    return None
+
+
+def check_export_to(path: Path | None, export: str | None, force: bool) -> None:
+    """--export-to follows the -o rule: a symlink is written through, a FIFO, device or directory is
+    refused, and an existing file is replaced only if it holds the same form (or with --force)."""
+    from sparrow.schemas import ArtifactError
+    from sparrow.schemas.locations import check_writable, output_target
+
+    if path is None:
+        return
+    try:
+        target = output_target(path)
+        check_writable(target.parent, path)
+    except ArtifactError as e:
+        raise UsageError(f"--export-to {e}") from None
+    if target.exists() and target.stat().st_size and _export_form(target) != export and not force:
+        raise UsageError(f"--export-to {path} exists and does not hold the {export} form; pass --force to "
+                         "replace it, or choose another path")
+
+
+def write_text(path: Path, text: str) -> None:
+    from sparrow.schemas.io import write_bytes
+
+    write_bytes(path, text.encode())
 
 
 def _show(columns, rows, fmt: str | None, title: str) -> None:

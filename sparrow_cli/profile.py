@@ -19,7 +19,16 @@ from rich.progress import (
 
 from sparrow.stages.definitions import PRIOR_THRESHOLD, TAIL_QUANTILE
 
-from .common import UsageError, console, friendly_errors, parse_int_list
+from .common import (
+    UsageError,
+    check_output,
+    console,
+    force_option,
+    friendly_errors,
+    input_path,
+    output_help,
+    parse_int_list,
+)
 from .output import emit, format_option, resolve_format
 from .rollout import check_workers
 
@@ -36,12 +45,14 @@ PHASES = {"sampling": "sampling (samples)", "scoring": "scoring (sequences)"}
 def profile(
     ctx: typer.Context,
     model: str = typer.Option("smollm2-135m", "--model", help="Preset, checkpoint dir or .gguf."),
-    prompts: Path = typer.Option(None, "--prompts", help="A prompts artifact (sparrow prompts), or any "
-                                 "Parquet or JSONL file with its columns (token ids or text): sample "
+    prompts: Path = typer.Option(None, "--prompts", callback=input_path, help="A prompts artifact (sparrow "
+                                 "prompts; - = stdin), or any Parquet or JSONL file with its columns (token "
+                                 "ids or text): sample "
                                  "trajectories of these prompts with the engine."),
-    rollouts: Path = typer.Option(None, "--rollouts", help="A rollouts artifact (sparrow rollout), or any "
-                                  "Parquet file from another sampler with columns prompt_id, token_ids and "
-                                  "prompt_token_ids (or prompt text): score these trajectories instead."),
+    rollouts: Path = typer.Option(None, "--rollouts", callback=input_path, help="A rollouts artifact "
+                                  "(sparrow rollout; - = stdin), or any Parquet file from another sampler "
+                                  "with columns prompt_id, token_ids and prompt_token_ids (or prompt text): "
+                                  "score these trajectories instead."),
     budgets: str = typer.Option("256,512,1024", "--budgets",
                                 help="Candidate budgets in tokens, multiples of the page size."),
     samples: int = typer.Option(4, "--samples", help="Trajectories per prompt."),
@@ -70,7 +81,8 @@ def profile(
                                 "-o is then a directory of one Parquet part per worker."),
     ray_address: str = typer.Option(None, "--ray-address", help="An existing Ray cluster for --workers "
                                     "(default: a local Ray started for the run)."),
-    output: Path = typer.Option(..., "-o", "--output", help="Where to write the mismatch artifact."),
+    output: Path = typer.Option(..., "-o", "--output", help=output_help("the mismatch artifact")),
+    force: bool = force_option(),
     format: str = format_option(),
 ) -> None:
     """Sample K trajectories per prompt with the rollout engine (or take them from --rollouts), then
@@ -96,6 +108,7 @@ def profile(
     except ValueError as e:
         raise UsageError(str(e)) from None
     check_workers(workers, ray_address, output)
+    check_output(output, "mismatch", force, parts=bool(workers))
     cfg = resolve_config(model)
     opts.adapter = load_actor(adapter, cfg)  # before any weights load
     actor = {"adapter": str(adapter)} if adapter is not None else {}

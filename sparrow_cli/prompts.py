@@ -15,7 +15,7 @@ import typer
 from sparrow.stages.tasks import TASKS, TaskError, get_task, make_prompts
 from sparrow.stages.tasks.longcontext import DEFAULT_CONTEXT_TOKENS, MIN_CONTEXT_TOKENS
 
-from .common import UsageError, console, friendly_errors
+from .common import UsageError, check_output, console, force_option, friendly_errors, output_help
 
 
 class _LazyProgress:
@@ -73,7 +73,8 @@ def prompts(
         None, "--context-tokens",
         help=f"prompt length in tokens for long-context tasks (default {DEFAULT_CONTEXT_TOKENS}, "
              "or half the model's context if that is less)"),
-    output: Path = typer.Option(..., "-o", "--output", help="prompts artifact to write (.parquet)"),
+    output: Path = typer.Option(..., "-o", "--output", help=output_help("the prompts artifact")),
+    force: bool = force_option(),
 ) -> None:
     """Generate prompts with verifiable answers for a task, formatted with the model's chat template."""
     from sparrow.schemas import write_artifact
@@ -83,8 +84,7 @@ def prompts(
     spec = get_task(task)
     if n < 1:
         raise UsageError(f"--n must be at least 1, got {n}")
-    if output.is_dir():
-        raise UsageError(f"--output {output} is a directory; give a file path such as prompts.parquet")
+    check_output(output, "prompts", force)
     config = resolve_config(model)
     context = _context_tokens(spec.name, spec.long_context, context_tokens, model,
                               config.max_position_embeddings)

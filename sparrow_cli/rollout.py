@@ -8,7 +8,7 @@ from pathlib import Path
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from .common import UsageError, console, friendly_errors
+from .common import UsageError, check_output, console, force_option, friendly_errors, input_path, output_help
 from .output import emit_record, format_option, resolve_format
 
 SUMMARY_LABELS = {"tokens": "generated tokens", "seconds": "seconds (total)",
@@ -89,9 +89,11 @@ def _rollout_vllm(model: str, prompt_set, output: Path, fmt: str, cfg, device: s
 @friendly_errors
 def rollout(
     model: str = typer.Option("smollm2-135m", "--model", help="Preset, checkpoint dir or .gguf."),
-    prompts: Path = typer.Option(..., "--prompts", help="A prompts artifact (sparrow prompts), or any "
-                                 "Parquet or JSONL file with its columns (token ids or text)."),
-    schedule: Path = typer.Option(None, "--schedule", help="A schedule artifact (sparrow plan-schedule)."),
+    prompts: Path = typer.Option(..., "--prompts", callback=input_path, help="A prompts artifact (sparrow "
+                                 "prompts; - = stdin), or any Parquet or JSONL file with its columns "
+                                 "(token ids or text)."),
+    schedule: Path = typer.Option(None, "--schedule", callback=input_path,
+                                  help="A schedule artifact (sparrow plan-schedule)."),
     budget: int = typer.Option(None, "--budget", help="A fixed budget in tokens (multiple of 16, "
                                "at least 48)."),
     dense: bool = typer.Option(False, "--dense", help="Dense attention (the default)."),
@@ -120,7 +122,8 @@ def rollout(
                                 "directory of one Parquet part per worker, read as one artifact."),
     ray_address: str = typer.Option(None, "--ray-address", help="An existing Ray cluster (e.g. "
                                     "ray://head:10001 or auto); default: a local Ray started for the run."),
-    output: Path = typer.Option(..., "-o", "--output", help="Where to write the rollouts artifact."),
+    output: Path = typer.Option(..., "-o", "--output", help=output_help("the rollouts artifact")),
+    force: bool = force_option(),
     engine: str = typer.Option("ours", "--engine", help="ours (dense, budget or schedule) or vllm (dense "
                                "only; the optional extra .[vllm])."),
     format: str = format_option(),
@@ -169,6 +172,7 @@ def rollout(
         raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     dtype_name = str(resolve_dtype(dtype, device)).removeprefix("torch.")
     check_workers(workers, ray_address, output)
+    check_output(output, "rollouts", force, parts=bool(workers))
     if lora is not None and not (lora / "adapter_config.json").exists():
         raise UsageError(f"{lora}: not a LoRA adapter directory (no adapter_config.json)")
     cfg = resolve_config(model)
@@ -265,7 +269,7 @@ def check_workers(workers: int, ray_address: str | None, output: Path | None) ->
         require_ray()
     except RayMissing as e:
         raise UsageError(str(e)) from None
-    if output is not None and output.exists() and not output.is_dir():
+    if output is not None and output.is_file():
         raise UsageError(f"-o {output} is a file, but --workers writes a directory of Parquet parts")
 
 

@@ -3,8 +3,11 @@
 Design decisions: results go to stdout as a rich table (at most TABLE_ROWS rows shown; the default on a
 terminal), TSV (every row; the default in a pipe), CSV or a JSON list of records (NaN and infinities
 become null, so it is strict JSON); `-o x.parquet` writes every
-row to Parquet atomically (temporary file, then rename) and prints a one-line summary on stderr.
-Every failure is one "error: ..." line on stderr and exit code 2.
+row to Parquet atomically (temporary file, then rename; `-o -`: to stdout) and prints a one-line
+summary on stderr. The query is read-only (stages/sql.py): `-o` is the only way anything is written,
+and it follows every command's output rule (an existing artifact is not replaced without --force).
+A file of the run that is not readable Parquet is skipped with a warning. Every failure is one
+"error: ..." line on stderr and exit code 2.
 """
 
 from __future__ import annotations
@@ -13,21 +16,20 @@ import csv
 import datetime as dt
 import json
 import math
-import os
 import sys
-import uuid
 from decimal import Decimal
 from pathlib import Path
 from typing import Annotated
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 import typer
+from rich.markup import escape
 from rich.table import Table
 
+from sparrow.schemas.io import write_table
 from sparrow.stages.sql import QueryError, run_query
 
-from .common import UsageError, console, fail, friendly_errors, out
+from .common import FORCE_HELP, UsageError, check_output, console, fail, friendly_errors, out
 from .output import FORMAT_HELP, emit, resolve_format
 
 TABLE_ROWS = 1000
@@ -42,24 +44,29 @@ def sql(
     = Path("."),
     format: Annotated[str | None, typer.Option("--format", "-f", help=FORMAT_HELP)] = None,
     output: Annotated[Path | None, typer.Option("-o", "--output", help="Write the result to this "
-                                                                        ".parquet file instead.")] = None,
+                                                "Parquet file instead (- = stdout). An existing file is "
+                                                "replaced only if it is a query result, not an artifact "
+                                                "(or --force); a symlink is written through.")] = None,
+    force: Annotated[bool, typer.Option("--force", help=FORCE_HELP)] = False,
 ) -> None:
     """Run a SQL query (DuckDB) over the artifacts of a run directory."""
     try:
         format = resolve_format(format)
     except UsageError as e:
         fail(str(e))
-    if output is not None and output.suffix != ".parquet":
+    if output is not None and output.suffix != ".parquet" and str(output) != "-":
         fail(f"-o writes Parquet, so give a path ending in .parquet (not {output.name}); "
              f"use --format csv or json with a shell redirect for text")
+    check_output(output, None, force)
     try:
-        result = run_query(run, query)
+        result = run_query(run, query, warn=lambda m: console.print(f"[yellow]warning:[/] {escape(m)}",
+                                                                    highlight=False))
     except QueryError as e:
         fail(f"query failed: {e}")
     if output is not None:
-        _write_parquet(result, output)
-        console.print(f"wrote {result.num_rows} rows x {result.num_columns} columns to {output}",
-                      highlight=False)
+        write_table(result, output)
+        console.print(f"wrote {result.num_rows} rows x {result.num_columns} columns to "
+                      f"{'stdout' if str(output) == '-' else output}", highlight=False)
     elif format == "table":
         _print_table(result)
     elif format == "csv":
@@ -68,20 +75,6 @@ def sql(
         emit(result.column_names, [[_tsv_cell(v) for v in r.values()] for r in result.to_pylist()], "tsv")
     else:
         sys.stdout.write(json.dumps([_jsonable(r) for r in result.to_pylist()]) + "\n")
-
-
-def _write_parquet(table: pa.Table, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.tmp")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        pq.write_table(table, tmp, compression="zstd")
-        os.replace(tmp, path)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        fail(f"cannot write {path} ({e.strerror or e})")
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def _print_table(table: pa.Table) -> None:

@@ -1,0 +1,182 @@
+"""Where artifacts go and come from: output locations that never destroy what they point at, and inputs
+that need not be seekable.
+
+Design decisions (one rule for every command that writes):
+- `-` as an output is stdout: the artifact is written whole to a temporary file, then copied to stdout,
+  so a pipe receives a valid Parquet file or nothing. As an input, `-` is stdin.
+- A symlink is written through: the write lands on its final target, which is replaced atomically in
+  its own folder (a temporary sibling, then a rename), so the link itself survives.
+- A FIFO, a device or a socket is never an output, and a directory is not where a file is expected:
+  refused in one sentence. (A FIFO or a device as an input, such as `/dev/stdin` in a pipe, is read
+  whole into a private temporary file first, since Parquet is read by seeking to its footer.)
+- An existing file is replaced only when it is an artifact of the kind being written (or empty);
+  anything else needs `force`. A directory is replaced only when it is an output of the same kind:
+  forcing never deletes a directory of someone else's files.
+- The location is checked before any work: the nearest existing folder on the way must be a directory
+  in which a file can be created (checked by creating and removing one), so that an unwritable `-o`
+  fails at once, not after a long run. Nothing is created by the check.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import stat
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from .artifacts import ArtifactError
+
+STDIO = "-"
+
+
+class OutputRefused(ArtifactError):
+    """An existing output that is not of the kind written; `force` would replace it."""
+
+
+def is_stdio(path: str | os.PathLike | None) -> bool:
+    return path is not None and os.fspath(path) == STDIO
+
+
+def special_kind(path: Path) -> str | None:
+    """'a FIFO', 'a character device', ... for a path (followed through symlinks) that exists and is
+    neither a regular file nor a directory; None otherwise."""
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return None
+    for test, name in ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return None
+
+
+def output_target(path: str | os.PathLike, directory: bool = False) -> Path:
+    """The path a write to `path` replaces: its final target when `path` is a symlink. Refuses a FIFO,
+    device or socket, and a directory where a file is expected (a file where a directory is)."""
+    path = Path(path)
+    target = Path(os.path.realpath(path)) if path.is_symlink() else path
+    shown = f"{path} (a symlink to {target})" if target != path else str(path)
+    special = special_kind(target)
+    if special:
+        raise ArtifactError(f"{shown} is {special}, not a file that an artifact can be written to; give a "
+                            "file path, or - for stdout")
+    if not directory and target.is_dir():
+        raise ArtifactError(f"{shown} is a directory; give a file path such as {path / 'out.parquet'}")
+    if directory and target.exists() and not target.is_dir():
+        raise ArtifactError(f"{shown} is a file, but a directory is written there")
+    return target
+
+
+def check_writable(folder: Path, shown: str | os.PathLike) -> None:
+    """Refuse a folder that cannot be created or written: its nearest existing ancestor must be a
+    directory in which a file can be made (tried, then removed)."""
+    folder = Path(os.path.abspath(folder))
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ArtifactError(f"{shown} cannot be written: {existing} is a file, so nothing can be created "
+                            "under it")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".sparrow-probe-", dir=existing))
+    except OSError as e:
+        raise ArtifactError(f"{shown} cannot be written: no file can be created in {existing} "
+                            f"({e.strerror or e})") from None
+
+
+PLAIN = "a Parquet file without Sparrow metadata"
+
+
+def _empty(path: Path) -> bool:
+    return not any(path.iterdir()) if path.is_dir() else path.stat().st_size == 0
+
+
+def describe(path: Path) -> tuple[str | None, str]:
+    """(artifact kind or None, a few words) of an existing file or directory of parts."""
+    from .io import artifact_kind
+
+    try:
+        kind = artifact_kind(path)
+    except ArtifactError:
+        return None, "a directory that is not an artifact" if path.is_dir() else "not a Sparrow artifact"
+    if kind is None:
+        return None, PLAIN
+    return kind, f"a '{kind}' artifact"
+
+
+def check_output(path: str | os.PathLike, kind: str | None, force: bool = False,
+                 parts: bool = False) -> None:
+    """Refuse, before any work, an output location that must not or cannot be written.
+
+    `kind` is the artifact kind written (None: a plain Parquet file, such as a query result); `parts`:
+    a directory of Parquet parts (`--workers`). An existing artifact of `kind` (or an empty file) is
+    replaced; anything else raises OutputRefused unless `force` (a directory that is not such an
+    artifact: ArtifactError, since forcing would delete it)."""
+    if is_stdio(path):
+        if parts:
+            raise ArtifactError("-o - writes one Parquet file to stdout, but --workers writes a directory "
+                                "of parts; give a directory")
+        return
+    path = Path(path)
+    target = output_target(path, directory=parts)
+    wanted = f"a '{kind}' artifact" if kind else PLAIN
+    if target.exists() and not _empty(target):
+        found, words = describe(target)
+        if words != wanted:
+            if target.is_dir():
+                raise ArtifactError(f"{path} is {words}, not {wanted}, and replacing it would delete it; "
+                                    "choose another path")
+            if not force:
+                raise OutputRefused(f"{path} exists and is {words}, not {wanted}")
+    check_writable(target if parts and target.is_dir() else target.parent, path)
+
+
+def check_output_dir(path: str | os.PathLike, what: str, ours: Callable[[Path], bool],
+                     replaceable: Callable[[Path], bool] = lambda d: False, force: bool = False) -> Path:
+    """Refuse, before any work, a directory output that is not `ours` (an output of the same kind) or
+    empty: OutputRefused when `replaceable(dir)` (forcing may replace it), ArtifactError otherwise. Returns
+    the directory written (a symlink's target)."""
+    path = Path(path)
+    if is_stdio(path):
+        raise ArtifactError(f"-o - means stdout, but {what} is a directory; give a directory path")
+    target = output_target(path, directory=True)
+    if target.is_dir() and any(target.iterdir()) and not ours(target):
+        if not replaceable(target):
+            raise ArtifactError(f"{path} is a directory that is not {what}; choose a new directory")
+        if not force:
+            raise OutputRefused(f"{path} exists and is not {what}")
+    check_writable(target, path)
+    return target
+
+
+# ---------------------------------------------------------------- inputs
+
+def spool_input(path: str | os.PathLike, flag: str) -> Path:
+    """`-` (stdin), or a FIFO or device such as /dev/stdin in a pipe, read whole into a private
+    temporary file (removed at exit) whose path is returned; any other path as it is. Parquet or JSONL
+    is told apart by the Parquet magic bytes."""
+    if not is_stdio(path) and not special_kind(Path(path)):
+        return Path(path)
+    name = "stdin" if is_stdio(path) else Path(path).name
+    try:
+        if is_stdio(path):
+            data = sys.stdin.buffer.read()
+        else:
+            with open(path, "rb") as f:
+                data = f.read()
+    except OSError as e:
+        raise ArtifactError(f"{flag} {path} cannot be read ({e.strerror or e})") from None
+    if not data:
+        raise ArtifactError(f"{flag} {path}: nothing was read (pipe a Parquet or JSONL file into it; stdin "
+                            "serves one input only)")
+    folder = Path(tempfile.mkdtemp(prefix="sparrow-input-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    suffix = ".parquet" if data[:4] == b"PAR1" else ".jsonl"
+    spooled = folder / (name if name.endswith(suffix) else name + suffix)
+    spooled.write_bytes(data)
+    return spooled
