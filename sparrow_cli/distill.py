@@ -9,7 +9,15 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from sparrow.stages.definitions import PRIOR_THRESHOLD, TAIL_QUANTILE
 
-from .common import UsageError, console, friendly_errors, parse_int_list
+from .common import (
+    UsageError,
+    check_output_dir,
+    console,
+    force_option,
+    friendly_errors,
+    input_path,
+    parse_int_list,
+)
 from .output import emit, format_option, resolve_format
 from .profile import load_actor, rollouts_temperature
 from .rollout import _sparsity
@@ -62,6 +70,11 @@ def load_init_adapter(path: Path, cfg, rank: int):
     return load_file(path / "adapter_model.safetensors"), lora
 
 
+def distilled_adapter(folder: Path) -> bool:
+    """An adapter directory that `sparrow distill` wrote (and may replace)."""
+    return (folder / "adapter_config.json").exists() and (folder / "sparrow_distill.json").exists()
+
+
 def check_k3_trajectories(path: Path, sampler: str | None) -> None:
     """k3 estimates KL(actor || dense) only on tokens the sparse actor sampled."""
     if sampler is None:
@@ -77,12 +90,14 @@ def check_k3_trajectories(path: Path, sampler: str | None) -> None:
 @friendly_errors
 def distill(
     model: str = typer.Option("smollm2-135m", "--model", help="Preset, checkpoint dir or .gguf."),
-    prompts: Path = typer.Option(None, "--prompts", help="Prompts to sample training trajectories from, "
-                                 "with the sparse actor (the engine under --budget/--schedule)."),
-    rollouts: Path = typer.Option(None, "--rollouts", help="Training trajectories sampled before (sparrow "
-                                  "rollout, or any sampler's Parquet with prompt_id, prompt_token_ids, "
-                                  "token_ids)."),
-    schedule: Path = typer.Option(None, "--schedule", help="The schedule the actor samples with."),
+    prompts: Path = typer.Option(None, "--prompts", callback=input_path, help="Prompts to sample training "
+                                 "trajectories from, with the sparse actor (the engine under "
+                                 "--budget/--schedule)."),
+    rollouts: Path = typer.Option(None, "--rollouts", callback=input_path, help="Training trajectories "
+                                  "sampled before (sparrow rollout, or any sampler's Parquet with "
+                                  "prompt_id, prompt_token_ids, token_ids)."),
+    schedule: Path = typer.Option(None, "--schedule", callback=input_path,
+                                  help="The schedule the actor samples with."),
     budget: int = typer.Option(None, "--budget", help="The fixed budget the actor samples with (tokens)."),
     steps: int = typer.Option(50, "--steps"),
     batch_size: int = typer.Option(8, "--batch-size", help="Trajectories per step."),
@@ -94,9 +109,9 @@ def distill(
                                   "position; k3: the published sampled-token estimator (needs trajectories "
                                   "the sparse actor sampled)."),
     init_adapter: Path = typer.Option(None, "--init-adapter", help="Continue distilling this adapter."),
-    eval_prompts: Path = typer.Option(None, "--eval-prompts", help="Held-out prompts: their dense "
-                                      "trajectories are scored before and after (default: the training "
-                                      "trajectories, in-sample)."),
+    eval_prompts: Path = typer.Option(None, "--eval-prompts", callback=input_path, help="Held-out prompts: "
+                                      "their dense trajectories are scored before and after (default: "
+                                      "the training trajectories, in-sample)."),
     eval_budgets: str = typer.Option(None, "--eval-budgets", help="Budgets to score before and after "
                                      "(default: --budget, or the schedule's budgets)."),
     train_budgets: str = typer.Option(None, "--train-budgets", help="Budgets to teach the adapter at, each "
@@ -116,7 +131,10 @@ def distill(
     bin_width: int = typer.Option(512, "--bin-width"),
     quantile: float = typer.Option(TAIL_QUANTILE, "--quantile"),
     threshold: float = typer.Option(PRIOR_THRESHOLD, "--threshold"),
-    output: Path = typer.Option(..., "-o", "--output", help="The adapter directory to write."),
+    output: Path = typer.Option(..., "-o", "--output", help="The adapter directory to write. An existing "
+                                "directory is replaced only if it holds an adapter from sparrow distill "
+                                "(another adapter: --force; other files: never)."),
+    force: bool = force_option(),
     format: str = format_option(),
 ) -> None:
     """Distill the sparse actor (block top-k attention + a LoRA on every linear layer, gradients through the
@@ -146,8 +164,8 @@ def distill(
                         ("--bin-width", bin_width)):
         if value < 1:
             raise UsageError(f"{flag} must be at least 1, got {value}")
-    if output.exists() and not (output / "adapter_config.json").exists():
-        raise UsageError(f"-o {output} exists and is not an adapter directory; choose a new directory")
+    check_output_dir(output, "an adapter written by sparrow distill", force=force, ours=distilled_adapter,
+                     replaceable=lambda d: (d / "adapter_config.json").exists())
     sparsity = _sparsity(schedule, budget, False, model)
     if sparsity is None:
         raise UsageError("give --budget or --schedule: the sparse actor to distill is the one that samples "

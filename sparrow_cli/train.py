@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from .common import UsageError, console, friendly_errors
+from .common import UsageError, console, friendly_errors, input_path
 from .output import emit_record, format_option, resolve_format
 from .rollout import _sparsity, check_workers
 
@@ -36,10 +36,12 @@ def _spec(schedule: Path | None, budget: int | None, dense: bool, model: str) ->
 @friendly_errors
 def train(
     model: str = typer.Option("smollm2-135m", "--model", help="Preset, checkpoint dir or .gguf."),
-    prompts: Path = typer.Option(..., "--prompts", help="Training prompts (with answers)."),
-    eval_prompts: Path = typer.Option(None, "--eval-prompts", help="Held-out prompts: greedy dense "
-                                      "accuracy at the start and every --eval-every steps."),
-    schedule: Path = typer.Option(None, "--schedule", help="Roll out with this schedule artifact."),
+    prompts: Path = typer.Option(..., "--prompts", callback=input_path,
+                                 help="Training prompts (with answers; - = stdin)."),
+    eval_prompts: Path = typer.Option(None, "--eval-prompts", callback=input_path, help="Held-out prompts: "
+                                      "greedy dense accuracy at the start and every --eval-every steps."),
+    schedule: Path = typer.Option(None, "--schedule", callback=input_path,
+                                  help="Roll out with this schedule artifact."),
     budget: int = typer.Option(None, "--budget", help="Roll out with a fixed budget (tokens)."),
     dense: bool = typer.Option(False, "--dense", help="Roll out densely (the default)."),
     steps: int = typer.Option(20, "--steps"),
@@ -81,8 +83,12 @@ def train(
     ray_address: str = typer.Option(None, "--ray-address", help="An existing Ray cluster for --workers "
                                     "(default: a local Ray started for the run)."),
     resume: bool = typer.Option(False, "--resume", help="Continue the run in --output-dir from its "
-                                "checkpoint."),
-    output_dir: Path = typer.Option(..., "-o", "--output-dir", help="The run directory."),
+                                "checkpoint (the same options and input contents; only --steps may change)."),
+    force: bool = typer.Option(False, "--force", help="Start the run in --output-dir over: its metrics, "
+                               "per-step mismatch, schedule, checkpoint and adapters are replaced."),
+    output_dir: Path = typer.Option(..., "-o", "--output-dir", help="The run directory. One that holds a run "
+                                    "needs --resume or --force; files of a run's names that are not of its "
+                                    "kind are replaced only with --force; a symlink is written through."),
     format: str = format_option(),
 ) -> None:
     """GRPO whose rollouts come from the sparse engine: rewards from the task's scorer, dense recompute of
@@ -118,6 +124,7 @@ def train(
     if device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda was given but no CUDA device is available")
     check_workers(workers, ray_address, None)
+    check_run_location(cfg, model, prompts, eval_prompts, resume, force, output_dir)
     world = init_world(device)
     if workers and world.distributed:
         raise UsageError("--workers (Ray rollout workers) cannot run under torchrun; use one of them")
@@ -128,15 +135,37 @@ def train(
 
             pool = RolloutPool(model, workers, address=ray_address, device=device,
                                random_weights=random_weights)  # seeded: the learner's base weights
-        _run(cfg, model, prompts, eval_prompts, resume, output_dir, fmt, world, pool)
+        _run(cfg, model, prompts, eval_prompts, resume, output_dir, fmt, world, pool, force)
     finally:
         if pool is not None:
             pool.close()
         shutdown_world()
 
 
+def check_run_location(cfg, model: str, prompts: Path, eval_prompts: Path | None, resume: bool, force: bool,
+                       output_dir: Path) -> None:
+    """The run directory (writable, a run to resume with the same options and input contents, or none to
+    overwrite), before any weights load: the prompts are read with the model's tokenizer alone."""
+    from sparrow.schemas import check_output_dir
+    from sparrow.stages.model.loading import resolve_config, spec_tokenizer
+    from sparrow.stages.sparsity import parse_sparsity
+    from sparrow.stages.train import check_run_dir, load_prompts, with_fingerprints
+
+    check_output_dir(output_dir, "a training run", ours=lambda d: True, force=force)  # writable, no FIFO
+    if not (output_dir.exists() or resume):
+        return
+    tokenizer = spec_tokenizer(model)
+    try:
+        rows = load_prompts(prompts, tokenizer)
+        held_out = load_prompts(eval_prompts, tokenizer) if eval_prompts else None
+        sparsity = parse_sparsity(cfg.sparsity, model=resolve_config(model))
+        check_run_dir(output_dir, with_fingerprints(cfg, rows, held_out, sparsity), resume, force)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
 def _run(cfg, model: str, prompts: Path, eval_prompts: Path | None, resume: bool, output_dir: Path,
-         fmt: str, world: World, pool) -> None:
+         fmt: str, world: World, pool, force: bool = False) -> None:
     import torch
 
     from sparrow.stages.model.loading import load_model
@@ -172,7 +201,7 @@ def _run(cfg, model: str, prompts: Path, eval_prompts: Path | None, resume: bool
 
         try:
             trainer = Trainer(cfg, loaded, rows, output_dir, eval_prompts=held_out, resume=resume,
-                              on_step=on_step, on_phase=on_phase, world=world, pool=pool)
+                              on_step=on_step, on_phase=on_phase, world=world, pool=pool, force=force)
         except ValueError as e:
             raise UsageError(str(e)) from None
         bar.update(task, completed=trainer.step)

@@ -361,7 +361,7 @@ def test_bad_input(tiny_llama, vowel_prompts, tmp_path):
     before = (tmp_path / "run" / "metrics.parquet").read_bytes()
     with pytest.raises(ValueError, match="already holds a run"):
         _train(path, vowel_prompts, tmp_path / "run", cfg=dict(steps=1))
-    with pytest.raises(ValueError, match="trained with lr=0.05, not 0.1"):
+    with pytest.raises(ValueError, match="trained with --lr 0.05, not 0.1"):
         _train(path, vowel_prompts, tmp_path / "run", cfg=dict(steps=2, lr=0.1), resume=True)
     assert (tmp_path / "run" / "metrics.parquet").read_bytes() == before
 

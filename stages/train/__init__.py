@@ -1,7 +1,9 @@
 """`sparrow train`: GRPO on sparse rollouts, corrected toward the dense learner (see trainer.py)."""
 
 from .objective import CORRECTIONS, LossConfig, group_advantages, policy_loss, rollout_correction
-from .trainer import PromptRow, TrainConfig, Trainer, load_prompts, read_metrics
+from .run_dir import TrainingInterrupted, check_run_dir
+from .trainer import PromptRow, TrainConfig, Trainer, load_prompts, read_metrics, with_fingerprints
 
-__all__ = ["CORRECTIONS", "LossConfig", "PromptRow", "TrainConfig", "Trainer", "group_advantages",
-           "load_prompts", "policy_loss", "read_metrics", "rollout_correction"]
+__all__ = ["CORRECTIONS", "LossConfig", "PromptRow", "TrainConfig", "Trainer", "TrainingInterrupted",
+           "check_run_dir", "group_advantages", "load_prompts", "policy_loss", "read_metrics",
+           "rollout_correction", "with_fingerprints"]

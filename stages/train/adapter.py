@@ -74,8 +74,11 @@ def save_adapter(model: nn.Module, config, folder: str | os.PathLike, base_model
     """Write the adapter directory atomically (a temporary sibling, then a rename)."""
     from safetensors.torch import save_file
 
+    from sparrow.schemas import output_target
+
     folder = Path(folder)
-    tmp = folder.with_name(f".{folder.name}.{uuid.uuid4().hex[:8]}.tmp")
+    target = output_target(folder, directory=True)  # a symlink is written through, not replaced
+    tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex[:8]}.tmp")
     tmp.mkdir(parents=True)
     try:
         cfg = config.to_dict()
@@ -83,9 +86,9 @@ def save_adapter(model: nn.Module, config, folder: str | os.PathLike, base_model
         cfg["target_modules"] = sorted(cfg["target_modules"])
         (tmp / "adapter_config.json").write_text(json.dumps(cfg, indent=2, default=str))
         save_file(lora_state(model, adapter), str(tmp / "adapter_model.safetensors"))
-        if folder.exists():
-            shutil.rmtree(folder)
-        os.replace(tmp, folder)
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(tmp, target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -25,7 +25,9 @@ records the reasons that hold for the history up to it, and the run's metadata i
 (`RUN/checkpoint/`) hold the trainable weights, the optimizer, the data cursor and RNG states, so a
 resumed run reaches bit-for-bit the weights and metrics of an uninterrupted one on the CPU in fp32: every
 source of randomness is seeded per step (the engine's per-sample generators from (seed, step)), and the
-prompt order per epoch from (seed, epoch).
+prompt order per epoch from (seed, epoch). What a resume must agree on (the configuration and the content
+of the prompts and schedule), what a run may write over, and how an interrupt leaves a checkpoint at the
+last complete step: run_dir.py.
 Under torchrun each rank rolls out, recomputes and differentiates its shard of the global batch, and
 DDP sums the gradients (distributed.py); rank 0 alone writes.
 """
@@ -41,7 +43,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager, nullcontext
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -63,6 +65,15 @@ from . import objective as grpo
 from .adapter import add_lora, load_lora_state, lora_state, save_adapter
 from .distributed import World, current_world, data_parallel
 from .policy import completion_logprobs, completion_mask
+from .run_dir import (
+    TrainingInterrupted,
+    check_run_dir,
+    checkpoint_step,
+    clear_run,
+    interrupts_deferred,
+    prompts_fingerprint,
+    sparsity_fingerprint,
+)
 
 TOP_LOGPROBS = 20
 
@@ -99,6 +110,10 @@ class TrainConfig:
     distill_alpha: float = 16.0  # published
     distill_lr_ratio: float = 5.0  # published: the sparse adapter's lr = 5 x lr
     distill_kl_coef: float = 0.001  # published k3 coefficient
+    # what the run reads, by content (filled by the Trainer; run_dir.py): a resume must read the same
+    prompts_sha256: str = ""
+    eval_prompts_sha256: str = ""
+    schedule_sha256: str = ""
 
     def validate(self) -> None:
         positive = ("steps", "prompts_per_step", "samples", "max_new_tokens", "micro_batch", "ppo_epochs",
@@ -123,10 +138,6 @@ class TrainConfig:
             if self.distill_rank < 1 or self.distill_lr_ratio <= 0 or self.distill_kl_coef < 0:
                 raise ValueError("--distill-rank must be >= 1, --distill-lr-ratio > 0 and --distill-kl-coef "
                                  ">= 0")
-
-    def differences(self, other: TrainConfig) -> list[str]:
-        return [f.name for f in fields(self)
-                if f.name != "steps" and getattr(self, f.name) != getattr(other, f.name)]
 
 
 @dataclass
@@ -188,7 +199,7 @@ class Trainer:
                  run_dir: str | Path, eval_prompts: list[PromptRow] | None = None, resume: bool = False,
                  on_step: Callable[[dict], None] | None = None,
                  on_phase: Callable[[str], None] | None = None, world: World | None = None,
-                 pool: RolloutPool | None = None):
+                 pool: RolloutPool | None = None, force: bool = False):
         config.validate()
         self.world = world or current_world()
         if pool is not None and self.world.distributed:
@@ -201,17 +212,20 @@ class Trainer:
             raise ValueError(f"--prompts-per-step x --samples ({config.prompts_per_step * config.samples} "
                              f"sequences) must be at least the world size ({self.world.size}), so that "
                              "every rank has a share of the update")
+        self.sparsity = parse_sparsity(config.sparsity, model=loaded.config)
+        config = with_fingerprints(config, prompts, eval_prompts, self.sparsity)
         self.cfg, self.loaded, self.model = config, loaded, loaded.model
         self.prompts, self.eval_prompts = prompts, eval_prompts or []
         self.run_dir = Path(run_dir)
         self.on_step, self.on_phase = on_step or (lambda row: None), on_phase or (lambda phase: None)
-        self.sparsity = parse_sparsity(config.sparsity, model=loaded.config)
         self.loss_cfg = grpo.LossConfig(correction=config.correction, kl_coef=config.kl_coef, **config.loss)
         self.run_id = self.run_dir.name
         self.history: list[dict] = []
         self.step = 0
         self.initial_eval: float | None = None
-        self._check_run_dir(resume)
+        check_run_dir(self.run_dir, config, resume, force)
+        self.start_over = force
+        self.applying = False  # inside a step's update and writes: an interrupt there leaves no checkpoint
         torch.manual_seed(config.seed)
         self.reference = None
         if config.lora_rank:
@@ -236,6 +250,7 @@ class Trainer:
         self.policy = data_parallel(self.model, self.world)
         if pool is not None and self.lora_config is not None:
             pool.add_lora(config.lora_rank, config.lora_alpha)
+        self.rng_at_step = _rng_states()  # the RNG states at the last step boundary
         self.world.barrier()  # no rank writes before every rank has checked the run directory
 
     # ------------------------------------------------------------------ run directory
@@ -243,22 +258,6 @@ class Trainer:
     @property
     def checkpoint_dir(self) -> Path:
         return self.run_dir / "checkpoint"
-
-    def _check_run_dir(self, resume: bool) -> None:
-        has_run = (self.run_dir / "metrics.parquet").exists() or self.checkpoint_dir.exists()
-        if resume and not self.checkpoint_dir.exists():
-            raise ValueError(f"--resume: {self.run_dir} has no checkpoint to resume from")
-        if not resume and has_run:
-            raise ValueError(f"{self.run_dir} already holds a run; pass --resume to continue it or choose "
-                             "another --output-dir")
-        if resume:
-            saved = TrainConfig(**json.loads((self.checkpoint_dir / "config.json").read_text()))
-            diff = saved.differences(self.cfg)
-            if diff:
-                name = diff[0]
-                raise ValueError(f"--resume: {self.run_dir} was trained with {name}="
-                                 f"{getattr(saved, name)!r}, not {getattr(self.cfg, name)!r}; only --steps "
-                                 "may change on resume")
 
     # ------------------------------------------------------------------ data
 
@@ -277,19 +276,40 @@ class Trainer:
     # ------------------------------------------------------------------ one step
 
     def run(self) -> dict:
-        """Train until `steps`; returns the run's summary (also in the metrics artifact's metadata)."""
-        if self.step == 0 and self.world.main:
-            self._write_schedule()
-            if self.eval_prompts:
-                self.initial_eval = self.evaluate()
-        while self.step < self.cfg.steps:
-            row = self.train_step()
-            self.on_step(row)
-            if self.step % self.cfg.checkpoint_every == 0 or self.step == self.cfg.steps:
-                self._save_checkpoint()
+        """Train until `steps`; returns the run's summary (also in the metrics artifact's metadata). On an
+        interrupt, a checkpoint at the last complete step (run_dir.py), then TrainingInterrupted."""
+        try:
+            if self.start_over and self.world.main:
+                clear_run(self.run_dir)
+                self.start_over = False
+            if self.step == 0 and self.world.main:
+                self._write_schedule()
+                if self.eval_prompts:
+                    self.initial_eval = self.evaluate()
+            while self.step < self.cfg.steps:
+                row = self.train_step()
+                self.on_step(row)
+                if self.step % self.cfg.checkpoint_every == 0 or self.step == self.cfg.steps:
+                    self._save_checkpoint()
+        except KeyboardInterrupt:
+            self._interrupted()
         summary = self.summary()
         self.world.barrier()
         return summary
+
+    def _interrupted(self):
+        """Keep the last complete step resumable, say so, and go on interrupting."""
+        if self.applying:  # a second SIGINT (or an interrupt raised by code) inside the update
+            at = checkpoint_step(self.run_dir)
+            raise TrainingInterrupted(
+                f"a step was being applied, so {self.run_dir} keeps " + (
+                    f"its checkpoint at step {at}; add --resume to the same command to continue from it"
+                    if at is not None else "no checkpoint; add --force to the same command to start it over"))
+        if self.world.main:
+            self._save_checkpoint(self.rng_at_step)
+        raise TrainingInterrupted(f"{self.run_dir}/checkpoint holds the {self.step} complete "
+                                  f"step{'s' * (self.step != 1)} of {self.cfg.steps}; add --resume to the "
+                                  "same command to continue") from None
 
     def experience(self, step: int) -> dict:
         """Steps 1-4 of a step: its prompts, rollouts (flat, prompt-major), rewards, advantages, the dense
@@ -315,8 +335,17 @@ class Trainer:
                 "correction": correction, "seconds": (t_roll, t_score)}
 
     def train_step(self) -> dict:
-        cfg, step = self.cfg, self.step
+        step = self.step
         exp = self.experience(step)
+        with interrupts_deferred():  # the weights change from here to the end of the step's writes
+            self.applying = True
+            row = self._apply(step, exp)
+            self.applying = False
+        return row
+
+    def _apply(self, step: int, exp: dict) -> dict:
+        """Steps 5 and after of a step: the update, the metrics row, the eval and the step's logs."""
+        cfg = self.cfg
         batch, flat, rewards, old, correction = (exp[k] for k in ("batch", "flat", "rewards", "old",
                                                                   "correction"))
         t_roll, t_score = exp["seconds"]
@@ -338,6 +367,7 @@ class Trainer:
         if self.world.main:
             self._write_mismatch(step, batch, flat, old, correction)
             self._write_metrics()
+        self.rng_at_step = _rng_states()
         return row
 
     def _rollout(self, batch: list[PromptRow], step: int):
@@ -577,17 +607,18 @@ class Trainer:
             return lora_state(self.model)
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
 
-    def _save_checkpoint(self) -> None:
-        """RUN/checkpoint/ replaced atomically: weights, optimizer, RNG states, step, config (rank 0's:
-        the ranks hold the same weights and optimizer state)."""
+    def _save_checkpoint(self, rng: tuple | None = None) -> None:
+        """RUN/checkpoint/ replaced atomically: weights, optimizer, RNG states (now's, or `rng`), step,
+        config (rank 0's: the ranks hold the same weights and optimizer state)."""
         if not self.world.main:
             return
+        torch_rng, numpy_rng, python_rng = rng or _rng_states()
         tmp = self.run_dir / f".checkpoint.{uuid.uuid4().hex[:8]}.tmp"
         tmp.mkdir(parents=True)
         try:
             torch.save({"step": self.step, "weights": self._trainable_state(),
-                        "optimizer": self.optimizer.state_dict(), "torch_rng": torch.get_rng_state(),
-                        "numpy_rng": np.random.get_state(), "python_rng": random.getstate(),
+                        "optimizer": self.optimizer.state_dict(), "torch_rng": torch_rng,
+                        "numpy_rng": numpy_rng, "python_rng": python_rng,
                         "history": self.history, "initial_eval": self.initial_eval,
                         "sparse": None if self.sparse_actor is None else {
                             "weights": lora_state(self.model, self.sparse_actor.ADAPTER),
@@ -595,6 +626,7 @@ class Trainer:
                             "history": self.sparse_history}},
                        tmp / "state.pt")
             (tmp / "config.json").write_text(json.dumps(asdict(self.cfg), indent=2))
+            (tmp / "progress.json").write_text(json.dumps({"step": self.step, "steps": self.cfg.steps}))
             old = self.checkpoint_dir.with_name(f".checkpoint.old.{uuid.uuid4().hex[:8]}")
             if self.checkpoint_dir.exists():
                 os.replace(self.checkpoint_dir, old)
@@ -629,9 +661,22 @@ class Trainer:
         self._write_metrics()
 
 
+def _rng_states() -> tuple:
+    return torch.get_rng_state(), np.random.get_state(), random.getstate()
+
+
+def with_fingerprints(cfg: TrainConfig, prompts: Sequence[PromptRow],
+                      eval_prompts: Sequence[PromptRow] | None, sparsity) -> TrainConfig:
+    """`cfg` with the content hashes of what the run reads (run_dir.py)."""
+    return replace(cfg, prompts_sha256=prompts_fingerprint(prompts),
+                   eval_prompts_sha256=prompts_fingerprint(eval_prompts),
+                   schedule_sha256=sparsity_fingerprint(sparsity))
+
+
 def read_metrics(run_dir: str | Path) -> tuple[list[dict], dict]:
     path = Path(run_dir) / "metrics.parquet"
     return read_artifact(path, "metrics").to_pylist(), artifact_metadata(path)
 
 
-__all__ = ["PromptRow", "TrainConfig", "Trainer", "load_prompts", "read_metrics"]
+__all__ = ["PromptRow", "TrainConfig", "Trainer", "check_run_dir", "load_prompts", "read_metrics",
+           "with_fingerprints"]
