@@ -1,0 +1,202 @@
+"""Issue 26, items 3 and 4: `sparrow train --resume` continues only the same run (options and the content
+of its prompts and schedule; only --steps may change), and an interrupted run is resumable: a checkpoint
+at the last complete step, after which `--resume` reaches bit for bit the metrics and weights of a run
+that was never interrupted (CPU, fp32). Everything through the CLI, as a user runs it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from test_train import TIMING, VOWELS, tiny_llama  # noqa: F401 - tiny_llama is a fixture
+from typer.testing import CliRunner
+
+from sparrow.cli.app import app
+from sparrow.schemas import read_artifact, write_artifact
+from sparrow.stages.model.loading import load_model
+from sparrow.stages.tasks import TASKS
+from sparrow.stages.train import Trainer
+
+from cli_checks import error_line
+
+runner = CliRunner()
+
+
+def metrics(run) -> list[dict]:
+    return [{k: v for k, v in r.items() if k not in TIMING}
+            for r in read_artifact(run / "metrics.parquet", "metrics").to_pylist()]
+
+
+def adapter(run) -> dict[str, torch.Tensor]:
+    return load_file(str(run / "adapter" / "adapter_model.safetensors"))
+
+
+def digest(path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_llama, tmp_path_factory):  # noqa: F811 - the imported fixture
+    """Vowel prompts for the tiny model, the CLI arguments of a 3-step run, and that run done straight."""
+    patch = pytest.MonkeyPatch()
+    patch.setitem(TASKS, "vowels", VOWELS)
+    root = tmp_path_factory.mktemp("resume")
+    tok = load_model(tiny_llama[0]).tokenizer
+    rows = [{"prompt_id": f"vowels-{i}", "task": "vowels", "prompt": None,
+             "prompt_token_ids": tok(f"Write the number {i * 37}. " * 6).input_ids, "answer": str(i * 37),
+             "metadata": None} for i in range(6)]
+    prompts = write_artifact(rows, root / "prompts.parquet", "prompts")
+
+    def args(run, *extra: str, prompts_path=prompts) -> list[str]:
+        return ["train", "--model", tiny_llama[0], "--prompts", str(prompts_path), "--eval-prompts",
+                str(prompts), "--steps", "3", "--prompts-per-step", "2", "--samples", "2", "--max-new-tokens",
+                "6", "--lora-rank", "2", "--lr", "0.05", "--budget", "48", "--eval-every", "2",
+                "-o", str(run), *extra]
+
+    straight = root / "straight"
+    r = runner.invoke(app, args(straight))
+    assert r.exit_code == 0, r.output
+    yield {"root": root, "prompts": prompts, "rows": rows, "args": args, "straight": straight}
+    patch.undo()
+
+
+def interrupt_at(monkeypatch, step: int) -> None:
+    """KeyboardInterrupt while step `step` rolls out (nothing of it applied yet)."""
+    experience = Trainer.experience
+
+    def interrupted(self, s):
+        if s == step:
+            raise KeyboardInterrupt
+        return experience(self, s)
+
+    monkeypatch.setattr(Trainer, "experience", interrupted)
+
+
+# ---------------------------------------------------------------- 3. resume checks what the run read
+
+def test_resume_with_other_prompts_is_refused_naming_them(setup, tmp_path):
+    run = tmp_path / "run"
+    assert runner.invoke(app, setup["args"](run, "--steps", "1")).exit_code == 0
+    before = digest(run / "metrics.parquet")
+    other = write_artifact(setup["rows"][:4], tmp_path / "other.parquet", "prompts")
+    line = error_line(runner.invoke(app, setup["args"](run, "--resume", prompts_path=other)))
+    assert f"--resume: {run} was trained on other prompts than --prompts holds" in line
+    assert "only --steps may change on resume" in line
+    line = error_line(runner.invoke(app, [*setup["args"](run, "--resume"), "--lr", "0.1"]))
+    assert "was trained with --lr 0.05, not 0.1" in line
+    line = error_line(runner.invoke(app, [*setup["args"](run, "--resume"), "--budget", "64"]))
+    assert "--budget/--schedule/--dense 'budget:48', not 'budget:64'" in line
+    assert digest(run / "metrics.parquet") == before and len(metrics(run)) == 1
+    same = tmp_path / "same.parquet"  # the same prompts at another path: the same run
+    same.write_bytes(setup["prompts"].read_bytes())
+    r = runner.invoke(app, setup["args"](run, "--resume", "--steps", "2", prompts_path=same))
+    assert r.exit_code == 0, r.output
+    assert len(metrics(run)) == 2
+
+
+def test_resume_with_other_eval_prompts_or_schedule_content_is_refused(setup, tmp_path):
+    schedule = tmp_path / "schedule.parquet"
+
+    def plan(budget: int) -> None:
+        write_artifact({"bin": [0], "bin_start": [0], "bin_end": [None], "budget": [budget], "tail": [None],
+                        "predicted_step_seconds": [None]}, schedule, "schedule", {"page_size": 16})
+
+    plan(48)
+    run = tmp_path / "run"
+    base = [a for a in setup["args"](run, "--steps", "1") if a not in ("--budget", "48")]
+    assert runner.invoke(app, [*base, "--schedule", str(schedule)]).exit_code == 0, "first run"
+    plan(64)  # the same path, other budgets
+    line = error_line(runner.invoke(app, [*base, "--schedule", str(schedule), "--resume"]))
+    assert "was trained with another schedule than --schedule holds (its budgets differ)" in line
+    plan(48)
+    held = write_artifact(setup["rows"][:2], tmp_path / "held.parquet", "prompts")
+    i = base.index("--eval-prompts")
+    line = error_line(runner.invoke(app, [*base[:i + 1], str(held), *base[i + 2:], "--schedule",
+                                          str(schedule), "--resume"]))
+    assert "was trained on other held-out prompts than --eval-prompts holds" in line
+
+
+def test_a_checkpoint_without_recorded_prompts_is_refused_then_forced(setup, tmp_path):
+    run = tmp_path / "run"
+    assert runner.invoke(app, setup["args"](run, "--steps", "1")).exit_code == 0
+    config = run / "checkpoint" / "config.json"
+    saved = json.loads(config.read_text())
+    for key in ("prompts_sha256", "eval_prompts_sha256", "schedule_sha256"):
+        del saved[key]  # as an older Sparrow wrote it
+    config.write_text(json.dumps(saved))
+    line = error_line(runner.invoke(app, setup["args"](run, "--resume")))
+    assert "was written by a Sparrow that did not record its prompts" in line and "--force" in line
+    r = runner.invoke(app, setup["args"](run, "--force"))
+    assert r.exit_code == 0, r.output
+    assert metrics(run) == metrics(setup["straight"])
+
+
+# ---------------------------------------------------------------- 4. an interrupt is not a dead end
+
+def test_an_interrupted_run_resumes_to_the_uninterrupted_one(setup, tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    with monkeypatch.context() as m:
+        interrupt_at(m, 2)
+        r = runner.invoke(app, setup["args"](run))
+    assert r.exit_code == 130
+    said = " ".join(r.stderr.split())
+    assert f"interrupted; {run}/checkpoint holds the 2 complete steps of 3; add --resume" in said
+    assert json.loads((run / "checkpoint" / "progress.json").read_text())["step"] == 2
+    assert len(metrics(run)) == 2 and metrics(run) == metrics(setup["straight"])[:2]
+    steps = sorted(p.name for p in (run / "mismatch").iterdir())
+    assert steps == ["step=00000.parquet", "step=00001.parquet"]
+    line = error_line(runner.invoke(app, setup["args"](run)))  # a fresh run over it says what to do
+    assert "already holds a run (2 logged steps, a checkpoint at step 2); pass --resume to continue it, " \
+           "--force to start it over" in line
+    r = runner.invoke(app, setup["args"](run, "--resume"))
+    assert r.exit_code == 0, r.output
+    assert metrics(run) == metrics(setup["straight"])
+    a, b = adapter(run), adapter(setup["straight"])
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_sigint_during_an_update_waits_for_the_step_to_end(setup, tmp_path, monkeypatch):
+    """A real SIGINT while step 1's weights change: the step finishes, its checkpoint is written, and the
+    resumed run is the uninterrupted one."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's own, whatever ran us
+    update = Trainer._update
+
+    def update_with_sigint(self, *a, **k):
+        if self.step == 1:
+            os.kill(os.getpid(), signal.SIGINT)
+        return update(self, *a, **k)
+
+    run = tmp_path / "run"
+    try:
+        with monkeypatch.context() as m:
+            m.setattr(Trainer, "_update", update_with_sigint)
+            r = runner.invoke(app, setup["args"](run))
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert r.exit_code == 130, r.output
+    assert json.loads((run / "checkpoint" / "progress.json").read_text())["step"] == 2
+    assert metrics(run) == metrics(setup["straight"])[:2]
+    r = runner.invoke(app, setup["args"](run, "--resume"))
+    assert r.exit_code == 0, r.output
+    assert metrics(run) == metrics(setup["straight"])
+    a, b = adapter(run), adapter(setup["straight"])
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_force_starts_an_interrupted_run_over(setup, tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    with monkeypatch.context() as m:
+        interrupt_at(m, 1)
+        assert runner.invoke(app, setup["args"](run)).exit_code == 130
+    (run / "notes.txt").write_text("mine")
+    r = runner.invoke(app, setup["args"](run, "--force"))
+    assert r.exit_code == 0, r.output
+    assert metrics(run) == metrics(setup["straight"]) and (run / "notes.txt").read_text() == "mine"
+    line = error_line(runner.invoke(app, setup["args"](run, "--force", "--resume")))
+    assert "pass --resume (continue the run) or --force (start it over), not both" in line
