@@ -51,6 +51,8 @@ def friendly_errors(fn: Callable) -> Callable:
             said = escape(str(e.args[0])) if e.args else "nothing half-written was left behind"
             console.print(f"[yellow]interrupted; {said}[/]", highlight=False)
             sys.exit(130)
+        finally:
+            _stdout["taken"] = False  # per command (several run in one process under tests)
 
     return wrapper
 

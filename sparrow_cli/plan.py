@@ -115,6 +115,8 @@ def plan_schedule(
         raise UsageError(f"--export must be one of {', '.join(EXPORTS)}, got {export!r}")
     if export_to is not None and export is None:
         raise UsageError("--export-to needs --export json or --export sglang-vortex")
+    if export_to is not None and str(export_to) == "-":
+        export_to = None  # stdout is where --export prints anyway
     check_output(output, "schedule", force)
     if export is not None and export_to is None and output is not None and str(output) == "-":
         raise UsageError("--export without --export-to prints to stdout, which -o - takes; give --export-to")
