@@ -171,6 +171,42 @@ def test_a_text_file_is_not_replaced_without_force(tmp_path):
     assert artifact_kind(notes) == "prompts"
 
 
+@pytest.mark.parametrize("cmd", [["plan-schedule", "--model", "qwen3-4b", "-o"],
+                                 ["fit-cost", "--model", "qwen3-4b", "--hardware", "h100", "-o"],
+                                 ["plan-schedule", "--model", "qwen3-4b", "--export", "json", "--export-to"]])
+def test_every_writer_follows_the_rule(tmp_path, cmd):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes\n")
+    line = error_line(runner.invoke(app, [*cmd, str(notes)]))
+    assert "notes.txt exists and" in line and "pass --force to replace it" in line
+    assert notes.read_text() == "my notes\n"
+    assert runner.invoke(app, [*cmd, str(notes), "--force"]).exit_code == 0
+    again = runner.invoke(app, [*cmd, str(notes)])  # now of its own kind: replaced without --force
+    assert again.exit_code == 0, again.output
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path / "target")
+    assert runner.invoke(app, [*cmd, str(link)]).exit_code == 0
+    assert link.is_symlink() and (tmp_path / "target").read_bytes() == notes.read_bytes()
+
+
+def test_report_writes_into_a_foreign_folder_only_when_forced(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    schedule = {"bin": [0], "bin_start": [0], "bin_end": [None], "budget": [64], "tail": [0.9],
+                "predicted_step_seconds": [None]}
+    write_artifact(schedule, run / "schedule.parquet", "schedule", {"page_size": 16})
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "thesis.tex").write_text("...")
+    line = error_line(runner.invoke(app, ["report", str(run), "-o", str(mine)]))
+    assert "is not a Sparrow report folder; pass --force" in line
+    assert sorted(os.listdir(mine)) == ["thesis.tex"]
+    r = runner.invoke(app, ["report", str(run), "-o", str(mine), "--force"])
+    assert r.exit_code == 0, r.output
+    assert (mine / "thesis.tex").read_text() == "..." and (mine / "index.html").exists()
+    assert runner.invoke(app, ["report", str(run), "-o", str(mine)]).exit_code == 0  # now a report folder
+
+
 def test_an_artifact_of_another_kind_is_refused_before_any_work(tmp_path, no_work):
     prompts = token_prompts(tmp_path / "p.parquet")
     before = digest(prompts)
