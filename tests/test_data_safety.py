@@ -98,11 +98,10 @@ def test_dash_in_a_shell_pipe_gives_the_parquet_bytes(tmp_path):
     """The issue's command: `sparrow prompts ... -o - | wc -c` counts the Parquet file's bytes."""
     env = {**os.environ, "PATH": f"{SPARROW.parent}:/usr/bin:/bin"}
     cmd = " ".join(PROMPTS)
-    counted = subprocess.run(f"sparrow {cmd} -o - | wc -c", shell=True, capture_output=True, text=True,
-                             env=env, cwd=tmp_path, timeout=300)
-    saved = subprocess.run(f"sparrow {cmd} -o - > saved.parquet", shell=True, capture_output=True, text=True,
-                           env=env, cwd=tmp_path, timeout=300)
-    assert counted.returncode == 0 and saved.returncode == 0, counted.stderr + saved.stderr
+    counted = subprocess.run(f"set -o pipefail; sparrow {cmd} -o - | tee saved.parquet | wc -c", shell=True,
+                             executable="/bin/bash", capture_output=True, text=True, env=env, cwd=tmp_path,
+                             timeout=300)
+    assert counted.returncode == 0, counted.stderr
     assert int(counted.stdout) == (tmp_path / "saved.parquet").stat().st_size > 0
     assert read_artifact(tmp_path / "saved.parquet", "prompts").num_rows == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["saved.parquet"]
