@@ -147,7 +147,7 @@ def _score_hidden(model: Transformer, hidden: dict, gen_tok: Tensor, g: Tensor, 
         ld = logprobs(hidden[None])
         pd = ld.exp()
         logp_dense[sl] = ld.gather(-1, tgt).squeeze(-1).cpu()
-        entropy[sl] = -(pd * ld).sum(-1).clamp_min(0).cpu()
+        entropy[sl] = (-(pd * ld).sum(-1)).clamp_min(0).cpu()
         for k in budgets:
             ls = logprobs(hidden[k])
             sparse[k][0][sl] = torch.minimum(pd, ls.exp()).sum(-1).clamp(0, 1).cpu()

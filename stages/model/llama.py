@@ -120,7 +120,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         dtype = x.dtype
-        x = x.float()
+        x = x.to(torch.promote_types(dtype, torch.float32))  # fp32 at least (float64 stays float64)
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
 
@@ -245,10 +245,11 @@ class Transformer(nn.Module):
         return self.norm(x)
 
     def logits(self, hidden: Tensor) -> Tensor:
-        """Final hidden states [..., hidden] -> logits [..., vocab] in fp32 (see the module docstring)."""
+        """Final hidden states [..., hidden] -> logits [..., vocab] in fp32, or in the weights' dtype when
+        that is wider (a test's float64 model); see the module docstring."""
         weight = self.lm_head.weight
-        if weight.dtype == torch.float32:
-            return self.lm_head(hidden.float())  # the module: the CPU engine's packed product applies
+        if weight.dtype not in (torch.bfloat16, torch.float16):
+            return self.lm_head(hidden)  # the module: the CPU engine's packed product applies
         if weight.device.type == "cuda":
             return fp32_product(hidden, weight)
         if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
