@@ -22,7 +22,7 @@ from sparrow.cli.app import app
 from sparrow.schemas import artifact_metadata, read_artifact
 from sparrow.stages.attention import SparseAttention
 from sparrow.stages.mismatch import decode_budgets, score_sequences
-from sparrow.stages.model.config import ModelSpecError
+from sparrow.stages.model.config import ModelConfig, ModelSpecError
 from sparrow.stages.model.loading import load_model, resolve_config
 from sparrow.stages.sparsity import budget_fn
 from sparrow.stages.train.adapter import add_lora
@@ -279,6 +279,8 @@ def test_rope_scaling_matches_transformers(case, tmp_path):
     assert gap < 1e-4, case
     assert (plain[:, 200:] - want[:, 200:]).abs().max() > max(1e-3, 10 * gap), case  # scaling matters there
     assert resolve_config(str(tmp_path)) == ours.config
+    assert ModelConfig.from_dict(ours.config.to_dict()) == ours.config
+    assert ModelConfig.from_hf(ours.config.to_hf()) == ours.config
 
 
 def _plain_copy(path):
@@ -355,3 +357,55 @@ def test_profile_random_weights(prompts_file, tmp_path):
                             "--dtype", "fp8", "-o", str(tmp_path / "x.parquet")])
     assert "--dtype must be one of" in error_line(r)
 
+
+
+def test_gguf_rope_scaling_is_refused(tmp_path):
+    """A GGUF whose metadata asks for rope scaling is refused in one sentence before any weights load."""
+    import gguf
+
+    path = tmp_path / "scaled.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for key, value in (("block_count", 2), ("embedding_length", 64), ("feed_forward_length", 96),
+                       ("attention.head_count", 4), ("context_length", 512)):
+        writer.add_uint32(f"llama.{key}", value)
+    writer.add_uint32("llama.vocab_size", VOCAB)
+    writer.add_string("llama.rope.scaling.type", "yarn")
+    writer.add_float32("llama.rope.scaling.factor", 4.0)
+    writer.add_tensor("token_embd.weight", np.zeros((VOCAB, 64), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelSpecError, match=r"scaled\.gguf: GGUF rope scaling 'yarn' is not supported"):
+        resolve_config(str(path))
+
+
+@pytest.mark.parametrize("objective", ["kl", "k3"])
+def test_distill_step_with_gradient_checkpointing_equals_without(tmp_path, objective):
+    """The distiller's actor forward (shared prompt pass, block top-k completions, LoRA) recomputed per
+    layer in backward gives the plain step's loss and LoRA gradients bit for bit."""
+    from sparrow.stages.distill import DistillConfig, Distiller
+    from sparrow.stages.trajectories import Trajectory
+
+    _save_tiny(transformers.LlamaConfig, tmp_path)
+    g = torch.Generator().manual_seed(2)
+    prompt = torch.randint(3, VOCAB, (90,), generator=g).tolist()
+    trajs = [Trajectory("p", i, prompt, torch.randint(3, VOCAB, (n,), generator=g).tolist())
+             for i, n in enumerate((14, 6, 20))]
+    runs = []
+    for on in (False, True):
+        loaded = load_model(str(tmp_path))
+        cfg = DistillConfig(lora_rank=2, lora_alpha=4.0, objective=objective, gradient_checkpointing=on,
+                            dense_layers=(0,))  # of the 2 layers, the second is sparse
+        distiller = Distiller(loaded, trajs, budget_fn(48), cfg)
+        with torch.no_grad():
+            for name, p in loaded.model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.3, generator=torch.Generator().manual_seed(len(name)))
+        assert loaded.model.gradient_checkpointing is on
+        loaded.model.train()
+        loss = distiller.step_loss([0, 1, 2], 40)
+        runs.append((loss, _grads(loaded.model)))
+    (la, ga), (lb, gb) = runs
+    assert la == lb and la > 0 and ga.keys() == gb.keys() and ga
+    assert all(torch.equal(ga[k], gb[k]) for k in ga)

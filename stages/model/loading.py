@@ -62,7 +62,7 @@ def resolve_config(spec: str) -> ModelConfig:
 
         from .gguf_loader import gguf_config
 
-        return gguf_config(gguf.GGUFReader(str(path)))
+        return gguf_config(gguf.GGUFReader(str(path)), str(path))
     raise _unknown(spec)
 
 
