@@ -67,7 +67,7 @@ def over_chunks(fn: Callable[..., tuple[Tensor, ...]], *rows: Tensor | None,
     n = next(r for r in rows if r is not None).shape[0]
     grad = torch.is_grad_enabled()
     parts: list[tuple[Tensor, ...]] = []
-    for lo in range(0, n, chunk):
+    for lo in range(0, max(n, 1), chunk):  # no rows: one call on the empty slices
         args = [None if r is None else r[lo:lo + chunk] for r in rows]
         out = checkpoint(fn, *args, use_reentrant=False) if grad else fn(*args)
         parts.append(out if isinstance(out, tuple) else (out,))

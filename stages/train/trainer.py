@@ -13,9 +13,11 @@ One step, for P prompts x K samples:
    vetoes (`grpo.rollout_correction`);
 5. update: PPO-clipped loss on the new dense logprobs against the old ones, token mean over the batch,
    optional k3 KL to the reference policy, micro-batches with gradient accumulation, clipping, AdamW;
-   with `gradient_checkpointing` (verl's enable_gradient_checkpointing; on by default on CUDA) each
-   decoder layer is recomputed in the backward pass. Scoring and the update compute the vocabulary-sized
-   quantities in chunks of positions (`policy`), so a 32K-token sequence never holds its [T, V] logits.
+   with `gradient_checkpointing` (verl's enable_gradient_checkpointing; the CLI turns it on with
+   --device cuda) each decoder layer is recomputed in the backward pass; memory then grows with
+   micro_batch x sequence length x hidden size x layers (the layers' saved inputs). Scoring and the
+   update compute the vocabulary-sized quantities in chunks of positions (`policy`), so a 32K-token
+   sequence never holds its [T, V] logits.
 With `distill_sparse` (DistillSparse, `distill.JointSparseActor`), step 1 samples with the learner plus a
 second, sparse-actor-only adapter, and after step 5, the learner frozen, that adapter takes its own step
 (PPO on the actor's logprobs plus the published k3 term toward the dense logprobs of step 3); the
