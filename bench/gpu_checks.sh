@@ -5,7 +5,7 @@
 # on Qwen3-4B shapes with random bf16 weights. Each step runs under its own time limit and goes on
 # after a failure; logs go to $OUT (default bench/results/gpu), a summary is printed last.
 #
-#   bash bench/gpu_checks.sh [all|tests|engine|kernels|rollout|profile|train] [extra args for bench/rollout.py]
+#   bash bench/gpu_checks.sh [all|tests|engine|kernels|rollout|profile|train|learner] [extra args for bench/rollout.py]
 set -u
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -70,6 +70,17 @@ if [[ $WHAT == train ]]; then  # a few GRPO steps on random Qwen3 weights: the G
             --random-weights --device cuda --prompts "${TRAIN_PROMPTS:-.gputmp/qwen_prompts.parquet}" \
             --steps 3 --prompts-per-step 4 --samples 8 --max-new-tokens 128 $mode -o "$(mktemp -d)/run"
     done
+fi
+if [[ $WHAT == scale || $WHAT == learner ]]; then  # issue 24, the learner's side, Qwen3-4B shapes, random bf16
+    LONG=$OUT/long_rollouts.parquet  # four random 32K-token trajectories (1K prompt + 31K generated)
+    $PY bench/learner_scale.py rollouts --model qwen3-4b --trajectories 4 --length 32768 --output "$LONG"
+    step profile-32k 590 $PY -c "from sparrow.cli.app import main; main()" profile --device cuda \
+        --model qwen3-4b --random-weights --rollouts "$LONG" --budgets 1024,2048,3072,4096 --bin-width 2000 \
+        -o "$OUT/profile-32k.parquet"
+    step score-32k 590 $PY bench/learner_scale.py score --model qwen3-4b --device cuda --trajectories 4 \
+        --length 32768 --budgets 1024,2048,3072,4096  # the same scoring, with its peak memory
+    step update-16k 590 $PY bench/learner_scale.py update --model qwen3-4b --device cuda --prompts 2 \
+        --samples 4 --prompt-tokens 1024 --new-tokens 16384 --micro-batch 1
 fi
 if [[ $WHAT == profile ]]; then  # not in "all": a breakdown to read, not a check
     for budget in ${PROFILE_BUDGETS:-2048 0}; do

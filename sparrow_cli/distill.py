@@ -123,6 +123,10 @@ def distill(
                                          help="Weight each training budget by 1 / the objective the actor "
                                          "starts with at it, so that near-dense budgets, whose loss starts "
                                          "small, are not traded for aggressive ones."),
+    gradient_checkpointing: bool = typer.Option(None, "--gradient-checkpointing/--no-gradient-checkpointing",
+                                                help="Recompute each decoder layer of the actor's forward in "
+                                                "the backward pass (less memory, more compute); default: on "
+                                                "when the model is on a CUDA device, off on the CPU."),
     samples: int = typer.Option(4, "--samples", help="Trajectories per prompt (--prompts, --eval-prompts)."),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens"),
     temperature: float = typer.Option(None, "--temperature", help="Sampling temperature (default 1, or what "
@@ -193,6 +197,8 @@ def distill(
     for prompt_set in prompt_sets.values():
         prompt_set.check_fits(*fits)  # before any weights load
     loaded = load_model(model)
+    cfg.gradient_checkpointing = (loaded.model.embed_tokens.weight.is_cuda if gradient_checkpointing is None
+                                  else gradient_checkpointing)
     sampling = dict(samples=samples, max_new_tokens=max_new_tokens, temperature=cfg.temperature)
 
     def prompt_tokens(path: Path):

@@ -75,7 +75,12 @@ def profile(
     adapter: Path = typer.Option(None, "--adapter", help="The sparse actor's LoRA (sparrow distill): every "
                                  "budget is scored as sparse attention + this adapter against the dense "
                                  "model without it, and a sparse --sampler samples with it."),
-    device: str = typer.Option("cpu", "--device"),
+    device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
+    dtype: str = typer.Option("auto", "--dtype", help="Weights and KV cache: auto (bfloat16 on cuda, float32 "
+                              "on cpu), float32 or bfloat16; the scores are fp32 either way (fp32 head)."),
+    random_weights: bool = typer.Option(False, "--random-weights", help="Random weights for a shapes-only "
+                                        "preset such as qwen3-4b (to time the scoring and measure its "
+                                        "memory, not mismatch)."),
     workers: int = typer.Option(0, "--workers", help="Ray workers, each a process with the model loaded "
                                 "once, sharing the prompts (or trajectories) by index (0 = this process). "
                                 "-o is then a directory of one Parquet part per worker."),
@@ -89,7 +94,14 @@ def profile(
     score every generated token under dense attention and under each budget (teacher forced): one row
     per token per budget."""
     from sparrow.schemas import write_artifact
-    from sparrow.stages.model.loading import load_model, model_name, resolve_config, spec_tokenizer
+    from sparrow.stages.model.loading import (
+        DTYPES,
+        load_model,
+        model_name,
+        resolve_config,
+        resolve_dtype,
+        spec_tokenizer,
+    )
     from sparrow.stages.profile import ProfileOptions, profile_trajectories, run_profile, summarize
     from sparrow.stages.prompt_set import PromptSet
     from sparrow.stages.schedule import Schedule
@@ -107,14 +119,21 @@ def profile(
         opts.validate()
     except ValueError as e:
         raise UsageError(str(e)) from None
+    if device not in ("cpu", "cuda"):
+        raise UsageError(f"--device must be cpu or cuda, got {device!r}")
+    if dtype not in DTYPES:
+        raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    torch_dtype = resolve_dtype(dtype, device)
     check_workers(workers, ray_address, output)
     check_output(output, "mismatch", force, parts=bool(workers))
     cfg = resolve_config(model)
     opts.adapter = load_actor(adapter, cfg)  # before any weights load
-    actor = {"adapter": str(adapter)} if adapter is not None else {}
+    weights = {"random_weights": random_weights, "dtype": str(torch_dtype).removeprefix("torch.")}
+    recorded = ({"adapter": str(adapter)} if adapter is not None else {}) | {"dtype": weights["dtype"]} | (
+        {"random_weights": True} if random_weights else {})
     # with workers, this process only tokenizes: the weights load in the workers
     load = ((lambda: _TokenizerOnly(spec_tokenizer(model))) if workers
-            else (lambda: load_model(model, device=device)))
+            else (lambda: load_model(model, device=device, dtype=torch_dtype, random_weights=random_weights)))
     if rollouts is not None:
         refuse_sampling_flags(ctx, rollouts)
         given = read_rollouts(rollouts)
@@ -127,11 +146,11 @@ def profile(
         if given.temperature is None and temperature is None:
             console.print(f"{rollouts} records no sampling temperature; alpha is measured at temperature 1 "
                           "(--temperature sets another)")
-        meta = opts.metadata(sampled=False) | {"rollouts": str(rollouts)} | actor | (
+        meta = opts.metadata(sampled=False) | {"rollouts": str(rollouts)} | recorded | (
             {"sampler": given.sampler} if given.sampler else {})
         if workers:
             table = _profile_on_ray(model, trajectories, opts, False, workers, ray_address, device, output,
-                                    meta | {"model": model_name(model)})
+                                    meta | {"model": model_name(model)}, weights)
         else:
             table = with_progress(lambda progress: profile_trajectories(loaded, trajectories, opts, progress))
     else:
@@ -144,10 +163,10 @@ def profile(
             prompt_set.tokenize(loaded.tokenizer)
             prompt_set.check_fits(cfg.vocab_size, cfg.max_position_embeddings, max_new_tokens)
         ids, tokens = prompt_set.ids, prompt_set.tokens
-        meta = opts.metadata() | {"prompts": str(prompts)} | actor
+        meta = opts.metadata() | {"prompts": str(prompts)} | recorded
         if workers:
             table = _profile_on_ray(model, list(zip(ids, tokens)), opts, True, workers, ray_address, device,
-                                    output, meta | {"model": model_name(model)})
+                                    output, meta | {"model": model_name(model)}, weights)
         else:
             table = with_progress(lambda progress: run_profile(loaded, ids, tokens, opts, progress))
     if not workers:
@@ -183,7 +202,7 @@ class _TokenizerOnly:
 
 
 def _profile_on_ray(model: str, items: list, opts, sample: bool, workers: int, address: str | None,
-                    device: str, output: Path, meta: dict) -> pa.Table:
+                    device: str, output: Path, meta: dict, weights: dict) -> pa.Table:
     """The profile of `items` (prompts to sample, or trajectories) on Ray workers, written as one
     mismatch part per shard; returns all rows."""
     import pyarrow as pa
@@ -194,7 +213,7 @@ def _profile_on_ray(model: str, items: list, opts, sample: bool, workers: int, a
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, transient=True) as bar:
         task = bar.add_task(f"profile on {workers} Ray workers (shards)", total=workers)
-        pool = RolloutPool(model, workers, address=address, device=device)
+        pool = RolloutPool(model, workers, address=address, device=device, **weights)
         try:
             results = pool.map("profile", items, opts, sample, on_shard=lambda r: bar.advance(task))
         finally:

@@ -78,6 +78,10 @@ def train(
                                "CUDA graphs)."),
     random_weights: bool = typer.Option(False, "--random-weights", help="Random weights for a shapes-only "
                                         "preset such as qwen3-0.6b (to time the GPU path)."),
+    gradient_checkpointing: bool = typer.Option(None, "--gradient-checkpointing/--no-gradient-checkpointing",
+                                                help="Recompute each decoder layer in the update's backward "
+                                                "pass (less memory, more compute); default: on with "
+                                                "--device cuda, off on the CPU."),
     workers: int = typer.Option(0, "--workers", help="Roll out on N Ray workers (each loads the model once; "
                                 "the weights are pushed to them before every step's rollout)."),
     ray_address: str = typer.Option(None, "--ray-address", help="An existing Ray cluster for --workers "
@@ -112,6 +116,8 @@ def train(
                       kl_coef=kl_coef, seed=seed, micro_batch=micro_batch, ppo_epochs=ppo_epochs,
                       checkpoint_every=checkpoint_every, eval_every=eval_every, bin_width=bin_width,
                       sparsity=spec, device=device, random_weights=random_weights,
+                      gradient_checkpointing=(device == "cuda" if gradient_checkpointing is None
+                                              else gradient_checkpointing),
                       loss={} if loss_agg == "token-mean" else {"loss_agg": loss_agg},
                       distill_sparse=distill_sparse, distill_rank=distill_rank, distill_alpha=distill_alpha,
                       distill_lr_ratio=distill_lr_ratio, distill_kl_coef=distill_kl_coef)

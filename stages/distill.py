@@ -39,8 +39,13 @@ the embeddings in the models here and not adapted), and AdamW updates only the L
 with the adapter (its keys/values recorded, gradients flowing into it) and the group's completions on
 top of it with block top-k attention (`SharedPromptSparse`: the same rule, each query selecting its own
 pages), and compares the actor's next-token distribution at every generated position with the dense
-policy's, computed once per trajectory with the adapter disabled (kept in memory when it fits, else
-recomputed). Objectives, token mean over the step's generated positions, at the sampling temperature:
+policy's. The dense side is computed once per trajectory with the adapter disabled and kept in memory
+when it fits (else recomputed): for `kl` the dense final hidden states [T, hidden] (the head is not
+adapted, so the dense logits are recomputed from them chunk by chunk), for `k3` the sampled tokens'
+dense logprobs [T]. Both distributions are formed `model.head.POSITION_CHUNK` positions at a time, the
+actor's under activation checkpointing, so no [T, V] tensor is ever whole; `gradient_checkpointing`
+also recomputes each decoder layer of the actor's forward in the backward pass.
+Objectives, token mean over the step's generated positions, at the sampling temperature:
 - `kl`: KL(dense || actor) = sum_v p_dense(v) (log p_dense(v) - log p_actor(v)), over the full
   vocabulary at every position. 1 - alpha is the total variation distance, which Pinsker's inequality
   bounds by sqrt(KL / 2), so this is the quantity that lifts the tail of alpha directly.
@@ -73,6 +78,7 @@ from sparrow.schemas import write_artifact
 
 from .attention import DEFAULT_DENSE_LAYERS, PAGE_SIZE, SparseAttention
 from .mismatch import decode_budgets, pad_right
+from .model.head import POSITION_CHUNK, over_chunks, token_scores
 from .model.llama import AttentionContext, Transformer
 from .model.loading import LoadedModel
 from .profile import ProfileOptions, profile_trajectories, summarize
@@ -80,7 +86,7 @@ from .rollout.lora import LoraWeights
 from .sparsity import BudgetFn
 from .train.adapter import add_lora, load_lora_state, lora_state, save_adapter
 from .train.objective import k3
-from .train.policy import RecordingAttention, completion_hidden
+from .train.policy import RecordingAttention, completion_hidden, completion_mask
 from .train.trainer import adapters_disabled
 from .trajectories import Trajectory
 
@@ -106,6 +112,7 @@ class DistillConfig:
     page_size: int = PAGE_SIZE
     dense_cache_gib: float = 2.0  # keep the dense targets in memory up to this size, else recompute
     balance_budgets: bool = True  # weight each budget by 1 / its starting objective (module docstring)
+    gradient_checkpointing: bool = False  # recompute each decoder layer in the backward pass
 
     def validate(self) -> DistillConfig:
         if self.objective not in OBJECTIVES:
@@ -136,6 +143,27 @@ def token_losses(objective: str, dense_logp: Tensor, actor_logp: Tensor, targets
 def k3_from_sampled(dense_tok: Tensor, actor_tok: Tensor) -> Tensor:
     """k3 from the sampled tokens' logprobs alone (what `token_losses` computes for k3)."""
     return k3(dense_tok - actor_tok)
+
+
+def kl_terms(model: Transformer, dense_hidden: Tensor, actor_hidden: Tensor, temperature: float,
+             chunk: int = POSITION_CHUNK) -> Tensor:
+    """[T] KL(dense || actor) per position from the two final hidden states [T, H] (the dense one without
+    gradient), `token_losses("kl")` over chunks of positions."""
+    temp = temperature if temperature > 0 else 1.0
+
+    def terms(dense_h: Tensor, actor_h: Tensor) -> Tensor:
+        actor = torch.log_softmax(model.logits(actor_h) / temp, -1)
+        with torch.no_grad():
+            dense = torch.log_softmax(model.logits(dense_h) / temp, -1)
+        return (dense.exp() * (dense - actor)).sum(-1)
+
+    return over_chunks(terms, dense_hidden.detach(), actor_hidden, chunk=chunk)[0]
+
+
+def sampled_logprobs(model: Transformer, hidden: Tensor, tokens: Sequence[int], temperature: float) -> Tensor:
+    """[T] logprobs of `tokens` from the final hidden states [T, H], over chunks of positions."""
+    targets = torch.tensor(list(tokens), device=hidden.device)
+    return token_scores(model.logits, hidden, targets, temperature, entropy=False).logp
 
 
 # ---------------------------------------------------------------------------- the actor's forward
@@ -188,10 +216,6 @@ def actor_hidden(model: Transformer, prompt: Sequence[int], completions: Sequenc
     return torch.cat([first, rest], dim=1)
 
 
-def log_probs(model: Transformer, hidden: Tensor, temperature: float) -> Tensor:
-    return torch.log_softmax(model.lm_head(hidden).float() / (temperature if temperature > 0 else 1.0), -1)
-
-
 # ---------------------------------------------------------------------------- training
 
 
@@ -221,13 +245,15 @@ class Distiller:
         self.on_step = on_step or (lambda row: None)
         torch.manual_seed(cfg.seed)
         self.lora_config = add_lora(self.model, cfg.lora_rank, cfg.lora_alpha)
+        self.model.gradient_checkpointing = cfg.gradient_checkpointing
         if init is not None:
             load_lora_state(self.model, init)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=0.0)
         tokens = sum(len(t.completion) for t in self.trajectories)
-        width = self.model.cfg.vocab_size if cfg.objective == "kl" else 1
-        self._cache_dense = tokens * width * 4 <= cfg.dense_cache_gib * 2**30
+        weight = self.model.embed_tokens.weight
+        per_token = self.model.cfg.hidden_size * weight.element_size() if cfg.objective == "kl" else 4
+        self._cache_dense = tokens * per_token <= cfg.dense_cache_gib * 2**30
         self._dense: dict[int, Tensor] = {}
         self.weights = [1.0] * len(self.budget_fns)
         if cfg.balance_budgets and len(self.budget_fns) > 1:
@@ -245,8 +271,9 @@ class Distiller:
 
     @torch.no_grad()
     def dense_targets(self, idx: Sequence[int]) -> list[Tensor]:
-        """The dense policy's log-probabilities at each generated position ([T, V] for kl, the sampled
-        tokens' [T] for k3), computed with the adapter disabled."""
+        """The dense policy at each generated position, computed with the adapter disabled: its final
+        hidden states [T, H] for kl (the dense logits are `model.logits` of them), the sampled tokens'
+        logprobs [T] for k3."""
         missing = [i for i in idx if i not in self._dense]
         if missing:
             trajs = [self.trajectories[i] for i in missing]
@@ -255,10 +282,10 @@ class Distiller:
                 hidden = completion_hidden(self.model, [t.prompt for t in trajs],
                                            [t.completion for t in trajs])
             for row, (i, t) in enumerate(zip(missing, trajs)):
-                lp = log_probs(self.model, hidden[row, : len(t.completion)], self.cfg.temperature)
+                h = hidden[row, : len(t.completion)].clone()
                 if self.cfg.objective == "k3":
-                    lp = lp.gather(-1, torch.tensor(t.completion, device=lp.device)[:, None]).squeeze(-1)
-                self._dense[i] = lp
+                    h = sampled_logprobs(self.model, h, t.completion, self.cfg.temperature)
+                self._dense[i] = h
         out = [self._dense[i] for i in idx]
         if not self._cache_dense:
             self._dense.clear()
@@ -296,12 +323,11 @@ class Distiller:
                               self.cfg.dense_layers, self.cfg.page_size)
         loss = hidden.new_zeros((), dtype=torch.float32)
         for row, ((_, j), c, d) in enumerate(zip(pairs, comps, dense)):
-            actor = log_probs(self.model, hidden[row, : len(c)], self.cfg.temperature)
-            targets = torch.tensor(c, device=actor.device)
+            actor = hidden[row, : len(c)]
             if self.cfg.objective == "k3":
-                terms = k3_from_sampled(d, actor.gather(-1, targets[:, None]).squeeze(-1))
+                terms = k3_from_sampled(d, sampled_logprobs(self.model, actor, c, self.cfg.temperature))
             else:
-                terms = token_losses("kl", d, actor, targets)
+                terms = kl_terms(self.model, d, actor, self.cfg.temperature)
             loss = loss + terms.sum() * self.weights[j]
         return loss
 
@@ -420,8 +446,12 @@ class JointSparseActor:
             for prompt, idx in groups.items():
                 comps = [completions[i].token_ids for i in idx]
                 hidden = actor_hidden(self.model, prompt, comps, self.budget_at, self.dense_layers, self.page)
-                lp = log_probs(self.model, hidden, self.temperature)
-                logp = lp.gather(-1, pad_right(comps, lp.device)[..., None]).squeeze(-1)  # [K, T]
+                mask = completion_mask([len(c) for c in comps], hidden.device)  # [K, T]
+                rows, cols = mask.nonzero(as_tuple=True)
+                targets = pad_right(comps, hidden.device)[rows, cols]
+                lp = token_scores(self.model.logits, hidden[rows, cols], targets, self.temperature,
+                                  entropy=False).logp
+                logp = hidden.new_zeros(mask.shape, dtype=lp.dtype).index_put((rows, cols), lp)  # [K, T]
                 t, sel = logp.shape[1], torch.tensor(idx)
                 loss, part = policy_loss(logp, old["logp_rollout"][sel, :t], advantages[sel],
                                          torch.ones_like(logp), old["mask"][sel, :t], cfg,
@@ -510,5 +540,5 @@ def save_result(distiller: Distiller, result: DistillResult, folder: str | os.Pa
 
 
 __all__ = ["OBJECTIVES", "DistillConfig", "DistillResult", "Distiller", "JointSparseActor",
-           "SharedPromptSparse",
-           "actor_hidden", "evaluate", "run_distill", "save_result", "tail_comparison", "token_losses"]
+           "SharedPromptSparse", "actor_hidden", "evaluate", "kl_terms", "run_distill", "sampled_logprobs",
+           "save_result", "tail_comparison", "token_losses"]

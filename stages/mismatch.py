@@ -3,9 +3,12 @@
 A batch of sequences is scored by one dense prefill of the prompts (prefill is dense in every mode),
 then one pass over the completions per attention mode (dense, and each budget) on top of the shared
 prompt KV; in a sparse pass every generated position selects its own pages from its own prefix (see
-`attention.SparseAttention`), which reproduces incremental sparse decoding exactly. The
-vocabulary-sized work (softmax, alpha, entropy) runs over chunks of positions so memory stays
-bounded for 8K-token sequences. Alpha and the logprobs use the sampling temperature (1 for greedy).
+`attention.SparseAttention`), which reproduces incremental sparse decoding exactly. Only the final
+hidden states of each mode are kept ([tokens, hidden] per mode); the vocabulary-sized work (the fp32
+head, softmax, alpha, entropy) runs over chunks of `vocab_chunk` positions, so no [T, V] tensor exists
+and a 32K-token sequence of a 152K vocabulary holds a few [1024, V] fp32 tensors at a time. The
+attention masks of the completion passes are bounded the same way (`llama.masked_attention`,
+`SparseAttention`'s query chunks). Alpha and the logprobs use the sampling temperature (1 for greedy).
 The tokens come from elsewhere: the rollout engine (`stages.rollout`) or any other sampler; the
 reference generator `stages.generate` is a test oracle only.
 
@@ -26,9 +29,14 @@ import torch
 from torch import Tensor
 
 from .attention import DEFAULT_DENSE_LAYERS, PAGE_SIZE, SparseAttention
+from .model.head import POSITION_CHUNK
 from .model.llama import Attention, KVCache, Transformer
 from .rollout.lora import LoraWeights, lora_merged
 from .sparsity import BudgetFn
+
+# the sparse passes' query chunks: [B, Hq, chunk, S] masks of at most 32 Mi elements on a CPU, 256 Mi on
+# CUDA (a 32K-token sequence of 32 query heads then takes chunks of 250 queries, not 31)
+SPARSE_CHUNK_ELEMENTS = {False: 1 << 25, True: 1 << 28}
 
 
 def decode_budgets(positions: Tensor, prompt_lens: Tensor, budget_at: BudgetFn | None) -> Tensor:
@@ -63,7 +71,7 @@ class ScoredTokens:
 def score_sequences(model: Transformer, prompts: Sequence[Sequence[int]],
                     completions: Sequence[Sequence[int]], budgets: Sequence[int | BudgetFn],
                     temperature: float = 1.0, dense_layers: Sequence[int] = DEFAULT_DENSE_LAYERS,
-                    page: int = PAGE_SIZE, vocab_chunk: int = 1024,
+                    page: int = PAGE_SIZE, vocab_chunk: int = POSITION_CHUNK,
                     actor: LoraWeights | None = None) -> ScoredTokens:
     """Teacher-forced dense and sparse scoring of every completion token.
 
@@ -111,7 +119,8 @@ def score_sequences(model: Transformer, prompts: Sequence[Sequence[int]],
             last_prompt_h = prefill()  # the actor's own prompt KV (prefill runs with its LoRA too)
         for budget in budgets:
             budget_at = budget if callable(budget) else (lambda _, b_=int(budget): b_)
-            attention = SparseAttention(decode_budgets(gen_pos, n, budget_at), dense_layers, page)
+            attention = SparseAttention(decode_budgets(gen_pos, n, budget_at), dense_layers, page,
+                                        chunk_elements=SPARSE_CHUNK_ELEMENTS[device.type == "cuda"])
             hidden[budget] = completion_hidden(last_prompt_h, attention)
     return _score_hidden(model, hidden, gen_tok, g, n, budgets, temperature, vocab_chunk)
 
@@ -133,12 +142,12 @@ def _score_hidden(model: Transformer, hidden: dict, gen_tok: Tensor, g: Tensor, 
         tgt = targets[sl, None]
 
         def logprobs(h: Tensor, sl: slice = sl) -> Tensor:
-            return torch.log_softmax(model.lm_head(h[seq_idx[sl], tok_idx[sl]]).float() / temp, -1)
+            return torch.log_softmax(model.logits(h[seq_idx[sl], tok_idx[sl]]) / temp, -1)
 
         ld = logprobs(hidden[None])
         pd = ld.exp()
         logp_dense[sl] = ld.gather(-1, tgt).squeeze(-1).cpu()
-        entropy[sl] = -(pd * ld).sum(-1).clamp_min(0).cpu()
+        entropy[sl] = (-(pd * ld).sum(-1)).clamp_min(0).cpu()
         for k in budgets:
             ls = logprobs(hidden[k])
             sparse[k][0][sl] = torch.minimum(pd, ls.exp()).sum(-1).clamp(0, 1).cpu()

@@ -2,11 +2,12 @@
 
 fp32 keeps the exact contracts (test_rollout.py: greedy tokens equal transformers, logprobs equal
 teacher-forced scoring within 1e-4). In bf16 the incremental decode and teacher-forced scoring round
-differently (other GEMM shapes, a cascade split of the softmax), so:
-- dense: the engine's logprobs are within 0.5 nats of teacher-forced bf16 scoring at every token and
-  0.05 on average, and as close to fp32 scoring (the bf16 logprob gap we report);
+differently (other GEMM shapes, a cascade split of the softmax); the head is fp32 in both (the model's
+`logits`: no bf16 rounding of the logits), so:
+- dense: the engine's logprobs are within 0.3 nats of teacher-forced bf16 scoring at every token and
+  0.04 on average, and as close to fp32 scoring (the bf16 logprob gap we report);
 - sparse: a rounding difference can flip a near-tie in page selection, after which a token attends to
-  other pages, so single tokens may differ by nats; the median stays within 0.05 and the mean within 0.3.
+  other pages, so single tokens may differ by nats; the median stays within 0.03 and the mean within 0.15.
 Reference: `score_sequences` (teacher forced, plain SDPA over a contiguous cache, no paging).
 """
 
@@ -43,14 +44,14 @@ def test_bf16_dense_logprobs_within_the_stated_tolerance(smollm2, smollm2_bf16):
     prompt = make_prompts("kv_lookup", 1, 0, smollm2.tokenizer, context_tokens=600)[0]["prompt_token_ids"]
     to_bf16 = _gaps(smollm2_bf16.model, smollm2_bf16.model, prompt, None)
     to_fp32 = _gaps(smollm2_bf16.model, smollm2.model, prompt, None)
-    assert to_bf16.max() < 0.5 and to_bf16.mean() < 0.05
-    assert to_fp32.max() < 0.5 and to_fp32.mean() < 0.05
+    assert to_bf16.max() < 0.3 and to_bf16.mean() < 0.04
+    assert to_fp32.max() < 0.3 and to_fp32.mean() < 0.04
 
 
 def test_bf16_sparse_logprobs_within_the_stated_tolerance(smollm2, smollm2_bf16):
     prompt = make_prompts("kv_lookup", 1, 0, smollm2.tokenizer, context_tokens=600)[0]["prompt_token_ids"]
     gaps = _gaps(smollm2_bf16.model, smollm2_bf16.model, prompt, 96)
-    assert np.median(gaps) < 0.05 and gaps.mean() < 0.3
+    assert np.median(gaps) < 0.03 and gaps.mean() < 0.15
 
 
 def test_packed_linears_follow_the_weights():

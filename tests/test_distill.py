@@ -23,7 +23,7 @@ from typer.testing import CliRunner
 from sparrow.cli.app import app
 from sparrow.schemas import artifact_metadata, read_artifact, write_artifact
 from sparrow.stages.attention import SparseAttention
-from sparrow.stages.distill import DistillConfig, Distiller, actor_hidden, log_probs, token_losses
+from sparrow.stages.distill import DistillConfig, Distiller, actor_hidden, sampled_logprobs, token_losses
 from sparrow.stages.mismatch import decode_budgets, score_sequences
 from sparrow.stages.model.llama import ours_to_hf
 from sparrow.stages.model.loading import load_model
@@ -140,15 +140,16 @@ def test_training_forward_equals_scoring_and_the_learner_never_sees_the_adapter(
         hidden = actor_hidden(loaded.model, prompt, comps, budget_at)
     with adapters_disabled(loaded.model):
         scored = score_sequences(loaded.model, [prompt] * 3, comps, [budget_at], actor=distiller.lora())
-    got = np.concatenate([log_probs(loaded.model, hidden[i, : len(c)], 1.0)
-                          .gather(-1, torch.tensor(c)[:, None]).squeeze(-1).numpy()
-                          for i, c in enumerate(comps)])
+    with torch.no_grad():
+        got = np.concatenate([sampled_logprobs(loaded.model, hidden[i, : len(c)], c, 1.0).numpy()
+                              for i, c in enumerate(comps)])
     assert np.abs(got - scored.sparse[budget_at][1]).max() < 1e-4
-    dense = distiller.dense_targets([0, 1, 2])  # [T, V] each, the kl objective's targets
+    dense = distiller.dense_targets([0, 1, 2])  # [T, H] each: the kl objective's dense hidden states
     for c, d in zip(comps, dense):
         with torch.no_grad():
             want = torch.log_softmax(hf(torch.tensor([prompt + c])).logits[0, len(prompt) - 1: -1], -1)
-        assert (d - want).abs().max() < 1e-4
+            got = torch.log_softmax(loaded.model.logits(d), -1)
+        assert (got - want).abs().max() < 1e-4
 
 
 # ---------------------------------------------------------------------------- the objectives

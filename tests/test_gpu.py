@@ -86,3 +86,46 @@ def test_cuda_graph_engine_logprobs_equal_teacher_forced(tiny_qwen3, sparsity, d
     print(f"max |engine - teacher forced| logprob, {dtype}, {sparsity}: {max(gaps):.2e}")
     assert max(gaps) <= tol
     assert engine.blocks.used == 0
+
+
+def test_fp32_head_and_the_chunked_learner_on_cuda(tiny_qwen3):
+    """bf16 weights on CUDA: the head's logits are the fp32 accumulation of the bf16 products (the float64
+    product within fp32 rounding, far finer than bf16's), its gradient is the bf16 product's; the learner's
+    logprobs over chunks of 3 positions equal one chunk, and per-layer checkpointing leaves the logprobs
+    and the gradient of a LoRA as they are (within bf16 rounding)."""
+    from sparrow.stages.train.adapter import add_lora
+    from sparrow.stages.train.policy import completion_logprobs
+
+    model = load_model(tiny_qwen3[1], device="cuda", dtype=torch.bfloat16).model
+    w = model.lm_head.weight
+    h = torch.randn(7, w.shape[1], device="cuda", generator=torch.Generator("cuda").manual_seed(0)).bfloat16()
+    want = h.double() @ w.double().T
+    got = model.logits(h.requires_grad_())
+    assert got.dtype == torch.float32 and (got.double() - want).abs().max() < 1e-5 * want.abs().max()
+    got.sum().backward()
+    grad_want = torch.ones(7, w.shape[0], device="cuda").double() @ w.double()
+    assert (h.grad.double() - grad_want).abs().max() < 1e-2 * grad_want.abs().max()
+
+    prompts = _prompts((90, 90, 90, 40))
+    comps = _prompts((12, 5, 17, 9), seed=2)
+    with torch.no_grad():
+        one = completion_logprobs(model, prompts, comps, 1.0, chunk=1024)
+        three = completion_logprobs(model, prompts, comps, 1.0, chunk=3)
+    assert (one.logp - three.logp).abs().max() < 1e-4 and (one.entropy - three.entropy).abs().max() < 1e-3
+    torch.manual_seed(0)
+    add_lora(model, rank=2, alpha=4.0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    runs = []
+    for on in (False, True):
+        model.gradient_checkpointing = on
+        model.zero_grad(set_to_none=True)
+        logp = completion_logprobs(model, prompts, comps, 1.0, chunk=3, entropy=False).logp
+        logp.sum().backward()
+        runs.append((logp.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+    (a, ga), (b, gb) = runs
+    assert (a - b).abs().max() < 1e-3 and ga.keys() == gb.keys() and ga
+    for name in ga:
+        assert (ga[name].float() - gb[name].float()).abs().max() <= 2e-2 * ga[name].float().abs().max() + 1e-6

@@ -2,6 +2,12 @@
 
 The same `ModelConfig` drives the decoder, the cost model and the planner, so a preset without
 weights (qwen3-14b on a laptop) is still a complete description of the shapes that matter.
+
+A checkpoint's `rope_scaling` (or transformers 5's `rope_parameters`) is read, never ignored: the types
+whose frequencies are a fixed function of the position, which Qwen3 (yarn) and Llama-3 (llama3)
+checkpoints use, plus linear, become a `RopeScaling` that the decoder's rotary tables apply exactly as
+transformers does; any other type (dynamic NTK, whose frequencies change with the current sequence
+length, longrope, ...) is refused with one sentence naming the checkpoint and the type.
 """
 
 from __future__ import annotations
@@ -20,6 +26,61 @@ class ModelSpecError(ValueError):
     """A --model argument that names nothing we can load."""
 
 
+ROPE_TYPES = ("linear", "llama3", "yarn")
+ROPE_KEYS = {"linear": ("factor",),
+             "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+             "yarn": ()}  # yarn: factor or original_max_position_embeddings, checked below
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """A supported rope_scaling of a checkpoint, in transformers' names (None where not given)."""
+
+    rope_type: str  # linear | llama3 | yarn
+    factor: float | None = None
+    original_max_position_embeddings: int | None = None
+    low_freq_factor: float | None = None  # llama3
+    high_freq_factor: float | None = None  # llama3
+    beta_fast: float | None = None  # yarn (default 32)
+    beta_slow: float | None = None  # yarn (default 1)
+    attention_factor: float | None = None  # yarn (default from factor, mscale, mscale_all_dim)
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True  # yarn
+
+    @classmethod
+    def from_hf(cls, hf: dict, source: str) -> RopeScaling | None:
+        """From a config.json's `rope_scaling` (or `rope_parameters`); None for plain RoPE."""
+        params = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+        kind = params.get("rope_type") or params.get("type") or "default"
+        partial = params.get("partial_rotary_factor") or hf.get("partial_rotary_factor") or 1.0
+        if partial != 1.0:
+            raise ModelSpecError(f"{source}: partial_rotary_factor {partial} is not supported (the decoder "
+                                 "rotates the whole head)")
+        if kind == "default":
+            return None
+        if kind not in ROPE_TYPES:
+            raise ModelSpecError(f"{source}: rope_scaling type {kind!r} is not supported (supported: "
+                                 f"{', '.join(ROPE_TYPES)}), so this checkpoint cannot be run correctly")
+        given = {f: params[f] for f in cls.__dataclass_fields__
+                 if f != "rope_type" and params.get(f) is not None}
+        if kind in ("llama3", "yarn"):  # as transformers: a top-level value wins, then the context
+            given["original_max_position_embeddings"] = int(
+                hf.get("original_max_position_embeddings") or given.get("original_max_position_embeddings")
+                or hf.get("max_position_embeddings", 8192))
+        if kind == "yarn" and "factor" not in given:  # transformers: the ratio of the two context lengths
+            given["factor"] = (hf.get("max_position_embeddings", 8192)
+                               / given["original_max_position_embeddings"])
+        missing = [k for k in ROPE_KEYS[kind] if k not in given]
+        if missing:
+            raise ModelSpecError(f"{source}: rope_scaling of type {kind!r} has no {missing[0]}")
+        return cls(rope_type=kind, **given)
+
+    def to_hf(self) -> dict:
+        return {"rope_type": self.rope_type, **{k: v for k, v in asdict(self).items()
+                                                if k != "rope_type" and v is not None}}
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     arch: str  # llama | qwen2 (qkv bias) | qwen3 (per-head q/k RMSNorm)
@@ -36,6 +97,7 @@ class ModelConfig:
     max_position_embeddings: int = 8192
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    rope_scaling: RopeScaling | None = None
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHITECTURES:
@@ -83,11 +145,15 @@ class ModelConfig:
     def from_dict(cls, d: dict) -> ModelConfig:
         d = dict(d)
         d["eos_token_ids"] = tuple(d.get("eos_token_ids") or ())
+        if d.get("rope_scaling") is not None:
+            d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
         return cls(**d)
 
     @classmethod
-    def from_hf(cls, hf: dict) -> ModelConfig:
-        """From a Hugging Face config.json dictionary."""
+    def from_hf(cls, hf: dict, source: str = "config.json",
+                generation: dict | None = None) -> ModelConfig:
+        """From a Hugging Face config.json dictionary (`source` names it in errors) and, when the
+        checkpoint has one, its generation_config.json: the EOS ids are the union of both files'."""
         model_type = hf.get("model_type", "llama")
         if model_type not in ARCHITECTURES:
             raise ValueError(
@@ -95,8 +161,8 @@ class ModelConfig:
             )
         if model_type == "llama" and hf.get("attention_bias"):
             raise ValueError("Llama checkpoints with attention_bias are not supported")
-        eos = hf.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        eos = _ids(hf.get("eos_token_id")) + _ids((generation or {}).get("eos_token_id"))
+        eos_ids = tuple(dict.fromkeys(eos))  # the union, config.json's first
         num_heads = hf["num_attention_heads"]
         rope_theta = hf.get("rope_theta")
         if rope_theta is None:
@@ -116,6 +182,7 @@ class ModelConfig:
             max_position_embeddings=hf.get("max_position_embeddings", 8192),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            rope_scaling=RopeScaling.from_hf(hf, source),
         )
 
     def to_hf(self) -> dict:
@@ -146,4 +213,13 @@ class ModelConfig:
             hf["eos_token_id"] = (
                 self.eos_token_ids[0] if len(self.eos_token_ids) == 1 else list(self.eos_token_ids)
             )
+        if self.rope_scaling is not None:
+            hf["rope_scaling"] = self.rope_scaling.to_hf()
         return hf
+
+
+def _ids(value) -> tuple[int, ...]:
+    """An eos_token_id field (an int, a list of ints or absent) as a tuple."""
+    if value is None:
+        return ()
+    return tuple(int(v) for v in value) if isinstance(value, list) else (int(value),)

@@ -2,6 +2,9 @@
 
 llama.cpp's converter permutes the rows of Llama's q/k projections to its interleaved RoPE layout;
 we undo that permutation so the weights use the half-rotation layout of Hugging Face (and ours).
+RoPE scaling in a GGUF (a `rope.scaling.type` other than none, or Llama-3's precomputed `rope_freqs`
+tensor) is refused in one sentence rather than ignored: load such a model from its Hugging Face
+checkpoint, whose rope_scaling is supported.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .config import ModelConfig
+from .config import ModelConfig, ModelSpecError
 
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
@@ -34,13 +37,18 @@ def _field(reader, key: str, default=None):
     return default if f is None else f.contents()
 
 
-def gguf_config(reader) -> ModelConfig:
+def gguf_config(reader, source: str = "the GGUF file") -> ModelConfig:
     arch = _field(reader, "general.architecture")
     if arch not in ("llama", "qwen2", "qwen3"):
         raise ValueError(f"GGUF architecture {arch!r} is not supported (llama, qwen2, qwen3)")
     heads = int(_field(reader, f"{arch}.attention.head_count"))
     hidden = int(_field(reader, f"{arch}.embedding_length"))
     names = {t.name for t in reader.tensors}
+    scaling = _field(reader, f"{arch}.rope.scaling.type", "none")
+    if scaling != "none" or "rope_freqs.weight" in names:
+        kind = scaling if scaling != "none" else "rope_freqs (Llama-3)"
+        raise ModelSpecError(f"{source}: GGUF rope scaling {kind!r} is not supported; load the model from "
+                             "its Hugging Face checkpoint directory instead")
     vocab = _field(reader, f"{arch}.vocab_size") or len(_field(reader, "tokenizer.ggml.tokens"))
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
     bos = _field(reader, "tokenizer.ggml.bos_token_id")
@@ -72,7 +80,7 @@ def read_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     import gguf
 
     reader = gguf.GGUFReader(str(path))
-    cfg = gguf_config(reader)
+    cfg = gguf_config(reader, str(path))
     state: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
         w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)

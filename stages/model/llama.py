@@ -6,6 +6,17 @@ block top-k sparse decode and teacher-forced sparse scoring are all such objects
 never changes when the attention does. Positions are cache slots: token i of a sequence lives in
 slot i of its KV cache and gets RoPE position i, so pages are aligned to positions by construction.
 Parameter names follow Hugging Face's with the `model.` prefix dropped (see `hf_to_ours`).
+
+The head: `Transformer.logits` is the one way from final hidden states to logits, and they are fp32
+whatever the weights' dtype. With bf16 weights the product accumulates in fp32 and is not rounded to
+bf16 afterwards (on CUDA cuBLAS's fp32 output, `head.fp32_product`; on a CPU an fp32 copy of the head's
+weight), so the engine, the learner and teacher-forced scoring differ only by summation order, not by a
+bf16 rounding of every logit that depends on the GEMM's shape.
+
+`gradient_checkpointing` (off by default; the learner turns it on) recomputes each decoder layer in the
+backward pass (`torch.utils.checkpoint`, non-reentrant): a differentiable forward then keeps one
+[B, T, hidden] input per layer instead of every intermediate. It acts only where gradients are
+recorded, so inference paths are unchanged.
 """
 
 from __future__ import annotations
@@ -16,8 +27,13 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from .config import ModelConfig
+from .head import fp32_product
+from .rope import rope_tables
+
+MASK_ELEMENTS = 1 << 26  # a masked attention call keeps its [B, queries, keys] mask below this
 
 
 @dataclass
@@ -69,9 +85,23 @@ class DenseAttention:
         if ctx.starts_at_zero and q.shape[2] == keys.shape[2]:
             # Whole sequences (or prefill into an empty cache): plain causal, no [T, S] mask.
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        key_pos = torch.arange(keys.shape[2], device=q.device)
-        mask = key_pos[None, None, None, :] <= ctx.positions[:, None, :, None]  # [B, 1, T, S]
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+        return masked_attention(q, keys, values, ctx.positions)
+
+
+def masked_attention(q: Tensor, keys: Tensor, values: Tensor, positions: Tensor,
+                     max_elements: int = MASK_ELEMENTS) -> Tensor:
+    """Queries q [B, Hq, T, D] at `positions` [B, T] attending to the keys [B, Hkv, S, D] of slots
+    0..position, in chunks of queries whose [B, 1, chunk, S] masks stay under `max_elements`."""
+    b, t, s = q.shape[0], q.shape[2], keys.shape[2]
+    chunk = max(1, min(t, max_elements // max(b * s, 1)))
+    key_pos = torch.arange(s, device=q.device)
+    out = []
+    for lo in range(0, t, chunk):
+        pos = positions[:, lo:lo + chunk]
+        mask = key_pos[None, None, None, :] <= pos[:, None, :, None]  # [B, 1, chunk, S]
+        out.append(F.scaled_dot_product_attention(q[:, :, lo:lo + chunk], keys, values, attn_mask=mask,
+                                                  enable_gqa=True))
+    return out[0] if len(out) == 1 else torch.cat(out, dim=2)
 
 
 def cached_kv(layer: int, k: Tensor, v: Tensor, ctx: AttentionContext) -> tuple[Tensor, Tensor]:
@@ -90,16 +120,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         dtype = x.dtype
-        x = x.float()
+        x = x.to(torch.promote_types(dtype, torch.float32))  # fp32 at least (float64 stays float64)
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
-
-
-def rope_tables(head_dim: int, theta: float, max_len: int) -> tuple[Tensor, Tensor]:
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)
-    emb = torch.cat([freqs, freqs], dim=-1)  # [S, D]
-    return emb.cos(), emb.sin()
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -181,9 +204,11 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        cos, sin = rope_tables(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
+        cos, sin = rope_tables(cfg)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        self.gradient_checkpointing = False
+        self._head_fp32: tuple[tuple, Tensor] | None = None  # (weight's identity, its fp32 copy): CPU only
 
     def hidden_states(self, tokens: Tensor, cache: KVCache | None = None,
                       positions: Tensor | None = None, attention: Attention | None = None,
@@ -211,14 +236,40 @@ class Transformer(nn.Module):
         sin = self.rope_sin[positions][:, None].to(self.embed_tokens.weight.dtype)
         attention = attention or DenseAttention()
         x = self.embed_tokens(tokens)
+        recompute = self.gradient_checkpointing and torch.is_grad_enabled()
         for block in self.layers:
-            x = block(x, cos, sin, attention, ctx)
+            if recompute:
+                x = checkpoint(block, x, cos, sin, attention, ctx, use_reentrant=False)
+            else:
+                x = block(x, cos, sin, attention, ctx)
         return self.norm(x)
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """Final hidden states [..., hidden] -> logits [..., vocab] in fp32, or in the weights' dtype when
+        that is wider (a test's float64 model); see the module docstring."""
+        weight = self.lm_head.weight
+        if weight.dtype not in (torch.bfloat16, torch.float16):
+            return self.lm_head(hidden)  # the module: the CPU engine's packed product applies
+        if weight.device.type == "cuda":
+            return fp32_product(hidden, weight)
+        if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+            return F.linear(hidden.float(), weight.float())
+        return F.linear(hidden.float(), self._fp32_head_weight())
+
+    def _fp32_head_weight(self) -> Tensor:
+        """An fp32 copy of a 16-bit head weight on a CPU, made again whenever the weight changed."""
+        weight = self.lm_head.weight
+        key = (weight.data_ptr(), weight._version, weight.dtype)
+        if self._head_fp32 is None or self._head_fp32[0] != key:
+            self._head_fp32 = None
+            with torch.no_grad():
+                self._head_fp32 = (key, weight.float())
+        return self._head_fp32[1]
 
     def forward(self, tokens: Tensor, cache: KVCache | None = None, positions: Tensor | None = None,
                 attention: Attention | None = None) -> Tensor:
         """tokens [B, T] -> logits [B, T, vocab] (float32)."""
-        return self.lm_head(self.hidden_states(tokens, cache, positions, attention)).float()
+        return self.logits(self.hidden_states(tokens, cache, positions, attention))
 
 
 def hf_to_ours(name: str) -> str:

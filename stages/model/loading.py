@@ -23,8 +23,9 @@ from safetensors.torch import load_file, save_file
 from .config import ModelConfig, ModelSpecError
 from .gguf_loader import read_gguf
 from .home import sparrow_home
-from .llama import Transformer, hf_to_ours, ours_to_hf, rope_tables
+from .llama import Transformer, hf_to_ours, ours_to_hf
 from .presets import PRESETS, get_preset
+from .rope import rope_tables
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -55,14 +56,30 @@ def resolve_config(spec: str) -> ModelConfig:
         cfg_file = path / "config.json"
         if not cfg_file.exists():
             raise ModelSpecError(f"model directory {path} has no config.json")
-        return ModelConfig.from_hf(json.loads(cfg_file.read_text()))
+        return ModelConfig.from_hf(_read_json(cfg_file), str(cfg_file), _generation_config(path))
     if path.suffix == ".gguf" and path.is_file():
         import gguf
 
         from .gguf_loader import gguf_config
 
-        return gguf_config(gguf.GGUFReader(str(path)))
+        return gguf_config(gguf.GGUFReader(str(path)), str(path))
     raise _unknown(spec)
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ModelSpecError(f"{path} is not readable JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ModelSpecError(f"{path} holds a JSON {type(data).__name__}, not an object")
+    return data
+
+
+def _generation_config(path: Path) -> dict | None:
+    """generation_config.json of a checkpoint directory, if it has one (its EOS ids count too)."""
+    file = path / "generation_config.json"
+    return _read_json(file) if file.exists() else None
 
 
 def _unknown(spec: str) -> ModelSpecError:
@@ -139,8 +156,7 @@ def build_model(cfg: ModelConfig, hf_state: dict[str, torch.Tensor]) -> Transfor
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     # buffers built on the meta device hold no values: compute them for real
-    model.rope_cos, model.rope_sin = rope_tables(cfg.head_dim, cfg.rope_theta,
-                                                 cfg.max_position_embeddings)
+    model.rope_cos, model.rope_sin = rope_tables(cfg)
     return model
 
 

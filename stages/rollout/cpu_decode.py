@@ -66,7 +66,9 @@ class FusedCpuDecode:
             x = ops.decode_mlp(x, out.reshape(x.shape[0], -1).contiguous(), o_w, a.o_proj.bias,
                                block.post_attention_layernorm.weight, gate_up_w, down_w, eps)
         x = ops.rms_norm(x, model.norm.weight, model.norm.eps)
-        return dot_product(x, self.lm_head, model.lm_head.bias).float()
+        if x.dtype == torch.float32:  # the packed product is the fp32 head, as the modular step's
+            return dot_product(x, self.lm_head, model.lm_head.bias)
+        return model.logits(x)  # bf16 weights: the model's fp32 head, never rounded to bf16
 
 
 def _stacked_bias(attn) -> Tensor | None:

@@ -303,7 +303,7 @@ class Engine:
         if seqs:
             last = hidden[torch.tensor(fresh, device=dev), torch.tensor([lens[i] - 1 for i in fresh],
                                                                         device=dev)]
-            logits = self.model.lm_head(last).float()  # [fresh, V]
+            logits = self.model.logits(last)  # [fresh, V] fp32
             owner = torch.tensor([j for j, i in enumerate(fresh) for _ in range(batch[i].params.n)],
                                  device=dev)
             self._sample(seqs, logits[owner], [0] * len(seqs))
@@ -442,7 +442,7 @@ class Engine:
               self.layer_ops.active() if self.layer_ops is not None else nullcontext()):
             hidden = self.model.hidden_states(torch.tensor(tokens, device=dev)[:, None],
                                               positions=positions[:, None], attention=attn)
-            return self.model.lm_head(hidden[:, 0]).float()
+            return self.model.logits(hidden[:, 0])
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor, budgets: list[int]) -> None:
         k = max(s.request.params.logprobs for s in seqs)

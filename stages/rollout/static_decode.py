@@ -113,7 +113,7 @@ class StaticDecode:
                                any_sparse=k > 0, max_selected=k or None, workspace=self.workspace)
         hidden = self.model.hidden_states(self.tokens[:n], positions=self.positions[:n], attention=attn,
                                           kv_len=self.max_pages * self.page_size)
-        return self.model.lm_head(hidden[:, 0]).float()
+        return self.model.logits(hidden[:, 0])
 
     def _graph(self, n: int, k: int) -> tuple[torch.cuda.CUDAGraph, Tensor]:
         key = (n, k)

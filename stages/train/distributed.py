@@ -117,7 +117,7 @@ class PolicyLogprobs(nn.Module):
     def forward(self, prompts, completions, temperature: float) -> torch.Tensor:
         from .policy import completion_logprobs
 
-        return completion_logprobs(self.model, prompts, completions, temperature).logp
+        return completion_logprobs(self.model, prompts, completions, temperature, entropy=False).logp
 
 
 def data_parallel(model: nn.Module, world: World) -> nn.Module:

@@ -2,16 +2,28 @@
 
 Each sequence is its prompt followed by its completion; the logits after prefix token j predict token
 j + 1, so completion token 0 is read off the prompt's last position and token i > 0 off completion
-position i - 1. The K samples of a prompt share it, so the prompt runs through the decoder once per
-distinct prompt and its keys/values are attended to by every completion of the group: the work over
-prompts is P x N tokens instead of P x K x N, which is most of a GRPO batch when prompts are long.
-With gradients enabled the gradient flows from every completion into the shared prompt pass (that is
-what a LoRA on every layer needs). The result equals running each prompt + completion as one causal
-sequence, up to float rounding. Logprobs and entropy use the sampling temperature, as the rollout's
-logprobs do; the same forward also gives the dense logprobs of any extra token ids (the engine's top-k
-sparse candidates), which the top-k lower bound of alpha needs. With gradients enabled this is the
-forward of the policy loss; under no_grad it is the "old" (dense recompute) pass. Entropy is a metric,
-never differentiated.
+position i - 1. Two forms of the forward give the same hidden states up to float rounding, and each
+micro-batch takes one of them by a memory rule (`shares_prompts`):
+- shared prompt: the K samples of a prompt share it, so the prompt runs through the decoder once per
+  distinct prompt and every completion of the group attends to its keys/values and causally to itself
+  through a prefix mask of [B, T, N + T] (one tensor for every layer). The work over prompts is P x N
+  tokens instead of P x K x N, most of a GRPO batch when prompts are long and completions short. With
+  gradients enabled the gradient flows from every completion into the shared prompt pass (what a LoRA
+  on every layer needs).
+- plain causal: each row is its prompt + completion as one sequence, right-padded, through SDPA's
+  causal kernel: no mask at all, (K - 1) x N tokens more work.
+The rule: shared when some prompt has more than one completion in the micro-batch and the mask has at
+most PREFIX_MASK_ELEMENTS elements (64 Mi: 64 MiB as bool); otherwise plain causal. So K = 1 never
+builds a mask, and a long sequence never builds an O(T x (N + T)) one (one 16K completion of a 4-sample
+group alone would be 4 x 16K x 16.5K = 1.1 G elements per micro-batch).
+
+The vocabulary-sized work runs over chunks of positions from the hidden states (`model.head`): the
+[T, V] logits are never materialised whole, and under autograd each chunk's logits are recomputed in
+the backward pass. Only real completion positions are scored (padding costs nothing). Logprobs and
+entropy use the sampling temperature, as the rollout's logprobs do; the same pass gives the dense
+logprobs of any extra token ids (the engine's top-k sparse candidates), which the top-k lower bound of
+alpha needs. With gradients enabled this is the forward of the policy loss; under no_grad it is the
+"old" (dense recompute) pass. Entropy is a metric, never differentiated.
 """
 
 from __future__ import annotations
@@ -24,13 +36,16 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..mismatch import pad_right
+from ..model.head import POSITION_CHUNK, token_scores
 from ..model.llama import AttentionContext, DenseAttention, Transformer
+
+PREFIX_MASK_ELEMENTS = 1 << 26
 
 
 @dataclass
 class CompletionScores:
     logp: Tensor  # [B, T] log p(token) of each completion token (0 at padding)
-    entropy: Tensor  # [B, T] entropy of the dense next-token distribution (0 at padding), no grad
+    entropy: Tensor | None  # [B, T] entropy of the dense next-token distribution (0 at padding), no grad
     mask: Tensor  # [B, T] bool, real completion tokens
     extra_logp: Tensor | None  # [B, T, K] dense logprobs of `extra_ids`, when given
 
@@ -42,38 +57,69 @@ def completion_mask(lengths: Sequence[int], device) -> Tensor:
 
 
 class RecordingAttention(DenseAttention):
-    """Dense causal attention over whole sequences that keeps each layer's keys/values."""
+    """Dense causal attention over whole sequences that keeps each layer's keys/values (by layer, so a
+    layer recomputed under activation checkpointing overwrites its own entry)."""
 
     def __init__(self):
-        self.kv: list[tuple[Tensor, Tensor]] = []
+        self.kv: dict[int, tuple[Tensor, Tensor]] = {}
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext) -> Tensor:
-        self.kv.append((k, v))
+        self.kv[layer] = (k, v)
         return super().__call__(layer, q, k, v, ctx)
 
 
 class PrefixAttention:
     """Completions attending to their group's prompt (recorded keys/values, first `prompt_len` valid)
-    and causally to themselves."""
+    and causally to themselves; the [B, 1, T, N + T] mask is built once for every layer."""
 
-    def __init__(self, prefix: list[tuple[Tensor, Tensor]], group: Tensor, prompt_len: Tensor):
+    def __init__(self, prefix: dict[int, tuple[Tensor, Tensor]], group: Tensor, prompt_len: Tensor, t: int):
         self.prefix, self.group = prefix, group  # group [B]: row -> prompt index
         n = prefix[0][0].shape[2]  # longest prompt; prefix_mask [B, N] marks each row's real keys
-        self.prefix_mask = torch.arange(n, device=group.device)[None, :] < prompt_len[group][:, None]
+        prefix_mask = torch.arange(n, device=group.device)[None, :] < prompt_len[group][:, None]
+        causal = torch.ones(t, t, dtype=torch.bool, device=group.device).tril()
+        self.mask = torch.cat([prefix_mask[:, None, :].expand(-1, t, -1),
+                               causal[None].expand(len(group), -1, -1)], dim=2)[:, None]  # [B, 1, T, N + T]
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext) -> Tensor:
         pk, pv = (x.index_select(0, self.group) for x in self.prefix[layer])  # [B, Hkv, N, D]
-        t = q.shape[2]
-        causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
-        mask = torch.cat([self.prefix_mask[:, None, :].expand(-1, t, -1),
-                          causal[None].expand(q.shape[0], -1, -1)], dim=2)  # [B, T, N + T]
         return F.scaled_dot_product_attention(q, torch.cat([pk, k], 2), torch.cat([pv, v], 2),
-                                              attn_mask=mask[:, None], enable_gqa=True)
+                                              attn_mask=self.mask, enable_gqa=True)
+
+
+def shares_prompts(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]]) -> bool:
+    """The memory rule of the module docstring: the shared-prompt pass, or plain causal sequences."""
+    distinct = len({tuple(p) for p in prompts})
+    if distinct == len(prompts):
+        return False
+    t = max(len(c) for c in completions)
+    return len(prompts) * t * (max(len(p) for p in prompts) + t) <= PREFIX_MASK_ELEMENTS
 
 
 def completion_hidden(model: Transformer, prompts: Sequence[Sequence[int]],
-                      completions: Sequence[Sequence[int]]) -> Tensor:
-    """[B, T, hidden]: the normed hidden state that predicts each completion token."""
+                      completions: Sequence[Sequence[int]], shared: bool | None = None) -> Tensor:
+    """[B, T, hidden]: the normed hidden state that predicts each completion token; `shared` forces
+    one form of the forward (default: the memory rule)."""
+    if shared is None:
+        shared = shares_prompts(prompts, completions)
+    if shared:
+        return _shared_prompt_hidden(model, prompts, completions)
+    return _causal_hidden(model, prompts, completions)
+
+
+def _causal_hidden(model: Transformer, prompts: Sequence[Sequence[int]],
+                   completions: Sequence[Sequence[int]]) -> Tensor:
+    """Each prompt + completion (its last token dropped) as one right-padded causal sequence."""
+    device = model.embed_tokens.weight.device
+    rows = [list(p) + list(c[:-1]) for p, c in zip(prompts, completions)]
+    hidden = model.hidden_states(pad_right(rows, device))  # [B, S, H]
+    t = max(len(c) for c in completions)
+    start = torch.tensor([len(p) - 1 for p in prompts], device=device)  # predicts completion token 0
+    index = (start[:, None] + torch.arange(t, device=device)[None, :]).clamp(max=hidden.shape[1] - 1)
+    return hidden.gather(1, index[..., None].expand(-1, -1, hidden.shape[2]))  # [B, T, H]
+
+
+def _shared_prompt_hidden(model: Transformer, prompts: Sequence[Sequence[int]],
+                          completions: Sequence[Sequence[int]]) -> Tensor:
     device = model.embed_tokens.weight.device
     distinct: dict[tuple[int, ...], int] = {}
     group = torch.tensor([distinct.setdefault(tuple(p), len(distinct)) for p in prompts], device=device)
@@ -87,29 +133,32 @@ def completion_hidden(model: Transformer, prompts: Sequence[Sequence[int]],
         return first
     inputs = pad_right([c[:-1] for c in completions], device)  # [B, T-1]
     positions = prompt_len[group][:, None] + torch.arange(t - 1, device=device)[None, :]
-    rest = model.hidden_states(inputs, positions=positions,
-                               attention=PrefixAttention(recorder.kv, group, prompt_len))  # [B, T-1, H]
+    attention = PrefixAttention(recorder.kv, group, prompt_len, t - 1)
+    rest = model.hidden_states(inputs, positions=positions, attention=attention)  # [B, T-1, H]
     return torch.cat([first, rest], dim=1)
 
 
 def completion_logprobs(model: Transformer, prompts: Sequence[Sequence[int]],
                         completions: Sequence[Sequence[int]], temperature: float = 1.0,
-                        extra_ids: Tensor | None = None) -> CompletionScores:
+                        extra_ids: Tensor | None = None, entropy: bool = True,
+                        chunk: int = POSITION_CHUNK, shared: bool | None = None) -> CompletionScores:
     """Dense teacher-forced scores of `completions` [B][T_b] after `prompts` [B][N_b].
 
     `extra_ids` [B, T, K] (padded to the longest completion): token ids whose dense logprobs are also
     returned at each completion position. Temperature <= 0 counts as 1 (greedy rollouts report
-    logprobs at T = 1)."""
+    logprobs at T = 1). `entropy=False` skips the entropy (the update needs only the logprobs);
+    `chunk`: positions per vocabulary-sized chunk; `shared`: see `completion_hidden`."""
     device = model.embed_tokens.weight.device
     mask = completion_mask([len(c) for c in completions], device)  # [B, T]
-    hidden = completion_hidden(model, prompts, completions)
-    logits = model.lm_head(hidden).float() / (temperature if temperature > 0 else 1.0)
-    logp_all = torch.log_softmax(logits, dim=-1)  # [B, T, V]
-    targets = pad_right(completions, device)  # [B, T]
-    logp = logp_all.gather(-1, targets[..., None]).squeeze(-1)
-    with torch.no_grad():
-        entropy = -(logp_all.exp() * logp_all).sum(-1)
-    extra = None if extra_ids is None else logp_all.gather(-1, extra_ids.to(device).long())
-    zero = torch.zeros((), device=device)
-    return CompletionScores(torch.where(mask, logp, zero), torch.where(mask, entropy, zero), mask,
-                            None if extra is None else torch.where(mask[..., None], extra, zero))
+    hidden = completion_hidden(model, prompts, completions, shared)
+    rows, cols = mask.nonzero(as_tuple=True)  # the real completion positions
+    targets = pad_right(completions, device)[rows, cols]
+    extra = None if extra_ids is None else extra_ids.to(device)[rows, cols]
+    scores = token_scores(model.logits, hidden[rows, cols], targets, temperature, extra, entropy, chunk)
+
+    def scatter(values: Tensor) -> Tensor:  # [M, ...] at the real positions -> [B, T, ...], 0 elsewhere
+        out = values.new_zeros((*mask.shape, *values.shape[1:]))
+        return out.index_put((rows, cols), values)
+
+    return CompletionScores(scatter(scores.logp), None if scores.entropy is None else scatter(scores.entropy),
+                            mask, None if scores.extra_logp is None else scatter(scores.extra_logp))

@@ -12,7 +12,12 @@ One step, for P prompts x K samples:
 4. correction on r_t = exp(logp_dense_old - logp_rollout): importance weights, token masks, sequence
    vetoes (`grpo.rollout_correction`);
 5. update: PPO-clipped loss on the new dense logprobs against the old ones, token mean over the batch,
-   optional k3 KL to the reference policy, micro-batches with gradient accumulation, clipping, AdamW.
+   optional k3 KL to the reference policy, micro-batches with gradient accumulation, clipping, AdamW;
+   with `gradient_checkpointing` (verl's enable_gradient_checkpointing; the CLI turns it on with
+   --device cuda) each decoder layer is recomputed in the backward pass; memory then grows with
+   micro_batch x sequence length x hidden size x layers (the layers' saved inputs). Scoring and the
+   update compute the vocabulary-sized quantities in chunks of positions (`policy`), so a 32K-token
+   sequence never holds its [T, V] logits.
 With `distill_sparse` (DistillSparse, `distill.JointSparseActor`), step 1 samples with the learner plus a
 second, sparse-actor-only adapter, and after step 5, the learner frozen, that adapter takes its own step
 (PPO on the actor's logprobs plus the published k3 term toward the dense logprobs of step 3); the
@@ -104,6 +109,7 @@ class TrainConfig:
     sparsity: str = "dense"  # "dense" | "budget:B" | "schedule:<path>", as given
     device: str = "cpu"  # cuda: bf16 weights, the engine's Triton kernels and CUDA graphs
     random_weights: bool = False  # a shapes-only preset with random weights (timing the GPU path)
+    gradient_checkpointing: bool = False  # recompute each layer in the update's backward (CLI: on for cuda)
     loss: dict = field(default_factory=dict)  # grpo.LossConfig overrides
     distill_sparse: bool = False  # DistillSparse: train a sparse-actor-only adapter jointly (stages.distill)
     distill_rank: int = 16
@@ -234,6 +240,7 @@ class Trainer:
             self.lora_config = None
             if config.kl_coef > 0:
                 self.reference = copy.deepcopy(self.model).requires_grad_(False)
+        self.model.gradient_checkpointing = config.gradient_checkpointing
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, weight_decay=0.0)
         self.sparse_actor = None
@@ -436,10 +443,9 @@ class Trainer:
                 "ref": pad(ref) if ref else None}
 
     def _reference_logprobs(self, prompts, comps) -> torch.Tensor:
-        if self.reference is not None:
-            return completion_logprobs(self.reference, prompts, comps, self.cfg.temperature).logp
-        with adapters_disabled(self.model):
-            return completion_logprobs(self.model, prompts, comps, self.cfg.temperature).logp
+        model = self.reference if self.reference is not None else self.model
+        with nullcontext() if self.reference is not None else adapters_disabled(self.model):
+            return completion_logprobs(model, prompts, comps, self.cfg.temperature, entropy=False).logp
 
     def _update(self, flat, advantages: torch.Tensor, old: dict, correction) -> dict:
         """PPO epochs over micro-batches; the loss is the token mean over the whole batch."""
