@@ -10,6 +10,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from sparrow.stages.definitions import PRIOR_THRESHOLD, TAIL_QUANTILE
 
 from .common import UsageError, console, friendly_errors, parse_int_list
+from .engine_options import check_gpu_memory, gpu_memory_option
 from .output import emit, format_option, resolve_format
 from .profile import load_actor, rollouts_temperature
 from .rollout import _sparsity
@@ -114,6 +115,7 @@ def distill(
                                       "--rollouts records); the objectives use it."),
     seed: int = typer.Option(0, "--seed", help="Sampling and batch order; eval trajectories use seed + 1."),
     bin_width: int = typer.Option(512, "--bin-width"),
+    gpu_memory_utilization: float = gpu_memory_option(),
     quantile: float = typer.Option(TAIL_QUANTILE, "--quantile"),
     threshold: float = typer.Option(PRIOR_THRESHOLD, "--threshold"),
     output: Path = typer.Option(..., "-o", "--output", help="The adapter directory to write."),
@@ -146,6 +148,7 @@ def distill(
                         ("--bin-width", bin_width)):
         if value < 1:
             raise UsageError(f"{flag} must be at least 1, got {value}")
+    check_gpu_memory(gpu_memory_utilization)
     if output.exists() and not (output / "adapter_config.json").exists():
         raise UsageError(f"-o {output} exists and is not an adapter directory; choose a new directory")
     sparsity = _sparsity(schedule, budget, False, model)
@@ -175,7 +178,8 @@ def distill(
     for prompt_set in prompt_sets.values():
         prompt_set.check_fits(*fits)  # before any weights load
     loaded = load_model(model)
-    sampling = dict(samples=samples, max_new_tokens=max_new_tokens, temperature=cfg.temperature)
+    sampling = dict(samples=samples, max_new_tokens=max_new_tokens, temperature=cfg.temperature,
+                    gpu_memory_utilization=gpu_memory_utilization)
 
     def prompt_tokens(path: Path):
         prompt_set = prompt_sets[path]

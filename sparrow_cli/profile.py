@@ -20,6 +20,7 @@ from rich.progress import (
 from sparrow.stages.definitions import PRIOR_THRESHOLD, TAIL_QUANTILE
 
 from .common import UsageError, console, friendly_errors, parse_int_list
+from .engine_options import check_gpu_memory, gpu_memory_option
 from .output import emit, format_option, resolve_format
 from .rollout import check_workers
 
@@ -65,6 +66,7 @@ def profile(
                                  "budget is scored as sparse attention + this adapter against the dense "
                                  "model without it, and a sparse --sampler samples with it."),
     device: str = typer.Option("cpu", "--device"),
+    gpu_memory_utilization: float = gpu_memory_option(),
     workers: int = typer.Option(0, "--workers", help="Ray workers, each a process with the model loaded "
                                 "once, sharing the prompts (or trajectories) by index (0 = this process). "
                                 "-o is then a directory of one Parquet part per worker."),
@@ -90,7 +92,8 @@ def profile(
     opts = ProfileOptions(budgets=parse_int_list(budgets, "--budgets"), samples=samples,
                           max_new_tokens=max_new_tokens, sampler=sampler, bin_width=bin_width,
                           temperature=1.0 if temperature is None else temperature, top_p=top_p, seed=seed,
-                          batch_size=batch_size)
+                          batch_size=batch_size,
+                          gpu_memory_utilization=check_gpu_memory(gpu_memory_utilization))
     try:
         opts.validate()
     except ValueError as e:

@@ -9,6 +9,7 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from .common import UsageError, console, friendly_errors
+from .engine_options import check_gpu_memory, gpu_memory_option
 from .output import emit_record, format_option, resolve_format
 from .rollout import _sparsity, check_workers
 
@@ -76,6 +77,7 @@ def train(
                                "CUDA graphs)."),
     random_weights: bool = typer.Option(False, "--random-weights", help="Random weights for a shapes-only "
                                         "preset such as qwen3-0.6b (to time the GPU path)."),
+    gpu_memory_utilization: float = gpu_memory_option(),
     workers: int = typer.Option(0, "--workers", help="Roll out on N Ray workers (each loads the model once; "
                                 "the weights are pushed to them before every step's rollout)."),
     ray_address: str = typer.Option(None, "--ray-address", help="An existing Ray cluster for --workers "
@@ -115,6 +117,7 @@ def train(
         raise UsageError(str(e)) from None
     if device not in ("cpu", "cuda"):
         raise UsageError(f"--device must be cpu or cuda, got {device!r}")
+    check_gpu_memory(gpu_memory_utilization)
     if device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda was given but no CUDA device is available")
     check_workers(workers, ray_address, None)
@@ -128,7 +131,7 @@ def train(
 
             pool = RolloutPool(model, workers, address=ray_address, device=device,
                                random_weights=random_weights)  # seeded: the learner's base weights
-        _run(cfg, model, prompts, eval_prompts, resume, output_dir, fmt, world, pool)
+        _run(cfg, model, prompts, eval_prompts, resume, output_dir, fmt, world, pool, gpu_memory_utilization)
     finally:
         if pool is not None:
             pool.close()
@@ -136,7 +139,7 @@ def train(
 
 
 def _run(cfg, model: str, prompts: Path, eval_prompts: Path | None, resume: bool, output_dir: Path,
-         fmt: str, world: World, pool) -> None:
+         fmt: str, world: World, pool, gpu_memory_utilization: float = 0.9) -> None:
     import torch
 
     from sparrow.stages.model.loading import load_model
@@ -172,7 +175,8 @@ def _run(cfg, model: str, prompts: Path, eval_prompts: Path | None, resume: bool
 
         try:
             trainer = Trainer(cfg, loaded, rows, output_dir, eval_prompts=held_out, resume=resume,
-                              on_step=on_step, on_phase=on_phase, world=world, pool=pool)
+                              on_step=on_step, on_phase=on_phase, world=world, pool=pool,
+                              gpu_memory_utilization=gpu_memory_utilization)
         except ValueError as e:
             raise UsageError(str(e)) from None
         bar.update(task, completed=trainer.step)
