@@ -5,7 +5,13 @@
 # on Qwen3-4B shapes with random bf16 weights. Each step runs under its own time limit and goes on
 # after a failure; logs go to $OUT (default bench/results/gpu), a summary is printed last.
 #
-#   bash bench/gpu_checks.sh [all|tests|engine|kernels|rollout|profile|train] [extra args for bench/rollout.py]
+#   bash bench/gpu_checks.sh [all|tests|engine|kernels|rollout|profile|train|scale] [extra args for bench/rollout.py]
+#
+# `scale` (not in "all"): issue 24's checks at our users' scale, Qwen3-4B shapes with random bf16 weights,
+# each under ten minutes, each printing its seconds and peak CUDA memory (bench/scale_gpu.py): fit-cost
+# over 4-32K contexts, bench/rollout.py at a 32K prompt x 32 samples, bench/step_profile.py at 32K x 8,
+# profiling four 32K-token trajectories at budgets 1024-4096, one GRPO step (LoRA) of 2 prompts x 4
+# samples x 16K new tokens, and several engines built one after another in one process.
 set -u
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -75,6 +81,24 @@ if [[ $WHAT == profile ]]; then  # not in "all": a breakdown to read, not a chec
     for budget in ${PROFILE_BUDGETS:-2048 0}; do
         step "profile-$budget" 200 $PY bench/step_profile.py --budget "$budget"
     done
+fi
+if [[ $WHAT == scale ]]; then
+    SCALE="$PY bench/scale_gpu.py"
+    step scale-fit-cost 600 $SCALE run -- sparrow fit-cost --device cuda --model qwen3-4b --batches 4,8 \
+        --contexts 4096,8192,16384,32768 --budgets dense,1024,2048,4096 -o "$OUT/cost-qwen3-4b.parquet"
+    step scale-rollout 600 $SCALE run -- bench/rollout.py --model qwen3-4b --random-weights --context 32768 \
+        --samples 32 --new-tokens 256 --budget 2048 --no-schedule --no-hf --no-vllm --temperature 1
+    step scale-step-profile 600 $SCALE run -- bench/step_profile.py --model qwen3-4b --context 32768 \
+        --samples 8 --budget 2048
+    step scale-profile 600 $SCALE profile --model qwen3-4b --context 32768 --trajectories 4 \
+        --budgets 1024,2048,4096
+    PROMPTS=${TRAIN_PROMPTS:-$OUT/scale-prompts.parquet}
+    [[ -f $PROMPTS ]] || $PY -c "from sparrow.cli.app import main; main()" prompts --task basic_arithmetic \
+        --n 2 --model qwen3-4b -o "$PROMPTS"
+    step scale-train 600 $SCALE run -- sparrow train --model qwen3-4b --random-weights --device cuda \
+        --prompts "$PROMPTS" --steps 1 --prompts-per-step 2 --samples 4 --max-new-tokens 16384 --ignore-eos \
+        --eval-every 1000 -o "$(mktemp -d)/run"
+    step scale-engines 600 $SCALE engines --model qwen3-4b --context 32768 --samples 8 --engines 4
 fi
 echo "=== summary"
 printf '%s\n' "${SUMMARY[@]}"

@@ -57,8 +57,8 @@ def profile(
     top_p: float = typer.Option(1.0, "--top-p"),
     seed: int = typer.Option(0, "--seed", help="Each sample draws from its own generator seeded from "
                              "(seed, prompt, sample): the same trajectories as sparrow rollout --seed."),
-    batch_size: int = typer.Option(8, "--batch-size", help="Samples decoded together (does not change "
-                                   "the trajectories)."),
+    batch_size: int = typer.Option(8, "--batch-size", help="Samples decoded together (on a CPU, up to "
+                                   "16, it does not change the trajectories)."),
     quantile: float = typer.Option(TAIL_QUANTILE, "--quantile", help="Tail quantile shown in the summary."),
     threshold: float = typer.Option(PRIOR_THRESHOLD, "--threshold",
                                     help="Tail threshold shown in the summary."),

@@ -107,7 +107,7 @@ def rollout(
     kv_pages: int = typer.Option(None, "--kv-pages", help="KV cache pool in pages of 16 tokens (default: "
                                  "room for every sample at full length). A smaller pool allocates pages as "
                                  "samples grow and preempts (then recomputes) the latest sample when full: "
-                                 "same tokens, less memory, some recompute."),
+                                 "less memory, some recompute, and in fp32 the same tokens."),
     lora: Path = typer.Option(None, "--adapter", "--lora", help="A peft LoRA adapter directory (e.g. "
                               "`sparrow train`'s RUN/adapter), merged into the weights."),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda (bf16, Triton kernels, CUDA graphs)."),

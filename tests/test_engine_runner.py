@@ -69,9 +69,10 @@ def _same(a, b, tol=0.0):
 def _drive(requests, max_batch, pool=100_000, page=16, copies=False):
     """Drive the scheduler as the engine drives it, without a model, over `requests` (prompt, n, max_new)
     in a pool of `pool` pages: a prefill allocates each entry's pages, then (cascade) a copy of each
-    fresh prompt's full pages while a page to grow into stays free for each sample that can run; a decode step appends a
-    token to every running sample; finished samples give their pages back, a group's copy goes with its
-    last sample. Returns (the most pages held at once, copies not taken, preemptions)."""
+    fresh prompt's full pages while a page to grow into stays free for each sample that can run; a
+    decode step appends a token to every running sample; finished samples give their pages back, a
+    group's copy goes with its last sample. Returns (the most pages held at once, copies not taken,
+    preemptions)."""
     blocks = BlockManager(pool, page)
     sched = Scheduler(blocks, max_batch, 10**9, lambda src, dst: None)
     for i, (p, n, m) in enumerate(requests):

@@ -85,15 +85,19 @@ class GpuRunner(ModelRunner):
         return None
 
     def refresh_weights(self) -> None:
-        """CUDA graphs read the weights at their addresses: weights updated in place need nothing, but
-        replaced ones (a new tensor) make the graphs stale, so they are captured again."""
+        """CUDA graphs read the weights at their addresses and bake in the Python-level choices of the
+        forward: weights updated in place need nothing, but replaced ones (a new tensor) or another set
+        of active peft adapters make the graphs stale, so they are captured again (checked at the start
+        of every run, and when the engine is told of an update)."""
         stamp = self._weight_stamp()
         if stamp != self._weights and self.static is not None:
             self.static.drop_graphs()
         self._weights = stamp
 
-    def _weight_stamp(self) -> tuple[int, ...]:
-        return tuple(p.data_ptr() for p in self.model.parameters())
+    def _weight_stamp(self) -> tuple:
+        adapters = tuple((tuple(m.active_adapters), bool(m.disable_adapters)) for m in self.model.modules()
+                         if hasattr(m, "active_adapters") and hasattr(m, "disable_adapters"))
+        return tuple(p.data_ptr() for p in self.model.parameters()), adapters
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)

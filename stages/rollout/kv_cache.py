@@ -91,9 +91,10 @@ class PrefixStore:
     """The cascade's prompt copies of one engine run (CPU), by request id.
 
     `take` makes a group's copy at its prefill, in pool pages with consecutive ids, while that leaves each
-    of its samples that can run at once a page to grow into; `release` counts the group's samples out and gives the pages back
-    after the last; `reclaim`, which the scheduler calls before it preempts anyone, gives the newest copy
-    back (its samples then read the same keys through their block tables). The store holds the block
+    of its samples that can run at once a page to grow into; `release` counts the group's samples out
+    and gives the pages back after the last; `reclaim`, which the scheduler calls before it preempts
+    anyone, gives the newest copy back (its samples then read the same keys through their block
+    tables). The store holds the block
     manager and the cache, never the engine, so the scheduler's callback makes no reference cycle."""
 
     def __init__(self, blocks, cache: PagedKVCache, packed: bool):

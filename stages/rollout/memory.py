@@ -3,11 +3,12 @@
 `Workload.pages` is the most pages its requests can hold at once, every sample at full length: a
 request's samples share its full prompt pages (counted once per group, however many samples), each
 running sample owns the rest of its pages (its copy of the prompt's partial page included; the shared
-original stays too while some sample waits for a slot), and at most `max_batch` samples run at once. Pages on demand never need more, so a pool of that size never
-preempts; it is also the cap on a pool sized from memory (the memory of pages nobody would use stays
-free, for the learner in `sparrow train`). With the CPU's cascade attention each group also keeps a
-contiguous copy of its prompt pages in the pool, taken while it leaves each sample a page to grow into
-(engine.py), so those count too.
+original stays too while some sample waits for a slot), and at most `max_batch` samples run at once.
+Pages on demand never need more, so a pool of that size never preempts; it is also the cap on a pool
+sized from memory (the memory of pages nobody would use stays free, for the learner in `sparrow train`).
+With the CPU's cascade attention each group also keeps a contiguous copy of its prompt pages in the
+pool, taken while it leaves each sample that can run a page to grow into (cpu_runner.py), so those count
+too.
 
 `pool_pages` is the CUDA pool as nano-vllm sizes it: after a profiling run (the largest prefill chunk
 at the longest context, and a decode step of the largest batch, whose intermediates the CUDA graphs'

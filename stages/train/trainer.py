@@ -2,8 +2,9 @@
 
 One step, for P prompts x K samples:
 1. rollout: the engine samples with the current weights (a LoRA is injected in place, so there is
-   nothing to reload) under the sparsity spec, returning each token's logprob under the sparse actor
-   and its top-20 logprobs;
+   nothing to reload; one engine serves the run, evaluation included, and is told of every update)
+   under the sparsity spec, returning each token's logprob under the sparse actor and its top-20
+   logprobs;
 2. rewards from the task's scorer, group advantages (r - mean) / (std + eps) per prompt;
 3. scoring: the learner's dense, teacher-forced logprobs of the same tokens with the same weights
    ("old" logprobs, no gradient), which also give the dense probabilities of the actor's top-20 tokens,
