@@ -32,12 +32,13 @@ def friendly_errors(fn: Callable) -> Callable:
     from sparrow.schemas import ArtifactError
     from sparrow.stages.model.config import ModelSpecError
     from sparrow.stages.prompt_set import PromptError
+    from sparrow.stages.rollout.memory import PoolTooSmall
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
-        except (UsageError, ArtifactError, ModelSpecError, PromptError, KeyError) as e:
+        except (UsageError, ArtifactError, ModelSpecError, PromptError, PoolTooSmall, KeyError) as e:
             fail(str(e.args[0]) if e.args else str(e))
         except KeyboardInterrupt:
             console.print("[yellow]interrupted; nothing half-written was left behind[/]")

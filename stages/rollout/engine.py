@@ -234,9 +234,10 @@ class Engine:
 
     def _start(self) -> None:
         """A new run over the pending requests: the pool sized (or kept) for them, every page free."""
-        reqs, self._pending = self._pending, []
+        reqs = self._pending
         self.num_pages = self.runner.reserve(self._workload([(len(r.prompt), r.params) for r in reqs]),
-                                             self.fixed_pages)
+                                             self.fixed_pages)  # may refuse: the requests stay pending
+        self._pending = []
         self.blocks = BlockManager(self.num_pages, self.page_size)
         reclaim = self.runner.begin(self.blocks)
         self.scheduler = Scheduler(self.blocks, self.max_batch, self.max_prefill_tokens,
