@@ -5,10 +5,10 @@ Sampling and scoring are separate on purpose: the trajectories come from whichev
 names (dense, a fixed budget or a schedule, as the rollouts of a run would), and every generated
 token is then scored under dense attention and under each candidate budget by teacher forcing.
 There is one sampler, the rollout engine (`stages.rollout.Engine`): each sample draws from its own
-generator seeded from (seed, prompt, sample), so on a CPU (--batch-size up to 16; stages/rollout/engine.py
-says what holds where) the trajectories do not depend on --batch-size, and
-`run_profile` over a prompt set gives the same rows as `profile_trajectories` over the `sparrow
-rollout` artifact of the same prompts, seed, sampler and temperature. `profile_trajectories` scores
+generator seeded from (seed, prompt, sample), so on a CPU the trajectories do not depend on a
+--batch-size up to 16 (stages/rollout/engine.py says what holds on which device), and `run_profile`
+over a prompt set gives the same rows as `profile_trajectories` over the `sparrow rollout` artifact of
+the same prompts, seed, sampler and temperature. `profile_trajectories` scores
 trajectories of any sampler (`stages.trajectories` reads them from a file).
 The output is long and narrow (one row per token per budget) so DuckDB answers "5th percentile of
 alpha per bin per budget" with one GROUP BY; `summarize` is exactly that query.
