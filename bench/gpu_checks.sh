@@ -5,7 +5,15 @@
 # on Qwen3-4B shapes with random bf16 weights. Each step runs under its own time limit and goes on
 # after a failure; logs go to $OUT (default bench/results/gpu), a summary is printed last.
 #
-#   bash bench/gpu_checks.sh [all|tests|engine|kernels|rollout|profile|train|learner] [extra args for bench/rollout.py]
+#   bash bench/gpu_checks.sh [all|tests|engine|kernels|rollout|profile|train|learner|scale|scale-NAME] [extra args for bench/rollout.py]
+#
+# `scale` (not in "all"): issue 24's checks at our users' scale, Qwen3-4B shapes with random bf16 weights,
+# each printing its seconds and peak CUDA memory (bench/scale_gpu.py): fit-cost over 4-32K contexts,
+# bench/rollout.py at a 32K prompt x 32 samples, bench/step_profile.py at 32K x 8, several engines built one
+# after another in one process, `sparrow profile` on four 32K-token trajectories at budgets 1024-4096, and
+# one GRPO step (LoRA) of 2 prompts x 4 samples x 16K new tokens. A device call has ten minutes, so run
+# them one or two at a time by name: scale-fit-cost, scale-rollout, scale-step-profile, scale-engines,
+# scale-profile, scale-train. `learner` runs the learner's own benches (bench/learner_scale.py).
 set -u
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -71,14 +79,42 @@ if [[ $WHAT == train ]]; then  # a few GRPO steps on random Qwen3 weights: the G
             --steps 3 --prompts-per-step 4 --samples 8 --max-new-tokens 128 $mode -o "$(mktemp -d)/run"
     done
 fi
-if [[ $WHAT == scale || $WHAT == learner ]]; then  # issue 24, the learner's side, Qwen3-4B shapes, random bf16
+want() { [[ $WHAT == scale || $WHAT == "$1" ]]; }  # one scale check by name, or all of them
+SCALE="$PY bench/scale_gpu.py"
+if want scale-fit-cost; then
+    step scale-fit-cost 590 $SCALE run -- sparrow fit-cost --device cuda --model qwen3-4b --batches 4,8 \
+        --contexts 4096,8192,16384,32768 --budgets dense,1024,2048,4096 -o "$OUT/cost-qwen3-4b.parquet" --force
+fi
+if want scale-rollout; then
+    step scale-rollout 590 $SCALE run -- bench/rollout.py --model qwen3-4b --random-weights --context 32768 \
+        --samples 32 --new-tokens 256 --budget 2048 --no-schedule --no-hf --no-vllm --temperature 1
+fi
+if want scale-step-profile; then
+    step scale-step-profile 590 $SCALE run -- bench/step_profile.py --model qwen3-4b --context 32768 \
+        --samples 8 --budget 2048
+fi
+if want scale-engines; then
+    step scale-engines 590 $SCALE engines --model qwen3-4b --context 32768 --samples 8 --engines 4
+fi
+if want scale-profile; then
     LONG=$OUT/long_rollouts.parquet  # four random 32K-token trajectories (1K prompt + 31K generated)
     $PY bench/learner_scale.py rollouts --model qwen3-4b --trajectories 4 --length 32768 --output "$LONG"
-    step profile-32k 590 $PY -c "from sparrow.cli.app import main; main()" profile --device cuda \
-        --model qwen3-4b --random-weights --rollouts "$LONG" --budgets 1024,2048,3072,4096 --bin-width 2000 \
-        -o "$OUT/profile-32k.parquet"
+    step scale-profile 590 $SCALE run -- sparrow profile --device cuda --model qwen3-4b --random-weights \
+        --rollouts "$LONG" --budgets 1024,2048,3072,4096 --bin-width 2000 -o "$OUT/profile-32k.parquet" --force
+fi
+if want scale-train; then
+    PROMPTS=${TRAIN_PROMPTS:-$OUT/scale-prompts.parquet}
+    [[ -f $PROMPTS ]] || $PY -c "from sparrow.cli.app import main; main()" prompts --task basic_arithmetic \
+        --n 2 --model qwen3-4b -o "$PROMPTS"
+    step scale-train 590 $SCALE run -- sparrow train --model qwen3-4b --random-weights --device cuda \
+        --prompts "$PROMPTS" --steps 1 --prompts-per-step 2 --samples 4 --max-new-tokens 16384 --ignore-eos \
+        --micro-batch 1 --eval-every 1000 -o "$(mktemp -d)/run"
+fi
+if [[ $WHAT == learner ]]; then  # the learner's side alone, with its own peak-memory report
+    LONG=$OUT/long_rollouts.parquet
+    $PY bench/learner_scale.py rollouts --model qwen3-4b --trajectories 4 --length 32768 --output "$LONG"
     step score-32k 590 $PY bench/learner_scale.py score --model qwen3-4b --device cuda --trajectories 4 \
-        --length 32768 --budgets 1024,2048,3072,4096  # the same scoring, with its peak memory
+        --length 32768 --budgets 1024,2048,3072,4096
     step update-16k 590 $PY bench/learner_scale.py update --model qwen3-4b --device cuda --prompts 2 \
         --samples 4 --prompt-tokens 1024 --new-tokens 16384 --micro-batch 1
 fi

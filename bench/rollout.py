@@ -99,16 +99,18 @@ def warm_up(model, prompt, args, runs) -> None:
     params = SamplingParams(max_new_tokens=4, n=args.samples, temperature=args.temperature, seed=0,
                             ignore_eos=True)
     for _, sparsity in runs:
-        Engine(model, sparsity, max_batch=args.samples).generate([short], params)
+        with Engine(model, sparsity, max_batch=args.samples) as engine:  # its pool goes at once
+            engine.generate([short], params)
 
 
 def run_engine(model, prompt, args, sparsity, label):
-    engine = Engine(model, sparsity, max_batch=args.samples, cascade=False if args.no_cascade else None)
     params = SamplingParams(max_new_tokens=args.new_tokens, n=args.samples, temperature=args.temperature,
                             seed=0, ignore_eos=True)
     t0 = time.perf_counter()
-    out = engine.generate([prompt], params)
-    total = time.perf_counter() - t0
+    with Engine(model, sparsity, max_batch=args.samples,
+                cascade=False if args.no_cascade else None) as engine:  # the next run gets its memory
+        out = engine.generate([prompt], params)
+        total = time.perf_counter() - t0
     s = engine.stats
     assert all(len(c.token_ids) == args.new_tokens for c in out[0])
     return {"engine": label, "total_s": total, "prefill_s": s.prefill_s, "decode_s": s.decode_s,

@@ -65,8 +65,7 @@ def main() -> None:
         for _ in range(args.steps):
             engine.step()
         torch.cuda.synchronize()
-    del engine
-    torch.cuda.empty_cache()
+    engine.close()  # its pool and graphs go now, before the eager engine sizes its own
 
     engine = engine_steps(loaded.model, prompt, args, "eager")
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:

@@ -37,13 +37,14 @@ def friendly_errors(fn: Callable) -> Callable:
     from sparrow.schemas import ArtifactError
     from sparrow.stages.model.config import ModelSpecError
     from sparrow.stages.prompt_set import PromptError
+    from sparrow.stages.rollout.memory import PoolTooSmall
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         _stdout["taken"] = False
         try:
             return fn(*args, **kwargs)
-        except (UsageError, ArtifactError, ModelSpecError, PromptError, KeyError) as e:
+        except (UsageError, ArtifactError, ModelSpecError, PromptError, PoolTooSmall, KeyError) as e:
             fail(str(e.args[0]) if e.args else str(e))
         except KeyboardInterrupt as e:  # a stage may say what it kept and how to go on
             from rich.markup import escape

@@ -16,6 +16,7 @@ from .common import (
     output_help,
     parse_int_list,
 )
+from .engine_options import check_gpu_memory, gpu_memory_option
 from .output import emit, format_option, resolve_format
 from .plan import stage_errors
 
@@ -49,6 +50,7 @@ def fit_cost(
     threads: int = typer.Option(None, "--threads", help="CPU threads for torch while timing (default: "
                                 "torch's own choice; 1 gives steadier timings on a shared machine)."),
     seed: int = typer.Option(0, "--seed"),
+    gpu_memory_utilization: float = gpu_memory_option(),
     output: Path = typer.Option(..., "-o", "--output", help=output_help("the cost artifact")),
     force: bool = force_option(),
     format: str = format_option(),
@@ -91,14 +93,16 @@ def fit_cost(
         raise UsageError(f"--threads must be at least 1, got {threads}")
     if device is not None and device.split(":")[0] not in ("cpu", "cuda"):
         raise UsageError(f"--device must be cpu or cuda, got {device!r}")
+    check_gpu_memory(gpu_memory_utilization)
     name = model_name(model)
     with stage_errors():
         write_cost(model, name, cfg, device, hardware, Grid(b_list, c_list, k_list, warmup, repeats),
-                   seed, output, threads, fmt)
+                   seed, output, threads, fmt, gpu_memory_utilization)
 
 
 def write_cost(model: str, name: str, cfg, device: str | None, hardware: str | None, grid, seed: int,
-               output: Path, threads: int | None = None, fmt: str = "table") -> None:
+               output: Path, threads: int | None = None, fmt: str = "table",
+               gpu_memory_utilization: float = 0.9) -> None:
     from sparrow.schemas import write_artifact
     from sparrow.stages.cost import analytic, analytic_points, cost_table, fit, get_hardware
 
@@ -113,7 +117,7 @@ def write_cost(model: str, name: str, cfg, device: str | None, hardware: str | N
         return
 
     device = device or "cpu"
-    points, threads = measure(model, device, grid, seed, threads)
+    points, threads = measure(model, device, grid, seed, threads, gpu_memory_utilization)
     cost = fit(cfg, points, f"measured:{device}")
     table = cost_table(cost, name, device, points)
     write_artifact(table, output, "cost", metadata=cost.metadata() | {"model": name, "threads": threads})
@@ -124,7 +128,8 @@ def write_cost(model: str, name: str, cfg, device: str | None, hardware: str | N
     print_points(table, fmt)
 
 
-def measure(model: str, device: str, grid, seed: int, threads: int | None = None):
+def measure(model: str, device: str, grid, seed: int, threads: int | None = None,
+            gpu_memory_utilization: float = 0.9):
     """Timed points and the CPU threads torch used."""
     import torch
 
@@ -141,7 +146,8 @@ def measure(model: str, device: str, grid, seed: int, threads: int | None = None
                   MofNCompleteColumn(), console=console, transient=True) as bar:
         task = bar.add_task("timing", total=len(grid.points()))
         points = time_decode_steps(loaded, grid, device, seed,
-                                   lambda done, total: bar.update(task, completed=done))
+                                   lambda done, total: bar.update(task, completed=done),
+                                   gpu_memory_utilization)
     return points, torch.get_num_threads()
 
 

@@ -18,6 +18,7 @@ from .common import (
     input_path,
     parse_int_list,
 )
+from .engine_options import check_gpu_memory, gpu_memory_option
 from .output import emit, format_option, resolve_format
 from .profile import load_actor, rollouts_temperature
 from .rollout import _sparsity
@@ -133,6 +134,7 @@ def distill(
                                       "--rollouts records); the objectives use it."),
     seed: int = typer.Option(0, "--seed", help="Sampling and batch order; eval trajectories use seed + 1."),
     bin_width: int = typer.Option(512, "--bin-width"),
+    gpu_memory_utilization: float = gpu_memory_option(),
     quantile: float = typer.Option(TAIL_QUANTILE, "--quantile"),
     threshold: float = typer.Option(PRIOR_THRESHOLD, "--threshold"),
     output: Path = typer.Option(..., "-o", "--output", help="The adapter directory to write. An existing "
@@ -168,6 +170,7 @@ def distill(
                         ("--bin-width", bin_width)):
         if value < 1:
             raise UsageError(f"{flag} must be at least 1, got {value}")
+    check_gpu_memory(gpu_memory_utilization)
     check_output_dir(output, "an adapter written by sparrow distill", force=force, ours=distilled_adapter,
                      replaceable=lambda d: (d / "adapter_config.json").exists())
     sparsity = _sparsity(schedule, budget, False, model)
@@ -199,7 +202,8 @@ def distill(
     loaded = load_model(model)
     cfg.gradient_checkpointing = (loaded.model.embed_tokens.weight.is_cuda if gradient_checkpointing is None
                                   else gradient_checkpointing)
-    sampling = dict(samples=samples, max_new_tokens=max_new_tokens, temperature=cfg.temperature)
+    sampling = dict(samples=samples, max_new_tokens=max_new_tokens, temperature=cfg.temperature,
+                    gpu_memory_utilization=gpu_memory_utilization)
 
     def prompt_tokens(path: Path):
         prompt_set = prompt_sets[path]

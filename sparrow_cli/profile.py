@@ -29,6 +29,7 @@ from .common import (
     output_help,
     parse_int_list,
 )
+from .engine_options import check_gpu_memory, gpu_memory_option
 from .output import emit, format_option, resolve_format
 from .rollout import check_workers
 
@@ -67,8 +68,8 @@ def profile(
     top_p: float = typer.Option(1.0, "--top-p"),
     seed: int = typer.Option(0, "--seed", help="Each sample draws from its own generator seeded from "
                              "(seed, prompt, sample): the same trajectories as sparrow rollout --seed."),
-    batch_size: int = typer.Option(8, "--batch-size", help="Samples decoded together (does not change "
-                                   "the trajectories)."),
+    batch_size: int = typer.Option(8, "--batch-size", help="Samples decoded together (on a CPU, up to "
+                                   "16, it does not change the trajectories)."),
     quantile: float = typer.Option(TAIL_QUANTILE, "--quantile", help="Tail quantile shown in the summary."),
     threshold: float = typer.Option(PRIOR_THRESHOLD, "--threshold",
                                     help="Tail threshold shown in the summary."),
@@ -81,6 +82,7 @@ def profile(
     random_weights: bool = typer.Option(False, "--random-weights", help="Random weights for a shapes-only "
                                         "preset such as qwen3-4b (to time the scoring and measure its "
                                         "memory, not mismatch)."),
+    gpu_memory_utilization: float = gpu_memory_option(),
     workers: int = typer.Option(0, "--workers", help="Ray workers, each a process with the model loaded "
                                 "once, sharing the prompts (or trajectories) by index (0 = this process). "
                                 "-o is then a directory of one Parquet part per worker."),
@@ -114,7 +116,8 @@ def profile(
     opts = ProfileOptions(budgets=parse_int_list(budgets, "--budgets"), samples=samples,
                           max_new_tokens=max_new_tokens, sampler=sampler, bin_width=bin_width,
                           temperature=1.0 if temperature is None else temperature, top_p=top_p, seed=seed,
-                          batch_size=batch_size)
+                          batch_size=batch_size,
+                          gpu_memory_utilization=check_gpu_memory(gpu_memory_utilization))
     try:
         opts.validate()
     except ValueError as e:

@@ -9,6 +9,7 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from .common import UsageError, check_output, console, force_option, friendly_errors, input_path, output_help
+from .engine_options import check_gpu_memory, gpu_memory_option
 from .output import emit_record, format_option, resolve_format
 
 SUMMARY_LABELS = {"tokens": "generated tokens", "seconds": "seconds (total)",
@@ -108,7 +109,7 @@ def rollout(
     kv_pages: int = typer.Option(None, "--kv-pages", help="KV cache pool in pages of 16 tokens (default: "
                                  "room for every sample at full length). A smaller pool allocates pages as "
                                  "samples grow and preempts (then recomputes) the latest sample when full: "
-                                 "same tokens, less memory, some recompute."),
+                                 "less memory, some recompute, and in fp32 the same tokens."),
     lora: Path = typer.Option(None, "--adapter", "--lora", help="A peft LoRA adapter directory (e.g. "
                               "`sparrow train`'s RUN/adapter), merged into the weights."),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda (bf16, Triton kernels, CUDA graphs)."),
@@ -117,6 +118,10 @@ def rollout(
                               "a CPU with AVX512-BF16; float32 matches teacher-forced scoring exactly."),
     eager: bool = typer.Option(False, "--eager", help="On cuda, run every decode step eagerly instead of "
                                "replaying CUDA graphs (for debugging; slower)."),
+    gpu_memory_utilization: float = gpu_memory_option(),
+    max_num_batched_tokens: int = typer.Option(8192, "--max-num-batched-tokens", help="The most prompt "
+                                               "tokens one prefill forward takes (vLLM's name); longer "
+                                               "prompts are prefilled in chunks of this many."),
     workers: int = typer.Option(0, "--workers", help="Ray workers, each a process with the model loaded "
                                 "once, sharing the prompts by index (0 = this process). -o is then a "
                                 "directory of one Parquet part per worker, read as one artifact."),
@@ -155,9 +160,11 @@ def rollout(
         _check_vllm_flags(schedule, budget, lora, top_k, top_p)
     sparsity = _sparsity(schedule, budget, dense, model)
     for flag, value in (("--samples", samples), ("--max-new-tokens", max_new_tokens),
-                        ("--max-batch", max_batch), ("--kv-pages", 1 if kv_pages is None else kv_pages)):
+                        ("--max-batch", max_batch), ("--kv-pages", 1 if kv_pages is None else kv_pages),
+                        ("--max-num-batched-tokens", max_num_batched_tokens)):
         if value < 1:
             raise UsageError(f"{flag} must be at least 1, got {value}")
+    check_gpu_memory(gpu_memory_utilization)
     if temperature < 0:
         raise UsageError(f"--temperature must be >= 0, got {temperature}")
     if not 0 < top_p <= 1:
@@ -194,7 +201,9 @@ def rollout(
     sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                               top_k=top_k, seed=seed, n=samples, ignore_eos=ignore_eos)
     opts = RolloutOptions(sampling=sampling, max_batch=max_batch, sparsity=sparsity,
-                          lora=adapter, decode_graphs="off" if eager else "auto", kv_pages=kv_pages)
+                          lora=adapter, decode_graphs="off" if eager else "auto", kv_pages=kv_pages,
+                          gpu_memory_utilization=gpu_memory_utilization,
+                          max_prefill_tokens=max_num_batched_tokens)
     mode = ("dense" if sparsity is None else f"budget {sparsity}" if isinstance(sparsity, int)
             else f"schedule {schedule}")
     meta = {"model": model_name(model), "prompts": str(prompts), "sparsity": mode, "samples": samples,

@@ -9,6 +9,7 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from .common import UsageError, console, friendly_errors, input_path
+from .engine_options import check_gpu_memory, gpu_memory_option
 from .output import emit_record, format_option, resolve_format
 from .rollout import _sparsity, check_workers
 
@@ -82,6 +83,7 @@ def train(
                                                 help="Recompute each decoder layer in the update's backward "
                                                 "pass (less memory, more compute); default: on with "
                                                 "--device cuda, off on the CPU."),
+    gpu_memory_utilization: float = gpu_memory_option(),
     workers: int = typer.Option(0, "--workers", help="Roll out on N Ray workers (each loads the model once; "
                                 "the weights are pushed to them before every step's rollout)."),
     ray_address: str = typer.Option(None, "--ray-address", help="An existing Ray cluster for --workers "
@@ -127,6 +129,7 @@ def train(
         raise UsageError(str(e)) from None
     if device not in ("cpu", "cuda"):
         raise UsageError(f"--device must be cpu or cuda, got {device!r}")
+    check_gpu_memory(gpu_memory_utilization)
     if device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda was given but no CUDA device is available")
     check_workers(workers, ray_address, None)
@@ -141,7 +144,8 @@ def train(
 
             pool = RolloutPool(model, workers, address=ray_address, device=device,
                                random_weights=random_weights)  # seeded: the learner's base weights
-        _run(cfg, model, prompts, eval_prompts, resume, output_dir, fmt, world, pool, force)
+        _run(cfg, model, prompts, eval_prompts, resume, output_dir, fmt, world, pool, force,
+             gpu_memory_utilization)
     finally:
         if pool is not None:
             pool.close()
@@ -171,7 +175,8 @@ def check_run_location(cfg, model: str, prompts: Path, eval_prompts: Path | None
 
 
 def _run(cfg, model: str, prompts: Path, eval_prompts: Path | None, resume: bool, output_dir: Path,
-         fmt: str, world: World, pool, force: bool = False) -> None:
+         fmt: str, world: World, pool, force: bool = False,
+         gpu_memory_utilization: float = 0.9) -> None:
     import torch
 
     from sparrow.stages.model.loading import load_model
@@ -207,7 +212,8 @@ def _run(cfg, model: str, prompts: Path, eval_prompts: Path | None, resume: bool
 
         try:
             trainer = Trainer(cfg, loaded, rows, output_dir, eval_prompts=held_out, resume=resume,
-                              on_step=on_step, on_phase=on_phase, world=world, pool=pool, force=force)
+                              on_step=on_step, on_phase=on_phase, world=world, pool=pool, force=force,
+                              gpu_memory_utilization=gpu_memory_utilization)
         except ValueError as e:
             raise UsageError(str(e)) from None
         bar.update(task, completed=trainer.step)

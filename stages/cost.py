@@ -235,17 +235,21 @@ class Grid:
 
 
 def time_decode_steps(loaded, grid: Grid, device: str = "cpu", seed: int = 0,
-                      progress: Callable[[int, int], None] | None = None
-                      ) -> list[tuple[int, int, int, float]]:
+                      progress: Callable[[int, int], None] | None = None,
+                      gpu_memory_utilization: float = 0.9) -> list[tuple[int, int, int, float]]:
     """Seconds of one rollout-engine decode step per (batch, context, budget) point.
 
     What is timed is the step `sparrow rollout` runs (`stages.rollout.Engine`: paged KV cache, centroid
     upkeep, page selection, sparse or dense paged attention, sampling; CUDA graphs on CUDA): per point
-    one engine at that budget decodes `batch` samples of one random prompt of `context - 1` tokens, the
-    samples sharing the prompt's pages as a GRPO group does. The first `warmup` decode steps are not
-    timed, and each point keeps the fastest of the next `repeats`: on a shared machine other work only
-    ever adds time, so the minimum is the most reproducible estimate (the context grows by one token
-    per step, which is negligible).
+    the engine, at that budget, decodes `batch` samples of one random prompt of `context - 1` tokens,
+    the samples sharing the prompt's pages as a GRPO group does. One engine serves the whole grid
+    (max_batch the largest batch; its pool sized up front for the largest point, so no point preempts
+    and nothing is allocated between points); its pool and graphs are freed at the end. On a CPU a
+    grid whose largest batch is above 16 times every point with oneDNN's products, as `sparrow rollout
+    --max-batch` above 16 runs (our product takes at most 16 rows). The first
+    `warmup` decode steps are not timed, and each point keeps the fastest of the next `repeats`: on a
+    shared machine other work only ever adds time, so the minimum is the most reproducible estimate (the
+    context grows by one token per step, which is negligible).
     """
     import torch
 
@@ -260,13 +264,15 @@ def time_decode_steps(loaded, grid: Grid, device: str = "cpu", seed: int = 0,
     params = lambda batch: SamplingParams(max_new_tokens=grid.warmup + grid.repeats, n=batch,
                                           temperature=1.0, seed=seed, ignore_eos=True)
     points, out = grid.points(), []
-    for i, (batch, context, budget) in enumerate(points):
-        engine = Engine(model, budget or None, max_batch=batch, dense_layers=DEFAULT_DENSE_LAYERS)
-        engine.generate([prompts[context]], params(batch))
-        timed = engine.stats.step_times[grid.warmup:]
-        out.append((batch, context, budget, min(timed)))
-        if progress:
-            progress(i + 1, len(points))
+    with Engine(model, None, max_batch=max(grid.batches), dense_layers=DEFAULT_DENSE_LAYERS,
+                gpu_memory_utilization=gpu_memory_utilization) as engine:
+        engine.reserve([prompts[max(grid.contexts)]], params(max(grid.batches)))
+        for i, (batch, context, budget) in enumerate(points):
+            engine.generate([prompts[context]], params(batch), sparsity=budget or None)
+            timed = engine.stats.step_times[grid.warmup:]
+            out.append((batch, context, budget, min(timed)))
+            if progress:
+                progress(i + 1, len(points))
     return out
 
 

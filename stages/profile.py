@@ -5,9 +5,10 @@ Sampling and scoring are separate on purpose: the trajectories come from whichev
 names (dense, a fixed budget or a schedule, as the rollouts of a run would), and every generated
 token is then scored under dense attention and under each candidate budget by teacher forcing.
 There is one sampler, the rollout engine (`stages.rollout.Engine`): each sample draws from its own
-generator seeded from (seed, prompt, sample), so the trajectories do not depend on --batch-size, and
-`run_profile` over a prompt set gives the same rows as `profile_trajectories` over the `sparrow
-rollout` artifact of the same prompts, seed, sampler and temperature. `profile_trajectories` scores
+generator seeded from (seed, prompt, sample), so on a CPU the trajectories do not depend on a
+--batch-size up to 16 (stages/rollout/engine.py says what holds on which device), and `run_profile`
+over a prompt set gives the same rows as `profile_trajectories` over the `sparrow rollout` artifact of
+the same prompts, seed, sampler and temperature. `profile_trajectories` scores
 trajectories of any sampler (`stages.trajectories` reads them from a file).
 The output is long and narrow (one row per token per budget) so DuckDB answers "5th percentile of
 alpha per bin per budget" with one GROUP BY; `summarize` is exactly that query.
@@ -53,6 +54,7 @@ class ProfileOptions:
     page_size: int = PAGE_SIZE
     schedule: Schedule | None = field(default=None, repr=False)
     adapter: LoraWeights | None = field(default=None, repr=False)  # the sparse actor's LoRA (distill)
+    gpu_memory_utilization: float = 0.9  # on CUDA, the share of device memory the engine may take
 
     def validate(self) -> None:
         if not self.budgets:
@@ -86,7 +88,7 @@ class ProfileOptions:
         """The options as artifact metadata; without `sampled` (given trajectories) the sampling
         options, which did not apply, are left out."""
         d = {k: v for k, v in asdict(self).items()
-             if k not in ("schedule", "adapter") and (sampled or k not in SAMPLING)}
+             if k not in ("schedule", "adapter", "gpu_memory_utilization") and (sampled or k not in SAMPLING)}
         d["budgets"] = json.dumps(self.budgets)
         d["dense_layers"] = json.dumps(list(self.dense_layers))
         return d
@@ -107,8 +109,6 @@ def sample_trajectories(model: LoadedModel, prompt_ids: Sequence[str], prompts: 
     """The engine's samples under `opts.sampler`, in prompt order then sample order; `request_ids`:
     the prompts' indices in the whole set when these are a shard of it (they seed the samples). A sparse
     sampler is the sparse actor: with `opts.adapter`, the engine runs with it merged (`stages.distill`)."""
-    engine = Engine(model.model, opts.sparsity(), max_batch=opts.batch_size, page_size=opts.page_size,
-                    dense_layers=opts.dense_layers)
     params = SamplingParams(max_new_tokens=opts.max_new_tokens, temperature=opts.temperature,
                             top_p=opts.top_p, seed=opts.seed, n=opts.samples)
     total, done = len(prompts) * opts.samples, 0
@@ -119,7 +119,9 @@ def sample_trajectories(model: LoadedModel, prompt_ids: Sequence[str], prompts: 
         progress("sampling", done, total)
 
     actor = opts.adapter if opts.sampler != "dense" else None
-    with lora_merged(model.model, actor):
+    engine = Engine(model.model, opts.sparsity(), max_batch=opts.batch_size, page_size=opts.page_size,
+                    dense_layers=opts.dense_layers, gpu_memory_utilization=opts.gpu_memory_utilization)
+    with engine, lora_merged(model.model, actor):
         results = engine.generate(prompts, params, on_step if progress else None, request_ids=request_ids)
     return [Trajectory(pid, c.sample, list(p), c.token_ids)
             for pid, p, completions in zip(prompt_ids, prompts, results) for c in completions]

@@ -32,7 +32,7 @@ def smollm2_bf16():
 def _gaps(engine_model, reference_model, prompt, sparsity):
     engine = Engine(engine_model, sparsity, max_batch=4)
     samples = engine.generate([prompt], SamplingParams(max_new_tokens=24, n=3, seed=1, ignore_eos=True))[0]
-    assert engine.blocks.used == 0 and not engine.prefixes
+    assert engine.blocks.used == 0 and not engine.runner.prefixes
     budget_at = budget_fn(sparsity)
     scored = score_sequences(reference_model, [c.prompt_token_ids for c in samples],
                              [c.token_ids for c in samples], [budget_at] if budget_at else [])
@@ -114,11 +114,11 @@ def test_fused_decode_layers_equal_the_modular_step(name, dtype):
         runs = []
         for fused in (True, False):
             engine = Engine(model, budget, max_batch=4)
-            if engine.fused is None:
+            if engine.runner.fused is None:
                 pytest.skip("no C++ kernels or no AVX512-BF16 here")
-            assert engine.fused.ready()  # every projection packed for the fused ops
+            assert engine.runner.fused.ready()  # every projection packed for the fused ops
             if not fused:
-                engine.fused = None
+                engine.runner.fused = None
             runs.append(engine.generate([prompt], params)[0])
         for a, b in zip(*runs):
             assert a.token_ids == b.token_ids and a.logprobs == b.logprobs, (name, budget)

@@ -96,7 +96,7 @@ def test_engine_with_cascade_matches_engine_without(smollm2, sparsity, chunks, m
     for cascade in (True, False):
         engine = Engine(model, sparsity, max_batch=8, cascade=cascade)
         runs.append(engine.generate(prompts, params))
-        assert not engine.prefixes  # every store is released when its request's samples finish
+        assert not engine.runner.prefixes  # every store is released when its request's samples finish
     for with_c, without in zip(*runs):
         for a, b in zip(with_c, without):
             assert a.token_ids == b.token_ids
@@ -148,18 +148,19 @@ def test_prefix_copy_lives_in_the_pool_and_is_given_back_before_a_preemption(smo
         engine = Engine(model, max_batch=8, cascade=True, num_pages=pages)
         engine.add_request(prompt, params)
         engine.step()  # the prefill: the prompt's 10 pages (the last one partial), and the copy's 9
-        assert bool(engine.prefixes) == copy_at_start
+        assert bool(engine.runner.prefixes) == copy_at_start
         if copy_at_start:
-            prefix = engine.prefixes[0]
+            prefix = engine.runner.prefixes[0]
             assert list(prefix.run) == list(range(10, 19)) and engine.blocks.used == 19
-            assert prefix.k[0].untyped_storage().data_ptr() == engine.cache.k.untyped_storage().data_ptr()
+            pool = engine.runner.cache.k
+            assert prefix.k[0].untyped_storage().data_ptr() == pool.untyped_storage().data_ptr()
         done, had_copy = [], []
         while engine.has_work():
             done += engine.step()[0]
-            had_copy.append(bool(engine.prefixes) or not engine.has_work())
+            had_copy.append(bool(engine.runner.prefixes) or not engine.has_work())
         assert had_copy[-2] == copy_at_end and engine.stats.preemptions == 0
         assert [c.token_ids for c in sorted(done, key=lambda c: c.sample)] == [c.token_ids for c in want]
-        assert engine.blocks.used == 0 and not engine.prefixes
+        assert engine.blocks.used == 0 and not engine.runner.prefixes
 
 
 def test_allocate_run_takes_the_lowest_run_of_consecutive_free_pages():

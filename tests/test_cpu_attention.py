@@ -97,10 +97,10 @@ def test_engine_in_bf16_stores_packed_prefixes_and_samples_as_without():
     runs = []
     for packed in (True, False):
         engine = Engine(model, max_batch=4)
-        engine._pack_prefixes = lambda packed=packed: packed
+        engine.runner._pack_prefixes = lambda packed=packed: packed
         engine.add_request(prompt, params)
         engine.step()
-        assert engine.prefixes[0].packed == packed
+        assert engine.runner.prefixes[0].packed == packed
         done = []
         while engine.has_work():
             done += engine.step()[0]
@@ -308,16 +308,16 @@ def test_packed_linear_equals_float64_products(rows, dtype, shape, rel, abs_):
 def test_a_sparse_layer_as_one_op_samples_what_the_op_by_op_chain_samples(dtype, monkeypatch):
     """`sparse_decode_layer` (append, cascade scoring, selection, paged attention in one C++ op) gives the
     op-by-op chain's tokens and logprobs bit for bit, and the step takes it."""
-    from sparrow.stages.rollout.attention import DecodeAttention
+    from sparrow.stages.rollout.attention import CpuDecodeAttention
 
     model = load_model("smollm2-135m", dtype=dtype).model
     prompt = torch.randint(0, 1000, (300,), generator=torch.Generator().manual_seed(5)).tolist()
     params = SamplingParams(max_new_tokens=12, n=3, seed=4, ignore_eos=True)
-    taken, one_op = [], DecodeAttention._one_op
-    monkeypatch.setattr(DecodeAttention, "_one_op", lambda *a: taken.append(one_op(*a)) or taken[-1])
+    taken, one_op = [], CpuDecodeAttention._one_op
+    monkeypatch.setattr(CpuDecodeAttention, "_one_op", lambda *a: taken.append(one_op(*a)) or taken[-1])
     fused = Engine(model, 96, max_batch=4).generate([prompt], params)[0]
     assert taken and all(taken)
-    monkeypatch.setattr(DecodeAttention, "_one_op", lambda *a: False)
+    monkeypatch.setattr(CpuDecodeAttention, "_one_op", lambda *a: False)
     chain = Engine(model, 96, max_batch=4).generate([prompt], params)[0]
     for a, b in zip(fused, chain):
         assert a.token_ids == b.token_ids and a.logprobs == b.logprobs

@@ -54,7 +54,7 @@ def test_cuda_graph_engine_greedy_matches_transformers(tiny_qwen3):
     assert engine.decode_graphs == "cuda"
     results = engine.generate(prompts, SamplingParams(max_new_tokens=48, temperature=0.0, n=2,
                                                       ignore_eos=True))
-    assert engine.static is not None and engine.static.graphs
+    assert engine.runner.static is not None and engine.runner.static.graphs
     for prompt, samples in zip(prompts, results):
         with torch.no_grad():
             want = hf.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=48, min_new_tokens=48,
@@ -73,7 +73,7 @@ def test_cuda_graph_engine_logprobs_equal_teacher_forced(tiny_qwen3, sparsity, d
     params = SamplingParams(max_new_tokens=40, n=3, seed=11, temperature=1.0, ignore_eos=True)
     engine = Engine(model, sparsity, max_batch=5)
     results = engine.generate(prompts, params)
-    assert engine.static is not None and engine.static.graphs
+    assert engine.runner.static is not None and engine.runner.static.graphs
     budget_at = budget_fn(sparsity)
     gaps = []
     for samples in results:

@@ -105,7 +105,7 @@ def test_static_step_with_preemption(tiny):
     params = SamplingParams(max_new_tokens=40, n=2, seed=3, temperature=1.0, ignore_eos=True)
     _, expected, _ = _run(tiny, prompts, params, 64, max_batch=5)
     small, got, victims = _run(tiny, prompts, params, 64, max_batch=5, num_pages=12, decode_graphs="eager")
-    assert victims and small.static is not None
+    assert victims and small.runner.static is not None
     for a, b in zip(expected, got):
         assert a.token_ids == b.token_ids
         assert np.abs(np.array(a.logprobs) - np.array(b.logprobs)).max() <= 1e-5

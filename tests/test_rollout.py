@@ -207,7 +207,7 @@ def test_static_padded_step_equals_teacher_forced(tiny_qwen3, sparsity):
               for i, (m, k) in enumerate(((40, 3), (12, 1), (25, 2), (30, 1), (5, 2)))]
     engine, *_ = _check_against_teacher_forced(tiny_qwen3.model, prompts, params, sparsity, max_batch=7,
                                                decode_graphs="eager")
-    assert engine.static is not None and engine.static.max_pages == -(-(210 + 25) // 16)
+    assert engine.runner.static is not None and engine.runner.static.max_pages == -(-(210 + 25) // 16)
 
 
 def test_static_step_mixed_dense_and_sparse_requests(tiny_qwen3):
@@ -241,7 +241,7 @@ def test_cuda_graph_step_equals_eager_step(tmp_path):
         ref = Engine(model, sparsity, max_batch=5, decode_graphs="eager").generate(prompts, params)
         engine = Engine(model, sparsity, max_batch=5, decode_graphs="cuda")
         got = engine.generate(prompts, params)
-        assert engine.static.graphs
+        assert engine.runner.static.graphs
         assert [[c.token_ids for c in r] for r in got] == [[c.token_ids for c in r] for r in ref]
 
 
@@ -257,12 +257,12 @@ def test_shared_prefill_pages_and_copy_on_write(tiny_qwen3):
     shared = seqs[0].pages
     assert len(shared) == 3 and all(s.pages == shared for s in seqs)
     assert all(engine.blocks.refcount[p] == 3 for p in shared)
-    assert engine.blocks.used == 3 + 2 and len(engine.prefixes[0].run) == 2  # + the cascade's copy
+    assert engine.blocks.used == 3 + 2 and len(engine.runner.prefixes[0].run) == 2  # + the cascade's copy
     engine.step()  # the first decode writes position 40 of the partial page: each sample has its own
     partial = [s.pages[2] for s in seqs]
     assert len(set(partial)) == 3 and all(s.pages[:2] == shared[:2] for s in seqs)
     assert all(engine.blocks.refcount[p] == 1 for p in partial)
-    k = engine.cache.k
+    k = engine.runner.cache.k
     assert all(torch.equal(k[:, partial[0], :, :8], k[:, p, :, :8]) for p in partial)  # the prompt's 8
     while engine.has_work():
         engine.step()

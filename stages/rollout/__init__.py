@@ -2,9 +2,11 @@
 
 A small engine in the spirit of nano-vllm, written for this project: `Engine` (engine.py) runs the
 step loop over `Scheduler` (scheduler.py: waiting / ready / running queues) and `BlockManager`
-(block_manager.py: pages, reference counts, reservations); `PagedKVCache` (kv_cache.py) holds the
-pages; the model sees the cache through per-step `Attention` objects (attention.py) that call the
-kernels of `sparrow.kernels.ops`. `merge_lora` (lora.py) merges a sparse-actor LoRA into the weights;
+(block_manager.py: pages, reference counts, reservations); a device runner (runner.py, cpu_runner.py,
+gpu_runner.py) runs the model and owns the KV pool (`PagedKVCache`, kv_cache.py; its size from
+memory.py), the static decode step and its CUDA graphs (static_decode.py) and the sampler call; the
+model sees the cache through per-step `Attention` objects (attention.py) that call the kernels of
+`sparrow.kernels.ops`. `merge_lora` (lora.py) merges a sparse-actor LoRA into the weights;
 `run_rollouts` (stage.py) is the `sparrow rollout` stage.
 """
 

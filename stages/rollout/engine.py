@@ -1,58 +1,71 @@
 """`Engine`: paged KV cache + continuous batching + block top-k sparse decode, over our decoder.
 
-    engine = Engine(model, sparsity=Schedule(...) | 512 | None, max_batch=16)
-    results = engine.generate(prompts, SamplingParams(n=8, max_new_tokens=1024, temperature=1.0))
+    with Engine(model, sparsity=Schedule(...) | 512 | None, max_batch=16) as engine:
+        results = engine.generate(prompts, SamplingParams(n=8, max_new_tokens=1024, temperature=1.0))
 
-One engine step is either a prefill (new prompts, dense, padded into one batch, and preempted samples
+The engine is device-agnostic: requests, the scheduler (scheduler.py), the pages (block_manager.py), the
+samples' bookkeeping and the stats. What runs the model is its runner, one per device (nano-vllm's
+ModelRunner is the model): `CpuRunner` (cpu_runner.py: C++ kernels, packed weights, the fused decode
+layers, cascade attention) or `GpuRunner` (gpu_runner.py: Triton kernels, CUDA graphs, the pool sized
+from --gpu-memory-utilization after a profiling run); `ModelRunner` (runner.py) is the plain path they
+share (and what runs the Triton kernels on a CPU under TRITON_INTERPRET=1). The runner owns the
+weights' inference form, the KV pool, the graphs, the sampler call and `close()`.
+
+One engine step is either a prefill (new prompts, dense, in forwards of at most `max_prefill_tokens`
+tokens, a long prompt in chunks that attend to the pages the earlier chunks wrote, and preempted samples
 being recomputed) or a decode step (one token for every running sample). The n samples of a prompt
 share one prefill: its pages are shared through the block tables (reference counted) and a sample
 copies the partial last page when it first writes to it. Pages are allocated as sequences grow and a
 full pool preempts the latest admitted sample, which is recomputed later with the keys, values,
-centroids and page selections it had (up to float rounding; scheduler.py), so its tokens stay the same.
-Each decode step uses, per sample, the budget of the sparsity schedule at the cache length at which
-the token is produced (`budget_at(num_tokens)`, query at position num_tokens - 1), so the rollout's
-logprobs are exactly those teacher-forced sparse scoring gives (`stages.mismatch.score_sequences`).
-On a CPU the kernels are the C++ ops of kernels/cpu_attention.py where they build, else their batched
-torch references (fp32 or bf16 weights and cache), the dense attention of samples sharing a prompt is
-cascaded (the prompt's pages read once per step, kernels/cascade_decode.py), the linears run on
-prepacked weights (our C++ product in bf16 and fp32, oneDNN's otherwise; packed_linears.py) and the
-norms and rotary embedding as C++ ops (cpu_layers.py); with our product, a decode layer is two C++ ops
-around the attention (cpu_decode.py); on CUDA the Triton kernels, and the decode step is
-replayed from CUDA graphs over static buffers (static_decode.py).
+centroids and page selections it had up to float rounding (scheduler.py). Each decode step uses, per
+sample, the budget of the sparsity schedule at the cache length at which the token is produced
+(`budget_at(num_tokens)`, query at position num_tokens - 1), so the rollout's logprobs are those
+teacher-forced sparse scoring gives (`stages.mismatch.score_sequences`), within float tolerance.
+
+What holds on which device. Each sample draws from its own generator seeded from (seed, request id,
+sample), so what it draws from given logits does not depend on its batch. On a CPU a row's logits are
+computed row by row (our products for up to 16 rows, the attention kernels per row), so the same seed
+gives the same rollouts with any --max-batch up to 16 (tested in fp32); above 16 rows the products are
+oneDNN's, whose rounding is not promised to be independent of the row count. On CUDA the products run
+at the shape of the batch bucket and the kernels may round differently per shape, so another
+--max-batch can change logits in the last bits and, at a near tie, a sampled token: the same rollouts
+are not promised there. A preempted sample's recompute is a prefill, whose products round differently
+from the decode steps that first wrote its keys: in fp32 the difference is at rounding level (the CPU
+tests find the same tokens and logprobs within 1e-5), so a token can change only at a near tie; in
+bf16, and on CUDA, near ties in the next token or in page selection are common enough that a
+preempted sample may continue differently.
+
+An engine is reused across runs (a run: from idle, through generate(), to idle again): its pool and
+graphs are kept while large enough, each run starts with all pages free, and the same prompts, params
+and request ids give what a fresh engine gives. The weights may change between runs (an optimizer
+step): packed CPU copies follow each weight's version counter and CUDA graphs its address; call
+`update_weights()` after changes those cannot see. `close()` (or leaving the `with` block) frees the
+pool and the graphs at once; an engine that is simply dropped frees them by reference counting (no
+reference cycle holds them).
 """
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from sparrow.kernels import cpu_attention
-from sparrow.kernels.cascade_decode import suffix_pages
-from sparrow.kernels.ops import GatherWorkspace, use_triton
+from sparrow.kernels.ops import use_triton
 
 from ..attention import DEFAULT_DENSE_LAYERS, PAGE_SIZE
 from ..model.llama import Transformer
 from ..sparsity import Sparsity, budget_fn
-from .allocator import tune_cpu_allocator
-from .attention import Cascade, DecodeAttention, PrefillAttention, Recompute
 from .block_manager import BlockManager
-from .cpu_decode import FusedCpuDecode
-from .cpu_layers import CpuLayerOps, cpu_layers_available
-from .kv_cache import PagedKVCache, SharedPrefix
-from .packed_linears import PackedLinears, packing_available
-from .sampler import sample_tokens
-from .scheduler import Scheduler, pages_needed, prefill_tokens
+from .memory import Workload
+from .runner import DECODE_GRAPHS, ModelRunner, PrefillRow
+from .scheduler import Scheduler, prefill_tokens
 from .sequence import Completion, Request, SamplingParams, Sequence
-from .static_decode import StaticDecode, kept_pages
 
-DECODE_GRAPHS = ("auto", "cuda", "eager", "off")
+__all__ = ["DECODE_GRAPHS", "Engine", "EngineStats", "check_memory_utilization", "make_runner"]
 
 
 @dataclass
@@ -74,58 +87,100 @@ class EngineStats:
         return self.prefill_s + self.decode_s
 
 
+def check_memory_utilization(fraction: float) -> None:
+    if not 0 < fraction <= 1:
+        raise ValueError(f"--gpu-memory-utilization must be a fraction in (0, 1], got {fraction:g}")
+
+
+def make_runner(model: Transformer, *, max_batch: int, page_size: int, dense_layers: Seq[int],
+                max_prefill_tokens: int, impl: str = "auto", decode_graphs: str = "auto",
+                cascade: bool | None = None, gpu_memory_utilization: float = 0.9) -> ModelRunner:
+    """The runner for the model's device: `GpuRunner` on CUDA, `CpuRunner` on a CPU, the plain
+    `ModelRunner` for the Triton kernels on CPU tensors (impl="triton", under TRITON_INTERPRET=1)."""
+    device = model.embed_tokens.weight.device
+    if decode_graphs == "auto":
+        decode_graphs = "cuda" if device.type == "cuda" else "off"
+    if decode_graphs == "cuda" and device.type != "cuda":
+        raise ValueError("decode_graphs='cuda' needs the model on a CUDA device")
+    kw = dict(max_batch=max_batch, page_size=page_size, dense_layers=dense_layers,
+              max_prefill_tokens=max_prefill_tokens, impl=impl, decode_graphs=decode_graphs)
+    if cascade and (device.type != "cpu" or use_triton(impl, model.embed_tokens.weight)):
+        raise ValueError("cascade attention runs on the torch path (the CPU), not the Triton kernels")
+    if device.type == "cuda":
+        from .gpu_runner import GpuRunner
+
+        return GpuRunner(model, gpu_memory_utilization=gpu_memory_utilization, **kw)
+    if device.type == "cpu" and not use_triton(impl, model.embed_tokens.weight):
+        from .cpu_runner import CpuRunner
+
+        return CpuRunner(model, cascade=cascade, **kw)
+    return ModelRunner(model, **kw)
+
+
 class Engine:
     def __init__(self, model: Transformer, sparsity: Sparsity = None, *, max_batch: int = 16,
                  num_pages: int | None = None, page_size: int = PAGE_SIZE,
                  dense_layers: Seq[int] = DEFAULT_DENSE_LAYERS, eos_ids: Seq[int] | None = None,
                  max_prefill_tokens: int = 8192, impl: str = "auto", decode_graphs: str = "auto",
-                 cascade: bool | None = None):
-        """`num_pages`: size of the KV page pool (None: sized from the first requests for every sample
-        at full length, so nothing is preempted; smaller pools preempt when they fill up).
-        `decode_graphs`: "auto" (CUDA graphs on CUDA, the plain step on a CPU), "cuda" (CUDA graphs),
-        "eager" (the graphs' static padded step without capture, any device) or "off".
+                 cascade: bool | None = None, gpu_memory_utilization: float = 0.9):
+        """`num_pages`: size of the KV page pool (None: sized for each run's requests, every sample at
+        full length, so nothing is preempted; on CUDA no more than fits in `gpu_memory_utilization` of
+        the device's memory; smaller pools preempt when they fill up). `max_prefill_tokens`: the most
+        tokens one prefill forward takes (vLLM's max_num_batched_tokens); longer prompts are prefilled
+        in chunks. `decode_graphs`: "auto" (CUDA graphs on CUDA, the plain step on a CPU), "cuda"
+        (CUDA graphs), "eager" (the graphs' static padded step without capture, any device) or "off".
         `cascade`: dense decode attention reads a prompt's shared pages once per step for all its
-        samples, from a contiguous copy taken at prefill into pool pages (None: on the torch path,
-        i.e. the CPU)."""
+        samples, from a contiguous copy taken at prefill into pool pages (None: on the CPU)."""
         if max_batch < 1:
             raise ValueError("max_batch must be at least 1")
+        if max_prefill_tokens < 1:
+            raise ValueError(f"max_prefill_tokens must be at least 1, got {max_prefill_tokens}")
         if decode_graphs not in DECODE_GRAPHS:
             raise ValueError(f"decode_graphs must be one of {DECODE_GRAPHS}, got {decode_graphs!r}")
+        check_memory_utilization(gpu_memory_utilization)
+        if num_pages is not None and num_pages < 1:
+            raise ValueError(f"num_pages must be at least 1, got {num_pages}")
+        self.runner = make_runner(model, max_batch=max_batch, page_size=page_size, dense_layers=dense_layers,
+                                  max_prefill_tokens=max_prefill_tokens, impl=impl,
+                                  decode_graphs=decode_graphs, cascade=cascade,
+                                  gpu_memory_utilization=gpu_memory_utilization)
         self.model, self.cfg = model, model.cfg
-        self.device = model.embed_tokens.weight.device
-        if self.device.type == "cpu":
-            tune_cpu_allocator()
-        self.dtype = model.embed_tokens.weight.dtype
-        self.page_size, self.dense_layers, self.impl = page_size, tuple(dense_layers), impl
+        self.page_size = page_size
         self.budget_at = budget_fn(sparsity, page_size)
         self.eos_ids = frozenset(self.cfg.eos_token_ids if eos_ids is None else eos_ids)
         self.max_batch, self.max_prefill_tokens = max_batch, max_prefill_tokens
-        self.scale = 1.0 / math.sqrt(self.cfg.head_dim)
-        self.num_pages = num_pages
-        if decode_graphs == "auto":
-            decode_graphs = "cuda" if self.device.type == "cuda" else "off"
-        if decode_graphs == "cuda" and self.device.type != "cuda":
-            raise ValueError("decode_graphs='cuda' needs the model on a CUDA device")
-        self.decode_graphs = decode_graphs
-        self.static: StaticDecode | None = None
-        self.workspace = GatherWorkspace()  # the CPU path's K/V gather buffers, reused every step
-        on_torch = not use_triton(impl, model.embed_tokens.weight)
-        if cascade and not on_torch:
-            raise ValueError("cascade attention runs on the torch path (the CPU), not the Triton kernels")
-        self.cascade = on_torch if cascade is None else cascade
-        self.prefixes: dict[int, SharedPrefix] = {}  # request id -> its shared prompt pages' K/V
-        self._unfinished: dict[int, int] = {}  # request id -> samples not finished (while it has a prefix)
-        own = impl == "auto"  # impl="torch": no C++ kernel anywhere in the step
-        self.packed = PackedLinears(model, max_batch, own) if on_torch and packing_available(model) else None
-        self.layer_ops = CpuLayerOps(model) if own and cpu_layers_available(model) else None
-        self.fused = FusedCpuDecode(model, self.packed) if (
-            self.packed is not None and self.packed.dot and self.layer_ops is not None
-            and isinstance(model, Transformer)) else None
-        self.cache: PagedKVCache | None = None
+        self.fixed_pages = num_pages
+        self.num_pages = num_pages  # the pool's pages once a run sized it
+        self.blocks: BlockManager | None = None
         self.scheduler: Scheduler | None = None
         self.stats = EngineStats()
         self._next_id = 0
         self._pending: list[Request] = []
+
+    # ------------------------------------------------------------------ lifetime
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Free the KV pool and the CUDA graphs now; requests in flight are dropped. The engine can run
+        again afterwards (it allocates a new pool)."""
+        self.runner.close()
+        self.scheduler = self.blocks = None
+        self._pending = []
+        self.num_pages = self.fixed_pages
+
+    def update_weights(self) -> None:
+        """The model's weights changed (an optimizer step, a checkpoint load): the next steps sample
+        with the new ones (packed copies are rebuilt, stale graphs captured again)."""
+        self.runner.refresh_weights()
+
+    @property
+    def decode_graphs(self) -> str:
+        return self.runner.decode_graphs
 
     # ------------------------------------------------------------------ requests
 
@@ -139,16 +194,17 @@ class Engine:
             raise ValueError(f"a prompt of {len(prompt)} tokens with max_new_tokens "
                              f"{params.max_new_tokens} exceeds the model's context of "
                              f"{self.cfg.max_position_embeddings}")
-        if self.num_pages is not None:
+        running = self._running()
+        if self.fixed_pages is not None or running:
             self._check_fits(len(prompt), params.max_new_tokens)
         rid = self._next_id if request_id is None else request_id
         self._next_id = max(self._next_id, rid + 1)
         fn = self.budget_at if sparsity == "engine" else budget_fn(sparsity, self.page_size)
         req = Request(rid, prompt, params, fn, frozenset() if params.ignore_eos else self.eos_ids)
-        if self.scheduler is None:
-            self._pending.append(req)
-        else:
+        if running:
             self.scheduler.add(req)
+        else:
+            self._pending.append(req)
         return rid
 
     def _check_fits(self, prompt_len: int, max_new: int) -> None:
@@ -157,56 +213,50 @@ class Engine:
             raise ValueError(f"a prompt of {prompt_len} tokens with max_new_tokens {max_new} needs {need} "
                              f"KV pages for one sample but the engine's pool has only {self.num_pages}")
 
-    def _default_num_pages(self, reqs: list[Request]) -> int:
-        """Room for the largest request's group, or for `max_batch` unshared sequences of the longest
-        request when that is more; on CUDA no more than fits in 90% of the free device memory (then
-        samples are preempted when the pool fills up), as long as one sample at full length fits."""
-        need = [pages_needed(len(r.prompt), r.params.n, r.params.max_new_tokens, self.page_size)
-                for r in reqs] or [(0, 1)]
-        copy = 2 if self.cascade else 1  # the cascade's copy of the shared pages is in the pool too
-        group = max(copy * s + r.params.n * o for r, (s, o) in zip(reqs, need))
-        per_seq = max(s + o for s, o in need)
-        seqs = sum(r.params.n for r in reqs)
-        pages = max(group, min(self.max_batch, max(seqs, 1)) * per_seq)
-        if self.device.type == "cuda":
-            free = torch.cuda.mem_get_info(self.device)[0]
-            free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
-            page_bytes = PagedKVCache.bytes_per_page(self.cfg, self.page_size, self.dtype)
-            fit = int(0.9 * free) // page_bytes
-            if fit < per_seq:
-                raise RuntimeError(f"the KV cache needs {per_seq * page_bytes / 2**30:.1f} GiB for one "
-                                   f"sample but {free / 2**30:.1f} GiB of device memory are free")
-            pages = min(pages, fit)
-        return pages
+    def reserve(self, prompts: Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams]) -> int:
+        """Size the pool (and the static step's block table) now for a run of these requests; later runs
+        keep it while it is large enough (one engine for runs of several sizes: give the largest).
+        Returns the pool's pages."""
+        if self._running():
+            raise RuntimeError("reserve() sizes the pool of an idle engine")
+        params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        self.num_pages = self.runner.reserve(self._workload([(len(p), sp) for p, sp in zip(prompts, params)]),
+                                             self.fixed_pages)
+        return self.num_pages
+
+    def _workload(self, requests: list[tuple[int, SamplingParams]]) -> Workload:
+        return Workload.of([(n, sp.n, sp.max_new_tokens) for n, sp in requests], self.max_batch,
+                           self.page_size, self.runner.prefix_copies)
+
+    def _running(self) -> bool:
+        """Whether a run is in progress (its scheduler has work)."""
+        return self.scheduler is not None and self.scheduler.has_work()
 
     def _start(self) -> None:
+        """A new run over the pending requests: the pool sized (or kept) for them, every page free."""
         reqs = self._pending
-        if self.num_pages is None:
-            self.num_pages = self._default_num_pages(reqs)
-        self.cache = PagedKVCache(self.cfg, self.num_pages, self.page_size, self.dtype, self.device)
+        self.num_pages = self.runner.reserve(self._workload([(len(r.prompt), r.params) for r in reqs]),
+                                             self.fixed_pages)  # may refuse: the requests stay pending
+        self._pending = []
         self.blocks = BlockManager(self.num_pages, self.page_size)
+        reclaim = self.runner.begin(self.blocks)
         self.scheduler = Scheduler(self.blocks, self.max_batch, self.max_prefill_tokens,
-                                   self.cache.copy_pages, self._reclaim_prefix)
+                                   self.runner.cache.copy_pages, reclaim or _nothing)
         for r in reqs:
             self.scheduler.add(r)
-        if self.decode_graphs != "off":
-            longest = max((len(r.prompt) + r.params.max_new_tokens for r in reqs), default=1)
-            self.static = StaticDecode(self.model, self.cache, max_batch=self.max_batch,
-                                       max_pages=self.blocks.pages_for(longest),
-                                       dense_layers=self.dense_layers, scale=self.scale, impl=self.impl,
-                                       capture=self.decode_graphs == "cuda", workspace=self.workspace)
-        self._pending = []
 
     def has_work(self) -> bool:
-        return bool(self._pending) or (self.scheduler is not None and self.scheduler.has_work())
+        return bool(self._pending) or self._running()
 
     # ------------------------------------------------------------------ the loop
 
     @torch.inference_mode()
     def step(self) -> tuple[list[Completion], int]:
         """Run one prefill or decode step; returns (samples finished in it, tokens generated)."""
-        if self.scheduler is None:
+        if self._pending and not self._running():
             self._start()
+        if not self._running():
+            return [], 0
         kind, batch = self.scheduler.schedule()
         t0 = time.perf_counter()
         if kind == "prefill":
@@ -215,8 +265,7 @@ class Engine:
         else:
             seqs = batch
             new = self._decode(batch) if batch else 0
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        self.runner.synchronize()
         dt = time.perf_counter() - t0
         if kind == "prefill":
             self.stats.prefill_s += dt
@@ -230,24 +279,30 @@ class Engine:
         for s in seqs:
             if s.finish_reason is not None:
                 self.scheduler.finish(s)
-                self._release_prefix(s.request.request_id)
+                self.runner.on_finish(s.request.request_id)
                 done.append(s.completion())
         return done, new
 
     def generate(self, prompts: Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams],
                  on_step: Callable[[int, int], None] | None = None,
-                 request_ids: Seq[int] | None = None) -> list[list[Completion]]:
+                 request_ids: Seq[int] | None = None,
+                 sparsity: Sparsity = "engine") -> list[list[Completion]]:
         """All samples of every prompt, in prompt order then sample order. `on_step(new_tokens,
-        finished_samples)` is called after every engine step. `request_ids` (default: consecutive)
-        name the prompts in the per-sample seeds, so a shard of a prompt set given its global prompt
-        indices samples exactly what the whole set run in one engine samples for those prompts."""
+        finished_samples)` is called after every engine step. `request_ids` (default: consecutive, from 0
+        when the engine is idle) name the prompts in the per-sample seeds, so a shard of a prompt set given
+        its global prompt indices samples exactly what the whole set run in one engine samples for those
+        prompts. `sparsity` overrides the engine's for these prompts. Called on an idle engine, it starts
+        a run: `stats` then count this call's steps only."""
         params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if not self.has_work():
+            self.stats = EngineStats()
+            self._next_id = 0
         base = self._next_id
         if request_ids is None:
             request_ids = [base + i for i in range(len(prompts))]
         if len(request_ids) != len(prompts) or len(set(request_ids)) != len(request_ids):
             raise ValueError("request_ids must name every prompt once")
-        ids = [self.add_request(p, sp, rid) for p, sp, rid in zip(prompts, params, request_ids)]
+        ids = [self.add_request(p, sp, rid, sparsity) for p, sp, rid in zip(prompts, params, request_ids)]
         out: dict[int, list[Completion]] = {i: [] for i in ids}
         while self.has_work():
             done, new = self.step()
@@ -264,191 +319,55 @@ class Engine:
         if req.params.temperature <= 0:
             return None
         seed = int(np.random.SeedSequence([req.params.seed, req.request_id, sample]).generate_state(1)[0])
-        return torch.Generator(device=self.device).manual_seed(seed)
+        return torch.Generator(device=self.runner.device).manual_seed(seed)
 
     def _prefill(self, batch: list[Request | Sequence]) -> list[Sequence]:
         """Prefill new requests (their samples then share the prompt's pages and sample their first
         token) and recompute preempted samples (no sampling: their last token is fed next)."""
-        P, blocks, dev = self.page_size, self.blocks, self.device
-        rows = [prefill_tokens(x) for x in batch]
-        plens = [len(x.prompt if isinstance(x, Request) else x.request.prompt) for x in batch]
-        lens = [len(r) for r in rows]
-        t_max = max(lens)
-        pages = [[blocks.allocate() for _ in range(blocks.pages_for(n))] for n in lens]
-        tokens = torch.zeros(len(batch), t_max, dtype=torch.long)
-        table = np.zeros((len(batch), blocks.pages_for(t_max)), dtype=np.int64)
-        for i, r in enumerate(rows):
-            tokens[i, : lens[i]] = torch.tensor(r)
-            table[i, : len(pages[i])] = pages[i]
-        pos = np.arange(t_max)
-        slot = table[:, pos // P] * P + pos % P  # [G, T]
-        prompt = pos[None] < np.asarray(plens)[:, None]
-        attn = PrefillAttention(self.cache, torch.from_numpy(prompt).to(dev),
-                                torch.from_numpy(slot[prompt]).to(dev), self.impl,
-                                self._recompute(batch, lens, plens, slot, table),
-                                self._new_prefixes(batch, pages, plens))
-        positions = torch.arange(t_max, device=dev).expand(len(batch), t_max)
-        hidden = self.model.hidden_states(tokens.to(dev), positions=positions, attention=attn)
-        self.stats.prefill_tokens += sum(lens)
-        self.stats.recomputed_tokens += sum(n for x, n in zip(batch, lens) if isinstance(x, Sequence))
+        blocks = self.blocks
+        rows = []
+        for x in batch:
+            tokens = prefill_tokens(x)
+            pages = [blocks.allocate() for _ in range(blocks.pages_for(len(tokens)))]
+            if isinstance(x, Request):
+                rows.append(PrefillRow(tokens, len(x.prompt), pages, None, x.request_id, x.params.n))
+            else:
+                rows.append(PrefillRow(tokens, len(x.request.prompt), pages, x.budgets[1: len(x.tokens)],
+                                       x.request.request_id))
+        logits = self.runner.prefill(rows)  # [fresh requests, V], in batch order
+        self.stats.prefill_tokens += sum(len(r.tokens) for r in rows)
+        self.stats.recomputed_tokens += sum(len(r.tokens) for r in rows if r.budgets is not None)
 
-        fresh = [i for i, x in enumerate(batch) if isinstance(x, Request)]
         seqs: list[Sequence] = []
-        for i in fresh:
-            r = batch[i]
-            for s in range(r.params.n):
-                seq = Sequence(r, s, self._generator(r, s))
-                seq.pages = [blocks.share(p) if s else p for p in pages[i]]
+        owner = []  # the row of logits each fresh sample samples from
+        fresh = [(x, row) for x, row in zip(batch, rows) if isinstance(x, Request)]
+        for i, (req, row) in enumerate(fresh):
+            for s in range(req.params.n):
+                seq = Sequence(req, s, self._generator(req, s))
+                seq.pages = [blocks.share(p) if s else p for p in row.pages]
                 seqs.append(seq)
+                owner.append(i)
         if seqs:
-            last = hidden[torch.tensor(fresh, device=dev), torch.tensor([lens[i] - 1 for i in fresh],
-                                                                        device=dev)]
-            logits = self.model.logits(last)  # [fresh, V] fp32
-            owner = torch.tensor([j for j, i in enumerate(fresh) for _ in range(batch[i].params.n)],
-                                 device=dev)
-            self._sample(seqs, logits[owner], [0] * len(seqs))
+            self._sample(seqs, logits[torch.tensor(owner, device=logits.device)], [0] * len(seqs))
         again = [x for x in batch if isinstance(x, Sequence)]
-        for seq, p in zip(again, (pages[i] for i, x in enumerate(batch) if isinstance(x, Sequence))):
-            seq.pages = p
+        for seq, row in zip(again, (row for x, row in zip(batch, rows) if isinstance(x, Sequence))):
+            seq.pages = row.pages
         self.scheduler.admit_prefilled(again + [s for s in seqs if s.finish_reason is None])
         return seqs
-
-    def _new_prefixes(self, batch: list[Request | Sequence], pages: list[list[int]],
-                      plens: list[int]) -> list[tuple[int, SharedPrefix]]:
-        """Stores for the full prompt pages of the fresh requests in this prefill (cascade attention)."""
-        if not self.cascade:
-            return []
-        out, P = [], self.page_size
-        for i, x in enumerate(batch):
-            m = plens[i] // P
-            # the copy takes m pool pages in a row; only while that leaves each sample a page to grow
-            # into (under pressure later, `_reclaim_prefix` gives them back before anyone is preempted)
-            if not isinstance(x, Request) or m == 0 or self.blocks.num_free - m < x.params.n:
-                continue
-            run = self.blocks.allocate_run(m)
-            if run is not None:
-                prefix = SharedPrefix.in_pool(self.cache, pages[i][:m], run, self._pack_prefixes())
-                self.prefixes[x.request_id] = prefix
-                self._unfinished[x.request_id] = x.params.n
-                out.append((i, prefix))
-        return out
-
-    def _pack_prefixes(self) -> bool:
-        """Prefix copies in the AVX512-BF16 kernel's layouts: bf16 on a CPU that runs the kernel."""
-        return (cpu_attention.supports(self.cfg.head_dim, self.page_size, self.dtype)
-                and cpu_attention.available())
-
-    def _release_prefix(self, request_id: int) -> None:
-        if request_id in self._unfinished:
-            self._unfinished[request_id] -= 1
-            if self._unfinished[request_id] == 0:
-                self._drop_prefix(request_id)
-
-    def _drop_prefix(self, request_id: int) -> None:
-        del self._unfinished[request_id]
-        self.blocks.free_pages(list(self.prefixes.pop(request_id).run))
-
-    def _reclaim_prefix(self) -> bool:
-        """Give the newest prefix copy's pages back to the pool (its samples decode without cascade
-        from then on, reading the same keys from their own block tables); False if there is none."""
-        if not self.prefixes:
-            return False
-        self._drop_prefix(next(reversed(self.prefixes)))
-        return True
-
-    def _cascade(self, seqs: list[Sequence]) -> Cascade | None:
-        """Group the decode batch's samples by the shared prompt pages their block tables start with."""
-        if not self.prefixes:
-            return None
-        groups: dict[int, list[int]] = {}
-        first = [0] * len(seqs)
-        for i, s in enumerate(seqs):
-            prefix = self.prefixes.get(s.request.request_id)
-            if prefix is not None and tuple(s.pages[: len(prefix.pages)]) == prefix.pages:
-                groups.setdefault(s.request.request_id, []).append(i)
-                first[i] = len(prefix.pages)
-        if not groups:
-            return None
-        dev = self.device
-        return Cascade([(torch.tensor(rows, device=dev), self.prefixes[rid]) for rid, rows in groups.items()],
-                       suffix_pages(first, [len(s.pages) for s in seqs], self.cfg.num_kv_heads, dev))
-
-    def _recompute(self, batch: list[Request | Sequence], lens: list[int], plens: list[int],
-                   slot: np.ndarray, table: np.ndarray) -> Recompute | None:
-        """The generated positions of recomputed rows: their writes in page-offset order and the
-        budgets their decode steps had (`Sequence.budgets[j + 1]` for the token fed at plen + j)."""
-        if all(isinstance(x, Request) for x in batch):
-            return None
-        dev, P = self.device, self.page_size
-        budgets = np.zeros(slot.shape, dtype=np.int64)
-        gen_rows, gen_cols = [], []
-        for i, x in enumerate(batch):
-            if isinstance(x, Sequence):
-                budgets[i, plens[i]: lens[i]] = x.budgets[1: len(x.tokens)]
-                gen_rows.append(np.full(lens[i] - plens[i], i))
-                gen_cols.append(np.arange(plens[i], lens[i]))
-        rows, cols = np.concatenate(gen_rows), np.concatenate(gen_cols)
-        appended = []
-        for off in range(P):
-            at = cols % P == off
-            if at.any():
-                appended.append((torch.from_numpy(rows[at]).to(dev), torch.from_numpy(cols[at]).to(dev),
-                                 torch.from_numpy(slot[rows[at], cols[at]]).to(dev)))
-        positions = torch.arange(slot.shape[1], device=dev).expand(*slot.shape)
-        sparse = torch.from_numpy(budgets).to(dev) if budgets.any() else None
-        return Recompute(appended, sparse, positions, torch.from_numpy(table).to(dev),
-                         frozenset(self.dense_layers))
 
     # ------------------------------------------------------------------ decode
 
     def _decode(self, seqs: list[Sequence]) -> int:
-        P = self.page_size
-        pos, slots, budgets = [], [], []
-        for s in seqs:
-            p = s.num_tokens - 1  # the last sampled token: its k/v go to its page, given by the scheduler
-            pos.append(p)
-            slots.append(s.pages[p // P] * P + p % P)
-            budgets.append(s.budget_now())
-        width = max(len(s.pages) for s in seqs)
-        table = np.full((len(seqs), width), -1, dtype=np.int32)
-        for i, s in enumerate(seqs):
-            table[i, : len(s.pages)] = s.pages
-        tokens = [s.tokens[-1] for s in seqs]
-        if self.static is not None and self.static.fits(len(seqs), width):
-            logits = self.static.run(tokens, pos, table, budgets, slots)
-        else:
-            logits = self._decode_eager(tokens, pos, table, budgets, slots, self._cascade(seqs))
+        budgets = [s.budget_now() for s in seqs]
+        logits = self.runner.decode(seqs, budgets)
         self._sample(seqs, logits, budgets)
         self.stats.decode_steps += 1
         self.stats.decode_tokens += len(seqs)
         self.stats.budget_sum += sum(budgets)
         return len(seqs)
 
-    def _decode_eager(self, tokens: list[int], pos: list[int], table: np.ndarray, budgets: list[int],
-                      slots: list[int], cascade: Cascade | None = None) -> torch.Tensor:
-        """The decode step at this batch's own shapes -> logits [B, V] float32."""
-        dev = self.device
-        positions = torch.tensor(pos, device=dev)
-        attn = DecodeAttention(
-            self.cache, torch.from_numpy(table).to(dev), (positions + 1).to(torch.int32),
-            torch.tensor(budgets, dtype=torch.int32, device=dev),
-            torch.tensor(slots, dtype=torch.int64, device=dev),
-            self.dense_layers, self.scale, self.impl, any_sparse=any(b > 0 for b in budgets),
-            max_selected=kept_pages(budgets, self.page_size, table.shape[1]) if dev.type == "cuda" else None,
-            workspace=self.workspace, cascade=cascade)
-        if self.fused is not None and self.fused.ready():
-            return self.fused.logits(tokens, pos, attn)
-        with (self.packed.active() if self.packed is not None else nullcontext(),
-              self.layer_ops.active() if self.layer_ops is not None else nullcontext()):
-            hidden = self.model.hidden_states(torch.tensor(tokens, device=dev)[:, None],
-                                              positions=positions[:, None], attention=attn)
-            return self.model.logits(hidden[:, 0])
-
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor, budgets: list[int]) -> None:
-        k = max(s.request.params.logprobs for s in seqs)
-        tokens, logps, top = sample_tokens(logits, [s.request.params for s in seqs],
-                                           [s.generator for s in seqs], k)
-        tokens, logps = tokens.tolist(), logps.tolist()
+        tokens, logps, top = self.runner.sample(seqs, logits)
         for i, s in enumerate(seqs):
             s.tokens.append(tokens[i])
             s.logprobs.append(logps[i])
@@ -461,3 +380,7 @@ class Engine:
                 s.finish_reason = "stop"
             elif len(s.tokens) >= s.request.params.max_new_tokens:
                 s.finish_reason = "length"
+
+
+def _nothing() -> bool:
+    return False

@@ -1,8 +1,10 @@
 """Batched sampling: temperature, top-k, top-p, one random generator per sample.
 
-Each sample owns a `torch.Generator` seeded from (seed, request, sample), so what a sample draws does
-not depend on which other sequences share its batch: the same seed gives the same rollouts with any
---max-batch. Logprobs follow `stages.generate.sample_next`: log_softmax(logits / T) of the sampled
+Each sample owns a `torch.Generator` seeded from (seed, request, sample), so what a sample draws from
+given logits does not depend on which other sequences share its batch. Whether the logits themselves
+do is the device's business (engine.py: not on a CPU with up to 16 rows; on CUDA the batch bucket's
+kernels may round differently, so the same seed gives the same rollouts with any --max-batch only on
+the CPU). Logprobs follow `stages.generate.sample_next`: log_softmax(logits / T) of the sampled
 token, T = 1 when greedy, before truncation. A sampled row draws by an exponential race, argmax p / E
 with E ~ Exp(1) per token, which is exact and needs one noise draw per sample and one batched argmax; on a
 CPU, rows without top-k/top-p run it in one C++ pass with counter-based noise (kernels/cpu_sampling.py).

@@ -22,8 +22,12 @@ its generated tokens but the last, into pages of its own (the prompt's are not r
 it costs only the prompt's pages once per recomputed sample). It writes the keys and values decoding
 wrote (equal up to float rounding: a prefill's matrix products round differently from a decode
 step's) with the same running-mean centroids, and each generated position attends by the block top-k
-rule at the budget its decode step had (engine.py), so its next decode step feeds the last token as
-it would have; it keeps its random generator, so it draws what it would have drawn. The oldest
+rule at the budget its decode step had (runner.py), so its next decode step feeds the last token as
+it would have up to that rounding; it keeps its random generator, so it draws what it would have
+drawn from the same logits. So in fp32 it keeps its tokens unless a near tie flips; in bf16 or on CUDA
+a near tie in a token or a page selection is common enough that it may not (engine.py). A recompute
+longer than the prefill token cap is prefilled in chunks (runner.py); admission caps the tokens of a
+prefill step except for its first entry, which may be that long. The oldest
 running sample is never the victim, so it always progresses: a request is refused up front if one
 of its samples at full length needs more pages than the pool has (engine.py), and with that no
 schedule can stall.

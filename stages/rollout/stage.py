@@ -35,6 +35,8 @@ class RolloutOptions:
     lora: LoraWeights | None = field(default=None, repr=False)
     decode_graphs: str = "auto"  # see Engine: CUDA graphs on CUDA unless "off"
     kv_pages: int | None = None  # KV page pool (None: every sample fits at full length; smaller preempts)
+    gpu_memory_utilization: float = 0.9  # on CUDA, the share of device memory the engine may take
+    max_prefill_tokens: int = 8192  # tokens per prefill forward (longer prompts are chunked)
 
 
 @dataclass
@@ -71,14 +73,20 @@ def run_rollouts(loaded: LoadedModel, rows: Seq[dict], opts: RolloutOptions,
     """`rows`: prompts-artifact rows with `prompt_id` and `prompt_token_ids` (and optionally `task`,
     `answer`, `metadata` for the reward). `request_ids`: the rows' indices in the whole prompt set when
     `rows` is a shard of it (they seed the samples; default 0, 1, ...)."""
-    engine = Engine(loaded.model, opts.sparsity, max_batch=opts.max_batch, page_size=opts.page_size,
-                    dense_layers=opts.dense_layers, impl=opts.impl, decode_graphs=opts.decode_graphs,
-                    num_pages=opts.kv_pages)
-    with lora_merged(loaded.model, opts.lora):
+    with Engine(loaded.model, opts.sparsity, **engine_options(opts)) as engine, \
+            lora_merged(loaded.model, opts.lora):
         results = engine.generate([r["prompt_token_ids"] for r in rows], opts.sampling, on_step,
                                   request_ids=request_ids)
     out = rollout_columns(rows, results, loaded.tokenizer)
     return pa.table(out), summarize(out, engine.stats)
+
+
+def engine_options(opts: RolloutOptions) -> dict:
+    """The `Engine` keywords of rollout options (all but the sparsity)."""
+    return dict(max_batch=opts.max_batch, page_size=opts.page_size, dense_layers=opts.dense_layers,
+                impl=opts.impl, decode_graphs=opts.decode_graphs, num_pages=opts.kv_pages,
+                gpu_memory_utilization=opts.gpu_memory_utilization,
+                max_prefill_tokens=opts.max_prefill_tokens)
 
 
 def rollout_columns(rows: Seq[dict], results: Seq[Seq[Completion]], tokenizer) -> dict[str, list]:

@@ -15,20 +15,24 @@ the positions, selection gets `max_selected`, and the ops were written so (kerne
 Warm-up and capture run with every row padded, so they write nothing to the cache; the real inputs
 are copied in afterwards and the graph is replayed.
 
+The logits go to one static buffer [max_batch, V] float32 that every graph writes, so the graphs' memory
+pool holds one step's intermediates (reused from capture to capture) and no logits per graph; the
+runner's profiling run measures that step before it sizes the KV pool (gpu_runner.py).
+
 With `capture=False` the same padded step runs eagerly on any device. That is how the CPU tests hold
 this path to the plain decode step and to teacher-forced scoring; only the capture needs CUDA.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from ..model.llama import Transformer
-from .attention import DecodeAttention
+from .attention import DecodeAttention, DecodeBatch
 from .kv_cache import PagedKVCache
 
 
@@ -49,17 +53,16 @@ def kept_pages(budgets: Collection[int], page_size: int, max_pages: int) -> int:
 
 class StaticDecode:
     def __init__(self, model: Transformer, cache: PagedKVCache, *, max_batch: int, max_pages: int,
-                 dense_layers: Collection[int], scale: float, impl: str = "auto", capture: bool = True,
-                 workspace=None):
+                 attention: Callable[[DecodeBatch], DecodeAttention], capture: bool = True):
         """`max_pages`: block table width, enough for the longest sequence the engine will decode.
-        `workspace`: the CPU path's `ops.GatherWorkspace`."""
+        `attention`: the runner's decode attention for a batch of static buffers (a plain function or
+        partial, never a bound method of the runner, which holds this object)."""
         if capture and cache.k.device.type != "cuda":
             raise ValueError("CUDA graphs need the model and cache on a CUDA device")
         dev = cache.k.device
         self.model, self.cache, self.capture = model, cache, capture
         self.max_pages, self.page_size = max_pages, cache.page_size
-        self.dense_layers, self.scale, self.impl = tuple(dense_layers), scale, impl
-        self.workspace = workspace
+        self.attention = attention
         self.buckets = batch_buckets(max_batch)
         rows = self.buckets[-1]
         self.tokens = torch.zeros(rows, 1, dtype=torch.long, device=dev)
@@ -68,7 +71,8 @@ class StaticDecode:
         self.seq_lens = torch.zeros(rows, dtype=torch.int32, device=dev)
         self.budgets = torch.zeros(rows, dtype=torch.int32, device=dev)
         self.slots = torch.full((rows,), -1, dtype=torch.int64, device=dev)
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
+        self.logits = torch.zeros(rows, model.cfg.vocab_size, dtype=torch.float32, device=dev)
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.pool = None
 
     def fits(self, batch: int, width: int) -> bool:
@@ -84,9 +88,10 @@ class StaticDecode:
         graph = self._graph(n, k) if self.capture else None
         self._fill(b, n, tokens, positions, block_table, budgets, slots)
         if graph is None:
-            return self._forward(n, k)[:b]
-        graph[0].replay()
-        return graph[1][:b]
+            self._forward(n, k)
+        else:
+            graph.replay()
+        return self.logits[:b]
 
     def _fill(self, b: int, n: int, tokens, positions, block_table: np.ndarray, budgets, slots) -> None:
         width = block_table.shape[1]
@@ -107,15 +112,15 @@ class StaticDecode:
         self.budgets[start:end] = 0
         self.slots[start:end] = -1
 
-    def _forward(self, n: int, k: int) -> Tensor:
-        attn = DecodeAttention(self.cache, self.block_table[:n], self.seq_lens[:n], self.budgets[:n],
-                               self.slots[:n], self.dense_layers, self.scale, self.impl,
-                               any_sparse=k > 0, max_selected=k or None, workspace=self.workspace)
+    def _forward(self, n: int, k: int) -> None:
+        """The step of bucket n with K = k into `self.logits[:n]`."""
+        attn = self.attention(DecodeBatch(self.block_table[:n], self.seq_lens[:n], self.budgets[:n],
+                                          self.slots[:n], any_sparse=k > 0, max_selected=k or None))
         hidden = self.model.hidden_states(self.tokens[:n], positions=self.positions[:n], attention=attn,
                                           kv_len=self.max_pages * self.page_size)
-        return self.model.logits(hidden[:, 0])
+        self.logits[:n].copy_(self.model.logits(hidden[:, 0]))
 
-    def _graph(self, n: int, k: int) -> tuple[torch.cuda.CUDAGraph, Tensor]:
+    def _graph(self, n: int, k: int) -> torch.cuda.CUDAGraph:
         key = (n, k)
         if key not in self.graphs:
             self._pad(0, n)  # warm-up and capture see only padding rows: they write nothing
@@ -126,7 +131,12 @@ class StaticDecode:
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                out = self._forward(n, k)
+                self._forward(n, k)
             self.pool = graph.pool()
-            self.graphs[key] = (graph, out)
+            self.graphs[key] = graph
         return self.graphs[key]
+
+    def drop_graphs(self) -> None:
+        """Forget the captured graphs (the weights they read were replaced); the next steps capture anew."""
+        self.graphs.clear()
+        self.pool = None

@@ -62,6 +62,7 @@ class RolloutWorker:
         self.loaded = load_model(model, device=device, random_weights=random_weights,
                                  dtype=resolve_dtype(dtype, device))
         self.fault_once = fault_once  # tests: "SHARD:MARKER", exit once on that shard
+        self.engine = None  # the trainer's rollout engine, kept across steps
 
     def pid(self) -> int:
         return os.getpid()
@@ -81,13 +82,23 @@ class RolloutWorker:
 
         return run_rollouts(self.loaded, rows, opts, request_ids=indices)
 
-    def generate(self, prompts: list[list[int]], indices: list[int], params, sparsity, max_batch: int):
-        """The trainer's rollout phase: the engine's completions of each prompt."""
+    def generate(self, prompts: list[list[int]], indices: list[int], params, sparsity, max_batch: int,
+                 gpu_memory_utilization: float = 0.9):
+        """The trainer's rollout phase: the engine's completions of each prompt. One engine serves every
+        step (made again only if the batch size changes or a LoRA is injected)."""
         from .engine import Engine
 
         self.loaded.model.eval()
-        engine = Engine(self.loaded.model, sparsity, max_batch=max_batch)
-        return engine.generate(prompts, params, request_ids=indices)
+        if self.engine is None or self.engine.max_batch != max_batch:
+            self._drop_engine()
+            self.engine = Engine(self.loaded.model, None, max_batch=max_batch,
+                                 gpu_memory_utilization=gpu_memory_utilization)
+        return self.engine.generate(prompts, params, request_ids=indices, sparsity=sparsity)
+
+    def _drop_engine(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
 
     def profile(self, items: list, indices: list[int], opts, sample: bool) -> pa.Table:
         """`sparrow profile` on (prompt id, prompt ids) pairs (sample first) or on trajectories."""
@@ -107,10 +118,13 @@ class RolloutWorker:
             load_lora_state(self.loaded.model, state)
         else:
             self.loaded.model.load_state_dict(state)
+        if self.engine is not None:
+            self.engine.update_weights()
 
     def add_lora(self, rank: int, alpha: float) -> None:
         from ..train.adapter import add_lora
 
+        self._drop_engine()  # its packed weights and graphs belong to the modules the LoRA wraps
         add_lora(self.loaded.model, rank, alpha)
 
     def _maybe_die(self, shard: int) -> None:

@@ -2,8 +2,9 @@
 
 One step, for P prompts x K samples:
 1. rollout: the engine samples with the current weights (a LoRA is injected in place, so there is
-   nothing to reload) under the sparsity spec, returning each token's logprob under the sparse actor
-   and its top-20 logprobs;
+   nothing to reload; one engine serves the run, evaluation included, and is told of every update)
+   under the sparsity spec, returning each token's logprob under the sparse actor and its top-20
+   logprobs;
 2. rewards from the task's scorer, group advantages (r - mean) / (std + eps) per prompt;
 3. scoring: the learner's dense, teacher-forced logprobs of the same tokens with the same weights
    ("old" logprobs, no gradient), which also give the dense probabilities of the actor's top-20 tokens,
@@ -205,7 +206,10 @@ class Trainer:
                  run_dir: str | Path, eval_prompts: list[PromptRow] | None = None, resume: bool = False,
                  on_step: Callable[[dict], None] | None = None,
                  on_phase: Callable[[str], None] | None = None, world: World | None = None,
-                 pool: RolloutPool | None = None, force: bool = False):
+                 pool: RolloutPool | None = None, force: bool = False,
+                 gpu_memory_utilization: float = 0.9):
+        """`gpu_memory_utilization`: on CUDA, the share of device memory the rollout engine may take (its
+        KV pool, graphs and activations; the learner's update needs the rest)."""
         config.validate()
         self.world = world or current_world()
         if pool is not None and self.world.distributed:
@@ -214,6 +218,8 @@ class Trainer:
             raise ValueError("--distill-sparse runs in one process for now: it cannot be combined with Ray "
                              "rollout workers or torchrun ranks")
         self.pool, self.sync_seconds = pool, None
+        self.gpu_memory_utilization = gpu_memory_utilization
+        self.engine: Engine | None = None  # one for the run, made at the first rollout (see `_engine`)
         if config.prompts_per_step * config.samples < self.world.size:
             raise ValueError(f"--prompts-per-step x --samples ({config.prompts_per_step * config.samples} "
                              f"sequences) must be at least the world size ({self.world.size}), so that "
@@ -300,6 +306,9 @@ class Trainer:
                     self._save_checkpoint()
         except KeyboardInterrupt:
             self._interrupted()
+        finally:
+            if self.engine is not None:
+                self.engine.close()  # its pool and graphs go now; a later rollout makes them again
         summary = self.summary()
         self.world.barrier()
         return summary
@@ -362,6 +371,8 @@ class Trainer:
         if self.sparse_actor is not None:  # the learner frozen, the sparse adapter's step
             self.sparse_history.append({"step": step, **self.sparse_actor.update(flat, exp["advantages"], old,
                                                                                  self.loss_cfg)})
+        if self.engine is not None:
+            self.engine.update_weights()  # the next rollouts sample with the updated weights
         t_update = time.perf_counter() - t2
 
         self.step = step + 1
@@ -386,10 +397,19 @@ class Trainer:
         if self.pool is not None:
             return self._rollout_on_workers(batch, params)
         shard = self.world.shard(len(batch))  # a prompt's group stays on one rank
-        engine = Engine(self.model, self.sparsity, max_batch=max(len(batch[shard]), 1) * cfg.samples)
-        mine = engine.generate([r.token_ids for r in batch[shard]], params,
-                               request_ids=range(shard.start, shard.stop))
+        mine = self._engine().generate([r.token_ids for r in batch[shard]], params,
+                                       request_ids=range(shard.start, shard.stop))
         return [group for part in self.world.gather(mine) for group in part]
+
+    def _engine(self) -> Engine:
+        """The run's rollout engine, made once (after the LoRA is injected and a checkpoint loaded) and
+        updated in place after every optimizer step; its batch is this rank's share of a step's samples."""
+        if self.engine is None:
+            mine = self.world.shard(self.cfg.prompts_per_step)
+            batch = max(mine.stop - mine.start, 1) * self.cfg.samples
+            self.engine = Engine(self.model, self.sparsity, max_batch=batch,
+                                 gpu_memory_utilization=self.gpu_memory_utilization)
+        return self.engine
 
     def _score(self, flat) -> dict:
         """Dense old logprobs (+ reference, + top-20 lower bound of alpha) of every sampled token; each
@@ -411,7 +431,7 @@ class Trainer:
                  else {k: v.detach().cpu() for k, v in self.model.state_dict().items()})
         self.sync_seconds = self.pool.push_weights(state, lora)
         results = self.pool.map("generate", [r.token_ids for r in batch], params, self.sparsity,
-                                len(batch) * self.cfg.samples)
+                                len(batch) * self.cfg.samples, self.gpu_memory_utilization)
         return [group for r in results for group in r.value]
 
     @torch.no_grad()
@@ -599,8 +619,7 @@ class Trainer:
         params = SamplingParams(max_new_tokens=self.cfg.max_new_tokens, temperature=0.0)
         self.model.eval()
         rows = self.eval_prompts
-        engine = Engine(self.model, None, max_batch=min(len(rows), 32))
-        out = engine.generate([r.token_ids for r in rows], params)
+        out = self._engine().generate([r.token_ids for r in rows], params, sparsity=None)
         tok = self.loaded.tokenizer
         rewards = [score(r.task, tok.decode(o[0].token_ids, skip_special_tokens=True), r.answer, r.metadata)
                    for r, o in zip(rows, out)]

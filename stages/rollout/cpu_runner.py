@@ -1,0 +1,140 @@
+"""`CpuRunner`: the runner on a CPU, with the machinery that makes a CPU decode step fast.
+
+On top of the plain path (runner.py): the C++ kernels of kernels/cpu_attention.py where they build
+(impl="auto"; impl="torch" runs the torch references), glibc's allocator tuned for the process
+(allocator.py), linears on prepacked weights (our C++ product in bf16 and fp32, oneDNN's otherwise;
+packed_linears.py), the norms and rotary embedding as C++ ops (cpu_layers.py), a decode layer as two
+C++ ops around the attention where every projection is packed for our product (cpu_decode.py; its
+logits are the modular step's bit for bit), reused K/V gather buffers, and cascade attention: the dense
+attention of samples sharing a prompt reads the prompt's pages once per step, from a contiguous copy
+taken at prefill into pool pages (`PrefixStore`, kv_cache.py).
+
+The pool is sized for the workload (`Workload.pages`, every sample at full length, nothing preempted):
+a CPU has no memory fraction to fill, and pages nobody writes cost no resident memory (the pool is
+calloc'd). A pool from an earlier run is kept when it is large enough.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from contextlib import nullcontext
+
+import torch
+from torch import Tensor
+
+from sparrow.kernels import cpu_attention
+from sparrow.kernels.cascade_decode import suffix_pages
+from sparrow.kernels.ops import GatherWorkspace
+
+from ..model.llama import Transformer
+from .allocator import tune_cpu_allocator
+from .attention import Cascade, CpuDecodeAttention, DecodeAttention, DecodeBatch
+from .cpu_decode import FusedCpuDecode
+from .cpu_layers import CpuLayerOps, cpu_layers_available
+from .kv_cache import PrefixStore, SharedPrefix
+from .packed_linears import PackedLinears, packing_available
+from .runner import ModelRunner, PrefillRow
+from .sequence import Sequence as Sample
+
+
+class CpuRunner(ModelRunner):
+    def __init__(self, model: Transformer, *, cascade: bool | None = None, **kw):
+        """`cascade`: read shared prompt pages once per decode step (None: yes)."""
+        super().__init__(model, **kw)
+        tune_cpu_allocator()
+        self.cascade = True if cascade is None else cascade
+        self.prefix_copies = self.cascade
+        own = self.impl == "auto"  # impl="torch": no C++ kernel anywhere in the step
+        self.workspace = GatherWorkspace()  # the torch references' K/V gather buffers, reused every step
+        self.packed = PackedLinears(model, self.max_batch, own) if packing_available(model) else None
+        self.layer_ops = CpuLayerOps(model) if own and cpu_layers_available(model) else None
+        self.fused = FusedCpuDecode(model, self.packed) if (
+            self.packed is not None and self.packed.dot and self.layer_ops is not None
+            and isinstance(model, Transformer)) else None
+        self.store: PrefixStore | None = None
+
+    @property
+    def prefixes(self) -> dict[int, SharedPrefix]:
+        """The current run's prompt copies by request id."""
+        return self.store.prefixes if self.store is not None else {}
+
+    def _static_attention(self) -> Callable[[DecodeBatch], DecodeAttention]:
+        return functools.partial(CpuDecodeAttention, self.cache, dense_layers=self.dense_layers,
+                                 scale=self.scale, impl=self.impl, workspace=self.workspace)
+
+    def close(self) -> None:
+        self.store = None
+        super().close()
+
+    def begin(self, blocks) -> Callable[[], bool] | None:
+        if not self.cascade:
+            self.store = None
+            return None
+        self.store = PrefixStore(blocks, self.cache, self._pack_prefixes())
+        return self.store.reclaim
+
+    def _pack_prefixes(self) -> bool:
+        """Prefix copies in the AVX512-BF16 kernel's layouts: bf16 on a CPU that runs the kernel."""
+        return (cpu_attention.supports(self.cfg.head_dim, self.page_size, self.dtype)
+                and cpu_attention.available())
+
+    def on_finish(self, request_id: int) -> None:
+        if self.store is not None:
+            self.store.release(request_id)
+
+    def refresh_weights(self) -> None:
+        """Repack every weight at the next decode step (the packed copies also follow each weight's
+        version counter, which an in-place change through `.data` does not move)."""
+        if self.packed is not None:
+            self.packed.stamps.clear()
+        if self.fused is not None:
+            self.fused.layers = None
+
+    # ------------------------------------------------------------------ prefill
+
+    def prefill(self, rows: list[PrefillRow]) -> Tensor | None:
+        """As the plain path, and each fresh prompt's full pages copied for cascade attention where the
+        pool can spare them."""
+        prefixes: dict[int, SharedPrefix] = {}
+        if self.store is not None:
+            for i, row in enumerate(rows):
+                full = row.prompt_len // self.page_size
+                if row.budgets is None and full:
+                    prefix = self.store.take(row.request_id, row.pages[:full], row.samples,
+                                             min(row.samples, self.max_batch))
+                    if prefix is not None:
+                        prefixes[i] = prefix
+        return self._prefill(rows, prefixes)
+
+    # ------------------------------------------------------------------ decode
+
+    def _decode_attention(self, batch: DecodeBatch, seqs: list[Sample]) -> DecodeAttention:
+        return CpuDecodeAttention(self.cache, batch, self.dense_layers, self.scale, self.impl, self.workspace,
+                                  self._cascade(seqs))
+
+    def _decode_logits(self, tokens: list[int], pos: list[int], positions: Tensor,
+                       attention: DecodeAttention) -> Tensor:
+        if self.fused is not None and self.fused.ready():
+            return self.fused.logits(tokens, pos, attention)
+        with (self.packed.active() if self.packed is not None else nullcontext(),
+              self.layer_ops.active() if self.layer_ops is not None else nullcontext()):
+            return super()._decode_logits(tokens, pos, positions, attention)
+
+    def _cascade(self, seqs: list[Sample]) -> Cascade | None:
+        """Group the decode batch's samples by the shared prompt pages their block tables start with."""
+        prefixes = self.prefixes
+        if not prefixes:
+            return None
+        groups: dict[int, list[int]] = {}
+        first = [0] * len(seqs)
+        for i, s in enumerate(seqs):
+            prefix = prefixes.get(s.request.request_id)
+            if prefix is not None and tuple(s.pages[: len(prefix.pages)]) == prefix.pages:
+                groups.setdefault(s.request.request_id, []).append(i)
+                first[i] = len(prefix.pages)
+        if not groups:
+            return None
+        dev = self.device
+        return Cascade([(torch.tensor(rows, device=dev), prefixes[rid]) for rid, rows in groups.items()],
+                       suffix_pages(first, [len(s.pages) for s in seqs], self.cfg.num_kv_heads, dev))

@@ -1,0 +1,107 @@
+"""`GpuRunner`: the runner on a CUDA device: Triton kernels, CUDA graphs, a pool sized from memory.
+
+The plain path (runner.py) with the model's own modules and the Triton kernels (impl="auto"), the
+decode step replayed from CUDA graphs over static buffers (static_decode.py; decode_graphs="cuda"), and
+selection bounded on the host (`kept_pages`) so that no step waits on the device. Nothing of the CPU's
+machinery (packed weights, C++ ops, cascade copies) is here.
+
+The pool is sized as nano-vllm sizes it, when a workload first needs one (and again when a later,
+larger workload does): a profiling run on a scratch pool measures the peak memory of the largest
+prefill chunk (max_prefill_tokens queries at the end of the workload's longest sample, attending to its
+whole prefix) and of a dense decode step of max_batch rows at that length (the intermediates the CUDA
+graphs' pool keeps); then pages = (total x gpu_memory_utilization - memory in use - those peaks - the
+static logits buffer) / bytes per page, capped by what the workload can use (`memory.pool_pages`). The
+memory in use is the device's (torch's caching allocator emptied first), so the weights, another
+process and, in `sparrow train`, the learner's resident state are counted; the learner's activations
+are not: --gpu-memory-utilization is the share the engine may take.
+
+`close()` drops the pool and the graphs and empties torch's cache, so the memory goes back at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..model.llama import Transformer
+from .kv_cache import PagedKVCache
+from .memory import Workload, pages_for, pool_pages
+from .runner import ModelRunner
+from .static_decode import kept_pages
+
+
+class GpuRunner(ModelRunner):
+    def __init__(self, model: Transformer, *, gpu_memory_utilization: float = 0.9, **kw):
+        super().__init__(model, **kw)
+        self.utilization = gpu_memory_utilization
+        self.capped = False  # the pool is as large as memory allows, not as the workload needs
+        self.memory: dict[str, int] = {}  # the last sizing's numbers, in bytes (and pages)
+        self._weights = self._weight_stamp()
+
+    def _max_selected(self, budgets: Sequence[int], width: int) -> int | None:
+        return kept_pages(budgets, self.page_size, width)
+
+    def _too_small(self, workload: Workload) -> bool:
+        # a pool that memory capped stays: re-profiling would find the same room
+        keep = self.capped and workload.one_sample() <= self.cache.num_pages
+        return super()._too_small(workload) and not keep
+
+    def _pool_size(self, workload: Workload) -> int:
+        dev, cfg = self.device, self.cfg
+        torch.cuda.synchronize(dev)
+        torch.cuda.empty_cache()
+        longest = workload.longest()
+        scratch = PagedKVCache(cfg, pages_for(min(self.max_prefill_tokens, longest), self.page_size) + 1,
+                               self.page_size, self.dtype, dev)
+        prefill, decode = self._peaks(longest, scratch)
+        del scratch
+        torch.cuda.empty_cache()
+        static = self.max_batch * cfg.vocab_size * 4 if self.decode_graphs != "off" else 0  # its logits
+        activations = prefill + decode + static
+        free, total = torch.cuda.mem_get_info(dev)
+        page_bytes = PagedKVCache.bytes_per_page(cfg, self.page_size, self.dtype)
+        pages = pool_pages(free, total, activations, page_bytes, workload, self.utilization)
+        self.capped = pages < workload.pages()
+        self.memory = {"total": total, "in_use": total - free, "prefill_peak": prefill, "decode_peak": decode,
+                       "static": static, "page_bytes": page_bytes, "pages": pages}
+        return pages
+
+    def _peaks(self, longest: int, scratch: PagedKVCache) -> tuple[int, int]:
+        """Bytes above the scratch pool at the peak of the largest prefill chunk and of the decode step."""
+        dev = self.device
+        base = torch.cuda.memory_allocated(dev)
+        peaks = []
+        with torch.inference_mode():
+            for part in ("prefill", "decode"):
+                torch.cuda.reset_peak_memory_stats(dev)
+                self.profile_forwards(longest, scratch, part)
+                torch.cuda.synchronize(dev)
+                peaks.append(max(torch.cuda.max_memory_allocated(dev) - base, 0))
+        return peaks[0], peaks[1]
+
+    def begin(self, blocks):
+        self.refresh_weights()
+        return None
+
+    def refresh_weights(self) -> None:
+        """CUDA graphs read the weights at their addresses and bake in the Python-level choices of the
+        forward: weights updated in place need nothing, but replaced ones (a new tensor) or another set
+        of active peft adapters make the graphs stale, so they are captured again (checked at the start
+        of every run, and when the engine is told of an update)."""
+        stamp = self._weight_stamp()
+        if stamp != self._weights and self.static is not None:
+            self.static.drop_graphs()
+        self._weights = stamp
+
+    def _weight_stamp(self) -> tuple:
+        adapters = tuple((tuple(m.active_adapters), bool(m.disable_adapters)) for m in self.model.modules()
+                         if hasattr(m, "active_adapters") and hasattr(m, "disable_adapters"))
+        return tuple(p.data_ptr() for p in self.model.parameters()), adapters
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def close(self) -> None:
+        super().close()
+        torch.cuda.empty_cache()

@@ -1,0 +1,98 @@
+"""How many KV pages a workload needs, and how many fit in a device's memory (pure functions).
+
+`Workload.pages` is the most pages its requests can hold at once, every sample at full length: a
+request's samples share its full prompt pages (counted once per group, however many samples), each
+running sample owns the rest of its pages (its copy of the prompt's partial page included; the shared
+original stays too while some sample waits for a slot), and at most `max_batch` samples run at once.
+Pages on demand never need more, so a pool of that size never preempts; it is also the cap on a pool
+sized from memory (the memory of pages nobody would use stays free, for the learner in `sparrow train`).
+With the CPU's cascade attention each group also keeps a contiguous copy of its prompt pages in the
+pool, taken while it leaves each sample that can run a page to grow into (cpu_runner.py), so those count
+too.
+
+`pool_pages` is the CUDA pool as nano-vllm sizes it: after a profiling run (the largest prefill chunk
+at the longest context, and a decode step of the largest batch, whose intermediates the CUDA graphs'
+pool keeps), pages = (total x utilization - memory in use - peak activations) / bytes per page, capped
+by the workload, and at least one sample at full length or a one-sentence error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+GiB = 2**30
+
+
+class PoolTooSmall(RuntimeError):
+    pass
+
+
+def pages_for(tokens: int, page_size: int) -> int:
+    return -(-tokens // page_size)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What a KV pool is sized for: (prompt tokens, samples, max new tokens) per request."""
+
+    requests: tuple[tuple[int, int, int], ...]
+    max_batch: int
+    page_size: int
+    prefix_copies: bool = False  # the CPU's cascade: a copy of each group's full prompt pages in the pool
+
+    @classmethod
+    def of(cls, requests: Sequence[tuple[int, int, int]], max_batch: int, page_size: int,
+           prefix_copies: bool = False) -> Workload:
+        return cls(tuple((int(p), int(n), int(m)) for p, n, m in requests), max_batch, page_size,
+                   prefix_copies)
+
+    def _split(self, prompt: int, max_new: int) -> tuple[int, int]:
+        """(full prompt pages a group shares, pages each sample owns at full length). A sample caches at
+        most prompt + max_new - 1 tokens (its last sampled token is never fed back)."""
+        shared = prompt // self.page_size
+        return shared, pages_for(prompt + max_new - 1, self.page_size) - shared
+
+    def one_sample(self) -> int:
+        """Pages of the largest sample alone at full length: the least a pool must hold."""
+        return max((sum(self._split(p, m)) for p, _, m in self.requests), default=1)
+
+    def longest(self) -> int:
+        """Tokens of the longest sample at full length (prompt + max new tokens)."""
+        return max((p + m for p, _, m in self.requests), default=1)
+
+    def pages(self) -> int:
+        """The most pages the requests hold at once, every sample at full length (see the module)."""
+        if not self.requests:
+            return 1
+        copies = 2 if self.prefix_copies else 1
+        groups, owns, shares = 0, [], []
+        for prompt, n, max_new in self.requests:
+            shared, own = self._split(prompt, max_new)
+            running = min(n, self.max_batch)
+            # the prompt's partial page stays while a sample that has not copied it waits for a slot
+            waits = prompt % self.page_size and (n > self.max_batch or len(self.requests) > 1)
+            slack = running if self.prefix_copies else 0  # the copy leaves each sample a page to grow into
+            groups += copies * shared + int(waits) + running * own + slack
+            owns.append(own + (1 if self.prefix_copies else 0))
+            shares.append(copies * shared + int(waits))
+        # at most max_batch samples run, from at most max_batch groups
+        bound = self.max_batch * max(owns) + min(len(shares), self.max_batch) * max(shares)
+        return max(min(groups, bound), self.one_sample())
+
+
+def pool_pages(free_bytes: int, total_bytes: int, activation_bytes: int, page_bytes: int,
+               workload: Workload, utilization: float = 0.9) -> int:
+    """Pages of a device pool: what fits in `utilization` of the device's memory beyond what is in use
+    (total - free: weights, other processes) and the activations' peak, capped by `workload.pages()`."""
+    room = int(total_bytes * utilization) - (total_bytes - free_bytes) - activation_bytes
+    fit = max(room, 0) // page_bytes
+    one = workload.one_sample()
+    if fit < one:
+        raise PoolTooSmall(
+            f"one sample of {workload.longest()} tokens needs {one * page_bytes / GiB:.2f} GiB of KV cache "
+            f"but only {max(room, 0) / GiB:.2f} GiB remain of --gpu-memory-utilization {utilization:g} x "
+            f"{total_bytes / GiB:.1f} GiB after {(total_bytes - free_bytes) / GiB:.1f} GiB in use and "
+            f"{activation_bytes / GiB:.2f} GiB of activations (raise --gpu-memory-utilization, or lower "
+            "--max-new-tokens or --max-num-batched-tokens)")
+    return min(fit, workload.pages())

@@ -1,0 +1,294 @@
+"""`ModelRunner`: what runs the model for the engine on one device: the KV pool, prefill, decode, sampling.
+
+The engine (engine.py) decides what runs (requests, scheduler, pages, bookkeeping) and hands the runner
+rows to prefill and sequences to decode; the runner owns the weights' inference form, the KV pool
+(`PagedKVCache`), the static decode step and its CUDA graphs (static_decode.py), the sampler call and
+`close()`. This class is the plain path, on any device: the model's own modules, the paged-KV ops of
+`sparrow.kernels.ops` under `impl` (Triton on CUDA, or under TRITON_INTERPRET=1 on a CPU; the torch
+references with impl="torch"). `CpuRunner` (cpu_runner.py) adds the CPU's machinery, `GpuRunner`
+(gpu_runner.py) the pool sized from device memory and the CUDA graphs.
+
+Prefill is chunked: one forward holds at most `max_prefill_tokens` tokens, padding included. Rows that
+fit are prefilled together, right-padded to the longest; a longer row is prefilled alone in chunks, each
+attending to the keys the earlier ones paged (`PrefillAttention.history`). So the activations of a
+prefill are bounded whatever the prompt, and so is the recompute of a preempted sample. A chunked
+prefill computes what a one-shot prefill computes, rounded differently (other kernel, other shapes).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from ..model.llama import Transformer
+from .attention import DecodeAttention, DecodeBatch, PrefillAttention, Recompute
+from .kv_cache import PagedKVCache, SharedPrefix
+from .memory import Workload, pages_for
+from .sampler import sample_tokens
+from .sequence import Sequence as Sample
+from .static_decode import StaticDecode
+
+DECODE_GRAPHS = ("auto", "cuda", "eager", "off")
+
+
+@dataclass
+class PrefillRow:
+    """One row of a prefill: a fresh prompt (`budgets` None; its last position's logits are sampled) or a
+    preempted sample's recompute (its prompt and generated tokens but the last; `budgets[j]`: the budget
+    of the decode step that fed generated token j). `pages`: its block table, every page allocated."""
+
+    tokens: list[int]
+    prompt_len: int
+    pages: list[int]
+    budgets: list[int] | None = None
+    request_id: int = -1
+    samples: int = 1  # of a fresh prompt, which will share its pages
+
+
+Segment = tuple[int, int, int]  # (row, first position, end position) of one forward
+
+
+def plan_forwards(lengths: Sequence[int], cap: int) -> list[list[Segment]]:
+    """The forwards of a prefill: rows of at most `cap` tokens go whole, in order, several to a forward
+    while (rows x the longest) <= cap; a longer row goes alone, in chunks of `cap` tokens."""
+    forwards: list[list[Segment]] = []
+    group: list[Segment] = []
+    for i, n in enumerate(lengths):
+        if n > cap:
+            if group:
+                forwards.append(group)
+                group = []
+            forwards += [[(i, s, min(s + cap, n))] for s in range(0, n, cap)]
+            continue
+        if group and (len(group) + 1) * max(n, max(e for _, _, e in group)) > cap:
+            forwards.append(group)
+            group = []
+        group.append((i, 0, n))
+    if group:
+        forwards.append(group)
+    return forwards
+
+
+class ModelRunner:
+    prefix_copies = False  # whether the pool also holds copies of prompt pages (the CPU's cascade)
+
+    def __init__(self, model: Transformer, *, max_batch: int, page_size: int, dense_layers: Sequence[int],
+                 max_prefill_tokens: int, impl: str = "auto", decode_graphs: str = "off"):
+        if decode_graphs not in DECODE_GRAPHS or decode_graphs == "auto":
+            raise ValueError(f"decode_graphs must be one of {DECODE_GRAPHS[1:]}, got {decode_graphs!r}")
+        self.model, self.cfg = model, model.cfg
+        self.device = model.embed_tokens.weight.device
+        self.dtype = model.embed_tokens.weight.dtype
+        self.max_batch, self.page_size, self.dense_layers = max_batch, page_size, tuple(dense_layers)
+        self.max_prefill_tokens, self.impl, self.decode_graphs = max_prefill_tokens, impl, decode_graphs
+        self.scale = 1.0 / math.sqrt(self.cfg.head_dim)
+        self.cache: PagedKVCache | None = None
+        self.static: StaticDecode | None = None
+        self.fixed_pages = False  # the pool's size was given, not sized from a workload
+
+    # ------------------------------------------------------------------ the pool
+
+    def reserve(self, workload: Workload, num_pages: int | None = None) -> int:
+        """Make the pool hold `num_pages` pages (None: what `workload` needs, or for a device pool what
+        fits) and the static step's block table the workload's longest sample; returns the pool's pages.
+        A pool sized from an earlier workload is kept if it is large enough, else replaced."""
+        fixed = num_pages is not None
+        if self.cache is None or (fixed and num_pages != self.cache.num_pages) or (
+                not fixed and self._too_small(workload)):
+            self.close()
+            pages = num_pages if fixed else self._pool_size(workload)
+            self.cache = PagedKVCache(self.cfg, pages, self.page_size, self.dtype, self.device)
+        self.fixed_pages = fixed
+        width = pages_for(workload.longest(), self.page_size)
+        if self.decode_graphs != "off" and (self.static is None or self.static.max_pages < width):
+            self.static = None
+            self.static = StaticDecode(self.model, self.cache, max_batch=self.max_batch, max_pages=width,
+                                       attention=self._static_attention(),
+                                       capture=self.decode_graphs == "cuda")
+        return self.cache.num_pages
+
+    def _too_small(self, workload: Workload) -> bool:
+        return self.fixed_pages or self.cache.num_pages < workload.pages()
+
+    def _pool_size(self, workload: Workload) -> int:
+        return workload.pages()
+
+    def _static_attention(self) -> Callable[[DecodeBatch], DecodeAttention]:
+        """The static step's attention per batch (a partial, not a bound method: no reference cycle)."""
+        return functools.partial(DecodeAttention, self.cache, dense_layers=self.dense_layers,
+                                 scale=self.scale, impl=self.impl)
+
+    def close(self) -> None:
+        """Free the pool and the static step (its CUDA graphs with it)."""
+        self.static = None
+        self.cache = None
+
+    # ------------------------------------------------------------------ a run's hooks
+
+    def begin(self, blocks) -> Callable[[], bool] | None:
+        """A new run over `blocks` (block_manager.BlockManager); returns what the scheduler may call to
+        get pages back before it preempts (None: nothing)."""
+        return None
+
+    def on_finish(self, request_id: int) -> None:
+        """A sample of the request finished."""
+
+    def refresh_weights(self) -> None:
+        """The model's weights changed in place (an optimizer step, a load): drop what was derived from
+        them. The plain path derives nothing."""
+
+    def synchronize(self) -> None:
+        """Wait for the device (for timing)."""
+
+    # ------------------------------------------------------------------ prefill
+
+    def prefill(self, rows: list[PrefillRow]) -> Tensor | None:
+        """Write every row's keys and values into its pages -> the logits [fresh rows, V] float32 of each
+        fresh row's last position, in row order (None without fresh rows)."""
+        return self._prefill(rows, {})
+
+    def _prefill(self, rows: list[PrefillRow], prefixes: dict[int, SharedPrefix]) -> Tensor | None:
+        last: dict[int, Tensor] = {}
+        for forward in plan_forwards([len(r.tokens) for r in rows], self.max_prefill_tokens):
+            hidden = self._forward(rows, forward, prefixes, self.cache)
+            for j, (i, start, end) in enumerate(forward):
+                if rows[i].budgets is None and end == len(rows[i].tokens):
+                    last[i] = hidden[j, end - start - 1]
+        if not last:
+            return None
+        return self.model.logits(torch.stack([last[i] for i in sorted(last)]))
+
+    def _forward(self, rows: list[PrefillRow], forward: list[Segment], prefixes: dict[int, SharedPrefix],
+                 cache: PagedKVCache) -> Tensor:
+        """One forward of the prefill -> hidden states [G, T, hidden]."""
+        P, dev = self.page_size, self.device
+        g, t = len(forward), max(end - start for _, start, end in forward)
+        tokens = torch.zeros(g, t, dtype=torch.long)
+        positions = np.zeros((g, t), dtype=np.int64)
+        table = np.zeros((g, max(pages_for(end, P) for _, _, end in forward)), dtype=np.int64)
+        valid = np.zeros((g, t), dtype=bool)
+        for j, (i, start, end) in enumerate(forward):
+            row = rows[i]
+            tokens[j, : end - start] = torch.tensor(row.tokens[start:end])
+            positions[j] = start + np.arange(t)
+            table[j, : pages_for(end, P)] = row.pages[: pages_for(end, P)]
+            valid[j, : end - start] = positions[j, : end - start] < row.prompt_len
+        slot = np.take_along_axis(table, positions // P, axis=1) * P + positions % P  # [G, T]
+        continued = forward[0][1] > 0  # a later chunk of one row
+        stores = [(j, prefixes[i]) for j, (i, start, end) in enumerate(forward)
+                  if i in prefixes and start < prefixes[i].tokens <= end]
+        attn = PrefillAttention(cache, torch.from_numpy(valid).to(dev), torch.from_numpy(slot[valid]).to(dev),
+                                self.impl, self._recompute(rows, forward, positions, slot, table), stores,
+                                torch.from_numpy(table).to(dev) if continued else None)
+        return self.model.hidden_states(tokens.to(dev), positions=torch.from_numpy(positions).to(dev),
+                                        attention=attn)
+
+    def _recompute(self, rows: list[PrefillRow], forward: list[Segment], positions: np.ndarray,
+                   slot: np.ndarray, table: np.ndarray) -> Recompute | None:
+        """The generated positions of recomputed rows in this forward: their writes in page-offset order
+        and the budgets their decode steps had."""
+        dev, P = self.device, self.page_size
+        budgets = np.zeros(slot.shape, dtype=np.int64)
+        gen_rows, gen_cols = [], []
+        for j, (i, start, end) in enumerate(forward):
+            row = rows[i]
+            if row.budgets is None or end <= row.prompt_len:
+                continue
+            pos = np.arange(max(start, row.prompt_len), end)
+            budgets[j, pos - start] = np.asarray(row.budgets, dtype=np.int64)[pos - row.prompt_len]
+            gen_rows.append(np.full(len(pos), j))
+            gen_cols.append(pos - start)
+        if not gen_rows:
+            return None
+        r, c = np.concatenate(gen_rows), np.concatenate(gen_cols)
+        appended = []
+        for off in range(P):
+            at = positions[r, c] % P == off
+            if at.any():
+                appended.append((torch.from_numpy(r[at]).to(dev), torch.from_numpy(c[at]).to(dev),
+                                 torch.from_numpy(slot[r[at], c[at]]).to(dev)))
+        sparse = torch.from_numpy(budgets).to(dev) if budgets.any() else None
+        return Recompute(appended, sparse, torch.from_numpy(positions).to(dev),
+                         torch.from_numpy(table).to(dev), frozenset(self.dense_layers))
+
+    # ------------------------------------------------------------------ decode
+
+    def decode(self, seqs: list[Sample], budgets: list[int]) -> Tensor:
+        """One decode step: each sample feeds its last token at its budget -> logits [B, V] float32 (a
+        view of a static buffer with the static step: consume it before the next step)."""
+        P = self.page_size
+        pos, slots = [], []
+        for s in seqs:
+            p = s.num_tokens - 1  # the last sampled token: its k/v go to its page, given by the scheduler
+            pos.append(p)
+            slots.append(s.pages[p // P] * P + p % P)
+        width = max(len(s.pages) for s in seqs)
+        table = np.full((len(seqs), width), -1, dtype=np.int32)
+        for i, s in enumerate(seqs):
+            table[i, : len(s.pages)] = s.pages
+        tokens = [s.tokens[-1] for s in seqs]
+        if self.static is not None and self.static.fits(len(seqs), width):
+            return self.static.run(tokens, pos, table, budgets, slots)
+        dev = self.device
+        positions = torch.tensor(pos, device=dev)
+        batch = DecodeBatch(torch.from_numpy(table).to(dev), (positions + 1).to(torch.int32),
+                            torch.tensor(budgets, dtype=torch.int32, device=dev),
+                            torch.tensor(slots, dtype=torch.int64, device=dev), any(b > 0 for b in budgets),
+                            self._max_selected(budgets, width))
+        return self._decode_logits(tokens, pos, positions, self._decode_attention(batch, seqs))
+
+    def _max_selected(self, budgets: list[int], width: int) -> int | None:
+        return None  # selection may read the kept pages' count back from the device
+
+    def _decode_attention(self, batch: DecodeBatch, seqs: list[Sample]) -> DecodeAttention:
+        return DecodeAttention(self.cache, batch, self.dense_layers, self.scale, self.impl)
+
+    def _decode_logits(self, tokens: list[int], pos: list[int], positions: Tensor,
+                       attention: DecodeAttention) -> Tensor:
+        hidden = self.model.hidden_states(torch.tensor(tokens, device=self.device)[:, None],
+                                          positions=positions[:, None], attention=attention)
+        return self.model.logits(hidden[:, 0])
+
+    # ------------------------------------------------------------------ sampling
+
+    def sample(self, seqs: list[Sample], logits: Tensor):
+        """Each sample's next token from its row of logits with its own generator -> (tokens, logprobs,
+        top (values, ids) [B, k] or None), on the host."""
+        k = max(s.request.params.logprobs for s in seqs)
+        tokens, logps, top = sample_tokens(logits, [s.request.params for s in seqs],
+                                           [s.generator for s in seqs], k)
+        return tokens.tolist(), logps.tolist(), top
+
+    # ------------------------------------------------------------------ profiling
+
+    def profile_forwards(self, longest: int, scratch: PagedKVCache, part: str = "both") -> None:
+        """The largest forwards of a workload whose longest sample has `longest` tokens, on a scratch pool
+        (its pages reused cyclically; what they hold is garbage): "prefill", the last prefill chunk of
+        that sample (max_prefill_tokens queries attending to the whole prefix), and "decode", a dense
+        decode step of max_batch rows at that length. A device runner measures their peak memory."""
+        P, dev = self.page_size, self.device
+        n = pages_for(longest, P)
+        pages = [i % scratch.num_pages for i in range(n)]
+        if part in ("prefill", "both"):
+            chunk = min(self.max_prefill_tokens, longest)
+            row = PrefillRow([0] * longest, longest, pages)
+            hidden = self._forward([row], [(0, longest - chunk, longest)], {}, scratch)
+            self.model.logits(hidden[:, -1])
+            del hidden
+        if part in ("decode", "both"):
+            b = self.max_batch
+            batch = DecodeBatch(torch.tensor([pages] * b, dtype=torch.int32, device=dev),
+                                torch.full((b,), longest, dtype=torch.int32, device=dev),
+                                torch.zeros(b, dtype=torch.int32, device=dev),
+                                torch.full((b,), -1, dtype=torch.int64, device=dev), False, None)
+            attn = DecodeAttention(scratch, batch, self.dense_layers, self.scale, self.impl)
+            hidden = self.model.hidden_states(torch.zeros(b, 1, dtype=torch.long, device=dev),
+                                              positions=torch.full((b, 1), longest - 1, device=dev),
+                                              attention=attn, kv_len=n * P)
+            self.model.logits(hidden[:, 0])
