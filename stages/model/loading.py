@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,7 +26,6 @@ from .gguf_loader import read_gguf
 from .home import sparrow_home
 from .llama import Transformer, hf_to_ours, ours_to_hf
 from .presets import PRESETS, get_preset
-from .rope import rope_tables
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -146,8 +146,24 @@ def _init_random(model: Transformer) -> None:
             torch.nn.init.normal_(p, 0.0, 0.05)
 
 
+@contextmanager
+def uninitialised_parameters():
+    """Modules built inside leave their parameters as allocated (torch.empty: no page is touched), for
+    tensors that a checkpoint replaces. Not the meta device: initialising meta tensors runs torch's
+    reference kernels, whose first use imports torch._dynamo, about a second of every command."""
+    names = ("normal_", "uniform_", "kaiming_uniform_")
+    saved = {name: getattr(torch.nn.init, name) for name in names}
+    for name in names:
+        setattr(torch.nn.init, name, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.nn.init, name, fn)
+
+
 def build_model(cfg: ModelConfig, hf_state: dict[str, torch.Tensor]) -> Transformer:
-    with torch.device("meta"):
+    with uninitialised_parameters():
         model = Transformer(cfg)
     state = {hf_to_ours(k): v for k, v in hf_state.items() if "rotary_emb" not in k}
     if cfg.tie_word_embeddings:
@@ -155,8 +171,6 @@ def build_model(cfg: ModelConfig, hf_state: dict[str, torch.Tensor]) -> Transfor
     model.load_state_dict(state, strict=True, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    # buffers built on the meta device hold no values: compute them for real
-    model.rope_cos, model.rope_sin = rope_tables(cfg)
     return model
 
 
