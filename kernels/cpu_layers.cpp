@@ -149,10 +149,11 @@ std::tuple<at::Tensor, at::Tensor> rope_qk(const at::Tensor& q, const at::Tensor
 
 // Decode-sized products in bf16: x [M, K] (M <= 16 rows) times a weight packed as [N/16, K/2, 16, 2] (per
 // block of 16 outputs, per pair of inputs, the 16 outputs' two weights: one vdpbf16ps operand) -> [M, N]
-// bf16, fp32 accumulation, plus an optional bias [N]. Each weight is read once for all rows; over a whole
-// model's weights the product is bound by memory bandwidth (about 27 GB/s here), not by vdpbf16ps.
-template <int M>
-void linear_block(const uint32_t* x, const uint16_t* w, int K2, const at::BFloat16* bias, at::BFloat16* out,
+// bf16 (or fp32, OutT = float: the lm_head's logits, never rounded), fp32 accumulation, plus an optional
+// bias [N]. Each weight is read once for all rows; over a whole model's weights the product is bound by
+// memory bandwidth, not by vdpbf16ps.
+template <int M, typename OutT>
+void linear_block(const uint32_t* x, const uint16_t* w, int K2, const at::BFloat16* bias, OutT* out,
                   int N, int n0) {
   __m512 acc[M];
   for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
@@ -162,21 +163,24 @@ void linear_block(const uint32_t* x, const uint16_t* w, int K2, const at::BFloat
   }
   const __m512 b = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(
       _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(bias + n0))), 16)) : _mm512_setzero_ps();
-  for (int m = 0; m < M; ++m)
-    _mm256_storeu_si256((__m256i*)(out + (int64_t)m * N + n0), (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[m], b)));
+  for (int m = 0; m < M; ++m) {
+    if constexpr (std::is_same_v<OutT, float>)
+      _mm512_storeu_ps(out + (int64_t)m * N + n0, _mm512_add_ps(acc[m], b));
+    else
+      _mm256_storeu_si256((__m256i*)(out + (int64_t)m * N + n0), (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[m], b)));
+  }
 }
 
-template <int M>
-void linear_rows(const uint32_t* x, const uint16_t* w, int K2, int NB, const at::BFloat16* bias,
-                 at::BFloat16* out) {
+template <int M, typename OutT>
+void linear_rows(const uint32_t* x, const uint16_t* w, int K2, int NB, const at::BFloat16* bias, OutT* out) {
   at::parallel_for(0, NB, 4, [&](int64_t a, int64_t b) {
     for (int64_t nb = a; nb < b; ++nb) linear_block<M>(x, w + nb * K2 * 32, K2, bias, out, NB * 16, nb * 16);
   });
 }
 
-template <int M>
+template <int M, typename OutT>
 void linear_dispatch(int rows, const uint32_t* x, const uint16_t* w, int K2, int NB, const at::BFloat16* bias,
-                     at::BFloat16* out) {
+                     OutT* out) {
   if constexpr (M > 1) {
     if (rows < M) return linear_dispatch<M - 1>(rows, x, w, K2, NB, bias, out);
   }
@@ -207,8 +211,9 @@ void linear_dispatch_f32(int rows, const float* x, const float* w, int K, int NB
   });
 }
 
+template <typename OutT>
 void linear_into(const at::BFloat16* x, int rows, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-                 at::BFloat16* out) {
+                 OutT* out) {
   const int NB = packed.size(0), K2 = packed.size(1);
   linear_dispatch<16>(rows, reinterpret_cast<const uint32_t*>(x),
                       reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), K2, NB,
@@ -234,8 +239,8 @@ void check_packed(const at::Tensor& packed, int64_t K, const char* name, at::Sca
 }
 
 // x [..., K] (at most 16 rows) times a weight packed for our product of x's dtype (bf16 [N/16, K/2, 16, 2],
-// fp32 [N/16, K, 16]) plus an optional bias [N] -> [..., N]
-template <typename T>
+// fp32 [N/16, K, 16]) plus an optional bias [N] -> [..., N] in x's dtype, or in fp32 when fp32_out
+template <typename T, typename OutT = T>
 at::Tensor packed_linear_impl(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
   const int64_t K = x.size(-1), M = x.numel() / std::max<int64_t>(K, 1);
   check_packed(packed, K, "packed_linear", x.scalar_type());
@@ -243,14 +248,16 @@ at::Tensor packed_linear_impl(const at::Tensor& x, const at::Tensor& packed, con
   const auto xc = x.contiguous();
   auto sizes = x.sizes().vec();
   sizes.back() = packed.size(0) * 16;
-  auto out = at::empty(sizes, x.options());
+  auto out = at::empty(sizes, x.options().dtype(c10::CppTypeToScalarType<OutT>::value));
   c10::optional<at::Tensor> b;
   if (bias.has_value()) b = bias->contiguous();
-  linear_into(xc.data_ptr<T>(), M, packed, b, out.data_ptr<T>());
+  linear_into(xc.data_ptr<T>(), M, packed, b, out.template data_ptr<OutT>());
   return out;
 }
 
-at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                         bool fp32_out) {
+  if (x.scalar_type() == at::kBFloat16 && fp32_out) return packed_linear_impl<at::BFloat16, float>(x, packed, bias);
   if (x.scalar_type() == at::kBFloat16) return packed_linear_impl<at::BFloat16>(x, packed, bias);
   TORCH_CHECK(x.scalar_type() == at::kFloat, "packed_linear: bf16 or fp32 x expected");
   return packed_linear_impl<float>(x, packed, bias);
@@ -384,7 +391,7 @@ TORCH_LIBRARY_FRAGMENT(sparrow_cpu, m) {
   m.impl("rms_norm", c10::DispatchKey::CPU, TORCH_FN(rms_norm));
   m.def("rope_qk(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)");
   m.impl("rope_qk", c10::DispatchKey::CPU, TORCH_FN(rope_qk));
-  m.def("packed_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
+  m.def("packed_linear(Tensor x, Tensor packed, Tensor? bias, bool fp32_out=False) -> Tensor");
   m.impl("packed_linear", c10::DispatchKey::CPU, TORCH_FN(packed_linear));
   m.def("decode_qkv(Tensor x, Tensor norm_w, Tensor qkv_packed, Tensor? qkv_bias, Tensor? q_norm_w, "
         "Tensor? k_norm_w, Tensor cos, Tensor sin, int Hq, int Hkv, float eps) -> (Tensor, Tensor, Tensor)");

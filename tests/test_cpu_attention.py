@@ -15,6 +15,16 @@ from sparrow.stages.rollout import Engine, SamplingParams
 needs_kernel = pytest.mark.skipif(not kernel.available(), reason="no AVX512-BF16 or no C++ toolchain")
 
 
+def test_the_kernels_build_where_the_cpu_runs_them():
+    """A CPU with AVX512-BF16 and a C++ compiler must build the kernels: a source that fails to compile
+    would otherwise turn every kernel test here into a skip and every engine into the torch paths."""
+    import shutil
+
+    if not kernel.cpu_has_avx512_bf16() or shutil.which("c++") is None:
+        pytest.skip("no AVX512-BF16 or no C++ compiler: the torch paths are the ones that run")
+    assert kernel.available()
+
+
 def test_packed_layouts_hold_what_their_definition_says():
     k = torch.randn(2, 48, 64).bfloat16()
     kp, vp = kernel.pack_keys(k).contiguous(), kernel.pack_values(k).contiguous()
@@ -301,6 +311,32 @@ def test_packed_linear_equals_float64_products(rows, dtype, shape, rel, abs_):
     want = x.double() @ layer.weight.double().T + layer.bias.double()
     assert got.shape == want.shape
     assert ((got - want).abs() <= rel * want.abs() + abs_).all()
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 7, 16])
+def test_packed_linear_fp32_out_is_the_unrounded_bf16_product(rows):
+    """`fp32_out` (the CPU engine's lm_head on bf16 weights): bf16 inputs and weights, the products exact
+    and summed in fp32, never rounded to bf16: within fp32 summation error of the float64 product."""
+    from sparrow.stages.rollout.packed_linears import PackedLinears, dot_product
+
+    g = torch.Generator().manual_seed(1)
+    layer = torch.nn.Linear(576, 320).to(torch.bfloat16)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(320, 576, generator=g))
+        layer.bias.copy_(torch.randn(320, generator=g))
+    packed = PackedLinears(torch.nn.Sequential(layer), batch_hint=16)
+    packed.refresh()
+    weight = packed.packed[id(layer)][1]
+    x = torch.randn(rows, 576, generator=g).to(torch.bfloat16)
+    want = x.double() @ layer.weight.double().T + layer.bias.double()
+    for got in (dot_product(x, weight, layer.bias, fp32_out=True),
+                dot_product(torch.cat([x, x[:1].expand(17 - rows, 576)]), weight, layer.bias,
+                            fp32_out=True)[:rows]):  # more than 16 rows: F.linear in fp32
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
+    rounded = dot_product(x, weight, layer.bias)
+    assert rounded.dtype == torch.bfloat16 and (rounded.double() - want).abs().max() > 1e-3
 
 
 @needs_kernel

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..model.llama import Attention, AttentionContext, Transformer
-from .packed_linears import PackedLinears, dot_product
+from .packed_linears import PackedLinears
 
 
 class FusedCpuDecode:
@@ -48,8 +48,9 @@ class FusedCpuDecode:
             out.append(weights)
         return out
 
-    def logits(self, tokens: list[int], positions: list[int], attention: Attention) -> Tensor:
-        """One decode token per row -> logits [B, V] float32 (call `ready` first)."""
+    def hidden(self, tokens: list[int], positions: list[int], attention: Attention) -> Tensor:
+        """One decode token per row -> final normed hidden states [B, H] (call `ready` first); the runner's
+        head (`CpuRunner._head`) turns them into logits."""
         model, cfg = self.model, self.model.cfg
         eps, hq, hkv = cfg.rms_norm_eps, cfg.num_heads, cfg.num_kv_heads
         pos = torch.tensor(positions)
@@ -65,10 +66,7 @@ class FusedCpuDecode:
             out = attention(i, q[:, :, None], k[:, :, None], v[:, :, None], ctx)  # [B, Hq, 1, D]
             x = ops.decode_mlp(x, out.reshape(x.shape[0], -1).contiguous(), o_w, a.o_proj.bias,
                                block.post_attention_layernorm.weight, gate_up_w, down_w, eps)
-        x = ops.rms_norm(x, model.norm.weight, model.norm.eps)
-        if x.dtype == torch.float32:  # the packed product is the fp32 head, as the modular step's
-            return dot_product(x, self.lm_head, model.lm_head.bias)
-        return model.logits(x)  # bf16 weights: the model's fp32 head, never rounded to bf16
+        return ops.rms_norm(x, model.norm.weight, model.norm.eps)
 
 
 def _stacked_bias(attn) -> Tensor | None:

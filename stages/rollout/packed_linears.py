@@ -117,14 +117,17 @@ def _product(packed: tuple[str, Tensor], bias: Tensor | None) -> Callable[[Tenso
     return lambda x: torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
-def dot_product(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    """Our C++ product of a few rows (at most DOT_MAX_ROWS) with a weight packed for it (bf16 or fp32); more
-    rows (not a decode step) take F.linear on the unpacked weight."""
+def dot_product(x: Tensor, weight: Tensor, bias: Tensor | None, fp32_out: bool = False) -> Tensor:
+    """Our C++ product of a few rows (at most DOT_MAX_ROWS) with a weight packed for it (bf16 or fp32), in
+    x's dtype or, with `fp32_out`, in fp32 (bf16 x: the sums are never rounded to bf16); more rows (not a
+    decode step) take F.linear on the unpacked weight."""
     if x.numel() > DOT_MAX_ROWS * x.shape[-1]:
         blocks, k = weight.shape[0], x.shape[-1]
         plain = weight.transpose(1, 2).reshape(blocks * 16, k)  # [N/16, K(/2), 16(, 2)] -> [N, K]
+        if fp32_out:
+            x, plain, bias = x.float(), plain.float(), None if bias is None else bias.float()
         return torch.nn.functional.linear(x, plain, bias)
-    return torch.ops.sparrow_cpu.packed_linear(x, weight, bias)
+    return torch.ops.sparrow_cpu.packed_linear(x, weight, bias, fp32_out)
 
 
 def _split(product: Callable[[Tensor], Tensor], sizes: list[int]) -> Callable[[Tensor], tuple[Tensor, ...]]:

@@ -162,7 +162,7 @@ class ModelRunner:
                     last[i] = hidden[j, end - start - 1]
         if not last:
             return None
-        return self.model.logits(torch.stack([last[i] for i in sorted(last)]))
+        return self._head(torch.stack([last[i] for i in sorted(last)]))
 
     def _forward(self, rows: list[PrefillRow], forward: list[Segment], prefixes: dict[int, SharedPrefix],
                  cache: PagedKVCache) -> Tensor:
@@ -253,7 +253,11 @@ class ModelRunner:
                        attention: DecodeAttention) -> Tensor:
         hidden = self.model.hidden_states(torch.tensor(tokens, device=self.device)[:, None],
                                           positions=positions[:, None], attention=attention)
-        return self.model.logits(hidden[:, 0])
+        return self._head(hidden[:, 0])
+
+    def _head(self, hidden: Tensor) -> Tensor:
+        """Final hidden states [B, H] -> logits [B, V] float32: the model's fp32 head."""
+        return self.model.logits(hidden)
 
     # ------------------------------------------------------------------ sampling
 
