@@ -125,17 +125,14 @@ def test_figures_with_nothing_to_draw_say_why(tmp_path):
                    metadata={"label": "stable", "warnings": "mismatch KL reached 0.3"})
     result = CliRunner().invoke(app, ["report", str(run)])
     assert result.exit_code == 0, result.output
-    from sparrow.stages.report import build_report
-
-    _, figures = build_report(run)
-    by_file = {f.file: f for f in figures}
-    assert by_file["schedule.png"].said[0].startswith("Every bin is dense")
-    assert by_file["cost.png"].points == 8 and "predicted only" in by_file["cost.png"].caption
-    assert by_file["rollouts.png"].said == ("no rewards: the prompts carry no answer, or their task has no "
-                                            "scorer",)
-    train = by_file["train-train.png"]
-    assert train.title == "Training run train: stable"
-    assert "warning: mismatch KL reached 0.3" in train.caption
-    assert "no step held a collapse reason" in train.caption
-    assert "no eval: the run had no --eval-prompts" in train.said
-    assert "Every bin is dense" in result.stderr  # the CLI lists what each figure says
+    listed = {line.split(": ")[0].strip(): line for line in result.stderr.splitlines() if ".png: " in line}
+    page = (run / "report" / "index.html").read_text()
+    caption = {f: re.search(rf"<figure id='{re.escape(f)}'>.*?<figcaption>(.*?)</figcaption>", page, re.S)[1]
+               for f in _embedded(page)}
+    assert "(2 points; Every bin is dense: no profiled budget" in listed["schedule.png"]
+    assert "(8 points)" in listed["cost.png"] and "predicted only" in caption["cost.png"]
+    assert "no rewards: the prompts carry no answer, or their task has no scorer" in listed["rollouts.png"]
+    train = listed["train-train.png"]
+    assert "Training run train: stable (4 points; no eval: the run had no --eval-prompts" in train
+    assert "warning: mismatch KL reached 0.3" in caption["train-train.png"]
+    assert "no step held a collapse reason" in caption["train-train.png"]
