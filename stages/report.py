@@ -137,6 +137,7 @@ def tail_figure(mismatch: Path, name: str, threshold: tuple[float, str], out: Pa
         for ax, title in zip(axes, (f"p{TAIL_QUANTILE * 100:g} of alpha (the tail)", "mean alpha")):
             ax.axhline(value, color="k", ls="--", lw=1, label=label)
             ax.set_xlabel("position (cache length when the token was produced)")
+            ax.set_ylim(-0.02, 1.02)
             ax.set_title(title, fontsize=10)
             ax.grid(alpha=0.3)
         axes[0].set_ylabel("acceptance alpha")
@@ -241,6 +242,8 @@ def cost_figure(cost: Path, name: str, out: Path, plt) -> Figure:
 
 
 def rollouts_figure(rollouts: Path, name: str, out: Path, plt) -> Figure:
+    from matplotlib.ticker import MaxNLocator
+
     rows = read_artifact(rollouts, "rollouts").to_pylist()
     meta = artifact_metadata(rollouts)
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
@@ -251,14 +254,15 @@ def rollouts_figure(rollouts: Path, name: str, out: Path, plt) -> Figure:
                      plt, 0)
     lengths = np.array([len(r["token_ids"]) for r in rows])
     stops = np.array([r["finish_reason"] == "stop" for r in rows])
-    top = int(lengths.max())
-    bins = np.arange(1, top + 2) - 0.5 if top < 40 else 20
+    low, top = int(lengths.min()), int(lengths.max())
+    bins = np.arange(low - 1, top + 3) - 0.5 if top - low < 40 else 20  # one bar per length when few
     axes[0].hist([lengths[stops], lengths[~stops]], bins=bins, stacked=True,
                  label=["stopped (EOS)", "cut at --max-new-tokens"])
+    axes[0].xaxis.set_major_locator(MaxNLocator(integer=True))
     axes[0].set_xlabel("generated tokens per sample")
     axes[0].set_title(f"length per sample (mean {lengths.mean():.1f})", fontsize=10)
     axes[0].set_ylabel("samples")
-    axes[0].legend(fontsize=8)
+    axes[0].legend(fontsize=8, loc="best")
     rewards = np.array([r["reward"] for r in rows if r["reward"] is not None], dtype=float)
     if len(rewards):
         axes[1].hist(rewards, bins=np.linspace(0, 1, 11))
@@ -270,6 +274,7 @@ def rollouts_figure(rollouts: Path, name: str, out: Path, plt) -> Figure:
         _say(axes[1], "no rewards: the prompts carry no answer, or their task has no scorer")
     for ax in axes:
         ax.grid(alpha=0.3)
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))  # counts of samples
     summary = meta.get("summary") or {}
     speed = summary.get("tokens_per_s") if isinstance(summary, dict) else None
     budgets = [b for r in rows for b in r["budgets"] if b]
@@ -319,6 +324,8 @@ def training_figure(run: Path, out: Path, plt) -> Figure:
             ax.axvline(s, color="r", alpha=0.3)
         if key == "mismatch_kl":
             ax.axhline(warn_level, color="orange", ls="--", lw=1)
+            peak = max(v for _, v in pts)
+            ax.set_ylim(0, max(peak, warn_level) * 1.1 if peak > warn_level / 4 else peak * 1.1 or 1e-3)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
     handles = [Line2D([], [], color="orange", ls="--", label=f"mismatch KL warning level {warn_level:g} "
