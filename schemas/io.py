@@ -128,7 +128,7 @@ def read_artifact(path: str | os.PathLike, kind: str | None = None) -> pa.Table:
         _spec(kind)
     if path.is_dir():
         return _read_parts(path, kind)
-    if kind == "prompts" and path.suffix in (".jsonl", ".ndjson"):
+    if kind == "prompts" and (path.suffix in (".jsonl", ".ndjson") or _json_text(path)):
         return _read_foreign(_read_jsonl(path), path, kind)
     schema = _read_schema(path)
     found, version = _kind_version(schema)
@@ -318,7 +318,8 @@ def _read_schema(path: Path) -> pa.Schema:
     if size == 0:
         raise ArtifactError(f"{path} is an empty file, not a Parquet file")
     if head != MAGIC:
-        raise ArtifactError(f"{path} is not a Parquet file (it does not start with the Parquet magic bytes)")
+        what = "JSON text (only prompts may be JSON lines)" if _json_text(path) else "not a Parquet file"
+        raise ArtifactError(f"{path} is {what}: it does not start with the Parquet magic bytes")
     if size < 12 or tail != MAGIC:
         raise ArtifactError(f"{path} is a truncated Parquet file (its footer is missing; "
                             f"was its writer interrupted?)")
@@ -326,6 +327,16 @@ def _read_schema(path: Path) -> pa.Schema:
         return pq.read_schema(path)
     except (pa.ArrowException, OSError) as e:
         raise ArtifactError(f"{path} is a corrupt Parquet file ({first_line(e)})") from None
+
+
+def _json_text(path: Path) -> bool:
+    """A regular file whose first non-blank byte opens a JSON object or array (JSON lines by content,
+    whatever the file's suffix)."""
+    if not path.is_file():
+        return False
+    with open(path, "rb") as f:
+        head = f.read(64).lstrip()
+    return head[:1] in (b"{", b"[")
 
 
 def _kind_version(schema: pa.Schema) -> tuple[str | None, str | None]:

@@ -67,6 +67,10 @@ $SPARROW train --prompts "$RUN/train-prompts.parquet" --eval-prompts "$RUN/eval-
     --budget 256 --correction tis --steps 3 --prompts-per-step 2 --samples 4 --max-new-tokens 12 \
     --eval-every 3 -o "$RUN/train"
 
+echo "== the run's label as calibrate-threshold reads it: the same detectors as train's summary and the report's figure"
+echo "   (mismatch KL is a warning there, never a collapse reason; one run cannot calibrate, so the prior is kept)"
+$SPARROW calibrate-threshold --profile "$RUN/mismatch.parquet" --runs "$RUN/train" -o "$RUN/train/threshold-check.parquet"
+
 echo "== SQL over the training run: per step, and the sparse actor's mismatch per step and budget"
 $SPARROW sql "SELECT step, round(reward_mean, 3) AS reward, eval_accuracy, round(mismatch_kl, 5) AS mismatch_kl,
                      round(alpha_lb_p5, 3) AS alpha_lb_p5, round(seconds, 1) AS seconds FROM metrics ORDER BY step" \

@@ -33,6 +33,27 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
+
+
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            number = version("sparrow-rl")
+        except PackageNotFoundError:  # run from a source tree that was never installed
+            number = "unknown (not installed)"
+        print(f"sparrow {number}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(show_version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                            help="Print Sparrow's version and exit.")) -> None:
+    """Sparse-attention rollouts for RLVR with the sparse-to-dense mismatch kept in check. Stages read and
+    write Parquet artifacts; chain them in shell pipelines and query them with `sparrow sql`."""
+
+
 app.command("models")(models.models)
 app.command("prompts")(prompts.prompts)
 app.command("sql")(sql.sql)

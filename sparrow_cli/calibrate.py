@@ -26,7 +26,8 @@ def calibrate_threshold(
     grad_norm_factor: float = typer.Option(10.0, "--grad-norm-factor",
                                            help="Collapsed if grad norm > this x its early median."),
     mismatch_kl_limit: float = typer.Option(0.05, "--mismatch-kl-limit",
-                                            help="Collapsed if the smoothed mismatch KL exceeds it."),
+                                            help="Warn when the smoothed mismatch KL exceeds it (a "
+                                            "diagnostic: never a collapse reason)."),
     truncation_limit: float = typer.Option(0.5, "--truncation-limit"),
     repetition_limit: float = typer.Option(0.5, "--repetition-limit"),
     entropy_factor: float = typer.Option(3.0, "--entropy-factor",
@@ -53,14 +54,15 @@ def calibrate_threshold(
                     repetition_limit, entropy_factor)
     results = [load_run(r, mismatch, quantile, det) for r in runs]  # all validated before writing
     cal = calibrate(results, quantile, bootstrap)
-    per_run = [{"run": r.name, "tail": r.tail, "collapsed": r.collapsed, "reasons": r.reasons}
-               for r in results]
+    per_run = [{"run": r.name, "tail": r.tail, "collapsed": r.collapsed, "reasons": r.reasons,
+                "warnings": r.warnings} for r in results]
     write_artifact(threshold_table(cal, quantile), output, "threshold",
                    metadata={"profile": str(profile), "runs": json.dumps(per_run)})
     interval = f" [{cal.lower:.4f}, {cal.upper:.4f}]" if cal.lower is not None else ""
     console.print(f"threshold {cal.threshold:.4f}{interval} ({cal.source}): {cal.note}")
     console.print(f"wrote {output}")
     if results:  # the runs are the data; the threshold itself is in the artifact
-        rows = [[r.name, r.tail, "collapsed" if r.collapsed else "stable", "; ".join(r.reasons + r.notes)]
-                for r in sorted(results, key=lambda r: r.tail)]
-        emit(("run", "tail", "label", "reasons"), rows, fmt, title="runs", left=("run", "label", "reasons"))
+        rows = [[r.name, r.tail, "collapsed" if r.collapsed else "stable", "; ".join(r.reasons + r.notes),
+                 "; ".join(r.warnings)] for r in sorted(results, key=lambda r: r.tail)]
+        emit(("run", "tail", "label", "reasons", "warnings"), rows, fmt, title="runs",
+             left=("run", "label", "reasons", "warnings"))

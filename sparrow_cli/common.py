@@ -20,6 +20,13 @@ console = Console(stderr=True, soft_wrap=True)  # messages and progress; stdout 
 out = Console()
 
 
+def log_line(text: str) -> None:
+    """A progress line for a log: printed whole when stderr is not a terminal (where every progress bar is
+    off, so that no line is cut to 80 columns or left stale), nothing on a terminal (the bar shows it)."""
+    if not console.is_terminal:
+        console.print(text, highlight=False, markup=False, soft_wrap=True)
+
+
 class UsageError(ValueError):
     """Bad input found before any work starts."""
 
@@ -56,6 +63,39 @@ def friendly_errors(fn: Callable) -> Callable:
             _stdout["taken"] = False  # per command (several run in one process under tests)
 
     return wrapper
+
+
+def check_device(device: str, remote: bool = False, indexed: bool = False) -> None:
+    """--device: cpu or cuda (cuda:N where `indexed`), and CUDA present here unless the work runs on a Ray
+    cluster (`remote`); one sentence otherwise, before any work. Shared by every command with --device."""
+    import torch
+
+    kind, _, index = device.partition(":")
+    if kind not in ("cpu", "cuda") or (index and not (indexed and kind == "cuda" and index.isdigit())):
+        raise UsageError(f"--device must be cpu or cuda{' (or cuda:N)' if indexed else ''}, got {device!r}")
+    if kind == "cuda" and not remote and not torch.cuda.is_available():
+        raise UsageError(f"--device {device} was given but no CUDA device is available")
+
+
+RAW_PROMPTS_HELP = ("Tokenize text prompts (a prompt file with text but no token ids, e.g. from DuckDB or "
+                    "JSONL) as they are; by default they go through the model's chat template as one user "
+                    "message, as `sparrow prompts` formats them.")
+
+
+def raw_prompts_option():
+    return typer.Option(False, "--raw-prompts", help=RAW_PROMPTS_HELP)
+
+
+def warn_first_token_stops(lengths: list[int], max_new_tokens: int, raw_prompts: bool) -> None:
+    """Most samples ending at their first token (an immediate EOS, where more were allowed) usually means
+    prompts the model does not read as a question: say so on stderr."""
+    short = sum(n <= 1 for n in lengths)
+    if max_new_tokens > 1 and lengths and short > len(lengths) / 2:
+        hint = ("they were tokenized without the chat template (--raw-prompts)" if raw_prompts else
+                "check that the prompts are what the model expects (text prompts go through its chat "
+                "template)")
+        console.print(f"[yellow]warning:[/] {short} of {len(lengths)} samples ended at their first token; "
+                      f"{hint}", highlight=False)
 
 
 def parse_int_list(text: str, flag: str) -> list[int]:

@@ -9,6 +9,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
 from .common import (
     UsageError,
+    check_device,
     check_output,
     console,
     force_option,
@@ -91,8 +92,8 @@ def fit_cost(
         raise UsageError("--repeats must be at least 1 and --warmup at least 0")
     if threads is not None and threads < 1:
         raise UsageError(f"--threads must be at least 1, got {threads}")
-    if device is not None and device.split(":")[0] not in ("cpu", "cuda"):
-        raise UsageError(f"--device must be cpu or cuda, got {device!r}")
+    if device is not None:
+        check_device(device, indexed=True)
     check_gpu_memory(gpu_memory_utilization)
     name = model_name(model)
     with stage_errors():
@@ -143,7 +144,8 @@ def measure(model: str, device: str, grid, seed: int, threads: int | None = None
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     loaded = load_model(model, device=device, dtype=dtype, random_weights=True, seed=seed)
     with Progress(TextColumn("timing the engine's decode step (points)"), BarColumn(),
-                  MofNCompleteColumn(), console=console, transient=True) as bar:
+                  MofNCompleteColumn(), console=console, transient=True,
+                  disable=not console.is_terminal) as bar:
         task = bar.add_task("timing", total=len(grid.points()))
         points = time_decode_steps(loaded, grid, device, seed,
                                    lambda done, total: bar.update(task, completed=done),
@@ -156,10 +158,11 @@ def print_points(table, fmt: str) -> None:
     rows = []
     for r in table.to_pylist():
         err = (r["predicted_seconds"] - r["seconds"]) / r["seconds"]
-        rows.append([r["batch"], r["context"], r["budget"] or ("dense" if fmt == "table" else None),
-                     r["seconds"] * 1e3, r["predicted_seconds"] * 1e3, err])
+        rows.append([r["batch"], r["context"], r["budget"], r["seconds"] * 1e3, r["predicted_seconds"] * 1e3,
+                     err])
     emit(("batch", "context", "budget", "measured_ms", "predicted_ms", "relative_error"), rows, fmt,
-         title="decode step: measured vs fitted")
+         title="decode step: measured vs fitted",
+         render={"budget": lambda b: "dense" if b is None else str(b)})
 
 
 def print_coefficients(cost) -> None:

@@ -16,7 +16,9 @@ from .common import (
     force_option,
     friendly_errors,
     input_path,
+    log_line,
     parse_int_list,
+    raw_prompts_option,
 )
 from .engine_options import check_gpu_memory, gpu_memory_option
 from .output import emit, format_option, resolve_format
@@ -59,12 +61,12 @@ def train_budgets_of(sparsity, given: str | None, eval_given: str | None, eval_b
     return [budget_fn(sparsity)], None
 
 
-def load_init_adapter(path: Path, cfg, rank: int):
+def load_init_adapter(path: Path, cfg, rank: int, model: str | None = None):
     """The adapter to start from, checked against the model's shapes and --lora-rank before any weights
     load; returns (its peft state dict, its merge-ready weights)."""
     from safetensors.torch import load_file
 
-    lora = load_actor(path, cfg)
+    lora = load_actor(path, cfg, model, "--init-adapter")
     if lora.r != rank:
         raise UsageError(f"--init-adapter {path}: the adapter has rank {lora.r}, but --lora-rank is {rank}; "
                          f"pass --lora-rank {lora.r} to continue it")
@@ -94,6 +96,7 @@ def distill(
     prompts: Path = typer.Option(None, "--prompts", callback=input_path, help="Prompts to sample training "
                                  "trajectories from, with the sparse actor (the engine under "
                                  "--budget/--schedule)."),
+    raw_prompts: bool = raw_prompts_option(),
     rollouts: Path = typer.Option(None, "--rollouts", callback=input_path, help="Training trajectories "
                                   "sampled before (sparrow rollout, or any sampler's Parquet with "
                                   "prompt_id, prompt_token_ids, token_ids)."),
@@ -182,7 +185,7 @@ def distill(
     model_cfg = resolve_config(model)
     init = init_actor = None
     if init_adapter is not None:
-        init, init_actor = load_init_adapter(init_adapter, model_cfg, lora_rank)
+        init, init_actor = load_init_adapter(init_adapter, model_cfg, lora_rank, model)
     for flag, path in (("--prompts", prompts), ("--rollouts", rollouts), ("--eval-prompts", eval_prompts)):
         if path is not None and not path.exists():
             raise UsageError(f"{flag} {path}: no such file")
@@ -208,7 +211,7 @@ def distill(
     def prompt_tokens(path: Path):
         prompt_set = prompt_sets[path]
         if prompt_set.needs_tokenizer:
-            prompt_set.tokenize(loaded.tokenizer)
+            prompt_set.tokenize(loaded.tokenizer, not raw_prompts)
             prompt_set.check_fits(*fits)
         return prompt_set.ids, prompt_set.tokens
 
@@ -222,8 +225,10 @@ def distill(
         eval_ids, eval_tokens = prompt_tokens(eval_prompts)
 
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console) as bar:
+                  TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console, transient=True,
+                  disable=not console.is_terminal) as bar:
         task = bar.add_task("sampling", total=None, info="")
+        log_line("sampling trajectories")
         if train_tokens is not None:  # the sparse actor as it starts samples the training trajectories
             opts = ProfileOptions(budgets=budgets, sampler=spec_of(sparsity, schedule), seed=seed,
                                   schedule=None if isinstance(sparsity, int) else sparsity,
@@ -237,11 +242,13 @@ def distill(
         def on_phase(name: str) -> None:
             bar.update(task, description=name, total=steps if name == "distilling" else None,
                        completed=0)
+            log_line(name)
 
         def on_step(r: dict) -> None:
-            bar.update(task, completed=r["step"] + 1,
-                       info=f"{objective} loss {r['loss']:.4g} | grad norm {r['grad_norm']:.3g} | "
-                            f"{r['seconds']:.1f} s/step")
+            info = (f"{objective} loss {r['loss']:.4g} | grad norm {r['grad_norm']:.3g} | "
+                    f"{r['seconds']:.1f} s/step")
+            bar.update(task, completed=r["step"] + 1, info=info)
+            log_line(f"distilling step {r['step'] + 1}/{steps}: {info}")
 
         try:
             distiller, result = run_distill(loaded, trajectories, train_fns, cfg, eval_trajectories,
@@ -261,7 +268,6 @@ def distill(
     rows = tail_comparison(result.before, result.after, quantile, threshold)
     columns = ("bin", "budget", "tokens", "tail_before", "tail_after", "mean_before", "mean_after",
                "above_after")
-    emit(columns, [[r[c] if c != "above_after" or fmt != "table" else ("yes" if r[c] else "no")
-                    for c in columns] for r in rows], fmt,
+    emit(columns, [[r[c] for c in columns] for r in rows], fmt,
          title=f"alpha per bin and budget, plain vs distilled sparse actor (tail = {quantile:g} quantile, "
                f"above = tail >= {threshold}; eval: {eval_prompts or 'training trajectories'})")

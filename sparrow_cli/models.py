@@ -7,8 +7,13 @@ from sparrow.stages.model.presets import PRESETS
 from .common import friendly_errors
 from .output import emit, format_option, resolve_format
 
-COLUMNS = ("preset", "arch", "layers", "hidden", "q/kv heads", "head dim", "ffn", "vocab", "tied", "params",
-           "KV KiB/token (bf16)", "weights")
+COLUMNS = ("preset", "arch", "layers", "hidden", "q heads", "kv heads", "head dim", "ffn", "vocab", "tied",
+           "params", "KV KiB/token (bf16)", "weights")
+
+
+def _count(n: object) -> str:
+    """A parameter count as people write it: 134.5M, 4.02B."""
+    return f"{n / 1e9:.2f}B" if n > 1e9 else f"{n / 1e6:.1f}M"
 
 
 @friendly_errors
@@ -18,9 +23,8 @@ def models(format: str = format_option()) -> None:
     rows = []
     for p in PRESETS.values():
         c = p.config
-        n = c.num_parameters
-        params = f"{n / 1e9:.2f}B" if n > 1e9 else f"{n / 1e6:.1f}M"
-        rows.append([p.name, c.arch, c.num_layers, c.hidden_size, f"{c.num_heads}/{c.num_kv_heads}",
-                     c.head_dim, c.intermediate_size, c.vocab_size, "yes" if c.tie_word_embeddings else "no",
-                     params, f"{c.kv_bytes_per_token() / 1024:g}", p.weights])
-    emit(COLUMNS, rows, fmt, title="model presets", left=("preset", "arch", "weights"))
+        rows.append([p.name, c.arch, c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
+                     c.intermediate_size, c.vocab_size, c.tie_word_embeddings, c.num_parameters,
+                     c.kv_bytes_per_token() / 1024, p.weights])
+    emit(COLUMNS, rows, fmt, title="model presets", left=("preset", "arch", "weights"),
+         render={"params": _count, "KV KiB/token (bf16)": lambda v: f"{v:g}"})

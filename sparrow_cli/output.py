@@ -4,6 +4,12 @@ Every command that prints a table takes `--format table|csv|json|tsv`. Without i
 terminal gets the rich table, a pipe or a file gets TSV (every row, every character: greppable, and
 readable by `cut`, `sort` and DuckDB's read_csv). Data goes to stdout, messages to stderr.
 
+Rows hold typed values, one value per cell (numbers, booleans, None, text). The text formats (table,
+csv, tsv) share one rendering of each value: a column's renderer where the command gives one (a budget
+of None shown as "dense", a parameter count as "134.5M"), else yes/no for booleans, 6 significant
+digits for floats and an empty cell for None. JSON keeps the types: numbers are numbers, booleans are
+booleans, None (and NaN) is null.
+
 A stage's summary (rollout, profile, fit-cost, train) is data too: `emit_record` prints one record as a
 two-column rich table on a terminal, and as a header and one row (csv, tsv) or one JSON object elsewhere,
 with the same keys that scripts find in the artifact's metadata.
@@ -15,7 +21,7 @@ import csv
 import json
 import math
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import typer
 from rich.console import Console
@@ -39,6 +45,9 @@ def resolve_format(fmt: str | None) -> str:
     return fmt
 
 
+Render = Mapping[str, Callable[[object], str]]
+
+
 def _plain(v: object) -> object:
     if isinstance(v, float) and not math.isfinite(v):
         return None
@@ -48,15 +57,25 @@ def _plain(v: object) -> object:
 def _text(v: object) -> str:
     if v is None:
         return ""
+    if isinstance(v, bool):
+        return "yes" if v else "no"
     if isinstance(v, float):
         return f"{v:.6g}"
     return str(v).replace("\t", " ").replace("\n", " ")
 
 
+def _cell(column: str, v: object, render: Render | None) -> str:
+    """The one text rendering of a value in `column` (table, csv and tsv alike)."""
+    if render and column in render:
+        return _text(render[column](v))
+    return _text(v)
+
+
 def emit(columns: Sequence[str], rows: Sequence[Sequence[object]], fmt: str, title: str | None = None,
-         left: Sequence[str] = (), to: Console | None = None) -> None:
-    """Print `rows` under `columns` in `fmt` (already resolved); numbers are right-aligned in tables
-    unless named in `left`. A rich table goes to `to` (default stdout; stderr when stdout is taken)."""
+         left: Sequence[str] = (), to: Console | None = None, render: Render | None = None) -> None:
+    """Print `rows` (typed values) under `columns` in `fmt` (already resolved); numbers are right-aligned
+    in tables unless named in `left`; `render` gives a column its text form. A rich table goes to `to`
+    (default stdout; stderr when stdout is taken)."""
     if stdout_taken():  # `-o -`: stdout carries the artifact, so this goes to stderr as a table
         fmt, to = "table", console
     if fmt == "table":
@@ -64,32 +83,33 @@ def emit(columns: Sequence[str], rows: Sequence[Sequence[object]], fmt: str, tit
         for c in columns:
             t.add_column(c, justify="left" if c in left else "right")
         for r in rows:
-            t.add_row(*(_text(v) for v in r))
+            t.add_row(*(_cell(c, v, render) for c, v in zip(columns, r)))
         (to or out).print(t)
     elif fmt == "json":
         sys.stdout.write(json.dumps([{c: _plain(v) for c, v in zip(columns, r)} for r in rows]) + "\n")
     elif fmt == "csv":
         writer = csv.writer(sys.stdout, lineterminator="\n")
         writer.writerow(columns)
-        writer.writerows([["" if v is None else v for v in r] for r in rows])
+        writer.writerows([[_cell(c, v, render) for c, v in zip(columns, r)] for r in rows])
     else:
         sys.stdout.write("\t".join(columns) + "\n")
         for r in rows:
-            sys.stdout.write("\t".join(_text(v) for v in r) + "\n")
+            sys.stdout.write("\t".join(_cell(c, v, render) for c, v in zip(columns, r)) + "\n")
     sys.stdout.flush()
 
 
 def emit_record(record: Mapping[str, object], fmt: str, title: str | None = None,
-                labels: Mapping[str, str] | None = None) -> None:
+                labels: Mapping[str, str] | None = None, render: Render | None = None) -> None:
     """Print one record: a field/value rich table (fields shown by `labels` where given), else the
     record's keys as the header of one row, or one JSON object."""
     if stdout_taken():
         fmt = "table"
     if fmt == "table":
         labels = labels or {}
-        emit(("", "value"), [[labels.get(k, k), v] for k, v in record.items()], fmt, title=title, left=("",))
+        emit(("", "value"), [[labels.get(k, k), _cell(k, v, render)] for k, v in record.items()], fmt,
+             title=title, left=("",))
     elif fmt == "json":
         sys.stdout.write(json.dumps({k: _plain(v) for k, v in record.items()}) + "\n")
         sys.stdout.flush()
     else:
-        emit(list(record), [list(record.values())], fmt)
+        emit(list(record), [list(record.values())], fmt, render=render)

@@ -68,12 +68,17 @@ def plan_schedule(
     gen_len: int = typer.Option(None, "--gen-len", help="Generated tokens per rollout for the "
                                 f"predicted speedup (default {REFERENCE_GEN_LEN} with the reference "
                                 "profile, the profile's longest position with a measured one)."),
-    prompt_len: int = typer.Option(0, "--prompt-len", help="Prompt tokens before generation."),
+    prompt_len: int = typer.Option(None, "--prompt-len", help="Prompt tokens before generation (default 0 "
+                                   "with the reference profile, the shortest prompt of a measured one)."),
     batch: int = typer.Option(64, "--batch", help="Sequences decoded together (per GPU)."),
     bin_width: int = typer.Option(None, "--bin-width", help="Position bin width in tokens (default: "
                                   "the profile's; the reference profile has 2,000-token bins)."),
     min_tokens: int = typer.Option(50, "--min-tokens", help="Bins of a measured profile with fewer "
-                                   "tokens inherit the previous bin's budget."),
+                                   "tokens are not trusted: they take the budget of the bin before (the "
+                                   "first trusted bin's, for leading ones)."),
+    allow_model_mismatch: bool = typer.Option(False, "--allow-model-mismatch", help="Plan for --model from "
+                                              "a --profile measured on another model (its metadata names "
+                                              "the model); refused without this flag."),
     sweep: str = typer.Option(None, "--sweep", help="Also print the predicted speedup at each of "
                               "these thresholds, e.g. 0.80,0.83,0.86,0.90,0.92."),
     export: str = typer.Option(None, "--export", help="Also print the schedule as json or in the "
@@ -104,7 +109,7 @@ def plan_schedule(
     fmt = resolve_format(format)
     if compare_published:
         with stage_errors():
-            return print_comparison(hardware or "h100", threshold, gen_len, batch, prompt_len, fmt)
+            return print_comparison(hardware or "h100", threshold, gen_len, batch, prompt_len or 0, fmt)
     if model is None:
         raise UsageError("--model is required (a preset such as qwen3-4b, a checkpoint dir or a .gguf)")
     if threshold is not None and threshold_file is not None:
@@ -132,9 +137,11 @@ def plan_schedule(
         for t in sweep_values:
             check_threshold(t)
         cfg, name = model_shape(model)
+        if profile is not None and not allow_model_mismatch:
+            check_profile_model(profile, model, name)
         cost_model = load_cost_model(cfg, cost, hardware)
-        tails, gen_len = load_profile(name, profile, quantile, bin_width, prompt_len, gen_len,
-                                      min_tokens)
+        tails, prompt_len, gen_len = load_profile(name, profile, quantile, bin_width, prompt_len, gen_len,
+                                                  min_tokens)
         if prompt_len + gen_len > cfg.max_position_embeddings:
             raise UsageError(f"--prompt-len {prompt_len} + --gen-len {gen_len} exceeds the model's "
                              f"context of {cfg.max_position_embeddings}")
@@ -218,22 +225,42 @@ def write_text(path: Path, text: str) -> None:
     write_bytes(path, text.encode())
 
 
-def _show(columns, rows, fmt: str | None, title: str) -> None:
+def check_profile_model(profile: Path, model: str, name: str) -> None:
+    """A schedule planned from one model's mismatch, labelled with another model, would be trusted for a
+    model it says nothing about: refused unless --allow-model-mismatch."""
+    from sparrow.schemas import artifact_metadata
+
+    from .profile import _base_name
+
+    measured = artifact_metadata(profile).get("model")
+    if measured and _base_name(str(measured)) not in (_base_name(model), name.lower()):
+        raise UsageError(f"--profile {profile} was measured on {measured} (its metadata), not on --model "
+                         f"{model}; plan with --model {measured}, or pass --allow-model-mismatch to plan "
+                         f"for {model} from it")
+
+
+def _show(columns, rows, fmt: str | None, title: str, render=None) -> None:
     """A table on stdout in `fmt`, or (fmt None: stdout is taken) as a rich table on stderr."""
-    emit(columns, rows, fmt or "table", title=title, to=None if fmt is not None else console)
+    emit(columns, rows, fmt or "table", title=title, to=None if fmt is not None else console, render=render)
+
+
+def _fixed(digits: int, suffix: str = "", missing: str = "-"):
+    return lambda v: missing if v is None else f"{v:.{digits}f}{suffix}"
+
+
+PLAN_RENDER = {"end": lambda e: "open" if e is None else str(e),
+               "budget": lambda b: "dense" if b is None else str(b), "tail": _fixed(4, missing="thin"),
+               "step ms": _fixed(2), "dense ms": _fixed(2)}
 
 
 def print_plan(result, sparse_s, dense_s, batch: int, fmt: str | None) -> None:
     rows = []
     for i, budget in enumerate(result.schedule.budgets):
-        start, end = result.schedule.bin_starts[i], result.bin_end(i)
-        tail = result.tails[i]
-        rows.append([i, f"{start}-{end if end is not None else ''}", budget or "dense",
-                     "thin" if tail is None else f"{tail:.4f}", f"{sparse_s[i] * 1e3:.2f}",
-                     f"{dense_s[i] * 1e3:.2f}"])
-    _show(("bin", "positions", "budget", "tail", "step ms", "dense ms"), rows, fmt,
+        rows.append([i, result.schedule.bin_starts[i], result.bin_end(i), budget or None, result.tails[i],
+                     float(sparse_s[i] * 1e3), float(dense_s[i] * 1e3)])
+    _show(("bin", "start", "end", "budget", "tail", "step ms", "dense ms"), rows, fmt,
           f"schedule (threshold {result.threshold:g}, tail = {result.quantile:g} quantile of alpha; step "
-          f"times at batch {batch}, mid-bin)")
+          f"times at batch {batch}, mid-bin)", render=PLAN_RENDER)
 
 
 def print_frontier(frontier, cost_model, gen_len: int, batch: int, prompt_len: int,
@@ -241,14 +268,14 @@ def print_frontier(frontier, cost_model, gen_len: int, batch: int, prompt_len: i
     rows = []
     for threshold, result in frontier:
         budgets = [b for b in result.schedule.budgets if b]
-        rows.append([f"{threshold:g}",
-                     f"{cost_model.speedup(result.schedule.budgets_at, gen_len, batch, prompt_len):.2f}x",
-                     f"{sum(budgets) / len(budgets):.0f}" if budgets else "-",
+        rows.append([threshold, cost_model.speedup(result.schedule.budgets_at, gen_len, batch, prompt_len),
+                     sum(budgets) / len(budgets) if budgets else None,
                      len(result.schedule.budgets) - len(budgets)])
     if fmt in ("csv", "tsv"):
         sys.stdout.write("\n")  # the second table of the stream
     _show(("threshold", "speedup", "mean budget", "dense bins"), rows, fmt,
-          f"stability-speed frontier ({cost_model.source}, {gen_len} tokens, batch {batch})")
+          f"stability-speed frontier ({cost_model.source}, {gen_len} tokens, batch {batch})",
+          render={"threshold": lambda t: f"{t:g}", "speedup": _fixed(2, "x"), "mean budget": _fixed(0)})
 
 
 def print_comparison(hardware: str, threshold: float | None, gen_len: int | None, batch: int,
@@ -261,8 +288,9 @@ def print_comparison(hardware: str, threshold: float | None, gen_len: int | None
     check_threshold(threshold)
     gen_len = gen_len or REFERENCE_GEN_LEN
     rows = compare_published(hardware, threshold, gen_len, batch, prompt_len)
-    table = [[r["model"], "-" if r["published"] is None else f"{r['published']:.2f}x",
-              f"{r['predicted']:.2f}x", "-" if r["ratio"] is None else f"{r['ratio']:.2f}"] for r in rows]
+    table = [[r["model"], r["published"], r["predicted"], r["ratio"]] for r in rows]
     emit(("model", "published", "predicted", "predicted / published"), table, fmt,
+         render={"published": _fixed(2, "x"), "predicted": _fixed(2, "x"),
+                 "predicted / published": _fixed(2)},
          title=f"rollout speedup over dense at threshold {threshold:g}: analytic {hardware} model "
                f"({gen_len} tokens, batch {batch}) vs published (4 x H200, AIME24)")

@@ -21,6 +21,7 @@ from sparrow.stages.definitions import PRIOR_THRESHOLD, TAIL_QUANTILE
 
 from .common import (
     UsageError,
+    check_device,
     check_output,
     console,
     force_option,
@@ -28,6 +29,8 @@ from .common import (
     input_path,
     output_help,
     parse_int_list,
+    raw_prompts_option,
+    warn_first_token_stops,
 )
 from .engine_options import check_gpu_memory, gpu_memory_option
 from .output import emit, format_option, resolve_format
@@ -50,6 +53,7 @@ def profile(
                                  "prompts; - = stdin), or any Parquet or JSONL file with its columns (token "
                                  "ids or text): sample "
                                  "trajectories of these prompts with the engine."),
+    raw_prompts: bool = raw_prompts_option(),
     rollouts: Path = typer.Option(None, "--rollouts", callback=input_path, help="A rollouts artifact "
                                   "(sparrow rollout; - = stdin), or any Parquet file from another sampler "
                                   "with columns prompt_id, token_ids and prompt_token_ids (or prompt text): "
@@ -122,15 +126,14 @@ def profile(
         opts.validate()
     except ValueError as e:
         raise UsageError(str(e)) from None
-    if device not in ("cpu", "cuda"):
-        raise UsageError(f"--device must be cpu or cuda, got {device!r}")
+    check_device(device, remote=bool(ray_address))
     if dtype not in DTYPES:
         raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     torch_dtype = resolve_dtype(dtype, device)
     check_workers(workers, ray_address, output)
     check_output(output, "mismatch", force, parts=bool(workers))
     cfg = resolve_config(model)
-    opts.adapter = load_actor(adapter, cfg)  # before any weights load
+    opts.adapter = load_actor(adapter, cfg, model)  # before any weights load
     weights = {"random_weights": random_weights, "dtype": str(torch_dtype).removeprefix("torch.")}
     recorded = ({"adapter": str(adapter)} if adapter is not None else {}) | {"dtype": weights["dtype"]} | (
         {"random_weights": True} if random_weights else {})
@@ -163,7 +166,7 @@ def profile(
         prompt_set.check_fits(cfg.vocab_size, cfg.max_position_embeddings, max_new_tokens)  # before weights
         loaded = load()
         if prompt_set.needs_tokenizer:
-            prompt_set.tokenize(loaded.tokenizer)
+            prompt_set.tokenize(loaded.tokenizer, not raw_prompts)
             prompt_set.check_fits(cfg.vocab_size, cfg.max_position_embeddings, max_new_tokens)
         ids, tokens = prompt_set.ids, prompt_set.tokens
         meta = opts.metadata() | {"prompts": str(prompts)} | recorded
@@ -172,6 +175,7 @@ def profile(
                                     output, meta | {"model": model_name(model)}, weights)
         else:
             table = with_progress(lambda progress: run_profile(loaded, ids, tokens, opts, progress))
+        warn_first_token_stops(sample_lengths(table, len(opts.budgets)), max_new_tokens, raw_prompts)
     if not workers:
         write_artifact(table, output, "mismatch", metadata=meta | {"model": loaded.name})
     console.print(f"wrote {table.num_rows} rows ({table.num_rows // len(opts.budgets)} tokens x "
@@ -179,22 +183,62 @@ def profile(
     print_summary(summarize(table, quantile, threshold), quantile, threshold, fmt)
 
 
-def load_actor(path: Path | None, cfg):
+def load_actor(path: Path | None, cfg, model: str | None = None, flag: str = "--adapter"):
     """The sparse actor's adapter, checked against the model's shapes (one sentence if it was trained on
-    another base model)."""
+    another base model, or if its files are not a peft adapter); a warning when its config names another
+    base model than `model` whose shapes happen to fit."""
+    from safetensors import SafetensorError
+
     from sparrow.stages.rollout import load_lora
     from sparrow.stages.rollout.lora import check_lora_fits
 
     if path is None:
         return None
-    if not (path / "adapter_config.json").exists():
-        raise UsageError(f"--adapter {path}: not a LoRA adapter directory (no adapter_config.json)")
+    base = read_adapter_config(path, flag).get("base_model_name_or_path")
     try:
         lora = load_lora(path)
         check_lora_fits(lora, cfg, str(path))
-    except ValueError as e:
-        raise UsageError(str(e)) from None
+    except (ValueError, KeyError, OSError, SafetensorError) as e:
+        raise UsageError(f"{flag} {path}: {e.args[0] if e.args else e}") from None
+    if model is not None and base and _base_name(base) != _base_name(model):
+        console.print(f"[yellow]warning:[/] {flag} {path} was trained on {base!r} (its adapter_config.json), "
+                      f"not on --model {model}; its shapes fit, so it is used as given", highlight=False)
     return lora
+
+
+def sample_lengths(table: pa.Table, budgets: int) -> list[int]:
+    """Generated tokens per sampled trajectory of a mismatch table (one row per token per budget)."""
+    counts = table.group_by(["prompt_id", "sample"]).aggregate([("position", "count")])
+    return [n // budgets for n in counts.column("position_count").to_pylist()]
+
+
+def read_adapter_config(path: Path, flag: str = "--adapter") -> dict:
+    """A peft adapter directory's adapter_config.json, checked: one sentence naming the file otherwise."""
+    import json
+
+    config_file = path / "adapter_config.json"
+    if not config_file.is_file():
+        raise UsageError(f"{flag} {path}: not a LoRA adapter directory (no adapter_config.json)")
+    try:
+        config = json.loads(config_file.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise UsageError(f"{config_file} is not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise UsageError(f"{config_file} holds a JSON {type(config).__name__}, not peft's adapter config "
+                         "object")
+    for key in ("r", "lora_alpha"):
+        if isinstance(config.get(key), bool) or not isinstance(config.get(key), (int, float)):
+            raise UsageError(f"{config_file}: {key!r} must be a number, got {config.get(key)!r}")
+    if not (path / "adapter_model.safetensors").is_file():
+        raise UsageError(f"{flag} {path}: no adapter_model.safetensors beside its adapter_config.json")
+    return config
+
+
+def _base_name(spec: str) -> str:
+    """A model's name for comparison: a preset, or a checkpoint directory's (or a hub id's) last part."""
+    from sparrow.stages.model.loading import model_name
+
+    return model_name(spec.rstrip("/")).lower()
 
 
 class _TokenizerOnly:
@@ -214,7 +258,7 @@ def _profile_on_ray(model: str, items: list, opts, sample: bool, workers: int, a
     from sparrow.stages.rollout.workers import RolloutPool
 
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=console, transient=True) as bar:
+                  console=console, transient=True, disable=not console.is_terminal) as bar:
         task = bar.add_task(f"profile on {workers} Ray workers (shards)", total=workers)
         pool = RolloutPool(model, workers, address=address, device=device, **weights)
         try:
@@ -249,7 +293,8 @@ def rollouts_temperature(path: Path, recorded: float | None, given: float | None
 def with_progress(run: Callable[[Callable[[str, int, int], None]], pa.Table]) -> pa.Table:
     """Run a profile with one progress bar per phase (sampling, scoring) on stderr."""
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TimeRemainingColumn(), console=console, transient=True) as bar:
+                  TimeRemainingColumn(), console=console, transient=True,
+                  disable=not console.is_terminal) as bar:
         tasks: dict[str, TaskID] = {}
 
         def update(phase: str, done: int, total: int) -> None:
@@ -264,8 +309,7 @@ def print_summary(summary, quantile: float, threshold: float, fmt: str) -> None:
     """Mean and tail alpha per bin and budget, on stdout; `above` says whether the tail clears the
     threshold."""
     columns = ("bin", "budget", "tokens", "mean_alpha", "tail_alpha", "above")
-    rows = [[r["bin"], r["budget"], r["tokens"], r["mean_alpha"], r["tail_alpha"],
-             ("yes" if r["above"] else "no") if fmt == "table" else r["above"]]
+    rows = [[r["bin"], r["budget"], r["tokens"], r["mean_alpha"], r["tail_alpha"], bool(r["above"])]
             for r in summary.to_pylist()]
     emit(columns, rows, fmt, title=f"alpha per bin and budget (tail = {quantile:g} quantile, "
                                    f"above = tail >= {threshold})")

@@ -28,7 +28,8 @@ class _LazyProgress:
         self.task_id = None
 
     def __call__(self, done: int) -> None:
-        if self.bar is None and time.monotonic() - self.started > self.delay and done < self.total:
+        if (self.bar is None and console.is_terminal and time.monotonic() - self.started > self.delay
+                and done < self.total):
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
 
             self.bar = Progress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),

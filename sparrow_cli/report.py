@@ -33,10 +33,12 @@ def report(
     check_output_dir(output or run / "report", "a Sparrow report folder", force=force, ours=report_folder,
                      replaceable=lambda d: True)
     try:
-        page, figures = build_report(run, output, progress=lambda what: console.print(f"drawing {what}"))
+        page, figures = build_report(run, output, progress=lambda what: console.print(what, highlight=False,
+                                                                                     markup=False))
     except ValueError as e:
         raise UsageError(str(e)) from None
     for f in figures:
-        console.print(f"  {f.file}: {f.title} ({f.points} points)")
+        said = "".join(f"; {s}" for s in f.said)
+        console.print(f"  {f.file}: {f.title} ({f.points} points{said})", highlight=False, markup=False)
     console.print(f"report: {page}")
     print(page)

@@ -8,16 +8,30 @@ from pathlib import Path
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from .common import UsageError, check_output, console, force_option, friendly_errors, input_path, output_help
+from .common import (
+    UsageError,
+    check_device,
+    check_output,
+    console,
+    force_option,
+    friendly_errors,
+    input_path,
+    output_help,
+    raw_prompts_option,
+    warn_first_token_stops,
+)
 from .engine_options import check_gpu_memory, gpu_memory_option
 from .output import emit_record, format_option, resolve_format
 
 SUMMARY_LABELS = {"tokens": "generated tokens", "seconds": "seconds (total)",
                   "prefill_seconds": "  prefill seconds", "decode_seconds": "  decode seconds",
-                  "tokens_per_s": "tokens / s", "mean_budget": "mean budget (sparse tokens; empty = dense)",
+                  "tokens_per_s": "tokens / s", "mean_budget": "mean budget (sparse tokens)",
                   "dense_fraction": "dense tokens (fraction)", "stop_fraction": "stopped at EOS (fraction)",
-                  "reward_mean": "mean reward (empty = no scorer)",
+                  "reward_mean": "mean reward",
                   "preemptions": "preemptions (KV pool full, recomputed)"}
+# the text formats' word for a null (JSON keeps the null)
+SUMMARY_RENDER = {"mean_budget": lambda v: "dense" if v is None else f"{v:g}",
+                  "reward_mean": lambda v: "no scorer" if v is None else f"{v:.6g}"}
 
 
 def _sparsity(schedule: Path | None, budget: int | None, dense: bool, model: str):
@@ -58,7 +72,7 @@ def _check_vllm_flags(schedule, budget, lora, top_k: int, top_p: float) -> None:
 
 
 def _rollout_vllm(model: str, prompt_set, output: Path, fmt: str, cfg, device: str, dtype: str,
-                  max_batch: int, sampling) -> None:
+                  max_batch: int, sampling, raw_prompts: bool = False) -> None:
     """Dense sampling with vLLM into the same rollouts artifact (budget 0 for every token)."""
     from sparrow.schemas import write_artifact
     from sparrow.stages.attention import PAGE_SIZE
@@ -68,7 +82,7 @@ def _rollout_vllm(model: str, prompt_set, output: Path, fmt: str, cfg, device: s
     checkpoint = vllm_checkpoint(model)
     tokenizer = _dir_tokenizer(checkpoint)
     if prompt_set.needs_tokenizer:
-        prompt_set.tokenize(tokenizer)
+        prompt_set.tokenize(tokenizer, not raw_prompts)
         prompt_set.check_fits(cfg.vocab_size, cfg.max_position_embeddings, sampling.max_new_tokens)
     rows = prompt_set.rows
     longest = max(len(r["prompt_token_ids"]) for r in rows)
@@ -83,8 +97,11 @@ def _rollout_vllm(model: str, prompt_set, output: Path, fmt: str, cfg, device: s
         "seed_scope": "vLLM global seed (per-request seeds fail on the CPU)",
         "ignore_eos": sampling.ignore_eos, "page_size": PAGE_SIZE, "device": device, "dtype": dtype,
         "lora": "", "vllm_startup_seconds": round(timing.startup_s, 2), "summary": summary.metadata()})
+    warn_first_token_stops([len(t) for t in table.column("token_ids").to_pylist()],
+                           sampling.max_new_tokens, raw_prompts)
     console.print(f"wrote {table.num_rows} rollouts to {output} (vLLM start-up {timing.startup_s:.0f} s)")
-    emit_record(summary.metadata(), fmt, title="rollouts (dense, vLLM)", labels=SUMMARY_LABELS)
+    emit_record(summary.metadata(), fmt, title="rollouts (dense, vLLM)", labels=SUMMARY_LABELS,
+                render=SUMMARY_RENDER)
 
 
 @friendly_errors
@@ -93,6 +110,7 @@ def rollout(
     prompts: Path = typer.Option(..., "--prompts", callback=input_path, help="A prompts artifact (sparrow "
                                  "prompts; - = stdin), or any Parquet or JSONL file with its columns "
                                  "(token ids or text)."),
+    raw_prompts: bool = raw_prompts_option(),
     schedule: Path = typer.Option(None, "--schedule", callback=input_path,
                                   help="A schedule artifact (sparrow plan-schedule)."),
     budget: int = typer.Option(None, "--budget", help="A fixed budget in tokens (multiple of 16, "
@@ -130,7 +148,7 @@ def rollout(
     output: Path = typer.Option(..., "-o", "--output", help=output_help("the rollouts artifact")),
     force: bool = force_option(),
     engine: str = typer.Option("ours", "--engine", help="ours (dense, budget or schedule) or vllm (dense "
-                               "only; the optional extra .[vllm])."),
+                               "only; the optional extra .\\[vllm])."),
     format: str = format_option(),
 ) -> None:
     """Generate K samples per prompt with dense, fixed-budget or scheduled block top-k sparse attention:
@@ -150,8 +168,9 @@ def rollout(
         spec_tokenizer,
     )
     from sparrow.stages.prompt_set import PromptSet
-    from sparrow.stages.rollout import RolloutOptions, SamplingParams, load_lora, run_rollouts
-    from sparrow.stages.rollout.lora import check_lora_fits
+    from sparrow.stages.rollout import RolloutOptions, SamplingParams, run_rollouts
+
+    from .profile import load_actor
 
     fmt = resolve_format(format)
     if engine not in ("ours", "vllm"):
@@ -171,25 +190,14 @@ def rollout(
         raise UsageError(f"--top-p must be in (0, 1], got {top_p}")
     if top_k < 0:
         raise UsageError(f"--top-k must be >= 0, got {top_k}")
-    if device not in ("cpu", "cuda"):
-        raise UsageError(f"--device must be cpu or cuda, got {device!r}")
-    if device == "cuda" and not torch.cuda.is_available() and not ray_address:
-        raise UsageError("--device cuda was given but no CUDA device is available")
+    check_device(device, remote=bool(ray_address))
     if dtype not in DTYPES:
         raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     dtype_name = str(resolve_dtype(dtype, device)).removeprefix("torch.")
     check_workers(workers, ray_address, output)
     check_output(output, "rollouts", force, parts=bool(workers))
-    if lora is not None and not (lora / "adapter_config.json").exists():
-        raise UsageError(f"{lora}: not a LoRA adapter directory (no adapter_config.json)")
     cfg = resolve_config(model)
-    adapter = None
-    if lora is not None:
-        try:
-            adapter = load_lora(lora)
-            check_lora_fits(adapter, cfg, str(lora))
-        except ValueError as e:
-            raise UsageError(str(e)) from None
+    adapter = load_actor(lora, cfg, model)  # one sentence for a bad adapter, before any weights load
     prompt_set = PromptSet.read(prompts)
     prompt_set.check_fits(cfg.vocab_size, cfg.max_position_embeddings, max_new_tokens)  # before weights
     if kv_pages is not None and engine == "vllm":
@@ -197,7 +205,7 @@ def rollout(
     if engine == "vllm":
         return _rollout_vllm(model, prompt_set, output, fmt, cfg, device, dtype_name, max_batch,
                              SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
-                                            n=samples, ignore_eos=ignore_eos))
+                                            n=samples, ignore_eos=ignore_eos), raw_prompts)
     sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                               top_k=top_k, seed=seed, n=samples, ignore_eos=ignore_eos)
     opts = RolloutOptions(sampling=sampling, max_batch=max_batch, sparsity=sparsity,
@@ -212,18 +220,18 @@ def rollout(
             "dtype": dtype_name, "engine": "ours", "lora": str(lora) if lora else ""}
     if workers:  # this process only tokenizes: the weights load in the workers
         if prompt_set.needs_tokenizer:
-            prompt_set.tokenize(spec_tokenizer(model))
+            prompt_set.tokenize(spec_tokenizer(model), not raw_prompts)
             prompt_set.check_fits(cfg.vocab_size, cfg.max_position_embeddings, max_new_tokens)
         _check_kv_pages(kv_pages, prompt_set.rows, max_new_tokens)
         summary, n = _rollout_on_ray(model, prompt_set.rows, opts, workers, ray_address, device, dtype_name,
                                      meta, output)
         console.print(f"wrote {n} rollouts in {workers} parts to {output}/")
         emit_record(summary.metadata(), fmt, title=f"rollouts ({mode}, {workers} workers)",
-                    labels=SUMMARY_LABELS)
+                    labels=SUMMARY_LABELS, render=SUMMARY_RENDER)
         return
     loaded = load_model(model, device=device, dtype=getattr(torch, dtype_name))
     if prompt_set.needs_tokenizer:
-        prompt_set.tokenize(loaded.tokenizer)
+        prompt_set.tokenize(loaded.tokenizer, not raw_prompts)
         prompt_set.check_fits(cfg.vocab_size, cfg.max_position_embeddings, max_new_tokens)
     rows = prompt_set.rows
     _check_kv_pages(kv_pages, rows, max_new_tokens)
@@ -233,7 +241,7 @@ def rollout(
     state = {"tokens": 0, "done": 0}
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), console=console,
-                  transient=True) as bar:
+                  transient=True, disable=not console.is_terminal) as bar:
         task = bar.add_task("rollouts (samples)", total=total, rate="")
 
         def on_step(new_tokens: int, finished: int) -> None:
@@ -245,8 +253,11 @@ def rollout(
 
         table, summary = run_rollouts(loaded, rows, opts, on_step)
     write_artifact(table, output, "rollouts", metadata={**meta, "summary": summary.metadata()})
+    warn_first_token_stops([len(t) for t in table.column("token_ids").to_pylist()], max_new_tokens,
+                           raw_prompts)
     console.print(f"wrote {table.num_rows} rollouts to {output}")
-    emit_record(summary.metadata(), fmt, title=f"rollouts ({mode})", labels=SUMMARY_LABELS)
+    emit_record(summary.metadata(), fmt, title=f"rollouts ({mode})", labels=SUMMARY_LABELS,
+                render=SUMMARY_RENDER)
 
 
 
@@ -290,7 +301,8 @@ def _rollout_on_ray(model: str, rows: list[dict], opts, workers: int, address: s
 
     total = len(rows) * opts.sampling.n
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), console=console, transient=True) as bar:
+                  TimeElapsedColumn(), console=console, transient=True,
+                  disable=not console.is_terminal) as bar:
         task = bar.add_task(f"starting {workers} Ray workers", total=total)
         pool = RolloutPool(model, workers, address=address, device=device, dtype=dtype)
         try:

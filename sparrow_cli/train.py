@@ -8,7 +8,15 @@ from typing import TYPE_CHECKING
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from .common import UsageError, console, friendly_errors, input_path
+from .common import (
+    UsageError,
+    check_device,
+    console,
+    friendly_errors,
+    input_path,
+    log_line,
+    raw_prompts_option,
+)
 from .engine_options import check_gpu_memory, gpu_memory_option
 from .output import emit_record, format_option, resolve_format
 from .rollout import _sparsity, check_workers
@@ -25,7 +33,8 @@ TRAIN_LABELS = {"reward_first": "reward, first step", "reward_last": "reward, la
                 "mean_rollout_seconds": "s per step: rollout", "mean_scoring_seconds": "s per step: scoring",
                 "mean_update_seconds": "s per step: update",
                 "mean_weight_sync_seconds": "s per step: weight sync to the Ray workers (in rollout)",
-                "first_collapse_step": "first collapse step"}
+                "first_collapse_step": "first collapse step (of the streak that ends the run)",
+                "reasons": "collapse reasons", "warnings": "warnings (not collapse reasons)"}
 
 
 def _spec(schedule: Path | None, budget: int | None, dense: bool, model: str) -> str:
@@ -39,8 +48,10 @@ def train(
     model: str = typer.Option("smollm2-135m", "--model", help="Preset, checkpoint dir or .gguf."),
     prompts: Path = typer.Option(..., "--prompts", callback=input_path,
                                  help="Training prompts (with answers; - = stdin)."),
+    raw_prompts: bool = raw_prompts_option(),
     eval_prompts: Path = typer.Option(None, "--eval-prompts", callback=input_path, help="Held-out prompts: "
-                                      "greedy dense accuracy at the start and every --eval-every steps."),
+                                      "greedy dense accuracy at the start, every --eval-every steps and "
+                                      "after the last step."),
     schedule: Path = typer.Option(None, "--schedule", callback=input_path,
                                   help="Roll out with this schedule artifact."),
     budget: int = typer.Option(None, "--budget", help="Roll out with a fixed budget (tokens)."),
@@ -102,8 +113,6 @@ def train(
     RUN/mismatch/step=N.parquet (query both with `sparrow sql --run RUN`), RUN/checkpoint/ and, with a
     LoRA, RUN/adapter/ (peft format). Under `torchrun --nproc-per-node N` the ranks share each step's
     batch and DDP sums their gradients; rank 0 writes, and a run resumes under any number of ranks."""
-    import torch
-
     from sparrow.stages.train import TrainConfig
     from sparrow.stages.train.distributed import init_world, shutdown_world
 
@@ -122,16 +131,14 @@ def train(
                                               else gradient_checkpointing),
                       loss={} if loss_agg == "token-mean" else {"loss_agg": loss_agg},
                       distill_sparse=distill_sparse, distill_rank=distill_rank, distill_alpha=distill_alpha,
-                      distill_lr_ratio=distill_lr_ratio, distill_kl_coef=distill_kl_coef)
+                      distill_lr_ratio=distill_lr_ratio, distill_kl_coef=distill_kl_coef,
+                      raw_prompts=raw_prompts)
     try:
         cfg.validate()
     except ValueError as e:
         raise UsageError(str(e)) from None
-    if device not in ("cpu", "cuda"):
-        raise UsageError(f"--device must be cpu or cuda, got {device!r}")
+    check_device(device)
     check_gpu_memory(gpu_memory_utilization)
-    if device == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda was given but no CUDA device is available")
     check_workers(workers, ray_address, None)
     check_run_location(cfg, model, prompts, eval_prompts, resume, force, output_dir)
     world = init_world(device)
@@ -166,8 +173,8 @@ def check_run_location(cfg, model: str, prompts: Path, eval_prompts: Path | None
         return
     tokenizer = spec_tokenizer(model)
     try:
-        rows = load_prompts(prompts, tokenizer)
-        held_out = load_prompts(eval_prompts, tokenizer) if eval_prompts else None
+        rows = load_prompts(prompts, tokenizer, not cfg.raw_prompts)
+        held_out = load_prompts(eval_prompts, tokenizer, not cfg.raw_prompts) if eval_prompts else None
         sparsity = parse_sparsity(cfg.sparsity, model=resolve_config(model))
         check_run_dir(output_dir, with_fingerprints(cfg, rows, held_out, sparsity), resume, force)
     except ValueError as e:
@@ -185,9 +192,13 @@ def _run(cfg, model: str, prompts: Path, eval_prompts: Path | None, resume: bool
     device, max_new_tokens, steps = cfg.device, cfg.max_new_tokens, cfg.steps
     loaded = load_model(model, device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float32,
                         random_weights=cfg.random_weights)
+    if loaded.tokenizer is None:  # before the run directory: nothing is left behind
+        raise UsageError(f"--model {model} has no tokenizer, so the task's scorer cannot read the sampled "
+                         "answers; train a model with a tokenizer (a checkpoint with tokenizer files)")
     try:
-        rows = load_prompts(prompts, loaded.tokenizer)
-        held_out = load_prompts(eval_prompts, loaded.tokenizer) if eval_prompts else None
+        rows = load_prompts(prompts, loaded.tokenizer, not cfg.raw_prompts)
+        held_out = (load_prompts(eval_prompts, loaded.tokenizer, not cfg.raw_prompts) if eval_prompts
+                    else None)
     except ValueError as e:
         raise UsageError(str(e)) from None
     longest = max(len(r.token_ids) for r in rows + (held_out or []))
@@ -195,27 +206,31 @@ def _run(cfg, model: str, prompts: Path, eval_prompts: Path | None, resume: bool
         raise UsageError(f"a prompt of {longest} tokens with --max-new-tokens {max_new_tokens} exceeds the "
                          f"model's context of {loaded.config.max_position_embeddings}")
 
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console,
-                  disable=not world.main) as bar:
-        task = bar.add_task("train steps", total=steps, info="")
+    # a terminal gets a live bar; a log gets one whole line per step (a bar there is cut to 80 columns)
+    bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                   TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console,
+                   disable=not world.main or not console.is_terminal)
+    task = bar.add_task("train steps", total=steps, info="")
 
-        def on_phase(phase: str) -> None:
-            bar.update(task, description=f"train steps ({phase})")
+    def on_phase(phase: str) -> None:
+        bar.update(task, description=f"train steps ({phase})")
 
-        def on_step(r: dict) -> None:
-            ev = "" if r.get("eval_accuracy") is None else f" eval {r['eval_accuracy']:.2f}"
-            bar.update(task, completed=r["step"] + 1, info=(
-                f"reward {r['reward_mean']:.3f} acc {r['accuracy']:.2f}{ev} | mismatch KL "
+    def on_step(r: dict) -> None:
+        ev = "" if r.get("eval_accuracy") is None else f" eval {r['eval_accuracy']:.2f}"
+        info = (f"reward {r['reward_mean']:.3f} acc {r['accuracy']:.2f}{ev} | mismatch KL "
                 f"{r['mismatch_kl']:.2e} alpha-lb p5 {r['alpha_lb_p5']:.2f} | {r['seconds']:.1f} s"
-                + (f" | collapse: {r['collapse']}" if r.get("collapse") else "")))
+                + (f" | collapse: {r['collapse']}" if r.get("collapse") else ""))
+        bar.update(task, completed=r["step"] + 1, info=info)
+        if world.main:
+            log_line(f"train step {r['step'] + 1}/{steps}: {info}")
 
-        try:
-            trainer = Trainer(cfg, loaded, rows, output_dir, eval_prompts=held_out, resume=resume,
-                              on_step=on_step, on_phase=on_phase, world=world, pool=pool, force=force,
-                              gpu_memory_utilization=gpu_memory_utilization)
-        except ValueError as e:
-            raise UsageError(str(e)) from None
+    try:  # a refused --resume says so before any bar is drawn
+        trainer = Trainer(cfg, loaded, rows, output_dir, eval_prompts=held_out, resume=resume,
+                          on_step=on_step, on_phase=on_phase, world=world, pool=pool, force=force,
+                          gpu_memory_utilization=gpu_memory_utilization)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    with bar:
         bar.update(task, completed=trainer.step)
         summary = trainer.run()
     if world.main:
@@ -236,7 +251,8 @@ def print_summary(history: list[dict], s: dict, run: Path, fmt: str) -> None:
                                                  "vetoed_fraction", "rollout_seconds", "scoring_seconds",
                                                  "update_seconds", "weight_sync_seconds")},
               "label": s["label"], "first_collapse_step": s["first_collapse_step"],
-              "reasons": "; ".join(s["reasons"]), "adapter": s["adapter"] or None,
+              "reasons": "; ".join(s["reasons"]), "warnings": "; ".join(s.get("warnings", [])),
+              "adapter": s["adapter"] or None,
               **({"sparse_adapter": s["sparse_adapter"]} if s.get("sparse_adapter") else {})}
     console.print(f"metrics: {run / 'metrics.parquet'}; per-token mismatch: {run / 'mismatch'}/")
     emit_record(record, fmt, title=f"sparrow train: {run}", labels=TRAIN_LABELS)

@@ -1,7 +1,12 @@
 """`calibrate-threshold`: relate the stability of past runs to their tail mismatch.
 
 Each run directory holds a `metrics` artifact (one row per training step) and the `schedule` it
-trained with. Detectors label a run collapsed, with reasons; each run's tail statistic is the
+trained with. Detectors label a run collapsed, with reasons, by what training did (reward, gradient
+norm, entropy, truncation or repetition surge) over the whole run: the same function labels a run in
+`sparrow train` (each step's row holds the reasons for the history up to it; the run's label is its
+last row's) and here. Mismatch KL is a diagnostic and a warning, never a reason: the threshold is
+fitted to the labels, so a label made of mismatch would make the calibration circular. Each run's tail
+statistic is the
 minimum over position bins of the q-quantile of alpha, where every profiled token is scored at the
 budget the run's schedule gave its position. The critical threshold is the midpoint of the gap
 between the highest collapsed tail and the lowest stable tail, with a bootstrap interval over runs.
@@ -32,7 +37,7 @@ class Detectors:
     window: int = 5
     reward_drop: float = 0.5  # final reward below (1 - reward_drop) x best reward
     grad_norm_factor: float = 10.0  # grad norm above factor x median of the first window
-    mismatch_kl_limit: float = 0.05  # smoothed mismatch KL above this
+    mismatch_kl_limit: float = 0.05  # smoothed mismatch KL above this: a warning, not a collapse
     truncation_limit: float = 0.5  # final truncation rate above this, having risen by `surge`
     repetition_limit: float = 0.5  # final repetition rate above this, having risen by `surge`
     surge: float = 0.25  # rise over the first window's mean: a rate that was high from the start (a tight
@@ -67,8 +72,6 @@ def collapse_reasons(metrics: pa.Table, det: Detectors = Detectors()) -> list[st
         base = np.median(g[:w])
         if base > 0 and g.max() > det.grad_norm_factor * base:
             reasons.append(f"gradient norm exploded to {g.max():.3g} ({g.max() / base:.0f}x)")
-    if (k := _col(metrics, "mismatch_kl")) is not None and _smooth(k, w).max() > det.mismatch_kl_limit:
-        reasons.append(f"mismatch KL spiked to {_smooth(k, w).max():.3g}")
     for name, limit in (("truncation", det.truncation_limit), ("repetition", det.repetition_limit)):
         if (x := _col(metrics, f"{name}_rate")) is not None:
             first, last = x[:w].mean(), _smooth(x, w)[-1]
@@ -79,6 +82,16 @@ def collapse_reasons(metrics: pa.Table, det: Detectors = Detectors()) -> list[st
         if first > 0 and last > det.entropy_factor * first:
             reasons.append(f"entropy blew up from {first:.3g} to {last:.3g}")
     return reasons
+
+
+def mismatch_warnings(metrics: pa.Table, det: Detectors = Detectors()) -> list[str]:
+    """Diagnostics that do not label a run: the smoothed mismatch KL above its warning level."""
+    if (k := _col(metrics.sort_by("step"), "mismatch_kl")) is not None:
+        peak = _smooth(k, det.window).max()
+        if peak > det.mismatch_kl_limit:
+            return [f"mismatch KL reached {peak:.3g} (smoothed; warning level {det.mismatch_kl_limit:g}, "
+                    "a diagnostic, not a collapse)"]
+    return []
 
 
 def run_tail(mismatch: pa.Table, schedule: Schedule, quantile: float = TAIL_QUANTILE
@@ -109,10 +122,11 @@ def run_tail(mismatch: pa.Table, schedule: Schedule, quantile: float = TAIL_QUAN
 
 @dataclass
 class RunResult:
-    name: str
+    name: str  # the run directory as given (two runs may share a folder name)
     tail: float
     reasons: list[str]
     notes: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def collapsed(self) -> bool:
@@ -178,7 +192,7 @@ def load_run(run_dir: Path, mismatch: pa.Table, quantile: float, det: Detectors)
     if table.num_rows == 0:
         raise ArtifactError(f"{metrics[0]}: the metrics artifact has no steps")
     tail, notes = run_tail(mismatch, Schedule.from_artifact(schedules[0]), quantile)
-    return RunResult(run_dir.name, tail, collapse_reasons(table, det), notes)
+    return RunResult(str(run_dir), tail, collapse_reasons(table, det), notes, mismatch_warnings(table, det))
 
 
 def threshold_table(cal: Calibration, quantile: float) -> dict[str, list]:

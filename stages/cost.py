@@ -256,12 +256,13 @@ def time_decode_steps(loaded, grid: Grid, device: str = "cpu", seed: int = 0,
     from .rollout import Engine, SamplingParams
 
     model, cfg = loaded.model.eval(), loaded.config
-    if max(grid.contexts) > cfg.max_position_embeddings - grid.warmup - grid.repeats:
-        raise CostError(f"context {max(grid.contexts)} plus {grid.warmup + grid.repeats} timed steps is "
-                        f"beyond the model's {cfg.max_position_embeddings}")
+    steps = grid.warmup + grid.repeats + 1  # the first token comes from the prefill, not a decode step
+    if max(grid.contexts) > cfg.max_position_embeddings - steps:
+        raise CostError(f"context {max(grid.contexts)} plus {steps} generated tokens is beyond the model's "
+                        f"{cfg.max_position_embeddings}")
     gen = torch.Generator().manual_seed(seed)
     prompts = {c: torch.randint(0, cfg.vocab_size, (c - 1,), generator=gen).tolist() for c in grid.contexts}
-    params = lambda batch: SamplingParams(max_new_tokens=grid.warmup + grid.repeats, n=batch,
+    params = lambda batch: SamplingParams(max_new_tokens=steps, n=batch,
                                           temperature=1.0, seed=seed, ignore_eos=True)
     points, out = grid.points(), []
     with Engine(model, None, max_batch=max(grid.batches), dense_layers=DEFAULT_DENSE_LAYERS,

@@ -53,8 +53,11 @@ def load_cost_model(cfg, cost: Path | None, hardware: str | None):
 
 
 def load_profile(name: str, profile: Path | None, quantile: float, bin_width: int | None,
-                 prompt_len: int, gen_len: int | None, min_tokens: int) -> tuple[TailProfile, int]:
-    """The tail profile and the generation length it is planned for."""
+                 prompt_len: int | None, gen_len: int | None, min_tokens: int
+                 ) -> tuple[TailProfile, int, int]:
+    """The tail profile, and the prompt and generation lengths it is planned for: given, else for a
+    measured profile those its trajectories span (the shortest prompt, then up to the last profiled
+    position, so that every profiled bin is planned), else 0 and the published generation length."""
     if profile is None:
         tails = reference_profile(name)
         if tails is None:
@@ -68,15 +71,18 @@ def load_profile(name: str, profile: Path | None, quantile: float, bin_width: in
         if bin_width is not None and bin_width != tails.bin_width:
             raise ScheduleError(f"the reference profile has {tails.bin_width}-token bins; --bin-width "
                                 f"{bin_width} needs a measured --profile")
-        return tails, gen_len or REFERENCE_GEN_LEN
+        return tails, prompt_len or 0, gen_len or REFERENCE_GEN_LEN
     table = read_artifact(profile, "mismatch")
     if table.num_rows == 0:
         raise ScheduleError(f"{profile}: the mismatch profile has no tokens")
     meta = artifact_metadata(table)
     width = bin_width or int(meta.get("bin_width", 2000))
+    if prompt_len is None:  # a trajectory's first token sits at the position of its prompt's length
+        prompt_len = int(table.column("position").to_numpy().min())
     if gen_len is None:
         gen_len = max(int(table.column("position").to_numpy().max()) + 1 - prompt_len, 2)
     num_bins = (prompt_len + gen_len - 1) // width + 1
     tails = measured_profile(table, quantile, width, num_bins, str(profile),
                              int(meta.get("page_size", 16)), min_tokens)
-    return tails, gen_len
+    return tails, prompt_len, gen_len
+

@@ -60,7 +60,10 @@ class ProfileOptions:
         if not self.budgets:
             raise ValueError("--budgets is empty")
         for b in self.budgets:
-            validate_budget(b, self.page_size)
+            try:
+                validate_budget(b, self.page_size)
+            except ValueError as e:
+                raise ValueError(f"--budgets: {e}") from None
         for name in ("samples", "max_new_tokens", "bin_width", "batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1")

@@ -50,13 +50,18 @@ class PromptSet:
     def tokens(self) -> list[list[int]]:
         return [list(r["prompt_token_ids"]) for r in self.rows]
 
-    def tokenize(self, tokenizer) -> None:
-        """Token ids for the rows that have only text (token ids, when present, win)."""
+    def tokenize(self, tokenizer, chat_template: bool = True) -> None:
+        """Token ids for the rows that have only text (token ids, when present, win). Text goes through
+        the model's chat template as one user message, as `sparrow prompts` formats it, unless
+        `chat_template` is False or the text is formatted already (it ends with the template's
+        generation prompt); the row's text becomes what the model sees."""
         for r in self.rows:
             if not r.get("prompt_token_ids"):
                 if tokenizer is None:
                     raise PromptError(f"{self.path}: prompt {r['prompt_id']!r} has only text and the model "
                                       "has no tokenizer; write prompts with token ids")
+                if chat_template:
+                    r["prompt"] = apply_chat_template(tokenizer, r["prompt"])
                 r["prompt_token_ids"] = tokenizer(r["prompt"], add_special_tokens=False).input_ids
 
     def check_fits(self, vocab_size: int, context: int, max_new_tokens: int) -> None:
@@ -76,3 +81,18 @@ class PromptSet:
                 f"{self.path}: prompt {longest['prompt_id']!r} has {len(longest['prompt_token_ids'])} "
                 f"tokens, which with --max-new-tokens {max_new_tokens} exceeds the model's context "
                 f"of {context}")
+
+
+def apply_chat_template(tokenizer, text: str) -> str:
+    """`text` as the model's chat template frames one user message for generation; unchanged when the
+    tokenizer has no template or `text` already ends with the template's generation prompt."""
+    if not getattr(tokenizer, "chat_template", None):
+        return text
+    marker = "\x00"
+    framed = tokenizer.apply_chat_template([{"role": "user", "content": marker}], add_generation_prompt=True,
+                                           tokenize=False)
+    generation_prompt = framed.split(marker)[-1].strip()
+    if generation_prompt and text.rstrip().endswith(generation_prompt):
+        return text
+    return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                         tokenize=False)

@@ -1,32 +1,47 @@
 """`sparrow report`: the figures a person wants from a run directory, as PNGs and one HTML page.
 
 Design decisions:
-- Whatever the directory holds decides the figures; nothing is required. The directory's artifacts
-  and those of its training runs (immediate subdirectories with a `metrics.parquet`, whose per-step
-  `mismatch/step=N.parquet` files are read as one table) are read through DuckDB (`stages.sql`).
+- Whatever the directory holds decides the figures; nothing is required. Every artifact in it is drawn,
+  two of one kind as two figures (named after their files): its Parquet files, its directories of
+  Parquet parts (`--workers` outputs), and its training runs (itself, or immediate subdirectories with
+  a `metrics.parquet`, whose per-step `mismatch/step=N.parquet` files are read as one table). A file
+  that is not an artifact is skipped, and the page and the progress notes say so.
 - Figures: from a `mismatch` profile, the tail (p5) and mean alpha per position bin and budget with
   the threshold line (the `threshold` artifact's value, else the published prior), the key figure of
   the method; from a `schedule`, the budget per bin (with the published schedule of the same model when
-  there is one); from a `cost` artifact, the fitted model against the measured step times; from
-  `rollouts`, tokens per sample and reward by sampler budget; from each training run, reward, eval
-  accuracy, mismatch KL, the p5 of alpha's top-20 lower bound, entropy and the steps where collapse
-  reasons held.
-- matplotlib with the Agg backend (headless); the HTML page references the PNGs by relative path and
-  lists what each figure was drawn from. Each figure is written only if it has data to show.
+  there is one); from a `cost` artifact, the fitted model against the measured step times (an analytic
+  preset has no measured points: its predicted step time per context); from `rollouts`, tokens and
+  reward per sample; from each training run, reward, eval accuracy, mismatch KL (with its warning
+  level), the p5 of alpha's top-20 lower bound, entropy and grad norm, with the steps where a collapse
+  reason held, and its per-step mismatch per position bin.
+- Each PNG says in itself what it shows: a title, and the caption (source, counts, what the lines
+  mean) printed under the axes. A panel with nothing to show says why in words instead of drawing
+  empty axes.
+- The HTML page is self-contained (the PNGs embedded as base64), so it can be mailed or archived alone;
+  the PNGs are written beside it as well. matplotlib with the Agg backend (headless).
+- The training figure tells the run's one story, as `sparrow train` and `calibrate-threshold` do: the
+  label is the whole run's (its last row's collapse reasons, `calibrate.collapse_reasons`); red lines
+  mark the steps whose row held a reason; mismatch KL is a diagnostic with a warning level, never a
+  collapse reason.
 """
 
 from __future__ import annotations
 
+import base64
 import html
+import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from sparrow.schemas import artifact_kind, artifact_metadata, read_artifact
+from sparrow.schemas import ArtifactError, artifact_kind, artifact_metadata, read_artifact
 
+from .calibrate import Detectors
 from .definitions import PRIOR_THRESHOLD, TAIL_QUANTILE
+
+DRAWN = ("mismatch", "schedule", "cost", "rollouts")
 
 
 @dataclass
@@ -34,7 +49,8 @@ class Figure:
     file: str
     title: str
     caption: str
-    points: int  # data points drawn (a figure is written only with some)
+    points: int  # data points drawn
+    said: tuple[str, ...] = ()  # the words drawn where a panel had nothing to show
 
 
 def _plt():
@@ -46,238 +62,388 @@ def _plt():
     return plt
 
 
-def _by_kind(folder: Path) -> dict[str, Path]:
-    out = {}
-    for p in sorted(folder.glob("*.parquet")):
-        kind = artifact_kind(p)
-        if kind is not None and kind not in out:
-            out[kind] = p
+def _artifacts(folder: Path, skipped: list[str]) -> dict[str, list[Path]]:
+    """Every artifact directly in `folder` by kind, in name order: files, and directories of parts that are
+    not training runs. What cannot be read as an artifact goes to `skipped`, with why."""
+    out: dict[str, list[Path]] = {}
+    for p in sorted(folder.iterdir()):
+        if p.name.startswith(".") or (p.is_dir() and (p / "metrics.parquet").exists()):
+            continue
+        if p.is_dir() and not any(c.suffix == ".parquet" for c in p.iterdir()):
+            continue
+        if p.is_file() and p.suffix != ".parquet":
+            continue
+        try:
+            kind = artifact_kind(p)
+        except ArtifactError as e:
+            skipped.append(str(e))
+            continue
+        if kind is None:
+            skipped.append(f"{p} is a Parquet file without Sparrow artifact metadata")
+        elif kind in DRAWN or kind == "threshold":
+            out.setdefault(kind, []).append(p)
     return out
 
 
-def _threshold(kinds: dict[str, Path]) -> tuple[float, str]:
-    if "threshold" in kinds:
-        t = read_artifact(kinds["threshold"], "threshold").to_pylist()[0]
-        return float(t["threshold"]), f"threshold {t['threshold']:.3f} ({t['source']})"
-    return PRIOR_THRESHOLD, f"published prior {PRIOR_THRESHOLD}"
+def _name(kind: str, path: Path, many: bool) -> str:
+    """The figure's file: `tail.png` for the one profile, `tail-<file>.png` for each of several."""
+    return f"{kind}-{path.stem}.png" if many else f"{kind}.png"
 
 
-def tail_figure(mismatch: Path, kinds: dict[str, Path], out: Path, plt) -> Figure | None:
+def _threshold(kinds: dict[str, list[Path]]) -> tuple[float, str]:
+    if kinds.get("threshold"):
+        path = kinds["threshold"][0]
+        t = read_artifact(path, "threshold").to_pylist()[0]
+        return float(t["threshold"]), f"threshold {t['threshold']:.3f} ({t['source']}, {path.name})"
+    return PRIOR_THRESHOLD, f"published prior threshold {PRIOR_THRESHOLD}"
+
+
+def _say(ax, why: str) -> None:
+    """A panel with nothing to draw says why, in place of empty axes."""
+    ax.set_xticks([])
+    ax.set_yticks([])
+    for spine in ax.spines.values():
+        spine.set_visible(False)
+    ax.text(0.5, 0.5, "\n".join(textwrap.wrap(why, 40)), ha="center", va="center", transform=ax.transAxes,
+            fontsize=10, color="#555")
+
+
+def _sql(query: str) -> list[tuple]:
     import duckdb
 
-    rows = duckdb.sql(f"""SELECT budget, bin, quantile_cont(alpha, {TAIL_QUANTILE}) AS p5, avg(alpha) AS mean,
-                          count(*) AS n FROM read_parquet('{mismatch}')
-                          GROUP BY ALL ORDER BY ALL""").fetchall()
-    if not rows:
-        return None
+    return duckdb.sql(query).fetchall()
+
+
+def _files(path: Path) -> str:
+    """DuckDB's read_parquet argument for an artifact file or a directory of parts."""
+    return f"'{path}/*.parquet'" if path.is_dir() else f"'{path}'"
+
+
+def tail_figure(mismatch: Path, name: str, threshold: tuple[float, str], out: Path, plt) -> Figure:
+    rows = _sql(f"""SELECT budget, bin, quantile_cont(alpha, {TAIL_QUANTILE}) AS p5, avg(alpha) AS mean,
+                    count(*) AS n FROM read_parquet({_files(mismatch)}) GROUP BY ALL ORDER BY ALL""")
     width = int(artifact_metadata(mismatch).get("bin_width", 2000))
-    threshold, label = _threshold(kinds)
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    value, label = threshold
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.6), sharey=True)
+    if not rows:
+        for ax in axes:
+            _say(ax, "the profile has no scored tokens")
     for budget in sorted({r[0] for r in rows}):
         part = [r for r in rows if r[0] == budget]
         x = [(r[1] + 0.5) * width for r in part]
         axes[0].plot(x, [r[2] for r in part], marker="o", label=f"budget {budget}")
         axes[1].plot(x, [r[3] for r in part], marker="o", label=f"budget {budget}")
-    for ax, name in zip(axes, ("p5 of alpha (the tail)", "mean alpha")):
-        ax.axhline(threshold, color="k", ls="--", lw=1, label=label)
-        ax.set_xlabel("position (cache length when the token was produced)")
-        ax.set_title(name)
-        ax.grid(alpha=0.3)
-    axes[0].set_ylabel("acceptance alpha")
-    axes[1].legend(fontsize=8)
-    return _save(fig, out, "tail.png", "Tail and mean alpha per position bin and budget",
-                 f"From {mismatch.name}: {sum(r[4] for r in rows)} scored tokens, bins of {width} tokens; "
-                 f"the dashed line is the {label}.", plt, len(rows))
+    if rows:
+        for ax, title in zip(axes, (f"p{TAIL_QUANTILE * 100:g} of alpha (the tail)", "mean alpha")):
+            ax.axhline(value, color="k", ls="--", lw=1, label=label)
+            ax.set_xlabel("position (cache length when the token was produced)")
+            ax.set_ylim(-0.02, 1.02)
+            ax.set_title(title, fontsize=10)
+            ax.grid(alpha=0.3)
+        axes[0].set_ylabel("acceptance alpha")
+        axes[1].legend(fontsize=8)
+    tokens = sum(r[4] for r in rows) // max(len({r[0] for r in rows}), 1)
+    return _save(fig, out, name, f"Tail and mean alpha per position bin and budget: {mismatch.name}",
+                 f"From {mismatch.name}: {tokens} generated tokens, each scored at every budget, in bins of "
+                 f"{width} tokens (each point is a bin's middle). The dashed line is the {label}: a budget "
+                 "whose tail stays above it in a bin may be scheduled there.", plt, len(rows))
 
 
-def schedule_figure(schedule: Path, out: Path, plt) -> Figure | None:
+def schedule_figure(schedule: Path, name: str, out: Path, plt) -> Figure:
     from .published_schedules import published_budgets
 
     table = read_artifact(schedule, "schedule").sort_by("bin").to_pylist()
     meta = artifact_metadata(schedule)
+    model, threshold = meta.get("model"), meta.get("threshold")
+    published = published_budgets(model, float(threshold)) if model and threshold else None
+    fig, ax = plt.subplots(figsize=(8, 4.4))
     starts = [r["bin_start"] for r in table]
     budgets = [r["budget"] or 0 for r in table]
-    if not table:
-        return None
-    fig, ax = plt.subplots(figsize=(7, 3.5))
-    end = (table[-1]["bin_end"] or starts[-1] + max(starts[-1] - (starts[-2] if len(starts) > 1 else 0), 512))
-    edges = [*starts, end]
-    sparse = [b if b else np.nan for b in budgets]
-    ax.step(edges, [*sparse, sparse[-1]], where="post", label="planned budget")
+    last = table[-1]["bin_end"] if table else None
+    width = int(meta.get("bin_width") or (starts[1] - starts[0] if len(starts) > 1 else 2000))
+    edges = [*starts, last if last is not None else (starts[-1] if starts else 0) + width]
+    if any(budgets):
+        sparse = [b if b else np.nan for b in budgets]
+        ax.step(edges, [*sparse, sparse[-1]], where="post", marker="", label="planned budget")
     for i, b in enumerate(budgets):
         if not b:
             ax.axvspan(edges[i], edges[i + 1], color="grey", alpha=0.2,
                        label="dense (whole cache)" if i == budgets.index(0) else None)
-    model, threshold = meta.get("model"), meta.get("threshold")
-    published = published_budgets(model, float(threshold)) if model and threshold else None
     if published:
         x = [2000 * i for i in range(len(published) + 1)]
         ax.step(x, [*published, published[-1]], where="post", ls="--", label=f"published ({model})")
-    ax.set_xlabel("position")
-    ax.set_ylabel("budget (KV tokens)")
+    if not any(budgets) and not published:
+        ax.text(0.5, 0.5, "\n".join(textwrap.wrap(
+            "Every bin is dense: no profiled budget's tail reached the threshold in any bin, so no position "
+            "is decoded sparsely (a lower threshold, or larger profiled budgets, would give a sparse bin).",
+            60)), ha="center", va="center", transform=ax.transAxes, fontsize=10, color="#333")
+        ax.set_yticks([])
+    else:
+        ax.set_ylabel("budget (KV tokens)")
+        ax.legend(fontsize=8)
+    ax.set_xlabel("position (cache length)")
+    ax.set_xlim(edges[0], edges[-1])
+    ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    return _save(fig, out, "schedule.png", "The schedule: budget per position bin",
-                 f"From {schedule.name}" + (f", model {model}, threshold {threshold}" if model else "") + ".",
+    dense = budgets.count(0)
+    what = (f"{len(table)} bins, {dense} dense" + (f", budgets {min(b for b in budgets if b)}-{max(budgets)}"
+                                                     if any(budgets) else ""))
+    source = f", model {model}, threshold {threshold}" if model else ""
+    return _save(fig, out, name, f"The schedule: budget per position bin ({schedule.name})",
+                 f"From {schedule.name}{source}: {what}. Grey spans are dense bins (every cached token is "
+                 "attended); the last bin extends to the end of the context."
+                 + (" The dashed line is the published schedule at this threshold." if published else ""),
                  plt, len(table))
 
 
-def cost_figure(cost: Path, out: Path, plt) -> Figure | None:
-    rows = [r for r in read_artifact(cost, "cost").to_pylist() if r["seconds"] is not None]
-    if not rows:
-        return None
-    fig, ax = plt.subplots(figsize=(5, 4.5))
-    measured = np.array([r["seconds"] for r in rows]) * 1e3
-    predicted = np.array([r["predicted_seconds"] for r in rows]) * 1e3
-    sparse = np.array([r["budget"] is not None for r in rows])
-    ax.scatter(measured[~sparse], predicted[~sparse], label="dense", s=18)
-    ax.scatter(measured[sparse], predicted[sparse], label="sparse", s=18)
-    top = max(measured.max(), predicted.max()) * 1.05
-    ax.plot([0, top], [0, top], "k--", lw=1, label="y = x")
-    ax.set_xlabel("measured decode step (ms)")
-    ax.set_ylabel("cost model (ms)")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    err = np.abs(predicted - measured) / measured
-    return _save(fig, out, "cost.png", "Cost model against measured decode steps",
-                 f"From {cost.name}: {len(rows)} points, median relative error {np.median(err):.1%}.", plt,
-                 len(rows))
-
-
-def rollouts_figure(rollouts: Path, out: Path, plt) -> Figure | None:
-    rows = read_artifact(rollouts, "rollouts").to_pylist()
-    if not rows:
-        return None
-    meta = artifact_metadata(rollouts)
-    lengths = np.array([len(r["token_ids"]) for r in rows])
-    rewards = np.array([np.nan if r["reward"] is None else r["reward"] for r in rows])
-    budgets = [np.mean([b for b in r["budgets"] if b] or [0]) for r in rows]
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
-    axes[0].hist(lengths, bins=20)
-    axes[0].set_xlabel("generated tokens per sample")
-    axes[1].scatter(budgets, rewards, s=14)
-    axes[1].set_xlabel("mean sparse budget of the sample (0 = dense)")
-    axes[1].set_ylabel("reward")
-    for ax in axes:
+def cost_figure(cost: Path, name: str, out: Path, plt) -> Figure:
+    rows = read_artifact(cost, "cost").to_pylist()
+    measured_rows = [r for r in rows if r["seconds"] is not None]
+    meta = artifact_metadata(cost)
+    if measured_rows:
+        fig, ax = plt.subplots(figsize=(6, 5))
+        measured = np.array([r["seconds"] for r in measured_rows]) * 1e3
+        predicted = np.array([r["predicted_seconds"] for r in measured_rows]) * 1e3
+        sparse = np.array([r["budget"] is not None for r in measured_rows])
+        ax.scatter(measured[~sparse], predicted[~sparse], label="dense", s=18)
+        ax.scatter(measured[sparse], predicted[sparse], label="sparse", s=18)
+        top = max(measured.max(), predicted.max()) * 1.05
+        ax.plot([0, top], [0, top], "k--", lw=1, label="y = x (a perfect fit)")
+        ax.set_xlabel("measured decode step (ms)")
+        ax.set_ylabel("cost model (ms)")
+        ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
-    speed = meta.get("tokens_per_s") or meta.get("tokens_per_second")
-    caption = f"From {rollouts.name}: {len(rows)} samples ({meta.get('sparsity', 'sampler unknown')})"
-    caption += f", {float(speed):.1f} tokens/s." if speed else "."
-    return _save(fig, out, "rollouts.png", "Rollouts: lengths and rewards", caption, plt, len(rows))
-
-
-def training_figure(run: Path, out: Path, plt) -> Figure | None:
-    rows = read_artifact(run / "metrics.parquet", "metrics").sort_by("step").to_pylist()
+        err = np.abs(predicted - measured) / measured
+        return _save(fig, out, name, f"Cost model against measured decode steps ({cost.name})",
+                     f"From {cost.name} ({meta.get('source', 'measured')}, model {meta.get('model', '?')}): "
+                     f"{len(measured_rows)} measured (batch, context, budget) points, each the fastest of "
+                     f"its timed steps; median relative error of the fit {np.median(err):.1%}.", plt,
+                     len(measured_rows))
+    fig, ax = plt.subplots(figsize=(7, 4.6))
     if not rows:
-        return None
-    meta = artifact_metadata(run / "metrics.parquet")
-    steps = [r["step"] for r in rows]
-    panels = (("reward_mean", "reward (train)"), ("eval_accuracy", "eval accuracy (greedy, dense)"),
-              ("mismatch_kl", "mismatch KL (sampled k3)"),
-              ("alpha_lb_p5", "p5 of alpha's top-20 lower bound"), ("entropy", "entropy (nats)"),
-              ("grad_norm", "grad norm"))
-    fig, axes = plt.subplots(2, 3, figsize=(13, 6.5))
-    collapsed = [r["step"] for r in rows if r.get("collapse")]
+        _say(ax, "the cost artifact has no points")
+    batches = sorted({r["batch"] for r in rows})
+    for batch, style in zip(batches[-2:], ("-", "--")):  # the two largest batches
+        for budget in sorted({r["budget"] or 0 for r in rows}):
+            pts = sorted((r["context"], r["predicted_seconds"] * 1e3) for r in rows
+                         if r["batch"] == batch and (r["budget"] or 0) == budget)
+            ax.plot(*zip(*pts), style, marker="o", ms=3,
+                    label=f"batch {batch}, {'dense' if not budget else f'budget {budget}'}")
+    if rows:
+        ax.set_xlabel("context (cached tokens)")
+        ax.set_ylabel("predicted decode step (ms)")
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+    return _save(fig, out, name, f"Analytic cost model: predicted decode step ({cost.name})",
+                 f"From {cost.name}: the {meta.get('source', 'analytic')} model for "
+                 f"{meta.get('model', 'the model')}, predicted only (no measured points to compare with; "
+                 "`sparrow fit-cost --device` measures them). Solid: the largest batch, dashed: the next.",
+                 plt, len(rows))
+
+
+def rollouts_figure(rollouts: Path, name: str, out: Path, plt) -> Figure:
     from matplotlib.ticker import MaxNLocator
 
-    for ax, (key, title) in zip(axes.flat, panels):
-        pts = [(s, r[key]) for s, r in zip(steps, rows) if r.get(key) is not None]
+    rows = read_artifact(rollouts, "rollouts").to_pylist()
+    meta = artifact_metadata(rollouts)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    if not rows:
+        for ax in axes:
+            _say(ax, "the rollouts artifact has no samples")
+        return _save(fig, out, name, f"Rollouts ({rollouts.name})", f"From {rollouts.name}: no samples.",
+                     plt, 0)
+    lengths = np.array([len(r["token_ids"]) for r in rows])
+    stops = np.array([r["finish_reason"] == "stop" for r in rows])
+    low, top = int(lengths.min()), int(lengths.max())
+    bins = np.arange(low - 1, top + 3) - 0.5 if top - low < 40 else 20  # one bar per length when few
+    axes[0].hist([lengths[stops], lengths[~stops]], bins=bins, stacked=True,
+                 label=["stopped (EOS)", "cut at --max-new-tokens"])
+    axes[0].xaxis.set_major_locator(MaxNLocator(integer=True))
+    axes[0].set_xlabel("generated tokens per sample")
+    axes[0].set_title(f"length per sample (mean {lengths.mean():.1f})", fontsize=10)
+    axes[0].set_ylabel("samples")
+    axes[0].legend(fontsize=8, loc="best")
+    rewards = np.array([r["reward"] for r in rows if r["reward"] is not None], dtype=float)
+    if len(rewards):
+        axes[1].hist(rewards, bins=np.linspace(0, 1, 11))
+        axes[1].set_xlim(0, 1)
+        axes[1].set_xlabel("reward")
+        axes[1].set_ylabel("samples")
+        axes[1].set_title(f"reward per sample (mean {rewards.mean():.3f})", fontsize=10)
+    else:
+        _say(axes[1], "no rewards: the prompts carry no answer, or their task has no scorer")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))  # counts of samples
+    summary = meta.get("summary") or {}
+    speed = summary.get("tokens_per_s") if isinstance(summary, dict) else None
+    budgets = [b for r in rows for b in r["budgets"] if b]
+    caption = (f"From {rollouts.name}: {len(rows)} samples, sampler {meta.get('sparsity', 'unknown')}"
+               + (f" (mean budget of sparse tokens {np.mean(budgets):.0f})" if budgets else "")
+               + f", {stops.mean():.0%} stopped at EOS"
+               + (f", {float(speed):.1f} tokens/s" if speed else "") + ".")
+    return _save(fig, out, name, f"Rollouts: lengths and rewards ({rollouts.name})", caption, plt, len(rows))
+
+
+TRAIN_PANELS = (("reward_mean", "reward (train, mean per step)"),
+                ("eval_accuracy", "eval accuracy (greedy, dense)"),
+                ("mismatch_kl", "mismatch KL (sampled k3)"),
+                ("alpha_lb_p5", "p5 of alpha's top-20 lower bound"), ("entropy", "entropy (nats)"),
+                ("grad_norm", "grad norm"))
+UNIT_PANELS = ("reward_mean", "eval_accuracy", "alpha_lb_p5")  # quantities in [0, 1], drawn on [0, 1]
+EMPTY_PANEL = {"eval_accuracy": "no eval: the run had no --eval-prompts",
+               "alpha_lb_p5": "not logged by this run"}
+
+
+def training_figure(run: Path, out: Path, plt) -> Figure:
+    from matplotlib.lines import Line2D
+    from matplotlib.ticker import MaxNLocator
+
+    rows = read_artifact(run / "metrics.parquet", "metrics").sort_by("step").to_pylist()
+    meta = artifact_metadata(run / "metrics.parquet")
+    label = meta.get("label", "unknown")
+    name = f"train-{run.name}.png"
+    fig, axes = plt.subplots(2, 3, figsize=(13, 7))
+    flagged = [r["step"] for r in rows if r.get("collapse")]
+    warn_level = Detectors().mismatch_kl_limit
+    for ax, (key, title) in zip(axes.flat, TRAIN_PANELS):
+        pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
         if key == "eval_accuracy" and meta.get("initial_eval_accuracy") is not None:
             pts.insert(0, (-1, float(meta["initial_eval_accuracy"])))  # before the first update
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        if pts:
-            ax.plot(*zip(*pts), marker="o", ms=3)
-        for s in collapsed:
-            ax.axvline(s, color="r", alpha=0.25)
         ax.set_title(title, fontsize=10)
+        if not pts:
+            _say(ax, EMPTY_PANEL.get(key, "not logged by this run"))
+            continue
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.plot(*zip(*pts), marker="o", ms=3)
+        if key in UNIT_PANELS:
+            ax.set_ylim(-0.02, 1.02)
+        elif key in ("mismatch_kl", "grad_norm", "entropy"):
+            ax.set_ylim(bottom=0)
+        for s in flagged:
+            ax.axvline(s, color="r", alpha=0.3)
+        if key == "mismatch_kl":
+            ax.axhline(warn_level, color="orange", ls="--", lw=1)
+            peak = max(v for _, v in pts)
+            ax.set_ylim(0, max(peak, warn_level) * 1.1 if peak > warn_level / 4 else peak * 1.1 or 1e-3)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-    name = f"train-{run.name}.png"
-    caption = (f"From {run.name}/metrics.parquet: {len(rows)} steps, label {meta.get('label', 'unknown')}"
-               + (f" ({meta['reasons']})" if meta.get("reasons") else "")
-               + "; red lines mark steps where a collapse reason held; eval accuracy at step -1 is before "
-               "any update.")
-    return _save(fig, out, name, f"Training run {run.name}", caption, plt, len(rows))
+    handles = [Line2D([], [], color="orange", ls="--", label=f"mismatch KL warning level {warn_level:g} "
+                      "(a diagnostic, not a collapse reason)")]
+    if flagged:
+        handles.insert(0, Line2D([], [], color="r", alpha=0.5, label="a collapse reason held at this step"))
+    fig.legend(handles=handles, loc="upper right", fontsize=8, frameon=False, ncols=len(handles),
+               bbox_to_anchor=(1, 0.955))
+    story = f"label {label}" + (f" ({meta['reasons']})" if meta.get("reasons") else "")
+    if meta.get("warnings"):
+        story += f"; warning: {meta['warnings']}"
+    caption = (f"From {run.name}/metrics.parquet: {len(rows)} steps; {story}. The label is the whole run's "
+               "(its last step's collapse reasons: reward, grad norm, entropy, truncation or repetition); "
+               + ("red lines mark the steps whose history up to them held a reason. " if flagged else
+                  "no step held a collapse reason. ")
+               + ("Eval accuracy at step -1 is before any update." if meta.get("initial_eval_accuracy")
+                  is not None else ""))
+    return _save(fig, out, name, f"Training run {run.name}: {label}", caption, plt, len(rows), top_in=0.3)
 
 
 def train_mismatch_figure(run: Path, out: Path, plt) -> Figure | None:
-    """Per position bin, over training: the per-step summaries are in the training figure already."""
-    import duckdb
+    """The sparse actor's mismatch over training, one line per position bin: the per-step summaries over
+    all positions are in the training figure already."""
+    from matplotlib.ticker import MaxNLocator
 
     files = sorted((run / "mismatch").glob("step=*.parquet"))
     if not files:
         return None
     paths = ", ".join(f"'{p}'" for p in files)
-    rows = duckdb.sql(f"""SELECT step, bin, quantile_cont(alpha_top20_lb, {TAIL_QUANTILE}) AS p5,
-                          avg(k3) AS k3 FROM read_parquet([{paths}]) GROUP BY ALL ORDER BY ALL""").fetchall()
+    rows = _sql(f"""SELECT bin, step, quantile_cont(alpha_top20_lb, {TAIL_QUANTILE}) AS p5, avg(k3) AS k3,
+                    count(*) AS n FROM read_parquet([{paths}]) GROUP BY ALL ORDER BY ALL""")
     width = int(artifact_metadata(files[0]).get("bin_width", 512))
-    steps = sorted({r[0] for r in rows})
-    colors = plt.cm.viridis(np.linspace(0, 1, len(steps)))
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
-    for step, color in zip(steps, colors):
-        part = [r for r in rows if r[0] == step]
-        x = [(r[1] + 0.5) * width for r in part]
-        label = f"step {step}" if step in (steps[0], steps[-1]) else None
-        axes[0].plot(x, [r[2] for r in part], marker="o", ms=3, color=color, label=label)
-        axes[1].plot(x, [r[3] for r in part], marker="o", ms=3, color=color, label=label)
-    axes[0].set_title("p5 of alpha's top-20 lower bound per bin", fontsize=10)
-    axes[1].set_title("mean k3 per bin (rollout vs dense learner)", fontsize=10)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    bins = sorted({r[0] for r in rows})
+    for b in bins:
+        part = [r for r in rows if r[0] == b]
+        label = f"positions {b * width}-{(b + 1) * width - 1}"
+        axes[0].plot([r[1] for r in part], [r[2] for r in part], marker="o", ms=4, label=label)
+        axes[1].plot([r[1] for r in part], [r[3] for r in part], marker="o", ms=4, label=label)
+    axes[0].set_title("p5 of alpha's top-20 lower bound", fontsize=10)
+    axes[0].set_ylim(-0.02, 1.02)
+    axes[1].set_title("mean k3 (sparse rollout vs dense learner)", fontsize=10)
+    axes[1].set_ylim(bottom=0)
     for ax in axes:
-        ax.set_xlabel("position (cache length when the token was produced)")
+        ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
-    axes[1].legend(fontsize=8)
-    return _save(fig, out, f"train-mismatch-{run.name}.png", f"Mismatch per position bin over {run.name}",
-                 f"From {len(files)} files {run.name}/mismatch/step=N.parquet, bins of {width} tokens; "
-                 "colour runs from the first step (dark) to the last (light).", plt, len(rows))
+    if not rows:
+        for ax in axes:
+            _say(ax, "the steps' mismatch files hold no tokens")
+    else:
+        axes[1].legend(fontsize=8, title="bin", title_fontsize=8)
+    steps = len({r[1] for r in rows})
+    return _save(fig, out, f"train-mismatch-{run.name}.png",
+                 f"Mismatch per position bin over training: {run.name}",
+                 f"From {len(files)} files {run.name}/mismatch/step=N.parquet: every generated token of "
+                 f"{steps} steps, in bins of {width} tokens, one line per bin (the sampled-token k3 and the "
+                 "top-20 lower bound of alpha, as the rollout and the dense recompute saw them).", plt,
+                 len(rows))
 
 
-def _save(fig, out: Path, name: str, title: str, caption: str, plt, points: int) -> Figure:
+def _save(fig, out: Path, name: str, title: str, caption: str, plt, points: int, top_in: float = 0.0
+          ) -> Figure:
+    """Title above (and `top_in` inches for a figure legend), the caption (wrapped to the figure's width)
+    below the axes, then the PNG."""
+    width_in, height_in = fig.get_size_inches()
+    lines = textwrap.wrap(caption, int(width_in * 15))
     fig.suptitle(title, fontsize=11)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.15 * (len(lines) + 1) / height_in, 1, 1 - top_in / height_in))
+    said = tuple(" ".join(t.get_text().split()) for ax in fig.axes for t in ax.texts)  # `_say`'s words
+    fig.text(0.01, 0.01, "\n".join(lines), fontsize=8, color="#333", va="bottom")
     fig.savefig(out / name, dpi=110)
     plt.close(fig)
-    return Figure(name, title, caption, points)
+    return Figure(name, title, caption, points, said)
 
 
 def build_report(run_dir: str | Path, out_dir: str | Path | None = None,
                  progress: Callable[[str], None] | None = None) -> tuple[Path, list[Figure]]:
-    """Write the figures and index.html for `run_dir` into `out_dir` (default RUN/report)."""
+    """Write the figures and a self-contained index.html for `run_dir` into `out_dir` (default
+    RUN/report)."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise ValueError(f"{run_dir} is not a run directory")
     out = Path(out_dir) if out_dir else run_dir / "report"
-    out.mkdir(parents=True, exist_ok=True)
     plt, note = _plt(), progress or (lambda _: None)
-    kinds = _by_kind(run_dir)
-    figures: list[Figure | None] = []
-    if "mismatch" in kinds:
-        note("tail per bin and budget")
-        figures.append(tail_figure(kinds["mismatch"], kinds, out, plt))
-    if "schedule" in kinds:
-        note("schedule")
-        figures.append(schedule_figure(kinds["schedule"], out, plt))
-    if "cost" in kinds:
-        note("cost model")
-        figures.append(cost_figure(kinds["cost"], out, plt))
-    if "rollouts" in kinds:
-        note("rollouts")
-        figures.append(rollouts_figure(kinds["rollouts"], out, plt))
+    skipped: list[str] = []
+    kinds = _artifacts(run_dir, skipped)
+    for why in skipped:
+        note(f"not drawn: {why}")
     runs = [p for p in sorted(run_dir.iterdir()) if p.is_dir() and (p / "metrics.parquet").exists()]
     if (run_dir / "metrics.parquet").exists():
         runs.insert(0, run_dir)
-    for run in runs:
-        note(f"training run {run.name}")
-        figures.append(training_figure(run, out, plt))
-        figures.append(train_mismatch_figure(run, out, plt))
-    done = [f for f in figures if f is not None]
-    if not done:
+    if not runs and not any(kinds.get(k) for k in DRAWN):
         raise ValueError(f"{run_dir} holds nothing to plot (no mismatch, schedule, cost, rollouts or "
                          "training metrics)")
-    (out / "index.html").write_text(_page(run_dir, done))
-    return out / "index.html", done
+    out.mkdir(parents=True, exist_ok=True)
+    threshold = _threshold(kinds)
+    draw = {"mismatch": ("tail", lambda p, n: tail_figure(p, n, threshold, out, plt)),
+            "schedule": ("schedule", lambda p, n: schedule_figure(p, n, out, plt)),
+            "cost": ("cost", lambda p, n: cost_figure(p, n, out, plt)),
+            "rollouts": ("rollouts", lambda p, n: rollouts_figure(p, n, out, plt))}
+    figures: list[Figure] = []
+    for kind, (stem, figure) in draw.items():
+        paths = kinds.get(kind, [])
+        for path in paths:
+            note(f"drawing {kind} {path.name}")
+            figures.append(figure(path, _name(stem, path, len(paths) > 1)))
+    for run in runs:
+        note(f"drawing training run {run.name}")
+        figures.append(training_figure(run, out, plt))
+        per_bin = train_mismatch_figure(run, out, plt)
+        if per_bin is not None:
+            figures.append(per_bin)
+    (out / "index.html").write_text(_page(run_dir, out, figures, skipped))
+    return out / "index.html", figures
 
 
-def _page(run_dir: Path, figures: list[Figure]) -> str:
+def _page(run_dir: Path, out: Path, figures: list[Figure], skipped: list[str]) -> str:
     name = html.escape(str(run_dir))
     parts = [f"<!doctype html><meta charset='utf-8'><title>Sparrow report: {name}</title>",
              "<style>body{font-family:sans-serif;max-width:1200px;margin:2em auto}img{max-width:100%}"
@@ -285,6 +451,11 @@ def _page(run_dir: Path, figures: list[Figure]) -> str:
              f"<h1>Sparrow report: {name}</h1>"]
     for f in figures:
         title = html.escape(f.title)
-        parts.append(f"<figure><h2>{title}</h2><img src='{html.escape(f.file)}' alt='{title}'>"
-                     f"<figcaption>{html.escape(f.caption)}</figcaption></figure>")
+        data = base64.b64encode((out / f.file).read_bytes()).decode()
+        parts.append(f"<figure id='{html.escape(f.file)}'><h2>{title}</h2>"
+                     f"<img src='data:image/png;base64,{data}' alt='{title}'>"
+                     f"<figcaption>{html.escape(f.caption)} ({html.escape(f.file)})</figcaption></figure>")
+    if skipped:
+        parts.append("<h2>Not drawn</h2><ul>" + "".join(f"<li>{html.escape(s)}</li>" for s in skipped)
+                     + "</ul>")
     return "\n".join(parts) + "\n"

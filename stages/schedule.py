@@ -53,8 +53,8 @@ class Schedule:
 # budget almost covers the cache and scoring pages costs more than it saves, ignored). Budgets are then
 # made non-decreasing across bins (a running maximum), so a bin never gets less than the one before.
 # A bin where no candidate reaches the threshold is dense (alpha = 1 exactly), and so is every later
-# bin. A measured bin with fewer than `min_tokens` tokens has no trustworthy tail: it inherits the
-# budget of the previous bin (leading thin bins take the first well-measured bin's budget); both
+# bin. A measured bin with fewer than `min_tokens` tokens has no trustworthy tail: it keeps the
+# budget of the bin before it (leading thin bins take the first well-measured bin's budget); both
 # cases are reported in `Plan.notes`.
 
 DENSE = np.iinfo(np.int32).max  # sorts above every budget while planning; 0 in a Schedule
@@ -76,6 +76,7 @@ class TailProfile:
     thin: np.ndarray | None = None  # [n] bool: too few tokens to trust (measured profiles)
     tokens: np.ndarray | None = None  # [n] tokens per bin (measured profiles)
     threshold_range: tuple[float, float] | None = None  # thresholds the profile is built from
+    min_tokens: int | None = None  # the fewest tokens a measured bin needs to be trusted
 
     @property
     def num_bins(self) -> int:
@@ -106,7 +107,10 @@ def plan(profile: TailProfile, threshold: float) -> Plan:
     n = profile.num_bins
     thin = profile.thin if profile.thin is not None else np.zeros(n, dtype=bool)
     if thin.all():
-        raise ScheduleError(f"{profile.source}: no bin has enough tokens to plan from")
+        most = int(profile.tokens.max()) if profile.tokens is not None else 0
+        raise ScheduleError(f"{profile.source}: no bin has the --min-tokens {profile.min_tokens or 50} "
+                            f"tokens a tail needs (the most in one bin is {most}); profile more samples or "
+                            "longer generations, or lower --min-tokens")
     feasible = profile.tail >= threshold
     first = np.where(feasible.any(axis=1), profile.candidates[feasible.argmax(axis=1)], DENSE)
     notes = []
@@ -123,10 +127,15 @@ def plan(profile: TailProfile, threshold: float) -> Plan:
             continue
         current = max(current or 0, int(first[i]))
         budgets[i] = current
-    budgets[budgets < 0] = budgets[int(np.argmin(thin))]  # leading thin bins
-    _note_bins(notes, np.flatnonzero(thin), profile,
-               "fewer tokens than --min-tokens, so it inherits the previous bin's budget",
-               "fewer tokens than --min-tokens, so they inherit the previous bin's budget")
+    trusted = int(np.argmin(thin))
+    budgets[budgets < 0] = budgets[trusted]  # leading thin bins
+    few = f"fewer tokens than --min-tokens{f' ({profile.min_tokens})' if profile.min_tokens else ''}"
+    _note_bins(notes, np.flatnonzero(thin[:trusted]), profile,
+               f"{few}, so it takes the budget of bin {trusted}, the first bin with enough",
+               f"{few}, so they take the budget of bin {trusted}, the first bin with enough")
+    _note_bins(notes, trusted + np.flatnonzero(thin[trusted:]), profile,
+               f"{few}, so it keeps the budget of the bin before it",
+               f"{few}, so each keeps the budget of the bin before it")
     dense = np.flatnonzero((first == DENSE) & ~thin)
     reach = f"no profiled budget reaches a tail of {threshold:g}, so"
     _note_bins(notes, dense, profile, f"{reach} it is dense, and so is every later bin",
@@ -202,7 +211,7 @@ def measured_profile(mismatch, quantile: float, bin_width: int, num_bins: int, s
     thin = (tokens < min_tokens) | ~np.isfinite(interp).all(axis=1)
     interp = np.where(np.isfinite(interp), interp, 0.0)
     return TailProfile(np.arange(num_bins) * bin_width, bin_width, candidates, interp, quantile,
-                       source, page_size, thin, tokens)
+                       source, page_size, thin, tokens, min_tokens=min_tokens)
 
 
 def check_quantile(quantile: float) -> None:

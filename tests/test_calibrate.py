@@ -60,7 +60,7 @@ def metrics(steps=60, collapse_at=None, kind="reward"):
             "repetition_rate": repetition, "reward_std": [None] * steps}
 
 
-@pytest.mark.parametrize("kind,word", [("reward", "reward"), ("grad", "gradient"), ("kl", "KL"),
+@pytest.mark.parametrize("kind,word", [("reward", "reward"), ("grad", "gradient"),
                                        ("entropy", "entropy"), ("truncation", "truncation rate rose"),
                                        ("repetition", "repetition rate rose")])
 def test_detectors_fire_on_their_collapse(tmp_path, kind, word):
@@ -69,6 +69,18 @@ def test_detectors_fire_on_their_collapse(tmp_path, kind, word):
     assert collapse_reasons(pa.table(metrics())) == []
     reasons = collapse_reasons(pa.table(metrics(collapse_at=40, kind=kind)))
     assert len(reasons) >= 1 and any(word in r for r in reasons)
+
+
+def test_mismatch_kl_is_a_warning_never_a_collapse_reason():
+    """DESIGN: the threshold is fitted to the labels, so mismatch must not make them."""
+    import pyarrow as pa
+
+    from sparrow.stages.calibrate import mismatch_warnings
+
+    table = pa.table(metrics(collapse_at=40, kind="kl"))  # KL 0.3 from step 40 on: 6x the warning level
+    assert collapse_reasons(table) == []
+    assert [w.split(" (")[0] for w in mismatch_warnings(table)] == ["mismatch KL reached 0.3"]
+    assert mismatch_warnings(pa.table(metrics())) == []
 
 
 def test_a_rate_high_from_the_start_is_no_surge():

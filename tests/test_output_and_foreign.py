@@ -184,7 +184,7 @@ def test_rollout_summary_in_a_pipe_is_one_tsv_row(real_prompts, tmp_path):
     assert r.exit_code == 0, r.output
     header, row = r.stdout.splitlines()
     values = dict(zip(header.split("\t"), row.split("\t")))
-    assert values["samples"] == "2" and values["mean_budget"] == ""  # dense: no sparse budget
+    assert values["samples"] == "2" and values["mean_budget"] == "dense"  # as the table says; JSON: null
 
 
 def test_jsonl_prompts_roll_out(tmp_path):
@@ -225,29 +225,19 @@ def test_text_only_prompts_are_tokenized_by_the_model_or_refused(tmp_path):
         )
     )
     assert "prompt 't0' has only text and the model has no tokenizer" in line
-    out = tmp_path / "r.parquet"
-    r = runner.invoke(
-        app,
-        [
-            "rollout",
-            "--model",
-            "smollm2-135m",
-            "--prompts",
-            str(path),
-            "--max-new-tokens",
-            "1",
-            "--temperature",
-            "0",
-            "-o",
-            str(out),
-        ],
-    )
-    assert r.exit_code == 0, r.output
     from sparrow.stages.model.loading import load_model
 
     tok = load_model("smollm2-135m").tokenizer
-    ids = tok("What is 2 + 3?", add_special_tokens=False).input_ids
-    assert read_artifact(out, "rollouts")["prompt_token_ids"].to_pylist() == [ids]
+    templated = tok.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}],
+                                        add_generation_prompt=True, tokenize=True)
+    templated = templated if isinstance(templated, list) else templated["input_ids"]  # transformers 5: a dict
+    raw = tok("What is 2 + 3?", add_special_tokens=False).input_ids
+    for flags, ids in (([], templated), (["--raw-prompts"], raw)):  # text goes through the chat template
+        out = tmp_path / f"r{len(flags)}.parquet"
+        r = runner.invoke(app, ["rollout", "--model", "smollm2-135m", "--prompts", str(path), *flags,
+                                "--max-new-tokens", "1", "--temperature", "0", "-o", str(out)])
+        assert r.exit_code == 0, r.output
+        assert read_artifact(out, "rollouts")["prompt_token_ids"].to_pylist() == [list(ids)]
 
 
 def _good_prompts() -> dict:

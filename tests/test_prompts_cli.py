@@ -92,7 +92,13 @@ def test_through_the_real_app(tmp_path):
     assert "--task" in runner.invoke(app, ["prompts", "--help"]).output
 
 
-def test_progress_bar_appears_only_after_the_delay():
+def test_progress_bar_appears_only_after_the_delay_on_a_terminal(monkeypatch):
+    from sparrow.cli.common import console
+
+    in_a_pipe = _LazyProgress(3, "x", delay=0)  # a log gets no bar (issue 26, item 17)
+    in_a_pipe(1)
+    assert in_a_pipe.bar is None
+    monkeypatch.setattr(console, "_force_terminal", True)
     quick = _LazyProgress(3, "x", delay=60)
     quick(1)
     assert quick.bar is None

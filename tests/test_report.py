@@ -1,6 +1,10 @@
-"""`sparrow report` on a run directory with every kind of artifact it draws, and a training run."""
+"""`sparrow report` on a run directory with every kind of artifact it draws, and a training run; the page is
+self-contained, every artifact is drawn, and a figure with nothing to show says why (issue 26, item 16)."""
 
 from __future__ import annotations
+
+import base64
+import re
 
 import numpy as np
 from typer.testing import CliRunner
@@ -54,7 +58,13 @@ def _run_dir(tmp_path):
     return run
 
 
-def test_report_draws_every_figure_with_data(tmp_path):
+def _embedded(page: str) -> dict[str, bytes]:
+    """The PNGs the page carries inline, by the figure's file name (its id)."""
+    return {m[0]: base64.b64decode(m[1]) for m in
+            re.findall(r"<figure id='([^']+)'><h2>[^<]*</h2><img src='data:image/png;base64,([^']+)'", page)}
+
+
+def test_report_draws_every_figure_with_data_into_a_self_contained_page(tmp_path):
     run = _run_dir(tmp_path)
     result = CliRunner().invoke(app, ["report", str(run)])
     assert result.exit_code == 0, result.output
@@ -62,10 +72,12 @@ def test_report_draws_every_figure_with_data(tmp_path):
     page = (out / "index.html").read_text()
     expected = {"tail.png": 12, "schedule.png": 3, "cost.png": 4, "rollouts.png": 2, "train-train.png": 6,
                 "train-mismatch-train.png": 6}
+    inline = _embedded(page)
+    assert set(inline) == set(expected) and "src='" + "tail.png" not in page  # nothing but itself needed
     for name, points in expected.items():
         png = out / name
         assert png.stat().st_size > 5000 and png.read_bytes()[:4] == b"\x89PNG"
-        assert f"src='{name}'" in page
+        assert inline[name] == png.read_bytes()
         assert f"{name}: " in result.output and f"({points} points)" in result.output.split(f"{name}: ")[1]
 
 
@@ -73,3 +85,54 @@ def test_report_of_an_empty_directory_is_one_sentence(tmp_path):
     (tmp_path / "empty").mkdir()
     result = CliRunner().invoke(app, ["report", str(tmp_path / "empty")])
     assert result.exit_code != 0 and "holds nothing to plot" in result.output
+    assert not (tmp_path / "empty" / "report").exists()
+
+
+def test_every_artifact_is_drawn_and_what_is_not_is_named(tmp_path):
+    """Two profiles draw two figures; a file that is not an artifact is named, on stderr and the page."""
+    run = _run_dir(tmp_path)
+    (run / "m.parquet").write_bytes((run / "mismatch.parquet").read_bytes())
+    (run / "notes.parquet").write_text("not parquet")
+    result = CliRunner().invoke(app, ["report", str(run)])
+    assert result.exit_code == 0, result.output
+    page = (run / "report" / "index.html").read_text()
+    assert {"tail-m.png", "tail-mismatch.png"} <= set(_embedded(page))
+    err = " ".join(result.stderr.split())
+    assert "not drawn: " in err and f"{run / 'notes.parquet'} is not a Parquet file" in err
+    assert "Not drawn" in page and "notes.parquet is not a Parquet file" in page
+
+
+def test_figures_with_nothing_to_draw_say_why(tmp_path):
+    """An all-dense schedule, an analytic cost model (predicted points only), rollouts without rewards, a
+    run without eval prompts: each figure is drawn, says in itself why a panel is empty, and the training
+    figure tells the run's one story (stable, mismatch KL a warning)."""
+    from sparrow.cli.cost import write_cost
+    from sparrow.stages.cost import Grid
+    from sparrow.stages.model.presets import PRESETS
+
+    run = tmp_path / "run"
+    write_artifact({"bin": [0, 1], "bin_start": [0, 512], "bin_end": [512, None], "budget": [None, None],
+                    "tail": [None, None], "predicted_step_seconds": [None] * 2}, run / "schedule.parquet",
+                   "schedule", metadata={"page_size": 16, "model": "smollm2-135m", "threshold": 0.86})
+    write_cost("qwen3-4b", "qwen3-4b", PRESETS["qwen3-4b"].config, None, "h100",
+               Grid([16, 64], [2048, 8192], [0, 512], 2, 5), 0, run / "cost.parquet")
+    write_artifact({"prompt_id": ["p0", "p1"], "sample": [0, 0], "prompt_token_ids": [[1, 2]] * 2,
+                    "token_ids": [[7, 8], [7]], "text": [None, None], "logprobs": [[-0.1, -0.2], [-1.5]],
+                    "budgets": [[0, 0], [0]], "finish_reason": ["stop", "length"], "reward": [None, None]},
+                   run / "rollouts.parquet", "rollouts")
+    write_artifact([{"run_id": "t", "step": s, "reward_mean": 0.5, "mismatch_kl": 0.3, "collapse": None}
+                    for s in range(4)], run / "train" / "metrics.parquet", "metrics",
+                   metadata={"label": "stable", "warnings": "mismatch KL reached 0.3"})
+    result = CliRunner().invoke(app, ["report", str(run)])
+    assert result.exit_code == 0, result.output
+    listed = {line.split(": ")[0].strip(): line for line in result.stderr.splitlines() if ".png: " in line}
+    page = (run / "report" / "index.html").read_text()
+    caption = {f: re.search(rf"<figure id='{re.escape(f)}'>.*?<figcaption>(.*?)</figcaption>", page, re.S)[1]
+               for f in _embedded(page)}
+    assert "(2 points; Every bin is dense: no profiled budget" in listed["schedule.png"]
+    assert "(8 points)" in listed["cost.png"] and "predicted only" in caption["cost.png"]
+    assert "no rewards: the prompts carry no answer, or their task has no scorer" in listed["rollouts.png"]
+    train = listed["train-train.png"]
+    assert "Training run train: stable (4 points; no eval: the run had no --eval-prompts" in train
+    assert "warning: mismatch KL reached 0.3" in caption["train-train.png"]
+    assert "no step held a collapse reason" in caption["train-train.png"]

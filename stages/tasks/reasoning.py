@@ -4,18 +4,24 @@ The reward is binary: 1 when reasoning-gym's scorer for the dataset gives full c
 extracted answer, or when math-verify finds it equivalent to the reference; 0 otherwise.
 reasoning-gym's partial credits (0.01 for "a number, but wrong", substring credit) are dropped:
 a verifiable reward should not pay for format alone. reasoning-gym is imported lazily (it takes
-seconds to import).
+seconds to import). One of its dependencies, cellpylib, has `is` with a literal in its source: Python
+prints a SyntaxWarning for each whenever it compiles that source (every run where bytecode is not
+written), so those warnings, and only those, are filtered when this module is imported.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
 from .answers import extract_answer
 from .base import Example, Measure, Task
+
+# a compile-time warning's module is its file path without ".py"
+warnings.filterwarnings("ignore", category=SyntaxWarning, module=r".*[/\\]cellpylib[/\\]")
 
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 

@@ -58,7 +58,7 @@ import torch
 
 from sparrow.schemas import artifact_metadata, read_artifact, write_artifact
 
-from ..calibrate import collapse_reasons
+from ..calibrate import collapse_reasons, mismatch_warnings
 from ..definitions import TAIL_QUANTILE
 from ..model.loading import LoadedModel
 from ..prompt_set import PromptError, PromptSet
@@ -117,6 +117,7 @@ class TrainConfig:
     distill_alpha: float = 16.0  # published
     distill_lr_ratio: float = 5.0  # published: the sparse adapter's lr = 5 x lr
     distill_kl_coef: float = 0.001  # published k3 coefficient
+    raw_prompts: bool = False  # text prompts tokenized as they are, without the model's chat template
     # what the run reads, by content (filled by the Trainer; run_dir.py): a resume must read the same
     prompts_sha256: str = ""
     eval_prompts_sha256: str = ""
@@ -156,7 +157,7 @@ class PromptRow:
     metadata: str | None
 
 
-def load_prompts(path: str | os.PathLike, tokenizer=None) -> list[PromptRow]:
+def load_prompts(path: str | os.PathLike, tokenizer=None, chat_template: bool = True) -> list[PromptRow]:
     """Rows of a prompts file that training can use: token ids (or text to tokenize), an answer and a
     known task; anything else is refused with one sentence (a PromptError, a ValueError)."""
     prompt_set = PromptSet.read(path)
@@ -167,7 +168,7 @@ def load_prompts(path: str | os.PathLike, tokenizer=None) -> list[PromptRow]:
                               f"(known: {', '.join(TASKS)})")
         if r.get("answer") is None:
             raise PromptError(f"{where} has no answer, so its reward cannot be verified")
-    prompt_set.tokenize(tokenizer)
+    prompt_set.tokenize(tokenizer, chat_template)
     return [PromptRow(r["prompt_id"], r["task"], list(r["prompt_token_ids"]), r["answer"], r.get("metadata"))
             for r in prompt_set.rows]
 
@@ -377,7 +378,8 @@ class Trainer:
 
         self.step = step + 1
         row = self._metrics(step, flat, rewards, old, correction, update, (t_roll, t_score, t_update))
-        if self.eval_prompts and self.step % cfg.eval_every == 0 and self.world.main:
+        last = self.step == cfg.steps  # the final eval is never left blank
+        if self.eval_prompts and self.world.main and (self.step % cfg.eval_every == 0 or last):
             row["eval_accuracy"] = self.evaluate()
         self.history.append(row)
         # the reasons that hold for the run so far; the run's label is those of its last step
@@ -562,17 +564,24 @@ class Trainer:
                        metadata={"bin_width": self.cfg.bin_width, "sparsity": self.cfg.sparsity})
 
     def label(self) -> dict:
-        """stable | collapsed, the reasons over the whole run, and the first step any reason held."""
+        """stable | collapsed by the reasons over the whole run (its last row's), the first step of the
+        streak of flagged rows that ends the run, and the mismatch warnings (never part of the label)."""
         last = self.history[-1].get("collapse") if self.history else None
         reasons = last.split("; ") if last else []
-        first = next((r["step"] for r in self.history if r.get("collapse")), None)
+        first = None
+        for r in reversed(self.history if reasons else []):
+            if not r.get("collapse"):
+                break
+            first = r["step"]
+        warnings = mismatch_warnings(pa.Table.from_pylist(self.history)) if self.history else []
         return {"label": "collapsed" if reasons else "stable", "reasons": reasons,
-                "first_collapse_step": first if reasons else None}
+                "first_collapse_step": first, "warnings": warnings}
 
     def _write_metrics(self) -> None:
         label = self.label()
         meta = {"config": json.dumps(asdict(self.cfg)), "label": label["label"],
                 "reasons": "; ".join(label["reasons"]), "first_collapse_step": label["first_collapse_step"],
+                "warnings": "; ".join(label["warnings"]) or None,
                 "initial_eval_accuracy": self.initial_eval}
         meta = {k: v for k, v in meta.items() if v is not None}
         write_artifact(self.history, self.run_dir / "metrics.parquet", "metrics", metadata=meta)

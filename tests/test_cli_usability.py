@@ -1,0 +1,345 @@
+"""Issue 26, what a new user met on the command line (items 6, 9, 10, 11, 14, 15, 17, 18, 19, 20): each
+test runs the command as a user does (typer's CliRunner, or the installed `sparrow` in a subprocess) and
+checks its exit code, its one sentence and what is left on disk."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+from importlib.metadata import version
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import transformers
+import typer
+from typer.testing import CliRunner
+
+from sparrow.cli import common
+from sparrow.cli.app import app
+from sparrow.schemas import read_artifact, write_artifact
+from sparrow.stages.model.loading import embedded_checkpoint, load_model
+
+from cli_checks import error_line
+
+runner = CliRunner()
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _token_prompts(path: Path, n: int = 2, length: int = 20, vocab: int = 500) -> Path:
+    """Prompts with token ids only (a model without a tokenizer can roll them out)."""
+    rng = np.random.default_rng(0)
+    rows = [{"prompt_id": f"p{i}", "task": "basic_arithmetic", "prompt": None,
+             "prompt_token_ids": rng.integers(3, vocab, length).tolist(), "answer": "5", "metadata": None}
+            for i in range(n)]
+    return write_artifact(rows, path, "prompts")
+
+
+@pytest.fixture(scope="module")
+def tiny_chat(tmp_path_factory) -> str:
+    """A tiny random Llama checkpoint with SmolLM2's tokenizer (and chat template): trainable."""
+    tok = transformers.AutoTokenizer.from_pretrained(embedded_checkpoint())
+    cfg = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                   head_dim=8, max_position_embeddings=512, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny-chat")
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(path, safe_serialization=True)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+# ---------------------------------------------------------------- item 6: --device
+
+
+@pytest.mark.parametrize("device", ["tpu", "cuda"])
+@pytest.mark.parametrize("command", ["profile", "rollout", "train", "fit-cost"])
+def test_device_is_one_sentence_before_any_work(tmp_path, monkeypatch, command, device):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # this test's machine has no CUDA
+    prompts = _token_prompts(tmp_path / "p.parquet")
+    out = tmp_path / "out"
+    args = {"profile": ["--prompts", str(prompts)], "rollout": ["--prompts", str(prompts)],
+            "train": ["--prompts", str(prompts)], "fit-cost": []}[command]
+    line = error_line(runner.invoke(app, [command, "--model", "tiny-llama", *args, "--device", device,
+                                          "-o", str(out)]))
+    assert f"--device {device} was given but no CUDA device is available" in line or (
+        line.startswith("error: --device must be cpu or cuda") and line.endswith(f"got '{device}'"))
+    assert not out.exists()
+
+
+# ---------------------------------------------------------------- item 9: a model without a tokenizer
+
+
+def test_train_refuses_a_model_without_a_tokenizer_and_leaves_nothing(tmp_path):
+    run = tmp_path / "run"
+    line = error_line(runner.invoke(app, [
+        "train", "--model", "tiny-llama", "--prompts", str(_token_prompts(tmp_path / "p.parquet")),
+        "--steps", "1", "--prompts-per-step", "1", "--samples", "2", "--max-new-tokens", "2",
+        "-o", str(run)]))
+    assert "--model tiny-llama has no tokenizer" in line and "scorer" in line
+    assert not run.exists()  # no schedule.parquet, no metrics: the run directory was never made
+
+
+# ---------------------------------------------------------------- item 10: --adapter
+
+
+def test_an_adapter_config_that_is_not_json_is_named(tmp_path):
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{\n")
+    (adapter / "adapter_model.safetensors").write_bytes(b"")
+    out = tmp_path / "r.parquet"
+    for command in (["rollout"], ["profile", "--budgets", "48"]):
+        line = error_line(runner.invoke(app, [*command, "--model", "tiny-llama", "--prompts",
+                                              str(_token_prompts(tmp_path / "p.parquet")), "--adapter",
+                                              str(adapter), "-o", str(out)]))
+        assert f"{adapter / 'adapter_config.json'} is not valid JSON" in line
+    assert not out.exists()
+
+
+def test_an_adapter_for_another_base_model_is_used_with_a_warning(tmp_path):
+    from sparrow.stages.train.adapter import add_lora, save_adapter
+
+    model = load_model("tiny-llama").model
+    config = add_lora(model, 2, 4.0)
+    adapter = save_adapter(model, config, tmp_path / "adapter", "Qwen/Qwen3-0.6B")  # the shapes fit
+    out = tmp_path / "r.parquet"
+    r = runner.invoke(app, ["rollout", "--model", "tiny-llama", "--prompts",
+                            str(_token_prompts(tmp_path / "p.parquet")), "--adapter", str(adapter),
+                            "--max-new-tokens", "2", "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    warning = " ".join(r.stderr.split())
+    assert "warning:" in warning and "was trained on 'Qwen/Qwen3-0.6B'" in warning
+    assert "not on --model tiny-llama" in warning and out.exists()
+
+
+# ---------------------------------------------------------------- items 11 and 19: plan-schedule
+
+
+def _mismatch(path: Path, positions: np.ndarray, samples: int = 4, model: str = "smollm2-135m",
+              budgets=(64, 128)) -> Path:
+    rng = np.random.default_rng(1)
+    rows = []
+    for s in range(samples):
+        for b in budgets:
+            for p in positions:
+                a = float(np.clip(1 - rng.exponential(0.02 * 128 / b), 0, 1))
+                rows.append({"prompt_id": "p", "sample": s, "position": int(p), "bin": int(p) // 512,
+                             "budget": b, "token_id": 1, "alpha": a, "logp_dense": -1.0, "logp_sparse": -1.0,
+                             "log_ratio": 0.0, "k1": 0.0, "k2": 0.0, "k3": 0.0, "entropy_dense": 1.0})
+    return write_artifact(rows, path, "mismatch", metadata={"bin_width": 512, "model": model})
+
+
+def test_plan_schedule_refuses_a_profile_of_another_model_unless_told(tmp_path):
+    profile = _mismatch(tmp_path / "m.parquet", np.arange(1500, 1596))
+    out = tmp_path / "s.parquet"
+    line = error_line(runner.invoke(app, ["plan-schedule", "--model", "qwen3-4b", "--profile", str(profile),
+                                          "-o", str(out)]))
+    assert "measured on smollm2-135m" in line and "--allow-model-mismatch" in line
+    assert not out.exists()
+    r = runner.invoke(app, ["plan-schedule", "--model", "qwen3-4b", "--profile", str(profile),
+                            "--allow-model-mismatch", "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    assert out.exists()
+
+
+def test_plan_schedule_says_the_profiled_prompt_length_and_why_a_bin_takes_its_budget(tmp_path):
+    """1.5K-token prompts + 96 new tokens: the speedup line says so; bins 0 and 1 (no tokens, before the
+    prompts end) take the first measured bin's budget, not a 'previous bin's'."""
+    profile = _mismatch(tmp_path / "m.parquet", np.arange(1500, 1596))
+    r = runner.invoke(app, ["plan-schedule", "--model", "smollm2-135m", "--profile", str(profile),
+                            "--threshold", "0.5"])
+    assert r.exit_code == 0, r.output
+    err = " ".join(r.stderr.split())
+    assert "96 generated tokens after a 1500-token prompt" in err
+    assert ("bins 0 (0+), 1 (512+): fewer tokens than --min-tokens (50), so they take the budget of bin 2"
+            in err)
+    assert "previous bin" not in err
+    line = error_line(runner.invoke(app, ["plan-schedule", "--model", "smollm2-135m", "--profile",
+                                          str(profile), "--min-tokens", "1000"]))
+    assert "--min-tokens" in line and "lower --min-tokens" in line
+
+
+# ---------------------------------------------------------------- item 18: one value per cell
+
+
+def test_json_is_typed_and_the_text_formats_render_alike(tmp_path):
+    models = json.loads(runner.invoke(app, ["models", "--format", "json"]).stdout)
+    smol = next(m for m in models if m["preset"] == "smollm2-135m")
+    assert isinstance(smol["params"], int) and 134e6 < smol["params"] < 136e6
+    assert smol["tied"] is True and (smol["q heads"], smol["kv heads"]) == (9, 3)
+    tsv = runner.invoke(app, ["models"]).stdout.splitlines()
+    assert "134.5M" in tsv[[line.split("\t")[0] for line in tsv].index("smollm2-135m")]
+    plan = json.loads(runner.invoke(app, ["plan-schedule", "--model", "qwen3-4b", "-f", "json"]
+                                    ).stdout.splitlines()[0])
+    assert isinstance(plan[0]["tail"], float) and isinstance(plan[0]["budget"], int)
+
+    cost = ["fit-cost", "--model", "tiny-llama", "--device", "cpu", "--batches", "1", "--contexts", "64",
+            "--budgets", "dense,48", "--repeats", "1", "--warmup", "0", "-o", str(tmp_path / "c.parquet")]
+    header, *rows = runner.invoke(app, cost).stdout.splitlines()
+    budgets = [dict(zip(header.split("\t"), row.split("\t")))["budget"] for row in rows]
+    assert budgets == ["dense", "48"]  # as the table shows it, never a blank cell
+    as_json = json.loads(runner.invoke(app, [*cost, "--format", "json"]).stdout)
+    assert [r["budget"] for r in as_json] == [None, 48] and isinstance(as_json[0]["measured_ms"], float)
+
+    profile = ["profile", "--model", "tiny-llama", "--prompts", str(_token_prompts(tmp_path / "p.parquet")),
+               "--budgets", "48", "--samples", "1", "--max-new-tokens", "3",
+               "-o", str(tmp_path / "m.parquet")]
+    header, *rows = runner.invoke(app, profile).stdout.splitlines()
+    column = header.split("\t").index("above")
+    assert rows and {row.split("\t")[column] for row in rows} <= {"yes", "no"}
+    as_json = json.loads(runner.invoke(app, [*profile, "--format", "json"]).stdout)
+    assert all(isinstance(r["above"], bool) and isinstance(r["tail_alpha"], float) for r in as_json)
+
+
+# ---------------------------------------------------------------- item 19: smaller defects
+
+
+def test_help_keeps_every_bracket_it_was_written_with():
+    """Rich markup must not eat '[vllm]' (or any other bracketed text) from an option's help."""
+    group = typer.main.get_command(app)
+    for name, command in group.commands.items():
+        shown = " ".join(runner.invoke(app, [name, "--help"], env={"COLUMNS": "500"}).stdout.split())
+        for param in command.params:
+            for bracketed in re.findall(r"\\?\[[^\]]*\]", getattr(param, "help", None) or ""):
+                assert bracketed.lstrip("\\") in shown, (name, param.name, bracketed)
+
+
+def test_version():
+    r = runner.invoke(app, ["--version"])
+    assert r.exit_code == 0 and r.stdout.strip() == f"sparrow {version('sparrow-rl')}"
+
+
+def test_profile_budgets_error_names_the_flag(tmp_path):
+    out = tmp_path / "m.parquet"
+    line = error_line(runner.invoke(app, ["profile", "--prompts", str(_token_prompts(tmp_path / "p.parquet")),
+                                          "--budgets", "64,100", "-o", str(out)]))
+    assert line.startswith("error: --budgets: budget 100 is not a multiple of the page size 16")
+    assert not out.exists()
+
+
+def test_json_lines_are_read_by_their_content_whatever_the_suffix(tmp_path):
+    rows = read_artifact(_token_prompts(tmp_path / "p.parquet"), "prompts").to_pylist()
+    named_json = tmp_path / "prompts.json"
+    named_json.write_text("".join(json.dumps({k: v for k, v in r.items() if v is not None}) + "\n"
+                                  for r in rows))
+    out = tmp_path / "r.parquet"
+    r = runner.invoke(app, ["rollout", "--model", "tiny-llama", "--prompts", str(named_json),
+                            "--max-new-tokens", "2", "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    assert read_artifact(out, "rollouts")["prompt_token_ids"].to_pylist() == [r["prompt_token_ids"]
+                                                                              for r in rows]
+    line = error_line(runner.invoke(app, ["plan-schedule", "--model", "smollm2-135m", "--profile",
+                                          str(named_json)]))
+    assert f"{named_json} is JSON text (only prompts may be JSON lines)" in line
+
+
+def _run_dir(path: Path, kl: float) -> Path:
+    steps = 8
+    write_artifact({"run_id": ["r"] * steps, "step": list(range(steps)), "reward_mean": [0.5] * steps,
+                    "mismatch_kl": [kl] * steps, "collapse": [None] * steps}, path / "metrics.parquet",
+                   "metrics")
+    write_artifact({"bin": [0], "bin_start": [0], "bin_end": [None], "budget": [64], "tail": [None],
+                    "predicted_step_seconds": [None]}, path / "schedule.parquet", "schedule")
+    return path
+
+
+def test_calibrate_names_runs_apart_and_mismatch_kl_only_warns(tmp_path):
+    """Two runs in folders both named 'train' are shown by their paths; a run whose mismatch KL is high
+    (0.3, six times the warning level) is labelled by what training did (stable) and warned about."""
+    profile = _mismatch(tmp_path / "m.parquet", np.arange(0, 512))
+    runs = [_run_dir(tmp_path / "a" / "train", 0.001), _run_dir(tmp_path / "b" / "train", 0.3)]
+    r = runner.invoke(app, ["calibrate-threshold", "--profile", str(profile), "--runs", str(runs[0]),
+                            "--runs", str(runs[1]), "-o", str(tmp_path / "t.parquet")])
+    assert r.exit_code == 0, r.output
+    header, *rows = r.stdout.splitlines()
+    table = [dict(zip(header.split("\t"), row.split("\t"))) for row in rows]
+    assert sorted(t["run"] for t in table) == [str(runs[0]), str(runs[1])]
+    by_run = {t["run"]: t for t in table}
+    assert by_run[str(runs[1])]["label"] == "stable" and by_run[str(runs[1])]["reasons"] == ""
+    assert "mismatch KL reached 0.3" in by_run[str(runs[1])]["warnings"]
+    assert by_run[str(runs[0])]["warnings"] == ""
+
+
+def _train_args(model: str, prompts: Path, run: Path, *more: str) -> list[str]:
+    return ["train", "--model", model, "--prompts", str(prompts), "--eval-prompts", str(prompts),
+            "--prompts-per-step", "1", "--samples", "2", "--max-new-tokens", "4", "--lora-rank", "2",
+            "--budget", "48", *more, "-o", str(run)]
+
+
+def test_a_refused_resume_draws_no_progress_bar_first(tiny_chat, tmp_path, monkeypatch):
+    monkeypatch.setattr(common.console, "_force_terminal", True)  # a terminal: the bar would show
+    run = tmp_path / "run"
+    run.mkdir()
+    line = error_line(runner.invoke(app, _train_args(tiny_chat, _token_prompts(tmp_path / "p.parquet"), run,
+                                                     "--steps", "1", "--resume")))
+    assert "--resume" in line
+
+
+def test_a_short_run_evaluates_at_its_last_step_and_logs_whole_lines(tiny_chat, tmp_path):
+    """--steps 2 with the default --eval-every 5: the final eval is there; in a log (stderr not a
+    terminal) every step is one whole line, no bar cut to 80 columns."""
+    run = tmp_path / "run"
+    r = runner.invoke(app, _train_args(tiny_chat, _token_prompts(tmp_path / "p.parquet"), run, "--steps", "2",
+                                       "--format", "json"))
+    assert r.exit_code == 0, r.output
+    metrics = read_artifact(run / "metrics.parquet", "metrics").to_pylist()
+    assert metrics[0]["eval_accuracy"] is None and metrics[-1]["eval_accuracy"] is not None
+    summary = json.loads(r.stdout)
+    assert summary["final_eval_accuracy"] == metrics[-1]["eval_accuracy"]
+    steps = [line for line in r.stderr.splitlines() if line.startswith("train step ")]
+    assert [s.split(":")[0] for s in steps] == ["train step 1/2", "train step 2/2"]
+    assert all("alpha-lb p5" in s and s.rstrip().endswith(" s") for s in steps)
+    assert "…" not in r.stderr and "━" not in r.stderr
+
+
+def test_distill_logs_whole_lines_and_no_stale_bar(tmp_path):
+    out = tmp_path / "adapter"
+    r = runner.invoke(app, ["distill", "--model", "tiny-llama", "--prompts",
+                            str(_token_prompts(tmp_path / "p.parquet", length=100)), "--budget", "48",
+                            "--steps", "2", "--samples", "1", "--max-new-tokens", "4", "--lora-rank", "2",
+                            "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    assert "━" not in r.stderr and "…" not in r.stderr  # no bar's last frame, cut or stale
+    lines = r.stderr.splitlines()
+    assert [line.split(":")[0] for line in lines if line.startswith("distilling step")] == [
+        "distilling step 1/2", "distilling step 2/2"]
+
+
+# ---------------------------------------------------------------- item 14: immediate stops are warned of
+
+
+def test_samples_that_end_at_their_first_token_are_warned_of(tmp_path):
+    """A model whose every sample is one EOS token (its logits are all equal, EOS is token 0, greedy
+    takes the first): the rollout says so on stderr."""
+    cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                   max_position_embeddings=512, tie_word_embeddings=True, eos_token_id=0)
+    hf = transformers.AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():
+        hf.model.norm.weight.zero_()  # every logit 0
+    hf.save_pretrained(tmp_path / "mute", safe_serialization=True)
+    out = tmp_path / "r.parquet"
+    r = runner.invoke(app, ["rollout", "--model", str(tmp_path / "mute"), "--prompts",
+                            str(_token_prompts(tmp_path / "p.parquet")), "--samples", "2",
+                            "--temperature", "0", "--max-new-tokens", "4", "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    assert all(len(t) == 1 for t in read_artifact(out, "rollouts")["token_ids"].to_pylist())
+    assert "warning: 4 of 4 samples ended at their first token" in " ".join(r.stderr.split())
+
+
+# ---------------------------------------------------------------- item 20: a dependency's SyntaxWarnings
+
+
+@pytest.mark.parametrize("task", ["chain_sum", pytest.param("gsm_symbolic", marks=pytest.mark.slow)])
+def test_prompts_print_no_syntax_warnings_without_bytecode(tmp_path, task):
+    """With no bytecode cache, Python compiles reasoning-gym's dependencies from source on every run."""
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "PYTHONPYCACHEPREFIX": str(tmp_path / "no-pyc")}
+    r = subprocess.run([str(ROOT / ".venv/bin/sparrow"), "prompts", "--task", task, "--n", "1",
+                        "-o", str(tmp_path / "p.parquet")], capture_output=True, text=True, env=env,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert "SyntaxWarning" not in r.stderr and "Warning" not in r.stderr
