@@ -1,12 +1,14 @@
 # Every target builds and reuses .venv by itself. uv does the installing; it does not read pip's
-# settings, so the folder of local wheels (CPU torch) is passed on explicitly.
+# settings, so the folder of local wheels (CPU torch) is passed on explicitly. Packages are installed
+# with their bytecode compiled: where PYTHONDONTWRITEBYTECODE is set, every command would otherwise
+# compile torch and transformers from source again (about a second of each command's start).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 FIND_LINKS ?= $(or $(PIP_FIND_LINKS),/opt/wheels)
 LOCAL_TORCH := $(firstword $(wildcard $(FIND_LINKS)/torch-2.13.0+cpu-*.whl))
 TORCH_SPEC := $(if $(LOCAL_TORCH),torch==2.13.0+cpu,torch==2.13.0)
-UV_INSTALL := $(BIN)/uv pip install -q --python $(BIN)/python $(if $(wildcard $(FIND_LINKS)),--find-links $(FIND_LINKS))
+UV_INSTALL := $(BIN)/uv pip install -q --compile-bytecode --python $(BIN)/python $(if $(wildcard $(FIND_LINKS)),--find-links $(FIND_LINKS))
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false

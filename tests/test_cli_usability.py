@@ -343,3 +343,14 @@ def test_prompts_print_no_syntax_warnings_without_bytecode(tmp_path, task):
                        timeout=600)
     assert r.returncode == 0, r.stderr
     assert "SyntaxWarning" not in r.stderr and "Warning" not in r.stderr
+
+
+def test_the_cli_starts_without_torch():
+    """`sparrow --help` and every command's parsing import no torch (nor the engine, nor torch._dynamo):
+    those imports are most of a command's start-up, so a module-level import of them is a regression."""
+    import sys
+
+    heavy = ("torch", "transformers", "sparrow.stages.rollout.engine")
+    code = f"import sys; from sparrow.cli.app import app; print([m for m in {heavy} if m in sys.modules])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

@@ -10,23 +10,21 @@ model sees the cache through per-step `Attention` objects (attention.py) that ca
 `run_rollouts` (stage.py) is the `sparrow rollout` stage.
 """
 
-from ..sparsity import budget_fn
-from .engine import Engine, EngineStats
-from .lora import LoraWeights, load_lora, lora_merged, merge_lora, unmerge_lora
-from .sequence import Completion, SamplingParams
-from .stage import RolloutOptions, run_rollouts
+from __future__ import annotations
 
-__all__ = [
-    "Completion",
-    "Engine",
-    "EngineStats",
-    "LoraWeights",
-    "RolloutOptions",
-    "SamplingParams",
-    "budget_fn",
-    "load_lora",
-    "lora_merged",
-    "merge_lora",
-    "run_rollouts",
-    "unmerge_lora",
-]
+import importlib
+
+# Imported on first use (PEP 562), so that a light submodule (memory.py, sequence.py) does not pull the
+# engine, torch and the kernels into a command that only needs it, such as `sparrow --help`.
+_EXPORTS = {"budget_fn": "..sparsity", "Engine": ".engine", "EngineStats": ".engine", "LoraWeights": ".lora",
+            "load_lora": ".lora", "lora_merged": ".lora", "merge_lora": ".lora", "unmerge_lora": ".lora",
+            "Completion": ".sequence", "SamplingParams": ".sequence", "RolloutOptions": ".stage",
+            "run_rollouts": ".stage"}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name], __name__), name)

@@ -34,7 +34,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.nn.attention.bias import causal_lower_right
 
 from sparrow.kernels import cpu_attention
 from sparrow.kernels.cascade_decode import cascade_decode_reference, suffix_index
@@ -141,6 +140,8 @@ def attend_after_prefix(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     group = q.shape[1] // k.shape[1]
     if group > 1:
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    from torch.nn.attention.bias import causal_lower_right  # imports torch._dynamo: only when needed
+
     return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(q.shape[2], k.shape[2]))
 
 
