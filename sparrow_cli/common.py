@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
@@ -25,6 +26,22 @@ def log_line(text: str) -> None:
     off, so that no line is cut to 80 columns or left stale), nothing on a terminal (the bar shows it)."""
     if not console.is_terminal:
         console.print(text, highlight=False, markup=False, soft_wrap=True)
+
+
+class LogProgress:
+    """Progress of long work as whole lines for a log (stderr not a terminal, where the bars are off): the
+    first update, then at most one line every `every` seconds, and the last one."""
+
+    def __init__(self, what: str, every: float = 10.0):
+        self.what, self.every, self.last = what, every, None
+        self.start = time.monotonic()
+
+    def __call__(self, done: int, total: int, info: str = "") -> None:
+        now = time.monotonic()
+        if self.last is not None and done < total and now - self.last < self.every:
+            return
+        self.last = now
+        log_line(f"{self.what}: {done}/{total}{f', {info}' if info else ''} ({now - self.start:.0f} s)")
 
 
 class UsageError(ValueError):

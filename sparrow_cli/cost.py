@@ -8,6 +8,7 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
 from .common import (
+    LogProgress,
     UsageError,
     check_device,
     check_output,
@@ -90,6 +91,9 @@ def fit_cost(
                 raise UsageError(f"--budgets: {e}") from None
     if repeats < 1 or warmup < 0:
         raise UsageError("--repeats must be at least 1 and --warmup at least 0")
+    if not hardware and len(set(b_list)) * len(set(c_list)) * len(set(k_list)) < 2:
+        raise UsageError("fitting the cost model needs at least two grid points; give more than one value "
+                         "to --batches, --contexts or --budgets")
     if threads is not None and threads < 1:
         raise UsageError(f"--threads must be at least 1, got {threads}")
     if device is not None:
@@ -147,9 +151,13 @@ def measure(model: str, device: str, grid, seed: int, threads: int | None = None
                   MofNCompleteColumn(), console=console, transient=True,
                   disable=not console.is_terminal) as bar:
         task = bar.add_task("timing", total=len(grid.points()))
-        points = time_decode_steps(loaded, grid, device, seed,
-                                   lambda done, total: bar.update(task, completed=done),
-                                   gpu_memory_utilization)
+        log = LogProgress("timing the engine's decode step (points)")
+
+        def on_point(done: int, total: int) -> None:
+            bar.update(task, completed=done)
+            log(done, total)
+
+        points = time_decode_steps(loaded, grid, device, seed, on_point, gpu_memory_utilization)
     return points, torch.get_num_threads()
 
 

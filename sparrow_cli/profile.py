@@ -20,6 +20,7 @@ from rich.progress import (
 from sparrow.stages.definitions import PRIOR_THRESHOLD, TAIL_QUANTILE
 
 from .common import (
+    LogProgress,
     UsageError,
     check_device,
     check_output,
@@ -262,7 +263,14 @@ def _profile_on_ray(model: str, items: list, opts, sample: bool, workers: int, a
         task = bar.add_task(f"profile on {workers} Ray workers (shards)", total=workers)
         pool = RolloutPool(model, workers, address=address, device=device, **weights)
         try:
-            results = pool.map("profile", items, opts, sample, on_shard=lambda r: bar.advance(task))
+            log, done = LogProgress(f"profile on {workers} Ray workers (shards)"), [0]
+
+            def on_shard(r) -> None:
+                done[0] += 1
+                bar.advance(task)
+                log(done[0], workers)
+
+            results = pool.map("profile", items, opts, sample, on_shard=on_shard)
         finally:
             pool.close()
     write_artifact_parts([r.value for r in results], output, "mismatch",
@@ -296,11 +304,14 @@ def with_progress(run: Callable[[Callable[[str, int, int], None]], pa.Table]) ->
                   TimeRemainingColumn(), console=console, transient=True,
                   disable=not console.is_terminal) as bar:
         tasks: dict[str, TaskID] = {}
+        logs: dict[str, LogProgress] = {}
 
         def update(phase: str, done: int, total: int) -> None:
             if phase not in tasks:
                 tasks[phase] = bar.add_task(PHASES[phase], total=total)
+                logs[phase] = LogProgress(PHASES[phase])
             bar.update(tasks[phase], completed=done, total=total)
+            logs[phase](done, total)
 
         return run(update)
 

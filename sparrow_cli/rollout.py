@@ -9,6 +9,7 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from .common import (
+    LogProgress,
     UsageError,
     check_device,
     check_output,
@@ -243,13 +244,15 @@ def rollout(
                   TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), console=console,
                   transient=True, disable=not console.is_terminal) as bar:
         task = bar.add_task("rollouts (samples)", total=total, rate="")
+        log = LogProgress("rollouts (samples)")
 
         def on_step(new_tokens: int, finished: int) -> None:
             state["tokens"] += new_tokens
             state["done"] += finished
             rate = state["tokens"] / max(time.perf_counter() - start, 1e-9)
-            bar.update(task, completed=state["done"],
-                       rate=f"{state['tokens']} tokens, {rate:,.1f} tok/s")
+            info = f"{state['tokens']} tokens, {rate:,.1f} tok/s"
+            bar.update(task, completed=state["done"], rate=info)
+            log(state["done"], total, info)
 
         table, summary = run_rollouts(loaded, rows, opts, on_step)
     write_artifact(table, output, "rollouts", metadata={**meta, "summary": summary.metadata()})
@@ -308,7 +311,14 @@ def _rollout_on_ray(model: str, rows: list[dict], opts, workers: int, address: s
         try:
             bar.update(task, description=f"rollouts (samples) on {workers} workers")
             start = time.perf_counter()
-            results = pool.run(rows, opts, on_shard=lambda r: bar.advance(task, r.table.num_rows))
+            log, done = LogProgress(f"rollouts (samples) on {workers} workers"), [0]
+
+            def on_shard(r) -> None:
+                done[0] += r.table.num_rows
+                bar.advance(task, r.table.num_rows)
+                log(done[0], total)
+
+            results = pool.run(rows, opts, on_shard=on_shard)
             wall = time.perf_counter() - start
         finally:
             pool.close()

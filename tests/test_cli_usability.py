@@ -309,6 +309,29 @@ def test_distill_logs_whole_lines_and_no_stale_bar(tmp_path):
         "distilling step 1/2", "distilling step 2/2"]
 
 
+def test_rollout_profile_and_fit_cost_log_their_progress_in_whole_lines(tmp_path):
+    """In a log, the long commands say how far they are as whole lines (the first update, then every few
+    seconds, and the last), not nothing until they finish."""
+    prompts = _token_prompts(tmp_path / "p.parquet")
+    runs = {"rollouts (samples): 4/4": ["rollout", "--model", "tiny-llama", "--prompts", str(prompts),
+                                        "--samples", "2", "--max-new-tokens", "4", "-o", str(tmp_path / "r")],
+            "scoring": ["profile", "--model", "tiny-llama", "--prompts", str(prompts), "--samples", "1",
+                        "--max-new-tokens", "4", "--budgets", "48", "-o", str(tmp_path / "m")],
+            "timing the engine's decode step (points): 2/2": [
+                "fit-cost", "--model", "tiny-llama", "--batches", "1,2", "--contexts", "64", "--budgets",
+                "dense", "--repeats", "1", "--warmup", "0", "-o", str(tmp_path / "c")]}
+    for want, args in runs.items():
+        r = runner.invoke(app, args)
+        assert r.exit_code == 0, r.output
+        lines = r.stderr.splitlines()
+        assert any(line.startswith(want) and line.rstrip().endswith(" s)") for line in lines), (want, lines)
+        assert "━" not in r.stderr
+    r = runner.invoke(app, ["fit-cost", "--model", "tiny-llama", "--batches", "1", "--contexts", "64",
+                            "--budgets", "dense", "-o", str(tmp_path / "one")])
+    assert r.exit_code == 2 and "needs at least two grid points" in error_line(r)
+    assert not (tmp_path / "one").exists()
+
+
 # ---------------------------------------------------------------- item 14: immediate stops are warned of
 
 
