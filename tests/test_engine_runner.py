@@ -15,7 +15,6 @@ import weakref
 import numpy as np
 import pytest
 import torch
-import transformers
 from typer.testing import CliRunner
 
 from sparrow.cli.app import app
@@ -32,22 +31,13 @@ from sparrow.stages.schedule import Schedule
 from sparrow.stages.sparsity import budget_fn
 
 from cli_checks import error_line
+from tiny_models import tiny_qwen3
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    cfg = transformers.Qwen3Config(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-                                   head_dim=16, num_attention_heads=4, num_key_value_heads=2,
-                                   rope_theta=5000.0, max_position_embeddings=1024, rms_norm_eps=1e-6,
-                                   tie_word_embeddings=True)
-    torch.manual_seed(0)
-    hf = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn_like(p) * 0.2)
     path = tmp_path_factory.mktemp("tiny-runner")
-    hf.save_pretrained(path, safe_serialization=True)
+    tiny_qwen3(path, max_position_embeddings=1024)
     return load_model(str(path)).model
 
 

@@ -30,6 +30,7 @@ from sparrow.stages.train.adapter import add_lora
 from sparrow.stages.train.policy import PREFIX_MASK_ELEMENTS, completion_logprobs, shares_prompts
 
 from cli_checks import error_line
+from tiny_models import tiny_qwen3
 
 runner = CliRunner()
 tiny_llama, vowel_prompts = test_train.tiny_llama, test_train.vowel_prompts
@@ -39,18 +40,8 @@ VOCAB = 300
 @pytest.fixture(scope="module")
 def tiny64(tmp_path_factory):
     """A tiny random Qwen3 (q/k norms, 3 layers: 0-1 dense, 2 sparse) in float64: ours and transformers'."""
-    cfg = transformers.Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
-                                   num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-                                   head_dim=16, max_position_embeddings=512, rope_theta=5000.0,
-                                   tie_word_embeddings=False)
-    torch.manual_seed(0)
-    hf = transformers.AutoModelForCausalLM.from_config(cfg).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn_like(p) * 0.2)
     path = tmp_path_factory.mktemp("tiny64")
-    hf.save_pretrained(path, safe_serialization=True)
+    hf = tiny_qwen3(path, tie_word_embeddings=False)
     return str(path), hf.double()
 
 

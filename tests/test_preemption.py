@@ -11,7 +11,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-import transformers
 
 from sparrow.kernels import ops
 from sparrow.stages.mismatch import score_sequences
@@ -22,21 +21,13 @@ from sparrow.stages.rollout.kv_cache import PagedKVCache
 from sparrow.stages.schedule import Schedule
 from sparrow.stages.sparsity import budget_fn
 
+from tiny_models import tiny_qwen3
+
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    cfg = transformers.Qwen3Config(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-                                   head_dim=16, num_attention_heads=4, num_key_value_heads=2,
-                                   rope_theta=5000.0, max_position_embeddings=512, rms_norm_eps=1e-6,
-                                   tie_word_embeddings=True)
-    torch.manual_seed(0)
-    hf = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn_like(p) * 0.2)
     path = tmp_path_factory.mktemp("tiny-preempt")
-    hf.save_pretrained(path, safe_serialization=True)
+    tiny_qwen3(path)
     return load_model(str(path)).model
 
 

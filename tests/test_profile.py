@@ -13,6 +13,7 @@ from sparrow.stages.model.loading import load_model
 from sparrow.stages.profile import ProfileOptions, run_profile, sample_trajectories, summarize
 
 from cli_checks import error_line
+from tiny_models import tiny_qwen3
 
 runner = CliRunner()
 
@@ -120,20 +121,8 @@ TINY_OPTS = dict(samples=2, max_new_tokens=32, temperature=0.8, seed=3, sampler=
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """A 3-layer Qwen3 checkpoint without a tokenizer: layer 2 is sparse beside the dense layers 0-1."""
-    import torch
-    import transformers
-
-    cfg = transformers.Qwen3Config(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-                                   head_dim=16, num_attention_heads=4, num_key_value_heads=2,
-                                   tie_word_embeddings=True, max_position_embeddings=512, rope_theta=5000.0)
-    torch.manual_seed(0)
-    hf = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn_like(p) * 0.2)
     path = tmp_path_factory.mktemp("tiny-profile")
-    hf.save_pretrained(path, safe_serialization=True)
+    tiny_qwen3(path)
     return path
 
 
