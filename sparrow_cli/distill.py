@@ -19,6 +19,7 @@ from .common import (
     log_line,
     parse_int_list,
     raw_prompts_option,
+    warn_first_token_stops,
 )
 from .engine_options import check_gpu_memory, gpu_memory_option
 from .output import emit, format_option, resolve_format
@@ -234,6 +235,7 @@ def distill(
                                   schedule=None if isinstance(sparsity, int) else sparsity,
                                   adapter=init_actor, batch_size=16, **sampling)
             trajectories = sample_trajectories(loaded, train_ids, train_tokens, opts)
+            warn_first_token_stops([len(t.completion) for t in trajectories], max_new_tokens, raw_prompts)
         eval_trajectories = trajectories
         if eval_tokens is not None:  # the dense policy's trajectories: the same prefixes before and after
             opts = ProfileOptions(budgets=budgets, sampler="dense", seed=seed + 1, batch_size=16, **sampling)

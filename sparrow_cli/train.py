@@ -16,6 +16,7 @@ from .common import (
     input_path,
     log_line,
     raw_prompts_option,
+    warn_first_token_stops,
 )
 from .engine_options import check_gpu_memory, gpu_memory_option
 from .output import emit_record, format_option, resolve_format
@@ -224,10 +225,17 @@ def _run(cfg, model: str, prompts: Path, eval_prompts: Path | None, resume: bool
         if world.main:
             log_line(f"train step {r['step'] + 1}/{steps}: {info}")
 
+    warned = []
+
+    def on_rollouts(step: int, lengths: list[int]) -> None:  # the first step's samples tell
+        if world.main and not warned:
+            warned.append(step)
+            warn_first_token_stops(lengths, max_new_tokens, cfg.raw_prompts)
+
     try:  # a refused --resume says so before any bar is drawn
         trainer = Trainer(cfg, loaded, rows, output_dir, eval_prompts=held_out, resume=resume,
                           on_step=on_step, on_phase=on_phase, world=world, pool=pool, force=force,
-                          gpu_memory_utilization=gpu_memory_utilization)
+                          gpu_memory_utilization=gpu_memory_utilization, on_rollouts=on_rollouts)
     except ValueError as e:
         raise UsageError(str(e)) from None
     with bar:

@@ -354,6 +354,33 @@ def test_samples_that_end_at_their_first_token_are_warned_of(tmp_path):
     assert "warning: 4 of 4 samples ended at their first token" in " ".join(r.stderr.split())
 
 
+def test_train_and_distill_warn_when_their_samples_end_at_the_first_token(tmp_path):
+    """A model that samples EOS at once even at temperature 1 (every residual stream's first dimension is
+    large and positive, and only EOS's head row reads it): train and distill say so too."""
+    tok = transformers.AutoTokenizer.from_pretrained(embedded_checkpoint())
+    cfg = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                   head_dim=8,
+                                   max_position_embeddings=512, tie_word_embeddings=False, eos_token_id=0)
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():
+        hf.model.embed_tokens.weight[:, 0] = 1000.0
+        hf.lm_head.weight.zero_()
+        hf.lm_head.weight[0, 0] = 100.0
+    hf.save_pretrained(tmp_path / "mute", safe_serialization=True)
+    tok.save_pretrained(tmp_path / "mute")
+    model, prompts = str(tmp_path / "mute"), _token_prompts(tmp_path / "p.parquet")
+    r = runner.invoke(app, _train_args(model, prompts, tmp_path / "run", "--steps", "1"))
+    assert r.exit_code == 0, r.output
+    assert "warning: 2 of 2 samples ended at their first token" in " ".join(r.stderr.split())
+    r = runner.invoke(app, ["distill", "--model", model, "--prompts", str(prompts), "--budget", "48",
+                            "--steps", "1", "--samples", "1", "--max-new-tokens", "4", "--lora-rank", "2",
+                            "-o", str(tmp_path / "adapter")])
+    assert r.exit_code == 0, r.output
+    assert "warning: 2 of 2 samples ended at their first token" in " ".join(r.stderr.split())
+
+
 # ---------------------------------------------------------------- item 20: a dependency's SyntaxWarnings
 
 

@@ -208,7 +208,8 @@ class Trainer:
                  on_step: Callable[[dict], None] | None = None,
                  on_phase: Callable[[str], None] | None = None, world: World | None = None,
                  pool: RolloutPool | None = None, force: bool = False,
-                 gpu_memory_utilization: float = 0.9):
+                 gpu_memory_utilization: float = 0.9,
+                 on_rollouts: Callable[[int, list[int]], None] | None = None):
         """`gpu_memory_utilization`: on CUDA, the share of device memory the rollout engine may take (its
         KV pool, graphs and activations; the learner's update needs the rest)."""
         config.validate()
@@ -231,6 +232,7 @@ class Trainer:
         self.prompts, self.eval_prompts = prompts, eval_prompts or []
         self.run_dir = Path(run_dir)
         self.on_step, self.on_phase = on_step or (lambda row: None), on_phase or (lambda phase: None)
+        self.on_rollouts = on_rollouts or (lambda step, lengths: None)  # each step's completion lengths
         self.loss_cfg = grpo.LossConfig(correction=config.correction, kl_coef=config.kl_coef, **config.loss)
         self.run_id = self.run_dir.name
         self.history: list[dict] = []
@@ -336,6 +338,7 @@ class Trainer:
         self.on_phase("rollout")
         comps = self._rollout(batch, step)
         t_roll = time.perf_counter() - t0
+        self.on_rollouts(step, [len(c.token_ids) for group in comps for c in group])
         tok = self.loaded.tokenizer
         rewards = np.array([[score(r.task, tok.decode(c.token_ids, skip_special_tokens=True), r.answer,
                                    r.metadata) for c in group] for r, group in zip(batch, comps)])
