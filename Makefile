@@ -1,7 +1,7 @@
 # Every target builds and reuses .venv by itself. uv does the installing; it does not read pip's
 # settings, so the folder of local wheels (CPU torch) is passed on explicitly. Packages are installed
 # with their bytecode compiled: where PYTHONDONTWRITEBYTECODE is set, every command would otherwise
-# compile torch and transformers from source again (about a second of each command's start).
+# compile torch and transformers from source again at its start.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin

@@ -18,6 +18,9 @@ def gpu_memory_option():
 
 
 def check_gpu_memory(fraction: float) -> float:
-    if not 0 < fraction <= 1:
-        raise UsageError(f"--gpu-memory-utilization must be a fraction in (0, 1], got {fraction:g}")
-    return fraction
+    from sparrow.stages.rollout.memory import check_memory_utilization  # light: no torch
+
+    try:
+        return check_memory_utilization(fraction)
+    except ValueError as e:
+        raise UsageError(str(e)) from None

@@ -10,11 +10,9 @@ Design decisions:
   view always has an extra column `source_file` (the file name) so that queries do not depend on how
   many files there are. Parquet files without Sparrow metadata get a view named after the file stem,
   sanitized into an identifier (and suffixed if it would clash), without `source_file`.
-- Files are checked through their footers only (fast); a missing footer or non-Parquet file is an
-  ArtifactError naming it. Views read the files lazily, so opening a large run costs nothing.
-- Files are checked through their footers only (fast). A file that is not Parquet, truncated, or
-  that DuckDB cannot read is skipped with a warning naming it (`warn`), so one stray file does not
-  make the rest of the run unqueryable.
+- Files are checked through their footers only (fast), and views read them lazily, so opening a large
+  run costs nothing. A file that is not Parquet, truncated, or that DuckDB cannot read is skipped with a
+  warning naming it (`warn`), so one stray file does not make the rest of the run unqueryable.
 - Read only: the connection reads the run's files and nothing else, and writes nothing. Two layers:
   only read statements run (SELECT and what DuckDB parses as one: WITH, VALUES, DESCRIBE, SHOW,
   SUMMARIZE; PIVOT; EXPLAIN of those), anything else (COPY, EXPORT, ATTACH, INSTALL/LOAD, CREATE,

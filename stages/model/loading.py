@@ -150,7 +150,7 @@ def _init_random(model: Transformer) -> None:
 def uninitialised_parameters():
     """Modules built inside leave their parameters as allocated (torch.empty: no page is touched), for
     tensors that a checkpoint replaces. Not the meta device: initialising meta tensors runs torch's
-    reference kernels, whose first use imports torch._dynamo, about a second of every command."""
+    reference kernels, whose first use imports torch._dynamo (slow, in every command)."""
     names = ("normal_", "uniform_", "kaiming_uniform_")
     saved = {name: getattr(torch.nn.init, name) for name in names}
     for name in names:

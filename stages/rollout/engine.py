@@ -60,12 +60,12 @@ from ..attention import DEFAULT_DENSE_LAYERS, PAGE_SIZE
 from ..model.llama import Transformer
 from ..sparsity import Sparsity, budget_fn
 from .block_manager import BlockManager
-from .memory import Workload
+from .memory import Workload, check_memory_utilization
 from .runner import DECODE_GRAPHS, ModelRunner, PrefillRow
 from .scheduler import Scheduler, prefill_tokens
 from .sequence import Completion, Request, SamplingParams, Sequence
 
-__all__ = ["DECODE_GRAPHS", "Engine", "EngineStats", "check_memory_utilization", "make_runner"]
+__all__ = ["DECODE_GRAPHS", "Engine", "EngineStats", "make_runner"]
 
 
 @dataclass
@@ -85,11 +85,6 @@ class EngineStats:
     @property
     def seconds(self) -> float:
         return self.prefill_s + self.decode_s
-
-
-def check_memory_utilization(fraction: float) -> None:
-    if not 0 < fraction <= 1:
-        raise ValueError(f"--gpu-memory-utilization must be a fraction in (0, 1], got {fraction:g}")
 
 
 def make_runner(model: Transformer, *, max_batch: int, page_size: int, dense_layers: Seq[int],

@@ -28,6 +28,12 @@ class PoolTooSmall(RuntimeError):
     pass
 
 
+def check_memory_utilization(fraction: float) -> float:
+    if not 0 < fraction <= 1:
+        raise ValueError(f"--gpu-memory-utilization must be a fraction in (0, 1], got {fraction:g}")
+    return fraction
+
+
 def pages_for(tokens: int, page_size: int) -> int:
     return -(-tokens // page_size)
 
