@@ -18,7 +18,10 @@ def calibrate_threshold(
     profile: Path = typer.Option(..., "--profile", callback=input_path,
                                  help="A mismatch artifact (sparrow profile)."),
     runs: list[Path] = typer.Option([], "--runs", help="Run directories, each with a metrics and a "
-                                    "schedule artifact. Repeat the flag or pass several."),
+                                    "schedule artifact: --runs a b c, --runs sweep/runs/*, or the flag "
+                                    "repeated."),
+    more_runs: list[Path] = typer.Argument(None, metavar="[RUN_DIR]...", show_default=False,
+                                           help="More run directories (what follows --runs a)."),
     quantile: float = typer.Option(TAIL_QUANTILE, "--quantile", help="Tail quantile of alpha per bin."),
     window: int = typer.Option(5, "--window", help="Steps of smoothing for the detectors."),
     reward_drop: float = typer.Option(0.5, "--reward-drop",
@@ -32,16 +35,26 @@ def calibrate_threshold(
     repetition_limit: float = typer.Option(0.5, "--repetition-limit"),
     entropy_factor: float = typer.Option(3.0, "--entropy-factor",
                                          help="Collapsed if entropy ends above this x its start."),
+    reward_margin: float = typer.Option(0.1, "--reward-margin",
+                                        help="Collapsed if the final reward is below the dense run of "
+                                        "the same configuration and seed by more than this or the dense "
+                                        "runs' seed spread, whichever is larger."),
+    eval_margin: float = typer.Option(0.1, "--eval-margin",
+                                      help="Collapsed if the last eval accuracy is below the dense "
+                                      "run's by more than this or the seed spread, whichever is larger."),
     bootstrap: int = typer.Option(2000, "--bootstrap", help="Bootstrap resamples for the interval."),
     output: Path = typer.Option(..., "-o", "--output", help=output_help("the threshold artifact")),
     force: bool = force_option(),
     format: str = format_option(),
 ) -> None:
-    """Label each run stable or collapsed, relate that to each run's tail statistic under its
-    schedule, and write the critical threshold with an interval. Without runs (or when the runs do
-    not separate) the published prior 0.86 is written, marked as the prior."""
-    from sparrow.schemas import read_artifact, write_artifact
-    from sparrow.stages.calibrate import Detectors, calibrate, load_run, threshold_table
+    """Label each run stable or collapsed by what training did (its own curves, and the dense run of
+    the same configuration and seed when one is among --runs), relate that to each run's tail
+    statistic under its schedule, and write the critical threshold with a bootstrap interval; the
+    same boundary on the mean of alpha is reported beside it. Without runs (or when the runs do not
+    separate) the calibration shipped for the profile's model is written if there is one, else the
+    published prior 0.86, marked as such."""
+    from sparrow.schemas import artifact_metadata, read_artifact, write_artifact
+    from sparrow.stages.calibrate import Detectors, calibrate, load_runs, threshold_table
 
     fmt = resolve_format(format)
     if not 0 < quantile < 1:
@@ -50,19 +63,26 @@ def calibrate_threshold(
     mismatch = read_artifact(profile, "mismatch")
     if mismatch.num_rows == 0:
         raise UsageError(f"{profile}: the mismatch profile has no tokens")
-    det = Detectors(window, reward_drop, grad_norm_factor, mismatch_kl_limit, truncation_limit,
-                    repetition_limit, entropy_factor)
-    results = [load_run(r, mismatch, quantile, det) for r in runs]  # all validated before writing
-    cal = calibrate(results, quantile, bootstrap)
-    per_run = [{"run": r.name, "tail": r.tail, "collapsed": r.collapsed, "reasons": r.reasons,
-                "warnings": r.warnings} for r in results]
-    write_artifact(threshold_table(cal, quantile), output, "threshold",
-                   metadata={"profile": str(profile), "runs": json.dumps(per_run)})
+    det = Detectors(window=window, reward_drop=reward_drop, grad_norm_factor=grad_norm_factor,
+                    mismatch_kl_limit=mismatch_kl_limit, truncation_limit=truncation_limit,
+                    repetition_limit=repetition_limit, entropy_factor=entropy_factor,
+                    reward_margin=reward_margin, eval_margin=eval_margin)
+    runs = [*runs, *(more_runs or [])]
+    results = load_runs(runs, mismatch, quantile, det)  # all validated before writing
+    cal = calibrate(results, quantile, bootstrap, model=artifact_metadata(profile).get("model"))
+    per_run = [{"run": r.name, "tail": r.tail, "mean": r.mean, "collapsed": r.collapsed,
+                "reasons": r.reasons, "warnings": r.warnings, "reference": r.reference} for r in results]
+    meta = {**cal.provenance, "profile": str(profile), "runs": json.dumps(per_run),
+            "mean_threshold": cal.mean_threshold, "mean_note": cal.mean_note or None}
+    write_artifact(threshold_table(cal, quantile), output, "threshold", metadata=meta)
     interval = f" [{cal.lower:.4f}, {cal.upper:.4f}]" if cal.lower is not None else ""
-    console.print(f"threshold {cal.threshold:.4f}{interval} ({cal.source}): {cal.note}")
+    console.print(f"threshold {cal.threshold:.4f}{interval} ({cal.source}): {cal.note}", highlight=False)
+    if results:
+        console.print(cal.mean_note, highlight=False)
     console.print(f"wrote {output}")
     if results:  # the runs are the data; the threshold itself is in the artifact
-        rows = [[r.name, r.tail, "collapsed" if r.collapsed else "stable", "; ".join(r.reasons + r.notes),
-                 "; ".join(r.warnings)] for r in sorted(results, key=lambda r: r.tail)]
-        emit(("run", "tail", "label", "reasons", "warnings"), rows, fmt, title="runs",
+        rows = [[r.name, r.tail, r.mean, "collapsed" if r.collapsed else "stable",
+                 "; ".join(r.reasons + r.notes), "; ".join(r.warnings)]
+                for r in sorted(results, key=lambda r: r.tail)]
+        emit(("run", "tail", "mean alpha", "label", "reasons", "warnings"), rows, fmt, title="runs",
              left=("run", "label", "reasons", "warnings"))

@@ -1,22 +1,33 @@
 """`calibrate-threshold`: relate the stability of past runs to their tail mismatch.
 
 Each run directory holds a `metrics` artifact (one row per training step) and the `schedule` it
-trained with. Detectors label a run collapsed, with reasons, by what training did (reward, gradient
-norm, entropy, truncation or repetition surge) over the whole run: the same function labels a run in
-`sparrow train` (each step's row holds the reasons for the history up to it; the run's label is its
-last row's) and here. Mismatch KL is a diagnostic and a warning, never a reason: the threshold is
-fitted to the labels, so a label made of mismatch would make the calibration circular. Each run's tail
-statistic is the
-minimum over position bins of the q-quantile of alpha, where every profiled token is scored at the
-budget the run's schedule gave its position. The critical threshold is the midpoint of the gap
-between the highest collapsed tail and the lowest stable tail, with a bootstrap interval over runs.
-When there are no runs, only one kind, or the kinds overlap, the published prior (0.86) is returned
-and marked as such: a threshold is never invented from data that does not separate.
+trained with. A run is labelled stable or collapsed by what training did, never by its mismatch:
+- its own curves (`collapse_reasons`, the same function `sparrow train` uses: each step's row holds the
+  reasons for the history up to it, and the run's label is its last row's): the smoothed reward fell
+  below half its best, the gradient norm exploded, the entropy blew up, truncation or repetition surged;
+- against its dense reference (`reference_reasons`, here only: it needs the other runs), the dense run
+  of the same configuration and seed among those given: its final smoothed reward, or its last eval
+  accuracy, fell below the reference's at the same step by more than the seed spread of the dense
+  runs (their range over seeds), and by at least a floor (`Detectors.reward_margin`,
+  `Detectors.eval_margin`), so that two seeds that agree by chance do not make a tiny gap a collapse.
+  A run that learns nothing while the dense one learns is collapsed even when its own curves are flat.
+Mismatch KL is a diagnostic and a warning, never a reason: the threshold is fitted to the labels, so a
+label made of mismatch would make the calibration circular.
+
+Each run's tail statistic is the minimum over position bins of the q-quantile of alpha, where every
+profiled token is scored at the budget the run's schedule gave its position; its mean statistic is
+the mean of alpha over the same tokens. The critical threshold is the midpoint of the gap between the
+highest collapsed tail and the lowest stable tail, with a bootstrap interval over runs; the same is
+computed on the mean, so that one sees whether the mean separates the runs too. When there are no runs,
+only one kind, or the kinds overlap, the threshold shipped for the profile's model (calibrated by
+`bench/threshold_sweep.py`, with its provenance) or else the published prior (0.86) is returned and
+marked as such: a threshold is never invented from data that does not separate.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -43,6 +54,10 @@ class Detectors:
     surge: float = 0.25  # rise over the first window's mean: a rate that was high from the start (a tight
     # --max-new-tokens cap truncates every sample) says nothing about training
     entropy_factor: float = 3.0  # final entropy above factor x initial entropy
+    reward_margin: float = 0.1  # final smoothed reward below the dense reference's by more than
+    # max(this, the dense runs' seed spread)
+    eval_margin: float = 0.1  # last eval accuracy below the dense reference's by more than
+    # max(this, the dense runs' seed spread)
 
 
 def _smooth(x: np.ndarray, w: int) -> np.ndarray:
@@ -94,12 +109,13 @@ def mismatch_warnings(metrics: pa.Table, det: Detectors = Detectors()) -> list[s
     return []
 
 
-def run_tail(mismatch: pa.Table, schedule: Schedule, quantile: float = TAIL_QUANTILE
-             ) -> tuple[float, list[str]]:
-    """Min over bins of the q-quantile of alpha, each token at its schedule budget.
+def run_statistics(mismatch: pa.Table, schedule: Schedule, quantile: float = TAIL_QUANTILE
+                   ) -> tuple[float, float, list[str]]:
+    """(tail, mean, notes): the min over bins of the q-quantile of alpha, and the mean of alpha, each
+    token scored at its schedule budget.
 
     A scheduled budget that was not profiled uses the largest profiled budget below it (a lower
-    bound on its tail); dense positions count as alpha = 1. Returns (tail, notes)."""
+    bound on its tail); dense positions count as alpha = 1."""
     profiled = np.array(sorted(set(pc.unique(mismatch.column("budget")).to_pylist())))
     notes = []
     position = mismatch.column("position").to_numpy()
@@ -115,9 +131,52 @@ def run_tail(mismatch: pa.Table, schedule: Schedule, quantile: float = TAIL_QUAN
     alpha = mismatch.column("alpha").to_numpy()[keep]
     bins = mismatch.column("bin").to_numpy()[keep]
     if not len(alpha):
-        return 1.0, notes + ["the schedule is dense wherever the profile has tokens"]
+        return 1.0, 1.0, notes + ["the schedule is dense wherever the profile has tokens"]
     tails = [np.quantile(alpha[bins == b], quantile) for b in np.unique(bins)]
-    return float(min(tails)), notes
+    # dense tokens (one per profiled token position at dense) count as alpha = 1 in the mean
+    dense_tokens = int((want == 0).sum()) // max(1, len(profiled))
+    mean = (float(alpha.sum()) + dense_tokens) / (len(alpha) + dense_tokens)
+    return float(min(tails)), mean, notes
+
+
+def run_tail(mismatch: pa.Table, schedule: Schedule, quantile: float = TAIL_QUANTILE
+             ) -> tuple[float, list[str]]:
+    """Min over bins of the q-quantile of alpha, each token at its schedule budget (run_statistics)."""
+    tail, _, notes = run_statistics(mismatch, schedule, quantile)
+    return tail, notes
+
+
+def _upto(metrics: pa.Table, step: int) -> pa.Table:
+    return metrics.filter(pc.less_equal(metrics.column("step"), step))
+
+
+def final_reward(metrics: pa.Table, step: int, det: Detectors) -> float | None:
+    """The smoothed reward at `step` (the mean of the last `window` steps up to it)."""
+    r = _col(_upto(metrics, step).sort_by("step"), "reward_mean")
+    return None if r is None else float(r[-det.window:].mean())
+
+
+def last_eval(metrics: pa.Table, step: int, det: Detectors) -> float | None:
+    e = _col(_upto(metrics, step).sort_by("step"), "eval_accuracy")
+    return None if e is None else float(e[-1])
+
+
+def reference_reasons(metrics: pa.Table, reference: pa.Table, dense_runs: list[pa.Table], seed: int,
+                      det: Detectors = Detectors()) -> list[str]:
+    """Why a run did worse than its dense reference (the dense run of its configuration and seed),
+    compared at the run's last step, beyond the seed spread of `dense_runs` (all seeds)."""
+    last, reasons = pc.max(metrics.column("step")).as_py(), []
+    for name, value, floor in (("reward", final_reward, det.reward_margin),
+                               ("eval accuracy", last_eval, det.eval_margin)):
+        mine, ref = value(metrics, last, det), value(reference, last, det)
+        if mine is None or ref is None:
+            continue
+        finals = [f for d in dense_runs if (f := value(d, last, det)) is not None]
+        spread = max(finals) - min(finals) if len(finals) > 1 else 0.0
+        if mine < ref - max(floor, spread):
+            reasons.append(f"{name} {mine:.3f} below the dense run's {ref:.3f} (seed {seed}) by more than "
+                           f"{max(floor, spread):.3f} (seed spread {spread:.3f}, floor {floor:g})")
+    return reasons
 
 
 @dataclass
@@ -127,6 +186,8 @@ class RunResult:
     reasons: list[str]
     notes: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    mean: float = float("nan")
+    reference: str | None = None  # the dense run it was compared with
 
     @property
     def collapsed(self) -> bool:
@@ -141,44 +202,86 @@ class Calibration:
     source: str  # "prior" | "calibrated"
     note: str
     runs: list[RunResult]
+    mean_threshold: float | None = None  # the same boundary on the mean of alpha; None: no separation
+    mean_note: str = ""
+    provenance: dict = field(default_factory=dict)  # a shipped calibration's metadata (model, task, runs)
 
 
-def boundary(tails: np.ndarray, collapsed: np.ndarray) -> float | None:
-    """Midpoint of the gap between collapsed and stable tails; None if they do not separate."""
+def boundary(stats: np.ndarray, collapsed: np.ndarray) -> float | None:
+    """Midpoint of the gap between collapsed and stable statistics; None if they do not separate."""
     if collapsed.all() or not collapsed.any():
         return None
-    hi_c, lo_s = tails[collapsed].max(), tails[~collapsed].min()
+    hi_c, lo_s = stats[collapsed].max(), stats[~collapsed].min()
     return None if hi_c >= lo_s else float((hi_c + lo_s) / 2)
 
 
-def calibrate(runs: list[RunResult], quantile: float = TAIL_QUANTILE, n_boot: int = 2000,
-              seed: int = 0) -> Calibration:
-    if not runs:
-        return Calibration(PRIOR_THRESHOLD, *PRIOR_RANGE, "prior", PRIOR_NOTE + " (no runs given)", [])
-    tails = np.array([r.tail for r in runs])
-    collapsed = np.array([r.collapsed for r in runs])
-    point = boundary(tails, collapsed)
+def fit(stats: np.ndarray, collapsed: np.ndarray, what: str, n_boot: int, seed: int
+        ) -> tuple[float | None, float, float, str]:
+    """(boundary or None, lower, upper, note) of one statistic over the runs, bootstrapped over runs."""
+    point = boundary(stats, collapsed)
     if point is None:
-        why = ("all runs collapsed" if collapsed.all() else "no run collapsed"
-               if not collapsed.any() else "collapsed and stable runs overlap in tail")
-        return Calibration(PRIOR_THRESHOLD, *PRIOR_RANGE, "prior", f"{PRIOR_NOTE} ({why})", runs)
+        why = ("all runs collapsed" if collapsed.all() else "no run collapsed" if not collapsed.any()
+               else f"collapsed and stable runs overlap in {what} (collapsed up to "
+                    f"{stats[collapsed].max():.4f}, stable from {stats[~collapsed].min():.4f})")
+        return None, float("nan"), float("nan"), why
     rng = np.random.default_rng(seed)
     boots = []
     for _ in range(n_boot):
-        idx = rng.integers(0, len(runs), len(runs))
-        b = boundary(tails[idx], collapsed[idx])
-        if b is not None:
+        idx = rng.integers(0, len(stats), len(stats))
+        if (b := boundary(stats[idx], collapsed[idx])) is not None:
             boots.append(b)
     lower, upper = np.quantile(boots, [0.025, 0.975]) if boots else (point, point)
-    gap = (tails[collapsed].max(), tails[~collapsed].min())
-    note = (f"{collapsed.sum()} collapsed runs have tails <= {gap[0]:.4f}, {(~collapsed).sum()} stable "
-            f"runs >= {gap[1]:.4f}; bootstrap 95% interval over runs ({len(boots)} resamples)")
-    return Calibration(point, float(lower), float(upper), "calibrated", note, runs)
+    note = (f"{collapsed.sum()} collapsed runs have {what} <= {stats[collapsed].max():.4f}, "
+            f"{(~collapsed).sum()} stable runs >= {stats[~collapsed].min():.4f}; bootstrap 95% interval "
+            f"over runs ({len(boots)} resamples)")
+    return point, float(lower), float(upper), note
 
 
-def load_run(run_dir: Path, mismatch: pa.Table, quantile: float, det: Detectors) -> RunResult:
-    """A run directory -> its label and tail (reads its metrics and schedule artifacts)."""
-    from sparrow.schemas import ArtifactError, artifact_kind, read_artifact
+SHIPPED = Path(__file__).parent / "data"  # threshold-<model>.parquet, written by bench/threshold_sweep.py
+
+
+def shipped_threshold(model: str | None, quantile: float) -> Calibration | None:
+    """The calibration shipped for `model` (a preset name), if one was made at this quantile."""
+    from sparrow.schemas import artifact_metadata, read_artifact
+
+    path = SHIPPED / f"threshold-{model}.parquet"
+    if not model or not path.is_file():
+        return None
+    row = read_artifact(path, "threshold").to_pylist()[0]
+    if abs(row["quantile"] - quantile) > 1e-12:
+        return None
+    meta = artifact_metadata(path)
+    return Calibration(row["threshold"], row["lower"], row["upper"], "calibrated",
+                       f"shipped calibration for {model} ({meta.get('provenance', 'no provenance')})", [],
+                       provenance=meta)
+
+
+def fallback(model: str | None, quantile: float, why: str, runs: list[RunResult]) -> Calibration:
+    """Where the runs do not calibrate: the model's shipped calibration, else the published prior."""
+    if (shipped := shipped_threshold(model, quantile)) is not None:
+        return replace(shipped, note=f"{shipped.note}; the given runs do not calibrate: {why}", runs=runs)
+    return Calibration(PRIOR_THRESHOLD, *PRIOR_RANGE, "prior", f"{PRIOR_NOTE} ({why})", runs)
+
+
+def calibrate(runs: list[RunResult], quantile: float = TAIL_QUANTILE, n_boot: int = 2000,
+              seed: int = 0, model: str | None = None) -> Calibration:
+    """The threshold from the runs' tails (and, beside it, the boundary their means would give)."""
+    if not runs:
+        return fallback(model, quantile, "no runs given", [])
+    collapsed = np.array([r.collapsed for r in runs])
+    point, lower, upper, note = fit(np.array([r.tail for r in runs]), collapsed, "tails", n_boot, seed)
+    m_point, m_lower, m_upper, m_note = fit(np.array([r.mean for r in runs]), collapsed, "mean alpha",
+                                            n_boot, seed)
+    mean_note = (f"The mean of alpha separates the runs too: boundary {m_point:.4f} "
+                 f"[{m_lower:.4f}, {m_upper:.4f}] ({m_note})" if m_point is not None
+                 else f"The mean of alpha does not separate the runs: {m_note}")
+    cal = (Calibration(point, lower, upper, "calibrated", note, runs) if point is not None
+           else fallback(model, quantile, note, runs))
+    return replace(cal, mean_threshold=m_point, mean_note=mean_note)
+
+
+def _run_files(run_dir: Path) -> tuple[Path, Path]:
+    from sparrow.schemas import ArtifactError, artifact_kind
 
     if not run_dir.is_dir():
         raise ArtifactError(f"{run_dir}: run directory does not exist")
@@ -188,11 +291,58 @@ def load_run(run_dir: Path, mismatch: pa.Table, quantile: float, det: Detectors)
     if len(metrics) != 1 or len(schedules) != 1:
         raise ArtifactError(f"{run_dir}: a run directory needs exactly one metrics and one schedule "
                             f"artifact, found {len(metrics)} and {len(schedules)}")
-    table = read_artifact(metrics[0], "metrics")
-    if table.num_rows == 0:
-        raise ArtifactError(f"{metrics[0]}: the metrics artifact has no steps")
-    tail, notes = run_tail(mismatch, Schedule.from_artifact(schedules[0]), quantile)
-    return RunResult(str(run_dir), tail, collapse_reasons(table, det), notes, mismatch_warnings(table, det))
+    return metrics[0], schedules[0]
+
+
+REFERENCE_FREE = {"sparsity", "schedule_sha256", "correction", "distill_sparse", "distill_rank",
+                  "distill_alpha", "distill_lr_ratio", "distill_kl_coef", "steps", "checkpoint_every",
+                  "eval_every", "device", "random_weights", "gradient_checkpointing"}
+
+
+def _config_key(config: dict, with_seed: bool) -> str:
+    """What a dense reference must share with a run: the whole configuration but the sampler and the
+    options that do not change what is learned (and, for the seed spread, the seed)."""
+    drop = REFERENCE_FREE | (set() if with_seed else {"seed"})
+    return json.dumps({k: v for k, v in config.items() if k not in drop}, sort_keys=True)
+
+
+def load_runs(run_dirs: list[Path], mismatch: pa.Table, quantile: float, det: Detectors
+              ) -> list[RunResult]:
+    """Run directories -> labels, tails and means; each sparse run is also judged against the dense run
+    of its configuration and seed among `run_dirs`, when there is one. Every directory is read and
+    checked before any is labelled."""
+    from sparrow.schemas import ArtifactError, artifact_metadata, read_artifact
+
+    loaded = []
+    for run_dir in run_dirs:
+        metrics_path, schedule_path = _run_files(run_dir)
+        table = read_artifact(metrics_path, "metrics")
+        if table.num_rows == 0:
+            raise ArtifactError(f"{metrics_path}: the metrics artifact has no steps")
+        try:
+            config = json.loads(artifact_metadata(metrics_path).get("config") or "{}")
+        except ValueError:
+            config = {}
+        loaded.append((run_dir, table, Schedule.from_artifact(schedule_path), config))
+    dense = [(d, t, c) for d, t, _, c in loaded if c.get("sparsity") == "dense"]
+    results = []
+    for run_dir, table, schedule, config in loaded:
+        tail, mean, notes = run_statistics(mismatch, schedule, quantile)
+        reasons, reference = collapse_reasons(table, det), None
+        if config and config.get("sparsity") != "dense":
+            same = [(d, t) for d, t, c in dense if _config_key(c, True) == _config_key(config, True)]
+            seeds = [t for _, t, c in dense if _config_key(c, False) == _config_key(config, False)]
+            if same:
+                reference = str(same[0][0])
+                reasons += reference_reasons(table, same[0][1], seeds, config.get("seed", 0), det)
+        results.append(RunResult(str(run_dir), tail, reasons, notes, mismatch_warnings(table, det), mean,
+                                 reference))
+    return results
+
+
+def load_run(run_dir: Path, mismatch: pa.Table, quantile: float, det: Detectors) -> RunResult:
+    """One run directory, judged by its own curves alone (no dense reference beside it)."""
+    return load_runs([run_dir], mismatch, quantile, det)[0]
 
 
 def threshold_table(cal: Calibration, quantile: float) -> dict[str, list]:

@@ -13,7 +13,8 @@ Design decisions:
   preset has no measured points: its predicted step time per context); from `rollouts`, tokens and
   reward per sample; from each training run, reward, eval accuracy, mismatch KL (with its warning
   level), the p5 of alpha's top-20 lower bound, entropy and grad norm, with the steps where a collapse
-  reason held, and its per-step mismatch per position bin.
+  reason held, and its per-step mismatch per position bin; from a `threshold` calibrated on runs, each
+  run's tail statistic and mean alpha against its outcome, with the threshold and its interval.
 - Each PNG says in itself what it shows: a title, and the caption (source, counts, what the lines
   mean) printed under the axes. A panel with nothing to show says why in words instead of drawing
   empty axes.
@@ -147,6 +148,44 @@ def tail_figure(mismatch: Path, name: str, threshold: tuple[float, str], out: Pa
                  f"From {mismatch.name}: {tokens} generated tokens, each scored at every budget, in bins of "
                  f"{width} tokens (each point is a bin's middle). The dashed line is the {label}: a budget "
                  "whose tail stays above it in a bin may be scheduled there.", plt, len(rows))
+
+
+def calibration_figure(threshold: Path, name: str, out: Path, plt) -> Figure | None:
+    """Per calibrated run: its tail statistic and its mean alpha against its outcome, with the threshold
+    and its interval: the method's key claim (the tail separates stable from collapsed runs, the mean
+    need not) as one figure. None when the artifact holds no runs (the prior or a shipped calibration)."""
+    import json
+
+    meta = artifact_metadata(threshold)
+    runs = json.loads(meta.get("runs") or "[]")
+    if not runs:
+        return None
+    t = read_artifact(threshold, "threshold").to_pylist()[0]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+    jitter = np.random.default_rng(0).uniform(-0.12, 0.12, len(runs))
+    y = np.array([1.0 if r["collapsed"] else 0.0 for r in runs]) + jitter
+    colour = ["tab:red" if r["collapsed"] else "tab:green" for r in runs]
+    mean_at = meta.get("mean_threshold")
+    for ax, key, line, what in ((axes[0], "tail", t["threshold"], "tail: min over bins of p5 alpha"),
+                                (axes[1], "mean", mean_at, "mean alpha")):
+        ax.scatter([r[key] for r in runs], y, c=colour, s=36, edgecolors="k", linewidths=0.4)
+        if line is not None and (key == "mean" or t["source"] == "calibrated"):
+            ax.axvline(float(line), color="k", ls="--", lw=1,
+                       label=f"{'threshold' if key == 'tail' else 'boundary'} {float(line):.3f}")
+            ax.legend(fontsize=8, loc="center left")
+        ax.set_xlabel(what)
+        ax.grid(alpha=0.3)
+    if t["source"] == "calibrated" and t["lower"] is not None:
+        axes[0].axvspan(t["lower"], t["upper"], color="grey", alpha=0.25, label="95% interval")
+        axes[0].legend(fontsize=8, loc="center left")
+    axes[0].set_yticks([0, 1], ["stable", "collapsed"])
+    axes[0].set_ylim(-0.5, 1.5)
+    n_c = sum(r["collapsed"] for r in runs)
+    interval = f" [{t['lower']:.3f}, {t['upper']:.3f}]" if t["lower"] is not None else ""
+    return _save(fig, out, name, f"Runs' tail and mean alpha against their outcome ({threshold.name})",
+                 f"From {threshold.name}: {len(runs)} runs, {n_c} collapsed (labelled by what training did, "
+                 f"never by mismatch). Threshold {t['threshold']:.3f}{interval} ({t['source']}). "
+                 f"{meta.get('mean_note') or ''}", plt, len(runs))
 
 
 def schedule_figure(schedule: Path, name: str, out: Path, plt) -> Figure:
@@ -433,6 +472,11 @@ def build_report(run_dir: str | Path, out_dir: str | Path | None = None,
         for path in paths:
             note(f"drawing {kind} {path.name}")
             figures.append(figure(path, _name(stem, path, len(paths) > 1)))
+    for path in kinds.get("threshold", []):
+        fig_ = calibration_figure(path, _name("calibration", path, len(kinds["threshold"]) > 1), out, plt)
+        if fig_ is not None:
+            note(f"drawing calibration {path.name}")
+            figures.append(fig_)
     for run in runs:
         note(f"drawing training run {run.name}")
         figures.append(training_figure(run, out, plt))

@@ -1,5 +1,7 @@
 """Collapse detectors, run tails and the threshold, on metric tables written to mimic real runs."""
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 from typer.testing import CliRunner
@@ -164,3 +166,156 @@ def test_bad_run_dir(tmp_path):
                             str(tmp_path / "t.parquet"), "--runs", str(tmp_path / "empty-run")])
     assert r.exit_code != 0 and "exactly one metrics" in r.output
     assert not (tmp_path / "t.parquet").exists()
+
+
+def _trace(reward_end: float, evals: tuple[float, float], steps: int = 16) -> dict:
+    """A healthy-looking run of its own (no detector of its own curves fires) whose reward climbs
+    linearly to `reward_end` from 0.05, with eval accuracy evals[0] at step 0 and evals[1] at the end."""
+    step = np.arange(steps)
+    reward = 0.05 + (reward_end - 0.05) * step / (steps - 1)
+    eval_acc = [evals[0]] + [None] * (steps - 2) + [evals[1]]
+    return {"run_id": ["r"] * steps, "step": step, "reward_mean": reward, "grad_norm": np.ones(steps),
+            "mismatch_kl": np.full(steps, 0.3), "entropy": np.full(steps, 0.5),
+            "eval_accuracy": eval_acc}
+
+
+def _config_run(tmp_path, name, sparsity, seed, trace, budgets=(512, 512)):
+    import json
+
+    d = tmp_path / name
+    config = {"model": "m", "lr": 2e-4, "seed": seed, "sparsity": sparsity, "correction": "tis",
+              "prompts_sha256": "abc", "steps": 16}
+    write_artifact(trace, d / "metrics.parquet", "metrics", metadata={"config": json.dumps(config)})
+    write_artifact({"bin": [0, 1], "bin_start": [0, 1024], "bin_end": [1024, None],
+                    "budget": [None, None] if sparsity == "dense" else list(budgets), "tail": [None, None],
+                    "predicted_step_seconds": [None, None]}, d / "schedule.parquet", "schedule")
+    return d
+
+
+def test_reference_rule_from_its_definition():
+    """Collapsed when the final smoothed reward (mean of the last `window` steps) or the last eval accuracy
+    is below the dense reference's by more than max(floor, range of the dense finals over seeds)."""
+    import pyarrow as pa
+
+    from sparrow.stages.calibrate import Detectors, reference_reasons
+
+    det = Detectors()
+    dense = [pa.table(_trace(0.9, (0.6, 0.8))), pa.table(_trace(0.7, (0.6, 0.65)))]
+    final = lambda end: np.mean((0.05 + (end - 0.05) * np.arange(16) / 15)[-det.window:])
+    spread = final(0.9) - final(0.7)
+    assert spread > det.reward_margin  # so the seed spread, not the floor, sets the margin
+    # within the spread: healthy; just beyond it: the reward reason, and nothing about eval (0.65 vs 0.8)
+    within = reference_reasons(pa.table(_trace(0.75, (0.6, 0.75))), dense[0], dense, 0, det)
+    assert within == []
+    beyond = reference_reasons(pa.table(_trace(0.1, (0.6, 0.75))), dense[0], dense, 0, det)
+    assert len(beyond) == 1 and beyond[0].startswith("reward") and "seed spread" in beyond[0]
+    # eval: 0.8 - 0.55 = 0.25 > max(0.1, spread of 0.8 and 0.65 = 0.15)
+    worse_eval = reference_reasons(pa.table(_trace(0.9, (0.6, 0.55))), dense[0], dense, 0, det)
+    assert len(worse_eval) == 1 and worse_eval[0].startswith("eval accuracy")
+    # one dense run: the floor alone
+    assert reference_reasons(pa.table(_trace(0.9 - 0.09, (0.6, 0.75))), dense[0], dense[:1], 0, det) == []
+    assert reference_reasons(pa.table(_trace(0.9 - 0.2, (0.6, 0.75))), dense[0], dense[:1], 0, det) != []
+
+
+def test_runs_are_judged_against_the_dense_run_of_their_seed(tmp_path):
+    """A sparse run that learns nothing while its dense reference learns is collapsed though its own
+    curves are flat; the mismatch KL (0.3 in every trace, 6x the warning level) stays a warning; the
+    threshold falls in the gap of the tails; the mean of alpha is reported beside it."""
+    from sparrow.stages.calibrate import Detectors, calibrate, collapse_reasons, load_runs
+
+    rng = np.random.default_rng(4)
+    prof = tmp_path / "mismatch.parquet"
+    write_artifact(synthetic_mismatch(rng), prof, "mismatch")
+    mm = read_artifact(prof, "mismatch")
+    runs = []
+    for seed in (0, 1):
+        runs.append(_config_run(tmp_path, f"dense-{seed}", "dense", seed,
+                                _trace(0.9 - 0.05 * seed, (0.6, 0.8))))
+        runs.append(_config_run(tmp_path, f"low-{seed}", "budget:64", seed, _trace(0.1, (0.6, 0.5)),
+                                (64, 64)))
+        runs.append(_config_run(tmp_path, f"high-{seed}", "budget:512", seed, _trace(0.88, (0.6, 0.8)),
+                                (256, 512)))
+    results = load_runs(runs, mm, 0.05, Detectors())
+    by = {r.name.rsplit("/", 1)[-1]: r for r in results}
+    import pyarrow as pa
+
+    assert collapse_reasons(pa.table(_trace(0.1, (0.6, 0.5)))) == []  # its own curves say nothing
+    assert by["low-0"].collapsed and by["low-0"].reference.endswith("dense-0")
+    assert by["low-1"].reference.endswith("dense-1")
+    assert not by["high-0"].collapsed and not by["dense-0"].collapsed
+    assert all(r.warnings for r in results)  # mismatch KL: warned, never a label
+    cal = calibrate(results, n_boot=200)
+    assert cal.source == "calibrated"
+    lo, hi = max(by[f"low-{s}"].tail for s in (0, 1)), min(by[f"high-{s}"].tail for s in (0, 1))
+    assert lo < cal.lower <= cal.threshold <= cal.upper < hi
+    assert cal.threshold == pytest.approx((lo + hi) / 2)
+    assert cal.mean_threshold is not None and "separates" in cal.mean_note
+
+
+def test_the_mean_that_overlaps_is_reported_as_not_separating():
+    """Tails separate but means overlap: the threshold comes from the tails, the note says the mean
+    does not separate (the paper's claim, on synthetic runs)."""
+    from sparrow.stages.calibrate import RunResult, calibrate
+
+    runs = [RunResult("c1", 0.40, ["x"], mean=0.97), RunResult("c2", 0.45, ["x"], mean=0.90),
+            RunResult("s1", 0.70, [], mean=0.93), RunResult("s2", 0.80, [], mean=0.99)]
+    cal = calibrate(runs, n_boot=200)
+    assert cal.source == "calibrated" and cal.threshold == pytest.approx(0.575)
+    assert cal.mean_threshold is None and "does not separate" in cal.mean_note
+
+
+def test_shipped_calibration_is_the_fallback_for_its_model(tmp_path):
+    """Without separating runs, a profile of a model that ships a calibration gets it, provenance and
+    all; another model gets the published prior."""
+    from sparrow.schemas import artifact_metadata
+    from sparrow.stages.calibrate import SHIPPED
+
+    shipped = SHIPPED / "threshold-smollm2-135m.parquet"
+    if not shipped.exists():
+        pytest.skip("no shipped calibration yet")
+    rng = np.random.default_rng(5)
+    for model, source in (("smollm2-135m", "calibrated"), ("other-model", "prior")):
+        prof = tmp_path / f"{model}.parquet"
+        write_artifact(synthetic_mismatch(rng), prof, "mismatch", metadata={"model": model})
+        out = tmp_path / f"t-{model}.parquet"
+        r = runner.invoke(app, ["calibrate-threshold", "--profile", str(prof), "-o", str(out)])
+        assert r.exit_code == 0, r.output
+        row = read_artifact(out, "threshold").to_pylist()[0]
+        assert row["source"] == source
+        if source == "calibrated":
+            want = read_artifact(shipped, "threshold").to_pylist()[0]
+            assert row["threshold"] == want["threshold"] and row["lower"] == want["lower"]
+            assert "model" in artifact_metadata(out) and "shipped calibration" in row["note"]
+        else:
+            assert row["threshold"] == 0.86
+
+
+def test_cli_labels_against_dense_and_report_draws_the_calibration(tmp_path):
+    """As a user: calibrate-threshold over a sweep folder prints the mean's verdict beside the threshold,
+    records each run's tail, mean and reference, and `sparrow report` draws them against the outcome."""
+    import json
+
+    from sparrow.schemas import artifact_metadata
+
+    rng = np.random.default_rng(6)
+    sweep = tmp_path / "sweep"
+    prof = sweep / "mismatch.parquet"
+    write_artifact(synthetic_mismatch(rng), prof, "mismatch")
+    runs = []
+    for seed in (0, 1):
+        runs.append(_config_run(sweep, f"dense-{seed}", "dense", seed, _trace(0.9, (0.6, 0.8))))
+        runs.append(_config_run(sweep, f"low-{seed}", "budget:64", seed, _trace(0.1, (0.6, 0.5)), (64, 64)))
+        runs.append(_config_run(sweep, f"high-{seed}", "budget:512", seed, _trace(0.88, (0.6, 0.8)),
+                                (256, 512)))
+    out = sweep / "threshold.parquet"
+    r = runner.invoke(app, ["calibrate-threshold", "--profile", str(prof), "-o", str(out), "--format", "tsv",
+                            "--runs", *map(str, runs)])
+    assert r.exit_code == 0, r.output
+    assert "(calibrated)" in r.output and "mean of alpha" in r.output
+    per_run = {Path(x["run"]).name: x for x in json.loads(artifact_metadata(out)["runs"])}
+    assert per_run["low-0"]["collapsed"] and "dense run" in per_run["low-0"]["reasons"][0]
+    assert per_run["low-0"]["reference"].endswith("dense-0") and 0 < per_run["low-0"]["mean"] <= 1
+    r = runner.invoke(app, ["report", str(sweep)])
+    assert r.exit_code == 0, r.output
+    assert (sweep / "report" / "calibration.png").stat().st_size > 10_000
+    assert "tail and mean alpha against their outcome" in (sweep / "report" / "index.html").read_text()
