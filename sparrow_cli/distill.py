@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from sparrow.stages.definitions import PRIOR_THRESHOLD, TAIL_QUANTILE
+from sparrow.stages.definitions import TAIL_QUANTILE
 
 from .common import (
     UsageError,
@@ -23,7 +23,7 @@ from .common import (
 )
 from .engine_options import check_gpu_memory, gpu_memory_option
 from .output import emit, format_option, resolve_format
-from .profile import load_actor, rollouts_temperature
+from .profile import default_threshold, load_actor, rollouts_temperature
 from .rollout import _sparsity
 
 
@@ -140,7 +140,9 @@ def distill(
     bin_width: int = typer.Option(512, "--bin-width"),
     gpu_memory_utilization: float = gpu_memory_option(),
     quantile: float = typer.Option(TAIL_QUANTILE, "--quantile"),
-    threshold: float = typer.Option(PRIOR_THRESHOLD, "--threshold"),
+    threshold: float = typer.Option(None, "--threshold", show_default=False,
+                                    help="Tail threshold the summary marks (default: the calibration shipped "
+                                    "for --model if there is one, else the published prior 0.86)."),
     output: Path = typer.Option(..., "-o", "--output", help="The adapter directory to write. An existing "
                                 "directory is replaced only if it holds an adapter from sparrow distill "
                                 "(another adapter: --force; other files: never)."),
@@ -267,6 +269,7 @@ def distill(
     console.print(f"wrote the adapter to {folder} ({len(h)} steps at {taught}, {result.seconds:.1f} s of "
                   f"training; {objective} loss {h[0]['loss']:.4g} -> {h[-1]['loss']:.4g}); per-token "
                   f"mismatch before and after: {folder / 'mismatch'}/")
+    threshold = default_threshold(threshold, model, quantile)
     rows = tail_comparison(result.before, result.after, quantile, threshold)
     columns = ("bin", "budget", "tokens", "tail_before", "tail_after", "mean_before", "mean_after",
                "above_after")

@@ -56,7 +56,8 @@ def plan_schedule(
                                  "profile); "
                                  "default: the reference profile of a Qwen3 preset."),
     threshold: float = typer.Option(None, "--threshold", help="Tail threshold (default: the "
-                                    "published prior 0.86)."),
+                                    "calibration shipped for --model if there is one (SmolLM2-135M), "
+                                    "else the published prior 0.86)."),
     threshold_file: Path = typer.Option(None, "--threshold-file", callback=input_path,
                                         help="A threshold artifact (sparrow calibrate-threshold)."),
     quantile: float = typer.Option(None, "--quantile", help="Tail quantile of alpha per bin "
@@ -133,10 +134,10 @@ def plan_schedule(
             raise UsageError(f"{flag} must be at least {low}, got {value}")
     sweep_values = parse_thresholds(sweep) if sweep else []
     with stage_errors():
-        threshold, quantile, t_source = resolve_threshold(threshold, threshold_file, quantile)
+        cfg, name = model_shape(model)
+        threshold, quantile, t_source = resolve_threshold(threshold, threshold_file, quantile, name)
         for t in sweep_values:
             check_threshold(t)
-        cfg, name = model_shape(model)
         if profile is not None and not allow_model_mismatch:
             check_profile_model(profile, model, name)
         cost_model = load_cost_model(cfg, cost, hardware)

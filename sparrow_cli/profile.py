@@ -76,8 +76,9 @@ def profile(
     batch_size: int = typer.Option(8, "--batch-size", help="Samples decoded together (on a CPU, up to "
                                    "16, it does not change the trajectories)."),
     quantile: float = typer.Option(TAIL_QUANTILE, "--quantile", help="Tail quantile shown in the summary."),
-    threshold: float = typer.Option(PRIOR_THRESHOLD, "--threshold",
-                                    help="Tail threshold shown in the summary."),
+    threshold: float = typer.Option(None, "--threshold", show_default=False,
+                                    help="Tail threshold shown in the summary (default: the calibration "
+                                    "shipped for --model if there is one, else the published prior 0.86)."),
     adapter: Path = typer.Option(None, "--adapter", help="The sparse actor's LoRA (sparrow distill): every "
                                  "budget is scored as sparse attention + this adapter against the dense "
                                  "model without it, and a sparse --sampler samples with it."),
@@ -181,7 +182,18 @@ def profile(
         write_artifact(table, output, "mismatch", metadata=meta | {"model": loaded.name})
     console.print(f"wrote {table.num_rows} rows ({table.num_rows // len(opts.budgets)} tokens x "
                   f"{len(opts.budgets)} budgets) to {output}")
+    threshold = default_threshold(threshold, model, quantile)
     print_summary(summarize(table, quantile, threshold), quantile, threshold, fmt)
+
+
+def default_threshold(threshold: float | None, model: str, quantile: float) -> float:
+    """The threshold a summary marks: given, else the calibration shipped for the model, else the prior."""
+    from sparrow.stages.calibrate import shipped_threshold
+
+    if threshold is not None:
+        return threshold
+    shipped = shipped_threshold(model, quantile)
+    return shipped.threshold if shipped is not None else PRIOR_THRESHOLD
 
 
 def load_actor(path: Path | None, cfg, model: str | None = None, flag: str = "--adapter"):

@@ -241,11 +241,16 @@ SHIPPED = Path(__file__).parent / "data"  # threshold-<model>.parquet, written b
 
 
 def shipped_threshold(model: str | None, quantile: float) -> Calibration | None:
-    """The calibration shipped for `model` (a preset name), if one was made at this quantile."""
+    """The calibration shipped for `model` (a preset name, not a checkpoint that happens to share it), if
+    one was made at this quantile."""
     from sparrow.schemas import artifact_metadata, read_artifact
 
-    path = SHIPPED / f"threshold-{model}.parquet"
-    if not model or not path.is_file():
+    from .model.presets import PRESETS
+
+    if not model or model.lower() not in PRESETS:
+        return None
+    path = SHIPPED / f"threshold-{model.lower()}.parquet"
+    if not path.is_file():
         return None
     row = read_artifact(path, "threshold").to_pylist()[0]
     if abs(row["quantile"] - quantile) > 1e-12:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from sparrow.schemas import artifact_metadata, read_artifact
 
+from .calibrate import shipped_threshold
 from .cost import analytic, load_cost
 from .definitions import PRIOR_THRESHOLD, TAIL_QUANTILE
 from .model.presets import PRESETS
@@ -30,8 +31,14 @@ def model_shape(spec: str):
 
 
 def resolve_threshold(threshold: float | None, threshold_file: Path | None,
-                      quantile: float | None) -> tuple[float, float, str]:
+                      quantile: float | None, model: str | None = None) -> tuple[float, float, str]:
+    """(threshold, quantile, where it came from): given, from a threshold artifact, the calibration
+    shipped for `model` (a preset name) at this quantile, or the published prior."""
     source = "prior" if threshold is None else "given"
+    if threshold is None and threshold_file is None:
+        shipped = shipped_threshold(model, TAIL_QUANTILE if quantile is None else quantile)
+        if shipped is not None:
+            threshold, source = shipped.threshold, shipped.note
     if threshold_file is not None:
         row = read_artifact(threshold_file, "threshold").to_pylist()
         if len(row) != 1:

@@ -319,3 +319,67 @@ def test_cli_labels_against_dense_and_report_draws_the_calibration(tmp_path):
     assert r.exit_code == 0, r.output
     assert (sweep / "report" / "calibration.png").stat().st_size > 10_000
     assert "tail and mean alpha against their outcome" in (sweep / "report" / "index.html").read_text()
+
+
+def _ship(tmp_path, monkeypatch, threshold=0.5):
+    """A calibration shipped for smollm2-135m, in a stand-in for the package's data folder."""
+    import sparrow.stages.calibrate as calibrate
+
+    monkeypatch.setattr(calibrate, "SHIPPED", tmp_path / "shipped")
+    write_artifact({"threshold": [threshold], "lower": [threshold - 0.1], "upper": [threshold + 0.1],
+                    "quantile": [0.05], "source": ["calibrated"], "n_runs": [6], "n_collapsed": [2],
+                    "note": ["sweep"]}, tmp_path / "shipped" / "threshold-smollm2-135m.parquet", "threshold",
+                   metadata={"model": "smollm2-135m", "provenance": "a test sweep"})
+
+
+def test_plan_schedule_defaults_to_the_calibration_shipped_for_the_model(tmp_path, monkeypatch):
+    """No --threshold: the model's shipped calibration (said in the output and the metadata); a given
+    threshold wins; a model without one gets the published prior."""
+    from sparrow.schemas import artifact_metadata
+
+    _ship(tmp_path, monkeypatch)
+    prof = tmp_path / "mismatch.parquet"
+    write_artifact(synthetic_mismatch(np.random.default_rng(7)), prof, "mismatch",
+                   metadata={"model": "smollm2-135m"})
+    for extra, model, want in (([], "smollm2-135m", 0.5), (["--threshold", "0.86"], "smollm2-135m", 0.86),
+                               (["--allow-model-mismatch"], "qwen3-0.6b", 0.86)):
+        out = tmp_path / f"s-{model}-{len(extra)}.parquet"
+        r = runner.invoke(app, ["plan-schedule", "--model", model, "--profile", str(prof), "-o", str(out),
+                                *extra])
+        assert r.exit_code == 0, r.output
+        meta = artifact_metadata(out)
+        assert float(meta["threshold"]) == want
+        assert ("shipped calibration for smollm2-135m (a test sweep)" in meta["threshold_source"]) == (
+            want == 0.5)
+
+
+def test_profile_summary_marks_the_shipped_threshold(monkeypatch, tmp_path):
+    import sparrow.stages.calibrate as calibrate
+    from sparrow.cli.profile import default_threshold
+
+    monkeypatch.setattr(calibrate, "SHIPPED", tmp_path / "nothing")
+    assert default_threshold(None, "smollm2-135m", 0.05) == 0.86
+    _ship(tmp_path, monkeypatch, 0.4)
+    assert default_threshold(None, "smollm2-135m", 0.05) == 0.4
+    assert default_threshold(0.7, "smollm2-135m", 0.05) == 0.7
+    assert default_threshold(None, "smollm2-135m", 0.1) == 0.86  # calibrated at another quantile
+    assert default_threshold(None, "/some/checkpoint/smollm2-135m", 0.05) == 0.86  # not the preset
+
+
+def test_entropy_factor_reaches_the_entropy_detector(tmp_path):
+    """--entropy-factor once landed in the surge constant (positional Detectors)."""
+    import json
+
+    rng = np.random.default_rng(8)
+    prof = tmp_path / "mismatch.parquet"
+    write_artifact(synthetic_mismatch(rng), prof, "mismatch")
+    run = _run_dir(tmp_path, "hot", (512, 512), False)
+    write_artifact(metrics(collapse_at=30, kind="entropy"), run / "metrics.parquet", "metrics")  # 0.5 -> 4
+    for factor, collapsed in (("3", True), ("10", False)):
+        out = tmp_path / f"t{factor}.parquet"
+        r = runner.invoke(app, ["calibrate-threshold", "--profile", str(prof), "-o", str(out),
+                                "--runs", str(run), "--entropy-factor", factor])
+        assert r.exit_code == 0, r.output
+        from sparrow.schemas import artifact_metadata
+
+        assert json.loads(artifact_metadata(out)["runs"])[0]["collapsed"] is collapsed
