@@ -57,6 +57,7 @@ import pyarrow as pa
 import torch
 
 from sparrow.schemas import artifact_metadata, read_artifact, write_artifact
+from sparrow.schemas.artifacts import TRAIN_CORRECTION_METRICS
 
 from ..calibrate import collapse_reasons, mismatch_warnings
 from ..definitions import TAIL_QUANTILE
@@ -578,8 +579,9 @@ class Trainer:
         return {
             "run_id": self.run_id, "step": step, "reward_mean": float(rewards.mean()),
             "reward_std": float(rewards.std()), "accuracy": float((rewards >= 1.0 - 1e-9).mean()),
-            "eval_accuracy": None, "loss": update.get("loss"), "policy_loss": update.get("policy_loss"),
-            "kl": update.get("kl"),
+            "eval_accuracy": None, "eval_accuracy_sparse": None, "oversample_acceptance_kept": None,
+            "oversample_acceptance_dropped": None, "loss": update.get("loss"),
+            "policy_loss": update.get("policy_loss"), "kl": update.get("kl"),
             **{k: update.get(k) for k in ("clip_fraction", "clip_fraction_low", "clip_fraction_high",
                                           "dual_clip_fraction")},
             "grad_norm": update["grad_norm"], "entropy": float(old["entropy"][mask].mean()),
@@ -594,6 +596,7 @@ class Trainer:
             "seconds": t_roll + t_score + t_update, "tokens_per_second": generated / max(t_roll, 1e-9),
             "weight_sync_seconds": self.sync_seconds,  # part of rollout_seconds; None without workers
             "update_skipped": update.get("update_skipped"), "alpha_lb_p5_by_bin": self._alpha_tail(flat, old),
+            **dict.fromkeys(TRAIN_CORRECTION_METRICS),  # every row has every column (the table's schema)
             **rc.metrics(correction, old["logp"] - old["logp_rollout"], old["logp"], old["logp_rollout"],
                          mask, self.loss_cfg.rules()),
         }
