@@ -120,3 +120,54 @@ def test_eval_under_both_samplers(tiny_llama, vowel_prompts, tmp_path):
     assert evals and all(0 <= r["eval_accuracy_sparse"] <= 1 for r in evals)
     _train(tiny_llama[0], vowel_prompts, tmp_path / "dense", cfg=dict(steps=2))
     assert all(r["eval_accuracy_sparse"] is None for r in rows(tmp_path / "dense"))
+
+
+def test_cli_correction_options_and_trackers(tiny_llama, vowel_prompts, tmp_path):
+    """The verl / TRL options through `sparrow train`, each step's row in RUN/metrics.jsonl (and, where
+    the tensorboard package is installed, as scalars TensorBoard reads back); bad values are refused in
+    one sentence before anything is written."""
+    import importlib.util
+    import json
+
+    from typer.testing import CliRunner
+
+    from sparrow.cli.app import app
+
+    from cli_checks import error_line
+
+    runner = CliRunner()
+    tensorboard = importlib.util.find_spec("tensorboard") is not None
+    run = tmp_path / "run"
+    args = ["train", "--model", tiny_llama[0], "--prompts", str(vowel_prompts), "--steps", "2",
+            "--prompts-per-step", "2", "--samples", "2", "--max-new-tokens", "4", "--lora-rank", "2",
+            "--budget", "48", "--correction", "sparrow", "--rollout-rs", "seq_mean_k1",
+            "--rollout-rs-threshold", "0.5_2", "--loss-agg", "dr_grpo", "--oversample", "3"]
+    result = runner.invoke(app, [*args, "--report-to", "jsonl,tensorboard" if tensorboard else "jsonl",
+                                 "-o", str(run)])
+    assert result.exit_code == 0, result.output
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == [0, 1]
+    plain = lambda r: {k: (None if isinstance(v, float) and v != v else v) for k, v in r.items()
+                       if k != "alpha_lb_p5_by_bin"}  # float32 in the parquet
+    assert [plain(r) for r in lines] == [plain(r) for r in rows(run)]  # the parquet's rows, as JSON
+    config = json.loads((run / "checkpoint" / "config.json").read_text())
+    assert config["loss"] == {"rollout_rs": "seq_mean_k1", "rollout_rs_threshold": "0.5_2",
+                              "loss_agg": "dr_grpo"} and config["oversample"] == 3
+    if tensorboard:
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        events = EventAccumulator(str(run / "tensorboard"))
+        events.Reload()
+        kl = events.Scalars("rollout_corr/kl")
+        assert [e.step for e in kl] == [0, 1]
+        assert [e.value for e in kl] == pytest.approx([r["rollout_corr/kl"] for r in lines], rel=1e-6)
+    for bad, words in ((["--rollout-rs", "token_k9"], "--rollout-rs must be a comma list of"),
+                       (["--rollout-is-threshold", "3_2"], "L < U"),
+                       (["--report-to", "mlflow"], "--report-to must be a comma list of"),
+                       (["--oversample", "2"], "--oversample must exceed --samples")):
+        line = error_line(runner.invoke(app, [*args, *bad, "-o", str(tmp_path / "bad")]))
+        assert words in line, line
+    if importlib.util.find_spec("wandb") is None:
+        line = error_line(runner.invoke(app, [*args, "--report-to", "wandb", "-o", str(tmp_path / "bad")]))
+        assert "--report-to wandb needs the wandb package, which is not installed" in line
+    assert not (tmp_path / "bad").exists()

@@ -82,6 +82,7 @@ from .run_dir import (
     prompts_fingerprint,
     sparsity_fingerprint,
 )
+from .tracking import Trackers
 
 TOP_LOGPROBS = 20
 
@@ -215,9 +216,11 @@ class Trainer:
                  on_phase: Callable[[str], None] | None = None, world: World | None = None,
                  pool: RolloutPool | None = None, force: bool = False,
                  gpu_memory_utilization: float = 0.9,
-                 on_rollouts: Callable[[int, list[int]], None] | None = None):
+                 on_rollouts: Callable[[int, list[int]], None] | None = None,
+                 report_to: Sequence[str] = ()):
         """`gpu_memory_utilization`: on CUDA, the share of device memory the rollout engine may take (its
-        KV pool, graphs and activations; the learner's update needs the rest)."""
+        KV pool, graphs and activations; the learner's update needs the rest). `report_to`: the live
+        trackers of each step's row (tracking.py), beside metrics.parquet."""
         config.validate()
         self.world = world or current_world()
         if pool is not None and self.world.distributed:
@@ -239,6 +242,7 @@ class Trainer:
         self.run_dir = Path(run_dir)
         self.on_step, self.on_phase = on_step or (lambda row: None), on_phase or (lambda phase: None)
         self.on_rollouts = on_rollouts or (lambda step, lengths: None)  # each step's completion lengths
+        self.report_to = tuple(report_to)
         self.loss_cfg = grpo.LossConfig(correction=config.correction, kl_coef=config.kl_coef, **config.loss)
         self.run_id = self.run_dir.name
         self.history: list[dict] = []
@@ -300,22 +304,29 @@ class Trainer:
     def run(self) -> dict:
         """Train until `steps`; returns the run's summary (also in the metrics artifact's metadata). On an
         interrupt, a checkpoint at the last complete step (run_dir.py), then TrainingInterrupted."""
+        trackers = None
         try:
             if self.start_over and self.world.main:
                 clear_run(self.run_dir)
                 self.start_over = False
+            if self.world.main and self.report_to:
+                trackers = Trackers(self.report_to, self.run_dir, self.step, asdict(self.cfg))
             if self.step == 0 and self.world.main:
                 self._write_schedule()
                 if self.eval_prompts:
                     self.initial_eval = self.evaluate()
             while self.step < self.cfg.steps:
                 row = self.train_step()
+                if trackers is not None:
+                    trackers.log(row)
                 self.on_step(row)
                 if self.step % self.cfg.checkpoint_every == 0 or self.step == self.cfg.steps:
                     self._save_checkpoint()
         except KeyboardInterrupt:
             self._interrupted()
         finally:
+            if trackers is not None:
+                trackers.close()
             if self.engine is not None:
                 self.engine.close()  # its pool and graphs go now; a later rollout makes them again
         summary = self.summary()
