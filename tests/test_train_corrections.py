@@ -291,3 +291,58 @@ def test_every_rule_is_a_no_op_when_the_ratios_are_one():
 def test_bad_options_are_refused_in_one_sentence(bad, message):
     with pytest.raises(ValueError, match=message):
         LossConfig(**bad).validate()
+
+
+def test_off_policy_metrics_match_reference():
+    """verl's off-policy diagnostics from their definitions, per token and per sequence, in float64."""
+    from sparrow.stages.train.corrections import off_policy_metrics
+
+    logp_new, logp_old, lr, _, mask, _ = batch()
+    logp_rollout = logp_old - lr
+    got = off_policy_metrics(logp_old, logp_rollout, mask)
+    old, roll, m = L(logp_old), L(logp_rollout), L(mask)
+    toks = [(old[i][j], roll[i][j]) for i in range(6) for j in range(7) if m[i][j]]
+    seqs = [[(old[i][j], roll[i][j]) for j in range(7) if m[i][j]] for i in range(6)]
+    mean = lambda xs: sum(xs) / len(xs)
+    r = lambda o, q: math.exp(clamp(o - q))
+    diff = [mean([q for _, q in s]) - mean([o for o, _ in s]) for s in seqs]
+    want = {"kl": mean([q - o for o, q in toks]),
+            "k3_kl": mean([r(o, q) - 1 - clamp(o - q) for o, q in toks]),
+            "training_ppl": mean([math.exp(-mean([o for o, _ in s])) for s in seqs]),
+            "rollout_ppl": mean([math.exp(-mean([q for _, q in s])) for s in seqs]),
+            "ppl_ratio": mean([math.exp(d) for d in diff]), "log_ppl_diff": mean(diff),
+            "log_ppl_abs_diff": mean([abs(d) for d in diff]), "log_ppl_diff_max": max(diff),
+            "log_ppl_diff_min": min(diff), "chi2_token": mean([r(o, q) ** 2 for o, q in toks]) - 1,
+            "chi2_seq": mean([math.exp(2 * clamp(sum(o - q for o, q in s))) for s in seqs]) - 1}
+    assert got.keys() == want.keys()
+    for k in want:
+        assert got[k] == pytest.approx(want[k], rel=1e-12, abs=1e-12), k
+
+
+def test_is_metrics_match_reference():
+    """rollout_is_* and the effective sample size of min(r, 2) over tokens (token IS) and of the
+    sequence weights (sequence IS), with the unbounded ratio's fractions above U and below 1/U."""
+    from sparrow.stages.train.corrections import metrics
+
+    _, logp_old, lr, adv, mask, _ = batch()
+    for level in ("token", "sequence"):
+        cfg = LossConfig(correction="none", rollout_is=level).validate()
+        corr = rollout_correction(lr, mask, cfg, advantages=adv)
+        got = metrics(corr, lr, logp_old, logp_old - lr, mask, cfg.rules())
+        rows_ = [[x for x, k in zip(row, keep) if k] for row, keep in zip(L(lr), L(mask))]
+        if level == "token":
+            logs = [x for row in rows_ for x in row]
+        else:
+            logs = [sum(row) for row in rows_]
+        w = [min(math.exp(clamp(x)), 2.0) for x in logs]
+        mean = sum(w) / len(w)
+        assert got["rollout_corr/rollout_is_mean"] == pytest.approx(mean, rel=1e-12)
+        assert got["rollout_corr/rollout_is_max"] == pytest.approx(max(w), rel=1e-12)
+        assert got["rollout_corr/rollout_is_std"] == pytest.approx(
+            math.sqrt(sum((x - mean) ** 2 for x in w) / len(w)), rel=1e-12)
+        assert got["rollout_corr/rollout_is_eff_sample_size"] == pytest.approx(
+            1 / (sum((x / mean) ** 2 for x in w) / len(w)), rel=1e-12)
+        assert got["rollout_corr/rollout_is_ratio_fraction_high"] == pytest.approx(
+            sum(x > math.log(2) for x in logs) / len(logs))
+        assert got["rollout_corr/rollout_is_ratio_fraction_low"] == pytest.approx(
+            sum(x < math.log(0.5) for x in logs) / len(logs))
