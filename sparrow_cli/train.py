@@ -27,7 +27,10 @@ if TYPE_CHECKING:
 
 TRAIN_LABELS = {"reward_first": "reward, first step", "reward_last": "reward, last step",
                 "initial_eval_accuracy": "eval accuracy before training",
-                "final_eval_accuracy": "eval accuracy, last eval", "mean_mismatch_kl": "mismatch KL (mean)",
+                "final_eval_accuracy": "eval accuracy, last eval",
+                "final_eval_accuracy_sparse": "eval accuracy under the run's sparsity, last eval",
+                "skipped_updates": "steps whose update was skipped (every token rejected)",
+                "mean_mismatch_kl": "mismatch KL (mean)",
                 "mean_alpha_lb_p5": "alpha top-20 lower bound, p5 (mean over steps)",
                 "mean_masked_fraction": "masked tokens (mean fraction)",
                 "mean_vetoed_fraction": "vetoed tokens (mean fraction)",
@@ -301,6 +304,9 @@ def print_summary(history: list[dict], s: dict, run: Path, fmt: str) -> None:
     record = {"steps": s["steps"], "reward_first": s["reward_first"], "reward_last": s["reward_last"],
               "initial_eval_accuracy": s["initial_eval_accuracy"],
               "final_eval_accuracy": s["final_eval_accuracy"],
+              **({"final_eval_accuracy_sparse": s["final_eval_accuracy_sparse"]}
+                 if s.get("final_eval_accuracy_sparse") is not None else {}),
+              "skipped_updates": s.get("skipped_updates", 0),
               **{f"mean_{k}": mean(k) for k in ("mismatch_kl", "alpha_lb_p5", "masked_fraction",
                                                  "vetoed_fraction", "rollout_seconds", "scoring_seconds",
                                                  "update_seconds", "weight_sync_seconds")},

@@ -47,7 +47,7 @@ def test_a_batch_with_every_token_rejected_skips_its_update(tiny_llama, vowel_pr
     initial value, lora_B = 0, and AdamW holds no state), each row says why, the run finishes."""
     cfg = dict(steps=2, correction="sparrow", loss={"rejection_c": 1e9})
     trainer, summary = _train(tiny_llama[0], vowel_prompts, tmp_path / "run", cfg=cfg)
-    assert summary["steps"] == 2
+    assert summary["steps"] == 2 and summary["skipped_updates"] == 2
     for r in rows(tmp_path / "run"):
         assert r["update_skipped"] == "the rollout correction rejected every token of the batch"
         assert r["rollout_corr/rollout_rs_masked_fraction"] == 1.0 and r["grad_norm"] == 0.0

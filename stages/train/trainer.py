@@ -691,6 +691,9 @@ class Trainer:
                "initial_eval_accuracy": self.initial_eval,
                "final_eval_accuracy": next((r["eval_accuracy"] for r in reversed(h)
                                            if r.get("eval_accuracy") is not None), None),
+               "final_eval_accuracy_sparse": next((r["eval_accuracy_sparse"] for r in reversed(h)
+                                                  if r.get("eval_accuracy_sparse") is not None), None),
+               "skipped_updates": sum(r.get("update_skipped") is not None for r in h),
                "seconds": sum(r["seconds"] for r in h), "adapter": None}
         if self.lora_config is not None and self.world.main:
             out["adapter"] = str(save_adapter(self.model, self.lora_config, self.run_dir / "adapter",
