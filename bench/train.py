@@ -9,7 +9,12 @@ update. Configurations:
 - `dense`: the dense sampler (the reference: rollouts are on-policy up to float rounding);
 - `planned+tis`: the --planned budget (the schedule a user would plan) with truncated IS;
 - `aggressive`: the --aggressive budget, no correction (the baseline expected to drift);
-- `aggressive+sparse-rl`: the same budget with Sparse-RL's correction.
+- `aggressive+sparse-rl`: the same budget with Sparse-RL's correction;
+- the peers' modes (issue 29), each on the aggressive budget (does any keep the run stable, at what
+  masked fraction?) and on the planned one (does any cost accuracy?): `+icepop`, `+seq-mask-tis`
+  (geometric-mean filter + token TIS), `+geo-rs` (verl's seq_mean_k1 alone), `+opsm`, `+sparrow` (the
+  released recipe: stochastic rejection + alpha reweighting + TIS) and `+sparrow-os` (the same with
+  8 samples per prompt, the 4 of highest acceptance kept).
 Whether GRPO learned: the dense run's eval gain against the spread of its final eval accuracy over
 --seeds (reported, not asserted). Writes bench/results/train.parquet and one run directory per run under
 bench/results/train-runs/.
@@ -49,6 +54,17 @@ def configs(args) -> dict[str, dict]:
         "aggressive": dict(sparsity=f"budget:{args.aggressive}", correction="none"),
         "aggressive+sparse-rl": dict(sparsity=f"budget:{args.aggressive}", correction="sparse-rl"),
     }
+    modes = {"icepop": dict(correction="icepop"), "seq-mask-tis": dict(correction="seq-mask-tis"),
+             "geo-rs": dict(correction="none",
+                            loss={"rollout_rs": "seq_mean_k1", "rollout_rs_threshold": "0.5_2"}),
+             "opsm": dict(correction="opsm"), "sparrow": dict(correction="sparrow"),
+             "sparrow-os": dict(correction="sparrow", oversample=2 * args.samples)}
+    for budget_name, budget in (("planned", args.planned), ("aggressive", args.aggressive)):
+        for mode, options in modes.items():
+            all_configs[f"{budget_name}+{mode}"] = dict(sparsity=f"budget:{budget}", **options)
+    unknown = [k for k in args.configs.split(",") if k not in all_configs]
+    if unknown:
+        raise SystemExit(f"--configs: unknown {', '.join(unknown)} (known: {', '.join(all_configs)})")
     return {k: all_configs[k] for k in args.configs.split(",")}
 
 
@@ -78,6 +94,12 @@ def run_one(args, name: str, overrides: dict, seed: int, prompts: Path, eval_pro
             "reward_last": mean("reward_mean", h[-k:]), "alpha_lb_p5": mean("alpha_lb_p5", h),
             "mismatch_kl": mean("mismatch_kl", h), "masked": mean("masked_fraction", h),
             "vetoed": mean("vetoed_fraction", h), "label": summary["label"],
+            "eval_sparse_end": next((r["eval_accuracy_sparse"] for r in reversed(h)
+                                     if r.get("eval_accuracy_sparse") is not None), None),
+            "rs_masked": mean("rollout_corr/rollout_rs_masked_fraction", h),
+            "is_ess": mean("rollout_corr/rollout_is_eff_sample_size", h) if any(
+                r.get("rollout_corr/rollout_is_eff_sample_size") is not None for r in h) else None,
+            "skipped_updates": sum(r.get("update_skipped") is not None for r in h),
             "rollout_s": mean("rollout_seconds", h), "scoring_s": mean("scoring_seconds", h),
             "update_s": mean("update_seconds", h), "wall_s": time.perf_counter() - t0}
 
@@ -121,12 +143,14 @@ def main() -> None:
           f"lr {args.lr}, {torch.get_num_threads()} threads")
     print(f"{'config':>22} {'seed':>4} {'eval 0':>6} {'eval N':>6} {'rwd 1st':>7} {'rwd last':>8} "
           f"{'a-lb p5':>7} {'mis KL':>8} {'masked':>6} {'vetoed':>6} {'label':>9} {'roll s':>6} "
-          f"{'score s':>7} {'upd s':>6}")
+          f"{'score s':>7} {'upd s':>6} {'evalsp N':>8} {'skipped':>7}")
     for r in rows:
         print(f"{r['config']:>22} {r['seed']:>4} {r['eval_start']:>6.3f} {r['eval_end']:>6.3f} "
               f"{r['reward_first']:>7.3f} {r['reward_last']:>8.3f} {r['alpha_lb_p5']:>7.3f} "
               f"{r['mismatch_kl']:>8.2e} {r['masked']:>6.3f} {r['vetoed']:>6.3f} {r['label']:>9} "
-              f"{r['rollout_s']:>6.1f} {r['scoring_s']:>7.1f} {r['update_s']:>6.1f}")
+              f"{r['rollout_s']:>6.1f} {r['scoring_s']:>7.1f} {r['update_s']:>6.1f} "
+              f"{'-' if r['eval_sparse_end'] is None else format(r['eval_sparse_end'], '.3f'):>8} "
+              f"{r['skipped_updates']:>7}")
     dense = [r for r in rows if r["config"] == "dense"]
     if len(dense) > 1:
         finals = np.array([r["eval_end"] for r in dense])

@@ -266,6 +266,15 @@ def _equal_lengths(*names: str) -> Rule:
 I32, I64, F32, F64, STR = pa.int32(), pa.int64(), pa.float32(), pa.float64(), pa.string()
 LIST_I32, LIST_F32 = pa.list_(pa.int32()), pa.list_(pa.float32())
 UNIT, NONNEG, POS, NONPOS, OPEN_UNIT = "[0, 1]", "[0, inf)", "(0, inf)", "(-inf, 0]", "(0, 1)"
+# `sparrow train`'s rollout-correction metrics under verl's names (stages/train/corrections.py)
+_RS_RULES = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3", "seq_mean_k1",
+             "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3", "veto", "opsm", "rejection")
+TRAIN_CORRECTION_METRICS = tuple("rollout_corr/" + n for n in (
+    "rollout_is_mean", "rollout_is_std", "rollout_is_min", "rollout_is_max", "rollout_is_eff_sample_size",
+    "rollout_is_ratio_fraction_high", "rollout_is_ratio_fraction_low", "rollout_rs_masked_fraction",
+    "rollout_rs_seq_masked_fraction", *(f"rollout_rs_{r}_masked_fraction" for r in _RS_RULES),
+    "training_ppl", "rollout_ppl", "ppl_ratio", "log_ppl_diff", "log_ppl_abs_diff", "log_ppl_diff_max",
+    "log_ppl_diff_min", "kl", "k3_kl", "chi2_token", "chi2_seq"))
 
 
 def _spec(kind: str, doc: str, *columns: Col, rules: tuple[Rule, ...] = ()) -> ArtifactSpec:
@@ -331,7 +340,13 @@ SCHEMAS: dict[str, ArtifactSpec] = {s.kind: s for s in (
           *(Col(n, F64, nullable=True)
             for n in ("policy_loss", "kl", "mean_budget", "rollout_seconds", "scoring_seconds",
                       "update_seconds", "tokens_per_second", "weight_sync_seconds")),
-          Col("collapse", STR, nullable=True)),
+          Col("collapse", STR, nullable=True),
+          *(Col(n, F64, nullable=True) for n in TRAIN_CORRECTION_METRICS),
+          Col("eval_accuracy_sparse", F64, nullable=True, range=UNIT),
+          Col("update_skipped", STR, nullable=True),
+          Col("alpha_lb_p5_by_bin", LIST_F32, nullable=True),
+          Col("oversample_acceptance_kept", F64, nullable=True, range=UNIT),
+          Col("oversample_acceptance_dropped", F64, nullable=True, range=UNIT)),
     _spec("train_mismatch", "one row per generated token per training step (the sparse actor vs the "
           "dense learner)",
           Col("step", I32, range=NONNEG), Col("prompt_id", STR), Col("sample", I32, range=NONNEG),

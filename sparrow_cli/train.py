@@ -27,7 +27,10 @@ if TYPE_CHECKING:
 
 TRAIN_LABELS = {"reward_first": "reward, first step", "reward_last": "reward, last step",
                 "initial_eval_accuracy": "eval accuracy before training",
-                "final_eval_accuracy": "eval accuracy, last eval", "mean_mismatch_kl": "mismatch KL (mean)",
+                "final_eval_accuracy": "eval accuracy, last eval",
+                "final_eval_accuracy_sparse": "eval accuracy under the run's sparsity, last eval",
+                "skipped_updates": "steps whose update was skipped (every token rejected)",
+                "mean_mismatch_kl": "mismatch KL (mean)",
                 "mean_alpha_lb_p5": "alpha top-20 lower bound, p5 (mean over steps)",
                 "mean_masked_fraction": "masked tokens (mean fraction)",
                 "mean_vetoed_fraction": "vetoed tokens (mean fraction)",
@@ -68,11 +71,40 @@ def train(
     lora_rank: int = typer.Option(16, "--lora-rank", help="LoRA rank on every projection (peft)."),
     lora_alpha: float = typer.Option(32.0, "--lora-alpha"),
     full: bool = typer.Option(False, "--full", help="Full fine-tuning instead of a LoRA."),
-    correction: str = typer.Option("tis", "--correction",
-                                   help="none | tis | mis | veto | sparse-rl (stages/train/objective.py)."),
+    correction: str = typer.Option(
+        "tis", "--correction", help="A preset: none | tis | mis | veto | sparse-rl | icepop | seq-mask-tis | "
+        "opsm | sparrow (stages/train/corrections.py); the options below replace the parts they name."),
+    rollout_is: str = typer.Option(None, "--rollout-is", help="verl's rollout_is: token | sequence | none."),
+    rollout_is_threshold: str = typer.Option(None, "--rollout-is-threshold", help="U, or L_U (default 2.0)."),
+    rollout_is_mode: str = typer.Option(None, "--rollout-is-mode",
+                                        help="truncate (TIS) | mask (IcePop; TRL's *_mask)."),
+    rollout_is_batch_normalize: bool = typer.Option(
+        None, "--rollout-is-batch-normalize/--no-rollout-is-batch-normalize",
+        help="Divide the kept weights by their mean."),
+    rollout_rs: str = typer.Option(
+        None, "--rollout-rs", help="verl's rollout_rs, a comma list of token_k1..3, seq_sum_k1..3, "
+        "seq_mean_k1..3, seq_max_k2..3 (all must keep), or none."),
+    rollout_rs_threshold: str = typer.Option(
+        None, "--rollout-rs-threshold", help="One per option, or one for all: L_U ratio bounds for k1 (U "
+        "alone: L = 1/U), an upper bound for k2 and k3 (default 2.0)."),
+    off_policy_mask_threshold: float = typer.Option(None, "--off-policy-mask-threshold",
+                                                    help="OPSM's delta (TRL's name)."),
+    rejection: str = typer.Option(
+        None, "--rejection", help="The Sparrow recipe's stochastic rejection, keep with probability "
+        "min(1, r / C): token | sequence | none."),
+    rejection_c: float = typer.Option(None, "--rejection-c", help="Its C (default 1)."),
+    alpha_weight: bool = typer.Option(
+        None, "--alpha-weight/--no-alpha-weight", help="Weight each token by its acceptance alpha (top-20 "
+        "lower bound; 1 where sampled densely)."),
+    bypass_mode: bool = typer.Option(False, "--bypass-mode", help="verl's bypass: the PPO ratio against the "
+                                     "rollout logprobs instead of the dense recompute."),
+    oversample: int = typer.Option(0, "--oversample", help="Roll out this many samples per prompt (more than "
+                                   "--samples) and keep the --samples of highest mean acceptance."),
     kl_coef: float = typer.Option(0.0, "--kl-coef", help="k3 KL to the initial policy."),
-    loss_agg: str = typer.Option("token-mean", "--loss-agg", help="token-mean (over the batch's tokens) | "
-                                 "seq-mean-token-mean (per sequence, then over sequences)."),
+    loss_agg: str = typer.Option(
+        "token-mean", "--loss-agg", help="token-mean (over the batch's tokens; TRL's dapo) | "
+        "seq-mean-token-mean (per sequence, then over sequences; grpo) | seq-mean-token-sum-norm (the sum "
+        "over sequences x --max-new-tokens; dr_grpo) | bnpo (each micro-batch's token mean, averaged)."),
     seed: int = typer.Option(0, "--seed"),
     micro_batch: int = typer.Option(8, "--micro-batch", help="Sequences per forward/backward."),
     ppo_epochs: int = typer.Option(1, "--ppo-epochs"),
@@ -107,6 +139,10 @@ def train(
     output_dir: Path = typer.Option(..., "-o", "--output-dir", help="The run directory. One that holds a run "
                                     "needs --resume or --force; files of a run's names that are not of its "
                                     "kind are replaced only with --force; a symlink is written through."),
+    report_to: str = typer.Option(
+        "jsonl", "--report-to", help="Live trackers of each step's metrics, a comma list: jsonl "
+        "(RUN/metrics.jsonl) | tensorboard (RUN/tensorboard/) | wandb (offline, RUN/wandb/) | none; "
+        "RUN/metrics.parquet is always written."),
     format: str = format_option(),
 ) -> None:
     """GRPO whose rollouts come from the sparse engine: rewards from the task's scorer, dense recompute of
@@ -116,9 +152,21 @@ def train(
     batch and DDP sums their gradients; rank 0 writes, and a run resumes under any number of ranks."""
     from sparrow.stages.train import TrainConfig
     from sparrow.stages.train.distributed import init_world, shutdown_world
+    from sparrow.stages.train.tracking import parse_report_to
 
     fmt = resolve_format(format)
     spec = _spec(schedule, budget, dense, model)
+    try:
+        trackers = parse_report_to(report_to)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    loss = {k: v for k, v in dict(
+        rollout_is=rollout_is, rollout_is_threshold=rollout_is_threshold, rollout_is_mode=rollout_is_mode,
+        rollout_is_batch_normalize=rollout_is_batch_normalize, rollout_rs=rollout_rs,
+        rollout_rs_threshold=rollout_rs_threshold, off_policy_mask_threshold=off_policy_mask_threshold,
+        rejection=rejection, rejection_c=rejection_c, alpha_weight=alpha_weight,
+        bypass_mode=bypass_mode or None, loss_agg=None if loss_agg == "token-mean" else loss_agg).items()
+        if v is not None}
     for flag, path in (("--prompts", prompts), ("--eval-prompts", eval_prompts)):
         if path is not None and not path.exists():
             raise UsageError(f"{flag} {path}: no such file")
@@ -130,7 +178,7 @@ def train(
                       sparsity=spec, device=device, random_weights=random_weights,
                       gradient_checkpointing=(device == "cuda" if gradient_checkpointing is None
                                               else gradient_checkpointing),
-                      loss={} if loss_agg == "token-mean" else {"loss_agg": loss_agg},
+                      loss=loss, oversample=oversample,
                       distill_sparse=distill_sparse, distill_rank=distill_rank, distill_alpha=distill_alpha,
                       distill_lr_ratio=distill_lr_ratio, distill_kl_coef=distill_kl_coef,
                       raw_prompts=raw_prompts)
@@ -153,7 +201,7 @@ def train(
             pool = RolloutPool(model, workers, address=ray_address, device=device,
                                random_weights=random_weights)  # seeded: the learner's base weights
         _run(cfg, model, prompts, eval_prompts, resume, output_dir, fmt, world, pool, force,
-             gpu_memory_utilization)
+             gpu_memory_utilization, trackers)
     finally:
         if pool is not None:
             pool.close()
@@ -184,7 +232,7 @@ def check_run_location(cfg, model: str, prompts: Path, eval_prompts: Path | None
 
 def _run(cfg, model: str, prompts: Path, eval_prompts: Path | None, resume: bool, output_dir: Path,
          fmt: str, world: World, pool, force: bool = False,
-         gpu_memory_utilization: float = 0.9) -> None:
+         gpu_memory_utilization: float = 0.9, report_to: tuple[str, ...] = ("jsonl",)) -> None:
     import torch
 
     from sparrow.stages.model.loading import load_model
@@ -235,7 +283,8 @@ def _run(cfg, model: str, prompts: Path, eval_prompts: Path | None, resume: bool
     try:  # a refused --resume says so before any bar is drawn
         trainer = Trainer(cfg, loaded, rows, output_dir, eval_prompts=held_out, resume=resume,
                           on_step=on_step, on_phase=on_phase, world=world, pool=pool, force=force,
-                          gpu_memory_utilization=gpu_memory_utilization, on_rollouts=on_rollouts)
+                          gpu_memory_utilization=gpu_memory_utilization, on_rollouts=on_rollouts,
+                          report_to=report_to)
     except ValueError as e:
         raise UsageError(str(e)) from None
     with bar:
@@ -255,6 +304,9 @@ def print_summary(history: list[dict], s: dict, run: Path, fmt: str) -> None:
     record = {"steps": s["steps"], "reward_first": s["reward_first"], "reward_last": s["reward_last"],
               "initial_eval_accuracy": s["initial_eval_accuracy"],
               "final_eval_accuracy": s["final_eval_accuracy"],
+              **({"final_eval_accuracy_sparse": s["final_eval_accuracy_sparse"]}
+                 if s.get("final_eval_accuracy_sparse") is not None else {}),
+              "skipped_updates": s.get("skipped_updates", 0),
               **{f"mean_{k}": mean(k) for k in ("mismatch_kl", "alpha_lb_p5", "masked_fraction",
                                                  "vetoed_fraction", "rollout_seconds", "scoring_seconds",
                                                  "update_seconds", "weight_sync_seconds")},

@@ -18,6 +18,7 @@ from sparrow.schemas import (
     read_artifact,
     write_artifact,
 )
+from sparrow.schemas.artifacts import TRAIN_CORRECTION_METRICS
 
 VALID: dict[str, dict[str, list]] = {
     "prompts": {
@@ -63,6 +64,10 @@ VALID: dict[str, dict[str, list]] = {
         "rollout_seconds": [2.0, 2.1], "scoring_seconds": [0.5, 0.5], "update_seconds": [0.5, 0.5],
         "tokens_per_second": [100.0, 90.0], "weight_sync_seconds": [None, 0.01],
         "collapse": [None, "reward_drop"],
+        **{name: [None, 0.5] for name in TRAIN_CORRECTION_METRICS}, "eval_accuracy_sparse": [0.1, None],
+        "update_skipped": [None, "the rollout correction rejected every token of the batch"],
+        "alpha_lb_p5_by_bin": [[0.5, 0.25], []], "oversample_acceptance_kept": [None, 0.9],
+        "oversample_acceptance_dropped": [None, 0.8],
     },
     "train_mismatch": {
         "step": [0, 0], "prompt_id": ["p0", "p0"], "sample": [0, 1], "position": [100, 101], "bin": [0, 0],

@@ -90,7 +90,7 @@ def _batch(seed=0, n=6, t=7):
     return logp_new, logp_old, log_ratio, adv, mask, ref
 
 
-@pytest.mark.parametrize("correction", CORRECTIONS)
+@pytest.mark.parametrize("correction", ("none", "tis", "mis", "veto", "sparse-rl"))
 @pytest.mark.parametrize("kl", [0.0, 0.1])
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
 def test_loss_and_gradient_match_float64_reference(correction, kl, agg):
@@ -318,10 +318,20 @@ def test_dense_sampler_ratios_are_one_and_corrections_no_ops(tiny_llama, vowel_p
     old = trainer._score(flat)
     log_ratio = old["logp"] - old["logp_rollout"]
     assert log_ratio[old["mask"]].abs().max() < 1e-5
-    for mode in CORRECTIONS:
-        corr = rollout_correction(log_ratio, old["mask"], LossConfig(correction=mode))
-        assert torch.equal(corr.mask, old["mask"]) and not corr.vetoed.any()
-        assert (corr.weights[old["mask"]] - 1).abs().max() < 1e-4
+    from sparrow.stages.train.trainer import acceptance
+
+    adv = torch.linspace(-1, 1, len(flat))
+    variants = [dict(correction=mode) for mode in CORRECTIONS] + [
+        dict(correction="none", rollout_is="sequence", rollout_is_batch_normalize=True),
+        dict(correction="tis", rollout_rs="token_k1,seq_sum_k1,seq_mean_k3,seq_max_k2",
+             rollout_rs_threshold="0.999_1.001,0.99_1.01,1e-4,1e-4"),
+        dict(correction="sparrow", rejection="sequence"), dict(correction="icepop", bypass_mode=True)]
+    for options in variants:
+        corr = rollout_correction(log_ratio, old["mask"], LossConfig(**options).validate(), advantages=adv,
+                                  alpha=acceptance(old), generator=trainer._rejection_generator(0))
+        assert torch.equal(corr.mask, old["mask"]) and not corr.vetoed.any(), options
+        assert (corr.weights[old["mask"]] - 1).abs().max() < 1e-4, options
+    assert (old["logp_rollout"] - old["logp"])[old["mask"]].abs().max() < 1e-5  # bypass's old policy
     from sparrow.stages.train.policy import completion_logprobs
 
     mb = trainer.cfg.micro_batch  # the update recomputes in the scoring pass's micro-batches

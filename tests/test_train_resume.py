@@ -29,9 +29,9 @@ runner = CliRunner()
 
 
 def metrics(run, evals: bool = True) -> list[dict]:
-    """The metrics rows without timings (and without eval accuracy: a shorter run evaluates after its own
+    """The metrics rows without timings (and without eval accuracies: a shorter run evaluates after its own
     last step, which a longer run does not)."""
-    drop = TIMING | (set() if evals else {"eval_accuracy"})
+    drop = TIMING | (set() if evals else {"eval_accuracy", "eval_accuracy_sparse"})
     return [{k: v for k, v in r.items() if k not in drop}
             for r in read_artifact(run / "metrics.parquet", "metrics").to_pylist()]
 

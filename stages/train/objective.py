@@ -6,20 +6,20 @@ Design decisions, with the conventions they follow:
   (TRL's GRPOTrainer); `scale_std=False` leaves r - mean (Dr. GRPO). A group of one sample, or of equal
   rewards, has advantage 0.
 - Rollout correction acts on r_t = exp(logp_dense_old - logp_rollout), the learner's probability of
-  the sampled token over the sparse actor's, with log r_t clamped to [-20, 20] before exp (verl's
-  safety bound). Weights are constants (no gradient). `none`: the samples are taken as on-policy.
-  `tis`: weight min(r_t, C), C = 2 (verl's rollout_is_threshold; TRL's vLLM importance-sampling cap is
-  3). `mis`: tokens with r_t outside [0.5, 2] are masked out of the loss (verl's bounds: the threshold
-  and its reciprocal). `veto`: a sequence with any r_t < 1e-4 is dropped whole (verl's veto threshold).
-  `sparse-rl`: veto, then mask outside [0.5, 1.5], then weights min(r_t, 1.5) normalised to mean 1
-  over the batch's kept tokens.
+  the sampled token over the sparse actor's: the rules, their presets (`--correction` none, tis, mis,
+  veto, sparse-rl, icepop, seq-mask-tis, opsm, sparrow) and the options that refine them (verl's
+  rollout_is / rollout_rs names) are in corrections.py. `bypass_mode` (verl's): the PPO ratio is taken
+  against the rollout logprobs instead of the dense recompute (the rules still read r_t).
 - Loss per token: PPO's clipped surrogate on ratio = exp(logp_new - logp_old), separate bounds
   [1 - 0.2, 1 + 0.28] (DAPO's clip-higher), dual clip at 3 for negative advantages, times the
   correction weight, plus kl_coef x k3(ref || new).
-- Aggregation (verl's loss_agg_mode names): `token-mean` (default, DAPO's) sums over the batch's kept
-  tokens and divides by their count, so long completions weigh more; `seq-mean-token-mean` (the GRPO
-  paper's) averages each sequence's kept tokens, then the sequences that kept any. Either way the
-  batch-wide denominator is `loss_normalizer`, so micro-batches add up to the batch's loss.
+- Aggregation (verl's loss_agg_mode names, TRL's loss_type as aliases): `token-mean` (default, DAPO's,
+  TRL's dapo) sums over the batch's kept tokens and divides by their count, so long completions weigh
+  more; `seq-mean-token-mean` (the GRPO paper's, TRL's grpo) averages each sequence's kept tokens, then
+  the sequences that kept any; `seq-mean-token-sum-norm` (Dr. GRPO, TRL's dr_grpo) divides the sum by
+  sequences x max_new_tokens, a constant; `bnpo` (TRL's) takes each micro-batch's token mean and averages
+  the micro-batches. The batch-wide denominator is `loss_normalizer`, so micro-batches add up to the
+  batch's loss.
 - Clip statistics: `clip_fraction_low` / `clip_fraction_high` are the kept tokens whose ratio was cut at
   1 - clip_low (negative advantage) / 1 + clip_high (positive advantage), `dual_clip_fraction` those
   held at the dual-clip bound; `clip_fraction` is the first two together.
@@ -27,13 +27,17 @@ Design decisions, with the conventions they follow:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
 
-CORRECTIONS = ("none", "tis", "mis", "veto", "sparse-rl")
-AGGREGATIONS = ("token-mean", "seq-mean-token-mean")
+from . import corrections as rc
+from .corrections import Correction
+
+CORRECTIONS = rc.PRESETS
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm", "bnpo")
+AGG_ALIASES = {"dapo": "token-mean", "grpo": "seq-mean-token-mean", "dr_grpo": "seq-mean-token-sum-norm"}
 
 
 @dataclass
@@ -52,12 +56,49 @@ class LossConfig:
     scale_std: bool = True
     eps: float = 1e-4
     loss_agg: str = "token-mean"
+    # verl / TRL options over the preset (None: the preset's); corrections.py
+    rollout_is: str | None = None  # token | sequence | none
+    rollout_is_threshold: str | None = None  # "U" or "L_U"
+    rollout_is_mode: str | None = None  # truncate | mask
+    rollout_is_batch_normalize: bool | None = None
+    rollout_rs: str | None = None  # comma list of corrections.RS_OPTIONS, or none
+    rollout_rs_threshold: str | None = None  # comma list, one per option or one for all
+    off_policy_mask_threshold: float | None = None  # OPSM's delta
+    rejection: str | None = None  # the Sparrow recipe's stochastic rejection: token | sequence | none
+    rejection_c: float | None = None
+    alpha_weight: bool | None = None
+    bypass_mode: bool = False
+
+    @property
+    def aggregation(self) -> str:
+        return AGG_ALIASES.get(self.loss_agg, self.loss_agg)
+
+    def rules(self) -> rc.Rules:
+        """The preset's rules with the explicit options in place of the parts they name."""
+        rules = rc.preset(self.correction, self.tis_cap, (self.mis_low, self.mis_high), self.veto_threshold,
+                          (self.sparse_rl_low, self.sparse_rl_high))
+        if self.rollout_is is not None:
+            rules = replace(rules, is_level=None if self.rollout_is == "none" else self.rollout_is)
+        if self.rollout_is_threshold is not None:
+            lower, upper = rc.parse_bounds(self.rollout_is_threshold, "--rollout-is-threshold")
+            rules = replace(rules, is_lower=lower, is_upper=upper)
+        if self.rollout_rs is not None:
+            threshold = self.rollout_rs_threshold if self.rollout_rs_threshold is not None else "2.0"
+            rules = replace(rules, rejections=rc.parse_rejections(self.rollout_rs, threshold))
+        if self.rejection is not None:
+            rules = replace(rules, rejection=None if self.rejection == "none" else self.rejection)
+        return rc.with_overrides(rules, is_mode=self.rollout_is_mode,
+                                 batch_normalize=self.rollout_is_batch_normalize,
+                                 opsm=self.off_policy_mask_threshold, rejection_c=self.rejection_c,
+                                 alpha_weight=self.alpha_weight)
 
     def validate(self) -> LossConfig:
         if self.correction not in CORRECTIONS:
             raise ValueError(f"--correction must be one of {', '.join(CORRECTIONS)}, got {self.correction!r}")
-        if self.loss_agg not in AGGREGATIONS:
-            raise ValueError(f"--loss-agg must be one of {', '.join(AGGREGATIONS)}, got {self.loss_agg!r}")
+        if self.aggregation not in AGGREGATIONS:
+            raise ValueError(f"--loss-agg must be one of {', '.join(AGGREGATIONS)} (or TRL's "
+                             f"{', '.join(AGG_ALIASES)}), got {self.loss_agg!r}")
+        self._validate_rules()
         if not (0 < self.clip_low < 1 and self.clip_high > 0):
             raise ValueError(f"the clip bounds must satisfy 0 < clip_low < 1 and clip_high > 0, got "
                              f"{self.clip_low} and {self.clip_high}")
@@ -75,6 +116,22 @@ class LossConfig:
             raise ValueError(f"--kl-coef must be >= 0, got {self.kl_coef}")
         return self
 
+    def _validate_rules(self) -> None:
+        choices = (("rollout_is", (*rc.IS_LEVELS, "none")), ("rollout_is_mode", rc.IS_MODES),
+                   ("rejection", (*rc.REJECTION_LEVELS, "none")))
+        for name, allowed in choices:
+            value = getattr(self, name)
+            if value is not None and value not in allowed:
+                raise ValueError(f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}, "
+                                 f"got {value!r}")
+        if self.rollout_rs_threshold is not None and self.rollout_rs is None:
+            raise ValueError("--rollout-rs-threshold needs --rollout-rs (the options it bounds)")
+        for name in ("off_policy_mask_threshold", "rejection_c"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
+        self.rules()  # the thresholds parse
+
 
 def k3(d: Tensor) -> Tensor:
     """The k3 estimator exp(d) - 1 - d (>= 0) of a KL from the log ratio d of the two policies."""
@@ -91,44 +148,21 @@ def group_advantages(rewards: Tensor, cfg: LossConfig) -> Tensor:
     return centred / (rewards.std(1, keepdim=True) + cfg.eps)
 
 
-@dataclass
-class Correction:
-    weights: Tensor  # [N, T] float, 0 where not kept
-    mask: Tensor  # [N, T] bool, tokens kept in the loss
-    vetoed: Tensor  # [N] bool, sequences dropped whole
-    stats: dict[str, float]
+def rollout_correction(log_ratio: Tensor, mask: Tensor, cfg: LossConfig, advantages: Tensor | None = None,
+                       alpha: Tensor | None = None, generator: torch.Generator | None = None) -> Correction:
+    """log_ratio [N, T] = logp_dense_old - logp_rollout (any value at padding), mask [N, T]; advantages
+    [N], alpha [N, T] and a seeded CPU generator where the rules need them (corrections.apply)."""
+    return rc.apply(cfg.rules(), log_ratio, mask, advantages, alpha, generator)
 
 
-def rollout_correction(log_ratio: Tensor, mask: Tensor, cfg: LossConfig) -> Correction:
-    """log_ratio [N, T] = logp_dense_old - logp_rollout (any value at padding), mask [N, T]."""
-    ratio = torch.where(mask, log_ratio, 0.0).clamp(-20.0, 20.0).exp()
-    keep = mask.clone()
-    vetoed = torch.zeros(mask.shape[0], dtype=torch.bool, device=mask.device)
-    weights = torch.ones_like(ratio)
-    mode = cfg.correction
-    if mode in ("veto", "sparse-rl"):
-        vetoed = ((ratio < cfg.veto_threshold) & mask).any(1)
-        keep &= ~vetoed[:, None]
-    if mode == "tis":
-        weights = ratio.clamp(max=cfg.tis_cap)
-    elif mode == "mis":
-        keep &= (ratio >= cfg.mis_low) & (ratio <= cfg.mis_high)
-    elif mode == "sparse-rl":
-        keep &= (ratio >= cfg.sparse_rl_low) & (ratio <= cfg.sparse_rl_high)
-        weights = ratio.clamp(max=cfg.sparse_rl_high)
-        if bool(keep.any()):
-            weights = weights / weights[keep].mean()
-    weights = torch.where(keep, weights, 0.0).detach()
-    n = max(int(mask.sum()), 1)
-    stats = {"masked_fraction": float((mask & ~keep).sum()) / n,
-             "vetoed_fraction": float(vetoed.float().mean()) if len(vetoed) else 0.0,
-             "mean_weight": float(weights[keep].mean()) if bool(keep.any()) else 0.0}
-    return Correction(weights, keep, vetoed, stats)
-
-
-def loss_normalizer(keep: Tensor, cfg: LossConfig) -> int:
-    """The batch-wide denominator of the loss: kept tokens, or sequences that kept any (`keep` [N, T])."""
-    count = keep.any(1).sum() if cfg.loss_agg == "seq-mean-token-mean" else keep.sum()
+def loss_normalizer(keep: Tensor, cfg: LossConfig, max_tokens: int | None = None) -> int:
+    """The batch-wide denominator of the loss (`keep` [N, T]): kept tokens (token-mean, and bnpo for one
+    micro-batch), sequences that kept any (seq-mean-token-mean), or sequences x `max_tokens` (default
+    T) for seq-mean-token-sum-norm."""
+    agg = cfg.aggregation
+    if agg == "seq-mean-token-sum-norm":
+        return max(keep.shape[0] * (max_tokens or keep.shape[1]), 1)
+    count = keep.any(1).sum() if agg == "seq-mean-token-mean" else keep.sum()
     return max(int(count), 1)
 
 
@@ -141,7 +175,7 @@ def policy_loss(logp_new: Tensor, logp_old: Tensor, advantages: Tensor, weights:
     the batch's."""
     norm = float(normalizer if normalizer is not None else loss_normalizer(mask, cfg))
     scale = torch.full_like(logp_new, 1.0 / norm)  # [N, T] each kept token's share of the aggregate
-    if cfg.loss_agg == "seq-mean-token-mean":
+    if cfg.aggregation == "seq-mean-token-mean":
         scale = scale / mask.sum(1, keepdim=True).clamp(min=1).to(scale.dtype)
     scale = torch.where(mask, scale, 0.0)
     adv = advantages[:, None].to(logp_new.dtype)

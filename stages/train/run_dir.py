@@ -40,7 +40,7 @@ from sparrow.schemas.locations import describe
 if TYPE_CHECKING:
     from .trainer import PromptRow, TrainConfig
 
-FLAGS = {"lora_rank": "--lora-rank (0 = --full)", "loss": "--loss-agg",
+FLAGS = {"lora_rank": "--lora-rank (0 = --full)", "loss": "the loss options (--loss-agg, --rollout-is*, ...)",
          "sparsity": "--budget/--schedule/--dense", "max_grad_norm": "max_grad_norm"}
 RUN_FILES = {"metrics.parquet": "metrics", "schedule.parquet": "schedule"}
 REPLACED_DIRS = {"checkpoint": "state.pt", "adapter": "adapter_config.json",

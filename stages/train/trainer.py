@@ -57,6 +57,7 @@ import pyarrow as pa
 import torch
 
 from sparrow.schemas import artifact_metadata, read_artifact, write_artifact
+from sparrow.schemas.artifacts import TRAIN_CORRECTION_METRICS
 
 from ..calibrate import collapse_reasons, mismatch_warnings
 from ..definitions import TAIL_QUANTILE
@@ -67,6 +68,7 @@ from ..rollout.workers import RolloutPool
 from ..schedule import Schedule
 from ..sparsity import parse_sparsity
 from ..tasks import TASKS, score
+from . import corrections as rc
 from . import objective as grpo
 from .adapter import add_lora, load_lora_state, lora_state, save_adapter
 from .distributed import World, current_world, data_parallel
@@ -80,6 +82,7 @@ from .run_dir import (
     prompts_fingerprint,
     sparsity_fingerprint,
 )
+from .tracking import Trackers
 
 TOP_LOGPROBS = 20
 
@@ -118,6 +121,7 @@ class TrainConfig:
     distill_lr_ratio: float = 5.0  # published: the sparse adapter's lr = 5 x lr
     distill_kl_coef: float = 0.001  # published k3 coefficient
     raw_prompts: bool = False  # text prompts tokenized as they are, without the model's chat template
+    oversample: int = 0  # k' > samples: roll out k' per prompt, keep the `samples` of highest mean alpha
     # what the run reads, by content (filled by the Trainer; run_dir.py): a resume must read the same
     prompts_sha256: str = ""
     eval_prompts_sha256: str = ""
@@ -136,6 +140,9 @@ class TrainConfig:
         if self.kl_coef < 0:
             raise ValueError(f"--kl-coef must be >= 0, got {self.kl_coef}")
         grpo.LossConfig(correction=self.correction, kl_coef=self.kl_coef, **self.loss).validate()
+        if self.oversample and self.oversample <= self.samples:
+            raise ValueError(f"--oversample must exceed --samples ({self.samples}) to select among the "
+                             f"samples, got {self.oversample}")
         if self.distill_sparse:
             if self.sparsity == "dense":
                 raise ValueError("--distill-sparse trains the sparse actor's adapter, so it needs a sparse "
@@ -209,9 +216,11 @@ class Trainer:
                  on_phase: Callable[[str], None] | None = None, world: World | None = None,
                  pool: RolloutPool | None = None, force: bool = False,
                  gpu_memory_utilization: float = 0.9,
-                 on_rollouts: Callable[[int, list[int]], None] | None = None):
+                 on_rollouts: Callable[[int, list[int]], None] | None = None,
+                 report_to: Sequence[str] = ()):
         """`gpu_memory_utilization`: on CUDA, the share of device memory the rollout engine may take (its
-        KV pool, graphs and activations; the learner's update needs the rest)."""
+        KV pool, graphs and activations; the learner's update needs the rest). `report_to`: the live
+        trackers of each step's row (tracking.py), beside metrics.parquet."""
         config.validate()
         self.world = world or current_world()
         if pool is not None and self.world.distributed:
@@ -233,6 +242,7 @@ class Trainer:
         self.run_dir = Path(run_dir)
         self.on_step, self.on_phase = on_step or (lambda row: None), on_phase or (lambda phase: None)
         self.on_rollouts = on_rollouts or (lambda step, lengths: None)  # each step's completion lengths
+        self.report_to = tuple(report_to)
         self.loss_cfg = grpo.LossConfig(correction=config.correction, kl_coef=config.kl_coef, **config.loss)
         self.run_id = self.run_dir.name
         self.history: list[dict] = []
@@ -294,22 +304,29 @@ class Trainer:
     def run(self) -> dict:
         """Train until `steps`; returns the run's summary (also in the metrics artifact's metadata). On an
         interrupt, a checkpoint at the last complete step (run_dir.py), then TrainingInterrupted."""
+        trackers = None
         try:
             if self.start_over and self.world.main:
                 clear_run(self.run_dir)
                 self.start_over = False
+            if self.world.main and self.report_to:
+                trackers = Trackers(self.report_to, self.run_dir, self.step, asdict(self.cfg))
             if self.step == 0 and self.world.main:
                 self._write_schedule()
                 if self.eval_prompts:
                     self.initial_eval = self.evaluate()
             while self.step < self.cfg.steps:
                 row = self.train_step()
+                if trackers is not None:
+                    trackers.log(row)
                 self.on_step(row)
                 if self.step % self.cfg.checkpoint_every == 0 or self.step == self.cfg.steps:
                     self._save_checkpoint()
         except KeyboardInterrupt:
             self._interrupted()
         finally:
+            if trackers is not None:
+                trackers.close()
             if self.engine is not None:
                 self.engine.close()  # its pool and graphs go now; a later rollout makes them again
         summary = self.summary()
@@ -343,16 +360,49 @@ class Trainer:
         rewards = np.array([[score(r.task, tok.decode(c.token_ids, skip_special_tokens=True), r.answer,
                                    r.metadata) for c in group] for r, group in zip(batch, comps)])
         flat = [c for group in comps for c in group]
-        rewards_t = torch.tensor(rewards, dtype=torch.float32)
-        advantages = grpo.group_advantages(rewards_t, self.loss_cfg).flatten()
 
         t1 = time.perf_counter()
         self.on_phase("scoring")
         old = self._score(flat)
         t_score = time.perf_counter() - t1
-        correction = grpo.rollout_correction(old["logp"] - old["logp_rollout"], old["mask"], self.loss_cfg)
+        selection = None
+        if self.cfg.oversample:
+            flat, rewards, old, selection = self._select(flat, rewards, old)
+        rewards_t = torch.tensor(rewards, dtype=torch.float32)
+        advantages = grpo.group_advantages(rewards_t, self.loss_cfg).flatten()
+        correction = grpo.rollout_correction(old["logp"] - old["logp_rollout"], old["mask"], self.loss_cfg,
+                                             advantages=advantages, alpha=acceptance(old),
+                                             generator=self._rejection_generator(step))
         return {"batch": batch, "flat": flat, "rewards": rewards, "advantages": advantages, "old": old,
-                "correction": correction, "seconds": (t_roll, t_score)}
+                "correction": correction, "seconds": (t_roll, t_score), "selection": selection}
+
+    def _rejection_generator(self, step: int) -> torch.Generator:
+        """The stochastic rejection's draws: a CPU generator seeded from (seed, step) alone, so a resumed
+        step draws what the uninterrupted one drew."""
+        seed = int(np.random.SeedSequence([self.cfg.seed, step, 29]).generate_state(1)[0])
+        return torch.Generator().manual_seed(seed)
+
+    def _select(self, flat, rewards: np.ndarray, old: dict):
+        """Oversample-and-select: of each prompt's k' samples, the `samples` of highest mean alpha (the
+        top-20 lower bound of the acceptance rate; ties to the earlier sample), in their sampled order.
+        Returns the kept completions, rewards [P, k], scores, and the mean acceptance kept / dropped."""
+        k_all, k = self.cfg.oversample, self.cfg.samples
+        mask = old["mask"]
+        acceptance_ = torch.where(mask, acceptance(old), 0.0).sum(1) / mask.sum(1).clamp(min=1)  # [N]
+        keep = []
+        for p in range(len(flat) // k_all):
+            group = acceptance_[p * k_all:(p + 1) * k_all]
+            order = sorted(range(k_all), key=lambda i: (-float(group[i]), i))[:k]
+            keep += [p * k_all + i for i in sorted(order)]
+        idx = torch.tensor(keep)
+        dropped = torch.ones(len(flat), dtype=torch.bool)
+        dropped[idx] = False
+        width = int(mask[idx].sum(1).max())
+        picked = {key: None if v is None else v[idx][:, :width] for key, v in old.items()}
+        kept_rewards = rewards.reshape(-1)[keep].reshape(-1, k)
+        stats = {"oversample_acceptance_kept": float(acceptance_[idx].mean()),
+                 "oversample_acceptance_dropped": float(acceptance_[dropped].mean())}
+        return [flat[i] for i in keep], kept_rewards, picked, stats
 
     def train_step(self) -> dict:
         step = self.step
@@ -381,9 +431,12 @@ class Trainer:
 
         self.step = step + 1
         row = self._metrics(step, flat, rewards, old, correction, update, (t_roll, t_score, t_update))
+        row.update(exp.get("selection") or {})
         last = self.step == cfg.steps  # the final eval is never left blank
         if self.eval_prompts and self.world.main and (self.step % cfg.eval_every == 0 or last):
             row["eval_accuracy"] = self.evaluate()
+            if self.sparsity:  # the run's sampler too
+                row["eval_accuracy_sparse"] = self.evaluate(sparse=True)
         self.history.append(row)
         # the reasons that hold for the run so far; the run's label is those of its last step
         row["collapse"] = "; ".join(collapse_reasons(pa.Table.from_pylist(self.history))) or None
@@ -395,7 +448,8 @@ class Trainer:
 
     def _rollout(self, batch: list[PromptRow], step: int):
         cfg = self.cfg
-        params = SamplingParams(max_new_tokens=cfg.max_new_tokens, n=cfg.samples, temperature=cfg.temperature,
+        params = SamplingParams(max_new_tokens=cfg.max_new_tokens, n=cfg.oversample or cfg.samples,
+                                temperature=cfg.temperature,
                                 seed=cfg.seed * 1_000_003 + step, logprobs=TOP_LOGPROBS,
                                 ignore_eos=cfg.ignore_eos)
         self.model.eval()
@@ -411,7 +465,7 @@ class Trainer:
         updated in place after every optimizer step; its batch is this rank's share of a step's samples."""
         if self.engine is None:
             mine = self.world.shard(self.cfg.prompts_per_step)
-            batch = max(mine.stop - mine.start, 1) * self.cfg.samples
+            batch = max(mine.stop - mine.start, 1) * (self.cfg.oversample or self.cfg.samples)
             self.engine = Engine(self.model, self.sparsity, max_batch=batch,
                                  gpu_memory_utilization=self.gpu_memory_utilization)
         return self.engine
@@ -436,7 +490,8 @@ class Trainer:
                  else {k: v.detach().cpu() for k, v in self.model.state_dict().items()})
         self.sync_seconds = self.pool.push_weights(state, lora)
         results = self.pool.map("generate", [r.token_ids for r in batch], params, self.sparsity,
-                                len(batch) * self.cfg.samples, self.gpu_memory_utilization)
+                                len(batch) * (self.cfg.oversample or self.cfg.samples),
+                                self.gpu_memory_utilization)
         return [group for r in results for group in r.value]
 
     @torch.no_grad()
@@ -473,7 +528,12 @@ class Trainer:
             return completion_logprobs(model, prompts, comps, self.cfg.temperature, entropy=False).logp
 
     def _update(self, flat, advantages: torch.Tensor, old: dict, correction) -> dict:
-        """PPO epochs over micro-batches; the loss is the token mean over the whole batch."""
+        """PPO epochs over micro-batches; the loss is the token mean over the whole batch. A batch whose
+        every token the correction rejected takes no step (not even the optimizer's momentum): the row
+        says why in `update_skipped`, and the run goes on."""
+        if not bool((correction.mask & old["mask"]).any()):
+            return {"grad_norm": 0.0, "loss": 0.0, "policy_loss": 0.0, "kl": 0.0,
+                    "update_skipped": "the rollout correction rejected every token of the batch"}
         self.model.train()
         stats: dict[str, float] = {}
         grad_norm = 0.0
@@ -490,9 +550,12 @@ class Trainer:
         sequences in micro-batches, summed over ranks by DDP at the last one); the loss statistics."""
         cfg = self.cfg
         keep = correction.mask & old["mask"]
-        normalizer = grpo.loss_normalizer(keep, self.loss_cfg)  # of the global batch
+        normalizer = grpo.loss_normalizer(keep, self.loss_cfg, cfg.max_new_tokens)  # of the global batch
         shard = self.world.shard(len(flat))
         starts = list(range(shard.start, shard.stop, cfg.micro_batch))
+        shards = [self.world.shard(len(flat), r) for r in range(self.world.size)]
+        n_micro = sum(-(-(s.stop - s.start) // cfg.micro_batch) for s in shards)  # bnpo: micro-batches
+        logp_old = old["logp_rollout"] if self.loss_cfg.bypass_mode else old["logp"]
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
         for s in starts:
@@ -503,8 +566,10 @@ class Trainer:
                                    cfg.temperature)
                 t, dev = logp.shape[1], logp.device
                 ref = None if old["ref"] is None else old["ref"][sl, :t].to(dev)
+                if self.loss_cfg.aggregation == "bnpo":
+                    normalizer = grpo.loss_normalizer(keep[sl], self.loss_cfg) * n_micro
                 loss, part = grpo.policy_loss(
-                    logp, old["logp"][sl, :t].to(dev), advantages[sl].to(dev),
+                    logp, logp_old[sl, :t].to(dev), advantages[sl].to(dev),
                     correction.weights[sl, :t].to(dev), keep[sl, :t].to(dev), self.loss_cfg, ref_logp=ref,
                     normalizer=normalizer)
                 loss.backward()
@@ -525,8 +590,9 @@ class Trainer:
         return {
             "run_id": self.run_id, "step": step, "reward_mean": float(rewards.mean()),
             "reward_std": float(rewards.std()), "accuracy": float((rewards >= 1.0 - 1e-9).mean()),
-            "eval_accuracy": None, "loss": update.get("loss"), "policy_loss": update.get("policy_loss"),
-            "kl": update.get("kl"),
+            "eval_accuracy": None, "eval_accuracy_sparse": None, "oversample_acceptance_kept": None,
+            "oversample_acceptance_dropped": None, "loss": update.get("loss"),
+            "policy_loss": update.get("policy_loss"), "kl": update.get("kl"),
             **{k: update.get(k) for k in ("clip_fraction", "clip_fraction_low", "clip_fraction_high",
                                           "dual_clip_fraction")},
             "grad_norm": update["grad_norm"], "entropy": float(old["entropy"][mask].mean()),
@@ -540,7 +606,21 @@ class Trainer:
             "rollout_seconds": t_roll, "scoring_seconds": t_score, "update_seconds": t_update,
             "seconds": t_roll + t_score + t_update, "tokens_per_second": generated / max(t_roll, 1e-9),
             "weight_sync_seconds": self.sync_seconds,  # part of rollout_seconds; None without workers
+            "update_skipped": update.get("update_skipped"), "alpha_lb_p5_by_bin": self._alpha_tail(flat, old),
+            **dict.fromkeys(TRAIN_CORRECTION_METRICS),  # every row has every column (the table's schema)
+            **rc.metrics(correction, old["logp"] - old["logp_rollout"], old["logp"], old["logp_rollout"],
+                         mask, self.loss_cfg.rules()),
         }
+
+    def _alpha_tail(self, flat, old: dict) -> list[float]:
+        """The p5 of the top-20 alpha lower bound per position bin (index = bin; null where a bin has no
+        token), as the mismatch log bins positions (prompt length + index)."""
+        mask = old["mask"]
+        prompt_len = torch.tensor([len(c.prompt_token_ids) for c in flat])
+        bins = ((prompt_len[:, None] + torch.arange(mask.shape[1])[None, :]) // self.cfg.bin_width)[mask]
+        alpha = old["alpha_lb"][mask]
+        return [float(torch.quantile(alpha[bins == b], TAIL_QUANTILE)) if bool((bins == b).any())
+                else None for b in range(int(bins.max()) + 1)] if len(alpha) else []
 
     def _write_mismatch(self, step: int, batch, flat, old: dict, correction) -> None:
         mask = old["mask"]
@@ -611,6 +691,9 @@ class Trainer:
                "initial_eval_accuracy": self.initial_eval,
                "final_eval_accuracy": next((r["eval_accuracy"] for r in reversed(h)
                                            if r.get("eval_accuracy") is not None), None),
+               "final_eval_accuracy_sparse": next((r["eval_accuracy_sparse"] for r in reversed(h)
+                                                  if r.get("eval_accuracy_sparse") is not None), None),
+               "skipped_updates": sum(r.get("update_skipped") is not None for r in h),
                "seconds": sum(r["seconds"] for r in h), "adapter": None}
         if self.lora_config is not None and self.world.main:
             out["adapter"] = str(save_adapter(self.model, self.lora_config, self.run_dir / "adapter",
@@ -626,12 +709,14 @@ class Trainer:
 
     # ------------------------------------------------------------------ evaluation
 
-    def evaluate(self) -> float:
-        """Accuracy of greedy dense completions of the eval prompts (reward 1 counts as correct)."""
+    def evaluate(self, sparse: bool = False) -> float:
+        """Accuracy of greedy completions of the eval prompts (reward 1 counts as correct), dense or, with
+        `sparse`, under the run's sparsity (the released recipe validates under both)."""
         params = SamplingParams(max_new_tokens=self.cfg.max_new_tokens, temperature=0.0)
         self.model.eval()
         rows = self.eval_prompts
-        out = self._engine().generate([r.token_ids for r in rows], params, sparsity=None)
+        out = self._engine().generate([r.token_ids for r in rows], params,
+                                      sparsity=self.sparsity if sparse else None)
         tok = self.loaded.tokenizer
         rewards = [score(r.task, tok.decode(o[0].token_ids, skip_special_tokens=True), r.answer, r.metadata)
                    for r, o in zip(rows, out)]
@@ -696,6 +781,13 @@ class Trainer:
             if int(f.stem.split("=")[1]) >= self.step:
                 f.unlink()
         self._write_metrics()
+
+
+def acceptance(old: dict) -> torch.Tensor:
+    """Each token's acceptance rate alpha [N, T]: 1 where it was sampled densely (budget 0: the sampler's
+    distribution is the learner's), else the top-20 lower bound (the engine keeps no more of the sparse
+    actor's distribution)."""
+    return torch.where(old["budgets"] == 0, 1.0, old["alpha_lb"])
 
 
 def _rng_states() -> tuple:

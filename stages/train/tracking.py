@@ -1,0 +1,122 @@
+"""Live tracking of each training step's metrics (`--report-to`), beside RUN/metrics.parquet, which stays
+the source of truth (the trackers are rewritten from nothing; a resume only appends after its step).
+
+- `jsonl` (always available): RUN/metrics.jsonl, one JSON object per step (NaN written as null); a
+  resumed run keeps the lines of the steps before its checkpoint and drops the rest.
+- `tensorboard`: scalar events under RUN/tensorboard/ through torch.utils.tensorboard.SummaryWriter
+  (needs the `tensorboard` package: the `tracking` extra); tags are the metric names, so verl's
+  rollout_corr/ metrics group as they do in verl.
+- `wandb`: an offline run under RUN/wandb/ (needs the `wandb` package: the `tracking` extra; `wandb
+  sync` uploads it later); never online, so no run phones home.
+- `none`: nothing beyond metrics.parquet.
+Only numbers go to tensorboard and wandb (strings such as `collapse` stay in the jsonl and the parquet).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+TRACKERS = ("jsonl", "tensorboard", "wandb", "none")
+NEEDS = {"tensorboard": "tensorboard", "wandb": "wandb"}
+
+
+def parse_report_to(text: str) -> tuple[str, ...]:
+    """"jsonl,tensorboard" -> ("jsonl", "tensorboard"); ValueError in one sentence for an unknown name or
+    a tracker whose package is missing, before any work."""
+    names = tuple(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
+    bad = [n for n in names if n not in TRACKERS]
+    if bad or not names:
+        raise ValueError(f"--report-to must be a comma list of {', '.join(TRACKERS)}, got {text!r}")
+    if "none" in names and len(names) > 1:
+        raise ValueError(f"--report-to none cannot be combined with other trackers, got {text!r}")
+    for name in names:
+        module = NEEDS.get(name)
+        if module and importlib.util.find_spec(module) is None:
+            raise ValueError(f"--report-to {name} needs the {module} package, which is not installed "
+                             f"(pip install {module}, or the extra sparrow-rl[tracking]); --report-to "
+                             "jsonl or none need nothing")
+    return () if names == ("none",) else names
+
+
+def _scalars(row: dict) -> dict[str, float]:
+    return {k: float(v) for k, v in row.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step" and math.isfinite(v)}
+
+
+class JsonlTracker:
+    def __init__(self, run_dir: Path, start_step: int):
+        self.path = run_dir / "metrics.jsonl"
+        kept = []
+        if start_step and self.path.exists():
+            kept = [line for line in self.path.read_text().splitlines()
+                    if line.strip() and json.loads(line).get("step", 0) < start_step]
+        self.path.write_text("".join(line + "\n" for line in kept))
+
+    def log(self, row: dict) -> None:
+        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
+        with self.path.open("a") as f:
+            f.write(json.dumps(clean, default=str) + "\n")
+
+    def close(self) -> None:
+        pass
+
+
+class TensorboardTracker:
+    def __init__(self, run_dir: Path, start_step: int, config: dict):
+        from torch.utils.tensorboard import SummaryWriter
+
+        folder = run_dir / "tensorboard"
+        if start_step == 0:  # a run started (over): no events of an earlier one
+            for f in folder.glob("events.out.tfevents.*"):
+                f.unlink()
+        self.writer = SummaryWriter(log_dir=str(folder), purge_step=start_step or None)
+        if start_step == 0:
+            self.writer.add_text("config", json.dumps(config, indent=2, default=str))
+
+    def log(self, row: dict) -> None:
+        for key, value in _scalars(row).items():
+            self.writer.add_scalar(key, value, global_step=row["step"])
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbTracker:
+    def __init__(self, run_dir: Path, start_step: int, config: dict):
+        import wandb
+
+        (run_dir / "wandb").mkdir(parents=True, exist_ok=True)
+        self.run = wandb.init(mode="offline", dir=str(run_dir), project="sparrow", name=run_dir.name,
+                              config=config, resume="allow" if start_step else None)
+
+    def log(self, row: dict) -> None:
+        self.run.log(_scalars(row), step=row["step"])
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class Trackers:
+    """The run's trackers: `log` each step's row, `close` at the end (rank 0 only)."""
+
+    def __init__(self, names: tuple[str, ...], run_dir: str | Path, start_step: int = 0,
+                 config: dict | None = None):
+        run_dir = Path(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        makers = {"jsonl": lambda: JsonlTracker(run_dir, start_step),
+                  "tensorboard": lambda: TensorboardTracker(run_dir, start_step, config or {}),
+                  "wandb": lambda: WandbTracker(run_dir, start_step, config or {})}
+        self.trackers = [makers[n]() for n in names if n != "none"]
+
+    def log(self, row: dict) -> None:
+        for t in self.trackers:
+            t.log(row)
+
+    def close(self) -> None:
+        for t in self.trackers:
+            t.close()
+        self.trackers = []
