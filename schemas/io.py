@@ -154,7 +154,9 @@ def read_artifact(path: str | os.PathLike, kind: str | None = None) -> pa.Table:
         table = pq.read_table(path)
     except (pa.ArrowException, OSError) as e:
         raise ArtifactError(f"{path} is a corrupt Parquet file ({first_line(e)})") from None
-    table = SCHEMAS[found].conform(table, str(path))
+    # a nullable column this artifact lacks was added to the schema after it was written: null, so that a
+    # newer Sparrow reads the run directories of an older one (sql, report, calibrate-threshold, --resume)
+    table = SCHEMAS[found].conform(table, str(path), fill_missing=True)
     return table.replace_schema_metadata(schema.metadata)
 
 

@@ -492,3 +492,13 @@ def test_validation_is_fast_on_a_million_tokens(tmp_path):
     path = write_artifact(data, tmp_path / "big.parquet", "mismatch")
     table = read_artifact(path, "mismatch")
     assert table.num_rows == n
+
+
+def test_an_older_artifact_without_a_newer_nullable_column_reads_as_null(tmp_path):
+    """Run directories written before a nullable column joined the schema stay readable (sql, report,
+    calibrate-threshold, --resume): the column reads as null; a missing required column is still refused."""
+    path = tmp_path / "old-metrics.parquet"
+    raw_write(pa.table({k: v for k, v in valid("metrics").items() if k != "eval_accuracy_sparse"}), path,
+              "metrics")
+    table = read_artifact(path, "metrics")
+    assert table.column("eval_accuracy_sparse").null_count == table.num_rows
