@@ -11,8 +11,9 @@ the canonical solution.
 
 Difficulty: `level` 1 families are one-liners over one argument (sum, maximum, reverse a string...);
 `level` 2 families need a loop or a condition (second largest, running totals, primes...); `level 0`
-mixes both. The default is the variant tuned on the embedded SmolLM2-135M-Instruct so that its
-sampled reward starts inside [0.05, 0.6] (bench/task_baseline.py measures it).
+mixes both. Both levels were measured to start inside [0.05, 0.6] on the embedded SmolLM2-135M-Instruct
+(sampled at temperature 1, dense; the README gives the numbers); the default is level 2, the one with
+more to learn.
 
 Reward rule (`score`), deterministic and in [0, 1]:
 - The code is extracted from the completion after any `</think>` (`extract_code`): the last fenced
@@ -44,10 +45,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from .base import Example, Measure, Task, TaskError
-from .sandbox import UNSAFE_ENV, Limits, Outcome, Sandbox
+from .sandbox import UNSAFE_ENV, Limits, Outcome, Sandbox, bwrap_binary
 
 DEFAULT_TESTS = 6
-DEFAULT_LEVEL = 1
+DEFAULT_LEVEL = 2
 FORMAT_WEIGHT = 0.1
 SECONDS_PER_TEST = 1.0
 LIMITS = Limits(seconds=8.0, cpu_seconds=8, memory_mb=512, processes=6, file_mb=8, open_files=64,
@@ -218,21 +219,21 @@ def _parsable_prefix(code: str, name: str) -> str | None:
             tree = ast.parse(text)
         except (SyntaxError, ValueError):  # ValueError: null bytes
             continue
-        return text + "\n" if _defines(tree, name) else None
+        return text.rstrip() + "\n" if _defines(tree, name) else None
     return None
 
 
 def _unfenced(text: str, name: str) -> str | None:
-    """The text from the function's `def` (with the import lines just above it) to the end."""
-    lines = text.splitlines()
-    head = re.compile(rf"(async\s+)?def\s+{re.escape(name)}\s*\(")
-    starts = [i for i, line in enumerate(lines) if head.match(line)]
-    if not starts:
+    """The text from the function's first `def` (with the import lines just above it) to the end."""
+    match = re.search(rf"(?<![\w.])(async\s+)?def\s+{re.escape(name)}\s*\(", text)
+    if match is None:
         return None
-    first = starts[0]
-    while first > 0 and re.match(r"(import|from)\s+\w", lines[first - 1]):
-        first -= 1
-    return "\n".join(lines[first:])
+    above = text[: match.start()].split("\n")
+    start = len(above) - 1
+    if not above[-1].strip():  # the def starts its line: take the imports just above it too
+        while start > 0 and re.match(r"(import|from)\s+\w", above[start - 1]):
+            start -= 1
+    return "\n".join(above[start:-1] + [text[match.start():]])
 
 
 def extract_code(completion: str, name: str) -> str | None:
@@ -310,11 +311,11 @@ def run_tests(code: str, name: str, cases: list[list], expected: list, sandbox: 
 def default_sandbox() -> Sandbox:
     """The process's sandbox, with `LIMITS`; unsafe where SPARROW_UNSAFE_CODE_EXECUTION=1 (the CLI's
     --unsafe-code-execution sets it, so workers started from it inherit it). Raises SandboxUnavailable."""
-    return _sandbox(os.environ.get(UNSAFE_ENV) == "1")
+    return _sandbox(os.environ.get(UNSAFE_ENV) == "1", bwrap_binary())
 
 
 @functools.cache
-def _sandbox(unsafe: bool) -> Sandbox:
+def _sandbox(unsafe: bool, bwrap: str | None) -> Sandbox:  # one per setting (bwrap: Sandbox finds it again)
     return Sandbox(LIMITS, unsafe=unsafe)
 
 

@@ -199,7 +199,8 @@ class Sandbox:
         if problem is not None and not unsafe:
             raise SandboxUnavailable(
                 f"code tasks run model-written programs, and no sandbox can run here: {problem}; pass "
-                f"{UNSAFE_FLAG} to run them with resource limits only, without isolation")
+                f"{UNSAFE_FLAG} (or set {UNSAFE_ENV}=1) to run them with resource limits only, without "
+                "isolation")
         self.isolated = problem is None
         self.problem = problem
         self.warned = False

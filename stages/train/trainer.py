@@ -66,7 +66,7 @@ from ..rollout import Engine, SamplingParams
 from ..rollout.workers import RolloutPool
 from ..schedule import Schedule
 from ..sparsity import parse_sparsity
-from ..tasks import TASKS, score
+from ..tasks import TASKS, score_batch
 from . import objective as grpo
 from .adapter import add_lora, load_lora_state, lora_state, save_adapter
 from .distributed import World, current_world, data_parallel
@@ -168,6 +168,7 @@ def load_prompts(path: str | os.PathLike, tokenizer=None, chat_template: bool = 
                               f"(known: {', '.join(TASKS)})")
         if r.get("answer") is None:
             raise PromptError(f"{where} has no answer, so its reward cannot be verified")
+    prompt_set.check_rewards()
     prompt_set.tokenize(tokenizer, chat_template)
     return [PromptRow(r["prompt_id"], r["task"], list(r["prompt_token_ids"]), r["answer"], r.get("metadata"))
             for r in prompt_set.rows]
@@ -340,8 +341,11 @@ class Trainer:
         t_roll = time.perf_counter() - t0
         self.on_rollouts(step, [len(c.token_ids) for group in comps for c in group])
         tok = self.loaded.tokenizer
-        rewards = np.array([[score(r.task, tok.decode(c.token_ids, skip_special_tokens=True), r.answer,
-                                   r.metadata) for c in group] for r, group in zip(batch, comps)])
+        t_reward = time.perf_counter()  # code tasks run each sample's program in a pool of sandboxes
+        rewards = np.array(score_batch([(r.task, tok.decode(c.token_ids, skip_special_tokens=True), r.answer,
+                                         r.metadata) for r, group in zip(batch, comps) for c in group]))
+        rewards = rewards.reshape(len(batch), -1)
+        t_reward = time.perf_counter() - t_reward
         flat = [c for group in comps for c in group]
         rewards_t = torch.tensor(rewards, dtype=torch.float32)
         advantages = grpo.group_advantages(rewards_t, self.loss_cfg).flatten()
@@ -352,7 +356,7 @@ class Trainer:
         t_score = time.perf_counter() - t1
         correction = grpo.rollout_correction(old["logp"] - old["logp_rollout"], old["mask"], self.loss_cfg)
         return {"batch": batch, "flat": flat, "rewards": rewards, "advantages": advantages, "old": old,
-                "correction": correction, "seconds": (t_roll, t_score)}
+                "correction": correction, "seconds": (t_roll, t_score), "reward_seconds": t_reward}
 
     def train_step(self) -> dict:
         step = self.step
@@ -381,6 +385,7 @@ class Trainer:
 
         self.step = step + 1
         row = self._metrics(step, flat, rewards, old, correction, update, (t_roll, t_score, t_update))
+        row["reward_seconds"] = exp["reward_seconds"]
         last = self.step == cfg.steps  # the final eval is never left blank
         if self.eval_prompts and self.world.main and (self.step % cfg.eval_every == 0 or last):
             row["eval_accuracy"] = self.evaluate()
@@ -633,8 +638,8 @@ class Trainer:
         rows = self.eval_prompts
         out = self._engine().generate([r.token_ids for r in rows], params, sparsity=None)
         tok = self.loaded.tokenizer
-        rewards = [score(r.task, tok.decode(o[0].token_ids, skip_special_tokens=True), r.answer, r.metadata)
-                   for r, o in zip(rows, out)]
+        rewards = score_batch([(r.task, tok.decode(o[0].token_ids, skip_special_tokens=True), r.answer,
+                                r.metadata) for r, o in zip(rows, out)])
         return float(np.mean([x >= 1.0 - 1e-9 for x in rewards]))
 
     # ------------------------------------------------------------------ checkpoints
