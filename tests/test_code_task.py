@@ -142,3 +142,37 @@ def test_the_same_program_scores_the_same_whatever_the_pool_size():
     assert one == three
     assert one == [score(*item) for item in items]
     assert one[-1] == 1.0 and one[0] == 1.0
+
+
+# ---------------------------------------------------------------------------- humaneval
+
+
+def test_humaneval_prompts_and_canonical_solutions():
+    from sparrow.stages.tasks.humaneval import problems
+
+    got = make_prompts("humaneval", 170, 0, WordTokenizer())
+    assert len({r["answer"] for r in got[:164]}) == 164 and got[164]["answer"] == got[0]["answer"]
+    assert got[:5] == make_prompts("humaneval", 5, 0, WordTokenizer()) != make_prompts("humaneval", 5, 1,
+                                                                                         WordTokenizer())
+    by_id = {p["task_id"]: p for p in problems()}
+    for r in got[:12]:
+        meta = json.loads(r["metadata"])
+        p = by_id[meta["task_id"]]
+        assert p["prompt"].strip() in r["prompt"] and meta["test"] == p["test"]
+        assert score("humaneval", f"```python\n{r['answer']}```", r["answer"], r["metadata"]) == 1.0
+        # a model that only continues the stub's body
+        assert score("humaneval", p["canonical_solution"], r["answer"], r["metadata"]) == 1.0
+
+
+def test_humaneval_wrong_solution_scores_its_fraction():
+    from sparrow.stages.tasks.humaneval import problems
+
+    p = problems()[0]  # has_close_elements: 7 asserts, those expecting False pass for `return False`
+    asserts = [line for line in p["test"].splitlines() if line.strip().startswith("assert")]
+    expected_false = sum(line.rstrip().endswith("== False") for line in asserts)
+    assert (len(asserts), expected_false) == (7, 3)
+    meta = {"function": p["entry_point"], "stub": p["prompt"], "test": p["test"]}
+    wrong = "```python\ndef has_close_elements(numbers, threshold):\n    return False\n```"
+    assert score("humaneval", wrong, "", meta) == pytest.approx(0.9 * 3 / 7 + 0.1)
+    crash = "```python\ndef has_close_elements(numbers, threshold):\n    return 1 / 0\n```"
+    assert score("humaneval", crash, "", meta) == 0.0

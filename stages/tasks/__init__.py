@@ -20,14 +20,14 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from . import code, learnable, longcontext, reasoning
+from . import code, humaneval, learnable, longcontext, reasoning
 from .base import Example, Task, TaskError
 
 __all__ = ["TASKS", "Example", "Task", "TaskError", "chat_format", "get_task", "make_prompts", "score",
            "score_batch"]
 
 TASKS: dict[str, Task] = {t.name: t for t in [*reasoning.tasks(), *longcontext.tasks(), *learnable.tasks(),
-                                                *code.tasks()]}
+                                                *code.tasks(), *humaneval.tasks()]}
 
 
 def get_task(name: str) -> Task:

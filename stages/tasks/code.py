@@ -1,7 +1,7 @@
 """`code`: write a small Python function; the reward runs it on hidden tests inside the sandbox.
 
-No package ships HumanEval-style problems under a licence and in a form we could embed, so problems
-are generated: each *family* is a function to write (name, signature, one-sentence specification, a
+These problems are generated (`humaneval.py` has OpenAI's HumanEval, which the embedded model rarely
+solves): each *family* is a function to write (name, signature, one-sentence specification, a
 canonical solution, a seeded input generator). A prompt names the function, states what it must do,
 shows one worked example, and asks for one ```python block. Its hidden tests are `tests` (default 6)
 further inputs drawn from the family's generator; their expected outputs are the canonical solution's,
@@ -276,6 +276,23 @@ for _i, _args in enumerate(_cases):
 """
 
 
+def new_nonce() -> str:
+    return "@@sparrow-" + secrets.token_hex(16) + "@@"
+
+
+def reports(outcome: Outcome, nonce: str) -> dict[int, tuple[str, Any]]:
+    """The harness's first report per test: {index: (status, value)} from the lines that carry `nonce`."""
+    results: dict[int, tuple[str, Any]] = {}
+    for line in outcome.stdout.decode("utf-8", errors="replace").splitlines():
+        if line.startswith(nonce):
+            try:
+                i, status, value = json.loads(line[len(nonce):])
+                results.setdefault(int(i), (str(status), value))
+            except (ValueError, TypeError):
+                continue
+    return results
+
+
 @dataclass(frozen=True)
 class Verdict:
     reward: float
@@ -288,23 +305,16 @@ class Verdict:
 def run_tests(code: str, name: str, cases: list[list], expected: list, sandbox: Sandbox,
               format_weight: float = FORMAT_WEIGHT) -> Verdict:
     """Run `code` against the hidden tests in `sandbox` and score it (module docstring)."""
-    nonce = "@@sparrow-" + secrets.token_hex(16) + "@@"
+    nonce = new_nonce()
     outcome = sandbox.run({"main.py": HARNESS.format(nonce=nonce, name=name, seconds=SECONDS_PER_TEST),
                            "solution.py": code, "cases.json": json.dumps(cases)})
-    results: dict[int, tuple[str, Any]] = {}
-    for line in outcome.stdout.decode("utf-8", errors="replace").splitlines():
-        if line.startswith(nonce):
-            try:
-                i, status, value = json.loads(line[len(nonce):])
-            except (ValueError, TypeError):
-                continue
-            results.setdefault(i, (status, value))
+    results = reports(outcome, nonce)
     if not outcome.ok:
         return Verdict(0.0, 0, len(cases), False, outcome)
     passed = sum(results.get(i, ("",))[0] == "returned" and _canonical(results[i][1]) == _canonical(e)
                  for i, e in enumerate(expected))
     clean = all(results.get(i, ("",))[0] == "returned" for i in range(len(cases)))
-    reward = (1 - format_weight) * passed / max(len(cases), 1) + format_weight * clean
+    reward = min(1.0, (1 - format_weight) * (passed / max(len(cases), 1)) + format_weight * clean)
     return Verdict(reward, passed, len(cases), clean, outcome)
 
 
