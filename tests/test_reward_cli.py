@@ -111,3 +111,13 @@ def test_no_sandbox_is_refused_unless_unsafe(files, monkeypatch):
     assert result.exit_code == 0, result.output
     assert "WITHOUT a sandbox" in result.stderr
     assert read_artifact(out, "rewards").column("reward").to_pylist() == pytest.approx(files["expected"])
+
+
+def test_prompts_whose_metadata_the_scorer_cannot_read_are_refused(files):
+    table = read_artifact(files["prompts"], "prompts").to_pylist()
+    table[0]["metadata"] = json.dumps({"function": "f"})
+    broken = files["dir"] / "broken.parquet"
+    write_artifact(table, broken, "prompts", {})
+    out = files["dir"] / "rewards.parquet"
+    line = error_line(_reward("--prompts", broken, "--completions", files["jsonl"], "-o", out))
+    assert "'cases', 'expected'" in line and "metadata" in line and not out.exists()

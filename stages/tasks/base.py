@@ -36,6 +36,7 @@ class Task:
     score: Callable[[str, str, dict[str, Any]], float]  # (completion, answer, metadata) -> [0, 1]
     options: tuple[str, ...] = ()  # keyword options `generate` accepts
     runs_code: bool = False  # its scorer runs the completion's program (in the sandbox): scored in a pool
+    metadata_keys: tuple[str, ...] = ()  # what its scorer reads from a prompt's metadata (checked up front)
 
     @property
     def long_context(self) -> bool:

@@ -346,4 +346,5 @@ def score(completion: str, answer: str, metadata: dict[str, Any] | None = None) 
 def tasks() -> list[Task]:
     return [Task("code", "code", "write a small Python function; reward = the fraction of hidden tests it "
                  "passes when run in a sandbox, plus a little for a runnable function",
-                 generate, score, ("level", "tests"), runs_code=True)]
+                 generate, score, ("level", "tests"), runs_code=True,
+                 metadata_keys=("function", "cases", "expected"))]

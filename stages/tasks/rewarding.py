@@ -13,6 +13,7 @@ Design decisions:
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -109,6 +110,23 @@ def check_prompts(prompts: dict[str, dict], completions: list[Completion], promp
         if row.get("answer") is None:
             raise ArtifactError(f"--prompts {prompts_path}: prompt {c.prompt_id!r} has no answer (column "
                                 "'answer'), so its completions cannot be scored")
+        _check_metadata(row, prompts_path)
+
+
+def _check_metadata(row: dict, path: Path) -> None:
+    """The metadata keys the prompt's task scorer reads are there (a JSON object in column 'metadata')."""
+    keys = TASKS[row["task"]].metadata_keys
+    if not keys:
+        return
+    try:
+        meta = json.loads(row.get("metadata") or "{}")
+    except ValueError:
+        meta = None
+    missing = [k for k in keys if not isinstance(meta, dict) or k not in meta]
+    if missing:
+        raise ArtifactError(f"--prompts {path}: prompt {row['prompt_id']!r} of task {row['task']} lacks "
+                            f"{', '.join(map(repr, missing))} in column 'metadata' (a JSON object), which "
+                            "its scorer reads")
 
 
 def score_completions(prompts: dict[str, dict], completions: list[Completion],
