@@ -339,7 +339,7 @@ SCHEMAS: dict[str, ArtifactSpec] = {s.kind: s for s in (
                       "alpha_lb_p5")),
           *(Col(n, F64, nullable=True)
             for n in ("policy_loss", "kl", "mean_budget", "rollout_seconds", "scoring_seconds",
-                      "update_seconds", "tokens_per_second", "weight_sync_seconds")),
+                      "update_seconds", "tokens_per_second", "weight_sync_seconds", "reward_seconds")),
           Col("collapse", STR, nullable=True),
           *(Col(n, F64, nullable=True) for n in TRAIN_CORRECTION_METRICS),
           Col("eval_accuracy_sparse", F64, nullable=True, range=UNIT),
@@ -347,6 +347,9 @@ SCHEMAS: dict[str, ArtifactSpec] = {s.kind: s for s in (
           Col("alpha_lb_p5_by_bin", LIST_F32, nullable=True),
           Col("oversample_acceptance_kept", F64, nullable=True, range=UNIT),
           Col("oversample_acceptance_dropped", F64, nullable=True, range=UNIT)),
+    _spec("rewards", "one row per scored completion (sparrow reward)",
+          Col("prompt_id", STR), Col("sample", I32, range=NONNEG), Col("task", STR),
+          Col("reward", F64, range=UNIT)),
     _spec("train_mismatch", "one row per generated token per training step (the sparse actor vs the "
           "dense learner)",
           Col("step", I32, range=NONNEG), Col("prompt_id", STR), Col("sample", I32, range=NONNEG),

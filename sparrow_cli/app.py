@@ -19,6 +19,7 @@ from . import (  # noqa: E402
     profile,
     prompts,
     report,
+    reward,
     rollout,  # noqa: E402
     sql,
     train,
@@ -62,6 +63,7 @@ app.command("calibrate-threshold")(calibrate.calibrate_threshold)
 app.command("fit-cost")(cost.fit_cost)
 app.command("plan-schedule")(plan.plan_schedule)
 app.command("rollout")(rollout.rollout)
+app.command("reward")(reward.reward)
 app.command("train")(train.train)
 app.command("distill")(distill.distill)
 app.command("report")(report.report)

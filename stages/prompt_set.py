@@ -38,6 +38,19 @@ class PromptSet:
             raise PromptError(f"{path}: the prompt set is empty")
         return cls(path, table.select([c for c in COLUMNS if c in table.column_names]).to_pylist())
 
+    def check_rewards(self) -> None:
+        """Refuse, before any work, prompts whose reward runs the model's program (code tasks) where no
+        sandbox can run it and unsafe execution was not asked for."""
+        from .tasks import TASKS
+        from .tasks.code import default_sandbox
+        from .tasks.sandbox import SandboxUnavailable
+
+        if any(r.get("task") in TASKS and TASKS[r["task"]].runs_code for r in self.rows):
+            try:
+                default_sandbox()
+            except SandboxUnavailable as e:
+                raise PromptError(f"{self.path}: {e}") from None
+
     @property
     def needs_tokenizer(self) -> bool:
         return not all(r.get("prompt_token_ids") for r in self.rows)

@@ -73,7 +73,7 @@ def step_gradient(model: str, prompts: str, run: str, world=None) -> dict:
 
 
 TIMING = {"run_id", "seconds", "rollout_seconds", "scoring_seconds", "update_seconds", "tokens_per_second",
-          "weight_sync_seconds"}
+          "weight_sync_seconds", "reward_seconds"}
 
 
 def metrics_without_timing(run: Path) -> list[dict]:

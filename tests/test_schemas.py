@@ -63,7 +63,7 @@ VALID: dict[str, dict[str, list]] = {
         "alpha_lb_p5": [0.5, 0.4], "policy_loss": [0.1, -0.1], "kl": [0.0, 0.01], "mean_budget": [0.0, 512.0],
         "rollout_seconds": [2.0, 2.1], "scoring_seconds": [0.5, 0.5], "update_seconds": [0.5, 0.5],
         "tokens_per_second": [100.0, 90.0], "weight_sync_seconds": [None, 0.01],
-        "collapse": [None, "reward_drop"],
+        "reward_seconds": [0.2, 1.5], "collapse": [None, "reward_drop"],
         **{name: [None, 0.5] for name in TRAIN_CORRECTION_METRICS}, "eval_accuracy_sparse": [0.1, None],
         "update_skipped": [None, "the rollout correction rejected every token of the batch"],
         "alpha_lb_p5_by_bin": [[0.5, 0.25], []], "oversample_acceptance_kept": [None, 0.9],
@@ -75,6 +75,8 @@ VALID: dict[str, dict[str, list]] = {
         "log_ratio": [-0.1, 1.0], "k3": [0.005, 0.37], "alpha_top20_lb": [0.95, None],
         "weight": [1.0, 0.0], "masked": [False, True], "vetoed": [False, False],
     },
+    "rewards": {"prompt_id": ["code-0-0", "code-0-0"], "sample": [0, 1], "task": ["code", "code"],
+                "reward": [1.0, 0.1]},
 }
 
 
@@ -100,7 +102,7 @@ def one_sentence(e: pytest.ExceptionInfo, path) -> str:
 
 def test_every_kind_has_valid_example():
     assert set(VALID) == set(SCHEMAS) == {"prompts", "mismatch", "threshold", "cost", "schedule",
-                                          "rollouts", "metrics", "train_mismatch"}
+                                          "rollouts", "metrics", "train_mismatch", "rewards"}
     for kind, spec in SCHEMAS.items():
         assert spec.schema.metadata == {b"sparrow.artifact": kind.encode(), b"sparrow.version": b"1"}
         assert set(VALID[kind]) == set(spec.names)

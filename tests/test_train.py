@@ -217,7 +217,8 @@ def _train(path, prompts, run, **kw):
     return trainer, trainer.run()
 
 
-TIMING = {"run_id", "seconds", "rollout_seconds", "scoring_seconds", "update_seconds", "tokens_per_second"}
+TIMING = {"run_id", "seconds", "rollout_seconds", "scoring_seconds", "update_seconds", "tokens_per_second",
+          "reward_seconds"}
 
 
 def _metrics(run):

@@ -92,16 +92,17 @@ def engine_options(opts: RolloutOptions) -> dict:
 def rollout_columns(rows: Seq[dict], results: Seq[Seq[Completion]], tokenizer) -> dict[str, list]:
     """The rollouts artifact's columns from the completions of each prompt row, whichever sampler made
     them (our engine, or vLLM in vllm_backend.py): decoded text and the task's reward added."""
-    from ..tasks import TASKS, score
+    from ..tasks import TASKS, score_batch
 
     out = {k: [] for k in ("prompt_id", "sample", "prompt_token_ids", "token_ids", "text", "logprobs",
                            "budgets", "finish_reason", "reward")}
+    scored = []  # (index, task, text, answer, metadata) of the samples with a reward, scored at the end
     for row, completions in zip(rows, results):
         for c in completions:
             text = tokenizer.decode(c.token_ids, skip_special_tokens=True) if tokenizer is not None else None
             reward = None
             if text is not None and row.get("task") in TASKS and row.get("answer") is not None:
-                reward = score(row["task"], text, row["answer"], row.get("metadata"))
+                scored.append((len(out["reward"]), row["task"], text, row["answer"], row.get("metadata")))
             out["prompt_id"].append(row["prompt_id"])
             out["sample"].append(c.sample)
             out["prompt_token_ids"].append(c.prompt_token_ids)
@@ -111,6 +112,8 @@ def rollout_columns(rows: Seq[dict], results: Seq[Seq[Completion]], tokenizer) -
             out["budgets"].append(c.budgets)
             out["finish_reason"].append(c.finish_reason)
             out["reward"].append(reward)
+    for (i, *_), reward in zip(scored, score_batch([item for _, *item in scored])):
+        out["reward"][i] = reward
     return out
 
 

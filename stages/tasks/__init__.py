@@ -5,20 +5,29 @@ formatted with the model's own chat template (an optional system message first) 
 as text and as token ids, so later stages never re-tokenise and never disagree about the prompt.
 A tokenizer without a chat template gets the plain text (system message, blank line, user
 message). Prompt ids are `<task>-<seed>-<index>`: stable for a seed, distinct across seeds.
+
+`score_batch` scores many completions at once: tasks whose scorer runs the completion's program
+(`Task.runs_code`) are scored by a pool of threads, each waiting on its own sandboxed process, so a
+step's rewards take about the longest program's time rather than the sum; every completion is scored
+on its own, so the rewards do not depend on the pool's size.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from . import learnable, longcontext, reasoning
+from . import code, humaneval, learnable, longcontext, reasoning
 from .base import Example, Task, TaskError
 
-__all__ = ["TASKS", "Example", "Task", "TaskError", "chat_format", "get_task", "make_prompts", "score"]
+__all__ = ["TASKS", "Example", "Task", "TaskError", "chat_format", "get_task", "make_prompts", "score",
+           "score_batch"]
 
-TASKS: dict[str, Task] = {t.name: t for t in [*reasoning.tasks(), *longcontext.tasks(), *learnable.tasks()]}
+TASKS: dict[str, Task] = {t.name: t for t in [*reasoning.tasks(), *longcontext.tasks(), *learnable.tasks(),
+                                                *code.tasks(), *humaneval.tasks()]}
 
 
 def get_task(name: str) -> Task:
@@ -78,3 +87,27 @@ def score(task_name: str, completion_text: str, answer: str | None, metadata: st
         return 0.0
     meta = json.loads(metadata) if isinstance(metadata, str) and metadata else (metadata or {})
     return float(min(1.0, max(0.0, get_task(task_name).score(completion_text, answer, meta))))
+
+
+Item = tuple[str, str, "str | None", "str | dict | None"]  # (task, completion text, answer, metadata)
+
+
+def reward_workers() -> int:
+    """Default pool size for programs' rewards: $SPARROW_REWARD_WORKERS, else the CPU count."""
+    return max(1, int(os.environ.get("SPARROW_REWARD_WORKERS") or os.cpu_count() or 1))
+
+
+def score_batch(items: Sequence[Item], workers: int | None = None) -> list[float]:
+    """`score` of each item, in order; items of tasks that run code go through a pool of `workers`."""
+    pooled = [i for i, it in enumerate(items) if it[0] in TASKS and TASKS[it[0]].runs_code]
+    rewards = [0.0] * len(items)
+    if pooled:
+        n = min(workers or reward_workers(), len(pooled))
+        with ThreadPoolExecutor(max_workers=n, thread_name_prefix="sparrow-reward") as pool:
+            for i, r in zip(pooled, pool.map(lambda i: score(*items[i]), pooled)):
+                rewards[i] = r
+    done = set(pooled)
+    for i, it in enumerate(items):
+        if i not in done:
+            rewards[i] = score(*it)
+    return rewards

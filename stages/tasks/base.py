@@ -30,11 +30,13 @@ class Example:
 @dataclass(frozen=True)
 class Task:
     name: str
-    kind: str  # "math" or "long-context"
+    kind: str  # "math", "long-context" or "code"
     description: str
     generate: Callable[..., Iterator[Example]]  # (n, seed, measure, **options)
     score: Callable[[str, str, dict[str, Any]], float]  # (completion, answer, metadata) -> [0, 1]
     options: tuple[str, ...] = ()  # keyword options `generate` accepts
+    runs_code: bool = False  # its scorer runs the completion's program (in the sandbox): scored in a pool
+    metadata_keys: tuple[str, ...] = ()  # what its scorer reads from a prompt's metadata (checked up front)
 
     @property
     def long_context(self) -> bool:

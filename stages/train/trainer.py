@@ -67,7 +67,7 @@ from ..rollout import Engine, SamplingParams
 from ..rollout.workers import RolloutPool
 from ..schedule import Schedule
 from ..sparsity import parse_sparsity
-from ..tasks import TASKS, score
+from ..tasks import TASKS, score_batch
 from . import corrections as rc
 from . import objective as grpo
 from .adapter import add_lora, load_lora_state, lora_state, save_adapter
@@ -175,6 +175,7 @@ def load_prompts(path: str | os.PathLike, tokenizer=None, chat_template: bool = 
                               f"(known: {', '.join(TASKS)})")
         if r.get("answer") is None:
             raise PromptError(f"{where} has no answer, so its reward cannot be verified")
+    prompt_set.check_rewards()
     prompt_set.tokenize(tokenizer, chat_template)
     return [PromptRow(r["prompt_id"], r["task"], list(r["prompt_token_ids"]), r["answer"], r.get("metadata"))
             for r in prompt_set.rows]
@@ -357,8 +358,11 @@ class Trainer:
         t_roll = time.perf_counter() - t0
         self.on_rollouts(step, [len(c.token_ids) for group in comps for c in group])
         tok = self.loaded.tokenizer
-        rewards = np.array([[score(r.task, tok.decode(c.token_ids, skip_special_tokens=True), r.answer,
-                                   r.metadata) for c in group] for r, group in zip(batch, comps)])
+        t_reward = time.perf_counter()  # code tasks run each sample's program in a pool of sandboxes
+        rewards = np.array(score_batch([(r.task, tok.decode(c.token_ids, skip_special_tokens=True), r.answer,
+                                         r.metadata) for r, group in zip(batch, comps) for c in group]))
+        rewards = rewards.reshape(len(batch), -1)
+        t_reward = time.perf_counter() - t_reward
         flat = [c for group in comps for c in group]
 
         t1 = time.perf_counter()
@@ -374,7 +378,8 @@ class Trainer:
                                              advantages=advantages, alpha=acceptance(old),
                                              generator=self._rejection_generator(step))
         return {"batch": batch, "flat": flat, "rewards": rewards, "advantages": advantages, "old": old,
-                "correction": correction, "seconds": (t_roll, t_score), "selection": selection}
+                "correction": correction, "seconds": (t_roll, t_score), "selection": selection,
+                "reward_seconds": t_reward}
 
     def _rejection_generator(self, step: int) -> torch.Generator:
         """The stochastic rejection's draws: a CPU generator seeded from (seed, step) alone, so a resumed
@@ -432,6 +437,7 @@ class Trainer:
         self.step = step + 1
         row = self._metrics(step, flat, rewards, old, correction, update, (t_roll, t_score, t_update))
         row.update(exp.get("selection") or {})
+        row["reward_seconds"] = exp["reward_seconds"]
         last = self.step == cfg.steps  # the final eval is never left blank
         if self.eval_prompts and self.world.main and (self.step % cfg.eval_every == 0 or last):
             row["eval_accuracy"] = self.evaluate()
@@ -718,8 +724,8 @@ class Trainer:
         out = self._engine().generate([r.token_ids for r in rows], params,
                                       sparsity=self.sparsity if sparse else None)
         tok = self.loaded.tokenizer
-        rewards = [score(r.task, tok.decode(o[0].token_ids, skip_special_tokens=True), r.answer, r.metadata)
-                   for r, o in zip(rows, out)]
+        rewards = score_batch([(r.task, tok.decode(o[0].token_ids, skip_special_tokens=True), r.answer,
+                                r.metadata) for r, o in zip(rows, out)])
         return float(np.mean([x >= 1.0 - 1e-9 for x in rewards]))
 
     # ------------------------------------------------------------------ checkpoints

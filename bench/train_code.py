@@ -1,0 +1,139 @@
+"""GRPO on the code task: dense vs the planned sparse schedule, rewards from programs run in the sandbox.
+
+Runs `sparrow.stages.train.Trainer` on `code` prompts (small function-writing problems whose reward is the
+fraction of hidden tests the completion's function passes, run in the bubblewrap sandbox, plus a format
+credit), once per configuration and seed from the same base weights, and prints:
+- per step: train reward, accuracy, eval accuracy (greedy, dense, held-out prompts of another seed) where
+  evaluated, and the seconds of the step's rewards (`reward_seconds`: every sample's program run in the
+  pool of sandboxes) next to rollout / scoring / update seconds;
+- per run: eval accuracy at the start and the end, train reward over the first and last quarter of the
+  steps, the p5 of the top-20 lower bound of alpha (mean over steps; the tail statistic, to set against
+  bench/train.py's passkey runs), mismatch KL, the collapse label, median seconds per phase.
+Configurations: `dense`, and `planned` (the --planned budget, or --schedule FILE, with truncated IS).
+Whether GRPO learned: the eval gain against the seed spread when --seeds has several (reported, not
+asserted). Writes bench/results/train_code.parquet and one run directory per run under
+bench/results/train-code-runs/.
+
+    .venv/bin/python bench/train_code.py --steps 2 --prompts-per-step 2 --samples 2 --eval-prompts 4
+    .venv/bin/python bench/train_code.py --steps 24 --seeds 0,1,2     # the study: hours on 2 cores
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from common import write_results
+
+from sparrow.schemas import write_artifact
+from sparrow.stages.model.loading import load_model
+from sparrow.stages.tasks import make_prompts
+from sparrow.stages.train import TrainConfig, Trainer, load_prompts
+
+RUNS = Path(__file__).parent / "results" / "train-code-runs"
+PHASES = ("rollout_seconds", "scoring_seconds", "update_seconds", "reward_seconds")
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--level", type=int, default=None, help="code task level (default: the task's)")
+    ap.add_argument("--train-prompts", type=int, default=64)
+    ap.add_argument("--eval-prompts", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--eval-every", type=int, default=None, help="steps between evals (default: --steps)")
+    ap.add_argument("--prompts-per-step", type=int, default=4)
+    ap.add_argument("--samples", type=int, default=4)
+    ap.add_argument("--max-new-tokens", type=int, default=160)
+    ap.add_argument("--lr", type=float, default=2e-4)
+    ap.add_argument("--lora-rank", type=int, default=16)
+    ap.add_argument("--micro-batch", type=int, default=8)
+    ap.add_argument("--bin-width", type=int, default=128)
+    ap.add_argument("--planned", type=int, default=128, help="the planned budget in tokens")
+    ap.add_argument("--schedule", type=Path, default=None, help="a schedule artifact instead of --planned")
+    ap.add_argument("--configs", default="dense,planned")
+    ap.add_argument("--seeds", default="0")
+    ap.add_argument("--threads", type=int, default=None)
+    return ap.parse_args()
+
+
+def prompt_file(loaded, args, n: int, seed: int, path: Path) -> Path:
+    options = {} if args.level is None else {"level": args.level}
+    return write_artifact(make_prompts("code", n, seed, loaded.tokenizer, **options), path, "prompts")
+
+
+def run_one(args, name: str, seed: int, prompts: Path, eval_prompts: Path) -> dict:
+    loaded = load_model(args.model)  # fresh base weights for every run
+    run_dir = RUNS / f"{name}-seed{seed}"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    sparsity = "dense" if name == "dense" else (
+        f"schedule:{args.schedule}" if args.schedule else f"budget:{args.planned}")
+    cfg = TrainConfig(model=args.model, steps=args.steps, prompts_per_step=args.prompts_per_step,
+                      samples=args.samples, max_new_tokens=args.max_new_tokens, lr=args.lr,
+                      lora_rank=args.lora_rank, seed=seed, micro_batch=args.micro_batch,
+                      checkpoint_every=args.steps, eval_every=args.eval_every or args.steps,
+                      bin_width=args.bin_width, sparsity=sparsity, correction="tis")
+
+    def on_step(r: dict) -> None:
+        ev = "" if r.get("eval_accuracy") is None else f", eval {r['eval_accuracy']:.3f}"
+        print(f"    {name} seed {seed} step {r['step']}: reward {r['reward_mean']:.3f}, accuracy "
+              f"{r['accuracy']:.3f}{ev}; s rollout / scoring / update / reward "
+              + " / ".join(f"{r[k]:.1f}" for k in PHASES), flush=True)
+
+    t0 = time.perf_counter()
+    trainer = Trainer(cfg, loaded, load_prompts(prompts, loaded.tokenizer), run_dir,
+                      eval_prompts=load_prompts(eval_prompts, loaded.tokenizer), on_step=on_step)
+    summary = trainer.run()
+    h = trainer.history
+    k = max(1, len(h) // 4)
+    mean = lambda key, part: float(np.mean([r[key] for r in part if r.get(key) is not None]))
+    median = lambda key: float(np.median([r[key] for r in h]))
+    return {"config": name, "seed": seed, "steps": len(h), "sparsity": sparsity,
+            "eval_start": summary["initial_eval_accuracy"], "eval_end": summary["final_eval_accuracy"],
+            "reward_first": mean("reward_mean", h[:k]), "reward_last": mean("reward_mean", h[-k:]),
+            "alpha_lb_p5": mean("alpha_lb_p5", h), "mismatch_kl": mean("mismatch_kl", h),
+            "label": summary["label"], **{k.replace("_seconds", "_s"): median(k) for k in PHASES},
+            "wall_s": time.perf_counter() - t0}
+
+
+def main() -> None:
+    args = parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    base = load_model(args.model)
+    RUNS.mkdir(parents=True, exist_ok=True)
+    prompts = prompt_file(base, args, args.train_prompts, 0, RUNS / "prompts.parquet")
+    eval_prompts = prompt_file(base, args, args.eval_prompts, 1, RUNS / "eval_prompts.parquet")
+    rows = []
+    for name in args.configs.split(","):
+        if name not in ("dense", "planned"):
+            raise SystemExit(f"--configs takes dense and planned, got {name!r}")
+        for seed in [int(s) for s in args.seeds.split(",")]:
+            print(f"== {name}, seed {seed}", flush=True)
+            rows.append(run_one(args, name, seed, prompts, eval_prompts))
+    print(f"{args.model}, code (level {args.level or 'default'}), {args.steps} steps x "
+          f"{args.prompts_per_step} prompts x {args.samples} samples, {args.max_new_tokens} new tokens, "
+          f"LoRA rank {args.lora_rank}, lr {args.lr}, {torch.get_num_threads()} threads")
+    print(f"{'config':>8} {'seed':>4} {'eval 0':>6} {'eval N':>6} {'rwd 1st':>7} {'rwd last':>8} "
+          f"{'a-lb p5':>7} {'mis KL':>8} {'label':>9} {'roll s':>6} {'score s':>7} {'upd s':>6} "
+          f"{'reward s':>8}")
+    for r in rows:
+        print(f"{r['config']:>8} {r['seed']:>4} {r['eval_start']:>6.3f} {r['eval_end']:>6.3f} "
+              f"{r['reward_first']:>7.3f} {r['reward_last']:>8.3f} {r['alpha_lb_p5']:>7.3f} "
+              f"{r['mismatch_kl']:>8.2e} {r['label']:>9} {r['rollout_s']:>6.1f} {r['scoring_s']:>7.1f} "
+              f"{r['update_s']:>6.1f} {r['reward_s']:>8.2f}")
+    dense = [r for r in rows if r["config"] == "dense"]
+    if len(dense) > 1:
+        finals = np.array([r["eval_end"] for r in dense])
+        gains = finals - np.array([r["eval_start"] for r in dense])
+        print(f"dense: eval gain {gains.mean():.3f} (per seed {np.round(gains, 3).tolist()}), spread of the "
+              f"final eval accuracy over seeds: range {finals.max() - finals.min():.3f}")
+    write_results(rows, "train_code")
+
+
+if __name__ == "__main__":
+    main()

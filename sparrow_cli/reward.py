@@ -1,0 +1,80 @@
+"""`sparrow reward`: score any sampler's completions with their tasks' scorers, to a rewards artifact.
+
+Everything is checked before anything is scored (the output location, both files, every completion's
+prompt, and for code tasks that a sandbox can run here); code tasks' programs run in a pool of sandboxes
+(`--workers`). The summary (one row per task: completions, mean reward, accuracy) is printed as a table.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import typer
+
+from .common import (
+    UsageError,
+    check_output,
+    console,
+    force_option,
+    friendly_errors,
+    input_path,
+    output_help,
+)
+from .output import emit, format_option, resolve_format
+
+UNSAFE_HELP = ("Where no sandbox can run (no user namespaces, no bwrap), run code tasks' programs anyway, "
+               "with resource limits only and without isolation: a program can then read your files and "
+               "reach the network. Said on stderr when it happens.")
+
+
+@friendly_errors
+def reward(
+    prompts: Path = typer.Option(..., "--prompts", callback=input_path, help="The prompts the completions "
+                                 "answer: a prompts artifact, or any Parquet or JSONL file with its columns "
+                                 "(prompt_id, task, answer, metadata)."),
+    completions: Path = typer.Option(..., "--completions", callback=input_path, help="A rollouts artifact, "
+                                     "or any Parquet or JSONL file with columns prompt_id and text (and "
+                                     "optionally sample), from any sampler."),
+    output: Path = typer.Option(..., "-o", "--output", help=output_help("the rewards artifact")),
+    workers: int = typer.Option(None, "--workers", help="Programs run at once for code tasks (default: "
+                                "the CPU count)."),
+    unsafe_code_execution: bool = typer.Option(False, "--unsafe-code-execution", help=UNSAFE_HELP),
+    fmt: str = format_option(),
+    force: bool = force_option(),
+) -> None:
+    """Score completions (of any sampler) with their prompts' task scorers."""
+    from sparrow.schemas import write_artifact
+    from sparrow.stages.prompt_set import PromptSet
+    from sparrow.stages.tasks.rewarding import check_prompts, read_completions, score_completions
+    from sparrow.stages.tasks.sandbox import UNSAFE_ENV
+
+    fmt = resolve_format(fmt)
+    if workers is not None and workers < 1:
+        raise UsageError(f"--workers must be at least 1, got {workers}")
+    check_output(output, "rewards", force)
+    if unsafe_code_execution:
+        os.environ[UNSAFE_ENV] = "1"
+    prompt_set = PromptSet.read(prompts)
+    rows = {r["prompt_id"]: r for r in prompt_set.rows}
+    done = read_completions(completions)
+    check_prompts(rows, done, prompts, completions)
+    PromptSet(prompts, [rows[pid] for pid in dict.fromkeys(c.prompt_id for c in done)]).check_rewards()
+
+    start = time.perf_counter()
+    scored = score_completions(rows, done, workers)
+    seconds = time.perf_counter() - start
+    meta = {"prompts": str(prompts), "completions": str(completions), "n": len(scored),
+            "mean_reward": sum(r["reward"] for r in scored) / len(scored), "seconds": seconds}
+    path = write_artifact(scored, output, "rewards", meta)
+
+    tasks = list(dict.fromkeys(r["task"] for r in scored))
+    table = []
+    for task in tasks:
+        mine = [r["reward"] for r in scored if r["task"] == task]
+        accuracy = sum(x >= 1.0 - 1e-9 for x in mine) / len(mine)
+        table.append([task, len(mine), sum(mine) / len(mine), accuracy])
+    emit(("task", "completions", "mean reward", "accuracy"), table, fmt, title="rewards", left=("task",))
+    console.print(f"[green]wrote[/] {len(scored)} rewards to [bold]{path}[/] ({seconds:.1f} s)",
+                  highlight=False)

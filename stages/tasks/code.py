@@ -1,0 +1,350 @@
+"""`code`: write a small Python function; the reward runs it on hidden tests inside the sandbox.
+
+These problems are generated (`humaneval.py` has OpenAI's HumanEval, which the embedded model rarely
+solves): each *family* is a function to write (name, signature, one-sentence specification, a
+canonical solution, a seeded input generator). A prompt names the function, states what it must do,
+shows one worked example, and asks for one ```python block. Its hidden tests are `tests` (default 6)
+further inputs drawn from the family's generator; their expected outputs are the canonical solution's,
+computed here when the prompt is made and stored in the prompt's metadata (never shown to the model
+and never copied into the sandbox, so a program cannot read its way to them). The answer column holds
+the canonical solution.
+
+Difficulty: `level` 1 families are one-liners over one argument (sum, maximum, reverse a string...);
+`level` 2 families need a loop or a condition (second largest, running totals, primes...); `level 0`
+mixes both. Both levels were measured to start inside [0.05, 0.6] on the embedded SmolLM2-135M-Instruct
+(sampled at temperature 1, dense; the README gives the numbers); the default is level 2, the one with
+more to learn.
+
+Reward rule (`score`), deterministic and in [0, 1]:
+- The code is extracted from the completion after any `</think>` (`extract_code`): the last fenced
+  block (```python, ``` or an unclosed last fence) that defines the function, else the unfenced text
+  from the function's `def` (with the imports above it); either is cut at the end to the longest part
+  that parses. None found: 0, and nothing runs.
+- The program (the code, then a harness that calls the function on each hidden input, one second per
+  call) runs in the sandbox (`sandbox.Sandbox`, limits `LIMITS`). A run that does not end by itself
+  with status 0 within its limits (a timeout, too much output, a crash, a kill) scores 0.
+- Otherwise reward = (1 - w) * passed / tests + w * clean, with w = `format_weight` (default 0.1):
+  a test passes when the call returned a value whose canonical JSON equals the expected one (so
+  `True` is not `1`), and `clean` is 1 when every call returned (no exception): a parsable, runnable
+  function that gets nothing right earns w, a correct one 1. Accuracy is reward == 1.
+The harness reports each result on a line that starts with a random nonce, through its own copy of
+stdout, so the program's own prints are ignored.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import json
+import os
+import random
+import re
+import secrets
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from .base import Example, Measure, Task, TaskError
+from .sandbox import UNSAFE_ENV, Limits, Outcome, Sandbox, bwrap_binary
+
+DEFAULT_TESTS = 6
+DEFAULT_LEVEL = 2
+FORMAT_WEIGHT = 0.1
+SECONDS_PER_TEST = 1.0
+LIMITS = Limits(seconds=8.0, cpu_seconds=8, memory_mb=512, processes=6, file_mb=8, open_files=64,
+                output_kb=256, tmp_mb=32)
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    params: str  # the parameter list, as in the signature
+    returns: str
+    spec: str  # completes "that ..."
+    solution: str  # the canonical solution's body (indented), under `def name(params):`
+    inputs: Callable[[random.Random], tuple]
+    level: int
+
+    @property
+    def source(self) -> str:
+        return f"def {self.name}({self.params}) -> {self.returns}:\n{self.solution}\n"
+
+    @property
+    def reference(self) -> Callable:
+        namespace: dict[str, Any] = {}
+        exec(compile(self.source, f"<{self.name}>", "exec"), namespace)  # our own canonical source
+        return namespace[self.name]
+
+
+def _ints(rng: random.Random, lo: int = -20, hi: int = 20, n: tuple[int, int] = (1, 8)) -> list[int]:
+    return [rng.randint(lo, hi) for _ in range(rng.randint(*n))]
+
+
+WORDS = ("apple", "river", "stone", "light", "cloud", "green", "tiger", "music", "paper", "house", "sun",
+         "moon", "tree", "bird", "road", "blue", "fast", "cat", "dog", "sky", "level", "noon", "radar")
+
+
+PRIMES = (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47, 53, 59)
+
+
+def _sentence(rng: random.Random) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 6)))
+
+
+def _word(rng: random.Random) -> str:
+    if rng.random() < 0.4:
+        half = "".join(rng.choice("abcde") for _ in range(rng.randint(1, 3)))
+        return half + half[::-1][rng.randint(0, 1):]
+    return rng.choice(WORDS)
+
+
+FAMILIES = (
+    Family("add", "a: int, b: int", "int", "returns the sum of a and b", "    return a + b",
+           lambda r: (r.randint(-50, 50), r.randint(-50, 50)), 1),
+    Family("largest", "numbers: list[int]", "int", "returns the largest number in the non-empty list numbers",
+           "    return max(numbers)", lambda r: (_ints(r),), 1),
+    Family("total", "numbers: list[int]", "int", "returns the sum of the numbers in the list numbers",
+           "    return sum(numbers)", lambda r: (_ints(r, n=(0, 8)),), 1),
+    Family("reverse_string", "text: str", "str", "returns the string text reversed",
+           "    return text[::-1]", lambda r: (_sentence(r),), 1),
+    Family("square_all", "numbers: list[int]", "list[int]",
+           "returns a list of the squares of the numbers in numbers, in the same order",
+           "    return [x * x for x in numbers]", lambda r: (_ints(r, n=(0, 6)),), 1),
+    Family("count_words", "sentence: str", "int",
+           "returns the number of words in sentence (words are separated by single spaces)",
+           "    return len(sentence.split())", lambda r: (_sentence(r),), 1),
+    Family("is_even", "n: int", "bool", "returns True if the integer n is even, and False otherwise",
+           "    return n % 2 == 0", lambda r: (r.randint(-100, 100),), 1),
+    Family("double", "n: int", "int", "returns twice the integer n", "    return 2 * n",
+           lambda r: (r.randint(-1000, 1000),), 1),
+    Family("sum_of_evens", "numbers: list[int]", "int",
+           "returns the sum of the even numbers in the list numbers",
+           "    return sum(x for x in numbers if x % 2 == 0)", lambda r: (_ints(r, n=(0, 8)),), 2),
+    Family("count_vowels", "text: str", "int",
+           "returns how many vowels (a, e, i, o, u) the lower-case string text contains",
+           "    return sum(c in 'aeiou' for c in text)", lambda r: (_sentence(r),), 2),
+    Family("is_palindrome", "word: str", "bool",
+           "returns True if word reads the same forwards and backwards, and False otherwise",
+           "    return word == word[::-1]", lambda r: (_word(r),), 2),
+    Family("factorial", "n: int", "int", "returns n! (the product 1 * 2 * ... * n, and 1 for n = 0)",
+           "    result = 1\n    for k in range(2, n + 1):\n        result *= k\n    return result",
+           lambda r: (r.randint(0, 12),), 2),
+    Family("fibonacci", "n: int", "int",
+           "returns the n-th Fibonacci number, where fibonacci(0) = 0 and fibonacci(1) = 1",
+           "    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a",
+           lambda r: (r.randint(0, 25),), 2),
+    Family("remove_duplicates", "numbers: list[int]", "list[int]",
+           "returns numbers without repeated values, keeping the first occurrence of each, in order",
+           "    return list(dict.fromkeys(numbers))", lambda r: (_ints(r, -4, 4, (0, 10)),), 2),
+    Family("second_largest", "numbers: list[int]", "int",
+           "returns the second largest distinct value in numbers (which has at least two distinct values)",
+           "    return sorted(set(numbers))[-2]",
+           lambda r: ([*_ints(r), 21, 22][:: r.choice((1, -1))],), 2),
+    Family("is_prime", "n: int", "bool", "returns True if n is a prime number, and False otherwise",
+           "    return n > 1 and all(n % d for d in range(2, int(n ** 0.5) + 1))",
+           lambda r: (r.choice(PRIMES) if r.random() < 0.5 else r.randint(0, 60),), 2),
+    Family("digit_sum", "n: int", "int",
+           "returns the sum of the decimal digits of the non-negative integer n",
+           "    return sum(int(d) for d in str(n))", lambda r: (r.randint(0, 10 ** r.randint(1, 6)),), 2),
+    Family("running_total", "numbers: list[int]", "list[int]",
+           "returns the running totals of numbers: element i is the sum of numbers[0] to numbers[i]",
+           "    out, s = [], 0\n    for x in numbers:\n        s += x\n        out.append(s)\n    return out",
+           lambda r: (_ints(r, n=(0, 7)),), 2),
+    Family("longest_word", "sentence: str", "str",
+           "returns the longest word of sentence (words are separated by single spaces; the first one "
+           "on a tie)", "    return max(sentence.split(), key=len)", lambda r: (_sentence(r),), 2),
+    Family("count_positive", "numbers: list[int]", "int",
+           "returns how many numbers in the list numbers are greater than zero",
+           "    return sum(x > 0 for x in numbers)", lambda r: (_ints(r, n=(0, 8)),), 2),
+)
+LEVELS = (0, 1, 2)
+
+PROMPT = (
+    "Write a Python function `{name}({params}) -> {returns}` that {spec}.\n\n"
+    "Example: {name}({example_args}) == {example_out}\n\n"
+    "Reply with the complete function in one ```python code block."
+)
+
+
+def _call_text(args: tuple) -> str:
+    return ", ".join(repr(a) for a in args)
+
+
+def _canonical(value: Any) -> str:
+    return json.dumps(value, sort_keys=True)
+
+
+def _example(rng: random.Random, level: int, tests: int) -> Example:
+    family = rng.choice([f for f in FAMILIES if level in (0, f.level)])
+    reference = family.reference
+    shown = family.inputs(rng)
+    for _ in range(10):  # the worked example is not an empty list
+        if all(a != [] for a in shown):
+            break
+        shown = family.inputs(rng)
+    cases = [family.inputs(rng) for _ in range(tests)]
+    user = PROMPT.format(name=family.name, params=family.params, returns=family.returns, spec=family.spec,
+                         example_args=_call_text(shown), example_out=repr(reference(*shown)))
+    metadata = {"function": family.name, "cases": [list(c) for c in cases],
+                "expected": [reference(*c) for c in cases], "format_weight": FORMAT_WEIGHT}
+    return Example(user, family.source, metadata)
+
+
+def generate(n: int, seed: int, measure: Measure, level: int = DEFAULT_LEVEL,
+             tests: int = DEFAULT_TESTS) -> Iterator[Example]:
+    if level not in LEVELS:
+        raise TaskError(f"--level must be one of {', '.join(map(str, LEVELS))}, got {level}")
+    if not 1 <= tests <= 50:
+        raise TaskError(f"--tests must be in [1, 50], got {tests}")
+    for i in range(n):
+        yield _example(random.Random(f"code/{seed}/{i}"), level, tests)
+
+
+# ---------------------------------------------------------------- extraction
+
+_FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)(?:\n[ \t]*```|\Z)", re.DOTALL)
+
+
+def _defines(tree: ast.Module, name: str) -> bool:
+    return any(isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name
+               for node in tree.body)
+
+
+def _parsable_prefix(code: str, name: str) -> str | None:
+    """`code`, or its longest prefix of whole lines that parses, if that defines `name` at top level."""
+    lines = code.rstrip().splitlines()
+    for end in range(len(lines), 0, -1):
+        text = "\n".join(lines[:end])
+        try:
+            tree = ast.parse(text)
+        except (SyntaxError, ValueError):  # ValueError: null bytes
+            continue
+        return text.rstrip() + "\n" if _defines(tree, name) else None
+    return None
+
+
+def _unfenced(text: str, name: str) -> str | None:
+    """The text from the function's first `def` (with the import lines just above it) to the end."""
+    match = re.search(rf"(?<![\w.])(async\s+)?def\s+{re.escape(name)}\s*\(", text)
+    if match is None:
+        return None
+    above = text[: match.start()].split("\n")
+    start = len(above) - 1
+    if not above[-1].strip():  # the def starts its line: take the imports just above it too
+        while start > 0 and re.match(r"(import|from)\s+\w", above[start - 1]):
+            start -= 1
+    return "\n".join(above[start:-1] + [text[match.start():]])
+
+
+def extract_code(completion: str, name: str) -> str | None:
+    """The program a completion gives for function `name` (see the module docstring), or None."""
+    text = completion.rsplit("</think>", 1)[-1]
+    for block in reversed([m.group(2) for m in _FENCE.finditer(text)]):
+        code = _parsable_prefix(block, name)
+        if code is not None:
+            return code
+    unfenced = _unfenced(text, name)
+    return _parsable_prefix(unfenced, name) if unfenced is not None else None
+
+
+# ---------------------------------------------------------------- running
+
+HARNESS = """\
+import copy, json, os, runpy, signal, sys
+_report = os.fdopen(os.dup(1), "w")
+def _say(i, status, value=None):
+    _report.write({nonce!r} + json.dumps([i, status, value]) + "\\n")
+    _report.flush()
+class _Timeout(BaseException):
+    pass
+def _alarm(signum, frame):
+    raise _Timeout()
+signal.signal(signal.SIGALRM, _alarm)
+_here = os.path.dirname(os.path.abspath(__file__))
+_cases = json.load(open(os.path.join(_here, "cases.json")))
+_namespace = runpy.run_path(os.path.join(_here, "solution.py"), run_name="solution")
+_fn = _namespace.get({name!r})
+for _i, _args in enumerate(_cases):
+    try:
+        signal.setitimer(signal.ITIMER_REAL, {seconds!r})
+        _value = _fn(*copy.deepcopy(_args))
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        _say(_i, "returned", json.loads(json.dumps(_value)))
+    except BaseException as _e:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        _say(_i, "raised", type(_e).__name__)
+"""
+
+
+def new_nonce() -> str:
+    return "@@sparrow-" + secrets.token_hex(16) + "@@"
+
+
+def reports(outcome: Outcome, nonce: str) -> dict[int, tuple[str, Any]]:
+    """The harness's first report per test: {index: (status, value)} from the lines that carry `nonce`."""
+    results: dict[int, tuple[str, Any]] = {}
+    for line in outcome.stdout.decode("utf-8", errors="replace").splitlines():
+        if line.startswith(nonce):
+            try:
+                i, status, value = json.loads(line[len(nonce):])
+                results.setdefault(int(i), (str(status), value))
+            except (ValueError, TypeError):
+                continue
+    return results
+
+
+@dataclass(frozen=True)
+class Verdict:
+    reward: float
+    passed: int
+    tests: int
+    clean: bool  # the run exited 0 and every call returned
+    outcome: Outcome | None  # None: no code was found, nothing ran
+
+
+def run_tests(code: str, name: str, cases: list[list], expected: list, sandbox: Sandbox,
+              format_weight: float = FORMAT_WEIGHT) -> Verdict:
+    """Run `code` against the hidden tests in `sandbox` and score it (module docstring)."""
+    nonce = new_nonce()
+    outcome = sandbox.run({"main.py": HARNESS.format(nonce=nonce, name=name, seconds=SECONDS_PER_TEST),
+                           "solution.py": code, "cases.json": json.dumps(cases)})
+    results = reports(outcome, nonce)
+    if not outcome.ok:
+        return Verdict(0.0, 0, len(cases), False, outcome)
+    passed = sum(results.get(i, ("",))[0] == "returned" and _canonical(results[i][1]) == _canonical(e)
+                 for i, e in enumerate(expected))
+    clean = all(results.get(i, ("",))[0] == "returned" for i in range(len(cases)))
+    reward = min(1.0, (1 - format_weight) * (passed / max(len(cases), 1)) + format_weight * clean)
+    return Verdict(reward, passed, len(cases), clean, outcome)
+
+
+def default_sandbox() -> Sandbox:
+    """The process's sandbox, with `LIMITS`; unsafe where SPARROW_UNSAFE_CODE_EXECUTION=1 (the CLI's
+    --unsafe-code-execution sets it, so workers started from it inherit it). Raises SandboxUnavailable."""
+    return _sandbox(os.environ.get(UNSAFE_ENV) == "1", bwrap_binary())
+
+
+@functools.cache
+def _sandbox(unsafe: bool, bwrap: str | None) -> Sandbox:  # one per setting (bwrap: Sandbox finds it again)
+    return Sandbox(LIMITS, unsafe=unsafe)
+
+
+def verdict(completion: str, answer: str, metadata: dict[str, Any],
+            sandbox: Sandbox | None = None) -> Verdict:
+    name = metadata["function"]
+    code = extract_code(completion, name)
+    if code is None:
+        return Verdict(0.0, 0, len(metadata["cases"]), False, None)
+    return run_tests(code, name, metadata["cases"], metadata["expected"], sandbox or default_sandbox(),
+                     float(metadata.get("format_weight", FORMAT_WEIGHT)))
+
+
+def score(completion: str, answer: str, metadata: dict[str, Any] | None = None) -> float:
+    return verdict(completion, answer, metadata or {}).reward
+
+
+def tasks() -> list[Task]:
+    return [Task("code", "code", "write a small Python function; reward = the fraction of hidden tests it "
+                 "passes when run in a sandbox, plus a little for a runnable function",
+                 generate, score, ("level", "tests"), runs_code=True,
+                 metadata_keys=("function", "cases", "expected"))]
