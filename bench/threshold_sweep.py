@@ -124,7 +124,8 @@ def summarise(run_dir: Path, threshold_meta: dict) -> dict:
     evals = [r["eval_accuracy"] for r in m if r.get("eval_accuracy") is not None]
     label = next((r for r in json.loads(threshold_meta["runs"]) if Path(r["run"]) == run_dir), {})
     return {"run": run_dir.name, "sparsity": cfg["sparsity"], "seed": cfg["seed"],
-            "eval_first": evals[0] if evals else None, "eval_last": evals[-1] if evals else None,
+            "eval_first": float(meta["initial_eval_accuracy"]) if meta.get("initial_eval_accuracy") else None,
+            "eval_last": evals[-1] if evals else None,
             "reward_first": float(np.mean([r["reward_mean"] for r in m[:k]])),
             "reward_last": float(np.mean([r["reward_mean"] for r in m[-k:]])),
             "tail": label.get("tail"), "mean_alpha": label.get("mean"),
@@ -142,12 +143,13 @@ def main() -> None:
     ap.add_argument("--train-prompts", type=int, default=64)
     ap.add_argument("--eval-prompts", type=int, default=32)
     ap.add_argument("--budgets", default="48,64,80,96,112,128,160,192", help="profiled budgets")
-    ap.add_argument("--ladder-budgets", default="48,64,96,160",
+    ap.add_argument("--ladder-budgets", default="48,64,80,96,160",
                     help="plan at the measured tail of each of these profiled budgets (the default ladder)")
     ap.add_argument("--thresholds", default=None, help="an explicit ladder of thresholds instead")
     ap.add_argument("--seeds", default="0,1")
-    ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--eval-every", type=int, default=12)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--eval-every", type=int, default=12,
+                    help="eval before the first step, after the last and every this many steps")
     ap.add_argument("--checkpoint-every", type=int, default=4)
     ap.add_argument("--prompts-per-step", type=int, default=4)
     ap.add_argument("--samples", type=int, default=4)
@@ -190,11 +192,12 @@ def main() -> None:
         if s != "dense":
             r["budgets"] = pq.read_table(s.removeprefix("schedule:"), columns=["budget"]).column(
                 "budget").to_pylist()
-    print("| threshold | budgets | seed | tail | mean alpha | eval first -> last | reward first -> last | "
+    print("| threshold | budget | seed | tail | mean alpha | eval first -> last | reward first -> last | "
           "label | reasons | seconds |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['threshold']} | {r.get('budgets', 'dense')} | {r['seed']} | {r['tail']:.3f} | "
+        budget = "dense" if "budgets" not in r else "/".join(str(b or "dense") for b in r["budgets"])
+        print(f"| {r['threshold']} | {budget} | {r['seed']} | {r['tail']:.3f} | "
               f"{r['mean_alpha']:.3f} | {r['eval_first']:.3f} -> {r['eval_last']:.3f} | "
               f"{r['reward_first']:.3f} -> {r['reward_last']:.3f} | {r['label']} | {r['reasons'] or '-'} | "
               f"{r['seconds']:.0f} |")

@@ -56,7 +56,7 @@ def plan_schedule(
                                  "profile); "
                                  "default: the reference profile of a Qwen3 preset."),
     threshold: float = typer.Option(None, "--threshold", help="Tail threshold (default: the "
-                                    "calibration shipped for --model if there is one (SmolLM2-135M), "
+                                    "calibration shipped for --model if there is one, "
                                     "else the published prior 0.86)."),
     threshold_file: Path = typer.Option(None, "--threshold-file", callback=input_path,
                                         help="A threshold artifact (sparrow calibrate-threshold)."),
