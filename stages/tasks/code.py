@@ -249,8 +249,8 @@ def extract_code(completion: str, name: str) -> str | None:
 
 # ---------------------------------------------------------------- running
 
-HARNESS = """\
-import copy, json, os, runpy, signal, sys
+# what both harnesses (this and humaneval.py) start with: the report channel and the per-call alarm
+HARNESS_PREAMBLE = """\
 _report = os.fdopen(os.dup(1), "w")
 def _say(i, status, value=None):
     _report.write({nonce!r} + json.dumps([i, status, value]) + "\\n")
@@ -261,6 +261,9 @@ def _alarm(signum, frame):
     raise _Timeout()
 signal.signal(signal.SIGALRM, _alarm)
 _here = os.path.dirname(os.path.abspath(__file__))
+"""
+
+HARNESS = "import copy, json, os, runpy, signal, sys\n" + HARNESS_PREAMBLE + """\
 _cases = json.load(open(os.path.join(_here, "cases.json")))
 _namespace = runpy.run_path(os.path.join(_here, "solution.py"), run_name="solution")
 _fn = _namespace.get({name!r})

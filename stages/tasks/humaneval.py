@@ -32,24 +32,22 @@ from importlib import resources
 from typing import Any
 
 from .base import Example, Measure, Task, TaskError
-from .code import FORMAT_WEIGHT, SECONDS_PER_TEST, Verdict, default_sandbox, extract_code, new_nonce, reports
+from .code import (
+    FORMAT_WEIGHT,
+    HARNESS_PREAMBLE,
+    SECONDS_PER_TEST,
+    Verdict,
+    default_sandbox,
+    extract_code,
+    new_nonce,
+    reports,
+)
 from .sandbox import Sandbox
 
 PROMPT = ("Complete the following Python function. Reply with the complete function, its signature "
           "included, in one ```python code block.\n\n```python\n{stub}```")
 
-HARNESS = """\
-import ast, json, os, runpy, signal
-_report = os.fdopen(os.dup(1), "w")
-def _say(i, status, value=None):
-    _report.write({nonce!r} + json.dumps([i, status, value]) + "\\n")
-    _report.flush()
-class _Timeout(BaseException):
-    pass
-def _alarm(signum, frame):
-    raise _Timeout()
-signal.signal(signal.SIGALRM, _alarm)
-_here = os.path.dirname(os.path.abspath(__file__))
+HARNESS = "import ast, json, os, runpy, signal\n" + HARNESS_PREAMBLE + """\
 _tree = ast.parse(open(os.path.join(_here, "tests.py")).read())
 _check = [s for s in _tree.body if isinstance(s, ast.FunctionDef) and s.name == "check"][0]
 _env = dict(runpy.run_path(os.path.join(_here, "solution.py"), run_name="solution"))  # tests may use helpers
