@@ -325,7 +325,7 @@ def rollouts_figure(rollouts: Path, name: str, out: Path, plt) -> Figure:
 
 
 TRAIN_PANELS = (("reward_mean", "reward (train, mean per step)"),
-                ("eval_accuracy", "eval accuracy (greedy, dense)"),
+                ("eval_accuracy", "eval accuracy (greedy)"),
                 ("mismatch_kl", "mismatch KL (sampled k3)"),
                 ("alpha_lb_p5", "p5 of alpha's top-20 lower bound"), ("entropy", "entropy (nats)"),
                 ("grad_norm", "grad norm"))
@@ -354,7 +354,12 @@ def training_figure(run: Path, out: Path, plt) -> Figure:
             _say(ax, EMPTY_PANEL.get(key, "not logged by this run"))
             continue
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.plot(*zip(*pts), marker="o", ms=3)
+        ax.plot(*zip(*pts), marker="o", ms=3, label="dense sampler")
+        sparse = [(r["step"], r["eval_accuracy_sparse"]) for r in rows
+                  if r.get("eval_accuracy_sparse") is not None]
+        if key == "eval_accuracy" and sparse:  # the run's own sparse sampler, evaluated beside dense
+            ax.plot(*zip(*sparse), marker="s", ms=3, label="the run's sparse sampler")
+            ax.legend(fontsize=7)
         if key in UNIT_PANELS:
             ax.set_ylim(-0.02, 1.02)
         elif key in ("mismatch_kl", "grad_norm", "entropy"):
