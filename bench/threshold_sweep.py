@@ -14,7 +14,7 @@ continue; a training run stopped midway resumes from its last checkpoint. Thresh
 same schedule share its runs. The task is passkey retrieval at --context tokens, where a small budget
 reads only part of the prompt, so the tail differs across the ladder.
 
-    .venv/bin/python bench/threshold_sweep.py                     # defaults: about an hour on 2 cores
+    .venv/bin/python bench/threshold_sweep.py --threads 1         # the README's sweep
     .venv/bin/python bench/threshold_sweep.py --thresholds 0.2,0.5,0.8 --seeds 0 --steps 8 --out /tmp/sweep
 """
 

@@ -15,7 +15,7 @@ asserted). Writes bench/results/train_code.parquet and one run directory per run
 bench/results/train-code-runs/.
 
     .venv/bin/python bench/train_code.py --steps 2 --prompts-per-step 2 --samples 2 --eval-prompts 4
-    .venv/bin/python bench/train_code.py --steps 24 --seeds 0,1,2     # the study: hours on 2 cores
+    .venv/bin/python bench/train_code.py --steps 24 --seeds 0,1,2     # the study (long on a CPU)
 """
 
 from __future__ import annotations

@@ -59,6 +59,9 @@ def calibrate_threshold(
     fmt = resolve_format(format)
     if not 0 < quantile < 1:
         raise UsageError(f"--quantile must be in (0, 1), got {quantile}")
+    for flag, value in (("--reward-margin", reward_margin), ("--eval-margin", eval_margin)):
+        if not 0 <= value <= 1:
+            raise UsageError(f"{flag} must be in [0, 1] (a reward or accuracy gap), got {value}")
     check_output(output, "threshold", force)
     mismatch = read_artifact(profile, "mismatch")
     if mismatch.num_rows == 0:

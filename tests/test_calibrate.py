@@ -264,15 +264,12 @@ def test_the_mean_that_overlaps_is_reported_as_not_separating():
     assert cal.mean_threshold is None and "does not separate" in cal.mean_note
 
 
-def test_shipped_calibration_is_the_fallback_for_its_model(tmp_path):
+def test_shipped_calibration_is_the_fallback_for_its_model(tmp_path, monkeypatch):
     """Without separating runs, a profile of a model that ships a calibration gets it, provenance and
     all; another model gets the published prior."""
     from sparrow.schemas import artifact_metadata
-    from sparrow.stages.calibrate import SHIPPED
 
-    shipped = SHIPPED / "threshold-smollm2-135m.parquet"
-    if not shipped.exists():
-        pytest.skip("no shipped calibration yet")
+    _ship(tmp_path, monkeypatch, 0.45)
     rng = np.random.default_rng(5)
     for model, source in (("smollm2-135m", "calibrated"), ("other-model", "prior")):
         prof = tmp_path / f"{model}.parquet"
@@ -283,9 +280,9 @@ def test_shipped_calibration_is_the_fallback_for_its_model(tmp_path):
         row = read_artifact(out, "threshold").to_pylist()[0]
         assert row["source"] == source
         if source == "calibrated":
-            want = read_artifact(shipped, "threshold").to_pylist()[0]
-            assert row["threshold"] == want["threshold"] and row["lower"] == want["lower"]
-            assert "model" in artifact_metadata(out) and "shipped calibration" in row["note"]
+            assert (row["threshold"], row["lower"], row["upper"]) == pytest.approx((0.45, 0.35, 0.55))
+            assert artifact_metadata(out)["provenance"] == "a test sweep"
+            assert "shipped calibration" in row["note"] and "no runs given" in row["note"]
         else:
             assert row["threshold"] == 0.86
 
@@ -383,3 +380,13 @@ def test_entropy_factor_reaches_the_entropy_detector(tmp_path):
         from sparrow.schemas import artifact_metadata
 
         assert json.loads(artifact_metadata(out)["runs"])[0]["collapsed"] is collapsed
+
+
+def test_a_negative_margin_is_refused_before_anything_is_written(tmp_path):
+    prof = tmp_path / "mismatch.parquet"
+    write_artifact(synthetic_mismatch(np.random.default_rng(9)), prof, "mismatch")
+    out = tmp_path / "t.parquet"
+    r = runner.invoke(app, ["calibrate-threshold", "--profile", str(prof), "-o", str(out),
+                            "--reward-margin", "-0.1"])
+    assert r.exit_code == 2 and "--reward-margin must be in [0, 1]" in r.output
+    assert not out.exists()
