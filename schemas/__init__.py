@@ -9,8 +9,17 @@ from .io import (
     write_artifact,
     write_artifact_parts,
 )
-from .locations import STDIO, OutputRefused, check_output, check_output_dir, output_target, spool_input
+from .locations import (
+    STDIO,
+    OutputRefused,
+    check_output,
+    check_output_dir,
+    input_name,
+    output_target,
+    spool_input,
+)
 
 __all__ = ["SCHEMAS", "STDIO", "VERSION", "ArtifactError", "ArtifactSpec", "Col", "OutputRefused",
            "artifact_kind", "artifact_metadata", "artifact_parts", "check_output", "check_output_dir",
-           "output_target", "read_artifact", "spool_input", "write_artifact", "write_artifact_parts"]
+           "input_name", "output_target", "read_artifact", "spool_input", "write_artifact",
+           "write_artifact_parts"]

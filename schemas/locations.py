@@ -179,4 +179,14 @@ def spool_input(path: str | os.PathLike, flag: str) -> Path:
     suffix = ".parquet" if data[:4] == b"PAR1" else ".jsonl"
     spooled = folder / (name if name.endswith(suffix) else name + suffix)
     spooled.write_bytes(data)
+    _SPOOLED[spooled] = "-" if is_stdio(path) else str(path)
     return spooled
+
+
+_SPOOLED: dict[Path, str] = {}  # a spooled input's private copy -> what the user named
+
+
+def input_name(path: str | os.PathLike) -> str:
+    """What a user gave for an input, as an artifact's metadata records it: `-` for stdin and the FIFO's
+    own path for a spooled pipe, never the private temporary copy that is gone when the command ends."""
+    return _SPOOLED.get(Path(path), str(path))

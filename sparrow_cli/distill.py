@@ -154,6 +154,7 @@ def distill(
     format (transformers + peft load it; sparrow rollout/profile --adapter use it as the sparse actor),
     OUTPUT/mismatch/{before,after}.parquet and OUTPUT/sparrow_distill.json; prints the tail per bin before
     and after."""
+    from sparrow.schemas import input_name
     from sparrow.stages.distill import DistillConfig, run_distill, save_result, tail_comparison
     from sparrow.stages.model.loading import load_model, resolve_config
     from sparrow.stages.profile import ProfileOptions, sample_trajectories
@@ -262,7 +263,8 @@ def distill(
     folder = save_result(distiller, result, output, model, {
         "model": model, "sparsity": spec_of(sparsity, schedule), "objective": objective,
         "train_budgets": train_named or spec_of(sparsity, schedule),
-        "trajectories": str(rollouts or prompts), "eval": str(eval_prompts) if eval_prompts else "training",
+        "trajectories": input_name(rollouts or prompts),
+        "eval": input_name(eval_prompts) if eval_prompts else "training",
         "bin_width": bin_width, "init_adapter": str(init_adapter) if init_adapter else None})
     h = result.history
     taught = f"budgets {train_named}" if train_named else spec_of(sparsity, schedule)

@@ -101,7 +101,7 @@ def profile(
     """Sample K trajectories per prompt with the rollout engine (or take them from --rollouts), then
     score every generated token under dense attention and under each budget (teacher forced): one row
     per token per budget."""
-    from sparrow.schemas import write_artifact
+    from sparrow.schemas import input_name, write_artifact
     from sparrow.stages.model.loading import (
         DTYPES,
         load_model,
@@ -154,7 +154,7 @@ def profile(
         if given.temperature is None and temperature is None:
             console.print(f"{rollouts} records no sampling temperature; alpha is measured at temperature 1 "
                           "(--temperature sets another)")
-        meta = opts.metadata(sampled=False) | {"rollouts": str(rollouts)} | recorded | (
+        meta = opts.metadata(sampled=False) | {"rollouts": input_name(rollouts)} | recorded | (
             {"sampler": given.sampler} if given.sampler else {})
         if workers:
             table = _profile_on_ray(model, trajectories, opts, False, workers, ray_address, device, output,
@@ -171,7 +171,7 @@ def profile(
             prompt_set.tokenize(loaded.tokenizer, not raw_prompts)
             prompt_set.check_fits(cfg.vocab_size, cfg.max_position_embeddings, max_new_tokens)
         ids, tokens = prompt_set.ids, prompt_set.tokens
-        meta = opts.metadata() | {"prompts": str(prompts)} | recorded
+        meta = opts.metadata() | {"prompts": input_name(prompts)} | recorded
         if workers:
             table = _profile_on_ray(model, list(zip(ids, tokens)), opts, True, workers, ray_address, device,
                                     output, meta | {"model": model_name(model)}, weights)

@@ -45,7 +45,7 @@ def reward(
     force: bool = force_option(),
 ) -> None:
     """Score completions (of any sampler) with their prompts' task scorers."""
-    from sparrow.schemas import write_artifact
+    from sparrow.schemas import input_name, write_artifact
     from sparrow.stages.prompt_set import PromptSet
     from sparrow.stages.tasks.rewarding import check_prompts, read_completions, score_completions
     from sparrow.stages.tasks.sandbox import UNSAFE_ENV
@@ -65,7 +65,7 @@ def reward(
     start = time.perf_counter()
     scored = score_completions(rows, done, workers)
     seconds = time.perf_counter() - start
-    meta = {"prompts": str(prompts), "completions": str(completions), "n": len(scored),
+    meta = {"prompts": input_name(prompts), "completions": input_name(completions), "n": len(scored),
             "mean_reward": sum(r["reward"] for r in scored) / len(scored), "seconds": seconds}
     path = write_artifact(scored, output, "rewards", meta)
 

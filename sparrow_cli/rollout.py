@@ -75,7 +75,7 @@ def _check_vllm_flags(schedule, budget, lora, top_k: int, top_p: float) -> None:
 def _rollout_vllm(model: str, prompt_set, output: Path, fmt: str, cfg, device: str, dtype: str,
                   max_batch: int, sampling, raw_prompts: bool = False) -> None:
     """Dense sampling with vLLM into the same rollouts artifact (budget 0 for every token)."""
-    from sparrow.schemas import write_artifact
+    from sparrow.schemas import input_name, write_artifact
     from sparrow.stages.attention import PAGE_SIZE
     from sparrow.stages.model.loading import _dir_tokenizer, model_name
     from sparrow.stages.rollout.vllm_backend import run_vllm_rollouts, vllm_checkpoint
@@ -92,7 +92,8 @@ def _rollout_vllm(model: str, prompt_set, output: Path, fmt: str, cfg, device: s
         model, rows, sampling, tokenizer=tokenizer, eos_ids=cfg.eos_token_ids, max_batch=max_batch,
         max_model_len=min(cfg.max_position_embeddings, longest + sampling.max_new_tokens), dtype=dtype)
     write_artifact(table, output, "rollouts", metadata={
-        "model": model_name(model), "prompts": str(prompt_set.path), "sparsity": "dense", "engine": "vllm",
+        "model": model_name(model), "prompts": input_name(prompt_set.path), "sparsity": "dense",
+        "engine": "vllm",
         "samples": sampling.n, "max_new_tokens": sampling.max_new_tokens,
         "temperature": sampling.temperature, "top_p": 1.0, "top_k": 0, "seed": sampling.seed,
         "seed_scope": "vLLM global seed (per-request seeds fail on the CPU)",
@@ -158,7 +159,7 @@ def rollout(
     ("summary"). With --workers N the same rollouts (same seeds) come from N Ray workers."""
     import torch
 
-    from sparrow.schemas import write_artifact
+    from sparrow.schemas import input_name, write_artifact
     from sparrow.stages.attention import PAGE_SIZE
     from sparrow.stages.model.loading import (
         DTYPES,
@@ -216,7 +217,7 @@ def rollout(
                           max_prefill_tokens=max_num_batched_tokens)
     mode = ("dense" if sparsity is None else f"budget {sparsity}" if isinstance(sparsity, int)
             else f"schedule {schedule}")
-    meta = {"model": model_name(model), "prompts": str(prompts), "sparsity": mode, "samples": samples,
+    meta = {"model": model_name(model), "prompts": input_name(prompts), "sparsity": mode, "samples": samples,
             "max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k,
             "seed": seed, "ignore_eos": ignore_eos, "page_size": PAGE_SIZE, "device": device,
             "dtype": dtype_name, "engine": "ours", "lora": str(lora) if lora else ""}

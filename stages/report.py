@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import base64
 import html
+import io
 import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from sparrow.schemas import ArtifactError, artifact_kind, artifact_metadata, read_artifact
+from sparrow.schemas.io import write_bytes
 
 from .calibrate import Detectors
 from .definitions import PRIOR_THRESHOLD, TAIL_QUANTILE
@@ -441,8 +443,10 @@ def _save(fig, out: Path, name: str, title: str, caption: str, plt, points: int,
     fig.tight_layout(rect=(0, 0.15 * (len(lines) + 1) / height_in, 1, 1 - top_in / height_in))
     said = tuple(" ".join(t.get_text().split()) for ax in fig.axes for t in ax.texts)  # `_say`'s words
     fig.text(0.01, 0.01, "\n".join(lines), fontsize=8, color="#333", va="bottom")
-    fig.savefig(out / name, dpi=110)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=110)
     plt.close(fig)
+    write_bytes(out / name, png.getvalue())  # atomic: an interrupted report never leaves half a PNG
     return Figure(name, title, caption, points, said)
 
 
@@ -488,7 +492,7 @@ def build_report(run_dir: str | Path, out_dir: str | Path | None = None,
         per_bin = train_mismatch_figure(run, out, plt)
         if per_bin is not None:
             figures.append(per_bin)
-    (out / "index.html").write_text(_page(run_dir, out, figures, skipped))
+    write_bytes(out / "index.html", _page(run_dir, out, figures, skipped).encode())
     return out / "index.html", figures
 
 

@@ -21,7 +21,7 @@ import pytest
 from typer.testing import CliRunner
 
 from sparrow.cli.app import app
-from sparrow.schemas import artifact_kind, read_artifact, write_artifact
+from sparrow.schemas import artifact_kind, artifact_metadata, read_artifact, write_artifact
 from sparrow.stages.sql import open_run
 
 from cli_checks import error_line
@@ -123,6 +123,7 @@ def test_prompts_dash_reads_stdin(tmp_path):
     assert r.exit_code == 0, r.output
     assert read_artifact(out, "rollouts").column("prompt_id").to_pylist() == ["p0", "p1"]
     assert not (tmp_path / "-").exists()
+    assert artifact_metadata(out)["prompts"] == "-"  # what the user gave, not the gone temporary copy
 
 
 def test_prompts_from_a_fifo_are_buffered(tmp_path):
@@ -140,6 +141,7 @@ def test_prompts_from_a_fifo_are_buffered(tmp_path):
     writer.join(timeout=60)
     assert r.exit_code == 0, r.output
     assert read_artifact(tmp_path / "r.parquet", "rollouts").num_rows == 2
+    assert artifact_metadata(tmp_path / "r.parquet")["prompts"] == str(fifo)
 
 
 def test_cat_into_dev_stdin(tmp_path):

@@ -136,3 +136,23 @@ def test_figures_with_nothing_to_draw_say_why(tmp_path):
     assert "Training run train: stable (4 points; no eval: the run had no --eval-prompts" in train
     assert "warning: mismatch KL reached 0.3" in caption["train-train.png"]
     assert "no step held a collapse reason" in caption["train-train.png"]
+
+
+def test_an_interrupted_report_leaves_the_previous_figures_whole(tmp_path, monkeypatch):
+    """A figure whose drawing fails midway (here: the PNG encoder writes half a file, then raises) leaves
+    the previous report's PNG and page as they were, and no temporary file behind."""
+    from matplotlib.figure import Figure
+
+    run = _run_dir(tmp_path)
+    assert CliRunner().invoke(app, ["report", str(run)]).exit_code == 0
+    out = run / "report"
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    def broken_savefig(self, target, *args, **kwargs):
+        (target.write if hasattr(target, "write") else open(target, "wb").write)(b"\x89PNG half")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Figure, "savefig", broken_savefig)
+    result = CliRunner().invoke(app, ["report", str(run)])
+    assert result.exit_code != 0
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
