@@ -11,6 +11,7 @@ from sparrow.stages.definitions import TAIL_QUANTILE
 
 from .common import (
     UsageError,
+    check_device,
     check_output_dir,
     console,
     force_option,
@@ -138,6 +139,10 @@ def distill(
                                       "--rollouts records); the objectives use it."),
     seed: int = typer.Option(0, "--seed", help="Sampling and batch order; eval trajectories use seed + 1."),
     bin_width: int = typer.Option(512, "--bin-width"),
+    device: str = typer.Option("cpu", "--device", help="cpu or cuda (the actor's sampling and distillation "
+                               "on the GPU)."),
+    dtype: str = typer.Option("auto", "--dtype", help="Base weights and KV cache: auto (bfloat16 on cuda, "
+                              "float32 on cpu), float32 or bfloat16; the LoRA trains in fp32 either way."),
     gpu_memory_utilization: float = gpu_memory_option(),
     quantile: float = typer.Option(TAIL_QUANTILE, "--quantile"),
     threshold: float = typer.Option(None, "--threshold", show_default=False,
@@ -156,7 +161,7 @@ def distill(
     and after."""
     from sparrow.schemas import input_name
     from sparrow.stages.distill import DistillConfig, run_distill, save_result, tail_comparison
-    from sparrow.stages.model.loading import load_model, resolve_config
+    from sparrow.stages.model.loading import DTYPES, load_model, resolve_config, resolve_dtype
     from sparrow.stages.profile import ProfileOptions, sample_trajectories
     from sparrow.stages.prompt_set import PromptSet
     from sparrow.stages.sparsity import spec_of
@@ -178,6 +183,9 @@ def distill(
         if value < 1:
             raise UsageError(f"{flag} must be at least 1, got {value}")
     check_gpu_memory(gpu_memory_utilization)
+    check_device(device)
+    if dtype not in DTYPES:
+        raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     check_output_dir(output, "an adapter written by sparrow distill", force=force, ours=distilled_adapter,
                      replaceable=lambda d: (d / "adapter_config.json").exists())
     sparsity = _sparsity(schedule, budget, False, model)
@@ -206,7 +214,7 @@ def distill(
     prompt_sets = {path: PromptSet.read(path) for path in (prompts, eval_prompts) if path is not None}
     for prompt_set in prompt_sets.values():
         prompt_set.check_fits(*fits)  # before any weights load
-    loaded = load_model(model)
+    loaded = load_model(model, device=device, dtype=resolve_dtype(dtype, device))
     cfg.gradient_checkpointing = (loaded.model.embed_tokens.weight.is_cuda if gradient_checkpointing is None
                                   else gradient_checkpointing)
     sampling = dict(samples=samples, max_new_tokens=max_new_tokens, temperature=cfg.temperature,

@@ -56,13 +56,14 @@ def tiny_chat(tmp_path_factory) -> str:
 
 
 @pytest.mark.parametrize("device", ["tpu", "cuda"])
-@pytest.mark.parametrize("command", ["profile", "rollout", "train", "fit-cost"])
+@pytest.mark.parametrize("command", ["profile", "rollout", "train", "fit-cost", "distill"])
 def test_device_is_one_sentence_before_any_work(tmp_path, monkeypatch, command, device):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # this test's machine has no CUDA
     prompts = _token_prompts(tmp_path / "p.parquet")
     out = tmp_path / "out"
     args = {"profile": ["--prompts", str(prompts)], "rollout": ["--prompts", str(prompts)],
-            "train": ["--prompts", str(prompts)], "fit-cost": []}[command]
+            "train": ["--prompts", str(prompts)], "fit-cost": [],
+            "distill": ["--prompts", str(prompts), "--budget", "64"]}[command]
     line = error_line(runner.invoke(app, [command, "--model", "tiny-llama", *args, "--device", device,
                                           "-o", str(out)]))
     assert f"--device {device} was given but no CUDA device is available" in line or (

@@ -434,3 +434,32 @@ def test_sql_sees_every_step_of_a_run_as_one_view(tiny_llama, vowel_prompts, tmp
     assert [(r["step"], r["n"], r["files"]) for r in rows] == [(0, 60, 1), (1, 60, 1)]
     joined = run_query(tmp_path / "run", "SELECT count(*) AS n FROM metrics JOIN schedule ON true")
     assert joined.to_pylist() == [{"n": 2}]
+
+
+def test_a_lora_on_16_bit_weights_trains_in_fp32(tiny_llama):
+    """On a bf16 base (the GPU's training dtype) the LoRA is fp32, as peft's get_peft_model makes it by
+    default: its start changes nothing (B = 0), and a small AdamW step moves it, which in bf16 it would not
+    (0.01 + 1e-6 rounds back to 0.01 in bf16's 8 bits of mantissa)."""
+    from sparrow.stages.train.adapter import add_lora
+
+    model = load_model(tiny_llama[0], dtype=torch.bfloat16).model
+    tokens = torch.tensor([[1, 2, 3, 4, 5]])
+    with torch.no_grad():
+        before = model(tokens)
+    add_lora(model, 4, 8.0)
+    lora = {n: p for n, p in model.named_parameters() if "lora_" in n}
+    assert lora and all(p.dtype == torch.float32 and p.requires_grad for p in lora.values())
+    assert all(p.dtype == torch.bfloat16 for n, p in model.named_parameters() if "lora_" not in n)
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens), before, rtol=0, atol=0)
+    start = {n: p.detach().clone() for n, p in lora.items()}
+    opt = torch.optim.AdamW(lora.values(), lr=1e-6, weight_decay=0.0)
+    for _ in range(2):  # A's gradient is zero until B has moved off 0
+        opt.zero_grad()
+        model(tokens).logsumexp(-1).sum().backward()
+        opt.step()
+    a = next(n for n in lora if "lora_A" in n)
+    moved = lora[a].detach() != start[a]
+    assert moved.float().mean() > 0.25
+    lost = lora[a].detach()[moved].to(torch.bfloat16) == start[a][moved].to(torch.bfloat16)
+    assert lost.float().mean() > 0.9  # what a bf16 LoRA would have kept of the step

@@ -38,6 +38,8 @@ def add_lora(model: nn.Module, rank: int, alpha: float, dropout: float = 0.0):
     inject_adapter_in_model(config, model)
     for name, p in model.named_parameters():
         p.requires_grad_("lora_" in name)
+        if "lora_" in name and p.dtype in (torch.bfloat16, torch.float16):
+            p.data = p.data.float()  # as peft's autocast_adapter_dtype: AdamW on a 16-bit LoRA loses updates
     return config
 
 
