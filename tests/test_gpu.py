@@ -205,3 +205,18 @@ def test_truncated_rows_in_graphs_equal_teacher_forced(tiny_qwen3):
         assert np.abs(got - scored.sparse[budget_at][1]).max() <= 1e-4
         for c in samples:
             assert all(len(top) == 3 and top[0][1] >= top[1][1] >= top[2][1] for top in c.top_logprobs)
+
+
+def test_warm_up_captures_every_graph_of_a_uniform_run(tiny_qwen3):
+    """After `reserve` and `warm_up` for the run's batch and its schedule's budgets, a run whose samples
+    keep one batch size captures no graph of its own (the bench's timed runs pay for none)."""
+    model = load_model(tiny_qwen3[1], device="cuda", dtype=torch.bfloat16).model
+    prompts = _prompts((200, 200))
+    schedule = Schedule((0, 240), (64, 128))
+    params = SamplingParams(max_new_tokens=80, n=3, seed=1, ignore_eos=True)
+    engine = Engine(model, schedule, max_batch=6)
+    engine.reserve(prompts, params)
+    engine.warm_up(6, {schedule.budget_at(c) for c in range(201, 281)})
+    captured = set(engine.runner.static.graphs)
+    engine.generate(prompts, params)
+    assert set(engine.runner.static.graphs) == captured

@@ -310,6 +310,23 @@ def test_pipelined_loop_keeps_eos_and_max_new_tokens_exact(tiny_qwen3):
         assert (reason == "stop") == (tokens[-1] in stops) and (reason == "stop" or len(tokens) == 30)
 
 
+def test_warm_up_prepares_the_static_step_and_changes_nothing(tiny_qwen3):
+    """`Engine.warm_up` runs the static step for the run's batch and budgets before the run (CUDA graphs
+    would be captured there): the run then gives what a cold engine gives; it refuses before `reserve`."""
+    model, prompts = tiny_qwen3.model, _prompts((70, 150))
+    params = SamplingParams(max_new_tokens=20, n=2, seed=3, ignore_eos=True)
+    cold = Engine(model, Schedule((0, 100), (48, 64)), max_batch=4, decode_graphs="eager")
+    want = cold.generate(prompts, params)
+    warm = Engine(model, Schedule((0, 100), (48, 64)), max_batch=4, decode_graphs="eager")
+    with pytest.raises(RuntimeError, match="call reserve"):
+        warm.warm_up(4, [48, 64])
+    warm.reserve(prompts, params)
+    warm.warm_up(4, [48, 64])
+    got = warm.generate(prompts, params)
+    assert [[c.token_ids for c in r] for r in got] == [[c.token_ids for c in r] for r in want]
+    assert [[c.logprobs for c in r] for r in got] == [[c.logprobs for c in r] for r in want]
+
+
 def test_static_step_top_k_top_p_and_top_logprobs(tiny_qwen3):
     """Rows with top-k/top-p are drawn again after the step from its log-probs: top-k 1 gives the greedy
     tokens; top logprobs list the sampled token first when it is the argmax; with top-p and top-k the

@@ -241,6 +241,17 @@ class Engine:
                                              self.fixed_pages)
         return self.num_pages
 
+    def warm_up(self, batch: int, budgets) -> None:
+        """Capture the decode graphs a run will use, for `batch` running samples at each of these budgets
+        (0 = dense), after `reserve()`: nothing to do on the plain path. A bench's untimed setup (a run
+        otherwise captures each graph at its first step, and keeps it for the engine's later runs)."""
+        if self._running():
+            raise RuntimeError("warm_up() prepares an idle engine")
+        if self.runner.cache is None:
+            raise RuntimeError("warm_up() needs the pool: call reserve() first")
+        with torch.inference_mode():
+            self.runner.warm_up(batch, budgets)
+
     def _workload(self, requests: list[tuple[int, SamplingParams]]) -> Workload:
         return Workload.of([(n, sp.n, sp.max_new_tokens) for n, sp in requests], self.max_batch,
                            self.page_size, self.runner.prefix_copies)

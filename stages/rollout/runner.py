@@ -41,7 +41,7 @@ from .kv_cache import PagedKVCache, SharedPrefix
 from .memory import Workload, pages_for
 from .sampler import sample_by_position, sample_tokens
 from .sequence import Sequence as Sample
-from .static_decode import StaticDecode, StepOutput
+from .static_decode import StaticDecode, StepOutput, kept_pages
 
 DECODE_GRAPHS = ("auto", "cuda", "eager", "off")
 
@@ -250,6 +250,14 @@ class ModelRunner:
             self.static.forget_rows()  # the samples move on without it
         tokens, logps, top = self.sample(seqs, self.decode(seqs, budgets))
         self._ready.append(StepOutput(seqs, list(budgets), tokens, logps, top))
+
+    def warm_up(self, batch: int, budgets) -> None:
+        """Capture (or compile) the static step for `batch` running samples at each of these budgets (a
+        step whose rows all have that budget)."""
+        if self.static is not None:
+            for budget in sorted(set(budgets)):
+                self.static.prepare(min(batch, self.max_batch),
+                                    kept_pages([budget], self.page_size, self.static.max_pages))
 
     def in_flight(self) -> int:
         """Launched decode steps whose results were not collected."""

@@ -317,6 +317,20 @@ class StaticDecode:
 
     # ------------------------------------------------------------------ graphs
 
+    def prepare(self, batch: int, k: int) -> None:
+        """Capture the graph of `batch` rows with K = k now (run eagerly: run its step once on padding
+        rows, which compiles its kernels), so that no later step pays for it. The rows' state is kept."""
+        n = next(s for s in self.buckets if s >= batch)
+        if self.capture:
+            self._graph(n, k)
+            return
+        state = (self.tokens, self.positions, self.cache_lens)
+        saved = [t.clone() for t in state]
+        self.cache_lens.zero_()
+        self._step(n, k)
+        for t, s in zip(state, saved):
+            t.copy_(s)
+
     def _graph(self, n: int, k: int) -> torch.cuda.CUDAGraph:
         key = (n, k)
         if key not in self.graphs:
