@@ -5,7 +5,17 @@
 # on Qwen3-4B shapes with random bf16 weights. Each step runs under its own time limit and goes on
 # after a failure; logs go to $OUT (default bench/results/gpu), a summary is printed last.
 #
-#   bash bench/gpu_checks.sh [all|tests|engine|kernels|rollout|profile|train|learner|scale|scale-NAME] [extra args for bench/rollout.py]
+#   bash bench/gpu_checks.sh [all|tests|engine|kernels|rollout|profile|train|learner|scale|scale-NAME|issue25-a|issue25-b|issue25-c] [extra args for bench/rollout.py]
+#
+# Issue 25 (GPU rollouts at the memory floor), one device call of at most ten minutes each, Qwen3-4B shapes
+# with random bf16 weights, T = 1, EOS ignored, every sampler of a table in one process:
+#   issue25-a  the kernel tests compiled (slow ones included) and the engine's GPU tests (CUDA graphs vs
+#              eager, transformers, teacher forcing, no sync per step, the CPU's tokens), then the own-KV
+#              decode-step table: 8x32K, 16x16K, 32x8K, 16x4K, dense / budget 2048 / published 0.86;
+#   issue25-b  `sparrow fit-cost --device cuda` over the rollouts' batches and lengths, then the whole
+#              rollout 4 prompts x 8 samples x 8,192 new tokens after 256 (dense / 2048 / 0.86) with the
+#              cost model's predicted speedups beside the measured ones;
+#   issue25-c  the whole rollout 2 x 8 x 16,384 after 256, dense and the published 0.86 schedule.
 #
 # `scale` (not in "all"): issue 24's checks at our users' scale, Qwen3-4B shapes with random bf16 weights,
 # each printing its seconds and peak CUDA memory (bench/scale_gpu.py): fit-cost over 4-32K contexts,
@@ -67,7 +77,7 @@ fi
 if [[ $WHAT == all || $WHAT == rollout ]]; then
     for ctx in 16384 32768; do
         step "rollout-$ctx" 280 $PY bench/rollout.py --model qwen3-4b --random-weights --context "$ctx" \
-            --samples 32 --budget 2048 --schedule published:qwen3-4b:0.86 "$@"
+            --prompts 1 --samples 32 --new-tokens 1024 --budget 2048 --schedule published:qwen3-4b:0.86 "$@"
         cp bench/results/rollout.parquet "$OUT/rollout-$ctx.parquet" 2>/dev/null
     done
 fi
@@ -123,6 +133,27 @@ if [[ $WHAT == profile ]]; then  # not in "all": a breakdown to read, not a chec
     for budget in ${PROFILE_BUDGETS:-2048 0}; do
         step "profile-$budget" 200 $PY bench/step_profile.py --budget "$budget"
     done
+fi
+COST25=$OUT/cost-qwen3-4b-issue25.parquet
+if [[ $WHAT == issue25-a ]]; then
+    step kernel-tests 200 $PY -m pytest -q -x -p no:cacheprovider -m "slow or not slow" tests/test_kernels_triton.py
+    step engine-tests 170 $PY -m pytest -q -s -p no:cacheprovider tests/test_gpu.py \
+        "tests/test_rollout.py::test_cuda_graph_step_equals_eager_step"
+    step own-kv 220 $PY bench/rollout.py --own-kv 8x32768,16x16384,32x8192,16x4096 --temperature 1 "$@"
+    cp bench/results/rollout-own-kv.parquet "$OUT/" 2>/dev/null
+fi
+if [[ $WHAT == issue25-b ]]; then
+    step fit-cost-25 170 $PY -c "from sparrow.cli.app import main; main()" fit-cost --device cuda \
+        --model qwen3-4b --batches 8,16,32 --contexts 1024,4096,8192,16384 --budgets dense,512,1024,2048,4096 \
+        -o "$COST25" --force
+    step rollout-8k 420 $PY bench/rollout.py --prompts 4 --samples 8 --prompt-len 256 --new-tokens 8192 \
+        --temperature 1 --cost "$COST25" "$@"
+    cp bench/results/rollout.parquet "$OUT/rollout-4x8x8192.parquet" 2>/dev/null
+fi
+if [[ $WHAT == issue25-c ]]; then
+    step rollout-16k 590 $PY bench/rollout.py --prompts 2 --samples 8 --prompt-len 256 --new-tokens 16384 \
+        --temperature 1 --samplers dense,schedule "$@"
+    cp bench/results/rollout.parquet "$OUT/rollout-2x8x16384.parquet" 2>/dev/null
 fi
 echo "=== summary"
 printf '%s\n' "${SUMMARY[@]}"

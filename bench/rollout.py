@@ -1,35 +1,47 @@
-"""Rollout engine throughput: dense vs block top-k sparse engine vs vLLM vs Hugging Face `generate`.
+"""Rollout engine throughput on our users' workload: dense vs block top-k (a fixed budget, a schedule),
+against the memory floor of each decode step; vLLM and Hugging Face `generate` as peers where they run.
 
-Issue targets (reported, not asserted). CPU: SmolLM2-135M, one ~6K-token kv_lookup prompt, 8 samples x
-1,024 new tokens, EOS ignored so every run does the same work: the sparse engine at budget 512 reaches
->= 2x the dense engine's decode tokens/s, and the dense engine >= HF generate on the same batch.
-GPU: Qwen3-4B shapes with random bf16 weights, batch 32, the published qwen3-4b 0.86 schedule >= 2.4x
-the dense engine's tokens/s, and the dense decode step within 1.3x of the bandwidth limit.
-Measured in one process on the same device: the dense engine, the sparse engine at a fixed budget and
-with a schedule, and transformers' greedy `generate` on the same weights (the embedded checkpoint
-directory) with the prompt repeated once per sample (HF prefills every copy; the engine prefills once
-and shares the pages, so end-to-end numbers favour the engine and decode-only numbers are the fair
-comparison). HF runs last. On the CPU our engine tunes glibc's allocator for the process
-(stages/rollout/allocator.py), so every run here, vLLM's and HF's included, runs with it.
-vLLM (when installed: `make vllm`) runs after our engine, on the same prompt, samples, new tokens and
-temperature, dense, in `--vllm-dtype` (default: our engine's dtype, fp32 on the CPU), with prefix
-caching, in-process, with its global seed (per-request seeds fail on the CPU). Its start-up (load +
-torch.compile) is timed apart, then one short untimed generate warms it up and its prefix cache is
-reset; prefill s and decode s come from its request stats (first token, last token), its step time is
-decode s over the decode steps (no median).
-"command s" is what a `sparrow rollout` command would spend: model load (ours) or start-up (vLLM)
-plus the generate call. Per decode step, "BW frac" is the fraction of the memory-bandwidth limit
-reached: (weight bytes + KV bytes read, the prompt pages the samples share counted once) / step time /
-the device's copy bandwidth (a large tensor copy, read + write); "floor ms" is that limit's step time
-and "x floor" the measured step over it. "MB/step" and `bw_fraction_requested` count the KV bytes as
-the kernels request them (each sample reads the prompt pages it shares, some perhaps from a cache).
-Writes bench/results/rollout.parquet.
+Two modes. Speed is reported, never asserted (the issue's targets are in README.md).
 
-    .venv/bin/python bench/rollout.py                         # the CPU run (about 25 minutes)
-    .venv/bin/python bench/rollout.py --context 1000 --new-tokens 64 --samples 4   # a quick one
-    .venv/bin/python bench/rollout.py --new-tokens 320 --temperature 1 --no-hf --no-schedule  # vs vLLM
-    .venv/bin/python bench/rollout.py --model qwen3-4b --random-weights --context 16384 --samples 32 \
-        --budget 2048 --schedule published:qwen3-4b:0.86                  # GPU (no HF baseline)
+Whole rollout (the default): --prompts P distinct prompts x --samples K samples each, --prompt-len L
+tokens, --new-tokens N new tokens, EOS ignored so every run does the same work; per sampler (dense,
+--budget, --schedule) one `Engine.generate` in this process: whole-rollout seconds (prefill + decode)
+and tokens/s, the mean and median decode step, and the speedup over dense (whole rollout and decode).
+On a GPU the model is Qwen3-4B shapes with random bf16 weights and random prompt tokens; on a CPU
+SmolLM2-135M with kv_lookup prompts (fp32). Each run's engine has its pool sized (`Engine.reserve`) and
+its decode graphs captured for the run's batch and budgets (`Engine.warm_up`) before its clock starts,
+and every Triton kernel variant is compiled by a short untimed run first: what is timed is what a
+warmed engine (the trainer's, reused step after step) spends.
+
+Own KV (`--own-kv NxL[,NxL...]`): the middle of a rollout, N sequences that each own L tokens of KV
+(N distinct random prompts of L tokens, n = 1), decode steps only: after --warmup steps, the mean and
+median of --steps steps per sampler (the schedule's budget is the one at length L).
+
+Per decode step the floor is the step's bytes read once at the device's copy bandwidth (a large tensor
+copy, read + write): the weights, the K and V every sequence attends to (a prompt's pages shared by its
+samples counted once) and the page centroids the sparse layers score. "x floor" is the measured step
+over it, "dense floor" the dense step's floor and "floor x" the speedup the floors predict (dense floor /
+the sampler's floor), beside the measured one.
+
+`--cost cost.parquet` (a `sparrow fit-cost` artifact for this model and device): each sampler's decode
+seconds predicted by the fitted cost model (`CostModel.rollout_seconds`, batch P x K from length L to
+L + N), printed beside the measured ones, with the whole-rollout speedup it predicts (the predicted decode
+plus each run's measured prefill, which is dense in every sampler) and the relative error.
+
+vLLM (when installed: `make vllm`) and transformers' `generate` run after our engine on the same prompts,
+samples, new tokens and temperature, dense (not with random weights): vLLM in `--vllm-dtype` with prefix
+caching, in-process, its start-up timed apart, one untimed warm-up; HF with every prompt repeated once per
+sample (it prefills every copy; the engine prefills once and shares the pages). On the CPU our engine tunes
+glibc's allocator for the process (stages/rollout/allocator.py), so every run here runs with it. Writes
+bench/results/rollout.parquet (or rollout-own-kv.parquet).
+
+    .venv/bin/python bench/rollout.py --threads 1                       # the CPU run (about 25 minutes)
+    .venv/bin/python bench/rollout.py --prompts 2 --samples 2 --prompt-len 300 --new-tokens 48 \\
+        --no-hf --no-vllm --threads 1                                 # a CPU smoke run
+    .venv/bin/python bench/rollout.py --own-kv 4x1024,8x512 --steps 8 --threads 1    # own KV, CPU smoke
+    python bench/rollout.py --prompts 4 --samples 8 --prompt-len 256 --new-tokens 8192 --temperature 1 \\
+        --cost cost.parquet                                           # GPU: Qwen3-4B shapes, random weights
+    python bench/rollout.py --own-kv 8x32768,16x16384,32x8192,16x4096 --temperature 1   # GPU, own KV
 """
 
 from __future__ import annotations
@@ -48,9 +60,11 @@ from sparrow.stages.model.loading import embedded_checkpoint, load_model
 from sparrow.stages.published_schedules import published_budgets
 from sparrow.stages.rollout import Engine, SamplingParams
 from sparrow.stages.schedule import Schedule
+from sparrow.stages.sparsity import budget_fn
 from sparrow.stages.tasks import make_prompts
 
 PUBLISHED_BIN = 2000  # tokens per bin of the published schedules
+DENSE_LAYERS = (0, 1)
 
 
 def weight_bytes(model) -> int:
@@ -66,10 +80,10 @@ def weight_bytes(model) -> int:
 
 
 def kv_bytes_per_step(cfg, prompt: int, new: int, samples: int, budget_at, dense_layers, elem: int,
-                      page: int = 16, shared_once: bool = False) -> float:
-    """Mean K+V (+ centroid) bytes one decode step reads over the run: as the kernels request them (each
-    sample reads the prompt pages it shares), or with `shared_once` the floor where shared prompt
-    pages (and their centroids) are read once per step, as cascade attention would."""
+                      page: int = 16, shared_once: bool = False, cent_elem: int = 4) -> float:
+    """Mean K+V (+ centroid) bytes one decode step of one prompt's samples reads over the run: as the
+    kernels request them (each sample reads the prompt pages it shares), or with `shared_once` the floor
+    where shared prompt pages (and their centroids) are read once per step."""
     per_token = 2 * cfg.num_kv_heads * cfg.head_dim * elem
     total = 0.0
     for i in range(1, new):  # decode steps: cache holds prompt + i tokens
@@ -78,53 +92,129 @@ def kv_bytes_per_step(cfg, prompt: int, new: int, samples: int, budget_at, dense
         n_pages = -(-n // page)
         sparse = b > 0 and n_pages > b // page
         kept = min(n, b) if sparse else n
-        n_sparse = cfg.num_layers - len(dense_layers) if b > 0 else 0
+        n_sparse = cfg.num_layers - len(dense_layers) if b > 0 else 0  # they score pages even when short
         unique = prompt + samples * i  # tokens in the cache, the prompt's once
         dense_tokens = unique if shared_once else samples * n
         sparse_tokens = min(samples * kept, unique) if shared_once else samples * kept
         cent_pages = -(-unique // page) if shared_once else samples * n_pages
         total += ((cfg.num_layers - n_sparse) * dense_tokens + n_sparse * sparse_tokens) * per_token
-        total += n_sparse * cent_pages * cfg.num_kv_heads * cfg.head_dim * 4
+        total += n_sparse * cent_pages * cfg.num_kv_heads * cfg.head_dim * cent_elem
     return total / max(new - 1, 1)
 
 
-def warm_up(model, prompt, args, runs) -> None:
-    """Compile every Triton kernel variant the timed runs use (a GPU's first launch of each costs about
-    a second) on a short generation past the budget, so that no timed run pays for compiling. On the
-    CPU, load (or build, once per machine) the C++ attention kernels."""
+def parse_schedule(spec: str) -> Schedule:
+    """A schedule artifact, 'published:MODEL:THRESHOLD', or 'cpu-default' (for SmolLM2's 8K context: 256
+    below 4K tokens, 512 to 6.5K, 768 beyond)."""
+    if spec == "cpu-default":
+        return Schedule((0, 4096, 6656), (256, 512, 768))
+    if spec.startswith("published:"):
+        _, model, threshold = spec.split(":")
+        budgets = published_budgets(model, float(threshold))
+        if budgets is None:
+            raise SystemExit(f"--schedule {spec}: no published schedule for {model} at {threshold}")
+        return Schedule(tuple(PUBLISHED_BIN * i for i in range(len(budgets))), budgets)
+    return Schedule.from_artifact(spec)
+
+
+def parse_own_kv(spec: str) -> list[tuple[int, int]]:
+    """'8x32768,16x4096' -> [(8, 32768), (16, 4096)] (sequences x KV tokens each)."""
+    try:
+        out = [tuple(int(v) for v in item.lower().split("x")) for item in spec.split(",") if item.strip()]
+    except ValueError:
+        out = []
+    if not out or any(len(x) != 2 or min(x) < 1 for x in out):
+        raise SystemExit(f"--own-kv {spec!r}: expected NxL[,NxL...] (sequences x KV tokens), e.g. 8x32768")
+    return out
+
+
+def random_prompts(cfg, count: int, length: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, cfg.vocab_size, (length,), generator=g).tolist() for _ in range(count)]
+
+
+def make_prompts_for(loaded, args) -> list[list[int]]:
+    """P distinct prompts of one length: on a real checkpoint kv_lookup prompts of about --prompt-len
+    tokens (at least 512), cut to the shortest; random token ids for random weights or shorter prompts."""
+    if args.random_weights or loaded.tokenizer is None or args.prompt_len < 512:
+        return random_prompts(loaded.config, args.prompts, args.prompt_len)
+    rows = make_prompts("kv_lookup", args.prompts, 0, loaded.tokenizer, context_tokens=args.prompt_len)
+    prompts = [list(r["prompt_token_ids"]) for r in rows]
+    return [p[: min(map(len, prompts))] for p in prompts]
+
+
+def sparsity_of(sampler: str):
+    """'dense' | 'budget:B' | 'schedule:SPEC' (a row's `sampler`) -> what the engine takes."""
+    kind, _, value = sampler.partition(":")
+    return None if kind == "dense" else int(value) if kind == "budget" else parse_schedule(value)
+
+
+def vectorized(sparsity):
+    """A budget function of arrays of cache lengths (None = dense) for the cost model."""
+    fn = budget_fn(sparsity)
+    return None if fn is None else np.vectorize(lambda c: int(fn(int(c))))
+
+
+# ---------------------------------------------------------------------------------------- our engine
+
+def warm_up(model, args, samplers, cfg) -> None:
+    """Compile the Triton kernels the timed runs use on a short run past the largest budget (a GPU's first
+    launch of each variant costs about a second); on the CPU, load (or build) the C++ kernels."""
     if model.embed_tokens.weight.device.type != "cuda":
         cpu_attention.available()
         return
-    short = prompt[: max(4 * args.budget, 4096)]
-    params = SamplingParams(max_new_tokens=4, n=args.samples, temperature=args.temperature, seed=0,
+    short = random_prompts(cfg, 1, max(4 * max(args.budget, 512), 4096), seed=1)
+    params = SamplingParams(max_new_tokens=4, n=min(args.samples * args.prompts, 8),
+                            temperature=args.temperature, seed=0, ignore_eos=True)
+    for _, sampler in samplers:
+        with Engine(model, sparsity_of(sampler), max_batch=params.n) as engine:
+            engine.generate(short, params)
+
+
+def run_engine(model, prompts, args, sampler, label, max_new: int, samples: int, warmup_budgets):
+    """One generate() of these prompts on a fresh engine whose pool and graphs are ready first."""
+    sparsity = sparsity_of(sampler)
+    params = SamplingParams(max_new_tokens=max_new, n=samples, temperature=args.temperature, seed=0,
                             ignore_eos=True)
-    for _, sparsity in runs:
-        with Engine(model, sparsity, max_batch=args.samples) as engine:  # its pool goes at once
-            engine.generate([short], params)
-
-
-def run_engine(model, prompt, args, sparsity, label):
-    params = SamplingParams(max_new_tokens=args.new_tokens, n=args.samples, temperature=args.temperature,
-                            seed=0, ignore_eos=True)
-    t0 = time.perf_counter()
-    with Engine(model, sparsity, max_batch=args.samples,
-                cascade=False if args.no_cascade else None) as engine:  # the next run gets its memory
-        out = engine.generate([prompt], params)
+    batch = len(prompts) * samples
+    with Engine(model, sparsity, max_batch=batch, cascade=False if args.no_cascade else None) as engine:
+        engine.reserve(prompts, params)
+        engine.warm_up(batch, warmup_budgets(engine.budget_at))
+        sync(model.embed_tokens.weight.device)
+        t0 = time.perf_counter()
+        out = engine.generate(prompts, params)
         total = time.perf_counter() - t0
+        cent_elem = engine.runner.cache.centroids.element_size()
+    assert all(len(c.token_ids) == max_new for r in out for c in r)
     s = engine.stats
-    assert all(len(c.token_ids) == args.new_tokens for c in out[0])
-    return {"engine": label, "total_s": total, "prefill_s": s.prefill_s, "decode_s": s.decode_s,
-            "decode_steps": s.decode_steps, "step_ms": 1e3 * float(np.mean(s.step_times)),
-            "median_step_ms": 1e3 * float(np.median(s.step_times)),
-            "mean_budget": s.budget_sum / max(s.decode_tokens, 1)}, engine.budget_at
+    return {"engine": label, "sampler": sampler, "total_s": total, "prefill_s": s.prefill_s,
+            "decode_s": s.decode_s, "decode_steps": s.decode_steps, "step_times": list(s.step_times),
+            "mean_budget": s.budget_sum / max(s.decode_tokens, 1), "cent_elem": cent_elem}, engine.budget_at
 
 
-def run_hf(args, prompt, device, dtype):
+def samplers_of(args) -> list[tuple[str, str]]:
+    """(label, sampler spec) of the runs asked for, dense first."""
+    runs = {"dense": ("dense", "dense"), "budget": (f"sparse-{args.budget}", f"budget:{args.budget}"),
+            "schedule": ("sparse-schedule", f"schedule:{args.schedule}")}
+    names = [n.strip() for n in args.samplers.split(",") if n.strip()]
+    if args.no_schedule:
+        names = [n for n in names if n != "schedule"]
+    bad = [n for n in names if n not in runs]
+    if bad or not names:
+        raise SystemExit(f"--samplers {args.samplers!r}: expected a comma-separated subset of "
+                         "dense,budget,schedule")
+    if names[0] != "dense":
+        raise SystemExit("--samplers: dense must come first (every speedup is over it)")
+    return [runs[n] for n in names]
+
+
+# ---------------------------------------------------------------------------------------- peers
+
+def run_hf(args, prompts, device, dtype):
     import transformers
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(embedded_checkpoint(), dtype=dtype).to(device)
     hf.eval()
-    x = torch.tensor([prompt] * args.samples, device=device)
+    x = torch.tensor([p for p in prompts for _ in range(args.samples)], device=device)
     stamps = []
 
     class Stamp(transformers.LogitsProcessor):  # called once per forward: marks the steps
@@ -143,73 +233,202 @@ def run_hf(args, prompt, device, dtype):
                           logits_processor=[Stamp()], **kw)
     sync(device)
     total = time.perf_counter() - t0
-    assert out.shape[1] - len(prompt) == args.new_tokens
+    assert out.shape[1] - x.shape[1] == args.new_tokens
     steps = np.diff(stamps)
     del hf
     return {"engine": "hf-generate", "total_s": total, "prefill_s": stamps[0] - t0,
-            "decode_s": float(steps.sum()), "decode_steps": len(steps),
-            "step_ms": 1e3 * float(steps.mean()) if len(steps) else float("nan"),
-            "median_step_ms": 1e3 * float(np.median(steps)) if len(steps) else float("nan"),
+            "decode_s": float(steps.sum()), "decode_steps": len(steps), "step_times": steps.tolist(),
             "mean_budget": 0.0}
 
 
-def run_vllm(args, prompt, cfg, dtype: str):
+def run_vllm(args, prompts, cfg, dtype: str):
     """vLLM dense on the same workload: start-up, an untimed warm-up, then the timed generate."""
     from sparrow.stages.rollout.vllm_backend import VllmSampler, vllm_checkpoint
 
-    sampler = VllmSampler(vllm_checkpoint(args.model), dtype=dtype, seed=0, max_batch=args.samples,
-                          max_model_len=len(prompt) + args.new_tokens, eos_ids=cfg.eos_token_ids)
+    sampler = VllmSampler(vllm_checkpoint(args.model), dtype=dtype, seed=0,
+                          max_batch=args.samples * len(prompts),
+                          max_model_len=max(len(p) for p in prompts) + args.new_tokens,
+                          eos_ids=cfg.eos_token_ids)
     startup = sampler.timing.startup_s
-    g = torch.Generator().manual_seed(1)  # another prompt: the warm-up leaves no prefix to reuse
-    other = torch.randint(0, cfg.vocab_size, (256,), generator=g).tolist()
+    other = random_prompts(cfg, 1, 256, seed=1)  # another prompt: the warm-up leaves no prefix to reuse
     params = SamplingParams(max_new_tokens=args.new_tokens, n=args.samples, temperature=args.temperature,
                             seed=0, ignore_eos=True)
-    sampler.generate([other], SamplingParams(max_new_tokens=8, n=args.samples,
-                                             temperature=args.temperature, ignore_eos=True))
+    sampler.generate(other, SamplingParams(max_new_tokens=8, n=args.samples,
+                                           temperature=args.temperature, ignore_eos=True))
     sampler.llm.reset_prefix_cache()
-    out = sampler.generate([prompt], params)
+    out = sampler.generate(prompts, params)
     t = sampler.timing
-    assert all(len(c.token_ids) == args.new_tokens for c in out[0])
+    assert all(len(c.token_ids) == args.new_tokens for r in out for c in r)
     step_ms = 1e3 * t.decode_s / max(args.new_tokens - 1, 1)
     del sampler
     return {"engine": f"vllm-{dtype}", "total_s": t.seconds, "setup_s": startup, "prefill_s": t.prefill_s,
-            "decode_s": t.decode_s, "decode_steps": args.new_tokens - 1, "step_ms": step_ms,
-            "median_step_ms": float("nan"), "mean_budget": 0.0}
+            "decode_s": t.decode_s, "decode_steps": args.new_tokens - 1, "step_times": [step_ms / 1e3],
+            "mean_budget": 0.0}
 
 
-def parse_schedule(spec: str | None) -> Schedule:
-    """A schedule artifact, 'published:MODEL:THRESHOLD', or the CPU default for SmolLM2's 8K context."""
-    if spec is None:
-        return Schedule((0, 4096, 6656), (256, 512, 768))
-    if spec.startswith("published:"):
-        _, model, threshold = spec.split(":")
-        budgets = published_budgets(model, float(threshold))
-        if budgets is None:
-            raise SystemExit(f"--schedule {spec}: no published schedule for {model} at {threshold}")
-        return Schedule(tuple(PUBLISHED_BIN * i for i in range(len(budgets))), budgets)
-    return Schedule.from_artifact(spec)
+# ---------------------------------------------------------------------------------------- the modes
+
+def whole_rollout(loaded, args, device, dtype) -> list[dict]:
+    model, cfg = loaded.model, loaded.config
+    prompts = make_prompts_for(loaded, args)
+    length = len(prompts[0])
+    samplers = samplers_of(args)
+    warm_up(model, args, samplers, cfg)
+
+    def budgets_of(budget_at):  # every budget a step of this run uses: its graphs are captured first
+        lengths = range(length + 1, length + args.new_tokens + 1)
+        return {int(budget_at(c)) if budget_at else 0 for c in lengths}
+
+    elem = torch.tensor([], dtype=dtype).element_size()
+    rows = []
+    for label, sampler in samplers:
+        row, budget_at = run_engine(model, prompts, args, sampler, label, args.new_tokens, args.samples,
+                                    budgets_of)
+        for key, once in (("kv_bytes_per_step", False), ("kv_unique_bytes_per_step", True)):
+            row[key] = args.prompts * kv_bytes_per_step(cfg, length, args.new_tokens, args.samples, budget_at,
+                                                        DENSE_LAYERS, elem, shared_once=once,
+                                                        cent_elem=row["cent_elem"])
+        row["prompt_tokens"] = length
+        rows.append(row)
+        times = row["step_times"]
+        print(f"  {label}: {row['total_s']:.1f} s (prefill {row['prefill_s']:.1f} s, decode "
+              f"{row['decode_s']:.1f} s, step mean {1e3 * np.mean(times):.2f} ms, median "
+              f"{1e3 * np.median(times):.2f} ms)", flush=True)
+    real_weights = not args.random_weights and loaded.tokenizer is not None
+    if real_weights and not args.no_vllm and importlib.util.find_spec("vllm") is not None:
+        for vdtype in (args.vllm_dtype or str(dtype).removeprefix("torch.")).split(","):
+            row = run_vllm(args, prompts, cfg, vdtype)
+            velem = torch.tensor([], dtype=getattr(torch, vdtype)).element_size()
+            row["weight_bytes"] = weight_bytes(model) * velem // torch.tensor([], dtype=dtype).element_size()
+            for key, once in (("kv_bytes_per_step", False), ("kv_unique_bytes_per_step", True)):
+                row[key] = args.prompts * kv_bytes_per_step(cfg, length, args.new_tokens, args.samples, None,
+                                                            DENSE_LAYERS, velem, shared_once=once)
+            rows.append(row)
+            print(f"  {row['engine']}: {row['total_s']:.1f} s (+ {row['setup_s']:.0f} s start-up)",
+                  flush=True)
+    if real_weights and not args.no_hf:
+        row = run_hf(args, prompts, device, dtype)
+        elem = torch.tensor([], dtype=dtype).element_size()
+        for key, once in (("kv_bytes_per_step", False), ("kv_unique_bytes_per_step", True)):
+            row[key] = args.prompts * kv_bytes_per_step(cfg, length, args.new_tokens, args.samples, None,
+                                                        DENSE_LAYERS, elem, shared_once=once)
+        rows.append(row)
+        print(f"  hf-generate: {row['total_s']:.1f} s", flush=True)
+    return rows
 
 
-def make_prompt(loaded, args) -> list[int]:
-    """The kv_lookup prompt of about --context tokens; random token ids for random weights."""
-    if args.random_weights or loaded.tokenizer is None:
-        g = torch.Generator().manual_seed(0)
-        return torch.randint(0, loaded.config.vocab_size, (args.context,), generator=g).tolist()
-    row = make_prompts("kv_lookup", 1, 0, loaded.tokenizer, context_tokens=args.context)[0]
-    return list(row["prompt_token_ids"])
+def own_kv(loaded, args, dtype) -> list[dict]:
+    """Decode steps of N sequences that each own L tokens of KV, per sampler."""
+    model, cfg = loaded.model, loaded.config
+    samplers = samplers_of(args)
+    args.samples = 1
+    elem = torch.tensor([], dtype=dtype).element_size()
+    rows = []
+    steps = args.warmup + args.steps + 1  # new tokens: the first comes from the prefill
+    for n_seq, length in parse_own_kv(args.own_kv):
+        prompts = random_prompts(cfg, n_seq, length, seed=n_seq)
+        args.prompts = n_seq
+        warm_up(model, args, samplers, cfg)
+
+        def budgets_of(fn, lo=length):
+            return {int(fn(c)) if fn else 0 for c in range(lo + 1, lo + steps + 1)}
+
+        for label, sampler in samplers:
+            at = budget_fn(sparsity_of(sampler))
+            row, budget_at = run_engine(model, prompts, args, sampler, label, steps, 1, budgets_of)
+            row["step_times"] = row["step_times"][args.warmup:]
+            for key, once in (("kv_bytes_per_step", False), ("kv_unique_bytes_per_step", True)):
+                row[key] = n_seq * kv_bytes_per_step(cfg, length, steps, 1, budget_at, DENSE_LAYERS, elem,
+                                                     shared_once=once, cent_elem=row["cent_elem"])
+            row.update(sequences=n_seq, kv_tokens=length, budget_at_length=int(at(length + 1)) if at else 0)
+            rows.append(row)
+            print(f"  {n_seq}x{length} {label}: {1e3 * np.mean(row['step_times']):.2f} ms/step", flush=True)
+    return rows
+
+
+def add_floors(rows: list[dict], w_bytes: int, bw: float, group: str | None = None) -> None:
+    """Floors, speedups over dense (within each own-KV configuration), fraction of bandwidth."""
+    dense = {}
+    for r in rows:
+        r.setdefault("weight_bytes", w_bytes)
+        times = r.pop("step_times")
+        r["step_ms"] = 1e3 * float(np.mean(times)) if len(times) else float("nan")
+        r["median_step_ms"] = 1e3 * float(np.median(times)) if len(times) else float("nan")
+        r["bytes_per_step"] = r["weight_bytes"] + r["kv_bytes_per_step"]
+        r["bw_fraction_requested"] = r["bytes_per_step"] / (r["step_ms"] / 1e3) / bw
+        r["floor_ms"] = 1e3 * (r["weight_bytes"] + r["kv_unique_bytes_per_step"]) / bw
+        r["x_floor"] = r["step_ms"] / r["floor_ms"]
+        key = r.get(group) if group else None
+        if r["engine"] == "dense":
+            dense[key] = r
+        d = dense.get(key)
+        r["dense_floor_ms"] = d["floor_ms"] if d else float("nan")
+        r["floor_speedup"] = r["dense_floor_ms"] / r["floor_ms"]
+        r["step_speedup"] = d["step_ms"] / r["step_ms"] if d else float("nan")
+        if "total_s" in r and d:
+            r["speedup"] = d["total_s"] / r["total_s"]
+            r["decode_speedup"] = d["decode_s"] / r["decode_s"]
+
+
+def predict(rows: list[dict], cost, label: str) -> None:
+    """Each engine run's decode seconds from the fitted cost model (batch prompts x samples, from its prompt
+    length for its new tokens), and the decode and whole-rollout speedups they predict, printed beside the
+    measured ones."""
+    ours = [r for r in rows if r.get("sampler")]
+    first = ours[0]
+    batch, length, new = first["prompts"] * first["samples"], first["prompt_tokens"], first["new_tokens"]
+    for r in ours:
+        budget_at = vectorized(sparsity_of(r["sampler"]))
+        r["predicted_decode_s"] = cost.rollout_seconds(budget_at, new, batch, length)
+    dense = ours[0]
+    for r in ours:
+        r["predicted_decode_speedup"] = dense["predicted_decode_s"] / r["predicted_decode_s"]
+        r["predicted_speedup"] = ((dense["prefill_s"] + dense["predicted_decode_s"])
+                                  / (r["prefill_s"] + r["predicted_decode_s"]))
+    for r in ours:
+        r["prediction_error"] = r["predicted_speedup"] / r["speedup"] - 1
+    print(f"fitted cost model ({cost.source}, {label}): batch {batch}, prompt {length}, {new} new tokens; "
+          "whole = predicted decode + the run's measured prefill")
+    print_table(ours, [("engine", "engine", 16, ""), ("decode s", "decode_s", 9, ".1f"),
+                       ("predicted", "predicted_decode_s", 9, ".1f"), ("dec x", "decode_speedup", 7, ".2f"),
+                       ("predicted", "predicted_decode_speedup", 9, ".2f"), ("whole x", "speedup", 7, ".2f"),
+                       ("predicted", "predicted_speedup", 9, ".2f"), ("error", "prediction_error", 7, ".1%")])
+
+
+STEP_COLUMNS = [("step ms", "step_ms", 8, ".2f"), ("median", "median_step_ms", 7, ".2f"),
+                ("floor ms", "floor_ms", 8, ".2f"), ("x floor", "x_floor", 7, ".2f"),
+                ("dense floor", "dense_floor_ms", 11, ".2f")]
+
+
+def print_table(rows: list[dict], columns: list[tuple[str, str, int, str]]) -> None:
+    """Columns (header, key, width, format spec); a missing value prints as nan."""
+    print(" ".join(f"{h:>{w}}" for h, _, w, _ in columns))
+    for r in rows:
+        print(" ".join(format(r.get(k, float("nan")), f">{w}{f}") for _, k, w, f in columns))
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--context", type=int, default=6000, help="prompt tokens (kv_lookup)")
-    ap.add_argument("--samples", type=int, default=8)
-    ap.add_argument("--new-tokens", type=int, default=1024)
-    ap.add_argument("--budget", type=int, default=512)
-    ap.add_argument("--schedule", default=None, help="a schedule artifact or published:MODEL:THRESHOLD "
-                    "(default: 256 below 4K tokens, 512 to 6.5K, 768 beyond)")
-    ap.add_argument("--random-weights", action="store_true", help="random weights for a shapes-only "
-                    "preset such as qwen3-4b (timing only; random prompt tokens, no HF baseline)")
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="default: qwen3-4b (random weights) on a GPU, "
+                    "smollm2-135m on a CPU")
+    ap.add_argument("--prompts", type=int, default=1, help="distinct prompts (P)")
+    ap.add_argument("--samples", type=int, default=8, help="samples per prompt (K)")
+    ap.add_argument("--prompt-len", "--context", dest="prompt_len", type=int, default=None,
+                    help="prompt tokens (L; default 256 on a GPU, 6000 on a CPU)")
+    ap.add_argument("--new-tokens", type=int, default=None, help="new tokens per sample (N; default 8192 on "
+                    "a GPU, 1024 on a CPU)")
+    ap.add_argument("--own-kv", default=None, help="NxL[,NxL...]: the own-KV mode instead of a whole rollout")
+    ap.add_argument("--steps", type=int, default=32, help="own KV: timed decode steps per sampler")
+    ap.add_argument("--warmup", type=int, default=4, help="own KV: untimed decode steps first")
+    ap.add_argument("--budget", type=int, default=None, help="the fixed budget (default 2048 on a GPU, 512 "
+                    "on a CPU)")
+    ap.add_argument("--schedule", default=None, help="a schedule artifact, published:MODEL:THRESHOLD or "
+                    "cpu-default (default: published:qwen3-4b:0.86 on a GPU; cpu-default on a CPU: 256 below "
+                    "4K tokens, 512 to 6.5K, 768 beyond)")
+    ap.add_argument("--samplers", default="dense,budget,schedule", help="which runs, dense first")
+    ap.add_argument("--cost", default=None, help="a fit-cost artifact: print its predicted speedups")
+    ap.add_argument("--random-weights", action="store_true", help="random weights (default on a GPU: "
+                    "Qwen3-4B shapes have no weights here; random prompt tokens, no HF or vLLM)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (all runs)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
@@ -223,86 +442,74 @@ def main() -> None:
     ap.add_argument("--vllm-dtype", default=None, help="vLLM's dtype, or several comma-separated, one "
                     "engine each (default: our engine's; bfloat16 is vLLM's own CPU default)")
     args = ap.parse_args()
+    device = torch.device(args.device)
+    gpu = device.type == "cuda"
+    args.model = args.model or ("qwen3-4b" if gpu else "smollm2-135m")
+    args.random_weights = args.random_weights or (gpu and args.model == "qwen3-4b")
+    args.prompt_len = args.prompt_len or (256 if gpu else 6000)
+    args.new_tokens = args.new_tokens or (8192 if gpu else 1024)
+    args.budget = args.budget or (2048 if gpu else 512)
+    if min(args.prompts, args.samples, args.prompt_len, args.new_tokens, args.steps) < 1 or args.warmup < 0:
+        raise SystemExit("--prompts, --samples, --prompt-len, --new-tokens and --steps must be at least 1")
+    if args.own_kv:
+        parse_own_kv(args.own_kv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = torch.bfloat16 if gpu else torch.float32
     dtype = getattr(torch, args.dtype) if args.dtype else dtype
-    schedule = parse_schedule(args.schedule)
+    args.schedule = args.schedule or ("published:qwen3-4b:0.86" if gpu else "cpu-default")
+    parse_schedule(args.schedule)  # a bad one is refused before the model loads
     t0 = time.perf_counter()
     loaded = load_model(args.model, device=str(device), dtype=dtype, random_weights=args.random_weights)
     load_s = time.perf_counter() - t0
-    model, cfg = loaded.model, loaded.config
-    prompt = make_prompt(loaded, args)
-    w_bytes = weight_bytes(model)
-    elem = torch.tensor([], dtype=dtype).element_size()
+    cost = None
+    if args.cost:
+        from sparrow.stages.cost import load_cost
 
-    rows = []
-    runs = (("dense", None), (f"sparse-{args.budget}", args.budget), ("sparse-schedule", schedule))
-    runs = runs[:2] if args.no_schedule else runs
-    warm_up(model, prompt, args, runs)
-    for label, sparsity in runs:
-        row, budget_at = run_engine(model, prompt, args, sparsity, label)
-        row["setup_s"] = load_s
-        for key, once in (("kv_bytes_per_step", False), ("kv_unique_bytes_per_step", True)):
-            row[key] = kv_bytes_per_step(cfg, len(prompt), args.new_tokens, args.samples, budget_at, (0, 1),
-                                         elem, shared_once=once)
-        rows.append(row)
-        print(f"  {label}: {row['total_s']:.1f} s", flush=True)
-    if not (args.no_vllm or args.random_weights) and importlib.util.find_spec("vllm") is not None:
-        for vdtype in (args.vllm_dtype or str(dtype).removeprefix("torch.")).split(","):
-            row = run_vllm(args, prompt, cfg, vdtype)
-            velem = torch.tensor([], dtype=getattr(torch, vdtype)).element_size()
-            row["weight_bytes"] = w_bytes * velem // elem
-            for key, once in (("kv_bytes_per_step", False), ("kv_unique_bytes_per_step", True)):
-                row[key] = kv_bytes_per_step(cfg, len(prompt), args.new_tokens, args.samples, None, (0, 1),
-                                             velem, shared_once=once)
-            rows.append(row)
-            print(f"  {row['engine']}: {row['total_s']:.1f} s (+ {row['setup_s']:.0f} s start-up)",
-                  flush=True)
-    if not (args.no_hf or args.random_weights):
-        row = run_hf(args, prompt, device, dtype)
-        row["setup_s"] = float("nan")  # not timed (from_pretrained)
-        for key, once in (("kv_bytes_per_step", False), ("kv_unique_bytes_per_step", True)):
-            row[key] = kv_bytes_per_step(cfg, len(prompt), args.new_tokens, args.samples, None, (0, 1),
-                                         elem, shared_once=once)
-        rows.append(row)
-        print(f"  hf-generate: {row['total_s']:.1f} s", flush=True)
+        cost = load_cost(args.cost, loaded.config)
+    w_bytes = weight_bytes(loaded.model)
 
-    # measured after the runs: its 2 GiB of fresh memory slowed the next prefill from about 15 to 29 s
-    bw = copy_bandwidth(device)
-    tokens = args.samples * args.new_tokens
-    decode_tokens = args.samples * (args.new_tokens - 1)
-    dense = rows[0]
+    if args.own_kv:
+        rows = own_kv(loaded, args, dtype)
+    else:
+        rows = whole_rollout(loaded, args, device, dtype)
+    bw = copy_bandwidth(device)  # after the runs: its fresh memory slowed a following prefill
+    add_floors(rows, w_bytes, bw, group="kv_tokens" if args.own_kv else None)
+    name = torch.cuda.get_device_name(device) if gpu else platform.processor() or platform.machine()
+    where = (f"{device} ({name}, {torch.get_num_threads()} threads), copy bandwidth {bw / 1e9:.1f} GB/s, "
+             f"weights {w_bytes / 1e6:.0f} MB")
+    for r in rows:
+        r.update(device=str(device), threads=torch.get_num_threads(), copy_gb_s=bw / 1e9, model=args.model,
+                 temperature=args.temperature)
+    if args.own_kv:
+        print(f"{loaded.name}, own KV (decode steps only: {args.warmup} untimed, {args.steps} timed), "
+              f"temperature {args.temperature}, {where}")
+        for r in rows:
+            r["config"] = f"{r['sequences']}x{r['kv_tokens']}"
+        print_table(rows, [("seqs x KV", "config", 11, ""), ("engine", "engine", 16, ""),
+                           ("budget", "budget_at_length", 6, "d"), *STEP_COLUMNS,
+                           ("x dense", "step_speedup", 7, ".2f"), ("floor x", "floor_speedup", 7, ".2f")])
+        write_results(rows, "rollout-own-kv")
+        return
+    args.prompt_len = rows[0]["prompt_tokens"]
+    tokens = args.prompts * args.samples * args.new_tokens
+    decode_tokens = args.prompts * args.samples * (args.new_tokens - 1)
     for r in rows:
         r["tok_s"] = tokens / r["total_s"]
         r["decode_tok_s"] = decode_tokens / r["decode_s"] if r["decode_s"] > 0 else float("nan")
-        r["x_dense_decode"] = r["decode_tok_s"] / (decode_tokens / dense["decode_s"])
-        wb = r.setdefault("weight_bytes", w_bytes)
+        r.setdefault("setup_s", load_s)
         r["command_s"] = r["setup_s"] + r["total_s"]
-        r["bytes_per_step"] = wb + r["kv_bytes_per_step"]
-        r["bw_fraction_requested"] = r["bytes_per_step"] / (r["step_ms"] / 1e3) / bw
-        r["floor_ms"] = 1e3 * (wb + r["kv_unique_bytes_per_step"]) / bw  # shared pages read once
-        r["x_floor"] = r["step_ms"] / r["floor_ms"]
-        r["bw_fraction"] = 1 / r["x_floor"]
-        r.update(prompt_tokens=len(prompt), samples=args.samples, new_tokens=args.new_tokens,
-                 device=str(device), threads=torch.get_num_threads(), copy_gb_s=bw / 1e9)
-    print(f"{loaded.name}, prompt {len(prompt)} tokens, {args.samples} samples x {args.new_tokens} new "
-          f"tokens (EOS ignored, temperature {args.temperature}), {device} "
-          f"({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads), "
-          f"copy bandwidth {bw / 1e9:.1f} GB/s, weights {w_bytes / 1e6:.0f} MB")
-    head = (f"{'engine':>16} {'command s':>9} {'total s':>8} {'prefill s':>9} {'decode s':>9} {'tok/s':>7} "
-            f"{'dec tok/s':>9} {'x dense':>7} {'step ms':>8} {'median':>7} {'MB/step':>8} {'BW frac':>7} "
-            f"{'floor ms':>8} {'x floor':>7}")
-    print(head)
-    for r in rows:
-        print(f"{r['engine']:>16} {r['command_s']:>9.1f} {r['total_s']:>8.1f} {r['prefill_s']:>9.1f} "
-              f"{r['decode_s']:>9.1f} "
-              f"{r['tok_s']:>7.1f} {r['decode_tok_s']:>9.1f} {r['x_dense_decode']:>7.2f} "
-              f"{r['step_ms']:>8.1f} {r['median_step_ms']:>7.1f} {r['bytes_per_step'] / 1e6:>8.0f} "
-              f"{r['bw_fraction']:>7.2f} {r['floor_ms']:>8.1f} {r['x_floor']:>7.2f}")
-    if device.type == "cuda":
-        print(f"GPU: {torch.cuda.get_device_name(device)}; CUDA graphs for the decode step")
+        r.update(prompts=args.prompts, samples=args.samples, new_tokens=args.new_tokens,
+                 prompt_tokens=args.prompt_len)
+    print(f"{loaded.name}, {args.prompts} prompts x {args.samples} samples, {args.prompt_len}-token prompts, "
+          f"{args.new_tokens} new tokens (EOS ignored, temperature {args.temperature}), {where}")
+    print_table(rows, [("engine", "engine", 16, ""), ("command s", "command_s", 9, ".1f"),
+                       ("total s", "total_s", 8, ".1f"), ("prefill s", "prefill_s", 9, ".1f"),
+                       ("decode s", "decode_s", 9, ".1f"), ("tok/s", "tok_s", 7, ".1f"),
+                       ("x dense", "speedup", 7, ".2f"), ("dec x", "decode_speedup", 6, ".2f"), *STEP_COLUMNS,
+                       ("floor x", "floor_speedup", 7, ".2f")])
+    if cost is not None:
+        predict(rows, cost, args.cost)
     write_results(rows, "rollout")
 
 

@@ -40,9 +40,9 @@ inline __m512 log_ps(__m512 x) {
 }
 
 // logp [B, V] fp32 (log-probabilities; -inf never drawn), seeds [B] int64 -> tokens [B] int64: per row
-// argmax_v logp_v - ln(-ln U_v), i.e. argmax p_v / E_v with E_v = -ln U_v ~ Exp(1), which draws v with
-// probability p_v. U_v = (bits + 0.5) / 2^24 from 24 bits of one 32-bit half of splitmix64(seed + (v / 2
-// + 1) * golden): element v takes the low half when v is even, the high half when odd.
+// argmax_v logp_v - ln E_v, i.e. argmax p_v / E_v with E_v = -ln U_v ~ Exp(1), which draws v with
+// probability p_v (E_v floored at 2^-25, below). U_v = (bits + 0.5) / 2^24 from 24 bits of one 32-bit half of
+// splitmix64(seed + (v / 2 + 1) * golden): element v takes the low half when v is even, the high half when odd.
 at::Tensor race_sample(const at::Tensor& logp, const at::Tensor& seeds) {
   TORCH_CHECK(logp.scalar_type() == at::kFloat && logp.dim() == 2 && logp.is_contiguous(), "logp [B, V] fp32");
   TORCH_CHECK(seeds.scalar_type() == at::kLong && seeds.numel() == logp.size(0), "seeds [B] int64");
@@ -69,7 +69,9 @@ at::Tensor race_sample(const at::Tensor& logp, const at::Tensor& seeds) {
         const __m512 u = _mm512_mul_ps(
             _mm512_add_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(bits, 8)), _mm512_set1_ps(0.5f)),
             _mm512_set1_ps(1.f / 16777216));
-        const __m512 e = _mm512_sub_ps(_mm512_setzero_ps(), log_ps(u));
+        // E >= 2^-25: fp32 rounds the top cell's U up to 1, where -ln U = 0 would make the token win
+        // whatever its probability; 2^-25 is -ln U of that cell's exact U
+        const __m512 e = _mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), log_ps(u)), _mm512_set1_ps(0x1p-25f));
         const __m512 x = _mm512_maskz_loadu_ps(in, row + v);
         const __m512 score = _mm512_sub_ps(x, log_ps(e));
         const __mmask16 better = _mm512_mask_cmp_ps_mask(in, score, best, _CMP_GT_OQ);

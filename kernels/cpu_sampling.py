@@ -3,10 +3,13 @@
 The torch sampler draws a row's noise with `uniform_` from the sample's `torch.Generator` (a Mersenne
 twister: about 0.2 ms per 49K-token row, 1.5 ms of a 29 ms SmolLM2 step at 8 samples), then takes the
 log, divides and arg-maxes in four more passes over the rows. Here each sampled row draws one 64-bit seed
-from its generator, and one pass per row computes argmax_v log p_v - ln(-ln U_v) with U_v from splitmix64
-of (seed, v): the same exact race (argmax p / E with E ~ Exp(1) draws v with probability p_v), a counter
-based noise instead of the twister's stream. A sample's draws still depend only on its own generator, so
-not on the batch it shares. `race_sample_reference` computes the same bits and race in float64 numpy.
+from its generator, and one pass per row computes argmax_v log p_v - ln E_v, E_v = -ln U_v, with U_v from
+splitmix64 of (seed, v): the same exact race (argmax p / E with E ~ Exp(1) draws v with probability p_v), a
+counter based noise instead of the twister's stream. In fp32 the largest U cell (its 24 bits all ones)
+rounds to U = 1, so E is floored at 2^-25, that cell's exact -ln U (without the floor such a token, one in
+2^24, won whatever its probability: a 49K-token row once in about 340 draws). A sample's draws still depend
+only on its own generator, so not on the batch it shares. `race_sample_reference` computes the same bits
+and race in float64 numpy (where the floor never binds).
 """
 
 from __future__ import annotations

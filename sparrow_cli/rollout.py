@@ -136,8 +136,8 @@ def rollout(
     dtype: str = typer.Option("auto", "--dtype", help="Weights and KV cache: auto (bfloat16 on cuda, "
                               "float32 on cpu), float32 or bfloat16. bfloat16 decodes about 1.5x faster on "
                               "a CPU with AVX512-BF16; float32 matches teacher-forced scoring exactly."),
-    eager: bool = typer.Option(False, "--eager", help="On cuda, run every decode step eagerly instead of "
-                               "replaying CUDA graphs (for debugging; slower)."),
+    eager: bool = typer.Option(False, "--eager", help="On cuda, run the decode step eagerly instead of "
+                               "replaying CUDA graphs: the same step and tokens (for debugging; slower)."),
     gpu_memory_utilization: float = gpu_memory_option(),
     max_num_batched_tokens: int = typer.Option(8192, "--max-num-batched-tokens", help="The most prompt "
                                                "tokens one prefill forward takes (vLLM's name); longer "
@@ -212,7 +212,8 @@ def rollout(
     sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                               top_k=top_k, seed=seed, n=samples, ignore_eos=ignore_eos)
     opts = RolloutOptions(sampling=sampling, max_batch=max_batch, sparsity=sparsity,
-                          lora=adapter, decode_graphs="off" if eager else "auto", kv_pages=kv_pages,
+                          lora=adapter, kv_pages=kv_pages,
+                          decode_graphs="eager" if eager and device.startswith("cuda") else "auto",
                           gpu_memory_utilization=gpu_memory_utilization,
                           max_prefill_tokens=max_num_batched_tokens)
     mode = ("dense" if sparsity is None else f"budget {sparsity}" if isinstance(sparsity, int)

@@ -182,7 +182,7 @@ def _pool_refs(engine):
     runner = engine.runner
     tensors = [runner.cache.k, runner.cache.v, runner.cache.centroids]
     if runner.static is not None:
-        tensors += [runner.static.logits, runner.static.block_table]
+        tensors += [runner.static.logp, runner.static.block_table]
     return [weakref.ref(t) for t in tensors]
 
 

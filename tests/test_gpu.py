@@ -4,7 +4,8 @@ On CUDA the engine runs the compiled Triton kernels and replays its decode step 
 contracts that the CPU tests hold for the torch path are held here for that path, against independent
 references on the same device: greedy tokens equal `transformers` (fp32), and the engine's sampled-token
 logprobs equal teacher-forced scoring (`score_sequences`, contiguous SDPA-free torch attention) within
-1e-4 in fp32 (IEEE fp32 dots in the kernels) and within a stated tolerance in bf16.
+1e-4 in fp32 (IEEE fp32 dots in the kernels) and within a stated tolerance in bf16. The pipelined decode
+loop launches its steps without a host synchronisation, and its race kernel draws the CPU's tokens.
 """
 
 from __future__ import annotations
@@ -129,3 +130,93 @@ def test_fp32_head_and_the_chunked_learner_on_cuda(tiny_qwen3):
     assert (a - b).abs().max() < 1e-3 and ga.keys() == gb.keys() and ga
     for name in ga:
         assert (ga[name].float() - gb[name].float()).abs().max() <= 2e-2 * ga[name].float().abs().max() + 1e-6
+
+
+# ---------------------------------------------------------------------------- nothing on the host per step
+
+
+def test_decode_steps_run_without_host_synchronisation(tiny_qwen3):
+    """Once its graphs are captured, a decode step launches the next step before reading the last one:
+    no implicit synchronisation (torch's sync debug mode raises on one: .item(), .cpu(), pageable copies)
+    and no torch.cuda.synchronize, while pages are added to the block tables, sampled, top-p and top
+    logprobs rows included; the tokens and logprobs are the eager step's."""
+    model = load_model(tiny_qwen3[1], device="cuda", dtype=torch.bfloat16).model
+    prompts = _prompts((300, 170))
+    params = [SamplingParams(max_new_tokens=70, n=3, seed=1, ignore_eos=True),
+              SamplingParams(max_new_tokens=70, n=2, seed=2, temperature=0.8, top_p=0.9, logprobs=2,
+                             ignore_eos=True)]
+    ref = Engine(model, 64, max_batch=8, decode_graphs="eager").generate(prompts, params)
+    engine = Engine(model, 64, max_batch=8)
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        engine.add_request(p, sp, request_id=i)
+    done = []
+    for _ in range(4):  # the prefill, the first steps (graph capture)
+        done += engine.step()[0]
+    real_sync = torch.cuda.synchronize
+
+    def forbidden(*a, **k):
+        raise AssertionError("torch.cuda.synchronize in a decode step")
+
+    torch.cuda.synchronize = forbidden
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(50):  # crosses three page boundaries
+            done += engine.step()[0]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize = real_sync
+    while engine.has_work():
+        done += engine.step()[0]
+    got = sorted(done, key=lambda c: (c.request_id, c.sample))
+    want = [c for r in ref for c in r]
+    assert [c.token_ids for c in got] == [c.token_ids for c in want]
+    assert max(np.abs(np.array(a.logprobs) - np.array(b.logprobs)).max() for a, b in zip(got, want)) <= 1e-4
+    assert engine.blocks.used == 0
+
+
+def test_same_seed_same_tokens_as_the_cpu(tiny_qwen3):
+    """fp32, the same checkpoint: the CUDA graphs' race (Triton) draws the tokens that the CPU's static
+    step (the C++ race over the same counter noise, keyed by seed and position) draws, dense and sparse."""
+    hf, path = tiny_qwen3
+    prompts = _prompts((90, 200))
+    params = SamplingParams(max_new_tokens=30, n=2, seed=9, ignore_eos=True)
+    for sparsity in (None, 64):
+        cpu = Engine(load_model(path).model, sparsity, max_batch=4, decode_graphs="eager")
+        gpu = Engine(load_model(path, device="cuda").model, sparsity, max_batch=4)
+        cpu, gpu = cpu.generate(prompts, params), gpu.generate(prompts, params)
+        assert [[c.token_ids for c in r] for r in gpu] == [[c.token_ids for c in r] for r in cpu]
+
+
+def test_truncated_rows_in_graphs_equal_teacher_forced(tiny_qwen3):
+    """top-k/top-p rows (drawn again after the graph) and a top-logprobs request: fp32 logprobs of the full
+    distribution at the temperature equal teacher-forced scoring within 1e-4."""
+    model = load_model(tiny_qwen3[1], device="cuda").model
+    prompts = _prompts((120, 260))
+    params = SamplingParams(max_new_tokens=30, n=3, seed=5, temperature=0.8, top_p=0.9, top_k=40, logprobs=3,
+                            ignore_eos=True)
+    engine = Engine(model, 64, max_batch=4)
+    results = engine.generate(prompts, params)
+    assert engine.runner.static.graphs
+    budget_at = budget_fn(64)
+    for samples in results:
+        scored = score_sequences(model, [c.prompt_token_ids for c in samples], [c.token_ids for c in samples],
+                                 [budget_at], temperature=0.8)
+        got = np.concatenate([c.logprobs for c in samples])
+        assert np.abs(got - scored.sparse[budget_at][1]).max() <= 1e-4
+        for c in samples:
+            assert all(len(top) == 3 and top[0][1] >= top[1][1] >= top[2][1] for top in c.top_logprobs)
+
+
+def test_warm_up_captures_every_graph_of_a_uniform_run(tiny_qwen3):
+    """After `reserve` and `warm_up` for the run's batch and its schedule's budgets, a run whose samples
+    keep one batch size captures no graph of its own (the bench's timed runs pay for none)."""
+    model = load_model(tiny_qwen3[1], device="cuda", dtype=torch.bfloat16).model
+    prompts = _prompts((200, 200))
+    schedule = Schedule((0, 240), (64, 128))
+    params = SamplingParams(max_new_tokens=80, n=3, seed=1, ignore_eos=True)
+    engine = Engine(model, schedule, max_batch=6)
+    engine.reserve(prompts, params)
+    engine.warm_up(6, {schedule.budget_at(c) for c in range(201, 281)})
+    captured = set(engine.runner.static.graphs)
+    engine.generate(prompts, params)
+    assert set(engine.runner.static.graphs) == captured

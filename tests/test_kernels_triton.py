@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -181,6 +182,63 @@ def test_empty_request_rows_give_zeros():
             assert torch.isfinite(out).all() and bool((out[1] == 0).all())
 
 
+def test_race_kernel_draws_what_the_float64_reference_draws():
+    """The sampler's race kernel (kernels/race_sample.py) against the float64 numpy race over the same
+    splitmix64 bits, on random rows: as given row seeds, keyed by (seed, position), with the vocabulary in
+    one slice and in several; the C++ race (a CPU's) draws the same tokens from the same rows and seeds;
+    and a token whose noise is the top cell (U rounds to 1 in fp32) does not beat one holding all the mass."""
+    from test_sampler import _top_cell_cases
+
+    from sparrow.kernels import cpu_sampling
+    from sparrow.kernels.race_sample import race_sample_triton, row_seeds
+
+    logp = torch.log_softmax(torch.randn(64, 3001, generator=torch.Generator().manual_seed(6)) * 3, -1)
+    seeds = torch.randint(-2**62, 2**62, (64,), generator=torch.Generator().manual_seed(7))
+    positions = torch.randint(0, 1 << 16, (64,), generator=torch.Generator().manual_seed(8))
+    want = cpu_sampling.race_sample_reference(logp, seeds)
+    keyed = cpu_sampling.race_sample_reference(logp, row_seeds(seeds, positions))
+    dev = logp.to(DEVICE)
+    for splits in (1, 3):
+        got = race_sample_triton(dev, seeds.to(DEVICE), splits=splits, block=512)
+        assert torch.equal(got.cpu(), want), splits
+        got = race_sample_triton(dev, seeds.to(DEVICE), positions.to(DEVICE), splits=splits, block=512)
+        assert torch.equal(got.cpu(), keyed), splits
+    if cpu_sampling.usable(logp):
+        assert torch.equal(cpu_sampling.race_sample(logp, seeds), want)
+    cases = _top_cell_cases()
+    peaked = torch.full((len(cases), 4096), -40.0)
+    peaked[:, 7] = 0.0
+    peaked = torch.log_softmax(peaked, -1).to(DEVICE)
+    top = torch.tensor([seed for seed, _ in cases], device=DEVICE)
+    assert race_sample_triton(peaked, top).tolist() == [7] * len(cases)
+
+
+@pytest.mark.slow
+def test_race_kernel_frequencies_match_the_distribution():
+    """The race kernel's draws, each keyed by its own (seed, position), against the softmax they must
+    draw from, untruncated and with top-k's -inf tokens (fewer draws under the interpreter: looser bound)."""
+    from test_sampler import _expected
+
+    from sparrow.kernels.race_sample import race_sample_triton
+
+    draws, rows, bound = (20000, 2000, 0.015) if DEVICE == "cuda" else (6000, 2000, 0.03)
+    logits = torch.randn(1, 12, generator=torch.Generator().manual_seed(3)) * 1.5
+    for temperature, top_k in ((1.0, 0), (0.7, 5)):
+        want = _expected(logits, temperature, top_k)
+        logp = torch.log_softmax(logits / temperature, -1)
+        if top_k:
+            logp = logp.masked_fill(torch.from_numpy(want == 0)[None], float("-inf"))
+        batch = logp.expand(rows, -1).contiguous().to(DEVICE)
+        counts = np.zeros(12)
+        for j in range(draws // rows):
+            positions = torch.full((rows,), j, device=DEVICE)
+            tokens = race_sample_triton(batch, torch.arange(rows, device=DEVICE), positions)
+            np.add.at(counts, tokens.cpu().numpy(), 1)
+        freq = counts / counts.sum()
+        assert np.abs(freq - want).max() < bound, (temperature, top_k, freq, want)
+        assert freq[want == 0].sum() == 0
+
+
 # ----------------------------------------------------------------------------------------------------
 # slow: the sweep
 # ----------------------------------------------------------------------------------------------------
@@ -266,7 +324,7 @@ import inspect, sys
 import triton, triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from sparrow.kernels import append_kv, page_scoring, sparse_decode
+from sparrow.kernels import append_kv, page_scoring, race_sample, sparse_decode
 
 def build(lazy, types, consts, arch, num_warps=4):
     lazy.fn.__globals__["tl"] = tl
@@ -295,6 +353,9 @@ for arch in (80, 90):
                   dict(PAGE=16, RESERVED=3, BLOCK_P=2048 if d == 128 else 64, BLOCK_W=128), arch)
             build(sparse_decode._merge_splits_jit, dict(ws_m="*fp32", ws_l="*fp32", ws_acc="*fp32",
                   out="*" + dt), dict(D=d, BLOCK_D=d, BLOCK_S=32), arch, 2)
+    for keyed in (False, True):
+        build(race_sample._race_jit, dict(logp="*fp32", seeds="*i64", positions="*i64", best_score="*fp32",
+              best_index="*i32"), dict(KEYED=keyed, BLOCK=1024), arch)
 print("compiled")
 """
 

@@ -91,10 +91,11 @@ def test_small_pool_preempts_and_changes_nothing(tiny, sparsity, temperature):
 
 def test_static_step_with_preemption(tiny):
     """The padded step that CUDA graphs replay, with block tables that grow, shrink on preemption
-    and are rebuilt by recompute: same tokens as the plain step with a large pool."""
+    and are rebuilt by recompute: same tokens as the same step with a large pool (its draws are keyed
+    by each sample's seed and position, so a recomputed sample draws what it would have drawn)."""
     prompts = _prompts((70, 45, 100), seed=2)
     params = SamplingParams(max_new_tokens=40, n=2, seed=3, temperature=1.0, ignore_eos=True)
-    _, expected, _ = _run(tiny, prompts, params, 64, max_batch=5)
+    _, expected, _ = _run(tiny, prompts, params, 64, max_batch=5, decode_graphs="eager")
     small, got, victims = _run(tiny, prompts, params, 64, max_batch=5, num_pages=12, decode_graphs="eager")
     assert victims and small.runner.static is not None
     for a, b in zip(expected, got):

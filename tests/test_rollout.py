@@ -212,9 +212,10 @@ def test_static_padded_step_equals_teacher_forced(tiny_qwen3, sparsity):
 
 def test_static_step_mixed_dense_and_sparse_requests(tiny_qwen3):
     """A dense request and sparse ones in the same steps (K = the whole table): same tokens and
-    logprobs as the plain step."""
+    logprobs as the plain step (greedy: the static step draws sampled tokens with the device path's
+    position-keyed noise, the plain CPU step with each sample's generator)."""
     prompts = _prompts((120, 90, 200))
-    params = SamplingParams(max_new_tokens=20, n=2, seed=4, temperature=1.0, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=20, n=2, seed=4, temperature=0.0, ignore_eos=True)
     out = {}
     for mode in ("off", "eager"):
         engine = Engine(tiny_qwen3.model, 48, max_batch=6, decode_graphs=mode)
@@ -233,16 +234,116 @@ def test_static_step_mixed_dense_and_sparse_requests(tiny_qwen3):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 def test_cuda_graph_step_equals_eager_step(tmp_path):
-    """On a GPU (bf16, Triton kernels): replayed graphs give the eager static step's tokens."""
+    """On a GPU (bf16, Triton kernels): replayed graphs give the eager static step's tokens and logprobs,
+    greedy and sampled (the race in the graph; top-p rows drawn again after it; a top-logprobs request)."""
     model = load_model("tiny-qwen3", device="cuda", dtype=torch.bfloat16, random_weights=True).model
     prompts = _prompts((150, 97, 210), vocab=512)
-    params = SamplingParams(max_new_tokens=24, n=3, seed=2, temperature=0.0, ignore_eos=True)
-    for sparsity in (None, Schedule((0, 160, 240), (48, 80, 128))):
-        ref = Engine(model, sparsity, max_batch=5, decode_graphs="eager").generate(prompts, params)
-        engine = Engine(model, sparsity, max_batch=5, decode_graphs="cuda")
-        got = engine.generate(prompts, params)
-        assert engine.runner.static.graphs
-        assert [[c.token_ids for c in r] for r in got] == [[c.token_ids for c in r] for r in ref]
+    sampled = [SamplingParams(max_new_tokens=24, n=3, seed=2, ignore_eos=True),
+               SamplingParams(max_new_tokens=20, n=2, seed=3, temperature=0.8, top_p=0.9, ignore_eos=True),
+               SamplingParams(max_new_tokens=24, n=1, seed=4, logprobs=2, ignore_eos=True)]
+    for params in (SamplingParams(max_new_tokens=24, n=3, seed=2, temperature=0.0, ignore_eos=True), sampled):
+        for sparsity in (None, Schedule((0, 160, 240), (48, 80, 128))):
+            ref = Engine(model, sparsity, max_batch=5, decode_graphs="eager").generate(prompts, params)
+            engine = Engine(model, sparsity, max_batch=5, decode_graphs="cuda")
+            got = engine.generate(prompts, params)
+            assert engine.runner.static.graphs
+            assert [[c.token_ids for c in r] for r in got] == [[c.token_ids for c in r] for r in ref]
+            pairs = [(a, b) for r, w in zip(got, ref) for a, b in zip(r, w)]
+            assert max(np.abs(np.array(a.logprobs) - np.array(b.logprobs)).max() for a, b in pairs) <= 1e-4
+            assert [[t for t, _ in top] for a, _ in pairs for top in a.top_logprobs or []] == [
+                [t for t, _ in top] for _, b in pairs for top in b.top_logprobs or []]
+
+
+# ---------------------------------------------------------------------------- the pipelined loop
+
+
+def test_static_step_greedy_matches_transformers(tiny):
+    """The static step (the one CUDA graphs replay: state on the device, sampling inside, results read a
+    step late), run eagerly: greedy tokens of transformers, ragged prompts through max_batch 3."""
+    hf, ours = tiny
+    prompts = _prompts((7, 16, 37))
+    engine = Engine(ours.model, max_batch=3, decode_graphs="eager")
+    results = engine.generate(prompts, SamplingParams(max_new_tokens=40, temperature=0.0, n=2,
+                                                      ignore_eos=True))
+    for prompt, samples in zip(prompts, results):
+        with torch.no_grad():
+            expected = hf.generate(torch.tensor([prompt]), max_new_tokens=40, min_new_tokens=40,
+                                   do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
+        assert [c.token_ids for c in samples] == [expected, expected]
+    assert engine.blocks.used == 0 and engine.stats.dropped_tokens == 0
+
+
+def test_pipelined_loop_keeps_eos_and_max_new_tokens_exact(tiny_qwen3):
+    """Finished samples are noticed a step late: greedy with stop tokens that fire mid-run gives the
+    plain step's tokens exactly (a token sampled past a stop is dropped, counted, never returned); sampled
+    at T=1 a sample's tokens do not depend on the batch, each stops at its first stop token or at
+    max_new_tokens, and every page comes back."""
+    model = tiny_qwen3.model
+    prompts = _prompts((20, 45, 70))
+    plain = Engine(model, 64, max_batch=4, dense_layers=(0,)).generate(
+        prompts, SamplingParams(max_new_tokens=30, n=3, temperature=0.0))
+    eos = [plain[0][0].token_ids[7], plain[2][0].token_ids[12]]
+    greedy = SamplingParams(max_new_tokens=30, n=3, temperature=0.0)
+    want = Engine(model, 64, max_batch=4, dense_layers=(0,), eos_ids=eos).generate(prompts, greedy)
+    engine = Engine(model, 64, max_batch=4, dense_layers=(0,), eos_ids=eos, decode_graphs="eager")
+    got = engine.generate(prompts, greedy)
+    key = lambda res: [[(c.token_ids, c.finish_reason, c.budgets) for c in r] for r in res]
+    assert key(got) == key(want)
+    assert {c.finish_reason for r in got for c in r} == {"stop", "length"}
+    assert engine.stats.dropped_tokens > 0 and engine.blocks.used == 0
+    for r, w in zip(got, want):
+        for a, b in zip(r, w):
+            assert np.abs(np.array(a.logprobs) - np.array(b.logprobs)).max() <= 1e-5
+
+    stops = list(range(5, 40))
+    sampled = SamplingParams(max_new_tokens=30, n=3, seed=11, temperature=1.0)
+    runs = []
+    for max_batch in (1, 4, 9):
+        engine = Engine(model, 64, max_batch=max_batch, dense_layers=(0,), eos_ids=stops,
+                        decode_graphs="eager")
+        runs.append([[(c.token_ids, c.finish_reason) for c in r] for r in engine.generate(prompts, sampled)])
+        assert engine.blocks.used == 0
+        assert engine.stats.generated_tokens == sum(len(t) for r in runs[-1] for t, _ in r)
+    assert runs[0] == runs[1] == runs[2]
+    for tokens, reason in (x for r in runs[0] for x in r):
+        assert all(t not in stops for t in tokens[:-1])
+        assert (reason == "stop") == (tokens[-1] in stops) and (reason == "stop" or len(tokens) == 30)
+
+
+def test_warm_up_prepares_the_static_step_and_changes_nothing(tiny_qwen3):
+    """`Engine.warm_up` runs the static step for the run's batch and budgets before the run (CUDA graphs
+    would be captured there): the run then gives what a cold engine gives; it refuses before `reserve`."""
+    model, prompts = tiny_qwen3.model, _prompts((70, 150))
+    params = SamplingParams(max_new_tokens=20, n=2, seed=3, ignore_eos=True)
+    cold = Engine(model, Schedule((0, 100), (48, 64)), max_batch=4, decode_graphs="eager")
+    want = cold.generate(prompts, params)
+    warm = Engine(model, Schedule((0, 100), (48, 64)), max_batch=4, decode_graphs="eager")
+    with pytest.raises(RuntimeError, match="call reserve"):
+        warm.warm_up(4, [48, 64])
+    warm.reserve(prompts, params)
+    warm.warm_up(4, [48, 64])
+    got = warm.generate(prompts, params)
+    assert [[c.token_ids for c in r] for r in got] == [[c.token_ids for c in r] for r in want]
+    assert [[c.logprobs for c in r] for r in got] == [[c.logprobs for c in r] for r in want]
+
+
+def test_static_step_top_k_top_p_and_top_logprobs(tiny_qwen3):
+    """Rows with top-k/top-p are drawn again after the step from its log-probs: top-k 1 gives the greedy
+    tokens; top logprobs list the sampled token first when it is the argmax; with top-p and top-k the
+    logprobs (of the full distribution at the temperature) equal teacher-forced scoring."""
+    model = tiny_qwen3.model
+    prompt = _prompts((30,))
+    greedy = Engine(model, decode_graphs="eager").generate(
+        prompt, SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True))[0][0]
+    topk1 = Engine(model, decode_graphs="eager").generate(prompt, SamplingParams(
+        max_new_tokens=10, temperature=0.7, top_k=1, logprobs=3, ignore_eos=True))[0][0]
+    assert topk1.token_ids == greedy.token_ids
+    for tok, lp, top in zip(topk1.token_ids, topk1.logprobs, topk1.top_logprobs):
+        assert len(top) == 3 and top[0][0] == tok and abs(top[0][1] - lp) < 1e-6
+        assert top[0][1] >= top[1][1] >= top[2][1]
+    params = SamplingParams(max_new_tokens=12, temperature=0.8, top_p=0.9, top_k=50, n=3, seed=3,
+                            ignore_eos=True)
+    _check_against_teacher_forced(model, _prompts((40, 90)), params, 64, max_batch=4, decode_graphs="eager")
 
 
 # ---------------------------------------------------------------------------- engine mechanics
@@ -425,11 +526,11 @@ prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (70, 41)]
 params = SamplingParams(max_new_tokens=20, n=2, seed=5, ignore_eos=True)
 out = {}
 for run, impl, graphs in (("torch", "torch", "off"), ("triton", "triton", "off"),
-                          ("triton-static", "triton", "eager")):
+                          ("torch-static", "torch", "eager"), ("triton-static", "triton", "eager")):
     engine = Engine(model, 48, max_batch=3, dense_layers=(0,), impl=impl, decode_graphs=graphs)
     out[run] = engine.generate(prompts, params)
-for run in ("triton", "triton-static"):
-    for a, b in zip(out["torch"], out[run]):
+for ref, run in (("torch", "triton"), ("torch-static", "triton-static")):
+    for a, b in zip(out[ref], out[run]):
         for x, y in zip(a, b):
             assert x.token_ids == y.token_ids, (run, x.token_ids, y.token_ids)
             assert max(abs(p - q) for p, q in zip(x.logprobs, y.logprobs)) < 1e-4
@@ -440,8 +541,9 @@ print("ok")
 @pytest.mark.slow
 def test_engine_with_triton_kernels_under_the_interpreter(tmp_path):
     """The GPU code path (impl='triton', plain and as the static padded step that CUDA graphs
-    replay) on the CPU through Triton's interpreter, against the torch references: same tokens, same
-    logprobs. (No CUDA here: bf16, graph capture and CUDA timings are untested.)"""
+    replay, with its race kernel) on the CPU through Triton's interpreter, against the torch references
+    on the same path: same tokens, same logprobs. (No CUDA here: bf16, graph capture and CUDA timings
+    are untested.)"""
     import os
     import subprocess
     import sys

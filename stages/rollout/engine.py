@@ -22,18 +22,29 @@ sample, the budget of the sparsity schedule at the cache length at which the tok
 (`budget_at(num_tokens)`, query at position num_tokens - 1), so the rollout's logprobs are those
 teacher-forced sparse scoring gives (`stages.mismatch.score_sequences`), within float tolerance.
 
-What holds on which device. Each sample draws from its own generator seeded from (seed, request id,
-sample), so what it draws from given logits does not depend on its batch. On a CPU a row's logits are
+Decode steps are pipelined where the runner samples on the device (its static step: CUDA graphs, or
+decode_graphs="eager"): the engine launches step t+1 before it reads step t's tokens, so the host's
+scheduling and bookkeeping overlap the device's work and nothing waits on the device per step but for
+the previous step's results (runner.py, static_decode.py). Finished samples are then noticed a step
+late, with exact EOS and max_new_tokens semantics: a sample whose last token is in flight (it reaches
+max_new_tokens) leaves the batch at once, and a token sampled past an EOS the host had not read yet is
+dropped, never returned (`stats.dropped_tokens`). A sample that joins the batch, and any prefill or
+preemption, first waits for the steps in flight (`_settle`): admission and preemption need every token
+read back. The plain runner (the CPU's) samples on the host and returns each step's tokens at once.
+
+What holds on which device. Each sample draws from its own seed, derived from (seed, request id, sample),
+so what it draws from given logits does not depend on its batch: on the plain path through its own
+generator, on the device path through the counter-noise race keyed by the seed and the token's position
+(sampler.py), which is the same draw on every device and after a preemption. On a CPU a row's logits are
 computed row by row (our products for up to 16 rows, the attention kernels per row), so the same seed
 gives the same rollouts with any --max-batch up to 16 (tested in fp32); above 16 rows the products are
-oneDNN's, whose rounding is not promised to be independent of the row count. On CUDA the products run
-at the shape of the batch bucket and the kernels may round differently per shape, so another
---max-batch can change logits in the last bits and, at a near tie, a sampled token: the same rollouts
-are not promised there. A preempted sample's recompute is a prefill, whose products round differently
-from the decode steps that first wrote its keys: in fp32 the difference is at rounding level (the CPU
-tests find the same tokens and logprobs within 1e-5), so a token can change only at a near tie; in
-bf16, and on CUDA, near ties in the next token or in page selection are common enough that a
-preempted sample may continue differently.
+oneDNN's, whose rounding is not promised to be independent of the row count. On CUDA the products run at
+the shape of the batch bucket and the kernels may round differently per shape, so another --max-batch can
+change logits in the last bits and, at a near tie, a sampled token: the same rollouts are not promised
+there. A preempted sample's recompute is a prefill, whose products round differently from the decode steps
+that first wrote its keys: in fp32 the difference is at rounding level (the CPU tests find the same tokens
+and logprobs within 1e-5), so a token can change only at a near tie; in bf16, and on CUDA, near ties in
+the next token or in page selection are common enough that a preempted sample may continue differently.
 
 An engine is reused across runs (a run: from idle, through generate(), to idle again): its pool and
 graphs are kept while large enough, each run starts with all pages free, and the same prompts, params
@@ -47,6 +58,7 @@ reference cycle holds them).
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
@@ -63,7 +75,8 @@ from .block_manager import BlockManager
 from .memory import Workload, check_memory_utilization
 from .runner import DECODE_GRAPHS, ModelRunner, PrefillRow
 from .scheduler import Scheduler, prefill_tokens
-from .sequence import Completion, Request, SamplingParams, Sequence
+from .sequence import Completion, Request, SamplingParams, Sequence, Status
+from .static_decode import StepOutput
 
 __all__ = ["DECODE_GRAPHS", "Engine", "EngineStats", "make_runner"]
 
@@ -78,8 +91,11 @@ class EngineStats:
     preemptions: int = 0
     recomputed_tokens: int = 0  # prefilled again after a preemption
     max_running: int = 0  # the largest decode batch
+    dropped_tokens: int = 0  # sampled past a stop the pipelined loop noticed a step late
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    # per decode step: from the later of its launch and the previous step's results to its results (with
+    # a pipelined runner that is the device's step time whenever the host keeps up)
     step_times: list[float] = field(default_factory=list)
 
     @property
@@ -151,6 +167,10 @@ class Engine:
         self.stats = EngineStats()
         self._next_id = 0
         self._pending: list[Request] = []
+        self._launched: deque[float] = deque()  # launch times of the decode steps in flight
+        self._last_result = 0.0  # when the previous decode step's results were read
+        self._finished: list[Completion] = []  # completed since the last step() returned
+        self._new = 0  # tokens generated since the last step() returned
 
     # ------------------------------------------------------------------ lifetime
 
@@ -166,6 +186,8 @@ class Engine:
         self.runner.close()
         self.scheduler = self.blocks = None
         self._pending = []
+        self._launched.clear()
+        self._finished, self._new = [], 0
         self.num_pages = self.fixed_pages
 
     def update_weights(self) -> None:
@@ -219,13 +241,24 @@ class Engine:
                                              self.fixed_pages)
         return self.num_pages
 
+    def warm_up(self, batch: int, budgets) -> None:
+        """Capture the decode graphs a run will use, for `batch` running samples at each of these budgets
+        (0 = dense), after `reserve()`: nothing to do on the plain path. A bench's untimed setup (a run
+        otherwise captures each graph at its first step, and keeps it for the engine's later runs)."""
+        if self._running():
+            raise RuntimeError("warm_up() prepares an idle engine")
+        if self.runner.cache is None:
+            raise RuntimeError("warm_up() needs the pool: call reserve() first")
+        with torch.inference_mode():
+            self.runner.warm_up(batch, budgets)
+
     def _workload(self, requests: list[tuple[int, SamplingParams]]) -> Workload:
         return Workload.of([(n, sp.n, sp.max_new_tokens) for n, sp in requests], self.max_batch,
                            self.page_size, self.runner.prefix_copies)
 
     def _running(self) -> bool:
-        """Whether a run is in progress (its scheduler has work)."""
-        return self.scheduler is not None and self.scheduler.has_work()
+        """Whether a run is in progress (its scheduler has work, or decode steps are in flight)."""
+        return self.scheduler is not None and (self.scheduler.has_work() or bool(self.runner.in_flight()))
 
     def _start(self) -> None:
         """A new run over the pending requests: the pool sized (or kept) for them, every page free."""
@@ -247,36 +280,53 @@ class Engine:
 
     @torch.inference_mode()
     def step(self) -> tuple[list[Completion], int]:
-        """Run one prefill or decode step; returns (samples finished in it, tokens generated)."""
+        """Run one prefill or decode step; returns (samples finished, tokens generated) since the last
+        call. With a pipelined runner a decode step's tokens come back with the next step, or when the
+        run settles at its end."""
+        t0 = time.perf_counter()
+        if self.runner.in_flight() and (not self.scheduler.has_work() or self._must_settle()):
+            self._settle()
+        settled = time.perf_counter() - t0
         if self._pending and not self._running():
             self._start()
-        if not self._running():
-            return [], 0
+        if self.scheduler is None or not self.scheduler.has_work():
+            self.stats.decode_s += settled
+            return self._take()
         kind, batch = self.scheduler.schedule()
-        t0 = time.perf_counter()
+        t1 = time.perf_counter()
         if kind == "prefill":
             seqs = self._prefill(batch)
-            new = len(seqs)
+            self.runner.synchronize()
+            self.stats.prefill_s += time.perf_counter() - t1
+            self.stats.decode_s += settled
+            self.stats.generated_tokens += len(seqs)
+            self._new += len(seqs)
+            for s in seqs:
+                if s.finish_reason is not None:
+                    self._finish(s)
         else:
-            seqs = batch
-            new = self._decode(batch) if batch else 0
-        self.runner.synchronize()
-        dt = time.perf_counter() - t0
-        if kind == "prefill":
-            self.stats.prefill_s += dt
-        else:
-            self.stats.decode_s += dt
-            self.stats.step_times.append(dt)
-            self.stats.max_running = max(self.stats.max_running, len(batch))
+            self._decode(batch, t1)
+            self.stats.decode_s += settled + time.perf_counter() - t1
         self.stats.preemptions = self.scheduler.preemptions
-        self.stats.generated_tokens += new
-        done = []
-        for s in seqs:
-            if s.finish_reason is not None:
-                self.scheduler.finish(s)
-                self.runner.on_finish(s.request.request_id)
-                done.append(s.completion())
+        return self._take()
+
+    def _take(self) -> tuple[list[Completion], int]:
+        done, new = self._finished, self._new
+        self._finished, self._new = [], 0
         return done, new
+
+    def _must_settle(self) -> bool:
+        """Whether the next schedule needs every token read back: it may admit (a free slot and someone
+        waiting or ready) or preempt (fewer free pages than the running samples' next step needs)."""
+        sch = self.scheduler
+        if (sch.waiting or sch.ready) and len(sch.running) < self.max_batch:
+            return True
+        return sum(sch.page_need(s) for s in sch.running) > self.blocks.num_free
+
+    def _settle(self) -> None:
+        """Read back every decode step in flight."""
+        for out in self.runner.collect(keep=0):
+            self._apply(out)
 
     def generate(self, prompts: Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams],
                  on_step: Callable[[int, int], None] | None = None,
@@ -316,6 +366,12 @@ class Engine:
         seed = int(np.random.SeedSequence([req.params.seed, req.request_id, sample]).generate_state(1)[0])
         return torch.Generator(device=self.runner.device).manual_seed(seed)
 
+    @staticmethod
+    def _seed(req: Request, sample: int) -> int:
+        """The sample's 64-bit seed for the device path's draws (as an int64)."""
+        state = np.random.SeedSequence([req.params.seed, req.request_id, sample]).generate_state(1, np.uint64)
+        return int(state.view(np.int64)[0])
+
     def _prefill(self, batch: list[Request | Sequence]) -> list[Sequence]:
         """Prefill new requests (their samples then share the prompt's pages and sample their first
         token) and recompute preempted samples (no sampling: their last token is fed next)."""
@@ -338,7 +394,7 @@ class Engine:
         fresh = [(x, row) for x, row in zip(batch, rows) if isinstance(x, Request)]
         for i, (req, row) in enumerate(fresh):
             for s in range(req.params.n):
-                seq = Sequence(req, s, self._generator(req, s))
+                seq = Sequence(req, s, self._generator(req, s), self._seed(req, s))
                 seq.pages = [blocks.share(p) if s else p for p in row.pages]
                 seqs.append(seq)
                 owner.append(i)
@@ -352,29 +408,73 @@ class Engine:
 
     # ------------------------------------------------------------------ decode
 
-    def _decode(self, seqs: list[Sequence]) -> int:
+    def _decode(self, seqs: list[Sequence], started: float) -> None:
+        """Launch a decode step of the running samples and read back what the runner's lag allows."""
+        if not seqs:
+            return
+        if self.runner.in_flight() and not self.runner.pipelines(seqs):
+            self._settle()  # a plain step feeds the samples' last tokens from the host
+            seqs = [s for s in seqs if s.status == Status.RUNNING]
+            if not seqs:
+                return
         budgets = [s.budget_now() for s in seqs]
-        logits = self.runner.decode(seqs, budgets)
-        self._sample(seqs, logits, budgets)
+        self.runner.launch_decode(seqs, budgets)
+        self._launched.append(started)
         self.stats.decode_steps += 1
-        self.stats.decode_tokens += len(seqs)
-        self.stats.budget_sum += sum(budgets)
-        return len(seqs)
+        self.stats.max_running = max(self.stats.max_running, len(seqs))
+        lag = self.runner.lag
+        for s in seqs:
+            s.pending += 1
+            if lag and len(s.tokens) + s.pending >= s.request.params.max_new_tokens:
+                self.scheduler.finish(s)  # its last token is in flight: it leaves the batch now
+        for out in self.runner.collect(keep=lag):
+            self._apply(out)
+
+    def _apply(self, out: StepOutput) -> None:
+        """One decode step's results: each sample's token recorded, unless the sample stopped at an
+        earlier token (a token past a stop is dropped); finished samples completed."""
+        now = time.perf_counter()
+        self.stats.step_times.append(now - max(self._launched.popleft(), self._last_result))
+        self._last_result = now
+        for i, s in enumerate(out.seqs):
+            s.pending -= 1
+            if s.finish_reason is not None:
+                self.stats.dropped_tokens += 1
+                continue
+            top = None if out.top is None else (out.top[0][i], out.top[1][i])
+            self._record(s, out.tokens[i], out.logprobs[i], out.budgets[i], top)
+            self.stats.decode_tokens += 1
+            self.stats.budget_sum += out.budgets[i]
+            self.stats.generated_tokens += 1
+            self._new += 1
+            if s.finish_reason is not None:
+                self._finish(s)
+
+    def _finish(self, s: Sequence) -> None:
+        if s.status != Status.FINISHED:
+            self.scheduler.finish(s)
+        self.runner.on_finish(s.request.request_id)
+        self._finished.append(s.completion())
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor, budgets: list[int]) -> None:
         tokens, logps, top = self.runner.sample(seqs, logits)
         for i, s in enumerate(seqs):
-            s.tokens.append(tokens[i])
-            s.logprobs.append(logps[i])
-            s.budgets.append(budgets[i])
-            n = s.request.params.logprobs
-            if n:
-                s.top_logprobs = s.top_logprobs or []
-                s.top_logprobs.append(list(zip(top[1][i, :n].tolist(), top[0][i, :n].tolist())))
-            if tokens[i] in s.request.eos_ids:
-                s.finish_reason = "stop"
-            elif len(s.tokens) >= s.request.params.max_new_tokens:
-                s.finish_reason = "length"
+            self._record(s, tokens[i], logps[i], budgets[i], None if top is None else (top[0][i], top[1][i]))
+
+    @staticmethod
+    def _record(s: Sequence, token: int, logprob: float, budget: int, top) -> None:
+        """Append a sampled token (top: its row of top (values, ids)) and decide whether the sample stops."""
+        s.tokens.append(token)
+        s.logprobs.append(logprob)
+        s.budgets.append(budget)
+        n = s.request.params.logprobs
+        if n:
+            s.top_logprobs = s.top_logprobs or []
+            s.top_logprobs.append(list(zip(top[1][:n].tolist(), top[0][:n].tolist())))
+        if token in s.request.eos_ids:
+            s.finish_reason = "stop"
+        elif len(s.tokens) >= s.request.params.max_new_tokens:
+            s.finish_reason = "length"
 
 
 def _nothing() -> bool:

@@ -1,16 +1,18 @@
 """`GpuRunner`: the runner on a CUDA device: Triton kernels, CUDA graphs, a pool sized from memory.
 
 The plain path (runner.py) with the model's own modules and the Triton kernels (impl="auto"), the
-decode step replayed from CUDA graphs over static buffers (static_decode.py; decode_graphs="cuda"), and
-selection bounded on the host (`kept_pages`) so that no step waits on the device. Nothing of the CPU's
-machinery (packed weights, C++ ops, cascade copies) is here.
+decode step replayed from CUDA graphs over state that lives on the device, sampling included, its
+results read back a step late (static_decode.py; decode_graphs="cuda"), and selection bounded on the
+host (`kept_pages`) so that no step waits on the device. Nothing of the CPU's machinery (packed weights,
+C++ ops, cascade copies) is here.
 
 The pool is sized as nano-vllm sizes it, when a workload first needs one (and again when a later,
 larger workload does): a profiling run on a scratch pool measures the peak memory of the largest
 prefill chunk (max_prefill_tokens queries at the end of the workload's longest sample, attending to its
 whole prefix) and of a dense decode step of max_batch rows at that length (the intermediates the CUDA
 graphs' pool keeps); then pages = (total x gpu_memory_utilization - memory in use - those peaks - the
-static logits buffer) / bytes per page, capped by what the workload can use (`memory.pool_pages`). The
+static step's log-probs and sampling buffers) / bytes per page, capped by what the workload can use
+(`memory.pool_pages`). The
 memory in use is the device's (torch's caching allocator emptied first), so the weights, another
 process and, in `sparrow train`, the learner's resident state are counted; the learner's activations
 are not: --gpu-memory-utilization is the share the engine may take.
@@ -57,7 +59,8 @@ class GpuRunner(ModelRunner):
         prefill, decode = self._peaks(longest, scratch)
         del scratch
         torch.cuda.empty_cache()
-        static = self.max_batch * cfg.vocab_size * 4 if self.decode_graphs != "off" else 0  # its logits
+        # the static step's log-probs buffer and the temperature-scaled logits its sampling makes
+        static = 2 * self.max_batch * cfg.vocab_size * 4 if self.decode_graphs != "off" else 0
         activations = prefill + decode + static
         free, total = torch.cuda.mem_get_info(dev)
         page_bytes = PagedKVCache.bytes_per_page(cfg, self.page_size, self.dtype)

@@ -13,12 +13,21 @@ fit are prefilled together, right-padded to the longest; a longer row is prefill
 attending to the keys the earlier ones paged (`PrefillAttention.history`). So the activations of a
 prefill are bounded whatever the prompt, and so is the recompute of a preempted sample. A chunked
 prefill computes what a one-shot prefill computes, rounded differently (other kernel, other shapes).
+
+Decode steps are launched and their results collected (`launch_decode`, `collect`). The plain step
+samples on the host with each sample's generator and its results are ready at once. With a static step
+(decode_graphs "cuda" or "eager") the step samples on the device (sampler.py: the counter-noise race
+keyed by the sample's seed and position) and its results come back asynchronously: `lag` = 1, the engine
+reads step t's tokens after it launched step t+1. Such a runner samples the same way everywhere, a
+prefill's first tokens and a step that does not fit the static buffers included, so a sample's draws do
+not depend on which of its steps ran where.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -30,9 +39,9 @@ from ..model.llama import Transformer
 from .attention import DecodeAttention, DecodeBatch, PrefillAttention, Recompute
 from .kv_cache import PagedKVCache, SharedPrefix
 from .memory import Workload, pages_for
-from .sampler import sample_tokens
+from .sampler import sample_by_position, sample_tokens
 from .sequence import Sequence as Sample
-from .static_decode import StaticDecode
+from .static_decode import StaticDecode, StepOutput, kept_pages
 
 DECODE_GRAPHS = ("auto", "cuda", "eager", "off")
 
@@ -91,6 +100,7 @@ class ModelRunner:
         self.cache: PagedKVCache | None = None
         self.static: StaticDecode | None = None
         self.fixed_pages = False  # the pool's size was given, not sized from a workload
+        self._ready: deque[StepOutput] = deque()  # plain steps' results, not collected yet
 
     # ------------------------------------------------------------------ the pool
 
@@ -110,7 +120,7 @@ class ModelRunner:
             self.static = None
             self.static = StaticDecode(self.model, self.cache, max_batch=self.max_batch, max_pages=width,
                                        attention=self._static_attention(),
-                                       capture=self.decode_graphs == "cuda")
+                                       capture=self.decode_graphs == "cuda", impl=self.impl)
         return self.cache.num_pages
 
     def _too_small(self, workload: Workload) -> bool:
@@ -125,9 +135,10 @@ class ModelRunner:
                                  scale=self.scale, impl=self.impl)
 
     def close(self) -> None:
-        """Free the pool and the static step (its CUDA graphs with it)."""
+        """Free the pool and the static step (its CUDA graphs with it); steps in flight are dropped."""
         self.static = None
         self.cache = None
+        self._ready.clear()
 
     # ------------------------------------------------------------------ a run's hooks
 
@@ -219,9 +230,50 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ decode
 
+    @property
+    def lag(self) -> int:
+        """Decode steps the engine leaves in flight after launching one: 1 with a static step, else 0."""
+        return 0 if self.decode_graphs == "off" else 1
+
+    def pipelines(self, seqs: list[Sample]) -> bool:
+        """Whether a decode step of these samples runs on the static step (asynchronously): else it is a
+        plain step, which feeds each sample's last token from the host."""
+        return self.static is not None and self.static.fits(len(seqs), max(len(s.pages) for s in seqs))
+
+    def launch_decode(self, seqs: list[Sample], budgets: list[int]) -> None:
+        """Queue one decode step: each sample feeds its last token (on the static step: the token the
+        device sampled for it, which the host may not have read yet) at its budget."""
+        if self.pipelines(seqs):
+            self.static.launch(seqs, budgets)
+            return
+        if self.static is not None:
+            self.static.forget_rows()  # the samples move on without it
+        tokens, logps, top = self.sample(seqs, self.decode(seqs, budgets))
+        self._ready.append(StepOutput(seqs, list(budgets), tokens, logps, top))
+
+    def warm_up(self, batch: int, budgets) -> None:
+        """Capture (or compile) the static step for `batch` running samples at each of these budgets (a
+        step whose rows all have that budget)."""
+        if self.static is not None:
+            for budget in sorted(set(budgets)):
+                self.static.prepare(min(batch, self.max_batch),
+                                    kept_pages([budget], self.page_size, self.static.max_pages))
+
+    def in_flight(self) -> int:
+        """Launched decode steps whose results were not collected."""
+        return len(self._ready) + (self.static.in_flight() if self.static is not None else 0)
+
+    def collect(self, keep: int = 0) -> list[StepOutput]:
+        """Results of the launched steps, oldest first, leaving at most `keep` static steps in flight
+        (waits for the device to finish the others)."""
+        out = list(self._ready)
+        self._ready.clear()
+        while self.static is not None and self.static.in_flight() > keep:
+            out.append(self.static.collect())
+        return out
+
     def decode(self, seqs: list[Sample], budgets: list[int]) -> Tensor:
-        """One decode step: each sample feeds its last token at its budget -> logits [B, V] float32 (a
-        view of a static buffer with the static step: consume it before the next step)."""
+        """One plain decode step: each sample feeds its last token at its budget -> logits [B, V] float32."""
         P = self.page_size
         pos, slots = [], []
         for s in seqs:
@@ -233,8 +285,6 @@ class ModelRunner:
         for i, s in enumerate(seqs):
             table[i, : len(s.pages)] = s.pages
         tokens = [s.tokens[-1] for s in seqs]
-        if self.static is not None and self.static.fits(len(seqs), width):
-            return self.static.run(tokens, pos, table, budgets, slots)
         dev = self.device
         positions = torch.tensor(pos, device=dev)
         batch = DecodeBatch(torch.from_numpy(table).to(dev), (positions + 1).to(torch.int32),
@@ -262,11 +312,16 @@ class ModelRunner:
     # ------------------------------------------------------------------ sampling
 
     def sample(self, seqs: list[Sample], logits: Tensor):
-        """Each sample's next token from its row of logits with its own generator -> (tokens, logprobs,
-        top (values, ids) [B, k] or None), on the host."""
+        """Each sample's next token from its row of logits -> (tokens, logprobs, top (values, ids) [B, k]
+        or None), on the host: with its own generator on the plain path, with the device path's race
+        keyed by its seed and the position of its last token when the runner has a static step."""
         k = max(s.request.params.logprobs for s in seqs)
-        tokens, logps, top = sample_tokens(logits, [s.request.params for s in seqs],
-                                           [s.generator for s in seqs], k)
+        params = [s.request.params for s in seqs]
+        if self.decode_graphs == "off":
+            tokens, logps, top = sample_tokens(logits, params, [s.generator for s in seqs], k)
+        else:
+            tokens, logps, top = sample_by_position(logits, params, [s.seed for s in seqs],
+                                                    [s.num_tokens - 1 for s in seqs], k, self.impl)
         return tokens.tolist(), logps.tolist(), top
 
     # ------------------------------------------------------------------ profiling

@@ -8,6 +8,16 @@ the CPU). Logprobs follow `stages.generate.sample_next`: log_softmax(logits / T)
 token, T = 1 when greedy, before truncation. A sampled row draws by an exponential race, argmax p / E
 with E ~ Exp(1) per token, which is exact and needs one noise draw per sample and one batched argmax; on a
 CPU, rows without top-k/top-p run it in one C++ pass with counter-based noise (kernels/cpu_sampling.py).
+
+The device path (`sample_on_device`, `sample_by_position`): the static decode step (static_decode.py, the
+step CUDA graphs replay) samples inside the step, where no host generator can run. It races with the same
+counter noise, each row's seed derived from the sample's seed and the position of the query that produced
+the logits (kernels/race_sample.py: `row_seeds`), so a draw depends on the sample and its position only:
+the same on every device for the same logits, whatever the batch, and again after a preemption. Greedy
+rows take the argmax of the logits; logprobs are those of the host path. The graph's step covers greedy and
+untruncated sampled rows; rows with top-k/top-p are drawn again after the graph from the same log-probs
+masked to the truncated set (`redraw_truncated`, eager device ops), and top logprobs are taken there too:
+both still on the device, without a sync.
 """
 
 from __future__ import annotations
@@ -18,6 +28,7 @@ import torch
 from torch import Tensor
 
 from sparrow.kernels import cpu_sampling
+from sparrow.kernels.race_sample import race_sample
 
 from .sequence import SamplingParams
 
@@ -52,22 +63,7 @@ def sample_tokens(logits: Tensor, params: Seq[SamplingParams], generators: Seq[t
 
 def _race(probs: Tensor, params: Seq[SamplingParams], generators: Seq[torch.Generator]) -> Tensor:
     """Rows of probabilities [n, V], truncated by top-k then top-p, each drawn by its generator -> [n]."""
-    dev = probs.device
-    top_k = torch.tensor([p.top_k for p in params], device=dev)
-    if any(p.top_k > 0 for p in params):
-        kmax = int(top_k.max())
-        kth = probs.topk(min(kmax, probs.shape[-1]), dim=-1).values
-        idx = (top_k.clamp(1, kth.shape[-1]) - 1)[:, None]
-        thresh = torch.where(top_k[:, None] > 0, kth.gather(-1, idx), 0.0)
-        probs = probs * (probs >= thresh)
-    if any(p.top_p < 1 for p in params):
-        top_p = torch.tensor([p.top_p for p in params], device=dev)
-        sorted_p, order = probs.sort(-1, descending=True)
-        # cumulative mass of the kept distribution before each token; keeps the most likely one
-        cum = sorted_p.cumsum(-1) - sorted_p
-        mass = torch.where(top_k > 0, sorted_p.sum(-1), 1.0)  # top-p of the top-k distribution
-        keep = cum < top_p[:, None] * mass[:, None]
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p * keep)
+    probs = _truncate(probs, params)
     # exponential race: argmax p / E with E ~ Exp(1) draws from p exactly; one noise draw per sample
     # from its own generator (torch.multinomial per row cost ~13 launches each, 6-8 ms per step at 32
     # samples on an H100), then one batched argmax. E = -log U: on a CPU uniform_ is vectorised and
@@ -77,3 +73,74 @@ def _race(probs: Tensor, params: Seq[SamplingParams], generators: Seq[torch.Gene
         noise[j].uniform_(generator=g)
     noise = noise.log_().neg_()
     return probs.div_(noise.clamp_(min=torch.finfo(noise.dtype).tiny)).argmax(-1)
+
+
+def _on(device: torch.device, values: list, dtype: torch.dtype | None = None) -> Tensor:
+    """Host values on the device without a sync (through pinned memory on CUDA)."""
+    t = torch.tensor(values, dtype=dtype)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
+
+
+def _truncate(probs: Tensor, params: Seq[SamplingParams]) -> Tensor:
+    """Rows of probabilities [n, V] with what top-k then top-p (of the top-k distribution) drop set to 0."""
+    dev = probs.device
+    top_k = _on(dev, [p.top_k for p in params])
+    if any(p.top_k > 0 for p in params):
+        kmax = max(p.top_k for p in params)  # from the host: no device sync
+        kth = probs.topk(min(kmax, probs.shape[-1]), dim=-1).values
+        idx = (top_k.clamp(1, kth.shape[-1]) - 1)[:, None]
+        thresh = torch.where(top_k[:, None] > 0, kth.gather(-1, idx), 0.0)
+        probs = probs * (probs >= thresh)
+    if any(p.top_p < 1 for p in params):
+        top_p = _on(dev, [p.top_p for p in params])
+        sorted_p, order = probs.sort(-1, descending=True)
+        # cumulative mass of the kept distribution before each token; keeps the most likely one
+        cum = sorted_p.cumsum(-1) - sorted_p
+        mass = torch.where(top_k > 0, sorted_p.sum(-1), 1.0)  # top-p of the top-k distribution
+        keep = cum < top_p[:, None] * mass[:, None]
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p * keep)
+    return probs
+
+
+# ---------------------------------------------------------------------------------------- device path
+
+def sample_on_device(logits: Tensor, temperatures: Tensor, seeds: Tensor, positions: Tensor,
+                     logp_out: Tensor | None = None, impl: str = "auto") -> tuple[Tensor, Tensor, Tensor]:
+    """Greedy and untruncated rows, on logits' device with no host sync (a CUDA graph captures it).
+
+    logits [B, V] fp32; temperatures [B] fp32 (0 = greedy); seeds [B] int64 the samples' seeds; positions
+    [B] int64 of the queries that produced the logits -> (tokens [B] int64, their logprobs [B] fp32,
+    log_softmax(logits / T) [B, V] fp32, written into `logp_out` when given)."""
+    greedy = logits.argmax(-1)
+    scaled = logits / torch.where(temperatures > 0, temperatures, 1.0)[:, None]
+    logp = torch.log_softmax(scaled, -1) if logp_out is None else torch.log_softmax(scaled, -1, out=logp_out)
+    drawn = race_sample(logp, seeds, positions, impl)
+    tokens = torch.where(temperatures > 0, drawn, greedy)
+    return tokens, logp.gather(-1, tokens[:, None])[:, 0], logp
+
+
+def redraw_truncated(logp: Tensor, params: Seq[SamplingParams], seeds: Tensor, positions: Tensor,
+                     impl: str = "auto") -> Tensor:
+    """Rows [n, V] of log-probabilities of samples with top-k/top-p: the same race over the truncated set
+    (the row's log-probs, -inf outside it) -> tokens [n] int64 on logp's device."""
+    keep = _truncate(logp.exp(), params) > 0
+    return race_sample(logp.masked_fill(~keep, float("-inf")), seeds, positions, impl)
+
+
+def sample_by_position(logits: Tensor, params: Seq[SamplingParams], seeds: Seq[int], positions: Seq[int],
+                       top_logprobs: int = 0, impl: str = "auto"):
+    """The device path's draws outside the step (a prefill's first tokens, a step that does not fit the
+    static buffers) -> (tokens [B], logprobs [B], top (values, ids) [B, k] or None), on the CPU."""
+    dev = logits.device
+    logits = logits.float()
+    temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
+    seed_t = torch.tensor(list(seeds), dtype=torch.long, device=dev)
+    pos_t = torch.tensor(list(positions), dtype=torch.long, device=dev)
+    tokens, chosen, logp = sample_on_device(logits, temps, seed_t, pos_t, impl=impl)
+    rows = [i for i, p in enumerate(params) if p.temperature > 0 and (p.top_k > 0 or p.top_p < 1)]
+    if rows:
+        r = torch.tensor(rows, device=dev)
+        tokens[r] = redraw_truncated(logp[r], [params[i] for i in rows], seed_t[r], pos_t[r], impl)
+        chosen = logp.gather(-1, tokens[:, None])[:, 0]
+    top = logp.topk(top_logprobs, dim=-1) if top_logprobs > 0 else None
+    return tokens.cpu(), chosen.cpu(), (None if top is None else (top.values.cpu(), top.indices.cpu()))

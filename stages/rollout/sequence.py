@@ -70,11 +70,19 @@ class Request:
 
 @dataclass(eq=False)
 class Sequence:
+    """One sample. `tokens` are the generated tokens the host has read; `pending` more were sampled by
+    decode steps still in flight on the device (engine.py: a pipelined runner returns a step's tokens
+    one step late), so `num_tokens` counts them: it is what the next decode step's position and pages
+    follow. `seed`: the sample's own seed (from its request's seed, id and sample index), which seeds
+    `generator` on the host path and keys the device path's draws (sampler.py)."""
+
     request: Request
     sample: int
     generator: torch.Generator | None
+    seed: int = 0
     pages: list[int] = field(default_factory=list)  # block table: physical page of logical page i
-    tokens: list[int] = field(default_factory=list)  # generated so far
+    tokens: list[int] = field(default_factory=list)  # generated so far (read back)
+    pending: int = 0  # sampled on the device, not read back yet
     logprobs: list[float] = field(default_factory=list)
     budgets: list[int] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] | None = None
@@ -84,7 +92,7 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.request.prompt) + len(self.tokens)
+        return len(self.request.prompt) + len(self.tokens) + self.pending
 
     def budget_now(self) -> int:
         """Budget of the next decode step: its query sits at position num_tokens - 1."""

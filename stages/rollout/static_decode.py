@@ -1,31 +1,44 @@
-"""`StaticDecode`: the engine's decode step over preallocated buffers, replayed from CUDA graphs.
+"""`StaticDecode`: the engine's decode step over state that lives on the device, replayed from CUDA graphs.
 
-A CUDA graph replays the same kernels on the same addresses, so every input of a decode step lives in
-a buffer sized for the largest batch and the widest block table, and a step of B samples runs the
-graph captured for the smallest batch bucket >= B. Rows past B are padding: slot -1 (no KV write)
-and seq_len 0 (attention over nothing, output zero). Two more things are fixed at capture and key
-the graphs with the bucket: whether the sparse layers select pages, and how many they keep, K (the
-batch's largest budget / P, or the whole table when a dense request shares a sparse step). A
-schedule has few distinct budgets, so there are few graphs; each is captured on first use, all in
-one memory pool. Sampling stays outside the graph: it needs per-sample generators and host-side stop
-decisions.
+A CUDA graph replays the same kernels on the same addresses, so a decode step's inputs live in buffers
+sized for the largest batch and the widest block table, and a step of B samples runs the graph captured
+for the smallest batch bucket >= B. Rows past B are padding: cache length 0 (no KV write, attention over
+nothing). Two more things are fixed at capture and key the graphs with the bucket: whether the sparse
+layers select pages, and how many they keep, K (the batch's largest budget / P, or the whole table when a
+dense request shares a sparse step). A schedule has few distinct budgets, so there are few graphs; each is
+captured on first use, all in one memory pool.
 
-Nothing inside the step may wait on the device: the model gets `kv_len` from here instead of reading
-the positions, selection gets `max_selected`, and the ops were written so (kernels/CONTRACT.md).
-Warm-up and capture run with every row padded, so they write nothing to the cache; the real inputs
-are copied in afterwards and the graph is replayed.
+Nothing runs on the host per step. The samples' state stays on the device from step to step, one row
+per sample: the token it feeds next, its position, its cache length (kept apart from the position: a
+KV policy that evicts makes the cache shorter than the position), its block table row, its budget, its
+temperature and seed. The captured step computes its KV write slots from the block table and the cache
+lengths, runs the model, samples (sampler.py: `sample_on_device`, the counter-noise race keyed by the
+sample's seed and position), and advances the state: the sampled token becomes the next input, position
+and cache length grow by one. The host sends only what changed: a page added to a row (one scatter for
+all rows that crossed a page, or a copy-on-write replacement of the last page), the budgets when a
+schedule bin changes, and whole rows when the batch changes (rows that stay are moved on the device by
+one gather; new rows are uploaded). A row is sent whole when its sample joins the batch, then only its
+pages past those it was sent and its last page: a change elsewhere in a row's pages needs `forget_rows`.
+Rows with top-k/top-p are drawn again after the graph, and top logprobs taken there (eager device ops,
+no sync). Each step's sampled tokens and logprobs are copied asynchronously into pinned host memory and an
+event is recorded; `collect` waits for the oldest step's event only, so with one step in flight the host
+reads step t-1 while the device runs step t (the engine notices finished samples a step late, engine.py).
 
-The logits go to one static buffer [max_batch, V] float32 that every graph writes, so the graphs' memory
-pool holds one step's intermediates (reused from capture to capture) and no logits per graph; the
-runner's profiling run measures that step before it sizes the KV pool (gpu_runner.py).
+Nothing inside the step may wait on the device: the model gets `kv_len` from here instead of reading the
+positions, selection gets `max_selected`, and the ops were written so (kernels/CONTRACT.md). Warm-up and
+capture run with every row padded, so they write nothing to the cache; the rows' state is saved before
+and put back after.
 
-With `capture=False` the same padded step runs eagerly on any device. That is how the CPU tests hold
-this path to the plain decode step and to teacher-forced scoring; only the capture needs CUDA.
+With `capture=False` the same step runs eagerly on any device (the copies are then plain copies). That is
+how the CPU tests hold this path to teacher-forced scoring, transformers and the pipelined engine loop;
+only the capture needs CUDA.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections import deque
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -34,6 +47,8 @@ from torch import Tensor
 from ..model.llama import Transformer
 from .attention import DecodeAttention, DecodeBatch
 from .kv_cache import PagedKVCache
+from .sampler import redraw_truncated, sample_on_device
+from .sequence import Sequence as Sample
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -51,89 +66,289 @@ def kept_pages(budgets: Collection[int], page_size: int, max_pages: int) -> int:
     return min(max(budgets) // page_size, max_pages)
 
 
+@dataclass
+class StepOutput:
+    """What one decode step sampled, on the host: per row of `seqs`, the token, its logprob and the
+    step's budget; `top` (values, ids) [B, k] CPU tensors when some sample asked for top logprobs."""
+
+    seqs: list[Sample]
+    budgets: list[int]
+    tokens: list[int]
+    logprobs: list[float]
+    top: tuple[Tensor, Tensor] | None = None
+
+
+@dataclass
+class _Launched:
+    seqs: list[Sample]
+    budgets: list[int]
+    tokens: Tensor  # host buffers the step's results are copied into
+    logprobs: Tensor
+    top: tuple[Tensor, Tensor] | None
+    event: torch.cuda.Event | None
+
+
 class StaticDecode:
+    RING = 3  # host output buffers: the step in flight, the one being read, one spare
+
     def __init__(self, model: Transformer, cache: PagedKVCache, *, max_batch: int, max_pages: int,
-                 attention: Callable[[DecodeBatch], DecodeAttention], capture: bool = True):
+                 attention: Callable[[DecodeBatch], DecodeAttention], capture: bool = True,
+                 impl: str = "auto"):
         """`max_pages`: block table width, enough for the longest sequence the engine will decode.
         `attention`: the runner's decode attention for a batch of static buffers (a plain function or
-        partial, never a bound method of the runner, which holds this object)."""
+        partial, never a bound method of the runner, which holds this object). `impl`: the sampler's race
+        (kernels/race_sample.py)."""
         if capture and cache.k.device.type != "cuda":
             raise ValueError("CUDA graphs need the model and cache on a CUDA device")
         dev = cache.k.device
-        self.model, self.cache, self.capture = model, cache, capture
+        self.model, self.cache, self.capture, self.impl = model, cache, capture, impl
+        self.device = dev
         self.max_pages, self.page_size = max_pages, cache.page_size
         self.attention = attention
         self.buckets = batch_buckets(max_batch)
         rows = self.buckets[-1]
-        self.tokens = torch.zeros(rows, 1, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(rows, 1, dtype=torch.long, device=dev)
+        # the samples' state, one row each
+        self.tokens = torch.zeros(rows, 1, dtype=torch.long, device=dev)  # fed next
+        self.positions = torch.zeros(rows, 1, dtype=torch.long, device=dev)  # of the token fed next
+        self.cache_lens = torch.zeros(rows, dtype=torch.int32, device=dev)  # KV entries after its write
         self.block_table = torch.full((rows, max_pages), -1, dtype=torch.int32, device=dev)
-        self.seq_lens = torch.zeros(rows, dtype=torch.int32, device=dev)
         self.budgets = torch.zeros(rows, dtype=torch.int32, device=dev)
+        self.temperatures = torch.zeros(rows, dtype=torch.float32, device=dev)
+        self.seeds = torch.zeros(rows, dtype=torch.long, device=dev)
+        # computed by the step
         self.slots = torch.full((rows,), -1, dtype=torch.int64, device=dev)
-        self.logits = torch.zeros(rows, model.cfg.vocab_size, dtype=torch.float32, device=dev)
+        self.logp = torch.zeros(rows, model.cfg.vocab_size, dtype=torch.float32, device=dev)
+        self.sampled = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.sampled_logp = torch.zeros(rows, dtype=torch.float32, device=dev)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.pool = None
+        # the host's view: which sample each row holds and what of its block table the device has
+        self.rows: list[Sample] = []
+        self._sent: list[tuple[int, int, int]] = []  # per row: (pages sent, last page sent, preemptions)
+        self._budgets: list[int] | None = None
+        pin = dev.type == "cuda"
+        self._ring = [(torch.zeros(rows, dtype=torch.long, pin_memory=pin),
+                       torch.zeros(rows, dtype=torch.float32, pin_memory=pin)) for _ in range(self.RING)]
+        self._next = 0
+        self._in_flight: deque[_Launched] = deque()
 
     def fits(self, batch: int, width: int) -> bool:
         return batch <= self.buckets[-1] and width <= self.max_pages
 
-    def run(self, tokens: list[int], positions: list[int], block_table: np.ndarray, budgets: list[int],
-            slots: list[int]) -> Tensor:
-        """One decode step for B samples -> logits [B, V] float32 (a view of a static buffer on CUDA:
-        consume it before the next step). block_table [B, width] int32, -1 past each sample's pages."""
-        b = len(tokens)
+    def in_flight(self) -> int:
+        """Steps launched whose results were not collected yet."""
+        return len(self._in_flight)
+
+    def forget_rows(self) -> None:
+        """The device rows no longer hold the samples' state (a step ran elsewhere): the next step
+        uploads every row. Only with nothing in flight."""
+        assert not self._in_flight
+        self.rows, self._sent, self._budgets = [], [], None
+
+    # ------------------------------------------------------------------ a step
+
+    def launch(self, seqs: list[Sample], budgets: list[int]) -> None:
+        """Queue one decode step of these samples at these budgets (no host sync); its results come
+        back from `collect`. A sample that joins the batch must have its last token on the host."""
+        b = len(seqs)
         n = next(s for s in self.buckets if s >= b)
         k = kept_pages(budgets, self.page_size, self.max_pages)
+        moved = self._sync_rows(seqs)
+        if moved or budgets != self._budgets:
+            self.budgets[:b].copy_(self._upload(budgets, torch.int32))
+            self.budgets[b:] = 0
+            self._budgets = list(budgets)
         graph = self._graph(n, k) if self.capture else None
-        self._fill(b, n, tokens, positions, block_table, budgets, slots)
         if graph is None:
-            self._forward(n, k)
+            self._step(n, k)
         else:
             graph.replay()
-        return self.logits[:b]
+        self._after_step(seqs)
+        tokens, logprobs = self._ring[self._next % self.RING]
+        self._next += 1
+        assert len(self._in_flight) < self.RING - 1, "collect() the steps in flight first"
+        tokens[:b].copy_(self.sampled[:b], non_blocking=True)
+        logprobs[:b].copy_(self.sampled_logp[:b], non_blocking=True)
+        top = self._top_logprobs(seqs)
+        event = None
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        self._in_flight.append(_Launched(seqs, list(budgets), tokens, logprobs, top, event))
 
-    def _fill(self, b: int, n: int, tokens, positions, block_table: np.ndarray, budgets, slots) -> None:
-        width = block_table.shape[1]
-        pos = torch.as_tensor(positions)
-        self.tokens[:b, 0].copy_(torch.as_tensor(tokens))
-        self.positions[:b, 0].copy_(pos)
-        self.block_table[:b, :width].copy_(torch.from_numpy(block_table))
-        self.block_table[:b, width:] = -1
-        self.seq_lens[:b].copy_(pos + 1)
-        self.budgets[:b].copy_(torch.as_tensor(budgets))
-        self.slots[:b].copy_(torch.as_tensor(slots))
-        self._pad(b, n)
+    def collect(self) -> StepOutput:
+        """The oldest step in flight's results (waits for that step only)."""
+        step = self._in_flight.popleft()
+        if step.event is not None:
+            step.event.synchronize()
+        b = len(step.seqs)
+        return StepOutput(step.seqs, step.budgets, step.tokens[:b].tolist(), step.logprobs[:b].tolist(),
+                          step.top)
 
-    def _pad(self, start: int, end: int) -> None:
-        self.tokens[start:end] = 0
-        self.positions[start:end] = 0
-        self.seq_lens[start:end] = 0
-        self.budgets[start:end] = 0
-        self.slots[start:end] = -1
+    def _upload(self, values, dtype: torch.dtype) -> Tensor:
+        """A host list or array on the device, asynchronously (through pinned memory on CUDA)."""
+        t = torch.as_tensor(np.asarray(values), dtype=dtype)
+        if self.device.type != "cuda":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
 
-    def _forward(self, n: int, k: int) -> None:
-        """The step of bucket n with K = k into `self.logits[:n]`."""
-        attn = self.attention(DecodeBatch(self.block_table[:n], self.seq_lens[:n], self.budgets[:n],
-                                          self.slots[:n], any_sparse=k > 0, max_selected=k or None))
+    def _sync_rows(self, seqs: list[Sample]) -> bool:
+        """Make the device rows hold these samples in this order -> whether rows changed. Rows that stay
+        are gathered on the device (their state may be a step ahead of the host's); new rows are sent."""
+        b = len(seqs)
+        same = len(seqs) == len(self.rows) and all(
+            s is r and s.preemptions == sent[2] for s, r, sent in zip(seqs, self.rows, self._sent))
+        if same:
+            self._send_new_pages(seqs)
+            return False
+        where = {id(s): i for i, s in enumerate(self.rows)}
+        src, fresh = [], []
+        for i, s in enumerate(seqs):
+            j = where.get(id(s))
+            if j is not None and self._sent[j][2] != s.preemptions:
+                j = None  # preempted and recomputed since: new pages, new state
+            src.append(j)
+            if j is None:
+                fresh.append(i)
+        if any(j is not None and j != i for i, j in enumerate(src)):
+            perm = self._upload([i if j is None else j for i, j in enumerate(src)], torch.long)
+            for buf in (self.tokens, self.positions, self.cache_lens, self.block_table, self.temperatures,
+                        self.seeds):
+                buf[:b] = buf[perm]
+        sent = [self._sent[j] if j is not None else None for j in src]
+        if fresh:
+            self._send_rows(seqs, fresh)
+            for i in fresh:
+                s = seqs[i]
+                sent[i] = (len(s.pages), s.pages[-1], s.preemptions)
+        self.tokens[b:] = 0
+        self.positions[b:] = 0
+        self.cache_lens[b:] = 0  # padding: no write, no attention
+        self.rows, self._sent = list(seqs), sent
+        self._send_new_pages(seqs)
+        return True
+
+    def _send_rows(self, seqs: list[Sample], rows: list[int]) -> None:
+        """Upload the whole state of these rows from their samples (each with its last token read back)."""
+        ints = np.zeros((len(rows), 4), dtype=np.int64)
+        table = np.full((len(rows), self.max_pages), -1, dtype=np.int32)
+        temps = np.zeros(len(rows), dtype=np.float32)
+        for j, i in enumerate(rows):
+            s = seqs[i]
+            assert s.pending == 0, "a sample joins the device batch with its tokens read back"
+            position = s.num_tokens - 1  # of its last token, which it feeds next
+            ints[j] = (s.tokens[-1], position, s.num_tokens, s.seed)  # cache length: every position cached
+            table[j, : len(s.pages)] = s.pages
+            temps[j] = s.request.params.temperature
+        idx = self._upload(rows, torch.long)
+        ints_d = self._upload(ints, torch.long)
+        self.tokens[idx, 0] = ints_d[:, 0]
+        self.positions[idx, 0] = ints_d[:, 1]
+        self.cache_lens[idx] = ints_d[:, 2].int()
+        self.seeds[idx] = ints_d[:, 3]
+        self.temperatures[idx] = self._upload(temps, torch.float32)
+        self.block_table[idx] = self._upload(table, torch.int32)
+
+    def _send_new_pages(self, seqs: Sequence[Sample]) -> None:
+        """Pages added to rows since they were sent (and a last page replaced by copy on write), in one
+        scatter."""
+        updates = []
+        for i, s in enumerate(seqs):
+            count, last, preempted = self._sent[i]
+            pages = s.pages
+            if len(pages) == count and pages[-1] == last:
+                continue
+            assert len(pages) >= count, "a row whose pages shrank must be sent again (forget_rows)"
+            if pages[count - 1] != last:
+                updates.append((i, count - 1, pages[count - 1]))
+            updates += [(i, j, pages[j]) for j in range(count, len(pages))]
+            self._sent[i] = (len(pages), pages[-1], preempted)
+        if updates:
+            u = self._upload(np.asarray(updates, dtype=np.int64).T, torch.long)
+            self.block_table[u[0], u[1]] = u[2].int()
+
+    def _step(self, n: int, k: int) -> None:
+        """The step of bucket n with K = k: inputs from the state, the model, sampling, the state advanced."""
+        P, cl = self.page_size, self.cache_lens[:n]
+        at = (cl.long() - 1).clamp(min=0)  # the cache index this step's k/v go to
+        page = self.block_table[:n].gather(1, (at // P)[:, None])[:, 0].long()
+        self.slots[:n] = torch.where(cl > 0, page * P + at % P, -1)
+        attn = self.attention(DecodeBatch(self.block_table[:n], cl, self.budgets[:n], self.slots[:n],
+                                          any_sparse=k > 0, max_selected=k or None))
         hidden = self.model.hidden_states(self.tokens[:n], positions=self.positions[:n], attention=attn,
                                           kv_len=self.max_pages * self.page_size)
-        self.logits[:n].copy_(self.model.logits(hidden[:, 0]))
+        logits = self.model.logits(hidden[:, 0])
+        tokens, chosen, _ = sample_on_device(logits, self.temperatures[:n], self.seeds[:n],
+                                             self.positions[:n, 0], logp_out=self.logp[:n], impl=self.impl)
+        self.sampled[:n] = tokens
+        self.sampled_logp[:n] = chosen
+        active = cl > 0
+        self.tokens[:n, 0] = tokens
+        self.positions[:n, 0] += active
+        self.cache_lens[:n] += active.int()
+
+    def _after_step(self, seqs: list[Sample]) -> None:
+        """Rows with top-k/top-p: drawn again from the step's log-probs over their truncated sets, and
+        their next input replaced (device ops after the graph, before the next step)."""
+        rows = [i for i, s in enumerate(seqs) if s.request.params.temperature > 0
+                and (s.request.params.top_k > 0 or s.request.params.top_p < 1)]
+        if not rows:
+            return
+        r = self._upload(rows, torch.long)
+        logp = self.logp[r]
+        # the state has advanced: the query that produced these logits sat one position back
+        tokens = redraw_truncated(logp, [seqs[i].request.params for i in rows], self.seeds[r],
+                                  self.positions[r, 0] - 1, self.impl)
+        self.sampled[r] = tokens
+        self.sampled_logp[r] = logp.gather(-1, tokens[:, None])[:, 0]
+        self.tokens[r, 0] = tokens
+
+    def _top_logprobs(self, seqs: list[Sample]) -> tuple[Tensor, Tensor] | None:
+        k = max(s.request.params.logprobs for s in seqs)
+        if k == 0:
+            return None
+        top = self.logp[: len(seqs)].topk(k, dim=-1)
+        pin = self.device.type == "cuda"
+        values = torch.empty(top.values.shape, dtype=torch.float32, pin_memory=pin)
+        ids = torch.empty(top.indices.shape, dtype=torch.long, pin_memory=pin)
+        values.copy_(top.values, non_blocking=True)
+        ids.copy_(top.indices, non_blocking=True)
+        return values, ids
+
+    # ------------------------------------------------------------------ graphs
+
+    def prepare(self, batch: int, k: int) -> None:
+        """Capture the graph of `batch` rows with K = k now (run eagerly: run its step once on padding
+        rows, which compiles its kernels), so that no later step pays for it. The rows' state is kept."""
+        n = next(s for s in self.buckets if s >= batch)
+        if self.capture:
+            self._graph(n, k)
+            return
+        state = (self.tokens, self.positions, self.cache_lens)
+        saved = [t.clone() for t in state]
+        self.cache_lens.zero_()
+        self._step(n, k)
+        for t, s in zip(state, saved):
+            t.copy_(s)
 
     def _graph(self, n: int, k: int) -> torch.cuda.CUDAGraph:
         key = (n, k)
         if key not in self.graphs:
-            self._pad(0, n)  # warm-up and capture see only padding rows: they write nothing
-            side = torch.cuda.Stream(self.cache.k.device)
+            state = (self.tokens, self.positions, self.cache_lens, self.budgets)
+            saved = [t.clone() for t in state]
+            self.cache_lens.zero_()  # warm-up and capture see only padding rows: they write nothing
+            side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
-                self._forward(n, k)  # Triton compiles and cuBLAS sets up outside the capture
+                self._step(n, k)  # Triton compiles and cuBLAS sets up outside the capture
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                self._forward(n, k)
+                self._step(n, k)
             self.pool = graph.pool()
             self.graphs[key] = graph
+            for t, s in zip(state, saved):
+                t.copy_(s)
         return self.graphs[key]
 
     def drop_graphs(self) -> None:
