@@ -53,16 +53,19 @@ def kept_pages(budgets: Collection[int], page_size: int, max_pages: int) -> int:
 
 class StaticDecode:
     def __init__(self, model: Transformer, cache: PagedKVCache, *, max_batch: int, max_pages: int,
-                 attention: Callable[[DecodeBatch], DecodeAttention], capture: bool = True):
+                 attention: Callable[[DecodeBatch], DecodeAttention], capture: bool = True,
+                 hidden: Callable[[Tensor, Tensor, DecodeAttention, int], Tensor] | None = None):
         """`max_pages`: block table width, enough for the longest sequence the engine will decode.
         `attention`: the runner's decode attention for a batch of static buffers (a plain function or
-        partial, never a bound method of the runner, which holds this object)."""
+        partial, never a bound method of the runner, which holds this object). `hidden`: (tokens,
+        positions, attention, kv_len) -> final hidden states [n, hidden], the runner's decode form (the
+        GPU's fused layers); None: the model's forward."""
         if capture and cache.k.device.type != "cuda":
             raise ValueError("CUDA graphs need the model and cache on a CUDA device")
         dev = cache.k.device
         self.model, self.cache, self.capture = model, cache, capture
         self.max_pages, self.page_size = max_pages, cache.page_size
-        self.attention = attention
+        self.attention, self.hidden = attention, hidden
         self.buckets = batch_buckets(max_batch)
         rows = self.buckets[-1]
         self.tokens = torch.zeros(rows, 1, dtype=torch.long, device=dev)
@@ -116,9 +119,13 @@ class StaticDecode:
         """The step of bucket n with K = k into `self.logits[:n]`."""
         attn = self.attention(DecodeBatch(self.block_table[:n], self.seq_lens[:n], self.budgets[:n],
                                           self.slots[:n], any_sparse=k > 0, max_selected=k or None))
-        hidden = self.model.hidden_states(self.tokens[:n], positions=self.positions[:n], attention=attn,
-                                          kv_len=self.max_pages * self.page_size)
-        self.logits[:n].copy_(self.model.logits(hidden[:, 0]))
+        kv_len = self.max_pages * self.page_size
+        if self.hidden is None:
+            hidden = self.model.hidden_states(self.tokens[:n], positions=self.positions[:n], attention=attn,
+                                              kv_len=kv_len)[:, 0]
+        else:
+            hidden = self.hidden(self.tokens[:n], self.positions[:n], attn, kv_len)
+        self.logits[:n].copy_(self.model.logits(hidden))
 
     def _graph(self, n: int, k: int) -> torch.cuda.CUDAGraph:
         key = (n, k)
