@@ -86,11 +86,11 @@ def lazy_jit(fn, helpers=()):
 
 
 def round_to(x, dt: tl.constexpr):
-    """fp32 x rounded to the dtype dt (to nearest, ties to even) and back to fp32, a jitted helper.
+    """x (as fp32) rounded to the dtype dt (to nearest, ties to even) and back to fp32, a jitted helper.
     bf16 is rounded by integer arithmetic on the bits: the interpreter's own fp32 -> bf16 cast rounds
     toward zero, compiled kernels' to nearest even, and this gives the latter in both."""
     if dt == tl.bfloat16:
-        bits = x.to(tl.int32, bitcast=True)
+        bits = x.to(tl.float32).to(tl.int32, bitcast=True)
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
         return bits.to(tl.float32, bitcast=True)
     else:

@@ -9,6 +9,14 @@ fp32 or bf16), so rows must target distinct pages
 (true in decode: one new token per request, shared pages are copied before they are appended to).
 `write_prefill` (torch only) scatters many tokens at once and recomputes the touched pages' centroids
 as the mean of their keys over offsets 0..max written offset.
+
+Centroids narrower than fp32 (bf16, half the bytes selection reads): a running mean rounded to bf16 at
+each of a page's 16 appends drifts from the page's mean by several roundings, which changed 7-13% of
+the kept page sets of a real model's queries against fp32 centroids (bench/centroid_dtype.py). So the
+append that completes a page (offset P - 1) sets its centroid to the mean of its P keys, computed in
+fp32 and rounded once, as write_prefill sets a prefilled page's; partial pages keep the running mean,
+which no selection reads (only complete pages are candidates). fp32 centroids are the running mean
+throughout, bit for bit as before (and as the C++ kernels compute them).
 """
 
 from __future__ import annotations
@@ -41,7 +49,11 @@ def append_kv_reference(k_pages: Tensor, v_pages: Tensor, centroids: Tensor, k: 
     # offset 0 sets c = k exactly: c + (k - c) would round through whatever a reused page held, and a
     # recomputed sequence (preemption) must get bit-identical centroids from the same keys
     running = c + (kf - c) / (off + 1).to(acc)[:, None, None]
-    centroids[page] = torch.where((off == 0)[:, None, None], kf, running).to(centroids.dtype)
+    new = torch.where((off == 0)[:, None, None], kf, running)
+    if centroids.dtype != acc:  # narrow centroids: a page's last key sets its mean, rounded once
+        full = k_pages[page].to(acc).sum(2) / page_size  # [N, Hkv, D], the page as now written
+        new = torch.where((off == page_size - 1)[:, None, None], full, new)
+    centroids[page] = new.to(centroids.dtype)
 
 
 def write_prefill(k_pages: Tensor, v_pages: Tensor, centroids: Tensor, k: Tensor, v: Tensor,
@@ -67,7 +79,7 @@ def write_prefill(k_pages: Tensor, v_pages: Tensor, centroids: Tensor, k: Tensor
 def _append_kv_kernel(k_pages, v_pages, centroids, k, v, slots,
                       s_kp0, s_kp1, s_kp2, s_vp0, s_vp1, s_vp2, s_c0, s_c1,
                       s_k0, s_k1, s_v0, s_v1,
-                      D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr):
+                      D: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, MEAN_AT_END: tl.constexpr):
     n = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(slots + n)
@@ -86,6 +98,12 @@ def _append_kv_kernel(k_pages, v_pages, centroids, k, v, slots,
         c = tl.load(cptr, mask=dm, other=0.0).to(tl.float32)
         kf = kq.to(tl.float32)
         c = tl.where(off == 0, kf, c + (kf - c) / (off + 1).to(tl.float32))  # offset 0: exactly k
+        if MEAN_AT_END:  # narrow centroids: the page's last key sets the mean of its keys (read then only)
+            o = tl.arange(0, PAGE)
+            earlier = tl.load(k_pages + page * s_kp0 + h * s_kp1 + o[:, None] * s_kp2 + d[None, :],
+                              mask=((o < PAGE - 1) & (o * 0 + off == PAGE - 1))[:, None] & dm[None, :],
+                              other=0.0)
+            c = tl.where(off == PAGE - 1, (tl.sum(earlier.to(tl.float32), axis=0) + kf) / PAGE, c)
         tl.store(cptr, round_to(c, centroids.dtype.element_ty).to(centroids.dtype.element_ty), mask=dm)
 
 
@@ -110,5 +128,6 @@ def append_kv_triton(k_pages: Tensor, v_pages: Tensor, centroids: Tensor, k: Ten
         v_pages.stride(0), v_pages.stride(1), v_pages.stride(2),
         centroids.stride(0), centroids.stride(1),
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        D=d, BLOCK_D=next_pow2(d), PAGE=page_size, num_warps=num_warps,
+        D=d, BLOCK_D=next_pow2(d), PAGE=page_size, MEAN_AT_END=centroids.dtype != torch.float32,
+        num_warps=num_warps,
     )

@@ -7,7 +7,8 @@ physical slot `slots[n]` = page * P + offset; < 0: a padding row that writes not
   cos/sin [S, D] at the row's position (Hugging Face's half rotation: x cos + [-x2, x1] sin);
 - k and v (the row's last Hkv heads) are written into k_pages/v_pages at the slot and the page's
   centroid is updated as `append_kv` updates it (c <- c + (k - c) / (offset + 1), offset 0 sets c = k,
-  in fp32 from the key as stored, rounded once to the centroids' dtype);
+  in fp32 from the key as stored, rounded once to the centroids' dtype; narrow centroids get the mean of
+  the page's keys when its last key arrives);
 - returns the rotated queries [N, Hq, D] for the attention that follows.
 The arithmetic keeps the eager modules' rounding points (stages/model/llama.py): the norm as
 `add_rms_norm`'s, cos and sin rounded to the model dtype as the model's forward rounds its tables, each
@@ -61,7 +62,7 @@ def _qk_norm_rope_append_kernel(qkv, positions, slots, cos, sin, q_weight, k_wei
                                 s_c0, s_c1, eps,
                                 D: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
                                 G: tl.constexpr, BLOCK_G: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
-                                PAGE: tl.constexpr, QK_NORM: tl.constexpr):
+                                PAGE: tl.constexpr, QK_NORM: tl.constexpr, MEAN_AT_END: tl.constexpr):
     n = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     dt = q_out.dtype.element_ty
@@ -70,11 +71,11 @@ def _qk_norm_rope_append_kernel(qkv, positions, slots, cos, sin, q_weight, k_wei
     g = tl.arange(0, BLOCK_G)
     gm = g < G
     pos = tl.load(positions + n).to(tl.int64)
-    # the model rounds its fp32 rotary tables to its dtype before it multiplies
-    c1 = round_to(tl.load(cos + pos * s_cs + j, mask=jm, other=0.0), dt)
-    c2 = round_to(tl.load(cos + pos * s_cs + HALF + j, mask=jm, other=0.0), dt)
-    s1 = round_to(tl.load(sin + pos * s_cs + j, mask=jm, other=0.0), dt)
-    s2 = round_to(tl.load(sin + pos * s_cs + HALF + j, mask=jm, other=0.0), dt)
+    # the model rounds its rotary tables (fp32, or its dtype) to its dtype before it multiplies
+    c1 = round_to(tl.load(cos + pos * s_cs + j, mask=jm, other=0.0).to(tl.float32), dt)
+    c2 = round_to(tl.load(cos + pos * s_cs + HALF + j, mask=jm, other=0.0).to(tl.float32), dt)
+    s1 = round_to(tl.load(sin + pos * s_cs + j, mask=jm, other=0.0).to(tl.float32), dt)
+    s2 = round_to(tl.load(sin + pos * s_cs + HALF + j, mask=jm, other=0.0).to(tl.float32), dt)
     row = qkv + n * s_row
 
     # the group's query heads, [BLOCK_G, BLOCK_H] per half
@@ -125,6 +126,14 @@ def _qk_norm_rope_append_kernel(qkv, positions, slots, cos, sin, q_weight, k_wei
         e2 = tl.load(cp + HALF + j, mask=jm, other=0.0).to(tl.float32)
         e1 = tl.where(off == 0, r1, e1 + (r1 - e1) / count)  # offset 0: exactly k
         e2 = tl.where(off == 0, r2, e2 + (r2 - e2) / count)
+        if MEAN_AT_END:  # narrow centroids: the page's last key sets the mean of its keys (append_kv)
+            o = tl.arange(0, PAGE)
+            first = k_pages + page * s_kp0 + h * s_kp1 + o[:, None] * s_kp2
+            done = ((o < PAGE - 1) & (o * 0 + off == PAGE - 1))[:, None] & jm[None, :]
+            a1 = tl.load(first + j[None, :], mask=done, other=0.0).to(tl.float32)
+            a2 = tl.load(first + HALF + j[None, :], mask=done, other=0.0).to(tl.float32)
+            e1 = tl.where(off == PAGE - 1, (tl.sum(a1, axis=0) + r1) / PAGE, e1)
+            e2 = tl.where(off == PAGE - 1, (tl.sum(a2, axis=0) + r2) / PAGE, e2)
         tl.store(cp + j, round_to(e1, cd).to(cd), mask=jm)
         tl.store(cp + HALF + j, round_to(e2, cd).to(cd), mask=jm)
 
@@ -159,6 +168,7 @@ def qk_norm_rope_append_triton(qkv: Tensor, positions: Tensor, slots: Tensor, co
         v_pages.stride(0), v_pages.stride(1), v_pages.stride(2),
         centroids.stride(0), centroids.stride(1), float(eps),
         D=d, HALF=d // 2, BLOCK_H=next_pow2(d // 2), G=g, BLOCK_G=next_pow2(g), HQ=num_heads, HKV=hkv,
-        PAGE=page_size, QK_NORM=norm, num_warps=1 if g * d <= 1024 else 2,
+        PAGE=page_size, QK_NORM=norm, MEAN_AT_END=centroids.dtype != torch.float32,
+        num_warps=1 if g * d <= 1024 else 2,
     )
     return q_out

@@ -26,7 +26,7 @@ from sparrow.kernels._triton_utils import HAS_TRITON, interpreter_usable  # noqa
 if not HAS_TRITON:
     pytest.skip("triton is not installed", allow_module_level=True)
 
-from test_kernels import Cache  # noqa: E402  (tests/ is on sys.path: rootdir-relative test imports)
+from test_kernels import Cache, P  # noqa: E402  (tests/ is on sys.path: rootdir-relative test imports)
 
 from sparrow.kernels.append_kv import append_kv_triton  # noqa: E402
 from sparrow.kernels.sparse_decode import paged_decode_triton  # noqa: E402
@@ -269,6 +269,31 @@ def test_qk_norm_rope_append_triton(hq, hkv, d, norm, dtype, cdtype):
     assert torch.equal(got_kv[1], want_kv[1])  # values are copied, never rounded differently
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_append_kv_bf16_centroids_hold_each_full_pages_mean(dtype):
+    """bf16 centroids: 40 tokens appended one at a time into 3 pages (two completed, one partial): each
+    completed page's centroid is its keys' mean rounded to bf16 once (from the definition, float64),
+    in the reference and in the kernel; the partial page holds the running mean."""
+    g = torch.Generator().manual_seed(2)
+    hkv, d, pages = 2, 64, 4
+    keys = torch.randn(40, hkv, d, generator=g).to(dtype)
+    order = [3, 0, 2]  # logical page -> physical page
+    for impl in ("torch", "triton"):
+        k_pages = torch.full((pages, hkv, P, d), float("nan"), dtype=dtype, device=DEVICE)
+        v_pages = torch.zeros_like(k_pages)
+        cents = torch.zeros(pages, hkv, d, dtype=torch.bfloat16, device=DEVICE)
+        for t in range(40):
+            slot = torch.tensor([order[t // P] * P + t % P], device=DEVICE)
+            kv = keys[t:t + 1].to(DEVICE)
+            ops.append_kv(k_pages, v_pages, cents, kv, kv, slot, impl=impl)
+        for logical in (0, 1):
+            want = keys[logical * P:(logical + 1) * P].double().mean(0).to(torch.bfloat16)
+            got = cents[order[logical]].cpu()
+            assert (got.float() - want.float()).abs().max() <= 2 ** -8 * want.float().abs().max(), impl
+        partial = keys[2 * P:].double().mean(0)
+        torch.testing.assert_close(cents[order[2]].cpu().double(), partial, atol=3e-2, rtol=3e-2)
+
+
 def _brute_select(scores, seq_lens, budgets, page=16):
     """From the definition: pages 0, last-1, last and the best budget/P - 3 of the candidates 1..last-2,
     ties to the lower page; sorted lists per (row, head)."""
@@ -466,7 +491,8 @@ for arch in (80, 90):
         for cd in ("fp32", "bf16"):  # the centroids' dtype
             for d, g in ((64, 3), (128, 4)):
                 build(append_kv._append_kv_jit, dict(k_pages="*" + dt, v_pages="*" + dt, centroids="*" + cd,
-                      k="*" + dt, v="*" + dt, slots="*i64"), dict(D=d, BLOCK_D=d, PAGE=16), arch, 1)
+                      k="*" + dt, v="*" + dt, slots="*i64"),
+                      dict(D=d, BLOCK_D=d, PAGE=16, MEAN_AT_END=cd != "fp32"), arch, 1)
                 build(page_scoring._page_scores_jit, dict(q="*" + dt, centroids="*" + cd, block_table="*i32",
                       seq_lens="*i32", scores="*fp32"),
                       dict(D=d, BLOCK_D=d, G=g, BLOCK_G=triton.next_power_of_2(g), PAGE=16, BLOCK_P=64,
@@ -477,7 +503,8 @@ for arch in (80, 90):
                           q_weight="*" + dt, k_weight="*" + dt, q_out="*" + dt, k_pages="*" + dt,
                           v_pages="*" + dt, centroids="*" + cd, eps="fp32"),
                           dict(D=d, HALF=d // 2, BLOCK_H=d // 2, G=g, BLOCK_G=triton.next_power_of_2(g),
-                               HQ=8 * g, HKV=8, PAGE=16, QK_NORM=norm), arch, 1 if g * d <= 1024 else 2)
+                               HQ=8 * g, HKV=8, PAGE=16, QK_NORM=norm, MEAN_AT_END=cd != "fp32"), arch,
+                          1 if g * d <= 1024 else 2)
         for d, g in ((64, 3), (128, 8)):
             for dense in (False, True):
                 build(sparse_decode._paged_decode_jit, dict(q="*" + dt, k_pages="*" + dt, v_pages="*" + dt,
