@@ -11,9 +11,9 @@ fp32 or bf16), so rows must target distinct pages
 as the mean of their keys over offsets 0..max written offset.
 
 Centroids narrower than fp32 (bf16, half the bytes selection reads): a running mean rounded to bf16 at
-each of a page's 16 appends drifts from the page's mean by several roundings, which changed 7-13% of
-the kept page sets of a real model's queries against fp32 centroids (bench/centroid_dtype.py). So the
-append that completes a page (offset P - 1) sets its centroid to the mean of its P keys, computed in
+each of a page's 16 appends drifts from the page's mean by several roundings, enough to change kept page
+sets noticeably against fp32 centroids (bench/centroid_dtype.py, README). So the append that completes
+a page (offset P - 1) sets its centroid to the mean of its P keys, computed in
 fp32 and rounded once, as write_prefill sets a prefilled page's; partial pages keep the running mean,
 which no selection reads (only complete pages are candidates). fp32 centroids are the running mean
 throughout, bit for bit as before (and as the C++ kernels compute them).
