@@ -161,7 +161,8 @@ def qk_norm_rope_append_triton(qkv: Tensor, positions: Tensor, slots: Tensor, co
     g = num_heads // hkv
     norm = q_weight is not None
     _qk_norm_rope_append_jit[(n, hkv)](
-        qkv, positions, slots.to(torch.int64), cos, sin, q_weight if norm else cos, k_weight if norm else cos,
+        qkv, positions.contiguous(), slots.to(torch.int64).contiguous(), cos, sin, q_weight if norm else cos,
+        k_weight if norm else cos,
         q_out, k_pages, v_pages, centroids,
         qkv.stride(0), q_out.stride(0), q_out.stride(1), cos.stride(0),
         k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
