@@ -5,7 +5,7 @@
 # on Qwen3-4B shapes with random bf16 weights. Each step runs under its own time limit and goes on
 # after a failure; logs go to $OUT (default bench/results/gpu), a summary is printed last.
 #
-#   bash bench/gpu_checks.sh [all|tests|engine|kernels|rollout|profile|train|learner|scale|scale-NAME|issue25-a|issue25-b|issue25-c] [extra args for bench/rollout.py]
+#   bash bench/gpu_checks.sh [all|tests|engine|kernels|rollout|profile|fused|train|learner|scale|scale-NAME|issue25-a|issue25-b|issue25-c] [extra args for bench/rollout.py]
 #
 # Issue 25 (GPU rollouts at the memory floor), one device call of at most ten minutes each, Qwen3-4B shapes
 # with random bf16 weights, T = 1, EOS ignored, every sampler of a table in one process:
@@ -16,6 +16,13 @@
 #              rollout 4 prompts x 8 samples x 8,192 new tokens after 256 (dense / 2048 / 0.86) with the
 #              cost model's predicted speedups beside the measured ones;
 #   issue25-c  the whole rollout 2 x 8 x 16,384 after 256, dense and the published 0.86 schedule.
+#
+# Issue 25's kernels (the fused decode layer, work sized by seq_len, radix top-k, bf16 centroids) are checked
+# by `tests` (every kernel compiled against its torch reference), `engine` (the fused step against the
+# modular step and teacher-forced scoring, with CUDA graphs: tests/test_gpu.py, tests/test_gpu_layers.py)
+# and measured by `fused` (not in "all"): bench/kernels.py's per-kernel times and bytes against the
+# bandwidth floor, then bench/step_profile.py at a 16K prompt x 8 samples, budget 2048, with the fused step
+# and with the modular one, in one device call of at most ten minutes.
 #
 # `scale` (not in "all"): issue 24's checks at our users' scale, Qwen3-4B shapes with random bf16 weights,
 # each printing its seconds and peak CUDA memory (bench/scale_gpu.py): fit-cost over 4-32K contexts,
@@ -64,11 +71,11 @@ $PY -c "import torch, triton, transformers; print('torch', torch.__version__, 't
 'transformers', transformers.__version__, torch.cuda.get_device_name())"
 
 if [[ $WHAT == all || $WHAT == tests ]]; then
-    step kernel-tests 200 $PY -m pytest -q -x -p no:cacheprovider -m "slow or not slow" tests/test_kernels_triton.py
+    step kernel-tests 300 $PY -m pytest -q -x -p no:cacheprovider -m "slow or not slow" tests/test_kernels_triton.py
 fi
 if [[ $WHAT == all || $WHAT == tests || $WHAT == engine ]]; then
-    step engine-tests 150 $PY -m pytest -q -s -p no:cacheprovider tests/test_gpu.py \
-        "tests/test_rollout.py::test_cuda_graph_step_equals_eager_step"
+    step engine-tests 280 $PY -m pytest -q -s -p no:cacheprovider -m "slow or not slow" tests/test_gpu.py \
+        tests/test_gpu_layers.py "tests/test_rollout.py::test_cuda_graph_step_equals_eager_step"
 fi
 if [[ $WHAT == all || $WHAT == kernels ]]; then
     step bench-kernels 150 $PY bench/kernels.py
@@ -129,6 +136,15 @@ if [[ $WHAT == learner ]]; then  # the learner's side alone, with its own peak-m
     step update-16k 590 $PY bench/learner_scale.py update --model qwen3-4b --device cuda --prompts 2 \
         --samples 4 --prompt-tokens 1024 --new-tokens 16384 --micro-batch 1
 fi
+if [[ $WHAT == fused ]]; then  # issue 25: where the fused step's time goes, against the modular step
+    step bench-fused-kernels 120 $PY bench/kernels.py --part elementwise
+    cp bench/results/kernels.parquet "$OUT/kernels-elementwise.parquet" 2>/dev/null
+    for form in fused modular; do
+        flag=""
+        [[ $form == modular ]] && flag="--modular"
+        step "profile-16k-$form" 230 $PY bench/step_profile.py --context 16384 --samples 8 --budget 2048 $flag
+    done
+fi
 if [[ $WHAT == profile ]]; then  # not in "all": a breakdown to read, not a check
     for budget in ${PROFILE_BUDGETS:-2048 0}; do
         step "profile-$budget" 200 $PY bench/step_profile.py --budget "$budget"
@@ -137,7 +153,7 @@ fi
 COST25=$OUT/cost-qwen3-4b-issue25.parquet
 if [[ $WHAT == issue25-a ]]; then
     step kernel-tests 200 $PY -m pytest -q -x -p no:cacheprovider -m "slow or not slow" tests/test_kernels_triton.py
-    step engine-tests 170 $PY -m pytest -q -s -p no:cacheprovider tests/test_gpu.py \
+    step engine-tests 200 $PY -m pytest -q -s -p no:cacheprovider tests/test_gpu.py tests/test_gpu_layers.py \
         "tests/test_rollout.py::test_cuda_graph_step_equals_eager_step"
     step own-kv 220 $PY bench/rollout.py --own-kv 8x32768,16x16384,32x8192,16x4096 --temperature 1 "$@"
     cp bench/results/rollout-own-kv.parquet "$OUT/" 2>/dev/null

@@ -1,4 +1,6 @@
-"""Decode attention kernels, one layer: dense paged attention vs block top-k (selection + sparse attention).
+"""Decode kernels, one layer: dense paged attention vs block top-k (selection + sparse attention), and the
+fused elementwise chain of the GPU decode step (add_rms_norm, qk_norm_rope_append, silu_mul) against the
+eager torch chains they replace.
 
 Issue targets (reported, not asserted), on a GPU: Qwen3-4B attention shapes (32 query heads, 8 KV
 heads, head dim 128), bf16, batch 32, contexts 16K and 32K, pages of 16 tokens scattered over the pool
@@ -9,11 +11,16 @@ centroids for selection, over the device's measured copy bandwidth).
 Times are CUDA-event medians over repeated replays of a CUDA graph of each op, as the engine's decode
 step replays them (each call reads far more than the L2 cache holds); `--eager` times plain calls, which
 adds the host's launch gaps between small kernels. "select-torch" is the selection before its fused
-kernel (Triton scores, then topk, masks and a sort in torch), kept for comparison.
+kernel (Triton scores, then topk, masks and a sort in torch), kept for comparison. The elementwise
+kernels are tiny (well under a microsecond of bytes each at batch 32), so each is timed as 20 calls
+captured in one graph, per call: what a decode step's graph pays for it, launch latency included; the
+table gives their bytes, the time those bytes take at the measured bandwidth and at 3.0 TB/s, and how
+many calls a Qwen3-4B-shaped step makes (2 norms per layer and the final one, one of each other per layer).
 On a CPU the torch references run instead, at a smaller default size (the CPU engine's path).
 Writes bench/results/kernels.parquet.
 
     .venv/bin/python bench/kernels.py                                  # GPU: the issue's shapes
+    .venv/bin/python bench/kernels.py --part elementwise               # the fused chain only
     .venv/bin/python bench/kernels.py --device cpu --batch 4 --contexts 4096,8192
 """
 
@@ -87,6 +94,67 @@ def bench_context(args, device, dtype, context: int, bw: float) -> list[dict]:
     return rows
 
 
+def timed_graph_calls(fn, device, reps: int, calls: int = 20) -> list[float]:
+    """Seconds per call of fn when `calls` calls replay from one CUDA graph (the step's situation for a
+    kernel of a few hundred KB); plain calls off CUDA."""
+    if device.type != "cuda":
+        return timed(fn, device, reps)
+    return [t / calls for t in timed_graph(lambda: [fn() for _ in range(calls)], device, reps)]
+
+
+def bench_elementwise(args, device, dtype, bw: float) -> list[dict]:
+    """The fused kernels of the decode layer at the preset's shapes and `args.batch` rows, each against
+    the eager chain it replaces (the torch reference, which is that chain)."""
+    from sparrow.kernels.add_rms_norm import add_rms_norm_reference
+    from sparrow.kernels.qk_norm_rope_append import qk_norm_rope_append_reference
+    from sparrow.kernels.silu_mul import silu_mul_reference
+
+    cfg = get_preset(args.model).config
+    b, h, inter, d = args.batch, cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    hq, hkv, page = cfg.num_heads, cfg.num_kv_heads, 16
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(b, h, generator=g, device=device, dtype=dtype)
+    residual = torch.randn(b, h, generator=g, device=device, dtype=dtype)
+    w = torch.ones(h, device=device, dtype=dtype)
+    qkv = torch.randn(b, (hq + 2 * hkv) * d, generator=g, device=device, dtype=dtype)
+    positions = torch.arange(b, device=device) + 1000
+    slots = torch.arange(b, device=device) * page + 5  # row r appends at offset 5 of page r
+    cos = torch.randn(4096, d, generator=g, device=device).to(dtype)  # the model's tables, in its dtype
+    sin = torch.randn(4096, d, generator=g, device=device).to(dtype)
+    qn = torch.ones(d, device=device, dtype=dtype)
+    k_pages = torch.zeros(b, hkv, page, d, device=device, dtype=dtype)
+    v_pages = torch.zeros_like(k_pages)
+    cent_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+    cents = torch.zeros(b, hkv, d, device=device, dtype=cent_dtype)
+    gate_up = torch.randn(b, 2 * inter, generator=g, device=device, dtype=dtype)
+    e, c = torch.tensor([], dtype=dtype).element_size(), torch.tensor([], dtype=cent_dtype).element_size()
+    impl = "auto" if device.type == "cuda" else "torch"
+    runs = {
+        "add_rms_norm": (lambda: ops.add_rms_norm(x, residual, w, 1e-6, impl),
+                         lambda: add_rms_norm_reference(x, residual, w, 1e-6),
+                         4 * b * h * e + h * e, 2 * cfg.num_layers + 1),
+        "qk_norm_rope_append": (
+            lambda: ops.qk_norm_rope_append(qkv, positions, slots, cos, sin, qn, qn, 1e-6, k_pages, v_pages,
+                                            cents, hq, impl),
+            lambda: qk_norm_rope_append_reference(qkv, positions, slots, cos, sin, qn, qn, 1e-6, k_pages,
+                                                  v_pages, cents, hq),
+            b * (hq + 2 * hkv) * d * e + b * hq * d * e + 2 * b * hkv * d * e + 2 * b * hkv * d * c
+            + 2 * b * d * e + 2 * d * e, cfg.num_layers),
+        "silu_mul": (lambda: ops.silu_mul(gate_up, impl), lambda: silu_mul_reference(gate_up),
+                     3 * b * inter * e, cfg.num_layers),
+    }
+    rows = []
+    for name, (fused, eager, nbytes, per_step) in runs.items():
+        t_fused = statistics.median(timed_graph_calls(fused, device, args.reps))
+        t_eager = statistics.median(timed_graph_calls(eager, device, args.reps))
+        rows.append({"kernel": name, "batch": b, "dtype": str(dtype).removeprefix("torch."),
+                     "device": str(device), "us": 1e6 * t_fused, "eager_us": 1e6 * t_eager, "bytes": nbytes,
+                     "floor_us": 1e6 * nbytes / bw, "floor_us_3tbs": 1e6 * nbytes / 3.0e12,
+                     "per_step": per_step, "step_us": 1e6 * t_fused * per_step,
+                     "eager_step_us": 1e6 * t_eager * per_step})
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     gpu = torch.cuda.is_available()
@@ -97,7 +165,12 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=2048)
     ap.add_argument("--reps", type=int, default=None, help="timed calls per kernel (default 20 / 3)")
     ap.add_argument("--eager", action="store_true", help="time plain calls instead of CUDA graph replays")
+    ap.add_argument("--part", default="attention,elementwise",
+                    help="attention (dense vs sparse, selection), elementwise (the fused decode chain)")
     args = ap.parse_args()
+    parts = set(args.part.split(","))
+    if not parts <= {"attention", "elementwise"}:
+        ap.error(f"--part takes attention and/or elementwise, got {args.part!r}")
     device = torch.device(args.device)
     on_gpu = device.type == "cuda"
     args.batch = args.batch or (32 if on_gpu else 4)
@@ -110,13 +183,24 @@ def main() -> None:
     timing = "eager calls" if args.eager or not on_gpu else "CUDA graph replays"
     print(f"{args.model} attention shapes, batch {args.batch}, budget {args.budget}, {dtype}, {name}, "
           f"{timing}, copy bandwidth {bw / 1e9:.0f} GB/s, {impl}")
-    print(f"{'context':>8} {'kernel':>12} {'ms':>9} {'x dense':>8} {'GB read':>8} {'BW frac':>8}")
     rows = []
-    for context in contexts:
-        for r in bench_context(args, device, dtype, context, bw):
+    if "attention" in parts:
+        print(f"{'context':>8} {'kernel':>12} {'ms':>9} {'x dense':>8} {'GB read':>8} {'BW frac':>8}")
+        for context in contexts:
+            for r in bench_context(args, device, dtype, context, bw):
+                rows.append(r)
+                print(f"{context:>8} {r['kernel']:>12} {r['ms']:>9.3f} {r['x_dense']:>8.2f} "
+                      f"{r['bytes'] / 1e9:>8.2f} {r['bw_fraction']:>8.2f}")
+    if "elementwise" in parts:
+        print(f"fused decode-step kernels, batch {args.batch} (us per call; eager = the torch chain "
+              "replaced):")
+        print(f"{'kernel':>20} {'us':>8} {'eager us':>9} {'KB':>8} {'floor us':>9} {'@3TB/s':>7} "
+              f"{'calls':>6} {'step us':>8} {'eager step':>11}")
+        for r in bench_elementwise(args, device, dtype, bw):
             rows.append(r)
-            print(f"{context:>8} {r['kernel']:>12} {r['ms']:>9.3f} {r['x_dense']:>8.2f} "
-                  f"{r['bytes'] / 1e9:>8.2f} {r['bw_fraction']:>8.2f}")
+            print(f"{r['kernel']:>20} {r['us']:>8.2f} {r['eager_us']:>9.2f} {r['bytes'] / 1e3:>8.1f} "
+                  f"{r['floor_us']:>9.3f} {r['floor_us_3tbs']:>7.3f} {r['per_step']:>6} {r['step_us']:>8.1f} "
+                  f"{r['eager_step_us']:>11.1f}")
     write_results(rows, "kernels")
 
 

@@ -4,7 +4,10 @@ The engine runs its static decode step eagerly here (`decode_graphs="eager"`, th
 graphs replay, but visible one by one to the profiler), after a warm-up, for one prompt of --context
 tokens with --samples samples sharing its pages; then the same number of steps replayed from CUDA
 graphs, timed by wall clock. Prints the kernels by total device time per step, the device time per step
-against the graph-replayed wall time per step, and the share of attention, selection, GEMMs and the rest.
+against the graph-replayed wall time per step, and the share of attention, selection, GEMMs, the fused
+elementwise kernels (norms, q/k norm + rotary + KV append, SiLU x up) and the rest. `--modular` runs the
+model's modular decode forward instead of the GPU runner's inference form (stacked projections, fused
+kernels: stages/rollout/gpu_layers.py), to compare the two in the same session.
 
     python bench/step_profile.py --model qwen3-4b --context 32768 --samples 32 --budget 2048
 """
@@ -21,7 +24,8 @@ from sparrow.stages.model.loading import load_model
 from sparrow.stages.rollout import Engine, SamplingParams
 
 GROUPS = (("attention", ("paged_decode", "merge_splits")), ("selection", ("page_scores", "select")),
-          ("kv append", ("append_kv",)), ("gemm", ("gemm", "gemv", "cutlass", "sm90", "nvjet", "cublas")))
+          ("kv append", ("append_kv",)), ("fused elementwise", ("add_rms_norm", "qk_norm_rope", "silu_mul")),
+          ("gemm", ("gemm", "gemv", "cutlass", "sm90", "nvjet", "cublas")))
 
 
 def group_of(name: str) -> str:
@@ -32,6 +36,8 @@ def group_of(name: str) -> str:
 def engine_steps(model, prompt, args, graphs: str):
     """An engine past its prefill and warm-up steps, ready for timed decode steps."""
     engine = Engine(model, args.budget or None, max_batch=args.samples, decode_graphs=graphs)
+    if args.modular:
+        engine.runner.decode_form = None  # before the first step builds the static step
     params = SamplingParams(max_new_tokens=args.warmup + 2 * args.steps + 2, n=args.samples, temperature=1.0,
                             seed=0, ignore_eos=True)
     engine.add_request(prompt, params)
@@ -50,6 +56,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--top", type=int, default=20)
+    ap.add_argument("--modular", action="store_true", help="the model's modular decode forward (no fusion)")
     args = ap.parse_args()
     loaded = load_model(args.model, device="cuda", dtype=torch.bfloat16, random_weights=True)
     g = torch.Generator().manual_seed(0)
@@ -79,6 +86,7 @@ def main() -> None:
             kernels[e.key] += t / 1e3 / args.steps  # ms per step
     total = sum(kernels.values())
     mode = f"budget {args.budget}" if args.budget else "dense"
+    mode += ", modular step" if args.modular else ", fused step"
     print(f"{args.model}, prompt {args.context}, {args.samples} samples, {mode}: device time {total:.2f} "
           f"ms/step (eager kernels), graph-replayed step {graph_ms:.2f} ms wall")
     groups: dict[str, float] = defaultdict(float)

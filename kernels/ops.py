@@ -17,6 +17,7 @@ from torch import Tensor
 
 from . import cpu_attention
 from ._triton_utils import HAS_TRITON, interpreter_usable
+from .add_rms_norm import add_rms_norm_reference, add_rms_norm_triton
 from .append_kv import append_kv_reference, append_kv_triton, write_prefill
 from .cascade_decode import cascade_page_scores
 from .dense_decode import dense_decode_reference, dense_decode_triton
@@ -28,6 +29,8 @@ from .page_scoring import (
     page_scoring_reference,
     page_scoring_triton,
 )
+from .qk_norm_rope_append import qk_norm_rope_append_reference, qk_norm_rope_append_triton
+from .silu_mul import silu_mul_reference, silu_mul_triton
 from .sparse_decode import GatherWorkspace, sparse_decode_reference, sparse_decode_triton
 
 IMPLS = ("auto", "triton", "torch")
@@ -36,12 +39,15 @@ __all__ = [
     "GatherWorkspace",
     "HAS_TRITON",
     "IMPLS",
+    "add_rms_norm",
     "append_kv",
     "cascade_select_pages",
     "dense_paged_attention",
     "finish_selection",
     "page_scores",
+    "qk_norm_rope_append",
     "select_pages",
+    "silu_mul",
     "sparse_paged_attention",
     "use_triton",
     "write_prefill",
@@ -74,6 +80,36 @@ def append_kv(k_pages: Tensor, v_pages: Tensor, centroids: Tensor, k: Tensor, v:
         cpu_attention.append_kv(k_pages, v_pages, centroids, k, v, slots)
     else:
         append_kv_reference(k_pages, v_pages, centroids, k, v, slots)
+
+
+def add_rms_norm(x: Tensor | None, residual: Tensor, weight: Tensor, eps: float, impl: str = "auto",
+                 out: Tensor | None = None) -> Tensor:
+    """residual [N, H] += x in place (x None: no add) -> RMSNorm(residual) [N, H] (into `out` if given),
+    with the eager modules' rounding points (kernels/add_rms_norm.py)."""
+    if use_triton(impl, residual):
+        return add_rms_norm_triton(x, residual, weight, eps, out)
+    normed = add_rms_norm_reference(x, residual, weight, eps)
+    return normed if out is None else out.copy_(normed)
+
+
+def qk_norm_rope_append(qkv: Tensor, positions: Tensor, slots: Tensor, cos: Tensor, sin: Tensor,
+                        q_weight: Tensor | None, k_weight: Tensor | None, eps: float, k_pages: Tensor,
+                        v_pages: Tensor, centroids: Tensor, num_heads: int, impl: str = "auto") -> Tensor:
+    """A decode step's stacked q/k/v rows [N, (Hq + 2 Hkv) D] -> rotated queries [N, Hq, D]; the keys
+    (normed, rotated) and values appended at `slots` with their pages' centroids updated, as `append_kv`
+    (kernels/qk_norm_rope_append.py)."""
+    if use_triton(impl, qkv):
+        return qk_norm_rope_append_triton(qkv, positions, slots, cos, sin, q_weight, k_weight, eps, k_pages,
+                                          v_pages, centroids, num_heads)
+    return qk_norm_rope_append_reference(qkv, positions, slots, cos, sin, q_weight, k_weight, eps, k_pages,
+                                         v_pages, centroids, num_heads)
+
+
+def silu_mul(gate_up: Tensor, impl: str = "auto") -> Tensor:
+    """[N, 2I] stacked gate/up products -> silu(gate) * up [N, I] (kernels/silu_mul.py)."""
+    if use_triton(impl, gate_up):
+        return silu_mul_triton(gate_up)
+    return silu_mul_reference(gate_up)
 
 
 def page_scores(q: Tensor, centroids: Tensor, block_table: Tensor, seq_lens: Tensor, page_size: int = 16,

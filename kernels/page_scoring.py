@@ -7,15 +7,19 @@ and the best budget/P - 3 candidates (all pages when budget == 0 or n_pages <= b
 LOGICAL indices sorted ascending, padded with -1, [B, Hkv, K] with K = max kept over the batch (or
 `max_selected` when given, which avoids a device-to-host sync, e.g. under CUDA graphs).
 
-Two Triton kernels. The scoring kernel, grid (B, Hkv, page blocks): each program averages the group's
-query heads once (group padded to a power of two with masks), gathers BLOCK_P centroids through the block
-table and writes BLOCK_P scores. The selection kernel, grid (B, Hkv), does in one program per row what the
-torch reference does with topk, masks and a sort (about twenty small launches, measured at 0.7 ms per
-layer on an H100 at Qwen3-4B shapes, batch 32, against 0.09 ms for the scores): it maps the row's scores
-to order-preserving integer keys, finds the n-th largest key by a 32-step bitwise search (each step one
-count over the row), keeps the keys above it and, of the keys equal to it, the lowest page indices
-first, adds the reserved pages, and writes the kept pages in index order by a prefix sum. Ties are the
-only place it may differ from torch.topk, whose order among equal scores is unspecified.
+Two Triton kernels, each sized by the rows' real lengths, not the table's width (the grid is the
+table's, so a CUDA graph captured for the widest table stays valid; programs past a row's pages exit).
+The scoring kernel, grid (B, Hkv, page blocks): each program whose block holds candidate pages averages
+the group's query heads once (group padded to a power of two with masks), gathers BLOCK_P centroids
+(fp32 or bf16) through the block table and writes BLOCK_P fp32 scores. The selection kernel, grid
+(B, Hkv), does in one program per row what the torch reference does with topk, masks and a sort: it maps
+the row's scores to order-preserving 32-bit keys and finds the n-th largest by a radix select, 8 bits
+per pass (four passes, each a histogram of one digit over the candidates that agree with the digits
+found so far; the first pass also counts the candidates, and with no more of them than the budget
+keeps the other passes from reading anything), keeps the keys above it and, of the keys equal to it,
+the lowest page indices first, adds the reserved pages, and writes the kept pages in index order by a
+prefix sum carried across chunks of the row. Ties are the only place it may differ from torch.topk,
+whose order among equal scores is unspecified; the tests hold it to the lowest-index rule exactly.
 """
 
 from __future__ import annotations
@@ -121,34 +125,42 @@ def page_scoring_reference(q: Tensor, centroids: Tensor, block_table: Tensor, se
 def _page_scores_kernel(q, centroids, block_table, seq_lens, scores,
                         s_qb, s_qh, s_c0, s_c1, s_bt0, s_sb, s_sh, max_pages,
                         D: tl.constexpr, BLOCK_D: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr,
-                        PAGE: tl.constexpr, BLOCK_P: tl.constexpr):
+                        PAGE: tl.constexpr, BLOCK_P: tl.constexpr, FILL: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     pb = tl.program_id(2)
-    d = tl.arange(0, BLOCK_D)
-    g = tl.arange(0, BLOCK_G)
-    dm = d < D
-    qg = tl.load(q + b * s_qb + (h * G + g)[:, None] * s_qh + d[None, :],
-                 mask=(g < G)[:, None] & dm[None, :], other=0.0).to(tl.float32)
-    q_mean = tl.sum(qg, axis=0) / G  # [BLOCK_D]
-    seq_len = tl.load(seq_lens + b).to(tl.int32)
-    last = (seq_len - 1) // PAGE
     p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
     in_table = p < max_pages
-    phys = tl.load(block_table + b * s_bt0 + p, mask=in_table, other=-1).to(tl.int64)
-    cand = in_table & (p >= 1) & (p <= last - 2) & (phys >= 0)
-    cent = tl.load(centroids + phys[:, None] * s_c0 + h * s_c1 + d[None, :],
-                   mask=cand[:, None] & dm[None, :], other=0.0).to(tl.float32)
-    s = tl.sum(cent * q_mean[None, :], axis=1)
-    s = tl.where(cand, s, float("-inf"))
-    tl.store(scores + b * s_sb + h * s_sh + p, s, mask=in_table)
+    seq_len = tl.load(seq_lens + b).to(tl.int32)
+    last = (seq_len - 1) // PAGE
+    out = scores + b * s_sb + h * s_sh + p
+    if pb * BLOCK_P <= last - 2:  # the block holds a candidate page (1..last-2): score it
+        d = tl.arange(0, BLOCK_D)
+        g = tl.arange(0, BLOCK_G)
+        dm = d < D
+        qg = tl.load(q + b * s_qb + (h * G + g)[:, None] * s_qh + d[None, :],
+                     mask=(g < G)[:, None] & dm[None, :], other=0.0).to(tl.float32)
+        q_mean = tl.sum(qg, axis=0) / G  # [BLOCK_D]
+        cand = in_table & (p >= 1) & (p <= last - 2)
+        phys = tl.load(block_table + b * s_bt0 + p, mask=cand, other=-1).to(tl.int64)
+        cand = cand & (phys >= 0)
+        cent = tl.load(centroids + phys[:, None] * s_c0 + h * s_c1 + d[None, :],
+                       mask=cand[:, None] & dm[None, :], other=0.0).to(tl.float32)
+        s = tl.sum(cent * q_mean[None, :], axis=1)
+        tl.store(out, tl.where(cand, s, float("-inf")), mask=in_table)
+    elif FILL:  # past the row's candidates: -inf without reading anything
+        tl.store(out, tl.full([BLOCK_P], float("-inf"), tl.float32), mask=in_table)
 
 
 _page_scores_jit = lazy_jit(_page_scores_kernel)
 
 
 def page_scores_triton(q: Tensor, centroids: Tensor, block_table: Tensor, seq_lens: Tensor,
-                       page_size: int = 16, block_p: int = 64, num_warps: int = 4) -> Tensor:
+                       page_size: int = 16, block_p: int = 64, num_warps: int = 4,
+                       fill: bool = True) -> Tensor:
+    """[B, Hkv, max_pages] fp32 scores. Programs whose pages lie past the row's candidates read nothing;
+    `fill`: they still write -inf there (the `page_scores` op's contract); without it the scores past
+    each row's candidates are left unwritten, which the selection kernel never reads."""
     require_triton()
     b, hq, d = q.shape
     hkv = centroids.shape[1]
@@ -168,7 +180,7 @@ def page_scores_triton(q: Tensor, centroids: Tensor, block_table: Tensor, seq_le
         q.stride(0), q.stride(1), centroids.stride(0), centroids.stride(1), block_table.stride(0),
         scores.stride(0), scores.stride(1), max_pages,
         D=d, BLOCK_D=next_pow2(d), G=hq // hkv, BLOCK_G=next_pow2(hq // hkv), PAGE=page_size,
-        BLOCK_P=block_p, num_warps=num_warps,
+        BLOCK_P=block_p, FILL=fill, num_warps=num_warps,
     )
     return scores
 
@@ -178,37 +190,75 @@ def _select_kernel(scores, seq_lens, budgets, selected, counts, s_sb, s_sh, s_ob
                    BLOCK_W: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
-    p = tl.arange(0, BLOCK_P)
-    s = tl.load(scores + b * s_sb + h * s_sh + p, mask=p < max_pages, other=float("-inf"))
     seq_len = tl.load(seq_lens + b).to(tl.int32)
     budget = tl.load(budgets + b).to(tl.int32)
     n_pages = (seq_len + PAGE - 1) // PAGE
     last = n_pages - 1
-    reserved = ((p == 0) | ((p >= last - 1) & (p <= last))) & (p < n_pages)
-    cand = s > float("-inf")
+    n_read = tl.minimum(n_pages, max_pages)  # the row's own pages: nothing past them is read
+    cand_end = tl.minimum(tl.maximum(last - 1, 0), max_pages)  # candidates: pages 1..last-2
     n_sel = tl.maximum(tl.where(budget > 0, budget // PAGE - RESERVED, max_pages), 0)
-    # fp32 -> int32 with the same order (negatives: flip the magnitude bits), then to [0, 2^32) in int64;
-    # non-candidates get key 0, below every candidate
-    bits = s.to(tl.int32, bitcast=True)
-    key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64) + 2147483648
-    key = tl.where(cand, key, 0)
-    thr = tl.zeros([], dtype=tl.int64)  # the largest t with count(key >= t) >= n_sel
-    for i in tl.static_range(32):
-        t = thr + (1 << (31 - i))
-        thr = tl.where(tl.sum((key >= t).to(tl.int32), axis=0) >= n_sel, t, thr)
-    above = cand & (key > thr)
-    tie = cand & (key == thr)
-    need = n_sel - tl.sum(above.to(tl.int32), axis=0)
-    chosen = above | (tie & (tl.cumsum(tie.to(tl.int32), axis=0) <= need))
-    kept = chosen | reserved
-    kept_i = kept.to(tl.int32)
-    count = tl.sum(kept_i, axis=0)
-    pos = tl.cumsum(kept_i, axis=0) - 1
+    row = scores + b * s_sb + h * s_sh
+    lane = tl.arange(0, BLOCK_P)
+    bins = tl.arange(0, 256)
+    # Radix select of the n_sel-th largest key, 8 bits a pass from the top: each pass histograms the
+    # digit of the candidates that agree with the digits found so far and finds the digit at which the
+    # count from the top reaches the number still needed. Keys: fp32 -> int32 of the same order
+    # (negatives: magnitude bits flipped) -> [0, 2^32) in int64. Pass 1 also counts the candidates: with
+    # no more than n_sel of them every candidate is kept and the other passes read nothing.
+    hist = tl.zeros([256], dtype=tl.int32)
+    for start in range(0, cand_end, BLOCK_P):
+        p = start + lane
+        s = tl.load(row + p, mask=(p >= 1) & (p < cand_end), other=float("-inf"))
+        bits = s.to(tl.int32, bitcast=True)
+        key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64) + 2147483648
+        hist += tl.histogram(((key >> 24) & 255).to(tl.int32), 256, mask=s > float("-inf"))
+    count_ge = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist  # candidates with a digit >= bin
+    search = tl.sum(hist, axis=0) > n_sel
+    need = tl.where(search, n_sel, 0)
+    top = tl.sum((count_ge >= need).to(tl.int32), axis=0) - 1
+    prefix = tl.where(search, top.to(tl.int64) << 24, 0)
+    need = need - tl.sum(tl.where(bins == top, count_ge - hist, 0), axis=0)
+    hi = tl.where(search, cand_end, 0)
+    for i in tl.static_range(1, 4):
+        shift = 24 - 8 * i  # a constant: i is unrolled
+        hist = tl.zeros([256], dtype=tl.int32)
+        for start in range(0, hi, BLOCK_P):
+            p = start + lane
+            s = tl.load(row + p, mask=(p >= 1) & (p < hi), other=float("-inf"))
+            bits = s.to(tl.int32, bitcast=True)
+            key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64) + 2147483648
+            match = (s > float("-inf")) & ((key >> (shift + 8)) == (prefix >> (shift + 8)))
+            hist += tl.histogram(((key >> shift) & 255).to(tl.int32), 256, mask=match)
+        count_ge = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist
+        digit = tl.sum((count_ge >= need).to(tl.int32), axis=0) - 1
+        prefix = tl.where(search, prefix | (digit.to(tl.int64) << shift), prefix)
+        need = tl.where(search, need - tl.sum(tl.where(bins == digit, count_ge - hist, 0), axis=0), need)
+    # keep the keys above the threshold and, of those equal to it, the `need` lowest pages; add the
+    # reserved pages; write the kept pages in index order (running prefix sums across the chunks)
+    base = tl.zeros([], dtype=tl.int32)
+    ties = tl.zeros([], dtype=tl.int32)
     out = selected + b * s_ob + h * s_oh
-    tl.store(out + pos, p, mask=kept & (pos < width))
-    w = tl.arange(0, BLOCK_W)
-    tl.store(out + w, tl.full([BLOCK_W], -1, tl.int32), mask=(w >= count) & (w < width))
-    tl.store(counts + b * tl.num_programs(1) + h, count)
+    for start in range(0, n_read, BLOCK_P):
+        p = start + lane
+        in_row = p < n_read
+        s = tl.load(row + p, mask=(p >= 1) & (p < cand_end), other=float("-inf"))
+        bits = s.to(tl.int32, bitcast=True)
+        key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64) + 2147483648
+        cand = s > float("-inf")
+        above = cand & (key > prefix)
+        tie = cand & (key == prefix) & search
+        tie_i = tie.to(tl.int32)
+        chosen = above | (tie & (ties + tl.cumsum(tie_i, axis=0) <= need))
+        reserved = ((p == 0) | ((p >= last - 1) & (p <= last))) & in_row
+        kept_i = (chosen | reserved).to(tl.int32)
+        pos = base + tl.cumsum(kept_i, axis=0) - 1
+        tl.store(out + pos, p, mask=(kept_i > 0) & (pos < width))
+        base += tl.sum(kept_i, axis=0)
+        ties += tl.sum(tie_i, axis=0)
+    for start in range((tl.minimum(base, width) // BLOCK_W) * BLOCK_W, width, BLOCK_W):
+        w = start + tl.arange(0, BLOCK_W)
+        tl.store(out + w, tl.full([BLOCK_W], -1, tl.int32), mask=(w >= base) & (w < width))
+    tl.store(counts + b * tl.num_programs(1) + h, base)
 
 
 _select_jit = lazy_jit(_select_kernel)
@@ -216,7 +266,8 @@ _select_jit = lazy_jit(_select_kernel)
 
 def select_from_scores_triton(scores: Tensor, seq_lens: Tensor, budgets: Tensor, page_size: int = 16,
                               max_selected: int | None = None) -> Tensor:
-    """`finish_selection` in one Triton kernel: scores [B, Hkv, max_pages] -> selected [B, Hkv, K]."""
+    """`finish_selection` in one Triton kernel: scores [B, Hkv, max_pages] -> selected [B, Hkv, K]. Each
+    row reads its own pages' scores only (ceil(seq_len / P) of them), whatever the table's width."""
     require_triton()
     b, hkv, max_pages = scores.shape
     width = max_pages if max_selected is None else max_selected
@@ -224,22 +275,25 @@ def select_from_scores_triton(scores: Tensor, seq_lens: Tensor, budgets: Tensor,
     counts = torch.empty(b, hkv, device=scores.device, dtype=torch.int32)
     if b == 0 or width == 0 or max_pages == 0:
         return selected.fill_(-1)
-    scores = scores.contiguous()
+    assert scores.stride(2) == 1, "scores must be contiguous along the pages"
     _select_jit[(b, hkv)](
         scores, seq_lens.contiguous(), budgets.contiguous(), selected, counts,
         scores.stride(0), scores.stride(1), selected.stride(0), selected.stride(1), max_pages, width,
-        PAGE=page_size, RESERVED=RESERVED_PAGES, BLOCK_P=next_pow2(max_pages), BLOCK_W=next_pow2(width),
-        num_warps=4 if max_pages <= 2048 else 8,
+        PAGE=page_size, RESERVED=RESERVED_PAGES, BLOCK_P=min(SELECT_BLOCK, next_pow2(max_pages)),
+        BLOCK_W=min(SELECT_BLOCK, next_pow2(width)), num_warps=4,
     )
     if max_selected is None:  # as narrow as the widest row, like the reference (a host sync)
         selected = selected[..., : int(counts.max())]
     return selected
 
 
+SELECT_BLOCK = 1024  # pages per chunk of the selection kernel's passes
+
+
 def page_scoring_triton(q: Tensor, centroids: Tensor, block_table: Tensor, seq_lens: Tensor,
                         budgets: Tensor, page_size: int = 16, max_selected: int | None = None) -> Tensor:
-    """select_pages in Triton: the scoring kernel, then the selection kernel."""
-    scores = page_scores_triton(q, centroids, block_table, seq_lens, page_size)
+    """select_pages in Triton: the scoring kernel (rows' candidate pages only), then the selection kernel."""
+    scores = page_scores_triton(q, centroids, block_table, seq_lens, page_size, fill=False)
     return select_from_scores_triton(scores, seq_lens, budgets, page_size, max_selected)
 
 

@@ -3,8 +3,10 @@ tokens of the selected pages, with a flash-decoding Triton kernel that `dense_de
 
 out[b, hq] = softmax(scale * q[b, hq] . K_sel^T) V_sel over the tokens of the logical pages
 `selected[b, hq // G]` (sorted, -1 = padding) at positions < seq_lens[b], read through the block table;
-G = Hq // Hkv query heads share a KV head (GQA). The Triton kernel runs a grid (B, Hkv, splits): each
-program owns a contiguous range of the selected-page list (dense: of the logical pages 0..n_pages-1),
+G = Hq // Hkv query heads share a KV head (GQA). The Triton kernel runs a grid (B, Hkv, splits), the
+number of splits chosen from the table's width (so a CUDA graph captured for the widest table serves
+every length); each program owns a contiguous range of the row's own extent, which it computes from
+seq_len (the selected-page list, or the logical pages 0..n_pages-1 when dense, divided among the splits),
 loads the query heads of its KV head's group as one [BLOCK_G, D] tile (the group padded to a power of
 two >= 16 with masks, so each K/V page is read once per group and tl.dot applies), streams BLOCK_N
 tokens (BLOCK_N / P pages) per iteration and keeps an online softmax (running max, sum, fp32
@@ -167,7 +169,7 @@ def sparse_decode_reference(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_t
 
 
 def _paged_decode_kernel(q, k_pages, v_pages, block_table, seq_lens, selected, ws_m, ws_l, ws_acc,
-                         scale_log2, n_slots, pages_per_split,
+                         scale_log2, n_slots, n_splits,
                          s_qb, s_qh, s_kp0, s_kp1, s_kp2, s_vp0, s_vp1, s_vp2, s_bt0, s_sel0, s_sel1,
                          s_mb, s_mh, s_ab, s_ah, s_as,
                          D: tl.constexpr, BLOCK_D: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr,
@@ -185,10 +187,14 @@ def _paged_decode_kernel(q, k_pages, v_pages, block_table, seq_lens, selected, w
     if UPCAST:  # the interpreter's tl.dot mishandles bf16 (raw bits): same rounded values, fp32 dots
         qg = qg.to(tl.float32)
     seq_len = tl.load(seq_lens + b).to(tl.int32)
-    start = sp * pages_per_split
-    end = tl.minimum(start + pages_per_split, n_slots)
-    if DENSE:
-        end = tl.minimum(end, (seq_len + PAGE - 1) // PAGE)
+    # this row's extent: its pages (dense) or its selected list, which never holds more entries than the
+    # row has pages; split into n_splits ranges of whole BLOCK_N blocks, so that every split of a short
+    # row shares its work and no program scans slots past the row's end
+    extent = tl.minimum(n_slots, (seq_len + PAGE - 1) // PAGE)
+    per_block = BLOCK_N // PAGE
+    per_split = ((extent + per_block - 1) // per_block + n_splits - 1) // n_splits * per_block
+    start = sp * per_split
+    end = tl.minimum(start + per_split, extent)
     tok = tl.arange(0, BLOCK_N)
     tok_off = tok % PAGE
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
@@ -304,8 +310,6 @@ def paged_decode_triton(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table
     n_blocks = -(-n_slots // pages_per_block)
     splits = num_splits or _default_splits(q, b, hkv, n_blocks)
     splits = max(1, min(splits, n_blocks))
-    pages_per_split = -(-n_blocks // splits) * pages_per_block
-    splits = -(-n_slots // pages_per_split)
     ws_m = torch.empty(b, hq, splits, device=q.device, dtype=torch.float32)
     ws_l = torch.empty_like(ws_m)
     ws_acc = torch.empty(b, hq, splits, d, device=q.device, dtype=torch.float32)
@@ -313,7 +317,7 @@ def paged_decode_triton(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table
     precision = "ieee"  # fp32 inputs: true fp32 dots (no tf32); ignored for bf16/fp16 operands
     _paged_decode_jit[(b, hkv, splits)](
         q_dot, k_pages, v_pages, block_table, seq_lens, sel, ws_m, ws_l, ws_acc,
-        scale * LOG2E, n_slots, pages_per_split,
+        scale * LOG2E, n_slots, splits,
         q_dot.stride(0), q_dot.stride(1),
         k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
         v_pages.stride(0), v_pages.stride(1), v_pages.stride(2),

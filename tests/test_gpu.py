@@ -220,3 +220,85 @@ def test_warm_up_captures_every_graph_of_a_uniform_run(tiny_qwen3):
     captured = set(engine.runner.static.graphs)
     engine.generate(prompts, params)
     assert set(engine.runner.static.graphs) == captured
+
+
+# ---------------------------------------------------------------------------- issue 25: the fused decode step
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_cuda_graph_fused_step_equals_the_modular_step(tiny_qwen3, dtype):
+    """The runner's inference form (stacked q/k/v and gate/up, the fused kernels) replayed from CUDA
+    graphs against the model's modular step replayed from CUDA graphs, same seeds: in fp32 the same
+    tokens and logprobs within 1e-4; in bf16 logprobs within BF16_LOGPROB_TOL where the tokens agree
+    (a near tie may flip a sampled token), at least 90% of the samples identical."""
+    model = load_model(tiny_qwen3[1], device="cuda", dtype=dtype).model
+    prompts = _prompts((300, 97, 450))
+    params = SamplingParams(max_new_tokens=40, n=3, seed=11, temperature=1.0, ignore_eos=True)
+    out = {}
+    for fused in (True, False):
+        engine = Engine(model, Schedule((0, 320, 480), (64, 128, 192)), max_batch=5)
+        if not fused:
+            engine.runner.decode_form = None
+        else:
+            assert engine.runner.decode_form.usable()
+        out[fused] = engine.generate(prompts, params)
+        assert engine.runner.static.graphs
+    same = total = 0
+    gaps = 0.0
+    for a, b in zip(out[True], out[False]):
+        for x, y in zip(a, b):
+            total += 1
+            if x.token_ids == y.token_ids:
+                same += 1
+                gaps = max(gaps, float(np.abs(np.array(x.logprobs) - np.array(y.logprobs)).max()))
+    print(f"fused vs modular, {dtype}: {same}/{total} samples identical, max logprob gap {gaps:.2e}")
+    if dtype == torch.float32:
+        assert same == total and gaps <= 1e-4
+    else:
+        assert same >= 0.9 * total and gaps <= BF16_LOGPROB_TOL
+
+
+def test_fused_kernels_compiled_at_qwen3_4b_shapes():
+    """The fused decode kernels compiled, Qwen3-4B shapes (hidden 2560, 32/8 heads of 128, intermediate
+    9728), batch 32, bf16 with bf16 centroids, against their torch references: the residual bit for bit,
+    the rest within one bf16 rounding; and the selection kernel on 2,048-page rows against torch.topk's
+    selection (untied random scores: the same pages)."""
+    from sparrow.kernels import ops
+    from sparrow.kernels.add_rms_norm import add_rms_norm_reference
+    from sparrow.kernels.page_scoring import finish_selection, select_from_scores_triton
+    from sparrow.kernels.qk_norm_rope_append import qk_norm_rope_append_reference
+    from sparrow.kernels.silu_mul import silu_mul_reference
+
+    dev, bf = "cuda", torch.bfloat16
+    g = torch.Generator(dev).manual_seed(0)
+    b, h, hq, hkv, d, inter = 32, 2560, 32, 8, 128, 9728
+    x, res, w = (torch.randn(b, h, generator=g, device=dev).to(bf) for _ in range(3))
+    r1, r2 = res.clone(), res.clone()
+    got = ops.add_rms_norm(x, r1, w, 1e-6, impl="triton")
+    want = add_rms_norm_reference(x, r2, w, 1e-6)
+    assert torch.equal(r1, r2)
+    torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=8e-3)
+    gate_up = torch.randn(b, 2 * inter, generator=g, device=dev).to(bf)
+    torch.testing.assert_close(ops.silu_mul(gate_up, impl="triton").float(),
+                               silu_mul_reference(gate_up).float(), atol=1e-2, rtol=8e-3)
+    qkv = torch.randn(b, (hq + 2 * hkv) * d, generator=g, device=dev).to(bf)
+    pos = torch.randint(0, 4000, (b,), generator=g, device=dev)
+    slots = torch.arange(b, device=dev) * 16 + torch.arange(b, device=dev) % 16  # every offset, 15 included
+    cos, sin = (torch.randn(4096, d, generator=g, device=dev) for _ in range(2))
+    qn, kn = (1 + 0.1 * torch.randn(d, generator=g, device=dev)).to(bf), torch.ones(d, device=dev, dtype=bf)
+    caches = [[torch.randn(b, hkv, 16, d, generator=torch.Generator(dev).manual_seed(1), device=dev).to(bf),
+               torch.zeros(b, hkv, 16, d, device=dev, dtype=bf), torch.zeros(b, hkv, d, device=dev, dtype=bf)]
+              for _ in range(2)]
+    q1 = ops.qk_norm_rope_append(qkv, pos, slots, cos, sin, qn, kn, 1e-6, *caches[0], hq, impl="triton")
+    q2 = qk_norm_rope_append_reference(qkv, pos, slots, cos, sin, qn, kn, 1e-6, *caches[1], hq)
+    torch.testing.assert_close(q1.float(), q2.float(), atol=1e-2, rtol=8e-3)
+    for a, c in zip(*caches):
+        torch.testing.assert_close(a.float(), c.float(), atol=1e-2, rtol=8e-3)
+    scores = torch.randn(b, hkv, 2048, generator=g, device=dev)
+    seq = torch.randint(1, 2048 * 16, (b,), generator=g, device=dev).to(torch.int32)
+    last = ((seq.long() - 1) // 16)[:, None, None]
+    page = torch.arange(2048, device=dev)
+    scores = scores.masked_fill(~((page >= 1) & (page <= last - 2)), float("-inf"))
+    budgets = torch.full((b,), 2048, dtype=torch.int32, device=dev)
+    assert torch.equal(select_from_scores_triton(scores, seq, budgets, max_selected=128),
+                       finish_selection(scores, seq, budgets, max_selected=128))

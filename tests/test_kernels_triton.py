@@ -27,7 +27,7 @@ from sparrow.kernels._triton_utils import HAS_TRITON, interpreter_usable  # noqa
 if not HAS_TRITON:
     pytest.skip("triton is not installed", allow_module_level=True)
 
-from test_kernels import Cache  # noqa: E402  (tests/ is on sys.path: rootdir-relative test imports)
+from test_kernels import Cache, P  # noqa: E402  (tests/ is on sys.path: rootdir-relative test imports)
 
 from sparrow.kernels.append_kv import append_kv_triton  # noqa: E402
 from sparrow.kernels.sparse_decode import paged_decode_triton  # noqa: E402
@@ -239,6 +239,216 @@ def test_race_kernel_frequencies_match_the_distribution():
         assert freq[want == 0].sum() == 0
 
 
+# The new kernels round to bf16 through `round_to` (to nearest even under the interpreter too), so in bf16
+# they match the eager chain bit for bit except where a sum's order or rsqrt's last bit moves a rounding.
+
+
+def _ulp_close(got, want, dtype):
+    """Equal in fp32 up to a sum's order; in bf16 at most one rounding step apart (rounding points are
+    the reference's, but a sum's order or rsqrt's last bit can move one)."""
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    else:
+        torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=8e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("n,h", [(3, 100), (5, 640)])
+def test_add_rms_norm_triton(n, h, dtype):
+    """Residual add + RMSNorm against the eager module's chain: residual bit-identical, normed rows equal
+    up to the sum's order; with no x (the first layer) the residual is left as it was."""
+    from sparrow.kernels.add_rms_norm import add_rms_norm_reference, add_rms_norm_triton
+
+    g = torch.Generator().manual_seed(n + h)
+    x = (3 * torch.randn(n, h, generator=g)).to(dtype).to(DEVICE)
+    residual = torch.randn(n, h, generator=g).to(dtype).to(DEVICE)
+    weight = (1 + 0.1 * torch.randn(h, generator=g)).to(dtype).to(DEVICE)
+    for delta in (x, None):
+        r_got, r_want = residual.clone(), residual.clone()
+        got = add_rms_norm_triton(delta, r_got, weight, 1e-6)
+        want = add_rms_norm_reference(delta, r_want, weight, 1e-6)
+        assert got.dtype == dtype
+        assert torch.equal(r_got, r_want)
+        if delta is None:
+            assert torch.equal(r_got, residual)
+        _ulp_close(got, want, dtype)
+    out = torch.empty_like(residual)  # into a given buffer (the static step's)
+    assert add_rms_norm_triton(None, residual.clone(), weight, 1e-5, out=out) is out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("n,i", [(4, 37), (2, 1500)])
+def test_silu_mul_triton(n, i, dtype):
+    from sparrow.kernels.silu_mul import silu_mul_reference, silu_mul_triton
+
+    gate_up = (4 * torch.randn(n, 2 * i, generator=torch.Generator().manual_seed(i))).to(dtype).to(DEVICE)
+    got = silu_mul_triton(gate_up)
+    assert got.shape == (n, i) and got.dtype == dtype
+    _ulp_close(got, silu_mul_reference(gate_up), dtype)
+
+
+def _rope_tables(positions: int, d: int, theta: float = 1000.0):
+    inv = 1.0 / theta ** (torch.arange(0, d, 2).float() / d)
+    emb = torch.outer(torch.arange(positions).float(), inv).repeat(1, 2)
+    return emb.cos().to(DEVICE), emb.sin().to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype,cdtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                          (torch.bfloat16, torch.bfloat16)],
+                         ids=["fp32", "bf16", "bf16-centroids"])
+@pytest.mark.parametrize("hq,hkv,d,norm", [(6, 2, 64, True), (4, 4, 80, False), (8, 1, 32, True)])
+def test_qk_norm_rope_append_triton(hq, hkv, d, norm, dtype, cdtype):
+    """The fused q/k norm + rotation + KV append against the eager chain (norm modules, apply_rope,
+    append_kv's reference): queries, the written K/V slots and the centroids (offset 0 sets them, later
+    offsets update the running mean); padding rows (slot -1) write nothing; GQA groups of 3 and a head
+    dim whose half is not a power of two."""
+    from sparrow.kernels.qk_norm_rope_append import qk_norm_rope_append_reference, qk_norm_rope_append_triton
+
+    g = torch.Generator().manual_seed(hq * d)
+    n, pages, page = 5, 6, 16
+    qkv = (2 * torch.randn(n, (hq + 2 * hkv) * d, generator=g)).to(dtype).to(DEVICE)
+    positions = torch.tensor([0, 17, 300, 5, 40], device=DEVICE)
+    slots = torch.tensor([2 * page, 4 * page + 1, -1, 1 * page + 5, 5 * page + 15], device=DEVICE)
+    cos, sin = _rope_tables(512, d)
+    qw = (1 + 0.2 * torch.randn(d, generator=g)).to(dtype).to(DEVICE) if norm else None
+    kw = (1 + 0.2 * torch.randn(d, generator=g)).to(dtype).to(DEVICE) if norm else None
+    k_pages = torch.randn(pages, hkv, page, d, generator=g).to(dtype).to(DEVICE)
+    v_pages = torch.randn(pages, hkv, page, d, generator=g).to(dtype).to(DEVICE)
+    cents = torch.randn(pages, hkv, d, generator=g).to(cdtype).to(DEVICE)
+    got_kv = [t.clone() for t in (k_pages, v_pages, cents)]
+    want_kv = [t.clone() for t in (k_pages, v_pages, cents)]
+    q_got = qk_norm_rope_append_triton(qkv, positions, slots, cos, sin, qw, kw, 1e-6, *got_kv, hq)
+    q_want = qk_norm_rope_append_reference(qkv, positions, slots, cos, sin, qw, kw, 1e-6, *want_kv, hq)
+    assert q_got.shape == (n, hq, d) and q_got.dtype == dtype
+    _ulp_close(q_got, q_want, dtype)
+    for got, want, before in zip(got_kv, want_kv, (k_pages, v_pages, cents)):
+        _ulp_close(got, want, got.dtype)
+        assert torch.equal(got[3], before[3])  # page 3: only the padding row pointed near it: untouched
+    assert torch.equal(got_kv[1], want_kv[1])  # values are copied, never rounded differently
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_append_kv_bf16_centroids_hold_each_full_pages_mean(dtype):
+    """bf16 centroids: 40 tokens appended one at a time into 3 pages (two completed, one partial): each
+    completed page's centroid is its keys' mean rounded to bf16 once (from the definition, float64),
+    in the reference and in the kernel; the partial page holds the running mean."""
+    g = torch.Generator().manual_seed(2)
+    hkv, d, pages = 2, 64, 4
+    keys = torch.randn(40, hkv, d, generator=g).to(dtype)
+    order = [3, 0, 2]  # logical page -> physical page
+    for impl in ("torch", "triton"):
+        k_pages = torch.full((pages, hkv, P, d), float("nan"), dtype=dtype, device=DEVICE)
+        v_pages = torch.zeros_like(k_pages)
+        cents = torch.zeros(pages, hkv, d, dtype=torch.bfloat16, device=DEVICE)
+        for t in range(40):
+            slot = torch.tensor([order[t // P] * P + t % P], device=DEVICE)
+            kv = keys[t:t + 1].to(DEVICE)
+            ops.append_kv(k_pages, v_pages, cents, kv, kv, slot, impl=impl)
+        for logical in (0, 1):
+            want = keys[logical * P:(logical + 1) * P].double().mean(0).to(torch.bfloat16)
+            got = cents[order[logical]].cpu()
+            assert (got.float() - want.float()).abs().max() <= 2 ** -8 * want.float().abs().max(), impl
+        partial = keys[2 * P:].double().mean(0)
+        torch.testing.assert_close(cents[order[2]].cpu().double(), partial, atol=3e-2, rtol=3e-2)
+
+
+def _brute_select(scores, seq_lens, budgets, page=16):
+    """From the definition: pages 0, last-1, last and the best budget/P - 3 of the candidates 1..last-2,
+    ties to the lower page; sorted lists per (row, head)."""
+    out = []
+    for b in range(scores.shape[0]):
+        n_pages = -(-int(seq_lens[b]) // page)
+        last = n_pages - 1
+        budget = int(budgets[b])
+        n_sel = max(budget // page - 3, 0) if budget > 0 else scores.shape[2]
+        rows = []
+        for h in range(scores.shape[1]):
+            cands = [p for p in range(1, last - 1) if float(scores[b, h, p]) > float("-inf")]
+            best = sorted(cands, key=lambda p: (-float(scores[b, h, p]), p))[:n_sel]
+            reserved = [p for p in (0, last - 1, last) if 0 <= p < n_pages]
+            rows.append(sorted(set(best) | set(reserved)))
+        out.append(rows)
+    return out
+
+
+def test_selection_kernel_ties_and_reads_only_the_rows_pages():
+    """The radix top-k against a brute force of the rule with heavy ties (scores from a few values: the
+    lowest pages win among equal scores), rows from empty to 1,500 pages in tables up to 1,600 wide
+    (chunks of the row), dense and sparse budgets; the scores past each row's candidates hold NaN,
+    which must change nothing (the kernel reads no further than the row's pages)."""
+    from sparrow.kernels.page_scoring import select_from_scores_triton
+
+    g = torch.Generator().manual_seed(9)
+    for trial, (mp, values) in enumerate(((40, 3), (300, 5), (1600, 4), (1600, 0), (70, 0))):
+        b, hkv = 4, 2
+        seq = torch.tensor([0, 16 * mp, 37, 16 * (mp - 100) + 3 if mp > 100 else 16 * mp - 20],
+                           dtype=torch.int32)
+        scores = torch.randn(b, hkv, mp, generator=g)
+        if values:
+            scores = torch.randint(0, values, (b, hkv, mp), generator=g).float() - 1.5
+        last = ((seq.long() - 1) // 16)[:, None, None]
+        page = torch.arange(mp)
+        scores = scores.masked_fill(~((page >= 1) & (page <= last - 2)), float("-inf"))
+        scores = scores.masked_fill(page > last - 2, float("nan"))  # never written in the fused path
+        for budgets in ([48, 64, 512, 96], [0, 2048, 80, 0], [64, 0, 48, 1024]):
+            budgets = torch.tensor(budgets, dtype=torch.int32)
+            want = _brute_select(scores, seq, budgets)
+            width = max(len(r) for rows in want for r in rows)
+            for max_selected in (None, width + 3):
+                got = select_from_scores_triton(scores.to(DEVICE), seq.to(DEVICE), budgets.to(DEVICE),
+                                                max_selected=max_selected).cpu()
+                assert got.shape[-1] == (width if max_selected is None else max_selected)
+                lists = [[[int(p) for p in got[i, h] if p >= 0] for h in range(hkv)] for i in range(b)]
+                assert lists == want, (trial, budgets)
+                assert bool((got[..., :][got < 0] == -1).all())
+
+
+def test_split_kv_per_row_length_in_a_wide_table():
+    """A table much wider than most rows (as a CUDA graph's, captured for the longest sequence), rows
+    from 1 token to the full width, split 1 to 16 ways: each row's range is divided by its own length,
+    equal to the references."""
+    cache = Cache([1, 16, 900, 33], hq=4, hkv=2, d=32, seed=31)
+    wide = torch.full((4, 120), -1, dtype=torch.int32)
+    wide[:, : cache.block_table.shape[1]] = cache.block_table
+    cache.block_table = wide
+    cache.to(DEVICE)
+    budgets = torch.tensor([48, 0, 160, 64], dtype=torch.int32, device=DEVICE)
+    sel = ops.select_pages(cache.q, cache.centroids, cache.block_table, cache.seq_lens, budgets, impl="torch",
+                           max_selected=120)
+    want_s = ops.sparse_paged_attention(cache.q, cache.k_pages, cache.v_pages, cache.block_table,
+                                        cache.seq_lens, sel, impl="torch")
+    want_d = ops.dense_paged_attention(cache.q, cache.k_pages, cache.v_pages, cache.block_table,
+                                       cache.seq_lens, impl="torch")
+    for splits in (1, 3, 16):
+        got_s = paged_decode_triton(cache.q, cache.k_pages, cache.v_pages, cache.block_table, cache.seq_lens,
+                                    sel, num_splits=splits)
+        got_d = paged_decode_triton(cache.q, cache.k_pages, cache.v_pages, cache.block_table, cache.seq_lens,
+                                    None, num_splits=splits)
+        torch.testing.assert_close(got_s, want_s, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(got_d, want_d, atol=1e-4, rtol=1e-4)
+    sel_t = ops.select_pages(cache.q, cache.centroids, cache.block_table, cache.seq_lens, budgets,
+                             impl="triton", max_selected=120)
+    assert torch.equal(sel_t, sel)
+
+
+@pytest.mark.parametrize("cdtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_page_scores_with_bf16_or_fp32_centroids(cdtype):
+    """The scoring kernel reads fp32 or bf16 centroids (scores in fp32 either way), and without `fill`
+    writes the candidates' scores only."""
+    from sparrow.kernels.page_scoring import page_scores_triton
+
+    cache = Cache([5, 300, 100], hq=6, hkv=2, d=64, seed=17)
+    cache.centroids = cache.centroids.to(cdtype)
+    cache.to(DEVICE)
+    want = ops.page_scores(cache.q, cache.centroids, cache.block_table, cache.seq_lens, impl="torch")
+    full = page_scores_triton(cache.q, cache.centroids, cache.block_table, cache.seq_lens)
+    assert torch.equal(torch.isinf(full), torch.isinf(want))
+    part = page_scores_triton(cache.q, cache.centroids, cache.block_table, cache.seq_lens, fill=False)
+    finite = torch.isfinite(want)
+    torch.testing.assert_close(full[finite], want[finite], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(part[finite], want[finite], atol=1e-4, rtol=1e-4)
+
+
 # ----------------------------------------------------------------------------------------------------
 # slow: the sweep
 # ----------------------------------------------------------------------------------------------------
@@ -324,11 +534,11 @@ import inspect, sys
 import triton, triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from sparrow.kernels import append_kv, page_scoring, race_sample, sparse_decode
+from sparrow.kernels import (add_rms_norm, append_kv, page_scoring, qk_norm_rope_append, race_sample,
+                             silu_mul, sparse_decode)
 
 def build(lazy, types, consts, arch, num_warps=4):
-    lazy.fn.__globals__["tl"] = tl
-    fn = triton.jit(lazy.fn)
+    fn = lazy.jit()
     names = inspect.signature(lazy.fn).parameters
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in names}
     triton.compile(ASTSource(fn, sig, constexprs=consts), target=GPUTarget("cuda", arch, 32),
@@ -336,23 +546,42 @@ def build(lazy, types, consts, arch, num_warps=4):
 
 for arch in (80, 90):
     for dt in ("bf16", "fp32"):
+        for cd in ("fp32", "bf16"):  # the centroids' dtype
+            for d, g in ((64, 3), (128, 4)):
+                build(append_kv._append_kv_jit, dict(k_pages="*" + dt, v_pages="*" + dt, centroids="*" + cd,
+                      k="*" + dt, v="*" + dt, slots="*i64"),
+                      dict(D=d, BLOCK_D=d, PAGE=16, MEAN_AT_END=cd != "fp32"), arch, 1)
+                build(page_scoring._page_scores_jit, dict(q="*" + dt, centroids="*" + cd, block_table="*i32",
+                      seq_lens="*i32", scores="*fp32"),
+                      dict(D=d, BLOCK_D=d, G=g, BLOCK_G=triton.next_power_of_2(g), PAGE=16, BLOCK_P=64,
+                           FILL=cd == "fp32"), arch)
+                for norm in (True, False):
+                    build(qk_norm_rope_append._qk_norm_rope_append_jit, dict(
+                          qkv="*" + dt, positions="*i64", slots="*i64", cos="*fp32", sin="*fp32",
+                          q_weight="*" + dt, k_weight="*" + dt, q_out="*" + dt, k_pages="*" + dt,
+                          v_pages="*" + dt, centroids="*" + cd, eps="fp32"),
+                          dict(D=d, HALF=d // 2, BLOCK_H=d // 2, G=g, BLOCK_G=triton.next_power_of_2(g),
+                               HQ=8 * g, HKV=8, PAGE=16, QK_NORM=norm, MEAN_AT_END=cd != "fp32"), arch,
+                          1 if g * d <= 1024 else 2)
         for d, g in ((64, 3), (128, 8)):
-            build(append_kv._append_kv_jit, dict(k_pages="*" + dt, v_pages="*" + dt, centroids="*fp32",
-                  k="*" + dt, v="*" + dt, slots="*i64"), dict(D=d, BLOCK_D=d, PAGE=16), arch, 1)
-            build(page_scoring._page_scores_jit, dict(q="*" + dt, centroids="*fp32", block_table="*i32",
-                  seq_lens="*i32", scores="*fp32"),
-                  dict(D=d, BLOCK_D=d, G=g, BLOCK_G=triton.next_power_of_2(g), PAGE=16, BLOCK_P=64), arch)
             for dense in (False, True):
                 build(sparse_decode._paged_decode_jit, dict(q="*" + dt, k_pages="*" + dt, v_pages="*" + dt,
                       block_table="*i32", seq_lens="*i32", selected="*i32", ws_m="*fp32", ws_l="*fp32",
                       ws_acc="*fp32", scale_log2="fp32"),
                       dict(D=d, BLOCK_D=d, G=g, BLOCK_G=16, PAGE=16, BLOCK_N=64, DENSE=dense,
                            PRECISION="ieee", UPCAST=False), arch)
-            build(page_scoring._select_jit, dict(scores="*fp32", seq_lens="*i32", budgets="*i32",
-                  selected="*i32", counts="*i32"),
-                  dict(PAGE=16, RESERVED=3, BLOCK_P=2048 if d == 128 else 64, BLOCK_W=128), arch)
             build(sparse_decode._merge_splits_jit, dict(ws_m="*fp32", ws_l="*fp32", ws_acc="*fp32",
                   out="*" + dt), dict(D=d, BLOCK_D=d, BLOCK_S=32), arch, 2)
+        for h, warps in ((2560, 8), (1000, 4)):
+            for has_x in (True, False):
+                build(add_rms_norm._add_rms_norm_jit, dict(x="*" + dt, residual="*" + dt, weight="*" + dt,
+                      out="*" + dt, eps="fp32"), dict(BLOCK=triton.next_power_of_2(h), HAS_X=has_x), arch,
+                      warps)
+        build(silu_mul._silu_mul_jit, dict(gate_up="*" + dt, out="*" + dt), dict(BLOCK=1024), arch)
+    for block_p, block_w in ((1024, 128), (64, 16)):
+        build(page_scoring._select_jit, dict(scores="*fp32", seq_lens="*i32", budgets="*i32",
+              selected="*i32", counts="*i32"),
+              dict(PAGE=16, RESERVED=3, BLOCK_P=block_p, BLOCK_W=block_w), arch)
     for keyed in (False, True):
         build(race_sample._race_jit, dict(logp="*fp32", seeds="*i64", positions="*i64", best_score="*fp32",
               best_index="*i32"), dict(KEYED=keyed, BLOCK=1024), arch)
@@ -360,13 +589,23 @@ print("compiled")
 """
 
 
+# Other triton installs to compile with too, e.g. the GPU image's version installed to a side folder
+# (`uv pip install --target /tmp/triton36 --no-deps triton==3.6.0`; SPARROW_AOT_TRITON=/tmp/triton36).
+OTHER_TRITONS = [p for p in os.environ.get("SPARROW_AOT_TRITON", "").split(os.pathsep) if p]
+
+
 @pytest.mark.slow
-def test_kernels_compile_for_sm80_and_sm90():
+@pytest.mark.parametrize("triton_path", [None, *OTHER_TRITONS])
+def test_kernels_compile_for_sm80_and_sm90(triton_path, tmp_path):
     """Ahead-of-time compile (Triton -> PTX -> ptxas cubin) of every kernel for A100 and H100, no GPU
-    needed: catches what the interpreter accepts but the compiler does not (dot shapes, types)."""
+    needed: catches what the interpreter accepts but the compiler does not (dot shapes, types); with
+    the venv's triton and each of SPARROW_AOT_TRITON's."""
     pytest.importorskip("triton.backends.nvidia")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    if triton_path is not None:
+        env["PYTHONPATH"] = os.pathsep.join([triton_path, *filter(None, [env.get("PYTHONPATH")])])
+        env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
     proc = subprocess.run([sys.executable, "-c", AOT_SCRIPT], env=env, capture_output=True, text=True,
                           timeout=900)
     assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-4000:]

@@ -174,10 +174,17 @@ def build_model(cfg: ModelConfig, hf_state: dict[str, torch.Tensor]) -> Transfor
     return model
 
 
+def _own_storage(t: torch.Tensor) -> torch.Tensor:
+    """t, or a host copy of it when it views a larger storage (the GPU runner stacks q/k/v and gate/up
+    weights into one storage per layer), which safetensors refuses to write as shared memory."""
+    t = t.detach().contiguous()
+    return t if t.untyped_storage().nbytes() == t.numel() * t.element_size() else t.to("cpu", copy=True)
+
+
 def save_checkpoint(model: Transformer, tokenizer, folder: Path) -> None:
     """Write a Hugging Face style checkpoint directory (config.json, model.safetensors, tokenizer)."""
     folder.mkdir(parents=True, exist_ok=True)
-    state = {ours_to_hf(k): v.detach().contiguous() for k, v in model.state_dict().items()
+    state = {ours_to_hf(k): _own_storage(v) for k, v in model.state_dict().items()
              if not k.startswith("rope_")}
     if model.cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)

@@ -169,20 +169,26 @@ class DecodeAttention:
         self.ops = _ops()
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext) -> Tensor:
+        k_pages, v_pages, centroids = self.cache.layer(layer)
+        self.ops.append_kv(k_pages, v_pages, centroids, k[:, :, 0], v[:, :, 0], self.batch.slots,
+                           impl=self.impl)
+        return self.attend(layer, q[:, :, 0])[:, :, None]
+
+    def attend(self, layer: int, q: Tensor) -> Tensor:
+        """q [B, Hq, D] (post-RoPE, this step's k/v already appended) -> [B, Hq, D] in q's dtype: the
+        selection and attention half of a layer, which the GPU's fused decode layer calls directly."""
         ops, b = self.ops, self.batch
         k_pages, v_pages, centroids = self.cache.layer(layer)
-        ops.append_kv(k_pages, v_pages, centroids, k[:, :, 0], v[:, :, 0], b.slots, impl=self.impl)
-        q1 = q[:, :, 0]  # [B, Hq, D]
         if b.any_sparse and layer not in self.dense_layers:
-            selected = ops.select_pages(q1, centroids, b.block_table, b.seq_lens, b.budgets,
+            selected = ops.select_pages(q, centroids, b.block_table, b.seq_lens, b.budgets,
                                         page_size=self.cache.page_size, impl=self.impl,
                                         max_selected=b.max_selected)
-            out = ops.sparse_paged_attention(q1, k_pages, v_pages, b.block_table, b.seq_lens, selected,
+            out = ops.sparse_paged_attention(q, k_pages, v_pages, b.block_table, b.seq_lens, selected,
                                              self.scale, impl=self.impl)
         else:
-            out = ops.dense_paged_attention(q1, k_pages, v_pages, b.block_table, b.seq_lens, self.scale,
+            out = ops.dense_paged_attention(q, k_pages, v_pages, b.block_table, b.seq_lens, self.scale,
                                             impl=self.impl)
-        return out[:, :, None].to(q.dtype)
+        return out.to(q.dtype)
 
 
 class CpuDecodeAttention(DecodeAttention):

@@ -8,7 +8,7 @@ samples' bookkeeping and the stats. What runs the model is its runner, one per d
 ModelRunner is the model): `CpuRunner` (cpu_runner.py: C++ kernels, packed weights, the fused decode
 layers, cascade attention) or `GpuRunner` (gpu_runner.py: Triton kernels, CUDA graphs, the pool sized
 from --gpu-memory-utilization after a profiling run); `ModelRunner` (runner.py) is the plain path they
-share (and what runs the Triton kernels on a CPU under TRITON_INTERPRET=1). The runner owns the
+share (the GPU runner also runs the Triton kernels on a CPU under TRITON_INTERPRET=1). The runner owns the
 weights' inference form, the KV pool, the graphs, the sampler call and `close()`.
 
 One engine step is either a prefill (new prompts, dense, in forwards of at most `max_prefill_tokens`
@@ -106,8 +106,8 @@ class EngineStats:
 def make_runner(model: Transformer, *, max_batch: int, page_size: int, dense_layers: Seq[int],
                 max_prefill_tokens: int, impl: str = "auto", decode_graphs: str = "auto",
                 cascade: bool | None = None, gpu_memory_utilization: float = 0.9) -> ModelRunner:
-    """The runner for the model's device: `GpuRunner` on CUDA, `CpuRunner` on a CPU, the plain
-    `ModelRunner` for the Triton kernels on CPU tensors (impl="triton", under TRITON_INTERPRET=1)."""
+    """The runner for the model's device: `GpuRunner` on CUDA, and for the Triton kernels on CPU tensors
+    (impl="triton", under TRITON_INTERPRET=1), `CpuRunner` on a CPU otherwise."""
     device = model.embed_tokens.weight.device
     if decode_graphs == "auto":
         decode_graphs = "cuda" if device.type == "cuda" else "off"
@@ -117,7 +117,7 @@ def make_runner(model: Transformer, *, max_batch: int, page_size: int, dense_lay
               max_prefill_tokens=max_prefill_tokens, impl=impl, decode_graphs=decode_graphs)
     if cascade and (device.type != "cpu" or use_triton(impl, model.embed_tokens.weight)):
         raise ValueError("cascade attention runs on the torch path (the CPU), not the Triton kernels")
-    if device.type == "cuda":
+    if device.type == "cuda" or use_triton(impl, model.embed_tokens.weight):
         from .gpu_runner import GpuRunner
 
         return GpuRunner(model, gpu_memory_utilization=gpu_memory_utilization, **kw)

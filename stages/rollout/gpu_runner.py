@@ -1,10 +1,17 @@
 """`GpuRunner`: the runner on a CUDA device: Triton kernels, CUDA graphs, a pool sized from memory.
 
-The plain path (runner.py) with the model's own modules and the Triton kernels (impl="auto"), the
-decode step replayed from CUDA graphs over state that lives on the device, sampling included, its
-results read back a step late (static_decode.py; decode_graphs="cuda"), and selection bounded on the
-host (`kept_pages`) so that no step waits on the device. Nothing of the CPU's machinery (packed weights,
-C++ ops, cascade copies) is here.
+The plain path (runner.py) for prefill, with the model's own modules and the Triton kernels
+(impl="auto"); the decode step in the model's inference form (gpu_layers.py: q/k/v and gate/up as one
+product each over weights stacked in place, the elementwise chain in three fused kernels), replayed
+from CUDA graphs over state that lives on the device, sampling included, its results read back a step
+late (static_decode.py; decode_graphs="cuda"); selection bounded on the host (`kept_pages`) so that no
+step waits on the device. The inference form is set up when the runner is built (the stacking moves the
+q/k/v and gate/up weights into one storage per layer, no copy kept: no memory beyond one layer's during
+the move) and checked at the start of every run; with adapters it does not reproduce, the decode step
+is the model's modular forward. Nothing of the CPU's machinery (packed weights, C++ ops, cascade
+copies) is here. The same runner runs the Triton kernels on CPU tensors under TRITON_INTERPRET=1
+(impl="triton"), which is how the CPU tests hold this path to the modular step and to teacher-forced
+scoring; there the pool is sized from the workload.
 
 The pool is sized as nano-vllm sizes it, when a workload first needs one (and again when a later,
 larger workload does): a profiling run on a scratch pool measures the peak memory of the largest
@@ -22,11 +29,15 @@ are not: --gpu-memory-utilization is the share the engine may take.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 
 import torch
+from torch import Tensor
 
 from ..model.llama import Transformer
+from .attention import DecodeAttention
+from .gpu_layers import GpuDecode, decode_hidden
 from .kv_cache import PagedKVCache
 from .memory import Workload, pages_for, pool_pages
 from .runner import ModelRunner
@@ -34,12 +45,30 @@ from .static_decode import kept_pages
 
 
 class GpuRunner(ModelRunner):
-    def __init__(self, model: Transformer, *, gpu_memory_utilization: float = 0.9, **kw):
+    def __init__(self, model: Transformer, *, gpu_memory_utilization: float = 0.9, fused_decode: bool = True,
+                 **kw):
+        """`fused_decode`: decode steps in the inference form (gpu_layers.py); False: the model's modular
+        forward (what the tests and benches compare it with)."""
         super().__init__(model, **kw)
         self.utilization = gpu_memory_utilization
         self.capped = False  # the pool is as large as memory allows, not as the workload needs
         self.memory: dict[str, int] = {}  # the last sizing's numbers, in bytes (and pages)
+        self.decode_form = GpuDecode(model, self.impl) if fused_decode and isinstance(model, Transformer) \
+            else None
+        # bf16 weights: bf16 page centroids, half the bytes selection reads (each full page's mean rounded
+        # once, kernels/append_kv.py; measured to agree with teacher-forced selection at least as well
+        # as fp32 centroids, bench/centroid_dtype.py)
+        self.centroid_dtype = torch.bfloat16 if self.dtype == torch.bfloat16 else torch.float32
         self._weights = self._weight_stamp()
+
+    def _static_hidden(self) -> Callable | None:
+        return functools.partial(decode_hidden, self.decode_form, self.model)
+
+    def _decode_logits(self, tokens: list[int], pos: list[int], positions: Tensor,
+                       attention: DecodeAttention) -> Tensor:
+        tokens_t = torch.tensor(tokens, device=self.device)[:, None]
+        hidden = decode_hidden(self.decode_form, self.model, tokens_t, positions[:, None], attention, None)
+        return self._head(hidden)
 
     def _max_selected(self, budgets: Sequence[int], width: int) -> int | None:
         return kept_pages(budgets, self.page_size, width)
@@ -51,6 +80,8 @@ class GpuRunner(ModelRunner):
 
     def _pool_size(self, workload: Workload) -> int:
         dev, cfg = self.device, self.cfg
+        if dev.type != "cuda":  # the Triton kernels on CPU tensors (tests): no device memory to fill
+            return super()._pool_size(workload)
         torch.cuda.synchronize(dev)
         torch.cuda.empty_cache()
         longest = workload.longest()
@@ -63,7 +94,7 @@ class GpuRunner(ModelRunner):
         static = 2 * self.max_batch * cfg.vocab_size * 4 if self.decode_graphs != "off" else 0
         activations = prefill + decode + static
         free, total = torch.cuda.mem_get_info(dev)
-        page_bytes = PagedKVCache.bytes_per_page(cfg, self.page_size, self.dtype)
+        page_bytes = PagedKVCache.bytes_per_page(cfg, self.page_size, self.dtype, self.centroid_dtype)
         pages = pool_pages(free, total, activations, page_bytes, workload, self.utilization)
         self.capped = pages < workload.pages()
         self.memory = {"total": total, "in_use": total - free, "prefill_peak": prefill, "decode_peak": decode,
@@ -91,7 +122,10 @@ class GpuRunner(ModelRunner):
         """CUDA graphs read the weights at their addresses and bake in the Python-level choices of the
         forward: weights updated in place need nothing, but replaced ones (a new tensor) or another set
         of active peft adapters make the graphs stale, so they are captured again (checked at the start
-        of every run, and when the engine is told of an update)."""
+        of every run, and when the engine is told of an update). Projections whose parameters were
+        replaced are stacked again first (gpu_layers.py)."""
+        if self.decode_form is not None:
+            self.decode_form.refresh()
         stamp = self._weight_stamp()
         if stamp != self._weights and self.static is not None:
             self.static.drop_graphs()
@@ -103,8 +137,10 @@ class GpuRunner(ModelRunner):
         return tuple(p.data_ptr() for p in self.model.parameters()), adapters
 
     def synchronize(self) -> None:
-        torch.cuda.synchronize(self.device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def close(self) -> None:
         super().close()
-        torch.cuda.empty_cache()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()

@@ -1,10 +1,11 @@
 """Paged KV storage: one tensor per kind for all layers, indexed by physical page.
 
 Layout per layer (the kernels' contract, kernels/CONTRACT.md): `k[l]`, `v[l]` are
-[num_pages, Hkv, P, D] in the model dtype and `centroids[l]` is [num_pages, Hkv, D] float32, the mean
-of the post-RoPE keys written so far into the page. Keeping all layers in one tensor makes copying a
-page (a sample's private copy of the prompt's partial last page) one indexing op for every layer.
-Memory is zero-initialised (calloc'd on the CPU, so untouched pages cost no resident memory).
+[num_pages, Hkv, P, D] in the model dtype and `centroids[l]` is [num_pages, Hkv, D] float32 (bf16 where
+the runner asks for it), the mean of the post-RoPE keys written so far into the page. Keeping all layers
+in one tensor makes copying a page (a sample's private copy of the prompt's partial last page) one
+indexing op for every layer. Memory is zero-initialised (calloc'd on the CPU, so untouched pages cost
+no resident memory).
 """
 
 from __future__ import annotations
@@ -20,11 +21,11 @@ from ..model.config import ModelConfig
 
 class PagedKVCache:
     def __init__(self, cfg: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype,
-                 device: torch.device | str):
+                 device: torch.device | str, centroid_dtype: torch.dtype = torch.float32):
         shape = (cfg.num_layers, num_pages, cfg.num_kv_heads, page_size, cfg.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.centroids = torch.zeros(shape[:3] + (cfg.head_dim,), dtype=torch.float32, device=device)
+        self.centroids = torch.zeros(shape[:3] + (cfg.head_dim,), dtype=centroid_dtype, device=device)
         self.num_pages, self.page_size = num_pages, page_size
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -41,9 +42,11 @@ class PagedKVCache:
         self.centroids[:, d] = self.centroids[:, s]
 
     @staticmethod
-    def bytes_per_page(cfg: ModelConfig, page_size: int, dtype: torch.dtype) -> int:
+    def bytes_per_page(cfg: ModelConfig, page_size: int, dtype: torch.dtype,
+                       centroid_dtype: torch.dtype = torch.float32) -> int:
         elem = torch.tensor([], dtype=dtype).element_size()
-        return cfg.num_layers * cfg.num_kv_heads * (2 * page_size * elem + 4) * cfg.head_dim
+        cent = torch.tensor([], dtype=centroid_dtype).element_size()
+        return cfg.num_layers * cfg.num_kv_heads * (2 * page_size * elem + cent) * cfg.head_dim
 
 
 @dataclass

@@ -98,6 +98,7 @@ class ModelRunner:
         self.max_prefill_tokens, self.impl, self.decode_graphs = max_prefill_tokens, impl, decode_graphs
         self.scale = 1.0 / math.sqrt(self.cfg.head_dim)
         self.cache: PagedKVCache | None = None
+        self.centroid_dtype = torch.float32  # of the pool's page centroids (kernels/CONTRACT.md)
         self.static: StaticDecode | None = None
         self.fixed_pages = False  # the pool's size was given, not sized from a workload
         self._ready: deque[StepOutput] = deque()  # plain steps' results, not collected yet
@@ -110,17 +111,19 @@ class ModelRunner:
         A pool sized from an earlier workload is kept if it is large enough, else replaced."""
         fixed = num_pages is not None
         if self.cache is None or (fixed and num_pages != self.cache.num_pages) or (
-                not fixed and self._too_small(workload)):
+                not fixed and self._too_small(workload)) or self.cache.centroids.dtype != self.centroid_dtype:
             self.close()
             pages = num_pages if fixed else self._pool_size(workload)
-            self.cache = PagedKVCache(self.cfg, pages, self.page_size, self.dtype, self.device)
+            self.cache = PagedKVCache(self.cfg, pages, self.page_size, self.dtype, self.device,
+                                      self.centroid_dtype)
         self.fixed_pages = fixed
         width = pages_for(workload.longest(), self.page_size)
         if self.decode_graphs != "off" and (self.static is None or self.static.max_pages < width):
             self.static = None
             self.static = StaticDecode(self.model, self.cache, max_batch=self.max_batch, max_pages=width,
                                        attention=self._static_attention(),
-                                       capture=self.decode_graphs == "cuda", impl=self.impl)
+                                       capture=self.decode_graphs == "cuda", impl=self.impl,
+                                       hidden=self._static_hidden())
         return self.cache.num_pages
 
     def _too_small(self, workload: Workload) -> bool:
@@ -128,6 +131,11 @@ class ModelRunner:
 
     def _pool_size(self, workload: Workload) -> int:
         return workload.pages()
+
+    def _static_hidden(self) -> Callable | None:
+        """What computes the static step's hidden states (`static_decode.StaticDecode`'s `hidden`; None:
+        the model's forward). A function or partial, never a bound method of the runner."""
+        return None
 
     def _static_attention(self) -> Callable[[DecodeBatch], DecodeAttention]:
         """The static step's attention per batch (a partial, not a bound method: no reference cycle)."""

@@ -93,18 +93,20 @@ class StaticDecode:
 
     def __init__(self, model: Transformer, cache: PagedKVCache, *, max_batch: int, max_pages: int,
                  attention: Callable[[DecodeBatch], DecodeAttention], capture: bool = True,
-                 impl: str = "auto"):
+                 impl: str = "auto",
+                 hidden: Callable[[Tensor, Tensor, DecodeAttention, int], Tensor] | None = None):
         """`max_pages`: block table width, enough for the longest sequence the engine will decode.
         `attention`: the runner's decode attention for a batch of static buffers (a plain function or
         partial, never a bound method of the runner, which holds this object). `impl`: the sampler's race
-        (kernels/race_sample.py)."""
+        (kernels/race_sample.py). `hidden`: (tokens, positions, attention, kv_len) -> final hidden states
+        [n, hidden], the runner's decode form (the GPU's fused layers); None: the model's forward."""
         if capture and cache.k.device.type != "cuda":
             raise ValueError("CUDA graphs need the model and cache on a CUDA device")
         dev = cache.k.device
         self.model, self.cache, self.capture, self.impl = model, cache, capture, impl
         self.device = dev
         self.max_pages, self.page_size = max_pages, cache.page_size
-        self.attention = attention
+        self.attention, self.hidden = attention, hidden
         self.buckets = batch_buckets(max_batch)
         rows = self.buckets[-1]
         # the samples' state, one row each
@@ -275,9 +277,13 @@ class StaticDecode:
         self.slots[:n] = torch.where(cl > 0, page * P + at % P, -1)
         attn = self.attention(DecodeBatch(self.block_table[:n], cl, self.budgets[:n], self.slots[:n],
                                           any_sparse=k > 0, max_selected=k or None))
-        hidden = self.model.hidden_states(self.tokens[:n], positions=self.positions[:n], attention=attn,
-                                          kv_len=self.max_pages * self.page_size)
-        logits = self.model.logits(hidden[:, 0])
+        kv_len = self.max_pages * self.page_size
+        if self.hidden is None:
+            hidden = self.model.hidden_states(self.tokens[:n], positions=self.positions[:n], attention=attn,
+                                              kv_len=kv_len)[:, 0]
+        else:  # the runner's decode form (the GPU's fused layers)
+            hidden = self.hidden(self.tokens[:n], self.positions[:n], attn, kv_len)
+        logits = self.model.logits(hidden)
         tokens, chosen, _ = sample_on_device(logits, self.temperatures[:n], self.seeds[:n],
                                              self.positions[:n, 0], logp_out=self.logp[:n], impl=self.impl)
         self.sampled[:n] = tokens

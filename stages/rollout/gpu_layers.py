@@ -1,0 +1,229 @@
+"""The GPU decode step's inference form of the model: stacked projections and the fused elementwise chain.
+
+The model module (stages/model/llama.py) stays what the learner trains and what teacher-forced scoring
+runs; this is how the device runner runs a decode step (one new token per row) over the same parameters:
+
+    x = embed(token); h = RMSNorm(x)                                       (add_rms_norm, no add)
+    per layer: qkv = h @ [Wq; Wk; Wv]^T                                    (one GEMM, was three)
+               q = qk_norm_rope_append(qkv)  -> K/V and centroid written   (one kernel)
+               o = attention(q) @ Wo^T                                     (the runner's DecodeAttention)
+               h = add_rms_norm(o, residual)                               (one kernel)
+               m = silu_mul(h @ [Wgate; Wup]^T) @ Wdown^T                  (two GEMMs and one kernel)
+               h = add_rms_norm(m, residual) with the next layer's norm
+so a layer is 4 GEMMs and 3 small kernels around its attention, where the modular forward ran 7 GEMMs and
+a few dozen elementwise kernels. The kernels keep the eager modules' rounding points (kernels/CONTRACT.md
+ops 7-9): in fp32 the fused step is the modular step up to summation order, in bf16 the same roundings
+except where a stacked GEMM sums in another order than three separate ones.
+
+Stacked weights without a second copy: `stack_linears` moves the q/k/v weights (and gate/up) of each
+layer into one storage and points the model's own parameters at row slices of it (`param.data`), so
+the stacked matrix and the parameters are the same memory. Loading (`load_state_dict` copies in place),
+an optimizer step (in place), our LoRA merge (in place) and peft's injection (it wraps the same
+parameter as `base_layer`) all write through to the stacked matrix; the parameters keep their identity,
+so optimizer state and peft's references stay valid. A parameter whose data is replaced instead (a
+`.to()`, `load_state_dict(assign=True)`, peft's safe merge) no longer lies in the stack: `refresh`, which
+the runner calls at the start of every run and on `update_weights`, finds that and stacks again. A
+checkpoint writer that refuses tensors sharing memory (safetensors) copies such views first
+(`loading.save_checkpoint`).
+
+LoRA (peft's `lora.Linear`, as `sparrow train --lora` and the sparse actor inject it): the stacked
+product is the base layers'; each active adapter of a stacked member adds its
+`lora_B(lora_A(dropout(x))) * scaling` to that member's columns, in peft's dtype and order, so the result
+is what peft's forward computes. o_proj and down_proj are called as modules (peft's forward applies).
+Adapter kinds we do not reproduce (DoRA, peft's other variants) make `usable()` False and the runner
+takes the model's modular forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from sparrow.kernels import ops
+
+from ..model.llama import Transformer
+from .attention import DecodeAttention
+
+
+def base_linear(module: nn.Module) -> nn.Module:
+    """The nn.Linear that holds a projection's weight (peft wraps it as `base_layer`)."""
+    return getattr(module, "base_layer", module)
+
+
+@dataclass
+class Stacked:
+    """One product over the stacked weights of `members` (the model's modules, peft wrappers included):
+    weight [sum(sizes), in] whose row blocks are the members' weight parameters, bias likewise or None."""
+
+    members: tuple[nn.Module, ...]
+    sizes: tuple[int, ...]
+    weight: Tensor
+    bias: Tensor | None
+
+    def in_place(self) -> bool:
+        """Whether every member's parameters still lie at their rows of the stack."""
+        return (_at_rows(self.weight, [base_linear(m).weight for m in self.members])
+                and (self.bias is None or _at_rows(self.bias, [base_linear(m).bias for m in self.members])))
+
+
+def _at_rows(stack: Tensor, params: list[Tensor]) -> bool:
+    """Whether `params` are consecutive row blocks of `stack`, in order, from its first row."""
+    row = stack[0].numel() if stack.dim() == 2 else 1
+    offset = stack.storage_offset()
+    ptr = stack.untyped_storage().data_ptr()
+    for p in params:
+        if p is None or p.untyped_storage().data_ptr() != ptr or p.storage_offset() != offset \
+                or not p.is_contiguous() or p.dtype != stack.dtype:
+            return False
+        offset += p.shape[0] * row
+    return offset == stack.storage_offset() + stack.numel()
+
+
+def _stack_tensors(params: list[Tensor]) -> Tensor:
+    """[sum(rows), ...]: the params' data moved into one storage, each param then a view of its rows.
+    Params already so stacked (a model stacked before) are viewed as they are, without a copy."""
+    first = params[0]
+    shape = (sum(p.shape[0] for p in params),) + tuple(first.shape[1:])
+    stride = (first[0].numel(),) + tuple(first.stride()[1:]) if first.dim() == 2 else (1,)
+    total = shape[0] * (stride[0] if first.dim() == 2 else 1)
+    if first.untyped_storage().nbytes() >= (first.storage_offset() + total) * first.element_size():
+        view = first.detach().as_strided(shape, stride, first.storage_offset())
+        if _at_rows(view, params):
+            return view
+    with torch.inference_mode(False), torch.no_grad():  # the new storage must stay usable by autograd
+        stack = torch.empty(shape, dtype=first.dtype, device=first.device)
+        row = 0
+        for p in params:
+            stack[row:row + p.shape[0]].copy_(p.detach())
+            p.data = stack[row:row + p.shape[0]]
+            row += p.shape[0]
+    return stack
+
+
+def stack_linears(members: tuple[nn.Module, ...]) -> Stacked | None:
+    """The members' weights (and biases) stacked in place; None if they cannot share a product (not
+    linear layers, different dtypes or devices, a bias on some but not all)."""
+    linears = [base_linear(m) for m in members]
+    if not all(isinstance(lin, nn.Linear) for lin in linears):
+        return None
+    weights = [lin.weight for lin in linears]
+    if len({(w.dtype, w.device, w.shape[1]) for w in weights}) != 1 \
+            or len({lin.bias is None for lin in linears}) != 1:
+        return None
+    weight = _stack_tensors(weights)
+    bias = None if linears[0].bias is None else _stack_tensors([lin.bias for lin in linears])
+    return Stacked(tuple(members), tuple(w.shape[0] for w in weights), weight, bias)
+
+
+def lora_terms(module: nn.Module) -> list[tuple[nn.Module, nn.Module, nn.Module, float]] | None:
+    """The active LoRA adapters of a projection as (lora_A, lora_B, dropout, scaling), [] for a plain
+    linear (or adapters disabled or merged), None for adapters this module does not reproduce."""
+    if not hasattr(module, "lora_A"):
+        return []
+    if getattr(module, "disable_adapters", False) or getattr(module, "merged", False):
+        return []
+    terms = []
+    for name in module.active_adapters:
+        if name not in module.lora_A:
+            continue
+        if getattr(module, "use_dora", {}).get(name) or name in getattr(module, "lora_variant", {}):
+            return None
+        terms.append((module.lora_A[name], module.lora_B[name], module.lora_dropout[name],
+                      module.scaling[name]))
+    return terms
+
+
+class GpuDecode:
+    """The decode step of a `Transformer` in its inference form (see the module docstring)."""
+
+    def __init__(self, model: Transformer, impl: str = "auto"):
+        self.model, self.impl = model, impl
+        self.cfg = model.cfg
+        self.qkv: list[Stacked | None] = []
+        self.gate_up: list[Stacked | None] = []
+        self.refresh()
+
+    def refresh(self) -> bool:
+        """Stack the projections again where a parameter was replaced (or not yet stacked); whether any
+        was. Cheap when nothing changed: a few pointer comparisons per layer."""
+        changed = False
+        for i, block in enumerate(self.model.layers):
+            for groups, members in ((self.qkv, (block.attn.q_proj, block.attn.k_proj, block.attn.v_proj)),
+                                    (self.gate_up, (block.mlp.gate_proj, block.mlp.up_proj))):
+                old = groups[i] if i < len(groups) else None
+                if old is not None and old.members == members and old.in_place():
+                    continue
+                stacked = stack_linears(members)
+                if i < len(groups):
+                    groups[i] = stacked
+                else:
+                    groups.append(stacked)
+                changed = True
+        return changed
+
+    def usable(self) -> bool:
+        """Whether every layer's stacked products (with their adapters) reproduce the model's."""
+        for group in (self.qkv, self.gate_up):
+            for stacked in group:
+                if stacked is None or any(lora_terms(m) is None for m in stacked.members):
+                    return False
+        return True
+
+    def _product(self, stacked: Stacked, x: Tensor) -> Tensor:
+        """x [B, in] -> [B, sum(sizes)]: the base product over the stack, then each member's adapters
+        added to its columns as peft adds them (in the adapters' dtype, rounded back once)."""
+        out = F.linear(x, stacked.weight, stacked.bias)
+        col = 0
+        for member, size in zip(stacked.members, stacked.sizes):
+            terms = lora_terms(member)
+            if terms:
+                part = out[:, col:col + size]
+                acc = part
+                for lora_a, lora_b, dropout, scaling in terms:
+                    acc = acc + lora_b(lora_a(dropout(x.to(lora_a.weight.dtype)))) * scaling
+                part.copy_(acc.to(out.dtype))
+            col += size
+        return out
+
+    def hidden(self, tokens: Tensor, positions: Tensor, attention: DecodeAttention) -> Tensor:
+        """tokens, positions [B, 1] -> the final normed hidden states [B, hidden] of one decode step;
+        the new keys and values go to the cache at `attention.batch.slots`."""
+        model, impl, cfg = self.model, self.impl, self.cfg
+        b = tokens.shape[0]
+        pos = positions[:, 0]
+        slots = attention.batch.slots
+        layers = model.layers
+        residual = model.embed_tokens(tokens[:, 0])  # [B, H], a fresh tensor: the residual stream
+        h = ops.add_rms_norm(None, residual, layers[0].input_layernorm.weight, layers[0].input_layernorm.eps,
+                             impl)
+        mlp_out = None
+        for i, block in enumerate(layers):
+            if mlp_out is not None:
+                norm = block.input_layernorm
+                h = ops.add_rms_norm(mlp_out, residual, norm.weight, norm.eps, impl)
+            attn = block.attn
+            qkv = self._product(self.qkv[i], h)  # [B, (Hq + 2 Hkv) D]
+            k_pages, v_pages, centroids = attention.cache.layer(i)
+            qn = attn.q_norm if cfg.qk_norm else None
+            kn = attn.k_norm if cfg.qk_norm else None
+            q = ops.qk_norm_rope_append(qkv, pos, slots, model.rope_cos, model.rope_sin,
+                                        None if qn is None else qn.weight, None if kn is None else kn.weight,
+                                        cfg.rms_norm_eps if qn is None else qn.eps, k_pages, v_pages,
+                                        centroids, cfg.num_heads, impl)  # [B, Hq, D]
+            out = attn.o_proj(attention.attend(i, q).reshape(b, -1))
+            norm = block.post_attention_layernorm
+            h = ops.add_rms_norm(out, residual, norm.weight, norm.eps, impl)
+            mlp_out = block.mlp.down_proj(ops.silu_mul(self._product(self.gate_up[i], h), impl))
+        return ops.add_rms_norm(mlp_out, residual, model.norm.weight, model.norm.eps, impl)
+
+
+def decode_hidden(form: GpuDecode | None, model: Transformer, tokens: Tensor, positions: Tensor,
+                  attention: DecodeAttention, kv_len: int | None) -> Tensor:
+    """One decode step's final hidden states [B, hidden]: the inference form where it reproduces the
+    model (`form.usable()`), else the model's modular forward (`kv_len` as `hidden_states` takes it)."""
+    if form is not None and form.usable():
+        return form.hidden(tokens, positions, attention)
+    return model.hidden_states(tokens, positions=positions, attention=attention, kv_len=kv_len)[:, 0]
