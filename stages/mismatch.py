@@ -29,10 +29,12 @@ import torch
 from torch import Tensor
 
 from .attention import DEFAULT_DENSE_LAYERS, PAGE_SIZE, SparseAttention
+from .kv_policies import BlockTopK, BudgetFn, KVPolicy
 from .model.head import POSITION_CHUNK
 from .model.llama import Attention, KVCache, Transformer
 from .rollout.lora import LoraWeights, lora_merged
-from .sparsity import BudgetFn
+
+Mode = int | BudgetFn | KVPolicy  # a sparse mode to score: block top-k at a budget (function), or a policy
 
 # the sparse passes' query chunks: [B, Hq, chunk, S] masks of at most 32 Mi elements on a CPU, 256 Mi on
 # CUDA (a 32K-token sequence of 32 query heads then takes chunks of 250 queries, not 31)
@@ -46,6 +48,15 @@ def decode_budgets(positions: Tensor, prompt_lens: Tensor, budget_at: BudgetFn |
     table = torch.tensor([budget_at(n) for n in range(int(positions.max()) + 2)],
                          device=positions.device)
     return torch.where(positions >= prompt_lens[:, None], table[positions + 1], 0)
+
+
+def mode_policy(mode: Mode) -> KVPolicy:
+    """The KV policy of a scoring mode (an int or a callable is block top-k at that budget)."""
+    if isinstance(mode, KVPolicy):
+        return mode
+    if callable(mode):
+        return BlockTopK(mode)
+    return BlockTopK(lambda _, b=int(mode): b, f"budget:{int(mode)}", int(mode))
 
 
 def pad_right(rows: Sequence[Sequence[int]], device) -> Tensor:
@@ -65,11 +76,11 @@ class ScoredTokens:
     token_id: np.ndarray
     logp_dense: np.ndarray
     entropy_dense: np.ndarray
-    sparse: dict[int, tuple[np.ndarray, np.ndarray]]  # budget -> (alpha, logp_sparse)
+    sparse: dict[Mode, tuple[np.ndarray, np.ndarray]]  # mode as given -> (alpha, logp_sparse)
 
 
 def score_sequences(model: Transformer, prompts: Sequence[Sequence[int]],
-                    completions: Sequence[Sequence[int]], budgets: Sequence[int | BudgetFn],
+                    completions: Sequence[Sequence[int]], budgets: Sequence[Mode],
                     temperature: float = 1.0, dense_layers: Sequence[int] = DEFAULT_DENSE_LAYERS,
                     page: int = PAGE_SIZE, vocab_chunk: int = POSITION_CHUNK,
                     actor: LoraWeights | None = None) -> ScoredTokens:
@@ -117,17 +128,17 @@ def score_sequences(model: Transformer, prompts: Sequence[Sequence[int]],
     with lora_merged(model, actor), torch.inference_mode():
         if actor is not None:
             last_prompt_h = prefill()  # the actor's own prompt KV (prefill runs with its LoRA too)
-        for budget in budgets:
-            budget_at = budget if callable(budget) else (lambda _, b_=int(budget): b_)
-            attention = SparseAttention(decode_budgets(gen_pos, n, budget_at), dense_layers, page,
+        for mode in budgets:
+            policy = mode_policy(mode)
+            attention = SparseAttention(decode_budgets(gen_pos, n, policy.read_budget), dense_layers, page,
                                         chunk_elements=SPARSE_CHUNK_ELEMENTS[device.type == "cuda"])
-            hidden[budget] = completion_hidden(last_prompt_h, attention)
+            hidden[mode] = completion_hidden(last_prompt_h, attention)
     return _score_hidden(model, hidden, gen_tok, g, n, budgets, temperature, vocab_chunk)
 
 
 @torch.inference_mode()
 def _score_hidden(model: Transformer, hidden: dict, gen_tok: Tensor, g: Tensor, n: Tensor,
-                  budgets: Sequence[int | BudgetFn], temperature: float, vocab_chunk: int) -> ScoredTokens:
+                  budgets: Sequence[Mode], temperature: float, vocab_chunk: int) -> ScoredTokens:
     """Alpha, logprobs and entropy from the hidden states of each mode (None = dense)."""
     device = gen_tok.device
     valid = torch.arange(gen_tok.shape[1], device=device)[None, :] < g[:, None]

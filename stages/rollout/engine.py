@@ -17,10 +17,13 @@ being recomputed) or a decode step (one token for every running sample). The n s
 share one prefill: its pages are shared through the block tables (reference counted) and a sample
 copies the partial last page when it first writes to it. Pages are allocated as sequences grow and a
 full pool preempts the latest admitted sample, which is recomputed later with the keys, values,
-centroids and page selections it had up to float rounding (scheduler.py). Each decode step uses, per
-sample, the budget of the sparsity schedule at the cache length at which the token is produced
-(`budget_at(num_tokens)`, query at position num_tokens - 1), so the rollout's logprobs are those
-teacher-forced sparse scoring gives (`stages.mismatch.score_sequences`), within float tolerance.
+centroids and page selections it had up to float rounding (scheduler.py). Each request has a KV policy
+(stages/kv_policies: dense, block top-k, eviction), made from the `sparsity` given; each decode step
+uses, per sample, the budget its policy reads at the cache length at which the token is produced
+(`policy.read_budget(num_tokens)`, query at position num_tokens - 1), so the rollout's logprobs are those
+teacher-forced sparse scoring gives (`stages.mismatch.score_sequences`), within float tolerance. A
+sample's cache length (`Sequence.cached`: where its next keys go, what its attention reads) and the
+RoPE position of the token it feeds (`Sequence.position`) are kept apart.
 
 What holds on which device. Each sample draws from its own generator seeded from (seed, request id,
 sample), so what it draws from given logits does not depend on its batch. On a CPU a row's logits are
@@ -57,8 +60,9 @@ import torch
 from sparrow.kernels.ops import use_triton
 
 from ..attention import DEFAULT_DENSE_LAYERS, PAGE_SIZE
+from ..kv_policies import BlockTopK
 from ..model.llama import Transformer
-from ..sparsity import Sparsity, budget_fn
+from ..sparsity import Sparsity, as_policy
 from .block_manager import BlockManager
 from .memory import Workload, check_memory_utilization
 from .runner import DECODE_GRAPHS, ModelRunner, PrefillRow
@@ -141,7 +145,7 @@ class Engine:
                                   gpu_memory_utilization=gpu_memory_utilization)
         self.model, self.cfg = model, model.cfg
         self.page_size = page_size
-        self.budget_at = budget_fn(sparsity, page_size)
+        self.policy = as_policy(sparsity, page_size)
         self.eos_ids = frozenset(self.cfg.eos_token_ids if eos_ids is None else eos_ids)
         self.max_batch, self.max_prefill_tokens = max_batch, max_prefill_tokens
         self.fixed_pages = num_pages
@@ -177,6 +181,11 @@ class Engine:
     def decode_graphs(self) -> str:
         return self.runner.decode_graphs
 
+    @property
+    def budget_at(self):
+        """The engine's block top-k budget function (None: its policy reads every cached token)."""
+        return self.policy.budget_at if isinstance(self.policy, BlockTopK) else None
+
     # ------------------------------------------------------------------ requests
 
     def add_request(self, prompt: Seq[int], params: SamplingParams, request_id: int | None = None,
@@ -194,8 +203,8 @@ class Engine:
             self._check_fits(len(prompt), params.max_new_tokens)
         rid = self._next_id if request_id is None else request_id
         self._next_id = max(self._next_id, rid + 1)
-        fn = self.budget_at if sparsity == "engine" else budget_fn(sparsity, self.page_size)
-        req = Request(rid, prompt, params, fn, frozenset() if params.ignore_eos else self.eos_ids)
+        policy = self.policy if _is_engine(sparsity) else as_policy(sparsity, self.page_size)
+        req = Request(rid, prompt, params, policy, frozenset() if params.ignore_eos else self.eos_ids)
         if running:
             self.scheduler.add(req)
         else:
@@ -338,7 +347,7 @@ class Engine:
         fresh = [(x, row) for x, row in zip(batch, rows) if isinstance(x, Request)]
         for i, (req, row) in enumerate(fresh):
             for s in range(req.params.n):
-                seq = Sequence(req, s, self._generator(req, s))
+                seq = Sequence(req, s, self._generator(req, s), cached=len(req.prompt))
                 seq.pages = [blocks.share(p) if s else p for p in row.pages]
                 seqs.append(seq)
                 owner.append(i)
@@ -346,7 +355,7 @@ class Engine:
             self._sample(seqs, logits[torch.tensor(owner, device=logits.device)], [0] * len(seqs))
         again = [x for x in batch if isinstance(x, Sequence)]
         for seq, row in zip(again, (row for x, row in zip(batch, rows) if isinstance(x, Sequence))):
-            seq.pages = row.pages
+            seq.pages, seq.cached = row.pages, len(row.tokens)
         self.scheduler.admit_prefilled(again + [s for s in seqs if s.finish_reason is None])
         return seqs
 
@@ -355,6 +364,8 @@ class Engine:
     def _decode(self, seqs: list[Sequence]) -> int:
         budgets = [s.budget_now() for s in seqs]
         logits = self.runner.decode(seqs, budgets)
+        for s in seqs:
+            s.cached += 1  # the fed token's keys and values
         self._sample(seqs, logits, budgets)
         self.stats.decode_steps += 1
         self.stats.decode_tokens += len(seqs)
@@ -367,6 +378,7 @@ class Engine:
             s.tokens.append(tokens[i])
             s.logprobs.append(logps[i])
             s.budgets.append(budgets[i])
+            s.kv_lens.append(s.cached)
             n = s.request.params.logprobs
             if n:
                 s.top_logprobs = s.top_logprobs or []
@@ -379,3 +391,7 @@ class Engine:
 
 def _nothing() -> bool:
     return False
+
+
+def _is_engine(sparsity: Sparsity) -> bool:
+    return isinstance(sparsity, str) and sparsity == "engine"

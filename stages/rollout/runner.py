@@ -223,21 +223,23 @@ class ModelRunner:
         """One decode step: each sample feeds its last token at its budget -> logits [B, V] float32 (a
         view of a static buffer with the static step: consume it before the next step)."""
         P = self.page_size
-        pos, slots = [], []
+        pos, slots, lens = [], [], []
         for s in seqs:
-            p = s.num_tokens - 1  # the last sampled token: its k/v go to its page, given by the scheduler
-            pos.append(p)
-            slots.append(s.pages[p // P] * P + p % P)
+            pos.append(s.position)  # the last sampled token's RoPE position
+            c = s.cached  # its k/v go to slot `cached` of its pages (the scheduler gave it the page)
+            slots.append(s.pages[c // P] * P + c % P)
+            lens.append(c + 1)
         width = max(len(s.pages) for s in seqs)
         table = np.full((len(seqs), width), -1, dtype=np.int32)
         for i, s in enumerate(seqs):
             table[i, : len(s.pages)] = s.pages
         tokens = [s.tokens[-1] for s in seqs]
         if self.static is not None and self.static.fits(len(seqs), width):
-            return self.static.run(tokens, pos, table, budgets, slots)
+            return self.static.run(tokens, pos, table, budgets, slots, lens)
         dev = self.device
         positions = torch.tensor(pos, device=dev)
-        batch = DecodeBatch(torch.from_numpy(table).to(dev), (positions + 1).to(torch.int32),
+        batch = DecodeBatch(torch.from_numpy(table).to(dev),
+                            torch.tensor(lens, dtype=torch.int32, device=dev),
                             torch.tensor(budgets, dtype=torch.int32, device=dev),
                             torch.tensor(slots, dtype=torch.int64, device=dev), any(b > 0 for b in budgets),
                             self._max_selected(budgets, width))

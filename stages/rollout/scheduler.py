@@ -84,7 +84,7 @@ class Scheduler:
 
     def page_need(self, seq: Sequence) -> int:
         """1 if the sample's next decode step needs a page (a fresh one, or a copy of a shared one)."""
-        i = (seq.num_tokens - 1) // self.blocks.page_size  # the page of the token it feeds next
+        i = seq.cached // self.blocks.page_size  # the page of the slot its next token goes to
         if i == len(seq.pages):
             return 1
         return int(self.blocks.refcount[seq.pages[i]] > 1)
@@ -151,7 +151,7 @@ class Scheduler:
             if seq.status != Status.RUNNING:
                 break  # it was the latest admitted itself: everyone before it has their page
             if self.page_need(seq):
-                p = (seq.num_tokens - 1) // self.blocks.page_size
+                p = seq.cached // self.blocks.page_size
                 page = self.blocks.allocate()
                 if p < len(seq.pages):  # copy on write; copies run batched, reads before writes
                     src.append(seq.pages[p])

@@ -79,28 +79,31 @@ class StaticDecode:
         return batch <= self.buckets[-1] and width <= self.max_pages
 
     def run(self, tokens: list[int], positions: list[int], block_table: np.ndarray, budgets: list[int],
-            slots: list[int]) -> Tensor:
+            slots: list[int], seq_lens: list[int] | None = None) -> Tensor:
         """One decode step for B samples -> logits [B, V] float32 (a view of a static buffer on CUDA:
-        consume it before the next step). block_table [B, width] int32, -1 past each sample's pages."""
+        consume it before the next step). block_table [B, width] int32, -1 past each sample's pages;
+        `seq_lens`: each row's cached tokens including the new one (default: position + 1; an evicting
+        policy's cache is shorter than its position)."""
         b = len(tokens)
         n = next(s for s in self.buckets if s >= b)
         k = kept_pages(budgets, self.page_size, self.max_pages)
         graph = self._graph(n, k) if self.capture else None
-        self._fill(b, n, tokens, positions, block_table, budgets, slots)
+        self._fill(b, n, tokens, positions, block_table, budgets, slots, seq_lens)
         if graph is None:
             self._forward(n, k)
         else:
             graph.replay()
         return self.logits[:b]
 
-    def _fill(self, b: int, n: int, tokens, positions, block_table: np.ndarray, budgets, slots) -> None:
+    def _fill(self, b: int, n: int, tokens, positions, block_table: np.ndarray, budgets, slots,
+              seq_lens=None) -> None:
         width = block_table.shape[1]
         pos = torch.as_tensor(positions)
         self.tokens[:b, 0].copy_(torch.as_tensor(tokens))
         self.positions[:b, 0].copy_(pos)
         self.block_table[:b, :width].copy_(torch.from_numpy(block_table))
         self.block_table[:b, width:] = -1
-        self.seq_lens[:b].copy_(pos + 1)
+        self.seq_lens[:b].copy_(pos + 1 if seq_lens is None else torch.as_tensor(seq_lens))
         self.budgets[:b].copy_(torch.as_tensor(budgets))
         self.slots[:b].copy_(torch.as_tensor(slots))
         self._pad(b, n)
