@@ -3,7 +3,10 @@
 A batch of sequences is scored by one dense prefill of the prompts (prefill is dense in every mode),
 then one pass over the completions per attention mode (dense, and each budget) on top of the shared
 prompt KV; in a sparse pass every generated position selects its own pages from its own prefix (see
-`attention.SparseAttention`), which reproduces incremental sparse decoding exactly. Only the final
+`attention.SparseAttention`), which reproduces incremental sparse decoding exactly. An eviction policy
+(SnapKV, R-KV) is replayed instead (stages/kv_policies/replay.py: the generated tokens between two
+compressions in one forward over the retained cache, compressing where decoding compressed), each
+prompt length's sequences together, on a prompt prefilled again for it. Only the final
 hidden states of each mode are kept ([tokens, hidden] per mode); the vocabulary-sized work (the fp32
 head, softmax, alpha, entropy) runs over chunks of `vocab_chunk` positions, so no [T, V] tensor exists
 and a 32K-token sequence of a 152K vocabulary holds a few [1024, V] fp32 tensors at a time. The
@@ -29,7 +32,8 @@ import torch
 from torch import Tensor
 
 from .attention import DEFAULT_DENSE_LAYERS, PAGE_SIZE, SparseAttention
-from .kv_policies import BlockTopK, BudgetFn, KVPolicy
+from .kv_policies import BlockTopK, BudgetFn, Eviction, KVPolicy
+from .kv_policies.replay import replay
 from .model.head import POSITION_CHUNK
 from .model.llama import Attention, KVCache, Transformer
 from .rollout.lora import LoraWeights, lora_merged
@@ -130,10 +134,33 @@ def score_sequences(model: Transformer, prompts: Sequence[Sequence[int]],
             last_prompt_h = prefill()  # the actor's own prompt KV (prefill runs with its LoRA too)
         for mode in budgets:
             policy = mode_policy(mode)
+            if policy.evicts:
+                hidden[mode] = evicted_hidden(model, prompts, gen_tok, g, policy)
+                continue
             attention = SparseAttention(decode_budgets(gen_pos, n, policy.read_budget), dense_layers, page,
                                         chunk_elements=SPARSE_CHUNK_ELEMENTS[device.type == "cuda"])
             hidden[mode] = completion_hidden(last_prompt_h, attention)
     return _score_hidden(model, hidden, gen_tok, g, n, budgets, temperature, vocab_chunk)
+
+
+def evicted_hidden(model: Transformer, prompts: Sequence[Sequence[int]], gen_tok: Tensor, g: Tensor,
+                   policy: Eviction) -> Tensor:
+    """[B, Gmax, H]: row j predicts completion token j under `policy`'s eviction, replayed
+    (stages/kv_policies/replay.py) for the sequences of each prompt length together."""
+    b, width = gen_tok.shape
+    out = None
+    by_length: dict[int, list[int]] = {}
+    for i, p in enumerate(prompts):
+        by_length.setdefault(len(p), []).append(i)
+    for rows in by_length.values():
+        longest = int(g[rows].max())
+        prompt_tok = torch.tensor([list(prompts[i]) for i in rows], device=gen_tok.device)
+        result = replay(model, prompt_tok, gen_tok[rows, : longest - 1], policy)
+        if out is None:
+            out = result.last_prompt.new_zeros(b, width, result.last_prompt.shape[-1])
+        out[rows, 0] = result.last_prompt
+        out[rows, 1:longest] = result.hidden
+    return out
 
 
 @torch.inference_mode()

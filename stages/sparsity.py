@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .attention import PAGE_SIZE, validate_budget
-from .kv_policies import BlockTopK, BudgetFn, Dense, KVPolicy
+from .kv_policies import EVICTION_POLICIES, BlockTopK, BudgetFn, Dense, Eviction, KVPolicy, parse_eviction
 from .model.config import ModelConfig
 from .schedule import Schedule
 
@@ -55,11 +55,15 @@ def load_schedule(path: str | Path, page_size: int = PAGE_SIZE, model: ModelConf
 
 
 def parse_sparsity(spec: str, page_size: int = PAGE_SIZE, model: ModelConfig | None = None
-                   ) -> Schedule | int | None:
-    """'dense' | 'budget:B' | 'schedule:PATH' -> None | B | the loaded schedule."""
+                   ) -> Schedule | int | Eviction | None:
+    """'dense' | 'budget:B' | 'schedule:PATH' | 'snapkv:B[,window=W][,buffer=N][,sink=S]' | 'rkv:B[,...]'
+    -> None | B | the loaded schedule | the eviction policy (checked against `model`'s context)."""
     if spec == "dense":
         return None
     kind, _, value = spec.partition(":")
+    if kind in EVICTION_POLICIES:
+        policy = parse_eviction(spec)
+        return policy.validate(model.max_position_embeddings) if model is not None else policy
     if kind == "budget":
         try:
             budget = int(value)
@@ -69,7 +73,7 @@ def parse_sparsity(spec: str, page_size: int = PAGE_SIZE, model: ModelConfig | N
         return budget
     if kind == "schedule":
         return load_schedule(value, page_size, model)
-    raise ValueError(f"unknown sparsity {spec!r}: expected dense, budget:B or schedule:FILE")
+    raise ValueError(f"unknown sparsity {spec!r}: expected dense, budget:B, schedule:FILE, snapkv:B or rkv:B")
 
 
 def sparsity_from_flags(schedule: Path | None, budget: int | None, dense: bool,
@@ -93,10 +97,12 @@ def sparsity_from_flags(schedule: Path | None, budget: int | None, dense: bool,
     return None
 
 
-def spec_of(sparsity: Schedule | int | None, schedule_path: Path | None = None) -> str:
+def spec_of(sparsity: Schedule | int | KVPolicy | None, schedule_path: Path | None = None) -> str:
     """The text form of a sparsity value (a schedule needs the path it was read from)."""
     if sparsity is None:
         return "dense"
+    if isinstance(sparsity, Eviction):
+        return sparsity.spec()
     if isinstance(sparsity, int):
         return f"budget:{sparsity}"
     return f"schedule:{Path(schedule_path).resolve()}"

@@ -35,6 +35,11 @@ class KVPolicy:
         cache_len - 1): the KV tokens block top-k reads; 0 = every cached token."""
         return 0
 
+    def token_budget(self, cache_len: int) -> int:
+        """The budget recorded for a token produced at `cache_len` (the rollouts' `budgets`; 0 = dense):
+        block top-k's read budget, an eviction policy's KV budget."""
+        return self.read_budget(cache_len)
+
     @property
     def sparse(self) -> bool:
         """Whether decoding under this policy can differ from dense decoding."""
@@ -49,8 +54,9 @@ class KVPolicy:
         """The most tokens a sample's cache ever holds (its last sampled token is never fed back)."""
         return prompt_len + max_new_tokens - 1
 
-    def compression_due(self, cached: int) -> bool:
-        """Whether a cache of `cached` tokens is compressed before the next decode step."""
+    def compression_due(self, cached: int, fed: int) -> bool:
+        """Whether a cache of `cached` tokens, `fed` generated tokens after the prefill, is compressed
+        before the next decode step."""
         return False
 
     def spec(self) -> str:
@@ -99,4 +105,7 @@ def is_dense(policy: KVPolicy | None) -> bool:
     return policy is None or not policy.sparse
 
 
-__all__ = ["BlockTopK", "BudgetFn", "Dense", "KVPolicy", "is_dense"]
+from .eviction import EVICTION_POLICIES, RKV, Eviction, SnapKV, parse_eviction  # noqa: E402 (needs KVPolicy)
+
+__all__ = ["EVICTION_POLICIES", "RKV", "BlockTopK", "BudgetFn", "Dense", "Eviction", "KVPolicy", "SnapKV",
+           "is_dense", "parse_eviction"]
