@@ -60,7 +60,7 @@ import torch
 from sparrow.kernels.ops import use_triton
 
 from ..attention import DEFAULT_DENSE_LAYERS, PAGE_SIZE
-from ..kv_policies import BlockTopK
+from ..kv_policies import BlockTopK, KVPolicy
 from ..model.llama import Transformer
 from ..sparsity import Sparsity, as_policy
 from .block_manager import BlockManager
@@ -82,6 +82,14 @@ class EngineStats:
     preemptions: int = 0
     recomputed_tokens: int = 0  # prefilled again after a preemption
     max_running: int = 0  # the largest decode batch
+    compactions: int = 0  # compressions of evicting samples
+    peak_pages: int = 0  # the most pool pages in use at a decode step
+    # KV tokens the decode steps' samples held (their caches, new tokens included) and what dense
+    # caches would hold (position + 1 each): summed over steps, and the largest step
+    kv_tokens_sum: int = 0
+    kv_tokens_peak: int = 0
+    dense_kv_tokens_sum: int = 0
+    dense_kv_tokens_peak: int = 0
     prefill_s: float = 0.0
     decode_s: float = 0.0
     step_times: list[float] = field(default_factory=list)
@@ -198,12 +206,17 @@ class Engine:
             raise ValueError(f"a prompt of {len(prompt)} tokens with max_new_tokens "
                              f"{params.max_new_tokens} exceeds the model's context of "
                              f"{self.cfg.max_position_embeddings}")
+        policy = self.policy if _is_engine(sparsity) else as_policy(sparsity, self.page_size)
+        if policy.evicts:
+            policy.validate(self.cfg.max_position_embeddings)
         running = self._running()
         if self.fixed_pages is not None or running:
-            self._check_fits(len(prompt), params.max_new_tokens)
+            self._check_fits(len(prompt), params.max_new_tokens, policy)
+        if running and policy.evicts and policy.window > self.runner.cache.window:
+            raise ValueError(f"a {policy.name} request can join a run only if the run started with one (its "
+                             "pool then holds the query windows eviction reads); add it before the run")
         rid = self._next_id if request_id is None else request_id
         self._next_id = max(self._next_id, rid + 1)
-        policy = self.policy if _is_engine(sparsity) else as_policy(sparsity, self.page_size)
         req = Request(rid, prompt, params, policy, frozenset() if params.ignore_eos else self.eos_ids)
         if running:
             self.scheduler.add(req)
@@ -211,8 +224,8 @@ class Engine:
             self._pending.append(req)
         return rid
 
-    def _check_fits(self, prompt_len: int, max_new: int) -> None:
-        need = -(-(prompt_len + max_new - 1) // self.page_size)
+    def _check_fits(self, prompt_len: int, max_new: int, policy: KVPolicy) -> None:
+        need = Workload.of([(prompt_len, 1, max_new, policy)], 1, self.page_size).one_sample()
         if need > self.num_pages:
             raise ValueError(f"a prompt of {prompt_len} tokens with max_new_tokens {max_new} needs {need} "
                              f"KV pages for one sample but the engine's pool has only {self.num_pages}")
@@ -224,13 +237,13 @@ class Engine:
         if self._running():
             raise RuntimeError("reserve() sizes the pool of an idle engine")
         params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
-        self.num_pages = self.runner.reserve(self._workload([(len(p), sp) for p, sp in zip(prompts, params)]),
-                                             self.fixed_pages)
+        work = self._workload([(len(p), sp, self.policy) for p, sp in zip(prompts, params)])
+        self.num_pages = self.runner.reserve(work, self.fixed_pages)
         return self.num_pages
 
-    def _workload(self, requests: list[tuple[int, SamplingParams]]) -> Workload:
-        return Workload.of([(n, sp.n, sp.max_new_tokens) for n, sp in requests], self.max_batch,
-                           self.page_size, self.runner.prefix_copies)
+    def _workload(self, requests: list[tuple[int, SamplingParams, KVPolicy]]) -> Workload:
+        return Workload.of([(n, sp.n, sp.max_new_tokens, policy) for n, sp, policy in requests],
+                           self.max_batch, self.page_size, self.runner.prefix_copies)
 
     def _running(self) -> bool:
         """Whether a run is in progress (its scheduler has work)."""
@@ -239,13 +252,13 @@ class Engine:
     def _start(self) -> None:
         """A new run over the pending requests: the pool sized (or kept) for them, every page free."""
         reqs = self._pending
-        self.num_pages = self.runner.reserve(self._workload([(len(r.prompt), r.params) for r in reqs]),
-                                             self.fixed_pages)  # may refuse: the requests stay pending
+        work = self._workload([(len(r.prompt), r.params, r.policy) for r in reqs])
+        self.num_pages = self.runner.reserve(work, self.fixed_pages)  # may refuse: the requests stay pending
         self._pending = []
         self.blocks = BlockManager(self.num_pages, self.page_size)
         reclaim = self.runner.begin(self.blocks)
         self.scheduler = Scheduler(self.blocks, self.max_batch, self.max_prefill_tokens,
-                                   self.runner.cache.copy_pages, reclaim or _nothing)
+                                   self.runner.cache.copy_pages, reclaim or _nothing, self.runner.compact)
         for r in reqs:
             self.scheduler.add(r)
 
@@ -329,18 +342,28 @@ class Engine:
         """Prefill new requests (their samples then share the prompt's pages and sample their first
         token) and recompute preempted samples (no sampling: their last token is fed next)."""
         blocks = self.blocks
+        restored = [x for x in batch if isinstance(x, Sequence) and x.policy.evicts]
+        batch = [x for x in batch if not (isinstance(x, Sequence) and x.policy.evicts)]
         rows = []
         for x in batch:
             tokens = prefill_tokens(x)
             pages = [blocks.allocate() for _ in range(blocks.pages_for(len(tokens)))]
             if isinstance(x, Request):
-                rows.append(PrefillRow(tokens, len(x.prompt), pages, None, x.request_id, x.params.n))
+                rows.append(PrefillRow(tokens, len(x.prompt), pages, None, x.request_id, x.params.n,
+                                       x.policy.window if x.policy.evicts else 0))
             else:
                 rows.append(PrefillRow(tokens, len(x.request.prompt), pages, x.budgets[1: len(x.tokens)],
                                        x.request.request_id))
-        logits = self.runner.prefill(rows)  # [fresh requests, V], in batch order
+        logits = self.runner.prefill(rows) if rows else None  # [fresh requests, V], in batch order
         self.stats.prefill_tokens += sum(len(r.tokens) for r in rows)
         self.stats.recomputed_tokens += sum(len(r.tokens) for r in rows if r.budgets is not None)
+        for seq in restored:  # an evicting sample: its retained cache, replayed (runner.restore)
+            seq.cached = seq.policy.cache_len(len(seq.request.prompt), len(seq.tokens) - 1)
+            seq.pages = [blocks.allocate() for _ in range(blocks.pages_for(seq.cached))]
+            self.runner.restore(seq, seq.pages)
+            fed = len(seq.request.prompt) + len(seq.tokens) - 1
+            self.stats.prefill_tokens += fed
+            self.stats.recomputed_tokens += fed
 
         seqs: list[Sequence] = []
         owner = []  # the row of logits each fresh sample samples from
@@ -356,20 +379,28 @@ class Engine:
         again = [x for x in batch if isinstance(x, Sequence)]
         for seq, row in zip(again, (row for x, row in zip(batch, rows) if isinstance(x, Sequence))):
             seq.pages, seq.cached = row.pages, len(row.tokens)
-        self.scheduler.admit_prefilled(again + [s for s in seqs if s.finish_reason is None])
+        self.scheduler.admit_prefilled(again + restored + [s for s in seqs if s.finish_reason is None])
         return seqs
 
     # ------------------------------------------------------------------ decode
 
     def _decode(self, seqs: list[Sequence]) -> int:
-        budgets = [s.budget_now() for s in seqs]
-        logits = self.runner.decode(seqs, budgets)
+        logits = self.runner.decode(seqs, [s.budget_now() for s in seqs])
+        held = dense = 0
         for s in seqs:
             s.cached += 1  # the fed token's keys and values
+            held, dense = held + s.cached, dense + s.position + 1
+        budgets = [s.policy.token_budget(s.num_tokens) for s in seqs]  # what the rollouts record
         self._sample(seqs, logits, budgets)
-        self.stats.decode_steps += 1
-        self.stats.decode_tokens += len(seqs)
-        self.stats.budget_sum += sum(budgets)
+        st = self.stats
+        st.decode_steps += 1
+        st.decode_tokens += len(seqs)
+        st.budget_sum += sum(budgets)
+        st.kv_tokens_sum, st.kv_tokens_peak = st.kv_tokens_sum + held, max(st.kv_tokens_peak, held)
+        st.dense_kv_tokens_sum = st.dense_kv_tokens_sum + dense
+        st.dense_kv_tokens_peak = max(st.dense_kv_tokens_peak, dense)
+        st.peak_pages = max(st.peak_pages, self.blocks.used)
+        st.compactions = self.scheduler.compactions
         return len(seqs)
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor, budgets: list[int]) -> None:

@@ -58,6 +58,7 @@ class GpuRunner(ModelRunner):
         del scratch
         torch.cuda.empty_cache()
         static = self.max_batch * cfg.vocab_size * 4 if self.decode_graphs != "off" else 0  # its logits
+        static += PagedKVCache.query_ring_bytes(cfg, self.max_batch, workload.window, self.dtype)  # eviction
         activations = prefill + decode + static
         free, total = torch.cuda.mem_get_info(dev)
         page_bytes = PagedKVCache.bytes_per_page(cfg, self.page_size, self.dtype)
@@ -82,7 +83,7 @@ class GpuRunner(ModelRunner):
 
     def begin(self, blocks):
         self.refresh_weights()
-        return None
+        return super().begin(blocks)
 
     def refresh_weights(self) -> None:
         """CUDA graphs read the weights at their addresses and bake in the Python-level choices of the

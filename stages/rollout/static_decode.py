@@ -71,6 +71,10 @@ class StaticDecode:
         self.seq_lens = torch.zeros(rows, dtype=torch.int32, device=dev)
         self.budgets = torch.zeros(rows, dtype=torch.int32, device=dev)
         self.slots = torch.full((rows,), -1, dtype=torch.int64, device=dev)
+        # eviction: the row of the pool's query ring each row writes (the trash row for padding)
+        self.trash = cache.queries.shape[1] - 1 if cache.queries is not None else None
+        self.query_index = None if self.trash is None else torch.full((rows,), self.trash, dtype=torch.int64,
+                                                                      device=dev)
         self.logits = torch.zeros(rows, model.cfg.vocab_size, dtype=torch.float32, device=dev)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.pool = None
@@ -79,16 +83,18 @@ class StaticDecode:
         return batch <= self.buckets[-1] and width <= self.max_pages
 
     def run(self, tokens: list[int], positions: list[int], block_table: np.ndarray, budgets: list[int],
-            slots: list[int], seq_lens: list[int] | None = None) -> Tensor:
+            slots: list[int], seq_lens: list[int] | None = None, query_index: list[int] | None = None
+            ) -> Tensor:
         """One decode step for B samples -> logits [B, V] float32 (a view of a static buffer on CUDA:
         consume it before the next step). block_table [B, width] int32, -1 past each sample's pages;
         `seq_lens`: each row's cached tokens including the new one (default: position + 1; an evicting
-        policy's cache is shorter than its position)."""
+        policy's cache is shorter than its position); `query_index`: each row's row of the query ring
+        (with a ring)."""
         b = len(tokens)
         n = next(s for s in self.buckets if s >= b)
         k = kept_pages(budgets, self.page_size, self.max_pages)
         graph = self._graph(n, k) if self.capture else None
-        self._fill(b, n, tokens, positions, block_table, budgets, slots, seq_lens)
+        self._fill(b, n, tokens, positions, block_table, budgets, slots, seq_lens, query_index)
         if graph is None:
             self._forward(n, k)
         else:
@@ -96,7 +102,7 @@ class StaticDecode:
         return self.logits[:b]
 
     def _fill(self, b: int, n: int, tokens, positions, block_table: np.ndarray, budgets, slots,
-              seq_lens=None) -> None:
+              seq_lens=None, query_index=None) -> None:
         width = block_table.shape[1]
         pos = torch.as_tensor(positions)
         self.tokens[:b, 0].copy_(torch.as_tensor(tokens))
@@ -106,6 +112,8 @@ class StaticDecode:
         self.seq_lens[:b].copy_(pos + 1 if seq_lens is None else torch.as_tensor(seq_lens))
         self.budgets[:b].copy_(torch.as_tensor(budgets))
         self.slots[:b].copy_(torch.as_tensor(slots))
+        if self.query_index is not None:
+            self.query_index[:b].copy_(torch.as_tensor(query_index))
         self._pad(b, n)
 
     def _pad(self, start: int, end: int) -> None:
@@ -114,11 +122,15 @@ class StaticDecode:
         self.seq_lens[start:end] = 0
         self.budgets[start:end] = 0
         self.slots[start:end] = -1
+        if self.query_index is not None:
+            self.query_index[start:end] = self.trash
 
     def _forward(self, n: int, k: int) -> None:
         """The step of bucket n with K = k into `self.logits[:n]`."""
+        queries = None if self.query_index is None else self.query_index[:n]
         attn = self.attention(DecodeBatch(self.block_table[:n], self.seq_lens[:n], self.budgets[:n],
-                                          self.slots[:n], any_sparse=k > 0, max_selected=k or None))
+                                          self.slots[:n], any_sparse=k > 0, max_selected=k or None,
+                                          query_index=queries))
         hidden = self.model.hidden_states(self.tokens[:n], positions=self.positions[:n], attention=attn,
                                           kv_len=self.max_pages * self.page_size)
         self.logits[:n].copy_(self.model.logits(hidden[:, 0]))
