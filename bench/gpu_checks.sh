@@ -5,7 +5,13 @@
 # on Qwen3-4B shapes with random bf16 weights. Each step runs under its own time limit and goes on
 # after a failure; logs go to $OUT (default bench/results/gpu), a summary is printed last.
 #
-#   bash bench/gpu_checks.sh [all|tests|engine|kernels|rollout|profile|train|learner|scale|scale-NAME] [extra args for bench/rollout.py]
+#   bash bench/gpu_checks.sh [all|tests|engine|kernels|rollout|profile|train|learner|scale|scale-NAME|kv-compression] [extra args for bench/rollout.py]
+#
+# `kv-compression` (not in "all"): issue 28's KV compression on the GPU path: the eviction tests of
+# tests/test_gpu.py (CUDA graphs with the query ring and compaction vs teacher-forced replay, fp32 and
+# bf16, preemption) and bench/kv_compression.py's rollout part at Qwen3-4B shapes with random bf16
+# weights and random prompt tokens (dense vs SnapKV vs R-KV vs block top-k at budget 512: KV tokens
+# held, peak pages, decode tokens/s, the batch a fixed pool runs, alpha by replay).
 #
 # `scale` (not in "all"): issue 24's checks at our users' scale, Qwen3-4B shapes with random bf16 weights,
 # each printing its seconds and peak CUDA memory (bench/scale_gpu.py): fit-cost over 4-32K contexts,
@@ -118,6 +124,12 @@ if [[ $WHAT == learner ]]; then  # the learner's side alone, with its own peak-m
         --length 32768 --budgets 1024,2048,3072,4096
     step update-16k 590 $PY bench/learner_scale.py update --model qwen3-4b --device cuda --prompts 2 \
         --samples 4 --prompt-tokens 1024 --new-tokens 16384 --micro-batch 1
+fi
+if [[ $WHAT == kv-compression ]]; then
+    step kv-tests 300 $PY -m pytest -q -s -p no:cacheprovider tests/test_gpu.py -k eviction
+    step kv-rollout 590 $PY bench/kv_compression.py rollout --model qwen3-4b --random-weights --device cuda \
+        --context 4096 --new-tokens 1024 --prompts 2 --samples 8 --pool-batch 2 --budget 512 --bin-width 1024
+    cp bench/results/kv_compression-rollout.parquet "$OUT/" 2>/dev/null
 fi
 if [[ $WHAT == profile ]]; then  # not in "all": a breakdown to read, not a check
     for budget in ${PROFILE_BUDGETS:-2048 0}; do

@@ -82,9 +82,10 @@ class Eviction(KVPolicy):
     evicts: ClassVar[bool] = True
     kernel: ClassVar[int] = KERNEL
 
-    def validate(self, context: int | None = None) -> Eviction:
-        """Self, or one sentence on what is wrong (`context`: the model's, when known)."""
-        label = f"{self.name}:{self.budget}"
+    def validate(self, context: int | None = None, label: str | None = None) -> Eviction:
+        """Self, or one sentence on what is wrong, starting with `label` (default: the spec's head)
+        (`context`: the model's, when known)."""
+        label = label or f"{self.name}:{self.budget}"
         if self.window < 1 or self.buffer < 1 or self.sink < 0:
             raise ValueError(f"{label}: the window and the buffer must be at least 1 and the sink at least "
                              f"0 tokens, got window {self.window}, buffer {self.buffer}, sink {self.sink}")
