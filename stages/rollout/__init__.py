@@ -7,8 +7,8 @@ gpu_runner.py) runs the model and owns the KV pool (`PagedKVCache`, kv_cache.py;
 memory.py), the static decode step and its CUDA graphs (static_decode.py) and the sampler call; the
 model sees the cache through per-step `Attention` objects (attention.py) that call the kernels of
 `sparrow.kernels.ops`. What a request's decode steps attend to is its KV policy (stages/kv_policies);
-eviction policies compact caches between steps (compaction.py). `merge_lora` (lora.py) merges a sparse-actor LoRA into the weights;
-`run_rollouts` (stage.py) is the `sparrow rollout` stage.
+eviction policies compact caches between steps (compaction.py). `merge_lora` (lora.py) merges a
+sparse-actor LoRA into the weights; `run_rollouts` (stage.py) is the `sparrow rollout` stage.
 """
 
 from __future__ import annotations

@@ -80,12 +80,12 @@ class QueryWindows:
             if not seq.policy.evicts:
                 out.append(self.trash)
                 continue
-            slot = self.slot_of.get(seq)
+            slot, start = self.slot_of.get(seq), self.pending.pop(seq, None)  # a replayed window wins
             if slot is None:
                 slot = self.slot_of[seq] = self.free.pop()
-                start = self.pending.pop(seq, None)
                 if start is None:
                     start = self.prompt[seq.request.request_id]
+            if start is not None:
                 self.rows(seq, slot).copy_(start)
             out.append(slot * self.width + seq.position % seq.policy.window)
         return out

@@ -23,7 +23,10 @@ uses, per sample, the budget its policy reads at the cache length at which the t
 (`policy.read_budget(num_tokens)`, query at position num_tokens - 1), so the rollout's logprobs are those
 teacher-forced sparse scoring gives (`stages.mismatch.score_sequences`), within float tolerance. A
 sample's cache length (`Sequence.cached`: where its next keys go, what its attention reads) and the
-RoPE position of the token it feeds (`Sequence.position`) are kept apart.
+RoPE position of the token it feeds (`Sequence.position`) are kept apart. Under an eviction policy
+(SnapKV, R-KV) a sample whose cache reached budget + buffer is compressed before the next step
+(scheduler.py plans it, compaction.py moves the data): its logprobs are those teacher-forced scoring
+gives by replaying the eviction, within float tolerance (a near tie in a kept set may go either way).
 
 What holds on which device. Each sample draws from its own generator seeded from (seed, request id,
 sample), so what it draws from given logits does not depend on its batch. On a CPU a row's logits are
