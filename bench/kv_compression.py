@@ -5,19 +5,24 @@ Three parts, each printed as a table and written to bench/results/kv_compression
 - `rollout`: long generation (EOS ignored) after a passkey prompt, every policy at --budget: the KV
   tokens the decode steps held against what dense caches would have held (mean and fullest step;
   "saved" = 1 - mean held / mean dense), the pool pages in use at the fullest step, the decode tokens/s
-  with a pool large enough for everyone, then the same samples (x --pool-batch) through a fixed pool
-  of the pages dense needs for --samples samples at full length: the largest batch that ran, the mean
-  batch and the preemptions; and, by teacher-forced scoring of each policy's own trajectories (the
-  eviction replayed, full-vocabulary alpha against dense), the mean and the 5th percentile of alpha per
-  position bin, and the largest |replayed - sampled| logprob (the replay invariant at this scale).
-  Block top-k keeps every token, so it saves no KV storage: its row is the read-budget baseline.
+  with a pool large enough for everyone, then a fixed pool of the pages dense needs for --samples
+  samples at full length: how many samples it holds at full length with no preemption by the engine's
+  own sizing (`Workload.pages`, "admits"), and --pool-batch x the samples run through it: the largest
+  batch that ran, the mean batch and the preemptions; and, by teacher-forced scoring of each policy's
+  own trajectories (the eviction replayed, full-vocabulary alpha against dense), the mean and the 5th
+  percentile of alpha per position bin, and the largest |replayed - sampled| logprob (the replay
+  invariant at this scale).
+  Block top-k keeps every token, so it saves no KV storage: its row is the read-budget baseline. The
+  CPU's cascade attention is off for every policy here (its prompt copies hold pool pages for dense and
+  block top-k, never for eviction, which would skew the page counts; "pages" counts samples' KV only).
 - `accuracy`: greedy passkey accuracy on --eval-prompts held-out prompts, dense and each policy at each
   of --budgets (the answer needs tokens far back in the prompt, which eviction may have dropped).
 - `train`: GRPO as bench/train.py runs it, dense and SnapKV at --train-budget with and without
   `--correction sparse-rl` (and SnapKV at --small-budget, Sparse-RL's failure case): eval accuracy
-  before and after (greedy, dense) and, for every run, after training under SnapKV at --train-budget
-  (robustness: does training with compression make the model better under compression than training
-  dense does?), training reward first -> last, mismatch KL, masked / vetoed fractions, the label.
+  before and after (greedy, dense) and, for every run, after training under SnapKV at --train-budget and
+  at --small-budget (robustness: does training with compression make the model better under
+  compression than training dense does?), training reward first -> last, mismatch KL, masked / vetoed
+  fractions, the label.
 
 On a CPU run it with --threads 1 (the machine is shared); the GPU variant (bench/gpu_checks.sh
 kv-compression) runs `rollout` at Qwen3-4B shapes with random bf16 weights and random prompt tokens.
@@ -47,6 +52,7 @@ from sparrow.stages.rollout.memory import Workload
 from sparrow.stages.tasks import make_prompts, score_batch
 
 RUNS = Path(__file__).parent / "results" / "kv-compression-runs"
+CASCADE = False  # the CPU's shared-prompt copies take pool pages for dense and block top-k only: off for all
 
 
 def policies(budget: int, buffer: int | None) -> dict[str, object]:
@@ -78,7 +84,7 @@ def run_rollout(args, loaded, rows) -> list[dict]:
                              16).pages()
     out = []
     for name, sparsity in policies(args.budget, args.buffer).items():
-        with Engine(model, sparsity, max_batch=n_samples) as engine:
+        with Engine(model, sparsity, max_batch=n_samples, cascade=CASCADE) as engine:
             t0 = time.perf_counter()
             results = engine.generate(prompts, params)
             wall = time.perf_counter() - t0
@@ -90,10 +96,12 @@ def run_rollout(args, loaded, rows) -> list[dict]:
                "dense_kv_peak": s.dense_kv_tokens_peak, "peak_pages": s.peak_pages,
                "compactions": s.compactions, "decode_tok_s": s.decode_tokens / s.decode_s, "wall_s": wall}
         row["kv_saved"] = 1 - row["kv_mean"] / row["dense_kv_mean"]
+        row["admits"] = admitted(prompts, args.new_tokens, sparsity, dense_pool)
         # the same requests, more samples each, through the pool dense needs for --samples per prompt
         more = SamplingParams(max_new_tokens=args.new_tokens, n=args.samples * args.pool_batch,
                               temperature=1.0, seed=0, ignore_eos=True)
-        with Engine(model, sparsity, max_batch=n_samples * args.pool_batch, num_pages=dense_pool) as engine:
+        with Engine(model, sparsity, max_batch=n_samples * args.pool_batch, num_pages=dense_pool,
+                    cascade=CASCADE) as engine:
             engine.generate(prompts, more)
             s = engine.stats
         row.update({"pool_pages": dense_pool, "pool_samples": n_samples * args.pool_batch,
@@ -104,6 +112,19 @@ def run_rollout(args, loaded, rows) -> list[dict]:
         out.append(row)
         print(f"  {name}: {row}", flush=True)
     return out
+
+
+def admitted(prompts: list[list[int]], new_tokens: int, sparsity, pages: int) -> int:
+    """The most samples (the same number per prompt) a pool of `pages` holds at full length with no
+    preemption, by the engine's own sizing (`Workload.pages`)."""
+    policy = () if sparsity is None or isinstance(sparsity, int) else (sparsity,)
+    best = 0
+    for n in range(1, 257):
+        work = Workload.of([(len(p), n, new_tokens, *policy) for p in prompts], n * len(prompts), 16)
+        if work.pages() > pages:
+            break
+        best = n
+    return best * len(prompts)
 
 
 def alpha_by_bin(args, model, prompts, results, sparsity, device) -> dict:
@@ -131,15 +152,15 @@ def alpha_by_bin(args, model, prompts, results, sparsity, device) -> dict:
 
 def print_rollout(rows: list[dict], args) -> None:
     print(f"{'policy':>16} {'KV mean':>8} {'dense':>7} {'saved':>6} {'KV peak':>8} {'dense':>7} "
-          f"{'pages':>6} {'dec tok/s':>9} | {'pool':>5} {'max b':>5} {'mean b':>6} {'preempt':>7} "
-          f"{'tok/s':>6} | "
+          f"{'pages':>6} {'dec tok/s':>9} | {'pool':>5} {'admits':>6} {'max b':>5} {'mean b':>6} "
+          f"{'preempt':>7} {'tok/s':>6} | "
           f"{'a mean':>6} {'a p5':>5} {'replay err':>10}")
     for r in rows:
         a = (f"{r['alpha_mean']:>6.3f} {r['alpha_p5']:>5.3f} {r['replay_max_err']:>10.1e}"
              if "alpha_mean" in r else f"{'1':>6} {'1':>5} {'-':>10}")
         print(f"{r['policy']:>16} {r['kv_mean']:>8.0f} {r['dense_kv_mean']:>7.0f} {r['kv_saved']:>6.3f} "
               f"{r['kv_peak']:>8} {r['dense_kv_peak']:>7} {r['peak_pages']:>6} {r['decode_tok_s']:>9.1f} | "
-              f"{r['pool_pages']:>5} {r['pool_max_batch']:>5} {r['pool_mean_batch']:>6.1f} "
+              f"{r['pool_pages']:>5} {r['admits']:>6} {r['pool_max_batch']:>5} {r['pool_mean_batch']:>6.1f} "
               f"{r['pool_preemptions']:>7} {r['pool_decode_tok_s']:>6.1f} | {a}")
     bins = sorted({k.split("_")[0] for r in rows for k in r if k.startswith("bin")},
                   key=lambda k: int(k[3:]))
@@ -200,7 +221,8 @@ def run_train(args) -> list[dict]:
                                 RUNS / "prompts.parquet", "prompts")
     eval_file = write_artifact(passkey_prompts(base, args.eval_prompts, 1, args.context),
                                RUNS / "eval_prompts.parquet", "prompts")
-    probe = SnapKV(args.train_budget, **({} if args.buffer is None else {"buffer": args.buffer}))
+    buffer = {} if args.buffer is None else {"buffer": args.buffer}
+    probes = {b: SnapKV(b, **buffer) for b in (args.train_budget, args.small_budget)}
     out = []
     for name, overrides in train_configs(args).items():
         loaded = load_model(args.model)
@@ -218,15 +240,17 @@ def run_train(args) -> list[dict]:
                           on_step=lambda r: print(f"    step {r['step']}: reward {r['reward_mean']:.3f} "
                                                   f"({r['seconds']:.0f} s)", flush=True))
         summary = trainer.run()
-        trainer.sparsity = probe  # the trained model, evaluated under SnapKV at the training budget
-        eval_under_snapkv = trainer.evaluate(sparse=True)
+        under = {}
+        for b, probe in probes.items():  # the trained model, evaluated under SnapKV at both budgets
+            trainer.sparsity = probe
+            under[f"eval_end_snapkv{b}"] = trainer.evaluate(sparse=True)
         h = trainer.history
         k = max(1, len(h) // 4)
         mean = lambda key, part: float(np.mean([r[key] for r in part if r.get(key) is not None]))
         out.append({"config": name, "steps": len(h), "sparsity": cfg.sparsity,
                     "correction": cfg.correction, "eval_start": summary["initial_eval_accuracy"],
                     "eval_end": summary["final_eval_accuracy"],
-                    "eval_end_snapkv": eval_under_snapkv, "reward_first": mean("reward_mean", h[:k]),
+                    **under, "reward_first": mean("reward_mean", h[:k]),
                     "reward_last": mean("reward_mean", h[-k:]), "alpha_lb_p5": mean("alpha_lb_p5", h),
                     "mismatch_kl": mean("mismatch_kl", h), "masked": mean("masked_fraction", h),
                     "vetoed": mean("vetoed_fraction", h), "label": summary["label"],
@@ -234,12 +258,14 @@ def run_train(args) -> list[dict]:
     return out
 
 
-def print_train(rows: list[dict]) -> None:
-    print(f"{'config':>26} {'eval 0':>6} {'eval N':>6} {'N snapkv':>8} {'rwd 1st':>7} {'rwd last':>8} "
-          f"{'a-lb p5':>7} {'mis KL':>8} {'masked':>6} {'vetoed':>6} {'label':>10} {'roll s':>6}")
+def print_train(rows: list[dict], budgets: tuple[int, int]) -> None:
+    under = [f"eval_end_snapkv{b}" for b in budgets]
+    print(f"{'config':>26} {'eval 0':>6} {'eval N':>6} " + " ".join(f"{'N@' + str(b):>6}" for b in budgets)
+          + f" {'rwd 1st':>7} {'rwd last':>8} {'a-lb p5':>7} {'mis KL':>8} {'masked':>6} {'vetoed':>6} "
+          f"{'label':>10} {'roll s':>6}")
     for r in rows:
         print(f"{r['config']:>26} {r['eval_start']:>6.3f} {r['eval_end']:>6.3f} "
-              f"{r['eval_end_snapkv']:>8.3f} "
+              + " ".join(f"{r[k]:>6.3f}" for k in under) + " "
               f"{r['reward_first']:>7.3f} {r['reward_last']:>8.3f} {r['alpha_lb_p5']:>7.3f} "
               f"{r['mismatch_kl']:>8.2e} {r['masked']:>6.3f} {r['vetoed']:>6.3f} {r['label']:>10} "
               f"{r['rollout_s']:>6.1f}")
@@ -298,7 +324,7 @@ def main() -> None:
         print(f"GRPO: passkey at {args.context} tokens, {args.steps} steps x {args.prompts_per_step} "
               f"prompts x {args.samples} samples, {args.max_new_tokens} new tokens, LoRA {args.lora_rank}, "
               f"lr {args.lr}")
-        print_train(rows)
+        print_train(rows, (args.train_budget, args.small_budget))
         write_results(rows, "kv_compression-train")
 
 
