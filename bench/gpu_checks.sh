@@ -5,7 +5,7 @@
 # on Qwen3-4B shapes with random bf16 weights. Each step runs under its own time limit and goes on
 # after a failure; logs go to $OUT (default bench/results/gpu), a summary is printed last.
 #
-#   bash bench/gpu_checks.sh [all|tests|engine|kernels|rollout|profile|fused|train|learner|scale|scale-NAME|issue25-a|issue25-b|issue25-c] [extra args for bench/rollout.py]
+#   bash bench/gpu_checks.sh [all|tests|engine|kernels|rollout|profile|fused|train|learner|scale|scale-NAME|kv-compression|issue25-a|issue25-b|issue25-c] [extra args for bench/rollout.py]
 #
 # Issue 25 (GPU rollouts at the memory floor), one device call of at most ten minutes each, Qwen3-4B shapes
 # with random bf16 weights, T = 1, EOS ignored, every sampler of a table in one process:
@@ -23,6 +23,12 @@
 # and measured by `fused` (not in "all"): bench/kernels.py's per-kernel times and bytes against the
 # bandwidth floor, then bench/step_profile.py at a 16K prompt x 8 samples, budget 2048, with the fused step
 # and with the modular one, in one device call of at most ten minutes.
+#
+# `kv-compression` (not in "all"): issue 28's KV compression on the GPU path: the eviction tests of
+# tests/test_gpu.py (CUDA graphs with the query ring and compaction vs teacher-forced replay, fp32 and
+# bf16, preemption) and bench/kv_compression.py's rollout part at Qwen3-4B shapes with random bf16
+# weights and random prompt tokens (dense vs SnapKV vs R-KV vs block top-k at budget 512: KV tokens
+# held, peak pages, decode tokens/s, the batch a fixed pool runs, alpha by replay).
 #
 # `scale` (not in "all"): issue 24's checks at our users' scale, Qwen3-4B shapes with random bf16 weights,
 # each printing its seconds and peak CUDA memory (bench/scale_gpu.py): fit-cost over 4-32K contexts,
@@ -144,6 +150,12 @@ if [[ $WHAT == fused ]]; then  # issue 25: where the fused step's time goes, aga
         [[ $form == modular ]] && flag="--modular"
         step "profile-16k-$form" 230 $PY bench/step_profile.py --context 16384 --samples 8 --budget 2048 $flag
     done
+fi
+if [[ $WHAT == kv-compression ]]; then
+    step kv-tests 180 $PY -m pytest -q -s -p no:cacheprovider tests/test_gpu.py -k eviction
+    step kv-rollout 400 $PY bench/kv_compression.py rollout --model qwen3-4b --random-weights --device cuda \
+        --context 4096 --new-tokens 1024 --prompts 2 --samples 8 --pool-batch 2 --budget 512 --bin-width 1024
+    cp bench/results/kv_compression-rollout.parquet "$OUT/" 2>/dev/null
 fi
 if [[ $WHAT == profile ]]; then  # not in "all": a breakdown to read, not a check
     for budget in ${PROFILE_BUDGETS:-2048 0}; do

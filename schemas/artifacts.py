@@ -263,6 +263,20 @@ def _equal_lengths(*names: str) -> Rule:
     return rule
 
 
+def _same_length_if_given(name: str) -> Rule:
+    """A nullable per-token column: where present, as long as token_ids."""
+
+    def rule(t: pa.Table) -> str | None:
+        bad = pc.not_equal(pc.list_value_length(t[name]), pc.list_value_length(t["token_ids"]))
+        n, first = _count_first(pc.fill_null(bad, False))
+        if n:
+            return (f"has {_count(n, 'row')} whose '{name}' and 'token_ids' lengths differ "
+                    f"(first: row {first})")
+        return None
+
+    return rule
+
+
 I32, I64, F32, F64, STR = pa.int32(), pa.int64(), pa.float32(), pa.float64(), pa.string()
 LIST_I32, LIST_F32 = pa.list_(pa.int32()), pa.list_(pa.float32())
 UNIT, NONNEG, POS, NONPOS, OPEN_UNIT = "[0, 1]", "[0, inf)", "(0, inf)", "(-inf, 0]", "(0, 1)"
@@ -318,14 +332,16 @@ SCHEMAS: dict[str, ArtifactSpec] = {s.kind: s for s in (
           Col("tail", F64, nullable=True, range=UNIT),
           Col("predicted_step_seconds", F64, nullable=True, range=NONNEG),
           rules=(_budget_non_decreasing,)),
-    _spec("rollouts", "one row per sample; budgets per token, 0 = dense",
+    _spec("rollouts", "one row per sample; budgets per token, 0 = dense; the sample's KV policy and the "
+          "KV tokens each token's query read (kv_lens: the retained cache, = its position without eviction)",
           Col("prompt_id", STR), Col("sample", I32, range=NONNEG),
           Col("prompt_token_ids", LIST_I32, range=NONNEG), Col("token_ids", LIST_I32, range=NONNEG),
           Col("text", STR, nullable=True),
           Col("logprobs", LIST_F32, range=NONPOS), Col("budgets", LIST_I32, range=NONNEG),
           Col("finish_reason", STR, choices=("stop", "length")),
           Col("reward", F64, nullable=True),
-          rules=(_equal_lengths("token_ids", "logprobs", "budgets"),)),
+          Col("kv_policy", STR, nullable=True), Col("kv_lens", LIST_I32, nullable=True, range=POS),
+          rules=(_equal_lengths("token_ids", "logprobs", "budgets"), _same_length_if_given("kv_lens"))),
     _spec("metrics", "one row per training step",
           Col("run_id", STR), Col("step", I32, range=NONNEG), Col("reward_mean", F64),
           *(Col(n, F64, nullable=True)

@@ -91,6 +91,11 @@ def plan_schedule(
     compare_published: bool = typer.Option(False, "--compare-published", help="Instead of one plan, "
                                            "print the predicted speedup of every Qwen3 model with "
                                            "published schedules next to the published speedup."),
+    kv_compression: str = typer.Option(None, "--kv-compression", help="Refused with a reason: a schedule "
+                                       "is a block top-k budget per position bin, and an eviction policy "
+                                       "(snapkv, rkv) keeps one retained set that every later bin inherits, "
+                                       "so its budget is one number (--kv-budget of rollout and train), "
+                                       "chosen from `sparrow profile --kv-compression`'s tails."),
     format: str = format_option(),
 ) -> None:
     """Plan the sparsity schedule: for each position bin the cheapest budget whose tail statistic is
@@ -108,6 +113,11 @@ def plan_schedule(
     )
 
     fmt = resolve_format(format)
+    if kv_compression is not None:
+        raise UsageError(f"plan-schedule plans block top-k budgets per position bin; --kv-compression "
+                         f"{kv_compression} evicts tokens for good, so later bins cannot get a larger "
+                         "budget: choose one --kv-budget from the tails that `sparrow profile "
+                         "--kv-compression` measures")
     if compare_published:
         with stage_errors():
             return print_comparison(hardware or "h100", threshold, gen_len, batch, prompt_len or 0, fmt)

@@ -33,7 +33,13 @@ from .common import (
     raw_prompts_option,
     warn_first_token_stops,
 )
-from .engine_options import check_gpu_memory, gpu_memory_option
+from .engine_options import (
+    check_gpu_memory,
+    eviction_from_flags,
+    gpu_memory_option,
+    kv_buffer_option,
+    kv_window_option,
+)
 from .output import emit, format_option, resolve_format
 from .rollout import check_workers
 
@@ -60,11 +66,19 @@ def profile(
                                   "with columns prompt_id, token_ids and prompt_token_ids (or prompt text): "
                                   "score these trajectories instead."),
     budgets: str = typer.Option("256,512,1024", "--budgets",
-                                help="Candidate budgets in tokens, multiples of the page size."),
+                                help="Candidate budgets in tokens, multiples of the page size (with "
+                                "--kv-compression: KV budgets, any number above the sink plus the window)."),
+    kv_compression: str = typer.Option(None, "--kv-compression", help="Score each of --budgets as the KV "
+                                       "budget of this eviction policy, snapkv or rkv (Sparse-RL's KV "
+                                       "compression, replayed teacher forced), instead of block top-k. A "
+                                       "compressed sampler is --sampler snapkv:B or rkv:B."),
+    kv_window: int = kv_window_option(),
+    kv_buffer: int = kv_buffer_option(),
     samples: int = typer.Option(4, "--samples", help="Trajectories per prompt."),
     max_new_tokens: int = typer.Option(256, "--max-new-tokens"),
     sampler: str = typer.Option("dense", "--sampler",
-                                help="How trajectories are sampled: dense, budget:B or schedule:FILE."),
+                                help="How trajectories are sampled: dense, budget:B, schedule:FILE, or with "
+                                "KV compression snapkv:B or rkv:B (optionally ,window=W,buffer=N)."),
     bin_width: int = typer.Option(512, "--bin-width", help="Position bin width in tokens "
                                   "(the embedded model's 8K context wants 512; Qwen3 runs use 2000)."),
     temperature: float = typer.Option(None, "--temperature", help="Sampling temperature (0 = greedy; "
@@ -123,7 +137,10 @@ def profile(
                           max_new_tokens=max_new_tokens, sampler=sampler, bin_width=bin_width,
                           temperature=1.0 if temperature is None else temperature, top_p=top_p, seed=seed,
                           batch_size=batch_size,
-                          gpu_memory_utilization=check_gpu_memory(gpu_memory_utilization))
+                          gpu_memory_utilization=check_gpu_memory(gpu_memory_utilization),
+                          kv_compression=kv_compression and kv_compression.lower(), kv_window=kv_window,
+                          kv_buffer=kv_buffer)
+    eviction_from_flags(kv_compression, None, kv_window, kv_buffer, need_budget=False)  # the flags' own
     try:
         opts.validate()
     except ValueError as e:
@@ -135,6 +152,7 @@ def profile(
     check_workers(workers, ray_address, output)
     check_output(output, "mismatch", force, parts=bool(workers))
     cfg = resolve_config(model)
+    _check_context(opts, cfg, model)
     opts.adapter = load_actor(adapter, cfg, model)  # before any weights load
     weights = {"random_weights": random_weights, "dtype": str(torch_dtype).removeprefix("torch.")}
     recorded = ({"adapter": str(adapter)} if adapter is not None else {}) | {"dtype": weights["dtype"]} | (
@@ -184,6 +202,22 @@ def profile(
                   f"{len(opts.budgets)} budgets) to {output}")
     threshold = default_threshold(threshold, model, quantile)
     print_summary(summarize(table, quantile, threshold), quantile, threshold, fmt)
+
+
+def _check_context(opts, cfg, model: str) -> None:
+    """Eviction budgets (scored, or the sampler's) whose cache would never be compressed within the
+    model's context: one sentence before any weights load."""
+    from sparrow.stages.kv_policies import parse_eviction
+
+    try:
+        for b, mode in zip(opts.budgets, opts.modes() if opts.kv_compression else ()):
+            mode.validate(cfg.max_position_embeddings, label=f"--budgets {b} under --kv-compression "
+                          f"{opts.kv_compression} for {model}")
+        if opts.sampler.split(":", 1)[0] in ("snapkv", "rkv"):
+            parse_eviction(opts.sampler).validate(cfg.max_position_embeddings,
+                                                  label=f"--sampler {opts.sampler} for {model}")
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
 
 def default_threshold(threshold: float | None, model: str, quantile: float) -> float:

@@ -21,7 +21,15 @@ from .common import (
     raw_prompts_option,
     warn_first_token_stops,
 )
-from .engine_options import check_gpu_memory, gpu_memory_option
+from .engine_options import (
+    check_gpu_memory,
+    eviction_from_flags,
+    gpu_memory_option,
+    kv_budget_option,
+    kv_buffer_option,
+    kv_compression_option,
+    kv_window_option,
+)
 from .output import emit_record, format_option, resolve_format
 
 SUMMARY_LABELS = {"tokens": "generated tokens", "seconds": "seconds (total)",
@@ -29,10 +37,17 @@ SUMMARY_LABELS = {"tokens": "generated tokens", "seconds": "seconds (total)",
                   "tokens_per_s": "tokens / s", "mean_budget": "mean budget (sparse tokens)",
                   "dense_fraction": "dense tokens (fraction)", "stop_fraction": "stopped at EOS (fraction)",
                   "reward_mean": "mean reward",
-                  "preemptions": "preemptions (KV pool full, recomputed)"}
+                  "preemptions": "preemptions (KV pool full, recomputed)", "kv_policy": "KV policy",
+                  "kv_tokens_peak": "KV tokens held (fullest step)",
+                  "kv_tokens_mean": "KV tokens held (mean step)",
+                  "dense_kv_tokens_peak": "  dense would hold (fullest step)",
+                  "dense_kv_tokens_mean": "  dense would hold (mean step)",
+                  "kv_saved": "KV storage saved (fraction)", "peak_pages": "pool pages in use (fullest step)",
+                  "compactions": "KV compressions"}
 # the text formats' word for a null (JSON keeps the null)
 SUMMARY_RENDER = {"mean_budget": lambda v: "dense" if v is None else f"{v:g}",
-                  "reward_mean": lambda v: "no scorer" if v is None else f"{v:.6g}"}
+                  "reward_mean": lambda v: "no scorer" if v is None else f"{v:.6g}",
+                  "kv_saved": lambda v: "-" if v is None else f"{v:.3f}"}
 
 
 def _sparsity(schedule: Path | None, budget: int | None, dense: bool, model: str):
@@ -53,13 +68,14 @@ def _sparsity(schedule: Path | None, budget: int | None, dense: bool, model: str
         raise UsageError(str(e)) from None
 
 
-def _check_vllm_flags(schedule, budget, lora, top_k: int, top_p: float) -> None:
+def _check_vllm_flags(schedule, budget, lora, top_k: int, top_p: float, kv_compression=None) -> None:
     """What vLLM cannot do is refused in one sentence, and a missing extra says how to install it,
     before anything loads."""
     from sparrow.stages.rollout.vllm_backend import VllmMissing, require_vllm
 
-    if schedule is not None or budget is not None:
-        raise UsageError("--budget and --schedule need --engine ours: vLLM samples with dense attention only")
+    if schedule is not None or budget is not None or kv_compression is not None:
+        raise UsageError("--budget, --schedule and --kv-compression need --engine ours: vLLM samples with "
+                         "dense attention only")
     if lora is not None:
         raise UsageError("--adapter is not supported with --engine vllm; merge the adapter into a "
                          "checkpoint directory or use --engine ours")
@@ -118,6 +134,10 @@ def rollout(
     budget: int = typer.Option(None, "--budget", help="A fixed budget in tokens (multiple of 16, "
                                "at least 48)."),
     dense: bool = typer.Option(False, "--dense", help="Dense attention (the default)."),
+    kv_compression: str = kv_compression_option(),
+    kv_budget: int = kv_budget_option(),
+    kv_window: int = kv_window_option(),
+    kv_buffer: int = kv_buffer_option(),
     samples: int = typer.Option(1, "--samples", help="Samples per prompt (they share one prefill)."),
     max_new_tokens: int = typer.Option(256, "--max-new-tokens"),
     temperature: float = typer.Option(1.0, "--temperature", help="0 = greedy."),
@@ -153,9 +173,10 @@ def rollout(
                                "only; the optional extra .\\[vllm])."),
     format: str = format_option(),
 ) -> None:
-    """Generate K samples per prompt with dense, fixed-budget or scheduled block top-k sparse attention:
-    tokens, sampled-token logprobs, the budget of every token, finish reason and the task's reward.
-    The summary (tokens/s, mean budget, reward) goes to stdout and into the artifact's metadata
+    """Generate K samples per prompt with dense, fixed-budget or scheduled block top-k sparse attention,
+    or a compressed KV cache (--kv-compression): tokens, sampled-token logprobs, the budget of every
+    token, the KV tokens each token read, finish reason and the task's reward. The summary (tokens/s,
+    mean budget, KV tokens held against dense, reward) goes to stdout and into the artifact's metadata
     ("summary"). With --workers N the same rollouts (same seeds) come from N Ray workers."""
     import torch
 
@@ -178,8 +199,11 @@ def rollout(
     if engine not in ("ours", "vllm"):
         raise UsageError(f"--engine must be ours or vllm, got {engine!r}")
     if engine == "vllm":
-        _check_vllm_flags(schedule, budget, lora, top_k, top_p)
-    sparsity = _sparsity(schedule, budget, dense, model)
+        _check_vllm_flags(schedule, budget, lora, top_k, top_p, kv_compression)
+    sparsity = _eviction(kv_compression, kv_budget, kv_window, kv_buffer, model,
+                         {"--budget": budget, "--schedule": schedule, "--dense": dense})
+    if sparsity is None:
+        sparsity = _sparsity(schedule, budget, dense, model)
     for flag, value in (("--samples", samples), ("--max-new-tokens", max_new_tokens),
                         ("--max-batch", max_batch), ("--kv-pages", 1 if kv_pages is None else kv_pages),
                         ("--max-num-batched-tokens", max_num_batched_tokens)):
@@ -217,7 +241,7 @@ def rollout(
                           gpu_memory_utilization=gpu_memory_utilization,
                           max_prefill_tokens=max_num_batched_tokens)
     mode = ("dense" if sparsity is None else f"budget {sparsity}" if isinstance(sparsity, int)
-            else f"schedule {schedule}")
+            else f"schedule {schedule}" if schedule is not None else sparsity.spec())
     meta = {"model": model_name(model), "prompts": input_name(prompts), "sparsity": mode, "samples": samples,
             "max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k,
             "seed": seed, "ignore_eos": ignore_eos, "page_size": PAGE_SIZE, "device": device,
@@ -226,7 +250,7 @@ def rollout(
         if prompt_set.needs_tokenizer:
             prompt_set.tokenize(spec_tokenizer(model), not raw_prompts)
             prompt_set.check_fits(cfg.vocab_size, cfg.max_position_embeddings, max_new_tokens)
-        _check_kv_pages(kv_pages, prompt_set.rows, max_new_tokens)
+        _check_kv_pages(kv_pages, prompt_set.rows, max_new_tokens, sparsity)
         summary, n = _rollout_on_ray(model, prompt_set.rows, opts, workers, ray_address, device, dtype_name,
                                      meta, output)
         console.print(f"wrote {n} rollouts in {workers} parts to {output}/")
@@ -238,7 +262,7 @@ def rollout(
         prompt_set.tokenize(loaded.tokenizer, not raw_prompts)
         prompt_set.check_fits(cfg.vocab_size, cfg.max_position_embeddings, max_new_tokens)
     rows = prompt_set.rows
-    _check_kv_pages(kv_pages, rows, max_new_tokens)
+    _check_kv_pages(kv_pages, rows, max_new_tokens, sparsity)
 
     total = len(rows) * samples
     start = time.perf_counter()
@@ -267,14 +291,30 @@ def rollout(
 
 
 
-def _check_kv_pages(kv_pages: int | None, rows: list[dict], max_new_tokens: int) -> None:
-    """One sample of the longest prompt at full length must fit in the pool (before any work)."""
+def _eviction(kind, budget, window, buffer, model: str, block_topk: dict):
+    """The --kv-compression policy (None: not given), checked against the model's context."""
+    from sparrow.stages.model.config import ModelSpecError
+    from sparrow.stages.model.loading import resolve_config
+
+    try:
+        cfg = resolve_config(model)
+    except ModelSpecError:
+        cfg = None  # the model's own error comes when it loads
+    return eviction_from_flags(kind, budget, window, buffer, cfg, block_topk)
+
+
+def _check_kv_pages(kv_pages: int | None, rows: list[dict], max_new_tokens: int, sparsity=None) -> None:
+    """One sample of the longest prompt at full length (a compressed cache's longest, under eviction)
+    must fit in the pool (before any work)."""
     from sparrow.stages.attention import PAGE_SIZE
+    from sparrow.stages.kv_policies import Eviction
+    from sparrow.stages.rollout.memory import Workload
 
     if kv_pages is None:
         return
     longest = max(len(r["prompt_token_ids"]) for r in rows)
-    need = -(-(longest + max_new_tokens - 1) // PAGE_SIZE)
+    work = [(longest, 1, max_new_tokens) + ((sparsity,) if isinstance(sparsity, Eviction) else ())]
+    need = Workload.of(work, 1, PAGE_SIZE).one_sample()
     if need > kv_pages:
         raise UsageError(f"--kv-pages {kv_pages} is too small: one sample of the longest prompt ({longest} "
                          f"tokens) with --max-new-tokens {max_new_tokens} needs {need} pages")

@@ -18,9 +18,16 @@ from .common import (
     raw_prompts_option,
     warn_first_token_stops,
 )
-from .engine_options import check_gpu_memory, gpu_memory_option
+from .engine_options import (
+    check_gpu_memory,
+    gpu_memory_option,
+    kv_budget_option,
+    kv_buffer_option,
+    kv_compression_option,
+    kv_window_option,
+)
 from .output import emit_record, format_option, resolve_format
-from .rollout import _sparsity, check_workers
+from .rollout import _eviction, _sparsity, check_workers
 
 if TYPE_CHECKING:
     from sparrow.stages.train.distributed import World
@@ -41,9 +48,14 @@ TRAIN_LABELS = {"reward_first": "reward, first step", "reward_last": "reward, la
                 "reasons": "collapse reasons", "warnings": "warnings (not collapse reasons)"}
 
 
-def _spec(schedule: Path | None, budget: int | None, dense: bool, model: str) -> str:
+def _spec(schedule: Path | None, budget: int | None, dense: bool, model: str, kv: tuple = (None,) * 4) -> str:
+    """The run's sampler as its spec text: block top-k, dense, or an eviction policy (`kv`: the
+    --kv-compression, --kv-budget, --kv-window and --kv-buffer given)."""
     from sparrow.stages.sparsity import spec_of
 
+    eviction = _eviction(*kv, model, {"--budget": budget, "--schedule": schedule, "--dense": dense})
+    if eviction is not None:
+        return eviction.spec()
     return spec_of(_sparsity(schedule, budget, dense, model), schedule)
 
 
@@ -60,6 +72,10 @@ def train(
                                   help="Roll out with this schedule artifact."),
     budget: int = typer.Option(None, "--budget", help="Roll out with a fixed budget (tokens)."),
     dense: bool = typer.Option(False, "--dense", help="Roll out densely (the default)."),
+    kv_compression: str = kv_compression_option(),
+    kv_budget: int = kv_budget_option(),
+    kv_window: int = kv_window_option(),
+    kv_buffer: int = kv_buffer_option(),
     steps: int = typer.Option(20, "--steps"),
     prompts_per_step: int = typer.Option(4, "--prompts-per-step"),
     samples: int = typer.Option(4, "--samples", help="Samples per prompt: the GRPO group."),
@@ -155,7 +171,7 @@ def train(
     from sparrow.stages.train.tracking import parse_report_to
 
     fmt = resolve_format(format)
-    spec = _spec(schedule, budget, dense, model)
+    spec = _spec(schedule, budget, dense, model, (kv_compression, kv_budget, kv_window, kv_buffer))
     try:
         trackers = parse_report_to(report_to)
     except ValueError as e:

@@ -293,6 +293,14 @@ def _run_files(run_dir: Path) -> tuple[Path, Path]:
     files = {p: artifact_kind(p) for p in sorted(run_dir.glob("*.parquet"))}
     metrics = [p for p, k in files.items() if k == "metrics"]
     schedules = [p for p, k in files.items() if k == "schedule"]
+    if len(metrics) == 1 and not schedules:
+        from sparrow.schemas import artifact_metadata
+
+        sparsity = json.loads(artifact_metadata(metrics[0]).get("config") or "{}").get("sparsity", "")
+        if str(sparsity).split(":", 1)[0] in ("snapkv", "rkv"):
+            raise ArtifactError(f"{run_dir}: the run rolled out with KV compression ({sparsity}); "
+                                "calibrate-threshold fits block top-k's tail threshold, which eviction runs "
+                                "do not inform")
     if len(metrics) != 1 or len(schedules) != 1:
         raise ArtifactError(f"{run_dir}: a run directory needs exactly one metrics and one schedule "
                             f"artifact, found {len(metrics)} and {len(schedules)}")

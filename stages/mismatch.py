@@ -3,7 +3,10 @@
 A batch of sequences is scored by one dense prefill of the prompts (prefill is dense in every mode),
 then one pass over the completions per attention mode (dense, and each budget) on top of the shared
 prompt KV; in a sparse pass every generated position selects its own pages from its own prefix (see
-`attention.SparseAttention`), which reproduces incremental sparse decoding exactly. Only the final
+`attention.SparseAttention`), which reproduces incremental sparse decoding exactly. An eviction policy
+(SnapKV, R-KV) is replayed instead (stages/kv_policies/replay.py: the generated tokens between two
+compressions in one forward over the retained cache, compressing where decoding compressed), each
+prompt length's sequences together, on a prompt prefilled again for it. Only the final
 hidden states of each mode are kept ([tokens, hidden] per mode); the vocabulary-sized work (the fp32
 head, softmax, alpha, entropy) runs over chunks of `vocab_chunk` positions, so no [T, V] tensor exists
 and a 32K-token sequence of a 152K vocabulary holds a few [1024, V] fp32 tensors at a time. The
@@ -29,10 +32,13 @@ import torch
 from torch import Tensor
 
 from .attention import DEFAULT_DENSE_LAYERS, PAGE_SIZE, SparseAttention
+from .kv_policies import BlockTopK, BudgetFn, Eviction, KVPolicy
+from .kv_policies.replay import replay
 from .model.head import POSITION_CHUNK
 from .model.llama import Attention, KVCache, Transformer
 from .rollout.lora import LoraWeights, lora_merged
-from .sparsity import BudgetFn
+
+Mode = int | BudgetFn | KVPolicy  # a sparse mode to score: block top-k at a budget (function), or a policy
 
 # the sparse passes' query chunks: [B, Hq, chunk, S] masks of at most 32 Mi elements on a CPU, 256 Mi on
 # CUDA (a 32K-token sequence of 32 query heads then takes chunks of 250 queries, not 31)
@@ -46,6 +52,15 @@ def decode_budgets(positions: Tensor, prompt_lens: Tensor, budget_at: BudgetFn |
     table = torch.tensor([budget_at(n) for n in range(int(positions.max()) + 2)],
                          device=positions.device)
     return torch.where(positions >= prompt_lens[:, None], table[positions + 1], 0)
+
+
+def mode_policy(mode: Mode) -> KVPolicy:
+    """The KV policy of a scoring mode (an int or a callable is block top-k at that budget)."""
+    if isinstance(mode, KVPolicy):
+        return mode
+    if callable(mode):
+        return BlockTopK(mode)
+    return BlockTopK(lambda _, b=int(mode): b, f"budget:{int(mode)}", int(mode))
 
 
 def pad_right(rows: Sequence[Sequence[int]], device) -> Tensor:
@@ -65,11 +80,11 @@ class ScoredTokens:
     token_id: np.ndarray
     logp_dense: np.ndarray
     entropy_dense: np.ndarray
-    sparse: dict[int, tuple[np.ndarray, np.ndarray]]  # budget -> (alpha, logp_sparse)
+    sparse: dict[Mode, tuple[np.ndarray, np.ndarray]]  # mode as given -> (alpha, logp_sparse)
 
 
 def score_sequences(model: Transformer, prompts: Sequence[Sequence[int]],
-                    completions: Sequence[Sequence[int]], budgets: Sequence[int | BudgetFn],
+                    completions: Sequence[Sequence[int]], budgets: Sequence[Mode],
                     temperature: float = 1.0, dense_layers: Sequence[int] = DEFAULT_DENSE_LAYERS,
                     page: int = PAGE_SIZE, vocab_chunk: int = POSITION_CHUNK,
                     actor: LoraWeights | None = None) -> ScoredTokens:
@@ -117,17 +132,40 @@ def score_sequences(model: Transformer, prompts: Sequence[Sequence[int]],
     with lora_merged(model, actor), torch.inference_mode():
         if actor is not None:
             last_prompt_h = prefill()  # the actor's own prompt KV (prefill runs with its LoRA too)
-        for budget in budgets:
-            budget_at = budget if callable(budget) else (lambda _, b_=int(budget): b_)
-            attention = SparseAttention(decode_budgets(gen_pos, n, budget_at), dense_layers, page,
+        for mode in budgets:
+            policy = mode_policy(mode)
+            if policy.evicts:
+                hidden[mode] = evicted_hidden(model, prompts, gen_tok, g, policy)
+                continue
+            attention = SparseAttention(decode_budgets(gen_pos, n, policy.read_budget), dense_layers, page,
                                         chunk_elements=SPARSE_CHUNK_ELEMENTS[device.type == "cuda"])
-            hidden[budget] = completion_hidden(last_prompt_h, attention)
+            hidden[mode] = completion_hidden(last_prompt_h, attention)
     return _score_hidden(model, hidden, gen_tok, g, n, budgets, temperature, vocab_chunk)
+
+
+def evicted_hidden(model: Transformer, prompts: Sequence[Sequence[int]], gen_tok: Tensor, g: Tensor,
+                   policy: Eviction) -> Tensor:
+    """[B, Gmax, H]: row j predicts completion token j under `policy`'s eviction, replayed
+    (stages/kv_policies/replay.py) for the sequences of each prompt length together."""
+    b, width = gen_tok.shape
+    out = None
+    by_length: dict[int, list[int]] = {}
+    for i, p in enumerate(prompts):
+        by_length.setdefault(len(p), []).append(i)
+    for rows in by_length.values():
+        longest = int(g[rows].max())
+        prompt_tok = torch.tensor([list(prompts[i]) for i in rows], device=gen_tok.device)
+        result = replay(model, prompt_tok, gen_tok[rows, : longest - 1], policy)
+        if out is None:
+            out = result.last_prompt.new_zeros(b, width, result.last_prompt.shape[-1])
+        out[rows, 0] = result.last_prompt
+        out[rows, 1:longest] = result.hidden
+    return out
 
 
 @torch.inference_mode()
 def _score_hidden(model: Transformer, hidden: dict, gen_tok: Tensor, g: Tensor, n: Tensor,
-                  budgets: Sequence[int | BudgetFn], temperature: float, vocab_chunk: int) -> ScoredTokens:
+                  budgets: Sequence[Mode], temperature: float, vocab_chunk: int) -> ScoredTokens:
     """Alpha, logprobs and entropy from the hidden states of each mode (None = dense)."""
     device = gen_tok.device
     valid = torch.arange(gen_tok.shape[1], device=device)[None, :] < g[:, None]

@@ -83,6 +83,10 @@ def load_profile(name: str, profile: Path | None, quantile: float, bin_width: in
     if table.num_rows == 0:
         raise ScheduleError(f"{profile}: the mismatch profile has no tokens")
     meta = artifact_metadata(table)
+    if meta.get("kv_compression"):
+        raise ScheduleError(f"{profile} profiles {meta['kv_compression']} eviction budgets, and a per-bin "
+                            f"schedule of them means nothing: eviction keeps a retained set that every later "
+                            "bin inherits, so pick one --kv-budget from the profile's tails instead")
     width = bin_width or int(meta.get("bin_width", 2000))
     if prompt_len is None:  # a trajectory's first token sits at the position of its prompt's length
         prompt_len = int(table.column("position").to_numpy().min())

@@ -12,6 +12,11 @@ the same prompts, seed, sampler and temperature. `profile_trajectories` scores
 trajectories of any sampler (`stages.trajectories` reads them from a file).
 The output is long and narrow (one row per token per budget) so DuckDB answers "5th percentile of
 alpha per bin per budget" with one GROUP BY; `summarize` is exactly that query.
+
+With `kv_compression` (snapkv or rkv) the candidate budgets are KV budgets of that eviction policy
+(stages/kv_policies), each scored by replaying the eviction (teacher forced, full-vocabulary alpha);
+the rows keep the mismatch schema, their `budget` the KV budget, and the metadata names the policy.
+The sampler may be a compressed one too (snapkv:B / rkv:B).
 """
 
 from __future__ import annotations
@@ -55,11 +60,31 @@ class ProfileOptions:
     schedule: Schedule | None = field(default=None, repr=False)
     adapter: LoraWeights | None = field(default=None, repr=False)  # the sparse actor's LoRA (distill)
     gpu_memory_utilization: float = 0.9  # on CUDA, the share of device memory the engine may take
+    kv_compression: str | None = None  # snapkv | rkv: the budgets are that eviction policy's KV budgets
+    kv_window: int | None = None
+    kv_buffer: int | None = None
+
+    def modes(self) -> list:
+        """The scored modes, one per budget: the budget (block top-k) or the eviction policy at it."""
+        if self.kv_compression is None:
+            return list(self.budgets)
+        from .kv_policies import EVICTION_POLICIES
+
+        options = {k: v for k, v in (("window", self.kv_window), ("buffer", self.kv_buffer)) if v is not None}
+        return [EVICTION_POLICIES[self.kv_compression](b, **options) for b in self.budgets]
 
     def validate(self) -> None:
         if not self.budgets:
             raise ValueError("--budgets is empty")
-        for b in self.budgets:
+        if self.kv_compression is not None:
+            from .kv_policies import EVICTION_POLICIES
+
+            if self.kv_compression not in EVICTION_POLICIES:
+                raise ValueError(f"--kv-compression must be one of {', '.join(EVICTION_POLICIES)}, got "
+                                 f"{self.kv_compression!r}")
+            for b, policy in zip(self.budgets, self.modes()):
+                policy.validate(label=f"--budgets {b} under --kv-compression {self.kv_compression}")
+        for b in self.budgets if self.kv_compression is None else ():
             try:
                 validate_budget(b, self.page_size)
             except ValueError as e:
@@ -76,8 +101,16 @@ class ProfileOptions:
                 validate_budget(int(self.sampler.split(":", 1)[1]), self.page_size)
             except ValueError as e:
                 raise ValueError(f"--sampler {self.sampler}: {e}") from None
+        elif self.sampler.split(":", 1)[0] in ("snapkv", "rkv"):
+            from .kv_policies import parse_eviction
+
+            try:
+                parse_eviction(self.sampler)
+            except ValueError as e:
+                raise ValueError(f"--sampler {e}") from None
         elif self.sampler != "dense" and not self.sampler.startswith("schedule:"):
-            raise ValueError(f"--sampler must be dense, budget:B or schedule:FILE, got {self.sampler!r}")
+            raise ValueError(f"--sampler must be dense, budget:B, schedule:FILE, snapkv:B or rkv:B, got "
+                             f"{self.sampler!r}")
 
     def sparsity(self) -> Schedule | str:
         """The engine's sparsity spec: 'dense', 'budget:B' or the loaded schedule."""
@@ -94,7 +127,9 @@ class ProfileOptions:
              if k not in ("schedule", "adapter", "gpu_memory_utilization") and (sampled or k not in SAMPLING)}
         d["budgets"] = json.dumps(self.budgets)
         d["dense_layers"] = json.dumps(list(self.dense_layers))
-        return d
+        if self.kv_compression is not None:
+            d["kv_policies"] = json.dumps([m.spec() for m in self.modes()])
+        return {k: v for k, v in d.items() if not (k.startswith("kv_") and v is None)}
 
 
 def run_profile(model: LoadedModel, prompt_ids: Sequence[str], prompts: Sequence[list[int]],
@@ -141,12 +176,13 @@ def profile_trajectories(model: LoadedModel, trajectories: Sequence[Trajectory],
     order = sorted(range(len(jobs)), key=lambda i: lengths[i])
     columns: dict[str, list[np.ndarray]] = {}
     done = 0
+    modes = opts.modes()
     for group in _batches_by_tokens(order, lengths, opts.score_tokens):
         scored = score_sequences(model.model, [jobs[i].prompt for i in group],
-                                 [jobs[i].completion for i in group], opts.budgets, opts.temperature,
+                                 [jobs[i].completion for i in group], modes, opts.temperature,
                                  opts.dense_layers, opts.page_size, actor=opts.adapter)
-        for budget in opts.budgets:
-            alpha, logp_sparse = scored.sparse[budget]
+        for budget, mode in zip(opts.budgets, modes):
+            alpha, logp_sparse = scored.sparse[mode]
             _append_rows(columns, [jobs[group[s]] for s in scored.seq], scored, budget, alpha,
                          logp_sparse, opts.bin_width)
         done += len(group)

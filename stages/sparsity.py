@@ -2,9 +2,10 @@
 
 A spec is what a user or a run directory names: "dense", "budget:B" or "schedule:PATH" as text (the
 form a training config or a profile's --sampler stores), or the flags --dense / --budget B /
---schedule PATH, or already a value: None (dense), an int budget, a `Schedule`, or a callable.
-Everything becomes one of two things: the value the engine takes (`Sparsity`), and, for sampling and
-scoring, a budget function of the cache length at which a token is produced (`BudgetFn`, None = dense).
+--schedule PATH, or already a value: None (dense), an int budget, a `Schedule`, a callable or a
+`KVPolicy`. Everything becomes one `KVPolicy` (`as_policy`, stages/kv_policies), which the engine and
+teacher-forced scoring ask; `budget_fn` is block top-k's budget function of the cache length at which
+a token is produced (None = dense), for the reference sampler and the distiller.
 Every budget is validated for the page size here, and a schedule planned for another model shape (its
 metadata's `model_config`, written by plan-schedule) is refused, so a schedule for another model or
 page size, or a budget below the reserved pages, gets one sentence before any work starts.
@@ -12,15 +13,14 @@ page size, or a budget below the reserved pages, gets one sentence before any wo
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 
 from .attention import PAGE_SIZE, validate_budget
+from .kv_policies import EVICTION_POLICIES, BlockTopK, BudgetFn, Dense, Eviction, KVPolicy, parse_eviction
 from .model.config import ModelConfig
 from .schedule import Schedule
 
-BudgetFn = Callable[[int], int]  # cache length at which a token is produced -> budget (0 = dense)
-Sparsity = BudgetFn | Schedule | int | str | None  # None / 0 / "dense": dense
+Sparsity = KVPolicy | BudgetFn | Schedule | int | str | None  # None / 0 / "dense": dense
 
 
 def load_schedule(path: str | Path, page_size: int = PAGE_SIZE, model: ModelConfig | None = None) -> Schedule:
@@ -55,11 +55,15 @@ def load_schedule(path: str | Path, page_size: int = PAGE_SIZE, model: ModelConf
 
 
 def parse_sparsity(spec: str, page_size: int = PAGE_SIZE, model: ModelConfig | None = None
-                   ) -> Schedule | int | None:
-    """'dense' | 'budget:B' | 'schedule:PATH' -> None | B | the loaded schedule."""
+                   ) -> Schedule | int | Eviction | None:
+    """'dense' | 'budget:B' | 'schedule:PATH' | 'snapkv:B[,window=W][,buffer=N][,sink=S]' | 'rkv:B[,...]'
+    -> None | B | the loaded schedule | the eviction policy (checked against `model`'s context)."""
     if spec == "dense":
         return None
     kind, _, value = spec.partition(":")
+    if kind in EVICTION_POLICIES:
+        policy = parse_eviction(spec)
+        return policy.validate(model.max_position_embeddings) if model is not None else policy
     if kind == "budget":
         try:
             budget = int(value)
@@ -69,7 +73,7 @@ def parse_sparsity(spec: str, page_size: int = PAGE_SIZE, model: ModelConfig | N
         return budget
     if kind == "schedule":
         return load_schedule(value, page_size, model)
-    raise ValueError(f"unknown sparsity {spec!r}: expected dense, budget:B or schedule:FILE")
+    raise ValueError(f"unknown sparsity {spec!r}: expected dense, budget:B, schedule:FILE, snapkv:B or rkv:B")
 
 
 def sparsity_from_flags(schedule: Path | None, budget: int | None, dense: bool,
@@ -93,21 +97,25 @@ def sparsity_from_flags(schedule: Path | None, budget: int | None, dense: bool,
     return None
 
 
-def spec_of(sparsity: Schedule | int | None, schedule_path: Path | None = None) -> str:
+def spec_of(sparsity: Schedule | int | KVPolicy | None, schedule_path: Path | None = None) -> str:
     """The text form of a sparsity value (a schedule needs the path it was read from)."""
     if sparsity is None:
         return "dense"
+    if isinstance(sparsity, Eviction):
+        return sparsity.spec()
     if isinstance(sparsity, int):
         return f"budget:{sparsity}"
     return f"schedule:{Path(schedule_path).resolve()}"
 
 
-def budget_fn(sparsity: Sparsity, page_size: int = PAGE_SIZE) -> BudgetFn | None:
-    """Any sparsity spec or value -> the budget function (None = dense), budgets validated."""
+def as_policy(sparsity: Sparsity, page_size: int = PAGE_SIZE) -> KVPolicy:
+    """Any sparsity spec or value -> its `KVPolicy`, budgets validated for the page size."""
+    if isinstance(sparsity, KVPolicy):
+        return sparsity
     if sparsity is None or sparsity == "dense" or sparsity == 0:
-        return None
+        return Dense()
     if isinstance(sparsity, str):
-        return budget_fn(parse_sparsity(sparsity, page_size), page_size)
+        return as_policy(parse_sparsity(sparsity, page_size), page_size)
     if isinstance(sparsity, Schedule):
         if sparsity.page_size != page_size:
             raise ValueError(f"the schedule is for pages of {sparsity.page_size} tokens, "
@@ -115,9 +123,17 @@ def budget_fn(sparsity: Sparsity, page_size: int = PAGE_SIZE) -> BudgetFn | None
         for b in sparsity.budgets:
             if b:
                 validate_budget(b, page_size)
-        return sparsity.budget_at
+        return BlockTopK(sparsity.budget_at, "schedule", sparsity)
     if callable(sparsity):
-        return sparsity
+        return BlockTopK(sparsity)
     budget = int(sparsity)
     validate_budget(budget, page_size)
-    return lambda _: budget
+    return BlockTopK(lambda _: budget, f"budget:{budget}", budget)
+
+
+def budget_fn(sparsity: Sparsity, page_size: int = PAGE_SIZE) -> BudgetFn | None:
+    """Any block top-k (or dense) sparsity spec or value -> the budget function (None = dense)."""
+    policy = as_policy(sparsity, page_size)
+    if policy.evicts:
+        raise ValueError(f"{policy.spec()} evicts KV tokens; it has no block top-k budget function")
+    return policy.budget_at if isinstance(policy, BlockTopK) else None

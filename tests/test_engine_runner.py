@@ -18,6 +18,7 @@ import torch
 from typer.testing import CliRunner
 
 from sparrow.cli.app import app
+from sparrow.stages.kv_policies import Dense
 from sparrow.stages.mismatch import score_sequences
 from sparrow.stages.model.loading import load_model, resolve_config
 from sparrow.stages.rollout import Engine, SamplingParams
@@ -66,7 +67,7 @@ def _drive(requests, max_batch, pool=100_000, page=16, copies=False):
     blocks = BlockManager(pool, page)
     sched = Scheduler(blocks, max_batch, 10**9, lambda src, dst: None)
     for i, (p, n, m) in enumerate(requests):
-        sched.add(Request(i, [1] * p, SamplingParams(max_new_tokens=m, n=n), None, frozenset()))
+        sched.add(Request(i, [1] * p, SamplingParams(max_new_tokens=m, n=n), Dense(), frozenset()))
     copy, left, peak, skipped = {}, {}, 0, 0
 
     def finish(s):
@@ -83,6 +84,7 @@ def _drive(requests, max_batch, pool=100_000, page=16, copies=False):
         if kind == "decode":
             for s in batch:
                 s.tokens.append(0)
+                s.cached += 1
             peak = max(peak, blocks.used)
             for s in batch:
                 if len(s.tokens) >= s.request.params.max_new_tokens:
@@ -102,11 +104,11 @@ def _drive(requests, max_batch, pool=100_000, page=16, copies=False):
         fresh, again = [], []
         for x, own in zip(batch, pages):
             if isinstance(x, Sequence):
-                x.pages = own
+                x.pages, x.cached = own, len(x.request.prompt) + len(x.tokens) - 1
                 again.append(x)
                 continue
             for k in range(x.params.n):
-                seq = Sequence(x, k, None)
+                seq = Sequence(x, k, None, cached=len(x.prompt))
                 seq.pages = [blocks.share(q) if k else q for q in own]
                 seq.tokens.append(0)
                 fresh.append(seq)

@@ -50,6 +50,7 @@ VALID: dict[str, dict[str, list]] = {
         "prompt_id": ["p0", "p0"], "sample": [0, 1], "prompt_token_ids": [[1, 2], [1, 2]],
         "token_ids": [[7, 8, 9], [7]], "text": ["abc", None], "logprobs": [[-0.1, -0.2, 0.0], [-1.5]],
         "budgets": [[0, 64, 64], [0]], "finish_reason": ["stop", "length"], "reward": [1.0, None],
+        "kv_policy": ["snapkv:512,window=8,buffer=128,sink=4", None], "kv_lens": [[2, 3, 4], None],
     },
     "metrics": {
         "run_id": ["r"] * 2, "step": [0, 1], "reward_mean": [0.1, 0.2], "reward_std": [0.3, None],
@@ -504,3 +505,19 @@ def test_an_older_artifact_without_a_newer_nullable_column_reads_as_null(tmp_pat
               "metrics")
     table = read_artifact(path, "metrics")
     assert table.column("eval_accuracy_sparse").null_count == table.num_rows
+
+
+def test_older_rollouts_read_without_kv_columns_and_kv_lens_must_match_the_tokens(tmp_path):
+    """The rollouts' kv_policy and kv_lens (issue 28) are nullable: an artifact written before them reads
+    with nulls; where kv_lens is given it has one entry per token."""
+    path = tmp_path / "old-rollouts.parquet"
+    raw_write(pa.table({k: v for k, v in valid("rollouts").items() if not k.startswith("kv_")}), path,
+              "rollouts")
+    table = read_artifact(path, "rollouts")
+    assert table.column("kv_lens").null_count == table.column("kv_policy").null_count == table.num_rows
+    bad = tmp_path / "bad.parquet"
+    raw_write(pa.table(valid("rollouts", kv_lens=[[2, 3], None])), bad, "rollouts")
+    with pytest.raises(ArtifactError) as e:
+        read_artifact(bad)
+    message = one_sentence(e, bad)
+    assert message.endswith("has 1 row whose 'kv_lens' and 'token_ids' lengths differ (first: row 0)")

@@ -31,8 +31,10 @@ LOGPROB_TOL = 1e-3  # nats; fp32 on both sides, different kernels (measured gap 
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--budget", "64"], "--budget and --schedule need --engine ours"),
-    (["--schedule", "SCHED"], "--budget and --schedule need --engine ours"),
+    (["--budget", "64"], "--budget, --schedule and --kv-compression need --engine ours"),
+    (["--schedule", "SCHED"], "--budget, --schedule and --kv-compression need --engine ours"),
+    (["--kv-compression", "snapkv", "--kv-budget", "64"],
+     "--budget, --schedule and --kv-compression need --engine ours"),
     (["--top-p", "0.9"], "--top-k/--top-p are not supported with --engine vllm"),
     (["--top-k", "20"], "--top-k/--top-p are not supported with --engine vllm"),
     (["--adapter", "ADAPTER"], "--adapter is not supported with --engine vllm"),

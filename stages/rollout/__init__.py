@@ -1,4 +1,4 @@
-"""The rollout engine: paged KV cache, continuous batching, block top-k sparse decode.
+"""The rollout engine: paged KV cache, continuous batching, block top-k sparse decode, KV eviction.
 
 A small engine in the spirit of nano-vllm, written for this project: `Engine` (engine.py) runs the
 step loop over `Scheduler` (scheduler.py: waiting / ready / running queues) and `BlockManager`
@@ -6,8 +6,9 @@ step loop over `Scheduler` (scheduler.py: waiting / ready / running queues) and 
 gpu_runner.py) runs the model and owns the KV pool (`PagedKVCache`, kv_cache.py; its size from
 memory.py), the static decode step and its CUDA graphs (static_decode.py) and the sampler call; the
 model sees the cache through per-step `Attention` objects (attention.py) that call the kernels of
-`sparrow.kernels.ops`. `merge_lora` (lora.py) merges a sparse-actor LoRA into the weights;
-`run_rollouts` (stage.py) is the `sparrow rollout` stage.
+`sparrow.kernels.ops`. What a request's decode steps attend to is its KV policy (stages/kv_policies);
+eviction policies compact caches between steps (compaction.py). `merge_lora` (lora.py) merges a
+sparse-actor LoRA into the weights; `run_rollouts` (stage.py) is the `sparrow rollout` stage.
 """
 
 from __future__ import annotations

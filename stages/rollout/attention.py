@@ -69,6 +69,17 @@ class Recompute:
 
 
 @dataclass
+class QueryCapture:
+    """A prefill row's last queries kept for an eviction policy: the queries of columns `cols` [n] of row
+    `row` of the forward go to rows `rows` [n] (position mod window) of `dest` [layers, W, Hq, D]."""
+
+    row: int
+    cols: Tensor
+    rows: Tensor
+    dest: Tensor
+
+
+@dataclass
 class Cascade:
     """Shared-prefix groups of a decode batch: (rows [n] int64, store) for the samples whose block
     tables start with store.pages, and the logical pages [B, Hkv, W] each row attends beyond its
@@ -81,18 +92,22 @@ class Cascade:
 class PrefillAttention:
     def __init__(self, cache: PagedKVCache, valid: Tensor, slots: Tensor, impl: str = "auto",
                  recompute: Recompute | None = None, prefixes: list[tuple[int, SharedPrefix]] = (),
-                 history: Tensor | None = None):
+                 history: Tensor | None = None, windows: list[QueryCapture] = ()):
         """valid [G, T] bool: the prompt tokens, which `write_prefill` writes; slots [N] int64, one per
         valid token in row order. `recompute`: rows that continue past their prompt. `prefixes`:
         (row, store) pairs whose store receives the row's keys/values of its first store.tokens positions
         (the forward must reach position store.tokens - 1). `history` [1, W] int64: the block table of a
         single row that continues earlier chunks (its queries sit at the last T of the W pages'
-        positions that it reaches); None: every row starts at position 0."""
+        positions that it reaches); None: every row starts at position 0. `windows`: prompt queries an
+        eviction policy keeps (compaction.py)."""
         self.cache, self.valid, self.slots, self.impl = cache, valid, slots, impl
         self.recompute, self.prefixes, self.history = recompute, prefixes, history
+        self.windows = windows
         self.ops = _ops()
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext) -> Tensor:
+        for w in self.windows:
+            w.dest[layer, w.rows] = q[w.row][:, w.cols].transpose(0, 1)  # [n, Hq, D]
         k_pages, v_pages, centroids = self.cache.layer(layer)
         kt, vt = k.transpose(1, 2), v.transpose(1, 2)  # [G, T, Hkv, D]
         if kt.shape[0] == 1 and bool(self.valid.all()):
@@ -148,10 +163,12 @@ def attend_after_prefix(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
 @dataclass
 class DecodeBatch:
     """The per-step inputs of a decode step: block_table [B, max_pages] int32 (-1 unused), seq_lens [B]
-    int32 (including the new token), budgets [B] int32 (0 = dense), slots [B] int64 (where the new
-    token's k/v go; < 0: a padding row that writes nothing). `any_sparse`: some row has a budget (given,
-    so that no layer reads it back from the device). `max_selected`: a bound on the kept pages, so that
-    selection needs no device-to-host sync (CUDA graphs need that)."""
+    int32 (the cached tokens including the new one: under eviction fewer than its position + 1), budgets
+    [B] int32 (0 = dense), slots [B] int64 (where the new token's k/v go; < 0: a padding row that writes
+    nothing). `any_sparse`: some row has a budget (given, so that no layer reads it back from the
+    device). `max_selected`: a bound on the kept pages, so that selection needs no device-to-host sync
+    (CUDA graphs need that). `query_index` [B] int64: the row of the pool's query ring each row's query
+    goes to (eviction, compaction.py), or None when the pool has no ring."""
 
     block_table: Tensor
     seq_lens: Tensor
@@ -159,6 +176,7 @@ class DecodeBatch:
     slots: Tensor
     any_sparse: bool
     max_selected: int | None = None
+    query_index: Tensor | None = None
 
 
 class DecodeAttention:
@@ -178,6 +196,7 @@ class DecodeAttention:
         """q [B, Hq, D] (post-RoPE, this step's k/v already appended) -> [B, Hq, D] in q's dtype: the
         selection and attention half of a layer, which the GPU's fused decode layer calls directly."""
         ops, b = self.ops, self.batch
+        self.record_queries(layer, q)
         k_pages, v_pages, centroids = self.cache.layer(layer)
         if b.any_sparse and layer not in self.dense_layers:
             selected = ops.select_pages(q, centroids, b.block_table, b.seq_lens, b.budgets,
@@ -189,6 +208,12 @@ class DecodeAttention:
             out = ops.dense_paged_attention(q, k_pages, v_pages, b.block_table, b.seq_lens, self.scale,
                                             impl=self.impl)
         return out.to(q.dtype)
+
+    def record_queries(self, layer: int, q: Tensor) -> None:
+        """Each row's post-RoPE query q [B, Hq, D] into its row of the pool's query ring (one index copy:
+        a static input, so CUDA graphs replay it)."""
+        if self.batch.query_index is not None:
+            self.cache.queries[layer].index_copy_(0, self.batch.query_index, q)
 
 
 class CpuDecodeAttention(DecodeAttention):
@@ -202,6 +227,7 @@ class CpuDecodeAttention(DecodeAttention):
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext) -> Tensor:
         ops, b = self.ops, self.batch
+        self.record_queries(layer, q[:, :, 0])
         k_pages, v_pages, centroids = self.cache.layer(layer)
         sparse = b.any_sparse and layer not in self.dense_layers
         if sparse and self._one_op(q, k_pages, centroids, k):

@@ -7,7 +7,8 @@ packed_linears.py), the norms and rotary embedding as C++ ops (cpu_layers.py), a
 C++ ops around the attention where every projection is packed for our product (cpu_decode.py; its
 logits are the modular step's bit for bit), reused K/V gather buffers, and cascade attention: the dense
 attention of samples sharing a prompt reads the prompt's pages once per step, from a contiguous copy
-taken at prefill into pool pages (`PrefixStore`, kv_cache.py).
+taken at prefill into pool pages (`PrefixStore`, kv_cache.py). Samples of an evicting policy take no
+copy and never read one: their compressed caches start with pages of their own, not the prompt's.
 
 The pool is sized for the workload (`Workload.pages`, every sample at full length, nothing preempted):
 a CPU has no memory fraction to fill, and pages nobody writes cost no resident memory (the pool is
@@ -68,6 +69,7 @@ class CpuRunner(ModelRunner):
         super().close()
 
     def begin(self, blocks) -> Callable[[], bool] | None:
+        super().begin(blocks)
         if not self.cascade:
             self.store = None
             return None
@@ -100,7 +102,7 @@ class CpuRunner(ModelRunner):
         if self.store is not None:
             for i, row in enumerate(rows):
                 full = row.prompt_len // self.page_size
-                if row.budgets is None and full:
+                if row.budgets is None and full and not row.window:  # no copy for an evicting request
                     prefix = self.store.take(row.request_id, row.pages[:full], row.samples,
                                              min(row.samples, self.max_batch))
                     if prefix is not None:
@@ -141,7 +143,7 @@ class CpuRunner(ModelRunner):
         groups: dict[int, list[int]] = {}
         first = [0] * len(seqs)
         for i, s in enumerate(seqs):
-            prefix = prefixes.get(s.request.request_id)
+            prefix = None if s.policy.evicts else prefixes.get(s.request.request_id)
             if prefix is not None and tuple(s.pages[: len(prefix.pages)]) == prefix.pages:
                 groups.setdefault(s.request.request_id, []).append(i)
                 first[i] = len(prefix.pages)

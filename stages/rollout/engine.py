@@ -17,10 +17,16 @@ being recomputed) or a decode step (one token for every running sample). The n s
 share one prefill: its pages are shared through the block tables (reference counted) and a sample
 copies the partial last page when it first writes to it. Pages are allocated as sequences grow and a
 full pool preempts the latest admitted sample, which is recomputed later with the keys, values,
-centroids and page selections it had up to float rounding (scheduler.py). Each decode step uses, per
-sample, the budget of the sparsity schedule at the cache length at which the token is produced
-(`budget_at(num_tokens)`, query at position num_tokens - 1), so the rollout's logprobs are those
-teacher-forced sparse scoring gives (`stages.mismatch.score_sequences`), within float tolerance.
+centroids and page selections it had up to float rounding (scheduler.py). Each request has a KV policy
+(stages/kv_policies: dense, block top-k, eviction), made from the `sparsity` given; each decode step
+uses, per sample, the budget its policy reads at the cache length at which the token is produced
+(`policy.read_budget(num_tokens)`, query at position num_tokens - 1), so the rollout's logprobs are those
+teacher-forced sparse scoring gives (`stages.mismatch.score_sequences`), within float tolerance. A
+sample's cache length (`Sequence.cached`: where its next keys go, what its attention reads) and the
+RoPE position of the token it feeds (`Sequence.position`) are kept apart. Under an eviction policy
+(SnapKV, R-KV) a sample whose cache reached budget + buffer is compressed before the next step
+(scheduler.py plans it, compaction.py moves the data): its logprobs are those teacher-forced scoring
+gives by replaying the eviction, within float tolerance (a near tie in a kept set may go either way).
 
 Decode steps are pipelined where the runner samples on the device (its static step: CUDA graphs, or
 decode_graphs="eager"): the engine launches step t+1 before it reads step t's tokens, so the host's
@@ -69,8 +75,9 @@ import torch
 from sparrow.kernels.ops import use_triton
 
 from ..attention import DEFAULT_DENSE_LAYERS, PAGE_SIZE
+from ..kv_policies import BlockTopK, KVPolicy
 from ..model.llama import Transformer
-from ..sparsity import Sparsity, budget_fn
+from ..sparsity import Sparsity, as_policy
 from .block_manager import BlockManager
 from .memory import Workload, check_memory_utilization
 from .runner import DECODE_GRAPHS, ModelRunner, PrefillRow
@@ -92,6 +99,14 @@ class EngineStats:
     recomputed_tokens: int = 0  # prefilled again after a preemption
     max_running: int = 0  # the largest decode batch
     dropped_tokens: int = 0  # sampled past a stop the pipelined loop noticed a step late
+    compactions: int = 0  # compressions of evicting samples
+    peak_pages: int = 0  # the most pool pages in use at a decode step
+    # KV tokens the decode steps' samples held (their caches, new tokens included) and what dense
+    # caches would hold (position + 1 each): summed over steps, and the largest step
+    kv_tokens_sum: int = 0
+    kv_tokens_peak: int = 0
+    dense_kv_tokens_sum: int = 0
+    dense_kv_tokens_peak: int = 0
     prefill_s: float = 0.0
     decode_s: float = 0.0
     # per decode step: from the later of its launch and the previous step's results to its results (with
@@ -157,7 +172,7 @@ class Engine:
                                   gpu_memory_utilization=gpu_memory_utilization)
         self.model, self.cfg = model, model.cfg
         self.page_size = page_size
-        self.budget_at = budget_fn(sparsity, page_size)
+        self.policy = as_policy(sparsity, page_size)
         self.eos_ids = frozenset(self.cfg.eos_token_ids if eos_ids is None else eos_ids)
         self.max_batch, self.max_prefill_tokens = max_batch, max_prefill_tokens
         self.fixed_pages = num_pages
@@ -167,7 +182,8 @@ class Engine:
         self.stats = EngineStats()
         self._next_id = 0
         self._pending: list[Request] = []
-        self._launched: deque[float] = deque()  # launch times of the decode steps in flight
+        self._launched: deque[tuple[float, list[int], list[int]]] = deque()  # decode steps in flight: launch
+        # time, the budgets and KV lengths their tokens record
         self._last_result = 0.0  # when the previous decode step's results were read
         self._finished: list[Completion] = []  # completed since the last step() returned
         self._new = 0  # tokens generated since the last step() returned
@@ -199,6 +215,11 @@ class Engine:
     def decode_graphs(self) -> str:
         return self.runner.decode_graphs
 
+    @property
+    def budget_at(self):
+        """The engine's block top-k budget function (None: its policy reads every cached token)."""
+        return self.policy.budget_at if isinstance(self.policy, BlockTopK) else None
+
     # ------------------------------------------------------------------ requests
 
     def add_request(self, prompt: Seq[int], params: SamplingParams, request_id: int | None = None,
@@ -211,21 +232,26 @@ class Engine:
             raise ValueError(f"a prompt of {len(prompt)} tokens with max_new_tokens "
                              f"{params.max_new_tokens} exceeds the model's context of "
                              f"{self.cfg.max_position_embeddings}")
+        policy = self.policy if _is_engine(sparsity) else as_policy(sparsity, self.page_size)
+        if policy.evicts:
+            policy.validate(self.cfg.max_position_embeddings)
         running = self._running()
         if self.fixed_pages is not None or running:
-            self._check_fits(len(prompt), params.max_new_tokens)
+            self._check_fits(len(prompt), params.max_new_tokens, policy)
+        if running and policy.evicts and policy.window > self.runner.cache.window:
+            raise ValueError(f"a {policy.name} request can join a run only if the run started with one (its "
+                             "pool then holds the query windows eviction reads); add it before the run")
         rid = self._next_id if request_id is None else request_id
         self._next_id = max(self._next_id, rid + 1)
-        fn = self.budget_at if sparsity == "engine" else budget_fn(sparsity, self.page_size)
-        req = Request(rid, prompt, params, fn, frozenset() if params.ignore_eos else self.eos_ids)
+        req = Request(rid, prompt, params, policy, frozenset() if params.ignore_eos else self.eos_ids)
         if running:
             self.scheduler.add(req)
         else:
             self._pending.append(req)
         return rid
 
-    def _check_fits(self, prompt_len: int, max_new: int) -> None:
-        need = -(-(prompt_len + max_new - 1) // self.page_size)
+    def _check_fits(self, prompt_len: int, max_new: int, policy: KVPolicy) -> None:
+        need = Workload.of([(prompt_len, 1, max_new, policy)], 1, self.page_size).one_sample()
         if need > self.num_pages:
             raise ValueError(f"a prompt of {prompt_len} tokens with max_new_tokens {max_new} needs {need} "
                              f"KV pages for one sample but the engine's pool has only {self.num_pages}")
@@ -237,8 +263,8 @@ class Engine:
         if self._running():
             raise RuntimeError("reserve() sizes the pool of an idle engine")
         params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
-        self.num_pages = self.runner.reserve(self._workload([(len(p), sp) for p, sp in zip(prompts, params)]),
-                                             self.fixed_pages)
+        work = self._workload([(len(p), sp, self.policy) for p, sp in zip(prompts, params)])
+        self.num_pages = self.runner.reserve(work, self.fixed_pages)
         return self.num_pages
 
     def warm_up(self, batch: int, budgets) -> None:
@@ -252,9 +278,9 @@ class Engine:
         with torch.inference_mode():
             self.runner.warm_up(batch, budgets)
 
-    def _workload(self, requests: list[tuple[int, SamplingParams]]) -> Workload:
-        return Workload.of([(n, sp.n, sp.max_new_tokens) for n, sp in requests], self.max_batch,
-                           self.page_size, self.runner.prefix_copies)
+    def _workload(self, requests: list[tuple[int, SamplingParams, KVPolicy]]) -> Workload:
+        return Workload.of([(n, sp.n, sp.max_new_tokens, policy) for n, sp, policy in requests],
+                           self.max_batch, self.page_size, self.runner.prefix_copies)
 
     def _running(self) -> bool:
         """Whether a run is in progress (its scheduler has work, or decode steps are in flight)."""
@@ -263,13 +289,13 @@ class Engine:
     def _start(self) -> None:
         """A new run over the pending requests: the pool sized (or kept) for them, every page free."""
         reqs = self._pending
-        self.num_pages = self.runner.reserve(self._workload([(len(r.prompt), r.params) for r in reqs]),
-                                             self.fixed_pages)  # may refuse: the requests stay pending
+        work = self._workload([(len(r.prompt), r.params, r.policy) for r in reqs])
+        self.num_pages = self.runner.reserve(work, self.fixed_pages)  # may refuse: the requests stay pending
         self._pending = []
         self.blocks = BlockManager(self.num_pages, self.page_size)
         reclaim = self.runner.begin(self.blocks)
         self.scheduler = Scheduler(self.blocks, self.max_batch, self.max_prefill_tokens,
-                                   self.runner.cache.copy_pages, reclaim or _nothing)
+                                   self.runner.cache.copy_pages, reclaim or _nothing, self.runner.compact)
         for r in reqs:
             self.scheduler.add(r)
 
@@ -376,25 +402,35 @@ class Engine:
         """Prefill new requests (their samples then share the prompt's pages and sample their first
         token) and recompute preempted samples (no sampling: their last token is fed next)."""
         blocks = self.blocks
+        restored = [x for x in batch if isinstance(x, Sequence) and x.policy.evicts]
+        batch = [x for x in batch if not (isinstance(x, Sequence) and x.policy.evicts)]
         rows = []
         for x in batch:
             tokens = prefill_tokens(x)
             pages = [blocks.allocate() for _ in range(blocks.pages_for(len(tokens)))]
             if isinstance(x, Request):
-                rows.append(PrefillRow(tokens, len(x.prompt), pages, None, x.request_id, x.params.n))
+                rows.append(PrefillRow(tokens, len(x.prompt), pages, None, x.request_id, x.params.n,
+                                       x.policy.window if x.policy.evicts else 0))
             else:
                 rows.append(PrefillRow(tokens, len(x.request.prompt), pages, x.budgets[1: len(x.tokens)],
                                        x.request.request_id))
-        logits = self.runner.prefill(rows)  # [fresh requests, V], in batch order
+        logits = self.runner.prefill(rows) if rows else None  # [fresh requests, V], in batch order
         self.stats.prefill_tokens += sum(len(r.tokens) for r in rows)
         self.stats.recomputed_tokens += sum(len(r.tokens) for r in rows if r.budgets is not None)
+        for seq in restored:  # an evicting sample: its retained cache, replayed (runner.restore)
+            seq.cached = seq.policy.cache_len(len(seq.request.prompt), len(seq.tokens) - 1)
+            seq.pages = [blocks.allocate() for _ in range(blocks.pages_for(seq.cached))]
+            self.runner.restore(seq, seq.pages)
+            fed = len(seq.request.prompt) + len(seq.tokens) - 1
+            self.stats.prefill_tokens += fed
+            self.stats.recomputed_tokens += fed
 
         seqs: list[Sequence] = []
         owner = []  # the row of logits each fresh sample samples from
         fresh = [(x, row) for x, row in zip(batch, rows) if isinstance(x, Request)]
         for i, (req, row) in enumerate(fresh):
             for s in range(req.params.n):
-                seq = Sequence(req, s, self._generator(req, s), self._seed(req, s))
+                seq = Sequence(req, s, self._generator(req, s), self._seed(req, s), cached=len(req.prompt))
                 seq.pages = [blocks.share(p) if s else p for p in row.pages]
                 seqs.append(seq)
                 owner.append(i)
@@ -402,8 +438,8 @@ class Engine:
             self._sample(seqs, logits[torch.tensor(owner, device=logits.device)], [0] * len(seqs))
         again = [x for x in batch if isinstance(x, Sequence)]
         for seq, row in zip(again, (row for x, row in zip(batch, rows) if isinstance(x, Sequence))):
-            seq.pages = row.pages
-        self.scheduler.admit_prefilled(again + [s for s in seqs if s.finish_reason is None])
+            seq.pages, seq.cached = row.pages, len(row.tokens)
+        self.scheduler.admit_prefilled(again + restored + [s for s in seqs if s.finish_reason is None])
         return seqs
 
     # ------------------------------------------------------------------ decode
@@ -418,10 +454,23 @@ class Engine:
             if not seqs:
                 return
         budgets = [s.budget_now() for s in seqs]
+        # what the rollouts record of each token: the budget of its step (an evicting policy's KV budget),
+        # and the KV tokens its query reads (the cache with the fed token)
+        recorded = [s.policy.token_budget(s.num_tokens) for s in seqs]
         self.runner.launch_decode(seqs, budgets)
-        self._launched.append(started)
-        self.stats.decode_steps += 1
-        self.stats.max_running = max(self.stats.max_running, len(seqs))
+        held = dense = 0
+        for s in seqs:
+            s.cached += 1  # the fed token's keys and values
+            held, dense = held + s.cached, dense + s.position + 1
+        self._launched.append((started, recorded, [s.cached for s in seqs]))
+        st = self.stats
+        st.decode_steps += 1
+        st.max_running = max(st.max_running, len(seqs))
+        st.kv_tokens_sum, st.kv_tokens_peak = st.kv_tokens_sum + held, max(st.kv_tokens_peak, held)
+        st.dense_kv_tokens_sum = st.dense_kv_tokens_sum + dense
+        st.dense_kv_tokens_peak = max(st.dense_kv_tokens_peak, dense)
+        st.peak_pages = max(st.peak_pages, self.blocks.used)
+        st.compactions = self.scheduler.compactions
         lag = self.runner.lag
         for s in seqs:
             s.pending += 1
@@ -434,7 +483,8 @@ class Engine:
         """One decode step's results: each sample's token recorded, unless the sample stopped at an
         earlier token (a token past a stop is dropped); finished samples completed."""
         now = time.perf_counter()
-        self.stats.step_times.append(now - max(self._launched.popleft(), self._last_result))
+        started, recorded, kv_lens = self._launched.popleft()
+        self.stats.step_times.append(now - max(started, self._last_result))
         self._last_result = now
         for i, s in enumerate(out.seqs):
             s.pending -= 1
@@ -442,9 +492,9 @@ class Engine:
                 self.stats.dropped_tokens += 1
                 continue
             top = None if out.top is None else (out.top[0][i], out.top[1][i])
-            self._record(s, out.tokens[i], out.logprobs[i], out.budgets[i], top)
+            self._record(s, out.tokens[i], out.logprobs[i], recorded[i], kv_lens[i], top)
             self.stats.decode_tokens += 1
-            self.stats.budget_sum += out.budgets[i]
+            self.stats.budget_sum += recorded[i]
             self.stats.generated_tokens += 1
             self._new += 1
             if s.finish_reason is not None:
@@ -459,14 +509,17 @@ class Engine:
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor, budgets: list[int]) -> None:
         tokens, logps, top = self.runner.sample(seqs, logits)
         for i, s in enumerate(seqs):
-            self._record(s, tokens[i], logps[i], budgets[i], None if top is None else (top[0][i], top[1][i]))
+            self._record(s, tokens[i], logps[i], budgets[i], s.cached,
+                         None if top is None else (top[0][i], top[1][i]))
 
     @staticmethod
-    def _record(s: Sequence, token: int, logprob: float, budget: int, top) -> None:
-        """Append a sampled token (top: its row of top (values, ids)) and decide whether the sample stops."""
+    def _record(s: Sequence, token: int, logprob: float, budget: int, kv_len: int, top) -> None:
+        """Append a sampled token (top: its row of top (values, ids); kv_len: the KV tokens its query
+        read) and decide whether the sample stops."""
         s.tokens.append(token)
         s.logprobs.append(logprob)
         s.budgets.append(budget)
+        s.kv_lens.append(kv_len)
         n = s.request.params.logprobs
         if n:
             s.top_logprobs = s.top_logprobs or []
@@ -479,3 +532,7 @@ class Engine:
 
 def _nothing() -> bool:
     return False
+
+
+def _is_engine(sparsity: Sparsity) -> bool:
+    return isinstance(sparsity, str) and sparsity == "engine"

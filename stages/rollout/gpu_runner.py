@@ -92,6 +92,7 @@ class GpuRunner(ModelRunner):
         torch.cuda.empty_cache()
         # the static step's log-probs buffer and the temperature-scaled logits its sampling makes
         static = 2 * self.max_batch * cfg.vocab_size * 4 if self.decode_graphs != "off" else 0
+        static += PagedKVCache.query_ring_bytes(cfg, self.max_batch, workload.window, self.dtype)  # eviction
         activations = prefill + decode + static
         free, total = torch.cuda.mem_get_info(dev)
         page_bytes = PagedKVCache.bytes_per_page(cfg, self.page_size, self.dtype, self.centroid_dtype)
@@ -116,7 +117,7 @@ class GpuRunner(ModelRunner):
 
     def begin(self, blocks):
         self.refresh_weights()
-        return None
+        return super().begin(blocks)
 
     def refresh_weights(self) -> None:
         """CUDA graphs read the weights at their addresses and bake in the Python-level choices of the

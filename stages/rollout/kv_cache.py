@@ -6,6 +6,10 @@ the runner asks for it), the mean of the post-RoPE keys written so far into the 
 in one tensor makes copying a page (a sample's private copy of the prompt's partial last page) one
 indexing op for every layer. Memory is zero-initialised (calloc'd on the CPU, so untouched pages cost
 no resident memory).
+
+Under an eviction policy the pool also holds the query ring the compressions read (`queries`, [layers,
+slots x window + 1, Hq, D] in the model dtype: `window` rows per running sample and a last row that
+padding rows and samples that evict nothing write to; compaction.py).
 """
 
 from __future__ import annotations
@@ -27,6 +31,24 @@ class PagedKVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.centroids = torch.zeros(shape[:3] + (cfg.head_dim,), dtype=centroid_dtype, device=device)
         self.num_pages, self.page_size = num_pages, page_size
+        self.cfg = cfg
+        self.queries: torch.Tensor | None = None
+        self.window = 0
+
+    def add_query_ring(self, slots: int, window: int) -> None:
+        """Room for `window` queries per layer of `slots` running samples (replaces a smaller ring)."""
+        cfg = self.cfg
+        self.queries = None
+        self.queries = torch.zeros(cfg.num_layers, slots * window + 1, cfg.num_heads, cfg.head_dim,
+                                   dtype=self.k.dtype, device=self.k.device)
+        self.window = window
+
+    @staticmethod
+    def query_ring_bytes(cfg: ModelConfig, slots: int, window: int, dtype: torch.dtype) -> int:
+        if not window:
+            return 0
+        elem = torch.tensor([], dtype=dtype).element_size()
+        return cfg.num_layers * (slots * window + 1) * cfg.num_heads * cfg.head_dim * elem
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.k[i], self.v[i], self.centroids[i]

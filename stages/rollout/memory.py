@@ -8,7 +8,11 @@ Pages on demand never need more, so a pool of that size never preempts; it is al
 sized from memory (the memory of pages nobody would use stays free, for the learner in `sparrow train`).
 With the CPU's cascade attention each group also keeps a contiguous copy of its prompt pages in the
 pool, taken while it leaves each sample that can run a page to grow into (cpu_runner.py), so those count
-too.
+too. A request under an eviction policy (stages/kv_policies) caches at most `policy.max_cache` tokens;
+before its first compression a sample holds the shared prompt pages and its own, and from the first
+compression on only pages of its own (the compressed cache goes to its own pages or fresh ones, never
+to a page other samples read), as many as the cache of budget + buffer tokens needs. Its group takes
+no cascade copy.
 
 `pool_pages` is the CUDA pool as nano-vllm sizes it: after a profiling run (the largest prefill chunk
 at the longest context, and a decode step of the largest batch, whose intermediates the CUDA graphs'
@@ -20,6 +24,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from ..kv_policies import Dense, KVPolicy
 
 GiB = 2**30
 
@@ -40,47 +46,59 @@ def pages_for(tokens: int, page_size: int) -> int:
 
 @dataclass(frozen=True)
 class Workload:
-    """What a KV pool is sized for: (prompt tokens, samples, max new tokens) per request."""
+    """What a KV pool is sized for: (prompt tokens, samples, max new tokens, KV policy) per request."""
 
-    requests: tuple[tuple[int, int, int], ...]
+    requests: tuple[tuple[int, int, int, KVPolicy], ...]
     max_batch: int
     page_size: int
     prefix_copies: bool = False  # the CPU's cascade: a copy of each group's full prompt pages in the pool
 
     @classmethod
-    def of(cls, requests: Sequence[tuple[int, int, int]], max_batch: int, page_size: int,
+    def of(cls, requests: Sequence[tuple], max_batch: int, page_size: int,
            prefix_copies: bool = False) -> Workload:
-        return cls(tuple((int(p), int(n), int(m)) for p, n, m in requests), max_batch, page_size,
-                   prefix_copies)
+        """`requests`: (prompt, samples, max new tokens[, policy]) each (default policy: dense)."""
+        rows = tuple((int(r[0]), int(r[1]), int(r[2]), r[3] if len(r) > 3 else Dense()) for r in requests)
+        return cls(rows, max_batch, page_size, prefix_copies)
 
-    def _split(self, prompt: int, max_new: int) -> tuple[int, int]:
+    def _split(self, prompt: int, max_new: int, policy: KVPolicy) -> tuple[int, int]:
         """(full prompt pages a group shares, pages each sample owns at full length). A sample caches at
-        most prompt + max_new - 1 tokens (its last sampled token is never fed back)."""
+        most `policy.max_cache` tokens (prompt + max_new - 1 without eviction: its last sampled token is
+        never fed back); an evicting sample whose cache reaches budget + buffer then owns that many."""
         shared = prompt // self.page_size
-        return shared, pages_for(prompt + max_new - 1, self.page_size) - shared
+        own = pages_for(policy.max_cache(prompt, max_new), self.page_size) - shared
+        if policy.evicts and prompt + max_new - 1 >= policy.capacity:
+            own = max(own, pages_for(policy.capacity, self.page_size))
+        return shared, own
 
     def one_sample(self) -> int:
-        """Pages of the largest sample alone at full length: the least a pool must hold."""
-        return max((sum(self._split(p, m)) for p, _, m in self.requests), default=1)
+        """Pages of the largest sample alone at full length: the least a pool must hold (alone, a sample
+        owns its prompt's pages, so an evicting one compresses into them)."""
+        return max((pages_for(k.max_cache(p, m), self.page_size) for p, _, m, k in self.requests), default=1)
 
     def longest(self) -> int:
-        """Tokens of the longest sample at full length (prompt + max new tokens)."""
-        return max((p + m for p, _, m in self.requests), default=1)
+        """The longest cache a sample holds plus one (prompt + max new tokens without eviction)."""
+        return max((k.max_cache(p, m) + 1 for p, _, m, k in self.requests), default=1)
+
+    @property
+    def window(self) -> int:
+        """The widest query window of the requests' eviction policies (0: none evicts)."""
+        return max((k.window for _, _, _, k in self.requests if k.evicts), default=0)
 
     def pages(self) -> int:
         """The most pages the requests hold at once, every sample at full length (see the module)."""
         if not self.requests:
             return 1
-        copies = 2 if self.prefix_copies else 1
         groups, owns, shares = 0, [], []
-        for prompt, n, max_new in self.requests:
-            shared, own = self._split(prompt, max_new)
+        for prompt, n, max_new, policy in self.requests:
+            shared, own = self._split(prompt, max_new, policy)
+            copied = self.prefix_copies and not policy.evicts
+            copies = 2 if copied else 1
             running = min(n, self.max_batch)
             # the prompt's partial page stays while a sample that has not copied it waits for a slot
             waits = prompt % self.page_size and (n > self.max_batch or len(self.requests) > 1)
-            slack = running if self.prefix_copies else 0  # the copy leaves each sample a page to grow into
+            slack = running if copied else 0  # the copy leaves each sample a page to grow into
             groups += copies * shared + int(waits) + running * own + slack
-            owns.append(own + (1 if self.prefix_copies else 0))
+            owns.append(own + (1 if copied else 0))
             shares.append(copies * shared + int(waits))
         # at most max_batch samples run, from at most max_batch groups
         bound = self.max_batch * max(owns) + min(len(shares), self.max_batch) * max(shares)

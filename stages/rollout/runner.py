@@ -21,6 +21,12 @@ keyed by the sample's seed and position) and its results come back asynchronousl
 reads step t's tokens after it launched step t+1. Such a runner samples the same way everywhere, a
 prefill's first tokens and a step that does not fit the static buffers included, so a sample's draws do
 not depend on which of its steps ran where.
+
+Eviction (compaction.py): the runner keeps the pool's query ring (`QueryWindows`: each prompt's last
+queries captured at its prefill, each running sample's written by the decode step), runs the
+compressions the scheduler planned (`compact`) and rebuilds a preempted evicting sample (`restore`) by
+replaying its eviction (stages/kv_policies/replay.py, prompt chunks of `max_prefill_tokens`) into its
+fresh pages: the retained keys and values, their centroids and its query window.
 """
 
 from __future__ import annotations
@@ -36,7 +42,8 @@ import torch
 from torch import Tensor
 
 from ..model.llama import Transformer
-from .attention import DecodeAttention, DecodeBatch, PrefillAttention, Recompute
+from .attention import DecodeAttention, DecodeBatch, PrefillAttention, QueryCapture, Recompute
+from .compaction import Compaction, QueryWindows, compact, write_retained
 from .kv_cache import PagedKVCache, SharedPrefix
 from .memory import Workload, pages_for
 from .sampler import sample_by_position, sample_tokens
@@ -58,6 +65,7 @@ class PrefillRow:
     budgets: list[int] | None = None
     request_id: int = -1
     samples: int = 1  # of a fresh prompt, which will share its pages
+    window: int = 0  # an eviction policy's observation window: the prompt's last queries to keep
 
 
 Segment = tuple[int, int, int]  # (row, first position, end position) of one forward
@@ -100,6 +108,7 @@ class ModelRunner:
         self.cache: PagedKVCache | None = None
         self.centroid_dtype = torch.float32  # of the pool's page centroids (kernels/CONTRACT.md)
         self.static: StaticDecode | None = None
+        self.windows: QueryWindows | None = None
         self.fixed_pages = False  # the pool's size was given, not sized from a workload
         self._ready: deque[StepOutput] = deque()  # plain steps' results, not collected yet
 
@@ -116,6 +125,9 @@ class ModelRunner:
             pages = num_pages if fixed else self._pool_size(workload)
             self.cache = PagedKVCache(self.cfg, pages, self.page_size, self.dtype, self.device,
                                       self.centroid_dtype)
+        if workload.window > self.cache.window:  # eviction: the query ring (the static step writes it)
+            self.static = None
+            self.cache.add_query_ring(self.max_batch, workload.window)
         self.fixed_pages = fixed
         width = pages_for(workload.longest(), self.page_size)
         if self.decode_graphs != "off" and (self.static is None or self.static.max_pages < width):
@@ -145,6 +157,7 @@ class ModelRunner:
     def close(self) -> None:
         """Free the pool and the static step (its CUDA graphs with it); steps in flight are dropped."""
         self.static = None
+        self.windows = None
         self.cache = None
         self._ready.clear()
 
@@ -153,10 +166,13 @@ class ModelRunner:
     def begin(self, blocks) -> Callable[[], bool] | None:
         """A new run over `blocks` (block_manager.BlockManager); returns what the scheduler may call to
         get pages back before it preempts (None: nothing)."""
+        self.windows = QueryWindows(self.cache, self.max_batch) if self.cache.queries is not None else None
         return None
 
     def on_finish(self, request_id: int) -> None:
         """A sample of the request finished."""
+        if self.windows is not None:
+            self.windows.finished(request_id)
 
     def refresh_weights(self) -> None:
         """The model's weights changed in place (an optimizer step, a load): drop what was derived from
@@ -174,8 +190,10 @@ class ModelRunner:
 
     def _prefill(self, rows: list[PrefillRow], prefixes: dict[int, SharedPrefix]) -> Tensor | None:
         last: dict[int, Tensor] = {}
+        windows = {i: self.windows.prompt_window(r.request_id, r.window, r.samples)
+                   for i, r in enumerate(rows) if r.window and r.budgets is None}
         for forward in plan_forwards([len(r.tokens) for r in rows], self.max_prefill_tokens):
-            hidden = self._forward(rows, forward, prefixes, self.cache)
+            hidden = self._forward(rows, forward, prefixes, self.cache, windows)
             for j, (i, start, end) in enumerate(forward):
                 if rows[i].budgets is None and end == len(rows[i].tokens):
                     last[i] = hidden[j, end - start - 1]
@@ -184,8 +202,9 @@ class ModelRunner:
         return self._head(torch.stack([last[i] for i in sorted(last)]))
 
     def _forward(self, rows: list[PrefillRow], forward: list[Segment], prefixes: dict[int, SharedPrefix],
-                 cache: PagedKVCache) -> Tensor:
-        """One forward of the prefill -> hidden states [G, T, hidden]."""
+                 cache: PagedKVCache, windows: dict[int, Tensor] | None = None) -> Tensor:
+        """One forward of the prefill -> hidden states [G, T, hidden]. `windows`: the query-window
+        buffers of the rows whose policy evicts, by row."""
         P, dev = self.page_size, self.device
         g, t = len(forward), max(end - start for _, start, end in forward)
         tokens = torch.zeros(g, t, dtype=torch.long)
@@ -202,9 +221,17 @@ class ModelRunner:
         continued = forward[0][1] > 0  # a later chunk of one row
         stores = [(j, prefixes[i]) for j, (i, start, end) in enumerate(forward)
                   if i in prefixes and start < prefixes[i].tokens <= end]
+        captures = []
+        for j, (i, start, end) in enumerate(forward):
+            if windows and i in windows:
+                w = rows[i].window
+                pos = np.arange(max(start, rows[i].prompt_len - w), end)
+                if len(pos):
+                    captures.append(QueryCapture(j, torch.from_numpy(pos - start).to(dev),
+                                                 torch.from_numpy(pos % w).to(dev), windows[i]))
         attn = PrefillAttention(cache, torch.from_numpy(valid).to(dev), torch.from_numpy(slot[valid]).to(dev),
                                 self.impl, self._recompute(rows, forward, positions, slot, table), stores,
-                                torch.from_numpy(table).to(dev) if continued else None)
+                                torch.from_numpy(table).to(dev) if continued else None, captures)
         return self.model.hidden_states(tokens.to(dev), positions=torch.from_numpy(positions).to(dev),
                                         attention=attn)
 
@@ -252,7 +279,7 @@ class ModelRunner:
         """Queue one decode step: each sample feeds its last token (on the static step: the token the
         device sampled for it, which the host may not have read yet) at its budget."""
         if self.pipelines(seqs):
-            self.static.launch(seqs, budgets)
+            self.static.launch(seqs, budgets, None if self.windows is None else self.windows.bases(seqs))
             return
         if self.static is not None:
             self.static.forget_rows()  # the samples move on without it
@@ -283,22 +310,26 @@ class ModelRunner:
     def decode(self, seqs: list[Sample], budgets: list[int]) -> Tensor:
         """One plain decode step: each sample feeds its last token at its budget -> logits [B, V] float32."""
         P = self.page_size
-        pos, slots = [], []
+        pos, slots, lens = [], [], []
         for s in seqs:
-            p = s.num_tokens - 1  # the last sampled token: its k/v go to its page, given by the scheduler
-            pos.append(p)
-            slots.append(s.pages[p // P] * P + p % P)
+            pos.append(s.position)  # the last sampled token's RoPE position
+            c = s.cached  # its k/v go to slot `cached` of its pages (the scheduler gave it the page)
+            slots.append(s.pages[c // P] * P + c % P)
+            lens.append(c + 1)
         width = max(len(s.pages) for s in seqs)
         table = np.full((len(seqs), width), -1, dtype=np.int32)
         for i, s in enumerate(seqs):
             table[i, : len(s.pages)] = s.pages
         tokens = [s.tokens[-1] for s in seqs]
+        queries = self.windows.indices(seqs) if self.windows is not None else None
         dev = self.device
         positions = torch.tensor(pos, device=dev)
-        batch = DecodeBatch(torch.from_numpy(table).to(dev), (positions + 1).to(torch.int32),
+        batch = DecodeBatch(torch.from_numpy(table).to(dev),
+                            torch.tensor(lens, dtype=torch.int32, device=dev),
                             torch.tensor(budgets, dtype=torch.int32, device=dev),
                             torch.tensor(slots, dtype=torch.int64, device=dev), any(b > 0 for b in budgets),
-                            self._max_selected(budgets, width))
+                            self._max_selected(budgets, width),
+                            None if queries is None else torch.tensor(queries, dtype=torch.int64, device=dev))
         return self._decode_logits(tokens, pos, positions, self._decode_attention(batch, seqs))
 
     def _max_selected(self, budgets: list[int], width: int) -> int | None:
@@ -316,6 +347,35 @@ class ModelRunner:
     def _head(self, hidden: Tensor) -> Tensor:
         """Final hidden states [B, H] -> logits [B, V] float32: the model's fp32 head."""
         return self.model.logits(hidden)
+
+    # ------------------------------------------------------------------ eviction
+
+    def compact(self, plans: list[Compaction]) -> None:
+        """Run the compressions the scheduler planned, before the next decode step (compaction.py)."""
+        if plans:
+            compact(self.cache, self.windows, plans)
+
+    def restore(self, seq: Sample, pages: list[int]) -> None:
+        """A preempted evicting sample's cache, rebuilt into `pages` by replaying its eviction over its
+        prompt and every generated token but the last (the next decode step feeds that one), with the
+        query window its next compression reads."""
+        from ..kv_policies.replay import replay
+
+        dev, policy = self.device, seq.policy
+        fed = seq.tokens[:-1]
+        with torch.inference_mode():
+            state = replay(self.model, torch.tensor([seq.request.prompt], device=dev),
+                           torch.tensor([fed], dtype=torch.long, device=dev), policy,
+                           prefill_chunk=self.max_prefill_tokens).state
+        write_retained(self.cache, pages, [k[0] for k in state.k], [v[0] for v in state.v])
+        last = len(seq.request.prompt) + len(fed) - 1  # the position of the last query seen
+        _, hq, seen, d = state.queries[0].shape
+        ring = torch.arange(last - seen + 1, last + 1, device=dev) % policy.window
+        window = torch.zeros(len(state.queries), policy.window, hq, d, dtype=self.cache.queries.dtype,
+                             device=dev)
+        for layer, q in enumerate(state.queries):
+            window[layer, ring] = q[0].transpose(0, 1).to(window.dtype)  # [seen, Hq, D]
+        self.windows.pending[seq] = window
 
     # ------------------------------------------------------------------ sampling
 

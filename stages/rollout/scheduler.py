@@ -27,7 +27,16 @@ it would have up to that rounding; it keeps its random generator, so it draws wh
 drawn from the same logits. So in fp32 it keeps its tokens unless a near tie flips; in bf16 or on CUDA
 a near tie in a token or a page selection is common enough that it may not (engine.py). A recompute
 longer than the prefill token cap is prefilled in chunks (runner.py); admission caps the tokens of a
-prefill step except for its first entry, which may be that long. The oldest
+prefill step except for its first entry, which may be that long.
+
+Eviction (stages/kv_policies, rollout/compaction.py): before a decode step, a running sample whose cache
+reached its policy's budget + buffer is compressed back to the budget. Its compressed cache goes to
+pages of its own (refcount 1, in its block table's order) and, where those are too few (its first
+pages are the prompt's, shared), to fresh pages, which may take preemptions as a growing sample's page
+does; the pages it no longer needs go back (a shared one stays with its other owners). The runner moves
+the data (`compact`) before the step's copies on write and its decode, so the freed pages can be reused
+in the same step. A preempted evicting sample's recompute rebuilds only its retained cache, so its
+prefill takes the pages of that cache, not of its prompt and every generated token. The oldest
 running sample is never the victim, so it always progresses: a request is refused up front if one
 of its samples at full length needs more pages than the pool has (engine.py), and with that no
 schedule can stall.
@@ -39,6 +48,7 @@ from collections import deque
 from collections.abc import Callable
 
 from .block_manager import BlockManager
+from .compaction import Compaction
 from .sequence import Request, Sequence, Status
 
 
@@ -65,16 +75,19 @@ def prefill_tokens(entry: Request | Sequence) -> list[int]:
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_batch: int, max_prefill_tokens: int,
                  copy_pages: Callable[[list[int], list[int]], None],
-                 reclaim: Callable[[], bool] = lambda: False):
+                 reclaim: Callable[[], bool] = lambda: False,
+                 compact: Callable[[list[Compaction]], None] = lambda plans: None):
         """`copy_pages(src, dst)` copies whole pages in the cache (copy on write before a decode).
         `reclaim()` frees pages held for something other than a sample (the engine's cascade copies)
-        and says whether it did; it is tried before anyone is preempted."""
+        and says whether it did; it is tried before anyone is preempted. `compact(plans)` runs the
+        planned compressions of evicting samples (the runner's)."""
         self.blocks, self.max_batch, self.max_prefill_tokens = blocks, max_batch, max_prefill_tokens
-        self.copy_pages, self.reclaim = copy_pages, reclaim
+        self.copy_pages, self.reclaim, self.compact = copy_pages, reclaim, compact
         self.waiting: deque[Request | Sequence] = deque()
         self.ready: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.preemptions = 0
+        self.compactions = 0
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -82,9 +95,28 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.ready or self.running)
 
+    def prefill_pages(self, entry: Request | Sequence) -> int:
+        """Pages a prefill of `entry` writes: its prompt's, or a recompute's cache (an evicting sample's
+        retained cache only)."""
+        if isinstance(entry, Sequence) and entry.policy.evicts:
+            fed = len(entry.tokens) - 1
+            return self.blocks.pages_for(entry.policy.cache_len(len(entry.request.prompt), fed))
+        return self.blocks.pages_for(len(prefill_tokens(entry)))
+
+    def _due(self, seq: Sequence) -> bool:
+        return seq.policy.compression_due(seq.cached, len(seq.tokens) + seq.pending - 1)  # in flight too
+
+    def _fresh_pages(self, seq: Sequence) -> int:
+        """Fresh pages the sample's compression takes: the budget's pages it does not own alone."""
+        own = sum(self.blocks.refcount[p] == 1 for p in seq.pages)
+        return max(0, self.blocks.pages_for(seq.policy.budget) - own)
+
     def page_need(self, seq: Sequence) -> int:
-        """1 if the sample's next decode step needs a page (a fresh one, or a copy of a shared one)."""
-        i = (seq.num_tokens - 1) // self.blocks.page_size  # the page of the token it feeds next
+        """The pages the sample's next decode step takes: 1 if its token needs one (a fresh one, or a
+        copy of a shared one); for a sample due a compression, its fresh pages and the next token's."""
+        if self._due(seq):
+            return self._fresh_pages(seq) + int(seq.policy.budget % self.blocks.page_size == 0)
+        i = seq.cached // self.blocks.page_size  # the page of the slot its next token goes to
         if i == len(seq.pages):
             return 1
         return int(self.blocks.refcount[seq.pages[i]] > 1)
@@ -124,7 +156,7 @@ class Scheduler:
             n_tok = len(prefill_tokens(entry))
             if admitted and tokens + n_tok > self.max_prefill_tokens:
                 break
-            pages = self.blocks.pages_for(n_tok)
+            pages = self.prefill_pages(entry)
             samples = min(entry.params.n, free_slots) if isinstance(entry, Request) else 1
             # each sample joining the batch may take a page at its first decode step; with nothing
             # running or admitted, the prompt's pages alone (which always fit) are enough to go
@@ -139,19 +171,26 @@ class Scheduler:
         return admitted
 
     def _grow(self) -> None:
-        """Give every running sample the page its next token goes to, oldest first, preempting the
-        latest admitted when none is free."""
-        src, dst = [], []
+        """Compress the running samples that are due, then give every running sample the page its next
+        token goes to, oldest first, preempting the latest admitted when none is free."""
+        src, dst, plans = [], [], []
         i = 0
         while i < len(self.running):
             seq = self.running[i]
+            if self._due(seq):
+                while seq.status == Status.RUNNING and self._fresh_pages(seq) > self.blocks.num_free:
+                    if not self.reclaim():
+                        self.preempt(self._victim(seq, i))
+                if seq.status != Status.RUNNING:
+                    break
+                plans.append(self._plan_compaction(seq))
             while seq.status == Status.RUNNING and self.page_need(seq) and not self.blocks.free:
                 if not self.reclaim():
                     self.preempt(self._victim(seq, i))
             if seq.status != Status.RUNNING:
                 break  # it was the latest admitted itself: everyone before it has their page
             if self.page_need(seq):
-                p = (seq.num_tokens - 1) // self.blocks.page_size
+                p = seq.cached // self.blocks.page_size
                 page = self.blocks.allocate()
                 if p < len(seq.pages):  # copy on write; copies run batched, reads before writes
                     src.append(seq.pages[p])
@@ -161,7 +200,22 @@ class Scheduler:
                 else:
                     seq.pages.append(page)
             i += 1
+        self.compactions += len(plans)
+        self.compact(plans)  # reads the pages just given up before anything writes them
         self.copy_pages(src, dst)
+
+    def _plan_compaction(self, seq: Sequence) -> Compaction:
+        """The sample's compressed cache goes to its own pages first, then fresh ones; the rest go back."""
+        blocks = self.blocks
+        keep = blocks.pages_for(seq.policy.budget)
+        own = [p for p in seq.pages if blocks.refcount[p] == 1][:keep]
+        new = own + [blocks.allocate() for _ in range(keep - len(own))]
+        plan = Compaction(seq, list(seq.pages), new, seq.cached)
+        kept = set(new)
+        blocks.free_pages([p for p in seq.pages if p not in kept])
+        seq.pages, seq.cached = new, seq.policy.budget
+        seq.compactions += 1
+        return plan
 
     def _victim(self, seq: Sequence, i: int) -> Sequence:
         """The latest admitted: the end of `running` after `seq`, else the end of `ready` (not yet

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..sparsity import BudgetFn
+from ..kv_policies import KVPolicy
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,8 @@ class Completion:
     budgets: list[int]  # budget of the step that produced each token (0 = dense; the first is prefill)
     finish_reason: str  # stop | length
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    kv_lens: list[int] | None = None  # KV tokens each token's query attended to (the retained cache)
+    policy: str | None = None  # the request's KV policy (its spec)
 
 
 class Status(enum.Enum):
@@ -59,12 +61,12 @@ class Status(enum.Enum):
 
 @dataclass
 class Request:
-    """A prompt and its n samples."""
+    """A prompt and its n samples, under one KV policy."""
 
     request_id: int
     prompt: list[int]
     params: SamplingParams
-    budget_at: BudgetFn | None
+    policy: KVPolicy
     eos_ids: frozenset[int]
 
 
@@ -89,17 +91,29 @@ class Sequence:
     finish_reason: str | None = None
     status: Status = Status.READY
     preemptions: int = 0
+    cached: int = 0  # tokens in its KV cache (slots 0..cached-1 of its pages); the next goes to slot `cached`
+    compactions: int = 0  # compressions of its cache so far (eviction; the static step re-sends its row)
+    kv_lens: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
         return len(self.request.prompt) + len(self.tokens) + self.pending
 
+    @property
+    def position(self) -> int:
+        """RoPE position of the token its next decode step feeds (the last sampled one). Without
+        eviction it equals `cached`; an eviction policy keeps the two apart."""
+        return self.num_tokens - 1
+
+    @property
+    def policy(self) -> KVPolicy:
+        return self.request.policy
+
     def budget_now(self) -> int:
         """Budget of the next decode step: its query sits at position num_tokens - 1."""
-        fn = self.request.budget_at
-        return int(fn(self.num_tokens)) if fn is not None else 0
+        return self.request.policy.read_budget(self.num_tokens)
 
     def completion(self) -> Completion:
         return Completion(self.request.request_id, self.sample, self.request.prompt, self.tokens,
                           self.logprobs, self.budgets, self.finish_reason or "length",
-                          self.top_logprobs)
+                          self.top_logprobs, self.kv_lens, self.request.policy.spec())

@@ -1,8 +1,12 @@
 """`run_rollouts`: the `sparrow rollout` stage over a prompt set, as a `rollouts` table.
 
 One row per sample: prompt id, token ids, decoded text, sampled-token logprobs, the budget of the step
-that produced each token (0 = dense; the first token comes from the dense prefill), finish reason
-and the task's reward (`stages.tasks.score`, from the prompt row's task, answer and metadata).
+that produced each token (0 = dense; the first token comes from the dense prefill; an eviction
+policy's KV budget), finish reason, the task's reward (`stages.tasks.score`, from the prompt row's
+task, answer and metadata), the sample's KV policy and the KV tokens each token's query read
+(`kv_lens`: under eviction the retained cache, else the token's position). The summary reports the
+KV tokens the decode steps held (peak and mean over steps, all running samples) against what dense
+caches would have held, and the pool's peak pages.
 """
 
 from __future__ import annotations
@@ -51,10 +55,24 @@ class RolloutSummary:
     reward_mean: float | None
     stop_fraction: float
     preemptions: int = 0  # samples preempted (KV pool full) and recomputed
+    kv_policy: str | None = None  # the policies of the samples ("; "-joined when several)
+    kv_tokens_peak: int | None = None  # KV tokens the running samples held at the fullest decode step
+    kv_tokens_mean: float | None = None  # ... on average over decode steps
+    dense_kv_tokens_peak: int | None = None  # what dense caches would have held at those steps
+    dense_kv_tokens_mean: float | None = None
+    peak_pages: int | None = None  # pool pages in use at the fullest decode step
+    compactions: int = 0  # compressions of evicting samples
 
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def kv_saved(self) -> float | None:
+        """1 - mean KV tokens held / mean dense KV tokens (the share of KV storage saved)."""
+        if not self.kv_tokens_mean or not self.dense_kv_tokens_mean:
+            return None
+        return 1 - self.kv_tokens_mean / self.dense_kv_tokens_mean
 
     def metadata(self) -> dict[str, float | int | None]:
         """The summary as plain JSON values (None: not applicable), stored under "summary" in the
@@ -64,7 +82,16 @@ class RolloutSummary:
                 "decode_seconds": round(self.decode_seconds, 4),
                 "tokens_per_s": round(self.tokens_per_s, 3), "mean_budget": self.mean_budget,
                 "dense_fraction": self.dense_fraction, "stop_fraction": self.stop_fraction,
-                "reward_mean": self.reward_mean, "preemptions": self.preemptions}
+                "reward_mean": self.reward_mean, "preemptions": self.preemptions, "kv_policy": self.kv_policy,
+                "kv_tokens_peak": self.kv_tokens_peak, "kv_tokens_mean": _rounded(self.kv_tokens_mean),
+                "dense_kv_tokens_peak": self.dense_kv_tokens_peak,
+                "dense_kv_tokens_mean": _rounded(self.dense_kv_tokens_mean),
+                "kv_saved": _rounded(self.kv_saved), "peak_pages": self.peak_pages,
+                "compactions": self.compactions}
+
+
+def _rounded(x: float | None) -> float | None:
+    return None if x is None else round(x, 4)
 
 
 def run_rollouts(loaded: LoadedModel, rows: Seq[dict], opts: RolloutOptions,
@@ -95,7 +122,7 @@ def rollout_columns(rows: Seq[dict], results: Seq[Seq[Completion]], tokenizer) -
     from ..tasks import TASKS, score_batch
 
     out = {k: [] for k in ("prompt_id", "sample", "prompt_token_ids", "token_ids", "text", "logprobs",
-                           "budgets", "finish_reason", "reward")}
+                           "budgets", "finish_reason", "reward", "kv_policy", "kv_lens")}
     scored = []  # (index, task, text, answer, metadata) of the samples with a reward, scored at the end
     for row, completions in zip(rows, results):
         for c in completions:
@@ -112,6 +139,8 @@ def rollout_columns(rows: Seq[dict], results: Seq[Seq[Completion]], tokenizer) -
             out["budgets"].append(c.budgets)
             out["finish_reason"].append(c.finish_reason)
             out["reward"].append(reward)
+            out["kv_policy"].append(c.policy)
+            out["kv_lens"].append(c.kv_lens)
     for (i, *_), reward in zip(scored, score_batch([item for _, *item in scored])):
         out["reward"][i] = reward
     return out
@@ -122,10 +151,17 @@ def summarize(out: dict, stats: EngineStats) -> RolloutSummary:
     sparse = budgets[budgets > 0]
     rewards = [r for r in out["reward"] if r is not None]
     n = len(out["sample"])
+    policies = sorted({p for p in out.get("kv_policy", []) if p is not None})
+    steps = getattr(stats, "decode_steps", 0)
+    kv = {"kv_tokens_peak": stats.kv_tokens_peak, "kv_tokens_mean": stats.kv_tokens_sum / steps,
+          "dense_kv_tokens_peak": stats.dense_kv_tokens_peak,
+          "dense_kv_tokens_mean": stats.dense_kv_tokens_sum / steps,
+          "peak_pages": stats.peak_pages} if steps else {}
     return RolloutSummary(
         samples=n, tokens=int(budgets.size), seconds=stats.seconds, prefill_seconds=stats.prefill_s,
         decode_seconds=stats.decode_s, mean_budget=float(sparse.mean()) if sparse.size else None,
         dense_fraction=float((budgets == 0).mean()) if budgets.size else 1.0,
         reward_mean=float(np.mean(rewards)) if rewards else None,
         stop_fraction=sum(f == "stop" for f in out["finish_reason"]) / max(n, 1),
-        preemptions=stats.preemptions)
+        preemptions=stats.preemptions, kv_policy="; ".join(policies) or None,
+        compactions=getattr(stats, "compactions", 0), **kv)

@@ -122,11 +122,20 @@ class StaticDecode:
         self.logp = torch.zeros(rows, model.cfg.vocab_size, dtype=torch.float32, device=dev)
         self.sampled = torch.zeros(rows, dtype=torch.long, device=dev)
         self.sampled_logp = torch.zeros(rows, dtype=torch.float32, device=dev)
+        # eviction (compaction.py): each row's slot in the pool's query ring (its first row, -1: the trash
+        # row, for padding and samples that evict nothing) and its window; the step writes its query at
+        # base + position mod window
+        self.trash = cache.queries.shape[1] - 1 if cache.queries is not None else None
+        self.ring_base = self.ring_window = None
+        if self.trash is not None:
+            self.ring_base = torch.full((rows,), -1, dtype=torch.long, device=dev)
+            self.ring_window = torch.ones(rows, dtype=torch.long, device=dev)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.pool = None
         # the host's view: which sample each row holds and what of its block table the device has
         self.rows: list[Sample] = []
-        self._sent: list[tuple[int, int, int]] = []  # per row: (pages sent, last page sent, preemptions)
+        self._sent: list[tuple[int, int, int, int]] = []  # per row: (pages sent, last page sent,
+        # preemptions, compactions)
         self._budgets: list[int] | None = None
         pin = dev.type == "cuda"
         self._ring = [(torch.zeros(rows, dtype=torch.long, pin_memory=pin),
@@ -149,13 +158,15 @@ class StaticDecode:
 
     # ------------------------------------------------------------------ a step
 
-    def launch(self, seqs: list[Sample], budgets: list[int]) -> None:
+    def launch(self, seqs: list[Sample], budgets: list[int], rings: list[int] | None = None) -> None:
         """Queue one decode step of these samples at these budgets (no host sync); its results come
-        back from `collect`. A sample that joins the batch must have its last token on the host."""
+        back from `collect`. A sample that joins the batch must have its last token on the host.
+        `rings`: with a query ring, each sample's slot in it (its first row, -1: none), from
+        `compaction.QueryWindows.bases`."""
         b = len(seqs)
         n = next(s for s in self.buckets if s >= b)
         k = kept_pages(budgets, self.page_size, self.max_pages)
-        moved = self._sync_rows(seqs)
+        moved = self._sync_rows(seqs, rings)
         if moved or budgets != self._budgets:
             self.budgets[:b].copy_(self._upload(budgets, torch.int32))
             self.budgets[b:] = 0
@@ -194,13 +205,16 @@ class StaticDecode:
             return t
         return t.pin_memory().to(self.device, non_blocking=True)
 
-    def _sync_rows(self, seqs: list[Sample]) -> bool:
+    def _sync_rows(self, seqs: list[Sample], rings: list[int] | None = None) -> bool:
         """Make the device rows hold these samples in this order -> whether rows changed. Rows that stay
-        are gathered on the device (their state may be a step ahead of the host's); new rows are sent."""
+        are gathered on the device (their state may be a step ahead of the host's); new rows are sent;
+        rows whose cache was compacted since they were sent get their cache length and block table again
+        (their token and position stay the device's)."""
         b = len(seqs)
         same = len(seqs) == len(self.rows) and all(
             s is r and s.preemptions == sent[2] for s, r, sent in zip(seqs, self.rows, self._sent))
         if same:
+            self._send_compacted(seqs)
             self._send_new_pages(seqs)
             return False
         where = {id(s): i for i, s in enumerate(self.rows)}
@@ -215,20 +229,44 @@ class StaticDecode:
         if any(j is not None and j != i for i, j in enumerate(src)):
             perm = self._upload([i if j is None else j for i, j in enumerate(src)], torch.long)
             for buf in (self.tokens, self.positions, self.cache_lens, self.block_table, self.temperatures,
-                        self.seeds):
-                buf[:b] = buf[perm]
+                        self.seeds, self.ring_base, self.ring_window):
+                if buf is not None:
+                    buf[:b] = buf[perm]
         sent = [self._sent[j] if j is not None else None for j in src]
         if fresh:
             self._send_rows(seqs, fresh)
             for i in fresh:
                 s = seqs[i]
-                sent[i] = (len(s.pages), s.pages[-1], s.preemptions)
+                sent[i] = (len(s.pages), s.pages[-1], s.preemptions, s.compactions)
+            if self.ring_base is not None:
+                idx = self._upload(fresh, torch.long)
+                self.ring_base[idx] = self._upload([rings[i] for i in fresh], torch.long)
+                self.ring_window[idx] = self._upload([max(seqs[i].policy.window, 1) for i in fresh],
+                                                     torch.long)
         self.tokens[b:] = 0
         self.positions[b:] = 0
         self.cache_lens[b:] = 0  # padding: no write, no attention
+        if self.ring_base is not None:
+            self.ring_base[b:] = -1
         self.rows, self._sent = list(seqs), sent
+        self._send_compacted(seqs)
         self._send_new_pages(seqs)
         return True
+
+    def _send_compacted(self, seqs: list[Sample]) -> None:
+        """Rows whose cache was compacted since they were sent (compaction.py: fewer tokens, other pages):
+        their cache length and whole block table row again, the rest of their state left as it is."""
+        rows = [i for i, s in enumerate(seqs) if s.compactions != self._sent[i][3]]
+        if not rows:
+            return
+        table = np.full((len(rows), self.max_pages), -1, dtype=np.int32)
+        for j, i in enumerate(rows):
+            s = seqs[i]
+            table[j, : len(s.pages)] = s.pages
+            self._sent[i] = (len(s.pages), s.pages[-1], s.preemptions, s.compactions)
+        idx = self._upload(rows, torch.long)
+        self.cache_lens[idx] = self._upload([seqs[i].cached + 1 for i in rows], torch.int32)
+        self.block_table[idx] = self._upload(table, torch.int32)
 
     def _send_rows(self, seqs: list[Sample], rows: list[int]) -> None:
         """Upload the whole state of these rows from their samples (each with its last token read back)."""
@@ -239,7 +277,7 @@ class StaticDecode:
             s = seqs[i]
             assert s.pending == 0, "a sample joins the device batch with its tokens read back"
             position = s.num_tokens - 1  # of its last token, which it feeds next
-            ints[j] = (s.tokens[-1], position, s.num_tokens, s.seed)  # cache length: every position cached
+            ints[j] = (s.tokens[-1], position, s.cached + 1, s.seed)  # the cache with the fed token
             table[j, : len(s.pages)] = s.pages
             temps[j] = s.request.params.temperature
         idx = self._upload(rows, torch.long)
@@ -256,7 +294,7 @@ class StaticDecode:
         scatter."""
         updates = []
         for i, s in enumerate(seqs):
-            count, last, preempted = self._sent[i]
+            count, last, preempted, compactions = self._sent[i]
             pages = s.pages
             if len(pages) == count and pages[-1] == last:
                 continue
@@ -264,7 +302,7 @@ class StaticDecode:
             if pages[count - 1] != last:
                 updates.append((i, count - 1, pages[count - 1]))
             updates += [(i, j, pages[j]) for j in range(count, len(pages))]
-            self._sent[i] = (len(pages), pages[-1], preempted)
+            self._sent[i] = (len(pages), pages[-1], preempted, compactions)
         if updates:
             u = self._upload(np.asarray(updates, dtype=np.int64).T, torch.long)
             self.block_table[u[0], u[1]] = u[2].int()
@@ -275,8 +313,13 @@ class StaticDecode:
         at = (cl.long() - 1).clamp(min=0)  # the cache index this step's k/v go to
         page = self.block_table[:n].gather(1, (at // P)[:, None])[:, 0].long()
         self.slots[:n] = torch.where(cl > 0, page * P + at % P, -1)
+        queries = None
+        if self.ring_base is not None:  # padding rows and samples that evict nothing: the trash row
+            base = self.ring_base[:n]
+            queries = torch.where((base >= 0) & (cl > 0), base + self.positions[:n, 0] % self.ring_window[:n],
+                                  self.trash)
         attn = self.attention(DecodeBatch(self.block_table[:n], cl, self.budgets[:n], self.slots[:n],
-                                          any_sparse=k > 0, max_selected=k or None))
+                                          any_sparse=k > 0, max_selected=k or None, query_index=queries))
         kv_len = self.max_pages * self.page_size
         if self.hidden is None:
             hidden = self.model.hidden_states(self.tokens[:n], positions=self.positions[:n], attention=attn,

@@ -265,11 +265,18 @@ def merge_summaries(results: Sequence[ShardResult], wall_seconds: float) -> Roll
     wall-clock time of the parallel run (so tokens/s is the pool's throughput) and prefill/decode
     seconds are summed over workers."""
     table = pa.concat_tables([r.table for r in results])
-    cols = {k: table.column(k).to_pylist() for k in ("budgets", "reward", "finish_reason", "sample")}
+    cols = {k: table.column(k).to_pylist() for k in ("budgets", "reward", "finish_reason", "sample",
+                                                      "kv_policy")}
     merged = summarize(cols, _Stats(sum(r.summary.prefill_seconds for r in results),
                                     sum(r.summary.decode_seconds for r in results),
-                                    sum(r.summary.preemptions for r in results)))
-    return replace(merged, seconds=wall_seconds)
+                                    sum(r.summary.preemptions for r in results),
+                                    sum(r.summary.compactions for r in results)))
+    # each worker has its own pool: the KV held is each pool's, so the peaks and means are the largest
+    # worker's (a sum over pools that never ran at the same step would mean nothing)
+    kv = {k: max((getattr(r.summary, k) for r in results if getattr(r.summary, k) is not None), default=None)
+          for k in ("kv_tokens_peak", "kv_tokens_mean", "dense_kv_tokens_peak", "dense_kv_tokens_mean",
+                    "peak_pages")}
+    return replace(merged, seconds=wall_seconds, **kv)
 
 
 @dataclass
@@ -277,6 +284,7 @@ class _Stats:
     prefill_s: float
     decode_s: float
     preemptions: int
+    compactions: int = 0
 
     @property
     def seconds(self) -> float:

@@ -61,6 +61,7 @@ from sparrow.schemas.artifacts import TRAIN_CORRECTION_METRICS
 
 from ..calibrate import collapse_reasons, mismatch_warnings
 from ..definitions import TAIL_QUANTILE
+from ..kv_policies import Eviction
 from ..model.loading import LoadedModel
 from ..prompt_set import PromptError, PromptSet
 from ..rollout import Engine, SamplingParams
@@ -110,7 +111,7 @@ class TrainConfig:
     checkpoint_every: int = 10
     eval_every: int = 5
     bin_width: int = 512
-    sparsity: str = "dense"  # "dense" | "budget:B" | "schedule:<path>", as given
+    sparsity: str = "dense"  # "dense" | "budget:B" | "schedule:<path>" | "snapkv:B,..." | "rkv:B,..."
     device: str = "cpu"  # cuda: bf16 weights, the engine's Triton kernels and CUDA graphs
     random_weights: bool = False  # a shapes-only preset with random weights (timing the GPU path)
     gradient_checkpointing: bool = False  # recompute each layer in the update's backward (CLI: on for cuda)
@@ -147,6 +148,9 @@ class TrainConfig:
             if self.sparsity == "dense":
                 raise ValueError("--distill-sparse trains the sparse actor's adapter, so it needs a sparse "
                                  "sampler (--budget or --schedule)")
+            if self.sparsity.split(":", 1)[0] in ("snapkv", "rkv"):
+                raise ValueError("--distill-sparse trains a block top-k sparse actor (its teacher-forced "
+                                 "passes select pages); it does not support --kv-compression")
             if not self.lora_rank:
                 raise ValueError("--distill-sparse needs the learner to train a LoRA (not --full): the "
                                  "sparse adapter is a second peft adapter beside it")
@@ -676,7 +680,10 @@ class Trainer:
         write_artifact(self.history, self.run_dir / "metrics.parquet", "metrics", metadata=meta)
 
     def _write_schedule(self) -> None:
-        """The schedule the rollouts used, as a `schedule` artifact (dense: one bin, null budget)."""
+        """The schedule the rollouts used, as a `schedule` artifact (dense: one bin, null budget). An
+        eviction policy has no block top-k schedule: none is written (the metrics' config names it)."""
+        if isinstance(self.sparsity, Eviction):
+            return
         if isinstance(self.sparsity, Schedule):
             schedule = self.sparsity
         else:

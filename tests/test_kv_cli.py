@@ -1,0 +1,176 @@
+"""KV compression on the command line (issue 28): rollout, profile, train and plan-schedule as a user runs
+them. Bad input is one sentence and a non-zero exit before any weights load (load_model fails the test
+if called); a compressed rollout records its policy and retained lengths and reports the KV tokens it
+held against dense; profiling its own rollouts with the same policy gives back the logprobs it sampled
+with (the replay invariant through the CLI); a GRPO run with --kv-compression logs its tokens at the KV
+budget and writes no block top-k schedule, which calibrate-threshold and plan-schedule refuse to use."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from typer.testing import CliRunner
+
+from sparrow.cli.app import app
+from sparrow.schemas import artifact_metadata, read_artifact, write_artifact
+from sparrow.stages.model.loading import embedded_checkpoint
+
+from cli_checks import error_line
+
+runner = CliRunner()
+
+
+def _prompts(path: Path, n: int = 2, length: int = 30) -> Path:
+    rng = np.random.default_rng(0)
+    rows = [{"prompt_id": f"p{i}", "task": "basic_arithmetic", "prompt": None,
+             "prompt_token_ids": rng.integers(3, 500, length).tolist(), "answer": "5", "metadata": None}
+            for i in range(n)]
+    return write_artifact(rows, path, "prompts")
+
+
+@pytest.fixture()
+def no_work(monkeypatch):
+    import sparrow.stages.model.loading as loading
+
+    def refuse(*a, **k):
+        raise AssertionError("a model was loaded before the refusal")
+
+    monkeypatch.setattr(loading, "load_model", refuse)
+
+
+ROLLOUT_REFUSALS = [
+    (["--kv-compression", "h2o", "--kv-budget", "64"],
+     "--kv-compression must be one of snapkv, rkv, got 'h2o'"),
+    (["--kv-compression", "snapkv"],
+     "--kv-compression snapkv needs --kv-budget (the tokens a compressed cache keeps)"),
+    (["--kv-compression", "snapkv", "--kv-budget", "12"],
+     "--kv-compression snapkv --kv-budget 12: the budget must exceed the sink plus the window (4 + 8 = 12 "
+     "tokens), which are always kept, so that the rule keeps some tokens by score"),
+    (["--kv-compression", "rkv", "--kv-budget", "2000"],
+     "--kv-compression rkv --kv-budget 2000: budget + buffer (2000 + 128 = 2128 tokens) exceeds the model's "
+     "context of 2048, so its cache would never be compressed"),
+    (["--kv-compression", "rkv", "--kv-budget", "64", "--budget", "64"],
+     "--kv-compression and --budget were given together: eviction and block top-k selection do not "
+     "combine; pick one"),
+    (["--kv-budget", "64"], "--kv-budget applies only with --kv-compression snapkv or rkv"),
+    (["--kv-compression", "snapkv", "--kv-budget", "20", "--kv-window", "0"],
+     "the window and the buffer must be at least 1"),
+]
+
+
+@pytest.mark.parametrize("args,message", ROLLOUT_REFUSALS)
+@pytest.mark.parametrize("command", ["rollout", "train"])
+def test_bad_compression_flags_are_one_sentence_before_any_weights(tmp_path, no_work, command, args, message):
+    prompts = _prompts(tmp_path / "p.parquet")
+    out = tmp_path / "out"
+    r = runner.invoke(app, [command, "--model", "tiny-llama", "--prompts", str(prompts), *args, "-o",
+                            str(out)])
+    assert message in error_line(r)
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--kv-compression", "snapkv", "--budgets", "10"],
+     "--budgets 10 under --kv-compression snapkv: the budget must exceed the sink plus the window"),
+    (["--kv-compression", "rkv", "--budgets", "64,1990"],
+     "--budgets 1990 under --kv-compression rkv for tiny-llama: budget + buffer (1990 + 128 = 2118 tokens) "
+     "exceeds the model's context of 2048"),
+    (["--sampler", "rkv:12"], "--sampler rkv:12: the budget must exceed the sink plus the window"),
+    (["--kv-window", "4"], "--kv-window applies only with --kv-compression snapkv or rkv"),
+    (["--kv-compression", "lru"], "--kv-compression must be one of snapkv, rkv, got 'lru'"),
+])
+def test_profile_refuses_bad_compression_flags_before_any_weights(tmp_path, no_work, args, message):
+    prompts = _prompts(tmp_path / "p.parquet")
+    out = tmp_path / "m.parquet"
+    r = runner.invoke(app, ["profile", "--model", "tiny-llama", "--prompts", str(prompts), *args, "-o",
+                            str(out)])
+    assert message in error_line(r)
+    assert not out.exists()
+
+
+def test_plan_schedule_refuses_compression_with_its_reason(tmp_path):
+    line = error_line(runner.invoke(app, ["plan-schedule", "--model", "qwen3-4b", "--kv-compression",
+                                          "snapkv"]))
+    assert "evicts tokens for good, so later bins cannot get a larger budget" in line
+
+
+def test_compressed_rollouts_profile_back_to_their_own_logprobs(tmp_path):
+    """rollout --kv-compression writes kv_policy and kv_lens and reports KV tokens held against dense;
+    profile --rollouts with the same policy scores every token by replaying the eviction: at the
+    sampler's own budget it gives back the sampled logprobs; plan-schedule refuses that profile."""
+    prompts = _prompts(tmp_path / "p.parquet")
+    rollouts = tmp_path / "r.parquet"
+    kv = ["--kv-window", "4", "--kv-buffer", "8"]
+    r = runner.invoke(app, ["rollout", "--model", "tiny-llama", "--prompts", str(prompts), "--samples", "2",
+                            "--max-new-tokens", "40", "--ignore-eos", "--kv-compression", "snapkv",
+                            "--kv-budget", "20", *kv, "-o", str(rollouts), "--format", "json"])
+    assert r.exit_code == 0, r.output
+    summary = json.loads(r.stdout)
+    assert summary["kv_policy"] == "snapkv:20,window=4,buffer=8,sink=4"
+    assert summary["compactions"] > 0 and 0 < summary["kv_saved"] < 1
+    assert summary["kv_tokens_peak"] == 4 * 31 < summary["dense_kv_tokens_peak"]  # the first step: prompt + 1
+    table = read_artifact(rollouts, "rollouts").to_pylist()
+    for row in table:
+        assert row["kv_policy"] == summary["kv_policy"] and max(row["kv_lens"]) == 30 + 1  # the prompt + 1
+        assert row["kv_lens"][-1] <= 28 and row["budgets"][1:] == [20] * 39
+    mismatch = tmp_path / "m.parquet"
+    r = runner.invoke(app, ["profile", "--model", "tiny-llama", "--rollouts", str(rollouts),
+                            "--kv-compression", "snapkv", *kv, "--budgets", "20,24", "--bin-width", "16",
+                            "-o", str(mismatch)])
+    assert r.exit_code == 0, r.output
+    scored = read_artifact(mismatch, "mismatch")
+    meta = artifact_metadata(mismatch)
+    assert meta["kv_compression"] == "snapkv" and meta["sampler"] == summary["kv_policy"]
+    assert json.loads(meta["kv_policies"]) == ["snapkv:20,window=4,buffer=8,sink=4",
+                                               "snapkv:24,window=4,buffer=8,sink=4"]
+    own = scored.filter(np.asarray(scored.column("budget")) == 20)
+    sampled = np.concatenate([row["logprobs"] for row in table])
+    assert np.abs(np.asarray(own.column("logp_sparse")) - sampled).max() <= 1e-4
+    line = error_line(runner.invoke(app, ["plan-schedule", "--model", "tiny-llama", "--profile",
+                                          str(mismatch)]))
+    assert "profiles snapkv eviction budgets, and a per-bin schedule of them means nothing" in line
+
+
+@pytest.fixture(scope="module")
+def tiny_chat(tmp_path_factory) -> str:
+    """A tiny random Llama checkpoint with SmolLM2's tokenizer: trainable."""
+    tok = transformers.AutoTokenizer.from_pretrained(embedded_checkpoint())
+    cfg = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                   head_dim=8, max_position_embeddings=512, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny-chat")
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(path, safe_serialization=True)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+def test_train_with_compression_logs_the_kv_budget_and_no_schedule(tiny_chat, tmp_path):
+    run = tmp_path / "run"
+    prompts = _prompts(tmp_path / "p.parquet")
+    args = ["train", "--model", tiny_chat, "--prompts", str(prompts), "--prompts-per-step", "1",
+            "--samples", "2", "--max-new-tokens", "24", "--ignore-eos", "--lora-rank", "2", "--steps", "2",
+            "--eval-every", "100", "--kv-compression", "rkv", "--kv-budget", "16", "--kv-window", "2",
+            "--kv-buffer", "6", "-o", str(run)]
+    r = runner.invoke(app, args)
+    assert r.exit_code == 0, r.output
+    config = json.loads(artifact_metadata(run / "metrics.parquet")["config"])
+    assert config["sparsity"] == "rkv:16,window=2,buffer=6,sink=4"
+    logged = read_artifact(run / "mismatch" / "step=00000.parquet", "train_mismatch")
+    budgets = np.asarray(logged.column("budget"))
+    assert set(budgets[np.asarray(logged.column("position")) > 30].tolist()) == {16}
+    assert not (run / "schedule.parquet").exists()
+    profile = write_artifact({"prompt_id": ["p0"], "sample": [0], "position": [31], "bin": [0],
+                              "budget": [64], "token_id": [5], "alpha": [0.9], "logp_dense": [-1.0],
+                              "logp_sparse": [-1.1], "log_ratio": [0.1], "k1": [-0.1], "k2": [0.005],
+                              "k3": [0.005], "entropy_dense": [2.0]}, tmp_path / "m.parquet", "mismatch")
+    line = error_line(runner.invoke(app, ["calibrate-threshold", "--profile", str(profile), "--runs",
+                                          str(run), "-o", str(tmp_path / "t.parquet")]))
+    assert "rolled out with KV compression (rkv:16,window=2,buffer=6,sink=4)" in line
+    r = runner.invoke(app, args[:-2] + ["--distill-sparse", "-o", str(tmp_path / "run2")])
+    assert "--distill-sparse trains a block top-k sparse actor" in error_line(r)
