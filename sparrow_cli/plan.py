@@ -91,18 +91,26 @@ def plan_schedule(
     compare_published: bool = typer.Option(False, "--compare-published", help="Instead of one plan, "
                                            "print the predicted speedup of every Qwen3 model with "
                                            "published schedules next to the published speedup."),
-    kv_compression: str = typer.Option(None, "--kv-compression", help="Refused with a reason: a schedule "
-                                       "is a block top-k budget per position bin, and an eviction policy "
-                                       "(snapkv, rkv) keeps one retained set that every later bin inherits, "
-                                       "so its budget is one number (--kv-budget of rollout and train), "
-                                       "chosen from `sparrow profile --kv-compression`'s tails."),
+    kv_compression: str = typer.Option(None, "--kv-compression", help="Plan an eviction policy's KV budget "
+                                       "(snapkv, rkv) from a --profile that `sparrow profile "
+                                       "--kv-compression` measured: an evicted token is gone for every "
+                                       "later position, so the plan is one budget, the cheapest profiled "
+                                       "one whose tail holds in every position bin, printed as the "
+                                       "--kv-budget flags of rollout and train (no schedule artifact). A "
+                                       "profile of eviction budgets is planned so even without this flag."),
     format: str = format_option(),
 ) -> None:
     """Plan the sparsity schedule: for each position bin the cheapest budget whose tail statistic is
     at or above the threshold, non-decreasing across bins; prints the table and the predicted
     rollout speedup over dense."""
     from sparrow.schemas import write_artifact
-    from sparrow.stages.planning import load_cost_model, load_profile, model_shape, resolve_threshold
+    from sparrow.stages.planning import (
+        load_cost_model,
+        load_profile,
+        model_shape,
+        plan_eviction,
+        resolve_threshold,
+    )
     from sparrow.stages.schedule import (
         check_threshold,
         export_json,
@@ -113,11 +121,27 @@ def plan_schedule(
     )
 
     fmt = resolve_format(format)
-    if kv_compression is not None:
-        raise UsageError(f"plan-schedule plans block top-k budgets per position bin; --kv-compression "
-                         f"{kv_compression} evicts tokens for good, so later bins cannot get a larger "
-                         "budget: choose one --kv-budget from the tails that `sparrow profile "
-                         "--kv-compression` measures")
+    evicting = _eviction_profile(profile, kv_compression)
+    if evicting is not None:
+        given = [f for f, v in (("-o", output), ("--export", export), ("--sweep", sweep), ("--cost", cost),
+                                ("--hardware", hardware), ("--compare-published", compare_published)) if v]
+        if given:
+            raise UsageError(f"{given[0]} does not apply to an eviction plan ({profile} profiles {evicting} "
+                             "KV budgets): the plan is one --kv-budget, printed, with no schedule or speedup")
+        if model is None:
+            raise UsageError("--model is required (a preset such as qwen3-4b, a checkpoint dir or a .gguf)")
+        if threshold is not None and threshold_file is not None:
+            raise UsageError("pass --threshold or --threshold-file, not both")
+        if bin_width is not None and bin_width < 1 or min_tokens < 1:
+            raise UsageError("--bin-width and --min-tokens must be at least 1")
+        with stage_errors():
+            _, name = model_shape(model)
+            if not allow_model_mismatch:
+                check_profile_model(profile, model, name)
+            threshold, quantile, t_source = resolve_threshold(threshold, threshold_file, quantile, name)
+            result = plan_eviction(profile, threshold, quantile, bin_width, min_tokens)
+        print_eviction_plan(result, t_source, fmt)
+        return
     if compare_published:
         with stage_errors():
             return print_comparison(hardware or "h100", threshold, gen_len, batch, prompt_len or 0, fmt)
@@ -197,6 +221,47 @@ def plan_schedule(
             out.print(text, highlight=False, soft_wrap=True)
     if output is not None:
         console.print(f"wrote {output}")
+
+
+def _eviction_profile(profile: Path | None, kv_compression: str | None) -> str | None:
+    """The eviction policy a plan is for: the one --profile scored (checked against --kv-compression
+    when given), or None for a block top-k plan."""
+    from sparrow.stages.kv_policies import EVICTION_POLICIES
+    from sparrow.stages.planning import eviction_policy_of
+
+    if kv_compression is not None and kv_compression.lower() not in EVICTION_POLICIES:
+        raise UsageError(f"--kv-compression must be one of {', '.join(EVICTION_POLICIES)}, got "
+                         f"{kv_compression!r}")
+    measured = eviction_policy_of(profile) if profile is not None and profile.exists() else None
+    if kv_compression is None:
+        return measured
+    if profile is None:
+        raise UsageError(f"--kv-compression {kv_compression} plans from a --profile measured with `sparrow "
+                         f"profile --kv-compression {kv_compression.lower()} --budgets ...`; give it")
+    if measured != kv_compression.lower():
+        what = f"{measured} KV budgets" if measured else "block top-k budgets"
+        raise UsageError(f"--kv-compression {kv_compression}: --profile {profile} measured {what}; profile "
+                         f"with `sparrow profile --kv-compression {kv_compression.lower()}` first")
+    return measured
+
+
+def print_eviction_plan(result, t_source: str, fmt: str) -> None:
+    rows = [[r["budget"], r["tail"], r["weakest_bin"], r["mean_alpha"], r["tokens"], r["holds"]]
+            for r in result.rows]
+    _show(("kv budget", "tail", "weakest bin", "mean alpha", "tokens", "holds"), rows, fmt,
+          f"{result.policy} KV budgets (tail = {result.quantile:g} quantile of alpha, the weakest of the "
+          f"{result.bin_width}-token bins; threshold {result.threshold:g})",
+          render={"tail": _fixed(4), "mean alpha": _fixed(4), "holds": lambda h: "yes" if h else "no"})
+    if result.budget is None:
+        console.print(f"no profiled {result.policy} budget keeps the tail at or above {result.threshold:g} "
+                      f"({t_source}): sample dense, or profile larger --budgets", highlight=False)
+        return
+    spec = result.specs.get(result.budget, "")
+    options = dict(kv.split("=", 1) for kv in spec.split(":", 1)[-1].split(",")[1:] if "=" in kv)
+    flags = f"--kv-compression {result.policy} --kv-budget {result.budget}" + "".join(
+        f" --kv-{k} {v}" for k, v in options.items() if k in ("window", "buffer"))
+    console.print(f"plan: [bold]{flags}[/] (the cheapest profiled budget whose tail holds; threshold "
+                  f"{result.threshold:g} ({t_source}), {result.source})", highlight=False)
 
 
 def _export_form(path: Path) -> str | None:

@@ -8,6 +8,8 @@ a ScheduleError (or CostError) whose message is one sentence.
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
 from pathlib import Path
 
 from sparrow.schemas import artifact_metadata, read_artifact
@@ -84,9 +86,8 @@ def load_profile(name: str, profile: Path | None, quantile: float, bin_width: in
         raise ScheduleError(f"{profile}: the mismatch profile has no tokens")
     meta = artifact_metadata(table)
     if meta.get("kv_compression"):
-        raise ScheduleError(f"{profile} profiles {meta['kv_compression']} eviction budgets, and a per-bin "
-                            f"schedule of them means nothing: eviction keeps a retained set that every later "
-                            "bin inherits, so pick one --kv-budget from the profile's tails instead")
+        raise ScheduleError(f"{profile} profiles {meta['kv_compression']} eviction budgets, which "
+                            "`plan_eviction` plans (one KV budget), not a per-bin schedule")
     width = bin_width or int(meta.get("bin_width", 2000))
     if prompt_len is None:  # a trajectory's first token sits at the position of its prompt's length
         prompt_len = int(table.column("position").to_numpy().min())
@@ -97,3 +98,62 @@ def load_profile(name: str, profile: Path | None, quantile: float, bin_width: in
                              int(meta.get("page_size", 16)), min_tokens)
     return tails, prompt_len, gen_len
 
+
+
+def eviction_policy_of(profile: Path) -> str | None:
+    """The eviction policy (snapkv, rkv) whose KV budgets a mismatch profile scored, or None."""
+    return artifact_metadata(profile).get("kv_compression") or None
+
+
+@dataclass
+class EvictionPlan:
+    """The cheapest profiled KV budget of an eviction policy whose tail holds. An evicted token is gone
+    for every later position, so the budget is one number for the whole sequence, not one per bin: a
+    budget holds when the tail statistic (the quantile of alpha) of every trusted position bin is at or
+    above the threshold. Only profiled budgets are candidates (no interpolation between them)."""
+
+    policy: str  # snapkv | rkv
+    specs: dict[int, str]  # budget -> the policy's full spec (window, buffer, sink) as profiled
+    rows: list[dict]  # per budget: tail (min over trusted bins), weakest bin, mean alpha, tokens, holds
+    budget: int | None  # the cheapest budget that holds; None: none does (stay dense)
+    threshold: float
+    quantile: float
+    bin_width: int
+    source: str
+
+
+def plan_eviction(profile: Path, threshold: float, quantile: float, bin_width: int | None = None,
+                  min_tokens: int = 50) -> EvictionPlan:
+    import duckdb
+
+    check_threshold(threshold)
+    check_quantile(quantile)
+    table = read_artifact(profile, "mismatch")
+    if table.num_rows == 0:
+        raise ScheduleError(f"{profile}: the mismatch profile has no tokens")
+    meta = artifact_metadata(table)
+    policy = meta.get("kv_compression")
+    if not policy:
+        raise ScheduleError(f"{profile} profiles block top-k budgets, not an eviction policy's; plan it "
+                            "without --kv-compression")
+    width = bin_width or int(meta.get("bin_width", 2000))
+    budgets = json.loads(meta.get("budgets", "[]"))
+    specs = dict(zip(budgets, json.loads(meta.get("kv_policies", "[]"))))
+    con = duckdb.connect()
+    con.register("mismatch", table)
+    per_bin = con.execute(
+        """SELECT budget, position // ? AS bin, count(*) AS tokens, quantile_cont(alpha::DOUBLE, ?) AS tail,
+                  avg(alpha::DOUBLE) AS mean
+           FROM mismatch GROUP BY ALL ORDER BY budget, bin""", [width, quantile]).fetchall()
+    rows: list[dict] = []
+    for budget in sorted({r[0] for r in per_bin}):
+        bins = [r for r in per_bin if r[0] == budget]
+        trusted = [r for r in bins if r[2] >= min_tokens] or bins  # all bins thin: judge them all
+        weakest = min(trusted, key=lambda r: r[3])
+        tokens = sum(r[2] for r in bins)
+        rows.append({"budget": int(budget), "tail": float(weakest[3]), "weakest_bin": int(weakest[1]),
+                     "mean_alpha": sum(r[4] * r[2] for r in bins) / tokens, "tokens": int(tokens),
+                     "holds": bool(weakest[3] >= threshold)})
+    chosen = next((r["budget"] for r in rows if r["holds"]), None)
+    return EvictionPlan(policy, {int(b): str(sp) for b, sp in specs.items()}, rows, chosen, threshold,
+                        quantile, width, str(profile))

@@ -3,7 +3,8 @@ them. Bad input is one sentence and a non-zero exit before any weights load (loa
 if called); a compressed rollout records its policy and retained lengths and reports the KV tokens it
 held against dense; profiling its own rollouts with the same policy gives back the logprobs it sampled
 with (the replay invariant through the CLI); a GRPO run with --kv-compression logs its tokens at the KV
-budget and writes no block top-k schedule, which calibrate-threshold and plan-schedule refuse to use."""
+budget and writes no block top-k schedule, which calibrate-threshold refuses; plan-schedule plans an
+eviction profile as one KV budget, the cheapest whose tail holds in every bin."""
 
 from __future__ import annotations
 
@@ -93,10 +94,60 @@ def test_profile_refuses_bad_compression_flags_before_any_weights(tmp_path, no_w
     assert not out.exists()
 
 
-def test_plan_schedule_refuses_compression_with_its_reason(tmp_path):
+def _eviction_profile(path: Path, policy: str = "snapkv", seed: int = 0) -> tuple[Path, dict]:
+    """A mismatch profile of three KV budgets over three 100-token bins with alpha drawn so that the
+    budgets' tails differ -> (path, {budget: (alpha, position)})."""
+    rng = np.random.default_rng(seed)
+    rows, data = [], {}
+    for budget, scale in ((64, 0.3), (128, 0.08), (256, 0.02)):
+        pos = rng.integers(40, 340, 900)
+        alpha = np.clip(1 - rng.exponential(scale * (1 + pos / 300)), 0, 1).astype(np.float32)  # as stored
+        data[budget] = (alpha, pos)
+        rows += [{"prompt_id": "p", "sample": 0, "position": int(p), "bin": int(p // 100), "budget": budget,
+                  "token_id": 1, "alpha": float(a), "logp_dense": -1.0, "logp_sparse": -1.0, "log_ratio": 0.0,
+                  "k1": 0.0, "k2": 0.0, "k3": 0.0, "entropy_dense": 1.0} for p, a in zip(pos, alpha)]
+    specs = [f"{policy}:{b},window=8,buffer=32,sink=4" for b in data]
+    meta = {"bin_width": 100, "model": "tiny-llama", "kv_compression": policy,
+            "budgets": json.dumps(list(data)), "kv_policies": json.dumps(specs)}
+    write_artifact(rows, path, "mismatch", metadata=meta)
+    return path, data
+
+
+def test_plan_schedule_plans_the_cheapest_eviction_budget_whose_tail_holds(tmp_path):
+    """From an eviction profile the plan is one KV budget: the smallest profiled one whose 5th percentile
+    of alpha holds in every 100-token bin, against numpy's percentile per bin (a brute force of the rule),
+    printed as the flags rollout and train take."""
+    profile, data = _eviction_profile(tmp_path / "m.parquet")
+    tails = {b: min(np.percentile(a[pos // 100 == k].astype(np.float64), 5) for k in np.unique(pos // 100))
+             for b, (a, pos) in data.items()}
+    threshold = (tails[128] + tails[64]) / 2  # 64 fails, 128 holds
+    assert tails[64] < threshold <= tails[128] <= tails[256]
+    for extra in ([], ["--kv-compression", "snapkv"]):
+        r = runner.invoke(app, ["plan-schedule", "--model", "tiny-llama", "--profile", str(profile),
+                                "--threshold", str(threshold), "--format", "json", *extra])
+        assert r.exit_code == 0, r.output
+        table = {row["kv budget"]: row for row in json.loads(r.stdout)}
+        for b in data:
+            assert abs(table[b]["tail"] - tails[b]) < 1e-9 and table[b]["holds"] == (tails[b] >= threshold)
+        assert "plan: --kv-compression snapkv --kv-budget 128 --kv-window 8 --kv-buffer 32" in r.stderr
+    r = runner.invoke(app, ["plan-schedule", "--model", "tiny-llama", "--profile", str(profile),
+                            "--threshold", str(tails[256] + 0.01)])
+    assert r.exit_code == 0 and "no profiled snapkv budget keeps the tail" in r.output
+
+
+@pytest.mark.parametrize("args, message", [
+    (["-o", "plan.parquet"], "-o does not apply to an eviction plan"),
+    (["--kv-compression", "rkv"], "--kv-compression rkv: --profile"),
+    (["--kv-compression", "h2o"], "--kv-compression must be one of"),
+])
+def test_plan_schedule_refuses_what_an_eviction_plan_cannot_do(tmp_path, args, message):
+    profile, _ = _eviction_profile(tmp_path / "m.parquet")
+    line = error_line(runner.invoke(app, ["plan-schedule", "--model", "tiny-llama", "--profile", str(profile),
+                                          *args]))
+    assert message in line and not (tmp_path / "plan.parquet").exists()
     line = error_line(runner.invoke(app, ["plan-schedule", "--model", "qwen3-4b", "--kv-compression",
                                           "snapkv"]))
-    assert "evicts tokens for good, so later bins cannot get a larger budget" in line
+    assert "plans from a --profile measured with `sparrow profile --kv-compression snapkv" in line
 
 
 def test_compressed_rollouts_profile_back_to_their_own_logprobs(tmp_path):
@@ -131,9 +182,10 @@ def test_compressed_rollouts_profile_back_to_their_own_logprobs(tmp_path):
     own = scored.filter(np.asarray(scored.column("budget")) == 20)
     sampled = np.concatenate([row["logprobs"] for row in table])
     assert np.abs(np.asarray(own.column("logp_sparse")) - sampled).max() <= 1e-4
-    line = error_line(runner.invoke(app, ["plan-schedule", "--model", "tiny-llama", "--profile",
-                                          str(mismatch)]))
-    assert "profiles snapkv eviction budgets, and a per-bin schedule of them means nothing" in line
+    r = runner.invoke(app, ["plan-schedule", "--model", "tiny-llama", "--profile", str(mismatch),
+                            "--bin-width", "16", "--min-tokens", "1", "--format", "json"])
+    assert r.exit_code == 0, r.output
+    assert {row["kv budget"] for row in json.loads(r.stdout)} == {20, 24}
 
 
 @pytest.fixture(scope="module")
