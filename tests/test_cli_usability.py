@@ -24,6 +24,7 @@ from sparrow.schemas import read_artifact, write_artifact
 from sparrow.stages.model.loading import embedded_checkpoint, load_model
 
 from cli_checks import error_line
+from tiny_models import tiny_chat_llama
 
 runner = CliRunner()
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,15 +42,7 @@ def _token_prompts(path: Path, n: int = 2, length: int = 20, vocab: int = 500) -
 @pytest.fixture(scope="module")
 def tiny_chat(tmp_path_factory) -> str:
     """A tiny random Llama checkpoint with SmolLM2's tokenizer (and chat template): trainable."""
-    tok = transformers.AutoTokenizer.from_pretrained(embedded_checkpoint())
-    cfg = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
-                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                   head_dim=8, max_position_embeddings=512, tie_word_embeddings=True)
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("tiny-chat")
-    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(path, safe_serialization=True)
-    tok.save_pretrained(path)
-    return str(path)
+    return tiny_chat_llama(tmp_path_factory.mktemp("tiny-chat"))
 
 
 # ---------------------------------------------------------------- item 6: --device

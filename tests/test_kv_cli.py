@@ -13,15 +13,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
-import transformers
 from typer.testing import CliRunner
 
 from sparrow.cli.app import app
 from sparrow.schemas import artifact_metadata, read_artifact, write_artifact
-from sparrow.stages.model.loading import embedded_checkpoint
 
 from cli_checks import error_line
+from tiny_models import tiny_chat_llama
 
 runner = CliRunner()
 
@@ -191,15 +189,7 @@ def test_compressed_rollouts_profile_back_to_their_own_logprobs(tmp_path):
 @pytest.fixture(scope="module")
 def tiny_chat(tmp_path_factory) -> str:
     """A tiny random Llama checkpoint with SmolLM2's tokenizer: trainable."""
-    tok = transformers.AutoTokenizer.from_pretrained(embedded_checkpoint())
-    cfg = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
-                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                   head_dim=8, max_position_embeddings=512, tie_word_embeddings=True)
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("tiny-chat")
-    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(path, safe_serialization=True)
-    tok.save_pretrained(path)
-    return str(path)
+    return tiny_chat_llama(tmp_path_factory.mktemp("tiny-chat"))
 
 
 def test_train_with_compression_logs_the_kv_budget_and_no_schedule(tiny_chat, tmp_path):

@@ -24,3 +24,18 @@ def tiny_qwen3(path: Path, max_position_embeddings: int = 512, tie_word_embeddin
                 p.add_(torch.randn_like(p) * 0.2)
     hf.save_pretrained(path, safe_serialization=True)
     return hf
+
+
+def tiny_chat_llama(path: Path) -> str:
+    """A tiny random Llama (2 layers, GQA 4/2, head dim 8) with SmolLM2's tokenizer and chat template,
+    saved at `path`: trainable in seconds, and the chat template applies -> the path as a string."""
+    from sparrow.stages.model.loading import embedded_checkpoint
+
+    tok = transformers.AutoTokenizer.from_pretrained(embedded_checkpoint())
+    cfg = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                   head_dim=8, max_position_embeddings=512, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(path, safe_serialization=True)
+    tok.save_pretrained(path)
+    return str(path)
