@@ -12,7 +12,9 @@ credit), once per configuration and seed from the same base weights, and prints:
 Configurations: `dense`, and `planned` (the --planned budget, or --schedule FILE, with truncated IS).
 Whether GRPO learned: the eval gain against the seed spread when --seeds has several (reported, not
 asserted). Writes bench/results/train_code.parquet and one run directory per run under
-bench/results/train-code-runs/.
+bench/results/train-code-runs/; a finished run leaves its row there (`bench_row.json`) and is not run
+again, so a stopped study continues where it stopped, and seeds can run in separate processes (one
+`--seeds 0`, another `--seeds 1`) before one call with every seed prints the whole table.
 
     .venv/bin/python bench/train_code.py --steps 2 --prompts-per-step 2 --samples 2 --eval-prompts 4
     .venv/bin/python bench/train_code.py --steps 24 --seeds 0,1,2     # the study (long on a CPU)
@@ -21,6 +23,7 @@ bench/results/train-code-runs/.
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import time
 from pathlib import Path
@@ -67,8 +70,14 @@ def prompt_file(loaded, args, n: int, seed: int, path: Path) -> Path:
 
 
 def run_one(args, name: str, seed: int, prompts: Path, eval_prompts: Path) -> dict:
-    loaded = load_model(args.model)  # fresh base weights for every run
     run_dir = RUNS / f"{name}-seed{seed}"
+    done = run_dir / "bench_row.json"
+    if done.exists():
+        row = json.loads(done.read_text())
+        if row.get("args") == run_key(args):
+            print(f"    done before: {run_dir}", flush=True)
+            return row
+    loaded = load_model(args.model)  # fresh base weights for every run
     shutil.rmtree(run_dir, ignore_errors=True)
     sparsity = "dense" if name == "dense" else (
         f"schedule:{args.schedule}" if args.schedule else f"budget:{args.planned}")
@@ -92,12 +101,21 @@ def run_one(args, name: str, seed: int, prompts: Path, eval_prompts: Path) -> di
     k = max(1, len(h) // 4)
     mean = lambda key, part: float(np.mean([r[key] for r in part if r.get(key) is not None]))
     median = lambda key: float(np.median([r[key] for r in h]))
-    return {"config": name, "seed": seed, "steps": len(h), "sparsity": sparsity,
+    row = {"config": name, "seed": seed, "steps": len(h), "sparsity": sparsity,
             "eval_start": summary["initial_eval_accuracy"], "eval_end": summary["final_eval_accuracy"],
             "reward_first": mean("reward_mean", h[:k]), "reward_last": mean("reward_mean", h[-k:]),
             "alpha_lb_p5": mean("alpha_lb_p5", h), "mismatch_kl": mean("mismatch_kl", h),
             "label": summary["label"], **{k.replace("_seconds", "_s"): median(k) for k in PHASES},
-            "wall_s": time.perf_counter() - t0}
+            "wall_s": time.perf_counter() - t0, "args": run_key(args)}
+    done.write_text(json.dumps(row))
+    return row
+
+
+def run_key(args) -> dict:
+    """What a finished run must agree on to be reused instead of run again."""
+    keys = ("model", "level", "train_prompts", "eval_prompts", "steps", "eval_every", "prompts_per_step",
+            "samples", "max_new_tokens", "lr", "lora_rank", "micro_batch", "bin_width", "planned")
+    return {k: getattr(args, k) for k in keys} | {"schedule": str(args.schedule) if args.schedule else None}
 
 
 def main() -> None:
@@ -132,7 +150,7 @@ def main() -> None:
         gains = finals - np.array([r["eval_start"] for r in dense])
         print(f"dense: eval gain {gains.mean():.3f} (per seed {np.round(gains, 3).tolist()}), spread of the "
               f"final eval accuracy over seeds: range {finals.max() - finals.min():.3f}")
-    write_results(rows, "train_code")
+    write_results([{k: v for k, v in r.items() if k != "args"} for r in rows], "train_code")
 
 
 if __name__ == "__main__":
