@@ -45,6 +45,12 @@ OUT=${OUT:-$ROOT/bench/results/gpu}
 mkdir -p "$OUT"
 WHAT=${1:-all}
 shift || true
+case $WHAT in
+    all|tests|engine|kernels|rollout|profile|fused|train|learner|scale|scale-*|kv-compression|issue25-[abc]) ;;
+    *) echo "bench/gpu_checks.sh: unknown mode '$WHAT' (expected all, tests, engine, kernels, rollout, profile," \
+            "fused, train, learner, scale, scale-NAME, kv-compression, issue25-a, issue25-b or issue25-c)" >&2
+       exit 2 ;;
+esac
 PY=${PYTHON:-python3}
 
 # The package maps four top-level folders under one namespace (pyproject's package-dir): mirror that
