@@ -1,8 +1,8 @@
 """The exponential race of a decode step's sampled rows in one C++ pass (kernels/cpu_sampling.cpp).
 
 The torch sampler draws a row's noise with `uniform_` from the sample's `torch.Generator` (a Mersenne
-twister: about 0.2 ms per 49K-token row, 1.5 ms of a 29 ms SmolLM2 step at 8 samples), then takes the
-log, divides and arg-maxes in four more passes over the rows. Here each sampled row draws one 64-bit seed
+twister, a visible share of a small model's CPU step), then takes the log, divides and arg-maxes in four
+more passes over the rows. Here each sampled row draws one 64-bit seed
 from its generator, and one pass per row computes argmax_v log p_v - ln E_v, E_v = -ln U_v, with U_v from
 splitmix64 of (seed, v): the same exact race (argmax p / E with E ~ Exp(1) draws v with probability p_v), a
 counter based noise instead of the twister's stream. In fp32 the largest U cell (its 24 bits all ones)

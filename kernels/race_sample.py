@@ -62,12 +62,16 @@ def _shr(z: Tensor, bits: int) -> Tensor:
     return (z >> bits) & ((1 << (64 - bits)) - 1)
 
 
-def row_seeds(seeds: Tensor, positions: Tensor) -> Tensor:
-    """`row_seeds_reference` in torch int64 ops (products wrap modulo 2^64): [B] int64 on any device."""
-    z = seeds.long() + (positions.long() + 1) * _signed(GOLDEN)
+def _splitmix(z: Tensor) -> Tensor:
+    """splitmix64's output mix of int64 bit patterns (products wrap modulo 2^64)."""
     z = (z ^ _shr(z, 30)) * _signed(MIX1)
     z = (z ^ _shr(z, 27)) * _signed(MIX2)
     return z ^ _shr(z, 31)
+
+
+def row_seeds(seeds: Tensor, positions: Tensor) -> Tensor:
+    """`row_seeds_reference` in torch int64 ops: [B] int64 on any device."""
+    return _splitmix(seeds.long() + (positions.long() + 1) * _signed(GOLDEN))
 
 
 # ---------------------------------------------------------------------------------------- torch
@@ -82,10 +86,7 @@ def race_sample_torch(logp: Tensor, seeds: Tensor, chunk: int = 1 << 16) -> Tens
     seeds = seeds.long()[:, None]
     for start in range(0, v, chunk):
         idx = torch.arange(start, min(start + chunk, v), device=dev)
-        z = seeds + (idx // 2 + 1) * _signed(GOLDEN)
-        z = (z ^ _shr(z, 30)) * _signed(MIX1)
-        z = (z ^ _shr(z, 27)) * _signed(MIX2)
-        z = z ^ _shr(z, 31)
+        z = _splitmix(seeds + (idx // 2 + 1) * _signed(GOLDEN))
         half = torch.where(idx % 2 == 0, z & 0xFFFFFFFF, _shr(z, 32))
         u = (_shr(half, 8).float() + 0.5) * (1.0 / 16777216)
         e = (-torch.log(u)).clamp_(min=E_FLOOR)

@@ -123,8 +123,11 @@ def plan_schedule(
     fmt = resolve_format(format)
     evicting = _eviction_profile(profile, kv_compression)
     if evicting is not None:
-        given = [f for f, v in (("-o", output), ("--export", export), ("--sweep", sweep), ("--cost", cost),
-                                ("--hardware", hardware), ("--compare-published", compare_published)) if v]
+        given = [f for f, v in (("-o", output), ("--export", export), ("--export-to", export_to),
+                                ("--sweep", sweep), ("--cost", cost), ("--hardware", hardware),
+                                ("--compare-published", compare_published),
+                                ("--gen-len", gen_len is not None), ("--prompt-len", prompt_len is not None),
+                                ("--batch", batch != 64)) if v]
         if given:
             raise UsageError(f"{given[0]} does not apply to an eviction plan ({profile} profiles {evicting} "
                              "KV budgets): the plan is one --kv-budget, printed, with no schedule or speedup")
@@ -246,6 +249,8 @@ def _eviction_profile(profile: Path | None, kv_compression: str | None) -> str |
 
 
 def print_eviction_plan(result, t_source: str, fmt: str) -> None:
+    from sparrow.stages.kv_policies import parse_eviction
+
     rows = [[r["budget"], r["tail"], r["weakest_bin"], r["mean_alpha"], r["tokens"], r["holds"]]
             for r in result.rows]
     _show(("kv budget", "tail", "weakest bin", "mean alpha", "tokens", "holds"), rows, fmt,
@@ -256,10 +261,10 @@ def print_eviction_plan(result, t_source: str, fmt: str) -> None:
         console.print(f"no profiled {result.policy} budget keeps the tail at or above {result.threshold:g} "
                       f"({t_source}): sample dense, or profile larger --budgets", highlight=False)
         return
-    spec = result.specs.get(result.budget, "")
-    options = dict(kv.split("=", 1) for kv in spec.split(":", 1)[-1].split(",")[1:] if "=" in kv)
-    flags = f"--kv-compression {result.policy} --kv-budget {result.budget}" + "".join(
-        f" --kv-{k} {v}" for k, v in options.items() if k in ("window", "buffer"))
+    flags = f"--kv-compression {result.policy} --kv-budget {result.budget}"
+    if spec := result.specs.get(result.budget):
+        policy = parse_eviction(spec)
+        flags += f" --kv-window {policy.window} --kv-buffer {policy.buffer}"
     console.print(f"plan: [bold]{flags}[/] (the cheapest profiled budget whose tail holds; threshold "
                   f"{result.threshold:g} ({t_source}), {result.source})", highlight=False)
 

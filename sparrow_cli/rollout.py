@@ -296,10 +296,12 @@ def _eviction(kind, budget, window, buffer, model: str, block_topk: dict):
     from sparrow.stages.model.config import ModelSpecError
     from sparrow.stages.model.loading import resolve_config
 
-    try:
-        cfg = resolve_config(model)
-    except ModelSpecError:
-        cfg = None  # the model's own error comes when it loads
+    cfg = None  # the model's own error comes when it loads
+    if kind is not None:  # the model's context is needed only to check a compression
+        try:
+            cfg = resolve_config(model)
+        except ModelSpecError:
+            pass
     return eviction_from_flags(kind, budget, window, buffer, cfg, block_topk)
 
 

@@ -60,7 +60,7 @@ def mode_policy(mode: Mode) -> KVPolicy:
         return mode
     if callable(mode):
         return BlockTopK(mode)
-    return BlockTopK(lambda _, b=int(mode): b, f"budget:{int(mode)}", int(mode))
+    return BlockTopK(lambda _, b=int(mode): b, f"budget:{int(mode)}")
 
 
 def pad_right(rows: Sequence[Sequence[int]], device) -> Tensor:

@@ -123,12 +123,12 @@ def as_policy(sparsity: Sparsity, page_size: int = PAGE_SIZE) -> KVPolicy:
         for b in sparsity.budgets:
             if b:
                 validate_budget(b, page_size)
-        return BlockTopK(sparsity.budget_at, "schedule", sparsity)
+        return BlockTopK(sparsity.budget_at, "schedule")
     if callable(sparsity):
         return BlockTopK(sparsity)
     budget = int(sparsity)
     validate_budget(budget, page_size)
-    return BlockTopK(lambda _: budget, f"budget:{budget}", budget)
+    return BlockTopK(lambda _: budget, f"budget:{budget}")
 
 
 def budget_fn(sparsity: Sparsity, page_size: int = PAGE_SIZE) -> BudgetFn | None:

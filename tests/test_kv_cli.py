@@ -135,6 +135,8 @@ def test_plan_schedule_plans_the_cheapest_eviction_budget_whose_tail_holds(tmp_p
 
 @pytest.mark.parametrize("args, message", [
     (["-o", "plan.parquet"], "-o does not apply to an eviction plan"),
+    (["--gen-len", "4096"], "--gen-len does not apply to an eviction plan"),
+    (["--batch", "8"], "--batch does not apply to an eviction plan"),
     (["--kv-compression", "rkv"], "--kv-compression rkv: --profile"),
     (["--kv-compression", "h2o"], "--kv-compression must be one of"),
 ])
@@ -151,7 +153,7 @@ def test_plan_schedule_refuses_what_an_eviction_plan_cannot_do(tmp_path, args, m
 def test_compressed_rollouts_profile_back_to_their_own_logprobs(tmp_path):
     """rollout --kv-compression writes kv_policy and kv_lens and reports KV tokens held against dense;
     profile --rollouts with the same policy scores every token by replaying the eviction: at the
-    sampler's own budget it gives back the sampled logprobs; plan-schedule refuses that profile."""
+    sampler's own budget it gives back the sampled logprobs; plan-schedule plans a KV budget from it."""
     prompts = _prompts(tmp_path / "p.parquet")
     rollouts = tmp_path / "r.parquet"
     kv = ["--kv-window", "4", "--kv-buffer", "8"]

@@ -168,14 +168,16 @@ g = torch.Generator().manual_seed(1)
 prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (70, 41)]
 params = SamplingParams(max_new_tokens=60, n=2, seed=5, ignore_eos=True)
 policy = RKV(40, window=6, buffer=16)
+def same(ref, got):
+    for a, b in zip(ref, got):
+        for x, y in zip(a, b):
+            assert x.token_ids == y.token_ids, (x.token_ids, y.token_ids)
+            assert max(abs(p - q) for p, q in zip(x.logprobs, y.logprobs)) < 1e-4
 ref = Engine(model, policy, max_batch=4, impl="torch").generate(prompts, params)
 engine = Engine(model, policy, max_batch=4, impl="triton", num_pages=10)
 got = engine.generate(prompts, params)
 assert engine.stats.compactions > 0 and engine.stats.preemptions > 0 and engine.blocks.used == 0
-for a, b in zip(ref, got):
-    for x, y in zip(a, b):
-        assert x.token_ids == y.token_ids, (x.token_ids, y.token_ids)
-        assert max(abs(p - q) for p, q in zip(x.logprobs, y.logprobs)) < 1e-4
+same(ref, got)
 # the step CUDA graphs replay (eager here): the fused decode layers, the query ring's index computed on
 # the device, compacted rows sent again while a step is in flight, the device path's sampling
 ref = Engine(model, policy, max_batch=4, impl="torch", decode_graphs="eager", cascade=False).generate(
@@ -183,10 +185,7 @@ ref = Engine(model, policy, max_batch=4, impl="torch", decode_graphs="eager", ca
 engine = Engine(model, policy, max_batch=4, impl="triton", num_pages=10, decode_graphs="eager")
 got = engine.generate(prompts, params)
 assert engine.stats.compactions > 0 and engine.stats.preemptions > 0 and engine.runner.lag == 1
-for a, b in zip(ref, got):
-    for x, y in zip(a, b):
-        assert x.token_ids == y.token_ids, (x.token_ids, y.token_ids)
-        assert max(abs(p - q) for p, q in zip(x.logprobs, y.logprobs)) < 1e-4
+same(ref, got)
 print("ok", engine.stats.compactions, engine.stats.preemptions)
 """
 

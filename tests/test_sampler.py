@@ -55,18 +55,24 @@ def test_per_sample_generators_make_draws_independent_of_the_batch():
     assert together.tolist() == alone
 
 
-def test_logprobs_and_greedy_rows_against_float64_log_softmax():
-    logits = torch.randn(4, 3000, generator=torch.Generator().manual_seed(5)) * 4
-    temps = (0.0, 0.7, 1.0, 1.3)
-    params = [SamplingParams(temperature=t, max_new_tokens=1, logprobs=3) for t in temps]
-    tokens, logp, (top_values, top_ids) = sample_tokens(logits, params, [torch.Generator().manual_seed(i)
-                                                                         for i in range(4)], 3)
+def _assert_float64_logprobs(logits, temps, tokens, logp, top_values, top_ids):
+    """Row 0 greedy (the argmax); every sampled logprob and the top-3 logprobs those of a float64
+    log-softmax at the row's temperature (1 when greedy)."""
     want = torch.stack([torch.log_softmax(logits[i].double() / (t if t > 0 else 1.0), -1)
                         for i, t in enumerate(temps)])
     assert tokens[0] == logits[0].argmax()
     assert torch.allclose(logp.double(), want.gather(1, tokens[:, None])[:, 0], atol=1e-5)
     ref_values, ref_ids = want.topk(3, dim=-1)
     assert torch.equal(top_ids, ref_ids) and torch.allclose(top_values.double(), ref_values, atol=1e-5)
+
+
+def test_logprobs_and_greedy_rows_against_float64_log_softmax():
+    logits = torch.randn(4, 3000, generator=torch.Generator().manual_seed(5)) * 4
+    temps = (0.0, 0.7, 1.0, 1.3)
+    params = [SamplingParams(temperature=t, max_new_tokens=1, logprobs=3) for t in temps]
+    tokens, logp, (top_values, top_ids) = sample_tokens(logits, params, [torch.Generator().manual_seed(i)
+                                                                         for i in range(4)], 3)
+    _assert_float64_logprobs(logits, temps, tokens, logp, top_values, top_ids)
 
 
 
@@ -174,12 +180,7 @@ def test_device_path_logprobs_greedy_and_top_logprobs_against_float64():
     params = [SamplingParams(temperature=t, max_new_tokens=1, logprobs=3) for t in temps]
     seeds, positions = [11, 12, 13, 14], [5, 6, 7, 8]
     tokens, logp, (top_values, top_ids) = sample_by_position(logits, params, seeds, positions, 3)
-    want = torch.stack([torch.log_softmax(logits[i].double() / (t if t > 0 else 1.0), -1)
-                        for i, t in enumerate(temps)])
-    assert tokens[0] == logits[0].argmax()
-    assert torch.allclose(logp.double(), want.gather(1, tokens[:, None])[:, 0], atol=1e-5)
-    ref_values, ref_ids = want.topk(3, dim=-1)
-    assert torch.equal(top_ids, ref_ids) and torch.allclose(top_values.double(), ref_values, atol=1e-5)
+    _assert_float64_logprobs(logits, temps, tokens, logp, top_values, top_ids)
     alone = [sample_by_position(logits[i:i + 1], params[i:i + 1], seeds[i:i + 1],
                                 positions[i:i + 1])[0].item() for i in range(4)]
     assert tokens.tolist() == alone

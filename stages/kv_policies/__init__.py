@@ -86,9 +86,8 @@ class BlockTopK(KVPolicy):
 
     name = "block_topk"
 
-    def __init__(self, budget_at: BudgetFn, label: str = "", source: object = None):
+    def __init__(self, budget_at: BudgetFn, label: str = ""):
         self.budget_at, self.label = budget_at, label
-        self.source = budget_at if source is None else source  # what it was made from (int, Schedule, fn)
 
     @property
     def sparse(self) -> bool:
@@ -101,11 +100,7 @@ class BlockTopK(KVPolicy):
         return self.label or "block_topk"
 
 
-def is_dense(policy: KVPolicy | None) -> bool:
-    return policy is None or not policy.sparse
-
-
 from .eviction import EVICTION_POLICIES, RKV, Eviction, SnapKV, parse_eviction  # noqa: E402 (needs KVPolicy)
 
 __all__ = ["EVICTION_POLICIES", "RKV", "BlockTopK", "BudgetFn", "Dense", "Eviction", "KVPolicy", "SnapKV",
-           "is_dense", "parse_eviction"]
+           "parse_eviction"]

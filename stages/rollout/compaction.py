@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .kv_cache import PagedKVCache
+from .kv_cache import PagedKVCache, upload
 from .sequence import Sequence
 
 
@@ -122,8 +122,8 @@ def _compact_group(cache: PagedKVCache, windows: QueryWindows, policy, length: i
                    group: list[Compaction]) -> None:
     dev, size = cache.k.device, cache.page_size
     width = -(-length // size)
-    old = torch.tensor([p.old[:width] for p in group], device=dev)  # [m, pages]
-    new = torch.tensor([p.new for p in group], device=dev)  # [m, c]
+    old = upload(dev, [p.old[:width] for p in group], torch.long)  # [m, pages]
+    new = upload(dev, [p.new for p in group], torch.long)  # [m, c]
     budget = policy.budget
     slots = torch.arange(budget, device=dev)
     target_pages, offsets = new[:, slots // size], (slots % size).expand(len(group), -1)  # [m, budget]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from sparrow.kernels.cpu_attention import pack_keys, pack_values, packed_key_shape, packed_value_shape
@@ -157,3 +158,10 @@ class PrefixStore:
     def _drop(self, request_id: int) -> None:
         del self._unfinished[request_id]
         self.blocks.free_pages(list(self.prefixes.pop(request_id).run))
+
+
+def upload(device: torch.device, values, dtype: torch.dtype) -> torch.Tensor:
+    """Host values (a list, nested lists or an array) on the device without waiting for the device: through
+    pinned memory on CUDA, so a copy issued while a decode step is in flight does not wait for it."""
+    t = torch.as_tensor(np.asarray(values), dtype=dtype)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)

@@ -284,7 +284,7 @@ class ModelRunner:
         if self.static is not None:
             self.static.forget_rows()  # the samples move on without it
         tokens, logps, top = self.sample(seqs, self.decode(seqs, budgets))
-        self._ready.append(StepOutput(seqs, list(budgets), tokens, logps, top))
+        self._ready.append(StepOutput(seqs, tokens, logps, top))
 
     def warm_up(self, batch: int, budgets) -> None:
         """Capture (or compile) the static step for `batch` running samples at each of these budgets (a
@@ -389,7 +389,7 @@ class ModelRunner:
             tokens, logps, top = sample_tokens(logits, params, [s.generator for s in seqs], k)
         else:
             tokens, logps, top = sample_by_position(logits, params, [s.seed for s in seqs],
-                                                    [s.num_tokens - 1 for s in seqs], k, self.impl)
+                                                    [s.position for s in seqs], k, self.impl)
         return tokens.tolist(), logps.tolist(), top
 
     # ------------------------------------------------------------------ profiling

@@ -30,6 +30,7 @@ from torch import Tensor
 from sparrow.kernels import cpu_sampling
 from sparrow.kernels.race_sample import race_sample
 
+from .kv_cache import upload
 from .sequence import SamplingParams
 
 
@@ -65,9 +66,8 @@ def _race(probs: Tensor, params: Seq[SamplingParams], generators: Seq[torch.Gene
     """Rows of probabilities [n, V], truncated by top-k then top-p, each drawn by its generator -> [n]."""
     probs = _truncate(probs, params)
     # exponential race: argmax p / E with E ~ Exp(1) draws from p exactly; one noise draw per sample
-    # from its own generator (torch.multinomial per row cost ~13 launches each, 6-8 ms per step at 32
-    # samples on an H100), then one batched argmax. E = -log U: on a CPU uniform_ is vectorised and
-    # exponential_ is not (0.14 vs 0.93 ms per 49K-token row)
+    # from its own generator (torch.multinomial per row costs about 13 launches each), then one batched
+    # argmax. E = -log U: on a CPU uniform_ is vectorised and exponential_ is not
     noise = torch.empty_like(probs)
     for j, g in enumerate(generators):
         noise[j].uniform_(generator=g)
@@ -75,16 +75,10 @@ def _race(probs: Tensor, params: Seq[SamplingParams], generators: Seq[torch.Gene
     return probs.div_(noise.clamp_(min=torch.finfo(noise.dtype).tiny)).argmax(-1)
 
 
-def _on(device: torch.device, values: list, dtype: torch.dtype | None = None) -> Tensor:
-    """Host values on the device without a sync (through pinned memory on CUDA)."""
-    t = torch.tensor(values, dtype=dtype)
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
-
-
 def _truncate(probs: Tensor, params: Seq[SamplingParams]) -> Tensor:
     """Rows of probabilities [n, V] with what top-k then top-p (of the top-k distribution) drop set to 0."""
     dev = probs.device
-    top_k = _on(dev, [p.top_k for p in params])
+    top_k = upload(dev, [p.top_k for p in params], torch.long)
     if any(p.top_k > 0 for p in params):
         kmax = max(p.top_k for p in params)  # from the host: no device sync
         kth = probs.topk(min(kmax, probs.shape[-1]), dim=-1).values
@@ -92,7 +86,7 @@ def _truncate(probs: Tensor, params: Seq[SamplingParams]) -> Tensor:
         thresh = torch.where(top_k[:, None] > 0, kth.gather(-1, idx), 0.0)
         probs = probs * (probs >= thresh)
     if any(p.top_p < 1 for p in params):
-        top_p = _on(dev, [p.top_p for p in params])
+        top_p = upload(dev, [p.top_p for p in params], torch.float32)
         sorted_p, order = probs.sort(-1, descending=True)
         # cumulative mass of the kept distribution before each token; keeps the most likely one
         cum = sorted_p.cumsum(-1) - sorted_p

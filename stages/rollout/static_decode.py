@@ -46,7 +46,7 @@ from torch import Tensor
 
 from ..model.llama import Transformer
 from .attention import DecodeAttention, DecodeBatch
-from .kv_cache import PagedKVCache
+from .kv_cache import PagedKVCache, upload
 from .sampler import redraw_truncated, sample_on_device
 from .sequence import Sequence as Sample
 
@@ -68,11 +68,10 @@ def kept_pages(budgets: Collection[int], page_size: int, max_pages: int) -> int:
 
 @dataclass
 class StepOutput:
-    """What one decode step sampled, on the host: per row of `seqs`, the token, its logprob and the
-    step's budget; `top` (values, ids) [B, k] CPU tensors when some sample asked for top logprobs."""
+    """What one decode step sampled, on the host: per row of `seqs`, the token and its logprob; `top`
+    (values, ids) [B, k] CPU tensors when some sample asked for top logprobs."""
 
     seqs: list[Sample]
-    budgets: list[int]
     tokens: list[int]
     logprobs: list[float]
     top: tuple[Tensor, Tensor] | None = None
@@ -81,7 +80,6 @@ class StepOutput:
 @dataclass
 class _Launched:
     seqs: list[Sample]
-    budgets: list[int]
     tokens: Tensor  # host buffers the step's results are copied into
     logprobs: Tensor
     top: tuple[Tensor, Tensor] | None
@@ -187,7 +185,7 @@ class StaticDecode:
         if self.device.type == "cuda":
             event = torch.cuda.Event()
             event.record()
-        self._in_flight.append(_Launched(seqs, list(budgets), tokens, logprobs, top, event))
+        self._in_flight.append(_Launched(seqs, tokens, logprobs, top, event))
 
     def collect(self) -> StepOutput:
         """The oldest step in flight's results (waits for that step only)."""
@@ -195,15 +193,11 @@ class StaticDecode:
         if step.event is not None:
             step.event.synchronize()
         b = len(step.seqs)
-        return StepOutput(step.seqs, step.budgets, step.tokens[:b].tolist(), step.logprobs[:b].tolist(),
+        return StepOutput(step.seqs, step.tokens[:b].tolist(), step.logprobs[:b].tolist(),
                           step.top)
 
     def _upload(self, values, dtype: torch.dtype) -> Tensor:
-        """A host list or array on the device, asynchronously (through pinned memory on CUDA)."""
-        t = torch.as_tensor(np.asarray(values), dtype=dtype)
-        if self.device.type != "cuda":
-            return t
-        return t.pin_memory().to(self.device, non_blocking=True)
+        return upload(self.device, values, dtype)
 
     def _sync_rows(self, seqs: list[Sample], rings: list[int] | None = None) -> bool:
         """Make the device rows hold these samples in this order -> whether rows changed. Rows that stay
@@ -276,7 +270,7 @@ class StaticDecode:
         for j, i in enumerate(rows):
             s = seqs[i]
             assert s.pending == 0, "a sample joins the device batch with its tokens read back"
-            position = s.num_tokens - 1  # of its last token, which it feeds next
+            position = s.position  # of its last token, which it feeds next
             ints[j] = (s.tokens[-1], position, s.cached + 1, s.seed)  # the cache with the fed token
             table[j, : len(s.pages)] = s.pages
             temps[j] = s.request.params.temperature
