@@ -25,10 +25,10 @@ import numpy as np
 import torch
 
 from sparrow.stages.attention.block_topk import kept_page_mask, page_centroids
-from sparrow.stages.mismatch import score_sequences
+from sparrow.stages.engine import Engine, SamplingParams
 from sparrow.stages.model.llama import AttentionContext, DenseAttention
 from sparrow.stages.model.loading import load_model
-from sparrow.stages.rollout import Engine, SamplingParams
+from sparrow.stages.scoring.mismatch import score_sequences
 
 P = 16
 

@@ -26,12 +26,12 @@ import numpy as np
 import torch
 from common import write_results
 
+from sparrow.stages.core.schedule import measured_profile, plan
+from sparrow.stages.core.sparsity import budget_fn
 from sparrow.stages.cost import analytic
 from sparrow.stages.distill import DistillConfig, run_distill
 from sparrow.stages.model.loading import load_model
 from sparrow.stages.profile import ProfileOptions, sample_trajectories, summarize
-from sparrow.stages.schedule import measured_profile, plan
-from sparrow.stages.sparsity import budget_fn
 from sparrow.stages.tasks import make_prompts
 
 

@@ -44,11 +44,11 @@ import torch
 from common import write_results
 
 from sparrow.schemas import write_artifact
+from sparrow.stages.engine import Engine, SamplingParams
+from sparrow.stages.engine.memory import Workload
 from sparrow.stages.kv_policies import RKV, SnapKV
-from sparrow.stages.mismatch import score_sequences
 from sparrow.stages.model.loading import load_model
-from sparrow.stages.rollout import Engine, SamplingParams
-from sparrow.stages.rollout.memory import Workload
+from sparrow.stages.scoring.mismatch import score_sequences
 from sparrow.stages.tasks import make_prompts, score_batch
 
 RUNS = Path(__file__).parent / "results" / "kv-compression-runs"

@@ -29,8 +29,8 @@ import time
 
 import torch
 
+from sparrow.stages.engine import Engine, SamplingParams
 from sparrow.stages.model.loading import load_model
-from sparrow.stages.rollout import Engine, SamplingParams
 
 
 def main() -> None:

@@ -22,8 +22,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from sparrow.stages.mismatch import score_sequences
 from sparrow.stages.model.loading import load_model
+from sparrow.stages.scoring.mismatch import score_sequences
 
 
 def peak_rss_gib() -> float:

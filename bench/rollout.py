@@ -32,7 +32,7 @@ vLLM (when installed: `make vllm`) and transformers' `generate` run after our en
 samples, new tokens and temperature, dense (not with random weights): vLLM in `--vllm-dtype` with prefix
 caching, in-process, its start-up timed apart, one untimed warm-up; HF with every prompt repeated once per
 sample (it prefills every copy; the engine prefills once and shares the pages). On the CPU our engine tunes
-glibc's allocator for the process (stages/rollout/allocator.py), so every run here runs with it. Writes
+glibc's allocator for the process (stages/engine/cpu/allocator.py), so every run here runs with it. Writes
 bench/results/rollout.parquet (or rollout-own-kv.parquet).
 
     .venv/bin/python bench/rollout.py --threads 1                       # the CPU run (about 25 minutes)
@@ -56,11 +56,11 @@ import torch
 from common import copy_bandwidth, sync, write_results
 
 from sparrow.kernels import cpu_attention
+from sparrow.stages.core.published_schedules import published_budgets
+from sparrow.stages.core.schedule import Schedule
+from sparrow.stages.core.sparsity import budget_fn
+from sparrow.stages.engine import Engine, SamplingParams
 from sparrow.stages.model.loading import embedded_checkpoint, load_model
-from sparrow.stages.published_schedules import published_budgets
-from sparrow.stages.rollout import Engine, SamplingParams
-from sparrow.stages.schedule import Schedule
-from sparrow.stages.sparsity import budget_fn
 from sparrow.stages.tasks import make_prompts
 
 PUBLISHED_BIN = 2000  # tokens per bin of the published schedules
@@ -243,7 +243,7 @@ def run_hf(args, prompts, device, dtype):
 
 def run_vllm(args, prompts, cfg, dtype: str):
     """vLLM dense on the same workload: start-up, an untimed warm-up, then the timed generate."""
-    from sparrow.stages.rollout.vllm_backend import VllmSampler, vllm_checkpoint
+    from sparrow.stages.backends.vllm_sampler import VllmSampler, vllm_checkpoint
 
     sampler = VllmSampler(vllm_checkpoint(args.model), dtype=dtype, seed=0,
                           max_batch=args.samples * len(prompts),

@@ -24,9 +24,10 @@ import time
 import torch
 from common import write_results
 
+from sparrow.stages.backends.ray_pool import RolloutPool, merge_summaries
+from sparrow.stages.engine import SamplingParams
 from sparrow.stages.model.loading import load_model
-from sparrow.stages.rollout import RolloutOptions, SamplingParams, run_rollouts
-from sparrow.stages.rollout.workers import RolloutPool, merge_summaries
+from sparrow.stages.rollout import RolloutOptions, run_rollouts
 from sparrow.stages.tasks import make_prompts
 
 

@@ -51,8 +51,8 @@ def run(argv: list[str]) -> int:
 
 
 def engines(args) -> int:
+    from sparrow.stages.engine import Engine, SamplingParams
     from sparrow.stages.model.loading import load_model
-    from sparrow.stages.rollout import Engine, SamplingParams
 
     loaded = load_model(args.model, device="cuda", dtype=torch.bfloat16, random_weights=True)
     g = torch.Generator().manual_seed(0)

@@ -7,7 +7,7 @@ graphs, timed by wall clock. Prints the kernels by total device time per step, t
 against the graph-replayed wall time per step, and the share of attention, selection, GEMMs, the fused
 elementwise kernels (norms, q/k norm + rotary + KV append, SiLU x up) and the rest. `--modular` runs the
 model's modular decode forward instead of the GPU runner's inference form (stacked projections, fused
-kernels: stages/rollout/gpu_layers.py), to compare the two in the same session.
+kernels: stages/engine/gpu/layers.py), to compare the two in the same session.
 
     python bench/step_profile.py --model qwen3-4b --context 32768 --samples 32 --budget 2048
 """
@@ -20,8 +20,8 @@ from collections import defaultdict
 
 import torch
 
+from sparrow.stages.engine import Engine, SamplingParams
 from sparrow.stages.model.loading import load_model
-from sparrow.stages.rollout import Engine, SamplingParams
 
 GROUPS = (("attention", ("paged_decode", "merge_splits")), ("selection", ("page_scores", "select")),
           ("kv append", ("append_kv",)), ("fused elementwise", ("add_rms_norm", "qk_norm_rope", "silu_mul")),

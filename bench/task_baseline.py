@@ -19,8 +19,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from sparrow.stages.engine import SamplingParams
 from sparrow.stages.model.loading import LoadedModel, load_model
-from sparrow.stages.rollout import RolloutOptions, SamplingParams, run_rollouts
+from sparrow.stages.rollout import RolloutOptions, run_rollouts
 from sparrow.stages.tasks import make_prompts
 
 

@@ -32,7 +32,7 @@ import pyarrow.parquet as pq
 import torch
 
 from sparrow.schemas import artifact_metadata, write_artifact
-from sparrow.stages.definitions import TAIL_QUANTILE
+from sparrow.stages.core.definitions import TAIL_QUANTILE
 from sparrow.stages.model.loading import load_model
 from sparrow.stages.tasks import make_prompts
 from sparrow.stages.train import TrainConfig, Trainer, load_prompts

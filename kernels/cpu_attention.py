@@ -69,7 +69,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from sparrow.stages.definitions import RESERVED_PAGES
+from sparrow.stages.core.definitions import RESERVED_PAGES
 
 KEY_BLOCK = 16  # keys per packed key block
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from sparrow.stages.definitions import RESERVED_PAGES  # the sink page and the two most recent
+from sparrow.stages.core.definitions import RESERVED_PAGES  # the sink page and the two most recent
 
 from ._triton_utils import lazy_jit, next_pow2, require_triton
 

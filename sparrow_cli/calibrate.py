@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from sparrow.stages.definitions import TAIL_QUANTILE
+from sparrow.stages.core.definitions import TAIL_QUANTILE
 
 from .common import UsageError, check_output, console, force_option, friendly_errors, input_path, output_help
 from .output import emit, format_option, resolve_format

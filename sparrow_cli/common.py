@@ -59,9 +59,9 @@ def fail(message: str, code: int = 2) -> NoReturn:
 def friendly_errors(fn: Callable) -> Callable:
     """Turn the project's input errors into one clear line and a non-zero exit."""
     from sparrow.schemas import ArtifactError
+    from sparrow.stages.core.prompt_set import PromptError
+    from sparrow.stages.engine.memory import PoolTooSmall
     from sparrow.stages.model.config import ModelSpecError
-    from sparrow.stages.prompt_set import PromptError
-    from sparrow.stages.rollout.memory import PoolTooSmall
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):

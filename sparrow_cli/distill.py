@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from sparrow.stages.definitions import TAIL_QUANTILE
+from sparrow.stages.core.definitions import TAIL_QUANTILE
 
 from .common import (
     UsageError,
@@ -53,7 +53,7 @@ def train_budgets_of(sparsity, given: str | None, eval_given: str | None, eval_b
     """The budget functions the adapter is taught at, and how the summary names them: --train-budgets, else
     the --eval-budgets when given (the adapter then serves every budget it is compared and planned at),
     else the sampling sparsity itself (per position for a schedule)."""
-    from sparrow.stages.sparsity import budget_fn
+    from sparrow.stages.core.sparsity import budget_fn
 
     if given:
         budgets = budget_list(given, "--train-budgets")
@@ -160,12 +160,12 @@ def distill(
     OUTPUT/mismatch/{before,after}.parquet and OUTPUT/sparrow_distill.json; prints the tail per bin before
     and after."""
     from sparrow.schemas import input_name
+    from sparrow.stages.core.prompt_set import PromptSet
+    from sparrow.stages.core.sparsity import spec_of
+    from sparrow.stages.core.trajectories import read_rollouts
     from sparrow.stages.distill import DistillConfig, run_distill, save_result, tail_comparison
     from sparrow.stages.model.loading import DTYPES, load_model, resolve_config, resolve_dtype
     from sparrow.stages.profile import ProfileOptions, sample_trajectories
-    from sparrow.stages.prompt_set import PromptSet
-    from sparrow.stages.sparsity import spec_of
-    from sparrow.stages.trajectories import read_rollouts
 
     fmt = resolve_format(format)
     if (prompts is None) == (rollouts is None):

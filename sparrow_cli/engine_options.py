@@ -18,7 +18,7 @@ def gpu_memory_option():
 
 
 def check_gpu_memory(fraction: float) -> float:
-    from sparrow.stages.rollout.memory import check_memory_utilization  # light: no torch
+    from sparrow.stages.engine.memory import check_memory_utilization  # light: no torch
 
     try:
         return check_memory_utilization(fraction)

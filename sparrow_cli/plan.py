@@ -10,7 +10,7 @@ from pathlib import Path
 
 import typer
 
-from sparrow.stages.published_schedules import REFERENCE_GEN_LEN
+from sparrow.stages.core.published_schedules import REFERENCE_GEN_LEN
 
 from .common import (
     UsageError,
@@ -30,8 +30,8 @@ EXPORTS = ("json", "sglang-vortex")
 @contextmanager
 def stage_errors() -> Iterator[None]:
     """The stages' own input errors, as the CLI's one-sentence usage errors."""
+    from sparrow.stages.core.schedule import ScheduleError
     from sparrow.stages.cost import CostError
-    from sparrow.stages.schedule import ScheduleError
 
     try:
         yield
@@ -104,20 +104,20 @@ def plan_schedule(
     at or above the threshold, non-decreasing across bins; prints the table and the predicted
     rollout speedup over dense."""
     from sparrow.schemas import write_artifact
-    from sparrow.stages.planning import (
-        load_cost_model,
-        load_profile,
-        model_shape,
-        plan_eviction,
-        resolve_threshold,
-    )
-    from sparrow.stages.schedule import (
+    from sparrow.stages.core.schedule import (
         check_threshold,
         export_json,
         export_sglang_vortex,
         mid_contexts,
         plan,
         schedule_table,
+    )
+    from sparrow.stages.plan import (
+        load_cost_model,
+        load_profile,
+        model_shape,
+        plan_eviction,
+        resolve_threshold,
     )
 
     fmt = resolve_format(format)
@@ -230,7 +230,7 @@ def _eviction_profile(profile: Path | None, kv_compression: str | None) -> str |
     """The eviction policy a plan is for: the one --profile scored (checked against --kv-compression
     when given), or None for a block top-k plan."""
     from sparrow.stages.kv_policies import EVICTION_POLICIES
-    from sparrow.stages.planning import eviction_policy_of
+    from sparrow.stages.plan import eviction_policy_of
 
     if kv_compression is not None and kv_compression.lower() not in EVICTION_POLICIES:
         raise UsageError(f"--kv-compression must be one of {', '.join(EVICTION_POLICIES)}, got "
@@ -361,9 +361,9 @@ def print_frontier(frontier, cost_model, gen_len: int, batch: int, prompt_len: i
 
 def print_comparison(hardware: str, threshold: float | None, gen_len: int | None, batch: int,
                      prompt_len: int, fmt: str = "table") -> None:
-    from sparrow.stages.published_schedules import PUBLISHED_SPEEDUP_THRESHOLD
-    from sparrow.stages.reference_profiles import compare_published
-    from sparrow.stages.schedule import check_threshold
+    from sparrow.stages.core.published_schedules import PUBLISHED_SPEEDUP_THRESHOLD
+    from sparrow.stages.core.reference_profiles import compare_published
+    from sparrow.stages.core.schedule import check_threshold
 
     threshold = PUBLISHED_SPEEDUP_THRESHOLD if threshold is None else threshold
     check_threshold(threshold)

@@ -17,7 +17,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from sparrow.stages.definitions import PRIOR_THRESHOLD, TAIL_QUANTILE
+from sparrow.stages.core.definitions import PRIOR_THRESHOLD, TAIL_QUANTILE
 
 from .common import (
     LogProgress,
@@ -116,6 +116,9 @@ def profile(
     score every generated token under dense attention and under each budget (teacher forced): one row
     per token per budget."""
     from sparrow.schemas import input_name, write_artifact
+    from sparrow.stages.core.prompt_set import PromptSet
+    from sparrow.stages.core.schedule import Schedule
+    from sparrow.stages.core.trajectories import read_rollouts
     from sparrow.stages.model.loading import (
         DTYPES,
         load_model,
@@ -125,9 +128,6 @@ def profile(
         spec_tokenizer,
     )
     from sparrow.stages.profile import ProfileOptions, profile_trajectories, run_profile, summarize
-    from sparrow.stages.prompt_set import PromptSet
-    from sparrow.stages.schedule import Schedule
-    from sparrow.stages.trajectories import read_rollouts
 
     fmt = resolve_format(format)
     if (prompts is None) == (rollouts is None):
@@ -236,8 +236,7 @@ def load_actor(path: Path | None, cfg, model: str | None = None, flag: str = "--
     base model than `model` whose shapes happen to fit."""
     from safetensors import SafetensorError
 
-    from sparrow.stages.rollout import load_lora
-    from sparrow.stages.rollout.lora import check_lora_fits
+    from sparrow.stages.model.lora import check_lora_fits, load_lora
 
     if path is None:
         return None
@@ -302,7 +301,7 @@ def _profile_on_ray(model: str, items: list, opts, sample: bool, workers: int, a
     import pyarrow as pa
 
     from sparrow.schemas import write_artifact_parts
-    from sparrow.stages.rollout.workers import RolloutPool
+    from sparrow.stages.backends.ray_pool import RolloutPool
 
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, transient=True, disable=not console.is_terminal) as bar:

@@ -46,7 +46,7 @@ def reward(
 ) -> None:
     """Score completions (of any sampler) with their prompts' task scorers."""
     from sparrow.schemas import input_name, write_artifact
-    from sparrow.stages.prompt_set import PromptSet
+    from sparrow.stages.core.prompt_set import PromptSet
     from sparrow.stages.tasks.rewarding import check_prompts, read_completions, score_completions
     from sparrow.stages.tasks.sandbox import UNSAFE_ENV
 

@@ -54,9 +54,9 @@ def _sparsity(schedule: Path | None, budget: int | None, dense: bool, model: str
     """The one sparsity spec the user gave (None = dense), validated for the engine's pages and, for a
     schedule, for `model`'s shape; one sentence on error."""
     from sparrow.stages.attention import PAGE_SIZE
+    from sparrow.stages.core.sparsity import sparsity_from_flags
     from sparrow.stages.model.config import ModelSpecError
     from sparrow.stages.model.loading import resolve_config
-    from sparrow.stages.sparsity import sparsity_from_flags
 
     try:
         cfg = resolve_config(model)
@@ -71,7 +71,7 @@ def _sparsity(schedule: Path | None, budget: int | None, dense: bool, model: str
 def _check_vllm_flags(schedule, budget, lora, top_k: int, top_p: float, kv_compression=None) -> None:
     """What vLLM cannot do is refused in one sentence, and a missing extra says how to install it,
     before anything loads."""
-    from sparrow.stages.rollout.vllm_backend import VllmMissing, require_vllm
+    from sparrow.stages.backends.vllm_sampler import VllmMissing, require_vllm
 
     if schedule is not None or budget is not None or kv_compression is not None:
         raise UsageError("--budget, --schedule and --kv-compression need --engine ours: vLLM samples with "
@@ -93,8 +93,8 @@ def _rollout_vllm(model: str, prompt_set, output: Path, fmt: str, cfg, device: s
     """Dense sampling with vLLM into the same rollouts artifact (budget 0 for every token)."""
     from sparrow.schemas import input_name, write_artifact
     from sparrow.stages.attention import PAGE_SIZE
+    from sparrow.stages.backends.vllm_sampler import run_vllm_rollouts, vllm_checkpoint
     from sparrow.stages.model.loading import _dir_tokenizer, model_name
-    from sparrow.stages.rollout.vllm_backend import run_vllm_rollouts, vllm_checkpoint
 
     checkpoint = vllm_checkpoint(model)
     tokenizer = _dir_tokenizer(checkpoint)
@@ -182,6 +182,8 @@ def rollout(
 
     from sparrow.schemas import input_name, write_artifact
     from sparrow.stages.attention import PAGE_SIZE
+    from sparrow.stages.core.prompt_set import PromptSet
+    from sparrow.stages.engine import SamplingParams
     from sparrow.stages.model.loading import (
         DTYPES,
         load_model,
@@ -190,8 +192,7 @@ def rollout(
         resolve_dtype,
         spec_tokenizer,
     )
-    from sparrow.stages.prompt_set import PromptSet
-    from sparrow.stages.rollout import RolloutOptions, SamplingParams, run_rollouts
+    from sparrow.stages.rollout import RolloutOptions, run_rollouts
 
     from .profile import load_actor
 
@@ -309,8 +310,8 @@ def _check_kv_pages(kv_pages: int | None, rows: list[dict], max_new_tokens: int,
     """One sample of the longest prompt at full length (a compressed cache's longest, under eviction)
     must fit in the pool (before any work)."""
     from sparrow.stages.attention import PAGE_SIZE
+    from sparrow.stages.engine.memory import Workload
     from sparrow.stages.kv_policies import Eviction
-    from sparrow.stages.rollout.memory import Workload
 
     if kv_pages is None:
         return
@@ -325,7 +326,7 @@ def _check_kv_pages(kv_pages: int | None, rows: list[dict], max_new_tokens: int,
 def check_workers(workers: int, ray_address: str | None, output: Path | None) -> None:
     """--workers/--ray-address: a count, Ray installed, and -o (when the parts go there) a directory; one
     sentence otherwise, before any work. Shared by rollout, profile and train."""
-    from sparrow.stages.rollout.workers import RayMissing, require_ray
+    from sparrow.stages.backends.ray_pool import RayMissing, require_ray
 
     if workers < 0:
         raise UsageError(f"--workers must be >= 0, got {workers}")
@@ -345,7 +346,7 @@ def _rollout_on_ray(model: str, rows: list[dict], opts, workers: int, address: s
                     dtype: str, meta: dict, output: Path):
     """Rollouts of `rows` on a pool of Ray workers, written as one part per shard; (summary, rows)."""
     from sparrow.schemas import write_artifact_parts
-    from sparrow.stages.rollout.workers import RolloutPool, merge_summaries
+    from sparrow.stages.backends.ray_pool import RolloutPool, merge_summaries
 
     total = len(rows) * opts.sampling.n
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),

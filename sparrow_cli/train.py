@@ -51,7 +51,7 @@ TRAIN_LABELS = {"reward_first": "reward, first step", "reward_last": "reward, la
 def _spec(schedule: Path | None, budget: int | None, dense: bool, model: str, kv: tuple = (None,) * 4) -> str:
     """The run's sampler as its spec text: block top-k, dense, or an eviction policy (`kv`: the
     --kv-compression, --kv-budget, --kv-window and --kv-buffer given)."""
-    from sparrow.stages.sparsity import spec_of
+    from sparrow.stages.core.sparsity import spec_of
 
     eviction = _eviction(*kv, model, {"--budget": budget, "--schedule": schedule, "--dense": dense})
     if eviction is not None:
@@ -212,7 +212,7 @@ def train(
     pool = None
     try:
         if workers:
-            from sparrow.stages.rollout.workers import RolloutPool
+            from sparrow.stages.backends.ray_pool import RolloutPool
 
             pool = RolloutPool(model, workers, address=ray_address, device=device,
                                random_weights=random_weights)  # seeded: the learner's base weights
@@ -229,8 +229,8 @@ def check_run_location(cfg, model: str, prompts: Path, eval_prompts: Path | None
     """The run directory (writable, a run to resume with the same options and input contents, or none to
     overwrite), before any weights load: the prompts are read with the model's tokenizer alone."""
     from sparrow.schemas import check_output_dir
+    from sparrow.stages.core.sparsity import parse_sparsity
     from sparrow.stages.model.loading import resolve_config, spec_tokenizer
-    from sparrow.stages.sparsity import parse_sparsity
     from sparrow.stages.train import check_run_dir, load_prompts, with_fingerprints
 
     check_output_dir(output_dir, "a training run", ours=lambda d: True, force=force)  # writable, no FIFO

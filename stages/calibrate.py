@@ -34,8 +34,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from .definitions import PRIOR_THRESHOLD, TAIL_QUANTILE
-from .schedule import Schedule
+from .core.definitions import PRIOR_THRESHOLD, TAIL_QUANTILE
+from .core.schedule import Schedule
 
 PRIOR_RANGE = (0.85, 0.90)  # the published 'between 0.85 and 0.90'
 PRIOR_NOTE = "published prior (Sparrow, arXiv 2606.08446): keep the per-bin 5th percentile above 0.86"

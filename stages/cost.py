@@ -39,7 +39,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import pyarrow as pa
 
-from .definitions import DEFAULT_DENSE_LAYERS, PAGE_SIZE  # torch-free: planning needs no torch
+from .core.definitions import DEFAULT_DENSE_LAYERS, PAGE_SIZE  # torch-free: planning needs no torch
 from .model.config import ModelConfig
 
 FEATURES = ("step", "seq", "kv", "page")
@@ -239,7 +239,7 @@ def time_decode_steps(loaded, grid: Grid, device: str = "cpu", seed: int = 0,
                       gpu_memory_utilization: float = 0.9) -> list[tuple[int, int, int, float]]:
     """Seconds of one rollout-engine decode step per (batch, context, budget) point.
 
-    What is timed is the step `sparrow rollout` runs (`stages.rollout.Engine`: paged KV cache, centroid
+    What is timed is the step `sparrow rollout` runs (`stages.engine.Engine`: paged KV cache, centroid
     upkeep, page selection, sparse or dense paged attention, sampling; CUDA graphs on CUDA): per point
     the engine, at that budget, decodes `batch` samples of one random prompt of `context - 1` tokens,
     the samples sharing the prompt's pages as a GRPO group does. One engine serves the whole grid
@@ -253,7 +253,7 @@ def time_decode_steps(loaded, grid: Grid, device: str = "cpu", seed: int = 0,
     """
     import torch
 
-    from .rollout import Engine, SamplingParams
+    from .engine import Engine, SamplingParams
 
     model, cfg = loaded.model.eval(), loaded.config
     steps = grid.warmup + grid.repeats + 1  # the first token comes from the prefill, not a decode step

@@ -77,18 +77,18 @@ from torch import Tensor
 from sparrow.schemas import write_artifact
 
 from .attention import DEFAULT_DENSE_LAYERS, PAGE_SIZE, SparseAttention
-from .mismatch import decode_budgets, pad_right
+from .core.sparsity import BudgetFn
+from .core.trajectories import Trajectory
 from .model.head import POSITION_CHUNK, over_chunks, token_scores
 from .model.llama import AttentionContext, Transformer
 from .model.loading import LoadedModel
+from .model.lora import LoraWeights
 from .profile import ProfileOptions, profile_trajectories, summarize
-from .rollout.lora import LoraWeights
-from .sparsity import BudgetFn
+from .scoring.mismatch import decode_budgets, pad_right
 from .train.adapter import add_lora, load_lora_state, lora_state, save_adapter
 from .train.objective import k3
 from .train.policy import RecordingAttention, completion_hidden, completion_mask
 from .train.trainer import adapters_disabled
-from .trajectories import Trajectory
 
 OBJECTIVES = ("kl", "k3")
 PUBLISHED_LORA_ALPHA = 16.0

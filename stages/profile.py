@@ -4,9 +4,9 @@ sparse-to-dense mismatch.
 Sampling and scoring are separate on purpose: the trajectories come from whichever sampler the user
 names (dense, a fixed budget or a schedule, as the rollouts of a run would), and every generated
 token is then scored under dense attention and under each candidate budget by teacher forcing.
-There is one sampler, the rollout engine (`stages.rollout.Engine`): each sample draws from its own
+There is one sampler, the rollout engine (`stages.engine.Engine`): each sample draws from its own
 generator seeded from (seed, prompt, sample), so on a CPU the trajectories do not depend on a
---batch-size up to 16 (stages/rollout/engine.py says what holds on which device), and `run_profile`
+--batch-size up to 16 (stages/engine/engine.py says what holds on which device), and `run_profile`
 over a prompt set gives the same rows as `profile_trajectories` over the `sparrow rollout` artifact of
 the same prompts, seed, sampler and temperature. `profile_trajectories` scores
 trajectories of any sampler (`stages.trajectories` reads them from a file).
@@ -31,13 +31,13 @@ import pyarrow as pa
 
 from .attention import DEFAULT_DENSE_LAYERS, PAGE_SIZE, validate_budget
 from .calibrate import PRIOR_THRESHOLD
-from .definitions import TAIL_QUANTILE
-from .mismatch import score_sequences
+from .core.definitions import TAIL_QUANTILE
+from .core.schedule import Schedule
+from .core.trajectories import Trajectory
+from .engine import Engine, SamplingParams
 from .model.loading import LoadedModel
-from .rollout import Engine, SamplingParams
-from .rollout.lora import LoraWeights, lora_merged
-from .schedule import Schedule
-from .trajectories import Trajectory
+from .model.lora import LoraWeights, lora_merged
+from .scoring.mismatch import score_sequences
 
 Progress = Callable[[str, int, int], None]  # (phase, done, total)
 SAMPLING = ("samples", "max_new_tokens", "sampler", "top_p", "seed", "batch_size")

@@ -42,7 +42,7 @@ from sparrow.schemas import ArtifactError, artifact_kind, artifact_metadata, rea
 from sparrow.schemas.io import write_bytes
 
 from .calibrate import Detectors
-from .definitions import PRIOR_THRESHOLD, TAIL_QUANTILE
+from .core.definitions import PRIOR_THRESHOLD, TAIL_QUANTILE
 
 DRAWN = ("mismatch", "schedule", "cost", "rollouts")
 
@@ -191,7 +191,7 @@ def calibration_figure(threshold: Path, name: str, out: Path, plt) -> Figure | N
 
 
 def schedule_figure(schedule: Path, name: str, out: Path, plt) -> Figure:
-    from .published_schedules import published_budgets
+    from .core.published_schedules import published_budgets
 
     table = read_artifact(schedule, "schedule").sort_by("bin").to_pylist()
     meta = artifact_metadata(schedule)

@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 import torch
 
-from sparrow.stages.mismatch import score_sequences
+from sparrow.stages.core.sparsity import budget_fn
+from sparrow.stages.engine import Engine, SamplingParams
 from sparrow.stages.model.loading import load_model
-from sparrow.stages.rollout import Engine, SamplingParams
-from sparrow.stages.sparsity import budget_fn
+from sparrow.stages.scoring.mismatch import score_sequences
 from sparrow.stages.tasks import make_prompts
 
 
@@ -57,7 +57,7 @@ def test_bf16_sparse_logprobs_within_the_stated_tolerance(smollm2, smollm2_bf16)
 def test_packed_linears_follow_the_weights():
     """Packed bf16 products equal fp32 products of the bf16 values (within bf16 output rounding), and an
     in-place weight change (a LoRA merge, an optimizer step) is picked up at the next `active()`."""
-    from sparrow.stages.rollout.packed_linears import PackedLinears, packing_available
+    from sparrow.stages.engine.cpu.packed_linears import PackedLinears, packing_available
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.Linear(96, 32, bias=False)).bfloat16()
@@ -98,7 +98,7 @@ def test_cli_rollout_in_bf16(tmp_path, prompts_file):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("name", ["smollm2-135m", "tiny-qwen2", "tiny-qwen3"])
 def test_fused_decode_layers_equal_the_modular_step(name, dtype):
-    """A decode layer is two C++ ops around the attention (stages/rollout/cpu_decode.py); they round where
+    """A decode layer is two C++ ops around the attention (engine/cpu/fused_decode.py); they round where
     the chain of modules rounds (and use the same products), so tokens and logprobs are the modular step's
     bit for bit, bf16 and fp32, dense and sparse, with Qwen2's q/k/v biases and Qwen3's per-head q/k norms
     (made non-trivial here)."""

@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 from sparrow.cli.app import app
 from sparrow.schemas import read_artifact, write_artifact
 from sparrow.stages.calibrate import collapse_reasons, run_tail
-from sparrow.stages.schedule import Schedule
+from sparrow.stages.core.schedule import Schedule
 
 runner = CliRunner()
 BUDGETS = (64, 128, 256, 512)

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from sparrow.kernels.cascade_decode import cascade_decode_reference, suffix_pages
-from sparrow.stages.rollout import Engine, SamplingParams
-from sparrow.stages.rollout.block_manager import BlockManager
+from sparrow.stages.engine import Engine, SamplingParams
+from sparrow.stages.engine.block_manager import BlockManager
 
 P, HKV, G, D = 4, 2, 3, 8
 

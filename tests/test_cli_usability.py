@@ -394,7 +394,7 @@ def test_the_cli_starts_without_torch():
     those imports are most of a command's start-up, so a module-level import of them is a regression."""
     import sys
 
-    heavy = ("torch", "transformers", "sparrow.stages.rollout.engine")
+    heavy = ("torch", "transformers", "sparrow.stages.engine.engine")
     code = f"import sys; from sparrow.cli.app import app; print([m for m in {heavy} if m in sys.modules])"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

@@ -9,6 +9,7 @@ from typer.testing import CliRunner
 from sparrow.cli.app import app
 from sparrow.schemas import artifact_metadata, read_artifact
 from sparrow.stages import attention
+from sparrow.stages.core.schedule import Schedule
 from sparrow.stages.cost import (
     DEFAULT_DENSE_LAYERS,
     FEATURES,
@@ -23,7 +24,6 @@ from sparrow.stages.cost import (
     nnls,
 )
 from sparrow.stages.model.presets import get_preset
-from sparrow.stages.schedule import Schedule
 
 runner = CliRunner()
 QWEN4B = get_preset("qwen3-4b").config

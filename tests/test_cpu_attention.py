@@ -9,8 +9,8 @@ import torch
 from sparrow.kernels import cpu_attention as kernel
 from sparrow.kernels.cascade_decode import prefix_attention
 from sparrow.kernels.page_scoring import mask_candidates
+from sparrow.stages.engine import Engine, SamplingParams
 from sparrow.stages.model.loading import load_model
-from sparrow.stages.rollout import Engine, SamplingParams
 
 needs_kernel = pytest.mark.skipif(not kernel.available(), reason="no AVX512-BF16 or no C++ toolchain")
 
@@ -268,7 +268,7 @@ def test_score_pages_equals_float64_scores_and_the_cascade_selection_the_torch_o
 @needs_kernel
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 2 ** -8)])
 def test_rms_norm_and_rope_ops_equal_float64_within_one_rounding(dtype, tol):
-    from sparrow.stages.rollout.cpu_layers import _rope
+    from sparrow.stages.engine.cpu.layers import _rope
 
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(8, 1, 576, generator=g).to(dtype), (1 + torch.randn(576, generator=g)).to(dtype)
@@ -295,7 +295,7 @@ def test_rms_norm_and_rope_ops_equal_float64_within_one_rounding(dtype, tol):
     (torch.bfloat16, (10, 48, 16, 2), 2 ** -8, 1e-3),  # one bf16 rounding of the output
 ])
 def test_packed_linear_equals_float64_products(rows, dtype, shape, rel, abs_):
-    from sparrow.stages.rollout.packed_linears import PackedLinears
+    from sparrow.stages.engine.cpu.packed_linears import PackedLinears
 
     g = torch.Generator().manual_seed(0)
     layer = torch.nn.Linear(96, 160).to(dtype)
@@ -318,7 +318,7 @@ def test_packed_linear_equals_float64_products(rows, dtype, shape, rel, abs_):
 def test_packed_linear_fp32_out_is_the_unrounded_bf16_product(rows):
     """`fp32_out` (the CPU engine's lm_head on bf16 weights): bf16 inputs and weights, the products exact
     and summed in fp32, never rounded to bf16: within fp32 summation error of the float64 product."""
-    from sparrow.stages.rollout.packed_linears import PackedLinears, dot_product
+    from sparrow.stages.engine.cpu.packed_linears import PackedLinears, dot_product
 
     g = torch.Generator().manual_seed(1)
     layer = torch.nn.Linear(576, 320).to(torch.bfloat16)
@@ -344,7 +344,7 @@ def test_packed_linear_fp32_out_is_the_unrounded_bf16_product(rows):
 def test_a_sparse_layer_as_one_op_samples_what_the_op_by_op_chain_samples(dtype, monkeypatch):
     """`sparse_decode_layer` (append, cascade scoring, selection, paged attention in one C++ op) gives the
     op-by-op chain's tokens and logprobs bit for bit, and the step takes it."""
-    from sparrow.stages.rollout.attention import CpuDecodeAttention
+    from sparrow.stages.attention.paged import CpuDecodeAttention
 
     model = load_model("smollm2-135m", dtype=dtype).model
     prompt = torch.randint(0, 1000, (300,), generator=torch.Generator().manual_seed(5)).tolist()

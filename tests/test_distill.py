@@ -23,15 +23,16 @@ from typer.testing import CliRunner
 from sparrow.cli.app import app
 from sparrow.schemas import artifact_metadata, read_artifact, write_artifact
 from sparrow.stages.attention import SparseAttention
+from sparrow.stages.core.schedule import Schedule
+from sparrow.stages.core.sparsity import budget_fn
+from sparrow.stages.core.trajectories import Trajectory
 from sparrow.stages.distill import DistillConfig, Distiller, actor_hidden, sampled_logprobs, token_losses
-from sparrow.stages.mismatch import decode_budgets, score_sequences
+from sparrow.stages.engine import Engine, SamplingParams
 from sparrow.stages.model.llama import ours_to_hf
 from sparrow.stages.model.loading import load_model
-from sparrow.stages.rollout import Engine, LoraWeights, SamplingParams, load_lora, lora_merged
-from sparrow.stages.schedule import Schedule
-from sparrow.stages.sparsity import budget_fn
+from sparrow.stages.model.lora import LoraWeights, load_lora, lora_merged
+from sparrow.stages.scoring.mismatch import decode_budgets, score_sequences
 from sparrow.stages.train.trainer import adapters_disabled
-from sparrow.stages.trajectories import Trajectory
 
 from cli_checks import error_line
 

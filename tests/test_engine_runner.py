@@ -1,4 +1,4 @@
-"""The engine over its device runner (stages/rollout/runner.py, cpu_runner.py, memory.py): memory, chunked
+"""The engine over its device runner (stages/engine/runner.py, cpu_runner.py, memory.py): memory, chunked
 prefill, one engine for many runs.
 
 Independent references: the scheduler itself driven without a model (the most pages a workload ever
@@ -18,18 +18,18 @@ import torch
 from typer.testing import CliRunner
 
 from sparrow.cli.app import app
+from sparrow.stages.attention.kv_cache import PagedKVCache
+from sparrow.stages.core.schedule import Schedule
+from sparrow.stages.core.sparsity import budget_fn
+from sparrow.stages.engine import Engine, SamplingParams
+from sparrow.stages.engine.block_manager import BlockManager
+from sparrow.stages.engine.memory import GiB, PoolTooSmall, Workload, pool_pages
+from sparrow.stages.engine.runner import ModelRunner, plan_forwards
+from sparrow.stages.engine.scheduler import Scheduler
+from sparrow.stages.engine.sequence import Request, Sequence
 from sparrow.stages.kv_policies import Dense
-from sparrow.stages.mismatch import score_sequences
 from sparrow.stages.model.loading import load_model, resolve_config
-from sparrow.stages.rollout import Engine, SamplingParams
-from sparrow.stages.rollout.block_manager import BlockManager
-from sparrow.stages.rollout.kv_cache import PagedKVCache
-from sparrow.stages.rollout.memory import GiB, PoolTooSmall, Workload, pool_pages
-from sparrow.stages.rollout.runner import ModelRunner, plan_forwards
-from sparrow.stages.rollout.scheduler import Scheduler
-from sparrow.stages.rollout.sequence import Request, Sequence
-from sparrow.stages.schedule import Schedule
-from sparrow.stages.sparsity import budget_fn
+from sparrow.stages.scoring.mismatch import score_sequences
 
 from cli_checks import error_line
 from tiny_models import tiny_qwen3

@@ -15,12 +15,12 @@ import pytest
 import torch
 import transformers
 
+from sparrow.stages.core.schedule import Schedule
+from sparrow.stages.core.sparsity import budget_fn
+from sparrow.stages.engine import Engine, SamplingParams
 from sparrow.stages.kv_policies import RKV, SnapKV
-from sparrow.stages.mismatch import score_sequences
 from sparrow.stages.model.loading import load_model
-from sparrow.stages.rollout import Engine, SamplingParams
-from sparrow.stages.schedule import Schedule
-from sparrow.stages.sparsity import budget_fn
+from sparrow.stages.scoring.mismatch import score_sequences
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

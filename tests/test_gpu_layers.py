@@ -1,4 +1,4 @@
-"""The GPU decode step's inference form (stages/rollout/gpu_layers.py) against the model's modular step.
+"""The GPU decode step's inference form (stages/engine/gpu/layers.py) against the model's modular step.
 
 Independent references: the model's own forward (`Transformer.hidden_states` over the same
 `DecodeAttention`, the step the learner's modules compute), run on a separate copy of the cache, and
@@ -27,15 +27,15 @@ if DEVICE == "cpu":
     os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton (see test_kernels_triton.py)
 
 from sparrow.kernels._triton_utils import HAS_TRITON, interpreter_usable  # noqa: E402
-from sparrow.stages.mismatch import score_sequences  # noqa: E402
+from sparrow.stages.attention.kv_cache import PagedKVCache  # noqa: E402
+from sparrow.stages.attention.paged import DecodeAttention, DecodeBatch  # noqa: E402
+from sparrow.stages.core.schedule import Schedule  # noqa: E402
+from sparrow.stages.core.sparsity import budget_fn  # noqa: E402
+from sparrow.stages.engine import Engine, SamplingParams  # noqa: E402
+from sparrow.stages.engine.gpu.layers import GpuDecode, base_linear, decode_hidden  # noqa: E402
+from sparrow.stages.engine.static_decode import kept_pages  # noqa: E402
 from sparrow.stages.model.loading import load_model, save_checkpoint  # noqa: E402
-from sparrow.stages.rollout import Engine, SamplingParams  # noqa: E402
-from sparrow.stages.rollout.attention import DecodeAttention, DecodeBatch  # noqa: E402
-from sparrow.stages.rollout.gpu_layers import GpuDecode, base_linear, decode_hidden  # noqa: E402
-from sparrow.stages.rollout.kv_cache import PagedKVCache  # noqa: E402
-from sparrow.stages.rollout.static_decode import kept_pages  # noqa: E402
-from sparrow.stages.schedule import Schedule  # noqa: E402
-from sparrow.stages.sparsity import budget_fn  # noqa: E402
+from sparrow.stages.scoring.mismatch import score_sequences  # noqa: E402
 
 from tiny_models import tiny_qwen3  # noqa: E402
 
@@ -241,7 +241,7 @@ def test_stacking_after_peft_injection_and_the_runner_restacking(qwen3_path):
     """The trainer's order (peft injects first, the engine's runner stacks the base layers after): the
     fused step applies the adapter; the GPU runner stacks at construction and, told of an update
     (`refresh_weights`, as at every run's start), stacks a replaced parameter again."""
-    from sparrow.stages.rollout.gpu_runner import GpuRunner
+    from sparrow.stages.engine.gpu.runner import GpuRunner
     from sparrow.stages.train.adapter import add_lora
 
     model = _load(qwen3_path)

@@ -1,4 +1,4 @@
-"""Eviction in the rollout engine (SnapKV, R-KV: stages/kv_policies, stages/rollout/compaction.py).
+"""Eviction in the rollout engine (SnapKV, R-KV: stages/kv_policies, stages/engine/compaction.py).
 
 The independent references: the float64 brute-force decoder of eviction_reference.py (a contiguous
 per-position cache, kept positions per head, the papers' rules as loops) and teacher-forced replay
@@ -16,11 +16,11 @@ import pytest
 import torch
 from eviction_reference import brute_force_logprobs, float64_copy
 
+from sparrow.stages.engine import Engine, SamplingParams
+from sparrow.stages.engine.memory import Workload
 from sparrow.stages.kv_policies import RKV, SnapKV
-from sparrow.stages.mismatch import score_sequences
 from sparrow.stages.model.loading import load_model
-from sparrow.stages.rollout import Engine, SamplingParams
-from sparrow.stages.rollout.memory import Workload
+from sparrow.stages.scoring.mismatch import score_sequences
 
 SNAP = SnapKV(40, window=6, buffer=16, sink=4)
 RKV_ = RKV(40, window=6, buffer=16, sink=4)
@@ -162,7 +162,7 @@ _TRITON_SCRIPT = """
 import sys, torch
 from sparrow.stages.kv_policies import RKV
 from sparrow.stages.model.loading import load_model
-from sparrow.stages.rollout import Engine, SamplingParams
+from sparrow.stages.engine import Engine, SamplingParams
 model = load_model("tiny-qwen3").model
 g = torch.Generator().manual_seed(1)
 prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (70, 41)]

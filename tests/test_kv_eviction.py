@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
+from sparrow.stages.core.sparsity import as_policy, parse_sparsity
 from sparrow.stages.kv_policies.eviction import RKV, SnapKV, parse_eviction
 from sparrow.stages.kv_policies.scoring import retained_slots
-from sparrow.stages.sparsity import as_policy, parse_sparsity
 
 
 def brute_force_kept(policy, q_window: np.ndarray, keys: np.ndarray) -> list[list[int]]:

@@ -15,8 +15,8 @@ from eviction_reference import brute_force_logprobs, float64_copy
 
 from sparrow.stages.kv_policies import RKV, SnapKV
 from sparrow.stages.kv_policies.replay import replay
-from sparrow.stages.mismatch import score_sequences
 from sparrow.stages.model.loading import load_model
+from sparrow.stages.scoring.mismatch import score_sequences
 
 
 @pytest.fixture(scope="module")

@@ -22,10 +22,10 @@ from typer.testing import CliRunner
 from sparrow.cli.app import app
 from sparrow.schemas import artifact_metadata, read_artifact
 from sparrow.stages.attention import SparseAttention
-from sparrow.stages.mismatch import decode_budgets, score_sequences
+from sparrow.stages.core.sparsity import budget_fn
 from sparrow.stages.model.config import ModelConfig, ModelSpecError
 from sparrow.stages.model.loading import load_model, resolve_config
-from sparrow.stages.sparsity import budget_fn
+from sparrow.stages.scoring.mismatch import decode_budgets, score_sequences
 from sparrow.stages.train.adapter import add_lora
 from sparrow.stages.train.policy import PREFIX_MASK_ELEMENTS, completion_logprobs, shares_prompts
 
@@ -316,7 +316,7 @@ def test_eos_ids_from_generation_config(tmp_path, generation_eos, want):
 
 def test_engine_stops_at_a_generation_config_eos(tmp_path):
     """The rollout engine stops at an id that only generation_config.json names."""
-    from sparrow.stages.rollout import Engine, SamplingParams
+    from sparrow.stages.engine import Engine, SamplingParams
 
     hf = _save_tiny(transformers.LlamaConfig, tmp_path, eos_token_id=2)
     prompt = [5, 6, 7, 8]
@@ -377,8 +377,8 @@ def test_gguf_rope_scaling_is_refused(tmp_path):
 def test_distill_step_with_gradient_checkpointing_equals_without(tmp_path, objective):
     """The distiller's actor forward (shared prompt pass, block top-k completions, LoRA) recomputed per
     layer in backward gives the plain step's loss and LoRA gradients bit for bit."""
+    from sparrow.stages.core.trajectories import Trajectory
     from sparrow.stages.distill import DistillConfig, Distiller
-    from sparrow.stages.trajectories import Trajectory
 
     _save_tiny(transformers.LlamaConfig, tmp_path)
     g = torch.Generator().manual_seed(2)

@@ -4,11 +4,11 @@ import numpy as np
 import pytest
 import torch
 
-from sparrow.stages.generate import sample
-from sparrow.stages.mismatch import score_sequences
+from sparrow.stages.core.schedule import Schedule
+from sparrow.stages.core.sparsity import budget_fn
 from sparrow.stages.model.loading import load_model
-from sparrow.stages.schedule import Schedule
-from sparrow.stages.sparsity import budget_fn
+from sparrow.stages.scoring.generate import sample
+from sparrow.stages.scoring.mismatch import score_sequences
 
 
 def _check_tf_equals_decode(model, prompts, sampler, max_new, tol, dense_layers=(0, 1)):

@@ -6,10 +6,10 @@ import pytest
 import torch
 import transformers
 
-from sparrow.stages.generate import generate
 from sparrow.stages.model.config import ModelConfig
 from sparrow.stages.model.llama import KVCache
 from sparrow.stages.model.loading import ModelSpecError, load_model, resolve_config
+from sparrow.stages.scoring.generate import generate
 
 TINY = {
     "llama-gqa2-tied": (transformers.LlamaConfig, dict(head_dim=16, num_attention_heads=4,
@@ -55,7 +55,7 @@ def test_tiny_logits_match_transformers(tiny):
 def test_packed_stacked_projections_match_transformers_and_follow_the_weights(tiny):
     """The CPU decode step's linears (oneDNN-packed; q/k/v and gate/up each one product over stacked
     weights) give transformers' logits; an in-place weight change is picked up at the next `active()`."""
-    from sparrow.stages.rollout.packed_linears import PackedLinears, packing_available
+    from sparrow.stages.engine.cpu.packed_linears import PackedLinears, packing_available
 
     hf, ours, name = tiny
     if not packing_available(ours.model):

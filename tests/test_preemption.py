@@ -1,4 +1,4 @@
-"""Pages on demand and preemption by recompute in the rollout engine (stages/rollout/scheduler.py).
+"""Pages on demand and preemption by recompute in the rollout engine (stages/engine/scheduler.py).
 
 A pool too small for every sample at full length must finish them all with the tokens and logprobs
 of a pool that never preempts, and with the logprobs of teacher-forced scoring (`score_sequences`,
@@ -13,13 +13,13 @@ import pytest
 import torch
 
 from sparrow.kernels import ops
-from sparrow.stages.mismatch import score_sequences
+from sparrow.stages.attention.kv_cache import PagedKVCache
+from sparrow.stages.attention.paged import PrefillAttention, Recompute
+from sparrow.stages.core.schedule import Schedule
+from sparrow.stages.core.sparsity import budget_fn
+from sparrow.stages.engine import Engine, SamplingParams
 from sparrow.stages.model.loading import load_model
-from sparrow.stages.rollout import Engine, SamplingParams
-from sparrow.stages.rollout.attention import PrefillAttention, Recompute
-from sparrow.stages.rollout.kv_cache import PagedKVCache
-from sparrow.stages.schedule import Schedule
-from sparrow.stages.sparsity import budget_fn
+from sparrow.stages.scoring.mismatch import score_sequences
 
 from tiny_models import tiny_qwen3
 
@@ -168,7 +168,7 @@ def test_recompute_writes_the_centroids_decoding_wrote(tiny):
 _TRITON_SCRIPT = """
 import sys, torch, transformers
 from sparrow.stages.model.loading import load_model
-from sparrow.stages.rollout import Engine, SamplingParams
+from sparrow.stages.engine import Engine, SamplingParams
 cfg = transformers.Qwen3Config(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
                                head_dim=16, num_attention_heads=4, num_key_value_heads=2,
                                max_position_embeddings=512, tie_word_embeddings=True)

@@ -16,8 +16,8 @@ from typer.testing import CliRunner
 from sparrow.cli.app import app
 from sparrow.schemas import ArtifactError, artifact_kind, artifact_metadata, read_artifact, write_artifact
 from sparrow.schemas.io import write_artifact_parts
+from sparrow.stages.core.trajectories import read_rollouts
 from sparrow.stages.sql import run_query
-from sparrow.stages.trajectories import read_rollouts
 
 runner = CliRunner()
 

@@ -1,4 +1,4 @@
-"""The rollout engine (stages/rollout) and `sparrow rollout`.
+"""The rollout engine (stages/engine) and `sparrow rollout`.
 
 Independent references: transformers' greedy generate (dense), our reference generator, and
 teacher-forced scoring (`score_sequences`), whose sparse logprobs the engine's incremental sparse
@@ -15,19 +15,13 @@ from typer.testing import CliRunner
 
 from sparrow.cli.app import app
 from sparrow.schemas import artifact_metadata, read_artifact, write_artifact
-from sparrow.stages.generate import generate
-from sparrow.stages.mismatch import score_sequences
+from sparrow.stages.core.schedule import Schedule
+from sparrow.stages.core.sparsity import budget_fn
+from sparrow.stages.engine import Engine, SamplingParams
 from sparrow.stages.model.loading import load_model
-from sparrow.stages.rollout import (
-    Engine,
-    LoraWeights,
-    SamplingParams,
-    lora_merged,
-    merge_lora,
-    unmerge_lora,
-)
-from sparrow.stages.schedule import Schedule
-from sparrow.stages.sparsity import budget_fn
+from sparrow.stages.model.lora import LoraWeights, lora_merged, merge_lora, unmerge_lora
+from sparrow.stages.scoring.generate import generate
+from sparrow.stages.scoring.mismatch import score_sequences
 
 from cli_checks import error_line
 
@@ -187,7 +181,7 @@ def test_tiny_sparse_logprobs_equal_teacher_forced_many_requests(tiny_qwen3):
 
 
 def test_batch_buckets_and_kept_pages():
-    from sparrow.stages.rollout.static_decode import batch_buckets, kept_pages
+    from sparrow.stages.engine.static_decode import batch_buckets, kept_pages
 
     assert batch_buckets(1) == [1]
     assert batch_buckets(5) == [1, 2, 4, 5]
@@ -501,7 +495,7 @@ def test_cli_bad_input(prompts_file, tmp_path, args, message):
 _TRITON_SCRIPT = """
 import sys, torch, transformers
 from sparrow.stages.model.loading import load_model
-from sparrow.stages.rollout import Engine, SamplingParams
+from sparrow.stages.engine import Engine, SamplingParams
 cfg = transformers.Qwen3Config(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
                                head_dim=16, num_attention_heads=4, num_key_value_heads=2,
                                max_position_embeddings=512, tie_word_embeddings=True)

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from sparrow.stages.rollout import SamplingParams
-from sparrow.stages.rollout.sampler import sample_tokens
+from sparrow.stages.engine import SamplingParams
+from sparrow.stages.engine.sampler import sample_tokens
 
 
 def _frequencies(logits, params, draws=20000, seed=0):
@@ -146,7 +146,7 @@ def test_row_seeds_equal_their_uint64_reference():
 
 def _position_frequencies(logits, params, impl, draws=20000, rows=500):
     """Frequencies of row 0's draws by the device path, each draw keyed by its own (seed, position)."""
-    from sparrow.stages.rollout.sampler import sample_by_position
+    from sparrow.stages.engine.sampler import sample_by_position
 
     counts = np.zeros(logits.shape[-1])
     batch = logits.expand(rows, -1)
@@ -173,7 +173,7 @@ def test_device_path_frequencies_match_the_truncated_distribution(impl):
 def test_device_path_logprobs_greedy_and_top_logprobs_against_float64():
     """Logprobs of the full distribution at the temperature (1 when greedy), greedy rows the argmax,
     top logprobs the float64 top-k; the same seed and position draw the same token in any batch."""
-    from sparrow.stages.rollout.sampler import sample_by_position
+    from sparrow.stages.engine.sampler import sample_by_position
 
     logits = torch.randn(4, 3000, generator=torch.Generator().manual_seed(5)) * 4
     temps = (0.0, 0.7, 1.0, 1.3)

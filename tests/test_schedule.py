@@ -13,14 +13,14 @@ from typer.testing import CliRunner
 
 from sparrow.cli.app import app
 from sparrow.schemas import artifact_metadata, read_artifact, write_artifact
-from sparrow.stages.published_schedules import (
+from sparrow.stages.core.published_schedules import (
     PUBLISHED_PAGES,
     published_budgets,
     published_models,
     published_thresholds,
 )
-from sparrow.stages.reference_profiles import compare_published, reference_profile
-from sparrow.stages.schedule import Schedule, TailProfile, plan
+from sparrow.stages.core.reference_profiles import compare_published, reference_profile
+from sparrow.stages.core.schedule import Schedule, TailProfile, plan
 
 runner = CliRunner()
 CSV = Path(__file__).resolve().parents[2] / "shared" / "reference" / "sparrow_published_schedules.csv"
@@ -248,7 +248,7 @@ def test_export_json_to_stdout():
 
 
 def test_vortex_export_resamples_other_bin_widths():
-    from sparrow.stages.schedule import Plan, export_sglang_vortex
+    from sparrow.stages.core.schedule import Plan, export_sglang_vortex
 
     p = Plan(Schedule((0, 1000, 2000, 3000), (64, 128, 128, 0)), 1000, [0.9] * 4, 0.86, 0.05, "x")
     form = export_sglang_vortex(p, context=8192)

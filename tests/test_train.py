@@ -13,8 +13,8 @@ import transformers
 
 from sparrow.schemas import artifact_metadata, read_artifact, write_artifact
 from sparrow.stages.calibrate import collapse_reasons
+from sparrow.stages.core.schedule import Schedule
 from sparrow.stages.model.loading import embedded_checkpoint, load_model
-from sparrow.stages.schedule import Schedule
 from sparrow.stages.tasks import TASKS, Task
 from sparrow.stages.train import (
     CORRECTIONS,

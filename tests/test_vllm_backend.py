@@ -1,4 +1,4 @@
-"""`sparrow rollout --engine vllm` (stages/rollout/vllm_backend.py).
+"""`sparrow rollout --engine vllm` (stages/backends/vllm_sampler.py).
 
 Fast tests, always run, need no vLLM: what vLLM cannot do (sparse flags, adapters, truncated sampling)
 is refused in one sentence before anything loads, and a missing extra says how to install it (the
@@ -19,8 +19,8 @@ from typer.testing import CliRunner
 
 from sparrow.cli.app import app
 from sparrow.schemas import artifact_metadata, read_artifact
+from sparrow.stages.backends.vllm_sampler import vllm_checkpoint
 from sparrow.stages.model.config import ModelSpecError
-from sparrow.stages.rollout.vllm_backend import vllm_checkpoint
 
 from cli_checks import error_line
 
@@ -83,8 +83,8 @@ def test_vllm_rollouts_match_transformers_and_teacher_forcing(prompts_file, tmp_
     pytest.importorskip("vllm")
     import transformers
 
-    from sparrow.stages.mismatch import score_sequences
     from sparrow.stages.model.loading import embedded_checkpoint
+    from sparrow.stages.scoring.mismatch import score_sequences
 
     out = tmp_path / "r.parquet"
     new = 24
@@ -118,7 +118,7 @@ def test_vllm_sampled_logprobs_follow_our_temperature_convention(prompts_file, t
     """Sampled at T = 0.7 (EOS ignored): each logprob is log_softmax(logits / T) of the sampled token,
     as our engine reports it, so teacher forcing at T = 0.7 gives the same numbers."""
     pytest.importorskip("vllm")
-    from sparrow.stages.mismatch import score_sequences
+    from sparrow.stages.scoring.mismatch import score_sequences
 
     out = tmp_path / "r.parquet"
     r = runner.invoke(app, ["rollout", "--prompts", str(prompts_file), "--engine", "vllm", "--samples", "3",

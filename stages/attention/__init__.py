@@ -1,6 +1,6 @@
 """Block top-k sparse attention (the rule of DESIGN.md "Definitions") in decode and teacher-forced form."""
 
-from ..definitions import DEFAULT_DENSE_LAYERS, PAGE_SIZE
+from ..core.definitions import DEFAULT_DENSE_LAYERS, PAGE_SIZE
 from .block_topk import (
     kept_page_mask,
     page_centroids,

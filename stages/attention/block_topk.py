@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..definitions import PAGE_SIZE, RESERVED_PAGES
+from ..core.definitions import PAGE_SIZE, RESERVED_PAGES
 
 
 def validate_budget(budget: int, page: int = PAGE_SIZE) -> None:

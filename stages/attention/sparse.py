@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..definitions import DEFAULT_DENSE_LAYERS, PAGE_SIZE
+from ..core.definitions import DEFAULT_DENSE_LAYERS, PAGE_SIZE
 from ..model.llama import AttentionContext, DenseAttention, cached_kv
 from .block_topk import kept_page_mask, kept_token_mask, page_centroids
 

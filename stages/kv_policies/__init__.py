@@ -1,7 +1,7 @@
 """KV policies: what a decode step may attend to, one class per method (DESIGN.md "KV policies").
 
-The engine (stages/rollout), its runners and attention objects, and teacher-forced scoring
-(stages/mismatch.py) ask a request's `KVPolicy` instead of branching on budgets:
+The engine (stages/engine), its runners and attention objects, and teacher-forced scoring
+(stages/scoring/mismatch.py) ask a request's `KVPolicy` instead of branching on budgets:
 
 - `Dense`: every cached token, nothing evicted.
 - `BlockTopK` (Sparrow): keeps every token; a decode step reads the pages block top-k selects at the

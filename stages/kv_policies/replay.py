@@ -9,9 +9,9 @@ the run ends at a compression, compresses the layer's cache with the same rule d
 positions throughout (RoPE is applied by the model from them), so the cache holds each kept key as
 decoding wrote it, up to float rounding.
 
-`replay` serves teacher-forced scoring (stages/mismatch.py: logprobs and alpha of every generated
+`replay` serves teacher-forced scoring (stages/scoring/mismatch.py: logprobs and alpha of every generated
 token under the compressed actor) and the rollout engine's recompute of a preempted evicting sample
-(stages/rollout: the final state is written into its pages). Sequences replayed together must share
+(stages/engine: the final state is written into its pages). Sequences replayed together must share
 their prompt length (their compressions then fall on the same runs); the prompt is prefilled in
 chunks of at most `prefill_chunk` tokens, never compressed.
 """
@@ -67,7 +67,7 @@ class ReplayAttention:
 
 def _attend_lower_right(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     """q [B, Hq, T, D], the last T of the S slots of k, v [B, Hkv, S, D]: causal, aligned lower right."""
-    from ..rollout.attention import attend_after_prefix
+    from ..attention.paged import attend_after_prefix
 
     return attend_after_prefix(q, k, v)
 

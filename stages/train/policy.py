@@ -35,9 +35,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..mismatch import pad_right
 from ..model.head import POSITION_CHUNK, token_scores
 from ..model.llama import AttentionContext, DenseAttention, Transformer
+from ..scoring.mismatch import pad_right
 
 PREFIX_MASK_ELEMENTS = 1 << 26
 

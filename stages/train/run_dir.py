@@ -64,7 +64,7 @@ def prompts_fingerprint(rows: Sequence[PromptRow] | None) -> str:
 
 def sparsity_fingerprint(sparsity) -> str:
     """The sha256 of a schedule's content; "" for dense or a fixed budget (its spec says it all)."""
-    from ..schedule import Schedule
+    from ..core.schedule import Schedule
 
     if not isinstance(sparsity, Schedule):
         return ""

@@ -59,15 +59,15 @@ import torch
 from sparrow.schemas import artifact_metadata, read_artifact, write_artifact
 from sparrow.schemas.artifacts import TRAIN_CORRECTION_METRICS
 
+from ..backends.ray_pool import RolloutPool
 from ..calibrate import collapse_reasons, mismatch_warnings
-from ..definitions import TAIL_QUANTILE
+from ..core.definitions import TAIL_QUANTILE
+from ..core.prompt_set import PromptError, PromptSet
+from ..core.schedule import Schedule
+from ..core.sparsity import parse_sparsity
+from ..engine import Engine, SamplingParams
 from ..kv_policies import Eviction
 from ..model.loading import LoadedModel
-from ..prompt_set import PromptError, PromptSet
-from ..rollout import Engine, SamplingParams
-from ..rollout.workers import RolloutPool
-from ..schedule import Schedule
-from ..sparsity import parse_sparsity
 from ..tasks import TASKS, score_batch
 from . import corrections as rc
 from . import objective as grpo
@@ -270,8 +270,8 @@ class Trainer:
         self.sparse_actor = None
         self.sparse_history: list[dict] = []
         if config.distill_sparse:
+            from ..core.sparsity import budget_fn
             from ..distill import JointSparseActor
-            from ..sparsity import budget_fn
 
             self.sparse_actor = JointSparseActor(
                 self.model, config.distill_rank, config.distill_alpha, config.lr * config.distill_lr_ratio,

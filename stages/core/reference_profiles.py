@@ -94,8 +94,8 @@ def _bin_curve(candidates: np.ndarray, thresholds: np.ndarray, budgets: np.ndarr
 def compare_published(hardware: str = "h200", threshold: float = PUBLISHED_SPEEDUP_THRESHOLD,
                       gen_len: int = 32768, batch: int = 64, prompt_len: int = 0) -> list[dict]:
     """Predicted rollout speedup of the analytic model next to the published one, per Qwen3 model."""
-    from .cost import analytic
-    from .model.presets import get_preset
+    from ..cost import analytic
+    from ..model.presets import get_preset
     from .schedule import plan
 
     rows = []

@@ -30,7 +30,7 @@ from torch import Tensor
 from sparrow.kernels import cpu_sampling
 from sparrow.kernels.race_sample import race_sample
 
-from .kv_cache import upload
+from ..attention.kv_cache import upload
 from .sequence import SamplingParams
 
 

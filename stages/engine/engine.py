@@ -75,9 +75,9 @@ import torch
 from sparrow.kernels.ops import use_triton
 
 from ..attention import DEFAULT_DENSE_LAYERS, PAGE_SIZE
+from ..core.sparsity import Sparsity, as_policy
 from ..kv_policies import BlockTopK, KVPolicy
 from ..model.llama import Transformer
-from ..sparsity import Sparsity, as_policy
 from .block_manager import BlockManager
 from .memory import Workload, check_memory_utilization
 from .runner import DECODE_GRAPHS, ModelRunner, PrefillRow
@@ -133,11 +133,11 @@ def make_runner(model: Transformer, *, max_batch: int, page_size: int, dense_lay
     if cascade and (device.type != "cpu" or use_triton(impl, model.embed_tokens.weight)):
         raise ValueError("cascade attention runs on the torch path (the CPU), not the Triton kernels")
     if device.type == "cuda" or use_triton(impl, model.embed_tokens.weight):
-        from .gpu_runner import GpuRunner
+        from .gpu.runner import GpuRunner
 
         return GpuRunner(model, gpu_memory_utilization=gpu_memory_utilization, **kw)
     if device.type == "cpu" and not use_triton(impl, model.embed_tokens.weight):
-        from .cpu_runner import CpuRunner
+        from .cpu.runner import CpuRunner
 
         return CpuRunner(model, cascade=cascade, **kw)
     return ModelRunner(model, **kw)

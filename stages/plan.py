@@ -15,12 +15,12 @@ from pathlib import Path
 from sparrow.schemas import artifact_metadata, read_artifact
 
 from .calibrate import shipped_threshold
+from .core.definitions import PRIOR_THRESHOLD, TAIL_QUANTILE
+from .core.published_schedules import REFERENCE_GEN_LEN, published_models
+from .core.reference_profiles import QUANTILE, reference_profile
+from .core.schedule import ScheduleError, TailProfile, check_quantile, check_threshold, measured_profile
 from .cost import analytic, load_cost
-from .definitions import PRIOR_THRESHOLD, TAIL_QUANTILE
 from .model.presets import PRESETS
-from .published_schedules import REFERENCE_GEN_LEN, published_models
-from .reference_profiles import QUANTILE, reference_profile
-from .schedule import ScheduleError, TailProfile, check_quantile, check_threshold, measured_profile
 
 
 def model_shape(spec: str):

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from .stage import RolloutOptions, RolloutSummary, summarize
+from ..rollout import RolloutOptions, RolloutSummary, summarize
 
 OBJECT_STORE_MB = 500
 
@@ -78,7 +78,7 @@ class RolloutWorker:
     def rollouts(self, rows: list[dict], indices: list[int], opts: RolloutOptions
                  ) -> tuple[pa.Table, RolloutSummary]:
         """`sparrow rollout` on prompt rows."""
-        from .stage import run_rollouts
+        from ..rollout import run_rollouts
 
         return run_rollouts(self.loaded, rows, opts, request_ids=indices)
 
@@ -86,7 +86,7 @@ class RolloutWorker:
                  gpu_memory_utilization: float = 0.9):
         """The trainer's rollout phase: the engine's completions of each prompt. One engine serves every
         step (made again only if the batch size changes or a LoRA is injected)."""
-        from .engine import Engine
+        from ..engine.engine import Engine
 
         self.loaded.model.eval()
         if self.engine is None or self.engine.max_batch != max_batch:

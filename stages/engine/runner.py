@@ -41,10 +41,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..attention.kv_cache import PagedKVCache, SharedPrefix
+from ..attention.paged import DecodeAttention, DecodeBatch, PrefillAttention, QueryCapture, Recompute
 from ..model.llama import Transformer
-from .attention import DecodeAttention, DecodeBatch, PrefillAttention, QueryCapture, Recompute
 from .compaction import Compaction, QueryWindows, compact, write_retained
-from .kv_cache import PagedKVCache, SharedPrefix
 from .memory import Workload, pages_for
 from .sampler import sample_by_position, sample_tokens
 from .sequence import Sequence as Sample

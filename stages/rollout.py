@@ -18,12 +18,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow as pa
 
-from ..attention import DEFAULT_DENSE_LAYERS, PAGE_SIZE
-from ..model.loading import LoadedModel
-from ..sparsity import Sparsity
-from .engine import Engine, EngineStats
-from .lora import LoraWeights, lora_merged
-from .sequence import Completion, SamplingParams
+from .attention import DEFAULT_DENSE_LAYERS, PAGE_SIZE
+from .core.sparsity import Sparsity
+from .engine.engine import Engine, EngineStats
+from .engine.sequence import Completion, SamplingParams
+from .model.loading import LoadedModel
+from .model.lora import LoraWeights, lora_merged
 
 
 @dataclass
@@ -119,7 +119,7 @@ def engine_options(opts: RolloutOptions) -> dict:
 def rollout_columns(rows: Seq[dict], results: Seq[Seq[Completion]], tokenizer) -> dict[str, list]:
     """The rollouts artifact's columns from the completions of each prompt row, whichever sampler made
     them (our engine, or vLLM in vllm_backend.py): decoded text and the task's reward added."""
-    from ..tasks import TASKS, score_batch
+    from .tasks import TASKS, score_batch
 
     out = {k: [] for k in ("prompt_id", "sample", "prompt_token_ids", "token_ids", "text", "logprobs",
                            "budgets", "finish_reason", "reward", "kv_policy", "kv_lens")}

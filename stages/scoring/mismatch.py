@@ -31,12 +31,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .attention import DEFAULT_DENSE_LAYERS, PAGE_SIZE, SparseAttention
-from .kv_policies import BlockTopK, BudgetFn, Eviction, KVPolicy
-from .kv_policies.replay import replay
-from .model.head import POSITION_CHUNK
-from .model.llama import Attention, KVCache, Transformer
-from .rollout.lora import LoraWeights, lora_merged
+from ..attention import DEFAULT_DENSE_LAYERS, PAGE_SIZE, SparseAttention
+from ..kv_policies import BlockTopK, BudgetFn, Eviction, KVPolicy
+from ..kv_policies.replay import replay
+from ..model.head import POSITION_CHUNK
+from ..model.llama import Attention, KVCache, Transformer
+from ..model.lora import LoraWeights, lora_merged
 
 Mode = int | BudgetFn | KVPolicy  # a sparse mode to score: block top-k at a budget (function), or a policy
 

@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from ..model.config import ModelConfig
-from ..model.llama import Transformer, hf_to_ours
+from .config import ModelConfig
+from .llama import Transformer, hf_to_ours
 
 _KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.[A-Za-z0-9_]+)?\.weight$")
 

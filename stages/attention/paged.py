@@ -40,10 +40,10 @@ from sparrow.kernels.cascade_decode import cascade_decode_reference, suffix_inde
 from sparrow.kernels.page_scoring import plan_selection
 from sparrow.kernels.sparse_decode import plan_pages
 
-from ..attention import block_topk_sdpa
-from ..definitions import RESERVED_PAGES
+from ..core.definitions import RESERVED_PAGES
 from ..model.llama import AttentionContext
 from .kv_cache import PagedKVCache, SharedPrefix
+from .sparse import block_topk_sdpa
 
 
 def _ops():

@@ -35,13 +35,13 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from ..model.llama import Transformer
-from .attention import DecodeAttention
-from .gpu_layers import GpuDecode, decode_hidden
-from .kv_cache import PagedKVCache
-from .memory import Workload, pages_for, pool_pages
-from .runner import ModelRunner
-from .static_decode import kept_pages
+from ...attention.kv_cache import PagedKVCache
+from ...attention.paged import DecodeAttention
+from ...model.llama import Transformer
+from ..memory import Workload, pages_for, pool_pages
+from ..runner import ModelRunner
+from ..static_decode import kept_pages
+from .layers import GpuDecode, decode_hidden
 
 
 class GpuRunner(ModelRunner):

@@ -28,15 +28,15 @@ from sparrow.kernels import cpu_attention
 from sparrow.kernels.cascade_decode import suffix_pages
 from sparrow.kernels.ops import GatherWorkspace
 
-from ..model.llama import Transformer
+from ...attention.kv_cache import PrefixStore, SharedPrefix
+from ...attention.paged import Cascade, CpuDecodeAttention, DecodeAttention, DecodeBatch
+from ...model.llama import Transformer
+from ..runner import ModelRunner, PrefillRow
+from ..sequence import Sequence as Sample
 from .allocator import tune_cpu_allocator
-from .attention import Cascade, CpuDecodeAttention, DecodeAttention, DecodeBatch
-from .cpu_decode import FusedCpuDecode
-from .cpu_layers import CpuLayerOps, cpu_layers_available
-from .kv_cache import PrefixStore, SharedPrefix
+from .fused_decode import FusedCpuDecode
+from .layers import CpuLayerOps, cpu_layers_available
 from .packed_linears import DOT_MAX_ROWS, PackedLinears, dot_product, packing_available
-from .runner import ModelRunner, PrefillRow
-from .sequence import Sequence as Sample
 
 
 class CpuRunner(ModelRunner):

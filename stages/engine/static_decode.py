@@ -44,9 +44,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..attention.kv_cache import PagedKVCache, upload
+from ..attention.paged import DecodeAttention, DecodeBatch
 from ..model.llama import Transformer
-from .attention import DecodeAttention, DecodeBatch
-from .kv_cache import PagedKVCache, upload
 from .sampler import redraw_truncated, sample_on_device
 from .sequence import Sequence as Sample
 

@@ -41,9 +41,9 @@ class PromptSet:
     def check_rewards(self) -> None:
         """Refuse, before any work, prompts whose reward runs the model's program (code tasks) where no
         sandbox can run it and unsafe execution was not asked for."""
-        from .tasks import TASKS
-        from .tasks.code import default_sandbox
-        from .tasks.sandbox import SandboxUnavailable
+        from ..tasks import TASKS
+        from ..tasks.code import default_sandbox
+        from ..tasks.sandbox import SandboxUnavailable
 
         if any(r.get("task") in TASKS and TASKS[r["task"]].runs_code for r in self.rows):
             try:

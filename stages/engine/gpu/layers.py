@@ -44,8 +44,8 @@ from torch import Tensor, nn
 
 from sparrow.kernels import ops
 
-from ..model.llama import Transformer
-from .attention import DecodeAttention
+from ...attention.paged import DecodeAttention
+from ...model.llama import Transformer
 
 
 def base_linear(module: nn.Module) -> nn.Module:

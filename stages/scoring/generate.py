@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from .attention import DEFAULT_DENSE_LAYERS, PAGE_SIZE, SparseAttention
+from ..attention import DEFAULT_DENSE_LAYERS, PAGE_SIZE, SparseAttention
+from ..core.sparsity import BudgetFn
+from ..model.llama import Attention, DenseAttention, KVCache, Transformer
 from .mismatch import pad_right
-from .model.llama import Attention, DenseAttention, KVCache, Transformer
-from .sparsity import BudgetFn
 
 __all__ = ["Generation", "generate", "sample", "sample_next", "sparse_step_attention"]
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .kv_cache import PagedKVCache, upload
+from ..attention.kv_cache import PagedKVCache, upload
 from .sequence import Sequence
 
 

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..model.llama import Attention, AttentionContext, Transformer
+from ...model.llama import Attention, AttentionContext, Transformer
 from .packed_linears import PackedLinears
 
 

