@@ -1,14 +1,8 @@
 """Artifact schemas (one Arrow schema per artifact kind) with validated, atomic read and write."""
 
 from .artifacts import SCHEMAS, VERSION, ArtifactError, ArtifactSpec, Col
-from .io import (
-    artifact_kind,
-    artifact_metadata,
-    artifact_parts,
-    read_artifact,
-    write_artifact,
-    write_artifact_parts,
-)
+from .footer import artifact_kind, artifact_metadata, artifact_parts
+from .io import read_artifact, write_artifact, write_artifact_parts
 from .locations import (
     STDIO,
     OutputRefused,

@@ -46,9 +46,9 @@ from .artifacts import (
     ArtifactSpec,
     first_line,
 )
+from .footer import artifact_parts, json_text, kind_version, read_schema
 from .locations import is_stdio, output_target
 
-MAGIC = b"PAR1"
 TableLike = pa.Table | pa.RecordBatch | Mapping[str, Sequence] | Sequence[Mapping[str, object]]
 
 
@@ -128,10 +128,10 @@ def read_artifact(path: str | os.PathLike, kind: str | None = None) -> pa.Table:
         _spec(kind)
     if path.is_dir():
         return _read_parts(path, kind)
-    if kind == "prompts" and (path.suffix in (".jsonl", ".ndjson") or _json_text(path)):
+    if kind == "prompts" and (path.suffix in (".jsonl", ".ndjson") or json_text(path)):
         return _read_foreign(_read_jsonl(path), path, kind)
-    schema = _read_schema(path)
-    found, version = _kind_version(schema)
+    schema = read_schema(path)
+    found, version = kind_version(schema)
     if found is None:
         if kind is not None:
             return _read_foreign(_read_parquet(path), path, kind)
@@ -160,19 +160,10 @@ def read_artifact(path: str | os.PathLike, kind: str | None = None) -> pa.Table:
     return table.replace_schema_metadata(schema.metadata)
 
 
-def artifact_parts(path: str | os.PathLike) -> list[Path]:
-    """The Parquet parts of a directory artifact, in name order (hidden files are temporaries)."""
-    path = Path(path)
-    parts = sorted(p for p in path.iterdir() if p.suffix == ".parquet" and not p.name.startswith("."))
-    if not parts:
-        raise ArtifactError(f"{path} is a directory without Parquet parts, not an artifact")
-    return parts
-
-
 def _read_parts(path: Path, kind: str | None) -> pa.Table:
     parts = artifact_parts(path)
     first = read_artifact(parts[0], kind)
-    found = _kind_version(first.schema)[0]
+    found = kind_version(first.schema)[0]
     tables = [first] + [read_artifact(p, found) for p in parts[1:]]
     if found is None:  # foreign parts: conformed to `kind` already
         return pa.concat_tables(tables)
@@ -242,36 +233,6 @@ def _read_foreign(table: pa.Table, path: Path, kind: str) -> pa.Table:
     return table.replace_schema_metadata(spec.schema.metadata)
 
 
-def artifact_kind(path: str | os.PathLike) -> str | None:
-    """The artifact kind from the Parquet footer (no data is read); None for other Parquet files. A
-    directory of parts has the kind of its first part."""
-    path = Path(path)
-    if path.is_dir():
-        path = artifact_parts(path)[0]
-    return _kind_version(_read_schema(path))[0]
-
-
-def artifact_metadata(table_or_path: pa.Table | pa.Schema | str | os.PathLike) -> dict:
-    """The stage's own metadata (the `sparrow.meta` JSON object) of a table or an artifact file."""
-    if isinstance(table_or_path, pa.Table | pa.RecordBatch):
-        schema, where = table_or_path.schema, "the table"
-    elif isinstance(table_or_path, pa.Schema):
-        schema, where = table_or_path, "the schema"
-    else:
-        where = Path(table_or_path)
-        schema = _read_schema(artifact_parts(where)[0] if where.is_dir() else where)
-    raw = (schema.metadata or {}).get(KEY_META.encode())
-    if raw is None:
-        return {}
-    try:
-        meta = json.loads(raw)
-    except ValueError:
-        meta = None
-    if not isinstance(meta, dict):
-        raise ArtifactError(f"{where} has '{KEY_META}' metadata that is not a JSON object")
-    return meta
-
-
 def _spec(kind: str) -> ArtifactSpec:
     if kind not in SCHEMAS:
         raise ArtifactError(f"'{kind}' is not an artifact kind (known kinds: {', '.join(SCHEMAS)})")
@@ -305,46 +266,6 @@ def _to_table(data: TableLike, spec: ArtifactSpec, subject: str) -> pa.Table:
                                 f"({first_line(e)})") from None
     raise ArtifactError(f"{subject} is a {type(data).__name__}, expected an Arrow table, a dict of "
                         f"columns or a list of row dicts")
-
-
-def _read_schema(path: Path) -> pa.Schema:
-    if not path.exists():
-        raise ArtifactError(f"{path} does not exist")
-    if path.is_dir():
-        raise ArtifactError(f"{path} is a directory, not a Parquet file")
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(4)
-        f.seek(max(size - 4, 0))
-        tail = f.read(4)
-    if size == 0:
-        raise ArtifactError(f"{path} is an empty file, not a Parquet file")
-    if head != MAGIC:
-        what = "JSON text (only prompts may be JSON lines)" if _json_text(path) else "not a Parquet file"
-        raise ArtifactError(f"{path} is {what}: it does not start with the Parquet magic bytes")
-    if size < 12 or tail != MAGIC:
-        raise ArtifactError(f"{path} is a truncated Parquet file (its footer is missing; "
-                            f"was its writer interrupted?)")
-    try:
-        return pq.read_schema(path)
-    except (pa.ArrowException, OSError) as e:
-        raise ArtifactError(f"{path} is a corrupt Parquet file ({first_line(e)})") from None
-
-
-def _json_text(path: Path) -> bool:
-    """A regular file whose first non-blank byte opens a JSON object or array (JSON lines by content,
-    whatever the file's suffix)."""
-    if not path.is_file():
-        return False
-    with open(path, "rb") as f:
-        head = f.read(64).lstrip()
-    return head[:1] in (b"{", b"[")
-
-
-def _kind_version(schema: pa.Schema) -> tuple[str | None, str | None]:
-    meta = schema.metadata or {}
-    kind, version = meta.get(KEY_KIND.encode()), meta.get(KEY_VERSION.encode())
-    return (kind.decode() if kind is not None else None, version.decode() if version is not None else None)
 
 
 def _newer(version: str) -> bool:

@@ -29,6 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .artifacts import ArtifactError
+from .footer import artifact_kind
 
 STDIO = "-"
 
@@ -98,8 +99,6 @@ def _empty(path: Path) -> bool:
 
 def describe(path: Path) -> tuple[str | None, str]:
     """(artifact kind or None, a few words) of an existing file or directory of parts."""
-    from .io import artifact_kind
-
     try:
         kind = artifact_kind(path)
     except ArtifactError:

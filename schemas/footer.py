@@ -1,0 +1,97 @@
+"""What an artifact file is, read from its Parquet footer alone: its kind, version, metadata and parts.
+
+The checks run before any data is read: existence, the Parquet magic bytes at both ends (a missing
+footer means a truncated file), then the kind and version from the schema's metadata.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from .artifacts import KEY_KIND, KEY_META, KEY_VERSION, ArtifactError, first_line
+
+MAGIC = b"PAR1"
+
+
+def artifact_parts(path: str | os.PathLike) -> list[Path]:
+    """The Parquet parts of a directory artifact, in name order (hidden files are temporaries)."""
+    path = Path(path)
+    parts = sorted(p for p in path.iterdir() if p.suffix == ".parquet" and not p.name.startswith("."))
+    if not parts:
+        raise ArtifactError(f"{path} is a directory without Parquet parts, not an artifact")
+    return parts
+
+
+def artifact_kind(path: str | os.PathLike) -> str | None:
+    """The artifact kind from the Parquet footer (no data is read); None for other Parquet files. A
+    directory of parts has the kind of its first part."""
+    path = Path(path)
+    if path.is_dir():
+        path = artifact_parts(path)[0]
+    return kind_version(read_schema(path))[0]
+
+
+def artifact_metadata(table_or_path: pa.Table | pa.Schema | str | os.PathLike) -> dict:
+    """The stage's own metadata (the `sparrow.meta` JSON object) of a table or an artifact file."""
+    if isinstance(table_or_path, pa.Table | pa.RecordBatch):
+        schema, where = table_or_path.schema, "the table"
+    elif isinstance(table_or_path, pa.Schema):
+        schema, where = table_or_path, "the schema"
+    else:
+        where = Path(table_or_path)
+        schema = read_schema(artifact_parts(where)[0] if where.is_dir() else where)
+    raw = (schema.metadata or {}).get(KEY_META.encode())
+    if raw is None:
+        return {}
+    try:
+        meta = json.loads(raw)
+    except ValueError:
+        meta = None
+    if not isinstance(meta, dict):
+        raise ArtifactError(f"{where} has '{KEY_META}' metadata that is not a JSON object")
+    return meta
+
+
+def read_schema(path: Path) -> pa.Schema:
+    if not path.exists():
+        raise ArtifactError(f"{path} does not exist")
+    if path.is_dir():
+        raise ArtifactError(f"{path} is a directory, not a Parquet file")
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(4)
+        f.seek(max(size - 4, 0))
+        tail = f.read(4)
+    if size == 0:
+        raise ArtifactError(f"{path} is an empty file, not a Parquet file")
+    if head != MAGIC:
+        what = "JSON text (only prompts may be JSON lines)" if json_text(path) else "not a Parquet file"
+        raise ArtifactError(f"{path} is {what}: it does not start with the Parquet magic bytes")
+    if size < 12 or tail != MAGIC:
+        raise ArtifactError(f"{path} is a truncated Parquet file (its footer is missing; "
+                            f"was its writer interrupted?)")
+    try:
+        return pq.read_schema(path)
+    except (pa.ArrowException, OSError) as e:
+        raise ArtifactError(f"{path} is a corrupt Parquet file ({first_line(e)})") from None
+
+
+def json_text(path: Path) -> bool:
+    """A regular file whose first non-blank byte opens a JSON object or array (JSON lines by content,
+    whatever the file's suffix)."""
+    if not path.is_file():
+        return False
+    with open(path, "rb") as f:
+        head = f.read(64).lstrip()
+    return head[:1] in (b"{", b"[")
+
+
+def kind_version(schema: pa.Schema) -> tuple[str | None, str | None]:
+    meta = schema.metadata or {}
+    kind, version = meta.get(KEY_KIND.encode()), meta.get(KEY_VERSION.encode())
+    return (kind.decode() if kind is not None else None, version.decode() if version is not None else None)
