@@ -244,3 +244,26 @@ def summarize(mismatch: pa.Table, quantile: float = TAIL_QUANTILE,
            FROM mismatch GROUP BY bin, budget ORDER BY bin, budget""",
         params=[quantile, quantile, threshold],
     ).to_arrow_table()
+
+
+def profile_shard(loaded: LoadedModel, items: list, indices: list[int], opts: ProfileOptions,
+                  sample: bool) -> pa.Table:
+    """A Ray worker's share of `sparrow profile`: (prompt id, prompt ids) pairs sampled first, seeded
+    by their indices in the whole set, or trajectories."""
+    if sample:
+        ids, prompts = [i for i, _ in items], [p for _, p in items]
+        items = sample_trajectories(loaded, ids, prompts, opts, request_ids=indices)
+    return profile_trajectories(loaded, items, opts)
+
+
+def write_profile_on_ray(pool, items: list, opts: ProfileOptions, sample: bool, output, meta: dict,
+                         on_shard: Callable | None = None) -> pa.Table:
+    """The profile of `items` (prompts to sample, or trajectories) on a `RolloutPool`, one mismatch part
+    per shard under `output`; returns all rows."""
+    from sparrow.schemas import write_artifact_parts
+
+    results = pool.map(profile_shard, items, opts, sample, on_shard=on_shard)
+    write_artifact_parts([r.value for r in results], output, "mismatch",
+                         [meta | {"part": r.shard, "parts": len(results), "worker_pid": r.worker_pid,
+                                  "attempts": r.attempts} for r in results])
+    return pa.concat_tables([r.value for r in results])
