@@ -97,12 +97,6 @@ def sparsity_from_flags(schedule: Path | None, budget: int | None, dense: bool,
     return None
 
 
-def policy_from_flags(schedule: Path | None, budget: int | None, dense: bool, page_size: int = PAGE_SIZE,
-                      model: ModelConfig | None = None) -> KVPolicy:
-    """The policy of --schedule / --budget / --dense (none: dense), validated."""
-    return as_policy(sparsity_from_flags(schedule, budget, dense, page_size, model), page_size)
-
-
 def spec_of(sparsity: Schedule | int | KVPolicy | None, schedule_path: Path | None = None) -> str:
     """The text form of a sparsity value or policy, as artifacts and run configs store it (a schedule
     needs the path it was read from)."""
