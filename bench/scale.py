@@ -24,10 +24,10 @@ import time
 import torch
 from common import write_results
 
-from sparrow.stages.backends.ray_pool import RolloutPool, merge_summaries
+from sparrow.stages.backends.ray_pool import RolloutPool
 from sparrow.stages.engine import SamplingParams
 from sparrow.stages.model.loading import load_model
-from sparrow.stages.rollout import RolloutOptions, run_rollouts
+from sparrow.stages.rollout import RolloutOptions, merge_summaries, rollout_shard, run_rollouts
 from sparrow.stages.tasks import make_prompts
 
 
@@ -76,7 +76,7 @@ def main() -> None:
         pool.pids()  # every worker up, model loaded
         startup = time.perf_counter() - t0
         try:
-            seconds, parts = best(lambda: pool.run(rows, opts), args.reps)  # noqa: B023 (used at once)
+            seconds, parts = best(lambda: pool.map(rollout_shard, rows, opts), args.reps)  # noqa: B023 (used at once)
         finally:
             pool.close()
         summary = merge_summaries(parts, seconds)

@@ -9,7 +9,8 @@ from __future__ import annotations
 import functools
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import NoReturn
 
@@ -80,6 +81,18 @@ def friendly_errors(fn: Callable) -> Callable:
             _stdout["taken"] = False  # per command (several run in one process under tests)
 
     return wrapper
+
+
+@contextmanager
+def stage_errors() -> Iterator[None]:
+    """The stages' own input errors, as the CLI's one-sentence usage errors."""
+    from sparrow.stages.core.schedule import ScheduleError
+    from sparrow.stages.cost import CostError
+
+    try:
+        yield
+    except (CostError, ScheduleError) as e:
+        raise UsageError(str(e)) from None
 
 
 def check_device(device: str, remote: bool = False, indexed: bool = False) -> None:

@@ -17,10 +17,10 @@ from .common import (
     friendly_errors,
     output_help,
     parse_int_list,
+    stage_errors,
 )
-from .engine_options import check_gpu_memory, gpu_memory_option
+from .options import check_gpu_memory, gpu_memory_option
 from .output import emit, format_option, resolve_format
-from .plan import stage_errors
 
 MEASURED_GRID = ("1,4", "1024,2048,4096", "dense,256,512")
 ANALYTIC_GRID = ("1,16,64", "2048,8192,16384,32768", "dense,512,2048,4096")

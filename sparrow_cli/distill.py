@@ -22,10 +22,15 @@ from .common import (
     raw_prompts_option,
     warn_first_token_stops,
 )
-from .engine_options import check_gpu_memory, gpu_memory_option
+from .options import (
+    block_topk_sparsity,
+    check_gpu_memory,
+    default_threshold,
+    gpu_memory_option,
+    load_actor,
+    rollouts_temperature,
+)
 from .output import emit, format_option, resolve_format
-from .profile import default_threshold, load_actor, rollouts_temperature
-from .rollout import _sparsity
 
 
 def budget_list(given: str, flag: str) -> list[int]:
@@ -188,7 +193,7 @@ def distill(
         raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     check_output_dir(output, "an adapter written by sparrow distill", force=force, ours=distilled_adapter,
                      replaceable=lambda d: (d / "adapter_config.json").exists())
-    sparsity = _sparsity(schedule, budget, False, model)
+    sparsity = block_topk_sparsity(schedule, budget, False, model)
     if sparsity is None:
         raise UsageError("give --budget or --schedule: the sparse actor to distill is the one that samples "
                          "with that sparsity")

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import typer
@@ -21,22 +19,11 @@ from .common import (
     input_path,
     out,
     output_help,
+    stage_errors,
 )
 from .output import emit, format_option, resolve_format
 
 EXPORTS = ("json", "sglang-vortex")
-
-
-@contextmanager
-def stage_errors() -> Iterator[None]:
-    """The stages' own input errors, as the CLI's one-sentence usage errors."""
-    from sparrow.stages.core.schedule import ScheduleError
-    from sparrow.stages.cost import CostError
-
-    try:
-        yield
-    except (CostError, ScheduleError) as e:
-        raise UsageError(str(e)) from None
 
 
 def parse_thresholds(text: str) -> list[float]:
@@ -311,10 +298,10 @@ def check_profile_model(profile: Path, model: str, name: str) -> None:
     model it says nothing about: refused unless --allow-model-mismatch."""
     from sparrow.schemas import artifact_metadata
 
-    from .profile import _base_name
+    from .options import base_name
 
     measured = artifact_metadata(profile).get("model")
-    if measured and _base_name(str(measured)) not in (_base_name(model), name.lower()):
+    if measured and base_name(str(measured)) not in (base_name(model), name.lower()):
         raise UsageError(f"--profile {profile} was measured on {measured} (its metadata), not on --model "
                          f"{model}; plan with --model {measured}, or pass --allow-model-mismatch to plan "
                          f"for {model} from it")

@@ -17,7 +17,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from sparrow.stages.core.definitions import PRIOR_THRESHOLD, TAIL_QUANTILE
+from sparrow.stages.core.definitions import TAIL_QUANTILE
 
 from .common import (
     LogProgress,
@@ -33,15 +33,18 @@ from .common import (
     raw_prompts_option,
     warn_first_token_stops,
 )
-from .engine_options import (
+from .options import (
     check_gpu_memory,
+    check_workers,
+    default_threshold,
     eviction_from_flags,
     gpu_memory_option,
     kv_buffer_option,
     kv_window_option,
+    load_actor,
+    rollouts_temperature,
 )
 from .output import emit, format_option, resolve_format
-from .rollout import check_workers
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -220,71 +223,10 @@ def _check_context(opts, cfg, model: str) -> None:
         raise UsageError(str(e)) from None
 
 
-def default_threshold(threshold: float | None, model: str, quantile: float) -> float:
-    """The threshold a summary marks: given, else the calibration shipped for the model, else the prior."""
-    from sparrow.stages.calibrate import shipped_threshold
-
-    if threshold is not None:
-        return threshold
-    shipped = shipped_threshold(model, quantile)
-    return shipped.threshold if shipped is not None else PRIOR_THRESHOLD
-
-
-def load_actor(path: Path | None, cfg, model: str | None = None, flag: str = "--adapter"):
-    """The sparse actor's adapter, checked against the model's shapes (one sentence if it was trained on
-    another base model, or if its files are not a peft adapter); a warning when its config names another
-    base model than `model` whose shapes happen to fit."""
-    from safetensors import SafetensorError
-
-    from sparrow.stages.model.lora import check_lora_fits, load_lora
-
-    if path is None:
-        return None
-    base = read_adapter_config(path, flag).get("base_model_name_or_path")
-    try:
-        lora = load_lora(path)
-        check_lora_fits(lora, cfg, str(path))
-    except (ValueError, KeyError, OSError, SafetensorError) as e:
-        raise UsageError(f"{flag} {path}: {e.args[0] if e.args else e}") from None
-    if model is not None and base and _base_name(base) != _base_name(model):
-        console.print(f"[yellow]warning:[/] {flag} {path} was trained on {base!r} (its adapter_config.json), "
-                      f"not on --model {model}; its shapes fit, so it is used as given", highlight=False)
-    return lora
-
-
 def sample_lengths(table: pa.Table, budgets: int) -> list[int]:
     """Generated tokens per sampled trajectory of a mismatch table (one row per token per budget)."""
     counts = table.group_by(["prompt_id", "sample"]).aggregate([("position", "count")])
     return [n // budgets for n in counts.column("position_count").to_pylist()]
-
-
-def read_adapter_config(path: Path, flag: str = "--adapter") -> dict:
-    """A peft adapter directory's adapter_config.json, checked: one sentence naming the file otherwise."""
-    import json
-
-    config_file = path / "adapter_config.json"
-    if not config_file.is_file():
-        raise UsageError(f"{flag} {path}: not a LoRA adapter directory (no adapter_config.json)")
-    try:
-        config = json.loads(config_file.read_text())
-    except (ValueError, UnicodeDecodeError) as e:
-        raise UsageError(f"{config_file} is not valid JSON ({e})") from None
-    if not isinstance(config, dict):
-        raise UsageError(f"{config_file} holds a JSON {type(config).__name__}, not peft's adapter config "
-                         "object")
-    for key in ("r", "lora_alpha"):
-        if isinstance(config.get(key), bool) or not isinstance(config.get(key), (int, float)):
-            raise UsageError(f"{config_file}: {key!r} must be a number, got {config.get(key)!r}")
-    if not (path / "adapter_model.safetensors").is_file():
-        raise UsageError(f"{flag} {path}: no adapter_model.safetensors beside its adapter_config.json")
-    return config
-
-
-def _base_name(spec: str) -> str:
-    """A model's name for comparison: a preset, or a checkpoint directory's (or a hub id's) last part."""
-    from sparrow.stages.model.loading import model_name
-
-    return model_name(spec.rstrip("/")).lower()
 
 
 class _TokenizerOnly:
@@ -296,12 +238,9 @@ class _TokenizerOnly:
 
 def _profile_on_ray(model: str, items: list, opts, sample: bool, workers: int, address: str | None,
                     device: str, output: Path, meta: dict, weights: dict) -> pa.Table:
-    """The profile of `items` (prompts to sample, or trajectories) on Ray workers, written as one
-    mismatch part per shard; returns all rows."""
-    import pyarrow as pa
-
-    from sparrow.schemas import write_artifact_parts
+    """The Ray path of `sparrow profile` with its progress bar; returns all rows."""
     from sparrow.stages.backends.ray_pool import RolloutPool
+    from sparrow.stages.profile import write_profile_on_ray
 
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, transient=True, disable=not console.is_terminal) as bar:
@@ -315,13 +254,9 @@ def _profile_on_ray(model: str, items: list, opts, sample: bool, workers: int, a
                 bar.advance(task)
                 log(done[0], workers)
 
-            results = pool.map("profile", items, opts, sample, on_shard=on_shard)
+            return write_profile_on_ray(pool, items, opts, sample, output, meta, on_shard)
         finally:
             pool.close()
-    write_artifact_parts([r.value for r in results], output, "mismatch",
-                         [meta | {"part": r.shard, "parts": len(results), "worker_pid": r.worker_pid,
-                                  "attempts": r.attempts} for r in results])
-    return pa.concat_tables([r.value for r in results])
 
 
 def refuse_sampling_flags(ctx: typer.Context, rollouts: Path) -> None:
@@ -331,16 +266,6 @@ def refuse_sampling_flags(ctx: typer.Context, rollouts: Path) -> None:
         if source is not None and source.name in ("COMMANDLINE", "ENVIRONMENT"):
             raise UsageError(f"{flag} applies only when sampling from --prompts; the trajectories of "
                              f"--rollouts {rollouts} are already sampled")
-
-
-def rollouts_temperature(path: Path, recorded: float | None, given: float | None) -> float:
-    """Alpha is measured at the sampling temperature: the one the artifact records, else --temperature,
-    else 1."""
-    if recorded is not None and given is not None and given != recorded:
-        raise UsageError(f"{path} was sampled at temperature {recorded:g} (its metadata), but "
-                         f"--temperature {given:g} was given; leave --temperature out to measure alpha at "
-                         "the sampling temperature")
-    return recorded if recorded is not None else 1.0 if given is None else given
 
 
 def with_progress(run: Callable[[Callable[[str, int, int], None]], pa.Table]) -> pa.Table:

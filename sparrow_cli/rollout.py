@@ -21,14 +21,16 @@ from .common import (
     raw_prompts_option,
     warn_first_token_stops,
 )
-from .engine_options import (
+from .options import (
     check_gpu_memory,
-    eviction_from_flags,
+    check_workers,
     gpu_memory_option,
     kv_budget_option,
     kv_buffer_option,
     kv_compression_option,
     kv_window_option,
+    load_actor,
+    sparsity_policy,
 )
 from .output import emit_record, format_option, resolve_format
 
@@ -50,24 +52,6 @@ SUMMARY_RENDER = {"mean_budget": lambda v: "dense" if v is None else f"{v:g}",
                   "kv_saved": lambda v: "-" if v is None else f"{v:.3f}"}
 
 
-def _sparsity(schedule: Path | None, budget: int | None, dense: bool, model: str):
-    """The one sparsity spec the user gave (None = dense), validated for the engine's pages and, for a
-    schedule, for `model`'s shape; one sentence on error."""
-    from sparrow.stages.attention import PAGE_SIZE
-    from sparrow.stages.core.sparsity import sparsity_from_flags
-    from sparrow.stages.model.config import ModelSpecError
-    from sparrow.stages.model.loading import resolve_config
-
-    try:
-        cfg = resolve_config(model)
-    except ModelSpecError:
-        cfg = None  # the model's own error comes when it loads
-    try:
-        return sparsity_from_flags(schedule, budget, dense, PAGE_SIZE, cfg)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-
-
 def _check_vllm_flags(schedule, budget, lora, top_k: int, top_p: float, kv_compression=None) -> None:
     """What vLLM cannot do is refused in one sentence, and a missing extra says how to install it,
     before anything loads."""
@@ -86,40 +70,6 @@ def _check_vllm_flags(schedule, budget, lora, top_k: int, top_p: float, kv_compr
         require_vllm()
     except VllmMissing as e:
         raise UsageError(str(e)) from None
-
-
-def _rollout_vllm(model: str, prompt_set, output: Path, fmt: str, cfg, device: str, dtype: str,
-                  max_batch: int, sampling, raw_prompts: bool = False) -> None:
-    """Dense sampling with vLLM into the same rollouts artifact (budget 0 for every token)."""
-    from sparrow.schemas import input_name, write_artifact
-    from sparrow.stages.attention import PAGE_SIZE
-    from sparrow.stages.backends.vllm_sampler import run_vllm_rollouts, vllm_checkpoint
-    from sparrow.stages.model.loading import _dir_tokenizer, model_name
-
-    checkpoint = vllm_checkpoint(model)
-    tokenizer = _dir_tokenizer(checkpoint)
-    if prompt_set.needs_tokenizer:
-        prompt_set.tokenize(tokenizer, not raw_prompts)
-        prompt_set.check_fits(cfg.vocab_size, cfg.max_position_embeddings, sampling.max_new_tokens)
-    rows = prompt_set.rows
-    longest = max(len(r["prompt_token_ids"]) for r in rows)
-    console.print(f"starting vLLM on {checkpoint} ({dtype}; 1-4 minutes on a small CPU)")
-    table, summary, timing = run_vllm_rollouts(
-        model, rows, sampling, tokenizer=tokenizer, eos_ids=cfg.eos_token_ids, max_batch=max_batch,
-        max_model_len=min(cfg.max_position_embeddings, longest + sampling.max_new_tokens), dtype=dtype)
-    write_artifact(table, output, "rollouts", metadata={
-        "model": model_name(model), "prompts": input_name(prompt_set.path), "sparsity": "dense",
-        "engine": "vllm",
-        "samples": sampling.n, "max_new_tokens": sampling.max_new_tokens,
-        "temperature": sampling.temperature, "top_p": 1.0, "top_k": 0, "seed": sampling.seed,
-        "seed_scope": "vLLM global seed (per-request seeds fail on the CPU)",
-        "ignore_eos": sampling.ignore_eos, "page_size": PAGE_SIZE, "device": device, "dtype": dtype,
-        "lora": "", "vllm_startup_seconds": round(timing.startup_s, 2), "summary": summary.metadata()})
-    warn_first_token_stops([len(t) for t in table.column("token_ids").to_pylist()],
-                           sampling.max_new_tokens, raw_prompts)
-    console.print(f"wrote {table.num_rows} rollouts to {output} (vLLM start-up {timing.startup_s:.0f} s)")
-    emit_record(summary.metadata(), fmt, title="rollouts (dense, vLLM)", labels=SUMMARY_LABELS,
-                render=SUMMARY_RENDER)
 
 
 @friendly_errors
@@ -180,31 +130,25 @@ def rollout(
     ("summary"). With --workers N the same rollouts (same seeds) come from N Ray workers."""
     import torch
 
-    from sparrow.schemas import input_name, write_artifact
-    from sparrow.stages.attention import PAGE_SIZE
+    from sparrow.stages.backends.vllm_sampler import vllm_checkpoint
     from sparrow.stages.core.prompt_set import PromptSet
     from sparrow.stages.engine import SamplingParams
     from sparrow.stages.model.loading import (
         DTYPES,
         load_model,
-        model_name,
         resolve_config,
         resolve_dtype,
         spec_tokenizer,
     )
-    from sparrow.stages.rollout import RolloutOptions, run_rollouts
-
-    from .profile import load_actor
+    from sparrow.stages.rollout import RolloutOptions, RolloutRun, write_rollouts, write_rollouts_with_vllm
 
     fmt = resolve_format(format)
     if engine not in ("ours", "vllm"):
         raise UsageError(f"--engine must be ours or vllm, got {engine!r}")
     if engine == "vllm":
         _check_vllm_flags(schedule, budget, lora, top_k, top_p, kv_compression)
-    sparsity = _eviction(kv_compression, kv_budget, kv_window, kv_buffer, model,
-                         {"--budget": budget, "--schedule": schedule, "--dense": dense})
-    if sparsity is None:
-        sparsity = _sparsity(schedule, budget, dense, model)
+    kv = (kv_compression, kv_budget, kv_window, kv_buffer)
+    policy = sparsity_policy(schedule, budget, dense, kv, model)
     for flag, value in (("--samples", samples), ("--max-new-tokens", max_new_tokens),
                         ("--max-batch", max_batch), ("--kv-pages", 1 if kv_pages is None else kv_pages),
                         ("--max-num-batched-tokens", max_num_batched_tokens)):
@@ -230,40 +174,36 @@ def rollout(
     prompt_set.check_fits(cfg.vocab_size, cfg.max_position_embeddings, max_new_tokens)  # before weights
     if kv_pages is not None and engine == "vllm":
         raise UsageError("--kv-pages sizes our engine's pool; vLLM sizes its own (VLLM_CPU_KVCACHE_SPACE)")
-    if engine == "vllm":
-        return _rollout_vllm(model, prompt_set, output, fmt, cfg, device, dtype_name, max_batch,
-                             SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
-                                            n=samples, ignore_eos=ignore_eos), raw_prompts)
     sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                               top_k=top_k, seed=seed, n=samples, ignore_eos=ignore_eos)
-    opts = RolloutOptions(sampling=sampling, max_batch=max_batch, sparsity=sparsity,
+    opts = RolloutOptions(sampling=sampling, max_batch=max_batch, sparsity=policy,
                           lora=adapter, kv_pages=kv_pages,
                           decode_graphs="eager" if eager and device.startswith("cuda") else "auto",
                           gpu_memory_utilization=gpu_memory_utilization,
                           max_prefill_tokens=max_num_batched_tokens)
-    mode = ("dense" if sparsity is None else f"budget {sparsity}" if isinstance(sparsity, int)
-            else f"schedule {schedule}" if schedule is not None else sparsity.spec())
-    meta = {"model": model_name(model), "prompts": input_name(prompts), "sparsity": mode, "samples": samples,
-            "max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k,
-            "seed": seed, "ignore_eos": ignore_eos, "page_size": PAGE_SIZE, "device": device,
-            "dtype": dtype_name, "engine": "ours", "lora": str(lora) if lora else ""}
+    mode = f"schedule {schedule}" if schedule is not None else policy.spec().replace("budget:", "budget ")
+    run = RolloutRun(model, prompts, mode, output, device, dtype_name, lora)
+    if engine == "vllm":
+        console.print(f"starting vLLM on {vllm_checkpoint(model)} ({dtype_name}; 1-4 minutes on a small CPU)")
+        table, summary, timing = write_rollouts_with_vllm(
+            prompt_set, sampling, run, max_batch, not raw_prompts)  # top-k/top-p refused: the defaults
+        warn_first_token_stops(_lengths(table), max_new_tokens, raw_prompts)
+        console.print(f"wrote {table.num_rows} rollouts to {output} (vLLM start-up {timing.startup_s:.0f} s)")
+        return _print_summary(summary, fmt, "dense, vLLM")
     if workers:  # this process only tokenizes: the weights load in the workers
         if prompt_set.needs_tokenizer:
             prompt_set.tokenize(spec_tokenizer(model), not raw_prompts)
             prompt_set.check_fits(cfg.vocab_size, cfg.max_position_embeddings, max_new_tokens)
-        _check_kv_pages(kv_pages, prompt_set.rows, max_new_tokens, sparsity)
-        summary, n = _rollout_on_ray(model, prompt_set.rows, opts, workers, ray_address, device, dtype_name,
-                                     meta, output)
+        _check_kv_pages(kv_pages, prompt_set.rows, max_new_tokens, policy)
+        summary, n = _rollout_on_ray(prompt_set.rows, opts, workers, ray_address, run)
         console.print(f"wrote {n} rollouts in {workers} parts to {output}/")
-        emit_record(summary.metadata(), fmt, title=f"rollouts ({mode}, {workers} workers)",
-                    labels=SUMMARY_LABELS, render=SUMMARY_RENDER)
-        return
+        return _print_summary(summary, fmt, f"{mode}, {workers} workers")
     loaded = load_model(model, device=device, dtype=getattr(torch, dtype_name))
     if prompt_set.needs_tokenizer:
         prompt_set.tokenize(loaded.tokenizer, not raw_prompts)
         prompt_set.check_fits(cfg.vocab_size, cfg.max_position_embeddings, max_new_tokens)
     rows = prompt_set.rows
-    _check_kv_pages(kv_pages, rows, max_new_tokens, sparsity)
+    _check_kv_pages(kv_pages, rows, max_new_tokens, policy)
 
     total = len(rows) * samples
     start = time.perf_counter()
@@ -282,29 +222,19 @@ def rollout(
             bar.update(task, completed=state["done"], rate=info)
             log(state["done"], total, info)
 
-        table, summary = run_rollouts(loaded, rows, opts, on_step)
-    write_artifact(table, output, "rollouts", metadata={**meta, "summary": summary.metadata()})
-    warn_first_token_stops([len(t) for t in table.column("token_ids").to_pylist()], max_new_tokens,
-                           raw_prompts)
+        table, summary = write_rollouts(loaded, rows, opts, run, on_step)
+    warn_first_token_stops(_lengths(table), max_new_tokens, raw_prompts)
     console.print(f"wrote {table.num_rows} rollouts to {output}")
-    emit_record(summary.metadata(), fmt, title=f"rollouts ({mode})", labels=SUMMARY_LABELS,
+    _print_summary(summary, fmt, mode)
+
+
+def _lengths(table) -> list[int]:
+    return [len(t) for t in table.column("token_ids").to_pylist()]
+
+
+def _print_summary(summary, fmt: str, what: str) -> None:
+    emit_record(summary.metadata(), fmt, title=f"rollouts ({what})", labels=SUMMARY_LABELS,
                 render=SUMMARY_RENDER)
-
-
-
-def _eviction(kind, budget, window, buffer, model: str, block_topk: dict):
-    """The --kv-compression policy (None: not given), checked against the model's context."""
-    from sparrow.stages.model.config import ModelSpecError
-    from sparrow.stages.model.loading import resolve_config
-
-    cfg = None  # the model's own error comes when it loads
-    if kind is not None:  # the model's context is needed only to check a compression
-        try:
-            cfg = resolve_config(model)
-        except ModelSpecError:
-            pass
-    return eviction_from_flags(kind, budget, window, buffer, cfg, block_topk)
-
 
 def _check_kv_pages(kv_pages: int | None, rows: list[dict], max_new_tokens: int, sparsity=None) -> None:
     """One sample of the longest prompt at full length (a compressed cache's longest, under eviction)
@@ -323,40 +253,19 @@ def _check_kv_pages(kv_pages: int | None, rows: list[dict], max_new_tokens: int,
                          f"tokens) with --max-new-tokens {max_new_tokens} needs {need} pages")
 
 
-def check_workers(workers: int, ray_address: str | None, output: Path | None) -> None:
-    """--workers/--ray-address: a count, Ray installed, and -o (when the parts go there) a directory; one
-    sentence otherwise, before any work. Shared by rollout, profile and train."""
-    from sparrow.stages.backends.ray_pool import RayMissing, require_ray
-
-    if workers < 0:
-        raise UsageError(f"--workers must be >= 0, got {workers}")
-    if ray_address and not workers:
-        raise UsageError("--ray-address was given without --workers")
-    if not workers:
-        return
-    try:
-        require_ray()
-    except RayMissing as e:
-        raise UsageError(str(e)) from None
-    if output is not None and output.is_file():
-        raise UsageError(f"-o {output} is a file, but --workers writes a directory of Parquet parts")
-
-
-def _rollout_on_ray(model: str, rows: list[dict], opts, workers: int, address: str | None, device: str,
-                    dtype: str, meta: dict, output: Path):
-    """Rollouts of `rows` on a pool of Ray workers, written as one part per shard; (summary, rows)."""
-    from sparrow.schemas import write_artifact_parts
-    from sparrow.stages.backends.ray_pool import RolloutPool, merge_summaries
+def _rollout_on_ray(rows: list[dict], opts, workers: int, address: str | None, run):
+    """The Ray path of `sparrow rollout` with its progress bar; (summary, rows written)."""
+    from sparrow.stages.backends.ray_pool import RolloutPool
+    from sparrow.stages.rollout import write_rollouts_on_ray
 
     total = len(rows) * opts.sampling.n
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=console, transient=True,
                   disable=not console.is_terminal) as bar:
         task = bar.add_task(f"starting {workers} Ray workers", total=total)
-        pool = RolloutPool(model, workers, address=address, device=device, dtype=dtype)
+        pool = RolloutPool(run.model, workers, address=address, device=run.device, dtype=run.dtype)
         try:
             bar.update(task, description=f"rollouts (samples) on {workers} workers")
-            start = time.perf_counter()
             log, done = LogProgress(f"rollouts (samples) on {workers} workers"), [0]
 
             def on_shard(r) -> None:
@@ -364,13 +273,6 @@ def _rollout_on_ray(model: str, rows: list[dict], opts, workers: int, address: s
                 bar.advance(task, r.table.num_rows)
                 log(done[0], total)
 
-            results = pool.run(rows, opts, on_shard=on_shard)
-            wall = time.perf_counter() - start
+            return write_rollouts_on_ray(pool, rows, opts, run, on_shard)
         finally:
             pool.close()
-    summary = merge_summaries(results, wall)
-    parts_meta = [{**meta, "summary": summary.metadata(), "part": r.shard, "parts": len(results),
-                   "part_summary": r.summary.metadata(), "worker_pid": r.worker_pid, "attempts": r.attempts}
-                  for r in results]
-    write_artifact_parts([r.table for r in results], output, "rollouts", parts_meta)
-    return summary, sum(r.table.num_rows for r in results)

@@ -18,16 +18,17 @@ from .common import (
     raw_prompts_option,
     warn_first_token_stops,
 )
-from .engine_options import (
+from .options import (
     check_gpu_memory,
+    check_workers,
     gpu_memory_option,
     kv_budget_option,
     kv_buffer_option,
     kv_compression_option,
     kv_window_option,
+    sparsity_policy,
 )
 from .output import emit_record, format_option, resolve_format
-from .rollout import _eviction, _sparsity, check_workers
 
 if TYPE_CHECKING:
     from sparrow.stages.train.distributed import World
@@ -46,17 +47,6 @@ TRAIN_LABELS = {"reward_first": "reward, first step", "reward_last": "reward, la
                 "mean_weight_sync_seconds": "s per step: weight sync to the Ray workers (in rollout)",
                 "first_collapse_step": "first collapse step (of the streak that ends the run)",
                 "reasons": "collapse reasons", "warnings": "warnings (not collapse reasons)"}
-
-
-def _spec(schedule: Path | None, budget: int | None, dense: bool, model: str, kv: tuple = (None,) * 4) -> str:
-    """The run's sampler as its spec text: block top-k, dense, or an eviction policy (`kv`: the
-    --kv-compression, --kv-budget, --kv-window and --kv-buffer given)."""
-    from sparrow.stages.core.sparsity import spec_of
-
-    eviction = _eviction(*kv, model, {"--budget": budget, "--schedule": schedule, "--dense": dense})
-    if eviction is not None:
-        return eviction.spec()
-    return spec_of(_sparsity(schedule, budget, dense, model), schedule)
 
 
 @friendly_errors
@@ -171,7 +161,11 @@ def train(
     from sparrow.stages.train.tracking import parse_report_to
 
     fmt = resolve_format(format)
-    spec = _spec(schedule, budget, dense, model, (kv_compression, kv_budget, kv_window, kv_buffer))
+    from sparrow.stages.core.sparsity import spec_of
+
+    kv = (kv_compression, kv_budget, kv_window, kv_buffer)
+    policy = sparsity_policy(schedule, budget, dense, kv, model)
+    spec = spec_of(policy, schedule)
     try:
         trackers = parse_report_to(report_to)
     except ValueError as e:

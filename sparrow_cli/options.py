@@ -1,0 +1,218 @@
+"""Options and checks that several subcommands share: the engine's device memory, Ray workers, the
+sparsity flags (--dense/--budget/--schedule and --kv-*) and a sparse actor's adapter."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from .common import UsageError, console
+
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+
+
+def gpu_memory_option():
+    return typer.Option(DEFAULT_GPU_MEMORY_UTILIZATION, "--gpu-memory-utilization",
+                        help="On cuda, the share of the GPU's memory the rollout engine may fill (weights "
+                             "and anything else in use counted), in (0, 1]: its KV cache is sized after "
+                             "a profiling run, never larger than the rollouts can use (vLLM's and verl's "
+                             "name). Ignored on a CPU.")
+
+
+def check_gpu_memory(fraction: float) -> float:
+    from sparrow.stages.engine.memory import check_memory_utilization  # light: no torch
+
+    try:
+        return check_memory_utilization(fraction)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
+# ---------------------------------------------------------------- sparsity: KV compression, block top-k
+
+def kv_compression_option():
+    return typer.Option(None, "--kv-compression", help="Roll out with a compressed KV cache, as Sparse-RL "
+                        "does: snapkv or rkv. Per layer and KV head, the first 4 tokens and the last "
+                        "--kv-window are always kept; whenever a sample's cache reaches --kv-budget + "
+                        "--kv-buffer tokens it is compressed back to --kv-budget (SnapKV: the tokens the "
+                        "window's queries attend to most; R-KV: that minus key redundancy), freeing pages "
+                        "for more samples. The same as the spec snapkv:B or rkv:B. Not with --budget or "
+                        "--schedule (block top-k keeps every token; the two do not combine).")
+
+
+def kv_budget_option():
+    return typer.Option(None, "--kv-budget", help="With --kv-compression: the tokens a compressed cache "
+                        "keeps (Sparse-RL ran 512); more than the 4 sink tokens plus --kv-window.")
+
+
+def kv_window_option():
+    return typer.Option(None, "--kv-window", help="With --kv-compression: the observation window, the last "
+                        "W queries that score the cache and the last W tokens always kept (default 8, "
+                        "R-KV's and the Sparse-RL release's).")
+
+
+def kv_buffer_option():
+    return typer.Option(None, "--kv-buffer", help="With --kv-compression: the tokens a cache grows by "
+                        "between compressions (default 128, R-KV's buffer and the release's divide length).")
+
+
+def eviction_from_flags(kind: str | None, budget: int | None, window: int | None, buffer: int | None,
+                        cfg=None, block_topk: dict[str, object] | None = None, need_budget: bool = True):
+    """The eviction policy of --kv-compression/--kv-budget/--kv-window/--kv-buffer (None: not given),
+    checked against the model's context (`cfg`) and the block top-k flags given with it
+    (`block_topk`: flag -> value); one sentence otherwise, before any work."""
+    from sparrow.stages.kv_policies import EVICTION_POLICIES
+
+    if kind is None:
+        for flag, value in (("--kv-budget", budget), ("--kv-window", window), ("--kv-buffer", buffer)):
+            if value is not None:
+                raise UsageError(f"{flag} applies only with --kv-compression snapkv or rkv")
+        return None
+    if kind.lower() not in EVICTION_POLICIES:
+        raise UsageError(f"--kv-compression must be one of {', '.join(EVICTION_POLICIES)}, got {kind!r}")
+    given = [flag for flag, value in (block_topk or {}).items() if value]
+    if given:
+        raise UsageError(f"--kv-compression and {given[0]} were given together: eviction and block top-k "
+                         "selection do not combine; pick one")
+    if budget is None and need_budget:
+        raise UsageError(f"--kv-compression {kind} needs --kv-budget (the tokens a compressed cache keeps)")
+    options = {k: v for k, v in (("window", window), ("buffer", buffer)) if v is not None}
+    policy = EVICTION_POLICIES[kind.lower()](budget if budget is not None else 0, **options)
+    if not need_budget:
+        return policy
+    try:
+        return policy.validate(None if cfg is None else cfg.max_position_embeddings,
+                               label=f"--kv-compression {kind} --kv-budget {budget}")
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
+def sparsity_policy(schedule: Path | None, budget: int | None, dense: bool, kv: tuple, model: str):
+    """The one KV policy of the sparsity flags: --kv-compression with --kv-budget/--kv-window/--kv-buffer
+    (`kv`, in that order) or one of --schedule/--budget/--dense (none: dense); one sentence on error."""
+    from sparrow.stages.core.sparsity import as_policy
+    from sparrow.stages.model.config import ModelSpecError
+    from sparrow.stages.model.loading import resolve_config
+
+    cfg = None  # the model's own error comes when it loads
+    if kv[0] is not None:  # the model's context is needed only to check a compression
+        try:
+            cfg = resolve_config(model)
+        except ModelSpecError:
+            pass
+    eviction = eviction_from_flags(*kv, cfg, {"--budget": budget, "--schedule": schedule, "--dense": dense})
+    return eviction or as_policy(block_topk_sparsity(schedule, budget, dense, model))
+
+
+def block_topk_sparsity(schedule: Path | None, budget: int | None, dense: bool, model: str):
+    """The one of --schedule/--budget/--dense the user gave (None = dense), validated for the engine's
+    pages and, for a schedule, for `model`'s shape; one sentence on error."""
+    from sparrow.stages.attention import PAGE_SIZE
+    from sparrow.stages.core.sparsity import sparsity_from_flags
+    from sparrow.stages.model.config import ModelSpecError
+    from sparrow.stages.model.loading import resolve_config
+
+    try:
+        cfg = resolve_config(model)
+    except ModelSpecError:
+        cfg = None  # the model's own error comes when it loads
+    try:
+        return sparsity_from_flags(schedule, budget, dense, PAGE_SIZE, cfg)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
+# ---------------------------------------------------------------- Ray workers
+
+def check_workers(workers: int, ray_address: str | None, output: Path | None) -> None:
+    """--workers/--ray-address: a count, Ray installed, and -o (when the parts go there) a directory; one
+    sentence otherwise, before any work."""
+    from sparrow.stages.backends.ray_pool import RayMissing, require_ray
+
+    if workers < 0:
+        raise UsageError(f"--workers must be >= 0, got {workers}")
+    if ray_address and not workers:
+        raise UsageError("--ray-address was given without --workers")
+    if not workers:
+        return
+    try:
+        require_ray()
+    except RayMissing as e:
+        raise UsageError(str(e)) from None
+    if output is not None and output.is_file():
+        raise UsageError(f"-o {output} is a file, but --workers writes a directory of Parquet parts")
+
+
+# ---------------------------------------------------------------- adapters and thresholds
+
+def base_name(spec: str) -> str:
+    """A model's name for comparison: a preset, or a checkpoint directory's (or a hub id's) last part."""
+    from sparrow.stages.model.loading import model_name
+
+    return model_name(spec.rstrip("/")).lower()
+
+
+def load_actor(path: Path | None, cfg, model: str | None = None, flag: str = "--adapter"):
+    """The sparse actor's adapter, checked against the model's shapes (one sentence if it was trained on
+    another base model, or if its files are not a peft adapter); a warning when its config names another
+    base model than `model` whose shapes happen to fit."""
+    from safetensors import SafetensorError
+
+    from sparrow.stages.model.lora import check_lora_fits, load_lora
+
+    if path is None:
+        return None
+    base = read_adapter_config(path, flag).get("base_model_name_or_path")
+    try:
+        lora = load_lora(path)
+        check_lora_fits(lora, cfg, str(path))
+    except (ValueError, KeyError, OSError, SafetensorError) as e:
+        raise UsageError(f"{flag} {path}: {e.args[0] if e.args else e}") from None
+    if model is not None and base and base_name(base) != base_name(model):
+        console.print(f"[yellow]warning:[/] {flag} {path} was trained on {base!r} (its adapter_config.json), "
+                      f"not on --model {model}; its shapes fit, so it is used as given", highlight=False)
+    return lora
+
+
+def read_adapter_config(path: Path, flag: str = "--adapter") -> dict:
+    """A peft adapter directory's adapter_config.json, checked: one sentence naming the file otherwise."""
+    import json
+
+    config_file = path / "adapter_config.json"
+    if not config_file.is_file():
+        raise UsageError(f"{flag} {path}: not a LoRA adapter directory (no adapter_config.json)")
+    try:
+        config = json.loads(config_file.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise UsageError(f"{config_file} is not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise UsageError(f"{config_file} holds a JSON {type(config).__name__}, not peft's adapter config "
+                         "object")
+    for key in ("r", "lora_alpha"):
+        if isinstance(config.get(key), bool) or not isinstance(config.get(key), (int, float)):
+            raise UsageError(f"{config_file}: {key!r} must be a number, got {config.get(key)!r}")
+    if not (path / "adapter_model.safetensors").is_file():
+        raise UsageError(f"{flag} {path}: no adapter_model.safetensors beside its adapter_config.json")
+    return config
+
+
+def default_threshold(threshold: float | None, model: str, quantile: float) -> float:
+    """The threshold a summary marks: given, else the calibration shipped for the model, else the prior."""
+    from sparrow.stages.calibrate import shipped_threshold
+    from sparrow.stages.core.definitions import PRIOR_THRESHOLD
+
+    if threshold is not None:
+        return threshold
+    shipped = shipped_threshold(model, quantile)
+    return shipped.threshold if shipped is not None else PRIOR_THRESHOLD
+
+
+def rollouts_temperature(path: Path, recorded: float | None, given: float | None) -> float:
+    """Alpha is measured at the sampling temperature: the one the artifact records, else --temperature,
+    else 1."""
+    if recorded is not None and given is not None and given != recorded:
+        raise UsageError(f"{path} was sampled at temperature {recorded:g} (its metadata), but "
+                         f"--temperature {given:g} was given; leave --temperature out to measure alpha at "
+                         "the sampling temperature")
+    return recorded if recorded is not None else 1.0 if given is None else given
