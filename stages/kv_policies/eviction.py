@@ -46,7 +46,7 @@ Constants and where the defaults come from:
   RKV (mix_alpha=0.1, sim_threshold=0.5, retain_direction="last", sim_normalization=True) and R-KV's
   README (lambda 0.1; its code's default is 0.07).
 - S = 4: StreamingLLM's four attention-sink tokens (the release's KVCluster first_tokens=4 for its
-  streamingllm mode). Neither SnapKV nor R-KV protects a sink; this engine does, so that the first tokens stay.
+  streamingllm mode). Neither SnapKV nor R-KV protects a sink; this engine does.
 
 Two deliberate departures from the release, both toward the papers: the kept set is chosen per layer
 and per KV head (SnapKV and R-KV), where the release sums the scores over heads and shares one set
