@@ -29,16 +29,16 @@ import signal
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import pyarrow.parquet as pq
 
 from sparrow.schemas.locations import describe
 
-if TYPE_CHECKING:
-    from .trainer import PromptRow, TrainConfig
+from ..core.schedule import Schedule
+from .config import TrainConfig
+from .data import PromptRow
 
 FLAGS = {"lora_rank": "--lora-rank (0 = --full)", "loss": "the loss options (--loss-agg, --rollout-is*, ...)",
          "sparsity": "--budget/--schedule/--dense", "max_grad_norm": "max_grad_norm"}
@@ -64,11 +64,17 @@ def prompts_fingerprint(rows: Sequence[PromptRow] | None) -> str:
 
 def sparsity_fingerprint(sparsity) -> str:
     """The sha256 of a schedule's content; "" for dense or a fixed budget (its spec says it all)."""
-    from ..core.schedule import Schedule
-
     if not isinstance(sparsity, Schedule):
         return ""
     return sha256_json([sparsity.page_size, list(sparsity.bin_starts), list(sparsity.budgets)])
+
+
+def with_fingerprints(cfg: TrainConfig, prompts: Sequence[PromptRow] | None,
+                      eval_prompts: Sequence[PromptRow] | None, sparsity) -> TrainConfig:
+    """`cfg` with the content hashes of what the run reads."""
+    return replace(cfg, prompts_sha256=prompts_fingerprint(prompts),
+                   eval_prompts_sha256=prompts_fingerprint(eval_prompts),
+                   schedule_sha256=sparsity_fingerprint(sparsity))
 
 
 # ---------------------------------------------------------------- what the directory holds
@@ -151,8 +157,6 @@ def check_run_dir(run_dir: str | Path, cfg: TrainConfig, resume: bool, force: bo
 
 def check_same_run(run_dir: Path, cfg: TrainConfig) -> None:
     """A resume agrees with the checkpoint on everything but `steps`; else one sentence naming it."""
-    from .trainer import TrainConfig
-
     try:
         raw = json.loads((run_dir / "checkpoint" / "config.json").read_text())
         saved = TrainConfig(**raw)

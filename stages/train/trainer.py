@@ -48,8 +48,8 @@ import shutil
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from contextlib import contextmanager, nullcontext
-from dataclasses import asdict, dataclass, field, replace
+from contextlib import nullcontext
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -62,16 +62,18 @@ from sparrow.schemas.artifacts import TRAIN_CORRECTION_METRICS
 from ..backends.ray_pool import RolloutPool
 from ..calibrate import collapse_reasons, mismatch_warnings
 from ..core.definitions import TAIL_QUANTILE
-from ..core.prompt_set import PromptError, PromptSet
 from ..core.schedule import Schedule
-from ..core.sparsity import parse_sparsity
+from ..core.sparsity import budget_fn, parse_sparsity
 from ..engine import Engine, SamplingParams
 from ..kv_policies import Eviction
 from ..model.loading import LoadedModel
-from ..tasks import TASKS, score_batch
+from ..model.lora import adapters_disabled
+from ..tasks import score_batch
 from . import corrections as rc
 from . import objective as grpo
 from .adapter import add_lora, load_lora_state, lora_state, save_adapter
+from .config import TrainConfig
+from .data import PromptRow, epoch_order
 from .distributed import World, current_world, data_parallel
 from .policy import completion_logprobs, completion_mask
 from .run_dir import (
@@ -80,109 +82,12 @@ from .run_dir import (
     checkpoint_step,
     clear_run,
     interrupts_deferred,
-    prompts_fingerprint,
-    sparsity_fingerprint,
+    with_fingerprints,
 )
+from .sparse_actor import JointSparseActor
 from .tracking import Trackers
 
 TOP_LOGPROBS = 20
-
-
-@dataclass
-class TrainConfig:
-    """Everything that defines a run; a resumed run must agree on all of it but `steps`."""
-
-    model: str
-    steps: int = 20
-    prompts_per_step: int = 4
-    samples: int = 4
-    max_new_tokens: int = 64
-    temperature: float = 1.0
-    ignore_eos: bool = False  # every sample generates max_new_tokens (fixed-length steps, for timing)
-    lr: float = 1e-4
-    lora_rank: int = 16  # 0 = full fine-tuning
-    lora_alpha: float = 32.0
-    correction: str = "tis"
-    kl_coef: float = 0.0
-    seed: int = 0
-    micro_batch: int = 8
-    ppo_epochs: int = 1
-    max_grad_norm: float = 1.0
-    checkpoint_every: int = 10
-    eval_every: int = 5
-    bin_width: int = 512
-    sparsity: str = "dense"  # "dense" | "budget:B" | "schedule:<path>" | "snapkv:B,..." | "rkv:B,..."
-    device: str = "cpu"  # cuda: bf16 weights, the engine's Triton kernels and CUDA graphs
-    random_weights: bool = False  # a shapes-only preset with random weights (timing the GPU path)
-    gradient_checkpointing: bool = False  # recompute each layer in the update's backward (CLI: on for cuda)
-    loss: dict = field(default_factory=dict)  # grpo.LossConfig overrides
-    distill_sparse: bool = False  # DistillSparse: train a sparse-actor-only adapter jointly (stages.distill)
-    distill_rank: int = 16
-    distill_alpha: float = 16.0  # published
-    distill_lr_ratio: float = 5.0  # published: the sparse adapter's lr = 5 x lr
-    distill_kl_coef: float = 0.001  # published k3 coefficient
-    raw_prompts: bool = False  # text prompts tokenized as they are, without the model's chat template
-    oversample: int = 0  # k' > samples: roll out k' per prompt, keep the `samples` of highest mean alpha
-    # what the run reads, by content (filled by the Trainer; run_dir.py): a resume must read the same
-    prompts_sha256: str = ""
-    eval_prompts_sha256: str = ""
-    schedule_sha256: str = ""
-
-    def validate(self) -> None:
-        positive = ("steps", "prompts_per_step", "samples", "max_new_tokens", "micro_batch", "ppo_epochs",
-                    "checkpoint_every", "eval_every", "bin_width")
-        for name in positive:
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
-        if self.lr <= 0:
-            raise ValueError(f"--lr must be positive, got {self.lr}")
-        if self.lora_rank < 0:
-            raise ValueError(f"--lora-rank must be >= 0 (0 = full fine-tuning), got {self.lora_rank}")
-        if self.kl_coef < 0:
-            raise ValueError(f"--kl-coef must be >= 0, got {self.kl_coef}")
-        grpo.LossConfig(correction=self.correction, kl_coef=self.kl_coef, **self.loss).validate()
-        if self.oversample and self.oversample <= self.samples:
-            raise ValueError(f"--oversample must exceed --samples ({self.samples}) to select among the "
-                             f"samples, got {self.oversample}")
-        if self.distill_sparse:
-            if self.sparsity == "dense":
-                raise ValueError("--distill-sparse trains the sparse actor's adapter, so it needs a sparse "
-                                 "sampler (--budget or --schedule)")
-            if self.sparsity.split(":", 1)[0] in ("snapkv", "rkv"):
-                raise ValueError("--distill-sparse trains a block top-k sparse actor (its teacher-forced "
-                                 "passes select pages); it does not support --kv-compression")
-            if not self.lora_rank:
-                raise ValueError("--distill-sparse needs the learner to train a LoRA (not --full): the "
-                                 "sparse adapter is a second peft adapter beside it")
-            if self.distill_rank < 1 or self.distill_lr_ratio <= 0 or self.distill_kl_coef < 0:
-                raise ValueError("--distill-rank must be >= 1, --distill-lr-ratio > 0 and --distill-kl-coef "
-                                 ">= 0")
-
-
-@dataclass
-class PromptRow:
-    prompt_id: str
-    task: str
-    token_ids: list[int]
-    answer: str
-    metadata: str | None
-
-
-def load_prompts(path: str | os.PathLike, tokenizer=None, chat_template: bool = True) -> list[PromptRow]:
-    """Rows of a prompts file that training can use: token ids (or text to tokenize), an answer and a
-    known task; anything else is refused with one sentence (a PromptError, a ValueError)."""
-    prompt_set = PromptSet.read(path)
-    for r in prompt_set.rows:
-        where = f"{path}: prompt {r['prompt_id']!r}"
-        if r.get("task") not in TASKS:
-            raise PromptError(f"{where} has task {r.get('task')!r}, which has no scorer "
-                              f"(known: {', '.join(TASKS)})")
-        if r.get("answer") is None:
-            raise PromptError(f"{where} has no answer, so its reward cannot be verified")
-    prompt_set.check_rewards()
-    prompt_set.tokenize(tokenizer, chat_template)
-    return [PromptRow(r["prompt_id"], r["task"], list(r["prompt_token_ids"]), r["answer"], r.get("metadata"))
-            for r in prompt_set.rows]
 
 
 def repetition(tokens: Sequence[int], n: int = 4) -> bool:
@@ -197,21 +102,6 @@ def _pad_rows(rows: Sequence[Sequence[float]], fill=0.0, dtype=torch.float32) ->
     """Ragged rows -> [N, longest] right-padded with `fill`."""
     width = max(len(r) for r in rows)
     return torch.tensor([list(r) + [fill] * (width - len(r)) for r in rows], dtype=dtype)
-
-
-@contextmanager
-def adapters_disabled(model: torch.nn.Module):
-    """The base model: every injected LoRA switched off inside the block."""
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
-    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
-    for m in layers:
-        m.enable_adapters(False)
-    try:
-        yield model
-    finally:
-        for m in layers:
-            m.enable_adapters(True)
 
 
 class Trainer:
@@ -270,9 +160,6 @@ class Trainer:
         self.sparse_actor = None
         self.sparse_history: list[dict] = []
         if config.distill_sparse:
-            from ..core.sparsity import budget_fn
-            from ..distill import JointSparseActor
-
             self.sparse_actor = JointSparseActor(
                 self.model, config.distill_rank, config.distill_alpha, config.lr * config.distill_lr_ratio,
                 config.distill_kl_coef, budget_fn(self.sparsity), config.temperature)
@@ -293,16 +180,8 @@ class Trainer:
     # ------------------------------------------------------------------ data
 
     def _batch(self, step: int) -> list[PromptRow]:
-        """Prompts of a step: epoch e visits the prompts in the order of permutation(seed, e)."""
-        n, p = len(self.prompts), self.cfg.prompts_per_step
-        orders: dict[int, np.ndarray] = {}
-        out = []
-        for k in range(step * p, (step + 1) * p):
-            epoch, i = divmod(k, n)
-            if epoch not in orders:
-                orders[epoch] = np.random.default_rng([self.cfg.seed, epoch]).permutation(n)
-            out.append(self.prompts[int(orders[epoch][i])])
-        return out
+        return [self.prompts[i] for i in epoch_order(len(self.prompts), self.cfg.seed, step,
+                                                     self.cfg.prompts_per_step)]
 
     # ------------------------------------------------------------------ one step
 
@@ -807,18 +686,9 @@ def _rng_states() -> tuple:
     return torch.get_rng_state(), np.random.get_state(), random.getstate()
 
 
-def with_fingerprints(cfg: TrainConfig, prompts: Sequence[PromptRow],
-                      eval_prompts: Sequence[PromptRow] | None, sparsity) -> TrainConfig:
-    """`cfg` with the content hashes of what the run reads (run_dir.py)."""
-    return replace(cfg, prompts_sha256=prompts_fingerprint(prompts),
-                   eval_prompts_sha256=prompts_fingerprint(eval_prompts),
-                   schedule_sha256=sparsity_fingerprint(sparsity))
-
-
 def read_metrics(run_dir: str | Path) -> tuple[list[dict], dict]:
     path = Path(run_dir) / "metrics.parquet"
     return read_artifact(path, "metrics").to_pylist(), artifact_metadata(path)
 
 
-__all__ = ["PromptRow", "TrainConfig", "Trainer", "check_run_dir", "load_prompts", "read_metrics",
-           "with_fingerprints"]
+__all__ = ["Trainer", "read_metrics"]
