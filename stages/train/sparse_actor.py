@@ -23,7 +23,8 @@ from ..model.head import token_scores
 from ..model.llama import AttentionContext, Transformer
 from ..scoring.mismatch import decode_budgets, pad_right
 from .adapter import TARGET_MODULES
-from .objective import policy_loss
+from .experience import Experience
+from .objective import LossConfig, policy_loss
 from .policy import RecordingAttention, completion_mask
 
 
@@ -124,11 +125,11 @@ class JointSparseActor:
         finally:
             self.use("learner")
 
-    def update(self, completions, advantages: Tensor, old: dict, loss_cfg) -> dict[str, float]:
-        """One step on the sparse adapter; `completions` the step's engine samples, `old` the trainer's
-        scores (dense `logp`, `logp_rollout`, `mask`, [N, T] on the CPU)."""
+    def update(self, exp: Experience, loss_cfg: LossConfig) -> dict[str, float]:
+        """One step on the sparse adapter over the step's rollouts and the learner's scores."""
+        completions, advantages, scores = exp.completions, exp.advantages, exp.scores
         cfg = replace(loss_cfg, kl_coef=self.kl_coef, loss_agg="token-mean")
-        normalizer = max(int(old["mask"].sum()), 1)
+        normalizer = max(int(scores.mask.sum()), 1)
         groups: dict[tuple[int, ...], list[int]] = {}
         for i, c in enumerate(completions):
             groups.setdefault(tuple(c.prompt_token_ids), []).append(i)
@@ -146,9 +147,9 @@ class JointSparseActor:
                                   entropy=False).logp
                 logp = hidden.new_zeros(mask.shape, dtype=lp.dtype).index_put((rows, cols), lp)  # [K, T]
                 t, sel = logp.shape[1], torch.tensor(idx)
-                loss, part = policy_loss(logp, old["logp_rollout"][sel, :t], advantages[sel],
-                                         torch.ones_like(logp), old["mask"][sel, :t], cfg,
-                                         ref_logp=old["logp"][sel, :t], normalizer=normalizer)
+                loss, part = policy_loss(logp, scores.logp_rollout[sel, :t], advantages[sel],
+                                         torch.ones_like(logp), scores.mask[sel, :t], cfg,
+                                         ref_logp=scores.logp[sel, :t], normalizer=normalizer)
                 loss.backward()
                 for k, v in part.items():
                     sums[k] = sums.get(k, 0.0) + float(v)
