@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..core.sparsity import as_policy, parse_sparsity
+from ..kv_policies import KVPolicy
+from ..model.config import ModelConfig
 from . import objective as grpo
 
 
@@ -76,3 +79,8 @@ class TrainConfig:
             if self.distill_rank < 1 or self.distill_lr_ratio <= 0 or self.distill_kl_coef < 0:
                 raise ValueError("--distill-rank must be >= 1, --distill-lr-ratio > 0 and --distill-kl-coef "
                                  ">= 0")
+
+
+def kv_policy(spec: str, model: ModelConfig) -> KVPolicy:
+    """A stored sparsity spec (`TrainConfig.sparsity`) read back into the policy it names."""
+    return as_policy(parse_sparsity(spec, model=model))

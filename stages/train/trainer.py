@@ -21,15 +21,15 @@ import torch
 
 from ..backends.ray_pool import RolloutPool
 from ..core.schedule import Schedule
-from ..core.sparsity import as_policy, budget_fn, parse_sparsity
+from ..core.sparsity import budget_fn
 from ..engine import SamplingParams
-from ..kv_policies import Eviction
+from ..kv_policies import KVPolicy
 from ..model.loading import LoadedModel
 from ..tasks import score_batch
 from . import objective as grpo
 from .adapter import add_lora, load_lora_state, lora_state, save_adapter
 from .checkpoint import drop_mismatch_after, load_checkpoint, rng_states, save_checkpoint, set_rng_states
-from .config import TrainConfig
+from .config import TrainConfig, kv_policy
 from .data import PromptRow, epoch_order
 from .distributed import World, current_world, data_parallel
 from .experience import TOP_LOGPROBS, Experience, rejection_generator, score, select_oversampled
@@ -41,6 +41,7 @@ from .run_dir import (
     checkpoint_step,
     clear_run,
     interrupts_deferred,
+    planned_schedule,
     with_fingerprints,
 )
 from .sparse_actor import JointSparseActor
@@ -66,13 +67,14 @@ class RunOptions:
 class Trainer:
     def __init__(self, config: TrainConfig, loaded: LoadedModel, prompts: list[PromptRow],
                  run_dir: str | Path, eval_prompts: list[PromptRow] | None = None,
-                 options: RunOptions | None = None):
+                 options: RunOptions | None = None, policy: KVPolicy | None = None):
+        """`policy`: the rollouts' KV policy, the one `config.sparsity` names (None: read from it)."""
         opts = options or RunOptions()
         config.validate()
         world = opts.world or current_world()
         _check_launch(config, world, opts.pool)
-        self.sparsity = parse_sparsity(config.sparsity, model=loaded.config)
-        config = with_fingerprints(config, prompts, eval_prompts, self.sparsity)
+        self.policy = policy or kv_policy(config.sparsity, loaded.config)
+        config = with_fingerprints(config, prompts, eval_prompts, self.policy)
         self.cfg, self.loaded, self.model, self.world = config, loaded, loaded.model, world
         self.prompts, self.eval_prompts = prompts, eval_prompts or []
         self.run_dir, self.opts = Path(run_dir), opts
@@ -101,12 +103,12 @@ class Trainer:
         if config.distill_sparse:
             self.sparse_actor = JointSparseActor(
                 self.model, config.distill_rank, config.distill_alpha, config.lr * config.distill_lr_ratio,
-                config.distill_kl_coef, budget_fn(self.sparsity), config.temperature)
+                config.distill_kl_coef, budget_fn(self.policy), config.temperature)
         if opts.resume:
             self._restore(load_checkpoint(self.run_dir))
         self.learner = Learner(self.model, data_parallel(self.model, world), self.optimizer, self.loss_cfg,
                                config, world)
-        self.rollouts = Rollouts(self.model, as_policy(self.sparsity), world, opts.pool,
+        self.rollouts = Rollouts(self.model, self.policy, world, opts.pool,
                                  opts.gpu_memory_utilization)
         if opts.pool is not None and self.lora_config is not None:
             opts.pool.add_lora(config.lora_rank, config.lora_alpha)
@@ -231,7 +233,7 @@ class Trainer:
         last = self.step == cfg.steps  # the final eval is never left blank
         if self.eval_prompts and self.world.main and (self.step % cfg.eval_every == 0 or last):
             row["eval_accuracy"] = self.evaluate()
-            if self.sparsity:  # the run's sampler too
+            if self.policy.sparse:  # the run's sampler too
                 row["eval_accuracy_sparse"] = self.evaluate(sparse=True)
         self.history.append(row)
         row["collapse"] = collapse(self.history)
@@ -249,7 +251,7 @@ class Trainer:
         rows = self.eval_prompts
         engine = self.rollouts.run_engine(self.cfg.prompts_per_step, self.cfg.oversample or self.cfg.samples)
         out = engine.generate([r.token_ids for r in rows], params,
-                              sparsity=self.rollouts.policy if sparse else None)
+                              sparsity=self.policy if sparse else None)
         tok = self.loaded.tokenizer
         rewards = score_batch([(r.task, tok.decode(o[0].token_ids, skip_special_tokens=True), r.answer,
                                 r.metadata) for r, o in zip(rows, out)])
@@ -259,10 +261,9 @@ class Trainer:
 
     def _write_schedule(self) -> None:
         """The block top-k schedule the rollouts used (an eviction policy has none; the config names it)."""
-        if isinstance(self.sparsity, Eviction):
+        if self.policy.evicts:
             return
-        schedule = self.sparsity if isinstance(self.sparsity, Schedule) else Schedule.constant(
-            self.sparsity or 0)
+        schedule = planned_schedule(self.policy) or Schedule.constant(self.policy.read_budget(0))
         write_schedule(self.run_dir, schedule, self.cfg.sparsity)
 
     def label(self) -> dict:
