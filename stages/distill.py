@@ -1,61 +1,12 @@
-"""`sparrow distill` (DistillSparse): a LoRA used only by the sparse actor, distilled toward the dense policy.
+"""`sparrow distill` (DistillSparse, offline): the sparse actor's LoRA distilled toward the dense policy.
 
-The sparse actor's adapter, in DESIGN's terms:
-- The sparse actor is the base weights plus the adapter, in every forward the rollout engine runs for a
-  sparse sampler: the dense prefill of the prompt, the dense layers 0-1 and the sparse layers of every
-  decode step. So every KV entry of a sparse rollout, prompt and generated tokens alike, was written by
-  the adapted weights, and block top-k selection scores the adapted keys. The engine takes it merged
-  (`sparrow rollout --adapter DIR --schedule ...`, `rollout.lora`), which costs nothing per token.
-- The dense policy (the learner: its recompute, its update, the reference of alpha) never sees it: it is
-  the base weights alone, dense attention everywhere.
-- Teacher-forced sparse scoring with the adapter (`mismatch.score_sequences(actor=...)`, `sparrow profile
-  --adapter`) prefills the prompt again with the adapter merged and applies the block top-k rule at every
-  generated position, so it equals incremental sparse decoding with the adapter (tested within 1e-4 in
-  fp32), and alpha compares the actor with the plain dense policy. A zero adapter (peft initialises B to
-  zero) is exactly the plain sparse actor.
-Why the adapter runs everywhere rather than in the sparse decode steps only: one set of weights per actor
-keeps the invariant above trivial (incremental and teacher-forced runs use the same model), it is what
-the published method does (the sampler serves the LoRA for the whole request), and the dense positions of
-a schedule (its dense bins, the reserved pages) are then trained toward the dense policy too.
-
-Which budgets the adapter is taught at: one adapter serves every budget the actor is later used with, and
-a plan made from the distilled profile picks among the candidate budgets per bin. An adapter taught at
-one aggressive budget alone moved the larger budgets away from dense (stop 17's bench: budget 48 taught,
-budgets 64-256 worse), so the offline distiller takes a list of budget functions and teaches each
-trajectory of a step at one of them in turn (slot k of step s: function (s x batch + k) mod the count),
-which balances them and, as the batch order is reshuffled per epoch, gives each trajectory several.
-Large budgets then contribute small KL terms, which did not keep the adapter from disturbing them (the
-1.5K-token bench: taught at 64-1024, p5 alpha at 1024 fell from 0.91 to 0.79 while 64-256 rose), so
-`balance_budgets` (the default) weights each budget's terms by mean_j(o_j) / o_j, o_j the objective of
-the actor as it starts at budget j (measured once, on the first two batches): every budget then starts at
-the same loss, and a near-dense budget's relative loss counts as much as an aggressive one's. Measured
-on the same bench, balanced: p5 alpha rose at 128-512 and held at 1024 (0.911 -> 0.905), and the 0.86
-plan's budgets went from 848 to 768-832 tokens.
-
-Offline distillation, teacher forced on given trajectories: the base is frozen, peft injects a LoRA into
-every linear layer of every block (q, k, v, o, gate, up, down: "all linear layers"; lm_head is tied to
-the embeddings in the models here and not adapted), and AdamW updates only the LoRA. Each step takes
-`batch_size` trajectories (a permutation per epoch, seeded), runs per prompt group one dense prompt pass
-with the adapter (its keys/values recorded, gradients flowing into it) and the group's completions on
-top of it with block top-k attention (`SharedPromptSparse`: the same rule, each query selecting its own
-pages), and compares the actor's next-token distribution at every generated position with the dense
-policy's. The dense side is computed once per trajectory with the adapter disabled and kept in memory
-when it fits (else recomputed): for `kl` the dense final hidden states [T, hidden] (the head is not
-adapted, so the dense logits are recomputed from them chunk by chunk), for `k3` the sampled tokens'
-dense logprobs [T]. Both distributions are formed `model.head.POSITION_CHUNK` positions at a time, the
-actor's under activation checkpointing, so no [T, V] tensor is ever whole; `gradient_checkpointing`
-also recomputes each decoder layer of the actor's forward in the backward pass.
-Objectives, token mean over the step's generated positions, at the sampling temperature:
-- `kl`: KL(dense || actor) = sum_v p_dense(v) (log p_dense(v) - log p_actor(v)), over the full
-  vocabulary at every position. 1 - alpha is the total variation distance, which Pinsker's inequality
-  bounds by sqrt(KL / 2), so this is the quantity that lifts the tail of alpha directly.
-- `k3`: the published sampled-token estimator k3(d) = exp(d) - 1 - d, d = log p_dense(y) - log p_actor(y),
-  an estimate of KL(actor || dense) that holds only on tokens the sparse actor sampled; it needs
-  trajectories a sparse sampler produced (the rollouts' metadata says which), which is checked.
-Published settings (reference README): LoRA alpha 16 on all linear layers, LoRA lr = 5 x the base lr,
-k3 coefficient 0.001 inside the online loss; the rank is not published (default 16 here).
-The online form, trained jointly with GRPO from the dense logprobs each step computes anyway, is
-`JointSparseActor` (`sparrow train --distill-sparse`): the same actor, a second adapter beside the learner's.
+Teacher forced on given trajectories: the base frozen, a LoRA on every linear layer of every block, AdamW
+on the LoRA alone. Per prompt group, one dense prompt pass with the adapter, then the completions on top
+of it with block top-k attention (`train.sparse_actor.actor_hidden`), compared with the dense policy
+(the adapter disabled) at every generated position: `kl` over the full vocabulary or the sampled-token
+`k3`. The dense side is kept in memory when it fits, and no [T, V] tensor is ever whole. One adapter
+serves every budget, so each trajectory slot is taught at one of the budgets in turn, each budget's
+terms weighted by 1 / its starting objective (`balance_budgets`). docs/training.md tells the story.
 """
 
 from __future__ import annotations
