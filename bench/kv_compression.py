@@ -213,7 +213,7 @@ def train_configs(args) -> dict[str, dict]:
 
 
 def run_train(args) -> list[dict]:
-    from sparrow.stages.train import TrainConfig, Trainer, load_prompts
+    from sparrow.stages.train import RunOptions, TrainConfig, Trainer, load_prompts
 
     base = load_model(args.model)
     RUNS.mkdir(parents=True, exist_ok=True)
@@ -237,8 +237,9 @@ def run_train(args) -> list[dict]:
         t0 = time.perf_counter()
         trainer = Trainer(cfg, loaded, load_prompts(train_file, loaded.tokenizer), run_dir,
                           eval_prompts=load_prompts(eval_file, loaded.tokenizer),
-                          on_step=lambda r: print(f"    step {r['step']}: reward {r['reward_mean']:.3f} "
-                                                  f"({r['seconds']:.0f} s)", flush=True))
+                          options=RunOptions(on_step=lambda r: print(
+                              f"    step {r['step']}: reward {r['reward_mean']:.3f} ({r['seconds']:.0f} s)",
+                              flush=True)))
         summary = trainer.run()
         under = {}
         for b, probe in probes.items():  # the trained model, evaluated under SnapKV at both budgets

@@ -35,7 +35,7 @@ from sparrow.schemas import artifact_metadata, write_artifact
 from sparrow.stages.core.definitions import TAIL_QUANTILE
 from sparrow.stages.model.loading import load_model
 from sparrow.stages.tasks import make_prompts
-from sparrow.stages.train import TrainConfig, Trainer, load_prompts
+from sparrow.stages.train import RunOptions, TrainConfig, Trainer, load_prompts
 
 SPARROW = str(Path(sys.executable).with_name("sparrow"))
 
@@ -106,9 +106,11 @@ def train(args, name: str, sparsity: str, seed: int, prompts: Path, held_out: Pa
     resume = (run_dir / "checkpoint").exists()
     print(f"== {name}, seed {seed}{' (resumed)' if resume else ''}", flush=True)
     trainer = Trainer(cfg, loaded, load_prompts(prompts, loaded.tokenizer), run_dir,
-                      eval_prompts=load_prompts(held_out, loaded.tokenizer), resume=resume, force=not resume,
-                      on_step=lambda r: print(f"    {name} seed {seed} step {r['step']}: reward "
-                                              f"{r['reward_mean']:.3f} ({r['seconds']:.0f} s)", flush=True))
+                      eval_prompts=load_prompts(held_out, loaded.tokenizer), options=RunOptions(
+                          resume=resume, force=not resume,
+                          on_step=lambda r: print(f"    {name} seed {seed} step {r['step']}: reward "
+                                                  f"{r['reward_mean']:.3f} ({r['seconds']:.0f} s)",
+                                                  flush=True)))
     t0 = time.perf_counter()
     trainer.run()
     print(f"    {name} seed {seed}: {time.perf_counter() - t0:.0f} s", flush=True)

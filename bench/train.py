@@ -37,7 +37,7 @@ from common import write_results
 from sparrow.schemas import write_artifact
 from sparrow.stages.model.loading import load_model
 from sparrow.stages.tasks import make_prompts
-from sparrow.stages.train import TrainConfig, Trainer, load_prompts
+from sparrow.stages.train import RunOptions, TrainConfig, Trainer, load_prompts
 
 RUNS = Path(__file__).parent / "results" / "train-runs"
 
@@ -82,8 +82,9 @@ def run_one(args, name: str, overrides: dict, seed: int, prompts: Path, eval_pro
     held_out = load_prompts(eval_prompts, loaded.tokenizer)
     t0 = time.perf_counter()
     trainer = Trainer(cfg, loaded, rows, run_dir, eval_prompts=held_out,
-                      on_step=lambda r: print(f"    {name} seed {seed} step {r['step']}: reward "
-                                              f"{r['reward_mean']:.3f} ({r['seconds']:.0f} s)", flush=True))
+                      options=RunOptions(on_step=lambda r: print(
+                          f"    {name} seed {seed} step {r['step']}: reward {r['reward_mean']:.3f} "
+                          f"({r['seconds']:.0f} s)", flush=True)))
     summary = trainer.run()
     h = trainer.history
     k = max(1, len(h) // 4)

@@ -35,7 +35,7 @@ from common import write_results
 from sparrow.schemas import write_artifact
 from sparrow.stages.model.loading import load_model
 from sparrow.stages.tasks import make_prompts
-from sparrow.stages.train import TrainConfig, Trainer, load_prompts
+from sparrow.stages.train import RunOptions, TrainConfig, Trainer, load_prompts
 
 RUNS = Path(__file__).parent / "results" / "train-code-runs"
 PHASES = ("rollout_seconds", "scoring_seconds", "update_seconds", "reward_seconds")
@@ -95,7 +95,8 @@ def run_one(args, name: str, seed: int, prompts: Path, eval_prompts: Path) -> di
 
     t0 = time.perf_counter()
     trainer = Trainer(cfg, loaded, load_prompts(prompts, loaded.tokenizer), run_dir,
-                      eval_prompts=load_prompts(eval_prompts, loaded.tokenizer), on_step=on_step)
+                      eval_prompts=load_prompts(eval_prompts, loaded.tokenizer),
+                      options=RunOptions(on_step=on_step))
     summary = trainer.run()
     h = trainer.history
     k = max(1, len(h) // 4)

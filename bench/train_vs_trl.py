@@ -37,9 +37,8 @@ from common import write_results
 
 from sparrow.stages.model.loading import embedded_checkpoint, load_model
 from sparrow.stages.tasks import make_prompts, score
-from sparrow.stages.train import TrainConfig, Trainer
+from sparrow.stages.train import PromptRow, TrainConfig, Trainer
 from sparrow.stages.train.adapter import TARGET_MODULES
-from sparrow.stages.train.trainer import PromptRow
 
 RUNS = Path(__file__).parent / "results" / "train_vs_trl-runs"
 PHASES = ("rollout", "scoring", "update")

@@ -246,7 +246,7 @@ def _run(cfg, model: str, prompts: Path, eval_prompts: Path | None, resume: bool
     import torch
 
     from sparrow.stages.model.loading import load_model
-    from sparrow.stages.train import Trainer, load_prompts
+    from sparrow.stages.train import RunOptions, Trainer, load_prompts
 
     device, max_new_tokens, steps = cfg.device, cfg.max_new_tokens, cfg.steps
     loaded = load_model(model, device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float32,
@@ -291,10 +291,9 @@ def _run(cfg, model: str, prompts: Path, eval_prompts: Path | None, resume: bool
             warn_first_token_stops(lengths, max_new_tokens, cfg.raw_prompts)
 
     try:  # a refused --resume says so before any bar is drawn
-        trainer = Trainer(cfg, loaded, rows, output_dir, eval_prompts=held_out, resume=resume,
-                          on_step=on_step, on_phase=on_phase, world=world, pool=pool, force=force,
-                          gpu_memory_utilization=gpu_memory_utilization, on_rollouts=on_rollouts,
-                          report_to=report_to)
+        trainer = Trainer(cfg, loaded, rows, output_dir, eval_prompts=held_out, options=RunOptions(
+            resume=resume, on_step=on_step, on_phase=on_phase, world=world, pool=pool, force=force,
+            gpu_memory_utilization=gpu_memory_utilization, on_rollouts=on_rollouts, report_to=report_to))
     except ValueError as e:
         raise UsageError(str(e)) from None
     with bar:

@@ -1,61 +1,12 @@
-"""`sparrow distill` (DistillSparse): a LoRA used only by the sparse actor, distilled toward the dense policy.
+"""`sparrow distill` (DistillSparse, offline): the sparse actor's LoRA distilled toward the dense policy.
 
-The sparse actor's adapter, in DESIGN's terms:
-- The sparse actor is the base weights plus the adapter, in every forward the rollout engine runs for a
-  sparse sampler: the dense prefill of the prompt, the dense layers 0-1 and the sparse layers of every
-  decode step. So every KV entry of a sparse rollout, prompt and generated tokens alike, was written by
-  the adapted weights, and block top-k selection scores the adapted keys. The engine takes it merged
-  (`sparrow rollout --adapter DIR --schedule ...`, `rollout.lora`), which costs nothing per token.
-- The dense policy (the learner: its recompute, its update, the reference of alpha) never sees it: it is
-  the base weights alone, dense attention everywhere.
-- Teacher-forced sparse scoring with the adapter (`mismatch.score_sequences(actor=...)`, `sparrow profile
-  --adapter`) prefills the prompt again with the adapter merged and applies the block top-k rule at every
-  generated position, so it equals incremental sparse decoding with the adapter (tested within 1e-4 in
-  fp32), and alpha compares the actor with the plain dense policy. A zero adapter (peft initialises B to
-  zero) is exactly the plain sparse actor.
-Why the adapter runs everywhere rather than in the sparse decode steps only: one set of weights per actor
-keeps the invariant above trivial (incremental and teacher-forced runs use the same model), it is what
-the published method does (the sampler serves the LoRA for the whole request), and the dense positions of
-a schedule (its dense bins, the reserved pages) are then trained toward the dense policy too.
-
-Which budgets the adapter is taught at: one adapter serves every budget the actor is later used with, and
-a plan made from the distilled profile picks among the candidate budgets per bin. An adapter taught at
-one aggressive budget alone moved the larger budgets away from dense (stop 17's bench: budget 48 taught,
-budgets 64-256 worse), so the offline distiller takes a list of budget functions and teaches each
-trajectory of a step at one of them in turn (slot k of step s: function (s x batch + k) mod the count),
-which balances them and, as the batch order is reshuffled per epoch, gives each trajectory several.
-Large budgets then contribute small KL terms, which did not keep the adapter from disturbing them (the
-1.5K-token bench: taught at 64-1024, p5 alpha at 1024 fell from 0.91 to 0.79 while 64-256 rose), so
-`balance_budgets` (the default) weights each budget's terms by mean_j(o_j) / o_j, o_j the objective of
-the actor as it starts at budget j (measured once, on the first two batches): every budget then starts at
-the same loss, and a near-dense budget's relative loss counts as much as an aggressive one's. Measured
-on the same bench, balanced: p5 alpha rose at 128-512 and held at 1024 (0.911 -> 0.905), and the 0.86
-plan's budgets went from 848 to 768-832 tokens.
-
-Offline distillation, teacher forced on given trajectories: the base is frozen, peft injects a LoRA into
-every linear layer of every block (q, k, v, o, gate, up, down: "all linear layers"; lm_head is tied to
-the embeddings in the models here and not adapted), and AdamW updates only the LoRA. Each step takes
-`batch_size` trajectories (a permutation per epoch, seeded), runs per prompt group one dense prompt pass
-with the adapter (its keys/values recorded, gradients flowing into it) and the group's completions on
-top of it with block top-k attention (`SharedPromptSparse`: the same rule, each query selecting its own
-pages), and compares the actor's next-token distribution at every generated position with the dense
-policy's. The dense side is computed once per trajectory with the adapter disabled and kept in memory
-when it fits (else recomputed): for `kl` the dense final hidden states [T, hidden] (the head is not
-adapted, so the dense logits are recomputed from them chunk by chunk), for `k3` the sampled tokens'
-dense logprobs [T]. Both distributions are formed `model.head.POSITION_CHUNK` positions at a time, the
-actor's under activation checkpointing, so no [T, V] tensor is ever whole; `gradient_checkpointing`
-also recomputes each decoder layer of the actor's forward in the backward pass.
-Objectives, token mean over the step's generated positions, at the sampling temperature:
-- `kl`: KL(dense || actor) = sum_v p_dense(v) (log p_dense(v) - log p_actor(v)), over the full
-  vocabulary at every position. 1 - alpha is the total variation distance, which Pinsker's inequality
-  bounds by sqrt(KL / 2), so this is the quantity that lifts the tail of alpha directly.
-- `k3`: the published sampled-token estimator k3(d) = exp(d) - 1 - d, d = log p_dense(y) - log p_actor(y),
-  an estimate of KL(actor || dense) that holds only on tokens the sparse actor sampled; it needs
-  trajectories a sparse sampler produced (the rollouts' metadata says which), which is checked.
-Published settings (reference README): LoRA alpha 16 on all linear layers, LoRA lr = 5 x the base lr,
-k3 coefficient 0.001 inside the online loss; the rank is not published (default 16 here).
-The online form, trained jointly with GRPO from the dense logprobs each step computes anyway, is
-`JointSparseActor` (`sparrow train --distill-sparse`): the same actor, a second adapter beside the learner's.
+Teacher forced on given trajectories: the base frozen, a LoRA on every linear layer of every block, AdamW
+on the LoRA alone. Per prompt group, one dense prompt pass with the adapter, then the completions on top
+of it with block top-k attention (`train.sparse_actor.actor_hidden`), compared with the dense policy
+(the adapter disabled) at every generated position: `kl` over the full vocabulary or the sampled-token
+`k3`. The dense side is kept in memory when it fits, and no [T, V] tensor is ever whole. One adapter
+serves every budget, so each trajectory slot is taught at one of the budgets in turn, each budget's
+terms weighted by 1 / its starting objective (`balance_budgets`). docs/training.md tells the story.
 """
 
 from __future__ import annotations
@@ -63,32 +14,29 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import numpy as np
 import pyarrow as pa
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from sparrow.schemas import write_artifact
 
-from .attention import DEFAULT_DENSE_LAYERS, PAGE_SIZE, SparseAttention
+from .attention import DEFAULT_DENSE_LAYERS, PAGE_SIZE
 from .core.sparsity import BudgetFn
 from .core.trajectories import Trajectory
 from .model.head import POSITION_CHUNK, over_chunks, token_scores
-from .model.llama import AttentionContext, Transformer
+from .model.llama import Transformer
 from .model.loading import LoadedModel
-from .model.lora import LoraWeights
+from .model.lora import LoraWeights, adapters_disabled
 from .profile import ProfileOptions, profile_trajectories, summarize
-from .scoring.mismatch import decode_budgets, pad_right
 from .train.adapter import add_lora, load_lora_state, lora_state, save_adapter
+from .train.data import epoch_order
 from .train.objective import k3
-from .train.policy import RecordingAttention, completion_hidden, completion_mask
-from .train.trainer import adapters_disabled
+from .train.policy import completion_hidden
+from .train.sparse_actor import JointSparseActor, SharedPromptSparse, actor_hidden
 
 OBJECTIVES = ("kl", "k3")
 PUBLISHED_LORA_ALPHA = 16.0
@@ -166,56 +114,6 @@ def sampled_logprobs(model: Transformer, hidden: Tensor, tokens: Sequence[int], 
     return token_scores(model.logits, hidden, targets, temperature, entropy=False).logp
 
 
-# ---------------------------------------------------------------------------- the actor's forward
-
-
-class SharedPromptSparse(SparseAttention):
-    """Completions of one prompt attending to its recorded prompt keys/values and to themselves, with block
-    top-k selection over the whole prefix (slot i = position i, prompt slots first): the teacher-forced form
-    of sparse decoding for a group that shares its prompt, differentiable (no in-place cache)."""
-
-    def __init__(self, prompt_kv: list[tuple[Tensor, Tensor]], budgets: Tensor,
-                 dense_layers: Sequence[int] = DEFAULT_DENSE_LAYERS, page: int = PAGE_SIZE):
-        super().__init__(budgets, dense_layers, page)
-        self.prompt_kv = prompt_kv  # per layer ([1, Hkv, N, D], [1, Hkv, N, D])
-
-    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext) -> Tensor:
-        pk, pv = self.prompt_kv[layer]
-        b = q.shape[0]
-        keys = torch.cat([pk.expand(b, -1, -1, -1), k], dim=2)
-        values = torch.cat([pv.expand(b, -1, -1, -1), v], dim=2)
-        if layer in self.dense_layers or not bool((self.budgets > 0).any()):
-            visible = torch.arange(keys.shape[2], device=q.device) <= ctx.positions[:, None, :, None]
-            return F.scaled_dot_product_attention(q, keys, values, attn_mask=visible, enable_gqa=True)
-        return self.attend(q, keys, values, ctx.positions)
-
-
-def actor_hidden(model: Transformer, prompt: Sequence[int], completions: Sequence[Sequence[int]],
-                 budget_at: BudgetFn | Sequence[BudgetFn], dense_layers: Sequence[int] = DEFAULT_DENSE_LAYERS,
-                 page: int = PAGE_SIZE) -> Tensor:
-    """[K, T, hidden]: the sparse actor's states that predict each completion token of K completions of
-    one prompt (token 0 from the dense prefill's last position, token j from decode position n + j - 1
-    at budget budget_at(n + j); one function for all, or one per completion), with whatever adapter the
-    model carries, gradients kept."""
-    device = model.embed_tokens.weight.device
-    n, k = len(prompt), len(completions)
-    recorder = RecordingAttention()
-    prompt_h = model.hidden_states(torch.tensor([list(prompt)], device=device), attention=recorder)
-    first = prompt_h[:, n - 1:n].expand(k, 1, -1)
-    t = max(len(c) for c in completions)
-    if t == 1:
-        return first
-    inputs = pad_right([c[:-1] for c in completions], device)  # [K, T - 1]
-    positions = n + torch.arange(t - 1, device=device).expand(k, t - 1)
-    fns = [budget_at] * k if callable(budget_at) else list(budget_at)
-    starts = torch.full((1,), n, device=device)
-    rows = {f: decode_budgets(positions[:1], starts, f) for f in set(fns)}  # one table per function
-    budgets = torch.cat([rows[f] for f in fns])  # [K, T - 1]
-    rest = model.hidden_states(inputs, positions=positions,
-                               attention=SharedPromptSparse(recorder.kv, budgets, dense_layers, page))
-    return torch.cat([first, rest], dim=1)
-
-
 # ---------------------------------------------------------------------------- training
 
 
@@ -260,14 +158,9 @@ class Distiller:
             self.weights = self._balance_weights()
 
     def _order(self, step: int) -> list[int]:
+        """A step's trajectories; a batch larger than the data visits each once."""
         n, b = len(self.trajectories), self.cfg.batch_size
-        out, orders = [], {}
-        for k in range(step * b, (step + 1) * b):
-            epoch, i = divmod(k, n)
-            if epoch not in orders:
-                orders[epoch] = np.random.default_rng([self.cfg.seed, epoch]).permutation(n)
-            out.append(int(orders[epoch][i]))
-        return list(dict.fromkeys(out))  # a batch larger than the data visits each trajectory once
+        return list(dict.fromkeys(epoch_order(n, self.cfg.seed, step, b)))
 
     @torch.no_grad()
     def dense_targets(self, idx: Sequence[int]) -> list[Tensor]:
@@ -374,96 +267,6 @@ class Distiller:
     def save(self, folder, base_model: str):
         return save_adapter(self.model, self.lora_config, folder, base_model)
 
-
-class JointSparseActor:
-    """`sparrow train --distill-sparse`: the sparse actor's adapter trained jointly with GRPO (published).
-
-    A second peft adapter ("sparse") sits beside the learner's ("default") in every linear layer. The
-    learner (scoring, its update, evaluation) runs with "default" active only; the engine samples with both
-    active, so the sparse actor is the current learner plus the sparse adapter, in every forward of the
-    rollout (as for `sparrow distill`). After the learner's update, with the learner frozen, `update` takes
-    one AdamW step (lr = lr_ratio x the learner's lr) on the sparse actor's PPO loss over the step's rollouts
-    (ratio = actor / rollout logprob, the step's advantages, the learner's clip rule, token mean) plus
-    kl_coef x k3(logp_dense_old - logp_actor), from the dense logprobs the step already computed.
-    """
-
-    ADAPTER = "sparse"
-
-    def __init__(self, model: Transformer, rank: int, alpha: float, lr: float, kl_coef: float,
-                 budget_at: BudgetFn, temperature: float, dense_layers: Sequence[int] = DEFAULT_DENSE_LAYERS,
-                 page: int = PAGE_SIZE):
-        from peft import LoraConfig, inject_adapter_in_model
-        from peft.tuners.tuners_utils import BaseTunerLayer
-
-        from .train.adapter import TARGET_MODULES
-
-        self.model, self.kl_coef, self.budget_at = model, kl_coef, budget_at
-        self.temperature, self.dense_layers, self.page = temperature, tuple(dense_layers), page
-        self.config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, bias="none",
-                                 target_modules=list(TARGET_MODULES), task_type="CAUSAL_LM")
-        inject_adapter_in_model(self.config, model, adapter_name=self.ADAPTER)
-        self.layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
-        lora = [(n, p) for n, p in model.named_parameters() if "lora_" in n]
-        self.params = [p for n, p in lora if f".{self.ADAPTER}." in n]
-        self.learner_params = [p for n, p in lora if ".default." in n]
-        self.use("learner")
-        self.optimizer = torch.optim.AdamW(self.params, lr=lr, weight_decay=0.0)
-
-    def use(self, who: str) -> None:
-        """"learner": the default adapter only (trainable); "actor": both, only the sparse one trainable."""
-        names = ["default"] if who == "learner" else ["default", self.ADAPTER]
-        for m in self.layers:
-            m.set_adapter(names)
-        for p in self.params:  # peft's set_adapter also sets requires_grad: state ours explicitly
-            p.requires_grad_(who == "actor")
-        for p in self.learner_params:
-            p.requires_grad_(who == "learner")
-
-    @contextmanager
-    def acting(self) -> Iterator[None]:
-        self.use("actor")
-        try:
-            yield
-        finally:
-            self.use("learner")
-
-    def update(self, completions, advantages: Tensor, old: dict, loss_cfg) -> dict[str, float]:
-        """One step on the sparse adapter; `completions` the step's engine samples, `old` the trainer's
-        scores (dense `logp`, `logp_rollout`, `mask`, [N, T] on the CPU)."""
-        from dataclasses import replace
-
-        from .train.objective import policy_loss
-
-        cfg = replace(loss_cfg, kl_coef=self.kl_coef, loss_agg="token-mean")
-        normalizer = max(int(old["mask"].sum()), 1)
-        groups: dict[tuple[int, ...], list[int]] = {}
-        for i, c in enumerate(completions):
-            groups.setdefault(tuple(c.prompt_token_ids), []).append(i)
-        sums: dict[str, float] = {}
-        with self.acting():
-            self.model.train()
-            self.optimizer.zero_grad(set_to_none=True)
-            for prompt, idx in groups.items():
-                comps = [completions[i].token_ids for i in idx]
-                hidden = actor_hidden(self.model, prompt, comps, self.budget_at, self.dense_layers, self.page)
-                mask = completion_mask([len(c) for c in comps], hidden.device)  # [K, T]
-                rows, cols = mask.nonzero(as_tuple=True)
-                targets = pad_right(comps, hidden.device)[rows, cols]
-                lp = token_scores(self.model.logits, hidden[rows, cols], targets, self.temperature,
-                                  entropy=False).logp
-                logp = hidden.new_zeros(mask.shape, dtype=lp.dtype).index_put((rows, cols), lp)  # [K, T]
-                t, sel = logp.shape[1], torch.tensor(idx)
-                loss, part = policy_loss(logp, old["logp_rollout"][sel, :t], advantages[sel],
-                                         torch.ones_like(logp), old["mask"][sel, :t], cfg,
-                                         ref_logp=old["logp"][sel, :t], normalizer=normalizer)
-                loss.backward()
-                for k, v in part.items():
-                    sums[k] = sums.get(k, 0.0) + float(v)
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, 1.0))
-            self.optimizer.step()
-        self.model.eval()
-        return {"sparse_loss": sums.get("loss", 0.0), "sparse_policy_loss": sums.get("policy_loss", 0.0),
-                "sparse_kl": sums.get("kl", 0.0), "sparse_grad_norm": grad_norm}
 
 
 def evaluate(loaded: LoadedModel, trajectories: Sequence[Trajectory], budgets: Sequence[int],

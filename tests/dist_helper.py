@@ -59,17 +59,18 @@ def make_tiny(path) -> tuple[str, str]:
 def step_gradient(model: str, prompts: str, run: str, world=None) -> dict:
     """The LoRA gradient of step 0 of a fresh run (rollout, recompute, correction, loss), and its stats."""
     from sparrow.stages.model.loading import load_model
-    from sparrow.stages.train import TrainConfig, Trainer, load_prompts
+    from sparrow.stages.train import RunOptions, TrainConfig, Trainer, load_prompts
 
     loaded = load_model(model)
     rows = load_prompts(prompts, loaded.tokenizer)
-    trainer = Trainer(TrainConfig(model=model, **GRAD_CONFIG), loaded, rows, run, world=world)
+    trainer = Trainer(TrainConfig(model=model, **GRAD_CONFIG), loaded, rows, run,
+                      options=RunOptions(world=world))
     exp = trainer.experience(0)
     trainer.model.train()
-    stats = trainer._gradients(exp["flat"], exp["advantages"], exp["old"], exp["correction"])
+    stats = trainer.learner.gradients(exp)
     grads = {k: p.grad.detach().clone() for k, p in trainer.model.named_parameters() if p.requires_grad}
-    return {"grads": grads, "stats": stats, "tokens": [c.token_ids for c in exp["flat"]],
-            "rewards": exp["rewards"].tolist()}
+    return {"grads": grads, "stats": stats, "tokens": [c.token_ids for c in exp.completions],
+            "rewards": exp.rewards.tolist()}
 
 
 TIMING = {"run_id", "seconds", "rollout_seconds", "scoring_seconds", "update_seconds", "tokens_per_second",

@@ -43,10 +43,10 @@ def test_trainer_rewards_come_from_the_sandbox_pool(tmp_path, monkeypatch, tiny_
                       lora_rank=4, micro_batch=4, checkpoint_every=1, eval_every=1)
     trainer = Trainer(cfg, loaded, load_prompts(prompts, tok), tmp_path / "run")
     exp = trainer.experience(0)
-    texts = [tok.decode(c.token_ids, skip_special_tokens=True) for c in exp["flat"]]
+    texts = [tok.decode(c.token_ids, skip_special_tokens=True) for c in exp.completions]
     expected = np.array([len(t) % 2 for t in texts], dtype=float).reshape(2, 3)
-    assert np.array_equal(exp["rewards"], expected)
-    assert exp["reward_seconds"] > 0
+    assert np.array_equal(exp.rewards, expected)
+    assert exp.reward_seconds > 0
 
     trainer = Trainer(cfg, load_model(tiny_llama[0]), load_prompts(prompts, tok), tmp_path / "run2")
     trainer.run()

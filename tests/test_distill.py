@@ -30,9 +30,8 @@ from sparrow.stages.distill import DistillConfig, Distiller, actor_hidden, sampl
 from sparrow.stages.engine import Engine, SamplingParams
 from sparrow.stages.model.llama import ours_to_hf
 from sparrow.stages.model.loading import load_model
-from sparrow.stages.model.lora import LoraWeights, load_lora, lora_merged
+from sparrow.stages.model.lora import LoraWeights, adapters_disabled, load_lora, lora_merged
 from sparrow.stages.scoring.mismatch import decode_budgets, score_sequences
-from sparrow.stages.train.trainer import adapters_disabled
 
 from cli_checks import error_line
 

@@ -100,10 +100,11 @@ def test_checkpoints_resume_under_another_world_size(tiny, tmp_path):
 
 
 def test_a_batch_smaller_than_the_world_is_refused(tiny, tmp_path):
-    from sparrow.stages.train import TrainConfig, Trainer, load_prompts
+    from sparrow.stages.train import RunOptions, TrainConfig, Trainer, load_prompts
 
     model, prompts = tiny
     loaded = load_model(model)
     cfg = TrainConfig(model=model, prompts_per_step=1, samples=2)
     with pytest.raises(ValueError, match=r"must be at least the world size \(4\)"):
-        Trainer(cfg, loaded, load_prompts(prompts, loaded.tokenizer), tmp_path / "run", world=World(0, 4))
+        Trainer(cfg, loaded, load_prompts(prompts, loaded.tokenizer), tmp_path / "run",
+                options=RunOptions(world=World(0, 4)))

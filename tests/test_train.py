@@ -19,6 +19,7 @@ from sparrow.stages.tasks import TASKS, Task
 from sparrow.stages.train import (
     CORRECTIONS,
     LossConfig,
+    RunOptions,
     TrainConfig,
     Trainer,
     group_advantages,
@@ -26,6 +27,7 @@ from sparrow.stages.train import (
     policy_loss,
     rollout_correction,
 )
+from sparrow.stages.train.experience import rejection_generator
 
 # ---------------------------------------------------------------------------- the objective
 
@@ -213,7 +215,8 @@ def _config(path, **kw) -> TrainConfig:
 def _train(path, prompts, run, **kw):
     loaded = load_model(path)
     rows = load_prompts(prompts, loaded.tokenizer)
-    trainer = Trainer(_config(path, **kw.pop("cfg", {})), loaded, rows, run, eval_prompts=rows[:2], **kw)
+    trainer = Trainer(_config(path, **kw.pop("cfg", {})), loaded, rows, run, eval_prompts=rows[:2],
+                      options=RunOptions(**kw))
     return trainer, trainer.run()
 
 
@@ -314,12 +317,10 @@ def test_dense_sampler_ratios_are_one_and_corrections_no_ops(tiny_llama, vowel_p
     loaded = load_model(tiny_llama[0])
     rows = load_prompts(vowel_prompts, loaded.tokenizer)
     trainer = Trainer(_config(tiny_llama[0], steps=1), loaded, rows, tmp_path / "run")
-    batch = trainer._batch(0)
-    flat = [c for group in trainer._rollout(batch, 0) for c in group]
-    old = trainer._score(flat)
-    log_ratio = old["logp"] - old["logp_rollout"]
-    assert log_ratio[old["mask"]].abs().max() < 1e-5
-    from sparrow.stages.train.trainer import acceptance
+    exp = trainer.experience(0)
+    flat, old = exp.completions, exp.scores
+    log_ratio = old.log_ratio
+    assert log_ratio[old.mask].abs().max() < 1e-5
 
     adv = torch.linspace(-1, 1, len(flat))
     variants = [dict(correction=mode) for mode in CORRECTIONS] + [
@@ -328,11 +329,11 @@ def test_dense_sampler_ratios_are_one_and_corrections_no_ops(tiny_llama, vowel_p
              rollout_rs_threshold="0.999_1.001,0.99_1.01,1e-4,1e-4"),
         dict(correction="sparrow", rejection="sequence"), dict(correction="icepop", bypass_mode=True)]
     for options in variants:
-        corr = rollout_correction(log_ratio, old["mask"], LossConfig(**options).validate(), advantages=adv,
-                                  alpha=acceptance(old), generator=trainer._rejection_generator(0))
-        assert torch.equal(corr.mask, old["mask"]) and not corr.vetoed.any(), options
-        assert (corr.weights[old["mask"]] - 1).abs().max() < 1e-4, options
-    assert (old["logp_rollout"] - old["logp"])[old["mask"]].abs().max() < 1e-5  # bypass's old policy
+        corr = rollout_correction(log_ratio, old.mask, LossConfig(**options).validate(), advantages=adv,
+                                  alpha=old.acceptance(), generator=rejection_generator(trainer.cfg.seed, 0))
+        assert torch.equal(corr.mask, old.mask) and not corr.vetoed.any(), options
+        assert (corr.weights[old.mask] - 1).abs().max() < 1e-4, options
+    assert (old.logp_rollout - old.logp)[old.mask].abs().max() < 1e-5  # bypass's old policy
     from sparrow.stages.train.policy import completion_logprobs
 
     mb = trainer.cfg.micro_batch  # the update recomputes in the scoring pass's micro-batches
@@ -340,7 +341,7 @@ def test_dense_sampler_ratios_are_one_and_corrections_no_ops(tiny_llama, vowel_p
         part = flat[s:s + mb]
         prompts, comps = [c.prompt_token_ids for c in part], [c.token_ids for c in part]
         new = completion_logprobs(trainer.model, prompts, comps)
-        assert torch.equal(new.logp.detach(), old["logp"][s:s + mb, : new.logp.shape[1]])
+        assert torch.equal(new.logp.detach(), old.logp[s:s + mb, : new.logp.shape[1]])
 
 
 def test_per_token_logs(tiny_llama, vowel_prompts, tmp_path):

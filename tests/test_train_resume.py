@@ -22,6 +22,7 @@ from sparrow.schemas import read_artifact, write_artifact
 from sparrow.stages.model.loading import load_model
 from sparrow.stages.tasks import TASKS
 from sparrow.stages.train import Trainer
+from sparrow.stages.train.update import Learner
 
 from cli_checks import error_line
 
@@ -168,17 +169,17 @@ def test_sigint_during_an_update_waits_for_the_step_to_end(setup, tmp_path, monk
     """A real SIGINT while step 1's weights change: the step finishes, its checkpoint is written, and the
     resumed run is the uninterrupted one."""
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's own, whatever ran us
-    update = Trainer._update
+    update = Learner.update
 
-    def update_with_sigint(self, *a, **k):
-        if self.step == 1:
+    def update_with_sigint(self, exp):
+        if exp.step == 1:
             os.kill(os.getpid(), signal.SIGINT)
-        return update(self, *a, **k)
+        return update(self, exp)
 
     run = tmp_path / "run"
     try:
         with monkeypatch.context() as m:
-            m.setattr(Trainer, "_update", update_with_sigint)
+            m.setattr(Learner, "update", update_with_sigint)
             r = runner.invoke(app, setup["args"](run))
     finally:
         signal.signal(signal.SIGINT, previous)

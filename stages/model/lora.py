@@ -106,6 +106,21 @@ def merge_lora(model: Transformer, lora: LoraWeights) -> dict[str, Tensor]:
     return originals
 
 
+@contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[nn.Module]:
+    """The base model: every injected peft LoRA switched off inside the block."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    for m in layers:
+        m.enable_adapters(False)
+    try:
+        yield model
+    finally:
+        for m in layers:
+            m.enable_adapters(True)
+
+
 def unmerge_lora(model: Transformer, originals: dict[str, Tensor]) -> None:
     linears = dict(model.named_modules())
     with torch.no_grad():

@@ -1,45 +1,7 @@
 """Rollout-correction rules: small named functions of the per-token log ratio, combined as verl does.
 
-Shapes: N sequences, T tokens (right-padded); `log_ratio` [N, T] = logp_dense_old - logp_rollout (any
-value at padding), `mask` [N, T] bool. Every rule reads the ratio r_t = exp(log_ratio), with log r_t
-clamped to [-20, 20] before any exp (verl's SAFETY_BOUND). Weights are constants (no gradient).
-Decisions, with the convention each follows:
-- Two kinds of rule, as in verl: importance sampling (IS) changes a kept token's weight; rejection
-  sampling (RS) removes tokens (or whole sequences) from the loss and from its denominator. Rules
-  combine by AND; the IS weight applies to what the rejections keep.
-- IS (`rollout_is`): level `token` (w = r_t) or `sequence` (w = exp of the sequence's summed log
-  ratios, verl's and TRL's sequence ratio), threshold `upper` (verl's rollout_is_threshold, 2.0) and an
-  optional `lower`. Mode `truncate` clamps w to [lower, upper] (TIS; TRL's *_truncate); mode `mask`
-  zeroes w outside [lower, upper] without removing the token from the denominator (IcePop, verl's
-  "lower_upper" threshold; TRL's *_mask, which has no lower bound). `batch_normalize` divides the kept
-  weights by their mean (over kept tokens; for sequence IS over kept sequences), verl's
-  rollout_is_batch_normalize.
-- RS (`rollout_rs`), verl's options: k1 = -log r, k2 = (log r)^2 / 2, k3 = r - 1 - log r per token;
-  `token_*` judges each token, `seq_sum_*` / `seq_mean_*` / `seq_max_*` the sum / mean / max over a
-  sequence's tokens and keep or drop it whole. k1 options take ratio bounds [lower, upper] on
-  exp(-k1) (seq_sum_k1: the sequence ratio; seq_mean_k1: the geometric mean ratio, the length-invariant
-  filter); k2 and k3 options take an upper bound on the statistic.
-- `veto`: a sequence with any r_t below the threshold is dropped whole (verl's earlier
-  rollout_token_veto_threshold, Sparse-RL's 1e-4).
-- OPSM (DeepSeek-V3.2, TRL's off_policy_mask_threshold delta): a sequence with a negative advantage and
-  mean_t log(p_rollout / p_dense) > delta is dropped. TRL measures against the current policy at each
-  micro-step; here against the dense policy the batch was scored with, which is the current policy at
-  the first PPO epoch.
-- `rejection` (the released Sparrow recipe's stochastic "double min" rejection): token t is kept with
-  probability a_t = min(1, r_t / C); the `sequence` variant keeps a sequence with probability
-  min(1, g / C), g its geometric mean ratio (one draw per sequence). The draws come from a generator
-  seeded from (run seed, step) alone, so a resumed run draws the same.
-- `alpha_weight`: multiply each kept token's weight by alpha_t, the overlap mass sum_v min(p_dense,
-  p_sparse) of its position. The engine keeps only the sparse actor's top 20 logprobs, so for a token
-  sampled sparsely alpha_t is the top-20 lower bound (as the released code's; the exact
-  full-vocabulary alpha is not available to training), and for one sampled densely (budget 0) it is
-  exactly 1 (the trainer's `acceptance`).
-- Presets (`--correction`): none; tis = token IS truncated at 2; mis = token_k1 in [0.5, 2]; veto at
-  1e-4; sparse-rl = veto, token_k1 in [0.5, 1.5], token IS truncated at 1.5, batch-normalised;
-  icepop = token IS masked outside [0.5, 5]; seq-mask-tis = seq_mean_k1 in [0.5, 2] (geometric-mean
-  filter) and token IS truncated at 2; opsm = delta 0.5 (TRL's suggested start); sparrow = token IS
-  truncated at 2, stochastic token rejection with C = 1 and top-20 alpha reweighting. Explicit
-  options replace the preset's part they name.
+`log_ratio` [N, T] = logp_dense_old - logp_rollout, `mask` [N, T] bool; the rules, their presets and the
+conventions they follow are in docs/training.md (design notes).
 """
 
 from __future__ import annotations

@@ -1,27 +1,7 @@
 """Data parallelism for `sparrow train` with torch.distributed: `torchrun --nproc-per-node N sparrow train`.
 
-Design decisions:
-- One process per rank, started by torchrun (its env:// variables); gloo on the CPU, NCCL on CUDA
-  (each rank on cuda:LOCAL_RANK). Without torchrun (WORLD_SIZE unset or 1) nothing is initialised and
-  the trainer runs exactly its single-process code, so single-process runs stay bit-for-bit as before.
-- Every rank holds the whole model and the same weights (same seed; DDP also broadcasts rank 0's
-  parameters when it wraps the model). The global batch of a step is split in contiguous shards:
-  the rollout by prompt (each prompt's group stays on one rank, its per-sample seeds come from the
-  prompt's global index, so the tokens are those one process samples), the dense recompute and the
-  update by sequence. Rollouts and recomputed logprobs are gathered to every rank (all_gather_object:
-  small next to the model), so advantages, the rollout correction and the loss normaliser are the
-  global batch's on every rank.
-- The update is DDP (`DistributedDataParallel`) with a comm hook that sums the ranks' gradients
-  instead of averaging them: each rank's loss is its share of the global token mean (divided by the
-  global normaliser), so the sum is the single-process gradient of the same global batch, up to the
-  order of float additions. Gradient accumulation over micro-batches runs under `no_sync` except the
-  last micro-batch, so one all-reduce per optimizer step. The ranks then clip and step the same
-  gradient identically, so their weights stay equal without a broadcast.
-- Rank 0 alone writes (metrics, mismatch logs, schedule, checkpoints, the adapter) and evaluates. A
-  checkpoint holds nothing per rank (weights, optimizer state, RNG states of rank 0, the step), so it
-  resumes under any world size.
-- FSDP is not used: on the CPU (gloo) and for a LoRA, whose trainable state is a few MB, sharding the
-  parameters saves nothing; with full fine-tuning of a large model on GPUs it is the next step.
+Without torchrun nothing is initialised and the trainer runs its single-process code. The sharding, the
+summing comm hook and what rank 0 alone does: docs/training.md (design notes).
 """
 
 from __future__ import annotations

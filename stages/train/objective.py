@@ -1,28 +1,7 @@
 """GRPO's numbers: group advantages, rollout correction toward the dense learner, the clipped loss.
 
 Shapes: N sequences (P prompts x K samples, prompt-major), T tokens (right-padded), `mask` [N, T] bool.
-Design decisions, with the conventions they follow:
-- Advantages (r - mean) / (std + eps) per prompt group, std with Bessel's correction and eps = 1e-4
-  (TRL's GRPOTrainer); `scale_std=False` leaves r - mean (Dr. GRPO). A group of one sample, or of equal
-  rewards, has advantage 0.
-- Rollout correction acts on r_t = exp(logp_dense_old - logp_rollout), the learner's probability of
-  the sampled token over the sparse actor's: the rules, their presets (`--correction` none, tis, mis,
-  veto, sparse-rl, icepop, seq-mask-tis, opsm, sparrow) and the options that refine them (verl's
-  rollout_is / rollout_rs names) are in corrections.py. `bypass_mode` (verl's): the PPO ratio is taken
-  against the rollout logprobs instead of the dense recompute (the rules still read r_t).
-- Loss per token: PPO's clipped surrogate on ratio = exp(logp_new - logp_old), separate bounds
-  [1 - 0.2, 1 + 0.28] (DAPO's clip-higher), dual clip at 3 for negative advantages, times the
-  correction weight, plus kl_coef x k3(ref || new).
-- Aggregation (verl's loss_agg_mode names, TRL's loss_type as aliases): `token-mean` (default, DAPO's,
-  TRL's dapo) sums over the batch's kept tokens and divides by their count, so long completions weigh
-  more; `seq-mean-token-mean` (the GRPO paper's, TRL's grpo) averages each sequence's kept tokens, then
-  the sequences that kept any; `seq-mean-token-sum-norm` (Dr. GRPO, TRL's dr_grpo) divides the sum by
-  sequences x max_new_tokens, a constant; `bnpo` (TRL's) takes each micro-batch's token mean and averages
-  the micro-batches. The batch-wide denominator is `loss_normalizer`, so micro-batches add up to the
-  batch's loss.
-- Clip statistics: `clip_fraction_low` / `clip_fraction_high` are the kept tokens whose ratio was cut at
-  1 - clip_low (negative advantage) / 1 + clip_high (positive advantage), `dual_clip_fraction` those
-  held at the dual-clip bound; `clip_fraction` is the first two together.
+The conventions (clip bounds, aggregation modes, clip statistics): docs/training.md (design notes).
 """
 
 from __future__ import annotations

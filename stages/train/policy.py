@@ -1,29 +1,8 @@
 """The learner's view of a batch of rollouts: dense, teacher-forced logprobs of the sampled tokens.
 
-Each sequence is its prompt followed by its completion; the logits after prefix token j predict token
-j + 1, so completion token 0 is read off the prompt's last position and token i > 0 off completion
-position i - 1. Two forms of the forward give the same hidden states up to float rounding, and each
-micro-batch takes one of them by a memory rule (`shares_prompts`):
-- shared prompt: the K samples of a prompt share it, so the prompt runs through the decoder once per
-  distinct prompt and every completion of the group attends to its keys/values and causally to itself
-  through a prefix mask of [B, T, N + T] (one tensor for every layer). The work over prompts is P x N
-  tokens instead of P x K x N, most of a GRPO batch when prompts are long and completions short. With
-  gradients enabled the gradient flows from every completion into the shared prompt pass (what a LoRA
-  on every layer needs).
-- plain causal: each row is its prompt + completion as one sequence, right-padded, through SDPA's
-  causal kernel: no mask at all, (K - 1) x N tokens more work.
-The rule: shared when some prompt has more than one completion in the micro-batch and the mask has at
-most PREFIX_MASK_ELEMENTS elements (64 Mi: 64 MiB as bool); otherwise plain causal. So K = 1 never
-builds a mask, and a long sequence never builds an O(T x (N + T)) one (one 16K completion of a 4-sample
-group alone would be 4 x 16K x 16.5K = 1.1 G elements per micro-batch).
-
-The vocabulary-sized work runs over chunks of positions from the hidden states (`model.head`): the
-[T, V] logits are never materialised whole, and under autograd each chunk's logits are recomputed in
-the backward pass. Only real completion positions are scored (padding costs nothing). Logprobs and
-entropy use the sampling temperature, as the rollout's logprobs do; the same pass gives the dense
-logprobs of any extra token ids (the engine's top-k sparse candidates), which the top-k lower bound of
-alpha needs. With gradients enabled this is the forward of the policy loss; under no_grad it is the
-"old" (dense recompute) pass. Entropy is a metric, never differentiated.
+Two forms of the forward (a shared prompt pass under a prefix mask, or plain causal rows), chosen per
+micro-batch by a memory rule (`shares_prompts`); the vocabulary-sized work runs over chunks of positions.
+docs/training.md (design notes) tells why.
 """
 
 from __future__ import annotations

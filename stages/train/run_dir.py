@@ -1,23 +1,7 @@
 """A training run's directory: what may be written over, what a resume must agree on, and interrupts.
 
-Design decisions:
-- What defines a run is its `TrainConfig` (every option but `--steps`) plus the content of what it
-  reads: the sha256 of the training prompts and of the held-out prompts as training reads them (id,
-  task, token ids, answer, metadata, in order) and of the schedule (page size, bin starts, budgets),
-  so that a resume with another file, or the same path holding other content, is refused in one
-  sentence naming what differs. A schedule is compared by content, not by the path it was read from.
-- A checkpoint written by a Sparrow that did not record the prompts cannot prove it is resumed on the
-  same data: its resume is refused, saying so (start it over with --force).
-- A fresh run refuses a directory that holds a run (say --resume or --force), and any file of a run's
-  names that is not of its kind (metrics.parquet that is no `metrics` artifact, ...) unless forced.
-  Folders a run replaces whole (checkpoint/, adapter/, sparse_adapter/) or fills (mismatch/) are
-  refused when they hold anything else, even with --force, since forcing would delete or mix it.
-  `--force` starts a run over: the run's own files are removed when it starts, nothing else.
-- An interrupt (SIGINT, KeyboardInterrupt) is never a dead end. While a step changes the weights and
-  writes its logs, SIGINT waits for the step to end (`interrupts_deferred`; a second SIGINT does not
-  wait); anywhere else the trainer writes a checkpoint at the last complete step, with the RNG states
-  of that step boundary, so `--resume` continues to the same weights and metrics as a run that was
-  never stopped.
+The rules (fingerprints of what a run reads, what --force removes, how interrupts are deferred):
+docs/training.md (design notes).
 """
 
 from __future__ import annotations
@@ -29,16 +13,17 @@ import signal
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import pyarrow.parquet as pq
 
 from sparrow.schemas.locations import describe
 
-if TYPE_CHECKING:
-    from .trainer import PromptRow, TrainConfig
+from ..core.schedule import Schedule
+from ..kv_policies import BlockTopK, KVPolicy
+from .config import TrainConfig
+from .data import PromptRow
 
 FLAGS = {"lora_rank": "--lora-rank (0 = --full)", "loss": "the loss options (--loss-agg, --rollout-is*, ...)",
          "sparsity": "--budget/--schedule/--dense", "max_grad_norm": "max_grad_norm"}
@@ -62,13 +47,27 @@ def prompts_fingerprint(rows: Sequence[PromptRow] | None) -> str:
     return sha256_json([[r.prompt_id, r.task, list(r.token_ids), r.answer, r.metadata] for r in rows])
 
 
-def sparsity_fingerprint(sparsity) -> str:
-    """The sha256 of a schedule's content; "" for dense or a fixed budget (its spec says it all)."""
-    from ..core.schedule import Schedule
+def planned_schedule(sparsity: Schedule | KVPolicy | int | None) -> Schedule | None:
+    """The schedule file a sparsity (or the block top-k policy made of it) samples with; None for the rest."""
+    if isinstance(sparsity, BlockTopK):
+        sparsity = getattr(sparsity.budget_at, "__self__", None)
+    return sparsity if isinstance(sparsity, Schedule) else None
 
-    if not isinstance(sparsity, Schedule):
+
+def sparsity_fingerprint(sparsity: Schedule | KVPolicy | int | None) -> str:
+    """The sha256 of a schedule's content; "" for dense or a fixed budget (its spec says it all)."""
+    schedule = planned_schedule(sparsity)
+    if schedule is None:
         return ""
-    return sha256_json([sparsity.page_size, list(sparsity.bin_starts), list(sparsity.budgets)])
+    return sha256_json([schedule.page_size, list(schedule.bin_starts), list(schedule.budgets)])
+
+
+def with_fingerprints(cfg: TrainConfig, prompts: Sequence[PromptRow] | None,
+                      eval_prompts: Sequence[PromptRow] | None, sparsity) -> TrainConfig:
+    """`cfg` with the content hashes of what the run reads."""
+    return replace(cfg, prompts_sha256=prompts_fingerprint(prompts),
+                   eval_prompts_sha256=prompts_fingerprint(eval_prompts),
+                   schedule_sha256=sparsity_fingerprint(sparsity))
 
 
 # ---------------------------------------------------------------- what the directory holds
@@ -151,8 +150,6 @@ def check_run_dir(run_dir: str | Path, cfg: TrainConfig, resume: bool, force: bo
 
 def check_same_run(run_dir: Path, cfg: TrainConfig) -> None:
     """A resume agrees with the checkpoint on everything but `steps`; else one sentence naming it."""
-    from .trainer import TrainConfig
-
     try:
         raw = json.loads((run_dir / "checkpoint" / "config.json").read_text())
         saved = TrainConfig(**raw)

@@ -1,0 +1,65 @@
+"""RUN/checkpoint/: what a resumed run needs to reach the weights and metrics of an uninterrupted one.
+
+The trainable weights, the optimizer, the step, the history and the RNG states of a step boundary, with
+the configuration (config.json, what a resume must agree on) and progress.json. Replaced atomically, so an
+interrupt never leaves half of one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import uuid
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .config import TrainConfig
+
+RngStates = tuple  # (torch, numpy, python)
+
+
+def rng_states() -> RngStates:
+    return torch.get_rng_state(), np.random.get_state(), random.getstate()
+
+
+def set_rng_states(state: dict) -> None:
+    torch.set_rng_state(state["torch_rng"])
+    np.random.set_state(state["numpy_rng"])
+    random.setstate(state["python_rng"])
+
+
+def save_checkpoint(run_dir: Path, state: dict, cfg: TrainConfig, rng: RngStates) -> None:
+    """RUN/checkpoint/ replaced by `state` (state.pt, with the RNG states `rng`) and the configuration."""
+    torch_rng, numpy_rng, python_rng = rng
+    folder = run_dir / "checkpoint"
+    tmp = run_dir / f".checkpoint.{uuid.uuid4().hex[:8]}.tmp"
+    tmp.mkdir(parents=True)
+    try:
+        torch.save({**state, "torch_rng": torch_rng, "numpy_rng": numpy_rng, "python_rng": python_rng},
+                   tmp / "state.pt")
+        (tmp / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
+        (tmp / "progress.json").write_text(json.dumps({"step": state["step"], "steps": cfg.steps}))
+        old = folder.with_name(f".checkpoint.old.{uuid.uuid4().hex[:8]}")
+        if folder.exists():
+            os.replace(folder, old)
+        os.replace(tmp, folder)
+        shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def load_checkpoint(run_dir: Path) -> dict:
+    return torch.load(run_dir / "checkpoint" / "state.pt", weights_only=False)
+
+
+def drop_mismatch_after(run_dir: Path, step: int) -> None:
+    """The per-step mismatch logs of steps a resume will run again."""
+    for f in (run_dir / "mismatch").glob("step=*.parquet"):
+        if int(f.stem.split("=")[1]) >= step:
+            f.unlink()

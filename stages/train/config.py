@@ -1,0 +1,86 @@
+"""The configuration of a training run: everything that defines it, validated in one place."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..core.sparsity import as_policy, parse_sparsity
+from ..kv_policies import KVPolicy
+from ..model.config import ModelConfig
+from . import objective as grpo
+
+
+@dataclass
+class TrainConfig:
+    """Everything that defines a run; a resumed run must agree on all of it but `steps`."""
+
+    model: str
+    steps: int = 20
+    prompts_per_step: int = 4
+    samples: int = 4
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    ignore_eos: bool = False  # every sample generates max_new_tokens (fixed-length steps, for timing)
+    lr: float = 1e-4
+    lora_rank: int = 16  # 0 = full fine-tuning
+    lora_alpha: float = 32.0
+    correction: str = "tis"
+    kl_coef: float = 0.0
+    seed: int = 0
+    micro_batch: int = 8
+    ppo_epochs: int = 1
+    max_grad_norm: float = 1.0
+    checkpoint_every: int = 10
+    eval_every: int = 5
+    bin_width: int = 512
+    sparsity: str = "dense"  # "dense" | "budget:B" | "schedule:<path>" | "snapkv:B,..." | "rkv:B,..."
+    device: str = "cpu"  # cuda: bf16 weights, the engine's Triton kernels and CUDA graphs
+    random_weights: bool = False  # a shapes-only preset with random weights (timing the GPU path)
+    gradient_checkpointing: bool = False  # recompute each layer in the update's backward (CLI: on for cuda)
+    loss: dict = field(default_factory=dict)  # grpo.LossConfig overrides
+    distill_sparse: bool = False  # DistillSparse: train a sparse-actor-only adapter jointly (stages.distill)
+    distill_rank: int = 16
+    distill_alpha: float = 16.0  # published
+    distill_lr_ratio: float = 5.0  # published: the sparse adapter's lr = 5 x lr
+    distill_kl_coef: float = 0.001  # published k3 coefficient
+    raw_prompts: bool = False  # text prompts tokenized as they are, without the model's chat template
+    oversample: int = 0  # k' > samples: roll out k' per prompt, keep the `samples` of highest mean alpha
+    # what the run reads, by content (filled by the Trainer; run_dir.py): a resume must read the same
+    prompts_sha256: str = ""
+    eval_prompts_sha256: str = ""
+    schedule_sha256: str = ""
+
+    def validate(self) -> None:
+        positive = ("steps", "prompts_per_step", "samples", "max_new_tokens", "micro_batch", "ppo_epochs",
+                    "checkpoint_every", "eval_every", "bin_width")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if self.lr <= 0:
+            raise ValueError(f"--lr must be positive, got {self.lr}")
+        if self.lora_rank < 0:
+            raise ValueError(f"--lora-rank must be >= 0 (0 = full fine-tuning), got {self.lora_rank}")
+        if self.kl_coef < 0:
+            raise ValueError(f"--kl-coef must be >= 0, got {self.kl_coef}")
+        grpo.LossConfig(correction=self.correction, kl_coef=self.kl_coef, **self.loss).validate()
+        if self.oversample and self.oversample <= self.samples:
+            raise ValueError(f"--oversample must exceed --samples ({self.samples}) to select among the "
+                             f"samples, got {self.oversample}")
+        if self.distill_sparse:
+            if self.sparsity == "dense":
+                raise ValueError("--distill-sparse trains the sparse actor's adapter, so it needs a sparse "
+                                 "sampler (--budget or --schedule)")
+            if self.sparsity.split(":", 1)[0] in ("snapkv", "rkv"):
+                raise ValueError("--distill-sparse trains a block top-k sparse actor (its teacher-forced "
+                                 "passes select pages); it does not support --kv-compression")
+            if not self.lora_rank:
+                raise ValueError("--distill-sparse needs the learner to train a LoRA (not --full): the "
+                                 "sparse adapter is a second peft adapter beside it")
+            if self.distill_rank < 1 or self.distill_lr_ratio <= 0 or self.distill_kl_coef < 0:
+                raise ValueError("--distill-rank must be >= 1, --distill-lr-ratio > 0 and --distill-kl-coef "
+                                 ">= 0")
+
+
+def kv_policy(spec: str, model: ModelConfig) -> KVPolicy:
+    """A stored sparsity spec (`TrainConfig.sparsity`) read back into the policy it names."""
+    return as_policy(parse_sparsity(spec, model=model))

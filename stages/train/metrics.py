@@ -1,0 +1,159 @@
+"""What a run logs: one metrics row per step, every generated token's mismatch, the run's label.
+
+The files are those `calibrate-threshold` and `sparrow sql --run` read: RUN/metrics.parquet (`metrics`,
+the run's label and configuration in its metadata), RUN/mismatch/step=NNNNN.parquet (`train_mismatch`)
+and RUN/schedule.parquet (`schedule`, the budgets the run sampled with).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import torch
+from torch import Tensor
+
+from sparrow.schemas import artifact_metadata, read_artifact, write_artifact
+from sparrow.schemas.artifacts import TRAIN_CORRECTION_METRICS
+
+from ..calibrate import collapse_reasons, mismatch_warnings
+from ..core.definitions import TAIL_QUANTILE
+from ..core.schedule import Schedule
+from . import corrections as rc
+from . import objective as grpo
+from .config import TrainConfig
+from .experience import Experience
+
+
+def repetition(tokens: Sequence[int], n: int = 4) -> bool:
+    """A completion loops when fewer than half of its n-grams are distinct (only from 16 tokens on)."""
+    if len(tokens) < 16:
+        return False
+    grams = [tuple(tokens[i:i + n]) for i in range(len(tokens) - n + 1)]
+    return len(set(grams)) < 0.5 * len(grams)
+
+
+def metrics_row(run_id: str, exp: Experience, update: dict, update_seconds: float, cfg: TrainConfig,
+                loss: grpo.LossConfig, sync_seconds: float | None) -> dict:
+    """A step's row of metrics.parquet (every column, the eval's and the collapse's still empty)."""
+    s, flat, rewards, correction = exp.scores, exp.completions, exp.rewards, exp.correction
+    mask = s.mask
+    alpha = s.alpha_lb[mask]
+    generated = sum(len(c.token_ids) for c in flat)
+    t_roll, t_score = exp.rollout_seconds, exp.scoring_seconds
+    row = {
+        "run_id": run_id, "step": exp.step, "reward_mean": float(rewards.mean()),
+        "reward_std": float(rewards.std()), "accuracy": float((rewards >= 1.0 - 1e-9).mean()),
+        "eval_accuracy": None, "eval_accuracy_sparse": None, "oversample_acceptance_kept": None,
+        "oversample_acceptance_dropped": None, "loss": update.get("loss"),
+        "policy_loss": update.get("policy_loss"), "kl": update.get("kl"),
+        **{k: update.get(k) for k in ("clip_fraction", "clip_fraction_low", "clip_fraction_high",
+                                      "dual_clip_fraction")},
+        "grad_norm": update["grad_norm"], "entropy": float(s.entropy[mask].mean()),
+        "mismatch_kl": float(grpo.k3(s.log_ratio[mask]).mean()),
+        "masked_fraction": correction.stats["masked_fraction"],
+        "vetoed_fraction": correction.stats["vetoed_fraction"],
+        "alpha_lb_mean": float(alpha.mean()), "alpha_lb_p5": float(torch.quantile(alpha, TAIL_QUANTILE)),
+        "mean_budget": float(s.budgets[mask].float().mean()),
+        "truncation_rate": float(np.mean([c.finish_reason == "length" for c in flat])),
+        "repetition_rate": float(np.mean([repetition(c.token_ids) for c in flat])),
+        "response_length": generated / len(flat), "lr": cfg.lr,
+        "rollout_seconds": t_roll, "scoring_seconds": t_score, "update_seconds": update_seconds,
+        "seconds": t_roll + t_score + update_seconds, "tokens_per_second": generated / max(t_roll, 1e-9),
+        "weight_sync_seconds": sync_seconds,  # part of rollout_seconds; None without workers
+        "update_skipped": update.get("update_skipped"), "alpha_lb_p5_by_bin": alpha_tail(exp, cfg.bin_width),
+        **dict.fromkeys(TRAIN_CORRECTION_METRICS),  # every row has every column (the table's schema)
+        **rc.metrics(correction, s.log_ratio, s.logp, s.logp_rollout, mask, loss.rules()),
+    }
+    row.update(exp.selection or {})
+    row["reward_seconds"] = exp.reward_seconds
+    return row
+
+
+def _positions(exp: Experience) -> Tensor:
+    """[N, T] each token's cache length when it was produced (prompt length + index)."""
+    prompt_len = torch.tensor([len(c.prompt_token_ids) for c in exp.completions])
+    return prompt_len[:, None] + torch.arange(exp.scores.mask.shape[1])[None, :]
+
+
+def alpha_tail(exp: Experience, bin_width: int) -> list[float | None]:
+    """The p5 of the top-20 alpha lower bound per position bin (index = bin; None where a bin has no
+    token), binned as the mismatch log bins positions."""
+    mask = exp.scores.mask
+    bins = (_positions(exp) // bin_width)[mask]
+    alpha = exp.scores.alpha_lb[mask]
+    return [float(torch.quantile(alpha[bins == b], TAIL_QUANTILE)) if bool((bins == b).any())
+            else None for b in range(int(bins.max()) + 1)] if len(alpha) else []
+
+
+def write_mismatch(run_dir: Path, exp: Experience, cfg: TrainConfig) -> None:
+    """RUN/mismatch/step=NNNNN.parquet: one row per generated token of the step."""
+    s, flat, correction = exp.scores, exp.completions, exp.correction
+    seq, pos_in = s.mask.nonzero(as_tuple=True)
+    prompt_ids = [exp.prompts[i // cfg.samples].prompt_id for i in range(len(flat))]
+    position = _positions(exp)[seq, pos_in]
+    log_ratio = (s.logp_rollout - s.logp)[seq, pos_in]
+    rows, cols = seq.tolist(), pos_in.tolist()
+    table = {
+        "step": [exp.step] * len(seq), "prompt_id": [prompt_ids[i] for i in rows],
+        "sample": [flat[i].sample for i in rows], "position": position.tolist(),
+        "bin": (position // cfg.bin_width).tolist(), "budget": s.budgets[seq, pos_in].tolist(),
+        "token_id": [flat[i].token_ids[j] for i, j in zip(rows, cols)],
+        "logp_rollout": s.logp_rollout[seq, pos_in].tolist(),
+        "logp_dense": s.logp[seq, pos_in].clamp(max=0).tolist(),
+        "log_ratio": log_ratio.tolist(), "k3": grpo.k3(-log_ratio).clamp(min=0).tolist(),
+        "alpha_top20_lb": s.alpha_lb[seq, pos_in].clamp(0, 1).tolist(),
+        "weight": correction.weights[seq, pos_in].tolist(),
+        "masked": (~correction.mask[seq, pos_in]).tolist(), "vetoed": correction.vetoed[seq].tolist(),
+    }
+    write_artifact(table, run_dir / "mismatch" / f"step={exp.step:05d}.parquet", "train_mismatch",
+                   metadata={"bin_width": cfg.bin_width, "sparsity": cfg.sparsity})
+
+
+def collapse(history: list[dict]) -> str | None:
+    """The collapse reasons that hold for the run so far (the run's label is those of its last step)."""
+    return "; ".join(collapse_reasons(pa.Table.from_pylist(history))) or None
+
+
+def label(history: list[dict]) -> dict:
+    """stable | collapsed by the reasons over the whole run (its last row's), the first step of the
+    streak of flagged rows that ends the run, and the mismatch warnings (never part of the label)."""
+    last = history[-1].get("collapse") if history else None
+    reasons = last.split("; ") if last else []
+    first = None
+    for r in reversed(history if reasons else []):
+        if not r.get("collapse"):
+            break
+        first = r["step"]
+    warnings = mismatch_warnings(pa.Table.from_pylist(history)) if history else []
+    return {"label": "collapsed" if reasons else "stable", "reasons": reasons,
+            "first_collapse_step": first, "warnings": warnings}
+
+
+def write_metrics(run_dir: Path, history: list[dict], cfg: TrainConfig, initial_eval: float | None) -> None:
+    run = label(history)
+    meta = {"config": json.dumps(asdict(cfg)), "label": run["label"],
+            "reasons": "; ".join(run["reasons"]), "first_collapse_step": run["first_collapse_step"],
+            "warnings": "; ".join(run["warnings"]) or None, "initial_eval_accuracy": initial_eval}
+    meta = {k: v for k, v in meta.items() if v is not None}
+    write_artifact(history, run_dir / "metrics.parquet", "metrics", metadata=meta)
+
+
+def write_schedule(run_dir: Path, schedule: Schedule, source: str) -> None:
+    """The schedule the rollouts used, as a `schedule` artifact (dense: one bin, null budget)."""
+    n = len(schedule.budgets)
+    ends = [*schedule.bin_starts[1:], None]
+    write_artifact({"bin": list(range(n)), "bin_start": list(schedule.bin_starts), "bin_end": ends,
+                    "budget": [b or None for b in schedule.budgets], "tail": [None] * n,
+                    "predicted_step_seconds": [None] * n},
+                   run_dir / "schedule.parquet", "schedule",
+                   metadata={"page_size": schedule.page_size, "source": source})
+
+
+def read_metrics(run_dir: str | Path) -> tuple[list[dict], dict]:
+    path = Path(run_dir) / "metrics.parquet"
+    return read_artifact(path, "metrics").to_pylist(), artifact_metadata(path)

@@ -1,0 +1,163 @@
+"""The sparse actor of DistillSparse: the model plus a LoRA that only the sparse sampler runs.
+
+`actor_hidden` is the teacher-forced form of sparse decoding for completions that share a prompt (one
+dense prompt pass with the adapter, block top-k attention over the whole prefix after it), so its states
+equal those of incremental sparse decoding and gradients reach the adapter. `JointSparseActor` trains
+that adapter beside GRPO's learner (`sparrow train --distill-sparse`); `sparrow distill` (stages/distill.py)
+trains it offline on given trajectories.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import replace
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..attention import DEFAULT_DENSE_LAYERS, PAGE_SIZE, SparseAttention
+from ..core.sparsity import BudgetFn
+from ..model.head import token_scores
+from ..model.llama import AttentionContext, Transformer
+from ..scoring.mismatch import decode_budgets, pad_right
+from .adapter import TARGET_MODULES
+from .experience import Experience
+from .objective import LossConfig, policy_loss
+from .policy import RecordingAttention, completion_mask
+
+
+class SharedPromptSparse(SparseAttention):
+    """Completions of one prompt attending to its recorded prompt keys/values and to themselves, with block
+    top-k selection over the whole prefix (slot i = position i, prompt slots first): the teacher-forced form
+    of sparse decoding for a group that shares its prompt, differentiable (no in-place cache)."""
+
+    def __init__(self, prompt_kv: list[tuple[Tensor, Tensor]], budgets: Tensor,
+                 dense_layers: Sequence[int] = DEFAULT_DENSE_LAYERS, page: int = PAGE_SIZE):
+        super().__init__(budgets, dense_layers, page)
+        self.prompt_kv = prompt_kv  # per layer ([1, Hkv, N, D], [1, Hkv, N, D])
+
+    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext) -> Tensor:
+        pk, pv = self.prompt_kv[layer]
+        b = q.shape[0]
+        keys = torch.cat([pk.expand(b, -1, -1, -1), k], dim=2)
+        values = torch.cat([pv.expand(b, -1, -1, -1), v], dim=2)
+        if layer in self.dense_layers or not bool((self.budgets > 0).any()):
+            visible = torch.arange(keys.shape[2], device=q.device) <= ctx.positions[:, None, :, None]
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=visible, enable_gqa=True)
+        return self.attend(q, keys, values, ctx.positions)
+
+
+def actor_hidden(model: Transformer, prompt: Sequence[int], completions: Sequence[Sequence[int]],
+                 budget_at: BudgetFn | Sequence[BudgetFn], dense_layers: Sequence[int] = DEFAULT_DENSE_LAYERS,
+                 page: int = PAGE_SIZE) -> Tensor:
+    """[K, T, hidden]: the sparse actor's states that predict each completion token of K completions of
+    one prompt (token 0 from the dense prefill's last position, token j from decode position n + j - 1
+    at budget budget_at(n + j); one function for all, or one per completion), with whatever adapter the
+    model carries, gradients kept."""
+    device = model.embed_tokens.weight.device
+    n, k = len(prompt), len(completions)
+    recorder = RecordingAttention()
+    prompt_h = model.hidden_states(torch.tensor([list(prompt)], device=device), attention=recorder)
+    first = prompt_h[:, n - 1:n].expand(k, 1, -1)
+    t = max(len(c) for c in completions)
+    if t == 1:
+        return first
+    inputs = pad_right([c[:-1] for c in completions], device)  # [K, T - 1]
+    positions = n + torch.arange(t - 1, device=device).expand(k, t - 1)
+    fns = [budget_at] * k if callable(budget_at) else list(budget_at)
+    starts = torch.full((1,), n, device=device)
+    rows = {f: decode_budgets(positions[:1], starts, f) for f in set(fns)}  # one table per function
+    budgets = torch.cat([rows[f] for f in fns])  # [K, T - 1]
+    rest = model.hidden_states(inputs, positions=positions,
+                               attention=SharedPromptSparse(recorder.kv, budgets, dense_layers, page))
+    return torch.cat([first, rest], dim=1)
+
+
+class JointSparseActor:
+    """`sparrow train --distill-sparse`: the sparse actor's adapter trained jointly with GRPO (published).
+
+    A second peft adapter ("sparse") sits beside the learner's ("default") in every linear layer. The
+    learner (scoring, its update, evaluation) runs with "default" active only; the engine samples with both
+    active, so the sparse actor is the current learner plus the sparse adapter, in every forward of the
+    rollout (as for `sparrow distill`). After the learner's update, with the learner frozen, `update` takes
+    one AdamW step (lr = lr_ratio x the learner's lr) on the sparse actor's PPO loss over the step's rollouts
+    (ratio = actor / rollout logprob, the step's advantages, the learner's clip rule, token mean) plus
+    kl_coef x k3(logp_dense_old - logp_actor), from the dense logprobs the step already computed.
+    """
+
+    ADAPTER = "sparse"
+
+    def __init__(self, model: Transformer, rank: int, alpha: float, lr: float, kl_coef: float,
+                 budget_at: BudgetFn, temperature: float, dense_layers: Sequence[int] = DEFAULT_DENSE_LAYERS,
+                 page: int = PAGE_SIZE):
+        from peft import LoraConfig, inject_adapter_in_model
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        self.model, self.kl_coef, self.budget_at = model, kl_coef, budget_at
+        self.temperature, self.dense_layers, self.page = temperature, tuple(dense_layers), page
+        self.config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, bias="none",
+                                 target_modules=list(TARGET_MODULES), task_type="CAUSAL_LM")
+        inject_adapter_in_model(self.config, model, adapter_name=self.ADAPTER)
+        self.layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+        lora = [(n, p) for n, p in model.named_parameters() if "lora_" in n]
+        self.params = [p for n, p in lora if f".{self.ADAPTER}." in n]
+        self.learner_params = [p for n, p in lora if ".default." in n]
+        self.use("learner")
+        self.optimizer = torch.optim.AdamW(self.params, lr=lr, weight_decay=0.0)
+
+    def use(self, who: str) -> None:
+        """"learner": the default adapter only (trainable); "actor": both, only the sparse one trainable."""
+        names = ["default"] if who == "learner" else ["default", self.ADAPTER]
+        for m in self.layers:
+            m.set_adapter(names)
+        for p in self.params:  # peft's set_adapter also sets requires_grad: state ours explicitly
+            p.requires_grad_(who == "actor")
+        for p in self.learner_params:
+            p.requires_grad_(who == "learner")
+
+    @contextmanager
+    def acting(self) -> Iterator[None]:
+        self.use("actor")
+        try:
+            yield
+        finally:
+            self.use("learner")
+
+    def update(self, exp: Experience, loss_cfg: LossConfig) -> dict[str, float]:
+        """One step on the sparse adapter over the step's rollouts and the learner's scores."""
+        completions, advantages, scores = exp.completions, exp.advantages, exp.scores
+        cfg = replace(loss_cfg, kl_coef=self.kl_coef, loss_agg="token-mean")
+        normalizer = max(int(scores.mask.sum()), 1)
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for i, c in enumerate(completions):
+            groups.setdefault(tuple(c.prompt_token_ids), []).append(i)
+        sums: dict[str, float] = {}
+        with self.acting():
+            self.model.train()
+            self.optimizer.zero_grad(set_to_none=True)
+            for prompt, idx in groups.items():
+                comps = [completions[i].token_ids for i in idx]
+                hidden = actor_hidden(self.model, prompt, comps, self.budget_at, self.dense_layers, self.page)
+                mask = completion_mask([len(c) for c in comps], hidden.device)  # [K, T]
+                rows, cols = mask.nonzero(as_tuple=True)
+                targets = pad_right(comps, hidden.device)[rows, cols]
+                lp = token_scores(self.model.logits, hidden[rows, cols], targets, self.temperature,
+                                  entropy=False).logp
+                logp = hidden.new_zeros(mask.shape, dtype=lp.dtype).index_put((rows, cols), lp)  # [K, T]
+                t, sel = logp.shape[1], torch.tensor(idx)
+                loss, part = policy_loss(logp, scores.logp_rollout[sel, :t], advantages[sel],
+                                         torch.ones_like(logp), scores.mask[sel, :t], cfg,
+                                         ref_logp=scores.logp[sel, :t], normalizer=normalizer)
+                loss.backward()
+                for k, v in part.items():
+                    sums[k] = sums.get(k, 0.0) + float(v)
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, 1.0))
+            self.optimizer.step()
+        self.model.eval()
+        return {"sparse_loss": sums.get("loss", 0.0), "sparse_policy_loss": sums.get("policy_loss", 0.0),
+                "sparse_kl": sums.get("kl", 0.0), "sparse_grad_norm": grad_norm}
+
+
+__all__ = ["JointSparseActor", "SharedPromptSparse", "actor_hidden"]
