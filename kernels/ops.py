@@ -10,6 +10,7 @@ int32 physical page ids (-1 unused); seq_lens [B] int32 including the token bein
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable
 
 import torch
@@ -35,7 +36,18 @@ from .sparse_decode import GatherWorkspace, sparse_decode_reference, sparse_deco
 
 IMPLS = ("auto", "triton", "torch")
 
+
+class Backend(enum.Enum):
+    """Which kernels run the ops: AUTO picks Triton on CUDA and the C++ kernels on a CPU (each where it
+    runs, else the torch reference); TRITON forces the Triton kernels (on CPU tensors only under
+    TRITON_INTERPRET=1); TORCH forces the torch references."""
+
+    AUTO = "auto"
+    TRITON = "triton"
+    TORCH = "torch"
+
 __all__ = [
+    "Backend",
     "GatherWorkspace",
     "HAS_TRITON",
     "IMPLS",

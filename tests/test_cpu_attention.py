@@ -9,7 +9,8 @@ import torch
 from sparrow.kernels import cpu_attention as kernel
 from sparrow.kernels.cascade_decode import prefix_attention
 from sparrow.kernels.page_scoring import mask_candidates
-from sparrow.stages.engine import Engine, SamplingParams
+from sparrow.stages.core.sparsity import as_policy
+from sparrow.stages.engine import Engine, EngineConfig, SamplingParams
 from sparrow.stages.model.loading import load_model
 
 needs_kernel = pytest.mark.skipif(not kernel.available(), reason="no AVX512-BF16 or no C++ toolchain")
@@ -82,10 +83,10 @@ def test_engine_prefills_through_the_kernel_as_through_flash(monkeypatch):
     params = SamplingParams(max_new_tokens=1, n=1, temperature=0.0, ignore_eos=True, logprobs=3)
     calls, original = [], kernel.causal_attention
     monkeypatch.setattr(kernel, "causal_attention", lambda *args: calls.append(1) or original(*args))
-    ours = Engine(model, max_batch=2).generate(prompts, params)
+    ours = Engine(model, None, EngineConfig(max_batch=2)).generate(prompts, params)
     assert len(calls) == model.cfg.num_layers  # one padded prefill of both prompts
     monkeypatch.setattr(kernel, "causal_attention_usable", lambda q, k: False)
-    flash = Engine(model, max_batch=2).generate(prompts, params)
+    flash = Engine(model, None, EngineConfig(max_batch=2)).generate(prompts, params)
     assert len(calls) == model.cfg.num_layers
     for a, b in zip(ours, flash):
         top_a, top_b = dict(a[0].top_logprobs[0]), dict(b[0].top_logprobs[0])
@@ -106,7 +107,7 @@ def test_engine_in_bf16_stores_packed_prefixes_and_samples_as_without():
     params = SamplingParams(max_new_tokens=12, n=3, temperature=0.0, ignore_eos=True, logprobs=5)
     runs = []
     for packed in (True, False):
-        engine = Engine(model, max_batch=4)
+        engine = Engine(model, None, EngineConfig(max_batch=4))
         engine.runner._pack_prefixes = lambda packed=packed: packed
         engine.add_request(prompt, params)
         engine.step()
@@ -351,9 +352,9 @@ def test_a_sparse_layer_as_one_op_samples_what_the_op_by_op_chain_samples(dtype,
     params = SamplingParams(max_new_tokens=12, n=3, seed=4, ignore_eos=True)
     taken, one_op = [], CpuDecodeAttention._one_op
     monkeypatch.setattr(CpuDecodeAttention, "_one_op", lambda *a: taken.append(one_op(*a)) or taken[-1])
-    fused = Engine(model, 96, max_batch=4).generate([prompt], params)[0]
+    fused = Engine(model, as_policy(96), EngineConfig(max_batch=4)).generate([prompt], params)[0]
     assert taken and all(taken)
     monkeypatch.setattr(CpuDecodeAttention, "_one_op", lambda *a: False)
-    chain = Engine(model, 96, max_batch=4).generate([prompt], params)[0]
+    chain = Engine(model, as_policy(96), EngineConfig(max_batch=4)).generate([prompt], params)[0]
     for a, b in zip(fused, chain):
         assert a.token_ids == b.token_ids and a.logprobs == b.logprobs

@@ -27,11 +27,12 @@ if DEVICE == "cpu":
     os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton (see test_kernels_triton.py)
 
 from sparrow.kernels._triton_utils import HAS_TRITON, interpreter_usable  # noqa: E402
+from sparrow.kernels.ops import Backend  # noqa: E402
 from sparrow.stages.attention.kv_cache import PagedKVCache  # noqa: E402
 from sparrow.stages.attention.paged import DecodeAttention, DecodeBatch  # noqa: E402
 from sparrow.stages.core.schedule import Schedule  # noqa: E402
-from sparrow.stages.core.sparsity import budget_fn  # noqa: E402
-from sparrow.stages.engine import Engine, SamplingParams  # noqa: E402
+from sparrow.stages.core.sparsity import as_policy, budget_fn  # noqa: E402
+from sparrow.stages.engine import DecodeStep, Engine, EngineConfig, SamplingParams  # noqa: E402
 from sparrow.stages.engine.gpu.layers import GpuDecode, base_linear, decode_hidden  # noqa: E402
 from sparrow.stages.engine.static_decode import kept_pages  # noqa: E402
 from sparrow.stages.model.loading import load_model, save_checkpoint  # noqa: E402
@@ -250,8 +251,8 @@ def test_stacking_after_peft_injection_and_the_runner_restacking(qwen3_path):
         for n, p in model.named_parameters():
             if "lora_B" in n:
                 p.normal_(0, 0.1, generator=torch.Generator().manual_seed(6))
-    runner = GpuRunner(model, max_batch=2, page_size=P, dense_layers=(0,), max_prefill_tokens=64,
-                       impl="torch", decode_graphs="off")
+    runner = GpuRunner(model, EngineConfig(max_batch=2, page_size=P, dense_layers=(0,), max_prefill_tokens=64,
+                                           kernels=Backend.TORCH, decode_step=DecodeStep.PLAIN))
     form = runner.decode_form
     assert form is not None and form.usable() and form.qkv[2].in_place()
     tokens = _tokens(2, 20, seed=7)
@@ -311,8 +312,9 @@ def test_engine_fused_triton_equals_teacher_forced(sparsity, qwen3_path):
     g = torch.Generator().manual_seed(8)
     prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (70, 30)]
     params = SamplingParams(max_new_tokens=10, n=2, seed=5, temperature=1.0, ignore_eos=True)
-    engine = Engine(model, sparsity, max_batch=3, dense_layers=(0,), impl="triton",
-                    decode_graphs="eager" if DEVICE == "cpu" else "cuda")
+    step = DecodeStep.EAGER if DEVICE == "cpu" else DecodeStep.GRAPHS
+    engine = Engine(model, as_policy(sparsity), EngineConfig(max_batch=3, dense_layers=(0,),
+                                                             kernels=Backend.TRITON, decode_step=step))
     assert engine.runner.decode_form is not None and engine.runner.decode_form.usable()
     results = engine.generate(prompts, params)
     budget_at = budget_fn(sparsity)

@@ -74,18 +74,17 @@ import torch
 
 from sparrow.kernels.ops import use_triton
 
-from ..attention import DEFAULT_DENSE_LAYERS, PAGE_SIZE
-from ..core.sparsity import Sparsity, as_policy
-from ..kv_policies import BlockTopK, KVPolicy
+from ..kv_policies import BlockTopK, Dense, KVPolicy
 from ..model.llama import Transformer
 from .block_manager import BlockManager
-from .memory import Workload, check_memory_utilization
-from .runner import DECODE_GRAPHS, ModelRunner, PrefillRow
+from .config import DecodeStep, EngineConfig
+from .memory import Workload
+from .runner import ModelRunner, PrefillRow
 from .scheduler import Scheduler, prefill_tokens
 from .sequence import Completion, Request, SamplingParams, Sequence, Status
 from .static_decode import StepOutput
 
-__all__ = ["DECODE_GRAPHS", "Engine", "EngineStats", "make_runner"]
+__all__ = ["DecodeStep", "Engine", "EngineConfig", "EngineStats", "make_runner"]
 
 
 @dataclass
@@ -118,65 +117,38 @@ class EngineStats:
         return self.prefill_s + self.decode_s
 
 
-def make_runner(model: Transformer, *, max_batch: int, page_size: int, dense_layers: Seq[int],
-                max_prefill_tokens: int, impl: str = "auto", decode_graphs: str = "auto",
-                cascade: bool | None = None, gpu_memory_utilization: float = 0.9) -> ModelRunner:
+def make_runner(model: Transformer, config: EngineConfig) -> ModelRunner:
     """The runner for the model's device: `GpuRunner` on CUDA, and for the Triton kernels on CPU tensors
-    (impl="triton", under TRITON_INTERPRET=1), `CpuRunner` on a CPU otherwise."""
+    (Backend.TRITON, under TRITON_INTERPRET=1), `CpuRunner` on a CPU otherwise."""
     device = model.embed_tokens.weight.device
-    if decode_graphs == "auto":
-        decode_graphs = "cuda" if device.type == "cuda" else "off"
-    if decode_graphs == "cuda" and device.type != "cuda":
-        raise ValueError("decode_graphs='cuda' needs the model on a CUDA device")
-    kw = dict(max_batch=max_batch, page_size=page_size, dense_layers=dense_layers,
-              max_prefill_tokens=max_prefill_tokens, impl=impl, decode_graphs=decode_graphs)
-    if cascade and (device.type != "cpu" or use_triton(impl, model.embed_tokens.weight)):
+    config = config.for_device(device)
+    triton = use_triton(config.kernels.value, model.embed_tokens.weight)
+    if config.cascade and (device.type != "cpu" or triton):
         raise ValueError("cascade attention runs on the torch path (the CPU), not the Triton kernels")
-    if device.type == "cuda" or use_triton(impl, model.embed_tokens.weight):
+    if device.type == "cuda" or triton:
         from .gpu.runner import GpuRunner
 
-        return GpuRunner(model, gpu_memory_utilization=gpu_memory_utilization, **kw)
-    if device.type == "cpu" and not use_triton(impl, model.embed_tokens.weight):
+        return GpuRunner(model, config)
+    if device.type == "cpu":
         from .cpu.runner import CpuRunner
 
-        return CpuRunner(model, cascade=cascade, **kw)
-    return ModelRunner(model, **kw)
+        return CpuRunner(model, config)
+    return ModelRunner(model, config)
 
 
 class Engine:
-    def __init__(self, model: Transformer, sparsity: Sparsity = None, *, max_batch: int = 16,
-                 num_pages: int | None = None, page_size: int = PAGE_SIZE,
-                 dense_layers: Seq[int] = DEFAULT_DENSE_LAYERS, eos_ids: Seq[int] | None = None,
-                 max_prefill_tokens: int = 8192, impl: str = "auto", decode_graphs: str = "auto",
-                 cascade: bool | None = None, gpu_memory_utilization: float = 0.9):
-        """`num_pages`: size of the KV page pool (None: sized for each run's requests, every sample at
-        full length, so nothing is preempted; on CUDA no more than fits in `gpu_memory_utilization` of
-        the device's memory; smaller pools preempt when they fill up). `max_prefill_tokens`: the most
-        tokens one prefill forward takes (vLLM's max_num_batched_tokens); longer prompts are prefilled
-        in chunks. `decode_graphs`: "auto" (CUDA graphs on CUDA, the plain step on a CPU), "cuda"
-        (CUDA graphs), "eager" (the graphs' static padded step without capture, any device) or "off".
-        `cascade`: dense decode attention reads a prompt's shared pages once per step for all its
-        samples, from a contiguous copy taken at prefill into pool pages (None: on the CPU)."""
-        if max_batch < 1:
-            raise ValueError("max_batch must be at least 1")
-        if max_prefill_tokens < 1:
-            raise ValueError(f"max_prefill_tokens must be at least 1, got {max_prefill_tokens}")
-        if decode_graphs not in DECODE_GRAPHS:
-            raise ValueError(f"decode_graphs must be one of {DECODE_GRAPHS}, got {decode_graphs!r}")
-        check_memory_utilization(gpu_memory_utilization)
-        if num_pages is not None and num_pages < 1:
-            raise ValueError(f"num_pages must be at least 1, got {num_pages}")
-        self.runner = make_runner(model, max_batch=max_batch, page_size=page_size, dense_layers=dense_layers,
-                                  max_prefill_tokens=max_prefill_tokens, impl=impl,
-                                  decode_graphs=decode_graphs, cascade=cascade,
-                                  gpu_memory_utilization=gpu_memory_utilization)
+    def __init__(self, model: Transformer, policy: KVPolicy | None = None,
+                 config: EngineConfig = EngineConfig()):
+        """`policy`: the KV policy of every request (None: dense) unless `generate` overrides it."""
+        self.config = config
+        self.runner = make_runner(model, config)
         self.model, self.cfg = model, model.cfg
-        self.page_size = page_size
-        self.policy = as_policy(sparsity, page_size)
-        self.eos_ids = frozenset(self.cfg.eos_token_ids if eos_ids is None else eos_ids)
-        self.max_batch, self.max_prefill_tokens = max_batch, max_prefill_tokens
-        self.fixed_pages = num_pages
-        self.num_pages = num_pages  # the pool's pages once a run sized it
+        self.page_size = config.page_size
+        self.policy = Dense() if policy is None else policy
+        self.eos_ids = frozenset(self.cfg.eos_token_ids if config.eos_ids is None else config.eos_ids)
+        self.max_batch, self.max_prefill_tokens = config.max_batch, config.max_prefill_tokens
+        self.fixed_pages = config.num_pages
+        self.num_pages = config.num_pages  # the pool's pages once a run sized it
         self.blocks: BlockManager | None = None
         self.scheduler: Scheduler | None = None
         self.stats = EngineStats()
@@ -212,8 +184,8 @@ class Engine:
         self.runner.refresh_weights()
 
     @property
-    def decode_graphs(self) -> str:
-        return self.runner.decode_graphs
+    def decode_step(self) -> DecodeStep:
+        return self.runner.decode_step
 
     @property
     def budget_at(self):
@@ -223,8 +195,8 @@ class Engine:
     # ------------------------------------------------------------------ requests
 
     def add_request(self, prompt: Seq[int], params: SamplingParams, request_id: int | None = None,
-                    sparsity: Sparsity = "engine") -> int:
-        """Queue a prompt (token ids) for `params.n` samples; `sparsity` overrides the engine's."""
+                    policy: KVPolicy | None = None) -> int:
+        """Queue a prompt (token ids) for `params.n` samples; `policy` overrides the engine's."""
         prompt = [int(t) for t in prompt]
         if not prompt:
             raise ValueError("every prompt needs at least one token")
@@ -232,7 +204,7 @@ class Engine:
             raise ValueError(f"a prompt of {len(prompt)} tokens with max_new_tokens "
                              f"{params.max_new_tokens} exceeds the model's context of "
                              f"{self.cfg.max_position_embeddings}")
-        policy = self.policy if _is_engine(sparsity) else as_policy(sparsity, self.page_size)
+        policy = self.policy if policy is None else policy
         if policy.evicts:
             policy.validate(self.cfg.max_position_embeddings)
         running = self._running()
@@ -357,12 +329,12 @@ class Engine:
     def generate(self, prompts: Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams],
                  on_step: Callable[[int, int], None] | None = None,
                  request_ids: Seq[int] | None = None,
-                 sparsity: Sparsity = "engine") -> list[list[Completion]]:
+                 policy: KVPolicy | None = None) -> list[list[Completion]]:
         """All samples of every prompt, in prompt order then sample order. `on_step(new_tokens,
         finished_samples)` is called after every engine step. `request_ids` (default: consecutive, from 0
         when the engine is idle) name the prompts in the per-sample seeds, so a shard of a prompt set given
         its global prompt indices samples exactly what the whole set run in one engine samples for those
-        prompts. `sparsity` overrides the engine's for these prompts. Called on an idle engine, it starts
+        prompts. `policy` overrides the engine's for these prompts. Called on an idle engine, it starts
         a run: `stats` then count this call's steps only."""
         params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if not self.has_work():
@@ -373,7 +345,7 @@ class Engine:
             request_ids = [base + i for i in range(len(prompts))]
         if len(request_ids) != len(prompts) or len(set(request_ids)) != len(request_ids):
             raise ValueError("request_ids must name every prompt once")
-        ids = [self.add_request(p, sp, rid, sparsity) for p, sp, rid in zip(prompts, params, request_ids)]
+        ids = [self.add_request(p, sp, rid, policy) for p, sp, rid in zip(prompts, params, request_ids)]
         out: dict[int, list[Completion]] = {i: [] for i in ids}
         while self.has_work():
             done, new = self.step()
@@ -532,7 +504,3 @@ class Engine:
 
 def _nothing() -> bool:
     return False
-
-
-def _is_engine(sparsity: Sparsity) -> bool:
-    return isinstance(sparsity, str) and sparsity == "engine"

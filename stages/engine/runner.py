@@ -45,12 +45,11 @@ from ..attention.kv_cache import PagedKVCache, SharedPrefix
 from ..attention.paged import DecodeAttention, DecodeBatch, PrefillAttention, QueryCapture, Recompute
 from ..model.llama import Transformer
 from .compaction import Compaction, QueryWindows, compact, write_retained
+from .config import EngineConfig
 from .memory import Workload, pages_for
 from .sampler import sample_by_position, sample_tokens
 from .sequence import Sequence as Sample
 from .static_decode import StaticDecode, StepOutput, kept_pages
-
-DECODE_GRAPHS = ("auto", "cuda", "eager", "off")
 
 
 @dataclass
@@ -95,15 +94,16 @@ def plan_forwards(lengths: Sequence[int], cap: int) -> list[list[Segment]]:
 class ModelRunner:
     prefix_copies = False  # whether the pool also holds copies of prompt pages (the CPU's cascade)
 
-    def __init__(self, model: Transformer, *, max_batch: int, page_size: int, dense_layers: Sequence[int],
-                 max_prefill_tokens: int, impl: str = "auto", decode_graphs: str = "off"):
-        if decode_graphs not in DECODE_GRAPHS or decode_graphs == "auto":
-            raise ValueError(f"decode_graphs must be one of {DECODE_GRAPHS[1:]}, got {decode_graphs!r}")
+    def __init__(self, model: Transformer, config: EngineConfig):
         self.model, self.cfg = model, model.cfg
         self.device = model.embed_tokens.weight.device
         self.dtype = model.embed_tokens.weight.dtype
-        self.max_batch, self.page_size, self.dense_layers = max_batch, page_size, tuple(dense_layers)
-        self.max_prefill_tokens, self.impl, self.decode_graphs = max_prefill_tokens, impl, decode_graphs
+        config = config.for_device(self.device)
+        self.config = config
+        self.max_batch, self.page_size = config.max_batch, config.page_size
+        self.dense_layers = config.dense_layers
+        self.max_prefill_tokens, self.decode_step = config.max_prefill_tokens, config.decode_step
+        self.impl, self.decode_graphs = config.kernels.value, config.decode_step.value
         self.scale = 1.0 / math.sqrt(self.cfg.head_dim)
         self.cache: PagedKVCache | None = None
         self.centroid_dtype = torch.float32  # of the pool's page centroids (kernels/CONTRACT.md)

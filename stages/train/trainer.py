@@ -64,8 +64,8 @@ from ..calibrate import collapse_reasons, mismatch_warnings
 from ..core.definitions import TAIL_QUANTILE
 from ..core.prompt_set import PromptError, PromptSet
 from ..core.schedule import Schedule
-from ..core.sparsity import parse_sparsity
-from ..engine import Engine, SamplingParams
+from ..core.sparsity import as_policy, parse_sparsity
+from ..engine import Engine, EngineConfig, SamplingParams
 from ..kv_policies import Eviction
 from ..model.loading import LoadedModel
 from ..tasks import TASKS, score_batch
@@ -476,8 +476,8 @@ class Trainer:
         if self.engine is None:
             mine = self.world.shard(self.cfg.prompts_per_step)
             batch = max(mine.stop - mine.start, 1) * (self.cfg.oversample or self.cfg.samples)
-            self.engine = Engine(self.model, self.sparsity, max_batch=batch,
-                                 gpu_memory_utilization=self.gpu_memory_utilization)
+            self.engine = Engine(self.model, as_policy(self.sparsity), EngineConfig(
+                max_batch=batch, gpu_memory_utilization=self.gpu_memory_utilization))
         return self.engine
 
     def _score(self, flat) -> dict:
@@ -729,7 +729,7 @@ class Trainer:
         self.model.eval()
         rows = self.eval_prompts
         out = self._engine().generate([r.token_ids for r in rows], params,
-                                      sparsity=self.sparsity if sparse else None)
+                                      policy=as_policy(self.sparsity if sparse else None))
         tok = self.loaded.tokenizer
         rewards = score_batch([(r.task, tok.decode(o[0].token_ids, skip_special_tokens=True), r.answer,
                                 r.metadata) for r, o in zip(rows, out)])

@@ -31,6 +31,7 @@ from sparrow.kernels.ops import GatherWorkspace
 from ...attention.kv_cache import PrefixStore, SharedPrefix
 from ...attention.paged import Cascade, CpuDecodeAttention, DecodeAttention, DecodeBatch
 from ...model.llama import Transformer
+from ..config import EngineConfig
 from ..runner import ModelRunner, PrefillRow
 from ..sequence import Sequence as Sample
 from .allocator import tune_cpu_allocator
@@ -40,11 +41,10 @@ from .packed_linears import DOT_MAX_ROWS, PackedLinears, dot_product, packing_av
 
 
 class CpuRunner(ModelRunner):
-    def __init__(self, model: Transformer, *, cascade: bool | None = None, **kw):
-        """`cascade`: read shared prompt pages once per decode step (None: yes)."""
-        super().__init__(model, **kw)
+    def __init__(self, model: Transformer, config: EngineConfig):
+        super().__init__(model, config)
         tune_cpu_allocator()
-        self.cascade = True if cascade is None else cascade
+        self.cascade = config.cascade is not False
         self.prefix_copies = self.cascade
         own = self.impl == "auto"  # impl="torch": no C++ kernel anywhere in the step
         self.workspace = GatherWorkspace()  # the torch references' K/V gather buffers, reused every step

@@ -38,6 +38,7 @@ from torch import Tensor
 from ...attention.kv_cache import PagedKVCache
 from ...attention.paged import DecodeAttention
 from ...model.llama import Transformer
+from ..config import EngineConfig
 from ..memory import Workload, pages_for, pool_pages
 from ..runner import ModelRunner
 from ..static_decode import kept_pages
@@ -45,12 +46,11 @@ from .layers import GpuDecode, decode_hidden
 
 
 class GpuRunner(ModelRunner):
-    def __init__(self, model: Transformer, *, gpu_memory_utilization: float = 0.9, fused_decode: bool = True,
-                 **kw):
+    def __init__(self, model: Transformer, config: EngineConfig, fused_decode: bool = True):
         """`fused_decode`: decode steps in the inference form (gpu_layers.py); False: the model's modular
         forward (what the tests and benches compare it with)."""
-        super().__init__(model, **kw)
-        self.utilization = gpu_memory_utilization
+        super().__init__(model, config)
+        self.utilization = config.gpu_memory_utilization
         self.capped = False  # the pool is as large as memory allows, not as the workload needs
         self.memory: dict[str, int] = {}  # the last sizing's numbers, in bytes (and pages)
         self.decode_form = GpuDecode(model, self.impl) if fused_decode and isinstance(model, Transformer) \
