@@ -163,9 +163,9 @@ def test_ops_run_the_kernel_on_auto_and_the_torch_reference_on_torch():
     seq_lens = torch.tensor([90, 57]).int()
     q = torch.randn(2, 9, 64, generator=g)
     selected = torch.tensor([[0, 2, 5], [1, 3, -1]]).int()[:, None, :].expand(-1, 3, -1)
-    for op, args in ((ops.sparse_paged_attention, (selected,)), (ops.dense_paged_attention, ())):
-        auto = op(q, k_pages, v_pages, table, seq_lens, *args)
-        reference = op(q, k_pages, v_pages, table, seq_lens, *args, impl="torch")
+    for op, args in (("sparse_paged_attention", (selected,)), ("dense_paged_attention", ())):
+        auto = getattr(ops.CPU, op)(q, k_pages, v_pages, table, seq_lens, *args)
+        reference = getattr(ops.TORCH, op)(q, k_pages, v_pages, table, seq_lens, *args)
         torch.testing.assert_close(auto, reference, atol=1e-5, rtol=0)
 
 
@@ -260,9 +260,10 @@ def test_score_pages_equals_float64_scores_and_the_cascade_selection_the_torch_o
     def plan_and_index():
         return (plan_selection(seq_lens, budgets, page, width, None, table), suffix_index(table, suffix))
 
-    auto = ops.cascade_select_pages(q, pairs, group, centroids, table, seq_lens, budgets, suffix, page)
-    reference = ops.cascade_select_pages(q, pairs, group, centroids, table, seq_lens, budgets, suffix, page,
-                                         plan_and_index=plan_and_index, impl="torch")
+    auto = ops.CPU.cascade_select_pages(q, pairs, group, centroids, table, seq_lens, budgets, suffix, page)
+    reference = ops.TORCH.cascade_select_pages(q, pairs, group, centroids, table, seq_lens, budgets, suffix,
+                                               page,
+                                         plan_and_index=plan_and_index)
     assert torch.equal(auto, reference)
 
 

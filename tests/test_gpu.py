@@ -310,12 +310,12 @@ def test_fused_kernels_compiled_at_qwen3_4b_shapes():
     b, h, hq, hkv, d, inter = 32, 2560, 32, 8, 128, 9728
     x, res, w = (torch.randn(b, h, generator=g, device=dev).to(bf) for _ in range(3))
     r1, r2 = res.clone(), res.clone()
-    got = ops.add_rms_norm(x, r1, w, 1e-6, impl="triton")
+    got = ops.TRITON.add_rms_norm(x, r1, w, 1e-6)
     want = add_rms_norm_reference(x, r2, w, 1e-6)
     assert torch.equal(r1, r2)
     torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=8e-3)
     gate_up = torch.randn(b, 2 * inter, generator=g, device=dev).to(bf)
-    torch.testing.assert_close(ops.silu_mul(gate_up, impl="triton").float(),
+    torch.testing.assert_close(ops.TRITON.silu_mul(gate_up).float(),
                                silu_mul_reference(gate_up).float(), atol=1e-2, rtol=8e-3)
     qkv = torch.randn(b, (hq + 2 * hkv) * d, generator=g, device=dev).to(bf)
     pos = torch.randint(0, 4000, (b,), generator=g, device=dev)
@@ -325,7 +325,7 @@ def test_fused_kernels_compiled_at_qwen3_4b_shapes():
     caches = [[torch.randn(b, hkv, 16, d, generator=torch.Generator(dev).manual_seed(1), device=dev).to(bf),
                torch.zeros(b, hkv, 16, d, device=dev, dtype=bf), torch.zeros(b, hkv, d, device=dev, dtype=bf)]
               for _ in range(2)]
-    q1 = ops.qk_norm_rope_append(qkv, pos, slots, cos, sin, qn, kn, 1e-6, *caches[0], hq, impl="triton")
+    q1 = ops.TRITON.qk_norm_rope_append(qkv, pos, slots, cos, sin, qn, kn, 1e-6, *caches[0], hq)
     q2 = qk_norm_rope_append_reference(qkv, pos, slots, cos, sin, qn, kn, 1e-6, *caches[1], hq)
     torch.testing.assert_close(q1.float(), q2.float(), atol=1e-2, rtol=8e-3)
     for a, c in zip(*caches):

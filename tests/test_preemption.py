@@ -152,7 +152,7 @@ def test_recompute_writes_the_centroids_decoding_wrote(tiny):
     kt, vt = k[0].transpose(0, 1), v[0].transpose(0, 1)  # [n, Hkv, D]
     ops.write_prefill(kp, vp, cp, kt[:plen], vt[:plen], slots[:plen])
     for p in range(plen, n):
-        ops.append_kv(kp, vp, cp, kt[p:p + 1], vt[p:p + 1], slots[p:p + 1])
+        ops.CPU.append_kv(kp, vp, cp, kt[p:p + 1], vt[p:p + 1], slots[p:p + 1])
 
     got = fresh_cache(20)
     cols = torch.arange(plen, n)

@@ -35,8 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from sparrow.kernels import cpu_attention
 from sparrow.kernels.cascade_decode import cascade_decode_reference, suffix_index
+from sparrow.kernels.ops import CPU, TORCH, TorchOps, write_prefill
 from sparrow.kernels.page_scoring import plan_selection
 from sparrow.kernels.sparse_decode import plan_pages
 
@@ -44,12 +44,6 @@ from ..core.definitions import RESERVED_PAGES
 from ..model.llama import AttentionContext
 from .kv_cache import PagedKVCache, SharedPrefix
 from .sparse import block_topk_sdpa
-
-
-def _ops():
-    from sparrow.kernels import ops
-
-    return ops
 
 
 @dataclass
@@ -90,7 +84,7 @@ class Cascade:
 
 
 class PrefillAttention:
-    def __init__(self, cache: PagedKVCache, valid: Tensor, slots: Tensor, impl: str = "auto",
+    def __init__(self, cache: PagedKVCache, valid: Tensor, slots: Tensor, ops: TorchOps = TORCH,
                  recompute: Recompute | None = None, prefixes: list[tuple[int, SharedPrefix]] = (),
                  history: Tensor | None = None, windows: list[QueryCapture] = ()):
         """valid [G, T] bool: the prompt tokens, which `write_prefill` writes; slots [N] int64, one per
@@ -100,10 +94,9 @@ class PrefillAttention:
         single row that continues earlier chunks (its queries sit at the last T of the W pages'
         positions that it reaches); None: every row starts at position 0. `windows`: prompt queries an
         eviction policy keeps (compaction.py)."""
-        self.cache, self.valid, self.slots, self.impl = cache, valid, slots, impl
+        self.cache, self.valid, self.slots, self.ops = cache, valid, slots, ops
         self.recompute, self.prefixes, self.history = recompute, prefixes, history
         self.windows = windows
-        self.ops = _ops()
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext) -> Tensor:
         for w in self.windows:
@@ -114,11 +107,10 @@ class PrefillAttention:
             kv_new, vv_new = kt[0], vt[0]
         else:
             kv_new, vv_new = kt[self.valid], vt[self.valid]
-        self.ops.write_prefill(k_pages, v_pages, centroids, kv_new, vv_new, self.slots)
+        write_prefill(k_pages, v_pages, centroids, kv_new, vv_new, self.slots)
         rc = self.recompute
         for rows, cols, slots in rc.appended if rc is not None else ():
-            self.ops.append_kv(k_pages, v_pages, centroids, kt[rows, cols], vt[rows, cols], slots,
-                               impl=self.impl)
+            self.ops.append_kv(k_pages, v_pages, centroids, kt[rows, cols], vt[rows, cols], slots)
         keys, values = (k, v) if self.history is None else self._paged(k_pages, v_pages, ctx.kv_len)
         for row, prefix in self.prefixes:
             t = prefix.tokens
@@ -136,9 +128,7 @@ class PrefillAttention:
     def _causal(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         if k.shape[2] != q.shape[2]:
             return attend_after_prefix(q, k, v)
-        if self.impl == "auto" and cpu_attention.causal_attention_usable(q, k):
-            return cpu_attention.causal_attention(q, k, v, q.shape[-1] ** -0.5)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.ops.causal_attention(q, k, v)
 
 
 def gather_positions(pages: Tensor, table: Tensor, length: int) -> Tensor:
@@ -181,15 +171,13 @@ class DecodeBatch:
 
 class DecodeAttention:
     def __init__(self, cache: PagedKVCache, batch: DecodeBatch, dense_layers: Collection[int], scale: float,
-                 impl: str = "auto"):
-        self.cache, self.batch, self.scale, self.impl = cache, batch, scale, impl
+                 ops: TorchOps = TORCH):
+        self.cache, self.batch, self.scale, self.ops = cache, batch, scale, ops
         self.dense_layers = frozenset(dense_layers)
-        self.ops = _ops()
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext) -> Tensor:
         k_pages, v_pages, centroids = self.cache.layer(layer)
-        self.ops.append_kv(k_pages, v_pages, centroids, k[:, :, 0], v[:, :, 0], self.batch.slots,
-                           impl=self.impl)
+        self.ops.append_kv(k_pages, v_pages, centroids, k[:, :, 0], v[:, :, 0], self.batch.slots)
         return self.attend(layer, q[:, :, 0])[:, :, None]
 
     def attend(self, layer: int, q: Tensor) -> Tensor:
@@ -200,13 +188,11 @@ class DecodeAttention:
         k_pages, v_pages, centroids = self.cache.layer(layer)
         if b.any_sparse and layer not in self.dense_layers:
             selected = ops.select_pages(q, centroids, b.block_table, b.seq_lens, b.budgets,
-                                        page_size=self.cache.page_size, impl=self.impl,
-                                        max_selected=b.max_selected)
+                                        page_size=self.cache.page_size, max_selected=b.max_selected)
             out = ops.sparse_paged_attention(q, k_pages, v_pages, b.block_table, b.seq_lens, selected,
-                                             self.scale, impl=self.impl)
+                                             self.scale)
         else:
-            out = ops.dense_paged_attention(q, k_pages, v_pages, b.block_table, b.seq_lens, self.scale,
-                                            impl=self.impl)
+            out = ops.dense_paged_attention(q, k_pages, v_pages, b.block_table, b.seq_lens, self.scale)
         return out.to(q.dtype)
 
     def record_queries(self, layer: int, q: Tensor) -> None:
@@ -218,10 +204,10 @@ class DecodeAttention:
 
 class CpuDecodeAttention(DecodeAttention):
     def __init__(self, cache: PagedKVCache, batch: DecodeBatch, dense_layers: Collection[int], scale: float,
-                 impl: str = "auto", workspace=None, cascade: Cascade | None = None):
+                 ops: TorchOps = CPU, workspace=None, cascade: Cascade | None = None):
         """`workspace`: an `ops.GatherWorkspace` for the torch references. `cascade`: shared-prefix groups
         (None: no sample reads a shared copy this step)."""
-        super().__init__(cache, batch, dense_layers, scale, impl)
+        super().__init__(cache, batch, dense_layers, scale, ops)
         self.workspace, self.cascade = workspace, cascade
         self._suffix_plan = self._selection = self._groups = self._fused = None  # per step, built once
 
@@ -232,37 +218,34 @@ class CpuDecodeAttention(DecodeAttention):
         sparse = b.any_sparse and layer not in self.dense_layers
         if sparse and self._one_op(q, k_pages, centroids, k):
             prefixes = [p.centroids[layer] for _, p in self.cascade.groups]
-            out = torch.ops.sparrow_cpu.sparse_decode_layer(
+            out = ops.sparse_decode_layer(
                 q[:, :, 0], k[:, :, 0], v[:, :, 0], k_pages, v_pages, centroids, b.slots, b.block_table,
                 b.seq_lens, b.budgets, self.cache.page_size, RESERVED_PAGES, prefixes,
                 self._row_groups(), self.scale)
             return out.view(q.shape)
-        ops.append_kv(k_pages, v_pages, centroids, k[:, :, 0], v[:, :, 0], b.slots, impl=self.impl)
+        ops.append_kv(k_pages, v_pages, centroids, k[:, :, 0], v[:, :, 0], b.slots)
         q1 = q[:, :, 0]  # [B, Hq, D]
         if sparse:
             if self.cascade is not None:
                 selected = self._cascaded_selection(layer, q1, centroids)
             else:
                 selected = ops.select_pages(q1, centroids, b.block_table, b.seq_lens, b.budgets,
-                                            page_size=self.cache.page_size, impl=self.impl,
-                                            max_selected=b.max_selected)
+                                            page_size=self.cache.page_size, max_selected=b.max_selected)
             out = ops.sparse_paged_attention(q1, k_pages, v_pages, b.block_table, b.seq_lens, selected,
-                                             self.scale, impl=self.impl, workspace=self.workspace)
+                                             self.scale, workspace=self.workspace)
         elif self.cascade is not None:
             out = self._cascaded(layer, q1, k_pages, v_pages)
         else:
             out = ops.dense_paged_attention(q1, k_pages, v_pages, b.block_table, b.seq_lens, self.scale,
-                                            impl=self.impl, workspace=self.workspace)
+                                            workspace=self.workspace)
         return out[:, :, None].to(q.dtype)
 
     def _one_op(self, q: Tensor, k_pages: Tensor, centroids: Tensor, k: Tensor) -> bool:
         """Whether a sparse layer of this cascade step runs as one C++ op (`sparse_decode_layer`: the
         append, scoring, selection and paged attention that the op-by-op path runs in C++ here too)."""
         if self._fused is None:
-            self._fused = (self.impl == "auto" and self.cascade is not None
-                           and self.batch.max_selected is None and q.shape[-1] % 16 == 0
-                           and cpu_attention.usable(q[:, :, 0], k_pages)
-                           and cpu_attention.append_kv_usable(k_pages, centroids, k[:, :, 0]))
+            self._fused = (self.cascade is not None and self.batch.max_selected is None
+                           and self.ops.fused_layer_usable(q[:, :, 0], k_pages, centroids, k[:, :, 0]))
         return self._fused
 
     def _row_groups(self) -> Tensor:
@@ -278,8 +261,7 @@ class CpuDecodeAttention(DecodeAttention):
         prefixes = [(rows, p.centroids[layer]) for rows, p in self.cascade.groups]
         return self.ops.cascade_select_pages(q1, prefixes, self._row_groups(), centroids, b.block_table,
                                              b.seq_lens, b.budgets, self.cascade.suffix,
-                                             self.cache.page_size, b.max_selected, self._selection_plan,
-                                             impl=self.impl)
+                                             self.cache.page_size, b.max_selected, self._selection_plan)
 
     def _selection_plan(self):
         b = self.batch

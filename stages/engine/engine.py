@@ -72,7 +72,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from sparrow.kernels.ops import use_triton
+from sparrow.kernels.ops import TRITON, ops_for
 
 from ..kv_policies import BlockTopK, Dense, KVPolicy
 from ..model.llama import Transformer
@@ -122,7 +122,7 @@ def make_runner(model: Transformer, config: EngineConfig) -> ModelRunner:
     (Backend.TRITON, under TRITON_INTERPRET=1), `CpuRunner` on a CPU otherwise."""
     device = model.embed_tokens.weight.device
     config = config.for_device(device)
-    triton = use_triton(config.kernels.value, model.embed_tokens.weight)
+    triton = ops_for(device, config.kernels) is TRITON
     if config.cascade and (device.type != "cpu" or triton):
         raise ValueError("cascade attention runs on the torch path (the CPU), not the Triton kernels")
     if device.type == "cuda" or triton:

@@ -41,11 +41,13 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from sparrow.kernels.ops import ops_for
+
 from ..attention.kv_cache import PagedKVCache, SharedPrefix
 from ..attention.paged import DecodeAttention, DecodeBatch, PrefillAttention, QueryCapture, Recompute
 from ..model.llama import Transformer
 from .compaction import Compaction, QueryWindows, compact, write_retained
-from .config import EngineConfig
+from .config import DecodeStep, EngineConfig
 from .memory import Workload, pages_for
 from .sampler import sample_by_position, sample_tokens
 from .sequence import Sequence as Sample
@@ -103,7 +105,7 @@ class ModelRunner:
         self.max_batch, self.page_size = config.max_batch, config.page_size
         self.dense_layers = config.dense_layers
         self.max_prefill_tokens, self.decode_step = config.max_prefill_tokens, config.decode_step
-        self.impl, self.decode_graphs = config.kernels.value, config.decode_step.value
+        self.ops = ops_for(self.device, config.kernels)
         self.scale = 1.0 / math.sqrt(self.cfg.head_dim)
         self.cache: PagedKVCache | None = None
         self.centroid_dtype = torch.float32  # of the pool's page centroids (kernels/CONTRACT.md)
@@ -130,11 +132,11 @@ class ModelRunner:
             self.cache.add_query_ring(self.max_batch, workload.window)
         self.fixed_pages = fixed
         width = pages_for(workload.longest(), self.page_size)
-        if self.decode_graphs != "off" and (self.static is None or self.static.max_pages < width):
+        if self.decode_step != DecodeStep.PLAIN and (self.static is None or self.static.max_pages < width):
             self.static = None
             self.static = StaticDecode(self.model, self.cache, max_batch=self.max_batch, max_pages=width,
                                        attention=self._static_attention(),
-                                       capture=self.decode_graphs == "cuda", impl=self.impl,
+                                       capture=self.decode_step == DecodeStep.GRAPHS, ops=self.ops,
                                        hidden=self._static_hidden())
         return self.cache.num_pages
 
@@ -152,7 +154,7 @@ class ModelRunner:
     def _static_attention(self) -> Callable[[DecodeBatch], DecodeAttention]:
         """The static step's attention per batch (a partial, not a bound method: no reference cycle)."""
         return functools.partial(DecodeAttention, self.cache, dense_layers=self.dense_layers,
-                                 scale=self.scale, impl=self.impl)
+                                 scale=self.scale, ops=self.ops)
 
     def close(self) -> None:
         """Free the pool and the static step (its CUDA graphs with it); steps in flight are dropped."""
@@ -230,7 +232,7 @@ class ModelRunner:
                     captures.append(QueryCapture(j, torch.from_numpy(pos - start).to(dev),
                                                  torch.from_numpy(pos % w).to(dev), windows[i]))
         attn = PrefillAttention(cache, torch.from_numpy(valid).to(dev), torch.from_numpy(slot[valid]).to(dev),
-                                self.impl, self._recompute(rows, forward, positions, slot, table), stores,
+                                self.ops, self._recompute(rows, forward, positions, slot, table), stores,
                                 torch.from_numpy(table).to(dev) if continued else None, captures)
         return self.model.hidden_states(tokens.to(dev), positions=torch.from_numpy(positions).to(dev),
                                         attention=attn)
@@ -268,7 +270,7 @@ class ModelRunner:
     @property
     def lag(self) -> int:
         """Decode steps the engine leaves in flight after launching one: 1 with a static step, else 0."""
-        return 0 if self.decode_graphs == "off" else 1
+        return 0 if self.decode_step == DecodeStep.PLAIN else 1
 
     def pipelines(self, seqs: list[Sample]) -> bool:
         """Whether a decode step of these samples runs on the static step (asynchronously): else it is a
@@ -336,7 +338,7 @@ class ModelRunner:
         return None  # selection may read the kept pages' count back from the device
 
     def _decode_attention(self, batch: DecodeBatch, seqs: list[Sample]) -> DecodeAttention:
-        return DecodeAttention(self.cache, batch, self.dense_layers, self.scale, self.impl)
+        return DecodeAttention(self.cache, batch, self.dense_layers, self.scale, self.ops)
 
     def _decode_logits(self, tokens: list[int], pos: list[int], positions: Tensor,
                        attention: DecodeAttention) -> Tensor:
@@ -385,11 +387,11 @@ class ModelRunner:
         keyed by its seed and the position of its last token when the runner has a static step."""
         k = max(s.request.params.logprobs for s in seqs)
         params = [s.request.params for s in seqs]
-        if self.decode_graphs == "off":
+        if self.decode_step == DecodeStep.PLAIN:
             tokens, logps, top = sample_tokens(logits, params, [s.generator for s in seqs], k)
         else:
             tokens, logps, top = sample_by_position(logits, params, [s.seed for s in seqs],
-                                                    [s.position for s in seqs], k, self.impl)
+                                                    [s.position for s in seqs], k, self.ops)
         return tokens.tolist(), logps.tolist(), top
 
     # ------------------------------------------------------------------ profiling
@@ -414,7 +416,7 @@ class ModelRunner:
                                 torch.full((b,), longest, dtype=torch.int32, device=dev),
                                 torch.zeros(b, dtype=torch.int32, device=dev),
                                 torch.full((b,), -1, dtype=torch.int64, device=dev), False, None)
-            attn = DecodeAttention(scratch, batch, self.dense_layers, self.scale, self.impl)
+            attn = DecodeAttention(scratch, batch, self.dense_layers, self.scale, self.ops)
             hidden = self.model.hidden_states(torch.zeros(b, 1, dtype=torch.long, device=dev),
                                               positions=torch.full((b, 1), longest - 1, device=dev),
                                               attention=attn, kv_len=n * P)

@@ -27,8 +27,8 @@ from collections.abc import Sequence as Seq
 import torch
 from torch import Tensor
 
-from sparrow.kernels import cpu_sampling
-from sparrow.kernels.race_sample import race_sample
+from sparrow.kernels import ops as kernel_ops
+from sparrow.kernels.ops import TorchOps
 
 from ..attention.kv_cache import upload
 from .sequence import SamplingParams
@@ -49,10 +49,10 @@ def sample_tokens(logits: Tensor, params: Seq[SamplingParams], generators: Seq[t
     if rows:
         sub = [params[i] for i in rows]
         picked = logp if len(rows) == len(temps) else logp[torch.tensor(rows, device=dev)]
-        if any(p.top_k > 0 or p.top_p < 1 for p in sub) or not cpu_sampling.usable(logp):
+        if any(p.top_k > 0 or p.top_p < 1 for p in sub) or not kernel_ops.host_race_usable(logp):
             drawn = _race(picked.exp(), sub, [generators[i] for i in rows])
         else:  # the same race in one C++ pass, its noise from one seed per row (kernels/cpu_sampling.py)
-            drawn = cpu_sampling.race_sample(picked, cpu_sampling.draw_seeds([generators[i] for i in rows]))
+            drawn = kernel_ops.host_race(picked, kernel_ops.draw_seeds([generators[i] for i in rows]))
         if len(rows) == len(temps):
             tokens = drawn
         else:
@@ -99,7 +99,8 @@ def _truncate(probs: Tensor, params: Seq[SamplingParams]) -> Tensor:
 # ---------------------------------------------------------------------------------------- device path
 
 def sample_on_device(logits: Tensor, temperatures: Tensor, seeds: Tensor, positions: Tensor,
-                     logp_out: Tensor | None = None, impl: str = "auto") -> tuple[Tensor, Tensor, Tensor]:
+                     logp_out: Tensor | None = None, ops: TorchOps = kernel_ops.TORCH,
+                     ) -> tuple[Tensor, Tensor, Tensor]:
     """Greedy and untruncated rows, on logits' device with no host sync (a CUDA graph captures it).
 
     logits [B, V] fp32; temperatures [B] fp32 (0 = greedy); seeds [B] int64 the samples' seeds; positions
@@ -108,21 +109,21 @@ def sample_on_device(logits: Tensor, temperatures: Tensor, seeds: Tensor, positi
     greedy = logits.argmax(-1)
     scaled = logits / torch.where(temperatures > 0, temperatures, 1.0)[:, None]
     logp = torch.log_softmax(scaled, -1) if logp_out is None else torch.log_softmax(scaled, -1, out=logp_out)
-    drawn = race_sample(logp, seeds, positions, impl)
+    drawn = ops.race_sample(logp, seeds, positions)
     tokens = torch.where(temperatures > 0, drawn, greedy)
     return tokens, logp.gather(-1, tokens[:, None])[:, 0], logp
 
 
 def redraw_truncated(logp: Tensor, params: Seq[SamplingParams], seeds: Tensor, positions: Tensor,
-                     impl: str = "auto") -> Tensor:
+                     ops: TorchOps = kernel_ops.TORCH) -> Tensor:
     """Rows [n, V] of log-probabilities of samples with top-k/top-p: the same race over the truncated set
     (the row's log-probs, -inf outside it) -> tokens [n] int64 on logp's device."""
     keep = _truncate(logp.exp(), params) > 0
-    return race_sample(logp.masked_fill(~keep, float("-inf")), seeds, positions, impl)
+    return ops.race_sample(logp.masked_fill(~keep, float("-inf")), seeds, positions)
 
 
 def sample_by_position(logits: Tensor, params: Seq[SamplingParams], seeds: Seq[int], positions: Seq[int],
-                       top_logprobs: int = 0, impl: str = "auto"):
+                       top_logprobs: int = 0, ops: TorchOps = kernel_ops.TORCH):
     """The device path's draws outside the step (a prefill's first tokens, a step that does not fit the
     static buffers) -> (tokens [B], logprobs [B], top (values, ids) [B, k] or None), on the CPU."""
     dev = logits.device
@@ -130,11 +131,11 @@ def sample_by_position(logits: Tensor, params: Seq[SamplingParams], seeds: Seq[i
     temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
     seed_t = torch.tensor(list(seeds), dtype=torch.long, device=dev)
     pos_t = torch.tensor(list(positions), dtype=torch.long, device=dev)
-    tokens, chosen, logp = sample_on_device(logits, temps, seed_t, pos_t, impl=impl)
+    tokens, chosen, logp = sample_on_device(logits, temps, seed_t, pos_t, ops=ops)
     rows = [i for i, p in enumerate(params) if p.temperature > 0 and (p.top_k > 0 or p.top_p < 1)]
     if rows:
         r = torch.tensor(rows, device=dev)
-        tokens[r] = redraw_truncated(logp[r], [params[i] for i in rows], seed_t[r], pos_t[r], impl)
+        tokens[r] = redraw_truncated(logp[r], [params[i] for i in rows], seed_t[r], pos_t[r], ops)
         chosen = logp.gather(-1, tokens[:, None])[:, 0]
     top = logp.topk(top_logprobs, dim=-1) if top_logprobs > 0 else None
     return tokens.cpu(), chosen.cpu(), (None if top is None else (top.values.cpu(), top.indices.cpu()))

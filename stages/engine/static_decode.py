@@ -44,6 +44,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from sparrow.kernels.ops import TORCH, TorchOps
+
 from ..attention.kv_cache import PagedKVCache, upload
 from ..attention.paged import DecodeAttention, DecodeBatch
 from ..model.llama import Transformer
@@ -91,17 +93,18 @@ class StaticDecode:
 
     def __init__(self, model: Transformer, cache: PagedKVCache, *, max_batch: int, max_pages: int,
                  attention: Callable[[DecodeBatch], DecodeAttention], capture: bool = True,
-                 impl: str = "auto",
+                 ops: TorchOps = TORCH,
                  hidden: Callable[[Tensor, Tensor, DecodeAttention, int], Tensor] | None = None):
         """`max_pages`: block table width, enough for the longest sequence the engine will decode.
         `attention`: the runner's decode attention for a batch of static buffers (a plain function or
-        partial, never a bound method of the runner, which holds this object). `impl`: the sampler's race
-        (kernels/race_sample.py). `hidden`: (tokens, positions, attention, kv_len) -> final hidden states
-        [n, hidden], the runner's decode form (the GPU's fused layers); None: the model's forward."""
+        partial, never a bound method of the runner, which holds this object). `ops`: the kernels of the
+        sampler's race (kernels/race_sample.py). `hidden`: (tokens, positions, attention, kv_len) -> final
+        hidden states [n, hidden], the runner's decode form (the GPU's fused layers); None: the model's
+        forward."""
         if capture and cache.k.device.type != "cuda":
             raise ValueError("CUDA graphs need the model and cache on a CUDA device")
         dev = cache.k.device
-        self.model, self.cache, self.capture, self.impl = model, cache, capture, impl
+        self.model, self.cache, self.capture, self.ops = model, cache, capture, ops
         self.device = dev
         self.max_pages, self.page_size = max_pages, cache.page_size
         self.attention, self.hidden = attention, hidden
@@ -322,7 +325,7 @@ class StaticDecode:
             hidden = self.hidden(self.tokens[:n], self.positions[:n], attn, kv_len)
         logits = self.model.logits(hidden)
         tokens, chosen, _ = sample_on_device(logits, self.temperatures[:n], self.seeds[:n],
-                                             self.positions[:n, 0], logp_out=self.logp[:n], impl=self.impl)
+                                             self.positions[:n, 0], logp_out=self.logp[:n], ops=self.ops)
         self.sampled[:n] = tokens
         self.sampled_logp[:n] = chosen
         active = cl > 0
@@ -341,7 +344,7 @@ class StaticDecode:
         logp = self.logp[r]
         # the state has advanced: the query that produced these logits sat one position back
         tokens = redraw_truncated(logp, [seqs[i].request.params for i in rows], self.seeds[r],
-                                  self.positions[r, 0] - 1, self.impl)
+                                  self.positions[r, 0] - 1, self.ops)
         self.sampled[r] = tokens
         self.sampled_logp[r] = logp.gather(-1, tokens[:, None])[:, 0]
         self.tokens[r, 0] = tokens

@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from sparrow.kernels.ops import CPU
+
 from ...model.llama import Attention, AttentionContext, Transformer
 from .packed_linears import PackedLinears
 
@@ -58,7 +60,7 @@ class FusedCpuDecode:
         dtype = model.embed_tokens.weight.dtype
         cos, sin = model.rope_cos[pos].to(dtype), model.rope_sin[pos].to(dtype)  # [B, D]
         x = F.embedding(torch.tensor(tokens), model.embed_tokens.weight)  # [B, H]
-        ops = torch.ops.sparrow_cpu
+        ops = CPU
         for i, (block, (qkv_w, o_w, gate_up_w, down_w)) in enumerate(zip(model.layers, self.layers)):
             a = block.attn
             q, k, v = ops.decode_qkv(x, block.input_layernorm.weight, qkv_w, _stacked_bias(a),

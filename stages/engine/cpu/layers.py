@@ -15,17 +15,16 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-import torch
 from torch import Tensor, nn
 
-from sparrow.kernels import cpu_attention
+from sparrow.kernels.ops import CPU
 
 from ...model.llama import RMSNorm, SelfAttention, apply_rope
 
 
 def cpu_layers_available(model: nn.Module) -> bool:
     w = next(model.parameters())
-    return w.device.type == "cpu" and w.dtype in (torch.float32, torch.bfloat16) and cpu_attention.available()
+    return CPU.layers_usable(w)
 
 
 class CpuLayerOps:
@@ -50,7 +49,7 @@ class CpuLayerOps:
 
 def _rms_norm(module: RMSNorm):
     def forward(x: Tensor) -> Tensor:
-        return torch.ops.sparrow_cpu.rms_norm(x, module.weight, module.eps)
+        return CPU.rms_norm(x, module.weight, module.eps)
 
     return forward
 
@@ -58,4 +57,4 @@ def _rms_norm(module: RMSNorm):
 def _rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
     if q.shape[2] != 1:  # the op is for one decode token per row
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    return torch.ops.sparrow_cpu.rope_qk(q, k, cos, sin)
+    return CPU.rope_qk(q, k, cos, sin)

@@ -27,7 +27,7 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor, nn
 
-from sparrow.kernels import cpu_attention
+from sparrow.kernels.ops import CPU
 
 
 def packing_available(model: nn.Module) -> bool:
@@ -46,11 +46,11 @@ DOT_MAX_ROWS = 16  # the C++ bf16 product's register block: at most this many de
 
 class PackedLinears:
     def __init__(self, model: nn.Module, batch_hint: int, own_kernel: bool = True):
-        """`own_kernel`: bf16 products in our C++ kernel where it runs (the engine's impl="auto")."""
+        """`own_kernel`: bf16 products in our C++ kernel where it runs (the CPU ops, not the references)."""
         self.batch_hint = batch_hint
         self.dot = (own_kernel and batch_hint <= DOT_MAX_ROWS
                     and next(model.parameters()).dtype in (torch.bfloat16, torch.float32)
-                    and cpu_attention.available())
+                    and CPU.layers_usable(next(model.parameters())))
         self.groups: list[tuple[nn.Module, str, list[nn.Linear]]] = []  # (owner, method, its linears)
         for owner in model.modules():
             for method, names in FUSIBLE.items():
@@ -127,7 +127,7 @@ def dot_product(x: Tensor, weight: Tensor, bias: Tensor | None, fp32_out: bool =
         if fp32_out:
             x, plain, bias = x.float(), plain.float(), None if bias is None else bias.float()
         return torch.nn.functional.linear(x, plain, bias)
-    return torch.ops.sparrow_cpu.packed_linear(x, weight, bias, fp32_out)
+    return CPU.packed_linear(x, weight, bias, fp32_out)
 
 
 def _split(product: Callable[[Tensor], Tensor], sizes: list[int]) -> Callable[[Tensor], tuple[Tensor, ...]]:

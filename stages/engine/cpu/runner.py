@@ -26,7 +26,7 @@ from torch import Tensor
 
 from sparrow.kernels import cpu_attention
 from sparrow.kernels.cascade_decode import suffix_pages
-from sparrow.kernels.ops import GatherWorkspace
+from sparrow.kernels.ops import CPU, GatherWorkspace
 
 from ...attention.kv_cache import PrefixStore, SharedPrefix
 from ...attention.paged import Cascade, CpuDecodeAttention, DecodeAttention, DecodeBatch
@@ -46,7 +46,7 @@ class CpuRunner(ModelRunner):
         tune_cpu_allocator()
         self.cascade = config.cascade is not False
         self.prefix_copies = self.cascade
-        own = self.impl == "auto"  # impl="torch": no C++ kernel anywhere in the step
+        own = self.ops is CPU  # the torch references: no C++ kernel anywhere in the step
         self.workspace = GatherWorkspace()  # the torch references' K/V gather buffers, reused every step
         self.packed = PackedLinears(model, self.max_batch, own) if packing_available(model) else None
         self.layer_ops = CpuLayerOps(model) if own and cpu_layers_available(model) else None
@@ -62,7 +62,7 @@ class CpuRunner(ModelRunner):
 
     def _static_attention(self) -> Callable[[DecodeBatch], DecodeAttention]:
         return functools.partial(CpuDecodeAttention, self.cache, dense_layers=self.dense_layers,
-                                 scale=self.scale, impl=self.impl, workspace=self.workspace)
+                                 scale=self.scale, ops=self.ops, workspace=self.workspace)
 
     def close(self) -> None:
         self.store = None
@@ -114,7 +114,7 @@ class CpuRunner(ModelRunner):
     # ------------------------------------------------------------------ decode
 
     def _decode_attention(self, batch: DecodeBatch, seqs: list[Sample]) -> DecodeAttention:
-        return CpuDecodeAttention(self.cache, batch, self.dense_layers, self.scale, self.impl, self.workspace,
+        return CpuDecodeAttention(self.cache, batch, self.dense_layers, self.scale, self.ops, self.workspace,
                                   self._cascade(seqs))
 
     def _decode_logits(self, tokens: list[int], pos: list[int], positions: Tensor,

@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from sparrow.kernels import ops
+from sparrow.kernels.ops import TORCH, TorchOps
 
 from ...attention.paged import DecodeAttention
 from ...model.llama import Transformer
@@ -139,8 +139,8 @@ def lora_terms(module: nn.Module) -> list[tuple[nn.Module, nn.Module, nn.Module,
 class GpuDecode:
     """The decode step of a `Transformer` in its inference form (see the module docstring)."""
 
-    def __init__(self, model: Transformer, impl: str = "auto"):
-        self.model, self.impl = model, impl
+    def __init__(self, model: Transformer, ops: TorchOps = TORCH):
+        self.model, self.ops = model, ops
         self.cfg = model.cfg
         self.qkv: list[Stacked | None] = []
         self.gate_up: list[Stacked | None] = []
@@ -191,19 +191,18 @@ class GpuDecode:
     def hidden(self, tokens: Tensor, positions: Tensor, attention: DecodeAttention) -> Tensor:
         """tokens, positions [B, 1] -> the final normed hidden states [B, hidden] of one decode step;
         the new keys and values go to the cache at `attention.batch.slots`."""
-        model, impl, cfg = self.model, self.impl, self.cfg
+        model, ops, cfg = self.model, self.ops, self.cfg
         b = tokens.shape[0]
         pos = positions[:, 0]
         slots = attention.batch.slots
         layers = model.layers
         residual = model.embed_tokens(tokens[:, 0])  # [B, H], a fresh tensor: the residual stream
-        h = ops.add_rms_norm(None, residual, layers[0].input_layernorm.weight, layers[0].input_layernorm.eps,
-                             impl)
+        h = ops.add_rms_norm(None, residual, layers[0].input_layernorm.weight, layers[0].input_layernorm.eps)
         mlp_out = None
         for i, block in enumerate(layers):
             if mlp_out is not None:
                 norm = block.input_layernorm
-                h = ops.add_rms_norm(mlp_out, residual, norm.weight, norm.eps, impl)
+                h = ops.add_rms_norm(mlp_out, residual, norm.weight, norm.eps)
             attn = block.attn
             qkv = self._product(self.qkv[i], h)  # [B, (Hq + 2 Hkv) D]
             k_pages, v_pages, centroids = attention.cache.layer(i)
@@ -212,12 +211,12 @@ class GpuDecode:
             q = ops.qk_norm_rope_append(qkv, pos, slots, model.rope_cos, model.rope_sin,
                                         None if qn is None else qn.weight, None if kn is None else kn.weight,
                                         cfg.rms_norm_eps if qn is None else qn.eps, k_pages, v_pages,
-                                        centroids, cfg.num_heads, impl)  # [B, Hq, D]
+                                        centroids, cfg.num_heads)  # [B, Hq, D]
             out = attn.o_proj(attention.attend(i, q).reshape(b, -1))
             norm = block.post_attention_layernorm
-            h = ops.add_rms_norm(out, residual, norm.weight, norm.eps, impl)
-            mlp_out = block.mlp.down_proj(ops.silu_mul(self._product(self.gate_up[i], h), impl))
-        return ops.add_rms_norm(mlp_out, residual, model.norm.weight, model.norm.eps, impl)
+            h = ops.add_rms_norm(out, residual, norm.weight, norm.eps)
+            mlp_out = block.mlp.down_proj(ops.silu_mul(self._product(self.gate_up[i], h)))
+        return ops.add_rms_norm(mlp_out, residual, model.norm.weight, model.norm.eps)
 
 
 def decode_hidden(form: GpuDecode | None, model: Transformer, tokens: Tensor, positions: Tensor,

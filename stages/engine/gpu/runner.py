@@ -38,7 +38,7 @@ from torch import Tensor
 from ...attention.kv_cache import PagedKVCache
 from ...attention.paged import DecodeAttention
 from ...model.llama import Transformer
-from ..config import EngineConfig
+from ..config import DecodeStep, EngineConfig
 from ..memory import Workload, pages_for, pool_pages
 from ..runner import ModelRunner
 from ..static_decode import kept_pages
@@ -53,7 +53,7 @@ class GpuRunner(ModelRunner):
         self.utilization = config.gpu_memory_utilization
         self.capped = False  # the pool is as large as memory allows, not as the workload needs
         self.memory: dict[str, int] = {}  # the last sizing's numbers, in bytes (and pages)
-        self.decode_form = GpuDecode(model, self.impl) if fused_decode and isinstance(model, Transformer) \
+        self.decode_form = GpuDecode(model, self.ops) if fused_decode and isinstance(model, Transformer) \
             else None
         # bf16 weights: bf16 page centroids, half the bytes selection reads (each full page's mean rounded
         # once, kernels/append_kv.py; measured to agree with teacher-forced selection at least as well
@@ -91,7 +91,7 @@ class GpuRunner(ModelRunner):
         del scratch
         torch.cuda.empty_cache()
         # the static step's log-probs buffer and the temperature-scaled logits its sampling makes
-        static = 2 * self.max_batch * cfg.vocab_size * 4 if self.decode_graphs != "off" else 0
+        static = 2 * self.max_batch * cfg.vocab_size * 4 if self.decode_step != DecodeStep.PLAIN else 0
         static += PagedKVCache.query_ring_bytes(cfg, self.max_batch, workload.window, self.dtype)  # eviction
         activations = prefill + decode + static
         free, total = torch.cuda.mem_get_info(dev)
