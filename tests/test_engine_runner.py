@@ -66,7 +66,7 @@ def _drive(requests, max_batch, pool=100_000, page=16, copies=False):
     group's copy goes with its last sample. Returns (the most pages held at once, copies not taken,
     preemptions)."""
     blocks = BlockManager(pool, page)
-    sched = Scheduler(blocks, max_batch, 10**9, lambda src, dst: None)
+    sched = Scheduler(blocks, max_batch, 10**9)
     for i, (p, n, m) in enumerate(requests):
         sched.add(Request(i, [1] * p, SamplingParams(max_new_tokens=m, n=n), Dense(), frozenset()))
     copy, left, peak, skipped = {}, {}, 0, 0
@@ -81,7 +81,8 @@ def _drive(requests, max_batch, pool=100_000, page=16, copies=False):
                 del left[rid]
 
     while sched.has_work():
-        kind, batch = sched.schedule()
+        step = sched.schedule()
+        kind, batch = step.kind, step.batch
         if kind == "decode":
             for s in batch:
                 s.tokens.append(0)

@@ -116,28 +116,32 @@ class SharedPrefix:
 class PrefixStore:
     """The cascade's prompt copies of one engine run (CPU), by request id.
 
-    `take` makes a group's copy at its prefill, in pool pages with consecutive ids, while that leaves each
-    of its samples that can run at once a page to grow into; `release` counts the group's samples out
-    and gives the pages back after the last; `reclaim`, which the scheduler calls before it preempts
-    anyone, gives the newest copy back (its samples then read the same keys through their block
-    tables). The store holds the block
-    manager and the cache, never the engine, so the scheduler's callback makes no reference cycle."""
+    `take` makes a group's copy at its prefill, in pool pages with consecutive ids held by the block
+    manager, while that leaves each of its samples that can run at once a page to grow into; `release`
+    counts the group's samples out and gives the pages back after the last. The block manager may
+    reclaim a copy's pages before it preempts anyone: its samples then read the same keys through their
+    block tables."""
 
     def __init__(self, blocks, cache: PagedKVCache, packed: bool):
         self.blocks, self.cache, self.packed = blocks, cache, packed
-        self.prefixes: dict[int, SharedPrefix] = {}
+        self._prefixes: dict[int, SharedPrefix] = {}
         self._unfinished: dict[int, int] = {}  # request id -> samples not finished
+
+    @property
+    def prefixes(self) -> dict[int, SharedPrefix]:
+        """The copies whose pages are still held, by request id."""
+        return {rid: p for rid, p in self._prefixes.items() if rid in self.blocks.held}
 
     def take(self, request_id: int, pages: list[int], samples: int, running: int) -> SharedPrefix | None:
         """A copy of `pages` for the request's `samples`, of which at most `running` run at once."""
         m = len(pages)
         if m == 0 or self.blocks.num_free - m < running:
             return None
-        run = self.blocks.allocate_run(m)
+        run = self.blocks.hold_run(request_id, m)
         if run is None:
             return None
         prefix = SharedPrefix.in_pool(self.cache, pages, run, self.packed)
-        self.prefixes[request_id] = prefix
+        self._prefixes[request_id] = prefix
         self._unfinished[request_id] = samples
         return prefix
 
@@ -148,16 +152,9 @@ class PrefixStore:
             if self._unfinished[request_id] == 0:
                 self._drop(request_id)
 
-    def reclaim(self) -> bool:
-        """Give the newest copy's pages back to the pool; False if there is none."""
-        if not self.prefixes:
-            return False
-        self._drop(next(reversed(self.prefixes)))
-        return True
-
     def _drop(self, request_id: int) -> None:
-        del self._unfinished[request_id]
-        self.blocks.free_pages(list(self.prefixes.pop(request_id).run))
+        del self._unfinished[request_id], self._prefixes[request_id]
+        self.blocks.release(request_id)
 
 
 def upload(device: torch.device, values, dtype: torch.dtype) -> torch.Tensor:

@@ -265,9 +265,8 @@ class Engine:
         self.num_pages = self.runner.reserve(work, self.fixed_pages)  # may refuse: the requests stay pending
         self._pending = []
         self.blocks = BlockManager(self.num_pages, self.page_size)
-        reclaim = self.runner.begin(self.blocks)
-        self.scheduler = Scheduler(self.blocks, self.max_batch, self.max_prefill_tokens,
-                                   self.runner.cache.copy_pages, reclaim or _nothing, self.runner.compact)
+        self.runner.begin(self.blocks)
+        self.scheduler = Scheduler(self.blocks, self.max_batch, self.max_prefill_tokens)
         for r in reqs:
             self.scheduler.add(r)
 
@@ -290,10 +289,10 @@ class Engine:
         if self.scheduler is None or not self.scheduler.has_work():
             self.stats.decode_s += settled
             return self._take()
-        kind, batch = self.scheduler.schedule()
+        plan = self.scheduler.schedule()
         t1 = time.perf_counter()
-        if kind == "prefill":
-            seqs = self._prefill(batch)
+        if plan.kind == "prefill":
+            seqs = self._prefill(plan.batch)
             self.runner.synchronize()
             self.stats.prefill_s += time.perf_counter() - t1
             self.stats.decode_s += settled
@@ -303,7 +302,8 @@ class Engine:
                 if s.finish_reason is not None:
                     self._finish(s)
         else:
-            self._decode(batch, t1)
+            self.runner.apply(plan)
+            self._decode(plan.batch, t1)
             self.stats.decode_s += settled + time.perf_counter() - t1
         self.stats.preemptions = self.scheduler.preemptions
         return self._take()
@@ -501,6 +501,3 @@ class Engine:
         elif len(s.tokens) >= s.request.params.max_new_tokens:
             s.finish_reason = "length"
 
-
-def _nothing() -> bool:
-    return False

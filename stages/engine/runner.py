@@ -46,10 +46,12 @@ from sparrow.kernels.ops import ops_for
 from ..attention.kv_cache import PagedKVCache, SharedPrefix
 from ..attention.paged import DecodeAttention, DecodeBatch, PrefillAttention, QueryCapture, Recompute
 from ..model.llama import Transformer
-from .compaction import Compaction, QueryWindows, compact, write_retained
+from .block_manager import BlockManager
+from .compaction import QueryWindows, compact, write_retained
 from .config import DecodeStep, EngineConfig
 from .memory import Workload, pages_for
 from .sampler import sample_by_position, sample_tokens
+from .scheduler import Step
 from .sequence import Sequence as Sample
 from .static_decode import StaticDecode, StepOutput, kept_pages
 
@@ -165,11 +167,9 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ a run's hooks
 
-    def begin(self, blocks) -> Callable[[], bool] | None:
-        """A new run over `blocks` (block_manager.BlockManager); returns what the scheduler may call to
-        get pages back before it preempts (None: nothing)."""
+    def begin(self, blocks: BlockManager) -> None:
+        """A new run over `blocks`, every page free."""
         self.windows = QueryWindows(self.cache, self.max_batch) if self.cache.queries is not None else None
-        return None
 
     def on_finish(self, request_id: int) -> None:
         """A sample of the request finished."""
@@ -352,10 +352,12 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ eviction
 
-    def compact(self, plans: list[Compaction]) -> None:
-        """Run the compressions the scheduler planned, before the next decode step (compaction.py)."""
-        if plans:
-            compact(self.cache, self.windows, plans)
+    def apply(self, step: Step) -> None:
+        """Move the pages a decode step's plan moves: its compressions (compaction.py), then its copies
+        on write (the compressions read pages just given up before anything writes them)."""
+        if step.compactions:
+            compact(self.cache, self.windows, step.compactions)
+        self.cache.copy_pages(step.copy_src, step.copy_dst)
 
     def restore(self, seq: Sample, pages: list[int]) -> None:
         """A preempted evicting sample's cache, rebuilt into `pages` by replaying its eviction over its

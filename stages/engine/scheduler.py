@@ -45,7 +45,7 @@ schedule can stall.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from .block_manager import BlockManager
 from .compaction import Compaction
@@ -72,17 +72,24 @@ def prefill_tokens(entry: Request | Sequence) -> list[int]:
     return entry.request.prompt + entry.tokens[:-1]
 
 
+@dataclass
+class Step:
+    """The next engine step: a prefill of `batch` (requests and preempted samples), or a decode step of
+    the running samples once the runner has run `compactions` and then copied pages `copy_src` to
+    `copy_dst` (copy on write; compactions read pages the copies may overwrite)."""
+
+    kind: str  # "prefill" | "decode"
+    batch: list
+    compactions: list[Compaction] = field(default_factory=list)
+    copy_src: list[int] = field(default_factory=list)
+    copy_dst: list[int] = field(default_factory=list)
+
+
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_batch: int, max_prefill_tokens: int,
-                 copy_pages: Callable[[list[int], list[int]], None],
-                 reclaim: Callable[[], bool] = lambda: False,
-                 compact: Callable[[list[Compaction]], None] = lambda plans: None):
-        """`copy_pages(src, dst)` copies whole pages in the cache (copy on write before a decode).
-        `reclaim()` frees pages held for something other than a sample (the engine's cascade copies)
-        and says whether it did; it is tried before anyone is preempted. `compact(plans)` runs the
-        planned compressions of evicting samples (the runner's)."""
+    def __init__(self, blocks: BlockManager, max_batch: int, max_prefill_tokens: int):
+        """Pages held beside the samples' (`BlockManager.hold_run`) are reclaimed before anyone is
+        preempted."""
         self.blocks, self.max_batch, self.max_prefill_tokens = blocks, max_batch, max_prefill_tokens
-        self.copy_pages, self.reclaim, self.compact = copy_pages, reclaim, compact
         self.waiting: deque[Request | Sequence] = deque()
         self.ready: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -125,14 +132,15 @@ class Scheduler:
         """Free pages beyond those the running batch's next decode step takes."""
         return self.blocks.num_free - sum(self.page_need(s) for s in self.running)
 
-    def schedule(self) -> tuple[str, list]:
-        """('prefill', requests and preempted samples) or ('decode', running samples)."""
+    def schedule(self) -> Step:
+        """A prefill of waiting requests and preempted samples, else a decode step of the running ones."""
         self._fill_slots()
         admitted = self._admit()
         if admitted:
-            return "prefill", admitted
-        self._grow()
-        return "decode", list(self.running)
+            return Step("prefill", admitted)
+        step = self._grow()
+        step.batch = list(self.running)
+        return step
 
     def _fill_slots(self) -> None:
         """Ready samples join the batch while slots and their next pages are free; with nothing
@@ -170,22 +178,22 @@ class Scheduler:
             free_slots -= entry.params.n if isinstance(entry, Request) else 1
         return admitted
 
-    def _grow(self) -> None:
-        """Compress the running samples that are due, then give every running sample the page its next
-        token goes to, oldest first, preempting the latest admitted when none is free."""
+    def _grow(self) -> Step:
+        """Plan the compressions of the running samples that are due, then give every running sample the
+        page its next token goes to, oldest first, preempting the latest admitted when none is free."""
         src, dst, plans = [], [], []
         i = 0
         while i < len(self.running):
             seq = self.running[i]
             if self._due(seq):
                 while seq.status == Status.RUNNING and self._fresh_pages(seq) > self.blocks.num_free:
-                    if not self.reclaim():
+                    if not self.blocks.reclaim():
                         self.preempt(self._victim(seq, i))
                 if seq.status != Status.RUNNING:
                     break
                 plans.append(self._plan_compaction(seq))
             while seq.status == Status.RUNNING and self.page_need(seq) and not self.blocks.free:
-                if not self.reclaim():
+                if not self.blocks.reclaim():
                     self.preempt(self._victim(seq, i))
             if seq.status != Status.RUNNING:
                 break  # it was the latest admitted itself: everyone before it has their page
@@ -201,8 +209,7 @@ class Scheduler:
                     seq.pages.append(page)
             i += 1
         self.compactions += len(plans)
-        self.compact(plans)  # reads the pages just given up before anything writes them
-        self.copy_pages(src, dst)
+        return Step("decode", [], plans, src, dst)
 
     def _plan_compaction(self, seq: Sequence) -> Compaction:
         """The sample's compressed cache goes to its own pages first, then fresh ones; the rest go back."""

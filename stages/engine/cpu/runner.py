@@ -31,6 +31,7 @@ from sparrow.kernels.ops import CPU, GatherWorkspace
 from ...attention.kv_cache import PrefixStore, SharedPrefix
 from ...attention.paged import Cascade, CpuDecodeAttention, DecodeAttention, DecodeBatch
 from ...model.llama import Transformer
+from ..block_manager import BlockManager
 from ..config import EngineConfig
 from ..runner import ModelRunner, PrefillRow
 from ..sequence import Sequence as Sample
@@ -68,13 +69,9 @@ class CpuRunner(ModelRunner):
         self.store = None
         super().close()
 
-    def begin(self, blocks) -> Callable[[], bool] | None:
+    def begin(self, blocks: BlockManager) -> None:
         super().begin(blocks)
-        if not self.cascade:
-            self.store = None
-            return None
-        self.store = PrefixStore(blocks, self.cache, self._pack_prefixes())
-        return self.store.reclaim
+        self.store = PrefixStore(blocks, self.cache, self._pack_prefixes()) if self.cascade else None
 
     def _pack_prefixes(self) -> bool:
         """Prefix copies in the AVX512-BF16 kernel's layouts: bf16 on a CPU that runs the kernel."""

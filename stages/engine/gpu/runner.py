@@ -38,6 +38,7 @@ from torch import Tensor
 from ...attention.kv_cache import PagedKVCache
 from ...attention.paged import DecodeAttention
 from ...model.llama import Transformer
+from ..block_manager import BlockManager
 from ..config import DecodeStep, EngineConfig
 from ..memory import Workload, pages_for, pool_pages
 from ..runner import ModelRunner
@@ -115,9 +116,9 @@ class GpuRunner(ModelRunner):
                 peaks.append(max(torch.cuda.max_memory_allocated(dev) - base, 0))
         return peaks[0], peaks[1]
 
-    def begin(self, blocks):
+    def begin(self, blocks: BlockManager) -> None:
         self.refresh_weights()
-        return super().begin(blocks)
+        super().begin(blocks)
 
     def refresh_weights(self) -> None:
         """CUDA graphs read the weights at their addresses and bake in the Python-level choices of the
