@@ -346,7 +346,7 @@ def test_packed_linear_fp32_out_is_the_unrounded_bf16_product(rows):
 def test_a_sparse_layer_as_one_op_samples_what_the_op_by_op_chain_samples(dtype, monkeypatch):
     """`sparse_decode_layer` (append, cascade scoring, selection, paged attention in one C++ op) gives the
     op-by-op chain's tokens and logprobs bit for bit, and the step takes it."""
-    from sparrow.stages.attention.paged import CpuDecodeAttention
+    from sparrow.stages.engine.cpu.attention import CpuDecodeAttention
 
     model = load_model("smollm2-135m", dtype=dtype).model
     prompt = torch.randint(0, 1000, (300,), generator=torch.Generator().manual_seed(5)).tolist()

@@ -121,11 +121,7 @@ def make_runner(model: Transformer, config: EngineConfig) -> ModelRunner:
     """The runner for the model's device: `GpuRunner` on CUDA, and for the Triton kernels on CPU tensors
     (Backend.TRITON, under TRITON_INTERPRET=1), `CpuRunner` on a CPU otherwise."""
     device = model.embed_tokens.weight.device
-    config = config.for_device(device)
-    triton = ops_for(device, config.kernels) is TRITON
-    if config.cascade and (device.type != "cpu" or triton):
-        raise ValueError("cascade attention runs on the torch path (the CPU), not the Triton kernels")
-    if device.type == "cuda" or triton:
+    if device.type == "cuda" or ops_for(device, config.kernels) is TRITON:
         from .gpu.runner import GpuRunner
 
         return GpuRunner(model, config)
@@ -252,7 +248,7 @@ class Engine:
 
     def _workload(self, requests: list[tuple[int, SamplingParams, KVPolicy]]) -> Workload:
         return Workload.of([(n, sp.n, sp.max_new_tokens, policy) for n, sp, policy in requests],
-                           self.max_batch, self.page_size, self.runner.prefix_copies)
+                           self.max_batch, self.page_size)
 
     def _running(self) -> bool:
         """Whether a run is in progress (its scheduler has work, or decode steps are in flight)."""

@@ -43,8 +43,8 @@ from torch import Tensor
 
 from sparrow.kernels.ops import ops_for
 
-from ..attention.kv_cache import PagedKVCache, SharedPrefix
-from ..attention.paged import DecodeAttention, DecodeBatch, PrefillAttention, QueryCapture, Recompute
+from ..attention.kv_cache import PagedKVCache
+from ..attention.paged import DecodeAttention, DecodeBatch, KeyTap, PrefillAttention, QueryCapture, Recompute
 from ..model.llama import Transformer
 from .block_manager import BlockManager
 from .compaction import QueryWindows, compact, write_retained
@@ -96,8 +96,6 @@ def plan_forwards(lengths: Sequence[int], cap: int) -> list[list[Segment]]:
 
 
 class ModelRunner:
-    prefix_copies = False  # whether the pool also holds copies of prompt pages (the CPU's cascade)
-
     def __init__(self, model: Transformer, config: EngineConfig):
         self.model, self.cfg = model, model.cfg
         self.device = model.embed_tokens.weight.device
@@ -143,9 +141,13 @@ class ModelRunner:
         return self.cache.num_pages
 
     def _too_small(self, workload: Workload) -> bool:
-        return self.fixed_pages or self.cache.num_pages < workload.pages()
+        return self.fixed_pages or self.cache.num_pages < self._pages_needed(workload)
 
     def _pool_size(self, workload: Workload) -> int:
+        return self._pages_needed(workload)
+
+    def _pages_needed(self, workload: Workload) -> int:
+        """The pages a pool for `workload` holds so that nothing is preempted."""
         return workload.pages()
 
     def _static_hidden(self) -> Callable | None:
@@ -188,14 +190,11 @@ class ModelRunner:
     def prefill(self, rows: list[PrefillRow]) -> Tensor | None:
         """Write every row's keys and values into its pages -> the logits [fresh rows, V] float32 of each
         fresh row's last position, in row order (None without fresh rows)."""
-        return self._prefill(rows, {})
-
-    def _prefill(self, rows: list[PrefillRow], prefixes: dict[int, SharedPrefix]) -> Tensor | None:
         last: dict[int, Tensor] = {}
         windows = {i: self.windows.prompt_window(r.request_id, r.window, r.samples)
                    for i, r in enumerate(rows) if r.window and r.budgets is None}
         for forward in plan_forwards([len(r.tokens) for r in rows], self.max_prefill_tokens):
-            hidden = self._forward(rows, forward, prefixes, self.cache, windows)
+            hidden = self._forward(rows, forward, self.cache, windows)
             for j, (i, start, end) in enumerate(forward):
                 if rows[i].budgets is None and end == len(rows[i].tokens):
                     last[i] = hidden[j, end - start - 1]
@@ -203,8 +202,8 @@ class ModelRunner:
             return None
         return self._head(torch.stack([last[i] for i in sorted(last)]))
 
-    def _forward(self, rows: list[PrefillRow], forward: list[Segment], prefixes: dict[int, SharedPrefix],
-                 cache: PagedKVCache, windows: dict[int, Tensor] | None = None) -> Tensor:
+    def _forward(self, rows: list[PrefillRow], forward: list[Segment], cache: PagedKVCache,
+                 windows: dict[int, Tensor] | None = None) -> Tensor:
         """One forward of the prefill -> hidden states [G, T, hidden]. `windows`: the query-window
         buffers of the rows whose policy evicts, by row."""
         P, dev = self.page_size, self.device
@@ -221,8 +220,6 @@ class ModelRunner:
             valid[j, : end - start] = positions[j, : end - start] < row.prompt_len
         slot = np.take_along_axis(table, positions // P, axis=1) * P + positions % P  # [G, T]
         continued = forward[0][1] > 0  # a later chunk of one row
-        stores = [(j, prefixes[i]) for j, (i, start, end) in enumerate(forward)
-                  if i in prefixes and start < prefixes[i].tokens <= end]
         captures = []
         for j, (i, start, end) in enumerate(forward):
             if windows and i in windows:
@@ -232,10 +229,15 @@ class ModelRunner:
                     captures.append(QueryCapture(j, torch.from_numpy(pos - start).to(dev),
                                                  torch.from_numpy(pos % w).to(dev), windows[i]))
         attn = PrefillAttention(cache, torch.from_numpy(valid).to(dev), torch.from_numpy(slot[valid]).to(dev),
-                                self.ops, self._recompute(rows, forward, positions, slot, table), stores,
+                                self.ops, self._recompute(rows, forward, positions, slot, table),
+                                self._key_taps(forward),
                                 torch.from_numpy(table).to(dev) if continued else None, captures)
         return self.model.hidden_states(tokens.to(dev), positions=torch.from_numpy(positions).to(dev),
                                         attention=attn)
+
+    def _key_taps(self, forward: list[Segment]) -> list[KeyTap]:
+        """What reads a prefill forward's keys and values per layer besides the pool (nothing here)."""
+        return []
 
     def _recompute(self, rows: list[PrefillRow], forward: list[Segment], positions: np.ndarray,
                    slot: np.ndarray, table: np.ndarray) -> Recompute | None:
@@ -409,7 +411,7 @@ class ModelRunner:
         if part in ("prefill", "both"):
             chunk = min(self.max_prefill_tokens, longest)
             row = PrefillRow([0] * longest, longest, pages)
-            hidden = self._forward([row], [(0, longest - chunk, longest)], {}, scratch)
+            hidden = self._forward([row], [(0, longest - chunk, longest)], scratch)
             self.model.logits(hidden[:, -1])
             del hidden
         if part in ("decode", "both"):

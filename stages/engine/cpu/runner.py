@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from contextlib import nullcontext
+from dataclasses import replace
 
 import torch
 from torch import Tensor
@@ -28,17 +29,19 @@ from sparrow.kernels import cpu_attention
 from sparrow.kernels.cascade_decode import suffix_pages
 from sparrow.kernels.ops import CPU, GatherWorkspace
 
-from ...attention.kv_cache import PrefixStore, SharedPrefix
-from ...attention.paged import Cascade, CpuDecodeAttention, DecodeAttention, DecodeBatch
+from ...attention.paged import DecodeAttention, DecodeBatch, KeyTap
 from ...model.llama import Transformer
 from ..block_manager import BlockManager
 from ..config import EngineConfig
-from ..runner import ModelRunner, PrefillRow
+from ..memory import Workload
+from ..runner import ModelRunner, PrefillRow, Segment
 from ..sequence import Sequence as Sample
 from .allocator import tune_cpu_allocator
+from .attention import Cascade, CpuDecodeAttention
 from .fused_decode import FusedCpuDecode
 from .layers import CpuLayerOps, cpu_layers_available
 from .packed_linears import DOT_MAX_ROWS, PackedLinears, dot_product, packing_available
+from .prefix_store import PrefixStore, SharedPrefix
 
 
 class CpuRunner(ModelRunner):
@@ -46,7 +49,6 @@ class CpuRunner(ModelRunner):
         super().__init__(model, config)
         tune_cpu_allocator()
         self.cascade = config.cascade is not False
-        self.prefix_copies = self.cascade
         own = self.ops is CPU  # the torch references: no C++ kernel anywhere in the step
         self.workspace = GatherWorkspace()  # the torch references' K/V gather buffers, reused every step
         self.packed = PackedLinears(model, self.max_batch, own) if packing_available(model) else None
@@ -55,11 +57,15 @@ class CpuRunner(ModelRunner):
             self.packed is not None and self.packed.dot and self.layer_ops is not None
             and isinstance(model, Transformer)) else None
         self.store: PrefixStore | None = None
+        self._copies: dict[int, SharedPrefix] = {}
 
     @property
     def prefixes(self) -> dict[int, SharedPrefix]:
         """The current run's prompt copies by request id."""
         return self.store.prefixes if self.store is not None else {}
+
+    def _pages_needed(self, workload: Workload) -> int:
+        return replace(workload, prefix_copies=self.cascade).pages()
 
     def _static_attention(self) -> Callable[[DecodeBatch], DecodeAttention]:
         return functools.partial(CpuDecodeAttention, self.cache, dense_layers=self.dense_layers,
@@ -95,7 +101,7 @@ class CpuRunner(ModelRunner):
     def prefill(self, rows: list[PrefillRow]) -> Tensor | None:
         """As the plain path, and each fresh prompt's full pages copied for cascade attention where the
         pool can spare them."""
-        prefixes: dict[int, SharedPrefix] = {}
+        self._copies: dict[int, SharedPrefix] = {}  # by row: the prompt copies this prefill fills
         if self.store is not None:
             for i, row in enumerate(rows):
                 full = row.prompt_len // self.page_size
@@ -103,10 +109,18 @@ class CpuRunner(ModelRunner):
                     prefix = self.store.take(row.request_id, row.pages[:full], row.samples,
                                              min(row.samples, self.max_batch))
                     if prefix is not None:
-                        prefixes[i] = prefix
+                        self._copies[i] = prefix
         if self.packed is not None:
             self.packed.refresh()  # the packed head (`_head`) now, not at the first decode step
-        return self._prefill(rows, prefixes)
+        try:
+            return super().prefill(rows)
+        finally:
+            self._copies = {}
+
+    def _key_taps(self, forward: list[Segment]) -> list[KeyTap]:
+        """The prompt copies whose last position this forward reaches take the row's keys and values."""
+        return [functools.partial(_fill_copy, j, self._copies[i]) for j, (i, start, end) in enumerate(forward)
+                if i in self._copies and start < self._copies[i].tokens <= end]
 
     # ------------------------------------------------------------------ decode
 
@@ -149,3 +163,9 @@ class CpuRunner(ModelRunner):
         dev = self.device
         return Cascade([(torch.tensor(rows, device=dev), prefixes[rid]) for rid, rows in groups.items()],
                        suffix_pages(first, [len(s.pages) for s in seqs], self.cfg.num_kv_heads, dev))
+
+
+def _fill_copy(row: int, prefix: SharedPrefix, layer: int, keys: Tensor, values: Tensor,
+               centroids: Tensor) -> None:
+    t = prefix.tokens
+    prefix.store(layer, keys[row, :, :t], values[row, :, :t], centroids[list(prefix.pages)])

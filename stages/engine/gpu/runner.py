@@ -50,6 +50,8 @@ class GpuRunner(ModelRunner):
     def __init__(self, model: Transformer, config: EngineConfig, fused_decode: bool = True):
         """`fused_decode`: decode steps in the inference form (gpu_layers.py); False: the model's modular
         forward (what the tests and benches compare it with)."""
+        if config.cascade:
+            raise ValueError("cascade attention runs on the torch path (the CPU), not the Triton kernels")
         super().__init__(model, config)
         self.utilization = config.gpu_memory_utilization
         self.capped = False  # the pool is as large as memory allows, not as the workload needs
