@@ -1,15 +1,9 @@
-"""Paged KV storage: one tensor per kind for all layers, indexed by physical page.
+"""Paged KV storage: one tensor per kind for all layers, indexed by physical page (kernels/CONTRACT.md).
 
-Layout per layer (the kernels' contract, kernels/CONTRACT.md): `k[l]`, `v[l]` are
-[num_pages, Hkv, P, D] in the model dtype and `centroids[l]` is [num_pages, Hkv, D] float32 (bf16 where
-the runner asks for it), the mean of the post-RoPE keys written so far into the page. Keeping all layers
-in one tensor makes copying a page (a sample's private copy of the prompt's partial last page) one
-indexing op for every layer. Memory is zero-initialised (calloc'd on the CPU, so untouched pages cost
-no resident memory).
-
-Under an eviction policy the pool also holds the query ring the compressions read (`queries`, [layers,
-slots x window + 1, Hq, D] in the model dtype: `window` rows per running sample and a last row that
-padding rows and samples that evict nothing write to; compaction.py).
+`k[l]`, `v[l]` are [num_pages, Hkv, P, D] in the model dtype, `centroids[l]` [num_pages, Hkv, D] (the mean
+of the post-RoPE keys written into the page); one tensor for all layers makes a page copy one indexing
+op. Zero-initialised (calloc'd on the CPU). Under an eviction policy the pool also holds the query ring
+the compressions read (`queries`, compaction.py).
 """
 
 from __future__ import annotations

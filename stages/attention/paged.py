@@ -1,24 +1,12 @@
 """The engine's `Attention` objects over the paged pool: our decoder calls them once per layer with
 post-RoPE q, k, v; the kernels are those of the ops object the runner holds.
 
-`PrefillAttention`: one forward of a prefill, at most `max_prefill_tokens` tokens (prefill is dense).
-Rows that start at position 0 (right-padded to one length) attend causally to themselves
-(`ops.causal_attention`). A later chunk of a long row (`history`: its block table) attends
-to the prefix earlier chunks wrote, read back from the pool, and causally within itself (SDPA with a
-lower-right causal mask: the chunk's queries are the last positions of its keys). Every row's
-keys/values are scattered into the pages (`ops.write_prefill`, which also sets the page centroids from
-the page's contents, so a page split between chunks gets the mean of all its keys). A row may also be a
-preempted sample's recompute (`Recompute`): its generated positions are written as decoding wrote them,
-one `ops.append_kv` per page offset in order (chunks run in order, so across chunks too), so the
-centroids are the same running means (of complete and partial pages) and not write_prefill's sums; and
-each generated query attends as its decode step did, by the block top-k rule at the budget that step
-had (`block_topk_sdpa` over the cache's centroids: the pages it scores were complete at that step, so
-their centroids then were what they are now).
-`DecodeAttention`: one new token per running sequence. Its k/v are appended to the sequence's page
-(`ops.append_kv`, incremental centroid), then the query attends either to every page
-(`ops.dense_paged_attention`) or, in sparse layers when some request has a budget, to the pages
-chosen by block top-k (`ops.select_pages` + `ops.sparse_paged_attention`). Requests with budget 0 in a
-sparse step keep all their pages, so mixed batches need no special case.
+`PrefillAttention`: one forward of a prefill (dense). Rows from position 0 attend causally to themselves;
+a later chunk of a long row (`history`) attends to the prefix earlier chunks wrote. Every row's keys and
+values are scattered into the pages with their centroids; a preempted sample's recompute (`Recompute`)
+writes its generated positions as decoding wrote them (running-mean centroids) and attends at the
+budgets its decode steps had. `DecodeAttention`: one new token per running sequence, appended to its page,
+then dense paged attention or, in sparse layers, block top-k selection and attention over the kept pages.
 """
 
 from __future__ import annotations

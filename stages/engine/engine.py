@@ -1,64 +1,12 @@
-"""`Engine`: paged KV cache + continuous batching + block top-k sparse decode, over our decoder.
+"""`Engine`: paged KV cache, continuous batching and block top-k sparse decode (or KV eviction) over our
+decoder, after nano-vllm.
 
-    with Engine(model, sparsity=Schedule(...) | 512 | None, max_batch=16) as engine:
+    with Engine(model, policy, EngineConfig(max_batch=16)) as engine:
         results = engine.generate(prompts, SamplingParams(n=8, max_new_tokens=1024, temperature=1.0))
 
-The engine is device-agnostic: requests, the scheduler (scheduler.py), the pages (block_manager.py), the
-samples' bookkeeping and the stats. What runs the model is its runner, one per device (nano-vllm's
-ModelRunner is the model): `CpuRunner` (cpu_runner.py: C++ kernels, packed weights, the fused decode
-layers, cascade attention) or `GpuRunner` (gpu_runner.py: Triton kernels, CUDA graphs, the pool sized
-from --gpu-memory-utilization after a profiling run); `ModelRunner` (runner.py) is the plain path they
-share (the GPU runner also runs the Triton kernels on a CPU under TRITON_INTERPRET=1). The runner owns the
-weights' inference form, the KV pool, the graphs, the sampler call and `close()`.
-
-One engine step is either a prefill (new prompts, dense, in forwards of at most `max_prefill_tokens`
-tokens, a long prompt in chunks that attend to the pages the earlier chunks wrote, and preempted samples
-being recomputed) or a decode step (one token for every running sample). The n samples of a prompt
-share one prefill: its pages are shared through the block tables (reference counted) and a sample
-copies the partial last page when it first writes to it. Pages are allocated as sequences grow and a
-full pool preempts the latest admitted sample, which is recomputed later with the keys, values,
-centroids and page selections it had up to float rounding (scheduler.py). Each request has a KV policy
-(stages/kv_policies: dense, block top-k, eviction), made from the `sparsity` given; each decode step
-uses, per sample, the budget its policy reads at the cache length at which the token is produced
-(`policy.read_budget(num_tokens)`, query at position num_tokens - 1), so the rollout's logprobs are those
-teacher-forced sparse scoring gives (`stages.mismatch.score_sequences`), within float tolerance. A
-sample's cache length (`Sequence.cached`: where its next keys go, what its attention reads) and the
-RoPE position of the token it feeds (`Sequence.position`) are kept apart. Under an eviction policy
-(SnapKV, R-KV) a sample whose cache reached budget + buffer is compressed before the next step
-(scheduler.py plans it, compaction.py moves the data): its logprobs are those teacher-forced scoring
-gives by replaying the eviction, within float tolerance (a near tie in a kept set may go either way).
-
-Decode steps are pipelined where the runner samples on the device (its static step: CUDA graphs, or
-decode_graphs="eager"): the engine launches step t+1 before it reads step t's tokens, so the host's
-scheduling and bookkeeping overlap the device's work and nothing waits on the device per step but for
-the previous step's results (runner.py, static_decode.py). Finished samples are then noticed a step
-late, with exact EOS and max_new_tokens semantics: a sample whose last token is in flight (it reaches
-max_new_tokens) leaves the batch at once, and a token sampled past an EOS the host had not read yet is
-dropped, never returned (`stats.dropped_tokens`). A sample that joins the batch, and any prefill or
-preemption, first waits for the steps in flight (`_settle`): admission and preemption need every token
-read back. The plain runner (the CPU's) samples on the host and returns each step's tokens at once.
-
-What holds on which device. Each sample draws from its own seed, derived from (seed, request id, sample),
-so what it draws from given logits does not depend on its batch: on the plain path through its own
-generator, on the device path through the counter-noise race keyed by the seed and the token's position
-(sampler.py), which is the same draw on every device and after a preemption. On a CPU a row's logits are
-computed row by row (our products for up to 16 rows, the attention kernels per row), so the same seed
-gives the same rollouts with any --max-batch up to 16 (tested in fp32); above 16 rows the products are
-oneDNN's, whose rounding is not promised to be independent of the row count. On CUDA the products run at
-the shape of the batch bucket and the kernels may round differently per shape, so another --max-batch can
-change logits in the last bits and, at a near tie, a sampled token: the same rollouts are not promised
-there. A preempted sample's recompute is a prefill, whose products round differently from the decode steps
-that first wrote its keys: in fp32 the difference is at rounding level (the CPU tests find the same tokens
-and logprobs within 1e-5), so a token can change only at a near tie; in bf16, and on CUDA, near ties in
-the next token or in page selection are common enough that a preempted sample may continue differently.
-
-An engine is reused across runs (a run: from idle, through generate(), to idle again): its pool and
-graphs are kept while large enough, each run starts with all pages free, and the same prompts, params
-and request ids give what a fresh engine gives. The weights may change between runs (an optimizer
-step): packed CPU copies follow each weight's version counter and CUDA graphs its address; call
-`update_weights()` after changes those cannot see. `close()` (or leaving the `with` block) frees the
-pool and the graphs at once; an engine that is simply dropped frees them by reference counting (no
-reference cycle holds them).
+The engine keeps requests, the scheduler's queues, the pages and the stats, and knows no device: its
+runner (runner.py, cpu/, gpu/) runs the model. The design, what holds bit for bit on which device, and
+the pipelined decode loop: docs/engine.md.
 """
 
 from __future__ import annotations

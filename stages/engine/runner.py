@@ -1,32 +1,11 @@
 """`ModelRunner`: what runs the model for the engine on one device: the KV pool, prefill, decode, sampling.
 
-The engine (engine.py) decides what runs (requests, scheduler, pages, bookkeeping) and hands the runner
-rows to prefill and sequences to decode; the runner owns the weights' inference form, the KV pool
-(`PagedKVCache`), the static decode step and its CUDA graphs (static_decode.py), the sampler call and
-`close()`. This class is the plain path, on any device: the model's own modules, the paged-KV ops of
-`sparrow.kernels.ops` under `impl` (Triton on CUDA, or under TRITON_INTERPRET=1 on a CPU; the torch
-references with impl="torch"). `CpuRunner` (cpu_runner.py) adds the CPU's machinery, `GpuRunner`
-(gpu_runner.py) the pool sized from device memory and the CUDA graphs.
-
-Prefill is chunked: one forward holds at most `max_prefill_tokens` tokens, padding included. Rows that
-fit are prefilled together, right-padded to the longest; a longer row is prefilled alone in chunks, each
-attending to the keys the earlier ones paged (`PrefillAttention.history`). So the activations of a
-prefill are bounded whatever the prompt, and so is the recompute of a preempted sample. A chunked
-prefill computes what a one-shot prefill computes, rounded differently (other kernel, other shapes).
-
-Decode steps are launched and their results collected (`launch_decode`, `collect`). The plain step
-samples on the host with each sample's generator and its results are ready at once. With a static step
-(decode_graphs "cuda" or "eager") the step samples on the device (sampler.py: the counter-noise race
-keyed by the sample's seed and position) and its results come back asynchronously: `lag` = 1, the engine
-reads step t's tokens after it launched step t+1. Such a runner samples the same way everywhere, a
-prefill's first tokens and a step that does not fit the static buffers included, so a sample's draws do
-not depend on which of its steps ran where.
-
-Eviction (compaction.py): the runner keeps the pool's query ring (`QueryWindows`: each prompt's last
-queries captured at its prefill, each running sample's written by the decode step), runs the
-compressions the scheduler planned (`compact`) and rebuilds a preempted evicting sample (`restore`) by
-replaying its eviction (stages/kv_policies/replay.py, prompt chunks of `max_prefill_tokens`) into its
-fresh pages: the retained keys and values, their centroids and its query window.
+The engine decides what runs and hands the runner rows to prefill and samples to decode; the runner owns
+the KV pool, the static decode step (static_decode.py) and the sampler call, with the kernels of one ops
+object chosen when it is built. This class is the shared path; `CpuRunner` (cpu/) and `GpuRunner` (gpu/)
+add their device's machinery through the hooks it calls. Prefill is chunked to `max_prefill_tokens`
+per forward. With a static step decode results come back a step late (`lag`); the plain step samples on
+the host and returns them at once.
 """
 
 from __future__ import annotations

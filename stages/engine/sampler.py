@@ -1,23 +1,11 @@
-"""Batched sampling: temperature, top-k, top-p, one random generator per sample.
+"""Batched sampling: temperature, top-k, top-p, one seed per sample.
 
-Each sample owns a `torch.Generator` seeded from (seed, request, sample), so what a sample draws from
-given logits does not depend on which other sequences share its batch. Whether the logits themselves
-do is the device's business (engine.py: not on a CPU with up to 16 rows; on CUDA the batch bucket's
-kernels may round differently, so the same seed gives the same rollouts with any --max-batch only on
-the CPU). Logprobs follow `stages.generate.sample_next`: log_softmax(logits / T) of the sampled
-token, T = 1 when greedy, before truncation. A sampled row draws by an exponential race, argmax p / E
-with E ~ Exp(1) per token, which is exact and needs one noise draw per sample and one batched argmax; on a
-CPU, rows without top-k/top-p run it in one C++ pass with counter-based noise (kernels/cpu_sampling.py).
-
-The device path (`sample_on_device`, `sample_by_position`): the static decode step (static_decode.py, the
-step CUDA graphs replay) samples inside the step, where no host generator can run. It races with the same
-counter noise, each row's seed derived from the sample's seed and the position of the query that produced
-the logits (kernels/race_sample.py: `row_seeds`), so a draw depends on the sample and its position only:
-the same on every device for the same logits, whatever the batch, and again after a preemption. Greedy
-rows take the argmax of the logits; logprobs are those of the host path. The graph's step covers greedy and
-untruncated sampled rows; rows with top-k/top-p are drawn again after the graph from the same log-probs
-masked to the truncated set (`redraw_truncated`, eager device ops), and top logprobs are taken there too:
-both still on the device, without a sync.
+Logprobs are log_softmax(logits / T) of the sampled token (T = 1 when greedy), before truncation. A row
+draws by an exponential race, argmax p / E. The host path (`sample_tokens`) races with each sample's own
+generator, so a draw does not depend on the batch. The device path (`sample_on_device`,
+`sample_by_position`, the static step's) races with counter noise keyed by the sample's seed and the
+query's position, the same draw on every device; rows with top-k/top-p are drawn again over the
+truncated set, still on the device.
 """
 
 from __future__ import annotations

@@ -1,45 +1,13 @@
-"""Continuous batching with pages on demand and preemption by recompute: who runs in the next step.
+"""Continuous batching with pages on demand and preemption by recompute: what the next engine step runs.
 
-Three queues. `waiting`: requests not yet prefilled, and preempted samples to be recomputed (at the
-front, oldest first). `ready`: samples whose prefill is done (a fresh request's samples have their
-first token) but that have no slot in the running batch yet, e.g. the samples of a prompt with
-n > --max-batch. `running`: at most `max_batch` samples decoded together, in admission order.
-
-Each step: ready samples fill free slots first; if slots are still free, waiting entries are admitted
-(FIFO, as many as the free slots, the prefill token cap and the free pages allow) and the step is a
-prefill; otherwise it is a decode step over everything running. Finished samples leave after every
-step, so the next step can take new ones in.
-
-Pages are allocated as sequences grow, as in vLLM: a prefill takes its prompt's pages, which its n
-samples then share (the partial last page too), and before a decode step every running sample gets
-the page its next token goes to: a fresh page when it crosses a page boundary, its own copy of a page
-it still shares (copy on write). Admission only takes what leaves the running batch its next step's
-pages, so a new prefill does not immediately push anyone out. When a decode step finds no free page,
-the latest admitted sample is preempted (vLLM's choice: the end of `running`, else the end of
-`ready`, else the sample asking itself): its pages are dropped (shared ones survive with their other
-owners) and it goes back to the front of `waiting`. Its recompute is a prefill of the prompt plus all
-its generated tokens but the last, into pages of its own (the prompt's are not re-shared: simpler, and
-it costs only the prompt's pages once per recomputed sample). It writes the keys and values decoding
-wrote (equal up to float rounding: a prefill's matrix products round differently from a decode
-step's) with the same running-mean centroids, and each generated position attends by the block top-k
-rule at the budget its decode step had (runner.py), so its next decode step feeds the last token as
-it would have up to that rounding; it keeps its random generator, so it draws what it would have
-drawn from the same logits. So in fp32 it keeps its tokens unless a near tie flips; in bf16 or on CUDA
-a near tie in a token or a page selection is common enough that it may not (engine.py). A recompute
-longer than the prefill token cap is prefilled in chunks (runner.py); admission caps the tokens of a
-prefill step except for its first entry, which may be that long.
-
-Eviction (stages/kv_policies, rollout/compaction.py): before a decode step, a running sample whose cache
-reached its policy's budget + buffer is compressed back to the budget. Its compressed cache goes to
-pages of its own (refcount 1, in its block table's order) and, where those are too few (its first
-pages are the prompt's, shared), to fresh pages, which may take preemptions as a growing sample's page
-does; the pages it no longer needs go back (a shared one stays with its other owners). The runner moves
-the data (`compact`) before the step's copies on write and its decode, so the freed pages can be reused
-in the same step. A preempted evicting sample's recompute rebuilds only its retained cache, so its
-prefill takes the pages of that cache, not of its prompt and every generated token. The oldest
-running sample is never the victim, so it always progresses: a request is refused up front if one
-of its samples at full length needs more pages than the pool has (engine.py), and with that no
-schedule can stall.
+Three queues: `waiting` (requests not prefilled, and preempted samples at the front), `ready` (prefilled
+samples without a slot) and `running` (at most `max_batch` samples decoded together). Each step ready
+samples fill free slots, then waiting entries are admitted as slots, the prefill token cap and free pages
+allow (a prefill step), else every running sample decodes. Before a decode step each running sample gets
+the page its next token goes to (a fresh one, or its copy of a shared one), and evicting samples that
+reached budget + buffer are compressed; when no page is free, held pages are reclaimed and then the
+latest admitted sample is preempted (vLLM's choice). The oldest running sample is never the victim, so
+a schedule cannot stall. `schedule()` returns the plan; the engine applies it through the runner.
 """
 
 from __future__ import annotations

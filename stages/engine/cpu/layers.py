@@ -1,13 +1,8 @@
-"""The CPU decode step's small per-layer ops in C++ (kernels/cpu_layers.cpp): RMSNorm and the rotary
-embedding of q and k, each one op.
+"""The CPU decode step's small per-layer ops in C++: RMSNorm and the rotary embedding of q and k.
 
-In a decode step of SmolLM2 (30 layers, 8 rows) the eager RMSNorm is 8 ops (the casts, pow, mean,
-rsqrt, two products) and the rotary embedding of q and k 14 (slices, negation, concatenation,
-products, sums), each a few microseconds of dispatch and Python for a few thousand numbers: about 800 of
-a sparse step's 2,400 ops. Inside `active()` the model's RMSNorm modules and its attention's `rope`
-method run the C++ ops instead; outside, the modules are their plain selves (training and scoring use
-the torch code). The C++ ops compute in fp32 and round once, so in bf16 they differ from the eager
-chain (which rounds after each op) by bf16 rounding; in fp32, by the order of a sum.
+Inside `active()` the model's RMSNorm modules and its attention's `rope` run one C++ op each instead of
+a chain of small eager ops; outside, the modules are their plain selves. The ops compute in fp32 and
+round once.
 """
 
 from __future__ import annotations

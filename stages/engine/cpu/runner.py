@@ -1,18 +1,9 @@
-"""`CpuRunner`: the runner on a CPU, with the machinery that makes a CPU decode step fast.
+"""`CpuRunner`: the runner on a CPU: C++ kernels, packed weights, fused decode layers, cascade attention.
 
-On top of the plain path (runner.py): the C++ kernels of kernels/cpu_attention.py where they build
-(impl="auto"; impl="torch" runs the torch references), glibc's allocator tuned for the process
-(allocator.py), linears on prepacked weights (our C++ product in bf16 and fp32, oneDNN's otherwise;
-packed_linears.py), the norms and rotary embedding as C++ ops (cpu_layers.py), a decode layer as two
-C++ ops around the attention where every projection is packed for our product (cpu_decode.py; its
-logits are the modular step's bit for bit), reused K/V gather buffers, and cascade attention: the dense
-attention of samples sharing a prompt reads the prompt's pages once per step, from a contiguous copy
-taken at prefill into pool pages (`PrefixStore`, kv_cache.py). Samples of an evicting policy take no
-copy and never read one: their compressed caches start with pages of their own, not the prompt's.
-
-The pool is sized for the workload (`Workload.pages`, every sample at full length, nothing preempted):
-a CPU has no memory fraction to fill, and pages nobody writes cost no resident memory (the pool is
-calloc'd). A pool from an earlier run is kept when it is large enough.
+On top of the shared path: glibc's allocator tuned (allocator.py), linears on prepacked weights
+(packed_linears.py), the norms and rotary embedding as C++ ops (layers.py), a decode layer as two C++
+ops (fused_decode.py), reused gather buffers, and cascade attention over prompt copies taken at prefill
+(prefix_store.py, attention.py). The pool is sized for the workload: pages nobody writes cost nothing.
 """
 
 from __future__ import annotations
