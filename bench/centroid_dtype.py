@@ -24,8 +24,10 @@ import argparse
 import numpy as np
 import torch
 
+from sparrow.kernels.ops import Backend
 from sparrow.stages.attention.block_topk import kept_page_mask, page_centroids
-from sparrow.stages.engine import Engine, SamplingParams
+from sparrow.stages.core.sparsity import as_policy
+from sparrow.stages.engine import Engine, EngineConfig, SamplingParams
 from sparrow.stages.model.llama import AttentionContext, DenseAttention
 from sparrow.stages.model.loading import load_model
 from sparrow.stages.scoring.mismatch import score_sequences
@@ -93,7 +95,8 @@ def rollout_gaps(model, prompt: list[int], args) -> dict:
     params = SamplingParams(max_new_tokens=args.new_tokens, n=args.samples, seed=3, temperature=1.0,
                             ignore_eos=True)
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-        engine = Engine(model, args.budget, max_batch=args.samples, impl="torch", cascade=False)
+        engine = Engine(model, as_policy(args.budget), EngineConfig(max_batch=args.samples,
+                                                                    kernels=Backend.TORCH, cascade=False))
         engine.runner.centroid_dtype = dtype
         samples = engine.generate([prompt], params)[0]
         assert engine.runner.cache.centroids.dtype == dtype

@@ -18,7 +18,8 @@ import time
 import torch
 
 from sparrow.stages.attention import validate_budget
-from sparrow.stages.engine import Engine, SamplingParams
+from sparrow.stages.core.sparsity import as_policy
+from sparrow.stages.engine import Engine, EngineConfig, SamplingParams
 from sparrow.stages.model.loading import load_model
 
 
@@ -48,8 +49,8 @@ def main() -> None:
     loaded = load_model(args.model, dtype=getattr(torch, args.dtype))
     prompt = torch.randint(100, loaded.config.vocab_size, (args.context,),
                            generator=torch.Generator().manual_seed(0)).tolist()
-    engine = Engine(loaded.model, args.budget or None, max_batch=args.samples,
-                    cascade=False if args.no_cascade else None)
+    config = EngineConfig(max_batch=args.samples, cascade=False if args.no_cascade else None)
+    engine = Engine(loaded.model, as_policy(args.budget or None), config)
     params = SamplingParams(max_new_tokens=args.steps + 16, n=args.samples, temperature=1.0, seed=0,
                             ignore_eos=True)
     engine.add_request(prompt, params)

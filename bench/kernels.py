@@ -60,17 +60,18 @@ def bench_context(args, device, dtype, context: int, bw: float) -> list[dict]:
     budgets = torch.full((args.batch,), args.budget, dtype=torch.int32, device=device)
     scale = d**-0.5
     k_sel = args.budget // page
-    selected = ops.select_pages(q, cents, table, lens, budgets, page, max_selected=k_sel)
+    kernels = ops.ops_for(device)
+    selected = kernels.select_pages(q, cents, table, lens, budgets, page, max_selected=k_sel)
     runs = {
-        "dense": lambda: ops.dense_paged_attention(q, k_pages, v_pages, table, lens, scale),
-        "select": lambda: ops.select_pages(q, cents, table, lens, budgets, page, max_selected=k_sel),
-        "select-torch": lambda: finish_selection(ops.page_scores(q, cents, table, lens, page), lens,
+        "dense": lambda: kernels.dense_paged_attention(q, k_pages, v_pages, table, lens, scale),
+        "select": lambda: kernels.select_pages(q, cents, table, lens, budgets, page, max_selected=k_sel),
+        "select-torch": lambda: finish_selection(kernels.page_scores(q, cents, table, lens, page), lens,
                                                  budgets, page, max_selected=k_sel),
-        "sparse-attn": lambda: ops.sparse_paged_attention(q, k_pages, v_pages, table, lens, selected,
+        "sparse-attn": lambda: kernels.sparse_paged_attention(q, k_pages, v_pages, table, lens, selected,
                                                           scale),
-        "sparse": lambda: ops.sparse_paged_attention(
+        "sparse": lambda: kernels.sparse_paged_attention(
             q, k_pages, v_pages, table, lens,
-            ops.select_pages(q, cents, table, lens, budgets, page, max_selected=k_sel), scale),
+            kernels.select_pages(q, cents, table, lens, budgets, page, max_selected=k_sel), scale),
     }
     elem = k_pages.element_size()
     kv_token = 2 * hkv * d * elem
@@ -128,19 +129,19 @@ def bench_elementwise(args, device, dtype, bw: float) -> list[dict]:
     cents = torch.zeros(b, hkv, d, device=device, dtype=cent_dtype)
     gate_up = torch.randn(b, 2 * inter, generator=g, device=device, dtype=dtype)
     e, c = torch.tensor([], dtype=dtype).element_size(), torch.tensor([], dtype=cent_dtype).element_size()
-    impl = "auto" if device.type == "cuda" else "torch"
+    kernels = ops.ops_for(device) if device.type == "cuda" else ops.TORCH
     runs = {
-        "add_rms_norm": (lambda: ops.add_rms_norm(x, residual, w, 1e-6, impl),
+        "add_rms_norm": (lambda: kernels.add_rms_norm(x, residual, w, 1e-6),
                          lambda: add_rms_norm_reference(x, residual, w, 1e-6),
                          4 * b * h * e + h * e, 2 * cfg.num_layers + 1),
         "qk_norm_rope_append": (
-            lambda: ops.qk_norm_rope_append(qkv, positions, slots, cos, sin, qn, qn, 1e-6, k_pages, v_pages,
-                                            cents, hq, impl),
+            lambda: kernels.qk_norm_rope_append(qkv, positions, slots, cos, sin, qn, qn, 1e-6, k_pages,
+                                                v_pages, cents, hq),
             lambda: qk_norm_rope_append_reference(qkv, positions, slots, cos, sin, qn, qn, 1e-6, k_pages,
                                                   v_pages, cents, hq),
             b * (hq + 2 * hkv) * d * e + b * hq * d * e + 2 * b * hkv * d * e + 2 * b * hkv * d * c
             + 2 * b * d * e + 2 * d * e, cfg.num_layers),
-        "silu_mul": (lambda: ops.silu_mul(gate_up, impl), lambda: silu_mul_reference(gate_up),
+        "silu_mul": (lambda: kernels.silu_mul(gate_up), lambda: silu_mul_reference(gate_up),
                      3 * b * inter * e, cfg.num_layers),
     }
     rows = []
@@ -179,7 +180,7 @@ def main() -> None:
     dtype = torch.bfloat16 if on_gpu else torch.float32
     bw = copy_bandwidth(device)
     name = torch.cuda.get_device_name(device) if on_gpu else "cpu"
-    impl = "Triton" if ops.use_triton("auto", torch.empty(0, device=device)) else "torch reference"
+    impl = "Triton" if ops.ops_for(device) is ops.TRITON else "torch reference"
     timing = "eager calls" if args.eager or not on_gpu else "CUDA graph replays"
     print(f"{args.model} attention shapes, batch {args.batch}, budget {args.budget}, {dtype}, {name}, "
           f"{timing}, copy bandwidth {bw / 1e9:.0f} GB/s, {impl}")

@@ -44,7 +44,8 @@ import torch
 from common import write_results
 
 from sparrow.schemas import write_artifact
-from sparrow.stages.engine import Engine, SamplingParams
+from sparrow.stages.core.sparsity import as_policy
+from sparrow.stages.engine import Engine, EngineConfig, SamplingParams
 from sparrow.stages.engine.memory import Workload
 from sparrow.stages.kv_policies import RKV, SnapKV
 from sparrow.stages.model.loading import load_model
@@ -84,7 +85,7 @@ def run_rollout(args, loaded, rows) -> list[dict]:
                              16).pages()
     out = []
     for name, sparsity in policies(args.budget, args.buffer).items():
-        with Engine(model, sparsity, max_batch=n_samples, cascade=CASCADE) as engine:
+        with Engine(model, as_policy(sparsity), EngineConfig(max_batch=n_samples, cascade=CASCADE)) as engine:
             t0 = time.perf_counter()
             results = engine.generate(prompts, params)
             wall = time.perf_counter() - t0
@@ -100,8 +101,9 @@ def run_rollout(args, loaded, rows) -> list[dict]:
         # the same requests, more samples each, through the pool dense needs for --samples per prompt
         more = SamplingParams(max_new_tokens=args.new_tokens, n=args.samples * args.pool_batch,
                               temperature=1.0, seed=0, ignore_eos=True)
-        with Engine(model, sparsity, max_batch=n_samples * args.pool_batch, num_pages=dense_pool,
-                    cascade=CASCADE) as engine:
+        with Engine(model, as_policy(sparsity), EngineConfig(max_batch=n_samples * args.pool_batch,
+                                                             num_pages=dense_pool,
+                                                             cascade=CASCADE)) as engine:
             engine.generate(prompts, more)
             s = engine.stats
         row.update({"pool_pages": dense_pool, "pool_samples": n_samples * args.pool_batch,
@@ -186,7 +188,7 @@ def run_accuracy(args, loaded) -> list[dict]:
     for b in [int(x) for x in args.budgets.split(",")]:
         specs.update({k: v for k, v in policies(b, args.buffer).items() if v is not None})
     for name, sparsity in specs.items():
-        with Engine(loaded.model, sparsity, max_batch=16) as engine:
+        with Engine(loaded.model, as_policy(sparsity), EngineConfig(max_batch=16)) as engine:
             results = engine.generate(prompts, params)
         texts = [loaded.tokenizer.decode(r[0].token_ids, skip_special_tokens=True) for r in results]
         rewards = score_batch([(r["task"], t, r["answer"], r.get("metadata")) for r, t in zip(rows, texts)])

@@ -29,7 +29,8 @@ import time
 
 import torch
 
-from sparrow.stages.engine import Engine, SamplingParams
+from sparrow.stages.core.sparsity import as_policy
+from sparrow.stages.engine import Engine, EngineConfig, SamplingParams
 from sparrow.stages.model.loading import load_model
 
 
@@ -52,7 +53,8 @@ def main() -> None:
                for _ in range(args.requests)]
     params = SamplingParams(max_new_tokens=args.new_tokens, n=args.samples, temperature=0.0,
                             ignore_eos=True)
-    engine = Engine(model, args.budget or None, max_batch=args.max_batch, num_pages=args.pool)
+    engine = Engine(model, as_policy(args.budget or None), EngineConfig(max_batch=args.max_batch,
+                                                                        num_pages=args.pool))
     for i, p in enumerate(prompts):
         engine.add_request(p, params, request_id=i)
     done, peak, t0 = [], 0, time.perf_counter()

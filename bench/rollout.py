@@ -58,8 +58,8 @@ from common import copy_bandwidth, sync, write_results
 from sparrow.kernels import cpu_attention
 from sparrow.stages.core.published_schedules import published_budgets
 from sparrow.stages.core.schedule import Schedule
-from sparrow.stages.core.sparsity import budget_fn
-from sparrow.stages.engine import Engine, SamplingParams
+from sparrow.stages.core.sparsity import as_policy, budget_fn
+from sparrow.stages.engine import Engine, EngineConfig, SamplingParams
 from sparrow.stages.model.loading import embedded_checkpoint, load_model
 from sparrow.stages.tasks import make_prompts
 
@@ -166,7 +166,7 @@ def warm_up(model, args, samplers, cfg) -> None:
     params = SamplingParams(max_new_tokens=4, n=min(args.samples * args.prompts, 8),
                             temperature=args.temperature, seed=0, ignore_eos=True)
     for _, sampler in samplers:
-        with Engine(model, sparsity_of(sampler), max_batch=params.n) as engine:
+        with Engine(model, as_policy(sparsity_of(sampler)), EngineConfig(max_batch=params.n)) as engine:
             engine.generate(short, params)
 
 
@@ -176,7 +176,8 @@ def run_engine(model, prompts, args, sampler, label, max_new: int, samples: int,
     params = SamplingParams(max_new_tokens=max_new, n=samples, temperature=args.temperature, seed=0,
                             ignore_eos=True)
     batch = len(prompts) * samples
-    with Engine(model, sparsity, max_batch=batch, cascade=False if args.no_cascade else None) as engine:
+    config = EngineConfig(max_batch=batch, cascade=False if args.no_cascade else None)
+    with Engine(model, as_policy(sparsity), config) as engine:
         engine.reserve(prompts, params)
         engine.warm_up(batch, warmup_budgets(engine.budget_at))
         sync(model.embed_tokens.weight.device)

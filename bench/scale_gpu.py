@@ -20,6 +20,9 @@ from pathlib import Path
 
 import torch
 
+from sparrow.stages.core.sparsity import as_policy
+from sparrow.stages.engine import EngineConfig
+
 GiB = 2**30
 
 
@@ -62,7 +65,8 @@ def engines(args) -> int:
     before, failed = torch.cuda.memory_allocated(dev), False
     for i in range(args.engines):
         t0 = time.perf_counter()
-        engine = Engine(loaded.model, 2048 if i % 2 else None, max_batch=args.samples)
+        engine = Engine(loaded.model, as_policy(2048 if i % 2 else None),
+                        EngineConfig(max_batch=args.samples))
         engine.generate([prompt], params)
         pool = engine.num_pages
         sizing = engine.runner.memory

@@ -1,6 +1,6 @@
 """Where a decode step's time goes, on a GPU: device time per kernel over a few steps (torch.profiler).
 
-The engine runs its static decode step eagerly here (`decode_graphs="eager"`, the same kernels the CUDA
+The engine runs its static decode step eagerly here (`DecodeStep.EAGER`, the same kernels the CUDA
 graphs replay, but visible one by one to the profiler), after a warm-up, for one prompt of --context
 tokens with --samples samples sharing its pages; then the same number of steps replayed from CUDA
 graphs, timed by wall clock. Prints the kernels by total device time per step, the device time per step
@@ -20,7 +20,8 @@ from collections import defaultdict
 
 import torch
 
-from sparrow.stages.engine import Engine, SamplingParams
+from sparrow.stages.core.sparsity import as_policy
+from sparrow.stages.engine import DecodeStep, Engine, EngineConfig, SamplingParams
 from sparrow.stages.model.loading import load_model
 
 GROUPS = (("attention", ("paged_decode", "merge_splits")), ("selection", ("page_scores", "select")),
@@ -33,9 +34,10 @@ def group_of(name: str) -> str:
     return next((g for g, keys in GROUPS if any(k in low for k in keys)), "other")
 
 
-def engine_steps(model, prompt, args, graphs: str):
+def engine_steps(model, prompt, args, step: DecodeStep):
     """An engine past its prefill and warm-up steps, ready for timed decode steps."""
-    engine = Engine(model, args.budget or None, max_batch=args.samples, decode_graphs=graphs)
+    config = EngineConfig(max_batch=args.samples, decode_step=step)
+    engine = Engine(model, as_policy(args.budget or None), config)
     if args.modular:
         engine.runner.decode_form = None  # before the first step builds the static step
     params = SamplingParams(max_new_tokens=args.warmup + 2 * args.steps + 2, n=args.samples, temperature=1.0,
@@ -62,7 +64,7 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, loaded.config.vocab_size, (args.context,), generator=g).tolist()
 
-    engine = engine_steps(loaded.model, prompt, args, "cuda")
+    engine = engine_steps(loaded.model, prompt, args, DecodeStep.GRAPHS)
     t0 = time.perf_counter()
     for _ in range(args.steps):
         engine.step()
@@ -74,7 +76,7 @@ def main() -> None:
         torch.cuda.synchronize()
     engine.close()  # its pool and graphs go now, before the eager engine sizes its own
 
-    engine = engine_steps(loaded.model, prompt, args, "eager")
+    engine = engine_steps(loaded.model, prompt, args, DecodeStep.EAGER)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(args.steps):
             engine.step()

@@ -99,7 +99,7 @@ def round_to(x, dt: tl.constexpr):
 
 def require_triton() -> None:
     if not HAS_TRITON:
-        raise RuntimeError("triton is not installed; use impl='torch' (the CPU path) instead")
+        raise RuntimeError("triton is not installed; use Backend.TORCH (the CPU path) instead")
 
 
 def next_pow2(n: int) -> int:

@@ -29,9 +29,9 @@ import torch
 from torch import Tensor
 
 from ._triton_utils import lazy_jit, require_triton
-from .cpu_sampling import GOLDEN, MIX1, MIX2, race_sample_reference, usable
+from .cpu_sampling import GOLDEN, MIX1, MIX2, race_sample_reference
 
-__all__ = ["race_sample", "race_sample_reference", "race_sample_torch", "race_sample_triton", "row_seeds",
+__all__ = ["race_sample_reference", "race_sample_torch", "race_sample_triton", "row_seeds",
            "row_seeds_reference"]
 
 tl = None  # triton.language, bound on the first kernel launch (see _triton_utils)
@@ -168,21 +168,3 @@ def race_sample_triton(logp: Tensor, seeds: Tensor, positions: Tensor | None = N
     if s == 1:
         return index[:, 0].long()
     return index.gather(1, score.argmax(1, keepdim=True))[:, 0].long()
-
-
-# ---------------------------------------------------------------------------------------- dispatch
-
-def race_sample(logp: Tensor, seeds: Tensor, positions: Tensor | None = None, impl: str = "auto") -> Tensor:
-    """Draw one token per row -> [B] int64 on logp's device, without a host sync. `seeds` are row seeds,
-    or with `positions` the samples' seeds keyed by position (`row_seeds`). impl "auto": the Triton kernel
-    on CUDA, the C++ race on a CPU where it builds, else torch ops; "triton" / "torch" force one."""
-    from .ops import use_triton
-
-    if use_triton(impl, logp):
-        return race_sample_triton(logp, seeds, positions)
-    row = seeds.long() if positions is None else row_seeds(seeds, positions)
-    if impl == "auto" and usable(logp):
-        from .cpu_sampling import race_sample as cpu_race
-
-        return cpu_race(logp, row)
-    return race_sample_torch(logp, row)

@@ -132,7 +132,7 @@ def rollout(
 
     from sparrow.stages.backends.vllm_sampler import vllm_checkpoint
     from sparrow.stages.core.prompt_set import PromptSet
-    from sparrow.stages.engine import SamplingParams
+    from sparrow.stages.engine import DecodeStep, SamplingParams
     from sparrow.stages.model.loading import (
         DTYPES,
         load_model,
@@ -178,7 +178,8 @@ def rollout(
                               top_k=top_k, seed=seed, n=samples, ignore_eos=ignore_eos)
     opts = RolloutOptions(sampling=sampling, max_batch=max_batch, sparsity=policy,
                           lora=adapter, kv_pages=kv_pages,
-                          decode_graphs="eager" if eager and device.startswith("cuda") else "auto",
+                          decode_step=DecodeStep.EAGER if eager and device.startswith("cuda")
+                          else DecodeStep.AUTO,
                           gpu_memory_utilization=gpu_memory_utilization,
                           max_prefill_tokens=max_num_batched_tokens)
     mode = f"schedule {schedule}" if schedule is not None else policy.spec().replace("budget:", "budget ")

@@ -253,7 +253,8 @@ def time_decode_steps(loaded, grid: Grid, device: str = "cpu", seed: int = 0,
     """
     import torch
 
-    from .engine import Engine, SamplingParams
+    from .core.sparsity import as_policy
+    from .engine import Engine, EngineConfig, SamplingParams
 
     model, cfg = loaded.model.eval(), loaded.config
     steps = grid.warmup + grid.repeats + 1  # the first token comes from the prefill, not a decode step
@@ -265,11 +266,11 @@ def time_decode_steps(loaded, grid: Grid, device: str = "cpu", seed: int = 0,
     params = lambda batch: SamplingParams(max_new_tokens=steps, n=batch,
                                           temperature=1.0, seed=seed, ignore_eos=True)
     points, out = grid.points(), []
-    with Engine(model, None, max_batch=max(grid.batches), dense_layers=DEFAULT_DENSE_LAYERS,
-                gpu_memory_utilization=gpu_memory_utilization) as engine:
+    with Engine(model, None, EngineConfig(max_batch=max(grid.batches), dense_layers=DEFAULT_DENSE_LAYERS,
+                                          gpu_memory_utilization=gpu_memory_utilization)) as engine:
         engine.reserve([prompts[max(grid.contexts)]], params(max(grid.batches)))
         for i, (batch, context, budget) in enumerate(points):
-            engine.generate([prompts[context]], params(batch), sparsity=budget or None)
+            engine.generate([prompts[context]], params(batch), policy=as_policy(budget or None))
             timed = engine.stats.step_times[grid.warmup:]
             out.append((batch, context, budget, min(timed)))
             if progress:

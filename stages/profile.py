@@ -23,8 +23,9 @@ from .attention import DEFAULT_DENSE_LAYERS, PAGE_SIZE, validate_budget
 from .calibrate import PRIOR_THRESHOLD
 from .core.definitions import TAIL_QUANTILE
 from .core.schedule import Schedule
+from .core.sparsity import as_policy
 from .core.trajectories import Trajectory
-from .engine import Engine, SamplingParams
+from .engine import Engine, EngineConfig, SamplingParams
 from .model.loading import LoadedModel
 from .model.lora import LoraWeights, lora_merged
 from .scoring.mismatch import score_sequences
@@ -147,8 +148,9 @@ def sample_trajectories(model: LoadedModel, prompt_ids: Sequence[str], prompts: 
         progress("sampling", done, total)
 
     actor = opts.adapter if opts.sampler != "dense" else None
-    engine = Engine(model.model, opts.sparsity(), max_batch=opts.batch_size, page_size=opts.page_size,
-                    dense_layers=opts.dense_layers, gpu_memory_utilization=opts.gpu_memory_utilization)
+    engine = Engine(model.model, as_policy(opts.sparsity(), opts.page_size), EngineConfig(
+        max_batch=opts.batch_size, page_size=opts.page_size, dense_layers=opts.dense_layers,
+        gpu_memory_utilization=opts.gpu_memory_utilization))
     with engine, lora_merged(model.model, actor):
         results = engine.generate(prompts, params, on_step if progress else None, request_ids=request_ids)
     return [Trajectory(pid, c.sample, list(p), c.token_ids)

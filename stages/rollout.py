@@ -13,8 +13,11 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
+from sparrow.kernels.ops import Backend
+
 from .attention import DEFAULT_DENSE_LAYERS, PAGE_SIZE
-from .core.sparsity import Sparsity
+from .core.sparsity import Sparsity, as_policy
+from .engine.config import DecodeStep, EngineConfig
 from .engine.engine import Engine, EngineStats
 from .engine.sequence import Completion, SamplingParams
 from .model.loading import LoadedModel, model_name
@@ -30,9 +33,9 @@ class RolloutOptions:
     sparsity: Sparsity = None  # None (dense) | budget | Schedule
     dense_layers: tuple[int, ...] = DEFAULT_DENSE_LAYERS
     page_size: int = PAGE_SIZE
-    impl: str = "auto"
+    kernels: Backend = Backend.AUTO
     lora: LoraWeights | None = field(default=None, repr=False)
-    decode_graphs: str = "auto"  # see Engine: CUDA graphs on CUDA unless "off"
+    decode_step: DecodeStep = DecodeStep.AUTO  # see Engine: CUDA graphs on CUDA
     kv_pages: int | None = None  # KV page pool (None: every sample fits at full length; smaller preempts)
     gpu_memory_utilization: float = 0.9  # on CUDA, the share of device memory the engine may take
     max_prefill_tokens: int = 8192  # tokens per prefill forward (longer prompts are chunked)
@@ -95,7 +98,7 @@ def run_rollouts(loaded: LoadedModel, rows: Seq[dict], opts: RolloutOptions,
     """`rows`: prompts-artifact rows with `prompt_id` and `prompt_token_ids` (and optionally `task`,
     `answer`, `metadata` for the reward). `request_ids`: the rows' indices in the whole prompt set when
     `rows` is a shard of it (they seed the samples; default 0, 1, ...)."""
-    with Engine(loaded.model, opts.sparsity, **engine_options(opts)) as engine, \
+    with Engine(loaded.model, as_policy(opts.sparsity, opts.page_size), engine_config(opts)) as engine, \
             lora_merged(loaded.model, opts.lora):
         results = engine.generate([r["prompt_token_ids"] for r in rows], opts.sampling, on_step,
                                   request_ids=request_ids)
@@ -103,12 +106,12 @@ def run_rollouts(loaded: LoadedModel, rows: Seq[dict], opts: RolloutOptions,
     return pa.table(out), summarize(out, engine.stats)
 
 
-def engine_options(opts: RolloutOptions) -> dict:
-    """The `Engine` keywords of rollout options (all but the sparsity)."""
-    return dict(max_batch=opts.max_batch, page_size=opts.page_size, dense_layers=opts.dense_layers,
-                impl=opts.impl, decode_graphs=opts.decode_graphs, num_pages=opts.kv_pages,
-                gpu_memory_utilization=opts.gpu_memory_utilization,
-                max_prefill_tokens=opts.max_prefill_tokens)
+def engine_config(opts: RolloutOptions) -> EngineConfig:
+    """The `EngineConfig` of rollout options."""
+    return EngineConfig(max_batch=opts.max_batch, page_size=opts.page_size, dense_layers=opts.dense_layers,
+                        kernels=opts.kernels, decode_step=opts.decode_step, num_pages=opts.kv_pages,
+                        gpu_memory_utilization=opts.gpu_memory_utilization,
+                        max_prefill_tokens=opts.max_prefill_tokens)
 
 
 def rollout_columns(rows: Seq[dict], results: Seq[Seq[Completion]], tokenizer) -> dict[str, list]:

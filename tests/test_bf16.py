@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import torch
 
-from sparrow.stages.core.sparsity import budget_fn
-from sparrow.stages.engine import Engine, SamplingParams
+from sparrow.stages.core.sparsity import as_policy, budget_fn
+from sparrow.stages.engine import Engine, EngineConfig, SamplingParams
 from sparrow.stages.model.loading import load_model
 from sparrow.stages.scoring.mismatch import score_sequences
 from sparrow.stages.tasks import make_prompts
@@ -30,7 +30,7 @@ def smollm2_bf16():
 
 
 def _gaps(engine_model, reference_model, prompt, sparsity):
-    engine = Engine(engine_model, sparsity, max_batch=4)
+    engine = Engine(engine_model, as_policy(sparsity), EngineConfig(max_batch=4))
     samples = engine.generate([prompt], SamplingParams(max_new_tokens=24, n=3, seed=1, ignore_eos=True))[0]
     assert engine.blocks.used == 0 and not engine.runner.prefixes
     budget_at = budget_fn(sparsity)
@@ -113,7 +113,7 @@ def test_fused_decode_layers_equal_the_modular_step(name, dtype):
     for budget in (None, 96):
         runs = []
         for fused in (True, False):
-            engine = Engine(model, budget, max_batch=4)
+            engine = Engine(model, as_policy(budget), EngineConfig(max_batch=4))
             if engine.runner.fused is None:
                 pytest.skip("no C++ kernels or no AVX512-BF16 here")
             assert engine.runner.fused.ready()  # every projection packed for the fused ops

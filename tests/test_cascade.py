@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from sparrow.kernels.cascade_decode import cascade_decode_reference, suffix_pages
-from sparrow.stages.engine import Engine, SamplingParams
+from sparrow.stages.core.sparsity import as_policy
+from sparrow.stages.engine import Engine, EngineConfig, SamplingParams
 from sparrow.stages.engine.block_manager import BlockManager
 
 P, HKV, G, D = 4, 2, 3, 8
@@ -94,7 +95,7 @@ def test_engine_with_cascade_matches_engine_without(smollm2, sparsity, chunks, m
               SamplingParams(max_new_tokens=24, n=1, temperature=1.0, seed=3, ignore_eos=True)]
     runs = []
     for cascade in (True, False):
-        engine = Engine(model, sparsity, max_batch=8, cascade=cascade)
+        engine = Engine(model, as_policy(sparsity), EngineConfig(max_batch=8, cascade=cascade))
         runs.append(engine.generate(prompts, params))
         assert not engine.runner.prefixes  # every store is released when its request's samples finish
     for with_c, without in zip(*runs):
@@ -143,9 +144,9 @@ def test_prefix_copy_lives_in_the_pool_and_is_given_back_before_a_preemption(smo
     model = smollm2.model
     prompt = torch.randint(0, 1000, (150,), generator=torch.Generator().manual_seed(2)).tolist()
     params = SamplingParams(max_new_tokens=40, n=3, temperature=1.0, seed=3, ignore_eos=True)
-    want = Engine(model, max_batch=8, cascade=False).generate([prompt], params)[0]
+    want = Engine(model, None, EngineConfig(max_batch=8, cascade=False)).generate([prompt], params)[0]
     for pages, copy_at_start, copy_at_end in ((None, True, True), (23, True, False), (20, False, False)):
-        engine = Engine(model, max_batch=8, cascade=True, num_pages=pages)
+        engine = Engine(model, None, EngineConfig(max_batch=8, cascade=True, num_pages=pages))
         engine.add_request(prompt, params)
         engine.step()  # the prefill: the prompt's 10 pages (the last one partial), and the copy's 9
         assert bool(engine.runner.prefixes) == copy_at_start

@@ -9,7 +9,8 @@ import torch
 from sparrow.kernels import cpu_attention as kernel
 from sparrow.kernels.cascade_decode import prefix_attention
 from sparrow.kernels.page_scoring import mask_candidates
-from sparrow.stages.engine import Engine, SamplingParams
+from sparrow.stages.core.sparsity import as_policy
+from sparrow.stages.engine import Engine, EngineConfig, SamplingParams
 from sparrow.stages.model.loading import load_model
 
 needs_kernel = pytest.mark.skipif(not kernel.available(), reason="no AVX512-BF16 or no C++ toolchain")
@@ -82,10 +83,10 @@ def test_engine_prefills_through_the_kernel_as_through_flash(monkeypatch):
     params = SamplingParams(max_new_tokens=1, n=1, temperature=0.0, ignore_eos=True, logprobs=3)
     calls, original = [], kernel.causal_attention
     monkeypatch.setattr(kernel, "causal_attention", lambda *args: calls.append(1) or original(*args))
-    ours = Engine(model, max_batch=2).generate(prompts, params)
+    ours = Engine(model, None, EngineConfig(max_batch=2)).generate(prompts, params)
     assert len(calls) == model.cfg.num_layers  # one padded prefill of both prompts
     monkeypatch.setattr(kernel, "causal_attention_usable", lambda q, k: False)
-    flash = Engine(model, max_batch=2).generate(prompts, params)
+    flash = Engine(model, None, EngineConfig(max_batch=2)).generate(prompts, params)
     assert len(calls) == model.cfg.num_layers
     for a, b in zip(ours, flash):
         top_a, top_b = dict(a[0].top_logprobs[0]), dict(b[0].top_logprobs[0])
@@ -106,7 +107,7 @@ def test_engine_in_bf16_stores_packed_prefixes_and_samples_as_without():
     params = SamplingParams(max_new_tokens=12, n=3, temperature=0.0, ignore_eos=True, logprobs=5)
     runs = []
     for packed in (True, False):
-        engine = Engine(model, max_batch=4)
+        engine = Engine(model, None, EngineConfig(max_batch=4))
         engine.runner._pack_prefixes = lambda packed=packed: packed
         engine.add_request(prompt, params)
         engine.step()
@@ -162,9 +163,9 @@ def test_ops_run_the_kernel_on_auto_and_the_torch_reference_on_torch():
     seq_lens = torch.tensor([90, 57]).int()
     q = torch.randn(2, 9, 64, generator=g)
     selected = torch.tensor([[0, 2, 5], [1, 3, -1]]).int()[:, None, :].expand(-1, 3, -1)
-    for op, args in ((ops.sparse_paged_attention, (selected,)), (ops.dense_paged_attention, ())):
-        auto = op(q, k_pages, v_pages, table, seq_lens, *args)
-        reference = op(q, k_pages, v_pages, table, seq_lens, *args, impl="torch")
+    for op, args in (("sparse_paged_attention", (selected,)), ("dense_paged_attention", ())):
+        auto = getattr(ops.CPU, op)(q, k_pages, v_pages, table, seq_lens, *args)
+        reference = getattr(ops.TORCH, op)(q, k_pages, v_pages, table, seq_lens, *args)
         torch.testing.assert_close(auto, reference, atol=1e-5, rtol=0)
 
 
@@ -259,9 +260,10 @@ def test_score_pages_equals_float64_scores_and_the_cascade_selection_the_torch_o
     def plan_and_index():
         return (plan_selection(seq_lens, budgets, page, width, None, table), suffix_index(table, suffix))
 
-    auto = ops.cascade_select_pages(q, pairs, group, centroids, table, seq_lens, budgets, suffix, page)
-    reference = ops.cascade_select_pages(q, pairs, group, centroids, table, seq_lens, budgets, suffix, page,
-                                         plan_and_index=plan_and_index, impl="torch")
+    auto = ops.CPU.cascade_select_pages(q, pairs, group, centroids, table, seq_lens, budgets, suffix, page)
+    reference = ops.TORCH.cascade_select_pages(q, pairs, group, centroids, table, seq_lens, budgets, suffix,
+                                               page,
+                                         plan_and_index=plan_and_index)
     assert torch.equal(auto, reference)
 
 
@@ -344,16 +346,16 @@ def test_packed_linear_fp32_out_is_the_unrounded_bf16_product(rows):
 def test_a_sparse_layer_as_one_op_samples_what_the_op_by_op_chain_samples(dtype, monkeypatch):
     """`sparse_decode_layer` (append, cascade scoring, selection, paged attention in one C++ op) gives the
     op-by-op chain's tokens and logprobs bit for bit, and the step takes it."""
-    from sparrow.stages.attention.paged import CpuDecodeAttention
+    from sparrow.stages.engine.cpu.attention import CpuDecodeAttention
 
     model = load_model("smollm2-135m", dtype=dtype).model
     prompt = torch.randint(0, 1000, (300,), generator=torch.Generator().manual_seed(5)).tolist()
     params = SamplingParams(max_new_tokens=12, n=3, seed=4, ignore_eos=True)
     taken, one_op = [], CpuDecodeAttention._one_op
     monkeypatch.setattr(CpuDecodeAttention, "_one_op", lambda *a: taken.append(one_op(*a)) or taken[-1])
-    fused = Engine(model, 96, max_batch=4).generate([prompt], params)[0]
+    fused = Engine(model, as_policy(96), EngineConfig(max_batch=4)).generate([prompt], params)[0]
     assert taken and all(taken)
     monkeypatch.setattr(CpuDecodeAttention, "_one_op", lambda *a: False)
-    chain = Engine(model, 96, max_batch=4).generate([prompt], params)[0]
+    chain = Engine(model, as_policy(96), EngineConfig(max_batch=4)).generate([prompt], params)[0]
     for a, b in zip(fused, chain):
         assert a.token_ids == b.token_ids and a.logprobs == b.logprobs

@@ -24,10 +24,10 @@ from sparrow.cli.app import app
 from sparrow.schemas import artifact_metadata, read_artifact, write_artifact
 from sparrow.stages.attention import SparseAttention
 from sparrow.stages.core.schedule import Schedule
-from sparrow.stages.core.sparsity import budget_fn
+from sparrow.stages.core.sparsity import as_policy, budget_fn
 from sparrow.stages.core.trajectories import Trajectory
 from sparrow.stages.distill import DistillConfig, Distiller, actor_hidden, sampled_logprobs, token_losses
-from sparrow.stages.engine import Engine, SamplingParams
+from sparrow.stages.engine import Engine, EngineConfig, SamplingParams
 from sparrow.stages.model.llama import ours_to_hf
 from sparrow.stages.model.loading import load_model
 from sparrow.stages.model.lora import LoraWeights, adapters_disabled, load_lora, lora_merged
@@ -110,7 +110,7 @@ def test_engine_with_adapter_equals_teacher_forced_scoring_with_it(tiny, sparsit
     prompts = _tokens((100, 70))
     params = [SamplingParams(max_new_tokens=n, n=2, seed=3, ignore_eos=True) for n in (24, 30)]
     with lora_merged(model, lora):
-        results = Engine(model, sparsity, max_batch=3).generate(prompts, params)
+        results = Engine(model, as_policy(sparsity), EngineConfig(max_batch=3)).generate(prompts, params)
     comps = [c for group in results for c in group]
     budget_at = budget_fn(sparsity)
     scored = score_sequences(model, [c.prompt_token_ids for c in comps], [c.token_ids for c in comps],

@@ -18,10 +18,11 @@ import torch
 from typer.testing import CliRunner
 
 from sparrow.cli.app import app
+from sparrow.kernels.ops import Backend
 from sparrow.stages.attention.kv_cache import PagedKVCache
 from sparrow.stages.core.schedule import Schedule
-from sparrow.stages.core.sparsity import budget_fn
-from sparrow.stages.engine import Engine, SamplingParams
+from sparrow.stages.core.sparsity import as_policy, budget_fn
+from sparrow.stages.engine import DecodeStep, Engine, EngineConfig, SamplingParams
 from sparrow.stages.engine.block_manager import BlockManager
 from sparrow.stages.engine.memory import GiB, PoolTooSmall, Workload, pool_pages
 from sparrow.stages.engine.runner import ModelRunner, plan_forwards
@@ -65,7 +66,7 @@ def _drive(requests, max_batch, pool=100_000, page=16, copies=False):
     group's copy goes with its last sample. Returns (the most pages held at once, copies not taken,
     preemptions)."""
     blocks = BlockManager(pool, page)
-    sched = Scheduler(blocks, max_batch, 10**9, lambda src, dst: None)
+    sched = Scheduler(blocks, max_batch, 10**9)
     for i, (p, n, m) in enumerate(requests):
         sched.add(Request(i, [1] * p, SamplingParams(max_new_tokens=m, n=n), Dense(), frozenset()))
     copy, left, peak, skipped = {}, {}, 0, 0
@@ -80,7 +81,8 @@ def _drive(requests, max_batch, pool=100_000, page=16, copies=False):
                 del left[rid]
 
     while sched.has_work():
-        kind, batch = sched.schedule()
+        step = sched.schedule()
+        kind, batch = step.kind, step.batch
         if kind == "decode":
             for s in batch:
                 s.tokens.append(0)
@@ -188,8 +190,8 @@ def _pool_refs(engine):
     return [weakref.ref(t) for t in tensors]
 
 
-@pytest.mark.parametrize("kw", [{}, {"decode_graphs": "eager"}, {"cascade": False, "num_pages": 40},
-                                {"impl": "torch"}], ids=["cpu", "static", "no-cascade", "torch"])
+@pytest.mark.parametrize("kw", [{}, {"decode_step": DecodeStep.EAGER}, {"cascade": False, "num_pages": 40},
+                                {"kernels": Backend.TORCH}], ids=["cpu", "static", "no-cascade", "torch"])
 def test_a_dropped_or_closed_engine_frees_its_pool(tiny, kw):
     """With the garbage collector off, reference counting alone frees the pool (and the static step's
     buffers) when the engine is dropped, or at once when it is closed or its `with` block ends."""
@@ -197,14 +199,14 @@ def test_a_dropped_or_closed_engine_frees_its_pool(tiny, kw):
     gc.collect()
     gc.disable()
     try:
-        engine = Engine(tiny, 64, max_batch=4, **kw)
+        engine = Engine(tiny, as_policy(64), EngineConfig(max_batch=4, **kw))
         engine.generate(prompts, params)
         refs = _pool_refs(engine)
         assert all(r() is not None for r in refs)
         del engine
         assert all(r() is None for r in refs)
 
-        with Engine(tiny, 64, max_batch=4, **kw) as engine:
+        with Engine(tiny, as_policy(64), EngineConfig(max_batch=4, **kw)) as engine:
             first = engine.generate(prompts, params)
             refs = _pool_refs(engine)
         assert all(r() is None for r in refs)
@@ -221,9 +223,11 @@ def test_a_dropped_or_closed_engine_frees_its_pool(tiny, kw):
 
 
 def _chunked_vs_one_shot(model, prompts, params, sparsity, caps, **kw):
-    want = Engine(model, sparsity, max_batch=4, dense_layers=(0,), **kw).generate(prompts, params)
+    want = Engine(model, as_policy(sparsity), EngineConfig(max_batch=4, dense_layers=(0,),
+                                                           **kw)).generate(prompts, params)
     for cap in caps:
-        engine = Engine(model, sparsity, max_batch=4, dense_layers=(0,), max_prefill_tokens=cap, **kw)
+        engine = Engine(model, as_policy(sparsity), EngineConfig(max_batch=4, dense_layers=(0,),
+                                                                 max_prefill_tokens=cap, **kw))
         got = engine.generate(prompts, params)
         _same(want, got, tol=1e-4)
         assert engine.blocks.used == 0
@@ -263,8 +267,10 @@ def test_a_preempted_sample_is_recomputed_in_chunks(tiny, sparsity):
     1e-4."""
     prompts = _prompts((70, 45, 100))
     params = SamplingParams(max_new_tokens=50, n=2, seed=5, temperature=1.0, ignore_eos=True)
-    want = Engine(tiny, sparsity, max_batch=6, dense_layers=(0,)).generate(prompts, params)
-    engine = Engine(tiny, sparsity, max_batch=6, dense_layers=(0,), num_pages=11, max_prefill_tokens=48)
+    want = Engine(tiny, as_policy(sparsity), EngineConfig(max_batch=6, dense_layers=(0,))).generate(prompts,
+                                                                                                    params)
+    engine = Engine(tiny, as_policy(sparsity), EngineConfig(max_batch=6, dense_layers=(0,), num_pages=11,
+                                                            max_prefill_tokens=48))
     recomputed, prefill = [], engine.runner.prefill
     engine.runner.prefill = lambda rows: recomputed.extend(
         len(r.tokens) for r in rows if r.budgets is not None) or prefill(rows)
@@ -277,8 +283,9 @@ def test_profiling_forwards_run_on_a_scratch_pool(tiny):
     """The forwards a GPU runner measures before it sizes its pool (the last chunk of the longest sample
     against its whole prefix, and a decode step of max_batch rows at that length) run on a scratch pool
     of a few pages, whose pages the block tables reuse."""
-    runner = ModelRunner(tiny, max_batch=5, page_size=16, dense_layers=(0,), max_prefill_tokens=64,
-                         impl="torch", decode_graphs="off")
+    runner = ModelRunner(tiny, EngineConfig(max_batch=5, page_size=16, dense_layers=(0,),
+                                            max_prefill_tokens=64,
+                                            kernels=Backend.TORCH, decode_step=DecodeStep.PLAIN))
     scratch = PagedKVCache(tiny.cfg, 5, 16, torch.float32, "cpu")
     with torch.inference_mode():
         runner.profile_forwards(1000, scratch)  # 64 queries after 936 keys
@@ -292,11 +299,11 @@ def test_profiling_forwards_run_on_a_scratch_pool(tiny):
 def test_a_reused_engine_samples_what_fresh_engines_sample(tiny):
     """Runs of different sizes through one engine (its pool grows, then is kept; request ids restart
     from 0 each run): each run equals a fresh engine's, bit for bit, and `stats` count that run only."""
-    engine = Engine(tiny, 64, max_batch=4)
+    engine = Engine(tiny, as_policy(64), EngineConfig(max_batch=4))
     for lengths, n, new in (((20,), 1, 8), ((150, 60), 3, 40), ((30, 30, 30), 2, 10)):
         prompts = _prompts(lengths, seed=len(lengths))
         params = SamplingParams(max_new_tokens=new, n=n, seed=7, ignore_eos=True)
-        fresh = Engine(tiny, 64, max_batch=4)
+        fresh = Engine(tiny, as_policy(64), EngineConfig(max_batch=4))
         _same(fresh.generate(prompts, params), engine.generate(prompts, params))
         assert engine.stats.generated_tokens == fresh.stats.generated_tokens == len(lengths) * n * new
         assert engine.num_pages >= fresh.num_pages
@@ -315,24 +322,25 @@ def test_the_engine_follows_weight_updates(tiny):
     model.eval()
     prompts = _prompts((40, 90))
     params = SamplingParams(max_new_tokens=16, n=2, seed=3, ignore_eos=True)
-    engine = Engine(model, 64, max_batch=4)
+    engine = Engine(model, as_policy(64), EngineConfig(max_batch=4))
     before = engine.generate(prompts, params)
     lora = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(lora, lr=0.05)
     model(torch.tensor(prompts[:1])).logsumexp(-1).mean().backward()
     opt.step()
     after = engine.generate(prompts, params)
-    _same(Engine(model, 64, max_batch=4).generate(prompts, params), after)
+    _same(Engine(model, as_policy(64), EngineConfig(max_batch=4)).generate(prompts, params), after)
     assert [c.token_ids for r in after for c in r] != [c.token_ids for r in before for c in r]
 
     plain = copy.deepcopy(tiny)  # no LoRA: every projection packed for the C++ product
-    engine = Engine(plain, 64, max_batch=4)
+    engine = Engine(plain, as_policy(64), EngineConfig(max_batch=4))
     engine.generate(prompts, params)
     with torch.no_grad():
         for p in plain.parameters():
             p.data.mul_(1.05)
     engine.update_weights()
-    _same(Engine(plain, 64, max_batch=4).generate(prompts, params), engine.generate(prompts, params))
+    _same(Engine(plain, as_policy(64), EngineConfig(max_batch=4)).generate(prompts, params),
+          engine.generate(prompts, params))
 
 
 # ---------------------------------------------------------------------------- the CLI

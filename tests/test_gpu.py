@@ -16,8 +16,8 @@ import torch
 import transformers
 
 from sparrow.stages.core.schedule import Schedule
-from sparrow.stages.core.sparsity import budget_fn
-from sparrow.stages.engine import Engine, SamplingParams
+from sparrow.stages.core.sparsity import as_policy, budget_fn
+from sparrow.stages.engine import DecodeStep, Engine, EngineConfig, SamplingParams
 from sparrow.stages.kv_policies import RKV, SnapKV
 from sparrow.stages.model.loading import load_model
 from sparrow.stages.scoring.mismatch import score_sequences
@@ -52,8 +52,8 @@ def test_cuda_graph_engine_greedy_matches_transformers(tiny_qwen3):
     hf, path = tiny_qwen3
     model = load_model(path, device="cuda").model
     prompts = _prompts((7, 40, 130))
-    engine = Engine(model, max_batch=4)
-    assert engine.decode_graphs == "cuda"
+    engine = Engine(model, None, EngineConfig(max_batch=4))
+    assert engine.decode_step == DecodeStep.GRAPHS
     results = engine.generate(prompts, SamplingParams(max_new_tokens=48, temperature=0.0, n=2,
                                                       ignore_eos=True))
     assert engine.runner.static is not None and engine.runner.static.graphs
@@ -73,7 +73,7 @@ def test_cuda_graph_engine_logprobs_equal_teacher_forced(tiny_qwen3, sparsity, d
     model = load_model(tiny_qwen3[1], device="cuda", dtype=dtype).model
     prompts = _prompts((300, 97, 450))
     params = SamplingParams(max_new_tokens=40, n=3, seed=11, temperature=1.0, ignore_eos=True)
-    engine = Engine(model, sparsity, max_batch=5)
+    engine = Engine(model, as_policy(sparsity), EngineConfig(max_batch=5))
     results = engine.generate(prompts, params)
     assert engine.runner.static is not None and engine.runner.static.graphs
     budget_at = budget_fn(sparsity)
@@ -102,7 +102,7 @@ def test_cuda_graph_eviction_equals_replay_and_preempts(tiny_qwen3, policy, dtyp
     model = load_model(tiny_qwen3[1], device="cuda", dtype=dtype).model
     prompts = _prompts((20, 90, 150))
     params = SamplingParams(max_new_tokens=120, n=2, seed=3, temperature=1.0, ignore_eos=True)
-    engine = Engine(model, policy, max_batch=6)
+    engine = Engine(model, as_policy(policy), EngineConfig(max_batch=6))
     results = engine.generate(prompts, params)
     assert engine.runner.static is not None and engine.runner.static.graphs
     assert engine.stats.compactions > 0 and engine.blocks.used == 0
@@ -116,7 +116,7 @@ def test_cuda_graph_eviction_equals_replay_and_preempts(tiny_qwen3, policy, dtyp
         assert all(np.isfinite(c.logprobs).all() for group in results for c in group)
         return
     assert max(gaps) <= 1e-4
-    small = Engine(model, policy, max_batch=6, num_pages=16)
+    small = Engine(model, as_policy(policy), EngineConfig(max_batch=6, num_pages=16))
     again = small.generate(prompts, params)
     assert small.stats.preemptions > 0 and small.blocks.used == 0
     for a, b in zip(results, again):
@@ -179,8 +179,9 @@ def test_decode_steps_run_without_host_synchronisation(tiny_qwen3):
     params = [SamplingParams(max_new_tokens=70, n=3, seed=1, ignore_eos=True),
               SamplingParams(max_new_tokens=70, n=2, seed=2, temperature=0.8, top_p=0.9, logprobs=2,
                              ignore_eos=True)]
-    ref = Engine(model, 64, max_batch=8, decode_graphs="eager").generate(prompts, params)
-    engine = Engine(model, 64, max_batch=8)
+    ref = Engine(model, as_policy(64), EngineConfig(max_batch=8,
+                                                    decode_step=DecodeStep.EAGER)).generate(prompts, params)
+    engine = Engine(model, as_policy(64), EngineConfig(max_batch=8))
     for i, (p, sp) in enumerate(zip(prompts, params)):
         engine.add_request(p, sp, request_id=i)
     done = []
@@ -215,8 +216,9 @@ def test_same_seed_same_tokens_as_the_cpu(tiny_qwen3):
     prompts = _prompts((90, 200))
     params = SamplingParams(max_new_tokens=30, n=2, seed=9, ignore_eos=True)
     for sparsity in (None, 64):
-        cpu = Engine(load_model(path).model, sparsity, max_batch=4, decode_graphs="eager")
-        gpu = Engine(load_model(path, device="cuda").model, sparsity, max_batch=4)
+        cpu = Engine(load_model(path).model, as_policy(sparsity), EngineConfig(max_batch=4,
+                                                                               decode_step=DecodeStep.EAGER))
+        gpu = Engine(load_model(path, device="cuda").model, as_policy(sparsity), EngineConfig(max_batch=4))
         cpu, gpu = cpu.generate(prompts, params), gpu.generate(prompts, params)
         assert [[c.token_ids for c in r] for r in gpu] == [[c.token_ids for c in r] for r in cpu]
 
@@ -228,7 +230,7 @@ def test_truncated_rows_in_graphs_equal_teacher_forced(tiny_qwen3):
     prompts = _prompts((120, 260))
     params = SamplingParams(max_new_tokens=30, n=3, seed=5, temperature=0.8, top_p=0.9, top_k=40, logprobs=3,
                             ignore_eos=True)
-    engine = Engine(model, 64, max_batch=4)
+    engine = Engine(model, as_policy(64), EngineConfig(max_batch=4))
     results = engine.generate(prompts, params)
     assert engine.runner.static.graphs
     budget_at = budget_fn(64)
@@ -248,7 +250,7 @@ def test_warm_up_captures_every_graph_of_a_uniform_run(tiny_qwen3):
     prompts = _prompts((200, 200))
     schedule = Schedule((0, 240), (64, 128))
     params = SamplingParams(max_new_tokens=80, n=3, seed=1, ignore_eos=True)
-    engine = Engine(model, schedule, max_batch=6)
+    engine = Engine(model, as_policy(schedule), EngineConfig(max_batch=6))
     engine.reserve(prompts, params)
     engine.warm_up(6, {schedule.budget_at(c) for c in range(201, 281)})
     captured = set(engine.runner.static.graphs)
@@ -270,7 +272,7 @@ def test_cuda_graph_fused_step_equals_the_modular_step(tiny_qwen3, dtype):
     params = SamplingParams(max_new_tokens=40, n=3, seed=11, temperature=1.0, ignore_eos=True)
     out = {}
     for fused in (True, False):
-        engine = Engine(model, Schedule((0, 320, 480), (64, 128, 192)), max_batch=5)
+        engine = Engine(model, as_policy(Schedule((0, 320, 480), (64, 128, 192))), EngineConfig(max_batch=5))
         if not fused:
             engine.runner.decode_form = None
         else:
@@ -308,12 +310,12 @@ def test_fused_kernels_compiled_at_qwen3_4b_shapes():
     b, h, hq, hkv, d, inter = 32, 2560, 32, 8, 128, 9728
     x, res, w = (torch.randn(b, h, generator=g, device=dev).to(bf) for _ in range(3))
     r1, r2 = res.clone(), res.clone()
-    got = ops.add_rms_norm(x, r1, w, 1e-6, impl="triton")
+    got = ops.TRITON.add_rms_norm(x, r1, w, 1e-6)
     want = add_rms_norm_reference(x, r2, w, 1e-6)
     assert torch.equal(r1, r2)
     torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=8e-3)
     gate_up = torch.randn(b, 2 * inter, generator=g, device=dev).to(bf)
-    torch.testing.assert_close(ops.silu_mul(gate_up, impl="triton").float(),
+    torch.testing.assert_close(ops.TRITON.silu_mul(gate_up).float(),
                                silu_mul_reference(gate_up).float(), atol=1e-2, rtol=8e-3)
     qkv = torch.randn(b, (hq + 2 * hkv) * d, generator=g, device=dev).to(bf)
     pos = torch.randint(0, 4000, (b,), generator=g, device=dev)
@@ -323,7 +325,7 @@ def test_fused_kernels_compiled_at_qwen3_4b_shapes():
     caches = [[torch.randn(b, hkv, 16, d, generator=torch.Generator(dev).manual_seed(1), device=dev).to(bf),
                torch.zeros(b, hkv, 16, d, device=dev, dtype=bf), torch.zeros(b, hkv, d, device=dev, dtype=bf)]
               for _ in range(2)]
-    q1 = ops.qk_norm_rope_append(qkv, pos, slots, cos, sin, qn, kn, 1e-6, *caches[0], hq, impl="triton")
+    q1 = ops.TRITON.qk_norm_rope_append(qkv, pos, slots, cos, sin, qn, kn, 1e-6, *caches[0], hq)
     q2 = qk_norm_rope_append_reference(qkv, pos, slots, cos, sin, qn, kn, 1e-6, *caches[1], hq)
     torch.testing.assert_close(q1.float(), q2.float(), atol=1e-2, rtol=8e-3)
     for a, c in zip(*caches):

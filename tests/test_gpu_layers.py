@@ -26,12 +26,14 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu":
     os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton (see test_kernels_triton.py)
 
+from sparrow.kernels import ops  # noqa: E402
 from sparrow.kernels._triton_utils import HAS_TRITON, interpreter_usable  # noqa: E402
+from sparrow.kernels.ops import Backend  # noqa: E402
 from sparrow.stages.attention.kv_cache import PagedKVCache  # noqa: E402
 from sparrow.stages.attention.paged import DecodeAttention, DecodeBatch  # noqa: E402
 from sparrow.stages.core.schedule import Schedule  # noqa: E402
-from sparrow.stages.core.sparsity import budget_fn  # noqa: E402
-from sparrow.stages.engine import Engine, SamplingParams  # noqa: E402
+from sparrow.stages.core.sparsity import as_policy, budget_fn  # noqa: E402
+from sparrow.stages.engine import DecodeStep, Engine, EngineConfig, SamplingParams  # noqa: E402
 from sparrow.stages.engine.gpu.layers import GpuDecode, base_linear, decode_hidden  # noqa: E402
 from sparrow.stages.engine.static_decode import kept_pages  # noqa: E402
 from sparrow.stages.model.loading import load_model, save_checkpoint  # noqa: E402
@@ -73,7 +75,8 @@ def _load(path, dtype=torch.float32):
     return load_model(str(path), dtype=dtype, device=DEVICE).model.eval()
 
 
-def run_steps(model, decode, tokens, lengths, budgets, impl, centroid_dtype=torch.float32, dense_layers=(0,),
+def run_steps(model, decode, tokens, lengths, budgets, kernels, centroid_dtype=torch.float32,
+              dense_layers=(0,),
               cache=None, first=0, until=None):
     """Decode `tokens` [B, T] one position a step from an empty paged cache, or from `cache` at step
     `first`, to step `until` (default T) (row r stops after lengths[r] tokens and is a padding row
@@ -97,7 +100,7 @@ def run_steps(model, decode, tokens, lengths, budgets, impl, centroid_dtype=torc
         rows_table = torch.where(active[:, None], table, -1)
         k = kept_pages(budgets, P, per_row)
         batch = DecodeBatch(rows_table, seq_lens, budgets_t, slots, any(budgets), k or None)
-        attn = DecodeAttention(cache, batch, dense_layers, cfg.head_dim ** -0.5, impl)
+        attn = DecodeAttention(cache, batch, dense_layers, cfg.head_dim ** -0.5, kernels)
         with torch.inference_mode():
             hidden = decode(tokens[:, step:step + 1].to(DEVICE), pos[:, None], attn)
             logits = model.logits(hidden).float()
@@ -129,7 +132,7 @@ def test_stacked_parameters_share_the_stack_and_follow_updates(qwen3_path, tmp_p
     model = _load(qwen3_path)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     ids = {n: id(p) for n, p in model.named_parameters()}
-    form = GpuDecode(model, impl="torch")
+    form = GpuDecode(model, ops.TORCH)
     assert {n: id(p) for n, p in model.named_parameters()} == ids
     for n, p in model.named_parameters():
         assert torch.equal(p, before[n])
@@ -169,9 +172,9 @@ def test_fused_layers_equal_the_modular_step_torch_ops(which, qwen3_path, qwen2_
     30 on, dense layer 0 and sparse others at budget 48 (selection active from page 4 on)."""
     model = _load(qwen3_path if which == "qwen3" else qwen2_path)
     tokens = _tokens(3, 70)
-    want, cache_want = run_steps(model, modular(model), tokens, [70, 30, 55], [48, 48, 0], "torch")
-    form = GpuDecode(model, impl="torch")
-    got, cache_got = run_steps(model, form.hidden, tokens, [70, 30, 55], [48, 48, 0], "torch")
+    want, cache_want = run_steps(model, modular(model), tokens, [70, 30, 55], [48, 48, 0], ops.TORCH)
+    form = GpuDecode(model, ops.TORCH)
+    got, cache_got = run_steps(model, form.hidden, tokens, [70, 30, 55], [48, 48, 0], ops.TORCH)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
     _assert_caches_equal(cache_got, cache_want, 1e-5)
 
@@ -182,7 +185,7 @@ def _lora_model(path, adapters=("default",)):
     from sparrow.stages.train.adapter import TARGET_MODULES
 
     model = _load(path)
-    GpuDecode(model, impl="torch")  # stacked before peft wraps the projections (the trainer's order too)
+    GpuDecode(model, ops.TORCH)  # stacked before peft wraps the projections (the trainer's order too)
     torch.manual_seed(4)
     for name in adapters:
         inject_adapter_in_model(LoraConfig(r=2, lora_alpha=4.0, target_modules=list(TARGET_MODULES)), model,
@@ -210,10 +213,10 @@ def test_fused_layers_apply_active_lora_adapters(qwen3_path):
             else:
                 m.enable_adapters(True)
                 m.set_adapter(names)
-        want, _ = run_steps(model, modular(model), tokens, [40, 33], [48, 0], "torch")
-        form = GpuDecode(model, impl="torch")
+        want, _ = run_steps(model, modular(model), tokens, [40, 33], [48, 0], ops.TORCH)
+        form = GpuDecode(model, ops.TORCH)
         assert form.usable() and not form.refresh()
-        got, _ = run_steps(model, form.hidden, tokens, [40, 33], [48, 0], "torch")
+        got, _ = run_steps(model, form.hidden, tokens, [40, 33], [48, 0], ops.TORCH)
         torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
         q_proj = model.layers[0].attn.q_proj
         assert base_linear(q_proj).weight.untyped_storage().data_ptr() == \
@@ -228,12 +231,12 @@ def test_an_adapter_kind_not_reproduced_takes_the_modular_step(qwen3_path):
     model = _load(qwen3_path)
     dora = LoraConfig(r=2, lora_alpha=4.0, use_dora=True, target_modules=["q_proj", "v_proj"])
     inject_adapter_in_model(dora, model)
-    form = GpuDecode(model, impl="torch")
+    form = GpuDecode(model, ops.TORCH)
     assert not form.usable()
     tokens = _tokens(2, 20, seed=3)
-    want, _ = run_steps(model, modular(model), tokens, [20, 20], [0, 0], "torch")
+    want, _ = run_steps(model, modular(model), tokens, [20, 20], [0, 0], ops.TORCH)
     got, _ = run_steps(model, lambda t, p, a: decode_hidden(form, model, t, p, a, 512), tokens, [20, 20],
-                       [0, 0], "torch")
+                       [0, 0], ops.TORCH)
     assert torch.equal(got, want)
 
 
@@ -250,13 +253,13 @@ def test_stacking_after_peft_injection_and_the_runner_restacking(qwen3_path):
         for n, p in model.named_parameters():
             if "lora_B" in n:
                 p.normal_(0, 0.1, generator=torch.Generator().manual_seed(6))
-    runner = GpuRunner(model, max_batch=2, page_size=P, dense_layers=(0,), max_prefill_tokens=64,
-                       impl="torch", decode_graphs="off")
+    runner = GpuRunner(model, EngineConfig(max_batch=2, page_size=P, dense_layers=(0,), max_prefill_tokens=64,
+                                           kernels=Backend.TORCH, decode_step=DecodeStep.PLAIN))
     form = runner.decode_form
     assert form is not None and form.usable() and form.qkv[2].in_place()
     tokens = _tokens(2, 20, seed=7)
-    want, _ = run_steps(model, modular(model), tokens, [20, 20], [0, 0], "torch")
-    got, _ = run_steps(model, form.hidden, tokens, [20, 20], [0, 0], "torch")
+    want, _ = run_steps(model, modular(model), tokens, [20, 20], [0, 0], ops.TORCH)
+    got, _ = run_steps(model, form.hidden, tokens, [20, 20], [0, 0], ops.TORCH)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
     k_proj = base_linear(model.layers[2].attn.k_proj)
     k_proj.weight.data = k_proj.weight.data.clone()
@@ -288,11 +291,12 @@ def test_fused_triton_step_equals_the_modular_step(which, dtype, qwen3_path, qwe
     model = _load(qwen3_path if which == "qwen3" else qwen2_path, dtype)
     tokens = _tokens(3, 60, seed=5)
     lengths, budgets = [60, 50, 57], [48, 48, 0]
-    _, start = run_steps(model, modular(model), tokens, lengths, budgets, "torch", until=44)
+    _, start = run_steps(model, modular(model), tokens, lengths, budgets, ops.TORCH, until=44)
     cache_want, cache_got = copy.deepcopy(start), copy.deepcopy(start)
-    want, _ = run_steps(model, modular(model), tokens, lengths, budgets, "torch", cache=cache_want, first=44)
-    form = GpuDecode(model, impl="triton")
-    got, _ = run_steps(model, form.hidden, tokens, lengths, budgets, "triton", cache=cache_got, first=44)
+    want, _ = run_steps(model, modular(model), tokens, lengths, budgets, ops.TORCH, cache=cache_want,
+                        first=44)
+    form = GpuDecode(model, ops.TRITON)
+    got, _ = run_steps(model, form.hidden, tokens, lengths, budgets, ops.TRITON, cache=cache_got, first=44)
     tol = 1e-4 if dtype == torch.float32 else BF16_LOGIT_TOL
     gap = (got - want).abs().max().item()
     print(f"max |fused - modular| logit, {which}, {dtype}: {gap:.2e}")
@@ -311,8 +315,9 @@ def test_engine_fused_triton_equals_teacher_forced(sparsity, qwen3_path):
     g = torch.Generator().manual_seed(8)
     prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (70, 30)]
     params = SamplingParams(max_new_tokens=10, n=2, seed=5, temperature=1.0, ignore_eos=True)
-    engine = Engine(model, sparsity, max_batch=3, dense_layers=(0,), impl="triton",
-                    decode_graphs="eager" if DEVICE == "cpu" else "cuda")
+    step = DecodeStep.EAGER if DEVICE == "cpu" else DecodeStep.GRAPHS
+    engine = Engine(model, as_policy(sparsity), EngineConfig(max_batch=3, dense_layers=(0,),
+                                                             kernels=Backend.TRITON, decode_step=step))
     assert engine.runner.decode_form is not None and engine.runner.decode_form.usable()
     results = engine.generate(prompts, params)
     budget_at = budget_fn(sparsity)
@@ -338,11 +343,11 @@ def test_copy_of_a_stacked_model_is_independent(qwen3_path):
     """A deep copy of a stacked model owns its weights (the trainer's reference model, a test's copy):
     updating one changes nothing in the other, and stacking the copy moves only the copy."""
     model = _load(qwen3_path)
-    form = GpuDecode(model, impl="torch")
+    form = GpuDecode(model, ops.TORCH)
     twin = copy.deepcopy(model)
     with torch.no_grad():
         twin.layers[0].attn.q_proj.weight.add_(1.0)
     assert not torch.equal(twin.layers[0].attn.q_proj.weight, model.layers[0].attn.q_proj.weight)
     assert form.qkv[0].in_place()
-    GpuDecode(twin, impl="torch")
+    GpuDecode(twin, ops.TORCH)
     assert form.qkv[0].in_place()

@@ -26,7 +26,7 @@ class Cache:
     """A paged cache built from contiguous per-request keys/values (the ground truth)."""
 
     def __init__(self, lengths, hq, hkv, d, *, shared=None, seed=0, dtype=torch.float32, appended=0,
-                 impl="torch", device="cpu"):
+                 kernels=ops.TORCH, device="cpu"):
         """shared: (src, dst, n): request dst shares its n full leading pages with request src (same
         tokens, same physical pages). appended: the last `appended` tokens of each request go through
         append_kv (one token per request per step) instead of write_prefill."""
@@ -83,8 +83,8 @@ class Cache:
                     slots.append(int(self.block_table[i, t // P]) * P + t % P)
                 ks.append(self.keys[i][:, t])
                 vs.append(self.values[i][:, t])
-            ops.append_kv(self.k_pages, self.v_pages, self.centroids, torch.stack(ks).to(device),
-                          torch.stack(vs).to(device), torch.tensor(slots, device=device), impl=impl)
+            kernels.append_kv(self.k_pages, self.v_pages, self.centroids, torch.stack(ks).to(device),
+                              torch.stack(vs).to(device), torch.tensor(slots, device=device))
         self.q = torch.randn(b, hq, d, generator=g).to(dtype).to(device)
 
     def to(self, device):
@@ -160,7 +160,7 @@ def test_cache_writes_match_contiguous(appended):
 def test_select_pages_reference(hq, hkv, d):
     cache = Cache([5, 300, 130, 200, 17, 64], hq, hkv, d, shared=(2, 3, 5), seed=hq + d)
     budgets = torch.tensor([48, 64, 0, 112, 48, 512], dtype=torch.int32)
-    sel = ops.select_pages(cache.q, cache.centroids, cache.block_table, cache.seq_lens, budgets)
+    sel = ops.CPU.select_pages(cache.q, cache.centroids, cache.block_table, cache.seq_lens, budgets)
     assert sel.dtype == torch.int32 and sel.shape[:2] == (6, hkv)
     assert sel.shape[2] == max(len(s) for per in brute_selection(cache, budgets) for s in per)
     for row in sel.reshape(-1, sel.shape[2]):  # sorted ascending, -1 padding at the end
@@ -168,7 +168,7 @@ def test_select_pages_reference(hq, hkv, d):
         assert torch.equal(valid, valid.sort().values) and bool((row[len(valid):] == -1).all())
     assert selected_sets(sel) == brute_selection(cache, budgets)
     # a fixed width (no host sync) pads with -1 and keeps the same pages
-    wide = ops.select_pages(cache.q, cache.centroids, cache.block_table, cache.seq_lens, budgets,
+    wide = ops.CPU.select_pages(cache.q, cache.centroids, cache.block_table, cache.seq_lens, budgets,
                             max_selected=cache.block_table.shape[1])
     assert selected_sets(wide) == selected_sets(sel)
 
@@ -177,8 +177,8 @@ def test_select_pages_reference(hq, hkv, d):
 def test_sparse_reference_vs_brute_force(hq, hkv, d):
     cache = Cache([5, 300, 130, 200, 17], hq, hkv, d, shared=(1, 2, 6), seed=3 * hq + d)
     budgets = torch.tensor([48, 64, 0, 112, 512], dtype=torch.int32)
-    sel = ops.select_pages(cache.q, cache.centroids, cache.block_table, cache.seq_lens, budgets)
-    out = ops.sparse_paged_attention(cache.q, cache.k_pages, cache.v_pages, cache.block_table,
+    sel = ops.CPU.select_pages(cache.q, cache.centroids, cache.block_table, cache.seq_lens, budgets)
+    out = ops.CPU.sparse_paged_attention(cache.q, cache.k_pages, cache.v_pages, cache.block_table,
                                      cache.seq_lens, sel, scale=0.3)
     torch.testing.assert_close(out.double(), brute_attention(cache, budgets, scale=0.3), atol=1e-5, rtol=1e-5)
 
@@ -186,14 +186,12 @@ def test_sparse_reference_vs_brute_force(hq, hkv, d):
 @pytest.mark.parametrize("hq,hkv,d", [(4, 4, 16), (6, 2, 32), (8, 1, 16)])
 def test_dense_reference_vs_brute_force(hq, hkv, d):
     cache = Cache([5, 300, 16, 33], hq, hkv, d, shared=(1, 3, 2), seed=7 + d)
-    out = ops.dense_paged_attention(cache.q, cache.k_pages, cache.v_pages, cache.block_table, cache.seq_lens)
+    out = ops.CPU.dense_paged_attention(cache.q, cache.k_pages, cache.v_pages, cache.block_table,
+                                        cache.seq_lens)
     assert out.shape == (4, hq, d) and out.dtype == cache.q.dtype
     zeros = torch.zeros(4, dtype=torch.int32)
     torch.testing.assert_close(out.double(), brute_attention(cache, zeros), atol=1e-5, rtol=1e-5)
 
 
 def test_dispatch():
-    q = torch.zeros(1, 2, 16)
-    assert not ops.use_triton("auto", q) and not ops.use_triton("torch", q)
-    with pytest.raises(ValueError):
-        ops.use_triton("cuda", q)
+    assert ops.ops_for("cpu") is ops.CPU and ops.ops_for("cpu", ops.Backend.TORCH) is ops.TORCH

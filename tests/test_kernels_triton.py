@@ -57,18 +57,17 @@ def check_attention(cache: Cache, budgets, splits=(None,), scale=None):
     dtype = cache.q.dtype
     q32, k32, v32 = as_fp32(cache)
     budgets = budgets.to(DEVICE)
-    sel = ops.select_pages(q32, cache.centroids, cache.block_table, cache.seq_lens, budgets, impl="torch")
-    want_sparse = ops.sparse_paged_attention(q32, k32, v32, cache.block_table, cache.seq_lens, sel, scale,
-                                             impl="torch")
-    want_dense = ops.dense_paged_attention(q32, k32, v32, cache.block_table, cache.seq_lens, scale,
-                                           impl="torch")
+    sel = ops.TORCH.select_pages(q32, cache.centroids, cache.block_table, cache.seq_lens, budgets)
+    want_sparse = ops.TORCH.sparse_paged_attention(q32, k32, v32, cache.block_table, cache.seq_lens, sel,
+                                                   scale)
+    want_dense = ops.TORCH.dense_paged_attention(q32, k32, v32, cache.block_table, cache.seq_lens, scale)
     for ns in splits:
-        got = ops.sparse_paged_attention(cache.q, cache.k_pages, cache.v_pages, cache.block_table,
-                                         cache.seq_lens, sel, scale, impl="triton", num_splits=ns)
+        got = ops.TRITON.sparse_paged_attention(cache.q, cache.k_pages, cache.v_pages, cache.block_table,
+                                         cache.seq_lens, sel, scale, num_splits=ns)
         assert got.dtype == dtype and got.shape == cache.q.shape
         torch.testing.assert_close(got.float(), want_sparse, **tol(dtype))
-        got = ops.dense_paged_attention(cache.q, cache.k_pages, cache.v_pages, cache.block_table,
-                                        cache.seq_lens, scale, impl="triton", num_splits=ns)
+        got = ops.TRITON.dense_paged_attention(cache.q, cache.k_pages, cache.v_pages, cache.block_table,
+                                        cache.seq_lens, scale, num_splits=ns)
         torch.testing.assert_close(got.float(), want_dense, **tol(dtype))
 
 
@@ -76,22 +75,22 @@ def check_selection(cache: Cache, budgets, max_selected=None):
     cache.to(DEVICE)
     budgets = budgets.to(DEVICE)
     q = cache.q
-    scores_t = ops.page_scores(q, cache.centroids, cache.block_table, cache.seq_lens, impl="triton")
-    scores_r = ops.page_scores(q, cache.centroids, cache.block_table, cache.seq_lens, impl="torch")
+    scores_t = ops.TRITON.page_scores(q, cache.centroids, cache.block_table, cache.seq_lens)
+    scores_r = ops.TORCH.page_scores(q, cache.centroids, cache.block_table, cache.seq_lens)
     assert torch.equal(torch.isinf(scores_t), torch.isinf(scores_r))
     finite = torch.isfinite(scores_r)
     torch.testing.assert_close(scores_t[finite], scores_r[finite], atol=1e-4, rtol=1e-4)
-    sel_t = ops.select_pages(q, cache.centroids, cache.block_table, cache.seq_lens, budgets, impl="triton",
+    sel_t = ops.TRITON.select_pages(q, cache.centroids, cache.block_table, cache.seq_lens, budgets,
                              max_selected=max_selected)
-    sel_r = ops.select_pages(q, cache.centroids, cache.block_table, cache.seq_lens, budgets, impl="torch",
+    sel_r = ops.TORCH.select_pages(q, cache.centroids, cache.block_table, cache.seq_lens, budgets,
                              max_selected=max_selected)
     assert torch.equal(sel_t, sel_r)
 
 
 def check_append(lengths, hq, hkv, d, dtype, shared=None, appended=5):
-    got = Cache(lengths, hq, hkv, d, shared=shared, appended=appended, dtype=dtype, impl="triton",
+    got = Cache(lengths, hq, hkv, d, shared=shared, appended=appended, dtype=dtype, kernels=ops.TRITON,
                 device=DEVICE)
-    want = Cache(lengths, hq, hkv, d, shared=shared, appended=appended, dtype=dtype, impl="torch",
+    want = Cache(lengths, hq, hkv, d, shared=shared, appended=appended, dtype=dtype, kernels=ops.TORCH,
                  device=DEVICE)
     assert torch.equal(got.k_pages.nan_to_num(), want.k_pages.nan_to_num())
     assert torch.equal(got.v_pages.nan_to_num(), want.v_pages.nan_to_num())
@@ -171,13 +170,12 @@ def test_empty_request_rows_give_zeros():
     seq_lens[1] = 0
     table = cache.block_table.clone()
     table[1] = -1
-    for impl in ("torch", "triton"):
+    for kernels in (ops.TORCH, ops.TRITON):
         budgets = torch.tensor([48, 48], device=DEVICE)
-        sel = ops.select_pages(cache.q, cache.centroids, table, seq_lens, budgets, impl=impl)
+        sel = kernels.select_pages(cache.q, cache.centroids, table, seq_lens, budgets)
         assert bool((sel[1] == -1).all())
-        sparse = ops.sparse_paged_attention(cache.q, cache.k_pages, cache.v_pages, table, seq_lens, sel,
-                                            impl=impl)
-        dense = ops.dense_paged_attention(cache.q, cache.k_pages, cache.v_pages, table, seq_lens, impl=impl)
+        sparse = kernels.sparse_paged_attention(cache.q, cache.k_pages, cache.v_pages, table, seq_lens, sel)
+        dense = kernels.dense_paged_attention(cache.q, cache.k_pages, cache.v_pages, table, seq_lens)
         for out in (sparse, dense):
             assert torch.isfinite(out).all() and bool((out[1] == 0).all())
 
@@ -336,18 +334,18 @@ def test_append_kv_bf16_centroids_hold_each_full_pages_mean(dtype):
     hkv, d, pages = 2, 64, 4
     keys = torch.randn(40, hkv, d, generator=g).to(dtype)
     order = [3, 0, 2]  # logical page -> physical page
-    for impl in ("torch", "triton"):
+    for kernels in (ops.TORCH, ops.TRITON):
         k_pages = torch.full((pages, hkv, P, d), float("nan"), dtype=dtype, device=DEVICE)
         v_pages = torch.zeros_like(k_pages)
         cents = torch.zeros(pages, hkv, d, dtype=torch.bfloat16, device=DEVICE)
         for t in range(40):
             slot = torch.tensor([order[t // P] * P + t % P], device=DEVICE)
             kv = keys[t:t + 1].to(DEVICE)
-            ops.append_kv(k_pages, v_pages, cents, kv, kv, slot, impl=impl)
+            kernels.append_kv(k_pages, v_pages, cents, kv, kv, slot)
         for logical in (0, 1):
             want = keys[logical * P:(logical + 1) * P].double().mean(0).to(torch.bfloat16)
             got = cents[order[logical]].cpu()
-            assert (got.float() - want.float()).abs().max() <= 2 ** -8 * want.float().abs().max(), impl
+            assert (got.float() - want.float()).abs().max() <= 2 ** -8 * want.float().abs().max(), kernels
         partial = keys[2 * P:].double().mean(0)
         torch.testing.assert_close(cents[order[2]].cpu().double(), partial, atol=3e-2, rtol=3e-2)
 
@@ -413,12 +411,12 @@ def test_split_kv_per_row_length_in_a_wide_table():
     cache.block_table = wide
     cache.to(DEVICE)
     budgets = torch.tensor([48, 0, 160, 64], dtype=torch.int32, device=DEVICE)
-    sel = ops.select_pages(cache.q, cache.centroids, cache.block_table, cache.seq_lens, budgets, impl="torch",
+    sel = ops.TORCH.select_pages(cache.q, cache.centroids, cache.block_table, cache.seq_lens, budgets,
                            max_selected=120)
-    want_s = ops.sparse_paged_attention(cache.q, cache.k_pages, cache.v_pages, cache.block_table,
-                                        cache.seq_lens, sel, impl="torch")
-    want_d = ops.dense_paged_attention(cache.q, cache.k_pages, cache.v_pages, cache.block_table,
-                                       cache.seq_lens, impl="torch")
+    want_s = ops.TORCH.sparse_paged_attention(cache.q, cache.k_pages, cache.v_pages, cache.block_table,
+                                        cache.seq_lens, sel)
+    want_d = ops.TORCH.dense_paged_attention(cache.q, cache.k_pages, cache.v_pages, cache.block_table,
+                                       cache.seq_lens)
     for splits in (1, 3, 16):
         got_s = paged_decode_triton(cache.q, cache.k_pages, cache.v_pages, cache.block_table, cache.seq_lens,
                                     sel, num_splits=splits)
@@ -426,8 +424,8 @@ def test_split_kv_per_row_length_in_a_wide_table():
                                     None, num_splits=splits)
         torch.testing.assert_close(got_s, want_s, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(got_d, want_d, atol=1e-4, rtol=1e-4)
-    sel_t = ops.select_pages(cache.q, cache.centroids, cache.block_table, cache.seq_lens, budgets,
-                             impl="triton", max_selected=120)
+    sel_t = ops.TRITON.select_pages(cache.q, cache.centroids, cache.block_table, cache.seq_lens, budgets,
+                                    max_selected=120)
     assert torch.equal(sel_t, sel)
 
 
@@ -440,7 +438,7 @@ def test_page_scores_with_bf16_or_fp32_centroids(cdtype):
     cache = Cache([5, 300, 100], hq=6, hkv=2, d=64, seed=17)
     cache.centroids = cache.centroids.to(cdtype)
     cache.to(DEVICE)
-    want = ops.page_scores(cache.q, cache.centroids, cache.block_table, cache.seq_lens, impl="torch")
+    want = ops.TORCH.page_scores(cache.q, cache.centroids, cache.block_table, cache.seq_lens)
     full = page_scores_triton(cache.q, cache.centroids, cache.block_table, cache.seq_lens)
     assert torch.equal(torch.isinf(full), torch.isinf(want))
     part = page_scores_triton(cache.q, cache.centroids, cache.block_table, cache.seq_lens, fill=False)
@@ -488,17 +486,17 @@ def test_append_kv_triton_sweep(hq, hkv, d, dtype):
 def test_decode_triton_block_sizes_and_wide_selection(block_n):
     cache = Cache([5, 300, 77], hq=6, hkv=2, d=64, seed=21, device=DEVICE)
     budgets = torch.tensor([48, 64, 0], dtype=torch.int32, device=DEVICE)
-    sel = ops.select_pages(cache.q, cache.centroids, cache.block_table, cache.seq_lens, budgets,
-                           max_selected=cache.block_table.shape[1], impl="torch")  # lots of -1 padding
-    want = ops.sparse_paged_attention(cache.q, cache.k_pages, cache.v_pages, cache.block_table,
-                                      cache.seq_lens, sel, impl="torch")
+    sel = ops.TORCH.select_pages(cache.q, cache.centroids, cache.block_table, cache.seq_lens, budgets,
+                           max_selected=cache.block_table.shape[1])  # lots of -1 padding
+    want = ops.TORCH.sparse_paged_attention(cache.q, cache.k_pages, cache.v_pages, cache.block_table,
+                                      cache.seq_lens, sel)
     for ns in (1, 2, 5):
         got = paged_decode_triton(cache.q, cache.k_pages, cache.v_pages, cache.block_table, cache.seq_lens,
                                   sel, num_splits=ns, block_n=block_n)
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     # budget 0 selects every page: sparse over that selection equals dense
-    dense_sel = ops.select_pages(cache.q, cache.centroids, cache.block_table, cache.seq_lens,
-                                 torch.zeros(3, dtype=torch.int32, device=DEVICE), impl="torch")
+    dense_sel = ops.TORCH.select_pages(cache.q, cache.centroids, cache.block_table, cache.seq_lens,
+                                 torch.zeros(3, dtype=torch.int32, device=DEVICE))
     args = (cache.q, cache.k_pages, cache.v_pages, cache.block_table, cache.seq_lens)
     a = paged_decode_triton(*args, dense_sel, block_n=block_n)
     b = paged_decode_triton(*args, None, block_n=block_n)
@@ -514,7 +512,7 @@ def test_append_kv_triton_direct_noncontiguous_inputs():
     slots = torch.tensor([16 * 2 + 0, 16 * 0 + 5, -1], device=DEVICE)
     ref = [t.clone() for t in (k_pages, v_pages, cents)]
     append_kv_triton(k_pages, v_pages, cents, kv[:, 0], kv[:, 1], slots)
-    ops.append_kv(*ref, kv[:, 0], kv[:, 1], slots, impl="torch")
+    ops.TORCH.append_kv(*ref, kv[:, 0], kv[:, 1], slots)
     for a, b in zip((k_pages, v_pages, cents), ref):
         torch.testing.assert_close(a, b)
 

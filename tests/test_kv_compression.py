@@ -16,7 +16,9 @@ import pytest
 import torch
 from eviction_reference import brute_force_logprobs, float64_copy
 
-from sparrow.stages.engine import Engine, SamplingParams
+from sparrow.kernels.ops import Backend
+from sparrow.stages.core.sparsity import as_policy
+from sparrow.stages.engine import DecodeStep, Engine, EngineConfig, SamplingParams
 from sparrow.stages.engine.memory import Workload
 from sparrow.stages.kv_policies import RKV, SnapKV
 from sparrow.stages.model.loading import load_model
@@ -37,7 +39,7 @@ def _prompts(lengths, seed=1):
 
 
 def _generate(model, prompts, params, sparsity, **kw):
-    engine = Engine(model, sparsity, **kw)
+    engine = Engine(model, as_policy(sparsity), EngineConfig(**kw))
     out = engine.generate(prompts, params)
     assert engine.blocks.used == 0 and not any(engine.blocks.refcount)  # every page came back
     return engine, [c for group in out for c in group]
@@ -76,14 +78,14 @@ def test_static_step_and_torch_references_decode_the_same(tiny):
     prompts = _prompts((30, 70), seed=2)
     greedy = SamplingParams(max_new_tokens=60, n=2, seed=4, temperature=0.0, ignore_eos=True)
     _, ref = _generate(tiny, prompts, greedy, RKV_, max_batch=4)
-    for kw in ({"decode_graphs": "eager"}, {"impl": "torch", "cascade": False}):
+    for kw in ({"decode_step": DecodeStep.EAGER}, {"kernels": Backend.TORCH, "cascade": False}):
         engine, got = _generate(tiny, prompts, greedy, RKV_, max_batch=4, **kw)
         assert engine.stats.compactions > 0
         for a, b in zip(ref, got):
             assert a.token_ids == b.token_ids and a.kv_lens == b.kv_lens
             assert np.abs(np.array(a.logprobs) - np.array(b.logprobs)).max() <= 1e-5
     sampled = SamplingParams(max_new_tokens=60, n=2, seed=4, temperature=1.0, ignore_eos=True)
-    engine, got = _generate(tiny, prompts, sampled, RKV_, max_batch=3, decode_graphs="eager")
+    engine, got = _generate(tiny, prompts, sampled, RKV_, max_batch=3, decode_step=DecodeStep.EAGER)
     assert engine.stats.compactions > 0 and engine.runner.lag == 1
     for i, prompt in enumerate(prompts):
         samples = [c for c in got if c.request_id == i]
@@ -131,15 +133,15 @@ def test_policies_mix_in_one_run(tiny):
     prompts = _prompts((60, 60, 35, 90), seed=7)
     params = SamplingParams(max_new_tokens=60, n=2, seed=7, temperature=1.0, ignore_eos=True)
     policies = [None, 64, SNAP, RKV_]
-    engine = Engine(tiny, max_batch=8, dense_layers=(0,))
+    engine = Engine(tiny, None, EngineConfig(max_batch=8, dense_layers=(0,)))
     for i, (p, policy) in enumerate(zip(prompts, policies)):
-        engine.add_request(p, params, request_id=i, sparsity=policy)
+        engine.add_request(p, params, request_id=i, policy=as_policy(policy))
     done = []
     while engine.has_work():
         done += engine.step()[0]
     done.sort(key=lambda c: (c.request_id, c.sample))
     for i, (p, policy) in enumerate(zip(prompts, policies)):
-        alone = Engine(tiny, policy, max_batch=2, dense_layers=(0,))
+        alone = Engine(tiny, as_policy(policy), EngineConfig(max_batch=2, dense_layers=(0,)))
         ref = alone.generate([p], params, request_ids=[i])[0]  # the same request id: the same seeds
         for a, b in zip(ref, [c for c in done if c.request_id == i]):
             assert a.token_ids == b.token_ids
@@ -162,7 +164,8 @@ _TRITON_SCRIPT = """
 import sys, torch
 from sparrow.stages.kv_policies import RKV
 from sparrow.stages.model.loading import load_model
-from sparrow.stages.engine import Engine, SamplingParams
+from sparrow.kernels.ops import Backend
+from sparrow.stages.engine import DecodeStep, Engine, EngineConfig, SamplingParams
 model = load_model("tiny-qwen3").model
 g = torch.Generator().manual_seed(1)
 prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (70, 41)]
@@ -173,16 +176,17 @@ def same(ref, got):
         for x, y in zip(a, b):
             assert x.token_ids == y.token_ids, (x.token_ids, y.token_ids)
             assert max(abs(p - q) for p, q in zip(x.logprobs, y.logprobs)) < 1e-4
-ref = Engine(model, policy, max_batch=4, impl="torch").generate(prompts, params)
-engine = Engine(model, policy, max_batch=4, impl="triton", num_pages=10)
+ref = Engine(model, policy, EngineConfig(max_batch=4, kernels=Backend.TORCH)).generate(prompts, params)
+engine = Engine(model, policy, EngineConfig(max_batch=4, kernels=Backend.TRITON, num_pages=10))
 got = engine.generate(prompts, params)
 assert engine.stats.compactions > 0 and engine.stats.preemptions > 0 and engine.blocks.used == 0
 same(ref, got)
 # the step CUDA graphs replay (eager here): the fused decode layers, the query ring's index computed on
 # the device, compacted rows sent again while a step is in flight, the device path's sampling
-ref = Engine(model, policy, max_batch=4, impl="torch", decode_graphs="eager", cascade=False).generate(
-    prompts, params)
-engine = Engine(model, policy, max_batch=4, impl="triton", num_pages=10, decode_graphs="eager")
+eager = EngineConfig(max_batch=4, kernels=Backend.TORCH, decode_step=DecodeStep.EAGER, cascade=False)
+ref = Engine(model, policy, eager).generate(prompts, params)
+engine = Engine(model, policy, EngineConfig(max_batch=4, kernels=Backend.TRITON, num_pages=10,
+                                            decode_step=DecodeStep.EAGER))
 got = engine.generate(prompts, params)
 assert engine.stats.compactions > 0 and engine.stats.preemptions > 0 and engine.runner.lag == 1
 same(ref, got)

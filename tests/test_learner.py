@@ -23,6 +23,7 @@ from sparrow.cli.app import app
 from sparrow.schemas import artifact_metadata, read_artifact
 from sparrow.stages.attention import SparseAttention
 from sparrow.stages.core.sparsity import budget_fn
+from sparrow.stages.engine import EngineConfig
 from sparrow.stages.model.config import ModelConfig, ModelSpecError
 from sparrow.stages.model.loading import load_model, resolve_config
 from sparrow.stages.scoring.mismatch import decode_budgets, score_sequences
@@ -324,7 +325,8 @@ def test_engine_stops_at_a_generation_config_eos(tmp_path):
         first = int(hf(torch.tensor([prompt])).logits[0, -1].argmax())
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, first]}))
     loaded = load_model(str(tmp_path))
-    out = Engine(loaded.model, None, max_batch=1).generate([prompt], SamplingParams(max_new_tokens=5,
+    out = Engine(loaded.model, None, EngineConfig(max_batch=1)).generate([prompt],
+                                                                         SamplingParams(max_new_tokens=5,
                                                                                     temperature=0.0))
     assert out[0][0].token_ids == [first] and out[0][0].finish_reason == "stop"
 

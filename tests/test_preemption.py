@@ -16,8 +16,8 @@ from sparrow.kernels import ops
 from sparrow.stages.attention.kv_cache import PagedKVCache
 from sparrow.stages.attention.paged import PrefillAttention, Recompute
 from sparrow.stages.core.schedule import Schedule
-from sparrow.stages.core.sparsity import budget_fn
-from sparrow.stages.engine import Engine, SamplingParams
+from sparrow.stages.core.sparsity import as_policy, budget_fn
+from sparrow.stages.engine import DecodeStep, Engine, EngineConfig, SamplingParams
 from sparrow.stages.model.loading import load_model
 from sparrow.stages.scoring.mismatch import score_sequences
 
@@ -38,7 +38,8 @@ def _prompts(lengths, seed=1):
 
 def _run(model, prompts, params, sparsity, **kw):
     """Generate step by step, logging each victim's cache length when it is preempted."""
-    engine = Engine(model, sparsity, dense_layers=(0,), **kw)  # layer 1 sparse: layer 2's KV depend on it
+    # layer 1 sparse: layer 2's KV depend on it
+    engine = Engine(model, as_policy(sparsity), EngineConfig(dense_layers=(0,), **kw))
     for i, p in enumerate(prompts):
         engine.add_request(p, params, request_id=i)
     victims, done = [], []
@@ -95,8 +96,9 @@ def test_static_step_with_preemption(tiny):
     by each sample's seed and position, so a recomputed sample draws what it would have drawn)."""
     prompts = _prompts((70, 45, 100), seed=2)
     params = SamplingParams(max_new_tokens=40, n=2, seed=3, temperature=1.0, ignore_eos=True)
-    _, expected, _ = _run(tiny, prompts, params, 64, max_batch=5, decode_graphs="eager")
-    small, got, victims = _run(tiny, prompts, params, 64, max_batch=5, num_pages=12, decode_graphs="eager")
+    _, expected, _ = _run(tiny, prompts, params, 64, max_batch=5, decode_step=DecodeStep.EAGER)
+    small, got, victims = _run(tiny, prompts, params, 64, max_batch=5, num_pages=12,
+                               decode_step=DecodeStep.EAGER)
     assert victims and small.runner.static is not None
     for a, b in zip(expected, got):
         assert a.token_ids == b.token_ids
@@ -115,7 +117,7 @@ def test_pages_on_demand_run_more_samples_at_once(tiny):
 
 
 def test_request_larger_than_the_pool_is_refused(tiny):
-    engine = Engine(tiny, max_batch=4, num_pages=4)
+    engine = Engine(tiny, None, EngineConfig(max_batch=4, num_pages=4))
     with pytest.raises(ValueError) as err:
         engine.add_request(_prompts((60,))[0], SamplingParams(max_new_tokens=20))
     msg = str(err.value)
@@ -150,7 +152,7 @@ def test_recompute_writes_the_centroids_decoding_wrote(tiny):
     kt, vt = k[0].transpose(0, 1), v[0].transpose(0, 1)  # [n, Hkv, D]
     ops.write_prefill(kp, vp, cp, kt[:plen], vt[:plen], slots[:plen])
     for p in range(plen, n):
-        ops.append_kv(kp, vp, cp, kt[p:p + 1], vt[p:p + 1], slots[p:p + 1])
+        ops.CPU.append_kv(kp, vp, cp, kt[p:p + 1], vt[p:p + 1], slots[p:p + 1])
 
     got = fresh_cache(20)
     cols = torch.arange(plen, n)
@@ -168,7 +170,10 @@ def test_recompute_writes_the_centroids_decoding_wrote(tiny):
 _TRITON_SCRIPT = """
 import sys, torch, transformers
 from sparrow.stages.model.loading import load_model
-from sparrow.stages.engine import Engine, SamplingParams
+from dataclasses import replace
+from sparrow.kernels.ops import Backend
+from sparrow.stages.core.sparsity import as_policy
+from sparrow.stages.engine import Engine, EngineConfig, SamplingParams
 cfg = transformers.Qwen3Config(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
                                head_dim=16, num_attention_heads=4, num_key_value_heads=2,
                                max_position_embeddings=512, tie_word_embeddings=True)
@@ -178,8 +183,9 @@ model = load_model(sys.argv[1]).model
 g = torch.Generator().manual_seed(1)
 prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (70, 41)]
 params = SamplingParams(max_new_tokens=40, n=2, seed=5, ignore_eos=True)
-ref = Engine(model, 64, max_batch=4, dense_layers=(0,), impl="torch").generate(prompts, params)
-engine = Engine(model, 64, max_batch=4, dense_layers=(0,), impl="triton", num_pages=8)
+config = EngineConfig(max_batch=4, dense_layers=(0,), kernels=Backend.TORCH)
+ref = Engine(model, as_policy(64), config).generate(prompts, params)
+engine = Engine(model, as_policy(64), replace(config, kernels=Backend.TRITON, num_pages=8))
 got = engine.generate(prompts, params)
 assert engine.stats.preemptions > 0 and engine.blocks.used == 0
 for a, b in zip(ref, got):

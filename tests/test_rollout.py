@@ -16,8 +16,8 @@ from typer.testing import CliRunner
 from sparrow.cli.app import app
 from sparrow.schemas import artifact_metadata, read_artifact, write_artifact
 from sparrow.stages.core.schedule import Schedule
-from sparrow.stages.core.sparsity import budget_fn
-from sparrow.stages.engine import Engine, SamplingParams
+from sparrow.stages.core.sparsity import as_policy, budget_fn
+from sparrow.stages.engine import DecodeStep, Engine, EngineConfig, SamplingParams
 from sparrow.stages.model.loading import load_model
 from sparrow.stages.model.lora import LoraWeights, lora_merged, merge_lora, unmerge_lora
 from sparrow.stages.scoring.generate import generate
@@ -75,14 +75,14 @@ def _kv_prompt(tok, n=60):
 # ---------------------------------------------------------------------------- dense vs transformers
 
 
-@pytest.mark.parametrize("decode_graphs", ["off", "eager"], ids=["plain", "static-step"])
-def test_tiny_greedy_matches_transformers(tiny, decode_graphs):
+@pytest.mark.parametrize("decode_step", [DecodeStep.PLAIN, DecodeStep.EAGER], ids=["plain", "static-step"])
+def test_tiny_greedy_matches_transformers(tiny, decode_step):
     """Ragged prompts (crossing page boundaries), 2 samples each, max_batch 3: continuous batching. Also
     through the static step (the one CUDA graphs replay: state on the device, sampling inside, results
     read a step late), run eagerly."""
     hf, ours = tiny
     prompts = _prompts((7, 16, 37))
-    engine = Engine(ours.model, max_batch=3, decode_graphs=decode_graphs)
+    engine = Engine(ours.model, None, EngineConfig(max_batch=3, decode_step=decode_step))
     results = engine.generate(prompts, SamplingParams(max_new_tokens=64, temperature=0.0, n=2,
                                                       ignore_eos=True))
     for prompt, samples in zip(prompts, results):
@@ -106,7 +106,7 @@ def test_smollm2_greedy_matches_transformers(smollm2):
     with torch.no_grad():
         expected = hf.generate(torch.tensor([prompt]), max_new_tokens=64, do_sample=False,
                                eos_token_id=2, pad_token_id=2)[0, len(prompt):].tolist()
-    got = Engine(smollm2.model, eos_ids=[2]).generate(
+    got = Engine(smollm2.model, None, EngineConfig(eos_ids=[2])).generate(
         [prompt], SamplingParams(max_new_tokens=64, temperature=0.0))[0][0]
     assert got.token_ids == expected
     assert got.finish_reason == ("stop" if expected[-1] == 2 else "length")
@@ -116,7 +116,7 @@ def test_smollm2_greedy_matches_transformers(smollm2):
 
 
 def _check_against_teacher_forced(model, prompts, params, sparsity, max_batch, tol=1e-4, **engine_kw):
-    engine = Engine(model, sparsity, max_batch=max_batch, **engine_kw)
+    engine = Engine(model, as_policy(sparsity), EngineConfig(max_batch=max_batch, **engine_kw))
     results = engine.generate(prompts, params)
     budget_at = budget_fn(sparsity)
     temperature = (params[0] if isinstance(params, list) else params).temperature
@@ -203,7 +203,7 @@ def test_static_padded_step_equals_teacher_forced(tiny_qwen3, sparsity):
     params = [SamplingParams(max_new_tokens=m, n=k, seed=i, ignore_eos=True)
               for i, (m, k) in enumerate(((40, 3), (12, 1), (25, 2), (30, 1), (5, 2)))]
     engine, *_ = _check_against_teacher_forced(tiny_qwen3.model, prompts, params, sparsity, max_batch=7,
-                                               decode_graphs="eager")
+                                               decode_step=DecodeStep.EAGER)
     assert engine.runner.static is not None and engine.runner.static.max_pages == -(-(210 + 25) // 16)
 
 
@@ -214,14 +214,14 @@ def test_static_step_mixed_dense_and_sparse_requests(tiny_qwen3):
     prompts = _prompts((120, 90, 200))
     params = SamplingParams(max_new_tokens=20, n=2, seed=4, temperature=0.0, ignore_eos=True)
     out = {}
-    for mode in ("off", "eager"):
-        engine = Engine(tiny_qwen3.model, 48, max_batch=6, decode_graphs=mode)
+    for mode in (DecodeStep.PLAIN, DecodeStep.EAGER):
+        engine = Engine(tiny_qwen3.model, as_policy(48), EngineConfig(max_batch=6, decode_step=mode))
         for i, (p, sp) in enumerate(zip(prompts, (None, 48, Schedule((0, 210), (64, 96))))):
-            engine.add_request(p, params, request_id=i, sparsity=sp)
+            engine.add_request(p, params, request_id=i, policy=as_policy(sp))
         done = []
         while engine.has_work():
             done += engine.step()[0]
-        out[mode] = sorted(done, key=lambda c: (c.request_id, c.sample))
+        out[mode.value] = sorted(done, key=lambda c: (c.request_id, c.sample))
     assert [c.budgets for c in out["eager"]] == [c.budgets for c in out["off"]]
     assert {b for c in out["eager"] for b in c.budgets} == {0, 48, 64, 96}
     for a, b in zip(out["off"], out["eager"]):
@@ -240,8 +240,10 @@ def test_cuda_graph_step_equals_eager_step(tmp_path):
                SamplingParams(max_new_tokens=24, n=1, seed=4, logprobs=2, ignore_eos=True)]
     for params in (SamplingParams(max_new_tokens=24, n=3, seed=2, temperature=0.0, ignore_eos=True), sampled):
         for sparsity in (None, Schedule((0, 160, 240), (48, 80, 128))):
-            ref = Engine(model, sparsity, max_batch=5, decode_graphs="eager").generate(prompts, params)
-            engine = Engine(model, sparsity, max_batch=5, decode_graphs="cuda")
+            eager = EngineConfig(max_batch=5, decode_step=DecodeStep.EAGER)
+            ref = Engine(model, as_policy(sparsity), eager).generate(prompts, params)
+            engine = Engine(model, as_policy(sparsity), EngineConfig(max_batch=5,
+                                                                     decode_step=DecodeStep.GRAPHS))
             got = engine.generate(prompts, params)
             assert engine.runner.static.graphs
             assert [[c.token_ids for c in r] for r in got] == [[c.token_ids for c in r] for r in ref]
@@ -261,12 +263,14 @@ def test_pipelined_loop_keeps_eos_and_max_new_tokens_exact(tiny_qwen3):
     max_new_tokens, and every page comes back."""
     model = tiny_qwen3.model
     prompts = _prompts((20, 45, 70))
-    plain = Engine(model, 64, max_batch=4, dense_layers=(0,)).generate(
+    plain = Engine(model, as_policy(64), EngineConfig(max_batch=4, dense_layers=(0,))).generate(
         prompts, SamplingParams(max_new_tokens=30, n=3, temperature=0.0))
     eos = [plain[0][0].token_ids[7], plain[2][0].token_ids[12]]
     greedy = SamplingParams(max_new_tokens=30, n=3, temperature=0.0)
-    want = Engine(model, 64, max_batch=4, dense_layers=(0,), eos_ids=eos).generate(prompts, greedy)
-    engine = Engine(model, 64, max_batch=4, dense_layers=(0,), eos_ids=eos, decode_graphs="eager")
+    want = Engine(model, as_policy(64), EngineConfig(max_batch=4, dense_layers=(0,),
+                                                     eos_ids=eos)).generate(prompts, greedy)
+    engine = Engine(model, as_policy(64), EngineConfig(max_batch=4, dense_layers=(0,), eos_ids=eos,
+                                                       decode_step=DecodeStep.EAGER))
     got = engine.generate(prompts, greedy)
     key = lambda res: [[(c.token_ids, c.finish_reason, c.budgets) for c in r] for r in res]
     assert key(got) == key(want)
@@ -280,8 +284,8 @@ def test_pipelined_loop_keeps_eos_and_max_new_tokens_exact(tiny_qwen3):
     sampled = SamplingParams(max_new_tokens=30, n=3, seed=11, temperature=1.0)
     runs = []
     for max_batch in (1, 4, 9):
-        engine = Engine(model, 64, max_batch=max_batch, dense_layers=(0,), eos_ids=stops,
-                        decode_graphs="eager")
+        engine = Engine(model, as_policy(64), EngineConfig(max_batch=max_batch, dense_layers=(0,),
+                                                           eos_ids=stops, decode_step=DecodeStep.EAGER))
         runs.append([[(c.token_ids, c.finish_reason) for c in r] for r in engine.generate(prompts, sampled)])
         assert engine.blocks.used == 0
         assert engine.stats.generated_tokens == sum(len(t) for r in runs[-1] for t, _ in r)
@@ -296,9 +300,10 @@ def test_warm_up_prepares_the_static_step_and_changes_nothing(tiny_qwen3):
     would be captured there): the run then gives what a cold engine gives; it refuses before `reserve`."""
     model, prompts = tiny_qwen3.model, _prompts((70, 150))
     params = SamplingParams(max_new_tokens=20, n=2, seed=3, ignore_eos=True)
-    cold = Engine(model, Schedule((0, 100), (48, 64)), max_batch=4, decode_graphs="eager")
+    eager = EngineConfig(max_batch=4, decode_step=DecodeStep.EAGER)
+    cold = Engine(model, as_policy(Schedule((0, 100), (48, 64))), eager)
     want = cold.generate(prompts, params)
-    warm = Engine(model, Schedule((0, 100), (48, 64)), max_batch=4, decode_graphs="eager")
+    warm = Engine(model, as_policy(Schedule((0, 100), (48, 64))), eager)
     with pytest.raises(RuntimeError, match="call reserve"):
         warm.warm_up(4, [48, 64])
     warm.reserve(prompts, params)
@@ -314,9 +319,9 @@ def test_static_step_top_k_top_p_and_top_logprobs(tiny_qwen3):
     logprobs (of the full distribution at the temperature) equal teacher-forced scoring."""
     model = tiny_qwen3.model
     prompt = _prompts((30,))
-    greedy = Engine(model, decode_graphs="eager").generate(
+    greedy = Engine(model, None, EngineConfig(decode_step=DecodeStep.EAGER)).generate(
         prompt, SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True))[0][0]
-    topk1 = Engine(model, decode_graphs="eager").generate(prompt, SamplingParams(
+    topk1 = Engine(model, None, EngineConfig(decode_step=DecodeStep.EAGER)).generate(prompt, SamplingParams(
         max_new_tokens=10, temperature=0.7, top_k=1, logprobs=3, ignore_eos=True))[0][0]
     assert topk1.token_ids == greedy.token_ids
     for tok, lp, top in zip(topk1.token_ids, topk1.logprobs, topk1.top_logprobs):
@@ -324,14 +329,15 @@ def test_static_step_top_k_top_p_and_top_logprobs(tiny_qwen3):
         assert top[0][1] >= top[1][1] >= top[2][1]
     params = SamplingParams(max_new_tokens=12, temperature=0.8, top_p=0.9, top_k=50, n=3, seed=3,
                             ignore_eos=True)
-    _check_against_teacher_forced(model, _prompts((40, 90)), params, 64, max_batch=4, decode_graphs="eager")
+    _check_against_teacher_forced(model, _prompts((40, 90)), params, 64, max_batch=4,
+                                  decode_step=DecodeStep.EAGER)
 
 
 # ---------------------------------------------------------------------------- engine mechanics
 
 
 def test_shared_prefill_pages_and_copy_on_write(tiny_qwen3):
-    engine = Engine(tiny_qwen3.model, 64, max_batch=8)
+    engine = Engine(tiny_qwen3.model, as_policy(64), EngineConfig(max_batch=8))
     engine.add_request(_prompts((40,))[0], SamplingParams(max_new_tokens=8, n=3, ignore_eos=True))
     engine.step()  # the prefill: all three samples share all three prompt pages
     seqs = engine.scheduler.running
@@ -355,14 +361,15 @@ def test_seed_reproducible_across_batch_sizes_and_eos(tiny_qwen3):
     model = tiny_qwen3.model
     prompts = _prompts((20, 45))
     params = SamplingParams(max_new_tokens=20, n=3, seed=11, temperature=1.0)
-    a = Engine(model, 64, max_batch=1, eos_ids=[5, 6, 7]).generate(prompts, params)
-    b = Engine(model, 64, max_batch=6, eos_ids=[5, 6, 7]).generate(prompts, params)
+    a = Engine(model, as_policy(64), EngineConfig(max_batch=1, eos_ids=[5, 6, 7])).generate(prompts, params)
+    b = Engine(model, as_policy(64), EngineConfig(max_batch=6, eos_ids=[5, 6, 7])).generate(prompts, params)
     ta = [[c.token_ids for c in r] for r in a]
     assert ta == [[c.token_ids for c in r] for r in b]
     for c in (c for r in a for c in r):
         assert (c.finish_reason == "stop") == (c.token_ids[-1] in (5, 6, 7))
         assert c.finish_reason == "stop" or len(c.token_ids) == 20
-    c = Engine(model, 64, max_batch=6).generate(prompts, SamplingParams(max_new_tokens=20, n=3, seed=12))
+    c = Engine(model, as_policy(64), EngineConfig(max_batch=6)).generate(
+        prompts, SamplingParams(max_new_tokens=20, n=3, seed=12))
     assert [[x.token_ids for x in r] for r in c] != ta
 
 
@@ -495,7 +502,9 @@ def test_cli_bad_input(prompts_file, tmp_path, args, message):
 _TRITON_SCRIPT = """
 import sys, torch, transformers
 from sparrow.stages.model.loading import load_model
-from sparrow.stages.engine import Engine, SamplingParams
+from sparrow.kernels.ops import Backend
+from sparrow.stages.core.sparsity import as_policy
+from sparrow.stages.engine import DecodeStep, Engine, EngineConfig, SamplingParams
 cfg = transformers.Qwen3Config(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
                                head_dim=16, num_attention_heads=4, num_key_value_heads=2,
                                max_position_embeddings=512, tie_word_embeddings=True)
@@ -506,9 +515,12 @@ g = torch.Generator().manual_seed(1)
 prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (70, 41)]
 params = SamplingParams(max_new_tokens=20, n=2, seed=5, ignore_eos=True)
 out = {}
-for run, impl, graphs in (("torch", "torch", "off"), ("triton", "triton", "off"),
-                          ("torch-static", "torch", "eager"), ("triton-static", "triton", "eager")):
-    engine = Engine(model, 48, max_batch=3, dense_layers=(0,), impl=impl, decode_graphs=graphs)
+for run, kernels, step in (("torch", Backend.TORCH, DecodeStep.PLAIN),
+                           ("triton", Backend.TRITON, DecodeStep.PLAIN),
+                           ("torch-static", Backend.TORCH, DecodeStep.EAGER),
+                           ("triton-static", Backend.TRITON, DecodeStep.EAGER)):
+    engine = Engine(model, as_policy(48), EngineConfig(max_batch=3, dense_layers=(0,), kernels=kernels,
+                                                       decode_step=step))
     out[run] = engine.generate(prompts, params)
 for ref, run in (("torch", "triton"), ("torch-static", "triton-static")):
     for a, b in zip(out[ref], out[run]):

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from sparrow.kernels import ops
 from sparrow.stages.engine import SamplingParams
 from sparrow.stages.engine.sampler import sample_tokens
 
@@ -111,25 +112,24 @@ def _top_cell_cases(vocab=4096, count=3):
     raise AssertionError("no seed hits the top cell")
 
 
-@pytest.mark.parametrize("impl", ["auto", "torch"])
-def test_race_implementations_draw_what_the_float64_reference_draws(impl):
-    """The race in torch ops and the C++ race (impl auto on a CPU) against the float64 numpy race over the
+@pytest.mark.parametrize("kernels", [ops.CPU, ops.TORCH], ids=["cpu", "torch"])
+def test_race_implementations_draw_what_the_float64_reference_draws(kernels):
+    """The race in torch ops and the C++ race (the CPU ops) against the float64 numpy race over the
     same bits, on random rows; and on rows where one token's noise is the top cell, whose fp32 U rounds to
     1: that token must not win against a token holding all the mass (it did before E was floored)."""
     from sparrow.kernels import cpu_sampling
-    from sparrow.kernels.race_sample import race_sample
 
-    if impl == "auto" and not cpu_sampling.usable(torch.zeros(1, 1)):
+    if kernels is ops.CPU and not cpu_sampling.usable(torch.zeros(1, 1)):
         pytest.skip("no C++ kernels here")
     logp = torch.log_softmax(torch.randn(64, 3001, generator=torch.Generator().manual_seed(6)) * 3, -1)
     seeds = torch.randint(-2**62, 2**62, (64,), generator=torch.Generator().manual_seed(7))
-    assert torch.equal(race_sample(logp, seeds, impl=impl), cpu_sampling.race_sample_reference(logp, seeds))
+    assert torch.equal(kernels.race_sample(logp, seeds), cpu_sampling.race_sample_reference(logp, seeds))
     cases = _top_cell_cases()
     peaked = torch.full((len(cases), 4096), -40.0)
     peaked[:, 7] = 0.0
     peaked = torch.log_softmax(peaked, -1)
     seeds = torch.tensor([seed for seed, _ in cases])
-    assert race_sample(peaked, seeds, impl=impl).tolist() == [7] * len(cases)
+    assert kernels.race_sample(peaked, seeds).tolist() == [7] * len(cases)
     assert cpu_sampling.race_sample_reference(peaked, seeds).tolist() == [7] * len(cases)
 
 
@@ -144,7 +144,7 @@ def test_row_seeds_equal_their_uint64_reference():
     assert len(set(got.tolist())) == 257
 
 
-def _position_frequencies(logits, params, impl, draws=20000, rows=500):
+def _position_frequencies(logits, params, kernels, draws=20000, rows=500):
     """Frequencies of row 0's draws by the device path, each draw keyed by its own (seed, position)."""
     from sparrow.stages.engine.sampler import sample_by_position
 
@@ -152,19 +152,19 @@ def _position_frequencies(logits, params, impl, draws=20000, rows=500):
     batch = logits.expand(rows, -1)
     for j in range(draws // rows):
         tokens, logp, _ = sample_by_position(batch, [params] * rows, range(1000, 1000 + rows), [j] * rows,
-                                             impl=impl)
+                                             ops=kernels)
         np.add.at(counts, tokens.numpy(), 1)
     return counts / counts.sum(), logp
 
 
-@pytest.mark.parametrize("impl", ["auto", "torch"])
-def test_device_path_frequencies_match_the_truncated_distribution(impl):
+@pytest.mark.parametrize("kernels", [ops.CPU, ops.TORCH], ids=["cpu", "torch"])
+def test_device_path_frequencies_match_the_truncated_distribution(kernels):
     """The device path's draws (the position-keyed race; top-k/top-p drawn again over the truncated set)
     against the distribution they must draw from, as the host sampler's frequency test."""
     logits = torch.randn(1, 12, generator=torch.Generator().manual_seed(3)) * 1.5
     for temperature, top_k, top_p in ((1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8), (1.0, 6, 0.9)):
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=1)
-        freq, logp = _position_frequencies(logits, params, impl)
+        freq, logp = _position_frequencies(logits, params, kernels)
         want = _expected(logits, temperature, top_k, top_p)
         assert np.abs(freq - want).max() < 0.015, (temperature, top_k, top_p, freq, want)
         assert freq[want == 0].sum() == 0

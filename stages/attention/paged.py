@@ -1,55 +1,29 @@
-"""The engine's `Attention` objects: our decoder calls them once per layer with post-RoPE q, k, v.
+"""The engine's `Attention` objects over the paged pool: our decoder calls them once per layer with
+post-RoPE q, k, v; the kernels are those of the ops object the runner holds.
 
-`PrefillAttention`: one forward of a prefill, at most `max_prefill_tokens` tokens (prefill is dense).
-Rows that start at position 0 (right-padded to one length) attend causally to themselves: on a CPU with
-the C++ kernels through ours (`cpu_attention.causal_attention`; at 6K tokens 2.2x PyTorch's flash kernel
-in bf16, 1.3x in fp32), else plain SDPA. A later chunk of a long row (`history`: its block table) attends
-to the prefix earlier chunks wrote, read back from the pool, and causally within itself (SDPA with a
-lower-right causal mask: the chunk's queries are the last positions of its keys). Every row's
-keys/values are scattered into the pages (`ops.write_prefill`, which also sets the page centroids from
-the page's contents, so a page split between chunks gets the mean of all its keys). A row may also be a
-preempted sample's recompute (`Recompute`): its generated positions are written as decoding wrote them,
-one `ops.append_kv` per page offset in order (chunks run in order, so across chunks too), so the
-centroids are the same running means (of complete and partial pages) and not write_prefill's sums; and
-each generated query attends as its decode step did, by the block top-k rule at the budget that step
-had (`block_topk_sdpa` over the cache's centroids: the pages it scores were complete at that step, so
-their centroids then were what they are now).
-`DecodeAttention`: one new token per running sequence. Its k/v are appended to the sequence's page
-(`ops.append_kv`, incremental centroid), then the query attends either to every page
-(`ops.dense_paged_attention`) or, in sparse layers when some request has a budget, to the pages
-chosen by block top-k (`ops.select_pages` + `ops.sparse_paged_attention`). Requests with budget 0 in a
-sparse step keep all their pages, so mixed batches need no special case. `CpuDecodeAttention` adds the
-CPU's machinery: reused gather buffers for the torch references, and cascade attention (`Cascade`):
-dense attention of samples that share a prompt's pages reads the shared prefix once per step for all
-of them (kernels/cascade_decode.py); in sparse layers the prefix's centroids are scored for all of them
-with one product, and each sample then reads only the pages it selected; with the C++ kernels such a
-sparse layer is one op (`sparse_decode_layer`: the same four steps, 0.7 ms less Python per step).
+`PrefillAttention`: one forward of a prefill (dense). Rows from position 0 attend causally to themselves;
+a later chunk of a long row (`history`) attends to the prefix earlier chunks wrote. Every row's keys and
+values are scattered into the pages with their centroids; a preempted sample's recompute (`Recompute`)
+writes its generated positions as decoding wrote them (running-mean centroids) and attends at the
+budgets its decode steps had. `DecodeAttention`: one new token per running sequence, appended to its page,
+then dense paged attention or, in sparse layers, block top-k selection and attention over the kept pages.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from sparrow.kernels import cpu_attention
-from sparrow.kernels.cascade_decode import cascade_decode_reference, suffix_index
-from sparrow.kernels.page_scoring import plan_selection
-from sparrow.kernels.sparse_decode import plan_pages
+from sparrow.kernels.ops import TORCH, TorchOps, write_prefill
 
-from ..core.definitions import RESERVED_PAGES
 from ..model.llama import AttentionContext
-from .kv_cache import PagedKVCache, SharedPrefix
+from .kv_cache import PagedKVCache
 from .sparse import block_topk_sdpa
 
-
-def _ops():
-    from sparrow.kernels import ops
-
-    return ops
+KeyTap = Callable[[int, Tensor, Tensor, Tensor], None]
 
 
 @dataclass
@@ -79,31 +53,20 @@ class QueryCapture:
     dest: Tensor
 
 
-@dataclass
-class Cascade:
-    """Shared-prefix groups of a decode batch: (rows [n] int64, store) for the samples whose block
-    tables start with store.pages, and the logical pages [B, Hkv, W] each row attends beyond its
-    prefix (all its pages for a row in no group)."""
-
-    groups: list[tuple[Tensor, SharedPrefix]]
-    suffix: Tensor
-
-
 class PrefillAttention:
-    def __init__(self, cache: PagedKVCache, valid: Tensor, slots: Tensor, impl: str = "auto",
-                 recompute: Recompute | None = None, prefixes: list[tuple[int, SharedPrefix]] = (),
+    def __init__(self, cache: PagedKVCache, valid: Tensor, slots: Tensor, ops: TorchOps = TORCH,
+                 recompute: Recompute | None = None, taps: list[KeyTap] = (),
                  history: Tensor | None = None, windows: list[QueryCapture] = ()):
         """valid [G, T] bool: the prompt tokens, which `write_prefill` writes; slots [N] int64, one per
-        valid token in row order. `recompute`: rows that continue past their prompt. `prefixes`:
-        (row, store) pairs whose store receives the row's keys/values of its first store.tokens positions
-        (the forward must reach position store.tokens - 1). `history` [1, W] int64: the block table of a
+        valid token in row order. `recompute`: rows that continue past their prompt. `taps`: called
+        per layer with (layer, keys, values [G, Hkv, S, D], the layer's centroids) once the pages are
+        written (the CPU runner copies prompts with them). `history` [1, W] int64: the block table of a
         single row that continues earlier chunks (its queries sit at the last T of the W pages'
         positions that it reaches); None: every row starts at position 0. `windows`: prompt queries an
         eviction policy keeps (compaction.py)."""
-        self.cache, self.valid, self.slots, self.impl = cache, valid, slots, impl
-        self.recompute, self.prefixes, self.history = recompute, prefixes, history
+        self.cache, self.valid, self.slots, self.ops = cache, valid, slots, ops
+        self.recompute, self.taps, self.history = recompute, taps, history
         self.windows = windows
-        self.ops = _ops()
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext) -> Tensor:
         for w in self.windows:
@@ -114,15 +77,13 @@ class PrefillAttention:
             kv_new, vv_new = kt[0], vt[0]
         else:
             kv_new, vv_new = kt[self.valid], vt[self.valid]
-        self.ops.write_prefill(k_pages, v_pages, centroids, kv_new, vv_new, self.slots)
+        write_prefill(k_pages, v_pages, centroids, kv_new, vv_new, self.slots)
         rc = self.recompute
         for rows, cols, slots in rc.appended if rc is not None else ():
-            self.ops.append_kv(k_pages, v_pages, centroids, kt[rows, cols], vt[rows, cols], slots,
-                               impl=self.impl)
+            self.ops.append_kv(k_pages, v_pages, centroids, kt[rows, cols], vt[rows, cols], slots)
         keys, values = (k, v) if self.history is None else self._paged(k_pages, v_pages, ctx.kv_len)
-        for row, prefix in self.prefixes:
-            t = prefix.tokens
-            prefix.store(layer, keys[row, :, :t], values[row, :, :t], centroids[list(prefix.pages)])
+        for tap in self.taps:
+            tap(layer, keys, values, centroids)
         if rc is None or rc.budgets is None or layer in rc.dense_layers:
             return self._causal(q, keys, values)
         pages = centroids[rc.block_table].transpose(1, 2)  # [G, Hkv, W, D]
@@ -136,9 +97,7 @@ class PrefillAttention:
     def _causal(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         if k.shape[2] != q.shape[2]:
             return attend_after_prefix(q, k, v)
-        if self.impl == "auto" and cpu_attention.causal_attention_usable(q, k):
-            return cpu_attention.causal_attention(q, k, v, q.shape[-1] ** -0.5)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.ops.causal_attention(q, k, v)
 
 
 def gather_positions(pages: Tensor, table: Tensor, length: int) -> Tensor:
@@ -181,15 +140,13 @@ class DecodeBatch:
 
 class DecodeAttention:
     def __init__(self, cache: PagedKVCache, batch: DecodeBatch, dense_layers: Collection[int], scale: float,
-                 impl: str = "auto"):
-        self.cache, self.batch, self.scale, self.impl = cache, batch, scale, impl
+                 ops: TorchOps = TORCH):
+        self.cache, self.batch, self.scale, self.ops = cache, batch, scale, ops
         self.dense_layers = frozenset(dense_layers)
-        self.ops = _ops()
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext) -> Tensor:
         k_pages, v_pages, centroids = self.cache.layer(layer)
-        self.ops.append_kv(k_pages, v_pages, centroids, k[:, :, 0], v[:, :, 0], self.batch.slots,
-                           impl=self.impl)
+        self.ops.append_kv(k_pages, v_pages, centroids, k[:, :, 0], v[:, :, 0], self.batch.slots)
         return self.attend(layer, q[:, :, 0])[:, :, None]
 
     def attend(self, layer: int, q: Tensor) -> Tensor:
@@ -200,13 +157,11 @@ class DecodeAttention:
         k_pages, v_pages, centroids = self.cache.layer(layer)
         if b.any_sparse and layer not in self.dense_layers:
             selected = ops.select_pages(q, centroids, b.block_table, b.seq_lens, b.budgets,
-                                        page_size=self.cache.page_size, impl=self.impl,
-                                        max_selected=b.max_selected)
+                                        page_size=self.cache.page_size, max_selected=b.max_selected)
             out = ops.sparse_paged_attention(q, k_pages, v_pages, b.block_table, b.seq_lens, selected,
-                                             self.scale, impl=self.impl)
+                                             self.scale)
         else:
-            out = ops.dense_paged_attention(q, k_pages, v_pages, b.block_table, b.seq_lens, self.scale,
-                                            impl=self.impl)
+            out = ops.dense_paged_attention(q, k_pages, v_pages, b.block_table, b.seq_lens, self.scale)
         return out.to(q.dtype)
 
     def record_queries(self, layer: int, q: Tensor) -> None:
@@ -214,86 +169,3 @@ class DecodeAttention:
         a static input, so CUDA graphs replay it)."""
         if self.batch.query_index is not None:
             self.cache.queries[layer].index_copy_(0, self.batch.query_index, q)
-
-
-class CpuDecodeAttention(DecodeAttention):
-    def __init__(self, cache: PagedKVCache, batch: DecodeBatch, dense_layers: Collection[int], scale: float,
-                 impl: str = "auto", workspace=None, cascade: Cascade | None = None):
-        """`workspace`: an `ops.GatherWorkspace` for the torch references. `cascade`: shared-prefix groups
-        (None: no sample reads a shared copy this step)."""
-        super().__init__(cache, batch, dense_layers, scale, impl)
-        self.workspace, self.cascade = workspace, cascade
-        self._suffix_plan = self._selection = self._groups = self._fused = None  # per step, built once
-
-    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext) -> Tensor:
-        ops, b = self.ops, self.batch
-        self.record_queries(layer, q[:, :, 0])
-        k_pages, v_pages, centroids = self.cache.layer(layer)
-        sparse = b.any_sparse and layer not in self.dense_layers
-        if sparse and self._one_op(q, k_pages, centroids, k):
-            prefixes = [p.centroids[layer] for _, p in self.cascade.groups]
-            out = torch.ops.sparrow_cpu.sparse_decode_layer(
-                q[:, :, 0], k[:, :, 0], v[:, :, 0], k_pages, v_pages, centroids, b.slots, b.block_table,
-                b.seq_lens, b.budgets, self.cache.page_size, RESERVED_PAGES, prefixes,
-                self._row_groups(), self.scale)
-            return out.view(q.shape)
-        ops.append_kv(k_pages, v_pages, centroids, k[:, :, 0], v[:, :, 0], b.slots, impl=self.impl)
-        q1 = q[:, :, 0]  # [B, Hq, D]
-        if sparse:
-            if self.cascade is not None:
-                selected = self._cascaded_selection(layer, q1, centroids)
-            else:
-                selected = ops.select_pages(q1, centroids, b.block_table, b.seq_lens, b.budgets,
-                                            page_size=self.cache.page_size, impl=self.impl,
-                                            max_selected=b.max_selected)
-            out = ops.sparse_paged_attention(q1, k_pages, v_pages, b.block_table, b.seq_lens, selected,
-                                             self.scale, impl=self.impl, workspace=self.workspace)
-        elif self.cascade is not None:
-            out = self._cascaded(layer, q1, k_pages, v_pages)
-        else:
-            out = ops.dense_paged_attention(q1, k_pages, v_pages, b.block_table, b.seq_lens, self.scale,
-                                            impl=self.impl, workspace=self.workspace)
-        return out[:, :, None].to(q.dtype)
-
-    def _one_op(self, q: Tensor, k_pages: Tensor, centroids: Tensor, k: Tensor) -> bool:
-        """Whether a sparse layer of this cascade step runs as one C++ op (`sparse_decode_layer`: the
-        append, scoring, selection and paged attention that the op-by-op path runs in C++ here too)."""
-        if self._fused is None:
-            self._fused = (self.impl == "auto" and self.cascade is not None
-                           and self.batch.max_selected is None and q.shape[-1] % 16 == 0
-                           and cpu_attention.usable(q[:, :, 0], k_pages)
-                           and cpu_attention.append_kv_usable(k_pages, centroids, k[:, :, 0]))
-        return self._fused
-
-    def _row_groups(self) -> Tensor:
-        """[B] int64: the index of each row's shared prefix in the cascade's groups (-1: none)."""
-        if self._groups is None:  # the same groups in every layer of the step
-            self._groups = torch.full((self.batch.seq_lens.shape[0],), -1, dtype=torch.int64)
-            for g, (rows, _) in enumerate(self.cascade.groups):
-                self._groups[rows] = g
-        return self._groups
-
-    def _cascaded_selection(self, layer: int, q1: Tensor, centroids: Tensor) -> Tensor:
-        b = self.batch
-        prefixes = [(rows, p.centroids[layer]) for rows, p in self.cascade.groups]
-        return self.ops.cascade_select_pages(q1, prefixes, self._row_groups(), centroids, b.block_table,
-                                             b.seq_lens, b.budgets, self.cascade.suffix,
-                                             self.cache.page_size, b.max_selected, self._selection_plan,
-                                             impl=self.impl)
-
-    def _selection_plan(self):
-        b = self.batch
-        if self._selection is None:  # the same lengths, budgets and suffix pages in every layer of the step
-            plan = plan_selection(b.seq_lens, b.budgets, self.cache.page_size, b.block_table.shape[1],
-                                  b.max_selected, b.block_table)
-            self._selection = plan, suffix_index(b.block_table, self.cascade.suffix)
-        return self._selection
-
-    def _cascaded(self, layer: int, q1: Tensor, k_pages: Tensor, v_pages: Tensor) -> Tensor:
-        b = self.batch
-        prefixes = [(rows, p.k[layer], p.v[layer]) for rows, p in self.cascade.groups]
-        if self._suffix_plan is None:  # the same suffix pages in every layer of the step
-            self._suffix_plan = plan_pages(b.block_table, b.seq_lens, self.cascade.suffix,
-                                           k_pages.shape[1], k_pages.shape[2])
-        return cascade_decode_reference(q1, prefixes, k_pages, v_pages, b.block_table, b.seq_lens,
-                                        self.cascade.suffix, self.scale, self.workspace, self._suffix_plan)

@@ -61,14 +61,15 @@ class RolloutWorker:
                  gpu_memory_utilization: float = 0.9):
         """The trainer's rollout phase: the engine's completions of each prompt. One engine serves every
         step (made again only if the batch size changes or a LoRA is injected)."""
-        from ..engine.engine import Engine
+        from ..core.sparsity import as_policy
+        from ..engine.engine import Engine, EngineConfig
 
         self.loaded.model.eval()
         if self.engine is None or self.engine.max_batch != max_batch:
             self._drop_engine()
-            self.engine = Engine(self.loaded.model, None, max_batch=max_batch,
-                                 gpu_memory_utilization=gpu_memory_utilization)
-        return self.engine.generate(prompts, params, request_ids=indices, sparsity=sparsity)
+            self.engine = Engine(self.loaded.model, None, EngineConfig(
+                max_batch=max_batch, gpu_memory_utilization=gpu_memory_utilization))
+        return self.engine.generate(prompts, params, request_ids=indices, policy=as_policy(sparsity))
 
     def _drop_engine(self) -> None:
         if self.engine is not None:

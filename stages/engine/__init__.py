@@ -12,8 +12,8 @@ import importlib
 
 # Imported on first use (PEP 562), so that a light submodule (memory.py, sequence.py) does not pull the
 # engine, torch and the kernels into a command that only needs it, such as `sparrow --help`.
-_EXPORTS = {"Engine": ".engine", "EngineStats": ".engine", "Completion": ".sequence",
-            "SamplingParams": ".sequence"}
+_EXPORTS = {"Engine": ".engine", "EngineStats": ".engine", "EngineConfig": ".config", "DecodeStep": ".config",
+            "Completion": ".sequence", "SamplingParams": ".sequence"}
 
 __all__ = sorted(_EXPORTS)
 

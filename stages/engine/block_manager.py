@@ -20,6 +20,8 @@ class BlockManager:
         self.num_pages, self.page_size = num_pages, page_size
         self.free: list[int] = list(range(num_pages - 1, -1, -1))  # pop() hands out low ids first
         self.refcount = [0] * num_pages
+        self.held: dict[int, list[int]] = {}  # page runs held for a cache beside the samples', by key
+
 
     @property
     def num_free(self) -> int:
@@ -53,6 +55,25 @@ class BlockManager:
                     self.refcount[page] = 1
                 return run
         return None
+
+    def hold_run(self, key: int, count: int) -> list[int] | None:
+        """A run of `count` consecutive pages held under `key` (in no block table) until `release(key)`,
+        or until `reclaim()` gives it back first; None when no such run is free."""
+        run = self.allocate_run(count)
+        if run is not None:
+            self.held[key] = run
+        return run
+
+    def release(self, key: int) -> None:
+        if key in self.held:
+            self.free_pages(self.held.pop(key))
+
+    def reclaim(self) -> bool:
+        """Give the newest held run back (before anyone is preempted); False if none is held."""
+        if not self.held:
+            return False
+        self.release(next(reversed(self.held)))
+        return True
 
     def share(self, page: int) -> int:
         assert self.refcount[page] > 0

@@ -1,28 +1,11 @@
 """Eviction in the paged pool: the query windows the rule reads, and compaction between decode steps.
 
-Keys are stored post-RoPE, so a sample's retained tokens can move to other slots without changing what
-they mean: after a compression each KV head's kept tokens (its own, as many as every other head's, in
-position order) are written to slots 0..budget-1 of the sample's pages, and the decode step goes on
-running the unchanged dense paged attention with seq_len = the retained length, its query at its true
-RoPE position. The pages past the retained length go back to the pool, so the freed memory admits
-more samples.
-
-`QueryWindows`: the rule needs each layer's post-RoPE queries of the last W positions. The pool holds a
-ring of them (`PagedKVCache.queries`, [layers, slots x W + 1, Hq, D]: W rows per running sample and one
-row that padding and non-evicting rows write to), which the decode step writes with one index copy
-per layer (graph-safe: the indices are a per-step input like the KV slots); position p goes to row
-p mod W of the sample's slot. A sample gets a slot when it first decodes, filled from its prompt's
-last W queries (captured once per request at prefill, shared by its samples) or from a recompute's
-replay; a slot whose sample left the batch (finished or preempted) is reused.
-
-`compact`: the compressions the scheduler planned (scheduler.py, before a decode step: it chooses the
-target pages, the sample's own pages first, fresh ones where its pages are shared, so a prompt page
-that other samples read is never written), run layer by layer with torch ops outside any CUDA graph:
-gather each sample's cached keys through its old block table, score them against its query window
-(`Eviction.retained`), gather the kept keys and values, and write them into the target pages with
-their pages' centroids (the mean of the keys written, as decoding's running mean keeps them). A layer's
-reads all precede its writes, and the layers are independent, so targets may be pages the same or
-another sample of the batch has just given up.
+`QueryWindows`: each running sample's last W post-RoPE queries per layer, in a ring in the pool that the
+decode step writes (one index copy per layer, graph-safe), filled at first decode from its prompt's
+queries or a recompute's replay. `compact`: the compressions the scheduler planned, layer by layer:
+score each sample's cached keys against its window, gather the kept keys and values and write them to
+slots 0..budget-1 of the target pages with their centroids. Keys are post-RoPE, so they keep their
+meaning wherever they move.
 """
 
 from __future__ import annotations

@@ -1,64 +1,12 @@
-"""`Engine`: paged KV cache + continuous batching + block top-k sparse decode, over our decoder.
+"""`Engine`: paged KV cache, continuous batching and block top-k sparse decode (or KV eviction) over our
+decoder, after nano-vllm.
 
-    with Engine(model, sparsity=Schedule(...) | 512 | None, max_batch=16) as engine:
+    with Engine(model, policy, EngineConfig(max_batch=16)) as engine:
         results = engine.generate(prompts, SamplingParams(n=8, max_new_tokens=1024, temperature=1.0))
 
-The engine is device-agnostic: requests, the scheduler (scheduler.py), the pages (block_manager.py), the
-samples' bookkeeping and the stats. What runs the model is its runner, one per device (nano-vllm's
-ModelRunner is the model): `CpuRunner` (cpu_runner.py: C++ kernels, packed weights, the fused decode
-layers, cascade attention) or `GpuRunner` (gpu_runner.py: Triton kernels, CUDA graphs, the pool sized
-from --gpu-memory-utilization after a profiling run); `ModelRunner` (runner.py) is the plain path they
-share (the GPU runner also runs the Triton kernels on a CPU under TRITON_INTERPRET=1). The runner owns the
-weights' inference form, the KV pool, the graphs, the sampler call and `close()`.
-
-One engine step is either a prefill (new prompts, dense, in forwards of at most `max_prefill_tokens`
-tokens, a long prompt in chunks that attend to the pages the earlier chunks wrote, and preempted samples
-being recomputed) or a decode step (one token for every running sample). The n samples of a prompt
-share one prefill: its pages are shared through the block tables (reference counted) and a sample
-copies the partial last page when it first writes to it. Pages are allocated as sequences grow and a
-full pool preempts the latest admitted sample, which is recomputed later with the keys, values,
-centroids and page selections it had up to float rounding (scheduler.py). Each request has a KV policy
-(stages/kv_policies: dense, block top-k, eviction), made from the `sparsity` given; each decode step
-uses, per sample, the budget its policy reads at the cache length at which the token is produced
-(`policy.read_budget(num_tokens)`, query at position num_tokens - 1), so the rollout's logprobs are those
-teacher-forced sparse scoring gives (`stages.mismatch.score_sequences`), within float tolerance. A
-sample's cache length (`Sequence.cached`: where its next keys go, what its attention reads) and the
-RoPE position of the token it feeds (`Sequence.position`) are kept apart. Under an eviction policy
-(SnapKV, R-KV) a sample whose cache reached budget + buffer is compressed before the next step
-(scheduler.py plans it, compaction.py moves the data): its logprobs are those teacher-forced scoring
-gives by replaying the eviction, within float tolerance (a near tie in a kept set may go either way).
-
-Decode steps are pipelined where the runner samples on the device (its static step: CUDA graphs, or
-decode_graphs="eager"): the engine launches step t+1 before it reads step t's tokens, so the host's
-scheduling and bookkeeping overlap the device's work and nothing waits on the device per step but for
-the previous step's results (runner.py, static_decode.py). Finished samples are then noticed a step
-late, with exact EOS and max_new_tokens semantics: a sample whose last token is in flight (it reaches
-max_new_tokens) leaves the batch at once, and a token sampled past an EOS the host had not read yet is
-dropped, never returned (`stats.dropped_tokens`). A sample that joins the batch, and any prefill or
-preemption, first waits for the steps in flight (`_settle`): admission and preemption need every token
-read back. The plain runner (the CPU's) samples on the host and returns each step's tokens at once.
-
-What holds on which device. Each sample draws from its own seed, derived from (seed, request id, sample),
-so what it draws from given logits does not depend on its batch: on the plain path through its own
-generator, on the device path through the counter-noise race keyed by the seed and the token's position
-(sampler.py), which is the same draw on every device and after a preemption. On a CPU a row's logits are
-computed row by row (our products for up to 16 rows, the attention kernels per row), so the same seed
-gives the same rollouts with any --max-batch up to 16 (tested in fp32); above 16 rows the products are
-oneDNN's, whose rounding is not promised to be independent of the row count. On CUDA the products run at
-the shape of the batch bucket and the kernels may round differently per shape, so another --max-batch can
-change logits in the last bits and, at a near tie, a sampled token: the same rollouts are not promised
-there. A preempted sample's recompute is a prefill, whose products round differently from the decode steps
-that first wrote its keys: in fp32 the difference is at rounding level (the CPU tests find the same tokens
-and logprobs within 1e-5), so a token can change only at a near tie; in bf16, and on CUDA, near ties in
-the next token or in page selection are common enough that a preempted sample may continue differently.
-
-An engine is reused across runs (a run: from idle, through generate(), to idle again): its pool and
-graphs are kept while large enough, each run starts with all pages free, and the same prompts, params
-and request ids give what a fresh engine gives. The weights may change between runs (an optimizer
-step): packed CPU copies follow each weight's version counter and CUDA graphs its address; call
-`update_weights()` after changes those cannot see. `close()` (or leaving the `with` block) frees the
-pool and the graphs at once; an engine that is simply dropped frees them by reference counting (no
-reference cycle holds them).
+The engine keeps requests, the scheduler's queues, the pages and the stats, and knows no device: its
+runner (runner.py, cpu/, gpu/) runs the model. The design, what holds bit for bit on which device, and
+the pipelined decode loop: docs/engine.md.
 """
 
 from __future__ import annotations
@@ -72,20 +20,19 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from sparrow.kernels.ops import use_triton
+from sparrow.kernels.ops import TRITON, ops_for
 
-from ..attention import DEFAULT_DENSE_LAYERS, PAGE_SIZE
-from ..core.sparsity import Sparsity, as_policy
-from ..kv_policies import BlockTopK, KVPolicy
+from ..kv_policies import BlockTopK, Dense, KVPolicy
 from ..model.llama import Transformer
 from .block_manager import BlockManager
-from .memory import Workload, check_memory_utilization
-from .runner import DECODE_GRAPHS, ModelRunner, PrefillRow
+from .config import DecodeStep, EngineConfig
+from .memory import Workload
+from .runner import ModelRunner, PrefillRow
 from .scheduler import Scheduler, prefill_tokens
 from .sequence import Completion, Request, SamplingParams, Sequence, Status
 from .static_decode import StepOutput
 
-__all__ = ["DECODE_GRAPHS", "Engine", "EngineStats", "make_runner"]
+__all__ = ["DecodeStep", "Engine", "EngineConfig", "EngineStats", "make_runner"]
 
 
 @dataclass
@@ -118,65 +65,34 @@ class EngineStats:
         return self.prefill_s + self.decode_s
 
 
-def make_runner(model: Transformer, *, max_batch: int, page_size: int, dense_layers: Seq[int],
-                max_prefill_tokens: int, impl: str = "auto", decode_graphs: str = "auto",
-                cascade: bool | None = None, gpu_memory_utilization: float = 0.9) -> ModelRunner:
+def make_runner(model: Transformer, config: EngineConfig) -> ModelRunner:
     """The runner for the model's device: `GpuRunner` on CUDA, and for the Triton kernels on CPU tensors
-    (impl="triton", under TRITON_INTERPRET=1), `CpuRunner` on a CPU otherwise."""
+    (Backend.TRITON, under TRITON_INTERPRET=1), `CpuRunner` on a CPU otherwise."""
     device = model.embed_tokens.weight.device
-    if decode_graphs == "auto":
-        decode_graphs = "cuda" if device.type == "cuda" else "off"
-    if decode_graphs == "cuda" and device.type != "cuda":
-        raise ValueError("decode_graphs='cuda' needs the model on a CUDA device")
-    kw = dict(max_batch=max_batch, page_size=page_size, dense_layers=dense_layers,
-              max_prefill_tokens=max_prefill_tokens, impl=impl, decode_graphs=decode_graphs)
-    if cascade and (device.type != "cpu" or use_triton(impl, model.embed_tokens.weight)):
-        raise ValueError("cascade attention runs on the torch path (the CPU), not the Triton kernels")
-    if device.type == "cuda" or use_triton(impl, model.embed_tokens.weight):
+    if device.type == "cuda" or ops_for(device, config.kernels) is TRITON:
         from .gpu.runner import GpuRunner
 
-        return GpuRunner(model, gpu_memory_utilization=gpu_memory_utilization, **kw)
-    if device.type == "cpu" and not use_triton(impl, model.embed_tokens.weight):
+        return GpuRunner(model, config)
+    if device.type == "cpu":
         from .cpu.runner import CpuRunner
 
-        return CpuRunner(model, cascade=cascade, **kw)
-    return ModelRunner(model, **kw)
+        return CpuRunner(model, config)
+    return ModelRunner(model, config)
 
 
 class Engine:
-    def __init__(self, model: Transformer, sparsity: Sparsity = None, *, max_batch: int = 16,
-                 num_pages: int | None = None, page_size: int = PAGE_SIZE,
-                 dense_layers: Seq[int] = DEFAULT_DENSE_LAYERS, eos_ids: Seq[int] | None = None,
-                 max_prefill_tokens: int = 8192, impl: str = "auto", decode_graphs: str = "auto",
-                 cascade: bool | None = None, gpu_memory_utilization: float = 0.9):
-        """`num_pages`: size of the KV page pool (None: sized for each run's requests, every sample at
-        full length, so nothing is preempted; on CUDA no more than fits in `gpu_memory_utilization` of
-        the device's memory; smaller pools preempt when they fill up). `max_prefill_tokens`: the most
-        tokens one prefill forward takes (vLLM's max_num_batched_tokens); longer prompts are prefilled
-        in chunks. `decode_graphs`: "auto" (CUDA graphs on CUDA, the plain step on a CPU), "cuda"
-        (CUDA graphs), "eager" (the graphs' static padded step without capture, any device) or "off".
-        `cascade`: dense decode attention reads a prompt's shared pages once per step for all its
-        samples, from a contiguous copy taken at prefill into pool pages (None: on the CPU)."""
-        if max_batch < 1:
-            raise ValueError("max_batch must be at least 1")
-        if max_prefill_tokens < 1:
-            raise ValueError(f"max_prefill_tokens must be at least 1, got {max_prefill_tokens}")
-        if decode_graphs not in DECODE_GRAPHS:
-            raise ValueError(f"decode_graphs must be one of {DECODE_GRAPHS}, got {decode_graphs!r}")
-        check_memory_utilization(gpu_memory_utilization)
-        if num_pages is not None and num_pages < 1:
-            raise ValueError(f"num_pages must be at least 1, got {num_pages}")
-        self.runner = make_runner(model, max_batch=max_batch, page_size=page_size, dense_layers=dense_layers,
-                                  max_prefill_tokens=max_prefill_tokens, impl=impl,
-                                  decode_graphs=decode_graphs, cascade=cascade,
-                                  gpu_memory_utilization=gpu_memory_utilization)
+    def __init__(self, model: Transformer, policy: KVPolicy | None = None,
+                 config: EngineConfig = EngineConfig()):
+        """`policy`: the KV policy of every request (None: dense) unless `generate` overrides it."""
+        self.config = config
+        self.runner = make_runner(model, config)
         self.model, self.cfg = model, model.cfg
-        self.page_size = page_size
-        self.policy = as_policy(sparsity, page_size)
-        self.eos_ids = frozenset(self.cfg.eos_token_ids if eos_ids is None else eos_ids)
-        self.max_batch, self.max_prefill_tokens = max_batch, max_prefill_tokens
-        self.fixed_pages = num_pages
-        self.num_pages = num_pages  # the pool's pages once a run sized it
+        self.page_size = config.page_size
+        self.policy = Dense() if policy is None else policy
+        self.eos_ids = frozenset(self.cfg.eos_token_ids if config.eos_ids is None else config.eos_ids)
+        self.max_batch, self.max_prefill_tokens = config.max_batch, config.max_prefill_tokens
+        self.fixed_pages = config.num_pages
+        self.num_pages = config.num_pages  # the pool's pages once a run sized it
         self.blocks: BlockManager | None = None
         self.scheduler: Scheduler | None = None
         self.stats = EngineStats()
@@ -212,8 +128,8 @@ class Engine:
         self.runner.refresh_weights()
 
     @property
-    def decode_graphs(self) -> str:
-        return self.runner.decode_graphs
+    def decode_step(self) -> DecodeStep:
+        return self.runner.decode_step
 
     @property
     def budget_at(self):
@@ -223,8 +139,8 @@ class Engine:
     # ------------------------------------------------------------------ requests
 
     def add_request(self, prompt: Seq[int], params: SamplingParams, request_id: int | None = None,
-                    sparsity: Sparsity = "engine") -> int:
-        """Queue a prompt (token ids) for `params.n` samples; `sparsity` overrides the engine's."""
+                    policy: KVPolicy | None = None) -> int:
+        """Queue a prompt (token ids) for `params.n` samples; `policy` overrides the engine's."""
         prompt = [int(t) for t in prompt]
         if not prompt:
             raise ValueError("every prompt needs at least one token")
@@ -232,7 +148,7 @@ class Engine:
             raise ValueError(f"a prompt of {len(prompt)} tokens with max_new_tokens "
                              f"{params.max_new_tokens} exceeds the model's context of "
                              f"{self.cfg.max_position_embeddings}")
-        policy = self.policy if _is_engine(sparsity) else as_policy(sparsity, self.page_size)
+        policy = self.policy if policy is None else policy
         if policy.evicts:
             policy.validate(self.cfg.max_position_embeddings)
         running = self._running()
@@ -280,7 +196,7 @@ class Engine:
 
     def _workload(self, requests: list[tuple[int, SamplingParams, KVPolicy]]) -> Workload:
         return Workload.of([(n, sp.n, sp.max_new_tokens, policy) for n, sp, policy in requests],
-                           self.max_batch, self.page_size, self.runner.prefix_copies)
+                           self.max_batch, self.page_size)
 
     def _running(self) -> bool:
         """Whether a run is in progress (its scheduler has work, or decode steps are in flight)."""
@@ -293,9 +209,8 @@ class Engine:
         self.num_pages = self.runner.reserve(work, self.fixed_pages)  # may refuse: the requests stay pending
         self._pending = []
         self.blocks = BlockManager(self.num_pages, self.page_size)
-        reclaim = self.runner.begin(self.blocks)
-        self.scheduler = Scheduler(self.blocks, self.max_batch, self.max_prefill_tokens,
-                                   self.runner.cache.copy_pages, reclaim or _nothing, self.runner.compact)
+        self.runner.begin(self.blocks)
+        self.scheduler = Scheduler(self.blocks, self.max_batch, self.max_prefill_tokens)
         for r in reqs:
             self.scheduler.add(r)
 
@@ -318,10 +233,10 @@ class Engine:
         if self.scheduler is None or not self.scheduler.has_work():
             self.stats.decode_s += settled
             return self._take()
-        kind, batch = self.scheduler.schedule()
+        plan = self.scheduler.schedule()
         t1 = time.perf_counter()
-        if kind == "prefill":
-            seqs = self._prefill(batch)
+        if plan.kind == "prefill":
+            seqs = self._prefill(plan.batch)
             self.runner.synchronize()
             self.stats.prefill_s += time.perf_counter() - t1
             self.stats.decode_s += settled
@@ -331,7 +246,8 @@ class Engine:
                 if s.finish_reason is not None:
                     self._finish(s)
         else:
-            self._decode(batch, t1)
+            self.runner.apply(plan)
+            self._decode(plan.batch, t1)
             self.stats.decode_s += settled + time.perf_counter() - t1
         self.stats.preemptions = self.scheduler.preemptions
         return self._take()
@@ -357,12 +273,12 @@ class Engine:
     def generate(self, prompts: Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams],
                  on_step: Callable[[int, int], None] | None = None,
                  request_ids: Seq[int] | None = None,
-                 sparsity: Sparsity = "engine") -> list[list[Completion]]:
+                 policy: KVPolicy | None = None) -> list[list[Completion]]:
         """All samples of every prompt, in prompt order then sample order. `on_step(new_tokens,
         finished_samples)` is called after every engine step. `request_ids` (default: consecutive, from 0
         when the engine is idle) name the prompts in the per-sample seeds, so a shard of a prompt set given
         its global prompt indices samples exactly what the whole set run in one engine samples for those
-        prompts. `sparsity` overrides the engine's for these prompts. Called on an idle engine, it starts
+        prompts. `policy` overrides the engine's for these prompts. Called on an idle engine, it starts
         a run: `stats` then count this call's steps only."""
         params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if not self.has_work():
@@ -373,7 +289,7 @@ class Engine:
             request_ids = [base + i for i in range(len(prompts))]
         if len(request_ids) != len(prompts) or len(set(request_ids)) != len(request_ids):
             raise ValueError("request_ids must name every prompt once")
-        ids = [self.add_request(p, sp, rid, sparsity) for p, sp, rid in zip(prompts, params, request_ids)]
+        ids = [self.add_request(p, sp, rid, policy) for p, sp, rid in zip(prompts, params, request_ids)]
         out: dict[int, list[Completion]] = {i: [] for i in ids}
         while self.has_work():
             done, new = self.step()
@@ -529,10 +445,3 @@ class Engine:
         elif len(s.tokens) >= s.request.params.max_new_tokens:
             s.finish_reason = "length"
 
-
-def _nothing() -> bool:
-    return False
-
-
-def _is_engine(sparsity: Sparsity) -> bool:
-    return isinstance(sparsity, str) and sparsity == "engine"

@@ -1,23 +1,8 @@
 """How many KV pages a workload needs, and how many fit in a device's memory (pure functions).
 
-`Workload.pages` is the most pages its requests can hold at once, every sample at full length: a
-request's samples share its full prompt pages (counted once per group, however many samples), each
-running sample owns the rest of its pages (its copy of the prompt's partial page included; the shared
-original stays too while some sample waits for a slot), and at most `max_batch` samples run at once.
-Pages on demand never need more, so a pool of that size never preempts; it is also the cap on a pool
-sized from memory (the memory of pages nobody would use stays free, for the learner in `sparrow train`).
-With the CPU's cascade attention each group also keeps a contiguous copy of its prompt pages in the
-pool, taken while it leaves each sample that can run a page to grow into (cpu_runner.py), so those count
-too. A request under an eviction policy (stages/kv_policies) caches at most `policy.max_cache` tokens;
-before its first compression a sample holds the shared prompt pages and its own, and from the first
-compression on only pages of its own (the compressed cache goes to its own pages or fresh ones, never
-to a page other samples read), as many as the cache of budget + buffer tokens needs. Its group takes
-no cascade copy.
-
-`pool_pages` is the CUDA pool as nano-vllm sizes it: after a profiling run (the largest prefill chunk
-at the longest context, and a decode step of the largest batch, whose intermediates the CUDA graphs'
-pool keeps), pages = (total x utilization - memory in use - peak activations) / bytes per page, capped
-by the workload, and at least one sample at full length or a one-sentence error.
+`Workload.pages` is the most pages its requests hold at once, every sample at full length, so a pool of
+that size never preempts (with `prefix_copies`, also the CPU's prompt copies); `pool_pages` is a CUDA
+pool as nano-vllm sizes it, capped by the workload (docs/engine.md, "Pool sizing").
 """
 
 from __future__ import annotations

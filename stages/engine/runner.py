@@ -1,32 +1,11 @@
 """`ModelRunner`: what runs the model for the engine on one device: the KV pool, prefill, decode, sampling.
 
-The engine (engine.py) decides what runs (requests, scheduler, pages, bookkeeping) and hands the runner
-rows to prefill and sequences to decode; the runner owns the weights' inference form, the KV pool
-(`PagedKVCache`), the static decode step and its CUDA graphs (static_decode.py), the sampler call and
-`close()`. This class is the plain path, on any device: the model's own modules, the paged-KV ops of
-`sparrow.kernels.ops` under `impl` (Triton on CUDA, or under TRITON_INTERPRET=1 on a CPU; the torch
-references with impl="torch"). `CpuRunner` (cpu_runner.py) adds the CPU's machinery, `GpuRunner`
-(gpu_runner.py) the pool sized from device memory and the CUDA graphs.
-
-Prefill is chunked: one forward holds at most `max_prefill_tokens` tokens, padding included. Rows that
-fit are prefilled together, right-padded to the longest; a longer row is prefilled alone in chunks, each
-attending to the keys the earlier ones paged (`PrefillAttention.history`). So the activations of a
-prefill are bounded whatever the prompt, and so is the recompute of a preempted sample. A chunked
-prefill computes what a one-shot prefill computes, rounded differently (other kernel, other shapes).
-
-Decode steps are launched and their results collected (`launch_decode`, `collect`). The plain step
-samples on the host with each sample's generator and its results are ready at once. With a static step
-(decode_graphs "cuda" or "eager") the step samples on the device (sampler.py: the counter-noise race
-keyed by the sample's seed and position) and its results come back asynchronously: `lag` = 1, the engine
-reads step t's tokens after it launched step t+1. Such a runner samples the same way everywhere, a
-prefill's first tokens and a step that does not fit the static buffers included, so a sample's draws do
-not depend on which of its steps ran where.
-
-Eviction (compaction.py): the runner keeps the pool's query ring (`QueryWindows`: each prompt's last
-queries captured at its prefill, each running sample's written by the decode step), runs the
-compressions the scheduler planned (`compact`) and rebuilds a preempted evicting sample (`restore`) by
-replaying its eviction (stages/kv_policies/replay.py, prompt chunks of `max_prefill_tokens`) into its
-fresh pages: the retained keys and values, their centroids and its query window.
+The engine decides what runs and hands the runner rows to prefill and samples to decode; the runner owns
+the KV pool, the static decode step (static_decode.py) and the sampler call, with the kernels of one ops
+object chosen when it is built. This class is the shared path; `CpuRunner` (cpu/) and `GpuRunner` (gpu/)
+add their device's machinery through the hooks it calls. Prefill is chunked to `max_prefill_tokens`
+per forward. With a static step decode results come back a step late (`lag`); the plain step samples on
+the host and returns them at once.
 """
 
 from __future__ import annotations
@@ -41,16 +20,19 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..attention.kv_cache import PagedKVCache, SharedPrefix
-from ..attention.paged import DecodeAttention, DecodeBatch, PrefillAttention, QueryCapture, Recompute
+from sparrow.kernels.ops import ops_for
+
+from ..attention.kv_cache import PagedKVCache
+from ..attention.paged import DecodeAttention, DecodeBatch, KeyTap, PrefillAttention, QueryCapture, Recompute
 from ..model.llama import Transformer
-from .compaction import Compaction, QueryWindows, compact, write_retained
+from .block_manager import BlockManager
+from .compaction import QueryWindows, compact, write_retained
+from .config import DecodeStep, EngineConfig
 from .memory import Workload, pages_for
 from .sampler import sample_by_position, sample_tokens
+from .scheduler import Step
 from .sequence import Sequence as Sample
 from .static_decode import StaticDecode, StepOutput, kept_pages
-
-DECODE_GRAPHS = ("auto", "cuda", "eager", "off")
 
 
 @dataclass
@@ -93,17 +75,16 @@ def plan_forwards(lengths: Sequence[int], cap: int) -> list[list[Segment]]:
 
 
 class ModelRunner:
-    prefix_copies = False  # whether the pool also holds copies of prompt pages (the CPU's cascade)
-
-    def __init__(self, model: Transformer, *, max_batch: int, page_size: int, dense_layers: Sequence[int],
-                 max_prefill_tokens: int, impl: str = "auto", decode_graphs: str = "off"):
-        if decode_graphs not in DECODE_GRAPHS or decode_graphs == "auto":
-            raise ValueError(f"decode_graphs must be one of {DECODE_GRAPHS[1:]}, got {decode_graphs!r}")
+    def __init__(self, model: Transformer, config: EngineConfig):
         self.model, self.cfg = model, model.cfg
         self.device = model.embed_tokens.weight.device
         self.dtype = model.embed_tokens.weight.dtype
-        self.max_batch, self.page_size, self.dense_layers = max_batch, page_size, tuple(dense_layers)
-        self.max_prefill_tokens, self.impl, self.decode_graphs = max_prefill_tokens, impl, decode_graphs
+        config = config.for_device(self.device)
+        self.config = config
+        self.max_batch, self.page_size = config.max_batch, config.page_size
+        self.dense_layers = config.dense_layers
+        self.max_prefill_tokens, self.decode_step = config.max_prefill_tokens, config.decode_step
+        self.ops = ops_for(self.device, config.kernels)
         self.scale = 1.0 / math.sqrt(self.cfg.head_dim)
         self.cache: PagedKVCache | None = None
         self.centroid_dtype = torch.float32  # of the pool's page centroids (kernels/CONTRACT.md)
@@ -130,18 +111,22 @@ class ModelRunner:
             self.cache.add_query_ring(self.max_batch, workload.window)
         self.fixed_pages = fixed
         width = pages_for(workload.longest(), self.page_size)
-        if self.decode_graphs != "off" and (self.static is None or self.static.max_pages < width):
+        if self.decode_step != DecodeStep.PLAIN and (self.static is None or self.static.max_pages < width):
             self.static = None
             self.static = StaticDecode(self.model, self.cache, max_batch=self.max_batch, max_pages=width,
                                        attention=self._static_attention(),
-                                       capture=self.decode_graphs == "cuda", impl=self.impl,
+                                       capture=self.decode_step == DecodeStep.GRAPHS, ops=self.ops,
                                        hidden=self._static_hidden())
         return self.cache.num_pages
 
     def _too_small(self, workload: Workload) -> bool:
-        return self.fixed_pages or self.cache.num_pages < workload.pages()
+        return self.fixed_pages or self.cache.num_pages < self._pages_needed(workload)
 
     def _pool_size(self, workload: Workload) -> int:
+        return self._pages_needed(workload)
+
+    def _pages_needed(self, workload: Workload) -> int:
+        """The pages a pool for `workload` holds so that nothing is preempted."""
         return workload.pages()
 
     def _static_hidden(self) -> Callable | None:
@@ -152,7 +137,7 @@ class ModelRunner:
     def _static_attention(self) -> Callable[[DecodeBatch], DecodeAttention]:
         """The static step's attention per batch (a partial, not a bound method: no reference cycle)."""
         return functools.partial(DecodeAttention, self.cache, dense_layers=self.dense_layers,
-                                 scale=self.scale, impl=self.impl)
+                                 scale=self.scale, ops=self.ops)
 
     def close(self) -> None:
         """Free the pool and the static step (its CUDA graphs with it); steps in flight are dropped."""
@@ -163,11 +148,9 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ a run's hooks
 
-    def begin(self, blocks) -> Callable[[], bool] | None:
-        """A new run over `blocks` (block_manager.BlockManager); returns what the scheduler may call to
-        get pages back before it preempts (None: nothing)."""
+    def begin(self, blocks: BlockManager) -> None:
+        """A new run over `blocks`, every page free."""
         self.windows = QueryWindows(self.cache, self.max_batch) if self.cache.queries is not None else None
-        return None
 
     def on_finish(self, request_id: int) -> None:
         """A sample of the request finished."""
@@ -186,14 +169,11 @@ class ModelRunner:
     def prefill(self, rows: list[PrefillRow]) -> Tensor | None:
         """Write every row's keys and values into its pages -> the logits [fresh rows, V] float32 of each
         fresh row's last position, in row order (None without fresh rows)."""
-        return self._prefill(rows, {})
-
-    def _prefill(self, rows: list[PrefillRow], prefixes: dict[int, SharedPrefix]) -> Tensor | None:
         last: dict[int, Tensor] = {}
         windows = {i: self.windows.prompt_window(r.request_id, r.window, r.samples)
                    for i, r in enumerate(rows) if r.window and r.budgets is None}
         for forward in plan_forwards([len(r.tokens) for r in rows], self.max_prefill_tokens):
-            hidden = self._forward(rows, forward, prefixes, self.cache, windows)
+            hidden = self._forward(rows, forward, self.cache, windows)
             for j, (i, start, end) in enumerate(forward):
                 if rows[i].budgets is None and end == len(rows[i].tokens):
                     last[i] = hidden[j, end - start - 1]
@@ -201,8 +181,8 @@ class ModelRunner:
             return None
         return self._head(torch.stack([last[i] for i in sorted(last)]))
 
-    def _forward(self, rows: list[PrefillRow], forward: list[Segment], prefixes: dict[int, SharedPrefix],
-                 cache: PagedKVCache, windows: dict[int, Tensor] | None = None) -> Tensor:
+    def _forward(self, rows: list[PrefillRow], forward: list[Segment], cache: PagedKVCache,
+                 windows: dict[int, Tensor] | None = None) -> Tensor:
         """One forward of the prefill -> hidden states [G, T, hidden]. `windows`: the query-window
         buffers of the rows whose policy evicts, by row."""
         P, dev = self.page_size, self.device
@@ -219,8 +199,6 @@ class ModelRunner:
             valid[j, : end - start] = positions[j, : end - start] < row.prompt_len
         slot = np.take_along_axis(table, positions // P, axis=1) * P + positions % P  # [G, T]
         continued = forward[0][1] > 0  # a later chunk of one row
-        stores = [(j, prefixes[i]) for j, (i, start, end) in enumerate(forward)
-                  if i in prefixes and start < prefixes[i].tokens <= end]
         captures = []
         for j, (i, start, end) in enumerate(forward):
             if windows and i in windows:
@@ -230,10 +208,15 @@ class ModelRunner:
                     captures.append(QueryCapture(j, torch.from_numpy(pos - start).to(dev),
                                                  torch.from_numpy(pos % w).to(dev), windows[i]))
         attn = PrefillAttention(cache, torch.from_numpy(valid).to(dev), torch.from_numpy(slot[valid]).to(dev),
-                                self.impl, self._recompute(rows, forward, positions, slot, table), stores,
+                                self.ops, self._recompute(rows, forward, positions, slot, table),
+                                self._key_taps(forward),
                                 torch.from_numpy(table).to(dev) if continued else None, captures)
         return self.model.hidden_states(tokens.to(dev), positions=torch.from_numpy(positions).to(dev),
                                         attention=attn)
+
+    def _key_taps(self, forward: list[Segment]) -> list[KeyTap]:
+        """What reads a prefill forward's keys and values per layer besides the pool (nothing here)."""
+        return []
 
     def _recompute(self, rows: list[PrefillRow], forward: list[Segment], positions: np.ndarray,
                    slot: np.ndarray, table: np.ndarray) -> Recompute | None:
@@ -268,7 +251,7 @@ class ModelRunner:
     @property
     def lag(self) -> int:
         """Decode steps the engine leaves in flight after launching one: 1 with a static step, else 0."""
-        return 0 if self.decode_graphs == "off" else 1
+        return 0 if self.decode_step == DecodeStep.PLAIN else 1
 
     def pipelines(self, seqs: list[Sample]) -> bool:
         """Whether a decode step of these samples runs on the static step (asynchronously): else it is a
@@ -336,7 +319,7 @@ class ModelRunner:
         return None  # selection may read the kept pages' count back from the device
 
     def _decode_attention(self, batch: DecodeBatch, seqs: list[Sample]) -> DecodeAttention:
-        return DecodeAttention(self.cache, batch, self.dense_layers, self.scale, self.impl)
+        return DecodeAttention(self.cache, batch, self.dense_layers, self.scale, self.ops)
 
     def _decode_logits(self, tokens: list[int], pos: list[int], positions: Tensor,
                        attention: DecodeAttention) -> Tensor:
@@ -350,10 +333,12 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ eviction
 
-    def compact(self, plans: list[Compaction]) -> None:
-        """Run the compressions the scheduler planned, before the next decode step (compaction.py)."""
-        if plans:
-            compact(self.cache, self.windows, plans)
+    def apply(self, step: Step) -> None:
+        """Move the pages a decode step's plan moves: its compressions (compaction.py), then its copies
+        on write (the compressions read pages just given up before anything writes them)."""
+        if step.compactions:
+            compact(self.cache, self.windows, step.compactions)
+        self.cache.copy_pages(step.copy_src, step.copy_dst)
 
     def restore(self, seq: Sample, pages: list[int]) -> None:
         """A preempted evicting sample's cache, rebuilt into `pages` by replaying its eviction over its
@@ -385,11 +370,11 @@ class ModelRunner:
         keyed by its seed and the position of its last token when the runner has a static step."""
         k = max(s.request.params.logprobs for s in seqs)
         params = [s.request.params for s in seqs]
-        if self.decode_graphs == "off":
+        if self.decode_step == DecodeStep.PLAIN:
             tokens, logps, top = sample_tokens(logits, params, [s.generator for s in seqs], k)
         else:
             tokens, logps, top = sample_by_position(logits, params, [s.seed for s in seqs],
-                                                    [s.position for s in seqs], k, self.impl)
+                                                    [s.position for s in seqs], k, self.ops)
         return tokens.tolist(), logps.tolist(), top
 
     # ------------------------------------------------------------------ profiling
@@ -405,7 +390,7 @@ class ModelRunner:
         if part in ("prefill", "both"):
             chunk = min(self.max_prefill_tokens, longest)
             row = PrefillRow([0] * longest, longest, pages)
-            hidden = self._forward([row], [(0, longest - chunk, longest)], {}, scratch)
+            hidden = self._forward([row], [(0, longest - chunk, longest)], scratch)
             self.model.logits(hidden[:, -1])
             del hidden
         if part in ("decode", "both"):
@@ -414,7 +399,7 @@ class ModelRunner:
                                 torch.full((b,), longest, dtype=torch.int32, device=dev),
                                 torch.zeros(b, dtype=torch.int32, device=dev),
                                 torch.full((b,), -1, dtype=torch.int64, device=dev), False, None)
-            attn = DecodeAttention(scratch, batch, self.dense_layers, self.scale, self.impl)
+            attn = DecodeAttention(scratch, batch, self.dense_layers, self.scale, self.ops)
             hidden = self.model.hidden_states(torch.zeros(b, 1, dtype=torch.long, device=dev),
                                               positions=torch.full((b, 1), longest - 1, device=dev),
                                               attention=attn, kv_len=n * P)

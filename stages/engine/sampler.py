@@ -1,23 +1,11 @@
-"""Batched sampling: temperature, top-k, top-p, one random generator per sample.
+"""Batched sampling: temperature, top-k, top-p, one seed per sample.
 
-Each sample owns a `torch.Generator` seeded from (seed, request, sample), so what a sample draws from
-given logits does not depend on which other sequences share its batch. Whether the logits themselves
-do is the device's business (engine.py: not on a CPU with up to 16 rows; on CUDA the batch bucket's
-kernels may round differently, so the same seed gives the same rollouts with any --max-batch only on
-the CPU). Logprobs follow `stages.generate.sample_next`: log_softmax(logits / T) of the sampled
-token, T = 1 when greedy, before truncation. A sampled row draws by an exponential race, argmax p / E
-with E ~ Exp(1) per token, which is exact and needs one noise draw per sample and one batched argmax; on a
-CPU, rows without top-k/top-p run it in one C++ pass with counter-based noise (kernels/cpu_sampling.py).
-
-The device path (`sample_on_device`, `sample_by_position`): the static decode step (static_decode.py, the
-step CUDA graphs replay) samples inside the step, where no host generator can run. It races with the same
-counter noise, each row's seed derived from the sample's seed and the position of the query that produced
-the logits (kernels/race_sample.py: `row_seeds`), so a draw depends on the sample and its position only:
-the same on every device for the same logits, whatever the batch, and again after a preemption. Greedy
-rows take the argmax of the logits; logprobs are those of the host path. The graph's step covers greedy and
-untruncated sampled rows; rows with top-k/top-p are drawn again after the graph from the same log-probs
-masked to the truncated set (`redraw_truncated`, eager device ops), and top logprobs are taken there too:
-both still on the device, without a sync.
+Logprobs are log_softmax(logits / T) of the sampled token (T = 1 when greedy), before truncation. A row
+draws by an exponential race, argmax p / E. The host path (`sample_tokens`) races with each sample's own
+generator, so a draw does not depend on the batch. The device path (`sample_on_device`,
+`sample_by_position`, the static step's) races with counter noise keyed by the sample's seed and the
+query's position, the same draw on every device; rows with top-k/top-p are drawn again over the
+truncated set, still on the device.
 """
 
 from __future__ import annotations
@@ -27,8 +15,8 @@ from collections.abc import Sequence as Seq
 import torch
 from torch import Tensor
 
-from sparrow.kernels import cpu_sampling
-from sparrow.kernels.race_sample import race_sample
+from sparrow.kernels import ops as kernel_ops
+from sparrow.kernels.ops import TorchOps
 
 from ..attention.kv_cache import upload
 from .sequence import SamplingParams
@@ -49,10 +37,10 @@ def sample_tokens(logits: Tensor, params: Seq[SamplingParams], generators: Seq[t
     if rows:
         sub = [params[i] for i in rows]
         picked = logp if len(rows) == len(temps) else logp[torch.tensor(rows, device=dev)]
-        if any(p.top_k > 0 or p.top_p < 1 for p in sub) or not cpu_sampling.usable(logp):
+        if any(p.top_k > 0 or p.top_p < 1 for p in sub) or not kernel_ops.host_race_usable(logp):
             drawn = _race(picked.exp(), sub, [generators[i] for i in rows])
         else:  # the same race in one C++ pass, its noise from one seed per row (kernels/cpu_sampling.py)
-            drawn = cpu_sampling.race_sample(picked, cpu_sampling.draw_seeds([generators[i] for i in rows]))
+            drawn = kernel_ops.host_race(picked, kernel_ops.draw_seeds([generators[i] for i in rows]))
         if len(rows) == len(temps):
             tokens = drawn
         else:
@@ -99,7 +87,8 @@ def _truncate(probs: Tensor, params: Seq[SamplingParams]) -> Tensor:
 # ---------------------------------------------------------------------------------------- device path
 
 def sample_on_device(logits: Tensor, temperatures: Tensor, seeds: Tensor, positions: Tensor,
-                     logp_out: Tensor | None = None, impl: str = "auto") -> tuple[Tensor, Tensor, Tensor]:
+                     logp_out: Tensor | None = None, ops: TorchOps = kernel_ops.TORCH,
+                     ) -> tuple[Tensor, Tensor, Tensor]:
     """Greedy and untruncated rows, on logits' device with no host sync (a CUDA graph captures it).
 
     logits [B, V] fp32; temperatures [B] fp32 (0 = greedy); seeds [B] int64 the samples' seeds; positions
@@ -108,21 +97,21 @@ def sample_on_device(logits: Tensor, temperatures: Tensor, seeds: Tensor, positi
     greedy = logits.argmax(-1)
     scaled = logits / torch.where(temperatures > 0, temperatures, 1.0)[:, None]
     logp = torch.log_softmax(scaled, -1) if logp_out is None else torch.log_softmax(scaled, -1, out=logp_out)
-    drawn = race_sample(logp, seeds, positions, impl)
+    drawn = ops.race_sample(logp, seeds, positions)
     tokens = torch.where(temperatures > 0, drawn, greedy)
     return tokens, logp.gather(-1, tokens[:, None])[:, 0], logp
 
 
 def redraw_truncated(logp: Tensor, params: Seq[SamplingParams], seeds: Tensor, positions: Tensor,
-                     impl: str = "auto") -> Tensor:
+                     ops: TorchOps = kernel_ops.TORCH) -> Tensor:
     """Rows [n, V] of log-probabilities of samples with top-k/top-p: the same race over the truncated set
     (the row's log-probs, -inf outside it) -> tokens [n] int64 on logp's device."""
     keep = _truncate(logp.exp(), params) > 0
-    return race_sample(logp.masked_fill(~keep, float("-inf")), seeds, positions, impl)
+    return ops.race_sample(logp.masked_fill(~keep, float("-inf")), seeds, positions)
 
 
 def sample_by_position(logits: Tensor, params: Seq[SamplingParams], seeds: Seq[int], positions: Seq[int],
-                       top_logprobs: int = 0, impl: str = "auto"):
+                       top_logprobs: int = 0, ops: TorchOps = kernel_ops.TORCH):
     """The device path's draws outside the step (a prefill's first tokens, a step that does not fit the
     static buffers) -> (tokens [B], logprobs [B], top (values, ids) [B, k] or None), on the CPU."""
     dev = logits.device
@@ -130,11 +119,11 @@ def sample_by_position(logits: Tensor, params: Seq[SamplingParams], seeds: Seq[i
     temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
     seed_t = torch.tensor(list(seeds), dtype=torch.long, device=dev)
     pos_t = torch.tensor(list(positions), dtype=torch.long, device=dev)
-    tokens, chosen, logp = sample_on_device(logits, temps, seed_t, pos_t, impl=impl)
+    tokens, chosen, logp = sample_on_device(logits, temps, seed_t, pos_t, ops=ops)
     rows = [i for i, p in enumerate(params) if p.temperature > 0 and (p.top_k > 0 or p.top_p < 1)]
     if rows:
         r = torch.tensor(rows, device=dev)
-        tokens[r] = redraw_truncated(logp[r], [params[i] for i in rows], seed_t[r], pos_t[r], impl)
+        tokens[r] = redraw_truncated(logp[r], [params[i] for i in rows], seed_t[r], pos_t[r], ops)
         chosen = logp.gather(-1, tokens[:, None])[:, 0]
     top = logp.topk(top_logprobs, dim=-1) if top_logprobs > 0 else None
     return tokens.cpu(), chosen.cpu(), (None if top is None else (top.values.cpu(), top.indices.cpu()))

@@ -1,51 +1,19 @@
-"""Continuous batching with pages on demand and preemption by recompute: who runs in the next step.
+"""Continuous batching with pages on demand and preemption by recompute: what the next engine step runs.
 
-Three queues. `waiting`: requests not yet prefilled, and preempted samples to be recomputed (at the
-front, oldest first). `ready`: samples whose prefill is done (a fresh request's samples have their
-first token) but that have no slot in the running batch yet, e.g. the samples of a prompt with
-n > --max-batch. `running`: at most `max_batch` samples decoded together, in admission order.
-
-Each step: ready samples fill free slots first; if slots are still free, waiting entries are admitted
-(FIFO, as many as the free slots, the prefill token cap and the free pages allow) and the step is a
-prefill; otherwise it is a decode step over everything running. Finished samples leave after every
-step, so the next step can take new ones in.
-
-Pages are allocated as sequences grow, as in vLLM: a prefill takes its prompt's pages, which its n
-samples then share (the partial last page too), and before a decode step every running sample gets
-the page its next token goes to: a fresh page when it crosses a page boundary, its own copy of a page
-it still shares (copy on write). Admission only takes what leaves the running batch its next step's
-pages, so a new prefill does not immediately push anyone out. When a decode step finds no free page,
-the latest admitted sample is preempted (vLLM's choice: the end of `running`, else the end of
-`ready`, else the sample asking itself): its pages are dropped (shared ones survive with their other
-owners) and it goes back to the front of `waiting`. Its recompute is a prefill of the prompt plus all
-its generated tokens but the last, into pages of its own (the prompt's are not re-shared: simpler, and
-it costs only the prompt's pages once per recomputed sample). It writes the keys and values decoding
-wrote (equal up to float rounding: a prefill's matrix products round differently from a decode
-step's) with the same running-mean centroids, and each generated position attends by the block top-k
-rule at the budget its decode step had (runner.py), so its next decode step feeds the last token as
-it would have up to that rounding; it keeps its random generator, so it draws what it would have
-drawn from the same logits. So in fp32 it keeps its tokens unless a near tie flips; in bf16 or on CUDA
-a near tie in a token or a page selection is common enough that it may not (engine.py). A recompute
-longer than the prefill token cap is prefilled in chunks (runner.py); admission caps the tokens of a
-prefill step except for its first entry, which may be that long.
-
-Eviction (stages/kv_policies, rollout/compaction.py): before a decode step, a running sample whose cache
-reached its policy's budget + buffer is compressed back to the budget. Its compressed cache goes to
-pages of its own (refcount 1, in its block table's order) and, where those are too few (its first
-pages are the prompt's, shared), to fresh pages, which may take preemptions as a growing sample's page
-does; the pages it no longer needs go back (a shared one stays with its other owners). The runner moves
-the data (`compact`) before the step's copies on write and its decode, so the freed pages can be reused
-in the same step. A preempted evicting sample's recompute rebuilds only its retained cache, so its
-prefill takes the pages of that cache, not of its prompt and every generated token. The oldest
-running sample is never the victim, so it always progresses: a request is refused up front if one
-of its samples at full length needs more pages than the pool has (engine.py), and with that no
-schedule can stall.
+Three queues: `waiting` (requests not prefilled, and preempted samples at the front), `ready` (prefilled
+samples without a slot) and `running` (at most `max_batch` samples decoded together). Each step ready
+samples fill free slots, then waiting entries are admitted as slots, the prefill token cap and free pages
+allow (a prefill step), else every running sample decodes. Before a decode step each running sample gets
+the page its next token goes to (a fresh one, or its copy of a shared one), and evicting samples that
+reached budget + buffer are compressed; when no page is free, held pages are reclaimed and then the
+latest admitted sample is preempted (vLLM's choice). The oldest running sample is never the victim, so
+a schedule cannot stall. `schedule()` returns the plan; the engine applies it through the runner.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from .block_manager import BlockManager
 from .compaction import Compaction
@@ -72,17 +40,24 @@ def prefill_tokens(entry: Request | Sequence) -> list[int]:
     return entry.request.prompt + entry.tokens[:-1]
 
 
+@dataclass
+class Step:
+    """The next engine step: a prefill of `batch` (requests and preempted samples), or a decode step of
+    the running samples once the runner has run `compactions` and then copied pages `copy_src` to
+    `copy_dst` (copy on write; compactions read pages the copies may overwrite)."""
+
+    kind: str  # "prefill" | "decode"
+    batch: list
+    compactions: list[Compaction] = field(default_factory=list)
+    copy_src: list[int] = field(default_factory=list)
+    copy_dst: list[int] = field(default_factory=list)
+
+
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_batch: int, max_prefill_tokens: int,
-                 copy_pages: Callable[[list[int], list[int]], None],
-                 reclaim: Callable[[], bool] = lambda: False,
-                 compact: Callable[[list[Compaction]], None] = lambda plans: None):
-        """`copy_pages(src, dst)` copies whole pages in the cache (copy on write before a decode).
-        `reclaim()` frees pages held for something other than a sample (the engine's cascade copies)
-        and says whether it did; it is tried before anyone is preempted. `compact(plans)` runs the
-        planned compressions of evicting samples (the runner's)."""
+    def __init__(self, blocks: BlockManager, max_batch: int, max_prefill_tokens: int):
+        """Pages held beside the samples' (`BlockManager.hold_run`) are reclaimed before anyone is
+        preempted."""
         self.blocks, self.max_batch, self.max_prefill_tokens = blocks, max_batch, max_prefill_tokens
-        self.copy_pages, self.reclaim, self.compact = copy_pages, reclaim, compact
         self.waiting: deque[Request | Sequence] = deque()
         self.ready: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -125,14 +100,15 @@ class Scheduler:
         """Free pages beyond those the running batch's next decode step takes."""
         return self.blocks.num_free - sum(self.page_need(s) for s in self.running)
 
-    def schedule(self) -> tuple[str, list]:
-        """('prefill', requests and preempted samples) or ('decode', running samples)."""
+    def schedule(self) -> Step:
+        """A prefill of waiting requests and preempted samples, else a decode step of the running ones."""
         self._fill_slots()
         admitted = self._admit()
         if admitted:
-            return "prefill", admitted
-        self._grow()
-        return "decode", list(self.running)
+            return Step("prefill", admitted)
+        step = self._grow()
+        step.batch = list(self.running)
+        return step
 
     def _fill_slots(self) -> None:
         """Ready samples join the batch while slots and their next pages are free; with nothing
@@ -170,22 +146,22 @@ class Scheduler:
             free_slots -= entry.params.n if isinstance(entry, Request) else 1
         return admitted
 
-    def _grow(self) -> None:
-        """Compress the running samples that are due, then give every running sample the page its next
-        token goes to, oldest first, preempting the latest admitted when none is free."""
+    def _grow(self) -> Step:
+        """Plan the compressions of the running samples that are due, then give every running sample the
+        page its next token goes to, oldest first, preempting the latest admitted when none is free."""
         src, dst, plans = [], [], []
         i = 0
         while i < len(self.running):
             seq = self.running[i]
             if self._due(seq):
                 while seq.status == Status.RUNNING and self._fresh_pages(seq) > self.blocks.num_free:
-                    if not self.reclaim():
+                    if not self.blocks.reclaim():
                         self.preempt(self._victim(seq, i))
                 if seq.status != Status.RUNNING:
                     break
                 plans.append(self._plan_compaction(seq))
             while seq.status == Status.RUNNING and self.page_need(seq) and not self.blocks.free:
-                if not self.reclaim():
+                if not self.blocks.reclaim():
                     self.preempt(self._victim(seq, i))
             if seq.status != Status.RUNNING:
                 break  # it was the latest admitted itself: everyone before it has their page
@@ -201,8 +177,7 @@ class Scheduler:
                     seq.pages.append(page)
             i += 1
         self.compactions += len(plans)
-        self.compact(plans)  # reads the pages just given up before anything writes them
-        self.copy_pages(src, dst)
+        return Step("decode", [], plans, src, dst)
 
     def _plan_compaction(self, seq: Sequence) -> Compaction:
         """The sample's compressed cache goes to its own pages first, then fresh ones; the rest go back."""

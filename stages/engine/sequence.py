@@ -14,7 +14,7 @@ from ..kv_policies import KVPolicy
 class SamplingParams:
     """How to sample. Temperature 0 is greedy. Top-k (0 = off) is applied before top-p. Reported
     logprobs are those of the full distribution at the sampling temperature (1 when greedy), before
-    any top-k/top-p truncation: the convention of `stages.generate.sample_next`."""
+    any top-k/top-p truncation: the convention of `stages.scoring.generate.sample_next`."""
 
     max_new_tokens: int = 256
     temperature: float = 1.0

@@ -1,37 +1,12 @@
-"""`StaticDecode`: the engine's decode step over state that lives on the device, replayed from CUDA graphs.
+"""`StaticDecode`: a decode step over state that lives on the device, replayed from CUDA graphs.
 
-A CUDA graph replays the same kernels on the same addresses, so a decode step's inputs live in buffers
-sized for the largest batch and the widest block table, and a step of B samples runs the graph captured
-for the smallest batch bucket >= B. Rows past B are padding: cache length 0 (no KV write, attention over
-nothing). Two more things are fixed at capture and key the graphs with the bucket: whether the sparse
-layers select pages, and how many they keep, K (the batch's largest budget / P, or the whole table when a
-dense request shares a sparse step). A schedule has few distinct budgets, so there are few graphs; each is
-captured on first use, all in one memory pool.
-
-Nothing runs on the host per step. The samples' state stays on the device from step to step, one row
-per sample: the token it feeds next, its position, its cache length (kept apart from the position: a
-KV policy that evicts makes the cache shorter than the position), its block table row, its budget, its
-temperature and seed. The captured step computes its KV write slots from the block table and the cache
-lengths, runs the model, samples (sampler.py: `sample_on_device`, the counter-noise race keyed by the
-sample's seed and position), and advances the state: the sampled token becomes the next input, position
-and cache length grow by one. The host sends only what changed: a page added to a row (one scatter for
-all rows that crossed a page, or a copy-on-write replacement of the last page), the budgets when a
-schedule bin changes, and whole rows when the batch changes (rows that stay are moved on the device by
-one gather; new rows are uploaded). A row is sent whole when its sample joins the batch, then only its
-pages past those it was sent and its last page: a change elsewhere in a row's pages needs `forget_rows`.
-Rows with top-k/top-p are drawn again after the graph, and top logprobs taken there (eager device ops,
-no sync). Each step's sampled tokens and logprobs are copied asynchronously into pinned host memory and an
-event is recorded; `collect` waits for the oldest step's event only, so with one step in flight the host
-reads step t-1 while the device runs step t (the engine notices finished samples a step late, engine.py).
-
-Nothing inside the step may wait on the device: the model gets `kv_len` from here instead of reading the
-positions, selection gets `max_selected`, and the ops were written so (kernels/CONTRACT.md). Warm-up and
-capture run with every row padded, so they write nothing to the cache; the rows' state is saved before
-and put back after.
-
-With `capture=False` the same step runs eagerly on any device (the copies are then plain copies). That is
-how the CPU tests hold this path to teacher-forced scoring, transformers and the pipelined engine loop;
-only the capture needs CUDA.
+The samples' state (next token, position, cache length, block table row, budget, temperature, seed) stays
+in device buffers sized for the largest batch and block table; a step of B samples runs the graph of the
+smallest batch bucket >= B (padding rows write nothing), keyed also by whether the sparse layers select
+and how many pages they keep. The step samples on the device (sampler.py) and advances the state; the
+host sends only what changed and reads each step's tokens from pinned memory a step later (`collect`).
+Nothing inside the step waits on the device. With `capture=False` the same step runs eagerly on any
+device, which is how the CPU tests hold it to teacher-forced scoring.
 """
 
 from __future__ import annotations
@@ -43,6 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from torch import Tensor
+
+from sparrow.kernels.ops import TORCH, TorchOps
 
 from ..attention.kv_cache import PagedKVCache, upload
 from ..attention.paged import DecodeAttention, DecodeBatch
@@ -91,17 +68,18 @@ class StaticDecode:
 
     def __init__(self, model: Transformer, cache: PagedKVCache, *, max_batch: int, max_pages: int,
                  attention: Callable[[DecodeBatch], DecodeAttention], capture: bool = True,
-                 impl: str = "auto",
+                 ops: TorchOps = TORCH,
                  hidden: Callable[[Tensor, Tensor, DecodeAttention, int], Tensor] | None = None):
         """`max_pages`: block table width, enough for the longest sequence the engine will decode.
         `attention`: the runner's decode attention for a batch of static buffers (a plain function or
-        partial, never a bound method of the runner, which holds this object). `impl`: the sampler's race
-        (kernels/race_sample.py). `hidden`: (tokens, positions, attention, kv_len) -> final hidden states
-        [n, hidden], the runner's decode form (the GPU's fused layers); None: the model's forward."""
+        partial, never a bound method of the runner, which holds this object). `ops`: the kernels of the
+        sampler's race (kernels/race_sample.py). `hidden`: (tokens, positions, attention, kv_len) -> final
+        hidden states [n, hidden], the runner's decode form (the GPU's fused layers); None: the model's
+        forward."""
         if capture and cache.k.device.type != "cuda":
             raise ValueError("CUDA graphs need the model and cache on a CUDA device")
         dev = cache.k.device
-        self.model, self.cache, self.capture, self.impl = model, cache, capture, impl
+        self.model, self.cache, self.capture, self.ops = model, cache, capture, ops
         self.device = dev
         self.max_pages, self.page_size = max_pages, cache.page_size
         self.attention, self.hidden = attention, hidden
@@ -322,7 +300,7 @@ class StaticDecode:
             hidden = self.hidden(self.tokens[:n], self.positions[:n], attn, kv_len)
         logits = self.model.logits(hidden)
         tokens, chosen, _ = sample_on_device(logits, self.temperatures[:n], self.seeds[:n],
-                                             self.positions[:n, 0], logp_out=self.logp[:n], impl=self.impl)
+                                             self.positions[:n, 0], logp_out=self.logp[:n], ops=self.ops)
         self.sampled[:n] = tokens
         self.sampled_logp[:n] = chosen
         active = cl > 0
@@ -341,7 +319,7 @@ class StaticDecode:
         logp = self.logp[r]
         # the state has advanced: the query that produced these logits sat one position back
         tokens = redraw_truncated(logp, [seqs[i].request.params for i in rows], self.seeds[r],
-                                  self.positions[r, 0] - 1, self.impl)
+                                  self.positions[r, 0] - 1, self.ops)
         self.sampled[r] = tokens
         self.sampled_logp[r] = logp.gather(-1, tokens[:, None])[:, 0]
         self.tokens[r, 0] = tokens

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..attention.paged import attend_after_prefix
 from ..model.llama import AttentionContext, Transformer
 from .eviction import Eviction
 
@@ -52,7 +53,7 @@ class ReplayAttention:
             keys = torch.cat([self.k[layer], k], dim=2)
             values = torch.cat([self.v[layer], v], dim=2)
             positions = torch.cat([self.positions[layer], pos], dim=2)
-            out = _attend_lower_right(q, keys, values)
+            out = attend_after_prefix(q, keys, values)
         seen = q if self.queries[layer] is None else torch.cat([self.queries[layer], q], dim=2)
         queries = seen[:, :, -self.policy.window:]
         if self.compress and keys.shape[2] > self.policy.budget:
@@ -63,13 +64,6 @@ class ReplayAttention:
         self.k[layer], self.v[layer], self.positions[layer] = keys, values, positions
         self.queries[layer] = queries.clone()  # not a view that would keep a whole chunk's queries alive
         return out
-
-
-def _attend_lower_right(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-    """q [B, Hq, T, D], the last T of the S slots of k, v [B, Hkv, S, D]: causal, aligned lower right."""
-    from ..attention.paged import attend_after_prefix
-
-    return attend_after_prefix(q, k, v)
 
 
 @dataclass

@@ -13,14 +13,14 @@ from collections.abc import Sequence
 from torch import nn
 
 from ..backends.ray_pool import RolloutPool
-from ..engine import Completion, Engine, SamplingParams
+from ..engine import Completion, Engine, EngineConfig, SamplingParams
 from ..kv_policies import KVPolicy
 from .adapter import lora_state
 from .distributed import World
 
 
 def make_engine(model: nn.Module, policy: KVPolicy, max_batch: int, gpu_memory_utilization: float) -> Engine:
-    return Engine(model, policy, max_batch=max_batch, gpu_memory_utilization=gpu_memory_utilization)
+    return Engine(model, policy, EngineConfig(max_batch=max_batch, gpu_memory_utilization=gpu_memory_utilization))
 
 
 class Rollouts:

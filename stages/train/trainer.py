@@ -23,7 +23,7 @@ from ..backends.ray_pool import RolloutPool
 from ..core.schedule import Schedule
 from ..core.sparsity import budget_fn
 from ..engine import SamplingParams
-from ..kv_policies import KVPolicy
+from ..kv_policies import Dense, KVPolicy
 from ..model.loading import LoadedModel
 from ..tasks import score_batch
 from . import objective as grpo
@@ -251,7 +251,7 @@ class Trainer:
         rows = self.eval_prompts
         engine = self.rollouts.run_engine(self.cfg.prompts_per_step, self.cfg.oversample or self.cfg.samples)
         out = engine.generate([r.token_ids for r in rows], params,
-                              sparsity=self.policy if sparse else None)
+                              policy=self.policy if sparse else Dense())
         tok = self.loaded.tokenizer
         rewards = score_batch([(r.task, tok.decode(o[0].token_ids, skip_special_tokens=True), r.answer,
                                 r.metadata) for r, o in zip(rows, out)])

@@ -1,13 +1,8 @@
 """glibc's allocator tuned for a CPU rollout process: large blocks reused from the heap, not mmapped anew.
 
-By default glibc hands out every block above its mmap threshold (128 KiB, rising to at most 32 MiB as
-blocks are freed) as a fresh mmap and unmaps it on free, so a tensor of tens of MB costs a page fault per
-4 KiB every time it is allocated. A 6K-token prefill allocates many (activations of 6,000 x 1,536): in
-the first prefill of a process they took 26.6 s against 13.5 s with these settings (SmolLM2-135M,
-bf16, 2 threads); a decode step that allocated a growing K/V gather every step paid as much as the rest
-of the step before the engine reused its buffers. The engine applies this once per process on the
-CPU. It is process-wide and irreversible: freed memory stays with the process for reuse instead of
-going back to the system, which a rollout or training process wants anyway.
+By default every block above glibc's mmap threshold is a fresh mmap, so a large tensor costs a page fault
+per 4 KiB each time it is allocated. Applied once per process on the CPU; process-wide and irreversible
+(freed memory stays with the process, which a rollout or training process wants).
 """
 
 from __future__ import annotations

@@ -1,18 +1,9 @@
 """The CPU decode step (bf16 or fp32) as two C++ ops per layer around the attention.
 
-With each module's forward swapped for a C++ op (packed_linears.py, cpu_layers.py), a decode step of
-SmolLM2 still made about fifteen Python calls per layer outside the attention: module dispatch, views,
-the residual sums, silu and the gate product, and each step swapped about 200 forwards in and out of the
-modules. Here a layer is `decode_qkv` (input RMSNorm, the stacked q/k/v product, Qwen3's q/k norms,
-rotary embedding) and `decode_mlp` (o_proj, residual, post-attention RMSNorm, the stacked gate/up
-product, silu(gate) * up, down, residual), kernels/cpu_layers.cpp, with the engine's attention object
-called between them as the model calls it. Both round where the eager chain of modules rounds and use
-the same products, so the logits are the modular path's bit for bit (tested in both dtypes; silu's exp is
-libtorch's own). In fp32 the fused layers took the budget-512 step from 44.7 to 40.3 ms (A/B in one
-process, 6K x 8).
-
-Used where every projection of the model is packed for our product (bf16 or fp32 weights, the C++
-kernels built, at most 16 rows); otherwise the engine runs the model's own forward.
+`decode_qkv` (input RMSNorm, stacked q/k/v product, q/k norms, rotary embedding) and `decode_mlp` (o_proj,
+residual, RMSNorm, stacked gate/up, silu, down, residual) round where the eager modules round and use the
+same products, so the logits are the modular step's bit for bit. Used where every projection is packed
+for our product; otherwise the engine runs the model's own forward.
 """
 
 from __future__ import annotations
@@ -20,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from sparrow.kernels.ops import CPU
 
 from ...model.llama import Attention, AttentionContext, Transformer
 from .packed_linears import PackedLinears
@@ -58,7 +51,7 @@ class FusedCpuDecode:
         dtype = model.embed_tokens.weight.dtype
         cos, sin = model.rope_cos[pos].to(dtype), model.rope_sin[pos].to(dtype)  # [B, D]
         x = F.embedding(torch.tensor(tokens), model.embed_tokens.weight)  # [B, H]
-        ops = torch.ops.sparrow_cpu
+        ops = CPU
         for i, (block, (qkv_w, o_w, gate_up_w, down_w)) in enumerate(zip(model.layers, self.layers)):
             a = block.attn
             q, k, v = ops.decode_qkv(x, block.input_layernorm.weight, qkv_w, _stacked_bias(a),

@@ -1,13 +1,8 @@
-"""The CPU decode step's small per-layer ops in C++ (kernels/cpu_layers.cpp): RMSNorm and the rotary
-embedding of q and k, each one op.
+"""The CPU decode step's small per-layer ops in C++: RMSNorm and the rotary embedding of q and k.
 
-In a decode step of SmolLM2 (30 layers, 8 rows) the eager RMSNorm is 8 ops (the casts, pow, mean,
-rsqrt, two products) and the rotary embedding of q and k 14 (slices, negation, concatenation,
-products, sums), each a few microseconds of dispatch and Python for a few thousand numbers: about 800 of
-a sparse step's 2,400 ops. Inside `active()` the model's RMSNorm modules and its attention's `rope`
-method run the C++ ops instead; outside, the modules are their plain selves (training and scoring use
-the torch code). The C++ ops compute in fp32 and round once, so in bf16 they differ from the eager
-chain (which rounds after each op) by bf16 rounding; in fp32, by the order of a sum.
+Inside `active()` the model's RMSNorm modules and its attention's `rope` run one C++ op each instead of
+a chain of small eager ops; outside, the modules are their plain selves. The ops compute in fp32 and
+round once.
 """
 
 from __future__ import annotations
@@ -15,17 +10,16 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-import torch
 from torch import Tensor, nn
 
-from sparrow.kernels import cpu_attention
+from sparrow.kernels.ops import CPU
 
 from ...model.llama import RMSNorm, SelfAttention, apply_rope
 
 
 def cpu_layers_available(model: nn.Module) -> bool:
     w = next(model.parameters())
-    return w.device.type == "cpu" and w.dtype in (torch.float32, torch.bfloat16) and cpu_attention.available()
+    return CPU.layers_usable(w)
 
 
 class CpuLayerOps:
@@ -50,7 +44,7 @@ class CpuLayerOps:
 
 def _rms_norm(module: RMSNorm):
     def forward(x: Tensor) -> Tensor:
-        return torch.ops.sparrow_cpu.rms_norm(x, module.weight, module.eps)
+        return CPU.rms_norm(x, module.weight, module.eps)
 
     return forward
 
@@ -58,4 +52,4 @@ def _rms_norm(module: RMSNorm):
 def _rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
     if q.shape[2] != 1:  # the op is for one decode token per row
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    return torch.ops.sparrow_cpu.rope_qk(q, k, cos, sin)
+    return CPU.rope_qk(q, k, cos, sin)

@@ -1,22 +1,9 @@
-"""Linear layers prepacked for oneDNN, for the CPU decode step (fp32 and bf16). A decode step multiplies a
-few rows (one per running sample) by every weight matrix of the model. Called on a plain bf16 weight,
-oneDNN first reorders the weight into its blocked layout, on every call: for SmolLM2's 576x1536 MLP
-weight at 8 rows that doubled the time of the product (0.59 vs 0.29 ms, one thread). A plain fp32 weight
-goes to MKL's sgemm, which on this AMD CPU ran 2.6x slower than oneDNN on a packed copy (0.65 vs 0.25
-ms, two threads; the results agree to fp32 rounding). `PackedLinears` keeps each nn.Linear's weight
-reordered once (`mkldnn._reorder_linear_weight`) and, inside `active()`, routes the module's forward to
-`mkldnn._linear_pointwise` on the packed copy. In bf16, where the C++ kernels build and a step has at
-most 16 rows, the weights are packed instead for our own product (`packed_linear`,
-kernels/cpu_layers.cpp: each weight read once, `vdpbf16ps` over pairs of inputs), which ran 30 products
-of 576 x 3072 at 8 rows in 4.8-5.1 ms against oneDNN's 5.5-5.8; fp32 weights likewise for the same op in
-fp32 (one FMA per weight and row: 141 vs 168 us for oneDNN at 576 x 3072 x 8 rows from L3, the same from
-memory), so that the fused decode layers (cpu_decode.py) run in fp32 too. The projections that share an
-input (q/k/v, gate/up) are packed stacked and computed as one product (the model's `qkv` and `gate_up`
-methods are swapped): 4 products per layer instead of 7, and wider ones.
+"""Linear layers prepacked for the CPU decode step (fp32 and bf16).
 
-The packed copies are refreshed whenever a weight changed since it was packed (its tensor version
-counter moved, as after an in-place LoRA merge or an optimizer step, or it was replaced), so the engine
-always samples with the current weights.
+A decode step multiplies a few rows by every weight; packing each weight once (oneDNN's blocked layout,
+or our C++ product's where it runs, at most 16 rows) avoids a reorder per call. Projections that share an
+input (q/k/v, gate/up) are packed stacked and computed as one product. Packed copies follow each weight's
+version counter, so the engine always samples with the current weights.
 """
 
 from __future__ import annotations
@@ -27,7 +14,7 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor, nn
 
-from sparrow.kernels import cpu_attention
+from sparrow.kernels.ops import CPU
 
 
 def packing_available(model: nn.Module) -> bool:
@@ -46,11 +33,11 @@ DOT_MAX_ROWS = 16  # the C++ bf16 product's register block: at most this many de
 
 class PackedLinears:
     def __init__(self, model: nn.Module, batch_hint: int, own_kernel: bool = True):
-        """`own_kernel`: bf16 products in our C++ kernel where it runs (the engine's impl="auto")."""
+        """`own_kernel`: bf16 products in our C++ kernel where it runs (the CPU ops, not the references)."""
         self.batch_hint = batch_hint
         self.dot = (own_kernel and batch_hint <= DOT_MAX_ROWS
                     and next(model.parameters()).dtype in (torch.bfloat16, torch.float32)
-                    and cpu_attention.available())
+                    and CPU.layers_usable(next(model.parameters())))
         self.groups: list[tuple[nn.Module, str, list[nn.Linear]]] = []  # (owner, method, its linears)
         for owner in model.modules():
             for method, names in FUSIBLE.items():
@@ -127,7 +114,7 @@ def dot_product(x: Tensor, weight: Tensor, bias: Tensor | None, fp32_out: bool =
         if fp32_out:
             x, plain, bias = x.float(), plain.float(), None if bias is None else bias.float()
         return torch.nn.functional.linear(x, plain, bias)
-    return torch.ops.sparrow_cpu.packed_linear(x, weight, bias, fp32_out)
+    return CPU.packed_linear(x, weight, bias, fp32_out)
 
 
 def _split(product: Callable[[Tensor], Tensor], sizes: list[int]) -> Callable[[Tensor], tuple[Tensor, ...]]:

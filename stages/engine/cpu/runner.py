@@ -1,18 +1,9 @@
-"""`CpuRunner`: the runner on a CPU, with the machinery that makes a CPU decode step fast.
+"""`CpuRunner`: the runner on a CPU: C++ kernels, packed weights, fused decode layers, cascade attention.
 
-On top of the plain path (runner.py): the C++ kernels of kernels/cpu_attention.py where they build
-(impl="auto"; impl="torch" runs the torch references), glibc's allocator tuned for the process
-(allocator.py), linears on prepacked weights (our C++ product in bf16 and fp32, oneDNN's otherwise;
-packed_linears.py), the norms and rotary embedding as C++ ops (cpu_layers.py), a decode layer as two
-C++ ops around the attention where every projection is packed for our product (cpu_decode.py; its
-logits are the modular step's bit for bit), reused K/V gather buffers, and cascade attention: the dense
-attention of samples sharing a prompt reads the prompt's pages once per step, from a contiguous copy
-taken at prefill into pool pages (`PrefixStore`, kv_cache.py). Samples of an evicting policy take no
-copy and never read one: their compressed caches start with pages of their own, not the prompt's.
-
-The pool is sized for the workload (`Workload.pages`, every sample at full length, nothing preempted):
-a CPU has no memory fraction to fill, and pages nobody writes cost no resident memory (the pool is
-calloc'd). A pool from an earlier run is kept when it is large enough.
+On top of the shared path: glibc's allocator tuned (allocator.py), linears on prepacked weights
+(packed_linears.py), the norms and rotary embedding as C++ ops (layers.py), a decode layer as two C++
+ops (fused_decode.py), reused gather buffers, and cascade attention over prompt copies taken at prefill
+(prefix_store.py, attention.py). The pool is sized for the workload: pages nobody writes cost nothing.
 """
 
 from __future__ import annotations
@@ -20,33 +11,36 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from contextlib import nullcontext
+from dataclasses import replace
 
 import torch
 from torch import Tensor
 
 from sparrow.kernels import cpu_attention
 from sparrow.kernels.cascade_decode import suffix_pages
-from sparrow.kernels.ops import GatherWorkspace
+from sparrow.kernels.ops import CPU, GatherWorkspace
 
-from ...attention.kv_cache import PrefixStore, SharedPrefix
-from ...attention.paged import Cascade, CpuDecodeAttention, DecodeAttention, DecodeBatch
+from ...attention.paged import DecodeAttention, DecodeBatch, KeyTap
 from ...model.llama import Transformer
-from ..runner import ModelRunner, PrefillRow
+from ..block_manager import BlockManager
+from ..config import EngineConfig
+from ..memory import Workload
+from ..runner import ModelRunner, PrefillRow, Segment
 from ..sequence import Sequence as Sample
 from .allocator import tune_cpu_allocator
+from .attention import Cascade, CpuDecodeAttention
 from .fused_decode import FusedCpuDecode
 from .layers import CpuLayerOps, cpu_layers_available
 from .packed_linears import DOT_MAX_ROWS, PackedLinears, dot_product, packing_available
+from .prefix_store import PrefixStore, SharedPrefix
 
 
 class CpuRunner(ModelRunner):
-    def __init__(self, model: Transformer, *, cascade: bool | None = None, **kw):
-        """`cascade`: read shared prompt pages once per decode step (None: yes)."""
-        super().__init__(model, **kw)
+    def __init__(self, model: Transformer, config: EngineConfig):
+        super().__init__(model, config)
         tune_cpu_allocator()
-        self.cascade = True if cascade is None else cascade
-        self.prefix_copies = self.cascade
-        own = self.impl == "auto"  # impl="torch": no C++ kernel anywhere in the step
+        self.cascade = config.cascade is not False
+        own = self.ops is CPU  # the torch references: no C++ kernel anywhere in the step
         self.workspace = GatherWorkspace()  # the torch references' K/V gather buffers, reused every step
         self.packed = PackedLinears(model, self.max_batch, own) if packing_available(model) else None
         self.layer_ops = CpuLayerOps(model) if own and cpu_layers_available(model) else None
@@ -54,27 +48,27 @@ class CpuRunner(ModelRunner):
             self.packed is not None and self.packed.dot and self.layer_ops is not None
             and isinstance(model, Transformer)) else None
         self.store: PrefixStore | None = None
+        self._copies: dict[int, SharedPrefix] = {}
 
     @property
     def prefixes(self) -> dict[int, SharedPrefix]:
         """The current run's prompt copies by request id."""
         return self.store.prefixes if self.store is not None else {}
 
+    def _pages_needed(self, workload: Workload) -> int:
+        return replace(workload, prefix_copies=self.cascade).pages()
+
     def _static_attention(self) -> Callable[[DecodeBatch], DecodeAttention]:
         return functools.partial(CpuDecodeAttention, self.cache, dense_layers=self.dense_layers,
-                                 scale=self.scale, impl=self.impl, workspace=self.workspace)
+                                 scale=self.scale, ops=self.ops, workspace=self.workspace)
 
     def close(self) -> None:
         self.store = None
         super().close()
 
-    def begin(self, blocks) -> Callable[[], bool] | None:
+    def begin(self, blocks: BlockManager) -> None:
         super().begin(blocks)
-        if not self.cascade:
-            self.store = None
-            return None
-        self.store = PrefixStore(blocks, self.cache, self._pack_prefixes())
-        return self.store.reclaim
+        self.store = PrefixStore(blocks, self.cache, self._pack_prefixes()) if self.cascade else None
 
     def _pack_prefixes(self) -> bool:
         """Prefix copies in the AVX512-BF16 kernel's layouts: bf16 on a CPU that runs the kernel."""
@@ -98,7 +92,7 @@ class CpuRunner(ModelRunner):
     def prefill(self, rows: list[PrefillRow]) -> Tensor | None:
         """As the plain path, and each fresh prompt's full pages copied for cascade attention where the
         pool can spare them."""
-        prefixes: dict[int, SharedPrefix] = {}
+        self._copies: dict[int, SharedPrefix] = {}  # by row: the prompt copies this prefill fills
         if self.store is not None:
             for i, row in enumerate(rows):
                 full = row.prompt_len // self.page_size
@@ -106,15 +100,23 @@ class CpuRunner(ModelRunner):
                     prefix = self.store.take(row.request_id, row.pages[:full], row.samples,
                                              min(row.samples, self.max_batch))
                     if prefix is not None:
-                        prefixes[i] = prefix
+                        self._copies[i] = prefix
         if self.packed is not None:
             self.packed.refresh()  # the packed head (`_head`) now, not at the first decode step
-        return self._prefill(rows, prefixes)
+        try:
+            return super().prefill(rows)
+        finally:
+            self._copies = {}
+
+    def _key_taps(self, forward: list[Segment]) -> list[KeyTap]:
+        """The prompt copies whose last position this forward reaches take the row's keys and values."""
+        return [functools.partial(_fill_copy, j, self._copies[i]) for j, (i, start, end) in enumerate(forward)
+                if i in self._copies and start < self._copies[i].tokens <= end]
 
     # ------------------------------------------------------------------ decode
 
     def _decode_attention(self, batch: DecodeBatch, seqs: list[Sample]) -> DecodeAttention:
-        return CpuDecodeAttention(self.cache, batch, self.dense_layers, self.scale, self.impl, self.workspace,
+        return CpuDecodeAttention(self.cache, batch, self.dense_layers, self.scale, self.ops, self.workspace,
                                   self._cascade(seqs))
 
     def _decode_logits(self, tokens: list[int], pos: list[int], positions: Tensor,
@@ -152,3 +154,9 @@ class CpuRunner(ModelRunner):
         dev = self.device
         return Cascade([(torch.tensor(rows, device=dev), prefixes[rid]) for rid, rows in groups.items()],
                        suffix_pages(first, [len(s.pages) for s in seqs], self.cfg.num_kv_heads, dev))
+
+
+def _fill_copy(row: int, prefix: SharedPrefix, layer: int, keys: Tensor, values: Tensor,
+               centroids: Tensor) -> None:
+    t = prefix.tokens
+    prefix.store(layer, keys[row, :, :t], values[row, :, :t], centroids[list(prefix.pages)])

@@ -1,37 +1,11 @@
 """The GPU decode step's inference form of the model: stacked projections and the fused elementwise chain.
 
-The model module (stages/model/llama.py) stays what the learner trains and what teacher-forced scoring
-runs; this is how the device runner runs a decode step (one new token per row) over the same parameters:
-
-    x = embed(token); h = RMSNorm(x)                                       (add_rms_norm, no add)
-    per layer: qkv = h @ [Wq; Wk; Wv]^T                                    (one GEMM, was three)
-               q = qk_norm_rope_append(qkv)  -> K/V and centroid written   (one kernel)
-               o = attention(q) @ Wo^T                                     (the runner's DecodeAttention)
-               h = add_rms_norm(o, residual)                               (one kernel)
-               m = silu_mul(h @ [Wgate; Wup]^T) @ Wdown^T                  (two GEMMs and one kernel)
-               h = add_rms_norm(m, residual) with the next layer's norm
-so a layer is 4 GEMMs and 3 small kernels around its attention, where the modular forward ran 7 GEMMs and
-a few dozen elementwise kernels. The kernels keep the eager modules' rounding points (kernels/CONTRACT.md
-ops 7-9): in fp32 the fused step is the modular step up to summation order, in bf16 the same roundings
-except where a stacked GEMM sums in another order than three separate ones.
-
-Stacked weights without a second copy: `stack_linears` moves the q/k/v weights (and gate/up) of each
-layer into one storage and points the model's own parameters at row slices of it (`param.data`), so
-the stacked matrix and the parameters are the same memory. Loading (`load_state_dict` copies in place),
-an optimizer step (in place), our LoRA merge (in place) and peft's injection (it wraps the same
-parameter as `base_layer`) all write through to the stacked matrix; the parameters keep their identity,
-so optimizer state and peft's references stay valid. A parameter whose data is replaced instead (a
-`.to()`, `load_state_dict(assign=True)`, peft's safe merge) no longer lies in the stack: `refresh`, which
-the runner calls at the start of every run and on `update_weights`, finds that and stacks again. A
-checkpoint writer that refuses tensors sharing memory (safetensors) copies such views first
-(`loading.save_checkpoint`).
-
-LoRA (peft's `lora.Linear`, as `sparrow train --lora` and the sparse actor inject it): the stacked
-product is the base layers'; each active adapter of a stacked member adds its
-`lora_B(lora_A(dropout(x))) * scaling` to that member's columns, in peft's dtype and order, so the result
-is what peft's forward computes. o_proj and down_proj are called as modules (peft's forward applies).
-Adapter kinds we do not reproduce (DoRA, peft's other variants) make `usable()` False and the runner
-takes the model's modular forward.
+A layer is 4 GEMMs (q/k/v stacked, o, gate/up stacked, down) and 3 fused kernels (add_rms_norm,
+qk_norm_rope_append, silu_mul) around its attention, rounding where the eager modules round. The
+stacked weights share memory with the model's parameters (`stack_linears`), so loads, optimizer steps
+and LoRA merges write through; `refresh` stacks again parameters whose data was replaced. peft's LoRA
+adapters are added per stacked member as peft computes them; adapters it does not reproduce make
+`usable()` False and the runner takes the model's modular forward.
 """
 
 from __future__ import annotations
@@ -42,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from sparrow.kernels import ops
+from sparrow.kernels.ops import TORCH, TorchOps
 
 from ...attention.paged import DecodeAttention
 from ...model.llama import Transformer
@@ -139,8 +113,8 @@ def lora_terms(module: nn.Module) -> list[tuple[nn.Module, nn.Module, nn.Module,
 class GpuDecode:
     """The decode step of a `Transformer` in its inference form (see the module docstring)."""
 
-    def __init__(self, model: Transformer, impl: str = "auto"):
-        self.model, self.impl = model, impl
+    def __init__(self, model: Transformer, ops: TorchOps = TORCH):
+        self.model, self.ops = model, ops
         self.cfg = model.cfg
         self.qkv: list[Stacked | None] = []
         self.gate_up: list[Stacked | None] = []
@@ -191,19 +165,18 @@ class GpuDecode:
     def hidden(self, tokens: Tensor, positions: Tensor, attention: DecodeAttention) -> Tensor:
         """tokens, positions [B, 1] -> the final normed hidden states [B, hidden] of one decode step;
         the new keys and values go to the cache at `attention.batch.slots`."""
-        model, impl, cfg = self.model, self.impl, self.cfg
+        model, ops, cfg = self.model, self.ops, self.cfg
         b = tokens.shape[0]
         pos = positions[:, 0]
         slots = attention.batch.slots
         layers = model.layers
         residual = model.embed_tokens(tokens[:, 0])  # [B, H], a fresh tensor: the residual stream
-        h = ops.add_rms_norm(None, residual, layers[0].input_layernorm.weight, layers[0].input_layernorm.eps,
-                             impl)
+        h = ops.add_rms_norm(None, residual, layers[0].input_layernorm.weight, layers[0].input_layernorm.eps)
         mlp_out = None
         for i, block in enumerate(layers):
             if mlp_out is not None:
                 norm = block.input_layernorm
-                h = ops.add_rms_norm(mlp_out, residual, norm.weight, norm.eps, impl)
+                h = ops.add_rms_norm(mlp_out, residual, norm.weight, norm.eps)
             attn = block.attn
             qkv = self._product(self.qkv[i], h)  # [B, (Hq + 2 Hkv) D]
             k_pages, v_pages, centroids = attention.cache.layer(i)
@@ -212,12 +185,12 @@ class GpuDecode:
             q = ops.qk_norm_rope_append(qkv, pos, slots, model.rope_cos, model.rope_sin,
                                         None if qn is None else qn.weight, None if kn is None else kn.weight,
                                         cfg.rms_norm_eps if qn is None else qn.eps, k_pages, v_pages,
-                                        centroids, cfg.num_heads, impl)  # [B, Hq, D]
+                                        centroids, cfg.num_heads)  # [B, Hq, D]
             out = attn.o_proj(attention.attend(i, q).reshape(b, -1))
             norm = block.post_attention_layernorm
-            h = ops.add_rms_norm(out, residual, norm.weight, norm.eps, impl)
-            mlp_out = block.mlp.down_proj(ops.silu_mul(self._product(self.gate_up[i], h), impl))
-        return ops.add_rms_norm(mlp_out, residual, model.norm.weight, model.norm.eps, impl)
+            h = ops.add_rms_norm(out, residual, norm.weight, norm.eps)
+            mlp_out = block.mlp.down_proj(ops.silu_mul(self._product(self.gate_up[i], h)))
+        return ops.add_rms_norm(mlp_out, residual, model.norm.weight, model.norm.eps)
 
 
 def decode_hidden(form: GpuDecode | None, model: Transformer, tokens: Tensor, positions: Tensor,

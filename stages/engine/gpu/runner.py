@@ -1,30 +1,10 @@
-"""`GpuRunner`: the runner on a CUDA device: Triton kernels, CUDA graphs, a pool sized from memory.
+"""`GpuRunner`: the runner on a CUDA device: Triton kernels, CUDA graphs, a pool sized from device memory.
 
-The plain path (runner.py) for prefill, with the model's own modules and the Triton kernels
-(impl="auto"); the decode step in the model's inference form (gpu_layers.py: q/k/v and gate/up as one
-product each over weights stacked in place, the elementwise chain in three fused kernels), replayed
-from CUDA graphs over state that lives on the device, sampling included, its results read back a step
-late (static_decode.py; decode_graphs="cuda"); selection bounded on the host (`kept_pages`) so that no
-step waits on the device. The inference form is set up when the runner is built (the stacking moves the
-q/k/v and gate/up weights into one storage per layer, no copy kept: no memory beyond one layer's during
-the move) and checked at the start of every run; with adapters it does not reproduce, the decode step
-is the model's modular forward. Nothing of the CPU's machinery (packed weights, C++ ops, cascade
-copies) is here. The same runner runs the Triton kernels on CPU tensors under TRITON_INTERPRET=1
-(impl="triton"), which is how the CPU tests hold this path to the modular step and to teacher-forced
-scoring; there the pool is sized from the workload.
-
-The pool is sized as nano-vllm sizes it, when a workload first needs one (and again when a later,
-larger workload does): a profiling run on a scratch pool measures the peak memory of the largest
-prefill chunk (max_prefill_tokens queries at the end of the workload's longest sample, attending to its
-whole prefix) and of a dense decode step of max_batch rows at that length (the intermediates the CUDA
-graphs' pool keeps); then pages = (total x gpu_memory_utilization - memory in use - those peaks - the
-static step's log-probs and sampling buffers) / bytes per page, capped by what the workload can use
-(`memory.pool_pages`). The
-memory in use is the device's (torch's caching allocator emptied first), so the weights, another
-process and, in `sparrow train`, the learner's resident state are counted; the learner's activations
-are not: --gpu-memory-utilization is the share the engine may take.
-
-`close()` drops the pool and the graphs and empties torch's cache, so the memory goes back at once.
+Decode steps run in the model's inference form (layers.py) and are replayed from CUDA graphs
+(static_decode.py); selection is bounded on the host (`kept_pages`) so that no step waits on the device.
+The pool is sized after a profiling run of the largest forwards (docs/engine.md, "Pool sizing"). Under
+TRITON_INTERPRET=1 the same runner runs the Triton kernels on CPU tensors, with the pool sized from the
+workload.
 """
 
 from __future__ import annotations
@@ -38,6 +18,8 @@ from torch import Tensor
 from ...attention.kv_cache import PagedKVCache
 from ...attention.paged import DecodeAttention
 from ...model.llama import Transformer
+from ..block_manager import BlockManager
+from ..config import DecodeStep, EngineConfig
 from ..memory import Workload, pages_for, pool_pages
 from ..runner import ModelRunner
 from ..static_decode import kept_pages
@@ -45,19 +27,18 @@ from .layers import GpuDecode, decode_hidden
 
 
 class GpuRunner(ModelRunner):
-    def __init__(self, model: Transformer, *, gpu_memory_utilization: float = 0.9, fused_decode: bool = True,
-                 **kw):
-        """`fused_decode`: decode steps in the inference form (gpu_layers.py); False: the model's modular
+    def __init__(self, model: Transformer, config: EngineConfig, fused_decode: bool = True):
+        """`fused_decode`: decode steps in the inference form (layers.py); False: the model's modular
         forward (what the tests and benches compare it with)."""
-        super().__init__(model, **kw)
-        self.utilization = gpu_memory_utilization
+        if config.cascade:
+            raise ValueError("cascade attention runs on the torch path (the CPU), not the Triton kernels")
+        super().__init__(model, config)
+        self.utilization = config.gpu_memory_utilization
         self.capped = False  # the pool is as large as memory allows, not as the workload needs
         self.memory: dict[str, int] = {}  # the last sizing's numbers, in bytes (and pages)
-        self.decode_form = GpuDecode(model, self.impl) if fused_decode and isinstance(model, Transformer) \
+        self.decode_form = GpuDecode(model, self.ops) if fused_decode and isinstance(model, Transformer) \
             else None
-        # bf16 weights: bf16 page centroids, half the bytes selection reads (each full page's mean rounded
-        # once, kernels/append_kv.py; measured to agree with teacher-forced selection at least as well
-        # as fp32 centroids, bench/centroid_dtype.py)
+        # bf16 weights: bf16 page centroids, half the bytes selection reads (each page's mean rounded once)
         self.centroid_dtype = torch.bfloat16 if self.dtype == torch.bfloat16 else torch.float32
         self._weights = self._weight_stamp()
 
@@ -91,7 +72,7 @@ class GpuRunner(ModelRunner):
         del scratch
         torch.cuda.empty_cache()
         # the static step's log-probs buffer and the temperature-scaled logits its sampling makes
-        static = 2 * self.max_batch * cfg.vocab_size * 4 if self.decode_graphs != "off" else 0
+        static = 2 * self.max_batch * cfg.vocab_size * 4 if self.decode_step != DecodeStep.PLAIN else 0
         static += PagedKVCache.query_ring_bytes(cfg, self.max_batch, workload.window, self.dtype)  # eviction
         activations = prefill + decode + static
         free, total = torch.cuda.mem_get_info(dev)
@@ -115,16 +96,16 @@ class GpuRunner(ModelRunner):
                 peaks.append(max(torch.cuda.max_memory_allocated(dev) - base, 0))
         return peaks[0], peaks[1]
 
-    def begin(self, blocks):
+    def begin(self, blocks: BlockManager) -> None:
         self.refresh_weights()
-        return super().begin(blocks)
+        super().begin(blocks)
 
     def refresh_weights(self) -> None:
         """CUDA graphs read the weights at their addresses and bake in the Python-level choices of the
         forward: weights updated in place need nothing, but replaced ones (a new tensor) or another set
         of active peft adapters make the graphs stale, so they are captured again (checked at the start
         of every run, and when the engine is told of an update). Projections whose parameters were
-        replaced are stacked again first (gpu_layers.py)."""
+        replaced are stacked again first (layers.py)."""
         if self.decode_form is not None:
             self.decode_form.refresh()
         stamp = self._weight_stamp()

@@ -1,0 +1,68 @@
+"""`EngineConfig`: how an engine is built (batch, KV pool, kernels, decode step), one frozen record."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, replace
+
+import torch
+
+from sparrow.kernels.ops import Backend
+
+from ..core.definitions import DEFAULT_DENSE_LAYERS, PAGE_SIZE
+from .memory import check_memory_utilization
+
+
+class DecodeStep(enum.Enum):
+    """How decode steps run: AUTO picks GRAPHS on CUDA and PLAIN elsewhere. GRAPHS and EAGER run the
+    static padded step that samples on the device (captured as CUDA graphs, or eagerly on any device);
+    PLAIN samples on the host with each sample's generator."""
+
+    AUTO = "auto"
+    GRAPHS = "cuda"
+    EAGER = "eager"
+    PLAIN = "off"
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """`num_pages`: the KV pool's pages (None: sized for each run, every sample at full length, on CUDA
+    no more than fits in `gpu_memory_utilization` of the device). `max_prefill_tokens`: the most tokens
+    one prefill forward takes (longer prompts are chunked). `cascade`: on a CPU, dense decode attention
+    reads a prompt's shared pages once per step for all its samples (None: yes)."""
+
+    max_batch: int = 16
+    num_pages: int | None = None
+    page_size: int = PAGE_SIZE
+    dense_layers: tuple[int, ...] = DEFAULT_DENSE_LAYERS
+    eos_ids: tuple[int, ...] | None = None
+    max_prefill_tokens: int = 8192
+    gpu_memory_utilization: float = 0.9
+    kernels: Backend = Backend.AUTO
+    decode_step: DecodeStep = DecodeStep.AUTO
+    cascade: bool | None = None
+
+    def __post_init__(self):
+        if self.max_batch < 1:
+            raise ValueError("max_batch must be at least 1")
+        if self.max_prefill_tokens < 1:
+            raise ValueError(f"max_prefill_tokens must be at least 1, got {self.max_prefill_tokens}")
+        if not isinstance(self.decode_step, DecodeStep):
+            raise ValueError(f"decode_step must be a DecodeStep, got {self.decode_step!r}")
+        if not isinstance(self.kernels, Backend):
+            raise ValueError(f"kernels must be a Backend, got {self.kernels!r}")
+        check_memory_utilization(self.gpu_memory_utilization)
+        if self.num_pages is not None and self.num_pages < 1:
+            raise ValueError(f"num_pages must be at least 1, got {self.num_pages}")
+        object.__setattr__(self, "dense_layers", tuple(self.dense_layers))
+        if self.eos_ids is not None:
+            object.__setattr__(self, "eos_ids", tuple(self.eos_ids))
+
+    def for_device(self, device: torch.device) -> EngineConfig:
+        """This config with AUTO's decode step resolved for `device`."""
+        step = self.decode_step
+        if step == DecodeStep.AUTO:
+            step = DecodeStep.GRAPHS if device.type == "cuda" else DecodeStep.PLAIN
+        if step == DecodeStep.GRAPHS and device.type != "cuda":
+            raise ValueError("decode_step GRAPHS needs the model on a CUDA device")
+        return replace(self, decode_step=step)
