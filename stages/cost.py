@@ -40,14 +40,10 @@ import numpy as np
 import pyarrow as pa
 
 from .core.definitions import DEFAULT_DENSE_LAYERS, PAGE_SIZE  # torch-free: planning needs no torch
-from .model.config import ModelConfig
+from .model.config import SHAPE_KEYS, ModelConfig, shape_of
 
 FEATURES = ("step", "seq", "kv", "page")
 BF16 = 2
-SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-              "num_kv_heads", "head_dim", "tie_word_embeddings")
-
-
 class CostError(ValueError):
     """Bad input to the cost model (unknown hardware, a cost artifact for another model, ...)."""
 
@@ -81,10 +77,6 @@ def active_parameters(cfg: ModelConfig) -> int:
     """Parameters that a decode step multiplies (the input embedding is a lookup, unless tied)."""
     untied_embedding = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size
     return cfg.num_parameters - untied_embedding
-
-
-def shape_of(cfg: ModelConfig) -> dict:
-    return {k: getattr(cfg, k) for k in SHAPE_KEYS}
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ the installed wheel holds every module of the tree."""
 from __future__ import annotations
 
 import ast
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -128,10 +129,16 @@ def test_package_list_is_the_tree():
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("wheel")
-    build = tmp_path_factory.mktemp("build")
+    """Built from a copy of the tracked tree: setuptools' build/ folder in the checkout could hold modules
+    that are gone from it."""
+    out, source = tmp_path_factory.mktemp("wheel"), tmp_path_factory.mktemp("source")
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, check=True, capture_output=True, text=True)
+    for name in tracked.stdout.splitlines():
+        if (ROOT / name).is_file():
+            (source / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, source / name)
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                    "--wheel-dir", str(out), str(ROOT)], check=True, cwd=build, capture_output=True)
+                    "--wheel-dir", str(out), str(source)], check=True, cwd=source, capture_output=True)
     return next(out.glob("sparrow_rl-*.whl"))
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from ..attention import PAGE_SIZE, validate_budget
 from ..kv_policies import EVICTION_POLICIES, BlockTopK, BudgetFn, Dense, Eviction, KVPolicy, parse_eviction
-from ..model.config import ModelConfig
+from ..model.config import SHAPE_KEYS, ModelConfig, shape_of
 from .schedule import Schedule
 
 Sparsity = KVPolicy | BudgetFn | Schedule | int | str | None  # None / 0 / "dense": dense
@@ -30,7 +30,6 @@ def load_schedule(path: str | Path, page_size: int = PAGE_SIZE, model: ModelConf
 
     from sparrow.schemas import artifact_metadata
 
-    from ..cost import SHAPE_KEYS, shape_of
 
     schedule = Schedule.from_artifact(path)
     planned = artifact_metadata(path).get("model_config")

@@ -218,6 +218,14 @@ class ModelConfig:
         return hf
 
 
+SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+              "num_kv_heads", "head_dim", "tie_word_embeddings")  # what a cost model or schedule is fitted to
+
+
+def shape_of(cfg: ModelConfig) -> dict:
+    return {k: getattr(cfg, k) for k in SHAPE_KEYS}
+
+
 def _ids(value) -> tuple[int, ...]:
     """An eos_token_id field (an int, a list of ints or absent) as a tuple."""
     if value is None:

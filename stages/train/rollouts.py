@@ -20,7 +20,8 @@ from .distributed import World
 
 
 def make_engine(model: nn.Module, policy: KVPolicy, max_batch: int, gpu_memory_utilization: float) -> Engine:
-    return Engine(model, policy, EngineConfig(max_batch=max_batch, gpu_memory_utilization=gpu_memory_utilization))
+    config = EngineConfig(max_batch=max_batch, gpu_memory_utilization=gpu_memory_utilization)
+    return Engine(model, policy, config)
 
 
 class Rollouts:
