@@ -6,6 +6,7 @@ import torch
 
 from sparrow.stages.core.schedule import Schedule
 from sparrow.stages.core.sparsity import budget_fn
+from sparrow.stages.engine import SamplingParams
 from sparrow.stages.model.loading import load_model
 from sparrow.stages.scoring.generate import sample
 from sparrow.stages.scoring.mismatch import score_sequences
@@ -13,7 +14,7 @@ from sparrow.stages.scoring.mismatch import score_sequences
 
 def _check_tf_equals_decode(model, prompts, sampler, max_new, tol, dense_layers=(0, 1)):
     budget_at = budget_fn(sampler)
-    gens = sample(model, prompts, max_new, 1.0, 1.0, seed=3, budget_at=budget_at,
+    gens = sample(model, prompts, SamplingParams(max_new_tokens=max_new, seed=3), budget_at,
                   dense_layers=dense_layers)
     completions = [g.tokens for g in gens]
     scored = score_sequences(model, prompts, completions, [budget_at], dense_layers=dense_layers)
@@ -37,7 +38,7 @@ def test_tiny_teacher_forced_equals_decode_fixed_budget_and_schedule():
 def test_full_budget_is_dense_on_smollm2(smollm2):
     tok = smollm2.tokenizer
     prompt = tok("The sparrow is a small bird that " * 20).input_ids
-    gens = sample(smollm2.model, [prompt], 24, 1.0, 1.0, seed=0, budget_at=None)
+    gens = sample(smollm2.model, [prompt], SamplingParams(max_new_tokens=24), None)
     scored = score_sequences(smollm2.model, [prompt], [gens[0].tokens], [1024])
     alpha, logp_sparse = scored.sparse[1024]
     assert np.all(np.abs(alpha - 1) <= 1e-5)

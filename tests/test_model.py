@@ -6,6 +6,7 @@ import pytest
 import torch
 import transformers
 
+from sparrow.stages.engine import SamplingParams
 from sparrow.stages.model.config import ModelConfig
 from sparrow.stages.model.llama import KVCache
 from sparrow.stages.model.loading import ModelSpecError, load_model, resolve_config
@@ -83,7 +84,8 @@ def test_tiny_greedy_matches_transformers(tiny):
     with torch.no_grad():
         expected = hf.generate(torch.tensor([prompt]), max_new_tokens=64, do_sample=False,
                                min_new_tokens=64, pad_token_id=0)[0, len(prompt):].tolist()
-    got = generate(ours.model, [prompt], 64, temperature=0.0, ignore_eos=True)[0].tokens
+    greedy = SamplingParams(max_new_tokens=64, temperature=0.0, ignore_eos=True)
+    got = generate(ours.model, [prompt], greedy)[0].tokens
     assert got == expected
 
 
@@ -125,7 +127,8 @@ def test_smollm2_logits_and_greedy_match_transformers(smollm2):
         assert (smollm2.model(x) - hf(x).logits).abs().max() <= 1e-4
         expected = hf.generate(torch.tensor([prompt]), max_new_tokens=64, do_sample=False,
                                eos_token_id=2, pad_token_id=2)[0, len(prompt):].tolist()
-    got = generate(smollm2.model, [prompt], 64, temperature=0.0, eos_ids=[2])[0].tokens
+    greedy = SamplingParams(max_new_tokens=64, temperature=0.0)
+    got = generate(smollm2.model, [prompt], greedy, eos_ids=[2])[0].tokens
     assert len(got) == 64
     assert got == expected
     assert any(c.isalpha() for c in tok.decode(got))

@@ -156,9 +156,9 @@ def test_smollm2_dense_logprobs_equal_reference(smollm2):
     tok = smollm2.tokenizer
     prompt = _kv_prompt(tok, 12)
     # greedy: same tokens and logprobs as the reference generator
-    ref = generate(smollm2.model, [prompt], 16, temperature=0.0, ignore_eos=True)[0]
-    got = Engine(smollm2.model).generate([prompt], SamplingParams(max_new_tokens=16, temperature=0.0,
-                                                                  ignore_eos=True))[0][0]
+    greedy = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
+    ref = generate(smollm2.model, [prompt], greedy)[0]
+    got = Engine(smollm2.model).generate([prompt], greedy)[0][0]
     assert got.token_ids == ref.tokens
     assert np.abs(np.array(got.logprobs) - np.array(ref.logprobs)).max() <= 1e-4
     # sampled at T = 0.8 with top-p and top-k: dense teacher-forced logprobs at that temperature

@@ -1,6 +1,6 @@
 """Reference generator: batched, KV-cached, plain torch. Correctness first, not speed. A test oracle.
 
-Every stage samples through the rollout engine (`stages.rollout`); this loop stays as the independent
+Every stage samples through the rollout engine (`stages.engine`); this loop stays as the independent
 reference the engine and teacher-forced scoring are tested against (`sample` is the sparse sampler of
 tests/test_mismatch.py). Its trajectories depend on how sequences are batched (one generator per
 batch), the engine's do not.
@@ -22,7 +22,8 @@ import torch
 from torch import Tensor
 
 from ..attention import DEFAULT_DENSE_LAYERS, PAGE_SIZE, SparseAttention
-from ..core.sparsity import BudgetFn
+from ..engine.sequence import SamplingParams
+from ..kv_policies import BudgetFn
 from ..model.llama import Attention, DenseAttention, KVCache, Transformer
 from .mismatch import pad_right
 
@@ -55,13 +56,13 @@ def sample_next(logits: Tensor, temperature: float, top_p: float,
 
 
 @torch.inference_mode()
-def generate(model: Transformer, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-             temperature: float = 1.0, top_p: float = 1.0, seed: int = 0,
-             eos_ids: Sequence[int] = (), ignore_eos: bool = False,
-             attention_for_step: Callable[[Tensor], Attention] | None = None,
+def generate(model: Transformer, prompts: Sequence[Sequence[int]], params: SamplingParams,
+             eos_ids: Sequence[int] = (), attention_for_step: Callable[[Tensor], Attention] | None = None,
              on_step: Callable[[int], None] | None = None) -> list[Generation]:
-    """Sample continuations of token-id prompts. `attention_for_step(lengths [B]) -> Attention`
-    picks the attention of each decode step from the cache lengths before it (prefill is dense)."""
+    """Sample continuations of token-id prompts (`params`: max_new_tokens, temperature, top_p, seed and
+    ignore_eos are read). `attention_for_step(lengths [B]) -> Attention` picks the attention of each
+    decode step from the cache lengths before it (prefill is dense)."""
+    max_new_tokens, temperature, top_p = params.max_new_tokens, params.temperature, params.top_p
     device = model.embed_tokens.weight.device
     b = len(prompts)
     lens = torch.tensor([len(p) for p in prompts], device=device)
@@ -69,7 +70,7 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], max_new_token
         raise ValueError("every prompt needs at least one token")
     cache = KVCache.allocate(model.cfg, b, int(lens.max()) + max_new_tokens,
                              model.embed_tokens.weight.dtype, device)
-    gen = torch.Generator(device=device).manual_seed(seed)
+    gen = torch.Generator(device=device).manual_seed(params.seed)
     padded = pad_right(prompts, device)
     logits = model(padded, cache, attention=DenseAttention())  # [B, T, V]
     cache.lengths = lens.clone()
@@ -82,7 +83,7 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], max_new_token
         for i in (~done).nonzero().flatten().tolist():
             outs[i].tokens.append(int(token[i]))
             outs[i].logprobs.append(float(logp[i]))
-        if not ignore_eos:
+        if not params.ignore_eos:
             hit = torch.isin(token, eos) & ~done
             for i in hit.nonzero().flatten().tolist():
                 outs[i].finish_reason = "stop"
@@ -106,11 +107,9 @@ def sparse_step_attention(budget_at: BudgetFn, dense_layers: Sequence[int] = DEF
     return pick
 
 
-def sample(model: Transformer, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-           temperature: float, top_p: float, seed: int, budget_at: BudgetFn | None,
-           eos_ids: Sequence[int] = (), dense_layers: Sequence[int] = DEFAULT_DENSE_LAYERS,
-           page: int = PAGE_SIZE, on_step: Callable[[int], None] | None = None) -> list[Generation]:
+def sample(model: Transformer, prompts: Sequence[Sequence[int]], params: SamplingParams,
+           budget_at: BudgetFn | None, eos_ids: Sequence[int] = (),
+           dense_layers: Sequence[int] = DEFAULT_DENSE_LAYERS, page: int = PAGE_SIZE) -> list[Generation]:
     """`generate` with the sparse attention of `budget_at` at every decode step (None: dense)."""
     step_attention = sparse_step_attention(budget_at, dense_layers, page) if budget_at else None
-    return generate(model, prompts, max_new_tokens, temperature, top_p, seed, eos_ids,
-                    attention_for_step=step_attention, on_step=on_step)
+    return generate(model, prompts, params, eos_ids, attention_for_step=step_attention)
