@@ -122,7 +122,6 @@ def profile(
     score every generated token under dense attention and under each budget (teacher forced): one row
     per token per budget."""
     from sparrow.stages.core.prompt_set import PromptSet
-    from sparrow.stages.core.schedule import Schedule
     from sparrow.stages.core.trajectories import read_rollouts
     from sparrow.stages.model.loading import DTYPES, resolve_config, resolve_dtype
     from sparrow.stages.profile import (
@@ -155,6 +154,8 @@ def profile(
     check_workers(workers, ray_address, output)
     check_output(output, "mismatch", force, parts=bool(workers))
     cfg = resolve_config(model)
+    if prompts is not None:
+        opts.policy = sampler_policy(sampler)
     _check_context(opts, cfg, model)
     opts.adapter = load_actor(adapter, cfg, model)  # before any weights load
     run = ProfileRun(model, output, device, str(resolve_dtype(dtype, device)).removeprefix("torch."),
@@ -170,8 +171,6 @@ def profile(
             hooks.ready = (lambda: console.print(note)) if unrecorded else None
             table = profile_rollouts(run, given, rollouts, opts, hooks)
     else:
-        if sampler.startswith("schedule:"):
-            opts.schedule = Schedule.from_artifact(sampler.split(":", 1)[1])
         prompt_set = PromptSet.read(prompts)
         with progress_hooks(workers) as hooks:
             table = profile_prompts(run, prompt_set, prompts, opts, not raw_prompts, hooks)
@@ -185,17 +184,29 @@ def profile(
 def _check_context(opts, cfg, model: str) -> None:
     """Eviction budgets (scored, or the sampler's) whose cache would never be compressed within the
     model's context: one sentence before any weights load."""
-    from sparrow.stages.kv_policies import parse_eviction
+    from sparrow.stages.kv_policies import Eviction
 
     try:
         for b, mode in zip(opts.budgets, opts.modes() if opts.kv_compression else ()):
             mode.validate(cfg.max_position_embeddings, label=f"--budgets {b} under --kv-compression "
                           f"{opts.kv_compression} for {model}")
-        if opts.sampler.split(":", 1)[0] in ("snapkv", "rkv"):
-            parse_eviction(opts.sampler).validate(cfg.max_position_embeddings,
-                                                  label=f"--sampler {opts.sampler} for {model}")
+        if isinstance(opts.policy, Eviction):
+            opts.policy.validate(cfg.max_position_embeddings, label=f"--sampler {opts.sampler} for {model}")
     except ValueError as e:
         raise UsageError(str(e)) from None
+
+
+def sampler_policy(spec: str):
+    """--sampler (checked by ProfileOptions.validate) as the KV policy the engine samples with."""
+    from sparrow.stages.core.schedule import Schedule
+    from sparrow.stages.core.sparsity import as_policy
+
+    kind, _, path = spec.partition(":")
+    sampler = Schedule.from_artifact(path) if kind == "schedule" else spec  # its own one-sentence errors
+    try:
+        return as_policy(sampler)
+    except ValueError as e:
+        raise UsageError(f"--sampler {spec}: {e}") from None
 
 
 def sample_lengths(table: pa.Table, budgets: int) -> list[int]:

@@ -176,7 +176,7 @@ def rollout(
         raise UsageError("--kv-pages sizes our engine's pool; vLLM sizes its own (VLLM_CPU_KVCACHE_SPACE)")
     sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                               top_k=top_k, seed=seed, n=samples, ignore_eos=ignore_eos)
-    opts = RolloutOptions(sampling=sampling, max_batch=max_batch, sparsity=policy,
+    opts = RolloutOptions(sampling=sampling, max_batch=max_batch, policy=policy,
                           lora=adapter, kv_pages=kv_pages,
                           decode_graphs="eager" if eager and device.startswith("cuda") else "auto",
                           gpu_memory_utilization=gpu_memory_utilization,

@@ -24,8 +24,10 @@ from .attention import DEFAULT_DENSE_LAYERS, PAGE_SIZE, validate_budget
 from .calibrate import PRIOR_THRESHOLD
 from .core.definitions import TAIL_QUANTILE
 from .core.schedule import Schedule
+from .core.sparsity import as_policy
 from .core.trajectories import Trajectory
 from .engine import Engine, SamplingParams
+from .kv_policies import Dense, KVPolicy
 from .model.loading import LoadedModel, model_name, resolve_config
 from .model.lora import LoraWeights, lora_merged
 from .scoring.mismatch import score_sequences
@@ -39,7 +41,7 @@ class ProfileOptions:
     budgets: list[int]
     samples: int = 4
     max_new_tokens: int = 256
-    sampler: str = "dense"  # dense | budget:B | schedule:FILE
+    sampler: str = "dense"  # the sampler's spec as given (dense, budget:B, schedule:FILE, snapkv:B, rkv:B)
     bin_width: int = 512
     temperature: float = 1.0
     top_p: float = 1.0
@@ -48,7 +50,8 @@ class ProfileOptions:
     score_tokens: int = 16384  # tokens per teacher-forced scoring batch
     dense_layers: tuple[int, ...] = DEFAULT_DENSE_LAYERS
     page_size: int = PAGE_SIZE
-    schedule: Schedule | None = field(default=None, repr=False)
+    policy: KVPolicy | None = field(default=None, repr=False)  # the sampler (None: read from `sampler`)
+    schedule: Schedule | None = field(default=None, repr=False)  # without `policy`: schedule:FILE's schedule
     adapter: LoraWeights | None = field(default=None, repr=False)  # the sparse actor's LoRA (distill)
     gpu_memory_utilization: float = 0.9  # on CUDA, the share of device memory the engine may take
     kv_compression: str | None = None  # snapkv | rkv: the budgets are that eviction policy's KV budgets
@@ -103,19 +106,18 @@ class ProfileOptions:
             raise ValueError(f"--sampler must be dense, budget:B, schedule:FILE, snapkv:B or rkv:B, got "
                              f"{self.sampler!r}")
 
-    def sparsity(self) -> Schedule | str:
-        """The engine's sparsity spec: 'dense', 'budget:B' or the loaded schedule."""
-        if not self.sampler.startswith("schedule:"):
-            return self.sampler
-        if self.schedule is None:
-            raise ValueError(f"--sampler {self.sampler}: ProfileOptions.schedule is not loaded")
-        return self.schedule
+    def sampler_policy(self) -> KVPolicy:
+        """The sampler's KV policy: `policy`, else the one `sampler` names."""
+        if self.policy is not None:
+            return self.policy
+        spec = self.schedule if self.sampler.startswith("schedule:") else self.sampler
+        return as_policy(spec, self.page_size)
 
     def metadata(self, sampled: bool = True) -> dict:
         """The options as artifact metadata; without `sampled` (given trajectories) the sampling
         options, which did not apply, are left out."""
-        d = {k: v for k, v in asdict(self).items()
-             if k not in ("schedule", "adapter", "gpu_memory_utilization") and (sampled or k not in SAMPLING)}
+        left_out = ("policy", "schedule", "adapter", "gpu_memory_utilization") + (() if sampled else SAMPLING)
+        d = {k: v for k, v in asdict(self).items() if k not in left_out}
         d["budgets"] = json.dumps(self.budgets)
         d["dense_layers"] = json.dumps(list(self.dense_layers))
         if self.kv_compression is not None:
@@ -147,8 +149,9 @@ def sample_trajectories(model: LoadedModel, prompt_ids: Sequence[str], prompts: 
         done += finished
         progress("sampling", done, total)
 
-    actor = opts.adapter if opts.sampler != "dense" else None
-    engine = Engine(model.model, opts.sparsity(), max_batch=opts.batch_size, page_size=opts.page_size,
+    policy = opts.sampler_policy()
+    actor = opts.adapter if not isinstance(policy, Dense) else None
+    engine = Engine(model.model, policy, max_batch=opts.batch_size, page_size=opts.page_size,
                     dense_layers=opts.dense_layers, gpu_memory_utilization=opts.gpu_memory_utilization)
     with engine, lora_merged(model.model, actor):
         results = engine.generate(prompts, params, on_step if progress else None, request_ids=request_ids)

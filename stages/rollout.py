@@ -14,9 +14,9 @@ import numpy as np
 import pyarrow as pa
 
 from .attention import DEFAULT_DENSE_LAYERS, PAGE_SIZE
-from .core.sparsity import Sparsity
 from .engine.engine import Engine, EngineStats
 from .engine.sequence import Completion, SamplingParams
+from .kv_policies import Dense, Eviction, KVPolicy
 from .model.loading import LoadedModel, model_name
 from .model.lora import LoraWeights, lora_merged
 
@@ -27,7 +27,7 @@ class RolloutOptions:
 
     sampling: SamplingParams = field(default_factory=SamplingParams)
     max_batch: int = 16
-    sparsity: Sparsity = None  # None (dense) | budget | Schedule
+    policy: KVPolicy = field(default_factory=Dense)  # how the KV cache is read or compressed
     dense_layers: tuple[int, ...] = DEFAULT_DENSE_LAYERS
     page_size: int = PAGE_SIZE
     impl: str = "auto"
@@ -95,7 +95,7 @@ def run_rollouts(loaded: LoadedModel, rows: Seq[dict], opts: RolloutOptions,
     """`rows`: prompts-artifact rows with `prompt_id` and `prompt_token_ids` (and optionally `task`,
     `answer`, `metadata` for the reward). `request_ids`: the rows' indices in the whole prompt set when
     `rows` is a shard of it (they seed the samples; default 0, 1, ...)."""
-    with Engine(loaded.model, opts.sparsity, **engine_options(opts)) as engine, \
+    with Engine(loaded.model, opts.policy, **engine_options(opts)) as engine, \
             lora_merged(loaded.model, opts.lora):
         results = engine.generate([r["prompt_token_ids"] for r in rows], opts.sampling, on_step,
                                   request_ids=request_ids)
@@ -104,7 +104,7 @@ def run_rollouts(loaded: LoadedModel, rows: Seq[dict], opts: RolloutOptions,
 
 
 def engine_options(opts: RolloutOptions) -> dict:
-    """The `Engine` keywords of rollout options (all but the sparsity)."""
+    """The `Engine` keywords of rollout options (all but the policy)."""
     return dict(max_batch=opts.max_batch, page_size=opts.page_size, dense_layers=opts.dense_layers,
                 impl=opts.impl, decode_graphs=opts.decode_graphs, num_pages=opts.kv_pages,
                 gpu_memory_utilization=opts.gpu_memory_utilization,
@@ -204,12 +204,11 @@ def check_kv_pages(opts: RolloutOptions, rows: list[dict]) -> None:
     """One sample of the longest prompt at full length (a compressed cache's longest, under eviction)
     must fit in a pool of `opts.kv_pages`."""
     from .engine.memory import PoolTooSmall, Workload
-    from .kv_policies import Eviction
 
     if opts.kv_pages is None:
         return
     longest, new = max(len(r["prompt_token_ids"]) for r in rows), opts.sampling.max_new_tokens
-    work = [(longest, 1, new) + ((opts.sparsity,) if isinstance(opts.sparsity, Eviction) else ())]
+    work = [(longest, 1, new) + ((opts.policy,) if isinstance(opts.policy, Eviction) else ())]
     need = Workload.of(work, 1, opts.page_size).one_sample()
     if need > opts.kv_pages:
         raise PoolTooSmall(f"--kv-pages {opts.kv_pages} is too small: one sample of the longest prompt "
