@@ -213,19 +213,9 @@ class Grid:
 def time_decode_steps(loaded, grid: Grid, device: str = "cpu", seed: int = 0,
                       progress: Callable[[int, int], None] | None = None,
                       gpu_memory_utilization: float = 0.9) -> list[tuple[int, int, int, float]]:
-    """Seconds of one rollout-engine decode step per (batch, context, budget) point.
-
-    What is timed is the step `sparrow rollout` runs (`stages.engine.Engine`: paged KV cache, centroid
-    upkeep, page selection, sparse or dense paged attention, sampling; CUDA graphs on CUDA): per point
-    the engine, at that budget, decodes `batch` samples of one random prompt of `context - 1` tokens,
-    the samples sharing the prompt's pages as a GRPO group does. One engine serves the whole grid
-    (max_batch the largest batch; its pool sized up front for the largest point, so no point preempts
-    and nothing is allocated between points); its pool and graphs are freed at the end. On a CPU a
-    grid whose largest batch is above 16 times every point with oneDNN's products, as `sparrow rollout
-    --max-batch` above 16 runs (our product takes at most 16 rows). The first
-    `warmup` decode steps are not timed, and each point keeps the fastest of the next `repeats`: on a
-    shared machine other work only ever adds time, so the minimum is the most reproducible estimate (the
-    context grows by one token per step, which is negligible).
+    """Seconds of one rollout-engine decode step per (batch, context, budget) point: the step `sparrow
+    rollout` runs, one engine for the whole grid, the fastest of `repeats` timed steps after `warmup`
+    (docs/cost-model.md says why).
     """
     import torch
 
