@@ -335,11 +335,6 @@ def load_runs(run_dirs: list[Path], mismatch: pa.Table, quantile: float, det: De
     return results
 
 
-def load_run(run_dir: Path, mismatch: pa.Table, quantile: float, det: Detectors) -> RunResult:
-    """One run directory, judged by its own curves alone (no dense reference beside it)."""
-    return load_runs([run_dir], mismatch, quantile, det)[0]
-
-
 def threshold_table(cal: Calibration, quantile: float) -> dict[str, list]:
     return {
         "threshold": [cal.threshold], "lower": [cal.lower], "upper": [cal.upper],

@@ -72,10 +72,6 @@ def resolve_threshold(threshold: float | None, threshold_file: Path | None,
     return threshold, quantile, source
 
 
-def load_cost_model(cfg, cost: Path | None, hardware: str | None):
-    return load_cost(cost, cfg) if cost is not None else analytic(cfg, hardware or "h100")
-
-
 def load_profile(name: str, profile: Path | None, quantile: float, bin_width: int | None,
                  prompt_len: int | None, gen_len: int | None, min_tokens: int
                  ) -> tuple[TailProfile, int, int]:
@@ -117,7 +113,7 @@ def load_profile(name: str, profile: Path | None, quantile: float, bin_width: in
 @dataclass
 class PlanRequest:
     """What `plan-schedule` plans from: the model, the threshold, the cost and the tail profile (None:
-    the defaults that `resolve_threshold`, `load_cost_model` and `load_profile` document)."""
+    the defaults that `resolve_threshold` and `load_profile` document; the cost: the h100 preset)."""
 
     model: str
     profile: Path | None = None
@@ -183,7 +179,7 @@ def plan_schedule(req: PlanRequest, output: Path | None = None, export_to: Path 
         check_threshold(t)
     if req.profile is not None and not req.allow_model_mismatch:
         check_profile_model(req.profile, req.model, name)
-    cost_model = load_cost_model(cfg, req.cost, req.hardware)
+    cost_model = load_cost(req.cost, cfg) if req.cost is not None else analytic(cfg, req.hardware or "h100")
     tails, prompt_len, gen_len = load_profile(name, req.profile, quantile, req.bin_width, req.prompt_len,
                                               req.gen_len, req.min_tokens)
     if prompt_len + gen_len > cfg.max_position_embeddings:
