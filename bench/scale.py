@@ -25,6 +25,7 @@ import torch
 from common import write_results
 
 from sparrow.stages.backends.ray_pool import RolloutPool
+from sparrow.stages.core.sparsity import as_policy
 from sparrow.stages.engine import SamplingParams
 from sparrow.stages.model.loading import load_model
 from sparrow.stages.rollout import RolloutOptions, merge_summaries, rollout_shard, run_rollouts
@@ -59,7 +60,7 @@ def main() -> None:
     rows = [{k: r[k] for k in ("prompt_id", "prompt_token_ids")} for r in rows]
     opts = RolloutOptions(sampling=SamplingParams(max_new_tokens=args.new_tokens, n=args.samples, seed=0,
                                                   ignore_eos=True),
-                          max_batch=args.prompts * args.samples, sparsity=args.budget)
+                          max_batch=args.prompts * args.samples, policy=as_policy(args.budget))
     tokens = args.prompts * args.samples * args.new_tokens
     results = []
     default_threads = torch.get_num_threads()

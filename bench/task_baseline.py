@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from sparrow.stages.core.sparsity import as_policy
 from sparrow.stages.engine import SamplingParams
 from sparrow.stages.model.loading import LoadedModel, load_model
 from sparrow.stages.rollout import RolloutOptions, run_rollouts
@@ -70,7 +71,7 @@ def run_variant(
         n=k if temperature > 0 else 1,
         seed=args.seed,
     )
-    opts = RolloutOptions(sampling=sampling, max_batch=args.max_batch, sparsity=budget or None)
+    opts = RolloutOptions(sampling=sampling, max_batch=args.max_batch, policy=as_policy(budget or None))
     t0 = time.perf_counter()
     table, _ = run_rollouts(loaded, rows, opts)
     seconds = time.perf_counter() - t0

@@ -61,7 +61,7 @@ def fit_cost(
     (batch, context, budget) grid and fit the coefficients by least squares; or, with --hardware,
     write the analytic model of a hardware preset. Every point is written with its prediction."""
     from sparrow.stages.attention import validate_budget
-    from sparrow.stages.cost import Grid, get_hardware
+    from sparrow.stages.cost import Grid, get_hardware, write_analytic, write_fitted
     from sparrow.stages.model.loading import model_name, resolve_config
 
     fmt = resolve_format(format)
@@ -99,33 +99,16 @@ def fit_cost(
     if device is not None:
         check_device(device, indexed=True)
     check_gpu_memory(gpu_memory_utilization)
-    name = model_name(model)
+    name, grid = model_name(model), Grid(b_list, c_list, k_list, warmup, repeats)
     with stage_errors():
-        write_cost(model, name, cfg, device, hardware, Grid(b_list, c_list, k_list, warmup, repeats),
-                   seed, output, threads, fmt, gpu_memory_utilization)
-
-
-def write_cost(model: str, name: str, cfg, device: str | None, hardware: str | None, grid, seed: int,
-               output: Path, threads: int | None = None, fmt: str = "table",
-               gpu_memory_utilization: float = 0.9) -> None:
-    from sparrow.schemas import write_artifact
-    from sparrow.stages.cost import analytic, analytic_points, cost_table, fit, get_hardware
-
-    if hardware:
-        cost = analytic(cfg, get_hardware(hardware))
-        points = analytic_points(grid.batches, grid.contexts, grid.budgets)
-        write_artifact(cost_table(cost, name, hardware.lower(), points), output, "cost",
-                       metadata=cost.metadata() | {"model": name})
-        print_coefficients(cost)
-        console.print(f"wrote the analytic {hardware.lower()} model for {name} ({len(points)} points) "
-                      f"to {output}")
-        return
-
-    device = device or "cpu"
-    points, threads = measure(model, device, grid, seed, threads, gpu_memory_utilization)
-    cost = fit(cfg, points, f"measured:{device}")
-    table = cost_table(cost, name, device, points)
-    write_artifact(table, output, "cost", metadata=cost.metadata() | {"model": name, "threads": threads})
+        if hardware:
+            cost, n = write_analytic(cfg, name, hardware, grid, output)
+            print_coefficients(cost)
+            console.print(f"wrote the analytic {hardware.lower()} model for {name} ({n} points) to {output}")
+            return
+        device = device or "cpu"
+        points, threads = measure(model, device, grid, seed, threads, gpu_memory_utilization)
+        cost, table = write_fitted(cfg, name, points, device, threads, output)
     print_coefficients(cost)
     console.print(f"fit over {len(points)} points: median relative error "
                   f"{cost.extra['median_relative_error']:.1%}, worst {cost.extra['max_relative_error']:.1%}")

@@ -9,6 +9,7 @@ from pathlib import Path
 import typer
 
 from sparrow.stages.core.published_schedules import REFERENCE_GEN_LEN
+from sparrow.stages.plan import export_text
 
 from .common import (
     UsageError,
@@ -90,24 +91,11 @@ def plan_schedule(
     """Plan the sparsity schedule: for each position bin the cheapest budget whose tail statistic is
     at or above the threshold, non-decreasing across bins; prints the table and the predicted
     rollout speedup over dense."""
-    from sparrow.schemas import write_artifact
-    from sparrow.stages.core.schedule import (
-        check_threshold,
-        export_json,
-        export_sglang_vortex,
-        mid_contexts,
-        plan,
-        schedule_table,
-    )
-    from sparrow.stages.plan import (
-        load_cost_model,
-        load_profile,
-        model_shape,
-        plan_eviction,
-        resolve_threshold,
-    )
+    from sparrow.stages.plan import PlanRequest, plan_kv_budget, plan_schedule
 
     fmt = resolve_format(format)
+    req = PlanRequest(model, profile, threshold, threshold_file, quantile, cost, hardware, gen_len,
+                      prompt_len, batch, bin_width, min_tokens, allow_model_mismatch, export=export)
     evicting = _eviction_profile(profile, kv_compression)
     if evicting is not None:
         given = [f for f, v in (("-o", output), ("--export", export), ("--export-to", export_to),
@@ -118,27 +106,16 @@ def plan_schedule(
         if given:
             raise UsageError(f"{given[0]} does not apply to an eviction plan ({profile} profiles {evicting} "
                              "KV budgets): the plan is one --kv-budget, printed, with no schedule or speedup")
-        if model is None:
-            raise UsageError("--model is required (a preset such as qwen3-4b, a checkpoint dir or a .gguf)")
-        if threshold is not None and threshold_file is not None:
-            raise UsageError("pass --threshold or --threshold-file, not both")
+        _check_plan_inputs(req)
         if bin_width is not None and bin_width < 1 or min_tokens < 1:
             raise UsageError("--bin-width and --min-tokens must be at least 1")
         with stage_errors():
-            _, name = model_shape(model)
-            if not allow_model_mismatch:
-                check_profile_model(profile, model, name)
-            threshold, quantile, t_source = resolve_threshold(threshold, threshold_file, quantile, name)
-            result = plan_eviction(profile, threshold, quantile, bin_width, min_tokens)
-        print_eviction_plan(result, t_source, fmt)
-        return
+            result = plan_kv_budget(req)
+        return print_eviction_plan(result, fmt)
     if compare_published:
         with stage_errors():
             return print_comparison(hardware or "h100", threshold, gen_len, batch, prompt_len or 0, fmt)
-    if model is None:
-        raise UsageError("--model is required (a preset such as qwen3-4b, a checkpoint dir or a .gguf)")
-    if threshold is not None and threshold_file is not None:
-        raise UsageError("pass --threshold or --threshold-file, not both")
+    _check_plan_inputs(req)
     if cost is not None and hardware is not None:
         raise UsageError("pass --cost or --hardware, not both")
     if export is not None and export not in EXPORTS:
@@ -156,61 +133,36 @@ def plan_schedule(
                              ("--min-tokens", min_tokens, 1)):
         if value is not None and value < low:
             raise UsageError(f"{flag} must be at least {low}, got {value}")
-    sweep_values = parse_thresholds(sweep) if sweep else []
+    req.sweep = parse_thresholds(sweep) if sweep else []
     with stage_errors():
-        cfg, name = model_shape(model)
-        threshold, quantile, t_source = resolve_threshold(threshold, threshold_file, quantile, name)
-        for t in sweep_values:
-            check_threshold(t)
-        if profile is not None and not allow_model_mismatch:
-            check_profile_model(profile, model, name)
-        cost_model = load_cost_model(cfg, cost, hardware)
-        tails, prompt_len, gen_len = load_profile(name, profile, quantile, bin_width, prompt_len, gen_len,
-                                                  min_tokens)
-        if prompt_len + gen_len > cfg.max_position_embeddings:
-            raise UsageError(f"--prompt-len {prompt_len} + --gen-len {gen_len} exceeds the model's "
-                             f"context of {cfg.max_position_embeddings}")
-        result = plan(tails, threshold)
-        speedup = cost_model.speedup(result.schedule.budgets_at, gen_len, batch, prompt_len)
-        frontier = [(t, plan(tails, t)) for t in sweep_values]
-
-    mids = mid_contexts(result)
-    sparse_s = cost_model.step_seconds(batch, mids, result.schedule.budgets_at(mids))
-    dense_s = cost_model.step_seconds(batch, mids, 0)
-    meta = {"model": name, "model_config": json.dumps(cfg.to_dict()),
-            "page_size": result.schedule.page_size, "bin_width": result.bin_width,
-            "threshold": threshold, "threshold_source": t_source, "quantile": result.quantile,
-            "profile": result.source, "cost": cost_model.source, "gen_len": gen_len,
-            "prompt_len": prompt_len, "batch": batch, "predicted_speedup": speedup,
-            "notes": json.dumps(result.notes)}
-    exported = None
-    if export == "json":
-        exported = export_json(result, name, {"predicted_speedup": speedup, "cost": cost_model.source,
-                                              "gen_len": gen_len, "batch": batch})
-    elif export == "sglang-vortex":
-        exported = export_sglang_vortex(result, cfg.max_position_embeddings)
-    if output is not None:
-        write_artifact(schedule_table(result, sparse_s), output, "schedule", metadata=meta)
-
+        planned = plan_schedule(req, output, export_to)
+    result = planned.plan
     # stdout carries one product: the --export text when it goes there, else the plan's tables
-    tables_fmt = None if exported is not None and export_to is None else fmt
-    print_plan(result, sparse_s, dense_s, batch, tables_fmt)
+    tables_fmt = None if planned.exported is not None and export_to is None else fmt
+    print_plan(planned, tables_fmt)
     for note in result.notes:
         console.print(f"[yellow]note:[/] {note}", highlight=False)
-    console.print(f"predicted rollout speedup over dense: [bold]{speedup:.2f}x[/] ({gen_len} generated "
-                  f"tokens after a {prompt_len}-token prompt, batch {batch}, {cost_model.source} cost, "
-                  f"threshold {threshold:g} ({t_source}), {result.source})", highlight=False)
-    if frontier:
-        print_frontier(frontier, cost_model, gen_len, batch, prompt_len, tables_fmt)
-    if exported is not None:
-        text = json.dumps(exported, indent=2 if export == "json" else None)
+    console.print(f"predicted rollout speedup over dense: [bold]{planned.speedup:.2f}x[/] ({planned.gen_len} "
+                  f"generated tokens after a {planned.prompt_len}-token prompt, batch {batch}, "
+                  f"{planned.cost_source} cost, threshold {result.threshold:g} ({planned.threshold_source}), "
+                  f"{result.source})", highlight=False)
+    if planned.frontier:
+        print_frontier(planned, tables_fmt)
+    if planned.exported is not None:
         if export_to is not None:
-            write_text(export_to, text + "\n")
             console.print(f"wrote the {export} form to {export_to}")
         else:
-            out.print(text, highlight=False, soft_wrap=True)
+            out.print(export_text(planned.exported, export), highlight=False, soft_wrap=True)
     if output is not None:
         console.print(f"wrote {output}")
+
+
+def _check_plan_inputs(req) -> None:
+    """The checks that a schedule and an eviction plan share, one sentence before any work."""
+    if req.model is None:
+        raise UsageError("--model is required (a preset such as qwen3-4b, a checkpoint dir or a .gguf)")
+    if req.threshold is not None and req.threshold_file is not None:
+        raise UsageError("pass --threshold or --threshold-file, not both")
 
 
 def _eviction_profile(profile: Path | None, kv_compression: str | None) -> str | None:
@@ -235,25 +187,20 @@ def _eviction_profile(profile: Path | None, kv_compression: str | None) -> str |
     return measured
 
 
-def print_eviction_plan(result, t_source: str, fmt: str) -> None:
-    from sparrow.stages.kv_policies import parse_eviction
-
+def print_eviction_plan(result, fmt: str) -> None:
     rows = [[r["budget"], r["tail"], r["weakest_bin"], r["mean_alpha"], r["tokens"], r["holds"]]
             for r in result.rows]
     _show(("kv budget", "tail", "weakest bin", "mean alpha", "tokens", "holds"), rows, fmt,
           f"{result.policy} KV budgets (tail = {result.quantile:g} quantile of alpha, the weakest of the "
           f"{result.bin_width}-token bins; threshold {result.threshold:g})",
           render={"tail": _fixed(4), "mean alpha": _fixed(4), "holds": lambda h: "yes" if h else "no"})
+    t_source = result.threshold_source
     if result.budget is None:
         console.print(f"no profiled {result.policy} budget keeps the tail at or above {result.threshold:g} "
                       f"({t_source}): sample dense, or profile larger --budgets", highlight=False)
         return
-    flags = f"--kv-compression {result.policy} --kv-budget {result.budget}"
-    if spec := result.specs.get(result.budget):
-        policy = parse_eviction(spec)
-        flags += f" --kv-window {policy.window} --kv-buffer {policy.buffer}"
-    console.print(f"plan: [bold]{flags}[/] (the cheapest profiled budget whose tail holds; threshold "
-                  f"{result.threshold:g} ({t_source}), {result.source})", highlight=False)
+    console.print(f"plan: [bold]{result.flags()}[/] (the cheapest profiled budget whose tail holds; "
+                  f"threshold {result.threshold:g} ({t_source}), {result.source})", highlight=False)
 
 
 def _export_form(path: Path) -> str | None:
@@ -287,26 +234,6 @@ def check_export_to(path: Path | None, export: str | None, force: bool) -> None:
                          "replace it, or choose another path")
 
 
-def write_text(path: Path, text: str) -> None:
-    from sparrow.schemas.io import write_bytes
-
-    write_bytes(path, text.encode())
-
-
-def check_profile_model(profile: Path, model: str, name: str) -> None:
-    """A schedule planned from one model's mismatch, labelled with another model, would be trusted for a
-    model it says nothing about: refused unless --allow-model-mismatch."""
-    from sparrow.schemas import artifact_metadata
-
-    from .options import base_name
-
-    measured = artifact_metadata(profile).get("model")
-    if measured and base_name(str(measured)) not in (base_name(model), name.lower()):
-        raise UsageError(f"--profile {profile} was measured on {measured} (its metadata), not on --model "
-                         f"{model}; plan with --model {measured}, or pass --allow-model-mismatch to plan "
-                         f"for {model} from it")
-
-
 def _show(columns, rows, fmt: str | None, title: str, render=None) -> None:
     """A table on stdout in `fmt`, or (fmt None: stdout is taken) as a rich table on stderr."""
     emit(columns, rows, fmt or "table", title=title, to=None if fmt is not None else console, render=render)
@@ -321,41 +248,31 @@ PLAN_RENDER = {"end": lambda e: "open" if e is None else str(e),
                "step ms": _fixed(2), "dense ms": _fixed(2)}
 
 
-def print_plan(result, sparse_s, dense_s, batch: int, fmt: str | None) -> None:
-    rows = []
-    for i, budget in enumerate(result.schedule.budgets):
-        rows.append([i, result.schedule.bin_starts[i], result.bin_end(i), budget or None, result.tails[i],
-                     float(sparse_s[i] * 1e3), float(dense_s[i] * 1e3)])
+def print_plan(planned, fmt: str | None) -> None:
+    result = planned.plan
+    rows = [[i, result.schedule.bin_starts[i], result.bin_end(i), budget or None, result.tails[i],
+             float(planned.sparse_s[i] * 1e3), float(planned.dense_s[i] * 1e3)]
+            for i, budget in enumerate(result.schedule.budgets)]
     _show(("bin", "start", "end", "budget", "tail", "step ms", "dense ms"), rows, fmt,
           f"schedule (threshold {result.threshold:g}, tail = {result.quantile:g} quantile of alpha; step "
-          f"times at batch {batch}, mid-bin)", render=PLAN_RENDER)
+          f"times at batch {planned.batch}, mid-bin)", render=PLAN_RENDER)
 
 
-def print_frontier(frontier, cost_model, gen_len: int, batch: int, prompt_len: int,
-                   fmt: str | None) -> None:
-    rows = []
-    for threshold, result in frontier:
-        budgets = [b for b in result.schedule.budgets if b]
-        rows.append([threshold, cost_model.speedup(result.schedule.budgets_at, gen_len, batch, prompt_len),
-                     sum(budgets) / len(budgets) if budgets else None,
-                     len(result.schedule.budgets) - len(budgets)])
+def print_frontier(planned, fmt: str | None) -> None:
+    rows = [[p.threshold, p.speedup, p.mean_budget, p.dense_bins] for p in planned.frontier]
     if fmt in ("csv", "tsv"):
         sys.stdout.write("\n")  # the second table of the stream
     _show(("threshold", "speedup", "mean budget", "dense bins"), rows, fmt,
-          f"stability-speed frontier ({cost_model.source}, {gen_len} tokens, batch {batch})",
+          f"stability-speed frontier ({planned.cost_source}, {planned.gen_len} tokens, "
+          f"batch {planned.batch})",
           render={"threshold": lambda t: f"{t:g}", "speedup": _fixed(2, "x"), "mean budget": _fixed(0)})
 
 
 def print_comparison(hardware: str, threshold: float | None, gen_len: int | None, batch: int,
                      prompt_len: int, fmt: str = "table") -> None:
-    from sparrow.stages.core.published_schedules import PUBLISHED_SPEEDUP_THRESHOLD
-    from sparrow.stages.core.reference_profiles import compare_published
-    from sparrow.stages.core.schedule import check_threshold
+    from sparrow.stages.plan import compare_published_at
 
-    threshold = PUBLISHED_SPEEDUP_THRESHOLD if threshold is None else threshold
-    check_threshold(threshold)
-    gen_len = gen_len or REFERENCE_GEN_LEN
-    rows = compare_published(hardware, threshold, gen_len, batch, prompt_len)
+    threshold, gen_len, rows = compare_published_at(hardware, threshold, gen_len, batch, prompt_len)
     table = [[r["model"], r["published"], r["predicted"], r["ratio"]] for r in rows]
     emit(("model", "published", "predicted", "predicted / published"), table, fmt,
          render={"published": _fixed(2, "x"), "predicted": _fixed(2, "x"),

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -48,6 +49,8 @@ from .output import emit, format_option, resolve_format
 
 if TYPE_CHECKING:
     import pyarrow as pa
+
+    from sparrow.stages.profile import Hooks
 
 
 SAMPLING_FLAGS = {"samples": "--samples", "max_new_tokens": "--max-new-tokens", "sampler": "--sampler",
@@ -118,19 +121,16 @@ def profile(
     """Sample K trajectories per prompt with the rollout engine (or take them from --rollouts), then
     score every generated token under dense attention and under each budget (teacher forced): one row
     per token per budget."""
-    from sparrow.schemas import input_name, write_artifact
     from sparrow.stages.core.prompt_set import PromptSet
-    from sparrow.stages.core.schedule import Schedule
     from sparrow.stages.core.trajectories import read_rollouts
-    from sparrow.stages.model.loading import (
-        DTYPES,
-        load_model,
-        model_name,
-        resolve_config,
-        resolve_dtype,
-        spec_tokenizer,
+    from sparrow.stages.model.loading import DTYPES, resolve_config, resolve_dtype
+    from sparrow.stages.profile import (
+        ProfileOptions,
+        ProfileRun,
+        profile_prompts,
+        profile_rollouts,
+        summarize,
     )
-    from sparrow.stages.profile import ProfileOptions, profile_trajectories, run_profile, summarize
 
     fmt = resolve_format(format)
     if (prompts is None) == (rollouts is None):
@@ -151,56 +151,30 @@ def profile(
     check_device(device, remote=bool(ray_address))
     if dtype not in DTYPES:
         raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    torch_dtype = resolve_dtype(dtype, device)
     check_workers(workers, ray_address, output)
     check_output(output, "mismatch", force, parts=bool(workers))
     cfg = resolve_config(model)
+    if prompts is not None:
+        opts.policy = sampler_policy(sampler)
     _check_context(opts, cfg, model)
     opts.adapter = load_actor(adapter, cfg, model)  # before any weights load
-    weights = {"random_weights": random_weights, "dtype": str(torch_dtype).removeprefix("torch.")}
-    recorded = ({"adapter": str(adapter)} if adapter is not None else {}) | {"dtype": weights["dtype"]} | (
-        {"random_weights": True} if random_weights else {})
-    # with workers, this process only tokenizes: the weights load in the workers
-    load = ((lambda: _TokenizerOnly(spec_tokenizer(model))) if workers
-            else (lambda: load_model(model, device=device, dtype=torch_dtype, random_weights=random_weights)))
+    run = ProfileRun(model, output, device, str(resolve_dtype(dtype, device)).removeprefix("torch."),
+                     random_weights, adapter, workers, ray_address)
     if rollouts is not None:
         refuse_sampling_flags(ctx, rollouts)
         given = read_rollouts(rollouts)
         opts.temperature = rollouts_temperature(rollouts, given.temperature, temperature)
-        trajectories = None if given.needs_tokenizer else given.trajectories(
-            None, cfg.vocab_size, cfg.max_position_embeddings)  # checked before any weights load
-        loaded = load()
-        if trajectories is None:
-            trajectories = given.trajectories(loaded.tokenizer, cfg.vocab_size, cfg.max_position_embeddings)
-        if given.temperature is None and temperature is None:
-            console.print(f"{rollouts} records no sampling temperature; alpha is measured at temperature 1 "
-                          "(--temperature sets another)")
-        meta = opts.metadata(sampled=False) | {"rollouts": input_name(rollouts)} | recorded | (
-            {"sampler": given.sampler} if given.sampler else {})
-        if workers:
-            table = _profile_on_ray(model, trajectories, opts, False, workers, ray_address, device, output,
-                                    meta | {"model": model_name(model)}, weights)
-        else:
-            table = with_progress(lambda progress: profile_trajectories(loaded, trajectories, opts, progress))
+        note = f"{rollouts} records no sampling temperature; alpha is measured at temperature 1 " \
+               "(--temperature sets another)"
+        unrecorded = given.temperature is None and temperature is None
+        with progress_hooks(workers) as hooks:
+            hooks.ready = (lambda: console.print(note)) if unrecorded else None
+            table = profile_rollouts(run, given, rollouts, opts, hooks)
     else:
-        if sampler.startswith("schedule:"):
-            opts.schedule = Schedule.from_artifact(sampler.split(":", 1)[1])
         prompt_set = PromptSet.read(prompts)
-        prompt_set.check_fits(cfg.vocab_size, cfg.max_position_embeddings, max_new_tokens)  # before weights
-        loaded = load()
-        if prompt_set.needs_tokenizer:
-            prompt_set.tokenize(loaded.tokenizer, not raw_prompts)
-            prompt_set.check_fits(cfg.vocab_size, cfg.max_position_embeddings, max_new_tokens)
-        ids, tokens = prompt_set.ids, prompt_set.tokens
-        meta = opts.metadata() | {"prompts": input_name(prompts)} | recorded
-        if workers:
-            table = _profile_on_ray(model, list(zip(ids, tokens)), opts, True, workers, ray_address, device,
-                                    output, meta | {"model": model_name(model)}, weights)
-        else:
-            table = with_progress(lambda progress: run_profile(loaded, ids, tokens, opts, progress))
+        with progress_hooks(workers) as hooks:
+            table = profile_prompts(run, prompt_set, prompts, opts, not raw_prompts, hooks)
         warn_first_token_stops(sample_lengths(table, len(opts.budgets)), max_new_tokens, raw_prompts)
-    if not workers:
-        write_artifact(table, output, "mismatch", metadata=meta | {"model": loaded.name})
     console.print(f"wrote {table.num_rows} rows ({table.num_rows // len(opts.budgets)} tokens x "
                   f"{len(opts.budgets)} budgets) to {output}")
     threshold = default_threshold(threshold, model, quantile)
@@ -210,53 +184,35 @@ def profile(
 def _check_context(opts, cfg, model: str) -> None:
     """Eviction budgets (scored, or the sampler's) whose cache would never be compressed within the
     model's context: one sentence before any weights load."""
-    from sparrow.stages.kv_policies import parse_eviction
+    from sparrow.stages.kv_policies import Eviction
 
     try:
         for b, mode in zip(opts.budgets, opts.modes() if opts.kv_compression else ()):
             mode.validate(cfg.max_position_embeddings, label=f"--budgets {b} under --kv-compression "
                           f"{opts.kv_compression} for {model}")
-        if opts.sampler.split(":", 1)[0] in ("snapkv", "rkv"):
-            parse_eviction(opts.sampler).validate(cfg.max_position_embeddings,
-                                                  label=f"--sampler {opts.sampler} for {model}")
+        if isinstance(opts.policy, Eviction):
+            opts.policy.validate(cfg.max_position_embeddings, label=f"--sampler {opts.sampler} for {model}")
     except ValueError as e:
         raise UsageError(str(e)) from None
+
+
+def sampler_policy(spec: str):
+    """--sampler (checked by ProfileOptions.validate) as the KV policy the engine samples with."""
+    from sparrow.stages.core.schedule import Schedule
+    from sparrow.stages.core.sparsity import as_policy
+
+    kind, _, path = spec.partition(":")
+    sampler = Schedule.from_artifact(path) if kind == "schedule" else spec  # its own one-sentence errors
+    try:
+        return as_policy(sampler)
+    except ValueError as e:
+        raise UsageError(f"--sampler {spec}: {e}") from None
 
 
 def sample_lengths(table: pa.Table, budgets: int) -> list[int]:
     """Generated tokens per sampled trajectory of a mismatch table (one row per token per budget)."""
     counts = table.group_by(["prompt_id", "sample"]).aggregate([("position", "count")])
     return [n // budgets for n in counts.column("position_count").to_pylist()]
-
-
-class _TokenizerOnly:
-    """What the profile needs of a LoadedModel in a driver whose workers hold the weights."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-
-
-def _profile_on_ray(model: str, items: list, opts, sample: bool, workers: int, address: str | None,
-                    device: str, output: Path, meta: dict, weights: dict) -> pa.Table:
-    """The Ray path of `sparrow profile` with its progress bar; returns all rows."""
-    from sparrow.stages.backends.ray_pool import RolloutPool
-    from sparrow.stages.profile import write_profile_on_ray
-
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=console, transient=True, disable=not console.is_terminal) as bar:
-        task = bar.add_task(f"profile on {workers} Ray workers (shards)", total=workers)
-        pool = RolloutPool(model, workers, address=address, device=device, **weights)
-        try:
-            log, done = LogProgress(f"profile on {workers} Ray workers (shards)"), [0]
-
-            def on_shard(r) -> None:
-                done[0] += 1
-                bar.advance(task)
-                log(done[0], workers)
-
-            return write_profile_on_ray(pool, items, opts, sample, output, meta, on_shard)
-        finally:
-            pool.close()
 
 
 def refuse_sampling_flags(ctx: typer.Context, rollouts: Path) -> None:
@@ -268,11 +224,26 @@ def refuse_sampling_flags(ctx: typer.Context, rollouts: Path) -> None:
                              f"--rollouts {rollouts} are already sampled")
 
 
-def with_progress(run: Callable[[Callable[[str, int, int], None]], pa.Table]) -> pa.Table:
-    """Run a profile with one progress bar per phase (sampling, scoring) on stderr."""
+@contextmanager
+def progress_hooks(workers: int) -> Iterator[Hooks]:
+    """The progress of a profile on stderr: one bar per phase (sampling, scoring) in this
+    process, or one bar of shards with Ray workers."""
+    from sparrow.stages.profile import Hooks
+
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TimeRemainingColumn(), console=console, transient=True,
+                  TimeElapsedColumn() if workers else TimeRemainingColumn(), console=console, transient=True,
                   disable=not console.is_terminal) as bar:
+        if workers:
+            what = f"profile on {workers} Ray workers (shards)"
+            task, log, done = bar.add_task(what, total=workers), LogProgress(what), [0]
+
+            def on_shard(_result) -> None:
+                done[0] += 1
+                bar.advance(task)
+                log(done[0], workers)
+
+            yield Hooks(on_shard=on_shard)
+            return
         tasks: dict[str, TaskID] = {}
         logs: dict[str, LogProgress] = {}
 
@@ -283,7 +254,7 @@ def with_progress(run: Callable[[Callable[[str, int, int], None]], pa.Table]) ->
             bar.update(tasks[phase], completed=done, total=total)
             logs[phase](done, total)
 
-        return run(update)
+        yield Hooks(progress=update)
 
 
 def print_summary(summary, quantile: float, threshold: float, fmt: str) -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import typer
@@ -128,19 +130,17 @@ def rollout(
     token, the KV tokens each token read, finish reason and the task's reward. The summary (tokens/s,
     mean budget, KV tokens held against dense, reward) goes to stdout and into the artifact's metadata
     ("summary"). With --workers N the same rollouts (same seeds) come from N Ray workers."""
-    import torch
-
     from sparrow.stages.backends.vllm_sampler import vllm_checkpoint
     from sparrow.stages.core.prompt_set import PromptSet
     from sparrow.stages.engine import DecodeStep, SamplingParams
-    from sparrow.stages.model.loading import (
-        DTYPES,
-        load_model,
-        resolve_config,
-        resolve_dtype,
-        spec_tokenizer,
+    from sparrow.stages.model.loading import DTYPES, resolve_config, resolve_dtype
+    from sparrow.stages.rollout import (
+        RolloutOptions,
+        RolloutRun,
+        write_rollouts,
+        write_rollouts_on_ray,
+        write_rollouts_with_vllm,
     )
-    from sparrow.stages.rollout import RolloutOptions, RolloutRun, write_rollouts, write_rollouts_with_vllm
 
     fmt = resolve_format(format)
     if engine not in ("ours", "vllm"):
@@ -176,14 +176,14 @@ def rollout(
         raise UsageError("--kv-pages sizes our engine's pool; vLLM sizes its own (VLLM_CPU_KVCACHE_SPACE)")
     sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                               top_k=top_k, seed=seed, n=samples, ignore_eos=ignore_eos)
-    opts = RolloutOptions(sampling=sampling, max_batch=max_batch, sparsity=policy,
+    opts = RolloutOptions(sampling=sampling, max_batch=max_batch, policy=policy,
                           lora=adapter, kv_pages=kv_pages,
                           decode_step=DecodeStep.EAGER if eager and device.startswith("cuda")
                           else DecodeStep.AUTO,
                           gpu_memory_utilization=gpu_memory_utilization,
                           max_prefill_tokens=max_num_batched_tokens)
     mode = f"schedule {schedule}" if schedule is not None else policy.spec().replace("budget:", "budget ")
-    run = RolloutRun(model, prompts, mode, output, device, dtype_name, lora)
+    run = RolloutRun(model, prompts, mode, output, device, dtype_name, lora, workers, ray_address)
     if engine == "vllm":
         console.print(f"starting vLLM on {vllm_checkpoint(model)} ({dtype_name}; 1-4 minutes on a small CPU)")
         table, summary, timing = write_rollouts_with_vllm(
@@ -191,42 +191,40 @@ def rollout(
         warn_first_token_stops(_lengths(table), max_new_tokens, raw_prompts)
         console.print(f"wrote {table.num_rows} rollouts to {output} (vLLM start-up {timing.startup_s:.0f} s)")
         return _print_summary(summary, fmt, "dense, vLLM")
-    if workers:  # this process only tokenizes: the weights load in the workers
-        if prompt_set.needs_tokenizer:
-            prompt_set.tokenize(spec_tokenizer(model), not raw_prompts)
-            prompt_set.check_fits(cfg.vocab_size, cfg.max_position_embeddings, max_new_tokens)
-        _check_kv_pages(kv_pages, prompt_set.rows, max_new_tokens, policy)
-        summary, n = _rollout_on_ray(prompt_set.rows, opts, workers, ray_address, run)
+    total = len(prompt_set.rows) * samples
+    if workers:
+        with _progress(f"rollouts (samples) on {workers} workers", total, rate=False) as advance:
+            summary, n = write_rollouts_on_ray(run, prompt_set, opts, not raw_prompts,
+                                               lambda r: advance(r.table.num_rows, 0))
         console.print(f"wrote {n} rollouts in {workers} parts to {output}/")
         return _print_summary(summary, fmt, f"{mode}, {workers} workers")
-    loaded = load_model(model, device=device, dtype=getattr(torch, dtype_name))
-    if prompt_set.needs_tokenizer:
-        prompt_set.tokenize(loaded.tokenizer, not raw_prompts)
-        prompt_set.check_fits(cfg.vocab_size, cfg.max_position_embeddings, max_new_tokens)
-    rows = prompt_set.rows
-    _check_kv_pages(kv_pages, rows, max_new_tokens, policy)
-
-    total = len(rows) * samples
-    start = time.perf_counter()
-    state = {"tokens": 0, "done": 0}
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), console=console,
-                  transient=True, disable=not console.is_terminal) as bar:
-        task = bar.add_task("rollouts (samples)", total=total, rate="")
-        log = LogProgress("rollouts (samples)")
-
-        def on_step(new_tokens: int, finished: int) -> None:
-            state["tokens"] += new_tokens
-            state["done"] += finished
-            rate = state["tokens"] / max(time.perf_counter() - start, 1e-9)
-            info = f"{state['tokens']} tokens, {rate:,.1f} tok/s"
-            bar.update(task, completed=state["done"], rate=info)
-            log(state["done"], total, info)
-
-        table, summary = write_rollouts(loaded, rows, opts, run, on_step)
+    with _progress("rollouts (samples)", total, rate=True) as advance:
+        table, summary = write_rollouts(run, prompt_set, opts, not raw_prompts,
+                                        lambda new, finished: advance(finished, new))
     warn_first_token_stops(_lengths(table), max_new_tokens, raw_prompts)
     console.print(f"wrote {table.num_rows} rollouts to {output}")
     _print_summary(summary, fmt, mode)
+
+
+@contextmanager
+def _progress(what: str, total: int, rate: bool) -> Iterator[Callable[[int, int], None]]:
+    """A bar of samples on stderr (with the token rate when `rate`), whole lines for a log; yields
+    advance(samples finished, tokens generated)."""
+    start, state = time.perf_counter(), {"tokens": 0, "done": 0}
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), console=console,
+                  transient=True, disable=not console.is_terminal) as bar:
+        task, log = bar.add_task(what, total=total, rate=""), LogProgress(what)
+
+        def advance(finished: int, new_tokens: int) -> None:
+            state["tokens"] += new_tokens
+            state["done"] += finished
+            speed = state["tokens"] / max(time.perf_counter() - start, 1e-9)
+            info = f"{state['tokens']} tokens, {speed:,.1f} tok/s" if rate else ""
+            bar.update(task, completed=state["done"], rate=info)
+            log(state["done"], total, info)
+
+        yield advance
 
 
 def _lengths(table) -> list[int]:
@@ -236,44 +234,3 @@ def _lengths(table) -> list[int]:
 def _print_summary(summary, fmt: str, what: str) -> None:
     emit_record(summary.metadata(), fmt, title=f"rollouts ({what})", labels=SUMMARY_LABELS,
                 render=SUMMARY_RENDER)
-
-def _check_kv_pages(kv_pages: int | None, rows: list[dict], max_new_tokens: int, sparsity=None) -> None:
-    """One sample of the longest prompt at full length (a compressed cache's longest, under eviction)
-    must fit in the pool (before any work)."""
-    from sparrow.stages.attention import PAGE_SIZE
-    from sparrow.stages.engine.memory import Workload
-    from sparrow.stages.kv_policies import Eviction
-
-    if kv_pages is None:
-        return
-    longest = max(len(r["prompt_token_ids"]) for r in rows)
-    work = [(longest, 1, max_new_tokens) + ((sparsity,) if isinstance(sparsity, Eviction) else ())]
-    need = Workload.of(work, 1, PAGE_SIZE).one_sample()
-    if need > kv_pages:
-        raise UsageError(f"--kv-pages {kv_pages} is too small: one sample of the longest prompt ({longest} "
-                         f"tokens) with --max-new-tokens {max_new_tokens} needs {need} pages")
-
-
-def _rollout_on_ray(rows: list[dict], opts, workers: int, address: str | None, run):
-    """The Ray path of `sparrow rollout` with its progress bar; (summary, rows written)."""
-    from sparrow.stages.backends.ray_pool import RolloutPool
-    from sparrow.stages.rollout import write_rollouts_on_ray
-
-    total = len(rows) * opts.sampling.n
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), console=console, transient=True,
-                  disable=not console.is_terminal) as bar:
-        task = bar.add_task(f"starting {workers} Ray workers", total=total)
-        pool = RolloutPool(run.model, workers, address=address, device=run.device, dtype=run.dtype)
-        try:
-            bar.update(task, description=f"rollouts (samples) on {workers} workers")
-            log, done = LogProgress(f"rollouts (samples) on {workers} workers"), [0]
-
-            def on_shard(r) -> None:
-                done[0] += r.table.num_rows
-                bar.advance(task, r.table.num_rows)
-                log(done[0], total)
-
-            return write_rollouts_on_ray(pool, rows, opts, run, on_shard)
-        finally:
-            pool.close()

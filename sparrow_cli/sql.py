@@ -1,13 +1,7 @@
 """`sparrow sql`: query a run directory with DuckDB; each artifact kind is a view.
 
-Design decisions: results go to stdout as a rich table (at most TABLE_ROWS rows shown; the default on a
-terminal), TSV (every row; the default in a pipe), CSV or a JSON list of records (NaN and infinities
-become null, so it is strict JSON); `-o x.parquet` writes every
-row to Parquet atomically (temporary file, then rename; `-o -`: to stdout) and prints a one-line
-summary on stderr. The query is read-only (stages/sql.py): `-o` is the only way anything is written,
-and it follows every command's output rule (an existing artifact is not replaced without --force).
-A file of the run that is not readable Parquet is skipped with a warning. Every failure is one
-"error: ..." line on stderr and exit code 2.
+Results go to stdout as a table, TSV, CSV or JSON records, or with `-o` to Parquet; the query is
+read-only (stages/sql.py), so `-o` is the only thing written.
 """
 
 from __future__ import annotations

@@ -1,27 +1,9 @@
 """`calibrate-threshold`: relate the stability of past runs to their tail mismatch.
 
-Each run directory holds a `metrics` artifact (one row per training step) and the `schedule` it
-trained with. A run is labelled stable or collapsed by what training did, never by its mismatch:
-- its own curves (`collapse_reasons`, the same function `sparrow train` uses: each step's row holds the
-  reasons for the history up to it, and the run's label is its last row's): the smoothed reward fell
-  below half its best, the gradient norm exploded, the entropy blew up, truncation or repetition surged;
-- against its dense reference (`reference_reasons`, here only: it needs the other runs), the dense run
-  of the same configuration and seed among those given: its final smoothed reward, or its last eval
-  accuracy, fell below the reference's at the same step by more than the seed spread of the dense
-  runs (their range over seeds), and by at least a floor (`Detectors.reward_margin`,
-  `Detectors.eval_margin`), so that two seeds that agree by chance do not make a tiny gap a collapse.
-  A run that learns nothing while the dense one learns is collapsed even when its own curves are flat.
-Mismatch KL is a diagnostic and a warning, never a reason: the threshold is fitted to the labels, so a
-label made of mismatch would make the calibration circular.
-
-Each run's tail statistic is the minimum over position bins of the q-quantile of alpha, where every
-profiled token is scored at the budget the run's schedule gave its position; its mean statistic is
-the mean of alpha over the same tokens. The critical threshold is the midpoint of the gap between the
-highest collapsed tail and the lowest stable tail, with a bootstrap interval over runs; the same is
-computed on the mean, so that one sees whether the mean separates the runs too. When there are no runs,
-only one kind, or the kinds overlap, the threshold shipped for the profile's model (calibrated by
-`bench/threshold_sweep.py`, with its provenance) or else the published prior (0.86) is returned and
-marked as such: a threshold is never invented from data that does not separate.
+Runs are labelled stable or collapsed by what training did (their own curves and their dense
+reference), never by their mismatch, so that the threshold fitted to the labels is not circular; the
+threshold is the midpoint of the gap between collapsed and stable tails, with a bootstrap interval, or
+the shipped calibration or the prior when the runs do not separate. docs/calibration.md gives the rules.
 """
 
 from __future__ import annotations
@@ -351,11 +333,6 @@ def load_runs(run_dirs: list[Path], mismatch: pa.Table, quantile: float, det: De
         results.append(RunResult(str(run_dir), tail, reasons, notes, mismatch_warnings(table, det), mean,
                                  reference))
     return results
-
-
-def load_run(run_dir: Path, mismatch: pa.Table, quantile: float, det: Detectors) -> RunResult:
-    """One run directory, judged by its own curves alone (no dense reference beside it)."""
-    return load_runs([run_dir], mismatch, quantile, det)[0]
 
 
 def threshold_table(cal: Calibration, quantile: float) -> dict[str, list]:

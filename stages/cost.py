@@ -1,32 +1,8 @@
-"""Decode-step cost model: analytic (hardware presets) or fitted to timings on this device.
-
-Design decisions:
-- Decode only, one step at a time. Prefill is dense in both the sparse and the dense rollout, so it
-  cancels out of the question the planner asks (how much cheaper is sparse decode).
-- One linear form for both sources, in four physically meaningful features of a step at batch N
-  whose cache holds `context` positions (the new token included) under budget B:
-      step   = 1                                    fixed per step: launches, sampling, weights (*)
-      seq    = N                                    per sequence: weight matmuls, lm head
-      kv     = N x sum over layers of tokens read   K and V streamed through attention
-      page   = N x sum over sparse layers of pages  page centroids scored for the top-k
-  (*) the weights are read once per step whatever N is, so their bytes are a per-step constant.
-  A sparse layer reads min(context, B) tokens and scores ceil(context / page) pages; a layer in
-  `dense_layers`, a dense step, or a cache of at most B / page pages reads everything and scores none
-  (the selection rule of DESIGN.md).
-- Analytic coefficients follow the eFLOPs model of Kinetics/Sparrow (FLOPs plus bytes at the
-  machine's FLOP/byte ratio, i.e. seconds = FLOPs / peak + bytes / bandwidth, additive, bf16):
-      step = overhead + weight bytes / bandwidth;  seq = 2 x active params / peak
-      kv   = K+V bytes per token-layer / bandwidth + 4 x q heads x head dim / peak
-      page = one K centroid per page-layer / bandwidth + 2 x kv heads x head dim / peak
-  The hardware numbers are spec-sheet values; nothing is tuned to match published speedups.
-  Each sequence reads its own KV (no prefix sharing between the samples of a prompt).
-- Measured coefficients: the rollout engine's decode steps (what `sparrow rollout` runs: paged cache,
-  centroid upkeep, selection, sampling; the samples of a prompt share its pages) timed over a (batch,
-  context, budget) grid, fitted by non-negative least squares on relative residuals (each row divided
-  by its measured time), because the fit is judged by relative error. The features are the same, so a
-  fit also absorbs the engine's own overheads (the `page` coefficient prices its selection).
-- The model shape travels with the coefficients (cost artifact metadata), so a cost artifact is
-  never silently applied to another model.
+"""Decode-step cost model: analytic (hardware presets, spec-sheet numbers) or fitted to the rollout engine's
+timed decode steps, in one linear form of four features of a step (per step, per sequence, KV tokens
+read, pages scored), so that `plan-schedule` can price a schedule against dense. The model shape
+travels with the coefficients, so a cost artifact is never applied to another model. The derivation of
+the features and coefficients is docs/cost-model.md.
 """
 
 from __future__ import annotations
@@ -229,19 +205,9 @@ class Grid:
 def time_decode_steps(loaded, grid: Grid, device: str = "cpu", seed: int = 0,
                       progress: Callable[[int, int], None] | None = None,
                       gpu_memory_utilization: float = 0.9) -> list[tuple[int, int, int, float]]:
-    """Seconds of one rollout-engine decode step per (batch, context, budget) point.
-
-    What is timed is the step `sparrow rollout` runs (`stages.engine.Engine`: paged KV cache, centroid
-    upkeep, page selection, sparse or dense paged attention, sampling; CUDA graphs on CUDA): per point
-    the engine, at that budget, decodes `batch` samples of one random prompt of `context - 1` tokens,
-    the samples sharing the prompt's pages as a GRPO group does. One engine serves the whole grid
-    (max_batch the largest batch; its pool sized up front for the largest point, so no point preempts
-    and nothing is allocated between points); its pool and graphs are freed at the end. On a CPU a
-    grid whose largest batch is above 16 times every point with oneDNN's products, as `sparrow rollout
-    --max-batch` above 16 runs (our product takes at most 16 rows). The first
-    `warmup` decode steps are not timed, and each point keeps the fastest of the next `repeats`: on a
-    shared machine other work only ever adds time, so the minimum is the most reproducible estimate (the
-    context grows by one token per step, which is negligible).
+    """Seconds of one rollout-engine decode step per (batch, context, budget) point: the step `sparrow
+    rollout` runs, one engine for the whole grid, the fastest of `repeats` timed steps after `warmup`
+    (docs/cost-model.md says why).
     """
     import torch
 
@@ -288,6 +254,29 @@ def cost_table(model: CostModel, name: str, device: str,
 def analytic_points(batches: Sequence[int], contexts: Sequence[int],
                     budgets: Sequence[int]) -> list[tuple[int, int, int, None]]:
     return [(b, c, k, None) for b in batches for c in contexts for k in budgets]
+
+
+def write_analytic(cfg: ModelConfig, name: str, hardware: str, grid: Grid, output) -> tuple[CostModel, int]:
+    """The analytic model of a hardware preset, with its predictions over the grid, as a cost artifact;
+    (model, points)."""
+    from sparrow.schemas import write_artifact
+
+    cost = analytic(cfg, get_hardware(hardware))
+    points = analytic_points(grid.batches, grid.contexts, grid.budgets)
+    write_artifact(cost_table(cost, name, hardware.lower(), points), output, "cost",
+                   metadata=cost.metadata() | {"model": name})
+    return cost, len(points)
+
+
+def write_fitted(cfg: ModelConfig, name: str, points: Sequence[tuple[int, int, int, float]], device: str,
+                 threads: int, output) -> tuple[CostModel, pa.Table]:
+    """The model fitted to timed points on `device` (with `threads` CPU threads), as a cost artifact."""
+    from sparrow.schemas import write_artifact
+
+    cost = fit(cfg, points, f"measured:{device}")
+    table = cost_table(cost, name, device, points)
+    write_artifact(table, output, "cost", metadata=cost.metadata() | {"model": name, "threads": threads})
+    return cost, table
 
 
 def load_cost(path, cfg: ModelConfig) -> CostModel:

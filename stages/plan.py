@@ -1,6 +1,7 @@
-"""What `plan-schedule` resolves before it plans: the model's shape, the threshold and tail quantile (given,
-calibrated or the prior), the cost model (measured or a hardware preset) and the tail profile (measured,
-or the reference profile of a published schedule) with the generation length it is planned for.
+"""The `plan-schedule` stage: resolve the model's shape, the threshold (given, calibrated or the prior),
+the cost model (measured or a hardware preset) and the tail profile (measured, or the reference profile
+of a published schedule); plan the per-bin budgets, or one KV budget for an eviction policy; write the
+schedule artifact and its export.
 
 Torch-free for presets, so planning for a Qwen3 preset starts in a fraction of a second. Every refusal is
 a ScheduleError (or CostError) whose message is one sentence.
@@ -9,8 +10,10 @@ a ScheduleError (or CostError) whose message is one sentence.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+import numpy as np
 
 from sparrow.schemas import artifact_metadata, read_artifact
 
@@ -18,8 +21,20 @@ from .calibrate import shipped_threshold
 from .core.definitions import PRIOR_THRESHOLD, TAIL_QUANTILE
 from .core.published_schedules import REFERENCE_GEN_LEN, published_models
 from .core.reference_profiles import QUANTILE, reference_profile
-from .core.schedule import ScheduleError, TailProfile, check_quantile, check_threshold, measured_profile
-from .cost import analytic, load_cost
+from .core.schedule import (
+    Plan,
+    ScheduleError,
+    TailProfile,
+    check_quantile,
+    check_threshold,
+    export_json,
+    export_sglang_vortex,
+    measured_profile,
+    mid_contexts,
+    plan,
+    schedule_table,
+)
+from .cost import CostModel, analytic, load_cost
 from .model.presets import PRESETS
 
 
@@ -55,10 +70,6 @@ def resolve_threshold(threshold: float | None, threshold_file: Path | None,
     quantile = TAIL_QUANTILE if quantile is None else quantile
     check_quantile(quantile)
     return threshold, quantile, source
-
-
-def load_cost_model(cfg, cost: Path | None, hardware: str | None):
-    return load_cost(cost, cfg) if cost is not None else analytic(cfg, hardware or "h100")
 
 
 def load_profile(name: str, profile: Path | None, quantile: float, bin_width: int | None,
@@ -99,6 +110,135 @@ def load_profile(name: str, profile: Path | None, quantile: float, bin_width: in
     return tails, prompt_len, gen_len
 
 
+@dataclass
+class PlanRequest:
+    """What `plan-schedule` plans from: the model, the threshold, the cost and the tail profile (None:
+    the defaults that `resolve_threshold` and `load_profile` document; the cost: the h100 preset)."""
+
+    model: str
+    profile: Path | None = None
+    threshold: float | None = None
+    threshold_file: Path | None = None
+    quantile: float | None = None
+    cost: Path | None = None
+    hardware: str | None = None
+    gen_len: int | None = None
+    prompt_len: int | None = None
+    batch: int = 64
+    bin_width: int | None = None
+    min_tokens: int = 50
+    allow_model_mismatch: bool = False
+    sweep: list[float] = field(default_factory=list)  # thresholds of the stability-speed frontier
+    export: str | None = None  # json | sglang-vortex
+
+
+@dataclass
+class FrontierPoint:
+    threshold: float
+    speedup: float
+    mean_budget: float | None  # over the sparse bins
+    dense_bins: int
+
+
+@dataclass
+class PlannedSchedule:
+    """A plan with its predicted speedup, mid-bin step times, frontier and export form."""
+
+    plan: Plan
+    cost_source: str
+    threshold_source: str
+    prompt_len: int
+    gen_len: int
+    batch: int
+    speedup: float
+    sparse_s: np.ndarray  # per bin, at its middle context
+    dense_s: np.ndarray
+    frontier: list[FrontierPoint]
+    exported: dict | list | None
+
+
+def check_profile_model(profile: Path, model: str, name: str) -> None:
+    """A schedule planned from one model's mismatch, labelled with another model, would be trusted for a
+    model it says nothing about: refused (the CLI's --allow-model-mismatch skips this check)."""
+    from .model.loading import model_name
+
+    measured = artifact_metadata(profile).get("model")
+    base = model_name(str(measured).rstrip("/")).lower() if measured else None
+    if base and base not in (model_name(model.rstrip("/")).lower(), name.lower()):
+        raise ScheduleError(f"--profile {profile} was measured on {measured} (its metadata), not on --model "
+                            f"{model}; plan with --model {measured}, or pass --allow-model-mismatch to plan "
+                            f"for {model} from it")
+
+
+def plan_schedule(req: PlanRequest, output: Path | None = None, export_to: Path | None = None
+                  ) -> PlannedSchedule:
+    """Plan `req`; write the schedule artifact to `output` and the export form to `export_to`."""
+    cfg, name = model_shape(req.model)
+    threshold, quantile, t_source = resolve_threshold(req.threshold, req.threshold_file, req.quantile, name)
+    for t in req.sweep:
+        check_threshold(t)
+    if req.profile is not None and not req.allow_model_mismatch:
+        check_profile_model(req.profile, req.model, name)
+    cost_model = load_cost(req.cost, cfg) if req.cost is not None else analytic(cfg, req.hardware or "h100")
+    tails, prompt_len, gen_len = load_profile(name, req.profile, quantile, req.bin_width, req.prompt_len,
+                                              req.gen_len, req.min_tokens)
+    if prompt_len + gen_len > cfg.max_position_embeddings:
+        raise ScheduleError(f"--prompt-len {prompt_len} + --gen-len {gen_len} exceeds the model's "
+                            f"context of {cfg.max_position_embeddings}")
+    result = plan(tails, threshold)
+    speedup = cost_model.speedup(result.schedule.budgets_at, gen_len, req.batch, prompt_len)
+    frontier = [frontier_point(plan(tails, t), t, cost_model, gen_len, req.batch, prompt_len)
+                for t in req.sweep]
+    mids = mid_contexts(result)
+    sparse_s = cost_model.step_seconds(req.batch, mids, result.schedule.budgets_at(mids))
+    planned = PlannedSchedule(result, cost_model.source, t_source, prompt_len, gen_len, req.batch, speedup,
+                              sparse_s, cost_model.step_seconds(req.batch, mids, 0), frontier, None)
+    if req.export == "json":
+        planned.exported = export_json(result, name, {"predicted_speedup": speedup, "cost": cost_model.source,
+                                                      "gen_len": gen_len, "batch": req.batch})
+    elif req.export == "sglang-vortex":
+        planned.exported = export_sglang_vortex(result, cfg.max_position_embeddings)
+    if output is not None:
+        from sparrow.schemas import write_artifact
+
+        meta = {"model": name, "model_config": json.dumps(cfg.to_dict()),
+                "page_size": result.schedule.page_size, "bin_width": result.bin_width,
+                "threshold": threshold, "threshold_source": t_source, "quantile": result.quantile,
+                "profile": result.source, "cost": cost_model.source, "gen_len": gen_len,
+                "prompt_len": prompt_len, "batch": req.batch, "predicted_speedup": speedup,
+                "notes": json.dumps(result.notes)}
+        write_artifact(schedule_table(result, sparse_s), output, "schedule", metadata=meta)
+    if export_to is not None and planned.exported is not None:
+        from sparrow.schemas.io import write_bytes
+
+        write_bytes(export_to, (export_text(planned.exported, req.export) + "\n").encode())
+    return planned
+
+
+def export_text(exported: dict | list, form: str) -> str:
+    """The export form as text: json indented, the engine form on one line."""
+    return json.dumps(exported, indent=2 if form == "json" else None)
+
+
+def frontier_point(result: Plan, threshold: float, cost_model: CostModel, gen_len: int, batch: int,
+                   prompt_len: int) -> FrontierPoint:
+    budgets = [b for b in result.schedule.budgets if b]
+    speedup = cost_model.speedup(result.schedule.budgets_at, gen_len, batch, prompt_len)
+    return FrontierPoint(threshold, speedup, sum(budgets) / len(budgets) if budgets else None,
+                         len(result.schedule.budgets) - len(budgets))
+
+
+def compare_published_at(hardware: str, threshold: float | None, gen_len: int | None, batch: int,
+                         prompt_len: int) -> tuple[float, int, list[dict]]:
+    """(threshold, gen_len, rows) of the published-speedup comparison, with their defaults filled in."""
+    from .core.published_schedules import PUBLISHED_SPEEDUP_THRESHOLD
+    from .core.reference_profiles import compare_published
+
+    threshold = PUBLISHED_SPEEDUP_THRESHOLD if threshold is None else threshold
+    check_threshold(threshold)
+    gen_len = gen_len or REFERENCE_GEN_LEN
+    return threshold, gen_len, compare_published(hardware, threshold, gen_len, batch, prompt_len)
+
 
 def eviction_policy_of(profile: Path) -> str | None:
     """The eviction policy (snapkv, rkv) whose KV budgets a mismatch profile scored, or None."""
@@ -120,6 +260,28 @@ class EvictionPlan:
     quantile: float
     bin_width: int
     source: str
+    threshold_source: str = ""
+
+    def flags(self) -> str:
+        """The rollout and train flags of the chosen budget."""
+        from .kv_policies import parse_eviction
+
+        flags = f"--kv-compression {self.policy} --kv-budget {self.budget}"
+        if spec := self.specs.get(self.budget):
+            policy = parse_eviction(spec)
+            flags += f" --kv-window {policy.window} --kv-buffer {policy.buffer}"
+        return flags
+
+
+def plan_kv_budget(req: PlanRequest) -> EvictionPlan:
+    """The eviction plan of `req.profile` (a profile of an eviction policy's KV budgets) for `req.model`."""
+    _, name = model_shape(req.model)
+    if not req.allow_model_mismatch:
+        check_profile_model(req.profile, req.model, name)
+    threshold, quantile, t_source = resolve_threshold(req.threshold, req.threshold_file, req.quantile, name)
+    result = plan_eviction(req.profile, threshold, quantile, req.bin_width, req.min_tokens)
+    result.threshold_source = t_source
+    return result
 
 
 def plan_eviction(profile: Path, threshold: float, quantile: float, bin_width: int | None = None,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import duckdb
 import numpy as np
@@ -26,7 +27,8 @@ from .core.schedule import Schedule
 from .core.sparsity import as_policy
 from .core.trajectories import Trajectory
 from .engine import Engine, EngineConfig, SamplingParams
-from .model.loading import LoadedModel
+from .kv_policies import Dense, KVPolicy
+from .model.loading import LoadedModel, model_name, resolve_config
 from .model.lora import LoraWeights, lora_merged
 from .scoring.mismatch import score_sequences
 
@@ -39,7 +41,7 @@ class ProfileOptions:
     budgets: list[int]
     samples: int = 4
     max_new_tokens: int = 256
-    sampler: str = "dense"  # dense | budget:B | schedule:FILE
+    sampler: str = "dense"  # the sampler's spec as given (dense, budget:B, schedule:FILE, snapkv:B, rkv:B)
     bin_width: int = 512
     temperature: float = 1.0
     top_p: float = 1.0
@@ -48,7 +50,8 @@ class ProfileOptions:
     score_tokens: int = 16384  # tokens per teacher-forced scoring batch
     dense_layers: tuple[int, ...] = DEFAULT_DENSE_LAYERS
     page_size: int = PAGE_SIZE
-    schedule: Schedule | None = field(default=None, repr=False)
+    policy: KVPolicy | None = field(default=None, repr=False)  # the sampler (None: read from `sampler`)
+    schedule: Schedule | None = field(default=None, repr=False)  # without `policy`: schedule:FILE's schedule
     adapter: LoraWeights | None = field(default=None, repr=False)  # the sparse actor's LoRA (distill)
     gpu_memory_utilization: float = 0.9  # on CUDA, the share of device memory the engine may take
     kv_compression: str | None = None  # snapkv | rkv: the budgets are that eviction policy's KV budgets
@@ -103,19 +106,18 @@ class ProfileOptions:
             raise ValueError(f"--sampler must be dense, budget:B, schedule:FILE, snapkv:B or rkv:B, got "
                              f"{self.sampler!r}")
 
-    def sparsity(self) -> Schedule | str:
-        """The engine's sparsity spec: 'dense', 'budget:B' or the loaded schedule."""
-        if not self.sampler.startswith("schedule:"):
-            return self.sampler
-        if self.schedule is None:
-            raise ValueError(f"--sampler {self.sampler}: ProfileOptions.schedule is not loaded")
-        return self.schedule
+    def sampler_policy(self) -> KVPolicy:
+        """The sampler's KV policy: `policy`, else the one `sampler` names."""
+        if self.policy is not None:
+            return self.policy
+        spec = self.schedule if self.sampler.startswith("schedule:") else self.sampler
+        return as_policy(spec, self.page_size)
 
     def metadata(self, sampled: bool = True) -> dict:
         """The options as artifact metadata; without `sampled` (given trajectories) the sampling
         options, which did not apply, are left out."""
-        d = {k: v for k, v in asdict(self).items()
-             if k not in ("schedule", "adapter", "gpu_memory_utilization") and (sampled or k not in SAMPLING)}
+        left_out = ("policy", "schedule", "adapter", "gpu_memory_utilization") + (() if sampled else SAMPLING)
+        d = {k: v for k, v in asdict(self).items() if k not in left_out}
         d["budgets"] = json.dumps(self.budgets)
         d["dense_layers"] = json.dumps(list(self.dense_layers))
         if self.kv_compression is not None:
@@ -147,8 +149,9 @@ def sample_trajectories(model: LoadedModel, prompt_ids: Sequence[str], prompts: 
         done += finished
         progress("sampling", done, total)
 
-    actor = opts.adapter if opts.sampler != "dense" else None
-    engine = Engine(model.model, as_policy(opts.sparsity(), opts.page_size), EngineConfig(
+    policy = opts.sampler_policy()
+    actor = opts.adapter if not isinstance(policy, Dense) else None
+    engine = Engine(model.model, policy, EngineConfig(
         max_batch=opts.batch_size, page_size=opts.page_size, dense_layers=opts.dense_layers,
         gpu_memory_utilization=opts.gpu_memory_utilization))
     with engine, lora_merged(model.model, actor):
@@ -248,14 +251,118 @@ def profile_shard(loaded: LoadedModel, items: list, indices: list[int], opts: Pr
     return profile_trajectories(loaded, items, opts)
 
 
-def write_profile_on_ray(pool, items: list, opts: ProfileOptions, sample: bool, output, meta: dict,
-                         on_shard: Callable | None = None) -> pa.Table:
-    """The profile of `items` (prompts to sample, or trajectories) on a `RolloutPool`, one mismatch part
-    per shard under `output`; returns all rows."""
+@dataclass
+class ProfileRun:
+    """The model a profile runs on and where its rows go: one mismatch artifact, or with `workers` a
+    directory of one part per Ray worker (the driver then only tokenizes)."""
+
+    model: str
+    output: Path
+    device: str = "cpu"
+    dtype: str = "float32"
+    random_weights: bool = False
+    adapter: Path | None = None  # recorded; the adapter's weights travel in ProfileOptions.adapter
+    workers: int = 0
+    ray_address: str | None = None
+
+    def metadata(self) -> dict:
+        """What the artifact records of the run beside the options."""
+        adapter = {"adapter": str(self.adapter)} if self.adapter is not None else {}
+        return adapter | {"dtype": self.dtype} | ({"random_weights": True} if self.random_weights else {})
+
+    def load(self) -> LoadedModel | _TokenizerOnly:
+        """The model, or with workers only its tokenizer (the weights load in the workers)."""
+        import torch
+
+        from .model.loading import load_model, spec_tokenizer
+
+        if self.workers:
+            return _TokenizerOnly(spec_tokenizer(self.model))
+        return load_model(self.model, device=self.device, dtype=getattr(torch, self.dtype),
+                          random_weights=self.random_weights)
+
+
+@dataclass
+class _TokenizerOnly:
+    """What the profile needs of a LoadedModel in a driver whose workers hold the weights."""
+
+    tokenizer: object
+
+
+@dataclass
+class Hooks:
+    """What a caller sees of a profile run: phase progress in this process, finished Ray shards, and the
+    moment the trajectories are ready (the model loaded, before any scoring)."""
+
+    progress: Progress | None = None
+    on_shard: Callable | None = None
+    ready: Callable[[], None] | None = None
+
+
+def profile_prompts(run: ProfileRun, prompt_set, source: Path, opts: ProfileOptions, chat: bool = True,
+                    hooks: Hooks | None = None) -> pa.Table:
+    """Sample and score the prompts of `prompt_set` (read from `source`), text through the chat template
+    when `chat`; written to `run.output`, returns all rows."""
+    from sparrow.schemas import input_name
+
+    cfg, hooks = resolve_config(run.model), hooks or Hooks()
+    prompt_set.check_fits(cfg.vocab_size, cfg.max_position_embeddings, opts.max_new_tokens)  # before weights
+    loaded = run.load()
+    if prompt_set.needs_tokenizer:
+        prompt_set.tokenize(loaded.tokenizer, chat)
+        prompt_set.check_fits(cfg.vocab_size, cfg.max_position_embeddings, opts.max_new_tokens)
+    meta = opts.metadata() | {"prompts": input_name(source)} | run.metadata()
+    if run.workers:
+        items = list(zip(prompt_set.ids, prompt_set.tokens))
+        return _profile_on_ray(run, items, opts, True, meta, hooks.on_shard)
+    table = run_profile(loaded, prompt_set.ids, prompt_set.tokens, opts, hooks.progress)
+    return _write(table, run, meta)
+
+
+def profile_rollouts(run: ProfileRun, given, source: Path, opts: ProfileOptions, hooks: Hooks | None = None
+                     ) -> pa.Table:
+    """Score the trajectories of a rollouts file (`given`, read from `source`); written to `run.output`,
+    returns all rows."""
+    from sparrow.schemas import input_name
+
+    cfg, hooks = resolve_config(run.model), hooks or Hooks()
+    trajectories = None if given.needs_tokenizer else given.trajectories(
+        None, cfg.vocab_size, cfg.max_position_embeddings)  # checked before any weights load
+    loaded = run.load()
+    if trajectories is None:
+        trajectories = given.trajectories(loaded.tokenizer, cfg.vocab_size, cfg.max_position_embeddings)
+    if hooks.ready:
+        hooks.ready()
+    meta = opts.metadata(sampled=False) | {"rollouts": input_name(source)} | run.metadata() | (
+        {"sampler": given.sampler} if given.sampler else {})
+    if run.workers:
+        return _profile_on_ray(run, trajectories, opts, False, meta, hooks.on_shard)
+    return _write(profile_trajectories(loaded, trajectories, opts, hooks.progress), run, meta)
+
+
+def _write(table: pa.Table, run: ProfileRun, meta: dict) -> pa.Table:
+    from sparrow.schemas import write_artifact
+
+    write_artifact(table, run.output, "mismatch", metadata=meta | {"model": model_name(run.model)})
+    return table
+
+
+def _profile_on_ray(run: ProfileRun, items: list, opts: ProfileOptions, sample: bool, meta: dict,
+                    on_shard: Callable | None = None) -> pa.Table:
+    """The profile of `items` (prompts to sample, or trajectories) on a Ray pool, one mismatch part per
+    shard under `run.output`; returns all rows."""
     from sparrow.schemas import write_artifact_parts
 
-    results = pool.map(profile_shard, items, opts, sample, on_shard=on_shard)
-    write_artifact_parts([r.value for r in results], output, "mismatch",
+    from .backends.ray_pool import RolloutPool
+
+    pool = RolloutPool(run.model, run.workers, address=run.ray_address, device=run.device,
+                       random_weights=run.random_weights, dtype=run.dtype)
+    try:
+        results = pool.map(profile_shard, items, opts, sample, on_shard=on_shard)
+    finally:
+        pool.close()
+    meta = meta | {"model": model_name(run.model)}
+    write_artifact_parts([r.value for r in results], run.output, "mismatch",
                          [meta | {"part": r.shard, "parts": len(results), "worker_pid": r.worker_pid,
                                   "attempts": r.attempts} for r in results])
     return pa.concat_tables([r.value for r in results])

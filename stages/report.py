@@ -1,29 +1,8 @@
 """`sparrow report`: the figures a person wants from a run directory, as PNGs and one HTML page.
 
-Design decisions:
-- Whatever the directory holds decides the figures; nothing is required. Every artifact in it is drawn,
-  two of one kind as two figures (named after their files): its Parquet files, its directories of
-  Parquet parts (`--workers` outputs), and its training runs (itself, or immediate subdirectories with
-  a `metrics.parquet`, whose per-step `mismatch/step=N.parquet` files are read as one table). A file
-  that is not an artifact is skipped, and the page and the progress notes say so.
-- Figures: from a `mismatch` profile, the tail (p5) and mean alpha per position bin and budget with
-  the threshold line (the `threshold` artifact's value, else the published prior), the key figure of
-  the method; from a `schedule`, the budget per bin (with the published schedule of the same model when
-  there is one); from a `cost` artifact, the fitted model against the measured step times (an analytic
-  preset has no measured points: its predicted step time per context); from `rollouts`, tokens and
-  reward per sample; from each training run, reward, eval accuracy, mismatch KL (with its warning
-  level), the p5 of alpha's top-20 lower bound, entropy and grad norm, with the steps where a collapse
-  reason held, and its per-step mismatch per position bin; from a `threshold` calibrated on runs, each
-  run's tail statistic and mean alpha against its outcome, with the threshold and its interval.
-- Each PNG says in itself what it shows: a title, and the caption (source, counts, what the lines
-  mean) printed under the axes. A panel with nothing to show says why in words instead of drawing
-  empty axes.
-- The HTML page is self-contained (the PNGs embedded as base64), so it can be mailed or archived alone;
-  the PNGs are written beside it as well. matplotlib with the Agg backend (headless).
-- The training figure tells the run's one story, as `sparrow train` and `calibrate-threshold` do: the
-  label is the whole run's (its last row's collapse reasons, `calibrate.collapse_reasons`); red lines
-  mark the steps whose row held a reason; mismatch KL is a diagnostic with a warning level, never a
-  collapse reason.
+Whatever the directory holds decides the figures (every artifact and training run in it is drawn);
+each PNG says in itself what it shows, and the HTML page embeds them so it can travel alone.
+docs/report.md lists the figures.
 """
 
 from __future__ import annotations

@@ -16,10 +16,10 @@ import pyarrow as pa
 from sparrow.kernels.ops import Backend
 
 from .attention import DEFAULT_DENSE_LAYERS, PAGE_SIZE
-from .core.sparsity import Sparsity, as_policy
 from .engine.config import DecodeStep, EngineConfig
 from .engine.engine import Engine, EngineStats
 from .engine.sequence import Completion, SamplingParams
+from .kv_policies import Dense, Eviction, KVPolicy
 from .model.loading import LoadedModel, model_name
 from .model.lora import LoraWeights, lora_merged
 
@@ -30,7 +30,7 @@ class RolloutOptions:
 
     sampling: SamplingParams = field(default_factory=SamplingParams)
     max_batch: int = 16
-    sparsity: Sparsity = None  # None (dense) | budget | Schedule
+    policy: KVPolicy = field(default_factory=Dense)  # how the KV cache is read or compressed
     dense_layers: tuple[int, ...] = DEFAULT_DENSE_LAYERS
     page_size: int = PAGE_SIZE
     kernels: Backend = Backend.AUTO
@@ -98,7 +98,7 @@ def run_rollouts(loaded: LoadedModel, rows: Seq[dict], opts: RolloutOptions,
     """`rows`: prompts-artifact rows with `prompt_id` and `prompt_token_ids` (and optionally `task`,
     `answer`, `metadata` for the reward). `request_ids`: the rows' indices in the whole prompt set when
     `rows` is a shard of it (they seed the samples; default 0, 1, ...)."""
-    with Engine(loaded.model, as_policy(opts.sparsity, opts.page_size), engine_config(opts)) as engine, \
+    with Engine(loaded.model, opts.policy, engine_config(opts)) as engine, \
             lora_merged(loaded.model, opts.lora):
         results = engine.generate([r["prompt_token_ids"] for r in rows], opts.sampling, on_step,
                                   request_ids=request_ids)
@@ -176,6 +176,8 @@ class RolloutRun:
     device: str = "cpu"
     dtype: str = "float32"
     lora: Path | None = None
+    workers: int = 0  # Ray workers (0: this process)
+    ray_address: str | None = None
 
     def metadata(self, sampling: SamplingParams, engine: str = "ours") -> dict:
         from sparrow.schemas import input_name
@@ -188,11 +190,46 @@ class RolloutRun:
                 "lora": str(self.lora) if self.lora else ""}
 
 
-def write_rollouts(loaded: LoadedModel, rows: Seq[dict], opts: RolloutOptions, run: RolloutRun,
+def prompt_rows(prompt_set, tokenizer, chat: bool, opts: RolloutOptions, model: str) -> list[dict]:
+    """The prompt set's rows, text tokenized (through the chat template when `chat`), checked against the
+    model's vocabulary and context and, with `opts.kv_pages`, against the pool."""
+    from .model.loading import resolve_config
+
+    if prompt_set.needs_tokenizer:
+        cfg = resolve_config(model)
+        prompt_set.tokenize(tokenizer, chat)
+        prompt_set.check_fits(cfg.vocab_size, cfg.max_position_embeddings, opts.sampling.max_new_tokens)
+    check_kv_pages(opts, prompt_set.rows)
+    return prompt_set.rows
+
+
+def check_kv_pages(opts: RolloutOptions, rows: list[dict]) -> None:
+    """One sample of the longest prompt at full length (a compressed cache's longest, under eviction)
+    must fit in a pool of `opts.kv_pages`."""
+    from .engine.memory import PoolTooSmall, Workload
+
+    if opts.kv_pages is None:
+        return
+    longest, new = max(len(r["prompt_token_ids"]) for r in rows), opts.sampling.max_new_tokens
+    work = [(longest, 1, new) + ((opts.policy,) if isinstance(opts.policy, Eviction) else ())]
+    need = Workload.of(work, 1, opts.page_size).one_sample()
+    if need > opts.kv_pages:
+        raise PoolTooSmall(f"--kv-pages {opts.kv_pages} is too small: one sample of the longest prompt "
+                           f"({longest} tokens) with --max-new-tokens {new} needs {need} pages")
+
+
+def write_rollouts(run: RolloutRun, prompt_set, opts: RolloutOptions, chat: bool = True,
                    on_step: Callable[[int, int], None] | None = None) -> tuple[pa.Table, RolloutSummary]:
-    """`run_rollouts` in this process, written to `run.output` with the summary in its metadata."""
+    """`run_rollouts` of the prompt set in this process, written to `run.output` with the summary in its
+    metadata."""
+    import torch
+
     from sparrow.schemas import write_artifact
 
+    from .model.loading import load_model
+
+    loaded = load_model(run.model, device=run.device, dtype=getattr(torch, run.dtype))
+    rows = prompt_rows(prompt_set, loaded.tokenizer, chat, opts, run.model)
     table, summary = run_rollouts(loaded, rows, opts, on_step)
     write_artifact(table, run.output, "rollouts",
                    metadata={**run.metadata(opts.sampling), "summary": summary.metadata()})
@@ -205,21 +242,31 @@ def rollout_shard(loaded: LoadedModel, rows: list[dict], indices: list[int], opt
     return run_rollouts(loaded, rows, opts, request_ids=indices)
 
 
-def write_rollouts_on_ray(pool, rows: list[dict], opts: RolloutOptions, run: RolloutRun,
+def write_rollouts_on_ray(run: RolloutRun, prompt_set, opts: RolloutOptions, chat: bool = True,
                           on_shard: Callable | None = None) -> tuple[RolloutSummary, int]:
-    """Rollouts of `rows` on a `RolloutPool`, one part per shard under `run.output`; (summary, rows)."""
+    """Rollouts of the prompt set on `run.workers` Ray workers (this process only tokenizes), one part
+    per shard under `run.output`; (summary, rows)."""
     import time
 
     from sparrow.schemas import write_artifact_parts
 
-    start = time.perf_counter()
-    results = pool.map(rollout_shard, rows, opts, on_shard=on_shard)
-    summary = merge_summaries(results, time.perf_counter() - start)
-    meta = run.metadata(opts.sampling)
-    parts_meta = [{**meta, "summary": summary.metadata(), "part": r.shard, "parts": len(results),
-                   "part_summary": r.summary.metadata(), "worker_pid": r.worker_pid, "attempts": r.attempts}
-                  for r in results]
-    write_artifact_parts([r.table for r in results], run.output, "rollouts", parts_meta)
+    from .backends.ray_pool import RolloutPool
+    from .model.loading import spec_tokenizer
+
+    tokenizer = spec_tokenizer(run.model) if prompt_set.needs_tokenizer else None
+    rows = prompt_rows(prompt_set, tokenizer, chat, opts, run.model)
+    pool = RolloutPool(run.model, run.workers, address=run.ray_address, device=run.device, dtype=run.dtype)
+    try:
+        start = time.perf_counter()
+        results = pool.map(rollout_shard, rows, opts, on_shard=on_shard)
+        summary = merge_summaries(results, time.perf_counter() - start)
+        meta = run.metadata(opts.sampling)
+        parts_meta = [{**meta, "summary": summary.metadata(), "part": r.shard, "parts": len(results),
+                       "part_summary": r.summary.metadata(), "worker_pid": r.worker_pid,
+                       "attempts": r.attempts} for r in results]
+        write_artifact_parts([r.table for r in results], run.output, "rollouts", parts_meta)
+    finally:
+        pool.close()
     return summary, sum(r.table.num_rows for r in results)
 
 

@@ -1,31 +1,8 @@
 """DuckDB over a run directory: every artifact kind is a view, so questions about a run are SQL.
 
-Design decisions:
-- `*.parquet` directly inside the run directory, and the parts of partitioned artifacts: subfolders
-  that hold nothing but Parquet files (a training run's `mismatch/step=N.parquet`), sorted by name.
-  Other subfolders (a training run inside a pipeline's directory) are runs of their own; hidden ones
-  (a directory of parts being written) are skipped.
-- A view per artifact kind, named after the kind read from the Parquet footer (`artifact_kind`), not
-  after the file name. All files of one kind are unioned by column name (`union_by_name`), and the
-  view always has an extra column `source_file` (the file name) so that queries do not depend on how
-  many files there are. Parquet files without Sparrow metadata get a view named after the file stem,
-  sanitized into an identifier (and suffixed if it would clash), without `source_file`.
-- Files are checked through their footers only (fast), and views read them lazily, so opening a large
-  run costs nothing. A file that is not Parquet, truncated, or that DuckDB cannot read is skipped with a
-  warning naming it (`warn`), so one stray file does not make the rest of the run unqueryable.
-- Read only: the connection reads the run's files and nothing else, and writes nothing. Two layers:
-  only read statements run (SELECT and what DuckDB parses as one: WITH, VALUES, DESCRIBE, SHOW,
-  SUMMARIZE; PIVOT; EXPLAIN of those), anything else (COPY, EXPORT, ATTACH, INSTALL/LOAD, CREATE,
-  INSERT, SET, PRAGMA, CALL, ...) is refused with one sentence before DuckDB sees it; and DuckDB's own
-  sandbox: after the views exist, `enable_external_access=false` with the run's files as the only
-  `allowed_paths` (DuckDB then opens no other file and reaches no network), extensions neither
-  installed nor loaded automatically, spilling into a private temporary folder, and
-  `lock_configuration` so that no statement can undo any of it. (The sandbox alone is not enough:
-  `COPY ... TO` one of the allowed files with `USE_TMP_FILE false` would overwrite it; the statement
-  check alone would trust DuckDB's parser with every file. Together they hold.) Results leave only
-  through the CLI's `-o`.
-- Query errors become `QueryError` with DuckDB's first line, plus the list of views when a table is
-  unknown.
+Views are named after the artifact kind in each Parquet footer, unioned by column name, with a
+`source_file` column; unreadable files are skipped with a warning. Read only, twice over: only read
+statements run, and DuckDB is sandboxed to the run's files. docs/sql.md gives the rules.
 """
 
 from __future__ import annotations

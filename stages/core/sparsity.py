@@ -1,14 +1,11 @@
-"""The one reading of a sparsity spec, shared by every stage, bench and CLI module.
+"""The one reading of a sparsity spec into a `KVPolicy` (stages/kv_policies), which the engine and
+teacher-forced scoring ask.
 
-A spec is what a user or a run directory names: "dense", "budget:B" or "schedule:PATH" as text (the
-form a training config or a profile's --sampler stores), or the flags --dense / --budget B /
---schedule PATH, or already a value: None (dense), an int budget, a `Schedule`, a callable or a
-`KVPolicy`. Everything becomes one `KVPolicy` (`as_policy`, stages/kv_policies), which the engine and
-teacher-forced scoring ask; `budget_fn` is block top-k's budget function of the cache length at which
-a token is produced (None = dense), for the reference sampler and the distiller.
-Every budget is validated for the page size here, and a schedule planned for another model shape (its
-metadata's `model_config`, written by plan-schedule) is refused, so a schedule for another model or
-page size, or a budget below the reserved pages, gets one sentence before any work starts.
+A spec is text ("dense", "budget:B", "schedule:PATH", "snapkv:B", "rkv:B": the form artifacts and run
+configs store, `spec_of`), the flags --dense / --budget / --schedule, or a value (None, an int budget,
+a `Schedule`, a budget function). The CLI parses it once, at its boundary, into a policy; `as_policy`
+also serves benches and tests that pass plain values. Budgets are validated for the page size and a
+schedule planned for another model shape is refused, so a wrong spec is one sentence before any work.
 """
 
 from __future__ import annotations
