@@ -20,8 +20,8 @@ import numpy as np
 from sparrow.schemas import ArtifactError, artifact_kind, artifact_metadata, read_artifact
 from sparrow.schemas.io import write_bytes
 
-from .calibrate import Detectors
 from .core.definitions import PRIOR_THRESHOLD, TAIL_QUANTILE
+from .train.detectors import Detectors
 
 DRAWN = ("mismatch", "schedule", "cost", "rollouts")
 

@@ -8,8 +8,9 @@ from typer.testing import CliRunner
 
 from sparrow.cli.app import app
 from sparrow.schemas import read_artifact, write_artifact
-from sparrow.stages.calibrate import collapse_reasons, run_tail
+from sparrow.stages.calibrate import run_tail
 from sparrow.stages.core.schedule import Schedule
+from sparrow.stages.train.detectors import collapse_reasons
 
 runner = CliRunner()
 BUDGETS = (64, 128, 256, 512)
@@ -77,7 +78,7 @@ def test_mismatch_kl_is_a_warning_never_a_collapse_reason():
     """DESIGN: the threshold is fitted to the labels, so mismatch must not make them."""
     import pyarrow as pa
 
-    from sparrow.stages.calibrate import mismatch_warnings
+    from sparrow.stages.train.detectors import mismatch_warnings
 
     table = pa.table(metrics(collapse_at=40, kind="kl"))  # KL 0.3 from step 40 on: 6x the warning level
     assert collapse_reasons(table) == []
@@ -221,7 +222,7 @@ def test_runs_are_judged_against_the_dense_run_of_their_seed(tmp_path):
     """A sparse run that learns nothing while its dense reference learns is collapsed though its own
     curves are flat; the mismatch KL (0.3 in every trace, 6x the warning level) stays a warning; the
     threshold falls in the gap of the tails; the mean of alpha is reported beside it."""
-    from sparrow.stages.calibrate import Detectors, calibrate, collapse_reasons, load_runs
+    from sparrow.stages.calibrate import Detectors, calibrate, load_runs
 
     rng = np.random.default_rng(4)
     prof = tmp_path / "mismatch.parquet"

@@ -12,7 +12,6 @@ import torch
 import transformers
 
 from sparrow.schemas import artifact_metadata, read_artifact, write_artifact
-from sparrow.stages.calibrate import collapse_reasons
 from sparrow.stages.core.schedule import Schedule
 from sparrow.stages.model.loading import embedded_checkpoint, load_model
 from sparrow.stages.tasks import TASKS, Task
@@ -27,6 +26,7 @@ from sparrow.stages.train import (
     policy_loss,
     rollout_correction,
 )
+from sparrow.stages.train.detectors import collapse_reasons
 from sparrow.stages.train.experience import rejection_generator
 
 # ---------------------------------------------------------------------------- the objective

@@ -20,12 +20,12 @@ from torch import Tensor
 from sparrow.schemas import artifact_metadata, read_artifact, write_artifact
 from sparrow.schemas.artifacts import TRAIN_CORRECTION_METRICS
 
-from ..calibrate import collapse_reasons, mismatch_warnings
 from ..core.definitions import TAIL_QUANTILE
 from ..core.schedule import Schedule
 from . import corrections as rc
 from . import objective as grpo
 from .config import TrainConfig
+from .detectors import collapse_reasons, mismatch_warnings
 from .experience import Experience
 
 

@@ -1,0 +1,81 @@
+"""Collapse detectors: what training did to a run, read from its per-step metrics.
+
+A run is labelled by its own reward falling from its best, an exploding gradient norm, an entropy
+blow-up, or a surge in truncation or repetition; the mismatch KL is a warning, never the label
+(`calibrate-threshold` fits the threshold to these labels, so a label made of mismatch would be circular).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+
+
+@dataclass(frozen=True)
+class Detectors:
+    """Collapse detectors; each fires on the smoothed per-step metrics (window `window` steps)."""
+
+    window: int = 5
+    reward_drop: float = 0.5  # final reward below (1 - reward_drop) x best reward
+    grad_norm_factor: float = 10.0  # grad norm above factor x median of the first window
+    mismatch_kl_limit: float = 0.05  # smoothed mismatch KL above this: a warning, not a collapse
+    truncation_limit: float = 0.5  # final truncation rate above this, having risen by `surge`
+    repetition_limit: float = 0.5  # final repetition rate above this, having risen by `surge`
+    surge: float = 0.25  # rise over the first window's mean: a rate that was high from the start (a tight
+    # --max-new-tokens cap truncates every sample) says nothing about training
+    entropy_factor: float = 3.0  # final entropy above factor x initial entropy
+    reward_margin: float = 0.1  # final smoothed reward below the dense reference's by more than
+    # max(this, the dense runs' seed spread)
+    eval_margin: float = 0.1  # last eval accuracy below the dense reference's by more than
+    # max(this, the dense runs' seed spread)
+
+
+def smooth(x: np.ndarray, w: int) -> np.ndarray:
+    if len(x) < w:
+        return np.array([x.mean()]) if len(x) else x
+    return np.convolve(x, np.ones(w) / w, mode="valid")
+
+
+def metric(metrics: pa.Table, name: str) -> np.ndarray | None:
+    if name not in metrics.column_names:
+        return None
+    x = metrics.column(name).to_numpy(zero_copy_only=False).astype(float)
+    x = x[~np.isnan(x)]
+    return x if len(x) else None
+
+
+def collapse_reasons(metrics: pa.Table, det: Detectors = Detectors()) -> list[str]:
+    """Why a run collapsed ([] = stable)."""
+    metrics = metrics.sort_by("step")
+    w, reasons = det.window, []
+    if (r := metric(metrics, "reward_mean")) is not None:
+        s = smooth(r, w)
+        best, final = s.max(), s[-1]
+        if best > 0 and final < (1 - det.reward_drop) * best:
+            reasons.append(f"reward fell from {best:.3f} to {final:.3f}")
+    if (g := metric(metrics, "grad_norm")) is not None and len(g) > w:
+        base = np.median(g[:w])
+        if base > 0 and g.max() > det.grad_norm_factor * base:
+            reasons.append(f"gradient norm exploded to {g.max():.3g} ({g.max() / base:.0f}x)")
+    for name, limit in (("truncation", det.truncation_limit), ("repetition", det.repetition_limit)):
+        if (x := metric(metrics, f"{name}_rate")) is not None:
+            first, last = x[:w].mean(), smooth(x, w)[-1]
+            if last > limit and last - first >= det.surge:
+                reasons.append(f"{name} rate rose from {first:.2f} to {last:.2f}")
+    if (e := metric(metrics, "entropy")) is not None and len(e) > w:
+        first, last = e[:w].mean(), smooth(e, w)[-1]
+        if first > 0 and last > det.entropy_factor * first:
+            reasons.append(f"entropy blew up from {first:.3g} to {last:.3g}")
+    return reasons
+
+
+def mismatch_warnings(metrics: pa.Table, det: Detectors = Detectors()) -> list[str]:
+    """Diagnostics that do not label a run: the smoothed mismatch KL above its warning level."""
+    if (k := metric(metrics.sort_by("step"), "mismatch_kl")) is not None:
+        peak = smooth(k, det.window).max()
+        if peak > det.mismatch_kl_limit:
+            return [f"mismatch KL reached {peak:.3g} (smoothed; warning level {det.mismatch_kl_limit:g}, "
+                    "a diagnostic, not a collapse)"]
+    return []
