@@ -19,7 +19,12 @@ from sparrow.schemas import artifact_metadata, read_artifact
 
 from .calibrate import shipped_threshold
 from .core.definitions import PRIOR_THRESHOLD, TAIL_QUANTILE
-from .core.published_schedules import REFERENCE_GEN_LEN, published_models
+from .core.published_schedules import (
+    PUBLISHED_SPEEDUP_THRESHOLD,
+    PUBLISHED_SPEEDUPS,
+    REFERENCE_GEN_LEN,
+    published_models,
+)
 from .core.reference_profiles import QUANTILE, reference_profile
 from .core.schedule import (
     Plan,
@@ -35,7 +40,7 @@ from .core.schedule import (
     schedule_table,
 )
 from .cost import CostModel, analytic, load_cost
-from .model.presets import PRESETS
+from .model.presets import PRESETS, get_preset
 
 
 def model_shape(spec: str):
@@ -231,9 +236,6 @@ def frontier_point(result: Plan, threshold: float, cost_model: CostModel, gen_le
 def compare_published_at(hardware: str, threshold: float | None, gen_len: int | None, batch: int,
                          prompt_len: int) -> tuple[float, int, list[dict]]:
     """(threshold, gen_len, rows) of the published-speedup comparison, with their defaults filled in."""
-    from .core.published_schedules import PUBLISHED_SPEEDUP_THRESHOLD
-    from .core.reference_profiles import compare_published
-
     threshold = PUBLISHED_SPEEDUP_THRESHOLD if threshold is None else threshold
     check_threshold(threshold)
     gen_len = gen_len or REFERENCE_GEN_LEN
@@ -319,3 +321,18 @@ def plan_eviction(profile: Path, threshold: float, quantile: float, bin_width: i
     chosen = next((r["budget"] for r in rows if r["holds"]), None)
     return EvictionPlan(policy, {int(b): str(sp) for b, sp in specs.items()}, rows, chosen, threshold,
                         quantile, width, str(profile))
+
+
+def compare_published(hardware: str = "h200", threshold: float = PUBLISHED_SPEEDUP_THRESHOLD,
+                      gen_len: int = 32768, batch: int = 64, prompt_len: int = 0) -> list[dict]:
+    """Predicted rollout speedup of the analytic model next to the published one, per Qwen3 model."""
+    rows = []
+    for model in published_models():
+        cost = analytic(get_preset(model).config, hardware)
+        schedule = plan(reference_profile(model), threshold).schedule
+        predicted = cost.speedup(schedule.budgets_at, gen_len, batch, prompt_len)
+        published = (PUBLISHED_SPEEDUPS.get(model)
+                     if abs(threshold - PUBLISHED_SPEEDUP_THRESHOLD) < 1e-9 else None)
+        rows.append({"model": model, "published": published, "predicted": predicted,
+                     "ratio": None if published is None else predicted / published})
+    return rows

@@ -19,8 +19,9 @@ from sparrow.stages.core.published_schedules import (
     published_models,
     published_thresholds,
 )
-from sparrow.stages.core.reference_profiles import compare_published, reference_profile
+from sparrow.stages.core.reference_profiles import reference_profile
 from sparrow.stages.core.schedule import Schedule, TailProfile, plan
+from sparrow.stages.plan import compare_published
 
 runner = CliRunner()
 CSV = Path(__file__).resolve().parents[2] / "shared" / "reference" / "sparrow_published_schedules.csv"

@@ -33,8 +33,6 @@ from .published_schedules import (
     NUM_BINS,
     PAGE_SIZE,
     PUBLISHED_PAGES,
-    PUBLISHED_SPEEDUP_THRESHOLD,
-    PUBLISHED_SPEEDUPS,
     published_models,
 )
 from .schedule import TailProfile
@@ -89,22 +87,3 @@ def _bin_curve(candidates: np.ndarray, thresholds: np.ndarray, budgets: np.ndarr
     curve = np.array(hi)[seg] + (np.array(lo)[seg + 1] - np.array(hi)[seg]) * frac
     curve = np.where(candidates == k0, np.array(hi)[seg], curve)
     return np.where(candidates >= end, 1.0, curve)
-
-
-def compare_published(hardware: str = "h200", threshold: float = PUBLISHED_SPEEDUP_THRESHOLD,
-                      gen_len: int = 32768, batch: int = 64, prompt_len: int = 0) -> list[dict]:
-    """Predicted rollout speedup of the analytic model next to the published one, per Qwen3 model."""
-    from ..cost import analytic
-    from ..model.presets import get_preset
-    from .schedule import plan
-
-    rows = []
-    for model in published_models():
-        cost = analytic(get_preset(model).config, hardware)
-        schedule = plan(reference_profile(model), threshold).schedule
-        predicted = cost.speedup(schedule.budgets_at, gen_len, batch, prompt_len)
-        published = (PUBLISHED_SPEEDUPS.get(model)
-                     if abs(threshold - PUBLISHED_SPEEDUP_THRESHOLD) < 1e-9 else None)
-        rows.append({"model": model, "published": published, "predicted": predicted,
-                     "ratio": None if published is None else predicted / published})
-    return rows
