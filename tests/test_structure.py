@@ -118,6 +118,17 @@ def test_the_engine_imports_no_stage():
     assert not wrong, "the engine imports above itself: " + "; ".join(wrong)
 
 
+def test_no_part_imports_a_stage():
+    """The flat modules of stages/ are the stages the CLI calls; what they are built from (the
+    sub-packages, kernels, schemas) imports none of them, nor the CLI."""
+    graph, mods = import_graph(), modules()
+    flat_stages = {n for n, p in mods.items() if p.parent == ROOT / "stages" and p.name != "__init__.py"}
+    parts = [m for m in graph if m not in flat_stages and not m.startswith("sparrow.cli")]
+    wrong = sorted(f"{m} -> {t}" for m in parts for t in graph[m]
+                   if t in flat_stages or t.startswith("sparrow.cli"))
+    assert not wrong, "a part imports a stage: " + "; ".join(wrong)
+
+
 def test_package_list_is_the_tree():
     """pyproject's package list (setuptools cannot discover packages under package-dir) names every
     folder of the tree that is a package, and nothing else."""
