@@ -24,7 +24,8 @@ only: the GPU path keeps its flash-decoding kernel (dense_decode.py), which spli
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -32,6 +33,19 @@ from torch import Tensor
 from .cpu_attention import packed_prefix_attention, paged_attention, usable
 from .page_scoring import SelectionPlan, mask_candidates
 from .sparse_decode import GatherWorkspace, PagePlan, attend_gathered, gather_pages, plan_pages
+
+
+@dataclass
+class CascadeRows:
+    """The rows of a cascade step that share prompt pages: `prefixes` (rows [n], the prefix's centroids
+    [m, Hkv, D]) scored once for their rows, `group` [B] (the index of a row's prefix, -1 = none), `suffix`
+    [B, Hkv, W] (each row's pages past its prefix); `plan_and_index`: the step's `plan_selection` and
+    `suffix_index`, built once for all layers, which only the torch reference needs."""
+
+    prefixes: list[tuple[Tensor, Tensor]]
+    group: Tensor
+    suffix: Tensor
+    plan_and_index: Callable[[], tuple[SelectionPlan, tuple]] | None = None
 
 MIN_CHUNK = 512  # keys per chunk below which more chunks cost more in merging than they gain
 

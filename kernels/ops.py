@@ -11,7 +11,6 @@ k_pages, v_pages [num_pages_total, Hkv, P, D]; centroids [num_pages_total, Hkv, 
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -21,10 +20,9 @@ from . import cpu_attention, cpu_sampling
 from ._triton_utils import HAS_TRITON, interpreter_usable
 from .add_rms_norm import add_rms_norm_reference, add_rms_norm_triton
 from .append_kv import append_kv_reference, append_kv_triton, write_prefill
-from .cascade_decode import cascade_page_scores
+from .cascade_decode import CascadeRows, cascade_page_scores
 from .dense_decode import dense_decode_reference, dense_decode_triton
 from .page_scoring import (
-    SelectionPlan,
     finish_selection,
     page_scores_reference,
     page_scores_triton,
@@ -91,18 +89,14 @@ class TorchOps:
         least that maximum, e.g. max(budget) / P, or max_pages when a request may be dense)."""
         return page_scoring_reference(q, centroids, block_table, seq_lens, budgets, page_size, max_selected)
 
-    def cascade_select_pages(self, q: Tensor, prefixes: list[tuple[Tensor, Tensor]], group: Tensor,
-                             centroids: Tensor, block_table: Tensor, seq_lens: Tensor, budgets: Tensor,
-                             suffix: Tensor, page_size: int = 16, max_selected: int | None = None,
-                             plan_and_index: Callable[[], tuple[SelectionPlan, tuple]] | None = None,
-                             ) -> Tensor:
-        """Block top-k selection in a cascade step: the shared prefixes' centroids (rows [n], centroids
-        [m, Hkv, D]) scored once for their rows, group [B] (the index of a row's prefix, -1 = none), each
-        row's pages in `suffix` [B, Hkv, W] through the block table. `plan_and_index`: the step's
-        `plan_selection` and `suffix_index`, built once for all layers, which only the reference needs."""
-        plan, index = plan_and_index() if plan_and_index is not None else (None, None)
-        scores = cascade_page_scores(q, prefixes, centroids, block_table, seq_lens, suffix, page_size, plan,
-                                     index)
+    def cascade_select_pages(self, q: Tensor, rows: CascadeRows, centroids: Tensor, block_table: Tensor,
+                             seq_lens: Tensor, budgets: Tensor, page_size: int = 16,
+                             max_selected: int | None = None) -> Tensor:
+        """Block top-k selection in a cascade step: the shared prefixes' centroids scored once for their
+        rows, each row's own pages (`rows.suffix`) through the block table."""
+        plan, index = rows.plan_and_index() if rows.plan_and_index is not None else (None, None)
+        scores = cascade_page_scores(q, rows.prefixes, centroids, block_table, seq_lens, rows.suffix,
+                                     page_size, plan, index)
         return finish_selection(scores, seq_lens, budgets, page_size, max_selected, plan)
 
     def sparse_paged_attention(self, q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor,
@@ -152,14 +146,14 @@ class CpuOps(TorchOps):
             return cpu_attention.select_pages(scores, seq_lens, budgets, page_size, max_selected)
         return super().select_pages(q, centroids, block_table, seq_lens, budgets, page_size, max_selected)
 
-    def cascade_select_pages(self, q, prefixes, group, centroids, block_table, seq_lens, budgets, suffix,
-                             page_size=16, max_selected=None, plan_and_index=None):
+    def cascade_select_pages(self, q, rows, centroids, block_table, seq_lens, budgets, page_size=16,
+                             max_selected=None):
         if q.device.type == "cpu" and q.shape[-1] % 16 == 0 and cpu_attention.available():
-            scores = cpu_attention.score_pages(q, [c for _, c in prefixes], group, centroids, block_table,
-                                               seq_lens, page_size)
+            scores = cpu_attention.score_pages(q, [c for _, c in rows.prefixes], rows.group, centroids,
+                                               block_table, seq_lens, page_size)
             return cpu_attention.select_pages(scores, seq_lens, budgets, page_size, max_selected)
-        return super().cascade_select_pages(q, prefixes, group, centroids, block_table, seq_lens, budgets,
-                                            suffix, page_size, max_selected, plan_and_index)
+        return super().cascade_select_pages(q, rows, centroids, block_table, seq_lens, budgets, page_size,
+                                            max_selected)
 
     def sparse_paged_attention(self, q, k_pages, v_pages, block_table, seq_lens, selected, scale=None,
                                num_splits=None, workspace=None):

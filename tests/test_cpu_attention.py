@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from sparrow.kernels import cpu_attention as kernel
-from sparrow.kernels.cascade_decode import prefix_attention
+from sparrow.kernels.cascade_decode import CascadeRows, prefix_attention
 from sparrow.kernels.page_scoring import mask_candidates
 from sparrow.stages.core.sparsity import as_policy
 from sparrow.stages.engine import Engine, EngineConfig, SamplingParams
@@ -260,10 +260,10 @@ def test_score_pages_equals_float64_scores_and_the_cascade_selection_the_torch_o
     def plan_and_index():
         return (plan_selection(seq_lens, budgets, page, width, None, table), suffix_index(table, suffix))
 
-    auto = ops.CPU.cascade_select_pages(q, pairs, group, centroids, table, seq_lens, budgets, suffix, page)
-    reference = ops.TORCH.cascade_select_pages(q, pairs, group, centroids, table, seq_lens, budgets, suffix,
-                                               page,
-                                         plan_and_index=plan_and_index)
+    auto = ops.CPU.cascade_select_pages(q, CascadeRows(pairs, group, suffix), centroids, table, seq_lens,
+                                        budgets, page)
+    planned = CascadeRows(pairs, group, suffix, plan_and_index)
+    reference = ops.TORCH.cascade_select_pages(q, planned, centroids, table, seq_lens, budgets, page)
     assert torch.equal(auto, reference)
 
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from sparrow.kernels.cascade_decode import cascade_decode_reference, suffix_index
+from sparrow.kernels.cascade_decode import CascadeRows, cascade_decode_reference, suffix_index
 from sparrow.kernels.ops import CPU, TorchOps
 from sparrow.kernels.page_scoring import plan_selection
 from sparrow.kernels.sparse_decode import plan_pages
@@ -88,9 +88,9 @@ class CpuDecodeAttention(DecodeAttention):
     def _cascaded_selection(self, layer: int, q1: Tensor, centroids: Tensor) -> Tensor:
         b = self.batch
         prefixes = [(rows, p.centroids[layer]) for rows, p in self.cascade.groups]
-        return self.ops.cascade_select_pages(q1, prefixes, self._row_groups(), centroids, b.block_table,
-                                             b.seq_lens, b.budgets, self.cascade.suffix,
-                                             self.cache.page_size, b.max_selected, self._selection_plan)
+        rows = CascadeRows(prefixes, self._row_groups(), self.cascade.suffix, self._selection_plan)
+        return self.ops.cascade_select_pages(q1, rows, centroids, b.block_table, b.seq_lens, b.budgets,
+                                             self.cache.page_size, b.max_selected)
 
     def _selection_plan(self):
         b = self.batch
