@@ -1,13 +1,5 @@
-"""`sparrow distill` (DistillSparse, offline): the sparse actor's LoRA distilled toward the dense policy.
-
-Teacher forced on given trajectories: the base frozen, a LoRA on every linear layer of every block, AdamW
-on the LoRA alone. Per prompt group, one dense prompt pass with the adapter, then the completions on top
-of it with block top-k attention (`train.sparse_actor.actor_hidden`), compared with the dense policy
-(the adapter disabled) at every generated position: `kl` over the full vocabulary or the sampled-token
-`k3`. The dense side is kept in memory when it fits, and no [T, V] tensor is ever whole. One adapter
-serves every budget, so each trajectory slot is taught at one of the budgets in turn, each budget's
-terms weighted by 1 / its starting objective (`balance_budgets`). docs/training.md tells the story.
-"""
+"""`sparrow distill` (DistillSparse, offline): the sparse actor's LoRA distilled toward the frozen dense
+policy, teacher forced on trajectories, one adapter taught at every budget in turn (docs/training.md)."""
 
 from __future__ import annotations
 
@@ -41,8 +33,6 @@ from .train.sparse_actor import JointSparseActor, SharedPromptSparse, actor_hidd
 
 OBJECTIVES = ("kl", "k3")
 PUBLISHED_LORA_ALPHA = 16.0
-PUBLISHED_K3_COEF = 0.001
-PUBLISHED_LR_RATIO = 5.0
 MAX_BUDGET_WEIGHT = 100.0
 
 
@@ -87,11 +77,6 @@ def token_losses(objective: str, dense_logp: Tensor, actor_logp: Tensor, targets
         pick = lambda lp: lp.gather(-1, targets[:, None]).squeeze(-1)
         return k3(pick(dense_logp) - pick(actor_logp))
     raise ValueError(f"unknown objective {objective!r}")
-
-
-def k3_from_sampled(dense_tok: Tensor, actor_tok: Tensor) -> Tensor:
-    """k3 from the sampled tokens' logprobs alone (what `token_losses` computes for k3)."""
-    return k3(dense_tok - actor_tok)
 
 
 def kl_terms(model: Transformer, dense_hidden: Tensor, actor_hidden: Tensor, temperature: float,
@@ -219,7 +204,7 @@ class Distiller:
         for row, ((_, j), c, d) in enumerate(zip(pairs, comps, dense)):
             actor = hidden[row, : len(c)]
             if self.cfg.objective == "k3":
-                terms = k3_from_sampled(d, sampled_logprobs(self.model, actor, c, self.cfg.temperature))
+                terms = k3(d - sampled_logprobs(self.model, actor, c, self.cfg.temperature))
             else:
                 terms = kl_terms(self.model, d, actor, self.cfg.temperature)
             loss = loss + terms.sum() * self.weights[j]
@@ -290,12 +275,6 @@ def tail_comparison(before: pa.Table, after: pa.Table, quantile: float, threshol
              "tail_before": a[k]["tail_alpha"], "tail_after": b[k]["tail_alpha"],
              "mean_before": a[k]["mean_alpha"], "mean_after": b[k]["mean_alpha"],
              "above_after": bool(b[k]["tail_alpha"] >= threshold)} for k in sorted(a) if k in b]
-
-
-def config_dict(cfg: DistillConfig) -> dict:
-    d = asdict(cfg)
-    d["dense_layers"] = list(cfg.dense_layers)
-    return d
 
 
 @dataclass
@@ -426,8 +405,9 @@ def save_result(distiller: Distiller, result: DistillResult, run: DistillRun) ->
               "trajectories": input_name(run.rollouts_path or run.prompts),
               "eval": input_name(run.eval_prompts) if run.eval_prompts else "training",
               "bin_width": run.bin_width, "init_adapter": str(run.init_adapter) if run.init_adapter else None,
-              "config": config_dict(cfg), "budget_weights": distiller.weights,
-              "training_seconds": result.seconds, "history": result.history}
+              "config": {**asdict(cfg), "dense_layers": list(cfg.dense_layers)},
+              "budget_weights": distiller.weights, "training_seconds": result.seconds,
+              "history": result.history}
     (folder / "sparrow_distill.json").write_text(json.dumps(record, indent=2, default=str))
     meta = {"model": run.model, "bin_width": run.bin_width, "temperature": cfg.temperature,
             "budgets": json.dumps(sorted({int(b) for b in result.before.column("budget").to_pylist()})),
