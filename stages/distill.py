@@ -255,18 +255,6 @@ class Distiller:
 
 
 
-def evaluate(loaded: LoadedModel, trajectories: Sequence[Trajectory], actor: LoraWeights | None,
-             budgets: Sequence[int], temperature: float, bin_width: int,
-             dense_layers: Sequence[int] = DEFAULT_DENSE_LAYERS, page_size: int = PAGE_SIZE) -> pa.Table:
-    """The mismatch table (one row per token per budget) of the actor (None: the plain sparse actor)
-    against the plain dense policy, teacher forced on `trajectories`. Injected adapters are disabled, so
-    a model being distilled scores as its base plus `actor`."""
-    opts = ProfileOptions(budgets=list(budgets), bin_width=bin_width, temperature=temperature,
-                          dense_layers=tuple(dense_layers), page_size=page_size, adapter=actor)
-    with adapters_disabled(loaded.model):
-        return profile_trajectories(loaded, trajectories, opts)
-
-
 def tail_comparison(before: pa.Table, after: pa.Table, quantile: float, threshold: float) -> list[dict]:
     """Per bin and budget: tokens, tail and mean alpha before and after distillation."""
     a = {(r["bin"], r["budget"]): r for r in summarize(before, quantile, threshold).to_pylist()}
@@ -291,15 +279,25 @@ class DistillJob:
     init_actor: LoraWeights | None = None  # its merge-ready weights
 
 
+def evaluate(loaded: LoadedModel, job: DistillJob, actor: LoraWeights | None, cfg: DistillConfig) -> pa.Table:
+    """The mismatch table (one row per token per budget) of the actor (None: the plain sparse actor)
+    against the plain dense policy, teacher forced on the job's eval trajectories. Injected adapters are
+    disabled, so a model being distilled scores as its base plus `actor`."""
+    opts = ProfileOptions(budgets=list(job.eval_budgets), bin_width=job.bin_width, adapter=actor,
+                          temperature=cfg.temperature, dense_layers=tuple(cfg.dense_layers),
+                          page_size=cfg.page_size)
+    with adapters_disabled(loaded.model):
+        return profile_trajectories(loaded, job.eval_trajectories, opts)
+
+
 def run_distill(loaded: LoadedModel, job: DistillJob, cfg: DistillConfig,
                 on_step: Callable[[dict], None] | None = None,
                 on_phase: Callable[[str], None] | None = None) -> tuple[Distiller, DistillResult]:
     """Score the eval trajectories with the actor as it starts, distill, score them again with the
     distilled actor. The model keeps the LoRA injected afterwards."""
     phase = on_phase or (lambda name: None)
-    scoring = (job.eval_budgets, cfg.temperature, job.bin_width, cfg.dense_layers, cfg.page_size)
     phase("scoring before")
-    before = evaluate(loaded, job.eval_trajectories, job.init_actor, *scoring)
+    before = evaluate(loaded, job, job.init_actor, cfg)
     distiller = Distiller(loaded, job.trajectories, job.budget_at, cfg, job.init, on_step)
     phase("distilling")
     t0 = time.perf_counter()
@@ -307,7 +305,7 @@ def run_distill(loaded: LoadedModel, job: DistillJob, cfg: DistillConfig,
     seconds = time.perf_counter() - t0
     phase("scoring after")
     lora = distiller.lora()
-    after = evaluate(loaded, job.eval_trajectories, lora, *scoring)
+    after = evaluate(loaded, job, lora, cfg)
     return distiller, DistillResult(history, seconds, before, after, lora)
 
 
