@@ -20,9 +20,10 @@ from .core.prompt_set import PromptSet
 from .core.schedule import Schedule
 from .core.sparsity import BudgetFn, budget_fn
 from .core.trajectories import RolloutsFile, Trajectory
+from .model import loading
 from .model.head import POSITION_CHUNK, over_chunks, token_scores
 from .model.llama import Transformer
-from .model.loading import LoadedModel, load_model, resolve_config, resolve_dtype
+from .model.loading import LoadedModel, resolve_config, resolve_dtype
 from .model.lora import LoraWeights, adapters_disabled
 from .profile import ProfileOptions, profile_trajectories, sample_trajectories, summarize
 from .train.adapter import add_lora, load_lora_state, lora_state, save_adapter
@@ -359,7 +360,7 @@ def distill_to_folder(run: DistillRun, cfg: DistillConfig, hooks: DistillHooks) 
     prompt_sets = {path: PromptSet.read(path) for path in (run.prompts, run.eval_prompts) if path is not None}
     for prompt_set in prompt_sets.values():
         prompt_set.check_fits(*fits)
-    loaded = load_model(run.model, device=run.device, dtype=resolve_dtype(run.dtype, run.device))
+    loaded = loading.load_model(run.model, device=run.device, dtype=resolve_dtype(run.dtype, run.device))
     on_gpu = loaded.model.embed_tokens.weight.is_cuda
     cfg.gradient_checkpointing = on_gpu if run.gradient_checkpointing is None else run.gradient_checkpointing
     for prompt_set in prompt_sets.values():

@@ -14,7 +14,7 @@ from sparrow.schemas import check_output_dir
 
 from ..backends.ray_pool import RolloutPool
 from ..kv_policies import KVPolicy
-from ..model.loading import load_model, spec_tokenizer
+from ..model import loading
 from .config import TrainConfig
 from .data import PromptRow, load_prompts
 from .distributed import World, init_world, shutdown_world
@@ -48,7 +48,7 @@ def check_run_location(cfg: TrainConfig, inputs: TrainInputs, resume: bool, forc
     check_output_dir(inputs.output_dir, "a training run", ours=lambda d: True, force=force)  # no FIFO
     if not (inputs.output_dir.exists() or resume):
         return
-    rows, held_out = read_prompts(cfg, inputs, spec_tokenizer(cfg.model))
+    rows, held_out = read_prompts(cfg, inputs, loading.spec_tokenizer(cfg.model))
     check_run_dir(inputs.output_dir, with_fingerprints(cfg, rows, held_out, inputs.policy), resume, force)
 
 
@@ -79,7 +79,7 @@ def launched(cfg: TrainConfig, workers: int, ray_address: str | None) -> Iterato
 def start_training(cfg: TrainConfig, inputs: TrainInputs, opts: RunOptions) -> Trainer:
     """The model and prompts loaded and checked against its context, and the Trainer (a refused resume
     says so here); ValueError in one sentence, before the run directory is written."""
-    loaded = load_model(cfg.model, device=cfg.device, random_weights=cfg.random_weights,
+    loaded = loading.load_model(cfg.model, device=cfg.device, random_weights=cfg.random_weights,
                         dtype=torch.bfloat16 if cfg.device == "cuda" else torch.float32)
     if loaded.tokenizer is None:
         raise ValueError(f"--model {cfg.model} has no tokenizer, so the task's scorer cannot read the "
