@@ -29,7 +29,7 @@ from common import write_results
 from sparrow.stages.core.schedule import measured_profile, plan
 from sparrow.stages.core.sparsity import budget_fn
 from sparrow.stages.cost import analytic
-from sparrow.stages.distill import DistillConfig, run_distill
+from sparrow.stages.distill import DistillConfig, DistillJob, run_distill
 from sparrow.stages.model.loading import load_model
 from sparrow.stages.profile import ProfileOptions, sample_trajectories, summarize
 from sparrow.stages.tasks import make_prompts
@@ -112,8 +112,8 @@ def main() -> None:
 
     taught = {"all": budgets, "distilled": [args.budget]}.get(args.train_budgets)
     taught = taught or [int(x) for x in args.train_budgets.split(",")]
-    distiller, result = run_distill(loaded, train, [budget_fn(b) for b in taught], cfg, held, budgets,
-                                    args.bin_width, on_step=on_step, on_phase=lambda p: print(p, flush=True))
+    job = DistillJob(train, [budget_fn(b) for b in taught], held, budgets, args.bin_width)
+    distiller, result = run_distill(loaded, job, cfg, on_step, lambda p: print(p, flush=True))
     before = tails(result.before, args.quantile, args.threshold)
     after = tails(result.after, args.quantile, args.threshold)
     plan_before = predicted_speedup(result.before, args, loaded.config)

@@ -54,20 +54,6 @@ def eval_budgets_of(sparsity, given: str | None) -> list[int]:
     return sorted({b for b in sparsity.budgets if b})
 
 
-def train_budgets_of(sparsity, given: str | None, eval_given: str | None, eval_budgets: list[int]):
-    """The budget functions the adapter is taught at, and how the summary names them: --train-budgets, else
-    the --eval-budgets when given (the adapter then serves every budget it is compared and planned at),
-    else the sampling sparsity itself (per position for a schedule)."""
-    from sparrow.stages.core.sparsity import budget_fn
-
-    if given:
-        budgets = budget_list(given, "--train-budgets")
-        return [budget_fn(b) for b in budgets], ",".join(map(str, budgets))
-    if eval_given:
-        return [budget_fn(b) for b in eval_budgets], ",".join(map(str, eval_budgets))
-    return [budget_fn(sparsity)], None
-
-
 def load_init_adapter(path: Path, cfg, rank: int, model: str | None = None):
     """The adapter to start from, checked against the model's shapes and --lora-rank before any weights
     load; returns (its peft state dict, its merge-ready weights)."""
@@ -164,13 +150,16 @@ def distill(
     format (transformers + peft load it; sparrow rollout/profile --adapter use it as the sparse actor),
     OUTPUT/mismatch/{before,after}.parquet and OUTPUT/sparrow_distill.json; prints the tail per bin before
     and after."""
-    from sparrow.schemas import input_name
-    from sparrow.stages.core.prompt_set import PromptSet
     from sparrow.stages.core.sparsity import spec_of
     from sparrow.stages.core.trajectories import read_rollouts
-    from sparrow.stages.distill import DistillConfig, run_distill, save_result, tail_comparison
-    from sparrow.stages.model.loading import DTYPES, load_model, resolve_config, resolve_dtype
-    from sparrow.stages.profile import ProfileOptions, sample_trajectories
+    from sparrow.stages.distill import (
+        DistillConfig,
+        DistillHooks,
+        DistillRun,
+        distill_to_folder,
+        tail_comparison,
+    )
+    from sparrow.stages.model.loading import DTYPES, resolve_config
 
     fmt = resolve_format(format)
     if (prompts is None) == (rollouts is None):
@@ -198,64 +187,31 @@ def distill(
         raise UsageError("give --budget or --schedule: the sparse actor to distill is the one that samples "
                          "with that sparsity")
     budgets = eval_budgets_of(sparsity, eval_budgets)
-    train_fns, train_named = train_budgets_of(sparsity, train_budgets, eval_budgets, budgets)
+    taught = budgets if eval_budgets else None  # the adapter then serves every budget it is compared at
+    if train_budgets:
+        taught = budget_list(train_budgets, "--train-budgets")
     model_cfg = resolve_config(model)
-    init = init_actor = None
-    if init_adapter is not None:
-        init, init_actor = load_init_adapter(init_adapter, model_cfg, lora_rank, model)
+    init = None if init_adapter is None else load_init_adapter(init_adapter, model_cfg, lora_rank, model)
     for flag, path in (("--prompts", prompts), ("--rollouts", rollouts), ("--eval-prompts", eval_prompts)):
         if path is not None and not path.exists():
             raise UsageError(f"{flag} {path}: no such file")
-    given = trajectories = None
+    given = None
     if rollouts is not None:
         given = read_rollouts(rollouts)
         if objective == "k3":
             check_k3_trajectories(rollouts, given.sampler)
         cfg.temperature = rollouts_temperature(rollouts, given.temperature, temperature)
-        if not given.needs_tokenizer:  # checked before any weights load
-            trajectories = given.trajectories(None, model_cfg.vocab_size, model_cfg.max_position_embeddings)
-
-    fits = (model_cfg.vocab_size, model_cfg.max_position_embeddings, max_new_tokens)
-    prompt_sets = {path: PromptSet.read(path) for path in (prompts, eval_prompts) if path is not None}
-    for prompt_set in prompt_sets.values():
-        prompt_set.check_fits(*fits)  # before any weights load
-    loaded = load_model(model, device=device, dtype=resolve_dtype(dtype, device))
-    cfg.gradient_checkpointing = (loaded.model.embed_tokens.weight.is_cuda if gradient_checkpointing is None
-                                  else gradient_checkpointing)
-    sampling = dict(samples=samples, max_new_tokens=max_new_tokens, temperature=cfg.temperature,
-                    gpu_memory_utilization=gpu_memory_utilization)
-
-    def prompt_tokens(path: Path):
-        prompt_set = prompt_sets[path]
-        if prompt_set.needs_tokenizer:
-            prompt_set.tokenize(loaded.tokenizer, not raw_prompts)
-            prompt_set.check_fits(*fits)
-        return prompt_set.ids, prompt_set.tokens
-
-    train_ids = train_tokens = eval_ids = eval_tokens = None
-    if prompts is not None:
-        train_ids, train_tokens = prompt_tokens(prompts)
-    elif trajectories is None:
-        trajectories = given.trajectories(loaded.tokenizer, model_cfg.vocab_size,
-                                          model_cfg.max_position_embeddings)
-    if eval_prompts is not None:
-        eval_ids, eval_tokens = prompt_tokens(eval_prompts)
+    run = DistillRun(model=model, output=output, sparsity=sparsity, sampler=spec_of(sparsity, schedule),
+                     eval_budgets=budgets, train_budgets=taught, prompts=prompts, rollouts=given,
+                     rollouts_path=rollouts, eval_prompts=eval_prompts, init_adapter=init_adapter, init=init,
+                     samples=samples, max_new_tokens=max_new_tokens, raw_prompts=raw_prompts, dtype=dtype,
+                     bin_width=bin_width, device=device, gradient_checkpointing=gradient_checkpointing,
+                     gpu_memory_utilization=gpu_memory_utilization)
 
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console, transient=True,
                   disable=not console.is_terminal) as bar:
         task = bar.add_task("sampling", total=None, info="")
-        log_line("sampling trajectories")
-        if train_tokens is not None:  # the sparse actor as it starts samples the training trajectories
-            opts = ProfileOptions(budgets=budgets, sampler=spec_of(sparsity, schedule), seed=seed,
-                                  schedule=None if isinstance(sparsity, int) else sparsity,
-                                  adapter=init_actor, batch_size=16, **sampling)
-            trajectories = sample_trajectories(loaded, train_ids, train_tokens, opts)
-            warn_first_token_stops([len(t.completion) for t in trajectories], max_new_tokens, raw_prompts)
-        eval_trajectories = trajectories
-        if eval_tokens is not None:  # the dense policy's trajectories: the same prefixes before and after
-            opts = ProfileOptions(budgets=budgets, sampler="dense", seed=seed + 1, batch_size=16, **sampling)
-            eval_trajectories = sample_trajectories(loaded, eval_ids, eval_tokens, opts)
 
         def on_phase(name: str) -> None:
             bar.update(task, description=name, total=steps if name == "distilling" else None,
@@ -268,20 +224,16 @@ def distill(
             bar.update(task, completed=r["step"] + 1, info=info)
             log_line(f"distilling step {r['step'] + 1}/{steps}: {info}")
 
+        hooks = DistillHooks(lambda: log_line("sampling trajectories"),
+                             lambda lengths: warn_first_token_stops(lengths, max_new_tokens, raw_prompts),
+                             on_phase, on_step)
         try:
-            distiller, result = run_distill(loaded, trajectories, train_fns, cfg, eval_trajectories,
-                                            budgets, bin_width, init, init_actor, on_step, on_phase)
+            folder, result = distill_to_folder(run, cfg, hooks)
         except ValueError as e:
             raise UsageError(str(e)) from None
-    folder = save_result(distiller, result, output, model, {
-        "model": model, "sparsity": spec_of(sparsity, schedule), "objective": objective,
-        "train_budgets": train_named or spec_of(sparsity, schedule),
-        "trajectories": input_name(rollouts or prompts),
-        "eval": input_name(eval_prompts) if eval_prompts else "training",
-        "bin_width": bin_width, "init_adapter": str(init_adapter) if init_adapter else None})
     h = result.history
-    taught = f"budgets {train_named}" if train_named else spec_of(sparsity, schedule)
-    console.print(f"wrote the adapter to {folder} ({len(h)} steps at {taught}, {result.seconds:.1f} s of "
+    console.print(f"wrote the adapter to {folder} ({len(h)} steps at "
+                  f"{f'budgets {run.taught}' if taught else run.sampler}, {result.seconds:.1f} s of "
                   f"training; {objective} loss {h[0]['loss']:.4g} -> {h[-1]['loss']:.4g}); per-token "
                   f"mismatch before and after: {folder / 'mismatch'}/")
     threshold = default_threshold(threshold, model, quantile)

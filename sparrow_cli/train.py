@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -29,9 +28,6 @@ from .options import (
     sparsity_policy,
 )
 from .output import emit_record, format_option, resolve_format
-
-if TYPE_CHECKING:
-    from sparrow.stages.train.distributed import World
 
 TRAIN_LABELS = {"reward_first": "reward, first step", "reward_last": "reward, last step",
                 "initial_eval_accuracy": "eval accuracy before training",
@@ -156,16 +152,15 @@ def train(
     RUN/mismatch/step=N.parquet (query both with `sparrow sql --run RUN`), RUN/checkpoint/ and, with a
     LoRA, RUN/adapter/ (peft format). Under `torchrun --nproc-per-node N` the ranks share each step's
     batch and DDP sums their gradients; rank 0 writes, and a run resumes under any number of ranks."""
+    from sparrow.stages.core.sparsity import spec_of
     from sparrow.stages.train import TrainConfig
-    from sparrow.stages.train.distributed import init_world, shutdown_world
+    from sparrow.stages.train.launch import TrainInputs, check_run_location, join_world, launched
     from sparrow.stages.train.tracking import parse_report_to
+    from sparrow.stages.train.trainer import RunOptions
 
     fmt = resolve_format(format)
-    from sparrow.stages.core.sparsity import spec_of
-
     kv = (kv_compression, kv_budget, kv_window, kv_buffer)
     policy = sparsity_policy(schedule, budget, dense, kv, model)
-    spec = spec_of(policy, schedule)
     try:
         trackers = parse_report_to(report_to)
     except ValueError as e:
@@ -185,7 +180,7 @@ def train(
                       lora_rank=0 if full else lora_rank, lora_alpha=lora_alpha, correction=correction,
                       kl_coef=kl_coef, seed=seed, micro_batch=micro_batch, ppo_epochs=ppo_epochs,
                       checkpoint_every=checkpoint_every, eval_every=eval_every, bin_width=bin_width,
-                      sparsity=spec, device=device, random_weights=random_weights,
+                      sparsity=spec_of(policy, schedule), device=device, random_weights=random_weights,
                       gradient_checkpointing=(device == "cuda" if gradient_checkpointing is None
                                               else gradient_checkpointing),
                       loss=loss, oversample=oversample,
@@ -199,72 +194,22 @@ def train(
     check_device(device)
     check_gpu_memory(gpu_memory_utilization)
     check_workers(workers, ray_address, None)
-    check_run_location(cfg, model, prompts, eval_prompts, resume, force, output_dir)
-    world = init_world(device)
-    if workers and world.distributed:
-        raise UsageError("--workers (Ray rollout workers) cannot run under torchrun; use one of them")
-    pool = None
+    inputs = TrainInputs(prompts, output_dir, policy, eval_prompts)
     try:
-        if workers:
-            from sparrow.stages.backends.ray_pool import RolloutPool
-
-            pool = RolloutPool(model, workers, address=ray_address, device=device,
-                               random_weights=random_weights)  # seeded: the learner's base weights
-        _run(cfg, model, prompts, eval_prompts, resume, output_dir, fmt, world, pool, force,
-             gpu_memory_utilization, trackers)
-    finally:
-        if pool is not None:
-            pool.close()
-        shutdown_world()
-
-
-def check_run_location(cfg, model: str, prompts: Path, eval_prompts: Path | None, resume: bool, force: bool,
-                       output_dir: Path) -> None:
-    """The run directory (writable, a run to resume with the same options and input contents, or none to
-    overwrite), before any weights load: the prompts are read with the model's tokenizer alone."""
-    from sparrow.schemas import check_output_dir
-    from sparrow.stages.core.sparsity import parse_sparsity
-    from sparrow.stages.model.loading import resolve_config, spec_tokenizer
-    from sparrow.stages.train import check_run_dir, load_prompts, with_fingerprints
-
-    check_output_dir(output_dir, "a training run", ours=lambda d: True, force=force)  # writable, no FIFO
-    if not (output_dir.exists() or resume):
-        return
-    tokenizer = spec_tokenizer(model)
-    try:
-        rows = load_prompts(prompts, tokenizer, not cfg.raw_prompts)
-        held_out = load_prompts(eval_prompts, tokenizer, not cfg.raw_prompts) if eval_prompts else None
-        sparsity = parse_sparsity(cfg.sparsity, model=resolve_config(model))
-        check_run_dir(output_dir, with_fingerprints(cfg, rows, held_out, sparsity), resume, force)
+        check_run_location(cfg, inputs, resume, force)
+        world = join_world(device, workers)
     except ValueError as e:
         raise UsageError(str(e)) from None
+    with launched(cfg, workers, ray_address) as pool:
+        _run(cfg, inputs, RunOptions(resume=resume, force=force, world=world, pool=pool, report_to=trackers,
+                                     gpu_memory_utilization=gpu_memory_utilization), fmt)
 
 
-def _run(cfg, model: str, prompts: Path, eval_prompts: Path | None, resume: bool, output_dir: Path,
-         fmt: str, world: World, pool, force: bool = False,
-         gpu_memory_utilization: float = 0.9, report_to: tuple[str, ...] = ("jsonl",)) -> None:
-    import torch
+def _run(cfg, inputs, opts, fmt: str) -> None:
+    """The run with a progress bar (a terminal) or one line per step (a log), then its summary."""
+    from sparrow.stages.train.launch import start_training, summary_record
 
-    from sparrow.stages.model.loading import load_model
-    from sparrow.stages.train import RunOptions, Trainer, load_prompts
-
-    device, max_new_tokens, steps = cfg.device, cfg.max_new_tokens, cfg.steps
-    loaded = load_model(model, device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float32,
-                        random_weights=cfg.random_weights)
-    if loaded.tokenizer is None:  # before the run directory: nothing is left behind
-        raise UsageError(f"--model {model} has no tokenizer, so the task's scorer cannot read the sampled "
-                         "answers; train a model with a tokenizer (a checkpoint with tokenizer files)")
-    try:
-        rows = load_prompts(prompts, loaded.tokenizer, not cfg.raw_prompts)
-        held_out = (load_prompts(eval_prompts, loaded.tokenizer, not cfg.raw_prompts) if eval_prompts
-                    else None)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-    longest = max(len(r.token_ids) for r in rows + (held_out or []))
-    if longest + max_new_tokens > loaded.config.max_position_embeddings:
-        raise UsageError(f"a prompt of {longest} tokens with --max-new-tokens {max_new_tokens} exceeds the "
-                         f"model's context of {loaded.config.max_position_embeddings}")
-
+    world, steps = opts.world, cfg.steps
     # a terminal gets a live bar; a log gets one whole line per step (a bar there is cut to 80 columns)
     bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                    TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console,
@@ -288,40 +233,18 @@ def _run(cfg, model: str, prompts: Path, eval_prompts: Path | None, resume: bool
     def on_rollouts(step: int, lengths: list[int]) -> None:  # the first step's samples tell
         if world.main and not warned:
             warned.append(step)
-            warn_first_token_stops(lengths, max_new_tokens, cfg.raw_prompts)
+            warn_first_token_stops(lengths, cfg.max_new_tokens, cfg.raw_prompts)
 
+    opts.on_step, opts.on_phase, opts.on_rollouts = on_step, on_phase, on_rollouts
     try:  # a refused --resume says so before any bar is drawn
-        trainer = Trainer(cfg, loaded, rows, output_dir, eval_prompts=held_out, options=RunOptions(
-            resume=resume, on_step=on_step, on_phase=on_phase, world=world, pool=pool, force=force,
-            gpu_memory_utilization=gpu_memory_utilization, on_rollouts=on_rollouts, report_to=report_to))
+        trainer = start_training(cfg, inputs, opts)
     except ValueError as e:
         raise UsageError(str(e)) from None
     with bar:
         bar.update(task, completed=trainer.step)
         summary = trainer.run()
     if world.main:
-        print_summary(trainer.history, summary, output_dir, fmt)
-
-
-def print_summary(history: list[dict], s: dict, run: Path, fmt: str) -> None:
-    """The run's summary as one record on stdout; the per-step numbers are in metrics.parquet."""
-
-    def mean(key: str) -> float | None:
-        values = [r[key] for r in history if r.get(key) is not None]
-        return sum(values) / len(values) if values else None
-
-    record = {"steps": s["steps"], "reward_first": s["reward_first"], "reward_last": s["reward_last"],
-              "initial_eval_accuracy": s["initial_eval_accuracy"],
-              "final_eval_accuracy": s["final_eval_accuracy"],
-              **({"final_eval_accuracy_sparse": s["final_eval_accuracy_sparse"]}
-                 if s.get("final_eval_accuracy_sparse") is not None else {}),
-              "skipped_updates": s.get("skipped_updates", 0),
-              **{f"mean_{k}": mean(k) for k in ("mismatch_kl", "alpha_lb_p5", "masked_fraction",
-                                                 "vetoed_fraction", "rollout_seconds", "scoring_seconds",
-                                                 "update_seconds", "weight_sync_seconds")},
-              "label": s["label"], "first_collapse_step": s["first_collapse_step"],
-              "reasons": "; ".join(s["reasons"]), "warnings": "; ".join(s.get("warnings", [])),
-              "adapter": s["adapter"] or None,
-              **({"sparse_adapter": s["sparse_adapter"]} if s.get("sparse_adapter") else {})}
-    console.print(f"metrics: {run / 'metrics.parquet'}; per-token mismatch: {run / 'mismatch'}/")
-    emit_record(record, fmt, title=f"sparrow train: {run}", labels=TRAIN_LABELS)
+        run = inputs.output_dir
+        console.print(f"metrics: {run / 'metrics.parquet'}; per-token mismatch: {run / 'mismatch'}/")
+        emit_record(summary_record(trainer.history, summary), fmt, title=f"sparrow train: {run}",
+                    labels=TRAIN_LABELS)

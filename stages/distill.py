@@ -1,18 +1,9 @@
-"""`sparrow distill` (DistillSparse, offline): the sparse actor's LoRA distilled toward the dense policy.
-
-Teacher forced on given trajectories: the base frozen, a LoRA on every linear layer of every block, AdamW
-on the LoRA alone. Per prompt group, one dense prompt pass with the adapter, then the completions on top
-of it with block top-k attention (`train.sparse_actor.actor_hidden`), compared with the dense policy
-(the adapter disabled) at every generated position: `kl` over the full vocabulary or the sampled-token
-`k3`. The dense side is kept in memory when it fits, and no [T, V] tensor is ever whole. One adapter
-serves every budget, so each trajectory slot is taught at one of the budgets in turn, each budget's
-terms weighted by 1 / its starting objective (`balance_budgets`). docs/training.md tells the story.
-"""
+"""`sparrow distill` (DistillSparse, offline): the sparse actor's LoRA distilled toward the frozen dense
+policy, teacher forced on trajectories, one adapter taught at every budget in turn (docs/training.md)."""
 
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -22,16 +13,19 @@ import pyarrow as pa
 import torch
 from torch import Tensor
 
-from sparrow.schemas import write_artifact
+from sparrow.schemas import input_name, write_artifact
 
 from .attention import DEFAULT_DENSE_LAYERS, PAGE_SIZE
-from .core.sparsity import BudgetFn
-from .core.trajectories import Trajectory
+from .core.prompt_set import PromptSet
+from .core.schedule import Schedule
+from .core.sparsity import BudgetFn, budget_fn
+from .core.trajectories import RolloutsFile, Trajectory
+from .model import loading
 from .model.head import POSITION_CHUNK, over_chunks, token_scores
 from .model.llama import Transformer
-from .model.loading import LoadedModel
+from .model.loading import LoadedModel, resolve_config, resolve_dtype
 from .model.lora import LoraWeights, adapters_disabled
-from .profile import ProfileOptions, profile_trajectories, summarize
+from .profile import ProfileOptions, profile_trajectories, sample_trajectories, summarize
 from .train.adapter import add_lora, load_lora_state, lora_state, save_adapter
 from .train.data import epoch_order
 from .train.objective import k3
@@ -40,8 +34,6 @@ from .train.sparse_actor import JointSparseActor, SharedPromptSparse, actor_hidd
 
 OBJECTIVES = ("kl", "k3")
 PUBLISHED_LORA_ALPHA = 16.0
-PUBLISHED_K3_COEF = 0.001
-PUBLISHED_LR_RATIO = 5.0
 MAX_BUDGET_WEIGHT = 100.0
 
 
@@ -86,11 +78,6 @@ def token_losses(objective: str, dense_logp: Tensor, actor_logp: Tensor, targets
         pick = lambda lp: lp.gather(-1, targets[:, None]).squeeze(-1)
         return k3(pick(dense_logp) - pick(actor_logp))
     raise ValueError(f"unknown objective {objective!r}")
-
-
-def k3_from_sampled(dense_tok: Tensor, actor_tok: Tensor) -> Tensor:
-    """k3 from the sampled tokens' logprobs alone (what `token_losses` computes for k3)."""
-    return k3(dense_tok - actor_tok)
 
 
 def kl_terms(model: Transformer, dense_hidden: Tensor, actor_hidden: Tensor, temperature: float,
@@ -218,7 +205,7 @@ class Distiller:
         for row, ((_, j), c, d) in enumerate(zip(pairs, comps, dense)):
             actor = hidden[row, : len(c)]
             if self.cfg.objective == "k3":
-                terms = k3_from_sampled(d, sampled_logprobs(self.model, actor, c, self.cfg.temperature))
+                terms = k3(d - sampled_logprobs(self.model, actor, c, self.cfg.temperature))
             else:
                 terms = kl_terms(self.model, d, actor, self.cfg.temperature)
             loss = loss + terms.sum() * self.weights[j]
@@ -269,18 +256,6 @@ class Distiller:
 
 
 
-def evaluate(loaded: LoadedModel, trajectories: Sequence[Trajectory], budgets: Sequence[int],
-             actor: LoraWeights | None, temperature: float, bin_width: int,
-             dense_layers: Sequence[int] = DEFAULT_DENSE_LAYERS, page_size: int = PAGE_SIZE) -> pa.Table:
-    """The mismatch table (one row per token per budget) of the actor (None: the plain sparse actor)
-    against the plain dense policy, teacher forced on `trajectories`. Injected adapters are disabled, so
-    a model being distilled scores as its base plus `actor`."""
-    opts = ProfileOptions(budgets=list(budgets), bin_width=bin_width, temperature=temperature,
-                          dense_layers=tuple(dense_layers), page_size=page_size, adapter=actor)
-    with adapters_disabled(loaded.model):
-        return profile_trajectories(loaded, trajectories, opts)
-
-
 def tail_comparison(before: pa.Table, after: pa.Table, quantile: float, threshold: float) -> list[dict]:
     """Per bin and budget: tokens, tail and mean alpha before and after distillation."""
     a = {(r["bin"], r["budget"]): r for r in summarize(before, quantile, threshold).to_pylist()}
@@ -291,48 +266,149 @@ def tail_comparison(before: pa.Table, after: pa.Table, quantile: float, threshol
              "above_after": bool(b[k]["tail_alpha"] >= threshold)} for k in sorted(a) if k in b]
 
 
-def config_dict(cfg: DistillConfig) -> dict:
-    d = asdict(cfg)
-    d["dense_layers"] = list(cfg.dense_layers)
-    return d
+@dataclass
+class DistillJob:
+    """One distillation: the trajectories and the budget functions taught, the eval trajectories and
+    budgets scored before and after, and the adapter it starts from (None: the plain sparse actor)."""
+
+    trajectories: Sequence[Trajectory]
+    budget_at: BudgetFn | Sequence[BudgetFn]
+    eval_trajectories: Sequence[Trajectory]
+    eval_budgets: Sequence[int]
+    bin_width: int = 512
+    init: dict[str, Tensor] | None = None  # its peft state dict
+    init_actor: LoraWeights | None = None  # its merge-ready weights
 
 
-def run_distill(loaded: LoadedModel, trajectories: Sequence[Trajectory],
-                budget_at: BudgetFn | Sequence[BudgetFn], cfg: DistillConfig,
-                eval_trajectories: Sequence[Trajectory], eval_budgets: Sequence[int],
-                bin_width: int, init: dict[str, Tensor] | None = None, init_actor: LoraWeights | None = None,
+def evaluate(loaded: LoadedModel, job: DistillJob, actor: LoraWeights | None, cfg: DistillConfig) -> pa.Table:
+    """The mismatch table (one row per token per budget) of the actor (None: the plain sparse actor)
+    against the plain dense policy, teacher forced on the job's eval trajectories. Injected adapters are
+    disabled, so a model being distilled scores as its base plus `actor`."""
+    opts = ProfileOptions(budgets=list(job.eval_budgets), bin_width=job.bin_width, adapter=actor,
+                          temperature=cfg.temperature, dense_layers=tuple(cfg.dense_layers),
+                          page_size=cfg.page_size)
+    with adapters_disabled(loaded.model):
+        return profile_trajectories(loaded, job.eval_trajectories, opts)
+
+
+def run_distill(loaded: LoadedModel, job: DistillJob, cfg: DistillConfig,
                 on_step: Callable[[dict], None] | None = None,
                 on_phase: Callable[[str], None] | None = None) -> tuple[Distiller, DistillResult]:
-    """Score the eval trajectories with the actor as it starts (`init_actor`, None: the plain sparse actor),
-    distill, score them again with the distilled actor. The model keeps the LoRA injected afterwards."""
+    """Score the eval trajectories with the actor as it starts, distill, score them again with the
+    distilled actor. The model keeps the LoRA injected afterwards."""
     phase = on_phase or (lambda name: None)
     phase("scoring before")
-    before = evaluate(loaded, eval_trajectories, eval_budgets, init_actor, cfg.temperature, bin_width,
-                      cfg.dense_layers, cfg.page_size)
-    distiller = Distiller(loaded, trajectories, budget_at, cfg, init, on_step)
+    before = evaluate(loaded, job, job.init_actor, cfg)
+    distiller = Distiller(loaded, job.trajectories, job.budget_at, cfg, job.init, on_step)
     phase("distilling")
     t0 = time.perf_counter()
     history = distiller.run()
     seconds = time.perf_counter() - t0
     phase("scoring after")
     lora = distiller.lora()
-    after = evaluate(loaded, eval_trajectories, eval_budgets, lora, cfg.temperature, bin_width,
-                     cfg.dense_layers, cfg.page_size)
+    after = evaluate(loaded, job, lora, cfg)
     return distiller, DistillResult(history, seconds, before, after, lora)
 
 
-def save_result(distiller: Distiller, result: DistillResult, folder: str | os.PathLike, base_model: str,
-                metadata: dict) -> Path:
-    """FOLDER/: the peft adapter (adapter_config.json + adapter_model.safetensors), sparrow_distill.json
-    (the configuration, the sparsity, the loss per step, training seconds) and mismatch/before.parquet,
+@dataclass
+class DistillRun:
+    """What `sparrow distill` reads, samples and writes, beside how it trains (`DistillConfig`)."""
+
+    model: str
+    output: Path
+    sparsity: Schedule | int  # the sparse actor's, which samples the training trajectories
+    sampler: str  # its spec, as the artifacts store it
+    eval_budgets: list[int]
+    train_budgets: list[int] | None = None  # None: the sampling sparsity itself (per position)
+    prompts: Path | None = None  # sampled by the sparse actor, or
+    rollouts: RolloutsFile | None = None  # trajectories sampled before
+    rollouts_path: Path | None = None
+    eval_prompts: Path | None = None  # dense eval trajectories (None: the training ones, in-sample)
+    init_adapter: Path | None = None
+    init: tuple[dict[str, Tensor], LoraWeights] | None = None  # its state dict and merge-ready weights
+    samples: int = 4
+    max_new_tokens: int = 64
+    raw_prompts: bool = False
+    bin_width: int = 512
+    device: str = "cpu"
+    dtype: str = "auto"
+    gpu_memory_utilization: float = 0.9
+    gradient_checkpointing: bool | None = None  # None: on when the model is on a CUDA device
+
+    @property
+    def taught(self) -> str | None:
+        """The training budgets as the summary names them (None: the sampler's)."""
+        return ",".join(map(str, self.train_budgets)) if self.train_budgets else None
+
+
+@dataclass
+class DistillHooks:
+    on_sampling: Callable[[], None] = lambda: None  # before the trajectories are sampled
+    on_sampled: Callable[[list[int]], None] = lambda lengths: None  # the training completions' lengths
+    on_phase: Callable[[str], None] | None = None
+    on_step: Callable[[dict], None] | None = None
+
+
+def distill_to_folder(run: DistillRun, cfg: DistillConfig, hooks: DistillHooks) -> tuple[Path, DistillResult]:
+    """`sparrow distill`: the trajectories read (before any weights load) or sampled by the sparse actor
+    as it starts, the eval trajectories sampled densely, the distillation, and its folder written."""
+    model_cfg = resolve_config(run.model)
+    fits = (model_cfg.vocab_size, model_cfg.max_position_embeddings, run.max_new_tokens)
+    trajectories = None
+    if run.rollouts is not None and not run.rollouts.needs_tokenizer:
+        trajectories = run.rollouts.trajectories(None, *fits[:2])
+    prompt_sets = {path: PromptSet.read(path) for path in (run.prompts, run.eval_prompts) if path is not None}
+    for prompt_set in prompt_sets.values():
+        prompt_set.check_fits(*fits)
+    loaded = loading.load_model(run.model, device=run.device, dtype=resolve_dtype(run.dtype, run.device))
+    on_gpu = loaded.model.embed_tokens.weight.is_cuda
+    cfg.gradient_checkpointing = on_gpu if run.gradient_checkpointing is None else run.gradient_checkpointing
+    for prompt_set in prompt_sets.values():
+        if prompt_set.needs_tokenizer:
+            prompt_set.tokenize(loaded.tokenizer, not run.raw_prompts)
+            prompt_set.check_fits(*fits)
+    if run.prompts is None and trajectories is None:
+        trajectories = run.rollouts.trajectories(loaded.tokenizer, *fits[:2])
+    init, init_actor = run.init or (None, None)
+    sampling = dict(budgets=run.eval_budgets, samples=run.samples, max_new_tokens=run.max_new_tokens,
+                    temperature=cfg.temperature, gpu_memory_utilization=run.gpu_memory_utilization,
+                    batch_size=16)
+    hooks.on_sampling()
+    if run.prompts is not None:  # the sparse actor as it starts samples the training trajectories
+        opts = ProfileOptions(sampler=run.sampler, seed=cfg.seed, adapter=init_actor,
+                              schedule=None if isinstance(run.sparsity, int) else run.sparsity, **sampling)
+        train_set = prompt_sets[run.prompts]
+        trajectories = sample_trajectories(loaded, train_set.ids, train_set.tokens, opts)
+        hooks.on_sampled([len(t.completion) for t in trajectories])
+    eval_trajectories = trajectories
+    if run.eval_prompts is not None:  # the dense policy's: the same prefixes before and after
+        opts = ProfileOptions(sampler="dense", seed=cfg.seed + 1, **sampling)
+        eval_set = prompt_sets[run.eval_prompts]
+        eval_trajectories = sample_trajectories(loaded, eval_set.ids, eval_set.tokens, opts)
+    taught = run.train_budgets or [run.sparsity]
+    job = DistillJob(trajectories, [budget_fn(b) for b in taught], eval_trajectories, run.eval_budgets,
+                     run.bin_width, init, init_actor)
+    distiller, result = run_distill(loaded, job, cfg, hooks.on_step, hooks.on_phase)
+    return save_result(distiller, result, run), result
+
+
+def save_result(distiller: Distiller, result: DistillResult, run: DistillRun) -> Path:
+    """OUTPUT/: the peft adapter (adapter_config.json + adapter_model.safetensors), sparrow_distill.json
+    (the run, the configuration, the loss per step, training seconds) and mismatch/before.parquet,
     mismatch/after.parquet (`mismatch` artifacts of the eval trajectories, plain and distilled actor;
-    `sparrow sql --run FOLDER` sees both in one view, `sparrow plan-schedule` plans from either)."""
-    folder = distiller.save(folder, base_model)
-    record = {**metadata, "config": config_dict(distiller.cfg), "budget_weights": distiller.weights,
-              "training_seconds": result.seconds, "history": result.history}
-    (folder / "sparrow_distill.json").write_text(json.dumps(record, indent=2, default=str))
+    `sparrow sql --run OUTPUT` sees both in one view, `sparrow plan-schedule` plans from either)."""
     cfg = distiller.cfg
-    meta = {"model": base_model, "bin_width": metadata.get("bin_width"), "temperature": cfg.temperature,
+    folder = distiller.save(run.output, run.model)
+    record = {"model": run.model, "sparsity": run.sampler, "objective": cfg.objective,
+              "train_budgets": run.taught or run.sampler,
+              "trajectories": input_name(run.rollouts_path or run.prompts),
+              "eval": input_name(run.eval_prompts) if run.eval_prompts else "training",
+              "bin_width": run.bin_width, "init_adapter": str(run.init_adapter) if run.init_adapter else None,
+              "config": {**asdict(cfg), "dense_layers": list(cfg.dense_layers)},
+              "budget_weights": distiller.weights, "training_seconds": result.seconds,
+              "history": result.history}
+    (folder / "sparrow_distill.json").write_text(json.dumps(record, indent=2, default=str))
+    meta = {"model": run.model, "bin_width": run.bin_width, "temperature": cfg.temperature,
             "budgets": json.dumps(sorted({int(b) for b in result.before.column("budget").to_pylist()})),
             "dense_layers": json.dumps(list(cfg.dense_layers)), "page_size": cfg.page_size}
     write_artifact(result.before, folder / "mismatch" / "before.parquet", "mismatch",
@@ -342,6 +418,7 @@ def save_result(distiller: Distiller, result: DistillResult, folder: str | os.Pa
     return folder
 
 
-__all__ = ["OBJECTIVES", "DistillConfig", "DistillResult", "Distiller", "JointSparseActor",
-           "SharedPromptSparse", "actor_hidden", "evaluate", "kl_terms", "run_distill", "sampled_logprobs",
-           "save_result", "tail_comparison", "token_losses"]
+__all__ = ["OBJECTIVES", "DistillConfig", "DistillHooks", "DistillJob", "DistillResult", "DistillRun",
+           "Distiller", "JointSparseActor", "SharedPromptSparse", "actor_hidden", "distill_to_folder",
+           "evaluate", "kl_terms", "run_distill", "sampled_logprobs", "save_result", "tail_comparison",
+           "token_losses"]

@@ -120,7 +120,7 @@ def as_policy(sparsity: Sparsity, page_size: int = PAGE_SIZE) -> KVPolicy:
         for b in sparsity.budgets:
             if b:
                 validate_budget(b, page_size)
-        return BlockTopK(sparsity.budget_at, "schedule")
+        return BlockTopK(sparsity.budget_at, "schedule", sparsity)
     if callable(sparsity):
         return BlockTopK(sparsity)
     budget = int(sparsity)

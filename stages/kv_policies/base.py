@@ -67,12 +67,13 @@ class Dense(KVPolicy):
 
 class BlockTopK(KVPolicy):
     """Block top-k selection at the budget of `budget_at` (an int, a `Schedule` or a budget function of
-    the cache length). Every token stays cached; `label` is the spec text (a schedule's path)."""
+    the cache length). Every token stays cached; `label` is the spec text (a schedule's path);
+    `schedule` the `Schedule` the policy was made of, if any (a run stores it)."""
 
     name = "block_topk"
 
-    def __init__(self, budget_at: BudgetFn, label: str = ""):
-        self.budget_at, self.label = budget_at, label
+    def __init__(self, budget_at: BudgetFn, label: str = "", schedule=None):
+        self.budget_at, self.label, self.schedule = budget_at, label, schedule
 
     @property
     def sparse(self) -> bool:

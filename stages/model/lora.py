@@ -1,13 +1,6 @@
-"""LoRA for the sparse actor, merged into the linear weights before rollouts.
-
-A peft-style adapter is a state dict of `<module>.lora_A.weight` [r, in] and `<module>.lora_B.weight`
-[out, r] per adapted linear layer, with `lora_alpha` and `r` in adapter_config.json; the adapted layer
-computes x @ W.T + (alpha / r) * x @ A.T @ B.T, which equals x @ (W + (alpha / r) * B @ A).T, so merging
-costs nothing per token. `merge_lora` merges in place and returns the original weights, which
-`unmerge_lora` (or the `lora_merged` context manager) puts back bit for bit: the dense learner keeps
-its exact weights. A layer that peft has wrapped (`sparrow distill` trains its adapter injected) is merged
-into its `base_layer`, so a model whose injected adapters are disabled can take another LoRA merged.
-"""
+"""LoRA for the sparse actor, merged into the linear weights before rollouts (W + (alpha / r) B @ A costs
+nothing per token); `unmerge_lora` / `lora_merged` put the original weights back bit for bit, and a layer
+peft has wrapped is merged into its `base_layer`."""
 
 from __future__ import annotations
 

@@ -1,13 +1,5 @@
-"""Training a LoRA through peft on our decoder, saved in peft's format under Hugging Face module names.
-
-peft injects its `lora.Linear` wrappers into our `Transformer` in place (`inject_adapter_in_model`), so
-the learner, the rollout engine and teacher-forced scoring all run the same modules: after an update the
-engine samples with the new adapter at once, unmerged, with nothing reloaded or copied. B starts at
-zero, so a fresh adapter leaves the model's outputs exactly as they were. Only the LoRA matrices train.
-The saved adapter (adapter_config.json + adapter_model.safetensors) names its tensors as peft does for
-the Hugging Face model (`base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`), so
-`transformers` + `peft` load it onto the base checkpoint and `sparrow rollout --adapter` merges it.
-"""
+"""Training a LoRA through peft on our decoder (injected in place: learner, engine and scoring run the same
+modules), saved in peft's format under Hugging Face module names (docs/training.md, adapters)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""RUN/checkpoint/: what a resumed run needs to reach the weights and metrics of an uninterrupted one.
-
-The trainable weights, the optimizer, the step, the history and the RNG states of a step boundary, with
-the configuration (config.json, what a resume must agree on) and progress.json. Replaced atomically, so an
-interrupt never leaves half of one.
-"""
+"""RUN/checkpoint/: the trainable weights, optimizer, step, history and RNG states of a step boundary, with
+config.json and progress.json, replaced atomically: what a resume needs to match an uninterrupted run."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""Data parallelism for `sparrow train` with torch.distributed: `torchrun --nproc-per-node N sparrow train`.
-
-Without torchrun nothing is initialised and the trainer runs its single-process code. The sharding, the
-summing comm hook and what rank 0 alone does: docs/training.md (design notes).
-"""
+"""Data parallelism for `sparrow train` under `torchrun --nproc-per-node N`; without torchrun nothing is
+initialised (docs/training.md, design notes)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""A step's experience as typed records: its rollouts, rewards, the learner's scores and the correction.
-
-`score` is the learner's dense, teacher-forced pass over the sampled tokens with the step's weights (the
-"old" logprobs, no gradient); it also gives the dense probabilities of the sampler's top-20 tokens, hence
-a lower bound of alpha (the engine keeps no more of the sparse actor's distribution).
-"""
+"""A step's experience as typed records: its rollouts, rewards, the learner's dense scores of the sampled
+tokens (the "old" logprobs, and alpha's lower bound from the sampler's top-20) and the correction."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""What a run logs: one metrics row per step, every generated token's mismatch, the run's label.
-
-The files are those `calibrate-threshold` and `sparrow sql --run` read: RUN/metrics.parquet (`metrics`,
-the run's label and configuration in its metadata), RUN/mismatch/step=NNNNN.parquet (`train_mismatch`)
-and RUN/schedule.parquet (`schedule`, the budgets the run sampled with).
-"""
+"""What a run logs: RUN/metrics.parquet (one row per step; the label and configuration in its metadata),
+RUN/mismatch/step=NNNNN.parquet (every generated token's mismatch) and RUN/schedule.parquet."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""The learner's view of a batch of rollouts: dense, teacher-forced logprobs of the sampled tokens.
-
-Two forms of the forward (a shared prompt pass under a prefix mask, or plain causal rows), chosen per
-micro-batch by a memory rule (`shares_prompts`); the vocabulary-sized work runs over chunks of positions.
-docs/training.md (design notes) tells why.
-"""
+"""The learner's view of a batch of rollouts: dense, teacher-forced logprobs of the sampled tokens, by a
+shared prompt pass or plain causal rows per micro-batch (docs/training.md, design notes)."""
 
 from __future__ import annotations
 

@@ -47,27 +47,25 @@ def prompts_fingerprint(rows: Sequence[PromptRow] | None) -> str:
     return sha256_json([[r.prompt_id, r.task, list(r.token_ids), r.answer, r.metadata] for r in rows])
 
 
-def planned_schedule(sparsity: Schedule | KVPolicy | int | None) -> Schedule | None:
-    """The schedule file a sparsity (or the block top-k policy made of it) samples with; None for the rest."""
-    if isinstance(sparsity, BlockTopK):
-        sparsity = getattr(sparsity.budget_at, "__self__", None)
-    return sparsity if isinstance(sparsity, Schedule) else None
+def planned_schedule(policy: KVPolicy) -> Schedule | None:
+    """The schedule file a block top-k policy was made of; None for the rest."""
+    return policy.schedule if isinstance(policy, BlockTopK) else None
 
 
-def sparsity_fingerprint(sparsity: Schedule | KVPolicy | int | None) -> str:
+def sparsity_fingerprint(policy: KVPolicy) -> str:
     """The sha256 of a schedule's content; "" for dense or a fixed budget (its spec says it all)."""
-    schedule = planned_schedule(sparsity)
+    schedule = planned_schedule(policy)
     if schedule is None:
         return ""
     return sha256_json([schedule.page_size, list(schedule.bin_starts), list(schedule.budgets)])
 
 
 def with_fingerprints(cfg: TrainConfig, prompts: Sequence[PromptRow] | None,
-                      eval_prompts: Sequence[PromptRow] | None, sparsity) -> TrainConfig:
+                      eval_prompts: Sequence[PromptRow] | None, policy: KVPolicy) -> TrainConfig:
     """`cfg` with the content hashes of what the run reads."""
     return replace(cfg, prompts_sha256=prompts_fingerprint(prompts),
                    eval_prompts_sha256=prompts_fingerprint(eval_prompts),
-                   schedule_sha256=sparsity_fingerprint(sparsity))
+                   schedule_sha256=sparsity_fingerprint(policy))
 
 
 # ---------------------------------------------------------------- what the directory holds

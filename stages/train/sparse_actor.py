@@ -1,11 +1,6 @@
-"""The sparse actor of DistillSparse: the model plus a LoRA that only the sparse sampler runs.
-
-`actor_hidden` is the teacher-forced form of sparse decoding for completions that share a prompt (one
-dense prompt pass with the adapter, block top-k attention over the whole prefix after it), so its states
-equal those of incremental sparse decoding and gradients reach the adapter. `JointSparseActor` trains
-that adapter beside GRPO's learner (`sparrow train --distill-sparse`); `sparrow distill` (stages/distill.py)
-trains it offline on given trajectories.
-"""
+"""The sparse actor of DistillSparse: the model plus a LoRA that only the sparse sampler runs, trained
+jointly with GRPO (`JointSparseActor`) or offline (stages/distill.py) through `actor_hidden`, the
+teacher-forced, differentiable form of sparse decoding for completions that share a prompt."""
 
 from __future__ import annotations
 
@@ -23,6 +18,7 @@ from ..model.head import token_scores
 from ..model.llama import AttentionContext, Transformer
 from ..scoring.mismatch import decode_budgets, pad_right
 from .adapter import TARGET_MODULES
+from .config import TrainConfig
 from .experience import Experience
 from .objective import LossConfig, policy_loss
 from .policy import RecordingAttention, completion_mask
@@ -76,36 +72,27 @@ def actor_hidden(model: Transformer, prompt: Sequence[int], completions: Sequenc
 
 
 class JointSparseActor:
-    """`sparrow train --distill-sparse`: the sparse actor's adapter trained jointly with GRPO (published).
-
-    A second peft adapter ("sparse") sits beside the learner's ("default") in every linear layer. The
-    learner (scoring, its update, evaluation) runs with "default" active only; the engine samples with both
-    active, so the sparse actor is the current learner plus the sparse adapter, in every forward of the
-    rollout (as for `sparrow distill`). After the learner's update, with the learner frozen, `update` takes
-    one AdamW step (lr = lr_ratio x the learner's lr) on the sparse actor's PPO loss over the step's rollouts
-    (ratio = actor / rollout logprob, the step's advantages, the learner's clip rule, token mean) plus
-    kl_coef x k3(logp_dense_old - logp_actor), from the dense logprobs the step already computed.
-    """
+    """`sparrow train --distill-sparse`: a second peft adapter ("sparse") beside the learner's, which only
+    the engine's sampling runs; after each learner update, one AdamW step on the sparse actor's PPO loss
+    over the step's rollouts plus a k3 term toward the dense logprobs (docs/training.md)."""
 
     ADAPTER = "sparse"
 
-    def __init__(self, model: Transformer, rank: int, alpha: float, lr: float, kl_coef: float,
-                 budget_at: BudgetFn, temperature: float, dense_layers: Sequence[int] = DEFAULT_DENSE_LAYERS,
-                 page: int = PAGE_SIZE):
+    def __init__(self, model: Transformer, cfg: TrainConfig, budget_at: BudgetFn):
         from peft import LoraConfig, inject_adapter_in_model
         from peft.tuners.tuners_utils import BaseTunerLayer
 
-        self.model, self.kl_coef, self.budget_at = model, kl_coef, budget_at
-        self.temperature, self.dense_layers, self.page = temperature, tuple(dense_layers), page
-        self.config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, bias="none",
-                                 target_modules=list(TARGET_MODULES), task_type="CAUSAL_LM")
+        self.model, self.kl_coef, self.budget_at = model, cfg.distill_kl_coef, budget_at
+        self.temperature = cfg.temperature
+        self.config = LoraConfig(r=cfg.distill_rank, lora_alpha=cfg.distill_alpha, lora_dropout=0.0,
+                                 bias="none", target_modules=list(TARGET_MODULES), task_type="CAUSAL_LM")
         inject_adapter_in_model(self.config, model, adapter_name=self.ADAPTER)
         self.layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
         lora = [(n, p) for n, p in model.named_parameters() if "lora_" in n]
         self.params = [p for n, p in lora if f".{self.ADAPTER}." in n]
         self.learner_params = [p for n, p in lora if ".default." in n]
         self.use("learner")
-        self.optimizer = torch.optim.AdamW(self.params, lr=lr, weight_decay=0.0)
+        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr * cfg.distill_lr_ratio, weight_decay=0.0)
 
     def use(self, who: str) -> None:
         """"learner": the default adapter only (trainable); "actor": both, only the sparse one trainable."""
@@ -139,7 +126,7 @@ class JointSparseActor:
             self.optimizer.zero_grad(set_to_none=True)
             for prompt, idx in groups.items():
                 comps = [completions[i].token_ids for i in idx]
-                hidden = actor_hidden(self.model, prompt, comps, self.budget_at, self.dense_layers, self.page)
+                hidden = actor_hidden(self.model, prompt, comps, self.budget_at)
                 mask = completion_mask([len(c) for c in comps], hidden.device)  # [K, T]
                 rows, cols = mask.nonzero(as_tuple=True)
                 targets = pad_right(comps, hidden.device)[rows, cols]

@@ -1,16 +1,5 @@
-"""Live tracking of each training step's metrics (`--report-to`), beside RUN/metrics.parquet, which stays
-the source of truth (the trackers are rewritten from nothing; a resume only appends after its step).
-
-- `jsonl` (always available): RUN/metrics.jsonl, one JSON object per step (NaN written as null); a
-  resumed run keeps the lines of the steps before its checkpoint and drops the rest.
-- `tensorboard`: scalar events under RUN/tensorboard/ through torch.utils.tensorboard.SummaryWriter
-  (needs the `tensorboard` package: the `tracking` extra); tags are the metric names, so verl's
-  rollout_corr/ metrics group as they do in verl.
-- `wandb`: an offline run under RUN/wandb/ (needs the `wandb` package: the `tracking` extra; `wandb
-  sync` uploads it later); never online, so no run phones home.
-- `none`: nothing beyond metrics.parquet.
-Only numbers go to tensorboard and wandb (strings such as `collapse` stay in the jsonl and the parquet).
-"""
+"""Live tracking of each training step's metrics (`--report-to`: jsonl, tensorboard, wandb offline or
+none) beside RUN/metrics.parquet, which stays the source of truth (docs/training.md, tracking)."""
 
 from __future__ import annotations
 

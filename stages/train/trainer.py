@@ -1,11 +1,6 @@
-"""`sparrow train`: GRPO whose rollouts come from the sparse engine, corrected toward the dense learner.
-
-A step, read top to bottom in `Trainer.train_step`: rollouts, rewards and advantages, the learner's dense
-scores, the rollout correction (`experience`); the update (update.py) and, with DistillSparse, the sparse
-actor's own step (sparse_actor.py); the metrics row, evaluation and the step's logs (metrics.py). The run
-directory and resume checks are run_dir.py, checkpoints checkpoint.py. docs/training.md tells the whole
-story.
-"""
+"""`sparrow train`'s step loop: rollouts, rewards, the learner's scores and the rollout correction
+(experience.py), the update (update.py), the sparse actor's step, metrics, evaluation and checkpoints
+(docs/training.md)."""
 
 from __future__ import annotations
 
@@ -101,9 +96,7 @@ class Trainer:
         self.sparse_actor = None
         self.sparse_history: list[dict] = []
         if config.distill_sparse:
-            self.sparse_actor = JointSparseActor(
-                self.model, config.distill_rank, config.distill_alpha, config.lr * config.distill_lr_ratio,
-                config.distill_kl_coef, budget_fn(self.policy), config.temperature)
+            self.sparse_actor = JointSparseActor(self.model, config, budget_fn(self.policy))
         if opts.resume:
             self._restore(load_checkpoint(self.run_dir))
         self.learner = Learner(self.model, data_parallel(self.model, world), self.optimizer, self.loss_cfg,
@@ -265,9 +258,6 @@ class Trainer:
             return
         schedule = planned_schedule(self.policy) or Schedule.constant(self.policy.read_budget(0))
         write_schedule(self.run_dir, schedule, self.cfg.sparsity)
-
-    def label(self) -> dict:
-        return label(self.history)
 
     def summary(self) -> dict:
         h = self.history

@@ -1,8 +1,5 @@
-"""The learner's update: PPO epochs over micro-batches of a step's experience, clipping, AdamW.
-
-The loss is the token mean over the whole (global) batch, so micro-batches and ranks add up to it: each
-rank differentiates its shard of the sequences and DDP sums the gradients at the last micro-batch.
-"""
+"""The learner's update: PPO epochs over micro-batches of a step's experience, clipping, AdamW; the loss is
+the global batch's token mean, so micro-batches and ranks (DDP sums the gradients) add up to it."""
 
 from __future__ import annotations
 

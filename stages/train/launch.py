@@ -1,0 +1,113 @@
+"""`sparrow train` around the Trainer: the run directory checked before any weights load, the model and
+prompts loaded and checked, the Ray rollout workers or torchrun ranks, and the summary record."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from sparrow.schemas import check_output_dir
+
+from ..backends.ray_pool import RolloutPool
+from ..kv_policies import KVPolicy
+from ..model import loading
+from .config import TrainConfig
+from .data import PromptRow, load_prompts
+from .distributed import World, init_world, shutdown_world
+from .run_dir import check_run_dir, with_fingerprints
+from .trainer import RunOptions, Trainer
+
+MEANS = ("mismatch_kl", "alpha_lb_p5", "masked_fraction", "vetoed_fraction", "rollout_seconds",
+         "scoring_seconds", "update_seconds", "weight_sync_seconds")
+
+
+@dataclass
+class TrainInputs:
+    """What a run reads and where it writes, beside what defines it (`TrainConfig`)."""
+
+    prompts: Path
+    output_dir: Path
+    policy: KVPolicy  # the rollouts' KV policy; `TrainConfig.sparsity` stores its spec
+    eval_prompts: Path | None = None
+
+
+def read_prompts(cfg: TrainConfig, inputs: TrainInputs, tokenizer) -> tuple[list[PromptRow],
+                                                                           list[PromptRow] | None]:
+    chat = not cfg.raw_prompts
+    rows = load_prompts(inputs.prompts, tokenizer, chat)
+    return rows, load_prompts(inputs.eval_prompts, tokenizer, chat) if inputs.eval_prompts else None
+
+
+def check_run_location(cfg: TrainConfig, inputs: TrainInputs, resume: bool, force: bool) -> None:
+    """The run directory (writable, a run to resume with the same options and input contents, or none to
+    overwrite), before any weights load: the prompts are read with the model's tokenizer alone."""
+    check_output_dir(inputs.output_dir, "a training run", ours=lambda d: True, force=force)  # no FIFO
+    if not (inputs.output_dir.exists() or resume):
+        return
+    rows, held_out = read_prompts(cfg, inputs, loading.spec_tokenizer(cfg.model))
+    check_run_dir(inputs.output_dir, with_fingerprints(cfg, rows, held_out, inputs.policy), resume, force)
+
+
+def join_world(device: str, workers: int) -> World:
+    """This process's torchrun rank (or the single process); Ray workers are refused under torchrun."""
+    world = init_world(device)
+    if workers and world.distributed:
+        raise ValueError("--workers (Ray rollout workers) cannot run under torchrun; use one of them")
+    return world
+
+
+@contextmanager
+def launched(cfg: TrainConfig, workers: int, ray_address: str | None) -> Iterator[RolloutPool | None]:
+    """The Ray rollout pool of `workers` (None: none), seeded with the learner's base weights; the pool
+    and the torchrun process group are released at the end."""
+    pool = None
+    try:
+        if workers:
+            pool = RolloutPool(cfg.model, workers, address=ray_address, device=cfg.device,
+                               random_weights=cfg.random_weights)
+        yield pool
+    finally:
+        if pool is not None:
+            pool.close()
+        shutdown_world()
+
+
+def start_training(cfg: TrainConfig, inputs: TrainInputs, opts: RunOptions) -> Trainer:
+    """The model and prompts loaded and checked against its context, and the Trainer (a refused resume
+    says so here); ValueError in one sentence, before the run directory is written."""
+    loaded = loading.load_model(cfg.model, device=cfg.device, random_weights=cfg.random_weights,
+                        dtype=torch.bfloat16 if cfg.device == "cuda" else torch.float32)
+    if loaded.tokenizer is None:
+        raise ValueError(f"--model {cfg.model} has no tokenizer, so the task's scorer cannot read the "
+                         "sampled answers; train a model with a tokenizer (a checkpoint with tokenizer "
+                         "files)")
+    rows, held_out = read_prompts(cfg, inputs, loaded.tokenizer)
+    longest = max(len(r.token_ids) for r in rows + (held_out or []))
+    context = loaded.config.max_position_embeddings
+    if longest + cfg.max_new_tokens > context:
+        raise ValueError(f"a prompt of {longest} tokens with --max-new-tokens {cfg.max_new_tokens} exceeds "
+                         f"the model's context of {context}")
+    return Trainer(cfg, loaded, rows, inputs.output_dir, eval_prompts=held_out, options=opts,
+                   policy=inputs.policy)
+
+
+def summary_record(history: list[dict], s: dict) -> dict:
+    """The run's summary as the one record `sparrow train` prints (per-step numbers: metrics.parquet)."""
+
+    def mean(key: str) -> float | None:
+        values = [r[key] for r in history if r.get(key) is not None]
+        return sum(values) / len(values) if values else None
+
+    sparse_eval = s.get("final_eval_accuracy_sparse")
+    return {**{k: s[k] for k in ("steps", "reward_first", "reward_last", "initial_eval_accuracy",
+                                 "final_eval_accuracy")},
+            **({"final_eval_accuracy_sparse": sparse_eval} if sparse_eval is not None else {}),
+            "skipped_updates": s.get("skipped_updates", 0), **{f"mean_{k}": mean(k) for k in MEANS},
+            "label": s["label"], "first_collapse_step": s["first_collapse_step"],
+            "reasons": "; ".join(s["reasons"]), "warnings": "; ".join(s.get("warnings", [])),
+            "adapter": s["adapter"] or None,
+            **({"sparse_adapter": s["sparse_adapter"]} if s.get("sparse_adapter") else {})}
