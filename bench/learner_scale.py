@@ -33,9 +33,9 @@ import pyarrow.parquet as pq
 import torch
 
 from sparrow.stages.core.trajectories import Trajectory
+from sparrow.stages.model.adapter import add_lora
 from sparrow.stages.model.loading import load_model, resolve_config
 from sparrow.stages.profile import ProfileOptions, profile_trajectories
-from sparrow.stages.train.adapter import add_lora
 from sparrow.stages.train.objective import LossConfig, policy_loss
 from sparrow.stages.train.policy import completion_logprobs
 

@@ -35,10 +35,10 @@ import pyarrow.parquet as pq
 import torch
 from common import write_results
 
+from sparrow.stages.model.adapter import TARGET_MODULES
 from sparrow.stages.model.loading import embedded_checkpoint, load_model
 from sparrow.stages.tasks import make_prompts, score
 from sparrow.stages.train import PromptRow, TrainConfig, Trainer
-from sparrow.stages.train.adapter import TARGET_MODULES
 
 RUNS = Path(__file__).parent / "results" / "train_vs_trl-runs"
 PHASES = ("rollout", "scoring", "update")

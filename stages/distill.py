@@ -21,12 +21,12 @@ from .core.schedule import Schedule
 from .core.sparsity import BudgetFn, budget_fn
 from .core.trajectories import RolloutsFile, Trajectory
 from .model import loading
+from .model.adapter import add_lora, load_lora_state, lora_state, save_adapter
 from .model.head import POSITION_CHUNK, over_chunks, token_scores
 from .model.llama import Transformer
 from .model.loading import LoadedModel, resolve_config, resolve_dtype
 from .model.lora import LoraWeights, adapters_disabled
 from .profile import ProfileOptions, profile_trajectories, sample_trajectories, summarize
-from .train.adapter import add_lora, load_lora_state, lora_state, save_adapter
 from .train.data import epoch_order
 from .train.objective import k3
 from .train.policy import completion_hidden

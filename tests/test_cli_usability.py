@@ -95,7 +95,7 @@ def test_an_adapter_config_that_is_not_json_is_named(tmp_path):
 
 
 def test_an_adapter_for_another_base_model_is_used_with_a_warning(tmp_path):
-    from sparrow.stages.train.adapter import add_lora, save_adapter
+    from sparrow.stages.model.adapter import add_lora, save_adapter
 
     model = load_model("tiny-llama").model
     config = add_lora(model, 2, 4.0)

@@ -315,7 +315,7 @@ def test_the_engine_follows_weight_updates(tiny):
     what an engine built on the updated weights samples."""
     import copy
 
-    from sparrow.stages.train.adapter import add_lora
+    from sparrow.stages.model.adapter import add_lora
 
     model = copy.deepcopy(tiny)
     add_lora(model, 4, 8.0)

@@ -128,7 +128,7 @@ def test_fp32_head_and_the_chunked_learner_on_cuda(tiny_qwen3):
     product within fp32 rounding, far finer than bf16's), its gradient is the bf16 product's; the learner's
     logprobs over chunks of 3 positions equal one chunk, and per-layer checkpointing leaves the logprobs
     and the gradient of a LoRA as they are (within bf16 rounding)."""
-    from sparrow.stages.train.adapter import add_lora
+    from sparrow.stages.model.adapter import add_lora
     from sparrow.stages.train.policy import completion_logprobs
 
     model = load_model(tiny_qwen3[1], device="cuda", dtype=torch.bfloat16).model

@@ -182,7 +182,7 @@ def test_fused_layers_equal_the_modular_step_torch_ops(which, qwen3_path, qwen2_
 def _lora_model(path, adapters=("default",)):
     from peft import LoraConfig, inject_adapter_in_model
 
-    from sparrow.stages.train.adapter import TARGET_MODULES
+    from sparrow.stages.model.adapter import TARGET_MODULES
 
     model = _load(path)
     GpuDecode(model, ops.TORCH)  # stacked before peft wraps the projections (the trainer's order too)
@@ -245,7 +245,7 @@ def test_stacking_after_peft_injection_and_the_runner_restacking(qwen3_path):
     fused step applies the adapter; the GPU runner stacks at construction and, told of an update
     (`refresh_weights`, as at every run's start), stacks a replaced parameter again."""
     from sparrow.stages.engine.gpu.runner import GpuRunner
-    from sparrow.stages.train.adapter import add_lora
+    from sparrow.stages.model.adapter import add_lora
 
     model = _load(qwen3_path)
     add_lora(model, rank=2, alpha=4.0)

@@ -24,10 +24,10 @@ from sparrow.schemas import artifact_metadata, read_artifact
 from sparrow.stages.attention import SparseAttention
 from sparrow.stages.core.sparsity import budget_fn
 from sparrow.stages.engine import EngineConfig
+from sparrow.stages.model.adapter import add_lora
 from sparrow.stages.model.config import ModelConfig, ModelSpecError
 from sparrow.stages.model.loading import load_model, resolve_config
 from sparrow.stages.scoring.mismatch import decode_budgets, score_sequences
-from sparrow.stages.train.adapter import add_lora
 from sparrow.stages.train.policy import PREFIX_MASK_ELEMENTS, completion_logprobs, shares_prompts
 
 from cli_checks import error_line

@@ -441,7 +441,7 @@ def test_a_lora_on_16_bit_weights_trains_in_fp32(tiny_llama):
     """On a bf16 base (the GPU's training dtype) the LoRA is fp32, as peft's get_peft_model makes it by
     default: its start changes nothing (B = 0), and a small AdamW step moves it, which in bf16 it would not
     (0.01 + 1e-6 rounds back to 0.01 in bf16's 8 bits of mantissa)."""
-    from sparrow.stages.train.adapter import add_lora
+    from sparrow.stages.model.adapter import add_lora
 
     model = load_model(tiny_llama[0], dtype=torch.bfloat16).model
     tokens = torch.tensor([[1, 2, 3, 4, 5]])

@@ -79,7 +79,7 @@ class RolloutWorker:
     def load_weights(self, state: dict, lora: bool) -> None:
         """Weight sync: the learner's LoRA tensors (peft names) into this worker's injected LoRA, or a
         full state dict."""
-        from ..train.adapter import load_lora_state
+        from ..model.adapter import load_lora_state
 
         if lora:
             load_lora_state(self.loaded.model, state)
@@ -89,7 +89,7 @@ class RolloutWorker:
             self.engine.update_weights()
 
     def add_lora(self, rank: int, alpha: float) -> None:
-        from ..train.adapter import add_lora
+        from ..model.adapter import add_lora
 
         self._drop_engine()  # its packed weights and graphs belong to the modules the LoRA wraps
         add_lora(self.loaded.model, rank, alpha)
@@ -156,11 +156,9 @@ class RolloutPool:
             on_shard: Callable[[ShardResult], None] | None = None) -> list[ShardResult]:
         """`task` (see `RolloutWorker.work`) over len(workers) contiguous shards of `items`, in shard
         order."""
-        from sparrow.stages.train.distributed import World
-
         ray = require_ray()
         n = len(self.workers)
-        shards = [World(k, n).shard(len(items)) for k in range(n)]
+        shards = _contiguous_shards(len(items), n)
         pending, idle = deque(range(n)), list(self.workers)
         running: dict = {}
         attempts = [0] * n
@@ -213,3 +211,10 @@ class RolloutPool:
         self.workers = []
         if self.started_ray:
             ray.shutdown()
+
+
+def _contiguous_shards(total: int, n: int) -> list[slice]:
+    """n contiguous shares of `total` items, the first total % n one larger (as `World.shard` splits)."""
+    base, extra = divmod(total, n)
+    starts = [k * base + min(k, extra) for k in range(n + 1)]
+    return [slice(starts[k], starts[k + 1]) for k in range(n)]

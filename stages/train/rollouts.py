@@ -15,7 +15,7 @@ from torch import nn
 from ..backends.ray_pool import RolloutPool
 from ..engine import Completion, Engine, EngineConfig, SamplingParams
 from ..kv_policies import KVPolicy
-from .adapter import lora_state
+from ..model.adapter import lora_state
 from .distributed import World
 
 

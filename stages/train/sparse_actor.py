@@ -14,10 +14,10 @@ from torch import Tensor
 
 from ..attention import DEFAULT_DENSE_LAYERS, PAGE_SIZE, SparseAttention
 from ..core.sparsity import BudgetFn
+from ..model.adapter import TARGET_MODULES
 from ..model.head import token_scores
 from ..model.llama import AttentionContext, Transformer
 from ..scoring.mismatch import decode_budgets, pad_right
-from .adapter import TARGET_MODULES
 from .config import TrainConfig
 from .experience import Experience
 from .objective import LossConfig, policy_loss

@@ -19,10 +19,10 @@ from ..core.schedule import Schedule
 from ..core.sparsity import budget_fn
 from ..engine import SamplingParams
 from ..kv_policies import Dense, KVPolicy
+from ..model.adapter import add_lora, load_lora_state, lora_state, save_adapter
 from ..model.loading import LoadedModel
 from ..tasks import score_batch
 from . import objective as grpo
-from .adapter import add_lora, load_lora_state, lora_state, save_adapter
 from .checkpoint import drop_mismatch_after, load_checkpoint, rng_states, save_checkpoint, set_rng_states
 from .config import TrainConfig, kv_policy
 from .data import PromptRow, epoch_order
