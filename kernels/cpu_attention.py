@@ -1,61 +1,11 @@
-"""CPU attention kernels in C++ (AVX512): the cascade's shared prefix in bf16, listed pages, the prefill.
+"""CPU attention kernels in C++ (AVX512-BF16), each beside its float64 or torch reference.
 
-`paged_attention`: the G query rows of each (sequence, KV head) over the valid positions of a list of
-logical pages (the selected pages of a sparse layer, the suffix pages of a cascade step), read in place
-from the pool through the block table: all the scores first, one softmax, then the values (an online
-softmax rescaled every 16 keys was slower: 36 vs 31-35 ms per budget-512 step). Over bf16 pages of 16
-keys the scores are vdpbf16ps products whose 16 partial sums are summed across lanes together; the
-values are fp32 FMAs on widened bf16, with the accumulators of up to 4 heads in registers. All listed
-pages are prefetched into L2 first: they are scattered in the pool and mostly not in cache. At 8 rows x
-512 keys x 9/3 heads (from L3, before the prefetch) a call went 136 -> 109 -> 70 us over these changes.
-The torch path gathers the pages into a buffer and calls the flash kernel, about 0.6 ms per layer at
-budget 512 x 8 samples, most of it the gather, the masks and a flash call whose 3-row queries it does
-not parallelise well; this splits the work over (sequence, KV head). Reference:
-`paged_attention_reference` (float64, positions listed one by one).
-
-`select_pages`: block top-k selection from page scores in one op (the torch path's topk, scatter,
-masks and sort are about a dozen small ops per layer); `score_pages`, the page scores of a cascade step
-(the shared prefix's centroids, each sample's own pages through its block table) in one op; `append_kv`,
-a decode step's new keys and values and the pages' running means; `sparse_decode_layer`, the four of a
-sparse layer (append, score, select, attend) in one op.
-
-`packed_prefix_attention`, the cascade's shared prefix:
-
-In a dense bf16 decode step of 8 samples over a shared 6K-token prompt, the prefix attention is most
-of the step: 24 query rows per KV head against 6K keys, about 0.11 GFLOP per layer. PyTorch's CPU
-flash kernel runs it at about 90 GFLOP/s (1.1-1.3 ms per layer on 2 cores), converting bf16 blocks to
-fp32 for its products. This kernel keeps the operands in bf16 and multiplies with `vdpbf16ps`
-(pairs of bf16 products accumulated in fp32), so the prefix is stored in the two layouts that
-instruction wants, written once at prefill (the prefix never changes):
-
-- keys   [Hkv, S/16, D/2, 16, 2]: per block of 16 keys, per pair of dims, the 16 keys' two values;
-  a score vector is 16 keys, accumulated over D/2 pair steps with the query's pair broadcast;
-- values [Hkv, S/2, D, 2]: per pair of keys, per dim, the two keys' values; an output vector is 16
-  dims, accumulated over key pairs with the two probabilities broadcast.
-
-Scores are fp32 (scaled after the product, so the query is not rounded again), the online softmax is
-fp32, and the probabilities are rounded to bf16 for the value product, as the flash kernel does for
-bf16. Work is split over (KV head, key chunk) and the chunks merged by log-sum-exp, as
-`cascade_decode.prefix_attention` does. `prefix_attention_reference` is the torch reference: unpack
-and attend in fp64.
-
-`causal_attention`, a prefill (kernels/cpu_prefill.cpp): the same products over the keys and values
-packed per layer (padded with zeros to whole key blocks), every position against the positions up to it;
-in fp32 the same loops with FMAs (keys packed [Tp/16, D, 16], values as they are, fp32 probabilities):
-233 vs 302 ms per layer for PyTorch's fp32 flash kernel at 6K tokens (178 GFLOP/s, about 3/4 of this
-CPU's fp32 FMA peak). Work items are (sequence, KV head, 32 query positions): the 3 x 32 query rows of
-SmolLM2's GQA group share each 64-key tile while it is in L1, and threads take the items largest first
-from a counter (the causal costs grow with the position). At 6K tokens it ran at about 300 GFLOP/s on 2
-cores, 2.2x PyTorch's flash kernel (138 vs 302 ms per layer), which had been 68% of a 14.6 s prefill.
-One kernel (kernels/cpu_attend.h) serves the prefix and the prefill; its score and value accumulators
-are written back only with constant indices, else GCC spilled them to the stack in every step of the
-inner loop, which had held the same kernel at 140 GFLOP/s. `causal_attention_reference` is the float64
-reference.
-
-The kernels are built on first use with torch's C++ extension loader (a C++ compiler and ninja; 10-80 s)
-for CPUs with AVX512-BF16 only, cached in a folder named by the source's hash and loaded directly from
-there afterwards. Where they cannot be built or run, or with SPARROW_CPU_KERNELS=0, `available()` is
-False and the engine keeps the plain layout and the torch paths (gather + flash kernel).
+`paged_attention` (listed pages read through the block table), `select_pages` and `score_pages` (block
+top-k in one op), `append_kv`, `sparse_decode_layer` (append, score, select, attend), the cascade's
+`packed_prefix_attention` over a bf16 prefix stored once in the layouts `vdpbf16ps` wants, and
+`causal_attention` (the prefill). Built on first use with torch's C++ extension loader, cached by the
+source's hash; where they cannot be built or run, or with SPARROW_CPU_KERNELS=0, `available()` is False
+and the torch paths run. Design and layouts: docs/cpu-kernels.md.
 """
 
 from __future__ import annotations

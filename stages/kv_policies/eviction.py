@@ -1,58 +1,12 @@
 """Eviction policies (Sparse-RL's KV compression): SnapKV and R-KV under a fixed KV budget.
 
-The rule, per sample, per layer, per KV head (each KV head keeps its own tokens, all keep as many):
-
-When: the prompt is prefilled whole (no compression at prefill, as in the Sparse-RL release, whose
-extend step keeps the full KV). A decode step appends the fed token's keys and values and its query
-attends densely to everything retained. After any decode step that leaves the cache holding
-budget + buffer tokens or more, the cache is compressed back to `budget` tokens before the next step.
-So a cache never holds more than max(budget + buffer, prompt + 1) tokens, compressions come every
-`buffer` decode steps (the release's `step_length` divide method with divide length = buffer), and the
-prompt's tokens are candidates like any other (the release compresses the whole retained set,
-prompt included; its "max prompt" flag is what we call the budget).
-
-What is kept, on a cache of L tokens in slots 0..L-1 (slot order = position order), with the
-observation window Q: the post-RoPE queries of the last W positions (those of the last W slots):
-- protected: the sink, slots 0..S-1 (positions 0..S-1, never evicted), and the window, slots L-W..L-1;
-- importance of a slot j < L-W, for KV head h and its group G(h) of query heads (SnapKV, as the
-  release and R-KV compute it):
-      a[g, i, j] = q_{g,i} . k_{h,j} / sqrt(D)                 (i in the window, g in G(h))
-      m[i, j]    = max_g a[g, i, j]                            (the release's attn_pooling="max")
-      p[i, j]    = softmax over j' < L-W of m[i, j']           (the window keys are not in it)
-      imp[j]     = mean_i p[i, j]
-      pool[j]    = max of imp over j-3..j+3 within [0, L-W)    (max pooling, kernel 7)
-  SnapKV's score is pool[j].
-- R-KV's redundancy of slot j: with k^_j = k_j / (|k_j| + 1e-8) and c[i, j] = k^_i . k^_j for i != j
-  (0 on the diagonal), each row i forgives its most recent highly similar slot, r(i) = the largest j
-  with c[i, j] > 0.5 (slot 0 when none), by setting c[i, r(i)] = 0; then
-      red[j] = softmax over j' < L of (mean_i c[i, j'])
-  and R-KV's score is lambda * pool[j] - (1 - lambda) * red[j], lambda = 0.1.
-- kept: the sink, the window and the budget - S - W candidate slots S..L-W-1 of highest score, ties
-  broken toward the earlier position; the kept tokens are compacted into slots 0..budget-1 in position
-  order. Their keys keep the RoPE of their original positions, and a later query keeps its true
-  position: only the cache length shrinks.
-
-Constants and where the defaults come from:
-- budget: given (the release's --sglang-compress-max-prompt, 512 in its runs). It must exceed S + W.
-- W = 8: the observation window (R-KV's alpha = 8 observation tokens; the release's compress_max_window
-  = 8, which also makes its protected recent window 8 tokens).
-- buffer = 128: R-KV's B_buffer and the release's compress_divide_length (step_length) of 128.
-- kernel 7, max pooling: the release's KVCluster (kernel_size=7, pooling="maxpool") and R-KV's code.
-  (SnapKV's own repository defaults to average pooling over 5 at prompt time; the decode-time form
-  Sparse-RL and R-KV run uses the above.)
-- attention pooled over the query group by max before the softmax: the release (attn_pooling="max")
-  and R-KV's compute_attention_scores; mean over the window's queries after the softmax.
-- lambda = 0.1, threshold 0.5, "last" retention, softmax normalisation: the release's KVCluster for
-  RKV (mix_alpha=0.1, sim_threshold=0.5, retain_direction="last", sim_normalization=True) and R-KV's
-  README (lambda 0.1; its code's default is 0.07).
-- S = 4: StreamingLLM's four attention-sink tokens (the release's KVCluster first_tokens=4 for its
-  streamingllm mode). Neither SnapKV nor R-KV protects a sink; this engine does.
-
-Two deliberate departures from the release, both toward the papers: the kept set is chosen per layer
-and per KV head (SnapKV and R-KV), where the release sums the scores over heads and shares one set
-across heads (and its layers write one shared set per request); and compressions are timed by the
-cache length (every `buffer` steps once it is full), where the release counts the batch's steps, so
-that eviction is a function of the sample's own prefix and teacher forcing replays it.
+Per sample, layer and KV head: the prompt is prefilled whole; after a decode step that leaves the cache
+at budget + buffer tokens or more, it is compressed back to `budget` before the next step. The sink
+(first S tokens) and the observation window (last W) are kept; the other slots are ranked by SnapKV's
+pooled attention of the window's queries (R-KV: that minus key redundancy), the best kept in position
+order, their keys keeping the RoPE of their positions. Compressions are timed by the cache length, so
+eviction is a function of the sample's own prefix and teacher forcing replays it. The rule, its
+constants and where each comes from: docs/kv-compression.md.
 """
 
 from __future__ import annotations
