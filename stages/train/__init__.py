@@ -1,12 +1,22 @@
 """`sparrow train`: GRPO on sparse rollouts, corrected toward the dense learner (see trainer.py)."""
 
-from .config import TrainConfig
-from .data import PromptRow, load_prompts
-from .metrics import read_metrics
-from .objective import CORRECTIONS, LossConfig, group_advantages, policy_loss, rollout_correction
-from .run_dir import TrainingInterrupted, check_run_dir, with_fingerprints
-from .trainer import RunOptions, Trainer
+from __future__ import annotations
 
-__all__ = ["CORRECTIONS", "LossConfig", "PromptRow", "RunOptions", "TrainConfig", "Trainer",
-           "TrainingInterrupted", "check_run_dir", "group_advantages", "load_prompts", "policy_loss",
-           "read_metrics", "rollout_correction", "with_fingerprints"]
+import importlib
+
+# Imported on first use (PEP 562): a light submodule (detectors.py, config.py) does not pull the
+# trainer, torch and the engine into a command that only needs it, such as `sparrow --help`.
+_EXPORTS = {"TrainConfig": ".config", "PromptRow": ".data", "load_prompts": ".data",
+            "read_metrics": ".metrics",
+            "CORRECTIONS": ".objective", "LossConfig": ".objective", "group_advantages": ".objective",
+            "policy_loss": ".objective", "rollout_correction": ".objective",
+            "TrainingInterrupted": ".run_dir", "check_run_dir": ".run_dir", "with_fingerprints": ".run_dir",
+            "RunOptions": ".trainer", "Trainer": ".trainer"}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name], __name__), name)
