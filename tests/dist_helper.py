@@ -92,6 +92,9 @@ def assert_same_run(a: Path, b: Path) -> None:
         for k, v in ra.items():
             if isinstance(v, float) and not (k == "reward_mean" or k == "accuracy"):
                 assert math.isclose(rb[k], v, rel_tol=1e-4, abs_tol=1e-6), (ra["step"], k, v, rb[k])
+            elif isinstance(v, list) and v and all(isinstance(x, float) for x in v):  # per-bin float metrics
+                assert len(rb[k]) == len(v) and all(
+                    math.isclose(y, x, rel_tol=1e-4, abs_tol=1e-6) for x, y in zip(v, rb[k])), (ra["step"], k)
             else:
                 assert rb[k] == v, (ra["step"], k)
     import torch
@@ -100,7 +103,7 @@ def assert_same_run(a: Path, b: Path) -> None:
     wb = torch.load(b / "checkpoint" / "state.pt", weights_only=False)["weights"]
     assert wa.keys() == wb.keys()
     for k in wa:
-        assert float((wa[k] - wb[k]).abs().max()) < 1e-5, k
+        assert float((wa[k] - wb[k]).abs().max()) < 1e-5, (k, float((wa[k] - wb[k]).abs().max()))
 
 
 def main(argv: list[str]) -> None:
