@@ -94,6 +94,7 @@ keep() {  # keep SRC NAME: a result file to $OUT
 }
 
 summary() {  # summary [FILE]
+    [[ $PLAN == 1 ]] && return 0
     local table
     table=$(printf '%-16s %-10s %5s %6s\n' step status s limit; printf '%s\n' "${SUMMARY[@]}")
     echo "=== summary (${SECONDS}s in all)"
