@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# The GPU path checked in one lent window: two device calls run back to back, with nothing to decide in
+# between, Qwen3-4B shapes with random bf16 weights. A lent session runs `bash bench/gpu_wheels.sh` here,
+# then `run` with command `bash bench/gpu_window.sh a`, carry [".whl"], timeout_s 480, then the same with
+# `b` and timeout_s 360, then `give_back` (README, "Running the GPU window").
+#
+#   bash bench/gpu_window.sh a|b|--plan
+#
+# Each phase has a budget (a 380 s, b 280 s, together 660 s; the call's timeout leaves a minute or more
+# for the wheels and the site folder); a step gets at most what is left of it and is skipped, with the
+# reason, when less than half its limit is left. Steps are in the order of priority: correctness, 32K
+# memory, the decode step against its floor, the 8K rollout ratio, profiling at 32K. Logs, at most 8
+# files with the results and summary.txt, go to $OUT; the summary table is printed last. `--plan` prints
+# each phase's steps, limits and totals and runs nothing (no torch or GPU needed).
+#
+# Sizing, from the CPU side: test_kernels_triton.py is 74 tests (slow sweeps included; the CPU-only
+# ahead-of-time build test is left out: it compiles every kernel for sm80 and sm90 and needs no GPU);
+# the engine's GPU tests are 33. A 32K prompt's prefill is about 2 x 4e9 x 32768 = 2.6e14 FLOPs plus as
+# much again in attention, about a second per engine at H100 rates: the engines step is pool sizing,
+# graph capture and frees. The 8K rollout reads per dense step 8 GB of weights plus 32 samples' KV
+# (147 KB a token, 4.3K tokens on average: 20 GB), about 9 ms at 3 TB/s, 8,192 steps: 75 s dense, about
+# 45 s each sparse run at its floor; at the 1.4-2x floor measured before, 200-250 s for the three runs.
+set -u
+case ${1:-} in
+    a|b|--plan) ;;
+    *) echo "bench/gpu_window.sh: unknown phase '${1:-}': expected a, b or --plan." >&2
+       exit 2 ;;
+esac
+WHAT=$1
+[[ $WHAT == --plan ]] && PLAN=1
+# shellcheck source=bench/gpu_common.sh
+source "$(dirname "$0")/gpu_common.sh"
+BUDGET_A=380 BUDGET_B=280
+CPU_ONLY=tests/test_kernels_triton.py::test_kernels_compile_for_sm80_and_sm90
+
+phase_a() {  # correctness, 32K memory, the decode step against its floor
+    step versions 15 versions
+    step kernel-tests 130 $PY -m pytest -q -p no:cacheprovider -m "slow or not slow" --deselect "$CPU_ONLY" \
+        tests/test_kernels_triton.py
+    step engine-tests 110 $PY -m pytest -q -s -p no:cacheprovider -m "slow or not slow" tests/test_gpu.py \
+        tests/test_gpu_layers.py "tests/test_rollout.py::test_cuda_graph_step_equals_eager_step"
+    step engines-32k 60 $PY bench/scale_gpu.py engines --model qwen3-4b --context 32768 --samples 32 --engines 4
+    step own-kv 65 $PY bench/rollout.py --model qwen3-4b --random-weights --own-kv 8x32768,32x8192 \
+        --samplers dense,budget --budget 2048 --temperature 1
+    keep bench/results/rollout-own-kv.parquet own-kv.parquet
+}
+
+phase_b() {  # the 8K rollout ratio, profiling at 32K
+    step rollout-8k 225 $PY bench/rollout.py --model qwen3-4b --random-weights --prompts 4 --samples 8 \
+        --prompt-len 256 --new-tokens 8192 --temperature 1 --budget 2048 --schedule published:qwen3-4b:0.86 \
+        --no-hf --no-vllm
+    keep bench/results/rollout.parquet rollout-8k.parquet
+    LOG=profile-32k step profile-inputs 10 $PY bench/learner_scale.py rollouts --model qwen3-4b \
+        --trajectories 4 --length 32768 --output "$WORK/long_rollouts.parquet"
+    step profile-32k 45 $PY bench/scale_gpu.py run -- sparrow profile --device cuda --model qwen3-4b \
+        --random-weights --rollouts "$WORK/long_rollouts.parquet" --budgets 1024,2048,3072,4096 \
+        --bin-width 2000 -o "$OUT/profile-32k.parquet" --force
+}
+
+LEFT="  left to gpu_checks.sh (another call each): scale-train (one LoRA GRPO step, 2 x 4 x 16K new tokens,
+  peak memory), scale-step-profile (the step profile at 32K x 8, budget 2048), rollout-8k (fit-cost first,
+  for the cost model's predicted speedups beside the measured ones; bench/predict_rollout.py gives them
+  for this window's rollout-8k.parquet from any fit-cost artifact of the same card)."
+
+if [[ $WHAT == --plan ]]; then
+    echo "phase a (run: timeout_s 480; budget ${BUDGET_A} s):"
+    phase_a
+    echo "  total            $PLANNED s of $BUDGET_A"
+    total=$PLANNED PLANNED=0
+    echo "phase b (run: timeout_s 360; budget ${BUDGET_B} s):"
+    phase_b
+    echo "  total            $PLANNED s of $BUDGET_B"
+    echo "both phases: $((total + PLANNED)) s of $((BUDGET_A + BUDGET_B))"
+    echo "$LEFT"
+    exit 0
+fi
+
+[[ $WHAT == a ]] && BUDGET=$BUDGET_A || BUDGET=$BUDGET_B
+gpu_site
+echo "=== phase $WHAT: budget ${BUDGET}s, logs in $OUT"
+"phase_$WHAT"
+[[ $WHAT == b ]] && echo "$LEFT"
+summary "$OUT/summary.txt"
