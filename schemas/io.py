@@ -178,10 +178,22 @@ def write_artifact_parts(tables: Sequence[TableLike], path: str | os.PathLike, k
     if is_stdio(path):
         raise ArtifactError("a directory of parts cannot be written to stdout (-)")
     shown, path = path, output_target(path, directory=True)
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.tmp")
-    try:
+
+    def fill(tmp: Path) -> None:
         for i, (table, meta) in enumerate(zip(tables, metadata, strict=True)):
             write_artifact(table, tmp / f"part-{i:05d}.parquet", kind, meta)
+
+    replace_dir(path, fill)
+    return Path(shown)
+
+
+def replace_dir(path: Path, fill: Callable[[Path], None]) -> None:
+    """`fill` a fresh hidden directory beside `path`, then put it in place of `path`: readers see the old
+    directory or the new one, never a mix; the hidden one is removed on any error."""
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.tmp")
+    try:
+        tmp.mkdir(parents=True)
+        fill(tmp)
         old = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.old")
         if path.exists():
             os.replace(path, old)
@@ -190,7 +202,6 @@ def write_artifact_parts(tables: Sequence[TableLike], path: str | os.PathLike, k
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return Path(shown)
 
 
 def _read_parquet(path: Path) -> pa.Table:

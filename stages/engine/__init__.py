@@ -8,17 +8,11 @@ kernels, CUDA graphs, the pool sized from device memory).
 
 from __future__ import annotations
 
-import importlib
+from ..core.lazy import lazy_getattr
 
-# Imported on first use (PEP 562), so that a light submodule (memory.py, sequence.py) does not pull the
-# engine, torch and the kernels into a command that only needs it, such as `sparrow --help`.
 _EXPORTS = {"Engine": ".engine", "EngineStats": ".engine", "EngineConfig": ".config", "DecodeStep": ".config",
             "Completion": ".sequence", "SamplingParams": ".sequence"}
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+__getattr__ = lazy_getattr(__name__, _EXPORTS)

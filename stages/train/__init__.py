@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import importlib
+from ..core.lazy import lazy_getattr
 
-# Imported on first use (PEP 562): a light submodule (detectors.py, config.py) does not pull the
-# trainer, torch and the engine into a command that only needs it, such as `sparrow --help`.
 _EXPORTS = {"TrainConfig": ".config", "PromptRow": ".data", "load_prompts": ".data",
             "read_metrics": ".metrics",
             "CORRECTIONS": ".objective", "LossConfig": ".objective", "group_advantages": ".objective",
@@ -15,8 +13,4 @@ _EXPORTS = {"TrainConfig": ".config", "PromptRow": ".data", "load_prompts": ".da
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+__getattr__ = lazy_getattr(__name__, _EXPORTS)

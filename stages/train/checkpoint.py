@@ -4,15 +4,14 @@ config.json and progress.json, replaced atomically: what a resume needs to match
 from __future__ import annotations
 
 import json
-import os
 import random
-import shutil
-import uuid
 from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from sparrow.schemas.io import replace_dir
 
 from .config import TrainConfig
 
@@ -32,22 +31,14 @@ def set_rng_states(state: dict) -> None:
 def save_checkpoint(run_dir: Path, state: dict, cfg: TrainConfig, rng: RngStates) -> None:
     """RUN/checkpoint/ replaced by `state` (state.pt, with the RNG states `rng`) and the configuration."""
     torch_rng, numpy_rng, python_rng = rng
-    folder = run_dir / "checkpoint"
-    tmp = run_dir / f".checkpoint.{uuid.uuid4().hex[:8]}.tmp"
-    tmp.mkdir(parents=True)
-    try:
+
+    def fill(tmp: Path) -> None:
         torch.save({**state, "torch_rng": torch_rng, "numpy_rng": numpy_rng, "python_rng": python_rng},
                    tmp / "state.pt")
         (tmp / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
         (tmp / "progress.json").write_text(json.dumps({"step": state["step"], "steps": cfg.steps}))
-        old = folder.with_name(f".checkpoint.old.{uuid.uuid4().hex[:8]}")
-        if folder.exists():
-            os.replace(folder, old)
-        os.replace(tmp, folder)
-        shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+
+    replace_dir(run_dir / "checkpoint", fill)
 
 
 def load_checkpoint(run_dir: Path) -> dict:
