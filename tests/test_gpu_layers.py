@@ -250,9 +250,10 @@ def test_stacking_after_peft_injection_and_the_runner_restacking(qwen3_path):
     model = _load(qwen3_path)
     add_lora(model, rank=2, alpha=4.0)
     with torch.no_grad():
+        g = torch.Generator().manual_seed(6)  # drawn on the CPU: the same draws on every device
         for n, p in model.named_parameters():
             if "lora_B" in n:
-                p.normal_(0, 0.1, generator=torch.Generator().manual_seed(6))
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
     runner = GpuRunner(model, EngineConfig(max_batch=2, page_size=P, dense_layers=(0,), max_prefill_tokens=64,
                                            kernels=Backend.TORCH, decode_step=DecodeStep.PLAIN))
     form = runner.decode_form

@@ -208,3 +208,20 @@ def test_eviction_with_triton_kernels_under_the_interpreter():
     r = subprocess.run([sys.executable, "-c", _TRITON_SCRIPT], env=env, capture_output=True, text=True,
                        timeout=1200)
     assert r.returncode == 0 and r.stdout.strip().startswith("ok"), r.stderr[-3000:]
+
+
+@pytest.mark.parametrize("policy", [SNAP, RKV_], ids=["snapkv", "rkv"])
+def test_bf16_page_centroids_under_compaction_and_replay(tiny, policy):
+    """The GPU pool keeps its page centroids in bf16: compaction and a preempted sample's rebuild write
+    them in the pool's dtype, and, eviction never reading centroids, decode what an fp32 pool decodes."""
+    prompts = _prompts((70, 45, 100), seed=5)
+    params = SamplingParams(max_new_tokens=60, n=2, seed=5, temperature=1.0, ignore_eos=True)
+    runs = []
+    for dtype in (torch.float32, torch.bfloat16):
+        engine = Engine(tiny, policy, EngineConfig(max_batch=6, num_pages=14))
+        engine.runner.centroid_dtype = dtype
+        runs.append([c for group in engine.generate(prompts, params) for c in group])
+        assert engine.runner.cache.centroids.dtype == dtype
+        assert engine.stats.compactions > 0 and engine.stats.preemptions > 0
+    for a, b in zip(*runs):
+        assert a.token_ids == b.token_ids and a.kv_lens == b.kv_lens

@@ -119,7 +119,7 @@ def _compact_group(cache: PagedKVCache, windows: QueryWindows, policy, length: i
         k_kept, v_kept = keys.gather(2, kept), values.gather(2, kept)  # [m, Hkv, budget, D]
         k_pages[target_pages, :, offsets] = k_kept.transpose(1, 2)
         v_pages[target_pages, :, offsets] = v_kept.transpose(1, 2)
-        centroids[new] = _page_means(k_kept, new.shape[1], size, counts).transpose(1, 2)
+        centroids[new] = _page_means(k_kept, new.shape[1], size, counts).transpose(1, 2).to(centroids.dtype)
 
 
 def _gather(pages: Tensor, table: Tensor, length: int) -> Tensor:
@@ -150,4 +150,5 @@ def write_retained(cache: PagedKVCache, pages: list[int], keys: list[Tensor], va
         k_pages, v_pages, centroids = cache.layer(layer)
         k_pages[target, :, offsets] = k.transpose(0, 1).to(k_pages.dtype)
         v_pages[target, :, offsets] = v.transpose(0, 1).to(v_pages.dtype)
-        centroids[table] = _page_means(k[None], len(pages), size, counts)[0].transpose(0, 1)
+        means = _page_means(k[None], len(pages), size, counts)[0]  # [Hkv, pages, D]
+        centroids[table] = means.transpose(0, 1).to(centroids.dtype)

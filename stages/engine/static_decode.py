@@ -11,6 +11,7 @@ device, which is how the CPU tests hold it to teacher-forced scoring.
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
@@ -41,6 +42,14 @@ def kept_pages(budgets: Collection[int], page_size: int, max_pages: int) -> int:
     if min(budgets) == 0:
         return max_pages  # a dense request in a sparse step keeps all of its pages
     return min(max(budgets) // page_size, max_pages)
+
+
+@functools.cache
+def capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """The one side stream on which every engine's graphs warm up and are captured. cuBLAS keeps a
+    workspace for each stream it has run on until the process ends: a new stream per capture would leave
+    one behind per engine."""
+    return torch.cuda.Stream(device)
 
 
 @dataclass
@@ -358,13 +367,13 @@ class StaticDecode:
             state = (self.tokens, self.positions, self.cache_lens, self.budgets)
             saved = [t.clone() for t in state]
             self.cache_lens.zero_()  # warm-up and capture see only padding rows: they write nothing
-            side = torch.cuda.Stream(self.device)
+            side = capture_stream(self.device)
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 self._step(n, k)  # Triton compiles and cuBLAS sets up outside the capture
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            with torch.cuda.graph(graph, pool=self.pool, stream=side):
                 self._step(n, k)
             self.pool = graph.pool()
             self.graphs[key] = graph
