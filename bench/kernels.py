@@ -5,9 +5,10 @@ eager torch chains they replace.
 Issue targets (reported, not asserted), on a GPU: Qwen3-4B attention shapes (32 query heads, 8 KV
 heads, head dim 128), bf16, batch 32, contexts 16K and 32K, pages of 16 tokens scattered over the pool
 the way a real block manager leaves them: the sparse kernel at a 2,048-token budget at least 6x the
-dense kernel at 32K. Also reported: the selection's own cost (Triton page scoring + torch.topk), and
-the fraction of the memory-bandwidth limit each kernel reaches (K/V bytes it must read, plus the
-centroids for selection, over the device's measured copy bandwidth).
+dense kernel at 32K. Also reported: the selection's own cost, whole and as its two kernels (page scores
+over the centroids, bf16 with bf16 pages as in the engine's pool, then the radix select), and the
+fraction of the memory-bandwidth limit each kernel reaches (K/V bytes it must read, plus the centroids
+for selection, over the device's measured copy bandwidth).
 Times are CUDA-event medians over repeated replays of a CUDA graph of each op, as the engine's decode
 step replays them (each call reads far more than the L2 cache holds); `--eager` times plain calls, which
 adds the host's launch gaps between small kernels. "select-torch" is the selection before its fused
@@ -33,7 +34,7 @@ import torch
 from common import copy_bandwidth, timed, timed_graph, write_results
 
 from sparrow.kernels import ops
-from sparrow.kernels.page_scoring import finish_selection
+from sparrow.kernels.page_scoring import finish_selection, select_from_scores_triton
 from sparrow.stages.model.presets import get_preset
 
 
@@ -45,11 +46,19 @@ def paged_layer(batch: int, context: int, hkv: int, d: int, page: int, dtype, de
     shape = (total, hkv, page, d)
     k_pages = torch.randn(shape, generator=g, device=device, dtype=dtype)
     v_pages = torch.randn(shape, generator=g, device=device, dtype=dtype)
-    centroids = k_pages.float().mean(2)  # every page is full
+    # every page is full; bf16 pages keep bf16 centroids, as the GPU runner's pool does
+    centroids = k_pages.float().mean(2).to(torch.bfloat16 if dtype == torch.bfloat16 else torch.float32)
     order = torch.randperm(total, generator=g, device=device).to(torch.int32)
     block_table = order.view(batch, pages_per_seq)
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
     return k_pages, v_pages, centroids, block_table, seq_lens
+
+
+def select_only(scores, lens, budgets, page: int, k_sel: int):
+    """The selection from given page scores alone: the Triton kernel on CUDA, the torch reference off it."""
+    if scores.is_cuda:
+        return select_from_scores_triton(scores, lens, budgets, page, max_selected=k_sel)
+    return finish_selection(scores, lens, budgets, page, max_selected=k_sel)
 
 
 def bench_context(args, device, dtype, context: int, bw: float) -> list[dict]:
@@ -62,11 +71,14 @@ def bench_context(args, device, dtype, context: int, bw: float) -> list[dict]:
     k_sel = args.budget // page
     kernels = ops.ops_for(device)
     selected = kernels.select_pages(q, cents, table, lens, budgets, page, max_selected=k_sel)
+    scores = kernels.page_scores(q, cents, table, lens, page)
     runs = {
         "dense": lambda: kernels.dense_paged_attention(q, k_pages, v_pages, table, lens, scale),
         "select": lambda: kernels.select_pages(q, cents, table, lens, budgets, page, max_selected=k_sel),
         "select-torch": lambda: finish_selection(kernels.page_scores(q, cents, table, lens, page), lens,
                                                  budgets, page, max_selected=k_sel),
+        "page-scores": lambda: kernels.page_scores(q, cents, table, lens, page),
+        "select-only": lambda: select_only(scores, lens, budgets, page, k_sel),
         "sparse-attn": lambda: kernels.sparse_paged_attention(q, k_pages, v_pages, table, lens, selected,
                                                           scale),
         "sparse": lambda: kernels.sparse_paged_attention(
@@ -77,8 +89,10 @@ def bench_context(args, device, dtype, context: int, bw: float) -> list[dict]:
     kv_token = 2 * hkv * d * elem
     n_pages = table.shape[1]
     read = {"dense": args.batch * context * kv_token,
-            "select": args.batch * n_pages * hkv * d * 4,
-            "select-torch": args.batch * n_pages * hkv * d * 4,
+            "select": args.batch * n_pages * hkv * d * cents.element_size(),
+            "select-torch": args.batch * n_pages * hkv * d * cents.element_size(),
+            "page-scores": args.batch * n_pages * hkv * d * cents.element_size(),
+            "select-only": args.batch * n_pages * hkv * 4,
             "sparse-attn": args.batch * min(args.budget, context) * kv_token}
     read["sparse"] = read["select"] + read["sparse-attn"]
     rows = []
