@@ -131,10 +131,13 @@ def test_count(test: str) -> int:
 
 
 def program(completion: str, stub: str, name: str) -> str | None:
-    """The stub, then the completion's definition of `name` (or the stub continued by the completion)."""
+    """The stub, then the completion's definition of `name` (or the stub continued by the completion, when
+    some of the completion is left once cut to what parses: the stub alone is no program of the model's)."""
     code = extract_code(completion, name)
     if code is None:
         code = extract_code(stub + completion.rsplit("</think>", 1)[-1], name)
+        if code is not None and stub.rstrip().endswith(code.rstrip()):
+            code = None
     return None if code is None else stub + "\n\n" + code
 
 
