@@ -23,6 +23,9 @@ Design decisions:
   the kernel then kills every process left in the PID namespace, daemons included.
 - The launcher runs at the end of every run too: the sandbox is killed once the program ends, so
   nothing it started outlives it.
+- A run can be talked to while it runs (`Sandbox.start` hands over a `Running`: lines to its stdin,
+  lines from its stdout), under the same wall clock and output cap; `Sandbox.run` gives it no input.
+  What a program says is only data to whoever reads it: `calls.py` judges programs on the host.
 - Where bwrap cannot run (no user namespaces, no binary), `Sandbox()` refuses in one sentence unless
   `unsafe=True` (`--unsafe-code-execution`): the program then runs as a plain subprocess with the same
   resource limits, a minimal environment, a temporary working directory and its own session, and every
