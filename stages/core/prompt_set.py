@@ -10,6 +10,7 @@ checked the same way.
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,15 @@ COLUMNS = ("prompt_id", "task", "prompt", "prompt_token_ids", "answer", "metadat
 
 class PromptError(ValueError):
     """A prompt file that cannot be sampled from; the message is one sentence naming the file."""
+
+
+def _metadata(row: dict) -> dict:
+    """A row's metadata as a dict ({} where it is missing or not a JSON object)."""
+    try:
+        meta = json.loads(row.get("metadata") or "{}")
+    except ValueError:
+        return {}
+    return meta if isinstance(meta, dict) else {}
 
 
 @dataclass
@@ -40,11 +50,20 @@ class PromptSet:
 
     def check_rewards(self) -> None:
         """Refuse, before any work, prompts whose reward runs the model's program (code tasks) where no
-        sandbox can run it and unsafe execution was not asked for."""
-        from ..tasks import TASKS
+        sandbox can run it and unsafe execution was not asked for, and prompts whose metadata their task
+        will not score (`Task.check_metadata`)."""
+        from ..tasks import TASKS, TaskError
         from ..tasks.code import default_sandbox
         from ..tasks.sandbox import SandboxUnavailable
 
+        for r in self.rows:
+            task = TASKS.get(r.get("task"))
+            if task is not None and task.check_metadata is not None:
+                try:
+                    task.check_metadata(_metadata(r))
+                except TaskError as e:
+                    raise PromptError(f"{self.path}: prompt {r['prompt_id']!r} of task {task.name} cannot be "
+                                      f"scored: {e}") from None
         if any(r.get("task") in TASKS and TASKS[r["task"]].runs_code for r in self.rows):
             try:
                 default_sandbox()

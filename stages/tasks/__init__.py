@@ -4,12 +4,14 @@
 formatted with the model's own chat template (an optional system message first) and stored both
 as text and as token ids, so later stages never re-tokenise and never disagree about the prompt.
 A tokenizer without a chat template gets the plain text (system message, blank line, user
-message). Prompt ids are `<task>-<seed>-<index>`: stable for a seed, distinct across seeds.
+message). Prompt ids are `<task>-<seed>-<index>`: stable for a seed, distinct across seeds; a task
+with splits adds the split's name (`humaneval-test-<seed>-<index>`) unless it is `all`.
 
-`score_batch` scores many completions at once: tasks whose scorer runs the completion's program
-(`Task.runs_code`) are scored by a pool of threads, each waiting on its own sandboxed process, so a
-step's rewards take about the longest program's time rather than the sum; every completion is scored
-on its own, so the rewards do not depend on the pool's size.
+`score_batch` scores many completions at once (`judge_batch` also says why each got its reward):
+tasks whose scorer runs the completion's program (`Task.runs_code`) are scored by a pool of threads,
+each waiting on its own sandboxed process, so a step's rewards take about the longest program's time
+rather than the sum; every completion is scored on its own, so the rewards do not depend on the pool's
+size.
 """
 
 from __future__ import annotations
@@ -18,13 +20,13 @@ import json
 import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 from . import code, humaneval, learnable, longcontext, reasoning
-from .base import Example, Task, TaskError
+from .base import Example, Judgement, Task, TaskError
 
-__all__ = ["TASKS", "Example", "Task", "TaskError", "chat_format", "get_task", "make_prompts", "score",
-           "score_batch"]
+__all__ = ["TASKS", "Example", "Judgement", "Task", "TaskError", "chat_format", "get_task", "judge",
+           "judge_batch", "make_prompts", "score", "score_batch"]
 
 TASKS: dict[str, Task] = {t.name: t for t in [*reasoning.tasks(), *longcontext.tasks(), *learnable.tasks(),
                                                 *code.tasks(), *humaneval.tasks()]}
@@ -64,12 +66,16 @@ def make_prompts(task: str | Task, n: int, seed: int, tokenizer, *, system: str 
         accepted = ", ".join(task.options) or "none"
         raise TaskError(f"task {task.name} does not take {', '.join(unknown)} (its options: {accepted})")
     options = {k: v for k, v in options.items() if v is not None}
+    if task.check is not None:
+        task.check(n, **options)
+    split = [options["split"]] if options.get("split", "all") != "all" else []
+    prefix = "-".join([task.name, *split, str(seed)])
     measure = lambda user: len(chat_format(tokenizer, user, system)[1])
     rows = []
     for i, example in enumerate(task.generate(n, seed, measure, **options)):
         text, ids = chat_format(tokenizer, example.user, system)
         rows.append({
-            "prompt_id": f"{task.name}-{seed}-{i}",
+            "prompt_id": f"{prefix}-{i}",
             "task": task.name,
             "prompt": text,
             "prompt_token_ids": ids,
@@ -81,15 +87,33 @@ def make_prompts(task: str | Task, n: int, seed: int, tokenizer, *, system: str 
     return rows
 
 
+def _meta(metadata: str | dict | None) -> dict[str, Any]:
+    return json.loads(metadata) if isinstance(metadata, str) and metadata else (metadata or {})
+
+
 def score(task_name: str, completion_text: str, answer: str | None, metadata: str | dict | None) -> float:
     """Reward in [0, 1] for a completion; `metadata` is the artifact's JSON string or a dict."""
     if answer is None:
         return 0.0
-    meta = json.loads(metadata) if isinstance(metadata, str) and metadata else (metadata or {})
-    return float(min(1.0, max(0.0, get_task(task_name).score(completion_text, answer, meta))))
+    return float(min(1.0, max(0.0, get_task(task_name).score(completion_text, answer, _meta(metadata)))))
+
+
+def judge(task_name: str, completion_text: str, answer: str | None, metadata: str | dict | None) -> Judgement:
+    """The reward of `score` and why (`base.Judgement`): a code task's own verdict (status, tests passed),
+    for the others correct / incorrect / unparsed by the answer the scorer reads."""
+    task = get_task(task_name)
+    if task.judge is not None and answer is not None:
+        j = task.judge(completion_text, answer, _meta(metadata))
+        return Judgement(float(min(1.0, max(0.0, j.reward))), j.status, j.tests_passed, j.tests_total)
+    reward = score(task_name, completion_text, answer, metadata)
+    if reward >= 1.0:
+        return Judgement(reward, "correct")
+    given = task.given(completion_text) if task.given is not None else True
+    return Judgement(reward, "incorrect" if given not in (None, "") else "unparsed")
 
 
 Item = tuple[str, str, "str | None", "str | dict | None"]  # (task, completion text, answer, metadata)
+T = TypeVar("T")
 
 
 def reward_workers() -> int:
@@ -97,17 +121,25 @@ def reward_workers() -> int:
     return max(1, int(os.environ.get("SPARROW_REWARD_WORKERS") or os.cpu_count() or 1))
 
 
-def score_batch(items: Sequence[Item], workers: int | None = None) -> list[float]:
-    """`score` of each item, in order; items of tasks that run code go through a pool of `workers`."""
+def _batch(fn: Callable[..., T], items: Sequence[Item], workers: int | None) -> list[T]:
+    """`fn(*item)` of each item, in order; items of tasks that run code go through a pool of `workers`."""
     pooled = [i for i, it in enumerate(items) if it[0] in TASKS and TASKS[it[0]].runs_code]
-    rewards = [0.0] * len(items)
+    out: dict[int, T] = {}
     if pooled:
         n = min(workers or reward_workers(), len(pooled))
         with ThreadPoolExecutor(max_workers=n, thread_name_prefix="sparrow-reward") as pool:
-            for i, r in zip(pooled, pool.map(lambda i: score(*items[i]), pooled)):
-                rewards[i] = r
-    done = set(pooled)
+            out.update(zip(pooled, pool.map(lambda i: fn(*items[i]), pooled)))
     for i, it in enumerate(items):
-        if i not in done:
-            rewards[i] = score(*it)
-    return rewards
+        if i not in out:
+            out[i] = fn(*it)
+    return [out[i] for i in range(len(items))]
+
+
+def score_batch(items: Sequence[Item], workers: int | None = None) -> list[float]:
+    """`score` of each item, in order; items of tasks that run code go through a pool of `workers`."""
+    return _batch(score, items, workers)
+
+
+def judge_batch(items: Sequence[Item], workers: int | None = None) -> list[Judgement]:
+    """`judge` of each item, in order, pooled like `score_batch`."""
+    return _batch(judge, items, workers)

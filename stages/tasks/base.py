@@ -27,6 +27,24 @@ class Example:
     metadata: dict[str, Any] = field(default_factory=dict)
 
 
+CODE_STATUSES = ("passed", "failed", "timeout", "output_limit", "error", "no_code")
+ANSWER_STATUSES = ("correct", "incorrect", "unparsed")
+
+
+@dataclass(frozen=True)
+class Judgement:
+    """A completion's reward and why. `status`, for code tasks: passed (every test), failed (the run ended
+    well and some test did not pass), timeout, output_limit, error (the program crashed, exited early or
+    did not exit 0), no_code (no function found, nothing ran); for the others: correct (reward 1),
+    incorrect (an answer was found; its reward may still be partial credit), unparsed (none was found).
+    `tests_passed` and `tests_total` are a code task's (None for the others)."""
+
+    reward: float
+    status: str
+    tests_passed: int | None = None
+    tests_total: int | None = None
+
+
 @dataclass(frozen=True)
 class Task:
     name: str
@@ -37,6 +55,10 @@ class Task:
     options: tuple[str, ...] = ()  # keyword options `generate` accepts
     runs_code: bool = False  # its scorer runs the completion's program (in the sandbox): scored in a pool
     metadata_keys: tuple[str, ...] = ()  # what its scorer reads from a prompt's metadata (checked up front)
+    judge: Callable[[str, str, dict[str, Any]], Judgement] | None = None  # code tasks: reward, status, tests
+    given: Callable[[str], Any] | None = None  # the answer `score` reads in a completion (None: none found)
+    check: Callable[..., None] | None = None  # (n, **options): TaskError for a request it cannot honour
+    check_metadata: Callable[[dict[str, Any]], Any] | None = None  # TaskError for metadata it will not score
 
     @property
     def long_context(self) -> bool:

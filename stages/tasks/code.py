@@ -20,15 +20,16 @@ Reward rule (`score`), deterministic and in [0, 1]:
   block (```python, ``` or an unclosed last fence) that defines the function, else the unfenced text
   from the function's `def` (with the imports above it); either is cut at the end to the longest part
   that parses. None found: 0, and nothing runs.
-- The program (the code, then a harness that calls the function on each hidden input, one second per
-  call) runs in the sandbox (`sandbox.Sandbox`, limits `LIMITS`). A run that does not end by itself
-  with status 0 within its limits (a timeout, too much output, a crash, a kill) scores 0.
+- The program runs in the sandbox (`sandbox.Sandbox`, limits `LIMITS`) and its function is called on
+  each hidden input from the host, one second per call (`calls.py`). A run that does not end by itself
+  with status 0 within its limits, or stops answering (a timeout, too much output, a crash, an early
+  exit, a kill) scores 0.
 - Otherwise reward = (1 - w) * passed / tests + w * clean, with w = `format_weight` (default 0.1):
   a test passes when the call returned a value whose canonical JSON equals the expected one (so
   `True` is not `1`), and `clean` is 1 when every call returned (no exception): a parsable, runnable
   function that gets nothing right earns w, a correct one 1. Accuracy is reward == 1.
-The harness reports each result on a line that starts with a random nonce, through its own copy of
-stdout, so the program's own prints are ignored.
+The program in the sandbox receives each hidden input and hands back only a plain value, which is
+compared here, so nothing the program does in the sandbox can report a test as passed.
 """
 
 from __future__ import annotations
@@ -39,12 +40,12 @@ import json
 import os
 import random
 import re
-import secrets
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from .base import Example, Measure, Task, TaskError
+from .base import Example, Judgement, Measure, Task, TaskError
+from .calls import Raised, Remote, call_tests
 from .sandbox import UNSAFE_ENV, Limits, Outcome, Sandbox, bwrap_binary
 
 DEFAULT_TESTS = 6
@@ -249,52 +250,6 @@ def extract_code(completion: str, name: str) -> str | None:
 
 # ---------------------------------------------------------------- running
 
-# what both harnesses (this and humaneval.py) start with: the report channel and the per-call alarm
-HARNESS_PREAMBLE = """\
-_report = os.fdopen(os.dup(1), "w")
-def _say(i, status, value=None):
-    _report.write({nonce!r} + json.dumps([i, status, value]) + "\\n")
-    _report.flush()
-class _Timeout(BaseException):
-    pass
-def _alarm(signum, frame):
-    raise _Timeout()
-signal.signal(signal.SIGALRM, _alarm)
-_here = os.path.dirname(os.path.abspath(__file__))
-"""
-
-HARNESS = "import copy, json, os, runpy, signal, sys\n" + HARNESS_PREAMBLE + """\
-_cases = json.load(open(os.path.join(_here, "cases.json")))
-_namespace = runpy.run_path(os.path.join(_here, "solution.py"), run_name="solution")
-_fn = _namespace.get({name!r})
-for _i, _args in enumerate(_cases):
-    try:
-        signal.setitimer(signal.ITIMER_REAL, {seconds!r})
-        _value = _fn(*copy.deepcopy(_args))
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        _say(_i, "returned", json.loads(json.dumps(_value)))
-    except BaseException as _e:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        _say(_i, "raised", type(_e).__name__)
-"""
-
-
-def new_nonce() -> str:
-    return "@@sparrow-" + secrets.token_hex(16) + "@@"
-
-
-def reports(outcome: Outcome, nonce: str) -> dict[int, tuple[str, Any]]:
-    """The harness's first report per test: {index: (status, value)} from the lines that carry `nonce`."""
-    results: dict[int, tuple[str, Any]] = {}
-    for line in outcome.stdout.decode("utf-8", errors="replace").splitlines():
-        if line.startswith(nonce):
-            try:
-                i, status, value = json.loads(line[len(nonce):])
-                results.setdefault(int(i), (str(status), value))
-            except (ValueError, TypeError):
-                continue
-    return results
-
 
 @dataclass(frozen=True)
 class Verdict:
@@ -303,22 +258,60 @@ class Verdict:
     tests: int
     clean: bool  # the run exited 0 and every call returned
     outcome: Outcome | None  # None: no code was found, nothing ran
+    status: str  # base.CODE_STATUSES
+
+    @classmethod
+    def judged(cls, results: list[str] | None, outcome: Outcome, tests: int, clean: bool,
+               format_weight: float) -> Verdict:
+        """The verdict on a run whose tests gave `results` ("passed" or how each failed; None: the run was
+        over before the tests were done): 0 unless the run also ended by itself with status 0."""
+        if results is None or not outcome.ok:
+            status = outcome.status if outcome.status in ("timeout", "output_limit") else "error"
+            return cls(0.0, 0, tests, False, outcome, status)
+        passed = results.count("passed")
+        reward = min(1.0, (1 - format_weight) * (passed / max(tests, 1)) + format_weight * clean)
+        return cls(reward, passed, tests, clean, outcome, "passed" if passed == tests else "failed")
+
+    @classmethod
+    def no_code(cls, tests: int) -> Verdict:
+        return cls(0.0, 0, tests, False, None, "no_code")
+
+    @property
+    def judgement(self) -> Judgement:
+        return Judgement(self.reward, self.status, self.passed, self.tests)
+
+
+def _same(value: Any, expected: Any) -> bool | None:
+    """Whether `value`'s canonical JSON is `expected`'s; None when `value` has none (a set, bytes...)."""
+    try:
+        return _canonical(value) == _canonical(expected)
+    except (TypeError, ValueError):
+        return None
+
+
+def _call_cases(cases: list[list], expected: list) -> Callable[[Remote], list[str]]:
+    """The hidden tests, run here: each case's call, its value compared with the expected one."""
+    def run(remote: Remote) -> list[str]:
+        results = []
+        for args, want in zip(cases, expected):
+            remote.begin(SECONDS_PER_TEST)
+            try:
+                same = _same(remote(*args), want)
+            except Raised as e:
+                results.append(e.name)
+                continue
+            results.append({True: "passed", False: "wrong", None: "not_json"}[same])
+        return results
+    return run
 
 
 def run_tests(code: str, name: str, cases: list[list], expected: list, sandbox: Sandbox,
               format_weight: float = FORMAT_WEIGHT) -> Verdict:
-    """Run `code` against the hidden tests in `sandbox` and score it (module docstring)."""
-    nonce = new_nonce()
-    outcome = sandbox.run({"main.py": HARNESS.format(nonce=nonce, name=name, seconds=SECONDS_PER_TEST),
-                           "solution.py": code, "cases.json": json.dumps(cases)})
-    results = reports(outcome, nonce)
-    if not outcome.ok:
-        return Verdict(0.0, 0, len(cases), False, outcome)
-    passed = sum(results.get(i, ("",))[0] == "returned" and _canonical(results[i][1]) == _canonical(e)
-                 for i, e in enumerate(expected))
-    clean = all(results.get(i, ("",))[0] == "returned" for i in range(len(cases)))
-    reward = min(1.0, (1 - format_weight) * (passed / max(len(cases), 1)) + format_weight * clean)
-    return Verdict(reward, passed, len(cases), clean, outcome)
+    """Run `code` in `sandbox`, call its function on the hidden tests from here and score it (module
+    docstring)."""
+    results, outcome = call_tests(sandbox, code, name, _call_cases(cases, expected))
+    clean = results is not None and all(r in ("passed", "wrong") for r in results)
+    return Verdict.judged(results, outcome, len(cases), clean, format_weight)
 
 
 def default_sandbox() -> Sandbox:
@@ -337,9 +330,13 @@ def verdict(completion: str, answer: str, metadata: dict[str, Any],
     name = metadata["function"]
     code = extract_code(completion, name)
     if code is None:
-        return Verdict(0.0, 0, len(metadata["cases"]), False, None)
+        return Verdict.no_code(len(metadata["cases"]))
     return run_tests(code, name, metadata["cases"], metadata["expected"], sandbox or default_sandbox(),
                      float(metadata.get("format_weight", FORMAT_WEIGHT)))
+
+
+def judge(completion: str, answer: str, metadata: dict[str, Any] | None = None) -> Judgement:
+    return verdict(completion, answer, metadata or {}).judgement
 
 
 def score(completion: str, answer: str, metadata: dict[str, Any] | None = None) -> float:
@@ -350,4 +347,4 @@ def tasks() -> list[Task]:
     return [Task("code", "code", "write a small Python function; reward = the fraction of hidden tests it "
                  "passes when run in a sandbox, plus a little for a runnable function",
                  generate, score, ("level", "tests"), runs_code=True,
-                 metadata_keys=("function", "cases", "expected"))]
+                 metadata_keys=("function", "cases", "expected"), judge=judge)]

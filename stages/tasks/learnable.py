@@ -249,5 +249,6 @@ def tasks() -> list[Task]:
             generate,
             score,
             ("context_tokens", "distractors", "digits", "depth"),
+            given=given_code,
         )
     ]

@@ -179,8 +179,12 @@ def _count_example(rng: random.Random, measure: Measure, context_tokens: int, de
     return Example(text, str(occurrences), metadata)
 
 
+def _count_given(completion: str) -> int | None:
+    return parse_int(extract_answer(completion))
+
+
 def _count_score(completion: str, answer: str, metadata: dict[str, Any]) -> float:
-    given = parse_int(extract_answer(completion))
+    given = _count_given(completion)
     return float(given is not None and given == parse_int(answer))
 
 
@@ -188,7 +192,7 @@ def tasks() -> list[Task]:
     options = ("context_tokens", "depth")
     return [
         Task("kv_lookup", "long-context", "find the value of a key listed near the start of a long "
-             "key-value inventory", _kv_generate, _kv_score, options),
+             "key-value inventory", _kv_generate, _kv_score, options, given=extract_answer),
         Task("count", "long-context", "count how often one item occurs in a long log",
-             _count_generate, _count_score, options),
+             _count_generate, _count_score, options, given=_count_given),
     ]

@@ -71,6 +71,7 @@ def _score(dataset: str, completion: str, answer: str, metadata: dict[str, Any])
 
 def tasks() -> list[Task]:
     return [
-        Task(name, "math", description, functools.partial(_generate, name), functools.partial(_score, name))
+        Task(name, "math", description, functools.partial(_generate, name), functools.partial(_score, name),
+             given=extract_answer)
         for name, description in DATASETS.items()
     ]

@@ -8,7 +8,9 @@ Design decisions:
 - Everything that can be wrong (a column, a missing text, a prompt id the prompts file lacks, a
   prompt without a known task or an answer, a repeated sample) is found before anything is scored,
   as one sentence naming the file, the row and the column.
-- Scoring is `score_batch`: code tasks' programs run in a pool of sandboxes.
+- Scoring is `judge_batch`: code tasks' programs run in a pool of sandboxes. Each row says why it got
+  its reward (`status`; for code tasks also the tests passed of the tests run), so a timeout, an output
+  kill, a crash, a missing function and a partial pass tell apart.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import pyarrow.parquet as pq
 from sparrow.schemas import ArtifactError, ArtifactSpec, Col, artifact_kind, read_artifact
 from sparrow.schemas.artifacts import first_line
 
-from . import TASKS, score_batch
+from . import TASKS, judge_batch
 
 COMPLETIONS = ArtifactSpec("completions", "completions of any sampler, read by their columns", (
     Col("prompt_id", pa.string()),
@@ -134,6 +136,7 @@ def score_completions(prompts: dict[str, dict], completions: list[Completion],
     """Rows of the `rewards` artifact, in the completions' order."""
     items = [(prompts[c.prompt_id]["task"], c.text, prompts[c.prompt_id]["answer"],
               prompts[c.prompt_id].get("metadata")) for c in completions]
-    rewards = score_batch(items, workers)
-    return [{"prompt_id": c.prompt_id, "sample": c.sample, "task": item[0], "reward": r}
-            for c, item, r in zip(completions, items, rewards)]
+    judged = judge_batch(items, workers)
+    return [{"prompt_id": c.prompt_id, "sample": c.sample, "task": item[0], "reward": j.reward,
+             "status": j.status, "tests_passed": j.tests_passed, "tests_total": j.tests_total}
+            for c, item, j in zip(completions, items, judged)]

@@ -23,6 +23,9 @@ Design decisions:
   the kernel then kills every process left in the PID namespace, daemons included.
 - The launcher runs at the end of every run too: the sandbox is killed once the program ends, so
   nothing it started outlives it.
+- A run can be talked to while it runs (`Sandbox.start` hands over a `Running`: lines to its stdin,
+  lines from its stdout), under the same wall clock and output cap; `Sandbox.run` gives it no input.
+  What a program says is only data to whoever reads it: `calls.py` judges programs on the host.
 - Where bwrap cannot run (no user namespaces, no binary), `Sandbox()` refuses in one sentence unless
   `unsafe=True` (`--unsafe-code-execution`): the program then runs as a plain subprocess with the same
   resource limits, a minimal environment, a temporary working directory and its own session, and every
@@ -32,6 +35,7 @@ Design decisions:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -42,6 +46,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -205,19 +210,141 @@ class Sandbox:
         self.problem = problem
         self.warned = False
 
-    def run(self, files: dict[str, str]) -> Outcome:
-        """Run `files['main.py']` (with the other `files` beside it) and capture its output. Without
-        isolation, the first run says so on stderr."""
+    def _warn(self) -> None:
         if not self.isolated and not self.warned:
             self.warned = True
             print(f"warning: running a model-written program WITHOUT a sandbox ({UNSAFE_FLAG}; "
                   f"{self.problem}): resource limits only", file=sys.stderr, flush=True)
-        return _execute(self.bwrap if self.isolated else None, files["main.py"],
-                        {k: v for k, v in files.items() if k != "main.py"}, self.limits, self.tmp_root)
+
+    @contextlib.contextmanager
+    def start(self, files: dict[str, str]) -> Iterator[Running]:
+        """Start `files['main.py']` (with the other `files` beside it) and hand it over to talk to; it is
+        killed, with everything it started, when the block ends. Without isolation, the first run says so on
+        stderr."""
+        self._warn()
+        with _started(self.bwrap if self.isolated else None, files["main.py"],
+                      {k: v for k, v in files.items() if k != "main.py"}, self.limits, self.tmp_root) as run:
+            yield run
+
+    def run(self, files: dict[str, str]) -> Outcome:
+        """Run `files['main.py']` with nothing on its stdin until it ends, and capture its output."""
+        with self.start(files) as running:
+            return running.finish()
+
+
+class Running:
+    """A program started in the sandbox: write to its stdin, read its stdout line by line, then `finish`.
+    Reading and writing never wait past the run's wall-clock limit, and stdout plus stderr together never
+    hold more than the output cap: either ends the run (`status`)."""
+
+    def __init__(self, proc: subprocess.Popen, limits: Limits, start: float, isolated: bool):
+        self.proc, self.start, self.isolated = proc, start, isolated
+        self.deadline = start + limits.seconds
+        self.cap = limits.output_kb << 10
+        self.status = "running"  # then "exited" | "timeout" | "output_limit"
+        self.stdout, self.stderr = bytearray(), bytearray()
+        self.total = 0
+        self.read_to = 0  # how much of stdout `line` has handed out
+        self.selector = selectors.DefaultSelector()
+        for stream in (proc.stdout, proc.stderr):
+            self.selector.register(stream.fileno(), selectors.EVENT_READ)
+        os.set_blocking(proc.stdin.fileno(), False)
+
+    @property
+    def stdout_open(self) -> bool:
+        return self.proc.stdout.fileno() in self.selector.get_map()
+
+    def _pump(self, until: float, write_fd: int | None = None) -> bool:
+        """Wait once (until `until` at most) for output, which is kept, or for `write_fd` to take input;
+        False when nothing more can come by then (time up, both pipes closed, the run over)."""
+        now = time.monotonic()
+        if now >= self.deadline:
+            self.status = "timeout"
+        if self.status != "running" or now >= until or (write_fd is None and not self.selector.get_map()):
+            return False
+        if write_fd is not None:
+            self.selector.register(write_fd, selectors.EVENT_WRITE)
+        try:
+            events = self.selector.select(min(until, self.deadline) - now)
+        finally:
+            if write_fd is not None:
+                self.selector.unregister(write_fd)
+        for key, _ in events:
+            if key.fd != write_fd:
+                self._read(key.fd)
+        return self.status == "running"
+
+    def _read(self, fd: int) -> None:
+        chunk = os.read(fd, 1 << 16)
+        if not chunk:
+            self.selector.unregister(fd)
+            return
+        into = self.stdout if fd == self.proc.stdout.fileno() else self.stderr
+        into += chunk[: max(0, self.cap - self.total)]
+        self.total += len(chunk)
+        if self.total > self.cap:
+            self.status = "output_limit"
+
+    def send(self, data: bytes, until: float) -> bool:
+        """Write `data` to the program's stdin by `until`; False when it did not take it all."""
+        fd, view = self.proc.stdin.fileno(), memoryview(data)
+        while view:
+            try:
+                view = view[os.write(fd, view):]
+            except BlockingIOError:
+                if not self._pump(until, write_fd=fd):
+                    return False
+            except OSError:  # it closed its stdin, or ended
+                return False
+        return True
+
+    def line(self, until: float) -> bytes | None:
+        """The next line the program writes to stdout, without its newline; None when none comes by
+        `until` (see `status` and `stdout_open` for why)."""
+        while True:
+            end = self.stdout.find(b"\n", self.read_to)
+            if end >= 0:
+                line, self.read_to = bytes(self.stdout[self.read_to:end]), end + 1
+                return line
+            if not self.stdout_open or not self._pump(until):
+                return None
+
+    def stop(self, status: str) -> Outcome:
+        """End the run here, as `status` ("timeout": it did not answer in time); it is killed on leaving."""
+        if self.status == "running":
+            self.status = status
+        return self.finish()
+
+    def finish(self) -> Outcome:
+        """Close the program's stdin, read its output until both pipes close and it ends (or its limits end
+        it), and say how it went."""
+        if not self.proc.stdin.closed:
+            try:
+                self.proc.stdin.close()
+            except OSError:
+                pass
+        while self._pump(self.deadline):
+            pass
+        if self.status == "running":
+            try:
+                self.proc.wait(timeout=max(0.0, self.deadline - time.monotonic()))
+                self.status = "exited"
+            except subprocess.TimeoutExpired:
+                self.status = "timeout"
+        code = self.proc.returncode if self.status == "exited" else None
+        return Outcome(self.status, code, bytes(self.stdout), bytes(self.stderr),
+                       time.monotonic() - self.start, self.isolated)
 
 
 def _execute(bwrap: str | None, main: str, others: dict[str, str], limits: Limits,
              tmp_root: str | None = None) -> Outcome:
+    with _started(bwrap, main, others, limits, tmp_root) as running:
+        return running.finish()
+
+
+@contextlib.contextmanager
+def _started(bwrap: str | None, main: str, others: dict[str, str], limits: Limits,
+             tmp_root: str | None = None) -> Iterator[Running]:
     folder = tempfile.mkdtemp(prefix="sparrow-sandbox-", dir=tmp_root)
     try:
         for name, text in {"main.py": main, **others}.items():
@@ -237,50 +364,24 @@ def _execute(bwrap: str | None, main: str, others: dict[str, str], limits: Limit
             cmd[1:1] = ["--info-fd", str(info_w)]
         start = time.monotonic()
         try:
-            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, cwd=cwd, env=dict(ENV), start_new_session=True,
                                     close_fds=True, pass_fds=(info_w,), **drop)
         finally:
             os.close(info_w)
         init = None
+        running = None
         try:
             init = _init_pid(info_r, start + limits.seconds) if bwrap is not None else None
-            status, stdout, stderr = _collect(proc, start + limits.seconds, limits.output_kb << 10)
+            running = Running(proc, limits, start, bwrap is not None)
+            yield running
         finally:
             os.close(info_r)
+            if running is not None:
+                running.selector.close()
             _kill(proc, init)
-        code = None if status != "exited" else proc.returncode
-        return Outcome(status, code, stdout, stderr, time.monotonic() - start, bwrap is not None)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-
-
-def _collect(proc: subprocess.Popen, deadline: float, cap: int) -> tuple[str, bytes, bytes]:
-    """Read stdout and stderr until both close and the process ends, the deadline passes or more than
-    `cap` bytes came; returns (status, stdout, stderr), the output cut at `cap` bytes in all."""
-    out = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray()}
-    total = 0
-    with selectors.DefaultSelector() as sel:
-        for fd in out:
-            sel.register(fd, selectors.EVENT_READ)
-        while sel.get_map():
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return "timeout", bytes(out[proc.stdout.fileno()]), bytes(out[proc.stderr.fileno()])
-            for key, _ in sel.select(left):
-                chunk = os.read(key.fd, 1 << 16)
-                if not chunk:
-                    sel.unregister(key.fd)
-                    continue
-                out[key.fd] += chunk[: max(0, cap - total)]
-                total += len(chunk)
-                if total > cap:
-                    return "output_limit", bytes(out[proc.stdout.fileno()]), bytes(out[proc.stderr.fileno()])
-    try:
-        proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        return "timeout", bytes(out[proc.stdout.fileno()]), bytes(out[proc.stderr.fileno()])
-    return "exited", bytes(out[proc.stdout.fileno()]), bytes(out[proc.stderr.fileno()])
 
 
 def _init_pid(fd: int, deadline: float) -> int | None:
@@ -317,5 +418,8 @@ def _kill(proc: subprocess.Popen, init: int | None) -> None:
     except (ProcessLookupError, PermissionError):
         pass
     proc.wait()
-    proc.stdout.close()
-    proc.stderr.close()
+    for stream in (proc.stdin, proc.stdout, proc.stderr):
+        try:
+            stream.close()
+        except OSError:
+            pass
