@@ -26,6 +26,9 @@
 #   train           three GRPO steps of qwen3-0.6b, budget 256 and dense (prompts made first)
 #   learner-score   `sparrow profile`'s scoring of four random 32K-token trajectories, budgets 1024-4096
 #   learner-update  the learner's recompute and LoRA update of 2 x 4 x 16K tokens (peak memory)
+#   paged-scoring   teacher-forced sparse scoring through the paged kernels: tests/test_sparse_paged.py
+#                   compiled, then bench/paged_scoring.py (one 32K-token trajectory at budgets 1024-4096,
+#                   the torch path and the paged one in one process, with their differences)
 #   kv-compression  the eviction tests of tests/test_gpu.py, then bench/kv_compression.py's rollout part
 #                   (dense vs SnapKV vs R-KV vs block top-k at budget 512)
 #   scale-NAME      one check at our users' scale through bench/scale_gpu.py (seconds and peak memory):
@@ -50,10 +53,10 @@ case $WHAT in
 esac
 case $WHAT in
     all|tests|engine|kernels|rollout|decode-table|rollout-8k|rollout-16k|fused|profile|train|learner) ;;
-    learner-score|learner-update|kv-compression|scale|scale-*) ;;
+    learner-score|learner-update|paged-scoring|kv-compression|scale|scale-*) ;;
     *) echo "bench/gpu_checks.sh: unknown mode '$WHAT' (expected all, tests, engine, kernels, rollout," \
             "decode-table, rollout-8k, rollout-16k, fused, profile, train, learner, learner-score," \
-            "learner-update, kv-compression, scale or scale-NAME)" >&2
+            "learner-update, paged-scoring, kv-compression, scale or scale-NAME)" >&2
        exit 2 ;;
 esac
 BUDGET=${BUDGET:-570}
@@ -133,6 +136,11 @@ fi
 if is learner learner-update; then
     step update-16k 560 $PY bench/learner_scale.py update --model qwen3-4b --device cuda --prompts 2 \
         --samples 4 --prompt-tokens 1024 --new-tokens 16384 --micro-batch 1
+fi
+if is paged-scoring; then
+    step paged-scoring-tests 120 $PY -m pytest -q -p no:cacheprovider tests/test_sparse_paged.py
+    step paged-scoring-32k 440 $PY bench/paged_scoring.py --model qwen3-4b --device cuda --length 32768 \
+        --budgets 1024,2048,3072,4096
 fi
 if is kv-compression; then
     step kv-tests 180 $PY -m pytest -q -s -p no:cacheprovider tests/test_gpu.py -k eviction

@@ -2,8 +2,10 @@
 
 One object serves both forms. Decode: T = 1 new token per request, keys come from the KV cache.
 Teacher forced: the whole sequence at once, every query selecting its own pages from its own causal
-prefix; queries are processed in chunks so that the [T, S] masks and scores stay bounded for 8K
-sequences (the dense path uses the memory-efficient causal kernel).
+prefix. Where the paged Triton kernels run (CUDA) every query is a decode query over the sequence's
+keys read as pages (`sparse_paged.block_topk_paged`); elsewhere `block_topk_sdpa`, the torch reference,
+processes the queries in chunks so that the [T, S] masks and scores stay bounded for 8K sequences. The
+choice is made once per object, from the budgets' device.
 Per-query budgets make schedules exact: the budget of the step whose query sits at
 position t is the schedule's budget at cache length t + 1. Prompt (prefill) queries and the layers in
 `dense_layers` get budget 0, i.e. dense.
@@ -20,20 +22,27 @@ from torch import Tensor
 from ..core.definitions import DEFAULT_DENSE_LAYERS, PAGE_SIZE
 from ..model.llama import AttentionContext, DenseAttention, cached_kv
 from .block_topk import kept_page_mask, kept_token_mask, page_centroids
+from .sparse_paged import block_topk_paged, paged_scoring_usable
 
 
 class SparseAttention:
+    needs_gradients = False  # True: gradients flow through it: the torch path (the kernels have no backward)
+
     def __init__(self, budgets: Tensor, dense_layers: Sequence[int] = DEFAULT_DENSE_LAYERS,
                  page: int = PAGE_SIZE, chunk_elements: int = 1 << 25):
         """budgets [B, T]: token budget of each new query (0 = dense); [B] or [B, 1] for decode."""
         self.budgets = budgets if budgets.dim() == 2 else budgets[:, None]
         self.dense_layers = set(dense_layers)
         self.page = page
-        self.chunk_elements = chunk_elements  # bounds the [B, Hq, chunk, S] scores per chunk
+        self.chunk_elements = chunk_elements  # bounds the torch path's [B, Hq, chunk, S] scores per chunk
         self._dense = DenseAttention()
+        # read back once here, so that no layer syncs with the device for them
+        self.any_sparse = bool((self.budgets > 0).any())
+        self.paged = paged_scoring_usable(self.budgets.device) and not self.needs_gradients
+        self.widest = kept_pages_bound(self.budgets, page) if self.paged and self.any_sparse else None
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext) -> Tensor:
-        if layer in self.dense_layers or not bool((self.budgets > 0).any()):
+        if layer in self.dense_layers or not self.any_sparse:
             return self._dense(layer, q, k, v, ctx)
         keys, values = cached_kv(layer, k, v, ctx)  # [B, Hkv, S, D]
         return self.attend(q, keys, values, ctx.positions)
@@ -42,8 +51,19 @@ class SparseAttention:
         """Block top-k attention of q [B, Hq, T, D] at `positions` [B, T] over keys/values
         [B, Hkv, S, D] whose slot i holds position i, centroids computed from those keys."""
         budgets = self.budgets.expand(q.shape[0], q.shape[2])
-        return block_topk_sdpa(q, keys, values, page_centroids(keys, self.page), positions, budgets,
-                               self.page, self.chunk_elements)
+        centroids = page_centroids(keys, self.page)
+        if self.paged:
+            return block_topk_paged(q, keys, values, centroids, positions, budgets, self.widest, self.page)
+        return block_topk_sdpa(q, keys, values, centroids, positions, budgets, self.page,
+                               self.chunk_elements)
+
+
+def kept_pages_bound(budgets: Tensor, page: int = PAGE_SIZE) -> int | None:
+    """The most pages any query of `budgets` keeps (its largest budget / page), or None when some query
+    is dense (budget 0) and may keep them all."""
+    if bool((budgets == 0).any()):
+        return None
+    return int(budgets.max()) // page
 
 
 def block_topk_sdpa(q: Tensor, keys: Tensor, values: Tensor, centroids: Tensor, positions: Tensor,

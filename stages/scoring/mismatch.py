@@ -3,7 +3,8 @@
 A batch of sequences is scored by one dense prefill of the prompts (prefill is dense in every mode),
 then one pass over the completions per attention mode (dense, and each budget) on top of the shared
 prompt KV; in a sparse pass every generated position selects its own pages from its own prefix (see
-`attention.SparseAttention`), which reproduces incremental sparse decoding exactly. An eviction policy
+`attention.SparseAttention`; on CUDA the engine's paged selection and decode kernels, every position a
+decode query of its own), which reproduces incremental sparse decoding exactly. An eviction policy
 (SnapKV, R-KV) is replayed instead (stages/kv_policies/replay.py: the generated tokens between two
 compressions in one forward over the retained cache, compressing where decoding compressed), each
 prompt length's sequences together, on a prompt prefilled again for it. Only the final
@@ -40,8 +41,8 @@ from ..model.lora import LoraWeights, lora_merged
 
 Mode = int | BudgetFn | KVPolicy  # a sparse mode to score: block top-k at a budget (function), or a policy
 
-# the sparse passes' query chunks: [B, Hq, chunk, S] masks of at most 32 Mi elements on a CPU, 256 Mi on
-# CUDA (a 32K-token sequence of 32 query heads then takes chunks of 250 queries, not 31)
+# the torch path's query chunks in the sparse passes: [B, Hq, chunk, S] masks of at most 32 Mi elements on
+# a CPU, 256 Mi on CUDA without triton (the paged path bounds its page scores itself)
 SPARSE_CHUNK_ELEMENTS = {False: 1 << 25, True: 1 << 28}
 
 

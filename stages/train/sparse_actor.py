@@ -29,6 +29,8 @@ class SharedPromptSparse(SparseAttention):
     top-k selection over the whole prefix (slot i = position i, prompt slots first): the teacher-forced form
     of sparse decoding for a group that shares its prompt, differentiable (no in-place cache)."""
 
+    needs_gradients = True
+
     def __init__(self, prompt_kv: list[tuple[Tensor, Tensor]], budgets: Tensor,
                  dense_layers: Sequence[int] = DEFAULT_DENSE_LAYERS, page: int = PAGE_SIZE):
         super().__init__(budgets, dense_layers, page)
@@ -39,7 +41,7 @@ class SharedPromptSparse(SparseAttention):
         b = q.shape[0]
         keys = torch.cat([pk.expand(b, -1, -1, -1), k], dim=2)
         values = torch.cat([pv.expand(b, -1, -1, -1), v], dim=2)
-        if layer in self.dense_layers or not bool((self.budgets > 0).any()):
+        if layer in self.dense_layers or not self.any_sparse:
             visible = torch.arange(keys.shape[2], device=q.device) <= ctx.positions[:, None, :, None]
             return F.scaled_dot_product_attention(q, keys, values, attn_mask=visible, enable_gqa=True)
         return self.attend(q, keys, values, ctx.positions)

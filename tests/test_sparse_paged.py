@@ -1,0 +1,154 @@
+"""Teacher-forced block top-k attention through the paged decode kernels (stages/attention/sparse_paged.py)
+against the torch reference `block_topk_sdpa`, and `score_sequences` through it against the torch path.
+
+The kernels run under the Triton interpreter (`TRITON_INTERPRET=1`, set when this module is imported on a
+machine without CUDA; see tests/test_kernels_triton.py), compiled on CUDA. fp32 throughout, to the
+teacher-forcing tolerance of tests/test_mismatch.py (1e-4): the reference scores pages in the
+centroids' dtype, so in bf16 near-ties may pick different pages on either path.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton (see test_kernels_triton.py)
+
+from sparrow.kernels._triton_utils import HAS_TRITON, interpreter_usable  # noqa: E402
+from sparrow.stages.attention import sparse  # noqa: E402
+from sparrow.stages.attention.block_topk import page_centroids  # noqa: E402
+from sparrow.stages.attention.sparse import block_topk_sdpa, kept_pages_bound  # noqa: E402
+from sparrow.stages.attention.sparse_paged import as_pages, block_topk_paged  # noqa: E402
+from sparrow.stages.core.schedule import Schedule  # noqa: E402
+from sparrow.stages.core.sparsity import budget_fn  # noqa: E402
+from sparrow.stages.model.llama import masked_attention  # noqa: E402
+from sparrow.stages.model.loading import load_model  # noqa: E402
+from sparrow.stages.scoring.mismatch import score_sequences  # noqa: E402
+
+TRITON_HERE = HAS_TRITON and (DEVICE == "cuda" or interpreter_usable())
+needs_triton = pytest.mark.skipif(not TRITON_HERE, reason="triton was imported without the interpreter here; "
+                                                          "test_in_fresh_process runs these")
+P = 16
+
+
+def test_pages_are_a_view_of_contiguous_keys_and_a_padded_copy_otherwise():
+    g = torch.Generator().manual_seed(0)
+    keys = torch.randn(3, 2, 4 * P, 8, generator=g)
+    pages, per_sequence = as_pages(keys, P)
+    assert pages.data_ptr() == keys.data_ptr() and per_sequence == 2 * 4
+    for b, h, j in [(0, 0, 0), (1, 1, 2), (2, 0, 3), (2, 1, 3)]:
+        assert torch.equal(pages[b * per_sequence + j, h], keys[b, h, j * P:(j + 1) * P])
+    ragged = keys[:, :, : 3 * P - 5]  # neither a multiple of the page size nor contiguous
+    pages, per_sequence = as_pages(ragged, P)
+    assert per_sequence == 2 * 3
+    assert torch.equal(pages[per_sequence + 2, 1, : P - 5], keys[1, 1, 2 * P: 3 * P - 5])
+    assert not pages[per_sequence + 2, 1, P - 5:].any()
+
+
+def _case(b, hq, hkv, s, t, d=16, seed=0):
+    """Random q [B, Hq, T, D], keys/values [B, Hkv, S, D] and each row's last T positions, the shorter
+    rows padded with position S - 1 (as `score_sequences` pads a batch: a scratch slot after every real
+    one)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, hq, t, d, generator=g)
+    keys, values = torch.randn(b, hkv, s, d, generator=g), torch.randn(b, hkv, s, d, generator=g)
+    positions = torch.full((b, t), s - 1)
+    for i in range(b):
+        end, n = s - 1 - 37 * i, t - 9 * i  # rows of different lengths
+        positions[i, :n] = torch.arange(end - n, end)
+    return q, keys, values, positions
+
+
+def _check_against_reference(q, keys, values, positions, budgets, score_elements=1 << 26):
+    q, keys, values, positions, budgets = (x.to(DEVICE) for x in (q, keys, values, positions, budgets))
+    centroids = page_centroids(keys, P)
+    want = block_topk_sdpa(q, keys, values, centroids, positions, budgets, P)
+    got = block_topk_paged(q, keys, values, centroids, positions, budgets, kept_pages_bound(budgets, P), P,
+                           score_elements=score_elements)
+    assert got.dtype == q.dtype and got.shape == q.shape
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    dense = masked_attention(q, keys, values, positions)
+    sparse_rows = (budgets > 0) & ((positions + P) // P > budgets // P)  # more pages than the budget
+    gap = (want - dense).abs().amax(dim=(1, 3))  # [B, T]
+    assert bool((gap[sparse_rows] > 1e-3).any()), "no query dropped a page: the case checks nothing"
+    assert bool((gap[~sparse_rows] <= 1e-4).all())  # the others keep every page
+
+
+@needs_triton
+def test_paged_equals_reference_gqa_ragged_sequences_and_dense_rows():
+    """GQA 4/2, S = 150 (not a multiple of the page size: a padded copy), two sequences of different
+    lengths, budgets 48 and 80 and dense (0) rows, early queries with fewer pages than their budget,
+    queries in chunks of 8."""
+    q, keys, values, positions = _case(b=2, hq=4, hkv=2, s=150, t=20)
+    budgets = torch.tensor([48, 80, 0, 64]).repeat(5)[None].expand(2, -1).clone()
+    budgets[1, :5] = 0
+    _check_against_reference(q, keys, values, positions, budgets, score_elements=8 * 2 * 10)
+
+
+@needs_triton
+def test_paged_equals_reference_schedule_view_and_group_of_three():
+    """GQA 6/2, S = 96 (the pages are a view of the keys), one sequence with queries every third position
+    from 20 (two pages, under the reserved three) to 95 at a schedule's budgets (48 then 64)."""
+    q, keys, values, _ = _case(b=1, hq=6, hkv=2, s=6 * P, t=26, seed=1)
+    positions = torch.arange(20, 6 * P, 3)[None]
+    budget_at = budget_fn(Schedule((0, 60), (48, 64)))
+    budgets = torch.tensor([[budget_at(int(p) + 1) for p in positions[0]]])
+    _check_against_reference(q, keys, values, positions, budgets)
+
+
+@needs_triton
+def test_score_sequences_paged_equals_torch_path(monkeypatch):
+    """`score_sequences` on the tiny model (GQA 4/2, head dim 32, every layer sparse) with the paged path,
+    against the torch path: two sequences of different lengths, a fixed budget and a schedule."""
+    model = load_model("tiny-qwen3", device=DEVICE).model
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (70, 41)]
+    completions = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (8, 5)]
+    modes = [48, budget_fn(Schedule((0, 80), (48, 64)))]
+    want = score_sequences(model, prompts, completions, modes, dense_layers=())
+    calls = []
+    monkeypatch.setattr(sparse, "paged_scoring_usable", lambda device: True)
+    monkeypatch.setattr(sparse, "block_topk_paged",
+                        lambda *a, **k: calls.append(1) or block_topk_paged(*a, **k))
+    got = score_sequences(model, prompts, completions, modes, dense_layers=())
+    assert len(calls) == 2 * len(modes)  # both layers of each sparse pass ran the paged path
+    assert np.array_equal(got.position, want.position)
+    for mode in modes:
+        alpha, logp = got.sparse[mode]
+        assert np.abs(logp - want.sparse[mode][1]).max() <= 1e-4
+        assert np.abs(alpha - want.sparse[mode][0]).max() <= 1e-4
+        assert alpha.min() < 0.999  # sparsity changed something
+    assert np.abs(got.logp_dense - want.logp_dense).max() <= 1e-5
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs CUDA")
+def test_paged_path_never_syncs_with_the_host():
+    q, keys, values, positions = _case(b=2, hq=8, hkv=2, s=2000, t=1500, d=64)
+    q, keys, values, positions = (x.cuda().bfloat16() if x.is_floating_point() else x.cuda()
+                                  for x in (q, keys, values, positions))
+    budgets = torch.full_like(positions, 256)
+    centroids = page_centroids(keys, P)
+    block_topk_paged(q, keys, values, centroids, positions, budgets, 256 // P, P)  # compile first
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        block_topk_paged(q, keys, values, centroids, positions, budgets, 256 // P, P, score_elements=1 << 20)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.skipif(TRITON_HERE or not HAS_TRITON, reason="the interpreter works in this process")
+def test_in_fresh_process(request):
+    """Fallback when triton was imported before TRITON_INTERPRET=1: rerun this module in a new process."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    marker = request.config.getoption("-m") or "not slow"
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", marker,
+                           __file__], env=env, capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
