@@ -52,7 +52,8 @@ def run_dir(tmp_path) -> Path:
 
 def test_views_by_artifact_kind(run_dir):
     views = {v.name: v for v in run_views(run_dir)}
-    assert list(views) == ["mismatch", "schedule", "my_data_2", "schedule_2"]
+    assert list(views) == ["mismatch", "schedule", "mismatch__mismatch_a", "mismatch__mismatch_b",
+                           "schedule__plan", "my_data_2", "schedule_2"]
     assert [p.name for p in views["mismatch"].files] == ["mismatch_a.parquet", "mismatch_b.parquet"]
     assert views["mismatch"].artifact and not views["my_data_2"].artifact
     con = open_run(run_dir)
