@@ -48,7 +48,7 @@ class Stopped(KeyboardInterrupt):
     """The query was stopped by a signal (SIGINT or SIGTERM); `signum` says which."""
 
     def __init__(self, signum: int):
-        super().__init__("nothing was written")
+        super().__init__()
         self.signum = signum
 
 

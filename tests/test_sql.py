@@ -248,6 +248,16 @@ def test_a_long_query_stops_at_the_timeout(run_dir, private_tmp):
     assert time.monotonic() - start < 15 and r.stdout == "" and list(private_tmp.iterdir()) == []
 
 
+def test_a_stopped_query_leaves_the_earlier_output_as_it_was(run_dir, tmp_path_factory, private_tmp):
+    target = tmp_path_factory.mktemp("out") / "rows.parquet"
+    pq.write_table(pa.table({"a": [1, 2]}), target)
+    r = invoke("SELECT * FROM mismatch a, mismatch b, mismatch c", "--run", str(run_dir), "-o", str(target),
+               "--timeout", "1")
+    assert one_error(r).startswith("error: the query ran past its time limit of 1 s")
+    assert pq.read_table(target).to_pylist() == [{"a": 1}, {"a": 2}]
+    assert list(target.parent.iterdir()) == [target] and list(private_tmp.iterdir()) == []
+
+
 def test_a_query_that_spills_leaves_no_folder_and_old_ones_of_dead_runs_go(run_dir, private_tmp):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
@@ -347,8 +357,9 @@ def test_a_closed_pipe_ends_quietly_with_0(run_dir, tmp_path_factory):
     assert p.stderr.read() == b"" and list(tmp.iterdir()) == []
 
 
-@pytest.mark.parametrize("signum,line", [(signal.SIGINT, "interrupted; nothing was written"),
-                                         (signal.SIGTERM, "stopped by SIGTERM; nothing was written")])
+@pytest.mark.parametrize("signum,line", [
+    (signal.SIGINT, "interrupted; nothing half-written was left behind"),
+    (signal.SIGTERM, "stopped by SIGTERM; nothing half-written was left behind")])
 def test_a_signal_stops_the_query_in_one_line(run_dir, tmp_path_factory, signum, line):
     tmp = tmp_path_factory.mktemp("tmp")
     p = sparrow("sql", "SELECT count(*) FROM range(100000) a, range(100000) b, range(100000) c",
