@@ -29,7 +29,7 @@ import shutil
 import sys
 import tempfile
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import BinaryIO
 
@@ -77,6 +77,22 @@ def write_table(table: pa.Table, path: str | os.PathLike) -> Path:
     """Write a plain Parquet file (no artifact kind: a query's result) by the artifacts' rule."""
     _write(Path(path), lambda f: pq.write_table(table, f, compression="zstd"))
     return Path(path)
+
+
+def write_batches(schema: pa.Schema, batches: Iterable[pa.RecordBatch], path: str | os.PathLike) -> int:
+    """Write record batches as they come as one plain Parquet file (a streamed query result), by the
+    artifacts' rule; the rows written."""
+    rows = 0
+
+    def write(f: BinaryIO) -> None:
+        nonlocal rows
+        with pq.ParquetWriter(f, schema, compression="zstd") as writer:
+            for batch in batches:
+                writer.write_batch(batch)
+                rows += batch.num_rows
+
+    _write(Path(path), write)
+    return rows
 
 
 def write_bytes(path: str | os.PathLike, data: bytes) -> Path:

@@ -72,11 +72,15 @@ def friendly_errors(fn: Callable) -> Callable:
         except (UsageError, ArtifactError, ModelSpecError, PromptError, PoolTooSmall, KeyError) as e:
             fail(str(e.args[0]) if e.args else str(e))
         except KeyboardInterrupt as e:  # a stage may say what it kept and how to go on
+            import signal
+
             from rich.markup import escape
 
             said = escape(str(e.args[0])) if e.args else "nothing half-written was left behind"
-            console.print(f"[yellow]interrupted; {said}[/]", highlight=False)
-            sys.exit(130)
+            signum = getattr(e, "signum", signal.SIGINT)  # a stage may stop on SIGTERM the same way
+            what = "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
+            console.print(f"[yellow]{what}; {said}[/]", highlight=False)
+            sys.exit(128 + signum)
         finally:
             _stdout["taken"] = False  # per command (several run in one process under tests)
 

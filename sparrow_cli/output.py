@@ -71,6 +71,11 @@ def _cell(column: str, v: object, render: Render | None) -> str:
     return _text(v)
 
 
+def tsv_line(values: Sequence[object], columns: Sequence[str] = (), render: Render | None = None) -> str:
+    """One TSV row of typed values, newline included (the header is the column names joined by tabs)."""
+    return "\t".join(_cell(c, v, render) for c, v in zip(columns or [""] * len(values), values)) + "\n"
+
+
 def emit(columns: Sequence[str], rows: Sequence[Sequence[object]], fmt: str, title: str | None = None,
          left: Sequence[str] = (), to: Console | None = None, render: Render | None = None) -> None:
     """Print `rows` (typed values) under `columns` in `fmt` (already resolved); numbers are right-aligned
@@ -94,7 +99,7 @@ def emit(columns: Sequence[str], rows: Sequence[Sequence[object]], fmt: str, tit
     else:
         sys.stdout.write("\t".join(columns) + "\n")
         for r in rows:
-            sys.stdout.write("\t".join(_cell(c, v, render) for c, v in zip(columns, r)) + "\n")
+            sys.stdout.write(tsv_line(r, columns, render))
     sys.stdout.flush()
 
 

@@ -1,7 +1,8 @@
 """`sparrow sql`: query a run directory with DuckDB; each artifact kind is a view.
 
-Results go to stdout as a table, TSV, CSV or JSON records, or with `-o` to Parquet; the query is
-read-only (stages/sql.py), so `-o` is the only thing written.
+Results stream to stdout as a table, TSV, CSV or JSON records (at most --max-rows), or with `-o` to
+Parquet; the query is read-only and bounded in memory and time (stages/sql.py), so `-o` is the only
+thing written.
 """
 
 from __future__ import annotations
@@ -10,7 +11,9 @@ import csv
 import datetime as dt
 import json
 import math
+import os
 import sys
+from collections.abc import Callable, Iterator
 from decimal import Decimal
 from pathlib import Path
 from typing import Annotated
@@ -20,30 +23,54 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from sparrow.schemas.io import write_table
-from sparrow.stages.sql import QueryError, run_query
+from sparrow.schemas.io import write_batches
+from sparrow.stages.sql import DEFAULT_MEMORY, DEFAULT_TIMEOUT, Limits, QueryError, QueryLimit, parse_memory
+from sparrow.stages.sql import query as run_sql
 
 from .common import FORCE_HELP, UsageError, check_output, console, fail, friendly_errors, out
-from .output import FORMAT_HELP, emit, resolve_format
+from .output import FORMAT_HELP, resolve_format, tsv_line
 
 TABLE_ROWS = 1000
+DEFAULT_MAX_ROWS = 1_000_000
+
+VIEWS_HELP = ("Run directory: each *.parquet artifact in it (and in a folder of parts) is read through "
+              "views: one per artifact kind, all its files unioned by column name (mismatch, schedule, "
+              "...; with source_file and the files' provenance as source_model, source_sampler, "
+              "source_sparsity, source_kv_compression, source_adapter, source_lora, source_dtype, "
+              "source_engine), one per artifact file named <kind>__<path in the run> (mismatch__mismatch_b64 "
+              "for mismatch_b64.parquet), and one per other Parquet file named after its stem. "
+              "\"SHOW TABLES\" lists them.")
+
+OUTPUT_HELP = ("Write the result to this Parquet file instead (- = stdout), every row. An existing file is "
+               "replaced only if it is a query result, not an artifact (or --force); a symlink is written "
+               "through.")
+
+
+class TooManyRows(UsageError):
+    """More rows than --max-rows: those printed are the first of the result."""
 
 
 @friendly_errors
 def sql(
-    query: Annotated[str, typer.Argument(help="SQL over the run's views, e.g. \"SELECT bin, budget, "
-                                              "quantile_cont(alpha, 0.05) FROM mismatch GROUP BY ALL\".")],
-    run: Annotated[Path, typer.Option("--run", help="Run directory: each *.parquet artifact in it is a "
-                                                    "view named by its kind (mismatch, schedule, ...).")]
-    = Path("."),
+    query: Annotated[str, typer.Argument(help="One SQL statement over the run's views, e.g. \"SELECT bin, "
+                                              "budget, quantile_cont(alpha, 0.05) FROM mismatch GROUP BY "
+                                              "ALL\".")],
+    run: Annotated[Path, typer.Option("--run", help=VIEWS_HELP)] = Path("."),
     format: Annotated[str | None, typer.Option("--format", "-f", help=FORMAT_HELP)] = None,
-    output: Annotated[Path | None, typer.Option("-o", "--output", help="Write the result to this "
-                                                "Parquet file instead (- = stdout). An existing file is "
-                                                "replaced only if it is a query result, not an artifact "
-                                                "(or --force); a symlink is written through.")] = None,
+    output: Annotated[Path | None, typer.Option("-o", "--output", help=OUTPUT_HELP)] = None,
     force: Annotated[bool, typer.Option("--force", help=FORCE_HELP)] = False,
+    memory_limit: Annotated[str, typer.Option("--memory-limit", help="The memory the query may take in "
+                                              "all, as 4GB, 512MiB or a share of this machine's memory "
+                                              "such as 25%: DuckDB works in half of it (and spills to a "
+                                              "temporary folder beyond that), the result on its way out "
+                                              "in the rest.")] = DEFAULT_MEMORY,
+    timeout: Annotated[float, typer.Option("--timeout", help="Stop the query after this many seconds "
+                                           "(0: no limit).")] = DEFAULT_TIMEOUT,
+    max_rows: Annotated[int, typer.Option("--max-rows", help="At most this many rows on stdout (table, "
+                                          "csv, json, tsv); a larger result prints its first rows and "
+                                          "fails (0: no limit; -o writes every row).")] = DEFAULT_MAX_ROWS,
 ) -> None:
-    """Run a SQL query (DuckDB) over the artifacts of a run directory."""
+    """Run one SQL query (DuckDB) over the artifacts of a run directory, bounded in memory and time."""
     try:
         format = resolve_format(format)
     except UsageError as e:
@@ -51,39 +78,132 @@ def sql(
     if output is not None and output.suffix != ".parquet" and str(output) != "-":
         fail(f"-o writes Parquet, so give a path ending in .parquet (not {output.name}); "
              f"use --format csv or json with a shell redirect for text")
+    limits = _limits(memory_limit, timeout, max_rows)
     check_output(output, None, force)
     try:
-        result = run_query(run, query, warn=lambda m: console.print(f"[yellow]warning:[/] {escape(m)}",
-                                                                    highlight=False))
+        with run_sql(run, query, limits, warn=_warn) as result:
+            if output is not None:
+                rows = write_batches(result.schema, result.batches, output)
+                console.print(f"wrote {rows} rows x {len(result.schema)} columns to "
+                              f"{'stdout' if str(output) == '-' else output}", highlight=False)
+            else:
+                PRINTERS[format](result.schema, _capped(result.batches, max_rows))
+    except QueryLimit as e:
+        fail(str(e))
     except QueryError as e:
         fail(f"query failed: {e}")
-    if output is not None:
-        write_table(result, output)
-        console.print(f"wrote {result.num_rows} rows x {result.num_columns} columns to "
-                      f"{'stdout' if str(output) == '-' else output}", highlight=False)
-    elif format == "table":
-        _print_table(result)
-    elif format == "csv":
-        _print_csv(result)
-    elif format == "tsv":
-        emit(result.column_names, [[_tsv_cell(v) for v in r.values()] for r in result.to_pylist()], "tsv")
-    else:
-        sys.stdout.write(json.dumps([_jsonable(r) for r in result.to_pylist()]) + "\n")
+    except TooManyRows as e:
+        fail(str(e))
+    except BrokenPipeError:  # the reader stopped early (| head): not an error
+        _drop_stdout()
 
 
-def _print_table(table: pa.Table) -> None:
-    shown = table.slice(0, TABLE_ROWS)
-    caption = f"{table.num_rows} row{'s' * (table.num_rows != 1)}"
-    if table.num_rows > TABLE_ROWS:
+def _limits(memory: str, timeout: float, max_rows: int) -> Limits:
+    try:
+        size = parse_memory(memory)
+    except ValueError as e:
+        raise UsageError(f"--memory-limit {e}") from None
+    if timeout < 0:
+        raise UsageError(f"--timeout must be a number of seconds >= 0 (0: no limit), got {timeout:g}")
+    if max_rows < 0:
+        raise UsageError(f"--max-rows must be >= 0 (0: no limit), got {max_rows}")
+    return Limits(memory=size, seconds=timeout or None)
+
+
+def _warn(message: str) -> None:
+    console.print(f"[yellow]warning:[/] {escape(message)}", highlight=False)
+
+
+def _capped(batches: Iterator[pa.RecordBatch], max_rows: int) -> Iterator[pa.RecordBatch]:
+    """The batches up to `max_rows` rows (0: all), then TooManyRows if the result holds more."""
+    n = 0
+    for batch in batches:
+        if max_rows and n + batch.num_rows > max_rows:
+            yield batch.slice(0, max_rows - n)
+            raise TooManyRows(f"the result has more than {max_rows} rows, so only its first {max_rows} "
+                              f"were printed; raise --max-rows (0: no limit), or write every row with -o "
+                              f"FILE.parquet")
+        n += batch.num_rows
+        yield batch
+
+
+def _drop_stdout() -> None:
+    """Point stdout at /dev/null, so that flushing it at exit does not raise again."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError):  # not a real file (under a test runner)
+        pass
+
+
+def _print_table(schema: pa.Schema, batches: Iterator[pa.RecordBatch]) -> None:
+    shown: list[dict] = []
+    n = 0
+    try:
+        for batch in batches:
+            if len(shown) < TABLE_ROWS:
+                shown += batch.slice(0, TABLE_ROWS - len(shown)).to_pylist()
+            n += batch.num_rows
+    except TooManyRows:
+        _table(schema, shown, f"more than {n} rows, first {len(shown)} shown")
+        raise
+    caption = f"{n} row{'s' * (n != 1)}"
+    if n > TABLE_ROWS:
         caption += f", first {TABLE_ROWS} shown (use --format csv or -o for all)"
+    _table(schema, shown, caption)
+
+
+def _table(schema: pa.Schema, rows: list[dict], caption: str) -> None:
     t = Table(caption=caption)
-    for field in table.schema:
+    for field in schema:
         numeric = pa.types.is_integer(field.type) or pa.types.is_floating(field.type) \
             or pa.types.is_decimal(field.type)
         t.add_column(field.name, justify="right" if numeric else "left")
-    for row in shown.to_pylist():
+    for row in rows:
         t.add_row(*(_cell(v) for v in row.values()))
     out.print(t)
+
+
+def _print_tsv(schema: pa.Schema, batches: Iterator[pa.RecordBatch]) -> None:
+    sys.stdout.write(tsv_line(schema.names, schema.names))
+    for batch in batches:
+        for row in _rows(batch):
+            sys.stdout.write(tsv_line([_tsv_cell(v) for v in row]))
+    sys.stdout.flush()
+
+
+def _print_csv(schema: pa.Schema, batches: Iterator[pa.RecordBatch]) -> None:
+    writer = csv.writer(sys.stdout, lineterminator="\n")
+    writer.writerow(schema.names)
+    for batch in batches:
+        for row in _rows(batch):
+            writer.writerow(["" if v is None else json.dumps(_jsonable(v)) if isinstance(v, list | dict)
+                             else v for v in row])
+    sys.stdout.flush()
+
+
+def _print_json(schema: pa.Schema, batches: Iterator[pa.RecordBatch]) -> None:
+    """One JSON list of records, written as the rows come (closed also when --max-rows cuts it)."""
+    sep = ""
+    sys.stdout.write("[")
+    try:
+        for batch in batches:
+            for record in batch.to_pylist():
+                sys.stdout.write(sep + json.dumps(_jsonable(record)))
+                sep = ", "
+    except TooManyRows:
+        sys.stdout.write("]\n")
+        raise
+    sys.stdout.write("]\n")
+    sys.stdout.flush()
+
+
+def _rows(batch: pa.RecordBatch) -> Iterator[list]:
+    columns = [c.to_pylist() for c in batch.columns]
+    return (list(row) for row in zip(*columns))
+
+
+PRINTERS: dict[str, Callable[[pa.Schema, Iterator[pa.RecordBatch]], None]] = {
+    "table": _print_table, "tsv": _print_tsv, "csv": _print_csv, "json": _print_json}
 
 
 def _cell(v: object) -> str:
@@ -97,15 +217,6 @@ def _cell(v: object) -> str:
 
 def _tsv_cell(v: object) -> object:
     return json.dumps(_jsonable(v)) if isinstance(v, list | dict) else v
-
-
-def _print_csv(table: pa.Table) -> None:
-    writer = csv.writer(sys.stdout, lineterminator="\n")
-    writer.writerow(table.column_names)
-    for batch in table.to_batches(max_chunksize=65536):
-        for row in batch.to_pylist():
-            writer.writerow(["" if v is None else json.dumps(_jsonable(v)) if isinstance(v, list | dict)
-                             else v for v in row.values()])
 
 
 def _jsonable(v: object) -> object:

@@ -5,6 +5,12 @@ from __future__ import annotations
 import csv
 import io
 import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -52,7 +58,8 @@ def run_dir(tmp_path) -> Path:
 
 def test_views_by_artifact_kind(run_dir):
     views = {v.name: v for v in run_views(run_dir)}
-    assert list(views) == ["mismatch", "schedule", "my_data_2", "schedule_2"]
+    assert list(views) == ["mismatch", "schedule", "mismatch__mismatch_a", "mismatch__mismatch_b",
+                           "schedule__plan", "my_data_2", "schedule_2"]
     assert [p.name for p in views["mismatch"].files] == ["mismatch_a.parquet", "mismatch_b.parquet"]
     assert views["mismatch"].artifact and not views["my_data_2"].artifact
     con = open_run(run_dir)
@@ -184,3 +191,186 @@ def test_cli_through_the_real_app(run_dir):
     r = invoke("SELECT count(*) AS n FROM mismatch", "--run", str(run_dir), "-f", "json", app=app)
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout) == [{"n": 4000}]
+
+
+# ---- limits: memory, time, rows; the spill folder ----
+
+@pytest.fixture()
+def private_tmp(tmp_path_factory, monkeypatch) -> Path:
+    """A temporary folder of the test's own, where the query's spill folder goes."""
+    tmp = tmp_path_factory.mktemp("tmp")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    return tmp
+
+
+def one_error(r) -> str:
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert r.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: "), r.output
+    assert "Traceback" not in r.output
+    return " ".join(lines[0].split())
+
+
+def test_a_cross_join_stops_at_max_rows_with_unique_column_names(run_dir, private_tmp):
+    r = invoke("SELECT * FROM mismatch a, mismatch b, mismatch c", "--run", str(run_dir), "-f", "tsv",
+               "--max-rows", "100")
+    assert one_error(r) == ("error: the result has more than 100 rows, so only its first 100 were printed; "
+                            "raise --max-rows (0: no limit), or write every row with -o FILE.parquet")
+    lines = r.stdout.splitlines()
+    assert len(lines) == 101 and all(line.count("\t") == 3 * 15 - 1 for line in lines)
+    header = lines[0].split("\t")
+    columns = list(mismatch(1, 0)) + ["source_file"]
+    assert header == columns + [f"{c}_1" for c in columns] + [f"{c}_2" for c in columns]
+    assert list(private_tmp.iterdir()) == []
+
+
+def test_duplicate_columns_get_unique_names_in_parquet(run_dir, tmp_path_factory):
+    target = tmp_path_factory.mktemp("out") / "pairs.parquet"
+    r = invoke("SELECT a.bin, b.bin, a.budget, b.budget AS bin_1 FROM schedule a, schedule b", "--run",
+               str(run_dir), "-o", str(target))
+    assert r.exit_code == 0, r.output
+    table = pq.read_table(target)
+    assert table.column_names == ["bin", "bin_2", "budget", "bin_1"] and table.num_rows == 4
+
+
+def test_a_huge_string_stops_at_the_memory_limit(run_dir, private_tmp):
+    r = invoke("SELECT repeat('x', 2000000000) AS s", "--run", str(run_dir), "--memory-limit", "256MiB")
+    assert one_error(r) == ("error: the query needed more memory than its limit of 256 MiB and was stopped "
+                            "(raise it with --memory-limit, or let SQL aggregate more)")
+    assert r.stdout == "" and list(private_tmp.iterdir()) == []
+
+
+def test_a_long_query_stops_at_the_timeout(run_dir, private_tmp):
+    start = time.monotonic()
+    r = invoke("SELECT count(*) FROM mismatch a, mismatch b, mismatch c, mismatch d, mismatch e",
+               "--run", str(run_dir), "--timeout", "1")
+    assert one_error(r) == ("error: the query ran past its time limit of 1 s and was stopped (raise it with "
+                            "--timeout)")
+    assert time.monotonic() - start < 15 and r.stdout == "" and list(private_tmp.iterdir()) == []
+
+
+def test_a_stopped_query_leaves_the_earlier_output_as_it_was(run_dir, tmp_path_factory, private_tmp):
+    target = tmp_path_factory.mktemp("out") / "rows.parquet"
+    pq.write_table(pa.table({"a": [1, 2]}), target)
+    r = invoke("SELECT * FROM mismatch a, mismatch b, mismatch c", "--run", str(run_dir), "-o", str(target),
+               "--timeout", "1")
+    assert one_error(r).startswith("error: the query ran past its time limit of 1 s")
+    assert pq.read_table(target).to_pylist() == [{"a": 1}, {"a": 2}]
+    assert list(target.parent.iterdir()) == [target] and list(private_tmp.iterdir()) == []
+
+
+def test_a_query_that_spills_leaves_no_folder_and_old_ones_of_dead_runs_go(run_dir, private_tmp):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = private_tmp / f"sparrow-sql-{dead.pid}-abc123"  # a run killed before it could clean up
+    (stale / "sub").mkdir(parents=True)
+    (stale / "sub" / "duckdb_temp_block").write_bytes(b"x" * 100)
+    alive = private_tmp / f"sparrow-sql-{os.getppid()}-def456"  # another query, still running
+    alive.mkdir()
+    r = invoke("SELECT i, md5(i::VARCHAR) AS h FROM range(3000000) t(i) ORDER BY h LIMIT 1", "--run",
+               str(run_dir), "--memory-limit", "128MiB", "-f", "json")
+    assert r.exit_code == 0, r.output
+    assert len(json.loads(r.stdout)) == 1
+    assert list(private_tmp.iterdir()) == [alive]
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--memory-limit", "lots"], "--memory-limit must be a size such as 4GB, 512MiB or 25% (of this "
+                                 "machine's memory), got 'lots'"),
+    (["--memory-limit", "1MB"], "--memory-limit must be at least 16MiB, got '1MB'"),
+    (["--timeout", "-1"], "--timeout must be a number of seconds >= 0 (0: no limit), got -1"),
+    (["--max-rows", "-5"], "--max-rows must be >= 0 (0: no limit), got -5"),
+])
+def test_bad_limits_are_refused_before_the_query(run_dir, args, words):
+    assert one_error(invoke("SELECT 1", "--run", str(run_dir), *args)) == f"error: {words}"
+
+
+# ---- statements ----
+
+@pytest.mark.parametrize("query,words", [
+    ("", "the query is empty; give one SQL statement, e.g. \"SHOW TABLES\""),
+    ("  ;  -- nothing", "the query is empty; give one SQL statement, e.g. \"SHOW TABLES\""),
+    ("SELECT 1 AS a; SELECT 2 AS b", "the query holds 2 statements, and sparrow sql runs one per call (each "
+                                     "result is one table); run them one at a time"),
+])
+def test_an_empty_query_or_several_statements_are_refused(run_dir, query, words):
+    r = invoke(query, "--run", str(run_dir), "-f", "json")
+    assert one_error(r) == f"error: query failed: {words}" and r.stdout == ""
+
+
+# ---- provenance ----
+
+@pytest.fixture()
+def mixed_run(tmp_path) -> Path:
+    run = tmp_path / "mixed"
+    run.mkdir()
+    write_artifact(mismatch(30, 0), run / "dense.parquet", "mismatch", {"model": "m", "sampler": "dense"})
+    write_artifact(mismatch(20, 1), run / "b64.parquet", "mismatch",
+                   {"model": "m", "sampler": "budget:64", "adapter": "/adapters/a"})
+    (run / "distill" / "mismatch").mkdir(parents=True)
+    return run
+
+
+def test_a_union_of_different_provenance_warns_and_can_be_filtered(mixed_run):
+    r = invoke("SELECT source_file, source_model, source_sampler, source_adapter, count(*) AS n "
+               "FROM mismatch GROUP BY ALL ORDER BY n", "--run", str(mixed_run), "-f", "json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout) == [
+        {"source_file": "b64.parquet", "source_model": "m", "source_sampler": "budget:64",
+         "source_adapter": "/adapters/a", "n": 20},
+        {"source_file": "dense.parquet", "source_model": "m", "source_sampler": "dense",
+         "source_adapter": None, "n": 30}]
+    warning = " ".join(r.stderr.split())
+    assert warning == ("warning: the view 'mismatch' pools 2 files of different provenance (sampler: "
+                       "budget:64, dense; adapter: /adapters/a, none); filter on source_sampler, "
+                       "source_adapter, or query one file's view (mismatch__...)")
+
+
+def test_each_artifact_file_is_a_view_of_its_own_without_the_warning(mixed_run):
+    r = invoke("SELECT (SELECT count(*) FROM mismatch__dense) AS dense, (SELECT count(*) FROM mismatch__b64) "
+               "AS b64", "--run", str(mixed_run), "-f", "json")
+    assert r.exit_code == 0 and r.stderr == "", r.output
+    assert json.loads(r.stdout) == [{"dense": 30, "b64": 20}]
+    r = invoke("SHOW TABLES", "--run", str(mixed_run), "-f", "tsv")
+    assert r.stdout.split() == ["name", "mismatch", "mismatch__b64", "mismatch__dense"]
+
+
+def test_the_same_provenance_pools_quietly(run_dir):
+    r = invoke("SELECT count(*) AS n FROM mismatch", "--run", str(run_dir), "-f", "json")
+    assert r.exit_code == 0 and r.stderr == "" and json.loads(r.stdout) == [{"n": 4000}]
+
+
+# ---- a closed pipe, Ctrl-C and SIGTERM, in a process of their own ----
+
+def sparrow(*args: str, tmp: Path, **popen) -> subprocess.Popen:
+    env = {**os.environ, "TMPDIR": str(tmp)}
+    return subprocess.Popen([sys.executable, "-c", "from sparrow.cli.app import main; main()", *args],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL), **popen)
+
+
+def test_a_closed_pipe_ends_quietly_with_0(run_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("tmp")
+    p = sparrow("sql", "SELECT * FROM range(3000000)", "--run", str(run_dir), tmp=tmp)
+    assert p.stdout.readline() == b"range\n"
+    p.stdout.close()  # as `| head -1` does
+    assert p.wait(timeout=60) == 0
+    assert p.stderr.read() == b"" and list(tmp.iterdir()) == []
+
+
+@pytest.mark.parametrize("signum,line", [
+    (signal.SIGINT, "interrupted; nothing half-written was left behind"),
+    (signal.SIGTERM, "stopped by SIGTERM; nothing half-written was left behind")])
+def test_a_signal_stops_the_query_in_one_line(run_dir, tmp_path_factory, signum, line):
+    tmp = tmp_path_factory.mktemp("tmp")
+    p = sparrow("sql", "SELECT count(*) FROM range(100000) a, range(100000) b, range(100000) c",
+                "--run", str(run_dir), tmp=tmp)
+    deadline = time.monotonic() + 60
+    while not list(tmp.glob(f"sparrow-sql-{p.pid}-*")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(1.0)  # the query is running
+    start = time.monotonic()
+    p.send_signal(signum)
+    out, err = p.communicate(timeout=30)
+    assert p.returncode == 128 + signum and time.monotonic() - start < 10
+    assert err.decode().splitlines() == [line] and out == b""
+    assert list(tmp.iterdir()) == []
