@@ -182,6 +182,7 @@ def distill(
         raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     check_output_dir(output, "an adapter written by sparrow distill", force=force, ours=distilled_adapter,
                      replaceable=lambda d: (d / "adapter_config.json").exists())
+    resolved = default_threshold(threshold, model, quantile)
     sparsity = block_topk_sparsity(schedule, budget, False, model)
     if sparsity is None:
         raise UsageError("give --budget or --schedule: the sparse actor to distill is the one that samples "
@@ -236,10 +237,10 @@ def distill(
                   f"{f'budgets {run.taught}' if taught else run.sampler}, {result.seconds:.1f} s of "
                   f"training; {objective} loss {h[0]['loss']:.4g} -> {h[-1]['loss']:.4g}); per-token "
                   f"mismatch before and after: {folder / 'mismatch'}/")
-    threshold = default_threshold(threshold, model, quantile)
-    rows = tail_comparison(result.before, result.after, quantile, threshold)
+    rows = tail_comparison(result.before, result.after, quantile, resolved.value)
     columns = ("bin", "budget", "tokens", "tail_before", "tail_after", "mean_before", "mean_after",
                "above_after")
     emit(columns, [[r[c] for c in columns] for r in rows], fmt,
          title=f"alpha per bin and budget, plain vs distilled sparse actor (tail = {quantile:g} quantile, "
-               f"above = tail >= {threshold}; eval: {eval_prompts or 'training trajectories'})")
+               f"above = tail >= threshold {resolved.short}; eval: "
+               f"{eval_prompts or 'training trajectories'})")

@@ -50,6 +50,7 @@ from .output import emit, format_option, resolve_format
 if TYPE_CHECKING:
     import pyarrow as pa
 
+    from sparrow.stages.calibrate import ResolvedThreshold
     from sparrow.stages.profile import Hooks
 
 
@@ -153,6 +154,7 @@ def profile(
         raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     check_workers(workers, ray_address, output)
     check_output(output, "mismatch", force, parts=bool(workers))
+    resolved = default_threshold(threshold, model, quantile)
     cfg = resolve_config(model)
     if prompts is not None:
         opts.policy = sampler_policy(sampler)
@@ -177,8 +179,8 @@ def profile(
         warn_first_token_stops(sample_lengths(table, len(opts.budgets)), max_new_tokens, raw_prompts)
     console.print(f"wrote {table.num_rows} rows ({table.num_rows // len(opts.budgets)} tokens x "
                   f"{len(opts.budgets)} budgets) to {output}")
-    threshold = default_threshold(threshold, model, quantile)
-    print_summary(summarize(table, quantile, threshold), quantile, threshold, fmt)
+    print_summary(summarize(table, quantile, resolved.value), quantile, resolved, fmt)
+    console.print(f"above: the tail is at or above the threshold {resolved.short}", highlight=False)
 
 
 def _check_context(opts, cfg, model: str) -> None:
@@ -257,11 +259,11 @@ def progress_hooks(workers: int) -> Iterator[Hooks]:
         yield Hooks(progress=update)
 
 
-def print_summary(summary, quantile: float, threshold: float, fmt: str) -> None:
+def print_summary(summary, quantile: float, threshold: ResolvedThreshold, fmt: str) -> None:
     """Mean and tail alpha per bin and budget, on stdout; `above` says whether the tail clears the
     threshold."""
     columns = ("bin", "budget", "tokens", "mean_alpha", "tail_alpha", "above")
     rows = [[r["bin"], r["budget"], r["tokens"], r["mean_alpha"], r["tail_alpha"], bool(r["above"])]
             for r in summary.to_pylist()]
     emit(columns, rows, fmt, title=f"alpha per bin and budget (tail = {quantile:g} quantile, "
-                                   f"above = tail >= {threshold})")
+                                   f"above = tail >= threshold {threshold.short})")
