@@ -12,7 +12,6 @@ from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
     Progress,
-    TaskID,
     TextColumn,
     TimeElapsedColumn,
     TimeRemainingColumn,
@@ -22,6 +21,7 @@ from sparrow.stages.core.definitions import TAIL_QUANTILE
 
 from .common import (
     LogProgress,
+    PhaseProgress,
     UsageError,
     check_device,
     check_output,
@@ -32,6 +32,7 @@ from .common import (
     output_help,
     parse_int_list,
     raw_prompts_option,
+    say_loading,
     warn_first_token_stops,
 )
 from .options import (
@@ -171,10 +172,12 @@ def profile(
         unrecorded = given.temperature is None and temperature is None
         with progress_hooks(workers) as hooks:
             hooks.ready = (lambda: console.print(note)) if unrecorded else None
+            hooks.loading = lambda: say_loading(model, device)
             table = profile_rollouts(run, given, rollouts, opts, hooks)
     else:
         prompt_set = PromptSet.read(prompts)
         with progress_hooks(workers) as hooks:
+            hooks.loading = lambda: say_loading(model, device)
             table = profile_prompts(run, prompt_set, prompts, opts, not raw_prompts, hooks)
         warn_first_token_stops(sample_lengths(table, len(opts.budgets)), max_new_tokens, raw_prompts)
     console.print(f"wrote {table.num_rows} rows ({table.num_rows // len(opts.budgets)} tokens x "
@@ -246,17 +249,7 @@ def progress_hooks(workers: int) -> Iterator[Hooks]:
 
             yield Hooks(on_shard=on_shard)
             return
-        tasks: dict[str, TaskID] = {}
-        logs: dict[str, LogProgress] = {}
-
-        def update(phase: str, done: int, total: int) -> None:
-            if phase not in tasks:
-                tasks[phase] = bar.add_task(PHASES[phase], total=total)
-                logs[phase] = LogProgress(PHASES[phase])
-            bar.update(tasks[phase], completed=done, total=total)
-            logs[phase](done, total)
-
-        yield Hooks(progress=update)
+        yield Hooks(progress=PhaseProgress(bar, PHASES))
 
 
 def print_summary(summary, quantile: float, threshold: ResolvedThreshold, fmt: str) -> None:

@@ -281,8 +281,11 @@ def rollouts_figure(rollouts: Path, name: str, out: Path, plt) -> Figure:
     stops = np.array([r["finish_reason"] == "stop" for r in rows])
     low, top = int(lengths.min()), int(lengths.max())
     bins = np.arange(low - 1, top + 3) - 0.5 if top - low < 40 else 20  # one bar per length when few
-    axes[0].hist([lengths[stops], lengths[~stops]], bins=bins, stacked=True,
-                 label=["stopped (EOS)", "cut at --max-new-tokens"])
+    ignore_eos = bool(meta.get("ignore_eos"))
+    cut = "ran to --max-new-tokens (--ignore-eos)" if ignore_eos else "cut at --max-new-tokens"
+    groups = [(part, label) for part, label in ((lengths[stops], "stopped (EOS)"), (lengths[~stops], cut))
+              if len(part)]  # a legend names only what was drawn
+    axes[0].hist([part for part, _ in groups], bins=bins, stacked=True, label=[label for _, label in groups])
     axes[0].xaxis.set_major_locator(MaxNLocator(integer=True))
     axes[0].set_xlabel("generated tokens per sample")
     axes[0].set_title(f"length per sample (mean {lengths.mean():.1f})", fontsize=10)
@@ -305,7 +308,8 @@ def rollouts_figure(rollouts: Path, name: str, out: Path, plt) -> Figure:
     budgets = [b for r in rows for b in r["budgets"] if b]
     caption = (f"From {rollouts.name}: {len(rows)} samples, sampler {meta.get('sparsity', 'unknown')}"
                + (f" (mean budget of sparse tokens {np.mean(budgets):.0f})" if budgets else "")
-               + f", {stops.mean():.0%} stopped at EOS"
+               + (", every sample ran to --max-new-tokens (--ignore-eos)" if ignore_eos
+                  else f", {stops.mean():.0%} stopped at EOS")
                + (f", {float(speed):.1f} tokens/s" if speed else "") + ".")
     return _save(fig, out, name, f"Rollouts: lengths and rewards ({rollouts.name})", caption, plt, len(rows))
 
@@ -334,7 +338,7 @@ def training_figure(run: Path, out: Path, plt) -> Figure:
     for ax, (key, title) in zip(axes.flat, TRAIN_PANELS):
         pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
         if key == "eval_accuracy" and meta.get("initial_eval_accuracy") is not None:
-            pts.insert(0, (-1, float(meta["initial_eval_accuracy"])))  # before the first update
+            pts.insert(0, (0, float(meta["initial_eval_accuracy"])))  # step 0: before any update
         ax.set_title(title, fontsize=10)
         if not pts:
             _say(ax, EMPTY_PANEL.get(key, "not logged by this run"))
@@ -371,7 +375,8 @@ def training_figure(run: Path, out: Path, plt) -> Figure:
                "(its last step's collapse reasons: reward, grad norm, entropy, truncation or repetition); "
                + ("red lines mark the steps whose history up to them held a reason. " if flagged else
                   "no step held a collapse reason. ")
-               + ("Eval accuracy at step -1 is before any update." if meta.get("initial_eval_accuracy")
+               + ("Step N is the row logged after N updates; eval accuracy at step 0 is before any update."
+                  if meta.get("initial_eval_accuracy")
                   is not None else ""))
     return _save(fig, out, name, f"Training run {run.name}: {label}", caption, plt, len(rows), top_in=0.3)
 

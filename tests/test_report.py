@@ -248,3 +248,23 @@ def test_tail_points_sit_where_the_tokens_are_and_the_threshold_marks_the_tail_o
     assert [(ax.get_title(), y) for ax, y in lines] == [("p5 of alpha (the tail)", 0.4678437262773514)]
     caption = _caption((run / "report" / "index.html").read_text(), "tail.png")
     assert "threshold 0.468 (calibrated" in caption and "0.46784" not in caption
+
+
+def test_a_run_with_ignore_eos_names_no_eos_stops_in_its_length_legend(tmp_path, monkeypatch):
+    from matplotlib.axes import Axes
+
+    run = tmp_path / "run"
+    write_artifact({"prompt_id": ["p0", "p0"], "sample": [0, 1], "prompt_token_ids": [[1, 2]] * 2,
+                    "token_ids": [[7, 8, 9], [7, 8, 9]], "text": [None, None], "logprobs": [[-0.1] * 3] * 2,
+                    "budgets": [[0] * 3] * 2, "finish_reason": ["length", "length"], "reward": [0.0, 1.0]},
+                   run / "rollouts.parquet", "rollouts", metadata={"ignore_eos": True})
+    labels = []
+    hist = Axes.hist
+    monkeypatch.setattr(Axes, "hist", lambda ax, x, *a, **k: labels.append(k.get("label"))
+                        or hist(ax, x, *a, **k))
+    result = CliRunner().invoke(app, ["report", str(run)])
+    assert result.exit_code == 0, result.output
+    assert labels[0] == ["ran to --max-new-tokens (--ignore-eos)"]
+    caption = _caption((run / "report" / "index.html").read_text(), "rollouts.png")
+    assert "every sample ran to --max-new-tokens (--ignore-eos)" in caption and "EOS" not in caption.replace(
+        "--ignore-eos", "")

@@ -79,6 +79,8 @@ def launched(cfg: TrainConfig, workers: int, ray_address: str | None) -> Iterato
 def start_training(cfg: TrainConfig, inputs: TrainInputs, opts: RunOptions) -> Trainer:
     """The model and prompts loaded and checked against its context, and the Trainer (a refused resume
     says so here); ValueError in one sentence, before the run directory is written."""
+    if opts.on_phase:
+        opts.on_phase("loading")
     loaded = loading.load_model(cfg.model, device=cfg.device, random_weights=cfg.random_weights,
                         dtype=torch.bfloat16 if cfg.device == "cuda" else torch.float32)
     if loaded.tokenizer is None:
