@@ -331,13 +331,14 @@ def profile_rollouts(run: ProfileRun, given, source: Path, opts: ProfileOptions,
     from sparrow.schemas import input_name
 
     cfg, hooks = resolve_config(run.model), hooks or Hooks()
-    trajectories = None if given.needs_tokenizer else given.trajectories(
-        None, cfg.vocab_size, cfg.max_position_embeddings)  # checked before any weights load
+    from .model.loading import spec_tokenizer
+
+    tokenizer = spec_tokenizer(run.model) if given.needs_tokenizer else None  # no weights read
+    trajectories = given.trajectories(tokenizer, cfg.vocab_size, cfg.max_position_embeddings)  # checked
+    # before any weights load
     if hooks.loading and not run.workers:
         hooks.loading()
     loaded = run.load()
-    if trajectories is None:
-        trajectories = given.trajectories(loaded.tokenizer, cfg.vocab_size, cfg.max_position_embeddings)
     if hooks.ready:
         hooks.ready()
     meta = opts.metadata(sampled=False) | {"rollouts": input_name(source)} | run.metadata() | (
