@@ -45,6 +45,29 @@ class LogProgress:
         log_line(f"{self.what}: {done}/{total}{f', {info}' if info else ''} ({now - self.start:.0f} s)")
 
 
+def say_loading(model: str, device: str) -> None:
+    """The line that says the model is loading (seconds to minutes, with nothing else to show)."""
+    console.print(f"loading model {model} on {device} ...", highlight=False, markup=False)
+
+
+class PhaseProgress:
+    """(phase, done, total) progress on stderr: one bar per phase on a terminal (in `bar`), whole lines in a
+    log (LogProgress). Each phase shows as soon as it starts (0 of its total), not at its first batch."""
+
+    def __init__(self, bar, labels: dict[str, str] | None = None):
+        self.bar, self.labels = bar, labels or {}
+        self.tasks: dict[str, object] = {}
+        self.logs: dict[str, LogProgress] = {}
+
+    def __call__(self, phase: str, done: int, total: int) -> None:
+        if phase not in self.tasks:
+            label = self.labels.get(phase, phase)
+            self.tasks[phase] = self.bar.add_task(label, total=total, info="")
+            self.logs[phase] = LogProgress(label)
+        self.bar.update(self.tasks[phase], completed=done, total=total)
+        self.logs[phase](done, total)
+
+
 class UsageError(ValueError):
     """Bad input found before any work starts."""
 

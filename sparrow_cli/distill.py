@@ -10,6 +10,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from sparrow.stages.core.definitions import TAIL_QUANTILE
 
 from .common import (
+    PhaseProgress,
     UsageError,
     check_device,
     check_output_dir,
@@ -20,6 +21,7 @@ from .common import (
     log_line,
     parse_int_list,
     raw_prompts_option,
+    say_loading,
     warn_first_token_stops,
 )
 from .options import (
@@ -31,6 +33,11 @@ from .options import (
     rollouts_temperature,
 )
 from .output import emit, format_option, resolve_format
+
+DISTILL_PHASES = {"sampling": "sampling training trajectories (samples)",
+                  "sampling eval": "sampling eval trajectories (samples)",
+                  "scoring before": "scoring before (trajectories)",
+                  "scoring after": "scoring after (trajectories)"}
 
 
 def budget_list(given: str, flag: str) -> list[int]:
@@ -182,6 +189,7 @@ def distill(
         raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     check_output_dir(output, "an adapter written by sparrow distill", force=force, ours=distilled_adapter,
                      replaceable=lambda d: (d / "adapter_config.json").exists())
+    resolved = default_threshold(threshold, model, quantile)
     sparsity = block_topk_sparsity(schedule, budget, False, model)
     if sparsity is None:
         raise UsageError("give --budget or --schedule: the sparse actor to distill is the one that samples "
@@ -211,22 +219,23 @@ def distill(
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console, transient=True,
                   disable=not console.is_terminal) as bar:
-        task = bar.add_task("sampling", total=None, info="")
+        phases = PhaseProgress(bar, DISTILL_PHASES)
+        task = []  # the distilling steps' bar, from the phase on
 
         def on_phase(name: str) -> None:
-            bar.update(task, description=name, total=steps if name == "distilling" else None,
-                       completed=0)
+            if name == "distilling":
+                task.append(bar.add_task("distilling", total=steps, info=""))
             log_line(name)
 
         def on_step(r: dict) -> None:
             info = (f"{objective} loss {r['loss']:.4g} | grad norm {r['grad_norm']:.3g} | "
                     f"{r['seconds']:.1f} s/step")
-            bar.update(task, completed=r["step"] + 1, info=info)
-            log_line(f"distilling step {r['step'] + 1}/{steps}: {info}")
+            bar.update(task[0], completed=r["step"], info=info)
+            log_line(f"distilling step {r['step']}/{steps}: {info}")
 
         hooks = DistillHooks(lambda: log_line("sampling trajectories"),
                              lambda lengths: warn_first_token_stops(lengths, max_new_tokens, raw_prompts),
-                             on_phase, on_step)
+                             on_phase, on_step, lambda: say_loading(model, device), phases)
         try:
             folder, result = distill_to_folder(run, cfg, hooks)
         except ValueError as e:
@@ -236,10 +245,10 @@ def distill(
                   f"{f'budgets {run.taught}' if taught else run.sampler}, {result.seconds:.1f} s of "
                   f"training; {objective} loss {h[0]['loss']:.4g} -> {h[-1]['loss']:.4g}); per-token "
                   f"mismatch before and after: {folder / 'mismatch'}/")
-    threshold = default_threshold(threshold, model, quantile)
-    rows = tail_comparison(result.before, result.after, quantile, threshold)
+    rows = tail_comparison(result.before, result.after, quantile, resolved.value)
     columns = ("bin", "budget", "tokens", "tail_before", "tail_after", "mean_before", "mean_after",
                "above_after")
     emit(columns, [[r[c] for c in columns] for r in rows], fmt,
          title=f"alpha per bin and budget, plain vs distilled sparse actor (tail = {quantile:g} quantile, "
-               f"above = tail >= {threshold}; eval: {eval_prompts or 'training trajectories'})")
+               f"above = tail >= threshold {resolved.short}; eval: "
+               f"{eval_prompts or 'training trajectories'})")

@@ -197,15 +197,16 @@ def read_adapter_config(path: Path, flag: str = "--adapter") -> dict:
     return config
 
 
-def default_threshold(threshold: float | None, model: str, quantile: float) -> float:
-    """The threshold a summary marks: given, else the calibration shipped for the model, else the prior."""
-    from sparrow.stages.calibrate import shipped_threshold
-    from sparrow.stages.core.definitions import PRIOR_THRESHOLD
+def default_threshold(threshold: float | None, model: str, quantile: float):
+    """The threshold a summary marks, by the rule every command follows (`resolve_threshold`): given, else
+    the calibration shipped for the model, else the prior; one sentence if it is out of range."""
+    from sparrow.stages.calibrate import resolve_threshold
+    from sparrow.stages.core.schedule import ScheduleError
 
-    if threshold is not None:
-        return threshold
-    shipped = shipped_threshold(model, quantile)
-    return shipped.threshold if shipped is not None else PRIOR_THRESHOLD
+    try:
+        return resolve_threshold(threshold, None, quantile, model)
+    except ScheduleError as e:
+        raise UsageError(f"--threshold: {e}") from None
 
 
 def rollouts_temperature(path: Path, recorded: float | None, given: float | None) -> float:

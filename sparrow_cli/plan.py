@@ -142,10 +142,10 @@ def plan_schedule(
     print_plan(planned, tables_fmt)
     for note in result.notes:
         console.print(f"[yellow]note:[/] {note}", highlight=False)
-    console.print(f"predicted rollout speedup over dense: [bold]{planned.speedup:.2f}x[/] ({planned.gen_len} "
-                  f"generated tokens after a {planned.prompt_len}-token prompt, batch {batch}, "
-                  f"{planned.cost_source} cost, threshold {result.threshold:g} ({planned.threshold_source}), "
-                  f"{result.source})", highlight=False)
+    console.print(f"predicted rollout speedup over dense: [bold]{planned.speedup:.2f}x[/]", highlight=False)
+    for line in (f"  for {planned.lengths.describe(batch)}", f"  cost: {planned.cost_source}",
+                 f"  profile: {result.source}", *("  " + t for t in planned.threshold.lines())):
+        console.print(line, highlight=False, markup=False)
     if planned.frontier:
         print_frontier(planned, tables_fmt)
     if planned.exported is not None:
@@ -194,13 +194,15 @@ def print_eviction_plan(result, fmt: str) -> None:
           f"{result.policy} KV budgets (tail = {result.quantile:g} quantile of alpha, the weakest of the "
           f"{result.bin_width}-token bins; threshold {result.threshold:g})",
           render={"tail": _fixed(4), "mean alpha": _fixed(4), "holds": lambda h: "yes" if h else "no"})
-    t_source = result.threshold_source
+    threshold = result.resolved
     if result.budget is None:
-        console.print(f"no profiled {result.policy} budget keeps the tail at or above {result.threshold:g} "
-                      f"({t_source}): sample dense, or profile larger --budgets", highlight=False)
-        return
-    console.print(f"plan: [bold]{result.flags()}[/] (the cheapest profiled budget whose tail holds; "
-                  f"threshold {result.threshold:g} ({t_source}), {result.source})", highlight=False)
+        console.print(f"no profiled {result.policy} budget keeps the tail at or above the threshold: "
+                      "sample dense, or profile larger --budgets", highlight=False)
+    else:
+        console.print(f"plan: [bold]{result.flags()}[/] (the cheapest profiled budget whose tail holds; "
+                      f"{result.source})", highlight=False)
+    for line in threshold.lines() if threshold is not None else ():
+        console.print("  " + line, highlight=False, markup=False)
 
 
 def _export_form(path: Path) -> str | None:
@@ -263,7 +265,7 @@ def print_frontier(planned, fmt: str | None) -> None:
     if fmt in ("csv", "tsv"):
         sys.stdout.write("\n")  # the second table of the stream
     _show(("threshold", "speedup", "mean budget", "dense bins"), rows, fmt,
-          f"stability-speed frontier ({planned.cost_source}, {planned.gen_len} tokens, "
+          f"stability-speed frontier ({planned.cost_source}, {planned.lengths.gen_len} tokens, "
           f"batch {planned.batch})",
           render={"threshold": lambda t: f"{t:g}", "speedup": _fixed(2, "x"), "mean budget": _fixed(0)})
 

@@ -12,7 +12,6 @@ from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
     Progress,
-    TaskID,
     TextColumn,
     TimeElapsedColumn,
     TimeRemainingColumn,
@@ -22,6 +21,7 @@ from sparrow.stages.core.definitions import TAIL_QUANTILE
 
 from .common import (
     LogProgress,
+    PhaseProgress,
     UsageError,
     check_device,
     check_output,
@@ -32,6 +32,7 @@ from .common import (
     output_help,
     parse_int_list,
     raw_prompts_option,
+    say_loading,
     warn_first_token_stops,
 )
 from .options import (
@@ -50,6 +51,7 @@ from .output import emit, format_option, resolve_format
 if TYPE_CHECKING:
     import pyarrow as pa
 
+    from sparrow.stages.calibrate import ResolvedThreshold
     from sparrow.stages.profile import Hooks
 
 
@@ -153,6 +155,7 @@ def profile(
         raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     check_workers(workers, ray_address, output)
     check_output(output, "mismatch", force, parts=bool(workers))
+    resolved = default_threshold(threshold, model, quantile)
     cfg = resolve_config(model)
     if prompts is not None:
         opts.policy = sampler_policy(sampler)
@@ -169,16 +172,18 @@ def profile(
         unrecorded = given.temperature is None and temperature is None
         with progress_hooks(workers) as hooks:
             hooks.ready = (lambda: console.print(note)) if unrecorded else None
+            hooks.loading = lambda: say_loading(model, device)
             table = profile_rollouts(run, given, rollouts, opts, hooks)
     else:
         prompt_set = PromptSet.read(prompts)
         with progress_hooks(workers) as hooks:
+            hooks.loading = lambda: say_loading(model, device)
             table = profile_prompts(run, prompt_set, prompts, opts, not raw_prompts, hooks)
         warn_first_token_stops(sample_lengths(table, len(opts.budgets)), max_new_tokens, raw_prompts)
     console.print(f"wrote {table.num_rows} rows ({table.num_rows // len(opts.budgets)} tokens x "
                   f"{len(opts.budgets)} budgets) to {output}")
-    threshold = default_threshold(threshold, model, quantile)
-    print_summary(summarize(table, quantile, threshold), quantile, threshold, fmt)
+    print_summary(summarize(table, quantile, resolved.value), quantile, resolved, fmt)
+    console.print(f"above: the tail is at or above the threshold {resolved.short}", highlight=False)
 
 
 def _check_context(opts, cfg, model: str) -> None:
@@ -244,24 +249,14 @@ def progress_hooks(workers: int) -> Iterator[Hooks]:
 
             yield Hooks(on_shard=on_shard)
             return
-        tasks: dict[str, TaskID] = {}
-        logs: dict[str, LogProgress] = {}
-
-        def update(phase: str, done: int, total: int) -> None:
-            if phase not in tasks:
-                tasks[phase] = bar.add_task(PHASES[phase], total=total)
-                logs[phase] = LogProgress(PHASES[phase])
-            bar.update(tasks[phase], completed=done, total=total)
-            logs[phase](done, total)
-
-        yield Hooks(progress=update)
+        yield Hooks(progress=PhaseProgress(bar, PHASES))
 
 
-def print_summary(summary, quantile: float, threshold: float, fmt: str) -> None:
+def print_summary(summary, quantile: float, threshold: ResolvedThreshold, fmt: str) -> None:
     """Mean and tail alpha per bin and budget, on stdout; `above` says whether the tail clears the
     threshold."""
     columns = ("bin", "budget", "tokens", "mean_alpha", "tail_alpha", "above")
     rows = [[r["bin"], r["budget"], r["tokens"], r["mean_alpha"], r["tail_alpha"], bool(r["above"])]
             for r in summary.to_pylist()]
     emit(columns, rows, fmt, title=f"alpha per bin and budget (tail = {quantile:g} quantile, "
-                                   f"above = tail >= {threshold})")
+                                   f"above = tail >= threshold {threshold.short})")

@@ -15,6 +15,7 @@ from .common import (
     input_path,
     log_line,
     raw_prompts_option,
+    say_loading,
     warn_first_token_stops,
 )
 from .options import (
@@ -215,20 +216,38 @@ def _run(cfg, inputs, opts, fmt: str) -> None:
                    TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console,
                    disable=not world.main or not console.is_terminal)
     task = bar.add_task("train steps", total=steps, info="")
+    done: list[int] = []  # the steps finished in this process
+    trainer_step = [0]  # the step the run starts from (a resume's checkpoint)
+    warned: list[int] = []
+    silent: list[int] = []
 
     def on_phase(phase: str) -> None:
+        if not world.main:
+            return
+        if phase == "loading":
+            return say_loading(cfg.model, cfg.device)
         bar.update(task, description=f"train steps ({phase})")
+        if not done:  # a log hears of the first step's phases; each step's line follows it
+            log_line(f"{phase} of train step {trainer_step[0] + 1}/{steps} ..." if phase != "initial eval"
+                     else "initial eval of the --eval-prompts ...")
 
     def on_step(r: dict) -> None:
+        done.append(r["step"])
         ev = "" if r.get("eval_accuracy") is None else f" eval {r['eval_accuracy']:.2f}"
         info = (f"reward {r['reward_mean']:.3f} acc {r['accuracy']:.2f}{ev} | mismatch KL "
                 f"{r['mismatch_kl']:.2e} alpha-lb p5 {r['alpha_lb_p5']:.2f} | {r['seconds']:.1f} s"
                 + (f" | collapse: {r['collapse']}" if r.get("collapse") else ""))
-        bar.update(task, completed=r["step"] + 1, info=info)
+        bar.update(task, completed=r["step"], info=info)
         if world.main:
-            log_line(f"train step {r['step'] + 1}/{steps}: {info}")
+            log_line(f"train step {r['step']}/{steps}: {info}")
+        on_signal(r)
 
-    warned = []
+    def on_signal(r: dict) -> None:  # the first step without learning signal says so at once
+        if world.main and not silent and r.get("frac_reward_zero_std") == 1.0:
+            silent.append(r["step"])
+            console.print(f"[yellow]warning:[/] step {r['step']}: every group's samples got the same reward "
+                          "(frac_reward_zero_std 1), so its advantages are zero and the update learns "
+                          "nothing from them; metrics.parquet logs the share per step", highlight=False)
 
     def on_rollouts(step: int, lengths: list[int]) -> None:  # the first step's samples tell
         if world.main and not warned:
@@ -240,11 +259,14 @@ def _run(cfg, inputs, opts, fmt: str) -> None:
         trainer = start_training(cfg, inputs, opts)
     except ValueError as e:
         raise UsageError(str(e)) from None
+    trainer_step[0] = trainer.step
     with bar:
         bar.update(task, completed=trainer.step)
         summary = trainer.run()
     if world.main:
         run = inputs.output_dir
         console.print(f"metrics: {run / 'metrics.parquet'}; per-token mismatch: {run / 'mismatch'}/")
+        for warning in summary.get("warnings", []):
+            console.print(f"[yellow]warning:[/] {warning}", highlight=False)
         emit_record(summary_record(trainer.history, summary), fmt, title=f"sparrow train: {run}",
                     labels=TRAIN_LABELS)

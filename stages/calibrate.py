@@ -176,6 +176,75 @@ def shipped_threshold(model: str | None, quantile: float) -> Calibration | None:
                        provenance=meta)
 
 
+@dataclass(frozen=True)
+class ResolvedThreshold:
+    """The threshold a command uses, with the quantile it applies to and where it came from."""
+
+    value: float
+    quantile: float
+    origin: str  # short: "given", "published prior", "shipped calibration for M", "calibrated, FILE"
+    provenance: str = ""  # how it was made, possibly long (a shipped calibration's sweep)
+    interval: tuple[float, float] | None = None
+
+    @property
+    def source(self) -> str:
+        """Origin and provenance on one line (for an artifact's metadata)."""
+        return f"{self.origin} ({self.provenance})" if self.provenance else self.origin
+
+    @property
+    def short(self) -> str:
+        """The value to 3 significant digits with its origin, for a legend or a one-line summary."""
+        return f"{self.value:.3g} ({self.origin})"
+
+    def lines(self, width: int = 100) -> list[str]:
+        """A readable account for a terminal: the value and origin, then the interval and the provenance
+        wrapped and indented."""
+        import textwrap
+
+        out = [f"threshold {self.value:.3g} on the {self.quantile:g} quantile of alpha: {self.origin}"]
+        if self.interval is not None and None not in self.interval:
+            out.append(f"  95% interval {self.interval[0]:.3g}-{self.interval[1]:.3g}")
+        if self.provenance:
+            out += textwrap.wrap(self.provenance, width, initial_indent="  ", subsequent_indent="    ")
+        return out
+
+
+def resolve_threshold(threshold: float | None, threshold_file: Path | None, quantile: float | None,
+                      model: str | None = None) -> ResolvedThreshold:
+    """The one threshold rule every command follows: given, else from a threshold artifact, else the
+    calibration shipped for `model` (a preset name) at this quantile, else the published prior. A
+    quantile of None is the artifact's, else the default. Refusals are one-sentence ScheduleErrors."""
+    from sparrow.schemas import read_artifact
+
+    from .core.schedule import ScheduleError, check_quantile, check_threshold
+
+    if threshold_file is not None:
+        rows = read_artifact(threshold_file, "threshold").to_pylist()
+        if len(rows) != 1:
+            raise ScheduleError(f"{threshold_file} has {len(rows)} rows, expected one threshold")
+        row = rows[0]
+        if quantile is not None and abs(quantile - row["quantile"]) > 1e-12:
+            raise ScheduleError(f"--quantile {quantile:g} differs from the quantile {row['quantile']:g} "
+                                f"that {threshold_file} was calibrated at")
+        resolved = ResolvedThreshold(row["threshold"], row["quantile"], f"{row['source']}, {threshold_file}",
+                                     interval=(row["lower"], row["upper"]))
+    else:
+        quantile = TAIL_QUANTILE if quantile is None else quantile
+        shipped = None if threshold is not None else shipped_threshold(model, quantile)
+        if threshold is not None:
+            resolved = ResolvedThreshold(threshold, quantile, "given")
+        elif shipped is not None:
+            resolved = ResolvedThreshold(shipped.threshold, quantile, f"shipped calibration for {model}",
+                                         shipped.provenance.get("provenance", "no provenance"),
+                                         (shipped.lower, shipped.upper))
+        else:
+            resolved = ResolvedThreshold(PRIOR_THRESHOLD, quantile, "published prior", PRIOR_NOTE,
+                                         PRIOR_RANGE)
+    check_threshold(resolved.value)
+    check_quantile(resolved.quantile)
+    return resolved
+
+
 def fallback(model: str | None, quantile: float, why: str, runs: list[RunResult]) -> Calibration:
     """Where the runs do not calibrate: the model's shipped calibration, else the published prior."""
     if (shipped := shipped_threshold(model, quantile)) is not None:

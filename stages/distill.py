@@ -26,7 +26,7 @@ from .model.head import POSITION_CHUNK, over_chunks, token_scores
 from .model.llama import Transformer
 from .model.loading import LoadedModel, resolve_config, resolve_dtype
 from .model.lora import LoraWeights, adapters_disabled
-from .profile import ProfileOptions, profile_trajectories, sample_trajectories, summarize
+from .profile import ProfileOptions, Progress, profile_trajectories, sample_trajectories, summarize
 from .train.data import epoch_order
 from .train.objective import k3
 from .train.policy import completion_hidden
@@ -236,7 +236,8 @@ class Distiller:
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm))
         self.optimizer.step()
         self.model.eval()
-        return {"step": step, "loss": loss, "grad_norm": grad_norm, "tokens": normalizer,
+        # named by the updates done, as a training run's rows are (step 1 is the first update)
+        return {"step": step + 1, "loss": loss, "grad_norm": grad_norm, "tokens": normalizer,
                 "seconds": time.perf_counter() - t0}
 
     def run(self) -> list[dict]:
@@ -280,7 +281,8 @@ class DistillJob:
     init_actor: LoraWeights | None = None  # its merge-ready weights
 
 
-def evaluate(loaded: LoadedModel, job: DistillJob, actor: LoraWeights | None, cfg: DistillConfig) -> pa.Table:
+def evaluate(loaded: LoadedModel, job: DistillJob, actor: LoraWeights | None, cfg: DistillConfig,
+             progress: Progress | None = None) -> pa.Table:
     """The mismatch table (one row per token per budget) of the actor (None: the plain sparse actor)
     against the plain dense policy, teacher forced on the job's eval trajectories. Injected adapters are
     disabled, so a model being distilled scores as its base plus `actor`."""
@@ -288,17 +290,23 @@ def evaluate(loaded: LoadedModel, job: DistillJob, actor: LoraWeights | None, cf
                           temperature=cfg.temperature, dense_layers=tuple(cfg.dense_layers),
                           page_size=cfg.page_size)
     with adapters_disabled(loaded.model):
-        return profile_trajectories(loaded, job.eval_trajectories, opts)
+        return profile_trajectories(loaded, job.eval_trajectories, opts, progress)
 
 
 def run_distill(loaded: LoadedModel, job: DistillJob, cfg: DistillConfig,
                 on_step: Callable[[dict], None] | None = None,
-                on_phase: Callable[[str], None] | None = None) -> tuple[Distiller, DistillResult]:
+                on_phase: Callable[[str], None] | None = None, progress: Progress | None = None
+                ) -> tuple[Distiller, DistillResult]:
     """Score the eval trajectories with the actor as it starts, distill, score them again with the
-    distilled actor. The model keeps the LoRA injected afterwards."""
+    distilled actor (`progress` hears of the scoring as "scoring before" and "scoring after"). The model
+    keeps the LoRA injected afterwards."""
     phase = on_phase or (lambda name: None)
+
+    def scoring(name: str) -> Progress | None:
+        return None if progress is None else lambda _, done, total: progress(name, done, total)
+
     phase("scoring before")
-    before = evaluate(loaded, job, job.init_actor, cfg)
+    before = evaluate(loaded, job, job.init_actor, cfg, scoring("scoring before"))
     distiller = Distiller(loaded, job.trajectories, job.budget_at, cfg, job.init, on_step)
     phase("distilling")
     t0 = time.perf_counter()
@@ -306,7 +314,7 @@ def run_distill(loaded: LoadedModel, job: DistillJob, cfg: DistillConfig,
     seconds = time.perf_counter() - t0
     phase("scoring after")
     lora = distiller.lora()
-    after = evaluate(loaded, job, lora, cfg)
+    after = evaluate(loaded, job, lora, cfg, scoring("scoring after"))
     return distiller, DistillResult(history, seconds, before, after, lora)
 
 
@@ -347,6 +355,8 @@ class DistillHooks:
     on_sampled: Callable[[list[int]], None] = lambda lengths: None  # the training completions' lengths
     on_phase: Callable[[str], None] | None = None
     on_step: Callable[[dict], None] | None = None
+    on_loading: Callable[[], None] = lambda: None  # just before the weights load
+    progress: Progress | None = None  # (phase, done, total) of sampling and scoring
 
 
 def distill_to_folder(run: DistillRun, cfg: DistillConfig, hooks: DistillHooks) -> tuple[Path, DistillResult]:
@@ -360,6 +370,7 @@ def distill_to_folder(run: DistillRun, cfg: DistillConfig, hooks: DistillHooks) 
     prompt_sets = {path: PromptSet.read(path) for path in (run.prompts, run.eval_prompts) if path is not None}
     for prompt_set in prompt_sets.values():
         prompt_set.check_fits(*fits)
+    hooks.on_loading()
     loaded = loading.load_model(run.model, device=run.device, dtype=resolve_dtype(run.dtype, run.device))
     on_gpu = loaded.model.embed_tokens.weight.is_cuda
     cfg.gradient_checkpointing = on_gpu if run.gradient_checkpointing is None else run.gradient_checkpointing
@@ -378,17 +389,20 @@ def distill_to_folder(run: DistillRun, cfg: DistillConfig, hooks: DistillHooks) 
         opts = ProfileOptions(sampler=run.sampler, seed=cfg.seed, adapter=init_actor,
                               schedule=None if isinstance(run.sparsity, int) else run.sparsity, **sampling)
         train_set = prompt_sets[run.prompts]
-        trajectories = sample_trajectories(loaded, train_set.ids, train_set.tokens, opts)
+        trajectories = sample_trajectories(loaded, train_set.ids, train_set.tokens, opts, hooks.progress)
         hooks.on_sampled([len(t.completion) for t in trajectories])
     eval_trajectories = trajectories
     if run.eval_prompts is not None:  # the dense policy's: the same prefixes before and after
         opts = ProfileOptions(sampler="dense", seed=cfg.seed + 1, **sampling)
         eval_set = prompt_sets[run.eval_prompts]
-        eval_trajectories = sample_trajectories(loaded, eval_set.ids, eval_set.tokens, opts)
+        progress = hooks.progress
+        eval_trajectories = sample_trajectories(
+            loaded, eval_set.ids, eval_set.tokens, opts,
+            None if progress is None else lambda _, done, total: progress("sampling eval", done, total))
     taught = run.train_budgets or [run.sparsity]
     job = DistillJob(trajectories, [budget_fn(b) for b in taught], eval_trajectories, run.eval_budgets,
                      run.bin_width, init, init_actor)
-    distiller, result = run_distill(loaded, job, cfg, hooks.on_step, hooks.on_phase)
+    distiller, result = run_distill(loaded, job, cfg, hooks.on_step, hooks.on_phase, hooks.progress)
     return save_result(distiller, result, run), result
 
 

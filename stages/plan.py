@@ -17,8 +17,7 @@ import numpy as np
 
 from sparrow.schemas import artifact_metadata, read_artifact
 
-from .calibrate import shipped_threshold
-from .core.definitions import PRIOR_THRESHOLD, TAIL_QUANTILE
+from .calibrate import ResolvedThreshold, resolve_threshold
 from .core.published_schedules import (
     PUBLISHED_SPEEDUP_THRESHOLD,
     PUBLISHED_SPEEDUPS,
@@ -52,37 +51,40 @@ def model_shape(spec: str):
     return resolve_config(spec), model_name(spec)
 
 
-def resolve_threshold(threshold: float | None, threshold_file: Path | None,
-                      quantile: float | None, model: str | None = None) -> tuple[float, float, str]:
-    """(threshold, quantile, where it came from): given, from a threshold artifact, the calibration
-    shipped for `model` (a preset name) at this quantile, or the published prior."""
-    source = "prior" if threshold is None else "given"
-    if threshold is None and threshold_file is None:
-        shipped = shipped_threshold(model, TAIL_QUANTILE if quantile is None else quantile)
-        if shipped is not None:
-            threshold, source = shipped.threshold, shipped.note
-    if threshold_file is not None:
-        row = read_artifact(threshold_file, "threshold").to_pylist()
-        if len(row) != 1:
-            raise ScheduleError(f"{threshold_file} has {len(row)} rows, expected one threshold")
-        threshold, source = row[0]["threshold"], f"{row[0]['source']}, {threshold_file}"
-        if quantile is not None and abs(quantile - row[0]["quantile"]) > 1e-12:
-            raise ScheduleError(f"--quantile {quantile:g} differs from the quantile {row[0]['quantile']:g} "
-                                f"that {threshold_file} was calibrated at")
-        quantile = row[0]["quantile"]
-    threshold = PRIOR_THRESHOLD if threshold is None else threshold
-    check_threshold(threshold)
-    quantile = TAIL_QUANTILE if quantile is None else quantile
-    check_quantile(quantile)
-    return threshold, quantile, source
+@dataclass(frozen=True)
+class Lengths:
+    """The prompt and generation lengths a plan's speedup is predicted for, and what they are: given,
+    the published generation length, or the means over a measured profile's trajectories."""
+
+    prompt_len: int
+    gen_len: int
+    trajectories: int = 0  # of a measured profile whose means they are (0: given or the reference's)
+
+    def describe(self, batch: int) -> str:
+        what = f"{self.gen_len} generated tokens after a {self.prompt_len}-token prompt"
+        if self.trajectories:
+            what += f" (the means over the profile's {self.trajectories} trajectories)"
+        return f"{what}, batch {batch}"
+
+
+def trajectory_lengths(table) -> tuple[list[int], list[int]]:
+    """Per trajectory (prompt_id, sample) of a mismatch table: its prompt length (the position of its first
+    generated token) and its generated tokens (its distinct positions)."""
+    import duckdb
+
+    con = duckdb.connect()
+    con.register("mismatch", table)
+    rows = con.execute("SELECT min(position), max(position) - min(position) + 1 FROM mismatch "
+                       "GROUP BY prompt_id, sample").fetchall()
+    return [r[0] for r in rows], [r[1] for r in rows]
 
 
 def load_profile(name: str, profile: Path | None, quantile: float, bin_width: int | None,
                  prompt_len: int | None, gen_len: int | None, min_tokens: int
-                 ) -> tuple[TailProfile, int, int]:
+                 ) -> tuple[TailProfile, Lengths]:
     """The tail profile, and the prompt and generation lengths it is planned for: given, else for a
-    measured profile those its trajectories span (the shortest prompt, then up to the last profiled
-    position, so that every profiled bin is planned), else 0 and the published generation length."""
+    measured profile the means over its trajectories (every profiled bin is planned), else 0 and the
+    published generation length."""
     if profile is None:
         tails = reference_profile(name)
         if tails is None:
@@ -96,7 +98,7 @@ def load_profile(name: str, profile: Path | None, quantile: float, bin_width: in
         if bin_width is not None and bin_width != tails.bin_width:
             raise ScheduleError(f"the reference profile has {tails.bin_width}-token bins; --bin-width "
                                 f"{bin_width} needs a measured --profile")
-        return tails, prompt_len or 0, gen_len or REFERENCE_GEN_LEN
+        return tails, Lengths(prompt_len or 0, gen_len or REFERENCE_GEN_LEN)
     table = read_artifact(profile, "mismatch")
     if table.num_rows == 0:
         raise ScheduleError(f"{profile}: the mismatch profile has no tokens")
@@ -105,14 +107,15 @@ def load_profile(name: str, profile: Path | None, quantile: float, bin_width: in
         raise ScheduleError(f"{profile} profiles {meta['kv_compression']} eviction budgets, which "
                             "`plan_eviction` plans (one KV budget), not a per-bin schedule")
     width = bin_width or int(meta.get("bin_width", 2000))
-    if prompt_len is None:  # a trajectory's first token sits at the position of its prompt's length
-        prompt_len = int(table.column("position").to_numpy().min())
-    if gen_len is None:
-        gen_len = max(int(table.column("position").to_numpy().max()) + 1 - prompt_len, 2)
-    num_bins = (prompt_len + gen_len - 1) // width + 1
-    tails = measured_profile(table, quantile, width, num_bins, str(profile),
+    prompts, generated = trajectory_lengths(table)
+    measured = prompt_len is None or gen_len is None
+    lengths = Lengths(round(float(np.mean(prompts))) if prompt_len is None else prompt_len,
+                      max(round(float(np.mean(generated))), 2) if gen_len is None else gen_len,
+                      len(prompts) if measured else 0)
+    last = max(int(table.column("position").to_numpy().max()), lengths.prompt_len + lengths.gen_len - 1)
+    tails = measured_profile(table, quantile, width, last // width + 1, str(profile),
                              int(meta.get("page_size", 16)), min_tokens)
-    return tails, prompt_len, gen_len
+    return tails, lengths
 
 
 @dataclass
@@ -151,9 +154,8 @@ class PlannedSchedule:
 
     plan: Plan
     cost_source: str
-    threshold_source: str
-    prompt_len: int
-    gen_len: int
+    threshold: ResolvedThreshold
+    lengths: Lengths
     batch: int
     speedup: float
     sparse_s: np.ndarray  # per bin, at its middle context
@@ -179,14 +181,16 @@ def plan_schedule(req: PlanRequest, output: Path | None = None, export_to: Path 
                   ) -> PlannedSchedule:
     """Plan `req`; write the schedule artifact to `output` and the export form to `export_to`."""
     cfg, name = model_shape(req.model)
-    threshold, quantile, t_source = resolve_threshold(req.threshold, req.threshold_file, req.quantile, name)
+    resolved = resolve_threshold(req.threshold, req.threshold_file, req.quantile, req.model)
+    threshold = resolved.value
     for t in req.sweep:
         check_threshold(t)
     if req.profile is not None and not req.allow_model_mismatch:
         check_profile_model(req.profile, req.model, name)
     cost_model = load_cost(req.cost, cfg) if req.cost is not None else analytic(cfg, req.hardware or "h100")
-    tails, prompt_len, gen_len = load_profile(name, req.profile, quantile, req.bin_width, req.prompt_len,
-                                              req.gen_len, req.min_tokens)
+    tails, lengths = load_profile(name, req.profile, resolved.quantile, req.bin_width, req.prompt_len,
+                                  req.gen_len, req.min_tokens)
+    prompt_len, gen_len = lengths.prompt_len, lengths.gen_len
     if prompt_len + gen_len > cfg.max_position_embeddings:
         raise ScheduleError(f"--prompt-len {prompt_len} + --gen-len {gen_len} exceeds the model's "
                             f"context of {cfg.max_position_embeddings}")
@@ -196,7 +200,7 @@ def plan_schedule(req: PlanRequest, output: Path | None = None, export_to: Path 
                 for t in req.sweep]
     mids = mid_contexts(result)
     sparse_s = cost_model.step_seconds(req.batch, mids, result.schedule.budgets_at(mids))
-    planned = PlannedSchedule(result, cost_model.source, t_source, prompt_len, gen_len, req.batch, speedup,
+    planned = PlannedSchedule(result, cost_model.source, resolved, lengths, req.batch, speedup,
                               sparse_s, cost_model.step_seconds(req.batch, mids, 0), frontier, None)
     if req.export == "json":
         planned.exported = export_json(result, name, {"predicted_speedup": speedup, "cost": cost_model.source,
@@ -208,7 +212,7 @@ def plan_schedule(req: PlanRequest, output: Path | None = None, export_to: Path 
 
         meta = {"model": name, "model_config": json.dumps(cfg.to_dict()),
                 "page_size": result.schedule.page_size, "bin_width": result.bin_width,
-                "threshold": threshold, "threshold_source": t_source, "quantile": result.quantile,
+                "threshold": threshold, "threshold_source": resolved.source, "quantile": result.quantile,
                 "profile": result.source, "cost": cost_model.source, "gen_len": gen_len,
                 "prompt_len": prompt_len, "batch": req.batch, "predicted_speedup": speedup,
                 "notes": json.dumps(result.notes)}
@@ -262,7 +266,7 @@ class EvictionPlan:
     quantile: float
     bin_width: int
     source: str
-    threshold_source: str = ""
+    resolved: ResolvedThreshold | None = None  # the threshold with its origin
 
     def flags(self) -> str:
         """The rollout and train flags of the chosen budget."""
@@ -280,9 +284,9 @@ def plan_kv_budget(req: PlanRequest) -> EvictionPlan:
     _, name = model_shape(req.model)
     if not req.allow_model_mismatch:
         check_profile_model(req.profile, req.model, name)
-    threshold, quantile, t_source = resolve_threshold(req.threshold, req.threshold_file, req.quantile, name)
-    result = plan_eviction(req.profile, threshold, quantile, req.bin_width, req.min_tokens)
-    result.threshold_source = t_source
+    resolved = resolve_threshold(req.threshold, req.threshold_file, req.quantile, req.model)
+    result = plan_eviction(req.profile, resolved.value, resolved.quantile, req.bin_width, req.min_tokens)
+    result.resolved = resolved
     return result
 
 

@@ -172,6 +172,8 @@ def profile_trajectories(model: LoadedModel, trajectories: Sequence[Trajectory],
     columns: dict[str, list[np.ndarray]] = {}
     done = 0
     modes = opts.modes()
+    if progress:
+        progress("scoring", 0, len(jobs))
     for group in _batches_by_tokens(order, lengths, opts.score_tokens):
         scored = score_sequences(model.model, [jobs[i].prompt for i in group],
                                  [jobs[i].completion for i in group], modes, opts.temperature,
@@ -297,6 +299,7 @@ class Hooks:
     progress: Progress | None = None
     on_shard: Callable | None = None
     ready: Callable[[], None] | None = None
+    loading: Callable[[], None] | None = None  # just before the weights load in this process
 
 
 def profile_prompts(run: ProfileRun, prompt_set, source: Path, opts: ProfileOptions, chat: bool = True,
@@ -307,6 +310,8 @@ def profile_prompts(run: ProfileRun, prompt_set, source: Path, opts: ProfileOpti
 
     cfg, hooks = resolve_config(run.model), hooks or Hooks()
     prompt_set.check_fits(cfg.vocab_size, cfg.max_position_embeddings, opts.max_new_tokens)  # before weights
+    if hooks.loading and not run.workers:
+        hooks.loading()
     loaded = run.load()
     if prompt_set.needs_tokenizer:
         prompt_set.tokenize(loaded.tokenizer, chat)
@@ -326,11 +331,14 @@ def profile_rollouts(run: ProfileRun, given, source: Path, opts: ProfileOptions,
     from sparrow.schemas import input_name
 
     cfg, hooks = resolve_config(run.model), hooks or Hooks()
-    trajectories = None if given.needs_tokenizer else given.trajectories(
-        None, cfg.vocab_size, cfg.max_position_embeddings)  # checked before any weights load
+    from .model.loading import spec_tokenizer
+
+    tokenizer = spec_tokenizer(run.model) if given.needs_tokenizer else None  # no weights read
+    trajectories = given.trajectories(tokenizer, cfg.vocab_size, cfg.max_position_embeddings)  # checked
+    # before any weights load
+    if hooks.loading and not run.workers:
+        hooks.loading()
     loaded = run.load()
-    if trajectories is None:
-        trajectories = given.trajectories(loaded.tokenizer, cfg.vocab_size, cfg.max_position_embeddings)
     if hooks.ready:
         hooks.ready()
     meta = opts.metadata(sampled=False) | {"rollouts": input_name(source)} | run.metadata() | (

@@ -20,7 +20,8 @@ import numpy as np
 from sparrow.schemas import ArtifactError, artifact_kind, artifact_metadata, read_artifact
 from sparrow.schemas.io import write_bytes
 
-from .core.definitions import PRIOR_THRESHOLD, TAIL_QUANTILE
+from .calibrate import ResolvedThreshold, resolve_threshold
+from .core.definitions import TAIL_QUANTILE
 from .train.detectors import Detectors
 
 DRAWN = ("mismatch", "schedule", "cost", "rollouts")
@@ -72,12 +73,11 @@ def _name(kind: str, path: Path, many: bool) -> str:
     return f"{kind}-{path.stem}.png" if many else f"{kind}.png"
 
 
-def _threshold(kinds: dict[str, list[Path]]) -> tuple[float, str]:
-    if kinds.get("threshold"):
-        path = kinds["threshold"][0]
-        t = read_artifact(path, "threshold").to_pylist()[0]
-        return float(t["threshold"]), f"threshold {t['threshold']:.3f} ({t['source']}, {path.name})"
-    return PRIOR_THRESHOLD, f"published prior threshold {PRIOR_THRESHOLD}"
+def _threshold(kinds: dict[str, list[Path]], mismatch: Path) -> ResolvedThreshold:
+    """The threshold a profile's tail is drawn against, by the rule every command follows: the folder's
+    threshold artifact, else the calibration shipped for the profile's model, else the prior."""
+    files = kinds.get("threshold") or [None]
+    return resolve_threshold(None, files[0], None, artifact_metadata(mismatch).get("model"))
 
 
 def _say(ax, why: str) -> None:
@@ -101,34 +101,38 @@ def _files(path: Path) -> str:
     return f"'{path}/*.parquet'" if path.is_dir() else f"'{path}'"
 
 
-def tail_figure(mismatch: Path, name: str, threshold: tuple[float, str], out: Path, plt) -> Figure:
-    rows = _sql(f"""SELECT budget, bin, quantile_cont(alpha, {TAIL_QUANTILE}) AS p5, avg(alpha) AS mean,
-                    count(*) AS n FROM read_parquet({_files(mismatch)}) GROUP BY ALL ORDER BY ALL""")
+def tail_figure(mismatch: Path, name: str, threshold: ResolvedThreshold, out: Path, plt) -> Figure:
+    """Tail and mean alpha per bin and budget, each point at the mean position of its bin's tokens (a bin's
+    tokens may fill only part of it); the threshold applies to the tail only."""
+    rows = _sql(f"""SELECT budget, bin, quantile_cont(alpha, {threshold.quantile}) AS tail,
+                    avg(alpha) AS mean, count(*) AS n, avg(position) AS at
+                    FROM read_parquet({_files(mismatch)}) GROUP BY ALL ORDER BY ALL""")
     width = int(artifact_metadata(mismatch).get("bin_width", 2000))
-    value, label = threshold
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.6), sharey=True)
     if not rows:
         for ax in axes:
             _say(ax, "the profile has no scored tokens")
     for budget in sorted({r[0] for r in rows}):
         part = [r for r in rows if r[0] == budget]
-        x = [(r[1] + 0.5) * width for r in part]
+        x = [r[5] for r in part]
         axes[0].plot(x, [r[2] for r in part], marker="o", label=f"budget {budget}")
         axes[1].plot(x, [r[3] for r in part], marker="o", label=f"budget {budget}")
+    label = f"threshold {threshold.short}"
     if rows:
-        for ax, title in zip(axes, (f"p{TAIL_QUANTILE * 100:g} of alpha (the tail)", "mean alpha")):
-            ax.axhline(value, color="k", ls="--", lw=1, label=label)
+        axes[0].axhline(threshold.value, color="k", ls="--", lw=1, label=label)
+        for ax, title in zip(axes, (f"p{threshold.quantile * 100:g} of alpha (the tail)", "mean alpha")):
             ax.set_xlabel("position (cache length when the token was produced)")
             ax.set_ylim(-0.02, 1.02)
             ax.set_title(title, fontsize=10)
             ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
         axes[0].set_ylabel("acceptance alpha")
-        axes[1].legend(fontsize=8)
     tokens = sum(r[4] for r in rows) // max(len({r[0] for r in rows}), 1)
     return _save(fig, out, name, f"Tail and mean alpha per position bin and budget: {mismatch.name}",
                  f"From {mismatch.name}: {tokens} generated tokens, each scored at every budget, in bins of "
-                 f"{width} tokens (each point is a bin's middle). The dashed line is the {label}: a budget "
-                 "whose tail stays above it in a bin may be scheduled there.", plt, len(rows))
+                 f"{width} tokens (each point sits at the mean position of its bin's tokens). The dashed "
+                 f"line on the tail panel is the {label}: a budget whose tail stays above it in a bin may be "
+                 "scheduled there.", plt, len(rows))
 
 
 def calibration_figure(threshold: Path, name: str, out: Path, plt) -> Figure | None:
@@ -152,7 +156,7 @@ def calibration_figure(threshold: Path, name: str, out: Path, plt) -> Figure | N
         ax.scatter([r[key] for r in runs], y, c=colour, s=36, edgecolors="k", linewidths=0.4)
         if line is not None and (key == "mean" or t["source"] == "calibrated"):
             ax.axvline(float(line), color="k", ls="--", lw=1,
-                       label=f"{'threshold' if key == 'tail' else 'boundary'} {float(line):.3f}")
+                       label=f"{'threshold' if key == 'tail' else 'boundary'} {float(line):.3g}")
             ax.legend(fontsize=8, loc="center left")
         ax.set_xlabel(what)
         ax.grid(alpha=0.3)
@@ -162,10 +166,10 @@ def calibration_figure(threshold: Path, name: str, out: Path, plt) -> Figure | N
     axes[0].set_yticks([0, 1], ["stable", "collapsed"])
     axes[0].set_ylim(-0.5, 1.5)
     n_c = sum(r["collapsed"] for r in runs)
-    interval = f" [{t['lower']:.3f}, {t['upper']:.3f}]" if t["lower"] is not None else ""
+    interval = f" [{t['lower']:.3g}, {t['upper']:.3g}]" if t["lower"] is not None else ""
     return _save(fig, out, name, f"Runs' tail and mean alpha against their outcome ({threshold.name})",
                  f"From {threshold.name}: {len(runs)} runs, {n_c} collapsed (labelled by what training did, "
-                 f"never by mismatch). Threshold {t['threshold']:.3f}{interval} ({t['source']}). "
+                 f"never by mismatch). Threshold {t['threshold']:.3g}{interval} ({t['source']}). "
                  f"{meta.get('mean_note') or ''}", plt, len(runs))
 
 
@@ -208,7 +212,8 @@ def schedule_figure(schedule: Path, name: str, out: Path, plt) -> Figure:
     dense = budgets.count(0)
     what = (f"{len(table)} bins, {dense} dense" + (f", budgets {min(b for b in budgets if b)}-{max(budgets)}"
                                                      if any(budgets) else ""))
-    source = f", model {model}, threshold {threshold}" if model else ""
+    source = ((f", model {model}" if model else "")
+              + (f", threshold {float(threshold):.3g}" if threshold else ""))
     return _save(fig, out, name, f"The schedule: budget per position bin ({schedule.name})",
                  f"From {schedule.name}{source}: {what}. Grey spans are dense bins (every cached token is "
                  "attended); the last bin extends to the end of the context."
@@ -276,8 +281,11 @@ def rollouts_figure(rollouts: Path, name: str, out: Path, plt) -> Figure:
     stops = np.array([r["finish_reason"] == "stop" for r in rows])
     low, top = int(lengths.min()), int(lengths.max())
     bins = np.arange(low - 1, top + 3) - 0.5 if top - low < 40 else 20  # one bar per length when few
-    axes[0].hist([lengths[stops], lengths[~stops]], bins=bins, stacked=True,
-                 label=["stopped (EOS)", "cut at --max-new-tokens"])
+    ignore_eos = bool(meta.get("ignore_eos"))
+    cut = "ran to --max-new-tokens (--ignore-eos)" if ignore_eos else "cut at --max-new-tokens"
+    groups = [(part, label) for part, label in ((lengths[stops], "stopped (EOS)"), (lengths[~stops], cut))
+              if len(part)]  # a legend names only what was drawn
+    axes[0].hist([part for part, _ in groups], bins=bins, stacked=True, label=[label for _, label in groups])
     axes[0].xaxis.set_major_locator(MaxNLocator(integer=True))
     axes[0].set_xlabel("generated tokens per sample")
     axes[0].set_title(f"length per sample (mean {lengths.mean():.1f})", fontsize=10)
@@ -300,7 +308,8 @@ def rollouts_figure(rollouts: Path, name: str, out: Path, plt) -> Figure:
     budgets = [b for r in rows for b in r["budgets"] if b]
     caption = (f"From {rollouts.name}: {len(rows)} samples, sampler {meta.get('sparsity', 'unknown')}"
                + (f" (mean budget of sparse tokens {np.mean(budgets):.0f})" if budgets else "")
-               + f", {stops.mean():.0%} stopped at EOS"
+               + (", every sample ran to --max-new-tokens (--ignore-eos)" if ignore_eos
+                  else f", {stops.mean():.0%} stopped at EOS")
                + (f", {float(speed):.1f} tokens/s" if speed else "") + ".")
     return _save(fig, out, name, f"Rollouts: lengths and rewards ({rollouts.name})", caption, plt, len(rows))
 
@@ -329,7 +338,7 @@ def training_figure(run: Path, out: Path, plt) -> Figure:
     for ax, (key, title) in zip(axes.flat, TRAIN_PANELS):
         pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
         if key == "eval_accuracy" and meta.get("initial_eval_accuracy") is not None:
-            pts.insert(0, (-1, float(meta["initial_eval_accuracy"])))  # before the first update
+            pts.insert(0, (0, float(meta["initial_eval_accuracy"])))  # step 0: before any update
         ax.set_title(title, fontsize=10)
         if not pts:
             _say(ax, EMPTY_PANEL.get(key, "not logged by this run"))
@@ -366,7 +375,8 @@ def training_figure(run: Path, out: Path, plt) -> Figure:
                "(its last step's collapse reasons: reward, grad norm, entropy, truncation or repetition); "
                + ("red lines mark the steps whose history up to them held a reason. " if flagged else
                   "no step held a collapse reason. ")
-               + ("Eval accuracy at step -1 is before any update." if meta.get("initial_eval_accuracy")
+               + ("Step N is the row logged after N updates; eval accuracy at step 0 is before any update."
+                  if meta.get("initial_eval_accuracy")
                   is not None else ""))
     return _save(fig, out, name, f"Training run {run.name}: {label}", caption, plt, len(rows), top_in=0.3)
 
@@ -448,9 +458,9 @@ def build_report(run_dir: str | Path, out_dir: str | Path | None = None,
     if not runs and not any(kinds.get(k) for k in DRAWN):
         raise ValueError(f"{run_dir} holds nothing to plot (no mismatch, schedule, cost, rollouts or "
                          "training metrics)")
+    thresholds = _check_artifacts(kinds, runs)
     out.mkdir(parents=True, exist_ok=True)
-    threshold = _threshold(kinds)
-    draw = {"mismatch": ("tail", lambda p, n: tail_figure(p, n, threshold, out, plt)),
+    draw = {"mismatch": ("tail", lambda p, n: tail_figure(p, n, thresholds[p], out, plt)),
             "schedule": ("schedule", lambda p, n: schedule_figure(p, n, out, plt)),
             "cost": ("cost", lambda p, n: cost_figure(p, n, out, plt)),
             "rollouts": ("rollouts", lambda p, n: rollouts_figure(p, n, out, plt))}
@@ -473,6 +483,17 @@ def build_report(run_dir: str | Path, out_dir: str | Path | None = None,
             figures.append(per_bin)
     write_bytes(out / "index.html", _page(run_dir, out, figures, skipped).encode())
     return out / "index.html", figures
+
+
+def _check_artifacts(kinds: dict[str, list[Path]], runs: list[Path]) -> dict[Path, ResolvedThreshold]:
+    """Every artifact to draw read against its schema (a bad value is refused with the one sentence every
+    command gives), and each profile's threshold resolved, before any figure is written."""
+    for kind, paths in kinds.items():
+        for path in paths:
+            read_artifact(path, kind)
+    for run in runs:
+        read_artifact(run / "metrics.parquet", "metrics")
+    return {p: _threshold(kinds, p) for p in kinds.get("mismatch", [])}
 
 
 def _page(run_dir: Path, out: Path, figures: list[Figure], skipped: list[str]) -> str:

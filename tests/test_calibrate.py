@@ -356,12 +356,12 @@ def test_profile_summary_marks_the_shipped_threshold(monkeypatch, tmp_path):
     from sparrow.cli.options import default_threshold
 
     monkeypatch.setattr(calibrate, "SHIPPED", tmp_path / "nothing")
-    assert default_threshold(None, "smollm2-135m", 0.05) == 0.86
+    assert default_threshold(None, "smollm2-135m", 0.05).value == 0.86
     _ship(tmp_path, monkeypatch, 0.4)
-    assert default_threshold(None, "smollm2-135m", 0.05) == 0.4
-    assert default_threshold(0.7, "smollm2-135m", 0.05) == 0.7
-    assert default_threshold(None, "smollm2-135m", 0.1) == 0.86  # calibrated at another quantile
-    assert default_threshold(None, "/some/checkpoint/smollm2-135m", 0.05) == 0.86  # not the preset
+    assert default_threshold(None, "smollm2-135m", 0.05).value == 0.4
+    assert default_threshold(0.7, "smollm2-135m", 0.05).value == 0.7
+    assert default_threshold(None, "smollm2-135m", 0.1).value == 0.86  # calibrated at another quantile
+    assert default_threshold(None, "/some/checkpoint/smollm2-135m", 0.05).value == 0.86  # not the preset
 
 
 def test_entropy_factor_reaches_the_entropy_detector(tmp_path):

@@ -398,3 +398,68 @@ def test_the_cli_starts_without_torch():
     code = f"import sys; from sparrow.cli.app import app; print([m for m in {heavy} if m in sys.modules])"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+# ---------------------------------------------------------------- what a run shows while and after it runs
+
+
+def test_long_phases_say_so_from_their_start(tiny_chat, tmp_path):
+    """Loading the model, and each sampling or scoring phase, show on stderr as they start (0 of N), not
+    at the first finished batch: in profile, distill and train alike."""
+    prompts = _token_prompts(tmp_path / "p.parquet", length=100)
+    runs = {
+        "profile": (["profile", "--model", "tiny-llama", "--prompts", str(prompts), "--samples", "1",
+                     "--max-new-tokens", "4", "--budgets", "48", "-o", str(tmp_path / "m.parquet")],
+                    ["sampling (samples): 0/", "scoring (sequences): 0/"]),
+        "distill": (["distill", "--model", "tiny-llama", "--prompts", str(prompts), "--budget", "48",
+                     "--steps", "1", "--samples", "1", "--max-new-tokens", "4", "--lora-rank", "2",
+                     "-o", str(tmp_path / "adapter")],
+                    ["scoring before (trajectories): 0/", "scoring after (trajectories): 0/"]),
+        "train": (_train_args(tiny_chat, prompts, tmp_path / "run", "--steps", "1"),
+                  ["initial eval of the --eval-prompts ...", "rollout of train step 1/1 ...",
+                   "scoring of train step 1/1 ...", "train step 1/1: reward"])}
+    for name, (args, phases) in runs.items():
+        r = runner.invoke(app, args)
+        assert r.exit_code == 0, (name, r.output)
+        lines = r.stderr.splitlines()
+        loading = [i for i, line in enumerate(lines) if line.startswith("loading model ")]
+        seen = [next((i for i, line in enumerate(lines) if line.startswith(p)), None) for p in phases]
+        assert len(loading) == 1 and None not in seen, (name, lines)
+        assert [loading[0], *seen] == sorted([loading[0], *seen]), (name, lines)
+
+
+def test_steps_are_numbered_as_the_data_numbers_them_and_no_learning_signal_is_warned_of(
+        tiny_chat, tmp_path, monkeypatch):
+    """Every reward 0 (a task that scores nothing): the log's step N is the data's step N (the rows after
+    N updates, TRL's global_step), its eval is the row's, the report draws the initial eval at step 0,
+    every step logs frac_reward_zero_std 1, and stderr warns that there is no learning signal."""
+    from matplotlib.axes import Axes
+
+    from sparrow.stages.tasks import TASKS, Task
+
+    monkeypatch.setitem(TASKS, "nothing", Task("nothing", "math", "scores 0", lambda *a, **k: iter(()),
+                                               lambda completion, answer, metadata: 0.0))
+    rows = read_artifact(_token_prompts(tmp_path / "p.parquet", n=2), "prompts").to_pylist()
+    prompts = write_artifact([{**r, "task": "nothing"} for r in rows], tmp_path / "zero.parquet", "prompts")
+    run = tmp_path / "run"
+    r = runner.invoke(app, _train_args(tiny_chat, prompts, run, "--steps", "2", "--eval-every", "1",
+                                       "--prompts-per-step", "2"))
+    assert r.exit_code == 0, r.output
+    metrics = read_artifact(run / "metrics.parquet", "metrics").to_pylist()
+    assert [m["step"] for m in metrics] == [1, 2]
+    files = sorted(p.name for p in (run / "mismatch").iterdir())
+    assert files == ["step=00001.parquet", "step=00002.parquet"]
+    logged = {int(m[1]): float(m[2]) for m in re.finditer(r"train step (\d+)/2: .* eval ([\d.]+)", r.stderr)}
+    assert logged == {m["step"]: round(m["eval_accuracy"], 2) for m in metrics}
+    assert [m["frac_reward_zero_std"] for m in metrics] == [1.0, 1.0]
+    err = " ".join(r.stderr.split())
+    assert "warning: step 1: every group's samples got the same reward (frac_reward_zero_std 1)" in err
+    assert ("warning: no learning signal: at each of the 2 steps every group's samples got the same reward"
+            in err)
+
+    drawn = []
+    plot = Axes.plot
+    monkeypatch.setattr(Axes, "plot", lambda ax, *a, **k: drawn.append((ax, list(a[0])))
+                        or plot(ax, *a, **k))
+    assert runner.invoke(app, ["report", str(run)]).exit_code == 0
+    assert [x for ax, x in drawn if ax.get_title() == "eval accuracy (greedy)"] == [[0, 1, 2], [1, 2]]

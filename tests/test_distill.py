@@ -387,7 +387,7 @@ def test_train_distill_sparse_keeps_the_learner_apart(tiny_llama, vowel_prompts,
     sparse = load_lora(sparse_dir)
     assert sparse.r == 2 and any(b.abs().sum() > 0 for _, b in sparse.modules.values())
     history = json.loads((sparse_dir / "sparrow_distill.json").read_text())["history"]
-    assert [h["step"] for h in history] == [0, 1] and all(np.isfinite(h["sparse_kl"]) for h in history)
+    assert [h["step"] for h in history] == [1, 2] and all(np.isfinite(h["sparse_kl"]) for h in history)
     x = torch.randint(0, 1000, (2, 20))
     peft_model = PeftModel.from_pretrained(hf, summary["adapter"]).eval()
     with torch.no_grad():
@@ -423,5 +423,5 @@ def test_train_distill_sparse_resumes_bit_exact(tiny_llama, vowel_prompts, tmp_p
     assert all(torch.equal(a[k], b[k]) for k in a)
     history = [json.loads((tmp_path / run / "sparse_adapter" / "sparrow_distill.json").read_text())["history"]
                for run in ("straight", "resumed")]
-    assert [h["step"] for h in history[1]] == [0, 1, 2]
+    assert [h["step"] for h in history[1]] == [1, 2, 3]
     assert history[0] == history[1]

@@ -205,7 +205,7 @@ def test_train_with_compression_logs_the_kv_budget_and_no_schedule(tiny_chat, tm
     assert r.exit_code == 0, r.output
     config = json.loads(artifact_metadata(run / "metrics.parquet")["config"])
     assert config["sparsity"] == "rkv:16,window=2,buffer=6,sink=4"
-    logged = read_artifact(run / "mismatch" / "step=00000.parquet", "train_mismatch")
+    logged = read_artifact(run / "mismatch" / "step=00001.parquet", "train_mismatch")
     budgets = np.asarray(logged.column("budget"))
     assert set(budgets[np.asarray(logged.column("position")) > 30].tolist()) == {16}
     assert not (run / "schedule.parquet").exists()

@@ -155,3 +155,116 @@ def test_an_interrupted_report_leaves_the_previous_figures_whole(tmp_path, monke
     result = CliRunner().invoke(app, ["report", str(run)])
     assert result.exit_code != 0
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def _profile_rows(prompt_lens: dict[str, int], generated: int, budgets=(64, 128)) -> list[dict]:
+    """A profile of one sample per prompt: `generated` tokens after each prompt, alpha falling with the
+    position."""
+    return [{"prompt_id": pid, "sample": 0, "position": start + k, "bin": (start + k) // 512, "budget": b,
+             "token_id": 1, "alpha": 1 - (start + k) / 4096 - 16 / b, "logp_dense": -1.0,
+             "logp_sparse": -1.0, "log_ratio": 0.0, "k1": 0.0, "k2": 0.0, "k3": 0.0, "entropy_dense": 1.0}
+            for pid, start in prompt_lens.items() for b in budgets for k in range(generated)]
+
+
+def _caption(page: str, figure: str) -> str:
+    return re.search(rf"<figure id='{re.escape(figure)}'>.*?<figcaption>(.*?)</figcaption>", page, re.S)[1]
+
+
+def test_report_profile_and_plan_schedule_mark_the_same_threshold(tmp_path, monkeypatch):
+    """No threshold artifact in the folder: all three take the calibration shipped for the model."""
+    import sparrow.stages.calibrate as calibrate
+
+    monkeypatch.setattr(calibrate, "SHIPPED", tmp_path / "shipped")
+    write_artifact({"threshold": [0.5], "lower": [0.4], "upper": [0.6], "quantile": [0.05],
+                    "source": ["calibrated"], "n_runs": [6], "n_collapsed": [2], "note": ["sweep"]},
+                   tmp_path / "shipped" / "threshold-tiny-llama.parquet", "threshold",
+                   metadata={"model": "tiny-llama", "provenance": "a test sweep"})
+    rollouts = write_artifact({"prompt_id": ["p0"], "sample": [0], "prompt_token_ids": [list(range(1, 40))],
+                               "token_ids": [[7, 8, 9, 10, 11, 12]], "text": [None],
+                               "logprobs": [[-1.0] * 6], "budgets": [[0] * 6], "finish_reason": ["length"],
+                               "reward": [None]}, tmp_path / "rollouts.parquet", "rollouts",
+                              metadata={"temperature": 1.0})
+    run = tmp_path / "run"
+    profiled = CliRunner().invoke(app, ["profile", "--model", "tiny-llama", "--rollouts", str(rollouts),
+                                        "--budgets", "48,64", "-o", str(run / "mismatch.parquet")])
+    assert profiled.exit_code == 0, profiled.output
+    planned = CliRunner().invoke(app, ["plan-schedule", "--model", "tiny-llama", "--profile",
+                                       str(run / "mismatch.parquet"), "--min-tokens", "1"])
+    assert planned.exit_code == 0, planned.output
+    reported = CliRunner().invoke(app, ["report", str(run)])
+    assert reported.exit_code == 0, reported.output
+    caption = _caption((run / "report" / "index.html").read_text(), "tail.png")
+    seen = {"profile": re.search(r"at or above the threshold ([\d.]+) \((.*?)\)", profiled.stderr),
+            "plan-schedule": re.search(r"threshold ([\d.]+) on the 0.05 quantile of alpha: (.*)",
+                                       planned.stderr),
+            "report": re.search(r"the threshold ([\d.]+) \((.*?)\)", caption)}
+    assert {k: (float(m[1]), m[2].strip()) for k, m in seen.items()} == dict.fromkeys(
+        seen, (0.5, "shipped calibration for tiny-llama"))
+
+
+def test_a_profile_with_nan_alpha_is_refused_as_every_command_refuses_it(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from cli_checks import error_line
+
+    run = tmp_path / "run"
+    path = write_artifact(_profile_rows({"p": 100}, 40), run / "mismatch.parquet", "mismatch",
+                          metadata={"bin_width": 512, "model": "smollm2-135m"})
+    table = pq.read_table(path)
+    alpha = table.column("alpha").to_numpy().copy()
+    alpha[3] = np.nan
+    pq.write_table(table.set_column(table.schema.get_field_index("alpha"), "alpha", pa.array(alpha)), path)
+    said = f"{path} has 1 value of column 'alpha' outside the allowed range [0, 1] (first: nan in row 3)"
+    planned = CliRunner().invoke(app, ["plan-schedule", "--model", "smollm2-135m", "--profile", str(path)])
+    assert error_line(planned) == f"error: {said}"
+    reported = CliRunner().invoke(app, ["report", str(run)])
+    assert reported.exit_code == 2 and error_line(reported) == f"error: {said}"
+    assert sorted(p.name for p in run.iterdir()) == ["mismatch.parquet"]
+
+
+def test_tail_points_sit_where_the_tokens_are_and_the_threshold_marks_the_tail_only(tmp_path, monkeypatch):
+    """Tokens at 1500-1599 (in the 1024-1535 and 1536-2047 bins) are drawn at their mean positions, the
+    threshold line is on the tail panel alone, and the caption rounds it to 3 significant digits."""
+    from matplotlib.axes import Axes
+
+    run = tmp_path / "run"
+    write_artifact(_profile_rows({"p": 1500}, 100), run / "mismatch.parquet", "mismatch",
+                   metadata={"bin_width": 512, "model": "smollm2-135m"})
+    write_artifact({"threshold": [0.4678437262773514], "lower": [None], "upper": [None], "quantile": [0.05],
+                    "source": ["calibrated"], "n_runs": [0], "n_collapsed": [0], "note": [None]},
+                   run / "threshold.parquet", "threshold")
+    drawn, lines = [], []
+    plot, axhline = Axes.plot, Axes.axhline
+    monkeypatch.setattr(Axes, "plot", lambda ax, x, *a, **k: drawn.append((ax, list(x)))
+                        or plot(ax, x, *a, **k))
+    monkeypatch.setattr(Axes, "axhline", lambda ax, y, *a, **k: lines.append((ax, y))
+                        or axhline(ax, y, *a, **k))
+    result = CliRunner().invoke(app, ["report", str(run)])
+    assert result.exit_code == 0, result.output
+    want = [np.mean(range(1500, 1536)), np.mean(range(1536, 1600))]
+    assert [(ax.get_title(), x) for ax, x in drawn] == [
+        (title, want) for _ in (64, 128) for title in ("p5 of alpha (the tail)", "mean alpha")]
+    assert [(ax.get_title(), y) for ax, y in lines] == [("p5 of alpha (the tail)", 0.4678437262773514)]
+    caption = _caption((run / "report" / "index.html").read_text(), "tail.png")
+    assert "threshold 0.468 (calibrated" in caption and "0.46784" not in caption
+
+
+def test_a_run_with_ignore_eos_names_no_eos_stops_in_its_length_legend(tmp_path, monkeypatch):
+    from matplotlib.axes import Axes
+
+    run = tmp_path / "run"
+    write_artifact({"prompt_id": ["p0", "p0"], "sample": [0, 1], "prompt_token_ids": [[1, 2]] * 2,
+                    "token_ids": [[7, 8, 9], [7, 8, 9]], "text": [None, None], "logprobs": [[-0.1] * 3] * 2,
+                    "budgets": [[0] * 3] * 2, "finish_reason": ["length", "length"], "reward": [0.0, 1.0]},
+                   run / "rollouts.parquet", "rollouts", metadata={"ignore_eos": True})
+    labels = []
+    hist = Axes.hist
+    monkeypatch.setattr(Axes, "hist", lambda ax, x, *a, **k: labels.append(k.get("label"))
+                        or hist(ax, x, *a, **k))
+    result = CliRunner().invoke(app, ["report", str(run)])
+    assert result.exit_code == 0, result.output
+    assert labels[0] == ["ran to --max-new-tokens (--ignore-eos)"]
+    caption = _caption((run / "report" / "index.html").read_text(), "rollouts.png")
+    assert "every sample ran to --max-new-tokens (--ignore-eos)" in caption and "EOS" not in caption.replace(
+        "--ignore-eos", "")

@@ -69,7 +69,8 @@ def test_cli_reproduces_every_published_schedule(tmp_path, model, threshold):
 def test_default_invocation_plans_qwen3_4b_at_the_prior(tmp_path):
     result = invoke("--model", "qwen3-4b")
     assert result.exit_code == 0, result.output
-    assert "speedup over dense" in result.output and "0.86 (prior)" in result.output
+    assert "speedup over dense" in result.output
+    assert "threshold 0.86 on the 0.05 quantile of alpha: published prior" in result.output
     assert "8192" in result.output
 
 
@@ -328,3 +329,34 @@ def test_model_without_a_reference_profile_says_to_profile_first(tmp_path):
 ])
 def test_other_bad_options(args, phrase):
     assert phrase in one_error_line(invoke("--model", "qwen3-4b", *args))
+
+
+def test_the_speedup_is_predicted_for_the_profiled_trajectories_and_the_threshold_reads_on_short_lines(
+        tmp_path):
+    """Four prompts of 994 to 1102 tokens, each followed by 32 generated tokens: the speedup is for 32
+    tokens after the mean prompt (1038), not the longest position after the shortest prompt; the shipped
+    calibration's long provenance comes on short lines of its own."""
+    rows = {k: [] for k in ("prompt_id", "sample", "position", "bin", "budget", "token_id", "alpha",
+                            "logp_dense", "logp_sparse", "log_ratio", "k1", "k2", "k3", "entropy_dense")}
+    for i, start in enumerate((994, 1006, 1050, 1102)):
+        for budget in (64, 128):
+            for pos in range(start, start + 32):
+                for k, v in (("prompt_id", f"p{i}"), ("sample", 0), ("position", pos), ("bin", pos // 512),
+                             ("budget", budget), ("token_id", 1), ("alpha", 0.95), ("logp_dense", -1.0),
+                             ("logp_sparse", -1.0), ("log_ratio", 0.0), ("k1", 0.0), ("k2", 0.0),
+                             ("k3", 0.0), ("entropy_dense", 1.0)):
+                    rows[k].append(v)
+    path = write_artifact(rows, tmp_path / "m.parquet", "mismatch", metadata={"bin_width": 512,
+                                                                               "model": "smollm2-135m"})
+    out = tmp_path / "s.parquet"
+    result = invoke("--model", "smollm2-135m", "--profile", path, "--min-tokens", "1", "-o", out)
+    assert result.exit_code == 0, result.output
+    err = result.stderr
+    assert ("32 generated tokens after a 1038-token prompt (the means over the profile's 4 trajectories)"
+            in err)
+    meta = artifact_metadata(out)
+    assert (meta["gen_len"], meta["prompt_len"]) == (32, 1038)
+    assert max(len(line) for line in err.splitlines() if line.startswith("  ")) <= 110
+    lines = [line.strip() for line in err.splitlines()]
+    assert "threshold 0.468 on the 0.05 quantile of alpha: shipped calibration for smollm2-135m" in lines
+    assert any(line.startswith("bench/threshold_sweep.py: passkey") for line in lines)

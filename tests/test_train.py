@@ -286,14 +286,14 @@ def test_resume_after_a_crash_is_bit_exact(tiny_llama, vowel_prompts, tmp_path):
     assert summary["steps"] == 3 and any(r["grad_norm"] > 0 for r in _metrics(tmp_path / "straight"))
     with pytest.raises(Crash):
         _train(path, vowel_prompts, tmp_path / "resumed", on_phase=crash_in_update(3))
-    assert len(_metrics(tmp_path / "resumed")) == 2  # steps 0 and 1 were logged and checkpointed
+    assert len(_metrics(tmp_path / "resumed")) == 2  # steps 1 and 2 were logged and checkpointed
     resumed, _ = _train(path, vowel_prompts, tmp_path / "resumed", resume=True)
     assert _metrics(tmp_path / "resumed") == _metrics(tmp_path / "straight")
     a = {k: v for k, v in straight.model.named_parameters() if "lora_" in k}
     b = {k: v for k, v in resumed.model.named_parameters() if "lora_" in k}
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     steps = sorted(p.name for p in (tmp_path / "resumed" / "mismatch").iterdir())
-    assert steps == ["step=00000.parquet", "step=00001.parquet", "step=00002.parquet"]
+    assert steps == ["step=00001.parquet", "step=00002.parquet", "step=00003.parquet"]
 
 
 def test_adapter_loads_in_transformers_and_peft(tiny_llama, vowel_prompts, tmp_path):
@@ -347,7 +347,7 @@ def test_dense_sampler_ratios_are_one_and_corrections_no_ops(tiny_llama, vowel_p
 def test_per_token_logs(tiny_llama, vowel_prompts, tmp_path):
     _train(tiny_llama[0], vowel_prompts, tmp_path / "run", cfg=dict(steps=1, sparsity="budget:48",
                                                                     ignore_eos=True))
-    table = read_artifact(tmp_path / "run" / "mismatch" / "step=00000.parquet", "train_mismatch").to_pylist()
+    table = read_artifact(tmp_path / "run" / "mismatch" / "step=00001.parquet", "train_mismatch").to_pylist()
     assert len(table) == 2 * 3 * 10  # every generated token, all samples of full length
     assert {r["budget"] for r in table} == {0, 48}  # the first token of a sample comes from the prefill
     assert all(0 <= r["alpha_top20_lb"] <= 1 for r in table)
@@ -432,7 +432,7 @@ def test_sql_sees_every_step_of_a_run_as_one_view(tiny_llama, vowel_prompts, tmp
     _train(tiny_llama[0], vowel_prompts, tmp_path / "run", cfg=dict(steps=2, sparsity="budget:48"))
     rows = run_query(tmp_path / "run", "SELECT step, count(*) AS n, count(DISTINCT source_file) AS files "
                                        "FROM train_mismatch GROUP BY step ORDER BY step").to_pylist()
-    assert [(r["step"], r["n"], r["files"]) for r in rows] == [(0, 60, 1), (1, 60, 1)]
+    assert [(r["step"], r["n"], r["files"]) for r in rows] == [(1, 60, 1), (2, 60, 1)]
     joined = run_query(tmp_path / "run", "SELECT count(*) AS n FROM metrics JOIN schedule ON true")
     assert joined.to_pylist() == [{"n": 2}]
 

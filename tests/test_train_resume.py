@@ -154,7 +154,7 @@ def test_an_interrupted_run_resumes_to_the_uninterrupted_one(setup, tmp_path, mo
     assert json.loads((run / "checkpoint" / "progress.json").read_text())["step"] == 2
     assert len(metrics(run)) == 2 and metrics(run) == metrics(setup["straight"])[:2]
     steps = sorted(p.name for p in (run / "mismatch").iterdir())
-    assert steps == ["step=00000.parquet", "step=00001.parquet"]
+    assert steps == ["step=00001.parquet", "step=00002.parquet"]
     line = error_line(runner.invoke(app, setup["args"](run)))  # a fresh run over it says what to do
     assert "already holds a run (2 logged steps, a checkpoint at step 2); pass --resume to continue it, " \
            "--force to start it over" in line
@@ -203,7 +203,7 @@ def test_force_starts_an_interrupted_run_over(setup, tmp_path, monkeypatch):
     assert r.exit_code == 0, r.output
     assert metrics(run, evals=False) == metrics(setup["straight"], evals=False)[:1]
     assert (run / "notes.txt").read_text() == "mine"
-    assert [p.name for p in (run / "mismatch").iterdir()] == ["step=00000.parquet"]  # the old step 1 went
+    assert [p.name for p in (run / "mismatch").iterdir()] == ["step=00001.parquet"]  # the old step 2 went
     assert json.loads((run / "checkpoint" / "progress.json").read_text())["step"] == 1
     line = error_line(runner.invoke(app, setup["args"](run, "--force", "--resume")))
     assert "pass --resume (continue the run) or --force (start it over), not both" in line

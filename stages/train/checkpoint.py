@@ -46,7 +46,8 @@ def load_checkpoint(run_dir: Path) -> dict:
 
 
 def drop_mismatch_after(run_dir: Path, step: int) -> None:
-    """The per-step mismatch logs of steps a resume will run again."""
+    """The per-step mismatch logs of steps a resume will run again (those after `step`, the updates the
+    checkpoint holds)."""
     for f in (run_dir / "mismatch").glob("step=*.parquet"):
-        if int(f.stem.split("=")[1]) >= step:
+        if int(f.stem.split("=")[1]) > step:
             f.unlink()

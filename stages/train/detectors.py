@@ -71,6 +71,16 @@ def collapse_reasons(metrics: pa.Table, det: Detectors = Detectors()) -> list[st
     return reasons
 
 
+def signal_warnings(metrics: pa.Table) -> list[str]:
+    """No learning signal: at every step, every group's samples got one reward (TRL's frac_reward_zero_std
+    is 1), so every advantage was zero. A diagnostic, never a collapse reason."""
+    if (z := metric(metrics, "frac_reward_zero_std")) is not None and bool((z >= 1.0).all()):
+        return [f"no learning signal: at each of the {len(z)} steps every group's samples got the same "
+                "reward (frac_reward_zero_std 1), so every advantage was zero and the policy gradient "
+                "had nothing to follow"]
+    return []
+
+
 def mismatch_warnings(metrics: pa.Table, det: Detectors = Detectors()) -> list[str]:
     """Diagnostics that do not label a run: the smoothed mismatch KL above its warning level."""
     if (k := metric(metrics.sort_by("step"), "mismatch_kl")) is not None:

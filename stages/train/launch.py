@@ -77,20 +77,24 @@ def launched(cfg: TrainConfig, workers: int, ray_address: str | None) -> Iterato
 
 
 def start_training(cfg: TrainConfig, inputs: TrainInputs, opts: RunOptions) -> Trainer:
-    """The model and prompts loaded and checked against its context, and the Trainer (a refused resume
-    says so here); ValueError in one sentence, before the run directory is written."""
-    loaded = loading.load_model(cfg.model, device=cfg.device, random_weights=cfg.random_weights,
-                        dtype=torch.bfloat16 if cfg.device == "cuda" else torch.float32)
-    if loaded.tokenizer is None:
+    """The prompts read with the model's tokenizer and checked against its context before its weights
+    load, then the model and the Trainer (a refused resume says so here); ValueError in one sentence,
+    before the run directory is written."""
+    tokenizer = loading.spec_tokenizer(cfg.model)  # the one load_model returns, without the weights
+    if tokenizer is None:
         raise ValueError(f"--model {cfg.model} has no tokenizer, so the task's scorer cannot read the "
                          "sampled answers; train a model with a tokenizer (a checkpoint with tokenizer "
                          "files)")
-    rows, held_out = read_prompts(cfg, inputs, loaded.tokenizer)
+    rows, held_out = read_prompts(cfg, inputs, tokenizer)
     longest = max(len(r.token_ids) for r in rows + (held_out or []))
-    context = loaded.config.max_position_embeddings
+    context = loading.resolve_config(cfg.model).max_position_embeddings
     if longest + cfg.max_new_tokens > context:
         raise ValueError(f"a prompt of {longest} tokens with --max-new-tokens {cfg.max_new_tokens} exceeds "
                          f"the model's context of {context}")
+    if opts.on_phase:
+        opts.on_phase("loading")
+    loaded = loading.load_model(cfg.model, device=cfg.device, random_weights=cfg.random_weights,
+                                dtype=torch.bfloat16 if cfg.device == "cuda" else torch.float32)
     return Trainer(cfg, loaded, rows, inputs.output_dir, eval_prompts=held_out, options=opts,
                    policy=inputs.policy)
 

@@ -21,7 +21,7 @@ from ..core.schedule import Schedule
 from . import corrections as rc
 from . import objective as grpo
 from .config import TrainConfig
-from .detectors import collapse_reasons, mismatch_warnings
+from .detectors import collapse_reasons, mismatch_warnings, signal_warnings
 from .experience import Experience
 
 
@@ -33,6 +33,12 @@ def repetition(tokens: Sequence[int], n: int = 4) -> bool:
     return len(set(grams)) < 0.5 * len(grams)
 
 
+def global_step(exp: Experience) -> int:
+    """The step a row or a log names: the updates done once this step's update is applied (TRL's and verl's
+    global_step), so step 0 is before any update (the initial eval) and the first step's rows are step 1."""
+    return exp.step + 1
+
+
 def metrics_row(run_id: str, exp: Experience, update: dict, update_seconds: float, cfg: TrainConfig,
                 loss: grpo.LossConfig, sync_seconds: float | None) -> dict:
     """A step's row of metrics.parquet (every column, the eval's and the collapse's still empty)."""
@@ -42,8 +48,9 @@ def metrics_row(run_id: str, exp: Experience, update: dict, update_seconds: floa
     generated = sum(len(c.token_ids) for c in flat)
     t_roll, t_score = exp.rollout_seconds, exp.scoring_seconds
     row = {
-        "run_id": run_id, "step": exp.step, "reward_mean": float(rewards.mean()),
-        "reward_std": float(rewards.std()), "accuracy": float((rewards >= 1.0 - 1e-9).mean()),
+        "run_id": run_id, "step": global_step(exp), "reward_mean": float(rewards.mean()),
+        "reward_std": float(rewards.std()), "frac_reward_zero_std": frac_reward_zero_std(exp),
+        "accuracy": float((rewards >= 1.0 - 1e-9).mean()),
         "eval_accuracy": None, "eval_accuracy_sparse": None, "oversample_acceptance_kept": None,
         "oversample_acceptance_dropped": None, "loss": update.get("loss"),
         "policy_loss": update.get("policy_loss"), "kl": update.get("kl"),
@@ -68,6 +75,13 @@ def metrics_row(run_id: str, exp: Experience, update: dict, update_seconds: floa
     row.update(exp.selection or {})
     row["reward_seconds"] = exp.reward_seconds
     return row
+
+
+def frac_reward_zero_std(exp: Experience) -> float:
+    """The share of the step's groups whose samples all got the same reward (TRL's metric): their
+    advantages are zero, so they give the policy gradient nothing."""
+    groups = np.asarray(exp.rewards, dtype=float).reshape(len(exp.prompts), -1)
+    return float(np.isclose(groups.std(axis=1), 0.0).mean())
 
 
 def _positions(exp: Experience) -> Tensor:
@@ -95,7 +109,7 @@ def write_mismatch(run_dir: Path, exp: Experience, cfg: TrainConfig) -> None:
     log_ratio = (s.logp_rollout - s.logp)[seq, pos_in]
     rows, cols = seq.tolist(), pos_in.tolist()
     table = {
-        "step": [exp.step] * len(seq), "prompt_id": [prompt_ids[i] for i in rows],
+        "step": [global_step(exp)] * len(seq), "prompt_id": [prompt_ids[i] for i in rows],
         "sample": [flat[i].sample for i in rows], "position": position.tolist(),
         "bin": (position // cfg.bin_width).tolist(), "budget": s.budgets[seq, pos_in].tolist(),
         "token_id": [flat[i].token_ids[j] for i, j in zip(rows, cols)],
@@ -106,7 +120,7 @@ def write_mismatch(run_dir: Path, exp: Experience, cfg: TrainConfig) -> None:
         "weight": correction.weights[seq, pos_in].tolist(),
         "masked": (~correction.mask[seq, pos_in]).tolist(), "vetoed": correction.vetoed[seq].tolist(),
     }
-    write_artifact(table, run_dir / "mismatch" / f"step={exp.step:05d}.parquet", "train_mismatch",
+    write_artifact(table, run_dir / "mismatch" / f"step={global_step(exp):05d}.parquet", "train_mismatch",
                    metadata={"bin_width": cfg.bin_width, "sparsity": cfg.sparsity})
 
 
@@ -125,7 +139,8 @@ def label(history: list[dict]) -> dict:
         if not r.get("collapse"):
             break
         first = r["step"]
-    warnings = mismatch_warnings(pa.Table.from_pylist(history)) if history else []
+    table = pa.Table.from_pylist(history) if history else None
+    warnings = mismatch_warnings(table) + signal_warnings(table) if table is not None else []
     return {"label": "collapsed" if reasons else "stable", "reasons": reasons,
             "first_collapse_step": first, "warnings": warnings}
 

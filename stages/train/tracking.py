@@ -41,7 +41,7 @@ class JsonlTracker:
         kept = []
         if start_step and self.path.exists():
             kept = [line for line in self.path.read_text().splitlines()
-                    if line.strip() and json.loads(line).get("step", 0) < start_step]
+                    if line.strip() and json.loads(line).get("step", 0) <= start_step]
         self.path.write_text("".join(line + "\n" for line in kept))
 
     def log(self, row: dict) -> None:
@@ -61,7 +61,7 @@ class TensorboardTracker:
         if start_step == 0:  # a run started (over): no events of an earlier one
             for f in folder.glob("events.out.tfevents.*"):
                 f.unlink()
-        self.writer = SummaryWriter(log_dir=str(folder), purge_step=start_step or None)
+        self.writer = SummaryWriter(log_dir=str(folder), purge_step=start_step + 1 if start_step else None)
         if start_step == 0:
             self.writer.add_text("config", json.dumps(config, indent=2, default=str))
 

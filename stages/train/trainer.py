@@ -28,7 +28,15 @@ from .config import TrainConfig, kv_policy
 from .data import PromptRow, epoch_order
 from .distributed import World, current_world, data_parallel
 from .experience import TOP_LOGPROBS, Experience, rejection_generator, score, select_oversampled
-from .metrics import collapse, label, metrics_row, write_metrics, write_mismatch, write_schedule
+from .metrics import (
+    collapse,
+    global_step,
+    label,
+    metrics_row,
+    write_metrics,
+    write_mismatch,
+    write_schedule,
+)
 from .rollouts import Rollouts
 from .run_dir import (
     TrainingInterrupted,
@@ -55,7 +63,8 @@ class RunOptions:
     gpu_memory_utilization: float = 0.9  # on CUDA, the rollout engine's share of device memory
     report_to: Sequence[str] = ()  # live trackers of each step's row (tracking.py)
     on_step: Callable[[dict], None] | None = None  # each step's metrics row
-    on_phase: Callable[[str], None] | None = None  # "rollout" | "scoring" | "update"
+    on_phase: Callable[[str], None] | None = None  # "loading" | "initial eval" | "rollout" | "scoring" |
+    # "update"
     on_rollouts: Callable[[int, list[int]], None] | None = None  # each step's completion lengths
 
 
@@ -123,6 +132,7 @@ class Trainer:
             if self.step == 0 and self.world.main:
                 self._write_schedule()
                 if self.eval_prompts:
+                    self.on_phase("initial eval")
                     self.initial_eval = self.evaluate()
             while self.step < self.cfg.steps:
                 row = self.train_step()
@@ -216,11 +226,12 @@ class Trainer:
         self.on_phase("update")
         update = self.learner.update(exp)
         if self.sparse_actor is not None:  # the learner frozen, the sparse adapter's step
-            self.sparse_history.append({"step": exp.step, **self.sparse_actor.update(exp, self.loss_cfg)})
+            self.sparse_history.append({"step": global_step(exp),
+                                        **self.sparse_actor.update(exp, self.loss_cfg)})
         self.rollouts.updated()
         t_update = time.perf_counter() - t0
 
-        self.step = exp.step + 1
+        self.step = global_step(exp)
         row = metrics_row(self.run_dir.name, exp, update, t_update, cfg, self.loss_cfg,
                           self.rollouts.sync_seconds)
         last = self.step == cfg.steps  # the final eval is never left blank
