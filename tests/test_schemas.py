@@ -69,6 +69,7 @@ VALID: dict[str, dict[str, list]] = {
         "update_skipped": [None, "the rollout correction rejected every token of the batch"],
         "alpha_lb_p5_by_bin": [[0.5, 0.25], []], "oversample_acceptance_kept": [None, 0.9],
         "oversample_acceptance_dropped": [None, 0.8],
+        "frac_reward_zero_std": [None, 0.5],
     },
     "train_mismatch": {
         "step": [0, 0], "prompt_id": ["p0", "p0"], "sample": [0, 1], "position": [100, 101], "bin": [0, 0],
