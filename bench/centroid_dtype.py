@@ -14,7 +14,7 @@ scoring: the largest and mean |engine - teacher forced| logprob gap.
 
     .venv/bin/python bench/centroid_dtype.py --model smollm2-135m --tokens 2048 --budgets 128,256
 
-Writes nothing; prints a table (paste into README.md with the machine state).
+Writes nothing; prints a table (paste into docs/gpu.md with the machine state).
 """
 
 from __future__ import annotations

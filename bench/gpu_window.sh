@@ -2,7 +2,7 @@
 # The GPU path checked in one lent window: two device calls run back to back, with nothing to decide in
 # between, Qwen3-4B shapes with random bf16 weights. A lent session runs `bash bench/gpu_wheels.sh` here,
 # then `run` with command `bash bench/gpu_window.sh a`, carry [".whl"], timeout_s 480, then the same with
-# `b` and timeout_s 360, then `give_back` (README, "Running the GPU window").
+# `b` and timeout_s 360, then `give_back` (docs/gpu.md, "Running the GPU window").
 #
 #   bash bench/gpu_window.sh a|b|--plan
 #

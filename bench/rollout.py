@@ -1,7 +1,7 @@
 """Rollout engine throughput on our users' workload: dense vs block top-k (a fixed budget, a schedule),
 against the memory floor of each decode step; vLLM and Hugging Face `generate` as peers where they run.
 
-Two modes. Speed is reported, never asserted (the issue's targets are in README.md).
+Two modes. Speed is reported, never asserted (the issue's targets are in docs/benchmarks.md).
 
 Whole rollout (the default): --prompts P distinct prompts x --samples K samples each, --prompt-len L
 tokens, --new-tokens N new tokens, EOS ignored so every run does the same work; per sampler (dense,

@@ -14,7 +14,7 @@ continue; a training run stopped midway resumes from its last checkpoint. Thresh
 same schedule share its runs. The task is passkey retrieval at --context tokens, where a small budget
 reads only part of the prompt, so the tail differs across the ladder.
 
-    .venv/bin/python bench/threshold_sweep.py --threads 1         # the README's sweep
+    .venv/bin/python bench/threshold_sweep.py --threads 1         # the sweep in docs/calibration.md
     .venv/bin/python bench/threshold_sweep.py --thresholds 0.2,0.5,0.8 --seeds 0 --steps 8 --out /tmp/sweep
 """
 
@@ -118,7 +118,8 @@ def train(args, name: str, sparsity: str, seed: int, prompts: Path, held_out: Pa
 
 
 def summarise(run_dir: Path, threshold_meta: dict) -> dict:
-    """The README row of a run: its plan, outcome and label (the label as calibrate-threshold gave it)."""
+    """The docs/calibration.md row of a run: its plan, outcome and label (the label as calibrate-threshold
+    gave it)."""
     m = pq.read_table(run_dir / "metrics.parquet").to_pylist()
     meta = artifact_metadata(run_dir / "metrics.parquet")
     cfg = json.loads(meta["config"])

@@ -12,7 +12,7 @@ as the mean of their keys over offsets 0..max written offset.
 
 Centroids narrower than fp32 (bf16, half the bytes selection reads): a running mean rounded to bf16 at
 each of a page's 16 appends drifts from the page's mean by several roundings, enough to change kept page
-sets noticeably against fp32 centroids (bench/centroid_dtype.py, README). So the append that completes
+sets noticeably against fp32 centroids (bench/centroid_dtype.py, docs/gpu.md). So the append that completes
 a page (offset P - 1) sets its centroid to the mean of its P keys, computed in
 fp32 and rounded once, as write_prefill sets a prefilled page's; partial pages keep the running mean,
 which no selection reads (only complete pages are candidates). fp32 centroids are the running mean

@@ -1,5 +1,5 @@
 """`sparrow distill` (DistillSparse, offline): the sparse actor's LoRA distilled toward the frozen dense
-policy, teacher forced on trajectories, one adapter taught at every budget in turn (docs/training.md)."""
+policy, teacher forced on trajectories, one adapter taught at every budget in turn (docs/distill.md)."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ the canonical solution.
 Difficulty: `level` 1 families are one-liners over one argument (sum, maximum, reverse a string...);
 `level` 2 families need a loop or a condition (second largest, running totals, primes...); `level 0`
 mixes both. Both levels were measured to start inside [0.05, 0.6] on the embedded SmolLM2-135M-Instruct
-(sampled at temperature 1, dense; the README gives the numbers); the default is level 2, the one with
+(sampled at temperature 1, dense; docs/tasks.md gives the numbers); the default is level 2, the one with
 more to learn.
 
 Reward rule (`score`), deterministic and in [0, 1]:

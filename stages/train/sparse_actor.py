@@ -76,7 +76,7 @@ def actor_hidden(model: Transformer, prompt: Sequence[int], completions: Sequenc
 class JointSparseActor:
     """`sparrow train --distill-sparse`: a second peft adapter ("sparse") beside the learner's, which only
     the engine's sampling runs; after each learner update, one AdamW step on the sparse actor's PPO loss
-    over the step's rollouts plus a k3 term toward the dense logprobs (docs/training.md)."""
+    over the step's rollouts plus a k3 term toward the dense logprobs (docs/distill.md)."""
 
     ADAPTER = "sparse"
 
