@@ -162,7 +162,8 @@ def profile(
     cfg = resolve_config(model)
     if prompts is not None:
         opts.policy = sampler_policy(sampler)
-    _check_context(opts, cfg, model)
+    source = ctx.get_parameter_source("budgets")  # typer vendors click: compare by name, not by enum class
+    _check_context(opts, cfg, model, source is not None and source.name in ("COMMANDLINE", "ENVIRONMENT"))
     opts.adapter = load_actor(adapter, cfg, model)  # before any weights load
     run = ProfileRun(model, output, device, str(resolve_dtype(dtype, device)).removeprefix("torch."),
                      random_weights, adapter, workers, ray_address)
@@ -187,13 +188,13 @@ def profile(
     print_summary(summarize(table, quantile, threshold), quantile, threshold, fmt)
 
 
-def _check_context(opts, cfg, model: str) -> None:
+def _check_context(opts, cfg, model: str, given_budgets: bool) -> None:
     """Eviction budgets (scored, or the sampler's) whose cache would never be compressed within the
     model's context: one sentence before any weights load."""
     from sparrow.stages.kv_policies import Eviction
 
     context = cfg.max_position_embeddings
-    if not opts.kv_compression:
+    if given_budgets and not opts.kv_compression:  # a default beyond a small model's context scores as dense
         check_budgets(opts.budgets, context, "--budgets", model)
     if opts.sampler.startswith("budget:") and int(opts.sampler.split(":", 1)[1]) > context:
         raise UsageError(f"--sampler {opts.sampler} exceeds the context of {model} ({context} tokens); a "
