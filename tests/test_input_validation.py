@@ -148,7 +148,13 @@ def test_more_samples_than_memory_can_hold_are_refused(tmp_path, no_work):
     assert not out.exists()
 
 
-def test_more_prompts_than_memory_can_hold_are_refused(tmp_path):
+def test_more_prompts_than_memory_can_hold_are_refused(tmp_path, monkeypatch):
+    import sparrow.cli.prompts as prompts_cli
+
+    def refuse(*a, **k):
+        raise AssertionError("prompts were generated before the refusal")
+
+    monkeypatch.setattr(prompts_cli, "make_prompts", refuse)
     out = tmp_path / "p.parquet"
     result = runner.invoke(app, ["prompts", "--task", "chain_sum", "--n", "100000000", "-o", str(out)])
     assert result.exit_code == 2
