@@ -20,6 +20,7 @@ Design decisions (one rule for every command that writes):
 from __future__ import annotations
 
 import atexit
+import errno
 import os
 import shutil
 import stat
@@ -60,7 +61,7 @@ def output_target(path: str | os.PathLike, directory: bool = False) -> Path:
     """The path a write to `path` replaces: its final target when `path` is a symlink. Refuses a FIFO,
     device or socket, and a directory where a file is expected (a file where a directory is)."""
     path = Path(path)
-    target = Path(os.path.realpath(path)) if path.is_symlink() else path
+    target = _link_target(path) if path.is_symlink() else path
     shown = f"{path} (a symlink to {target})" if target != path else str(path)
     special = special_kind(target)
     if special:
@@ -70,6 +71,22 @@ def output_target(path: str | os.PathLike, directory: bool = False) -> Path:
         raise ArtifactError(f"{shown} is a directory; give a file path such as {path / 'out.parquet'}")
     if directory and target.exists() and not target.is_dir():
         raise ArtifactError(f"{shown} is a file, but a directory is written there")
+    return target
+
+
+def _link_target(link: Path) -> Path:
+    """Where a write through the symlink `link` lands: its final target, which must be in an existing
+    folder (a dangling link creates no folders on its way) and must not be the link again (a loop)."""
+    try:
+        os.stat(link)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise ArtifactError(f"{link} is a symlink that loops back on itself, so it leads to no file; "
+                                "remove it or give another path") from None
+    target = Path(os.path.realpath(link))
+    if not target.parent.is_dir():
+        raise ArtifactError(f"{link} is a symlink to {target}, whose folder {target.parent} does not exist; "
+                            "a symlink is written through, so create that folder or give another path")
     return target
 
 
@@ -189,3 +206,11 @@ def input_name(path: str | os.PathLike) -> str:
     """What a user gave for an input, as an artifact's metadata records it: `-` for stdin and the FIFO's
     own path for a spooled pipe, never the private temporary copy that is gone when the command ends."""
     return _SPOOLED.get(Path(path), str(path))
+
+
+def name_inputs(text: str) -> str:
+    """`text` (an error message) with every spooled input's private copy named as the user gave it:
+    `- (stdin)` for stdin, the FIFO's own path for a pipe."""
+    for spooled, given in _SPOOLED.items():
+        text = text.replace(str(spooled), "- (stdin)" if is_stdio(given) else given)
+    return text

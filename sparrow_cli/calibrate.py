@@ -10,6 +10,7 @@ import typer
 from sparrow.stages.core.definitions import TAIL_QUANTILE
 
 from .common import UsageError, check_output, console, force_option, friendly_errors, input_path, output_help
+from .options import finite
 from .output import emit, format_option, resolve_format
 
 
@@ -22,24 +23,25 @@ def calibrate_threshold(
                                     "repeated."),
     more_runs: list[Path] = typer.Argument(None, metavar="[RUN_DIR]...", show_default=False,
                                            help="More run directories (what follows --runs a)."),
-    quantile: float = typer.Option(TAIL_QUANTILE, "--quantile", help="Tail quantile of alpha per bin."),
+    quantile: float = typer.Option(TAIL_QUANTILE, "--quantile", callback=finite,
+                                   help="Tail quantile of alpha per bin."),
     window: int = typer.Option(5, "--window", help="Steps of smoothing for the detectors."),
-    reward_drop: float = typer.Option(0.5, "--reward-drop",
+    reward_drop: float = typer.Option(0.5, "--reward-drop", callback=finite,
                                       help="Collapsed if the final reward < (1 - this) x best."),
-    grad_norm_factor: float = typer.Option(10.0, "--grad-norm-factor",
+    grad_norm_factor: float = typer.Option(10.0, "--grad-norm-factor", callback=finite,
                                            help="Collapsed if grad norm > this x its early median."),
-    mismatch_kl_limit: float = typer.Option(0.05, "--mismatch-kl-limit",
+    mismatch_kl_limit: float = typer.Option(0.05, "--mismatch-kl-limit", callback=finite,
                                             help="Warn when the smoothed mismatch KL exceeds it (a "
                                             "diagnostic: never a collapse reason)."),
-    truncation_limit: float = typer.Option(0.5, "--truncation-limit"),
-    repetition_limit: float = typer.Option(0.5, "--repetition-limit"),
-    entropy_factor: float = typer.Option(3.0, "--entropy-factor",
+    truncation_limit: float = typer.Option(0.5, "--truncation-limit", callback=finite),
+    repetition_limit: float = typer.Option(0.5, "--repetition-limit", callback=finite),
+    entropy_factor: float = typer.Option(3.0, "--entropy-factor", callback=finite,
                                          help="Collapsed if entropy ends above this x its start."),
-    reward_margin: float = typer.Option(0.1, "--reward-margin",
+    reward_margin: float = typer.Option(0.1, "--reward-margin", callback=finite,
                                         help="Collapsed if the final reward is below the dense run of "
                                         "the same configuration and seed by more than this or the dense "
                                         "runs' seed spread, whichever is larger."),
-    eval_margin: float = typer.Option(0.1, "--eval-margin",
+    eval_margin: float = typer.Option(0.1, "--eval-margin", callback=finite,
                                       help="Collapsed if the last eval accuracy is below the dense "
                                       "run's by more than this or the seed spread, whichever is larger."),
     bootstrap: int = typer.Option(2000, "--bootstrap", help="Bootstrap resamples for the interval."),

@@ -7,7 +7,9 @@ to force it, and `-o -` hands stdout to the artifact (tables and summaries then 
 from __future__ import annotations
 
 import functools
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -75,8 +77,10 @@ class UsageError(ValueError):
 def fail(message: str, code: int = 2) -> NoReturn:
     from rich.markup import escape
 
+    from sparrow.schemas.locations import name_inputs
+
     # escaped: a message may quote brackets (a path, an extra such as '.[vllm]') that rich would eat
-    console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+    console.print(f"[bold red]error:[/] {escape(name_inputs(message))}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
 
 
@@ -90,24 +94,48 @@ def friendly_errors(fn: Callable) -> Callable:
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         _stdout["taken"] = False
+        terminated: list[int] = []
         try:
-            return fn(*args, **kwargs)
+            with sigterm_as_interrupt(terminated):
+                return fn(*args, **kwargs)
         except (UsageError, ArtifactError, ModelSpecError, PromptError, PoolTooSmall, KeyError) as e:
             fail(str(e.args[0]) if e.args else str(e))
         except KeyboardInterrupt as e:  # a stage may say what it kept and how to go on
-            import signal
-
             from rich.markup import escape
 
             said = escape(str(e.args[0])) if e.args else "nothing half-written was left behind"
-            signum = getattr(e, "signum", signal.SIGINT)  # a stage may stop on SIGTERM the same way
-            what = "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
+            # a stage may stop on a signal itself (sql's query watch) and name it; else the handler's record
+            signum = getattr(e, "signum", signal.SIGTERM if terminated else signal.SIGINT)
+            what = "interrupted" if signum == signal.SIGINT else "terminated"
             console.print(f"[yellow]{what}; {said}[/]", highlight=False)
             sys.exit(128 + signum)
         finally:
             _stdout["taken"] = False  # per command (several run in one process under tests)
 
     return wrapper
+
+
+@contextmanager
+def sigterm_as_interrupt(received: list[int]) -> Iterator[None]:
+    """SIGTERM, what schedulers (Slurm, Kubernetes) send to stop a job, takes SIGINT's path: the SIGINT
+    handler in place runs (a training step defers it until its writes end), else KeyboardInterrupt.
+    `received` records it. Only in the main thread, where Python runs signal handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame) -> None:
+        received.append(signum)
+        on_interrupt = signal.getsignal(signal.SIGINT)
+        if not callable(on_interrupt):  # SIGINT ignored (a background job): still stop
+            raise KeyboardInterrupt
+        on_interrupt(signal.SIGINT, frame)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 @contextmanager

@@ -26,8 +26,11 @@ from .common import (
 )
 from .options import (
     block_topk_sparsity,
+    check_budgets,
     check_gpu_memory,
+    check_tail,
     default_threshold,
+    finite,
     gpu_memory_option,
     load_actor,
     rollouts_temperature,
@@ -106,8 +109,9 @@ def distill(
     steps: int = typer.Option(50, "--steps"),
     batch_size: int = typer.Option(8, "--batch-size", help="Trajectories per step."),
     lora_rank: int = typer.Option(16, "--lora-rank", help="LoRA rank on every linear layer of every block."),
-    lora_alpha: float = typer.Option(16.0, "--lora-alpha", help="Published: 16."),
-    lr: float = typer.Option(5e-4, "--lr", help="AdamW learning rate of the LoRA (published: 5 x the "
+    lora_alpha: float = typer.Option(16.0, "--lora-alpha", callback=finite, help="Published: 16."),
+    lr: float = typer.Option(5e-4, "--lr", callback=finite,
+                             help="AdamW learning rate of the LoRA (published: 5 x the "
                              "base model's lr in joint training)."),
     objective: str = typer.Option("kl", "--objective", help="kl: full-vocabulary KL(dense || actor) per "
                                   "position; k3: the published sampled-token estimator (needs trajectories "
@@ -133,7 +137,8 @@ def distill(
                                                 "when the model is on a CUDA device, off on the CPU."),
     samples: int = typer.Option(4, "--samples", help="Trajectories per prompt (--prompts, --eval-prompts)."),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens"),
-    temperature: float = typer.Option(None, "--temperature", help="Sampling temperature (default 1, or what "
+    temperature: float = typer.Option(None, "--temperature", callback=finite,
+                                      help="Sampling temperature (default 1, or what "
                                       "--rollouts records); the objectives use it."),
     seed: int = typer.Option(0, "--seed", help="Sampling and batch order; eval trajectories use seed + 1."),
     bin_width: int = typer.Option(512, "--bin-width"),
@@ -142,8 +147,8 @@ def distill(
     dtype: str = typer.Option("auto", "--dtype", help="Base weights and KV cache: auto (bfloat16 on cuda, "
                               "float32 on cpu), float32 or bfloat16; the LoRA trains in fp32 either way."),
     gpu_memory_utilization: float = gpu_memory_option(),
-    quantile: float = typer.Option(TAIL_QUANTILE, "--quantile"),
-    threshold: float = typer.Option(None, "--threshold", show_default=False,
+    quantile: float = typer.Option(TAIL_QUANTILE, "--quantile", callback=finite),
+    threshold: float = typer.Option(None, "--threshold", callback=finite, show_default=False,
                                     help="Tail threshold the summary marks (default: the calibration shipped "
                                     "for --model if there is one, else the published prior 0.86)."),
     output: Path = typer.Option(..., "-o", "--output", help="The adapter directory to write. An existing "
@@ -184,6 +189,7 @@ def distill(
         if value < 1:
             raise UsageError(f"{flag} must be at least 1, got {value}")
     check_gpu_memory(gpu_memory_utilization)
+    check_tail(quantile, threshold)
     check_device(device)
     if dtype not in DTYPES:
         raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
@@ -199,6 +205,9 @@ def distill(
     if train_budgets:
         taught = budget_list(train_budgets, "--train-budgets")
     model_cfg = resolve_config(model)
+    for flag, given_budgets in (("--eval-budgets", eval_budgets and budgets),
+                                ("--train-budgets", train_budgets and taught)):
+        check_budgets(given_budgets or [], model_cfg.max_position_embeddings, flag, model)
     init = None if init_adapter is None else load_init_adapter(init_adapter, model_cfg, lora_rank, model)
     for flag, path in (("--prompts", prompts), ("--rollouts", rollouts), ("--eval-prompts", eval_prompts)):
         if path is not None and not path.exists():

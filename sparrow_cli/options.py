@@ -1,19 +1,65 @@
-"""Options and checks that several subcommands share: the engine's device memory, Ray workers, the
-sparsity flags (--dense/--budget/--schedule and --kv-*) and a sparse actor's adapter."""
+"""Options and checks that several subcommands share: finite numbers, the engine's device and host
+memory, Ray workers, the sparsity flags (--dense/--budget/--schedule and --kv-*), the tail quantile and
+threshold, and a sparse actor's adapter."""
 
 from __future__ import annotations
 
+import math
+import os
 from pathlib import Path
 
 import typer
 
-from .common import UsageError, console
+from .common import UsageError, console, fail
 
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 
 
+def finite(ctx: typer.Context, param: typer.CallbackParam, value: float | None) -> float | None:
+    """typer callback of every float option: inf and nan are refused in one sentence as the command line
+    is read (a range check alone lets nan through, since every comparison with it is false)."""
+    if value is None or ctx.resilient_parsing or math.isfinite(value):
+        return value
+    fail(f"{param.opts[0] if param.opts else param.name} must be a finite number, got {value}")
+
+
+def check_tail(quantile: float, threshold: float | None = None) -> None:
+    """--quantile and --threshold of a tail summary, by the planner's own checks, before any work."""
+    from sparrow.stages.core.schedule import ScheduleError, check_quantile, check_threshold
+
+    try:
+        check_quantile(quantile)
+    except ScheduleError as e:
+        raise UsageError(f"--quantile: {e}") from None
+    try:
+        if threshold is not None:
+            check_threshold(threshold)
+    except ScheduleError as e:
+        raise UsageError(f"--threshold: {e}") from None
+
+
+# ---------------------------------------------------------------- memory
+
+HOST_BYTES_PER_ITEM = 4096  # the least a prompt or a sample holds on the host (its row, sequence, generator)
+
+
+def host_memory() -> int:
+    """This machine's physical memory in bytes."""
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_host_memory(items: int, what: str, hint: str) -> None:
+    """Refuse, before any work, more prompts or samples (`items`, described by `what`) than this machine
+    could hold even at the least each one takes; `hint` says what to do instead."""
+    need, have = items * HOST_BYTES_PER_ITEM, host_memory()
+    if need > have:
+        raise UsageError(f"{what} need at least {need / 2**30:,.0f} GiB of memory to hold ("
+                         f"{HOST_BYTES_PER_ITEM // 1024} KiB each), more than this machine's "
+                         f"{have / 2**30:,.0f} GiB; {hint}")
+
+
 def gpu_memory_option():
-    return typer.Option(DEFAULT_GPU_MEMORY_UTILIZATION, "--gpu-memory-utilization",
+    return typer.Option(DEFAULT_GPU_MEMORY_UTILIZATION, "--gpu-memory-utilization", callback=finite,
                         help="On cuda, the share of the GPU's memory the rollout engine may fill (weights "
                              "and anything else in use counted), in (0, 1]: its KV cache is sized after "
                              "a profiling run, never larger than the rollouts can use (vLLM's and verl's "
@@ -118,9 +164,20 @@ def block_topk_sparsity(schedule: Path | None, budget: int | None, dense: bool, 
     except ModelSpecError:
         cfg = None  # the model's own error comes when it loads
     try:
-        return sparsity_from_flags(schedule, budget, dense, PAGE_SIZE, cfg)
+        sparsity = sparsity_from_flags(schedule, budget, dense, PAGE_SIZE, cfg)
     except ValueError as e:
         raise UsageError(str(e)) from None
+    if budget is not None and cfg is not None:
+        check_budgets([budget], cfg.max_position_embeddings, "--budget", model)
+    return sparsity
+
+
+def check_budgets(budgets: list[int], context: int, flag: str, model: str) -> None:
+    """Block top-k budgets no larger than the model's context: a larger one is never reached."""
+    for b in budgets:
+        if b > context:
+            raise UsageError(f"{flag} {b} exceeds the context of {model} ({context} tokens); a budget that "
+                             "covers the whole context is dense attention")
 
 
 # ---------------------------------------------------------------- Ray workers

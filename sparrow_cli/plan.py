@@ -22,6 +22,7 @@ from .common import (
     output_help,
     stage_errors,
 )
+from .options import finite
 from .output import emit, format_option, resolve_format
 
 EXPORTS = ("json", "sglang-vortex")
@@ -43,12 +44,12 @@ def plan_schedule(
     profile: Path = typer.Option(None, "--profile", callback=input_path, help="A mismatch artifact (sparrow "
                                  "profile); "
                                  "default: the reference profile of a Qwen3 preset."),
-    threshold: float = typer.Option(None, "--threshold", help="Tail threshold (default: the "
+    threshold: float = typer.Option(None, "--threshold", callback=finite, help="Tail threshold (default: the "
                                     "calibration shipped for --model if there is one, "
                                     "else the published prior 0.86)."),
     threshold_file: Path = typer.Option(None, "--threshold-file", callback=input_path,
                                         help="A threshold artifact (sparrow calibrate-threshold)."),
-    quantile: float = typer.Option(None, "--quantile", help="Tail quantile of alpha per bin "
+    quantile: float = typer.Option(None, "--quantile", callback=finite, help="Tail quantile of alpha per bin "
                                    "(default 0.05, or the threshold file's)."),
     cost: Path = typer.Option(None, "--cost", callback=input_path,
                               help="A cost artifact (sparrow fit-cost)."),

@@ -36,10 +36,13 @@ from .common import (
     warn_first_token_stops,
 )
 from .options import (
+    check_budgets,
     check_gpu_memory,
+    check_tail,
     check_workers,
     default_threshold,
     eviction_from_flags,
+    finite,
     gpu_memory_option,
     kv_buffer_option,
     kv_window_option,
@@ -89,16 +92,18 @@ def profile(
                                 "KV compression snapkv:B or rkv:B (optionally ,window=W,buffer=N)."),
     bin_width: int = typer.Option(512, "--bin-width", help="Position bin width in tokens "
                                   "(the embedded model's 8K context wants 512; Qwen3 runs use 2000)."),
-    temperature: float = typer.Option(None, "--temperature", help="Sampling temperature (0 = greedy; "
+    temperature: float = typer.Option(None, "--temperature", callback=finite,
+                                      help="Sampling temperature (0 = greedy; "
                                       "default 1, or what a --rollouts artifact records); alpha is "
                                       "measured at this temperature (1 when greedy)."),
-    top_p: float = typer.Option(1.0, "--top-p"),
+    top_p: float = typer.Option(1.0, "--top-p", callback=finite),
     seed: int = typer.Option(0, "--seed", help="Each sample draws from its own generator seeded from "
                              "(seed, prompt, sample): the same trajectories as sparrow rollout --seed."),
     batch_size: int = typer.Option(8, "--batch-size", help="Samples decoded together (on a CPU, up to "
                                    "16, it does not change the trajectories)."),
-    quantile: float = typer.Option(TAIL_QUANTILE, "--quantile", help="Tail quantile shown in the summary."),
-    threshold: float = typer.Option(None, "--threshold", show_default=False,
+    quantile: float = typer.Option(TAIL_QUANTILE, "--quantile", callback=finite,
+                                   help="Tail quantile shown in the summary."),
+    threshold: float = typer.Option(None, "--threshold", callback=finite, show_default=False,
                                     help="Tail threshold shown in the summary (default: the calibration "
                                     "shipped for --model if there is one, else the published prior 0.86)."),
     adapter: Path = typer.Option(None, "--adapter", help="The sparse actor's LoRA (sparrow distill): every "
@@ -150,6 +155,7 @@ def profile(
         opts.validate()
     except ValueError as e:
         raise UsageError(str(e)) from None
+    check_tail(quantile, threshold)
     check_device(device, remote=bool(ray_address))
     if dtype not in DTYPES:
         raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
@@ -159,7 +165,8 @@ def profile(
     cfg = resolve_config(model)
     if prompts is not None:
         opts.policy = sampler_policy(sampler)
-    _check_context(opts, cfg, model)
+    source = ctx.get_parameter_source("budgets")  # typer vendors click: compare by name, not by enum class
+    _check_context(opts, cfg, model, source is not None and source.name in ("COMMANDLINE", "ENVIRONMENT"))
     opts.adapter = load_actor(adapter, cfg, model)  # before any weights load
     run = ProfileRun(model, output, device, str(resolve_dtype(dtype, device)).removeprefix("torch."),
                      random_weights, adapter, workers, ray_address)
@@ -186,11 +193,17 @@ def profile(
     console.print(f"above: the tail is at or above the threshold {resolved.short}", highlight=False)
 
 
-def _check_context(opts, cfg, model: str) -> None:
+def _check_context(opts, cfg, model: str, given_budgets: bool) -> None:
     """Eviction budgets (scored, or the sampler's) whose cache would never be compressed within the
     model's context: one sentence before any weights load."""
     from sparrow.stages.kv_policies import Eviction
 
+    context = cfg.max_position_embeddings
+    if given_budgets and not opts.kv_compression:  # a default beyond a small model's context scores as dense
+        check_budgets(opts.budgets, context, "--budgets", model)
+    if opts.sampler.startswith("budget:") and int(opts.sampler.split(":", 1)[1]) > context:
+        raise UsageError(f"--sampler {opts.sampler} exceeds the context of {model} ({context} tokens); a "
+                         "budget that covers the whole context is dense attention (--sampler dense)")
     try:
         for b, mode in zip(opts.budgets, opts.modes() if opts.kv_compression else ()):
             mode.validate(cfg.max_position_embeddings, label=f"--budgets {b} under --kv-compression "

@@ -16,6 +16,7 @@ from sparrow.stages.tasks import TASKS, Task, TaskError, get_task, make_prompts
 from sparrow.stages.tasks.longcontext import DEFAULT_CONTEXT_TOKENS, MIN_CONTEXT_TOKENS
 
 from .common import UsageError, check_output, console, force_option, friendly_errors, output_help
+from .options import check_host_memory
 
 
 class _LazyProgress:
@@ -104,6 +105,7 @@ def prompts(
     if n < 1:
         raise UsageError(f"--n must be at least 1, got {n}")
     _check_request(spec, n, split)
+    check_host_memory(n, f"{n:,} prompts (--n)", "write fewer prompts per file")
     check_output(output, "prompts", force)
     config = resolve_config(model)
     context = _context_tokens(spec.name, spec.long_context, context_tokens, model,

@@ -25,7 +25,9 @@ from .common import (
 )
 from .options import (
     check_gpu_memory,
+    check_host_memory,
     check_workers,
+    finite,
     gpu_memory_option,
     kv_budget_option,
     kv_buffer_option,
@@ -92,8 +94,8 @@ def rollout(
     kv_buffer: int = kv_buffer_option(),
     samples: int = typer.Option(1, "--samples", help="Samples per prompt (they share one prefill)."),
     max_new_tokens: int = typer.Option(256, "--max-new-tokens"),
-    temperature: float = typer.Option(1.0, "--temperature", help="0 = greedy."),
-    top_p: float = typer.Option(1.0, "--top-p"),
+    temperature: float = typer.Option(1.0, "--temperature", callback=finite, help="0 = greedy."),
+    top_p: float = typer.Option(1.0, "--top-p", callback=finite),
     top_k: int = typer.Option(0, "--top-k", help="0 = off."),
     seed: int = typer.Option(0, "--seed"),
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Always generate --max-new-tokens."),
@@ -172,6 +174,10 @@ def rollout(
     prompt_set = PromptSet.read(prompts)
     prompt_set.check_rewards()
     prompt_set.check_fits(cfg.vocab_size, cfg.max_position_embeddings, max_new_tokens)  # before weights
+    total = len(prompt_set.rows) * samples
+    check_host_memory(total, f"{total:,} samples (--samples {samples} for {len(prompt_set.rows)} prompts)",
+                      "roll out fewer samples per call, or split the prompts into several files")
+    _check_tokenizer(model, prompt_set)
     if kv_pages is not None and engine == "vllm":
         raise UsageError("--kv-pages sizes our engine's pool; vLLM sizes its own (VLLM_CPU_KVCACHE_SPACE)")
     sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
@@ -191,7 +197,6 @@ def rollout(
         warn_first_token_stops(_lengths(table), max_new_tokens, raw_prompts)
         console.print(f"wrote {table.num_rows} rollouts to {output} (vLLM start-up {timing.startup_s:.0f} s)")
         return _print_summary(summary, fmt, "dense, vLLM")
-    total = len(prompt_set.rows) * samples
     if workers:
         with _progress(f"rollouts (samples) on {workers} workers", total, rate=False) as advance:
             summary, n = write_rollouts_on_ray(run, prompt_set, opts, not raw_prompts,
@@ -204,6 +209,22 @@ def rollout(
     warn_first_token_stops(_lengths(table), max_new_tokens, raw_prompts)
     console.print(f"wrote {table.num_rows} rollouts to {output}")
     _print_summary(summary, fmt, mode)
+
+
+def _check_tokenizer(model: str, prompt_set) -> None:
+    """A model without a tokenizer cannot read text prompts, and its samples have no text, so a task's
+    scorer cannot reward them."""
+    from sparrow.stages.model.loading import has_tokenizer
+    from sparrow.stages.tasks import TASKS
+
+    if has_tokenizer(model):
+        return
+    if prompt_set.needs_tokenizer:
+        prompt_set.tokenize(None)  # refuses text-only prompts in its own sentence, before any weights load
+    if any(r.get("task") in TASKS for r in prompt_set.rows):
+        console.print(f"[yellow]warning:[/] --model {model} has no tokenizer, so the samples have no text "
+                      "and their task's scorer cannot reward them (text and reward are left null)",
+                      highlight=False)
 
 
 @contextmanager

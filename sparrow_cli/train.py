@@ -21,6 +21,7 @@ from .common import (
 from .options import (
     check_gpu_memory,
     check_workers,
+    finite,
     gpu_memory_option,
     kv_budget_option,
     kv_buffer_option,
@@ -67,12 +68,12 @@ def train(
     prompts_per_step: int = typer.Option(4, "--prompts-per-step"),
     samples: int = typer.Option(4, "--samples", help="Samples per prompt: the GRPO group."),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens"),
-    temperature: float = typer.Option(1.0, "--temperature"),
+    temperature: float = typer.Option(1.0, "--temperature", callback=finite),
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Every sample generates --max-new-tokens "
                                     "tokens (fixed-length steps, for timing)."),
-    lr: float = typer.Option(1e-4, "--lr"),
+    lr: float = typer.Option(1e-4, "--lr", callback=finite),
     lora_rank: int = typer.Option(16, "--lora-rank", help="LoRA rank on every projection (peft)."),
-    lora_alpha: float = typer.Option(32.0, "--lora-alpha"),
+    lora_alpha: float = typer.Option(32.0, "--lora-alpha", callback=finite),
     full: bool = typer.Option(False, "--full", help="Full fine-tuning instead of a LoRA."),
     correction: str = typer.Option(
         "tis", "--correction", help="A preset: none | tis | mis | veto | sparse-rl | icepop | seq-mask-tis | "
@@ -90,12 +91,12 @@ def train(
     rollout_rs_threshold: str = typer.Option(
         None, "--rollout-rs-threshold", help="One per option, or one for all: L_U ratio bounds for k1 (U "
         "alone: L = 1/U), an upper bound for k2 and k3 (default 2.0)."),
-    off_policy_mask_threshold: float = typer.Option(None, "--off-policy-mask-threshold",
+    off_policy_mask_threshold: float = typer.Option(None, "--off-policy-mask-threshold", callback=finite,
                                                     help="OPSM's delta (TRL's name)."),
     rejection: str = typer.Option(
         None, "--rejection", help="The Sparrow recipe's stochastic rejection, keep with probability "
         "min(1, r / C): token | sequence | none."),
-    rejection_c: float = typer.Option(None, "--rejection-c", help="Its C (default 1)."),
+    rejection_c: float = typer.Option(None, "--rejection-c", callback=finite, help="Its C (default 1)."),
     alpha_weight: bool = typer.Option(
         None, "--alpha-weight/--no-alpha-weight", help="Weight each token by its acceptance alpha (top-20 "
         "lower bound; 1 where sampled densely)."),
@@ -103,7 +104,7 @@ def train(
                                      "rollout logprobs instead of the dense recompute."),
     oversample: int = typer.Option(0, "--oversample", help="Roll out this many samples per prompt (more than "
                                    "--samples) and keep the --samples of highest mean acceptance."),
-    kl_coef: float = typer.Option(0.0, "--kl-coef", help="k3 KL to the initial policy."),
+    kl_coef: float = typer.Option(0.0, "--kl-coef", callback=finite, help="k3 KL to the initial policy."),
     loss_agg: str = typer.Option(
         "token-mean", "--loss-agg", help="token-mean (over the batch's tokens; TRL's dapo) | "
         "seq-mean-token-mean (per sequence, then over sequences; grpo) | seq-mean-token-sum-norm (the sum "
@@ -117,10 +118,12 @@ def train(
     distill_sparse: bool = typer.Option(False, "--distill-sparse", help="DistillSparse: train a second LoRA "
                                         "that only the sparse actor uses, jointly (RUN/sparse_adapter)."),
     distill_rank: int = typer.Option(16, "--distill-rank", help="Rank of the sparse actor's LoRA."),
-    distill_alpha: float = typer.Option(16.0, "--distill-alpha", help="Its alpha (published: 16)."),
-    distill_lr_ratio: float = typer.Option(5.0, "--distill-lr-ratio",
+    distill_alpha: float = typer.Option(16.0, "--distill-alpha", callback=finite,
+                                        help="Its alpha (published: 16)."),
+    distill_lr_ratio: float = typer.Option(5.0, "--distill-lr-ratio", callback=finite,
                                            help="Its lr over --lr (published: 5)."),
-    distill_kl_coef: float = typer.Option(0.001, "--distill-kl-coef", help="Its k3 coefficient toward the "
+    distill_kl_coef: float = typer.Option(0.001, "--distill-kl-coef", callback=finite,
+                                          help="Its k3 coefficient toward the "
                                           "dense logprobs (published: 0.001)."),
     device: str = typer.Option("cpu", "--device", help="cpu (fp32) or cuda (bf16, Triton kernels, "
                                "CUDA graphs)."),
@@ -176,6 +179,8 @@ def train(
     for flag, path in (("--prompts", prompts), ("--eval-prompts", eval_prompts)):
         if path is not None and not path.exists():
             raise UsageError(f"{flag} {path}: no such file")
+    if lora_rank < 1 and not full:
+        raise UsageError(f"--lora-rank must be at least 1, got {lora_rank}; for full fine-tuning pass --full")
     cfg = TrainConfig(model=model, steps=steps, prompts_per_step=prompts_per_step, samples=samples,
                       max_new_tokens=max_new_tokens, temperature=temperature, ignore_eos=ignore_eos, lr=lr,
                       lora_rank=0 if full else lora_rank, lora_alpha=lora_alpha, correction=correction,

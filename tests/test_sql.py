@@ -359,7 +359,7 @@ def test_a_closed_pipe_ends_quietly_with_0(run_dir, tmp_path_factory):
 
 @pytest.mark.parametrize("signum,line", [
     (signal.SIGINT, "interrupted; nothing half-written was left behind"),
-    (signal.SIGTERM, "stopped by SIGTERM; nothing half-written was left behind")])
+    (signal.SIGTERM, "terminated; nothing half-written was left behind")])
 def test_a_signal_stops_the_query_in_one_line(run_dir, tmp_path_factory, signum, line):
     tmp = tmp_path_factory.mktemp("tmp")
     p = sparrow("sql", "SELECT count(*) FROM range(100000) a, range(100000) b, range(100000) c",

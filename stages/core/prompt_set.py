@@ -46,7 +46,22 @@ class PromptSet:
         table = read_artifact(path, "prompts")
         if table.num_rows == 0:
             raise PromptError(f"{path}: the prompt set is empty")
-        return cls(path, table.select([c for c in COLUMNS if c in table.column_names]).to_pylist())
+        prompts = cls(path, table.select([c for c in COLUMNS if c in table.column_names]).to_pylist())
+        prompts.check_rows()
+        return prompts
+
+    def check_rows(self) -> None:
+        """Each prompt once (samples, rewards and mismatch are keyed by prompt_id) and none empty."""
+        first: dict[str, int] = {}
+        for i, r in enumerate(self.rows, 1):
+            pid = r["prompt_id"]
+            if pid in first:
+                raise PromptError(f"{self.path}: prompt_id {pid!r} appears in rows {first[pid]} and {i}; "
+                                  "each prompt needs its own id")
+            first[pid] = i
+            if not r.get("prompt_token_ids") and not (r.get("prompt") or "").strip():
+                raise PromptError(f"{self.path}: row {i} (prompt {pid!r}) is empty: it has no token ids and "
+                                  "no text")
 
     def check_rewards(self) -> None:
         """Refuse, before any work, prompts whose reward runs the model's program (code tasks) where no

@@ -56,14 +56,49 @@ def resolve_config(spec: str) -> ModelConfig:
         cfg_file = path / "config.json"
         if not cfg_file.exists():
             raise ModelSpecError(f"model directory {path} has no config.json")
-        return ModelConfig.from_hf(_read_json(cfg_file), str(cfg_file), _generation_config(path))
+        cfg = _config_from_hf(cfg_file, _generation_config(path))
+        for f in sorted(path.glob("*.safetensors")):
+            check_safetensors(f)
+        return cfg
     if path.suffix == ".gguf" and path.is_file():
         import gguf
 
         from .gguf_loader import gguf_config
 
-        return gguf_config(gguf.GGUFReader(str(path)), str(path))
+        try:
+            return gguf_config(gguf.GGUFReader(str(path)), str(path))
+        except ModelSpecError:
+            raise
+        except (ValueError, KeyError, IndexError, TypeError, OSError) as e:
+            raise ModelSpecError(f"{path} cannot be read as a GGUF model ({e.args[0] if e.args else e})"
+                                 ) from None
     raise _unknown(spec)
+
+
+def _config_from_hf(cfg_file: Path, generation: dict | None) -> ModelConfig:
+    """A checkpoint's config.json as our config; one sentence naming the file for what we cannot run."""
+    try:
+        return ModelConfig.from_hf(_read_json(cfg_file), str(cfg_file), generation)
+    except ModelSpecError:
+        raise
+    except KeyError as e:
+        raise ModelSpecError(f"{cfg_file} has no {e.args[0]!r}, which a Llama-family config.json "
+                             "gives") from None
+    except (ValueError, TypeError) as e:
+        raise ModelSpecError(f"{cfg_file}: {e}") from None
+
+
+def check_safetensors(path: Path) -> None:
+    """A safetensors file whose header parses and whose tensors lie inside it (a truncated or foreign file
+    is refused by name); reads the header only."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), "pt"):
+            pass
+    except (SafetensorError, OSError) as e:
+        raise ModelSpecError(f"{path} is not a complete safetensors file ({e}); was it truncated by an "
+                             "interrupted download or copy?") from None
 
 
 def _read_json(path: Path) -> dict:
@@ -132,6 +167,7 @@ def load_model(spec: str, device: str = "cpu", dtype: torch.dtype = torch.float3
         model = build_model(cfg, state)
         return LoadedModel(name, cfg, model.to(device=device, dtype=dtype), _dir_tokenizer(path))
     if path.suffix == ".gguf" and path.is_file():
+        resolve_config(spec)  # a file that is not GGUF: one sentence
         cfg, state = read_gguf(path)
         model = build_model(cfg, state)
         return LoadedModel(name, cfg, model.to(device=device, dtype=dtype), gguf_tokenizer(path))
@@ -213,8 +249,20 @@ def spec_tokenizer(spec: str):
     raise _unknown(spec)
 
 
+def has_tokenizer(spec: str) -> bool:
+    """Whether `spec_tokenizer(spec)` gives a tokenizer, without loading one."""
+    if spec.lower() in PRESETS:
+        return get_preset(spec).tokenizer != "none"
+    path = Path(spec)
+    return not path.is_dir() or _tokenizer_files(path)
+
+
+def _tokenizer_files(path: Path) -> bool:
+    return any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json"))
+
+
 def _dir_tokenizer(path: Path):
-    if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
+    if not _tokenizer_files(path):
         return None
     from transformers import AutoTokenizer
 

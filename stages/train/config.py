@@ -56,6 +56,11 @@ class TrainConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if self.samples < 2:
+            raise ValueError(f"--samples must be at least 2, got {self.samples}: GRPO's advantage is a "
+                             "sample's reward against its group's, so a group of one sample learns nothing")
+        if self.temperature < 0:
+            raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
         if self.lr <= 0:
             raise ValueError(f"--lr must be positive, got {self.lr}")
         if self.lora_rank < 0:

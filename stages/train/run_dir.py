@@ -30,6 +30,7 @@ FLAGS = {"lora_rank": "--lora-rank (0 = --full)", "loss": "the loss options (--l
 RUN_FILES = {"metrics.parquet": "metrics", "schedule.parquet": "schedule"}
 REPLACED_DIRS = {"checkpoint": "state.pt", "adapter": "adapter_config.json",
                  "sparse_adapter": "adapter_config.json"}
+RUN_NAMES = (*RUN_FILES, *REPLACED_DIRS, "mismatch", "metrics.jsonl", "tensorboard", "wandb")
 
 
 class TrainingInterrupted(KeyboardInterrupt):
@@ -133,6 +134,10 @@ def check_run_dir(run_dir: str | Path, cfg: TrainConfig, resume: bool, force: bo
             raise ValueError(f"--resume: {run_dir} does not exist, so there is no run to resume")
         return
     _check_kinds(run_dir, force)
+    others = sorted(f.name for f in run_dir.iterdir() if not f.name.startswith("."))
+    if others and not resume and not force and not any((run_dir / n).exists() for n in RUN_NAMES):
+        raise ValueError(f"{run_dir} holds files that are not a training run's (such as {others[0]}); pass "
+                         "--force to start a run among them (they are kept), or choose another --output-dir")
     has_run = (run_dir / "metrics.parquet").exists() or (run_dir / "checkpoint").exists()
     if resume:
         if not (run_dir / "checkpoint").exists():

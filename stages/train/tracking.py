@@ -8,6 +8,8 @@ import json
 import math
 from pathlib import Path
 
+from sparrow.schemas.io import write_bytes
+
 TRACKERS = ("jsonl", "tensorboard", "wandb", "none")
 NEEDS = {"tensorboard": "tensorboard", "wandb": "wandb"}
 
@@ -42,7 +44,10 @@ class JsonlTracker:
         if start_step and self.path.exists():
             kept = [line for line in self.path.read_text().splitlines()
                     if line.strip() and json.loads(line).get("step", 0) <= start_step]
-        self.path.write_text("".join(line + "\n" for line in kept))
+        if kept:
+            write_bytes(self.path, "".join(line + "\n" for line in kept).encode())
+        else:  # made by the first step's line: a run stopped before it leaves none
+            self.path.unlink(missing_ok=True)
 
     def log(self, row: dict) -> None:
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}

@@ -1,0 +1,315 @@
+"""Bad input is one sentence and a non-zero exit before any work, and nothing on disk is lost or left
+half-written: each test runs the CLI as a user does and checks the exit code, the sentence and what is
+left on disk."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from sparrow.cli.app import app
+from sparrow.schemas import artifact_kind, read_artifact, write_artifact
+
+from cli_checks import error_line
+from tiny_models import tiny_chat_llama, tiny_qwen3
+
+runner = CliRunner()
+TINY_LLAMA_CONTEXT = 2048  # the tiny-llama preset's max_position_embeddings
+
+
+def token_prompts(path: Path, ids: list[str] = ("p0", "p1"), lengths: list[int] | None = None) -> Path:
+    """Prompts with token ids inside tiny-llama's vocabulary (no tokenizer needed)."""
+    lengths = lengths or [20] * len(ids)
+    rows = [{"prompt_id": pid, "task": "basic_arithmetic", "prompt": "" if n == 0 else None,
+             "prompt_token_ids": list(range(5, 5 + n)), "answer": "3", "metadata": None}
+            for pid, n in zip(ids, lengths)]
+    return write_artifact(rows, path, "prompts")
+
+
+def files_under(folder: Path) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
+
+
+@pytest.fixture()
+def no_work(monkeypatch):
+    """Fails the test if a command gets as far as loading a model: refusals must come first."""
+    import sparrow.stages.model.loading as loading
+
+    def refuse(*a, **k):
+        raise AssertionError("a model was loaded before the refusal")
+
+    monkeypatch.setattr(loading, "load_model", refuse)
+
+
+@pytest.fixture(scope="module")
+def rollouts(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("rollouts")
+    out = folder / "r.parquet"
+    result = runner.invoke(app, ["rollout", "--model", "tiny-llama", "--prompts",
+                                 str(token_prompts(folder / "p.parquet")), "--max-new-tokens", "2",
+                                 "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny_chat(tmp_path_factory) -> str:
+    return tiny_chat_llama(tmp_path_factory.mktemp("tiny-chat"))
+
+
+def rollout_args(prompts: Path, out: Path, *extra: str) -> list[str]:
+    return ["rollout", "--model", "tiny-llama", "--prompts", str(prompts), "--max-new-tokens", "2",
+            "-o", str(out), *extra]
+
+
+def train_args(model: str, prompts: Path, run: Path, *extra: str) -> list[str]:
+    return ["train", "--model", model, "--prompts", str(prompts), "--steps", "1", "--prompts-per-step", "1",
+            "--samples", "2", "--max-new-tokens", "2", "-o", str(run), *extra]
+
+
+# ---------------------------------------------------------------- numbers
+
+
+@pytest.mark.parametrize("command,flag,value", [
+    ("rollout", "--temperature", "nan"), ("rollout", "--temperature", "inf"), ("rollout", "--top-p", "nan"),
+    ("train", "--temperature", "inf"), ("train", "--temperature", "nan"), ("train", "--lr", "inf"),
+    ("train", "--kl-coef", "nan"), ("profile", "--quantile", "nan"),
+])
+def test_a_float_that_is_not_finite_is_one_sentence(tmp_path, no_work, command, flag, value):
+    prompts, out = token_prompts(tmp_path / "p.parquet"), tmp_path / "out"
+    args = (rollout_args(prompts, out) if command == "rollout" else
+            train_args("tiny-llama", prompts, out) if command == "train" else
+            ["profile", "--model", "tiny-llama", "--prompts", str(prompts), "-o", str(out)])
+    result = runner.invoke(app, [*args, flag, value])
+    assert result.exit_code == 2
+    assert error_line(result) == f"error: {flag} must be a finite number, got {value}"
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("command", ["rollout", "train"])
+def test_a_budget_beyond_the_context_is_one_sentence(tmp_path, no_work, command):
+    prompts, out = token_prompts(tmp_path / "p.parquet"), tmp_path / "out"
+    args = rollout_args(prompts, out) if command == "rollout" else train_args("tiny-llama", prompts, out)
+    result = runner.invoke(app, [*args, "--budget", "1000000000000"])
+    assert result.exit_code == 2
+    assert error_line(result).startswith(f"error: --budget 1000000000000 exceeds the context of tiny-llama "
+                                         f"({TINY_LLAMA_CONTEXT} tokens)")
+    assert not out.exists()  # no run directory, no empty metrics.jsonl
+
+
+def test_profile_budgets_beyond_the_context_are_refused_before_scoring(tmp_path, rollouts, no_work):
+    out = tmp_path / "m.parquet"
+    result = runner.invoke(app, ["profile", "--model", "tiny-llama", "--rollouts", str(rollouts),
+                                 "--budgets", "48,1000000000000", "-o", str(out)])
+    assert result.exit_code == 2
+    assert error_line(result).startswith("error: --budgets 1000000000000 exceeds the context of tiny-llama")
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("flag,value,expected", [
+    ("--quantile", "1.5", "error: --quantile: the tail quantile must be in (0, 1), got 1.5"),
+    ("--threshold", "2", "error: --threshold: the threshold must be in (0, 1), got 2"),
+])
+def test_profile_checks_its_summary_flags_before_any_work(tmp_path, rollouts, no_work, flag, value, expected):
+    out = tmp_path / "m.parquet"
+    result = runner.invoke(app, ["profile", "--model", "tiny-llama", "--rollouts", str(rollouts), flag, value,
+                                 "-o", str(out)])
+    assert result.exit_code == 2 and error_line(result) == expected
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("extra,expected", [
+    (["--temperature", "-1"], "error: --temperature must be >= 0, got -1.0"),
+    (["--lora-rank", "0"], "error: --lora-rank must be at least 1, got 0; for full fine-tuning pass --full"),
+    (["--samples", "1"], "error: --samples must be at least 2, got 1: GRPO's advantage is a sample's reward "
+                         "against its group's, so a group of one sample learns nothing"),
+])
+def test_train_refuses_settings_that_cannot_train(tmp_path, no_work, extra, expected):
+    run = tmp_path / "run"
+    result = runner.invoke(app, [*train_args("tiny-llama", token_prompts(tmp_path / "p.parquet"), run),
+                                 *extra])
+    assert result.exit_code == 2 and error_line(result) == expected
+    assert not run.exists()
+
+
+def test_more_samples_than_memory_can_hold_are_refused(tmp_path, no_work):
+    out = tmp_path / "r.parquet"
+    result = runner.invoke(app, rollout_args(token_prompts(tmp_path / "p.parquet"), out,
+                                             "--samples", "1000000000"))
+    assert result.exit_code == 2
+    line = error_line(result)
+    assert line.startswith("error: 2,000,000,000 samples (--samples 1000000000 for 2 prompts) need at least "
+                           f"{2 * 10**9 * 4096 // 2**30:,} GiB of memory")
+    assert not out.exists()
+
+
+def test_more_prompts_than_memory_can_hold_are_refused(tmp_path, monkeypatch):
+    import sparrow.cli.prompts as prompts_cli
+
+    def refuse(*a, **k):
+        raise AssertionError("prompts were generated before the refusal")
+
+    monkeypatch.setattr(prompts_cli, "make_prompts", refuse)
+    out = tmp_path / "p.parquet"
+    result = runner.invoke(app, ["prompts", "--task", "chain_sum", "--n", "100000000", "-o", str(out)])
+    assert result.exit_code == 2
+    assert error_line(result).startswith("error: 100,000,000 prompts (--n) need at least 381 GiB of memory")
+    assert not out.exists()
+
+
+# ---------------------------------------------------------------- models
+
+
+def test_checkpoints_that_cannot_be_read_are_one_sentence(tmp_path, no_work):
+    prompts = token_prompts(tmp_path / "p.parquet")
+    gpt2 = tmp_path / "gpt2"
+    gpt2.mkdir()
+    (gpt2 / "config.json").write_text('{"model_type": "gpt2", "vocab_size": 512, "n_embd": 64}')
+    garbage = tmp_path / "garbage.gguf"
+    garbage.write_bytes(os.urandom(4096))
+    truncated = tmp_path / "truncated"
+    tiny_qwen3(truncated)
+    weights = truncated / "model.safetensors"
+    os.truncate(weights, weights.stat().st_size // 2)
+    cases = {gpt2: f"error: {gpt2 / 'config.json'}: model_type 'gpt2' is not supported",
+             garbage: f"error: {garbage} cannot be read as a GGUF model",
+             truncated: f"error: {weights} is not a complete safetensors file"}
+    for model, expected in cases.items():
+        out = tmp_path / "r.parquet"
+        result = runner.invoke(app, ["rollout", "--model", str(model), "--prompts", str(prompts), "-o",
+                                     str(out)])
+        assert result.exit_code == 2, result.output
+        assert error_line(result).startswith(expected)
+        assert not out.exists()
+
+
+def test_a_model_without_a_tokenizer_is_warned_of(tmp_path):
+    out = tmp_path / "r.parquet"
+    result = runner.invoke(app, rollout_args(token_prompts(tmp_path / "p.parquet"), out))
+    assert result.exit_code == 0, result.output
+    assert ("warning: --model tiny-llama has no tokenizer, so the samples have no text and their task's "
+            "scorer cannot reward them") in result.stderr
+    assert read_artifact(out, "rollouts").column("reward").to_pylist() == [None, None]
+
+
+# ---------------------------------------------------------------- prompt files
+
+
+def test_duplicate_prompt_ids_are_refused_naming_the_file_and_the_id(tmp_path, no_work):
+    prompts, out = token_prompts(tmp_path / "p.parquet", ids=["a", "b", "a"]), tmp_path / "r.parquet"
+    result = runner.invoke(app, rollout_args(prompts, out))
+    assert result.exit_code == 2
+    assert error_line(result) == f"error: {prompts}: prompt_id 'a' appears in rows 1 and 3; each prompt " \
+                                 "needs its own id"
+    assert not out.exists()
+
+
+def test_an_empty_prompt_is_refused_naming_the_file_and_the_row(tmp_path, no_work):
+    prompts, out = token_prompts(tmp_path / "p.parquet", lengths=[20, 0]), tmp_path / "r.parquet"
+    result = runner.invoke(app, rollout_args(prompts, out))
+    assert result.exit_code == 2
+    assert error_line(result) == f"error: {prompts}: row 2 (prompt 'p1') is empty: it has no token ids and " \
+                                 "no text"
+    assert not out.exists()
+
+
+def test_an_error_in_stdin_names_stdin_not_a_private_copy(tmp_path, no_work):
+    lines = "".join(f'{{"prompt_id": "a", "task": "basic_arithmetic", "prompt_token_ids": [5, 6, 7], '
+                    f'"answer": "{i}"}}\n' for i in range(2))
+    out = tmp_path / "r.parquet"
+    result = runner.invoke(app, rollout_args(Path("-"), out), input=lines)
+    assert result.exit_code == 2
+    assert error_line(result) == "error: - (stdin): prompt_id 'a' appears in rows 1 and 2; each prompt " \
+                                 "needs its own id"
+
+
+# ---------------------------------------------------------------- output paths
+
+
+def test_a_dangling_symlink_creates_no_folders(tmp_path, no_work):
+    link = tmp_path / "out.parquet"
+    link.symlink_to(tmp_path / "missing" / "sub" / "r.parquet")
+    result = runner.invoke(app, rollout_args(token_prompts(tmp_path / "p.parquet"), link))
+    assert result.exit_code != 0
+    folder = tmp_path / "missing" / "sub"
+    assert error_line(result) == (f"error: {link} is a symlink to {folder / 'r.parquet'}, whose folder "
+                                  f"{folder} does not exist; a symlink is written through, so create that "
+                                  "folder or give another path")
+    assert link.is_symlink() and not (tmp_path / "missing").exists()
+
+
+def test_a_symlink_loop_is_refused_and_left_as_it_was(tmp_path, no_work):
+    a, b = tmp_path / "a.parquet", tmp_path / "b.parquet"
+    a.symlink_to(b)
+    b.symlink_to(a)
+    result = runner.invoke(app, rollout_args(token_prompts(tmp_path / "p.parquet"), a))
+    assert result.exit_code != 0
+    assert error_line(result).startswith(f"error: {a} is a symlink that loops back on itself")
+    assert a.is_symlink() and b.is_symlink() and os.readlink(a) == str(b)
+
+
+def test_train_refuses_a_directory_of_other_files_without_force(tmp_path, no_work):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    result = runner.invoke(app, train_args("tiny-llama", token_prompts(tmp_path / "p.parquet"), mine))
+    assert result.exit_code == 2
+    assert error_line(result) == (f"error: {mine} holds files that are not a training run's (such as "
+                                  "notes.txt); pass --force to start a run among them (they are kept), or "
+                                  "choose another --output-dir")
+    assert files_under(mine) == ["notes.txt"] and (mine / "notes.txt").read_text() == "mine"
+
+
+# ---------------------------------------------------------------- SIGTERM
+
+
+@pytest.fixture()
+def sigterm_fails_the_test():
+    """Where SIGTERM were not handled by the command, it would kill pytest: fail the test instead."""
+
+    def unhandled(signum, frame):
+        raise AssertionError("SIGTERM reached the test's own handler: the command did not handle it")
+
+    previous = signal.signal(signal.SIGTERM, unhandled)
+    yield
+    signal.signal(signal.SIGTERM, previous)
+
+
+def terminate_self(*args, **kwargs):
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(30)
+    raise AssertionError("SIGTERM did not stop the command")
+
+
+def test_sigterm_is_an_interrupt_that_writes_nothing(tmp_path, monkeypatch, sigterm_fails_the_test):
+    import sparrow.stages.model.loading as loading
+
+    monkeypatch.setattr(loading, "load_model", terminate_self)
+    out = tmp_path / "r.parquet"
+    result = runner.invoke(app, rollout_args(token_prompts(tmp_path / "p.parquet"), out))
+    assert result.exit_code == 143
+    assert result.stderr.strip().splitlines()[-1] == "terminated; nothing half-written was left behind"
+    assert files_under(tmp_path) == ["p.parquet"]
+
+
+def test_sigterm_during_training_keeps_a_resumable_run_and_no_empty_file(tiny_chat, tmp_path, monkeypatch,
+                                                                          sigterm_fails_the_test):
+    from sparrow.stages.train.trainer import Trainer
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt_id": "a", "task": "basic_arithmetic", "prompt": "1 + 2 =", "answer": "3"}\n')
+    monkeypatch.setattr(Trainer, "experience", terminate_self)
+    run = tmp_path / "run"
+    result = runner.invoke(app, train_args(tiny_chat, prompts, run, "--steps", "3"))
+    assert result.exit_code == 143, result.output
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"terminated; {run}/checkpoint holds the 0 complete steps of 3; add --resume to the same command to "
+        "continue")
+    assert not (run / "metrics.jsonl").exists()
+    assert [f for f in files_under(run) if (run / f).is_file() and (run / f).stat().st_size == 0] == []
+    assert artifact_kind(run / "schedule.parquet") == "schedule"
