@@ -65,7 +65,8 @@ def plan_schedule(
     min_tokens: int = typer.Option(50, "--min-tokens", help="Bins of a measured profile with fewer "
                                    "tokens are not trusted: they take the budget of the bin before (the "
                                    "first trusted bin's, for leading ones)."),
-    allow_model_mismatch: bool = typer.Option(False, "--allow-model-mismatch", help="Plan for --model from "
+    allow_model_mismatch: bool = typer.Option(False, "--allow-model-mismatch/--no-allow-model-mismatch",
+                                              help="Plan for --model from "
                                               "a --profile measured on another model (its metadata names "
                                               "the model); refused without this flag."),
     sweep: str = typer.Option(None, "--sweep", help="Also print the predicted speedup at each of "
@@ -76,7 +77,8 @@ def plan_schedule(
                                    "file only if it holds the same form, or --force)."),
     output: Path = typer.Option(None, "-o", "--output", help=output_help("the schedule artifact")),
     force: bool = force_option(),
-    compare_published: bool = typer.Option(False, "--compare-published", help="Instead of one plan, "
+    compare_published: bool = typer.Option(False, "--compare-published/--no-compare-published",
+                                           help="Instead of one plan, "
                                            "print the predicted speedup of every Qwen3 model with "
                                            "published schedules next to the published speedup."),
     kv_compression: str = typer.Option(None, "--kv-compression", help="Plan an eviction policy's KV budget "

@@ -107,7 +107,8 @@ def profile(
     device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
     dtype: str = typer.Option("auto", "--dtype", help="Weights and KV cache: auto (bfloat16 on cuda, float32 "
                               "on cpu), float32 or bfloat16; the scores are fp32 either way (fp32 head)."),
-    random_weights: bool = typer.Option(False, "--random-weights", help="Random weights for a shapes-only "
+    random_weights: bool = typer.Option(False, "--random-weights/--no-random-weights",
+                                        help="Random weights for a shapes-only "
                                         "preset such as qwen3-4b (to time the scoring and measure its "
                                         "memory, not mismatch)."),
     gpu_memory_utilization: float = gpu_memory_option(),

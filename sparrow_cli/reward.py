@@ -42,7 +42,8 @@ def reward(
     output: Path = typer.Option(..., "-o", "--output", help=output_help("the rewards artifact")),
     workers: int = typer.Option(None, "--workers", help="Programs run at once for code tasks (default: "
                                 "the CPU count)."),
-    unsafe_code_execution: bool = typer.Option(False, "--unsafe-code-execution", help=UNSAFE_HELP),
+    unsafe_code_execution: bool = typer.Option(False, "--unsafe-code-execution/--no-unsafe-code-execution",
+                                               help=UNSAFE_HELP),
     fmt: str = format_option(),
     force: bool = force_option(),
 ) -> None:
