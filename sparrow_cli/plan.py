@@ -59,7 +59,9 @@ def plan_schedule(
                                 "profile, the profile's longest position with a measured one)."),
     prompt_len: int = typer.Option(None, "--prompt-len", help="Prompt tokens before generation (default 0 "
                                    "with the reference profile, the shortest prompt of a measured one)."),
-    batch: int = typer.Option(64, "--batch", help="Sequences decoded together (per GPU)."),
+    batch: int = typer.Option(64, "--max-num-seqs", "--batch", help="Sequences decoded together (per GPU) "
+                              "that the step times are predicted at (vLLM's name). Default 64, a GPU "
+                              "rollout's batch; sparrow rollout's own default of 16 suits a CPU."),
     bin_width: int = typer.Option(None, "--bin-width", help="Position bin width in tokens (default: "
                                   "the profile's; the reference profile has 2,000-token bins)."),
     min_tokens: int = typer.Option(50, "--min-tokens", help="Bins of a measured profile with fewer "
@@ -104,7 +106,7 @@ def plan_schedule(
                                 ("--sweep", sweep), ("--cost", cost), ("--hardware", hardware),
                                 ("--compare-published", compare_published),
                                 ("--gen-len", gen_len is not None), ("--prompt-len", prompt_len is not None),
-                                ("--batch", batch != 64)) if v]
+                                ("--max-num-seqs", batch != 64)) if v]
         if given:
             raise UsageError(f"{given[0]} does not apply to an eviction plan ({profile} profiles {evicting} "
                              "KV budgets): the plan is one --kv-budget, printed, with no schedule or speedup")
@@ -130,7 +132,7 @@ def plan_schedule(
     if export is not None and export_to is None and output is not None and str(output) == "-":
         raise UsageError("--export without --export-to prints to stdout, which -o - takes; give --export-to")
     check_export_to(export_to, export, force)
-    for flag, value, low in (("--batch", batch, 1), ("--prompt-len", prompt_len, 0),
+    for flag, value, low in (("--max-num-seqs", batch, 1), ("--prompt-len", prompt_len, 0),
                              ("--gen-len", gen_len, 2), ("--bin-width", bin_width, 1),
                              ("--min-tokens", min_tokens, 1)):
         if value is not None and value < low:

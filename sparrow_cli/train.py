@@ -65,15 +65,22 @@ def train(
     kv_buffer: int = kv_buffer_option(),
     steps: int = typer.Option(20, "--steps"),
     prompts_per_step: int = typer.Option(4, "--prompts-per-step"),
-    samples: int = typer.Option(4, "--samples", help="Samples per prompt: the GRPO group."),
-    max_new_tokens: int = typer.Option(64, "--max-new-tokens"),
+    samples: int = typer.Option(4, "--samples", "--num-generations", help="Samples per prompt: the GRPO "
+                                "group (TRL's num_generations)."),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens", "--max-completion-length",
+                                       help="Tokens sampled at most per sample (TRL's "
+                                       "max_completion_length). Default 64: every step samples and "
+                                       "backpropagates through them; rollout and profile default to 256."),
     temperature: float = typer.Option(1.0, "--temperature"),
     ignore_eos: bool = typer.Option(False, "--ignore-eos/--no-ignore-eos",
                                     help="Every sample generates --max-new-tokens "
                                     "tokens (fixed-length steps, for timing)."),
-    lr: float = typer.Option(1e-4, "--lr"),
+    lr: float = typer.Option(1e-4, "--lr", "--learning-rate", help="AdamW learning rate (TRL's "
+                             "learning_rate)."),
     lora_rank: int = typer.Option(16, "--lora-rank", help="LoRA rank on every projection (peft)."),
-    lora_alpha: float = typer.Option(32.0, "--lora-alpha"),
+    lora_alpha: float = typer.Option(32.0, "--lora-alpha", help="LoRA scale numerator: 2 x the default rank, "
+                                     "the usual choice; distill's sparse-actor LoRA uses DistillSparse's "
+                                     "published 16."),
     full: bool = typer.Option(False, "--full/--no-full", help="Full fine-tuning instead of a LoRA."),
     correction: str = typer.Option(
         "tis", "--correction", help="A preset: none | tis | mis | veto | sparse-rl | icepop | seq-mask-tis | "
@@ -105,7 +112,8 @@ def train(
                                      "rollout logprobs instead of the dense recompute."),
     oversample: int = typer.Option(0, "--oversample", help="Roll out this many samples per prompt (more than "
                                    "--samples) and keep the --samples of highest mean acceptance."),
-    kl_coef: float = typer.Option(0.0, "--kl-coef", help="k3 KL to the initial policy."),
+    kl_coef: float = typer.Option(0.0, "--kl-coef", "--beta", help="k3 KL to the initial policy (TRL's "
+                                  "beta)."),
     loss_agg: str = typer.Option(
         "token-mean", "--loss-agg", help="token-mean (over the batch's tokens; TRL's dapo) | "
         "seq-mean-token-mean (per sequence, then over sequences; grpo) | seq-mean-token-sum-norm (the sum "
@@ -140,12 +148,13 @@ def train(
     ray_address: str = typer.Option(None, "--ray-address", help="An existing Ray cluster for --workers "
                                     "(default: a local Ray started for the run)."),
     resume: bool = typer.Option(False, "--resume/--no-resume",
-                                help="Continue the run in --output-dir from its "
+                                help="Continue the run in -o/--output from its "
                                 "checkpoint (the same options and input contents; only --steps may change)."),
     force: bool = typer.Option(False, "--force/--no-force",
-                               help="Start the run in --output-dir over: its metrics, "
+                               help="Start the run in -o/--output over: its metrics, "
                                "per-step mismatch, schedule, checkpoint and adapters are replaced."),
-    output_dir: Path = typer.Option(..., "-o", "--output-dir", help="The run directory. One that holds a run "
+    output_dir: Path = typer.Option(..., "-o", "--output", "--output-dir", help="The run directory (TRL's "
+                                    "output_dir). One that holds a run "
                                     "needs --resume or --force; files of a run's names that are not of its "
                                     "kind are replaced only with --force; a symlink is written through."),
     report_to: str = typer.Option(
