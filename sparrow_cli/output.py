@@ -113,8 +113,8 @@ def emit_record(record: Mapping[str, object], fmt: str, title: str | None = None
         fmt = "table"
     if fmt == "table":
         labels = labels or {}
-        emit(("", "value"), [[labels.get(k, k), _cell(k, v, render)] for k, v in record.items()], fmt,
-             title=title, left=("",))
+        emit(("field", "value"), [[labels.get(k, k), _cell(k, v, render)] for k, v in record.items()], fmt,
+             title=title, left=("field",))
     elif fmt == "json":
         sys.stdout.write(json.dumps({k: _plain(v) for k, v in record.items()}) + "\n")
         sys.stdout.flush()

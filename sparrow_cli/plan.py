@@ -194,10 +194,10 @@ def _eviction_profile(profile: Path | None, kv_compression: str | None) -> str |
 def print_eviction_plan(result, fmt: str) -> None:
     rows = [[r["budget"], r["tail"], r["weakest_bin"], r["mean_alpha"], r["tokens"], r["holds"]]
             for r in result.rows]
-    _show(("kv budget", "tail", "weakest bin", "mean alpha", "tokens", "holds"), rows, fmt,
+    _show(("kv_budget", "tail", "weakest_bin", "mean_alpha", "tokens", "holds"), rows, fmt,
           f"{result.policy} KV budgets (tail = {result.quantile:g} quantile of alpha, the weakest of the "
           f"{result.bin_width}-token bins; threshold {result.threshold:g})",
-          render={"tail": _fixed(4), "mean alpha": _fixed(4), "holds": lambda h: "yes" if h else "no"})
+          render={"tail": _fixed(4), "mean_alpha": _fixed(4), "holds": lambda h: "yes" if h else "no"})
     threshold = result.resolved
     if result.budget is None:
         console.print(f"no profiled {result.policy} budget keeps the tail at or above the threshold: "
@@ -251,7 +251,7 @@ def _fixed(digits: int, suffix: str = "", missing: str = "-"):
 
 PLAN_RENDER = {"end": lambda e: "open" if e is None else str(e),
                "budget": lambda b: "dense" if b is None else str(b), "tail": _fixed(4, missing="thin"),
-               "step ms": _fixed(2), "dense ms": _fixed(2)}
+               "step_ms": _fixed(2), "dense_ms": _fixed(2)}
 
 
 def print_plan(planned, fmt: str | None) -> None:
@@ -259,7 +259,7 @@ def print_plan(planned, fmt: str | None) -> None:
     rows = [[i, result.schedule.bin_starts[i], result.bin_end(i), budget or None, result.tails[i],
              float(planned.sparse_s[i] * 1e3), float(planned.dense_s[i] * 1e3)]
             for i, budget in enumerate(result.schedule.budgets)]
-    _show(("bin", "start", "end", "budget", "tail", "step ms", "dense ms"), rows, fmt,
+    _show(("bin", "start", "end", "budget", "tail", "step_ms", "dense_ms"), rows, fmt,
           f"schedule (threshold {result.threshold:g}, tail = {result.quantile:g} quantile of alpha; step "
           f"times at batch {planned.batch}, mid-bin)", render=PLAN_RENDER)
 
@@ -268,10 +268,10 @@ def print_frontier(planned, fmt: str | None) -> None:
     rows = [[p.threshold, p.speedup, p.mean_budget, p.dense_bins] for p in planned.frontier]
     if fmt in ("csv", "tsv"):
         sys.stdout.write("\n")  # the second table of the stream
-    _show(("threshold", "speedup", "mean budget", "dense bins"), rows, fmt,
+    _show(("threshold", "speedup", "mean_budget", "dense_bins"), rows, fmt,
           f"stability-speed frontier ({planned.cost_source}, {planned.lengths.gen_len} tokens, "
           f"batch {planned.batch})",
-          render={"threshold": lambda t: f"{t:g}", "speedup": _fixed(2, "x"), "mean budget": _fixed(0)})
+          render={"threshold": lambda t: f"{t:g}", "speedup": _fixed(2, "x"), "mean_budget": _fixed(0)})
 
 
 def print_comparison(hardware: str, threshold: float | None, gen_len: int | None, batch: int,
@@ -280,8 +280,8 @@ def print_comparison(hardware: str, threshold: float | None, gen_len: int | None
 
     threshold, gen_len, rows = compare_published_at(hardware, threshold, gen_len, batch, prompt_len)
     table = [[r["model"], r["published"], r["predicted"], r["ratio"]] for r in rows]
-    emit(("model", "published", "predicted", "predicted / published"), table, fmt,
+    emit(("model", "published", "predicted", "predicted_over_published"), table, fmt,
          render={"published": _fixed(2, "x"), "predicted": _fixed(2, "x"),
-                 "predicted / published": _fixed(2)},
+                 "predicted_over_published": _fixed(2)},
          title=f"rollout speedup over dense at threshold {threshold:g}: analytic {hardware} model "
                f"({gen_len} tokens, batch {batch}) vs published (4 x H200, AIME24)")

@@ -78,6 +78,6 @@ def reward(
         mine = [r["reward"] for r in scored if r["task"] == task]
         accuracy = sum(x >= 1.0 - 1e-9 for x in mine) / len(mine)
         table.append([task, len(mine), sum(mine) / len(mine), accuracy])
-    emit(("task", "completions", "mean reward", "accuracy"), table, fmt, title="rewards", left=("task",))
+    emit(("task", "completions", "mean_reward", "accuracy"), table, fmt, title="rewards", left=("task",))
     console.print(f"[green]wrote[/] {len(scored)} rewards to [bold]{path}[/] ({seconds:.1f} s)",
                   highlight=False)

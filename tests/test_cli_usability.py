@@ -164,7 +164,7 @@ def test_json_is_typed_and_the_text_formats_render_alike(tmp_path):
     models = json.loads(runner.invoke(app, ["models", "--format", "json"]).stdout)
     smol = next(m for m in models if m["preset"] == "smollm2-135m")
     assert isinstance(smol["params"], int) and 134e6 < smol["params"] < 136e6
-    assert smol["tied"] is True and (smol["q heads"], smol["kv heads"]) == (9, 3)
+    assert smol["tied"] is True and (smol["q_heads"], smol["kv_heads"]) == (9, 3)
     tsv = runner.invoke(app, ["models"]).stdout.splitlines()
     assert "134.5M" in tsv[[line.split("\t")[0] for line in tsv].index("smollm2-135m")]
     plan = json.loads(runner.invoke(app, ["plan-schedule", "--model", "qwen3-4b", "-f", "json"]
