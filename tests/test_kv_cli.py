@@ -136,7 +136,7 @@ def test_plan_schedule_plans_the_cheapest_eviction_budget_whose_tail_holds(tmp_p
 @pytest.mark.parametrize("args, message", [
     (["-o", "plan.parquet"], "-o does not apply to an eviction plan"),
     (["--gen-len", "4096"], "--gen-len does not apply to an eviction plan"),
-    (["--batch", "8"], "--batch does not apply to an eviction plan"),
+    (["--batch", "8"], "--max-num-seqs does not apply to an eviction plan"),
     (["--kv-compression", "rkv"], "--kv-compression rkv: --profile"),
     (["--kv-compression", "h2o"], "--kv-compression must be one of"),
 ])
