@@ -24,9 +24,11 @@ from . import (  # noqa: E402
     sql,
     train,
 )
+from .common import Command, Group  # noqa: E402
 
 app = typer.Typer(
     name="sparrow",
+    cls=Group,
     help="Sparse-attention rollouts for RLVR with the sparse-to-dense mismatch kept in check. "
     "Stages read and write Parquet artifacts; chain them in shell pipelines and query them with "
     "`sparrow sql`.",
@@ -55,18 +57,18 @@ def _main(show_version: bool = typer.Option(False, "--version", callback=_versio
     write Parquet artifacts; chain them in shell pipelines and query them with `sparrow sql`."""
 
 
-app.command("models")(models.models)
-app.command("prompts")(prompts.prompts)
-app.command("sql")(sql.sql)
-app.command("profile")(profile.profile)
-app.command("calibrate-threshold")(calibrate.calibrate_threshold)
-app.command("fit-cost")(cost.fit_cost)
-app.command("plan-schedule")(plan.plan_schedule)
-app.command("rollout")(rollout.rollout)
-app.command("reward")(reward.reward)
-app.command("train")(train.train)
-app.command("distill")(distill.distill)
-app.command("report")(report.report)
+app.command("models", cls=Command)(models.models)
+app.command("prompts", cls=Command)(prompts.prompts)
+app.command("sql", cls=Command)(sql.sql)
+app.command("profile", cls=Command)(profile.profile)
+app.command("calibrate-threshold", cls=Command)(calibrate.calibrate_threshold)
+app.command("fit-cost", cls=Command)(cost.fit_cost)
+app.command("plan-schedule", cls=Command)(plan.plan_schedule)
+app.command("rollout", cls=Command)(rollout.rollout)
+app.command("reward", cls=Command)(reward.reward)
+app.command("train", cls=Command)(train.train)
+app.command("distill", cls=Command)(distill.distill)
+app.command("report", cls=Command)(report.report)
 
 
 def main() -> None:

@@ -89,5 +89,5 @@ def calibrate_threshold(
         rows = [[r.name, r.tail, r.mean, "collapsed" if r.collapsed else "stable",
                  "; ".join(r.reasons + r.notes), "; ".join(r.warnings)]
                 for r in sorted(results, key=lambda r: r.tail)]
-        emit(("run", "tail", "mean alpha", "label", "reasons", "warnings"), rows, fmt, title="runs",
+        emit(("run", "tail", "mean_alpha", "label", "reasons", "warnings"), rows, fmt, title="runs",
              left=("run", "label", "reasons", "warnings"))

@@ -18,6 +18,7 @@ from typing import NoReturn
 
 import typer
 from rich.console import Console
+from typer.core import TyperCommand, TyperGroup
 
 console = Console(stderr=True, soft_wrap=True)  # messages and progress; stdout holds only data
 # (soft_wrap: a message is never broken inside a path, so logs stay greppable)
@@ -68,6 +69,28 @@ class PhaseProgress:
             self.logs[phase] = LogProgress(label)
         self.bar.update(self.tasks[phase], completed=done, total=total)
         self.logs[phase](done, total)
+
+
+def _bare_flags(params: list) -> list:
+    """Flags take no value: --help shows no value placeholder (such as <bool>) beside them."""
+    for param in params:
+        if getattr(param, "is_flag", False):
+            param.metavar = ""
+    return params
+
+
+class Command(TyperCommand):
+    """A subcommand whose --help shows flags without a value placeholder."""
+
+    def get_params(self, ctx) -> list:
+        return _bare_flags(super().get_params(ctx))
+
+
+class Group(TyperGroup):
+    """The `sparrow` command itself, its flags (--version, --help) shown as its subcommands' are."""
+
+    def get_params(self, ctx) -> list:
+        return _bare_flags(super().get_params(ctx))
 
 
 class UsageError(ValueError):
@@ -168,7 +191,7 @@ RAW_PROMPTS_HELP = ("Tokenize text prompts (a prompt file with text but no token
 
 
 def raw_prompts_option():
-    return typer.Option(False, "--raw-prompts", help=RAW_PROMPTS_HELP)
+    return typer.Option(False, "--raw-prompts/--no-raw-prompts", help=RAW_PROMPTS_HELP)
 
 
 def warn_first_token_stops(lengths: list[int], max_new_tokens: int, raw_prompts: bool) -> None:
@@ -201,7 +224,7 @@ _stdout = {"taken": False}
 
 
 def force_option():
-    return typer.Option(False, "--force", help=FORCE_HELP)
+    return typer.Option(False, "--force/--no-force", help=FORCE_HELP)
 
 
 def output_help(what: str) -> str:

@@ -41,8 +41,9 @@ def fit_cost(
                                "(the default when --hardware is not given is cpu)."),
     hardware: str = typer.Option(None, "--hardware", help="Write the analytic model of a hardware "
                                  "preset (h100, h200, a100) instead of measuring."),
-    batches: str = typer.Option(None, "--batches", help="Batch sizes of the grid "
-                                f"(measured {MEASURED_GRID[0]}; analytic {ANALYTIC_GRID[0]})."),
+    batches: str = typer.Option(None, "--batches", help="Batch sizes of the grid, sequences decoded "
+                                "together as rollout's --max-num-seqs (a list, as --contexts and --budgets; "
+                                f"measured {MEASURED_GRID[0]}; analytic {ANALYTIC_GRID[0]})."),
     contexts: str = typer.Option(None, "--contexts", help="Cache lengths of the grid "
                                  f"(measured {MEASURED_GRID[1]}; analytic {ANALYTIC_GRID[1]})."),
     budgets: str = typer.Option(None, "--budgets", help="Budgets of the grid, 'dense' for dense "

@@ -107,12 +107,15 @@ def distill(
                                   help="The schedule the actor samples with."),
     budget: int = typer.Option(None, "--budget", help="The fixed budget the actor samples with (tokens)."),
     steps: int = typer.Option(50, "--steps"),
-    batch_size: int = typer.Option(8, "--batch-size", help="Trajectories per step."),
+    batch_size: int = typer.Option(8, "--trajectories-per-step", "--batch-size", help="Trajectories per "
+                                   "optimizer step (as train's --prompts-per-step counts prompts)."),
     lora_rank: int = typer.Option(16, "--lora-rank", help="LoRA rank on every linear layer of every block."),
-    lora_alpha: float = typer.Option(16.0, "--lora-alpha", callback=finite, help="Published: 16."),
-    lr: float = typer.Option(5e-4, "--lr", callback=finite,
-                             help="AdamW learning rate of the LoRA (published: 5 x the "
-                             "base model's lr in joint training)."),
+    lora_alpha: float = typer.Option(16.0, "--lora-alpha", callback=finite,
+                                     help="Published: 16 (DistillSparse's, as train's "
+                                     "--distill-alpha; train's own LoRA defaults to 2 x its rank)."),
+    lr: float = typer.Option(5e-4, "--lr", "--learning-rate", callback=finite,
+                             help="AdamW learning rate of the LoRA "
+                             "(published: 5 x the base model's lr in joint training)."),
     objective: str = typer.Option("kl", "--objective", help="kl: full-vocabulary KL(dense || actor) per "
                                   "position; k3: the published sampled-token estimator (needs trajectories "
                                   "the sparse actor sampled)."),
@@ -135,8 +138,12 @@ def distill(
                                                 help="Recompute each decoder layer of the actor's forward in "
                                                 "the backward pass (less memory, more compute); default: on "
                                                 "when the model is on a CUDA device, off on the CPU."),
-    samples: int = typer.Option(4, "--samples", help="Trajectories per prompt (--prompts, --eval-prompts)."),
-    max_new_tokens: int = typer.Option(64, "--max-new-tokens"),
+    samples: int = typer.Option(4, "--samples", "--num-generations", help="Trajectories per prompt "
+                                "(--prompts, --eval-prompts)."),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens", "--max-completion-length",
+                                       help="Tokens sampled at most per trajectory (TRL's "
+                                       "max_completion_length). Default 64, as train's: every step "
+                                       "backpropagates through them; rollout and profile default to 256."),
     temperature: float = typer.Option(None, "--temperature", callback=finite,
                                       help="Sampling temperature (default 1, or what "
                                       "--rollouts records); the objectives use it."),

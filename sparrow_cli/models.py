@@ -7,8 +7,8 @@ from sparrow.stages.model.presets import PRESETS
 from .common import friendly_errors
 from .output import emit, format_option, resolve_format
 
-COLUMNS = ("preset", "arch", "layers", "hidden", "q heads", "kv heads", "head dim", "ffn", "vocab", "tied",
-           "params", "KV KiB/token (bf16)", "weights")
+COLUMNS = ("preset", "arch", "layers", "hidden", "q_heads", "kv_heads", "head_dim", "ffn", "vocab", "tied",
+           "params", "kv_kib_per_token_bf16", "weights")
 
 
 def _count(n: object) -> str:
@@ -27,4 +27,4 @@ def models(format: str = format_option()) -> None:
                      c.intermediate_size, c.vocab_size, c.tie_word_embeddings, c.num_parameters,
                      c.kv_bytes_per_token() / 1024, p.weights])
     emit(COLUMNS, rows, fmt, title="model presets", left=("preset", "arch", "weights"),
-         render={"params": _count, "KV KiB/token (bf16)": lambda v: f"{v:g}"})
+         render={"params": _count, "kv_kib_per_token_bf16": lambda v: f"{v:g}"})

@@ -30,19 +30,21 @@ from rich.table import Table
 from .common import UsageError, console, out, stdout_taken
 
 FORMATS = ("table", "csv", "json", "tsv")
-FORMAT_HELP = "table, csv, json or tsv on stdout (default: table on a terminal, tsv in a pipe)."
+FORMAT_HELP = ("table, csv, json or tsv on stdout, in any case (default: table on a terminal, tsv in a "
+               "pipe).")
+FORMAT_METAVAR = f"[{'|'.join(FORMATS)}]"
 
 
 def format_option():
-    return typer.Option(None, "--format", "-f", help=FORMAT_HELP)
+    return typer.Option(None, "--format", "-f", metavar=FORMAT_METAVAR, help=FORMAT_HELP)
 
 
 def resolve_format(fmt: str | None) -> str:
     if fmt is None:
         return "table" if sys.stdout.isatty() else "tsv"
-    if fmt not in FORMATS:
+    if fmt.lower() not in FORMATS:
         raise UsageError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
-    return fmt
+    return fmt.lower()
 
 
 Render = Mapping[str, Callable[[object], str]]
@@ -111,8 +113,8 @@ def emit_record(record: Mapping[str, object], fmt: str, title: str | None = None
         fmt = "table"
     if fmt == "table":
         labels = labels or {}
-        emit(("", "value"), [[labels.get(k, k), _cell(k, v, render)] for k, v in record.items()], fmt,
-             title=title, left=("",))
+        emit(("field", "value"), [[labels.get(k, k), _cell(k, v, render)] for k, v in record.items()], fmt,
+             title=title, left=("field",))
     elif fmt == "json":
         sys.stdout.write(json.dumps({k: _plain(v) for k, v in record.items()}) + "\n")
         sys.stdout.flush()

@@ -60,13 +60,16 @@ def plan_schedule(
                                 "profile, the profile's longest position with a measured one)."),
     prompt_len: int = typer.Option(None, "--prompt-len", help="Prompt tokens before generation (default 0 "
                                    "with the reference profile, the shortest prompt of a measured one)."),
-    batch: int = typer.Option(64, "--batch", help="Sequences decoded together (per GPU)."),
+    batch: int = typer.Option(64, "--max-num-seqs", "--batch", help="Sequences decoded together (per GPU) "
+                              "that the step times are predicted at (vLLM's name). Default 64, a GPU "
+                              "rollout's batch; sparrow rollout's own default of 16 suits a CPU."),
     bin_width: int = typer.Option(None, "--bin-width", help="Position bin width in tokens (default: "
                                   "the profile's; the reference profile has 2,000-token bins)."),
     min_tokens: int = typer.Option(50, "--min-tokens", help="Bins of a measured profile with fewer "
                                    "tokens are not trusted: they take the budget of the bin before (the "
                                    "first trusted bin's, for leading ones)."),
-    allow_model_mismatch: bool = typer.Option(False, "--allow-model-mismatch", help="Plan for --model from "
+    allow_model_mismatch: bool = typer.Option(False, "--allow-model-mismatch/--no-allow-model-mismatch",
+                                              help="Plan for --model from "
                                               "a --profile measured on another model (its metadata names "
                                               "the model); refused without this flag."),
     sweep: str = typer.Option(None, "--sweep", help="Also print the predicted speedup at each of "
@@ -77,7 +80,8 @@ def plan_schedule(
                                    "file only if it holds the same form, or --force)."),
     output: Path = typer.Option(None, "-o", "--output", help=output_help("the schedule artifact")),
     force: bool = force_option(),
-    compare_published: bool = typer.Option(False, "--compare-published", help="Instead of one plan, "
+    compare_published: bool = typer.Option(False, "--compare-published/--no-compare-published",
+                                           help="Instead of one plan, "
                                            "print the predicted speedup of every Qwen3 model with "
                                            "published schedules next to the published speedup."),
     kv_compression: str = typer.Option(None, "--kv-compression", help="Plan an eviction policy's KV budget "
@@ -103,7 +107,7 @@ def plan_schedule(
                                 ("--sweep", sweep), ("--cost", cost), ("--hardware", hardware),
                                 ("--compare-published", compare_published),
                                 ("--gen-len", gen_len is not None), ("--prompt-len", prompt_len is not None),
-                                ("--batch", batch != 64)) if v]
+                                ("--max-num-seqs", batch != 64)) if v]
         if given:
             raise UsageError(f"{given[0]} does not apply to an eviction plan ({profile} profiles {evicting} "
                              "KV budgets): the plan is one --kv-budget, printed, with no schedule or speedup")
@@ -129,7 +133,7 @@ def plan_schedule(
     if export is not None and export_to is None and output is not None and str(output) == "-":
         raise UsageError("--export without --export-to prints to stdout, which -o - takes; give --export-to")
     check_export_to(export_to, export, force)
-    for flag, value, low in (("--batch", batch, 1), ("--prompt-len", prompt_len, 0),
+    for flag, value, low in (("--max-num-seqs", batch, 1), ("--prompt-len", prompt_len, 0),
                              ("--gen-len", gen_len, 2), ("--bin-width", bin_width, 1),
                              ("--min-tokens", min_tokens, 1)):
         if value is not None and value < low:
@@ -191,10 +195,10 @@ def _eviction_profile(profile: Path | None, kv_compression: str | None) -> str |
 def print_eviction_plan(result, fmt: str) -> None:
     rows = [[r["budget"], r["tail"], r["weakest_bin"], r["mean_alpha"], r["tokens"], r["holds"]]
             for r in result.rows]
-    _show(("kv budget", "tail", "weakest bin", "mean alpha", "tokens", "holds"), rows, fmt,
+    _show(("kv_budget", "tail", "weakest_bin", "mean_alpha", "tokens", "holds"), rows, fmt,
           f"{result.policy} KV budgets (tail = {result.quantile:g} quantile of alpha, the weakest of the "
           f"{result.bin_width}-token bins; threshold {result.threshold:g})",
-          render={"tail": _fixed(4), "mean alpha": _fixed(4), "holds": lambda h: "yes" if h else "no"})
+          render={"tail": _fixed(4), "mean_alpha": _fixed(4), "holds": lambda h: "yes" if h else "no"})
     threshold = result.resolved
     if result.budget is None:
         console.print(f"no profiled {result.policy} budget keeps the tail at or above the threshold: "
@@ -248,7 +252,7 @@ def _fixed(digits: int, suffix: str = "", missing: str = "-"):
 
 PLAN_RENDER = {"end": lambda e: "open" if e is None else str(e),
                "budget": lambda b: "dense" if b is None else str(b), "tail": _fixed(4, missing="thin"),
-               "step ms": _fixed(2), "dense ms": _fixed(2)}
+               "step_ms": _fixed(2), "dense_ms": _fixed(2)}
 
 
 def print_plan(planned, fmt: str | None) -> None:
@@ -256,7 +260,7 @@ def print_plan(planned, fmt: str | None) -> None:
     rows = [[i, result.schedule.bin_starts[i], result.bin_end(i), budget or None, result.tails[i],
              float(planned.sparse_s[i] * 1e3), float(planned.dense_s[i] * 1e3)]
             for i, budget in enumerate(result.schedule.budgets)]
-    _show(("bin", "start", "end", "budget", "tail", "step ms", "dense ms"), rows, fmt,
+    _show(("bin", "start", "end", "budget", "tail", "step_ms", "dense_ms"), rows, fmt,
           f"schedule (threshold {result.threshold:g}, tail = {result.quantile:g} quantile of alpha; step "
           f"times at batch {planned.batch}, mid-bin)", render=PLAN_RENDER)
 
@@ -265,10 +269,10 @@ def print_frontier(planned, fmt: str | None) -> None:
     rows = [[p.threshold, p.speedup, p.mean_budget, p.dense_bins] for p in planned.frontier]
     if fmt in ("csv", "tsv"):
         sys.stdout.write("\n")  # the second table of the stream
-    _show(("threshold", "speedup", "mean budget", "dense bins"), rows, fmt,
+    _show(("threshold", "speedup", "mean_budget", "dense_bins"), rows, fmt,
           f"stability-speed frontier ({planned.cost_source}, {planned.lengths.gen_len} tokens, "
           f"batch {planned.batch})",
-          render={"threshold": lambda t: f"{t:g}", "speedup": _fixed(2, "x"), "mean budget": _fixed(0)})
+          render={"threshold": lambda t: f"{t:g}", "speedup": _fixed(2, "x"), "mean_budget": _fixed(0)})
 
 
 def print_comparison(hardware: str, threshold: float | None, gen_len: int | None, batch: int,
@@ -277,8 +281,8 @@ def print_comparison(hardware: str, threshold: float | None, gen_len: int | None
 
     threshold, gen_len, rows = compare_published_at(hardware, threshold, gen_len, batch, prompt_len)
     table = [[r["model"], r["published"], r["predicted"], r["ratio"]] for r in rows]
-    emit(("model", "published", "predicted", "predicted / published"), table, fmt,
+    emit(("model", "published", "predicted", "predicted_over_published"), table, fmt,
          render={"published": _fixed(2, "x"), "predicted": _fixed(2, "x"),
-                 "predicted / published": _fixed(2)},
+                 "predicted_over_published": _fixed(2)},
          title=f"rollout speedup over dense at threshold {threshold:g}: analytic {hardware} model "
                f"({gen_len} tokens, batch {batch}) vs published (4 x H200, AIME24)")

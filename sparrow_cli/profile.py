@@ -59,7 +59,7 @@ if TYPE_CHECKING:
 
 
 SAMPLING_FLAGS = {"samples": "--samples", "max_new_tokens": "--max-new-tokens", "sampler": "--sampler",
-                  "top_p": "--top-p", "seed": "--seed", "batch_size": "--batch-size"}
+                  "top_p": "--top-p", "seed": "--seed", "batch_size": "--max-num-seqs"}
 PHASES = {"sampling": "sampling (samples)", "scoring": "scoring (sequences)"}
 
 
@@ -86,7 +86,8 @@ def profile(
     kv_window: int = kv_window_option(),
     kv_buffer: int = kv_buffer_option(),
     samples: int = typer.Option(4, "--samples", help="Trajectories per prompt."),
-    max_new_tokens: int = typer.Option(256, "--max-new-tokens"),
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens", help="Tokens generated at most per "
+                                       "trajectory, as sparrow rollout's."),
     sampler: str = typer.Option("dense", "--sampler",
                                 help="How trajectories are sampled: dense, budget:B, schedule:FILE, or with "
                                 "KV compression snapkv:B or rkv:B (optionally ,window=W,buffer=N)."),
@@ -99,8 +100,9 @@ def profile(
     top_p: float = typer.Option(1.0, "--top-p", callback=finite),
     seed: int = typer.Option(0, "--seed", help="Each sample draws from its own generator seeded from "
                              "(seed, prompt, sample): the same trajectories as sparrow rollout --seed."),
-    batch_size: int = typer.Option(8, "--batch-size", help="Samples decoded together (on a CPU, up to "
-                                   "16, it does not change the trajectories)."),
+    batch_size: int = typer.Option(16, "--max-num-seqs", "--batch-size", help="Sequences (samples) decoded "
+                                   "together (vLLM's name; on a CPU, up to 16, it does not change the "
+                                   "trajectories)."),
     quantile: float = typer.Option(TAIL_QUANTILE, "--quantile", callback=finite,
                                    help="Tail quantile shown in the summary."),
     threshold: float = typer.Option(None, "--threshold", callback=finite, show_default=False,
@@ -112,7 +114,8 @@ def profile(
     device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
     dtype: str = typer.Option("auto", "--dtype", help="Weights and KV cache: auto (bfloat16 on cuda, float32 "
                               "on cpu), float32 or bfloat16; the scores are fp32 either way (fp32 head)."),
-    random_weights: bool = typer.Option(False, "--random-weights", help="Random weights for a shapes-only "
+    random_weights: bool = typer.Option(False, "--random-weights/--no-random-weights",
+                                        help="Random weights for a shapes-only "
                                         "preset such as qwen3-4b (to time the scoring and measure its "
                                         "memory, not mismatch)."),
     gpu_memory_utilization: float = gpu_memory_option(),

@@ -42,7 +42,8 @@ def reward(
     output: Path = typer.Option(..., "-o", "--output", help=output_help("the rewards artifact")),
     workers: int = typer.Option(None, "--workers", help="Programs run at once for code tasks (default: "
                                 "the CPU count)."),
-    unsafe_code_execution: bool = typer.Option(False, "--unsafe-code-execution", help=UNSAFE_HELP),
+    unsafe_code_execution: bool = typer.Option(False, "--unsafe-code-execution/--no-unsafe-code-execution",
+                                               help=UNSAFE_HELP),
     fmt: str = format_option(),
     force: bool = force_option(),
 ) -> None:
@@ -77,6 +78,6 @@ def reward(
         mine = [r["reward"] for r in scored if r["task"] == task]
         accuracy = sum(x >= 1.0 - 1e-9 for x in mine) / len(mine)
         table.append([task, len(mine), sum(mine) / len(mine), accuracy])
-    emit(("task", "completions", "mean reward", "accuracy"), table, fmt, title="rewards", left=("task",))
+    emit(("task", "completions", "mean_reward", "accuracy"), table, fmt, title="rewards", left=("task",))
     console.print(f"[green]wrote[/] {len(scored)} rewards to [bold]{path}[/] ({seconds:.1f} s)",
                   highlight=False)

@@ -87,19 +87,24 @@ def rollout(
                                   help="A schedule artifact (sparrow plan-schedule)."),
     budget: int = typer.Option(None, "--budget", help="A fixed budget in tokens (multiple of 16, "
                                "at least 48)."),
-    dense: bool = typer.Option(False, "--dense", help="Dense attention (the default)."),
+    dense: bool = typer.Option(False, "--dense/--no-dense", help="Dense attention (the default)."),
     kv_compression: str = kv_compression_option(),
     kv_budget: int = kv_budget_option(),
     kv_window: int = kv_window_option(),
     kv_buffer: int = kv_buffer_option(),
-    samples: int = typer.Option(1, "--samples", help="Samples per prompt (they share one prefill)."),
-    max_new_tokens: int = typer.Option(256, "--max-new-tokens"),
+    samples: int = typer.Option(1, "--samples", help="Samples per prompt (they share one prefill; vLLM's n). "
+                                "Default 1, a plain generation as vLLM's; profile, train and distill "
+                                "sample a group of 4 per prompt."),
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens", help="Tokens generated at most per sample "
+                                       "(vLLM's max_tokens)."),
     temperature: float = typer.Option(1.0, "--temperature", callback=finite, help="0 = greedy."),
     top_p: float = typer.Option(1.0, "--top-p", callback=finite),
     top_k: int = typer.Option(0, "--top-k", help="0 = off."),
     seed: int = typer.Option(0, "--seed"),
-    ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Always generate --max-new-tokens."),
-    max_batch: int = typer.Option(16, "--max-batch", help="Samples decoded together."),
+    ignore_eos: bool = typer.Option(False, "--ignore-eos/--no-ignore-eos",
+                                    help="Always generate --max-new-tokens."),
+    max_batch: int = typer.Option(16, "--max-num-seqs", "--max-batch", help="Sequences (samples) decoded "
+                                  "together (vLLM's name)."),
     kv_pages: int = typer.Option(None, "--kv-pages", help="KV cache pool in pages of 16 tokens (default: "
                                  "room for every sample at full length). A smaller pool allocates pages as "
                                  "samples grow and preempts (then recomputes) the latest sample when full: "
@@ -110,7 +115,8 @@ def rollout(
     dtype: str = typer.Option("auto", "--dtype", help="Weights and KV cache: auto (bfloat16 on cuda, "
                               "float32 on cpu), float32 or bfloat16. bfloat16 decodes about 1.5x faster on "
                               "a CPU with AVX512-BF16; float32 matches teacher-forced scoring exactly."),
-    eager: bool = typer.Option(False, "--eager", help="On cuda, run the decode step eagerly instead of "
+    eager: bool = typer.Option(False, "--eager/--no-eager",
+                               help="On cuda, run the decode step eagerly instead of "
                                "replaying CUDA graphs: the same step and tokens (for debugging; slower)."),
     gpu_memory_utilization: float = gpu_memory_option(),
     max_num_batched_tokens: int = typer.Option(8192, "--max-num-batched-tokens", help="The most prompt "
@@ -152,7 +158,7 @@ def rollout(
     kv = (kv_compression, kv_budget, kv_window, kv_buffer)
     policy = sparsity_policy(schedule, budget, dense, kv, model)
     for flag, value in (("--samples", samples), ("--max-new-tokens", max_new_tokens),
-                        ("--max-batch", max_batch), ("--kv-pages", 1 if kv_pages is None else kv_pages),
+                        ("--max-num-seqs", max_batch), ("--kv-pages", 1 if kv_pages is None else kv_pages),
                         ("--max-num-batched-tokens", max_num_batched_tokens)):
         if value < 1:
             raise UsageError(f"{flag} must be at least 1, got {value}")

@@ -28,7 +28,7 @@ from sparrow.stages.sql import DEFAULT_MEMORY, DEFAULT_TIMEOUT, Limits, QueryErr
 from sparrow.stages.sql import query as run_sql
 
 from .common import FORCE_HELP, UsageError, check_output, console, fail, friendly_errors, out
-from .output import FORMAT_HELP, resolve_format, tsv_line
+from .output import FORMAT_HELP, FORMAT_METAVAR, resolve_format, tsv_line
 
 TABLE_ROWS = 1000
 DEFAULT_MAX_ROWS = 1_000_000
@@ -56,9 +56,10 @@ def sql(
                                               "budget, quantile_cont(alpha, 0.05) FROM mismatch GROUP BY "
                                               "ALL\".")],
     run: Annotated[Path, typer.Option("--run", help=VIEWS_HELP)] = Path("."),
-    format: Annotated[str | None, typer.Option("--format", "-f", help=FORMAT_HELP)] = None,
+    format: Annotated[str | None, typer.Option("--format", "-f", metavar=FORMAT_METAVAR,
+                                               help=FORMAT_HELP)] = None,
     output: Annotated[Path | None, typer.Option("-o", "--output", help=OUTPUT_HELP)] = None,
-    force: Annotated[bool, typer.Option("--force", help=FORCE_HELP)] = False,
+    force: Annotated[bool, typer.Option("--force/--no-force", help=FORCE_HELP)] = False,
     memory_limit: Annotated[str, typer.Option("--memory-limit", help="The memory the query may take in "
                                               "all, as 4GB, 512MiB or a share of this machine's memory "
                                               "such as 25%: DuckDB works in half of it (and spills to a "

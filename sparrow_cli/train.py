@@ -59,22 +59,32 @@ def train(
     schedule: Path = typer.Option(None, "--schedule", callback=input_path,
                                   help="Roll out with this schedule artifact."),
     budget: int = typer.Option(None, "--budget", help="Roll out with a fixed budget (tokens)."),
-    dense: bool = typer.Option(False, "--dense", help="Roll out densely (the default)."),
+    dense: bool = typer.Option(False, "--dense/--no-dense", help="Roll out densely (the default)."),
     kv_compression: str = kv_compression_option(),
     kv_budget: int = kv_budget_option(),
     kv_window: int = kv_window_option(),
     kv_buffer: int = kv_buffer_option(),
     steps: int = typer.Option(20, "--steps"),
     prompts_per_step: int = typer.Option(4, "--prompts-per-step"),
-    samples: int = typer.Option(4, "--samples", help="Samples per prompt: the GRPO group."),
-    max_new_tokens: int = typer.Option(64, "--max-new-tokens"),
+    samples: int = typer.Option(4, "--samples", "--num-generations", help="Samples per prompt: the GRPO "
+                                "group (TRL's num_generations)."),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens", "--max-completion-length",
+                                       help="Tokens sampled at most per sample (TRL's "
+                                       "max_completion_length). Default 64: every step samples and "
+                                       "backpropagates through them; rollout and profile default to 256."),
     temperature: float = typer.Option(1.0, "--temperature", callback=finite),
-    ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Every sample generates --max-new-tokens "
+    ignore_eos: bool = typer.Option(False, "--ignore-eos/--no-ignore-eos",
+                                    help="Every sample generates --max-new-tokens "
                                     "tokens (fixed-length steps, for timing)."),
-    lr: float = typer.Option(1e-4, "--lr", callback=finite),
+    lr: float = typer.Option(1e-4, "--lr", "--learning-rate", callback=finite,
+                             help="AdamW learning rate (TRL's "
+                             "learning_rate)."),
     lora_rank: int = typer.Option(16, "--lora-rank", help="LoRA rank on every projection (peft)."),
-    lora_alpha: float = typer.Option(32.0, "--lora-alpha", callback=finite),
-    full: bool = typer.Option(False, "--full", help="Full fine-tuning instead of a LoRA."),
+    lora_alpha: float = typer.Option(32.0, "--lora-alpha", callback=finite,
+                                     help="LoRA scale numerator: 2 x the default rank, "
+                                     "the usual choice; distill's sparse-actor LoRA uses DistillSparse's "
+                                     "published 16."),
+    full: bool = typer.Option(False, "--full/--no-full", help="Full fine-tuning instead of a LoRA."),
     correction: str = typer.Option(
         "tis", "--correction", help="A preset: none | tis | mis | veto | sparse-rl | icepop | seq-mask-tis | "
         "opsm | sparrow (stages/train/corrections.py); the options below replace the parts they name."),
@@ -100,11 +110,14 @@ def train(
     alpha_weight: bool = typer.Option(
         None, "--alpha-weight/--no-alpha-weight", help="Weight each token by its acceptance alpha (top-20 "
         "lower bound; 1 where sampled densely)."),
-    bypass_mode: bool = typer.Option(False, "--bypass-mode", help="verl's bypass: the PPO ratio against the "
+    bypass_mode: bool = typer.Option(False, "--bypass-mode/--no-bypass-mode",
+                                     help="verl's bypass: the PPO ratio against the "
                                      "rollout logprobs instead of the dense recompute."),
     oversample: int = typer.Option(0, "--oversample", help="Roll out this many samples per prompt (more than "
                                    "--samples) and keep the --samples of highest mean acceptance."),
-    kl_coef: float = typer.Option(0.0, "--kl-coef", callback=finite, help="k3 KL to the initial policy."),
+    kl_coef: float = typer.Option(0.0, "--kl-coef", "--beta", callback=finite,
+                                  help="k3 KL to the initial policy (TRL's "
+                                  "beta)."),
     loss_agg: str = typer.Option(
         "token-mean", "--loss-agg", help="token-mean (over the batch's tokens; TRL's dapo) | "
         "seq-mean-token-mean (per sequence, then over sequences; grpo) | seq-mean-token-sum-norm (the sum "
@@ -115,7 +128,8 @@ def train(
     checkpoint_every: int = typer.Option(10, "--checkpoint-every"),
     eval_every: int = typer.Option(5, "--eval-every"),
     bin_width: int = typer.Option(512, "--bin-width", help="Position bin of the mismatch logs."),
-    distill_sparse: bool = typer.Option(False, "--distill-sparse", help="DistillSparse: train a second LoRA "
+    distill_sparse: bool = typer.Option(False, "--distill-sparse/--no-distill-sparse",
+                                        help="DistillSparse: train a second LoRA "
                                         "that only the sparse actor uses, jointly (RUN/sparse_adapter)."),
     distill_rank: int = typer.Option(16, "--distill-rank", help="Rank of the sparse actor's LoRA."),
     distill_alpha: float = typer.Option(16.0, "--distill-alpha", callback=finite,
@@ -127,7 +141,8 @@ def train(
                                           "dense logprobs (published: 0.001)."),
     device: str = typer.Option("cpu", "--device", help="cpu (fp32) or cuda (bf16, Triton kernels, "
                                "CUDA graphs)."),
-    random_weights: bool = typer.Option(False, "--random-weights", help="Random weights for a shapes-only "
+    random_weights: bool = typer.Option(False, "--random-weights/--no-random-weights",
+                                        help="Random weights for a shapes-only "
                                         "preset such as qwen3-0.6b (to time the GPU path)."),
     gradient_checkpointing: bool = typer.Option(None, "--gradient-checkpointing/--no-gradient-checkpointing",
                                                 help="Recompute each decoder layer in the update's backward "
@@ -138,11 +153,14 @@ def train(
                                 "the weights are pushed to them before every step's rollout)."),
     ray_address: str = typer.Option(None, "--ray-address", help="An existing Ray cluster for --workers "
                                     "(default: a local Ray started for the run)."),
-    resume: bool = typer.Option(False, "--resume", help="Continue the run in --output-dir from its "
+    resume: bool = typer.Option(False, "--resume/--no-resume",
+                                help="Continue the run in -o/--output from its "
                                 "checkpoint (the same options and input contents; only --steps may change)."),
-    force: bool = typer.Option(False, "--force", help="Start the run in --output-dir over: its metrics, "
+    force: bool = typer.Option(False, "--force/--no-force",
+                               help="Start the run in -o/--output over: its metrics, "
                                "per-step mismatch, schedule, checkpoint and adapters are replaced."),
-    output_dir: Path = typer.Option(..., "-o", "--output-dir", help="The run directory. One that holds a run "
+    output_dir: Path = typer.Option(..., "-o", "--output", "--output-dir", help="The run directory (TRL's "
+                                    "output_dir). One that holds a run "
                                     "needs --resume or --force; files of a run's names that are not of its "
                                     "kind are replaced only with --force; a symlink is written through."),
     report_to: str = typer.Option(

@@ -59,7 +59,8 @@ class DistillConfig:
             raise ValueError(f"--objective must be one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
         for name in ("steps", "batch_size", "lora_rank"):
             if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+                flag = "--trajectories-per-step" if name == "batch_size" else f"--{name.replace('_', '-')}"
+                raise ValueError(f"{flag} must be at least 1, got {getattr(self, name)}")
         for name in ("lr", "lora_alpha", "max_grad_norm"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")

@@ -34,6 +34,7 @@ from .scoring.mismatch import score_sequences
 
 Progress = Callable[[str, int, int], None]  # (phase, done, total)
 SAMPLING = ("samples", "max_new_tokens", "sampler", "top_p", "seed", "batch_size")
+FLAGS = {"batch_size": "--max-num-seqs"}  # the options whose flag is not their name
 
 
 @dataclass
@@ -46,7 +47,7 @@ class ProfileOptions:
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int = 0
-    batch_size: int = 8  # samples decoded together (the engine's max_batch)
+    batch_size: int = 16  # samples decoded together (the engine's max_batch; --max-num-seqs)
     score_tokens: int = 16384  # tokens per teacher-forced scoring batch
     dense_layers: tuple[int, ...] = DEFAULT_DENSE_LAYERS
     page_size: int = PAGE_SIZE
@@ -85,7 +86,7 @@ class ProfileOptions:
                 raise ValueError(f"--budgets: {e}") from None
         for name in ("samples", "max_new_tokens", "bin_width", "batch_size"):
             if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+                raise ValueError(f"{FLAGS.get(name, '--' + name.replace('_', '-'))} must be at least 1")
         if self.temperature < 0:
             raise ValueError("--temperature must be >= 0")
         if not 0 < self.top_p <= 1:

@@ -164,7 +164,7 @@ def test_json_is_typed_and_the_text_formats_render_alike(tmp_path):
     models = json.loads(runner.invoke(app, ["models", "--format", "json"]).stdout)
     smol = next(m for m in models if m["preset"] == "smollm2-135m")
     assert isinstance(smol["params"], int) and 134e6 < smol["params"] < 136e6
-    assert smol["tied"] is True and (smol["q heads"], smol["kv heads"]) == (9, 3)
+    assert smol["tied"] is True and (smol["q_heads"], smol["kv_heads"]) == (9, 3)
     tsv = runner.invoke(app, ["models"]).stdout.splitlines()
     assert "134.5M" in tsv[[line.split("\t")[0] for line in tsv].index("smollm2-135m")]
     plan = json.loads(runner.invoke(app, ["plan-schedule", "--model", "qwen3-4b", "-f", "json"]
@@ -463,3 +463,146 @@ def test_steps_are_numbered_as_the_data_numbers_them_and_no_learning_signal_is_w
                         or plot(ax, *a, **k))
     assert runner.invoke(app, ["report", str(run)]).exit_code == 0
     assert [x for ax, x in drawn if ax.get_title() == "eval accuracy (greedy)"] == [[0, 1, 2], [1, 2]]
+
+
+# ---------------------------------------------------------------- one name per idea across the commands
+
+# (command, the name, the older or other library's name it also takes, a value)
+ALIASES = [
+    ("rollout", "--max-num-seqs", "--max-batch", "3"),
+    ("profile", "--max-num-seqs", "--batch-size", "3"),
+    ("plan-schedule", "--max-num-seqs", "--batch", "3"),
+    ("distill", "--trajectories-per-step", "--batch-size", "3"),
+    ("train", "--output", "--output-dir", "elsewhere"),
+    ("train", "--samples", "--num-generations", "3"),
+    ("train", "--max-new-tokens", "--max-completion-length", "3"),
+    ("train", "--lr", "--learning-rate", "0.5"),
+    ("train", "--kl-coef", "--beta", "0.5"),
+    ("distill", "--samples", "--num-generations", "3"),
+    ("distill", "--max-new-tokens", "--max-completion-length", "3"),
+    ("distill", "--lr", "--learning-rate", "0.5"),
+    ("rollout", "--adapter", "--lora", "elsewhere"),
+]
+
+
+def _required(command: str, tmp_path: Path) -> list[str]:
+    """The arguments a command cannot parse without (files that exist, an output)."""
+    given = tmp_path / "given.parquet"
+    given.touch()
+    out = ["-o", str(tmp_path / "out")]
+    return {"prompts": ["--task", "basic_arithmetic", *out], "sql": ["SELECT 1"],
+            "calibrate-threshold": ["--profile", str(given), *out],
+            "rollout": ["--prompts", str(given), *out],
+            "reward": ["--prompts", str(given), "--completions", str(given), *out],
+            "train": ["--prompts", str(given), *out], "report": [str(tmp_path)], "models": [],
+            "plan-schedule": []}.get(command, out)
+
+
+def _parsed(command: str, args: list[str]) -> dict:
+    """The values a command's function would be called with, for `args` (click's parse, nothing run)."""
+    click_command = typer.main.get_command(app).commands[command]
+    with click_command.make_context(command, list(args)) as ctx:
+        return dict(ctx.params)
+
+
+def _help(command: str) -> str:
+    r = runner.invoke(app, [command, "--help"], env={"COLUMNS": "500"})
+    assert r.exit_code == 0, r.output
+    return r.stdout
+
+
+@pytest.mark.parametrize(("command", "name", "alias", "value"), ALIASES)
+def test_every_old_name_is_listed_and_parsed_as_the_new_one(tmp_path, command, name, alias, value):
+    shown = _help(command)
+    assert re.search(rf"{name}\b", shown) and re.search(rf"{alias}\b", shown), (name, alias)
+    if value == "elsewhere":
+        value = str(tmp_path / "elsewhere")
+    args = [a for a in _required(command, tmp_path) if not (name == "--output" and a.startswith("-o"))]
+    if name == "--output":
+        args = [a for a in args if a != str(tmp_path / "out")]
+    by_name, by_alias = _parsed(command, [*args, name, value]), _parsed(command, [*args, alias, value])
+    assert by_name == by_alias
+    assert by_name != _parsed(command, args + (["-o", str(tmp_path / "out")] if name == "--output" else []))
+
+
+@pytest.mark.parametrize(("command", "flag", "extra"), [
+    ("rollout", "--max-batch", []), ("profile", "--batch-size", []),
+    ("distill", "--batch-size", ["--budget", "64"])])
+def test_an_old_name_is_refused_in_the_new_names_words(tmp_path, command, flag, extra):
+    """The refusal of a bad value names the flag every command now uses for the idea, whichever was typed."""
+    prompts = _token_prompts(tmp_path / "p.parquet")
+    out = tmp_path / "out"
+    new = {"--max-batch": "--max-num-seqs", "--batch-size": "--max-num-seqs"}[flag]
+    if command == "distill":
+        new = "--trajectories-per-step"
+    lines = {error_line(runner.invoke(app, [command, "--model", "tiny-llama", "--prompts", str(prompts),
+                                            *extra, given, "0", "-o", str(out)]))
+             for given in (flag, new)}
+    assert len(lines) == 1 and lines.pop().startswith(f"error: {new} must be at least 1")
+    assert not out.exists()
+
+
+def test_train_takes_its_run_directory_as_every_command_takes_its_output(tmp_path):
+    """-o, --output and TRL's --output-dir are one option: a file where the run directory goes is refused
+    in the same sentence under each spelling, and is left as it was."""
+    taken = tmp_path / "taken"
+    taken.write_text("not a run")
+    prompts = _token_prompts(tmp_path / "p.parquet")
+    lines = {error_line(runner.invoke(app, ["train", "--model", "tiny-llama", "--prompts", str(prompts),
+                                            flag, str(taken)]))
+             for flag in ("-o", "--output", "--output-dir")}
+    assert len(lines) == 1 and lines.pop().startswith(f"error: {taken} is a file, but a")
+    assert taken.read_text() == "not a run"
+
+
+def test_profile_decodes_as_many_sequences_together_as_rollout_by_default(tmp_path):
+    rollout, profile = (_parsed(c, _required(c, tmp_path)) for c in ("rollout", "profile"))
+    assert rollout["max_batch"] == profile["batch_size"] == 16
+
+
+def _commands():
+    return typer.main.get_command(app).commands
+
+
+@pytest.mark.parametrize("command", sorted(_commands()))
+def test_boolean_flags_take_x_and_no_x_and_show_no_value(tmp_path, command):
+    flags = [p for p in _commands()[command].params if getattr(p, "is_flag", False)]
+    shown = _help(command)
+    assert "<bool>" not in shown
+    for flag in flags:
+        on, off = flag.opts[0], f"--no-{flag.opts[0].removeprefix('--')}"
+        assert flag.secondary_opts == [off], flag.name
+        assert on in shown and off in shown
+        required = _required(command, tmp_path)
+        assert _parsed(command, [*required, on])[flag.name] is True
+        assert _parsed(command, [*required, off])[flag.name] is False
+    assert any(flags) or command in ("models",)
+
+
+@pytest.mark.parametrize("command", sorted(c for c, cmd in _commands().items()
+                                           if any(p.name in ("format", "fmt") for p in cmd.params)))
+def test_format_lists_its_choices_in_help(command):
+    assert "[table|csv|json|tsv]" in " ".join(_help(command).split())
+
+
+def test_format_takes_any_case_and_refuses_others_naming_the_choices():
+    lower = runner.invoke(app, ["models", "--format", "json"])
+    upper = runner.invoke(app, ["models", "--format", "JSON"])
+    assert upper.exit_code == 0 and json.loads(upper.stdout) == json.loads(lower.stdout)
+    assert runner.invoke(app, ["models", "-f", "Csv"]).stdout.startswith("preset,arch,")
+    line = error_line(runner.invoke(app, ["models", "--format", "xml"]))
+    assert line == "error: --format must be one of table, csv, json, tsv, got 'xml'"
+
+
+def test_printed_tables_have_snake_case_headers():
+    """Column headers read as the artifacts' columns do (snake_case), so a TSV header is a query's name."""
+    snake = re.compile(r"[a-z][a-z0-9_]*")
+    for args in (["models"], ["plan-schedule", "--model", "qwen3-4b", "--sweep", "0.8,0.9"],
+                 ["plan-schedule", "--compare-published"]):
+        r = runner.invoke(app, [*args, "--format", "tsv"])
+        assert r.exit_code == 0, r.output
+        headers = [line for line in r.stdout.splitlines() if line and not line[0].isdigit()
+                   and "\t" in line and not line.startswith(("qwen", "smollm", "tiny", "llama"))]
+        for header in headers:
+            for column in header.split("\t"):
+                assert snake.fullmatch(column), (args, column)

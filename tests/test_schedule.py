@@ -223,7 +223,7 @@ def test_sweep_prints_the_frontier():
     result = invoke("--model", "qwen3-4b", "--sweep", "0.80,0.83,0.86,0.90,0.92")
     assert result.exit_code == 0, result.output
     plan_table, frontier = result.stdout.split("\n\n")  # a pipe: two TSV tables, a blank line apart
-    assert frontier.splitlines()[0] == "threshold\tspeedup\tmean budget\tdense bins"
+    assert frontier.splitlines()[0] == "threshold\tspeedup\tmean_budget\tdense_bins"
     speeds = [float(x) for x in re.findall(r"(\d+\.\d+)x", frontier)]
     assert len(speeds) == 5 and speeds == sorted(speeds, reverse=True) and speeds[-1] > 1
     table = invoke("--model", "qwen3-4b", "--sweep", "0.80,0.86", "--format", "table")

@@ -102,13 +102,13 @@ def _check_kinds(run_dir: Path, force: bool) -> None:
         folder = run_dir / name
         if folder.exists() and not (folder / marker).exists() and (folder.is_file() or any(folder.iterdir())):
             raise ValueError(f"{folder} exists and is not a training run's {name}, and the run would replace "
-                             "it; choose another --output-dir")
+                             "it; choose another run directory (-o)")
     mismatch = run_dir / "mismatch"
     if mismatch.is_file() or mismatch.is_dir() and any(
             not (f.name.startswith("step=") and f.suffix == ".parquet") for f in mismatch.iterdir()
             if not f.name.startswith(".")):
         raise ValueError(f"{mismatch} holds files that are not a training run's per-step mismatch; choose "
-                         "another --output-dir")
+                         "another run directory (-o)")
     if force:
         return
     for name, kind in RUN_FILES.items():
@@ -117,7 +117,7 @@ def _check_kinds(run_dir: Path, force: bool) -> None:
             found, words = describe(path)
             if found != kind:
                 raise ValueError(f"{path} exists and is {words}, not the run's '{kind}' artifact; pass "
-                                 "--force to replace it, or choose another --output-dir")
+                                 "--force to replace it, or choose another run directory (-o)")
 
 
 def check_run_dir(run_dir: str | Path, cfg: TrainConfig, resume: bool, force: bool = False) -> None:
@@ -128,7 +128,7 @@ def check_run_dir(run_dir: str | Path, cfg: TrainConfig, resume: bool, force: bo
         raise ValueError("pass --resume (continue the run) or --force (start it over), not both")
     if run_dir.exists() and not run_dir.is_dir():
         raise ValueError(f"{run_dir} is a file, but a training run is a directory; choose another "
-                         "--output-dir")
+                         "run directory (-o)")
     if not run_dir.exists():
         if resume:
             raise ValueError(f"--resume: {run_dir} does not exist, so there is no run to resume")
@@ -148,7 +148,7 @@ def check_run_dir(run_dir: str | Path, cfg: TrainConfig, resume: bool, force: bo
         check_same_run(run_dir, cfg)
     elif has_run and not force:
         raise ValueError(f"{run_dir} already holds a run ({_holds(run_dir)}); pass --resume to continue it, "
-                         "--force to start it over, or choose another --output-dir")
+                         "--force to start it over, or choose another run directory (-o)")
 
 
 def check_same_run(run_dir: Path, cfg: TrainConfig) -> None:
