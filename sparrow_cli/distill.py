@@ -34,6 +34,8 @@ from .options import (
     gpu_memory_option,
     load_actor,
     rollouts_temperature,
+    set_threads,
+    threads_option,
 )
 from .output import emit, format_option, resolve_format
 
@@ -162,6 +164,7 @@ def distill(
                                 "directory is replaced only if it holds an adapter from sparrow distill "
                                 "(another adapter: --force; other files: never)."),
     force: bool = force_option(),
+    threads: int = threads_option(),
     format: str = format_option(),
 ) -> None:
     """Distill the sparse actor (block top-k attention + a LoRA on every linear layer, gradients through the
@@ -169,6 +172,7 @@ def distill(
     format (transformers + peft load it; sparrow rollout/profile --adapter use it as the sparse actor),
     OUTPUT/mismatch/{before,after}.parquet and OUTPUT/sparrow_distill.json; prints the tail per bin before
     and after."""
+    set_threads(threads)
     from sparrow.stages.core.sparsity import spec_of
     from sparrow.stages.core.trajectories import read_rollouts
     from sparrow.stages.distill import (

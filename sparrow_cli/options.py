@@ -66,6 +66,23 @@ def gpu_memory_option():
                              "name). Ignored on a CPU.")
 
 
+def threads_option():
+    return typer.Option(None, "--threads", show_default=False,
+                        help="CPU threads for torch (default: torch's own choice, one per core; fewer leave "
+                             "cores to other work on a shared machine).")
+
+
+def set_threads(threads: int | None) -> None:
+    """Apply --threads before any work (torch is imported only when it is given)."""
+    if threads is None:
+        return
+    if threads < 1:
+        raise UsageError(f"--threads must be at least 1, got {threads}")
+    import torch
+
+    torch.set_num_threads(threads)
+
+
 def check_gpu_memory(fraction: float) -> float:
     from sparrow.stages.engine.memory import check_memory_utilization  # light: no torch
 

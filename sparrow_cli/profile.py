@@ -48,6 +48,8 @@ from .options import (
     kv_window_option,
     load_actor,
     rollouts_temperature,
+    set_threads,
+    threads_option,
 )
 from .output import emit, format_option, resolve_format
 
@@ -126,11 +128,13 @@ def profile(
                                     "(default: a local Ray started for the run)."),
     output: Path = typer.Option(..., "-o", "--output", help=output_help("the mismatch artifact")),
     force: bool = force_option(),
+    threads: int = threads_option(),
     format: str = format_option(),
 ) -> None:
     """Sample K trajectories per prompt with the rollout engine (or take them from --rollouts), then
     score every generated token under dense attention and under each budget (teacher forced): one row
     per token per budget."""
+    set_threads(threads)
     from sparrow.stages.core.prompt_set import PromptSet
     from sparrow.stages.core.trajectories import read_rollouts
     from sparrow.stages.model.loading import DTYPES, resolve_config, resolve_dtype

@@ -34,7 +34,9 @@ from .options import (
     kv_compression_option,
     kv_window_option,
     load_actor,
+    set_threads,
     sparsity_policy,
+    threads_option,
 )
 from .output import emit_record, format_option, resolve_format
 
@@ -131,6 +133,7 @@ def rollout(
     force: bool = force_option(),
     engine: str = typer.Option("ours", "--engine", help="ours (dense, budget or schedule) or vllm (dense "
                                "only; the optional extra .\\[vllm])."),
+    threads: int = threads_option(),
     format: str = format_option(),
 ) -> None:
     """Generate K samples per prompt with dense, fixed-budget or scheduled block top-k sparse attention,
@@ -138,6 +141,7 @@ def rollout(
     token, the KV tokens each token read, finish reason and the task's reward. The summary (tokens/s,
     mean budget, KV tokens held against dense, reward) goes to stdout and into the artifact's metadata
     ("summary"). With --workers N the same rollouts (same seeds) come from N Ray workers."""
+    set_threads(threads)
     from sparrow.stages.backends.vllm_sampler import vllm_checkpoint
     from sparrow.stages.core.prompt_set import PromptSet
     from sparrow.stages.engine import DecodeStep, SamplingParams

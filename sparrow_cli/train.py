@@ -27,7 +27,9 @@ from .options import (
     kv_buffer_option,
     kv_compression_option,
     kv_window_option,
+    set_threads,
     sparsity_policy,
+    threads_option,
 )
 from .output import emit_record, format_option, resolve_format
 
@@ -167,6 +169,7 @@ def train(
         "jsonl", "--report-to", help="Live trackers of each step's metrics, a comma list: jsonl "
         "(RUN/metrics.jsonl) | tensorboard (RUN/tensorboard/) | wandb (offline, RUN/wandb/) | none; "
         "RUN/metrics.parquet is always written."),
+    threads: int = threads_option(),
     format: str = format_option(),
 ) -> None:
     """GRPO whose rollouts come from the sparse engine: rewards from the task's scorer, dense recompute of
@@ -174,6 +177,7 @@ def train(
     RUN/mismatch/step=N.parquet (query both with `sparrow sql --run RUN`), RUN/checkpoint/ and, with a
     LoRA, RUN/adapter/ (peft format). Under `torchrun --nproc-per-node N` the ranks share each step's
     batch and DDP sums their gradients; rank 0 writes, and a run resumes under any number of ranks."""
+    set_threads(threads)
     from sparrow.stages.core.sparsity import spec_of
     from sparrow.stages.train import TrainConfig
     from sparrow.stages.train.launch import TrainInputs, check_run_location, join_world, launched

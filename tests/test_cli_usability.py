@@ -8,6 +8,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 from importlib.metadata import version
 from pathlib import Path
 
@@ -606,3 +607,33 @@ def test_printed_tables_have_snake_case_headers():
         for header in headers:
             for column in header.split("\t"):
                 assert snake.fullmatch(column), (args, column)
+
+
+# ---------------------------------------------------------------- --threads on the commands that run a model
+
+
+@pytest.mark.parametrize("command", ["profile", "rollout", "train", "distill"])
+def test_threads_is_an_option_and_zero_is_one_sentence(tmp_path, command):
+    assert "--threads" in runner.invoke(app, [command, "--help"], terminal_width=200).stdout
+    prompts = _token_prompts(tmp_path / "p.parquet")
+    extra = ["--budget", "64"] if command == "distill" else []
+    out = tmp_path / "out"
+    line = error_line(runner.invoke(app, [command, "--model", "tiny-llama", "--prompts", str(prompts), *extra,
+                                          "--threads", "0", "-o", str(out)]))
+    assert line == "error: --threads must be at least 1, got 0"
+    assert not out.exists()
+
+
+def test_rollout_runs_on_the_threads_it_is_given(tmp_path):
+    """In a process of its own (the setting is the process's): torch runs on the one thread asked for."""
+    prompts = _token_prompts(tmp_path / "p.parquet", n=1, length=8)
+    code = ("import sys, torch; from sparrow.cli.app import main; sys.argv = sys.argv[1:]\n"
+            "try:\n    main()\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
+            "print('threads', torch.get_num_threads())")
+    proc = subprocess.run(
+        [sys.executable, "-c", code, "sparrow", "rollout", "--model", "tiny-llama", "--prompts", str(prompts),
+         "--max-new-tokens", "2", "--threads", "1", "-o", str(tmp_path / "r.parquet")],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "2"})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "threads 1"
+    assert (tmp_path / "r.parquet").exists()
