@@ -61,7 +61,8 @@ if TYPE_CHECKING:
 
 
 SAMPLING_FLAGS = {"samples": "--samples", "max_new_tokens": "--max-new-tokens", "sampler": "--sampler",
-                  "top_p": "--top-p", "seed": "--seed", "batch_size": "--max-num-seqs"}
+                  "top_p": "--top-p", "top_k": "--top-k", "seed": "--seed",
+                  "batch_size": "--max-num-seqs"}
 PHASES = {"sampling": "sampling (samples)", "scoring": "scoring (sequences)"}
 
 
@@ -100,6 +101,7 @@ def profile(
                                       "default 1, or what a --rollouts artifact records); alpha is "
                                       "measured at this temperature (1 when greedy)."),
     top_p: float = typer.Option(1.0, "--top-p", callback=finite),
+    top_k: int = typer.Option(0, "--top-k", help="0 = off (as rollout's)."),
     seed: int = typer.Option(0, "--seed", help="Each sample draws from its own generator seeded from "
                              "(seed, prompt, sample): the same trajectories as sparrow rollout --seed."),
     batch_size: int = typer.Option(16, "--max-num-seqs", "--batch-size", help="Sequences (samples) decoded "
@@ -152,8 +154,8 @@ def profile(
                          "(score trajectories sampled before)" + (", not both" if prompts else ""))
     opts = ProfileOptions(budgets=parse_int_list(budgets, "--budgets"), samples=samples,
                           max_new_tokens=max_new_tokens, sampler=sampler, bin_width=bin_width,
-                          temperature=1.0 if temperature is None else temperature, top_p=top_p, seed=seed,
-                          batch_size=batch_size,
+                          temperature=1.0 if temperature is None else temperature, top_p=top_p, top_k=top_k,
+                          seed=seed, batch_size=batch_size,
                           gpu_memory_utilization=check_gpu_memory(gpu_memory_utilization),
                           kv_compression=kv_compression and kv_compression.lower(), kv_window=kv_window,
                           kv_buffer=kv_buffer)

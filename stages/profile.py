@@ -33,7 +33,7 @@ from .model.lora import LoraWeights, lora_merged
 from .scoring.mismatch import score_sequences
 
 Progress = Callable[[str, int, int], None]  # (phase, done, total)
-SAMPLING = ("samples", "max_new_tokens", "sampler", "top_p", "seed", "batch_size")
+SAMPLING = ("samples", "max_new_tokens", "sampler", "top_p", "top_k", "seed", "batch_size")
 FLAGS = {"batch_size": "--max-num-seqs"}  # the options whose flag is not their name
 
 
@@ -46,6 +46,7 @@ class ProfileOptions:
     bin_width: int = 512
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = 0  # 0 = off
     seed: int = 0
     batch_size: int = 16  # samples decoded together (the engine's max_batch; --max-num-seqs)
     score_tokens: int = 16384  # tokens per teacher-forced scoring batch
@@ -91,6 +92,8 @@ class ProfileOptions:
             raise ValueError("--temperature must be >= 0")
         if not 0 < self.top_p <= 1:
             raise ValueError("--top-p must be in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError(f"--top-k must be >= 0 (0 = off), got {self.top_k}")
         if self.sampler.startswith("budget:"):
             try:
                 validate_budget(int(self.sampler.split(":", 1)[1]), self.page_size)
@@ -142,7 +145,7 @@ def sample_trajectories(model: LoadedModel, prompt_ids: Sequence[str], prompts: 
     the prompts' indices in the whole set when these are a shard of it (they seed the samples). A sparse
     sampler is the sparse actor: with `opts.adapter`, the engine runs with it merged (`stages.distill`)."""
     params = SamplingParams(max_new_tokens=opts.max_new_tokens, temperature=opts.temperature,
-                            top_p=opts.top_p, seed=opts.seed, n=opts.samples)
+                            top_p=opts.top_p, top_k=opts.top_k, seed=opts.seed, n=opts.samples)
     total, done = len(prompts) * opts.samples, 0
 
     def on_step(_new_tokens: int, finished: int) -> None:

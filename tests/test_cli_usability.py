@@ -637,3 +637,23 @@ def test_rollout_runs_on_the_threads_it_is_given(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().splitlines()[-1] == "threads 1"
     assert (tmp_path / "r.parquet").exists()
+
+
+def test_profile_samples_with_top_k_as_rollout_does(tmp_path):
+    """--top-k 1 at temperature 1 keeps only the most likely token: the greedy (--temperature 0)
+    trajectories, token for token; a negative --top-k is one sentence before any work."""
+    prompts = _token_prompts(tmp_path / "p.parquet", n=2, length=12)
+    common_args = ["profile", "--model", "tiny-llama", "--prompts", str(prompts), "--budgets", "48",
+                   "--samples", "2", "--max-new-tokens", "6", "--format", "tsv"]
+    tokens = []
+    for name, extra in (("k1", ["--top-k", "1"]), ("greedy", ["--temperature", "0"])):
+        out = tmp_path / f"{name}.parquet"
+        result = runner.invoke(app, [*common_args, *extra, "-o", str(out)])
+        assert result.exit_code == 0, result.output
+        table = read_artifact(out, "mismatch").sort_by([("prompt_id", "ascending"), ("sample", "ascending"),
+                                                        ("position", "ascending")])
+        tokens.append(table.column("token_id").to_pylist())
+    assert tokens[0] == tokens[1] and len(tokens[0]) == 2 * 2 * 6
+    line = error_line(runner.invoke(app, [*common_args, "--top-k", "-1", "-o", str(tmp_path / "x.parquet")]))
+    assert line == "error: --top-k must be >= 0 (0 = off), got -1"
+    assert not (tmp_path / "x.parquet").exists()
