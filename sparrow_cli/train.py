@@ -141,8 +141,9 @@ def train(
     distill_kl_coef: float = typer.Option(0.001, "--distill-kl-coef", callback=finite,
                                           help="Its k3 coefficient toward the "
                                           "dense logprobs (published: 0.001)."),
-    device: str = typer.Option("cpu", "--device", help="cpu (fp32) or cuda (bf16, Triton kernels, "
-                               "CUDA graphs)."),
+    device: str = typer.Option("cpu", "--device", help="cpu or cuda (Triton kernels, CUDA graphs)."),
+    dtype: str = typer.Option("auto", "--dtype", help="Weights and KV cache: auto (bfloat16 on cuda, "
+                              "float32 on a CPU), float32 or bfloat16 (as profile's and rollout's)."),
     random_weights: bool = typer.Option(False, "--random-weights/--no-random-weights",
                                         help="Random weights for a shapes-only "
                                         "preset such as qwen3-0.6b (to time the GPU path)."),
@@ -208,7 +209,8 @@ def train(
                       lora_rank=0 if full else lora_rank, lora_alpha=lora_alpha, correction=correction,
                       kl_coef=kl_coef, seed=seed, micro_batch=micro_batch, ppo_epochs=ppo_epochs,
                       checkpoint_every=checkpoint_every, eval_every=eval_every, bin_width=bin_width,
-                      sparsity=spec_of(policy, schedule), device=device, random_weights=random_weights,
+                      sparsity=spec_of(policy, schedule), device=device, dtype=dtype,
+                      random_weights=random_weights,
                       gradient_checkpointing=(device == "cuda" if gradient_checkpointing is None
                                               else gradient_checkpointing),
                       loss=loss, oversample=oversample,

@@ -657,3 +657,31 @@ def test_profile_samples_with_top_k_as_rollout_does(tmp_path):
     line = error_line(runner.invoke(app, [*common_args, "--top-k", "-1", "-o", str(tmp_path / "x.parquet")]))
     assert line == "error: --top-k must be >= 0 (0 = off), got -1"
     assert not (tmp_path / "x.parquet").exists()
+
+
+def test_train_takes_dtype_as_profile_and_rollout_do(tiny_chat, tmp_path, monkeypatch):
+    """--dtype bfloat16 on a CPU: the model loads in bf16, a step runs, and the checkpoint records it (a
+    resume must agree); an unknown dtype is one sentence before the model loads."""
+    from sparrow.stages.model import loading
+
+    loaded_as = []
+    real = loading.load_model
+
+    def spy(*args, **kwargs):
+        loaded_as.append(kwargs.get("dtype"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(loading, "load_model", spy)
+    prompts = _token_prompts(tmp_path / "p.parquet")
+    bad = tmp_path / "bad"
+    line = error_line(runner.invoke(app, _train_args(tiny_chat, prompts, bad, "--steps", "1", "--dtype",
+                                                     "float16")))
+    assert line == "error: --dtype must be one of auto, float32, bfloat16, got 'float16'"
+    assert loaded_as == [] and not bad.exists()
+    run = tmp_path / "run"
+    r = runner.invoke(app, _train_args(tiny_chat, prompts, run, "--steps", "1", "--dtype", "bfloat16"))
+    assert r.exit_code == 0, r.output
+    assert loaded_as == [torch.bfloat16]
+    assert json.loads((run / "checkpoint" / "config.json").read_text())["dtype"] == "bfloat16"
+    line = error_line(runner.invoke(app, _train_args(tiny_chat, prompts, run, "--steps", "2", "--resume")))
+    assert "--dtype 'bfloat16', not 'auto'" in line

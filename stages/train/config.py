@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from ..core.sparsity import as_policy, parse_sparsity
 from ..kv_policies import KVPolicy
 from ..model.config import ModelConfig
+from ..model.loading import DTYPES
 from . import objective as grpo
 
 
@@ -34,7 +35,8 @@ class TrainConfig:
     eval_every: int = 5
     bin_width: int = 512
     sparsity: str = "dense"  # "dense" | "budget:B" | "schedule:<path>" | "snapkv:B,..." | "rkv:B,..."
-    device: str = "cpu"  # cuda: bf16 weights, the engine's Triton kernels and CUDA graphs
+    device: str = "cpu"  # cuda: the engine's Triton kernels and CUDA graphs
+    dtype: str = "auto"  # the weights': auto = bfloat16 on cuda, float32 on a CPU (exact against scoring)
     random_weights: bool = False  # a shapes-only preset with random weights (timing the GPU path)
     gradient_checkpointing: bool = False  # recompute each layer in the update's backward (CLI: on for cuda)
     loss: dict = field(default_factory=dict)  # grpo.LossConfig overrides
@@ -56,6 +58,8 @@ class TrainConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.samples < 2:
             raise ValueError(f"--samples must be at least 2, got {self.samples}: GRPO's advantage is a "
                              "sample's reward against its group's, so a group of one sample learns nothing")

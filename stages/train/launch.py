@@ -8,8 +8,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from sparrow.schemas import check_output_dir
 
 from ..backends.ray_pool import RolloutPool
@@ -94,7 +92,7 @@ def start_training(cfg: TrainConfig, inputs: TrainInputs, opts: RunOptions) -> T
     if opts.on_phase:
         opts.on_phase("loading")
     loaded = loading.load_model(cfg.model, device=cfg.device, random_weights=cfg.random_weights,
-                                dtype=torch.bfloat16 if cfg.device == "cuda" else torch.float32)
+                                dtype=loading.resolve_dtype(cfg.dtype, cfg.device))
     return Trainer(cfg, loaded, rows, inputs.output_dir, eval_prompts=held_out, options=opts,
                    policy=inputs.policy)
 
