@@ -1,7 +1,7 @@
 """`sparrow sql`: query a run directory with DuckDB; each artifact kind is a view.
 
 Results stream to stdout as a table, TSV, CSV or JSON records (at most --max-rows), or with `-o` to
-Parquet; the query is read-only and bounded in memory and time (stages/sql.py), so `-o` is the only
+Parquet; the query is read-only and bounded in memory and time (stages/sql/), so `-o` is the only
 thing written.
 """
 

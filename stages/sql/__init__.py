@@ -1,0 +1,174 @@
+"""DuckDB over a run directory: every artifact kind is a view, so questions about a run are SQL.
+
+Views are named after the artifact kind in each Parquet footer, unioned by column name, with a
+`source_file` column and the files' provenance as `source_*` columns; each file is also a view of its
+own. Unreadable files are skipped with a warning. Read only, twice over: only one read statement runs,
+and DuckDB is sandboxed to the run's files. Bounded: memory, time, and a Ctrl-C or SIGTERM stops the
+query; the spill folder goes whatever happens. docs/sql.md gives the rules.
+
+views.py names the views, connection.py opens DuckDB over them and checks a statement, limits.py
+bounds a query while it runs; here, the query itself, streamed.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import duckdb
+import pyarrow as pa
+
+from .connection import check_query, check_read_only, close_run, first_line, open_run, open_views
+from .limits import (
+    DEFAULT_MEMORY,
+    DEFAULT_TIMEOUT,
+    Guard,
+    Limits,
+    QueryError,
+    QueryLimit,
+    Stopped,
+    guarded,
+    machine_memory,
+    memory_text,
+    parse_memory,
+)
+from .views import View, Warn, mixed_warning, python_warning, run_views
+
+__all__ = ["DEFAULT_MEMORY", "DEFAULT_TIMEOUT", "Limits", "QueryError", "QueryLimit", "Result", "Stopped",
+           "View", "check_query", "check_read_only", "machine_memory", "memory_text", "open_run",
+           "parse_memory", "query", "run_query", "run_views"]
+
+BATCH_ROWS = 8192
+
+
+@dataclass
+class Result:
+    """A query's result as it streams: its schema (unique column names) and its record batches, read
+    while the `query` block is open."""
+
+    schema: pa.Schema
+    batches: Iterator[pa.RecordBatch]
+
+
+@contextmanager
+def query(run_dir: str | Path, sql: str, limits: Limits | None = None, warn: Warn | None = None
+          ) -> Iterator[Result]:
+    """Run one read statement against a run directory's views within `limits`; the result streams
+    while the block is open. Refusals, errors and limits are QueryError (one sentence); SIGINT and
+    SIGTERM are `Stopped`; the connection and its spill folder are gone when the block ends."""
+    limits = limits or Limits()
+    warn = warn or python_warning
+    check_query(sql)
+    views = run_views(run_dir, warn)
+    used = _used_views(sql)
+    for view in views:
+        said = mixed_warning(view) if view.name in used else None
+        if said:
+            warn(said)
+    con, spill = open_views(run_dir, views, warn, limits.memory // 2)
+    try:
+        with guarded(con, limits) as guard:
+            translate = functools.partial(_translated, guard=guard, con=con, run_dir=run_dir)
+            try:
+                rel = con.sql(sql)
+                reader = rel.to_arrow_reader(BATCH_ROWS) if rel is not None else None
+            except (Exception, KeyboardInterrupt) as e:
+                raise translate(e) from None
+            if reader is None:
+                yield Result(pa.schema([]), iter(()))
+                return
+            schema = _unique_names(reader.schema)
+            try:
+                yield Result(schema, _batches(reader, schema, guard, translate))
+            except MemoryError:
+                raise QueryLimit(guard.memory_message()) from None
+            except KeyboardInterrupt as e:
+                stopped = guard.signum is not None and not isinstance(e, Stopped)
+                raise (Stopped(guard.signum) if stopped else e) from None
+    finally:
+        close_run(con, spill)
+
+
+def run_query(run_dir: str | Path, sql: str, warn: Warn | None = None, limits: Limits | None = None
+              ) -> pa.Table:
+    """Run one read-only SQL statement against a run directory's views; the whole result as an Arrow
+    table."""
+    with query(run_dir, sql, limits, warn) as result:
+        return pa.Table.from_batches(list(result.batches), schema=result.schema)
+
+
+def _batches(reader: pa.RecordBatchReader, schema: pa.Schema, guard: Guard,
+             translate: Callable[[BaseException], BaseException]) -> Iterator[pa.RecordBatch]:
+    """The reader's batches under `schema`; what stops the stream (an error, a limit, a signal) as the
+    caller should see it."""
+    batches = iter(reader)
+    while True:
+        try:
+            guard.check()
+            batch = next(batches)
+        except StopIteration:
+            return
+        except (Exception, KeyboardInterrupt) as e:
+            raise translate(e) from None
+        yield pa.RecordBatch.from_arrays(batch.columns, schema=schema)
+
+
+def _translated(e: BaseException, guard: Guard, con: duckdb.DuckDBPyConnection, run_dir: str | Path
+                ) -> BaseException:
+    """What the caller sees of an exception DuckDB (or the stream from it) raised while a query ran."""
+    if guard.signum is not None:
+        return e if isinstance(e, Stopped) else Stopped(guard.signum)
+    if isinstance(e, QueryError | KeyboardInterrupt):
+        return e
+    engine = isinstance(e, duckdb.Error | OSError | pa.ArrowException | RuntimeError)
+    if guard.timed_out.is_set() and engine:
+        return QueryLimit(guard.timeout_message())
+    if isinstance(e, MemoryError) or (engine and re.search(r"out of memory|bad_alloc", str(e), re.I)):
+        return QueryLimit(guard.memory_message())
+    if not engine:
+        return e
+    message = first_line(e)
+    if isinstance(e, duckdb.CatalogException):
+        views = [r[0] for r in con.execute("SELECT view_name FROM duckdb_views() "
+                                           "WHERE NOT internal ORDER BY view_name").fetchall()]
+        message += f" (views in {run_dir}: {_listing(views)})"
+    elif isinstance(e, duckdb.PermissionException):
+        message += " (sparrow sql reads only the run's artifacts, through their views)"
+    return QueryError(message)
+
+
+def _listing(views: list[str], most: int = 12) -> str:
+    """The view names of an error message: every one, or the kinds' and a count of the per-file ones."""
+    if len(views) <= most:
+        return ", ".join(views) or "none"
+    per_file = [v for v in views if "__" in v]
+    return (", ".join(v for v in views if "__" not in v) + f", and {len(per_file)} per-file views "
+            "(<kind>__<file>; SHOW TABLES lists them all)")
+
+
+def _used_views(sql: str) -> set[str]:
+    try:
+        return set(duckdb.get_table_names(sql))
+    except duckdb.Error:
+        return set()
+
+
+def _unique_names(schema: pa.Schema) -> pa.Schema:
+    """The schema with repeated column names made unique: alpha, alpha_1, alpha_2, ..."""
+    seen: set[str] = set(schema.names)
+    names, first = [], set()
+    for name in schema.names:
+        if name not in first:
+            first.add(name)
+            names.append(name)
+            continue
+        i = 1
+        while f"{name}_{i}" in seen:
+            i += 1
+        seen.add(f"{name}_{i}")
+        names.append(f"{name}_{i}")
+    return pa.schema([f.with_name(n) for f, n in zip(schema, names)], metadata=schema.metadata)

@@ -1,0 +1,173 @@
+"""The views of a run directory: one per artifact kind (the union of its files, by column name, with
+`source_file` and the files' provenance as `source_*` columns), one per artifact file, one per other
+Parquet file. Pooling files of different provenance is said, never silent."""
+
+from __future__ import annotations
+
+import re
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+from sparrow.schemas import ArtifactError, artifact_metadata
+from sparrow.schemas.footer import kind_version, read_schema
+
+
+@dataclass(frozen=True)
+class Provenance:
+    """What made an artifact, from its metadata: artifacts that differ here should not be pooled
+    unawares. Each field is a view column `source_<field>`."""
+
+    model: str | None = None
+    sampler: str | None = None  # the sampler of profiled trajectories (dense, budget:B, snapkv:B, ...)
+    sparsity: str | None = None  # the sparsity of rollouts and training
+    kv_compression: str | None = None
+    adapter: str | None = None
+    lora: str | None = None
+    dtype: str | None = None
+    engine: str | None = None
+
+    @classmethod
+    def of(cls, meta: dict) -> Provenance:
+        return cls(**{f.name: meta_text(meta.get(f.name)) for f in fields(cls)})
+
+
+@dataclass(frozen=True)
+class Source:
+    path: Path  # as DuckDB opens it: the run directory resolved, then the file's path inside it
+    name: str  # the path inside the run directory: the `source_file` column
+    provenance: Provenance = field(default_factory=Provenance)
+
+
+@dataclass(frozen=True)
+class View:
+    name: str
+    sources: tuple[Source, ...]
+    artifact: bool  # files carry Sparrow metadata (then the view has `source_file` and `source_*`)
+    union: bool = False  # every file of one artifact kind
+    recorded: tuple[str, ...] = ()  # the Provenance fields that some file of the kind records
+
+    @property
+    def files(self) -> tuple[Path, ...]:
+        return tuple(s.path for s in self.sources)
+
+    def mixed(self) -> list[str]:
+        """The provenance fields in which the view's files differ."""
+        return [f.name for f in fields(Provenance)
+                if len({getattr(s.provenance, f.name) for s in self.sources}) > 1]
+
+
+Warn = Callable[[str], None]
+
+
+def run_views(run_dir: str | Path, warn: Warn | None = None) -> list[View]:
+    """The views of a run directory: one per artifact kind (all its files), one per artifact file
+    (`<kind>__<path>`), then one per other Parquet file (its stem). Files that are not readable Parquet
+    are skipped, each with a `warn` (default: a Python warning)."""
+    run_dir = Path(run_dir)
+    warn = warn or python_warning
+    if not run_dir.exists():
+        raise ArtifactError(f"run directory {run_dir} does not exist")
+    if not run_dir.is_dir():
+        raise ArtifactError(f"{run_dir} is not a directory, and a run is a directory of artifacts")
+    by_kind: dict[str, list[Source]] = {}
+    plain: list[Source] = []
+    root = run_dir.resolve()
+    for p in _run_files(run_dir):
+        try:
+            schema = read_schema(p)
+            kind, meta = kind_version(schema)[0], artifact_metadata(schema)
+        except ArtifactError as e:
+            warn(f"{e}; skipped it")
+            continue
+        rel = p.relative_to(run_dir)
+        source = Source(root / rel, rel.as_posix(), Provenance.of(meta))
+        (by_kind.setdefault(kind, []) if kind is not None else plain).append(source)
+    kinds = sorted(by_kind.items())
+    recorded = {kind: _recorded(sources) for kind, sources in kinds}
+    views = [View(kind, tuple(sources), True, True, recorded[kind]) for kind, sources in kinds]
+    taken = set(by_kind)
+    for kind, sources in kinds:
+        for s in sources:
+            name = _free(f"{kind}__{identifier(s.name.removesuffix('.parquet'))}", taken)
+            views.append(View(name, (s,), True, False, recorded[kind]))
+    views += [View(_free(identifier(Path(s.name).stem), taken), (s,), False) for s in plain]
+    return views
+
+
+def _recorded(sources: list[Source]) -> tuple[str, ...]:
+    return tuple(f.name for f in fields(Provenance)
+                 if any(getattr(s.provenance, f.name) is not None for s in sources))
+
+
+def _run_files(run_dir: Path) -> list[Path]:
+    files = sorted(p for p in run_dir.glob("*.parquet") if p.is_file())
+    for sub in sorted(p for p in run_dir.iterdir() if p.is_dir() and not p.name.startswith(".")):
+        entries = [e for e in sub.iterdir() if not e.name.startswith(".")]
+        if entries and all(e.is_file() and e.suffix == ".parquet" for e in entries):
+            files += sorted(entries)
+    return files
+
+
+def _free(name: str, taken: set[str]) -> str:
+    """`name`, suffixed with _2, _3, ... while it is taken; then taken."""
+    candidate, i = name, 2
+    while candidate in taken:
+        candidate, i = f"{name}_{i}", i + 1
+    taken.add(candidate)
+    return candidate
+
+
+def view_sql(view: View, root: Path) -> str:
+    files = ", ".join(sql_literal(str(p)) for p in view.files)
+    if not view.artifact:
+        return f"SELECT * FROM read_parquet([{files}])"
+    columns = [f"substr(filename, {len(str(root)) + 2}) AS source_file"]
+    columns += [f"{_by_file(view, name)} AS source_{name}" for name in view.recorded]
+    return (f"SELECT * EXCLUDE (filename), {', '.join(columns)} "
+            f"FROM read_parquet([{files}], union_by_name = true, filename = true)")
+
+
+def _by_file(view: View, name: str) -> str:
+    """A provenance field as an SQL expression: a constant, or a CASE over the files that differ."""
+    files_by_value: dict[str | None, list[str]] = {}
+    for s in view.sources:
+        files_by_value.setdefault(getattr(s.provenance, name), []).append(sql_literal(str(s.path)))
+    if len(files_by_value) == 1:
+        value = next(iter(files_by_value))
+        return "NULL::VARCHAR" if value is None else sql_literal(value)
+    cases = " ".join(f"WHEN filename IN ({', '.join(files)}) THEN {sql_literal(value)}"
+                     for value, files in files_by_value.items() if value is not None)
+    return f"CASE {cases} ELSE NULL END"
+
+
+def mixed_warning(view: View) -> str | None:
+    """One sentence when a union view pools files of different provenance; None otherwise."""
+    mixed = view.mixed() if view.union and len(view.sources) > 1 else []
+    if not mixed:
+        return None
+    differ = "; ".join(f"{name}: " + ", ".join(sorted({str(getattr(s.provenance, name) or "none")
+                                                         for s in view.sources})) for name in mixed)
+    return (f"the view '{view.name}' pools {len(view.sources)} files of different provenance ({differ}); "
+            f"filter on {', '.join(f'source_{n}' for n in mixed)}, or query one file's view "
+            f"({view.name}__...)")
+
+
+def meta_text(value: object) -> str | None:
+    if value is None or value == "":
+        return None
+    return value if isinstance(value, str) else str(value)
+
+
+def python_warning(message: str) -> None:
+    warnings.warn(message, stacklevel=3)
+
+
+def identifier(stem: str) -> str:
+    name = re.sub(r"\W+", "_", stem).strip("_") or "file"
+    return f"_{name}" if name[0].isdigit() else name
+
+
+def sql_literal(text: str) -> str:
+    return "'" + text.replace("'", "''") + "'"
