@@ -21,7 +21,6 @@ from .common import (
     input_path,
     output_help,
     raw_prompts_option,
-    say_loading,
     warn_first_token_stops,
 )
 from .options import (
@@ -214,7 +213,6 @@ def rollout(
                                                lambda r: advance(r.table.num_rows, 0))
         console.print(f"wrote {n} rollouts in {workers} parts to {output}/")
         return _print_summary(summary, fmt, f"{mode}, {workers} workers")
-    say_loading(model, device)
     with _progress("rollouts (samples)", total, rate=True) as advance:
         table, summary = write_rollouts(run, prompt_set, opts, not raw_prompts,
                                         lambda new, finished: advance(finished, new))
