@@ -21,6 +21,7 @@ from .common import (
     input_path,
     output_help,
     raw_prompts_option,
+    say_loading,
     warn_first_token_stops,
 )
 from .options import (
@@ -215,7 +216,8 @@ def rollout(
         return _print_summary(summary, fmt, f"{mode}, {workers} workers")
     with _progress("rollouts (samples)", total, rate=True) as advance:
         table, summary = write_rollouts(run, prompt_set, opts, not raw_prompts,
-                                        lambda new, finished: advance(finished, new))
+                                        lambda new, finished: advance(finished, new),
+                                        on_loading=lambda: say_loading(model, device))
     warn_first_token_stops(_lengths(table), max_new_tokens, raw_prompts)
     console.print(f"wrote {table.num_rows} rollouts to {output}")
     _print_summary(summary, fmt, mode)

@@ -219,17 +219,23 @@ def check_kv_pages(opts: RolloutOptions, rows: list[dict]) -> None:
 
 
 def write_rollouts(run: RolloutRun, prompt_set, opts: RolloutOptions, chat: bool = True,
-                   on_step: Callable[[int, int], None] | None = None) -> tuple[pa.Table, RolloutSummary]:
+                   on_step: Callable[[int, int], None] | None = None,
+                   on_loading: Callable[[], None] | None = None) -> tuple[pa.Table, RolloutSummary]:
     """`run_rollouts` of the prompt set in this process, written to `run.output` with the summary in its
-    metadata."""
+    metadata. The prompts are tokenized and checked against the pool before the weights load
+    (`on_loading` is called just before)."""
     import torch
 
     from sparrow.schemas import write_artifact
 
     from .model.loading import load_model
+    from .tasks.tokenizers import load_model_tokenizer
 
+    tokenizer = load_model_tokenizer(run.model) if prompt_set.needs_tokenizer else None
+    rows = prompt_rows(prompt_set, tokenizer, chat, opts, run.model)
+    if on_loading is not None:
+        on_loading()
     loaded = load_model(run.model, device=run.device, dtype=getattr(torch, run.dtype))
-    rows = prompt_rows(prompt_set, loaded.tokenizer, chat, opts, run.model)
     table, summary = run_rollouts(loaded, rows, opts, on_step)
     write_artifact(table, run.output, "rollouts",
                    metadata={**run.metadata(opts.sampling), "summary": summary.metadata()})

@@ -406,7 +406,7 @@ def test_the_cli_starts_without_torch():
 
 def test_long_phases_say_so_from_their_start(tiny_chat, tmp_path):
     """Loading the model, and each sampling or scoring phase, show on stderr as they start (0 of N), not
-    at the first finished batch: in profile, distill and train alike."""
+    at the first finished batch: in profile, distill, train and rollout alike."""
     prompts = _token_prompts(tmp_path / "p.parquet", length=100)
     runs = {
         "profile": (["profile", "--model", "tiny-llama", "--prompts", str(prompts), "--samples", "1",
@@ -418,7 +418,9 @@ def test_long_phases_say_so_from_their_start(tiny_chat, tmp_path):
                     ["scoring before (trajectories): 0/", "scoring after (trajectories): 0/"]),
         "train": (_train_args(tiny_chat, prompts, tmp_path / "run", "--steps", "1"),
                   ["initial eval of the --eval-prompts ...", "rollout of train step 1/1 ...",
-                   "scoring of train step 1/1 ...", "train step 1/1: reward"])}
+                   "scoring of train step 1/1 ...", "train step 1/1: reward"]),
+        "rollout": (["rollout", "--model", "tiny-llama", "--prompts", str(prompts), "--max-new-tokens", "4",
+                     "-o", str(tmp_path / "r.parquet")], ["wrote 2 rollouts"])}
     for name, (args, phases) in runs.items():
         r = runner.invoke(app, args)
         assert r.exit_code == 0, (name, r.output)
