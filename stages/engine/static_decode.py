@@ -12,6 +12,7 @@ device, which is how the CPU tests hold it to teacher-forced scoring.
 from __future__ import annotations
 
 import functools
+import weakref
 from collections import deque
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
@@ -42,6 +43,28 @@ def kept_pages(budgets: Collection[int], page_size: int, max_pages: int) -> int:
     if min(budgets) == 0:
         return max_pages  # a dense request in a sparse step keeps all of its pages
     return min(max(budgets) // page_size, max_pages)
+
+
+_CAPTURED: weakref.WeakSet = weakref.WeakSet()  # the steps that hold captured graphs
+
+
+def graphs_alive() -> bool:
+    """Whether some step still holds captured graphs (whose cuBLAS calls may use a workspace that must
+    then stay allocated)."""
+    return any(step.graphs for step in list(_CAPTURED))
+
+
+def release_device_memory() -> None:
+    """Give back what a closed or dropped engine leaves cached: the allocator's free blocks and, once no
+    step holds captured graphs (a graph replays its cuBLAS calls with the workspace they were captured
+    with), cuBLAS's per-stream workspaces, allocated again at the next matmul."""
+    if torch.cuda.is_current_stream_capturing():  # a collection during another step's capture: later
+        return
+    clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear_workspaces is not None and not graphs_alive():
+        torch.cuda.synchronize()
+        clear_workspaces()
+    torch.cuda.empty_cache()
 
 
 @functools.cache
@@ -377,6 +400,9 @@ class StaticDecode:
                 self._step(n, k)
             self.pool = graph.pool()
             self.graphs[key] = graph
+            if self not in _CAPTURED:  # a dropped step gives back what its engine's close() would
+                _CAPTURED.add(self)
+                weakref.finalize(self, release_device_memory).atexit = False
             for t, s in zip(state, saved):
                 t.copy_(s)
         return self.graphs[key]

@@ -10,7 +10,6 @@ workload.
 from __future__ import annotations
 
 import functools
-import weakref
 from collections.abc import Callable, Sequence
 
 import torch
@@ -23,7 +22,7 @@ from ..block_manager import BlockManager
 from ..config import DecodeStep, EngineConfig
 from ..memory import Workload, pages_for, pool_pages
 from ..runner import ModelRunner
-from ..static_decode import kept_pages
+from ..static_decode import kept_pages, release_device_memory
 from .layers import GpuDecode, decode_hidden
 
 
@@ -42,8 +41,6 @@ class GpuRunner(ModelRunner):
         # bf16 weights: bf16 page centroids, half the bytes selection reads (each page's mean rounded once)
         self.centroid_dtype = torch.bfloat16 if self.dtype == torch.bfloat16 else torch.float32
         self._weights = self._weight_stamp()
-        if self.device.type == "cuda":  # a dropped engine gives back what close() would
-            weakref.finalize(self, release_device_memory).atexit = False
 
     def _static_hidden(self) -> Callable | None:
         return functools.partial(decode_hidden, self.decode_form, self.model)
@@ -130,12 +127,3 @@ class GpuRunner(ModelRunner):
         if self.device.type == "cuda":
             release_device_memory()
 
-
-def release_device_memory() -> None:
-    """Give back what a closed engine leaves cached: the allocator's free blocks and cuBLAS's per-stream
-    workspaces (allocated again at the next matmul; a graph capture clears them the same way)."""
-    clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-    if clear_workspaces is not None:
-        torch.cuda.synchronize()
-        clear_workspaces()
-    torch.cuda.empty_cache()
