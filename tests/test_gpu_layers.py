@@ -13,37 +13,27 @@ the stack and to follow in-place updates, replacement, peft's injection and chec
 from __future__ import annotations
 
 import copy
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
 import transformers
+from triton_here import DEVICE, in_fresh_process, needs_triton, rerun_in_fresh_process
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu":
-    os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton (see test_kernels_triton.py)
+from sparrow.kernels import ops
+from sparrow.kernels.ops import Backend
+from sparrow.stages.attention.kv_cache import PagedKVCache
+from sparrow.stages.attention.paged import DecodeAttention, DecodeBatch
+from sparrow.stages.core.schedule import Schedule
+from sparrow.stages.core.sparsity import as_policy, budget_fn
+from sparrow.stages.engine import DecodeStep, Engine, EngineConfig, SamplingParams
+from sparrow.stages.engine.gpu.layers import GpuDecode, base_linear, decode_hidden
+from sparrow.stages.engine.static_decode import kept_pages
+from sparrow.stages.model.loading import load_model, save_checkpoint
+from sparrow.stages.scoring.mismatch import score_sequences
 
-from sparrow.kernels import ops  # noqa: E402
-from sparrow.kernels._triton_utils import HAS_TRITON, interpreter_usable  # noqa: E402
-from sparrow.kernels.ops import Backend  # noqa: E402
-from sparrow.stages.attention.kv_cache import PagedKVCache  # noqa: E402
-from sparrow.stages.attention.paged import DecodeAttention, DecodeBatch  # noqa: E402
-from sparrow.stages.core.schedule import Schedule  # noqa: E402
-from sparrow.stages.core.sparsity import as_policy, budget_fn  # noqa: E402
-from sparrow.stages.engine import DecodeStep, Engine, EngineConfig, SamplingParams  # noqa: E402
-from sparrow.stages.engine.gpu.layers import GpuDecode, base_linear, decode_hidden  # noqa: E402
-from sparrow.stages.engine.static_decode import kept_pages  # noqa: E402
-from sparrow.stages.model.loading import load_model, save_checkpoint  # noqa: E402
-from sparrow.stages.scoring.mismatch import score_sequences  # noqa: E402
+from tiny_models import tiny_qwen3
 
-from tiny_models import tiny_qwen3  # noqa: E402
-
-TRITON_HERE = HAS_TRITON and (DEVICE == "cuda" or interpreter_usable())
-needs_triton = pytest.mark.skipif(not TRITON_HERE, reason="triton was imported without the interpreter here; "
-                                                          "test_in_fresh_process runs these")
 P = 16
 
 
@@ -330,14 +320,10 @@ def test_engine_fused_triton_equals_teacher_forced(sparsity, qwen3_path):
         assert np.abs(got - want).max() <= 1e-4
 
 
-@pytest.mark.skipif(TRITON_HERE or not HAS_TRITON, reason="the interpreter works in this process")
+@in_fresh_process
 def test_in_fresh_process(request):
     """Fallback when triton was imported before TRITON_INTERPRET=1: rerun this module in a new process."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    marker = request.config.getoption("-m") or "not slow"
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", marker,
-                           __file__], env=env, capture_output=True, text=True, timeout=1800)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    rerun_in_fresh_process(request, __file__)
 
 
 def test_copy_of_a_stacked_model_is_independent(qwen3_path):

@@ -9,32 +9,21 @@ centroids' dtype, so in bf16 near-ties may pick different pages on either path.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 import torch
+from triton_here import DEVICE, in_fresh_process, needs_triton, rerun_in_fresh_process
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu":
-    os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton (see test_kernels_triton.py)
+from sparrow.stages.attention import sparse
+from sparrow.stages.attention.block_topk import page_centroids
+from sparrow.stages.attention.sparse import block_topk_sdpa, kept_pages_bound
+from sparrow.stages.attention.sparse_paged import as_pages, block_topk_paged
+from sparrow.stages.core.schedule import Schedule
+from sparrow.stages.core.sparsity import budget_fn
+from sparrow.stages.model.llama import masked_attention
+from sparrow.stages.model.loading import load_model
+from sparrow.stages.scoring.mismatch import score_sequences
 
-from sparrow.kernels._triton_utils import HAS_TRITON, interpreter_usable  # noqa: E402
-from sparrow.stages.attention import sparse  # noqa: E402
-from sparrow.stages.attention.block_topk import page_centroids  # noqa: E402
-from sparrow.stages.attention.sparse import block_topk_sdpa, kept_pages_bound  # noqa: E402
-from sparrow.stages.attention.sparse_paged import as_pages, block_topk_paged  # noqa: E402
-from sparrow.stages.core.schedule import Schedule  # noqa: E402
-from sparrow.stages.core.sparsity import budget_fn  # noqa: E402
-from sparrow.stages.model.llama import masked_attention  # noqa: E402
-from sparrow.stages.model.loading import load_model  # noqa: E402
-from sparrow.stages.scoring.mismatch import score_sequences  # noqa: E402
-
-TRITON_HERE = HAS_TRITON and (DEVICE == "cuda" or interpreter_usable())
-needs_triton = pytest.mark.skipif(not TRITON_HERE, reason="triton was imported without the interpreter here; "
-                                                          "test_in_fresh_process runs these")
 P = 16
 
 
@@ -144,11 +133,7 @@ def test_paged_path_never_syncs_with_the_host():
         torch.cuda.set_sync_debug_mode("default")
 
 
-@pytest.mark.skipif(TRITON_HERE or not HAS_TRITON, reason="the interpreter works in this process")
+@in_fresh_process
 def test_in_fresh_process(request):
     """Fallback when triton was imported before TRITON_INTERPRET=1: rerun this module in a new process."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    marker = request.config.getoption("-m") or "not slow"
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", marker,
-                           __file__], env=env, capture_output=True, text=True, timeout=1800)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    rerun_in_fresh_process(request, __file__)
