@@ -57,18 +57,12 @@ def _main(show_version: bool = typer.Option(False, "--version", callback=_versio
     write Parquet artifacts; chain them in shell pipelines and query them with `sparrow sql`."""
 
 
-app.command("models", cls=Command)(models.models)
-app.command("prompts", cls=Command)(prompts.prompts)
-app.command("sql", cls=Command)(sql.sql)
-app.command("profile", cls=Command)(profile.profile)
-app.command("calibrate-threshold", cls=Command)(calibrate.calibrate_threshold)
-app.command("fit-cost", cls=Command)(cost.fit_cost)
-app.command("plan-schedule", cls=Command)(plan.plan_schedule)
-app.command("rollout", cls=Command)(rollout.rollout)
-app.command("reward", cls=Command)(reward.reward)
-app.command("train", cls=Command)(train.train)
-app.command("distill", cls=Command)(distill.distill)
-app.command("report", cls=Command)(report.report)
+COMMANDS = {"models": models.models, "prompts": prompts.prompts, "sql": sql.sql, "profile": profile.profile,
+            "calibrate-threshold": calibrate.calibrate_threshold, "fit-cost": cost.fit_cost,
+            "plan-schedule": plan.plan_schedule, "rollout": rollout.rollout, "reward": reward.reward,
+            "train": train.train, "distill": distill.distill, "report": report.report}
+for _name, _command in COMMANDS.items():
+    app.command(_name, cls=Command)(_command)
 
 
 def main() -> None:
