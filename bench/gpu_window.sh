@@ -13,8 +13,9 @@
 # files with the results and summary.txt, go to $OUT; the summary table is printed last. `--plan` prints
 # each phase's steps, limits and totals and runs nothing (no torch or GPU needed).
 #
-# Sizing: the limits follow a lent window's logs (README, GPU section); kernel-tests' limit is mostly
-# Triton's first compile of every kernel on a bare machine. From the CPU side: test_kernels_triton.py is 74 tests (slow sweeps included; the CPU-only
+# Sizing: the limits follow a lent window's logs (docs/gpu.md, "Running the GPU window"); kernel-tests'
+# limit is mostly Triton's first compile of every kernel on a bare machine. From the CPU side:
+# test_kernels_triton.py is 74 tests (slow sweeps included; the CPU-only
 # ahead-of-time build test is left out: it compiles every kernel for sm80 and sm90 and needs no GPU);
 # the engine's GPU tests are 33. A 32K prompt's prefill is about 2 x 4e9 x 32768 = 2.6e14 FLOPs plus as
 # much again in attention, about a second per engine at H100 rates: the engines step is pool sizing,
