@@ -375,7 +375,10 @@ SCHEMAS: dict[str, ArtifactSpec] = {s.kind: s for s in (
           Col("alpha_lb_p5_by_bin", LIST_F32, nullable=True),
           Col("oversample_acceptance_kept", F64, nullable=True, range=UNIT),
           Col("oversample_acceptance_dropped", F64, nullable=True, range=UNIT),
-          Col("frac_reward_zero_std", F64, nullable=True, range=UNIT)),
+          Col("frac_reward_zero_std", F64, nullable=True, range=UNIT),
+          Col("alpha_mean", F64, nullable=True, range=UNIT), Col("alpha_p5", F64, nullable=True, range=UNIT),
+          Col("alpha_p5_by_bin", LIST_F32, nullable=True),
+          Col("sampler_gap", F64, nullable=True)),
     _spec("rewards", "one row per scored completion (sparrow reward): reward, status, a code task's tests",
           Col("prompt_id", STR), Col("sample", I32, range=NONNEG), Col("task", STR),
           Col("reward", F64, range=UNIT), Col("status", STR, nullable=True, choices=REWARD_STATUSES),
@@ -390,5 +393,6 @@ SCHEMAS: dict[str, ArtifactSpec] = {s.kind: s for s in (
           Col("logp_rollout", F32, range=NONPOS), Col("logp_dense", F32, range=NONPOS),
           Col("log_ratio", F32), Col("k3", F32, range=NONNEG),
           Col("alpha_top20_lb", F32, nullable=True, range=UNIT),
+          Col("alpha", F32, nullable=True, range=UNIT),
           Col("weight", F32, range=NONNEG), Col("masked", pa.bool_()), Col("vetoed", pa.bool_())),
 )}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from pathlib import Path
 
 import typer
@@ -38,25 +39,39 @@ def calibrate_threshold(
     entropy_factor: float = typer.Option(3.0, "--entropy-factor", callback=finite,
                                          help="Collapsed if entropy ends above this x its start."),
     reward_margin: float = typer.Option(0.1, "--reward-margin", callback=finite,
-                                        help="Collapsed if the final reward is below the dense run of "
-                                        "the same configuration and seed by more than this or the dense "
-                                        "runs' seed spread, whichever is larger."),
+                                        help="Collapsed if the final reward, plus the run's step-0 sampler "
+                                        "gap (dense minus sparse sampled reward before any update), is "
+                                        "below the dense run of the same configuration and seed by more "
+                                        "than this or the dense runs' seed spread, whichever is larger."),
     eval_margin: float = typer.Option(0.1, "--eval-margin", callback=finite,
-                                      help="Collapsed if the last eval accuracy is below the dense "
-                                      "run's by more than this or the seed spread, whichever is larger."),
-    bootstrap: int = typer.Option(2000, "--bootstrap", help="Bootstrap resamples for the interval."),
+                                      help="Collapsed if the last dense eval accuracy is below the run's "
+                                      "own at step 0 by more than this, or below the dense run's by more "
+                                      "than this or the seed spread, whichever is larger."),
+    bootstrap: int = typer.Option(1000, "--bootstrap", help="Bootstrap draws of the profile's prompts (and "
+                                  "of the tokens within each) for the intervals."),
     output: Path = typer.Option(..., "-o", "--output", help=output_help("the threshold artifact")),
     force: bool = force_option(),
     format: str = format_option(),
 ) -> None:
-    """Label each run stable or collapsed by what training did (its own curves, and the dense run of
-    the same configuration and seed when one is among --runs), relate that to each run's tail
-    statistic under its schedule, and write the critical threshold with a bootstrap interval; the
-    same boundary on the mean of alpha is reported beside it. Without runs (or when the runs do not
-    separate) the calibration shipped for the profile's model is written if there is one, else the
+    """Label each run stable or collapsed by what training did (its dense eval against its own start,
+    its own curves, and the dense run of the same configuration and seed when one is among --runs; a
+    sampler gap present at step 0 never counts), relate that to each run's tail statistic under its
+    schedule, and write the critical threshold: the midpoint of the identified set (highest collapsed
+    tail, lowest stable tail) with a 95% interval over bootstrap draws of the profile's prompts. The
+    same test on the mean of alpha and on the share of the KV read, and the labels under other margins,
+    are printed beside it. Without runs, or when the runs do not separate (as measured, or in most
+    draws), the calibration shipped for the profile's model is written if there is one, else the
     published prior 0.86, marked as such."""
     from sparrow.schemas import artifact_metadata, read_artifact, write_artifact
-    from sparrow.stages.calibrate import Detectors, calibrate, load_runs, threshold_table
+    from sparrow.stages.calibrate import (
+        Detectors,
+        ProfileTokens,
+        calibrate,
+        label_runs,
+        margin_sensitivity,
+        read_runs,
+        threshold_table,
+    )
 
     fmt = resolve_format(format)
     if not 0 < quantile < 1:
@@ -73,21 +88,34 @@ def calibrate_threshold(
                     repetition_limit=repetition_limit, entropy_factor=entropy_factor,
                     reward_margin=reward_margin, eval_margin=eval_margin)
     runs = [*runs, *(more_runs or [])]
-    results = load_runs(runs, mismatch, quantile, det)  # all validated before writing
-    cal = calibrate(results, quantile, bootstrap, model=artifact_metadata(profile).get("model"))
-    per_run = [{"run": r.name, "tail": r.tail, "mean": r.mean, "collapsed": r.collapsed,
-                "reasons": r.reasons, "warnings": r.warnings, "reference": r.reference} for r in results]
+    loaded = read_runs(runs)  # all validated before writing
+    tokens = ProfileTokens.from_table(mismatch)
+    results = label_runs(loaded, tokens, quantile, det)
+    cal = calibrate(results, quantile, bootstrap, model=artifact_metadata(profile).get("model"),
+                    tokens=tokens)
+    sensitivity = margin_sensitivity(loaded, tokens, quantile, det) if results else []
+    per_run = [{"run": r.name, "tail": r.tail, "mean": r.mean, "kv_read": r.kv_read, "collapsed": r.collapsed,
+                "reasons": r.reasons, "warnings": r.warnings, "reference": r.reference,
+                "sampler_gap": r.sampler_gap, "eval_change": r.eval_change, "reward_gap": r.reward_gap,
+                "seed": r.seed, "correction": r.correction} for r in results]
     meta = {**cal.provenance, "profile": str(profile), "runs": json.dumps(per_run),
-            "mean_threshold": cal.mean_threshold, "mean_note": cal.mean_note or None}
+            "mean_threshold": cal.mean_threshold, "mean_note": cal.mean_note or None,
+            "separations": json.dumps([asdict(s) for s in cal.separations]) if cal.separations else None,
+            "margin_sensitivity": json.dumps(sensitivity) if sensitivity else None}
     write_artifact(threshold_table(cal, quantile), output, "threshold", metadata=meta)
     interval = f" [{cal.lower:.4f}, {cal.upper:.4f}]" if cal.lower is not None else ""
     console.print(f"threshold {cal.threshold:.4f}{interval} ({cal.source}): {cal.note}", highlight=False)
     if results:
         console.print(cal.mean_note, highlight=False)
+    for sep in cal.separations[2:]:
+        console.print(sep.line(), highlight=False)
+    for line in sensitivity:
+        console.print(line, highlight=False)
     console.print(f"wrote {output}")
     if results:  # the runs are the data; the threshold itself is in the artifact
-        rows = [[r.name, r.tail, r.mean, "collapsed" if r.collapsed else "stable",
-                 "; ".join(r.reasons + r.notes), "; ".join(r.warnings)]
+        rows = [[r.name, r.tail, r.mean, r.kv_read, r.sampler_gap, r.eval_change,
+                 "collapsed" if r.collapsed else "stable", "; ".join(r.reasons + r.notes),
+                 "; ".join(r.warnings)]
                 for r in sorted(results, key=lambda r: r.tail)]
-        emit(("run", "tail", "mean_alpha", "label", "reasons", "warnings"), rows, fmt, title="runs",
-             left=("run", "label", "reasons", "warnings"))
+        emit(("run", "tail", "mean_alpha", "kv_read", "sampler_gap", "eval_change", "label", "reasons",
+              "warnings"), rows, fmt, title="runs", left=("run", "label", "reasons", "warnings"))

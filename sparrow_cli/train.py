@@ -35,10 +35,12 @@ from .output import emit_record, format_option, resolve_format
 
 TRAIN_LABELS = {"reward_first": "reward, first step", "reward_last": "reward, last step",
                 "initial_eval_accuracy": "eval accuracy before training",
+                "initial_sampler_gap": "sampler gap before training (dense minus sparse sampled reward)",
                 "final_eval_accuracy": "eval accuracy, last eval",
                 "final_eval_accuracy_sparse": "eval accuracy under the run's sparsity, last eval",
                 "skipped_updates": "steps whose update was skipped (every token rejected)",
                 "mean_mismatch_kl": "mismatch KL (mean)",
+                "mean_alpha_p5": "alpha p5, exact on a subsample (mean over steps)",
                 "mean_alpha_lb_p5": "alpha top-20 lower bound, p5 (mean over steps)",
                 "mean_masked_fraction": "masked tokens (mean fraction)",
                 "mean_vetoed_fraction": "vetoed tokens (mean fraction)",
@@ -117,6 +119,11 @@ def train(
                                      "rollout logprobs instead of the dense recompute."),
     oversample: int = typer.Option(0, "--oversample", help="Roll out this many samples per prompt (more than "
                                    "--samples) and keep the --samples of highest mean acceptance."),
+    alpha_sequences: int = typer.Option(
+        4, "--alpha-sequences", help="Sequences per step whose every token's alpha is computed exactly "
+        "(full vocabulary, teacher-forced dense vs the run's sparsity) and logged as alpha_p5 / alpha_mean, "
+        "the tail the stability criterion reads; 0: none (alpha_lb_p5, the top-20 lower bound, is logged "
+        "regardless)."),
     kl_coef: float = typer.Option(0.0, "--kl-coef", "--beta", callback=finite,
                                   help="k3 KL to the initial policy (TRL's "
                                   "beta)."),
@@ -213,7 +220,7 @@ def train(
                       random_weights=random_weights,
                       gradient_checkpointing=(device == "cuda" if gradient_checkpointing is None
                                               else gradient_checkpointing),
-                      loss=loss, oversample=oversample,
+                      loss=loss, oversample=oversample, alpha_sequences=alpha_sequences,
                       distill_sparse=distill_sparse, distill_rank=distill_rank, distill_alpha=distill_alpha,
                       distill_lr_ratio=distill_lr_ratio, distill_kl_coef=distill_kl_coef,
                       raw_prompts=raw_prompts)

@@ -1,9 +1,12 @@
 """`calibrate-threshold`: relate the stability of past runs to their tail mismatch.
 
-Runs are labelled stable or collapsed by what training did (their own curves and their dense
-reference), never by their mismatch, so that the threshold fitted to the labels is not circular; the
-threshold is the midpoint of the gap between collapsed and stable tails, with a bootstrap interval, or
-the shipped calibration or the prior when the runs do not separate. docs/calibration.md gives the rules.
+Runs are labelled stable or collapsed by what training did (their dense held-out accuracy against
+their own start and their dense reference, their own curves, and their reward once the sampler's own
+step-0 gap is added back), never by their mismatch, so that the threshold fitted to the labels is not
+circular. The threshold is the midpoint of the identified set (the gap between the highest collapsed
+and the lowest stable tail) with a bootstrap interval over the profile's prompts and their tokens; the
+mean of alpha and the share of the KV read get the same test beside it. Where the runs do not separate,
+the shipped calibration or the prior. docs/calibration.md gives the rules.
 """
 
 from __future__ import annotations
@@ -18,40 +21,82 @@ import pyarrow.compute as pc
 
 from .core.definitions import PRIOR_THRESHOLD, TAIL_QUANTILE
 from .core.schedule import Schedule
-from .train.detectors import Detectors, collapse_reasons, metric, mismatch_warnings
+from .train.detectors import Detectors, InitialEval, collapse_reasons, metric, mismatch_warnings
 
 PRIOR_RANGE = (0.85, 0.90)  # the published 'between 0.85 and 0.90'
 PRIOR_NOTE = "published prior (Sparrow, arXiv 2606.08446): keep the per-bin 5th percentile above 0.86"
 
 
-def run_statistics(mismatch: pa.Table, schedule: Schedule, quantile: float = TAIL_QUANTILE
+@dataclass(frozen=True)
+class ProfileTokens:
+    """A mismatch profile as one row per profiled token: alpha at every profiled budget [n, m], with the
+    token's prompt, position and bin, so that any schedule's per-token alpha is a lookup, and a
+    bootstrap over prompts (and tokens within a prompt) is an index array."""
+
+    budgets: np.ndarray  # [m] profiled budgets, increasing
+    alpha: np.ndarray  # [n, m]
+    prompt: np.ndarray  # [n] prompt index
+    position: np.ndarray  # [n] cache length when the token was produced
+    bins: np.ndarray  # [n]
+
+    @classmethod
+    def from_table(cls, mismatch: pa.Table) -> ProfileTokens:
+        budgets = np.array(sorted(set(pc.unique(mismatch.column("budget")).to_pylist())))
+        key = ["prompt_id", "sample", "position"]
+        parts = [mismatch.filter(pc.equal(mismatch.column("budget"), int(b))).sort_by([(k, "ascending")
+                                                                                       for k in key])
+                 for b in budgets]
+        first = parts[0]
+        if any(p.num_rows != first.num_rows or p.select(key) != first.select(key) for p in parts[1:]):
+            raise ValueError("the mismatch profile does not score the same tokens at every budget")
+        prompt_ids = first.column("prompt_id").to_numpy(zero_copy_only=False)
+        _, prompt = np.unique(prompt_ids, return_inverse=True)
+        return cls(budgets, np.stack([p.column("alpha").to_numpy().astype(float) for p in parts], 1),
+                   prompt, first.column("position").to_numpy(), first.column("bin").to_numpy())
+
+    def at(self, schedule: Schedule) -> tuple[np.ndarray, np.ndarray, list[str]]:
+        """(alpha, kv_read, notes) per token at `schedule`'s budget for its position: a budget that was not
+        profiled reads the largest profiled budget below it (a lower bound on its alpha); dense tokens
+        and budgets that cover the whole cache have alpha 1. kv_read: the share of the cache read."""
+        want = schedule.budgets_at(self.position)
+        notes = []
+        missing = sorted(set(want[(want > 0) & (want < self.budgets[0])].tolist()))
+        if missing:
+            notes.append(f"budgets {missing} are below every profiled budget; used {self.budgets[0]}")
+        substituted = sorted(set(want[(want > 0) & ~np.isin(want, self.budgets)].tolist()) - set(missing))
+        if substituted:
+            notes.append(f"budgets {substituted} not profiled; used the next profiled budget below")
+        col = np.clip(np.searchsorted(self.budgets, want, "right") - 1, 0, None)
+        alpha = np.where(want == 0, 1.0, self.alpha[np.arange(len(want)), col])
+        kv_read = np.where(want == 0, 1.0, np.minimum(1.0, want / np.maximum(self.position, 1)))
+        return alpha, kv_read, notes
+
+    def resample(self, rng: np.random.Generator) -> np.ndarray:
+        """Token indices of one bootstrap draw: prompts with replacement, then tokens within each drawn
+        prompt with replacement."""
+        order = np.argsort(self.prompt, kind="stable")
+        counts = np.bincount(self.prompt)
+        starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+        drawn = rng.integers(0, len(counts), len(counts))
+        sizes = counts[drawn]
+        within = (rng.random(int(sizes.sum())) * np.repeat(sizes, sizes)).astype(int)
+        return order[np.repeat(starts[drawn], sizes) + within]
+
+
+def tail_of(alpha: np.ndarray, bins: np.ndarray, quantile: float) -> float:
+    """The min over position bins of the q-quantile of alpha."""
+    return float(min(np.quantile(alpha[bins == b], quantile) for b in np.unique(bins)))
+
+
+def run_statistics(mismatch: pa.Table | ProfileTokens, schedule: Schedule, quantile: float = TAIL_QUANTILE
                    ) -> tuple[float, float, list[str]]:
     """(tail, mean, notes): the min over bins of the q-quantile of alpha, and the mean of alpha, each
-    token scored at its schedule budget.
-
-    A scheduled budget that was not profiled uses the largest profiled budget below it (a lower
-    bound on its tail); dense positions count as alpha = 1."""
-    profiled = np.array(sorted(set(pc.unique(mismatch.column("budget")).to_pylist())))
-    notes = []
-    position = mismatch.column("position").to_numpy()
-    want = schedule.budgets_at(position)
-    use = np.where(want == 0, 0, profiled[np.clip(np.searchsorted(profiled, want, "right") - 1, 0, None)])
-    missing = sorted(set(want[(want > 0) & (want < profiled[0])].tolist()))
-    if missing:
-        notes.append(f"budgets {missing} are below every profiled budget; used {profiled[0]}")
-    substituted = sorted(set(want[(want > 0) & ~np.isin(want, profiled)].tolist()) - set(missing))
-    if substituted:
-        notes.append(f"budgets {substituted} not profiled; used the next profiled budget below")
-    keep = mismatch.column("budget").to_numpy() == use
-    alpha = mismatch.column("alpha").to_numpy()[keep]
-    bins = mismatch.column("bin").to_numpy()[keep]
-    if not len(alpha):
-        return 1.0, 1.0, notes + ["the schedule is dense wherever the profile has tokens"]
-    tails = [np.quantile(alpha[bins == b], quantile) for b in np.unique(bins)]
-    # dense tokens (one per profiled token position at dense) count as alpha = 1 in the mean
-    dense_tokens = int((want == 0).sum()) // max(1, len(profiled))
-    mean = (float(alpha.sum()) + dense_tokens) / (len(alpha) + dense_tokens)
-    return float(min(tails)), mean, notes
+    profiled token scored at its schedule budget (ProfileTokens.at)."""
+    tokens = mismatch if isinstance(mismatch, ProfileTokens) else ProfileTokens.from_table(mismatch)
+    alpha, _, notes = tokens.at(schedule)
+    if bool((schedule.budgets_at(tokens.position) == 0).all()):
+        notes = notes + ["the schedule is dense wherever the profile has tokens"]
+    return tail_of(alpha, tokens.bins, quantile), float(alpha.mean()), notes
 
 
 def run_tail(mismatch: pa.Table, schedule: Schedule, quantile: float = TAIL_QUANTILE
@@ -77,20 +122,27 @@ def last_eval(metrics: pa.Table, step: int, det: Detectors) -> float | None:
 
 
 def reference_reasons(metrics: pa.Table, reference: pa.Table, dense_runs: list[pa.Table], seed: int,
-                      det: Detectors = Detectors()) -> list[str]:
+                      det: Detectors = Detectors(), sampler_gap: float | None = None) -> list[str]:
     """Why a run did worse than its dense reference (the dense run of its configuration and seed),
-    compared at the run's last step, beyond the seed spread of `dense_runs` (all seeds)."""
+    compared at the run's last step, beyond the seed spread of `dense_runs` (all seeds): its dense eval
+    accuracy, and its training reward once the sampler's own step-0 gap (`sampler_gap`: dense minus
+    sparse sampled reward before any update) is added back, so that a gap present before training did
+    anything is never counted. Without a step-0 gap the reward is not compared."""
     last, reasons = pc.max(metrics.column("step")).as_py(), []
-    for name, value, floor in (("reward", final_reward, det.reward_margin),
-                               ("eval accuracy", last_eval, det.eval_margin)):
+    checks = [("eval accuracy", last_eval, det.eval_margin, 0.0)]
+    if sampler_gap is not None:
+        checks.insert(0, ("reward", final_reward, det.reward_margin, sampler_gap))
+    for name, value, floor, gap in checks:
         mine, ref = value(metrics, last, det), value(reference, last, det)
         if mine is None or ref is None:
             continue
         finals = [f for d in dense_runs if (f := value(d, last, det)) is not None]
         spread = max(finals) - min(finals) if len(finals) > 1 else 0.0
-        if mine < ref - max(floor, spread):
-            reasons.append(f"{name} {mine:.3f} below the dense run's {ref:.3f} (seed {seed}) by more than "
-                           f"{max(floor, spread):.3f} (seed spread {spread:.3f}, floor {floor:g})")
+        margin = max(floor, spread)
+        if mine + gap < ref - margin:
+            shown = f"{mine:.3f} + step-0 sampler gap {gap:.3f}" if name == "reward" else f"{mine:.3f}"
+            reasons.append(f"{name} {shown} below the dense run's {ref:.3f} (seed {seed}) by more than "
+                           f"{margin:.3f} (seed spread {spread:.3f}, floor {floor:g})")
     return reasons
 
 
@@ -98,15 +150,43 @@ def reference_reasons(metrics: pa.Table, reference: pa.Table, dense_runs: list[p
 class RunResult:
     name: str  # the run directory as given (two runs may share a folder name)
     tail: float
-    reasons: list[str]
+    reasons: list[str]  # each names the rule that fired; [] = stable
     notes: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     mean: float = float("nan")
     reference: str | None = None  # the dense run it was compared with
+    kv_read: float = float("nan")  # mean share of the cache each profiled token reads at its budget
+    schedule: Schedule | None = None
+    sampler_gap: float | None = None  # step 0: dense minus the run's sampler's sampled eval reward
+    eval_change: float | None = None  # last dense eval accuracy minus step 0's
+    reward_gap: float | None = None  # the dense reference's final reward minus this run's
+    seed: int | None = None
+    correction: str | None = None
 
     @property
     def collapsed(self) -> bool:
         return bool(self.reasons)
+
+
+@dataclass
+class Separation:
+    """How one run statistic (tail, mean alpha, KV read) relates to the labels."""
+
+    what: str
+    point: float | None  # midpoint of the identified set; None: the runs do not separate
+    identified: tuple[float, float] | None  # (highest collapsed, lowest stable) when they separate
+    lower: float | None  # 95% bootstrap interval of the midpoint over prompts (and tokens)
+    upper: float | None
+    separating_share: float | None  # the share of bootstrap draws in which the runs separate
+    note: str
+
+    def line(self) -> str:
+        if self.point is None:
+            return f"{self.what}: does not separate the runs ({self.note})"
+        interval = (f", 95% interval {self.lower:.4f}-{self.upper:.4f} over prompts, separating in "
+                    f"{self.separating_share:.0%} of the draws" if self.lower is not None else "")
+        return (f"{self.what}: boundary {self.point:.4f}, identified set [{self.identified[0]:.4f}, "
+                f"{self.identified[1]:.4f}]{interval} ({self.note})")
 
 
 @dataclass
@@ -120,6 +200,7 @@ class Calibration:
     mean_threshold: float | None = None  # the same boundary on the mean of alpha; None: no separation
     mean_note: str = ""
     provenance: dict = field(default_factory=dict)  # a shipped calibration's metadata (model, task, runs)
+    separations: list[Separation] = field(default_factory=list)  # tail, mean alpha, KV read
 
 
 def boundary(stats: np.ndarray, collapsed: np.ndarray) -> float | None:
@@ -130,26 +211,28 @@ def boundary(stats: np.ndarray, collapsed: np.ndarray) -> float | None:
     return None if hi_c >= lo_s else float((hi_c + lo_s) / 2)
 
 
-def fit(stats: np.ndarray, collapsed: np.ndarray, what: str, n_boot: int, seed: int
-        ) -> tuple[float | None, float, float, str]:
-    """(boundary or None, lower, upper, note) of one statistic over the runs, bootstrapped over runs."""
+MIN_SEPARATING_SHARE = 0.5  # calibrated only if the runs separate in at least this share of the draws
+
+
+def separation(stats: np.ndarray, draws: np.ndarray | None, collapsed: np.ndarray, what: str) -> Separation:
+    """The boundary of one statistic at the profile as measured, and over bootstrap `draws` [n_boot, runs]
+    of the statistic (None: no profile to resample), the labels held fixed."""
     point = boundary(stats, collapsed)
+    n_c, n_s = int(collapsed.sum()), int((~collapsed).sum())
     if point is None:
-        why = ("all runs collapsed" if collapsed.all() else "no run collapsed" if not collapsed.any()
+        why = ("all runs collapsed" if n_s == 0 else "no run collapsed" if n_c == 0
                else f"collapsed and stable runs overlap in {what} (collapsed up to "
                     f"{stats[collapsed].max():.4f}, stable from {stats[~collapsed].min():.4f})")
-        return None, float("nan"), float("nan"), why
-    rng = np.random.default_rng(seed)
-    boots = []
-    for _ in range(n_boot):
-        idx = rng.integers(0, len(stats), len(stats))
-        if (b := boundary(stats[idx], collapsed[idx])) is not None:
-            boots.append(b)
-    lower, upper = np.quantile(boots, [0.025, 0.975]) if boots else (point, point)
-    note = (f"{collapsed.sum()} collapsed runs have {what} <= {stats[collapsed].max():.4f}, "
-            f"{(~collapsed).sum()} stable runs >= {stats[~collapsed].min():.4f}; bootstrap 95% interval "
-            f"over runs ({len(boots)} resamples)")
-    return point, float(lower), float(upper), note
+        return Separation(what, None, None, None, None, None, why)
+    identified = (float(stats[collapsed].max()), float(stats[~collapsed].min()))
+    note = f"{n_c} collapsed runs <= {identified[0]:.4f}, {n_s} stable runs >= {identified[1]:.4f}"
+    if draws is None:
+        return Separation(what, point, identified, None, None, None, note + "; no profile to resample")
+    boots = [b for d in draws if (b := boundary(d, collapsed)) is not None]
+    share = len(boots) / len(draws)
+    lower, upper = (np.quantile(boots, [0.025, 0.975]) if boots else (np.nan, np.nan))
+    return Separation(what, point, identified, float(lower), float(upper), share,
+                      note + f"; {len(draws)} bootstrap draws over the profile's prompts and their tokens")
 
 
 SHIPPED = Path(__file__).parent / "data"  # threshold-<model>.parquet, written by bench/threshold_sweep.py
@@ -252,21 +335,67 @@ def fallback(model: str | None, quantile: float, why: str, runs: list[RunResult]
     return Calibration(PRIOR_THRESHOLD, *PRIOR_RANGE, "prior", f"{PRIOR_NOTE} ({why})", runs)
 
 
+def bootstrap_statistics(runs: list[RunResult], tokens: ProfileTokens, quantile: float, n_boot: int,
+                         seed: int) -> dict[str, np.ndarray]:
+    """[n_boot, runs] of each statistic (tail, mean, kv_read) over draws of the profile's prompts and
+    their tokens (ProfileTokens.resample); runs that share a schedule share their values."""
+    per_schedule: dict[Schedule, tuple[np.ndarray, np.ndarray]] = {}
+    for r in runs:
+        if r.schedule not in per_schedule:
+            alpha, kv, _ = tokens.at(r.schedule)
+            per_schedule[r.schedule] = (alpha, kv)
+    rng = np.random.default_rng(seed)
+    out = {k: np.empty((n_boot, len(runs))) for k in ("tail", "mean", "kv_read")}
+    for i in range(n_boot):
+        idx = tokens.resample(rng)
+        values = {s: (tail_of(a[idx], tokens.bins[idx], quantile), a[idx].mean(), kv[idx].mean())
+                  for s, (a, kv) in per_schedule.items()}
+        for j, r in enumerate(runs):
+            out["tail"][i, j], out["mean"][i, j], out["kv_read"][i, j] = values[r.schedule]
+    return out
+
+
 def calibrate(runs: list[RunResult], quantile: float = TAIL_QUANTILE, n_boot: int = 2000,
-              seed: int = 0, model: str | None = None) -> Calibration:
-    """The threshold from the runs' tails (and, beside it, the boundary their means would give)."""
+              seed: int = 0, model: str | None = None, tokens: ProfileTokens | None = None) -> Calibration:
+    """The threshold from the runs' tails, with the identified set and a bootstrap interval over the
+    profile's prompts (`tokens`; none without it), and the same boundary on the mean of alpha and on
+    the share of the KV read, so that one sees which of them separates stable from collapsed runs. A
+    threshold is calibrated only where the tails separate the runs and do so in at least half the
+    draws; otherwise the shipped calibration or the prior, saying why."""
     if not runs:
         return fallback(model, quantile, "no runs given", [])
     collapsed = np.array([r.collapsed for r in runs])
-    point, lower, upper, note = fit(np.array([r.tail for r in runs]), collapsed, "tails", n_boot, seed)
-    m_point, m_lower, m_upper, m_note = fit(np.array([r.mean for r in runs]), collapsed, "mean alpha",
-                                            n_boot, seed)
-    mean_note = (f"The mean of alpha separates the runs too: boundary {m_point:.4f} "
-                 f"[{m_lower:.4f}, {m_upper:.4f}] ({m_note})" if m_point is not None
-                 else f"The mean of alpha does not separate the runs: {m_note}")
-    cal = (Calibration(point, lower, upper, "calibrated", note, runs) if point is not None
-           else fallback(model, quantile, note, runs))
-    return replace(cal, mean_threshold=m_point, mean_note=mean_note)
+    draws = (bootstrap_statistics(runs, tokens, quantile, n_boot, seed)
+             if tokens is not None and all(r.schedule is not None for r in runs) else None)
+    seps = [separation(np.array([getattr(r, key) for r in runs]), None if draws is None else draws[key],
+                       collapsed, what)
+            for key, what in (("tail", "tails"), ("mean", "mean alpha"), ("kv_read", "KV read"))]
+    tail, mean = seps[0], seps[1]
+    mean_note = (f"The mean of alpha separates the runs too: {mean.line()}" if mean.point is not None
+                 else f"The mean of alpha does not separate the runs: {mean.note}")
+    if tail.point is None:
+        cal = fallback(model, quantile, tail.note, runs)
+    elif tail.separating_share is not None and tail.separating_share < MIN_SEPARATING_SHARE:
+        cal = fallback(model, quantile, f"the tails separate the runs as measured but in only "
+                       f"{tail.separating_share:.0%} of the bootstrap draws over prompts", runs)
+    else:
+        cal = Calibration(tail.point, tail.lower, tail.upper, "calibrated", tail.line(), runs)
+    return replace(cal, mean_threshold=mean.point, mean_note=mean_note, separations=seps)
+
+
+def margin_sensitivity(loaded: list[LoadedRun], tokens: ProfileTokens, quantile: float, det: Detectors,
+                       margins: tuple[float, ...] = (0.05, 0.1, 0.15, 0.2)) -> list[str]:
+    """One line per margin (reward and eval margins both set to it): how many runs collapse and whether
+    the tails separate them, and where."""
+    lines = []
+    for m in margins:
+        runs = label_runs(loaded, tokens, quantile, replace(det, reward_margin=m, eval_margin=m))
+        collapsed = np.array([r.collapsed for r in runs])
+        sep = separation(np.array([r.tail for r in runs]), None, collapsed, "tails")
+        verdict = (f"identified set [{sep.identified[0]:.4f}, {sep.identified[1]:.4f}]"
+                   if sep.point is not None else f"no separation ({sep.note})")
+        lines.append(f"margin {m:g}: {int(collapsed.sum())} of {len(runs)} runs collapsed; {verdict}")
+    return lines
 
 
 def _run_files(run_dir: Path) -> tuple[Path, Path]:
@@ -303,11 +432,19 @@ def _config_key(config: dict, with_seed: bool) -> str:
     return json.dumps({k: v for k, v in config.items() if k not in drop}, sort_keys=True)
 
 
-def load_runs(run_dirs: list[Path], mismatch: pa.Table, quantile: float, det: Detectors
-              ) -> list[RunResult]:
-    """Run directories -> labels, tails and means; each sparse run is also judged against the dense run
-    of its configuration and seed among `run_dirs`, when there is one. Every directory is read and
-    checked before any is labelled."""
+@dataclass
+class LoadedRun:
+    """A run directory read and checked: its metrics, schedule, configuration and step-0 eval."""
+
+    name: str
+    metrics: pa.Table
+    schedule: Schedule
+    config: dict
+    initial: InitialEval | None
+
+
+def read_runs(run_dirs: list[Path]) -> list[LoadedRun]:
+    """Every run directory read and checked (before any is labelled)."""
     from sparrow.schemas import ArtifactError, artifact_metadata, read_artifact
 
     loaded = []
@@ -316,25 +453,54 @@ def load_runs(run_dirs: list[Path], mismatch: pa.Table, quantile: float, det: De
         table = read_artifact(metrics_path, "metrics")
         if table.num_rows == 0:
             raise ArtifactError(f"{metrics_path}: the metrics artifact has no steps")
+        meta = artifact_metadata(metrics_path)
         try:
-            config = json.loads(artifact_metadata(metrics_path).get("config") or "{}")
+            config = json.loads(meta.get("config") or "{}")
         except ValueError:
             config = {}
-        loaded.append((run_dir, table, Schedule.from_artifact(schedule_path), config))
-    dense = [(d, t, c) for d, t, _, c in loaded if c.get("sparsity") == "dense"]
+        loaded.append(LoadedRun(str(run_dir), table, Schedule.from_artifact(schedule_path), config,
+                                InitialEval.from_metadata(meta)))
+    return loaded
+
+
+def label_runs(loaded: list[LoadedRun], tokens: ProfileTokens, quantile: float, det: Detectors
+               ) -> list[RunResult]:
+    """Labels, statistics and outcomes; each sparse run is also judged against the dense run of its
+    configuration and seed among `loaded`, when there is one."""
+    dense = [r for r in loaded if r.config.get("sparsity") == "dense"]
     results = []
-    for run_dir, table, schedule, config in loaded:
-        tail, mean, notes = run_statistics(mismatch, schedule, quantile)
-        reasons, reference = collapse_reasons(table, det), None
-        if config and config.get("sparsity") != "dense":
-            same = [(d, t) for d, t, c in dense if _config_key(c, True) == _config_key(config, True)]
-            seeds = [t for _, t, c in dense if _config_key(c, False) == _config_key(config, False)]
+    for run in loaded:
+        alpha, kv_read, notes = tokens.at(run.schedule)
+        start = run.initial.accuracy if run.initial else None
+        reasons, reference, reward_gap = collapse_reasons(run.metrics, det, start_eval=start), None, None
+        gap = run.initial.sampler_gap if run.initial else None
+        if run.config and run.config.get("sparsity") != "dense":
+            same = [d for d in dense if _config_key(d.config, True) == _config_key(run.config, True)]
+            seeds = [d.metrics for d in dense
+                     if _config_key(d.config, False) == _config_key(run.config, False)]
             if same:
-                reference = str(same[0][0])
-                reasons += reference_reasons(table, same[0][1], seeds, config.get("seed", 0), det)
-        results.append(RunResult(str(run_dir), tail, reasons, notes, mismatch_warnings(table, det), mean,
-                                 reference))
+                reference = same[0].name
+                reasons += reference_reasons(run.metrics, same[0].metrics, seeds, run.config.get("seed", 0),
+                                             det, gap)
+                last = pc.max(run.metrics.column("step")).as_py()
+                mine, ref = final_reward(run.metrics, last, det), final_reward(same[0].metrics, last, det)
+                reward_gap = None if mine is None or ref is None else ref - mine
+                if gap is None:
+                    notes = notes + ["no step-0 sampler reward logged: the reward is not compared with the "
+                                     "dense run's"]
+        last_acc = last_eval(run.metrics, pc.max(run.metrics.column("step")).as_py(), det)
+        results.append(RunResult(
+            run.name, tail_of(alpha, tokens.bins, quantile), reasons, notes,
+            mismatch_warnings(run.metrics, det), float(alpha.mean()), reference, float(kv_read.mean()),
+            run.schedule, gap, None if start is None or last_acc is None else last_acc - start, reward_gap,
+            run.config.get("seed"), run.config.get("correction")))
     return results
+
+
+def load_runs(run_dirs: list[Path], mismatch: pa.Table, quantile: float, det: Detectors
+              ) -> list[RunResult]:
+    """Run directories -> labels, statistics and outcomes (read_runs, then label_runs)."""
+    return label_runs(read_runs(run_dirs), ProfileTokens.from_table(mismatch), quantile, det)
 
 
 def threshold_table(cal: Calibration, quantile: float) -> dict[str, list]:

@@ -180,13 +180,14 @@ def _trace(reward_end: float, evals: tuple[float, float], steps: int = 16) -> di
             "eval_accuracy": eval_acc}
 
 
-def _config_run(tmp_path, name, sparsity, seed, trace, budgets=(512, 512)):
+def _config_run(tmp_path, name, sparsity, seed, trace, budgets=(512, 512), meta=None):
     import json
 
     d = tmp_path / name
     config = {"model": "m", "lr": 2e-4, "seed": seed, "sparsity": sparsity, "correction": "tis",
               "prompts_sha256": "abc", "steps": 16}
-    write_artifact(trace, d / "metrics.parquet", "metrics", metadata={"config": json.dumps(config)})
+    write_artifact(trace, d / "metrics.parquet", "metrics",
+                   metadata={"config": json.dumps(config), **(meta or {})})
     write_artifact({"bin": [0, 1], "bin_start": [0, 1024], "bin_end": [1024, None],
                     "budget": [None, None] if sparsity == "dense" else list(budgets), "tail": [None, None],
                     "predicted_step_seconds": [None, None]}, d / "schedule.parquet", "schedule")
@@ -194,8 +195,9 @@ def _config_run(tmp_path, name, sparsity, seed, trace, budgets=(512, 512)):
 
 
 def test_reference_rule_from_its_definition():
-    """Collapsed when the final smoothed reward (mean of the last `window` steps) or the last eval accuracy
-    is below the dense reference's by more than max(floor, range of the dense finals over seeds)."""
+    """Collapsed when the final smoothed reward (mean of the last `window` steps) plus the step-0 sampler
+    gap, or the last eval accuracy, is below the dense reference's by more than max(floor, range of the
+    dense finals over seeds); without a step-0 gap the reward is not compared."""
     import pyarrow as pa
 
     from sparrow.stages.calibrate import Detectors, reference_reasons
@@ -206,16 +208,86 @@ def test_reference_rule_from_its_definition():
     spread = final(0.9) - final(0.7)
     assert spread > det.reward_margin  # so the seed spread, not the floor, sets the margin
     # within the spread: healthy; just beyond it: the reward reason, and nothing about eval (0.65 vs 0.8)
-    within = reference_reasons(pa.table(_trace(0.75, (0.6, 0.75))), dense[0], dense, 0, det)
+    within = reference_reasons(pa.table(_trace(0.75, (0.6, 0.75))), dense[0], dense, 0, det, 0.0)
     assert within == []
-    beyond = reference_reasons(pa.table(_trace(0.1, (0.6, 0.75))), dense[0], dense, 0, det)
+    beyond = reference_reasons(pa.table(_trace(0.1, (0.6, 0.75))), dense[0], dense, 0, det, 0.0)
     assert len(beyond) == 1 and beyond[0].startswith("reward") and "seed spread" in beyond[0]
+    # the same deficit, all of it there at step 0 (the sampler's, not training's): no reason
+    gap = final(0.9) - final(0.1)
+    assert reference_reasons(pa.table(_trace(0.1, (0.6, 0.75))), dense[0], dense, 0, det, gap) == []
+    assert reference_reasons(pa.table(_trace(0.1, (0.6, 0.75))), dense[0], dense, 0, det, None) == []
     # eval: 0.8 - 0.55 = 0.25 > max(0.1, spread of 0.8 and 0.65 = 0.15)
-    worse_eval = reference_reasons(pa.table(_trace(0.9, (0.6, 0.55))), dense[0], dense, 0, det)
+    worse_eval = reference_reasons(pa.table(_trace(0.9, (0.6, 0.55))), dense[0], dense, 0, det, 0.0)
     assert len(worse_eval) == 1 and worse_eval[0].startswith("eval accuracy")
     # one dense run: the floor alone
-    assert reference_reasons(pa.table(_trace(0.9 - 0.09, (0.6, 0.75))), dense[0], dense[:1], 0, det) == []
-    assert reference_reasons(pa.table(_trace(0.9 - 0.2, (0.6, 0.75))), dense[0], dense[:1], 0, det) != []
+    close, far = pa.table(_trace(0.9 - 0.09, (0.6, 0.75))), pa.table(_trace(0.9 - 0.2, (0.6, 0.75)))
+    assert reference_reasons(close, dense[0], dense[:1], 0, det, 0.0) == []
+    assert reference_reasons(far, dense[0], dense[:1], 0, det, 0.0) != []
+
+
+def test_dense_eval_below_its_own_start_is_a_collapse():
+    import pyarrow as pa
+
+    trace = pa.table(_trace(0.8, (0.6, 0.55)))  # eval 0.55 at the end
+    assert collapse_reasons(trace) == []  # no step-0 eval given: the rule cannot apply
+    assert collapse_reasons(trace, start_eval=0.6) == []  # within the 0.1 margin
+    reasons = collapse_reasons(trace, start_eval=0.7)
+    assert len(reasons) == 1 and "fell from 0.700 at step 0 to 0.550" in reasons[0]
+
+
+def test_a_sampler_gap_present_at_step_0_never_labels_a_run(tmp_path):
+    """A sparse run whose reward trails dense by what its sampler already lost at step 0 (the same policy,
+    scored by both samplers before any update) is stable; one whose deficit grew beyond it by more than
+    the margin is collapsed by the reward rule, and says so."""
+    from sparrow.stages.calibrate import Detectors, load_runs
+    from sparrow.stages.train.detectors import InitialEval
+
+    rng = np.random.default_rng(7)
+    prof = tmp_path / "mismatch.parquet"
+    write_artifact(synthetic_mismatch(rng), prof, "mismatch")
+    start = InitialEval(accuracy=0.6, accuracy_sparse=0.3, reward=0.5, reward_sparse=0.2)  # gap 0.3
+    dense = _config_run(tmp_path, "dense-0", "dense", 0, _trace(0.9, (0.6, 0.8)),
+                        meta=InitialEval(0.6, None, 0.5).metadata())
+    kept = _config_run(tmp_path, "kept-gap", "budget:64", 0, _trace(0.6, (0.6, 0.8)), (64, 64),
+                       meta=start.metadata())
+    grew = _config_run(tmp_path, "grew", "budget:64", 0, _trace(0.4, (0.6, 0.8)), (64, 64),
+                       meta=start.metadata())
+    runs = load_runs([dense, kept, grew], read_artifact(prof, "mismatch"), 0.05, Detectors())
+    by = {Path(r.name).name: r for r in runs}
+    assert not by["kept-gap"].collapsed and by["kept-gap"].sampler_gap == pytest.approx(0.3)
+    assert by["grew"].collapsed and by["grew"].reasons[0].startswith("reward")
+    assert "step-0 sampler gap 0.300" in by["grew"].reasons[0]
+    assert by["kept-gap"].eval_change == pytest.approx(0.2)
+    final = lambda end: np.mean((0.05 + (end - 0.05) * np.arange(16) / 15)[-Detectors().window:])
+    assert by["kept-gap"].reward_gap == pytest.approx(final(0.9) - final(0.6))
+
+
+def test_profile_tokens_from_the_definition():
+    """Each token's alpha at a schedule is its profiled alpha at the largest profiled budget not above the
+    scheduled one (1 where dense); the KV read is min(1, budget / position); a bootstrap draw takes whole
+    prompts with replacement and tokens within each."""
+    import pyarrow as pa
+
+    from sparrow.stages.calibrate import ProfileTokens
+
+    rows = synthetic_mismatch(np.random.default_rng(8))
+    n = len(rows["alpha"]) // len(BUDGETS)
+    rows["prompt_id"] = [f"p{i % 7}" for i in range(n)] * len(BUDGETS)
+    tokens = ProfileTokens.from_table(pa.table(rows))
+    d = pa.table(rows).to_pandas()
+    schedule = Schedule((0, 1024), (100, 0))  # 100 is not profiled: 64's alpha; the second bin dense
+    alpha, kv, notes = tokens.at(schedule)
+    want = d[d.budget == 64].sort_values(["prompt_id", "sample", "position"])
+    expect_alpha = np.where(want.position < 1024, want.alpha, 1.0)
+    expect_kv = np.where(want.position < 1024, np.minimum(1, 100 / np.maximum(want.position, 1)), 1.0)
+    assert np.allclose(alpha, expect_alpha) and np.allclose(kv, expect_kv)
+    assert notes and "not profiled" in notes[0]
+    sizes = np.bincount(tokens.prompt)
+    for seed in range(5):
+        idx = tokens.resample(np.random.default_rng(seed))
+        counts = np.bincount(tokens.prompt[idx], minlength=len(sizes))
+        assert len(idx) == len(tokens.prompt) or np.all(counts % sizes == 0)
+        assert np.all(counts % sizes == 0)  # every drawn prompt brings as many tokens as it has
 
 
 def test_runs_are_judged_against_the_dense_run_of_their_seed(tmp_path):
@@ -245,10 +317,15 @@ def test_runs_are_judged_against_the_dense_run_of_their_seed(tmp_path):
     assert by["low-1"].reference.endswith("dense-1")
     assert not by["high-0"].collapsed and not by["dense-0"].collapsed
     assert all(r.warnings for r in results)  # mismatch KL: warned, never a label
-    cal = calibrate(results, n_boot=200)
+    from sparrow.stages.calibrate import ProfileTokens
+
+    assert calibrate(results, n_boot=200).lower is None  # no profile to resample: no interval
+    cal = calibrate(results, n_boot=200, tokens=ProfileTokens.from_table(mm))
     assert cal.source == "calibrated"
     lo, hi = max(by[f"low-{s}"].tail for s in (0, 1)), min(by[f"high-{s}"].tail for s in (0, 1))
-    assert lo < cal.lower <= cal.threshold <= cal.upper < hi
+    assert cal.separations[0].identified == (lo, hi)
+    assert lo < cal.lower < cal.upper < hi  # the draws move the tails, within the gap here
+    assert cal.separations[0].separating_share == 1.0
     assert cal.threshold == pytest.approx((lo + hi) / 2)
     assert cal.mean_threshold is not None and "separates" in cal.mean_note
 

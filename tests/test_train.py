@@ -353,6 +353,18 @@ def test_per_token_logs(tiny_llama, vowel_prompts, tmp_path):
     assert all(0 <= r["alpha_top20_lb"] <= 1 for r in table)
     metrics = _metrics(tmp_path / "run")[0]
     assert metrics["mean_budget"] > 0 and metrics["alpha_lb_p5"] <= metrics["alpha_lb_mean"]
+    # exact alpha on the subsample (4 of the 6 sequences, every token of each): never below the top-20 bound
+    exact = [r for r in table if r["alpha"] is not None]
+    assert len(exact) == 4 * 10 and len({r["sample"] + 10 * int(r["prompt_id"].split("-")[1])
+                                         for r in exact}) == 4
+    assert all(r["alpha"] >= r["alpha_top20_lb"] - 1e-4 for r in exact)
+    p5 = float(np.quantile([r["alpha"] for r in exact], 0.05))  # one position bin here
+    assert metrics["alpha_p5"] == pytest.approx(p5, abs=1e-5) and metrics["alpha_p5_by_bin"] == [
+        pytest.approx(p5, abs=1e-5)]
+    # step 0: both samplers scored the base policy; the gap is theirs
+    meta = artifact_metadata(tmp_path / "run" / "metrics.parquet")
+    gap = float(meta["initial_eval_reward"]) - float(meta["initial_eval_reward_sparse"])
+    assert float(meta["initial_sampler_gap"]) == pytest.approx(gap)
     # what calibrate-threshold reads from a run directory: the schedule it sampled with, the label
     assert Schedule.from_artifact(tmp_path / "run" / "schedule.parquet") == Schedule((0,), (48,))
     table = read_artifact(tmp_path / "run" / "metrics.parquet", "metrics")

@@ -32,7 +32,7 @@ runner = CliRunner()
 def metrics(run, evals: bool = True) -> list[dict]:
     """The metrics rows without timings (and without eval accuracies: a shorter run evaluates after its own
     last step, which a longer run does not)."""
-    drop = TIMING | (set() if evals else {"eval_accuracy", "eval_accuracy_sparse"})
+    drop = TIMING | (set() if evals else {"eval_accuracy", "eval_accuracy_sparse", "sampler_gap"})
     return [{k: v for k, v in r.items() if k not in drop}
             for r in read_artifact(run / "metrics.parquet", "metrics").to_pylist()]
 

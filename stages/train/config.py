@@ -47,6 +47,7 @@ class TrainConfig:
     distill_kl_coef: float = 0.001  # published k3 coefficient
     raw_prompts: bool = False  # text prompts tokenized as they are, without the model's chat template
     oversample: int = 0  # k' > samples: roll out k' per prompt, keep the `samples` of highest mean alpha
+    alpha_sequences: int = 4  # sequences per step whose alpha is computed exactly (exact_alpha.py); 0: none
     # what the run reads, by content (filled by the Trainer; run_dir.py): a resume must read the same
     prompts_sha256: str = ""
     eval_prompts_sha256: str = ""
@@ -67,6 +68,8 @@ class TrainConfig:
             raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
         if self.lr <= 0:
             raise ValueError(f"--lr must be positive, got {self.lr}")
+        if self.alpha_sequences < 0:
+            raise ValueError(f"--alpha-sequences must be >= 0 (0 = none), got {self.alpha_sequences}")
         if self.lora_rank < 0:
             raise ValueError(f"--lora-rank must be >= 0 (0 = full fine-tuning), got {self.lora_rank}")
         if self.kl_coef < 0:

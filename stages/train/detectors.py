@@ -1,7 +1,9 @@
 """Collapse detectors: what training did to a run, read from its per-step metrics.
 
-A run is labelled by its own reward falling from its best, an exploding gradient norm, an entropy
-blow-up, or a surge in truncation or repetition; the mismatch KL is a warning, never the label
+A run is labelled by its dense held-out accuracy falling below its own start, its own reward falling
+from its best, an exploding gradient norm, an entropy blow-up, or a surge in truncation or repetition;
+a gap between the dense and the sparse sampler's reward that was there at step 0 is the sampler's, not
+training's (`InitialEval.sampler_gap`), and never a reason; the mismatch KL is a warning, never the label
 (`calibrate-threshold` fits the threshold to these labels, so a label made of mismatch would be circular).
 """
 
@@ -46,10 +48,15 @@ def metric(metrics: pa.Table, name: str) -> np.ndarray | None:
     return x if len(x) else None
 
 
-def collapse_reasons(metrics: pa.Table, det: Detectors = Detectors()) -> list[str]:
-    """Why a run collapsed ([] = stable)."""
+def collapse_reasons(metrics: pa.Table, det: Detectors = Detectors(), start_eval: float | None = None
+                     ) -> list[str]:
+    """Why a run collapsed ([] = stable). `start_eval`: the dense held-out accuracy before any update."""
     metrics = metrics.sort_by("step")
     w, reasons = det.window, []
+    if start_eval is not None and (e := metric(metrics, "eval_accuracy")) is not None:
+        if e[-1] < start_eval - det.eval_margin:
+            reasons.append(f"dense eval accuracy fell from {start_eval:.3f} at step 0 to {e[-1]:.3f} (more "
+                           f"than {det.eval_margin:g})")
     if (r := metric(metrics, "reward_mean")) is not None:
         s = smooth(r, w)
         best, final = s.max(), s[-1]
@@ -89,3 +96,37 @@ def mismatch_warnings(metrics: pa.Table, det: Detectors = Detectors()) -> list[s
             return [f"mismatch KL reached {peak:.3g} (smoothed; warning level {det.mismatch_kl_limit:g}, "
                     "a diagnostic, not a collapse)"]
     return []
+
+
+@dataclass(frozen=True)
+class InitialEval:
+    """Step 0, before any update, on the held-out prompts: greedy accuracy and sampled reward (the run's
+    samples per prompt and temperature) of the dense sampler and, for a sparse run, of the run's sampler.
+    The gap between the two rewards is the sampler's own (`sampler_gap`): present before training did
+    anything, so a collapse label never counts it."""
+
+    accuracy: float
+    accuracy_sparse: float | None = None
+    reward: float | None = None
+    reward_sparse: float | None = None
+
+    @property
+    def sampler_gap(self) -> float | None:
+        """Dense reward minus the run's sampler's (0 for a dense run)."""
+        if self.reward is None:
+            return None
+        return 0.0 if self.reward_sparse is None else self.reward - self.reward_sparse
+
+    def metadata(self) -> dict[str, float]:
+        return {k: v for k, v in {
+            "initial_eval_accuracy": self.accuracy, "initial_eval_accuracy_sparse": self.accuracy_sparse,
+            "initial_eval_reward": self.reward, "initial_eval_reward_sparse": self.reward_sparse,
+            "initial_sampler_gap": self.sampler_gap}.items() if v is not None}
+
+    @classmethod
+    def from_metadata(cls, meta: dict) -> InitialEval | None:
+        get = lambda k: None if meta.get(k) in (None, "") else float(meta[k])
+        if get("initial_eval_accuracy") is None:
+            return None
+        return cls(get("initial_eval_accuracy"), get("initial_eval_accuracy_sparse"),
+                   get("initial_eval_reward"), get("initial_eval_reward_sparse"))

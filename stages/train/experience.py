@@ -34,6 +34,8 @@ class Scores:
     budgets: Tensor  # [N, T] int32, the budget each token was sampled at (0: dense)
     alpha_lb: Tensor  # [N, T] the top-20 lower bound of alpha (0 at padding)
     ref: Tensor | None  # [N, T] the reference policy's logprobs (with a KL term)
+    alpha: Tensor | None = None  # [N, T] exact alpha of a subsample of sequences, NaN elsewhere
+    # (exact_alpha.py; None: a dense sampler, or not computed)
 
     @property
     def log_ratio(self) -> Tensor:

@@ -19,7 +19,7 @@ from .distributed import World, init_world, shutdown_world
 from .run_dir import check_run_dir, with_fingerprints
 from .trainer import RunOptions, Trainer
 
-MEANS = ("mismatch_kl", "alpha_lb_p5", "masked_fraction", "vetoed_fraction", "rollout_seconds",
+MEANS = ("mismatch_kl", "alpha_p5", "alpha_lb_p5", "masked_fraction", "vetoed_fraction", "rollout_seconds",
          "scoring_seconds", "update_seconds", "weight_sync_seconds")
 
 
@@ -108,6 +108,8 @@ def summary_record(history: list[dict], s: dict) -> dict:
     return {**{k: s[k] for k in ("steps", "reward_first", "reward_last", "initial_eval_accuracy",
                                  "final_eval_accuracy")},
             **({"final_eval_accuracy_sparse": sparse_eval} if sparse_eval is not None else {}),
+            **({"initial_sampler_gap": s["initial_sampler_gap"]} if s.get("initial_sampler_gap") is not None
+               else {}),
             "skipped_updates": s.get("skipped_updates", 0), **{f"mean_{k}": mean(k) for k in MEANS},
             "label": s["label"], "first_collapse_step": s["first_collapse_step"],
             "reasons": "; ".join(s["reasons"]), "warnings": "; ".join(s.get("warnings", [])),

@@ -21,7 +21,7 @@ from ..core.schedule import Schedule
 from . import corrections as rc
 from . import objective as grpo
 from .config import TrainConfig
-from .detectors import collapse_reasons, mismatch_warnings, signal_warnings
+from .detectors import InitialEval, collapse_reasons, mismatch_warnings, signal_warnings
 from .experience import Experience
 
 
@@ -61,6 +61,7 @@ def metrics_row(run_id: str, exp: Experience, update: dict, update_seconds: floa
         "masked_fraction": correction.stats["masked_fraction"],
         "vetoed_fraction": correction.stats["vetoed_fraction"],
         "alpha_lb_mean": float(alpha.mean()), "alpha_lb_p5": float(torch.quantile(alpha, TAIL_QUANTILE)),
+        **exact_alpha_stats(exp, cfg.bin_width),
         "mean_budget": float(s.budgets[mask].float().mean()),
         "truncation_rate": float(np.mean([c.finish_reason == "length" for c in flat])),
         "repetition_rate": float(np.mean([repetition(c.token_ids) for c in flat])),
@@ -90,14 +91,34 @@ def _positions(exp: Experience) -> Tensor:
     return prompt_len[:, None] + torch.arange(exp.scores.mask.shape[1])[None, :]
 
 
-def alpha_tail(exp: Experience, bin_width: int) -> list[float | None]:
-    """The p5 of the top-20 alpha lower bound per position bin (index = bin; None where a bin has no
-    token), binned as the mismatch log bins positions."""
+def alpha_tail(exp: Experience, bin_width: int, exact: bool = False) -> list[float | None]:
+    """The p5 of alpha per position bin (index = bin; None where a bin has no token), binned as the
+    mismatch log bins positions: of the top-20 lower bound, or with `exact` of the exact alpha of the
+    subsample that has it."""
     mask = exp.scores.mask
+    values = exp.scores.alpha if exact else exp.scores.alpha_lb
+    if exact:
+        mask = mask & ~values.isnan()
     bins = (_positions(exp) // bin_width)[mask]
-    alpha = exp.scores.alpha_lb[mask]
+    alpha = values[mask]
     return [float(torch.quantile(alpha[bins == b], TAIL_QUANTILE)) if bool((bins == b).any())
             else None for b in range(int(bins.max()) + 1)] if len(alpha) else []
+
+
+def exact_alpha_stats(exp: Experience, bin_width: int) -> dict:
+    """alpha_mean, alpha_p5 (the min over bins of the per-bin p5: the tail the criterion reads) and
+    alpha_p5_by_bin of the exactly scored tokens; 1 for a dense sampler, None where none was scored."""
+    s = exp.scores
+    if s.alpha is None:
+        dense = bool((s.budgets[s.mask] == 0).all())
+        one = 1.0 if dense else None
+        return {"alpha_mean": one, "alpha_p5": one, "alpha_p5_by_bin": None}
+    values = s.alpha[s.mask & ~s.alpha.isnan()]
+    if not len(values):
+        return {"alpha_mean": None, "alpha_p5": None, "alpha_p5_by_bin": None}
+    by_bin = alpha_tail(exp, bin_width, exact=True)
+    return {"alpha_mean": float(values.mean()), "alpha_p5": min(t for t in by_bin if t is not None),
+            "alpha_p5_by_bin": by_bin}
 
 
 def write_mismatch(run_dir: Path, exp: Experience, cfg: TrainConfig) -> None:
@@ -117,6 +138,8 @@ def write_mismatch(run_dir: Path, exp: Experience, cfg: TrainConfig) -> None:
         "logp_dense": s.logp[seq, pos_in].clamp(max=0).tolist(),
         "log_ratio": log_ratio.tolist(), "k3": grpo.k3(-log_ratio).clamp(min=0).tolist(),
         "alpha_top20_lb": s.alpha_lb[seq, pos_in].clamp(0, 1).tolist(),
+        "alpha": [None] * len(rows) if s.alpha is None else
+        [None if a != a else a for a in s.alpha[seq, pos_in].clamp(0, 1).tolist()],
         "weight": correction.weights[seq, pos_in].tolist(),
         "masked": (~correction.mask[seq, pos_in]).tolist(), "vetoed": correction.vetoed[seq].tolist(),
     }
@@ -124,9 +147,10 @@ def write_mismatch(run_dir: Path, exp: Experience, cfg: TrainConfig) -> None:
                    metadata={"bin_width": cfg.bin_width, "sparsity": cfg.sparsity})
 
 
-def collapse(history: list[dict]) -> str | None:
+def collapse(history: list[dict], initial: InitialEval | None = None) -> str | None:
     """The collapse reasons that hold for the run so far (the run's label is those of its last step)."""
-    return "; ".join(collapse_reasons(pa.Table.from_pylist(history))) or None
+    start = initial.accuracy if initial else None
+    return "; ".join(collapse_reasons(pa.Table.from_pylist(history), start_eval=start)) or None
 
 
 def label(history: list[dict]) -> dict:
@@ -145,11 +169,11 @@ def label(history: list[dict]) -> dict:
             "first_collapse_step": first, "warnings": warnings}
 
 
-def write_metrics(run_dir: Path, history: list[dict], cfg: TrainConfig, initial_eval: float | None) -> None:
+def write_metrics(run_dir: Path, history: list[dict], cfg: TrainConfig, initial: InitialEval | None) -> None:
     run = label(history)
     meta = {"config": json.dumps(asdict(cfg)), "label": run["label"],
             "reasons": "; ".join(run["reasons"]), "first_collapse_step": run["first_collapse_step"],
-            "warnings": "; ".join(run["warnings"]) or None, "initial_eval_accuracy": initial_eval}
+            "warnings": "; ".join(run["warnings"]) or None, **(initial.metadata() if initial else {})}
     meta = {k: v for k, v in meta.items() if v is not None}
     write_artifact(history, run_dir / "metrics.parquet", "metrics", metadata=meta)
 

@@ -26,7 +26,9 @@ from . import objective as grpo
 from .checkpoint import drop_mismatch_after, load_checkpoint, rng_states, save_checkpoint, set_rng_states
 from .config import TrainConfig, kv_policy
 from .data import PromptRow, epoch_order
+from .detectors import InitialEval
 from .distributed import World, current_world, data_parallel
+from .exact_alpha import exact_alpha
 from .experience import TOP_LOGPROBS, Experience, rejection_generator, score, select_oversampled
 from .metrics import (
     collapse,
@@ -88,7 +90,7 @@ class Trainer:
         self.loss_cfg = grpo.LossConfig(correction=config.correction, kl_coef=config.kl_coef, **config.loss)
         self.history: list[dict] = []
         self.step = 0
-        self.initial_eval: float | None = None
+        self.initial_eval: InitialEval | None = None
         check_run_dir(self.run_dir, config, opts.resume, opts.force)
         self.start_over = opts.force
         self.applying = False  # inside a step's update and writes: an interrupt there leaves no checkpoint
@@ -133,7 +135,7 @@ class Trainer:
                 self._write_schedule()
                 if self.eval_prompts:
                     self.on_phase("initial eval")
-                    self.initial_eval = self.evaluate()
+                    self.initial_eval = self.evaluate_start()
             while self.step < self.cfg.steps:
                 row = self.train_step()
                 if trackers is not None:
@@ -193,6 +195,9 @@ class Trainer:
         t1 = time.perf_counter()
         self.on_phase("scoring")
         scores = score(self.model, completions, cfg, self.world, self.reference)
+        if self.policy.sparse and cfg.alpha_sequences and not cfg.distill_sparse and self.world.main:
+            scores.alpha = exact_alpha(self.model, completions, self.policy, cfg.alpha_sequences, cfg.seed,
+                                       step, cfg.temperature, scores.mask.shape[1])
         t_score = time.perf_counter() - t1
         selection = None
         if cfg.oversample:
@@ -239,27 +244,41 @@ class Trainer:
             row["eval_accuracy"] = self.evaluate()
             if self.policy.sparse:  # the run's sampler too
                 row["eval_accuracy_sparse"] = self.evaluate(sparse=True)
+                row["sampler_gap"] = row["eval_accuracy"] - row["eval_accuracy_sparse"]
         self.history.append(row)
-        row["collapse"] = collapse(self.history)
+        row["collapse"] = collapse(self.history, self.initial_eval)
         if self.world.main:
             write_mismatch(self.run_dir, exp, cfg)
             write_metrics(self.run_dir, self.history, cfg, self.initial_eval)
         self.rng_at_step = rng_states()
         return row
 
-    def evaluate(self, sparse: bool = False) -> float:
+    def evaluate(self, sparse: bool = False, sampled: bool = False) -> float:
         """Accuracy of greedy completions of the eval prompts (reward 1 counts as correct), dense or, with
-        `sparse`, under the run's sparsity (the released recipe validates under both)."""
-        params = SamplingParams(max_new_tokens=self.cfg.max_new_tokens, temperature=0.0)
+        `sparse`, under the run's sparsity (the released recipe validates under both); with `sampled`, the
+        mean reward of the run's samples per prompt at its temperature instead (one seed, no training
+        step's, for both samplers, so their gap is not the seeds')."""
+        cfg = self.cfg
+        params = (SamplingParams(max_new_tokens=cfg.max_new_tokens, n=cfg.samples,
+                                 temperature=cfg.temperature, seed=cfg.seed * 1_000_003 + 1_000_002,
+                                 ignore_eos=cfg.ignore_eos) if sampled
+                  else SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=0.0))
         self.model.eval()
         rows = self.eval_prompts
-        engine = self.rollouts.run_engine(self.cfg.prompts_per_step, self.cfg.oversample or self.cfg.samples)
+        engine = self.rollouts.run_engine(cfg.prompts_per_step, cfg.oversample or cfg.samples)
         out = engine.generate([r.token_ids for r in rows], params,
                               policy=self.policy if sparse else Dense())
         tok = self.loaded.tokenizer
-        rewards = score_batch([(r.task, tok.decode(o[0].token_ids, skip_special_tokens=True), r.answer,
-                                r.metadata) for r, o in zip(rows, out)])
-        return float(np.mean([x >= 1.0 - 1e-9 for x in rewards]))
+        rewards = score_batch([(r.task, tok.decode(c.token_ids, skip_special_tokens=True), r.answer,
+                                r.metadata) for r, group in zip(rows, out) for c in group[:params.n]])
+        return float(np.mean(rewards) if sampled else np.mean([x >= 1.0 - 1e-9 for x in rewards]))
+
+    def evaluate_start(self) -> InitialEval:
+        """Step 0: the dense and the run's sampler, greedy and sampled (InitialEval)."""
+        sparse = self.policy.sparse
+        return InitialEval(self.evaluate(), self.evaluate(sparse=True) if sparse else None,
+                           self.evaluate(sampled=True),
+                           self.evaluate(sparse=True, sampled=True) if sparse else None)
 
     # ------------------------------------------------------------------ what the run leaves
 
@@ -275,7 +294,8 @@ class Trainer:
         out = {"steps": len(h), **label(h),
                "reward_first": h[0]["reward_mean"] if h else None,
                "reward_last": h[-1]["reward_mean"] if h else None,
-               "initial_eval_accuracy": self.initial_eval,
+               "initial_eval_accuracy": self.initial_eval.accuracy if self.initial_eval else None,
+               "initial_sampler_gap": self.initial_eval.sampler_gap if self.initial_eval else None,
                "final_eval_accuracy": next((r["eval_accuracy"] for r in reversed(h)
                                            if r.get("eval_accuracy") is not None), None),
                "final_eval_accuracy_sparse": next((r["eval_accuracy_sparse"] for r in reversed(h)
@@ -323,7 +343,8 @@ class Trainer:
             self.sparse_history = sparse["history"]
         set_rng_states(state)
         self.step, self.history = state["step"], state["history"]
-        self.initial_eval = state["initial_eval"]
+        initial = state["initial_eval"]  # a checkpoint of an older run holds the dense accuracy alone
+        self.initial_eval = InitialEval(initial) if isinstance(initial, float) else initial
         if self.world.main:
             drop_mismatch_after(self.run_dir, self.step)
             write_metrics(self.run_dir, self.history, self.cfg, self.initial_eval)

@@ -1,0 +1,397 @@
+"""The tail criterion put to a test: does training stability track the tail of alpha, its mean, or the budget?
+
+One position bin makes tail, mean and budget one variable. Here the prompts come in two lengths (passkey
+at --contexts tokens, half each), so their answers fall in two position bins of --bin-width, and a
+schedule gives each bin its own budget (non-decreasing: the short prompts' bin at most the long
+ones'). From one profile the bench picks schedules whose tails differ at a similar mean alpha and whose
+means differ at a similar tail (`designs`), trains each without a correction and with TIS, three seeds,
+plus dense, for --steps, and labels every run by what training did to it (stages/calibrate.py: the dense
+held-out accuracy against its own start and against the dense run of its seed, its own curves, and its
+reward once the sampler's own step-0 gap is added back; never its mismatch). Then:
+
+- `matrix`: the base model and the final policies of dense and of two designs, each scored under the
+  dense sampler and block top-k at several budgets on the held-out prompts (sampled reward and greedy
+  accuracy), so a run's reward gap is split into the policy's part and the sampler's;
+- `sparrow calibrate-threshold` on all runs: identified set, interval over prompts, the mean's and the
+  KV read's verdicts, the labels under other margins;
+- `figure`: the reward gap and the dense-eval change against tail, mean and KV read, every run, seeds
+  marked (docs/tail-test.png with --figure).
+
+Every stage is a file or a run directory under --out and is skipped when complete (a run stopped midway
+resumes from its checkpoint; a finished run is reused while its settings agree), so the same command
+continues a stopped bench. `--phase` stops after a phase; `--parallel 2` trains two runs at a time.
+
+    .venv/bin/python bench/tail_test.py --parallel 2          # everything (several hours on 2 cores)
+    .venv/bin/python bench/tail_test.py --phase designs       # prompts, profile, the chosen schedules
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from itertools import combinations_with_replacement
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+
+SPARROW = str(Path(sys.executable).with_name("sparrow"))
+PHASES = ("designs", "train", "matrix", "calibrate", "figure")
+
+
+def sparrow(*args: str) -> None:
+    print("$ sparrow " + " ".join(args), flush=True)
+    subprocess.run([SPARROW, *args], check=True)
+
+
+# ---------------------------------------------------------------- prompts, profile, designs
+
+
+def prompt_files(args, out: Path) -> tuple[Path, Path]:
+    """Train and held-out prompts, half at each context length (seeds 0 and 1: disjoint sets)."""
+    from sparrow.schemas import write_artifact
+    from sparrow.stages.model.loading import load_model
+    from sparrow.stages.tasks import make_prompts
+
+    train, held_out = out / "prompts.parquet", out / "eval-prompts.parquet"
+    if not (train.exists() and held_out.exists()):
+        tok = load_model(args.model).tokenizer
+        contexts = [int(c) for c in args.contexts.split(",")]
+        for path, n, seed in ((train, args.train_prompts, 0), (held_out, args.eval_prompts, 1)):
+            rows = []
+            for i, context in enumerate(contexts):
+                rows += make_prompts("passkey", n // len(contexts), seed * 100 + i, tok,
+                                     context_tokens=context)
+            order = np.random.default_rng(seed).permutation(len(rows))  # lengths mixed in every step
+            write_artifact([rows[i] for i in order], path, "prompts")
+    return train, held_out
+
+
+def profile(args, out: Path, prompts: Path) -> Path:
+    path = out / "mismatch.parquet"
+    if not path.exists():
+        sparrow("profile", "--model", args.model, "--prompts", str(prompts), "--budgets", args.budgets,
+                "--samples", str(args.samples), "--max-new-tokens", str(args.max_new_tokens),
+                "--bin-width", str(args.bin_width), "--seed", "0", "-o", str(path), "--threads",
+                str(args.threads))
+    return path
+
+
+@dataclass(frozen=True)
+class Design:
+    """A two-bin schedule (0 = dense) and its statistics on the profile."""
+
+    budgets: tuple[int, int]
+    tail: float
+    mean: float
+    kv_read: float
+
+    @property
+    def name(self) -> str:
+        return "s" + "-".join(str(b or "dense") for b in self.budgets)
+
+
+def candidates(args, mismatch: Path) -> list[Design]:
+    """Every non-decreasing pair of profiled budgets (and dense) for the two bins, with its statistics."""
+    from sparrow.schemas import read_artifact
+    from sparrow.stages.calibrate import ProfileTokens, tail_of
+    from sparrow.stages.core.definitions import TAIL_QUANTILE
+    from sparrow.stages.core.schedule import Schedule
+
+    tokens = ProfileTokens.from_table(read_artifact(mismatch, "mismatch"))
+    levels = [*(int(b) for b in args.budgets.split(",")), 0]
+    out = []
+    for b0, b1 in combinations_with_replacement(levels, 2):
+        if b1 == 0 and b0 == 0:
+            continue
+        alpha, kv, _ = tokens.at(Schedule((0, args.bin_width), (b0, b1)))
+        out.append(Design((b0, b1), tail_of(alpha, tokens.bins, TAIL_QUANTILE), float(alpha.mean()),
+                          float(kv.mean())))
+    return out
+
+
+def choose(designs: list[Design], most_aggressive: int) -> list[Design]:
+    """Schedules that pull tail and mean apart: the pair with the most different tails at mean alpha
+    within 0.02, the pair with the most different means at tails within 0.03, and the uniform schedule at
+    the smallest budget (the most aggressive, to see an instability if there is one)."""
+    chosen: list[Design] = []
+    pairs = [(a, b) for i, a in enumerate(designs) for b in designs[i + 1:]]
+    for key, other, tol in (("tail", "mean", 0.02), ("mean", "tail", 0.03)):
+        close = [p for p in pairs if abs(getattr(p[0], other) - getattr(p[1], other)) <= tol]
+        a, b = max(close, key=lambda p: abs(getattr(p[0], key) - getattr(p[1], key)))
+        chosen += [d for d in (a, b) if d not in chosen]
+    uniform = next(d for d in designs if d.budgets == (most_aggressive, most_aggressive))
+    return chosen + ([uniform] if uniform not in chosen else [])
+
+
+def designs(args, out: Path, mismatch: Path) -> list[tuple[Design, Path]]:
+    """The chosen schedules (out/designs.json, written once so a resumed bench trains the same ones)."""
+    from sparrow.stages.core.schedule import Schedule
+    from sparrow.stages.train.metrics import write_schedule
+
+    path = out / "designs.json"
+    if not path.exists():
+        picked = choose(candidates(args, mismatch), int(args.budgets.split(",")[0]))
+        path.write_text(json.dumps([d.__dict__ for d in picked], indent=1))
+    picked = [Design(tuple(d["budgets"]), d["tail"], d["mean"], d["kv_read"])
+              for d in json.loads(path.read_text())]
+    made = []
+    for d in picked:
+        folder = out / "schedules" / d.name
+        if not (folder / "schedule.parquet").exists():
+            write_schedule(folder, Schedule((0, args.bin_width), d.budgets), f"tail test design {d.name}")
+        made.append((d, folder / "schedule.parquet"))
+        print(f"design {d.name}: tail {d.tail:.3f}, mean alpha {d.mean:.3f}, KV read {d.kv_read:.3f}")
+    return made
+
+
+# ---------------------------------------------------------------- training
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    name: str
+    sparsity: str
+    correction: str
+    seed: int
+
+    def folder(self, out: Path) -> Path:
+        return out / "runs" / f"{self.name}-{self.correction}-seed{self.seed}"
+
+
+def run_specs(args, made: list[tuple[Design, Path]]) -> list[RunSpec]:
+    """Seed-major, so a bench stopped early holds whole seeds: dense, then every design x correction."""
+    specs = []
+    for seed in (int(s) for s in args.seeds.split(",")):
+        specs.append(RunSpec("dense", "dense", args.corrections.split(",")[-1], seed))
+        for correction in args.corrections.split(","):
+            specs += [RunSpec(d.name, f"schedule:{path}", correction, seed) for d, path in made]
+    return specs
+
+
+def finished(args, folder: Path) -> bool:
+    metrics = folder / "metrics.parquet"
+    return metrics.exists() and pq.read_metadata(metrics).num_rows >= args.steps
+
+
+def train_command(args, spec: RunSpec, prompts: Path, held_out: Path, out: Path) -> list[str]:
+    folder = spec.folder(out)
+    resume = (folder / "checkpoint").exists()
+    return [SPARROW, "train", "--model", args.model, "--prompts", str(prompts),
+            "--eval-prompts", str(held_out), "--steps", str(args.steps),
+            "--prompts-per-step", str(args.prompts_per_step), "--samples", str(args.samples),
+            "--max-new-tokens", str(args.max_new_tokens), "--lr", str(args.lr),
+            "--lora-rank", str(args.lora_rank), "--seed", str(spec.seed), "--correction", spec.correction,
+            "--eval-every", str(args.eval_every), "--checkpoint-every", str(args.checkpoint_every),
+            "--bin-width", str(args.bin_width), "--alpha-sequences", str(args.alpha_sequences),
+            *(["--schedule", spec.sparsity.removeprefix("schedule:")] if spec.sparsity != "dense" else []),
+            "--threads", "1", "-o", str(folder), "--format", "tsv",
+            *(["--resume"] if resume else ["--force"])]
+
+
+def train_all(args, specs: list[RunSpec], prompts: Path, held_out: Path, out: Path) -> None:
+    """Every unfinished run, --parallel at a time, each its own process at one thread (logs beside it)."""
+    todo = [s for s in specs if not finished(args, s.folder(out))]
+    print(f"{len(specs) - len(todo)} of {len(specs)} runs done; {len(todo)} to train", flush=True)
+    running: list[tuple[RunSpec, subprocess.Popen, float]] = []
+    while todo or running:
+        while todo and len(running) < args.parallel:
+            spec = todo.pop(0)
+            folder = spec.folder(out)
+            folder.parent.mkdir(parents=True, exist_ok=True)
+            log = open(folder.parent / f"{folder.name}.log", "a")
+            print(f"== {folder.name}", flush=True)
+            running.append((spec, subprocess.Popen(train_command(args, spec, prompts, held_out, out),
+                                                   stdout=log, stderr=subprocess.STDOUT), time.time()))
+        time.sleep(5)
+        for item in list(running):
+            spec, proc, t0 = item
+            if proc.poll() is not None:
+                running.remove(item)
+                status = "done" if proc.returncode == 0 else f"failed ({proc.returncode}; see its .log)"
+                print(f"   {spec.folder(out).name}: {status} in {time.time() - t0:.0f} s", flush=True)
+                if proc.returncode != 0:
+                    raise SystemExit(proc.returncode)
+
+
+# ---------------------------------------------------------------- the sampler-versus-learning matrix
+
+
+def policy_model(args, folder: Path | None):
+    """The base model, or a run's final policy (its LoRA from the last checkpoint)."""
+    import torch
+
+    from sparrow.stages.model.adapter import add_lora, load_lora_state
+    from sparrow.stages.model.loading import load_model
+
+    loaded = load_model(args.model)
+    if folder is not None:
+        state = torch.load(folder / "checkpoint" / "state.pt", weights_only=False)
+        add_lora(loaded.model, args.lora_rank, 32.0)
+        load_lora_state(loaded.model, state["weights"])
+    return loaded
+
+
+def matrix(args, out: Path, held_out: Path, made: list[tuple[Design, Path]], specs: list[RunSpec]) -> Path:
+    """out/matrix.parquet: one row per (policy, sampler): the sampled reward (--samples per prompt) and
+    the greedy accuracy on the held-out prompts."""
+    import torch
+
+    from sparrow.schemas import read_artifact
+    from sparrow.stages.engine import Engine, EngineConfig, SamplingParams
+    from sparrow.stages.kv_policies import BlockTopK, Dense
+    from sparrow.stages.tasks import score_batch
+
+    path = out / "matrix.parquet"
+    rows = pq.read_table(path).to_pylist() if path.exists() else []
+    done = {(r["policy"], r["sampler"]) for r in rows}
+    by_tail = sorted(made, key=lambda m: m[0].tail)
+    keep = {"dense"} | {by_tail[0][0].name, by_tail[len(by_tail) // 2][0].name}  # aggressive and middle
+    policies = [("base", None)] + [(s.folder(out).name, s.folder(out)) for s in specs
+                                   if s.name in keep and s.correction == args.corrections.split(",")[-1]
+                                   and finished(args, s.folder(out))]
+    samplers = [("dense", Dense())] + [(f"budget:{b}", BlockTopK(lambda _, b=int(b): b, f"budget:{b}"))
+                                       for b in args.matrix_budgets.split(",")]
+    prompts = read_artifact(held_out, "prompts").to_pylist()
+    torch.set_num_threads(args.threads)
+    for name, folder in policies:
+        if all((name, s) in done for s, _ in samplers):
+            continue
+        loaded = policy_model(args, folder)
+        engine = Engine(loaded.model, Dense(), EngineConfig(max_batch=args.prompts_per_step * args.samples))
+        tok = loaded.tokenizer
+        for sampler, policy in samplers:
+            if (name, sampler) in done:
+                continue
+            t0 = time.time()
+            result = {}
+            for kind, params in (("reward", SamplingParams(max_new_tokens=args.max_new_tokens, n=args.samples,
+                                                           temperature=1.0, seed=7)),
+                                 ("accuracy", SamplingParams(max_new_tokens=args.max_new_tokens,
+                                                             temperature=0.0))):
+                outs = engine.generate([r["prompt_token_ids"] for r in prompts], params, policy=policy)
+                rewards = score_batch([(r["task"], tok.decode(c.token_ids, skip_special_tokens=True),
+                                        r["answer"], json.loads(r["metadata"] or "{}"))
+                                       for r, group in zip(prompts, outs) for c in group])
+                result[kind] = float(np.mean(rewards) if kind == "reward"
+                                     else np.mean([x >= 1 - 1e-9 for x in rewards]))
+            rows.append({"policy": name, "sampler": sampler, **result})
+            pq.write_table(__import__("pyarrow").Table.from_pylist(rows), path)
+            print(f"   matrix {name} x {sampler}: reward {result['reward']:.3f}, accuracy "
+                  f"{result['accuracy']:.3f} ({time.time() - t0:.0f} s)", flush=True)
+        engine.close()
+    return path
+
+
+# ---------------------------------------------------------------- calibration and figure
+
+
+def calibrate(args, out: Path, mismatch: Path, specs: list[RunSpec]) -> Path | None:
+    runs = [s.folder(out) for s in specs if finished(args, s.folder(out))]
+    if not runs:
+        print("no finished runs to calibrate")
+        return None
+    threshold = out / "threshold.parquet"
+    sparrow("calibrate-threshold", "--profile", str(mismatch), "--runs", *map(str, runs),
+            "-o", str(threshold), "--force", "--format", "tsv", "--bootstrap", str(args.bootstrap))
+    return threshold
+
+
+def figure(out: Path, threshold: Path, target: Path | None) -> Path:
+    """Reward gap (dense reference minus run, training reward, the step-0 sampler gap added back) and the
+    dense-eval change, against tail, mean alpha and KV read; every sparse run, colour = label, marker =
+    seed, filled = TIS, open = no correction."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from sparrow.schemas import artifact_metadata
+
+    runs = [r for r in json.loads(artifact_metadata(threshold)["runs"]) if r["reference"]]
+    markers = {0: "o", 1: "s", 2: "^"}
+    fig, axes = plt.subplots(2, 3, figsize=(13, 7.5), sharey="row")
+    xs = (("tail", "tail: min over bins of p5 alpha"), ("mean", "mean alpha"),
+          ("kv_read", "share of the KV read"))
+    ys = (("reward_gap", "reward gap to dense\n(minus the step-0 sampler gap)"),
+          ("eval_change", "dense eval accuracy,\nlast minus step 0"))
+    for col, (key, what) in enumerate(xs):
+        for row, (y, label) in enumerate(ys):
+            ax = axes[row, col]
+            for r in runs:
+                value = r[y] - (r["sampler_gap"] or 0.0) if y == "reward_gap" else r[y]
+                if value is None:
+                    continue
+                colour = "tab:red" if r["collapsed"] else "tab:green"
+                ax.scatter(r[key], value, marker=markers.get(r["seed"], "o"), s=40, edgecolors=colour,
+                           facecolors=colour if r["correction"] != "none" else "none", linewidths=1.2)
+            ax.axhline(0, color="grey", lw=0.8)
+            ax.grid(alpha=0.3)
+            if row == 1:
+                ax.set_xlabel(what)
+            if col == 0:
+                ax.set_ylabel(label)
+    fig.suptitle("Every sparse run: red collapsed, green stable; marker = seed; filled = TIS, open = none")
+    fig.tight_layout()
+    path = out / "tail-test.png"
+    fig.savefig(path, dpi=110)
+    if target is not None:
+        fig.savefig(target, dpi=110)
+    print(f"figure: {path}")
+    return path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--contexts", default="224,640", help="prompt lengths in tokens (half the prompts each)")
+    ap.add_argument("--bin-width", type=int, default=512)
+    ap.add_argument("--train-prompts", type=int, default=64)
+    ap.add_argument("--eval-prompts", type=int, default=32)
+    ap.add_argument("--budgets", default="48,64,80,96,128,192", help="profiled budgets (the designs' levels)")
+    ap.add_argument("--matrix-budgets", default="48,64,80,96,128")
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--corrections", default="none,tis",
+                    help="each design trains with each; dense with the last")
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--eval-every", type=int, default=20)
+    ap.add_argument("--checkpoint-every", type=int, default=5)
+    ap.add_argument("--prompts-per-step", type=int, default=4)
+    ap.add_argument("--samples", type=int, default=4)
+    ap.add_argument("--max-new-tokens", type=int, default=12)
+    ap.add_argument("--lr", type=float, default=2e-4)
+    ap.add_argument("--lora-rank", type=int, default=16)
+    ap.add_argument("--alpha-sequences", type=int, default=4)
+    ap.add_argument("--bootstrap", type=int, default=1000)
+    ap.add_argument("--threads", type=int, default=1, help="threads of the profile and the matrix")
+    ap.add_argument("--parallel", type=int, default=1, help="training runs at a time")
+    ap.add_argument("--phase", choices=PHASES, default=PHASES[-1], help="stop after this phase")
+    ap.add_argument("--figure", type=Path, default=None, help="also save the figure here (docs/)")
+    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "tail-test")
+    args = ap.parse_args()
+    out = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    prompts, held_out = prompt_files(args, out)
+    mismatch = profile(args, out, prompts)
+    made = designs(args, out, mismatch)
+    specs = run_specs(args, made)
+    if args.phase == "designs":
+        return
+    train_all(args, specs, prompts, held_out, out)
+    if args.phase == "train":
+        return
+    matrix(args, out, held_out, made, specs)
+    if args.phase == "matrix":
+        return
+    threshold = calibrate(args, out, mismatch, specs)
+    if args.phase == "calibrate" or threshold is None:
+        return
+    figure(out, threshold, args.figure)
+
+
+if __name__ == "__main__":
+    main()
