@@ -11,9 +11,13 @@ seconds (sampling and scoring not included). The adapter is taught at every cand
 (--train-budgets all, the default; `distilled` teaches it at --budget only, as stop 17 did) and is used
 with every candidate budget in the "after" profile. The published aim is read off a last table: per bin
 and budget b, the distilled actor's p5 at b against the plain actor's at 2b. Writes
-bench/results/distill.parquet (one row per bin and budget).
+bench/results/distill.parquet (one row per seed, held-out set, bin and budget). With several --seeds each
+seed is a distillation of its own (kept under bench/results/distill-seeds/, so a stopped bench resumes
+seed by seed) scored on every --eval-sets held-out set, and a last table gives, per set, bin and budget,
+the p5 change as a mean with a 95% t-interval over seeds and in how many seeds the aim was reached.
 
     .venv/bin/python bench/distill.py                       # defaults: about 30 min on a 2-core CPU
+    .venv/bin/python bench/distill.py --seeds 0,1,2 --eval-sets 1,2   # error bars: about 1.5 h
     .venv/bin/python bench/distill.py --steps 40 --objective k3 --train-budgets distilled
 """
 
@@ -21,12 +25,16 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
 import torch
 from common import write_results
 
-from sparrow.stages.core.schedule import measured_profile, plan
+from sparrow.stages.core.schedule import ScheduleError, measured_profile, plan
 from sparrow.stages.core.sparsity import budget_fn
 from sparrow.stages.cost import analytic
 from sparrow.stages.distill import DistillConfig, DistillJob, run_distill
@@ -42,6 +50,10 @@ def parse():
     ap.add_argument("--context", type=int, default=768, help="prompt tokens")
     ap.add_argument("--train-prompts", type=int, default=8)
     ap.add_argument("--eval-prompts", type=int, default=8)
+    ap.add_argument("--seeds", default="0", help="training seeds (adapter init, batches, the plain actor's "
+                    "samples); each finished seed is kept in bench/results/distill-seeds/ and reused")
+    ap.add_argument("--eval-sets", default="1", help="held-out prompt sets (their generator seeds; the "
+                    "training prompts are set 0), each scored before and after")
     ap.add_argument("--samples", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--budget", type=int, default=64, help="the aggressive budget the actor is distilled at")
@@ -78,33 +90,40 @@ def predicted_speedup(table, args, cfg) -> tuple[tuple[int, ...], float, int, in
     prompt_len, gen_len = int(positions.min()), int(positions.max() - positions.min() + 1)
     num_bins = int(positions.max()) // args.bin_width + 1
     profile = measured_profile(table, args.quantile, args.bin_width, num_bins, "bench", min_tokens=20)
-    result = plan(profile, args.threshold)
+    try:
+        result = plan(profile, args.threshold)
+    except ScheduleError as e:  # too few tokens in every bin to plan from
+        print(f"no schedule planned: {e}")
+        return (), float("nan"), prompt_len, gen_len
     cost = analytic(cfg, args.hardware)
     speedup = cost.speedup(result.schedule.budgets_at, gen_len, args.batch, prompt_len)
     return result.schedule.budgets, speedup, prompt_len, gen_len
 
 
-def main() -> None:
-    args = parse()
-    torch.manual_seed(0)
+def run_one(args, loaded, seed: int) -> list[dict]:
+    """One distillation (training seed `seed`: the adapter's initialisation and batches, and the plain
+    actor's training samples), scored on every --eval-sets held-out set; rows per set, bin and budget."""
     budgets = [int(x) for x in args.budgets.split(",")]
-    loaded = load_model(args.model)
     tok = loaded.tokenizer
+    torch.manual_seed(seed)
     train_rows = make_prompts(args.task, args.train_prompts, 0, tok, context_tokens=args.context)
-    eval_rows = make_prompts(args.task, args.eval_prompts, 1, tok, context_tokens=args.context)
+    eval_sets = [int(x) for x in args.eval_sets.split(",")]
+    eval_rows = {e: make_prompts(args.task, args.eval_prompts, e, tok, context_tokens=args.context)
+                 for e in eval_sets}
     ids = lambda rows: [r["prompt_id"] for r in rows]
     toks = lambda rows: [r["prompt_token_ids"] for r in rows]
     t0 = time.perf_counter()
     sampling = dict(samples=args.samples, max_new_tokens=args.max_new_tokens, batch_size=16)
-    plain = ProfileOptions(budgets=budgets, sampler=f"budget:{args.budget}", seed=0, **sampling)
+    plain = ProfileOptions(budgets=budgets, sampler=f"budget:{args.budget}", seed=seed * 1000, **sampling)
     train = sample_trajectories(loaded, ids(train_rows), toks(train_rows), plain)
-    held = sample_trajectories(loaded, ids(eval_rows), toks(eval_rows),
+    rows_all = [r for e in eval_sets for r in eval_rows[e]]
+    held = sample_trajectories(loaded, ids(rows_all), toks(rows_all),
                                ProfileOptions(budgets=budgets, sampler="dense", seed=1, **sampling))
-    print(f"sampled {len(train)} training trajectories (plain actor, budget {args.budget}) and "
+    print(f"seed {seed}: sampled {len(train)} training trajectories (plain actor, budget {args.budget}) and "
           f"{len(held)} held-out dense ones in {time.perf_counter() - t0:.0f} s")
     cfg = DistillConfig(steps=args.steps, batch_size=args.batch_size, lora_rank=args.rank,
                         lora_alpha=args.alpha, lr=args.lr, objective=args.objective,
-                        balance_budgets=not args.unbalanced)
+                        balance_budgets=not args.unbalanced, seed=seed)
 
     def on_step(r: dict) -> None:
         print(f"  step {r['step']:3d}  {args.objective} loss {r['loss']:.4g}  "
@@ -114,20 +133,40 @@ def main() -> None:
     taught = taught or [int(x) for x in args.train_budgets.split(",")]
     job = DistillJob(train, [budget_fn(b) for b in taught], held, budgets, args.bin_width)
     distiller, result = run_distill(loaded, job, cfg, on_step, lambda p: print(p, flush=True))
-    before = tails(result.before, args.quantile, args.threshold)
-    after = tails(result.after, args.quantile, args.threshold)
-    plan_before = predicted_speedup(result.before, args, loaded.config)
-    plan_after = predicted_speedup(result.after, args, loaded.config)
     print(f"\n{args.model}, {args.task} at {args.context} prompt tokens, {args.max_new_tokens} new "
           f"tokens; sampled at budget {args.budget}, taught at budgets {taught}"
           f"{' (unbalanced)' if args.unbalanced else ' (balanced)'} ({args.objective}, rank "
           f"{args.rank}, alpha {args.alpha}, lr {args.lr}, {args.steps} steps x {args.batch_size} "
-          f"trajectories): {result.seconds:.0f} s of training")
+          f"trajectories, seed {seed}): {result.seconds:.0f} s of training")
     if not args.unbalanced:
         print("budget weights: " + ", ".join(f"{b}: {w:.3g}" for b, w in zip(taught, distiller.weights)))
+    out = []
+    for e in eval_sets:
+        of_set = lambda t, prefix=f"{args.task}-{e}-": t.filter(pc.starts_with(t.column("prompt_id"), prefix))
+        before, after = of_set(result.before), of_set(result.after)
+        rows = report(args, budgets, tails(before, args.quantile, args.threshold),
+                      tails(after, args.quantile, args.threshold), f"seed {seed}, held-out set {e}")
+        plan_before = predicted_speedup(before, args, loaded.config)
+        plan_after = predicted_speedup(after, args, loaded.config)
+        for name, (sched, speedup, prompt_len, gen_len) in (("before", plan_before), ("after", plan_after)):
+            print(f"schedule planned from the {name} profile at {args.threshold}: budgets {list(sched)} per "
+                  f"{args.bin_width}-token bin, predicted speedup {speedup:.3f}x ({args.hardware}, batch "
+                  f"{args.batch}, {gen_len} tokens after {prompt_len})")
+        meta = {"seed": seed, "eval_set": e, "training_seconds": result.seconds,
+                "speedup_before": plan_before[1], "speedup_after": plan_after[1], "taught": str(taught),
+                "schedule_before": str(list(plan_before[0])), "schedule_after": str(list(plan_after[0])),
+                "loss_first": result.history[0]["loss"], "loss_last": result.history[-1]["loss"],
+                **{k: v for k, v in vars(args).items() if k not in ("seeds", "eval_sets")}}
+        out += [{**meta, **r} for r in rows]  # the row's own budget, not --budget
+    return out
+
+
+def report(args, budgets: list[int], before: dict, after: dict, what: str) -> list[dict]:
+    """Print one held-out set's p5 table (plain -> distilled) and the published aim; its rows."""
     bins = sorted({k[0] for k in before})
     mark = lambda v: f"{v:.3f}{'*' if v >= args.threshold else ' '}"
-    print(f"p5 of alpha per bin (rows) and budget (columns), plain -> distilled; '*': >= {args.threshold}")
+    print(f"{what}: p5 of alpha per bin (rows) and budget (columns), plain -> distilled; '*': >= "
+          f"{args.threshold}")
     print(f"{'bin':>4} {'tokens':>6} " + " ".join(f"{b:>13}" for b in budgets))
     rows = []
     for b in bins:
@@ -153,19 +192,49 @@ def main() -> None:
             verdict = "reached" if r["p5_after"] >= r["p5_before_at_double"] else "not reached"
             print(f"  bin {r['bin']}: distilled at {r['budget']:>4}: {r['p5_after']:.3f}   plain at "
                   f"{2 * r['budget']:>4}: {r['p5_before_at_double']:.3f}   {verdict}")
-    for b in bins:
-        print(f"  bin {b}: smallest budget with p5 >= {args.threshold}: plain "
-              f"{smallest(before, b, budgets, args.threshold)}, distilled "
-              f"{smallest(after, b, budgets, args.threshold)}")
-    for name, (sched, speedup, prompt_len, gen_len) in (("before", plan_before), ("after", plan_after)):
-        print(f"schedule planned from the {name} profile at {args.threshold}: budgets {list(sched)} per "
-              f"{args.bin_width}-token bin, predicted speedup {speedup:.3f}x ({args.hardware}, batch "
-              f"{args.batch}, {gen_len} tokens after {prompt_len})")
-    meta = {"training_seconds": result.seconds, "speedup_before": plan_before[1],
-            "speedup_after": plan_after[1], "taught": str(taught),
-            "schedule_before": str(list(plan_before[0])), "schedule_after": str(list(plan_after[0])),
-            "loss_first": result.history[0]["loss"], "loss_last": result.history[-1]["loss"], **vars(args)}
-    write_results([{**r, **meta} for r in rows], "distill")
+    return rows
+
+
+T975 = (float("nan"), 12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228)  # by df
+
+
+def summary(rows: list[dict]) -> None:
+    """Across seeds, per held-out set, bin and budget: the p5 change (distilled - plain) as a mean with a
+    95% t-interval over seeds, and in how many seeds the distilled actor at b reached the plain one at 2b."""
+    keys = sorted({(r["eval_set"], r["bin"], r["budget"]) for r in rows})
+    print("\nacross seeds: p5 change (distilled - plain), mean [95% t-interval over seeds]; the aim reached "
+          "in k of n seeds")
+    for e, b, k in keys:
+        cell = [r for r in rows if (r["eval_set"], r["bin"], r["budget"]) == (e, b, k)]
+        d = np.array([r["p5_after"] - r["p5_before"] for r in cell])
+        half = T975[len(d) - 1] * d.std(ddof=1) / np.sqrt(len(d)) if 1 < len(d) <= len(T975) else np.nan
+        aim = [r["p5_after"] >= r["p5_before_at_double"] for r in cell
+               if r["p5_before_at_double"] is not None]
+        print(f"  set {e} bin {b} budget {k:>4}: {d.mean():+.3f} [{d.mean() - half:+.3f}, "
+              f"{d.mean() + half:+.3f}] over {len(d)} seeds"
+              + (f"; aim reached in {sum(aim)} of {len(aim)}" if aim else ""))
+
+
+def main() -> None:
+    args = parse()
+    loaded = load_model(args.model)
+    folder = Path(__file__).parent / "results" / "distill-seeds"
+    folder.mkdir(parents=True, exist_ok=True)
+    tag = (f"{args.task}-{args.context}-b{args.budget}-{args.train_budgets}-{args.objective}-s{args.steps}"
+           f"-e{args.eval_sets.replace(',', '_')}")
+    rows = []
+    for seed in (int(x) for x in args.seeds.split(",")):
+        path = folder / f"{tag}-seed{seed}.parquet"
+        if path.exists():  # a finished seed is reused: the bench resumes seed by seed
+            rows += pq.read_table(path).to_pylist()
+            print(f"seed {seed}: reused {path}")
+            continue
+        part = run_one(args, loaded, seed)
+        pq.write_table(pa.Table.from_pylist(part), path)
+        rows += part
+    write_results(rows, "distill")
+    if len({r["seed"] for r in rows}) > 1:
+        summary(rows)
 
 
 if __name__ == "__main__":

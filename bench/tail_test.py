@@ -9,6 +9,8 @@ plus dense, for --steps, and labels every run by what training did to it (stages
 held-out accuracy against its own start and against the dense run of its seed, its own curves, and its
 reward once the sampler's own step-0 gap is added back; never its mismatch). Then:
 
+- `--distill` (on by default, after the main runs): the most aggressive design with DistillSparse's online
+  adapter on the sparse actor (TIS), each seed, beside the same design without it;
 - `matrix`: the base model and the final policies of dense and of two designs, each scored under the
   dense sampler and block top-k at several budgets on the held-out prompts (sampled reward and greedy
   accuracy), so a run's reward gap is split into the policy's part and the sampler's;
@@ -158,18 +160,25 @@ class RunSpec:
     sparsity: str
     correction: str
     seed: int
+    distill: bool = False  # DistillSparse's online adapter on the sparse actor (train --distill-sparse)
 
     def folder(self, out: Path) -> Path:
-        return out / "runs" / f"{self.name}-{self.correction}-seed{self.seed}"
+        tag = "-distill" if self.distill else ""
+        return out / "runs" / f"{self.name}{tag}-{self.correction}-seed{self.seed}"
 
 
 def run_specs(args, made: list[tuple[Design, Path]]) -> list[RunSpec]:
-    """Seed-major, so a bench stopped early holds whole seeds: dense, then every design x correction."""
+    """Seed-major, so a bench stopped early holds whole seeds: dense, then every design x correction; then
+    (--distill) the most aggressive design with DistillSparse's online adapter, per seed."""
     specs = []
-    for seed in (int(s) for s in args.seeds.split(",")):
+    seeds = [int(s) for s in args.seeds.split(",")]
+    for seed in seeds:
         specs.append(RunSpec("dense", "dense", args.corrections.split(",")[-1], seed))
         for correction in args.corrections.split(","):
             specs += [RunSpec(d.name, f"schedule:{path}", correction, seed) for d, path in made]
+    if args.distill:
+        design, path = min(made, key=lambda m: m[0].mean)
+        specs += [RunSpec(design.name, f"schedule:{path}", "tis", seed, distill=True) for seed in seeds]
     return specs
 
 
@@ -189,6 +198,7 @@ def train_command(args, spec: RunSpec, prompts: Path, held_out: Path, out: Path)
             "--eval-every", str(args.eval_every), "--checkpoint-every", str(args.checkpoint_every),
             "--bin-width", str(args.bin_width), "--alpha-sequences", str(args.alpha_sequences),
             *(["--schedule", spec.sparsity.removeprefix("schedule:")] if spec.sparsity != "dense" else []),
+            *(["--distill-sparse"] if spec.distill else []),
             "--threads", "1", "-o", str(folder), "--format", "tsv",
             *(["--resume"] if resume else ["--force"])]
 
@@ -348,8 +358,8 @@ def figure(out: Path, threshold: Path, target: Path | None) -> Path:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--contexts", default="224,640", help="prompt lengths in tokens (half the prompts each)")
-    ap.add_argument("--bin-width", type=int, default=512)
+    ap.add_argument("--contexts", default="192,400", help="prompt lengths in tokens (half the prompts each)")
+    ap.add_argument("--bin-width", type=int, default=256)
     ap.add_argument("--train-prompts", type=int, default=64)
     ap.add_argument("--eval-prompts", type=int, default=32)
     ap.add_argument("--budgets", default="48,64,80,96,128,192", help="profiled budgets (the designs' levels)")
@@ -357,7 +367,7 @@ def main() -> None:
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--corrections", default="none,tis",
                     help="each design trains with each; dense with the last")
-    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--eval-every", type=int, default=20)
     ap.add_argument("--checkpoint-every", type=int, default=5)
     ap.add_argument("--prompts-per-step", type=int, default=4)
@@ -367,6 +377,8 @@ def main() -> None:
     ap.add_argument("--lora-rank", type=int, default=16)
     ap.add_argument("--alpha-sequences", type=int, default=4)
     ap.add_argument("--bootstrap", type=int, default=1000)
+    ap.add_argument("--distill", action=argparse.BooleanOptionalAction, default=True,
+                    help="after the main runs: the most aggressive design with DistillSparse's adapter")
     ap.add_argument("--threads", type=int, default=1, help="threads of the profile and the matrix")
     ap.add_argument("--parallel", type=int, default=1, help="training runs at a time")
     ap.add_argument("--phase", choices=PHASES, default=PHASES[-1], help="stop after this phase")

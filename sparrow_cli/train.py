@@ -123,7 +123,7 @@ def train(
         4, "--alpha-sequences", help="Sequences per step whose every token's alpha is computed exactly "
         "(full vocabulary, teacher-forced dense vs the run's sparsity) and logged as alpha_p5 / alpha_mean, "
         "the tail the stability criterion reads; 0: none (alpha_lb_p5, the top-20 lower bound, is logged "
-        "regardless)."),
+        "regardless; with --distill-sparse only the bound is)."),
     kl_coef: float = typer.Option(0.0, "--kl-coef", "--beta", callback=finite,
                                   help="k3 KL to the initial policy (TRL's "
                                   "beta)."),
