@@ -107,11 +107,16 @@ def merged_weights(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     tuners = {name: m for name, m in base.named_modules() if isinstance(m, BaseTunerLayer)}
     for name, m in tuners.items():
-        weight = m.get_base_layer().weight
+        layer = m.get_base_layer()
+        weight = layer.weight
         if not m.merged and not m.disable_adapters:
             for adapter in m.active_adapters:
+                if getattr(m, "use_dora", {}).get(adapter):
+                    raise ValueError(f"{name}: a DoRA adapter rescales the weight; only plain LoRA is merged")
                 weight = weight + m.get_delta_weight(adapter)
         yield f"{name}.weight", weight
+        if getattr(layer, "bias", None) is not None:
+            yield f"{name}.bias", layer.bias
     for name, p in base.named_parameters():
         owner = name.rsplit(".", 2)[0] if ".base_layer." in name else name.rsplit(".", 1)[0]
         if "lora_" in name or owner in tuners:
@@ -124,11 +129,13 @@ class SparseRollout:
     such as "budget:256" or "schedule:PATH", a `Schedule`, a `KVPolicy`; None: dense).
 
     `bin_width`: position bin of the per-bin tail metrics; `quantile`: the tail quantile; `dtype`: the
-    engine's ("auto": float32 on a CPU, bfloat16 on CUDA); `ignore_eos`: sample exactly
-    max_completion_length tokens (benches); `on_rollout`: called with each call's `RolloutRecord`."""
+    engine's ("auto": float32 on a CPU, bfloat16 on CUDA); `gpu_memory_utilization`: on CUDA, the share of
+    device memory the engine may take (TRL's default for a colocated vLLM; the trainer needs the rest);
+    `ignore_eos`: sample exactly max_completion_length tokens (benches); `on_rollout`: called with each
+    call's `RolloutRecord`."""
 
     def __init__(self, sparsity: Sparsity = None, *, bin_width: int = 2000, quantile: float = TAIL_QUANTILE,
-                 dtype: str = "auto", ignore_eos: bool = False,
+                 dtype: str = "auto", gpu_memory_utilization: float = 0.3, ignore_eos: bool = False,
                  on_rollout: Callable[[RolloutRecord], None] | None = None):
         if bin_width < 1 or not 0 < quantile < 1:
             raise ValueError("bin_width must be at least 1 and quantile in (0, 1)")
@@ -137,6 +144,7 @@ class SparseRollout:
             raise ValueError("SparseRollout samples with block top-k or dense attention; an eviction policy "
                              "drops KV tokens that the dense learner's scores need")
         self.bin_width, self.quantile, self.dtype = bin_width, quantile, dtype
+        self.gpu_memory_utilization = gpu_memory_utilization
         self.ignore_eos, self.on_rollout = ignore_eos, on_rollout
         self.model: Transformer | None = None
         self.engine: Engine | None = None
@@ -214,7 +222,9 @@ class SparseRollout:
         self.model = model.eval().requires_grad_(False)
         eos = getattr(trainer, "eos_token_ids", None) or cfg.eos_token_ids
         batch = max(1, args.per_device_train_batch_size * args.steps_per_generation)
-        self.engine = Engine(self.model, self.policy, EngineConfig(max_batch=batch, eos_ids=tuple(eos)))
+        config = EngineConfig(max_batch=batch, eos_ids=tuple(eos),
+                              gpu_memory_utilization=self.gpu_memory_utilization)
+        self.engine = Engine(self.model, self.policy, config)
         self.synced_step = trainer.state.global_step
 
     @torch.no_grad()
