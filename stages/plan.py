@@ -207,7 +207,7 @@ def plan_schedule(req: PlanRequest, output: Path | None = None, export_to: Path 
                                                       "gen_len": gen_len, "batch": req.batch})
     elif req.export == "sglang-vortex":
         planned.exported = export_sglang_vortex(result, cfg.max_position_embeddings,
-                                                 f"sparrow-{name}-{threshold:g}")
+                                                 f"sparrow-{name}-{threshold:.3g}")
     if output is not None:
         from sparrow.schemas import write_artifact
 
