@@ -74,8 +74,9 @@ def plan_schedule(
                                               "the model); refused without this flag."),
     sweep: str = typer.Option(None, "--sweep", help="Also print the predicted speedup at each of "
                               "these thresholds, e.g. 0.80,0.83,0.86,0.90,0.92."),
-    export: str = typer.Option(None, "--export", help="Also print the schedule as json or in the "
-                               "sglang-vortex engine form (stdout, or --export-to)."),
+    export: str = typer.Option(None, "--export", help="Also print the schedule as json, or as "
+                               "sglang-vortex: the named schedule and SGLang settings the Sparrow "
+                               "release's verl/SGLang reads (stdout, or --export-to)."),
     export_to: Path = typer.Option(None, "--export-to", help="Write the --export form here (an existing "
                                    "file only if it holds the same form, or --force)."),
     output: Path = typer.Option(None, "-o", "--output", help=output_help("the schedule artifact")),

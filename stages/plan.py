@@ -206,7 +206,8 @@ def plan_schedule(req: PlanRequest, output: Path | None = None, export_to: Path 
         planned.exported = export_json(result, name, {"predicted_speedup": speedup, "cost": cost_model.source,
                                                       "gen_len": gen_len, "batch": req.batch})
     elif req.export == "sglang-vortex":
-        planned.exported = export_sglang_vortex(result, cfg.max_position_embeddings)
+        planned.exported = export_sglang_vortex(result, cfg.max_position_embeddings,
+                                                 f"sparrow-{name}-{threshold:.3g}")
     if output is not None:
         from sparrow.schemas import write_artifact
 
@@ -225,8 +226,8 @@ def plan_schedule(req: PlanRequest, output: Path | None = None, export_to: Path 
 
 
 def export_text(exported: dict | list, form: str) -> str:
-    """The export form as text: json indented, the engine form on one line."""
-    return json.dumps(exported, indent=2 if form == "json" else None)
+    """The export form as indented JSON."""
+    return json.dumps(exported, indent=2)
 
 
 def frontier_point(result: Plan, threshold: float, cost_model: CostModel, gen_len: int, batch: int,

@@ -253,8 +253,8 @@ def test_vortex_export_resamples_other_bin_widths():
     from sparrow.stages.core.schedule import Plan, export_sglang_vortex
 
     p = Plan(Schedule((0, 1000, 2000, 3000), (64, 128, 128, 0)), 1000, [0.9] * 4, 0.86, 0.05, "x")
-    form = export_sglang_vortex(p, context=8192)
-    assert form["num_selected_pages"] == [128 // 16 - 3, 8192 // 16 - 3]
+    form = export_sglang_vortex(p, context=8192, name="x")
+    assert form["num_selected_pages"] == [128 // 16 - 3] + [8192 // 16 - 3] * 19  # the release's 20 bins
 
 
 def test_compare_published_table():

@@ -252,21 +252,53 @@ def export_json(plan_: Plan, model: str, extra: dict | None = None) -> dict:
             "quantile": plan_.quantile, "source": plan_.source, "bins": bins, **(extra or {})}
 
 
-def export_sglang_vortex(plan_: Plan, context: int, bin_tokens: int = 2000,
-                         reserved_pages: int = 3) -> dict:
-    """The published engine's form: one selected-page count per 2,000-token bin (pages beyond the
-    sink and the two most recent), i.e. budget / page_size - 3. Each 2,000-token bin takes the largest
-    budget of the schedule bins it overlaps (never sparser than planned); dense becomes enough pages
-    to cover the whole context."""
+# The Sparrow release's SGLang (Infini-AI-Lab/Sparrow, vortex_torch/vortex_torch/indexer/utils_sglang.py,
+# read 2026-11) runs a named schedule: 20 top-k page counts (pages beyond the sink and the two most recent),
+# one per 2,000-token bin, chosen by the request's cached 16-token blocks: below 125, 250, ..., 2375, and
+# from 2375 on; the budget in blocks is the count plus the reserved ones (vortex_block_reserved_bos + _eos),
+# and a request with no more blocks than that attends densely. verl hands SGLang its settings through
+# actor_rollout_ref.rollout.engine_kwargs.sglang (the release's examples/grpo_trainer/example_math.sh).
+VORTEX_BINS = 20
+VORTEX_BIN_BLOCKS = 125
+VORTEX_BLOCK = 16
+
+
+def export_sglang_vortex(plan_: Plan, context: int, name: str, reserved_pages: int = 3,
+                         dense_layers: tuple[int, ...] = (0, 1)) -> dict:
+    """The release's form of a plan: the schedule's 20 page counts under `name` (the entry its
+    `_SCHEDULE_POLICY_VALUES` table takes) and the SGLang engine kwargs that run it (also as verl overrides).
+    A release bin takes the largest budget of the schedule bins its cache lengths meet (a cache of block
+    length k holds 16k - 15 to 16k tokens), so it is never sparser than planned; a dense bin takes enough
+    pages to cover the model's whole context."""
     page = plan_.schedule.page_size
+    if page != VORTEX_BLOCK:
+        raise ScheduleError(f"the release's named schedules assume pages of {VORTEX_BLOCK} tokens; this "
+                            f"plan's pages have {page}")
     starts = np.asarray(plan_.schedule.bin_starts)
     ends = np.append(starts[1:], np.iinfo(np.int64).max)
     budgets = np.asarray(plan_.schedule.budgets)
-    end = int(starts[-1]) + plan_.bin_width
     dense_pages = -(-context // page) - reserved_pages
+    bin_tokens = VORTEX_BIN_BLOCKS * page
     values = []
-    for start in range(0, end, bin_tokens):
-        hit = budgets[(starts < start + bin_tokens) & (ends > start)]
+    for j in range(VORTEX_BINS):
+        lo = max(bin_tokens * j - page + 1, 0)  # the cache lengths of blocks 125j .. 125(j+1) - 1
+        hi = bin_tokens * (j + 1) - page if j < VORTEX_BINS - 1 else np.iinfo(np.int64).max
+        hit = budgets[(starts <= hi) & (ends > lo)]
         values.append(dense_pages if (hit == 0).any() else int(hit.max()) // page - reserved_pages)
-    return {"page_size": page, "bin_tokens": bin_tokens, "reserved_pages": reserved_pages,
-            "num_selected_pages": values}
+    sglang = {"enable_vortex_sparsity": True, "vortex_module_name": "block_sparse_attention",
+              "attention_backend": "flashinfer", "page_size": page, "vortex_block_size": page,
+              "vortex_block_reserved_bos": 1, "vortex_block_reserved_eos": reserved_pages - 1,
+              "vortex_layers_skip": list(dense_layers), "vortex_schedule_policy": name}
+    return {"vortex_schedule_policy": name, "num_selected_pages": values, "page_size": page,
+            "bin_tokens": bin_tokens, "reserved_pages": reserved_pages, "engine_kwargs": {"sglang": sglang},
+            "verl_overrides": [f"+actor_rollout_ref.rollout.engine_kwargs.sglang.{k}={_hydra(v)}"
+                               for k, v in sglang.items()]}
+
+
+def _hydra(value) -> str:
+    """A value as a Hydra command-line override writes it (the release's example scripts' style)."""
+    if isinstance(value, bool):
+        return str(value)
+    if isinstance(value, list):
+        return "[" + ",".join(str(v) for v in value) + "]"
+    return f"'{value}'" if isinstance(value, str) else str(value)
