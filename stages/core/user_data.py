@@ -3,7 +3,7 @@ JSONL or a `save_to_disk` folder.
 
 Design decisions:
 - The format is read from the columns, never from a flag. A Sparrow prompts artifact, and any file with
-  our columns (`prompt_id` and `task`, or `prompt_token_ids` without `prompt`), stays ours
+  our columns (`prompt_id` and `task`, or `prompt_token_ids`), stays ours
   (`prompt_set.py`). A file with `prompt` and `reward_model` is verl's (examples/data_preprocess/*.py):
   the ground truth is `reward_model.ground_truth`. A file with `prompt` otherwise is TRL's: the answer is
   the `--answer-column`, else the first of ANSWER_COLUMNS it has, else none (a reward function may need
@@ -73,13 +73,11 @@ def read_dataset(path: Path, answer_column: str | None = None) -> list[dict] | N
     columns, records = _load(path)
     if columns is None:
         return None
+    if {"prompt_id", "task"} <= set(columns) or "prompt_token_ids" in columns:
+        return None  # ours (missing something, its reader names what)
     if "prompt" not in columns:
-        if {"prompt_id", "task"} <= set(columns) or "prompt_token_ids" in columns:
-            return None  # ours, missing something its reader names
         raise DatasetError(f"{path} has columns {', '.join(columns) or 'none'}, which fit none of the "
                            f"formats Sparrow reads: {EXPECTED}")
-    if "task" in columns and "prompt_id" in columns:
-        return None
     fmt = "verl" if "reward_model" in columns else "trl"
     if answer_column is not None and answer_column.split(".")[0] not in columns:
         raise DatasetError(f"{path} has no column {answer_column!r} (--answer-column); its columns: "
