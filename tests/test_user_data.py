@@ -328,7 +328,7 @@ def test_reward_code_runs_the_datasets_tests(tmp_path):
     add_ok = "```python\ndef add(a, b):\n    return a + b\n```"
     add_wrong = "```python\ndef add(a, b):\n    return a * b\n```"  # right for [0, 0] only... and 1*2 != 3
     sum_ok = "```python\na, b = map(int, input().split())\nprint(a + b)\n```"
-    sum_wrong = "```python\nprint(3)\n```"
+    sum_wrong = "```python\nprint(3)\n```\nIt prints:\n```text\n3\n```"  # the Python block is the program
     a, b = prompts.rows
     judged = judge_batch([(a["task"], add_ok, a["answer"], a["metadata"]),
                           (a["task"], add_wrong, a["answer"], a["metadata"]),

@@ -8,7 +8,8 @@ Design decisions:
 - `code`: the ground truth is the tests, JSON as verl's and the APPS/TACO datasets keep them: `inputs` and
   `outputs` lists, with `fn_name` for call tests (the completion's function called on each input list,
   its value compared with the output as JSON) and without it for stdin/stdout tests (the completion's
-  program run on each input as stdin, its stdout compared line by line, trailing spaces ignored). The
+  program, its last Python block, run on each input as stdin, its stdout compared line by line, trailing
+  spaces ignored). The
   program runs in the code tasks' sandbox (`code.py`), one run per completion; reward = tests passed /
   tests, as `code.Verdict` judges a run (0 for a run that times out, crashes or floods its output).
 - A user's function runs in this process, as verl and TRL run theirs. Which convention it follows is read
@@ -111,18 +112,23 @@ def {name}(stdin):
 '''
 
 
-def _program(completion: str) -> str | None:
-    """The last fenced code block of a completion (after any </think>), else its text when it parses."""
+def _parses(code: str) -> bool:
     import ast
 
-    text = completion.rsplit("</think>", 1)[-1]
-    blocks = [m.group(2) for m in _FENCE.finditer(text)]
-    code = blocks[-1] if blocks else text
     try:
         ast.parse(code)
     except SyntaxError:
-        return None
-    return code if code.strip() else None
+        return False
+    return bool(code.strip())
+
+
+def _program(completion: str) -> str | None:
+    """A stdin/stdout program in a completion (after any </think>): the last fenced block marked Python (or
+    unmarked) that parses, else the whole text when it parses; None when there is none."""
+    text = completion.rsplit("</think>", 1)[-1]
+    python = ("", "python", "py", "python3")
+    blocks = [m.group(2) for m in _FENCE.finditer(text) if m.group(1).lower() in python]
+    return next((b for b in reversed(blocks) if _parses(b)), text if not blocks and _parses(text) else None)
 
 
 def _same_lines(got: Any, want: str) -> bool:
