@@ -95,6 +95,10 @@ def no_score(data_source, solution_str, ground_truth, extra_info=None):
 def not_finite(data_source, solution_str, ground_truth, extra_info=None):
     return math.nan
 
+def numpy_or_bool(data_source, solution_str, ground_truth, extra_info=None):
+    import numpy as np
+    return np.float32(0.25) if extra_info["index"] == 0 else {"score": ground_truth in solution_str}
+
 CALLS = []
 
 def trl_style(prompts, completions, solution, **kwargs):
@@ -281,6 +285,14 @@ def test_reward_fn_refusals_are_one_sentence_and_write_nothing(verl_file, user_f
     line = error_line(r)
     assert f"--reward-fn {user_fns}:{name}" in line and message in line, line
     assert "Traceback" not in r.output and not out.exists() and list(tmp_path.glob(".r.parquet*")) == []
+
+
+def test_reward_fn_numbers_as_verl_takes_them(verl_file, user_fns):
+    from sparrow.stages.tasks import judge_batch
+
+    prompts = PromptSet.read(verl_file, DataOptions(reward_fn=f"{user_fns}:numpy_or_bool"))
+    items = [(r["task"], "it is 24", r["answer"], r["metadata"]) for r in prompts.rows]
+    assert [j.reward for j in judge_batch(items)] == [0.25, 1.0, 0.0]  # np.float32, True, False
 
 
 def test_reward_fn_trl_signature_batched_with_columns(tmp_path, user_fns):

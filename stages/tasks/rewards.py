@@ -16,9 +16,10 @@ Design decisions:
   from its signature: a `solution_str` parameter is verl's `compute_score(data_source, solution_str,
   ground_truth, extra_info)`, called once per completion with keyword arguments; else a `completions`
   parameter (or **kwargs) is TRL's `f(prompts, completions, **columns) -> list[float]`, called once per
-  batch with the dataset's other columns as lists. A verl function may return a number or a dict with a
-  numeric `score` (the dict's other fields are kept as the completion's `extra`); anything else, a
-  non-finite number, or a TRL list of the wrong length is refused in one sentence. A function that raises
+  batch with the dataset's other columns as lists. A verl function may return a number (a bool or a numpy
+  scalar too, as verl takes them) or a dict with a numeric `score` (the dict's other fields are kept as
+  the completion's `extra`); anything else, a non-finite number, or a TRL list of the wrong length is
+  refused in one sentence. A function that raises
   is named with the dataset row of the completion (a TRL batch that raises is called again one item at
   a time to find it).
 - Rows reach a reward in the users' dataset layout (`core/user_data.py`): metadata {"format", "file",
@@ -31,6 +32,7 @@ import importlib.util
 import inspect
 import json
 import math
+import numbers
 import re
 import sys
 from collections.abc import Callable
@@ -244,7 +246,7 @@ class RewardFunction:
         if isinstance(value, dict):
             extra = {k: v for k, v in value.items() if k != "score"}
             value = value.get("score")
-        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        if not isinstance(value, numbers.Real) or not math.isfinite(value):
             raise RewardError(f"--reward-fn {self.spec} returned {_shown(value)} on {self.where(meta)}; a "
                               "reward function returns a finite number or a dict with a numeric 'score'")
         return Judgement(float(value), None, extra=extra)
