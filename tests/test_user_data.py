@@ -351,7 +351,7 @@ def test_reward_code_runs_the_datasets_tests(tmp_path):
     assert [j.status for j in judged] == ["passed", "failed", "passed", "failed", "no_code"]
     bad = tmp_path / "bad.parquet"
     pq.write_table(pa.table({"prompt": ["x"], "tests": ["assert f(1) == 2"]}), bad)
-    with pytest.raises(PromptError, match="row 0\\) cannot be scored by --reward code: its ground truth"):
+    with pytest.raises(PromptError, match="row 0\\) cannot be scored by the code-tests reward: its ground"):
         PromptSet.read(bad, DataOptions(answer_column="tests", reward="code"))
 
 

@@ -72,7 +72,6 @@ class PromptSet:
         """Score every row by the reward `task` (rewards.py): rows of ours get the datasets' metadata
         layout (their task as data_source, their metadata as extra_info), each row's answer is checked."""
         from ..tasks import get_task
-        from ..tasks.rewards import CODE, check_code_tests
 
         reward = get_task(task)
         for i, r in enumerate(self.rows):
@@ -84,12 +83,12 @@ class PromptSet:
             if reward.needs_answer and r.get("answer") is None:
                 raise PromptError(f"{self.path}: prompt {r['prompt_id']!r} (row {i}) has no answer, which "
                                   "--reward scores against (for a TRL dataset: name it with --answer-column)")
-            if task == CODE:
+            if reward.check_answer is not None:
                 try:
-                    check_code_tests(r["answer"])
+                    reward.check_answer(r["answer"])
                 except ValueError as e:
                     raise PromptError(f"{self.path}: prompt {r['prompt_id']!r} (row {i}) cannot be scored by "
-                                      f"--reward code: {e}") from None
+                                      f"the {reward.name} reward: {e}") from None
 
     def check_rows(self) -> None:
         """Each prompt once (samples, rewards and mismatch are keyed by prompt_id) and none empty."""

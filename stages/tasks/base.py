@@ -71,6 +71,7 @@ class Task:
     judge_many: Callable[[list[tuple[str, str | None, dict[str, Any]]]], list[Judgement]] | None = None
     clamp: bool = True  # rewards clamped to [0, 1]
     needs_answer: bool = True
+    check_answer: Callable[[str | None], Any] | None = None  # TaskError for a ground truth it cannot score
 
     @property
     def long_context(self) -> bool:

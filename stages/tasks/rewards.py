@@ -304,7 +304,7 @@ def _reward(name: str, description: str, **fields: Any) -> Task:
 REWARDS: dict[str, Task] = {
     MATH: _reward(MATH, "math-verify of the completion against the ground truth", judge=math_judge),
     CODE: _reward(CODE, "the dataset's code tests run on the completion's program in the sandbox",
-                  judge=code_judge, runs_code=True),
+                  judge=code_judge, runs_code=True, check_answer=check_code_tests),
 }
 CHOICES = {"math": MATH, "code": CODE}
 _LOADED: dict[str, str] = {}  # --reward-fn spec -> its task name
