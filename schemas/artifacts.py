@@ -345,7 +345,8 @@ SCHEMAS: dict[str, ArtifactSpec] = {s.kind: s for s in (
           Col("predicted_step_seconds", F64, nullable=True, range=NONNEG),
           rules=(_budget_non_decreasing,)),
     _spec("rollouts", "one row per sample; budgets per token, 0 = dense; the sample's KV policy and the "
-          "KV tokens each token's query read (kv_lens: the retained cache, = its position without eviction)",
+          "KV tokens each token's query read (kv_lens: the retained cache, = its position without eviction); "
+          "reward_extra: the fields beside 'score' a user's reward function returned (a JSON object)",
           Col("prompt_id", STR), Col("sample", I32, range=NONNEG),
           Col("prompt_token_ids", LIST_I32, range=NONNEG), Col("token_ids", LIST_I32, range=NONNEG),
           Col("text", STR, nullable=True),
@@ -353,6 +354,7 @@ SCHEMAS: dict[str, ArtifactSpec] = {s.kind: s for s in (
           Col("finish_reason", STR, choices=("stop", "length")),
           Col("reward", F64, nullable=True),
           Col("kv_policy", STR, nullable=True), Col("kv_lens", LIST_I32, nullable=True, range=POS),
+          Col("reward_extra", STR, nullable=True),
           rules=(_equal_lengths("token_ids", "logprobs", "budgets"), _same_length_if_given("kv_lens"))),
     _spec("metrics", "one row per training step",
           Col("run_id", STR), Col("step", I32, range=NONNEG), Col("reward_mean", F64),
@@ -379,11 +381,13 @@ SCHEMAS: dict[str, ArtifactSpec] = {s.kind: s for s in (
           Col("alpha_mean", F64, nullable=True, range=UNIT), Col("alpha_p5", F64, nullable=True, range=UNIT),
           Col("alpha_p5_by_bin", LIST_F32, nullable=True),
           Col("sampler_gap", F64, nullable=True)),
-    _spec("rewards", "one row per scored completion (sparrow reward): reward, status, a code task's tests",
+    _spec("rewards", "one row per scored completion (sparrow reward): reward (in [0, 1] for our tasks, as "
+          "returned by a user's function), status, a code task's tests, a user's function's extra fields",
           Col("prompt_id", STR), Col("sample", I32, range=NONNEG), Col("task", STR),
-          Col("reward", F64, range=UNIT), Col("status", STR, nullable=True, choices=REWARD_STATUSES),
+          Col("reward", F64, range="(-inf, inf)"), Col("status", STR, nullable=True, choices=REWARD_STATUSES),
           Col("tests_passed", I32, nullable=True, range=NONNEG),
           Col("tests_total", I32, nullable=True, range=NONNEG),
+          Col("reward_extra", STR, nullable=True),
           rules=(_tests_passed_within_total,)),
     _spec("train_mismatch", "one row per generated token per training step (the sparse actor vs the "
           "dense learner)",

@@ -113,6 +113,7 @@ def friendly_errors(fn: Callable) -> Callable:
     from sparrow.stages.core.prompt_set import PromptError
     from sparrow.stages.engine.memory import PoolTooSmall
     from sparrow.stages.model.config import ModelSpecError
+    from sparrow.stages.tasks.base import RewardError
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -121,7 +122,8 @@ def friendly_errors(fn: Callable) -> Callable:
         try:
             with sigterm_as_interrupt(terminated):
                 return fn(*args, **kwargs)
-        except (UsageError, ArtifactError, ModelSpecError, PromptError, PoolTooSmall, KeyError) as e:
+        except (UsageError, ArtifactError, ModelSpecError, PromptError, PoolTooSmall, RewardError,
+                KeyError) as e:
             fail(str(e.args[0]) if e.args else str(e))
         except KeyboardInterrupt as e:  # a stage may say what it kept and how to go on
             from rich.markup import escape

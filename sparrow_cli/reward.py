@@ -24,6 +24,7 @@ from .common import (
     input_path,
     output_help,
 )
+from .data_options import answer_column_option, data_options, reward_fn_option, reward_option
 from .output import emit, format_option, resolve_format
 
 UNSAFE_HELP = ("Where no sandbox can run (no user namespaces, no bwrap), run code tasks' programs anyway, "
@@ -34,12 +35,16 @@ UNSAFE_HELP = ("Where no sandbox can run (no user namespaces, no bwrap), run cod
 @friendly_errors
 def reward(
     prompts: Path = typer.Option(..., "--prompts", callback=input_path, help="The prompts the completions "
-                                 "answer: a prompts artifact, or any Parquet or JSONL file with its columns "
-                                 "(prompt_id, task, answer, metadata)."),
+                                 "answer: a prompts artifact, any Parquet or JSONL file with its columns "
+                                 "(prompt_id, task, answer, metadata), or a verl or TRL dataset scored by "
+                                 "--reward or --reward-fn."),
     completions: Path = typer.Option(..., "--completions", callback=input_path, help="A rollouts artifact, "
                                      "or any Parquet or JSONL file with columns prompt_id and text (and "
                                      "optionally sample), from any sampler."),
     output: Path = typer.Option(..., "-o", "--output", help=output_help("the rewards artifact")),
+    answer_column: str = answer_column_option(),
+    reward_name: str = reward_option(),
+    reward_fn: str = reward_fn_option(),
     workers: int = typer.Option(None, "--workers", help="Programs run at once for code tasks (default: "
                                 "the CPU count)."),
     unsafe_code_execution: bool = typer.Option(False, "--unsafe-code-execution/--no-unsafe-code-execution",
@@ -47,7 +52,8 @@ def reward(
     fmt: str = format_option(),
     force: bool = force_option(),
 ) -> None:
-    """Score completions (of any sampler) with their prompts' task scorers."""
+    """Score completions (of any sampler) with their prompts' task scorers, or with one reward for all
+    (--reward, --reward-fn)."""
     from sparrow.schemas import input_name, write_artifact
     from sparrow.stages.core.prompt_set import PromptSet
     from sparrow.stages.tasks.rewarding import check_prompts, read_completions, score_completions
@@ -59,7 +65,7 @@ def reward(
     check_output(output, "rewards", force)
     if unsafe_code_execution:
         os.environ[UNSAFE_ENV] = "1"
-    prompt_set = PromptSet.read(prompts)
+    prompt_set = PromptSet.read(prompts, data_options(answer_column, reward_name, reward_fn))
     rows = {r["prompt_id"]: r for r in prompt_set.rows}
     done = read_completions(completions)
     check_prompts(rows, done, prompts, completions)

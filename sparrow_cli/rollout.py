@@ -24,6 +24,7 @@ from .common import (
     say_loading,
     warn_first_token_stops,
 )
+from .data_options import answer_column_option, data_options, reward_fn_option, reward_option
 from .options import (
     check_gpu_memory,
     check_host_memory,
@@ -83,9 +84,13 @@ def _check_vllm_flags(schedule, budget, lora, top_k: int, top_p: float, kv_compr
 def rollout(
     model: str = typer.Option("smollm2-135m", "--model", help="Preset, checkpoint dir or .gguf."),
     prompts: Path = typer.Option(..., "--prompts", callback=input_path, help="A prompts artifact (sparrow "
-                                 "prompts; - = stdin), or any Parquet or JSONL file with its columns "
-                                 "(token ids or text)."),
+                                 "prompts; - = stdin), any Parquet or JSONL file with its columns (token ids "
+                                 "or text), or a verl or TRL dataset (Parquet, JSONL or a save_to_disk "
+                                 "folder; docs/datasets.md)."),
     raw_prompts: bool = raw_prompts_option(),
+    answer_column: str = answer_column_option(),
+    reward: str = reward_option(),
+    reward_fn: str = reward_fn_option(),
     schedule: Path = typer.Option(None, "--schedule", callback=input_path,
                                   help="A schedule artifact (sparrow plan-schedule)."),
     budget: int = typer.Option(None, "--budget", help="A fixed budget in tokens (multiple of 16, "
@@ -139,7 +144,8 @@ def rollout(
 ) -> None:
     """Generate K samples per prompt with dense, fixed-budget or scheduled block top-k sparse attention,
     or a compressed KV cache (--kv-compression): tokens, sampled-token logprobs, the budget of every
-    token, the KV tokens each token read, finish reason and the task's reward. The summary (tokens/s,
+    token, the KV tokens each token read, finish reason and the task's reward (or --reward's, or
+    --reward-fn's with the extra fields it returns). The summary (tokens/s,
     mean budget, KV tokens held against dense, reward) goes to stdout and into the artifact's metadata
     ("summary"). With --workers N the same rollouts (same seeds) come from N Ray workers."""
     set_threads(threads)
@@ -179,10 +185,14 @@ def rollout(
         raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     dtype_name = str(resolve_dtype(dtype, device)).removeprefix("torch.")
     check_workers(workers, ray_address, output)
+    if workers and reward_fn:
+        raise UsageError("--reward-fn runs in this process, not in Ray workers; roll out with --workers and "
+                         "score the rollouts with sparrow reward --reward-fn")
+    data = data_options(answer_column, reward, reward_fn)
     check_output(output, "rollouts", force, parts=bool(workers))
     cfg = resolve_config(model)
     adapter = load_actor(lora, cfg, model)  # one sentence for a bad adapter, before any weights load
-    prompt_set = PromptSet.read(prompts)
+    prompt_set = PromptSet.read(prompts, data)
     prompt_set.check_rewards()
     prompt_set.check_fits(cfg.vocab_size, cfg.max_position_embeddings, max_new_tokens)  # before weights
     total = len(prompt_set.rows) * samples
@@ -227,13 +237,13 @@ def _check_tokenizer(model: str, prompt_set) -> None:
     """A model without a tokenizer cannot read text prompts, and its samples have no text, so a task's
     scorer cannot reward them."""
     from sparrow.stages.model.loading import has_tokenizer
-    from sparrow.stages.tasks import TASKS
+    from sparrow.stages.tasks import has_scorer
 
     if has_tokenizer(model):
         return
     if prompt_set.needs_tokenizer:
         prompt_set.tokenize(None)  # refuses text-only prompts in its own sentence, before any weights load
-    if any(r.get("task") in TASKS for r in prompt_set.rows):
+    if any(has_scorer(r.get("task")) for r in prompt_set.rows):
         console.print(f"[yellow]warning:[/] --model {model} has no tokenizer, so the samples have no text "
                       "and their task's scorer cannot reward them (text and reward are left null)",
                       highlight=False)

@@ -18,6 +18,7 @@ from .common import (
     say_loading,
     warn_first_token_stops,
 )
+from .data_options import answer_column_option, data_options, reward_fn_option, reward_option
 from .options import (
     check_gpu_memory,
     check_workers,
@@ -55,8 +56,12 @@ TRAIN_LABELS = {"reward_first": "reward, first step", "reward_last": "reward, la
 def train(
     model: str = typer.Option("smollm2-135m", "--model", help="Preset, checkpoint dir or .gguf."),
     prompts: Path = typer.Option(..., "--prompts", callback=input_path,
-                                 help="Training prompts (with answers; - = stdin)."),
+                                 help="Training prompts (with answers; - = stdin): a prompts artifact, "
+                                 "or a verl or TRL dataset scored by --reward or --reward-fn."),
     raw_prompts: bool = raw_prompts_option(),
+    answer_column: str = answer_column_option(),
+    reward: str = reward_option(),
+    reward_fn: str = reward_fn_option(),
     eval_prompts: Path = typer.Option(None, "--eval-prompts", callback=input_path, help="Held-out prompts: "
                                       "greedy dense accuracy at the start, every --eval-every steps and "
                                       "after the last step."),
@@ -231,7 +236,8 @@ def train(
     check_device(device)
     check_gpu_memory(gpu_memory_utilization)
     check_workers(workers, ray_address, None)
-    inputs = TrainInputs(prompts, output_dir, policy, eval_prompts)
+    inputs = TrainInputs(prompts, output_dir, policy, eval_prompts,
+                         data_options(answer_column, reward, reward_fn))
     try:
         check_run_location(cfg, inputs, resume, force)
         world = join_world(device, workers)

@@ -116,18 +116,22 @@ def engine_config(opts: RolloutOptions) -> EngineConfig:
 
 def rollout_columns(rows: Seq[dict], results: Seq[Seq[Completion]], tokenizer) -> dict[str, list]:
     """The rollouts artifact's columns from the completions of each prompt row, whichever sampler made
-    them (our engine, or vLLM in backends/vllm_sampler.py): decoded text and the task's reward added."""
-    from .tasks import TASKS, score_batch
+    them (our engine, or vLLM in backends/vllm_sampler.py): decoded text and the reward of the row's task
+    (or of the reward the command named), with any extra fields a user's reward function returned."""
+    import json
+
+    from .tasks import get_task, has_scorer, judge_batch
 
     out = {k: [] for k in ("prompt_id", "sample", "prompt_token_ids", "token_ids", "text", "logprobs",
-                           "budgets", "finish_reason", "reward", "kv_policy", "kv_lens")}
+                           "budgets", "finish_reason", "reward", "kv_policy", "kv_lens", "reward_extra")}
     scored = []  # (index, task, text, answer, metadata) of the samples with a reward, scored at the end
     for row, completions in zip(rows, results):
+        scorer = get_task(row["task"]) if has_scorer(row.get("task")) else None
         for c in completions:
             text = tokenizer.decode(c.token_ids, skip_special_tokens=True) if tokenizer is not None else None
-            reward = None
-            if text is not None and row.get("task") in TASKS and row.get("answer") is not None:
-                scored.append((len(out["reward"]), row["task"], text, row["answer"], row.get("metadata")))
+            if text is not None and scorer is not None and (row.get("answer") is not None
+                                                             or not scorer.needs_answer):
+                scored.append((len(out["reward"]), row["task"], text, row.get("answer"), row.get("metadata")))
             out["prompt_id"].append(row["prompt_id"])
             out["sample"].append(c.sample)
             out["prompt_token_ids"].append(c.prompt_token_ids)
@@ -136,11 +140,14 @@ def rollout_columns(rows: Seq[dict], results: Seq[Seq[Completion]], tokenizer) -
             out["logprobs"].append([min(0.0, x) for x in c.logprobs])
             out["budgets"].append(c.budgets)
             out["finish_reason"].append(c.finish_reason)
-            out["reward"].append(reward)
+            out["reward"].append(None)
             out["kv_policy"].append(c.policy)
             out["kv_lens"].append(c.kv_lens)
-    for (i, *_), reward in zip(scored, score_batch([item for _, *item in scored])):
-        out["reward"][i] = reward
+            out["reward_extra"].append(None)
+    for (i, *_), judged in zip(scored, judge_batch([item for _, *item in scored])):
+        out["reward"][i] = judged.reward
+        if judged.extra:
+            out["reward_extra"][i] = json.dumps(judged.extra, default=str, sort_keys=True)
     return out
 
 

@@ -1,5 +1,6 @@
 """A prompt set read from a file for sampling: our `prompts` artifact, any Parquet with its columns
-(DuckDB, pandas) or JSONL.
+(DuckDB, pandas) or JSONL, or a user's verl or TRL dataset (`user_data.py`), optionally scored by one
+reward for every row (`--reward`, `--reward-fn`: `DataOptions`).
 
 One reader for every stage that samples (rollout, profile, train), so each refuses the same bad
 input with the same sentence. The checks that need no weights (the file exists and holds prompts,
@@ -16,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sparrow.schemas import read_artifact
+
+from .user_data import DataOptions, DatasetError, dataset_metadata, read_dataset
 
 COLUMNS = ("prompt_id", "task", "prompt", "prompt_token_ids", "answer", "metadata")
 
@@ -36,19 +39,56 @@ def _metadata(row: dict) -> dict:
 @dataclass
 class PromptSet:
     path: Path
-    rows: list[dict]  # the COLUMNS the file has; prompt_token_ids may be empty until tokenize()
+    # the COLUMNS the file has (a dataset's rows also `messages`: chat messages, turned into `prompt` by
+    # tokenize()); prompt_token_ids may be empty until tokenize()
+    rows: list[dict]
 
     @classmethod
-    def read(cls, path: str | os.PathLike) -> PromptSet:
-        path = Path(path)
+    def read(cls, path: str | os.PathLike, data: DataOptions | None = None) -> PromptSet:
+        """The prompts of `path`, each scored by `data`'s reward when it names one."""
+        path, data = Path(path), data or DataOptions()
         if not path.exists():
             raise PromptError(f"{path}: no such prompts file")
-        table = read_artifact(path, "prompts")
-        if table.num_rows == 0:
+        try:
+            reward = data.reward_task()
+            rows = read_dataset(path, data.answer_column)
+        except (DatasetError, ValueError) as e:
+            raise PromptError(str(e)) from None
+        if rows is None:
+            if data.answer_column is not None:
+                raise PromptError(f"{path} is a prompts file with its own 'answer' column; --answer-column "
+                                  "names the answer of a verl or TRL dataset")
+            table = read_artifact(path, "prompts")
+            rows = table.select([c for c in COLUMNS if c in table.column_names]).to_pylist()
+        if not rows:
             raise PromptError(f"{path}: the prompt set is empty")
-        prompts = cls(path, table.select([c for c in COLUMNS if c in table.column_names]).to_pylist())
+        prompts = cls(path, rows)
         prompts.check_rows()
+        if reward is not None:
+            prompts.use_reward(reward)
         return prompts
+
+    def use_reward(self, task: str) -> None:
+        """Score every row by the reward `task` (rewards.py): rows of ours get the datasets' metadata
+        layout (their task as data_source, their metadata as extra_info), each row's answer is checked."""
+        from ..tasks import get_task
+
+        reward = get_task(task)
+        for i, r in enumerate(self.rows):
+            if r.get("task") not in ("verl", "trl") or not _metadata(r).get("format"):
+                columns = {"data_source": r.get("task"), "extra_info": _metadata(r),
+                           "answer": r.get("answer")}
+                r["metadata"] = dataset_metadata("sparrow", self.path, i, r.get("prompt"), columns)
+            r["task"] = task
+            if reward.needs_answer and r.get("answer") is None:
+                raise PromptError(f"{self.path}: prompt {r['prompt_id']!r} (row {i}) has no answer, which "
+                                  "--reward scores against (for a TRL dataset: name it with --answer-column)")
+            if reward.check_answer is not None:
+                try:
+                    reward.check_answer(r["answer"])
+                except ValueError as e:
+                    raise PromptError(f"{self.path}: prompt {r['prompt_id']!r} (row {i}) cannot be scored by "
+                                      f"the {reward.name} reward: {e}") from None
 
     def check_rows(self) -> None:
         """Each prompt once (samples, rewards and mismatch are keyed by prompt_id) and none empty."""
@@ -59,7 +99,8 @@ class PromptSet:
                 raise PromptError(f"{self.path}: prompt_id {pid!r} appears in rows {first[pid]} and {i}; "
                                   "each prompt needs its own id")
             first[pid] = i
-            if not r.get("prompt_token_ids") and not (r.get("prompt") or "").strip():
+            text = (r.get("prompt") or "").strip() or r.get("messages")
+            if not r.get("prompt_token_ids") and not text:
                 raise PromptError(f"{self.path}: row {i} (prompt {pid!r}) is empty: it has no token ids and "
                                   "no text")
 
@@ -67,19 +108,19 @@ class PromptSet:
         """Refuse, before any work, prompts whose reward runs the model's program (code tasks) where no
         sandbox can run it and unsafe execution was not asked for, and prompts whose metadata their task
         will not score (`Task.check_metadata`)."""
-        from ..tasks import TASKS, TaskError
+        from ..tasks import TaskError, get_task, has_scorer
         from ..tasks.code import default_sandbox
         from ..tasks.sandbox import SandboxUnavailable
 
         for r in self.rows:
-            task = TASKS.get(r.get("task"))
+            task = get_task(r["task"]) if has_scorer(r.get("task")) else None
             if task is not None and task.check_metadata is not None:
                 try:
                     task.check_metadata(_metadata(r))
                 except TaskError as e:
                     raise PromptError(f"{self.path}: prompt {r['prompt_id']!r} of task {task.name} cannot be "
                                       f"scored: {e}") from None
-        if any(r.get("task") in TASKS and TASKS[r["task"]].runs_code for r in self.rows):
+        if any(has_scorer(r.get("task")) and get_task(r["task"]).runs_code for r in self.rows):
             try:
                 default_sandbox()
             except SandboxUnavailable as e:
@@ -98,16 +139,19 @@ class PromptSet:
         return [list(r["prompt_token_ids"]) for r in self.rows]
 
     def tokenize(self, tokenizer, chat_template: bool = True) -> None:
-        """Token ids for the rows that have only text (token ids, when present, win). Text goes through
-        the model's chat template as one user message, as `sparrow prompts` formats it, unless
-        `chat_template` is False or the text is formatted already (it ends with the template's
-        generation prompt); the row's text becomes what the model sees."""
+        """Token ids for the rows that have only text or chat messages (token ids, when present, win).
+        Text goes through the model's chat template as one user message, as `sparrow prompts` formats it,
+        unless `chat_template` is False or the text is formatted already (it ends with the template's
+        generation prompt); chat messages always go through it, as TRL applies it. The row's text becomes
+        what the model sees."""
         for r in self.rows:
             if not r.get("prompt_token_ids"):
                 if tokenizer is None:
                     raise PromptError(f"{self.path}: prompt {r['prompt_id']!r} has only text and the model "
                                       "has no tokenizer; write prompts with token ids")
-                if chat_template:
+                if r.get("messages"):
+                    r["prompt"] = apply_messages(tokenizer, r["messages"], self.path, r["prompt_id"])
+                elif chat_template:
                     r["prompt"] = apply_chat_template(tokenizer, r["prompt"])
                 r["prompt_token_ids"] = tokenizer(r["prompt"], add_special_tokens=False).input_ids
 
@@ -143,3 +187,14 @@ def apply_chat_template(tokenizer, text: str) -> str:
         return text
     return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                          tokenize=False)
+
+
+def apply_messages(tokenizer, messages: list[dict], path: Path, prompt_id: str) -> str:
+    """Chat messages as TRL frames a conversational prompt: the template with the generation prompt, or
+    continuing the final message when it is the assistant's."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise PromptError(f"{path}: prompt {prompt_id!r} is a list of chat messages and the model's "
+                          "tokenizer has no chat template to format them")
+    final = messages[-1]["role"] == "assistant"
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=not final,
+                                         continue_final_message=final)

@@ -12,6 +12,10 @@ tasks whose scorer runs the completion's program (`Task.runs_code`) are scored b
 each waiting on its own sandboxed process, so a step's rewards take about the longest program's time
 rather than the sum; every completion is scored on its own, so the rewards do not depend on the pool's
 size.
+
+Rewards for users' datasets (`rewards.py`: math-verify, code tests from the dataset, a user's function)
+are looked up beside the tasks (`get_task`), never listed as tasks to generate; a reward with
+`judge_many` scores a batch's items of it in one call, as the trainers call such functions.
 """
 
 from __future__ import annotations
@@ -22,21 +26,26 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from . import code, humaneval, learnable, longcontext, reasoning
-from .base import Example, Judgement, Task, TaskError
+from . import code, humaneval, learnable, longcontext, reasoning, rewards
+from .base import Example, Judgement, RewardError, Task, TaskError
 
-__all__ = ["TASKS", "Example", "Judgement", "Task", "TaskError", "chat_format", "get_task", "judge",
-           "judge_batch", "make_prompts", "score", "score_batch"]
+__all__ = ["TASKS", "Example", "Judgement", "RewardError", "Task", "TaskError", "chat_format", "get_task",
+           "has_scorer", "judge", "judge_batch", "make_prompts", "score", "score_batch"]
 
 TASKS: dict[str, Task] = {t.name: t for t in [*reasoning.tasks(), *longcontext.tasks(), *learnable.tasks(),
                                                 *code.tasks(), *humaneval.tasks()]}
 
 
 def get_task(name: str) -> Task:
-    try:
-        return TASKS[name]
-    except KeyError:
-        raise KeyError(f"unknown task {name!r}; known tasks: {', '.join(TASKS)}") from None
+    """The task, or the users' dataset reward (`rewards.REWARDS`), of that name."""
+    task = TASKS.get(name) or rewards.REWARDS.get(name)
+    if task is None:
+        raise KeyError(f"unknown task {name!r}; known tasks: {', '.join(TASKS)}")
+    return task
+
+
+def has_scorer(name: str | None) -> bool:
+    return name in TASKS or name in rewards.REWARDS
 
 
 def chat_format(tokenizer, user: str, system: str | None = None) -> tuple[str, list[int]]:
@@ -91,21 +100,29 @@ def _meta(metadata: str | dict | None) -> dict[str, Any]:
     return json.loads(metadata) if isinstance(metadata, str) and metadata else (metadata or {})
 
 
+def _clamped(task: Task, reward: float) -> float:
+    return float(min(1.0, max(0.0, reward))) if task.clamp else float(reward)
+
+
 def score(task_name: str, completion_text: str, answer: str | None, metadata: str | dict | None) -> float:
-    """Reward in [0, 1] for a completion; `metadata` is the artifact's JSON string or a dict."""
-    if answer is None:
-        return 0.0
-    return float(min(1.0, max(0.0, get_task(task_name).score(completion_text, answer, _meta(metadata)))))
+    """Reward in [0, 1] for a completion (a user's reward function's, as it returned it); `metadata` is the
+    artifact's JSON string or a dict."""
+    return judge(task_name, completion_text, answer, metadata).reward
 
 
 def judge(task_name: str, completion_text: str, answer: str | None, metadata: str | dict | None) -> Judgement:
-    """The reward of `score` and why (`base.Judgement`): a code task's own verdict (status, tests passed),
-    for the others correct / incorrect / unparsed by the answer the scorer reads."""
+    """The reward and why (`base.Judgement`): a code task's own verdict (status, tests passed), a user's
+    reward function's extra fields, for the others correct / incorrect / unparsed by the answer the scorer
+    reads."""
     task = get_task(task_name)
-    if task.judge is not None and answer is not None:
+    if answer is None and task.needs_answer:
+        return Judgement(0.0, "unparsed")
+    if task.judge_many is not None:
+        return task.judge_many([(completion_text, answer, _meta(metadata))])[0]
+    if task.judge is not None:
         j = task.judge(completion_text, answer, _meta(metadata))
-        return Judgement(float(min(1.0, max(0.0, j.reward))), j.status, j.tests_passed, j.tests_total)
-    reward = score(task_name, completion_text, answer, metadata)
+        return Judgement(_clamped(task, j.reward), j.status, j.tests_passed, j.tests_total, j.extra)
+    reward = _clamped(task, task.score(completion_text, answer, _meta(metadata)))
     if reward >= 1.0:
         return Judgement(reward, "correct")
     given = task.given(completion_text) if task.given is not None else True
@@ -121,10 +138,21 @@ def reward_workers() -> int:
     return max(1, int(os.environ.get("SPARROW_REWARD_WORKERS") or os.cpu_count() or 1))
 
 
-def _batch(fn: Callable[..., T], items: Sequence[Item], workers: int | None) -> list[T]:
-    """`fn(*item)` of each item, in order; items of tasks that run code go through a pool of `workers`."""
-    pooled = [i for i, it in enumerate(items) if it[0] in TASKS and TASKS[it[0]].runs_code]
+def _batch(fn: Callable[..., T], items: Sequence[Item], workers: int | None,
+           many: Callable[[Judgement], T]) -> list[T]:
+    """`fn(*item)` of each item, in order; items of tasks that run code go through a pool of `workers`;
+    those of a reward with `judge_many` are judged in one call per reward (`many` maps its judgements)."""
     out: dict[int, T] = {}
+    batched: dict[str, list[int]] = {}
+    for i, it in enumerate(items):
+        task = get_task(it[0]) if has_scorer(it[0]) else None
+        if task is not None and task.judge_many is not None and (it[2] is not None or not task.needs_answer):
+            batched.setdefault(it[0], []).append(i)
+    for name, indices in batched.items():
+        judged = get_task(name).judge_many([(items[i][1], items[i][2], _meta(items[i][3])) for i in indices])
+        out.update(zip(indices, map(many, judged)))
+    pooled = [i for i, it in enumerate(items)
+              if i not in out and has_scorer(it[0]) and get_task(it[0]).runs_code]
     if pooled:
         n = min(workers or reward_workers(), len(pooled))
         with ThreadPoolExecutor(max_workers=n, thread_name_prefix="sparrow-reward") as pool:
@@ -137,9 +165,9 @@ def _batch(fn: Callable[..., T], items: Sequence[Item], workers: int | None) -> 
 
 def score_batch(items: Sequence[Item], workers: int | None = None) -> list[float]:
     """`score` of each item, in order; items of tasks that run code go through a pool of `workers`."""
-    return _batch(score, items, workers)
+    return _batch(score, items, workers, lambda j: j.reward)
 
 
 def judge_batch(items: Sequence[Item], workers: int | None = None) -> list[Judgement]:
     """`judge` of each item, in order, pooled like `score_batch`."""
-    return _batch(judge, items, workers)
+    return _batch(judge, items, workers, lambda j: j)

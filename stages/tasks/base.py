@@ -20,6 +20,11 @@ class TaskError(ValueError):
     """A task asked for something it cannot do (unknown option, impossible length...)."""
 
 
+class RewardError(ValueError):
+    """A reward could not be computed (a user's function raised or returned something unusable); the
+    message is one sentence naming the function and the row."""
+
+
 @dataclass(frozen=True)
 class Example:
     user: str  # the user message: the problem and the instruction on how to answer
@@ -36,13 +41,15 @@ class Judgement:
     """A completion's reward and why. `status`, for code tasks: passed (every test), failed (the run ended
     well and some test did not pass), timeout, output_limit, error (the program crashed, exited early or
     did not exit 0), no_code (no function found, nothing ran); for the others: correct (reward 1),
-    incorrect (an answer was found; its reward may still be partial credit), unparsed (none was found).
-    `tests_passed` and `tests_total` are a code task's (None for the others)."""
+    incorrect (an answer was found; its reward may still be partial credit), unparsed (none was found);
+    None for a user's reward function. `tests_passed` and `tests_total` are a code task's (None for the
+    others)."""
 
     reward: float
-    status: str
+    status: str | None
     tests_passed: int | None = None
     tests_total: int | None = None
+    extra: dict[str, Any] | None = None  # fields a user's reward function returned beside its score
 
 
 @dataclass(frozen=True)
@@ -59,6 +66,12 @@ class Task:
     given: Callable[[str], Any] | None = None  # the answer `score` reads in a completion (None: none found)
     check: Callable[..., None] | None = None  # (n, **options): TaskError for a request it cannot honour
     check_metadata: Callable[[dict[str, Any]], Any] | None = None  # TaskError for metadata it will not score
+    # a reward for users' datasets (rewards.py): judges many items at once ((completion, answer, metadata)
+    # each), passes its rewards through unclamped and may need no answer
+    judge_many: Callable[[list[tuple[str, str | None, dict[str, Any]]]], list[Judgement]] | None = None
+    clamp: bool = True  # rewards clamped to [0, 1]
+    needs_answer: bool = True
+    check_answer: Callable[[str | None], Any] | None = None  # TaskError for a ground truth it cannot score
 
     @property
     def long_context(self) -> bool:

@@ -27,7 +27,7 @@ import pyarrow.parquet as pq
 from sparrow.schemas import ArtifactError, ArtifactSpec, Col, artifact_kind, read_artifact
 from sparrow.schemas.artifacts import first_line
 
-from . import TASKS, judge_batch
+from . import TASKS, get_task, has_scorer, judge_batch
 
 COMPLETIONS = ArtifactSpec("completions", "completions of any sampler, read by their columns", (
     Col("prompt_id", pa.string()),
@@ -106,10 +106,11 @@ def check_prompts(prompts: dict[str, dict], completions: list[Completion], promp
         if row is None:
             raise ArtifactError(f"--completions {completions_path}: prompt {c.prompt_id!r} (row {i}) is "
                                 f"not in --prompts {prompts_path} (column 'prompt_id')")
-        if row.get("task") not in TASKS:
+        if not has_scorer(row.get("task")):
             raise ArtifactError(f"--prompts {prompts_path}: prompt {c.prompt_id!r} has task "
-                                f"{row.get('task')!r}, which has no scorer (known: {', '.join(TASKS)})")
-        if row.get("answer") is None:
+                                f"{row.get('task')!r}, which has no scorer (known: {', '.join(TASKS)}; a "
+                                "verl or TRL dataset is scored by --reward or --reward-fn)")
+        if row.get("answer") is None and get_task(row["task"]).needs_answer:
             raise ArtifactError(f"--prompts {prompts_path}: prompt {c.prompt_id!r} has no answer (column "
                                 "'answer'), so its completions cannot be scored")
         _check_metadata(row, prompts_path)
@@ -117,7 +118,7 @@ def check_prompts(prompts: dict[str, dict], completions: list[Completion], promp
 
 def _check_metadata(row: dict, path: Path) -> None:
     """The metadata keys the prompt's task scorer reads are there (a JSON object in column 'metadata')."""
-    keys = TASKS[row["task"]].metadata_keys
+    keys = get_task(row["task"]).metadata_keys
     if not keys:
         return
     try:
@@ -138,5 +139,6 @@ def score_completions(prompts: dict[str, dict], completions: list[Completion],
               prompts[c.prompt_id].get("metadata")) for c in completions]
     judged = judge_batch(items, workers)
     return [{"prompt_id": c.prompt_id, "sample": c.sample, "task": item[0], "reward": j.reward,
-             "status": j.status, "tests_passed": j.tests_passed, "tests_total": j.tests_total}
+             "status": j.status, "tests_passed": j.tests_passed, "tests_total": j.tests_total,
+             "reward_extra": json.dumps(j.extra, default=str, sort_keys=True) if j.extra else None}
             for c, item, j in zip(completions, items, judged)]

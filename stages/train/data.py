@@ -8,7 +8,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..core.prompt_set import PromptError, PromptSet
-from ..tasks import TASKS
+from ..core.user_data import DataOptions
+from ..tasks import TASKS, get_task, has_scorer
 
 
 @dataclass
@@ -16,20 +17,23 @@ class PromptRow:
     prompt_id: str
     task: str
     token_ids: list[int]
-    answer: str
+    answer: str | None  # None only for a reward that needs none (a user's function)
     metadata: str | None
 
 
-def load_prompts(path: str | os.PathLike, tokenizer=None, chat_template: bool = True) -> list[PromptRow]:
-    """Rows of a prompts file that training can use: token ids (or text to tokenize), an answer and a
-    known task; anything else is refused with one sentence (a PromptError, a ValueError)."""
-    prompt_set = PromptSet.read(path)
+def load_prompts(path: str | os.PathLike, tokenizer=None, chat_template: bool = True,
+                 data: DataOptions | None = None) -> list[PromptRow]:
+    """Rows of a prompts file (or a user's dataset, scored by `data`'s reward) that training can use:
+    token ids (or text to tokenize), an answer and a known task or reward; anything else is refused with
+    one sentence (a PromptError, a ValueError)."""
+    prompt_set = PromptSet.read(path, data)
     for r in prompt_set.rows:
         where = f"{path}: prompt {r['prompt_id']!r}"
-        if r.get("task") not in TASKS:
-            raise PromptError(f"{where} has task {r.get('task')!r}, which has no scorer "
-                              f"(known: {', '.join(TASKS)})")
-        if r.get("answer") is None:
+        if not has_scorer(r.get("task")):
+            hint = ("a verl or TRL dataset is scored by --reward math|code or --reward-fn path.py:function"
+                    if r.get("task") in ("verl", "trl") else f"known: {', '.join(TASKS)}")
+            raise PromptError(f"{where} has task {r.get('task')!r}, which has no scorer ({hint})")
+        if r.get("answer") is None and get_task(r["task"]).needs_answer:
             raise PromptError(f"{where} has no answer, so its reward cannot be verified")
     prompt_set.check_rewards()
     prompt_set.tokenize(tokenizer, chat_template)

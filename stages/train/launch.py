@@ -11,6 +11,7 @@ from pathlib import Path
 from sparrow.schemas import check_output_dir
 
 from ..backends.ray_pool import RolloutPool
+from ..core.user_data import DataOptions
 from ..kv_policies import KVPolicy
 from ..model import loading
 from .config import TrainConfig
@@ -31,13 +32,16 @@ class TrainInputs:
     output_dir: Path
     policy: KVPolicy  # the rollouts' KV policy; `TrainConfig.sparsity` stores its spec
     eval_prompts: Path | None = None
+    data: DataOptions = DataOptions()  # how users' datasets are read and scored (both prompt files)
 
 
 def read_prompts(cfg: TrainConfig, inputs: TrainInputs, tokenizer) -> tuple[list[PromptRow],
                                                                            list[PromptRow] | None]:
     chat = not cfg.raw_prompts
-    rows = load_prompts(inputs.prompts, tokenizer, chat)
-    return rows, load_prompts(inputs.eval_prompts, tokenizer, chat) if inputs.eval_prompts else None
+    rows = load_prompts(inputs.prompts, tokenizer, chat, inputs.data)
+    held_out = None if inputs.eval_prompts is None else load_prompts(inputs.eval_prompts, tokenizer, chat,
+                                                                      inputs.data)
+    return rows, held_out
 
 
 def check_run_location(cfg: TrainConfig, inputs: TrainInputs, resume: bool, force: bool) -> None:

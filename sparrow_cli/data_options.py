@@ -1,0 +1,46 @@
+"""The options that read users' datasets and score them (--answer-column, --reward, --reward-fn), shared
+by rollout, train and reward; docs/datasets.md has the formats and conventions."""
+
+from __future__ import annotations
+
+import typer
+
+from .common import UsageError
+
+
+def answer_column_option():
+    return typer.Option(None, "--answer-column", help="The ground-truth column of a TRL / Hugging Face "
+                        "dataset (a dotted path reaches into a struct, e.g. reward_model.ground_truth). "
+                        "Default: reward_model.ground_truth for a verl dataset, else the first of answer, "
+                        "solution, ground_truth, target that the file has.")
+
+
+def reward_option():
+    return typer.Option(None, "--reward", help="Score every prompt with one reward instead of its task's "
+                        "scorer: math (math-verify of the completion against the ground truth, as verl's "
+                        "and TRL's math rewards) or code (the ground truth's tests, JSON with inputs, "
+                        "outputs and fn_name for call tests or without it for stdin/stdout, run on the "
+                        "completion's program in the sandbox; reward = the share passed). A verl or TRL "
+                        "dataset has no reward without --reward or --reward-fn.")
+
+
+def reward_fn_option():
+    return typer.Option(None, "--reward-fn", help="Score every prompt with your function, path.py:function, "
+                        "run in this process: verl's compute_score(data_source, solution_str, ground_truth, "
+                        "extra_info) returning a number or a dict with 'score' (its other fields are kept "
+                        "in the artifact's reward_extra), or TRL's f(prompts, completions, **columns) "
+                        "returning one number per completion; the signature tells which.")
+
+
+def data_options(answer_column: str | None, reward: str | None, reward_fn: str | None):
+    """The `DataOptions` of the flags, checked before any work (the function is imported here, so a file
+    that does not load is refused before any weights do)."""
+    from sparrow.stages.core.user_data import DataOptions, DatasetError
+    from sparrow.stages.tasks import RewardError
+
+    options = DataOptions(answer_column, reward, reward_fn)
+    try:
+        options.reward_task()
+    except (DatasetError, RewardError) as e:
+        raise UsageError(str(e)) from None
+    return options

@@ -1,0 +1,452 @@
+"""Users' own datasets and rewards, as a verl or TRL user brings them: a GSM8K-shaped verl Parquet (written
+here as verl's examples/data_preprocess/gsm8k.py writes it), TRL-style datasets (text or chat prompts, an
+answer column; Parquet, JSONL, a save_to_disk folder), and rewards by --reward math, --reward code and
+--reward-fn. Expected values are computed here independently: math-verify called directly on the same
+strings, the user's function imported and called directly, the tokenizer's own chat template.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from typer.testing import CliRunner
+
+from sparrow.cli.app import app
+from sparrow.schemas import read_artifact
+from sparrow.stages.core.prompt_set import PromptError, PromptSet
+from sparrow.stages.core.user_data import DataOptions
+
+from cli_checks import error_line
+from tiny_models import tiny_chat_llama
+
+runner = CliRunner()
+INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
+PROBLEMS = [("Tom has 3 apples and buys 4 more. How many apples does he have?", "7"),
+            ("A box holds 12 eggs. How many eggs are in 2 boxes?", "24"),
+            ("Sara had 10 pens and gave away 3. How many pens are left?", "7")]
+# completions a user's sampler might give, scored against every ground truth above
+COMPLETIONS = ["The answer is 7.", "#### 24", "So he has \\boxed{7} apples.", "I think it is 25",
+               "3 + 4 = 7", "no idea"]
+
+
+def write_verl_gsm8k(path, n: int = len(PROBLEMS), split: str = "train"):
+    """Rows as verl's gsm8k preprocessing makes them (question + instruction as one user message, the
+    extracted solution as ground truth), written with pyarrow."""
+    rows = [{"data_source": "openai/gsm8k",
+             "prompt": [{"role": "user", "content": f"{q} {INSTRUCTION}"}],
+             "ability": "math",
+             "reward_model": {"style": "rule", "ground_truth": a},
+             "extra_info": {"split": split, "index": i, "answer": f"Some working.\n#### {a}", "question": q}}
+            for i, (q, a) in enumerate(PROBLEMS[:n])]
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+def write_trl_jsonl(path):
+    """TRL's conversational GRPO layout: a system and a user turn in `prompt`, the answer in `solution`."""
+    system = {"role": "system", "content": "Answer with a number."}
+    rows = [{"prompt": [system, {"role": "user", "content": q}], "solution": a} for q, a in PROBLEMS]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def math_verify_reward(completion: str, truth: str) -> float:
+    """The reference: math-verify itself, as verl's math_verify reward configures it."""
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+
+    gold = parse("\\boxed{" + truth + "}", extraction_config=[LatexExtractionConfig()])
+    given = parse(completion, extraction_config=[ExprExtractionConfig(), LatexExtractionConfig()])
+    return float(bool(given) and verify(gold, given))
+
+
+def _import(path, name):
+    spec = importlib.util.spec_from_file_location(f"direct_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return getattr(module, name)
+
+
+USER_REWARDS = '''\
+import math
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    hit = ground_truth in solution_str
+    return {"score": 2.0 * hit - 0.5, "hit": hit, "source": data_source, "index": extra_info["index"]}
+
+def plain(data_source, solution_str, ground_truth, extra_info=None):
+    return len(solution_str) / 10
+
+def raises(data_source, solution_str, ground_truth, extra_info=None):
+    if extra_info["index"] == 1:
+        raise ValueError("cannot read the answer")
+    return 1.0
+
+def says_yes(data_source, solution_str, ground_truth, extra_info=None):
+    return "yes"
+
+def no_score(data_source, solution_str, ground_truth, extra_info=None):
+    return {"acc": 1.0}
+
+def not_finite(data_source, solution_str, ground_truth, extra_info=None):
+    return math.nan
+
+def numpy_or_bool(data_source, solution_str, ground_truth, extra_info=None):
+    import numpy as np
+    return np.float32(0.25) if extra_info["index"] == 0 else {"score": ground_truth in solution_str}
+
+CALLS = []
+
+def trl_style(prompts, completions, solution, **kwargs):
+    CALLS.append(len(completions))
+    return [float(s in c[0]["content"]) for c, s in zip(completions, solution)]
+
+def trl_short(completions, **kwargs):
+    return [1.0]
+
+def two_args(a, b):
+    return 1.0
+'''
+
+
+@pytest.fixture
+def user_fns(tmp_path):
+    path = tmp_path / "my_rewards.py"
+    path.write_text(USER_REWARDS)
+    return path
+
+
+@pytest.fixture
+def verl_file(tmp_path):
+    return write_verl_gsm8k(tmp_path / "train.parquet")
+
+
+def stage_error(result) -> str:
+    """The error line of a command that failed after its work began (progress lines may come first): one
+    "error: ..." line, last, and no traceback."""
+    assert result.exit_code != 0, result.output
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert lines[-1].startswith("error:") and sum(x.startswith("error:") for x in lines) == 1, result.stderr
+    assert "Traceback" not in result.output
+    return lines[-1]
+
+
+def _completions_jsonl(path, prompt_ids):
+    rows = [{"prompt_id": pid, "text": text} for pid in prompt_ids for text in COMPLETIONS]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return rows
+
+
+# ---------------------------------------------------------------- reading the formats
+
+
+def test_verl_parquet_reads_as_prompts(verl_file):
+    prompts = PromptSet.read(verl_file)
+    assert prompts.ids == ["train-0", "train-1", "train-2"]
+    for row, (q, a) in zip(prompts.rows, PROBLEMS):
+        assert row["messages"] == [{"role": "user", "content": f"{q} {INSTRUCTION}"}]
+        assert row["answer"] == a and row["task"] == "verl"
+        meta = json.loads(row["metadata"])
+        assert meta["columns"]["data_source"] == "openai/gsm8k"
+        assert meta["columns"]["extra_info"]["question"] == q
+    scored = PromptSet.read(verl_file, DataOptions(reward="math"))
+    assert {r["task"] for r in scored.rows} == {"math-verify"}
+
+
+def test_trl_layouts_and_answer_column(tmp_path):
+    text = tmp_path / "text.parquet"
+    pq.write_table(pa.table({"prompt": ["What is 2+2?", "What is 3+3?"], "answer": ["4", "6"],
+                             "solution": ["four", "six"], "meta": [{"a": 1}, {"a": 2}]}), text)
+    rows = PromptSet.read(text).rows
+    assert [r["answer"] for r in rows] == ["4", "6"]  # 'answer' comes before 'solution'
+    assert rows[0]["prompt"] == "What is 2+2?" and rows[0]["messages"] is None
+    answers = lambda col: [r["answer"] for r in PromptSet.read(text, DataOptions(answer_column=col)).rows]
+    assert answers("solution") == ["four", "six"] and answers("meta.a") == ["1", "2"]
+    with pytest.raises(PromptError, match="has no column 'gold' \\(--answer-column\\)"):
+        PromptSet.read(text, DataOptions(answer_column="gold"))
+    chat = PromptSet.read(write_trl_jsonl(tmp_path / "chat.jsonl")).rows
+    assert chat[0]["messages"][0] == {"role": "system", "content": "Answer with a number."}
+    assert [r["answer"] for r in chat] == [a for _, a in PROBLEMS]
+
+
+def _save_to_disk_folder(folder, table):
+    """The layout `datasets.Dataset.save_to_disk` writes: Arrow stream files listed in state.json."""
+    folder.mkdir()
+    with pa.ipc.new_stream(str(folder / "data-00000-of-00001.arrow"), table.schema) as w:
+        w.write_table(table)
+    (folder / "state.json").write_text(json.dumps({"_data_files": [{"filename": "data-00000-of-00001.arrow"}],
+                                                   "_split": "train"}))
+    (folder / "dataset_info.json").write_text("{}")
+    return folder
+
+
+def test_save_to_disk_folder(tmp_path):
+    table = pa.Table.from_pylist([{"prompt": [{"role": "user", "content": q}], "solution": a}
+                                  for q, a in PROBLEMS])
+    rows = PromptSet.read(_save_to_disk_folder(tmp_path / "ds", table)).rows
+    assert [r["answer"] for r in rows] == [a for _, a in PROBLEMS] and rows[1]["prompt_id"] == "ds-1"
+    (tmp_path / "dd").mkdir()
+    (tmp_path / "dd" / "dataset_dict.json").write_text('{"splits": ["train"]}')
+    _save_to_disk_folder(tmp_path / "dd" / "train", table)
+    with pytest.raises(PromptError, match="is a Hugging Face DatasetDict; give one split's folder"):
+        PromptSet.read(tmp_path / "dd")
+
+
+def test_save_to_disk_with_datasets(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    ds = datasets.Dataset.from_list([{"prompt": q, "answer": a} for q, a in PROBLEMS])
+    ds.save_to_disk(str(tmp_path / "hf"))
+    assert [r["answer"] for r in PromptSet.read(tmp_path / "hf").rows] == [a for _, a in PROBLEMS]
+
+
+def test_unfit_columns_refused_in_one_sentence(tmp_path):
+    odd = tmp_path / "odd.parquet"
+    pq.write_table(pa.table({"question": ["q"], "label": [1]}), odd)
+    for command in (["rollout"], ["profile", "--budgets", "64"], ["train"]):
+        r = runner.invoke(app, [*command, "--prompts", str(odd), "-o", str(tmp_path / "out")])
+        line = error_line(r)
+        assert "has columns question, label, which fit none of the formats" in line, line
+        assert "a verl dataset (prompt as chat messages" in line and "loading model" not in r.output
+
+
+def test_messages_get_the_chat_template_as_trl_applies_it(tmp_path):
+    from sparrow.stages.model.loading import spec_tokenizer
+
+    tok = spec_tokenizer("smollm2-135m")
+    prompts = PromptSet.read(write_trl_jsonl(tmp_path / "chat.jsonl"))
+    prompts.tokenize(tok)
+    for row, (q, _) in zip(prompts.rows, PROBLEMS):
+        messages = [{"role": "system", "content": "Answer with a number."}, {"role": "user", "content": q}]
+        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        assert row["prompt"] == text and text.endswith("<|im_start|>assistant\n")
+        assert list(row["prompt_token_ids"]) == tok(text, add_special_tokens=False).input_ids
+
+
+# ---------------------------------------------------------------- rewards, scored by `sparrow reward`
+
+
+def test_reward_math_equals_math_verify(verl_file, tmp_path):
+    rows = _completions_jsonl(tmp_path / "c.jsonl", ["train-0", "train-1", "train-2"])
+    r = runner.invoke(app, ["reward", "--prompts", str(verl_file), "--completions", str(tmp_path / "c.jsonl"),
+                            "--reward", "math", "-o", str(tmp_path / "r.parquet")])
+    assert r.exit_code == 0, r.output
+    got = read_artifact(tmp_path / "r.parquet", "rewards").to_pylist()
+    truth = {f"train-{i}": a for i, (_, a) in enumerate(PROBLEMS)}
+    expected = [math_verify_reward(c["text"], truth[c["prompt_id"]]) for c in rows]
+    assert [g["reward"] for g in got] == expected
+    assert 0 < sum(expected) < len(expected)  # both outcomes are exercised
+    assert {g["task"] for g in got} == {"math-verify"}
+
+
+def test_reward_fn_verl_signature_equals_direct_call(verl_file, user_fns, tmp_path):
+    rows = _completions_jsonl(tmp_path / "c.jsonl", ["train-0", "train-1", "train-2"])
+    out = tmp_path / "r.parquet"
+    r = runner.invoke(app, ["reward", "--prompts", str(verl_file), "--completions", str(tmp_path / "c.jsonl"),
+                            "--reward-fn", f"{user_fns}:compute_score", "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    fn = _import(user_fns, "compute_score")
+    table = pq.read_table(verl_file).to_pylist()
+    got = read_artifact(out, "rewards").to_pylist()
+    for g, c in zip(got, rows):
+        source = table[int(c["prompt_id"].rsplit("-", 1)[1])]
+        direct = fn(data_source=source["data_source"], solution_str=c["text"],
+                    ground_truth=source["reward_model"]["ground_truth"], extra_info=source["extra_info"])
+        assert g["reward"] == direct["score"]  # as returned: -0.5 is kept, not clamped
+        assert json.loads(g["reward_extra"]) == {k: v for k, v in direct.items() if k != "score"}
+    plain = runner.invoke(app, ["reward", "--prompts", str(verl_file), "--completions",
+                                str(tmp_path / "c.jsonl"), "--reward-fn", f"{user_fns}:plain", "-o",
+                                str(tmp_path / "p.parquet")])
+    assert plain.exit_code == 0, plain.output
+    got = read_artifact(tmp_path / "p.parquet", "rewards").to_pylist()
+    assert [g["reward"] for g in got] == [len(c["text"]) / 10 for c in rows]
+    assert all(g["reward_extra"] is None for g in got)
+
+
+@pytest.mark.parametrize("name, message", [
+    ("raises", "raised ValueError (cannot read the answer) on row 1 of train.parquet"),
+    ("says_yes", "returned 'yes' on row 0 of train.parquet; a reward function returns a finite number or a "
+                 "dict with a numeric 'score'"),
+    ("no_score", "returned None on row 0 of train.parquet"),
+    ("not_finite", "returned nan on row 0"),
+    ("trl_short", "returned a list of 1 for 18 completions"),
+    ("two_args", "takes (a, b), neither verl's compute_score(data_source, solution_str, ground_truth, "
+                 "extra_info) nor TRL's"),
+    ("missing", "has no function 'missing'"),
+])
+def test_reward_fn_refusals_are_one_sentence_and_write_nothing(verl_file, user_fns, tmp_path, name, message):
+    _completions_jsonl(tmp_path / "c.jsonl", ["train-0", "train-1", "train-2"])
+    out = tmp_path / "r.parquet"
+    r = runner.invoke(app, ["reward", "--prompts", str(verl_file), "--completions", str(tmp_path / "c.jsonl"),
+                            "--reward-fn", f"{user_fns}:{name}", "-o", str(out)])
+    line = error_line(r)
+    assert f"--reward-fn {user_fns}:{name}" in line and message in line, line
+    assert "Traceback" not in r.output and not out.exists() and list(tmp_path.glob(".r.parquet*")) == []
+
+
+def test_reward_fn_numbers_as_verl_takes_them(verl_file, user_fns):
+    from sparrow.stages.tasks import judge_batch
+
+    prompts = PromptSet.read(verl_file, DataOptions(reward_fn=f"{user_fns}:numpy_or_bool"))
+    items = [(r["task"], "it is 24", r["answer"], r["metadata"]) for r in prompts.rows]
+    assert [j.reward for j in judge_batch(items)] == [0.25, 1.0, 0.0]  # np.float32, True, False
+
+
+def test_reward_fn_trl_signature_batched_with_columns(tmp_path, user_fns):
+    from sparrow.stages.tasks import judge_batch
+
+    chat = write_trl_jsonl(tmp_path / "chat.jsonl")
+    prompts = PromptSet.read(chat, DataOptions(reward_fn=f"{user_fns}:trl_style"))
+    items = [(r["task"], text, r["answer"], r["metadata"]) for r in prompts.rows for text in COMPLETIONS]
+    judged = judge_batch(items)
+    fn = _import(user_fns, "trl_style")
+    sources = [json.loads(line) for line in chat.read_text().splitlines()]
+    direct = fn(prompts=[s["prompt"] for s in sources for _ in COMPLETIONS],
+                completions=[[{"role": "assistant", "content": t}] for _ in sources for t in COMPLETIONS],
+                solution=[s["solution"] for s in sources for _ in COMPLETIONS])
+    assert [j.reward for j in judged] == direct
+    from sparrow.stages.tasks import rewards
+
+    module = next(m for n, m in __import__("sys").modules.items() if n.startswith("sparrow_reward_")
+                  and getattr(m, "CALLS", None) is not None and m.__file__ == str(user_fns))
+    assert module.CALLS == [len(items)]  # one call for the batch, as TRL calls it
+    assert rewards.REWARDS[prompts.rows[0]["task"]].clamp is False
+
+
+def test_reward_needs_an_answer_or_refuses(tmp_path):
+    text = tmp_path / "q.parquet"
+    pq.write_table(pa.table({"prompt": ["What is 2+2?"], "hint": ["even"]}), text)
+    with pytest.raises(PromptError, match="has no answer, which --reward scores against .*--answer-column"):
+        PromptSet.read(text, DataOptions(reward="math"))
+    with pytest.raises(PromptError, match="--reward and --reward-fn are two ways to score"):
+        PromptSet.read(text, DataOptions(reward="math", reward_fn="x.py:f"))
+
+
+def test_reward_code_runs_the_datasets_tests(tmp_path):
+    from sparrow.stages.tasks import judge_batch
+    from sparrow.stages.tasks import sandbox as sb
+
+    if sb.sandbox_problem(sb.bwrap_binary()) is not None:
+        pytest.skip("no sandbox here")
+    call = {"fn_name": "add", "inputs": [[1, 2], [3, 4], [0, 0]], "outputs": [3, 7, 0]}
+    stdio = {"inputs": ["1 2\n", "5 6\n"], "outputs": ["3\n", "11\n"]}
+    data = tmp_path / "code.parquet"
+    pq.write_table(pa.table({"prompt": ["Write add(a, b).", "Read two ints, print their sum."],
+                             "tests": [json.dumps(call), json.dumps(stdio)]}), data)
+    prompts = PromptSet.read(data, DataOptions(answer_column="tests", reward="code"))
+    add_ok = "```python\ndef add(a, b):\n    return a + b\n```"
+    add_wrong = "```python\ndef add(a, b):\n    return a * b\n```"  # right for [0, 0] only... and 1*2 != 3
+    sum_ok = "```python\na, b = map(int, input().split())\nprint(a + b)\n```"
+    sum_wrong = "```python\nprint(3)\n```\nIt prints:\n```text\n3\n```"  # the Python block is the program
+    a, b = prompts.rows
+    judged = judge_batch([(a["task"], add_ok, a["answer"], a["metadata"]),
+                          (a["task"], add_wrong, a["answer"], a["metadata"]),
+                          (b["task"], sum_ok, b["answer"], b["metadata"]),
+                          (b["task"], sum_wrong, b["answer"], b["metadata"]),
+                          (b["task"], "no code here (", b["answer"], b["metadata"])])
+    assert [j.reward for j in judged] == [1.0, pytest.approx(1 / 3), 1.0, 0.5, 0.0]
+    assert [j.status for j in judged] == ["passed", "failed", "passed", "failed", "no_code"]
+    bad = tmp_path / "bad.parquet"
+    pq.write_table(pa.table({"prompt": ["x"], "tests": ["assert f(1) == 2"]}), bad)
+    with pytest.raises(PromptError, match="row 0\\) cannot be scored by the code-tests reward: its ground"):
+        PromptSet.read(bad, DataOptions(answer_column="tests", reward="code"))
+
+
+# ---------------------------------------------------------------- the pipeline, on a tiny chat model
+
+
+@pytest.fixture(scope="module")
+def tiny_chat(tmp_path_factory) -> str:
+    return tiny_chat_llama(tmp_path_factory.mktemp("tiny-chat"))
+
+
+def _pipeline(model: str, data, tmp_path, max_new_tokens: int = 12) -> list[dict]:
+    """profile, rollout --reward math, reward --reward math and train --reward math on `data`, unchanged;
+    the rollouts' rows."""
+    base = ["--model", model, "--prompts", str(data)]
+    r = runner.invoke(app, ["profile", *base, "--budgets", "48", "--samples", "1", "--max-new-tokens",
+                            str(max_new_tokens), "-o", str(tmp_path / "mismatch.parquet")])
+    assert r.exit_code == 0, r.output
+    assert read_artifact(tmp_path / "mismatch.parquet", "mismatch").num_rows > 0
+    rollouts = tmp_path / "rollouts.parquet"
+    r = runner.invoke(app, ["rollout", *base, "--reward", "math", "--samples", "2", "--max-new-tokens",
+                            str(max_new_tokens), "-o", str(rollouts)])
+    assert r.exit_code == 0, r.output
+    rows = read_artifact(rollouts, "rollouts").to_pylist()
+    r = runner.invoke(app, ["reward", "--prompts", str(data), "--completions", str(rollouts), "--reward",
+                            "math", "-o", str(tmp_path / "rewards.parquet")])
+    assert r.exit_code == 0, r.output
+    rewards = read_artifact(tmp_path / "rewards.parquet", "rewards").to_pylist()
+    assert [x["reward"] for x in rewards] == [x["reward"] for x in rows]
+    r = runner.invoke(app, ["train", *base, "--reward", "math", "--steps", "1", "--prompts-per-step", "2",
+                            "--samples", "2", "--max-new-tokens", str(max_new_tokens), "--lora-rank", "2",
+                            "-o", str(tmp_path / "run")])
+    assert r.exit_code == 0, r.output
+    assert read_artifact(tmp_path / "run" / "metrics.parquet", "metrics").num_rows == 1
+    return rows
+
+
+@pytest.mark.parametrize("layout", ["verl", "trl"])
+def test_dataset_through_the_pipeline(tiny_chat, tmp_path, layout):
+    data = (write_verl_gsm8k(tmp_path / "gsm8k.parquet") if layout == "verl"
+            else write_trl_jsonl(tmp_path / "trl.jsonl"))
+    rows = _pipeline(tiny_chat, data, tmp_path)
+    truth = {r["prompt_id"]: r["answer"] for r in PromptSet.read(data).rows}
+    assert [r["reward"] for r in rows] == [math_verify_reward(r["text"], truth[r["prompt_id"]]) for r in rows]
+    assert len(rows) == 2 * len(PROBLEMS)
+
+
+def test_reward_fn_raising_in_rollout_writes_nothing(tiny_chat, verl_file, user_fns, tmp_path):
+    out = tmp_path / "rollouts.parquet"
+    r = runner.invoke(app, ["rollout", "--model", tiny_chat, "--prompts", str(verl_file), "--reward-fn",
+                            f"{user_fns}:raises", "--max-new-tokens", "4", "-o", str(out)])
+    line = stage_error(r)
+    assert "raised ValueError (cannot read the answer) on row 1 of train.parquet" in line
+    assert not out.exists() and list(tmp_path.glob(".rollouts.parquet*")) == []
+    r = runner.invoke(app, ["rollout", "--model", tiny_chat, "--prompts", str(verl_file), "--reward-fn",
+                            f"{user_fns}:compute_score", "--samples", "2", "--max-new-tokens", "4",
+                            "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    fn = _import(user_fns, "compute_score")
+    source = pq.read_table(verl_file).to_pylist()
+    for row in read_artifact(out, "rollouts").to_pylist():
+        s = source[int(row["prompt_id"].rsplit("-", 1)[1])]
+        direct = fn(s["data_source"], row["text"], s["reward_model"]["ground_truth"], s["extra_info"])
+        assert row["reward"] == direct["score"]
+        assert json.loads(row["reward_extra"]) == {k: v for k, v in direct.items() if k != "score"}
+
+
+def test_train_with_reward_fn_raising_names_the_row(tiny_chat, verl_file, user_fns, tmp_path):
+    r = runner.invoke(app, ["train", "--model", tiny_chat, "--prompts", str(verl_file), "--reward-fn",
+                            f"{user_fns}:raises", "--steps", "1", "--prompts-per-step", "3", "--samples", "2",
+                            "--max-new-tokens", "4", "-o", str(tmp_path / "run")])
+    line = stage_error(r)
+    assert "raised ValueError (cannot read the answer) on row 1 of train.parquet" in line
+    # no step's metrics, checkpoint or adapter: only the schedule the run started with, written whole
+    assert [p.name for p in (tmp_path / "run").iterdir()] == ["schedule.parquet"]
+    r = runner.invoke(app, ["train", "--model", tiny_chat, "--prompts", str(verl_file), "--steps", "1",
+                            "-o", str(tmp_path / "run2")])
+    assert "a verl or TRL dataset is scored by --reward math|code or --reward-fn" in error_line(r)
+
+
+def test_distill_reads_a_verl_dataset(tiny_chat, verl_file, tmp_path):
+    r = runner.invoke(app, ["distill", "--model", tiny_chat, "--prompts", str(verl_file), "--budget", "48",
+                            "--steps", "1", "--trajectories-per-step", "2", "--samples", "2",
+                            "--max-new-tokens", "4", "--lora-rank", "2", "-o", str(tmp_path / "adapter")])
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "adapter" / "adapter_config.json").exists()
+
+
+# ---------------------------------------------------------------- on the embedded SmolLM2-135M
+
+
+@pytest.mark.slow
+def test_verl_gsm8k_on_smollm2(tmp_path):
+    verl = write_verl_gsm8k(tmp_path / "gsm8k.parquet")
+    rows = _pipeline("smollm2-135m", verl, tmp_path, max_new_tokens=24)
+    truth = {f"gsm8k-{i}": a for i, (_, a) in enumerate(PROBLEMS)}
+    assert [r["reward"] for r in rows] == [math_verify_reward(r["text"], truth[r["prompt_id"]]) for r in rows]
+    assert all(not math.isnan(r["reward"]) for r in rows)
