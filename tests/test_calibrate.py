@@ -387,6 +387,13 @@ def test_cli_labels_against_dense_and_report_draws_the_calibration(tmp_path):
                             "--runs", *map(str, runs)])
     assert r.exit_code == 0, r.output
     assert "(calibrated)" in r.output and "mean of alpha" in r.output
+    assert "identified set [" in r.output and "95% interval" in r.output and "KV read" in r.output
+    # the low runs' eval is 0.3 under dense's: collapsed at every margin up to 0.2
+    for margin in ("0.05", "0.1", "0.15", "0.2"):
+        assert f"margin {margin}: 2 of 6 runs collapsed; identified set [" in r.output
+    meta = artifact_metadata(out)
+    assert [s["what"] for s in json.loads(meta["separations"])] == ["tails", "mean alpha", "KV read"]
+    assert len(json.loads(meta["margin_sensitivity"])) == 4
     per_run = {Path(x["run"]).name: x for x in json.loads(artifact_metadata(out)["runs"])}
     assert per_run["low-0"]["collapsed"] and "dense run" in per_run["low-0"]["reasons"][0]
     assert per_run["low-0"]["reference"].endswith("dense-0") and 0 < per_run["low-0"]["mean"] <= 1
