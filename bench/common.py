@@ -1,7 +1,10 @@
-"""Helpers shared by the benchmarks: device sync, timing, copy bandwidth, glibc allocator settings."""
+"""Helpers shared by the benchmarks: device sync, timing, copy bandwidth, glibc allocator settings, the
+`sparrow` command of this environment."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -67,3 +70,12 @@ def write_results(rows: list[dict], name: str) -> None:
     out.parent.mkdir(exist_ok=True)
     pq.write_table(pa.Table.from_pylist(rows), out)
     print(f"wrote {out}")
+
+
+SPARROW = str(Path(sys.executable).with_name("sparrow"))  # the CLI installed beside this interpreter
+
+
+def sparrow(*args: str) -> None:
+    """Run a sparrow command, echoed first; a failure stops the bench."""
+    print("$ sparrow " + " ".join(args), flush=True)
+    subprocess.run([SPARROW, *args], check=True)

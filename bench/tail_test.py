@@ -32,22 +32,17 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from itertools import combinations_with_replacement
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
+from common import SPARROW, sparrow
 
-SPARROW = str(Path(sys.executable).with_name("sparrow"))
 PHASES = ("designs", "train", "matrix", "calibrate", "figure")
-
-
-def sparrow(*args: str) -> None:
-    print("$ sparrow " + " ".join(args), flush=True)
-    subprocess.run([SPARROW, *args], check=True)
 
 
 # ---------------------------------------------------------------- prompts, profile, designs
@@ -207,16 +202,16 @@ def train_all(args, specs: list[RunSpec], prompts: Path, held_out: Path, out: Pa
     """Every unfinished run, --parallel at a time, each its own process at one thread (logs beside it)."""
     todo = [s for s in specs if not finished(args, s.folder(out))]
     print(f"{len(specs) - len(todo)} of {len(specs)} runs done; {len(todo)} to train", flush=True)
-    running: list[tuple[RunSpec, subprocess.Popen, float]] = []
+    running: list[tuple[RunSpec, subprocess.Popen, float]] = []  # each with its log file open
     while todo or running:
         while todo and len(running) < args.parallel:
             spec = todo.pop(0)
             folder = spec.folder(out)
             folder.parent.mkdir(parents=True, exist_ok=True)
-            log = open(folder.parent / f"{folder.name}.log", "a")
             print(f"== {folder.name}", flush=True)
-            running.append((spec, subprocess.Popen(train_command(args, spec, prompts, held_out, out),
-                                                   stdout=log, stderr=subprocess.STDOUT), time.time()))
+            with open(folder.parent / f"{folder.name}.log", "a") as log:  # the child keeps its own handle
+                running.append((spec, subprocess.Popen(train_command(args, spec, prompts, held_out, out),
+                                                       stdout=log, stderr=subprocess.STDOUT), time.time()))
         time.sleep(5)
         for item in list(running):
             spec, proc, t0 = item
@@ -290,7 +285,7 @@ def matrix(args, out: Path, held_out: Path, made: list[tuple[Design, Path]], spe
                 result[kind] = float(np.mean(rewards) if kind == "reward"
                                      else np.mean([x >= 1 - 1e-9 for x in rewards]))
             rows.append({"policy": name, "sampler": sampler, **result})
-            pq.write_table(__import__("pyarrow").Table.from_pylist(rows), path)
+            pq.write_table(pa.Table.from_pylist(rows), path)
             print(f"   matrix {name} x {sampler}: reward {result['reward']:.3f}, accuracy "
                   f"{result['accuracy']:.3f} ({time.time() - t0:.0f} s)", flush=True)
         engine.close()
@@ -333,9 +328,9 @@ def figure(out: Path, threshold: Path, target: Path | None) -> Path:
         for row, (y, label) in enumerate(ys):
             ax = axes[row, col]
             for r in runs:
-                value = r[y] - (r["sampler_gap"] or 0.0) if y == "reward_gap" else r[y]
-                if value is None:
+                if r[y] is None:
                     continue
+                value = r[y] - (r["sampler_gap"] or 0.0) if y == "reward_gap" else r[y]
                 colour = "tab:red" if r["collapsed"] else "tab:green"
                 ax.scatter(r[key], value, marker=markers.get(r["seed"], "o"), s=40, edgecolors=colour,
                            facecolors=colour if r["correction"] != "none" else "none", linewidths=1.2)

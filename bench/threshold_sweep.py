@@ -22,27 +22,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
 import torch
+from common import sparrow
 
 from sparrow.schemas import artifact_metadata, write_artifact
 from sparrow.stages.core.definitions import TAIL_QUANTILE
 from sparrow.stages.model.loading import load_model
 from sparrow.stages.tasks import make_prompts
 from sparrow.stages.train import RunOptions, TrainConfig, Trainer, load_prompts
-
-SPARROW = str(Path(sys.executable).with_name("sparrow"))
-
-
-def sparrow(*args: str) -> None:
-    print("$ sparrow " + " ".join(args), flush=True)
-    subprocess.run([SPARROW, *args], check=True)
 
 
 def prompt_files(args, out: Path) -> tuple[Path, Path]:

@@ -76,6 +76,8 @@ def calibrate_threshold(
     fmt = resolve_format(format)
     if not 0 < quantile < 1:
         raise UsageError(f"--quantile must be in (0, 1), got {quantile}")
+    if bootstrap < 1:
+        raise UsageError(f"--bootstrap must be at least 1 (draws of the profile's prompts), got {bootstrap}")
     for flag, value in (("--reward-margin", reward_margin), ("--eval-margin", eval_margin)):
         if not 0 <= value <= 1:
             raise UsageError(f"{flag} must be in [0, 1] (a reward or accuracy gap), got {value}")
@@ -93,7 +95,7 @@ def calibrate_threshold(
     results = label_runs(loaded, tokens, quantile, det)
     cal = calibrate(results, quantile, bootstrap, model=artifact_metadata(profile).get("model"),
                     tokens=tokens)
-    sensitivity = margin_sensitivity(loaded, tokens, quantile, det) if results else []
+    sensitivity = margin_sensitivity(loaded, results, det) if results else []
     per_run = [{"run": r.name, "tail": r.tail, "mean": r.mean, "kv_read": r.kv_read, "collapsed": r.collapsed,
                 "reasons": r.reasons, "warnings": r.warnings, "reference": r.reference,
                 "sampler_gap": r.sampler_gap, "eval_change": r.eval_change, "reward_gap": r.reward_gap,

@@ -366,7 +366,7 @@ def calibrate(runs: list[RunResult], quantile: float = TAIL_QUANTILE, n_boot: in
         return fallback(model, quantile, "no runs given", [])
     collapsed = np.array([r.collapsed for r in runs])
     draws = (bootstrap_statistics(runs, tokens, quantile, n_boot, seed)
-             if tokens is not None and all(r.schedule is not None for r in runs) else None)
+             if tokens is not None and n_boot > 0 and all(r.schedule is not None for r in runs) else None)
     seps = [separation(np.array([getattr(r, key) for r in runs]), None if draws is None else draws[key],
                        collapsed, what)
             for key, what in (("tail", "tails"), ("mean", "mean alpha"), ("kv_read", "KV read"))]
@@ -383,18 +383,20 @@ def calibrate(runs: list[RunResult], quantile: float = TAIL_QUANTILE, n_boot: in
     return replace(cal, mean_threshold=mean.point, mean_note=mean_note, separations=seps)
 
 
-def margin_sensitivity(loaded: list[LoadedRun], tokens: ProfileTokens, quantile: float, det: Detectors,
+def margin_sensitivity(loaded: list[LoadedRun], results: list[RunResult], det: Detectors,
                        margins: tuple[float, ...] = (0.05, 0.1, 0.15, 0.2)) -> list[str]:
-    """One line per margin (reward and eval margins both set to it): how many runs collapse and whether
-    the tails separate them, and where."""
+    """One line per margin (reward and eval margins both set to it): how many of the runs (`results`,
+    labelled from `loaded` in the same order) collapse, and whether their tails separate them, and where.
+    Only the labels change with the margin; the tails are the results'."""
+    tails = np.array([r.tail for r in results])
     lines = []
     for m in margins:
-        runs = label_runs(loaded, tokens, quantile, replace(det, reward_margin=m, eval_margin=m))
-        collapsed = np.array([r.collapsed for r in runs])
-        sep = separation(np.array([r.tail for r in runs]), None, collapsed, "tails")
+        at = replace(det, reward_margin=m, eval_margin=m)
+        collapsed = np.array([bool(judge(run, loaded, at).reasons) for run in loaded])
+        sep = separation(tails, None, collapsed, "tails")
         verdict = (f"identified set [{sep.identified[0]:.4f}, {sep.identified[1]:.4f}]"
                    if sep.point is not None else f"no separation ({sep.note})")
-        lines.append(f"margin {m:g}: {int(collapsed.sum())} of {len(runs)} runs collapsed; {verdict}")
+        lines.append(f"margin {m:g}: {int(collapsed.sum())} of {len(loaded)} runs collapsed; {verdict}")
     return lines
 
 
@@ -463,36 +465,56 @@ def read_runs(run_dirs: list[Path]) -> list[LoadedRun]:
     return loaded
 
 
+@dataclass
+class Verdict:
+    """What training did to a run: the reasons it collapsed ([] = stable), the dense run it was compared
+    with, the reward gap to it (dense minus this run, final smoothed rewards) and notes."""
+
+    reasons: list[str]
+    reference: str | None = None
+    reward_gap: float | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def judge(run: LoadedRun, loaded: list[LoadedRun], det: Detectors) -> Verdict:
+    """`run` by its own curves and dense eval against its start, and, when a dense run of its
+    configuration and seed is among `loaded`, against that run (reference_reasons)."""
+    start = run.initial.accuracy if run.initial else None
+    verdict = Verdict(collapse_reasons(run.metrics, det, start_eval=start))
+    if not run.config or run.config.get("sparsity") == "dense":
+        return verdict
+    dense = [d for d in loaded if d.config.get("sparsity") == "dense"]
+    same = [d for d in dense if _config_key(d.config, True) == _config_key(run.config, True)]
+    if not same:
+        return verdict
+    seeds = [d.metrics for d in dense if _config_key(d.config, False) == _config_key(run.config, False)]
+    gap = run.initial.sampler_gap if run.initial else None
+    verdict.reference = same[0].name
+    verdict.reasons += reference_reasons(run.metrics, same[0].metrics, seeds, run.config.get("seed", 0), det,
+                                         gap)
+    last = pc.max(run.metrics.column("step")).as_py()
+    mine, ref = final_reward(run.metrics, last, det), final_reward(same[0].metrics, last, det)
+    verdict.reward_gap = None if mine is None or ref is None else ref - mine
+    if gap is None:
+        verdict.notes.append("no step-0 sampler reward logged: the reward is not compared with the dense "
+                             "run's")
+    return verdict
+
+
 def label_runs(loaded: list[LoadedRun], tokens: ProfileTokens, quantile: float, det: Detectors
                ) -> list[RunResult]:
-    """Labels, statistics and outcomes; each sparse run is also judged against the dense run of its
-    configuration and seed among `loaded`, when there is one."""
-    dense = [r for r in loaded if r.config.get("sparsity") == "dense"]
+    """Labels (judge), statistics and outcomes of every run, in order."""
     results = []
     for run in loaded:
         alpha, kv_read, notes = tokens.at(run.schedule)
+        verdict = judge(run, loaded, det)
         start = run.initial.accuracy if run.initial else None
-        reasons, reference, reward_gap = collapse_reasons(run.metrics, det, start_eval=start), None, None
-        gap = run.initial.sampler_gap if run.initial else None
-        if run.config and run.config.get("sparsity") != "dense":
-            same = [d for d in dense if _config_key(d.config, True) == _config_key(run.config, True)]
-            seeds = [d.metrics for d in dense
-                     if _config_key(d.config, False) == _config_key(run.config, False)]
-            if same:
-                reference = same[0].name
-                reasons += reference_reasons(run.metrics, same[0].metrics, seeds, run.config.get("seed", 0),
-                                             det, gap)
-                last = pc.max(run.metrics.column("step")).as_py()
-                mine, ref = final_reward(run.metrics, last, det), final_reward(same[0].metrics, last, det)
-                reward_gap = None if mine is None or ref is None else ref - mine
-                if gap is None:
-                    notes = notes + ["no step-0 sampler reward logged: the reward is not compared with the "
-                                     "dense run's"]
         last_acc = last_eval(run.metrics, pc.max(run.metrics.column("step")).as_py(), det)
         results.append(RunResult(
-            run.name, tail_of(alpha, tokens.bins, quantile), reasons, notes,
-            mismatch_warnings(run.metrics, det), float(alpha.mean()), reference, float(kv_read.mean()),
-            run.schedule, gap, None if start is None or last_acc is None else last_acc - start, reward_gap,
+            run.name, tail_of(alpha, tokens.bins, quantile), verdict.reasons, notes + verdict.notes,
+            mismatch_warnings(run.metrics, det), float(alpha.mean()), verdict.reference,
+            float(kv_read.mean()), run.schedule, run.initial.sampler_gap if run.initial else None,
+            None if start is None or last_acc is None else last_acc - start, verdict.reward_gap,
             run.config.get("seed"), run.config.get("correction")))
     return results
 
