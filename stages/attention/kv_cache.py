@@ -54,6 +54,12 @@ class PagedKVCache:
         self.v[:, d] = self.v[:, s]
         self.centroids[:, d] = self.centroids[:, s]
 
+    def recompute_centroids(self, page: int, filled: int) -> None:
+        """The page's centroids, in every layer, as the mean of its first `filled` slots' keys (after the
+        slots past them were given up: a speculative cycle's rejected drafts)."""
+        keys = self.k[:, page, :, :filled].float()  # [L, Hkv, filled, D]
+        self.centroids[:, page] = keys.mean(2).to(self.centroids.dtype)
+
     @staticmethod
     def bytes_per_page(cfg: ModelConfig, page_size: int, dtype: torch.dtype,
                        centroid_dtype: torch.dtype = torch.float32) -> int:

@@ -100,6 +100,30 @@ class PrefillAttention:
         return self.ops.causal_attention(q, k, v)
 
 
+class VerifyAttention:
+    """A speculative cycle's dense verification (engine/speculative.py): row j's fed tokens (its first
+    `counts[j]` columns) continue the prefix in its pages, ending at position `ends[j] - 1`. Their keys and
+    values are written over the drafts' (centroids recomputed), and each row attends densely to its
+    positions 0..ends[j] - 1. valid [G, T] bool, slots [N] int64 (one per valid token, row order), tables
+    [G, W] int64 block tables."""
+
+    def __init__(self, cache: PagedKVCache, valid: Tensor, slots: Tensor, tables: Tensor, ends: list[int],
+                 counts: list[int]):
+        self.cache, self.valid, self.slots, self.tables = cache, valid, slots, tables
+        self.ends, self.counts = ends, counts
+
+    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext) -> Tensor:
+        k_pages, v_pages, centroids = self.cache.layer(layer)
+        kt, vt = k.transpose(1, 2), v.transpose(1, 2)  # [G, T, Hkv, D]
+        write_prefill(k_pages, v_pages, centroids, kt[self.valid], vt[self.valid], self.slots)
+        out = q.new_zeros(q.shape)  # [G, Hq, T, D]; padded columns stay 0
+        for j, (end, n) in enumerate(zip(self.ends, self.counts)):
+            keys = gather_positions(k_pages, self.tables[j], end)
+            values = gather_positions(v_pages, self.tables[j], end)
+            out[j: j + 1, :, :n] = attend_after_prefix(q[j: j + 1, :, :n], keys, values)
+        return out
+
+
 def gather_positions(pages: Tensor, table: Tensor, length: int) -> Tensor:
     """Pool pages [N, Hkv, P, D] along a block table [W] -> positions 0..length-1 [1, Hkv, length, D]."""
     g = pages[table]  # [W, Hkv, P, D]

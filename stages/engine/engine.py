@@ -30,6 +30,7 @@ from .memory import Workload
 from .runner import ModelRunner, PrefillRow
 from .scheduler import Scheduler, prefill_tokens
 from .sequence import Completion, Request, SamplingParams, Sequence, Status
+from .speculative import Emitted, run_cycle
 from .static_decode import StepOutput
 
 __all__ = ["DecodeStep", "Engine", "EngineConfig", "EngineStats", "make_runner"]
@@ -46,6 +47,8 @@ class EngineStats:
     recomputed_tokens: int = 0  # prefilled again after a preemption
     max_running: int = 0  # the largest decode batch
     dropped_tokens: int = 0  # sampled past a stop the pipelined loop noticed a step late
+    drafted_tokens: int = 0  # speculative decoding: drafts proposed, and kept by the dense verification
+    accepted_drafts: int = 0
     compactions: int = 0  # compressions of evicting samples
     peak_pages: int = 0  # the most pool pages in use at a decode step
     # KV tokens the decode steps' samples held (their caches, new tokens included) and what dense
@@ -149,6 +152,9 @@ class Engine:
                              f"{params.max_new_tokens} exceeds the model's context of "
                              f"{self.cfg.max_position_embeddings}")
         policy = self.policy if policy is None else policy
+        if policy.evicts and self.config.speculate:
+            raise ValueError(f"speculative decoding drafts with dense or block top-k attention, not with "
+                             f"{policy.name}'s eviction")
         if policy.evicts:
             policy.validate(self.cfg.max_position_embeddings)
         running = self._running()
@@ -210,7 +216,8 @@ class Engine:
         self._pending = []
         self.blocks = BlockManager(self.num_pages, self.page_size)
         self.runner.begin(self.blocks)
-        self.scheduler = Scheduler(self.blocks, self.max_batch, self.max_prefill_tokens)
+        self.scheduler = Scheduler(self.blocks, self.max_batch, self.max_prefill_tokens,
+                                   self.config.speculate)
         for r in reqs:
             self.scheduler.add(r)
 
@@ -245,6 +252,9 @@ class Engine:
             for s in seqs:
                 if s.finish_reason is not None:
                     self._finish(s)
+        elif self.config.speculate:
+            self.runner.apply(plan)
+            self._speculate(plan.batch)
         else:
             self.runner.apply(plan)
             self._decode(plan.batch, t1)
@@ -394,6 +404,33 @@ class Engine:
                 self.scheduler.finish(s)  # its last token is in flight: it leaves the batch now
         for out in self.runner.collect(keep=lag):
             self._apply(out)
+
+    def _speculate(self, seqs: list[Sequence]) -> None:
+        """One speculative cycle of the running samples (speculative.py): their emitted tokens recorded,
+        stopping at a stop token."""
+        if not seqs:
+            return
+        st = self.stats
+        st.decode_steps += 1
+        st.max_running = max(st.max_running, len(seqs))
+        st.peak_pages = max(st.peak_pages, self.blocks.used)
+        for e in run_cycle(self.runner, self.blocks, seqs, self.config.speculate):
+            self._record_emitted(e)
+
+    def _record_emitted(self, e: Emitted) -> None:
+        s, st = e.seq, self.stats
+        st.drafted_tokens += e.drafted
+        st.accepted_drafts += e.kept
+        s.drafted += e.drafted
+        for i, token in enumerate(e.tokens):
+            self._record(s, token, e.logprobs[i], 0, e.kv_lens[i], e.tops[i])
+            s.accepted.append(i < e.kept)
+            st.decode_tokens += 1
+            st.generated_tokens += 1
+            self._new += 1
+            if s.finish_reason is not None:
+                self._finish(s)
+                break
 
     def _apply(self, out: StepOutput) -> None:
         """One decode step's results: each sample's token recorded, unless the sample stopped at an

@@ -23,7 +23,15 @@ from torch import Tensor
 from sparrow.kernels.ops import ops_for
 
 from ..attention.kv_cache import PagedKVCache
-from ..attention.paged import DecodeAttention, DecodeBatch, KeyTap, PrefillAttention, QueryCapture, Recompute
+from ..attention.paged import (
+    DecodeAttention,
+    DecodeBatch,
+    KeyTap,
+    PrefillAttention,
+    QueryCapture,
+    Recompute,
+    VerifyAttention,
+)
 from ..model.llama import Transformer
 from .block_manager import BlockManager
 from .compaction import QueryWindows, compact, write_retained
@@ -180,6 +188,32 @@ class ModelRunner:
         if not last:
             return None
         return self._head(torch.stack([last[i] for i in sorted(last)]))
+
+    def verify(self, rows: list[PrefillRow], starts: list[int]) -> list[Tensor]:
+        """One dense forward over each row's positions from `starts[i]` to its end (a speculative cycle's
+        fed tokens), attending to the row's earlier positions in its pages and rewriting the keys and values
+        of its own -> logits [end - start, V] float32 per row."""
+        P, dev = self.page_size, self.device
+        counts = [len(r.tokens) - s for r, s in zip(rows, starts)]
+        g, t = len(rows), max(counts)
+        tokens = torch.zeros(g, t, dtype=torch.long)
+        positions = np.zeros((g, t), dtype=np.int64)
+        valid = np.zeros((g, t), dtype=bool)
+        table = np.zeros((g, max(len(r.pages) for r in rows)), dtype=np.int64)
+        for j, (row, start, n) in enumerate(zip(rows, starts, counts)):
+            tokens[j, :n] = torch.tensor(row.tokens[start:])
+            positions[j] = np.minimum(start + np.arange(t), start + n - 1)  # padding repeats the last
+            valid[j, :n] = True
+            table[j, : len(row.pages)] = row.pages
+        slot = np.take_along_axis(table, positions // P, axis=1) * P + positions % P
+        mask = torch.from_numpy(valid).to(dev)
+        ends = [s + n for s, n in zip(starts, counts)]
+        attn = VerifyAttention(self.cache, mask, torch.from_numpy(slot[valid]).to(dev),
+                               torch.from_numpy(table).to(dev), ends, counts)
+        hidden = self.model.hidden_states(tokens.to(dev), positions=torch.from_numpy(positions).to(dev),
+                                          attention=attn)
+        logits = self._head(hidden[mask])  # [sum(counts), V]
+        return list(logits.split(counts))
 
     def _forward(self, rows: list[PrefillRow], forward: list[Segment], cache: PagedKVCache,
                  windows: dict[int, Tensor] | None = None) -> Tensor:

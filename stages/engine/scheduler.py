@@ -54,10 +54,14 @@ class Step:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_batch: int, max_prefill_tokens: int):
+    def __init__(self, blocks: BlockManager, max_batch: int, max_prefill_tokens: int, speculate: int = 0):
         """Pages held beside the samples' (`BlockManager.hold_run`) are reclaimed before anyone is
-        preempted."""
+        preempted. `speculate` = K: a decode step is a speculative cycle whose samples write up to K + 1
+        slots (speculative.py), so each gets the pages of those slots."""
         self.blocks, self.max_batch, self.max_prefill_tokens = blocks, max_batch, max_prefill_tokens
+        self.speculate = speculate
+        # the most pages one sample's step takes: its copy of a shared page and the pages its slots reach
+        self.step_pages = 1 + -(-speculate // blocks.page_size)
         self.waiting: deque[Request | Sequence] = deque()
         self.ready: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -91,10 +95,17 @@ class Scheduler:
         copy of a shared one); for a sample due a compression, its fresh pages and the next token's."""
         if self._due(seq):
             return self._fresh_pages(seq) + int(seq.policy.budget % self.blocks.page_size == 0)
-        i = seq.cached // self.blocks.page_size  # the page of the slot its next token goes to
-        if i == len(seq.pages):
-            return 1
-        return int(self.blocks.refcount[seq.pages[i]] > 1)
+        i, last = self._step_pages(seq)  # the pages of the slots its step writes
+        shared = i < len(seq.pages) and self.blocks.refcount[seq.pages[i]] > 1
+        return max(0, last + 1 - len(seq.pages)) + int(shared)
+
+    def _step_pages(self, seq: Sequence) -> tuple[int, int]:
+        """(first, last) logical page of the slots the sample's next step writes: its next token's, and
+        with speculation those of its drafts' and their verification."""
+        slots = 1
+        if self.speculate:
+            slots += max(0, min(self.speculate, seq.request.params.max_new_tokens - len(seq.tokens) - 1))
+        return seq.cached // self.blocks.page_size, (seq.cached + slots - 1) // self.blocks.page_size
 
     def _spare(self) -> int:
         """Free pages beyond those the running batch's next decode step takes."""
@@ -136,7 +147,7 @@ class Scheduler:
             samples = min(entry.params.n, free_slots) if isinstance(entry, Request) else 1
             # each sample joining the batch may take a page at its first decode step; with nothing
             # running or admitted, the prompt's pages alone (which always fit) are enough to go
-            growth = samples if (admitted or self.running) else 0
+            growth = samples * self.step_pages if (admitted or self.running) else 0
             if pages + growth > spare:
                 break
             spare -= pages + growth
@@ -160,21 +171,20 @@ class Scheduler:
                 if seq.status != Status.RUNNING:
                     break
                 plans.append(self._plan_compaction(seq))
-            while seq.status == Status.RUNNING and self.page_need(seq) and not self.blocks.free:
+            while seq.status == Status.RUNNING and self.page_need(seq) > self.blocks.num_free:
                 if not self.blocks.reclaim():
                     self.preempt(self._victim(seq, i))
             if seq.status != Status.RUNNING:
                 break  # it was the latest admitted itself: everyone before it has their page
-            if self.page_need(seq):
-                p = seq.cached // self.blocks.page_size
-                page = self.blocks.allocate()
-                if p < len(seq.pages):  # copy on write; copies run batched, reads before writes
-                    src.append(seq.pages[p])
-                    dst.append(page)
-                    self.blocks.free_pages([seq.pages[p]])
-                    seq.pages[p] = page
-                else:
-                    seq.pages.append(page)
+            p, last = self._step_pages(seq)
+            if p < len(seq.pages) and self.blocks.refcount[seq.pages[p]] > 1:
+                page = self.blocks.allocate()  # copy on write; copies run batched, reads before writes
+                src.append(seq.pages[p])
+                dst.append(page)
+                self.blocks.free_pages([seq.pages[p]])
+                seq.pages[p] = page
+            while len(seq.pages) <= last:
+                seq.pages.append(self.blocks.allocate())
             i += 1
         self.compactions += len(plans)
         return Step("decode", [], plans, src, dst)

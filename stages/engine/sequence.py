@@ -50,6 +50,10 @@ class Completion:
     top_logprobs: list[list[tuple[int, float]]] | None = None
     kv_lens: list[int] | None = None  # KV tokens each token's query attended to (the retained cache)
     policy: str | None = None  # the request's KV policy (its spec)
+    # speculative decoding: per token, whether it was a draft the dense model kept (else drawn densely),
+    # and the drafts this sample proposed; None / 0 otherwise
+    accepted: list[bool] | None = None
+    drafted: int = 0
 
 
 class Status(enum.Enum):
@@ -94,6 +98,8 @@ class Sequence:
     cached: int = 0  # tokens in its KV cache (slots 0..cached-1 of its pages); the next goes to slot `cached`
     compactions: int = 0  # compressions of its cache so far (eviction; the static step re-sends its row)
     kv_lens: list[int] = field(default_factory=list)
+    accepted: list[bool] = field(default_factory=list)  # speculative decoding (Completion.accepted)
+    drafted: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -116,4 +122,12 @@ class Sequence:
     def completion(self) -> Completion:
         return Completion(self.request.request_id, self.sample, self.request.prompt, self.tokens,
                           self.logprobs, self.budgets, self.finish_reason or "length",
-                          self.top_logprobs, self.kv_lens, self.request.policy.spec())
+                          self.top_logprobs, self.kv_lens, self.request.policy.spec(),
+                          self._accepted(), self.drafted)
+
+    def _accepted(self) -> list[bool] | None:
+        """Per token, whether it was a kept draft; the prefill's first token was drawn densely. None for a
+        sample that never speculated."""
+        if not self.accepted:
+            return None
+        return [False] * (len(self.tokens) - len(self.accepted)) + self.accepted

@@ -1,0 +1,181 @@
+"""Exact speculative decoding (stages/engine/speculative.py): block top-k drafts, dense verification.
+
+The references are independent of the engine: the rule's output distribution against the target computed
+in closed form, the engine's samples against the dense distribution that transformers' model gives by
+enumeration, greedy tokens against the dense engine's, logprobs against teacher-forced dense scoring.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from sparrow.stages.core.sparsity import as_policy
+from sparrow.stages.engine import Engine, EngineConfig, SamplingParams
+from sparrow.stages.engine.config import DecodeStep
+from sparrow.stages.engine.speculative import accept_or_resample, expected_tokens
+from sparrow.stages.kv_policies import SnapKV
+from sparrow.stages.model.loading import load_model
+
+from tiny_models import tiny_qwen3
+
+SPARSE = dict(dense_layers=(0,))  # layers 1-2 sparse: the drafts differ from dense
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-spec")
+    hf = tiny_qwen3(path)
+    return hf, load_model(str(path)).model
+
+
+def _prompts(lengths, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 300, (n,), generator=g).tolist() for n in lengths]
+
+
+def _chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson's test of counts against probabilities, cells with an expectation under 5 pooled."""
+    n = counts.sum()
+    expected = probs * n
+    small = expected < 5
+    obs = torch.cat([counts[~small], counts[small].sum()[None]]) if small.any() else counts
+    exp = torch.cat([expected[~small], expected[small].sum()[None]]) if small.any() else expected
+    stat = float(((obs - exp) ** 2 / exp.clamp(min=1e-12)).sum())
+    df = len(obs) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2.0, dtype=torch.float64),
+                                         torch.tensor(stat / 2.0, dtype=torch.float64)))
+
+
+def test_expected_tokens_is_the_geometric_sum():
+    for a in (0.0, 0.3, 0.9, 0.99):
+        for k in (0, 1, 4):
+            assert expected_tokens(a, k) == pytest.approx(sum(a ** i for i in range(k + 1)))
+    assert expected_tokens(1.0, 4) == 5
+
+
+def test_the_rule_draws_from_the_target():
+    """Drafts from q, the rule's output from p, whatever q is (one draft, then two)."""
+    g = torch.Generator().manual_seed(0)
+    p = torch.softmax(torch.randn(3, 6, generator=g) * 1.5, -1)
+    q = torch.softmax(torch.randn(2, 6, generator=g) * 1.5, -1)
+    n = 20000
+    first = torch.zeros(6)
+    second = torch.zeros(36)
+    for _ in range(n):
+        d1 = int(torch.multinomial(q[0], 1, generator=g))
+        kept, nxt = accept_or_resample(p[:2], q[:1], [d1], g)
+        first[d1 if kept else nxt] += 1
+    assert _chi2_pvalue(first, p[0]) > 1e-3
+    # two drafts with p's second row conditioned on the first token being kept: a fixed p[1] for every
+    # prefix makes the pair's law p[0] x p[1]
+    for _ in range(n):
+        d = [int(torch.multinomial(q[0], 1, generator=g)), int(torch.multinomial(q[1], 1, generator=g))]
+        kept, nxt = accept_or_resample(p, q, d, g)
+        a = d[0] if kept >= 1 else nxt
+        if kept == 0:  # the cycle emitted one token; the next comes from p[1] as the next cycle's would
+            b = int(torch.multinomial(p[1], 1, generator=g))
+        else:
+            b = d[1] if kept == 2 else nxt
+        second[a * 6 + b] += 1
+    assert _chi2_pvalue(second, torch.outer(p[0], p[1]).flatten()) > 1e-3
+
+
+def _dense_joint(hf, prompt: list[int], steps: int, top_k: int) -> dict[tuple[int, ...], float]:
+    """The dense model's law of the first `steps` tokens under top-k sampling, by enumeration."""
+    law = {(): 1.0}
+    for _ in range(steps):
+        prefixes = list(law)
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + list(x) for x in prefixes])).logits[:, -1].double()
+        probs = torch.softmax(logits, -1)
+        top = probs.topk(top_k, -1)
+        nxt = {}
+        for x, vals, ids in zip(prefixes, top.values, top.indices):
+            vals = vals / vals.sum()
+            for v, i in zip(vals.tolist(), ids.tolist()):
+                nxt[x + (i,)] = law[x] * v
+        law = nxt
+    return law
+
+
+def test_speculative_samples_follow_the_dense_law(tiny):
+    """2,000 samples of 4 tokens with top-k 3: their joint law equals dense's (27 x 3 cells), and the
+    sparse drafts were rejected often enough for the test to mean something."""
+    hf, model = tiny
+    prompt = _prompts([200])[0]
+    params = SamplingParams(max_new_tokens=4, temperature=1.0, top_k=3, n=2000, ignore_eos=True, seed=3)
+    with Engine(model, as_policy(48), EngineConfig(speculate=3, max_batch=64, **SPARSE)) as engine:
+        samples = engine.generate([prompt], params)[0]
+        drafted, kept = engine.stats.drafted_tokens, engine.stats.accepted_drafts
+    assert 0.2 < kept / drafted < 0.9
+    law = _dense_joint(hf, prompt, 4, 3)
+    cells = sorted(law)
+    index = {c: i for i, c in enumerate(cells)}
+    counts = torch.zeros(len(cells), dtype=torch.float64)
+    for c in samples:
+        counts[index[tuple(c.token_ids)]] += 1  # a sequence outside dense's top-k support would raise
+    assert _chi2_pvalue(counts, torch.tensor([law[c] for c in cells])) > 1e-3
+
+
+@pytest.mark.parametrize("sparsity,k", [(48, 4), (64, 2)])
+def test_greedy_speculation_gives_the_dense_greedy_tokens(tiny, sparsity, k):
+    _, model = tiny
+    prompts = _prompts([70, 150, 260, 33])
+    params = SamplingParams(max_new_tokens=40, temperature=0.0, n=2, ignore_eos=True)
+    with Engine(model, None, EngineConfig(**SPARSE)) as engine:
+        dense = engine.generate(prompts, params)
+    with Engine(model, as_policy(sparsity), EngineConfig(speculate=k, max_batch=5, **SPARSE)) as engine:
+        spec = engine.generate(prompts, params)
+        assert engine.blocks.used == 0 and not any(engine.blocks.refcount)
+    for a, b in zip(dense, spec):
+        for x, y in zip(a, b):
+            assert x.token_ids == y.token_ids
+            assert x.logprobs == pytest.approx(y.logprobs, abs=1e-4)
+            assert set(y.budgets) == {0}
+            assert len(y.accepted) == len(y.token_ids) and not y.accepted[0]
+            assert sum(y.accepted) <= y.drafted
+
+
+def test_logprobs_are_the_dense_models_and_pages_come_back(tiny):
+    """At temperature 1 the returned logprobs equal transformers' teacher-forced dense ones; a pool too
+    small for every sample preempts and recomputes, and no page leaks."""
+    hf, model = tiny
+    prompts = _prompts([120, 230])
+    params = SamplingParams(max_new_tokens=30, temperature=1.0, n=3, ignore_eos=True, seed=5)
+    with Engine(model, as_policy(48), EngineConfig(speculate=3, num_pages=36, **SPARSE)) as engine:
+        out = engine.generate(prompts, params)
+        assert engine.stats.preemptions > 0
+        assert engine.stats.accepted_drafts < engine.stats.drafted_tokens
+        assert engine.blocks.used == 0
+    for prompt, group in zip(prompts, out):
+        for c in group:
+            with torch.no_grad():
+                logits = hf(torch.tensor([prompt + c.token_ids])).logits[0, len(prompt) - 1: -1]
+            dense = torch.log_softmax(logits.double(), -1).gather(-1, torch.tensor(c.token_ids)[:, None])
+            assert list(c.logprobs) == pytest.approx(dense[:, 0].tolist(), abs=2e-4)
+
+
+def test_speculation_is_refused_where_it_cannot_run(tiny):
+    _, model = tiny
+    with pytest.raises(ValueError, match="speculate must be >= 0"):
+        EngineConfig(speculate=-1)
+    with pytest.raises(ValueError, match="plain decode step"):
+        EngineConfig(speculate=2, decode_step=DecodeStep.EAGER)
+    with Engine(model, None, EngineConfig(speculate=2)) as engine:
+        with pytest.raises(ValueError, match="eviction"):
+            engine.add_request([5] * 40, SamplingParams(max_new_tokens=4), policy=SnapKV(32, window=8))
+
+
+def test_seeded_speculation_repeats_whatever_the_batch(tiny):
+    _, model = tiny
+    prompts = _prompts([90, 180, 40])
+    params = SamplingParams(max_new_tokens=16, temperature=1.0, n=2, ignore_eos=True, seed=11)
+    runs = []
+    for batch in (1, 6):
+        with Engine(model, as_policy(48), EngineConfig(speculate=2, max_batch=batch, **SPARSE)) as engine:
+            runs.append([[c.token_ids for c in g] for g in engine.generate(prompts, params)])
+    assert runs[0] == runs[1]
+    assert list(itertools.chain(*runs[0]))
