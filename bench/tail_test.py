@@ -163,13 +163,17 @@ class RunSpec:
 
 
 def run_specs(args, made: list[tuple[Design, Path]]) -> list[RunSpec]:
-    """Seed-major, so a bench stopped early holds whole seeds: dense, then every design x correction; then
-    (--distill) the most aggressive design with DistillSparse's online adapter, per seed."""
-    specs = []
+    """Correction-major, seeds within, so a bench stopped early holds every seed of the uncorrected runs
+    (where an instability would show first): dense and every design per seed for the first correction,
+    then the other corrections; then (--distill) the most aggressive design with DistillSparse's online
+    adapter, per seed."""
     seeds = [int(s) for s in args.seeds.split(",")]
-    for seed in seeds:
-        specs.append(RunSpec("dense", "dense", args.corrections.split(",")[-1], seed))
-        for correction in args.corrections.split(","):
+    corrections = args.corrections.split(",")
+    specs = []
+    for i, correction in enumerate(corrections):
+        for seed in seeds:
+            if i == 0:
+                specs.append(RunSpec("dense", "dense", corrections[-1], seed))
             specs += [RunSpec(d.name, f"schedule:{path}", correction, seed) for d, path in made]
     if args.distill:
         design, path = min(made, key=lambda m: m[0].mean)
@@ -257,8 +261,8 @@ def matrix(args, out: Path, held_out: Path, made: list[tuple[Design, Path]], spe
     by_tail = sorted(made, key=lambda m: m[0].tail)
     keep = {"dense"} | {by_tail[0][0].name, by_tail[len(by_tail) // 2][0].name}  # aggressive and middle
     policies = [("base", None)] + [(s.folder(out).name, s.folder(out)) for s in specs
-                                   if s.name in keep and s.correction == args.corrections.split(",")[-1]
-                                   and finished(args, s.folder(out))]
+                                   if s.name in keep and not s.distill and finished(args, s.folder(out))
+                                   and (s.name == "dense" or s.correction == args.corrections.split(",")[0])]
     samplers = [("dense", Dense())] + [(f"budget:{b}", BlockTopK(lambda _, b=int(b): b, f"budget:{b}"))
                                        for b in args.matrix_budgets.split(",")]
     prompts = read_artifact(held_out, "prompts").to_pylist()
@@ -376,6 +380,8 @@ def main() -> None:
                     help="after the main runs: the most aggressive design with DistillSparse's adapter")
     ap.add_argument("--threads", type=int, default=1, help="threads of the profile and the matrix")
     ap.add_argument("--parallel", type=int, default=1, help="training runs at a time")
+    ap.add_argument("--train", action=argparse.BooleanOptionalAction, default=True,
+                    help="--no-train: the later phases over the runs finished so far")
     ap.add_argument("--phase", choices=PHASES, default=PHASES[-1], help="stop after this phase")
     ap.add_argument("--figure", type=Path, default=None, help="also save the figure here (docs/)")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "tail-test")
@@ -388,7 +394,8 @@ def main() -> None:
     specs = run_specs(args, made)
     if args.phase == "designs":
         return
-    train_all(args, specs, prompts, held_out, out)
+    if args.train:
+        train_all(args, specs, prompts, held_out, out)
     if args.phase == "train":
         return
     matrix(args, out, held_out, made, specs)
