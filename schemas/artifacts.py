@@ -288,6 +288,7 @@ def _same_length_if_given(name: str) -> Rule:
 
 I32, I64, F32, F64, STR = pa.int32(), pa.int64(), pa.float32(), pa.float64(), pa.string()
 LIST_I32, LIST_F32 = pa.list_(pa.int32()), pa.list_(pa.float32())
+LIST_BOOL = pa.list_(pa.bool_())
 UNIT, NONNEG, POS, NONPOS, OPEN_UNIT = "[0, 1]", "[0, inf)", "(0, inf)", "(-inf, 0]", "(0, 1)"
 # why a completion got its reward: code tasks' statuses, then the answer tasks' (stages/tasks/base.py)
 REWARD_STATUSES = ("passed", "failed", "timeout", "output_limit", "error", "no_code", "correct", "incorrect",
@@ -346,7 +347,9 @@ SCHEMAS: dict[str, ArtifactSpec] = {s.kind: s for s in (
           rules=(_budget_non_decreasing,)),
     _spec("rollouts", "one row per sample; budgets per token, 0 = dense; the sample's KV policy and the "
           "KV tokens each token's query read (kv_lens: the retained cache, = its position without eviction); "
-          "reward_extra: the fields beside 'score' a user's reward function returned (a JSON object)",
+          "reward_extra: the fields beside 'score' a user's reward function returned (a JSON object); "
+          "speculative decoding (--speculate): accepted, per token whether it was a draft the dense model "
+          "kept (else drawn from the dense model), and drafted, the drafts the sample proposed",
           Col("prompt_id", STR), Col("sample", I32, range=NONNEG),
           Col("prompt_token_ids", LIST_I32, range=NONNEG), Col("token_ids", LIST_I32, range=NONNEG),
           Col("text", STR, nullable=True),
@@ -355,7 +358,9 @@ SCHEMAS: dict[str, ArtifactSpec] = {s.kind: s for s in (
           Col("reward", F64, nullable=True),
           Col("kv_policy", STR, nullable=True), Col("kv_lens", LIST_I32, nullable=True, range=POS),
           Col("reward_extra", STR, nullable=True),
-          rules=(_equal_lengths("token_ids", "logprobs", "budgets"), _same_length_if_given("kv_lens"))),
+          Col("accepted", LIST_BOOL, nullable=True), Col("drafted", I32, nullable=True, range=NONNEG),
+          rules=(_equal_lengths("token_ids", "logprobs", "budgets"), _same_length_if_given("kv_lens"),
+                 _same_length_if_given("accepted"))),
     _spec("metrics", "one row per training step",
           Col("run_id", STR), Col("step", I32, range=NONNEG), Col("reward_mean", F64),
           *(Col(n, F64, nullable=True)

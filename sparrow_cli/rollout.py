@@ -53,7 +53,11 @@ SUMMARY_LABELS = {"tokens": "generated tokens", "seconds": "seconds (total)",
                   "dense_kv_tokens_peak": "  dense would hold (fullest step)",
                   "dense_kv_tokens_mean": "  dense would hold (mean step)",
                   "kv_saved": "KV storage saved (fraction)", "peak_pages": "pool pages in use (fullest step)",
-                  "compactions": "KV compressions"}
+                  "compactions": "KV compressions", "speculative_cycles": "speculative cycles",
+                  "sample_cycles": "  samples' cycles", "drafted_tokens": "  drafts proposed",
+                  "accepted_drafts": "  drafts kept (dense verification)",
+                  "acceptance": "  acceptance (kept / proposed)",
+                  "tokens_per_cycle": "  tokens per sample's cycle"}
 # the text formats' word for a null (JSON keeps the null)
 SUMMARY_RENDER = {"mean_budget": lambda v: "dense" if v is None else f"{v:g}",
                   "reward_mean": lambda v: "no scorer" if v is None else f"{v:.6g}",
@@ -130,6 +134,12 @@ def rollout(
     max_num_batched_tokens: int = typer.Option(8192, "--max-num-batched-tokens", help="The most prompt "
                                                "tokens one prefill forward takes (vLLM's name); longer "
                                                "prompts are prefilled in chunks of this many."),
+    speculate: int = typer.Option(0, "--speculate", help="Exact speculative decoding (vLLM's "
+                                  "num_speculative_tokens): the sparse attention of --budget/--schedule "
+                                  "drafts up to K tokens per sample, one dense forward verifies them "
+                                  "and rejection sampling keeps the dense model's law. The rollouts are "
+                                  "dense samples (dense logprobs, budget 0); the artifact records per token "
+                                  "whether it was a kept draft. 0 = off."),
     workers: int = typer.Option(0, "--workers", help="Ray workers, each a process with the model loaded "
                                 "once, sharing the prompts by index (0 = this process). -o is then a "
                                 "directory of one Parquet part per worker, read as one artifact."),
@@ -164,6 +174,7 @@ def rollout(
     fmt = resolve_format(format)
     if engine not in ("ours", "vllm"):
         raise UsageError(f"--engine must be ours or vllm, got {engine!r}")
+    _check_speculate(speculate, engine, kv_compression, eager)
     if engine == "vllm":
         _check_vllm_flags(schedule, budget, lora, top_k, top_p, kv_compression)
     kv = (kv_compression, kv_budget, kv_window, kv_buffer)
@@ -208,8 +219,10 @@ def rollout(
                           decode_step=DecodeStep.EAGER if eager and device.startswith("cuda")
                           else DecodeStep.AUTO,
                           gpu_memory_utilization=gpu_memory_utilization,
-                          max_prefill_tokens=max_num_batched_tokens)
+                          max_prefill_tokens=max_num_batched_tokens, speculate=speculate)
     mode = f"schedule {schedule}" if schedule is not None else policy.spec().replace("budget:", "budget ")
+    if speculate:
+        mode = f"speculative, {mode} drafts {speculate} a cycle"
     run = RolloutRun(model, prompts, mode, output, device, dtype_name, lora, workers, ray_address)
     if engine == "vllm":
         console.print(f"starting vLLM on {vllm_checkpoint(model)} ({dtype_name}; 1-4 minutes on a small CPU)")
@@ -268,6 +281,20 @@ def _progress(what: str, total: int, rate: bool) -> Iterator[Callable[[int, int]
             log(state["done"], total, info)
 
         yield advance
+
+
+def _check_speculate(speculate: int, engine: str, kv_compression, eager: bool) -> None:
+    if speculate < 0:
+        raise UsageError(f"--speculate must be >= 0 (draft tokens per cycle; 0 = off), got {speculate}")
+    if not speculate:
+        return
+    if engine == "vllm":
+        raise UsageError("--speculate runs on our engine (its sparse attention drafts); drop --engine vllm")
+    if kv_compression:
+        raise UsageError("--speculate drafts with block top-k attention (--budget or --schedule), not with "
+                         "--kv-compression's eviction")
+    if eager:
+        raise UsageError("--speculate runs the plain decode step; drop --eager")
 
 
 def _lengths(table) -> list[int]:

@@ -39,6 +39,7 @@ class RolloutOptions:
     kv_pages: int | None = None  # KV page pool (None: every sample fits at full length; smaller preempts)
     gpu_memory_utilization: float = 0.9  # on CUDA, the share of device memory the engine may take
     max_prefill_tokens: int = 8192  # tokens per prefill forward (longer prompts are chunked)
+    speculate: int = 0  # exact speculative decoding: drafts per cycle (0 = off; engine/speculative.py)
 
 
 @dataclass
@@ -60,6 +61,24 @@ class RolloutSummary:
     dense_kv_tokens_mean: float | None = None
     peak_pages: int | None = None  # pool pages in use at the fullest decode step
     compactions: int = 0  # compressions of evicting samples
+    # speculative decoding: engine cycles, the samples' cycles (a sample in a cycle counts once), drafts
+    # proposed and drafts the dense model kept; None without it
+    cycles: int | None = None
+    sample_cycles: int | None = None
+    drafted_tokens: int | None = None
+    accepted_drafts: int | None = None
+
+    @property
+    def acceptance(self) -> float | None:
+        """Kept drafts / drafts proposed."""
+        return self.accepted_drafts / self.drafted_tokens if self.drafted_tokens else None
+
+    @property
+    def tokens_per_cycle(self) -> float | None:
+        """Tokens a sample's cycle emits on average: its kept drafts and the dense model's one."""
+        if not self.sample_cycles:
+            return None
+        return (self.accepted_drafts + self.sample_cycles) / self.sample_cycles
 
     @property
     def tokens_per_s(self) -> float:
@@ -85,7 +104,12 @@ class RolloutSummary:
                 "dense_kv_tokens_peak": self.dense_kv_tokens_peak,
                 "dense_kv_tokens_mean": _rounded(self.dense_kv_tokens_mean),
                 "kv_saved": _rounded(self.kv_saved), "peak_pages": self.peak_pages,
-                "compactions": self.compactions}
+                "compactions": self.compactions,
+                **({} if self.drafted_tokens is None else {
+                    "speculative_cycles": self.cycles, "sample_cycles": self.sample_cycles,
+                    "drafted_tokens": self.drafted_tokens,
+                    "accepted_drafts": self.accepted_drafts, "acceptance": _rounded(self.acceptance),
+                    "tokens_per_cycle": _rounded(self.tokens_per_cycle)})}
 
 
 def _rounded(x: float | None) -> float | None:
@@ -111,7 +135,7 @@ def engine_config(opts: RolloutOptions) -> EngineConfig:
     return EngineConfig(max_batch=opts.max_batch, page_size=opts.page_size, dense_layers=opts.dense_layers,
                         kernels=opts.kernels, decode_step=opts.decode_step, num_pages=opts.kv_pages,
                         gpu_memory_utilization=opts.gpu_memory_utilization,
-                        max_prefill_tokens=opts.max_prefill_tokens)
+                        max_prefill_tokens=opts.max_prefill_tokens, speculate=opts.speculate)
 
 
 def rollout_columns(rows: Seq[dict], results: Seq[Seq[Completion]], tokenizer) -> dict[str, list]:
@@ -123,7 +147,8 @@ def rollout_columns(rows: Seq[dict], results: Seq[Seq[Completion]], tokenizer) -
     from .tasks import get_task, has_scorer, judge_batch
 
     out = {k: [] for k in ("prompt_id", "sample", "prompt_token_ids", "token_ids", "text", "logprobs",
-                           "budgets", "finish_reason", "reward", "kv_policy", "kv_lens", "reward_extra")}
+                           "budgets", "finish_reason", "reward", "kv_policy", "kv_lens", "reward_extra",
+                           "accepted", "drafted")}
     scored = []  # (index, task, text, answer, metadata) of the samples with a reward, scored at the end
     for row, completions in zip(rows, results):
         scorer = get_task(row["task"]) if has_scorer(row.get("task")) else None
@@ -144,6 +169,9 @@ def rollout_columns(rows: Seq[dict], results: Seq[Seq[Completion]], tokenizer) -
             out["kv_policy"].append(c.policy)
             out["kv_lens"].append(c.kv_lens)
             out["reward_extra"].append(None)
+            accepted = getattr(c, "accepted", None)  # vLLM's completions have none
+            out["accepted"].append(accepted)
+            out["drafted"].append(None if accepted is None else c.drafted)
     for (i, *_), judged in zip(scored, judge_batch([item for _, *item in scored])):
         out["reward"][i] = judged.reward
         if judged.extra:
@@ -161,7 +189,7 @@ def summarize(out: dict, stats: EngineStats) -> RolloutSummary:
     kv = {"kv_tokens_peak": stats.kv_tokens_peak, "kv_tokens_mean": stats.kv_tokens_sum / steps,
           "dense_kv_tokens_peak": stats.dense_kv_tokens_peak,
           "dense_kv_tokens_mean": stats.dense_kv_tokens_sum / steps,
-          "peak_pages": stats.peak_pages} if steps else {}
+          "peak_pages": stats.peak_pages} if steps and not getattr(stats, "sample_cycles", 0) else {}
     return RolloutSummary(
         samples=n, tokens=int(budgets.size), seconds=stats.seconds, prefill_seconds=stats.prefill_s,
         decode_seconds=stats.decode_s, mean_budget=float(sparse.mean()) if sparse.size else None,
@@ -169,7 +197,14 @@ def summarize(out: dict, stats: EngineStats) -> RolloutSummary:
         reward_mean=float(np.mean(rewards)) if rewards else None,
         stop_fraction=sum(f == "stop" for f in out["finish_reason"]) / max(n, 1),
         preemptions=stats.preemptions, kv_policy="; ".join(policies) or None,
-        compactions=getattr(stats, "compactions", 0), **kv)
+        compactions=getattr(stats, "compactions", 0), **kv, **_speculation(stats))
+
+
+def _speculation(stats) -> dict:
+    if not getattr(stats, "sample_cycles", 0):
+        return {}
+    return {"cycles": stats.decode_steps, "sample_cycles": stats.sample_cycles,
+            "drafted_tokens": stats.drafted_tokens, "accepted_drafts": stats.accepted_drafts}
 
 
 @dataclass
@@ -329,7 +364,10 @@ def merge_summaries(results: Seq, wall_seconds: float) -> RolloutSummary:
     kv = {k: max((getattr(r.summary, k) for r in results if getattr(r.summary, k) is not None), default=None)
           for k in ("kv_tokens_peak", "kv_tokens_mean", "dense_kv_tokens_peak", "dense_kv_tokens_mean",
                     "peak_pages")}
-    return replace(merged, seconds=wall_seconds, **kv)
+    spec = {k: sum(getattr(r.summary, k) for r in results)
+            for k in ("cycles", "sample_cycles", "drafted_tokens", "accepted_drafts")
+            } if results and results[0].summary.drafted_tokens is not None else {}
+    return replace(merged, seconds=wall_seconds, **kv, **spec)
 
 
 @dataclass

@@ -464,6 +464,26 @@ def test_cli_small_kv_pool_preempts_and_gives_the_same_rollouts(prompts_file, tm
         assert np.abs(np.array(a["logprobs"]) - np.array(b["logprobs"])).max() < 1e-4
 
 
+def test_cli_speculative_rollouts_are_dense_samples(prompts_file, tmp_path):
+    """--speculate: greedy tokens and logprobs are the dense run's; the artifact and summary say what
+    the drafts did."""
+    tables = {}
+    for name, extra in (("dense", []), ("spec", ["--budget", "48", "--speculate", "3"])):
+        out = tmp_path / f"{name}.parquet"
+        r = runner.invoke(app, ["rollout", "--prompts", str(prompts_file), "--samples", "2", "--ignore-eos",
+                                "--max-new-tokens", "12", "--temperature", "0", "-o", str(out), *extra])
+        assert r.exit_code == 0, r.output
+        tables[name] = read_artifact(out, "rollouts").to_pylist()
+    summary = artifact_metadata(tmp_path / "spec.parquet")["summary"]
+    assert summary["drafted_tokens"] >= summary["accepted_drafts"] > 0
+    assert 1 <= summary["tokens_per_cycle"] <= 4
+    for a, b in zip(tables["dense"], tables["spec"]):
+        assert a["token_ids"] == b["token_ids"]
+        assert np.abs(np.array(a["logprobs"]) - np.array(b["logprobs"])).max() < 1e-3
+        assert set(b["budgets"]) == {0} and a["accepted"] is None and a["drafted"] is None
+        assert len(b["accepted"]) == len(b["token_ids"]) and sum(b["accepted"]) <= b["drafted"]
+
+
 def _schedule_file(path, page_size):
     write_artifact({"bin": [0, 1], "bin_start": [0, 512], "bin_end": [512, None], "budget": [64, 128],
                     "tail": [None, None], "predicted_step_seconds": [None, None]}, path, "schedule",
@@ -482,6 +502,9 @@ def _schedule_file(path, page_size):
     (["--dtype", "float16"], "--dtype must be one of auto, float32, bfloat16"),
     (["--kv-pages", "0"], "--kv-pages must be at least 1"),
     (["--kv-pages", "3", "--max-new-tokens", "64"], "--kv-pages 3 is too small"),
+    (["--speculate", "-1"], "--speculate must be >= 0"),
+    (["--speculate", "2", "--kv-compression", "snapkv", "--kv-budget", "64"], "not with --kv-compression"),
+    (["--speculate", "2", "--engine", "vllm"], "drop --engine vllm"),
 ])
 def test_cli_bad_input(prompts_file, tmp_path, args, message):
     files = {"SCHED16": str(_schedule_file(tmp_path / "s16.parquet", 16)),

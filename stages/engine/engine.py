@@ -47,7 +47,10 @@ class EngineStats:
     recomputed_tokens: int = 0  # prefilled again after a preemption
     max_running: int = 0  # the largest decode batch
     dropped_tokens: int = 0  # sampled past a stop the pipelined loop noticed a step late
-    drafted_tokens: int = 0  # speculative decoding: drafts proposed, and kept by the dense verification
+    # speculative decoding: samples' cycles (one per sample per cycle; decode_steps counts the cycles),
+    # drafts proposed, and kept by the dense verification
+    sample_cycles: int = 0
+    drafted_tokens: int = 0
     accepted_drafts: int = 0
     compactions: int = 0  # compressions of evicting samples
     peak_pages: int = 0  # the most pool pages in use at a decode step
@@ -255,6 +258,7 @@ class Engine:
         elif self.config.speculate:
             self.runner.apply(plan)
             self._speculate(plan.batch)
+            self.stats.decode_s += settled + time.perf_counter() - t1
         else:
             self.runner.apply(plan)
             self._decode(plan.batch, t1)
@@ -419,6 +423,7 @@ class Engine:
 
     def _record_emitted(self, e: Emitted) -> None:
         s, st = e.seq, self.stats
+        st.sample_cycles += 1
         st.drafted_tokens += e.drafted
         st.accepted_drafts += e.kept
         s.drafted += e.drafted
