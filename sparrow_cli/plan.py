@@ -92,6 +92,11 @@ def plan_schedule(
                                        "one whose tail holds in every position bin, printed as the "
                                        "--kv-budget flags of rollout and train (no schedule artifact). A "
                                        "profile of eviction budgets is planned so even without this flag."),
+    speculate: bool = typer.Option(False, "--speculate/--no-speculate", help="Also plan exact "
+                                   "speculative rollouts (sparrow rollout --speculate K) from the "
+                                   "--profile's mean alpha per bin: the draft budget per bin and the K (1-8) "
+                                   "of the fewest predicted seconds per token, printed beside the lossy "
+                                   "plan; -o then writes the draft schedule (its K in the metadata)."),
     format: str = format_option(),
 ) -> None:
     """Plan the sparsity schedule: for each position bin the cheapest budget whose tail statistic is
@@ -101,7 +106,8 @@ def plan_schedule(
 
     fmt = resolve_format(format)
     req = PlanRequest(model, profile, threshold, threshold_file, quantile, cost, hardware, gen_len,
-                      prompt_len, batch, bin_width, min_tokens, allow_model_mismatch, export=export)
+                      prompt_len, batch, bin_width, min_tokens, allow_model_mismatch, export=export,
+                      speculate=speculate)
     evicting = _eviction_profile(profile, kv_compression)
     if evicting is not None:
         given = [f for f, v in (("-o", output), ("--export", export), ("--export-to", export_to),
@@ -154,6 +160,8 @@ def plan_schedule(
         console.print(line, highlight=False, markup=False)
     if planned.frontier:
         print_frontier(planned, tables_fmt)
+    if planned.speculative is not None:
+        print_speculative(planned, tables_fmt)
     if planned.exported is not None:
         if export_to is not None:
             console.print(f"wrote the {export} form to {export_to}")
@@ -274,6 +282,21 @@ def print_frontier(planned, fmt: str | None) -> None:
           f"stability-speed frontier ({planned.cost_source}, {planned.lengths.gen_len} tokens, "
           f"batch {planned.batch})",
           render={"threshold": lambda t: f"{t:g}", "speedup": _fixed(2, "x"), "mean_budget": _fixed(0)})
+
+
+def print_speculative(planned, fmt: str | None) -> None:
+    spec = planned.speculative
+    rows = [[i, b, a, t] for i, (b, a, t) in
+            enumerate(zip(spec.budgets, spec.mean_alpha, spec.tokens_per_cycle))]
+    _show(("bin", "draft_budget", "mean_alpha", "tokens_per_cycle"), rows, fmt,
+          f"exact speculative rollouts: K = {spec.k} drafts a cycle", render={
+              "mean_alpha": _fixed(3), "tokens_per_cycle": _fixed(2)})
+    by_k = ", ".join(f"K={k} {v:.2f}x" for k, v in spec.speedups_by_k.items())
+    console.print(f"predicted speedup over dense: speculative (exact) [bold]{spec.speedup:.2f}x[/] at K = "
+                  f"{spec.k}, lossy schedule {planned.speedup:.2f}x", highlight=False)
+    console.print(f"  by K: {by_k}", highlight=False, markup=False)
+    console.print(f"  roll out with: sparrow rollout --schedule <-o of this plan> --speculate {spec.k}",
+                  highlight=False, markup=False)
 
 
 def print_comparison(hardware: str, threshold: float | None, gen_len: int | None, batch: int,

@@ -40,6 +40,7 @@ from .core.schedule import (
 )
 from .cost import CostModel, analytic, load_cost
 from .model.presets import PRESETS, get_preset
+from .speculative_plan import SpeculativePlan, mean_alpha, plan_speculation
 
 
 def model_shape(spec: str):
@@ -138,6 +139,7 @@ class PlanRequest:
     allow_model_mismatch: bool = False
     sweep: list[float] = field(default_factory=list)  # thresholds of the stability-speed frontier
     export: str | None = None  # json | sglang-vortex
+    speculate: bool = False  # also plan exact speculative rollouts (speculative_plan.py); -o: its drafts
 
 
 @dataclass
@@ -162,6 +164,7 @@ class PlannedSchedule:
     dense_s: np.ndarray
     frontier: list[FrontierPoint]
     exported: dict | list | None
+    speculative: SpeculativePlan | None = None
 
 
 def check_profile_model(profile: Path, model: str, name: str) -> None:
@@ -202,6 +205,8 @@ def plan_schedule(req: PlanRequest, output: Path | None = None, export_to: Path 
     sparse_s = cost_model.step_seconds(req.batch, mids, result.schedule.budgets_at(mids))
     planned = PlannedSchedule(result, cost_model.source, resolved, lengths, req.batch, speedup,
                               sparse_s, cost_model.step_seconds(req.batch, mids, 0), frontier, None)
+    if req.speculate:
+        planned.speculative = _plan_speculation(req, cost_model, tails, lengths)
     if req.export == "json":
         planned.exported = export_json(result, name, {"predicted_speedup": speedup, "cost": cost_model.source,
                                                       "gen_len": gen_len, "batch": req.batch})
@@ -217,12 +222,48 @@ def plan_schedule(req: PlanRequest, output: Path | None = None, export_to: Path 
                 "profile": result.source, "cost": cost_model.source, "gen_len": gen_len,
                 "prompt_len": prompt_len, "batch": req.batch, "predicted_speedup": speedup,
                 "notes": json.dumps(result.notes)}
-        write_artifact(schedule_table(result, sparse_s), output, "schedule", metadata=meta)
+        if planned.speculative is not None:
+            write_artifact(draft_table(planned.speculative, result.schedule.bin_starts, result.bin_width),
+                           output, "schedule", metadata={**meta, **_speculative_meta(planned.speculative)})
+        else:
+            write_artifact(schedule_table(result, sparse_s), output, "schedule", metadata=meta)
     if export_to is not None and planned.exported is not None:
         from sparrow.schemas.io import write_bytes
 
         write_bytes(export_to, (export_text(planned.exported, req.export) + "\n").encode())
     return planned
+
+
+def _plan_speculation(req: PlanRequest, cost_model: CostModel, tails: TailProfile, lengths: Lengths
+                      ) -> SpeculativePlan:
+    if req.profile is None:
+        raise ScheduleError("--speculate plans from a measured --profile (its mean alpha per bin sets the "
+                            "drafts' acceptance); the reference profile holds tails only")
+    alpha = mean_alpha(read_artifact(req.profile, "mismatch"), tails.bin_width, tails.num_bins)
+    return plan_speculation(cost_model, alpha, req.batch, lengths.prompt_len, lengths.gen_len)
+
+
+def _speculative_meta(spec: SpeculativePlan) -> dict:
+    return {"speculate": spec.k, "predicted_speedup": spec.speedup,
+            "speculative_tokens_per_cycle": json.dumps([round(t, 4) for t in spec.tokens_per_cycle]),
+            "role": "draft budgets of exact speculative rollouts (sparrow rollout --schedule this "
+                    f"--speculate {spec.k})"}
+
+
+def draft_table(spec: SpeculativePlan, bin_starts, bin_width: int):
+    """The draft schedule as a `schedule` artifact's rows (no tail: the drafts' mean alpha sets the speed)."""
+    import pyarrow as pa
+
+    n = len(spec.budgets)
+    return pa.table({
+        "bin": pa.array(range(n), pa.int32()),
+        "bin_start": pa.array(bin_starts[:n], pa.int64()),
+        "bin_end": pa.array([int(bin_starts[i]) + bin_width if i + 1 < n else None for i in range(n)],
+                            pa.int64()),
+        "budget": pa.array(spec.budgets, pa.int32()),
+        "tail": pa.nulls(n, pa.float64()),
+        "predicted_step_seconds": pa.nulls(n, pa.float64()),
+    })
 
 
 def export_text(exported: dict | list, form: str) -> str:

@@ -15,9 +15,10 @@ import torch
 from sparrow.stages.core.sparsity import as_policy
 from sparrow.stages.engine import Engine, EngineConfig, SamplingParams
 from sparrow.stages.engine.config import DecodeStep
-from sparrow.stages.engine.speculative import accept_or_resample, expected_tokens
+from sparrow.stages.engine.speculative import accept_or_resample
 from sparrow.stages.kv_policies import SnapKV
 from sparrow.stages.model.loading import load_model
+from sparrow.stages.speculative_plan import expected_tokens
 
 from tiny_models import tiny_qwen3
 

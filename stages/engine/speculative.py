@@ -11,8 +11,8 @@ row keeps a draft iff it is the dense argmax. The reported logprobs are the dens
 
 The cache is then rolled back to the kept positions: pages past them go back to the pool and the partly
 kept page's centroid is recomputed from the slots that stay. Every draw uses the sample's own generator,
-so a seed gives the same rollouts whatever the batch. The acceptance per cycle is alpha's business:
-`expected_tokens` is what a mean acceptance a predicts.
+so a seed gives the same rollouts whatever the batch. What a mean acceptance predicts per cycle:
+stages/speculative_plan.py.
 """
 
 from __future__ import annotations
@@ -27,14 +27,6 @@ from .block_manager import BlockManager
 from .runner import ModelRunner, PrefillRow
 from .sampler import _truncate
 from .sequence import SamplingParams, Sequence
-
-
-def expected_tokens(alpha: float, k: int) -> float:
-    """Tokens a cycle of k drafts emits on average when each draft is kept with probability alpha:
-    (1 - alpha^(k+1)) / (1 - alpha) (k + 1 at alpha = 1)."""
-    if alpha >= 1.0:
-        return float(k + 1)
-    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
 def sampling_probs(logits: Tensor, params: Seq[SamplingParams]) -> Tensor:

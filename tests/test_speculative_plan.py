@@ -1,0 +1,94 @@
+"""`plan-schedule --speculate` (stages/speculative_plan.py) against a brute force over every K and every
+non-decreasing assignment of profiled budgets to bins, written from the pricing the module documents."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pyarrow as pa
+import pytest
+from typer.testing import CliRunner
+
+from sparrow.cli.app import app
+from sparrow.schemas import artifact_metadata, read_artifact
+from sparrow.stages.cost import analytic
+from sparrow.stages.model.presets import get_preset
+from sparrow.stages.speculative_plan import mean_alpha, plan_speculation
+
+runner = CliRunner()
+BUDGETS = (256, 1024, 4096)
+WIDTH = 8192
+
+
+def _mismatch(alphas: np.ndarray, per_cell: int = 60) -> pa.Table:
+    """Tokens spread over the bins, per budget alpha drawn around alphas[bin, budget]."""
+    rng = np.random.default_rng(0)
+    rows = {"position": [], "budget": [], "alpha": []}
+    for i, j in itertools.product(range(alphas.shape[0]), range(alphas.shape[1])):
+        pos = rng.integers(i * WIDTH, (i + 1) * WIDTH, per_cell)
+        rows["position"] += pos.tolist()
+        rows["budget"] += [BUDGETS[j]] * per_cell
+        rows["alpha"] += np.clip(alphas[i, j] + rng.normal(0, 0.01, per_cell), 0, 1).tolist()
+    return pa.table(rows)
+
+
+def _brute_force(cost, means, batch, prompt_len, gen_len):
+    contexts = np.arange(prompt_len + 1, prompt_len + gen_len)
+    bins = np.minimum(contexts // WIDTH, means.shape[0] - 1)
+    dense = float(cost.step_seconds(batch, contexts, 0).sum())
+    best = 0.0
+    for k in range(1, 9):
+        f = cost.features(batch, contexts, 0).copy()
+        f[..., 1] *= k + 1
+        verify = f @ cost.vector
+        for choice in itertools.combinations_with_replacement(range(len(BUDGETS)), means.shape[0]):
+            total = 0.0
+            for i, j in enumerate(choice):
+                at = bins == i
+                a = means[i, j]
+                tokens = sum(a ** n for n in range(k + 1))
+                cycle = k * cost.step_seconds(batch, contexts[at], BUDGETS[j]) + verify[at]
+                total += float(cycle.sum()) / tokens
+            best = max(best, dense / total)
+    return best
+
+
+@pytest.mark.parametrize("alphas", [
+    np.array([[0.97, 0.99, 1.0], [0.85, 0.95, 0.99], [0.7, 0.9, 0.98]]),
+    np.array([[0.5, 0.6, 0.7], [0.99, 0.995, 1.0], [0.6, 0.97, 0.99]]),  # the best budgets would decrease
+])
+def test_the_plan_is_the_brute_force_optimum(alphas):
+    cost = analytic(get_preset("qwen3-4b").config, "h100")
+    table = _mismatch(alphas)
+    alpha = mean_alpha(table, WIDTH, 3)
+    plan = plan_speculation(cost, alpha, 64, 1024, 3 * WIDTH - 1024)
+    assert plan.speedup == pytest.approx(_brute_force(cost, alpha.mean, 64, 1024, 3 * WIDTH - 1024), rel=1e-9)
+    assert plan.budgets == sorted(plan.budgets)
+    assert plan.speedups_by_k[plan.k] == max(plan.speedups_by_k.values())
+
+
+def test_cli_plans_drafts_that_rollout_reads(tmp_path):
+    profile = tmp_path / "m.parquet"
+    from sparrow.schemas import write_artifact
+
+    n = 200
+    rng = np.random.default_rng(1)
+    pos = rng.integers(100, 500, n)
+    zeros = [0.0] * n
+    write_artifact({"prompt_id": ["p"] * n, "sample": [0] * n, "position": pos.tolist(),
+                    "bin": (pos // 256).tolist(), "budget": [48, 96] * (n // 2), "token_id": [1] * n,
+                    "alpha": rng.uniform(0.7, 1.0, n).tolist(), "logp_dense": [-1.0] * n,
+                    "logp_sparse": [-1.0] * n, "log_ratio": zeros, "k1": zeros, "k2": zeros, "k3": zeros,
+                    "entropy_dense": [1.0] * n},
+                   profile, "mismatch", metadata={"model": "smollm2-135m", "bin_width": 256, "page_size": 16})
+    out = tmp_path / "draft.parquet"
+    r = runner.invoke(app, ["plan-schedule", "--model", "smollm2-135m", "--profile", str(profile),
+                            "--speculate", "--threshold", "0.5", "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    assert "speculative (exact)" in r.output and "by K:" in r.output
+    meta = artifact_metadata(out)
+    assert 1 <= int(meta["speculate"]) <= 8
+    assert read_artifact(out, "schedule").column("budget").to_pylist() in ([48, 48], [48, 96], [96, 96])
+    r = runner.invoke(app, ["plan-schedule", "--model", "qwen3-4b", "--speculate"])
+    assert r.exit_code != 0 and "measured --profile" in r.output
