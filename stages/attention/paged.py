@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -101,27 +102,26 @@ class PrefillAttention:
 
 
 class VerifyAttention:
-    """A speculative cycle's dense verification (engine/speculative.py): row j's fed tokens (its first
-    `counts[j]` columns) continue the prefix in its pages, ending at position `ends[j] - 1`. Their keys and
-    values are written over the drafts' (centroids recomputed), and each row attends densely to its
-    positions 0..ends[j] - 1. valid [G, T] bool, slots [N] int64 (one per valid token, row order), tables
-    [G, W] int64 block tables."""
+    """A speculative cycle's dense verification (engine/speculative.py): row j's fed tokens (the columns
+    `valid[j]` marks) continue the prefix in its pages. Their keys and values are written over the drafts'
+    (centroids recomputed), then each fed token attends as a decode query of its own whose cache ends at
+    its position: `decode` is the runner's dense decode attention over those queries, one row per valid
+    (row, column), in row order, with slots < 0 (it writes nothing), so the device's decode kernels, and on
+    a CPU the cascade over a shared prompt, serve the verification too. valid [G, T] bool, slots [N]
+    int64 (one per valid token)."""
 
-    def __init__(self, cache: PagedKVCache, valid: Tensor, slots: Tensor, tables: Tensor, ends: list[int],
-                 counts: list[int]):
-        self.cache, self.valid, self.slots, self.tables = cache, valid, slots, tables
-        self.ends, self.counts = ends, counts
+    def __init__(self, cache: PagedKVCache, valid: Tensor, slots: Tensor, decode: DecodeAttention):
+        self.cache, self.valid, self.slots, self.decode = cache, valid, slots, decode
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext) -> Tensor:
         k_pages, v_pages, centroids = self.cache.layer(layer)
-        kt, vt = k.transpose(1, 2), v.transpose(1, 2)  # [G, T, Hkv, D]
-        write_prefill(k_pages, v_pages, centroids, kt[self.valid], vt[self.valid], self.slots)
-        out = q.new_zeros(q.shape)  # [G, Hq, T, D]; padded columns stay 0
-        for j, (end, n) in enumerate(zip(self.ends, self.counts)):
-            keys = gather_positions(k_pages, self.tables[j], end)
-            values = gather_positions(v_pages, self.tables[j], end)
-            out[j: j + 1, :, :n] = attend_after_prefix(q[j: j + 1, :, :n], keys, values)
-        return out
+        kt, vt = k.transpose(1, 2)[self.valid], v.transpose(1, 2)[self.valid]  # [N, Hkv, D]
+        write_prefill(k_pages, v_pages, centroids, kt, vt, self.slots)
+        qt = q.transpose(1, 2)  # [G, T, Hq, D]
+        out = self.decode(layer, qt[self.valid][:, :, None], kt[:, :, None], vt[:, :, None], ctx)
+        full = torch.zeros_like(qt)
+        full[self.valid] = out[:, :, 0].to(q.dtype)
+        return full.transpose(1, 2)
 
 
 def gather_positions(pages: Tensor, table: Tensor, length: int) -> Tensor:

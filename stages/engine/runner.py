@@ -189,31 +189,37 @@ class ModelRunner:
             return None
         return self._head(torch.stack([last[i] for i in sorted(last)]))
 
-    def verify(self, rows: list[PrefillRow], starts: list[int]) -> list[Tensor]:
-        """One dense forward over each row's positions from `starts[i]` to its end (a speculative cycle's
-        fed tokens), attending to the row's earlier positions in its pages and rewriting the keys and values
-        of its own -> logits [end - start, V] float32 per row."""
+    def verify(self, seqs: list[Sample], starts: list[int]) -> list[Tensor]:
+        """One dense forward over each sample's positions from `starts[i]` to its last token (a speculative
+        cycle's fed tokens), attending to its earlier positions in its pages and rewriting the keys and
+        values of its own -> logits [fed tokens, V] float32 per sample. Each fed token attends as a dense
+        decode query whose cache ends at its position (`VerifyAttention`)."""
         P, dev = self.page_size, self.device
-        counts = [len(r.tokens) - s for r, s in zip(rows, starts)]
-        g, t = len(rows), max(counts)
+        ends = [len(s.request.prompt) + len(s.tokens) for s in seqs]
+        counts = [e - b for e, b in zip(ends, starts)]
+        g, t = len(seqs), max(counts)
         tokens = torch.zeros(g, t, dtype=torch.long)
         positions = np.zeros((g, t), dtype=np.int64)
         valid = np.zeros((g, t), dtype=bool)
-        table = np.zeros((g, max(len(r.pages) for r in rows)), dtype=np.int64)
-        for j, (row, start, n) in enumerate(zip(rows, starts, counts)):
-            tokens[j, :n] = torch.tensor(row.tokens[start:])
+        width = max(len(s.pages) for s in seqs)
+        table = np.full((g, width), -1, dtype=np.int64)
+        for j, (s, start, n) in enumerate(zip(seqs, starts, counts)):
+            tokens[j, :n] = torch.tensor((s.request.prompt + s.tokens)[start:])
             positions[j] = np.minimum(start + np.arange(t), start + n - 1)  # padding repeats the last
             valid[j, :n] = True
-            table[j, : len(row.pages)] = row.pages
+            table[j, : len(s.pages)] = s.pages
         slot = np.take_along_axis(table, positions // P, axis=1) * P + positions % P
+        rows = np.repeat(np.arange(g), counts)  # one decode query per fed token, in row order
+        queries = DecodeBatch(torch.from_numpy(table[rows].astype(np.int32)).to(dev),
+                              torch.from_numpy(positions[valid] + 1).to(device=dev, dtype=torch.int32),
+                              torch.zeros(len(rows), dtype=torch.int32, device=dev),
+                              torch.full((len(rows),), -1, dtype=torch.int64, device=dev), False)
         mask = torch.from_numpy(valid).to(dev)
-        ends = [s + n for s, n in zip(starts, counts)]
         attn = VerifyAttention(self.cache, mask, torch.from_numpy(slot[valid]).to(dev),
-                               torch.from_numpy(table).to(dev), ends, counts)
+                               self._decode_attention(queries, [seqs[r] for r in rows]))
         hidden = self.model.hidden_states(tokens.to(dev), positions=torch.from_numpy(positions).to(dev),
                                           attention=attn)
-        logits = self._head(hidden[mask])  # [sum(counts), V]
-        return list(logits.split(counts))
+        return list(self._head(hidden[mask]).split(counts))  # [sum(counts), V] -> per sample
 
     def _forward(self, rows: list[PrefillRow], forward: list[Segment], cache: PagedKVCache,
                  windows: dict[int, Tensor] | None = None) -> Tensor:

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from .block_manager import BlockManager
-from .runner import ModelRunner, PrefillRow
+from .runner import ModelRunner
 from .sampler import _truncate
 from .sequence import SamplingParams, Sequence
 
@@ -112,7 +112,7 @@ def run_cycle(runner: ModelRunner, blocks: BlockManager, seqs: list[Sequence], k
     """One speculative cycle of the running samples (each has the pages its k + 1 slots need)."""
     cycles = [Drafting(s, s.cached, len(s.tokens), draft_limit(s, k)) for s in seqs]
     _draft(runner, cycles)
-    dense = runner.verify([_verify_row(c) for c in cycles], [c.cached for c in cycles])
+    dense = runner.verify(seqs, [c.cached for c in cycles])
     out = [_decide(c, logits) for c, logits in zip(cycles, dense)]
     for c, e in zip(cycles, out):
         _roll_back(runner, blocks, c, e)
@@ -131,13 +131,6 @@ def _draft(runner: ModelRunner, cycles: list[Drafting]) -> None:
             c.probs.append(q)
             c.seq.tokens.append(token)  # fed by the next draft step, then taken back
             c.seq.cached += 1
-
-
-def _verify_row(c: Drafting) -> PrefillRow:
-    """The dense forward's row: the sample's whole sequence with its drafts, every fed position written."""
-    s = c.seq
-    tokens = s.request.prompt + s.tokens
-    return PrefillRow(tokens, len(tokens), s.pages, None, s.request.request_id)
 
 
 def _decide(c: Drafting, logits: Tensor) -> Emitted:

@@ -113,6 +113,15 @@ class CpuRunner(ModelRunner):
         return [functools.partial(_fill_copy, j, self._copies[i]) for j, (i, start, end) in enumerate(forward)
                 if i in self._copies and start < self._copies[i].tokens <= end]
 
+    def verify(self, seqs: list[Sample], starts: list[int]) -> list[Tensor]:
+        """As the plain path, on the packed weights and C++ layer ops: a verification forward is a few rows
+        per sample, a decode step's shape more than a prefill's."""
+        if self.packed is not None:
+            self.packed.refresh()
+        with (self.packed.active() if self.packed is not None else nullcontext(),
+              self.layer_ops.active() if self.layer_ops is not None else nullcontext()):
+            return super().verify(seqs, starts)
+
     # ------------------------------------------------------------------ decode
 
     def _decode_attention(self, batch: DecodeBatch, seqs: list[Sample]) -> DecodeAttention:

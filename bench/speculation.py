@@ -1,0 +1,179 @@
+"""Exact speculative rollouts against dense and the lossy schedule, in one process on one machine.
+
+Per sampler one `Engine.generate` over the same prompts (--prompts distinct kv_lookup prompts of about
+--prompt-len tokens on SmolLM2, or random tokens and random bf16 weights for Qwen3-4B shapes on a GPU),
+--samples samples each, --new-tokens tokens with EOS ignored so every sampler does the same work:
+dense; block top-k at --budget (lossy); and speculative decoding drafting at --budget with each K of
+--speculate (exact: dense samples). Reported: whole-rollout and decode seconds, tokens/s, the speedup over
+dense, and for speculation the drafts' acceptance and the mean tokens a sample's cycle emits, against what
+the acceptance alpha predicts, (1 - a^(K+1)) / (1 - a). Alpha is measured on the speculative samples
+themselves: they are dense samples, so teacher-forced scoring of them at --budget (stages/scoring) gives
+alpha on exactly the distribution the drafts were verified against; a is its mean over the tokens a
+cycle drafts at, with a 95% t-interval over samples on the measured tokens per cycle.
+
+The prediction of the floors: with the acceptance measured here, the analytic cost model of --hardware
+for --floor-model at --floor-context tokens (batch --floor-batch) prices a cycle as K decode steps at the
+budget and one dense forward of K + 1 tokens per sample (stages/speculative_plan.py), printed beside the
+measured ratio: on a CPU the weights, not the KV, dominate a SmolLM2 step, so the verification forward
+costs what a dense step does and speculation pays only where the KV read dominates.
+
+    .venv/bin/python bench/speculation.py --threads 2                        # CPU: 6K-token prompts
+    .venv/bin/python bench/speculation.py --prompt-len 600 --new-tokens 32 --samples 2 --speculate 2 \\
+        --threads 2                                                          # a CPU smoke run
+    python bench/speculation.py --device cuda --model qwen3-4b --prompt-len 16384 --samples 8 \\
+        --new-tokens 512 --budget 2048 --speculate 2,4,6                       # GPU: Qwen3-4B shapes
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import time
+
+import numpy as np
+import torch
+from common import write_results
+
+from sparrow.stages.core.sparsity import as_policy
+from sparrow.stages.cost import analytic
+from sparrow.stages.engine import Engine, EngineConfig, SamplingParams
+from sparrow.stages.model.loading import load_model
+from sparrow.stages.model.presets import get_preset
+from sparrow.stages.scoring.mismatch import score_sequences
+from sparrow.stages.speculative_plan import expected_tokens, verify_seconds
+from sparrow.stages.tasks import make_prompts
+
+DENSE_LAYERS = (0, 1)
+
+
+def prompts_for(loaded, args) -> list[list[int]]:
+    if args.random_weights or loaded.tokenizer is None:
+        g = torch.Generator().manual_seed(0)
+        return [torch.randint(0, loaded.config.vocab_size, (args.prompt_len,), generator=g).tolist()
+                for _ in range(args.prompts)]
+    rows = make_prompts("kv_lookup", args.prompts, 0, loaded.tokenizer, context_tokens=args.prompt_len)
+    prompts = [list(r["prompt_token_ids"]) for r in rows]
+    return [p[: min(map(len, prompts))] for p in prompts]
+
+
+def run(model, prompts, args, label: str, budget: int | None, k: int) -> tuple[dict, list]:
+    params = SamplingParams(max_new_tokens=args.new_tokens, n=args.samples, temperature=args.temperature,
+                            seed=0, ignore_eos=True)
+    config = EngineConfig(max_batch=args.prompts * args.samples, dense_layers=DENSE_LAYERS, speculate=k)
+    with Engine(model, None if budget is None else as_policy(budget), config) as engine:
+        engine.reserve(prompts, params)
+        t0 = time.perf_counter()
+        out = engine.generate(prompts, params)
+        wall = time.perf_counter() - t0
+        st = engine.stats
+    tokens = sum(len(c.token_ids) for group in out for c in group)
+    row = {"sampler": label, "budget": budget or 0, "speculate": k, "total_s": wall,
+           "prefill_s": st.prefill_s, "decode_s": st.decode_s, "tokens": tokens,
+           "tokens_per_s": tokens / wall, "drafted": st.drafted_tokens, "kept": st.accepted_drafts,
+           "acceptance": st.accepted_drafts / st.drafted_tokens if st.drafted_tokens else None}
+    return row, [c for group in out for c in group]
+
+
+def cycles_per_sample(samples) -> np.ndarray:
+    """Tokens each sample's cycles emitted on average: every cycle ends with one token drawn densely
+    (a resampled or bonus token); the first token comes from the prefill."""
+    out = []
+    for c in samples:
+        cycles = sum(not a for a in c.accepted[1:])
+        out.append((len(c.token_ids) - 1) / max(cycles, 1))
+    return np.array(out)
+
+
+def t_interval(x: np.ndarray) -> tuple[float, float]:
+    from statistics import NormalDist
+
+    if len(x) < 2:
+        return float(x.mean()), float("nan")
+    # t quantile of 0.975 for small n, from a table-free approximation (Cornish-Fisher on the normal)
+    z = NormalDist().inv_cdf(0.975)
+    df = len(x) - 1
+    t = z + (z ** 3 + z) / (4 * df) + (5 * z ** 5 + 16 * z ** 3 + 3 * z) / (96 * df ** 2)
+    return float(x.mean()), float(t * x.std(ddof=1) / np.sqrt(len(x)))
+
+
+def measured_alpha(model, prompts, samples, args, budget: int) -> float:
+    """Mean alpha at `budget` of the positions the speculative samples' drafts were made at."""
+    n = args.samples
+    values = []
+    for i, c in enumerate(samples):
+        scored = score_sequences(model, [prompts[i // n]], [c.token_ids], [budget],
+                                 temperature=args.temperature, dense_layers=DENSE_LAYERS)
+        values.append(scored.sparse[budget][0][1:])  # the first token is the prefill's
+    return float(np.mean(np.concatenate(values)))
+
+
+def floor_prediction(args, a: float, k: int) -> float:
+    """The analytic cost model's speedup of speculation over dense at the floor workload."""
+    cost = analytic(get_preset(args.floor_model).config, args.hardware, dense_layers=DENSE_LAYERS)
+    b, c = args.floor_batch, args.floor_context
+    cycle = k * float(cost.step_seconds(b, c, args.budget)) + float(verify_seconds(cost, b, c, k))
+    return expected_tokens(a, k) * float(cost.step_seconds(b, c, 0)) / cycle
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--random-weights", action="store_true")
+    ap.add_argument("--prompts", type=int, default=1)
+    ap.add_argument("--prompt-len", type=int, default=6000)
+    ap.add_argument("--samples", type=int, default=8)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--budget", type=int, default=512, help="the lossy budget and the drafts'")
+    ap.add_argument("--speculate", default="2,4", help="K values (drafts per cycle)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--hardware", default="h100")
+    ap.add_argument("--floor-model", default="qwen3-4b")
+    ap.add_argument("--floor-context", type=int, default=32768)
+    ap.add_argument("--floor-batch", type=int, default=64)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    args.random_weights = args.random_weights or (device.type == "cuda" and args.model == "qwen3-4b")
+    loaded = load_model(args.model, device=args.device, dtype=getattr(torch, args.dtype),
+                        random_weights=args.random_weights)
+    model = loaded.model
+    prompts = prompts_for(loaded, args)
+    print(f"{args.model} on {platform.node()} ({args.device}, {args.dtype}, {args.threads} threads): "
+          f"{len(prompts)} prompt(s) of {len(prompts[0])} tokens x {args.samples} samples x "
+          f"{args.new_tokens} new tokens, temperature {args.temperature}", flush=True)
+    run(model, [prompts[0][:256]], argparse.Namespace(**{**vars(args), "new_tokens": 4}), "warm-up", None, 0)
+    rows = []
+    dense, _ = run(model, prompts, args, "dense", None, 0)
+    rows.append(dense)
+    lossy, _ = run(model, prompts, args, f"budget {args.budget}", args.budget, 0)
+    rows.append(lossy)
+    for k in [int(x) for x in args.speculate.split(",")]:
+        row, samples = run(model, prompts, args, f"speculative K={k} at {args.budget}", args.budget, k)
+        mean, half = t_interval(cycles_per_sample(samples))
+        a = measured_alpha(model, prompts, samples, args, args.budget)
+        row.update(tokens_per_cycle=mean, tokens_per_cycle_half_width=half, alpha_mean=a,
+                   predicted_tokens_per_cycle=expected_tokens(a, k),
+                   floor_speedup=floor_prediction(args, a, k))
+        rows.append(row)
+    print(f"{'sampler':32} {'total s':>8} {'decode s':>9} {'tok/s':>7} {'x dense':>8} {'accept':>7} "
+          f"{'tok/cycle (95%)':>17} {'predicted':>9} {'floor x':>8}")
+    for r in rows:
+        spec = r["speculate"] > 0
+        r["speedup"] = dense["total_s"] / r["total_s"]
+        cyc = f"{r['tokens_per_cycle']:.2f} +- {r['tokens_per_cycle_half_width']:.2f}" if spec else "-"
+        print(f"{r['sampler']:32} {r['total_s']:8.1f} {r['decode_s']:9.1f} {r['tokens_per_s']:7.1f} "
+              f"{r['speedup']:7.2f}x {(r['acceptance'] or 0):7.3f} {cyc:>17} "
+              f"{r.get('predicted_tokens_per_cycle', 0):9.2f} {r.get('floor_speedup', 0):7.2f}x")
+    print(f"floor x: the analytic {args.hardware} model's speedup over dense for {args.floor_model} at "
+          f"{args.floor_context} tokens, batch {args.floor_batch}, with this acceptance")
+    for r in rows:
+        r.update(model=args.model, device=args.device, dtype=args.dtype, threads=args.threads,
+                 prompt_tokens=len(prompts[0]), samples=args.samples, new_tokens=args.new_tokens)
+    write_results(rows, "speculation")
+
+
+if __name__ == "__main__":
+    main()
