@@ -129,6 +129,10 @@ def train(
         "(full vocabulary, teacher-forced dense vs the run's sparsity) and logged as alpha_p5 / alpha_mean, "
         "the tail the stability criterion reads; 0: none (alpha_lb_p5, the top-20 lower bound, is logged "
         "regardless; with --distill-sparse only the bound is)."),
+    speculate: int = typer.Option(0, "--speculate", help="Exact speculative rollouts (rollout --speculate): "
+                                  "the run's sparsity drafts up to K tokens per sample and the dense policy "
+                                  "verifies them, so every rollout is on-policy (no correction needed) and "
+                                  "draft_acceptance is logged per step. 0 = off; not with --workers."),
     kl_coef: float = typer.Option(0.0, "--kl-coef", "--beta", callback=finite,
                                   help="k3 KL to the initial policy (TRL's "
                                   "beta)."),
@@ -228,7 +232,7 @@ def train(
                       loss=loss, oversample=oversample, alpha_sequences=alpha_sequences,
                       distill_sparse=distill_sparse, distill_rank=distill_rank, distill_alpha=distill_alpha,
                       distill_lr_ratio=distill_lr_ratio, distill_kl_coef=distill_kl_coef,
-                      raw_prompts=raw_prompts)
+                      raw_prompts=raw_prompts, speculate=speculate)
     try:
         cfg.validate()
     except ValueError as e:
@@ -236,6 +240,8 @@ def train(
     check_device(device)
     check_gpu_memory(gpu_memory_utilization)
     check_workers(workers, ray_address, None)
+    if speculate and workers:
+        raise UsageError("--speculate runs in this process's engine; drop --workers")
     inputs = TrainInputs(prompts, output_dir, policy, eval_prompts,
                          data_options(answer_column, reward, reward_fn))
     try:

@@ -51,7 +51,8 @@ VALID: dict[str, dict[str, list]] = {
         "token_ids": [[7, 8, 9], [7]], "text": ["abc", None], "logprobs": [[-0.1, -0.2, 0.0], [-1.5]],
         "budgets": [[0, 64, 64], [0]], "finish_reason": ["stop", "length"], "reward": [1.0, None],
         "kv_policy": ["snapkv:512,window=8,buffer=128,sink=4", None], "kv_lens": [[2, 3, 4], None],
-        "reward_extra": ['{"acc": true}', None],
+        "reward_extra": ['{"acc": true}', None], "accepted": [[False, True, False], None],
+        "drafted": [3, None],
     },
     "metrics": {
         "run_id": ["r"] * 2, "step": [0, 1], "reward_mean": [0.1, 0.2], "reward_std": [0.3, None],

@@ -180,3 +180,46 @@ def test_seeded_speculation_repeats_whatever_the_batch(tiny):
             runs.append([[c.token_ids for c in g] for g in engine.generate(prompts, params)])
     assert runs[0] == runs[1]
     assert list(itertools.chain(*runs[0]))
+
+
+_TRITON_SCRIPT = """
+import sys, torch
+from dataclasses import replace
+from sparrow.kernels.ops import Backend
+from sparrow.stages.core.sparsity import as_policy
+from sparrow.stages.engine import Engine, EngineConfig, SamplingParams
+from sparrow.stages.model.loading import load_model
+sys.path.insert(0, sys.argv[2])
+from tiny_models import tiny_qwen3
+tiny_qwen3(sys.argv[1])
+model = load_model(sys.argv[1]).model
+g = torch.Generator().manual_seed(1)
+prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (70, 141)]
+params = SamplingParams(max_new_tokens=24, n=2, temperature=0.0, ignore_eos=True)
+config = EngineConfig(max_batch=4, dense_layers=(0,), kernels=Backend.TORCH)
+ref = Engine(model, None, config).generate(prompts, params)
+engine = Engine(model, as_policy(48), replace(config, kernels=Backend.TRITON, speculate=3))
+got = engine.generate(prompts, params)
+assert engine.blocks.used == 0 and engine.stats.drafted_tokens > 0
+for a, b in zip(ref, got):
+    for x, y in zip(a, b):
+        assert x.token_ids == y.token_ids, (x.token_ids, y.token_ids)
+        assert max(abs(p - q) for p, q in zip(x.logprobs, y.logprobs)) < 1e-4
+print("ok", engine.stats.accepted_drafts, engine.stats.drafted_tokens)
+"""
+
+
+@pytest.mark.slow
+def test_speculation_on_the_gpu_runner_under_the_interpreter(tmp_path):
+    """The GPU runner's path (Triton decode kernels for the drafts and the verification's queries)
+    through Triton's interpreter: greedy speculation gives the torch path's dense greedy tokens."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    args = [sys.executable, "-c", _TRITON_SCRIPT, str(tmp_path / "tiny"), str(Path(__file__).parent)]
+    r = subprocess.run(args, env=env, capture_output=True, text=True, timeout=1200)
+    assert r.returncode == 0 and r.stdout.strip().startswith("ok"), r.stderr[-3000:]

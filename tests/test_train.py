@@ -420,6 +420,27 @@ def test_cli_train_and_resume(tiny_llama, vowel_prompts, tmp_path):
     assert not (tmp_path / "x.parquet").exists()
 
 
+def test_cli_train_with_speculative_rollouts_is_on_policy(tiny_llama, vowel_prompts, tmp_path):
+    """--speculate: the rollouts are the dense policy's, so the rollout logprobs equal the learner's
+    recompute and no mismatch is left to correct; each step logs the drafts' acceptance."""
+    from typer.testing import CliRunner
+
+    from sparrow.cli.app import app
+
+    run = tmp_path / "run"
+    args = ["train", "--model", tiny_llama[0], "--prompts", str(vowel_prompts), "--steps", "2",
+            "--prompts-per-step", "2", "--samples", "2", "--max-new-tokens", "8", "--lora-rank", "2",
+            "--budget", "48", "--speculate", "3", "--temperature", "1", "-o", str(run)]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    rows = read_artifact(run / "metrics.parquet", "metrics").to_pylist()
+    for row in rows:
+        assert 0 <= row["draft_acceptance"] <= 1
+        assert row["mismatch_kl"] < 1e-6 and row["mean_budget"] == 0
+    refused = CliRunner().invoke(app, [*args[:-2], "--distill-sparse", "-o", str(tmp_path / "x")])
+    assert refused.exit_code != 0 and "drop one of --speculate and --distill-sparse" in refused.output
+
+
 def test_a_schedule_planned_for_another_model_is_refused(tiny_llama, vowel_prompts, tmp_path):
     from typer.testing import CliRunner
 

@@ -48,6 +48,7 @@ class TrainConfig:
     raw_prompts: bool = False  # text prompts tokenized as they are, without the model's chat template
     oversample: int = 0  # k' > samples: roll out k' per prompt, keep the `samples` of highest mean alpha
     alpha_sequences: int = 4  # sequences per step whose alpha is computed exactly (exact_alpha.py); 0: none
+    speculate: int = 0  # exact speculative rollouts: the run's sparsity drafts K tokens, dense verifies
     # what the run reads, by content (filled by the Trainer; run_dir.py): a resume must read the same
     prompts_sha256: str = ""
     eval_prompts_sha256: str = ""
@@ -68,6 +69,11 @@ class TrainConfig:
             raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
         if self.lr <= 0:
             raise ValueError(f"--lr must be positive, got {self.lr}")
+        if self.speculate < 0:
+            raise ValueError(f"--speculate must be >= 0 (drafts per cycle; 0 = off), got {self.speculate}")
+        if self.speculate and self.distill_sparse:
+            raise ValueError("--speculate samples from the dense policy, so DistillSparse's sparse actor "
+                             "would never roll out: drop one of --speculate and --distill-sparse")
         if self.alpha_sequences < 0:
             raise ValueError(f"--alpha-sequences must be >= 0 (0 = none), got {self.alpha_sequences}")
         if self.lora_rank < 0:

@@ -39,6 +39,12 @@ def global_step(exp: Experience) -> int:
     return exp.step + 1
 
 
+def draft_acceptance(completions) -> float | None:
+    """Speculative rollouts: the share of the step's drafts the dense model kept (None without)."""
+    drafted = sum(c.drafted for c in completions if c.accepted is not None)
+    return sum(sum(c.accepted) for c in completions if c.accepted is not None) / drafted if drafted else None
+
+
 def metrics_row(run_id: str, exp: Experience, update: dict, update_seconds: float, cfg: TrainConfig,
                 loss: grpo.LossConfig, sync_seconds: float | None) -> dict:
     """A step's row of metrics.parquet (every column, the eval's and the collapse's still empty)."""
@@ -52,7 +58,7 @@ def metrics_row(run_id: str, exp: Experience, update: dict, update_seconds: floa
         "reward_std": float(rewards.std()), "frac_reward_zero_std": frac_reward_zero_std(exp),
         "accuracy": float((rewards >= 1.0 - 1e-9).mean()),
         "eval_accuracy": None, "eval_accuracy_sparse": None, "sampler_gap": None,
-        "oversample_acceptance_kept": None,
+        "draft_acceptance": draft_acceptance(flat), "oversample_acceptance_kept": None,
         "oversample_acceptance_dropped": None, "loss": update.get("loss"),
         "policy_loss": update.get("policy_loss"), "kl": update.get("kl"),
         **{k: update.get(k) for k in ("clip_fraction", "clip_fraction_low", "clip_fraction_high",

@@ -19,18 +19,21 @@ from ..model.adapter import lora_state
 from .distributed import World
 
 
-def make_engine(model: nn.Module, policy: KVPolicy, max_batch: int, gpu_memory_utilization: float) -> Engine:
-    config = EngineConfig(max_batch=max_batch, gpu_memory_utilization=gpu_memory_utilization)
+def make_engine(model: nn.Module, policy: KVPolicy, max_batch: int, gpu_memory_utilization: float,
+                speculate: int = 0) -> Engine:
+    config = EngineConfig(max_batch=max_batch, gpu_memory_utilization=gpu_memory_utilization,
+                          speculate=speculate)
     return Engine(model, policy, config)
 
 
 class Rollouts:
     def __init__(self, model: nn.Module, policy: KVPolicy, world: World, pool: RolloutPool | None = None,
-                 gpu_memory_utilization: float = 0.9):
+                 gpu_memory_utilization: float = 0.9, speculate: int = 0):
         """`gpu_memory_utilization`: on CUDA, the share of device memory the engine may take (its KV pool,
-        graphs and activations; the learner's update needs the rest)."""
+        graphs and activations; the learner's update needs the rest). `speculate` = K: exact speculative
+        rollouts, the policy drafting (in this process's engine only)."""
         self.model, self.policy, self.world, self.pool = model, policy, world, pool
-        self.gpu_memory_utilization = gpu_memory_utilization
+        self.gpu_memory_utilization, self.speculate = gpu_memory_utilization, speculate
         self.engine: Engine | None = None
         self.sync_seconds: float | None = None  # the last weight push to the workers
 
@@ -55,7 +58,7 @@ class Rollouts:
         if self.engine is None:
             mine = self.world.shard(prompts_per_step)
             self.engine = make_engine(self.model, self.policy, max(mine.stop - mine.start, 1) * n,
-                                      self.gpu_memory_utilization)
+                                      self.gpu_memory_utilization, self.speculate)
         return self.engine
 
     def updated(self) -> None:

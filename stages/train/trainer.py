@@ -113,7 +113,7 @@ class Trainer:
         self.learner = Learner(self.model, data_parallel(self.model, world), self.optimizer, self.loss_cfg,
                                config, world)
         self.rollouts = Rollouts(self.model, self.policy, world, opts.pool,
-                                 opts.gpu_memory_utilization)
+                                 opts.gpu_memory_utilization, config.speculate)
         if opts.pool is not None and self.lora_config is not None:
             opts.pool.add_lora(config.lora_rank, config.lora_alpha)
         self.rng_at_step = rng_states()  # the RNG states at the last step boundary
