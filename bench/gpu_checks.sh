@@ -29,6 +29,9 @@
 #   paged-scoring   teacher-forced sparse scoring through the paged kernels: tests/test_sparse_paged.py
 #                   compiled, then bench/paged_scoring.py (one 32K-token trajectory at budgets 1024-4096,
 #                   the torch path and the paged one in one process, with their differences)
+#   speculation     exact speculative rollouts: bench/speculation.py at 16K (one prompt x 8 samples x 512
+#                   new tokens, dense / budget 2048 / speculative K = 2, 4 drafting at 2048; random
+#                   weights, so the acceptance is theirs, not a trained model's: a timing check)
 #   kv-compression  the eviction tests of tests/test_gpu.py, then bench/kv_compression.py's rollout part
 #                   (dense vs SnapKV vs R-KV vs block top-k at budget 512)
 #   scale-NAME      one check at our users' scale through bench/scale_gpu.py (seconds and peak memory):
@@ -53,10 +56,10 @@ case $WHAT in
 esac
 case $WHAT in
     all|tests|engine|kernels|rollout|decode-table|rollout-8k|rollout-16k|fused|profile|train|learner) ;;
-    learner-score|learner-update|paged-scoring|kv-compression|scale|scale-*) ;;
+    learner-score|learner-update|paged-scoring|speculation|kv-compression|scale|scale-*) ;;
     *) echo "bench/gpu_checks.sh: unknown mode '$WHAT' (expected all, tests, engine, kernels, rollout," \
             "decode-table, rollout-8k, rollout-16k, fused, profile, train, learner, learner-score," \
-            "learner-update, paged-scoring, kv-compression, scale or scale-NAME)" >&2
+            "learner-update, paged-scoring, speculation, kv-compression, scale or scale-NAME)" >&2
        exit 2 ;;
 esac
 BUDGET=${BUDGET:-570}
@@ -141,6 +144,11 @@ if is paged-scoring; then
     step paged-scoring-tests 120 $PY -m pytest -q -p no:cacheprovider tests/test_sparse_paged.py
     step paged-scoring-32k 440 $PY bench/paged_scoring.py --model qwen3-4b --device cuda --length 32768 \
         --budgets 1024,2048,3072,4096
+fi
+if is speculation; then
+    step speculation-16k 540 $PY bench/speculation.py --device cuda --model qwen3-4b --prompt-len 16384 \
+        --samples 8 --new-tokens 512 --budget 2048 --speculate 2,4 --floor-context 16384 --floor-batch 8
+    keep bench/results/speculation.parquet speculation-16k.parquet
 fi
 if is kv-compression; then
     step kv-tests 180 $PY -m pytest -q -s -p no:cacheprovider tests/test_gpu.py -k eviction

@@ -159,17 +159,19 @@ def main() -> None:
                    floor_speedup=floor_prediction(args, a, k))
         rows.append(row)
     print(f"{'sampler':32} {'total s':>8} {'decode s':>9} {'tok/s':>7} {'x dense':>8} {'accept':>7} "
-          f"{'tok/cycle (95%)':>17} {'predicted':>9} {'floor x':>8}")
+          f"{'alpha':>6} {'tok/cycle (95%)':>17} {'predicted':>9} {'floor x':>8}")
     for r in rows:
         spec = r["speculate"] > 0
         r["speedup"] = dense["total_s"] / r["total_s"]
         cyc = f"{r['tokens_per_cycle']:.2f} +- {r['tokens_per_cycle_half_width']:.2f}" if spec else "-"
         print(f"{r['sampler']:32} {r['total_s']:8.1f} {r['decode_s']:9.1f} {r['tokens_per_s']:7.1f} "
-              f"{r['speedup']:7.2f}x {(r['acceptance'] or 0):7.3f} {cyc:>17} "
+              f"{r['speedup']:7.2f}x {(r['acceptance'] or 0):7.3f} {r.get('alpha_mean') or 0:6.3f} {cyc:>17} "
               f"{r.get('predicted_tokens_per_cycle', 0):9.2f} {r.get('floor_speedup', 0):7.2f}x")
     print(f"floor x: the analytic {args.hardware} model's speedup over dense for {args.floor_model} at "
           f"{args.floor_context} tokens, batch {args.floor_batch}, with this acceptance")
+    keys = {k for r in rows for k in r}
     for r in rows:
+        r.update({k: r.get(k) for k in keys})  # every row every column (the first row sets the schema)
         r.update(model=args.model, device=args.device, dtype=args.dtype, threads=args.threads,
                  prompt_tokens=len(prompts[0]), samples=args.samples, new_tokens=args.new_tokens)
     write_results(rows, "speculation")

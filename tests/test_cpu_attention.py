@@ -334,7 +334,7 @@ def test_packed_linear_fp32_out_is_the_unrounded_bf16_product(rows):
     want = x.double() @ layer.weight.double().T + layer.bias.double()
     for got in (dot_product(x, weight, layer.bias, fp32_out=True),
                 dot_product(torch.cat([x, x[:1].expand(17 - rows, 576)]), weight, layer.bias,
-                            fp32_out=True)[:rows]):  # more than 16 rows: F.linear in fp32
+                            fp32_out=True)[:rows]):  # more than 16 rows: in blocks of 16
         assert got.dtype == torch.float32
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
     rounded = dot_product(x, weight, layer.bias)

@@ -49,10 +49,12 @@ def reported_logprobs(logits: Tensor, params: Seq[SamplingParams]) -> Tensor:
 
 
 def draw(probs: Tensor, generator: torch.Generator | None) -> int:
-    """One token from a distribution [V]; without a generator (greedy) its argmax."""
+    """One token from a distribution [V] by an exponential race, argmax p / E with E ~ Exp(1) (exact, and
+    one uniform pass instead of multinomial's cumulative sum); without a generator (greedy) its argmax."""
     if generator is None:
         return int(probs.argmax())
-    return int(torch.multinomial(probs, 1, generator=generator))
+    noise = torch.empty_like(probs).uniform_(generator=generator).log_().neg_()
+    return int((probs / noise.clamp_(min=torch.finfo(noise.dtype).tiny)).argmax())
 
 
 def accept_or_resample(p: Tensor, q: Tensor, drafts: Seq[int], generator: torch.Generator | None,

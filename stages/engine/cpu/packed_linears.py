@@ -105,15 +105,14 @@ def _product(packed: tuple[str, Tensor], bias: Tensor | None) -> Callable[[Tenso
 
 
 def dot_product(x: Tensor, weight: Tensor, bias: Tensor | None, fp32_out: bool = False) -> Tensor:
-    """Our C++ product of a few rows (at most DOT_MAX_ROWS) with a weight packed for it (bf16 or fp32), in
-    x's dtype or, with `fp32_out`, in fp32 (bf16 x: the sums are never rounded to bf16); more rows (not a
-    decode step) take F.linear on the unpacked weight."""
+    """Our C++ product of rows with a weight packed for it (bf16 or fp32), in x's dtype or, with
+    `fp32_out`, in fp32 (bf16 x: the sums are never rounded to bf16). More than DOT_MAX_ROWS rows (a
+    speculative verification's) go in blocks of that many, each row's product the same as alone."""
     if x.numel() > DOT_MAX_ROWS * x.shape[-1]:
-        blocks, k = weight.shape[0], x.shape[-1]
-        plain = weight.transpose(1, 2).reshape(blocks * 16, k)  # [N/16, K(/2), 16(, 2)] -> [N, K]
-        if fp32_out:
-            x, plain, bias = x.float(), plain.float(), None if bias is None else bias.float()
-        return torch.nn.functional.linear(x, plain, bias)
+        rows = x.reshape(-1, x.shape[-1])
+        out = torch.cat([CPU.packed_linear(rows[i: i + DOT_MAX_ROWS], weight, bias, fp32_out)
+                         for i in range(0, rows.shape[0], DOT_MAX_ROWS)])
+        return out.view(*x.shape[:-1], out.shape[-1])
     return CPU.packed_linear(x, weight, bias, fp32_out)
 
 

@@ -31,7 +31,7 @@ from .allocator import tune_cpu_allocator
 from .attention import Cascade, CpuDecodeAttention
 from .fused_decode import FusedCpuDecode
 from .layers import CpuLayerOps, cpu_layers_available
-from .packed_linears import DOT_MAX_ROWS, PackedLinears, dot_product, packing_available
+from .packed_linears import PackedLinears, dot_product, packing_available
 from .prefix_store import PrefixStore, SharedPrefix
 
 
@@ -137,12 +137,12 @@ class CpuRunner(ModelRunner):
             return super()._decode_logits(tokens, pos, positions, attention)
 
     def _head(self, hidden: Tensor) -> Tensor:
-        """The head in our product over its packed copy where it is packed so and the rows are few, with
+        """The head in our product over its packed copy where it is packed so (rows in blocks of 16), with
         fp32 output: in bf16 the products are exact and summed in fp32, so this is the model's fp32 head
         (`Transformer.logits`) up to summation order, reading the bf16 weight rather than an fp32 copy of
         it (half the bytes a step); the fused and the modular step both end here."""
         packed = self.packed.dot_weight(self.model.lm_head) if self.packed is not None else None
-        if packed is None or hidden.shape[0] > DOT_MAX_ROWS:
+        if packed is None:
             return self.model.logits(hidden)
         return dot_product(hidden, packed, self.model.lm_head.bias, fp32_out=True)
 
