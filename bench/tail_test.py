@@ -310,6 +310,41 @@ def calibrate(args, out: Path, mismatch: Path, specs: list[RunSpec]) -> Path | N
     return threshold
 
 
+def run_table(args, out: Path, made: list[tuple[Design, Path]], specs: list[RunSpec]) -> Path:
+    """out/runs.md: every finished run as a Markdown row: its design's statistics, its dense held-out
+    accuracy at each eval (step 0 first), its training reward over the first and last quarter of the steps,
+    its step-0 sampler gap, the exact alpha_p5 its training logged (mean over steps), its label and any
+    collapse reason a step's row ever carried (a flag that later cleared)."""
+    stats = {d.name: d for d, _ in made}
+    lines = ["| run | tail | mean alpha | KV read | dense eval (steps 0, 20, 40) | reward first -> last "
+             "quarter | step-0 sampler gap | logged alpha_p5 | label | flags on the way |", "|---" * 10 + "|"]
+    for spec in specs:
+        folder = spec.folder(out)
+        if not finished(args, folder):
+            continue
+        table = pq.read_table(folder / "metrics.parquet")
+        meta = json.loads(table.schema.metadata[b"sparrow.meta"])
+        rows = table.to_pylist()
+        evals = [meta["initial_eval_accuracy"]] + [r["eval_accuracy"] for r in rows
+                                                   if r["eval_accuracy"] is not None]
+        quarter = max(len(rows) // 4, 1)
+        reward = [float(np.mean([r["reward_mean"] for r in part]))
+                  for part in (rows[:quarter], rows[-quarter:])]
+        logged = [r["alpha_p5"] for r in rows if r.get("alpha_p5") is not None]
+        flags = sorted({r["collapse"] for r in rows if r.get("collapse")})
+        d = stats.get(spec.name)
+        tail, mean, kv = (d.tail, d.mean, d.kv_read) if d else (1.0, 1.0, 1.0)
+        lines.append(f"| {folder.name} | {tail:.3f} | {mean:.3f} | {kv:.3f} | "
+                     f"{', '.join(f'{e:.3f}' for e in evals)} | {reward[0]:.3f} -> {reward[1]:.3f} | "
+                     f"{meta.get('initial_sampler_gap') or 0:.3f} | "
+                     f"{np.mean(logged) if logged else 1.0:.3f} | {meta.get('label')} | "
+                     f"{'; '.join(flags) or '-'} |")
+    path = out / "runs.md"
+    path.write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return path
+
+
 def figure(out: Path, threshold: Path, target: Path | None) -> Path:
     """Reward gap (dense reference minus run, training reward, the step-0 sampler gap added back) and the
     dense-eval change, against tail, mean alpha and KV read; every sparse run, colour = label, marker =
@@ -402,6 +437,7 @@ def main() -> None:
     if args.phase == "matrix":
         return
     threshold = calibrate(args, out, mismatch, specs)
+    run_table(args, out, made, specs)
     if args.phase == "calibrate" or threshold is None:
         return
     figure(out, threshold, args.figure)

@@ -52,7 +52,7 @@ def sample_tokens(logits: Tensor, params: Seq[SamplingParams], generators: Seq[t
 
 def _race(probs: Tensor, params: Seq[SamplingParams], generators: Seq[torch.Generator]) -> Tensor:
     """Rows of probabilities [n, V], truncated by top-k then top-p, each drawn by its generator -> [n]."""
-    probs = _truncate(probs, params)
+    probs = truncate(probs, params)
     # exponential race: argmax p / E with E ~ Exp(1) draws from p exactly; one noise draw per sample
     # from its own generator (torch.multinomial per row costs about 13 launches each), then one batched
     # argmax. E = -log U: on a CPU uniform_ is vectorised and exponential_ is not
@@ -63,7 +63,7 @@ def _race(probs: Tensor, params: Seq[SamplingParams], generators: Seq[torch.Gene
     return probs.div_(noise.clamp_(min=torch.finfo(noise.dtype).tiny)).argmax(-1)
 
 
-def _truncate(probs: Tensor, params: Seq[SamplingParams]) -> Tensor:
+def truncate(probs: Tensor, params: Seq[SamplingParams]) -> Tensor:
     """Rows of probabilities [n, V] with what top-k then top-p (of the top-k distribution) drop set to 0."""
     dev = probs.device
     top_k = upload(dev, [p.top_k for p in params], torch.long)
@@ -106,7 +106,7 @@ def redraw_truncated(logp: Tensor, params: Seq[SamplingParams], seeds: Tensor, p
                      ops: TorchOps = kernel_ops.TORCH) -> Tensor:
     """Rows [n, V] of log-probabilities of samples with top-k/top-p: the same race over the truncated set
     (the row's log-probs, -inf outside it) -> tokens [n] int64 on logp's device."""
-    keep = _truncate(logp.exp(), params) > 0
+    keep = truncate(logp.exp(), params) > 0
     return ops.race_sample(logp.masked_fill(~keep, float("-inf")), seeds, positions)
 
 

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from .block_manager import BlockManager
 from .runner import ModelRunner
-from .sampler import _truncate
+from .sampler import truncate
 from .sequence import SamplingParams, Sequence
 
 
@@ -34,7 +34,7 @@ def sampling_probs(logits: Tensor, params: Seq[SamplingParams]) -> Tensor:
     by top-k then top-p and renormalised; a greedy row is one-hot at its argmax."""
     logits = logits.float()
     temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params])[:, None]
-    probs = _truncate(torch.softmax(logits / temps.to(logits.device), dim=-1), params)
+    probs = truncate(torch.softmax(logits / temps.to(logits.device), dim=-1), params)
     probs = probs / probs.sum(-1, keepdim=True)
     for i, p in enumerate(params):
         if p.temperature <= 0:
@@ -136,6 +136,8 @@ def _draft(runner: ModelRunner, cycles: list[Drafting]) -> None:
 
 
 def _decide(c: Drafting, logits: Tensor) -> Emitted:
+    """The rule over one sample's dense logits [fed tokens, V]: its drafts taken back off its tokens, the
+    kept ones and the next token emitted with the dense model's logprobs."""
     s = c.seq
     del s.tokens[c.generated:]
     params = [s.request.params] * logits.shape[0]
