@@ -225,3 +225,23 @@ def test_speculation_on_the_gpu_runner_under_the_interpreter(tmp_path):
     args = [sys.executable, "-c", _TRITON_SCRIPT, str(tmp_path / "tiny"), str(Path(__file__).parent)]
     r = subprocess.run(args, env=env, capture_output=True, text=True, timeout=1200)
     assert r.returncode == 0 and r.stdout.strip().startswith("ok"), r.stderr[-3000:]
+
+
+def test_stop_tokens_inside_the_drafts(tiny):
+    """A stop token drafted, kept or drawn ends the sample where dense greedy decoding ends it."""
+    _, model = tiny
+    prompts = _prompts([60, 130, 210])
+    params = SamplingParams(max_new_tokens=40, temperature=0.0, n=1, ignore_eos=True)
+    with Engine(model, None, EngineConfig(**SPARSE)) as engine:
+        free = engine.generate(prompts, params)
+    # stop at a token each greedy continuation reaches somewhere in its middle
+    stops = tuple({c.token_ids[len(c.token_ids) // 2] for group in free for c in group})
+    params = SamplingParams(max_new_tokens=40, temperature=0.0, n=1)
+    runs = []
+    for spec, k in ((None, 0), (48, 3)):
+        config = EngineConfig(eos_ids=stops, speculate=k, **SPARSE)
+        with Engine(model, None if spec is None else as_policy(spec), config) as engine:
+            runs.append(engine.generate(prompts, params))
+            assert engine.blocks.used == 0
+    for a, b in zip(*runs):
+        assert a[0].token_ids == b[0].token_ids and a[0].finish_reason == b[0].finish_reason == "stop"
