@@ -54,6 +54,10 @@ def fit_cost(
                                 "torch's own choice; 1 gives steadier timings on a shared machine)."),
     seed: int = typer.Option(0, "--seed"),
     gpu_memory_utilization: float = gpu_memory_option(),
+    speculate: bool = typer.Option(False, "--speculate/--no-speculate", help="Also time the speculative "
+                                   "verification forward (2 and 5 fed tokens per sample at every batch and "
+                                   "context) and fit its coefficients, which plan-schedule --speculate then "
+                                   "prices verification with."),
     output: Path = typer.Option(..., "-o", "--output", help=output_help("the cost artifact")),
     force: bool = force_option(),
     format: str = format_option(),
@@ -108,21 +112,27 @@ def fit_cost(
             console.print(f"wrote the analytic {hardware.lower()} model for {name} ({n} points) to {output}")
             return
         device = device or "cpu"
-        points, threads = measure(model, device, grid, seed, threads, gpu_memory_utilization)
-        cost, table = write_fitted(cfg, name, points, device, threads, output)
+        points, verify, threads = measure(model, device, grid, seed, threads, gpu_memory_utilization,
+                                          speculate)
+        cost, table = write_fitted(cfg, name, points, device, threads, output, verify)
     print_coefficients(cost)
     console.print(f"fit over {len(points)} points: median relative error "
                   f"{cost.extra['median_relative_error']:.1%}, worst {cost.extra['max_relative_error']:.1%}")
+    if cost.verify is not None:
+        console.print(f"verification fit over {len(verify)} points: median relative error "
+                      f"{cost.extra['verify_median_relative_error']:.1%}, worst "
+                      f"{cost.extra['verify_max_relative_error']:.1%}; coefficients "
+                      + ", ".join(f"{k} {v:.3g}" for k, v in cost.verify.items()), highlight=False)
     console.print(f"wrote {output}")
     print_points(table, fmt)
 
 
 def measure(model: str, device: str, grid, seed: int, threads: int | None = None,
-            gpu_memory_utilization: float = 0.9):
-    """Timed points and the CPU threads torch used."""
+            gpu_memory_utilization: float = 0.9, speculate: bool = False):
+    """Timed points, timed verification forwards (with `speculate`) and the CPU threads torch used."""
     import torch
 
-    from sparrow.stages.cost import time_decode_steps
+    from sparrow.stages.cost import time_decode_steps, time_verifications
     from sparrow.stages.model.loading import load_model
 
     if device.startswith("cuda") and not torch.cuda.is_available():
@@ -142,7 +152,11 @@ def measure(model: str, device: str, grid, seed: int, threads: int | None = None
             log(done, total)
 
         points = time_decode_steps(loaded, grid, device, seed, on_point, gpu_memory_utilization)
-    return points, torch.get_num_threads()
+    verify = []
+    if speculate:
+        console.print("timing the speculative verification forward (2 and 5 tokens per sample) ...")
+        verify = time_verifications(loaded, grid, seed=seed, gpu_memory_utilization=gpu_memory_utilization)
+    return points, verify, torch.get_num_threads()
 
 
 def print_points(table, fmt: str) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import json
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 import pyarrow as pa
@@ -19,6 +19,8 @@ from .core.definitions import DEFAULT_DENSE_LAYERS, PAGE_SIZE  # torch-free: pla
 from .model.config import SHAPE_KEYS, ModelConfig, shape_of
 
 FEATURES = ("step", "seq", "kv", "page")
+# a speculative verification forward (fit-cost --speculate): per forward, per fed token, KV tokens read
+VERIFY_FEATURES = ("step", "token", "kv")
 BF16 = 2
 class CostError(ValueError):
     """Bad input to the cost model (unknown hardware, a cost artifact for another model, ...)."""
@@ -65,6 +67,7 @@ class CostModel:
     page_size: int = PAGE_SIZE
     dense_layers: tuple[int, ...] = DEFAULT_DENSE_LAYERS
     extra: dict = field(default_factory=dict)  # fit quality etc., written to metadata
+    verify: dict[str, float] | None = None  # fitted to timed verification forwards (VERIFY_FEATURES)
 
     @property
     def num_sparse_layers(self) -> int:
@@ -84,6 +87,13 @@ class CostModel:
         page = batch * np.where(sparse, n_sparse * pages, 0.0)
         ones = np.ones(np.broadcast(batch, context, budget).shape)
         return np.stack(np.broadcast_arrays(ones, batch * ones, kv, page), axis=-1)
+
+    def verify_features(self, batch, context, tokens) -> np.ndarray:
+        """[..., 3] features of a verification forward of `tokens` fed tokens per sample at `context`."""
+        batch, context, tokens = (np.asarray(x, dtype=np.float64) for x in (batch, context, tokens))
+        ones = np.ones(np.broadcast(batch, context, tokens).shape)
+        return np.stack(np.broadcast_arrays(ones, batch * tokens * ones,
+                                            batch * self.config.num_layers * context * ones), axis=-1)
 
     @property
     def vector(self) -> np.ndarray:
@@ -116,19 +126,22 @@ class CostModel:
                             "run `sparrow fit-cost` for this model or use --hardware")
 
     def metadata(self) -> dict:
+        verify = {} if self.verify is None else {"verify_coefficients": json.dumps(self.verify)}
         return {"source": self.source, "coefficients": json.dumps(self.coefficients),
                 "model_config": json.dumps(self.config.to_dict()), "page_size": self.page_size,
                 "dense_layers": json.dumps(list(self.dense_layers)),
-                **self.extra}
+                **self.extra, **verify}
 
     @classmethod
     def from_metadata(cls, meta: dict, subject: str) -> CostModel:
         try:
             coefficients = json.loads(meta["coefficients"])
             cfg = ModelConfig.from_dict(json.loads(meta["model_config"]))
+            verify = json.loads(meta["verify_coefficients"]) if "verify_coefficients" in meta else None
             return cls(cfg, {k: float(coefficients[k]) for k in FEATURES}, str(meta["source"]),
                        int(meta.get("page_size", PAGE_SIZE)),
-                       tuple(json.loads(meta.get("dense_layers", "[0, 1]"))))
+                       tuple(json.loads(meta.get("dense_layers", "[0, 1]"))),
+                       verify=None if verify is None else {k: float(verify[k]) for k in VERIFY_FEATURES})
         except (KeyError, TypeError, ValueError) as e:
             raise CostError(f"{subject} lacks usable cost-model metadata ({type(e).__name__}: {e}); "
                             "write it with `sparrow fit-cost`") from None
@@ -187,6 +200,19 @@ def fit(cfg: ModelConfig, points: Sequence[tuple[int, int, int, float]], source:
                      tuple(dense_layers), extra)
 
 
+def fit_verify(model: CostModel, points: Sequence[tuple[int, int, int, float]]) -> CostModel:
+    """`model` with verification coefficients fitted to (batch, context, fed tokens per sample, seconds)
+    points, as `fit` fits the decode step's."""
+    b, c, t, sec = (np.array(x, dtype=np.float64) for x in zip(*points))
+    x = model.verify_features(b, c, t)
+    coef = nnls(x / sec[:, None], np.ones_like(sec))
+    rel = np.abs(x @ coef - sec) / sec
+    extra = {**model.extra, "verify_median_relative_error": float(np.median(rel)),
+             "verify_max_relative_error": float(rel.max()), "verify_points": json.dumps(
+                 [[int(p[0]), int(p[1]), int(p[2]), float(p[3])] for p in points])}
+    return replace(model, verify=dict(zip(VERIFY_FEATURES, map(float, coef))), extra=extra)
+
+
 # ---------------------------------------------------------------- timing the rollout engine
 
 
@@ -236,6 +262,39 @@ def time_decode_steps(loaded, grid: Grid, device: str = "cpu", seed: int = 0,
     return out
 
 
+def time_verifications(loaded, grid: Grid, tokens: Sequence[int] = (2, 5), seed: int = 0,
+                       gpu_memory_utilization: float = 0.9) -> list[tuple[int, int, int, float]]:
+    """Seconds of one speculative verification forward per (batch, context, fed tokens per sample): the
+    engine speculating with K = tokens - 1 drafts at the grid's smallest budget (dense when it has none),
+    the fastest of `repeats` cycles after `warmup`, every timed cycle verifying K + 1 tokens per sample."""
+    import torch
+
+    from .core.sparsity import as_policy
+    from .engine import Engine, EngineConfig, SamplingParams
+
+    model, cfg = loaded.model.eval(), loaded.config
+    cycles = grid.warmup + grid.repeats
+    draft = min((b for b in grid.budgets if b), default=0) or None
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for t in tokens:
+        new = (cycles + 1) * t + 1  # the timed cycles all draft K: max_new_tokens never cuts them short
+        if max(grid.contexts) > cfg.max_position_embeddings - new:
+            raise CostError(f"context {max(grid.contexts)} plus {new} generated tokens is beyond the model's "
+                            f"{cfg.max_position_embeddings}")
+        config = EngineConfig(max_batch=max(grid.batches), dense_layers=DEFAULT_DENSE_LAYERS,
+                              gpu_memory_utilization=gpu_memory_utilization, speculate=t - 1)
+        with Engine(model, as_policy(draft), config) as engine:
+            for batch in grid.batches:
+                for context in grid.contexts:
+                    prompt = torch.randint(0, cfg.vocab_size, (context - 1,), generator=gen).tolist()
+                    engine.generate([prompt], SamplingParams(max_new_tokens=new, n=batch, temperature=1.0,
+                                                             seed=seed, ignore_eos=True))
+                    timed = engine.stats.verify_times[grid.warmup: cycles]
+                    out.append((batch, context, t, min(timed)))
+    return out
+
+
 # ---------------------------------------------------------------- the cost artifact
 
 
@@ -269,11 +328,15 @@ def write_analytic(cfg: ModelConfig, name: str, hardware: str, grid: Grid, outpu
 
 
 def write_fitted(cfg: ModelConfig, name: str, points: Sequence[tuple[int, int, int, float]], device: str,
-                 threads: int, output) -> tuple[CostModel, pa.Table]:
-    """The model fitted to timed points on `device` (with `threads` CPU threads), as a cost artifact."""
+                 threads: int, output, verify_points: Sequence[tuple[int, int, int, float]] = ()
+                 ) -> tuple[CostModel, pa.Table]:
+    """The model fitted to timed points on `device` (with `threads` CPU threads), and to timed
+    verification forwards when given, as a cost artifact."""
     from sparrow.schemas import write_artifact
 
     cost = fit(cfg, points, f"measured:{device}")
+    if verify_points:
+        cost = fit_verify(cost, verify_points)
     table = cost_table(cost, name, device, points)
     write_artifact(table, output, "cost", metadata=cost.metadata() | {"model": name, "threads": threads})
     return cost, table

@@ -4,8 +4,9 @@ one K for the run, those that minimise the predicted seconds per generated token
 A cycle of K drafts at budget b emits (1 - a^(K+1)) / (1 - a) tokens on average, with a the profile's
 mean alpha of the bin at b: for speculation the mean sets the speed, not the tail, since a rejected draft
 costs time and never correctness. The cycle costs K decode steps at b and one dense forward of K + 1
-tokens per sample. That forward reads the weights and every sample's KV once, so the cost model prices it
-as a dense decode step whose per-row term is paid K + 1 times. Only profiled budgets are candidates, and
+tokens per sample. A cost artifact that `fit-cost --speculate` wrote prices that forward from its timed
+verifications; otherwise, since it reads the weights and every sample's KV once, it is priced as a dense
+decode step whose per-row term is paid K + 1 times. Only profiled budgets are candidates, and
 budgets are made non-decreasing across bins, as every schedule's are.
 """
 
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .cost import CostModel
+from .cost import VERIFY_FEATURES, CostModel
 
 MAX_SPECULATE = 8
 
@@ -54,7 +55,12 @@ def mean_alpha(mismatch, bin_width: int, num_bins: int) -> MeanAlpha:
 
 
 def verify_seconds(cost: CostModel, batch: int, context, k: int) -> np.ndarray:
-    """Predicted seconds of one dense forward of k + 1 tokens for each of `batch` samples at `context`."""
+    """Predicted seconds of one dense forward of k + 1 tokens for each of `batch` samples at `context`:
+    the fitted verification coefficients where `fit-cost --speculate` measured them, else from the decode
+    step's."""
+    if cost.verify is not None:
+        coefficients = np.array([cost.verify[f] for f in VERIFY_FEATURES])
+        return cost.verify_features(batch, context, k + 1) @ coefficients
     features = cost.features(batch, context, 0).copy()
     features[..., 1] *= k + 1  # the per-row term; weights and the KV are read once
     return features @ cost.vector

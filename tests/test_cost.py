@@ -1,6 +1,7 @@
 """The decode-step cost model: features, analytic presets, the fit, and `sparrow fit-cost`."""
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -162,3 +163,36 @@ def test_measured_fit_on_cpu_writes_every_point(tmp_path):
 def test_measured_fit_on_cpu_is_within_ten_percent(tmp_path):
     _, meta, result = _measure_smollm2(tmp_path)
     assert meta["median_relative_error"] <= 0.10, result.output
+
+
+def test_fit_cost_speculate_times_the_verification_and_the_planner_prices_with_it(tmp_path):
+    """--speculate: verification forwards timed at 2 and 5 fed tokens per sample, their coefficients in the
+    artifact; the speculative planner's verification seconds are then those coefficients' (not the decode
+    step's); an artifact without them keeps the derived pricing."""
+    import numpy as np
+    import torch
+
+    from sparrow.stages.cost import VERIFY_FEATURES, load_cost
+    from sparrow.stages.model.presets import get_preset
+    from sparrow.stages.speculative_plan import verify_seconds
+
+    threads = torch.get_num_threads()
+    out = tmp_path / "cost.parquet"
+    try:
+        result = runner.invoke(app, ["fit-cost", "--model", "tiny-llama", "--device", "cpu",
+                                     "--batches", "1,2", "--contexts", "64,128", "--budgets", "dense,48",
+                                     "--repeats", "3", "--warmup", "1", "--threads", "1", "--speculate",
+                                     "-o", str(out)])
+    finally:
+        torch.set_num_threads(threads)
+    assert result.exit_code == 0, result.output
+    assert "verification fit over 8 points" in result.output
+    cfg = get_preset("tiny-llama").config
+    cost = load_cost(out, cfg)
+    assert set(cost.verify) == set(VERIFY_FEATURES) and all(v >= 0 for v in cost.verify.values())
+    points = json.loads(artifact_metadata(out)["verify_points"])
+    assert sorted({p[2] for p in points}) == [2, 5] and all(p[3] > 0 for p in points)
+    want = sum(cost.verify[f] * x for f, x in zip(VERIFY_FEATURES, (1.0, 2 * 4, 2 * cfg.num_layers * 100)))
+    assert float(verify_seconds(cost, 2, np.array(100), 3)) == pytest.approx(want)
+    derived = replace(cost, verify=None)
+    assert float(verify_seconds(derived, 2, np.array(100), 3)) != pytest.approx(want)

@@ -52,6 +52,7 @@ class EngineStats:
     sample_cycles: int = 0
     drafted_tokens: int = 0
     accepted_drafts: int = 0
+    verify_times: list[float] = field(default_factory=list)  # seconds of each cycle's dense verification
     compactions: int = 0  # compressions of evicting samples
     peak_pages: int = 0  # the most pool pages in use at a decode step
     # KV tokens the decode steps' samples held (their caches, new tokens included) and what dense
@@ -418,7 +419,9 @@ class Engine:
         st.decode_steps += 1
         st.max_running = max(st.max_running, len(seqs))
         st.peak_pages = max(st.peak_pages, self.blocks.used)
-        for e in run_cycle(self.runner, self.blocks, seqs, self.config.speculate):
+        cycle = run_cycle(self.runner, self.blocks, seqs, self.config.speculate)
+        st.verify_times.append(cycle.verify_seconds)
+        for e in cycle.emitted:
             self._record_emitted(e)
 
     def _record_emitted(self, e: Emitted) -> None:

@@ -17,6 +17,7 @@ stages/speculative_plan.py.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
@@ -105,20 +106,30 @@ class Emitted:
     drafted: int
 
 
+@dataclass
+class Cycle:
+    emitted: list[Emitted]  # per running sample, in batch order
+    verify_seconds: float  # the dense verification forward, the device synchronized
+
+
 def draft_limit(seq: Sequence, k: int) -> int:
     """Drafts a sample may make: k, fewer when fewer than k + 1 tokens remain of its max_new_tokens."""
     return max(0, min(k, seq.request.params.max_new_tokens - len(seq.tokens) - 1))
 
 
-def run_cycle(runner: ModelRunner, blocks: BlockManager, seqs: list[Sequence], k: int) -> list[Emitted]:
+def run_cycle(runner: ModelRunner, blocks: BlockManager, seqs: list[Sequence], k: int) -> Cycle:
     """One speculative cycle of the running samples (each has the pages its k + 1 slots need)."""
     cycles = [Drafting(s, s.cached, len(s.tokens), draft_limit(s, k)) for s in seqs]
     _draft(runner, cycles)
+    runner.synchronize()
+    t0 = time.perf_counter()
     dense = runner.verify(seqs, [c.cached for c in cycles])
+    runner.synchronize()
+    verified = time.perf_counter() - t0
     out = [_decide(c, logits) for c, logits in zip(cycles, dense)]
     for c, e in zip(cycles, out):
         _roll_back(runner, blocks, c, e)
-    return out
+    return Cycle(out, verified)
 
 
 def _draft(runner: ModelRunner, cycles: list[Drafting]) -> None:
