@@ -424,14 +424,23 @@ def _run_files(run_dir: Path) -> tuple[Path, Path]:
 
 REFERENCE_FREE = {"sparsity", "schedule_sha256", "correction", "distill_sparse", "distill_rank",
                   "distill_alpha", "distill_lr_ratio", "distill_kl_coef", "steps", "checkpoint_every",
-                  "eval_every", "device", "random_weights", "gradient_checkpointing"}
+                  "eval_every", "device", "random_weights", "gradient_checkpointing",
+                  "speculate"}  # speculative rollouts are dense samples: a dense run is their reference
 
 
 def _config_key(config: dict, with_seed: bool) -> str:
     """What a dense reference must share with a run: the whole configuration but the sampler and the
     options that do not change what is learned (and, for the seed spread, the seed)."""
+    from dataclasses import fields
+
+    from .train.config import TrainConfig
+
     drop = REFERENCE_FREE | (set() if with_seed else {"seed"})
-    return json.dumps({k: v for k, v in config.items() if k not in drop}, sort_keys=True)
+    # an option a run's version did not have yet takes its default (a run written before it was added)
+    defaults = {f.name: f.default for f in fields(TrainConfig) if not callable(f.default_factory)}
+    full = {k: v for k, v in defaults.items() if k in config or isinstance(v, (int, float, str, bool))}
+    full.update(config)
+    return json.dumps({k: v for k, v in full.items() if k not in drop}, sort_keys=True, default=str)
 
 
 @dataclass

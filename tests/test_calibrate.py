@@ -478,3 +478,18 @@ def test_a_negative_margin_is_refused_before_anything_is_written(tmp_path):
                             "--reward-margin", "-0.1"])
     assert r.exit_code == 2 and "--reward-margin must be in [0, 1]" in r.output
     assert not out.exists()
+
+
+def test_a_run_written_before_an_option_existed_still_finds_its_dense_reference():
+    """A configuration without an option added since (its default applies) keys as one that has the
+    default; speculation does not change the reference (speculative rollouts are dense samples)."""
+    from dataclasses import asdict
+
+    from sparrow.stages.calibrate import _config_key
+    from sparrow.stages.train.config import TrainConfig
+
+    now = asdict(TrainConfig(model="m", sparsity="dense"))
+    before = {k: v for k, v in now.items() if k != "speculate"}
+    assert _config_key(before, True) == _config_key(now, True)
+    assert _config_key({**now, "speculate": 3, "sparsity": "budget:64"}, True) == _config_key(now, True)
+    assert _config_key({**now, "lr": now["lr"] * 2}, True) != _config_key(now, True)
