@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
 
 
@@ -68,7 +69,8 @@ def write_results(rows: list[dict], name: str) -> None:
 
     out = Path(__file__).parent / "results" / f"{name}.parquet"
     out.parent.mkdir(exist_ok=True)
-    pq.write_table(pa.Table.from_pylist(rows), out)
+    columns = list(dict.fromkeys(k for r in rows for k in r))  # every row's keys: not only the first row's
+    pq.write_table(pa.Table.from_pylist([{k: r.get(k) for k in columns} for r in rows]), out)
     print(f"wrote {out}")
 
 
@@ -79,3 +81,30 @@ def sparrow(*args: str) -> None:
     """Run a sparrow command, echoed first; a failure stops the bench."""
     print("$ sparrow " + " ".join(args), flush=True)
     subprocess.run([SPARROW, *args], check=True)
+
+
+def profile_once(path: Path, model: str, prompts: Path, budgets: str, samples: int, max_new_tokens: int,
+                 bin_width: int, *extra: str) -> Path:
+    """`sparrow profile` of the prompts into `path`, unless a stopped bench already wrote it (seed 0)."""
+    if not path.exists():
+        sparrow("profile", "--model", model, "--prompts", str(prompts), "--budgets", budgets,
+                "--samples", str(samples), "--max-new-tokens", str(max_new_tokens),
+                "--bin-width", str(bin_width), "--seed", "0", "-o", str(path), *extra)
+    return path
+
+
+# the 0.975 quantile of Student's t by degrees of freedom 1-30 (two-sided 95% intervals)
+T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
+        2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048,
+        2.045, 2.042)
+
+
+def t_half_width(values) -> float:
+    """Half the width of the 95% t-interval of the mean of `values` (nan for fewer than two); beyond 30
+    degrees of freedom the first-order expansion of t around the normal quantile."""
+    x = np.asarray(values, dtype=np.float64)
+    if len(x) < 2:
+        return float("nan")
+    df, z = len(x) - 1, 1.959964
+    t = T975[df - 1] if df <= len(T975) else z + (z ** 3 + z) / (4 * df)
+    return float(t * x.std(ddof=1) / np.sqrt(len(x)))

@@ -32,7 +32,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
-from common import write_results
+from common import t_half_width, write_results
 
 from sparrow.stages.core.schedule import ScheduleError, measured_profile, plan
 from sparrow.stages.core.sparsity import budget_fn
@@ -195,9 +195,6 @@ def report(args, budgets: list[int], before: dict, after: dict, what: str) -> li
     return rows
 
 
-T975 = (float("nan"), 12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228)  # by df
-
-
 def summary(rows: list[dict]) -> None:
     """Across seeds, per held-out set, bin and budget: the p5 change (distilled - plain) as a mean with a
     95% t-interval over seeds, and in how many seeds the distilled actor at b reached the plain one at 2b."""
@@ -207,7 +204,7 @@ def summary(rows: list[dict]) -> None:
     for e, b, k in keys:
         cell = [r for r in rows if (r["eval_set"], r["bin"], r["budget"]) == (e, b, k)]
         d = np.array([r["p5_after"] - r["p5_before"] for r in cell])
-        half = T975[len(d) - 1] * d.std(ddof=1) / np.sqrt(len(d)) if 1 < len(d) <= len(T975) else np.nan
+        half = t_half_width(d)
         aim = [r["p5_after"] >= r["p5_before_at_double"] for r in cell
                if r["p5_before_at_double"] is not None]
         print(f"  set {e} bin {b} budget {k:>4}: {d.mean():+.3f} [{d.mean() - half:+.3f}, "

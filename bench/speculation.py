@@ -32,7 +32,7 @@ import time
 
 import numpy as np
 import torch
-from common import write_results
+from common import t_half_width, write_results
 
 from sparrow.stages.core.sparsity import as_policy
 from sparrow.stages.cost import analytic
@@ -82,18 +82,6 @@ def cycles_per_sample(samples) -> np.ndarray:
         cycles = sum(not a for a in c.accepted[1:])
         out.append((len(c.token_ids) - 1) / max(cycles, 1))
     return np.array(out)
-
-
-def t_interval(x: np.ndarray) -> tuple[float, float]:
-    from statistics import NormalDist
-
-    if len(x) < 2:
-        return float(x.mean()), float("nan")
-    # t quantile of 0.975 for small n, from a table-free approximation (Cornish-Fisher on the normal)
-    z = NormalDist().inv_cdf(0.975)
-    df = len(x) - 1
-    t = z + (z ** 3 + z) / (4 * df) + (5 * z ** 5 + 16 * z ** 3 + 3 * z) / (96 * df ** 2)
-    return float(x.mean()), float(t * x.std(ddof=1) / np.sqrt(len(x)))
 
 
 def measured_alpha(model, prompts, samples, args, budget: int) -> float:
@@ -152,7 +140,8 @@ def main() -> None:
     rows.append(lossy)
     for k in [int(x) for x in args.speculate.split(",")]:
         row, samples = run(model, prompts, args, f"speculative K={k} at {args.budget}", args.budget, k)
-        mean, half = t_interval(cycles_per_sample(samples))
+        per_sample = cycles_per_sample(samples)
+        mean, half = float(per_sample.mean()), t_half_width(per_sample)
         a = measured_alpha(model, prompts, samples, args, args.budget)
         row.update(tokens_per_cycle=mean, tokens_per_cycle_half_width=half, alpha_mean=a,
                    predicted_tokens_per_cycle=expected_tokens(a, k),
@@ -169,9 +158,7 @@ def main() -> None:
               f"{r.get('predicted_tokens_per_cycle', 0):9.2f} {r.get('floor_speedup', 0):7.2f}x")
     print(f"floor x: the analytic {args.hardware} model's speedup over dense for {args.floor_model} at "
           f"{args.floor_context} tokens, batch {args.floor_batch}, with this acceptance")
-    keys = {k for r in rows for k in r}
     for r in rows:
-        r.update({k: r.get(k) for k in keys})  # every row every column (the first row sets the schema)
         r.update(model=args.model, device=args.device, dtype=args.dtype, threads=args.threads,
                  prompt_tokens=len(prompts[0]), samples=args.samples, new_tokens=args.new_tokens)
     write_results(rows, "speculation")

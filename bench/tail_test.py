@@ -40,7 +40,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-from common import SPARROW, sparrow
+from common import SPARROW, profile_once, sparrow
 
 PHASES = ("designs", "train", "matrix", "calibrate", "figure")
 
@@ -66,16 +66,6 @@ def prompt_files(args, out: Path) -> tuple[Path, Path]:
             order = np.random.default_rng(seed).permutation(len(rows))  # lengths mixed in every step
             write_artifact([rows[i] for i in order], path, "prompts")
     return train, held_out
-
-
-def profile(args, out: Path, prompts: Path) -> Path:
-    path = out / "mismatch.parquet"
-    if not path.exists():
-        sparrow("profile", "--model", args.model, "--prompts", str(prompts), "--budgets", args.budgets,
-                "--samples", str(args.samples), "--max-new-tokens", str(args.max_new_tokens),
-                "--bin-width", str(args.bin_width), "--seed", "0", "-o", str(path), "--threads",
-                str(args.threads))
-    return path
 
 
 @dataclass(frozen=True)
@@ -424,7 +414,8 @@ def main() -> None:
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
     prompts, held_out = prompt_files(args, out)
-    mismatch = profile(args, out, prompts)
+    mismatch = profile_once(out / "mismatch.parquet", args.model, prompts, args.budgets, args.samples,
+                            args.max_new_tokens, args.bin_width, "--threads", str(args.threads))
     made = designs(args, out, mismatch)
     specs = run_specs(args, made)
     if args.phase == "designs":

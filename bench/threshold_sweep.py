@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 import torch
-from common import sparrow
+from common import profile_once, sparrow
 
 from sparrow.schemas import artifact_metadata, write_artifact
 from sparrow.stages.core.definitions import TAIL_QUANTILE
@@ -45,15 +45,6 @@ def prompt_files(args, out: Path) -> tuple[Path, Path]:
             rows = make_prompts(args.task, n, seed, tok, context_tokens=args.context)
             write_artifact(rows, path, "prompts")
     return train, held_out
-
-
-def profile(args, out: Path, prompts: Path) -> Path:
-    path = out / "mismatch.parquet"
-    if not path.exists():
-        sparrow("profile", "--model", args.model, "--prompts", str(prompts), "--budgets", args.budgets,
-                "--samples", str(args.samples), "--max-new-tokens", str(args.max_new_tokens),
-                "--bin-width", str(args.bin_width), "--seed", "0", "-o", str(path))
-    return path
 
 
 def ladder(args, mismatch: Path) -> list[str]:
@@ -164,7 +155,8 @@ def main() -> None:
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
     prompts, held_out = prompt_files(args, out)
-    mismatch = profile(args, out, prompts)
+    mismatch = profile_once(out / "mismatch.parquet", args.model, prompts, args.budgets, args.samples,
+                            args.max_new_tokens, args.bin_width)
     plans = plan(args, out, mismatch)
     seeds = [int(s) for s in args.seeds.split(",")]
     configs = [("dense", "dense")]
