@@ -20,11 +20,11 @@ $SPARROW profile --prompts "$RUN/prompts.parquet" --budgets 64,128,256,512 --sam
     --max-new-tokens 96 --bin-width 512 -o "$RUN/mismatch.parquet"
 
 echo "== critical threshold: with no training runs of your own, the published prior 0.86 (SmolLM2-135M ships no"
-echo "   calibration: in the tail test no schedule destabilised its training, down to a tail of 0.06; docs/calibration.md)"
+echo "   calibration: its runs have not separated; docs/calibration.md)"
 $SPARROW calibrate-threshold --profile "$RUN/mismatch.parquet" -o "$RUN/threshold.parquet"
 
 echo "== schedule: the cheapest budget per bin whose tail stays above the threshold, here 0.5: a rollout-quality"
-echo "   choice (in the first sweep, samplers with tails from 0.53 kept their reward within 0.1 of dense's)"
+echo "   choice, not a calibrated stability threshold (docs/calibration.md)"
 $SPARROW plan-schedule --model smollm2-135m --profile "$RUN/mismatch.parquet" --threshold 0.5 \
     --bin-width 512 -o "$RUN/schedule.parquet"
 

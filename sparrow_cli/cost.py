@@ -73,6 +73,9 @@ def fit_cost(
     check_output(output, "cost", force)
     if device and hardware:
         raise UsageError("--device measures and --hardware writes an analytic preset; pass only one")
+    if speculate and hardware:
+        raise UsageError("--speculate times the verification forward on a device; --hardware writes an "
+                         "analytic preset, whose verification plan-schedule derives from the decode step")
     if hardware:
         with stage_errors():
             get_hardware(hardware)

@@ -114,7 +114,7 @@ def plan_schedule(
                                 ("--sweep", sweep), ("--cost", cost), ("--hardware", hardware),
                                 ("--compare-published", compare_published),
                                 ("--gen-len", gen_len is not None), ("--prompt-len", prompt_len is not None),
-                                ("--max-num-seqs", batch != 64)) if v]
+                                ("--max-num-seqs", batch != 64), ("--speculate", speculate)) if v]
         if given:
             raise UsageError(f"{given[0]} does not apply to an eviction plan ({profile} profiles {evicting} "
                              "KV budgets): the plan is one --kv-budget, printed, with no schedule or speedup")

@@ -10,7 +10,7 @@ a ScheduleError (or CostError) whose message is one sentence.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +27,7 @@ from .core.published_schedules import (
 from .core.reference_profiles import QUANTILE, reference_profile
 from .core.schedule import (
     Plan,
+    Schedule,
     ScheduleError,
     TailProfile,
     check_quantile,
@@ -223,8 +224,8 @@ def plan_schedule(req: PlanRequest, output: Path | None = None, export_to: Path 
                 "prompt_len": prompt_len, "batch": req.batch, "predicted_speedup": speedup,
                 "notes": json.dumps(result.notes)}
         if planned.speculative is not None:
-            write_artifact(draft_table(planned.speculative, result.schedule.bin_starts, result.bin_width),
-                           output, "schedule", metadata={**meta, **_speculative_meta(planned.speculative)})
+            write_artifact(schedule_table(_drafts(result, planned.speculative)), output, "schedule",
+                           metadata={**meta, **_speculative_meta(planned.speculative)})
         else:
             write_artifact(schedule_table(result, sparse_s), output, "schedule", metadata=meta)
     if export_to is not None and planned.exported is not None:
@@ -243,27 +244,17 @@ def _plan_speculation(req: PlanRequest, cost_model: CostModel, tails: TailProfil
     return plan_speculation(cost_model, alpha, req.batch, lengths.prompt_len, lengths.gen_len)
 
 
+def _drafts(result: Plan, spec: SpeculativePlan) -> Plan:
+    """The lossy plan's bins with the draft budgets, and no tail: the drafts' mean alpha sets the speed."""
+    drafts = Schedule(result.schedule.bin_starts, tuple(spec.budgets), result.schedule.page_size)
+    return replace(result, schedule=drafts, tails=[None] * len(spec.budgets))
+
+
 def _speculative_meta(spec: SpeculativePlan) -> dict:
     return {"speculate": spec.k, "predicted_speedup": spec.speedup,
             "speculative_tokens_per_cycle": json.dumps([round(t, 4) for t in spec.tokens_per_cycle]),
             "role": "draft budgets of exact speculative rollouts (sparrow rollout --schedule this "
                     f"--speculate {spec.k})"}
-
-
-def draft_table(spec: SpeculativePlan, bin_starts, bin_width: int):
-    """The draft schedule as a `schedule` artifact's rows (no tail: the drafts' mean alpha sets the speed)."""
-    import pyarrow as pa
-
-    n = len(spec.budgets)
-    return pa.table({
-        "bin": pa.array(range(n), pa.int32()),
-        "bin_start": pa.array(bin_starts[:n], pa.int64()),
-        "bin_end": pa.array([int(bin_starts[i]) + bin_width if i + 1 < n else None for i in range(n)],
-                            pa.int64()),
-        "budget": pa.array(spec.budgets, pa.int32()),
-        "tail": pa.nulls(n, pa.float64()),
-        "predicted_step_seconds": pa.nulls(n, pa.float64()),
-    })
 
 
 def export_text(exported: dict | list, form: str) -> str:

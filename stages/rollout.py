@@ -169,9 +169,8 @@ def rollout_columns(rows: Seq[dict], results: Seq[Seq[Completion]], tokenizer) -
             out["kv_policy"].append(c.policy)
             out["kv_lens"].append(c.kv_lens)
             out["reward_extra"].append(None)
-            accepted = getattr(c, "accepted", None)  # vLLM's completions have none
-            out["accepted"].append(accepted)
-            out["drafted"].append(None if accepted is None else c.drafted)
+            out["accepted"].append(c.accepted)
+            out["drafted"].append(None if c.accepted is None else c.drafted)
     for (i, *_), judged in zip(scored, judge_batch([item for _, *item in scored])):
         out["reward"][i] = judged.reward
         if judged.extra:
@@ -186,10 +185,11 @@ def summarize(out: dict, stats: EngineStats) -> RolloutSummary:
     n = len(out["sample"])
     policies = sorted({p for p in out.get("kv_policy", []) if p is not None})
     steps = getattr(stats, "decode_steps", 0)
-    kv = {"kv_tokens_peak": stats.kv_tokens_peak, "kv_tokens_mean": stats.kv_tokens_sum / steps,
-          "dense_kv_tokens_peak": stats.dense_kv_tokens_peak,
-          "dense_kv_tokens_mean": stats.dense_kv_tokens_sum / steps,
-          "peak_pages": stats.peak_pages} if steps and not getattr(stats, "sample_cycles", 0) else {}
+    kv = {"peak_pages": stats.peak_pages} if steps else {}
+    if steps and not getattr(stats, "sample_cycles", 0):  # a speculative cycle's KV is not counted per step
+        kv |= {"kv_tokens_peak": stats.kv_tokens_peak, "kv_tokens_mean": stats.kv_tokens_sum / steps,
+               "dense_kv_tokens_peak": stats.dense_kv_tokens_peak,
+               "dense_kv_tokens_mean": stats.dense_kv_tokens_sum / steps}
     return RolloutSummary(
         samples=n, tokens=int(budgets.size), seconds=stats.seconds, prefill_seconds=stats.prefill_s,
         decode_seconds=stats.decode_s, mean_budget=float(sparse.mean()) if sparse.size else None,

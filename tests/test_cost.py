@@ -196,3 +196,11 @@ def test_fit_cost_speculate_times_the_verification_and_the_planner_prices_with_i
     assert float(verify_seconds(cost, 2, np.array(100), 3)) == pytest.approx(want)
     derived = replace(cost, verify=None)
     assert float(verify_seconds(derived, 2, np.array(100), 3)) != pytest.approx(want)
+
+
+def test_fit_cost_speculate_needs_a_device(tmp_path):
+    out = tmp_path / "cost.parquet"
+    result = runner.invoke(app, ["fit-cost", "--model", "qwen3-4b", "--hardware", "h100", "--speculate",
+                                 "-o", str(out)])
+    assert result.exit_code != 0 and "--speculate times the verification forward" in result.output
+    assert not out.exists()

@@ -256,13 +256,12 @@ class Engine:
             for s in seqs:
                 if s.finish_reason is not None:
                     self._finish(s)
-        elif self.config.speculate:
-            self.runner.apply(plan)
-            self._speculate(plan.batch)
-            self.stats.decode_s += settled + time.perf_counter() - t1
         else:
             self.runner.apply(plan)
-            self._decode(plan.batch, t1)
+            if self.config.speculate:
+                self._speculate(plan.batch)
+            else:
+                self._decode(plan.batch, t1)
             self.stats.decode_s += settled + time.perf_counter() - t1
         self.stats.preemptions = self.scheduler.preemptions
         return self._take()
