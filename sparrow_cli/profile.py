@@ -62,7 +62,7 @@ if TYPE_CHECKING:
 
 SAMPLING_FLAGS = {"samples": "--samples", "max_new_tokens": "--max-new-tokens", "sampler": "--sampler",
                   "top_p": "--top-p", "top_k": "--top-k", "seed": "--seed",
-                  "batch_size": "--max-num-seqs"}
+                  "batch_size": "--max-num-seqs", "speculate": "--speculate"}
 PHASES = {"sampling": "sampling (samples)", "scoring": "scoring (sequences)"}
 
 
@@ -107,6 +107,10 @@ def profile(
     batch_size: int = typer.Option(16, "--max-num-seqs", "--batch-size", help="Sequences (samples) decoded "
                                    "together (vLLM's name; on a CPU, up to 16, it does not change the "
                                    "trajectories)."),
+    speculate: int = typer.Option(0, "--speculate", help="Exact speculative sampling (rollout --speculate): "
+                                  "the sparse --sampler (budget:B or schedule:FILE) drafts up to K tokens a "
+                                  "cycle and the dense model verifies them, so the trajectories are dense "
+                                  "samples (0 = off)."),
     quantile: float = typer.Option(TAIL_QUANTILE, "--quantile", callback=finite,
                                    help="Tail quantile shown in the summary."),
     threshold: float = typer.Option(None, "--threshold", callback=finite, show_default=False,
@@ -152,10 +156,12 @@ def profile(
     if (prompts is None) == (rollouts is None):
         raise UsageError("give one of --prompts (sample trajectories with the engine) and --rollouts "
                          "(score trajectories sampled before)" + (", not both" if prompts else ""))
+    if rollouts is not None:
+        refuse_sampling_flags(ctx, rollouts)
     opts = ProfileOptions(budgets=parse_int_list(budgets, "--budgets"), samples=samples,
                           max_new_tokens=max_new_tokens, sampler=sampler, bin_width=bin_width,
                           temperature=1.0 if temperature is None else temperature, top_p=top_p, top_k=top_k,
-                          seed=seed, batch_size=batch_size,
+                          seed=seed, batch_size=batch_size, speculate=speculate,
                           gpu_memory_utilization=check_gpu_memory(gpu_memory_utilization),
                           kv_compression=kv_compression and kv_compression.lower(), kv_window=kv_window,
                           kv_buffer=kv_buffer)
@@ -164,6 +170,9 @@ def profile(
         opts.validate()
     except ValueError as e:
         raise UsageError(str(e)) from None
+    if speculate and adapter is not None:
+        raise UsageError("--speculate verifies with the dense model, which --adapter's sparse actor is not: "
+                         "drop one of them")
     check_tail(quantile, threshold)
     check_device(device, remote=bool(ray_address))
     if dtype not in DTYPES:
@@ -180,7 +189,6 @@ def profile(
     run = ProfileRun(model, output, device, str(resolve_dtype(dtype, device)).removeprefix("torch."),
                      random_weights, adapter, workers, ray_address)
     if rollouts is not None:
-        refuse_sampling_flags(ctx, rollouts)
         given = read_rollouts(rollouts)
         opts.temperature = rollouts_temperature(rollouts, given.temperature, temperature)
         note = f"{rollouts} records no sampling temperature; alpha is measured at temperature 1 " \

@@ -33,7 +33,7 @@ from .model.lora import LoraWeights, lora_merged
 from .scoring.mismatch import score_sequences
 
 Progress = Callable[[str, int, int], None]  # (phase, done, total)
-SAMPLING = ("samples", "max_new_tokens", "sampler", "top_p", "top_k", "seed", "batch_size")
+SAMPLING = ("samples", "max_new_tokens", "sampler", "top_p", "top_k", "seed", "batch_size", "speculate")
 FLAGS = {"batch_size": "--max-num-seqs"}  # the options whose flag is not their name
 
 
@@ -49,6 +49,7 @@ class ProfileOptions:
     top_k: int = 0  # 0 = off
     seed: int = 0
     batch_size: int = 16  # samples decoded together (the engine's max_batch; --max-num-seqs)
+    speculate: int = 0  # K > 0: the sparse sampler drafts K tokens a cycle and dense verifies (dense samples)
     score_tokens: int = 16384  # tokens per teacher-forced scoring batch
     dense_layers: tuple[int, ...] = DEFAULT_DENSE_LAYERS
     page_size: int = PAGE_SIZE
@@ -109,6 +110,19 @@ class ProfileOptions:
         elif self.sampler != "dense" and not self.sampler.startswith("schedule:"):
             raise ValueError(f"--sampler must be dense, budget:B, schedule:FILE, snapkv:B or rkv:B, got "
                              f"{self.sampler!r}")
+        self._validate_speculate()
+
+    def _validate_speculate(self) -> None:
+        if self.speculate < 0:
+            raise ValueError(f"--speculate must be >= 0 (drafts per cycle; 0 = off), got {self.speculate}")
+        if not self.speculate:
+            return
+        if not self.sampler.startswith(("budget:", "schedule:")):
+            raise ValueError(f"--speculate drafts with the block top-k sampler (--sampler budget:B or "
+                             f"schedule:FILE), not --sampler {self.sampler}")
+        if self.adapter is not None:
+            raise ValueError("--speculate verifies with the dense model, which --adapter's sparse actor "
+                             "is not: drop one of them")
 
     def sampler_policy(self) -> KVPolicy:
         """The sampler's KV policy: `policy`, else the one `sampler` names."""
@@ -143,7 +157,8 @@ def sample_trajectories(model: LoadedModel, prompt_ids: Sequence[str], prompts: 
                         request_ids: Sequence[int] | None = None) -> list[Trajectory]:
     """The engine's samples under `opts.sampler`, in prompt order then sample order; `request_ids`:
     the prompts' indices in the whole set when these are a shard of it (they seed the samples). A sparse
-    sampler is the sparse actor: with `opts.adapter`, the engine runs with it merged (`stages.distill`)."""
+    sampler is the sparse actor: with `opts.adapter`, the engine runs with it merged (`stages.distill`);
+    with `opts.speculate` it only drafts, and the samples are the dense model's (engine/speculative.py)."""
     params = SamplingParams(max_new_tokens=opts.max_new_tokens, temperature=opts.temperature,
                             top_p=opts.top_p, top_k=opts.top_k, seed=opts.seed, n=opts.samples)
     total, done = len(prompts) * opts.samples, 0
@@ -157,7 +172,7 @@ def sample_trajectories(model: LoadedModel, prompt_ids: Sequence[str], prompts: 
     actor = opts.adapter if not isinstance(policy, Dense) else None
     engine = Engine(model.model, policy, EngineConfig(
         max_batch=opts.batch_size, page_size=opts.page_size, dense_layers=opts.dense_layers,
-        gpu_memory_utilization=opts.gpu_memory_utilization))
+        gpu_memory_utilization=opts.gpu_memory_utilization, speculate=opts.speculate))
     with engine, lora_merged(model.model, actor):
         results = engine.generate(prompts, params, on_step if progress else None, request_ids=request_ids)
     return [Trajectory(pid, c.sample, list(p), c.token_ids)

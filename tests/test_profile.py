@@ -260,6 +260,7 @@ def test_bad_rollouts_are_one_sentence_before_any_scoring(tiny, engine_rollouts,
     (["--prompts", "{prompts}"], "not both"),
     ([], "give one of --prompts"),
     (["--samples", "8"], "--samples applies only when sampling from --prompts"),
+    (["--speculate", "2"], "--speculate applies only when sampling from --prompts"),
     (["--temperature", "1.0"], "sampled at temperature 0.8 (its metadata), but --temperature 1 was given"),
 ])
 def test_rollouts_flags(tiny, tiny_prompts, engine_rollouts, tmp_path, args, expected):
@@ -275,3 +276,42 @@ def test_a_prompts_file_is_not_rollouts(tiny, tiny_prompts, tmp_path):
     r = runner.invoke(app, ["profile", "--model", str(tiny), "--rollouts", str(tiny_prompts),
                             "-o", str(tmp_path / "m.parquet")])
     assert r.exit_code != 0 and "is a 'prompts' artifact, expected 'rollouts'" in r.output
+
+
+def test_speculative_profile_samples_the_dense_models_trajectories(tiny, tiny_prompts, tmp_path):
+    """--speculate: budget 48 only drafts, so greedy trajectories are the dense sampler's; sampled ones are
+    `sparrow rollout --speculate`'s of the same seed, and the artifact records K."""
+    loaded = load_model(str(tiny))
+    ids, tokens = _tiny_prompt_tokens(tiny_prompts)
+    greedy = TINY_OPTS | {"temperature": 0.0, "samples": 1}
+    dense = sample_trajectories(loaded, ids, tokens,
+                                ProfileOptions(budgets=[48], **(greedy | {"sampler": "dense"})))
+    drafted = ProfileOptions(budgets=[48], speculate=3, **greedy)
+    assert sample_trajectories(loaded, ids, tokens, drafted) == dense
+    rollouts, out = tmp_path / "r.parquet", tmp_path / "m.parquet"
+    source = ["--model", str(tiny), "--prompts", str(tiny_prompts), "--speculate", "2", *TINY_ROLLOUT]
+    r = runner.invoke(app, ["rollout", *source, "--budget", "48", "-o", str(rollouts)])
+    assert r.exit_code == 0, r.output
+    r = runner.invoke(app, ["profile", *source, "--budgets", "48", "--sampler", "budget:48", "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    rows = read_artifact(rollouts, "rollouts").to_pylist()
+    rows.sort(key=lambda x: (x["prompt_id"], x["sample"]))
+    assert any(not all(r["accepted"][1:]) for r in rows)  # some drafts were rejected
+    profiled = _sorted(read_artifact(out, "mismatch"))
+    assert profiled.token_id.tolist() == [t for r in rows for t in r["token_ids"]]
+    meta = artifact_metadata(out)
+    assert int(meta["speculate"]) == 2 and meta["sampler"] == "budget:48"
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["--speculate", "2"], "--speculate drafts with the block top-k sampler"),
+    (["--speculate", "-1", "--sampler", "budget:48"], "--speculate must be >= 0"),
+    (["--speculate", "2", "--sampler", "budget:48", "--adapter", "{prompts}"], "drop one of them"),
+])
+def test_speculative_profile_refusals(tiny, tiny_prompts, tmp_path, args, expected):
+    args = [a.format(prompts=tiny_prompts) for a in args]
+    out = tmp_path / "m.parquet"
+    r = runner.invoke(app, ["profile", "--model", str(tiny), "--prompts", str(tiny_prompts), *args,
+                            "-o", str(out)])
+    assert r.exit_code != 0 and expected in r.output and "Traceback" not in r.output
+    assert not out.exists()

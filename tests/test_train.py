@@ -437,6 +437,13 @@ def test_cli_train_with_speculative_rollouts_is_on_policy(tiny_llama, vowel_prom
     for row in rows:
         assert 0 <= row["draft_acceptance"] <= 1
         assert row["mismatch_kl"] < 1e-6 and row["mean_budget"] == 0
+        assert 0 < row["alpha_mean"] <= 1  # the sparse policy's exact alpha on the dense samples
+    # no exactly scored tokens: the drafts' alpha is unknown, not the dense sampler's 1
+    unscored = CliRunner().invoke(app, [*args[:-2], "--steps", "1", "--alpha-sequences", "0",
+                                        "-o", str(tmp_path / "unscored")])
+    assert unscored.exit_code == 0, unscored.output
+    row = read_artifact(tmp_path / "unscored" / "metrics.parquet", "metrics").to_pylist()[0]
+    assert row["alpha_mean"] is None and row["alpha_p5"] is None
     refused = CliRunner().invoke(app, [*args[:-2], "--distill-sparse", "-o", str(tmp_path / "x")])
     assert refused.exit_code != 0 and "drop one of --speculate and --distill-sparse" in refused.output
 

@@ -54,12 +54,22 @@ def test_merged_weights_are_the_lora_merged_model(tmp_path):
         torch.testing.assert_close(ours[name], w, rtol=0, atol=1e-6)
 
 
+def test_speculation_needs_a_sparse_policy_to_draft_with():
+    from sparrow.stages.integrations.trl import SparseRollout
+
+    for sparsity, k in ((None, 2), ("budget:64", -1)):
+        with pytest.raises(ValueError, match="drafts per cycle of a sparse policy"):
+            SparseRollout(sparsity, speculate=k)
+    assert SparseRollout("budget:64", speculate=2).speculate == 2
+
+
 # ---------------------------------------------------------------- TRL's GRPOTrainer, two steps
 
 
-def _run_trl(lora: bool, tmp_path):
-    """Two GRPO steps on SmolLM2-135M with our sampler at budget 48; -> (trainer, rollout records, the
-    training micro-batches TRL computed the loss on, the weight checks made at each later rollout)."""
+def _run_trl(lora: bool, tmp_path, speculate: int = 0):
+    """Two GRPO steps on SmolLM2-135M with our sampler at budget 48 (with `speculate`: drafting for the
+    dense model); -> (trainer, rollout records, the training micro-batches TRL computed the loss on, the
+    weight checks made at each later rollout)."""
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     from datasets import Dataset
     from peft import LoraConfig
@@ -103,7 +113,7 @@ def _run_trl(lora: bool, tmp_path):
                             if k in inputs})
             return super().compute_loss(model, inputs, *args, **kwargs)
 
-    rollout = SparseRollout("budget:48", bin_width=128, on_rollout=on_rollout)
+    rollout = SparseRollout("budget:48", bin_width=128, speculate=speculate, on_rollout=on_rollout)
     config = GRPOConfig(output_dir=str(tmp_path / "out"), max_steps=2, seed=0, per_device_train_batch_size=4,
                         num_generations=2, max_completion_length=6, learning_rate=1e-3 if lora else 1e-5,
                         beta=0.0, vllm_importance_sampling_mode="token_mask",
@@ -197,3 +207,26 @@ def test_engine_weights_follow_full_fine_tuning():
     assert len(records) == 2 and len(checks) == 1
     diff, moved, n = checks[0]
     assert n > 100 and moved > 0 and diff == 0.0
+
+
+@pytest.mark.slow
+def test_speculative_rollouts_give_trl_the_dense_models_logprobs(tmp_path):
+    """speculate=2: budget 48 drafts, the dense model verifies; what TRL trains on carries transformers'
+    dense logprobs (the first rollout, LoRA still zero) and each step logs the drafts' acceptance."""
+    pytest.importorskip("trl")
+    from transformers import AutoModelForCausalLM
+
+    from sparrow.stages.model.loading import embedded_checkpoint
+
+    trainer, records, batches, _ = _run_trl(True, tmp_path, speculate=2)
+    r = records[0]
+    assert r.step == 0 and all(set(b) == {0} for b in r.budgets)
+    hf = AutoModelForCausalLM.from_pretrained(str(embedded_checkpoint("smollm2-135m")), dtype=torch.float32)
+    for prompt, comp, lp in zip(r.prompt_ids, r.completion_ids, r.logprobs):
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + comp])).logits[0, len(prompt) - 1: -1]
+        dense = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(comp)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(lp), dense, rtol=0, atol=2e-3)
+    logged = [row for row in trainer.state.log_history if "sparrow/draft_acceptance" in row]
+    assert len(logged) == 2 and all(0 <= row["sparrow/draft_acceptance"] <= 1 for row in logged)
+    assert all(abs(row["sparrow/mismatch_kl"]) < 1e-4 for row in logged)

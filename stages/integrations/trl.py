@@ -16,6 +16,9 @@ Decisions:
   top-20 lower bound per token (as `sparrow train` computes it), reported per position bin.
 - TRL has no hook for a rollout function to log metrics; its public channel is the `log_metric` keyword
   it passes reward functions, so `with_metrics(reward)` wraps one reward function to log them.
+- `speculate=K`: the sparsity only drafts and the dense model verifies (engine/speculative.py), so the
+  completions are the dense policy's with its logprobs, and `sparrow/draft_acceptance` is logged instead
+  of a mismatch there is none of.
 - Correction: TRL corrects the sampler's mismatch only for vLLM. The trainer's own settings
   (`vllm_importance_sampling_correction`, a `*_mask` mode, `..._clip_min/max`) are applied here to
   our samples instead, as `env_mask`, the per-token loss mask a rollout function may return; the
@@ -131,18 +134,23 @@ class SparseRollout:
     `bin_width`: position bin of the per-bin tail metrics; `quantile`: the tail quantile; `dtype`: the
     engine's ("auto": float32 on a CPU, bfloat16 on CUDA); `gpu_memory_utilization`: on CUDA, the share of
     device memory the engine may take (TRL's default for a colocated vLLM; the trainer needs the rest);
-    `ignore_eos`: sample exactly max_completion_length tokens (benches); `on_rollout`: called with each
-    call's `RolloutRecord`."""
+    `ignore_eos`: sample exactly max_completion_length tokens (benches); `speculate` = K > 0: exact
+    speculative sampling, `sparsity` drafting K tokens a cycle for the dense model to verify; `on_rollout`:
+    called with each call's `RolloutRecord`."""
 
     def __init__(self, sparsity: Sparsity = None, *, bin_width: int = 2000, quantile: float = TAIL_QUANTILE,
                  dtype: str = "auto", gpu_memory_utilization: float = 0.3, ignore_eos: bool = False,
-                 on_rollout: Callable[[RolloutRecord], None] | None = None):
+                 speculate: int = 0, on_rollout: Callable[[RolloutRecord], None] | None = None):
         if bin_width < 1 or not 0 < quantile < 1:
             raise ValueError("bin_width must be at least 1 and quantile in (0, 1)")
         self.policy = as_policy(sparsity)
         if self.policy.evicts:
             raise ValueError("SparseRollout samples with block top-k or dense attention; an eviction policy "
                              "drops KV tokens that the dense learner's scores need")
+        if speculate < 0 or (speculate and not self.policy.sparse):
+            raise ValueError(f"speculate must be 0 (off) or the drafts per cycle of a sparse policy, got "
+                             f"{speculate} with {self.policy.name}")
+        self.speculate = speculate
         self.bin_width, self.quantile, self.dtype = bin_width, quantile, dtype
         self.gpu_memory_utilization = gpu_memory_utilization
         self.ignore_eos, self.on_rollout = ignore_eos, on_rollout
@@ -223,7 +231,7 @@ class SparseRollout:
         eos = getattr(trainer, "eos_token_ids", None) or cfg.eos_token_ids
         batch = max(1, args.per_device_train_batch_size * args.steps_per_generation)
         config = EngineConfig(max_batch=batch, eos_ids=tuple(eos),
-                              gpu_memory_utilization=self.gpu_memory_utilization)
+                              gpu_memory_utilization=self.gpu_memory_utilization, speculate=self.speculate)
         self.engine = Engine(self.model, self.policy, config)
         self.synced_step = trainer.state.global_step
 
@@ -291,6 +299,10 @@ class SparseRollout:
         positions = torch.tensor([len(p) for p in prompt_ids])[:, None] + torch.arange(width)[None, :]
         record.metrics = self.metrics(alpha[mask], positions[mask], (logp - rollout_lp)[mask], budgets[mask],
                                       None if keep is None else keep[mask])
+        if self.speculate:
+            drafted = sum(c.drafted for c in completions)
+            record.metrics["sparrow/draft_acceptance"] = sum(sum(c.accepted) for c in completions) / max(
+                drafted, 1)
         return record
 
     def metrics(self, alpha: Tensor, positions: Tensor, log_ratio: Tensor, budgets: Tensor,

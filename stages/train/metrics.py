@@ -68,7 +68,7 @@ def metrics_row(run_id: str, exp: Experience, update: dict, update_seconds: floa
         "masked_fraction": correction.stats["masked_fraction"],
         "vetoed_fraction": correction.stats["vetoed_fraction"],
         "alpha_lb_mean": float(alpha.mean()), "alpha_lb_p5": float(torch.quantile(alpha, TAIL_QUANTILE)),
-        **exact_alpha_stats(exp, cfg.bin_width),
+        **exact_alpha_stats(exp, cfg.bin_width, cfg.speculate > 0),
         "mean_budget": float(s.budgets[mask].float().mean()),
         "truncation_rate": float(np.mean([c.finish_reason == "length" for c in flat])),
         "repetition_rate": float(np.mean([repetition(c.token_ids) for c in flat])),
@@ -112,12 +112,13 @@ def alpha_tail(exp: Experience, bin_width: int, exact: bool = False) -> list[flo
             else None for b in range(int(bins.max()) + 1)] if len(alpha) else []
 
 
-def exact_alpha_stats(exp: Experience, bin_width: int) -> dict:
+def exact_alpha_stats(exp: Experience, bin_width: int, drafted: bool = False) -> dict:
     """alpha_mean, alpha_p5 (the min over bins of the per-bin p5: the tail the criterion reads) and
-    alpha_p5_by_bin of the exactly scored tokens; 1 for a dense sampler, None where none was scored."""
+    alpha_p5_by_bin of the exactly scored tokens; 1 for a dense sampler, None where none was scored.
+    `drafted`: speculative rollouts, whose tokens record budget 0 although a sparse policy drafted them."""
     s = exp.scores
     if s.alpha is None:
-        dense = bool((s.budgets[s.mask] == 0).all())
+        dense = not drafted and bool((s.budgets[s.mask] == 0).all())
         one = 1.0 if dense else None
         return {"alpha_mean": one, "alpha_p5": one, "alpha_p5_by_bin": None}
     values = s.alpha[s.mask & ~s.alpha.isnan()]
