@@ -174,7 +174,7 @@ def rollout(
     fmt = resolve_format(format)
     if engine not in ("ours", "vllm"):
         raise UsageError(f"--engine must be ours or vllm, got {engine!r}")
-    _check_speculate(speculate, engine, kv_compression, eager)
+    _check_speculate(speculate, engine, kv_compression)
     if engine == "vllm":
         _check_vllm_flags(schedule, budget, lora, top_k, top_p, kv_compression)
     kv = (kv_compression, kv_budget, kv_window, kv_buffer)
@@ -283,7 +283,7 @@ def _progress(what: str, total: int, rate: bool) -> Iterator[Callable[[int, int]
         yield advance
 
 
-def _check_speculate(speculate: int, engine: str, kv_compression, eager: bool) -> None:
+def _check_speculate(speculate: int, engine: str, kv_compression) -> None:
     if speculate < 0:
         raise UsageError(f"--speculate must be >= 0 (draft tokens per cycle; 0 = off), got {speculate}")
     if not speculate:
@@ -293,8 +293,6 @@ def _check_speculate(speculate: int, engine: str, kv_compression, eager: bool) -
     if kv_compression:
         raise UsageError("--speculate drafts with block top-k attention (--budget or --schedule), not with "
                          "--kv-compression's eviction")
-    if eager:
-        raise UsageError("--speculate runs the plain decode step; drop --eager")
 
 
 def _lengths(table) -> list[int]:

@@ -3,6 +3,8 @@
 The references are independent of the engine: the rule's output distribution against the target computed
 in closed form, the engine's samples against the dense distribution that transformers' model gives by
 enumeration, greedy tokens against the dense engine's, logprobs against teacher-forced dense scoring.
+Each engine test runs the drafts on both decode steps: plain (host draws) and static (the device's draws,
+the step a GPU replays from CUDA graphs, here run eagerly).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from sparrow.stages.speculative_plan import expected_tokens
 from tiny_models import tiny_qwen3
 
 SPARSE = dict(dense_layers=(0,))  # layers 1-2 sparse: the drafts differ from dense
+STEPS = pytest.mark.parametrize("step", [DecodeStep.PLAIN, DecodeStep.EAGER], ids=["plain", "static"])
 
 
 @pytest.fixture(scope="module")
@@ -67,14 +70,14 @@ def test_the_rule_draws_from_the_target():
     second = torch.zeros(36)
     for _ in range(n):
         d1 = int(torch.multinomial(q[0], 1, generator=g))
-        kept, nxt = accept_or_resample(p[:2], q[:1], [d1], g)
+        kept, nxt = (int(x) for x in accept_or_resample(p[:2], q[:1], torch.tensor([d1]), g))
         first[d1 if kept else nxt] += 1
     assert _chi2_pvalue(first, p[0]) > 1e-3
     # two drafts with p's second row conditioned on the first token being kept: a fixed p[1] for every
     # prefix makes the pair's law p[0] x p[1]
     for _ in range(n):
         d = [int(torch.multinomial(q[0], 1, generator=g)), int(torch.multinomial(q[1], 1, generator=g))]
-        kept, nxt = accept_or_resample(p, q, d, g)
+        kept, nxt = (int(x) for x in accept_or_resample(p, q, torch.tensor(d), g))
         a = d[0] if kept >= 1 else nxt
         if kept == 0:  # the cycle emitted one token; the next comes from p[1] as the next cycle's would
             b = int(torch.multinomial(p[1], 1, generator=g))
@@ -102,13 +105,15 @@ def _dense_joint(hf, prompt: list[int], steps: int, top_k: int) -> dict[tuple[in
     return law
 
 
-def test_speculative_samples_follow_the_dense_law(tiny):
+@STEPS
+def test_speculative_samples_follow_the_dense_law(tiny, step):
     """2,000 samples of 4 tokens with top-k 3: their joint law equals dense's (27 x 3 cells), and the
     sparse drafts were rejected often enough for the test to mean something."""
     hf, model = tiny
     prompt = _prompts([200])[0]
     params = SamplingParams(max_new_tokens=4, temperature=1.0, top_k=3, n=2000, ignore_eos=True, seed=3)
-    with Engine(model, as_policy(48), EngineConfig(speculate=3, max_batch=64, **SPARSE)) as engine:
+    config = EngineConfig(speculate=3, max_batch=64, decode_step=step, **SPARSE)
+    with Engine(model, as_policy(48), config) as engine:
         samples = engine.generate([prompt], params)[0]
         drafted, kept = engine.stats.drafted_tokens, engine.stats.accepted_drafts
     assert 0.2 < kept / drafted < 0.9
@@ -121,14 +126,16 @@ def test_speculative_samples_follow_the_dense_law(tiny):
     assert _chi2_pvalue(counts, torch.tensor([law[c] for c in cells])) > 1e-3
 
 
-@pytest.mark.parametrize("sparsity,k", [(48, 4), (64, 2)])
-def test_greedy_speculation_gives_the_dense_greedy_tokens(tiny, sparsity, k):
+@pytest.mark.parametrize("sparsity,k,step", [(48, 4, DecodeStep.PLAIN), (64, 2, DecodeStep.PLAIN),
+                                             (48, 3, DecodeStep.EAGER)])
+def test_greedy_speculation_gives_the_dense_greedy_tokens(tiny, sparsity, k, step):
     _, model = tiny
     prompts = _prompts([70, 150, 260, 33])
     params = SamplingParams(max_new_tokens=40, temperature=0.0, n=2, ignore_eos=True)
     with Engine(model, None, EngineConfig(**SPARSE)) as engine:
         dense = engine.generate(prompts, params)
-    with Engine(model, as_policy(sparsity), EngineConfig(speculate=k, max_batch=5, **SPARSE)) as engine:
+    config = EngineConfig(speculate=k, max_batch=5, decode_step=step, **SPARSE)
+    with Engine(model, as_policy(sparsity), config) as engine:
         spec = engine.generate(prompts, params)
         assert engine.blocks.used == 0 and not any(engine.blocks.refcount)
     for a, b in zip(dense, spec):
@@ -140,7 +147,8 @@ def test_greedy_speculation_gives_the_dense_greedy_tokens(tiny, sparsity, k):
             assert sum(y.accepted) <= y.drafted
 
 
-def test_logprobs_are_the_dense_models_and_pages_come_back(tiny):
+@STEPS
+def test_logprobs_are_the_dense_models_and_pages_come_back(tiny, step):
     """At temperature 1 the returned logprobs equal transformers' teacher-forced dense ones; a pool too
     small for every sample preempts and recomputes, and no page leaks."""
     hf, model = tiny
@@ -148,7 +156,8 @@ def test_logprobs_are_the_dense_models_and_pages_come_back(tiny):
     # top-k 3 makes the drafts' law differ enough from dense's that some are rejected; the logprobs are
     # reported before truncation, as transformers' log-softmax
     params = SamplingParams(max_new_tokens=30, temperature=1.0, top_k=3, n=3, ignore_eos=True, seed=5)
-    with Engine(model, as_policy(48), EngineConfig(speculate=3, num_pages=30, **SPARSE)) as engine:
+    config = EngineConfig(speculate=3, num_pages=30, decode_step=step, **SPARSE)
+    with Engine(model, as_policy(48), config) as engine:
         out = engine.generate(prompts, params)
         assert engine.stats.preemptions > 0
         assert engine.stats.accepted_drafts < engine.stats.drafted_tokens
@@ -165,20 +174,20 @@ def test_speculation_is_refused_where_it_cannot_run(tiny):
     _, model = tiny
     with pytest.raises(ValueError, match="speculate must be >= 0"):
         EngineConfig(speculate=-1)
-    with pytest.raises(ValueError, match="plain decode step"):
-        EngineConfig(speculate=2, decode_step=DecodeStep.EAGER)
     with Engine(model, None, EngineConfig(speculate=2)) as engine:
         with pytest.raises(ValueError, match="eviction"):
             engine.add_request([5] * 40, SamplingParams(max_new_tokens=4), policy=SnapKV(32, window=8))
 
 
-def test_seeded_speculation_repeats_whatever_the_batch(tiny):
+@STEPS
+def test_seeded_speculation_repeats_whatever_the_batch(tiny, step):
     _, model = tiny
     prompts = _prompts([90, 180, 40])
     params = SamplingParams(max_new_tokens=16, temperature=1.0, n=2, ignore_eos=True, seed=11)
     runs = []
     for batch in (1, 6):
-        with Engine(model, as_policy(48), EngineConfig(speculate=2, max_batch=batch, **SPARSE)) as engine:
+        config = EngineConfig(speculate=2, max_batch=batch, decode_step=step, **SPARSE)
+        with Engine(model, as_policy(48), config) as engine:
             runs.append([[c.token_ids for c in g] for g in engine.generate(prompts, params)])
     assert runs[0] == runs[1]
     assert list(itertools.chain(*runs[0]))
@@ -190,6 +199,7 @@ from dataclasses import replace
 from sparrow.kernels.ops import Backend
 from sparrow.stages.core.sparsity import as_policy
 from sparrow.stages.engine import Engine, EngineConfig, SamplingParams
+from sparrow.stages.engine.config import DecodeStep
 from sparrow.stages.model.loading import load_model
 sys.path.insert(0, sys.argv[2])
 from tiny_models import tiny_qwen3
@@ -200,21 +210,25 @@ prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (70, 141)]
 params = SamplingParams(max_new_tokens=24, n=2, temperature=0.0, ignore_eos=True)
 config = EngineConfig(max_batch=4, dense_layers=(0,), kernels=Backend.TORCH)
 ref = Engine(model, None, config).generate(prompts, params)
-engine = Engine(model, as_policy(48), replace(config, kernels=Backend.TRITON, speculate=3))
-got = engine.generate(prompts, params)
-assert engine.blocks.used == 0 and engine.stats.drafted_tokens > 0
-for a, b in zip(ref, got):
-    for x, y in zip(a, b):
-        assert x.token_ids == y.token_ids, (x.token_ids, y.token_ids)
-        assert max(abs(p - q) for p, q in zip(x.logprobs, y.logprobs)) < 1e-4
+for step in (DecodeStep.PLAIN, DecodeStep.EAGER):
+    triton = replace(config, kernels=Backend.TRITON, speculate=3, decode_step=step)
+    engine = Engine(model, as_policy(48), triton)
+    got = engine.generate(prompts, params)
+    assert engine.blocks.used == 0 and engine.stats.drafted_tokens > 0
+    assert (engine.runner.static is None) == (step == DecodeStep.PLAIN)
+    for a, b in zip(ref, got):
+        for x, y in zip(a, b):
+            assert x.token_ids == y.token_ids, (step, x.token_ids, y.token_ids)
+            assert max(abs(p - q) for p, q in zip(x.logprobs, y.logprobs)) < 1e-4
 print("ok", engine.stats.accepted_drafts, engine.stats.drafted_tokens)
 """
 
 
 @pytest.mark.slow
 def test_speculation_on_the_gpu_runner_under_the_interpreter(tmp_path):
-    """The GPU runner's path (Triton decode kernels for the drafts and the verification's queries)
-    through Triton's interpreter: greedy speculation gives the torch path's dense greedy tokens."""
+    """The GPU runner's path (Triton decode kernels for the drafts and the verification's queries; drafts
+    on the plain step and on the static step that a GPU captures) through Triton's interpreter: greedy
+    speculation gives the torch path's dense greedy tokens."""
     import os
     import subprocess
     import sys
@@ -227,7 +241,8 @@ def test_speculation_on_the_gpu_runner_under_the_interpreter(tmp_path):
     assert r.returncode == 0 and r.stdout.strip().startswith("ok"), r.stderr[-3000:]
 
 
-def test_stop_tokens_inside_the_drafts(tiny):
+@STEPS
+def test_stop_tokens_inside_the_drafts(tiny, step):
     """A stop token drafted, kept or drawn ends the sample where dense greedy decoding ends it."""
     _, model = tiny
     prompts = _prompts([60, 130, 210])
@@ -239,9 +254,34 @@ def test_stop_tokens_inside_the_drafts(tiny):
     params = SamplingParams(max_new_tokens=40, temperature=0.0, n=1)
     runs = []
     for spec, k in ((None, 0), (48, 3)):
-        config = EngineConfig(eos_ids=stops, speculate=k, **SPARSE)
+        config = EngineConfig(eos_ids=stops, speculate=k, decode_step=step, **SPARSE)
         with Engine(model, None if spec is None else as_policy(spec), config) as engine:
             runs.append(engine.generate(prompts, params))
             assert engine.blocks.used == 0
     for a, b in zip(*runs):
         assert a[0].token_ids == b[0].token_ids and a[0].finish_reason == b[0].finish_reason == "stop"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_speculation_with_cuda_graphs_equals_the_eager_static_step():
+    """On a GPU (bf16, Triton kernels): drafts replayed from CUDA graphs give the eager static step's
+    cycles exactly (tokens, logprobs, acceptance), greedy and sampled with top-p, under a schedule."""
+    from sparrow.stages.core.schedule import Schedule
+
+    model = load_model("tiny-qwen3", device="cuda", dtype=torch.bfloat16, random_weights=True).model
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (150, 97, 210)]
+    policy = as_policy(Schedule((0, 160, 240), (48, 80, 128)))
+    greedy = SamplingParams(max_new_tokens=24, n=3, temperature=0.0, ignore_eos=True)
+    for params in (greedy, SamplingParams(max_new_tokens=24, n=2, seed=3, temperature=0.8, top_p=0.9,
+                                          ignore_eos=True)):
+        runs = []
+        for step in (DecodeStep.EAGER, DecodeStep.GRAPHS):
+            with Engine(model, policy, EngineConfig(max_batch=5, speculate=3, decode_step=step)) as engine:
+                out = engine.generate(prompts, params)
+                assert step == DecodeStep.EAGER or engine.runner.static.graphs
+                assert engine.blocks.used == 0 and engine.stats.drafted_tokens > 0
+                runs.append([c for group in out for c in group])
+        for a, b in zip(*runs):
+            assert a.token_ids == b.token_ids and a.accepted == b.accepted
+            assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) <= 1e-4

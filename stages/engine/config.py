@@ -31,7 +31,7 @@ class EngineConfig:
     one prefill forward takes (longer prompts are chunked). `cascade`: on a CPU, dense decode attention
     reads a prompt's shared pages once per step for all its samples (None: yes). `speculate` = K > 0:
     exact speculative decoding, every request's own policy drafting up to K tokens per cycle and the dense
-    model verifying them (speculative.py; the plain decode step, no eviction policy)."""
+    model verifying them (speculative.py; no eviction policy)."""
 
     max_batch: int = 16
     num_pages: int | None = None
@@ -57,8 +57,6 @@ class EngineConfig:
         check_memory_utilization(self.gpu_memory_utilization)
         if self.speculate < 0:
             raise ValueError(f"speculate must be >= 0 (draft tokens per cycle), got {self.speculate}")
-        if self.speculate and self.decode_step not in (DecodeStep.AUTO, DecodeStep.PLAIN):
-            raise ValueError("speculative decoding runs on the plain decode step (decode_step AUTO or PLAIN)")
         if self.num_pages is not None and self.num_pages < 1:
             raise ValueError(f"num_pages must be at least 1, got {self.num_pages}")
         object.__setattr__(self, "dense_layers", tuple(self.dense_layers))
@@ -69,7 +67,7 @@ class EngineConfig:
         """This config with AUTO's decode step resolved for `device`."""
         step = self.decode_step
         if step == DecodeStep.AUTO:
-            step = DecodeStep.GRAPHS if device.type == "cuda" and not self.speculate else DecodeStep.PLAIN
+            step = DecodeStep.GRAPHS if device.type == "cuda" else DecodeStep.PLAIN
         if step == DecodeStep.GRAPHS and device.type != "cuda":
             raise ValueError("decode_step GRAPHS needs the model on a CUDA device")
         return replace(self, decode_step=step)

@@ -189,11 +189,11 @@ class ModelRunner:
             return None
         return self._head(torch.stack([last[i] for i in sorted(last)]))
 
-    def verify(self, seqs: list[Sample], starts: list[int]) -> list[Tensor]:
+    def verify(self, seqs: list[Sample], starts: list[int]) -> Tensor:
         """One dense forward over each sample's positions from `starts[i]` to its last token (a speculative
         cycle's fed tokens), attending to its earlier positions in its pages and rewriting the keys and
-        values of its own -> logits [fed tokens, V] float32 per sample. Each fed token attends as a dense
-        decode query whose cache ends at its position (`VerifyAttention`)."""
+        values of its own -> logits [all fed tokens, V] float32, sample after sample. Each fed token attends
+        as a dense decode query whose cache ends at its position (`VerifyAttention`)."""
         P, dev = self.page_size, self.device
         ends = [len(s.request.prompt) + len(s.tokens) for s in seqs]
         counts = [e - b for e, b in zip(ends, starts)]
@@ -219,7 +219,7 @@ class ModelRunner:
                                self._decode_attention(queries, [seqs[r] for r in rows]))
         hidden = self.model.hidden_states(tokens.to(dev), positions=torch.from_numpy(positions).to(dev),
                                           attention=attn)
-        return list(self._head(hidden[mask]).split(counts))  # [sum(counts), V] -> per sample
+        return self._head(hidden[mask])  # [sum(counts), V]
 
     def _forward(self, rows: list[PrefillRow], forward: list[Segment], cache: PagedKVCache,
                  windows: dict[int, Tensor] | None = None) -> Tensor:

@@ -1,6 +1,6 @@
 """Exact speculative decoding with the sparse actor as the draft model (`EngineConfig.speculate = K`).
 
-A cycle drafts up to K tokens per running sample with the sample's own KV policy (plain decode steps at its
+A cycle drafts up to K tokens per running sample with the sample's own KV policy (decode steps at its
 budget, each writing the fed token's keys), then one dense forward per sample over the K+1 fed positions
 (its last token and the drafts) rewrites their keys and values densely and gives the dense distributions.
 Draft j is kept with probability min(1, p_j(d_j) / q_j(d_j)); at the first rejection the next token is drawn
@@ -10,9 +10,16 @@ al. 2023, Chen et al. 2023); temperature, top-k and top-p shape p and q alike be
 row keeps a draft iff it is the dense argmax. The reported logprobs are the dense model's.
 
 The cache is then rolled back to the kept positions: pages past them go back to the pool and the partly
-kept page's centroid is recomputed from the slots that stay. Every draw uses the sample's own generator,
-so a seed gives the same rollouts whatever the batch. What a mean acceptance predicts per cycle:
+kept page's centroid is recomputed from the slots that stay. What a mean acceptance predicts per cycle:
 stages/speculative_plan.py.
+
+Drafting runs where the runner's decode steps run. On the plain step the host draws each draft with the
+sample's generator and stops a sample at a stop token. On the static step (CUDA graphs on a GPU) the device
+draws it (the race keyed by seed and position, as every static step does) and feeds it to the next step
+with no host round trip; each step's log-probs are kept for the rule, and drafts past a stop token are
+dropped when read back. A position's key never draws twice for what is emitted: a cycle starts after the
+last position whose draft was looked at. The rule's own draws use the sample's generator either way, so a
+seed gives the same rollouts whatever the batch.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -33,13 +41,17 @@ from .sequence import SamplingParams, Sequence
 def sampling_probs(logits: Tensor, params: Seq[SamplingParams]) -> Tensor:
     """logits [n, V] -> the distributions the rows draw from [n, V] float32: softmax(logits / T) truncated
     by top-k then top-p and renormalised; a greedy row is one-hot at its argmax."""
-    logits = logits.float()
-    temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params])[:, None]
-    probs = truncate(torch.softmax(logits / temps.to(logits.device), dim=-1), params)
+    return probs_of(reported_logprobs(logits, params), params)
+
+
+def probs_of(logp: Tensor, params: Seq[SamplingParams]) -> Tensor:
+    """log_softmax(logits / T) [n, V] -> the distributions the rows draw from (as `sampling_probs`)."""
+    probs = truncate(logp.exp(), params)
     probs = probs / probs.sum(-1, keepdim=True)
-    for i, p in enumerate(params):
-        if p.temperature <= 0:
-            probs[i] = torch.nn.functional.one_hot(logits[i].argmax(), logits.shape[-1]).float()
+    greedy = [i for i, p in enumerate(params) if p.temperature <= 0]
+    if greedy:
+        rows = torch.tensor(greedy, device=logp.device)
+        probs[rows] = torch.nn.functional.one_hot(logp[rows].argmax(-1), logp.shape[-1]).float()
     return probs
 
 
@@ -49,30 +61,35 @@ def reported_logprobs(logits: Tensor, params: Seq[SamplingParams]) -> Tensor:
     return torch.log_softmax(logits.float() / temps.to(logits.device), dim=-1)
 
 
-def draw(probs: Tensor, generator: torch.Generator | None) -> int:
+def draw(probs: Tensor, generator: torch.Generator | None) -> Tensor:
     """One token from a distribution [V] by an exponential race, argmax p / E with E ~ Exp(1) (exact, and
-    one uniform pass instead of multinomial's cumulative sum); without a generator (greedy) its argmax."""
+    one uniform pass instead of multinomial's cumulative sum); without a generator (greedy) its argmax.
+    -> a 0-dim int64 tensor on probs' device (no host sync)."""
     if generator is None:
-        return int(probs.argmax())
+        return probs.argmax()
     noise = torch.empty_like(probs).uniform_(generator=generator).log_().neg_()
-    return int((probs / noise.clamp_(min=torch.finfo(noise.dtype).tiny)).argmax())
+    return (probs / noise.clamp_(min=torch.finfo(noise.dtype).tiny)).argmax()
 
 
-def accept_or_resample(p: Tensor, q: Tensor, drafts: Seq[int], generator: torch.Generator | None,
-                       ) -> tuple[int, int]:
-    """The rule. p [k+1, V] dense distributions at the k+1 fed positions, q [k, V] the distributions the k
-    drafts were drawn from -> (drafts kept, the token that follows them)."""
-    for j, d in enumerate(drafts):
-        if generator is None:
-            keep = bool(p[j, d] > 0)  # one-hot rows: the draft is the dense argmax
-        else:
-            u = float(torch.rand((), generator=generator))
-            keep = u * float(q[j, d]) < float(p[j, d])
-        if not keep:
-            residual = (p[j] - q[j]).clamp_(min=0.0)
-            total = float(residual.sum())
-            return j, draw(residual / total if total > 0 else p[j], generator)
-    return len(drafts), draw(p[len(drafts)], generator)
+def accept_or_resample(p: Tensor, q: Tensor, drafts: Tensor, generator: torch.Generator | None,
+                       ) -> tuple[Tensor, Tensor]:
+    """The rule, on p's device with no host sync. p [k+1, V] dense distributions at the k+1 fed positions,
+    q [k, V] the distributions the k drafts [k] (int64) were drawn from -> (drafts kept, the token that
+    follows them), 0-dim int64 tensors. Every draft gets a uniform; those after the first rejection are
+    never looked at."""
+    k = len(drafts)
+    rows = torch.arange(k, device=p.device)
+    p_at, q_at = p[rows, drafts], q[rows, drafts]
+    if generator is None:
+        keep = p_at > 0  # one-hot rows: the draft is the dense argmax
+    else:
+        keep = torch.rand(k, generator=generator, device=p.device) * q_at < p_at
+    kept = keep.long().cumprod(0).sum()  # the drafts before the first rejection
+    # at a rejection, normalize(max(0, p - q)); when every draft is kept, the bonus row p[k] (q padded by 0)
+    target = p[kept]
+    residual = (target - torch.cat([q, torch.zeros_like(p[:1])])[kept]).clamp_(min=0.0)
+    total = residual.sum()
+    return kept, draw(torch.where(total > 0, residual / total, target), generator)
 
 
 @dataclass
@@ -126,45 +143,99 @@ def run_cycle(runner: ModelRunner, blocks: BlockManager, seqs: list[Sequence], k
     dense = runner.verify(seqs, [c.cached for c in cycles])
     runner.synchronize()
     verified = time.perf_counter() - t0
-    out = [_decide(c, logits) for c, logits in zip(cycles, dense)]
+    out = _decide(cycles, dense)
     for c, e in zip(cycles, out):
         _roll_back(runner, blocks, c, e)
     return Cycle(out, verified)
 
 
 def _draft(runner: ModelRunner, cycles: list[Drafting]) -> None:
-    """Plain decode steps of the samples still drafting, each at its policy's budget."""
+    """Up to K decode steps, each sample at its policy's budget: on the runner's static step when the batch
+    fits it, else plain steps."""
+    if runner.pipelines([c.seq for c in cycles]):
+        _draft_on_device(runner, cycles)
+    else:
+        _draft_on_host(runner, cycles)
+
+
+def _draft_on_host(runner: ModelRunner, cycles: list[Drafting]) -> None:
+    """Plain decode steps of the samples still drafting, each draft drawn with the sample's generator."""
     while active := [c for c in cycles if c.open]:
         seqs = [c.seq for c in active]
         logits = runner.decode(seqs, [s.budget_now() for s in seqs])
         probs = sampling_probs(logits, [s.request.params for s in seqs])
         for c, q in zip(active, probs):
-            token = draw(q, c.seq.generator)
+            token = int(draw(q, c.seq.generator))
             c.drafts.append(token)
             c.probs.append(q)
             c.seq.tokens.append(token)  # fed by the next draft step, then taken back
             c.seq.cached += 1
 
 
-def _decide(c: Drafting, logits: Tensor) -> Emitted:
-    """The rule over one sample's dense logits [fed tokens, V]: its drafts taken back off its tokens, the
-    kept ones and the next token emitted with the dense model's logprobs."""
-    s = c.seq
-    del s.tokens[c.generated:]
-    params = [s.request.params] * logits.shape[0]
-    p = sampling_probs(logits, params)
-    q = torch.stack(c.probs) if c.probs else p[:0]
-    kept, nxt = accept_or_resample(p, q, c.drafts, s.generator)
-    tokens = c.drafts[:kept] + [nxt]
-    logp = reported_logprobs(logits[: kept + 1], params[: kept + 1])
-    chosen = logp.gather(-1, torch.tensor(tokens)[:, None])[:, 0].tolist()
-    n = s.request.params.logprobs
-    tops = [None] * len(tokens)
-    if n:
-        top = logp.topk(n, dim=-1)
-        tops = [(top.values[i], top.indices[i]) for i in range(len(tokens))]
-    kv = [c.cached + 1 + i for i in range(len(tokens))]
-    return Emitted(s, tokens, chosen, tops, kv, kept, len(c.drafts))
+def _draft_on_device(runner: ModelRunner, cycles: list[Drafting]) -> None:
+    """Static decode steps back to back: step j runs the samples that may make a j-th draft, feeding the
+    token the device drew at step j - 1; the host reads each step's drafts while the next one runs."""
+    runner.static.forget_rows()  # the last cycle's roll back moved every sample's state
+    launched: list[tuple[list[Drafting], Tensor]] = []
+    read = 0
+    for j in range(max(c.limit for c in cycles)):
+        active = [c for c in cycles if c.limit > j]
+        seqs = [c.seq for c in active]
+        runner.launch_decode(seqs, [s.request.policy.read_budget(s.num_tokens + j) for s in seqs])
+        # the step's log_softmax(logits / T), copied before the next step overwrites it
+        launched.append((active, runner.static.logp[: len(active)].clone()))
+        for out in runner.collect(keep=1):
+            _take_drafts(*launched[read], out.tokens)
+            read += 1
+    for out in runner.collect(keep=0):
+        _take_drafts(*launched[read], out.tokens)
+        read += 1
+    for c in cycles:
+        eos = next((i for i, t in enumerate(c.drafts) if t in c.seq.request.eos_ids), None)
+        if eos is not None:  # drafts past a stop token are never emitted: not verified either
+            del c.drafts[eos + 1:], c.probs[eos + 1:]
+        c.seq.tokens.extend(c.drafts)
+        c.seq.cached += len(c.drafts)
+
+
+def _take_drafts(active: list[Drafting], logp: Tensor, tokens: list[int]) -> None:
+    probs = probs_of(logp, [c.seq.request.params for c in active])
+    for c, q, token in zip(active, probs, tokens):
+        c.drafts.append(token)
+        c.probs.append(q)
+
+
+def _decide(cycles: list[Drafting], logits: Tensor) -> list[Emitted]:
+    """The rule over the dense logits [every sample's fed tokens, V]: each sample's drafts taken back off
+    its tokens, the kept ones and the next token emitted with the dense model's logprobs. One host read
+    for the rule's outcomes and one for the logprobs, whatever the batch."""
+    params = [c.seq.request.params for c in cycles for _ in range(len(c.drafts) + 1)]
+    logp = reported_logprobs(logits, params)  # [rows, V]
+    p = probs_of(logp, params)
+    starts = np.cumsum([0] + [len(c.drafts) + 1 for c in cycles])
+    outcomes = []
+    for c, at in zip(cycles, starts):
+        rows = p[at: at + len(c.drafts) + 1]
+        q = torch.stack(c.probs) if c.probs else rows[:0]
+        drafts = torch.tensor(c.drafts, dtype=torch.long, device=p.device)
+        outcomes.append(torch.stack(accept_or_resample(rows, q, drafts, c.seq.generator)))
+    decided = torch.stack(outcomes).tolist() if outcomes else []  # [samples, (kept, next)]
+    tokens = [c.drafts[:kept] + [nxt] for c, (kept, nxt) in zip(cycles, decided)]
+    index = torch.tensor([at + i for at, toks in zip(starts, tokens) for i in range(len(toks))],
+                         device=p.device)
+    emitted = logp[index]  # [emitted tokens, V]
+    flat = torch.tensor([t for toks in tokens for t in toks], device=p.device)
+    chosen = iter(emitted.gather(-1, flat[:, None])[:, 0].tolist())
+    n = max(c.seq.request.params.logprobs for c in cycles) if cycles else 0
+    top = emitted.topk(n, dim=-1) if n else None
+    tops = iter(zip(top.values.cpu(), top.indices.cpu()) if n else [None] * len(flat))
+    out = []
+    for c, toks, (kept, _) in zip(cycles, tokens, decided):
+        del c.seq.tokens[c.generated:]
+        kv = [c.cached + 1 + i for i in range(len(toks))]
+        out.append(Emitted(c.seq, toks, [next(chosen) for _ in toks], [next(tops) for _ in toks], kv, kept,
+                           len(c.drafts)))
+    return out
 
 
 def _roll_back(runner: ModelRunner, blocks: BlockManager, c: Drafting, e: Emitted) -> None:

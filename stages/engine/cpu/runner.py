@@ -113,7 +113,7 @@ class CpuRunner(ModelRunner):
         return [functools.partial(_fill_copy, j, self._copies[i]) for j, (i, start, end) in enumerate(forward)
                 if i in self._copies and start < self._copies[i].tokens <= end]
 
-    def verify(self, seqs: list[Sample], starts: list[int]) -> list[Tensor]:
+    def verify(self, seqs: list[Sample], starts: list[int]) -> Tensor:
         """As the plain path, on the packed weights and C++ layer ops: a verification forward is a few rows
         per sample, a decode step's shape more than a prefill's."""
         if self.packed is not None:
