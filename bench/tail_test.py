@@ -153,22 +153,27 @@ class RunSpec:
 
 
 def run_specs(args, made: list[tuple[Design, Path]]) -> list[RunSpec]:
-    """Correction-major, seeds within, so a bench stopped early holds every seed of the uncorrected runs
-    (where an instability would show first): dense and every design per seed for the first correction,
-    then the other corrections; then (--distill) the most aggressive design with DistillSparse's online
-    adapter, per seed."""
+    """Correction-major, so a bench stopped early holds every seed of the uncorrected runs (where an
+    instability would show first): dense and every design per seed for the first correction; then each
+    other correction design by design, the lowest tail first, every seed of one before the next (whether
+    the correction holds where the uncorrected runs were likeliest to break). With --distill the most
+    aggressive design (lowest mean) with DistillSparse's online adapter (TIS), per seed, follows that
+    design's TIS runs (or ends the list without them)."""
     seeds = [int(s) for s in args.seeds.split(",")]
-    corrections = args.corrections.split(",")
+    first, *others = args.corrections.split(",")
+    aggressive = min(made, key=lambda m: m[0].mean)
+    distilled = [RunSpec(aggressive[0].name, f"schedule:{aggressive[1]}", "tis", seed, distill=True)
+                 for seed in seeds] if args.distill else []
     specs = []
-    for i, correction in enumerate(corrections):
-        for seed in seeds:
-            if i == 0:
-                specs.append(RunSpec("dense", "dense", corrections[-1], seed))
-            specs += [RunSpec(d.name, f"schedule:{path}", correction, seed) for d, path in made]
-    if args.distill:
-        design, path = min(made, key=lambda m: m[0].mean)
-        specs += [RunSpec(design.name, f"schedule:{path}", "tis", seed, distill=True) for seed in seeds]
-    return specs
+    for seed in seeds:
+        specs.append(RunSpec("dense", "dense", others[-1] if others else first, seed))
+        specs += [RunSpec(d.name, f"schedule:{path}", first, seed) for d, path in made]
+    for correction in others:
+        for d, path in sorted(made, key=lambda m: m[0].tail):
+            specs += [RunSpec(d.name, f"schedule:{path}", correction, seed) for seed in seeds]
+            if correction == "tis" and d is aggressive[0]:
+                specs, distilled = specs + distilled, []
+    return specs + distilled
 
 
 def finished(args, folder: Path) -> bool:
