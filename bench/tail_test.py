@@ -340,6 +340,71 @@ def run_table(args, out: Path, made: list[tuple[Design, Path]], specs: list[RunS
     return path
 
 
+def design_table(args, out: Path, mismatch: Path, made: list[tuple[Design, Path]], specs: list[RunSpec],
+                 margin: float = 0.1) -> Path:
+    """out/designs.md: per design and correction, the statistics with 95% intervals over bootstrap draws
+    of the profile's prompts (and tokens within them), and what training did to the dense-evaluated
+    policy on each finished seed: its held-out accuracy at the end minus at step 0, and how many runs
+    ended more than `margin` below their start (a degraded policy, whatever the sampler earned)."""
+    from sparrow.schemas import read_artifact
+    from sparrow.stages.calibrate import ProfileTokens, tail_of
+    from sparrow.stages.core.definitions import TAIL_QUANTILE
+    from sparrow.stages.core.schedule import Schedule
+
+    tokens = ProfileTokens.from_table(read_artifact(mismatch, "mismatch"))
+    rng = np.random.default_rng(0)
+    draws = [tokens.resample(rng) for _ in range(args.bootstrap)]
+    schedules = {d.name: Schedule.from_artifact(path) for d, path in made}
+    lines = ["| design | correction | tail [95%] | mean alpha [95%] | KV read | seeds | dense eval change "
+             "from step 0, per seed | degraded |", "|---" * 8 + "|"]
+    groups: dict[tuple[str, str, bool], list[float]] = {}
+    for spec in specs:
+        folder = spec.folder(out)
+        if finished(args, folder):
+            table = pq.read_table(folder / "metrics.parquet")
+            meta = json.loads(table.schema.metadata[b"sparrow.meta"])
+            last = [e for e in table.column("eval_accuracy").to_pylist() if e is not None][-1]
+            groups.setdefault((spec.name, spec.correction, spec.distill), []).append(
+                last - meta["initial_eval_accuracy"])
+    for (name, correction, distill), changes in groups.items():
+        if name in schedules:
+            alpha, kv, _ = tokens.at(schedules[name])
+            tails = [tail_of(alpha[i], tokens.bins[i], TAIL_QUANTILE) for i in draws]
+            means = [alpha[i].mean() for i in draws]
+            tail = f"{tail_of(alpha, tokens.bins, TAIL_QUANTILE):.3f} [{np.quantile(tails, 0.025):.3f}, " \
+                   f"{np.quantile(tails, 0.975):.3f}]"
+            mean = f"{alpha.mean():.3f} [{np.quantile(means, 0.025):.3f}, {np.quantile(means, 0.975):.3f}]"
+            read = f"{kv.mean():.3f}"
+        else:
+            tail, mean, read = "1", "1", "1"
+        degraded = sum(c < -margin for c in changes)
+        lines.append(f"| {name}{' + DistillSparse' if distill else ''} | {correction} | {tail} | {mean} | "
+                     f"{read} | {len(changes)} | {', '.join(f'{c:+.3f}' for c in changes)} | "
+                     f"{degraded} of {len(changes)} |")
+    lines += ["", _paired_difference(tokens, draws, sorted(made, key=lambda m: m[0].tail)[:2], schedules)]
+    path = out / "designs.md"
+    path.write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return path
+
+
+def _paired_difference(tokens, draws: list[np.ndarray], pair: list[tuple[Design, Path]], schedules: dict
+                       ) -> str:
+    """The two lowest-tail designs' difference in tail and in mean alpha, with 95% intervals over the same
+    bootstrap draws (paired): whether their tails differ at all."""
+    from sparrow.stages.calibrate import tail_of
+    from sparrow.stages.core.definitions import TAIL_QUANTILE
+
+    (a, _), (b, _) = pair
+    alphas = [tokens.at(schedules[d.name])[0] for d in (a, b)]
+    diffs = {"tail": [tail_of(alphas[0][i], tokens.bins[i], TAIL_QUANTILE)
+                      - tail_of(alphas[1][i], tokens.bins[i], TAIL_QUANTILE) for i in draws],
+             "mean alpha": [alphas[0][i].mean() - alphas[1][i].mean() for i in draws]}
+    parts = [f"{what} {np.mean(v):+.3f} [{np.quantile(v, 0.025):+.3f}, {np.quantile(v, 0.975):+.3f}]"
+             for what, v in diffs.items()]
+    return f"{a.name} minus {b.name} (paired bootstrap, 95%): " + "; ".join(parts)
+
+
 def figure(out: Path, threshold: Path, target: Path | None) -> Path:
     """Reward gap (dense reference minus run, training reward, the step-0 sampler gap added back) and the
     dense-eval change, against tail, mean alpha and KV read; every sparse run, colour = label, marker =
@@ -434,6 +499,7 @@ def main() -> None:
         return
     threshold = calibrate(args, out, mismatch, specs)
     run_table(args, out, made, specs)
+    design_table(args, out, mismatch, made, specs)
     if args.phase == "calibrate" or threshold is None:
         return
     figure(out, threshold, args.figure)
