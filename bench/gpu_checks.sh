@@ -29,7 +29,8 @@
 #   paged-scoring   teacher-forced sparse scoring through the paged kernels: tests/test_sparse_paged.py
 #                   compiled, then bench/paged_scoring.py (one 32K-token trajectory at budgets 1024-4096,
 #                   the torch path and the paged one in one process, with their differences)
-#   speculation     exact speculative rollouts: bench/speculation.py at 16K (one prompt x 8 samples x 512
+#   speculation     exact speculative rollouts: CUDA-graph drafts held to the eager step (a test), then
+#                   bench/speculation.py at 16K (one prompt x 8 samples x 512
 #                   new tokens, dense / budget 2048 / speculative K = 2, 4 drafting at 2048; random
 #                   weights, so the acceptance is theirs, not a trained model's: a timing check)
 #   kv-compression  the eviction tests of tests/test_gpu.py, then bench/kv_compression.py's rollout part
@@ -146,7 +147,9 @@ if is paged-scoring; then
         --budgets 1024,2048,3072,4096
 fi
 if is speculation; then
-    step speculation-16k 540 $PY bench/speculation.py --device cuda --model qwen3-4b --prompt-len 16384 \
+    step speculation-graphs 40 $PY -m pytest -q -s -p no:cacheprovider \
+        "tests/test_speculative.py::test_speculation_with_cuda_graphs_equals_the_eager_static_step"
+    step speculation-16k 500 $PY bench/speculation.py --device cuda --model qwen3-4b --prompt-len 16384 \
         --samples 8 --new-tokens 512 --budget 2048 --speculate 2,4 --floor-context 16384 --floor-batch 8
     keep bench/results/speculation.parquet speculation-16k.parquet
 fi
