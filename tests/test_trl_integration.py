@@ -167,9 +167,8 @@ def test_engine_logprobs_match_independent_teacher_forced_scoring(lora_run):
     """The first rollout sampled with the initial weights (peft's LoRA starts at zero): its logprobs are
     block top-k's, as our teacher-forced sparse scoring replays them, and the dense scores behind the
     mismatch metrics are transformers' own logits."""
-    from transformers import AutoModelForCausalLM
 
-    from sparrow.stages.model.loading import embedded_checkpoint, load_model
+    from sparrow.stages.model.loading import load_model
     from sparrow.stages.scoring.mismatch import score_sequences
 
     _, records, _, _ = lora_run
@@ -180,12 +179,7 @@ def test_engine_logprobs_match_independent_teacher_forced_scoring(lora_run):
     sparse_logp = torch.tensor(scored.sparse[48][1])
     torch.testing.assert_close(torch.tensor([x for lp in r.logprobs for x in lp]), sparse_logp, rtol=0,
                                atol=2e-3)
-    hf = AutoModelForCausalLM.from_pretrained(str(embedded_checkpoint("smollm2-135m")), dtype=torch.float32)
-    for prompt, comp, dense in zip(r.prompt_ids, r.completion_ids, r.logp_dense):
-        with torch.no_grad():
-            logits = hf(torch.tensor([prompt + comp])).logits[0, len(prompt) - 1: -1]
-        logp = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(comp)[:, None])[:, 0]
-        torch.testing.assert_close(torch.tensor(dense), logp, rtol=0, atol=2e-3)
+    _assert_transformers_dense(r, r.logp_dense)
     assert any(a < 0.999 for alpha in r.alpha_lb for a in alpha)  # budget 48 is sparse at these lengths
 
 
@@ -214,19 +208,24 @@ def test_speculative_rollouts_give_trl_the_dense_models_logprobs(tmp_path):
     """speculate=2: budget 48 drafts, the dense model verifies; what TRL trains on carries transformers'
     dense logprobs (the first rollout, LoRA still zero) and each step logs the drafts' acceptance."""
     pytest.importorskip("trl")
+    trainer, records, batches, _ = _run_trl(True, tmp_path, speculate=2)
+    r = records[0]
+    assert r.step == 0 and all(set(b) == {0} for b in r.budgets)
+    _assert_transformers_dense(r, r.logprobs)
+    logged = [row for row in trainer.state.log_history if "sparrow/draft_acceptance" in row]
+    assert len(logged) == 2 and all(0 <= row["sparrow/draft_acceptance"] <= 1 for row in logged)
+    assert all(abs(row["sparrow/mismatch_kl"]) < 1e-4 for row in logged)
+
+
+def _assert_transformers_dense(record, logprobs) -> None:
+    """`logprobs` (per completion of `record`): transformers' own dense ones for its tokens, within 2e-3."""
     from transformers import AutoModelForCausalLM
 
     from sparrow.stages.model.loading import embedded_checkpoint
 
-    trainer, records, batches, _ = _run_trl(True, tmp_path, speculate=2)
-    r = records[0]
-    assert r.step == 0 and all(set(b) == {0} for b in r.budgets)
     hf = AutoModelForCausalLM.from_pretrained(str(embedded_checkpoint("smollm2-135m")), dtype=torch.float32)
-    for prompt, comp, lp in zip(r.prompt_ids, r.completion_ids, r.logprobs):
+    for prompt, comp, lp in zip(record.prompt_ids, record.completion_ids, logprobs):
         with torch.no_grad():
             logits = hf(torch.tensor([prompt + comp])).logits[0, len(prompt) - 1: -1]
         dense = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(comp)[:, None])[:, 0]
         torch.testing.assert_close(torch.tensor(lp), dense, rtol=0, atol=2e-3)
-    logged = [row for row in trainer.state.log_history if "sparrow/draft_acceptance" in row]
-    assert len(logged) == 2 and all(0 <= row["sparrow/draft_acceptance"] <= 1 for row in logged)
-    assert all(abs(row["sparrow/mismatch_kl"]) < 1e-4 for row in logged)
