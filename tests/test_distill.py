@@ -399,6 +399,11 @@ def test_train_distill_sparse_keeps_the_learner_apart(tiny_llama, vowel_prompts,
         with lora_merged(fresh, load_lora(summary["adapter"])), lora_merged(fresh, sparse):
             assert (fresh(x) - actor).abs().max() < 1e-4
     assert (actor - learner).abs().max() > 1e-4
+    # the actor sampled: its step-2 rollouts (the sparse adapter trained once) are not the learner's alone
+    test_train._train(path, vowel_prompts, tmp_path / "plain", cfg=dict(steps=2, sparsity="budget:48"))
+    rows = [read_artifact(tmp_path / d / "metrics.parquet", "metrics").to_pylist() for d in ("run", "plain")]
+    assert rows[0][0]["mismatch_kl"] == rows[1][0]["mismatch_kl"]  # step 1: the sparse adapter is still 0
+    assert rows[0][1]["mismatch_kl"] != rows[1][1]["mismatch_kl"]
     peft_model.unload()
     for bad, message in ((dict(sparsity="dense"), "needs a sparse sampler"),
                          (dict(sparsity="budget:48", lora_rank=0), "not --full")):

@@ -8,6 +8,7 @@ import copy
 import json
 import time
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -184,8 +185,10 @@ class Trainer:
         prompts = [self.prompts[i] for i in order]
         t0 = time.perf_counter()
         self.on_phase("rollout")
-        groups = self.rollouts.sample([r.token_ids for r in prompts], self._sampling(step),
-                                      cfg.prompts_per_step, self.lora_config is not None)
+        with self.sparse_actor.acting() if self.sparse_actor is not None else nullcontext():
+            # DistillSparse: the sparse actor (the learner plus its own adapter) samples
+            groups = self.rollouts.sample([r.token_ids for r in prompts], self._sampling(step),
+                                          cfg.prompts_per_step, self.lora_config is not None)
         completions = [c for group in groups for c in group]
         t_roll = time.perf_counter() - t0
         self.on_rollouts(step, [len(c.token_ids) for c in completions])
