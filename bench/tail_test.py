@@ -332,7 +332,7 @@ def run_table(args, out: Path, made: list[tuple[Design, Path]], specs: list[RunS
         lines.append(f"| {folder.name} | {tail:.3f} | {mean:.3f} | {kv:.3f} | "
                      f"{', '.join(f'{e:.3f}' for e in evals)} | {reward[0]:.3f} -> {reward[1]:.3f} | "
                      f"{meta.get('initial_sampler_gap') or 0:.3f} | "
-                     f"{np.mean(logged) if logged else 1.0:.3f} | {meta.get('label')} | "
+                     f"{f'{np.mean(logged):.3f}' if logged else '-'} | {meta.get('label')} | "
                      f"{'; '.join(flags) or '-'} |")
     path = out / "runs.md"
     path.write_text("\n".join(lines) + "\n")
