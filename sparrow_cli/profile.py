@@ -145,6 +145,7 @@ def profile(
     from sparrow.stages.core.trajectories import read_rollouts
     from sparrow.stages.model.loading import DTYPES, resolve_config, resolve_dtype
     from sparrow.stages.profile import (
+        SPECULATE_WITH_ADAPTER,
         ProfileOptions,
         ProfileRun,
         profile_prompts,
@@ -170,9 +171,8 @@ def profile(
         opts.validate()
     except ValueError as e:
         raise UsageError(str(e)) from None
-    if speculate and adapter is not None:
-        raise UsageError("--speculate verifies with the dense model, which --adapter's sparse actor is not: "
-                         "drop one of them")
+    if speculate and adapter is not None:  # the adapter's weights load later; refused before then
+        raise UsageError(SPECULATE_WITH_ADAPTER)
     check_tail(quantile, threshold)
     check_device(device, remote=bool(ray_address))
     if dtype not in DTYPES:

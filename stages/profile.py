@@ -35,6 +35,8 @@ from .scoring.mismatch import score_sequences
 Progress = Callable[[str, int, int], None]  # (phase, done, total)
 SAMPLING = ("samples", "max_new_tokens", "sampler", "top_p", "top_k", "seed", "batch_size", "speculate")
 FLAGS = {"batch_size": "--max-num-seqs"}  # the options whose flag is not their name
+SPECULATE_WITH_ADAPTER = ("--speculate verifies with the dense model, which --adapter's sparse actor is not: "
+                          "drop one of them")
 
 
 @dataclass
@@ -121,8 +123,7 @@ class ProfileOptions:
             raise ValueError(f"--speculate drafts with the block top-k sampler (--sampler budget:B or "
                              f"schedule:FILE), not --sampler {self.sampler}")
         if self.adapter is not None:
-            raise ValueError("--speculate verifies with the dense model, which --adapter's sparse actor "
-                             "is not: drop one of them")
+            raise ValueError(SPECULATE_WITH_ADAPTER)
 
     def sampler_policy(self) -> KVPolicy:
         """The sampler's KV policy: `policy`, else the one `sampler` names."""

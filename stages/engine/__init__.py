@@ -11,7 +11,7 @@ from __future__ import annotations
 from ..core.lazy import lazy_getattr
 
 _EXPORTS = {"Engine": ".engine", "EngineStats": ".engine", "EngineConfig": ".config", "DecodeStep": ".config",
-            "Completion": ".sequence", "SamplingParams": ".sequence"}
+            "Completion": ".sequence", "SamplingParams": ".sequence", "draft_acceptance": ".sequence"}
 
 __all__ = sorted(_EXPORTS)
 

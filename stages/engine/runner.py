@@ -309,6 +309,17 @@ class ModelRunner:
         tokens, logps, top = self.sample(seqs, self.decode(seqs, budgets))
         self._ready.append(StepOutput(seqs, tokens, logps, top))
 
+    def forget_rows(self) -> None:
+        """The samples' state moved on the host (a speculative roll back): the static step's next launch
+        uploads every row again."""
+        if self.static is not None:
+            self.static.forget_rows()
+
+    def step_logprobs(self, batch: int) -> Tensor:
+        """A copy of the last launched static step's log_softmax(logits / T) [batch, V] (queued on the
+        device, taken before the next step overwrites it)."""
+        return self.static.logp[:batch].clone()
+
     def warm_up(self, batch: int, budgets) -> None:
         """Capture (or compile) the static step for `batch` running samples at each of these budgets (a
         step whose rows all have that budget)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 import torch
@@ -54,6 +55,12 @@ class Completion:
     # and the drafts this sample proposed; None / 0 otherwise
     accepted: list[bool] | None = None
     drafted: int = 0
+
+
+def draft_acceptance(completions: Seq[Completion]) -> float | None:
+    """Speculative samples: the share of their drafts the dense model kept (None: no drafts)."""
+    drafted = sum(c.drafted for c in completions if c.accepted is not None)
+    return sum(sum(c.accepted) for c in completions if c.accepted is not None) / drafted if drafted else None
 
 
 class Status(enum.Enum):
@@ -115,9 +122,10 @@ class Sequence:
     def policy(self) -> KVPolicy:
         return self.request.policy
 
-    def budget_now(self) -> int:
-        """Budget of the next decode step: its query sits at position num_tokens - 1."""
-        return self.request.policy.read_budget(self.num_tokens)
+    def budget_now(self, ahead: int = 0) -> int:
+        """Budget of the next decode step (its query sits at position num_tokens - 1), or of the step
+        `ahead` steps after it (a speculative cycle's later drafts)."""
+        return self.request.policy.read_budget(self.num_tokens + ahead)
 
     def completion(self) -> Completion:
         return Completion(self.request.request_id, self.sample, self.request.prompt, self.tokens,

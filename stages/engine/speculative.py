@@ -175,15 +175,14 @@ def _draft_on_host(runner: ModelRunner, cycles: list[Drafting]) -> None:
 def _draft_on_device(runner: ModelRunner, cycles: list[Drafting]) -> None:
     """Static decode steps back to back: step j runs the samples that may make a j-th draft, feeding the
     token the device drew at step j - 1; the host reads each step's drafts while the next one runs."""
-    runner.static.forget_rows()  # the last cycle's roll back moved every sample's state
+    runner.forget_rows()  # the last cycle's roll back moved every sample's state
     launched: list[tuple[list[Drafting], Tensor]] = []
     read = 0
     for j in range(max(c.limit for c in cycles)):
         active = [c for c in cycles if c.limit > j]
         seqs = [c.seq for c in active]
-        runner.launch_decode(seqs, [s.request.policy.read_budget(s.num_tokens + j) for s in seqs])
-        # the step's log_softmax(logits / T), copied before the next step overwrites it
-        launched.append((active, runner.static.logp[: len(active)].clone()))
+        runner.launch_decode(seqs, [s.budget_now(ahead=j) for s in seqs])
+        launched.append((active, runner.step_logprobs(len(active))))
         for out in runner.collect(keep=1):
             _take_drafts(*launched[read], out.tokens)
             read += 1

@@ -38,7 +38,7 @@ from torch import Tensor, nn
 
 from ..core.definitions import TAIL_QUANTILE
 from ..core.sparsity import Sparsity, as_policy
-from ..engine import Completion, Engine, EngineConfig, SamplingParams
+from ..engine import Completion, Engine, EngineConfig, SamplingParams, draft_acceptance
 from ..model.config import ModelConfig
 from ..model.llama import Transformer, hf_to_ours
 from ..model.loading import build_model, resolve_dtype
@@ -299,10 +299,9 @@ class SparseRollout:
         positions = torch.tensor([len(p) for p in prompt_ids])[:, None] + torch.arange(width)[None, :]
         record.metrics = self.metrics(alpha[mask], positions[mask], (logp - rollout_lp)[mask], budgets[mask],
                                       None if keep is None else keep[mask])
-        if self.speculate:
-            drafted = sum(c.drafted for c in completions)
-            record.metrics["sparrow/draft_acceptance"] = sum(sum(c.accepted) for c in completions) / max(
-                drafted, 1)
+        acceptance = draft_acceptance(completions)
+        if acceptance is not None:
+            record.metrics["sparrow/draft_acceptance"] = acceptance
         return record
 
     def metrics(self, alpha: Tensor, positions: Tensor, log_ratio: Tensor, budgets: Tensor,

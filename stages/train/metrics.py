@@ -18,6 +18,7 @@ from sparrow.schemas.artifacts import TRAIN_CORRECTION_METRICS
 
 from ..core.definitions import TAIL_QUANTILE
 from ..core.schedule import Schedule
+from ..engine import draft_acceptance
 from . import corrections as rc
 from . import objective as grpo
 from .config import TrainConfig
@@ -37,12 +38,6 @@ def global_step(exp: Experience) -> int:
     """The step a row or a log names: the updates done once this step's update is applied (TRL's and verl's
     global_step), so step 0 is before any update (the initial eval) and the first step's rows are step 1."""
     return exp.step + 1
-
-
-def draft_acceptance(completions) -> float | None:
-    """Speculative rollouts: the share of the step's drafts the dense model kept (None without)."""
-    drafted = sum(c.drafted for c in completions if c.accepted is not None)
-    return sum(sum(c.accepted) for c in completions if c.accepted is not None) / drafted if drafted else None
 
 
 def metrics_row(run_id: str, exp: Experience, update: dict, update_seconds: float, cfg: TrainConfig,
