@@ -29,7 +29,8 @@
 #   paged-scoring   teacher-forced sparse scoring through the paged kernels: tests/test_sparse_paged.py
 #                   compiled, then bench/paged_scoring.py (one 32K-token trajectory at budgets 1024-4096,
 #                   the torch path and the paged one in one process, with their differences)
-#   speculation     exact speculative rollouts: CUDA-graph drafts held to the eager step (a test), then
+#   speculation     exact speculative rollouts: CUDA-graph drafts and verifications held to the eager
+#                   step (a test), then
 #                   bench/speculation.py at 16K (one prompt x 8 samples x 512
 #                   new tokens, dense / budget 2048 / speculative K = 2, 4 drafting at 2048; random
 #                   weights, so the acceptance is theirs, not a trained model's: a timing check)

@@ -18,6 +18,7 @@ from sparrow.stages.core.sparsity import as_policy
 from sparrow.stages.engine import Engine, EngineConfig, SamplingParams
 from sparrow.stages.engine.config import DecodeStep
 from sparrow.stages.engine.speculative import accept_or_resample
+from sparrow.stages.engine.static_decode import SCORE
 from sparrow.stages.kv_policies import SnapKV
 from sparrow.stages.model.loading import load_model
 from sparrow.stages.speculative_plan import expected_tokens
@@ -193,6 +194,48 @@ def test_seeded_speculation_repeats_whatever_the_batch(tiny, step):
     assert list(itertools.chain(*runs[0]))
 
 
+def test_the_static_verification_scores_as_the_plain_forward(tiny):
+    """On the static step the verification is a scoring step of one row per fed token (rows past the
+    largest bucket in later steps, which read the earlier rows' keys): at every cycle it gives the plain
+    verification forward's log-probs and writes the same keys and values. And every full page before a
+    cycle's first fed slot has the mean of its keys as centroid (the drafts' appends were undone)."""
+    _, model = tiny
+    prompts = _prompts([75, 140])
+    params = SamplingParams(max_new_tokens=24, temperature=1.0, n=2, ignore_eos=True, seed=7)
+    config = EngineConfig(speculate=3, max_batch=4, decode_step=DecodeStep.EAGER, **SPARSE)
+    rows = []
+    with Engine(model, as_policy(48), config) as engine:
+        runner = engine.runner
+        static_verify = runner.verify
+
+        def checked(seqs, starts):
+            cache, P = runner.cache, runner.page_size
+            for s, start in zip(seqs, starts):
+                for i in range(start // P):
+                    keys = cache.k[:, s.pages[i]].double()  # [L, Hkv, P, D]
+                    assert torch.allclose(cache.centroids[:, s.pages[i]].double(), keys.mean(2), atol=1e-5)
+            state = (cache.k, cache.v, cache.centroids)
+            before = [t.clone() for t in state]
+            scored = static_verify(seqs, starts)
+            written = [t.clone() for t in state]
+            for t, b in zip(state, before):
+                t.copy_(b)
+            fed = [(s.request.prompt + s.tokens)[start:] for s, start in zip(seqs, starts)]
+            plain = torch.log_softmax(runner._verify_forward(seqs, starts, fed), dim=-1)
+            assert torch.allclose(scored, plain, atol=1e-4)
+            assert torch.allclose(cache.k, written[0], atol=1e-5)
+            assert torch.allclose(cache.v, written[1], atol=1e-5)
+            for t, w in zip(state, written):  # the run goes on from the static step's writes
+                t.copy_(w)
+            rows.append(sum(len(f) for f in fed))
+            return scored
+
+        runner.verify = checked
+        out = engine.generate(prompts, params)
+        assert engine.blocks.used == 0 and engine.stats.accepted_drafts < engine.stats.drafted_tokens
+    assert max(rows) > config.max_batch and all(len(c.token_ids) == 24 for g in out for c in g)
+
+
 _TRITON_SCRIPT = """
 import sys, torch
 from dataclasses import replace
@@ -264,8 +307,9 @@ def test_stop_tokens_inside_the_drafts(tiny, step):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 def test_speculation_with_cuda_graphs_equals_the_eager_static_step():
-    """On a GPU (bf16, Triton kernels): drafts replayed from CUDA graphs give the eager static step's
-    cycles exactly (tokens, logprobs, acceptance), greedy and sampled with top-p, under a schedule."""
+    """On a GPU (bf16, Triton kernels): drafts and verifications replayed from CUDA graphs give the eager
+    static step's cycles exactly (tokens, logprobs, acceptance), greedy and sampled with top-p, under a
+    schedule."""
     from sparrow.stages.core.schedule import Schedule
 
     model = load_model("tiny-qwen3", device="cuda", dtype=torch.bfloat16, random_weights=True).model
@@ -279,7 +323,7 @@ def test_speculation_with_cuda_graphs_equals_the_eager_static_step():
         for step in (DecodeStep.EAGER, DecodeStep.GRAPHS):
             with Engine(model, policy, EngineConfig(max_batch=5, speculate=3, decode_step=step)) as engine:
                 out = engine.generate(prompts, params)
-                assert step == DecodeStep.EAGER or engine.runner.static.graphs
+                assert step == DecodeStep.EAGER or {k for _, k in engine.runner.static.graphs} > {SCORE}
                 assert engine.blocks.used == 0 and engine.stats.drafted_tokens > 0
                 runs.append([c for group in out for c in group])
         for a, b in zip(*runs):

@@ -54,11 +54,21 @@ class PagedKVCache:
         self.v[:, d] = self.v[:, s]
         self.centroids[:, d] = self.centroids[:, s]
 
-    def recompute_centroids(self, page: int, filled: int) -> None:
-        """The page's centroids, in every layer, as the mean of its first `filled` slots' keys (after the
-        slots past them were given up: a speculative cycle's rejected drafts)."""
-        keys = self.k[:, page, :, :filled].float()  # [L, Hkv, filled, D]
-        self.centroids[:, page] = keys.mean(2).to(self.centroids.dtype)
+    def recompute_centroids(self, pages: list[int], filled: list[int]) -> None:
+        """Each page's centroids, in every layer, as the mean of its first filled[i] slots' keys (after the
+        slots past them were given up or rewritten: a speculative cycle's drafts). One layer at a time, in
+        fp32 (at least), rounded once to the centroids' dtype."""
+        if not pages:
+            return
+        dev = self.k.device
+        idx = upload(dev, pages, torch.long)
+        count = upload(dev, filled, torch.long)
+        valid = torch.arange(self.page_size, device=dev) < count[:, None]  # [m, P]
+        acc = torch.promote_types(self.centroids.dtype, torch.float32)
+        for layer in range(self.k.shape[0]):
+            keys = self.k[layer, idx].to(acc)  # [m, Hkv, P, D]
+            sums = torch.where(valid[:, None, :, None], keys, 0.0).sum(2)
+            self.centroids[layer, idx] = (sums / count.to(acc)[:, None, None]).to(self.centroids.dtype)
 
     @staticmethod
     def bytes_per_page(cfg: ModelConfig, page_size: int, dtype: torch.dtype,

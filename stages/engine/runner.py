@@ -192,19 +192,33 @@ class ModelRunner:
     def verify(self, seqs: list[Sample], starts: list[int]) -> Tensor:
         """One dense forward over each sample's positions from `starts[i]` to its last token (a speculative
         cycle's fed tokens), attending to its earlier positions in its pages and rewriting the keys and
-        values of its own -> logits [all fed tokens, V] float32, sample after sample. Each fed token attends
-        as a dense decode query whose cache ends at its position (`VerifyAttention`)."""
+        values of its own -> log_softmax(logits / T) [all fed tokens, V] float32 (T = 1 for a greedy
+        sample), sample after sample. Each fed token is a dense decode query whose cache ends at its
+        position: on the static step (CUDA graphs on a GPU) as one row of a scoring step, else through
+        `VerifyAttention`. The fed pages' centroids are left to the caller (the cycle's roll back)."""
+        fed = [(s.request.prompt + s.tokens)[start:] for s, start in zip(seqs, starts)]
+        temps = np.repeat([s.request.params.temperature for s in seqs], [len(f) for f in fed])
+        if self.static is not None and self.static.fits(1, max(len(s.pages) for s in seqs)):
+            positions = np.concatenate([start + np.arange(len(f)) for f, start in zip(fed, starts)])
+            tables = [s.pages for s, f in zip(seqs, fed) for _ in f]
+            return self.static.score(np.concatenate(fed), positions, tables, temps)
+        logits = self._verify_forward(seqs, starts, fed)
+        temps = torch.from_numpy(np.where(temps > 0, temps, 1.0)).to(logits)
+        return torch.log_softmax(logits / temps[:, None], dim=-1)
+
+    def _verify_forward(self, seqs: list[Sample], starts: list[int], fed: list[list[int]]) -> Tensor:
+        """`verify`'s plain forward -> logits [all fed tokens, V] float32."""
         P, dev = self.page_size, self.device
-        ends = [len(s.request.prompt) + len(s.tokens) for s in seqs]
-        counts = [e - b for e, b in zip(ends, starts)]
+        counts = [len(f) for f in fed]
         g, t = len(seqs), max(counts)
         tokens = torch.zeros(g, t, dtype=torch.long)
         positions = np.zeros((g, t), dtype=np.int64)
         valid = np.zeros((g, t), dtype=bool)
         width = max(len(s.pages) for s in seqs)
         table = np.full((g, width), -1, dtype=np.int64)
-        for j, (s, start, n) in enumerate(zip(seqs, starts, counts)):
-            tokens[j, :n] = torch.tensor((s.request.prompt + s.tokens)[start:])
+        for j, (s, start, f) in enumerate(zip(seqs, starts, fed)):
+            n = len(f)
+            tokens[j, :n] = torch.tensor(f)
             positions[j] = np.minimum(start + np.arange(t), start + n - 1)  # padding repeats the last
             valid[j, :n] = True
             table[j, : len(s.pages)] = s.pages

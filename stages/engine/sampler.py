@@ -22,6 +22,13 @@ from ..attention.kv_cache import upload
 from .sequence import SamplingParams
 
 
+def logprobs_at_temperature(logits: Tensor, params: Seq[SamplingParams]) -> Tensor:
+    """The engine's logprob convention: log_softmax(logits / T) [n, V] before truncation (T = 1 when
+    greedy)."""
+    temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params])[:, None]
+    return torch.log_softmax(logits.float() / temps.to(logits.device), dim=-1)
+
+
 def sample_tokens(logits: Tensor, params: Seq[SamplingParams], generators: Seq[torch.Generator | None],
                   top_logprobs: int = 0):
     """logits [B, V] -> (tokens [B], logprobs [B], top (values, ids) [B, k] or None), on the CPU."""

@@ -9,17 +9,19 @@ row. So the emitted tokens are distributed exactly as dense sampling's (speculat
 al. 2023, Chen et al. 2023); temperature, top-k and top-p shape p and q alike before the rule, and a greedy
 row keeps a draft iff it is the dense argmax. The reported logprobs are the dense model's.
 
-The cache is then rolled back to the kept positions: pages past them go back to the pool and the partly
-kept page's centroid is recomputed from the slots that stay. What a mean acceptance predicts per cycle:
-stages/speculative_plan.py.
+The cache is then rolled back to the kept positions: pages past them go back to the pool and the kept
+pages the cycle wrote get their centroids recomputed from the slots that stay. What a mean acceptance
+predicts per cycle: stages/speculative_plan.py.
 
-Drafting runs where the runner's decode steps run. On the plain step the host draws each draft with the
-sample's generator and stops a sample at a stop token. On the static step (CUDA graphs on a GPU) the device
-draws it (the race keyed by seed and position, as every static step does) and feeds it to the next step
-with no host round trip; each step's log-probs are kept for the rule, and drafts past a stop token are
-dropped when read back. A position's key never draws twice for what is emitted: a cycle starts after the
-last position whose draft was looked at. The rule's own draws use the sample's generator either way, so a
-seed gives the same rollouts whatever the batch.
+Drafting and verification run where the runner's decode steps run. On the plain step the host draws
+each draft with the sample's generator and stops a sample at a stop token, and the verification is one
+forward over the samples' fed tokens. On the static step (CUDA graphs on a GPU) the device draws each
+draft (the race keyed by seed and position, as every static step does) and feeds it to the next step with
+no host round trip; each step's log-probs are kept for the rule, and drafts past a stop token are dropped
+when read back; the verification is a scoring step of the same buffers, one row per fed token. A
+position's key never draws twice for what is emitted: a cycle starts after the last position whose draft
+was looked at. The rule's own draws use the sample's generator either way, so a seed gives the same
+rollouts whatever the batch.
 """
 
 from __future__ import annotations
@@ -34,14 +36,14 @@ from torch import Tensor
 
 from .block_manager import BlockManager
 from .runner import ModelRunner
-from .sampler import truncate
+from .sampler import logprobs_at_temperature, truncate
 from .sequence import SamplingParams, Sequence
 
 
 def sampling_probs(logits: Tensor, params: Seq[SamplingParams]) -> Tensor:
     """logits [n, V] -> the distributions the rows draw from [n, V] float32: softmax(logits / T) truncated
     by top-k then top-p and renormalised; a greedy row is one-hot at its argmax."""
-    return probs_of(reported_logprobs(logits, params), params)
+    return probs_of(logprobs_at_temperature(logits, params), params)
 
 
 def probs_of(logp: Tensor, params: Seq[SamplingParams]) -> Tensor:
@@ -53,12 +55,6 @@ def probs_of(logp: Tensor, params: Seq[SamplingParams]) -> Tensor:
         rows = torch.tensor(greedy, device=logp.device)
         probs[rows] = torch.nn.functional.one_hot(logp[rows].argmax(-1), logp.shape[-1]).float()
     return probs
-
-
-def reported_logprobs(logits: Tensor, params: Seq[SamplingParams]) -> Tensor:
-    """The engine's logprob convention: log_softmax(logits / T) before truncation (T = 1 when greedy)."""
-    temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params])[:, None]
-    return torch.log_softmax(logits.float() / temps.to(logits.device), dim=-1)
 
 
 def draw(probs: Tensor, generator: torch.Generator | None) -> Tensor:
@@ -144,8 +140,7 @@ def run_cycle(runner: ModelRunner, blocks: BlockManager, seqs: list[Sequence], k
     runner.synchronize()
     verified = time.perf_counter() - t0
     out = _decide(cycles, dense)
-    for c, e in zip(cycles, out):
-        _roll_back(runner, blocks, c, e)
+    _roll_back(runner, blocks, cycles, out)
     return Cycle(out, verified)
 
 
@@ -204,12 +199,11 @@ def _take_drafts(active: list[Drafting], logp: Tensor, tokens: list[int]) -> Non
         c.probs.append(q)
 
 
-def _decide(cycles: list[Drafting], logits: Tensor) -> list[Emitted]:
-    """The rule over the dense logits [every sample's fed tokens, V]: each sample's drafts taken back off
-    its tokens, the kept ones and the next token emitted with the dense model's logprobs. One host read
-    for the rule's outcomes and one for the logprobs, whatever the batch."""
+def _decide(cycles: list[Drafting], logp: Tensor) -> list[Emitted]:
+    """The rule over the dense log_softmax(logits / T) [every sample's fed tokens, V]: each sample's drafts
+    taken back off its tokens, the kept ones and the next token emitted with the dense model's logprobs.
+    One host read for the rule's outcomes and one for the logprobs, whatever the batch."""
     params = [c.seq.request.params for c in cycles for _ in range(len(c.drafts) + 1)]
-    logp = reported_logprobs(logits, params)  # [rows, V]
     p = probs_of(logp, params)
     starts = np.cumsum([0] + [len(c.drafts) + 1 for c in cycles])
     outcomes = []
@@ -237,13 +231,18 @@ def _decide(cycles: list[Drafting], logits: Tensor) -> list[Emitted]:
     return out
 
 
-def _roll_back(runner: ModelRunner, blocks: BlockManager, c: Drafting, e: Emitted) -> None:
-    """Keep the last token's and the kept drafts' dense keys; give back pages past them."""
-    s = c.seq
-    s.cached = c.cached + 1 + e.kept
-    keep = blocks.pages_for(s.cached)
-    blocks.free_pages(s.pages[keep:])
-    del s.pages[keep:]
-    filled = s.cached % blocks.page_size
-    if filled:
-        runner.cache.recompute_centroids(s.pages[-1], filled)
+def _roll_back(runner: ModelRunner, blocks: BlockManager, cycles: list[Drafting], out: list[Emitted]) -> None:
+    """Keep each sample's last token's and kept drafts' dense keys, give back the pages past them, and
+    set the centroids of the kept pages the cycle wrote from their keys (the drafts' appends and the
+    verification's rewrites of the same slots leave them stale)."""
+    P, pages, filled = blocks.page_size, [], []
+    for c, e in zip(cycles, out):
+        s = c.seq
+        s.cached = c.cached + 1 + e.kept
+        keep = blocks.pages_for(s.cached)
+        blocks.free_pages(s.pages[keep:])
+        del s.pages[keep:]
+        for i in range(c.cached // P, keep):
+            pages.append(s.pages[i])
+            filled.append(min(P, s.cached - i * P))
+    runner.cache.recompute_centroids(pages, filled)

@@ -7,6 +7,10 @@ and how many pages they keep. The step samples on the device (sampler.py) and ad
 host sends only what changed and reads each step's tokens from pinned memory a step later (`collect`).
 Nothing inside the step waits on the device. With `capture=False` the same step runs eagerly on any
 device, which is how the CPU tests hold it to teacher-forced scoring.
+
+A speculative cycle's dense verification runs on the same buffers and graph pool (`score`): each fed
+token is a row, a dense decode query at its position whose cache ends there, so rows of one sample read
+the keys that the rows before them wrote in the same layer. It samples nothing and advances nothing.
 """
 
 from __future__ import annotations
@@ -44,6 +48,8 @@ def kept_pages(budgets: Collection[int], page_size: int, max_pages: int) -> int:
         return max_pages  # a dense request in a sparse step keeps all of its pages
     return min(max(budgets) // page_size, max_pages)
 
+
+SCORE = -1  # the K of a scoring step's graph (`StaticDecode.score`)
 
 _CAPTURED: weakref.WeakSet = weakref.WeakSet()  # the steps that hold captured graphs
 
@@ -311,8 +317,74 @@ class StaticDecode:
             u = self._upload(np.asarray(updates, dtype=np.int64).T, torch.long)
             self.block_table[u[0], u[1]] = u[2].int()
 
+    # ------------------------------------------------------------------ scoring
+
+    def score(self, tokens: np.ndarray, positions: np.ndarray, tables: list[list[int]],
+              temperatures: np.ndarray) -> Tensor:
+        """Dense scoring rows (a speculative cycle's verification): row i feeds tokens[i] at positions[i],
+        writes its key and value there and attends densely to its cache up to there through tables[i]
+        -> log_softmax(logits / T) [rows, V] float32 (T = 1 for a greedy row). Rows past the largest
+        bucket go in later steps, which read the keys the earlier ones wrote in every layer. The rows
+        overwrite the samples' state: the next launch uploads it again."""
+        assert not self._in_flight, "collect() the steps in flight first"
+        self.forget_rows()
+        cap, out = self.buckets[-1], []
+        for at in range(0, len(tokens), cap):
+            m = min(cap, len(tokens) - at)
+            n = next(s for s in self.buckets if s >= m)
+            self._send_scoring(n, tokens[at: at + m], positions[at: at + m], tables[at: at + m],
+                               temperatures[at: at + m])
+            graph = self._graph(n, SCORE) if self.capture else None
+            if graph is None:
+                self._score(n)
+            else:
+                graph.replay()
+            out.append(self.logp[:m].clone())
+        return out[0] if len(out) == 1 else torch.cat(out)
+
+    def _send_scoring(self, n: int, tokens: np.ndarray, positions: np.ndarray, tables: list[list[int]],
+                      temperatures: np.ndarray) -> None:
+        m = len(tokens)
+        width = max(len(t) for t in tables)
+        table = np.full((m, width), -1, dtype=np.int32)
+        for i, t in enumerate(tables):
+            table[i, : len(t)] = t
+        ints = np.zeros((3, n), dtype=np.int64)
+        ints[0, :m], ints[1, :m], ints[2, :m] = tokens, positions, positions + 1  # padding: cache 0
+        ints_d = self._upload(ints, torch.long)
+        self.tokens[:n, 0], self.positions[:n, 0] = ints_d[0], ints_d[1]
+        self.cache_lens[:n] = ints_d[2].int()
+        self.block_table[:m, :width] = self._upload(table, torch.int32)
+        temps = np.ones(n, dtype=np.float32)
+        temps[:m] = np.where(temperatures > 0, temperatures, 1.0)
+        self.temperatures[:n] = self._upload(temps, torch.float32)
+        self.budgets[:n] = 0
+        if self.ring_base is not None:
+            self.ring_base[:n] = -1
+
+    def _score(self, n: int) -> None:
+        """The scoring step of bucket n: a dense step's logits as log-probs, nothing sampled or advanced."""
+        logits = self._forward(n, 0)
+        self.logp[:n] = torch.log_softmax(logits / self.temperatures[:n, None], dim=-1)
+
+    # ------------------------------------------------------------------ the step's parts
+
     def _step(self, n: int, k: int) -> None:
         """The step of bucket n with K = k: inputs from the state, the model, sampling, the state advanced."""
+        logits = self._forward(n, k)
+        cl = self.cache_lens[:n]
+        tokens, chosen, _ = sample_on_device(logits, self.temperatures[:n], self.seeds[:n],
+                                             self.positions[:n, 0], logp_out=self.logp[:n], ops=self.ops)
+        self.sampled[:n] = tokens
+        self.sampled_logp[:n] = chosen
+        active = cl > 0
+        self.tokens[:n, 0] = tokens
+        self.positions[:n, 0] += active
+        self.cache_lens[:n] += active.int()
+
+    def _forward(self, n: int, k: int) -> Tensor:
+        """The model over rows :n of the state with K = k (each row writes its key at the slot its cache
+        length ends on; padding rows, cache length 0, write nothing) -> logits [n, V] float32."""
         P, cl = self.page_size, self.cache_lens[:n]
         at = (cl.long() - 1).clamp(min=0)  # the cache index this step's k/v go to
         page = self.block_table[:n].gather(1, (at // P)[:, None])[:, 0].long()
@@ -330,15 +402,7 @@ class StaticDecode:
                                               kv_len=kv_len)[:, 0]
         else:  # the runner's decode form (the GPU's fused layers)
             hidden = self.hidden(self.tokens[:n], self.positions[:n], attn, kv_len)
-        logits = self.model.logits(hidden)
-        tokens, chosen, _ = sample_on_device(logits, self.temperatures[:n], self.seeds[:n],
-                                             self.positions[:n, 0], logp_out=self.logp[:n], ops=self.ops)
-        self.sampled[:n] = tokens
-        self.sampled_logp[:n] = chosen
-        active = cl > 0
-        self.tokens[:n, 0] = tokens
-        self.positions[:n, 0] += active
-        self.cache_lens[:n] += active.int()
+        return self.model.logits(hidden)
 
     def _after_step(self, seqs: list[Sample]) -> None:
         """Rows with top-k/top-p: drawn again from the step's log-probs over their truncated sets, and
@@ -392,12 +456,13 @@ class StaticDecode:
             self.cache_lens.zero_()  # warm-up and capture see only padding rows: they write nothing
             side = capture_stream(self.device)
             side.wait_stream(torch.cuda.current_stream())
+            run = functools.partial(self._score, n) if k == SCORE else functools.partial(self._step, n, k)
             with torch.cuda.stream(side):
-                self._step(n, k)  # Triton compiles and cuBLAS sets up outside the capture
+                run()  # Triton compiles and cuBLAS sets up outside the capture
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool, stream=side):
-                self._step(n, k)
+                run()
             self.pool = graph.pool()
             self.graphs[key] = graph
             if self not in _CAPTURED:  # a dropped step gives back what its engine's close() would
