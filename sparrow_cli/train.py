@@ -127,8 +127,8 @@ def train(
     alpha_sequences: int = typer.Option(
         4, "--alpha-sequences", help="Sequences per step whose every token's alpha is computed exactly "
         "(full vocabulary, teacher-forced dense vs the run's sparsity) and logged as alpha_p5 / alpha_mean, "
-        "the tail the stability criterion reads; 0: none (alpha_lb_p5, the top-20 lower bound, is logged "
-        "regardless; with --distill-sparse only the bound is)."),
+        "the tail the stability criterion reads; with --distill-sparse the sparse side carries the sparse "
+        "actor's adapter; 0: none (alpha_lb_p5, the top-20 lower bound, is logged regardless)."),
     speculate: int = typer.Option(0, "--speculate", help="Exact speculative rollouts (rollout --speculate): "
                                   "the run's sparsity drafts up to K tokens per sample and the dense policy "
                                   "verifies them, so every rollout is on-policy (no correction needed) and "

@@ -411,6 +411,45 @@ def test_train_distill_sparse_keeps_the_learner_apart(tiny_llama, vowel_prompts,
             TrainConfig(model=path, distill_sparse=True, **bad).validate()
 
 
+def test_exact_alpha_of_the_joint_sparse_actor(tiny):
+    """Under --distill-sparse the logged exact alpha compares the learner (dense) with the sparse actor
+    (learner plus its own adapter, sparse): against a reference from the learner's full forward and the
+    actor's differentiable teacher-forced sparse form (`actor_hidden`, another attention path) with both
+    peft adapters active."""
+    from sparrow.stages.engine import Completion
+    from sparrow.stages.model.adapter import add_lora
+    from sparrow.stages.train import TrainConfig
+    from sparrow.stages.train.exact_alpha import exact_alpha
+    from sparrow.stages.train.sparse_actor import JointSparseActor
+
+    path, _ = tiny
+    model = load_model(path).model
+    add_lora(model, 2, 4.0)
+    cfg = TrainConfig(model=path, sparsity="budget:48", distill_sparse=True, distill_rank=2)
+    policy = as_policy(48)
+    joint = JointSparseActor(model, cfg, budget_fn(policy))
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():  # both adapters away from zero: the learner differs from the base, the actor more
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    prompt, comps = _tokens([90])[0], _tokens([12, 7], seed=2)
+    completions = [Completion(0, i, prompt, c, [0.0] * len(c), [48] * len(c), "length")
+                   for i, c in enumerate(comps)]
+    got = exact_alpha(model, completions, policy, 2, 0, 1, 1.0, 12, actor=joint.weights())
+    model.eval()
+    with torch.no_grad():
+        with joint.acting():
+            sparse = model.logits(actor_hidden(model, prompt, comps, budget_fn(policy)))  # [2, 12, V]
+        for i, c in enumerate(comps):
+            dense = model.logits(model.hidden_states(torch.tensor([prompt + c]))[0, len(prompt) - 1: -1])
+            want = torch.minimum(dense.double().softmax(-1), sparse[i, : len(c)].double().softmax(-1)).sum(-1)
+            assert got[i, : len(c)].double() == pytest.approx(want.tolist(), abs=1e-4)
+            assert torch.isnan(got[i, len(c):]).all()
+    plain = exact_alpha(model, completions, policy, 2, 0, 1, 1.0, 12)  # the learner alone, both sides
+    assert (plain[0] - got[0]).abs().max() > 1e-3
+
+
 def test_train_distill_sparse_resumes_bit_exact(tiny_llama, vowel_prompts, tmp_path):
     """A --distill-sparse run that crashes in its third update and resumes from the step-1 checkpoint ends
     with the uninterrupted run's metrics, both adapters bit for bit and the sparse adapter's history."""

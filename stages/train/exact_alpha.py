@@ -4,8 +4,9 @@ The sampler keeps only its top-20 logprobs, so the per-token alpha the learner c
 lower bound (`Scores.alpha_lb`). For `alpha_sequences` sequences per step, drawn from a generator seeded
 by (seed, step) so a resumed step draws the same, every generated token is scored again by teacher
 forcing, densely and under the run's KV policy, over the full vocabulary (stages/scoring/mismatch.py,
-which reproduces incremental sparse decoding): alpha = sum_v min(p_dense, p_sparse). Those tokens carry
-the exact alpha in the metrics and the mismatch log; the others carry none.
+which reproduces incremental sparse decoding): alpha = sum_v min(p_dense, p_sparse), the sparse side with
+DistillSparse's adapter where the run trains one. Those tokens carry the exact alpha in the metrics and
+the mismatch log; the others carry none.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from torch import Tensor
 from ..engine import Completion
 from ..kv_policies import KVPolicy
 from ..model.llama import Transformer
+from ..model.lora import LoraWeights
 from ..scoring.mismatch import score_sequences
 
 
@@ -29,8 +31,9 @@ def chosen_sequences(n: int, k: int, seed: int, step: int) -> list[int]:
 
 
 def exact_alpha(model: Transformer, completions: list[Completion], policy: KVPolicy, k: int, seed: int,
-                step: int, temperature: float, width: int) -> Tensor:
-    """[N, width] alpha of every token of the chosen sequences, NaN elsewhere (and at padding)."""
+                step: int, temperature: float, width: int, actor: LoraWeights | None = None) -> Tensor:
+    """[N, width] alpha of every token of the chosen sequences, NaN elsewhere (and at padding). `actor`:
+    the sparse actor's own adapter (DistillSparse), merged for the sparse side only."""
     out = torch.full((len(completions), width), float("nan"))
     rows = chosen_sequences(len(completions), k, seed, step)
     if not rows:
@@ -39,7 +42,8 @@ def exact_alpha(model: Transformer, completions: list[Completion], policy: KVPol
     model.eval()
     try:
         scored = score_sequences(model, [completions[i].prompt_token_ids for i in rows],
-                                 [completions[i].token_ids for i in rows], [policy], temperature)
+                                 [completions[i].token_ids for i in rows], [policy], temperature,
+                                 actor=actor)
     finally:
         model.train(was_training)
     alpha, _ = scored.sparse[policy]

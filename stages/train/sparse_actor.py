@@ -17,6 +17,7 @@ from ..core.sparsity import BudgetFn
 from ..model.adapter import TARGET_MODULES
 from ..model.head import token_scores
 from ..model.llama import AttentionContext, Transformer
+from ..model.lora import LoraWeights
 from ..scoring.mismatch import decode_budgets, pad_right
 from .config import TrainConfig
 from .experience import Experience
@@ -90,6 +91,7 @@ class JointSparseActor:
                                  bias="none", target_modules=list(TARGET_MODULES), task_type="CAUSAL_LM")
         inject_adapter_in_model(self.config, model, adapter_name=self.ADAPTER)
         self.layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+        self._sparse_layers = {m for m in self.layers if self.ADAPTER in getattr(m, "lora_A", {})}
         lora = [(n, p) for n, p in model.named_parameters() if "lora_" in n]
         self.params = [p for n, p in lora if f".{self.ADAPTER}." in n]
         self.learner_params = [p for n, p in lora if ".default." in n]
@@ -105,6 +107,14 @@ class JointSparseActor:
             p.requires_grad_(who == "actor")
         for p in self.learner_params:
             p.requires_grad_(who == "learner")
+
+    def weights(self) -> LoraWeights:
+        """The sparse adapter as LoRA weights (a copy): what teacher-forced scoring merges for its sparse
+        modes (`score_sequences(actor=...)`), with the learner's adapter left active."""
+        modules = {name: (m.lora_A[self.ADAPTER].weight.detach().clone(),
+                          m.lora_B[self.ADAPTER].weight.detach().clone())
+                   for name, m in self.model.named_modules() if m in self._sparse_layers}
+        return LoraWeights(modules, float(self.config.lora_alpha), int(self.config.r))
 
     @contextmanager
     def acting(self) -> Iterator[None]:

@@ -198,9 +198,10 @@ class Trainer:
         t1 = time.perf_counter()
         self.on_phase("scoring")
         scores = score(self.model, completions, cfg, self.world, self.reference)
-        if self.policy.sparse and cfg.alpha_sequences and not cfg.distill_sparse and self.world.main:
+        if self.policy.sparse and cfg.alpha_sequences and self.world.main:
+            actor = None if self.sparse_actor is None else self.sparse_actor.weights()
             scores.alpha = exact_alpha(self.model, completions, self.policy, cfg.alpha_sequences, cfg.seed,
-                                       step, cfg.temperature, scores.mask.shape[1])
+                                       step, cfg.temperature, scores.mask.shape[1], actor)
         t_score = time.perf_counter() - t1
         selection = None
         if cfg.oversample:
