@@ -6,7 +6,10 @@ out[b, hq] = softmax(scale * q[b, hq] . K^T) V over positions 0..seq_lens[b]-1 (
 kernel of `sparse_decode` with DENSE=True: grid (B, Hkv, splits) where each split owns a contiguous
 range of logical pages (the KV length is split), each program processes all query heads of its KV head's
 group so every K/V page is loaded once per group, and programs whose range lies past the request's
-length exit without work; partial (max, sum, acc) are merged by the same reduce kernel.
+length exit without work; partial (max, sum, acc) are merged by the same reduce kernel. With `groups`
+(a speculative cycle's verification: the fed tokens of one sequence are consecutive rows, each a query
+whose cache ends at its own position) a program takes a group's queries together, so the sequence's
+pages are read once for all of them; the reference needs no groups (each row is its own query).
 """
 
 from __future__ import annotations
@@ -28,7 +31,10 @@ def dense_decode_reference(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_ta
 
 def dense_decode_triton(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor,
                         seq_lens: Tensor, scale: float | None = None, num_splits: int | None = None,
-                        block_n: int | None = None, num_warps: int = 4) -> Tensor:
-    """dense_paged_attention in Triton (flash-decoding, split over the KV length)."""
+                        block_n: int | None = None, num_warps: int = 4, groups: Tensor | None = None,
+                        queries_per_group: int = 1) -> Tensor:
+    """dense_paged_attention in Triton (flash-decoding, split over the KV length); with `groups`, the
+    consecutive rows of one sequence read its pages once (`paged_decode_triton`)."""
     return paged_decode_triton(q, k_pages, v_pages, block_table, seq_lens, None, scale,
-                               num_splits=num_splits, block_n=block_n, num_warps=num_warps)
+                               num_splits=num_splits, block_n=block_n, num_warps=num_warps, groups=groups,
+                               queries_per_group=queries_per_group)

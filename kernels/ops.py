@@ -109,8 +109,11 @@ class TorchOps:
 
     def dense_paged_attention(self, q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor,
                               seq_lens: Tensor, scale: float | None = None, num_splits: int | None = None,
-                              workspace: GatherWorkspace | None = None) -> Tensor:
-        """Exact softmax attention over all cached tokens (positions < seq_len) -> [B, Hq, D]."""
+                              workspace: GatherWorkspace | None = None, groups: Tensor | None = None,
+                              queries_per_group: int = 1) -> Tensor:
+        """Exact softmax attention over all cached tokens (positions < seq_len) -> [B, Hq, D]. `groups`
+        [B + 1]: consecutive rows that are queries of one sequence (at most `queries_per_group` each),
+        which a kernel may read the pages of once; the result is each row's own attention either way."""
         return dense_decode_reference(q, k_pages, v_pages, block_table, seq_lens, scale, workspace)
 
     def causal_attention(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
@@ -165,7 +168,7 @@ class CpuOps(TorchOps):
                                              scale)[0].to(q.dtype)
 
     def dense_paged_attention(self, q, k_pages, v_pages, block_table, seq_lens, scale=None, num_splits=None,
-                              workspace=None):
+                              workspace=None, groups=None, queries_per_group=1):
         if not cpu_attention.usable(q, k_pages):
             return dense_decode_reference(q, k_pages, v_pages, block_table, seq_lens, scale, workspace)
         scale = q.shape[-1] ** -0.5 if scale is None else scale
@@ -245,8 +248,9 @@ class TritonOps(TorchOps):
                                     num_splits=num_splits)
 
     def dense_paged_attention(self, q, k_pages, v_pages, block_table, seq_lens, scale=None, num_splits=None,
-                              workspace=None):
-        return dense_decode_triton(q, k_pages, v_pages, block_table, seq_lens, scale, num_splits=num_splits)
+                              workspace=None, groups=None, queries_per_group=1):
+        return dense_decode_triton(q, k_pages, v_pages, block_table, seq_lens, scale, num_splits=num_splits,
+                                   groups=groups, queries_per_group=queries_per_group)
 
     def race_sample(self, logp, seeds, positions=None):
         return race_sample_triton(logp, seeds, positions)

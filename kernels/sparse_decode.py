@@ -168,25 +168,34 @@ def sparse_decode_reference(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_t
     return _attend_pages_reference(q, k_pages, v_pages, block_table, seq_lens, selected, scale, workspace)
 
 
-def _paged_decode_kernel(q, k_pages, v_pages, block_table, seq_lens, selected, ws_m, ws_l, ws_acc,
+def _paged_decode_kernel(q, k_pages, v_pages, block_table, seq_lens, selected, groups, ws_m, ws_l, ws_acc,
                          scale_log2, n_slots, n_splits,
                          s_qb, s_qh, s_kp0, s_kp1, s_kp2, s_vp0, s_vp1, s_vp2, s_bt0, s_sel0, s_sel1,
                          s_mb, s_mh, s_ab, s_ah, s_as,
                          D: tl.constexpr, BLOCK_D: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr,
                          PAGE: tl.constexpr, BLOCK_N: tl.constexpr, DENSE: tl.constexpr,
-                         PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    b = tl.program_id(0)
+                         PRECISION: tl.constexpr, UPCAST: tl.constexpr, QT: tl.constexpr):
+    b = tl.program_id(0)  # a row, or with QT > 1 a group of up to QT consecutive rows of one sequence
     h = tl.program_id(1)
     sp = tl.program_id(2)
     d = tl.arange(0, BLOCK_D)
-    g = tl.arange(0, BLOCK_G)
+    g = tl.arange(0, BLOCK_G)  # (query t of the group, query head gi of the KV head's group)
+    t = g // G
+    gi = g % G
     dm = d < D
-    gm = g < G
-    qg = tl.load(q + b * s_qb + (h * G + g)[:, None] * s_qh + d[None, :],
+    if QT == 1:
+        r0 = b
+        gm = g < G
+    else:
+        r0 = tl.load(groups + b)
+        gm = (g < QT * G) & (t < tl.load(groups + b + 1) - r0)
+    row = r0 + t
+    qg = tl.load(q + row[:, None] * s_qb + (h * G + gi)[:, None] * s_qh + d[None, :],
                  mask=gm[:, None] & dm[None, :], other=0.0)
     if UPCAST:  # the interpreter's tl.dot mishandles bf16 (raw bits): same rounded values, fp32 dots
         qg = qg.to(tl.float32)
-    seq_len = tl.load(seq_lens + b).to(tl.int32)
+    lim = tl.load(seq_lens + row, mask=gm, other=0).to(tl.int32)  # each query's cache length
+    seq_len = tl.max(lim, axis=0)
     # this row's extent: its pages (dense) or its selected list, which never holds more entries than the
     # row has pages; split into n_splits ranges of whole BLOCK_N blocks, so that every split of a short
     # row shares its work and no program scans slots past the row's end
@@ -206,10 +215,10 @@ def _paged_decode_kernel(q, k_pages, v_pages, block_table, seq_lens, selected, w
         if DENSE:
             lp = tl.where(in_range, slot, -1)
         else:
-            lp = tl.load(selected + b * s_sel0 + h * s_sel1 + slot, mask=in_range, other=-1)
+            lp = tl.load(selected + r0 * s_sel0 + h * s_sel1 + slot, mask=in_range, other=-1)
         pos = lp * PAGE + tok_off
         valid = (lp >= 0) & (pos < seq_len)
-        phys = tl.load(block_table + b * s_bt0 + lp, mask=valid, other=-1).to(tl.int64)
+        phys = tl.load(block_table + r0 * s_bt0 + lp, mask=valid, other=-1).to(tl.int64)
         valid = valid & (phys >= 0)
         kv_mask = valid[:, None] & dm[None, :]
         kt = tl.load(k_pages + phys[:, None] * s_kp0 + h * s_kp1 + tok_off[:, None] * s_kp2 + d[None, :],
@@ -217,7 +226,7 @@ def _paged_decode_kernel(q, k_pages, v_pages, block_table, seq_lens, selected, w
         if UPCAST:
             kt = kt.to(tl.float32)
         s = tl.dot(qg, tl.trans(kt), input_precision=PRECISION) * scale_log2  # [BLOCK_G, BLOCK_N]
-        s = tl.where(valid[None, :], s, float("-inf"))
+        s = tl.where(valid[None, :] & (pos[None, :] < lim[:, None]), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_safe)
@@ -231,10 +240,10 @@ def _paged_decode_kernel(q, k_pages, v_pages, block_table, seq_lens, selected, w
             vt = vt.to(tl.float32)
         acc = acc * alpha[:, None] + tl.dot(p_lo, vt, input_precision=PRECISION)
         m_i = m_new
-    hq = h * G + g
-    tl.store(ws_m + b * s_mb + hq * s_mh + sp, m_i, mask=gm)
-    tl.store(ws_l + b * s_mb + hq * s_mh + sp, l_i, mask=gm)
-    tl.store(ws_acc + b * s_ab + hq[:, None] * s_ah + sp * s_as + d[None, :], acc,
+    hq = h * G + gi
+    tl.store(ws_m + row * s_mb + hq * s_mh + sp, m_i, mask=gm)
+    tl.store(ws_l + row * s_mb + hq * s_mh + sp, l_i, mask=gm)
+    tl.store(ws_acc + row[:, None] * s_ab + hq[:, None] * s_ah + sp * s_as + d[None, :], acc,
              mask=gm[:, None] & dm[None, :])
 
 
@@ -279,9 +288,16 @@ def _default_splits(q: Tensor, b: int, hkv: int, n_blocks: int) -> int:
 
 def paged_decode_triton(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor, seq_lens: Tensor,
                         selected: Tensor | None, scale: float | None = None, num_splits: int | None = None,
-                        block_n: int | None = None, num_warps: int = 4, num_stages: int = 2) -> Tensor:
-    """Shared launcher: selected=None -> dense over all pages, else sparse over `selected`."""
+                        block_n: int | None = None, num_warps: int = 4, num_stages: int = 2,
+                        groups: Tensor | None = None, queries_per_group: int = 1) -> Tensor:
+    """Shared launcher: selected=None -> dense over all pages, else sparse over `selected`. `groups`
+    [B + 1] (dense only): rows groups[i]..groups[i+1]-1, at most `queries_per_group` of them, are queries
+    of one sequence (one block table, the first row's): one program per group and KV head reads its
+    pages once for all of them, each query masked at its own seq_len (trailing groups may be empty)."""
     require_triton()
+    if groups is None:
+        queries_per_group = 1
+    assert queries_per_group == 1 or selected is None, "grouped queries attend densely"
     b, hq, d = q.shape
     _, hkv, page_size, dk = k_pages.shape
     assert dk == d and hq % hkv == 0, "q [B, Hq, D] and k_pages [N, Hkv, P, D] disagree"
@@ -316,16 +332,17 @@ def paged_decode_triton(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table
     upcast = interpreting() and k_pages.dtype != torch.float32
     precision = "ieee"  # fp32 inputs: true fp32 dots (no tf32); ignored for bf16/fp16 operands
     _paged_decode_jit[(b, hkv, splits)](
-        q_dot, k_pages, v_pages, block_table, seq_lens, sel, ws_m, ws_l, ws_acc,
+        q_dot, k_pages, v_pages, block_table, seq_lens, sel, seq_lens if groups is None else groups,
+        ws_m, ws_l, ws_acc,
         scale * LOG2E, n_slots, splits,
         q_dot.stride(0), q_dot.stride(1),
         k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
         v_pages.stride(0), v_pages.stride(1), v_pages.stride(2),
         block_table.stride(0), sel.stride(0), sel.stride(1) if not dense else 0,
         ws_m.stride(0), ws_m.stride(1), ws_acc.stride(0), ws_acc.stride(1), ws_acc.stride(2),
-        D=d, BLOCK_D=max(16, next_pow2(d)), G=g, BLOCK_G=max(16, next_pow2(g)), PAGE=page_size,
-        BLOCK_N=block_n, DENSE=dense, PRECISION=precision, UPCAST=upcast,
-        num_warps=num_warps, num_stages=num_stages,
+        D=d, BLOCK_D=max(16, next_pow2(d)), G=g, BLOCK_G=max(16, next_pow2(g * queries_per_group)),
+        PAGE=page_size, BLOCK_N=block_n, DENSE=dense, PRECISION=precision, UPCAST=upcast,
+        QT=queries_per_group, num_warps=num_warps, num_stages=num_stages,
     )
     _merge_splits_jit[(b, hq)](
         ws_m, ws_l, ws_acc, out, splits,

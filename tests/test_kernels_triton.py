@@ -119,6 +119,38 @@ def test_sparse_and_dense_decode_triton_fast():
     check_attention(cache, torch.tensor([48, 64, 48], dtype=torch.int32), splits=(None, 1), scale=0.2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_dense_decode_reads_each_sequence_once(dtype):
+    """A speculative verification's rows: consecutive queries of one sequence, each with its own cache
+    length, in groups of at most 4 (one program per group and KV head), against float64 attention over
+    the sequence's ground-truth keys; a padding row (cache 0) gives zeros, trailing groups are empty."""
+    cache = Cache([70, 33, 150], hq=6, hkv=2, d=64, seed=14, dtype=dtype).to(DEVICE)
+    counts = [4, 1, 3]
+    seq, lims = [], []
+    for i, (n, t) in enumerate(zip(cache.lengths, counts)):
+        seq += [i] * t
+        lims += list(range(n - t + 1, n + 1))
+    seq.append(0)
+    lims.append(0)  # padding
+    rows = len(seq)
+    groups = torch.tensor([0, 4, 5, 8, 9] + [rows] * (rows - 4), dtype=torch.int32, device=DEVICE)
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(rows, 6, 64, generator=g).to(dtype).to(DEVICE)
+    table = cache.block_table[seq].to(DEVICE)
+    out = paged_decode_triton(q, cache.k_pages, cache.v_pages, table,
+                              torch.tensor(lims, dtype=torch.int32, device=DEVICE), None, scale=0.2,
+                              groups=groups, queries_per_group=4)
+    for r, (i, lim) in enumerate(zip(seq, lims)):
+        if lim == 0:
+            assert out[r].abs().max() == 0
+            continue
+        k = cache.keys[i][:, :lim].double().repeat_interleave(3, 0)  # [Hq, lim, D]
+        v = cache.values[i][:, :lim].double().repeat_interleave(3, 0)
+        w = torch.softmax(0.2 * torch.einsum("hd,hnd->hn", q[r].double().cpu(), k), -1)
+        want = torch.einsum("hn,hnd->hd", w, v)
+        torch.testing.assert_close(out[r].double().cpu(), want, **tol(dtype))
+
+
 def test_decode_triton_bf16_fast():
     cache = Cache([37, 130], hq=4, hkv=1, d=128, seed=13, dtype=torch.bfloat16)
     check_attention(cache, torch.tensor([48, 64], dtype=torch.int32))
@@ -562,12 +594,12 @@ for arch in (80, 90):
                                HQ=8 * g, HKV=8, PAGE=16, QK_NORM=norm, MEAN_AT_END=cd != "fp32"), arch,
                           1 if g * d <= 1024 else 2)
         for d, g in ((64, 3), (128, 8)):
-            for dense in (False, True):
+            for dense, qt in ((False, 1), (True, 1), (True, 5)):  # qt: a verification's grouped queries
                 build(sparse_decode._paged_decode_jit, dict(q="*" + dt, k_pages="*" + dt, v_pages="*" + dt,
-                      block_table="*i32", seq_lens="*i32", selected="*i32", ws_m="*fp32", ws_l="*fp32",
-                      ws_acc="*fp32", scale_log2="fp32"),
-                      dict(D=d, BLOCK_D=d, G=g, BLOCK_G=16, PAGE=16, BLOCK_N=64, DENSE=dense,
-                           PRECISION="ieee", UPCAST=False), arch)
+                      block_table="*i32", seq_lens="*i32", selected="*i32", groups="*i32", ws_m="*fp32",
+                      ws_l="*fp32", ws_acc="*fp32", scale_log2="fp32"),
+                      dict(D=d, BLOCK_D=d, G=g, BLOCK_G=max(16, triton.next_power_of_2(g * qt)), PAGE=16,
+                           BLOCK_N=64, DENSE=dense, PRECISION="ieee", UPCAST=False, QT=qt), arch)
             build(sparse_decode._merge_splits_jit, dict(ws_m="*fp32", ws_l="*fp32", ws_acc="*fp32",
                   out="*" + dt), dict(D=d, BLOCK_D=d, BLOCK_S=32), arch, 2)
         for h, warps in ((2560, 8), (1000, 4)):

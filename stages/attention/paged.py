@@ -151,7 +151,9 @@ class DecodeBatch:
     nothing). `any_sparse`: some row has a budget (given, so that no layer reads it back from the
     device). `max_selected`: a bound on the kept pages, so that selection needs no device-to-host sync
     (CUDA graphs need that). `query_index` [B] int64: the row of the pool's query ring each row's query
-    goes to (eviction, compaction.py), or None when the pool has no ring."""
+    goes to (eviction, compaction.py), or None when the pool has no ring. `groups` [B + 1] int32 (a dense
+    step only): consecutive rows that are queries of one sequence, at most `queries_per_group` each (a
+    speculative verification's fed tokens), whose pages a kernel may read once for the group."""
 
     block_table: Tensor
     seq_lens: Tensor
@@ -160,6 +162,8 @@ class DecodeBatch:
     any_sparse: bool
     max_selected: int | None = None
     query_index: Tensor | None = None
+    groups: Tensor | None = None
+    queries_per_group: int = 1
 
 
 class DecodeAttention:
@@ -185,7 +189,8 @@ class DecodeAttention:
             out = ops.sparse_paged_attention(q, k_pages, v_pages, b.block_table, b.seq_lens, selected,
                                              self.scale)
         else:
-            out = ops.dense_paged_attention(q, k_pages, v_pages, b.block_table, b.seq_lens, self.scale)
+            out = ops.dense_paged_attention(q, k_pages, v_pages, b.block_table, b.seq_lens, self.scale,
+                                            groups=b.groups, queries_per_group=b.queries_per_group)
         return out.to(q.dtype)
 
     def record_queries(self, layer: int, q: Tensor) -> None:

@@ -124,7 +124,8 @@ class ModelRunner:
             self.static = StaticDecode(self.model, self.cache, max_batch=self.max_batch, max_pages=width,
                                        attention=self._static_attention(),
                                        capture=self.decode_step == DecodeStep.GRAPHS, ops=self.ops,
-                                       hidden=self._static_hidden())
+                                       hidden=self._static_hidden(),
+                                       score_queries=self.config.speculate + 1)
         return self.cache.num_pages
 
     def _too_small(self, workload: Workload) -> bool:
@@ -197,12 +198,11 @@ class ModelRunner:
         position: on the static step (CUDA graphs on a GPU) as one row of a scoring step, else through
         `VerifyAttention`. The fed pages' centroids are left to the caller (the cycle's roll back)."""
         fed = [(s.request.prompt + s.tokens)[start:] for s, start in zip(seqs, starts)]
-        temps = np.repeat([s.request.params.temperature for s in seqs], [len(f) for f in fed])
+        temps = [s.request.params.temperature for s in seqs]
         if self.static is not None and self.static.fits(1, max(len(s.pages) for s in seqs)):
-            positions = np.concatenate([start + np.arange(len(f)) for f, start in zip(fed, starts)])
-            tables = [s.pages for s, f in zip(seqs, fed) for _ in f]
-            return self.static.score(np.concatenate(fed), positions, tables, temps)
+            return self.static.score(fed, starts, [s.pages for s in seqs], temps)
         logits = self._verify_forward(seqs, starts, fed)
+        temps = np.repeat(temps, [len(f) for f in fed])
         temps = torch.from_numpy(np.where(temps > 0, temps, 1.0)).to(logits)
         return torch.log_softmax(logits / temps[:, None], dim=-1)
 
@@ -224,10 +224,13 @@ class ModelRunner:
             table[j, : len(s.pages)] = s.pages
         slot = np.take_along_axis(table, positions // P, axis=1) * P + positions % P
         rows = np.repeat(np.arange(g), counts)  # one decode query per fed token, in row order
+        groups = np.full(len(rows) + 1, len(rows), dtype=np.int32)  # a sample's rows read its pages once
+        groups[: g + 1] = np.cumsum([0] + counts)
         queries = DecodeBatch(torch.from_numpy(table[rows].astype(np.int32)).to(dev),
                               torch.from_numpy(positions[valid] + 1).to(device=dev, dtype=torch.int32),
                               torch.zeros(len(rows), dtype=torch.int32, device=dev),
-                              torch.full((len(rows),), -1, dtype=torch.int64, device=dev), False)
+                              torch.full((len(rows),), -1, dtype=torch.int64, device=dev), False,
+                              groups=torch.from_numpy(groups).to(dev), queries_per_group=t)
         mask = torch.from_numpy(valid).to(dev)
         attn = VerifyAttention(self.cache, mask, torch.from_numpy(slot[valid]).to(dev),
                                self._decode_attention(queries, [seqs[r] for r in rows]))

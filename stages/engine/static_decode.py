@@ -107,20 +107,21 @@ class StaticDecode:
     def __init__(self, model: Transformer, cache: PagedKVCache, *, max_batch: int, max_pages: int,
                  attention: Callable[[DecodeBatch], DecodeAttention], capture: bool = True,
                  ops: TorchOps = TORCH,
-                 hidden: Callable[[Tensor, Tensor, DecodeAttention, int], Tensor] | None = None):
+                 hidden: Callable[[Tensor, Tensor, DecodeAttention, int], Tensor] | None = None,
+                 score_queries: int = 1):
         """`max_pages`: block table width, enough for the longest sequence the engine will decode.
         `attention`: the runner's decode attention for a batch of static buffers (a plain function or
         partial, never a bound method of the runner, which holds this object). `ops`: the kernels of the
         sampler's race (kernels/race_sample.py). `hidden`: (tokens, positions, attention, kv_len) -> final
         hidden states [n, hidden], the runner's decode form (the GPU's fused layers); None: the model's
-        forward."""
+        forward. `score_queries`: the most fed tokens a sample verifies at once (K + 1 under speculation)."""
         if capture and cache.k.device.type != "cuda":
             raise ValueError("CUDA graphs need the model and cache on a CUDA device")
         dev = cache.k.device
         self.model, self.cache, self.capture, self.ops = model, cache, capture, ops
         self.device = dev
         self.max_pages, self.page_size = max_pages, cache.page_size
-        self.attention, self.hidden = attention, hidden
+        self.attention, self.hidden, self.score_queries = attention, hidden, score_queries
         self.buckets = batch_buckets(max_batch)
         rows = self.buckets[-1]
         # the samples' state, one row each
@@ -136,6 +137,7 @@ class StaticDecode:
         self.logp = torch.zeros(rows, model.cfg.vocab_size, dtype=torch.float32, device=dev)
         self.sampled = torch.zeros(rows, dtype=torch.long, device=dev)
         self.sampled_logp = torch.zeros(rows, dtype=torch.float32, device=dev)
+        self.groups = torch.zeros(rows + 1, dtype=torch.int32, device=dev)  # a scoring step's (`score`)
         # eviction (compaction.py): each row's slot in the pool's query ring (its first row, -1: the trash
         # row, for padding and samples that evict nothing) and its window; the step writes its query at
         # base + position mod window
@@ -319,52 +321,63 @@ class StaticDecode:
 
     # ------------------------------------------------------------------ scoring
 
-    def score(self, tokens: np.ndarray, positions: np.ndarray, tables: list[list[int]],
-              temperatures: np.ndarray) -> Tensor:
-        """Dense scoring rows (a speculative cycle's verification): row i feeds tokens[i] at positions[i],
-        writes its key and value there and attends densely to its cache up to there through tables[i]
-        -> log_softmax(logits / T) [rows, V] float32 (T = 1 for a greedy row). Rows past the largest
-        bucket go in later steps, which read the keys the earlier ones wrote in every layer. The rows
-        overwrite the samples' state: the next launch uploads it again."""
+    def score(self, fed: list[list[int]], starts: list[int], tables: list[list[int]],
+              temperatures: list[float]) -> Tensor:
+        """Dense scoring (a speculative cycle's verification): sample i feeds fed[i] at positions starts[i]
+        on, through its block table tables[i]; each fed token is a row that writes its key and value and
+        attends densely to its cache up to its own position, the rows of one sample in one group whose
+        pages are read once (`DecodeBatch.groups`) -> log_softmax(logits / T) [all fed tokens, V] float32
+        (T = 1 for a greedy sample), sample after sample. Rows past the largest bucket go in later steps,
+        which read the keys the earlier ones wrote in every layer. The rows overwrite the samples' state:
+        the next launch uploads it again."""
         assert not self._in_flight, "collect() the steps in flight first"
+        assert max(map(len, fed)) <= self.score_queries, "more fed tokens than a scoring group holds"
         self.forget_rows()
+        rows = [(i, j) for i, f in enumerate(fed) for j in range(len(f))]  # (sample, fed token)
         cap, out = self.buckets[-1], []
-        for at in range(0, len(tokens), cap):
-            m = min(cap, len(tokens) - at)
-            n = next(s for s in self.buckets if s >= m)
-            self._send_scoring(n, tokens[at: at + m], positions[at: at + m], tables[at: at + m],
-                               temperatures[at: at + m])
+        for at in range(0, len(rows), cap):
+            chunk = rows[at: at + cap]
+            n = next(s for s in self.buckets if s >= len(chunk))
+            self._send_scoring(n, chunk, fed, starts, tables, temperatures)
             graph = self._graph(n, SCORE) if self.capture else None
             if graph is None:
                 self._score(n)
             else:
                 graph.replay()
-            out.append(self.logp[:m].clone())
+            out.append(self.logp[: len(chunk)].clone())
         return out[0] if len(out) == 1 else torch.cat(out)
 
-    def _send_scoring(self, n: int, tokens: np.ndarray, positions: np.ndarray, tables: list[list[int]],
-                      temperatures: np.ndarray) -> None:
-        m = len(tokens)
-        width = max(len(t) for t in tables)
+    def _send_scoring(self, n: int, chunk: list[tuple[int, int]], fed: list[list[int]], starts: list[int],
+                      tables: list[list[int]], temperatures: list[float]) -> None:
+        m = len(chunk)
+        width = max(len(tables[i]) for i, _ in chunk)
         table = np.full((m, width), -1, dtype=np.int32)
-        for i, t in enumerate(tables):
-            table[i, : len(t)] = t
-        ints = np.zeros((3, n), dtype=np.int64)
-        ints[0, :m], ints[1, :m], ints[2, :m] = tokens, positions, positions + 1  # padding: cache 0
+        ints = np.zeros((3, n), dtype=np.int64)  # padding rows: token 0 at 0, cache 0 (no write, no read)
+        temps = np.ones(n, dtype=np.float32)
+        groups = np.full(n + 1, n, dtype=np.int32)  # trailing groups empty
+        count = 0
+        for r, (i, j) in enumerate(chunk):
+            table[r, : len(tables[i])] = tables[i]
+            ints[:, r] = (fed[i][j], starts[i] + j, starts[i] + j + 1)
+            temps[r] = temperatures[i] if temperatures[i] > 0 else 1.0
+            if r == 0 or chunk[r - 1][0] != i:
+                groups[count] = r
+                count += 1
+        padding = range(m, n, self.score_queries)  # padding rows in groups of their own
+        groups[count: count + len(padding)] = list(padding)
         ints_d = self._upload(ints, torch.long)
         self.tokens[:n, 0], self.positions[:n, 0] = ints_d[0], ints_d[1]
         self.cache_lens[:n] = ints_d[2].int()
         self.block_table[:m, :width] = self._upload(table, torch.int32)
-        temps = np.ones(n, dtype=np.float32)
-        temps[:m] = np.where(temperatures > 0, temperatures, 1.0)
         self.temperatures[:n] = self._upload(temps, torch.float32)
+        self.groups[: n + 1] = self._upload(groups, torch.int32)
         self.budgets[:n] = 0
         if self.ring_base is not None:
             self.ring_base[:n] = -1
 
     def _score(self, n: int) -> None:
         """The scoring step of bucket n: a dense step's logits as log-probs, nothing sampled or advanced."""
-        logits = self._forward(n, 0)
+        logits = self._forward(n, 0, grouped=True)
         self.logp[:n] = torch.log_softmax(logits / self.temperatures[:n, None], dim=-1)
 
     # ------------------------------------------------------------------ the step's parts
@@ -382,9 +395,10 @@ class StaticDecode:
         self.positions[:n, 0] += active
         self.cache_lens[:n] += active.int()
 
-    def _forward(self, n: int, k: int) -> Tensor:
+    def _forward(self, n: int, k: int, grouped: bool = False) -> Tensor:
         """The model over rows :n of the state with K = k (each row writes its key at the slot its cache
-        length ends on; padding rows, cache length 0, write nothing) -> logits [n, V] float32."""
+        length ends on; padding rows, cache length 0, write nothing) -> logits [n, V] float32. `grouped`:
+        the rows are queries in `groups` (a scoring step)."""
         P, cl = self.page_size, self.cache_lens[:n]
         at = (cl.long() - 1).clamp(min=0)  # the cache index this step's k/v go to
         page = self.block_table[:n].gather(1, (at // P)[:, None])[:, 0].long()
@@ -394,8 +408,10 @@ class StaticDecode:
             base = self.ring_base[:n]
             queries = torch.where((base >= 0) & (cl > 0), base + self.positions[:n, 0] % self.ring_window[:n],
                                   self.trash)
+        groups = self.groups[: n + 1] if grouped else None
         attn = self.attention(DecodeBatch(self.block_table[:n], cl, self.budgets[:n], self.slots[:n],
-                                          any_sparse=k > 0, max_selected=k or None, query_index=queries))
+                                          any_sparse=k > 0, max_selected=k or None, query_index=queries,
+                                          groups=groups, queries_per_group=self.score_queries))
         kv_len = self.max_pages * self.page_size
         if self.hidden is None:
             hidden = self.model.hidden_states(self.tokens[:n], positions=self.positions[:n], attention=attn,
