@@ -343,9 +343,12 @@ def run_table(args, out: Path, made: list[tuple[Design, Path]], specs: list[RunS
 def design_table(args, out: Path, mismatch: Path, made: list[tuple[Design, Path]], specs: list[RunSpec],
                  margin: float = 0.1) -> Path:
     """out/designs.md: per design and correction, the statistics with 95% intervals over bootstrap draws
-    of the profile's prompts (and tokens within them), and what training did to the dense-evaluated
-    policy on each finished seed: its held-out accuracy at the end minus at step 0, and how many runs
-    ended more than `margin` below their start (a degraded policy, whatever the sampler earned)."""
+    of the profile's prompts (and tokens within them; the plain sparse actor's, DistillSparse's too), the
+    runs' own logged exact tail (alpha_p5 over each run's last quarter of steps, mean over seeds, their
+    count in parentheses: the policy as it trained, with its adapter), and what training did to the
+    dense-evaluated policy on each finished seed: its held-out accuracy at the end minus at step 0, and
+    how many runs ended more than `margin` below their start (a degraded policy, whatever the sampler
+    earned)."""
     from sparrow.schemas import read_artifact
     from sparrow.stages.calibrate import ProfileTokens, tail_of
     from sparrow.stages.core.definitions import TAIL_QUANTILE
@@ -355,17 +358,22 @@ def design_table(args, out: Path, mismatch: Path, made: list[tuple[Design, Path]
     rng = np.random.default_rng(0)
     draws = [tokens.resample(rng) for _ in range(args.bootstrap)]
     schedules = {d.name: Schedule.from_artifact(path) for d, path in made}
-    lines = ["| design | correction | tail [95%] | mean alpha [95%] | KV read | seeds | dense eval change "
-             "from step 0, per seed | degraded |", "|---" * 8 + "|"]
+    lines = ["| design | correction | tail [95%] | mean alpha [95%] | KV read | logged tail, last quarter | "
+             "seeds | dense eval change from step 0, per seed | degraded |", "|---" * 9 + "|"]
     groups: dict[tuple[str, str, bool], list[float]] = {}
+    logged: dict[tuple[str, str, bool], list[float]] = {}
     for spec in specs:
         folder = spec.folder(out)
         if finished(args, folder):
             table = pq.read_table(folder / "metrics.parquet")
             meta = json.loads(table.schema.metadata[b"sparrow.meta"])
             last = [e for e in table.column("eval_accuracy").to_pylist() if e is not None][-1]
-            groups.setdefault((spec.name, spec.correction, spec.distill), []).append(
-                last - meta["initial_eval_accuracy"])
+            key = (spec.name, spec.correction, spec.distill)
+            groups.setdefault(key, []).append(last - meta["initial_eval_accuracy"])
+            if "alpha_p5" in table.column_names:  # the run's own exact tail (its sampler, adapter and all)
+                p5 = [a for a in table.column("alpha_p5").to_pylist() if a is not None]
+                if p5:
+                    logged.setdefault(key, []).append(float(np.mean(p5[-max(len(p5) // 4, 1):])))
     for (name, correction, distill), changes in groups.items():
         if name in schedules:
             alpha, kv, _ = tokens.at(schedules[name])
@@ -378,8 +386,10 @@ def design_table(args, out: Path, mismatch: Path, made: list[tuple[Design, Path]
         else:
             tail, mean, read = "1", "1", "1"
         degraded = sum(c < -margin for c in changes)
+        seen = logged.get((name, correction, distill))
+        own = f"{np.mean(seen):.3f} ({len(seen)})" if seen else "-"
         lines.append(f"| {name}{' + DistillSparse' if distill else ''} | {correction} | {tail} | {mean} | "
-                     f"{read} | {len(changes)} | {', '.join(f'{c:+.3f}' for c in changes)} | "
+                     f"{read} | {own} | {len(changes)} | {', '.join(f'{c:+.3f}' for c in changes)} | "
                      f"{degraded} of {len(changes)} |")
     lines += ["", _paired_difference(tokens, draws, sorted(made, key=lambda m: m[0].tail)[:2], schedules)]
     path = out / "designs.md"
