@@ -69,11 +69,17 @@ def write_prefill(k_pages: Tensor, v_pages: Tensor, centroids: Tensor, k: Tensor
     touched, inverse = torch.unique(page, return_inverse=True)
     max_off = torch.full((touched.numel(),), -1, dtype=torch.long, device=slots.device)
     max_off.scatter_reduce_(0, inverse, off, reduce="amax")
+    set_page_means(k_pages, centroids, touched, max_off + 1)
+
+
+def set_page_means(k_pages: Tensor, centroids: Tensor, pages: Tensor, filled: Tensor) -> None:
+    """centroids[pages[i]] = the mean of page pages[i]'s first filled[i] keys, in fp32 (at least) and
+    rounded once (slots past them may hold garbage)."""
     acc = torch.promote_types(centroids.dtype, torch.float32)
-    keys = k_pages[touched].to(acc)  # [T, Hkv, P, D]
-    valid = torch.arange(page_size, device=slots.device) <= max_off[:, None]  # [T, P]
-    sums = torch.where(valid[:, None, :, None], keys, 0.0).sum(2)  # unwritten slots may hold garbage
-    centroids[touched] = (sums / (max_off + 1).to(acc)[:, None, None]).to(centroids.dtype)
+    keys = k_pages[pages].to(acc)  # [T, Hkv, P, D]
+    valid = torch.arange(k_pages.shape[2], device=pages.device) < filled[:, None]  # [T, P]
+    sums = torch.where(valid[:, None, :, None], keys, 0.0).sum(2)
+    centroids[pages] = (sums / filled.to(acc)[:, None, None]).to(centroids.dtype)
 
 
 def _append_kv_kernel(k_pages, v_pages, centroids, k, v, slots,

@@ -11,6 +11,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from sparrow.kernels.append_kv import set_page_means
+
 from ..model.config import ModelConfig
 
 
@@ -56,19 +58,13 @@ class PagedKVCache:
 
     def recompute_centroids(self, pages: list[int], filled: list[int]) -> None:
         """Each page's centroids, in every layer, as the mean of its first filled[i] slots' keys (after the
-        slots past them were given up or rewritten: a speculative cycle's drafts). One layer at a time, in
-        fp32 (at least), rounded once to the centroids' dtype."""
+        slots past them were given up or rewritten: a speculative cycle's drafts), one layer at a time."""
         if not pages:
             return
-        dev = self.k.device
-        idx = upload(dev, pages, torch.long)
-        count = upload(dev, filled, torch.long)
-        valid = torch.arange(self.page_size, device=dev) < count[:, None]  # [m, P]
-        acc = torch.promote_types(self.centroids.dtype, torch.float32)
+        idx = upload(self.k.device, pages, torch.long)
+        count = upload(self.k.device, filled, torch.long)
         for layer in range(self.k.shape[0]):
-            keys = self.k[layer, idx].to(acc)  # [m, Hkv, P, D]
-            sums = torch.where(valid[:, None, :, None], keys, 0.0).sum(2)
-            self.centroids[layer, idx] = (sums / count.to(acc)[:, None, None]).to(self.centroids.dtype)
+            set_page_means(self.k[layer], self.centroids[layer], idx, count)
 
     @staticmethod
     def bytes_per_page(cfg: ModelConfig, page_size: int, dtype: torch.dtype,

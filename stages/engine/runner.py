@@ -37,7 +37,7 @@ from .block_manager import BlockManager
 from .compaction import QueryWindows, compact, write_retained
 from .config import DecodeStep, EngineConfig
 from .memory import Workload, pages_for
-from .sampler import sample_by_position, sample_tokens
+from .sampler import logprobs_at_temperature, sample_by_position, sample_tokens
 from .scheduler import Step
 from .sequence import Sequence as Sample
 from .static_decode import StaticDecode, StepOutput, kept_pages
@@ -198,13 +198,11 @@ class ModelRunner:
         position: on the static step (CUDA graphs on a GPU) as one row of a scoring step, else through
         `VerifyAttention`. The fed pages' centroids are left to the caller (the cycle's roll back)."""
         fed = [(s.request.prompt + s.tokens)[start:] for s, start in zip(seqs, starts)]
-        temps = [s.request.params.temperature for s in seqs]
         if self.static is not None and self.static.fits(1, max(len(s.pages) for s in seqs)):
-            return self.static.score(fed, starts, [s.pages for s in seqs], temps)
-        logits = self._verify_forward(seqs, starts, fed)
-        temps = np.repeat(temps, [len(f) for f in fed])
-        temps = torch.from_numpy(np.where(temps > 0, temps, 1.0)).to(logits)
-        return torch.log_softmax(logits / temps[:, None], dim=-1)
+            return self.static.score(fed, starts, [s.pages for s in seqs],
+                                     [s.request.params.temperature for s in seqs])
+        params = [s.request.params for s, f in zip(seqs, fed) for _ in f]
+        return logprobs_at_temperature(self._verify_forward(seqs, starts, fed), params)
 
     def _verify_forward(self, seqs: list[Sample], starts: list[int], fed: list[list[int]]) -> Tensor:
         """`verify`'s plain forward -> logits [all fed tokens, V] float32."""

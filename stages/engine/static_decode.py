@@ -350,14 +350,17 @@ class StaticDecode:
     def _send_scoring(self, n: int, chunk: list[tuple[int, int]], fed: list[list[int]], starts: list[int],
                       tables: list[list[int]], temperatures: list[float]) -> None:
         m = len(chunk)
-        width = max(len(tables[i]) for i, _ in chunk)
-        table = np.full((m, width), -1, dtype=np.int32)
+        samples = sorted({i for i, _ in chunk})
+        width = max(len(tables[i]) for i in samples)
+        per_sample = np.full((len(fed), width), -1, dtype=np.int32)  # each sample's table, once
+        for i in samples:
+            per_sample[i, : len(tables[i])] = tables[i]
+        table = per_sample[[i for i, _ in chunk]]  # [m, width]
         ints = np.zeros((3, n), dtype=np.int64)  # padding rows: token 0 at 0, cache 0 (no write, no read)
         temps = np.ones(n, dtype=np.float32)
         groups = np.full(n + 1, n, dtype=np.int32)  # trailing groups empty
         count = 0
         for r, (i, j) in enumerate(chunk):
-            table[r, : len(tables[i])] = tables[i]
             ints[:, r] = (fed[i][j], starts[i] + j, starts[i] + j + 1)
             temps[r] = temperatures[i] if temperatures[i] > 0 else 1.0
             if r == 0 or chunk[r - 1][0] != i:
