@@ -74,12 +74,13 @@ def write_prefill(k_pages: Tensor, v_pages: Tensor, centroids: Tensor, k: Tensor
 
 def set_page_means(k_pages: Tensor, centroids: Tensor, pages: Tensor, filled: Tensor) -> None:
     """centroids[pages[i]] = the mean of page pages[i]'s first filled[i] keys, in fp32 (at least) and
-    rounded once (slots past them may hold garbage)."""
+    rounded once (slots past them may hold garbage). k_pages [..., N, Hkv, P, D] and centroids
+    [..., N, Hkv, D]: one layer's, or every layer's at once."""
     acc = torch.promote_types(centroids.dtype, torch.float32)
-    keys = k_pages[pages].to(acc)  # [T, Hkv, P, D]
-    valid = torch.arange(k_pages.shape[2], device=pages.device) < filled[:, None]  # [T, P]
-    sums = torch.where(valid[:, None, :, None], keys, 0.0).sum(2)
-    centroids[pages] = (sums / filled.to(acc)[:, None, None]).to(centroids.dtype)
+    keys = k_pages[..., pages, :, :, :].to(acc)  # [..., T, Hkv, P, D]
+    valid = torch.arange(k_pages.shape[-2], device=pages.device) < filled[:, None]  # [T, P]
+    sums = torch.where(valid[:, None, :, None], keys, 0.0).sum(-2)
+    centroids[..., pages, :, :] = (sums / filled.to(acc)[:, None, None]).to(centroids.dtype)
 
 
 def _append_kv_kernel(k_pages, v_pages, centroids, k, v, slots,

@@ -17,7 +17,7 @@ import torch
 from sparrow.stages.core.sparsity import as_policy
 from sparrow.stages.engine import Engine, EngineConfig, SamplingParams
 from sparrow.stages.engine.config import DecodeStep
-from sparrow.stages.engine.speculative import accept_or_resample
+from sparrow.stages.engine.speculative import accept_or_resample, accept_or_resample_batch
 from sparrow.stages.engine.static_decode import SCORE
 from sparrow.stages.kv_policies import SnapKV
 from sparrow.stages.model.loading import load_model
@@ -86,6 +86,30 @@ def test_the_rule_draws_from_the_target():
             b = d[1] if kept == 2 else nxt
         second[a * 6 + b] += 1
     assert _chi2_pvalue(second, torch.outer(p[0], p[1]).flatten()) > 1e-3
+
+
+def test_the_batched_rule_is_the_per_sample_rule():
+    """Samples with 0 to K drafts, greedy and sampled, in one batch: each gets the tokens the one-sample
+    rule (whose law the test above checks) gives from the same generator state."""
+    g = torch.Generator().manual_seed(4)
+    K, V = 3, 7
+    counts = [3, 0, 2, 1, 3, 3]
+    p = torch.softmax(torch.randn(len(counts), K + 1, V, generator=g) * 2, -1)
+    q = torch.softmax(torch.randn(len(counts), K + 1, V, generator=g) * 2, -1)
+    p[3, 0] = torch.nn.functional.one_hot(torch.tensor(2), V).float()  # a greedy sample's rows are one-hot
+    p[3, 1] = torch.nn.functional.one_hot(torch.tensor(5), V).float()
+    drafts = torch.randint(V, (len(counts), K), generator=g)
+    drafts[3, 0] = 2
+    for i, n in enumerate(counts):
+        q[i, n:] = 0
+    for trial in range(200):
+        seeds = [100 * trial + i for i in range(len(counts))]
+        gens = [None if i == 3 else torch.Generator().manual_seed(s) for i, s in enumerate(seeds)]
+        kept, nxt = accept_or_resample_batch(p, q, drafts, counts, gens)
+        for i, n in enumerate(counts):
+            ref_gen = None if i == 3 else torch.Generator().manual_seed(seeds[i])
+            want = accept_or_resample(p[i, : n + 1], q[i, :n], drafts[i, :n], ref_gen)
+            assert (int(kept[i]), int(nxt[i])) == tuple(int(x) for x in want), (trial, i)
 
 
 def _dense_joint(hf, prompt: list[int], steps: int, top_k: int) -> dict[tuple[int, ...], float]:
@@ -195,8 +219,8 @@ def test_seeded_speculation_repeats_whatever_the_batch(tiny, step):
 
 
 def test_the_static_verification_scores_as_the_plain_forward(tiny):
-    """On the static step the verification is a scoring step of one row per fed token (rows past the
-    largest bucket in later steps, which read the earlier rows' keys): at every cycle it gives the plain
+    """On the static step the verification is one scoring step of one row per fed token, every sample's
+    rows in it (more rows than the decode steps' largest bucket): at every cycle it gives the plain
     verification forward's log-probs and writes the same keys and values. And every full page before a
     cycle's first fed slot has the mean of its keys as centroid (the drafts' appends were undone)."""
     _, model = tiny
@@ -205,8 +229,12 @@ def test_the_static_verification_scores_as_the_plain_forward(tiny):
     config = EngineConfig(speculate=3, max_batch=4, decode_step=DecodeStep.EAGER, **SPARSE)
     rows = []
     with Engine(model, as_policy(48), config) as engine:
+        engine.reserve(prompts, params)
         runner = engine.runner
         static_verify = runner.verify
+        steps = []
+        score_step = runner.static._score
+        runner.static._score = lambda n: (steps.append(n), score_step(n))
 
         def checked(seqs, starts):
             cache, P = runner.cache, runner.page_size
@@ -216,7 +244,9 @@ def test_the_static_verification_scores_as_the_plain_forward(tiny):
                     assert torch.allclose(cache.centroids[:, s.pages[i]].double(), keys.mean(2), atol=1e-5)
             state = (cache.k, cache.v, cache.centroids)
             before = [t.clone() for t in state]
+            steps.clear()
             scored = static_verify(seqs, starts)
+            assert len(steps) == 1
             written = [t.clone() for t in state]
             for t, b in zip(state, before):
                 t.copy_(b)
@@ -329,3 +359,45 @@ def test_speculation_with_cuda_graphs_equals_the_eager_static_step():
         for a, b in zip(*runs):
             assert a.token_ids == b.token_ids and a.accepted == b.accepted
             assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) <= 1e-4
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_speculative_cycles_run_without_host_synchronisation():
+    """On a GPU, once a cycle's graphs are captured, the host waits on the device only through events
+    (each draft step's read-back, the cycle's one read of the rule's outcome, the verification's timing):
+    no implicit synchronisation (torch's sync debug mode raises on one: .item(), .tolist() of a device
+    tensor, pageable copies) and no torch.cuda.synchronize, sampled with top-p and top logprobs; the
+    tokens are the eager static step's."""
+    model = load_model("tiny-qwen3", device="cuda", dtype=torch.bfloat16, random_weights=True).model
+    prompts = _prompts((300, 170))
+    params = [SamplingParams(max_new_tokens=64, n=3, seed=1, ignore_eos=True),
+              SamplingParams(max_new_tokens=64, n=2, seed=2, temperature=0.8, top_p=0.9, logprobs=2,
+                             ignore_eos=True)]
+    policy = as_policy(48)
+    eager = EngineConfig(max_batch=8, speculate=3, decode_step=DecodeStep.EAGER)
+    want = [c for group in Engine(model, policy, eager).generate(prompts, params) for c in group]
+    engine = Engine(model, policy, EngineConfig(max_batch=8, speculate=3))
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        engine.add_request(p, sp, request_id=i)
+    done = []
+    for _ in range(3):  # the prefill and the first cycles (graph capture)
+        done += engine.step()[0]
+    real_sync = torch.cuda.synchronize
+
+    def forbidden(*a, **k):
+        raise AssertionError("torch.cuda.synchronize in a speculative cycle")
+
+    torch.cuda.synchronize = forbidden
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(6):  # at most 6 x 4 tokens more: every cycle drafts its full K
+            done += engine.step()[0]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize = real_sync
+    while engine.has_work():
+        done += engine.step()[0]
+    got = sorted(done, key=lambda c: (c.request_id, c.sample))
+    assert [c.token_ids for c in got] == [c.token_ids for c in want]
+    assert max(abs(x - y) for a, b in zip(got, want) for x, y in zip(a.logprobs, b.logprobs)) <= 1e-4
+    assert engine.blocks.used == 0 and engine.stats.drafted_tokens > 0

@@ -58,13 +58,11 @@ class PagedKVCache:
 
     def recompute_centroids(self, pages: list[int], filled: list[int]) -> None:
         """Each page's centroids, in every layer, as the mean of its first filled[i] slots' keys (after the
-        slots past them were given up or rewritten: a speculative cycle's drafts), one layer at a time."""
+        slots past them were given up or rewritten: a speculative cycle's drafts), every layer at once."""
         if not pages:
             return
-        idx = upload(self.k.device, pages, torch.long)
-        count = upload(self.k.device, filled, torch.long)
-        for layer in range(self.k.shape[0]):
-            set_page_means(self.k[layer], self.centroids[layer], idx, count)
+        set_page_means(self.k, self.centroids, upload(self.k.device, pages, torch.long),
+                       upload(self.k.device, filled, torch.long))
 
     @staticmethod
     def bytes_per_page(cfg: ModelConfig, page_size: int, dtype: torch.dtype,

@@ -40,7 +40,7 @@ from .memory import Workload, pages_for
 from .sampler import logprobs_at_temperature, sample_by_position, sample_tokens
 from .scheduler import Step
 from .sequence import Sequence as Sample
-from .static_decode import StaticDecode, StepOutput, kept_pages
+from .static_decode import SCORE, StaticDecode, StepOutput, kept_pages
 
 
 @dataclass
@@ -80,6 +80,12 @@ def plan_forwards(lengths: Sequence[int], cap: int) -> list[list[Segment]]:
     if group:
         forwards.append(group)
     return forwards
+
+
+def fed_tokens(seq: Sample, start: int) -> list[int]:
+    """The sample's tokens from position `start` to its last (without copying a long prompt)."""
+    prompt = len(seq.request.prompt)
+    return seq.tokens[start - prompt:] if start >= prompt else (seq.request.prompt + seq.tokens)[start:]
 
 
 class ModelRunner:
@@ -197,7 +203,7 @@ class ModelRunner:
         sample), sample after sample. Each fed token is a dense decode query whose cache ends at its
         position: on the static step (CUDA graphs on a GPU) as one row of a scoring step, else through
         `VerifyAttention`. The fed pages' centroids are left to the caller (the cycle's roll back)."""
-        fed = [(s.request.prompt + s.tokens)[start:] for s, start in zip(seqs, starts)]
+        fed = [fed_tokens(s, start) for s, start in zip(seqs, starts)]
         if self.static is not None and self.static.fits(1, max(len(s.pages) for s in seqs)):
             return self.static.score(fed, starts, [s.pages for s in seqs],
                                      [s.request.params.temperature for s in seqs])
@@ -342,6 +348,8 @@ class ModelRunner:
             for budget in sorted(set(budgets)):
                 self.static.prepare(min(batch, self.max_batch),
                                     kept_pages([budget], self.page_size, self.static.max_pages))
+            if self.config.speculate:  # the verification's scoring step
+                self.static.prepare(min(batch, self.max_batch), SCORE)
 
     def in_flight(self) -> int:
         """Launched decode steps whose results were not collected."""

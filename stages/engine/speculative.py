@@ -34,6 +34,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..attention.kv_cache import upload
 from .block_manager import BlockManager
 from .runner import ModelRunner
 from .sampler import logprobs_at_temperature, truncate
@@ -52,7 +53,7 @@ def probs_of(logp: Tensor, params: Seq[SamplingParams]) -> Tensor:
     probs = probs / probs.sum(-1, keepdim=True)
     greedy = [i for i, p in enumerate(params) if p.temperature <= 0]
     if greedy:
-        rows = torch.tensor(greedy, device=logp.device)
+        rows = upload(logp.device, greedy, torch.long)
         probs[rows] = torch.nn.functional.one_hot(logp[rows].argmax(-1), logp.shape[-1]).float()
     return probs
 
@@ -86,6 +87,78 @@ def accept_or_resample(p: Tensor, q: Tensor, drafts: Tensor, generator: torch.Ge
     residual = (target - torch.cat([q, torch.zeros_like(p[:1])])[kept]).clamp_(min=0.0)
     total = residual.sum()
     return kept, draw(torch.where(total > 0, residual / total, target), generator)
+
+
+def accept_or_resample_batch(p: Tensor, q: Tensor, drafts: Tensor, counts: Seq[int],
+                             generators: Seq[torch.Generator | None]) -> tuple[Tensor, Tensor]:
+    """`accept_or_resample` for B samples at once, with no host sync: p [B, K+1, V] each sample's dense
+    distributions at its fed positions, q [B, K+1, V] the distributions its drafts were drawn from (rows
+    at and past its count of drafts all zero), drafts [B, K] int64 (padding: any token), counts the drafts
+    each made -> (kept [B], next [B]) int64. Each sample's generator gives its uniforms, then its race's
+    noise, as `accept_or_resample` draws them: the same generator states give the same tokens."""
+    B, K = drafts.shape
+    dev = p.device
+    greedy = [g is None for g in generators]
+    u = torch.zeros(B, K, device=dev)
+    noise = torch.ones(B, p.shape[-1], device=dev)
+    for i, (g, n) in enumerate(zip(generators, counts)):
+        if g is not None:
+            u[i, :n] = torch.rand(n, generator=g, device=dev)
+            noise[i].uniform_(generator=g)
+    noise = noise.log_().neg_().clamp_(min=torch.finfo(noise.dtype).tiny)
+    is_greedy = upload(dev, greedy, torch.bool)[:, None]
+    valid = torch.arange(K, device=dev) < upload(dev, list(counts), torch.long)[:, None]
+    p_at = p[:, :K].gather(2, drafts[..., None])[..., 0]  # [B, K]
+    q_at = q[:, :K].gather(2, drafts[..., None])[..., 0]
+    keep = torch.where(is_greedy, p_at > 0, u * q_at < p_at) & valid
+    kept = keep.long().cumprod(1).sum(1)  # [B]
+    at = kept[:, None, None].expand(B, 1, p.shape[-1])
+    target = p.gather(1, at)[:, 0]  # [B, V]
+    residual = (target - q.gather(1, at)[:, 0]).clamp_(min=0.0)
+    total = residual.sum(-1, keepdim=True)
+    dist = torch.where(total > 0, residual / total, target)
+    return kept, torch.where(is_greedy[:, 0], dist.argmax(-1), (dist / noise).argmax(-1))
+
+
+def to_host(*tensors: Tensor) -> list[Tensor]:
+    """Host copies of device tensors through pinned memory, waited for on one event (no stream sync)."""
+    if not tensors or tensors[0].device.type != "cuda":
+        return [t.cpu() for t in tensors]
+    out = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+    for host, t in zip(out, tensors):
+        host.copy_(t, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    done.synchronize()
+    return out
+
+
+class DeviceTimer:
+    """Seconds of a span of device work: CUDA events, read after the host has waited for later work (no
+    sync of its own), or the host's clock on a CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.begin, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def start(self) -> None:
+        if self.cuda:
+            self.begin.record()
+        else:
+            self.t0 = time.perf_counter()
+
+    def stop(self) -> None:
+        if self.cuda:
+            self.end.record()
+        else:
+            self.t1 = time.perf_counter()
+
+    def seconds(self) -> float:
+        if self.cuda:
+            self.end.synchronize()
+            return self.begin.elapsed_time(self.end) / 1e3
+        return self.t1 - self.t0
 
 
 @dataclass
@@ -134,14 +207,13 @@ def run_cycle(runner: ModelRunner, blocks: BlockManager, seqs: list[Sequence], k
     """One speculative cycle of the running samples (each has the pages its k + 1 slots need)."""
     cycles = [Drafting(s, s.cached, len(s.tokens), draft_limit(s, k)) for s in seqs]
     _draft(runner, cycles)
-    runner.synchronize()
-    t0 = time.perf_counter()
+    timer = DeviceTimer(runner.device)
+    timer.start()
     dense = runner.verify(seqs, [c.cached for c in cycles])
-    runner.synchronize()
-    verified = time.perf_counter() - t0
+    timer.stop()
     out = _decide(cycles, dense)
     _roll_back(runner, blocks, cycles, out)
-    return Cycle(out, verified)
+    return Cycle(out, timer.seconds())
 
 
 def _draft(runner: ModelRunner, cycles: list[Drafting]) -> None:
@@ -200,34 +272,47 @@ def _take_drafts(active: list[Drafting], logp: Tensor, tokens: list[int]) -> Non
 
 
 def _decide(cycles: list[Drafting], logp: Tensor) -> list[Emitted]:
-    """The rule over the dense log_softmax(logits / T) [every sample's fed tokens, V]: each sample's drafts
-    taken back off its tokens, the kept ones and the next token emitted with the dense model's logprobs.
-    One host read for the rule's outcomes and one for the logprobs, whatever the batch."""
-    params = [c.seq.request.params for c in cycles for _ in range(len(c.drafts) + 1)]
-    p = probs_of(logp, params)
-    starts = np.cumsum([0] + [len(c.drafts) + 1 for c in cycles])
-    outcomes = []
-    for c, at in zip(cycles, starts):
-        rows = p[at: at + len(c.drafts) + 1]
-        q = torch.stack(c.probs) if c.probs else rows[:0]
-        drafts = torch.tensor(c.drafts, dtype=torch.long, device=p.device)
-        outcomes.append(torch.stack(accept_or_resample(rows, q, drafts, c.seq.generator)))
-    decided = torch.stack(outcomes).tolist() if outcomes else []  # [samples, (kept, next)]
-    tokens = [c.drafts[:kept] + [nxt] for c, (kept, nxt) in zip(cycles, decided)]
-    index = torch.tensor([at + i for at, toks in zip(starts, tokens) for i in range(len(toks))],
-                         device=p.device)
-    emitted = logp[index]  # [emitted tokens, V]
-    flat = torch.tensor([t for toks in tokens for t in toks], device=p.device)
-    chosen = iter(emitted.gather(-1, flat[:, None])[:, 0].tolist())
+    """The rule over the dense log_softmax(logits / T) [every sample's fed tokens, V], every sample at once:
+    each sample's drafts taken back off its tokens, the kept ones and the next token emitted with the dense
+    model's logprobs. One host read, after the device has computed everything the host needs."""
+    counts = [len(c.drafts) for c in cycles]
+    B, K, dev = len(cycles), max(counts), logp.device
+    params = [c.seq.request.params for c, n in zip(cycles, counts) for _ in range(n + 1)]
+    starts = np.cumsum([0] + [n + 1 for n in counts])[:-1]
+    j = np.arange(K + 1)
+    prow = upload(dev, starts[:, None] + np.minimum(j, np.array(counts)[:, None]), torch.long)  # [B, K+1]
+    qs = [q for c in cycles for q in c.probs]
+    zero = len(qs)  # the q rows at and past a sample's drafts: zeros
+    first = np.cumsum([0] + counts)[:-1]
+    qrow = np.where(j < np.array(counts)[:, None], first[:, None] + j, zero)
+    q_flat = torch.cat([torch.stack(qs), logp.new_zeros(1, logp.shape[-1])]) if qs else logp.new_zeros(1,
+                                                                                             logp.shape[-1])
+    drafts = np.zeros((B, K), dtype=np.int64)
+    for i, c in enumerate(cycles):
+        drafts[i, : counts[i]] = c.drafts
+    drafts_d = upload(dev, drafts, torch.long)
+    p = probs_of(logp, params)[prow]  # [B, K+1, V]
+    kept, nxt = accept_or_resample_batch(p, q_flat[upload(dev, qrow, torch.long)], drafts_d, counts,
+                                         [c.seq.generator for c in cycles])
+    # the emitted tokens, the kept drafts then the next token, each scored at its fed row
+    tokens = torch.cat([drafts_d, drafts_d.new_zeros(B, 1)], 1).scatter_(1, kept[:, None], nxt[:, None])
+    rows = logp[prow]  # [B, K+1, V]
+    chosen = rows.gather(2, tokens[..., None])[..., 0]
+    decided = torch.cat([kept[:, None].double(), nxt[:, None].double(), chosen.double()], 1)
     n = max(c.seq.request.params.logprobs for c in cycles) if cycles else 0
-    top = emitted.topk(n, dim=-1) if n else None
-    tops = iter(zip(top.values.cpu(), top.indices.cpu()) if n else [None] * len(flat))
+    if n:
+        top = rows.topk(n, dim=-1)
+        decided, values, ids = to_host(decided, top.values, top.indices)
+    else:
+        (decided,) = to_host(decided)
     out = []
-    for c, toks, (kept, _) in zip(cycles, tokens, decided):
+    for i, (c, row) in enumerate(zip(cycles, decided.tolist())):
+        kept_i = int(row[0])
+        toks = c.drafts[:kept_i] + [int(row[1])]
         del c.seq.tokens[c.generated:]
-        kv = [c.cached + 1 + i for i in range(len(toks))]
-        out.append(Emitted(c.seq, toks, [next(chosen) for _ in toks], [next(tops) for _ in toks], kv, kept,
-                           len(c.drafts)))
+        tops = [(values[i, t], ids[i, t]) if n else None for t in range(len(toks))]
+        kv = [c.cached + 1 + t for t in range(len(toks))]
+        out.append(Emitted(c.seq, toks, row[2: 2 + len(toks)], tops, kv, kept_i, len(c.drafts)))
     return out
 
 

@@ -123,7 +123,9 @@ class StaticDecode:
         self.max_pages, self.page_size = max_pages, cache.page_size
         self.attention, self.hidden, self.score_queries = attention, hidden, score_queries
         self.buckets = batch_buckets(max_batch)
-        rows = self.buckets[-1]
+        # a scoring step holds every running sample's fed tokens at once: one read of the weights
+        self.score_buckets = batch_buckets(max_batch * score_queries)
+        rows = self.score_buckets[-1]
         # the samples' state, one row each
         self.tokens = torch.zeros(rows, 1, dtype=torch.long, device=dev)  # fed next
         self.positions = torch.zeros(rows, 1, dtype=torch.long, device=dev)  # of the token fed next
@@ -154,8 +156,8 @@ class StaticDecode:
         # preemptions, compactions)
         self._budgets: list[int] | None = None
         pin = dev.type == "cuda"
-        self._ring = [(torch.zeros(rows, dtype=torch.long, pin_memory=pin),
-                       torch.zeros(rows, dtype=torch.float32, pin_memory=pin)) for _ in range(self.RING)]
+        self._ring = [(torch.zeros(max_batch, dtype=torch.long, pin_memory=pin),
+                       torch.zeros(max_batch, dtype=torch.float32, pin_memory=pin)) for _ in range(self.RING)]
         self._next = 0
         self._in_flight: deque[_Launched] = deque()
 
@@ -323,29 +325,25 @@ class StaticDecode:
 
     def score(self, fed: list[list[int]], starts: list[int], tables: list[list[int]],
               temperatures: list[float]) -> Tensor:
-        """Dense scoring (a speculative cycle's verification): sample i feeds fed[i] at positions starts[i]
-        on, through its block table tables[i]; each fed token is a row that writes its key and value and
-        attends densely to its cache up to its own position, the rows of one sample in one group whose
-        pages are read once (`DecodeBatch.groups`) -> log_softmax(logits / T) [all fed tokens, V] float32
-        (T = 1 for a greedy sample), sample after sample. Rows past the largest bucket go in later steps,
-        which read the keys the earlier ones wrote in every layer. The rows overwrite the samples' state:
-        the next launch uploads it again."""
+        """Dense scoring (a speculative cycle's verification), in one step: sample i feeds fed[i] at
+        positions starts[i] on, through its block table tables[i]; each fed token is a row that writes its
+        key and value and attends densely to its cache up to its own position, the rows of one sample in
+        one group whose pages are read once (`DecodeBatch.groups`) -> log_softmax(logits / T) [all fed
+        tokens, V] float32 (T = 1 for a greedy sample), sample after sample. The rows overwrite the
+        samples' state: the next launch uploads it again."""
         assert not self._in_flight, "collect() the steps in flight first"
         assert max(map(len, fed)) <= self.score_queries, "more fed tokens than a scoring group holds"
+        assert len(fed) <= self.buckets[-1], "more samples than a step holds"
         self.forget_rows()
         rows = [(i, j) for i, f in enumerate(fed) for j in range(len(f))]  # (sample, fed token)
-        cap, out = self.buckets[-1], []
-        for at in range(0, len(rows), cap):
-            chunk = rows[at: at + cap]
-            n = next(s for s in self.buckets if s >= len(chunk))
-            self._send_scoring(n, chunk, fed, starts, tables, temperatures)
-            graph = self._graph(n, SCORE) if self.capture else None
-            if graph is None:
-                self._score(n)
-            else:
-                graph.replay()
-            out.append(self.logp[: len(chunk)].clone())
-        return out[0] if len(out) == 1 else torch.cat(out)
+        n = next(s for s in self.score_buckets if s >= len(rows))
+        self._send_scoring(n, rows, fed, starts, tables, temperatures)
+        graph = self._graph(n, SCORE) if self.capture else None
+        if graph is None:
+            self._score(n)
+        else:
+            graph.replay()
+        return self.logp[: len(rows)].clone()
 
     def _send_scoring(self, n: int, chunk: list[tuple[int, int]], fed: list[list[int]], starts: list[int],
                       tables: list[list[int]], temperatures: list[float]) -> None:
@@ -456,6 +454,11 @@ class StaticDecode:
     def prepare(self, batch: int, k: int) -> None:
         """Capture the graph of `batch` rows with K = k now (run eagerly: run its step once on padding
         rows, which compiles its kernels), so that no later step pays for it. The rows' state is kept."""
+        if k == SCORE:  # a scoring step of `batch` samples' full groups
+            n = next(s for s in self.score_buckets if s >= batch * self.score_queries)
+            if self.capture:
+                self._graph(n, k)
+            return  # eager scoring steps compile with the decode steps' kernels
         n = next(s for s in self.buckets if s >= batch)
         if self.capture:
             self._graph(n, k)

@@ -71,8 +71,12 @@ class GpuRunner(ModelRunner):
         prefill, decode = self._peaks(longest, scratch)
         del scratch
         torch.cuda.empty_cache()
-        # the static step's log-probs buffer and the temperature-scaled logits its sampling makes
-        static = 2 * self.max_batch * cfg.vocab_size * 4 if self.decode_step != DecodeStep.PLAIN else 0
+        # the static step's log-probs buffer and the temperature-scaled logits its sampling makes, over
+        # every fed token of a speculative cycle's scoring step (K + 1 rows a sample), whose activations
+        # grow with its rows as the decode step's do
+        rows = self.config.speculate + 1
+        decode *= rows
+        static = 2 * self.max_batch * rows * cfg.vocab_size * 4 if self.decode_step != DecodeStep.PLAIN else 0
         static += PagedKVCache.query_ring_bytes(cfg, self.max_batch, workload.window, self.dtype)  # eviction
         activations = prefill + decode + static
         free, total = torch.cuda.mem_get_info(dev)
