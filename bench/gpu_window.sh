@@ -6,22 +6,23 @@
 #
 #   bash bench/gpu_window.sh a|b|--plan
 #
-# Each phase has a budget (a 390 s, b 270 s, together 660 s; the call's timeout leaves a minute or more
-# for the wheels and the site folder); a step gets at most what is left of it and is skipped, with the
-# reason, when less than half its limit is left. Steps are in the order of priority: correctness, 32K
-# memory, the decode step against its floor, the 8K rollout ratio, profiling at 32K. Logs, at most 8
-# files with the results and summary.txt, go to $OUT; the summary table is printed last. `--plan` prints
-# each phase's steps, limits and totals and runs nothing (no torch or GPU needed).
+# Each phase has a budget (a 385 s, b 275 s, together 660 s; the call's timeout leaves a minute or more
+# for the wheels and the site folder; a warm start took about 30 s); a step gets at most what is left of
+# it and is skipped, with the reason, when less than half its limit is left. Phase a is correctness, 32K
+# memory and the decode step against its floor; phase b exact speculation on CUDA graphs (its correctness,
+# no host sync in a cycle, then its speed at 16K), profiling at 32K and where a sparse step's time goes.
+# Logs, at most 8 files with the results and summary.txt, go to $OUT; the summary table is printed last.
+# `--plan` prints each phase's steps, limits and totals and runs nothing (no torch or GPU needed).
 #
-# Sizing: the limits follow a lent window's logs (docs/gpu.md, "Running the GPU window"); kernel-tests'
-# limit is mostly Triton's first compile of every kernel on a bare machine. From the CPU side:
-# test_kernels_triton.py is 74 tests (slow sweeps included; the CPU-only
-# ahead-of-time build test is left out: it compiles every kernel for sm80 and sm90 and needs no GPU);
-# the engine's GPU tests are 33. A 32K prompt's prefill is about 2 x 4e9 x 32768 = 2.6e14 FLOPs plus as
-# much again in attention, about a second per engine at H100 rates: the engines step is pool sizing,
-# graph capture and frees. The 8K rollout reads per dense step 8 GB of weights plus 32 samples' KV
-# (147 KB a token, 4.3K tokens on average: 20 GB), about 9 ms at 3 TB/s, 8,192 steps: 75 s dense, about
-# 45 s each sparse run at its floor; at the 1.4-2x floor measured before, 200-250 s for the three runs.
+# Sizing: the limits follow the lent windows' logs (docs/gpu.md, "Running the GPU window"); kernel-tests'
+# limit is mostly Triton's first compile of every kernel on a bare machine (147 s of its 180). From the
+# CPU side: test_kernels_triton.py is 74 tests (slow sweeps included; the CPU-only ahead-of-time build
+# test is left out: it compiles every kernel for sm80 and sm90 and needs no GPU); the engine's GPU tests
+# are 33. A 32K prompt's prefill is about 2 x 4e9 x 32768 = 2.6e14 FLOPs plus as much again in attention,
+# about a second per engine at H100 rates: the engines step is pool sizing, graph capture and frees. The
+# speculation bench is five engines of one 16K prefill and 512 steps or cycles each (55 s before its
+# cycles were batched) and two samples' teacher-forced scoring; `sparrow profile` scores a 32K trajectory
+# at 4 budgets in about 22 s, 4 of them.
 set -u
 case ${1:-} in
     a|b|--plan) ;;
@@ -32,12 +33,12 @@ WHAT=$1
 [[ $WHAT == --plan ]] && PLAN=1
 # shellcheck source=bench/gpu_common.sh
 source "$(dirname "$0")/gpu_common.sh"
-BUDGET_A=390 BUDGET_B=270
+BUDGET_A=385 BUDGET_B=275
 CPU_ONLY=tests/test_kernels_triton.py::test_kernels_compile_for_sm80_and_sm90
 
 phase_a() {  # correctness, 32K memory, the decode step against its floor
     step versions 10 versions
-    step kernel-tests 185 $PY -m pytest -q -p no:cacheprovider -m "slow or not slow" --deselect "$CPU_ONLY" \
+    step kernel-tests 180 $PY -m pytest -q -p no:cacheprovider -m "slow or not slow" --deselect "$CPU_ONLY" \
         tests/test_kernels_triton.py
     step engine-tests 75 $PY -m pytest -q -s -p no:cacheprovider -m "slow or not slow" tests/test_gpu.py \
         tests/test_gpu_layers.py "tests/test_rollout.py::test_cuda_graph_step_equals_eager_step"
@@ -47,20 +48,25 @@ phase_a() {  # correctness, 32K memory, the decode step against its floor
     keep bench/results/rollout-own-kv.parquet own-kv.parquet
 }
 
-phase_b() {  # the 8K rollout ratio, profiling at 32K
-    step rollout-8k 215 $PY bench/rollout.py --model qwen3-4b --random-weights --prompts 4 --samples 8 \
-        --prompt-len 256 --new-tokens 8192 --temperature 1 --budget 2048 --schedule published:qwen3-4b:0.86 \
-        --no-hf --no-vllm
-    keep bench/results/rollout.parquet rollout-8k.parquet
+phase_b() {  # exact speculation on CUDA graphs, profiling at 32K, where a sparse step's time goes
+    step speculation-graphs 45 $PY -m pytest -q -s -p no:cacheprovider \
+        "tests/test_speculative.py::test_speculation_with_cuda_graphs_equals_the_eager_static_step" \
+        "tests/test_speculative.py::test_speculative_cycles_run_without_host_synchronisation"
+    step speculation-16k 90 $PY bench/speculation.py --device cuda --model qwen3-4b --prompt-len 16384 \
+        --samples 8 --new-tokens 512 --budget 2048 --speculate 2,4 --alpha-samples 2 --floor-context 16384 \
+        --floor-batch 8
+    keep bench/results/speculation.parquet speculation-16k.parquet
     LOG=profile-32k step profile-inputs 10 $PY bench/learner_scale.py rollouts --model qwen3-4b \
         --trajectories 4 --length 32768 --output "$WORK/long_rollouts.parquet"
-    step profile-32k 45 $PY bench/scale_gpu.py run -- sparrow profile --device cuda --model qwen3-4b \
+    step profile-32k 95 $PY bench/scale_gpu.py run -- sparrow profile --device cuda --model qwen3-4b \
         --random-weights --rollouts "$WORK/long_rollouts.parquet" --budgets 1024,2048,3072,4096 \
         --bin-width 2000 -o "$OUT/profile-32k.parquet" --force
+    step step-profile-32k 35 $PY bench/scale_gpu.py run -- bench/step_profile.py --model qwen3-4b \
+        --context 32768 --samples 8 --budget 2048
 }
 
 LEFT="  left to gpu_checks.sh (another call each): scale-train (one LoRA GRPO step, 2 x 4 x 16K new tokens,
-  peak memory), scale-step-profile (the step profile at 32K x 8, budget 2048), rollout-8k (fit-cost first,
+  peak memory), rollout-8k (the whole rollout 4 x 8 x 8,192 after 256; fit-cost first,
   for the cost model's predicted speedups beside the measured ones; bench/predict_rollout.py gives them
   for this window's rollout-8k.parquet from any fit-cost artifact of the same card)."
 

@@ -57,6 +57,7 @@ def prompts_for(loaded, args) -> list[list[int]]:
 
 
 def run(model, prompts, args, label: str, budget: int | None, k: int) -> tuple[dict, list]:
+    """One sampler's rollout, timed after its CUDA graphs are captured; its row is printed at once."""
     params = SamplingParams(max_new_tokens=args.new_tokens, n=args.samples, temperature=args.temperature,
                             seed=0, ignore_eos=True)
     config = EngineConfig(max_batch=args.prompts * args.samples, dense_layers=DENSE_LAYERS, speculate=k)
@@ -64,15 +65,40 @@ def run(model, prompts, args, label: str, budget: int | None, k: int) -> tuple[d
         engine.reserve(prompts, params)
         engine.warm_up(config.max_batch, [budget or 0])  # CUDA graphs captured untimed (a CPU: nothing)
         t0 = time.perf_counter()
-        out = engine.generate(prompts, params)
+        if args.profile and k:
+            with torch.profiler.profile(activities=profiler_activities()) as prof:
+                out = engine.generate(prompts, params)
+        else:
+            out = engine.generate(prompts, params)
         wall = time.perf_counter() - t0
         st = engine.stats
+    if args.profile and k:
+        print_profile(prof, label)
     tokens = sum(len(c.token_ids) for group in out for c in group)
     row = {"sampler": label, "budget": budget or 0, "speculate": k, "total_s": wall,
            "prefill_s": st.prefill_s, "decode_s": st.decode_s, "tokens": tokens,
            "tokens_per_s": tokens / wall, "drafted": st.drafted_tokens, "kept": st.accepted_drafts,
            "acceptance": st.accepted_drafts / st.drafted_tokens if st.drafted_tokens else None}
+    print(f"{label}: {wall:.2f} s ({st.decode_s:.2f} s decode), {tokens / wall:.1f} tok/s, acceptance "
+          f"{row['acceptance'] if row['acceptance'] is not None else '-'}", flush=True)
     return row, [c for group in out for c in group]
+
+
+def profiler_activities() -> list:
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    return acts
+
+
+def print_profile(prof, label: str, top: int = 25) -> None:
+    """Where a speculative rollout's time went: device kernels and host ops, totals over the run."""
+    events = prof.key_averages()
+    for key, what in (("self_device_time_total", "device"), ("self_cpu_time_total", "host")):
+        rows = sorted(events, key=lambda e: getattr(e, key, 0) or 0, reverse=True)[:top]
+        print(f"{label}: {what} time by op (total ms, calls):")
+        for e in rows:
+            print(f"  {(getattr(e, key, 0) or 0) / 1e3:10.1f} {e.count:8d}  {e.key[:100]}")
 
 
 def cycles_per_sample(samples) -> np.ndarray:
@@ -89,7 +115,7 @@ def measured_alpha(model, prompts, samples, args, budget: int) -> float:
     """Mean alpha at `budget` of the positions the speculative samples' drafts were made at."""
     n = args.samples
     values = []
-    for i, c in enumerate(samples):
+    for i, c in enumerate(samples[: args.alpha_samples or None]):
         scored = score_sequences(model, [prompts[i // n]], [c.token_ids], [budget],
                                  temperature=args.temperature, dense_layers=DENSE_LAYERS)
         values.append(scored.sparse[budget][0][1:])  # the first token is the prefill's
@@ -117,7 +143,10 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--budget", type=int, default=512, help="the lossy budget and the drafts'")
     ap.add_argument("--speculate", default="2,4", help="K values (drafts per cycle)")
+    ap.add_argument("--alpha-samples", type=int, default=0,
+                    help="score the first N speculative samples for alpha (0 = all)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--profile", action="store_true", help="torch.profiler over each speculative rollout")
     ap.add_argument("--hardware", default="h100")
     ap.add_argument("--floor-model", default="qwen3-4b")
     ap.add_argument("--floor-context", type=int, default=32768)
