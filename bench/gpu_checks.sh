@@ -13,6 +13,8 @@
 #   engine          the engine's GPU tests: CUDA graphs vs eager, transformers greedy, teacher-forced
 #                   scoring, the fused step vs the modular one, no host sync per step, eviction
 #   kernels         bench/kernels.py: per-kernel times and bytes against the bandwidth floor
+#   select-sweep    the radix select alone at 8 samples of 16K and 32K under several pages-per-chunk x
+#                   warps configurations (each checked to keep the default's pages)
 #   rollout         bench/rollout.py, one prompt x 32 samples x 1,024 new tokens at 16K and at 32K
 #   decode-table    the own-KV decode-step table: 8x32K, 16x16K, 32x8K, 16x4K, dense / budget 2048 /
 #                   the published 0.86 schedule, each step against its floor, T = 1
@@ -58,10 +60,10 @@ case $WHAT in
 esac
 case $WHAT in
     all|tests|engine|kernels|rollout|decode-table|rollout-8k|rollout-16k|fused|profile|train|learner) ;;
-    learner-score|learner-update|paged-scoring|speculation|kv-compression|scale|scale-*) ;;
+    learner-score|learner-update|paged-scoring|speculation|kv-compression|select-sweep|scale|scale-*) ;;
     *) echo "bench/gpu_checks.sh: unknown mode '$WHAT' (expected all, tests, engine, kernels, rollout," \
             "decode-table, rollout-8k, rollout-16k, fused, profile, train, learner, learner-score," \
-            "learner-update, paged-scoring, speculation, kv-compression, scale or scale-NAME)" >&2
+            "learner-update, paged-scoring, speculation, kv-compression, select-sweep, scale or scale-NAME)" >&2
        exit 2 ;;
 esac
 BUDGET=${BUDGET:-570}
@@ -83,6 +85,10 @@ fi
 if is all kernels; then
     step bench-kernels 150 $PY bench/kernels.py
     keep bench/results/kernels.parquet kernels.parquet
+fi
+if is select-sweep; then
+    step select-sweep 150 $PY bench/kernels.py --part select-sweep --batch 8 --contexts 16384,32768
+    keep bench/results/kernels.parquet select-sweep.parquet
 fi
 if is all rollout; then
     for ctx in 16384 32768; do

@@ -33,7 +33,7 @@ import statistics
 import torch
 from common import copy_bandwidth, timed, timed_graph, write_results
 
-from sparrow.kernels import ops
+from sparrow.kernels import ops, page_scoring
 from sparrow.kernels.page_scoring import finish_selection, select_from_scores_triton
 from sparrow.stages.model.presets import get_preset
 
@@ -109,6 +109,34 @@ def bench_context(args, device, dtype, context: int, bw: float) -> list[dict]:
     return rows
 
 
+def bench_select_sweep(args, device, context: int) -> list[dict]:
+    """The radix select alone (select-only) under each (pages per chunk, warps) of --select-configs, at
+    --batch samples of `context` tokens; each configuration's pages checked against the default's."""
+    cfg = get_preset(args.model).config
+    hkv, d, page = cfg.num_kv_heads, cfg.head_dim, 16
+    _, _, cents, table, lens = paged_layer(args.batch, context, hkv, d, page, torch.bfloat16, device)
+    q = torch.randn(args.batch, cfg.num_heads, d, device=device, dtype=torch.bfloat16)
+    budgets = torch.full((args.batch,), args.budget, dtype=torch.int32, device=device)
+    k_sel = args.budget // page
+    scores = ops.ops_for(device).page_scores(q, cents, table, lens, page)
+    default = (page_scoring.SELECT_BLOCK, page_scoring.SELECT_WARPS)
+    want = select_only(scores, lens, budgets, page, k_sel).sort(-1).values
+    rows = []
+    try:
+        for config in args.select_configs.split(","):
+            block, warps = (int(x) for x in config.split("x"))
+            page_scoring.SELECT_BLOCK, page_scoring.SELECT_WARPS = block, warps
+            got = select_only(scores, lens, budgets, page, k_sel).sort(-1).values
+            seconds = statistics.median(timed_graph_calls(
+                lambda: select_only(scores, lens, budgets, page, k_sel), device, args.reps))
+            rows.append({"kernel": f"select-only {config}", "context": context, "batch": args.batch,
+                         "budget": args.budget, "block": block, "warps": warps, "ms": 1e3 * seconds,
+                         "same_pages": bool(torch.equal(got, want)), "device": str(device)})
+    finally:
+        page_scoring.SELECT_BLOCK, page_scoring.SELECT_WARPS = default
+    return rows
+
+
 def timed_graph_calls(fn, device, reps: int, calls: int = 20) -> list[float]:
     """Seconds per call of fn when `calls` calls replay from one CUDA graph (the step's situation for a
     kernel of a few hundred KB); plain calls off CUDA."""
@@ -181,11 +209,14 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=None, help="timed calls per kernel (default 20 / 3)")
     ap.add_argument("--eager", action="store_true", help="time plain calls instead of CUDA graph replays")
     ap.add_argument("--part", default="attention,elementwise",
-                    help="attention (dense vs sparse, selection), elementwise (the fused decode chain)")
+                    help="attention (dense vs sparse, selection), elementwise (the fused decode chain), "
+                         "select-sweep (the radix select under each of --select-configs)")
+    ap.add_argument("--select-configs", default="1024x4,2048x4,2048x8,4096x8,2048x16",
+                    help="pages per chunk x warps of the radix select, for --part select-sweep")
     args = ap.parse_args()
     parts = set(args.part.split(","))
-    if not parts <= {"attention", "elementwise"}:
-        ap.error(f"--part takes attention and/or elementwise, got {args.part!r}")
+    if not parts <= {"attention", "elementwise", "select-sweep"}:
+        ap.error(f"--part takes attention, elementwise and/or select-sweep, got {args.part!r}")
     device = torch.device(args.device)
     on_gpu = device.type == "cuda"
     args.batch = args.batch or (32 if on_gpu else 4)
@@ -216,6 +247,12 @@ def main() -> None:
             print(f"{r['kernel']:>20} {r['us']:>8.2f} {r['eager_us']:>9.2f} {r['bytes'] / 1e3:>8.1f} "
                   f"{r['floor_us']:>9.3f} {r['floor_us_3tbs']:>7.3f} {r['per_step']:>6} {r['step_us']:>8.1f} "
                   f"{r['eager_step_us']:>11.1f}")
+    if "select-sweep" in parts:
+        print(f"the radix select alone, batch {args.batch}, budget {args.budget} (pages per chunk x warps):")
+        for context in contexts:
+            for r in bench_select_sweep(args, device, context):
+                rows.append(r)
+                print(f"{context:>8} {r['kernel']:>22} {r['ms']:>9.4f} ms  same pages: {r['same_pages']}")
     write_results(rows, "kernels")
 
 

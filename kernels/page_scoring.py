@@ -280,7 +280,7 @@ def select_from_scores_triton(scores: Tensor, seq_lens: Tensor, budgets: Tensor,
         scores, seq_lens.contiguous(), budgets.contiguous(), selected, counts,
         scores.stride(0), scores.stride(1), selected.stride(0), selected.stride(1), max_pages, width,
         PAGE=page_size, RESERVED=RESERVED_PAGES, BLOCK_P=min(SELECT_BLOCK, next_pow2(max_pages)),
-        BLOCK_W=min(SELECT_BLOCK, next_pow2(width)), num_warps=4,
+        BLOCK_W=min(SELECT_BLOCK, next_pow2(width)), num_warps=SELECT_WARPS,
     )
     if max_selected is None:  # as narrow as the widest row, like the reference (a host sync)
         selected = selected[..., : int(counts.max())]
@@ -288,6 +288,7 @@ def select_from_scores_triton(scores: Tensor, seq_lens: Tensor, budgets: Tensor,
 
 
 SELECT_BLOCK = 1024  # pages per chunk of the selection kernel's passes
+SELECT_WARPS = 4  # warps per (sample, KV head) program (bench/kernels.py --part select-sweep times others)
 
 
 def page_scoring_triton(q: Tensor, centroids: Tensor, block_table: Tensor, seq_lens: Tensor,

@@ -163,11 +163,16 @@ def _kept_scores(scores, selected):
     return picked.masked_fill(selected < 0, float("inf")).sort(-1).values
 
 
-def test_selection_kernel_equals_finish_selection():
+@pytest.mark.parametrize("block", [1024, 16], ids=["one-chunk", "chunked"])
+def test_selection_kernel_equals_finish_selection(block, monkeypatch):
     """The fused top-k selection kernel against the torch reference on random score rows: short and
-    empty requests, dense and sparse budgets, the sync-free widths; with tied scores (where torch.topk's
-    order is unspecified) the number kept per row and the multiset of kept scores agree."""
+    empty requests, dense and sparse budgets, the sync-free widths, rows in one chunk and in several
+    (`SELECT_BLOCK` pages a chunk); with tied scores (where torch.topk's order is unspecified) the number
+    kept per row and the multiset of kept scores agree."""
+    from sparrow.kernels import page_scoring
     from sparrow.kernels.page_scoring import finish_selection, select_from_scores_triton
+
+    monkeypatch.setattr(page_scoring, "SELECT_BLOCK", block)
 
     g = torch.Generator().manual_seed(5)
     for trial in range(24):
