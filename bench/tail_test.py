@@ -415,10 +415,10 @@ def _paired_difference(tokens, draws: list[np.ndarray], pair: list[tuple[Design,
     return f"{a.name} minus {b.name} (paired bootstrap, 95%): " + "; ".join(parts)
 
 
-def figure(out: Path, threshold: Path, target: Path | None) -> Path:
+def figure(out: Path, threshold: Path, target: Path | None, specs: list[RunSpec]) -> Path:
     """Reward gap (dense reference minus run, training reward, the step-0 sampler gap added back) and the
     dense-eval change, against tail, mean alpha and KV read; every sparse run, colour = label, marker =
-    seed, filled = TIS, open = no correction."""
+    seed, filled = TIS, open = no correction, a black ring = DistillSparse's online adapter."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -427,6 +427,7 @@ def figure(out: Path, threshold: Path, target: Path | None) -> Path:
     from sparrow.schemas import artifact_metadata
 
     runs = [r for r in json.loads(artifact_metadata(threshold)["runs"]) if r["reference"]]
+    distilled = {spec.folder(out).resolve() for spec in specs if spec.distill}
     markers = {0: "o", 1: "s", 2: "^"}
     fig, axes = plt.subplots(2, 3, figsize=(13, 7.5), sharey="row")
     xs = (("tail", "tail: min over bins of p5 alpha"), ("mean", "mean alpha"),
@@ -443,13 +444,17 @@ def figure(out: Path, threshold: Path, target: Path | None) -> Path:
                 colour = "tab:red" if r["collapsed"] else "tab:green"
                 ax.scatter(r[key], value, marker=markers.get(r["seed"], "o"), s=40, edgecolors=colour,
                            facecolors=colour if r["correction"] != "none" else "none", linewidths=1.2)
+                if Path(r["run"]).resolve() in distilled:
+                    ax.scatter(r[key], value, marker=markers.get(r["seed"], "o"), s=130, facecolors="none",
+                               edgecolors="black", linewidths=0.9)
             ax.axhline(0, color="grey", lw=0.8)
             ax.grid(alpha=0.3)
             if row == 1:
                 ax.set_xlabel(what)
             if col == 0:
                 ax.set_ylabel(label)
-    fig.suptitle("Every sparse run: red collapsed, green stable; marker = seed; filled = TIS, open = none")
+    fig.suptitle("Every sparse run: red collapsed, green stable; marker = seed; filled = TIS, open = none; "
+                 "ringed = DistillSparse")
     fig.tight_layout()
     path = out / "tail-test.png"
     fig.savefig(path, dpi=110)
@@ -512,7 +517,7 @@ def main() -> None:
     design_table(args, out, mismatch, made, specs)
     if args.phase == "calibrate" or threshold is None:
         return
-    figure(out, threshold, args.figure)
+    figure(out, threshold, args.figure, specs)
 
 
 if __name__ == "__main__":
