@@ -82,13 +82,22 @@ def read_schema(path: Path) -> pa.Schema:
 
 
 def json_text(path: Path) -> bool:
-    """A regular file whose first non-blank byte opens a JSON object or array (JSON lines by content,
-    whatever the file's suffix)."""
+    """A regular file whose start is text (UTF-8, no control bytes but whitespace) and whose first non-blank
+    byte opens a JSON object or array (JSON lines by content, whatever the file's suffix)."""
     if not path.is_file():
         return False
     with open(path, "rb") as f:
         head = f.read(64).lstrip()
-    return head[:1] in (b"{", b"[")
+    return head[:1] in (b"{", b"[") and _text(head)
+
+
+def _text(head: bytes) -> bool:
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError as e:
+        if e.start < len(head) - 3:  # more than a character cut at the end of the read
+            return False
+    return not any(b < 0x09 or 0x0E <= b < 0x20 or b == 0x7F for b in head)
 
 
 def kind_version(schema: pa.Schema) -> tuple[str | None, str | None]:

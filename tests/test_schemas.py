@@ -184,7 +184,8 @@ def test_missing_file(tmp_path):
     one_sentence(e, tmp_path / "nope.parquet")
 
 
-@pytest.mark.parametrize("content", [b"prompt_id,task\np0,arith\n", os.urandom(4096), b""])
+@pytest.mark.parametrize("content", [b"prompt_id,task\np0,arith\n", os.urandom(4096),
+                                     b"{" + bytes(range(256)), b""])
 def test_not_a_parquet_file(tmp_path, content):
     path = tmp_path / "x.parquet"
     path.write_bytes(content)

@@ -271,35 +271,39 @@ def _take_drafts(active: list[Drafting], logp: Tensor, tokens: list[int]) -> Non
         c.probs.append(q)
 
 
+def _padded_rows(cycles: list[Drafting]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each sample's rows padded to K + 1 columns: (its fed tokens' rows of the verification's log-probs,
+    its last repeated; its drafts' rows of the stacked q, the zero row past them (index: the number of
+    drafts); its drafts [B, K], padding 0)."""
+    counts = np.array([len(c.drafts) for c in cycles])
+    j = np.arange(counts.max() + 1)
+    starts = np.cumsum(counts + 1) - (counts + 1)
+    fed = starts[:, None] + np.minimum(j, counts[:, None])
+    first = np.cumsum(counts) - counts
+    q_rows = np.where(j < counts[:, None], first[:, None] + j, counts.sum())
+    drafts = np.zeros((len(cycles), counts.max()), dtype=np.int64)
+    for i, c in enumerate(cycles):
+        drafts[i, : len(c.drafts)] = c.drafts
+    return fed, q_rows, drafts
+
+
 def _decide(cycles: list[Drafting], logp: Tensor) -> list[Emitted]:
     """The rule over the dense log_softmax(logits / T) [every sample's fed tokens, V], every sample at once:
     each sample's drafts taken back off its tokens, the kept ones and the next token emitted with the dense
     model's logprobs. One host read, after the device has computed everything the host needs."""
+    dev, vocab = logp.device, logp.shape[-1]
     counts = [len(c.drafts) for c in cycles]
-    B, K, dev = len(cycles), max(counts), logp.device
     params = [c.seq.request.params for c, n in zip(cycles, counts) for _ in range(n + 1)]
-    starts = np.cumsum([0] + [n + 1 for n in counts])[:-1]
-    j = np.arange(K + 1)
-    prow = upload(dev, starts[:, None] + np.minimum(j, np.array(counts)[:, None]), torch.long)  # [B, K+1]
-    qs = [q for c in cycles for q in c.probs]
-    zero = len(qs)  # the q rows at and past a sample's drafts: zeros
-    first = np.cumsum([0] + counts)[:-1]
-    qrow = np.where(j < np.array(counts)[:, None], first[:, None] + j, zero)
-    q_flat = torch.cat([torch.stack(qs), logp.new_zeros(1, logp.shape[-1])]) if qs else logp.new_zeros(1,
-                                                                                             logp.shape[-1])
-    drafts = np.zeros((B, K), dtype=np.int64)
-    for i, c in enumerate(cycles):
-        drafts[i, : counts[i]] = c.drafts
-    drafts_d = upload(dev, drafts, torch.long)
-    p = probs_of(logp, params)[prow]  # [B, K+1, V]
-    kept, nxt = accept_or_resample_batch(p, q_flat[upload(dev, qrow, torch.long)], drafts_d, counts,
+    fed, q_rows, drafts = (upload(dev, a, torch.long) for a in _padded_rows(cycles))
+    q_flat = torch.stack([q for c in cycles for q in c.probs] + [logp.new_zeros(vocab)])  # the zero row last
+    kept, nxt = accept_or_resample_batch(probs_of(logp, params)[fed], q_flat[q_rows], drafts, counts,
                                          [c.seq.generator for c in cycles])
     # the emitted tokens, the kept drafts then the next token, each scored at its fed row
-    tokens = torch.cat([drafts_d, drafts_d.new_zeros(B, 1)], 1).scatter_(1, kept[:, None], nxt[:, None])
-    rows = logp[prow]  # [B, K+1, V]
+    tokens = torch.cat([drafts, drafts.new_zeros(len(cycles), 1)], 1).scatter_(1, kept[:, None], nxt[:, None])
+    rows = logp[fed]  # [B, K+1, V]
     chosen = rows.gather(2, tokens[..., None])[..., 0]
     decided = torch.cat([kept[:, None].double(), nxt[:, None].double(), chosen.double()], 1)
-    n = max(c.seq.request.params.logprobs for c in cycles) if cycles else 0
+    n = max(c.seq.request.params.logprobs for c in cycles)
     if n:
         top = rows.topk(n, dim=-1)
         decided, values, ids = to_host(decided, top.values, top.indices)
