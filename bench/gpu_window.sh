@@ -20,8 +20,8 @@
 # test is left out: it compiles every kernel for sm80 and sm90 and needs no GPU); the engine's GPU tests
 # are 33. A 32K prompt's prefill is about 2 x 4e9 x 32768 = 2.6e14 FLOPs plus as much again in attention,
 # about a second per engine at H100 rates: the engines step is pool sizing, graph capture and frees. The
-# speculation bench is five engines of one 16K prefill and 512 steps or cycles each (55 s before its
-# cycles were batched) and two samples' teacher-forced scoring; `sparrow profile` scores a 32K trajectory
+# speculation bench is five engines of one 16K prefill and 512 steps or cycles each and two samples'
+# teacher-forced scoring; `sparrow profile` scores a 32K trajectory
 # at 4 budgets in about 22 s, 4 of them.
 set -u
 case ${1:-} in

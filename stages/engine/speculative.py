@@ -70,7 +70,8 @@ def draw(probs: Tensor, generator: torch.Generator | None) -> Tensor:
 
 def accept_or_resample(p: Tensor, q: Tensor, drafts: Tensor, generator: torch.Generator | None,
                        ) -> tuple[Tensor, Tensor]:
-    """The rule, on p's device with no host sync. p [k+1, V] dense distributions at the k+1 fed positions,
+    """The rule for one sample, the reference `accept_or_resample_batch` (which the engine runs) is held
+    to; on p's device with no host sync. p [k+1, V] dense distributions at the k+1 fed positions,
     q [k, V] the distributions the k drafts [k] (int64) were drawn from -> (drafts kept, the token that
     follows them), 0-dim int64 tensors. Every draft gets a uniform; those after the first rejection are
     never looked at."""

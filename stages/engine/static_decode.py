@@ -335,41 +335,40 @@ class StaticDecode:
         assert max(map(len, fed)) <= self.score_queries, "more fed tokens than a scoring group holds"
         assert len(fed) <= self.buckets[-1], "more samples than a step holds"
         self.forget_rows()
-        rows = [(i, j) for i, f in enumerate(fed) for j in range(len(f))]  # (sample, fed token)
-        n = next(s for s in self.score_buckets if s >= len(rows))
-        self._send_scoring(n, rows, fed, starts, tables, temperatures)
+        m = sum(map(len, fed))
+        n = next(s for s in self.score_buckets if s >= m)
+        self._send_scoring(n, fed, starts, tables, temperatures)
         graph = self._graph(n, SCORE) if self.capture else None
         if graph is None:
             self._score(n)
         else:
             graph.replay()
-        return self.logp[: len(rows)].clone()
+        return self.logp[:m].clone()
 
-    def _send_scoring(self, n: int, chunk: list[tuple[int, int]], fed: list[list[int]], starts: list[int],
-                      tables: list[list[int]], temperatures: list[float]) -> None:
-        m = len(chunk)
-        samples = sorted({i for i, _ in chunk})
-        width = max(len(tables[i]) for i in samples)
-        per_sample = np.full((len(fed), width), -1, dtype=np.int32)  # each sample's table, once
-        for i in samples:
-            per_sample[i, : len(tables[i])] = tables[i]
-        table = per_sample[[i for i, _ in chunk]]  # [m, width]
+    def _send_scoring(self, n: int, fed: list[list[int]], starts: list[int], tables: list[list[int]],
+                      temperatures: list[float]) -> None:
+        counts = np.array([len(f) for f in fed])
+        m, firsts = int(counts.sum()), np.cumsum(counts) - counts
+        sample = np.repeat(np.arange(len(fed)), counts)  # each row's sample
+        width = max(map(len, tables))
+        per_sample = np.full((len(fed), width), -1, dtype=np.int32)
+        for i, t in enumerate(tables):
+            per_sample[i, : len(t)] = t
         ints = np.zeros((3, n), dtype=np.int64)  # padding rows: token 0 at 0, cache 0 (no write, no read)
+        ints[0, :m] = np.concatenate(fed)
+        ints[1, :m] = np.asarray(starts)[sample] + np.arange(m) - firsts[sample]
+        ints[2, :m] = ints[1, :m] + 1
         temps = np.ones(n, dtype=np.float32)
-        groups = np.full(n + 1, n, dtype=np.int32)  # trailing groups empty
-        count = 0
-        for r, (i, j) in enumerate(chunk):
-            ints[:, r] = (fed[i][j], starts[i] + j, starts[i] + j + 1)
-            temps[r] = temperatures[i] if temperatures[i] > 0 else 1.0
-            if r == 0 or chunk[r - 1][0] != i:
-                groups[count] = r
-                count += 1
-        padding = range(m, n, self.score_queries)  # padding rows in groups of their own
-        groups[count: count + len(padding)] = list(padding)
+        t = np.asarray(temperatures, dtype=np.float32)[sample]
+        temps[:m] = np.where(t > 0, t, 1.0)
+        # groups: each sample's rows, then padding rows in groups of their own, then empty groups
+        groups = np.full(n + 1, n, dtype=np.int32)
+        padding = np.arange(m, n, self.score_queries)
+        groups[: len(fed) + len(padding)] = np.concatenate([firsts, padding])
         ints_d = self._upload(ints, torch.long)
         self.tokens[:n, 0], self.positions[:n, 0] = ints_d[0], ints_d[1]
         self.cache_lens[:n] = ints_d[2].int()
-        self.block_table[:m, :width] = self._upload(table, torch.int32)
+        self.block_table[:m, :width] = self._upload(per_sample[sample], torch.int32)
         self.temperatures[:n] = self._upload(temps, torch.float32)
         self.groups[: n + 1] = self._upload(groups, torch.int32)
         self.budgets[:n] = 0
