@@ -28,9 +28,10 @@
 #   train           three GRPO steps of qwen3-0.6b, budget 256 and dense (prompts made first)
 #   learner-score   `sparrow profile`'s scoring of four random 32K-token trajectories, budgets 1024-4096
 #   learner-update  the learner's recompute and LoRA update of 2 x 4 x 16K tokens (peak memory)
-#   paged-scoring   teacher-forced sparse scoring through the paged kernels: tests/test_sparse_paged.py
+#   paged-scoring   teacher-forced sparse scoring on the Triton kernels: tests/test_sparse_paged.py
 #                   compiled, then bench/paged_scoring.py (one 32K-token trajectory at budgets 1024-4096,
-#                   the torch path and the paged one in one process, with their differences)
+#                   the per-position decode kernel and the block-sparse prefill kernel in one process,
+#                   with their differences and the latter's device time by kernel)
 #   speculation     exact speculative rollouts: CUDA-graph drafts and verifications held to the eager
 #                   step and a cycle to no host sync (tests), then bench/speculation.py at 16K (one
 #                   prompt x 8 samples x 512 new tokens, dense / budget 2048 / speculative K = 2, 4, 6
@@ -151,7 +152,7 @@ fi
 if is paged-scoring; then
     step paged-scoring-tests 120 $PY -m pytest -q -p no:cacheprovider tests/test_sparse_paged.py
     step paged-scoring-32k 440 $PY bench/paged_scoring.py --model qwen3-4b --device cuda --length 32768 \
-        --budgets 1024,2048,3072,4096
+        --budgets 1024,2048,3072,4096 --paths decode,paged --profile
 fi
 if is speculation; then
     step speculation-graphs 50 $PY -m pytest -q -s -p no:cacheprovider \

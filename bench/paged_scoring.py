@@ -1,15 +1,18 @@
-"""Teacher-forced sparse scoring on the GPU: the paged Triton path and the torch reference in one process.
+"""Teacher-forced sparse scoring on the GPU: the Triton paths and the torch reference in one process.
 
 One random trajectory (a --prompt-tokens prompt, generated tokens up to --length) scored by
 `score_sequences` at every one of --budgets together, what `sparrow profile` runs per trajectory (dense
 prefill, the dense completion pass, one sparse pass per budget, alpha and logprobs), on --model with
-random weights, once per path of --paths: `torch` (`block_topk_sdpa`, masked SDPA over query chunks) and
-`paged` (`block_topk_paged`, the paged decode kernels). Each path first scores a short trajectory
-(--warmup tokens: Triton compiles, cuBLAS plans). Prints one JSON line per path (seconds, peak device
-GiB) and, with both paths, one per budget with the largest and mean differences of the sparse logprobs
-and alpha between them and each path's mean alpha.
+random weights, once per path of --paths: `torch` (`block_topk_sdpa`, masked SDPA over query chunks),
+`decode` (every position a decode query of the sparse paged decode kernel, which re-reads its kept pages
+per position: the baseline of the tile kernel) and `paged` (`block_topk_paged`, the selection kernels
+and the block-sparse prefill kernel, what `sparrow profile` runs on a GPU). Each path first scores a
+short trajectory (--warmup tokens: Triton compiles, cuBLAS plans). Prints one JSON line per path
+(seconds, peak device GiB) and, for each later path, one per budget with the largest and mean
+differences of the sparse logprobs and alpha from the first path's, and both mean alphas. `--profile`:
+the device time by kernel of the last path's run (torch's profiler), printed after it.
 
-    python bench/paged_scoring.py --model qwen3-4b --device cuda --length 32768
+    python bench/paged_scoring.py --model qwen3-4b --device cuda --length 32768 --paths decode,paged
     TRITON_INTERPRET=1 python bench/paged_scoring.py --model tiny-qwen3 --device cpu --length 200 \\
         --prompt-tokens 150 --warmup 0 --budgets 48,64 --dense-layers 0 --dtype float32  # smoke
 """
@@ -23,12 +26,16 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
+import torch.nn.functional as F
+from torch import Tensor
 
-from sparrow.stages.attention import sparse
+from sparrow.kernels.ops import TRITON
+from sparrow.stages.attention import sparse, sparse_paged
+from sparrow.stages.core.definitions import PAGE_SIZE
 from sparrow.stages.model.loading import load_model
 from sparrow.stages.scoring.mismatch import ScoredTokens, score_sequences
 
-PATHS = ("torch", "paged")
+PATHS = ("torch", "decode", "paged")
 
 
 def measure(device: torch.device,
@@ -45,9 +52,59 @@ def measure(device: torch.device,
     return out, time.perf_counter() - t0, peak
 
 
+def as_pages(x: Tensor, page: int = PAGE_SIZE) -> tuple[Tensor, int]:
+    """x [B, H, S, D] -> (pages [N, H, page, D], pages_per_sequence): page j of sequence b is page
+    b * pages_per_sequence + j; a view of a zero-padded contiguous copy."""
+    b, h, s, d = x.shape
+    n = -(-s // page)
+    x = F.pad(x, (0, 0, 0, n * page - s)).contiguous()
+    return x.as_strided(((b - 1) * h * n + n, h, page, d), (page * d, n * page * d, d, 1)), h * n
+
+
+def per_position_decode(q: Tensor, keys: Tensor, values: Tensor, centroids: Tensor, positions: Tensor,
+                        budgets: Tensor, widest: int | None, page: int = PAGE_SIZE,
+                        score_elements: int = sparse_paged.SCORE_ELEMENTS) -> Tensor:
+    """`block_topk_paged` with every position a decode query of `sparse_paged_attention` (the decode
+    kernel, one program per query and KV head over its own kept pages)."""
+    b, hq, t, d = q.shape
+    k_pages, per_sequence = as_pages(keys, page)
+    v_pages, _ = as_pages(values, page)
+    cents, _ = sparse_paged.centroid_pages(centroids)
+    n_pages = centroids.shape[2]
+    width = sparse_paged.kept_width(n_pages, widest)
+    chunk = max(1, min(t, score_elements // (keys.shape[1] * n_pages)))
+    seq_lens, budgets = (positions + 1).to(torch.int32), budgets.to(torch.int32)
+    pages = torch.arange(n_pages, dtype=torch.int32, device=q.device)
+    out = torch.empty_like(q)
+    for i in range(b):
+        table = (pages + i * per_sequence).expand(chunk, n_pages).contiguous()
+        for lo in range(0, t, chunk):
+            hi = min(t, lo + chunk)
+            rows = q[i, :, lo:hi].transpose(0, 1)  # [C, Hq, D]
+            lens, block_table = seq_lens[i, lo:hi], table[: hi - lo]
+            selected = TRITON.select_pages(rows, cents, block_table, lens, budgets[i, lo:hi], page, width)
+            attended = TRITON.sparse_paged_attention(rows, k_pages, v_pages, block_table, lens, selected)
+            out[i, :, lo:hi] = attended.transpose(0, 1)
+    return out
+
+
+PAGED = sparse.block_topk_paged
+
+
 def on_path(path: str) -> None:
     """Make the SparseAttention objects built from now on take `path` (the choice is made per object)."""
-    sparse.paged_scoring_usable = lambda device: path == "paged"
+    sparse.paged_scoring_usable = lambda device: path != "torch"
+    sparse.block_topk_paged = per_position_decode if path == "decode" else PAGED
+
+
+def device_time_by_kernel(device: torch.device, run: Callable[[], ScoredTokens], rows: int = 20) -> str:
+    """run() under torch's profiler -> its kernels by total device time, a table."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize(device)
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows)
 
 
 def random_sequence(vocab: int, prompt: int, length: int, seed: int = 0) -> tuple[list[int], list[int]]:
@@ -56,15 +113,18 @@ def random_sequence(vocab: int, prompt: int, length: int, seed: int = 0) -> tupl
     return ids[:prompt], ids[prompt:]
 
 
-def differences(budgets: Sequence[int], results: dict[str, ScoredTokens]) -> list[dict]:
-    a, b = results["torch"], results["paged"]
+def differences(budgets: Sequence[int], first: str, path: str,
+                results: dict[str, ScoredTokens]) -> list[dict]:
+    a, b = results[first], results[path]
     rows = []
     for budget in budgets:
         (alpha_a, logp_a), (alpha_b, logp_b) = a.sparse[budget], b.sparse[budget]
-        rows.append({"budget": budget, "max_abs_logp_diff": float(np.abs(logp_a - logp_b).max()),
+        rows.append({"budget": budget, "paths": f"{path} vs {first}",
+                     "max_abs_logp_diff": float(np.abs(logp_a - logp_b).max()),
                      "mean_abs_logp_diff": float(np.abs(logp_a - logp_b).mean()),
                      "max_abs_alpha_diff": float(np.abs(alpha_a - alpha_b).max()),
-                     "mean_alpha_torch": float(alpha_a.mean()), "mean_alpha_paged": float(alpha_b.mean())})
+                     f"mean_alpha_{first}": float(alpha_a.mean()),
+                     f"mean_alpha_{path}": float(alpha_b.mean())})
     return rows
 
 
@@ -76,14 +136,17 @@ def main() -> None:
     ap.add_argument("--length", type=int, default=32768, help="tokens of the trajectory, prompt included")
     ap.add_argument("--prompt-tokens", type=int, default=1024)
     ap.add_argument("--budgets", default="1024,2048,3072,4096")
-    ap.add_argument("--paths", default=",".join(PATHS), help="which of torch,paged to time, in this order")
+    ap.add_argument("--paths", default="torch,paged",
+                    help="which of torch,decode,paged to time, in this order")
     ap.add_argument("--dense-layers", default="0,1", help="layers that attend densely in every mode")
     ap.add_argument("--warmup", type=int, default=2048, help="tokens of the warm-up trajectory (0: none)")
+    ap.add_argument("--profile", action="store_true", help="the last path's device time by kernel (CUDA)")
     args = ap.parse_args()
     budgets = [int(b) for b in args.budgets.split(",")]
     dense_layers = [int(x) for x in args.dense_layers.split(",") if x]
     paths = args.paths.split(",")
     assert set(paths) <= set(PATHS), f"--paths takes {', '.join(PATHS)}"
+    assert not args.profile or args.device.startswith("cuda"), "--profile times CUDA kernels"
     device = torch.device(args.device)
     loaded = load_model(args.model, device=device, dtype=getattr(torch, args.dtype), random_weights=True)
     model = loaded.model.eval()
@@ -101,9 +164,12 @@ def main() -> None:
                           "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                           "length": args.length, "prompt_tokens": args.prompt_tokens, "budgets": budgets}),
               flush=True)
-    if len(results) == 2:
-        for row in differences(budgets, results):
+    for path in paths[1:]:
+        for row in differences(budgets, paths[0], path, results):
             print(json.dumps(row), flush=True)
+    if args.profile:
+        print(device_time_by_kernel(device, lambda: score_sequences(
+            model, [prompt], [completion], budgets, dense_layers=dense_layers)), flush=True)
 
 
 if __name__ == "__main__":

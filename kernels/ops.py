@@ -33,6 +33,7 @@ from .qk_norm_rope_append import qk_norm_rope_append_reference, qk_norm_rope_app
 from .race_sample import race_sample_torch, race_sample_triton, row_seeds
 from .silu_mul import silu_mul_reference, silu_mul_triton
 from .sparse_decode import GatherWorkspace, sparse_decode_reference, sparse_decode_triton
+from .sparse_prefill import sparse_prefill_reference, sparse_prefill_triton
 
 __all__ = ["CPU", "TORCH", "TRITON", "Backend", "CpuOps", "GatherWorkspace", "HAS_TRITON", "TorchOps",
            "TritonOps", "draw_seeds", "finish_selection", "host_race", "host_race_usable", "ops_for",
@@ -115,6 +116,13 @@ class TorchOps:
         [B + 1]: consecutive rows that are queries of one sequence (at most `queries_per_group` each),
         which a kernel may read the pages of once; the result is each row's own attention either way."""
         return dense_decode_reference(q, k_pages, v_pages, block_table, seq_lens, scale, workspace)
+
+    def sparse_prefill_attention(self, q: Tensor, keys: Tensor, values: Tensor, positions: Tensor,
+                                 kept: Tensor, page_size: int = 16, scale: float | None = None) -> Tensor:
+        """Teacher-forced block-sparse attention of one sequence's queries q [C, Hq, D] at `positions` [C]
+        over its keys/values [Hkv, S, D], each query over the pages `kept` [C, Hkv, ceil(S / P)] uint8
+        marks, up to its position -> [C, Hq, D]."""
+        return sparse_prefill_reference(q, keys, values, positions, kept, page_size, scale)
 
     def causal_attention(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """A prefill's causal attention, q [B, Hq, T, D] over k, v [B, Hkv, T, D] -> [B, Hq, T, D]."""
@@ -251,6 +259,9 @@ class TritonOps(TorchOps):
                               workspace=None, groups=None, queries_per_group=1):
         return dense_decode_triton(q, k_pages, v_pages, block_table, seq_lens, scale, num_splits=num_splits,
                                    groups=groups, queries_per_group=queries_per_group)
+
+    def sparse_prefill_attention(self, q, keys, values, positions, kept, page_size=16, scale=None):
+        return sparse_prefill_triton(q, keys, values, positions, kept, page_size, scale)
 
     def race_sample(self, logp, seeds, positions=None):
         return race_sample_triton(logp, seeds, positions)

@@ -570,7 +570,7 @@ import triton, triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from sparrow.kernels import (add_rms_norm, append_kv, page_scoring, qk_norm_rope_append, race_sample,
-                             silu_mul, sparse_decode)
+                             silu_mul, sparse_decode, sparse_prefill)
 
 def build(lazy, types, consts, arch, num_warps=4):
     fn = lazy.jit()
@@ -607,6 +607,11 @@ for arch in (80, 90):
                            BLOCK_N=64, DENSE=dense, PRECISION="ieee", UPCAST=False, QT=qt), arch)
             build(sparse_decode._merge_splits_jit, dict(ws_m="*fp32", ws_l="*fp32", ws_acc="*fp32",
                   out="*" + dt), dict(D=d, BLOCK_D=d, BLOCK_S=32), arch, 2)
+            for rows, warps in ((128, 8), (64, 4)):
+                build(sparse_prefill._sparse_prefill_jit, dict(q="*" + dt, keys="*" + dt, values="*" + dt,
+                      positions="*i32", kept="*u8", out="*" + dt, scale_log2="fp32"),
+                      dict(D=d, BLOCK_D=d, G=g, TILE=rows // g, BLOCK_R=rows, PAGE=16, BLOCK_N=64,
+                           PRECISION="ieee", UPCAST=False), arch, warps)
         for h, warps in ((2560, 8), (1000, 4)):
             for has_x in (True, False):
                 build(add_rms_norm._add_rms_norm_jit, dict(x="*" + dt, residual="*" + dt, weight="*" + dt,

@@ -1,5 +1,7 @@
-"""Teacher-forced block top-k attention through the paged decode kernels (stages/attention/sparse_paged.py)
-against the torch reference `block_topk_sdpa`, and `score_sequences` through it against the torch path.
+"""Teacher-forced block top-k attention on the Triton kernels: the block-sparse prefill kernel
+(kernels/sparse_prefill.py) against a float64 brute force of its definition, `block_topk_paged`
+(stages/attention/sparse_paged.py) against the torch reference `block_topk_sdpa`, and `score_sequences`
+through it against the torch path.
 
 The kernels run under the Triton interpreter (`TRITON_INTERPRET=1`, set when this module is imported on a
 machine without CUDA; see tests/test_kernels_triton.py), compiled on CUDA. fp32 throughout, to the
@@ -14,10 +16,11 @@ import pytest
 import torch
 from triton_here import DEVICE, in_fresh_process, needs_triton, rerun_in_fresh_process
 
+from sparrow.kernels.sparse_prefill import kept_page_bitmap, sparse_prefill_reference, sparse_prefill_triton
 from sparrow.stages.attention import sparse
 from sparrow.stages.attention.block_topk import page_centroids
 from sparrow.stages.attention.sparse import block_topk_sdpa, kept_pages_bound
-from sparrow.stages.attention.sparse_paged import as_pages, block_topk_paged
+from sparrow.stages.attention.sparse_paged import block_topk_paged
 from sparrow.stages.core.schedule import Schedule
 from sparrow.stages.core.sparsity import budget_fn
 from sparrow.stages.model.llama import masked_attention
@@ -27,18 +30,59 @@ from sparrow.stages.scoring.mismatch import score_sequences
 P = 16
 
 
-def test_pages_are_a_view_of_contiguous_keys_and_a_padded_copy_otherwise():
-    g = torch.Generator().manual_seed(0)
-    keys = torch.randn(3, 2, 4 * P, 8, generator=g)
-    pages, per_sequence = as_pages(keys, P)
-    assert pages.data_ptr() == keys.data_ptr() and per_sequence == 2 * 4
-    for b, h, j in [(0, 0, 0), (1, 1, 2), (2, 0, 3), (2, 1, 3)]:
-        assert torch.equal(pages[b * per_sequence + j, h], keys[b, h, j * P:(j + 1) * P])
-    ragged = keys[:, :, : 3 * P - 5]  # neither a multiple of the page size nor contiguous
-    pages, per_sequence = as_pages(ragged, P)
-    assert per_sequence == 2 * 3
-    assert torch.equal(pages[per_sequence + 2, 1, : P - 5], keys[1, 1, 2 * P: 3 * P - 5])
-    assert not pages[per_sequence + 2, 1, P - 5:].any()
+def test_kept_page_bitmap_marks_the_listed_pages():
+    selected = torch.tensor([[[0, 3, 4, -1], [2, -1, -1, -1]], [[-1, -1, -1, -1], [0, 1, 2, 3]]])
+    kept = kept_page_bitmap(selected, 5)
+    assert kept.dtype == torch.uint8 and kept.shape == (2, 2, 5)
+    for c in range(2):
+        for h in range(2):
+            want = {int(p) for p in selected[c, h] if p >= 0}
+            assert {j for j in range(5) if kept[c, h, j]} == want
+
+
+def brute_force(q, keys, values, positions, kept, page=P):
+    """The kernel's definition, one query head at a time in float64: softmax over the keys s <= the
+    query's position whose page it keeps; no such key -> zeros."""
+    c, hq, d = q.shape
+    hkv, s, _ = keys.shape
+    out = torch.zeros(c, hq, d, dtype=torch.float64)
+    for i in range(c):
+        for h in range(hq):
+            kv = h // (hq // hkv)
+            seen = [j for j in range(min(int(positions[i]) + 1, s)) if kept[i, kv, j // page]]
+            if seen:
+                k, v = keys[kv, seen].double(), values[kv, seen].double()
+                w = torch.softmax(k @ q[i, h].double() * d ** -0.5, dim=0)
+                out[i, h] = w @ v
+    return out
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("hq,hkv,d,block_rows,block_tokens", [(4, 2, 32, 16, 64), (6, 2, 16, 32, 16),
+                                                             (8, 1, 64, 16, 32)])
+def test_sparse_prefill_kernel_equals_brute_force(hq, hkv, d, block_rows, block_tokens, dtype):
+    """Ragged and repeated positions (a padded batch repeats S - 1), S not a multiple of the page size,
+    several tiles (block_rows // G positions each, G = 3 leaves a padded row), a row that keeps nothing,
+    a key block no row keeps (skipped), pages kept past a row's position (masked)."""
+    g = torch.Generator().manual_seed(hq * d)
+    c, s = 23, 150
+    q = torch.randn(c, hq, d, generator=g).to(dtype)
+    keys, values = (torch.randn(hkv, s, d, generator=g).to(dtype) for _ in range(2))
+    positions = torch.cat([torch.randint(0, s, (c - 4,), generator=g), torch.full((4,), s - 1)])
+    kept = (torch.rand(c, hkv, -(-s // P), generator=g) < 0.4).to(torch.uint8)
+    kept[3] = 0
+    kept[:, :, 4:6] = 0  # tokens 64-95: no row keeps them
+    q, keys, values, positions, kept = (x.to(DEVICE) for x in (q, keys, values, positions, kept))
+    want = brute_force(q.cpu(), keys.cpu(), values.cpu(), positions.cpu(), kept.cpu())
+    got = sparse_prefill_triton(q, keys, values, positions, kept, P, block_rows=block_rows,
+                                block_tokens=block_tokens)
+    ref = sparse_prefill_reference(q, keys, values, positions, kept, P)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert got.dtype == dtype and got.shape == q.shape
+    torch.testing.assert_close(got.cpu().double(), want, atol=tol, rtol=tol)
+    torch.testing.assert_close(ref.cpu().double(), want, atol=tol, rtol=tol)
+    assert not got[3].any()  # keeps nothing: zeros
 
 
 def _case(b, hq, hkv, s, t, d=16, seed=0):

@@ -2,10 +2,10 @@
 
 One object serves both forms. Decode: T = 1 new token per request, keys come from the KV cache.
 Teacher forced: the whole sequence at once, every query selecting its own pages from its own causal
-prefix. Where the paged Triton kernels run (CUDA) every query is a decode query over the sequence's
-keys read as pages (`sparse_paged.block_topk_paged`); elsewhere `block_topk_sdpa`, the torch reference,
-processes the queries in chunks so that the [T, S] masks and scores stay bounded for 8K sequences. The
-choice is made once per object, from the budgets' device.
+prefix. Where the Triton kernels run (CUDA) the engine's selection kernels pick each query's pages and
+the block-sparse prefill kernel attends (`sparse_paged.block_topk_paged`); elsewhere `block_topk_sdpa`,
+the torch reference, processes the queries in chunks so that the [T, S] masks and scores stay bounded
+for 8K sequences. The choice is made once per object, from the budgets' device.
 Per-query budgets make schedules exact: the budget of the step whose query sits at
 position t is the schedule's budget at cache length t + 1. Prompt (prefill) queries and the layers in
 `dense_layers` get budget 0, i.e. dense.

@@ -3,8 +3,9 @@
 A batch of sequences is scored by one dense prefill of the prompts (prefill is dense in every mode),
 then one pass over the completions per attention mode (dense, and each budget) on top of the shared
 prompt KV; in a sparse pass every generated position selects its own pages from its own prefix (see
-`attention.SparseAttention`; on CUDA the engine's paged selection and decode kernels, every position a
-decode query of its own), which reproduces incremental sparse decoding exactly. An eviction policy
+`attention.SparseAttention`; on CUDA the engine's selection kernels, every position selecting as a
+decode query of its own, and the block-sparse prefill kernel), which reproduces incremental sparse
+decoding exactly. An eviction policy
 (SnapKV, R-KV) is replayed instead (stages/kv_policies/replay.py: the generated tokens between two
 compressions in one forward over the retained cache, compressing where decoding compressed), each
 prompt length's sequences together, on a prompt prefilled again for it. Only the final
