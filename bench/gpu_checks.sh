@@ -13,8 +13,9 @@
 #   engine          the engine's GPU tests: CUDA graphs vs eager, transformers greedy, teacher-forced
 #                   scoring, the fused step vs the modular one, no host sync per step, eviction
 #   kernels         bench/kernels.py: per-kernel times and bytes against the bandwidth floor
-#   select-sweep    the radix select alone at 8 samples of 16K and 32K under several pages-per-chunk x
-#                   warps configurations (each checked to keep the default's pages)
+#   select-sweep    the selection alone at 8 samples of 16K and 32K: the radix select under several
+#                   pages-per-chunk x warps configurations and the counting candidate of
+#                   bench/select_candidates.py (each checked to keep the default's pages)
 #   rollout         bench/rollout.py, one prompt x 32 samples x 1,024 new tokens at 16K and at 32K
 #   decode-table    the own-KV decode-step table: 8x32K, 16x16K, 32x8K, 16x4K, dense / budget 2048 /
 #                   the published 0.86 schedule, each step against its floor, T = 1

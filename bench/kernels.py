@@ -32,6 +32,7 @@ import statistics
 
 import torch
 from common import copy_bandwidth, timed, timed_graph, write_results
+from select_candidates import select_count_triton
 
 from sparrow.kernels import ops, page_scoring
 from sparrow.kernels.page_scoring import finish_selection, select_from_scores_triton
@@ -109,9 +110,19 @@ def bench_context(args, device, dtype, context: int, bw: float) -> list[dict]:
     return rows
 
 
+def select_config(config: str, scores, lens, budgets, page: int, k_sel: int):
+    """The selection of one --select-configs entry: "BLOCKxWARPS" the radix select with BLOCK pages a chunk,
+    "countBITSxWARPS" the counting candidate (bench/select_candidates.py) with BITS-bit digits."""
+    if config.startswith("count"):
+        bits, warps = (int(x) for x in config.removeprefix("count").split("x"))
+        return select_count_triton(scores, lens, budgets, page, k_sel, digit_bits=bits, num_warps=warps)
+    return select_only(scores, lens, budgets, page, k_sel)
+
+
 def bench_select_sweep(args, device, context: int) -> list[dict]:
-    """The radix select alone (select-only) under each (pages per chunk, warps) of --select-configs, at
-    --batch samples of `context` tokens; each configuration's pages checked against the default's."""
+    """The selection alone (select-only) under each configuration of --select-configs (the radix select's
+    pages per chunk x warps, and the counting candidate's digit bits x warps), at --batch samples of
+    `context` tokens; each configuration's pages checked against the default radix select's."""
     cfg = get_preset(args.model).config
     hkv, d, page = cfg.num_kv_heads, cfg.head_dim, 16
     _, _, cents, table, lens = paged_layer(args.batch, context, hkv, d, page, torch.bfloat16, device)
@@ -124,13 +135,13 @@ def bench_select_sweep(args, device, context: int) -> list[dict]:
     rows = []
     try:
         for config in args.select_configs.split(","):
-            block, warps = (int(x) for x in config.split("x"))
-            page_scoring.SELECT_BLOCK, page_scoring.SELECT_WARPS = block, warps
-            got = select_only(scores, lens, budgets, page, k_sel).sort(-1).values
+            if not config.startswith("count"):
+                page_scoring.SELECT_BLOCK, page_scoring.SELECT_WARPS = (int(x) for x in config.split("x"))
+            got = select_config(config, scores, lens, budgets, page, k_sel).sort(-1).values
             seconds = statistics.median(timed_graph_calls(
-                lambda: select_only(scores, lens, budgets, page, k_sel), device, args.reps))
+                lambda c=config: select_config(c, scores, lens, budgets, page, k_sel), device, args.reps))
             rows.append({"kernel": f"select-only {config}", "context": context, "batch": args.batch,
-                         "budget": args.budget, "block": block, "warps": warps, "ms": 1e3 * seconds,
+                         "budget": args.budget, "config": config, "ms": 1e3 * seconds,
                          "same_pages": bool(torch.equal(got, want)), "device": str(device)})
     finally:
         page_scoring.SELECT_BLOCK, page_scoring.SELECT_WARPS = default
@@ -210,9 +221,10 @@ def main() -> None:
     ap.add_argument("--eager", action="store_true", help="time plain calls instead of CUDA graph replays")
     ap.add_argument("--part", default="attention,elementwise",
                     help="attention (dense vs sparse, selection), elementwise (the fused decode chain), "
-                         "select-sweep (the radix select under each of --select-configs)")
-    ap.add_argument("--select-configs", default="1024x4,2048x4,2048x8,4096x8,2048x16",
-                    help="pages per chunk x warps of the radix select, for --part select-sweep")
+                         "select-sweep (the selection under each of --select-configs)")
+    ap.add_argument("--select-configs", default="1024x4,2048x4,2048x8,4096x8,2048x16,count2x8,count2x16",
+                    help="for --part select-sweep: BLOCKxWARPS, the radix select's pages per chunk and "
+                         "warps; countBITSxWARPS, the counting candidate's digit bits and warps")
     args = ap.parse_args()
     parts = set(args.part.split(","))
     if not parts <= {"attention", "elementwise", "select-sweep"}:
@@ -248,7 +260,8 @@ def main() -> None:
                   f"{r['floor_us']:>9.3f} {r['floor_us_3tbs']:>7.3f} {r['per_step']:>6} {r['step_us']:>8.1f} "
                   f"{r['eager_step_us']:>11.1f}")
     if "select-sweep" in parts:
-        print(f"the radix select alone, batch {args.batch}, budget {args.budget} (pages per chunk x warps):")
+        print(f"the selection alone, batch {args.batch}, budget {args.budget} (radix: pages per chunk x "
+              "warps; count: digit bits x warps):")
         for context in contexts:
             for r in bench_select_sweep(args, device, context):
                 rows.append(r)
