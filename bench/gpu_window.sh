@@ -6,7 +6,7 @@
 #
 #   bash bench/gpu_window.sh a|b|--plan
 #
-# Each phase has a budget (a 385 s, b 275 s, together 660 s; the call's timeout leaves a minute or more
+# Each phase has a budget (a 405 s, b 255 s, together 660 s; the call's timeout leaves a minute or more
 # for the wheels and the site folder; a warm start took about 30 s); a step gets at most what is left of
 # it and is skipped, with the reason, when less than half its limit is left. Phase a is correctness, 32K
 # memory and the decode step against its floor; phase b exact speculation on CUDA graphs (its correctness,
@@ -15,16 +15,15 @@
 # `--plan` prints each phase's steps, limits and totals and runs nothing (no torch or GPU needed).
 #
 # Sizing: the limits follow the lent windows' logs (docs/gpu.md, "Running the GPU window"); kernel-tests'
-# limit is mostly Triton's first compile of every kernel on a bare machine (147 s for the 74 tests of
-# test_kernels_triton.py). From the CPU side: those 74 tests (slow sweeps included; the CPU-only
-# ahead-of-time build test is left out: it compiles every kernel for sm80 and sm90 and needs no GPU) and
-# test_sparse_paged.py's 10 (six compiles of the prefill kernel, the selection's already built); the
-# engine's GPU tests are 33. A 32K prompt's prefill is about 2 x 4e9 x 32768 = 2.6e14 FLOPs plus as much
+# limit is mostly Triton's first compile of every kernel on a bare machine (147 s of its 180). From the
+# CPU side: test_kernels_triton.py is 74 tests (slow sweeps included; the CPU-only ahead-of-time build
+# test is left out: it compiles every kernel for sm80 and sm90 and needs no GPU); test_sparse_paged.py
+# is 10 (six compiles of the prefill kernel, a few of the selection's); the engine's GPU tests are 33. A 32K prompt's prefill is about 2 x 4e9 x 32768 = 2.6e14 FLOPs plus as much
 # again in attention, about a second per engine at H100 rates: the engines step is pool sizing, graph
 # capture and frees. The
 # speculation bench is five engines of one 16K prefill and 512 steps or cycles each and two samples'
 # teacher-forced scoring; `sparrow profile` scored a 32K trajectory at 4 budgets in about 22 s on the
-# per-position decode kernel (4 of them here), and is held to that limit on the prefill kernel.
+# per-position decode kernel (4 of them here: the target is a minute; the limit leaves the set-up).
 set -u
 case ${1:-} in
     a|b|--plan) ;;
@@ -35,13 +34,14 @@ WHAT=$1
 [[ $WHAT == --plan ]] && PLAN=1
 # shellcheck source=bench/gpu_common.sh
 source "$(dirname "$0")/gpu_common.sh"
-BUDGET_A=385 BUDGET_B=275
+BUDGET_A=405 BUDGET_B=255
 CPU_ONLY=tests/test_kernels_triton.py::test_kernels_compile_for_sm80_and_sm90
 
 phase_a() {  # correctness, 32K memory, the decode step against its floor
     step versions 10 versions
     step kernel-tests 180 $PY -m pytest -q -p no:cacheprovider -m "slow or not slow" --deselect "$CPU_ONLY" \
-        tests/test_kernels_triton.py tests/test_sparse_paged.py
+        tests/test_kernels_triton.py
+    step prefill-tests 20 $PY -m pytest -q -p no:cacheprovider tests/test_sparse_paged.py
     step engine-tests 75 $PY -m pytest -q -s -p no:cacheprovider -m "slow or not slow" tests/test_gpu.py \
         tests/test_gpu_layers.py "tests/test_rollout.py::test_cuda_graph_step_equals_eager_step"
     step engines-32k 45 $PY bench/scale_gpu.py engines --model qwen3-4b --context 32768 --samples 32 --engines 4
@@ -51,7 +51,7 @@ phase_a() {  # correctness, 32K memory, the decode step against its floor
 }
 
 phase_b() {  # exact speculation on CUDA graphs, profiling at 32K, where a sparse step's time goes
-    step speculation-graphs 45 $PY -m pytest -q -s -p no:cacheprovider \
+    step speculation-graphs 35 $PY -m pytest -q -s -p no:cacheprovider \
         "tests/test_speculative.py::test_speculation_with_cuda_graphs_equals_the_eager_static_step" \
         "tests/test_speculative.py::test_speculative_cycles_run_without_host_synchronisation"
     step speculation-16k 90 $PY bench/speculation.py --device cuda --model qwen3-4b --prompt-len 16384 \
@@ -60,7 +60,7 @@ phase_b() {  # exact speculation on CUDA graphs, profiling at 32K, where a spars
     keep bench/results/speculation.parquet speculation-16k.parquet
     LOG=profile-32k step profile-inputs 10 $PY bench/learner_scale.py rollouts --model qwen3-4b \
         --trajectories 4 --length 32768 --output "$WORK/long_rollouts.parquet"
-    step profile-32k 95 $PY bench/scale_gpu.py run -- sparrow profile --device cuda --model qwen3-4b \
+    step profile-32k 85 $PY bench/scale_gpu.py run -- sparrow profile --device cuda --model qwen3-4b \
         --random-weights --rollouts "$WORK/long_rollouts.parquet" --budgets 1024,2048,3072,4096 \
         --bin-width 2000 -o "$OUT/profile-32k.parquet" --force
     step step-profile-32k 35 $PY bench/scale_gpu.py run -- bench/step_profile.py --model qwen3-4b \
