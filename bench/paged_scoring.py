@@ -9,10 +9,16 @@ per position: the baseline of the tile kernel) and `paged` (`block_topk_paged`, 
 and the block-sparse prefill kernel, what `sparrow profile` runs on a GPU). Each path first scores a
 short trajectory (--warmup tokens: Triton compiles, cuBLAS plans). Prints one JSON line per path
 (seconds, peak device GiB) and, for each later path, one per budget with the largest and mean
-differences of the sparse logprobs and alpha from the first path's, and both mean alphas. `--profile`:
-the device time by kernel of the last path's run (torch's profiler), printed after it.
+differences of the sparse logprobs and alpha from the first path's, and both mean alphas.
+`paged:ROWSxKEYSxWARPS` is the paged path with the prefill kernel's tile (query rows, keys per
+iteration, warps) set. `--profile`: the device time by kernel of the last path's run (torch's profiler),
+printed after it. `--text FILE` scores the tokens of a text (repeated up to --length) with the model's
+own weights (a preset that has them, e.g. smollm2-135m), where a trained model's selections cluster and
+the prefill kernel skips key blocks; without it, random tokens and random weights.
 
     python bench/paged_scoring.py --model qwen3-4b --device cuda --length 32768 --paths decode,paged
+    python bench/paged_scoring.py --model smollm2-135m --device cuda --length 8192 --text docs/engine.md \
+        --budgets 256,512,1024 --paths decode,paged,paged:128x32x8,paged:64x32x4
     TRITON_INTERPRET=1 python bench/paged_scoring.py --model tiny-qwen3 --device cpu --length 200 \\
         --prompt-tokens 150 --warmup 0 --budgets 48,64 --dense-layers 0 --dtype float32  # smoke
 """
@@ -29,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from sparrow.kernels import sparse_prefill
 from sparrow.kernels.ops import TRITON
 from sparrow.stages.attention import sparse, sparse_paged
 from sparrow.stages.core.definitions import PAGE_SIZE
@@ -89,12 +96,18 @@ def per_position_decode(q: Tensor, keys: Tensor, values: Tensor, centroids: Tens
 
 
 PAGED = sparse.block_topk_paged
+TILE = (sparse_prefill.BLOCK_ROWS, sparse_prefill.BLOCK_TOKENS, sparse_prefill.WARPS)
 
 
 def on_path(path: str) -> None:
-    """Make the SparseAttention objects built from now on take `path` (the choice is made per object)."""
-    sparse.paged_scoring_usable = lambda device: path != "torch"
-    sparse.block_topk_paged = per_position_decode if path == "decode" else PAGED
+    """Make the SparseAttention objects built from now on take `path` (the choice is made per object);
+    `paged:ROWSxKEYSxWARPS` sets the prefill kernel's tile."""
+    name, _, tile = path.partition(":")
+    assert name in PATHS and (not tile or name == "paged"), f"--paths takes {', '.join(PATHS)}, paged:RxKxW"
+    sparse.paged_scoring_usable = lambda device: name != "torch"
+    sparse.block_topk_paged = per_position_decode if name == "decode" else PAGED
+    rows, keys, warps = (int(x) for x in tile.split("x")) if tile else TILE
+    sparse_prefill.BLOCK_ROWS, sparse_prefill.BLOCK_TOKENS, sparse_prefill.WARPS = rows, keys, warps
 
 
 def device_time_by_kernel(device: torch.device, run: Callable[[], ScoredTokens], rows: int = 20) -> str:
@@ -110,6 +123,13 @@ def device_time_by_kernel(device: torch.device, run: Callable[[], ScoredTokens],
 def random_sequence(vocab: int, prompt: int, length: int, seed: int = 0) -> tuple[list[int], list[int]]:
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (length,), generator=g).tolist()
+    return ids[:prompt], ids[prompt:]
+
+
+def text_sequence(tokens: list[int], prompt: int, length: int,
+                  offset: int = 0) -> tuple[list[int], list[int]]:
+    """A text's tokens from `offset`, repeated up to `length`, as (prompt, completion)."""
+    ids = (tokens * (length // max(1, len(tokens)) + 2))[offset:offset + length]
     return ids[:prompt], ids[prompt:]
 
 
@@ -137,7 +157,8 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=1024)
     ap.add_argument("--budgets", default="1024,2048,3072,4096")
     ap.add_argument("--paths", default="torch,paged",
-                    help="which of torch,decode,paged to time, in this order")
+                    help="which of torch,decode,paged (or paged:ROWSxKEYSxWARPS) to time, in this order")
+    ap.add_argument("--text", default=None, help="score this text's tokens with the model's own weights")
     ap.add_argument("--dense-layers", default="0,1", help="layers that attend densely in every mode")
     ap.add_argument("--warmup", type=int, default=2048, help="tokens of the warm-up trajectory (0: none)")
     ap.add_argument("--profile", action="store_true", help="the last path's device time by kernel (CUDA)")
@@ -145,24 +166,31 @@ def main() -> None:
     budgets = [int(b) for b in args.budgets.split(",")]
     dense_layers = [int(x) for x in args.dense_layers.split(",") if x]
     paths = args.paths.split(",")
-    assert set(paths) <= set(PATHS), f"--paths takes {', '.join(PATHS)}"
+    assert {p.partition(":")[0] for p in paths} <= set(PATHS), f"--paths takes {', '.join(PATHS)}"
     assert not args.profile or args.device.startswith("cuda"), "--profile times CUDA kernels"
     device = torch.device(args.device)
-    loaded = load_model(args.model, device=device, dtype=getattr(torch, args.dtype), random_weights=True)
+    loaded = load_model(args.model, device=device, dtype=getattr(torch, args.dtype),
+                        random_weights=args.text is None)
     model = loaded.model.eval()
     vocab = loaded.config.vocab_size
-    prompt, completion = random_sequence(vocab, args.prompt_tokens, args.length)
+    if args.text:
+        tokens = loaded.tokenizer.encode(open(args.text).read())
+        prompt, completion = text_sequence(tokens, args.prompt_tokens, args.length)
+        warm = text_sequence(tokens, min(args.prompt_tokens, args.warmup // 2), args.warmup, offset=101)
+    else:
+        prompt, completion = random_sequence(vocab, args.prompt_tokens, args.length)
+        warm = random_sequence(vocab, min(args.prompt_tokens, args.warmup // 2), args.warmup, seed=1)
     results = {}
     for path in paths:
         on_path(path)
         if args.warmup:
-            short = random_sequence(vocab, min(args.prompt_tokens, args.warmup // 2), args.warmup, seed=1)
-            score_sequences(model, [short[0]], [short[1]], budgets, dense_layers=dense_layers)
+            score_sequences(model, [warm[0]], [warm[1]], budgets, dense_layers=dense_layers)
         results[path], seconds, peak = measure(device, lambda: score_sequences(
             model, [prompt], [completion], budgets, dense_layers=dense_layers))
         print(json.dumps({"path": path, "seconds": round(seconds, 3), "peak_gib": peak, "model": args.model,
                           "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                          "length": args.length, "prompt_tokens": args.prompt_tokens, "budgets": budgets}),
+                          "length": args.length, "prompt_tokens": args.prompt_tokens, "budgets": budgets,
+                          "text": args.text}),
               flush=True)
     for path in paths[1:]:
         for row in differences(budgets, paths[0], path, results):

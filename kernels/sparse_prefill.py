@@ -123,10 +123,12 @@ _sparse_prefill_jit = lazy_jit(_sparse_prefill_kernel)
 
 def sparse_prefill_triton(q: Tensor, keys: Tensor, values: Tensor, positions: Tensor, kept: Tensor,
                           page_size: int = 16, scale: float | None = None, block_rows: int | None = None,
-                          block_tokens: int = BLOCK_TOKENS, num_warps: int = WARPS,
+                          block_tokens: int | None = None, num_warps: int | None = None,
                           num_stages: int = STAGES) -> Tensor:
     """`sparse_prefill_reference` in Triton -> [C, Hq, D] in q's dtype. `block_rows`: query rows per
-    program (a power of two >= 16; a tile holds block_rows // G positions)."""
+    program (a power of two >= 16; a tile holds block_rows // G positions); `block_tokens`: keys per
+    iteration (a multiple of the page size). Unset, the module's BLOCK_ROWS, BLOCK_TOKENS and WARPS (the
+    interpreter: 16 rows)."""
     require_triton()
     c, hq, d = q.shape
     hkv, s, dk = keys.shape
@@ -140,6 +142,8 @@ def sparse_prefill_triton(q: Tensor, keys: Tensor, values: Tensor, positions: Te
     if block_rows is None:
         block_rows = BLOCK_ROWS if q.is_cuda else 16  # the interpreter: small tiles, many of them
     block_rows = max(block_rows, 16, next_pow2(g))
+    block_tokens = block_tokens or BLOCK_TOKENS
+    assert block_tokens % page_size == 0 and block_tokens >= 16, "block_tokens: a multiple of the page size"
     tile = block_rows // g
     q_dot = q.to(keys.dtype)
     q_dot = q_dot if q_dot.stride(2) == 1 else q_dot.contiguous()
@@ -153,6 +157,7 @@ def sparse_prefill_triton(q: Tensor, keys: Tensor, values: Tensor, positions: Te
         q_dot.stride(0), q_dot.stride(1), keys.stride(0), keys.stride(1), values.stride(0), values.stride(1),
         kept.stride(0), kept.stride(1), out.stride(0), out.stride(1),
         D=d, BLOCK_D=max(16, next_pow2(d)), G=g, TILE=tile, BLOCK_R=block_rows, PAGE=page_size,
-        BLOCK_N=block_tokens, PRECISION="ieee", UPCAST=upcast, num_warps=num_warps, num_stages=num_stages,
+        BLOCK_N=block_tokens, PRECISION="ieee", UPCAST=upcast, num_warps=num_warps or WARPS,
+        num_stages=num_stages,
     )
     return out
