@@ -32,9 +32,8 @@
 #   paged-scoring   teacher-forced sparse scoring on the Triton kernels: tests/test_sparse_paged.py
 #                   compiled, then bench/paged_scoring.py (one 32K-token trajectory at budgets 1024-4096,
 #                   the per-position decode kernel and the block-sparse prefill kernel in one process,
-#                   with their differences and the latter's device time by kernel), then the same on
-#                   SmolLM2's own weights over a text (8K tokens, budgets 256-1024), where a trained
-#                   model's selections let the prefill kernel skip key blocks, under tiles of 64 and 32 keys
+#                   with their differences and the latter's device time by kernel; tiles of 64 and 32
+#                   keys)
 #   speculation     exact speculative rollouts: CUDA-graph drafts and verifications held to the eager
 #                   step and a cycle to no host sync (tests), then bench/speculation.py at 16K (one
 #                   prompt x 8 samples x 512 new tokens, dense / budget 2048 / speculative K = 2, 4, 6
@@ -154,10 +153,8 @@ if is learner learner-update; then
 fi
 if is paged-scoring; then
     step paged-scoring-tests 120 $PY -m pytest -q -p no:cacheprovider tests/test_sparse_paged.py
-    step paged-scoring-32k 340 $PY bench/paged_scoring.py --model qwen3-4b --device cuda --length 32768 \
+    step paged-scoring-32k 440 $PY bench/paged_scoring.py --model qwen3-4b --device cuda --length 32768 \
         --budgets 1024,2048,3072,4096 --paths decode,paged,paged:128x32x8 --profile
-    step paged-scoring-text 100 $PY bench/paged_scoring.py --model smollm2-135m --device cuda --length 8000 \
-        --text docs/training.md --budgets 256,512,1024 --paths decode,paged,paged:128x32x8,paged:64x32x4
 fi
 if is speculation; then
     step speculation-graphs 50 $PY -m pytest -q -s -p no:cacheprovider \
