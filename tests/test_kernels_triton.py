@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -198,6 +199,36 @@ def test_selection_kernel_equals_finish_selection(block, monkeypatch):
                 continue
             assert torch.equal((got >= 0).sum(-1), (want >= 0).sum(-1))
             assert torch.equal(_kept_scores(scores, got), _kept_scores(scores, want))
+
+
+def test_counting_select_candidate_keeps_the_radix_selects_pages():
+    """bench/select_candidates.py's counting select (timed beside the radix select by bench/kernels.py
+    --part select-sweep) keeps exactly the radix select's pages: ties (lowest page first), rows from empty
+    to a few hundred pages, dense budgets and budgets that keep no candidate, 2- and 4-bit digits."""
+    from sparrow.kernels.page_scoring import select_from_scores_triton
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from select_candidates import select_count_triton
+
+    g = torch.Generator().manual_seed(7)
+    for trial in range(12):
+        b, hkv, mp = 1 + trial % 3, 1 + trial % 2, int(torch.randint(1, 300, (1,), generator=g))
+        seq = torch.randint(0, mp * 16 + 1, (b,), generator=g, dtype=torch.int32)
+        scores = torch.randn(b, hkv, mp, generator=g)
+        if trial % 3 == 0:
+            scores = (2 * scores).round()
+        last = ((seq.long() - 1) // 16)[:, None, None]
+        page = torch.arange(mp)
+        scores = scores.masked_fill(~((page >= 1) & (page <= last - 2)), float("-inf"))
+        budgets = torch.randint(0, 12, (b,), generator=g, dtype=torch.int32) * 16
+        budgets[budgets > 0] += 48
+        budgets[0] = 48 if trial % 4 == 0 else budgets[0]  # keeps the reserved pages only
+        scores, seq, budgets = scores.to(DEVICE), seq.to(DEVICE), budgets.to(DEVICE)
+        width = mp + 3
+        want = select_from_scores_triton(scores, seq, budgets, max_selected=width)
+        got = select_count_triton(scores, seq, budgets, 16, width, digit_bits=2 + 2 * (trial % 2),
+                                  num_warps=4)
+        assert torch.equal(got, want), trial
 
 
 def test_empty_request_rows_give_zeros():
