@@ -13,8 +13,10 @@ the reads grow with positions x budget. Here a program owns a tile of consecutiv
 head (their G query heads as rows of one [BLOCK_R, D] operand), walks the tokens 0..its last position
 in BLOCK_N blocks, loads a block's keys and values once when any row keeps a page of it (skipped
 otherwise) and masks each row to its own pages and causal limit: tensor-core dots, an online softmax
-in base 2, fp32 accumulation. bf16 inputs use bf16 dots (under the interpreter, whose tl.dot
-mishandles bf16, the same rounded operands are upcast to fp32).
+in base 2, fp32 accumulation. Which blocks a tile keeps is reduced from the bitmap before the launch
+(`tile_blocks`), so the skip is one scalar load per block, not a reduction across the program's warps.
+bf16 inputs use bf16 dots (under the interpreter, whose tl.dot mishandles bf16, the same rounded
+operands are upcast to fp32).
 """
 
 from __future__ import annotations
@@ -42,6 +44,15 @@ def kept_page_bitmap(selected: Tensor, n_pages: int) -> Tensor:
     return kept.scatter_(2, index, 1)[..., :n_pages]
 
 
+def tile_blocks(kept: Tensor, tile: int, pages_per_block: int) -> Tensor:
+    """kept [C, Hkv, n_pages] -> [ceil(C / tile), Hkv, ceil(n_pages / pages_per_block)] uint8: whether any
+    query of a tile of `tile` consecutive rows keeps a page of a block of `pages_per_block` pages."""
+    c, hkv, n = kept.shape
+    tiles, blocks = -(-c // tile), -(-n // pages_per_block)
+    padded = torch.nn.functional.pad(kept, (0, blocks * pages_per_block - n, 0, 0, 0, tiles * tile - c))
+    return padded.view(tiles, tile, hkv, blocks, pages_per_block).amax(dim=(1, 4))
+
+
 def token_mask(kept: Tensor, positions: Tensor, s: int, page_size: int) -> Tensor:
     """kept [C, Hkv, n_pages], positions [C] -> [C, Hkv, S] bool: the keys each query attends to."""
     by_token = kept.bool().repeat_interleave(page_size, dim=2)[..., :s]
@@ -62,8 +73,8 @@ def sparse_prefill_reference(q: Tensor, keys: Tensor, values: Tensor, positions:
     return torch.einsum("chs,hsd->chd", weights, v).to(q.dtype)
 
 
-def _sparse_prefill_kernel(q, keys, values, positions, kept, out, n_rows, n_keys, scale_log2,
-                           s_qc, s_qh, s_kh, s_ks, s_vh, s_vs, s_mc, s_mh, s_oc, s_oh,
+def _sparse_prefill_kernel(q, keys, values, positions, kept, blocks, out, n_rows, n_keys, scale_log2,
+                           s_qc, s_qh, s_kh, s_ks, s_vh, s_vs, s_mc, s_mh, s_bt, s_bh, s_oc, s_oh,
                            D: tl.constexpr, BLOCK_D: tl.constexpr, G: tl.constexpr, TILE: tl.constexpr,
                            BLOCK_R: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
                            PRECISION: tl.constexpr, UPCAST: tl.constexpr):
@@ -72,6 +83,7 @@ def _sparse_prefill_kernel(q, keys, values, positions, kept, out, n_rows, n_keys
     t = r // G
     gi = r % G
     row = tl.program_id(0) * TILE + t
+    tile_blocks = blocks + tl.program_id(0) * s_bt + h * s_bh  # [n_blocks] uint8: the tile keeps block i
     rm = (t < TILE) & (row < n_rows)
     d = tl.arange(0, BLOCK_D)
     dm = d < D
@@ -94,7 +106,7 @@ def _sparse_prefill_kernel(q, keys, values, positions, kept, out, n_rows, n_keys
         keep = tl.reshape(tl.broadcast_to(keep[:, :, None], [BLOCK_R, BLOCK_N // PAGE, PAGE]),
                           [BLOCK_R, BLOCK_N])
         keep = (keep != 0) & (s_idx[None, :] <= pos[:, None])  # [BLOCK_R, BLOCK_N]
-        if tl.max(tl.max(keep.to(tl.int32), axis=1), axis=0) > 0:  # some row keeps a key of the block
+        if tl.load(tile_blocks + start // BLOCK_N) != 0:  # some row keeps a page of the block
             kv_mask = in_seq[:, None] & dm[None, :]
             kt = tl.load(keys + h * s_kh + s_idx[:, None] * s_ks + d[None, :], mask=kv_mask, other=0.0)
             if UPCAST:
@@ -151,11 +163,13 @@ def sparse_prefill_triton(q: Tensor, keys: Tensor, values: Tensor, positions: Te
         raise ValueError("keys and values must be contiguous in the head dim")
     positions = positions.to(torch.int32).contiguous()
     kept = kept if kept.stride(2) == 1 else kept.contiguous()  # the bitmap's slice of its scatter target
+    blocks = tile_blocks(kept, tile, block_tokens // page_size)
     upcast = interpreting() and keys.dtype != torch.float32
     _sparse_prefill_jit[(-(-c // tile), hkv)](
-        q_dot, keys, values, positions, kept, out, c, s, (d ** -0.5 if scale is None else scale) * LOG2E,
+        q_dot, keys, values, positions, kept, blocks, out, c, s,
+        (d ** -0.5 if scale is None else scale) * LOG2E,
         q_dot.stride(0), q_dot.stride(1), keys.stride(0), keys.stride(1), values.stride(0), values.stride(1),
-        kept.stride(0), kept.stride(1), out.stride(0), out.stride(1),
+        kept.stride(0), kept.stride(1), blocks.stride(0), blocks.stride(1), out.stride(0), out.stride(1),
         D=d, BLOCK_D=max(16, next_pow2(d)), G=g, TILE=tile, BLOCK_R=block_rows, PAGE=page_size,
         BLOCK_N=block_tokens, PRECISION="ieee", UPCAST=upcast, num_warps=num_warps or WARPS,
         num_stages=num_stages,

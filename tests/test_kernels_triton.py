@@ -640,7 +640,7 @@ for arch in (80, 90):
                   out="*" + dt), dict(D=d, BLOCK_D=d, BLOCK_S=32), arch, 2)
             for rows, warps in ((128, 8), (64, 4)):
                 build(sparse_prefill._sparse_prefill_jit, dict(q="*" + dt, keys="*" + dt, values="*" + dt,
-                      positions="*i32", kept="*u8", out="*" + dt, scale_log2="fp32"),
+                      positions="*i32", kept="*u8", blocks="*u8", out="*" + dt, scale_log2="fp32"),
                       dict(D=d, BLOCK_D=d, G=g, TILE=rows // g, BLOCK_R=rows, PAGE=16, BLOCK_N=64,
                            PRECISION="ieee", UPCAST=False), arch, warps)
         for h, warps in ((2560, 8), (1000, 4)):

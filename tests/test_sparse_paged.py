@@ -16,7 +16,12 @@ import pytest
 import torch
 from triton_here import DEVICE, in_fresh_process, needs_triton, rerun_in_fresh_process
 
-from sparrow.kernels.sparse_prefill import kept_page_bitmap, sparse_prefill_reference, sparse_prefill_triton
+from sparrow.kernels.sparse_prefill import (
+    kept_page_bitmap,
+    sparse_prefill_reference,
+    sparse_prefill_triton,
+    tile_blocks,
+)
 from sparrow.stages.attention import sparse
 from sparrow.stages.attention.block_topk import page_centroids
 from sparrow.stages.attention.sparse import block_topk_sdpa, kept_pages_bound
@@ -38,6 +43,18 @@ def test_kept_page_bitmap_marks_the_listed_pages():
         for h in range(2):
             want = {int(p) for p in selected[c, h] if p >= 0}
             assert {j for j in range(5) if kept[c, h, j]} == want
+
+
+def test_tile_blocks_mark_the_blocks_a_tile_keeps():
+    g = torch.Generator().manual_seed(3)
+    kept = (torch.rand(11, 2, 9, generator=g) < 0.15).to(torch.uint8)  # 11 rows, 9 pages: both padded
+    blocks = tile_blocks(kept, tile=4, pages_per_block=2)
+    assert blocks.shape == (3, 2, 5)
+    for t in range(3):
+        for h in range(2):
+            for j in range(5):
+                want = bool(kept[4 * t: 4 * t + 4, h, 2 * j: 2 * j + 2].any())
+                assert bool(blocks[t, h, j]) == want
 
 
 def brute_force(q, keys, values, positions, kept, page=P):
