@@ -32,8 +32,8 @@
 #   paged-scoring   teacher-forced sparse scoring on the Triton kernels: tests/test_sparse_paged.py
 #                   compiled, then bench/paged_scoring.py (one 32K-token trajectory at budgets 1024-4096,
 #                   the per-position decode kernel and the block-sparse prefill kernel in one process,
-#                   with their differences and the latter's device time by kernel; tiles of 64 and 32
-#                   keys)
+#                   with their differences and the latter's device time by kernel; tiles of 128 rows x
+#                   64 keys, 128 x 32 and 64 x 64)
 #   speculation     exact speculative rollouts: CUDA-graph drafts and verifications held to the eager
 #                   step and a cycle to no host sync (tests), then bench/speculation.py at 16K (one
 #                   prompt x 8 samples x 512 new tokens, dense / budget 2048 / speculative K = 2, 4, 6
@@ -154,7 +154,7 @@ fi
 if is paged-scoring; then
     step paged-scoring-tests 120 $PY -m pytest -q -p no:cacheprovider tests/test_sparse_paged.py
     step paged-scoring-32k 440 $PY bench/paged_scoring.py --model qwen3-4b --device cuda --length 32768 \
-        --budgets 1024,2048,3072,4096 --paths decode,paged,paged:128x32x8 --profile
+        --budgets 1024,2048,3072,4096 --paths decode,paged,paged:128x32x8,paged:64x64x4 --profile
 fi
 if is speculation; then
     step speculation-graphs 50 $PY -m pytest -q -s -p no:cacheprovider \
