@@ -7,24 +7,23 @@
 #   bash bench/gpu_window.sh a|b|--plan
 #
 # Each phase has a budget (a 405 s, b 255 s, together 660 s; the call's timeout leaves a minute or more
-# for the wheels and the site folder; a warm start took about 30 s); a step gets at most what is left of
-# it and is skipped, with the reason, when less than half its limit is left. Phase a is correctness, 32K
-# memory and the decode step against its floor; phase b exact speculation on CUDA graphs (its correctness,
-# no host sync in a cycle, then its speed at 16K), profiling at 32K and where a sparse step's time goes.
-# Logs, at most 8 files with the results and summary.txt, go to $OUT; the summary table is printed last.
-# `--plan` prints each phase's steps, limits and totals and runs nothing (no torch or GPU needed).
+# for the wheels, the site folder and a warm start); a step gets at most what is left of it and is
+# skipped, with the reason, when less than half its limit is left. Phase a is correctness, 32K memory and
+# the decode step against its floor; phase b exact speculation on CUDA graphs (its correctness, no host
+# sync in a cycle, then its speed at 16K), profiling at 32K and where a sparse step's time goes. Logs, at
+# most 8 files with the results and summary.txt, go to $OUT; the summary table is printed last. `--plan`
+# prints each phase's steps, limits and totals and runs nothing (no torch or GPU needed).
 #
 # Sizing: the limits follow the lent windows' logs (docs/gpu.md, "Running the GPU window"); kernel-tests'
-# limit is mostly Triton's first compile of every kernel on a bare machine (147 s for
-# test_kernels_triton.py alone). From the CPU side: test_kernels_triton.py is 74 tests (slow sweeps
-# included; the CPU-only ahead-of-time build test is left out: it compiles every kernel for sm80 and sm90
-# and needs no GPU); test_sparse_paged.py is 10, about 15 compiles (six of the prefill kernel), so about
-# 25 s more in the same process; the engine's GPU tests are 33. A 32K prompt's prefill is about 2 x 4e9 x 32768 = 2.6e14 FLOPs plus as much
-# again in attention, about a second per engine at H100 rates: the engines step is pool sizing, graph
-# capture and frees. The
-# speculation bench is five engines of one 16K prefill and 512 steps or cycles each and two samples'
-# teacher-forced scoring; `sparrow profile` scored a 32K trajectory at 4 budgets in about 22 s on the
-# per-position decode kernel (4 of them here: the target is a minute; the limit leaves the set-up).
+# limit is mostly Triton's first compile of every kernel on a bare machine. From the CPU side:
+# test_kernels_triton.py runs every kernel (slow sweeps included; the CPU-only ahead-of-time build test is
+# left out: it compiles every kernel for sm80 and sm90 and needs no GPU) and test_sparse_paged.py adds
+# about 15 compiles (six of them the prefill kernel's); the engine's GPU tests are 33. A 32K prompt's prefill
+# is about 2 x 4e9 x 32768 = 2.6e14 FLOPs plus as much again in attention, about a second per engine at
+# H100 rates: the engines step is pool sizing, graph capture and frees. The speculation bench is five
+# engines of one 16K prefill and 512 steps or cycles each and two samples' teacher-forced scoring;
+# `sparrow profile` scores 4 trajectories of 32K at 4 budgets (the target is a minute; the limit leaves
+# the set-up).
 set -u
 case ${1:-} in
     a|b|--plan) ;;

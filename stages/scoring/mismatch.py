@@ -5,14 +5,13 @@ then one pass over the completions per attention mode (dense, and each budget) o
 prompt KV; in a sparse pass every generated position selects its own pages from its own prefix (see
 `attention.SparseAttention`; on CUDA the engine's selection kernels, every position selecting as a
 decode query of its own, and the block-sparse prefill kernel), which reproduces incremental sparse
-decoding exactly. An eviction policy
-(SnapKV, R-KV) is replayed instead (stages/kv_policies/replay.py: the generated tokens between two
-compressions in one forward over the retained cache, compressing where decoding compressed), each
-prompt length's sequences together, on a prompt prefilled again for it. Only the final
-hidden states of each mode are kept ([tokens, hidden] per mode); the vocabulary-sized work (the fp32
-head, softmax, alpha, entropy) runs over chunks of `vocab_chunk` positions, so no [T, V] tensor exists
-and a 32K-token sequence of a 152K vocabulary holds a few [1024, V] fp32 tensors at a time. The
-attention masks of the completion passes are bounded the same way (`llama.masked_attention`,
+decoding exactly. An eviction policy (SnapKV, R-KV) is replayed instead (stages/kv_policies/replay.py:
+the generated tokens between two compressions in one forward over the retained cache, compressing where
+decoding compressed), each prompt length's sequences together, on a prompt prefilled again for it. Only
+the final hidden states of each mode are kept ([tokens, hidden] per mode); the vocabulary-sized work
+(the fp32 head, softmax, alpha, entropy) runs over chunks of `vocab_chunk` positions, so no [T, V]
+tensor exists and a 32K-token sequence of a 152K vocabulary holds a few [1024, V] fp32 tensors at a
+time. The attention masks of the completion passes are bounded the same way (`llama.masked_attention`,
 `SparseAttention`'s query chunks). Alpha and the logprobs use the sampling temperature (1 for greedy).
 The tokens come from elsewhere: the rollout engine (`stages.rollout`) or any other sampler; the
 reference generator `stages.generate` is a test oracle only.
