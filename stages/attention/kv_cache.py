@@ -77,3 +77,24 @@ def upload(device: torch.device, values, dtype: torch.dtype) -> torch.Tensor:
     pinned memory on CUDA, so a copy issued while a decode step is in flight does not wait for it."""
     t = torch.as_tensor(np.asarray(values), dtype=dtype)
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
+
+
+def pinned_copies(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """Host copies of device tensors issued without waiting: into pinned memory on CUDA (read them once
+    an event recorded after this call has completed), the tensors themselves off CUDA."""
+    if not tensors or tensors[0].device.type != "cuda":
+        return [t.cpu() for t in tensors]
+    out = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+    for host, t in zip(out, tensors):
+        host.copy_(t, non_blocking=True)
+    return out
+
+
+def download(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """Host copies of device tensors, waited for on one event (no stream sync)."""
+    out = pinned_copies(*tensors)
+    if tensors and tensors[0].device.type == "cuda":
+        done = torch.cuda.Event()
+        done.record()
+        done.synchronize()
+    return out

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..attention.kv_cache import upload
+from ..attention.kv_cache import download, upload
 from .block_manager import BlockManager
 from .runner import ModelRunner
 from .sampler import logprobs_at_temperature, truncate
@@ -119,19 +119,6 @@ def accept_or_resample_batch(p: Tensor, q: Tensor, drafts: Tensor, counts: Seq[i
     total = residual.sum(-1, keepdim=True)
     dist = torch.where(total > 0, residual / total, target)
     return kept, torch.where(is_greedy[:, 0], dist.argmax(-1), (dist / noise).argmax(-1))
-
-
-def to_host(*tensors: Tensor) -> list[Tensor]:
-    """Host copies of device tensors through pinned memory, waited for on one event (no stream sync)."""
-    if not tensors or tensors[0].device.type != "cuda":
-        return [t.cpu() for t in tensors]
-    out = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
-    for host, t in zip(out, tensors):
-        host.copy_(t, non_blocking=True)
-    done = torch.cuda.Event()
-    done.record()
-    done.synchronize()
-    return out
 
 
 class DeviceTimer:
@@ -307,9 +294,9 @@ def _decide(cycles: list[Drafting], logp: Tensor) -> list[Emitted]:
     n = max(c.seq.request.params.logprobs for c in cycles)
     if n:
         top = rows.topk(n, dim=-1)
-        decided, values, ids = to_host(decided, top.values, top.indices)
+        decided, values, ids = download(decided, top.values, top.indices)
     else:
-        (decided,) = to_host(decided)
+        (decided,) = download(decided)
     out = []
     for i, (c, row) in enumerate(zip(cycles, decided.tolist())):
         kept_i = int(row[0])

@@ -27,7 +27,7 @@ from torch import Tensor
 
 from sparrow.kernels.ops import TORCH, TorchOps
 
-from ..attention.kv_cache import PagedKVCache, upload
+from ..attention.kv_cache import PagedKVCache, pinned_copies, upload
 from ..attention.paged import DecodeAttention, DecodeBatch
 from ..model.llama import Transformer
 from .sampler import redraw_truncated, sample_on_device
@@ -441,11 +441,7 @@ class StaticDecode:
         if k == 0:
             return None
         top = self.logp[: len(seqs)].topk(k, dim=-1)
-        pin = self.device.type == "cuda"
-        values = torch.empty(top.values.shape, dtype=torch.float32, pin_memory=pin)
-        ids = torch.empty(top.indices.shape, dtype=torch.long, pin_memory=pin)
-        values.copy_(top.values, non_blocking=True)
-        ids.copy_(top.indices, non_blocking=True)
+        values, ids = pinned_copies(top.values, top.indices)  # read after the step's event
         return values, ids
 
     # ------------------------------------------------------------------ graphs
