@@ -28,6 +28,7 @@ Writes bench/results/kernels.parquet.
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 
 import torch
@@ -229,6 +230,9 @@ def main() -> None:
     parts = set(args.part.split(","))
     if not parts <= {"attention", "elementwise", "select-sweep"}:
         ap.error(f"--part takes attention, elementwise and/or select-sweep, got {args.part!r}")
+    shape = re.compile(r"(count)?\d+x\d+")
+    if "select-sweep" in parts and not all(shape.fullmatch(c) for c in args.select_configs.split(",")):
+        ap.error(f"--select-configs takes BLOCKxWARPS or countBITSxWARPS, got {args.select_configs!r}")
     device = torch.device(args.device)
     on_gpu = device.type == "cuda"
     args.batch = args.batch or (32 if on_gpu else 4)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from collections.abc import Callable, Sequence
 
@@ -99,15 +100,23 @@ PAGED = sparse.block_topk_paged
 TILE = (sparse_prefill.BLOCK_ROWS, sparse_prefill.BLOCK_TOKENS, sparse_prefill.WARPS)
 
 
+def parse_path(path: str) -> tuple[str, tuple[int, int, int]]:
+    """"paged:ROWSxKEYSxWARPS" -> ("paged", (rows, keys, warps)); a bare name gets the module's tile."""
+    name, _, tile = path.partition(":")
+    parts = tile.split("x")
+    well_formed = name == "paged" and len(parts) == 3 and all(map(str.isdigit, parts))
+    if name not in PATHS or (tile and not well_formed):
+        raise ValueError(f"--paths: {path!r} is none of {', '.join(PATHS)} or paged:ROWSxKEYSxWARPS")
+    return name, tuple(int(x) for x in parts) if tile else TILE
+
+
 def on_path(path: str) -> None:
     """Make the SparseAttention objects built from now on take `path` (the choice is made per object);
     `paged:ROWSxKEYSxWARPS` sets the prefill kernel's tile."""
-    name, _, tile = path.partition(":")
-    assert name in PATHS and (not tile or name == "paged"), f"--paths takes {', '.join(PATHS)}, paged:RxKxW"
+    name, tile = parse_path(path)
     sparse.paged_scoring_usable = lambda device: name != "torch"
     sparse.block_topk_paged = per_position_decode if name == "decode" else PAGED
-    rows, keys, warps = (int(x) for x in tile.split("x")) if tile else TILE
-    sparse_prefill.BLOCK_ROWS, sparse_prefill.BLOCK_TOKENS, sparse_prefill.WARPS = rows, keys, warps
+    sparse_prefill.BLOCK_ROWS, sparse_prefill.BLOCK_TOKENS, sparse_prefill.WARPS = tile
 
 
 def device_time_by_kernel(device: torch.device, run: Callable[[], ScoredTokens], rows: int = 20) -> str:
@@ -166,8 +175,14 @@ def main() -> None:
     budgets = [int(b) for b in args.budgets.split(",")]
     dense_layers = [int(x) for x in args.dense_layers.split(",") if x]
     paths = args.paths.split(",")
-    assert {p.partition(":")[0] for p in paths} <= set(PATHS), f"--paths takes {', '.join(PATHS)}"
-    assert not args.profile or args.device.startswith("cuda"), "--profile times CUDA kernels"
+    try:
+        [parse_path(p) for p in paths]
+    except ValueError as e:
+        ap.error(str(e))
+    if args.profile and not args.device.startswith("cuda"):
+        ap.error("--profile times CUDA kernels: give --device cuda")
+    if args.text and not os.path.isfile(args.text):
+        ap.error(f"--text {args.text}: no such file")
     device = torch.device(args.device)
     loaded = load_model(args.model, device=device, dtype=getattr(torch, args.dtype),
                         random_weights=args.text is None)

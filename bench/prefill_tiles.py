@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -73,6 +74,8 @@ def main() -> None:
     args = ap.parse_args()
     if sum(map(bool, (args.text, args.task, args.random))) != 1:
         ap.error("give one of --text, --task, --random")
+    if args.text and not Path(args.text).is_file():
+        ap.error(f"--text {args.text}: no such file")
     torch.set_num_threads(args.threads)
     loaded = load_model(args.model, random_weights=args.random)
     cfg = loaded.config
