@@ -223,7 +223,8 @@ def main() -> None:
     ap.add_argument("--part", default="attention,elementwise",
                     help="attention (dense vs sparse, selection), elementwise (the fused decode chain), "
                          "select-sweep (the selection under each of --select-configs)")
-    ap.add_argument("--select-configs", default="1024x4,2048x4,2048x8,4096x8,2048x16,count2x8,count2x16",
+    ap.add_argument("--select-configs",
+                    default="1024x4,2048x4,2048x8,4096x8,2048x16,count2x4,count2x8,count2x16",
                     help="for --part select-sweep: BLOCKxWARPS, the radix select's pages per chunk and "
                          "warps; countBITSxWARPS, the counting candidate's digit bits and warps")
     args = ap.parse_args()

@@ -37,16 +37,16 @@ def _select_count_kernel(scores, seq_lens, budgets, selected, s_sb, s_sh, s_ob, 
     s = tl.load(scores + b * s_sb + h * s_sh + p, mask=(p >= 1) & (p < cand_end), other=float("-inf"))
     cand = s > float("-inf")
     bits = s.to(tl.int32, bitcast=True)
-    key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64) + 2147483648  # order-preserving, >= 0
+    key = (tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits) ^ (-2147483648)).to(tl.uint32, bitcast=True)
     search = tl.sum(cand.to(tl.int32), axis=0) > n_sel
-    digit_values = tl.arange(0, 1 << DIGIT_BITS).to(tl.int64)
-    prefix = tl.zeros([], dtype=tl.int64)
+    digit_values = tl.arange(0, 1 << DIGIT_BITS).to(tl.uint32)
+    prefix = tl.zeros([], dtype=tl.uint32)
     for i in tl.static_range(32 // DIGIT_BITS):
         shift = 32 - DIGIT_BITS * (i + 1)
         thresholds = prefix + (digit_values << shift)  # [2^DIGIT_BITS]
         counts = tl.sum(((key[:, None] >= thresholds[None, :]) & cand[:, None]).to(tl.int32), axis=0)
         digit = tl.sum((counts >= n_sel).to(tl.int32), axis=0) - 1  # counts fall as the digit grows
-        prefix = prefix + (digit.to(tl.int64) << shift)
+        prefix = prefix + (digit.to(tl.uint32) << shift)
     above = cand & (key > prefix)
     tie = cand & (key == prefix)
     need = n_sel - tl.sum(above.to(tl.int32), axis=0)
