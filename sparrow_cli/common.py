@@ -7,6 +7,7 @@ to force it, and `-o -` hands stdout to the artifact (tables and summaries then 
 from __future__ import annotations
 
 import functools
+import re
 import signal
 import sys
 import threading
@@ -18,11 +19,38 @@ from typing import NoReturn
 
 import typer
 from rich.console import Console
+from rich.text import Text
 from typer.core import TyperCommand, TyperGroup
 
-console = Console(stderr=True, soft_wrap=True)  # messages and progress; stdout holds only data
+OWN_STYLES = frozenset({"bold", "bold red", "dim", "green", "yellow", "/"})
+_TAG = re.compile(r"(\\*)\[([a-z#/@][^[]*?)]")  # rich's markup tag, with the backslashes before it
+
+
+class MessageConsole(Console):
+    """A console that prints user text as written. Its markup is only the CLI's own style tags
+    (OWN_STYLES: `[bold red]error:[/]`, `[yellow]warning:[/]`, ...); any other bracketed text (a path, a
+    prompt's `[INST]`, an extra such as `.[vllm]`) prints as it is, and `:name:` never becomes an emoji.
+    The rule lives here, not at each call site, so a message that quotes a path or a spec is verbatim
+    without escaping it. A tag already escaped (an odd number of backslashes, as rich's `escape` writes)
+    is left as it is; text that must be verbatim even where it spells an own tag is printed as `Text`."""
+
+    def render_str(self, text: str, *, emoji: bool | None = None, markup: bool | None = None,
+                   **kwargs) -> Text:
+        if markup or (markup is None and self._markup):
+            text = _TAG.sub(_literal_unless_own, text)
+        return super().render_str(text, emoji=False, markup=markup, **kwargs)
+
+
+def _literal_unless_own(tag: re.Match) -> str:
+    slashes, name = tag.group(1), tag.group(2)
+    if len(slashes) % 2 or name in OWN_STYLES:
+        return tag.group(0)
+    return "\\" * (2 * len(slashes) + 1) + f"[{name}]"  # rich prints the backslashes, then the tag
+
+
+console = MessageConsole(stderr=True, soft_wrap=True)  # messages and progress; stdout holds only data
 # (soft_wrap: a message is never broken inside a path, so logs stay greppable)
-out = Console()
+out = MessageConsole()
 
 
 def log_line(text: str) -> None:
@@ -98,13 +126,16 @@ class UsageError(ValueError):
 
 
 def fail(message: str, code: int = 2) -> NoReturn:
-    from rich.markup import escape
-
     from sparrow.schemas.locations import name_inputs
 
-    # escaped: a message may quote brackets (a path, an extra such as '.[vllm]') that rich would eat
-    console.print(f"[bold red]error:[/] {escape(name_inputs(message))}", highlight=False, soft_wrap=True)
+    # as Text: the message quotes user input (a path, a spec, a prompt) that no markup may touch
+    console.print(Text.assemble(("error:", "bold red"), " ", name_inputs(message)), soft_wrap=True)
     raise typer.Exit(code)
+
+
+def warn(message: str) -> None:
+    """A warning on stderr, its text (which may quote user input) printed as written."""
+    console.print(Text.assemble(("warning:", "yellow"), " ", message), soft_wrap=True)
 
 
 def friendly_errors(fn: Callable) -> Callable:
@@ -126,13 +157,11 @@ def friendly_errors(fn: Callable) -> Callable:
                 KeyError) as e:
             fail(str(e.args[0]) if e.args else str(e))
         except KeyboardInterrupt as e:  # a stage may say what it kept and how to go on
-            from rich.markup import escape
-
-            said = escape(str(e.args[0])) if e.args else "nothing half-written was left behind"
+            said = str(e.args[0]) if e.args else "nothing half-written was left behind"
             # a stage may stop on a signal itself (sql's query watch) and name it; else the handler's record
             signum = getattr(e, "signum", signal.SIGTERM if terminated else signal.SIGINT)
             what = "interrupted" if signum == signal.SIGINT else "terminated"
-            console.print(f"[yellow]{what}; {said}[/]", highlight=False)
+            console.print(Text(f"{what}; {said}", style="yellow"))
             sys.exit(128 + signum)
         finally:
             _stdout["taken"] = False  # per command (several run in one process under tests)
@@ -204,8 +233,7 @@ def warn_first_token_stops(lengths: list[int], max_new_tokens: int, raw_prompts:
         hint = ("they were tokenized without the chat template (--raw-prompts)" if raw_prompts else
                 "check that the prompts are what the model expects (text prompts go through its chat "
                 "template)")
-        console.print(f"[yellow]warning:[/] {short} of {len(lengths)} samples ended at their first token; "
-                      f"{hint}", highlight=False)
+        warn(f"{short} of {len(lengths)} samples ended at their first token; {hint}")
 
 
 def parse_int_list(text: str, flag: str) -> list[int]:

@@ -26,6 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 import typer
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from .common import UsageError, console, out, stdout_taken
 
@@ -82,15 +83,15 @@ def emit(columns: Sequence[str], rows: Sequence[Sequence[object]], fmt: str, tit
          left: Sequence[str] = (), to: Console | None = None, render: Render | None = None) -> None:
     """Print `rows` (typed values) under `columns` in `fmt` (already resolved); numbers are right-aligned
     in tables unless named in `left`; `render` gives a column its text form. A rich table goes to `to`
-    (default stdout; stderr when stdout is taken)."""
+    (default stdout; stderr when stdout is taken), its headers and cells as Text: data is never markup."""
     if stdout_taken():  # `-o -`: stdout carries the artifact, so this goes to stderr as a table
         fmt, to = "table", console
     if fmt == "table":
         t = Table(title=title)
         for c in columns:
-            t.add_column(c, justify="left" if c in left else "right")
+            t.add_column(Text(c), justify="left" if c in left else "right")
         for r in rows:
-            t.add_row(*(_cell(c, v, render) for c, v in zip(columns, r)))
+            t.add_row(*(Text(_cell(c, v, render)) for c, v in zip(columns, r)))
         (to or out).print(t)
     elif fmt == "json":
         sys.stdout.write(json.dumps([{c: _plain(v) for c, v in zip(columns, r)} for r in rows]) + "\n")

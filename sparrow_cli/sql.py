@@ -20,14 +20,14 @@ from typing import Annotated
 
 import pyarrow as pa
 import typer
-from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from sparrow.schemas.io import write_batches
 from sparrow.stages.sql import DEFAULT_MEMORY, DEFAULT_TIMEOUT, Limits, QueryError, QueryLimit, parse_memory
 from sparrow.stages.sql import query as run_sql
 
-from .common import FORCE_HELP, UsageError, check_output, console, fail, friendly_errors, out
+from .common import FORCE_HELP, UsageError, check_output, console, fail, friendly_errors, out, warn
 from .output import FORMAT_HELP, FORMAT_METAVAR, resolve_format, tsv_line
 
 TABLE_ROWS = 1000
@@ -62,9 +62,9 @@ def sql(
     force: Annotated[bool, typer.Option("--force/--no-force", help=FORCE_HELP)] = False,
     memory_limit: Annotated[str, typer.Option("--memory-limit", help="The memory the query may take in "
                                               "all, as 4GB, 512MiB or a share of this machine's memory "
-                                              "such as 25%: DuckDB works in half of it (and spills to a "
-                                              "temporary folder beyond that), the result on its way out "
-                                              "in the rest.")] = DEFAULT_MEMORY,
+                                              "such as 25%, at most all of it: DuckDB works in half of it "
+                                              "(and spills to a temporary folder beyond that), the result "
+                                              "on its way out in the rest.")] = DEFAULT_MEMORY,
     timeout: Annotated[float, typer.Option("--timeout", help="Stop the query after this many seconds "
                                            "(0: no limit).")] = DEFAULT_TIMEOUT,
     max_rows: Annotated[int, typer.Option("--max-rows", help="At most this many rows on stdout (table, "
@@ -82,11 +82,11 @@ def sql(
     limits = _limits(memory_limit, timeout, max_rows)
     check_output(output, None, force)
     try:
-        with run_sql(run, query, limits, warn=_warn) as result:
+        with run_sql(run, query, limits, warn=warn) as result:
             if output is not None:
                 rows = write_batches(result.schema, result.batches, output)
                 console.print(f"wrote {rows} rows x {len(result.schema)} columns to "
-                              f"{'stdout' if str(output) == '-' else output}", highlight=False)
+                              f"{'stdout' if str(output) == '-' else output}", highlight=False, markup=False)
             else:
                 PRINTERS[format](result.schema, _capped(result.batches, max_rows))
     except QueryLimit as e:
@@ -109,10 +109,6 @@ def _limits(memory: str, timeout: float, max_rows: int) -> Limits:
     if max_rows < 0:
         raise UsageError(f"--max-rows must be >= 0 (0: no limit), got {max_rows}")
     return Limits(memory=size, seconds=timeout or None)
-
-
-def _warn(message: str) -> None:
-    console.print(f"[yellow]warning:[/] {escape(message)}", highlight=False)
 
 
 def _capped(batches: Iterator[pa.RecordBatch], max_rows: int) -> Iterator[pa.RecordBatch]:
@@ -154,11 +150,12 @@ def _print_table(schema: pa.Schema, batches: Iterator[pa.RecordBatch]) -> None:
 
 
 def _table(schema: pa.Schema, rows: list[dict], caption: str) -> None:
+    """Headers and cells are Text, never markup: a value such as '[/INST]' or ':x:' prints as stored."""
     t = Table(caption=caption)
     for field in schema:
         numeric = pa.types.is_integer(field.type) or pa.types.is_floating(field.type) \
             or pa.types.is_decimal(field.type)
-        t.add_column(field.name, justify="right" if numeric else "left")
+        t.add_column(Text(field.name), justify="right" if numeric else "left")
     for row in rows:
         t.add_row(*(_cell(v) for v in row.values()))
     out.print(t)
@@ -207,13 +204,13 @@ PRINTERS: dict[str, Callable[[pa.Schema, Iterator[pa.RecordBatch]], None]] = {
     "table": _print_table, "tsv": _print_tsv, "csv": _print_csv, "json": _print_json}
 
 
-def _cell(v: object) -> str:
+def _cell(v: object) -> Text:
     if v is None:
-        return "[dim]null[/]"
+        return Text("null", style="dim")
     if isinstance(v, float):
-        return f"{v:.6g}"
+        return Text(f"{v:.6g}")
     text = json.dumps(_jsonable(v)) if isinstance(v, list | dict) else str(v)
-    return text if len(text) <= 80 else text[:77] + "..."
+    return Text(text if len(text) <= 80 else text[:77] + "...")
 
 
 def _tsv_cell(v: object) -> object:

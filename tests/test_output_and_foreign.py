@@ -22,6 +22,7 @@ import pytest
 from typer.testing import CliRunner
 
 from sparrow.cli.app import app
+from sparrow.cli.output import emit
 from sparrow.schemas import ArtifactError, artifact_kind, artifact_metadata, read_artifact
 from sparrow.stages.model.presets import PRESETS
 
@@ -79,6 +80,42 @@ def test_formats_parse_with_csv_and_json():
 def test_unknown_format_is_one_sentence(command):
     line = error_line(runner.invoke(app, [*command, "--format", "xml"]))
     assert "--format must be one of table, csv, json, tsv" in line
+
+
+def test_a_table_prints_its_cells_and_headers_as_stored(capsys):
+    emit(("[/x]:fire:",), [[":x: [bold]hi[/bold] [/INST]"]], "table")
+    printed = capsys.readouterr().out
+    assert "[/x]:fire:" in printed and ":x: [bold]hi[/bold] [/INST]" in printed
+
+
+# ---------------------------------------------------------------- messages quote user text as typed
+
+
+@pytest.mark.parametrize("command,sentence", [
+    (["rollout", "--prompts", "{dir}/my:fire:[bold]data[/INST].parquet"],
+     "{dir}/my:fire:[bold]data[/INST].parquet: no such prompts file"),
+    (["profile", "--prompts", "{dir}/[x]:x:.parquet", "--budgets", "64"],
+     "{dir}/[x]:x:.parquet: no such prompts file"),
+])
+def test_an_error_quotes_user_input_as_typed(tmp_path, command, sentence):
+    """`:name:` is no emoji and brackets are no markup, in any command's error."""
+    args = [a.format(dir=tmp_path) for a in command]
+    line = error_line(runner.invoke(app, [*args, "-o", str(tmp_path / "out.parquet")]))
+    assert line == f"error: {sentence.format(dir=tmp_path)}"
+
+
+def test_an_error_quotes_a_spec_as_typed(real_prompts, tmp_path):
+    line = error_line(runner.invoke(app, ["profile", "--prompts", str(real_prompts), "--budgets", "64",
+                                          "--sampler", "budget:abc", "-o", str(tmp_path / "m.parquet")]))
+    assert line.startswith("error: --sampler budget:abc")
+
+
+def test_a_summary_names_the_output_as_typed(tmp_path):
+    """A stage's own message (its markup around the path) through the shared console: the path as given."""
+    path = tmp_path / "[x]:fire:[/INST].parquet"
+    r = runner.invoke(app, ["prompts", "--task", "basic_arithmetic", "--n", "1", "-o", str(path)])
+    assert r.exit_code == 0, r.output
+    assert f"to {path}" in r.stderr and path.exists()
 
 
 # ---------------------------------------------------------------- foreign inputs

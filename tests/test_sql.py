@@ -22,7 +22,7 @@ from typer.testing import CliRunner
 
 from sparrow.cli import sql as sql_cli
 from sparrow.schemas import ArtifactError, read_artifact, write_artifact
-from sparrow.stages.sql import QueryError, open_run, run_query, run_views
+from sparrow.stages.sql import QueryError, machine_memory, memory_text, open_run, run_query, run_views
 
 runner = CliRunner()
 
@@ -137,6 +137,22 @@ def test_cli_table(run_dir):
     r = invoke("SELECT bin, budget FROM schedule ORDER BY bin", "--run", str(run_dir), "--format", "table")
     assert r.exit_code == 0, r.output
     assert "budget" in r.stdout and "128" in r.stdout and "null" in r.stdout and "2 rows" in r.stdout
+
+
+def test_cli_table_prints_text_that_looks_like_markup_as_stored(run_dir):
+    """A Llama-2 prompt's [/INST], a rich tag or an emoji code, in a cell or a header, is data."""
+    r = invoke("SELECT 'foo [/INST] bar' AS s, ':x: [bold]hi[/bold]' AS \"[/bold]:fire:\"", "--run",
+               str(run_dir), "--format", "table")
+    assert r.exit_code == 0, r.output
+    assert "foo [/INST] bar" in r.stdout and ":x: [bold]hi[/bold]" in r.stdout
+    assert "[/bold]:fire:" in r.stdout and "1 row" in r.stdout
+
+
+def test_a_warning_names_a_file_as_it_is_called(tmp_path):
+    (tmp_path / "[INST]:fire:[bold].parquet").write_text("not parquet at all")
+    r = invoke("SELECT 1 AS one", "--run", str(tmp_path), "-f", "json")
+    assert r.exit_code == 0 and json.loads(r.stdout) == [{"one": 1}]
+    assert "[INST]:fire:[bold].parquet is not a Parquet file" in " ".join(r.stderr.split())
 
 
 def test_cli_default_in_a_pipe_is_complete_tsv(run_dir):
@@ -282,6 +298,13 @@ def test_a_query_that_spills_leaves_no_folder_and_old_ones_of_dead_runs_go(run_d
 ])
 def test_bad_limits_are_refused_before_the_query(run_dir, args, words):
     assert one_error(invoke("SELECT 1", "--run", str(run_dir), *args)) == f"error: {words}"
+
+
+def test_a_memory_limit_above_the_machines_memory_is_refused(run_dir):
+    total = machine_memory()
+    given = f"{total // 2**30 + 1}GiB"
+    assert one_error(invoke("SELECT 1", "--run", str(run_dir), "--memory-limit", given)) == (
+        f"error: --memory-limit must be at most this machine's memory ({memory_text(total)}), got '{given}'")
 
 
 # ---- statements ----

@@ -47,7 +47,8 @@ class Limits:
 
 def parse_memory(text: str) -> int:
     """Bytes from "4GB", "512MiB", "1.5GB" (B, KB, MB, GB, TB powers of 1000; KiB, MiB, GiB, TiB of
-    1024) or "25%" of this machine's memory; ValueError with one sentence otherwise."""
+    1024) or "25%" of this machine's memory; ValueError with one sentence otherwise. A size above the
+    machine's memory is refused, as a share above 100% is: a limit the machine cannot give bounds nothing."""
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(%|[kmgt]i?b|b)?\s*", text, flags=re.IGNORECASE)
     if m is None:
         raise ValueError(f"must be a size such as 4GB, 512MiB or 25% (of this machine's memory), got "
@@ -60,6 +61,8 @@ def parse_memory(text: str) -> int:
     else:
         power = "bkmgt".index(unit[0])
         size = number * (1024 if "i" in unit else 1000) ** power
+        if size > (total := machine_memory()):
+            raise ValueError(f"must be at most this machine's memory ({memory_text(total)}), got {text!r}")
     if size < 2**24:
         raise ValueError(f"must be at least 16MiB, got {text!r}")
     return int(size)
