@@ -204,8 +204,8 @@ def test_duplicate_prompt_ids_are_refused_naming_the_file_and_the_id(tmp_path, n
     prompts, out = token_prompts(tmp_path / "p.parquet", ids=["a", "b", "a"]), tmp_path / "r.parquet"
     result = runner.invoke(app, rollout_args(prompts, out))
     assert result.exit_code == 2
-    assert error_line(result) == f"error: {prompts}: prompt_id 'a' appears in rows 1 and 3; each prompt " \
-                                 "needs its own id"
+    assert error_line(result) == f"error: {prompts}: prompt_id 'a' appears in rows 0 and 2 (counting from " \
+                                 "0); each prompt needs its own id"
     assert not out.exists()
 
 
@@ -213,8 +213,8 @@ def test_an_empty_prompt_is_refused_naming_the_file_and_the_row(tmp_path, no_wor
     prompts, out = token_prompts(tmp_path / "p.parquet", lengths=[20, 0]), tmp_path / "r.parquet"
     result = runner.invoke(app, rollout_args(prompts, out))
     assert result.exit_code == 2
-    assert error_line(result) == f"error: {prompts}: row 2 (prompt 'p1') is empty: it has no token ids and " \
-                                 "no text"
+    assert error_line(result) == f"error: {prompts}: prompt 'p1', row 1 (counting from 0), is empty: it " \
+                                 "has no token ids and no text"
     assert not out.exists()
 
 
@@ -224,8 +224,8 @@ def test_an_error_in_stdin_names_stdin_not_a_private_copy(tmp_path, no_work):
     out = tmp_path / "r.parquet"
     result = runner.invoke(app, rollout_args(Path("-"), out), input=lines)
     assert result.exit_code == 2
-    assert error_line(result) == "error: - (stdin): prompt_id 'a' appears in rows 1 and 2; each prompt " \
-                                 "needs its own id"
+    assert error_line(result) == "error: - (stdin): prompt_id 'a' appears in rows 0 and 1 (counting from " \
+                                 "0); each prompt needs its own id"
 
 
 # ---------------------------------------------------------------- output paths

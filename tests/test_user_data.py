@@ -8,8 +8,11 @@ strings, the user's function imported and called directly, the tokenizer's own c
 from __future__ import annotations
 
 import importlib.util
+import io
 import json
 import math
+import subprocess
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -109,6 +112,27 @@ def trl_short(completions, **kwargs):
     return [1.0]
 
 def two_args(a, b):
+    return 1.0
+
+def exits(data_source, solution_str, ground_truth, extra_info=None):
+    import sys
+    if extra_info["index"] == 1:
+        sys.exit(0)
+    return 1.0
+
+def raises_exit(data_source, solution_str, ground_truth, extra_info=None):
+    raise SystemExit(3)
+
+def trl_exits(completions, **kwargs):
+    raise SystemExit()
+
+def interrupted(data_source, solution_str, ground_truth, extra_info=None):
+    raise KeyboardInterrupt
+
+def prints(data_source, solution_str, ground_truth, extra_info=None):
+    import os
+    print("DEBUG from the reward function")
+    os.write(1, b"DEBUG written to descriptor 1\\n")
     return 1.0
 '''
 
@@ -213,6 +237,33 @@ def test_unfit_columns_refused_in_one_sentence(tmp_path):
         assert "a verl dataset (prompt as chat messages" in line and "loading model" not in r.output
 
 
+def test_rows_are_counted_from_0_in_every_message_as_in_the_ids(tmp_path):
+    """A dataset's prompt ids are `<stem>-<row>` counted from 0; every message names rows the same way."""
+    completions = tmp_path / "c.jsonl"
+    completions.write_text('{"prompt_id": "trl-0", "text": "4"}\n{"prompt_id": "trl-0", "text": null}\n')
+    out = tmp_path / "r.parquet"
+
+    def refusal(prompts: dict) -> str:
+        data = tmp_path / "trl.parquet"
+        pq.write_table(pa.Table.from_pydict(prompts), data)
+        r = runner.invoke(app, ["reward", "--prompts", str(data), "--completions", str(completions),
+                                "--reward", "math", "-o", str(out)])
+        assert not out.exists()
+        return error_line(r).removeprefix(f"error: {data}: ")
+
+    assert refusal({"prompt": ["What is 2+2?", " ", "What is 3+3?"], "answer": ["4", "0", "6"]}) == \
+        "prompt 'trl-1', row 1 (counting from 0), is empty: it has no token ids and no text"
+    assert refusal({"prompt_id": ["a", "b", "a"], "prompt": ["x", "y", "z"], "answer": ["1", "2", "3"]}) == \
+        "prompt_id 'a' appears in rows 0 and 2 (counting from 0); each prompt needs its own id"
+    chats = [[{"role": "user", "content": "x"}], [{"role": "user", "content": None}]]
+    assert refusal({"prompt": chats, "answer": ["1", "2"]}).startswith(
+        "row 1 (counting from 0) has a 'prompt' that is neither text nor a list of chat messages")
+    pq.write_table(pa.table({"prompt": ["What is 2+2?"], "answer": ["4"]}), tmp_path / "trl.parquet")
+    r = runner.invoke(app, ["reward", "--prompts", str(tmp_path / "trl.parquet"), "--completions",
+                            str(completions), "--reward", "math", "-o", str(out)])
+    assert f"{completions}: row 1 (counting from 0), prompt 'trl-0', has no text" in error_line(r)
+
+
 def test_messages_get_the_chat_template_as_trl_applies_it(tmp_path):
     from sparrow.stages.model.loading import spec_tokenizer
 
@@ -267,11 +318,17 @@ def test_reward_fn_verl_signature_equals_direct_call(verl_file, user_fns, tmp_pa
 
 
 @pytest.mark.parametrize("name, message", [
-    ("raises", "raised ValueError (cannot read the answer) on row 1 of train.parquet"),
-    ("says_yes", "returned 'yes' on row 0 of train.parquet; a reward function returns a finite number or a "
-                 "dict with a numeric 'score'"),
-    ("no_score", "returned None on row 0 of train.parquet"),
+    ("raises", "raised ValueError (cannot read the answer) on row 1 (counting from 0) of train.parquet"),
+    ("says_yes", "returned 'yes' on row 0 (counting from 0) of train.parquet; a reward function returns a "
+                 "finite number or a dict with a numeric 'score'"),
+    ("no_score", "returned a dict without a 'score' key (its keys: 'acc') on row 0 (counting from 0) of "
+                 "train.parquet; a verl reward function returns a finite number or a dict with a numeric "
+                 "'score'"),
     ("not_finite", "returned nan on row 0"),
+    ("exits", "exited (sys.exit(0)) on row 1 (counting from 0) of train.parquet; a reward function returns "
+              "its score instead of exiting"),
+    ("raises_exit", "exited (sys.exit(3)) on row 0 (counting from 0) of train.parquet"),
+    ("trl_exits", "exited (sys.exit()) on row 0 (counting from 0) of train.parquet"),
     ("trl_short", "returned a list of 1 for 18 completions"),
     ("two_args", "takes (a, b), neither verl's compute_score(data_source, solution_str, ground_truth, "
                  "extra_info) nor TRL's"),
@@ -285,6 +342,44 @@ def test_reward_fn_refusals_are_one_sentence_and_write_nothing(verl_file, user_f
     line = error_line(r)
     assert f"--reward-fn {user_fns}:{name}" in line and message in line, line
     assert "Traceback" not in r.output and not out.exists() and list(tmp_path.glob(".r.parquet*")) == []
+
+
+def test_reward_fn_exiting_at_import_is_named(verl_file, tmp_path):
+    """A script whose reward function sits beside a top-level sys.exit() is refused, not obeyed."""
+    script = tmp_path / "script.py"
+    script.write_text("import sys\n\ndef compute_score(data_source, solution_str, ground_truth, extra_info):"
+                      "\n    return 1.0\n\nsys.exit(0)\n")
+    _completions_jsonl(tmp_path / "c.jsonl", ["train-0"])
+    out = tmp_path / "r.parquet"
+    r = runner.invoke(app, ["reward", "--prompts", str(verl_file), "--completions", str(tmp_path / "c.jsonl"),
+                            "--reward-fn", f"{script}:compute_score", "-o", str(out)])
+    assert f"importing {script} exited (sys.exit(0))" in error_line(r) and not out.exists()
+
+
+def test_reward_fn_keyboard_interrupt_still_interrupts(verl_file, user_fns, tmp_path):
+    _completions_jsonl(tmp_path / "c.jsonl", ["train-0"])
+    out = tmp_path / "r.parquet"
+    r = runner.invoke(app, ["reward", "--prompts", str(verl_file), "--completions", str(tmp_path / "c.jsonl"),
+                            "--reward-fn", f"{user_fns}:interrupted", "-o", str(out)])
+    assert r.exit_code == 130 and "interrupted" in r.stderr and "error:" not in r.stderr, r.output
+    assert not out.exists()
+
+
+def test_reward_fn_output_goes_to_stderr_not_into_the_data(verl_file, user_fns, tmp_path):
+    """A printing reward function leaves `-o -` Parquet and `-f json` on stdout intact (the real CLI, in a
+    shell pipe: Python's prints and writes to descriptor 1 both go to stderr)."""
+    _completions_jsonl(tmp_path / "c.jsonl", ["train-0", "train-1"])
+    sparrow = Path(__file__).resolve().parents[1] / ".venv" / "bin" / "sparrow"
+    args = [str(sparrow), "reward", "--prompts", str(verl_file), "--completions", str(tmp_path / "c.jsonl"),
+            "--reward-fn", f"{user_fns}:prints"]
+    piped = subprocess.run([*args, "-o", "-"], capture_output=True, timeout=300, cwd=tmp_path)
+    assert piped.returncode == 0, piped.stderr
+    assert pq.read_table(io.BytesIO(piped.stdout)).num_rows == 2 * len(COMPLETIONS)
+    assert b"DEBUG from the reward function" in piped.stderr and b"DEBUG written to" in piped.stderr
+    summary = runner.invoke(app, [*args[1:], "-o", str(tmp_path / "r.parquet"), "--format", "json"])
+    assert summary.exit_code == 0, summary.output
+    assert json.loads(summary.stdout)[0]["completions"] == 2 * len(COMPLETIONS)
+    assert "DEBUG from the reward function" in summary.stderr
 
 
 def test_reward_fn_numbers_as_verl_takes_them(verl_file, user_fns):
@@ -351,7 +446,8 @@ def test_reward_code_runs_the_datasets_tests(tmp_path):
     assert [j.status for j in judged] == ["passed", "failed", "passed", "failed", "no_code"]
     bad = tmp_path / "bad.parquet"
     pq.write_table(pa.table({"prompt": ["x"], "tests": ["assert f(1) == 2"]}), bad)
-    with pytest.raises(PromptError, match="row 0\\) cannot be scored by the code-tests reward: its ground"):
+    with pytest.raises(PromptError, match=r"row 0 \(counting from 0\), cannot be scored by the code-tests "
+                                          "reward: its ground"):
         PromptSet.read(bad, DataOptions(answer_column="tests", reward="code"))
 
 
@@ -404,7 +500,11 @@ def test_reward_fn_raising_in_rollout_writes_nothing(tiny_chat, verl_file, user_
     r = runner.invoke(app, ["rollout", "--model", tiny_chat, "--prompts", str(verl_file), "--reward-fn",
                             f"{user_fns}:raises", "--max-new-tokens", "4", "-o", str(out)])
     line = stage_error(r)
-    assert "raised ValueError (cannot read the answer) on row 1 of train.parquet" in line
+    assert "raised ValueError (cannot read the answer) on row 1 (counting from 0) of train.parquet" in line
+    assert not out.exists() and list(tmp_path.glob(".rollouts.parquet*")) == []
+    r = runner.invoke(app, ["rollout", "--model", tiny_chat, "--prompts", str(verl_file), "--reward-fn",
+                            f"{user_fns}:exits", "--max-new-tokens", "4", "-o", str(out)])
+    assert r.exit_code == 2 and "exited (sys.exit(0)) on row 1 (counting from 0)" in stage_error(r)
     assert not out.exists() and list(tmp_path.glob(".rollouts.parquet*")) == []
     r = runner.invoke(app, ["rollout", "--model", tiny_chat, "--prompts", str(verl_file), "--reward-fn",
                             f"{user_fns}:compute_score", "--samples", "2", "--max-new-tokens", "4",
@@ -424,11 +524,11 @@ def test_train_with_reward_fn_raising_names_the_row(tiny_chat, verl_file, user_f
                             f"{user_fns}:raises", "--steps", "1", "--prompts-per-step", "3", "--samples", "2",
                             "--max-new-tokens", "4", "-o", str(tmp_path / "run")])
     line = stage_error(r)
-    assert "raised ValueError (cannot read the answer) on row 1 of train.parquet" in line
+    assert "raised ValueError (cannot read the answer) on row 1 (counting from 0) of train.parquet" in line
     # no step's metrics, checkpoint or adapter: only the schedule the run started with, written whole
     assert [p.name for p in (tmp_path / "run").iterdir()] == ["schedule.parquet"]
     r = runner.invoke(app, ["train", "--model", tiny_chat, "--prompts", str(verl_file), "--steps", "1",
-                            "-o", str(tmp_path / "run2")])
+                            "--prompts-per-step", "3", "-o", str(tmp_path / "run2")])
     assert "a verl or TRL dataset is scored by --reward math|code or --reward-fn" in error_line(r)
 
 

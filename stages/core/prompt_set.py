@@ -72,6 +72,7 @@ class PromptSet:
         """Score every row by the reward `task` (rewards.py): rows of ours get the datasets' metadata
         layout (their task as data_source, their metadata as extra_info), each row's answer is checked."""
         from ..tasks import get_task
+        from ..tasks.base import row_of
 
         reward = get_task(task)
         for i, r in enumerate(self.rows):
@@ -81,28 +82,32 @@ class PromptSet:
                 r["metadata"] = dataset_metadata("sparrow", self.path, i, r.get("prompt"), columns)
             r["task"] = task
             if reward.needs_answer and r.get("answer") is None:
-                raise PromptError(f"{self.path}: prompt {r['prompt_id']!r} (row {i}) has no answer, which "
-                                  "--reward scores against (for a TRL dataset: name it with --answer-column)")
+                raise PromptError(f"{self.path}: prompt {r['prompt_id']!r}, {row_of(i)}, has no answer, "
+                                  "which --reward scores against (for a TRL dataset: name it with "
+                                  "--answer-column)")
             if reward.check_answer is not None:
                 try:
                     reward.check_answer(r["answer"])
                 except ValueError as e:
-                    raise PromptError(f"{self.path}: prompt {r['prompt_id']!r} (row {i}) cannot be scored by "
-                                      f"the {reward.name} reward: {e}") from None
+                    raise PromptError(f"{self.path}: prompt {r['prompt_id']!r}, {row_of(i)}, cannot be "
+                                      f"scored by the {reward.name} reward: {e}") from None
 
     def check_rows(self) -> None:
-        """Each prompt once (samples, rewards and mismatch are keyed by prompt_id) and none empty."""
+        """Each prompt once (samples, rewards and mismatch are keyed by prompt_id) and none empty; rows are
+        named counting from 0, as a dataset's `<file stem>-<row>` ids count them."""
+        from ..tasks.base import row_of
+
         first: dict[str, int] = {}
-        for i, r in enumerate(self.rows, 1):
+        for i, r in enumerate(self.rows):
             pid = r["prompt_id"]
             if pid in first:
-                raise PromptError(f"{self.path}: prompt_id {pid!r} appears in rows {first[pid]} and {i}; "
-                                  "each prompt needs its own id")
+                raise PromptError(f"{self.path}: prompt_id {pid!r} appears in rows {first[pid]} and {i} "
+                                  "(counting from 0); each prompt needs its own id")
             first[pid] = i
             text = (r.get("prompt") or "").strip() or r.get("messages")
             if not r.get("prompt_token_ids") and not text:
-                raise PromptError(f"{self.path}: row {i} (prompt {pid!r}) is empty: it has no token ids and "
-                                  "no text")
+                raise PromptError(f"{self.path}: prompt {pid!r}, {row_of(i)}, is empty: it has no token "
+                                  "ids and no text")
 
     def check_rewards(self) -> None:
         """Refuse, before any work, prompts whose reward runs the model's program (code tasks) where no

@@ -13,7 +13,8 @@ Design decisions:
   continue_final_message when the last turn is the assistant's).
 - A row keeps the dataset's other columns in its metadata, as JSON: {"format", "file", "row", "prompt",
   "columns"}, which is what the rewards (`tasks/rewards.py`) pass to a user's function and use to name a
-  row. Prompt ids are the file's `prompt_id` column, else `<file stem>-<row>`.
+  row. Prompt ids are the file's `prompt_id` column, else `<file stem>-<row>`. Rows count from 0, in
+  the ids and in every message (`tasks.base.row_of`), as pyarrow and pandas count them.
 - A `save_to_disk` folder is read with pyarrow from its Arrow files (state.json lists them), so the
   `datasets` package is not needed; a DatasetDict folder is refused with the split folders to name.
 """
@@ -106,7 +107,9 @@ def _prompt(prompt: Any, path: Path, row: int) -> tuple[str | None, list[dict] |
         isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
         for m in prompt)
     if not ok:
-        raise DatasetError(f"{path}: row {row} has a 'prompt' that is neither text nor a list of chat "
+        from ..tasks.base import row_of
+
+        raise DatasetError(f"{path}: {row_of(row)} has a 'prompt' that is neither text nor a list of chat "
                            "messages with text 'role' and 'content'")
     return None, [{"role": m["role"], "content": m["content"]} for m in prompt]
 

@@ -25,6 +25,12 @@ class RewardError(ValueError):
     message is one sentence naming the function and the row."""
 
 
+def row_of(index: int) -> str:
+    """How a message names a row of a user's file: counted from 0, as the `<file stem>-<row>` prompt ids,
+    pyarrow and pandas count, and said so, since editors and line counters count from 1."""
+    return f"row {index} (counting from 0)"
+
+
 @dataclass(frozen=True)
 class Example:
     user: str  # the user message: the problem and the instruction on how to answer

@@ -7,11 +7,20 @@ a verifiable reward should not pay for format alone. reasoning-gym is imported l
 seconds to import). One of its dependencies, cellpylib, has `is` with a literal in its source: Python
 prints a SyntaxWarning for each whenever it compiles that source (every run where bytecode is not
 written), so those warnings, and only those, are filtered when this module is imported.
+
+Seeds: reasoning-gym draws item i of a dataset of seed s from `random.Random(s + i)`, so seeds s and
+s + 1 would share all but one item. Our seed 0 is reasoning-gym's seed 0 (unchanged); any other seed is
+a 56-bit hash of it (`rg_seed`), so two seeds' item streams overlap only when their hashes fall within
+the prompt count of each other (odds about n / 2**55). Not a stride such as s * 2**32: Python's Random
+seeds from the 32-bit words of an integer with each word's index added, so s * 2**32 + s + 1 seeds as
+s + 1 does and seed 0's items would come back. Prompt texts can still coincide where a dataset's space
+of problems is small ("1 + 5"), as two items of one seed can.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import warnings
 from collections.abc import Iterator
@@ -32,10 +41,18 @@ DATASETS = {
 }
 
 
+def rg_seed(seed: int) -> int:
+    """reasoning-gym's seed for our `seed`: 0 for 0, else a 56-bit hash (module docstring)."""
+    if seed == 0:
+        return 0
+    digest = hashlib.sha256(f"sparrow/reasoning-gym/{seed}".encode()).digest()
+    return int.from_bytes(digest[:7], "big")
+
+
 def _generate(dataset: str, n: int, seed: int, measure: Measure | None = None) -> Iterator[Example]:
     import reasoning_gym
 
-    data = reasoning_gym.create_dataset(dataset, size=n, seed=seed)
+    data = reasoning_gym.create_dataset(dataset, size=n, seed=rg_seed(seed))
     for i in range(n):
         entry = data[i]
         metadata = json.loads(json.dumps(entry.get("metadata", {}), default=str))

@@ -28,6 +28,7 @@ from sparrow.schemas import ArtifactError, ArtifactSpec, Col, artifact_kind, rea
 from sparrow.schemas.artifacts import first_line
 
 from . import TASKS, get_task, has_scorer, judge_batch
+from .base import row_of
 
 COMPLETIONS = ArtifactSpec("completions", "completions of any sampler, read by their columns", (
     Col("prompt_id", pa.string()),
@@ -84,12 +85,12 @@ def read_completions(path: str | os.PathLike) -> list[Completion]:
     out, seen, rank = [], set(), {}
     for i, r in enumerate(table.to_pylist()):
         if r["text"] is None:
-            raise ArtifactError(f"--completions {path}: row {i} (prompt {r['prompt_id']!r}) has no text in "
-                                "column 'text'")
+            raise ArtifactError(f"--completions {path}: {row_of(i)}, prompt {r['prompt_id']!r}, has no text "
+                                "in column 'text'")
         sample = rank.get(r["prompt_id"], 0) if r["sample"] is None else r["sample"]
         rank[r["prompt_id"]] = max(rank.get(r["prompt_id"], 0), sample + 1)
         if (r["prompt_id"], sample) in seen:
-            raise ArtifactError(f"--completions {path}: row {i} repeats prompt {r['prompt_id']!r} sample "
+            raise ArtifactError(f"--completions {path}: {row_of(i)} repeats prompt {r['prompt_id']!r} sample "
                                 f"{sample} (columns 'prompt_id' and 'sample')")
         seen.add((r["prompt_id"], sample))
         out.append(Completion(r["prompt_id"], sample, r["text"]))
@@ -104,7 +105,7 @@ def check_prompts(prompts: dict[str, dict], completions: list[Completion], promp
     for i, c in enumerate(completions):
         row = prompts.get(c.prompt_id)
         if row is None:
-            raise ArtifactError(f"--completions {completions_path}: prompt {c.prompt_id!r} (row {i}) is "
+            raise ArtifactError(f"--completions {completions_path}: prompt {c.prompt_id!r}, {row_of(i)}, is "
                                 f"not in --prompts {prompts_path} (column 'prompt_id')")
         if not has_scorer(row.get("task")):
             raise ArtifactError(f"--prompts {prompts_path}: prompt {c.prompt_id!r} has task "

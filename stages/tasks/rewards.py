@@ -19,28 +19,35 @@ Design decisions:
   batch with the dataset's other columns as lists. A verl function may return a number (a bool or a numpy
   scalar too, as verl takes them) or a dict with a numeric `score` (the dict's other fields are kept as
   the completion's `extra`); anything else, a non-finite number, or a TRL list of the wrong length is
-  refused in one sentence. A function that raises
-  is named with the dataset row of the completion (a TRL batch that raises is called again one item at
-  a time to find it).
+  refused in one sentence, a dict without `score` naming the keys it has. A function that raises, or
+  exits (SystemExit: sys.exit() in a script's scorer would otherwise end the command silently, with
+  nothing written), is named with the dataset row of the completion (a TRL batch that raises is called
+  again one item at a time to find it); KeyboardInterrupt still interrupts. Importing the file is held
+  to the same rule.
+- User code's output goes to stderr while it runs (imported or called): the command's stdout may be
+  carrying its data (`-o -` Parquet, `-f json`), and verl's reward functions print. Python's sys.stdout
+  is redirected, and so is descriptor 1 (C extensions, child processes) where it is open.
 - Rows reach a reward in the users' dataset layout (`core/user_data.py`): metadata {"format", "file",
   "row", "prompt", "columns"}, so a function sees the columns its trainer would pass.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import inspect
 import json
 import math
 import numbers
+import os
 import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .base import Judgement, RewardError, Task, TaskError
+from .base import Judgement, RewardError, Task, TaskError, row_of
 
 MATH, CODE = "math-verify", "code-tests"
 STDIO_FUNCTION = "__sparrow_stdio_main"
@@ -175,6 +182,27 @@ def check_code_tests(answer: str | None) -> None:
 
 # ---------------------------------------------------------------- a user's function
 
+USER_ERRORS = (Exception, SystemExit)  # what user code may end with, named; KeyboardInterrupt is not
+
+
+@contextlib.contextmanager
+def stdout_to_stderr() -> Iterator[None]:
+    """While user code runs, what it writes to stdout goes to stderr (module docstring)."""
+    if sys.stdout is not None:
+        sys.stdout.flush()  # the command's own pending output stays ahead, on stdout
+    try:
+        saved = os.dup(1)
+        os.dup2(2, 1)
+    except OSError:  # no descriptor 1 or 2: Python's stdout is still redirected
+        saved = None
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        if saved is not None:
+            os.dup2(saved, 1)
+            os.close(saved)
+
 
 @dataclass(frozen=True)
 class RewardFunction:
@@ -192,10 +220,11 @@ class RewardFunction:
 
     def where(self, metadata: dict[str, Any]) -> str:
         row, file = metadata.get("row"), metadata.get("file")
-        return f"row {row} of {file}" if row is not None else "a row"
+        return f"{row_of(row)} of {file}" if row is not None else "a row"
 
     def judge_many(self, items: list[Item]) -> list[Judgement]:
-        return self._verl(items) if self.style == "verl" else self._trl(items)
+        with stdout_to_stderr():
+            return self._verl(items) if self.style == "verl" else self._trl(items)
 
     def _verl(self, items: list[Item]) -> list[Judgement]:
         out = []
@@ -204,7 +233,7 @@ class RewardFunction:
             try:
                 value = self.fn(data_source=columns.get("data_source"), solution_str=completion,
                                 ground_truth=answer, extra_info=columns.get("extra_info"))
-            except Exception as e:  # noqa: BLE001 - the user's error, named with its row
+            except USER_ERRORS as e:  # the user's error, named with its row
                 raise self._raised(e, meta) from None
             out.append(self._judgement(value, meta))
         return out
@@ -212,7 +241,7 @@ class RewardFunction:
     def _trl(self, items: list[Item]) -> list[Judgement]:
         try:
             values = self._call_trl(items)
-        except Exception as e:  # noqa: BLE001 - named with its row: the batch's items again, one at a time
+        except USER_ERRORS as e:  # named with its row: the batch's items again, one at a time
             if len(items) == 1:
                 raise self._raised(e, items[0][2]) from None
             return [j for item in items for j in self._trl([item])]
@@ -236,24 +265,41 @@ class RewardFunction:
                 columns.setdefault(k, []).append((meta.get("columns") or {}).get(k))
         return self.fn(prompts=prompts, completions=completions, **columns)
 
-    def _raised(self, e: Exception, meta: dict[str, Any]) -> RewardError:
-        message = (str(e).strip().splitlines() or [""])[0]
-        return RewardError(f"--reward-fn {self.spec} raised {type(e).__name__}"
-                           + (f" ({message})" if message else "") + f" on {self.where(meta)}")
+    def _raised(self, e: BaseException, meta: dict[str, Any]) -> RewardError:
+        exited = isinstance(e, SystemExit)
+        advice = "; a reward function returns its score instead of exiting" if exited else ""
+        return RewardError(f"--reward-fn {self.spec} {_ended(e)} on {self.where(meta)}{advice}")
 
     def _judgement(self, value: Any, meta: dict[str, Any]) -> Judgement:
+        returned = value
         extra = None
         if isinstance(value, dict):
+            if "score" not in value:
+                keys = _cut(", ".join(map(repr, value))) or "none"
+                raise RewardError(f"--reward-fn {self.spec} returned a dict without a 'score' key (its keys: "
+                                  f"{keys}) on {self.where(meta)}; a verl reward function returns a finite "
+                                  "number or a dict with a numeric 'score'")
             extra = {k: v for k, v in value.items() if k != "score"}
-            value = value.get("score")
+            value = value["score"]
         if not isinstance(value, numbers.Real) or not math.isfinite(value):
-            raise RewardError(f"--reward-fn {self.spec} returned {_shown(value)} on {self.where(meta)}; a "
-                              "reward function returns a finite number or a dict with a numeric 'score'")
+            raise RewardError(f"--reward-fn {self.spec} returned {_shown(returned)} on {self.where(meta)}; "
+                              "a reward function returns a finite number or a dict with a numeric 'score'")
         return Judgement(float(value), None, extra=extra)
 
 
+def _ended(e: BaseException) -> str:
+    """How user code ended: "exited (sys.exit(0))" or "raised ValueError (its message's first line)"."""
+    if isinstance(e, SystemExit):
+        return f"exited (sys.exit({'' if e.code is None else repr(e.code)}))"
+    message = (str(e).strip().splitlines() or [""])[0]
+    return f"raised {type(e).__name__}" + (f" ({message})" if message else "")
+
+
 def _shown(value: Any) -> str:
-    text = repr(value)
+    return _cut(repr(value))
+
+
+def _cut(text: str) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
@@ -273,10 +319,11 @@ def load_reward_function(spec: str) -> RewardFunction:
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[module_name] = module
     try:
-        module_spec.loader.exec_module(module)
-    except Exception as e:  # noqa: BLE001 - the user's file, named
+        with stdout_to_stderr():
+            module_spec.loader.exec_module(module)
+    except USER_ERRORS as e:  # the user's file, named
         sys.modules.pop(module_name, None)
-        raise RewardError(f"--reward-fn {spec}: importing {path} raised {type(e).__name__} ({e})") from None
+        raise RewardError(f"--reward-fn {spec}: importing {path} {_ended(e)}") from None
     fn = getattr(module, name, None)
     if not callable(fn):
         raise RewardError(f"--reward-fn {spec}: {path} has no function {name!r}")
