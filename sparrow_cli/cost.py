@@ -19,7 +19,7 @@ from .common import (
     parse_int_list,
     stage_errors,
 )
-from .options import check_gpu_memory, gpu_memory_option
+from .options import check_gpu_memory, gpu_memory_option, non_negative_seed
 from .output import emit, format_option, resolve_format
 
 MEASURED_GRID = ("1,4", "1024,2048,4096", "dense,256,512")
@@ -52,7 +52,7 @@ def fit_cost(
     warmup: int = typer.Option(2, "--warmup", help="Untimed steps per point before timing."),
     threads: int = typer.Option(None, "--threads", help="CPU threads for torch while timing (default: "
                                 "torch's own choice; 1 gives steadier timings on a shared machine)."),
-    seed: int = typer.Option(0, "--seed"),
+    seed: int = typer.Option(0, "--seed", callback=non_negative_seed),
     gpu_memory_utilization: float = gpu_memory_option(),
     speculate: bool = typer.Option(False, "--speculate/--no-speculate", help="Also time the speculative "
                                    "verification forward (2 and 5 fed tokens per sample at every batch and "
@@ -65,8 +65,10 @@ def fit_cost(
     """Fit the decode-step cost model: time the rollout engine's decode steps, dense and sparse, over a
     (batch, context, budget) grid and fit the coefficients by least squares; or, with --hardware,
     write the analytic model of a hardware preset. Every point is written with its prediction."""
+    from rich.markup import escape
+
     from sparrow.stages.attention import validate_budget
-    from sparrow.stages.cost import Grid, get_hardware, write_analytic, write_fitted
+    from sparrow.stages.cost import Grid, get_hardware, grid_warning, write_analytic, write_fitted
     from sparrow.stages.model.loading import model_name, resolve_config
 
     fmt = resolve_format(format)
@@ -115,6 +117,8 @@ def fit_cost(
             console.print(f"wrote the analytic {hardware.lower()} model for {name} ({n} points) to {output}")
             return
         device = device or "cpu"
+        if (said := grid_warning(cfg, grid)) is not None:
+            console.print(f"[yellow]warning:[/] {escape(said)}", highlight=False)
         points, verify, threads = measure(model, device, grid, seed, threads, gpu_memory_utilization,
                                           speculate)
         cost, table = write_fitted(cfg, name, points, device, threads, output, verify)

@@ -31,8 +31,10 @@ from .options import (
     check_tail,
     default_threshold,
     finite,
+    given_path,
     gpu_memory_option,
     load_actor,
+    non_negative_seed,
     rollouts_temperature,
     set_threads,
     threads_option,
@@ -45,10 +47,15 @@ DISTILL_PHASES = {"sampling": "sampling training trajectories (samples)",
                   "scoring after": "scoring after (trajectories)"}
 
 
-def budget_list(given: str, flag: str) -> list[int]:
+def budget_list(given: str, flag: str, once: bool = False) -> list[int]:
+    """The budgets of `flag`, each a valid block top-k budget (and given once where `once`)."""
     from sparrow.stages.attention import validate_budget
 
     budgets = parse_int_list(given, flag)
+    repeated = sorted({b for b in budgets if budgets.count(b) > 1}) if once else []
+    if repeated:
+        raise UsageError(f"{flag} lists {', '.join(map(str, repeated))} more than once; give each budget "
+                         "once")
     for b in budgets:
         try:
             validate_budget(b)
@@ -60,7 +67,7 @@ def budget_list(given: str, flag: str) -> list[int]:
 def eval_budgets_of(sparsity, given: str | None) -> list[int]:
     """--eval-budgets, else the distilled budget, or the schedule's distinct sparse budgets."""
     if given:
-        return budget_list(given, "--eval-budgets")
+        return budget_list(given, "--eval-budgets", once=True)
     if isinstance(sparsity, int):
         return [sparsity]
     return sorted({b for b in sparsity.budgets if b})
@@ -98,15 +105,17 @@ def check_k3_trajectories(path: Path, sampler: str | None) -> None:
 @friendly_errors
 def distill(
     model: str = typer.Option("smollm2-135m", "--model", help="Preset, checkpoint dir or .gguf."),
-    prompts: Path = typer.Option(None, "--prompts", callback=input_path, help="Prompts to sample training "
+    prompts: Path = typer.Option(None, "--prompts", callback=input_path, parser=given_path("--prompts"),
+                                 metavar="<path>", help="Prompts to sample training "
                                  "trajectories from, with the sparse actor (the engine under "
                                  "--budget/--schedule)."),
     raw_prompts: bool = raw_prompts_option(),
-    rollouts: Path = typer.Option(None, "--rollouts", callback=input_path, help="Training trajectories "
+    rollouts: Path = typer.Option(None, "--rollouts", callback=input_path, parser=given_path("--rollouts"),
+                                  metavar="<path>", help="Training trajectories "
                                   "sampled before (sparrow rollout, or any sampler's Parquet with "
                                   "prompt_id, prompt_token_ids, token_ids)."),
-    schedule: Path = typer.Option(None, "--schedule", callback=input_path,
-                                  help="The schedule the actor samples with."),
+    schedule: Path = typer.Option(None, "--schedule", callback=input_path, parser=given_path("--schedule"),
+                                  metavar="<path>", help="The schedule the actor samples with."),
     budget: int = typer.Option(None, "--budget", help="The fixed budget the actor samples with (tokens)."),
     steps: int = typer.Option(50, "--steps"),
     batch_size: int = typer.Option(8, "--trajectories-per-step", "--batch-size", help="Trajectories per "
@@ -122,7 +131,9 @@ def distill(
                                   "position; k3: the published sampled-token estimator (needs trajectories "
                                   "the sparse actor sampled)."),
     init_adapter: Path = typer.Option(None, "--init-adapter", help="Continue distilling this adapter."),
-    eval_prompts: Path = typer.Option(None, "--eval-prompts", callback=input_path, help="Held-out prompts: "
+    eval_prompts: Path = typer.Option(None, "--eval-prompts", callback=input_path,
+                                      parser=given_path("--eval-prompts"), metavar="<path>",
+                                      help="Held-out prompts: "
                                       "their dense trajectories are scored before and after (default: "
                                       "the training trajectories, in-sample)."),
     eval_budgets: str = typer.Option(None, "--eval-budgets", help="Budgets to score before and after "
@@ -149,7 +160,8 @@ def distill(
     temperature: float = typer.Option(None, "--temperature", callback=finite,
                                       help="Sampling temperature (default 1, or what "
                                       "--rollouts records); the objectives use it."),
-    seed: int = typer.Option(0, "--seed", help="Sampling and batch order; eval trajectories use seed + 1."),
+    seed: int = typer.Option(0, "--seed", callback=non_negative_seed,
+                             help="Sampling and batch order; eval trajectories use seed + 1."),
     bin_width: int = typer.Option(512, "--bin-width"),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda (the actor's sampling and distillation "
                                "on the GPU)."),

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import typer
 
-from .common import UsageError, console, fail
+from .common import UsageError, console, fail, warn
 
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 
@@ -21,6 +21,26 @@ def finite(ctx: typer.Context, param: typer.CallbackParam, value: float | None) 
     if value is None or ctx.resilient_parsing or math.isfinite(value):
         return value
     fail(f"{param.opts[0] if param.opts else param.name} must be a finite number, got {value}")
+
+
+def non_negative_seed(ctx: typer.Context, param: typer.CallbackParam, value: int | None) -> int | None:
+    """typer callback of every --seed: a negative seed is refused in one sentence as the command line is
+    read (numpy's generators, which every sample's seed goes through, take none)."""
+    if value is None or ctx.resilient_parsing or value >= 0:
+        return value
+    fail(f"--seed must be >= 0, got {value}")
+
+
+def given_path(flag: str):
+    """typer parser of a path option: an empty path is refused as one (a Path of '' would be the working
+    directory), before any work."""
+
+    def parse(value: str) -> Path:
+        if not value.strip():
+            fail(f"{flag} is an empty path; give a file (- = stdin)")
+        return Path(value)
+
+    return parse
 
 
 def check_tail(quantile: float, threshold: float | None = None) -> None:
@@ -56,6 +76,26 @@ def check_host_memory(items: int, what: str, hint: str) -> None:
         raise UsageError(f"{what} need at least {need / 2**30:,.0f} GiB of memory to hold ("
                          f"{HOST_BYTES_PER_ITEM // 1024} KiB each), more than this machine's "
                          f"{have / 2**30:,.0f} GiB; {hint}")
+
+
+ID_BYTES = 4  # a token id (int32): what a sample's copy of its prompt holds per token, at least
+SAMPLED_BYTES = 16  # the least a sampled token holds on the host: its id, logprob, budget and KV length
+SCORE_BYTES = 4  # a first-token score (fp32), one per vocabulary entry and sample
+
+
+def check_sampling_memory(prompt_lengths: list[int], samples: int, max_new_tokens: int, vocab: int,
+                          hint: str) -> None:
+    """Refuse, before any weights load, samples this machine could not hold even at the least they take:
+    every sample keeps its prompt's and its generated tokens until the artifact is written, and the samples
+    of a prompt draw their first token together, each from its own copy of the vocabulary's scores."""
+    prompt, sampled = samples * sum(prompt_lengths), samples * len(prompt_lengths) * max_new_tokens
+    tokens, have = prompt + sampled, host_memory()
+    need = prompt * ID_BYTES + sampled * SAMPLED_BYTES + samples * vocab * SCORE_BYTES
+    if need > have:
+        raise UsageError(f"--samples {samples} for {len(prompt_lengths)} prompts with --max-new-tokens "
+                         f"{max_new_tokens} need at least {need / 2**30:,.0f} GiB of memory (their "
+                         f"{tokens:,} tokens, and {vocab:,} first-token scores per sample, one per "
+                         f"vocabulary entry), more than this machine's {have / 2**30:,.0f} GiB; {hint}")
 
 
 def gpu_memory_option():
@@ -218,7 +258,23 @@ def check_workers(workers: int, ray_address: str | None, output: Path | None) ->
         raise UsageError(f"-o {output} is a file, but --workers writes a directory of Parquet parts")
 
 
-# ---------------------------------------------------------------- adapters and thresholds
+# ---------------------------------------------------------------- adapters, weights and thresholds
+
+def random_weights_of(model: str, consequence: str) -> bool:
+    """Whether --random-weights gives `model` random weights: a preset's only (a checkpoint keeps its own,
+    with a one-sentence warning). The flag is for shapes-only presets: on a preset with weights of its own,
+    a one-sentence warning gives the `consequence`."""
+    from sparrow.stages.model.presets import PRESETS
+
+    preset = PRESETS.get(model.lower())
+    if preset is None:
+        warn(f"--random-weights applies to presets only; {model} runs with its own weights")
+        return False
+    if preset.weights == "embedded":
+        warn(f"--random-weights replaces the weights of {preset.name} with random ones, so {consequence}; "
+             "the flag is for shapes-only presets such as qwen3-4b")
+    return True
+
 
 def base_name(spec: str) -> str:
     """A model's name for comparison: a preset, or a checkpoint directory's (or a hub id's) last part."""

@@ -38,15 +38,19 @@ from .common import (
 from .options import (
     check_budgets,
     check_gpu_memory,
+    check_sampling_memory,
     check_tail,
     check_workers,
     default_threshold,
     eviction_from_flags,
     finite,
+    given_path,
     gpu_memory_option,
     kv_buffer_option,
     kv_window_option,
     load_actor,
+    non_negative_seed,
+    random_weights_of,
     rollouts_temperature,
     set_threads,
     threads_option,
@@ -64,18 +68,22 @@ SAMPLING_FLAGS = {"samples": "--samples", "max_new_tokens": "--max-new-tokens", 
                   "top_p": "--top-p", "top_k": "--top-k", "seed": "--seed",
                   "batch_size": "--max-num-seqs", "speculate": "--speculate"}
 PHASES = {"sampling": "sampling (samples)", "scoring": "scoring (sequences)"}
+RANDOM_WEIGHTS_NOTE = ("this profile times the scoring and measures its memory, but its mismatch is not the "
+                       "model's: plan no schedule from it")
 
 
 @friendly_errors
 def profile(
     ctx: typer.Context,
     model: str = typer.Option("smollm2-135m", "--model", help="Preset, checkpoint dir or .gguf."),
-    prompts: Path = typer.Option(None, "--prompts", callback=input_path, help="A prompts artifact (sparrow "
+    prompts: Path = typer.Option(None, "--prompts", callback=input_path, parser=given_path("--prompts"),
+                                 metavar="<path>", help="A prompts artifact (sparrow "
                                  "prompts; - = stdin), or any Parquet or JSONL file with its columns (token "
                                  "ids or text): sample "
                                  "trajectories of these prompts with the engine."),
     raw_prompts: bool = raw_prompts_option(),
-    rollouts: Path = typer.Option(None, "--rollouts", callback=input_path, help="A rollouts artifact "
+    rollouts: Path = typer.Option(None, "--rollouts", callback=input_path, parser=given_path("--rollouts"),
+                                  metavar="<path>", help="A rollouts artifact "
                                   "(sparrow rollout; - = stdin), or any Parquet file from another sampler "
                                   "with columns prompt_id, token_ids and prompt_token_ids (or prompt text): "
                                   "score these trajectories instead."),
@@ -102,8 +110,9 @@ def profile(
                                       "measured at this temperature (1 when greedy)."),
     top_p: float = typer.Option(1.0, "--top-p", callback=finite),
     top_k: int = typer.Option(0, "--top-k", help="0 = off (as rollout's)."),
-    seed: int = typer.Option(0, "--seed", help="Each sample draws from its own generator seeded from "
-                             "(seed, prompt, sample): the same trajectories as sparrow rollout --seed."),
+    seed: int = typer.Option(0, "--seed", callback=non_negative_seed, help="Each sample draws from its "
+                             "own generator seeded from (seed, prompt, sample): the same trajectories as "
+                             "sparrow rollout --seed."),
     batch_size: int = typer.Option(16, "--max-num-seqs", "--batch-size", help="Sequences (samples) decoded "
                                    "together (vLLM's name; on a CPU, up to 16, it does not change the "
                                    "trajectories)."),
@@ -187,10 +196,11 @@ def profile(
     _check_context(opts, cfg, model, source is not None and source.name in ("COMMANDLINE", "ENVIRONMENT"))
     opts.adapter = load_actor(adapter, cfg, model)  # before any weights load
     run = ProfileRun(model, output, device, str(resolve_dtype(dtype, device)).removeprefix("torch."),
-                     random_weights, adapter, workers, ray_address)
+                     False, adapter, workers, ray_address)
     if rollouts is not None:
         given = read_rollouts(rollouts)
         opts.temperature = rollouts_temperature(rollouts, given.temperature, temperature)
+        run.random_weights = random_weights and random_weights_of(model, RANDOM_WEIGHTS_NOTE)
         note = f"{rollouts} records no sampling temperature; alpha is measured at temperature 1 " \
                "(--temperature sets another)"
         unrecorded = given.temperature is None and temperature is None
@@ -200,6 +210,10 @@ def profile(
             table = profile_rollouts(run, given, rollouts, opts, hooks)
     else:
         prompt_set = PromptSet.read(prompts)
+        check_sampling_memory([len(r.get("prompt_token_ids") or ()) for r in prompt_set.rows], samples,
+                              max_new_tokens, cfg.vocab_size, "sample fewer trajectories per prompt, or "
+                              "split the prompts into several files")
+        run.random_weights = random_weights and random_weights_of(model, RANDOM_WEIGHTS_NOTE)
         with progress_hooks(workers) as hooks:
             hooks.loading = lambda: say_loading(model, device)
             table = profile_prompts(run, prompt_set, prompts, opts, not raw_prompts, hooks)

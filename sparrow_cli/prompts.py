@@ -16,7 +16,7 @@ from sparrow.stages.tasks import TASKS, Task, TaskError, get_task, make_prompts
 from sparrow.stages.tasks.longcontext import DEFAULT_CONTEXT_TOKENS, MIN_CONTEXT_TOKENS
 
 from .common import UsageError, check_output, console, force_option, friendly_errors, output_help
-from .options import check_host_memory
+from .options import check_host_memory, non_negative_seed
 
 
 class _LazyProgress:
@@ -80,7 +80,8 @@ def _check_request(spec: Task, n: int, split: str | None) -> None:
 def prompts(
     task: str = typer.Option(..., "--task", help=f"task to generate: {', '.join(TASKS)}"),
     n: int = typer.Option(16, "--n", help="number of prompts"),
-    seed: int = typer.Option(0, "--seed", help="generator seed: same seed, same prompts"),
+    seed: int = typer.Option(0, "--seed", callback=non_negative_seed,
+                             help="generator seed: same seed, same prompts"),
     model: str = typer.Option("smollm2-135m", "--model",
                               help="preset, checkpoint dir or .gguf; its tokenizer and chat template "
                                    "format the prompts"),

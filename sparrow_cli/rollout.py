@@ -22,20 +22,24 @@ from .common import (
     output_help,
     raw_prompts_option,
     say_loading,
+    warn,
     warn_first_token_stops,
 )
 from .data_options import answer_column_option, data_options, reward_fn_option, reward_option
 from .options import (
     check_gpu_memory,
     check_host_memory,
+    check_sampling_memory,
     check_workers,
     finite,
+    given_path,
     gpu_memory_option,
     kv_budget_option,
     kv_buffer_option,
     kv_compression_option,
     kv_window_option,
     load_actor,
+    non_negative_seed,
     set_threads,
     sparsity_policy,
     threads_option,
@@ -87,7 +91,8 @@ def _check_vllm_flags(schedule, budget, lora, top_k: int, top_p: float, kv_compr
 @friendly_errors
 def rollout(
     model: str = typer.Option("smollm2-135m", "--model", help="Preset, checkpoint dir or .gguf."),
-    prompts: Path = typer.Option(..., "--prompts", callback=input_path, help="A prompts artifact (sparrow "
+    prompts: Path = typer.Option(..., "--prompts", callback=input_path, parser=given_path("--prompts"),
+                                 metavar="<path>", help="A prompts artifact (sparrow "
                                  "prompts; - = stdin), any Parquet or JSONL file with its columns (token ids "
                                  "or text), or a verl or TRL dataset (Parquet, JSONL or a save_to_disk "
                                  "folder; docs/datasets.md)."),
@@ -95,8 +100,8 @@ def rollout(
     answer_column: str = answer_column_option(),
     reward: str = reward_option(),
     reward_fn: str = reward_fn_option(),
-    schedule: Path = typer.Option(None, "--schedule", callback=input_path,
-                                  help="A schedule artifact (sparrow plan-schedule)."),
+    schedule: Path = typer.Option(None, "--schedule", callback=input_path, parser=given_path("--schedule"),
+                                  metavar="<path>", help="A schedule artifact (sparrow plan-schedule)."),
     budget: int = typer.Option(None, "--budget", help="A fixed budget in tokens (multiple of 16, "
                                "at least 48)."),
     dense: bool = typer.Option(False, "--dense/--no-dense", help="Dense attention (the default)."),
@@ -112,7 +117,7 @@ def rollout(
     temperature: float = typer.Option(1.0, "--temperature", callback=finite, help="0 = greedy."),
     top_p: float = typer.Option(1.0, "--top-p", callback=finite),
     top_k: int = typer.Option(0, "--top-k", help="0 = off."),
-    seed: int = typer.Option(0, "--seed"),
+    seed: int = typer.Option(0, "--seed", callback=non_negative_seed),
     ignore_eos: bool = typer.Option(False, "--ignore-eos/--no-ignore-eos",
                                     help="Always generate --max-new-tokens."),
     max_batch: int = typer.Option(16, "--max-num-seqs", "--max-batch", help="Sequences (samples) decoded "
@@ -174,7 +179,7 @@ def rollout(
     fmt = resolve_format(format)
     if engine not in ("ours", "vllm"):
         raise UsageError(f"--engine must be ours or vllm, got {engine!r}")
-    _check_speculate(speculate, engine, kv_compression)
+    _check_speculate(speculate, engine, kv_compression, schedule is not None or budget is not None)
     if engine == "vllm":
         _check_vllm_flags(schedule, budget, lora, top_k, top_p, kv_compression)
     kv = (kv_compression, kv_budget, kv_window, kv_buffer)
@@ -207,11 +212,15 @@ def rollout(
     prompt_set.check_rewards()
     prompt_set.check_fits(cfg.vocab_size, cfg.max_position_embeddings, max_new_tokens)  # before weights
     total = len(prompt_set.rows) * samples
+    hint = "roll out fewer samples per call, or split the prompts into several files"
     check_host_memory(total, f"{total:,} samples (--samples {samples} for {len(prompt_set.rows)} prompts)",
-                      "roll out fewer samples per call, or split the prompts into several files")
+                      hint)
+    check_sampling_memory([len(r.get("prompt_token_ids") or ()) for r in prompt_set.rows], samples,
+                          max_new_tokens, cfg.vocab_size, hint)
     _check_tokenizer(model, prompt_set)
     if kv_pages is not None and engine == "vllm":
         raise UsageError("--kv-pages sizes our engine's pool; vLLM sizes its own (VLLM_CPU_KVCACHE_SPACE)")
+    _warn_unscored_tasks(prompt_set)
     sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                               top_k=top_k, seed=seed, n=samples, ignore_eos=ignore_eos)
     opts = RolloutOptions(sampling=sampling, max_batch=max_batch, policy=policy,
@@ -283,7 +292,24 @@ def _progress(what: str, total: int, rate: bool) -> Iterator[Callable[[int, int]
         yield advance
 
 
-def _check_speculate(speculate: int, engine: str, kv_compression) -> None:
+def _warn_unscored_tasks(prompt_set) -> None:
+    """Prompts whose task has no scorer (a misspelled name) are sampled, and their samples get no reward:
+    one sentence naming the tasks and the known ones (a verl or TRL dataset without --reward is not one)."""
+    from sparrow.stages.tasks import TASKS, has_scorer
+
+    unknown: dict[str, int] = {}
+    for r in prompt_set.rows:
+        task = r.get("task")
+        if task and task not in ("verl", "trl") and not has_scorer(task):
+            unknown[task] = unknown.get(task, 0) + 1
+    if unknown:
+        named = ", ".join(f"{t!r} ({n} prompt{'s' * (n != 1)})" for t, n in unknown.items())
+        have = "tasks {} have" if len(unknown) > 1 else "task {} has"
+        warn(f"{prompt_set.path}: {have.format(named)} no scorer, so their samples get no reward (known "
+             f"tasks: {', '.join(TASKS)})")
+
+
+def _check_speculate(speculate: int, engine: str, kv_compression, block_topk: bool) -> None:
     if speculate < 0:
         raise UsageError(f"--speculate must be >= 0 (draft tokens per cycle; 0 = off), got {speculate}")
     if not speculate:
@@ -293,6 +319,9 @@ def _check_speculate(speculate: int, engine: str, kv_compression) -> None:
     if kv_compression:
         raise UsageError("--speculate drafts with block top-k attention (--budget or --schedule), not with "
                          "--kv-compression's eviction")
+    if not block_topk:
+        raise UsageError("--speculate drafts with block top-k attention (--budget or --schedule), not with "
+                         "dense attention; give --budget or --schedule")
 
 
 def _lengths(table) -> list[int]:

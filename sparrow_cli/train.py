@@ -16,6 +16,7 @@ from .common import (
     log_line,
     raw_prompts_option,
     say_loading,
+    warn,
     warn_first_token_stops,
 )
 from .data_options import answer_column_option, data_options, reward_fn_option, reward_option
@@ -23,11 +24,14 @@ from .options import (
     check_gpu_memory,
     check_workers,
     finite,
+    given_path,
     gpu_memory_option,
     kv_budget_option,
     kv_buffer_option,
     kv_compression_option,
     kv_window_option,
+    non_negative_seed,
+    random_weights_of,
     set_threads,
     sparsity_policy,
     threads_option,
@@ -55,18 +59,21 @@ TRAIN_LABELS = {"reward_first": "reward, first step", "reward_last": "reward, la
 @friendly_errors
 def train(
     model: str = typer.Option("smollm2-135m", "--model", help="Preset, checkpoint dir or .gguf."),
-    prompts: Path = typer.Option(..., "--prompts", callback=input_path,
-                                 help="Training prompts (with answers; - = stdin): a prompts artifact, "
-                                 "or a verl or TRL dataset scored by --reward or --reward-fn."),
+    prompts: Path = typer.Option(..., "--prompts", callback=input_path, parser=given_path("--prompts"),
+                                 metavar="<path>", help="Training prompts (with answers; - = stdin): a "
+                                 "prompts artifact, or a verl or TRL dataset scored by --reward or "
+                                 "--reward-fn."),
     raw_prompts: bool = raw_prompts_option(),
     answer_column: str = answer_column_option(),
     reward: str = reward_option(),
     reward_fn: str = reward_fn_option(),
-    eval_prompts: Path = typer.Option(None, "--eval-prompts", callback=input_path, help="Held-out prompts: "
+    eval_prompts: Path = typer.Option(None, "--eval-prompts", callback=input_path,
+                                      parser=given_path("--eval-prompts"), metavar="<path>",
+                                      help="Held-out prompts: "
                                       "greedy dense accuracy at the start, every --eval-every steps and "
                                       "after the last step."),
-    schedule: Path = typer.Option(None, "--schedule", callback=input_path,
-                                  help="Roll out with this schedule artifact."),
+    schedule: Path = typer.Option(None, "--schedule", callback=input_path, parser=given_path("--schedule"),
+                                  metavar="<path>", help="Roll out with this schedule artifact."),
     budget: int = typer.Option(None, "--budget", help="Roll out with a fixed budget (tokens)."),
     dense: bool = typer.Option(False, "--dense/--no-dense", help="Roll out densely (the default)."),
     kv_compression: str = kv_compression_option(),
@@ -140,7 +147,7 @@ def train(
         "token-mean", "--loss-agg", help="token-mean (over the batch's tokens; TRL's dapo) | "
         "seq-mean-token-mean (per sequence, then over sequences; grpo) | seq-mean-token-sum-norm (the sum "
         "over sequences x --max-new-tokens; dr_grpo) | bnpo (each micro-batch's token mean, averaged)."),
-    seed: int = typer.Option(0, "--seed"),
+    seed: int = typer.Option(0, "--seed", callback=non_negative_seed),
     micro_batch: int = typer.Option(8, "--micro-batch", help="Sequences per forward/backward."),
     ppo_epochs: int = typer.Option(1, "--ppo-epochs"),
     checkpoint_every: int = typer.Option(10, "--checkpoint-every"),
@@ -242,16 +249,52 @@ def train(
     check_workers(workers, ray_address, None)
     if speculate and workers:
         raise UsageError("--speculate runs in this process's engine; drop --workers")
-    inputs = TrainInputs(prompts, output_dir, policy, eval_prompts,
-                         data_options(answer_column, reward, reward_fn))
+    data = data_options(answer_column, reward, reward_fn)
+    inputs = TrainInputs(prompts, output_dir, policy, eval_prompts, data)
     try:
         check_run_location(cfg, inputs, resume, force)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    overlap = _check_prompt_sets(prompts, eval_prompts, data, prompts_per_step)
+    try:
         world = join_world(device, workers)
     except ValueError as e:
         raise UsageError(str(e)) from None
+    if world.main and overlap:
+        warn(overlap)
+    if world.main and random_weights:
+        random_weights_of(model, "this run times its steps, but its rewards and adapter are not the model's")
     with launched(cfg, workers, ray_address) as pool:
         _run(cfg, inputs, RunOptions(resume=resume, force=force, world=world, pool=pool, report_to=trackers,
                                      gpu_memory_utilization=gpu_memory_utilization), fmt)
+
+
+def _check_prompt_sets(prompts: Path, eval_prompts: Path | None, data, per_step: int) -> str | None:
+    """Refuse more prompts per step than --prompts holds (a prompt would be several GRPO groups of one
+    step, its samples' rows alike); returns the warning that --eval-prompts shares prompts with it, if so."""
+    from sparrow.stages.core.prompt_set import PromptSet
+
+    rows = PromptSet.read(prompts, data).rows
+    if per_step > len(rows):
+        raise UsageError(f"--prompts-per-step {per_step} is more than the {len(rows)} prompts of {prompts}; "
+                         f"a step would roll out a prompt more than once, so give at most {len(rows)}")
+    if eval_prompts is None:
+        return None
+    held_out = PromptSet.read(eval_prompts, data).rows
+    seen = {_prompt_text(r) for r in rows}
+    shared = sum(_prompt_text(r) in seen for r in held_out)
+    if not shared:
+        return None
+    return (f"{shared} of the {len(held_out)} --eval-prompts ({eval_prompts}) are also in --prompts "
+            f"({prompts}), by their text, so the eval accuracy is not held out")
+
+
+def _prompt_text(row: dict) -> str:
+    """What a prompt asks, as two prompt files are compared: its text, else its messages, else its ids."""
+    import json
+
+    text = (row.get("prompt") or "").strip()
+    return text or json.dumps(row.get("messages") or list(row.get("prompt_token_ids") or []), default=str)
 
 
 def _run(cfg, inputs, opts, fmt: str) -> None:

@@ -75,6 +75,10 @@ class ProfileOptions:
     def validate(self) -> None:
         if not self.budgets:
             raise ValueError("--budgets is empty")
+        repeated = sorted({b for b in self.budgets if self.budgets.count(b) > 1})
+        if repeated:
+            raise ValueError(f"--budgets lists {', '.join(map(str, repeated))} more than once; give each "
+                             "budget once")
         if self.kv_compression is not None:
             from .kv_policies import EVICTION_POLICIES
 
@@ -98,8 +102,12 @@ class ProfileOptions:
         if self.top_k < 0:
             raise ValueError(f"--top-k must be >= 0 (0 = off), got {self.top_k}")
         if self.sampler.startswith("budget:"):
+            budget = self.sampler.split(":", 1)[1]
+            if not budget.strip().isdigit():
+                raise ValueError(f"--sampler {self.sampler}: the budget must be a whole number of tokens, "
+                                 "as in budget:2048")
             try:
-                validate_budget(int(self.sampler.split(":", 1)[1]), self.page_size)
+                validate_budget(int(budget), self.page_size)
             except ValueError as e:
                 raise ValueError(f"--sampler {self.sampler}: {e}") from None
         elif self.sampler.split(":", 1)[0] in ("snapkv", "rkv"):

@@ -128,13 +128,52 @@ def test_profile_checks_its_summary_flags_before_any_work(tmp_path, rollouts, no
     (["--lora-rank", "0"], "error: --lora-rank must be at least 1, got 0; for full fine-tuning pass --full"),
     (["--samples", "1"], "error: --samples must be at least 2, got 1: GRPO's advantage is a sample's reward "
                          "against its group's, so a group of one sample learns nothing"),
+    (["--temperature", "0"], "error: --temperature must be above 0, got 0: greedy samples of a prompt are "
+                             "all the same, so no group has a reward spread for GRPO's advantage to learn "
+                             "from"),
+    (["--prompts-per-step", "5"], "error: --prompts-per-step 5 is more than the 2 prompts of {prompts}; a "
+                                  "step would roll out a prompt more than once, so give at most 2"),
 ])
 def test_train_refuses_settings_that_cannot_train(tmp_path, no_work, extra, expected):
-    run = tmp_path / "run"
-    result = runner.invoke(app, [*train_args("tiny-llama", token_prompts(tmp_path / "p.parquet"), run),
-                                 *extra])
-    assert result.exit_code == 2 and error_line(result) == expected
+    run, prompts = tmp_path / "run", token_prompts(tmp_path / "p.parquet")
+    result = runner.invoke(app, [*train_args("tiny-llama", prompts, run), *extra])
+    assert result.exit_code == 2 and error_line(result) == expected.format(prompts=prompts)
     assert not run.exists()
+
+
+@pytest.mark.parametrize("command", ["rollout", "profile", "train", "distill"])
+def test_a_negative_seed_is_one_sentence_before_any_work(tmp_path, no_work, command):
+    prompts, out = token_prompts(tmp_path / "p.parquet"), tmp_path / "out"
+    args = {"rollout": rollout_args(prompts, out),
+            "profile": ["profile", "--model", "tiny-llama", "--prompts", str(prompts), "-o", str(out)],
+            "train": train_args("tiny-llama", prompts, out),
+            "distill": ["distill", "--model", "tiny-llama", "--prompts", str(prompts), "--budget", "48",
+                        "-o", str(out)]}[command]
+    result = runner.invoke(app, [*args, "--seed", "-5"])
+    assert result.exit_code == 2 and error_line(result) == "error: --seed must be >= 0, got -5"
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("command", ["rollout", "train"])
+def test_speculation_without_a_sparse_drafter_is_refused(tmp_path, no_work, command):
+    prompts, out = token_prompts(tmp_path / "p.parquet"), tmp_path / "out"
+    args = rollout_args(prompts, out) if command == "rollout" else train_args("tiny-llama", prompts, out)
+    for extra in ([], ["--dense"]):
+        result = runner.invoke(app, [*args, *extra, "--speculate", "3"])
+        assert result.exit_code == 2
+        assert error_line(result) == ("error: --speculate drafts with block top-k attention (--budget or "
+                                      "--schedule), not with dense attention; give --budget or --schedule")
+    assert not out.exists()
+
+
+def test_profile_refuses_a_budget_given_twice(tmp_path, no_work):
+    out = tmp_path / "m.parquet"
+    result = runner.invoke(app, ["profile", "--model", "tiny-llama", "--prompts",
+                                 str(token_prompts(tmp_path / "p.parquet")), "--budgets", "64,128,64",
+                                 "-o", str(out)])
+    assert result.exit_code == 2
+    assert error_line(result) == "error: --budgets lists 64 more than once; give each budget once"
+    assert not out.exists()
 
 
 def test_more_samples_than_memory_can_hold_are_refused(tmp_path, no_work):
@@ -145,6 +184,26 @@ def test_more_samples_than_memory_can_hold_are_refused(tmp_path, no_work):
     line = error_line(result)
     assert line.startswith("error: 2,000,000,000 samples (--samples 1000000000 for 2 prompts) need at least "
                            f"{2 * 10**9 * 4096 // 2**30:,} GiB of memory")
+    assert not out.exists()
+
+
+def test_samples_whose_tokens_and_first_draws_cannot_fit_are_refused(tmp_path, no_work, monkeypatch):
+    import sparrow.cli.options as options
+
+    monkeypatch.setattr(options, "host_memory", lambda: 64 * 2**30)
+    out, samples = tmp_path / "r.parquet", 1_000_000
+    args = rollout_args(token_prompts(tmp_path / "p.parquet"), out, "--samples", str(samples))
+    result = runner.invoke(app, [*args, "--model", "smollm2-135m"])
+    assert result.exit_code == 2
+    prompt, sampled = samples * 2 * 20, samples * 2 * 2  # 2 prompts of 20 tokens, --max-new-tokens 2
+    tokens = prompt + sampled
+    # a token id of 4 bytes, a sampled token of 16 (id, logprob, budget, KV length), an fp32 score a word
+    need = (prompt * 4 + sampled * 16 + samples * 49152 * 4) / 2**30
+    assert error_line(result) == (
+        f"error: --samples {samples} for 2 prompts with --max-new-tokens 2 need at least {need:,.0f} GiB of "
+        f"memory (their {tokens:,} tokens, and 49,152 first-token scores per sample, one per vocabulary "
+        "entry), more than this machine's 64 GiB; roll out fewer samples per call, or split the prompts into "
+        "several files")
     assert not out.exists()
 
 
@@ -228,6 +287,53 @@ def test_an_error_in_stdin_names_stdin_not_a_private_copy(tmp_path, no_work):
                                  "0); each prompt needs its own id"
 
 
+def test_an_empty_prompts_path_is_refused_as_empty(tmp_path, no_work, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the working directory, which an empty path would otherwise name
+    result = runner.invoke(app, ["rollout", "--model", "tiny-llama", "--prompts", "", "-o", "r.parquet"])
+    assert result.exit_code == 2
+    assert error_line(result) == "error: --prompts is an empty path; give a file (- = stdin)"
+    assert files_under(tmp_path) == []
+
+
+def test_rollout_warns_of_a_task_without_a_scorer_and_still_samples(tmp_path):
+    from sparrow.stages.tasks import TASKS
+
+    prompts, out = tmp_path / "p.parquet", tmp_path / "r.parquet"
+    write_artifact([{"prompt_id": f"p{i}", "task": "nosuchtask", "prompt": None,
+                     "prompt_token_ids": list(range(5, 25)), "answer": "3", "metadata": None}
+                    for i in range(2)], prompts, "prompts")
+    result = runner.invoke(app, rollout_args(prompts, out))
+    assert result.exit_code == 0, result.output
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
+    assert warnings == [f"warning: {prompts}: task 'nosuchtask' (2 prompts) has no scorer, so their samples "
+                        f"get no reward (known tasks: {', '.join(TASKS)})"]
+    assert read_artifact(out, "rollouts").num_rows == 2
+
+
+def test_train_warns_when_eval_prompts_are_also_training_prompts(tmp_path, tiny_chat, no_work):
+    prompts = token_prompts(tmp_path / "p.parquet")
+    held_out = token_prompts(tmp_path / "e.parquet", ids=["e0", "e1"], lengths=[20, 21])  # e0 is p0's ids
+    result = runner.invoke(app, [*train_args(tiny_chat, prompts, tmp_path / "run"), "--eval-prompts",
+                                 str(held_out)])
+    assert isinstance(result.exception, AssertionError)  # warned before the model loads
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
+    assert warnings == [f"warning: 1 of the 2 --eval-prompts ({held_out}) are also in --prompts ({prompts}), "
+                        "by their text, so the eval accuracy is not held out"]
+
+
+def test_profile_warns_that_random_weights_replace_a_models_own(tmp_path, no_work):
+    prompts, out = token_prompts(tmp_path / "p.parquet"), tmp_path / "m.parquet"
+    args = ["profile", "--prompts", str(prompts), "--budgets", "64", "--random-weights", "-o", str(out)]
+    warned = runner.invoke(app, [*args, "--model", "smollm2-135m"])
+    assert isinstance(warned.exception, AssertionError)  # warned before the model loads
+    assert [line for line in warned.stderr.splitlines() if line.startswith("warning:")] == [
+        "warning: --random-weights replaces the weights of smollm2-135m with random ones, so this profile "
+        "times the scoring and measures its memory, but its mismatch is not the model's: plan no schedule "
+        "from it; the flag is for shapes-only presets such as qwen3-4b"]
+    random_anyway = runner.invoke(app, [*args, "--model", "tiny-llama"])  # a preset without weights
+    assert isinstance(random_anyway.exception, AssertionError) and "warning:" not in random_anyway.stderr
+
+
 # ---------------------------------------------------------------- output paths
 
 
@@ -263,6 +369,28 @@ def test_train_refuses_a_directory_of_other_files_without_force(tmp_path, no_wor
                                   "notes.txt); pass --force to start a run among them (they are kept), or "
                                   "choose another --output-dir")
     assert files_under(mine) == ["notes.txt"] and (mine / "notes.txt").read_text() == "mine"
+
+
+def test_train_keeps_a_planned_schedule_in_a_directory_that_holds_no_run(tmp_path, no_work):
+    from sparrow.stages.core.schedule import Schedule
+    from sparrow.stages.train.config import TrainConfig
+    from sparrow.stages.train.metrics import write_schedule
+    from sparrow.stages.train.run_dir import check_run_dir
+
+    folder = tmp_path / "mine"
+    planned = folder / "schedule.parquet"
+    write_artifact({"bin": [0], "bin_start": [0], "bin_end": [None], "budget": [64], "tail": [0.9],
+                    "predicted_step_seconds": [None]}, planned, "schedule",
+                   metadata={"model": "tiny-llama", "page_size": 16, "threshold": 0.5})
+    before = planned.read_bytes()
+    result = runner.invoke(app, train_args("tiny-llama", token_prompts(folder / "p.parquet"), folder))
+    assert result.exit_code == 2
+    assert error_line(result) == (f"error: {planned} is a schedule that no training run wrote, and a run in "
+                                  f"{folder} writes its own schedule.parquet there; pass --force to replace "
+                                  "it, or choose another run directory (-o)")
+    assert planned.read_bytes() == before and files_under(folder) == ["p.parquet", "schedule.parquet"]
+    write_schedule(folder, Schedule.constant(0), "dense")  # a run's own (one that stopped before a step)
+    check_run_dir(folder, TrainConfig(model="tiny-llama"), resume=False)
 
 
 # ---------------------------------------------------------------- SIGTERM

@@ -55,6 +55,7 @@ def test_writes_a_prompts_artifact(tiny_app, tmp_path):
     (["--task", "chain_sum", "--context-tokens", "1000"], "applies only to long-context tasks"),
     (["--task", "chain_sum", "--model", "no-such-model"], "unknown model 'no-such-model'"),
     (["--task", "chain_sum", "--model", "tiny-llama"], "has no tokenizer"),
+    (["--task", "basic_arithmetic", "--seed", "-1"], "--seed must be >= 0, got -1"),
 ])
 def test_rejects_bad_input(tiny_app, tmp_path, args, message):
     out = tmp_path / "p.parquet"

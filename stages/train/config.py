@@ -67,10 +67,18 @@ class TrainConfig:
                              "sample's reward against its group's, so a group of one sample learns nothing")
         if self.temperature < 0:
             raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
+        if self.temperature == 0:
+            raise ValueError("--temperature must be above 0, got 0: greedy samples of a prompt are all the "
+                             "same, so no group has a reward spread for GRPO's advantage to learn from")
         if self.lr <= 0:
             raise ValueError(f"--lr must be positive, got {self.lr}")
         if self.speculate < 0:
             raise ValueError(f"--speculate must be >= 0 (drafts per cycle; 0 = off), got {self.speculate}")
+        if self.speculate and not self.sparsity.startswith(("budget:", "schedule:")):
+            what = "dense attention; give --budget or --schedule" if self.sparsity == "dense" else \
+                "--kv-compression's eviction"
+            raise ValueError(f"--speculate drafts with block top-k attention (--budget or --schedule), not "
+                             f"with {what}")
         if self.speculate and self.distill_sparse:
             raise ValueError("--speculate samples from the dense policy, so DistillSparse's sparse actor "
                              "would never roll out: drop one of --speculate and --distill-sparse")

@@ -139,6 +139,8 @@ def check_run_dir(run_dir: str | Path, cfg: TrainConfig, resume: bool, force: bo
         raise ValueError(f"{run_dir} holds files that are not a training run's (such as {others[0]}); pass "
                          "--force to start a run among them (they are kept), or choose another --output-dir")
     has_run = (run_dir / "metrics.parquet").exists() or (run_dir / "checkpoint").exists()
+    if not (has_run or resume or force):
+        _check_foreign_schedule(run_dir / "schedule.parquet")
     if resume:
         if not (run_dir / "checkpoint").exists():
             if has_run:
@@ -149,6 +151,17 @@ def check_run_dir(run_dir: str | Path, cfg: TrainConfig, resume: bool, force: bo
     elif has_run and not force:
         raise ValueError(f"{run_dir} already holds a run ({_holds(run_dir)}); pass --resume to continue it, "
                          "--force to start it over, or choose another run directory (-o)")
+
+
+def _check_foreign_schedule(path: Path) -> None:
+    """A schedule that no training run wrote (a planned one) in a directory that holds no run: the run would
+    replace it with the one it rolls out with, so it is kept unless --force."""
+    from sparrow.schemas import artifact_metadata
+
+    if path.exists() and "source" not in artifact_metadata(path):
+        raise ValueError(f"{path} is a schedule that no training run wrote, and a run in {path.parent} "
+                         "writes its own schedule.parquet there; pass --force to replace it, or choose "
+                         "another run directory (-o)")
 
 
 def check_same_run(run_dir: Path, cfg: TrainConfig) -> None:
