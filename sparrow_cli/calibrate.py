@@ -81,6 +81,8 @@ def calibrate_threshold(
     for flag, value in (("--reward-margin", reward_margin), ("--eval-margin", eval_margin)):
         if not 0 <= value <= 1:
             raise UsageError(f"{flag} must be in [0, 1] (a reward or accuracy gap), got {value}")
+    check_detectors(window, reward_drop, grad_norm_factor, mismatch_kl_limit, truncation_limit,
+                    repetition_limit, entropy_factor)
     check_output(output, "threshold", force)
     mismatch = read_artifact(profile, "mismatch")
     if mismatch.num_rows == 0:
@@ -89,7 +91,10 @@ def calibrate_threshold(
                     mismatch_kl_limit=mismatch_kl_limit, truncation_limit=truncation_limit,
                     repetition_limit=repetition_limit, entropy_factor=entropy_factor,
                     reward_margin=reward_margin, eval_margin=eval_margin)
-    runs = [*runs, *(more_runs or [])]
+    runs, repeated = distinct_runs([*runs, *(more_runs or [])])
+    for path in repeated:
+        console.print(f"note: {path} was given more than once (the same run directory); counted once",
+                      highlight=False, markup=False)
     loaded = read_runs(runs)  # all validated before writing
     tokens = ProfileTokens.from_table(mismatch)
     results = label_runs(loaded, tokens, quantile, det)
@@ -121,3 +126,39 @@ def calibrate_threshold(
                 for r in sorted(results, key=lambda r: r.tail)]
         emit(("run", "tail", "mean_alpha", "kv_read", "sampler_gap", "eval_change", "label", "reasons",
               "warnings"), rows, fmt, title="runs", left=("run", "label", "reasons", "warnings"))
+    else:  # no runs to show: the data is the threshold row itself, as the artifact holds it
+        row = threshold_table(cal, quantile)
+        emit(tuple(row), [[v[0] for v in row.values()]], fmt, title="threshold",
+             left=("source", "note"))
+
+
+# (flag, lowest, highest, what the value is); None: unbounded on that side
+DETECTOR_RANGES = (("--window", 1, None, "steps of smoothing"),
+                   ("--reward-drop", 0, 1, "a share of the best reward"),
+                   ("--grad-norm-factor", 1, None, "a multiple of the early median grad norm"),
+                   ("--mismatch-kl-limit", 0, None, "a KL divergence"),
+                   ("--truncation-limit", 0, 1, "a rate"),
+                   ("--repetition-limit", 0, 1, "a rate"),
+                   ("--entropy-factor", 1, None, "a multiple of the starting entropy"))
+
+
+def check_detectors(*values: float) -> None:
+    """Each detector flag (in DETECTOR_RANGES' order) in its range, one sentence otherwise, before any
+    work. A factor below 1 would call a run collapsed for staying where it started, so factors start at 1."""
+    for (flag, low, high, what), value in zip(DETECTOR_RANGES, values, strict=True):
+        if high is None and value < low:
+            raise UsageError(f"{flag} must be at least {low} ({what}), got {value}")
+        if high is not None and not low <= value <= high:
+            raise UsageError(f"{flag} must be in [{low}, {high}] ({what}), got {value}")
+
+
+def distinct_runs(paths: list[Path]) -> tuple[list[Path], list[Path]]:
+    """(runs, repeated): each run directory once, by its resolved path (a run given twice, or by two
+    names, would count as two runs), in the order first given; and the later mentions that were dropped."""
+    seen: set[Path] = set()
+    runs, repeated = [], []
+    for path in paths:
+        key = path.resolve()
+        (repeated if key in seen else runs).append(path)
+        seen.add(key)
+    return runs, repeated

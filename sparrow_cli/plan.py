@@ -102,6 +102,8 @@ def plan_schedule(
     """Plan the sparsity schedule: for each position bin the cheapest budget whose tail statistic is
     at or above the threshold, non-decreasing across bins; prints the table and the predicted
     rollout speedup over dense."""
+    from rich.markup import escape
+
     from sparrow.stages.plan import PlanRequest, plan_kv_budget, plan_schedule
 
     fmt = resolve_format(format)
@@ -125,6 +127,15 @@ def plan_schedule(
             result = plan_kv_budget(req)
         return print_eviction_plan(result, fmt)
     if compare_published:
+        refuse_unused("--compare-published", "prints the published Qwen3 models' comparison and takes only "
+                      "--hardware, --threshold, --gen-len, --prompt-len and --max-num-seqs",
+                      {"-o": output is not None, "--model": model is not None,
+                       "--profile": profile is not None, "--threshold-file": threshold_file is not None,
+                       "--quantile": quantile is not None,
+                       "--cost": cost is not None, "--bin-width": bin_width is not None,
+                       "--min-tokens": min_tokens != 50, "--allow-model-mismatch": allow_model_mismatch,
+                       "--sweep": sweep is not None, "--export": export is not None,
+                       "--export-to": export_to is not None, "--speculate": speculate})
         with stage_errors():
             return print_comparison(hardware or "h100", threshold, gen_len, batch, prompt_len or 0, fmt)
     _check_plan_inputs(req)
@@ -154,6 +165,8 @@ def plan_schedule(
     print_plan(planned, tables_fmt)
     for note in result.notes:
         console.print(f"[yellow]note:[/] {note}", highlight=False)
+    for warning in planned.warnings:
+        console.print(f"[yellow]warning:[/] {escape(warning)}", highlight=False)
     console.print(f"predicted rollout speedup over dense: [bold]{planned.speedup:.2f}x[/]", highlight=False)
     for line in (f"  for {planned.lengths.describe(batch)}", f"  cost: {planned.cost_source}",
                  f"  profile: {result.source}", *("  " + t for t in planned.threshold.lines())):
@@ -169,6 +182,15 @@ def plan_schedule(
             out.print(export_text(planned.exported, export), highlight=False, soft_wrap=True)
     if output is not None:
         console.print(f"wrote {output}")
+
+
+def refuse_unused(mode: str, what: str, given: dict[str, bool]) -> None:
+    """One sentence naming every flag of `given` that was given although `mode` does not read it: a flag
+    silently ignored (an -o that writes nothing) would look like it took effect."""
+    unused = [flag for flag, was_given in given.items() if was_given]
+    if unused:
+        raise UsageError(f"{', '.join(unused)} {'does' if len(unused) == 1 else 'do'} not apply to {mode}, "
+                         f"which {what}")
 
 
 def _check_plan_inputs(req) -> None:
@@ -290,7 +312,7 @@ def print_speculative(planned, fmt: str | None) -> None:
             enumerate(zip(spec.budgets, spec.mean_alpha, spec.tokens_per_cycle))]
     _show(("bin", "draft_budget", "mean_alpha", "tokens_per_cycle"), rows, fmt,
           f"exact speculative rollouts: K = {spec.k} drafts a cycle", render={
-              "mean_alpha": _fixed(3), "tokens_per_cycle": _fixed(2)})
+              "mean_alpha": _fixed(3, missing="thin"), "tokens_per_cycle": _fixed(2, missing="thin")})
     by_k = ", ".join(f"K={k} {v:.2f}x" for k, v in spec.speedups_by_k.items())
     console.print(f"predicted speedup over dense: speculative (exact) [bold]{spec.speedup:.2f}x[/] at K = "
                   f"{spec.k}, lossy schedule {planned.speedup:.2f}x", highlight=False)

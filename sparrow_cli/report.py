@@ -28,6 +28,8 @@ def report(
     rollout lengths and rewards, and each training run's curves with its collapse steps."""
     from sparrow.stages.report import build_report
 
+    if run.exists() and not run.is_dir():
+        raise UsageError(f"{run} is a file, not a run directory (report draws the artifacts of a directory)")
     if not run.is_dir():
         raise UsageError(f"{run}: no such run directory")
     check_output_dir(output or run / "report", "a Sparrow report folder", force=force, ours=report_folder,

@@ -403,6 +403,9 @@ def margin_sensitivity(loaded: list[LoadedRun], results: list[RunResult], det: D
 def _run_files(run_dir: Path) -> tuple[Path, Path]:
     from sparrow.schemas import ArtifactError, artifact_kind
 
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ArtifactError(f"{run_dir} is a file, not a run directory (a directory with a metrics and a "
+                            "schedule artifact)")
     if not run_dir.is_dir():
         raise ArtifactError(f"{run_dir}: run directory does not exist")
     files = {p: artifact_kind(p) for p in sorted(run_dir.glob("*.parquet"))}

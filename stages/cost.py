@@ -213,7 +213,7 @@ def fit_verify(model: CostModel, points: Sequence[tuple[int, int, int, float]]) 
     return replace(model, verify=dict(zip(VERIFY_FEATURES, map(float, coef))), extra=extra)
 
 
-# ---------------------------------------------------------------- timing the rollout engine
+# ---------------------------------------------------------------- the grid, and how far a fit to it reaches
 
 
 @dataclass
@@ -226,6 +226,98 @@ class Grid:
 
     def points(self) -> list[tuple[int, int, int]]:
         return [(b, c, k) for b in self.batches for c in self.contexts for k in self.budgets]
+
+
+COEFFICIENT_NAMES = {"step": "per-step", "seq": "batch", "kv": "KV token-layer", "page": "scored page-layer"}
+
+
+def undetermined(probe: CostModel, points: Sequence[tuple[int, int, int]]) -> list[str]:
+    """The FEATURES whose coefficient the (batch, context, budget) points cannot pin down: those whose unit
+    vector is outside the row space of the points' features, so that other values of it (traded against
+    the other coefficients) fit every point as well. `probe`: any model of the shape (its coefficients are
+    not read)."""
+    b, c, k = (np.array(x, dtype=np.float64) for x in zip(*points))
+    x = probe.features(b, c, k)
+    x = x / np.where(np.abs(x).max(axis=0) > 0, np.abs(x).max(axis=0), 1.0)
+    rank = np.linalg.matrix_rank(x)
+    return [name for j, name in enumerate(FEATURES)
+            if np.linalg.matrix_rank(np.vstack([x, np.eye(len(FEATURES))[j]])) > rank]
+
+
+def grid_warning(cfg: ModelConfig, grid: Grid) -> str | None:
+    """One sentence when the grid cannot determine a coefficient of `fit` for `cfg` (`undetermined`):
+    which, and what the grid lacks (a second batch size or context, a dense point, a sparse one: a budget
+    at least the context reads every page, so its point is dense); None when every one is determined."""
+    probe = CostModel(cfg, dict.fromkeys(FEATURES, 0.0), "grid")
+    missing = undetermined(probe, grid.points())
+    if probe.num_sparse_layers == 0:  # no layer scores a page at any point: no prediction reads it
+        missing = [m for m in missing if m != "page"]
+    if not missing:
+        return None
+    lacks = [f"one batch size ({grid.batches[0]})" if len(set(grid.batches)) == 1 else "",
+             f"one context ({grid.contexts[0]})" if len(set(grid.contexts)) == 1 else ""]
+    if probe.num_sparse_layers:  # else every point is dense whatever its budget
+        lacks += _sparse_lacks(probe, grid)
+    why = "; ".join(w for w in lacks if w) or "its points do not vary the features independently"
+    names = [COEFFICIENT_NAMES[m] for m in missing]
+    named = names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+    many = len(names) > 1
+    return (f"the grid cannot determine the {named} coefficient{'s' * many} ({why}): other values of "
+            f"{'them' if many else 'it'} fit the points as well, so the fit's predictions away from the grid "
+            "are not measured; give more values to --batches, --contexts or --budgets")
+
+
+def _sparse_lacks(probe: CostModel, grid: Grid) -> list[str]:
+    """What the grid lacks on the budget axis: a dense point, or a sparse one (a budget at least the
+    context reads every page, so its point is dense, as `CostModel.features` decides)."""
+    _, context, budget = (np.array(x) for x in zip(*grid.points()))
+    sparse = (budget > 0) & (np.ceil(context / probe.page_size) > budget / probe.page_size)
+    budgets = sorted({k for k in grid.budgets if k})
+    if sparse.all():
+        return ["no dense point"]
+    if not budgets:
+        return ["no sparse budget"]
+    if not sparse.any():
+        return [f"budget{'s' * (len(budgets) > 1)} {', '.join(map(str, budgets))} "
+                f"{'are' if len(budgets) > 1 else 'is'} never below a context, so those points are dense"]
+    return []
+
+
+def fitted_range(table: pa.Table) -> tuple[tuple[int, int], tuple[int, int]] | None:
+    """((lowest, highest) batch, (lowest, highest) context) of a cost artifact's measured points; None for
+    an analytic model, which is not fitted to any."""
+    import pyarrow.compute as pc
+
+    measured = table.filter(pc.is_valid(table.column("seconds")))
+    if measured.num_rows == 0:
+        return None
+    return tuple((int(pc.min(measured.column(k)).as_py()), int(pc.max(measured.column(k)).as_py()))
+                 for k in ("batch", "context"))
+
+
+def _span(low: int, high: int) -> str:
+    return str(low) if low == high else f"{low}-{high}"
+
+
+def extrapolation_warning(subject: str, fitted: tuple[tuple[int, int], tuple[int, int]] | None, batch: int,
+                          contexts: np.ndarray) -> str | None:
+    """One sentence when a plan prices decode steps far outside the grid a measured model was fitted on:
+    a batch beyond a factor 2 of the fitted batches, or contexts beyond twice the largest fitted one. A
+    step's cost is linear in its features, so nearby points extrapolate well, and short contexts below the
+    grid are priced mostly by the per-step and batch terms that every point measures; None otherwise."""
+    if fitted is None or not len(contexts):
+        return None
+    (b_lo, b_hi), (c_lo, c_hi) = fitted
+    far = [f"batch {batch}" if not b_lo / 2 <= batch <= 2 * b_hi else "",
+           f"contexts up to {int(contexts.max())}" if contexts.max() > 2 * c_hi else ""]
+    if not any(far):
+        return None
+    return (f"{subject} was fitted at batch {_span(b_lo, b_hi)} and contexts {_span(c_lo, c_hi)}; this plan "
+            f"predicts at {' and '.join(f for f in far if f)}, far outside that grid, so its step times and "
+            "speedup extrapolate the fit")
+
+
+# ---------------------------------------------------------------- timing the rollout engine
 
 
 def time_decode_steps(loaded, grid: Grid, device: str = "cpu", seed: int = 0,

@@ -39,7 +39,7 @@ from .core.schedule import (
     plan,
     schedule_table,
 )
-from .cost import CostModel, analytic, load_cost
+from .cost import CostModel, analytic, extrapolation_warning, fitted_range, load_cost
 from .model.presets import PRESETS, get_preset
 from .speculative_plan import SpeculativePlan, mean_alpha, plan_speculation
 
@@ -166,6 +166,7 @@ class PlannedSchedule:
     frontier: list[FrontierPoint]
     exported: dict | list | None
     speculative: SpeculativePlan | None = None
+    warnings: list[str] = field(default_factory=list)  # one sentence each, said once
 
 
 def check_profile_model(profile: Path, model: str, name: str) -> None:
@@ -192,6 +193,7 @@ def plan_schedule(req: PlanRequest, output: Path | None = None, export_to: Path 
     if req.profile is not None and not req.allow_model_mismatch:
         check_profile_model(req.profile, req.model, name)
     cost_model = load_cost(req.cost, cfg) if req.cost is not None else analytic(cfg, req.hardware or "h100")
+    fitted = fitted_range(read_artifact(req.cost, "cost")) if req.cost is not None else None
     tails, lengths = load_profile(name, req.profile, resolved.quantile, req.bin_width, req.prompt_len,
                                   req.gen_len, req.min_tokens)
     prompt_len, gen_len = lengths.prompt_len, lengths.gen_len
@@ -206,6 +208,13 @@ def plan_schedule(req: PlanRequest, output: Path | None = None, export_to: Path 
     sparse_s = cost_model.step_seconds(req.batch, mids, result.schedule.budgets_at(mids))
     planned = PlannedSchedule(result, cost_model.source, resolved, lengths, req.batch, speedup,
                               sparse_s, cost_model.step_seconds(req.batch, mids, 0), frontier, None)
+    said = extrapolation_warning(f"the cost model {req.cost}", fitted, req.batch,
+                                 np.arange(prompt_len + 1, prompt_len + gen_len))
+    planned.warnings += [said] if said else []
+    if req.profile is not None and artifact_metadata(req.profile).get("random_weights"):
+        planned.warnings.append(f"--profile {req.profile} was measured with random weights (its "
+                                "metadata), so its mismatch is not the model's and the plan says nothing of "
+                                "its training")
     if req.speculate:
         planned.speculative = _plan_speculation(req, cost_model, tails, lengths)
     if req.export == "json":
@@ -252,7 +261,8 @@ def _drafts(result: Plan, spec: SpeculativePlan) -> Plan:
 
 def _speculative_meta(spec: SpeculativePlan) -> dict:
     return {"speculate": spec.k, "predicted_speedup": spec.speedup,
-            "speculative_tokens_per_cycle": json.dumps([round(t, 4) for t in spec.tokens_per_cycle]),
+            "speculative_tokens_per_cycle": json.dumps([None if t is None else round(t, 4)
+                                                        for t in spec.tokens_per_cycle]),
             "role": "draft budgets of exact speculative rollouts (sparrow rollout --schedule this "
                     f"--speculate {spec.k})"}
 

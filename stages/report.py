@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from sparrow.schemas import ArtifactError, artifact_kind, artifact_metadata, read_artifact
+from sparrow.schemas import ArtifactError, artifact_metadata, read_artifact
 from sparrow.schemas.io import write_bytes
 
 from .calibrate import ResolvedThreshold, resolve_threshold
@@ -54,23 +54,57 @@ def _artifacts(folder: Path, skipped: list[str]) -> dict[str, list[Path]]:
             continue
         if p.is_dir() and not any(c.suffix == ".parquet" for c in p.iterdir()):
             continue
-        if p.is_file() and p.suffix != ".parquet":
+        if not p.is_dir() and p.suffix != ".parquet":
             continue
-        try:
-            kind = artifact_kind(p)
-        except ArtifactError as e:
-            skipped.append(str(e))
+        if p.exists() and not p.is_dir() and not p.is_file():  # a FIFO or a device: reading it could block
+            skipped.append(f"{p} is not a regular file")
             continue
-        if kind is None:
-            skipped.append(f"{p} is a Parquet file without Sparrow artifact metadata")
-        elif kind in DRAWN or kind == "threshold":
-            out.setdefault(kind, []).append(p)
+        for kind, path in _kinds(p, skipped):
+            if kind in DRAWN or kind == "threshold":
+                out.setdefault(kind, []).append(path)
     return out
 
 
-def _name(kind: str, path: Path, many: bool) -> str:
-    """The figure's file: `tail.png` for the one profile, `tail-<file>.png` for each of several."""
-    return f"{kind}-{path.stem}.png" if many else f"{kind}.png"
+def _kinds(path: Path, skipped: list[str]) -> list[tuple[str, Path]]:
+    """(kind, artifact) of a Parquet file or of a directory of them. A directory whose files share a kind
+    and a provenance (`sql`'s Provenance: model, sampler, adapter, ...) is one artifact of parts (a
+    `--workers` output); one whose files share only the kind holds several artifacts, each drawn on its
+    own (distill's profiles before and after its adapter: pooled, the curve would be neither's); one of
+    several kinds is not one artifact and is skipped whole, in one line, so that the rest is drawn."""
+    from sparrow.schemas.footer import artifact_parts, kind_version, read_schema
+
+    from .sql.views import Provenance
+
+    files = artifact_parts(path) if path.is_dir() else [path]
+    found: list[tuple[str | None, Provenance, Path]] = []
+    try:
+        for f in files:
+            schema = read_schema(f)
+            found.append((kind_version(schema)[0], Provenance.of(artifact_metadata(schema)), f))
+    except ArtifactError as e:
+        skipped.append(f"{path} ({e})" if path.is_dir() else str(e))
+        return []
+    kinds = {k for k, _, _ in found}
+    if len(kinds) > 1:
+        named = ", ".join(sorted(k or "no artifact metadata" for k in kinds))
+        skipped.append(f"{path} holds files of several kinds ({named}), not the parts of one artifact")
+        return []
+    kind = found[0][0]
+    if kind is None:
+        skipped.append(f"{path} {'holds Parquet files' if path.is_dir() else 'is a Parquet file'} without "
+                       "Sparrow artifact metadata")
+        return []
+    if path.is_dir() and len({p for _, p, _ in found}) > 1:
+        return [(kind, f) for _, _, f in found]
+    return [(kind, path)]
+
+
+def _name(kind: str, path: Path, many: bool, run_dir: Path) -> str:
+    """The figure's file: `tail.png` for the one profile, `tail-<file>.png` for each of several, where a
+    file inside a directory is named with it (`tail-mismatch-before.png`), so that no two collide."""
+    if not many:
+        return f"{kind}.png"
+    return f"{kind}-{'-'.join(path.relative_to(run_dir).with_suffix('').parts)}.png"
 
 
 def _threshold(kinds: dict[str, list[Path]], mismatch: Path) -> ResolvedThreshold:
@@ -197,10 +231,8 @@ def schedule_figure(schedule: Path, name: str, out: Path, plt) -> Figure:
         x = [2000 * i for i in range(len(published) + 1)]
         ax.step(x, [*published, published[-1]], where="post", ls="--", label=f"published ({model})")
     if not any(budgets) and not published:
-        ax.text(0.5, 0.5, "\n".join(textwrap.wrap(
-            "Every bin is dense: no profiled budget's tail reached the threshold in any bin, so no position "
-            "is decoded sparsely (a lower threshold, or larger profiled budgets, would give a sparse bin).",
-            60)), ha="center", va="center", transform=ax.transAxes, fontsize=10, color="#333")
+        ax.text(0.5, 0.5, "\n".join(textwrap.wrap(_all_dense(meta), 60)), ha="center", va="center",
+                transform=ax.transAxes, fontsize=10, color="#333")
         ax.set_yticks([])
     else:
         ax.set_ylabel("budget (KV tokens)")
@@ -213,12 +245,33 @@ def schedule_figure(schedule: Path, name: str, out: Path, plt) -> Figure:
     what = (f"{len(table)} bins, {dense} dense" + (f", budgets {min(b for b in budgets if b)}-{max(budgets)}"
                                                      if any(budgets) else ""))
     source = ((f", model {model}" if model else "")
-              + (f", threshold {float(threshold):.3g}" if threshold else ""))
+              + (f", threshold {float(threshold):.3g}" if threshold else "")
+              + (f", the sampler a training run used ({meta['source']}), not a plan"
+                 if _sampled(meta) else ""))
     return _save(fig, out, name, f"The schedule: budget per position bin ({schedule.name})",
                  f"From {schedule.name}{source}: {what}. Grey spans are dense bins (every cached token is "
                  "attended); the last bin extends to the end of the context."
                  + (" The dashed line is the published schedule at this threshold." if published else ""),
                  plt, len(table))
+
+
+def _sampled(meta: dict) -> bool:
+    """A schedule that records the sampler a training run used (`sparrow train` writes its run's
+    `source`), not one that `plan-schedule` planned from a profile against a threshold."""
+    return bool(meta.get("source")) and not meta.get("threshold") and not meta.get("profile")
+
+
+def _all_dense(meta: dict) -> str:
+    """Why every bin of a schedule is dense, by what made it: a planned schedule's profile and threshold
+    gave no sparse bin; a training run's was dense by choice; anything else says only what it is."""
+    if meta.get("threshold") or meta.get("profile"):
+        return ("Every bin is dense: no profiled budget's tail reached the threshold in any bin, so no "
+                "position is decoded sparsely (a lower threshold, or larger profiled budgets, would give a "
+                "sparse bin).")
+    if _sampled(meta):
+        return (f"Dense run (no schedule): the training run sampled with the whole cache at every position "
+                f"(sampler {meta['source']}); no profile or threshold was involved.")
+    return "Every bin is dense: every position attends to the whole cache (the artifact names no plan)."
 
 
 def cost_figure(cost: Path, name: str, out: Path, plt) -> Figure:
@@ -469,9 +522,10 @@ def build_report(run_dir: str | Path, out_dir: str | Path | None = None,
         paths = kinds.get(kind, [])
         for path in paths:
             note(f"drawing {kind} {path.name}")
-            figures.append(figure(path, _name(stem, path, len(paths) > 1)))
+            figures.append(figure(path, _name(stem, path, len(paths) > 1, run_dir)))
     for path in kinds.get("threshold", []):
-        fig_ = calibration_figure(path, _name("calibration", path, len(kinds["threshold"]) > 1), out, plt)
+        fig_ = calibration_figure(path, _name("calibration", path, len(kinds["threshold"]) > 1, run_dir),
+                                  out, plt)
         if fig_ is not None:
             note(f"drawing calibration {path.name}")
             figures.append(fig_)

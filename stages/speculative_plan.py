@@ -7,7 +7,9 @@ costs time and never correctness. The cycle costs K decode steps at b and one de
 tokens per sample. A cost artifact that `fit-cost --speculate` wrote prices that forward from its timed
 verifications; otherwise, since it reads the weights and every sample's KV once, it is priced as a dense
 decode step whose per-row term is paid K + 1 times. Only profiled budgets are candidates, and
-budgets are made non-decreasing across bins, as every schedule's are.
+budgets are made non-decreasing across bins, as every schedule's are. A bin without profiled tokens is
+priced at its nearest profiled neighbour's mean alpha (as the lossy plan's thin bins take a neighbour's
+budget) and shown as thin, with no mean or tokens per cycle of its own.
 """
 
 from __future__ import annotations
@@ -70,8 +72,8 @@ def verify_seconds(cost: CostModel, batch: int, context, k: int) -> np.ndarray:
 class SpeculativePlan:
     k: int
     budgets: list[int]  # draft budget per bin
-    mean_alpha: list[float]  # per bin, at its draft budget
-    tokens_per_cycle: list[float]  # per bin: expected tokens a sample's cycle emits
+    mean_alpha: list[float | None]  # per bin, at its draft budget; None: the profile has no token there
+    tokens_per_cycle: list[float | None]  # per bin: expected tokens a sample's cycle emits (None as above)
     speedup: float  # predicted over dense decoding, over the planned positions
     speedups_by_k: dict[int, float]  # the best plan's predicted speedup for each K tried
 
@@ -83,10 +85,12 @@ def plan_speculation(cost: CostModel, alpha: MeanAlpha, batch: int, prompt_len: 
     contexts = np.arange(prompt_len + 1, prompt_len + gen_len)
     bins = np.minimum(contexts // alpha.bin_width, alpha.mean.shape[0] - 1)
     dense = float(cost.step_seconds(batch, contexts, 0).sum())
+    thin = np.isnan(alpha.mean)
+    priced = MeanAlpha(alpha.budgets, borrowed(alpha.mean), alpha.bin_width)
     best: SpeculativePlan | None = None
     by_k = {}
     for k in range(1, max_k + 1):
-        plan = _plan_for_k(cost, alpha, batch, contexts, bins, k, dense)
+        plan = _plan_for_k(cost, priced, thin, batch, contexts, bins, k, dense)
         by_k[k] = plan.speedup
         if best is None or plan.speedup > best.speedup:
             best = plan
@@ -94,10 +98,24 @@ def plan_speculation(cost: CostModel, alpha: MeanAlpha, batch: int, prompt_len: 
     return best
 
 
-def _plan_for_k(cost: CostModel, alpha: MeanAlpha, batch: int, contexts: np.ndarray, bins: np.ndarray,
-                k: int, dense: float) -> SpeculativePlan:
+def borrowed(mean: np.ndarray) -> np.ndarray:
+    """`mean` [bins, budgets] where a bin without tokens at a budget takes the value of the nearest earlier
+    bin with some (the first later one, for leading bins), as the lossy plan's thin bins take a trusted
+    neighbour's budget: its positions are priced, never free or impossible. A budget no bin has stays nan."""
+    out = mean.copy()
+    for j in range(out.shape[1]):
+        have = ~np.isnan(out[:, j])
+        if have.any():
+            last = np.maximum.accumulate(np.where(have, np.arange(len(have)), -1))
+            out[:, j] = out[np.where(last < 0, np.argmax(have), last), j]
+    return out
+
+
+def _plan_for_k(cost: CostModel, alpha: MeanAlpha, thin: np.ndarray, batch: int, contexts: np.ndarray,
+                bins: np.ndarray, k: int, dense: float) -> SpeculativePlan:
     """The non-decreasing per-bin budgets of the fewest predicted seconds (dynamic programming over bins:
-    best[i, j] is the least time of bins 0..i with bin i at budget j)."""
+    best[i, j] is the least time of bins 0..i with bin i at budget j). `thin` [bins, budgets]: no profiled
+    token there (its value `borrowed`), shown as None."""
     n, m = alpha.mean.shape
     verify = verify_seconds(cost, batch, contexts, k)
     seconds = np.zeros((n, m))  # [bin, budget] predicted decode seconds of the bin's positions
@@ -118,6 +136,9 @@ def _plan_for_k(cost: CostModel, alpha: MeanAlpha, batch: int, contexts: np.ndar
         choice.append(int(np.argmin(best[i, : choice[-1] + 1])))
     choice.reverse()
     total = float(best[-1, choice[-1]])
-    means = [float(np.nan_to_num(alpha.mean[i, j], nan=0.0)) for i, j in enumerate(choice)]
+    # a bin without profiled tokens has no mean of its own to show: None (a thin bin), never a made-up 0
+    means = [None if thin[i, j] or np.isnan(alpha.mean[i, j]) else float(alpha.mean[i, j])
+             for i, j in enumerate(choice)]
     return SpeculativePlan(k, [int(alpha.budgets[j]) for j in choice], means,
-                           [expected_tokens(a, k) for a in means], dense / total if total > 0 else 1.0, {})
+                           [None if a is None else expected_tokens(a, k) for a in means],
+                           dense / total if total > 0 else 1.0, {})

@@ -493,3 +493,77 @@ def test_a_run_written_before_an_option_existed_still_finds_its_dense_reference(
     assert _config_key(before, True) == _config_key(now, True)
     assert _config_key({**now, "speculate": 3, "sparsity": "budget:64"}, True) == _config_key(now, True)
     assert _config_key({**now, "lr": now["lr"] * 2}, True) != _config_key(now, True)
+
+
+def _one_error_line(result) -> str:
+    lines = [ln for ln in result.output.strip().splitlines() if ln.strip()]
+    assert result.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: "), result.output
+    return lines[0]
+
+
+@pytest.mark.parametrize("flag,value,said", [
+    ("--window", "0", "--window must be at least 1 (steps of smoothing), got 0"),
+    ("--window", "-2", "--window must be at least 1 (steps of smoothing), got -2"),
+    ("--reward-drop", "-1", "--reward-drop must be in [0, 1] (a share of the best reward), got -1.0"),
+    ("--grad-norm-factor", "-3", "--grad-norm-factor must be at least 1 (a multiple of the early median "
+     "grad norm), got -3.0"),
+    ("--truncation-limit", "7", "--truncation-limit must be in [0, 1] (a rate), got 7.0"),
+    ("--repetition-limit", "99", "--repetition-limit must be in [0, 1] (a rate), got 99.0"),
+    ("--entropy-factor", "-1", "--entropy-factor must be at least 1 (a multiple of the starting entropy), "
+     "got -1.0"),
+    ("--mismatch-kl-limit", "-5", "--mismatch-kl-limit must be at least 0 (a KL divergence), got -5.0"),
+])
+def test_every_detector_flag_out_of_range_is_one_sentence_before_any_work(tmp_path, flag, value, said):
+    prof = tmp_path / "mismatch.parquet"
+    write_artifact(synthetic_mismatch(np.random.default_rng(10)), prof, "mismatch")
+    run = _run_dir(tmp_path, "run", (64, 128), False)
+    out = tmp_path / "t.parquet"
+    r = runner.invoke(app, ["calibrate-threshold", "--profile", str(prof), "--runs", str(run),
+                            "--bootstrap", "10", flag, value, "-o", str(out)])
+    assert _one_error_line(r) == f"error: {said}"
+    assert not out.exists()
+
+
+def test_a_file_given_as_a_run_is_named_a_file(tmp_path):
+    prof = tmp_path / "mismatch.parquet"
+    write_artifact(synthetic_mismatch(np.random.default_rng(11)), prof, "mismatch")
+    r = runner.invoke(app, ["calibrate-threshold", "--profile", str(prof), "--runs", str(prof),
+                            "-o", str(tmp_path / "t.parquet")])
+    assert _one_error_line(r).startswith(f"error: {prof} is a file, not a run directory")
+    r = runner.invoke(app, ["calibrate-threshold", "--profile", str(prof), "--runs", str(tmp_path / "none"),
+                            "-o", str(tmp_path / "t.parquet")])
+    assert "run directory does not exist" in _one_error_line(r)
+
+
+def test_without_runs_the_threshold_row_goes_to_stdout_in_the_format_asked(tmp_path):
+    import json
+
+    prof = tmp_path / "mismatch.parquet"
+    write_artifact(synthetic_mismatch(np.random.default_rng(12)), prof, "mismatch")
+    out = tmp_path / "t.parquet"
+    r = runner.invoke(app, ["calibrate-threshold", "--profile", str(prof), "-o", str(out), "-f", "json"])
+    assert r.exit_code == 0, r.output
+    [row] = json.loads(r.stdout)
+    assert row == read_artifact(out, "threshold").to_pylist()[0]
+    assert (row["threshold"], row["lower"], row["upper"], row["source"]) == (0.86, 0.85, 0.9, "prior")
+    r = runner.invoke(app, ["calibrate-threshold", "--profile", str(prof), "-o", str(out), "-f", "tsv"])
+    header, line = r.stdout.splitlines()
+    assert dict(zip(header.split("\t"), line.split("\t")))["threshold"] == "0.86"
+
+
+def test_a_run_given_twice_counts_once(tmp_path):
+    import json
+
+    from sparrow.schemas import artifact_metadata
+
+    prof = tmp_path / "mismatch.parquet"
+    write_artifact(synthetic_mismatch(np.random.default_rng(13)), prof, "mismatch")
+    run = _run_dir(tmp_path, "run", (64, 128), False)
+    out = tmp_path / "t.parquet"
+    r = runner.invoke(app, ["calibrate-threshold", "--profile", str(prof), "--bootstrap", "10",
+                            "-o", str(out), "--runs", str(run), f"{tmp_path}/./run/../run"])
+    assert r.exit_code == 0, r.output
+    assert read_artifact(out, "threshold").to_pylist()[0]["n_runs"] == 1
+    assert len(json.loads(artifact_metadata(out)["runs"])) == 1
+    assert "given more than once (the same run directory); counted once" in r.stderr
+    assert "0 of 1 runs collapsed" in r.stderr

@@ -204,3 +204,70 @@ def test_fit_cost_speculate_needs_a_device(tmp_path):
                                  "-o", str(out)])
     assert result.exit_code != 0 and "--speculate times the verification forward" in result.output
     assert not out.exists()
+
+
+def test_a_grid_that_cannot_determine_a_coefficient_says_which_and_why():
+    """The features of a grid's points decide which coefficients a fit can pin down: one context leaves
+    the per-sequence and KV terms confounded; budgets never below a context time dense points only, so
+    no page is scored; a full grid determines all four."""
+    from sparrow.stages.cost import Grid, grid_warning, undetermined
+
+    smol = get_preset("smollm2-135m").config
+    probe = CostModel(smol, dict.fromkeys(FEATURES, 0.0), "probe")
+    assert undetermined(probe, Grid([1, 2], [64], [48]).points()) == ["seq", "kv", "page"]
+    assert grid_warning(smol, Grid([1, 2], [64], [48])).startswith(
+        "the grid cannot determine the batch, KV token-layer and scored page-layer coefficients (one context "
+        "(64); no dense point): ")
+    assert grid_warning(smol, Grid([1, 2], [64, 128], [0, 256])).startswith(
+        "the grid cannot determine the scored page-layer coefficient (budget 256 is never below a context, "
+        "so those points are dense): ")
+    assert "one batch size (1)" in grid_warning(smol, Grid([1], [128, 256], [0, 64]))
+    assert grid_warning(smol, Grid([1, 2], [64, 128], [0, 48])) is None
+    assert grid_warning(QWEN4B, Grid([1, 4], [1024, 2048, 4096], [0, 256, 512])) is None
+
+
+def test_fit_cost_warns_before_timing_a_grid_that_cannot_determine_a_coefficient(tmp_path):
+    import torch
+
+    threads = torch.get_num_threads()
+    out = tmp_path / "cost.parquet"
+    try:
+        result = runner.invoke(app, ["fit-cost", "--model", "tiny-llama", "--device", "cpu",
+                                     "--batches", "1,2", "--contexts", "64", "--budgets", "48",
+                                     "--repeats", "1", "--warmup", "0", "--threads", "1", "-o", str(out)])
+    finally:
+        torch.set_num_threads(threads)
+    assert result.exit_code == 0, result.output
+    warned = [line for line in result.stderr.splitlines() if line.startswith("warning: ")]
+    assert len(warned) == 1 and warned[0].startswith("warning: the grid cannot determine the batch and KV "
+                                                     "token-layer coefficients (one context (64)): ")
+    assert result.stderr.index("warning: ") < result.stderr.index("fit over 2 points")
+
+
+def test_plan_schedule_warns_once_when_it_prices_far_outside_the_fitted_grid(tmp_path):
+    """A measured model fitted at batch 1 and contexts 128-256 (its decode steps exact for qwen3-4b's
+    analytic model, so nothing but the range differs) plans the reference profile's 32,768 tokens at
+    batch 64: one warning naming the fitted range; a fit over the planned range, and an analytic model,
+    give none."""
+    from sparrow.stages.cost import write_fitted
+
+    truth = analytic(QWEN4B, "h100")
+
+    def fitted(name, batches, contexts):
+        points = [(b, c, k, float(truth.step_seconds(b, c, k))) for b in batches for c in contexts
+                  for k in (0, 64, 2048)]
+        write_fitted(QWEN4B, "qwen3-4b", points, "cpu", 1, tmp_path / name)
+        return tmp_path / name
+
+    def warnings(*args):
+        result = runner.invoke(app, ["plan-schedule", "--model", "qwen3-4b", *map(str, args)])
+        assert result.exit_code == 0, result.output
+        return [line for line in result.stderr.splitlines() if line.startswith("warning: ")]
+
+    narrow = fitted("narrow.parquet", (1,), (128, 256))
+    assert warnings("--cost", narrow) == [
+        f"warning: the cost model {narrow} was fitted at batch 1 and contexts 128-256; this plan predicts at "
+        "batch 64 and contexts up to 32767, far outside that grid, so its step times and speedup "
+        "extrapolate the fit"]
+    assert warnings("--cost", fitted("wide.parquet", (32, 64), (1024, 8192, 32768))) == []
+    assert warnings("--hardware", "h100") == []

@@ -268,3 +268,65 @@ def test_a_run_with_ignore_eos_names_no_eos_stops_in_its_length_legend(tmp_path,
     caption = _caption((run / "report" / "index.html").read_text(), "rollouts.png")
     assert "every sample ran to --max-new-tokens (--ignore-eos)" in caption and "EOS" not in caption.replace(
         "--ignore-eos", "")
+
+
+def test_two_profiles_of_different_provenance_in_one_folder_are_drawn_apart(tmp_path):
+    """distill writes its profiles before and after the adapter into one folder: each gets its own figure
+    with its own tokens, never one pooled curve; parts of one provenance (a --workers output) stay one."""
+    run = tmp_path / "run"
+    for name, meta, alpha in (("before", {}, 0.5), ("after", {"adapter": "ad"}, 0.9)):
+        rows = [{**r, "alpha": alpha} for r in _profile_rows({"p": 100}, 30)]
+        write_artifact(rows, run / "mismatch" / f"{name}.parquet", "mismatch",
+                       metadata={"bin_width": 512, "model": "smollm2-135m", **meta})
+    for part in ("part-0", "part-1"):
+        write_artifact(_profile_rows({part: 100}, 20), run / "workers" / f"{part}.parquet", "mismatch",
+                       metadata={"bin_width": 512, "model": "smollm2-135m"})
+    result = CliRunner().invoke(app, ["report", str(run)])
+    assert result.exit_code == 0, result.output
+    page = (run / "report" / "index.html").read_text()
+    assert set(_embedded(page)) == {"tail-mismatch-before.png", "tail-mismatch-after.png", "tail-workers.png"}
+    assert "30 generated tokens" in _caption(page, "tail-mismatch-before.png")
+    assert "30 generated tokens" in _caption(page, "tail-mismatch-after.png")
+    assert "40 generated tokens" in _caption(page, "tail-workers.png")
+
+
+def test_a_folder_of_several_kinds_is_skipped_in_one_line_and_the_rest_is_drawn(tmp_path):
+    run = _run_dir(tmp_path)
+    archive = run / "archive"
+    for name in ("rollouts.parquet", "schedule.parquet"):
+        (archive / name).parent.mkdir(exist_ok=True)
+        (archive / name).write_bytes((run / name).read_bytes())
+    result = CliRunner().invoke(app, ["report", str(run)])
+    assert result.exit_code == 0, result.output
+    skipped = [line for line in result.stderr.splitlines() if line.startswith("not drawn: ")]
+    assert skipped == [f"not drawn: {archive} holds files of several kinds (rollouts, schedule), not the "
+                       "parts of one artifact"]
+    drawn = set(_embedded((run / "report" / "index.html").read_text()))
+    assert {"tail.png", "schedule.png", "rollouts.png"} <= drawn
+
+
+def test_a_training_runs_dense_schedule_says_it_was_dense_by_choice(tmp_path):
+    """`sparrow train` without --schedule records its dense sampler as a one-bin schedule: no profile or
+    threshold was involved, and the figure says so (a planned all-dense schedule keeps its own words)."""
+    run = tmp_path / "run"
+    write_artifact({"bin": [0], "bin_start": [0], "bin_end": [None], "budget": [None], "tail": [None],
+                    "predicted_step_seconds": [None]}, run / "schedule.parquet", "schedule",
+                   metadata={"page_size": 16, "source": "dense"})
+    result = CliRunner().invoke(app, ["report", str(run)])
+    assert result.exit_code == 0, result.output
+    listed = next(line for line in result.stderr.splitlines() if "schedule.png: " in line)
+    assert "Dense run (no schedule)" in listed and "no profile or threshold was involved" in listed
+    assert "profiled budget" not in listed and "threshold reached" not in listed
+    assert "the sampler a training run used (dense), not a plan" in _caption(
+        (run / "report" / "index.html").read_text(), "schedule.png")
+
+
+def test_a_file_given_as_the_run_is_named_a_file(tmp_path):
+    from cli_checks import error_line
+
+    path = write_artifact(_profile_rows({"p": 100}, 4), tmp_path / "mismatch.parquet", "mismatch")
+    result = CliRunner().invoke(app, ["report", str(path)])
+    assert result.exit_code == 2
+    assert error_line(result).startswith(f"error: {path} is a file, not a run directory")
+    assert error_line(CliRunner().invoke(app, ["report", str(tmp_path / "none")])).endswith(
+        "no such run directory")

@@ -359,3 +359,22 @@ def test_the_speedup_is_predicted_for_the_profiled_trajectories_and_the_threshol
     assert max(len(line) for line in err.splitlines() if line.startswith("  ")) <= 110
     lines = [line.strip() for line in err.splitlines()]
     assert "threshold 0.86 on the 0.05 quantile of alpha: published prior" in lines
+
+
+def test_compare_published_refuses_the_flags_it_would_ignore(tmp_path):
+    """--compare-published prints a comparison and writes nothing: an -o, a --model or a --profile given
+    beside it would be silently ignored, so they are refused, all named in one sentence."""
+    path = tmp_path / "mismatch.parquet"
+    write_artifact(synthetic_mismatch(np.random.default_rng(5), np.arange(0, 2 * WIDTH)), path, "mismatch",
+                   metadata={"bin_width": WIDTH})
+    out = tmp_path / "s.parquet"
+    line = one_error_line(invoke("--compare-published", "--hardware", "h200", "--model", "smollm2-135m",
+                                 "--profile", path, "-o", out))
+    assert line.startswith("error: -o, --model, --profile do not apply to --compare-published, which prints")
+    assert "--hardware, --threshold, --gen-len, --prompt-len and --max-num-seqs" in line
+    assert not out.exists()
+    assert one_error_line(invoke("--compare-published", "--speculate")).startswith(
+        "error: --speculate does not apply to --compare-published")
+    result = invoke("--compare-published", "--hardware", "h200", "--threshold", "0.9", "--gen-len", 4096,
+                    "--max-num-seqs", 16, "--prompt-len", 100)
+    assert result.exit_code == 0, result.output

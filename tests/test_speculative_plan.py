@@ -92,3 +92,42 @@ def test_cli_plans_drafts_that_rollout_reads(tmp_path):
     assert read_artifact(out, "schedule").column("budget").to_pylist() in ([48, 48], [48, 96], [96, 96])
     r = runner.invoke(app, ["plan-schedule", "--model", "qwen3-4b", "--speculate"])
     assert r.exit_code != 0 and "measured --profile" in r.output
+
+
+def test_bins_without_profiled_tokens_are_marked_thin_not_given_made_up_values(tmp_path):
+    """Tokens only in bin 1 (positions 300-499, bins of 256): bin 0 has no mean alpha to show, so the table
+    marks it thin, as the lossy table marks its tail, and no 0.000 / 1.00 appears for it."""
+    import json
+
+    from sparrow.schemas import write_artifact
+
+    n = 200
+    rng = np.random.default_rng(2)
+    pos = rng.integers(300, 500, n)
+    zeros = [0.0] * n
+    profile = write_artifact(
+        {"prompt_id": ["p"] * n, "sample": [0] * n, "position": pos.tolist(), "bin": (pos // 256).tolist(),
+         "budget": [48, 96] * (n // 2), "token_id": [1] * n, "alpha": rng.uniform(0.7, 1.0, n).tolist(),
+         "logp_dense": [-1.0] * n, "logp_sparse": [-1.0] * n, "log_ratio": zeros, "k1": zeros, "k2": zeros,
+         "k3": zeros, "entropy_dense": [1.0] * n},
+        tmp_path / "m.parquet", "mismatch", metadata={"model": "smollm2-135m", "bin_width": 256})
+    alpha = mean_alpha(read_artifact(profile, "mismatch"), 256, 2)
+    plan = plan_speculation(analytic(get_preset("smollm2-135m").config, "h100"), alpha, 64, 0, 500)
+    assert plan.mean_alpha[0] is None and plan.tokens_per_cycle[0] is None
+    assert 0.7 < plan.mean_alpha[1] < 1 and plan.tokens_per_cycle[1] > 1
+    assert plan.speedup > 0.5  # bin 0's positions are priced at bin 1's mean alpha, not as impossible
+    out = tmp_path / "draft.parquet"
+    r = runner.invoke(app, ["plan-schedule", "--model", "smollm2-135m", "--profile", str(profile),
+                            "--speculate", "--threshold", "0.5", "--min-tokens", "1", "--prompt-len", "0",
+                            "--gen-len", "500", "-o", str(out), "-f", "json"])
+    assert r.exit_code == 0, r.output
+    tables = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("[")]
+    speculative = next(t for t in tables if "draft_budget" in t[0])
+    assert (speculative[0]["mean_alpha"], speculative[0]["tokens_per_cycle"]) == (None, None)
+    assert json.loads(artifact_metadata(out)["speculative_tokens_per_cycle"])[0] is None
+    r = runner.invoke(app, ["plan-schedule", "--model", "smollm2-135m", "--profile", str(profile),
+                            "--speculate", "--threshold", "0.5", "--min-tokens", "1", "--prompt-len", "0",
+                            "--gen-len", "500", "-f", "tsv"])
+    rows = [line.split("\t") for line in r.stdout.splitlines()]
+    header = rows.index(["bin", "draft_budget", "mean_alpha", "tokens_per_cycle"])
+    assert rows[header + 1][2:] == ["thin", "thin"]
