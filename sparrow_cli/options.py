@@ -31,13 +31,13 @@ def non_negative_seed(ctx: typer.Context, param: typer.CallbackParam, value: int
     fail(f"--seed must be >= 0, got {value}")
 
 
-def given_path(flag: str):
+def given_path(flag: str, give: str = "a file (- = stdin)"):
     """typer parser of a path option: an empty path is refused as one (a Path of '' would be the working
-    directory), before any work."""
+    directory), before any work; the sentence asks for `give`, what the option names."""
 
     def parse(value: str) -> Path:
         if not value.strip():
-            fail(f"{flag} is an empty path; give a file (- = stdin)")
+            fail(f"{flag} is an empty path; give {give}")
         return Path(value)
 
     return parse
@@ -92,7 +92,8 @@ def check_sampling_memory(prompt_lengths: list[int], samples: int, max_new_token
     tokens, have = prompt + sampled, host_memory()
     need = prompt * ID_BYTES + sampled * SAMPLED_BYTES + samples * vocab * SCORE_BYTES
     if need > have:
-        raise UsageError(f"--samples {samples} for {len(prompt_lengths)} prompts with --max-new-tokens "
+        n = len(prompt_lengths)
+        raise UsageError(f"--samples {samples} for {n} prompt{'s' * (n != 1)} with --max-new-tokens "
                          f"{max_new_tokens} need at least {need / 2**30:,.0f} GiB of memory (their "
                          f"{tokens:,} tokens, and {vocab:,} first-token scores per sample, one per "
                          f"vocabulary entry), more than this machine's {have / 2**30:,.0f} GiB; {hint}")
@@ -140,8 +141,10 @@ def kv_compression_option():
                         "--kv-window are always kept; whenever a sample's cache reaches --kv-budget + "
                         "--kv-buffer tokens it is compressed back to --kv-budget (SnapKV: the tokens the "
                         "window's queries attend to most; R-KV: that minus key redundancy), freeing pages "
-                        "for more samples. The same as the spec snapkv:B or rkv:B. Not with --budget or "
-                        "--schedule (block top-k keeps every token; the two do not combine).")
+                        "for more samples. The flag takes the kind alone, snapkv or rkv (any case), and "
+                        "--kv-budget its B; the spec form snapkv:B or rkv:B is profile's --sampler's. Not "
+                        "with --budget or --schedule (block top-k keeps every token; the two do not "
+                        "combine).")
 
 
 def kv_budget_option():
@@ -173,7 +176,8 @@ def eviction_from_flags(kind: str | None, budget: int | None, window: int | None
                 raise UsageError(f"{flag} applies only with --kv-compression snapkv or rkv")
         return None
     if kind.lower() not in EVICTION_POLICIES:
-        raise UsageError(f"--kv-compression must be one of {', '.join(EVICTION_POLICIES)}, got {kind!r}")
+        raise UsageError(f"--kv-compression must be one of {', '.join(EVICTION_POLICIES)}, got {kind!r}"
+                         + _spec_hint(kind))
     given = [flag for flag, value in (block_topk or {}).items() if value]
     if given:
         raise UsageError(f"--kv-compression and {given[0]} were given together: eviction and block top-k "
@@ -189,6 +193,16 @@ def eviction_from_flags(kind: str | None, budget: int | None, window: int | None
                                label=f"--kv-compression {kind} --kv-budget {budget}")
     except ValueError as e:
         raise UsageError(str(e)) from None
+
+
+def _spec_hint(kind: str) -> str:
+    """For a spec given to --kv-compression (snapkv:64): how the flags say it, the budget as --kv-budget."""
+    from sparrow.stages.kv_policies import EVICTION_POLICIES
+
+    name, _, budget = kind.partition(":")
+    if not budget or name.lower() not in EVICTION_POLICIES:
+        return ""
+    return f"; the flags give the spec {kind} as --kv-compression {name} --kv-budget {budget.split(',')[0]}"
 
 
 def sparsity_policy(schedule: Path | None, budget: int | None, dense: bool, kv: tuple, model: str):

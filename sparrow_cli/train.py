@@ -22,6 +22,7 @@ from .common import (
 from .data_options import answer_column_option, data_options, reward_fn_option, reward_option
 from .options import (
     check_gpu_memory,
+    check_sampling_memory,
     check_workers,
     finite,
     given_path,
@@ -185,8 +186,9 @@ def train(
     force: bool = typer.Option(False, "--force/--no-force",
                                help="Start the run in -o/--output over: its metrics, "
                                "per-step mismatch, schedule, checkpoint and adapters are replaced."),
-    output_dir: Path = typer.Option(..., "-o", "--output", "--output-dir", help="The run directory (TRL's "
-                                    "output_dir). One that holds a run "
+    output_dir: Path = typer.Option(..., "-o", "--output", "--output-dir",
+                                    parser=given_path("-o", "a run directory"),
+                                    help="The run directory (TRL's output_dir). One that holds a run "
                                     "needs --resume or --force; files of a run's names that are not of its "
                                     "kind are replaced only with --force; a symlink is written through."),
     report_to: str = typer.Option(
@@ -202,6 +204,7 @@ def train(
     LoRA, RUN/adapter/ (peft format). Under `torchrun --nproc-per-node N` the ranks share each step's
     batch and DDP sums their gradients; rank 0 writes, and a run resumes under any number of ranks."""
     set_threads(threads)
+    from sparrow.stages.core.prompt_set import PromptSet
     from sparrow.stages.core.sparsity import spec_of
     from sparrow.stages.train import TrainConfig
     from sparrow.stages.train.launch import TrainInputs, check_run_location, join_world, launched
@@ -250,12 +253,14 @@ def train(
     if speculate and workers:
         raise UsageError("--speculate runs in this process's engine; drop --workers")
     data = data_options(answer_column, reward, reward_fn)
+    rows = PromptSet.read(prompts, data).rows
+    _check_step_memory(rows, cfg)
     inputs = TrainInputs(prompts, output_dir, policy, eval_prompts, data)
     try:
         check_run_location(cfg, inputs, resume, force)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    overlap = _check_prompt_sets(prompts, eval_prompts, data, prompts_per_step)
+    overlap = _check_prompt_sets(rows, prompts, eval_prompts, data, prompts_per_step)
     try:
         world = join_world(device, workers)
     except ValueError as e:
@@ -269,12 +274,29 @@ def train(
                                      gpu_memory_utilization=gpu_memory_utilization), fmt)
 
 
-def _check_prompt_sets(prompts: Path, eval_prompts: Path | None, data, per_step: int) -> str | None:
-    """Refuse more prompts per step than --prompts holds (a prompt would be several GRPO groups of one
-    step, its samples' rows alike); returns the warning that --eval-prompts shares prompts with it, if so."""
+def _check_step_memory(rows: list[dict], cfg) -> None:
+    """Refuse a step's samples (--prompts-per-step prompts x --samples, or --oversample) that this machine
+    could not hold, by rollout's check (`check_sampling_memory`) before anything is written, counted at the
+    least they take: over the shortest prompts, each as long as its token ids (text: not yet tokenized)."""
+    from sparrow.stages.model.config import ModelSpecError
+    from sparrow.stages.model.loading import resolve_config
+
+    try:
+        vocab = resolve_config(cfg.model).vocab_size
+    except ModelSpecError:
+        return  # the model's own error comes when it loads
+    lengths = sorted(len(r.get("prompt_token_ids") or ()) for r in rows)
+    check_sampling_memory(lengths[:cfg.prompts_per_step], cfg.oversample or cfg.samples, cfg.max_new_tokens,
+                          vocab, "train with fewer --samples (or --oversample) or --prompts-per-step")
+
+
+def _check_prompt_sets(rows: list[dict], prompts: Path, eval_prompts: Path | None, data,
+                       per_step: int) -> str | None:
+    """Refuse more prompts per step than --prompts (`rows`) holds (a prompt would be several GRPO groups of
+    one step, its samples' rows alike); returns the warning that --eval-prompts shares prompts with it, if
+    so."""
     from sparrow.stages.core.prompt_set import PromptSet
 
-    rows = PromptSet.read(prompts, data).rows
     if per_step > len(rows):
         raise UsageError(f"--prompts-per-step {per_step} is more than the {len(rows)} prompts of {prompts}; "
                          f"a step would roll out a prompt more than once, so give at most {len(rows)}")

@@ -441,3 +441,30 @@ def test_sigterm_during_training_keeps_a_resumable_run_and_no_empty_file(tiny_ch
     assert not (run / "metrics.jsonl").exists()
     assert [f for f in files_under(run) if (run / f).is_file() and (run / f).stat().st_size == 0] == []
     assert artifact_kind(run / "schedule.parquet") == "schedule"
+
+
+def test_train_refuses_samples_a_step_cannot_hold_before_writing(tmp_path, no_work, monkeypatch):
+    import sparrow.cli.options as options
+
+    monkeypatch.setattr(options, "host_memory", lambda: 64 * 2**30)
+    run, samples = tmp_path / "run", 1_000_000
+    prompts = token_prompts(tmp_path / "p.parquet", lengths=[20, 30])
+    result = runner.invoke(app, [*train_args("smollm2-135m", prompts, run), "--samples", str(samples)])
+    assert result.exit_code == 2
+    prompt, sampled = samples * 20, samples * 2  # a step's one prompt (the shortest), --max-new-tokens 2
+    need = (prompt * 4 + sampled * 16 + samples * 49152 * 4) / 2**30
+    assert error_line(result) == (
+        f"error: --samples {samples} for 1 prompt with --max-new-tokens 2 need at least {need:,.0f} GiB of "
+        f"memory (their {prompt + sampled:,} tokens, and 49,152 first-token scores per sample, one per "
+        "vocabulary entry), more than this machine's 64 GiB; train with fewer --samples (or --oversample) or "
+        "--prompts-per-step")
+    assert not run.exists()
+
+
+def test_an_empty_train_output_is_refused_as_empty(tmp_path, no_work, monkeypatch):
+    prompts = token_prompts(tmp_path / "p.parquet")
+    monkeypatch.chdir(tmp_path)  # the working directory, which an empty path would otherwise name
+    result = runner.invoke(app, [*train_args("tiny-llama", prompts, Path("x"))[:-1], ""])
+    assert result.exit_code == 2
+    assert error_line(result) == "error: -o is an empty path; give a run directory"
+    assert files_under(tmp_path) == ["p.parquet"]

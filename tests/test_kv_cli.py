@@ -218,3 +218,19 @@ def test_train_with_compression_logs_the_kv_budget_and_no_schedule(tiny_chat, tm
     assert "rolled out with KV compression (rkv:16,window=2,buffer=6,sink=4)" in line
     r = runner.invoke(app, args[:-2] + ["--distill-sparse", "-o", str(tmp_path / "run2")])
     assert "--distill-sparse trains a block top-k sparse actor" in error_line(r)
+
+
+@pytest.mark.parametrize("command", ["rollout", "train"])
+def test_the_spec_form_given_to_the_flag_is_refused_with_the_flags_that_say_it(tmp_path, no_work, command):
+    """--kv-compression takes the kind alone, as its help says; the spec form (profile's --sampler's) is
+    refused with the flags that say the same."""
+    prompts, out = _prompts(tmp_path / "p.parquet"), tmp_path / "out"
+    r = runner.invoke(app, [command, "--model", "tiny-llama", "--prompts", str(prompts), "--kv-compression",
+                            "snapkv:64", "-o", str(out)])
+    assert error_line(r) == ("error: --kv-compression must be one of snapkv, rkv, got 'snapkv:64'; the flags "
+                             "give the spec snapkv:64 as --kv-compression snapkv --kv-budget 64")
+    assert not out.exists()
+    shown = runner.invoke(app, [command, "--help"], env={"COLUMNS": "500"}).stdout
+    help_text = " ".join(shown.replace("│", " ").split())  # the help's table, its cells' lines joined
+    assert "The same as the spec" not in help_text
+    assert "The flag takes the kind alone, snapkv or rkv (any case), and --kv-budget its B" in help_text

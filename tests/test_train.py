@@ -504,3 +504,19 @@ def test_a_lora_on_16_bit_weights_trains_in_fp32(tiny_llama):
     assert moved.float().mean() > 0.25
     lost = lora[a].detach()[moved].to(torch.bfloat16) == start[a][moved].to(torch.bfloat16)
     assert lost.float().mean() > 0.9  # what a bf16 LoRA would have kept of the step
+
+
+def test_k3_of_nearly_equal_policies_is_never_negative():
+    """k3 = exp(d) - 1 - d >= 0 for every d; float32 rounding of exp(d) - 1 for the tiny d of a dense run
+    must not make it negative, in the loss's KL, the per-token log, the correction statistic or the
+    off-policy diagnostics."""
+    from sparrow.stages.train import corrections
+    from sparrow.stages.train.objective import k3
+
+    d = torch.tensor([5e-8, -5e-8, 3e-8, -1e-7, 1e-9, 0.0, 0.5, -0.5], dtype=torch.float32)
+    assert (k3(d) >= 0).all()
+    assert torch.allclose(k3(d[-2:]).double(), d[-2:].double().exp() - 1 - d[-2:].double())
+    assert (corrections.token_statistic(d, "k3") >= 0).all()
+    mask = torch.ones(1, len(d), dtype=torch.bool)
+    logp = torch.full((1, len(d)), -1.0, dtype=torch.float32)
+    assert corrections.off_policy_metrics(logp + d, logp, mask)["k3_kl"] >= 0

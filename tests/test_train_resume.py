@@ -207,3 +207,84 @@ def test_force_starts_an_interrupted_run_over(setup, tmp_path, monkeypatch):
     assert json.loads((run / "checkpoint" / "progress.json").read_text())["step"] == 1
     line = error_line(runner.invoke(app, setup["args"](run, "--force", "--resume")))
     assert "pass --resume (continue the run) or --force (start it over), not both" in line
+
+
+# ---------------------------------------------------------------- a resume that cannot go on says so first
+
+def tree_digest(run) -> dict[str, str]:
+    return {str(p.relative_to(run)): digest(p) for p in sorted(run.rglob("*")) if p.is_file()}
+
+
+def no_model_load(monkeypatch) -> None:
+    """Fails the test if the command loads the model: these refusals come before the weights."""
+    import sparrow.stages.model.loading as loading
+
+    def refuse(*a, **k):
+        raise AssertionError("a model was loaded before the refusal")
+
+    monkeypatch.setattr(loading, "load_model", refuse)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "random bytes"])
+def test_a_damaged_checkpoint_is_one_sentence_and_changes_nothing(setup, tmp_path, monkeypatch, damage):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(setup["straight"], run)
+    state = run / "checkpoint" / "state.pt"
+    if damage == "truncated":
+        os.truncate(state, state.stat().st_size // 2)
+    else:
+        state.write_bytes(os.urandom(100))
+    before = tree_digest(run)
+    no_model_load(monkeypatch)
+    r = runner.invoke(app, setup["args"](run, "--resume", "--steps", "4"))
+    assert r.exit_code == 2
+    assert error_line(r) == (f"error: --resume: {state} cannot be read (damaged?); pass --force instead of "
+                             "--resume to start the run over")
+    assert tree_digest(run) == before
+
+
+def test_a_checkpoint_without_its_state_is_named_and_can_be_forced(setup, tmp_path, monkeypatch):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(setup["straight"], run)
+    (run / "checkpoint" / "state.pt").unlink()
+    with monkeypatch.context() as m:
+        no_model_load(m)
+        line = error_line(runner.invoke(app, setup["args"](run, "--resume", "--steps", "4")))
+    assert line.startswith(f"error: --resume: {run / 'checkpoint' / 'state.pt'} is missing")
+    assert "pass --force instead of --resume" in line
+    r = runner.invoke(app, setup["args"](run, "--force", "--steps", "1"))
+    assert r.exit_code == 0, r.output
+    assert (run / "checkpoint" / "state.pt").is_file()
+
+
+@pytest.mark.parametrize("steps", ["2", "3"])
+def test_a_resume_with_no_step_left_is_refused_before_the_model_loads(setup, tmp_path, monkeypatch, steps):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(setup["straight"], run)
+    before = tree_digest(run)
+    no_model_load(monkeypatch)
+    r = runner.invoke(app, setup["args"](run, "--resume", "--steps", steps))
+    assert r.exit_code == 2
+    assert error_line(r) == (f"error: --resume: {run} already holds 3 steps, so --steps {steps} leaves none "
+                             "to train; give --steps above 3 to continue it")
+    assert tree_digest(run) == before
+
+
+def test_an_interrupted_forced_run_says_to_replace_force_with_resume(setup, tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    with monkeypatch.context() as m:
+        interrupt_at(m, 1)
+        r = runner.invoke(app, setup["args"](run, "--force"))
+    assert r.exit_code == 130
+    said = " ".join(r.stderr.split())
+    assert (f"{run}/checkpoint holds the 1 complete step of 3; replace --force with --resume in the same "
+            "command to continue") in said
+    r = runner.invoke(app, setup["args"](run, "--resume"))  # the command the hint describes
+    assert r.exit_code == 0, r.output
+    assert metrics(run) == metrics(setup["straight"])

@@ -41,8 +41,31 @@ def save_checkpoint(run_dir: Path, state: dict, cfg: TrainConfig, rng: RngStates
     replace_dir(run_dir / "checkpoint", fill)
 
 
-def load_checkpoint(run_dir: Path) -> dict:
-    return torch.load(run_dir / "checkpoint" / "state.pt", weights_only=False)
+def load_checkpoint(run_dir: Path, mmap: bool = False) -> dict:
+    """RUN/checkpoint/state.pt; ValueError in one sentence naming the file when it is missing or cannot be
+    read (a truncated or overwritten file: torch and pickle fail in many ways, all of them a damaged file).
+    `mmap`: the tensors stay on disk, so reading the file to check it costs little beside the weights."""
+    path = run_dir / "checkpoint" / "state.pt"
+    if not path.is_file():
+        raise ValueError(f"--resume: {path} is missing, so the checkpoint cannot be resumed (damaged?); pass "
+                         "--force instead of --resume to start the run over")
+    try:
+        state = torch.load(path, weights_only=False, mmap=mmap)
+    except Exception:  # noqa: BLE001 - any failure to read it is a damaged file
+        state = None
+    if not isinstance(state, dict) or not isinstance(state.get("step"), int):
+        raise ValueError(f"--resume: {path} cannot be read (damaged?); pass --force instead of --resume to "
+                         "start the run over")
+    return state
+
+
+def check_resumable(run_dir: Path, steps: int) -> None:
+    """Before any weights load: the checkpoint's state.pt reads, and --steps goes beyond the steps it holds
+    (a resume with no step left to train would load the model and do nothing)."""
+    done = load_checkpoint(run_dir, mmap=True)["step"]
+    if steps <= done:
+        raise ValueError(f"--resume: {run_dir} already holds {done} step{'s' * (done != 1)}, so --steps "
+                         f"{steps} leaves none to train; give --steps above {done} to continue it")
 
 
 def drop_mismatch_after(run_dir: Path, step: int) -> None:

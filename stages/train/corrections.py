@@ -122,6 +122,12 @@ def safe_ratio(log_ratio: Tensor, mask: Tensor) -> Tensor:
     return torch.where(mask, log_ratio, 0.0).clamp(-SAFETY_BOUND, SAFETY_BOUND).exp()
 
 
+def k3(d: Tensor) -> Tensor:
+    """The k3 estimator exp(d) - 1 - d of a KL from the log ratio d of the two policies, never negative:
+    expm1 keeps the small d of nearly equal policies exact, and the clamp takes the last rounding below 0."""
+    return (torch.expm1(d) - d).clamp(min=0)
+
+
 def token_statistic(log_ratio: Tensor, k: str) -> Tensor:
     """verl's k1 / k2 / k3 of each token's log ratio."""
     lr = log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND)
@@ -129,7 +135,7 @@ def token_statistic(log_ratio: Tensor, k: str) -> Tensor:
         return -lr
     if k == "k2":
         return 0.5 * lr.square()
-    return lr.exp() - 1 - lr
+    return k3(lr)
 
 
 def sequence_statistic(values: Tensor, mask: Tensor, how: str) -> Tensor:
@@ -328,7 +334,7 @@ def off_policy_metrics(logp_old: Tensor, logp_rollout: Tensor, mask: Tensor) -> 
     mean_roll = torch.where(m, roll, 0.0).sum(1) / count
     diff = mean_roll - mean_old  # log ppl_train - log ppl_rollout
     seq_lr = torch.where(m, old - roll, 0.0).sum(1).clamp(-SAFETY_BOUND, SAFETY_BOUND)
-    return {"kl": _masked_mean(-lr, m), "k3_kl": _masked_mean(lr.exp() - 1 - lr, m),
+    return {"kl": _masked_mean(-lr, m), "k3_kl": _masked_mean(k3(lr), m),
             "training_ppl": float((-mean_old).exp().mean()), "rollout_ppl": float((-mean_roll).exp().mean()),
             "ppl_ratio": float(diff.exp().mean()), "log_ppl_diff": float(diff.mean()),
             "log_ppl_abs_diff": float(diff.abs().mean()), "log_ppl_diff_max": float(diff.max()),

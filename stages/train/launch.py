@@ -14,6 +14,7 @@ from ..backends.ray_pool import RolloutPool
 from ..core.user_data import DataOptions
 from ..kv_policies import KVPolicy
 from ..model import loading
+from .checkpoint import check_resumable
 from .config import TrainConfig
 from .data import PromptRow, load_prompts
 from .distributed import World, init_world, shutdown_world
@@ -45,13 +46,16 @@ def read_prompts(cfg: TrainConfig, inputs: TrainInputs, tokenizer) -> tuple[list
 
 
 def check_run_location(cfg: TrainConfig, inputs: TrainInputs, resume: bool, force: bool) -> None:
-    """The run directory (writable, a run to resume with the same options and input contents, or none to
-    overwrite), before any weights load: the prompts are read with the model's tokenizer alone."""
+    """The run directory (writable, a run to resume with the same options and input contents, a readable
+    checkpoint and steps left to train, or none to overwrite), before any weights load: the prompts are read
+    with the model's tokenizer alone."""
     check_output_dir(inputs.output_dir, "a training run", ours=lambda d: True, force=force)  # no FIFO
     if not (inputs.output_dir.exists() or resume):
         return
     rows, held_out = read_prompts(cfg, inputs, loading.spec_tokenizer(cfg.model))
     check_run_dir(inputs.output_dir, with_fingerprints(cfg, rows, held_out, inputs.policy), resume, force)
+    if resume:
+        check_resumable(inputs.output_dir, cfg.steps)
 
 
 def join_world(device: str, workers: int) -> World:

@@ -139,7 +139,7 @@ def write_mismatch(run_dir: Path, exp: Experience, cfg: TrainConfig) -> None:
         "token_id": [flat[i].token_ids[j] for i, j in zip(rows, cols)],
         "logp_rollout": s.logp_rollout[seq, pos_in].tolist(),
         "logp_dense": s.logp[seq, pos_in].clamp(max=0).tolist(),
-        "log_ratio": log_ratio.tolist(), "k3": grpo.k3(-log_ratio).clamp(min=0).tolist(),
+        "log_ratio": log_ratio.tolist(), "k3": grpo.k3(-log_ratio).tolist(),
         "alpha_top20_lb": s.alpha_lb[seq, pos_in].clamp(0, 1).tolist(),
         "alpha": [None] * len(rows) if s.alpha is None else
         [None if a != a else a for a in s.alpha[seq, pos_in].clamp(0, 1).tolist()],

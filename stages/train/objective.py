@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from . import corrections as rc
-from .corrections import Correction
+from .corrections import Correction, k3
 
 CORRECTIONS = rc.PRESETS
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm", "bnpo")
@@ -110,11 +110,6 @@ class LossConfig:
             if value is not None and not value > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
         self.rules()  # the thresholds parse
-
-
-def k3(d: Tensor) -> Tensor:
-    """The k3 estimator exp(d) - 1 - d (>= 0) of a KL from the log ratio d of the two policies."""
-    return d.exp() - 1 - d
 
 
 def group_advantages(rewards: Tensor, cfg: LossConfig) -> Tensor:

@@ -28,8 +28,10 @@ from .data import PromptRow
 FLAGS = {"lora_rank": "--lora-rank (0 = --full)", "loss": "the loss options (--loss-agg, --rollout-is*, ...)",
          "sparsity": "--budget/--schedule/--dense", "max_grad_norm": "max_grad_norm"}
 RUN_FILES = {"metrics.parquet": "metrics", "schedule.parquet": "schedule"}
-REPLACED_DIRS = {"checkpoint": "state.pt", "adapter": "adapter_config.json",
-                 "sparse_adapter": "adapter_config.json"}
+# a folder is the run's when it holds one of its files: a checkpoint that lost its state.pt is still the
+# run's (damaged), so --resume names the missing file and --force replaces it
+REPLACED_DIRS = {"checkpoint": ("state.pt", "config.json", "progress.json"),
+                 "adapter": ("adapter_config.json",), "sparse_adapter": ("adapter_config.json",)}
 RUN_NAMES = (*RUN_FILES, *REPLACED_DIRS, "mismatch", "metrics.jsonl", "tensorboard", "wandb")
 
 
@@ -98,9 +100,10 @@ def _holds(run_dir: Path) -> str:
 
 def _check_kinds(run_dir: Path, force: bool) -> None:
     """Files of a run's names that are not of its kind: refused (folders even with force)."""
-    for name, marker in REPLACED_DIRS.items():
+    for name, markers in REPLACED_DIRS.items():
         folder = run_dir / name
-        if folder.exists() and not (folder / marker).exists() and (folder.is_file() or any(folder.iterdir())):
+        if folder.exists() and not any((folder / m).exists() for m in markers) and (
+                folder.is_file() or any(folder.iterdir())):
             raise ValueError(f"{folder} exists and is not a training run's {name}, and the run would replace "
                              "it; choose another run directory (-o)")
     mismatch = run_dir / "mismatch"

@@ -160,12 +160,24 @@ class Trainer:
             at = checkpoint_step(self.run_dir)
             raise TrainingInterrupted(
                 f"a step was being applied, so {self.run_dir} keeps " + (
-                    f"its checkpoint at step {at}; add --resume to the same command to continue from it"
-                    if at is not None else "no checkpoint; add --force to the same command to start it over"))
+                    f"its checkpoint at step {at}; {self._again('--resume', 'continue from it')}"
+                    if at is not None else f"no checkpoint; {self._again('--force', 'start it over')}"))
         self._save_checkpoint(self.rng_at_step)
         raise TrainingInterrupted(f"{self.run_dir}/checkpoint holds the {self.step} complete "
-                                  f"step{'s' * (self.step != 1)} of {self.cfg.steps}; add --resume to the "
-                                  "same command to continue") from None
+                                  f"step{'s' * (self.step != 1)} of {self.cfg.steps}; "
+                                  f"{self._again('--resume', 'continue')}") from None
+
+    def _again(self, flag: str, what: str) -> str:
+        """How the same command goes on with `flag` (--resume or --force) to do `what`: run again when it
+        has the flag, the other flag replaced when it has that one (the two are refused together), else
+        the flag added."""
+        given = {"--resume": self.opts.resume, "--force": self.opts.force}
+        other = "--force" if flag == "--resume" else "--resume"
+        if given[flag]:
+            return f"run the same command again to {what}"
+        if given[other]:
+            return f"replace {other} with {flag} in the same command to {what}"
+        return f"add {flag} to the same command to {what}"
 
     def train_step(self) -> dict:
         exp = self.experience(self.step)
