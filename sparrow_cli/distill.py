@@ -28,6 +28,7 @@ from .options import (
     block_topk_sparsity,
     check_budgets,
     check_gpu_memory,
+    check_sampling_memory,
     check_tail,
     default_threshold,
     finite,
@@ -45,6 +46,9 @@ DISTILL_PHASES = {"sampling": "sampling training trajectories (samples)",
                   "sampling eval": "sampling eval trajectories (samples)",
                   "scoring before": "scoring before (trajectories)",
                   "scoring after": "scoring after (trajectories)"}
+# what only sampling uses: trajectories given by --rollouts are already sampled
+SAMPLING_FLAGS = {"samples": "--samples", "max_new_tokens": "--max-new-tokens",
+                  "raw_prompts": "--raw-prompts"}
 
 
 def budget_list(given: str, flag: str, once: bool = False) -> list[int]:
@@ -73,21 +77,74 @@ def eval_budgets_of(sparsity, given: str | None) -> list[int]:
     return sorted({b for b in sparsity.budgets if b})
 
 
-def load_init_adapter(path: Path, cfg, rank: int, model: str | None = None):
-    """The adapter to start from, checked against the model's shapes and --lora-rank before any weights
-    load; returns (its peft state dict, its merge-ready weights)."""
+def load_init_adapter(path: Path, cfg, rank: int, alpha: float, model: str | None = None):
+    """The adapter to start from, checked against the model's shapes, --lora-rank and --lora-alpha before
+    any weights load; returns (its peft state dict, its merge-ready weights). A rank or alpha other than
+    the adapter's is refused rather than overridden: the adapter's scale is alpha / rank, so continuing it
+    with another would score and train a different actor than the one it was distilled as."""
     from safetensors.torch import load_file
 
+    if not path.exists():
+        raise UsageError(f"--init-adapter {path}: no such directory")
+    if not path.is_dir():
+        raise UsageError(f"--init-adapter {path} is a file, not an adapter directory")
     lora = load_actor(path, cfg, model, "--init-adapter")
     if lora.r != rank:
         raise UsageError(f"--init-adapter {path}: the adapter has rank {lora.r}, but --lora-rank is {rank}; "
                          f"pass --lora-rank {lora.r} to continue it")
+    if lora.alpha != alpha:
+        raise UsageError(f"--init-adapter {path}: the adapter has alpha {lora.alpha:g}, but --lora-alpha is "
+                         f"{alpha:g}; pass --lora-alpha {lora.alpha:g} to continue it")
     return load_file(path / "adapter_model.safetensors"), lora
 
 
 def distilled_adapter(folder: Path) -> bool:
     """An adapter directory that `sparrow distill` wrote (and may replace)."""
     return (folder / "adapter_config.json").exists() and (folder / "sparrow_distill.json").exists()
+
+
+def option_given(ctx: typer.Context, name: str) -> bool:
+    """Whether the option `name` was given (on the command line or in the environment), not defaulted."""
+    source = ctx.get_parameter_source(name)  # typer vendors click: compare by name, not by enum class
+    return source is not None and source.name in ("COMMANDLINE", "ENVIRONMENT")
+
+
+def refuse_sampling_flags(ctx: typer.Context, rollouts: Path) -> None:
+    """With --rollouts and no --eval-prompts nothing is sampled: refuse the sampling options rather than
+    ignore them."""
+    for name, flag in SAMPLING_FLAGS.items():
+        if option_given(ctx, name):
+            raise UsageError(f"{flag} applies only when sampling from --prompts or --eval-prompts; the "
+                             f"trajectories of --rollouts {rollouts} are already sampled")
+
+
+def read_prompt_sets(prompts: Path | None, eval_prompts: Path | None, samples: int, max_new_tokens: int,
+                     vocab: int) -> dict:
+    """The prompt sets to sample from, read once here; refused, before any weights load, if their samples
+    could not fit in this machine's memory. The training trajectories are kept while the eval ones are
+    sampled, so both sets count together."""
+    from sparrow.stages.core.prompt_set import PromptSet
+
+    sets = {path: PromptSet.read(path) for path in (prompts, eval_prompts) if path is not None}
+    if sets:
+        lengths = [len(r.get("prompt_token_ids") or ()) for s in sets.values() for r in s.rows]
+        which = " and ".join(flag for flag, path in (("--prompts", prompts), ("--eval-prompts", eval_prompts))
+                             if path is not None)
+        check_sampling_memory(lengths, samples, max_new_tokens, vocab, "sample fewer trajectories per "
+                              f"prompt (--samples applies to {which}), or give fewer prompts")
+    return sets
+
+
+def steps_batch(batch_size: int, explicit: bool, available: int, source: str) -> int:
+    """The trajectories per step: a step holds each trajectory at most once, so more than there are is
+    refused when --trajectories-per-step is given, and the default is lowered to all of them (what a step
+    then holds, and what sparrow_distill.json records)."""
+    if available < 1:
+        raise UsageError(f"no trajectory {source} has generated tokens, so there is nothing to distill on")
+    if batch_size > available and explicit:
+        raise UsageError(f"--trajectories-per-step {batch_size} is more than the {available} trajectories "
+                         f"{source}; a step holds each trajectory at most once, so give at most {available}")
+    return min(batch_size, available)
 
 
 def check_k3_trajectories(path: Path, sampler: str | None) -> None:
@@ -104,6 +161,7 @@ def check_k3_trajectories(path: Path, sampler: str | None) -> None:
 
 @friendly_errors
 def distill(
+    ctx: typer.Context,
     model: str = typer.Option("smollm2-135m", "--model", help="Preset, checkpoint dir or .gguf."),
     prompts: Path = typer.Option(None, "--prompts", callback=input_path, parser=given_path("--prompts"),
                                  metavar="<path>", help="Prompts to sample training "
@@ -119,7 +177,8 @@ def distill(
     budget: int = typer.Option(None, "--budget", help="The fixed budget the actor samples with (tokens)."),
     steps: int = typer.Option(50, "--steps"),
     batch_size: int = typer.Option(8, "--trajectories-per-step", "--batch-size", help="Trajectories per "
-                                   "optimizer step (as train's --prompts-per-step counts prompts)."),
+                                   "optimizer step (as train's --prompts-per-step counts prompts); at most "
+                                   "the trajectories there are (the default: all of them where fewer)."),
     lora_rank: int = typer.Option(16, "--lora-rank", help="LoRA rank on every linear layer of every block."),
     lora_alpha: float = typer.Option(16.0, "--lora-alpha", callback=finite,
                                      help="Published: 16 (DistillSparse's, as train's "
@@ -152,7 +211,7 @@ def distill(
                                                 "the backward pass (less memory, more compute); default: on "
                                                 "when the model is on a CUDA device, off on the CPU."),
     samples: int = typer.Option(4, "--samples", "--num-generations", help="Trajectories per prompt "
-                                "(--prompts, --eval-prompts)."),
+                                "(--prompts, --eval-prompts; --rollouts alone samples nothing)."),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", "--max-completion-length",
                                        help="Tokens sampled at most per trajectory (TRL's "
                                        "max_completion_length). Default 64, as train's: every step "
@@ -200,6 +259,8 @@ def distill(
     if (prompts is None) == (rollouts is None):
         raise UsageError("give one of --prompts (sample training trajectories with the sparse actor) and "
                          "--rollouts (trajectories sampled before)" + (", not both" if prompts else ""))
+    if rollouts is not None and eval_prompts is None:
+        refuse_sampling_flags(ctx, rollouts)
     cfg = DistillConfig(steps=steps, batch_size=batch_size, lora_rank=lora_rank, lora_alpha=lora_alpha,
                         lr=lr, objective=objective, seed=seed, balance_budgets=balance_budgets,
                         temperature=1.0 if temperature is None else temperature)
@@ -226,24 +287,34 @@ def distill(
     budgets = eval_budgets_of(sparsity, eval_budgets)
     taught = budgets if eval_budgets else None  # the adapter then serves every budget it is compared at
     if train_budgets:
-        taught = budget_list(train_budgets, "--train-budgets")
+        taught = budget_list(train_budgets, "--train-budgets", once=True)
     model_cfg = resolve_config(model)
     for flag, given_budgets in (("--eval-budgets", eval_budgets and budgets),
                                 ("--train-budgets", train_budgets and taught)):
         check_budgets(given_budgets or [], model_cfg.max_position_embeddings, flag, model)
-    init = None if init_adapter is None else load_init_adapter(init_adapter, model_cfg, lora_rank, model)
+    init = None if init_adapter is None else load_init_adapter(init_adapter, model_cfg, lora_rank,
+                                                                 lora_alpha, model)
     for flag, path in (("--prompts", prompts), ("--rollouts", rollouts), ("--eval-prompts", eval_prompts)):
         if path is not None and not path.exists():
             raise UsageError(f"{flag} {path}: no such file")
-    given = None
+    prompt_sets = read_prompt_sets(prompts, eval_prompts, samples, max_new_tokens, model_cfg.vocab_size)
+    trajectories, batch_given = None, option_given(ctx, "batch_size")
+    if prompts is not None:
+        n = len(prompt_sets[prompts].rows)
+        cfg.batch_size = steps_batch(batch_size, batch_given, n * samples, f"that --prompts {prompts} "
+                                     f"samples ({n} prompt{'s' * (n != 1)} x --samples {samples})")
     if rollouts is not None:
-        given = read_rollouts(rollouts)
+        trajectories = read_rollouts(rollouts)
         if objective == "k3":
-            check_k3_trajectories(rollouts, given.sampler)
-        cfg.temperature = rollouts_temperature(rollouts, given.temperature, temperature)
+            check_k3_trajectories(rollouts, trajectories.sampler)
+        cfg.batch_size = steps_batch(batch_size, batch_given,
+                                     sum(bool(r["token_ids"]) for r in trajectories.rows),
+                                     f"of --rollouts {rollouts}")
+        cfg.temperature = rollouts_temperature(rollouts, trajectories.temperature, temperature)
     run = DistillRun(model=model, output=output, sparsity=sparsity, sampler=spec_of(sparsity, schedule),
-                     eval_budgets=budgets, train_budgets=taught, prompts=prompts, rollouts=given,
-                     rollouts_path=rollouts, eval_prompts=eval_prompts, init_adapter=init_adapter, init=init,
+                     eval_budgets=budgets, train_budgets=taught, prompts=prompts, rollouts=trajectories,
+                     rollouts_path=rollouts, eval_prompts=eval_prompts, prompt_sets=prompt_sets,
+                     init_adapter=init_adapter, init=init,
                      samples=samples, max_new_tokens=max_new_tokens, raw_prompts=raw_prompts, dtype=dtype,
                      bin_width=bin_width, device=device, gradient_checkpointing=gradient_checkpointing,
                      gpu_memory_utilization=gpu_memory_utilization)
@@ -265,7 +336,8 @@ def distill(
             bar.update(task[0], completed=r["step"], info=info)
             log_line(f"distilling step {r['step']}/{steps}: {info}")
 
-        hooks = DistillHooks(lambda: log_line("sampling trajectories"),
+        sampled = "trajectories" if prompts is not None else "eval trajectories"
+        hooks = DistillHooks(lambda: log_line(f"sampling {sampled}"),
                              lambda lengths: warn_first_token_stops(lengths, max_new_tokens, raw_prompts),
                              on_phase, on_step, lambda: say_loading(model, device), phases)
         try:

@@ -333,6 +333,7 @@ class DistillRun:
     rollouts: RolloutsFile | None = None  # trajectories sampled before
     rollouts_path: Path | None = None
     eval_prompts: Path | None = None  # dense eval trajectories (None: the training ones, in-sample)
+    prompt_sets: dict[Path, PromptSet] | None = None  # prompts and eval_prompts read before (None: read here)
     init_adapter: Path | None = None
     init: tuple[dict[str, Tensor], LoraWeights] | None = None  # its state dict and merge-ready weights
     samples: int = 4
@@ -352,7 +353,7 @@ class DistillRun:
 
 @dataclass
 class DistillHooks:
-    on_sampling: Callable[[], None] = lambda: None  # before the trajectories are sampled
+    on_sampling: Callable[[], None] = lambda: None  # before any are sampled (not called when none are)
     on_sampled: Callable[[list[int]], None] = lambda lengths: None  # the training completions' lengths
     on_phase: Callable[[str], None] | None = None
     on_step: Callable[[dict], None] | None = None
@@ -368,7 +369,8 @@ def distill_to_folder(run: DistillRun, cfg: DistillConfig, hooks: DistillHooks) 
     trajectories = None
     if run.rollouts is not None and not run.rollouts.needs_tokenizer:
         trajectories = run.rollouts.trajectories(None, *fits[:2])
-    prompt_sets = {path: PromptSet.read(path) for path in (run.prompts, run.eval_prompts) if path is not None}
+    prompt_sets = run.prompt_sets or {path: PromptSet.read(path) for path in (run.prompts, run.eval_prompts)
+                                      if path is not None}
     for prompt_set in prompt_sets.values():
         prompt_set.check_fits(*fits)
     hooks.on_loading()
@@ -385,7 +387,8 @@ def distill_to_folder(run: DistillRun, cfg: DistillConfig, hooks: DistillHooks) 
     sampling = dict(budgets=run.eval_budgets, samples=run.samples, max_new_tokens=run.max_new_tokens,
                     temperature=cfg.temperature, gpu_memory_utilization=run.gpu_memory_utilization,
                     batch_size=16)
-    hooks.on_sampling()
+    if prompt_sets:
+        hooks.on_sampling()
     if run.prompts is not None:  # the sparse actor as it starts samples the training trajectories
         opts = ProfileOptions(sampler=run.sampler, seed=cfg.seed, adapter=init_actor,
                               schedule=None if isinstance(run.sparsity, int) else run.sparsity, **sampling)

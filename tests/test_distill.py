@@ -368,6 +368,72 @@ def test_cli_bad_input(cli_files, tmp_path, args, message):
     assert not out.exists()
 
 
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """Loading the weights fails the command: a refusal must come before it."""
+    def load(*args, **kwargs):
+        raise AssertionError("the weights were loaded")
+
+    monkeypatch.setattr("sparrow.stages.model.loading.load_model", load)
+
+
+REFUSED_BEFORE_LOADING = [
+    (["--prompts", "PROMPTS", "--samples", str(10**10), "--max-new-tokens", "16", "--trajectories-per-step",
+      "1"], "--samples 10000000000 for 1 prompt with --max-new-tokens 16 need at least"),
+    (["--rollouts", "DENSE", "--samples", "1"], "--samples applies only when sampling from --prompts or "
+     "--eval-prompts; the trajectories of --rollouts DENSE are already sampled"),
+    (["--rollouts", "DENSE", "--max-new-tokens", "4"], "--max-new-tokens applies only when sampling"),
+    (["--rollouts", "DENSE", "--trajectories-per-step", "3"],
+     "--trajectories-per-step 3 is more than the 1 trajectories of --rollouts DENSE; a step holds each "
+     "trajectory at most once, so give at most 1"),
+    (["--prompts", "PROMPTS", "--samples", "2", "--trajectories-per-step", "3"],
+     "--trajectories-per-step 3 is more than the 2 trajectories that --prompts PROMPTS samples (1 prompt x "
+     "--samples 2)"),
+    (["--prompts", "PROMPTS", "--train-budgets", "48,48"], "--train-budgets lists 48 more than once"),
+    (["--prompts", "PROMPTS", "--init-adapter", "ADAPTER", "--lora-rank", "2", "--lora-alpha", "8"],
+     "--init-adapter ADAPTER: the adapter has alpha 4, but --lora-alpha is 8; pass --lora-alpha 4"),
+    (["--prompts", "PROMPTS", "--init-adapter", "MISSING"], "--init-adapter MISSING: no such directory"),
+]
+
+
+@pytest.mark.parametrize("args,message", REFUSED_BEFORE_LOADING,
+                         ids=["huge-samples", "rollouts-samples", "rollouts-max-new-tokens",
+                              "rollouts-batch", "prompts-batch", "train-budgets-twice", "init-adapter-alpha",
+                              "init-adapter-missing"])
+def test_cli_refuses_before_the_weights_load(cli_files, tmp_path, no_model_load, args, message):
+    out = tmp_path / "out"
+    files = {**cli_files, "MISSING": str(tmp_path / "nodir")}
+    r = runner.invoke(app, ["distill", "--model", cli_files["MODEL"], "--budget", "48",
+                            *[files.get(a, a) for a in args], "-o", str(out)])
+    line = error_line(r)
+    for name, path in files.items():
+        message = message.replace(name, path)
+    assert message in line, line
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("args", [
+    ["--rollouts", "DENSE", "--eval-prompts", "PROMPTS", "--samples", "1", "--max-new-tokens", "4"],
+    ["--prompts", "PROMPTS", "--init-adapter", "ADAPTER", "--lora-rank", "2", "--lora-alpha", "4"],
+    ["--rollouts", "DENSE", "--trajectories-per-step", "1"],
+], ids=["eval-prompts-sample", "init-adapter-same-alpha", "batch-of-all"])
+def test_cli_accepts_up_to_the_weights(cli_files, tmp_path, no_model_load, args):
+    r = runner.invoke(app, ["distill", "--model", cli_files["MODEL"], "--budget", "48",
+                            *[cli_files.get(a, a) for a in args], "-o", str(tmp_path / "out")])
+    assert isinstance(r.exception, AssertionError) and "the weights were loaded" in str(r.exception), r.output
+
+
+def test_cli_rollouts_alone_sample_nothing_and_a_step_holds_them_all(cli_files, tmp_path):
+    """--rollouts without --eval-prompts samples nothing and says nothing of sampling; the default
+    trajectories per step is lowered to the trajectories there are, as the record says."""
+    out = tmp_path / "out"
+    r = runner.invoke(app, ["distill", "--model", cli_files["MODEL"], "--rollouts", cli_files["DENSE"],
+                            "--budget", "48", "--steps", "1", "--lora-rank", "2", "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    assert "sampling" not in r.stderr
+    assert json.loads((out / "sparrow_distill.json").read_text())["config"]["batch_size"] == 1
+
+
 # ---------------------------------------------------------------------------- sparrow train --distill-sparse
 
 
