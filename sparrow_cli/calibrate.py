@@ -10,19 +10,36 @@ import typer
 
 from sparrow.stages.core.definitions import TAIL_QUANTILE
 
-from .common import UsageError, check_output, console, force_option, friendly_errors, input_path, output_help
-from .options import finite
+from .common import (
+    UsageError,
+    check_output,
+    console,
+    fail,
+    force_option,
+    friendly_errors,
+    input_path,
+    output_help,
+)
+from .options import finite, given_path
 from .output import emit, format_option, resolve_format
+
+
+def run_path(value: str) -> Path:
+    """typer parser of a run directory (--runs and what follows it): an empty path is refused as one, not
+    read as the working directory, before any work."""
+    if not value.strip():
+        fail("--runs has an empty path; give run directories")
+    return Path(value)
 
 
 @friendly_errors
 def calibrate_threshold(
-    profile: Path = typer.Option(..., "--profile", callback=input_path,
+    profile: Path = typer.Option(..., "--profile", callback=input_path, parser=given_path("--profile"),
                                  help="A mismatch artifact (sparrow profile)."),
-    runs: list[Path] = typer.Option([], "--runs", help="Run directories, each with a metrics and a "
-                                    "schedule artifact: --runs a b c, --runs sweep/runs/*, or the flag "
-                                    "repeated."),
-    more_runs: list[Path] = typer.Argument(None, metavar="[RUN_DIR]...", show_default=False,
+    runs: list[Path] = typer.Option([], "--runs", parser=run_path, help="Run directories, each with a "
+                                    "metrics and a schedule artifact: --runs a b c, --runs sweep/runs/*, or "
+                                    "the flag repeated."),
+    more_runs: list[Path] = typer.Argument(None, metavar="[RUN_DIR]...", show_default=False, parser=run_path,
                                            help="More run directories (what follows --runs a)."),
     quantile: float = typer.Option(TAIL_QUANTILE, "--quantile", callback=finite,
                                    help="Tail quantile of alpha per bin."),

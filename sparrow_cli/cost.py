@@ -112,10 +112,11 @@ def fit_cost(
     name, grid = model_name(model), Grid(b_list, c_list, k_list, warmup, repeats)
     with stage_errors():
         if hardware:
-            cost, n = write_analytic(cfg, name, hardware, grid, output)
+            cost, table = write_analytic(cfg, name, hardware, grid, output)
             print_coefficients(cost)
-            console.print(f"wrote the analytic {hardware.lower()} model for {name} ({n} points) to {output}")
-            return
+            console.print(f"wrote the analytic {hardware.lower()} model for {name} ({table.num_rows} points) "
+                          f"to {output}")
+            return print_predictions(table, fmt)
         device = device or "cpu"
         if (said := grid_warning(cfg, grid)) is not None:
             console.print(f"[yellow]warning:[/] {escape(said)}", highlight=False)
@@ -175,6 +176,15 @@ def print_points(table, fmt: str) -> None:
                      err])
     emit(("batch", "context", "budget", "measured_ms", "predicted_ms", "relative_error"), rows, fmt,
          title="decode step: measured vs fitted",
+         render={"budget": lambda b: "dense" if b is None else str(b)})
+
+
+def print_predictions(table, fmt: str) -> None:
+    """An analytic model's predicted step time per grid point, on stdout (budget empty = dense): what the
+    artifact holds, as a measured fit prints its points; there is nothing measured to compare with."""
+    rows = [[r["batch"], r["context"], r["budget"], r["predicted_seconds"] * 1e3] for r in table.to_pylist()]
+    emit(("batch", "context", "budget", "predicted_ms"), rows, fmt,
+         title=f"decode step: predicted by the {table.column('device')[0].as_py()} model",
          render={"budget": lambda b: "dense" if b is None else str(b)})
 
 

@@ -15,17 +15,30 @@ from .common import (
     UsageError,
     check_output,
     console,
+    fail,
     force_option,
     friendly_errors,
     input_path,
     out,
     output_help,
     stage_errors,
+    stdout_taken,
 )
-from .options import finite
-from .output import emit, format_option, resolve_format
+from .options import finite, given_path
+from .output import FORMAT_HELP, FORMAT_METAVAR, _plain, emit, resolve_format
 
 EXPORTS = ("json", "sglang-vortex")
+FORMAT_TABLES_HELP = (f"{FORMAT_HELP} With --sweep or --speculate, json is one object with a key per "
+                      "table (schedule, frontier, speculative); csv and tsv carry the schedule table alone, "
+                      "and the other tables go to stderr.")
+
+
+def export_path(value: str) -> Path:
+    """typer parser of --export-to: an empty path is refused as one (a Path of '' is the working
+    directory), before any work."""
+    if not value.strip():
+        fail("--export-to is an empty path; give a file such as schedule.json (- = stdout)")
+    return Path(value)
 
 
 def parse_thresholds(text: str) -> list[float]:
@@ -41,17 +54,18 @@ def parse_thresholds(text: str) -> list[float]:
 @friendly_errors
 def plan_schedule(
     model: str = typer.Option(None, "--model", help="Preset, checkpoint dir or .gguf."),
-    profile: Path = typer.Option(None, "--profile", callback=input_path, help="A mismatch artifact (sparrow "
-                                 "profile); "
-                                 "default: the reference profile of a Qwen3 preset."),
+    profile: Path = typer.Option(None, "--profile", callback=input_path, parser=given_path("--profile"),
+                                 help="A mismatch artifact (sparrow profile); default: the reference "
+                                 "profile of a Qwen3 preset."),
     threshold: float = typer.Option(None, "--threshold", callback=finite, help="Tail threshold (default: the "
                                     "calibration shipped for --model if there is one, "
                                     "else the published prior 0.86)."),
     threshold_file: Path = typer.Option(None, "--threshold-file", callback=input_path,
+                                        parser=given_path("--threshold-file"),
                                         help="A threshold artifact (sparrow calibrate-threshold)."),
     quantile: float = typer.Option(None, "--quantile", callback=finite, help="Tail quantile of alpha per bin "
                                    "(default 0.05, or the threshold file's)."),
-    cost: Path = typer.Option(None, "--cost", callback=input_path,
+    cost: Path = typer.Option(None, "--cost", callback=input_path, parser=given_path("--cost"),
                               help="A cost artifact (sparrow fit-cost)."),
     hardware: str = typer.Option(None, "--hardware", help="Analytic cost model of a hardware preset "
                                  "(h100, h200, a100; default h100 when no --cost)."),
@@ -76,9 +90,10 @@ def plan_schedule(
                               "these thresholds, e.g. 0.80,0.83,0.86,0.90,0.92."),
     export: str = typer.Option(None, "--export", help="Also print the schedule as json, or as "
                                "sglang-vortex: the named schedule and SGLang settings the Sparrow "
-                               "release's verl/SGLang reads (stdout, or --export-to)."),
-    export_to: Path = typer.Option(None, "--export-to", help="Write the --export form here (an existing "
-                                   "file only if it holds the same form, or --force)."),
+                               "release's verl/SGLang reads (stdout, or --export-to), in any case. With "
+                               "--speculate, json holds the draft schedule that -o writes."),
+    export_to: Path = typer.Option(None, "--export-to", parser=export_path, help="Write the --export form "
+                                   "here (an existing file only if it holds the same form, or --force)."),
     output: Path = typer.Option(None, "-o", "--output", help=output_help("the schedule artifact")),
     force: bool = force_option(),
     compare_published: bool = typer.Option(False, "--compare-published/--no-compare-published",
@@ -97,7 +112,7 @@ def plan_schedule(
                                    "--profile's mean alpha per bin: the draft budget per bin and the K (1-8) "
                                    "of the fewest predicted seconds per token, printed beside the lossy "
                                    "plan; -o then writes the draft schedule (its K in the metadata)."),
-    format: str = format_option(),
+    format: str = typer.Option(None, "--format", "-f", metavar=FORMAT_METAVAR, help=FORMAT_TABLES_HELP),
 ) -> None:
     """Plan the sparsity schedule: for each position bin the cheapest budget whose tail statistic is
     at or above the threshold, non-decreasing across bins; prints the table and the predicted
@@ -107,6 +122,7 @@ def plan_schedule(
     from sparrow.stages.plan import PlanRequest, plan_kv_budget, plan_schedule
 
     fmt = resolve_format(format)
+    export = export.lower() if export is not None else None
     req = PlanRequest(model, profile, threshold, threshold_file, quantile, cost, hardware, gen_len,
                       prompt_len, batch, bin_width, min_tokens, allow_model_mismatch, export=export,
                       speculate=speculate)
@@ -145,6 +161,10 @@ def plan_schedule(
         raise UsageError(f"--export must be one of {', '.join(EXPORTS)}, got {export!r}")
     if export_to is not None and export is None:
         raise UsageError("--export-to needs --export json or --export sglang-vortex")
+    if speculate and export == "sglang-vortex":
+        raise UsageError("--export sglang-vortex names a lossy schedule for SGLang, which has no exact "
+                         "speculative rollouts, while --speculate makes -o write the draft schedule; export "
+                         "json (the drafts) or drop --speculate")
     if export_to is not None and str(export_to) == "-":
         export_to = None  # stdout is where --export prints anyway
     check_output(output, "schedule", force)
@@ -161,8 +181,8 @@ def plan_schedule(
         planned = plan_schedule(req, output, export_to)
     result = planned.plan
     # stdout carries one product: the --export text when it goes there, else the plan's tables
-    tables_fmt = None if planned.exported is not None and export_to is None else fmt
-    print_plan(planned, tables_fmt)
+    tables = PlanTables(None if planned.exported is not None and export_to is None else fmt)
+    print_plan(planned, tables)
     for note in result.notes:
         console.print(f"[yellow]note:[/] {note}", highlight=False)
     for warning in planned.warnings:
@@ -172,9 +192,10 @@ def plan_schedule(
                  f"  profile: {result.source}", *("  " + t for t in planned.threshold.lines())):
         console.print(line, highlight=False, markup=False)
     if planned.frontier:
-        print_frontier(planned, tables_fmt)
+        print_frontier(planned, tables)
     if planned.speculative is not None:
-        print_speculative(planned, tables_fmt)
+        print_speculative(planned, tables, output)
+    tables.close()
     if planned.exported is not None:
         if export_to is not None:
             console.print(f"wrote the {export} form to {export_to}")
@@ -262,6 +283,9 @@ def check_export_to(path: Path | None, export: str | None, force: bool) -> None:
 
     if path is None:
         return
+    if path.is_dir():
+        raise UsageError(f"--export-to {path} is a directory; give a file path such as "
+                         f"{path / 'schedule.json'}")
     try:
         target = output_target(path)
         check_writable(target.parent, path)
@@ -277,6 +301,33 @@ def _show(columns, rows, fmt: str | None, title: str, render=None) -> None:
     emit(columns, rows, fmt or "table", title=title, to=None if fmt is not None else console, render=render)
 
 
+class PlanTables:
+    """The plan's tables (schedule, then --sweep's frontier and --speculate's drafts) as one document on
+    stdout, so a reader parses it whole: json is the schedule's array alone, or one object with a key per
+    table when there are more; csv and tsv are one table, the schedule, and the others go to stderr as
+    tables (two CSV headers in one stream would parse as neither). A table goes where it is shown, in
+    order, except in json, which is written whole by `close`. fmt None: stdout is taken, all to stderr."""
+
+    def __init__(self, fmt: str | None) -> None:
+        self.fmt = fmt
+        self.collected: dict[str, list[dict]] = {}
+
+    def show(self, name: str, columns, rows, title: str, render=None) -> None:
+        if self.fmt == "json" and not stdout_taken():
+            self.collected[name] = [{c: _plain(v) for c, v in zip(columns, r)} for r in rows]
+        elif self.fmt in ("csv", "tsv") and name != "schedule":
+            _show(columns, rows, None, title, render)
+        else:
+            _show(columns, rows, self.fmt, title, render)
+
+    def close(self) -> None:
+        if not self.collected:
+            return
+        doc = self.collected if len(self.collected) > 1 else next(iter(self.collected.values()))
+        sys.stdout.write(json.dumps(doc) + "\n")
+        sys.stdout.flush()
+
+
 def _fixed(digits: int, suffix: str = "", missing: str = "-"):
     return lambda v: missing if v is None else f"{v:.{digits}f}{suffix}"
 
@@ -286,38 +337,39 @@ PLAN_RENDER = {"end": lambda e: "open" if e is None else str(e),
                "step_ms": _fixed(2), "dense_ms": _fixed(2)}
 
 
-def print_plan(planned, fmt: str | None) -> None:
+def print_plan(planned, tables: PlanTables) -> None:
     result = planned.plan
     rows = [[i, result.schedule.bin_starts[i], result.bin_end(i), budget or None, result.tails[i],
              float(planned.sparse_s[i] * 1e3), float(planned.dense_s[i] * 1e3)]
             for i, budget in enumerate(result.schedule.budgets)]
-    _show(("bin", "start", "end", "budget", "tail", "step_ms", "dense_ms"), rows, fmt,
+    tables.show("schedule", ("bin", "start", "end", "budget", "tail", "step_ms", "dense_ms"), rows,
           f"schedule (threshold {result.threshold:g}, tail = {result.quantile:g} quantile of alpha; step "
           f"times at batch {planned.batch}, mid-bin)", render=PLAN_RENDER)
 
 
-def print_frontier(planned, fmt: str | None) -> None:
+def print_frontier(planned, tables: PlanTables) -> None:
     rows = [[p.threshold, p.speedup, p.mean_budget, p.dense_bins] for p in planned.frontier]
-    if fmt in ("csv", "tsv"):
-        sys.stdout.write("\n")  # the second table of the stream
-    _show(("threshold", "speedup", "mean_budget", "dense_bins"), rows, fmt,
+    tables.show("frontier", ("threshold", "speedup", "mean_budget", "dense_bins"), rows,
           f"stability-speed frontier ({planned.cost_source}, {planned.lengths.gen_len} tokens, "
           f"batch {planned.batch})",
           render={"threshold": lambda t: f"{t:g}", "speedup": _fixed(2, "x"), "mean_budget": _fixed(0)})
 
 
-def print_speculative(planned, fmt: str | None) -> None:
+def print_speculative(planned, tables: PlanTables, output: Path | None = None) -> None:
+    """The drafts' table and speedups; the rollout command names the -o that holds the drafts, when
+    there is one to name."""
     spec = planned.speculative
     rows = [[i, b, a, t] for i, (b, a, t) in
             enumerate(zip(spec.budgets, spec.mean_alpha, spec.tokens_per_cycle))]
-    _show(("bin", "draft_budget", "mean_alpha", "tokens_per_cycle"), rows, fmt,
+    tables.show("speculative", ("bin", "draft_budget", "mean_alpha", "tokens_per_cycle"), rows,
           f"exact speculative rollouts: K = {spec.k} drafts a cycle", render={
               "mean_alpha": _fixed(3, missing="thin"), "tokens_per_cycle": _fixed(2, missing="thin")})
     by_k = ", ".join(f"K={k} {v:.2f}x" for k, v in spec.speedups_by_k.items())
     console.print(f"predicted speedup over dense: speculative (exact) [bold]{spec.speedup:.2f}x[/] at K = "
                   f"{spec.k}, lossy schedule {planned.speedup:.2f}x", highlight=False)
     console.print(f"  by K: {by_k}", highlight=False, markup=False)
-    console.print(f"  roll out with: sparrow rollout --schedule <-o of this plan> --speculate {spec.k}",
+    schedule = output if output is not None and str(output) != "-" else "<-o of this plan>"
+    console.print(f"  roll out with: sparrow rollout --schedule {schedule} --speculate {spec.k}",
                   highlight=False, markup=False)
 
 

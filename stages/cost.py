@@ -407,16 +407,17 @@ def analytic_points(batches: Sequence[int], contexts: Sequence[int],
     return [(b, c, k, None) for b in batches for c in contexts for k in budgets]
 
 
-def write_analytic(cfg: ModelConfig, name: str, hardware: str, grid: Grid, output) -> tuple[CostModel, int]:
+def write_analytic(cfg: ModelConfig, name: str, hardware: str, grid: Grid, output
+                   ) -> tuple[CostModel, pa.Table]:
     """The analytic model of a hardware preset, with its predictions over the grid, as a cost artifact;
-    (model, points)."""
+    (model, the table written), as `write_fitted` returns."""
     from sparrow.schemas import write_artifact
 
     cost = analytic(cfg, get_hardware(hardware))
     points = analytic_points(grid.batches, grid.contexts, grid.budgets)
-    write_artifact(cost_table(cost, name, hardware.lower(), points), output, "cost",
-                   metadata=cost.metadata() | {"model": name})
-    return cost, len(points)
+    table = cost_table(cost, name, hardware.lower(), points)
+    write_artifact(table, output, "cost", metadata=cost.metadata() | {"model": name})
+    return cost, table
 
 
 def write_fitted(cfg: ModelConfig, name: str, points: Sequence[tuple[int, int, int, float]], device: str,

@@ -218,8 +218,7 @@ def plan_schedule(req: PlanRequest, output: Path | None = None, export_to: Path 
     if req.speculate:
         planned.speculative = _plan_speculation(req, cost_model, tails, lengths)
     if req.export == "json":
-        planned.exported = export_json(result, name, {"predicted_speedup": speedup, "cost": cost_model.source,
-                                                      "gen_len": gen_len, "batch": req.batch})
+        planned.exported = _export_json(planned, name, gen_len)
     elif req.export == "sglang-vortex":
         planned.exported = export_sglang_vortex(result, cfg.max_position_embeddings,
                                                  f"sparrow-{name}-{threshold:.3g}")
@@ -251,6 +250,20 @@ def _plan_speculation(req: PlanRequest, cost_model: CostModel, tails: TailProfil
                             "drafts' acceptance); the reference profile holds tails only")
     alpha = mean_alpha(read_artifact(req.profile, "mismatch"), tails.bin_width, tails.num_bins)
     return plan_speculation(cost_model, alpha, req.batch, lengths.prompt_len, lengths.gen_len)
+
+
+def _export_json(planned: PlannedSchedule, name: str, gen_len: int) -> dict:
+    """The json export of the schedule that -o writes: with --speculate the draft schedule (its K and
+    speculative speedup beside it), so the two files never hold different plans; else the lossy plan."""
+    extra = {"predicted_speedup": planned.speedup, "cost": planned.cost_source, "gen_len": gen_len,
+             "batch": planned.batch}
+    spec = planned.speculative
+    if spec is None:
+        return export_json(planned.plan, name, extra)
+    meta = _speculative_meta(spec)
+    return export_json(_drafts(planned.plan, spec), name, {
+        **extra, "speculate": spec.k, "predicted_speedup": spec.speedup, "role": meta["role"],
+        "tokens_per_cycle": json.loads(meta["speculative_tokens_per_cycle"])})
 
 
 def _drafts(result: Plan, spec: SpeculativePlan) -> Plan:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import html
 import io
+import re
 import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -161,8 +162,12 @@ def tail_figure(mismatch: Path, name: str, threshold: ResolvedThreshold, out: Pa
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)
         axes[0].set_ylabel("acceptance alpha")
+    title = f"Tail and mean alpha per position bin and budget: {mismatch.name}"
+    if not rows:
+        return _save(fig, out, name, title, f"From {mismatch.name}: no scored tokens, so no tail to draw.",
+                     plt, 0)
     tokens = sum(r[4] for r in rows) // max(len({r[0] for r in rows}), 1)
-    return _save(fig, out, name, f"Tail and mean alpha per position bin and budget: {mismatch.name}",
+    return _save(fig, out, name, title,
                  f"From {mismatch.name}: {tokens} generated tokens, each scored at every budget, in bins of "
                  f"{width} tokens (each point sits at the mean position of its bin's tokens). The dashed "
                  f"line on the tail panel is the {label}: a budget whose tail stays above it in a bin may be "
@@ -215,6 +220,10 @@ def schedule_figure(schedule: Path, name: str, out: Path, plt) -> Figure:
     model, threshold = meta.get("model"), meta.get("threshold")
     published = published_budgets(model, float(threshold)) if model and threshold else None
     fig, ax = plt.subplots(figsize=(8, 4.4))
+    title = f"The schedule: budget per position bin ({schedule.name})"
+    if not table:  # no bin to draw, and "every bin is dense" would be false
+        _say(ax, "the schedule has no bins")
+        return _save(fig, out, name, title, f"From {schedule.name}: no bins, so no budget to draw.", plt, 0)
     starts = [r["bin_start"] for r in table]
     budgets = [r["budget"] or 0 for r in table]
     last = table[-1]["bin_end"] if table else None
@@ -248,7 +257,7 @@ def schedule_figure(schedule: Path, name: str, out: Path, plt) -> Figure:
               + (f", threshold {float(threshold):.3g}" if threshold else "")
               + (f", the sampler a training run used ({meta['source']}), not a plan"
                  if _sampled(meta) else ""))
-    return _save(fig, out, name, f"The schedule: budget per position bin ({schedule.name})",
+    return _save(fig, out, name, title,
                  f"From {schedule.name}{source}: {what}. Grey spans are dense bins (every cached token is "
                  "attended); the last bin extends to the end of the context."
                  + (" The dashed line is the published schedule at this threshold." if published else ""),
@@ -300,6 +309,8 @@ def cost_figure(cost: Path, name: str, out: Path, plt) -> Figure:
     fig, ax = plt.subplots(figsize=(7, 4.6))
     if not rows:
         _say(ax, "the cost artifact has no points")
+        return _save(fig, out, name, f"Cost model ({cost.name})", f"From {cost.name}: no points to draw.",
+                     plt, 0)
     batches = sorted({r["batch"] for r in rows})
     for batch, style in zip(batches[-2:], ("-", "--")):  # the two largest batches
         for budget in sorted({r["budget"] or 0 for r in rows}):
@@ -483,7 +494,7 @@ def _save(fig, out: Path, name: str, title: str, caption: str, plt, points: int,
     lines = textwrap.wrap(caption, int(width_in * 15))
     fig.suptitle(title, fontsize=11)
     fig.tight_layout(rect=(0, 0.15 * (len(lines) + 1) / height_in, 1, 1 - top_in / height_in))
-    said = tuple(" ".join(t.get_text().split()) for ax in fig.axes for t in ax.texts)  # `_say`'s words
+    said = tuple(dict.fromkeys(" ".join(t.get_text().split()) for ax in fig.axes for t in ax.texts))  # once
     fig.text(0.01, 0.01, "\n".join(lines), fontsize=8, color="#333", va="bottom")
     png = io.BytesIO()
     fig.savefig(png, format="png", dpi=110)
@@ -513,6 +524,7 @@ def build_report(run_dir: str | Path, out_dir: str | Path | None = None,
                          "training metrics)")
     thresholds = _check_artifacts(kinds, runs)
     out.mkdir(parents=True, exist_ok=True)
+    before = _listed_figures(out)
     draw = {"mismatch": ("tail", lambda p, n: tail_figure(p, n, thresholds[p], out, plt)),
             "schedule": ("schedule", lambda p, n: schedule_figure(p, n, out, plt)),
             "cost": ("cost", lambda p, n: cost_figure(p, n, out, plt)),
@@ -536,7 +548,30 @@ def build_report(run_dir: str | Path, out_dir: str | Path | None = None,
         if per_bin is not None:
             figures.append(per_bin)
     write_bytes(out / "index.html", _page(run_dir, out, figures, skipped).encode())
+    _remove_stale(out, before - {f.file for f in figures})
     return out / "index.html", figures
+
+
+def _listed_figures(out: Path) -> set[str]:
+    """The PNGs the report already in `out` wrote: its index.html lists each as a figure id. That page is
+    the record of what the report wrote, so a file it does not list (a user's) is never touched."""
+    page = out / "index.html"
+    if not page.is_file():
+        return set()
+    text = page.read_text(errors="replace")
+    if "Sparrow report" not in text[:2000]:
+        return set()
+    names = {html.unescape(n) for n in re.findall(r"<figure id='([^']+)'>", text)}
+    return {n for n in names if n.endswith(".png") and Path(n).name == n}
+
+
+def _remove_stale(out: Path, names: set[str]) -> None:
+    """The previous report's figures that this one did not draw (their artifact is gone): removed once the
+    new page is written, so the folder holds what the page shows and an interrupted report loses nothing."""
+    for n in sorted(names):
+        path = out / n
+        if path.is_file() and not path.is_symlink():
+            path.unlink()
 
 
 def _check_artifacts(kinds: dict[str, list[Path]], runs: list[Path]) -> dict[Path, ResolvedThreshold]:

@@ -173,6 +173,35 @@ def test_bad_run_dir(tmp_path):
     assert not (tmp_path / "t.parquet").exists()
 
 
+def test_an_empty_path_is_refused_as_one(tmp_path, monkeypatch):
+    """'' as a run (or as the profile) would be the working directory, whose files would be named
+    instead; it is refused as an empty path, before any work."""
+    prof = tmp_path / "mismatch.parquet"
+    write_artifact(synthetic_mismatch(np.random.default_rng(3)), prof, "mismatch")
+    (tmp_path / "empty.parquet").write_bytes(b"")
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "t.parquet"
+    run = _run_dir(tmp_path, "a", (64, 64), False)
+    for runs in (["--runs", ""], ["--runs", str(run), ""]):
+        line = _one_error_line(runner.invoke(app, ["calibrate-threshold", "--profile", str(prof), "-o",
+                                                   str(out), *runs]))
+        assert line == "error: --runs has an empty path; give run directories"
+    line = _one_error_line(runner.invoke(app, ["calibrate-threshold", "--profile", "", "-o", str(out)]))
+    assert line == "error: --profile is an empty path; give a file (- = stdin)"
+    assert not out.exists()
+
+
+def test_a_run_with_a_schedule_of_no_bins_is_refused_naming_it(tmp_path):
+    prof = tmp_path / "mismatch.parquet"
+    write_artifact(synthetic_mismatch(np.random.default_rng(4)), prof, "mismatch")
+    run = _run_dir(tmp_path, "a", (64, 64), False)
+    write_artifact({"bin": [], "bin_start": [], "bin_end": [], "budget": [], "tail": [],
+                    "predicted_step_seconds": []}, run / "schedule.parquet", "schedule")
+    line = _one_error_line(runner.invoke(app, ["calibrate-threshold", "--profile", str(prof), "-o",
+                                               str(tmp_path / "t.parquet"), "--runs", str(run)]))
+    assert line.startswith(f"error: {run / 'schedule.parquet'} is a schedule with no bins")
+
+
 def _trace(reward_end: float, evals: tuple[float, float], steps: int = 16) -> dict:
     """A healthy-looking run of its own (no detector of its own curves fires) whose reward climbs
     linearly to `reward_end` from 0.05, with eval accuracy evals[0] at step 0 and evals[1] at the end."""

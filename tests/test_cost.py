@@ -271,3 +271,26 @@ def test_plan_schedule_warns_once_when_it_prices_far_outside_the_fitted_grid(tmp
         "extrapolate the fit"]
     assert warnings("--cost", fitted("wide.parquet", (32, 64), (1024, 8192, 32768))) == []
     assert warnings("--hardware", "h100") == []
+
+
+@pytest.mark.parametrize("fmt", ["json", "csv", "tsv"])
+def test_fit_cost_hardware_prints_its_predictions_on_stdout(tmp_path, fmt):
+    """An analytic preset's points, each with its prediction, go to stdout in --format as a measured fit's
+    do; stdout is never empty."""
+    import csv
+
+    out = tmp_path / "cost.parquet"
+    result = runner.invoke(app, ["fit-cost", "--model", "qwen3-4b", "--hardware", "h100", "-o", str(out),
+                                 "-f", fmt])
+    assert result.exit_code == 0, result.output
+    table = read_artifact(out, "cost").to_pylist()
+    if fmt == "json":
+        rows = json.loads(result.stdout)
+        assert [(r["batch"], r["context"], r["budget"]) for r in rows] == [
+            (r["batch"], r["context"], r["budget"]) for r in table]
+        predicted = [r["predicted_seconds"] * 1e3 for r in table]
+        assert [r["predicted_ms"] for r in rows] == pytest.approx(predicted)
+        return
+    rows = list(csv.reader(result.stdout.splitlines(), delimiter="," if fmt == "csv" else "\t"))
+    assert rows[0] == ["batch", "context", "budget", "predicted_ms"] and len(rows) == len(table) + 1
+    assert {r[2] for r in rows[1:]} == {"dense", "512", "2048", "4096"}

@@ -330,3 +330,46 @@ def test_a_file_given_as_the_run_is_named_a_file(tmp_path):
     assert error_line(result).startswith(f"error: {path} is a file, not a run directory")
     assert error_line(CliRunner().invoke(app, ["report", str(tmp_path / "none")])).endswith(
         "no such run directory")
+
+
+def test_artifacts_with_no_rows_say_so_once_with_no_python_warning(tmp_path):
+    """0-row copies of a profile, a schedule, a cost model and rollouts: each figure says in one true
+    sentence that it has nothing (a schedule with no bins is not "every bin is dense"), each reason once,
+    and no Python warning reaches the terminal."""
+    import warnings
+
+    import pyarrow.parquet as pq
+
+    full, run = _run_dir(tmp_path), tmp_path / "empty"
+    run.mkdir()
+    for name in ("mismatch", "schedule", "cost", "rollouts"):
+        table = pq.read_table(full / f"{name}.parquet")
+        pq.write_table(table.slice(0, 0), run / f"{name}.parquet")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        result = CliRunner().invoke(app, ["report", str(run)])
+    assert result.exit_code == 0, result.output
+    assert "Warning" not in result.stderr
+    listed = {line.split(": ")[0].strip(): line for line in result.stderr.splitlines() if ".png: " in line}
+    assert listed["schedule.png"].endswith("(0 points; the schedule has no bins)")
+    assert listed["tail.png"].endswith("(0 points; the profile has no scored tokens)")
+    assert listed["rollouts.png"].endswith("(0 points; the rollouts artifact has no samples)")
+    assert listed["cost.png"].endswith("(0 points; the cost artifact has no points)")
+    page = (run / "report" / "index.html").read_text()
+    assert "dense" not in _caption(page, "schedule.png") and "no bins" in _caption(page, "schedule.png")
+    assert "generated tokens" not in _caption(page, "tail.png")
+
+
+def test_a_figure_whose_artifact_is_gone_leaves_with_it_and_other_files_stay(tmp_path):
+    """The report removes the PNGs its previous page listed and this one does not draw; a file the report
+    never wrote (the user's) stays."""
+    run = _run_dir(tmp_path)
+    assert CliRunner().invoke(app, ["report", str(run)]).exit_code == 0
+    out = run / "report"
+    (out / "mine.png").write_bytes(b"the user's")
+    (run / "schedule.parquet").unlink()
+    result = CliRunner().invoke(app, ["report", str(run)])
+    assert result.exit_code == 0, result.output
+    assert not (out / "schedule.png").exists() and (out / "mine.png").read_bytes() == b"the user's"
+    assert set(_embedded((out / "index.html").read_text())) == {
+        p.name for p in out.iterdir() if p.suffix == ".png"} - {"mine.png"}

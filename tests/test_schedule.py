@@ -3,7 +3,6 @@ brute force, exports, and one clear sentence for each bad input."""
 
 import csv
 import json
-import re
 import time
 from pathlib import Path
 
@@ -220,12 +219,22 @@ def test_planning_twenty_bins_by_twenty_budgets_is_instant():
 
 
 def test_sweep_prints_the_frontier():
-    result = invoke("--model", "qwen3-4b", "--sweep", "0.80,0.83,0.86,0.90,0.92")
+    """In json the schedule and the frontier are one object; in a pipe (tsv) stdout is the schedule table
+    alone, and the frontier goes to stderr: one parseable document either way."""
+    result = invoke("--model", "qwen3-4b", "--sweep", "0.80,0.83,0.86,0.90,0.92", "-f", "json")
     assert result.exit_code == 0, result.output
-    plan_table, frontier = result.stdout.split("\n\n")  # a pipe: two TSV tables, a blank line apart
-    assert frontier.splitlines()[0] == "threshold\tspeedup\tmean_budget\tdense_bins"
-    speeds = [float(x) for x in re.findall(r"(\d+\.\d+)x", frontier)]
+    doc = json.loads(result.stdout)
+    assert set(doc) == {"schedule", "frontier"}
+    speeds = [p["speedup"] for p in doc["frontier"]]
+    assert [p["threshold"] for p in doc["frontier"]] == [0.80, 0.83, 0.86, 0.90, 0.92]
     assert len(speeds) == 5 and speeds == sorted(speeds, reverse=True) and speeds[-1] > 1
+    assert [b["budget"] for b in doc["schedule"]] == list(published_budgets("qwen3-4b", 0.86))
+    for fmt, sep in (("tsv", "\t"), ("csv", ",")):
+        result = invoke("--model", "qwen3-4b", "--sweep", "0.80,0.86", "-f", fmt)
+        assert result.exit_code == 0, result.output
+        rows = list(csv.reader(result.stdout.splitlines(), delimiter=sep))
+        assert rows[0] == ["bin", "start", "end", "budget", "tail", "step_ms", "dense_ms"]
+        assert all(len(r) == 7 for r in rows) and "frontier" in result.stderr
     table = invoke("--model", "qwen3-4b", "--sweep", "0.80,0.86", "--format", "table")
     assert "frontier" in table.stdout
 
@@ -378,3 +387,58 @@ def test_compare_published_refuses_the_flags_it_would_ignore(tmp_path):
     result = invoke("--compare-published", "--hardware", "h200", "--threshold", "0.9", "--gen-len", 4096,
                     "--max-num-seqs", 16, "--prompt-len", 100)
     assert result.exit_code == 0, result.output
+
+
+def test_a_schedule_with_no_bins_is_refused_naming_it_before_the_model_loads(tmp_path, prompts_file,
+                                                                            monkeypatch):
+    """A schedule artifact with no rows has no budget for any position: rollout, profile and train each
+    refuse it in one sentence that names the input file (not an output), before any model loads."""
+    import sparrow.stages.model.loading as loading
+    from sparrow.schemas import ArtifactError
+
+    empty = write_artifact({"bin": [], "bin_start": [], "bin_end": [], "budget": [], "tail": [],
+                            "predicted_step_seconds": []}, tmp_path / "empty.parquet", "schedule",
+                           metadata={"page_size": 16, "model": "smollm2-135m"})
+    with pytest.raises(ArtifactError, match="empty.parquet is a schedule with no bins"):
+        Schedule.from_artifact(empty)
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded before the schedule was checked")
+
+    monkeypatch.setattr(loading, "load_model", no_model)
+    common = ["--prompts", prompts_file, "--samples", 1, "--max-new-tokens", 4, "--threads", 1]
+    for args in (["rollout", *common, "--schedule", empty, "-o", tmp_path / "r.parquet"],
+                 ["profile", *common, "--sampler", f"schedule:{empty}", "--budgets", 64,
+                  "-o", tmp_path / "p.parquet"],
+                 ["train", "--prompts", prompts_file, "--schedule", empty, "--steps", 1, "--samples", 2,
+                  "--prompts-per-step", 1, "--max-new-tokens", 4, "-o", tmp_path / "run"]):
+        line = one_error_line(runner.invoke(app, [*map(str, args)]))
+        assert line == (f"error: {empty} is a schedule with no bins, so it gives no budget at any position; "
+                        "plan one with `sparrow plan-schedule`"), args[0]
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("flag", ["--profile", "--cost", "--threshold-file"])
+def test_an_empty_input_path_is_refused_as_one(tmp_path, flag):
+    """'' would be the working directory (and a Parquet file found there would be named instead)."""
+    (tmp_path / "empty.parquet").write_bytes(b"")
+    with pytest.MonkeyPatch.context() as m:
+        m.chdir(tmp_path)
+        line = one_error_line(invoke("--model", "qwen3-4b", flag, ""))
+    assert line == f"error: {flag} is an empty path; give a file (- = stdin)"
+
+
+def test_export_names_a_json_file_and_takes_any_case(tmp_path):
+    """The export is JSON: a folder or '' as --export-to is answered with a .json name, and --export
+    takes any case, as --format does."""
+    line = one_error_line(invoke("--model", "qwen3-4b", "--export", "json", "--export-to", tmp_path))
+    assert line == f"error: --export-to {tmp_path} is a directory; give a file path such as " \
+                   f"{tmp_path / 'schedule.json'}"
+    line = one_error_line(invoke("--model", "qwen3-4b", "--export", "json", "--export-to", ""))
+    assert line == "error: --export-to is an empty path; give a file such as schedule.json (- = stdout)"
+    target = tmp_path / "s.json"
+    result = invoke("--model", "qwen3-4b", "--export", "JSON", "--export-to", target)
+    assert result.exit_code == 0, result.output
+    assert [b["budget"] for b in json.loads(target.read_text())["bins"]] == list(
+        published_budgets("qwen3-4b", 0.86))
+    assert invoke("--model", "qwen3-8b", "--export", "SGLang-Vortex").exit_code == 0

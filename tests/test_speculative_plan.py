@@ -121,13 +121,68 @@ def test_bins_without_profiled_tokens_are_marked_thin_not_given_made_up_values(t
                             "--speculate", "--threshold", "0.5", "--min-tokens", "1", "--prompt-len", "0",
                             "--gen-len", "500", "-o", str(out), "-f", "json"])
     assert r.exit_code == 0, r.output
-    tables = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("[")]
-    speculative = next(t for t in tables if "draft_budget" in t[0])
+    speculative = json.loads(r.stdout)["speculative"]
     assert (speculative[0]["mean_alpha"], speculative[0]["tokens_per_cycle"]) == (None, None)
     assert json.loads(artifact_metadata(out)["speculative_tokens_per_cycle"])[0] is None
     r = runner.invoke(app, ["plan-schedule", "--model", "smollm2-135m", "--profile", str(profile),
                             "--speculate", "--threshold", "0.5", "--min-tokens", "1", "--prompt-len", "0",
                             "--gen-len", "500", "-f", "tsv"])
-    rows = [line.split("\t") for line in r.stdout.splitlines()]
-    header = rows.index(["bin", "draft_budget", "mean_alpha", "tokens_per_cycle"])
-    assert rows[header + 1][2:] == ["thin", "thin"]
+    cells = [[c.strip() for c in line.strip().strip("│").split("│")] for line in r.stderr.splitlines()
+             if line.strip().startswith("│")]
+    assert next(c for c in cells if c[0] == "0" and len(c) == 4)[2:] == ["thin", "thin"]  # the drafts' bin 0
+
+
+def _profile(tmp_path):
+    from sparrow.schemas import write_artifact
+
+    n = 200
+    rng = np.random.default_rng(1)
+    pos = rng.integers(100, 500, n)
+    zeros = [0.0] * n
+    return write_artifact(
+        {"prompt_id": ["p"] * n, "sample": [0] * n, "position": pos.tolist(), "bin": (pos // 256).tolist(),
+         "budget": [48, 96] * (n // 2), "token_id": [1] * n, "alpha": rng.uniform(0.7, 1.0, n).tolist(),
+         "logp_dense": [-1.0] * n, "logp_sparse": [-1.0] * n, "log_ratio": zeros, "k1": zeros, "k2": zeros,
+         "k3": zeros, "entropy_dense": [1.0] * n},
+        tmp_path / "m.parquet", "mismatch", metadata={"model": "smollm2-135m", "bin_width": 256})
+
+
+@pytest.mark.parametrize("fmt", ["json", "csv", "tsv"])
+def test_speculate_and_sweep_print_one_document_on_stdout(tmp_path, fmt):
+    """The lossy schedule, the frontier and the drafts: one JSON object with a key per table, or one CSV/TSV
+    table (the schedule; the others on stderr), never two documents one after the other."""
+    import csv
+    import json
+
+    r = runner.invoke(app, ["plan-schedule", "--model", "smollm2-135m", "--profile", str(_profile(tmp_path)),
+                            "--speculate", "--sweep", "0.5,0.6", "--threshold", "0.5", "--min-tokens", "1",
+                            "-f", fmt])
+    assert r.exit_code == 0, r.output
+    if fmt == "json":
+        doc = json.loads(r.stdout)
+        assert set(doc) == {"schedule", "frontier", "speculative"}
+        assert len(doc["frontier"]) == 2 and len(doc["speculative"]) == len(doc["schedule"])
+        return
+    rows = list(csv.reader(r.stdout.splitlines(), delimiter="," if fmt == "csv" else "\t"))
+    assert rows[0] == ["bin", "start", "end", "budget", "tail", "step_ms", "dense_ms"]
+    assert all(len(row) == 7 for row in rows[1:])
+    assert "draft_budget" in r.stderr and "frontier" in r.stderr
+
+
+def test_the_export_holds_the_schedule_that_o_writes(tmp_path):
+    """With --speculate, -o writes the drafts, so --export json exports the drafts (with their K), and the
+    rollout command names that -o; sglang-vortex, a lossy schedule for SGLang, is refused beside it."""
+    import json
+
+    profile, out, exported = _profile(tmp_path), tmp_path / "draft.parquet", tmp_path / "draft.json"
+    args = ["plan-schedule", "--model", "smollm2-135m", "--profile", str(profile), "--speculate",
+            "--threshold", "0.5", "--min-tokens", "1"]
+    r = runner.invoke(app, [*args, "--export", "json", "--export-to", str(exported), "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    form = json.loads(exported.read_text())
+    assert [b["budget"] for b in form["bins"]] == read_artifact(out, "schedule").column("budget").to_pylist()
+    assert form["speculate"] == int(artifact_metadata(out)["speculate"])
+    assert f"roll out with: sparrow rollout --schedule {out} --speculate {form['speculate']}" in r.stderr
+    r = runner.invoke(app, [*args, "--export", "sglang-vortex", "--export-to", str(tmp_path / "v.json")])
+    assert r.exit_code == 2 and r.output.strip().startswith("error: --export sglang-vortex names a lossy")
+    assert not (tmp_path / "v.json").exists()

@@ -34,9 +34,14 @@ class Schedule:
 
     @classmethod
     def from_artifact(cls, path: str | Path) -> Schedule:
-        from sparrow.schemas import artifact_metadata, read_artifact
+        """A schedule artifact; one with no rows is refused here, where every stage reads schedules, since
+        `budget_at` has no bin to answer from (an ArtifactError: the one sentence the CLI prints)."""
+        from sparrow.schemas import ArtifactError, artifact_metadata, read_artifact
 
         table = read_artifact(path, "schedule").sort_by("bin")
+        if table.num_rows == 0:
+            raise ArtifactError(f"{path} is a schedule with no bins, so it gives no budget at any position; "
+                                "plan one with `sparrow plan-schedule`")
         meta = artifact_metadata(table)
         budgets = [0 if b is None else int(b) for b in table.column("budget").to_pylist()]
         starts = [int(s) for s in table.column("bin_start").to_pylist()]
