@@ -32,7 +32,7 @@ from .common import UsageError, console, out, stdout_taken
 
 FORMATS = ("table", "csv", "json", "tsv")
 FORMAT_HELP = ("table, csv, json or tsv on stdout, in any case (default: table on a terminal, tsv in a "
-               "pipe).")
+               "pipe). With -o - stdout carries the artifact, and the summary is a table on stderr.")
 FORMAT_METAVAR = f"[{'|'.join(FORMATS)}]"
 
 
