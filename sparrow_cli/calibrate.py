@@ -20,7 +20,7 @@ from .common import (
     input_path,
     output_help,
 )
-from .options import finite, given_path
+from .options import finite, given_path, output_path
 from .output import emit, format_option, resolve_format
 
 
@@ -66,7 +66,8 @@ def calibrate_threshold(
                                       "than this or the seed spread, whichever is larger."),
     bootstrap: int = typer.Option(1000, "--bootstrap", help="Bootstrap draws of the profile's prompts (and "
                                   "of the tokens within each) for the intervals."),
-    output: Path = typer.Option(..., "-o", "--output", help=output_help("the threshold artifact")),
+    output: Path = typer.Option(..., "-o", "--output", help=output_help("the threshold artifact"),
+                                parser=output_path()),
     force: bool = force_option(),
     format: str = format_option(),
 ) -> None:

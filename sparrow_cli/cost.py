@@ -19,7 +19,7 @@ from .common import (
     parse_int_list,
     stage_errors,
 )
-from .options import check_gpu_memory, gpu_memory_option, non_negative_seed
+from .options import check_gpu_memory, gpu_memory_option, non_negative_seed, output_path
 from .output import emit, format_option, resolve_format
 
 MEASURED_GRID = ("1,4", "1024,2048,4096", "dense,256,512")
@@ -58,7 +58,8 @@ def fit_cost(
                                    "verification forward (2 and 5 fed tokens per sample at every batch and "
                                    "context) and fit its coefficients, which plan-schedule --speculate then "
                                    "prices verification with."),
-    output: Path = typer.Option(..., "-o", "--output", help=output_help("the cost artifact")),
+    output: Path = typer.Option(..., "-o", "--output", help=output_help("the cost artifact"),
+                                parser=output_path()),
     force: bool = force_option(),
     format: str = format_option(),
 ) -> None:

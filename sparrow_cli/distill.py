@@ -36,6 +36,7 @@ from .options import (
     gpu_memory_option,
     load_actor,
     non_negative_seed,
+    output_path,
     rollouts_temperature,
     set_threads,
     threads_option,
@@ -233,7 +234,8 @@ def distill(
                                     "for --model if there is one, else the published prior 0.86)."),
     output: Path = typer.Option(..., "-o", "--output", help="The adapter directory to write. An existing "
                                 "directory is replaced only if it holds an adapter from sparrow distill "
-                                "(another adapter: --force; other files: never)."),
+                                "(another adapter: --force; other files: never).",
+                                parser=output_path("an adapter directory")),
     force: bool = force_option(),
     threads: int = threads_option(),
     format: str = format_option(),

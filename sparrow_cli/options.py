@@ -43,6 +43,11 @@ def given_path(flag: str, give: str = "a file (- = stdin)"):
     return parse
 
 
+def output_path(give: str = "a file path such as out.parquet (- = stdout)"):
+    """typer parser of an -o option: `given_path` for -o, asking for `give`."""
+    return given_path("-o", give)
+
+
 def check_tail(quantile: float, threshold: float | None = None) -> None:
     """--quantile and --threshold of a tail summary, by the planner's own checks, before any work."""
     from sparrow.stages.core.schedule import ScheduleError, check_quantile, check_threshold

@@ -24,7 +24,7 @@ from .common import (
     stage_errors,
     stdout_taken,
 )
-from .options import finite, given_path
+from .options import finite, given_path, output_path
 from .output import FORMAT_HELP, FORMAT_METAVAR, _plain, emit, resolve_format
 
 EXPORTS = ("json", "sglang-vortex")
@@ -94,7 +94,8 @@ def plan_schedule(
                                "--speculate, json holds the draft schedule that -o writes."),
     export_to: Path = typer.Option(None, "--export-to", parser=export_path, help="Write the --export form "
                                    "here (an existing file only if it holds the same form, or --force)."),
-    output: Path = typer.Option(None, "-o", "--output", help=output_help("the schedule artifact")),
+    output: Path = typer.Option(None, "-o", "--output", help=output_help("the schedule artifact"),
+                                parser=output_path()),
     force: bool = force_option(),
     compare_published: bool = typer.Option(False, "--compare-published/--no-compare-published",
                                            help="Instead of one plan, "

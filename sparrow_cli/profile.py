@@ -50,6 +50,7 @@ from .options import (
     kv_window_option,
     load_actor,
     non_negative_seed,
+    output_path,
     random_weights_of,
     rollouts_temperature,
     set_threads,
@@ -141,7 +142,8 @@ def profile(
                                 "-o is then a directory of one Parquet part per worker."),
     ray_address: str = typer.Option(None, "--ray-address", help="An existing Ray cluster for --workers "
                                     "(default: a local Ray started for the run)."),
-    output: Path = typer.Option(..., "-o", "--output", help=output_help("the mismatch artifact")),
+    output: Path = typer.Option(..., "-o", "--output", help=output_help("the mismatch artifact"),
+                                parser=output_path()),
     force: bool = force_option(),
     threads: int = threads_option(),
     format: str = format_option(),

@@ -16,7 +16,7 @@ from sparrow.stages.tasks import TASKS, Task, TaskError, get_task, make_prompts
 from sparrow.stages.tasks.longcontext import DEFAULT_CONTEXT_TOKENS, MIN_CONTEXT_TOKENS
 
 from .common import UsageError, check_output, console, force_option, friendly_errors, output_help
-from .options import check_host_memory, non_negative_seed
+from .options import check_host_memory, non_negative_seed, output_path
 
 
 class _LazyProgress:
@@ -94,7 +94,8 @@ def prompts(
         help="humaneval only: a fixed partition of its 164 problems, so that training and evaluation "
              "prompts never share one whatever the seeds: test (every fourth problem, HumanEval/0, /4, "
              "...: 41), train (the other 123) or all (default)"),
-    output: Path = typer.Option(..., "-o", "--output", help=output_help("the prompts artifact")),
+    output: Path = typer.Option(..., "-o", "--output", help=output_help("the prompts artifact"),
+                                parser=output_path()),
     force: bool = force_option(),
 ) -> None:
     """Generate prompts with verifiable answers for a task, formatted with the model's chat template."""

@@ -7,6 +7,7 @@ from pathlib import Path
 import typer
 
 from .common import UsageError, check_output_dir, console, force_option, friendly_errors
+from .options import output_path
 
 
 def report_folder(folder: Path) -> bool:
@@ -20,7 +21,8 @@ def report(
     run: Path = typer.Argument(..., help="A run directory (artifacts, and training runs in subdirectories)."),
     output: Path = typer.Option(None, "-o", "--output", help="Folder for the figures (default RUN/report). A "
                                 "folder that holds something else than a report is written into only with "
-                                "--force (then only files of the report's names are replaced)."),
+                                "--force (then only files of the report's names are replaced).",
+                                parser=output_path("a folder")),
     force: bool = force_option(),
 ) -> None:
     """Draw what the run directory holds: tail and mean alpha per bin and budget against the threshold,

@@ -25,6 +25,7 @@ from .common import (
     output_help,
 )
 from .data_options import answer_column_option, data_options, reward_fn_option, reward_option
+from .options import given_path, output_path
 from .output import emit, format_option, resolve_format
 
 UNSAFE_HELP = ("Where no sandbox can run (no user namespaces, no bwrap), run code tasks' programs anyway, "
@@ -37,11 +38,13 @@ def reward(
     prompts: Path = typer.Option(..., "--prompts", callback=input_path, help="The prompts the completions "
                                  "answer: a prompts artifact, any Parquet or JSONL file with its columns "
                                  "(prompt_id, task, answer, metadata), or a verl or TRL dataset scored by "
-                                 "--reward or --reward-fn."),
+                                 "--reward or --reward-fn.", parser=given_path("--prompts")),
     completions: Path = typer.Option(..., "--completions", callback=input_path, help="A rollouts artifact, "
                                      "or any Parquet or JSONL file with columns prompt_id and text (and "
-                                     "optionally sample), from any sampler."),
-    output: Path = typer.Option(..., "-o", "--output", help=output_help("the rewards artifact")),
+                                     "optionally sample), from any sampler.",
+                                     parser=given_path("--completions")),
+    output: Path = typer.Option(..., "-o", "--output", help=output_help("the rewards artifact"),
+                                parser=output_path()),
     answer_column: str = answer_column_option(),
     reward_name: str = reward_option(),
     reward_fn: str = reward_fn_option(),

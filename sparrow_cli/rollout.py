@@ -40,6 +40,7 @@ from .options import (
     kv_window_option,
     load_actor,
     non_negative_seed,
+    output_path,
     set_threads,
     sparsity_policy,
     threads_option,
@@ -150,7 +151,8 @@ def rollout(
                                 "directory of one Parquet part per worker, read as one artifact."),
     ray_address: str = typer.Option(None, "--ray-address", help="An existing Ray cluster (e.g. "
                                     "ray://head:10001 or auto); default: a local Ray started for the run."),
-    output: Path = typer.Option(..., "-o", "--output", help=output_help("the rollouts artifact")),
+    output: Path = typer.Option(..., "-o", "--output", help=output_help("the rollouts artifact"),
+                                parser=output_path()),
     force: bool = force_option(),
     engine: str = typer.Option("ours", "--engine", help="ours (dense, budget or schedule) or vllm (dense "
                                "only; the optional extra .\\[vllm])."),

@@ -28,6 +28,7 @@ from sparrow.stages.sql import DEFAULT_MEMORY, DEFAULT_TIMEOUT, Limits, QueryErr
 from sparrow.stages.sql import query as run_sql
 
 from .common import FORCE_HELP, UsageError, check_output, console, fail, friendly_errors, out, warn
+from .options import output_path
 from .output import FORMAT_HELP, FORMAT_METAVAR, resolve_format, tsv_line
 
 TABLE_ROWS = 1000
@@ -58,7 +59,8 @@ def sql(
     run: Annotated[Path, typer.Option("--run", help=VIEWS_HELP)] = Path("."),
     format: Annotated[str | None, typer.Option("--format", "-f", metavar=FORMAT_METAVAR,
                                                help=FORMAT_HELP)] = None,
-    output: Annotated[Path | None, typer.Option("-o", "--output", help=OUTPUT_HELP)] = None,
+    output: Annotated[Path | None, typer.Option("-o", "--output", help=OUTPUT_HELP,
+                                                parser=output_path())] = None,
     force: Annotated[bool, typer.Option("--force/--no-force", help=FORCE_HELP)] = False,
     memory_limit: Annotated[str, typer.Option("--memory-limit", help="The memory the query may take in "
                                               "all, as 4GB, 512MiB or a share of this machine's memory "

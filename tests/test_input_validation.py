@@ -295,6 +295,24 @@ def test_an_empty_prompts_path_is_refused_as_empty(tmp_path, no_work, monkeypatc
     assert files_under(tmp_path) == []
 
 
+@pytest.mark.parametrize("args, wanted", [
+    (["rollout", "--model", "tiny-llama", "--prompts", "p.parquet"], "a file path such as out.parquet"),
+    (["reward", "--prompts", "p.parquet", "--completions", "c.parquet"], "a file path such as out.parquet"),
+    (["prompts", "--task", "kv_lookup", "--n", "1"], "a file path such as out.parquet"),
+    (["fit-cost", "--hardware", "h100"], "a file path such as out.parquet"),
+    (["sql", "SELECT 1"], "a file path such as out.parquet"),
+    (["report", "."], "a folder"),
+    (["distill", "--rollouts", "r.parquet", "--budget", "64"], "an adapter directory"),
+])
+def test_an_empty_output_path_is_refused_as_empty(tmp_path, no_work, monkeypatch, args, wanted):
+    """-o '' would be the working directory: every stage refuses it as an empty path, before any work."""
+    monkeypatch.chdir(tmp_path)
+    result = runner.invoke(app, [*args, "-o", ""])
+    assert result.exit_code == 2
+    assert error_line(result).startswith(f"error: -o is an empty path; give {wanted}")
+    assert files_under(tmp_path) == []
+
+
 def test_rollout_warns_of_a_task_without_a_scorer_and_still_samples(tmp_path):
     from sparrow.stages.tasks import TASKS
 
