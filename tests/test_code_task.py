@@ -97,6 +97,61 @@ def test_code_extraction(completion, expected):
     assert extract_code(completion, "f") == expected
 
 
+def _longest_parsable_prefix(code: str, name: str) -> str | None:
+    """The cut's definition by brute force: every prefix of whole lines, longest first."""
+    import ast
+
+    lines = code.rstrip().splitlines()
+    for end in range(len(lines), 0, -1):
+        text = "\n".join(lines[:end])
+        try:
+            tree = ast.parse(text)
+        except (SyntaxError, ValueError):
+            continue
+        defined = any(isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef) and n.name == name
+                      for n in tree.body)
+        return text.rstrip() + "\n" if defined else None
+    return None
+
+
+TAILS = ["This adds one to x.", "    return (x", ")", "x = [1,", "]", '"""a docstring', '"""',
+         "  indented prose", "def g(y):", "    return y", "print(f(2))", "if x:", "else:", "@decorator",
+         "'unterminated",
+         "# a comment", "", "    pass", "for i in range(3): (", "class C:", "lambda: (", "}"]
+
+
+def test_code_extraction_cuts_where_the_brute_force_does():
+    """The cut that jumps to a failed parse's error line keeps what the longest parsable prefix keeps,
+    on random completions: a function, then random lines of prose and broken code."""
+    import random
+
+    from sparrow.stages.tasks.code import _parsable_prefix
+
+    rng = random.Random(0)
+    for _ in range(400):
+        head = rng.choice([DEF, "import math\n" + DEF, "def f(x):\n    return (x +\n        1)\n", ""])
+        tail = [rng.choice(TAILS) for _ in range(rng.randint(0, 8))]
+        middle = [rng.choice(TAILS) for _ in range(rng.randint(0, 2))]
+        code = "\n".join(middle) + "\n" + head + "\n".join(tail)
+        assert _parsable_prefix(code, "f") == _longest_parsable_prefix(code, "f"), code
+
+
+def test_code_extraction_of_an_unclosed_bracket_parses_a_few_cuts(monkeypatch):
+    """A completion that never closes a bracket over thousands of lines is cut in a few parses, not one
+    per line (the cut runs outside the sandbox, in our process)."""
+    import ast
+
+    from sparrow.stages.tasks import code as code_task
+
+    calls = []
+    real = ast.parse
+    monkeypatch.setattr(code_task.ast, "parse",
+                        lambda text, *a, **k: calls.append(len(text)) or real(text, *a, **k))
+    completion = "```python\ndef f(x):\n    return (0\n" + "    + 1\n" * 10_000 + "```"
+    assert extract_code(completion, "f") is None
+    assert len(calls) <= 8 and sum(calls) <= code_task.PARSE_BUDGET
+
+
 def _wrong_fraction(source: str, name: str, meta: dict) -> float:
     namespace: dict = {}
     exec(source, namespace)

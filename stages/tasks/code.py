@@ -19,7 +19,10 @@ Reward rule (`score`), deterministic and in [0, 1]:
 - The code is extracted from the completion after any `</think>` (`extract_code`): the last fenced
   block (```python, ``` or an unclosed last fence) that defines the function, else the unfenced text
   from the function's `def` (with the imports above it); either is cut at the end to the longest part
-  that parses. None found: 0, and nothing runs.
+  that parses. None found: 0, and nothing runs. The cut runs in our process, outside the sandbox, so
+  its work is bounded: after a failed parse it goes straight to the line the error names (an unclosed
+  bracket or string is never closed further down, and the tokens up to an invalid one are the same in
+  every longer cut), and it parses at most `PARSE_BUDGET` characters in all.
 - The program runs in the sandbox (`sandbox.Sandbox`, limits `LIMITS`) and its function is called on
   each hidden input from the host, one second per call (`calls.py`). A run that does not end by itself
   with status 0 within its limits, or stops answering (a timeout, too much output, a crash, an early
@@ -211,14 +214,24 @@ def _defines(tree: ast.Module, name: str) -> bool:
                for node in tree.body)
 
 
+PARSE_BUDGET = 4_000_000  # characters parsed in all while cutting one block (module docstring)
+
+
 def _parsable_prefix(code: str, name: str) -> str | None:
-    """`code`, or its longest prefix of whole lines that parses, if that defines `name` at top level."""
+    """`code`, or its longest prefix of whole lines that parses, if that defines `name` at top level. A
+    failed parse of lines[:end] moves the cut to the error's line (never past end - 1)."""
     lines = code.rstrip().splitlines()
-    for end in range(len(lines), 0, -1):
+    end, budget = len(lines), PARSE_BUDGET
+    while end > 0 and budget > 0:
         text = "\n".join(lines[:end])
+        budget -= len(text)
         try:
             tree = ast.parse(text)
-        except (SyntaxError, ValueError):  # ValueError: null bytes
+        except SyntaxError as e:
+            end = min(end - 1, e.lineno or end)
+            continue
+        except ValueError:  # null bytes
+            end -= 1
             continue
         return text.rstrip() + "\n" if _defines(tree, name) else None
     return None
