@@ -171,6 +171,10 @@ def plan_schedule(
     check_output(output, "schedule", force)
     if export is not None and export_to is None and output is not None and str(output) == "-":
         raise UsageError("--export without --export-to prints to stdout, which -o - takes; give --export-to")
+    if export_to is not None and output is not None and str(output) != "-" \
+            and export_to.resolve() == output.resolve():
+        raise UsageError(f"--export-to and -o both name {output}; the schedule artifact and its "
+                         f"--export {export} form need two files")
     check_export_to(export_to, export, force)
     for flag, value, low in (("--max-num-seqs", batch, 1), ("--prompt-len", prompt_len, 0),
                              ("--gen-len", gen_len, 2), ("--bin-width", bin_width, 1),

@@ -428,6 +428,15 @@ def test_an_empty_input_path_is_refused_as_one(tmp_path, flag):
     assert line == f"error: {flag} is an empty path; give a file (- = stdin)"
 
 
+def test_export_to_the_file_of_o_is_refused_and_writes_nothing(tmp_path):
+    """--export-to and -o on one path would leave the JSON where the schedule artifact should be."""
+    same = tmp_path / "same.parquet"
+    result = invoke("--model", "qwen3-4b", "--export", "json", "--export-to", same, "-o", same)
+    assert one_error_line(result) == f"error: --export-to and -o both name {same}; the schedule artifact " \
+                                     "and its --export json form need two files"
+    assert not same.exists()
+
+
 def test_export_names_a_json_file_and_takes_any_case(tmp_path):
     """The export is JSON: a folder or '' as --export-to is answered with a .json name, and --export
     takes any case, as --format does."""
