@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import tempfile
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is marked experimental in TRL
@@ -25,6 +26,7 @@ from peft import LoraConfig  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
+from sparrow.schemas import ArtifactError, artifact_metadata  # noqa: E402
 from sparrow.stages.integrations.trl import SparseRollout  # noqa: E402
 from sparrow.stages.model.adapter import TARGET_MODULES  # noqa: E402
 from sparrow.stages.model.loading import embedded_checkpoint  # noqa: E402
@@ -44,6 +46,30 @@ def passkey_reward(completions, answer, **_) -> list[float]:
     return [score("passkey", c[0]["content"], a, None) for c, a in zip(completions, answer)]
 
 
+MODEL = "smollm2-135m"
+# samples: GRPO compares a prompt's samples, so one gives no advantage
+AT_LEAST = {"steps": 1, "prompts_per_step": 1, "samples": 2, "context": 1, "max_new_tokens": 1,
+            "bin_width": 1, "seed": 0}
+
+
+def checked_rollout(ap: argparse.ArgumentParser, args: argparse.Namespace) -> SparseRollout:
+    """The flags checked (argparse's one-line error, exit 2) and the sampler built from them."""
+    for name, low in AT_LEAST.items():
+        if getattr(args, name) < low:
+            ap.error(f"--{name.replace('_', '-')} must be at least {low}, got {getattr(args, name)}")
+    budget = 64 if args.budget is None else args.budget
+    sparsity = f"schedule:{args.schedule}" if args.schedule else f"budget:{budget}"
+    try:
+        rollout = SparseRollout(sparsity, bin_width=args.bin_width)
+    except (ValueError, ArtifactError) as e:
+        ap.error(f"--{sparsity.split(':')[0]}: {e}")
+    planned_for = artifact_metadata(args.schedule).get("model") if args.schedule else None
+    if planned_for and planned_for != MODEL:
+        print(f"warning: --schedule {args.schedule} was planned for {planned_for}, not {MODEL}",
+              file=sys.stderr)
+    return rollout
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=3)
@@ -51,18 +77,19 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=4, help="TRL's num_generations")
     ap.add_argument("--context", type=int, default=400, help="prompt tokens")
     ap.add_argument("--max-new-tokens", type=int, default=16)
-    ap.add_argument("--budget", type=int, default=64, help="block top-k budget in tokens")
-    ap.add_argument("--schedule", default=None, help="a schedule artifact instead of --budget")
+    sparsity = ap.add_mutually_exclusive_group()
+    sparsity.add_argument("--budget", type=int, default=None,
+                          help="block top-k budget in tokens (default 64)")
+    sparsity.add_argument("--schedule", default=None, help="a schedule artifact instead of --budget")
     ap.add_argument("--bin-width", type=int, default=512, help="position bin of the sparrow/ tail metrics")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
+    rollout = checked_rollout(ap, args)  # before the model loads: a bad flag is one line, not a traceback
 
-    folder = str(embedded_checkpoint("smollm2-135m"))  # the packaged GGUF, converted once, offline
+    folder = str(embedded_checkpoint(MODEL))  # the packaged GGUF, converted once, offline
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     data = passkey_dataset(tokenizer, args.steps * args.prompts_per_step, args.context, args.seed)
-    sparsity = f"schedule:{args.schedule}" if args.schedule else f"budget:{args.budget}"
-    rollout = SparseRollout(sparsity, bin_width=args.bin_width)
     n = args.prompts_per_step * args.samples
     config = GRPOConfig(
         output_dir=tempfile.mkdtemp(prefix="trl-sparse-"), max_steps=args.steps, seed=args.seed,

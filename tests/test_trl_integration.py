@@ -229,3 +229,24 @@ def _assert_transformers_dense(record, logprobs) -> None:
             logits = hf(torch.tensor([prompt + comp])).logits[0, len(prompt) - 1: -1]
         dense = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(comp)[:, None])[:, 0]
         torch.testing.assert_close(torch.tensor(lp), dense, rtol=0, atol=2e-3)
+
+
+@pytest.mark.parametrize("flags, said", [
+    (["--samples", "1"], "--samples must be at least 2, got 1"),
+    (["--budget", "0"], "--budget: budget 0 is below three pages"),
+    (["--schedule", "nonexistent.parquet"], "--schedule: nonexistent.parquet does not exist"),
+])
+def test_the_trl_example_refuses_a_bad_flag_in_one_line_before_the_model_loads(tmp_path, flags, said):
+    """examples/trl_grpo_sparse.py: argparse's one-line error and exit 2, not a traceback from TRL."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("trl")
+    pytest.importorskip("datasets")
+    script = Path(__file__).resolve().parents[1] / "examples" / "trl_grpo_sparse.py"
+    proc = subprocess.run([sys.executable, str(script), *flags], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith(f"trl_grpo_sparse.py: error: {said}")
+    assert "Traceback" not in proc.stderr
