@@ -18,6 +18,7 @@ from .common import (
     output_help,
     parse_int_list,
     stage_errors,
+    warn,
 )
 from .options import check_gpu_memory, gpu_memory_option, non_negative_seed, output_path
 from .output import emit, format_option, resolve_format
@@ -66,8 +67,6 @@ def fit_cost(
     """Fit the decode-step cost model: time the rollout engine's decode steps, dense and sparse, over a
     (batch, context, budget) grid and fit the coefficients by least squares; or, with --hardware,
     write the analytic model of a hardware preset. Every point is written with its prediction."""
-    from rich.markup import escape
-
     from sparrow.stages.attention import validate_budget
     from sparrow.stages.cost import Grid, get_hardware, grid_warning, write_analytic, write_fitted
     from sparrow.stages.model.loading import model_name, resolve_config
@@ -120,7 +119,7 @@ def fit_cost(
             return print_predictions(table, fmt)
         device = device or "cpu"
         if (said := grid_warning(cfg, grid)) is not None:
-            console.print(f"[yellow]warning:[/] {escape(said)}", highlight=False)
+            warn(said)
         points, verify, threads = measure(model, device, grid, seed, threads, gpu_memory_utilization,
                                           speculate)
         cost, table = write_fitted(cfg, name, points, device, threads, output, verify)

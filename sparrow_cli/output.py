@@ -57,6 +57,11 @@ def _plain(v: object) -> object:
     return v
 
 
+def json_rows(columns: Sequence[str], rows: Sequence[Sequence[object]]) -> list[dict]:
+    """Rows of typed values as JSON-ready objects, one per row, keyed by the column names."""
+    return [{c: _plain(v) for c, v in zip(columns, r)} for r in rows]
+
+
 def _text(v: object) -> str:
     if v is None:
         return ""
@@ -94,7 +99,7 @@ def emit(columns: Sequence[str], rows: Sequence[Sequence[object]], fmt: str, tit
             t.add_row(*(Text(_cell(c, v, render)) for c, v in zip(columns, r)))
         (to or out).print(t)
     elif fmt == "json":
-        sys.stdout.write(json.dumps([{c: _plain(v) for c, v in zip(columns, r)} for r in rows]) + "\n")
+        sys.stdout.write(json.dumps(json_rows(columns, rows)) + "\n")
     elif fmt == "csv":
         writer = csv.writer(sys.stdout, lineterminator="\n")
         writer.writerow(columns)

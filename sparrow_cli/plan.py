@@ -15,7 +15,6 @@ from .common import (
     UsageError,
     check_output,
     console,
-    fail,
     force_option,
     friendly_errors,
     input_path,
@@ -23,22 +22,16 @@ from .common import (
     output_help,
     stage_errors,
     stdout_taken,
+    warn,
 )
 from .options import finite, given_path, output_path
-from .output import FORMAT_HELP, FORMAT_METAVAR, _plain, emit, resolve_format
+from .output import FORMAT_HELP, FORMAT_METAVAR, emit, json_rows, resolve_format
 
 EXPORTS = ("json", "sglang-vortex")
+EXPORT_TO_GIVE = "a file such as schedule.json (- = stdout)"  # what an empty --export-to is asked for
 FORMAT_TABLES_HELP = (f"{FORMAT_HELP} With --sweep or --speculate, json is one object with a key per "
                       "table (schedule, frontier, speculative); csv and tsv carry the schedule table alone, "
                       "and the other tables go to stderr.")
-
-
-def export_path(value: str) -> Path:
-    """typer parser of --export-to: an empty path is refused as one (a Path of '' is the working
-    directory), before any work."""
-    if not value.strip():
-        fail("--export-to is an empty path; give a file such as schedule.json (- = stdout)")
-    return Path(value)
 
 
 def parse_thresholds(text: str) -> list[float]:
@@ -92,8 +85,9 @@ def plan_schedule(
                                "sglang-vortex: the named schedule and SGLang settings the Sparrow "
                                "release's verl/SGLang reads (stdout, or --export-to), in any case. With "
                                "--speculate, json holds the draft schedule that -o writes."),
-    export_to: Path = typer.Option(None, "--export-to", parser=export_path, help="Write the --export form "
-                                   "here (an existing file only if it holds the same form, or --force)."),
+    export_to: Path = typer.Option(None, "--export-to", help="Write the --export form here (an existing file "
+                                   "only if it holds the same form, or --force).",
+                                   parser=given_path("--export-to", EXPORT_TO_GIVE)),
     output: Path = typer.Option(None, "-o", "--output", help=output_help("the schedule artifact"),
                                 parser=output_path()),
     force: bool = force_option(),
@@ -118,8 +112,6 @@ def plan_schedule(
     """Plan the sparsity schedule: for each position bin the cheapest budget whose tail statistic is
     at or above the threshold, non-decreasing across bins; prints the table and the predicted
     rollout speedup over dense."""
-    from rich.markup import escape
-
     from sparrow.stages.plan import PlanRequest, plan_kv_budget, plan_schedule
 
     fmt = resolve_format(format)
@@ -191,7 +183,7 @@ def plan_schedule(
     for note in result.notes:
         console.print(f"[yellow]note:[/] {note}", highlight=False)
     for warning in planned.warnings:
-        console.print(f"[yellow]warning:[/] {escape(warning)}", highlight=False)
+        warn(warning)
     console.print(f"predicted rollout speedup over dense: [bold]{planned.speedup:.2f}x[/]", highlight=False)
     for line in (f"  for {planned.lengths.describe(batch)}", f"  cost: {planned.cost_source}",
                  f"  profile: {result.source}", *("  " + t for t in planned.threshold.lines())):
@@ -319,7 +311,7 @@ class PlanTables:
 
     def show(self, name: str, columns, rows, title: str, render=None) -> None:
         if self.fmt == "json" and not stdout_taken():
-            self.collected[name] = [{c: _plain(v) for c, v in zip(columns, r)} for r in rows]
+            self.collected[name] = json_rows(columns, rows)
         elif self.fmt in ("csv", "tsv") and name != "schedule":
             _show(columns, rows, None, title, render)
         else:
