@@ -37,8 +37,8 @@
 #   speculation     exact speculative rollouts: CUDA-graph drafts and verifications held to the eager
 #                   step and a cycle to no host sync (tests), then bench/speculation.py at 16K (one
 #                   prompt x 8 samples x 512 new tokens, dense / budget 2048 / speculative K = 2, 4, 6
-#                   drafting at 2048; random weights, so the acceptance is theirs, not a trained
-#                   model's: a timing check)
+#                   drafting at 2048, later drafts on the first draft's kept pages and on their own;
+#                   random weights, so the acceptance is theirs, not a trained model's: a timing check)
 #   kv-compression  the eviction tests of tests/test_gpu.py, then bench/kv_compression.py's rollout part
 #                   (dense vs SnapKV vs R-KV vs block top-k at budget 512)
 #   scale-NAME      one check at our users' scale through bench/scale_gpu.py (seconds and peak memory):
@@ -161,8 +161,8 @@ if is speculation; then
         "tests/test_speculative.py::test_speculation_with_cuda_graphs_equals_the_eager_static_step" \
         "tests/test_speculative.py::test_speculative_cycles_run_without_host_synchronisation"
     step speculation-16k 500 $PY bench/speculation.py --device cuda --model qwen3-4b --prompt-len 16384 \
-        --samples 8 --new-tokens 512 --budget 2048 --speculate 2,4,6 --alpha-samples 4 --floor-context 16384 \
-        --floor-batch 8
+        --samples 8 --new-tokens 512 --budget 2048 --speculate 2,4,6 --draft-pages both --alpha-samples 4 \
+        --floor-context 16384 --floor-batch 8
     keep bench/results/speculation.parquet speculation-16k.parquet
 fi
 if is kv-compression; then

@@ -21,7 +21,8 @@
 # about 15 compiles (six of them the prefill kernel's); the engine's GPU tests are 33. A 32K prompt's prefill
 # is about 2 x 4e9 x 32768 = 2.6e14 FLOPs plus as much again in attention, about a second per engine at
 # H100 rates: the engines step is pool sizing, graph capture and frees. The speculation bench is five
-# engines of one 16K prefill and 512 steps or cycles each and two samples' teacher-forced scoring;
+# engines of one 16K prefill and 512 steps or cycles each (warm-up, dense, budget 2048, K = 4 with the
+# drafts on the first draft's kept pages and on their own) and two samples' teacher-forced scoring;
 # `sparrow profile` scores 4 trajectories of 32K at 4 budgets (the target is a minute; the limit leaves
 # the set-up).
 set -u
@@ -54,8 +55,8 @@ phase_b() {  # exact speculation on CUDA graphs, profiling at 32K, where a spars
         "tests/test_speculative.py::test_speculation_with_cuda_graphs_equals_the_eager_static_step" \
         "tests/test_speculative.py::test_speculative_cycles_run_without_host_synchronisation"
     step speculation-16k 90 $PY bench/speculation.py --device cuda --model qwen3-4b --prompt-len 16384 \
-        --samples 8 --new-tokens 512 --budget 2048 --speculate 2,4 --alpha-samples 2 --floor-context 16384 \
-        --floor-batch 8
+        --samples 8 --new-tokens 512 --budget 2048 --speculate 4 --draft-pages both --alpha-samples 2 \
+        --floor-context 16384 --floor-batch 8
     keep bench/results/speculation.parquet speculation-16k.parquet
     LOG=profile-32k step profile-inputs 10 $PY bench/learner_scale.py rollouts --model qwen3-4b \
         --trajectories 4 --length 32768 --output "$WORK/long_rollouts.parquet"

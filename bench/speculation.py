@@ -4,7 +4,9 @@ Per sampler one `Engine.generate` over the same prompts (--prompts distinct kv_l
 --prompt-len tokens on SmolLM2, or random tokens and random bf16 weights for Qwen3-4B shapes on a GPU),
 --samples samples each, --new-tokens tokens with EOS ignored so every sampler does the same work:
 dense; block top-k at --budget (lossy); and speculative decoding drafting at --budget with each K of
---speculate (exact: dense samples). Reported: whole-rollout and decode seconds, tokens/s, the speedup over
+--speculate (exact: dense samples), its later drafts on the pages its first draft kept, at every step's
+own pages, or both (--draft-pages; the static decode step's choice, `EngineConfig.reuse_draft_pages`: on
+a CPU, --decode-step eager runs it). Reported: whole-rollout and decode seconds, tokens/s, the speedup over
 dense, and for speculation the drafts' acceptance and the mean tokens a sample's cycle emits, against what
 the acceptance alpha predicts, (1 - a^(K+1)) / (1 - a). Alpha is measured on the speculative samples
 themselves: they are dense samples, so teacher-forced scoring of them at --budget (stages/scoring) gives
@@ -22,6 +24,8 @@ costs what a dense step does and speculation pays only where the KV read dominat
         --threads 2                                                          # a CPU smoke run
     python bench/speculation.py --device cuda --model qwen3-4b --prompt-len 16384 --samples 8 \\
         --new-tokens 512 --budget 2048 --speculate 2,4,6                       # GPU: Qwen3-4B shapes
+    .venv/bin/python bench/speculation.py --threads 2 --speculate 4 --decode-step eager \\
+        --draft-pages both                                                   # CPU: kept vs every step's pages
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from common import t_half_width, write_results
 from sparrow.stages.core.sparsity import as_policy
 from sparrow.stages.cost import analytic
 from sparrow.stages.engine import Engine, EngineConfig, SamplingParams
+from sparrow.stages.engine.config import DecodeStep
 from sparrow.stages.model.loading import load_model
 from sparrow.stages.model.presets import get_preset
 from sparrow.stages.scoring.mismatch import score_sequences
@@ -56,11 +61,13 @@ def prompts_for(loaded, args) -> list[list[int]]:
     return [p[: min(map(len, prompts))] for p in prompts]
 
 
-def run(model, prompts, args, label: str, budget: int | None, k: int) -> tuple[dict, list]:
+def run(model, prompts, args, label: str, budget: int | None, k: int,
+        reuse: bool = True) -> tuple[dict, list]:
     """One sampler's rollout, timed after its CUDA graphs are captured; its row is printed at once."""
     params = SamplingParams(max_new_tokens=args.new_tokens, n=args.samples, temperature=args.temperature,
                             seed=0, ignore_eos=True)
-    config = EngineConfig(max_batch=args.prompts * args.samples, dense_layers=DENSE_LAYERS, speculate=k)
+    config = EngineConfig(max_batch=args.prompts * args.samples, dense_layers=DENSE_LAYERS, speculate=k,
+                          decode_step=DecodeStep(args.decode_step), reuse_draft_pages=reuse)
     with Engine(model, None if budget is None else as_policy(budget), config) as engine:
         engine.reserve(prompts, params)
         engine.warm_up(config.max_batch, [budget or 0])  # CUDA graphs captured untimed (a CPU: nothing)
@@ -75,7 +82,8 @@ def run(model, prompts, args, label: str, budget: int | None, k: int) -> tuple[d
     if args.profile and k:
         print_profile(prof, label)
     tokens = sum(len(c.token_ids) for group in out for c in group)
-    row = {"sampler": label, "budget": budget or 0, "speculate": k, "total_s": wall,
+    row = {"sampler": label, "budget": budget or 0, "speculate": k, "kept_pages": bool(k) and reuse,
+           "decode_step": args.decode_step, "total_s": wall,
            "prefill_s": st.prefill_s, "decode_s": st.decode_s, "tokens": tokens,
            "tokens_per_s": tokens / wall, "drafted": st.drafted_tokens, "kept": st.accepted_drafts,
            "acceptance": st.accepted_drafts / st.drafted_tokens if st.drafted_tokens else None}
@@ -143,6 +151,10 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--budget", type=int, default=512, help="the lossy budget and the drafts'")
     ap.add_argument("--speculate", default="2,4", help="K values (drafts per cycle)")
+    ap.add_argument("--draft-pages", choices=("kept", "every", "both"), default="kept",
+                    help="a cycle's later drafts on the pages its first draft kept, or on their own")
+    ap.add_argument("--decode-step", choices=[s.value for s in DecodeStep], default="auto",
+                    help="auto: CUDA graphs on a GPU, the plain step on a CPU; eager: the static step")
     ap.add_argument("--alpha-samples", type=int, default=0,
                     help="score the first N speculative samples for alpha (0 = all)")
     ap.add_argument("--threads", type=int, default=2)
@@ -168,22 +180,27 @@ def main() -> None:
     rows.append(dense)
     lossy, _ = run(model, prompts, args, f"budget {args.budget}", args.budget, 0)
     rows.append(lossy)
+    modes = {"kept": [True], "every": [False], "both": [True, False]}[args.draft_pages]
     for k in [int(x) for x in args.speculate.split(",")]:
-        row, samples = run(model, prompts, args, f"speculative K={k} at {args.budget}", args.budget, k)
-        per_sample = cycles_per_sample(samples)
-        mean, half = float(per_sample.mean()), t_half_width(per_sample)
-        a = measured_alpha(model, prompts, samples, args, args.budget)
-        row.update(tokens_per_cycle=mean, tokens_per_cycle_half_width=half, alpha_mean=a,
-                   predicted_tokens_per_cycle=expected_tokens(a, k),
-                   floor_speedup=floor_prediction(args, a, k))
-        rows.append(row)
-    print(f"{'sampler':32} {'total s':>8} {'decode s':>9} {'tok/s':>7} {'x dense':>8} {'accept':>7} "
+        a = None  # alpha of the lossy rule on dense samples: the same law whichever pages drafted
+        for reuse in modes:
+            pages = "kept pages" if reuse else "every step's pages"
+            row, samples = run(model, prompts, args, f"speculative K={k} at {args.budget}, {pages}",
+                               args.budget, k, reuse)
+            per_sample = cycles_per_sample(samples)
+            mean, half = float(per_sample.mean()), t_half_width(per_sample)
+            a = measured_alpha(model, prompts, samples, args, args.budget) if a is None else a
+            row.update(tokens_per_cycle=mean, tokens_per_cycle_half_width=half, alpha_mean=a,
+                       predicted_tokens_per_cycle=expected_tokens(a, k),
+                       floor_speedup=floor_prediction(args, a, k))
+            rows.append(row)
+    print(f"{'sampler':52} {'total s':>8} {'decode s':>9} {'tok/s':>7} {'x dense':>8} {'accept':>7} "
           f"{'alpha':>6} {'tok/cycle (95%)':>17} {'predicted':>9} {'floor x':>8}")
     for r in rows:
         spec = r["speculate"] > 0
         r["speedup"] = dense["total_s"] / r["total_s"]
         cyc = f"{r['tokens_per_cycle']:.2f} +- {r['tokens_per_cycle_half_width']:.2f}" if spec else "-"
-        print(f"{r['sampler']:32} {r['total_s']:8.1f} {r['decode_s']:9.1f} {r['tokens_per_s']:7.1f} "
+        print(f"{r['sampler']:52} {r['total_s']:8.1f} {r['decode_s']:9.1f} {r['tokens_per_s']:7.1f} "
               f"{r['speedup']:7.2f}x {(r['acceptance'] or 0):7.3f} {r.get('alpha_mean') or 0:6.3f} {cyc:>17} "
               f"{r.get('predicted_tokens_per_cycle', 0):9.2f} {r.get('floor_speedup', 0):7.2f}x")
     print(f"floor x: the analytic {args.hardware} model's speedup over dense for {args.floor_model} at "

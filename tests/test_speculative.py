@@ -13,14 +13,18 @@ import itertools
 
 import pytest
 import torch
+import torch.nn.functional as F
 from no_host_sync import no_host_sync
 
+from sparrow.stages.attention import SparseAttention
+from sparrow.stages.attention.block_topk import kept_page_mask, kept_token_mask, page_centroids
 from sparrow.stages.core.sparsity import as_policy
-from sparrow.stages.engine import Engine, EngineConfig, SamplingParams
+from sparrow.stages.engine import Engine, EngineConfig, SamplingParams, speculative
 from sparrow.stages.engine.config import DecodeStep
 from sparrow.stages.engine.speculative import accept_or_resample, accept_or_resample_batch
 from sparrow.stages.engine.static_decode import SCORE
 from sparrow.stages.kv_policies import SnapKV
+from sparrow.stages.model.llama import KVCache
 from sparrow.stages.model.loading import load_model
 from sparrow.stages.speculative_plan import expected_tokens
 
@@ -267,6 +271,96 @@ def test_the_static_verification_scores_as_the_plain_forward(tiny):
     assert max(rows) > config.max_batch and all(len(c.token_ids) == 24 for g in out for c in g)
 
 
+class FirstDraftPages(SparseAttention):
+    """The reference of a cycle's drafts on kept pages, from the definitions: the fed tokens of one cycle,
+    teacher forced over a dense prefix; every query attends to the pages that block top-k keeps for the
+    cycle's first query, its first page and its two most recent pages (its own position's)."""
+
+    def attend(self, q, keys, values, positions):
+        t, page = q.shape[2], self.page
+        centroids = page_centroids(keys, page)
+        first = kept_page_mask(q[:, :, :1].expand_as(q), centroids, positions[:, :1].expand(-1, t),
+                               self.budgets.expand(1, t), page)
+        index = torch.arange(centroids.shape[2])
+        last = (positions // page)[:, None, :, None]
+        own = (index == 0) | ((index >= last - 1) & (index <= last))
+        mask = kept_token_mask(first | own, positions, keys.shape[2], page)
+        mask = mask.repeat_interleave(q.shape[1] // keys.shape[1], dim=1)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+
+
+def _draft_reference(model, prefix: list[int], drafts: list[int], budget: int,
+                     rule: type[SparseAttention] = FirstDraftPages) -> torch.Tensor:
+    """Log-probs of a cycle's draft steps [len(drafts), V], teacher forced under `rule`: step j feeds the
+    cycle's token j (the prefix's last, then the drafts) over the prefix's dense keys."""
+    fed = torch.tensor([prefix[-1:] + drafts[:-1]])
+    c = len(prefix) - 1
+    cache = KVCache.allocate(model.cfg, 1, c + fed.shape[1], torch.float32, "cpu")
+    attention = rule(torch.tensor([[budget]]), dense_layers=SPARSE["dense_layers"])
+    with torch.no_grad():
+        model.hidden_states(torch.tensor([prefix[:-1]]), cache, positions=torch.arange(c)[None])
+        positions = c + torch.arange(fed.shape[1])[None]
+        h = model.hidden_states(fed, cache, positions=positions, attention=attention)
+        return torch.log_softmax(model.logits(h[0]).double(), -1)
+
+
+def _drafted_cycles(model, budget: int, config: EngineConfig, prompts, params) -> list[tuple]:
+    """Every cycle's (prefix, drafts, the drafts' log q [n, V]) of one speculative rollout."""
+    cycles = []
+    decide = speculative._decide
+
+    def recorded(drafting, logp):
+        for c in filter(lambda c: c.drafts, drafting):  # a sample at its last token drafts nothing
+            prefix = c.seq.request.prompt + c.seq.tokens[: c.generated]
+            cycles.append((prefix, list(c.drafts), torch.stack(c.probs).double().log()))
+        return decide(drafting, logp)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(speculative, "_decide", recorded)
+        with Engine(model, as_policy(budget), config) as engine:
+            engine.generate(prompts, params)
+    return cycles
+
+
+@pytest.mark.parametrize("budget", [48, 80])
+def test_later_drafts_attend_to_the_first_drafts_pages(tiny, budget):
+    """On the static step a cycle's later drafts attend to the pages its first draft kept (and the pages
+    their own positions reserve), which teacher-forced scoring under that rule reproduces at every draft,
+    cycles that cross into a new page included; the samples stay exact (greedy: dense greedy's tokens)."""
+    _, model = tiny
+    prompts = _prompts([150, 231])
+    params = SamplingParams(max_new_tokens=40, temperature=1.0, n=2, ignore_eos=True, seed=3)
+    config = EngineConfig(speculate=4, max_batch=4, decode_step=DecodeStep.EAGER, **SPARSE)
+    cycles = _drafted_cycles(model, budget, config, prompts, params)
+    crossing = 0
+    for prefix, drafts, logq in cycles:
+        ref = _draft_reference(model, prefix, drafts, budget)
+        assert torch.allclose(logq.exp(), ref.exp(), atol=1e-5)
+        crossing += (len(prefix) - 1) // 16 != (len(prefix) + len(drafts) - 2) // 16
+    assert crossing >= 4 and len(cycles) >= 20
+    greedy = SamplingParams(max_new_tokens=40, temperature=0.0, n=1, ignore_eos=True)
+    with Engine(model, None, EngineConfig(**SPARSE)) as engine:
+        dense = [g[0].token_ids for g in engine.generate(prompts, greedy)]
+    with Engine(model, as_policy(budget), config) as engine:
+        assert [g[0].token_ids for g in engine.generate(prompts, greedy)] == dense
+
+
+def test_drafts_select_at_every_step_without_reuse(tiny):
+    """With `reuse_draft_pages` off the static step's drafts are the lossy sampler's: each draft's law is
+    teacher-forced block top-k at its own position, which at some cycles differs from the law on the first
+    draft's pages."""
+    _, model = tiny
+    params = SamplingParams(max_new_tokens=30, temperature=1.0, n=2, ignore_eos=True, seed=3)
+    config = EngineConfig(speculate=4, max_batch=2, decode_step=DecodeStep.EAGER, reuse_draft_pages=False,
+                          **SPARSE)
+    differ = 0
+    for prefix, drafts, logq in _drafted_cycles(model, 80, config, _prompts([150]), params):
+        ref = _draft_reference(model, prefix, drafts, 80, SparseAttention)
+        assert torch.allclose(logq.exp(), ref.exp(), atol=1e-5)
+        differ += not torch.allclose(logq.exp(), _draft_reference(model, prefix, drafts, 80).exp(), atol=1e-5)
+    assert differ > 0
+
+
 _TRITON_SCRIPT = """
 import sys, torch
 from dataclasses import replace
@@ -294,6 +388,18 @@ for step in (DecodeStep.PLAIN, DecodeStep.EAGER):
         for x, y in zip(a, b):
             assert x.token_ids == y.token_ids, (step, x.token_ids, y.token_ids)
             assert max(abs(p - q) for p, q in zip(x.logprobs, y.logprobs)) < 1e-4
+# greedy drafts on kept pages (budget 80 keeps two scored pages): the Triton kernels' draft log-probs are
+# the torch path's, step after step
+from sparrow.stages.engine import speculative
+drafted = {}
+take = speculative._take_drafts
+for kernels in (Backend.TORCH, Backend.TRITON):
+    speculative._take_drafts = lambda active, logp, tokens, rows=drafted.setdefault(kernels, []): (
+        rows.append(logp), take(active, logp, tokens))[1]
+    spec = replace(config, kernels=kernels, speculate=4, decode_step=DecodeStep.EAGER)
+    Engine(model, as_policy(80), spec).generate(prompts, params)
+a, b = (torch.cat(drafted[k]) for k in (Backend.TORCH, Backend.TRITON))
+assert a.shape == b.shape and (a - b).abs().max() < 1e-4, (a - b).abs().max()
 print("ok", engine.stats.accepted_drafts, engine.stats.drafted_tokens)
 """
 
@@ -302,7 +408,7 @@ print("ok", engine.stats.accepted_drafts, engine.stats.drafted_tokens)
 def test_speculation_on_the_gpu_runner_under_the_interpreter(tmp_path):
     """The GPU runner's path (Triton decode kernels for the drafts and the verification's queries; drafts
     on the plain step and on the static step that a GPU captures) through Triton's interpreter: greedy
-    speculation gives the torch path's dense greedy tokens."""
+    speculation gives the torch path's dense greedy tokens, and drafts on kept pages are the torch path's."""
     import os
     import subprocess
     import sys
@@ -354,7 +460,7 @@ def test_speculation_with_cuda_graphs_equals_the_eager_static_step():
         for step in (DecodeStep.EAGER, DecodeStep.GRAPHS):
             with Engine(model, policy, EngineConfig(max_batch=5, speculate=3, decode_step=step)) as engine:
                 out = engine.generate(prompts, params)
-                assert step == DecodeStep.EAGER or {k for _, k in engine.runner.static.graphs} > {SCORE}
+                assert step == DecodeStep.EAGER or {k for _, k, _ in engine.runner.static.graphs} > {SCORE}
                 assert engine.blocks.used == 0 and engine.stats.drafted_tokens > 0
                 runs.append([c for group in out for c in group])
         for a, b in zip(*runs):

@@ -144,6 +144,16 @@ def attend_after_prefix(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
 
 
 @dataclass
+class KeptPages:
+    """Pages a step keeps for the steps after it (a speculative cycle's drafts, static_decode.py): pages
+    [L, B, Hkv, K + 1] int32 logical pages per layer (-1 = none). `store`: this step selects in each sparse
+    layer and writes its selection there; else it attends to the pages there without selecting."""
+
+    pages: Tensor
+    store: bool
+
+
+@dataclass
 class DecodeBatch:
     """The per-step inputs of a decode step: block_table [B, max_pages] int32 (-1 unused), seq_lens [B]
     int32 (the cached tokens including the new one: under eviction fewer than its position + 1), budgets
@@ -153,7 +163,8 @@ class DecodeBatch:
     (CUDA graphs need that). `query_index` [B] int64: the row of the pool's query ring each row's query
     goes to (eviction, compaction.py), or None when the pool has no ring. `groups` [B + 1] int32 (a dense
     step only): consecutive rows that are queries of one sequence, at most `queries_per_group` each (a
-    speculative verification's fed tokens), whose pages a kernel may read once for the group."""
+    speculative verification's fed tokens), whose pages a kernel may read once for the group. `kept`:
+    the sparse layers' pages, kept by this step or kept earlier (`KeptPages`)."""
 
     block_table: Tensor
     seq_lens: Tensor
@@ -164,6 +175,7 @@ class DecodeBatch:
     query_index: Tensor | None = None
     groups: Tensor | None = None
     queries_per_group: int = 1
+    kept: KeptPages | None = None
 
 
 class DecodeAttention:
@@ -184,14 +196,24 @@ class DecodeAttention:
         self.record_queries(layer, q)
         k_pages, v_pages, centroids = self.cache.layer(layer)
         if b.any_sparse and layer not in self.dense_layers:
-            selected = ops.select_pages(q, centroids, b.block_table, b.seq_lens, b.budgets,
-                                        page_size=self.cache.page_size, max_selected=b.max_selected)
+            selected = self.selection(layer, q, centroids)
             out = ops.sparse_paged_attention(q, k_pages, v_pages, b.block_table, b.seq_lens, selected,
                                              self.scale)
         else:
             out = ops.dense_paged_attention(q, k_pages, v_pages, b.block_table, b.seq_lens, self.scale,
                                             groups=b.groups, queries_per_group=b.queries_per_group)
         return out.to(q.dtype)
+
+    def selection(self, layer: int, q: Tensor, centroids: Tensor) -> Tensor:
+        """The logical pages a sparse layer attends to [B, Hkv, K]: block top-k of q, or the kept ones."""
+        b, kept = self.batch, self.batch.kept
+        if kept is not None and not kept.store:
+            return kept.pages[layer]
+        selected = self.ops.select_pages(q, centroids, b.block_table, b.seq_lens, b.budgets,
+                                         page_size=self.cache.page_size, max_selected=b.max_selected)
+        if kept is not None:
+            kept.pages[layer, :, :, : selected.shape[2]].copy_(selected)
+        return selected
 
     def record_queries(self, layer: int, q: Tensor) -> None:
         """Each row's post-RoPE query q [B, Hq, D] into its row of the pool's query ring (one index copy:

@@ -31,7 +31,9 @@ class EngineConfig:
     one prefill forward takes (longer prompts are chunked). `cascade`: on a CPU, dense decode attention
     reads a prompt's shared pages once per step for all its samples (None: yes). `speculate` = K > 0:
     exact speculative decoding, every request's own policy drafting up to K tokens per cycle and the dense
-    model verifying them (speculative.py; no eviction policy)."""
+    model verifying them (speculative.py; no eviction policy). `reuse_draft_pages`: on the static step a
+    cycle's later drafts attend to the pages its first draft selected (and the page the drafts move into)
+    instead of selecting again; still exact, since the verification keeps the dense law whatever drafted."""
 
     max_batch: int = 16
     num_pages: int | None = None
@@ -44,6 +46,7 @@ class EngineConfig:
     decode_step: DecodeStep = DecodeStep.AUTO
     cascade: bool | None = None
     speculate: int = 0
+    reuse_draft_pages: bool = True
 
     def __post_init__(self):
         if self.max_batch < 1:

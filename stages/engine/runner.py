@@ -40,7 +40,7 @@ from .memory import Workload, pages_for
 from .sampler import logprobs_at_temperature, sample_by_position, sample_tokens
 from .scheduler import Step
 from .sequence import Sequence as Sample
-from .static_decode import SCORE, StaticDecode, StepOutput, kept_pages
+from .static_decode import SCORE, Select, StaticDecode, StepOutput, kept_pages
 
 
 @dataclass
@@ -319,11 +319,13 @@ class ModelRunner:
         plain step, which feeds each sample's last token from the host."""
         return self.static is not None and self.static.fits(len(seqs), max(len(s.pages) for s in seqs))
 
-    def launch_decode(self, seqs: list[Sample], budgets: list[int]) -> None:
+    def launch_decode(self, seqs: list[Sample], budgets: list[int], select: Select = Select.EVERY) -> None:
         """Queue one decode step: each sample feeds its last token (on the static step: the token the
-        device sampled for it, which the host may not have read yet) at its budget."""
+        device sampled for it, which the host may not have read yet) at its budget. `select`: on the
+        static step, where the sparse layers' pages come from (the plain step selects at every step)."""
         if self.pipelines(seqs):
-            self.static.launch(seqs, budgets, None if self.windows is None else self.windows.bases(seqs))
+            self.static.launch(seqs, budgets, None if self.windows is None else self.windows.bases(seqs),
+                               select)
             return
         if self.static is not None:
             self.static.forget_rows()  # the samples move on without it
@@ -345,9 +347,13 @@ class ModelRunner:
         """Capture (or compile) the static step for `batch` running samples at each of these budgets (a
         step whose rows all have that budget)."""
         if self.static is not None:
+            selects = [Select.EVERY]
+            if self.config.speculate and self.config.reuse_draft_pages:  # a cycle's first and later drafts
+                selects = [Select.KEEP, Select.REUSE]
             for budget in sorted(set(budgets)):
-                self.static.prepare(min(batch, self.max_batch),
-                                    kept_pages([budget], self.page_size, self.static.max_pages))
+                k = kept_pages([budget], self.page_size, self.static.max_pages)
+                for select in selects:
+                    self.static.prepare(min(batch, self.max_batch), k, select)
             if self.config.speculate:  # the verification's scoring step
                 self.static.prepare(min(batch, self.max_batch), SCORE)
 

@@ -18,7 +18,9 @@ each draft with the sample's generator and stops a sample at a stop token, and t
 forward over the samples' fed tokens. On the static step (CUDA graphs on a GPU) the device draws each
 draft (the race keyed by seed and position, as every static step does) and feeds it to the next step with
 no host round trip; each step's log-probs are kept for the rule, and drafts past a stop token are dropped
-when read back; the verification is a scoring step of the same buffers, one row per fed token. A
+when read back; the later drafts of a cycle attend to the pages its first draft selected
+(`EngineConfig.reuse_draft_pages`); the verification is a scoring step of the same buffers, one row per
+fed token. A
 position's key never draws twice for what is emitted: a cycle starts after the last position whose draft
 was looked at. The rule's own draws use the sample's generator either way, so a seed gives the same
 rollouts whatever the batch.
@@ -39,6 +41,7 @@ from .block_manager import BlockManager
 from .runner import ModelRunner
 from .sampler import logprobs_at_temperature, truncate
 from .sequence import SamplingParams, Sequence
+from .static_decode import Select
 
 
 def sampling_probs(logits: Tensor, params: Seq[SamplingParams]) -> Tensor:
@@ -233,10 +236,12 @@ def _draft_on_device(runner: ModelRunner, cycles: list[Drafting]) -> None:
     runner.forget_rows()  # the last cycle's roll back moved every sample's state
     launched: list[tuple[list[Drafting], Tensor]] = []
     read = 0
+    reuse = runner.config.reuse_draft_pages
     for j in range(max(c.limit for c in cycles)):
         active = [c for c in cycles if c.limit > j]
         seqs = [c.seq for c in active]
-        runner.launch_decode(seqs, [s.budget_now(ahead=j) for s in seqs])
+        select = Select.EVERY if not reuse else Select.REUSE if j else Select.KEEP
+        runner.launch_decode(seqs, [s.budget_now(ahead=j) for s in seqs], select)
         launched.append((active, runner.step_logprobs(len(active))))
         for out in runner.collect(keep=1):
             _take_drafts(*launched[read], out.tokens)

@@ -11,10 +11,17 @@ device, which is how the CPU tests hold it to teacher-forced scoring.
 A speculative cycle's dense verification runs on the same buffers and graph pool (`score`): each fed
 token is a row, a dense decode query at its position whose cache ends there, so rows of one sample read
 the keys that the rows before them wrote in the same layer. It samples nothing and advances nothing.
+
+A cycle's drafts may share one selection (`Select`): the first draft step keeps each sparse layer's pages
+and the page its row moves into next, the later ones attend to those without scoring a page (on a GPU the
+page scores and the select are a fifth of a sparse step). A draft's distribution is then not the lossy
+sampler's at that position, which speculation allows: the verification keeps the dense law whatever
+drafted.
 """
 
 from __future__ import annotations
 
+import enum
 import functools
 import weakref
 from collections import deque
@@ -28,7 +35,7 @@ from torch import Tensor
 from sparrow.kernels.ops import TORCH, TorchOps
 
 from ..attention.kv_cache import PagedKVCache, pinned_copies, upload
-from ..attention.paged import DecodeAttention, DecodeBatch
+from ..attention.paged import DecodeAttention, DecodeBatch, KeptPages
 from ..model.llama import Transformer
 from .sampler import redraw_truncated, sample_on_device
 from .sequence import Sequence as Sample
@@ -50,6 +57,16 @@ def kept_pages(budgets: Collection[int], page_size: int, max_pages: int) -> int:
 
 
 SCORE = -1  # the K of a scoring step's graph (`StaticDecode.score`)
+
+
+class Select(enum.Enum):
+    """Where a sparse step's pages come from: its own selection (EVERY); its own, kept for the steps after
+    it (KEEP); the pages the last KEEP step kept (REUSE: the same rows at the same budgets, else the step
+    selects and keeps anew)."""
+
+    EVERY = "every"
+    KEEP = "keep"
+    REUSE = "reuse"
 
 _CAPTURED: weakref.WeakSet = weakref.WeakSet()  # the steps that hold captured graphs
 
@@ -148,7 +165,10 @@ class StaticDecode:
         if self.trash is not None:
             self.ring_base = torch.full((rows,), -1, dtype=torch.long, device=dev)
             self.ring_window = torch.ones(rows, dtype=torch.long, device=dev)
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[tuple[int, int, Select], torch.cuda.CUDAGraph] = {}
+        self.kept: dict[int, Tensor] = {}  # K -> the pages a KEEP step of width K kept [L, rows, Hkv, K + 1]
+        # the width and the rows' budgets of the last KEEP step, while its rows stay
+        self._kept_for: tuple[int, list[int]] | None = None
         self.pool = None
         # the host's view: which sample each row holds and what of its block table the device has
         self.rows: list[Sample] = []
@@ -172,15 +192,16 @@ class StaticDecode:
         """The device rows no longer hold the samples' state (a step ran elsewhere): the next step
         uploads every row. Only with nothing in flight."""
         assert not self._in_flight
-        self.rows, self._sent, self._budgets = [], [], None
+        self.rows, self._sent, self._budgets, self._kept_for = [], [], None, None
 
     # ------------------------------------------------------------------ a step
 
-    def launch(self, seqs: list[Sample], budgets: list[int], rings: list[int] | None = None) -> None:
+    def launch(self, seqs: list[Sample], budgets: list[int], rings: list[int] | None = None,
+               select: Select = Select.EVERY) -> None:
         """Queue one decode step of these samples at these budgets (no host sync); its results come
         back from `collect`. A sample that joins the batch must have its last token on the host.
         `rings`: with a query ring, each sample's slot in it (its first row, -1: none), from
-        `compaction.QueryWindows.bases`."""
+        `compaction.QueryWindows.bases`. `select`: where the sparse layers' pages come from."""
         b = len(seqs)
         n = next(s for s in self.buckets if s >= b)
         k = kept_pages(budgets, self.page_size, self.max_pages)
@@ -189,9 +210,10 @@ class StaticDecode:
             self.budgets[:b].copy_(self._upload(budgets, torch.int32))
             self.budgets[b:] = 0
             self._budgets = list(budgets)
-        graph = self._graph(n, k) if self.capture else None
+        select = self._select(select, k, budgets)
+        graph = self._graph(n, k, select) if self.capture else None
         if graph is None:
-            self._step(n, k)
+            self._step(n, k, select)
         else:
             graph.replay()
         self._after_step(seqs)
@@ -219,6 +241,38 @@ class StaticDecode:
     def _upload(self, values, dtype: torch.dtype) -> Tensor:
         return upload(self.device, values, dtype)
 
+    def _select(self, select: Select, k: int, budgets: list[int]) -> Select:
+        """`select` where it can run: pages are kept only when every row is sparse (a dense row would keep
+        the whole table), and reused only when every row kept its pages at the budget it has now, in a
+        step of the same width."""
+        if select == Select.EVERY or min(budgets) == 0:
+            return Select.EVERY
+        if select == Select.REUSE and self._kept_for != (k, budgets):
+            select = Select.KEEP
+        if select == Select.KEEP:
+            self._kept_for = (k, list(budgets))
+            self._kept_pages(k)
+        return select
+
+    def _move_kept(self, src: list[int | None], perm: Tensor | None) -> None:
+        """Rows moved to rows `src` came from (None: a new row): their kept pages move with them, and no
+        pages are kept once a new row joins."""
+        if self._kept_for is None or None in src:
+            self._kept_for = None
+            return
+        k, budgets = self._kept_for
+        self._kept_for = (k, [budgets[j] for j in src])
+        if perm is not None:
+            self.kept[k][:, : len(src)] = self.kept[k][:, perm]
+
+    def _kept_pages(self, k: int) -> Tensor:
+        """The kept pages of width K (allocated at first use, outside any capture)."""
+        if k not in self.kept:
+            cfg = self.model.cfg
+            self.kept[k] = torch.full((cfg.num_layers, self.buckets[-1], cfg.num_kv_heads, k + 1), -1,
+                                      dtype=torch.int32, device=self.device)
+        return self.kept[k]
+
     def _sync_rows(self, seqs: list[Sample], rings: list[int] | None = None) -> bool:
         """Make the device rows hold these samples in this order -> whether rows changed. Rows that stay
         are gathered on the device (their state may be a step ahead of the host's); new rows are sent;
@@ -240,12 +294,14 @@ class StaticDecode:
             src.append(j)
             if j is None:
                 fresh.append(i)
+        perm = None
         if any(j is not None and j != i for i, j in enumerate(src)):
             perm = self._upload([i if j is None else j for i, j in enumerate(src)], torch.long)
             for buf in (self.tokens, self.positions, self.cache_lens, self.block_table, self.temperatures,
                         self.seeds, self.ring_base, self.ring_window):
                 if buf is not None:
                     buf[:b] = buf[perm]
+        self._move_kept(src, perm)
         sent = [self._sent[j] if j is not None else None for j in src]
         if fresh:
             self._send_rows(seqs, fresh)
@@ -334,11 +390,11 @@ class StaticDecode:
         assert not self._in_flight, "collect() the steps in flight first"
         assert max(map(len, fed)) <= self.score_queries, "more fed tokens than a scoring group holds"
         assert len(fed) <= self.buckets[-1], "more samples than a step holds"
-        self.forget_rows()
+        self.forget_rows()  # and no kept pages: the scoring rows write nothing there, but move the rows
         m = sum(map(len, fed))
         n = next(s for s in self.score_buckets if s >= m)
         self._send_scoring(n, fed, starts, tables, temperatures)
-        graph = self._graph(n, SCORE) if self.capture else None
+        graph = self._graph(n, SCORE, Select.EVERY) if self.capture else None
         if graph is None:
             self._score(n)
         else:
@@ -382,9 +438,9 @@ class StaticDecode:
 
     # ------------------------------------------------------------------ the step's parts
 
-    def _step(self, n: int, k: int) -> None:
+    def _step(self, n: int, k: int, select: Select = Select.EVERY) -> None:
         """The step of bucket n with K = k: inputs from the state, the model, sampling, the state advanced."""
-        logits = self._forward(n, k)
+        logits = self._forward(n, k, select=select)
         cl = self.cache_lens[:n]
         tokens, chosen, _ = sample_on_device(logits, self.temperatures[:n], self.seeds[:n],
                                              self.positions[:n, 0], logp_out=self.logp[:n], ops=self.ops)
@@ -395,7 +451,7 @@ class StaticDecode:
         self.positions[:n, 0] += active
         self.cache_lens[:n] += active.int()
 
-    def _forward(self, n: int, k: int, grouped: bool = False) -> Tensor:
+    def _forward(self, n: int, k: int, grouped: bool = False, select: Select = Select.EVERY) -> Tensor:
         """The model over rows :n of the state with K = k (each row writes its key at the slot its cache
         length ends on; padding rows, cache length 0, write nothing) -> logits [n, V] float32. `grouped`:
         the rows are queries in `groups` (a scoring step)."""
@@ -409,16 +465,32 @@ class StaticDecode:
             queries = torch.where((base >= 0) & (cl > 0), base + self.positions[:n, 0] % self.ring_window[:n],
                                   self.trash)
         groups = self.groups[: n + 1] if grouped else None
+        kept = None if select == Select.EVERY else KeptPages(self.kept[k][:, :n], store=select == Select.KEEP)
         attn = self.attention(DecodeBatch(self.block_table[:n], cl, self.budgets[:n], self.slots[:n],
                                           any_sparse=k > 0, max_selected=k or None, query_index=queries,
-                                          groups=groups, queries_per_group=self.score_queries))
+                                          groups=groups, queries_per_group=self.score_queries, kept=kept))
         kv_len = self.max_pages * self.page_size
         if self.hidden is None:
             hidden = self.model.hidden_states(self.tokens[:n], positions=self.positions[:n], attention=attn,
                                               kv_len=kv_len)[:, 0]
         else:  # the runner's decode form (the GPU's fused layers)
             hidden = self.hidden(self.tokens[:n], self.positions[:n], attn, kv_len)
+        if select == Select.KEEP:
+            self._keep_next_page(kept.pages, cl, self.budgets[:n])
         return self.model.logits(hidden)
+
+    def _keep_next_page(self, pages: Tensor, cache_lens: Tensor, budgets: Tensor) -> None:
+        """Each row's next page into the column after its kept pages, in every layer at once, so that the
+        drafts that cross into it attend to it (its positions past a step's cache are masked out).
+        pages [L, n, Hkv, K + 1]; a sparse row keeps min(its pages, budget / P) pages, sorted, then -1."""
+        P, width = self.page_size, pages.shape[3]
+        have = (cache_lens.long() + P - 1) // P  # the pages of each row's cache; the next one's index
+        kept = torch.minimum(have, budgets.long() // P).clamp(max=width - 1)
+        nxt = torch.where((cache_lens > 0) & (have < self.max_pages), have, -1).int()
+        pages[..., width - 1] = -1  # the column past a full row: another cycle's next page
+        column = pages[..., :1]  # [L, n, Hkv, 1]
+        at, page = (x[None, :, None, None].expand_as(column) for x in (kept, nxt))
+        pages.scatter_(3, at, page)
 
     def _after_step(self, seqs: list[Sample]) -> None:
         """Rows with top-k/top-p: drawn again from the step's log-probs over their truncated sets, and
@@ -446,17 +518,19 @@ class StaticDecode:
 
     # ------------------------------------------------------------------ graphs
 
-    def prepare(self, batch: int, k: int) -> None:
+    def prepare(self, batch: int, k: int, select: Select = Select.EVERY) -> None:
         """Capture the graph of `batch` rows with K = k now (run eagerly: run its step once on padding
         rows, which compiles its kernels), so that no later step pays for it. The rows' state is kept."""
         if k == SCORE:  # a scoring step of `batch` samples' full groups
             n = next(s for s in self.score_buckets if s >= batch * self.score_queries)
             if self.capture:
-                self._graph(n, k)
+                self._graph(n, k, Select.EVERY)
             return  # eager scoring steps compile with the decode steps' kernels
         n = next(s for s in self.buckets if s >= batch)
         if self.capture:
-            self._graph(n, k)
+            if select != Select.EVERY and k > 0:
+                self._kept_pages(k)
+            self._graph(n, k, select if k > 0 else Select.EVERY)
             return
         state = (self.tokens, self.positions, self.cache_lens)
         saved = [t.clone() for t in state]
@@ -465,15 +539,16 @@ class StaticDecode:
         for t, s in zip(state, saved):
             t.copy_(s)
 
-    def _graph(self, n: int, k: int) -> torch.cuda.CUDAGraph:
-        key = (n, k)
+    def _graph(self, n: int, k: int, select: Select) -> torch.cuda.CUDAGraph:
+        key = (n, k, select)
         if key not in self.graphs:
             state = (self.tokens, self.positions, self.cache_lens, self.budgets)
             saved = [t.clone() for t in state]
             self.cache_lens.zero_()  # warm-up and capture see only padding rows: they write nothing
             side = capture_stream(self.device)
             side.wait_stream(torch.cuda.current_stream())
-            run = functools.partial(self._score, n) if k == SCORE else functools.partial(self._step, n, k)
+            step = functools.partial(self._step, n, k, select)
+            run = functools.partial(self._score, n) if k == SCORE else step
             with torch.cuda.stream(side):
                 run()  # Triton compiles and cuBLAS sets up outside the capture
             torch.cuda.current_stream().wait_stream(side)

@@ -58,8 +58,7 @@ class CpuDecodeAttention(DecodeAttention):
             if self.cascade is not None:
                 selected = self._cascaded_selection(layer, q1, centroids)
             else:
-                selected = ops.select_pages(q1, centroids, b.block_table, b.seq_lens, b.budgets,
-                                            page_size=self.cache.page_size, max_selected=b.max_selected)
+                selected = self.selection(layer, q1, centroids)
             out = ops.sparse_paged_attention(q1, k_pages, v_pages, b.block_table, b.seq_lens, selected,
                                              self.scale, workspace=self.workspace)
         elif self.cascade is not None:
