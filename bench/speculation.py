@@ -45,7 +45,7 @@ from sparrow.stages.engine.config import DecodeStep
 from sparrow.stages.model.loading import load_model
 from sparrow.stages.model.presets import get_preset
 from sparrow.stages.scoring.mismatch import score_sequences
-from sparrow.stages.speculative_plan import expected_tokens, verify_seconds
+from sparrow.stages.speculative_plan import cycle_seconds, expected_tokens
 from sparrow.stages.tasks import make_prompts
 
 DENSE_LAYERS = (0, 1)
@@ -130,11 +130,11 @@ def measured_alpha(model, prompts, samples, args, budget: int) -> float:
     return float(np.mean(np.concatenate(values)))
 
 
-def floor_prediction(args, a: float, k: int) -> float:
+def floor_prediction(args, a: float, k: int, kept: bool) -> float:
     """The analytic cost model's speedup of speculation over dense at the floor workload."""
     cost = analytic(get_preset(args.floor_model).config, args.hardware, dense_layers=DENSE_LAYERS)
     b, c = args.floor_batch, args.floor_context
-    cycle = k * float(cost.step_seconds(b, c, args.budget)) + float(verify_seconds(cost, b, c, k))
+    cycle = float(cycle_seconds(cost, b, c, args.budget, k, kept))
     return expected_tokens(a, k) * float(cost.step_seconds(b, c, 0)) / cycle
 
 
@@ -192,7 +192,7 @@ def main() -> None:
             a = measured_alpha(model, prompts, samples, args, args.budget) if a is None else a
             row.update(tokens_per_cycle=mean, tokens_per_cycle_half_width=half, alpha_mean=a,
                        predicted_tokens_per_cycle=expected_tokens(a, k),
-                       floor_speedup=floor_prediction(args, a, k))
+                       floor_speedup=floor_prediction(args, a, k, reuse))
             rows.append(row)
     print(f"{'sampler':52} {'total s':>8} {'decode s':>9} {'tok/s':>7} {'x dense':>8} {'accept':>7} "
           f"{'alpha':>6} {'tok/cycle (95%)':>17} {'predicted':>9} {'floor x':>8}")

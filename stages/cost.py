@@ -99,8 +99,13 @@ class CostModel:
     def vector(self) -> np.ndarray:
         return np.array([self.coefficients[k] for k in FEATURES])
 
-    def step_seconds(self, batch, context, budget) -> np.ndarray:
-        return self.features(batch, context, budget) @ self.vector
+    def step_seconds(self, batch, context, budget, scored: bool = True) -> np.ndarray:
+        """Predicted seconds of a decode step; `scored` False: a sparse step on pages an earlier step
+        selected (a speculative cycle's later drafts), which scores no page."""
+        features = self.features(batch, context, budget)
+        if not scored:
+            features[..., FEATURES.index("page")] = 0.0
+        return features @ self.vector
 
     def rollout_seconds(self, budget_at: Callable[[np.ndarray], np.ndarray] | None, gen_len: int,
                         batch: int, prompt_len: int = 0) -> float:

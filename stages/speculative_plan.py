@@ -4,10 +4,13 @@ one K for the run, those that minimise the predicted seconds per generated token
 A cycle of K drafts at budget b emits (1 - a^(K+1)) / (1 - a) tokens on average, with a the profile's
 mean alpha of the bin at b: for speculation the mean sets the speed, not the tail, since a rejected draft
 costs time and never correctness. The cycle costs K decode steps at b and one dense forward of K + 1
-tokens per sample. A cost artifact that `fit-cost --speculate` wrote prices that forward from its timed
-verifications; otherwise, since it reads the weights and every sample's KV once, it is priced as a dense
-decode step whose per-row term is paid K + 1 times. Only profiled budgets are candidates, and
-budgets are made non-decreasing across bins, as every schedule's are. A bin without profiled tokens is
+tokens per sample; on the engine's static step (a GPU's) K - 1 of the drafts attend to the pages the first
+one kept and score none, so a cost model of a GPU prices them without the page term (`drafts_keep_pages`),
+and a CPU's measured one with it (its plain step selects at every draft). A cost artifact that `fit-cost
+--speculate` wrote prices the forward from its timed verifications; otherwise, since it reads the weights
+and every sample's KV once, it is priced as a dense decode step whose per-row term is paid K + 1 times.
+Only profiled budgets are candidates, and budgets are made non-decreasing across bins, as every
+schedule's are. A bin without profiled tokens is
 priced at its nearest profiled neighbour's mean alpha (as the lossy plan's thin bins take a neighbour's
 budget) and shown as thin, with no mean or tokens per cycle of its own.
 """
@@ -54,6 +57,22 @@ def mean_alpha(mismatch, bin_width: int, num_bins: int) -> MeanAlpha:
         if b < num_bins:
             mean[b, np.searchsorted(budgets, budget)] = value
     return MeanAlpha(budgets, mean, bin_width)
+
+
+def drafts_keep_pages(cost: CostModel) -> bool:
+    """Whether the engine the cost model prices keeps a cycle's first draft's pages for its later drafts:
+    the static step does (a GPU's, which the analytic presets describe); a CPU's plain step does not."""
+    return cost.source != "measured:cpu"
+
+
+def cycle_seconds(cost: CostModel, batch: int, context, budget: int, k: int,
+                  kept: bool | None = None) -> np.ndarray:
+    """Predicted seconds of one cycle at each context: k drafts at `budget`, the later ones on the first
+    one's pages when `kept` (None: `drafts_keep_pages`), and the verification of k + 1 tokens per sample."""
+    kept = drafts_keep_pages(cost) if kept is None else kept
+    later = cost.step_seconds(batch, context, budget, scored=not kept)
+    first = cost.step_seconds(batch, context, budget)
+    return first + (k - 1) * later + verify_seconds(cost, batch, context, k)
 
 
 def verify_seconds(cost: CostModel, batch: int, context, k: int) -> np.ndarray:
@@ -117,7 +136,6 @@ def _plan_for_k(cost: CostModel, alpha: MeanAlpha, thin: np.ndarray, batch: int,
     best[i, j] is the least time of bins 0..i with bin i at budget j). `thin` [bins, budgets]: no profiled
     token there (its value `borrowed`), shown as None."""
     n, m = alpha.mean.shape
-    verify = verify_seconds(cost, batch, contexts, k)
     seconds = np.zeros((n, m))  # [bin, budget] predicted decode seconds of the bin's positions
     for i in range(n):
         at = bins == i
@@ -126,7 +144,7 @@ def _plan_for_k(cost: CostModel, alpha: MeanAlpha, thin: np.ndarray, batch: int,
             if np.isnan(a):
                 seconds[i, j] = np.inf if at.any() else 0.0
                 continue
-            cycle = k * cost.step_seconds(batch, contexts[at], int(b)) + verify[at]
+            cycle = cycle_seconds(cost, batch, contexts[at], int(b), k)
             seconds[i, j] = float(cycle.sum()) / expected_tokens(float(a), k)
     best = seconds.copy()
     for i in range(1, n):

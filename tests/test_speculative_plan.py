@@ -4,6 +4,7 @@ non-decreasing assignment of profiled budgets to bins, written from the pricing 
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import numpy as np
 import pyarrow as pa
@@ -33,7 +34,10 @@ def _mismatch(alphas: np.ndarray, per_cell: int = 60) -> pa.Table:
     return pa.table(rows)
 
 
-def _brute_force(cost, means, batch, prompt_len, gen_len):
+def _brute_force(cost, means, batch, prompt_len, gen_len, kept: bool):
+    """The best speedup over every K and assignment: a cycle is a draft step at the bin's budget, K - 1
+    more (on the first one's pages when `kept`: the page-scoring feature, the last, is not paid), and a
+    dense forward whose per-row feature is paid K + 1 times."""
     contexts = np.arange(prompt_len + 1, prompt_len + gen_len)
     bins = np.minimum(contexts // WIDTH, means.shape[0] - 1)
     dense = float(cost.step_seconds(batch, contexts, 0).sum())
@@ -48,7 +52,9 @@ def _brute_force(cost, means, batch, prompt_len, gen_len):
                 at = bins == i
                 a = means[i, j]
                 tokens = sum(a ** n for n in range(k + 1))
-                cycle = k * cost.step_seconds(batch, contexts[at], BUDGETS[j]) + verify[at]
+                draft = cost.features(batch, contexts[at], BUDGETS[j])
+                later = draft * ([1, 1, 1, 0] if kept else 1)
+                cycle = draft @ cost.vector + (k - 1) * (later @ cost.vector) + verify[at]
                 total += float(cycle.sum()) / tokens
             best = max(best, dense / total)
     return best
@@ -58,12 +64,16 @@ def _brute_force(cost, means, batch, prompt_len, gen_len):
     np.array([[0.97, 0.99, 1.0], [0.85, 0.95, 0.99], [0.7, 0.9, 0.98]]),
     np.array([[0.5, 0.6, 0.7], [0.99, 0.995, 1.0], [0.6, 0.97, 0.99]]),  # the best budgets would decrease
 ])
-def test_the_plan_is_the_brute_force_optimum(alphas):
-    cost = analytic(get_preset("qwen3-4b").config, "h100")
+@pytest.mark.parametrize("source", ["analytic:h100", "measured:cpu"])
+def test_the_plan_is_the_brute_force_optimum(alphas, source):
+    """A GPU's cost model prices the later drafts on kept pages (the static step's), a CPU's measured one
+    at every draft's own selection (the plain step's)."""
+    cost = replace(analytic(get_preset("qwen3-4b").config, "h100"), source=source)
     table = _mismatch(alphas)
     alpha = mean_alpha(table, WIDTH, 3)
     plan = plan_speculation(cost, alpha, 64, 1024, 3 * WIDTH - 1024)
-    assert plan.speedup == pytest.approx(_brute_force(cost, alpha.mean, 64, 1024, 3 * WIDTH - 1024), rel=1e-9)
+    want = _brute_force(cost, alpha.mean, 64, 1024, 3 * WIDTH - 1024, kept=source.startswith("analytic"))
+    assert plan.speedup == pytest.approx(want, rel=1e-9)
     assert plan.budgets == sorted(plan.budgets)
     assert plan.speedups_by_k[plan.k] == max(plan.speedups_by_k.values())
 
