@@ -31,6 +31,7 @@ from .options import (
     check_sampling_memory,
     check_tail,
     default_threshold,
+    distilled_adapter,
     finite,
     given_path,
     gpu_memory_option,
@@ -99,11 +100,6 @@ def load_init_adapter(path: Path, cfg, rank: int, alpha: float, model: str | Non
     return load_file(path / "adapter_model.safetensors"), lora
 
 
-def distilled_adapter(folder: Path) -> bool:
-    """An adapter directory that `sparrow distill` wrote (and may replace)."""
-    return (folder / "adapter_config.json").exists() and (folder / "sparrow_distill.json").exists()
-
-
 def option_given(ctx: typer.Context, name: str) -> bool:
     """Whether the option `name` was given (on the command line or in the environment), not defaulted."""
     source = ctx.get_parameter_source(name)  # typer vendors click: compare by name, not by enum class
@@ -148,7 +144,7 @@ def steps_batch(batch_size: int, explicit: bool, available: int, source: str) ->
     return min(batch_size, available)
 
 
-def check_k3_trajectories(path: Path, sampler: str | None) -> None:
+def check_k3_trajectories(path: Path, sampler: str | None, speculate: int | None = None) -> None:
     """k3 estimates KL(actor || dense) only on tokens the sparse actor sampled."""
     if sampler is None:
         raise UsageError(f"--objective k3 needs trajectories sampled by the sparse actor, and {path} "
@@ -158,6 +154,10 @@ def check_k3_trajectories(path: Path, sampler: str | None) -> None:
         raise UsageError(f"--objective k3 needs trajectories sampled by the sparse actor, but {path} was "
                          "sampled densely; use --objective kl, or sample with sparrow rollout --budget or "
                          "--schedule")
+    if speculate:
+        raise UsageError(f"--objective k3 needs trajectories sampled by the sparse actor, but {path} holds "
+                         f"exact speculative samples (--speculate {speculate}), which are the dense model's; "
+                         "use --objective kl, or sample with sparrow rollout --budget or --schedule alone")
 
 
 @friendly_errors
@@ -308,7 +308,7 @@ def distill(
     if rollouts is not None:
         trajectories = read_rollouts(rollouts)
         if objective == "k3":
-            check_k3_trajectories(rollouts, trajectories.sampler)
+            check_k3_trajectories(rollouts, trajectories.sampler, trajectories.speculate)
         cfg.batch_size = steps_batch(batch_size, batch_given,
                                      sum(bool(r["token_ids"]) for r in trajectories.rows),
                                      f"of --rollouts {rollouts}")

@@ -248,6 +248,30 @@ def block_topk_sparsity(schedule: Path | None, budget: int | None, dense: bool, 
     return sparsity
 
 
+def check_speculative_schedule(schedule: Path | None, speculate: int) -> None:
+    """A schedule's fit for the sampler it drives: under --speculate, one dense in every bin is refused
+    (its drafts would be the verification's own dense steps); without it, a draft schedule that
+    `plan-schedule --speculate` wrote is warned about (its budgets were planned for speed under
+    verification, with no tail threshold behind them)."""
+    from sparrow.schemas import ArtifactError, artifact_metadata
+    from sparrow.stages.core.schedule import Schedule
+
+    if schedule is None:
+        return
+    if speculate > 0 and not any(Schedule.from_artifact(schedule).budgets):
+        raise UsageError(f"--schedule {schedule} is dense in every bin, so --speculate would draft with the "
+                         "dense model itself; give a sparse schedule or --budget, or drop --speculate")
+    try:
+        drafts = artifact_metadata(schedule).get("speculate")
+    except ArtifactError:
+        return
+    if drafts and speculate == 0:
+        warn(f"--schedule {schedule} holds draft budgets for --speculate {drafts} (plan-schedule "
+             "--speculate), planned for speed under verification with no tail threshold; as a lossy "
+             f"schedule it may train off-policy: add --speculate {drafts}, or plan a lossy schedule without "
+             "--speculate")
+
+
 def check_budgets(budgets: list[int], context: int, flag: str, model: str) -> None:
     """Block top-k budgets no larger than the model's context: a larger one is never reached."""
     for b in budgets:
@@ -322,6 +346,11 @@ def load_actor(path: Path | None, cfg, model: str | None = None, flag: str = "--
         console.print(f"[yellow]warning:[/] {flag} {path} was trained on {base!r} (its adapter_config.json), "
                       f"not on --model {model}; its shapes fit, so it is used as given", highlight=False)
     return lora
+
+
+def distilled_adapter(folder: Path) -> bool:
+    """An adapter directory that `sparrow distill` (or `train --distill-sparse`) wrote: a sparse actor's."""
+    return (folder / "adapter_config.json").exists() and (folder / "sparrow_distill.json").exists()
 
 
 def read_adapter_config(path: Path, flag: str = "--adapter") -> dict:

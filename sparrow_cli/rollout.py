@@ -30,7 +30,9 @@ from .options import (
     check_gpu_memory,
     check_host_memory,
     check_sampling_memory,
+    check_speculative_schedule,
     check_workers,
+    distilled_adapter,
     finite,
     given_path,
     gpu_memory_option,
@@ -186,6 +188,11 @@ def rollout(
         _check_vllm_flags(schedule, budget, lora, top_k, top_p, kv_compression)
     kv = (kv_compression, kv_budget, kv_window, kv_buffer)
     policy = sparsity_policy(schedule, budget, dense, kv, model)
+    check_speculative_schedule(schedule, speculate)
+    if speculate and lora is not None and distilled_adapter(lora):
+        raise UsageError(f"--adapter {lora} is a sparse actor (sparrow distill's, with "
+                         "sparrow_distill.json), and --speculate verifies with the dense model, which that "
+                         "adapter is not: drop one of them")
     for flag, value in (("--samples", samples), ("--max-new-tokens", max_new_tokens),
                         ("--max-num-seqs", max_batch), ("--kv-pages", 1 if kv_pages is None else kv_pages),
                         ("--max-num-batched-tokens", max_num_batched_tokens)):

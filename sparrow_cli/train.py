@@ -23,6 +23,7 @@ from .data_options import answer_column_option, data_options, reward_fn_option, 
 from .options import (
     check_gpu_memory,
     check_sampling_memory,
+    check_speculative_schedule,
     check_workers,
     finite,
     given_path,
@@ -214,6 +215,7 @@ def train(
     fmt = resolve_format(format)
     kv = (kv_compression, kv_budget, kv_window, kv_buffer)
     policy = sparsity_policy(schedule, budget, dense, kv, model)
+    check_speculative_schedule(schedule, speculate)
     try:
         trackers = parse_report_to(report_to)
     except ValueError as e:
@@ -249,9 +251,9 @@ def train(
         raise UsageError(str(e)) from None
     check_device(device)
     check_gpu_memory(gpu_memory_utilization)
-    check_workers(workers, ray_address, None)
     if speculate and workers:
         raise UsageError("--speculate runs in this process's engine; drop --workers")
+    check_workers(workers, ray_address, None)
     data = data_options(answer_column, reward, reward_fn)
     rows = PromptSet.read(prompts, data).rows
     _check_step_memory(rows, cfg)

@@ -370,7 +370,8 @@ def profile_rollouts(run: ProfileRun, given, source: Path, opts: ProfileOptions,
     if hooks.ready:
         hooks.ready()
     meta = opts.metadata(sampled=False) | {"rollouts": input_name(source)} | run.metadata() | (
-        {"sampler": given.sampler} if given.sampler else {})
+        {"sampler": given.sampler} if given.sampler else {}) | (
+        {"speculate": given.speculate} if given.speculate else {})
     if run.workers:
         return _profile_on_ray(run, trajectories, opts, False, meta, hooks.on_shard)
     return _write(profile_trajectories(loaded, trajectories, opts, hooks.progress), run, meta)

@@ -61,10 +61,11 @@ class RolloutSummary:
     dense_kv_tokens_mean: float | None = None
     peak_pages: int | None = None  # pool pages in use at the fullest decode step
     compactions: int = 0  # compressions of evicting samples
-    # speculative decoding: engine cycles, the samples' cycles (a sample in a cycle counts once), drafts
-    # proposed and drafts the dense model kept; None without it
+    # speculative decoding: engine cycles, the samples' cycles (a sample in a cycle counts once), the tokens
+    # those emitted, drafts proposed and drafts the dense model kept; None without it
     cycles: int | None = None
     sample_cycles: int | None = None
+    cycle_tokens: int | None = None
     drafted_tokens: int | None = None
     accepted_drafts: int | None = None
 
@@ -75,10 +76,11 @@ class RolloutSummary:
 
     @property
     def tokens_per_cycle(self) -> float | None:
-        """Tokens a sample's cycle emits on average: its kept drafts and the dense model's one."""
+        """Tokens a sample's cycle emits on average: its kept drafts and the dense model's one (none after
+        a kept stop token)."""
         if not self.sample_cycles:
             return None
-        return (self.accepted_drafts + self.sample_cycles) / self.sample_cycles
+        return self.cycle_tokens / self.sample_cycles
 
     @property
     def tokens_per_s(self) -> float:
@@ -186,7 +188,7 @@ def summarize(out: dict, stats: EngineStats) -> RolloutSummary:
     policies = sorted({p for p in out.get("kv_policy", []) if p is not None})
     steps = getattr(stats, "decode_steps", 0)
     kv = {"peak_pages": stats.peak_pages} if steps else {}
-    if steps and not getattr(stats, "sample_cycles", 0):  # a speculative cycle's KV is not counted per step
+    if steps:  # a speculative run counts its cycles' dense caches
         kv |= {"kv_tokens_peak": stats.kv_tokens_peak, "kv_tokens_mean": stats.kv_tokens_sum / steps,
                "dense_kv_tokens_peak": stats.dense_kv_tokens_peak,
                "dense_kv_tokens_mean": stats.dense_kv_tokens_sum / steps}
@@ -201,10 +203,11 @@ def summarize(out: dict, stats: EngineStats) -> RolloutSummary:
 
 
 def _speculation(stats) -> dict:
-    if not getattr(stats, "sample_cycles", 0):
+    if not getattr(stats, "speculative", False):
         return {}
     return {"cycles": stats.decode_steps, "sample_cycles": stats.sample_cycles,
-            "drafted_tokens": stats.drafted_tokens, "accepted_drafts": stats.accepted_drafts}
+            "cycle_tokens": stats.cycle_tokens, "drafted_tokens": stats.drafted_tokens,
+            "accepted_drafts": stats.accepted_drafts}
 
 
 @dataclass
@@ -364,9 +367,9 @@ def merge_summaries(results: Seq, wall_seconds: float) -> RolloutSummary:
     kv = {k: max((getattr(r.summary, k) for r in results if getattr(r.summary, k) is not None), default=None)
           for k in ("kv_tokens_peak", "kv_tokens_mean", "dense_kv_tokens_peak", "dense_kv_tokens_mean",
                     "peak_pages")}
-    spec = {k: sum(getattr(r.summary, k) for r in results)
-            for k in ("cycles", "sample_cycles", "drafted_tokens", "accepted_drafts")
-            } if results and results[0].summary.drafted_tokens is not None else {}
+    spec = {k: sum(getattr(r.summary, k) or 0 for r in results)
+            for k in ("cycles", "sample_cycles", "cycle_tokens", "drafted_tokens", "accepted_drafts")
+            } if any(r.summary.drafted_tokens is not None for r in results) else {}
     return replace(merged, seconds=wall_seconds, **kv, **spec)
 
 

@@ -335,10 +335,14 @@ def cli_files(tiny, tmp_path_factory):
     dense = tmp / "dense.parquet"
     assert runner.invoke(app, ["rollout", "--model", path, "--prompts", str(prompts), "--max-new-tokens", "3",
                                "-o", str(dense)]).exit_code == 0
+    speculative = tmp / "speculative.parquet"
+    assert runner.invoke(app, ["rollout", "--model", path, "--prompts", str(prompts), "--max-new-tokens", "3",
+                               "--budget", "48", "--speculate", "2", "-o", str(speculative)]).exit_code == 0
     foreign = tmp / "foreign.parquet"
     pq.write_table(pa.table({"prompt_id": ["q0"], "prompt_token_ids": [[5] * 60], "token_ids": [[7, 8]]}),
                    foreign)
     return {"PROMPTS": str(prompts), "ADAPTER": str(adapter), "DENSE": str(dense), "FOREIGN": str(foreign),
+            "SPECULATIVE": str(speculative),
             "SCHED32": str(_schedule_file(tmp / "s32.parquet", 32)), "MODEL": path}
 
 
@@ -352,6 +356,8 @@ def cli_files(tiny, tmp_path_factory):
     (["distill", "--model", "MODEL", "--prompts", "PROMPTS", "--schedule", "SCHED32"], "pages of 32 tokens"),
     (["distill", "--model", "MODEL", "--rollouts", "DENSE", "--budget", "48", "--objective", "k3"],
      "was sampled densely"),
+    (["distill", "--model", "MODEL", "--rollouts", "SPECULATIVE", "--budget", "48", "--objective", "k3"],
+     "holds exact speculative samples (--speculate 2), which are the dense model's"),
     (["distill", "--model", "MODEL", "--rollouts", "FOREIGN", "--budget", "48", "--objective", "k3"],
      "does not record how it was sampled"),
     (["distill", "--model", "MODEL", "--prompts", "PROMPTS"], "give --budget or --schedule"),

@@ -166,6 +166,63 @@ def test_speculation_without_a_sparse_drafter_is_refused(tmp_path, no_work, comm
     assert not out.exists()
 
 
+def _schedule(path: Path, budgets: list[int | None], **meta) -> Path:
+    """A two-bin schedule artifact (bins of 512 tokens) with these budgets and extra metadata."""
+    return write_artifact({"bin": [0, 1], "bin_start": [0, 512], "bin_end": [512, None], "budget": budgets,
+                           "tail": [None, None], "predicted_step_seconds": [None, None]}, path, "schedule",
+                          metadata={"page_size": 16, **meta})
+
+
+@pytest.mark.parametrize("command", ["rollout", "train"])
+def test_speculation_with_a_schedule_dense_in_every_bin_is_refused(tmp_path, no_work, command):
+    """A dense draft is the verification's own work: all cost and no gain, as --dense --speculate is."""
+    prompts, out = token_prompts(tmp_path / "p.parquet"), tmp_path / "out"
+    schedule = _schedule(tmp_path / "s.parquet", [None, None])  # a null budget is a dense bin
+    args = rollout_args(prompts, out) if command == "rollout" else train_args("tiny-llama", prompts, out)
+    result = runner.invoke(app, [*args, "--schedule", str(schedule), "--speculate", "2"])
+    assert result.exit_code == 2
+    assert error_line(result) == (f"error: --schedule {schedule} is dense in every bin, so --speculate would "
+                                  "draft with the dense model itself; give a sparse schedule or --budget, or "
+                                  "drop --speculate")
+    assert not out.exists()
+
+
+def test_speculation_with_a_sparse_actor_adapter_is_refused(tmp_path, no_work):
+    """A DistillSparse adapter adapts the sparse actor only; merged, it would verify too, and the samples
+    would not be the dense model's."""
+    prompts, out = token_prompts(tmp_path / "p.parquet"), tmp_path / "out.parquet"
+    adapter = tmp_path / "actor"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{}")
+    (adapter / "sparrow_distill.json").write_text("{}")
+    result = runner.invoke(app, rollout_args(prompts, out, "--budget", "48", "--speculate", "2",
+                                             "--adapter", str(adapter)))
+    assert result.exit_code == 2 and "--speculate verifies with the dense model" in error_line(result)
+    assert str(adapter) in error_line(result) and not out.exists()
+
+
+def test_a_draft_schedule_without_speculate_is_warned_about(tmp_path):
+    """plan-schedule --speculate's drafts were planned with no tail threshold: as a lossy schedule they run,
+    with one warning that says what to add."""
+    prompts, out = token_prompts(tmp_path / "p.parquet"), tmp_path / "out.parquet"
+    schedule = _schedule(tmp_path / "drafts.parquet", [64, 64], speculate=3)
+    result = runner.invoke(app, rollout_args(prompts, out, "--schedule", str(schedule)))
+    assert result.exit_code == 0, result.output
+    assert f"--schedule {schedule} holds draft budgets for --speculate 3" in " ".join(result.stderr.split())
+    result = runner.invoke(app, rollout_args(prompts, tmp_path / "spec.parquet", "--schedule", str(schedule),
+                                             "--speculate", "3"))
+    assert result.exit_code == 0 and "draft budgets" not in result.stderr
+
+
+def test_speculation_with_workers_is_refused_before_ray_is_looked_for(tmp_path, no_work):
+    prompts, out = token_prompts(tmp_path / "p.parquet"), tmp_path / "out"
+    result = runner.invoke(app, train_args("tiny-llama", prompts, out, "--budget", "48", "--speculate", "2",
+                                           "--workers", "2"))
+    assert result.exit_code == 2
+    assert error_line(result) == "error: --speculate runs in this process's engine; drop --workers"
+    assert not out.exists()
+
+
 def test_profile_refuses_a_budget_given_twice(tmp_path, no_work):
     out = tmp_path / "m.parquet"
     result = runner.invoke(app, ["profile", "--model", "tiny-llama", "--prompts",

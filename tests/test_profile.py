@@ -315,3 +315,16 @@ def test_speculative_profile_refusals(tiny, tiny_prompts, tmp_path, args, expect
                             "-o", str(out)])
     assert r.exit_code != 0 and expected in r.output and "Traceback" not in r.output
     assert not out.exists()
+
+
+def test_a_rollouts_artifacts_sampler_in_the_words_of_sampler():
+    """`sparrow rollout` names its sampler in prose ("budget 48", "speculative, budget 64 drafts 3 a cycle");
+    a profile of those rollouts records it as --sampler would, and how many drafts a cycle made."""
+    from sparrow.stages.core.trajectories import sampler_words
+
+    assert sampler_words("dense") == ("dense", None)
+    assert sampler_words("budget 48") == ("budget:48", None)
+    assert sampler_words("schedule /runs/a b.parquet") == ("schedule:/runs/a b.parquet", None)
+    assert sampler_words("speculative, budget 64 drafts 3 a cycle") == ("budget:64", 3)
+    assert sampler_words("speculative, schedule /x.parquet drafts 12 a cycle") == ("schedule:/x.parquet", 12)
+    assert sampler_words(None) == (None, None)

@@ -484,6 +484,33 @@ def test_cli_speculative_rollouts_are_dense_samples(prompts_file, tmp_path):
         assert len(b["accepted"]) == len(b["token_ids"]) and sum(b["accepted"]) <= b["drafted"]
 
 
+def test_cli_speculative_summary_counts_what_the_cycles_emitted(prompts_file, tmp_path):
+    """The summary's tokens per cycle are the tokens the cycles emitted (a cycle that ends on a kept stop
+    token emits no dense one), its KV rows the dense caches the cycles held (nothing saved); a run whose
+    samples end at their prefill token still says it speculated: no draft, no cycle."""
+    out = tmp_path / "spec.parquet"
+    r = runner.invoke(app, ["rollout", "--prompts", str(prompts_file), "--samples", "2", "--budget", "48",
+                            "--speculate", "3", "--max-new-tokens", "64", "--temperature", "0",
+                            "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    rows = read_artifact(out, "rollouts").to_pylist()
+    summary = artifact_metadata(out)["summary"]
+    # some samples stop at a kept draft here: the cycle that drafted the stop emitted no dense token
+    assert any(x["finish_reason"] == "stop" and x["accepted"][-1] for x in rows)
+    emitted = sum(len(x["token_ids"]) - 1 for x in rows)  # each sample's first token is the prefill's
+    assert summary["tokens_per_cycle"] == pytest.approx(emitted / summary["sample_cycles"], abs=1e-4)
+    assert summary["kv_tokens_peak"] > 0 and summary["kv_saved"] == 0
+    assert summary["kv_tokens_peak"] == summary["dense_kv_tokens_peak"]
+    out = tmp_path / "one.parquet"
+    r = runner.invoke(app, ["rollout", "--prompts", str(prompts_file), "--samples", "2", "--budget", "48",
+                            "--speculate", "2", "--max-new-tokens", "1", "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    for x in read_artifact(out, "rollouts").to_pylist():
+        assert x["accepted"] == [False] and x["drafted"] == 0
+    summary = artifact_metadata(out)["summary"]
+    assert (summary["sample_cycles"], summary["drafted_tokens"], summary["tokens_per_cycle"]) == (0, 0, None)
+
+
 def _schedule_file(path, page_size):
     write_artifact({"bin": [0, 1], "bin_start": [0, 512], "bin_end": [512, None], "budget": [64, 128],
                     "tail": [None, None], "predicted_step_seconds": [None, None]}, path, "schedule",

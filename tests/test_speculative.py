@@ -204,6 +204,11 @@ def test_speculation_is_refused_where_it_cannot_run(tiny):
     _, model = tiny
     with pytest.raises(ValueError, match="speculate must be >= 0"):
         EngineConfig(speculate=-1)
+    for bad in (1.5, True, "2"):
+        with pytest.raises(ValueError, match="speculate must be a whole number of draft tokens per cycle"):
+            EngineConfig(speculate=bad)
+    with pytest.raises(ValueError, match="reuse_draft_pages must be True or False"):
+        EngineConfig(speculate=2, reuse_draft_pages="no")
     with Engine(model, None, EngineConfig(speculate=2)) as engine:
         with pytest.raises(ValueError, match="eviction"):
             engine.add_request([5] * 40, SamplingParams(max_new_tokens=4), policy=SnapKV(32, window=8))

@@ -18,6 +18,7 @@ Design decisions:
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -60,6 +61,7 @@ class RolloutsFile:
     rows: list[dict]  # prompt_id, sample, prompt (text), prompt_token_ids (None: text only), token_ids
     temperature: float | None  # the sampling temperature its metadata records
     sampler: str | None  # how it was sampled, as its metadata says, in --sampler's words
+    speculate: int | None = None  # drafts per cycle of exact speculative sampling (the drafts' sampler above)
 
     @property
     def needs_tokenizer(self) -> bool:
@@ -105,14 +107,23 @@ def read_rollouts(path: str | os.PathLike) -> RolloutsFile:
     if artifact_kind(path) is not None:
         table = read_artifact(path, "rollouts")
         meta = artifact_metadata(table)
-        temperature, sparsity = meta.get("temperature"), meta.get("sparsity")
-        return RolloutsFile(
-            path,
-            _rows(table, path),
-            None if temperature is None else float(temperature),
-            None if sparsity is None else str(sparsity).replace(" ", ":", 1),  # "budget 48" -> "budget:48"
-        )
+        temperature = meta.get("temperature")
+        sampler, speculate = sampler_words(meta.get("sparsity"))
+        return RolloutsFile(path, _rows(table, path), None if temperature is None else float(temperature),
+                            sampler, speculate)
     return RolloutsFile(path, _rows(_read_foreign(path), path), None, None)
+
+
+def sampler_words(sparsity: str | None) -> tuple[str | None, int | None]:
+    """A rollouts artifact's `sparsity` ("budget 48", "schedule FILE", "speculative, budget 48 drafts 2 a
+    cycle") -> (its sampler in --sampler's words, the drafts per cycle when it speculated)."""
+    if sparsity is None:
+        return None, None
+    text, speculate = str(sparsity), None
+    match = re.fullmatch(r"speculative, (.+) drafts (\d+) a cycle", text)
+    if match:
+        text, speculate = match.group(1), int(match.group(2))
+    return text.replace(" ", ":", 1), speculate  # "budget 48" -> "budget:48"
 
 
 def _read_foreign(path: Path) -> pa.Table:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import numbers
 from dataclasses import dataclass, replace
 
 import torch
@@ -58,8 +59,13 @@ class EngineConfig:
         if not isinstance(self.kernels, Backend):
             raise ValueError(f"kernels must be a Backend, got {self.kernels!r}")
         check_memory_utilization(self.gpu_memory_utilization)
+        if isinstance(self.speculate, bool) or not isinstance(self.speculate, numbers.Integral):
+            raise ValueError(f"speculate must be a whole number of draft tokens per cycle, got "
+                             f"{self.speculate!r}")
         if self.speculate < 0:
             raise ValueError(f"speculate must be >= 0 (draft tokens per cycle), got {self.speculate}")
+        if not isinstance(self.reuse_draft_pages, bool):
+            raise ValueError(f"reuse_draft_pages must be True or False, got {self.reuse_draft_pages!r}")
         if self.num_pages is not None and self.num_pages < 1:
             raise ValueError(f"num_pages must be at least 1, got {self.num_pages}")
         object.__setattr__(self, "dense_layers", tuple(self.dense_layers))

@@ -47,9 +47,12 @@ class EngineStats:
     recomputed_tokens: int = 0  # prefilled again after a preemption
     max_running: int = 0  # the largest decode batch
     dropped_tokens: int = 0  # sampled past a stop the pipelined loop noticed a step late
-    # speculative decoding: samples' cycles (one per sample per cycle; decode_steps counts the cycles),
-    # drafts proposed, and kept by the dense verification
+    # speculative decoding (`speculative`: the engine ran it): samples' cycles (one per sample per cycle;
+    # decode_steps counts the cycles), the tokens they emitted, drafts proposed, and kept by the dense
+    # verification
+    speculative: bool = False
     sample_cycles: int = 0
+    cycle_tokens: int = 0
     drafted_tokens: int = 0
     accepted_drafts: int = 0
     verify_times: list[float] = field(default_factory=list)  # seconds of each cycle's dense verification
@@ -102,7 +105,7 @@ class Engine:
         self.num_pages = config.num_pages  # the pool's pages once a run sized it
         self.blocks: BlockManager | None = None
         self.scheduler: Scheduler | None = None
-        self.stats = EngineStats()
+        self.stats = EngineStats(speculative=config.speculate > 0)
         self._next_id = 0
         self._pending: list[Request] = []
         self._launched: deque[tuple[float, list[int], list[int]]] = deque()  # decode steps in flight: launch
@@ -296,7 +299,7 @@ class Engine:
         a run: `stats` then count this call's steps only."""
         params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if not self.has_work():
-            self.stats = EngineStats()
+            self.stats = EngineStats(speculative=self.config.speculate > 0)
             self._next_id = 0
         base = self._next_id
         if request_ids is None:
@@ -360,7 +363,8 @@ class Engine:
         fresh = [(x, row) for x, row in zip(batch, rows) if isinstance(x, Request)]
         for i, (req, row) in enumerate(fresh):
             for s in range(req.params.n):
-                seq = Sequence(req, s, self._generator(req, s), self._seed(req, s), cached=len(req.prompt))
+                seq = Sequence(req, s, self._generator(req, s), self._seed(req, s), cached=len(req.prompt),
+                               speculative=self.config.speculate > 0)
                 seq.pages = [blocks.share(p) if s else p for p in row.pages]
                 seqs.append(seq)
                 owner.append(i)
@@ -417,6 +421,10 @@ class Engine:
         st = self.stats
         st.decode_steps += 1
         st.max_running = max(st.max_running, len(seqs))
+        held = sum(s.cached + 1 for s in seqs)  # the dense caches with the fed token, as a decode step counts
+        st.kv_tokens_sum, st.kv_tokens_peak = st.kv_tokens_sum + held, max(st.kv_tokens_peak, held)
+        st.dense_kv_tokens_sum += held
+        st.dense_kv_tokens_peak = max(st.dense_kv_tokens_peak, held)
         st.peak_pages = max(st.peak_pages, self.blocks.used)
         cycle = run_cycle(self.runner, self.blocks, seqs, self.config.speculate)
         st.verify_times.append(cycle.verify_seconds)
@@ -432,6 +440,7 @@ class Engine:
         for i, token in enumerate(e.tokens):
             self._record(s, token, e.logprobs[i], 0, e.kv_lens[i], e.tops[i])
             s.accepted.append(i < e.kept)
+            st.cycle_tokens += 1
             st.decode_tokens += 1
             st.generated_tokens += 1
             self._new += 1

@@ -105,7 +105,8 @@ class Sequence:
     cached: int = 0  # tokens in its KV cache (slots 0..cached-1 of its pages); the next goes to slot `cached`
     compactions: int = 0  # compressions of its cache so far (eviction; the static step re-sends its row)
     kv_lens: list[int] = field(default_factory=list)
-    accepted: list[bool] = field(default_factory=list)  # speculative decoding (Completion.accepted)
+    speculative: bool = False  # drawn by speculative cycles: `accepted` and `drafted` are recorded
+    accepted: list[bool] = field(default_factory=list)  # (Completion.accepted)
     drafted: int = 0
 
     @property
@@ -135,7 +136,7 @@ class Sequence:
 
     def _accepted(self) -> list[bool] | None:
         """Per token, whether it was a kept draft; the prefill's first token was drawn densely. None for a
-        sample that never speculated."""
-        if not self.accepted:
+        sample of an engine that does not speculate."""
+        if not self.speculative:
             return None
         return [False] * (len(self.tokens) - len(self.accepted)) + self.accepted
