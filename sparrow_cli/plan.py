@@ -10,6 +10,7 @@ import typer
 
 from sparrow.stages.core.published_schedules import REFERENCE_GEN_LEN
 from sparrow.stages.plan import export_text
+from sparrow.stages.speculative_plan import format_speedup
 
 from .common import (
     UsageError,
@@ -30,8 +31,9 @@ from .output import FORMAT_HELP, FORMAT_METAVAR, emit, json_rows, resolve_format
 EXPORTS = ("json", "sglang-vortex")
 EXPORT_TO_GIVE = "a file such as schedule.json (- = stdout)"  # what an empty --export-to is asked for
 FORMAT_TABLES_HELP = (f"{FORMAT_HELP} With --sweep or --speculate, json is one object with a key per "
-                      "table (schedule, frontier, speculative); csv and tsv carry the schedule table alone, "
-                      "and the other tables go to stderr.")
+                      "table (schedule, frontier, speculative), and with --speculate its K (speculate) and "
+                      "predicted speedups (speculative_speedup, lossy_speedup, speedups_by_k); csv and tsv "
+                      "carry the schedule table alone, and the rest goes to stderr.")
 
 
 def parse_thresholds(text: str) -> list[float]:
@@ -64,9 +66,10 @@ def plan_schedule(
                                  "(h100, h200, a100; default h100 when no --cost)."),
     gen_len: int = typer.Option(None, "--gen-len", help="Generated tokens per rollout for the "
                                 f"predicted speedup (default {REFERENCE_GEN_LEN} with the reference "
-                                "profile, the profile's longest position with a measured one)."),
+                                "profile; with a measured one, the mean over its trajectories)."),
     prompt_len: int = typer.Option(None, "--prompt-len", help="Prompt tokens before generation (default 0 "
-                                   "with the reference profile, the shortest prompt of a measured one)."),
+                                   "with the reference profile; with a measured one, the mean over its "
+                                   "trajectories)."),
     batch: int = typer.Option(64, "--max-num-seqs", "--batch", help="Sequences decoded together (per GPU) "
                               "that the step times are predicted at (vLLM's name). Default 64, a GPU "
                               "rollout's batch; sparrow rollout's own default of 16 suits a CPU."),
@@ -106,7 +109,8 @@ def plan_schedule(
                                    "speculative rollouts (sparrow rollout --speculate K) from the "
                                    "--profile's mean alpha per bin: the draft budget per bin and the K (1-8) "
                                    "of the fewest predicted seconds per token, printed beside the lossy "
-                                   "plan; -o then writes the draft schedule (its K in the metadata)."),
+                                   "plan; -o then writes the draft schedule (its K in the metadata), with a "
+                                   "warning where no K is predicted to beat dense sampling."),
     format: str = typer.Option(None, "--format", "-f", metavar=FORMAT_METAVAR, help=FORMAT_TABLES_HELP),
 ) -> None:
     """Plan the sparsity schedule: for each position bin the cheapest budget whose tail statistic is
@@ -184,7 +188,8 @@ def plan_schedule(
         console.print(f"[yellow]note:[/] {note}", highlight=False)
     for warning in planned.warnings:
         warn(warning)
-    console.print(f"predicted rollout speedup over dense: [bold]{planned.speedup:.2f}x[/]", highlight=False)
+    console.print(f"predicted rollout speedup over dense: [bold]{format_speedup(planned.speedup)}[/]",
+                  highlight=False)
     for line in (f"  for {planned.lengths.describe(batch)}", f"  cost: {planned.cost_source}",
                  f"  profile: {result.source}", *("  " + t for t in planned.threshold.lines())):
         console.print(line, highlight=False, markup=False)
@@ -307,15 +312,23 @@ class PlanTables:
 
     def __init__(self, fmt: str | None) -> None:
         self.fmt = fmt
-        self.collected: dict[str, list[dict]] = {}
+        self.collected: dict[str, object] = {}
 
     def show(self, name: str, columns, rows, title: str, render=None) -> None:
-        if self.fmt == "json" and not stdout_taken():
+        if self._json():
             self.collected[name] = json_rows(columns, rows)
         elif self.fmt in ("csv", "tsv") and name != "schedule":
             _show(columns, rows, None, title, render)
         else:
             _show(columns, rows, self.fmt, title, render)
+
+    def put(self, name: str, value: object) -> None:
+        """A value beside the tables in the json document (the text formats print it as a message)."""
+        if self._json():
+            self.collected[name] = value
+
+    def _json(self) -> bool:
+        return self.fmt == "json" and not stdout_taken()
 
     def close(self) -> None:
         if not self.collected:
@@ -353,21 +366,33 @@ def print_frontier(planned, tables: PlanTables) -> None:
 
 
 def print_speculative(planned, tables: PlanTables, output: Path | None = None) -> None:
-    """The drafts' table and speedups; the rollout command names the -o that holds the drafts, when
-    there is one to name."""
+    """The drafts' table, K and speedups (json: beside the tables). The rollout command names the -o that
+    holds the drafts, when there is one to name, and only where speculation is predicted to pay: where
+    no K beats dense, a warning says so instead (dense sampling is exact too)."""
     spec = planned.speculative
     rows = [[i, b, a, t] for i, (b, a, t) in
             enumerate(zip(spec.budgets, spec.mean_alpha, spec.tokens_per_cycle))]
     tables.show("speculative", ("bin", "draft_budget", "mean_alpha", "tokens_per_cycle"), rows,
           f"exact speculative rollouts: K = {spec.k} drafts a cycle", render={
               "mean_alpha": _fixed(3, missing="thin"), "tokens_per_cycle": _fixed(2, missing="thin")})
-    by_k = ", ".join(f"K={k} {v:.2f}x" for k, v in spec.speedups_by_k.items())
-    console.print(f"predicted speedup over dense: speculative (exact) [bold]{spec.speedup:.2f}x[/] at K = "
-                  f"{spec.k}, lossy schedule {planned.speedup:.2f}x", highlight=False)
+    for name, value in (("speculate", spec.k), ("speculative_speedup", spec.speedup),
+                        ("lossy_speedup", planned.speedup),
+                        ("speedups_by_k", {str(k): v for k, v in spec.speedups_by_k.items()})):
+        tables.put(name, value)
+    for note in spec.notes:
+        console.print(f"[yellow]note:[/] {note}", highlight=False)
+    by_k = ", ".join(f"K={k} {format_speedup(v)}" for k, v in spec.speedups_by_k.items())
+    exact, lossy = format_speedup(spec.speedup), format_speedup(planned.speedup)
+    console.print(f"predicted speedup over dense: speculative (exact) [bold]{exact}[/] at K = {spec.k}, "
+                  f"lossy schedule {lossy}", highlight=False)
     console.print(f"  by K: {by_k}", highlight=False, markup=False)
-    schedule = output if output is not None and str(output) != "-" else "<-o of this plan>"
-    console.print(f"  roll out with: sparrow rollout --schedule {schedule} --speculate {spec.k}",
-                  highlight=False, markup=False)
+    written = output is not None and str(output) != "-"
+    if not spec.pays:
+        warn(f"{spec.warning}, so roll out with --dense"
+             + (f"; {output} holds the drafts all the same" if written else ""))
+        return
+    console.print(f"  roll out with: sparrow rollout --schedule {output if written else '<-o of this plan>'} "
+                  f"--speculate {spec.k}", highlight=False, markup=False)
 
 
 def print_comparison(hardware: str, threshold: float | None, gen_len: int | None, batch: int,

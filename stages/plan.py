@@ -140,7 +140,9 @@ class PlanRequest:
     allow_model_mismatch: bool = False
     sweep: list[float] = field(default_factory=list)  # thresholds of the stability-speed frontier
     export: str | None = None  # json | sglang-vortex
-    speculate: bool = False  # also plan exact speculative rollouts (speculative_plan.py); -o: its drafts
+    # also plan exact speculative rollouts (speculative_plan.py); -o then writes its drafts, even where no K
+    # is predicted to beat dense (they were asked for; the artifact's notes and the CLI's warning say so)
+    speculate: bool = False
 
 
 @dataclass
@@ -223,19 +225,7 @@ def plan_schedule(req: PlanRequest, output: Path | None = None, export_to: Path 
         planned.exported = export_sglang_vortex(result, cfg.max_position_embeddings,
                                                  f"sparrow-{name}-{threshold:.3g}")
     if output is not None:
-        from sparrow.schemas import write_artifact
-
-        meta = {"model": name, "model_config": json.dumps(cfg.to_dict()),
-                "page_size": result.schedule.page_size, "bin_width": result.bin_width,
-                "threshold": threshold, "threshold_source": resolved.source, "quantile": result.quantile,
-                "profile": result.source, "cost": cost_model.source, "gen_len": gen_len,
-                "prompt_len": prompt_len, "batch": req.batch, "predicted_speedup": speedup,
-                "notes": json.dumps(result.notes)}
-        if planned.speculative is not None:
-            write_artifact(schedule_table(_drafts(result, planned.speculative)), output, "schedule",
-                           metadata={**meta, **_speculative_meta(planned.speculative)})
-        else:
-            write_artifact(schedule_table(result, sparse_s), output, "schedule", metadata=meta)
+        _write_schedule(planned, output, name, json.dumps(cfg.to_dict()), req.min_tokens)
     if export_to is not None and planned.exported is not None:
         from sparrow.schemas.io import write_bytes
 
@@ -243,12 +233,41 @@ def plan_schedule(req: PlanRequest, output: Path | None = None, export_to: Path 
     return planned
 
 
+def _write_schedule(planned: PlannedSchedule, output: Path, name: str, model_config: str,
+                    min_tokens: int) -> None:
+    """The schedule artifact: the lossy plan with its threshold, or with --speculate the draft plan, whose
+    metadata describes the drafts alone (no threshold, quantile or tail: the mean alpha sets them)."""
+    from sparrow.schemas import write_artifact
+
+    result, lengths = planned.plan, planned.lengths
+    meta = {"model": name, "model_config": model_config, "page_size": result.schedule.page_size,
+            "bin_width": result.bin_width, "profile": result.source, "cost": planned.cost_source,
+            "gen_len": lengths.gen_len, "prompt_len": lengths.prompt_len, "batch": planned.batch}
+    if planned.speculative is not None:
+        write_artifact(schedule_table(_drafts(result, planned.speculative)), output, "schedule",
+                       metadata={**meta, **_speculative_meta(planned.speculative), "min_tokens": min_tokens})
+        return
+    write_artifact(schedule_table(result, planned.sparse_s), output, "schedule", metadata={
+        **meta, "threshold": result.threshold, "threshold_source": threshold_source(planned.threshold),
+        "quantile": result.quantile, "predicted_speedup": planned.speedup, "notes": json.dumps(result.notes)})
+
+
+def threshold_source(resolved: ResolvedThreshold) -> str:
+    """Where the threshold came from, for the artifact: its origin and provenance, the origin said once
+    (the published prior's provenance already opens with "published prior")."""
+    if resolved.provenance.startswith(resolved.origin):
+        return resolved.provenance
+    return resolved.source
+
+
 def _plan_speculation(req: PlanRequest, cost_model: CostModel, tails: TailProfile, lengths: Lengths
                       ) -> SpeculativePlan:
+    """The draft plan from the profile's mean alpha, its bins thin by --min-tokens as the lossy plan's are."""
     if req.profile is None:
         raise ScheduleError("--speculate plans from a measured --profile (its mean alpha per bin sets the "
                             "drafts' acceptance); the reference profile holds tails only")
-    alpha = mean_alpha(read_artifact(req.profile, "mismatch"), tails.bin_width, tails.num_bins)
+    alpha = mean_alpha(read_artifact(req.profile, "mismatch"), tails.bin_width, tails.num_bins,
+                       req.min_tokens)
     return plan_speculation(cost_model, alpha, req.batch, lengths.prompt_len, lengths.gen_len)
 
 
@@ -262,8 +281,8 @@ def _export_json(planned: PlannedSchedule, name: str, gen_len: int) -> dict:
         return export_json(planned.plan, name, extra)
     meta = _speculative_meta(spec)
     return export_json(_drafts(planned.plan, spec), name, {
-        **extra, "speculate": spec.k, "predicted_speedup": spec.speedup, "role": meta["role"],
-        "tokens_per_cycle": json.loads(meta["speculative_tokens_per_cycle"])})
+        **extra, "threshold": None, "quantile": None, "speculate": spec.k, "predicted_speedup": spec.speedup,
+        "role": meta["role"], "tokens_per_cycle": json.loads(meta["speculative_tokens_per_cycle"])})
 
 
 def _drafts(result: Plan, spec: SpeculativePlan) -> Plan:
@@ -273,9 +292,13 @@ def _drafts(result: Plan, spec: SpeculativePlan) -> Plan:
 
 
 def _speculative_meta(spec: SpeculativePlan) -> dict:
+    """The draft plan's metadata: its K, speedups, tokens per cycle and notes (thin bins, and the warning
+    where speculation is not predicted to pay)."""
     return {"speculate": spec.k, "predicted_speedup": spec.speedup,
+            "speedups_by_k": json.dumps({str(k): v for k, v in spec.speedups_by_k.items()}),
             "speculative_tokens_per_cycle": json.dumps([None if t is None else round(t, 4)
                                                         for t in spec.tokens_per_cycle]),
+            "notes": json.dumps([*spec.notes, *([spec.warning] if spec.warning else [])]),
             "role": "draft budgets of exact speculative rollouts (sparrow rollout --schedule this "
                     f"--speculate {spec.k})"}
 

@@ -10,20 +10,33 @@ and a CPU's measured one with it (its plain step selects at every draft). A cost
 --speculate` wrote prices the forward from its timed verifications; otherwise, since it reads the weights
 and every sample's KV once, it is priced as a dense decode step whose per-row term is paid K + 1 times.
 Only profiled budgets are candidates, and budgets are made non-decreasing across bins, as every
-schedule's are. A bin without profiled tokens is
-priced at its nearest profiled neighbour's mean alpha (as the lossy plan's thin bins take a neighbour's
-budget) and shown as thin, with no mean or tokens per cycle of its own.
+schedule's are. A thin bin, one with fewer profiled tokens than --min-tokens (counted as the lossy plan
+counts them, the most at one budget; a bin without tokens is thin too), has no mean to trust: it is priced
+at its nearest trusted neighbour's mean alpha (as the lossy plan's thin bins take a neighbour's budget)
+and shown as thin, with no mean or tokens per cycle of its own. The plan that wins may be slower than
+dense decoding, which is exact too: it is still the plan, and `SpeculativePlan.warning` says so.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
+from .core.schedule import ScheduleError
 from .cost import VERIFY_FEATURES, CostModel
 
 MAX_SPECULATE = 8
+
+
+def format_speedup(speedup: float) -> str:
+    """A predicted speedup as "0.996x": three decimals, more where a slowdown would round up to 1.000x,
+    so that a value below 1 never reads as break-even."""
+    for digits in range(3, 7):
+        text = f"{speedup:.{digits}f}"
+        if speedup >= 1 or float(text) < 1:
+            return f"{text}x"
+    return f"{np.floor(speedup * 1e6) / 1e6:.6f}x"
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -39,24 +52,35 @@ class MeanAlpha:
     """The profile's mean alpha per position bin [n] and profiled budget [m]."""
 
     budgets: np.ndarray  # [m] increasing
-    mean: np.ndarray  # [n, m]; nan where a bin has no token at a budget
+    mean: np.ndarray  # [n, m]; nan where a bin has no token at a budget, or is thin
     bin_width: int
+    tokens: np.ndarray | None = None  # [n] profiled tokens per bin (the most at one budget)
+    min_tokens: int = 1  # the fewest tokens a bin needs for its mean to be trusted
+
+    @property
+    def thin(self) -> np.ndarray:
+        """[n] bool: bins without a trusted mean at any budget."""
+        return np.isnan(self.mean).all(axis=1)
 
 
-def mean_alpha(mismatch, bin_width: int, num_bins: int) -> MeanAlpha:
-    """Mean alpha per bin (position // bin_width) and budget from a `mismatch` table."""
+def mean_alpha(mismatch, bin_width: int, num_bins: int, min_tokens: int = 1) -> MeanAlpha:
+    """Mean alpha per bin (position // bin_width) and budget from a `mismatch` table; a bin with fewer
+    than `min_tokens` tokens at every budget (--min-tokens, as the lossy plan counts them) is thin: nan."""
     import duckdb
 
     con = duckdb.connect()
     con.register("mismatch", mismatch)
-    rows = con.execute("""SELECT position // ? AS bin, budget, avg(alpha::DOUBLE) FROM mismatch
+    rows = con.execute("""SELECT position // ? AS bin, budget, avg(alpha::DOUBLE), count(*) FROM mismatch
                           GROUP BY ALL ORDER BY bin, budget""", [bin_width]).fetchall()
     budgets = np.array(sorted({int(r[1]) for r in rows}), dtype=np.int64)
     mean = np.full((num_bins, len(budgets)), np.nan)
-    for b, budget, value in rows:
+    tokens = np.zeros(num_bins, dtype=np.int64)
+    for b, budget, value, count in rows:
         if b < num_bins:
             mean[b, np.searchsorted(budgets, budget)] = value
-    return MeanAlpha(budgets, mean, bin_width)
+            tokens[b] = max(tokens[b], count)
+    mean[tokens < min_tokens] = np.nan
+    return MeanAlpha(budgets, mean, bin_width, tokens, min_tokens)
 
 
 def drafts_keep_pages(cost: CostModel) -> bool:
@@ -91,16 +115,34 @@ def verify_seconds(cost: CostModel, batch: int, context, k: int) -> np.ndarray:
 class SpeculativePlan:
     k: int
     budgets: list[int]  # draft budget per bin
-    mean_alpha: list[float | None]  # per bin, at its draft budget; None: the profile has no token there
+    mean_alpha: list[float | None]  # per bin, at its draft budget; None: a thin bin (no trusted mean)
     tokens_per_cycle: list[float | None]  # per bin: expected tokens a sample's cycle emits (None as above)
     speedup: float  # predicted over dense decoding, over the planned positions
     speedups_by_k: dict[int, float]  # the best plan's predicted speedup for each K tried
+    notes: list[str] = field(default_factory=list)  # how thin bins were priced, one sentence each
+
+    @property
+    def pays(self) -> bool:
+        """Whether the best K is predicted faster than dense decoding; break-even does not pay, since
+        dense sampling is exact too and needs no drafts."""
+        return self.speedup > 1.0
+
+    @property
+    def warning(self) -> str | None:
+        """The sentence that says speculation is not predicted to pay (None where it does)."""
+        if self.pays:
+            return None
+        return (f"speculation is not predicted to pay here ({format_speedup(self.speedup)} at best, K = "
+                f"{self.k}): dense sampling is exact too")
 
 
 def plan_speculation(cost: CostModel, alpha: MeanAlpha, batch: int, prompt_len: int, gen_len: int,
                      max_k: int = MAX_SPECULATE) -> SpeculativePlan:
     """The K in 1..max_k and the per-bin draft budgets that minimise the predicted decode seconds of
     `gen_len` tokens after `prompt_len`; positions as `CostModel.rollout_seconds` counts them."""
+    if alpha.thin.all():
+        raise ScheduleError(f"no bin of the profile has the --min-tokens {alpha.min_tokens} tokens a mean "
+                            "alpha needs; profile more samples or lower --min-tokens")
     contexts = np.arange(prompt_len + 1, prompt_len + gen_len)
     bins = np.minimum(contexts // alpha.bin_width, alpha.mean.shape[0] - 1)
     dense = float(cost.step_seconds(batch, contexts, 0).sum())
@@ -114,7 +156,29 @@ def plan_speculation(cost: CostModel, alpha: MeanAlpha, batch: int, prompt_len: 
         if best is None or plan.speedup > best.speedup:
             best = plan
     best.speedups_by_k = by_k
+    best.notes = thin_notes(alpha)
     return best
+
+
+def thin_notes(alpha: MeanAlpha) -> list[str]:
+    """One sentence per run of thin bins before the first trusted one and one for the later ones: which
+    mean alpha prices their drafts (the lossy plan's notes, in the drafts' terms)."""
+    thin = alpha.thin
+    trusted = int(np.argmin(thin))
+    notes = []
+    leading, later = np.flatnonzero(thin[:trusted]), trusted + np.flatnonzero(thin[trusted:])
+    for bins, whose in ((leading, f"bin {trusted}, the first bin with enough"),
+                        (later, f"the nearest trusted bin before {'it' if len(later) == 1 else 'each'}")):
+        if len(bins):
+            shown = ", ".join(f"{i} ({i * alpha.bin_width}+)" for i in bins[:8])
+            more = f" and {len(bins) - 8} more" if len(bins) > 8 else ""
+            one = len(bins) == 1
+            empty = alpha.tokens is not None and not alpha.tokens[bins].any()
+            few = ("no profiled tokens" if empty else
+                   f"fewer profiled tokens than --min-tokens ({alpha.min_tokens})")
+            notes.append(f"bin{'' if one else 's'} {shown}{more}: {few}, so {'its' if one else 'their'} "
+                         f"drafts are priced at the mean alpha of {whose}")
+    return notes
 
 
 def borrowed(mean: np.ndarray) -> np.ndarray:
@@ -133,8 +197,8 @@ def borrowed(mean: np.ndarray) -> np.ndarray:
 def _plan_for_k(cost: CostModel, alpha: MeanAlpha, thin: np.ndarray, batch: int, contexts: np.ndarray,
                 bins: np.ndarray, k: int, dense: float) -> SpeculativePlan:
     """The non-decreasing per-bin budgets of the fewest predicted seconds (dynamic programming over bins:
-    best[i, j] is the least time of bins 0..i with bin i at budget j). `thin` [bins, budgets]: no profiled
-    token there (its value `borrowed`), shown as None."""
+    best[i, j] is the least time of bins 0..i with bin i at budget j). `thin` [bins, budgets]: no trusted
+    mean there (its value `borrowed`), shown as None."""
     n, m = alpha.mean.shape
     seconds = np.zeros((n, m))  # [bin, budget] predicted decode seconds of the bin's positions
     for i in range(n):

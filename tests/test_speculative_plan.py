@@ -124,6 +124,8 @@ def test_bins_without_profiled_tokens_are_marked_thin_not_given_made_up_values(t
     alpha = mean_alpha(read_artifact(profile, "mismatch"), 256, 2)
     plan = plan_speculation(analytic(get_preset("smollm2-135m").config, "h100"), alpha, 64, 0, 500)
     assert plan.mean_alpha[0] is None and plan.tokens_per_cycle[0] is None
+    assert plan.notes == ["bin 0 (0+): no profiled tokens, so its drafts are priced at the mean alpha of "
+                          "bin 1, the first bin with enough"]
     assert 0.7 < plan.mean_alpha[1] < 1 and plan.tokens_per_cycle[1] > 1
     assert plan.speedup > 0.5  # bin 0's positions are priced at bin 1's mean alpha, not as impossible
     out = tmp_path / "draft.parquet"
@@ -142,16 +144,17 @@ def test_bins_without_profiled_tokens_are_marked_thin_not_given_made_up_values(t
     assert next(c for c in cells if c[0] == "0" and len(c) == 4)[2:] == ["thin", "thin"]  # the drafts' bin 0
 
 
-def _profile(tmp_path):
+def _profile(tmp_path, positions=(100, 500), alpha=(0.7, 1.0)):
+    """A smollm2-135m profile of one trajectory over `positions`, its alpha uniform in `alpha`."""
     from sparrow.schemas import write_artifact
 
     n = 200
     rng = np.random.default_rng(1)
-    pos = rng.integers(100, 500, n)
+    pos = rng.integers(*positions, n)
     zeros = [0.0] * n
     return write_artifact(
         {"prompt_id": ["p"] * n, "sample": [0] * n, "position": pos.tolist(), "bin": (pos // 256).tolist(),
-         "budget": [48, 96] * (n // 2), "token_id": [1] * n, "alpha": rng.uniform(0.7, 1.0, n).tolist(),
+         "budget": [48, 96] * (n // 2), "token_id": [1] * n, "alpha": rng.uniform(*alpha, n).tolist(),
          "logp_dense": [-1.0] * n, "logp_sparse": [-1.0] * n, "log_ratio": zeros, "k1": zeros, "k2": zeros,
          "k3": zeros, "entropy_dense": [1.0] * n},
         tmp_path / "m.parquet", "mismatch", metadata={"model": "smollm2-135m", "bin_width": 256})
@@ -170,7 +173,8 @@ def test_speculate_and_sweep_print_one_document_on_stdout(tmp_path, fmt):
     assert r.exit_code == 0, r.output
     if fmt == "json":
         doc = json.loads(r.stdout)
-        assert set(doc) == {"schedule", "frontier", "speculative"}
+        assert set(doc) == {"schedule", "frontier", "speculative", "speculate", "speculative_speedup",
+                            "lossy_speedup", "speedups_by_k"}
         assert len(doc["frontier"]) == 2 and len(doc["speculative"]) == len(doc["schedule"])
         return
     rows = list(csv.reader(r.stdout.splitlines(), delimiter="," if fmt == "csv" else "\t"))
@@ -181,10 +185,12 @@ def test_speculate_and_sweep_print_one_document_on_stdout(tmp_path, fmt):
 
 def test_the_export_holds_the_schedule_that_o_writes(tmp_path):
     """With --speculate, -o writes the drafts, so --export json exports the drafts (with their K), and the
-    rollout command names that -o; sglang-vortex, a lossy schedule for SGLang, is refused beside it."""
+    rollout command names that -o (long contexts and a high alpha: speculation pays); sglang-vortex, a lossy
+    schedule for SGLang, is refused beside it."""
     import json
 
-    profile, out, exported = _profile(tmp_path), tmp_path / "draft.parquet", tmp_path / "draft.json"
+    profile = _profile(tmp_path, positions=(3000, 4000), alpha=(0.9, 1.0))
+    out, exported = tmp_path / "draft.parquet", tmp_path / "draft.json"
     args = ["plan-schedule", "--model", "smollm2-135m", "--profile", str(profile), "--speculate",
             "--threshold", "0.5", "--min-tokens", "1"]
     r = runner.invoke(app, [*args, "--export", "json", "--export-to", str(exported), "-o", str(out)])
