@@ -18,7 +18,6 @@ from .common import (
     output_help,
     parse_int_list,
     stage_errors,
-    warn,
 )
 from .options import check_gpu_memory, gpu_memory_option, non_negative_seed, output_path
 from .output import emit, format_option, resolve_format
@@ -58,7 +57,9 @@ def fit_cost(
     speculate: bool = typer.Option(False, "--speculate/--no-speculate", help="Also time the speculative "
                                    "verification forward (2 and 5 fed tokens per sample at every batch and "
                                    "context) and fit its coefficients, which plan-schedule --speculate then "
-                                   "prices verification with."),
+                                   "prices verification with; its points, each with its prediction, are "
+                                   "printed as a second table and written to the artifact's metadata "
+                                   "(verify_points), since the artifact's rows are decode steps."),
     output: Path = typer.Option(..., "-o", "--output", help=output_help("the cost artifact"),
                                 parser=output_path()),
     force: bool = force_option(),
@@ -66,9 +67,11 @@ def fit_cost(
 ) -> None:
     """Fit the decode-step cost model: time the rollout engine's decode steps, dense and sparse, over a
     (batch, context, budget) grid and fit the coefficients by least squares; or, with --hardware,
-    write the analytic model of a hardware preset. Every point is written with its prediction."""
+    write the analytic model of a hardware preset. A grid that cannot determine every coefficient is
+    refused before any timing. Every decode-step point is printed and written as a row of the artifact
+    with its prediction."""
     from sparrow.stages.attention import validate_budget
-    from sparrow.stages.cost import Grid, get_hardware, grid_warning, write_analytic, write_fitted
+    from sparrow.stages.cost import Grid, get_hardware, grid_problem, write_analytic, write_fitted
     from sparrow.stages.model.loading import model_name, resolve_config
 
     fmt = resolve_format(format)
@@ -110,6 +113,8 @@ def fit_cost(
         check_device(device, indexed=True)
     check_gpu_memory(gpu_memory_utilization)
     name, grid = model_name(model), Grid(b_list, c_list, k_list, warmup, repeats)
+    if not hardware and (problem := grid_problem(cfg, grid, speculate)) is not None:
+        raise UsageError(problem)
     with stage_errors():
         if hardware:
             cost, table = write_analytic(cfg, name, hardware, grid, output)
@@ -118,21 +123,17 @@ def fit_cost(
                           f"to {output}")
             return print_predictions(table, fmt)
         device = device or "cpu"
-        if (said := grid_warning(cfg, grid)) is not None:
-            warn(said)
         points, verify, threads = measure(model, device, grid, seed, threads, gpu_memory_utilization,
                                           speculate)
         cost, table = write_fitted(cfg, name, points, device, threads, output, verify)
     print_coefficients(cost)
-    console.print(f"fit over {len(points)} points: median relative error "
-                  f"{cost.extra['median_relative_error']:.1%}, worst {cost.extra['max_relative_error']:.1%}")
+    print_fit_quality(cost, "fit", len(points), "")
     if cost.verify is not None:
-        console.print(f"verification fit over {len(verify)} points: median relative error "
-                      f"{cost.extra['verify_median_relative_error']:.1%}, worst "
-                      f"{cost.extra['verify_max_relative_error']:.1%}; coefficients "
-                      + ", ".join(f"{k} {v:.3g}" for k, v in cost.verify.items()), highlight=False)
+        print_fit_quality(cost, "verification fit", len(verify), "verify_")
     console.print(f"wrote {output}")
     print_points(table, fmt)
+    if cost.verify is not None:
+        print_verify_points(cost, fmt)
 
 
 def measure(model: str, device: str, grid, seed: int, threads: int | None = None,
@@ -179,6 +180,27 @@ def print_points(table, fmt: str) -> None:
          render={"budget": lambda b: "dense" if b is None else str(b)})
 
 
+def print_verify_points(cost, fmt: str) -> None:
+    """Measured vs fitted seconds per timed verification forward, on stdout after the decode steps."""
+    from sparrow.stages.cost import verify_rows
+
+    rows = [[r["batch"], r["context"], r["tokens"], r["seconds"] * 1e3, r["predicted_seconds"] * 1e3,
+             (r["predicted_seconds"] - r["seconds"]) / r["seconds"]] for r in verify_rows(cost)]
+    emit(("batch", "context", "tokens", "measured_ms", "predicted_ms", "relative_error"), rows, fmt,
+         title="verification forward (tokens fed per sample): measured vs fitted")
+
+
+def print_fit_quality(cost, what: str, points: int, prefix: str) -> None:
+    """A fit's relative errors, and, where it has no spare point, that they are 0 by construction."""
+    median, worst, spare = (cost.extra[prefix + k] for k in ("median_relative_error", "max_relative_error",
+                                                             "spare_points"))
+    exact = ("; as many independent points as coefficients, so the fit can pass through every point: this "
+             "error is 0 by construction (unless a coefficient would be negative), not a measure of accuracy "
+             "(widen the grid to measure it)" if spare == 0 else "")
+    console.print(f"{what} over {points} points: median relative error {median:.1%}, worst "
+                  f"{worst:.1%}{exact}", highlight=False)
+
+
 def print_predictions(table, fmt: str) -> None:
     """An analytic model's predicted step time per grid point, on stdout (budget empty = dense): what the
     artifact holds, as a measured fit prints its points; there is nothing measured to compare with."""
@@ -189,7 +211,12 @@ def print_predictions(table, fmt: str) -> None:
 
 
 def print_coefficients(cost) -> None:
+    """The decode step's coefficients, and the verification forward's where fitted, in ms, us and ns."""
     c = cost.coefficients
     console.print(f"{cost.source}: step {c['step'] * 1e3:.4g} ms + batch x {c['seq'] * 1e6:.4g} us "
                   f"+ KV token-layer x {c['kv'] * 1e9:.4g} ns + scored page-layer x "
                   f"{c['page'] * 1e9:.4g} ns")
+    if cost.verify is not None:
+        v = cost.verify
+        console.print(f"verification: forward {v['step'] * 1e3:.4g} ms + fed token x "
+                      f"{v['token'] * 1e6:.4g} us + KV token-layer x {v['kv'] * 1e9:.4g} ns")

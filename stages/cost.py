@@ -15,13 +15,16 @@ from dataclasses import asdict, dataclass, field, replace
 import numpy as np
 import pyarrow as pa
 
-from .core.definitions import DEFAULT_DENSE_LAYERS, PAGE_SIZE  # torch-free: planning needs no torch
+from .core.definitions import DEFAULT_DENSE_LAYERS, PAGE_SIZE, RESERVED_PAGES  # torch-free, for planning
 from .model.config import SHAPE_KEYS, ModelConfig, shape_of
 
 FEATURES = ("step", "seq", "kv", "page")
 # a speculative verification forward (fit-cost --speculate): per forward, per fed token, KV tokens read
 VERIFY_FEATURES = ("step", "token", "kv")
+VERIFY_TOKENS = (2, 5)  # fed tokens per sample of the timed verification forwards (K = 1 and 4 drafts)
 BF16 = 2
+
+
 class CostError(ValueError):
     """Bad input to the cost model (unknown hardware, a cost artifact for another model, ...)."""
 
@@ -200,22 +203,32 @@ def fit(cfg: ModelConfig, points: Sequence[tuple[int, int, int, float]], source:
     coef = nnls(x / sec[:, None], np.ones_like(sec))
     rel = np.abs(x @ coef - sec) / sec
     extra = {"median_relative_error": float(np.median(rel)), "max_relative_error": float(rel.max()),
-             "points": len(points)}
+             "points": len(points), "spare_points": spare_points(x)}
     return CostModel(cfg, dict(zip(FEATURES, map(float, coef))), source, page_size,
                      tuple(dense_layers), extra)
 
 
 def fit_verify(model: CostModel, points: Sequence[tuple[int, int, int, float]]) -> CostModel:
     """`model` with verification coefficients fitted to (batch, context, fed tokens per sample, seconds)
-    points, as `fit` fits the decode step's."""
+    points, as `fit` fits the decode step's; every point, with its prediction, goes to the metadata's
+    `verify_points` (`verify_rows`), since the artifact's rows are decode steps."""
     b, c, t, sec = (np.array(x, dtype=np.float64) for x in zip(*points))
     x = model.verify_features(b, c, t)
     coef = nnls(x / sec[:, None], np.ones_like(sec))
-    rel = np.abs(x @ coef - sec) / sec
+    pred = x @ coef
+    rel = np.abs(pred - sec) / sec
+    rows = [{"batch": int(p[0]), "context": int(p[1]), "tokens": int(p[2]), "seconds": float(p[3]),
+             "predicted_seconds": float(y)} for p, y in zip(points, pred)]
     extra = {**model.extra, "verify_median_relative_error": float(np.median(rel)),
-             "verify_max_relative_error": float(rel.max()), "verify_points": json.dumps(
-                 [[int(p[0]), int(p[1]), int(p[2]), float(p[3])] for p in points])}
+             "verify_max_relative_error": float(rel.max()), "verify_spare_points": spare_points(x),
+             "verify_points": json.dumps(rows)}
     return replace(model, verify=dict(zip(VERIFY_FEATURES, map(float, coef))), extra=extra)
+
+
+def verify_rows(model: CostModel) -> list[dict]:
+    """The timed verification forwards a fit wrote (batch, context, tokens, seconds, predicted_seconds);
+    none for a model without fitted verification coefficients."""
+    return json.loads(model.extra.get("verify_points", "[]"))
 
 
 # ---------------------------------------------------------------- the grid, and how far a fit to it reaches
@@ -234,58 +247,104 @@ class Grid:
 
 
 COEFFICIENT_NAMES = {"step": "per-step", "seq": "batch", "kv": "KV token-layer", "page": "scored page-layer"}
+VERIFY_NAMES = {"step": "per-forward", "token": "fed-token", "kv": "KV token-layer"}
+
+
+def verify_grid(grid: Grid, tokens: Sequence[int] = VERIFY_TOKENS) -> list[tuple[int, int, int]]:
+    """The (batch, context, fed tokens per sample) points that `time_verifications` times for `grid`."""
+    return [(b, c, t) for t in tokens for b in grid.batches for c in grid.contexts]
+
+
+def _scaled(x: np.ndarray) -> np.ndarray:
+    """Columns scaled to a largest magnitude of 1: ranks that do not depend on the features' units."""
+    top = np.abs(x).max(axis=0)
+    return x / np.where(top > 0, top, 1.0)
+
+
+def spare_points(x: np.ndarray) -> int:
+    """Points of a design matrix (one row per point) beyond its rank. With none, a fit can pass through
+    every point whatever was measured, so its error is 0 by construction and says nothing of accuracy."""
+    return len(x) - int(np.linalg.matrix_rank(_scaled(x)))
+
+
+def _undetermined(x: np.ndarray, names: Sequence[str]) -> list[str]:
+    """The columns of `x` whose coefficient a fit cannot pin down: those whose unit vector is outside the
+    row space of `x`, so that other values of it (traded against the others) fit every row as well; none
+    exactly when `x` has full column rank."""
+    x = _scaled(x)
+    rank = np.linalg.matrix_rank(x)
+    unit = np.eye(x.shape[1])
+    return [name for j, name in enumerate(names) if np.linalg.matrix_rank(np.vstack([x, unit[j]])) > rank]
+
+
+def fitted_features(probe: CostModel) -> tuple[str, ...]:
+    """The FEATURES a fit for `probe`'s model must determine: all four, less the page term for a model
+    with no sparse layer, whose steps score no page, so that no prediction reads that coefficient."""
+    return FEATURES if probe.num_sparse_layers else FEATURES[:-1]
 
 
 def undetermined(probe: CostModel, points: Sequence[tuple[int, int, int]]) -> list[str]:
-    """The FEATURES whose coefficient the (batch, context, budget) points cannot pin down: those whose unit
-    vector is outside the row space of the points' features, so that other values of it (traded against
-    the other coefficients) fit every point as well. `probe`: any model of the shape (its coefficients are
-    not read)."""
+    """The `fitted_features` whose coefficient the (batch, context, budget) points cannot pin down
+    (`_undetermined` of their feature matrix). `probe`: any model of the shape (its coefficients are not
+    read)."""
     b, c, k = (np.array(x, dtype=np.float64) for x in zip(*points))
-    x = probe.features(b, c, k)
-    x = x / np.where(np.abs(x).max(axis=0) > 0, np.abs(x).max(axis=0), 1.0)
-    rank = np.linalg.matrix_rank(x)
-    return [name for j, name in enumerate(FEATURES)
-            if np.linalg.matrix_rank(np.vstack([x, np.eye(len(FEATURES))[j]])) > rank]
+    names = fitted_features(probe)
+    return _undetermined(probe.features(b, c, k)[:, :len(names)], names)
 
 
-def grid_warning(cfg: ModelConfig, grid: Grid) -> str | None:
-    """One sentence when the grid cannot determine a coefficient of `fit` for `cfg` (`undetermined`):
-    which, and what the grid lacks (a second batch size or context, a dense point, a sparse one: a budget
-    at least the context reads every page, so its point is dense); None when every one is determined."""
+def verify_undetermined(probe: CostModel, points: Sequence[tuple[int, int, int]]) -> list[str]:
+    """The VERIFY_FEATURES whose coefficient the (batch, context, fed tokens) points cannot pin down."""
+    b, c, t = (np.array(x, dtype=np.float64) for x in zip(*points))
+    return _undetermined(probe.verify_features(b, c, t), VERIFY_FEATURES)
+
+
+def _listed(names: Sequence[str]) -> str:
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+
+
+def _coefficients(whose: str, missing: Sequence[str], names: dict[str, str]) -> str:
+    return f"{whose} {_listed([names[m] for m in missing])} coefficient{'s' * (len(missing) > 1)}"
+
+
+def grid_problem(cfg: ModelConfig, grid: Grid, speculate: bool = False) -> str | None:
+    """One sentence when the grid's feature matrix (with `speculate`, also its verification forwards')
+    lacks full column rank, so that a fit would leave some coefficient to chance: which, and what to add
+    to the grid (`_decode_lacks`); None when the points determine every coefficient."""
     probe = CostModel(cfg, dict.fromkeys(FEATURES, 0.0), "grid")
-    missing = undetermined(probe, grid.points())
-    if probe.num_sparse_layers == 0:  # no layer scores a page at any point: no prediction reads it
-        missing = [m for m in missing if m != "page"]
-    if not missing:
+    decode = undetermined(probe, grid.points())
+    verify = verify_undetermined(probe, verify_grid(grid)) if speculate else []
+    if not decode and not verify:
         return None
-    lacks = [f"one batch size ({grid.batches[0]})" if len(set(grid.batches)) == 1 else "",
-             f"one context ({grid.contexts[0]})" if len(set(grid.contexts)) == 1 else ""]
-    if probe.num_sparse_layers:  # else every point is dense whatever its budget
-        lacks += _sparse_lacks(probe, grid)
-    why = "; ".join(w for w in lacks if w) or "its points do not vary the features independently"
-    names = [COEFFICIENT_NAMES[m] for m in missing]
-    named = names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
-    many = len(names) > 1
-    return (f"the grid cannot determine the {named} coefficient{'s' * many} ({why}): other values of "
-            f"{'them' if many else 'it'} fit the points as well, so the fit's predictions away from the grid "
-            "are not measured; give more values to --batches, --contexts or --budgets")
+    what = [_coefficients("the decode step's", decode, COEFFICIENT_NAMES) if decode else "",
+            _coefficients("the verification's", verify, VERIFY_NAMES) if verify else ""]
+    if decode:
+        lacks = _listed(_decode_lacks(probe, grid) or ["values that vary the step's features independently"])
+        enough = ("two batch sizes, two contexts, and 'dense' with a budget below a context in --budgets "
+                  "always suffice" if probe.num_sparse_layers else
+                  "two batch sizes and two contexts always suffice (this model has no sparse layer)")
+    else:  # at two fed-token counts: a second batch size or a second context separates the three terms
+        lacks, enough = "a second batch size to --batches or a second context to --contexts", ""
+    return (f"the grid cannot determine {' or '.join(w for w in what if w)} (other values fit its points as "
+            f"well): add {lacks}{'; ' + enough if enough else ''}")
 
 
-def _sparse_lacks(probe: CostModel, grid: Grid) -> list[str]:
-    """What the grid lacks on the budget axis: a dense point, or a sparse one (a budget at least the
-    context reads every page, so its point is dense, as `CostModel.features` decides)."""
-    _, context, budget = (np.array(x) for x in zip(*grid.points()))
-    sparse = (budget > 0) & (np.ceil(context / probe.page_size) > budget / probe.page_size)
-    budgets = sorted({k for k in grid.budgets if k})
-    if sparse.all():
-        return ["no dense point"]
-    if not budgets:
-        return ["no sparse budget"]
-    if not sparse.any():
-        return [f"budget{'s' * (len(budgets) > 1)} {', '.join(map(str, budgets))} "
-                f"{'are' if len(budgets) > 1 else 'is'} never below a context, so those points are dense"]
-    return []
+def _decode_lacks(probe: CostModel, grid: Grid) -> list[str]:
+    """What a grid lacks of a recipe for a full-rank decode fit: two batch sizes, two contexts and, for a
+    model with sparse layers, 'dense' and a budget below a context. The recipe always suffices: across two
+    batch sizes the per-step and per-sequence terms separate, and what is left needs three (context,
+    budget) points whose KV read and pages scored per sequence are not on one line, which dense points at
+    two contexts and a sparse one never are (docs/cost-model.md); and adding values to a grid never undoes
+    an item, so adding all that is named suffices."""
+    lacks = ["a second batch size to --batches" if len(set(grid.batches)) < 2 else "",
+             "a second context to --contexts" if len(set(grid.contexts)) < 2 else ""]
+    if probe.num_sparse_layers:
+        scored = probe.features(1, np.array(grid.contexts)[:, None], np.array(grid.budgets)[None, :])
+        lowest = RESERVED_PAGES * probe.page_size  # the smallest budget
+        below = (f"a budget below {max(grid.contexts)} to --budgets" if max(grid.contexts) > lowest else
+                 f"a context above {lowest} to --contexts with a budget below it in --budgets")
+        lacks += ["" if 0 in grid.budgets else "'dense' to --budgets",
+                  "" if (scored[..., FEATURES.index("page")] > 0).any() else below]
+    return [x for x in lacks if x]
 
 
 def fitted_range(table: pa.Table) -> tuple[tuple[int, int], tuple[int, int]] | None:
@@ -359,7 +418,7 @@ def time_decode_steps(loaded, grid: Grid, device: str = "cpu", seed: int = 0,
     return out
 
 
-def time_verifications(loaded, grid: Grid, tokens: Sequence[int] = (2, 5), seed: int = 0,
+def time_verifications(loaded, grid: Grid, tokens: Sequence[int] = VERIFY_TOKENS, seed: int = 0,
                        gpu_memory_utilization: float = 0.9) -> list[tuple[int, int, int, float]]:
     """Seconds of one speculative verification forward per (batch, context, fed tokens per sample): the
     engine speculating with K = tokens - 1 drafts at the grid's smallest budget (dense when it has none),

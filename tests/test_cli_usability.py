@@ -172,13 +172,14 @@ def test_json_is_typed_and_the_text_formats_render_alike(tmp_path):
                                     ).stdout.splitlines()[0])
     assert isinstance(plan[0]["tail"], float) and isinstance(plan[0]["budget"], int)
 
-    cost = ["fit-cost", "--model", "tiny-llama", "--device", "cpu", "--batches", "1", "--contexts", "64",
-            "--budgets", "dense,48", "--repeats", "1", "--warmup", "0", "-o", str(tmp_path / "c.parquet")]
+    cost = ["fit-cost", "--model", "tiny-llama", "--device", "cpu", "--batches", "1,2",
+            "--contexts", "64,128", "--budgets", "dense,48", "--repeats", "1", "--warmup", "0",
+            "-o", str(tmp_path / "c.parquet")]
     header, *rows = runner.invoke(app, cost).stdout.splitlines()
     budgets = [dict(zip(header.split("\t"), row.split("\t")))["budget"] for row in rows]
-    assert budgets == ["dense", "48"]  # as the table shows it, never a blank cell
+    assert budgets == ["dense", "48"] * 4  # as the table shows it, never a blank cell
     as_json = json.loads(runner.invoke(app, [*cost, "--format", "json"]).stdout)
-    assert [r["budget"] for r in as_json] == [None, 48] and isinstance(as_json[0]["measured_ms"], float)
+    assert [r["budget"] for r in as_json] == [None, 48] * 4 and isinstance(as_json[0]["measured_ms"], float)
 
     profile = ["profile", "--model", "tiny-llama", "--prompts", str(_token_prompts(tmp_path / "p.parquet")),
                "--budgets", "48", "--samples", "1", "--max-new-tokens", "3",
@@ -312,8 +313,8 @@ def test_rollout_profile_and_fit_cost_log_their_progress_in_whole_lines(tmp_path
                                         "--samples", "2", "--max-new-tokens", "4", "-o", str(tmp_path / "r")],
             "scoring": ["profile", "--model", "tiny-llama", "--prompts", str(prompts), "--samples", "1",
                         "--max-new-tokens", "4", "--budgets", "48", "-o", str(tmp_path / "m")],
-            "timing the engine's decode step (points): 2/2": [
-                "fit-cost", "--model", "tiny-llama", "--batches", "1,2", "--contexts", "64", "--budgets",
+            "timing the engine's decode step (points): 4/4": [
+                "fit-cost", "--model", "tiny-llama", "--batches", "1,2", "--contexts", "64,128", "--budgets",
                 "dense", "--repeats", "1", "--warmup", "0", "-o", str(tmp_path / "c")]}
     for want, args in runs.items():
         r = runner.invoke(app, args)

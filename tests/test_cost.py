@@ -191,7 +191,7 @@ def test_fit_cost_speculate_times_the_verification_and_the_planner_prices_with_i
     cost = load_cost(out, cfg)
     assert set(cost.verify) == set(VERIFY_FEATURES) and all(v >= 0 for v in cost.verify.values())
     points = json.loads(artifact_metadata(out)["verify_points"])
-    assert sorted({p[2] for p in points}) == [2, 5] and all(p[3] > 0 for p in points)
+    assert sorted({p["tokens"] for p in points}) == [2, 5] and all(p["seconds"] > 0 for p in points)
     want = sum(cost.verify[f] * x for f, x in zip(VERIFY_FEATURES, (1.0, 2 * 4, 2 * cfg.num_layers * 100)))
     assert float(verify_seconds(cost, 2, np.array(100), 3)) == pytest.approx(want)
     derived = replace(cost, verify=None)
@@ -206,42 +206,175 @@ def test_fit_cost_speculate_needs_a_device(tmp_path):
     assert not out.exists()
 
 
-def test_a_grid_that_cannot_determine_a_coefficient_says_which_and_why():
+def test_a_grid_that_cannot_determine_a_coefficient_says_which_and_what_to_add():
     """The features of a grid's points decide which coefficients a fit can pin down: one context leaves
     the per-sequence and KV terms confounded; budgets never below a context time dense points only, so
-    no page is scored; a full grid determines all four."""
-    from sparrow.stages.cost import Grid, grid_warning, undetermined
+    no page is scored; a full grid determines all four; a model without sparse layers has no page term."""
+    from sparrow.stages.cost import Grid, grid_problem, undetermined
 
     smol = get_preset("smollm2-135m").config
     probe = CostModel(smol, dict.fromkeys(FEATURES, 0.0), "probe")
     assert undetermined(probe, Grid([1, 2], [64], [48]).points()) == ["seq", "kv", "page"]
-    assert grid_warning(smol, Grid([1, 2], [64], [48])).startswith(
-        "the grid cannot determine the batch, KV token-layer and scored page-layer coefficients (one context "
-        "(64); no dense point): ")
-    assert grid_warning(smol, Grid([1, 2], [64, 128], [0, 256])).startswith(
-        "the grid cannot determine the scored page-layer coefficient (budget 256 is never below a context, "
-        "so those points are dense): ")
-    assert "one batch size (1)" in grid_warning(smol, Grid([1], [128, 256], [0, 64]))
-    assert grid_warning(smol, Grid([1, 2], [64, 128], [0, 48])) is None
-    assert grid_warning(QWEN4B, Grid([1, 4], [1024, 2048, 4096], [0, 256, 512])) is None
+    assert grid_problem(smol, Grid([1, 2], [64], [48])) == (
+        "the grid cannot determine the decode step's batch, KV token-layer and scored page-layer "
+        "coefficients (other values fit its points as well): add a second context to --contexts and 'dense' "
+        "to --budgets; two batch sizes, two contexts, and 'dense' with a budget below a context in --budgets "
+        "always suffice")
+    assert "a context above 48 to --contexts with a budget below it in --budgets;" in grid_problem(
+        smol, Grid([1, 2], [32, 48], [0, 48]))
+    assert grid_problem(smol, Grid([1, 2], [64, 128], [0, 256])).startswith(
+        "the grid cannot determine the decode step's scored page-layer coefficient (other values fit its "
+        "points as well): add a budget below 128 to --budgets; ")
+    assert "add a second batch size to --batches;" in grid_problem(smol, Grid([1], [128, 256], [0, 64]))
+    assert grid_problem(smol, Grid([1, 2], [64, 128], [0, 48]), speculate=True) is None
+    assert grid_problem(smol, Grid([1, 2], [512], [0, 64, 128])) is None  # one context, two sparse budgets
+    assert grid_problem(QWEN4B, Grid([1, 4], [1024, 2048, 4096], [0, 256, 512])) is None
+    tiny = get_preset("tiny-llama").config  # two layers, both dense
+    assert grid_problem(tiny, Grid([1, 2], [64, 128], [0])) is None
+    assert grid_problem(tiny, Grid([1, 2], [64], [0, 48])).endswith(
+        "add a second context to --contexts; two batch sizes and two contexts always suffice (this model "
+        "has no sparse layer)")
 
 
-def test_fit_cost_warns_before_timing_a_grid_that_cannot_determine_a_coefficient(tmp_path):
+def _widened(grid, problem: str):
+    """`grid` with what `problem` says to add (each value an instance of what it names)."""
+    from sparrow.stages.cost import Grid
+
+    b, c, k = list(grid.batches), list(grid.contexts), list(grid.budgets)
+    if "a second batch size to --batches" in problem:
+        b.append(max(b) + 1)
+    if "a second context to --contexts" in problem:
+        c.append(max(c) + 16)
+    if "'dense' to --budgets" in problem:
+        k.append(0)
+    if "a budget below" in problem and "a context above 48" not in problem:
+        k.append(48)
+    if "a context above 48 to --contexts with a budget below it" in problem:
+        c, k = [*c, 64], [*k, 48]
+    return Grid(b, c, k)
+
+
+@pytest.mark.parametrize("preset", ["smollm2-135m", "tiny-llama"])
+def test_fit_cost_refuses_exactly_the_grids_without_full_column_rank_and_says_what_suffices(preset):
+    """Over every small grid: refused exactly when the planned points' feature matrix (the page column
+    dropped for a model with no sparse layer), or with --speculate the verification forwards', lacks full
+    column rank; and adding what the refusal names always gives a grid that is not refused."""
+    import itertools
+
+    from sparrow.stages.cost import VERIFY_TOKENS, Grid, fitted_features, grid_problem
+
+    cfg = get_preset(preset).config
+    probe = CostModel(cfg, dict.fromkeys(FEATURES, 0.0), "probe")
+    columns = len(fitted_features(probe))
+    subsets = lambda values: [list(x) for r in (1, 2) for x in itertools.combinations(values, r)]
+
+    def rank(m):  # of the columns in units of their largest value (an all-zero column stays zero)
+        top = np.abs(m).max(axis=0)
+        return np.linalg.matrix_rank(m / np.where(top > 0, top, 1.0))
+
+    refused = 0
+    for b, c, k in itertools.product(subsets([1, 2, 4]), subsets([32, 64, 128]), subsets([0, 48, 64, 128])):
+        grid = Grid(b, c, k)
+        x = probe.features(*np.array(grid.points()).T)[:, :columns]
+        v = probe.verify_features(*np.array([(n, m, t) for t in VERIFY_TOKENS for n in b for m in c]).T)
+        full, verify_full = rank(x) == columns, rank(v) == 3
+        problem = grid_problem(cfg, grid, speculate=True)
+        assert (problem is None) == (full and verify_full), (grid, problem)
+        if problem is not None:
+            refused += 1
+            assert grid_problem(cfg, _widened(grid, problem), speculate=True) is None, (grid, problem)
+    assert refused > 100
+
+
+@pytest.mark.parametrize("args,phrase", [
+    (["--model", "smollm2-135m", "--speculate", "--batches", "1", "--contexts", "512",
+      "--budgets", "dense,64"],
+     "the grid cannot determine the decode step's per-step, batch, KV token-layer and scored page-layer "
+     "coefficients or the verification's per-forward and KV token-layer coefficients (other values fit its "
+     "points as well): add a second batch size to --batches and a second context to --contexts; "),
+    (["--model", "smollm2-135m", "--batches", "1,2", "--contexts", "512", "--budgets", "dense,64"],
+     "cannot determine the decode step's batch, KV token-layer and scored page-layer coefficients"),
+    (["--model", "smollm2-135m", "--batches", "1,2", "--contexts", "64,128", "--budgets", "dense"],
+     "cannot determine the decode step's scored page-layer coefficient (other values fit its points as "
+     "well): add a budget below 128 to --budgets; "),
+    (["--model", "tiny-llama", "--batches", "1,2", "--contexts", "64", "--budgets", "48"],
+     "cannot determine the decode step's batch and KV token-layer coefficients"),
+])
+def test_fit_cost_refuses_a_grid_that_cannot_determine_a_coefficient_before_timing(tmp_path, args, phrase):
+    out = tmp_path / "cost.parquet"
+    result = runner.invoke(app, ["fit-cost", "--device", "cpu", *args, "--repeats", "1", "--warmup", "0",
+                                 "-o", str(out)])
+    assert result.exit_code == 2
+    lines = [ln for ln in result.output.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and phrase in lines[0], result.output
+    assert "timing" not in result.output and not out.exists()
+
+
+def test_fit_cost_speculate_prints_and_writes_every_verification_point_with_its_prediction(tmp_path):
+    """--speculate on SmolLM2: the verification forwards come as a second table after the decode steps
+    (JSON: a second line), each with its prediction, the same points and predictions as the artifact's
+    metadata (`verify_points`, where --help says they are; the rows are decode steps); the verification
+    coefficients print in ms, us and ns as the decode step's do; no fit here is exact by construction."""
+    import re
+
     import torch
+
+    from sparrow.stages.cost import VERIFY_FEATURES
 
     threads = torch.get_num_threads()
     out = tmp_path / "cost.parquet"
     try:
-        result = runner.invoke(app, ["fit-cost", "--model", "tiny-llama", "--device", "cpu",
-                                     "--batches", "1,2", "--contexts", "64", "--budgets", "48",
-                                     "--repeats", "1", "--warmup", "0", "--threads", "1", "-o", str(out)])
+        result = runner.invoke(app, ["fit-cost", "--model", "smollm2-135m", "--device", "cpu", "--speculate",
+                                     "--batches", "1,2", "--contexts", "64,128", "--budgets", "dense,48",
+                                     "--repeats", "1", "--warmup", "0", "--threads", "1", "-f", "json",
+                                     "-o", str(out)])
     finally:
         torch.set_num_threads(threads)
     assert result.exit_code == 0, result.output
-    warned = [line for line in result.stderr.splitlines() if line.startswith("warning: ")]
-    assert len(warned) == 1 and warned[0].startswith("warning: the grid cannot determine the batch and KV "
-                                                     "token-layer coefficients (one context (64)): ")
-    assert result.stderr.index("warning: ") < result.stderr.index("fit over 2 points")
+    decode, verify = (json.loads(line) for line in result.stdout.splitlines())
+    assert len(decode) == read_artifact(out, "cost").num_rows == 8
+    meta = artifact_metadata(out)
+    written = json.loads(meta["verify_points"])
+    assert [(r["batch"], r["context"], r["tokens"]) for r in verify] == [
+        (r["batch"], r["context"], r["tokens"]) for r in written] == [
+        (b, c, t) for t in (2, 5) for b in (1, 2) for c in (64, 128)]
+    assert [r["measured_ms"] for r in verify] == pytest.approx([r["seconds"] * 1e3 for r in written])
+    predicted = [r["predicted_seconds"] * 1e3 for r in written]
+    assert [r["predicted_ms"] for r in verify] == pytest.approx(predicted)
+    cost = CostModel.from_metadata(meta, str(out))
+    coefficients = np.array([cost.verify[k] for k in VERIFY_FEATURES])
+    want = [cost.verify_features(r["batch"], r["context"], r["tokens"]) @ coefficients for r in written]
+    assert [r["predicted_seconds"] for r in written] == pytest.approx(want)
+    assert re.search(r"^verification: forward [\d.e+-]+ ms \+ fed token x [\d.e+-]+ us \+ KV token-layer x "
+                     r"[\d.e+-]+ ns$", result.stderr, re.M), result.stderr
+    assert "verification fit over 8 points" in result.stderr and "by construction" not in result.stderr
+    shown = " ".join(runner.invoke(app, ["fit-cost", "--help"], env={"COLUMNS": "500"}).stdout.split())
+    assert "written to the artifact's metadata (verify_points)" in shown
+
+
+def test_a_fit_without_spare_points_says_its_error_is_zero_by_construction(capsys):
+    """As many independent points as coefficients: the fit passes through each of them, and fit-cost's
+    summary says that its 0% error measures nothing; one more point gives a real error and no such note."""
+    from sparrow.cli.cost import print_fit_quality
+    from sparrow.stages.cost import fit, fit_verify
+
+    truth = analytic(QWEN4B, "h100")
+    points = [(1, 1024, 0), (4, 1024, 0), (1, 4096, 0), (1, 4096, 1024), (4, 4096, 1024)]
+    timed = [(b, c, k, float(truth.step_seconds(b, c, k)) * (1.1 if i == 4 else 1.0))
+             for i, (b, c, k) in enumerate(points)]
+    forwards = [(1, 1024, 2), (1, 1024, 5), (2, 4096, 2)]
+    seconds = truth.verify_features(*np.array(forwards).T) @ np.array([1e-3, 1e-5, 1e-9])
+    exact = fit_verify(fit(QWEN4B, timed[:4], "synthetic"), [(*f, s) for f, s in zip(forwards, seconds)])
+    assert exact.extra["max_relative_error"] < 1e-9 and exact.extra["verify_max_relative_error"] < 1e-9
+    assert exact.extra["spare_points"] == 0 and exact.extra["verify_spare_points"] == 0
+    print_fit_quality(exact, "fit", 4, "")
+    print_fit_quality(exact, "verification fit", 3, "verify_")
+    said = capsys.readouterr().err
+    assert said.count("this error is 0 by construction") == 2, said
+    spare = fit(QWEN4B, timed, "synthetic")
+    assert spare.extra["spare_points"] == 1 and spare.extra["max_relative_error"] > 0.01
+    print_fit_quality(spare, "fit", 5, "")
+    assert "by construction" not in capsys.readouterr().err
 
 
 def test_plan_schedule_warns_once_when_it_prices_far_outside_the_fitted_grid(tmp_path):
