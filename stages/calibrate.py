@@ -271,8 +271,11 @@ class ResolvedThreshold:
 
     @property
     def source(self) -> str:
-        """Origin and provenance on one line (for an artifact's metadata)."""
-        return f"{self.origin} ({self.provenance})" if self.provenance else self.origin
+        """Origin and provenance on one line (for an artifact's metadata), the origin said once where the
+        provenance opens with it (the published prior's)."""
+        if not self.provenance or self.provenance.startswith(self.origin):
+            return self.provenance or self.origin
+        return f"{self.origin} ({self.provenance})"
 
     @property
     def short(self) -> str:
@@ -287,8 +290,10 @@ class ResolvedThreshold:
         out = [f"threshold {self.value:.3g} on the {self.quantile:g} quantile of alpha: {self.origin}"]
         if self.interval is not None and None not in self.interval:
             out.append(f"  95% interval {self.interval[0]:.3g}-{self.interval[1]:.3g}")
-        if self.provenance:
-            out += textwrap.wrap(self.provenance, width, initial_indent="  ", subsequent_indent="    ")
+        told = self.provenance.removeprefix(self.origin).lstrip(" (").removesuffix(")") if (
+            self.provenance.startswith(self.origin)) else self.provenance
+        if told:
+            out += textwrap.wrap(told, width, initial_indent="  ", subsequent_indent="    ")
         return out
 
 

@@ -248,16 +248,8 @@ def _write_schedule(planned: PlannedSchedule, output: Path, name: str, model_con
                        metadata={**meta, **_speculative_meta(planned.speculative), "min_tokens": min_tokens})
         return
     write_artifact(schedule_table(result, planned.sparse_s), output, "schedule", metadata={
-        **meta, "threshold": result.threshold, "threshold_source": threshold_source(planned.threshold),
+        **meta, "threshold": result.threshold, "threshold_source": planned.threshold.source,
         "quantile": result.quantile, "predicted_speedup": planned.speedup, "notes": json.dumps(result.notes)})
-
-
-def threshold_source(resolved: ResolvedThreshold) -> str:
-    """Where the threshold came from, for the artifact: its origin and provenance, the origin said once
-    (the published prior's provenance already opens with "published prior")."""
-    if resolved.provenance.startswith(resolved.origin):
-        return resolved.provenance
-    return resolved.source
 
 
 def _plan_speculation(req: PlanRequest, cost_model: CostModel, tails: TailProfile, lengths: Lengths

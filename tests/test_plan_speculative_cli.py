@@ -17,7 +17,6 @@ from sparrow.schemas import artifact_metadata, read_artifact, write_artifact
 from sparrow.stages.calibrate import PRIOR_NOTE, ResolvedThreshold
 from sparrow.stages.cost import analytic
 from sparrow.stages.model.presets import get_preset
-from sparrow.stages.plan import threshold_source
 from sparrow.stages.speculative_plan import format_speedup, mean_alpha, plan_speculation
 
 runner = CliRunner()
@@ -78,16 +77,18 @@ def test_the_draft_artifact_describes_the_drafts_not_the_lossy_plan(tmp_path):
 
 def test_the_threshold_source_names_the_prior_once(tmp_path):
     """SmolLM2-135M ships no calibration, so the lossy artifact's threshold is the published prior's, said
-    once, not "published prior (published prior (...": in the artifact and in the stage's helper."""
+    once, not "published prior (published prior (...": in the artifact, the printed account and the
+    threshold's own source."""
     out = tmp_path / "lossy.parquet"
     r = _plan("--profile", _low_tail_profile(tmp_path), "-o", out)
     assert r.exit_code == 0, r.output
     meta = artifact_metadata(out)
     assert meta["threshold_source"] == PRIOR_NOTE and meta["threshold_source"].count("published prior") == 1
     assert float(meta["threshold"]) == 0.86
+    assert " ".join(r.stderr.split()).count("published prior") == 1
     shipped = ResolvedThreshold(0.8, 0.05, "shipped calibration for m", "a sweep of 12 runs")
-    assert threshold_source(shipped) == "shipped calibration for m (a sweep of 12 runs)"
-    assert threshold_source(ResolvedThreshold(0.7, 0.05, "given")) == "given"
+    assert shipped.source == "shipped calibration for m (a sweep of 12 runs)"
+    assert ResolvedThreshold(0.7, 0.05, "given").source == "given"
 
 
 def test_speculation_slower_than_dense_is_said_plainly_and_no_rollout_is_advised(tmp_path):
