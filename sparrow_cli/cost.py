@@ -181,13 +181,16 @@ def print_points(table, fmt: str) -> None:
 
 
 def print_verify_points(cost, fmt: str) -> None:
-    """Measured vs fitted seconds per timed verification forward, on stdout after the decode steps."""
+    """Measured vs fitted seconds per timed verification forward: a second table after the decode steps on
+    a terminal; with csv, json or tsv on stderr, so that stdout stays one document (scripts read them from
+    the artifact's `verify_points`)."""
     from sparrow.stages.cost import verify_rows
 
     rows = [[r["batch"], r["context"], r["tokens"], r["seconds"] * 1e3, r["predicted_seconds"] * 1e3,
              (r["predicted_seconds"] - r["seconds"]) / r["seconds"]] for r in verify_rows(cost)]
-    emit(("batch", "context", "tokens", "measured_ms", "predicted_ms", "relative_error"), rows, fmt,
-         title="verification forward (tokens fed per sample): measured vs fitted")
+    emit(("batch", "context", "tokens", "measured_ms", "predicted_ms", "relative_error"), rows, "table",
+         title="verification forward (tokens fed per sample): measured vs fitted",
+         to=None if fmt == "table" else console)
 
 
 def print_fit_quality(cost, what: str, points: int, prefix: str) -> None:
@@ -213,10 +216,17 @@ def print_predictions(table, fmt: str) -> None:
 def print_coefficients(cost) -> None:
     """The decode step's coefficients, and the verification forward's where fitted, in ms, us and ns."""
     c = cost.coefficients
-    console.print(f"{cost.source}: step {c['step'] * 1e3:.4g} ms + batch x {c['seq'] * 1e6:.4g} us "
-                  f"+ KV token-layer x {c['kv'] * 1e9:.4g} ns + scored page-layer x "
-                  f"{c['page'] * 1e9:.4g} ns")
+    console.print(f"{cost.source}: step {duration(c['step'])} + batch x {duration(c['seq'])} + KV "
+                  f"token-layer x {duration(c['kv'])} + scored page-layer x {duration(c['page'])}")
     if cost.verify is not None:
         v = cost.verify
-        console.print(f"verification: forward {v['step'] * 1e3:.4g} ms + fed token x "
-                      f"{v['token'] * 1e6:.4g} us + KV token-layer x {v['kv'] * 1e9:.4g} ns")
+        console.print(f"verification: forward {duration(v['step'])} + fed token x {duration(v['token'])} + "
+                      f"KV token-layer x {duration(v['kv'])}")
+
+
+def duration(seconds: float) -> str:
+    """Seconds in the unit that keeps 1-999 of them: "434.2 ms", "3.5 us", "0 s"."""
+    for unit, scale in (("s", 1.0), ("ms", 1e3), ("us", 1e6)):
+        if abs(seconds) * scale >= 1:
+            return f"{seconds * scale:.4g} {unit}"
+    return f"{seconds * 1e9:.4g} ns" if seconds else "0 s"

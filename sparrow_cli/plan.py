@@ -32,8 +32,9 @@ EXPORTS = ("json", "sglang-vortex")
 EXPORT_TO_GIVE = "a file such as schedule.json (- = stdout)"  # what an empty --export-to is asked for
 FORMAT_TABLES_HELP = (f"{FORMAT_HELP} With --sweep or --speculate, json is one object with a key per "
                       "table (schedule, frontier, speculative), and with --speculate its K (speculate) and "
-                      "predicted speedups (speculative_speedup, lossy_speedup, speedups_by_k); csv and tsv "
-                      "carry the schedule table alone, and the rest goes to stderr.")
+                      "predicted speedups (speculative_speedup, speculation_pays, lossy_speedup, "
+                      "speedups_by_k); csv and tsv carry the schedule table alone, and the rest goes to "
+                      "stderr.")
 
 
 def parse_thresholds(text: str) -> list[float]:
@@ -376,7 +377,7 @@ def print_speculative(planned, tables: PlanTables, output: Path | None = None) -
           f"exact speculative rollouts: K = {spec.k} drafts a cycle", render={
               "mean_alpha": _fixed(3, missing="thin"), "tokens_per_cycle": _fixed(2, missing="thin")})
     for name, value in (("speculate", spec.k), ("speculative_speedup", spec.speedup),
-                        ("lossy_speedup", planned.speedup),
+                        ("speculation_pays", spec.pays), ("lossy_speedup", planned.speedup),
                         ("speedups_by_k", {str(k): v for k, v in spec.speedups_by_k.items()})):
         tables.put(name, value)
     for note in spec.notes:

@@ -290,8 +290,8 @@ class ResolvedThreshold:
         out = [f"threshold {self.value:.3g} on the {self.quantile:g} quantile of alpha: {self.origin}"]
         if self.interval is not None and None not in self.interval:
             out.append(f"  95% interval {self.interval[0]:.3g}-{self.interval[1]:.3g}")
-        told = self.provenance.removeprefix(self.origin).lstrip(" (").removesuffix(")") if (
-            self.provenance.startswith(self.origin)) else self.provenance
+        told = self.provenance.removeprefix(self.origin).strip() if (
+            self.provenance.startswith(self.origin)) else self.provenance  # the origin is on the first line
         if told:
             out += textwrap.wrap(told, width, initial_indent="  ", subsequent_indent="    ")
         return out

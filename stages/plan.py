@@ -41,7 +41,7 @@ from .core.schedule import (
 )
 from .cost import CostModel, analytic, extrapolation_warning, fitted_range, load_cost
 from .model.presets import PRESETS, get_preset
-from .speculative_plan import SpeculativePlan, mean_alpha, plan_speculation
+from .speculative_plan import SpeculativePlan, format_speedup, mean_alpha, plan_speculation
 
 
 def model_shape(spec: str):
@@ -213,6 +213,11 @@ def plan_schedule(req: PlanRequest, output: Path | None = None, export_to: Path 
     said = extrapolation_warning(f"the cost model {req.cost}", fitted, req.batch,
                                  np.arange(prompt_len + 1, prompt_len + gen_len))
     planned.warnings += [said] if said else []
+    if speedup < 1:
+        planned.warnings.append(f"the schedule is predicted slower than dense decoding "
+                                f"({format_speedup(speedup)} for {lengths.describe(req.batch)}): its "
+                                "budgets' steps cost more than dense ones at these lengths, so roll out "
+                                "--dense, or plan for longer contexts (--gen-len)")
     if req.profile is not None and artifact_metadata(req.profile).get("random_weights"):
         planned.warnings.append(f"--profile {req.profile} was measured with random weights (its "
                                 "metadata), so its mismatch is not the model's and the plan says nothing of "

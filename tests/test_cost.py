@@ -312,7 +312,8 @@ def test_fit_cost_refuses_a_grid_that_cannot_determine_a_coefficient_before_timi
 
 def test_fit_cost_speculate_prints_and_writes_every_verification_point_with_its_prediction(tmp_path):
     """--speculate on SmolLM2: the verification forwards come as a second table after the decode steps
-    (JSON: a second line), each with its prediction, the same points and predictions as the artifact's
+    (with -f json on stderr, so that stdout is one JSON document), each with its prediction, the same
+    points and predictions as the artifact's
     metadata (`verify_points`, where --help says they are; the rows are decode steps); the verification
     coefficients print in ms, us and ns as the decode step's do; no fit here is exact by construction."""
     import re
@@ -331,22 +332,25 @@ def test_fit_cost_speculate_prints_and_writes_every_verification_point_with_its_
     finally:
         torch.set_num_threads(threads)
     assert result.exit_code == 0, result.output
-    decode, verify = (json.loads(line) for line in result.stdout.splitlines())
+    decode = json.loads(result.stdout)  # one document
     assert len(decode) == read_artifact(out, "cost").num_rows == 8
     meta = artifact_metadata(out)
     written = json.loads(meta["verify_points"])
-    assert [(r["batch"], r["context"], r["tokens"]) for r in verify] == [
-        (r["batch"], r["context"], r["tokens"]) for r in written] == [
+    assert [(r["batch"], r["context"], r["tokens"]) for r in written] == [
         (b, c, t) for t in (2, 5) for b in (1, 2) for c in (64, 128)]
-    assert [r["measured_ms"] for r in verify] == pytest.approx([r["seconds"] * 1e3 for r in written])
-    predicted = [r["predicted_seconds"] * 1e3 for r in written]
-    assert [r["predicted_ms"] for r in verify] == pytest.approx(predicted)
+    assert "verification forward (tokens fed per sample): measured vs fitted" in result.stderr
+    table = [line.split("│")[1:-1] for line in result.stderr.splitlines() if line.count("│") == 7]
+    shown = [[float(x) for x in row] for row in table if row[0].strip().isdigit()]
+    assert [r[:3] for r in shown] == [[r["batch"], r["context"], r["tokens"]] for r in written]
+    assert [r[3] for r in shown] == pytest.approx([r["seconds"] * 1e3 for r in written], rel=1e-4)
+    assert [r[4] for r in shown] == pytest.approx([r["predicted_seconds"] * 1e3 for r in written], rel=1e-4)
     cost = CostModel.from_metadata(meta, str(out))
     coefficients = np.array([cost.verify[k] for k in VERIFY_FEATURES])
     want = [cost.verify_features(r["batch"], r["context"], r["tokens"]) @ coefficients for r in written]
     assert [r["predicted_seconds"] for r in written] == pytest.approx(want)
-    assert re.search(r"^verification: forward [\d.e+-]+ ms \+ fed token x [\d.e+-]+ us \+ KV token-layer x "
-                     r"[\d.e+-]+ ns$", result.stderr, re.M), result.stderr
+    unit = r"\d[\d.]* (s|ms|us|ns)"
+    assert re.search(rf"^verification: forward {unit} \+ fed token x {unit} \+ KV token-layer x {unit}$",
+                     result.stderr, re.M), result.stderr
     assert "verification fit over 8 points" in result.stderr and "by construction" not in result.stderr
     shown = " ".join(runner.invoke(app, ["fit-cost", "--help"], env={"COLUMNS": "500"}).stdout.split())
     assert "written to the artifact's metadata (verify_points)" in shown
@@ -427,3 +431,10 @@ def test_fit_cost_hardware_prints_its_predictions_on_stdout(tmp_path, fmt):
     rows = list(csv.reader(result.stdout.splitlines(), delimiter="," if fmt == "csv" else "\t"))
     assert rows[0] == ["batch", "context", "budget", "predicted_ms"] and len(rows) == len(table) + 1
     assert {r[2] for r in rows[1:]} == {"dense", "512", "2048", "4096"}
+
+
+def test_durations_print_in_the_unit_that_keeps_them_readable():
+    from sparrow.cli.cost import duration
+
+    assert [duration(x) for x in (0.4342, 0.2032, 2.5e-4, 1.076e-5, 3.3e-8, 0.0, 2.0)] == [
+        "434.2 ms", "203.2 ms", "250 us", "10.76 us", "33 ns", "0 s", "2 s"]

@@ -85,7 +85,9 @@ def test_the_threshold_source_names_the_prior_once(tmp_path):
     meta = artifact_metadata(out)
     assert meta["threshold_source"] == PRIOR_NOTE and meta["threshold_source"].count("published prior") == 1
     assert float(meta["threshold"]) == 0.86
-    assert " ".join(r.stderr.split()).count("published prior") == 1
+    err = " ".join(r.stderr.split())
+    assert err.count("published prior") == 1
+    assert "published prior" in err.split("(Sparrow, arXiv 2606.08446): keep the per-bin 5th percentile")[0]
     shipped = ResolvedThreshold(0.8, 0.05, "shipped calibration for m", "a sweep of 12 runs")
     assert shipped.source == "shipped calibration for m (a sweep of 12 runs)"
     assert ResolvedThreshold(0.7, 0.05, "given").source == "given"
@@ -193,3 +195,29 @@ def test_json_carries_the_k_and_the_speedups(tmp_path):
     assert doc["speedups_by_k"][str(doc["speculate"])] == pytest.approx(doc["speculative_speedup"])
     assert sorted(doc["speedups_by_k"], key=int) == [str(k) for k in range(1, 9)]
     assert doc["lossy_speedup"] > 0 and len(doc["speculative"]) == len(doc["schedule"])
+
+
+def test_a_lossy_plan_predicted_slower_than_dense_is_said(tmp_path):
+    """A cost model whose scored pages cost more than the KV they save (a step's page term at a
+    millisecond): the sparse budgets the tails ask for make the rollout slower than dense, which the plan
+    says in one warning with what to do."""
+    from dataclasses import replace
+
+    from sparrow.stages.cost import cost_table
+
+    cfg = get_preset("smollm2-135m").config
+    slow = analytic(cfg, "h100")
+    slow = replace(slow, coefficients={**slow.coefficients, "page": 1e-3}, source="measured:cpu")
+    cost = tmp_path / "cost.parquet"
+    write_artifact(cost_table(slow, "smollm2-135m", "cpu", [(1, 512, 0, 1.0), (2, 1024, 48, 1.0)]), cost,
+                   "cost", metadata=slow.metadata() | {"model": "smollm2-135m"})
+    cells = [("p", range(236, 456), 0.99)]  # every tail above the threshold: the plan is sparse
+    r = _plan("--profile", _profile(tmp_path, cells), "--cost", cost, "--threshold", "0.5",
+              "--min-tokens", "1", "-o", tmp_path / "s.parquet")
+    assert r.exit_code == 0, r.output
+    err = " ".join(r.stderr.split())
+    assert "warning: the schedule is predicted slower than dense decoding (0." in err
+    assert "so roll out --dense, or plan for longer contexts (--gen-len)" in err
+    fast = _plan("--profile", _profile(tmp_path, cells, "m2.parquet"), "--threshold", "0.5", "--min-tokens",
+                 "1")  # the analytic H100 model: 1.19x
+    assert fast.exit_code == 0 and "predicted slower than dense" not in fast.stderr
