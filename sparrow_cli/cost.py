@@ -18,12 +18,14 @@ from .common import (
     output_help,
     parse_int_list,
     stage_errors,
+    warn,
 )
 from .options import check_gpu_memory, gpu_memory_option, non_negative_seed, output_path
 from .output import emit, format_option, resolve_format
 
 MEASURED_GRID = ("1,4", "1024,2048,4096", "dense,256,512")
 ANALYTIC_GRID = ("1,16,64", "2048,8192,16384,32768", "dense,512,2048,4096")
+NOISY_FIT = 0.25  # a median relative error above this says the timings, not the model, were measured
 
 
 def parse_budgets(text: str) -> list[int]:
@@ -202,6 +204,10 @@ def print_fit_quality(cost, what: str, points: int, prefix: str) -> None:
              "(widen the grid to measure it)" if spare == 0 else "")
     console.print(f"{what} over {points} points: median relative error {median:.1%}, worst "
                   f"{worst:.1%}{exact}", highlight=False)
+    if median > NOISY_FIT:
+        warn(f"the {what} misses its points by a median {median:.0%}, so its predictions are not to be "
+             "trusted: the timings were noisy (another process on the machine?) or the model's linear form "
+             "does not fit this device; rerun on a quiet machine with more --repeats")
 
 
 def print_predictions(table, fmt: str) -> None:

@@ -258,9 +258,14 @@ def check_speculative_schedule(schedule: Path | None, speculate: int) -> None:
 
     if schedule is None:
         return
-    if speculate > 0 and not any(Schedule.from_artifact(schedule).budgets):
+    budgets = Schedule.from_artifact(schedule).budgets
+    if speculate > 0 and not any(budgets):
         raise UsageError(f"--schedule {schedule} is dense in every bin, so --speculate would draft with the "
                          "dense model itself; give a sparse schedule or --budget, or drop --speculate")
+    if speculate > 0 and not all(budgets):
+        dense = [str(i) for i, b in enumerate(budgets) if not b]
+        warn(f"--schedule {schedule} is dense in bin{'s' * (len(dense) > 1)} {', '.join(dense)}, where "
+             "--speculate drafts with the dense model itself: those cycles cost a verification for nothing")
     try:
         drafts = artifact_metadata(schedule).get("speculate")
     except ArtifactError:

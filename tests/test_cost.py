@@ -438,3 +438,22 @@ def test_durations_print_in_the_unit_that_keeps_them_readable():
 
     assert [duration(x) for x in (0.4342, 0.2032, 2.5e-4, 1.076e-5, 3.3e-8, 0.0, 2.0)] == [
         "434.2 ms", "203.2 ms", "250 us", "10.76 us", "33 ns", "0 s", "2 s"]
+
+
+def test_a_fit_that_misses_its_points_is_warned_about(capsys):
+    """Timings a linear form cannot follow (as a busy machine gives them): the summary says the fit's
+    predictions are not to be trusted and what to do; a fit within a few percent says nothing."""
+    from sparrow.cli.cost import print_fit_quality
+    from sparrow.stages.cost import fit
+
+    truth = analytic(QWEN4B, "h100")
+    points = [(b, c, k) for b in (1, 4) for c in (1024, 4096) for k in (0, 512)]
+    rng = np.random.default_rng(0)
+    noisy = [(b, c, k, float(rng.uniform(1e-3, 1.0))) for b, c, k in points]  # nothing of the features
+    print_fit_quality(fit(QWEN4B, noisy, "synthetic"), "fit", len(points), "")
+    said = " ".join(capsys.readouterr().err.split())
+    assert "warning: the fit misses its points by a median" in said and "more --repeats" in said
+    clean = [(b, c, k, float(truth.step_seconds(b, c, k)) * (1 + 0.01 * (i % 3))) for i, (b, c, k) in
+             enumerate(points)]
+    print_fit_quality(fit(QWEN4B, clean, "synthetic"), "fit", len(points), "")
+    assert "warning" not in capsys.readouterr().err

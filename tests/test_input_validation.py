@@ -214,6 +214,15 @@ def test_a_draft_schedule_without_speculate_is_warned_about(tmp_path):
     assert result.exit_code == 0 and "draft budgets" not in result.stderr
 
 
+def test_speculation_with_a_schedule_dense_in_some_bins_is_warned_about(tmp_path):
+    prompts, out = token_prompts(tmp_path / "p.parquet"), tmp_path / "out.parquet"
+    schedule = _schedule(tmp_path / "s.parquet", [64, None])
+    result = runner.invoke(app, rollout_args(prompts, out, "--schedule", str(schedule), "--speculate", "2"))
+    assert result.exit_code == 0, result.output
+    said = " ".join(result.stderr.split())
+    assert f"--schedule {schedule} is dense in bin 1, where --speculate drafts with the dense model" in said
+
+
 def test_speculation_with_workers_is_refused_before_ray_is_looked_for(tmp_path, no_work):
     prompts, out = token_prompts(tmp_path / "p.parquet"), tmp_path / "out"
     result = runner.invoke(app, train_args("tiny-llama", prompts, out, "--budget", "48", "--speculate", "2",

@@ -174,7 +174,8 @@ def test_speculate_and_sweep_print_one_document_on_stdout(tmp_path, fmt):
     if fmt == "json":
         doc = json.loads(r.stdout)
         assert set(doc) == {"schedule", "frontier", "speculative", "speculate", "speculative_speedup",
-                            "lossy_speedup", "speedups_by_k"}
+                            "speculation_pays", "lossy_speedup", "speedups_by_k"}
+        assert doc["speculation_pays"] == (doc["speculative_speedup"] > 1)
         assert len(doc["frontier"]) == 2 and len(doc["speculative"]) == len(doc["schedule"])
         return
     rows = list(csv.reader(r.stdout.splitlines(), delimiter="," if fmt == "csv" else "\t"))
