@@ -359,6 +359,25 @@ def fitted_range(table: pa.Table) -> tuple[tuple[int, int], tuple[int, int]] | N
                  for k in ("batch", "context"))
 
 
+def underdetermined_warning(subject: str, table: pa.Table, model: CostModel) -> str | None:
+    """One sentence when a measured cost artifact's own points cannot determine some coefficient of its
+    decode step (or of its verification), as a grid that fit-cost now refuses could leave it; None for an
+    analytic model or a well-determined fit."""
+    rows = [r for r in table.to_pylist() if r["seconds"] is not None]
+    if not rows:
+        return None
+    decode = undetermined(model, [(r["batch"], r["context"], r["budget"] or 0) for r in rows])
+    forwards = [(r["batch"], r["context"], r["tokens"]) for r in verify_rows(model)]
+    verify = verify_undetermined(model, forwards) if forwards and model.verify is not None else []
+    if not decode and not verify:
+        return None
+    what = [_coefficients("the decode step's", decode, COEFFICIENT_NAMES) if decode else "",
+            _coefficients("the verification's", verify, VERIFY_NAMES) if verify else ""]
+    return (f"{subject} was fitted from points that cannot determine {' or '.join(w for w in what if w)}, so "
+            "its predictions away from those points are guesses; refit it with sparrow fit-cost over two "
+            "batch sizes and two contexts")
+
+
 def _span(low: int, high: int) -> str:
     return str(low) if low == high else f"{low}-{high}"
 

@@ -39,7 +39,14 @@ from .core.schedule import (
     plan,
     schedule_table,
 )
-from .cost import CostModel, analytic, extrapolation_warning, fitted_range, load_cost
+from .cost import (
+    CostModel,
+    analytic,
+    extrapolation_warning,
+    fitted_range,
+    load_cost,
+    underdetermined_warning,
+)
 from .model.presets import PRESETS, get_preset
 from .speculative_plan import SpeculativePlan, format_speedup, mean_alpha, plan_speculation
 
@@ -195,7 +202,8 @@ def plan_schedule(req: PlanRequest, output: Path | None = None, export_to: Path 
     if req.profile is not None and not req.allow_model_mismatch:
         check_profile_model(req.profile, req.model, name)
     cost_model = load_cost(req.cost, cfg) if req.cost is not None else analytic(cfg, req.hardware or "h100")
-    fitted = fitted_range(read_artifact(req.cost, "cost")) if req.cost is not None else None
+    measured = read_artifact(req.cost, "cost") if req.cost is not None else None
+    fitted = fitted_range(measured) if measured is not None else None
     tails, lengths = load_profile(name, req.profile, resolved.quantile, req.bin_width, req.prompt_len,
                                   req.gen_len, req.min_tokens)
     prompt_len, gen_len = lengths.prompt_len, lengths.gen_len
@@ -213,6 +221,8 @@ def plan_schedule(req: PlanRequest, output: Path | None = None, export_to: Path 
     said = extrapolation_warning(f"the cost model {req.cost}", fitted, req.batch,
                                  np.arange(prompt_len + 1, prompt_len + gen_len))
     planned.warnings += [said] if said else []
+    loose = underdetermined_warning(f"the cost model {req.cost}", measured, cost_model) if measured else None
+    planned.warnings += [loose] if loose else []
     if speedup < 1:
         planned.warnings.append(f"the schedule is predicted slower than dense decoding "
                                 f"({format_speedup(speedup)} for {lengths.describe(req.batch)}): its "

@@ -382,10 +382,10 @@ def test_a_fit_without_spare_points_says_its_error_is_zero_by_construction(capsy
 
 
 def test_plan_schedule_warns_once_when_it_prices_far_outside_the_fitted_grid(tmp_path):
-    """A measured model fitted at batch 1 and contexts 128-256 (its decode steps exact for qwen3-4b's
+    """A measured model fitted at batches 1-2 and contexts 128-256 (its decode steps exact for qwen3-4b's
     analytic model, so nothing but the range differs) plans the reference profile's 32,768 tokens at
     batch 64: one warning naming the fitted range; a fit over the planned range, and an analytic model,
-    give none."""
+    give none. A fit at one batch size (which fit-cost now refuses to make) is said to be a guess."""
     from sparrow.stages.cost import write_fitted
 
     truth = analytic(QWEN4B, "h100")
@@ -401,11 +401,16 @@ def test_plan_schedule_warns_once_when_it_prices_far_outside_the_fitted_grid(tmp
         assert result.exit_code == 0, result.output
         return [line for line in result.stderr.splitlines() if line.startswith("warning: ")]
 
-    narrow = fitted("narrow.parquet", (1,), (128, 256))
+    narrow = fitted("narrow.parquet", (1, 2), (128, 256))
     assert warnings("--cost", narrow) == [
-        f"warning: the cost model {narrow} was fitted at batch 1 and contexts 128-256; this plan predicts at "
-        "batch 64 and contexts up to 32767, far outside that grid, so its step times and speedup "
+        f"warning: the cost model {narrow} was fitted at batch 1-2 and contexts 128-256; this plan predicts "
+        "at batch 64 and contexts up to 32767, far outside that grid, so its step times and speedup "
         "extrapolate the fit"]
+    single = fitted("single.parquet", (32,), (1024, 8192, 32768))
+    assert warnings("--cost", single) == [
+        f"warning: the cost model {single} was fitted from points that cannot determine the decode step's "
+        "per-step and batch coefficients, so its predictions away from those points are guesses; refit it "
+        "with sparrow fit-cost over two batch sizes and two contexts"]
     assert warnings("--cost", fitted("wide.parquet", (32, 64), (1024, 8192, 32768))) == []
     assert warnings("--hardware", "h100") == []
 
