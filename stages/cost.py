@@ -361,8 +361,8 @@ def fitted_range(table: pa.Table) -> tuple[tuple[int, int], tuple[int, int]] | N
 
 def underdetermined_warning(subject: str, table: pa.Table, model: CostModel) -> str | None:
     """One sentence when a measured cost artifact's own points cannot determine some coefficient of its
-    decode step (or of its verification), as a grid that fit-cost now refuses could leave it; None for an
-    analytic model or a well-determined fit."""
+    decode step (or of its verification): fit-cost refuses such grids, a cost file from elsewhere may hold
+    one; None for an analytic model or a well-determined fit."""
     rows = [r for r in table.to_pylist() if r["seconds"] is not None]
     if not rows:
         return None

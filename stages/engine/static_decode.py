@@ -13,10 +13,10 @@ token is a row, a dense decode query at its position whose cache ends there, so 
 the keys that the rows before them wrote in the same layer. It samples nothing and advances nothing.
 
 A cycle's drafts may share one selection (`Select`): the first draft step keeps each sparse layer's pages
-and the page its row moves into next, the later ones attend to those without scoring a page (on a GPU the
-page scores and the select are a fifth of a sparse step). A draft's distribution is then not the lossy
-sampler's at that position, which speculation allows: the verification keeps the dense law whatever
-drafted.
+and the page its row moves into next, the later ones attend to those without scoring a page (the part of
+a sparse step that reads every page's centroid and selects among them). A draft's distribution is then not
+the lossy sampler's at that position, which speculation allows: the verification keeps the dense law
+whatever drafted.
 """
 
 from __future__ import annotations
