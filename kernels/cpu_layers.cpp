@@ -172,19 +172,26 @@ void linear_block(const uint32_t* x, const uint16_t* w, int K2, const at::BFloat
 }
 
 template <int M, typename OutT>
-void linear_rows(const uint32_t* x, const uint16_t* w, int K2, int NB, const at::BFloat16* bias, OutT* out) {
-  at::parallel_for(0, NB, 4, [&](int64_t a, int64_t b) {
-    for (int64_t nb = a; nb < b; ++nb) linear_block<M>(x, w + nb * K2 * 32, K2, bias, out, NB * 16, nb * 16);
-  });
+void block_dispatch(int rows, const uint32_t* x, const uint16_t* w, int K2, const at::BFloat16* bias, OutT* out,
+                    int N, int n0) {
+  if constexpr (M > 1) {
+    if (rows < M) return block_dispatch<M - 1>(rows, x, w, K2, bias, out, N, n0);
+  }
+  linear_block<M>(x, w, K2, bias, out, N, n0);
 }
 
-template <int M, typename OutT>
-void linear_dispatch(int rows, const uint32_t* x, const uint16_t* w, int K2, int NB, const at::BFloat16* bias,
-                     OutT* out) {
-  if constexpr (M > 1) {
-    if (rows < M) return linear_dispatch<M - 1>(rows, x, w, K2, NB, bias, out);
-  }
-  linear_rows<M>(x, w, K2, NB, bias, out);
+// Any number of rows: per block of 16 outputs, the rows in register blocks of 16 while the block's weights
+// stay in L1, so the weight is read from memory once (a verification's K + 1 rows per sample); each row's
+// sums are those of the row alone.
+template <typename OutT>
+void linear_rows(int rows, const uint32_t* x, const uint16_t* w, int K2, int NB, const at::BFloat16* bias,
+                 OutT* out) {
+  at::parallel_for(0, NB, 4, [&](int64_t a, int64_t b) {
+    for (int64_t nb = a; nb < b; ++nb)
+      for (int r0 = 0; r0 < rows; r0 += 16)
+        block_dispatch<16>(std::min(16, rows - r0), x + (int64_t)r0 * K2, w + nb * K2 * 32, K2, bias,
+                           out + (int64_t)r0 * NB * 16, NB * 16, nb * 16);
+  });
 }
 
 // The same in fp32: x [M, K] fp32 times a weight packed as [N/16, K, 16] (per block of 16 outputs, per
@@ -202,12 +209,20 @@ void linear_block_f32(const float* x, const float* w, int K, const float* bias, 
 }
 
 template <int M>
-void linear_dispatch_f32(int rows, const float* x, const float* w, int K, int NB, const float* bias, float* out) {
+void block_dispatch_f32(int rows, const float* x, const float* w, int K, const float* bias, float* out, int N,
+                        int n0) {
   if constexpr (M > 1) {
-    if (rows < M) return linear_dispatch_f32<M - 1>(rows, x, w, K, NB, bias, out);
+    if (rows < M) return block_dispatch_f32<M - 1>(rows, x, w, K, bias, out, N, n0);
   }
+  linear_block_f32<M>(x, w, K, bias, out, N, n0);
+}
+
+void linear_rows_f32(int rows, const float* x, const float* w, int K, int NB, const float* bias, float* out) {
   at::parallel_for(0, NB, 4, [&](int64_t a, int64_t b) {
-    for (int64_t nb = a; nb < b; ++nb) linear_block_f32<M>(x, w + nb * K * 16, K, bias, out, NB * 16, nb * 16);
+    for (int64_t nb = a; nb < b; ++nb)
+      for (int r0 = 0; r0 < rows; r0 += 16)
+        block_dispatch_f32<16>(std::min(16, rows - r0), x + (int64_t)r0 * K, w + nb * K * 16, K, bias,
+                               out + (int64_t)r0 * NB * 16, NB * 16, nb * 16);
   });
 }
 
@@ -215,15 +230,15 @@ template <typename OutT>
 void linear_into(const at::BFloat16* x, int rows, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                  OutT* out) {
   const int NB = packed.size(0), K2 = packed.size(1);
-  linear_dispatch<16>(rows, reinterpret_cast<const uint32_t*>(x),
-                      reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), K2, NB,
-                      bias.has_value() ? bias->data_ptr<at::BFloat16>() : nullptr, out);
+  linear_rows(rows, reinterpret_cast<const uint32_t*>(x),
+              reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), K2, NB,
+              bias.has_value() ? bias->data_ptr<at::BFloat16>() : nullptr, out);
 }
 
 void linear_into(const float* x, int rows, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                  float* out) {
-  linear_dispatch_f32<16>(rows, x, packed.data_ptr<float>(), packed.size(1), packed.size(0),
-                          bias.has_value() ? bias->data_ptr<float>() : nullptr, out);
+  linear_rows_f32(rows, x, packed.data_ptr<float>(), packed.size(1), packed.size(0),
+                  bias.has_value() ? bias->data_ptr<float>() : nullptr, out);
 }
 
 void check_packed(const at::Tensor& packed, int64_t K, const char* name, at::ScalarType dtype) {
@@ -238,13 +253,13 @@ void check_packed(const at::Tensor& packed, int64_t K, const char* name, at::Sca
   }
 }
 
-// x [..., K] (at most 16 rows) times a weight packed for our product of x's dtype (bf16 [N/16, K/2, 16, 2],
+// x [..., K] (any number of rows) times a weight packed for our product of x's dtype (bf16 [N/16, K/2, 16, 2],
 // fp32 [N/16, K, 16]) plus an optional bias [N] -> [..., N] in x's dtype, or in fp32 when fp32_out
 template <typename T, typename OutT = T>
 at::Tensor packed_linear_impl(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
   const int64_t K = x.size(-1), M = x.numel() / std::max<int64_t>(K, 1);
   check_packed(packed, K, "packed_linear", x.scalar_type());
-  TORCH_CHECK(M >= 1 && M <= 16, "packed_linear: x [..., K] with at most 16 rows expected");
+  TORCH_CHECK(M >= 1, "packed_linear: x [..., K] with at least one row expected");
   const auto xc = x.contiguous();
   auto sizes = x.sizes().vec();
   sizes.back() = packed.size(0) * 16;

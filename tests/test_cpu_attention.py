@@ -291,7 +291,7 @@ def test_rms_norm_and_rope_ops_equal_float64_within_one_rounding(dtype, tol):
 
 
 @needs_kernel
-@pytest.mark.parametrize("rows", [1, 5, 8, 16])
+@pytest.mark.parametrize("rows", [1, 5, 8, 16, 40])
 @pytest.mark.parametrize("dtype,shape,rel,abs_", [
     (torch.float32, (10, 96, 16), 1e-5, 1e-4),  # fp32 sums of 96 products
     (torch.bfloat16, (10, 48, 16, 2), 2 ** -8, 1e-3),  # one bf16 rounding of the output
@@ -316,6 +316,27 @@ def test_packed_linear_equals_float64_products(rows, dtype, shape, rel, abs_):
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_linear_gives_each_row_what_it_gives_the_row_alone(dtype):
+    """A verification's many rows through one product: every row bit for bit what a decode step's
+    product of that row alone gives (greedy speculation relies on it: the same argmax)."""
+    from sparrow.stages.engine.cpu.packed_linears import PackedLinears
+
+    g = torch.Generator().manual_seed(2)
+    layer = torch.nn.Linear(576, 320).to(dtype)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(320, 576, generator=g))
+    packed = PackedLinears(torch.nn.Sequential(layer), batch_hint=16)
+    packed.refresh()
+    weight = packed.packed[id(layer)][1]
+    x = torch.randn(37, 576, generator=g).to(dtype)
+    many = torch.ops.sparrow_cpu.packed_linear(x, weight, layer.bias, dtype == torch.bfloat16)
+    alone = torch.cat([torch.ops.sparrow_cpu.packed_linear(x[i: i + 1], weight, layer.bias,
+                                                           dtype == torch.bfloat16) for i in range(37)])
+    assert torch.equal(many, alone)
+
+
+@needs_kernel
 @pytest.mark.parametrize("rows", [1, 7, 16])
 def test_packed_linear_fp32_out_is_the_unrounded_bf16_product(rows):
     """`fp32_out` (the CPU engine's lm_head on bf16 weights): bf16 inputs and weights, the products exact
@@ -333,8 +354,8 @@ def test_packed_linear_fp32_out_is_the_unrounded_bf16_product(rows):
     x = torch.randn(rows, 576, generator=g).to(torch.bfloat16)
     want = x.double() @ layer.weight.double().T + layer.bias.double()
     for got in (dot_product(x, weight, layer.bias, fp32_out=True),
-                dot_product(torch.cat([x, x[:1].expand(17 - rows, 576)]), weight, layer.bias,
-                            fp32_out=True)[:rows]):  # more than 16 rows: in blocks of 16
+                dot_product(torch.cat([x, x[:1].expand(41 - rows, 576)]), weight, layer.bias,
+                            fp32_out=True)[:rows]):  # more than 16 rows (a verification's)
         assert got.dtype == torch.float32
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
     rounded = dot_product(x, weight, layer.bias)

@@ -28,7 +28,7 @@ def packing_available(model: nn.Module) -> bool:
 FUSIBLE = {"qkv": ("q_proj", "k_proj", "v_proj"), "gate_up": ("gate_proj", "up_proj")}
 
 
-DOT_MAX_ROWS = 16  # the C++ bf16 product's register block: at most this many decode rows
+DOT_MAX_ROWS = 16  # the fused decode layer's rows (its products take any number)
 
 
 class PackedLinears:
@@ -106,13 +106,8 @@ def _product(packed: tuple[str, Tensor], bias: Tensor | None) -> Callable[[Tenso
 
 def dot_product(x: Tensor, weight: Tensor, bias: Tensor | None, fp32_out: bool = False) -> Tensor:
     """Our C++ product of rows with a weight packed for it (bf16 or fp32), in x's dtype or, with
-    `fp32_out`, in fp32 (bf16 x: the sums are never rounded to bf16). More than DOT_MAX_ROWS rows (a
-    speculative verification's) go in blocks of that many, each row's product the same as alone."""
-    if x.numel() > DOT_MAX_ROWS * x.shape[-1]:
-        rows = x.reshape(-1, x.shape[-1])
-        out = torch.cat([CPU.packed_linear(rows[i: i + DOT_MAX_ROWS], weight, bias, fp32_out)
-                         for i in range(0, rows.shape[0], DOT_MAX_ROWS)])
-        return out.view(*x.shape[:-1], out.shape[-1])
+    `fp32_out`, in fp32 (bf16 x: the sums are never rounded to bf16). Any number of rows (a speculative
+    verification's K + 1 per sample): the weight is read once, each row's product the same as alone."""
     return CPU.packed_linear(x, weight, bias, fp32_out)
 
 
