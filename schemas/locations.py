@@ -10,7 +10,9 @@ Design decisions (one rule for every command that writes):
   refused in one sentence. (A FIFO or a device as an input, such as `/dev/stdin` in a pipe, is read
   whole into a private temporary file first, since Parquet is read by seeking to its footer.)
 - An existing file is replaced only when it is an artifact of the kind being written (or empty);
-  anything else needs `force`. A directory is replaced only when it is an output of the same kind:
+  anything else needs `force`. A query result (`sparrow sql -o`) is not an artifact, so it is marked by
+  QUERY_KEY in its footer: a Parquet file without that mark (a user's own dataset) is not replaced
+  without `force`. A directory is replaced only when it is an output of the same kind:
   forcing never deletes a directory of someone else's files.
 - The location is checked before any work: the nearest existing folder on the way must be a directory
   in which a file can be created (checked by creating and removing one), so that an unwritable `-o`
@@ -30,7 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .artifacts import ArtifactError
-from .footer import artifact_kind
+from .footer import artifact_parts, kind_version, read_schema
 
 STDIO = "-"
 
@@ -108,6 +110,8 @@ def check_writable(folder: Path, shown: str | os.PathLike) -> None:
 
 
 PLAIN = "a Parquet file without Sparrow metadata"
+QUERY_KEY = "sparrow.query"  # footer key of a `sparrow sql -o` result; its value is the query
+QUERY_RESULT = "a query result of sparrow sql"
 
 
 def _empty(path: Path) -> bool:
@@ -115,13 +119,15 @@ def _empty(path: Path) -> bool:
 
 
 def describe(path: Path) -> tuple[str | None, str]:
-    """(artifact kind or None, a few words) of an existing file or directory of parts."""
+    """(artifact kind or None, a few words) of an existing file or directory of parts, from its footer:
+    an artifact, a query result (QUERY_KEY), or another Parquet file."""
     try:
-        kind = artifact_kind(path)
+        schema = read_schema(artifact_parts(path)[0] if path.is_dir() else path)
     except ArtifactError:
         return None, "a directory that is not an artifact" if path.is_dir() else "not a Sparrow artifact"
+    kind = kind_version(schema)[0]
     if kind is None:
-        return None, PLAIN
+        return None, QUERY_RESULT if QUERY_KEY.encode() in (schema.metadata or {}) else PLAIN
     return kind, f"a '{kind}' artifact"
 
 
@@ -129,10 +135,11 @@ def check_output(path: str | os.PathLike, kind: str | None, force: bool = False,
                  parts: bool = False) -> None:
     """Refuse, before any work, an output location that must not or cannot be written.
 
-    `kind` is the artifact kind written (None: a plain Parquet file, such as a query result); `parts`:
-    a directory of Parquet parts (`--workers`). An existing artifact of `kind` (or an empty file) is
-    replaced; anything else raises OutputRefused unless `force` (a directory that is not such an
-    artifact: ArtifactError, since forcing would delete it)."""
+    `kind` is the artifact kind written (None: a query result, marked by QUERY_KEY); `parts`: a
+    directory of Parquet parts (`--workers`). An existing artifact of `kind` (or query result, or an
+    empty file) is replaced; anything else, a Parquet file without Sparrow's marks included, raises
+    OutputRefused unless `force` (a directory that is not such an artifact: ArtifactError, since forcing
+    would delete it)."""
     if is_stdio(path):
         if parts:
             raise ArtifactError("-o - writes one Parquet file to stdout, but --workers writes a directory "
@@ -140,7 +147,7 @@ def check_output(path: str | os.PathLike, kind: str | None, force: bool = False,
         return
     path = Path(path)
     target = output_target(path, directory=parts)
-    wanted = f"a '{kind}' artifact" if kind else PLAIN
+    wanted = f"a '{kind}' artifact" if kind else QUERY_RESULT
     if target.exists() and not _empty(target):
         found, words = describe(target)
         if words != wanted:

@@ -1,14 +1,19 @@
 """Tables that fit their reader: a rich table on a terminal, complete plain text anywhere else.
 
 Every command that prints a table takes `--format table|csv|json|tsv`. Without it, stdout decides: a
-terminal gets the rich table, a pipe or a file gets TSV (every row, every character: greppable, and
-readable by `cut`, `sort` and DuckDB's read_csv). Data goes to stdout, messages to stderr.
+terminal gets the rich table, a pipe or a file gets TSV (every row, every value as it is: greppable, and
+readable by `cut`, `sort`, PostgreSQL's COPY and DuckDB's read_csv). Data goes to stdout, messages to
+stderr.
 
 Rows hold typed values, one value per cell (numbers, booleans, None, text). The text formats (table,
-csv, tsv) share one rendering of each value: a column's renderer where the command gives one (a budget
-of None shown as "dense", a parameter count as "134.5M"), else yes/no for booleans, 6 significant
-digits for floats and an empty cell for None. JSON keeps the types: numbers are numbers, booleans are
-booleans, None (and NaN) is null.
+csv, tsv) share the rendering of a value where it is a choice: a column's renderer where the command
+gives one (a budget of None shown as "dense", a parameter count as "134.5M"), else yes/no for booleans.
+They differ where a reader needs it. The table is for reading: floats to 6 significant digits, None an
+empty cell, tabs and newlines in text shown as spaces. CSV and TSV are for machines and lose nothing:
+floats in their shortest form that reads back to the same number (repr). CSV quotes text and leaves None
+an empty cell; TSV is one line per row in PostgreSQL COPY's text format: None is \\N, and a backslash, tab,
+newline or carriage return in text is escaped as \\\\, \\t, \\n, \\r. JSON keeps the types: numbers are
+numbers, booleans are booleans, None (and NaN) is null.
 
 A stage's summary (rollout, profile, fit-cost, train) is data too: `emit_record` prints one record as a
 two-column rich table on a terminal, and as a header and one row (csv, tsv) or one JSON object elsewhere,
@@ -62,26 +67,53 @@ def json_rows(columns: Sequence[str], rows: Sequence[Sequence[object]]) -> list[
     return [{c: _plain(v) for c, v in zip(columns, r)} for r in rows]
 
 
+TSV_NULL = "\\N"
+_TSV_ESCAPES = str.maketrans({"\\": "\\\\", "\t": "\\t", "\n": "\\n", "\r": "\\r"})
+
+
 def _text(v: object) -> str:
+    """A value as the table shows it, for reading."""
     if v is None:
         return ""
-    if isinstance(v, bool):
-        return "yes" if v else "no"
     if isinstance(v, float):
         return f"{v:.6g}"
     return str(v).replace("\t", " ").replace("\n", " ")
 
 
-def _cell(column: str, v: object, render: Render | None) -> str:
-    """The one text rendering of a value in `column` (table, csv and tsv alike)."""
+def tsv_field(v: object) -> str:
+    """A value as a TSV field that reads back as it was (PostgreSQL COPY's text format): None is \\N, a
+    float its repr, any other value its text with backslash, tab, newline and carriage return escaped."""
+    if v is None:
+        return TSV_NULL
+    if isinstance(v, float):
+        return repr(float(v))
+    return str(v).translate(_TSV_ESCAPES)
+
+
+def _csv_field(v: object) -> object:
+    """A value as the csv module should write it: None an empty cell, a float its repr."""
+    if v is None:
+        return ""
+    return repr(float(v)) if isinstance(v, float) else v
+
+
+FIELDS: dict[str, Callable[[object], object]] = {"table": _text, "csv": _csv_field, "tsv": tsv_field}
+
+
+def _cell(column: str, v: object, render: Render | None, fmt: str = "table") -> object:
+    """A value in `column` as `fmt` (table, csv or tsv) writes it: the column's renderer or yes/no for a
+    boolean, in every text format, then the format's own form of the value."""
     if render and column in render:
-        return _text(render[column](v))
-    return _text(v)
+        v = render[column](v)
+    elif isinstance(v, bool):
+        v = "yes" if v else "no"
+    return FIELDS[fmt](v)
 
 
 def tsv_line(values: Sequence[object], columns: Sequence[str] = (), render: Render | None = None) -> str:
-    """One TSV row of typed values, newline included (the header is the column names joined by tabs)."""
-    return "\t".join(_cell(c, v, render) for c, v in zip(columns or [""] * len(values), values)) + "\n"
+    """One TSV row of typed values, newline included."""
+    cells = (str(_cell(c, v, render, "tsv")) for c, v in zip(columns or [""] * len(values), values))
+    return "\t".join(cells) + "\n"
 
 
 def emit(columns: Sequence[str], rows: Sequence[Sequence[object]], fmt: str, title: str | None = None,
@@ -96,16 +128,16 @@ def emit(columns: Sequence[str], rows: Sequence[Sequence[object]], fmt: str, tit
         for c in columns:
             t.add_column(Text(c), justify="left" if c in left else "right")
         for r in rows:
-            t.add_row(*(Text(_cell(c, v, render)) for c, v in zip(columns, r)))
+            t.add_row(*(Text(str(_cell(c, v, render))) for c, v in zip(columns, r)))
         (to or out).print(t)
     elif fmt == "json":
         sys.stdout.write(json.dumps(json_rows(columns, rows)) + "\n")
     elif fmt == "csv":
         writer = csv.writer(sys.stdout, lineterminator="\n")
         writer.writerow(columns)
-        writer.writerows([[_cell(c, v, render) for c, v in zip(columns, r)] for r in rows])
+        writer.writerows([[_cell(c, v, render, "csv") for c, v in zip(columns, r)] for r in rows])
     else:
-        sys.stdout.write("\t".join(columns) + "\n")
+        sys.stdout.write("\t".join(map(tsv_field, columns)) + "\n")
         for r in rows:
             sys.stdout.write(tsv_line(r, columns, render))
     sys.stdout.flush()

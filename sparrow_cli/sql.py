@@ -20,16 +20,18 @@ from typing import Annotated
 
 import pyarrow as pa
 import typer
+from rich.cells import cell_len
 from rich.table import Table
 from rich.text import Text
 
 from sparrow.schemas.io import write_batches
+from sparrow.schemas.locations import QUERY_KEY
 from sparrow.stages.sql import DEFAULT_MEMORY, DEFAULT_TIMEOUT, Limits, QueryError, QueryLimit, parse_memory
 from sparrow.stages.sql import query as run_sql
 
 from .common import FORCE_HELP, UsageError, check_output, console, fail, friendly_errors, out, warn
 from .options import output_path
-from .output import FORMAT_HELP, FORMAT_METAVAR, resolve_format, tsv_line
+from .output import FORMAT_HELP, FORMAT_METAVAR, resolve_format, tsv_field
 
 TABLE_ROWS = 1000
 DEFAULT_MAX_ROWS = 1_000_000
@@ -42,9 +44,9 @@ VIEWS_HELP = ("Run directory: each *.parquet artifact in it (and in a folder of 
               "for mismatch_b64.parquet), and one per other Parquet file named after its stem. "
               "\"SHOW TABLES\" lists them.")
 
-OUTPUT_HELP = ("Write the result to this Parquet file instead (- = stdout), every row. An existing file is "
-               "replaced only if it is a query result, not an artifact (or --force); a symlink is written "
-               "through.")
+OUTPUT_HELP = ("Write the result to this Parquet file instead (- = stdout), every row; its footer marks it "
+               "as a query result. An existing file is replaced only if it is an earlier query result or "
+               "empty, not an artifact or any other Parquet file (or --force); a symlink is written through.")
 
 
 class TooManyRows(UsageError):
@@ -86,7 +88,7 @@ def sql(
     try:
         with run_sql(run, query, limits, warn=warn) as result:
             if output is not None:
-                rows = write_batches(result.schema, result.batches, output)
+                rows = write_batches(_marked(result.schema, query), result.batches, output)
                 console.print(f"wrote {rows} rows x {len(result.schema)} columns to "
                               f"{'stdout' if str(output) == '-' else output}", highlight=False, markup=False)
             else:
@@ -99,6 +101,12 @@ def sql(
         fail(str(e))
     except BrokenPipeError:  # the reader stopped early (| head): not an error
         _drop_stdout()
+
+
+def _marked(schema: pa.Schema, query: str) -> pa.Schema:
+    """The result's schema with QUERY_KEY (the query) in its footer: what lets a later `-o` replace it."""
+    mark = {QUERY_KEY.encode(): query.encode(errors="replace")}
+    return schema.with_metadata({**(schema.metadata or {}), **mark})
 
 
 def _limits(memory: str, timeout: float, max_rows: int) -> Limits:
@@ -152,8 +160,9 @@ def _print_table(schema: pa.Schema, batches: Iterator[pa.RecordBatch]) -> None:
 
 
 def _table(schema: pa.Schema, rows: list[dict], caption: str) -> None:
-    """Headers and cells are Text, never markup: a value such as '[/INST]' or ':x:' prints as stored."""
-    t = Table(caption=caption)
+    """Headers and cells are Text, never markup: a value such as '[/INST]' or ':x:' prints as stored. The
+    table is at least as wide as its caption, which rich would otherwise wrap under a narrow table."""
+    t = Table(caption=caption, min_width=cell_len(caption))
     for field in schema:
         numeric = pa.types.is_integer(field.type) or pa.types.is_floating(field.type) \
             or pa.types.is_decimal(field.type)
@@ -164,10 +173,11 @@ def _table(schema: pa.Schema, rows: list[dict], caption: str) -> None:
 
 
 def _print_tsv(schema: pa.Schema, batches: Iterator[pa.RecordBatch]) -> None:
-    sys.stdout.write(tsv_line(schema.names, schema.names))
+    """One line per row, every value exact (output.tsv_field): NULL is \\N, text escaped."""
+    sys.stdout.write("\t".join(tsv_field(name) for name in schema.names) + "\n")
     for batch in batches:
         for row in _rows(batch):
-            sys.stdout.write(tsv_line([_tsv_cell(v) for v in row]))
+            sys.stdout.write("\t".join(tsv_field(_tsv_cell(v)) for v in row) + "\n")
     sys.stdout.flush()
 
 
@@ -216,6 +226,9 @@ def _cell(v: object) -> Text:
 
 
 def _tsv_cell(v: object) -> object:
+    """A list or struct as JSON text, a boolean as CSV and the table show it (True, False)."""
+    if isinstance(v, bool):
+        return str(v)
     return json.dumps(_jsonable(v)) if isinstance(v, list | dict) else v
 
 

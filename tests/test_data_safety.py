@@ -368,7 +368,7 @@ def test_sql_writes_only_through_its_own_output(run_dir, tmp_path):
     assert sql(run_dir, "SELECT 2 AS a", "-o", str(out)).exit_code == 0  # a query result: replaced
     assert pq.read_table(out).to_pylist() == [{"a": 2}]
     line = error_line(sql(run_dir, "SELECT 3 AS a", "-o", str(run_dir / "prompts.parquet")))
-    assert "is a 'prompts' artifact, not a Parquet file without Sparrow metadata; pass --force" in line
+    assert "is a 'prompts' artifact, not a query result of sparrow sql; pass --force" in line
     assert artifact_kind(run_dir / "prompts.parquet") == "prompts"
     r = sql(run_dir, "SELECT 4 AS a", "-o", "-")
     assert r.exit_code == 0 and pq.read_table(io.BytesIO(r.stdout_bytes)).to_pylist() == [{"a": 4}]

@@ -82,6 +82,25 @@ def test_unknown_format_is_one_sentence(command):
     assert "--format must be one of table, csv, json, tsv" in line
 
 
+def test_tsv_and_csv_lose_nothing_and_the_table_rounds(capsys):
+    """TSV in PostgreSQL COPY's text format (\\N for None, text escaped), CSV quoted, floats whole in both;
+    booleans and rendered columns alike in every text format; the table rounds for reading."""
+    columns = ("x", "s", "n", "b", "budget")
+    rows = [[123456789.0, "a\tb\nc\\d", None, True, None], [1 / 3, "", "", False, 64]]
+    render = {"budget": lambda v: "dense" if v is None else str(v)}
+    emit(columns, rows, "tsv", render=render)
+    assert capsys.readouterr().out == ("x\ts\tn\tb\tbudget\n"
+                                       "123456789.0\ta\\tb\\nc\\\\d\t\\N\tyes\tdense\n"
+                                       "0.3333333333333333\t\t\tno\t64\n")
+    emit(columns, rows, "csv", render=render)
+    assert list(csv.reader(io.StringIO(capsys.readouterr().out))) == [
+        list(columns), ["123456789.0", "a\tb\nc\\d", "", "yes", "dense"],
+        ["0.3333333333333333", "", "", "no", "64"]]
+    emit(columns, rows, "table", render=render)
+    table = capsys.readouterr().out
+    assert "1.23457e+08" in table and "0.333333" in table and "0.3333333" not in table
+
+
 def test_a_table_prints_its_cells_and_headers_as_stored(capsys):
     emit(("[/x]:fire:",), [[":x: [bold]hi[/bold] [/INST]"]], "table")
     printed = capsys.readouterr().out

@@ -162,7 +162,37 @@ def test_cli_default_in_a_pipe_is_complete_tsv(run_dir):
     assert r.exit_code == 0, r.output
     lines = r.stdout.splitlines()
     assert lines[0] == "bin\tbudget\twide" and len(lines) == 3
-    assert lines[2].split("\t")[1] == "" and lines[1].endswith("x" * 200)
+    assert lines[2].split("\t")[1] == "\\N" and lines[1].endswith("x" * 200)
+
+
+def test_tsv_loses_nothing_of_a_value(run_dir):
+    """Floats whole, NULL apart from '', tabs, newlines and backslashes escaped as PostgreSQL COPY writes
+    them, booleans as CSV shows them: one line per row."""
+    query = ("SELECT 1/3 AS x, 123456789.0::DOUBLE AS y, true AS b, NULL AS n, '' AS e, "
+             "'a' || chr(9) || 'b' || chr(10) || 'c' || chr(13) || chr(92) || 'N' AS t, [1, 2] AS l")
+    r = invoke(query, "--run", str(run_dir), "-f", "tsv")
+    assert r.exit_code == 0, r.output
+    assert r.stdout == ("x\ty\tb\tn\te\tt\tl\n"
+                        "0.3333333333333333\t123456789.0\tTrue\t\\N\t\ta\\tb\\nc\\r\\\\N\t[1, 2]\n")
+    as_csv = invoke(query, "--run", str(run_dir), "-f", "csv")
+    assert next(csv.reader(io.StringIO(as_csv.stdout.splitlines()[1])))[2] == "True"
+
+
+def test_tsv_reads_back_with_pandas(run_dir):
+    import pandas as pd
+
+    r = invoke("SELECT 0.1::DOUBLE + 0.2::DOUBLE AS x, NULL::DOUBLE AS y, false AS b", "--run", str(run_dir),
+               "-f", "tsv")
+    frame = pd.read_csv(io.StringIO(r.stdout), sep="\t", na_values=["\\N"], keep_default_na=False,
+                        quoting=csv.QUOTE_NONE)
+    [row] = frame.to_dict("records")
+    assert row["x"] == 0.1 + 0.2 and np.isnan(row["y"]) and frame["b"].dtype == bool and not row["b"]
+
+
+def test_an_empty_result_has_its_caption_on_one_line(run_dir):
+    r = invoke("SELECT 1 WHERE false", "--run", str(run_dir), "-f", "table")
+    assert r.exit_code == 0, r.output
+    assert "0 rows" in r.stdout.splitlines()[-1]
 
 
 def test_cli_parquet_output(run_dir, tmp_path_factory):
@@ -174,6 +204,49 @@ def test_cli_parquet_output(run_dir, tmp_path_factory):
     assert f"wrote 12 rows x 3 columns to {target}" in " ".join(r.stderr.split())
     assert pq.read_table(target).num_rows == 12
     assert [p.name for p in target.parent.iterdir()] == ["tails.parquet"]
+
+
+def digest(path: Path) -> bytes:
+    return path.read_bytes()
+
+
+def test_o_replaces_only_its_own_results(run_dir, tmp_path_factory):
+    """A user's Parquet file (pandas, datasets, verl) is not a query result: refused without --force and
+    left as it was; an earlier result of `-o` and an empty file are replaced."""
+    folder = tmp_path_factory.mktemp("out")
+    mine = folder / "train.parquet"
+    pq.write_table(pa.table({"prompt": ["What is 2 + 3?"], "answer": ["5"]}), mine)
+    before = digest(mine)
+    r = invoke("SELECT 1 AS oops", "--run", str(run_dir), "-o", str(mine))
+    assert one_error(r) == (f"error: -o {mine} exists and is a Parquet file without Sparrow metadata, not a "
+                            "query result of sparrow sql; pass --force to replace it, or choose another path")
+    assert digest(mine) == before and sorted(p.name for p in folder.iterdir()) == ["train.parquet"]
+    assert invoke("SELECT 1 AS oops", "--run", str(run_dir), "-o", str(mine), "--force").exit_code == 0
+    assert pq.read_table(mine).to_pylist() == [{"oops": 1}]
+
+    result = folder / "tails.parquet"
+    for n in (1, 2):
+        r = invoke(f"SELECT {n} AS a", "--run", str(run_dir), "-o", str(result))
+        assert r.exit_code == 0, r.output
+    assert pq.read_table(result).to_pylist() == [{"a": 2}]
+    assert pq.read_schema(result).metadata[b"sparrow.query"] == b"SELECT 2 AS a"
+    empty = folder / "empty.parquet"
+    empty.write_bytes(b"")
+    assert invoke("SELECT 3 AS a", "--run", str(run_dir), "-o", str(empty)).exit_code == 0
+    assert pq.read_table(empty).to_pylist() == [{"a": 3}]
+
+
+def test_o_refuses_a_text_file_and_an_artifact(run_dir, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("out")
+    notes = folder / "notes.parquet"
+    notes.write_text("my notes")
+    r = invoke("SELECT 1 AS a", "--run", str(run_dir), "-o", str(notes))
+    assert "is not a Sparrow artifact, not a query result of sparrow sql; pass --force" in one_error(r)
+    plan = run_dir / "plan.parquet"
+    before = digest(plan)
+    r = invoke("SELECT 1 AS a", "--run", str(run_dir), "-o", str(plan))
+    assert "is a 'schedule' artifact, not a query result of sparrow sql; pass --force" in one_error(r)
+    assert notes.read_text() == "my notes" and digest(plan) == before
 
 
 @pytest.mark.parametrize("args,words", [
@@ -266,7 +339,7 @@ def test_a_long_query_stops_at_the_timeout(run_dir, private_tmp):
 
 def test_a_stopped_query_leaves_the_earlier_output_as_it_was(run_dir, tmp_path_factory, private_tmp):
     target = tmp_path_factory.mktemp("out") / "rows.parquet"
-    pq.write_table(pa.table({"a": [1, 2]}), target)
+    assert invoke("SELECT * FROM range(1, 3) t(a)", "--run", str(run_dir), "-o", str(target)).exit_code == 0
     r = invoke("SELECT * FROM mismatch a, mismatch b, mismatch c", "--run", str(run_dir), "-o", str(target),
                "--timeout", "1")
     assert one_error(r).startswith("error: the query ran past its time limit of 1 s")

@@ -1,0 +1,104 @@
+"""The fields a user's reward function returns beside its score, as the strict JSON object of the
+`reward_extra` column (rollouts and rewards artifacts): one encoder for `sparrow rollout` and
+`sparrow reward`.
+
+Design decisions:
+- Whatever plain JSON can hold is kept as the value it is, so a query compares numbers as numbers:
+  numpy and torch scalars and arrays become Python numbers and lists (`.tolist()`), other real numbers
+  (Decimal, Fraction) floats, tuples and sets lists, and a NaN or an infinity null, as verl's
+  `reward_extra_info` keeps the values and `sql --format json` writes non-finite numbers. The column is
+  strict JSON (no bare NaN).
+- Keys become strings as `json.dumps` writes them (1 -> "1", True -> "true", None -> "null"), and any
+  other key its `str()` ((1, 2) -> "(1, 2)"); where two keys end up the same string, the later wins.
+  Values JSON has no type for (a datetime, an object) are kept as their `str()`.
+- Only what cannot be written at all is refused: a container that holds itself, or a nesting deeper
+  than Python can walk. The refusal is one sentence naming the function and the row.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import numbers
+from collections.abc import Mapping
+from typing import Any
+
+from .base import RewardError, row_of
+
+DEMAND = ("a reward function returns a finite number or a dict with a numeric 'score', whose other fields "
+          "must be JSON-serialisable")
+
+
+class _Unencodable(ValueError):
+    """A value no JSON can hold; the message says what is wrong with it."""
+
+
+def extra_json(extra: Mapping[str, Any] | None, task: str, prompt_id: str,
+               metadata: str | Mapping[str, Any] | None) -> str | None:
+    """The `reward_extra` cell of a completion: `extra` (the fields beside the score that `task`'s
+    function returned for prompt `prompt_id`) as a strict JSON object with sorted keys, None when there
+    are none; RewardError naming the function and the row when it cannot be encoded."""
+    if not extra:
+        return None
+    try:
+        plain = _plain(extra, ())
+    except _Unencodable as e:
+        raise RewardError(f"{_function(task)} returned fields beside 'score' that cannot be JSON ({e}) on "
+                          f"{_row(prompt_id, metadata)}; {DEMAND}") from None
+    except RecursionError:
+        raise RewardError(f"{_function(task)} returned fields beside 'score' nested too deeply to write as "
+                          f"JSON on {_row(prompt_id, metadata)}; {DEMAND}") from None
+    return json.dumps(plain, sort_keys=True, allow_nan=False)
+
+
+def _plain(value: Any, path: tuple[int, ...]) -> Any:
+    """`value` as plain JSON values; `path` holds the ids of the containers it is inside."""
+    if value is None or isinstance(value, str | bool):
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        number = float(value)
+        return number if math.isfinite(number) else None
+    if isinstance(value, Mapping | list | tuple | set | frozenset):
+        if id(value) in path:
+            raise _Unencodable("it holds itself: a circular reference")
+        inside = (*path, id(value))
+        if isinstance(value, Mapping):
+            return {_key(k): _plain(v, inside) for k, v in value.items()}
+        return [_plain(v, inside) for v in value]
+    tolist = getattr(value, "tolist", None)  # numpy and torch scalars and arrays
+    if callable(tolist) and hasattr(value, "dtype"):
+        return _plain(tolist(), path)
+    return str(value)
+
+
+def _key(key: Any) -> str:
+    if isinstance(key, str):
+        return key
+    item = getattr(key, "item", None)  # a numpy scalar key
+    if callable(item) and hasattr(key, "dtype"):
+        key = item()
+    if key is None or isinstance(key, bool | int | float):
+        return json.dumps(key)
+    return str(key)
+
+
+def _function(task: str) -> str:
+    """How a message names the reward: a user's function as `--reward-fn file.py:name` (its task name
+    is `reward-fn:file.py:name`)."""
+    kind, sep, name = task.partition(":")
+    return f"--{kind} {name}" if sep and kind == "reward-fn" else f"the {task} reward"
+
+
+def _row(prompt_id: str, metadata: str | Mapping[str, Any] | None) -> str:
+    """The dataset row a prompt came from (its metadata's file and row), with its prompt id."""
+    meta = metadata
+    if isinstance(metadata, str):
+        try:
+            meta = json.loads(metadata)
+        except ValueError:
+            meta = None
+    if isinstance(meta, Mapping) and isinstance(meta.get("row"), int) and meta.get("file"):
+        return f"{row_of(meta['row'])} of {meta['file']} (prompt {prompt_id!r})"
+    return f"prompt {prompt_id!r}"
