@@ -12,18 +12,35 @@ Design decisions:
   spaces ignored). The
   program runs in the code tasks' sandbox (`code.py`), one run per completion; reward = tests passed /
   tests, as `code.Verdict` judges a run (0 for a run that times out, crashes or floods its output).
+  Tests without a case are refused with the row, before any work: no completion could earn a reward.
 - A user's function runs in this process, as verl and TRL run theirs. Which convention it follows is read
   from its signature: a `solution_str` parameter is verl's `compute_score(data_source, solution_str,
   ground_truth, extra_info)`, called once per completion with keyword arguments; else a `completions`
   parameter (or **kwargs) is TRL's `f(prompts, completions, **columns) -> list[float]`, called once per
   batch with the dataset's other columns as lists. A verl function may return a number (a bool or a numpy
   scalar too, as verl takes them) or a dict with a numeric `score` (the dict's other fields are kept as
-  the completion's `extra`); anything else, a non-finite number, or a TRL list of the wrong length is
-  refused in one sentence, a dict without `score` naming the keys it has. A function that raises, or
-  exits (SystemExit: sys.exit() in a script's scorer would otherwise end the command silently, with
-  nothing written), is named with the dataset row of the completion (a TRL batch that raises is called
-  again one item at a time to find it); KeyboardInterrupt still interrupts. Importing the file is held
-  to the same rule.
+  the completion's `extra`); anything else, a non-finite number (an int too large for a float is one),
+  or a TRL result of the wrong length is refused in one sentence, a dict without `score` naming the keys
+  it has. A function that raises, or exits (SystemExit: sys.exit() in a script's scorer would otherwise
+  end the command silently, with nothing written), is named with the dataset row of the completion (a
+  TRL batch that raises is called again one item at a time to find it); KeyboardInterrupt still
+  interrupts. Importing the file is held to the same rule.
+- The signature is checked before any work, with `inspect.signature(...).bind` of what will be passed:
+  verl's four keywords when the file is loaded; for TRL, prompts and completions when it is loaded, and
+  the dataset's columns as each row is checked (`Task.check_metadata`, which rollout, train and reward
+  run before any work). A parameter TRL fills and Sparrow does not (completion_ids, trainer_state) must
+  have a default.
+- A TRL function's result is any sequence, as TRL iterates it: a list, a tuple, a 1-d numpy array or
+  tensor. TRL reads a None reward as "not applicable" and sums the other reward functions' rewards
+  without it; Sparrow scores with one function, where that sum is empty (a NaN would spoil the group's
+  advantage, a 0 would be a reward the function never gave), so None is refused in one sentence that
+  says so.
+- An async function (TRL accepts them) is awaited: each call's coroutine runs to its end in its own
+  event loop (`asyncio.run`), one call at a time.
+- The file is imported as `python file.py` would run it, with its folder first on sys.path, so it can
+  import the modules beside it; the folder is on sys.path while the file is imported and while the
+  function runs (it may import lazily), not after. A relative import fails there as in a script, and the
+  refusal says to import the module by its name.
 - User code's output goes to stderr while it runs (imported or called): the command's stdout may be
   carrying its data (`-o -` Parquet, `-f json`), and verl's reward functions print. Python's sys.stdout
   is redirected, and so is descriptor 1 (C extensions, child processes) where it is open.
@@ -33,6 +50,7 @@ Design decisions:
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import importlib.util
 import inspect
@@ -42,8 +60,8 @@ import numbers
 import os
 import re
 import sys
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -96,6 +114,9 @@ class CodeTests:
         if not lists or len(tests["inputs"]) != len(tests["outputs"]):
             raise TaskError("its ground truth is not code tests: a JSON object with lists 'inputs' and "
                             "'outputs' of one length (and 'fn_name' for call tests)")
+        if not tests["inputs"]:
+            raise TaskError("its tests have no cases ('inputs' and 'outputs' are empty lists), so no "
+                            "completion could pass one")
         fn_name = tests.get("fn_name")
         if fn_name is not None and not (isinstance(fn_name, str) and fn_name.isidentifier()):
             raise TaskError(f"its tests' fn_name {fn_name!r} is not a Python name")
@@ -204,6 +225,22 @@ def stdout_to_stderr() -> Iterator[None]:
             os.close(saved)
 
 
+VERL_KEYWORDS = ("data_source", "solution_str", "ground_truth", "extra_info")
+TRL_ONLY = ("completion_ids", "trainer_state")  # what TRL passes its functions and Sparrow does not
+
+
+@contextlib.contextmanager
+def folder_on_path(folder: Path) -> Iterator[None]:
+    """The reward file's folder first on sys.path while user code runs, as `python file.py` has it."""
+    entry = str(folder)
+    sys.path.insert(0, entry)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ValueError):
+            sys.path.remove(entry)
+
+
 @dataclass(frozen=True)
 class RewardFunction:
     """A user's reward function, loaded from `path` (`spec` is how the command line named it)."""
@@ -213,6 +250,7 @@ class RewardFunction:
     name: str
     fn: Callable
     style: str  # "verl" or "trl"
+    checked: set[frozenset[str]] = field(default_factory=set, compare=False, repr=False)  # TRL columns
 
     @property
     def task_name(self) -> str:
@@ -222,8 +260,26 @@ class RewardFunction:
         row, file = metadata.get("row"), metadata.get("file")
         return f"{row_of(row)} of {file}" if row is not None else "a row"
 
+    def check_row(self, metadata: dict[str, Any]) -> None:
+        """TaskError in one phrase when a TRL function cannot take a row's columns as keywords (verl's
+        keywords are checked when the file loads); each set of columns is checked once."""
+        columns = list(metadata.get("columns") or {})
+        if self.style != "trl" or frozenset(columns) in self.checked:
+            return
+        try:
+            inspect.signature(self.fn).bind(prompts=None, completions=None, **dict.fromkeys(columns))
+        except TypeError as e:
+            shown = ", ".join(columns) or "none"
+            advice = ("a TRL reward function takes **kwargs for the columns it does not read"
+                      if "unexpected keyword" in str(e) else "TRL fills each parameter beyond prompts and "
+                      "completions from the dataset's column of that name")
+            raise TaskError(f"--reward-fn {self.spec} takes ({_parameters(self.fn)}), which cannot take "
+                            "what TRL passes it for this row: prompts, completions and the dataset's "
+                            f"columns ({shown}) as keywords ({e}); {advice}") from None
+        self.checked.add(frozenset(columns))
+
     def judge_many(self, items: list[Item]) -> list[Judgement]:
-        with stdout_to_stderr():
+        with stdout_to_stderr(), folder_on_path(self.path.resolve().parent):
             return self._verl(items) if self.style == "verl" else self._trl(items)
 
     def _verl(self, items: list[Item]) -> list[Judgement]:
@@ -231,8 +287,8 @@ class RewardFunction:
         for completion, answer, meta in items:
             columns = meta.get("columns") or {}
             try:
-                value = self.fn(data_source=columns.get("data_source"), solution_str=completion,
-                                ground_truth=answer, extra_info=columns.get("extra_info"))
+                value = _awaited(self.fn(data_source=columns.get("data_source"), solution_str=completion,
+                                         ground_truth=answer, extra_info=columns.get("extra_info")))
             except USER_ERRORS as e:  # the user's error, named with its row
                 raise self._raised(e, meta) from None
             out.append(self._judgement(value, meta))
@@ -240,17 +296,25 @@ class RewardFunction:
 
     def _trl(self, items: list[Item]) -> list[Judgement]:
         try:
-            values = self._call_trl(items)
+            values = _awaited(self._call_trl(items))
         except USER_ERRORS as e:  # named with its row: the batch's items again, one at a time
             if len(items) == 1:
                 raise self._raised(e, items[0][2]) from None
             return [j for item in items for j in self._trl([item])]
-        if not isinstance(values, list | tuple) or len(values) != len(items):
-            sized = isinstance(values, list | tuple)
-            got = f"a {type(values).__name__}" + (f" of {len(values)}" if sized else "")
+        listed = _as_list(values)
+        if listed is None or len(listed) != len(items):
+            shape = getattr(values, "shape", None)
+            got = f"a {type(values).__name__}" + (f" of {len(listed)}" if listed is not None else
+                                                  f" of shape {tuple(shape)}" if shape is not None else "")
             raise RewardError(f"--reward-fn {self.spec} returned {got} for {len(items)} completions; a TRL "
                               "reward function returns a list of one number per completion")
-        return [self._judgement(v, meta) for v, (_, _, meta) in zip(values, items)]
+        for v, (_, _, meta) in zip(listed, items):
+            if v is None:
+                raise RewardError(f"--reward-fn {self.spec} returned None on {self.where(meta)}; TRL reads "
+                                  "None as 'not applicable' and leaves the completion to its other reward "
+                                  "functions, but Sparrow scores with this one function alone, so it must "
+                                  "return a number for every completion")
+        return [self._judgement(v, meta) for v, (_, _, meta) in zip(listed, items)]
 
     def _call_trl(self, items: list[Item]) -> Any:
         prompts, completions, columns = [], [], {}
@@ -275,16 +339,45 @@ class RewardFunction:
         extra = None
         if isinstance(value, dict):
             if "score" not in value:
-                keys = _cut(", ".join(map(repr, value))) or "none"
+                keys = _cut(", ".join(map(_shown, value))) or "none"
                 raise RewardError(f"--reward-fn {self.spec} returned a dict without a 'score' key (its keys: "
                                   f"{keys}) on {self.where(meta)}; a verl reward function returns a finite "
                                   "number or a dict with a numeric 'score'")
             extra = {k: v for k, v in value.items() if k != "score"}
             value = value["score"]
-        if not isinstance(value, numbers.Real) or not math.isfinite(value):
+        if not isinstance(value, numbers.Real) or not _finite(value):
             raise RewardError(f"--reward-fn {self.spec} returned {_shown(returned)} on {self.where(meta)}; "
                               "a reward function returns a finite number or a dict with a numeric 'score'")
         return Judgement(float(value), None, extra=extra)
+
+
+def _awaited(value: Any) -> Any:
+    """An async function's result, awaited to its end (module docstring); any other value as it is."""
+    if not inspect.isawaitable(value):
+        return value
+
+    async def result() -> Any:
+        return await value
+
+    return asyncio.run(result())
+
+
+def _as_list(values: Any) -> list | None:
+    """A TRL function's result as a list: any sequence TRL can iterate (a list, a tuple, a 1-d numpy array
+    or tensor, whose numbers become Python's); None for text, a dict, an iterator or a scalar."""
+    if isinstance(values, str | bytes | Mapping):
+        return None
+    if getattr(values, "ndim", None) == 1 and callable(getattr(values, "tolist", None)):
+        return values.tolist()
+    return list(values) if isinstance(values, Sequence) else None
+
+
+def _finite(value: numbers.Real) -> bool:
+    """Whether a real number is a finite float: an int or fraction too large for a float is not."""
+    try:
+        return math.isfinite(value)
+    except (OverflowError, ValueError, TypeError):
+        return False
 
 
 def _ended(e: BaseException) -> str:
@@ -296,15 +389,32 @@ def _ended(e: BaseException) -> str:
 
 
 def _shown(value: Any) -> str:
-    return _cut(repr(value))
+    """A returned value as a message shows it: its repr, cut (a repr that fails names the type)."""
+    try:
+        return _cut(repr(value))
+    except Exception:  # an int of more digits than Python prints, an object whose __repr__ raises
+        if isinstance(value, int):
+            return f"an int of {math.floor(abs(value).bit_length() * math.log10(2)) + 1:,} digits or so"
+        return f"{_a(type(value).__name__)} that cannot be shown"
+
+
+def _a(noun: str) -> str:
+    return ("an " if noun[:1].lower() in "aeiou" else "a ") + noun
 
 
 def _cut(text: str) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+def _parameters(fn: Callable) -> str:
+    """A function's parameter names as its def lists them (*args, **kwargs marked)."""
+    stars = {inspect.Parameter.VAR_POSITIONAL: "*", inspect.Parameter.VAR_KEYWORD: "**"}
+    return ", ".join(stars.get(p.kind, "") + p.name for p in inspect.signature(fn).parameters.values())
+
+
 def load_reward_function(spec: str) -> RewardFunction:
-    """`path.py:function` loaded and its convention read from its signature; RewardError in one sentence."""
+    """`path.py:function` loaded, its convention read from its signature and the keywords it will be
+    called with checked (module docstring); RewardError in one sentence."""
     path_text, sep, name = spec.rpartition(":")
     if not sep or not path_text or not name.isidentifier():
         raise RewardError(f"--reward-fn {spec!r} is not path.py:function (a Python file and the name of a "
@@ -312,6 +422,20 @@ def load_reward_function(spec: str) -> RewardFunction:
     path = Path(path_text).expanduser()
     if not path.is_file():
         raise RewardError(f"--reward-fn {spec}: no such file {path}")
+    module = _import(spec, path)
+    fn = getattr(module, name, None)
+    if fn is None and not hasattr(module, name):
+        raise RewardError(f"--reward-fn {spec}: {path} has no function {name!r}")
+    if not callable(fn):
+        raise RewardError(f"--reward-fn {spec}: {name!r} in {path} is {_a(type(fn).__name__)} "
+                          f"({_shown(fn)}), not a function")
+    style = _style(fn, spec)
+    _check_keywords(fn, spec, style)
+    return RewardFunction(spec, path, name, fn, style)
+
+
+def _import(spec: str, path: Path) -> Any:
+    """The module of a reward file, imported with its folder on sys.path (module docstring)."""
     module_name = f"sparrow_reward_{abs(hash(str(path.resolve())))}"
     module_spec = importlib.util.spec_from_file_location(module_name, path)
     if module_spec is None or module_spec.loader is None:
@@ -319,26 +443,57 @@ def load_reward_function(spec: str) -> RewardFunction:
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[module_name] = module
     try:
-        with stdout_to_stderr():
+        with stdout_to_stderr(), folder_on_path(path.resolve().parent):
             module_spec.loader.exec_module(module)
     except USER_ERRORS as e:  # the user's file, named
         sys.modules.pop(module_name, None)
-        raise RewardError(f"--reward-fn {spec}: importing {path} {_ended(e)}") from None
-    fn = getattr(module, name, None)
-    if not callable(fn):
-        raise RewardError(f"--reward-fn {spec}: {path} has no function {name!r}")
-    return RewardFunction(spec, path, name, fn, _style(fn, spec))
+        relative = isinstance(e, ImportError) and "relative import" in str(e)
+        advice = ("; a reward file is imported as a script, with its folder on sys.path, so import the "
+                  "modules beside it by their names (from helper import f, not from .helper import f)"
+                  if relative else "")
+        raise RewardError(f"--reward-fn {spec}: importing {path} {_ended(e)}{advice}") from None
+    return module
 
 
 def _style(fn: Callable, spec: str) -> str:
-    params = inspect.signature(fn).parameters
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        raise RewardError(f"--reward-fn {spec} has no signature Python can read, so which keywords it takes "
+                          "is unknown; define it with def") from None
     if "solution_str" in params:
         return "verl"
     if "completions" in params or any(p.kind is p.VAR_KEYWORD for p in params.values()):
         return "trl"
-    raise RewardError(f"--reward-fn {spec} takes ({', '.join(params)}), neither verl's compute_score("
+    raise RewardError(f"--reward-fn {spec} takes ({_parameters(fn)}), neither verl's compute_score("
                       "data_source, solution_str, ground_truth, extra_info) nor TRL's "
                       "f(completions, **kwargs)")
+
+
+def _check_keywords(fn: Callable, spec: str, style: str) -> None:
+    """RewardError when the function cannot take the keywords it will be called with: verl's four, or
+    TRL's prompts and completions (the dataset's columns are checked per row, `check_row`)."""
+    signature = inspect.signature(fn)
+    if style == "verl":
+        try:
+            signature.bind(**dict.fromkeys(VERL_KEYWORDS))
+        except TypeError as e:
+            raise RewardError(f"--reward-fn {spec} takes ({_parameters(fn)}), which cannot be called as verl "
+                              f"calls compute_score, with the keywords {', '.join(VERL_KEYWORDS)} "
+                              f"({e})") from None
+        return
+    try:
+        signature.bind_partial(prompts=None, completions=None)
+    except TypeError as e:
+        raise RewardError(f"--reward-fn {spec} takes ({_parameters(fn)}), which cannot take the keywords TRL "
+                          f"passes, prompts, completions and the dataset's columns ({e}); a TRL reward "
+                          "function takes **kwargs for those it does not read") from None
+    unfilled = [p.name for p in signature.parameters.values() if p.name in TRL_ONLY and p.default is p.empty
+                and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    if unfilled:
+        raise RewardError(f"--reward-fn {spec} needs {', '.join(unfilled)}, which TRL passes and Sparrow "
+                          "does not (it passes prompts, completions and the dataset's columns); give "
+                          f"{'it a default' if len(unfilled) == 1 else 'them defaults'}")
 
 
 # ---------------------------------------------------------------- the registry
@@ -362,6 +517,7 @@ def register_function(spec: str) -> str:
     if spec not in _LOADED:
         reward = load_reward_function(spec)
         REWARDS[reward.task_name] = _reward(reward.task_name, f"the user's function {spec}",
-                                            judge_many=reward.judge_many, clamp=False, needs_answer=False)
+                                            judge_many=reward.judge_many, clamp=False, needs_answer=False,
+                                            check_metadata=reward.check_row)
         _LOADED[spec] = reward.task_name
     return _LOADED[spec]
