@@ -144,9 +144,8 @@ def rollout_columns(rows: Seq[dict], results: Seq[Seq[Completion]], tokenizer) -
     """The rollouts artifact's columns from the completions of each prompt row, whichever sampler made
     them (our engine, or vLLM in backends/vllm_sampler.py): decoded text and the reward of the row's task
     (or of the reward the command named), with any extra fields a user's reward function returned."""
-    import json
-
     from .tasks import get_task, has_scorer, judge_batch
+    from .tasks.extras import extra_json
 
     out = {k: [] for k in ("prompt_id", "sample", "prompt_token_ids", "token_ids", "text", "logprobs",
                            "budgets", "finish_reason", "reward", "kv_policy", "kv_lens", "reward_extra",
@@ -173,10 +172,9 @@ def rollout_columns(rows: Seq[dict], results: Seq[Seq[Completion]], tokenizer) -
             out["reward_extra"].append(None)
             out["accepted"].append(c.accepted)
             out["drafted"].append(None if c.accepted is None else c.drafted)
-    for (i, *_), judged in zip(scored, judge_batch([item for _, *item in scored])):
+    for (i, task, _, _, metadata), judged in zip(scored, judge_batch([item for _, *item in scored])):
         out["reward"][i] = judged.reward
-        if judged.extra:
-            out["reward_extra"][i] = json.dumps(judged.extra, default=str, sort_keys=True)
+        out["reward_extra"][i] = extra_json(judged.extra, task, out["prompt_id"][i], metadata)
     return out
 
 

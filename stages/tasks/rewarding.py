@@ -2,12 +2,21 @@
 
 Design decisions:
 - Completions come from anywhere: our `rollouts` artifact, any Parquet file (DuckDB, pandas, vLLM
-  scripts) or JSONL, read by their columns: `prompt_id` and `text` are needed, `sample` is optional (the
-  row's rank within its prompt by default); other columns are ignored. A Sparrow artifact of another
-  kind is refused.
+  scripts), a directory of Parquet parts (`rollout --workers`, read as every artifact directory is) or
+  JSONL, read by their columns: `prompt_id` and `text` are needed, `sample` is optional (the row's rank
+  within its prompt by default); other columns are ignored. A Sparrow artifact of another kind is
+  refused.
+- JSONL is read line by line with `json`, keeping only those three keys, so a column nothing reads may
+  change type from line to line, as other samplers' dumps do; each line is decoded as UTF-8 on its own
+  (a bad byte names its line), and a UTF-8 byte order mark at the start of the file is skipped.
+- Prompt ids are `<file stem>-<row>` for a verl or TRL dataset, so two files with one stem share them.
+  Rollouts record what they were sampled from, so a prompts file that is not it is refused: a prompt's
+  token ids where both files have them; else the prompt (text or chat messages) that the file the
+  rollouts' metadata names (`prompts`) holds under the same id, when that file is still there. A file
+  without such records (JSONL, another sampler's Parquet) is matched by the id alone.
 - Everything that can be wrong (a column, a missing text, a prompt id the prompts file lacks, a
-  prompt without a known task or an answer, a repeated sample) is found before anything is scored,
-  as one sentence naming the file, the row and the column.
+  prompt without a known task or an answer, a repeated sample, completions of other prompts) is found
+  before anything is scored, as one sentence naming the file, the row and the column.
 - Scoring is `judge_batch`: code tasks' programs run in a pool of sandboxes. Each row says why it got
   its reward (`status`; for code tasks also the tests passed of the tests run), so a timeout, an output
   kill, a crash, a missing function and a partial pass tell apart.
@@ -19,22 +28,29 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
-import pyarrow.json as pj
 import pyarrow.parquet as pq
 
-from sparrow.schemas import ArtifactError, ArtifactSpec, Col, artifact_kind, read_artifact
+from sparrow.schemas import ArtifactError, ArtifactSpec, Col, artifact_kind, artifact_metadata, read_artifact
 from sparrow.schemas.artifacts import first_line
+from sparrow.schemas.footer import artifact_parts, kind_version
+from sparrow.schemas.locations import is_stdio
 
 from . import TASKS, get_task, has_scorer, judge_batch
 from .base import row_of
+from .extras import extra_json
 
 COMPLETIONS = ArtifactSpec("completions", "completions of any sampler, read by their columns", (
     Col("prompt_id", pa.string()),
     Col("sample", pa.int32(), nullable=True, range="[0, inf)"),
     Col("text", pa.string(), nullable=True),
 ))
+BOM = b"\xef\xbb\xbf"
+JSON_COLUMNS = {"prompt_id": (str, "text", pa.string()), "sample": (int, "an integer", pa.int64()),
+                "text": (str, "text", pa.string())}
+REFUSED_KIND = "give rollouts, or any Parquet or JSONL file with columns 'prompt_id' and 'text'"
 
 
 @dataclass(frozen=True)
@@ -42,35 +58,116 @@ class Completion:
     prompt_id: str
     sample: int
     text: str
+    # the prompt's token ids a rollouts artifact recorded, on the prompt's first completion (its samples
+    # share them); None for the others and for any other file
+    prompt_token_ids: tuple[int, ...] | None = None
 
 
 def _is_jsonl(path: Path) -> bool:
     if path.suffix in (".jsonl", ".ndjson", ".json"):
         return True
     with open(path, "rb") as f:
-        return f.read(1) in (b"{", b"[")
+        head = f.read(64).lstrip()
+    return head.removeprefix(BOM).lstrip()[:1] in (b"{", b"[")
 
 
 def _table(path: Path) -> pa.Table:
     if not path.exists():
         raise ArtifactError(f"--completions {path}: no such file")
     if path.is_dir():
-        raise ArtifactError(f"--completions {path} is a directory; give a Parquet or JSONL file")
+        return _parts(path)
     if _is_jsonl(path):
-        try:
-            return pj.read_json(path)
-        except (pa.ArrowException, OSError) as e:
-            raise ArtifactError(f"--completions {path} is not JSON lines ({first_line(e)})") from None
+        return _json_lines(path)
+    return _parquet(path, f"--completions {path}")
+
+
+def _parquet(path: Path, shown: str) -> pa.Table:
+    """A Parquet file's completion columns: a rollouts artifact whole, another file's columns we read."""
     kind = artifact_kind(path)
     if kind == "rollouts":
         return read_artifact(path, "rollouts")
     if kind is not None:
-        raise ArtifactError(f"--completions {path} is a '{kind}' artifact; give rollouts, or any Parquet "
-                            "or JSONL file with columns 'prompt_id' and 'text'")
+        raise ArtifactError(f"{shown} is a '{kind}' artifact; {REFUSED_KIND}")
     try:
-        return pq.read_table(path)
+        names = pq.read_schema(path).names
+        return pq.read_table(path, columns=[c for c in names if c in COMPLETIONS.names])
     except (pa.ArrowException, OSError) as e:
-        raise ArtifactError(f"--completions {path} is a corrupt Parquet file ({first_line(e)})") from None
+        raise ArtifactError(f"{shown} is a corrupt Parquet file ({first_line(e)})") from None
+
+
+def _parts(path: Path) -> pa.Table:
+    """A directory of Parquet parts (`rollout --workers`): a rollouts artifact read as every artifact
+    directory is (`read_artifact`), else each part's completion columns, concatenated in name order."""
+    try:
+        parts = artifact_parts(path)
+    except ArtifactError:
+        raise ArtifactError(f"--completions {path} is a directory without Parquet parts; give a Parquet "
+                            "or JSONL file, or a directory of Parquet parts (rollout --workers writes one)"
+                            ) from None
+    kind = artifact_kind(parts[0])
+    if kind == "rollouts":
+        return read_artifact(path, "rollouts")
+    if kind is not None:
+        raise ArtifactError(f"--completions {path} is a directory of '{kind}' parts; {REFUSED_KIND}")
+    tables = [_parquet(p, f"--completions {path}: part {p.name}") for p in parts]
+    try:
+        return pa.concat_tables(tables, promote_options="permissive")
+    except pa.ArrowException as e:
+        raise ArtifactError(f"--completions {path}: its parts do not form one table "
+                            f"({first_line(e)})") from None
+
+
+def _json_lines(path: Path) -> pa.Table:
+    """The completion columns of a JSON lines file, read line by line (module docstring)."""
+    columns: dict[str, list] = {name: [] for name in JSON_COLUMNS}
+    present: set[str] = set()
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            record = _json_line(raw.removeprefix(BOM) if n == 1 else raw, path, n)
+            if record is None:
+                continue
+            present.update(name for name in JSON_COLUMNS if name in record)
+            for name, (kind, what, _) in JSON_COLUMNS.items():
+                value = record.get(name)
+                if value is not None and (not isinstance(value, kind) or isinstance(value, bool)):
+                    raise ArtifactError(f"--completions {path} line {n}: '{name}' is {_json_kind(value)}, "
+                                        f"expected {what}")
+                columns[name].append(value)
+    if not columns["prompt_id"]:  # one entry per object read
+        raise ArtifactError(f"--completions {path} holds no completions (no JSON lines)")
+    try:
+        return pa.table({k: pa.array(v, JSON_COLUMNS[k][2]) for k, v in columns.items() if k in present})
+    except (pa.ArrowException, UnicodeError) as e:
+        raise ArtifactError(f"--completions {path}: its lines do not form one table "
+                            f"({first_line(e)})") from None
+
+
+def _json_line(raw: bytes, path: Path, n: int) -> dict[str, Any] | None:
+    """Line `n`'s JSON object; None for a blank line."""
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ArtifactError(f"--completions {path} line {n} is not UTF-8 text (byte 0x{raw[e.start]:02x} at "
+                            f"byte {e.start + 1} of the line)") from None
+    if not line.strip():
+        return None
+    try:
+        record = json.loads(line.rstrip("\r\n"))
+    except json.JSONDecodeError as e:
+        raise ArtifactError(f"--completions {path} line {n} is not JSON ({e.msg} at column "
+                            f"{e.colno})") from None
+    if isinstance(record, list):
+        raise ArtifactError(f"--completions {path} line {n} is a JSON array; completions are JSON lines, one "
+                            "object per line with 'prompt_id' and 'text'")
+    if not isinstance(record, dict):
+        raise ArtifactError(f"--completions {path} line {n} is {_json_kind(record)}, not a JSON object")
+    return record
+
+
+def _json_kind(value: Any) -> str:
+    kinds = ((bool, "true or false"), (str, "text"), (int, "an integer"), (float, "a number"),
+             (list, "a list"), (dict, "an object"))
+    return next((what for kind, what in kinds if isinstance(value, kind)), "null")
 
 
 def read_completions(path: str | os.PathLike) -> list[Completion]:
@@ -80,6 +177,7 @@ def read_completions(path: str | os.PathLike) -> list[Completion]:
     subject = f"--completions {path} (read by its columns)"
     if "text" not in table.column_names:
         raise ArtifactError(f"{subject} lacks column 'text' (the completion's text, which is scored)")
+    tokens = _first_prompt_tokens(table) if kind_version(table.schema)[0] == "rollouts" else {}
     table = COMPLETIONS.conform(table.select([c for c in table.column_names if c in COMPLETIONS.names]),
                                 subject, fill_missing=True)
     out, seen, rank = [], set(), {}
@@ -93,20 +191,33 @@ def read_completions(path: str | os.PathLike) -> list[Completion]:
             raise ArtifactError(f"--completions {path}: {row_of(i)} repeats prompt {r['prompt_id']!r} sample "
                                 f"{sample} (columns 'prompt_id' and 'sample')")
         seen.add((r["prompt_id"], sample))
-        out.append(Completion(r["prompt_id"], sample, r["text"]))
+        out.append(Completion(r["prompt_id"], sample, r["text"], tokens.get(i)))
     if not out:
         raise ArtifactError(f"--completions {path} holds no completions")
     return out
 
 
+def _first_prompt_tokens(table: pa.Table) -> dict[int, tuple[int, ...]]:
+    """Row -> prompt token ids, for each prompt's first row of a rollouts table (only those are read)."""
+    first: dict[str, int] = {}
+    for i, pid in enumerate(table.column("prompt_id").to_pylist()):
+        first.setdefault(pid, i)
+    rows = list(first.values())
+    ids = table.column("prompt_token_ids").take(rows).to_pylist()
+    return {i: tuple(v) for i, v in zip(rows, ids) if v is not None}
+
+
 def check_prompts(prompts: dict[str, dict], completions: list[Completion], prompts_path: Path,
                   completions_path: Path) -> None:
-    """Every completion's prompt is in the prompts file with a known task and an answer."""
+    """Every completion's prompt is in the prompts file, is the prompt it was sampled from where that
+    was recorded, and has a known task and an answer."""
     for i, c in enumerate(completions):
-        row = prompts.get(c.prompt_id)
-        if row is None:
+        if c.prompt_id not in prompts:
             raise ArtifactError(f"--completions {completions_path}: prompt {c.prompt_id!r}, {row_of(i)}, is "
-                                f"not in --prompts {prompts_path} (column 'prompt_id')")
+                                f"not in --prompts {prompts_path} (column 'prompt_id'; {_some_ids(prompts)})")
+    check_sampled_from(prompts, completions, prompts_path, completions_path)
+    for c in completions:
+        row = prompts[c.prompt_id]
         if not has_scorer(row.get("task")):
             raise ArtifactError(f"--prompts {prompts_path}: prompt {c.prompt_id!r} has task "
                                 f"{row.get('task')!r}, which has no scorer (known: {', '.join(TASKS)}; a "
@@ -115,6 +226,81 @@ def check_prompts(prompts: dict[str, dict], completions: list[Completion], promp
             raise ArtifactError(f"--prompts {prompts_path}: prompt {c.prompt_id!r} has no answer (column "
                                 "'answer'), so its completions cannot be scored")
         _check_metadata(row, prompts_path)
+
+
+def _some_ids(prompts: dict[str, dict]) -> str:
+    ids = list(prompts)
+    shown = ", ".join(map(repr, ids[:3]))
+    return f"its ids: {shown}" + (f", ... ({len(ids)} in all)" if len(ids) > 3 else "")
+
+
+def check_sampled_from(prompts: dict[str, dict], completions: list[Completion], prompts_path: Path,
+                       completions_path: Path) -> None:
+    """Rollouts' completions answer the prompts of `prompts_path` (module docstring): by the prompt token
+    ids where that file has them, else by the prompt the file the rollouts' metadata names holds."""
+    unchecked = []
+    for i, c in enumerate(completions):
+        if c.prompt_token_ids is None:
+            continue
+        mine = prompts[c.prompt_id].get("prompt_token_ids")
+        if not mine:
+            unchecked.append(c.prompt_id)
+        elif tuple(mine) != c.prompt_token_ids:
+            raise ArtifactError(f"--completions {completions_path}: prompt {c.prompt_id!r}, {row_of(i)}, was "
+                                "sampled from other token ids (column 'prompt_token_ids') than --prompts "
+                                f"{prompts_path} has for it, so the completions answer other prompts"
+                                f"{_sampled_from(completions_path)}")
+    if not unchecked:
+        return
+    recorded = _recorded_prompts(completions_path)
+    theirs = _prompt_rows(recorded, prompts_path)
+    for pid in unchecked:
+        if pid in theirs and not _same_prompt(theirs[pid], prompts[pid]):
+            raise ArtifactError(f"--completions {completions_path}: prompt {pid!r} was sampled from "
+                                f"{recorded} (the rollouts' metadata records it), whose prompt of that id is "
+                                f"not the one --prompts {prompts_path} has, so the completions answer other "
+                                f"prompts; give --prompts {recorded}")
+
+
+def _recorded_prompts(path: Path) -> str | None:
+    """The prompts file a rollouts artifact records it was sampled from."""
+    try:
+        recorded = artifact_metadata(path).get("prompts")
+    except (ArtifactError, OSError, ValueError):
+        return None
+    return recorded if isinstance(recorded, str) and recorded and not is_stdio(recorded) else None
+
+
+def _sampled_from(path: Path) -> str:
+    recorded = _recorded_prompts(path)
+    return f" (the rollouts record {recorded} as their prompts)" if recorded else ""
+
+
+def _prompt_rows(recorded: str | None, prompts_path: Path) -> dict[str, dict]:
+    """The rows of the prompts file a rollouts artifact names, by prompt id; none where it is not there
+    (it was named relative to another folder, moved, or read from a pipe), cannot be read, or is the
+    prompts file itself."""
+    from ..core.prompt_set import PromptSet
+
+    if recorded is None:
+        return {}
+    path = Path(recorded)
+    try:
+        if not (path.is_file() or path.is_dir()) or path.samefile(prompts_path):
+            return {}
+        return {r["prompt_id"]: r for r in PromptSet.read(path).rows}
+    except (ValueError, OSError, pa.ArrowException):
+        return {}
+
+
+def _same_prompt(a: dict, b: dict) -> bool:
+    """Two prompt rows hold the same prompt: their token ids where both have them, else their chat
+    messages, else their text; rows that share none of these are not told apart."""
+    for key in ("prompt_token_ids", "messages", "prompt"):
+        x, y = a.get(key), b.get(key)
+        if x and y:
+            return list(x) == list(y) if key == "prompt_token_ids" else x == y
+    return True
 
 
 def _check_metadata(row: dict, path: Path) -> None:
@@ -141,5 +327,5 @@ def score_completions(prompts: dict[str, dict], completions: list[Completion],
     judged = judge_batch(items, workers)
     return [{"prompt_id": c.prompt_id, "sample": c.sample, "task": item[0], "reward": j.reward,
              "status": j.status, "tests_passed": j.tests_passed, "tests_total": j.tests_total,
-             "reward_extra": json.dumps(j.extra, default=str, sort_keys=True) if j.extra else None}
+             "reward_extra": extra_json(j.extra, item[0], c.prompt_id, item[3])}
             for c, item, j in zip(completions, items, judged)]
