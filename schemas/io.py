@@ -232,7 +232,13 @@ def _read_jsonl(path: Path) -> pa.Table:
     if not path.exists():
         raise ArtifactError(f"{path} does not exist")
     rows = []
-    for i, line in enumerate(path.read_text().splitlines(), 1):
+    for i, raw in enumerate(path.read_bytes().splitlines(), 1):
+        try:
+            line = raw.decode("utf-8-sig" if i == 1 else "utf-8")
+        except UnicodeDecodeError as e:
+            raise ArtifactError(f"{path} line {i} is not UTF-8 text (byte 0x{raw[e.start]:02x} at column "
+                                f"{e.start + 1}); Sparrow reads JSON lines as UTF-8, so re-encode the file "
+                                "as UTF-8") from None
         if not line.strip():
             continue
         try:

@@ -11,8 +11,11 @@ import importlib.util
 import io
 import json
 import math
+import re
 import subprocess
+import sys
 from pathlib import Path
+from shlex import quote as shlex_quote
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -189,7 +192,7 @@ def test_trl_layouts_and_answer_column(tmp_path):
     assert [r["answer"] for r in rows] == ["4", "6"]  # 'answer' comes before 'solution'
     assert rows[0]["prompt"] == "What is 2+2?" and rows[0]["messages"] is None
     answers = lambda col: [r["answer"] for r in PromptSet.read(text, DataOptions(answer_column=col)).rows]
-    assert answers("solution") == ["four", "six"] and answers("meta.a") == ["1", "2"]
+    assert answers("solution") == ["four", "six"] and answers("meta.a") == [1, 2]  # as stored
     with pytest.raises(PromptError, match="has no column 'gold' \\(--answer-column\\)"):
         PromptSet.read(text, DataOptions(answer_column="gold"))
     chat = PromptSet.read(write_trl_jsonl(tmp_path / "chat.jsonl")).rows
@@ -275,6 +278,202 @@ def test_messages_get_the_chat_template_as_trl_applies_it(tmp_path):
         text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         assert row["prompt"] == text and text.endswith("<|im_start|>assistant\n")
         assert list(row["prompt_token_ids"]) == tok(text, add_special_tokens=False).input_ids
+
+
+def _refused_without_writing(args: list[str], out: Path) -> str:
+    """The one error line of a refused command, which left `out` (already on disk) as it was."""
+    before = out.read_bytes()
+    line = error_line(runner.invoke(app, [*args, "-o", str(out)]))
+    assert out.read_bytes() == before
+    return line
+
+
+def test_jsonl_that_is_not_utf8_is_named_with_its_line(tmp_path):
+    data = tmp_path / "latin1.jsonl"
+    data.write_bytes(b'{"prompt": "What is 2 + 3?", "solution": "5"}\n{"prompt": "Caf\xe9 2 + 3?", '
+                     b'"solution": "5"}\n')
+    out = tmp_path / "kept.parquet"
+    out.write_bytes(b"the user's own file")
+    run = tmp_path / "run"
+    rollout = ["rollout", "--reward", "math", "--prompts", str(data), "--force"]
+    train = ["train", "--reward", "math", "--prompts", str(data), "-o", str(run)]
+    for line in (_refused_without_writing(rollout, out), error_line(runner.invoke(app, train))):
+        assert line == (f"error: {data} line 2 is not UTF-8 text (byte 0xe9 at column 16); Sparrow reads "
+                        "JSON lines as UTF-8, so re-encode the file as UTF-8")
+    assert not run.exists()
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes(b'\xef\xbb\xbf{"prompt": "What is 2 + 3?", "solution": "5"}\n')
+    assert [(r["prompt"], r["answer"]) for r in PromptSet.read(bom).rows] == [("What is 2 + 3?", "5")]
+
+
+LIST_AND_INT_TRUTHS = {"prompt": ["What is 2 + 3?", "What is 4 + 4?"], "solution": [["5", "five"], ["8"]]}
+ECHO = '''\
+def echo(data_source, solution_str, ground_truth, extra_info=None):
+    return {"score": 0.0, "type": type(ground_truth).__name__, "value": ground_truth}
+'''
+
+
+def test_a_verl_function_gets_the_ground_truth_as_stored(tmp_path):
+    fn = tmp_path / "echo.py"
+    fn.write_text(ECHO)
+    stored = [["5", "five"], 5, {"a": 1}, "7"]
+    data = tmp_path / "gt.parquet"
+    pq.write_table(pa.Table.from_pylist([{"prompt": "q", "reward_model": {"ground_truth": json.dumps(v)}}
+                                         for v in stored]), data)  # a verl file whose truths are JSON text
+    typed = tmp_path / "typed.jsonl"
+    typed.write_text("".join(json.dumps({"prompt": "q", "solution": v}) + "\n" for v in stored))
+    completions = tmp_path / "c.jsonl"
+    completions.write_text("".join(json.dumps({"prompt_id": f"typed-{i}", "text": "5"}) + "\n"
+                                   for i in range(len(stored))))
+    out = tmp_path / "r.parquet"
+    r = runner.invoke(app, ["reward", "--prompts", str(typed), "--completions", str(completions),
+                            "--reward-fn", f"{fn}:echo", "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    extras = [json.loads(x) for x in read_artifact(out, "rewards").column("reward_extra").to_pylist()]
+    assert extras == [{"type": "list", "value": ["5", "five"]}, {"type": "int", "value": 5},
+                      {"type": "dict", "value": {"a": 1}}, {"type": "str", "value": "7"}]
+    verl_rows = PromptSet.read(data, DataOptions(reward_fn=f"{fn}:echo")).rows
+    assert [row["answer"] for row in verl_rows] == [json.dumps(v) for v in stored]  # text stays text
+
+
+def test_reward_math_reads_numbers_and_refuses_other_ground_truths(tmp_path):
+    from sparrow.stages.tasks import judge_batch
+
+    numbers = tmp_path / "numbers.jsonl"
+    numbers.write_text('{"prompt": "What is 2 + 3?", "solution": 5}\n'
+                       '{"prompt": "Half of 5?", "solution": 2.5}\n')
+    rows = PromptSet.read(numbers, DataOptions(reward="math")).rows
+    assert [r["answer"] for r in rows] == ["5", "2.5"]
+    texts = ("5", "2.5")
+    judged = judge_batch([(r["task"], text, r["answer"], r["metadata"]) for r in rows for text in texts])
+    assert [j.reward for j in judged] == [math_verify_reward(text, truth) for truth in texts
+                                          for text in texts] == [1.0, 0.0, 0.0, 1.0]
+    lists = tmp_path / "lists.parquet"
+    pq.write_table(pa.table(LIST_AND_INT_TRUTHS), lists)
+    completions = tmp_path / "c.jsonl"
+    completions.write_text('{"prompt_id": "lists-0", "text": "5"}\n')
+    out = tmp_path / "r.parquet"
+    out.write_bytes(b"already here")
+    line = _refused_without_writing(["reward", "--prompts", str(lists), "--completions", str(completions),
+                                     "--reward", "math", "--force"], out)
+    assert line == (f"error: {lists}: prompt 'lists-0', row 0 (counting from 0), cannot be scored by the "
+                    "math-verify reward: its ground truth is a list ([\"5\", \"five\"]), not text or a "
+                    "number, and math-verify compares the completion with one answer (score such rows with "
+                    "--reward-fn)")
+    structs = tmp_path / "structs.parquet"
+    pq.write_table(pa.table({"prompt": ["q"], "gold": [{"value": "5", "unit": "apples"}]}), structs)
+    shown = re.escape('a struct ({"value": "5", "unit": "apples"})')
+    with pytest.raises(PromptError, match=f"its ground truth is {shown}.*with --answer-column column.field"):
+        PromptSet.read(structs, DataOptions(reward="math", answer_column="gold"))
+    picked = PromptSet.read(structs, DataOptions(reward="math", answer_column="gold.value"))
+    assert [r["answer"] for r in picked.rows] == ["5"]
+
+
+def test_reward_code_reads_tests_kept_as_a_struct():
+    from sparrow.stages.core.user_data import answer_for
+    from sparrow.stages.tasks.rewards import CODE, CodeTests
+
+    tests = {"fn_name": "add", "inputs": [[1, 2]], "outputs": [3]}
+    assert CodeTests.parse(answer_for(CODE, tests)) == CodeTests([[1, 2]], [3], "add")
+
+
+def test_a_typo_in_a_dotted_answer_column_names_the_fields(verl_file, tmp_path):
+    completions = tmp_path / "c.jsonl"
+    completions.write_text('{"prompt_id": "train-0", "text": "7"}\n')
+    out = tmp_path / "r.parquet"
+    out.write_bytes(b"already here")
+    base = ["reward", "--prompts", str(verl_file), "--completions", str(completions), "--reward", "math",
+            "--force", "--answer-column"]
+    assert _refused_without_writing([*base, "reward_model.nope"], out) == (
+        f"error: {verl_file}: struct column 'reward_model' has no field 'nope' (--answer-column "
+        "reward_model.nope); its fields: style, ground_truth")
+    assert _refused_without_writing([*base, "data_source.name"], out) == (
+        f"error: {verl_file}: column 'data_source' is not a struct (it holds text), so it has no field "
+        "'name' (--answer-column data_source.name)")
+    assert _refused_without_writing([*base, "extra_info.split.x"], out) == (
+        f"error: {verl_file}: column 'extra_info.split' is not a struct (it holds text), so it has no field "
+        "'x' (--answer-column extra_info.split.x)")
+
+
+def _converted(line: str, tmp_path) -> None:
+    """Runs the conversion a refusal suggests ("convert it with python -c ..."), with this Python."""
+    command = line.split("convert it with ", 1)[1]
+    command = command[:-1] if command.endswith(")") else command
+    assert command.startswith("python -c ")
+    done = subprocess.run(f"{shlex_quote(sys.executable)} {command.removeprefix('python ')}", shell=True,
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+
+
+def test_formats_that_are_not_read_are_named_with_a_working_conversion(tmp_path):
+    table = pa.table({"prompt": ["What is 2 + 3?", "What is 4 + 4?"], "solution": ["5", "8"]})
+    expected = [("What is 2 + 3?", "5"), ("What is 4 + 4?", "8")]
+    formats = "give Parquet, JSON lines (one object per line) or a `datasets` save_to_disk folder"
+    csv = tmp_path / "trl.csv"
+    csv.write_text("prompt,solution\nWhat is 2 + 3?,5\nWhat is 4 + 4?,8\n")
+    stream, file = tmp_path / "s.arrow", tmp_path / "f.arrow"
+    with pa.ipc.new_stream(str(stream), table.schema) as w:
+        w.write_table(table)
+    with pa.ipc.new_file(str(file), table.schema) as w:
+        w.write_table(table)
+    array, pretty, named = tmp_path / "array.json", tmp_path / "pretty.json", tmp_path / "named.jsonl"
+    array.write_text(json.dumps(table.to_pylist()) + "\n")
+    pretty.write_text(json.dumps(table.to_pylist(), indent=2) + "\n")
+    named.write_bytes(b"\xef\xbb\xbf" + array.read_bytes())
+    out = tmp_path / "o.parquet"
+    out.write_bytes(b"already here")
+    for source, what, converted in ((csv, "is CSV", "trl.parquet"), (stream, "is an Arrow file", "s.parquet"),
+                                    (file, "is an Arrow file", "f.parquet"),
+                                    (array, "holds one JSON array", "array.jsonl"),
+                                    (pretty, "holds one JSON array", "pretty.jsonl"),
+                                    (named, "holds one JSON array", "named.converted.jsonl")):
+        line = _refused_without_writing(["rollout", "--reward", "math", "--prompts", str(source), "--force"],
+                                        out)
+        assert line.startswith(f"error: {source} {what}"), line
+        assert (formats in line) if what != "holds one JSON array" else \
+            "Sparrow reads JSON lines (one object per line)" in line
+        _converted(line, tmp_path)
+        rows = PromptSet.read(tmp_path / converted, DataOptions(reward="math")).rows
+        assert [(r["prompt"], r["answer"]) for r in rows] == expected
+    folder = _save_to_disk_folder(tmp_path / "ds", table)
+    line = _refused_without_writing(["rollout", "--prompts", str(folder / "data-00000-of-00001.arrow"),
+                                     "--force"], out)
+    assert line.endswith(f"is one Arrow file of a `datasets` save_to_disk folder; give the folder, {folder}")
+    notes = tmp_path / "notes.parquet"
+    notes.write_text("not data\n")
+    assert _refused_without_writing(["rollout", "--prompts", str(notes), "--force"], out) == (
+        f"error: {notes} is not a Parquet file (it does not start with the Parquet magic bytes); Sparrow "
+        "reads prompts from Parquet, JSON lines (one object per line) or a `datasets` save_to_disk folder")
+
+
+def test_chat_messages_need_a_model_with_a_chat_template(verl_file, tmp_path):
+    out = tmp_path / "r.parquet"
+    line = error_line(runner.invoke(app, ["rollout", "--model", "tiny-llama", "--prompts", str(verl_file),
+                                          "-o", str(out)]))
+    assert line == (f"error: {verl_file}: prompt 'train-0' is a list of chat messages, and a model without a "
+                    "chat template cannot take chat messages (this one has no tokenizer)")
+    assert not out.exists()
+
+
+def test_raw_prompts_on_chat_messages_says_so_once(tmp_path, capsys):
+    from sparrow.stages.model.loading import spec_tokenizer
+
+    tok = spec_tokenizer("smollm2-135m")
+    chat = PromptSet.read(write_trl_jsonl(tmp_path / "chat.jsonl"))
+    chat.tokenize(tok, chat_template=False)
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"warning: --raw-prompts applies to text prompts only; {tmp_path / 'chat.jsonl'}'s "
+                   "chat-message prompts go through the model's chat template"]
+    system = {"role": "system", "content": "Answer with a number."}
+    for row, (q, _) in zip(chat.rows, PROBLEMS):  # the template still applies, as TRL applies it
+        text = tok.apply_chat_template([system, {"role": "user", "content": q}], add_generation_prompt=True,
+                                       tokenize=False)
+        assert row["prompt"] == text
+    text = tmp_path / "text.parquet"
+    pq.write_table(pa.table({"prompt": ["What is 2+2?"], "answer": ["4"]}), text)
+    raw = PromptSet.read(text)
+    raw.tokenize(tok, chat_template=False)
+    assert capsys.readouterr().err == "" and raw.rows[0]["prompt"] == "What is 2+2?"
 
 
 # ---------------------------------------------------------------- rewards, scored by `sparrow reward`

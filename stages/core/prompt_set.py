@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from sparrow.schemas import read_artifact
 
-from .user_data import DataOptions, DatasetError, dataset_metadata, read_dataset
+from .user_data import DataOptions, DatasetError, answer_for, dataset_metadata, read_dataset
 
 COLUMNS = ("prompt_id", "task", "prompt", "prompt_token_ids", "answer", "metadata")
 
@@ -70,7 +71,8 @@ class PromptSet:
 
     def use_reward(self, task: str) -> None:
         """Score every row by the reward `task` (rewards.py): rows of ours get the datasets' metadata
-        layout (their task as data_source, their metadata as extra_info), each row's answer is checked."""
+        layout (their task as data_source, their metadata as extra_info), each row's answer becomes what
+        the reward reads (`user_data.answer_for`) and is checked."""
         from ..tasks import get_task
         from ..tasks.base import row_of
 
@@ -85,12 +87,13 @@ class PromptSet:
                 raise PromptError(f"{self.path}: prompt {r['prompt_id']!r}, {row_of(i)}, has no answer, "
                                   "which --reward scores against (for a TRL dataset: name it with "
                                   "--answer-column)")
-            if reward.check_answer is not None:
-                try:
+            try:
+                r["answer"] = answer_for(task, r.get("answer"))
+                if reward.check_answer is not None:
                     reward.check_answer(r["answer"])
-                except ValueError as e:
-                    raise PromptError(f"{self.path}: prompt {r['prompt_id']!r}, {row_of(i)}, cannot be "
-                                      f"scored by the {reward.name} reward: {e}") from None
+            except ValueError as e:
+                raise PromptError(f"{self.path}: prompt {r['prompt_id']!r}, {row_of(i)}, cannot be "
+                                  f"scored by the {reward.name} reward: {e}") from None
 
     def check_rows(self) -> None:
         """Each prompt once (samples, rewards and mismatch are keyed by prompt_id) and none empty; rows are
@@ -147,18 +150,22 @@ class PromptSet:
         """Token ids for the rows that have only text or chat messages (token ids, when present, win).
         Text goes through the model's chat template as one user message, as `sparrow prompts` formats it,
         unless `chat_template` is False or the text is formatted already (it ends with the template's
-        generation prompt); chat messages always go through it, as TRL applies it. The row's text becomes
-        what the model sees."""
-        for r in self.rows:
-            if not r.get("prompt_token_ids"):
-                if tokenizer is None:
-                    raise PromptError(f"{self.path}: prompt {r['prompt_id']!r} has only text and the model "
-                                      "has no tokenizer; write prompts with token ids")
-                if r.get("messages"):
-                    r["prompt"] = apply_messages(tokenizer, r["messages"], self.path, r["prompt_id"])
-                elif chat_template:
-                    r["prompt"] = apply_chat_template(tokenizer, r["prompt"])
-                r["prompt_token_ids"] = tokenizer(r["prompt"], add_special_tokens=False).input_ids
+        generation prompt); chat messages always go through it, as TRL applies it, and `chat_template`
+        False (--raw-prompts) says once on stderr that it left them so. The row's text becomes what the
+        model sees."""
+        pending = [r for r in self.rows if not r.get("prompt_token_ids")]
+        if not chat_template and tokenizer is not None and any(r.get("messages") for r in pending):
+            print(f"warning: --raw-prompts applies to text prompts only; {self.path}'s chat-message prompts "
+                  "go through the model's chat template", file=sys.stderr, flush=True)
+        for r in pending:
+            if r.get("messages"):
+                r["prompt"] = apply_messages(tokenizer, r["messages"], self.path, r["prompt_id"])
+            elif tokenizer is None:
+                raise PromptError(f"{self.path}: prompt {r['prompt_id']!r} has only text and the model "
+                                  "has no tokenizer; write prompts with token ids")
+            elif chat_template:
+                r["prompt"] = apply_chat_template(tokenizer, r["prompt"])
+            r["prompt_token_ids"] = tokenizer(r["prompt"], add_special_tokens=False).input_ids
 
     def check_fits(self, vocab_size: int, context: int, max_new_tokens: int) -> None:
         """Ids from another tokenizer and prompts too long for the context, among the tokenized rows."""
@@ -196,10 +203,12 @@ def apply_chat_template(tokenizer, text: str) -> str:
 
 def apply_messages(tokenizer, messages: list[dict], path: Path, prompt_id: str) -> str:
     """Chat messages as TRL frames a conversational prompt: the template with the generation prompt, or
-    continuing the final message when it is the assistant's."""
+    continuing the final message when it is the assistant's. A model without a tokenizer, or whose
+    tokenizer has no chat template, cannot take them."""
     if not getattr(tokenizer, "chat_template", None):
-        raise PromptError(f"{path}: prompt {prompt_id!r} is a list of chat messages and the model's "
-                          "tokenizer has no chat template to format them")
+        lacks = "has no tokenizer" if tokenizer is None else "has a tokenizer without a chat template"
+        raise PromptError(f"{path}: prompt {prompt_id!r} is a list of chat messages, and a model without a "
+                          f"chat template cannot take chat messages (this one {lacks})")
     final = messages[-1]["role"] == "assistant"
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=not final,
                                          continue_final_message=final)

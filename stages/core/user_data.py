@@ -8,6 +8,14 @@ Design decisions:
   the ground truth is `reward_model.ground_truth`. A file with `prompt` otherwise is TRL's: the answer is
   the `--answer-column`, else the first of ANSWER_COLUMNS it has, else none (a reward function may need
   none). Anything else is refused in one sentence listing the columns found and what is expected.
+- The answer is the value as stored (a number, a list, a struct as a dict), since verl passes
+  `reward_model.ground_truth` to a reward function as stored; `answer_for` gives each built-in reward
+  what it reads (math-verify: text, a number as its text, anything else refused before any work; code:
+  the tests as JSON text). A dotted `--answer-column` whose field no row's struct has is a typo, refused
+  with the struct's fields.
+- Files are Parquet, JSON lines (UTF-8, one object per line) or a `save_to_disk` folder. Other files (CSV,
+  one JSON array, a lone Arrow file) are refused with the formats read and a one-line conversion that
+  needs only pyarrow or the standard library.
 - `prompt` is text or a list of chat messages ({"role", "content"}); messages become text through the
   model's chat template when the prompts are tokenized, as TRL applies it (add_generation_prompt, or
   continue_final_message when the last turn is the assistant's).
@@ -30,6 +38,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 ANSWER_COLUMNS = ("answer", "solution", "ground_truth", "target")
+FORMATS = "Parquet, JSON lines (one object per line) or a `datasets` save_to_disk folder"
 EXPECTED = ("a Sparrow prompts file (prompt_id, task, and prompt or prompt_token_ids), a verl dataset "
             "(prompt as chat messages, reward_model with ground_truth, data_source...) or a TRL / Hugging "
             "Face dataset (prompt as text or chat messages, and an answer column)")
@@ -83,10 +92,15 @@ def read_dataset(path: Path, answer_column: str | None = None) -> list[dict] | N
     if answer_column is not None and answer_column.split(".")[0] not in columns:
         raise DatasetError(f"{path} has no column {answer_column!r} (--answer-column); its columns: "
                            f"{', '.join(columns)}")
+    records = records()
+    if not records:
+        raise DatasetError(f"{path}: the dataset is empty")
+    if answer_column is not None:
+        _check_fields(records, answer_column, path)
     answer_at = answer_column or ("reward_model.ground_truth" if fmt == "verl"
                                   else next((c for c in ANSWER_COLUMNS if c in columns), None))
     rows = []
-    for i, record in enumerate(records()):
+    for i, record in enumerate(records):
         prompt = record.get("prompt")
         text, messages = _prompt(prompt, path, i)
         others = {k: v for k, v in record.items() if k != "prompt"}
@@ -95,8 +109,6 @@ def read_dataset(path: Path, answer_column: str | None = None) -> list[dict] | N
                      "task": fmt, "prompt": text, "messages": messages, "prompt_token_ids": None,
                      "answer": _answer(record, answer_at),
                      "metadata": dataset_metadata(fmt, path, i, prompt, others)})
-    if not rows:
-        raise DatasetError(f"{path}: the dataset is empty")
     return rows
 
 
@@ -114,21 +126,64 @@ def _prompt(prompt: Any, path: Path, row: int) -> tuple[str | None, list[dict] |
     return None, [{"role": m["role"], "content": m["content"]} for m in prompt]
 
 
-def _answer(record: dict, at: str | None) -> str | None:
+def _answer(record: dict, at: str | None) -> Any:
+    """The value at the dotted path `at`, as stored (module docstring); None where a row lacks it."""
     if at is None:
         return None
     value: Any = record
     for key in at.split("."):
         value = value.get(key) if isinstance(value, dict) else None
-    if value is None or isinstance(value, str):
+    if value is None or isinstance(value, str | int | float):
         return value
-    return json.dumps(value, default=str) if isinstance(value, dict | list) else str(value)
+    if isinstance(value, dict | list | tuple):  # JSON's types, odd leaves (bytes, dates) as text
+        return json.loads(json.dumps(value, default=str))
+    return str(value)
+
+
+_KINDS = {str: "text", int: "integers", float: "numbers", bool: "booleans", list: "lists"}
+
+
+def _check_fields(records: list[dict], at: str, path: Path) -> None:
+    """Each field a dotted --answer-column names is a field of the struct before it, in some row."""
+    keys = at.split(".")
+    values = [r.get(keys[0]) for r in records]
+    for depth, key in enumerate(keys[1:], 1):
+        name = ".".join(keys[:depth])
+        structs = [v for v in values if isinstance(v, dict)]
+        if not structs:
+            held = next((_KINDS.get(type(v), type(v).__name__) for v in values if v is not None), None)
+            what = f"is not a struct (it holds {held})" if held else "is null in every row"
+            raise DatasetError(f"{path}: column {name!r} {what}, so it has no field {key!r} (--answer-column "
+                               f"{at})")
+        fields = list(dict.fromkeys(k for v in structs for k in v))
+        if key not in fields:
+            raise DatasetError(f"{path}: struct column {name!r} has no field {key!r} (--answer-column "
+                               f"{at}); its fields: {', '.join(map(str, fields)) or 'none'}")
+        values = [v.get(key) for v in structs]
+
+
+def answer_for(reward: str, answer: Any) -> Any:
+    """The ground truth as the reward `reward` reads it (module docstring): a user's function gets it as
+    stored; math-verify gets text, or a number as its text (a bool, list or struct is refused: it compares
+    the completion with one answer); code gets its tests as JSON text. ValueError in one phrase."""
+    from ..tasks.rewards import CODE, MATH
+
+    if answer is None or isinstance(answer, str) or reward not in (MATH, CODE):
+        return answer
+    if reward == MATH and (isinstance(answer, bool) or not isinstance(answer, int | float)):
+        shown = json.dumps(answer, default=str)
+        shown = shown if len(shown) <= 60 else shown[:57] + "..."
+        kind = {bool: "a bool", list: "a list", dict: "a struct"}.get(type(answer), type(answer).__name__)
+        fix = ("name the field that holds the answer with --answer-column column.field"
+               if isinstance(answer, dict) else "score such rows with --reward-fn")
+        raise ValueError(f"its ground truth is {kind} ({shown}), not text or a number, and math-verify "
+                         f"compares the completion with one answer ({fix})")
+    return json.dumps(answer, default=str) if isinstance(answer, dict | list) else str(answer)
 
 
 def _load(path: Path):
     """(columns, a function giving the records) of a user's dataset, or (None, None) for a file of ours."""
     from sparrow.schemas import artifact_kind
-    from sparrow.schemas.footer import json_text
 
     if path.is_dir():
         if (path / "dataset_dict.json").exists():
@@ -139,31 +194,105 @@ def _load(path: Path):
             return None, None  # a directory of Parquet parts: ours
         table = _arrow_dataset(path)
         return table.column_names, table.to_pylist
-    if path.suffix in (".jsonl", ".ndjson") or json_text(path):
+    if path.suffix in (".jsonl", ".ndjson") or _opens_json(path):
         records = _json_lines(path)
         if records is None:
             return None, None
         return list(dict.fromkeys(k for r in records for k in r)), lambda: records
+    _check_parquet(path)
     if artifact_kind(path) is not None:
         return None, None
     names = pq.read_schema(path).names
     return names, lambda: pq.read_table(path).to_pylist()
 
 
+def _opens_json(path: Path) -> bool:
+    """A file whose first non-blank byte opens a JSON object or array, whatever its encoding."""
+    if not path.is_file():
+        return False
+    with open(path, "rb") as f:
+        return f.read(64).removeprefix(b"\xef\xbb\xbf").lstrip()[:1] in (b"{", b"[")
+
+
 def _json_lines(path: Path) -> list[dict] | None:
-    """The objects of a JSON lines file; None when a line is not an object (the prompts reader names it)."""
+    """The objects of a JSON lines file (UTF-8, a BOM allowed); None when a line is not an object (the
+    prompts reader names it). Lines are split on line breaks only, so U+2028 inside a string stays."""
     records = []
-    for line in path.read_text().splitlines():
+    for i, raw in enumerate(path.read_bytes().splitlines(), 1):
+        line = _decoded(raw, path, i)
         if not line.strip():
             continue
         try:
             record = json.loads(line)
         except ValueError:
-            return None
+            return None if records else _json_array(path)
         if not isinstance(record, dict):
-            return None
+            return None if records else _json_array(path)
         records.append(record)
     return records or None
+
+
+def _decoded(raw: bytes, path: Path, line: int) -> str:
+    try:
+        return raw.decode("utf-8-sig" if line == 1 else "utf-8")
+    except UnicodeDecodeError as e:
+        raise DatasetError(f"{path} line {line} is not UTF-8 text (byte 0x{raw[e.start]:02x} at column "
+                           f"{e.start + 1}); Sparrow reads JSON lines as UTF-8, so re-encode "
+                           "the file as UTF-8") from None
+
+
+def _json_array(path: Path) -> None:
+    """Refuses a file that is one JSON array (of the prompts' objects); None for anything else."""
+    text = path.read_bytes().decode("utf-8-sig", errors="replace")
+    if not text.lstrip().startswith("["):
+        return None
+    try:
+        json.loads(text)
+    except ValueError:
+        return None
+    jsonl = _beside(path, ".jsonl")
+    raise DatasetError(f"{path} holds one JSON array; Sparrow reads JSON lines (one object per line): "
+                       f"convert it with python -c \"import json; [print(json.dumps(r)) for r in "
+                       f"json.load(open({str(path)!r}, encoding='utf-8-sig'))]\" > {_shell(jsonl)}")
+
+
+def _check_parquet(path: Path) -> None:
+    """Refuses, naming the formats read and how to convert, a file that is not Parquet (an empty or a
+    truncated one is left to the Parquet reader's own sentence)."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+    if not head or head[:4] == b"PAR1":
+        return
+    parquet = _beside(path, ".parquet")
+    if head[:6] == b"ARROW1" or head[:4] == b"\xff\xff\xff\xff":
+        if (path.parent / "state.json").exists():
+            raise DatasetError(f"{path} is one Arrow file of a `datasets` save_to_disk folder; give the "
+                               f"folder, {path.parent}")
+        opener = "open_file" if head[:6] == b"ARROW1" else "open_stream"
+        how = (f"python -c \"import pyarrow as pa, pyarrow.parquet as pq; pq.write_table(pa.ipc.{opener}("
+               f"pa.memory_map({str(path)!r})).read_all(), {str(parquet)!r})\"")
+        what = "an Arrow file"
+    elif path.suffix.lower() == ".csv":
+        how = (f"python -c \"import pyarrow.csv as csv, pyarrow.parquet as pq; "
+               f"pq.write_table(csv.read_csv({str(path)!r}), {str(parquet)!r})\"")
+        what = "CSV"
+    else:
+        raise DatasetError(f"{path} is not a Parquet file (it does not start with the Parquet magic bytes); "
+                           f"Sparrow reads prompts from {FORMATS}")
+    raise DatasetError(f"{path} is {what}, which Sparrow does not read: give {FORMATS} (convert it with "
+                       f"{how})")
+
+
+def _beside(path: Path, suffix: str) -> Path:
+    """Where a suggested conversion writes: `path` with `suffix`, never `path` itself."""
+    out = path.with_suffix(suffix)
+    return out if out != path else path.with_name(f"{path.stem}.converted{suffix}")
+
+
+def _shell(path: Path) -> str:
+    import shlex
+
+    return shlex.quote(str(path))
 
 
 def _arrow_dataset(path: Path) -> pa.Table:
