@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from sparrow.schemas import ArtifactError, artifact_metadata, read_artifact
+from sparrow.schemas.footer import artifact_parts, kind_version, read_schema
 from sparrow.schemas.io import write_bytes
 
 from .calibrate import ResolvedThreshold, resolve_threshold
@@ -26,6 +27,19 @@ from .core.definitions import TAIL_QUANTILE
 from .train.detectors import Detectors
 
 DRAWN = ("mismatch", "schedule", "cost", "rollouts")
+FIGURED = (*DRAWN, "threshold", "train_mismatch")  # threshold: when calibrated on runs
+NO_FIGURE = {"metrics": "a 'metrics' artifact is drawn only as a training run's metrics.parquet"}
+
+
+@dataclass
+class Steps:
+    """The per-step mismatch files of a training run (or of a train_mismatch artifact) that passed the
+    footer check, drawn as one figure; `left_out` counts those that did not (each listed as not drawn)."""
+
+    where: str  # the folder, as the caption names it
+    name: str  # the figure's file
+    files: list[Path]
+    left_out: int = 0
 
 
 @dataclass
@@ -46,12 +60,31 @@ def _plt():
     return plt
 
 
-def _artifacts(folder: Path, skipped: list[str]) -> dict[str, list[Path]]:
+def _step_names(run: Path) -> list[Path]:
+    """A training run's per-step mismatch files, by name (`sparrow train` writes mismatch/step=N.parquet)."""
+    folder = run / "mismatch"
+    return sorted(folder.glob("step=*.parquet")) if folder.is_dir() else []
+
+
+def _runs(run_dir: Path) -> list[Path]:
+    """The training runs: `run_dir` itself, then its immediate subdirectories, that hold a metrics.parquet
+    or per-step mismatch files (a run whose metrics are missing still has its mismatch to draw)."""
+    candidates = [run_dir, *(p for p in sorted(run_dir.iterdir()) if p.is_dir())]
+    return [p for p in candidates if (p / "metrics.parquet").exists() or _step_names(p)]
+
+
+def _artifacts(folder: Path, skipped: list[str], runs: list[Path]) -> dict[str, list[Path]]:
     """Every artifact directly in `folder` by kind, in name order: files, and directories of parts that are
-    not training runs. What cannot be read as an artifact goes to `skipped`, with why."""
+    not training runs (nor the run's own files when `folder` is one). What cannot be read as an artifact,
+    or has no figure, goes to `skipped`, with why."""
+    own = set(runs)
+    if folder in runs:
+        own.add(folder / "metrics.parquet")
+        if _step_names(folder):
+            own.add(folder / "mismatch")
     out: dict[str, list[Path]] = {}
     for p in sorted(folder.iterdir()):
-        if p.name.startswith(".") or (p.is_dir() and (p / "metrics.parquet").exists()):
+        if p.name.startswith(".") or p in own:
             continue
         if p.is_dir() and not any(c.suffix == ".parquet" for c in p.iterdir()):
             continue
@@ -61,8 +94,109 @@ def _artifacts(folder: Path, skipped: list[str]) -> dict[str, list[Path]]:
             skipped.append(f"{p} is not a regular file")
             continue
         for kind, path in _kinds(p, skipped):
-            if kind in DRAWN or kind == "threshold":
+            if kind in FIGURED:
                 out.setdefault(kind, []).append(path)
+            else:
+                skipped.append(f"{path} ({NO_FIGURE.get(kind, f'a {kind!r} artifact has no figure')})")
+    return out
+
+
+def _inside_runs(run_dir: Path, runs: list[Path], skipped: list[str]) -> None:
+    """A subdirectory run is drawn by its metrics and mismatch; its other Parquet files and folders (its
+    schedule, say) are named in `skipped`, with the command that draws them."""
+    for run in runs:
+        if run == run_dir:
+            continue
+        own = {run / "metrics.parquet", run / "mismatch"}
+        for p in sorted(run.iterdir()):
+            if p.name.startswith(".") or p in own:
+                continue
+            if p.suffix == ".parquet" or (p.is_dir() and any(c.suffix == ".parquet" for c in p.iterdir())):
+                skipped.append(f"{p} (inside the training run {run.name}; `sparrow report {run}` draws it)")
+
+
+def _checked_steps(files: list[Path], skipped: list[str]) -> tuple[list[Path], int]:
+    """The files that pass the footer check every command runs (a regular, whole Parquet file of kind
+    train_mismatch), and how many did not: each of those goes to `skipped`, so that a run killed in
+    the middle of writing a step still has its other steps drawn."""
+    good: list[Path] = []
+    for f in files:
+        if not f.is_file():  # a FIFO or a device: reading it could block
+            skipped.append(f"{f} is not a regular file")
+            continue
+        try:
+            kind = kind_version(read_schema(f))[0]
+        except ArtifactError as e:
+            skipped.append(str(e))
+            continue
+        if kind != "train_mismatch":
+            what = f"a {kind!r} artifact" if kind else "a Parquet file without Sparrow artifact metadata"
+            skipped.append(f"{f} is {what}, not a training step's 'train_mismatch'")
+            continue
+        good.append(f)
+    return good, len(files) - len(good)
+
+
+def _steps(run_dir: Path, runs: list[Path], kinds: dict[str, list[Path]], skipped: list[str]
+           ) -> dict[Path, Steps]:
+    """Each run's per-step mismatch, then each train_mismatch artifact outside a run (the files directly in
+    `run_dir` as one), keyed by what they belong to."""
+    out: dict[Path, Steps] = {}
+    for run in runs:
+        if names := _step_names(run):
+            out[run] = Steps(f"{run.name}/mismatch", f"train-mismatch-{run.name}.png",
+                             *_checked_steps(names, skipped))
+    loose = [p for p in kinds.get("train_mismatch", []) if p.parent == run_dir and not p.is_dir()]
+    if loose:  # keyed and named apart from `run_dir` itself, which may be a run
+        name = f"train-mismatch-{run_dir.name}{'-files' if run_dir in out else ''}.png"
+        out[run_dir / "*"] = Steps(run_dir.name, name, loose)
+    for path in kinds.get("train_mismatch", []):
+        if path not in loose:
+            files = artifact_parts(path) if path.is_dir() else [path]
+            out[path] = Steps(str(path.relative_to(run_dir)), _name("train-mismatch", path, True, run_dir),
+                              files)
+    return out
+
+
+def _curves(runs: list[Path], skipped: list[str]) -> list[Path]:
+    """The runs whose training curves can be drawn: a metrics.parquet that passes the footer check. The
+    others are named in `skipped` (their per-step mismatch is drawn all the same)."""
+    out: list[Path] = []
+    for run in runs:
+        metrics = run / "metrics.parquet"
+        why = f"{metrics} does not exist" if not metrics.exists() else None
+        if why is None:
+            try:
+                kind = kind_version(read_schema(metrics))[0]
+                why = None if kind == "metrics" else f"{metrics} is not a 'metrics' artifact"
+            except ArtifactError as e:
+                why = str(e)
+        if why is None:
+            out.append(run)
+        else:
+            skipped.append(f"the training curves of {run} ({why})")
+    return out
+
+
+def _calibrated_runs(threshold: Path) -> list[dict]:
+    """The runs a threshold artifact was calibrated on; none for the prior or a shipped calibration."""
+    import json
+
+    return json.loads(artifact_metadata(threshold).get("runs") or "[]")
+
+
+def _calibrations(kinds: dict[str, list[Path]], skipped: list[str]) -> list[Path]:
+    """The threshold artifacts that have a figure (those calibrated on runs). One without runs that no tail
+    figure uses (the tail figures use the first) is named in `skipped`."""
+    thresholds = kinds.get("threshold", [])
+    used = thresholds[0] if thresholds and kinds.get("mismatch") else None
+    out: list[Path] = []
+    for path in thresholds:
+        if _calibrated_runs(path):
+            out.append(path)
+        elif path != used:
+            skipped.append(f"{path} (a 'threshold' artifact without calibrated runs has no figure of its own"
+                           + (f", and the tail figures use {used}" if used else "") + ")")
     return out
 
 
@@ -72,8 +206,6 @@ def _kinds(path: Path, skipped: list[str]) -> list[tuple[str, Path]]:
     `--workers` output); one whose files share only the kind holds several artifacts, each drawn on its
     own (distill's profiles before and after its adapter: pooled, the curve would be neither's); one of
     several kinds is not one artifact and is skipped whole, in one line, so that the rest is drawn."""
-    from sparrow.schemas.footer import artifact_parts, kind_version, read_schema
-
     from .sql.views import Provenance
 
     files = artifact_parts(path) if path.is_dir() else [path]
@@ -178,10 +310,8 @@ def calibration_figure(threshold: Path, name: str, out: Path, plt) -> Figure | N
     """Per calibrated run: its tail statistic and its mean alpha against its outcome, with the threshold
     and its interval: the method's key claim (the tail separates stable from collapsed runs, the mean
     need not) as one figure. None when the artifact holds no runs (the prior or a shipped calibration)."""
-    import json
-
     meta = artifact_metadata(threshold)
-    runs = json.loads(meta.get("runs") or "[]")
+    runs = _calibrated_runs(threshold)
     if not runs:
         return None
     t = read_artifact(threshold, "threshold").to_pylist()[0]
@@ -445,15 +575,18 @@ def training_figure(run: Path, out: Path, plt) -> Figure:
     return _save(fig, out, name, f"Training run {run.name}: {label}", caption, plt, len(rows), top_in=0.3)
 
 
-def train_mismatch_figure(run: Path, out: Path, plt) -> Figure | None:
+def train_mismatch_figure(steps: Steps, out: Path, plt) -> Figure | None:
     """The sparse actor's mismatch over training, one line per position bin: the per-step summaries over
-    all positions are in the training figure already."""
+    all positions are in the training figure already. Only the files that passed the footer check are
+    read; None when none did."""
     from matplotlib.ticker import MaxNLocator
 
-    files = sorted((run / "mismatch").glob("step=*.parquet"))
+    from .sql.views import sql_literal
+
+    files = steps.files
     if not files:
         return None
-    paths = ", ".join(f"'{p}'" for p in files)
+    paths = ", ".join(sql_literal(str(p)) for p in files)
     rows = _sql(f"""SELECT bin, step, quantile_cont(alpha_top20_lb, {TAIL_QUANTILE}) AS p5, avg(k3) AS k3,
                     count(*) AS n FROM read_parquet([{paths}]) GROUP BY ALL ORDER BY ALL""")
     width = int(artifact_metadata(files[0]).get("bin_width", 512))
@@ -477,12 +610,13 @@ def train_mismatch_figure(run: Path, out: Path, plt) -> Figure | None:
             _say(ax, "the steps' mismatch files hold no tokens")
     else:
         axes[1].legend(fontsize=8, title="bin", title_fontsize=8)
-    steps = len({r[1] for r in rows})
-    return _save(fig, out, f"train-mismatch-{run.name}.png",
-                 f"Mismatch per position bin over training: {run.name}",
-                 f"From {len(files)} files {run.name}/mismatch/step=N.parquet: every generated token of "
-                 f"{steps} steps, in bins of {width} tokens, one line per bin (the sampled-token k3 and the "
-                 "top-20 lower bound of alpha, as the rollout and the dense recompute saw them).", plt,
+    n_steps = len({r[1] for r in rows})
+    left_out = (f" ({steps.left_out} unreadable {'file' if steps.left_out == 1 else 'files'} left out, each "
+                "named under Not drawn)" if steps.left_out else "")
+    return _save(fig, out, steps.name, f"Mismatch per position bin over training: {steps.where}",
+                 f"From {len(files)} train_mismatch files in {steps.where}{left_out}: every generated token "
+                 f"of {n_steps} steps, in bins of {width} tokens, one line per bin (the sampled-token k3 and "
+                 "the top-20 lower bound of alpha, as the rollout and the dense recompute saw them).", plt,
                  len(rows))
 
 
@@ -513,16 +647,20 @@ def build_report(run_dir: str | Path, out_dir: str | Path | None = None,
     out = Path(out_dir) if out_dir else run_dir / "report"
     plt, note = _plt(), progress or (lambda _: None)
     skipped: list[str] = []
-    kinds = _artifacts(run_dir, skipped)
+    runs = _runs(run_dir)
+    kinds = _artifacts(run_dir, skipped, runs)
+    _inside_runs(run_dir, runs, skipped)
+    steps = _steps(run_dir, runs, kinds, skipped)
+    curves = _curves(runs, skipped)
+    calibrations = _calibrations(kinds, skipped)
+    if not (curves or calibrations or any(s.files for s in steps.values())
+            or any(kinds.get(k) for k in DRAWN)):
+        raise ValueError(f"{run_dir} holds nothing to plot (no mismatch, schedule, cost, rollouts, "
+                         "calibrated threshold or training run"
+                         + (f"; not drawn: {'; '.join(skipped)}" if skipped else "") + ")")
     for why in skipped:
         note(f"not drawn: {why}")
-    runs = [p for p in sorted(run_dir.iterdir()) if p.is_dir() and (p / "metrics.parquet").exists()]
-    if (run_dir / "metrics.parquet").exists():
-        runs.insert(0, run_dir)
-    if not runs and not any(kinds.get(k) for k in DRAWN):
-        raise ValueError(f"{run_dir} holds nothing to plot (no mismatch, schedule, cost, rollouts or "
-                         "training metrics)")
-    thresholds = _check_artifacts(kinds, runs)
+    thresholds = _check_artifacts(kinds, curves, steps)
     out.mkdir(parents=True, exist_ok=True)
     before = _listed_figures(out)
     draw = {"mismatch": ("tail", lambda p, n: tail_figure(p, n, thresholds[p], out, plt)),
@@ -535,17 +673,24 @@ def build_report(run_dir: str | Path, out_dir: str | Path | None = None,
         for path in paths:
             note(f"drawing {kind} {path.name}")
             figures.append(figure(path, _name(stem, path, len(paths) > 1, run_dir)))
-    for path in kinds.get("threshold", []):
+    for path in calibrations:
         fig_ = calibration_figure(path, _name("calibration", path, len(kinds["threshold"]) > 1, run_dir),
                                   out, plt)
         if fig_ is not None:
             note(f"drawing calibration {path.name}")
             figures.append(fig_)
     for run in runs:
-        note(f"drawing training run {run.name}")
-        figures.append(training_figure(run, out, plt))
-        per_bin = train_mismatch_figure(run, out, plt)
-        if per_bin is not None:
+        if run in curves or (run in steps and steps[run].files):
+            note(f"drawing training run {run.name}")
+        if run in curves:
+            figures.append(training_figure(run, out, plt))
+        if run in steps and (per_bin := train_mismatch_figure(steps[run], out, plt)) is not None:
+            figures.append(per_bin)
+    for key, series in steps.items():
+        if key in runs or not series.files:
+            continue
+        note(f"drawing train_mismatch {series.where}")
+        if (per_bin := train_mismatch_figure(series, out, plt)) is not None:
             figures.append(per_bin)
     write_bytes(out / "index.html", _page(run_dir, out, figures, skipped).encode())
     _remove_stale(out, before - {f.file for f in figures})
@@ -574,14 +719,18 @@ def _remove_stale(out: Path, names: set[str]) -> None:
             path.unlink()
 
 
-def _check_artifacts(kinds: dict[str, list[Path]], runs: list[Path]) -> dict[Path, ResolvedThreshold]:
+def _check_artifacts(kinds: dict[str, list[Path]], runs: list[Path], steps: dict[Path, Steps]
+                     ) -> dict[Path, ResolvedThreshold]:
     """Every artifact to draw read against its schema (a bad value is refused with the one sentence every
     command gives), and each profile's threshold resolved, before any figure is written."""
     for kind, paths in kinds.items():
-        for path in paths:
+        for path in paths if kind != "train_mismatch" else ():  # read file by file, as `steps`
             read_artifact(path, kind)
     for run in runs:
         read_artifact(run / "metrics.parquet", "metrics")
+    for series in steps.values():
+        for f in series.files:
+            read_artifact(f, "train_mismatch")
     return {p: _threshold(kinds, p) for p in kinds.get("mismatch", [])}
 
 

@@ -373,3 +373,126 @@ def test_a_figure_whose_artifact_is_gone_leaves_with_it_and_other_files_stay(tmp
     assert not (out / "schedule.png").exists() and (out / "mine.png").read_bytes() == b"the user's"
     assert set(_embedded((out / "index.html").read_text())) == {
         p.name for p in out.iterdir() if p.suffix == ".png"} - {"mine.png"}
+
+
+def _training_run(tmp_path, name: str):
+    """A training run of `_run_dir`'s (6 steps, each step's tokens in bin 0) with its schedule, at `name`."""
+    import shutil
+
+    full = _run_dir(tmp_path / f"{name}-source")
+    run = tmp_path / name
+    shutil.copytree(full / "train", run)
+    shutil.copy(full / "schedule.parquet", run / "schedule.parquet")
+    return run, full
+
+
+def _not_drawn(result) -> list[str]:
+    return [line.removeprefix("not drawn: ") for line in result.stderr.splitlines()
+            if line.startswith("not drawn: ")]
+
+
+def test_a_truncated_step_file_is_named_and_the_runs_other_steps_are_drawn(tmp_path):
+    """A run killed while writing a step leaves a truncated mismatch/step=N.parquet: it is skipped in one
+    line (the sentence `sql` gives), the run's curves and its other five steps are drawn, and the file
+    is left as it was."""
+    run, _ = _training_run(tmp_path, "p3")
+    step = run / "mismatch" / "step=00001.parquet"
+    step.write_bytes(step.read_bytes()[:500])
+    result = CliRunner().invoke(app, ["report", str(run)])
+    assert result.exit_code == 0, result.output
+    assert _not_drawn(result) == [f"{step} is a truncated Parquet file (its footer is missing; was its "
+                                  "writer interrupted?)"]
+    page = (run / "report" / "index.html").read_text()
+    assert set(_embedded(page)) == {"schedule.png", "train-p3.png", "train-mismatch-p3.png"}
+    assert "(5 points)" in result.output.split("train-mismatch-p3.png: ")[1].splitlines()[0]
+    assert "5 train_mismatch files in p3/mismatch (1 unreadable file left out" in _caption(
+        page, "train-mismatch-p3.png")
+    assert "Not drawn" in page and "step=00001.parquet is a truncated Parquet file" in page
+    assert len(step.read_bytes()) == 500
+
+
+def test_a_folder_of_runs_with_one_truncated_step_draws_every_run(tmp_path):
+    import shutil
+
+    outer = tmp_path / "outer"
+    outer.mkdir()
+    good, full = _training_run(tmp_path, "good")
+    shutil.copytree(good, outer / "runA")
+    shutil.copytree(good, outer / "runB")
+    shutil.copy(full / "rollouts.parquet", outer / "rollouts.parquet")
+    step = outer / "runB" / "mismatch" / "step=00003.parquet"
+    step.write_bytes(step.read_bytes()[:-8])
+    result = CliRunner().invoke(app, ["report", str(outer)])
+    assert result.exit_code == 0, result.output
+    inside = [f"{outer / r / 'schedule.parquet'} (inside the training run {r}; `sparrow report {outer / r}` "
+              "draws it)" for r in ("runA", "runB")]
+    assert _not_drawn(result)[:2] == inside and len(_not_drawn(result)) == 3
+    assert _not_drawn(result)[2].startswith(f"{step} is a truncated")
+    assert set(_embedded((outer / "report" / "index.html").read_text())) == {
+        "rollouts.png", "train-runA.png", "train-mismatch-runA.png", "train-runB.png",
+        "train-mismatch-runB.png"}
+    lines = {line.split(": ")[0].strip(): line for line in result.stderr.splitlines() if ".png: " in line}
+    assert "(6 points)" in lines["train-mismatch-runA.png"]
+    assert "(5 points)" in lines["train-mismatch-runB.png"]
+
+
+def test_a_run_without_metrics_has_its_mismatch_drawn_and_its_curves_named(tmp_path):
+    run, _ = _training_run(tmp_path, "p1")
+    (run / "metrics.parquet").unlink()
+    result = CliRunner().invoke(app, ["report", str(run)])
+    assert result.exit_code == 0, result.output
+    assert _not_drawn(result) == [f"the training curves of {run} ({run / 'metrics.parquet'} does not exist)"]
+    page = (run / "report" / "index.html").read_text()
+    assert set(_embedded(page)) == {"schedule.png", "train-mismatch-p1.png"}
+    assert "(6 points)" in result.output.split("train-mismatch-p1.png: ")[1].splitlines()[0]
+    assert "training curves of" in page
+
+
+def _rewards(path):
+    return write_artifact({"prompt_id": ["p0", "p0"], "sample": [0, 1], "task": ["math"] * 2,
+                           "reward": [1.0, 0.0], "status": [None, None], "tests_passed": [None, None],
+                           "tests_total": [None, None], "reward_extra": [None, None]}, path, "rewards")
+
+
+def test_an_artifact_without_a_figure_gets_its_not_drawn_line(tmp_path):
+    """Beside rollouts: a rewards artifact, a plain Parquet file and a threshold without calibrated runs
+    that no profile uses are each named once, and the rollouts are drawn."""
+    import shutil
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    full, ds = _run_dir(tmp_path), tmp_path / "ds"
+    ds.mkdir()
+    shutil.copy(full / "rollouts.parquet", ds / "rollouts.parquet")
+    shutil.copy(full / "threshold.parquet", ds / "threshold.parquet")
+    _rewards(ds / "rewards.parquet")
+    pq.write_table(pa.table({"x": [1]}), ds / "gsm8k.parquet")
+    result = CliRunner().invoke(app, ["report", str(ds)])
+    assert result.exit_code == 0, result.output
+    assert _not_drawn(result) == [
+        f"{ds / 'gsm8k.parquet'} is a Parquet file without Sparrow artifact metadata",
+        f"{ds / 'rewards.parquet'} (a 'rewards' artifact has no figure)",
+        f"{ds / 'threshold.parquet'} (a 'threshold' artifact without calibrated runs has no figure of its "
+        "own)"]
+    page = (ds / "report" / "index.html").read_text()
+    assert set(_embedded(page)) == {"rollouts.png"}
+    assert "rewards.parquet (a &#x27;rewards&#x27; artifact has no figure)" in page
+
+
+def test_a_folder_of_artifacts_without_figures_is_refused_naming_each(tmp_path):
+    from cli_checks import error_line
+
+    only = tmp_path / "only"
+    _rewards(only / "rewards.parquet")
+    write_artifact({"prompt_id": ["a"], "task": ["math"], "prompt": ["What is 2 + 3?"],
+                    "prompt_token_ids": [None], "answer": ["5"], "metadata": [None]},
+                   only / "prompts.parquet", "prompts")
+    before = {p.name: p.read_bytes() for p in only.iterdir()}
+    result = CliRunner().invoke(app, ["report", str(only)])
+    assert result.exit_code == 2
+    assert error_line(result) == (
+        f"error: {only} holds nothing to plot (no mismatch, schedule, cost, rollouts, calibrated threshold "
+        f"or training run; not drawn: {only / 'prompts.parquet'} (a 'prompts' artifact has no figure); "
+        f"{only / 'rewards.parquet'} (a 'rewards' artifact has no figure))")
+    assert {p.name: p.read_bytes() for p in only.iterdir()} == before
