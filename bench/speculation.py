@@ -8,10 +8,12 @@ dense; block top-k at --budget (lossy); and speculative decoding drafting at --b
 own pages, or both (--draft-pages; the static decode step's choice, `EngineConfig.reuse_draft_pages`: on
 a CPU, --decode-step eager runs it). Reported: whole-rollout and decode seconds, tokens/s, the speedup over
 dense, and for speculation the drafts' acceptance and the mean tokens a sample's cycle emits, against what
-the acceptance alpha predicts, (1 - a^(K+1)) / (1 - a). Alpha is measured on the speculative samples
-themselves: they are dense samples, so teacher-forced scoring of them at --budget (stages/scoring) gives
-alpha on exactly the distribution the drafts were verified against; a is its mean over the tokens a
-cycle drafts at, with a 95% t-interval over samples on the measured tokens per cycle.
+the acceptance alpha predicts, (1 - a^(K+1)) / (1 - a), with a 95% t-interval over samples on the
+measured tokens per cycle. Alpha is measured on the speculative samples themselves (dense samples, so
+teacher-forced scoring of them at --budget gives alpha on the distribution the drafts were verified
+against; a is its mean over the tokens cycles drafted at), twice: the lossy sampler's, whose sparse
+queries read keys its own sparse layers wrote, and a draft's, whose queries read the dense keys and values
+that verification keeps (`score_sequences(drafts=True)`), which is what a cycle's drafts see.
 
 The prediction of the floors: with the acceptance measured here, the analytic cost model of --hardware
 for --floor-model at --floor-context tokens (batch --floor-batch) prices a cycle as K decode steps at the
@@ -82,7 +84,8 @@ def run(model, prompts, args, label: str, budget: int | None, k: int,
     if args.profile and k:
         print_profile(prof, label)
     tokens = sum(len(c.token_ids) for group in out for c in group)
-    row = {"sampler": label, "budget": budget or 0, "speculate": k, "kept_pages": bool(k) and reuse,
+    row = {"sampler": label, "budget": budget or 0, "speculate": k,
+           "kept_pages": bool(k) and reuse and static_step(args),
            "decode_step": args.decode_step, "total_s": wall,
            "prefill_s": st.prefill_s, "decode_s": st.decode_s, "tokens": tokens,
            "tokens_per_s": tokens / wall, "drafted": st.drafted_tokens, "kept": st.accepted_drafts,
@@ -109,6 +112,12 @@ def print_profile(prof, label: str, top: int = 25) -> None:
             print(f"  {(getattr(e, key, 0) or 0) / 1e3:10.1f} {e.count:8d}  {e.key[:100]}")
 
 
+def static_step(args) -> bool:
+    """Whether the engine runs the static decode step here, the one that can keep a cycle's pages."""
+    step = EngineConfig(decode_step=DecodeStep(args.decode_step)).for_device(torch.device(args.device))
+    return step.decode_step != DecodeStep.PLAIN
+
+
 def cycles_per_sample(samples) -> np.ndarray:
     """Tokens each sample's cycles emitted on average: every cycle ends with one token drawn densely
     (a resampled or bonus token); the first token comes from the prefill."""
@@ -119,15 +128,18 @@ def cycles_per_sample(samples) -> np.ndarray:
     return np.array(out)
 
 
-def measured_alpha(model, prompts, samples, args, budget: int) -> float:
-    """Mean alpha at `budget` of the positions the speculative samples' drafts were made at."""
+def measured_alpha(model, prompts, samples, args, budget: int) -> tuple[float, float]:
+    """Mean alpha at `budget` over the positions the speculative samples' cycles drafted at (all but the
+    first token, the prefill's): the lossy sampler's (over its own sparse keys), and a draft's (over the
+    dense keys and values that verification keeps, `score_sequences(drafts=True)`)."""
     n = args.samples
-    values = []
+    lossy, draft = [], []
     for i, c in enumerate(samples[: args.alpha_samples or None]):
         scored = score_sequences(model, [prompts[i // n]], [c.token_ids], [budget],
-                                 temperature=args.temperature, dense_layers=DENSE_LAYERS)
-        values.append(scored.sparse[budget][0][1:])  # the first token is the prefill's
-    return float(np.mean(np.concatenate(values)))
+                                 temperature=args.temperature, dense_layers=DENSE_LAYERS, drafts=True)
+        lossy.append(scored.sparse[budget][0][1:])
+        draft.append(scored.draft[budget][1:])
+    return float(np.mean(np.concatenate(lossy))), float(np.mean(np.concatenate(draft)))
 
 
 def floor_prediction(args, a: float, k: int, kept: bool) -> float:
@@ -181,28 +193,37 @@ def main() -> None:
     lossy, _ = run(model, prompts, args, f"budget {args.budget}", args.budget, 0)
     rows.append(lossy)
     modes = {"kept": [True], "every": [False], "both": [True, False]}[args.draft_pages]
+    modes = modes if static_step(args) else modes[:1]  # the plain step selects at every draft either way
     for k in [int(x) for x in args.speculate.split(",")]:
-        a = None  # alpha of the lossy rule on dense samples: the same law whichever pages drafted
+        alphas = None  # alpha on the dense samples: the same law whichever pages drafted
         for reuse in modes:
-            pages = "kept pages" if reuse else "every step's pages"
+            pages = ("kept pages" if reuse else "every step's pages") if static_step(args) \
+                else "plain step: every draft selects"
             row, samples = run(model, prompts, args, f"speculative K={k} at {args.budget}, {pages}",
                                args.budget, k, reuse)
             per_sample = cycles_per_sample(samples)
             mean, half = float(per_sample.mean()), t_half_width(per_sample)
-            a = measured_alpha(model, prompts, samples, args, args.budget) if a is None else a
+            if alphas is None:
+                alphas = measured_alpha(model, prompts, samples, args, args.budget)
+            a, a_draft = alphas
             row.update(tokens_per_cycle=mean, tokens_per_cycle_half_width=half, alpha_mean=a,
-                       predicted_tokens_per_cycle=expected_tokens(a, k),
+                       draft_alpha_mean=a_draft, predicted_tokens_per_cycle=expected_tokens(a, k),
+                       draft_predicted_tokens_per_cycle=expected_tokens(a_draft, k),
                        floor_speedup=floor_prediction(args, a, k, reuse))
             rows.append(row)
     print(f"{'sampler':52} {'total s':>8} {'decode s':>9} {'tok/s':>7} {'x dense':>8} {'accept':>7} "
-          f"{'alpha':>6} {'tok/cycle (95%)':>17} {'predicted':>9} {'floor x':>8}")
+          f"{'alpha':>6} {'draft a':>7} {'tok/cycle (95%)':>17} {'predicted':>9} {'by draft a':>10} "
+          f"{'floor x':>8}")
     for r in rows:
         spec = r["speculate"] > 0
         r["speedup"] = dense["total_s"] / r["total_s"]
         cyc = f"{r['tokens_per_cycle']:.2f} +- {r['tokens_per_cycle_half_width']:.2f}" if spec else "-"
         print(f"{r['sampler']:52} {r['total_s']:8.1f} {r['decode_s']:9.1f} {r['tokens_per_s']:7.1f} "
-              f"{r['speedup']:7.2f}x {(r['acceptance'] or 0):7.3f} {r.get('alpha_mean') or 0:6.3f} {cyc:>17} "
-              f"{r.get('predicted_tokens_per_cycle', 0):9.2f} {r.get('floor_speedup', 0):7.2f}x")
+              f"{r['speedup']:7.2f}x {(r['acceptance'] or 0):7.3f} {r.get('alpha_mean') or 0:6.3f} "
+              f"{r.get('draft_alpha_mean') or 0:7.3f} {cyc:>17} "
+              f"{r.get('predicted_tokens_per_cycle', 0):9.2f} "
+              f"{r.get('draft_predicted_tokens_per_cycle', 0):10.2f} "
+              f"{r.get('floor_speedup', 0):7.2f}x")
     print(f"floor x: the analytic {args.hardware} model's speedup over dense for {args.floor_model} at "
           f"{args.floor_context} tokens, batch {args.floor_batch}, with this acceptance")
     for r in rows:

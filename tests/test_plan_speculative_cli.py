@@ -109,6 +109,7 @@ def test_speculation_slower_than_dense_is_said_plainly_and_no_rollout_is_advised
     assert warning.startswith("warning: speculation is not predicted to pay here (0.")
     assert "dense sampling is exact too" in warning and "--dense" in warning and str(out) in warning
     assert any(n.startswith("speculation is not predicted to pay here") for n in json.loads(meta["notes"]))
+    assert meta["role"].endswith("; not predicted faster than dense)")
     assert read_artifact(out, "schedule").num_rows == 2 and int(meta["speculate"]) >= 1
     shown = re.findall(r"(\d+\.\d+)x", r.stderr.split("predicted speedup over dense:")[1])
     speedups = json.loads(meta["speedups_by_k"])
@@ -125,6 +126,7 @@ def test_speculation_that_pays_is_advised_without_a_warning(tmp_path):
     assert f"roll out with: sparrow rollout --schedule {out} --speculate {k}" in r.stderr
     assert "warning: speculation" not in r.stderr
     assert "speculation is not" not in artifact_metadata(out)["notes"]
+    assert artifact_metadata(out)["role"].endswith(f"--speculate {k})")
 
 
 @pytest.mark.parametrize("speedup,shown", [(0.99556, "0.996x"), (0.9996, "0.9996x"),

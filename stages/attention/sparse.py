@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..core.definitions import DEFAULT_DENSE_LAYERS, PAGE_SIZE
-from ..model.llama import AttentionContext, DenseAttention, cached_kv
+from ..model.llama import AttentionContext, DenseAttention, cached_kv, masked_attention
 from .block_topk import kept_page_mask, kept_token_mask, page_centroids
 from .sparse_paged import block_topk_paged, paged_scoring_usable
 
@@ -29,8 +29,11 @@ class SparseAttention:
     needs_gradients = False  # True: gradients flow through it: the torch path (the kernels have no backward)
 
     def __init__(self, budgets: Tensor, dense_layers: Sequence[int] = DEFAULT_DENSE_LAYERS,
-                 page: int = PAGE_SIZE, chunk_elements: int = 1 << 25):
-        """budgets [B, T]: token budget of each new query (0 = dense); [B] or [B, 1] for decode."""
+                 page: int = PAGE_SIZE, chunk_elements: int = 1 << 25, over_cached: bool = False):
+        """budgets [B, T]: token budget of each new query (0 = dense); [B] or [B, 1] for decode.
+        `over_cached`: the queries attend to the keys and values already in the cache at their positions
+        and write none of their own (a speculative draft's view of the dense KV that verification keeps)."""
+        self.over_cached = over_cached
         self.budgets = budgets if budgets.dim() == 2 else budgets[:, None]
         self.dense_layers = set(dense_layers)
         self.page = page
@@ -42,9 +45,14 @@ class SparseAttention:
         self.widest = kept_pages_bound(self.budgets, page) if self.paged and self.any_sparse else None
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor, ctx: AttentionContext) -> Tensor:
-        if layer in self.dense_layers or not self.any_sparse:
+        if self.over_cached:
+            keys, values = ctx.cache.k[layer, :, :, : ctx.kv_len], ctx.cache.v[layer, :, :, : ctx.kv_len]
+            if layer in self.dense_layers or not self.any_sparse:
+                return masked_attention(q, keys, values, ctx.positions)
+        elif layer in self.dense_layers or not self.any_sparse:
             return self._dense(layer, q, k, v, ctx)
-        keys, values = cached_kv(layer, k, v, ctx)  # [B, Hkv, S, D]
+        else:
+            keys, values = cached_kv(layer, k, v, ctx)  # [B, Hkv, S, D]
         return self.attend(q, keys, values, ctx.positions)
 
     def attend(self, q: Tensor, keys: Tensor, values: Tensor, positions: Tensor) -> Tensor:

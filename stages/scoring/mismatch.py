@@ -26,7 +26,7 @@ and restored bit for bit afterwards.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -82,25 +82,31 @@ class ScoredTokens:
     logp_dense: np.ndarray
     entropy_dense: np.ndarray
     sparse: dict[Mode, tuple[np.ndarray, np.ndarray]]  # mode as given -> (alpha, logp_sparse)
+    # mode -> alpha of a speculative draft at the mode's budget, over the dense KV (`drafts=True`)
+    draft: dict[Mode, np.ndarray] = field(default_factory=dict)
 
 
 def score_sequences(model: Transformer, prompts: Sequence[Sequence[int]],
                     completions: Sequence[Sequence[int]], budgets: Sequence[Mode],
                     temperature: float = 1.0, dense_layers: Sequence[int] = DEFAULT_DENSE_LAYERS,
                     page: int = PAGE_SIZE, vocab_chunk: int = POSITION_CHUNK,
-                    actor: LoraWeights | None = None) -> ScoredTokens:
+                    actor: LoraWeights | None = None, drafts: bool = False) -> ScoredTokens:
     """Teacher-forced dense and sparse scoring of every completion token.
 
     The prompt is prefilled once, densely, into a KV cache (prefill is dense in every mode); the
     completions then run as one chunk per attention mode on top of it, each query selecting its own
     pages. Every mode rewrites the same completion slots, so the prompt's KV is shared by all. With an
-    `actor` LoRA the sparse modes run with it merged, on a prompt KV prefilled again with it."""
+    `actor` LoRA the sparse modes run with it merged, on a prompt KV prefilled again with it.
+
+    `drafts`: also the alpha of a speculative draft at each block top-k mode, whose queries select and
+    attend over the dense pass's keys and values (a cycle's drafts read the dense KV that verification
+    keeps, not a lossy sampler's own), run before any mode rewrites the completion slots."""
     device = model.embed_tokens.weight.device
     longest = max(len(p) + len(c) for p, c in zip(prompts, completions))
     if len(prompts) > 1 and longest >= model.cfg.max_position_embeddings:
         # no room for the padding slot below: score one sequence at a time (no padding needed)
         parts = [score_sequences(model, [p], [c], budgets, temperature, dense_layers, page,
-                                 vocab_chunk, actor) for p, c in zip(prompts, completions)]
+                                 vocab_chunk, actor, drafts) for p, c in zip(prompts, completions)]
         return _concat(parts)
     b = len(prompts)
     n = torch.tensor([len(p) for p in prompts], device=device)  # prompt lengths
@@ -130,6 +136,12 @@ def score_sequences(model: Transformer, prompts: Sequence[Sequence[int]],
     with torch.inference_mode():
         last_prompt_h = prefill()
         hidden = {None: completion_hidden(last_prompt_h, None)}
+        if drafts and actor is not None:
+            raise ValueError("draft alpha is scored with the model's own weights, not a sparse actor's LoRA")
+        drafted = {mode: completion_hidden(last_prompt_h, SparseAttention(
+            decode_budgets(gen_pos, n, mode_policy(mode).read_budget), dense_layers, page,
+            chunk_elements=SPARSE_CHUNK_ELEMENTS[device.type == "cuda"], over_cached=True))
+            for mode in budgets if drafts and not mode_policy(mode).evicts}
     with lora_merged(model, actor), torch.inference_mode():
         if actor is not None:
             last_prompt_h = prefill()  # the actor's own prompt KV (prefill runs with its LoRA too)
@@ -141,7 +153,7 @@ def score_sequences(model: Transformer, prompts: Sequence[Sequence[int]],
             attention = SparseAttention(decode_budgets(gen_pos, n, policy.read_budget), dense_layers, page,
                                         chunk_elements=SPARSE_CHUNK_ELEMENTS[device.type == "cuda"])
             hidden[mode] = completion_hidden(last_prompt_h, attention)
-    return _score_hidden(model, hidden, gen_tok, g, n, budgets, temperature, vocab_chunk)
+    return _score_hidden(model, hidden, gen_tok, g, n, budgets, temperature, vocab_chunk, drafted)
 
 
 def evicted_hidden(model: Transformer, prompts: Sequence[Sequence[int]], gen_tok: Tensor, g: Tensor,
@@ -166,8 +178,11 @@ def evicted_hidden(model: Transformer, prompts: Sequence[Sequence[int]], gen_tok
 
 @torch.inference_mode()
 def _score_hidden(model: Transformer, hidden: dict, gen_tok: Tensor, g: Tensor, n: Tensor,
-                  budgets: Sequence[Mode], temperature: float, vocab_chunk: int) -> ScoredTokens:
-    """Alpha, logprobs and entropy from the hidden states of each mode (None = dense)."""
+                  budgets: Sequence[Mode], temperature: float, vocab_chunk: int,
+                  drafted: dict | None = None) -> ScoredTokens:
+    """Alpha, logprobs and entropy from the hidden states of each mode (None = dense); `drafted`: the
+    drafts' hidden states by mode, for their alpha."""
+    drafted = drafted or {}
     device = gen_tok.device
     valid = torch.arange(gen_tok.shape[1], device=device)[None, :] < g[:, None]
     seq_idx, tok_idx = valid.nonzero(as_tuple=True)  # row order: sequence, then token
@@ -176,6 +191,7 @@ def _score_hidden(model: Transformer, hidden: dict, gen_tok: Tensor, g: Tensor, 
     rows = len(targets)
     logp_dense, entropy = torch.empty(rows), torch.empty(rows)
     sparse = {k: (torch.empty(rows), torch.empty(rows)) for k in budgets}
+    draft = {k: torch.empty(rows) for k in drafted}
     for lo in range(0, rows, vocab_chunk):
         sl = slice(lo, min(rows, lo + vocab_chunk))
         tgt = targets[sl, None]
@@ -191,11 +207,14 @@ def _score_hidden(model: Transformer, hidden: dict, gen_tok: Tensor, g: Tensor, 
             ls = logprobs(hidden[k])
             sparse[k][0][sl] = torch.minimum(pd, ls.exp()).sum(-1).clamp(0, 1).cpu()
             sparse[k][1][sl] = ls.gather(-1, tgt).squeeze(-1).cpu()
+        for k in drafted:
+            draft[k][sl] = torch.minimum(pd, logprobs(drafted[k]).exp()).sum(-1).clamp(0, 1).cpu()
     return ScoredTokens(
         seq=seq_idx.cpu().numpy(), position=(n[seq_idx] + tok_idx).cpu().numpy(),
         token_id=targets.cpu().numpy(), logp_dense=logp_dense.numpy(),
         entropy_dense=entropy.numpy(),
         sparse={k: (a.numpy(), lp.numpy()) for k, (a, lp) in sparse.items()},
+        draft={k: a.numpy() for k, a in draft.items()},
     )
 
 
@@ -207,6 +226,7 @@ def _concat(parts: list[ScoredTokens]) -> ScoredTokens:
         token_id=cat("token_id"), logp_dense=cat("logp_dense"), entropy_dense=cat("entropy_dense"),
         sparse={k: (np.concatenate([p.sparse[k][0] for p in parts]),
                     np.concatenate([p.sparse[k][1] for p in parts])) for k in parts[0].sparse},
+        draft={k: np.concatenate([p.draft[k] for p in parts]) for k in parts[0].draft},
     )
 
 
