@@ -121,6 +121,11 @@ def profile(
                                   "the sparse --sampler (budget:B or schedule:FILE) drafts up to K tokens a "
                                   "cycle and the dense model verifies them, so the trajectories are dense "
                                   "samples (0 = off)."),
+    draft_alpha: bool = typer.Option(False, "--draft-alpha/--no-draft-alpha",
+                                     help="Also score each budget's alpha for a speculative draft, whose "
+                                     "queries read the dense keys and values that verification keeps (column "
+                                     "alpha_draft): what plan-schedule --speculate prices drafts with. One "
+                                     "more sparse pass per budget."),
     quantile: float = typer.Option(TAIL_QUANTILE, "--quantile", callback=finite,
                                    help="Tail quantile shown in the summary."),
     threshold: float = typer.Option(None, "--threshold", callback=finite, show_default=False,
@@ -156,6 +161,7 @@ def profile(
     from sparrow.stages.core.trajectories import read_rollouts
     from sparrow.stages.model.loading import DTYPES, resolve_config, resolve_dtype
     from sparrow.stages.profile import (
+        DRAFT_ALPHA_WITH_ADAPTER,
         SPECULATE_WITH_ADAPTER,
         ProfileOptions,
         ProfileRun,
@@ -173,7 +179,7 @@ def profile(
     opts = ProfileOptions(budgets=parse_int_list(budgets, "--budgets"), samples=samples,
                           max_new_tokens=max_new_tokens, sampler=sampler, bin_width=bin_width,
                           temperature=1.0 if temperature is None else temperature, top_p=top_p, top_k=top_k,
-                          seed=seed, batch_size=batch_size, speculate=speculate,
+                          seed=seed, batch_size=batch_size, speculate=speculate, draft_alpha=draft_alpha,
                           gpu_memory_utilization=check_gpu_memory(gpu_memory_utilization),
                           kv_compression=kv_compression and kv_compression.lower(), kv_window=kv_window,
                           kv_buffer=kv_buffer)
@@ -184,6 +190,8 @@ def profile(
         raise UsageError(str(e)) from None
     if speculate and adapter is not None:  # the adapter's weights load later; refused before then
         raise UsageError(SPECULATE_WITH_ADAPTER)
+    if draft_alpha and adapter is not None:
+        raise UsageError(DRAFT_ALPHA_WITH_ADAPTER)
     check_tail(quantile, threshold)
     check_device(device, remote=bool(ray_address))
     if dtype not in DTYPES:

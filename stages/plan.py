@@ -307,7 +307,7 @@ def _speculative_meta(spec: SpeculativePlan) -> dict:
                                                         for t in spec.tokens_per_cycle]),
             "notes": json.dumps([*spec.notes, *([spec.warning] if spec.warning else [])]),
             "role": "draft budgets of exact speculative rollouts (sparrow rollout --schedule this "
-                    f"--speculate {spec.k}" + ("" if spec.pays else "; not predicted faster than dense") + ")"}
+                    f"--speculate {spec.k}{'' if spec.pays else '; not predicted faster than dense'})"}
 
 
 def export_text(exported: dict | list, form: str) -> str:

@@ -37,6 +37,8 @@ SAMPLING = ("samples", "max_new_tokens", "sampler", "top_p", "top_k", "seed", "b
 FLAGS = {"batch_size": "--max-num-seqs"}  # the options whose flag is not their name
 SPECULATE_WITH_ADAPTER = ("--speculate verifies with the dense model, which --adapter's sparse actor is not: "
                           "drop one of them")
+DRAFT_ALPHA_WITH_ADAPTER = ("--draft-alpha scores the drafts of exact speculative sampling, which verifies "
+                            "with the dense model, not --adapter's sparse actor")
 
 
 @dataclass
@@ -52,6 +54,7 @@ class ProfileOptions:
     seed: int = 0
     batch_size: int = 16  # samples decoded together (the engine's max_batch; --max-num-seqs)
     speculate: int = 0  # K > 0: the sparse sampler drafts K tokens a cycle and dense verifies (dense samples)
+    draft_alpha: bool = False  # also each budget's alpha for a speculative draft (column alpha_draft)
     score_tokens: int = 16384  # tokens per teacher-forced scoring batch
     dense_layers: tuple[int, ...] = DEFAULT_DENSE_LAYERS
     page_size: int = PAGE_SIZE
@@ -121,6 +124,7 @@ class ProfileOptions:
             raise ValueError(f"--sampler must be dense, budget:B, schedule:FILE, snapkv:B or rkv:B, got "
                              f"{self.sampler!r}")
         self._validate_speculate()
+        self.validate_draft_alpha()
 
     def _validate_speculate(self) -> None:
         if self.speculate < 0:
@@ -132,6 +136,13 @@ class ProfileOptions:
                              f"schedule:FILE), not --sampler {self.sampler}")
         if self.adapter is not None:
             raise ValueError(SPECULATE_WITH_ADAPTER)
+
+    def validate_draft_alpha(self) -> None:
+        """--draft-alpha scores block top-k drafts of the model itself: not an adapter's or an eviction's."""
+        if self.draft_alpha and self.kv_compression is not None:
+            raise ValueError("--draft-alpha scores block top-k drafts, not --kv-compression's eviction")
+        if self.draft_alpha and self.adapter is not None:
+            raise ValueError(DRAFT_ALPHA_WITH_ADAPTER)
 
     def sampler_policy(self) -> KVPolicy:
         """The sampler's KV policy: `policy`, else the one `sampler` names."""
@@ -205,11 +216,12 @@ def profile_trajectories(model: LoadedModel, trajectories: Sequence[Trajectory],
     for group in _batches_by_tokens(order, lengths, opts.score_tokens):
         scored = score_sequences(model.model, [jobs[i].prompt for i in group],
                                  [jobs[i].completion for i in group], modes, opts.temperature,
-                                 opts.dense_layers, opts.page_size, actor=opts.adapter)
+                                 opts.dense_layers, opts.page_size, actor=opts.adapter,
+                                 drafts=opts.draft_alpha)
         for budget, mode in zip(opts.budgets, modes):
             alpha, logp_sparse = scored.sparse[mode]
             _append_rows(columns, [jobs[group[s]] for s in scored.seq], scored, budget, alpha,
-                         logp_sparse, opts.bin_width)
+                         logp_sparse, opts.bin_width, scored.draft.get(mode))
         done += len(group)
         if progress:
             progress("scoring", done, len(jobs))
@@ -227,7 +239,8 @@ def _batches_by_tokens(order: list[int], lengths: list[int], max_tokens: int) ->
 
 
 def _append_rows(columns: dict[str, list[np.ndarray]], jobs: list[Trajectory], scored, budget: int,
-                 alpha: np.ndarray, logp_sparse: np.ndarray, bin_width: int) -> None:
+                 alpha: np.ndarray, logp_sparse: np.ndarray, bin_width: int,
+                 alpha_draft: np.ndarray | None = None) -> None:
     log_ratio = scored.logp_dense - logp_sparse  # log r, r = p_dense / p_sparse
     n = len(alpha)
     parts = {
@@ -246,6 +259,8 @@ def _append_rows(columns: dict[str, list[np.ndarray]], jobs: list[Trajectory], s
         "k3": np.maximum(np.expm1(log_ratio) - log_ratio, 0).astype(np.float32),
         "entropy_dense": scored.entropy_dense.astype(np.float32),
     }
+    if alpha_draft is not None:
+        parts["alpha_draft"] = alpha_draft.astype(np.float32)
     for k, v in parts.items():
         columns.setdefault(k, []).append(v)
 

@@ -3,18 +3,21 @@ one K for the run, those that minimise the predicted seconds per generated token
 
 A cycle of K drafts at budget b emits (1 - a^(K+1)) / (1 - a) tokens on average, with a the profile's
 mean alpha of the bin at b: for speculation the mean sets the speed, not the tail, since a rejected draft
-costs time and never correctness. The cycle costs K decode steps at b and one dense forward of K + 1
-tokens per sample; on the engine's static step (a GPU's) K - 1 of the drafts attend to the pages the first
-one kept and score none, so a cost model of a GPU prices them without the page term (`drafts_keep_pages`),
-and a CPU's measured one with it (its plain step selects at every draft). A cost artifact that `fit-cost
---speculate` wrote prices the forward from its timed verifications; otherwise, since it reads the weights
-and every sample's KV once, it is priced as a dense decode step whose per-row term is paid K + 1 times.
-Only profiled budgets are candidates, and budgets are made non-decreasing across bins, as every
-schedule's are. A thin bin, one with fewer profiled tokens than --min-tokens (counted as the lossy plan
-counts them, the most at one budget; a bin without tokens is thin too), has no mean to trust: it is priced
-at its nearest trusted neighbour's mean alpha (as the lossy plan's thin bins take a neighbour's budget)
-and shown as thin, with no mean or tokens per cycle of its own. The plan that wins may be slower than
-dense decoding, which is exact too: it is still the plan, and `SpeculativePlan.warning` says so.
+costs time and never correctness. The alpha is a draft's (`profile --draft-alpha`: queries over the dense
+KV that verification keeps) where the profile has it, else the lossy sampler's, whose queries read keys
+its own sparse layers wrote and which so undercounts the drafts kept (a note says the plan is
+conservative). The cycle costs K decode steps at b and one dense forward of K + 1 tokens per sample; on
+the engine's static step (a GPU's) K - 1 of the drafts attend to the pages the first one kept and score
+none, so a cost model of a GPU prices them without the page term (`drafts_keep_pages`), and a CPU's
+measured one with it (its plain step selects at every draft). A cost artifact that `fit-cost --speculate`
+wrote prices the forward from its timed verifications; otherwise, since it reads the weights and every
+sample's KV once, it is priced as a dense decode step whose per-row term is paid K + 1 times. Only
+profiled budgets are candidates, and budgets are made non-decreasing across bins, as every schedule's
+are. A thin bin, one with fewer profiled tokens than --min-tokens (counted as the lossy plan counts them,
+the most at one budget; a bin without tokens is thin too), has no mean to trust: it is priced at its
+nearest trusted neighbour's mean alpha (as the lossy plan's thin bins take a neighbour's budget) and
+shown as thin, with no mean or tokens per cycle of its own. The plan that wins may be slower than dense
+decoding, which is exact too: it is still the plan, and `SpeculativePlan.warning` says so.
 """
 
 from __future__ import annotations
@@ -27,6 +30,9 @@ from .core.schedule import ScheduleError
 from .cost import VERIFY_FEATURES, CostModel
 
 MAX_SPECULATE = 8
+LOSSY_ALPHA_NOTE = ("drafts priced at the profile's lossy alpha: it undercounts how often drafts are kept "
+                    "(they read the dense KV that verification keeps), so the speedups are conservative; "
+                    "profile with --draft-alpha for the drafts' own")
 
 
 def format_speedup(speedup: float) -> str:
@@ -56,6 +62,7 @@ class MeanAlpha:
     bin_width: int
     tokens: np.ndarray | None = None  # [n] profiled tokens per bin (the most at one budget)
     min_tokens: int = 1  # the fewest tokens a bin needs for its mean to be trusted
+    drafts: bool = False  # the drafts' own alpha (the profile's alpha_draft), not the lossy sampler's
 
     @property
     def thin(self) -> np.ndarray:
@@ -64,14 +71,19 @@ class MeanAlpha:
 
 
 def mean_alpha(mismatch, bin_width: int, num_bins: int, min_tokens: int = 1) -> MeanAlpha:
-    """Mean alpha per bin (position // bin_width) and budget from a `mismatch` table; a bin with fewer
-    than `min_tokens` tokens at every budget (--min-tokens, as the lossy plan counts them) is thin: nan."""
+    """Mean alpha per bin (position // bin_width) and budget from a `mismatch` table: a draft's
+    (alpha_draft, `profile --draft-alpha`) where every row has it, else the lossy sampler's; a bin with
+    fewer than `min_tokens` tokens at every budget (--min-tokens, as the lossy plan counts them) is thin:
+    nan."""
     import duckdb
 
     con = duckdb.connect()
     con.register("mismatch", mismatch)
-    rows = con.execute("""SELECT position // ? AS bin, budget, avg(alpha::DOUBLE), count(*) FROM mismatch
-                          GROUP BY ALL ORDER BY bin, budget""", [bin_width]).fetchall()
+    drafts = "alpha_draft" in mismatch.column_names and mismatch.column("alpha_draft").null_count == 0 \
+        and mismatch.num_rows > 0
+    column = "alpha_draft" if drafts else "alpha"
+    rows = con.execute(f"""SELECT position // ? AS bin, budget, avg({column}::DOUBLE), count(*) FROM mismatch
+                           GROUP BY ALL ORDER BY bin, budget""", [bin_width]).fetchall()
     budgets = np.array(sorted({int(r[1]) for r in rows}), dtype=np.int64)
     mean = np.full((num_bins, len(budgets)), np.nan)
     tokens = np.zeros(num_bins, dtype=np.int64)
@@ -80,7 +92,7 @@ def mean_alpha(mismatch, bin_width: int, num_bins: int, min_tokens: int = 1) -> 
             mean[b, np.searchsorted(budgets, budget)] = value
             tokens[b] = max(tokens[b], count)
     mean[tokens < min_tokens] = np.nan
-    return MeanAlpha(budgets, mean, bin_width, tokens, min_tokens)
+    return MeanAlpha(budgets, mean, bin_width, tokens, min_tokens, drafts)
 
 
 def drafts_keep_pages(cost: CostModel) -> bool:
@@ -156,7 +168,7 @@ def plan_speculation(cost: CostModel, alpha: MeanAlpha, batch: int, prompt_len: 
         if best is None or plan.speedup > best.speedup:
             best = plan
     best.speedups_by_k = by_k
-    best.notes = thin_notes(alpha)
+    best.notes = thin_notes(alpha) + ([] if alpha.drafts else [LOSSY_ALPHA_NOTE])
     return best
 
 

@@ -303,10 +303,29 @@ def test_speculative_profile_samples_the_dense_models_trajectories(tiny, tiny_pr
     assert int(meta["speculate"]) == 2 and meta["sampler"] == "budget:48"
 
 
+def test_draft_alpha_is_scored_beside_the_lossy_alpha(tiny, tiny_prompts, tmp_path):
+    """--draft-alpha adds each token's alpha for a speculative draft (queries over the dense KV); without
+    the flag the column is null and the rest of the artifact is the same. In the tiny model the one sparse
+    layer comes after the dense ones, so the keys the lossy pass writes there are the dense ones and the
+    two alphas agree (tests/test_mismatch.py holds a draft's alpha to its definition where they differ)."""
+    source = ["profile", "--model", str(tiny), "--prompts", str(tiny_prompts), "--budgets", "48",
+              *TINY_ROLLOUT]
+    plain, drafted = tmp_path / "m.parquet", tmp_path / "d.parquet"
+    assert runner.invoke(app, [*source, "-o", str(plain)]).exit_code == 0
+    r = runner.invoke(app, [*source, "--draft-alpha", "-o", str(drafted)])
+    assert r.exit_code == 0, r.output
+    without, withd = _sorted(read_artifact(plain, "mismatch")), _sorted(read_artifact(drafted, "mismatch"))
+    assert without.alpha_draft.isna().all() and withd.alpha_draft.notna().all()
+    assert withd.alpha.tolist() == without.alpha.tolist()
+    assert withd.alpha_draft.tolist() == withd.alpha.tolist() and (withd.alpha < 0.999).any()
+
+
 @pytest.mark.parametrize("args,expected", [
     (["--speculate", "2"], "--speculate drafts with the block top-k sampler"),
     (["--speculate", "-1", "--sampler", "budget:48"], "--speculate must be >= 0"),
     (["--speculate", "2", "--sampler", "budget:48", "--adapter", "{prompts}"], "drop one of them"),
+    (["--draft-alpha", "--adapter", "{prompts}"], "--draft-alpha scores the drafts of exact speculative"),
+    (["--draft-alpha", "--kv-compression", "snapkv"], "--draft-alpha scores block top-k drafts"),
 ])
 def test_speculative_profile_refusals(tiny, tiny_prompts, tmp_path, args, expected):
     args = [a.format(prompts=tiny_prompts) for a in args]

@@ -31,7 +31,7 @@ VALID: dict[str, dict[str, list]] = {
         "budget": [64, 64, 128], "token_id": [5, 9, 5], "alpha": [0.99, 1.0, 0.5],
         "logp_dense": [-0.1, 0.0, -2.0], "logp_sparse": [-0.2, 0.0, -1.0], "log_ratio": [0.1, 0.0, -1.0],
         "k1": [0.1, 0.0, -1.0], "k2": [0.005, 0.0, 0.5], "k3": [0.004, 0.0, 0.7],
-        "entropy_dense": [0.3, 0.0, 2.0],
+        "entropy_dense": [0.3, 0.0, 2.0], "alpha_draft": [0.995, 1.0, None],
     },
     "threshold": {
         "threshold": [0.86], "lower": [None], "upper": [None], "quantile": [0.05], "source": ["prior"],

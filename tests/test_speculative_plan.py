@@ -15,7 +15,7 @@ from sparrow.cli.app import app
 from sparrow.schemas import artifact_metadata, read_artifact
 from sparrow.stages.cost import analytic
 from sparrow.stages.model.presets import get_preset
-from sparrow.stages.speculative_plan import mean_alpha, plan_speculation
+from sparrow.stages.speculative_plan import LOSSY_ALPHA_NOTE, mean_alpha, plan_speculation
 
 runner = CliRunner()
 BUDGETS = (256, 1024, 4096)
@@ -125,7 +125,7 @@ def test_bins_without_profiled_tokens_are_marked_thin_not_given_made_up_values(t
     plan = plan_speculation(analytic(get_preset("smollm2-135m").config, "h100"), alpha, 64, 0, 500)
     assert plan.mean_alpha[0] is None and plan.tokens_per_cycle[0] is None
     assert plan.notes == ["bin 0 (0+): no profiled tokens, so its drafts are priced at the mean alpha of "
-                          "bin 1, the first bin with enough"]
+                          "bin 1, the first bin with enough", LOSSY_ALPHA_NOTE]
     assert 0.7 < plan.mean_alpha[1] < 1 and plan.tokens_per_cycle[1] > 1
     assert plan.speedup > 0.5  # bin 0's positions are priced at bin 1's mean alpha, not as impossible
     out = tmp_path / "draft.parquet"
@@ -203,3 +203,19 @@ def test_the_export_holds_the_schedule_that_o_writes(tmp_path):
     r = runner.invoke(app, [*args, "--export", "sglang-vortex", "--export-to", str(tmp_path / "v.json")])
     assert r.exit_code == 2 and r.output.strip().startswith("error: --export sglang-vortex names a lossy")
     assert not (tmp_path / "v.json").exists()
+
+
+def test_drafts_are_priced_at_their_own_alpha_where_the_profile_has_it():
+    """A profile with alpha_draft (profile --draft-alpha) prices drafts at it, with no note; without it,
+    at the lossy alpha, with the note that says the speedups are then conservative."""
+    n = 400
+    rng = np.random.default_rng(5)
+    table = pa.table({"position": rng.integers(0, 2 * WIDTH, n), "budget": [1024] * n,
+                      "alpha": np.full(n, 0.8), "alpha_draft": np.full(n, 0.95)})
+    cost = analytic(get_preset("qwen3-4b").config, "h100")
+    drafts = plan_speculation(cost, mean_alpha(table, WIDTH, 2), 64, 1024, 2 * WIDTH - 1024)
+    lossy = plan_speculation(cost, mean_alpha(table.drop_columns(["alpha_draft"]), WIDTH, 2), 64, 1024,
+                             2 * WIDTH - 1024)
+    assert drafts.mean_alpha == [pytest.approx(0.95)] * 2 and LOSSY_ALPHA_NOTE not in drafts.notes
+    assert lossy.mean_alpha == [pytest.approx(0.8)] * 2 and LOSSY_ALPHA_NOTE in lossy.notes
+    assert drafts.speedup > lossy.speedup
