@@ -29,7 +29,7 @@ import shutil
 import sys
 import tempfile
 import uuid
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import BinaryIO
 
@@ -227,18 +227,33 @@ def _read_parquet(path: Path) -> pa.Table:
         raise ArtifactError(f"{path} is a corrupt Parquet file ({first_line(e)})") from None
 
 
+def opens_json(path: Path) -> bool:
+    """A file whose first non-blank byte (after a UTF-8 byte order mark) opens a JSON object or array."""
+    if not path.is_file():
+        return False
+    with open(path, "rb") as f:
+        return f.read(64).lstrip().removeprefix(b"\xef\xbb\xbf").lstrip()[:1] in (b"{", b"[")
+
+
+def utf8_lines(path: Path) -> Iterator[tuple[int, str]]:
+    """(line number from 1, text) of a JSON lines file, each line decoded as UTF-8 on its own (a byte
+    order mark at the start skipped), split on line breaks only (a U+2028 inside a string stays); a line
+    that is not UTF-8 raises ArtifactError naming it."""
+    for i, raw in enumerate(path.read_bytes().splitlines(), 1):
+        try:
+            yield i, raw.decode("utf-8-sig" if i == 1 else "utf-8")
+        except UnicodeDecodeError as e:
+            raise ArtifactError(f"{path} line {i} is not UTF-8 text (byte 0x{raw[e.start]:02x} at column "
+                                f"{e.start + 1}); Sparrow reads JSON lines as UTF-8, so re-encode the file "
+                                "as UTF-8") from None
+
+
 def _read_jsonl(path: Path) -> pa.Table:
     """One JSON object per line; nested values of string columns (metadata) are kept as JSON text."""
     if not path.exists():
         raise ArtifactError(f"{path} does not exist")
     rows = []
-    for i, raw in enumerate(path.read_bytes().splitlines(), 1):
-        try:
-            line = raw.decode("utf-8-sig" if i == 1 else "utf-8")
-        except UnicodeDecodeError as e:
-            raise ArtifactError(f"{path} line {i} is not UTF-8 text (byte 0x{raw[e.start]:02x} at column "
-                                f"{e.start + 1}); Sparrow reads JSON lines as UTF-8, so re-encode the file "
-                                "as UTF-8") from None
+    for i, line in utf8_lines(path):
         if not line.strip():
             continue
         try:

@@ -92,7 +92,7 @@ def test_engine_prefills_through_the_kernel_as_through_flash(monkeypatch):
         top_a, top_b = dict(a[0].top_logprobs[0]), dict(b[0].top_logprobs[0])
         assert len(set(top_a) & set(top_b)) >= 2
         for token in set(top_a) & set(top_b):
-            assert abs(top_a[token] - top_b[token]) < 0.15  # bf16 states over 30 layers (0.104 on 1 thread)
+            assert abs(top_a[token] - top_b[token]) < 0.15  # bf16 states over 30 layers, on any thread count
 
 
 @needs_kernel

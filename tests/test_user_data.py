@@ -370,8 +370,7 @@ def test_reward_math_reads_numbers_and_refuses_other_ground_truths(tmp_path):
 
 
 def test_reward_code_reads_tests_kept_as_a_struct():
-    from sparrow.stages.core.user_data import answer_for
-    from sparrow.stages.tasks.rewards import CODE, CodeTests
+    from sparrow.stages.tasks.rewards import CODE, CodeTests, answer_for
 
     tests = {"fn_name": "add", "inputs": [[1, 2]], "outputs": [3]}
     assert CodeTests.parse(answer_for(CODE, tests)) == CodeTests([[1, 2]], [3], "add")

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from sparrow.schemas import read_artifact
 
-from .user_data import DataOptions, DatasetError, answer_for, dataset_metadata, read_dataset
+from .user_data import DataOptions, DatasetError, dataset_metadata, read_dataset
 
 COLUMNS = ("prompt_id", "task", "prompt", "prompt_token_ids", "answer", "metadata")
 
@@ -72,9 +72,10 @@ class PromptSet:
     def use_reward(self, task: str) -> None:
         """Score every row by the reward `task` (rewards.py): rows of ours get the datasets' metadata
         layout (their task as data_source, their metadata as extra_info), each row's answer becomes what
-        the reward reads (`user_data.answer_for`) and is checked."""
+        the reward reads (`tasks.rewards.answer_for`) and is checked."""
         from ..tasks import get_task
         from ..tasks.base import row_of
+        from ..tasks.rewards import answer_for
 
         reward = get_task(task)
         for i, r in enumerate(self.rows):

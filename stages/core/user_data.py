@@ -9,10 +9,10 @@ Design decisions:
   the `--answer-column`, else the first of ANSWER_COLUMNS it has, else none (a reward function may need
   none). Anything else is refused in one sentence listing the columns found and what is expected.
 - The answer is the value as stored (a number, a list, a struct as a dict), since verl passes
-  `reward_model.ground_truth` to a reward function as stored; `answer_for` gives each built-in reward
-  what it reads (math-verify: text, a number as its text, anything else refused before any work; code:
-  the tests as JSON text). A dotted `--answer-column` whose field no row's struct has is a typo, refused
-  with the struct's fields.
+  `reward_model.ground_truth` to a reward function as stored; `tasks.rewards.answer_for` gives each
+  built-in reward what it reads (math-verify: text, a number as its text, anything else refused before
+  any work; code: the tests as JSON text). A dotted `--answer-column` whose field no row's struct has is
+  a typo, refused with the struct's fields.
 - Files are Parquet, JSON lines (UTF-8, one object per line) or a `save_to_disk` folder. Other files (CSV,
   one JSON array, a lone Arrow file) are refused with the formats read and a one-line conversion that
   needs only pyarrow or the standard library.
@@ -162,28 +162,10 @@ def _check_fields(records: list[dict], at: str, path: Path) -> None:
         values = [v.get(key) for v in structs]
 
 
-def answer_for(reward: str, answer: Any) -> Any:
-    """The ground truth as the reward `reward` reads it (module docstring): a user's function gets it as
-    stored; math-verify gets text, or a number as its text (a bool, list or struct is refused: it compares
-    the completion with one answer); code gets its tests as JSON text. ValueError in one phrase."""
-    from ..tasks.rewards import CODE, MATH
-
-    if answer is None or isinstance(answer, str) or reward not in (MATH, CODE):
-        return answer
-    if reward == MATH and (isinstance(answer, bool) or not isinstance(answer, int | float)):
-        shown = json.dumps(answer, default=str)
-        shown = shown if len(shown) <= 60 else shown[:57] + "..."
-        kind = {bool: "a bool", list: "a list", dict: "a struct"}.get(type(answer), type(answer).__name__)
-        fix = ("name the field that holds the answer with --answer-column column.field"
-               if isinstance(answer, dict) else "score such rows with --reward-fn")
-        raise ValueError(f"its ground truth is {kind} ({shown}), not text or a number, and math-verify "
-                         f"compares the completion with one answer ({fix})")
-    return json.dumps(answer, default=str) if isinstance(answer, dict | list) else str(answer)
-
-
 def _load(path: Path):
     """(columns, a function giving the records) of a user's dataset, or (None, None) for a file of ours."""
     from sparrow.schemas import artifact_kind
+    from sparrow.schemas.io import opens_json
 
     if path.is_dir():
         if (path / "dataset_dict.json").exists():
@@ -194,7 +176,7 @@ def _load(path: Path):
             return None, None  # a directory of Parquet parts: ours
         table = _arrow_dataset(path)
         return table.column_names, table.to_pylist
-    if path.suffix in (".jsonl", ".ndjson") or _opens_json(path):
+    if path.suffix in (".jsonl", ".ndjson") or opens_json(path):
         records = _json_lines(path)
         if records is None:
             return None, None
@@ -206,20 +188,18 @@ def _load(path: Path):
     return names, lambda: pq.read_table(path).to_pylist()
 
 
-def _opens_json(path: Path) -> bool:
-    """A file whose first non-blank byte opens a JSON object or array, whatever its encoding."""
-    if not path.is_file():
-        return False
-    with open(path, "rb") as f:
-        return f.read(64).removeprefix(b"\xef\xbb\xbf").lstrip()[:1] in (b"{", b"[")
-
-
 def _json_lines(path: Path) -> list[dict] | None:
     """The objects of a JSON lines file (UTF-8, a BOM allowed); None when a line is not an object (the
     prompts reader names it). Lines are split on line breaks only, so U+2028 inside a string stays."""
+    from sparrow.schemas import ArtifactError
+    from sparrow.schemas.io import utf8_lines
+
     records = []
-    for i, raw in enumerate(path.read_bytes().splitlines(), 1):
-        line = _decoded(raw, path, i)
+    try:
+        lines = list(utf8_lines(path))
+    except ArtifactError as e:
+        raise DatasetError(str(e)) from None
+    for _, line in lines:
         if not line.strip():
             continue
         try:
@@ -230,15 +210,6 @@ def _json_lines(path: Path) -> list[dict] | None:
             return None if records else _json_array(path)
         records.append(record)
     return records or None
-
-
-def _decoded(raw: bytes, path: Path, line: int) -> str:
-    try:
-        return raw.decode("utf-8-sig" if line == 1 else "utf-8")
-    except UnicodeDecodeError as e:
-        raise DatasetError(f"{path} line {line} is not UTF-8 text (byte 0x{raw[e.start]:02x} at column "
-                           f"{e.start + 1}); Sparrow reads JSON lines as UTF-8, so re-encode "
-                           "the file as UTF-8") from None
 
 
 def _json_array(path: Path) -> None:

@@ -36,6 +36,7 @@ import pyarrow.parquet as pq
 from sparrow.schemas import ArtifactError, ArtifactSpec, Col, artifact_kind, artifact_metadata, read_artifact
 from sparrow.schemas.artifacts import first_line
 from sparrow.schemas.footer import artifact_parts, kind_version
+from sparrow.schemas.io import opens_json, utf8_lines
 from sparrow.schemas.locations import is_stdio
 
 from . import TASKS, get_task, has_scorer, judge_batch
@@ -47,7 +48,6 @@ COMPLETIONS = ArtifactSpec("completions", "completions of any sampler, read by t
     Col("sample", pa.int32(), nullable=True, range="[0, inf)"),
     Col("text", pa.string(), nullable=True),
 ))
-BOM = b"\xef\xbb\xbf"
 JSON_COLUMNS = {"prompt_id": (str, "text", pa.string()), "sample": (int, "an integer", pa.int64()),
                 "text": (str, "text", pa.string())}
 REFUSED_KIND = "give rollouts, or any Parquet or JSONL file with columns 'prompt_id' and 'text'"
@@ -64,11 +64,7 @@ class Completion:
 
 
 def _is_jsonl(path: Path) -> bool:
-    if path.suffix in (".jsonl", ".ndjson", ".json"):
-        return True
-    with open(path, "rb") as f:
-        head = f.read(64).lstrip()
-    return head.removeprefix(BOM).lstrip()[:1] in (b"{", b"[")
+    return path.suffix in (".jsonl", ".ndjson", ".json") or opens_json(path)
 
 
 def _table(path: Path) -> pa.Table:
@@ -121,18 +117,21 @@ def _json_lines(path: Path) -> pa.Table:
     """The completion columns of a JSON lines file, read line by line (module docstring)."""
     columns: dict[str, list] = {name: [] for name in JSON_COLUMNS}
     present: set[str] = set()
-    with open(path, "rb") as f:
-        for n, raw in enumerate(f, 1):
-            record = _json_line(raw.removeprefix(BOM) if n == 1 else raw, path, n)
-            if record is None:
-                continue
-            present.update(name for name in JSON_COLUMNS if name in record)
-            for name, (kind, what, _) in JSON_COLUMNS.items():
-                value = record.get(name)
-                if value is not None and (not isinstance(value, kind) or isinstance(value, bool)):
-                    raise ArtifactError(f"--completions {path} line {n}: '{name}' is {_json_kind(value)}, "
-                                        f"expected {what}")
-                columns[name].append(value)
+    try:
+        lines = list(utf8_lines(path))
+    except ArtifactError as e:
+        raise ArtifactError(f"--completions {e}") from None
+    for n, line in lines:
+        record = _json_line(line, path, n)
+        if record is None:
+            continue
+        present.update(name for name in JSON_COLUMNS if name in record)
+        for name, (kind, what, _) in JSON_COLUMNS.items():
+            value = record.get(name)
+            if value is not None and (not isinstance(value, kind) or isinstance(value, bool)):
+                raise ArtifactError(f"--completions {path} line {n}: '{name}' is {_json_kind(value)}, "
+                                    f"expected {what}")
+            columns[name].append(value)
     if not columns["prompt_id"]:  # one entry per object read
         raise ArtifactError(f"--completions {path} holds no completions (no JSON lines)")
     try:
@@ -142,17 +141,12 @@ def _json_lines(path: Path) -> pa.Table:
                             f"({first_line(e)})") from None
 
 
-def _json_line(raw: bytes, path: Path, n: int) -> dict[str, Any] | None:
+def _json_line(line: str, path: Path, n: int) -> dict[str, Any] | None:
     """Line `n`'s JSON object; None for a blank line."""
-    try:
-        line = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ArtifactError(f"--completions {path} line {n} is not UTF-8 text (byte 0x{raw[e.start]:02x} at "
-                            f"byte {e.start + 1} of the line)") from None
     if not line.strip():
         return None
     try:
-        record = json.loads(line.rstrip("\r\n"))
+        record = json.loads(line)
     except json.JSONDecodeError as e:
         raise ArtifactError(f"--completions {path} line {n} is not JSON ({e.msg} at column "
                             f"{e.colno})") from None

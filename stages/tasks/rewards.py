@@ -225,6 +225,23 @@ def stdout_to_stderr() -> Iterator[None]:
             os.close(saved)
 
 
+def answer_for(reward: str, answer: Any) -> Any:
+    """The ground truth as the reward `reward` reads it (module docstring): a user's function gets it as
+    stored; math-verify gets text, or a number as its text (a bool, list or struct is refused: it compares
+    the completion with one answer); code gets its tests as JSON text. ValueError in one phrase."""
+    if answer is None or isinstance(answer, str) or reward not in (MATH, CODE):
+        return answer
+    if reward == MATH and (isinstance(answer, bool) or not isinstance(answer, int | float)):
+        shown = json.dumps(answer, default=str)
+        shown = shown if len(shown) <= 60 else shown[:57] + "..."
+        kind = {bool: "a bool", list: "a list", dict: "a struct"}.get(type(answer), type(answer).__name__)
+        fix = ("name the field that holds the answer with --answer-column column.field"
+               if isinstance(answer, dict) else "score such rows with --reward-fn")
+        raise ValueError(f"its ground truth is {kind} ({shown}), not text or a number, and math-verify "
+                         f"compares the completion with one answer ({fix})")
+    return json.dumps(answer, default=str) if isinstance(answer, dict | list) else str(answer)
+
+
 VERL_KEYWORDS = ("data_source", "solution_str", "ground_truth", "extra_info")
 TRL_ONLY = ("completion_ids", "trainer_state")  # what TRL passes its functions and Sparrow does not
 
