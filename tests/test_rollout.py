@@ -583,7 +583,7 @@ print("ok")
 
 @pytest.mark.slow
 def test_engine_with_triton_kernels_under_the_interpreter(tmp_path):
-    """The GPU code path (impl='triton', plain and as the static padded step that CUDA graphs
+    """The GPU code path (the Triton backend, plain and as the static padded step that CUDA graphs
     replay, with its race kernel) on the CPU through Triton's interpreter, against the torch references
     on the same path: same tokens, same logprobs. (No CUDA here: bf16, graph capture and CUDA timings
     are untested.)"""

@@ -1,0 +1,115 @@
+"""`sparrow report`: the figures a person wants from a run directory, as PNGs and one HTML page.
+
+Whatever the directory holds decides the figures (every artifact and training run in it is drawn);
+each PNG says in itself what it shows, and the HTML page embeds them so it can travel alone.
+docs/report.md lists the figures.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from sparrow.schemas import artifact_metadata, read_artifact
+from sparrow.schemas.io import write_bytes
+
+from ..calibrate import ResolvedThreshold, resolve_threshold
+from .artifact_figures import calibration_figure, cost_figure, rollouts_figure, schedule_figure, tail_figure
+from .canvas import Figure, pyplot
+from .collect import (
+    DRAWN,
+    Steps,
+    figure_name,
+    find_artifacts,
+    find_calibrations,
+    find_curves,
+    find_runs,
+    find_steps,
+    note_inside_runs,
+)
+from .page import html_page, listed_figures, remove_stale
+from .training_figures import train_mismatch_figure, training_figure
+
+__all__ = ["Figure", "build_report"]
+
+
+def build_report(run_dir: str | Path, out_dir: str | Path | None = None,
+                 progress: Callable[[str], None] | None = None) -> tuple[Path, list[Figure]]:
+    """Write the figures and a self-contained index.html for `run_dir` into `out_dir` (default
+    RUN/report)."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise ValueError(f"{run_dir} is not a run directory")
+    out = Path(out_dir) if out_dir else run_dir / "report"
+    plt, note = pyplot(), progress or (lambda _: None)
+    skipped: list[str] = []
+    runs = find_runs(run_dir)
+    kinds = find_artifacts(run_dir, skipped, runs)
+    note_inside_runs(run_dir, runs, skipped)
+    steps = find_steps(run_dir, runs, kinds, skipped)
+    curves = find_curves(runs, skipped)
+    calibrations = find_calibrations(kinds, skipped)
+    if not (curves or calibrations or any(s.files for s in steps.values())
+            or any(kinds.get(k) for k in DRAWN)):
+        raise ValueError(f"{run_dir} holds nothing to plot (no mismatch, schedule, cost, rollouts, "
+                         "calibrated threshold or training run"
+                         + (f"; not drawn: {'; '.join(skipped)}" if skipped else "") + ")")
+    for why in skipped:
+        note(f"not drawn: {why}")
+    thresholds = _check_artifacts(kinds, curves, steps)
+    out.mkdir(parents=True, exist_ok=True)
+    before = listed_figures(out)
+    draw = {"mismatch": ("tail", lambda p, n: tail_figure(p, n, thresholds[p], out, plt)),
+            "schedule": ("schedule", lambda p, n: schedule_figure(p, n, out, plt)),
+            "cost": ("cost", lambda p, n: cost_figure(p, n, out, plt)),
+            "rollouts": ("rollouts", lambda p, n: rollouts_figure(p, n, out, plt))}
+    figures: list[Figure] = []
+    for kind, (stem, figure) in draw.items():
+        paths = kinds.get(kind, [])
+        for path in paths:
+            note(f"drawing {kind} {path.name}")
+            figures.append(figure(path, figure_name(stem, path, len(paths) > 1, run_dir)))
+    for path in calibrations:
+        many = len(kinds["threshold"]) > 1
+        fig_ = calibration_figure(path, figure_name("calibration", path, many, run_dir), out, plt)
+        if fig_ is not None:
+            note(f"drawing calibration {path.name}")
+            figures.append(fig_)
+    for run in runs:
+        if run in curves or (run in steps and steps[run].files):
+            note(f"drawing training run {run.name}")
+        if run in curves:
+            figures.append(training_figure(run, out, plt))
+        if run in steps and (per_bin := train_mismatch_figure(steps[run], out, plt)) is not None:
+            figures.append(per_bin)
+    for key, series in steps.items():
+        if key in runs or not series.files:
+            continue
+        note(f"drawing train_mismatch {series.where}")
+        if (per_bin := train_mismatch_figure(series, out, plt)) is not None:
+            figures.append(per_bin)
+    write_bytes(out / "index.html", html_page(run_dir, out, figures, skipped).encode())
+    remove_stale(out, before - {f.file for f in figures})
+    return out / "index.html", figures
+
+
+def _check_artifacts(kinds: dict[str, list[Path]], runs: list[Path], steps: dict[Path, Steps]
+                     ) -> dict[Path, ResolvedThreshold]:
+    """Every artifact to draw read against its schema (a bad value is refused with the one sentence every
+    command gives), and each profile's threshold resolved, before any figure is written."""
+    for kind, paths in kinds.items():
+        for path in paths if kind != "train_mismatch" else ():  # read file by file, as `steps`
+            read_artifact(path, kind)
+    for run in runs:
+        read_artifact(run / "metrics.parquet", "metrics")
+    for series in steps.values():
+        for f in series.files:
+            read_artifact(f, "train_mismatch")
+    return {p: _threshold(kinds, p) for p in kinds.get("mismatch", [])}
+
+
+def _threshold(kinds: dict[str, list[Path]], mismatch: Path) -> ResolvedThreshold:
+    """The threshold a profile's tail is drawn against, by the rule every command follows: the folder's
+    threshold artifact, else the calibration shipped for the profile's model, else the prior."""
+    files = kinds.get("threshold") or [None]
+    return resolve_threshold(None, files[0], None, artifact_metadata(mismatch).get("model"))

@@ -1,0 +1,266 @@
+"""One figure per artifact: a profile's tail and mean alpha, a calibration's runs, a schedule, a cost model,
+rollouts. Each reads its artifact (DuckDB for the per-bin aggregates) and returns the saved Figure."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import numpy as np
+
+from sparrow.schemas import artifact_metadata, read_artifact
+
+from ..calibrate import ResolvedThreshold
+from .canvas import Figure, save, say
+from .collect import calibrated_runs
+
+
+def sql_rows(query: str) -> list[tuple]:
+    import duckdb
+
+    return duckdb.sql(query).fetchall()
+
+
+def _files(path: Path) -> str:
+    """DuckDB's read_parquet argument for an artifact file or a directory of parts."""
+    return f"'{path}/*.parquet'" if path.is_dir() else f"'{path}'"
+
+
+def tail_figure(mismatch: Path, name: str, threshold: ResolvedThreshold, out: Path, plt) -> Figure:
+    """Tail and mean alpha per bin and budget, each point at the mean position of its bin's tokens (a bin's
+    tokens may fill only part of it); the threshold applies to the tail only."""
+    rows = sql_rows(f"""SELECT budget, bin, quantile_cont(alpha, {threshold.quantile}) AS tail,
+                    avg(alpha) AS mean, count(*) AS n, avg(position) AS at
+                    FROM read_parquet({_files(mismatch)}) GROUP BY ALL ORDER BY ALL""")
+    width = int(artifact_metadata(mismatch).get("bin_width", 2000))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.6), sharey=True)
+    if not rows:
+        for ax in axes:
+            say(ax, "the profile has no scored tokens")
+    for budget in sorted({r[0] for r in rows}):
+        part = [r for r in rows if r[0] == budget]
+        x = [r[5] for r in part]
+        axes[0].plot(x, [r[2] for r in part], marker="o", label=f"budget {budget}")
+        axes[1].plot(x, [r[3] for r in part], marker="o", label=f"budget {budget}")
+    label = f"threshold {threshold.short}"
+    if rows:
+        axes[0].axhline(threshold.value, color="k", ls="--", lw=1, label=label)
+        for ax, title in zip(axes, (f"p{threshold.quantile * 100:g} of alpha (the tail)", "mean alpha")):
+            ax.set_xlabel("position (cache length when the token was produced)")
+            ax.set_ylim(-0.02, 1.02)
+            ax.set_title(title, fontsize=10)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+        axes[0].set_ylabel("acceptance alpha")
+    title = f"Tail and mean alpha per position bin and budget: {mismatch.name}"
+    if not rows:
+        return save(fig, out, name, title, f"From {mismatch.name}: no scored tokens, so no tail to draw.",
+                     plt, 0)
+    tokens = sum(r[4] for r in rows) // max(len({r[0] for r in rows}), 1)
+    return save(fig, out, name, title,
+                 f"From {mismatch.name}: {tokens} generated tokens, each scored at every budget, in bins of "
+                 f"{width} tokens (each point sits at the mean position of its bin's tokens). The dashed "
+                 f"line on the tail panel is the {label}: a budget whose tail stays above it in a bin may be "
+                 "scheduled there.", plt, len(rows))
+
+
+def calibration_figure(threshold: Path, name: str, out: Path, plt) -> Figure | None:
+    """Per calibrated run: its tail statistic and its mean alpha against its outcome, with the threshold
+    and its interval: the method's key claim (the tail separates stable from collapsed runs, the mean
+    need not) as one figure. None when the artifact holds no runs (the prior or a shipped calibration)."""
+    meta = artifact_metadata(threshold)
+    runs = calibrated_runs(threshold)
+    if not runs:
+        return None
+    t = read_artifact(threshold, "threshold").to_pylist()[0]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+    jitter = np.random.default_rng(0).uniform(-0.12, 0.12, len(runs))
+    y = np.array([1.0 if r["collapsed"] else 0.0 for r in runs]) + jitter
+    colour = ["tab:red" if r["collapsed"] else "tab:green" for r in runs]
+    mean_at = meta.get("mean_threshold")
+    for ax, key, line, what in ((axes[0], "tail", t["threshold"], "tail: min over bins of p5 alpha"),
+                                (axes[1], "mean", mean_at, "mean alpha")):
+        ax.scatter([r[key] for r in runs], y, c=colour, s=36, edgecolors="k", linewidths=0.4)
+        if line is not None and (key == "mean" or t["source"] == "calibrated"):
+            ax.axvline(float(line), color="k", ls="--", lw=1,
+                       label=f"{'threshold' if key == 'tail' else 'boundary'} {float(line):.3g}")
+            ax.legend(fontsize=8, loc="center left")
+        ax.set_xlabel(what)
+        ax.grid(alpha=0.3)
+    if t["source"] == "calibrated" and t["lower"] is not None:
+        axes[0].axvspan(t["lower"], t["upper"], color="grey", alpha=0.25, label="95% interval")
+        axes[0].legend(fontsize=8, loc="center left")
+    axes[0].set_yticks([0, 1], ["stable", "collapsed"])
+    axes[0].set_ylim(-0.5, 1.5)
+    n_c = sum(r["collapsed"] for r in runs)
+    interval = f" [{t['lower']:.3g}, {t['upper']:.3g}]" if t["lower"] is not None else ""
+    return save(fig, out, name, f"Runs' tail and mean alpha against their outcome ({threshold.name})",
+                 f"From {threshold.name}: {len(runs)} runs, {n_c} collapsed (labelled by what training did, "
+                 f"never by mismatch). Threshold {t['threshold']:.3g}{interval} ({t['source']}). "
+                 f"{meta.get('mean_note') or ''}", plt, len(runs))
+
+
+def schedule_figure(schedule: Path, name: str, out: Path, plt) -> Figure:
+    from ..core.published_schedules import published_budgets
+
+    table = read_artifact(schedule, "schedule").sort_by("bin").to_pylist()
+    meta = artifact_metadata(schedule)
+    model, threshold = meta.get("model"), meta.get("threshold")
+    published = published_budgets(model, float(threshold)) if model and threshold else None
+    fig, ax = plt.subplots(figsize=(8, 4.4))
+    title = f"The schedule: budget per position bin ({schedule.name})"
+    if not table:  # no bin to draw, and "every bin is dense" would be false
+        say(ax, "the schedule has no bins")
+        return save(fig, out, name, title, f"From {schedule.name}: no bins, so no budget to draw.", plt, 0)
+    starts = [r["bin_start"] for r in table]
+    budgets = [r["budget"] or 0 for r in table]
+    last = table[-1]["bin_end"] if table else None
+    width = int(meta.get("bin_width") or (starts[1] - starts[0] if len(starts) > 1 else 2000))
+    edges = [*starts, last if last is not None else (starts[-1] if starts else 0) + width]
+    if any(budgets):
+        sparse = [b if b else np.nan for b in budgets]
+        ax.step(edges, [*sparse, sparse[-1]], where="post", marker="", label="planned budget")
+    for i, b in enumerate(budgets):
+        if not b:
+            ax.axvspan(edges[i], edges[i + 1], color="grey", alpha=0.2,
+                       label="dense (whole cache)" if i == budgets.index(0) else None)
+    if published:
+        x = [2000 * i for i in range(len(published) + 1)]
+        ax.step(x, [*published, published[-1]], where="post", ls="--", label=f"published ({model})")
+    if not any(budgets) and not published:
+        ax.text(0.5, 0.5, "\n".join(textwrap.wrap(_all_dense(meta), 60)), ha="center", va="center",
+                transform=ax.transAxes, fontsize=10, color="#333")
+        ax.set_yticks([])
+    else:
+        ax.set_ylabel("budget (KV tokens)")
+        ax.legend(fontsize=8)
+    ax.set_xlabel("position (cache length)")
+    ax.set_xlim(edges[0], edges[-1])
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    dense = budgets.count(0)
+    what = (f"{len(table)} bins, {dense} dense" + (f", budgets {min(b for b in budgets if b)}-{max(budgets)}"
+                                                     if any(budgets) else ""))
+    source = ((f", model {model}" if model else "")
+              + (f", threshold {float(threshold):.3g}" if threshold else "")
+              + (f", the sampler a training run used ({meta['source']}), not a plan"
+                 if _sampled(meta) else ""))
+    return save(fig, out, name, title,
+                 f"From {schedule.name}{source}: {what}. Grey spans are dense bins (every cached token is "
+                 "attended); the last bin extends to the end of the context."
+                 + (" The dashed line is the published schedule at this threshold." if published else ""),
+                 plt, len(table))
+
+
+def _sampled(meta: dict) -> bool:
+    """A schedule that records the sampler a training run used (`sparrow train` writes its run's
+    `source`), not one that `plan-schedule` planned from a profile against a threshold."""
+    return bool(meta.get("source")) and not meta.get("threshold") and not meta.get("profile")
+
+
+def _all_dense(meta: dict) -> str:
+    """Why every bin of a schedule is dense, by what made it: a planned schedule's profile and threshold
+    gave no sparse bin; a training run's was dense by choice; anything else says only what it is."""
+    if meta.get("threshold") or meta.get("profile"):
+        return ("Every bin is dense: no profiled budget's tail reached the threshold in any bin, so no "
+                "position is decoded sparsely (a lower threshold, or larger profiled budgets, would give a "
+                "sparse bin).")
+    if _sampled(meta):
+        return (f"Dense run (no schedule): the training run sampled with the whole cache at every position "
+                f"(sampler {meta['source']}); no profile or threshold was involved.")
+    return "Every bin is dense: every position attends to the whole cache (the artifact names no plan)."
+
+
+def cost_figure(cost: Path, name: str, out: Path, plt) -> Figure:
+    rows = read_artifact(cost, "cost").to_pylist()
+    measured_rows = [r for r in rows if r["seconds"] is not None]
+    meta = artifact_metadata(cost)
+    if measured_rows:
+        fig, ax = plt.subplots(figsize=(6, 5))
+        measured = np.array([r["seconds"] for r in measured_rows]) * 1e3
+        predicted = np.array([r["predicted_seconds"] for r in measured_rows]) * 1e3
+        sparse = np.array([r["budget"] is not None for r in measured_rows])
+        ax.scatter(measured[~sparse], predicted[~sparse], label="dense", s=18)
+        ax.scatter(measured[sparse], predicted[sparse], label="sparse", s=18)
+        top = max(measured.max(), predicted.max()) * 1.05
+        ax.plot([0, top], [0, top], "k--", lw=1, label="y = x (a perfect fit)")
+        ax.set_xlabel("measured decode step (ms)")
+        ax.set_ylabel("cost model (ms)")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+        err = np.abs(predicted - measured) / measured
+        return save(fig, out, name, f"Cost model against measured decode steps ({cost.name})",
+                     f"From {cost.name} ({meta.get('source', 'measured')}, model {meta.get('model', '?')}): "
+                     f"{len(measured_rows)} measured (batch, context, budget) points, each the fastest of "
+                     f"its timed steps; median relative error of the fit {np.median(err):.1%}.", plt,
+                     len(measured_rows))
+    fig, ax = plt.subplots(figsize=(7, 4.6))
+    if not rows:
+        say(ax, "the cost artifact has no points")
+        return save(fig, out, name, f"Cost model ({cost.name})", f"From {cost.name}: no points to draw.",
+                     plt, 0)
+    batches = sorted({r["batch"] for r in rows})
+    for batch, style in zip(batches[-2:], ("-", "--")):  # the two largest batches
+        for budget in sorted({r["budget"] or 0 for r in rows}):
+            pts = sorted((r["context"], r["predicted_seconds"] * 1e3) for r in rows
+                         if r["batch"] == batch and (r["budget"] or 0) == budget)
+            ax.plot(*zip(*pts), style, marker="o", ms=3,
+                    label=f"batch {batch}, {'dense' if not budget else f'budget {budget}'}")
+    if rows:
+        ax.set_xlabel("context (cached tokens)")
+        ax.set_ylabel("predicted decode step (ms)")
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+    return save(fig, out, name, f"Analytic cost model: predicted decode step ({cost.name})",
+                 f"From {cost.name}: the {meta.get('source', 'analytic')} model for "
+                 f"{meta.get('model', 'the model')}, predicted only (no measured points to compare with; "
+                 "`sparrow fit-cost --device` measures them). Solid: the largest batch, dashed: the next.",
+                 plt, len(rows))
+
+
+def rollouts_figure(rollouts: Path, name: str, out: Path, plt) -> Figure:
+    from matplotlib.ticker import MaxNLocator
+
+    rows = read_artifact(rollouts, "rollouts").to_pylist()
+    meta = artifact_metadata(rollouts)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    if not rows:
+        for ax in axes:
+            say(ax, "the rollouts artifact has no samples")
+        return save(fig, out, name, f"Rollouts ({rollouts.name})", f"From {rollouts.name}: no samples.",
+                     plt, 0)
+    lengths = np.array([len(r["token_ids"]) for r in rows])
+    stops = np.array([r["finish_reason"] == "stop" for r in rows])
+    low, top = int(lengths.min()), int(lengths.max())
+    bins = np.arange(low - 1, top + 3) - 0.5 if top - low < 40 else 20  # one bar per length when few
+    ignore_eos = bool(meta.get("ignore_eos"))
+    cut = "ran to --max-new-tokens (--ignore-eos)" if ignore_eos else "cut at --max-new-tokens"
+    groups = [(part, label) for part, label in ((lengths[stops], "stopped (EOS)"), (lengths[~stops], cut))
+              if len(part)]  # a legend names only what was drawn
+    axes[0].hist([part for part, _ in groups], bins=bins, stacked=True, label=[label for _, label in groups])
+    axes[0].xaxis.set_major_locator(MaxNLocator(integer=True))
+    axes[0].set_xlabel("generated tokens per sample")
+    axes[0].set_title(f"length per sample (mean {lengths.mean():.1f})", fontsize=10)
+    axes[0].set_ylabel("samples")
+    axes[0].legend(fontsize=8, loc="best")
+    rewards = np.array([r["reward"] for r in rows if r["reward"] is not None], dtype=float)
+    if len(rewards):
+        axes[1].hist(rewards, bins=np.linspace(0, 1, 11))
+        axes[1].set_xlim(0, 1)
+        axes[1].set_xlabel("reward")
+        axes[1].set_ylabel("samples")
+        axes[1].set_title(f"reward per sample (mean {rewards.mean():.3f})", fontsize=10)
+    else:
+        say(axes[1], "no rewards: the prompts carry no answer, or their task has no scorer")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))  # counts of samples
+    summary = meta.get("summary") or {}
+    speed = summary.get("tokens_per_s") if isinstance(summary, dict) else None
+    budgets = [b for r in rows for b in r["budgets"] if b]
+    caption = (f"From {rollouts.name}: {len(rows)} samples, sampler {meta.get('sparsity', 'unknown')}"
+               + (f" (mean budget of sparse tokens {np.mean(budgets):.0f})" if budgets else "")
+               + (", every sample ran to --max-new-tokens (--ignore-eos)" if ignore_eos
+                  else f", {stops.mean():.0%} stopped at EOS")
+               + (f", {float(speed):.1f} tokens/s" if speed else "") + ".")
+    return save(fig, out, name, f"Rollouts: lengths and rewards ({rollouts.name})", caption, plt, len(rows))

@@ -1,0 +1,207 @@
+"""What a run directory holds to draw: its artifacts by kind, its training runs, their per-step mismatch, and
+what is left out (each with why, for the page's "Not drawn" list). Only footers are read here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from sparrow.schemas import ArtifactError, artifact_metadata
+from sparrow.schemas.footer import artifact_parts, kind_version, read_schema
+
+DRAWN = ("mismatch", "schedule", "cost", "rollouts")
+
+FIGURED = (*DRAWN, "threshold", "train_mismatch")  # threshold: when calibrated on runs
+
+NO_FIGURE = {"metrics": "a 'metrics' artifact is drawn only as a training run's metrics.parquet"}
+
+
+@dataclass
+class Steps:
+    """The per-step mismatch files of a training run (or of a train_mismatch artifact) that passed the
+    footer check, drawn as one figure; `left_out` counts those that did not (each listed as not drawn)."""
+
+    where: str  # the folder, as the caption names it
+    name: str  # the figure's file
+    files: list[Path]
+    left_out: int = 0
+
+
+def step_names(run: Path) -> list[Path]:
+    """A training run's per-step mismatch files, by name (`sparrow train` writes mismatch/step=N.parquet)."""
+    folder = run / "mismatch"
+    return sorted(folder.glob("step=*.parquet")) if folder.is_dir() else []
+
+
+def find_runs(run_dir: Path) -> list[Path]:
+    """The training runs: `run_dir` itself, then its immediate subdirectories, that hold a metrics.parquet
+    or per-step mismatch files (a run whose metrics are missing still has its mismatch to draw)."""
+    candidates = [run_dir, *(p for p in sorted(run_dir.iterdir()) if p.is_dir())]
+    return [p for p in candidates if (p / "metrics.parquet").exists() or step_names(p)]
+
+
+def find_artifacts(folder: Path, skipped: list[str], runs: list[Path]) -> dict[str, list[Path]]:
+    """Every artifact directly in `folder` by kind, in name order: files, and directories of parts that are
+    not training runs (nor the run's own files when `folder` is one). What cannot be read as an artifact,
+    or has no figure, goes to `skipped`, with why."""
+    own = set(runs)
+    if folder in runs:
+        own.add(folder / "metrics.parquet")
+        if step_names(folder):
+            own.add(folder / "mismatch")
+    out: dict[str, list[Path]] = {}
+    for p in sorted(folder.iterdir()):
+        if p.name.startswith(".") or p in own:
+            continue
+        if p.is_dir() and not any(c.suffix == ".parquet" for c in p.iterdir()):
+            continue
+        if not p.is_dir() and p.suffix != ".parquet":
+            continue
+        if p.exists() and not p.is_dir() and not p.is_file():  # a FIFO or a device: reading it could block
+            skipped.append(f"{p} is not a regular file")
+            continue
+        for kind, path in kinds_of(p, skipped):
+            if kind in FIGURED:
+                out.setdefault(kind, []).append(path)
+            else:
+                skipped.append(f"{path} ({NO_FIGURE.get(kind, f'a {kind!r} artifact has no figure')})")
+    return out
+
+
+def note_inside_runs(run_dir: Path, runs: list[Path], skipped: list[str]) -> None:
+    """A subdirectory run is drawn by its metrics and mismatch; its other Parquet files and folders (its
+    schedule, say) are named in `skipped`, with the command that draws them."""
+    for run in runs:
+        if run == run_dir:
+            continue
+        own = {run / "metrics.parquet", run / "mismatch"}
+        for p in sorted(run.iterdir()):
+            if p.name.startswith(".") or p in own:
+                continue
+            if p.suffix == ".parquet" or (p.is_dir() and any(c.suffix == ".parquet" for c in p.iterdir())):
+                skipped.append(f"{p} (inside the training run {run.name}; `sparrow report {run}` draws it)")
+
+
+def checked_steps(files: list[Path], skipped: list[str]) -> tuple[list[Path], int]:
+    """The files that pass the footer check every command runs (a regular, whole Parquet file of kind
+    train_mismatch), and how many did not: each of those goes to `skipped`, so that a run killed in
+    the middle of writing a step still has its other steps drawn."""
+    good: list[Path] = []
+    for f in files:
+        if not f.is_file():  # a FIFO or a device: reading it could block
+            skipped.append(f"{f} is not a regular file")
+            continue
+        try:
+            kind = kind_version(read_schema(f))[0]
+        except ArtifactError as e:
+            skipped.append(str(e))
+            continue
+        if kind != "train_mismatch":
+            what = f"a {kind!r} artifact" if kind else "a Parquet file without Sparrow artifact metadata"
+            skipped.append(f"{f} is {what}, not a training step's 'train_mismatch'")
+            continue
+        good.append(f)
+    return good, len(files) - len(good)
+
+
+def find_steps(run_dir: Path, runs: list[Path], kinds: dict[str, list[Path]], skipped: list[str]
+           ) -> dict[Path, Steps]:
+    """Each run's per-step mismatch, then each train_mismatch artifact outside a run (the files directly in
+    `run_dir` as one), keyed by what they belong to."""
+    out: dict[Path, Steps] = {}
+    for run in runs:
+        if names := step_names(run):
+            out[run] = Steps(f"{run.name}/mismatch", f"train-mismatch-{run.name}.png",
+                             *checked_steps(names, skipped))
+    loose = [p for p in kinds.get("train_mismatch", []) if p.parent == run_dir and not p.is_dir()]
+    if loose:  # keyed and named apart from `run_dir` itself, which may be a run
+        name = f"train-mismatch-{run_dir.name}{'-files' if run_dir in out else ''}.png"
+        out[run_dir / "*"] = Steps(run_dir.name, name, loose)
+    for path in kinds.get("train_mismatch", []):
+        if path not in loose:
+            files = artifact_parts(path) if path.is_dir() else [path]
+            where = str(path.relative_to(run_dir))
+            out[path] = Steps(where, figure_name("train-mismatch", path, True, run_dir), files)
+    return out
+
+
+def find_curves(runs: list[Path], skipped: list[str]) -> list[Path]:
+    """The runs whose training curves can be drawn: a metrics.parquet that passes the footer check. The
+    others are named in `skipped` (their per-step mismatch is drawn all the same)."""
+    out: list[Path] = []
+    for run in runs:
+        metrics = run / "metrics.parquet"
+        why = f"{metrics} does not exist" if not metrics.exists() else None
+        if why is None:
+            try:
+                kind = kind_version(read_schema(metrics))[0]
+                why = None if kind == "metrics" else f"{metrics} is not a 'metrics' artifact"
+            except ArtifactError as e:
+                why = str(e)
+        if why is None:
+            out.append(run)
+        else:
+            skipped.append(f"the training curves of {run} ({why})")
+    return out
+
+
+def calibrated_runs(threshold: Path) -> list[dict]:
+    """The runs a threshold artifact was calibrated on; none for the prior or a shipped calibration."""
+    import json
+
+    return json.loads(artifact_metadata(threshold).get("runs") or "[]")
+
+
+def find_calibrations(kinds: dict[str, list[Path]], skipped: list[str]) -> list[Path]:
+    """The threshold artifacts that have a figure (those calibrated on runs). One without runs that no tail
+    figure uses (the tail figures use the first) is named in `skipped`."""
+    thresholds = kinds.get("threshold", [])
+    used = thresholds[0] if thresholds and kinds.get("mismatch") else None
+    out: list[Path] = []
+    for path in thresholds:
+        if calibrated_runs(path):
+            out.append(path)
+        elif path != used:
+            skipped.append(f"{path} (a 'threshold' artifact without calibrated runs has no figure of its own"
+                           + (f", and the tail figures use {used}" if used else "") + ")")
+    return out
+
+
+def kinds_of(path: Path, skipped: list[str]) -> list[tuple[str, Path]]:
+    """(kind, artifact) of a Parquet file or of a directory of them. A directory whose files share a kind
+    and a provenance (`sql`'s Provenance: model, sampler, adapter, ...) is one artifact of parts (a
+    `--workers` output); one whose files share only the kind holds several artifacts, each drawn on its
+    own (distill's profiles before and after its adapter: pooled, the curve would be neither's); one of
+    several kinds is not one artifact and is skipped whole, in one line, so that the rest is drawn."""
+    from ..sql.views import Provenance
+
+    files = artifact_parts(path) if path.is_dir() else [path]
+    found: list[tuple[str | None, Provenance, Path]] = []
+    try:
+        for f in files:
+            schema = read_schema(f)
+            found.append((kind_version(schema)[0], Provenance.of(artifact_metadata(schema)), f))
+    except ArtifactError as e:
+        skipped.append(f"{path} ({e})" if path.is_dir() else str(e))
+        return []
+    kinds = {k for k, _, _ in found}
+    if len(kinds) > 1:
+        named = ", ".join(sorted(k or "no artifact metadata" for k in kinds))
+        skipped.append(f"{path} holds files of several kinds ({named}), not the parts of one artifact")
+        return []
+    kind = found[0][0]
+    if kind is None:
+        skipped.append(f"{path} {'holds Parquet files' if path.is_dir() else 'is a Parquet file'} without "
+                       "Sparrow artifact metadata")
+        return []
+    if path.is_dir() and len({p for _, p, _ in found}) > 1:
+        return [(kind, f) for _, _, f in found]
+    return [(kind, path)]
+
+
+def figure_name(kind: str, path: Path, many: bool, run_dir: Path) -> str:
+    """The figure's file: `tail.png` for the one profile, `tail-<file>.png` for each of several, where a
+    file inside a directory is named with it (`tail-mismatch-before.png`), so that no two collide."""
+    if not many:
+        return f"{kind}.png"
+    return f"{kind}-{'-'.join(path.relative_to(run_dir).with_suffix('').parts)}.png"

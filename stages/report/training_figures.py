@@ -1,0 +1,127 @@
+"""A training run's figures: its curves from metrics.parquet, and its sparse actor's mismatch per position
+bin over the steps from mismatch/step=N.parquet."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from sparrow.schemas import artifact_metadata, read_artifact
+
+from ..core.definitions import TAIL_QUANTILE
+from ..train.detectors import Detectors
+from .artifact_figures import sql_rows
+from .canvas import Figure, save, say
+from .collect import Steps
+
+TRAIN_PANELS = (("reward_mean", "reward (train, mean per step)"),
+                ("eval_accuracy", "eval accuracy (greedy)"),
+                ("mismatch_kl", "mismatch KL (sampled k3)"),
+                ("alpha_lb_p5", "p5 of alpha's top-20 lower bound"), ("entropy", "entropy (nats)"),
+                ("grad_norm", "grad norm"))
+
+UNIT_PANELS = ("reward_mean", "eval_accuracy", "alpha_lb_p5")  # quantities in [0, 1], drawn on [0, 1]
+
+EMPTY_PANEL = {"eval_accuracy": "no eval: the run had no --eval-prompts",
+               "alpha_lb_p5": "not logged by this run"}
+
+
+def training_figure(run: Path, out: Path, plt) -> Figure:
+    from matplotlib.lines import Line2D
+    from matplotlib.ticker import MaxNLocator
+
+    rows = read_artifact(run / "metrics.parquet", "metrics").sort_by("step").to_pylist()
+    meta = artifact_metadata(run / "metrics.parquet")
+    label = meta.get("label", "unknown")
+    name = f"train-{run.name}.png"
+    fig, axes = plt.subplots(2, 3, figsize=(13, 7))
+    flagged = [r["step"] for r in rows if r.get("collapse")]
+    warn_level = Detectors().mismatch_kl_limit
+    for ax, (key, title) in zip(axes.flat, TRAIN_PANELS):
+        pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+        if key == "eval_accuracy" and meta.get("initial_eval_accuracy") is not None:
+            pts.insert(0, (0, float(meta["initial_eval_accuracy"])))  # step 0: before any update
+        ax.set_title(title, fontsize=10)
+        if not pts:
+            say(ax, EMPTY_PANEL.get(key, "not logged by this run"))
+            continue
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.plot(*zip(*pts), marker="o", ms=3, label="dense sampler")
+        sparse = [(r["step"], r["eval_accuracy_sparse"]) for r in rows
+                  if r.get("eval_accuracy_sparse") is not None]
+        if key == "eval_accuracy" and sparse:  # the run's own sparse sampler, evaluated beside dense
+            ax.plot(*zip(*sparse), marker="s", ms=3, label="the run's sparse sampler")
+            ax.legend(fontsize=7)
+        if key in UNIT_PANELS:
+            ax.set_ylim(-0.02, 1.02)
+        elif key in ("mismatch_kl", "grad_norm", "entropy"):
+            ax.set_ylim(bottom=0)
+        for s in flagged:
+            ax.axvline(s, color="r", alpha=0.3)
+        if key == "mismatch_kl":
+            ax.axhline(warn_level, color="orange", ls="--", lw=1)
+            peak = max(v for _, v in pts)
+            ax.set_ylim(0, max(peak, warn_level) * 1.1 if peak > warn_level / 4 else peak * 1.1 or 1e-3)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    handles = [Line2D([], [], color="orange", ls="--", label=f"mismatch KL warning level {warn_level:g} "
+                      "(a diagnostic, not a collapse reason)")]
+    if flagged:
+        handles.insert(0, Line2D([], [], color="r", alpha=0.5, label="a collapse reason held at this step"))
+    fig.legend(handles=handles, loc="upper right", fontsize=8, frameon=False, ncols=len(handles),
+               bbox_to_anchor=(1, 0.955))
+    story = f"label {label}" + (f" ({meta['reasons']})" if meta.get("reasons") else "")
+    if meta.get("warnings"):
+        story += f"; warning: {meta['warnings']}"
+    caption = (f"From {run.name}/metrics.parquet: {len(rows)} steps; {story}. The label is the whole run's "
+               "(its last step's collapse reasons: reward, grad norm, entropy, truncation or repetition); "
+               + ("red lines mark the steps whose history up to them held a reason. " if flagged else
+                  "no step held a collapse reason. ")
+               + ("Step N is the row logged after N updates; eval accuracy at step 0 is before any update."
+                  if meta.get("initial_eval_accuracy")
+                  is not None else ""))
+    return save(fig, out, name, f"Training run {run.name}: {label}", caption, plt, len(rows), top_in=0.3)
+
+
+def train_mismatch_figure(steps: Steps, out: Path, plt) -> Figure | None:
+    """The sparse actor's mismatch over training, one line per position bin: the per-step summaries over
+    all positions are in the training figure already. Only the files that passed the footer check are
+    read; None when none did."""
+    from matplotlib.ticker import MaxNLocator
+
+    from ..sql.views import sql_literal
+
+    files = steps.files
+    if not files:
+        return None
+    paths = ", ".join(sql_literal(str(p)) for p in files)
+    rows = sql_rows(f"""SELECT bin, step, quantile_cont(alpha_top20_lb, {TAIL_QUANTILE}) AS p5, avg(k3) AS k3,
+                    count(*) AS n FROM read_parquet([{paths}]) GROUP BY ALL ORDER BY ALL""")
+    width = int(artifact_metadata(files[0]).get("bin_width", 512))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    bins = sorted({r[0] for r in rows})
+    for b in bins:
+        part = [r for r in rows if r[0] == b]
+        label = f"positions {b * width}-{(b + 1) * width - 1}"
+        axes[0].plot([r[1] for r in part], [r[2] for r in part], marker="o", ms=4, label=label)
+        axes[1].plot([r[1] for r in part], [r[3] for r in part], marker="o", ms=4, label=label)
+    axes[0].set_title("p5 of alpha's top-20 lower bound", fontsize=10)
+    axes[0].set_ylim(-0.02, 1.02)
+    axes[1].set_title("mean k3 (sparse rollout vs dense learner)", fontsize=10)
+    axes[1].set_ylim(bottom=0)
+    for ax in axes:
+        ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+    if not rows:
+        for ax in axes:
+            say(ax, "the steps' mismatch files hold no tokens")
+    else:
+        axes[1].legend(fontsize=8, title="bin", title_fontsize=8)
+    n_steps = len({r[1] for r in rows})
+    left_out = (f" ({steps.left_out} unreadable {'file' if steps.left_out == 1 else 'files'} left out, each "
+                "named under Not drawn)" if steps.left_out else "")
+    return save(fig, out, steps.name, f"Mismatch per position bin over training: {steps.where}",
+                 f"From {len(files)} train_mismatch files in {steps.where}{left_out}: every generated token "
+                 f"of {n_steps} steps, in bins of {width} tokens, one line per bin (the sampled-token k3 and "
+                 "the top-20 lower bound of alpha, as the rollout and the dense recompute saw them).", plt,
+                 len(rows))
