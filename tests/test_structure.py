@@ -124,8 +124,8 @@ def test_no_part_imports_a_stage():
     of them, nor the CLI."""
     graph, mods = import_graph(), modules()
     stages = {n for n, p in mods.items()
-                   if (p.parent == ROOT / "stages" and p.name != "__init__.py")
-                   or p.parent in (ROOT / "stages" / "sql", ROOT / "stages" / "report")}
+              if (p.parent == ROOT / "stages" and p.name != "__init__.py")
+              or p.parent in (ROOT / "stages" / "sql", ROOT / "stages" / "report")}
     parts = [m for m in graph if m not in stages and not m.startswith("sparrow.cli")]
     wrong = sorted(f"{m} -> {t}" for m in parts for t in graph[m]
                    if t in stages or t.startswith("sparrow.cli"))
