@@ -222,10 +222,14 @@ class RolloutRun:
     workers: int = 0  # Ray workers (0: this process)
     ray_address: str | None = None
 
-    def metadata(self, sampling: SamplingParams, engine: str = "ours") -> dict:
+    def metadata(self, sampling: SamplingParams, prompt_set, engine: str = "ours") -> dict:
+        """What the artifact records of the run; `prompt_digests` for the prompts read as text or chat
+        messages (`PromptSet.digests`), which `sparrow reward` checks a prompts file against."""
         from sparrow.schemas import input_name
 
+        digests = prompt_set.digests()
         return {"model": model_name(self.model), "prompts": input_name(self.prompts),
+                **({"prompt_digests": digests} if digests else {}),
                 "sparsity": self.sparsity, "samples": sampling.n, "max_new_tokens": sampling.max_new_tokens,
                 "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
                 "seed": sampling.seed, "ignore_eos": sampling.ignore_eos, "page_size": PAGE_SIZE,
@@ -281,7 +285,7 @@ def write_rollouts(run: RolloutRun, prompt_set, opts: RolloutOptions, chat: bool
     loaded = load_model(run.model, device=run.device, dtype=getattr(torch, run.dtype))
     table, summary = run_rollouts(loaded, rows, opts, on_step)
     write_artifact(table, run.output, "rollouts",
-                   metadata={**run.metadata(opts.sampling), "summary": summary.metadata()})
+                   metadata={**run.metadata(opts.sampling, prompt_set), "summary": summary.metadata()})
     return table, summary
 
 
@@ -309,7 +313,7 @@ def write_rollouts_on_ray(run: RolloutRun, prompt_set, opts: RolloutOptions, cha
         start = time.perf_counter()
         results = pool.map(rollout_shard, rows, opts, on_shard=on_shard)
         summary = merge_summaries(results, time.perf_counter() - start)
-        meta = run.metadata(opts.sampling)
+        meta = run.metadata(opts.sampling, prompt_set)
         parts_meta = [{**meta, "summary": summary.metadata(), "part": r.shard, "parts": len(results),
                        "part_summary": r.summary.metadata(), "worker_pid": r.worker_pid,
                        "attempts": r.attempts} for r in results]
@@ -342,7 +346,7 @@ def write_rollouts_with_vllm(prompt_set, sampling: SamplingParams, run: RolloutR
     t = sampler.timing
     summary = summarize(out, EngineStats(prefill_s=t.prefill_s, decode_s=t.seconds - t.prefill_s))
     table = pa.table(out)
-    meta = run.metadata(sampling, engine="vllm") | {
+    meta = run.metadata(sampling, prompt_set, engine="vllm") | {
         "top_p": 1.0, "top_k": 0, "seed_scope": "vLLM global seed (per-request seeds fail on the CPU)",
         "lora": "", "vllm_startup_seconds": round(t.startup_s, 2), "summary": summary.metadata()}
     write_artifact(table, run.output, "rollouts", metadata=meta)

@@ -75,8 +75,9 @@ def test_causal_prefill_kernel_equals_float64_attention(b, hq, hkv, t, d, dtype,
 
 @needs_kernel
 def test_engine_prefills_through_the_kernel_as_through_flash(monkeypatch):
-    """The bf16 engine's prefill attention (our kernel, the CPU backend's choice) gives the first token's logprobs of
-    a prefill through PyTorch's flash kernel within bf16 rounding (prompts of two lengths, one padded)."""
+    """The bf16 engine's prefill attention (our kernel, the CPU backend's choice) gives the first token's
+    logprobs of a prefill through PyTorch's flash kernel within bf16 rounding (prompts of two lengths, one
+    padded)."""
     model = load_model("smollm2-135m", dtype=torch.bfloat16).model
     prompts = [torch.randint(0, 1000, (n,), generator=torch.Generator().manual_seed(n)).tolist()
                for n in (150, 97)]

@@ -319,3 +319,33 @@ def test_code_tests_without_a_case_are_refused_before_any_work(work):
         _refused(r, f"{good}: prompt 'code-0', row 0 (counting from 0), cannot be scored by the code-tests "
                     "reward: its tests have no cases ('inputs' and 'outputs' are empty lists)")
         assert out.read_bytes() == before
+
+
+def test_rollouts_of_a_dataset_are_told_from_another_with_its_ids_wherever_the_files_are(work, tiny_chat,
+                                                                                        monkeypatch):
+    """Rollouts of a verl dataset (chat messages, no token ids) record each prompt's digest, so `reward`
+    refuses another dataset of the same ids (verl names every split train.parquet) even after the
+    sampled file moved, and takes the sampled questions from anywhere, run from any folder."""
+    r = runner.invoke(app, ["rollout", "--model", tiny_chat, "--prompts", "train.parquet", "--reward", "math",
+                            "--samples", "1", "--max-new-tokens", "2", "-o", "rollouts.parquet"])
+    assert r.exit_code == 0, r.output
+    other = [{"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": q}],
+              "reward_model": {"style": "rule", "ground_truth": a}}
+             for q, a in (("What is 10 - 7?", "3"), ("What is 2 + 2?", "4"))]
+    for folder in ("other", "elsewhere"):
+        (work / folder).mkdir()
+        pq.write_table(pa.Table.from_pylist(other), work / folder / "train.parquet")
+    (work / "moved").mkdir()
+    (work / "train.parquet").rename(work / "moved" / "train.parquet")
+
+    def reward(prompts: str, completions: str = "rollouts.parquet"):
+        return runner.invoke(app, ["reward", "--prompts", prompts, "--completions", completions, "--reward",
+                                   "math", "-o", str(work / "out.parquet"), "--force"])
+
+    _refused(reward("other/train.parquet"), "prompt 'train-0'", "other/train.parquet", "another prompt")
+    assert not (work / "out.parquet").exists()
+    assert reward("moved/train.parquet").exit_code == 0
+    monkeypatch.chdir(work / "elsewhere")  # its train.parquet is not the one the rollouts name
+    r = reward("../moved/train.parquet", "../rollouts.parquet")
+    assert r.exit_code == 0, r.output
+    assert len(_rewards(work)) == 2

@@ -11,6 +11,7 @@ checked the same way.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
@@ -35,6 +36,12 @@ def _metadata(row: dict) -> dict:
     except ValueError:
         return {}
     return meta if isinstance(meta, dict) else {}
+
+
+def prompt_digest(row: dict) -> str:
+    """A prompt's text or chat messages as read from its file (before any chat template), hashed."""
+    given = row.get("messages") or row.get("prompt") or ""
+    return hashlib.sha256(json.dumps(given, sort_keys=True, ensure_ascii=False).encode()).hexdigest()[:16]
 
 
 @dataclass
@@ -63,11 +70,19 @@ class PromptSet:
             rows = table.select([c for c in COLUMNS if c in table.column_names]).to_pylist()
         if not rows:
             raise PromptError(f"{path}: the prompt set is empty")
+        for r in rows:
+            if not r.get("prompt_token_ids"):
+                r["digest"] = prompt_digest(r)
         prompts = cls(path, rows)
         prompts.check_rows()
         if reward is not None:
             prompts.use_reward(reward)
         return prompts
+
+    def digests(self) -> dict[str, str]:
+        """The digest of each prompt read as text or chat messages (`prompt_digest`), by prompt id: what
+        rollouts record, so that `sparrow reward` can tell a dataset of the same ids from the one sampled."""
+        return {r["prompt_id"]: r["digest"] for r in self.rows if r.get("digest")}
 
     def use_reward(self, task: str) -> None:
         """Score every row by the reward `task` (rewards.py): rows of ours get the datasets' metadata

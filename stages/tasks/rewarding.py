@@ -11,9 +11,10 @@ Design decisions:
   (a bad byte names its line), and a UTF-8 byte order mark at the start of the file is skipped.
 - Prompt ids are `<file stem>-<row>` for a verl or TRL dataset, so two files with one stem share them.
   Rollouts record what they were sampled from, so a prompts file that is not it is refused: a prompt's
-  token ids where both files have them; else the prompt (text or chat messages) that the file the
-  rollouts' metadata names (`prompts`) holds under the same id, when that file is still there. A file
-  without such records (JSONL, another sampler's Parquet) is matched by the id alone.
+  token ids where both files have them; else the digest of its text or chat messages, which rollouts
+  record for every prompt that had no token ids (`prompt_digests`; for rollouts written before, the
+  prompt that the file their metadata names holds under the same id, when that file is still there). A
+  file without such records (JSONL, another sampler's Parquet) is matched by the id alone.
 - Everything that can be wrong (a column, a missing text, a prompt id the prompts file lacks, a
   prompt without a known task or an answer, a repeated sample, completions of other prompts) is found
   before anything is scored, as one sentence naming the file, the row and the column.
@@ -246,6 +247,15 @@ def check_sampled_from(prompts: dict[str, dict], completions: list[Completion], 
                                 f"{_sampled_from(completions_path)}")
     if not unchecked:
         return
+    digests = _recorded_digests(completions_path)
+    if digests is not None:
+        for pid in unchecked:
+            if pid in digests and digests[pid] != prompts[pid].get("digest"):
+                raise ArtifactError(f"--completions {completions_path}: prompt {pid!r} was sampled from "
+                                    f"another prompt than --prompts {prompts_path} has under that id (the "
+                                    "rollouts record a digest of each prompt's text or messages), so the "
+                                    f"completions answer other prompts{_sampled_from(completions_path)}")
+        return
     recorded = _recorded_prompts(completions_path)
     theirs = _prompt_rows(recorded, prompts_path)
     for pid in unchecked:
@@ -254,6 +264,16 @@ def check_sampled_from(prompts: dict[str, dict], completions: list[Completion], 
                                 f"{recorded} (the rollouts' metadata records it), whose prompt of that id is "
                                 f"not the one --prompts {prompts_path} has, so the completions answer other "
                                 f"prompts; give --prompts {recorded}")
+
+
+def _recorded_digests(path: Path) -> dict[str, str] | None:
+    """The prompt digests a rollouts artifact records (`PromptSet.digests`); None for one written before
+    they were recorded, or from prompts that all had token ids."""
+    try:
+        digests = artifact_metadata(path).get("prompt_digests")
+    except (ArtifactError, OSError, ValueError):
+        return None
+    return digests if isinstance(digests, dict) else None
 
 
 def _recorded_prompts(path: Path) -> str | None:
