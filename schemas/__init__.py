@@ -9,11 +9,12 @@ from .locations import (
     check_output,
     check_output_dir,
     input_name,
+    input_path,
     output_target,
     spool_input,
 )
 
 __all__ = ["SCHEMAS", "STDIO", "VERSION", "ArtifactError", "ArtifactSpec", "Col", "OutputRefused",
            "artifact_kind", "artifact_metadata", "artifact_parts", "check_output", "check_output_dir",
-           "input_name", "output_target", "read_artifact", "spool_input", "write_artifact",
+           "input_name", "input_path", "output_target", "read_artifact", "spool_input", "write_artifact",
            "write_artifact_parts"]

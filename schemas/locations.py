@@ -215,6 +215,13 @@ def input_name(path: str | os.PathLike) -> str:
     return _SPOOLED.get(Path(path), str(path))
 
 
+def input_path(path: str | os.PathLike) -> str:
+    """An input file as a spec records it for later reading (`schedule:PATH`): its absolute path, or what
+    the user gave (`-`, a FIFO) for a spooled one, whose private copy is gone when the command ends."""
+    given = _SPOOLED.get(Path(path))
+    return given if given is not None else str(Path(path).resolve())
+
+
 def name_inputs(text: str) -> str:
     """`text` (an error message) with every spooled input's private copy named as the user gave it:
     `- (stdin)` for stdin, the FIFO's own path for a pipe."""

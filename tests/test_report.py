@@ -12,6 +12,8 @@ from typer.testing import CliRunner
 from sparrow.cli.app import app
 from sparrow.schemas import write_artifact
 
+from cli_checks import error_line
+
 
 def _run_dir(tmp_path):
     rng = np.random.default_rng(0)
@@ -321,6 +323,20 @@ def test_a_training_runs_dense_schedule_says_it_was_dense_by_choice(tmp_path):
         (run / "report" / "index.html").read_text(), "schedule.png")
 
 
+def test_a_draft_schedule_is_drawn_as_one(tmp_path):
+    """plan-schedule --speculate's draft budgets (metadata `speculate`: K) are named drafts for K, planned
+    for speed with no threshold, not a lossy plan."""
+    run = tmp_path / "run"
+    write_artifact({"bin": [0, 1], "bin_start": [0, 2000], "bin_end": [2000, None], "budget": [512, 1024],
+                    "tail": [None, None], "predicted_step_seconds": [None, None]}, run / "draft.parquet",
+                   "schedule", metadata={"page_size": 16, "model": "smollm2-135m", "speculate": 4})
+    result = CliRunner().invoke(app, ["report", str(run)])
+    assert result.exit_code == 0, result.output
+    caption = _caption((run / "report" / "index.html").read_text(), "schedule.png")
+    assert "draft budgets for exact speculative rollouts (--speculate 4)" in caption
+    assert "The draft schedule for --speculate 4: budget per position bin" in result.stderr
+
+
 def test_a_file_given_as_the_run_is_named_a_file(tmp_path):
     from cli_checks import error_line
 
@@ -434,6 +450,33 @@ def test_a_folder_of_runs_with_one_truncated_step_draws_every_run(tmp_path):
     lines = {line.split(": ")[0].strip(): line for line in result.stderr.splitlines() if ".png: " in line}
     assert "(6 points)" in lines["train-mismatch-runA.png"]
     assert "(5 points)" in lines["train-mismatch-runB.png"]
+
+
+def test_runs_of_a_sweep_folder_are_drawn_and_deeper_parquet_is_named(tmp_path):
+    """A sweep's folder of runs (run/sweep/<run>, as calibrate-threshold reads them) is drawn beside the
+    folder's own artifacts, each figure named by the run's path; Parquet further down is named, not
+    silently passed over; a folder holding nothing to draw says what it holds."""
+    import shutil
+
+    good, full = _training_run(tmp_path, "good")
+    outer = tmp_path / "outer"
+    for run in ("sweep/dense", "sweep/b64"):
+        shutil.copytree(good, outer / run)
+    shutil.copy(full / "rollouts.parquet", outer / "rollouts.parquet")
+    deep = outer / "old" / "a" / "b"
+    deep.mkdir(parents=True)
+    shutil.copy(full / "rollouts.parquet", deep / "rollouts.parquet")
+    result = CliRunner().invoke(app, ["report", str(outer)])
+    assert result.exit_code == 0, result.output
+    assert set(_embedded((outer / "report" / "index.html").read_text())) == {
+        "rollouts.png", "train-sweep-b64.png", "train-mismatch-sweep-b64.png", "train-sweep-dense.png",
+        "train-mismatch-sweep-dense.png"}
+    assert f"{outer / 'old'} (its Parquet files lie in its subfolders" in "\n".join(_not_drawn(result))
+    empty = tmp_path / "empty-ish"
+    (empty / "notes").mkdir(parents=True)
+    (empty / "readme.txt").write_text("hi")
+    line = error_line(CliRunner().invoke(app, ["report", str(empty)]))
+    assert line.endswith("it holds notes/, readme.txt)"), line
 
 
 def test_a_run_without_metrics_has_its_mismatch_drawn_and_its_curves_named(tmp_path):

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from sparrow.schemas import input_path
+
 from ..attention import PAGE_SIZE, validate_budget
 from ..kv_policies import EVICTION_POLICIES, BlockTopK, BudgetFn, Dense, Eviction, KVPolicy, parse_eviction
 from ..model.config import SHAPE_KEYS, ModelConfig, shape_of
@@ -102,7 +104,7 @@ def spec_of(sparsity: Schedule | int | KVPolicy | None, schedule_path: Path | No
         return sparsity.spec()
     if isinstance(sparsity, int):
         return f"budget:{sparsity}"
-    return f"schedule:{Path(schedule_path).resolve()}"
+    return f"schedule:{input_path(schedule_path)}"
 
 
 def as_policy(sparsity: Sparsity, page_size: int = PAGE_SIZE) -> KVPolicy:

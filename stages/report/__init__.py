@@ -26,6 +26,7 @@ from .collect import (
     find_runs,
     find_steps,
     note_inside_runs,
+    run_label,
 )
 from .page import html_page, listed_figures, remove_stale
 from .training_figures import train_mismatch_figure, training_figure
@@ -53,7 +54,8 @@ def build_report(run_dir: str | Path, out_dir: str | Path | None = None,
             or any(kinds.get(k) for k in DRAWN)):
         raise ValueError(f"{run_dir} holds nothing to plot (no mismatch, schedule, cost, rollouts, "
                          "calibrated threshold or training run"
-                         + (f"; not drawn: {'; '.join(skipped)}" if skipped else "") + ")")
+                         + (f"; not drawn: {'; '.join(skipped)}" if skipped else f"; {_holdings(run_dir)}")
+                         + ")")
     for why in skipped:
         note(f"not drawn: {why}")
     thresholds = _check_artifacts(kinds, curves, steps)
@@ -77,9 +79,9 @@ def build_report(run_dir: str | Path, out_dir: str | Path | None = None,
             figures.append(fig_)
     for run in runs:
         if run in curves or (run in steps and steps[run].files):
-            note(f"drawing training run {run.name}")
+            note(f"drawing training run {run_label(run, run_dir)}")
         if run in curves:
-            figures.append(training_figure(run, out, plt))
+            figures.append(training_figure(run, run_label(run, run_dir), out, plt))
         if run in steps and (per_bin := train_mismatch_figure(steps[run], out, plt)) is not None:
             figures.append(per_bin)
     for key, series in steps.items():
@@ -113,3 +115,13 @@ def _threshold(kinds: dict[str, list[Path]], mismatch: Path) -> ResolvedThreshol
     threshold artifact, else the calibration shipped for the profile's model, else the prior."""
     files = kinds.get("threshold") or [None]
     return resolve_threshold(None, files[0], None, artifact_metadata(mismatch).get("model"))
+
+
+def _holdings(run_dir: Path, shown: int = 8) -> str:
+    """What a folder holds, in a few names (folders end in /)."""
+    names = [p.name + ("/" if p.is_dir() else "") for p in sorted(run_dir.iterdir())
+             if not p.name.startswith(".")]
+    if not names:
+        return "it is empty"
+    more = f", ... ({len(names)} in all)" if len(names) > shown else ""
+    return f"it holds {', '.join(names[:shown])}{more}"

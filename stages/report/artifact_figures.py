@@ -108,7 +108,9 @@ def schedule_figure(schedule: Path, name: str, out: Path, plt) -> Figure:
     model, threshold = meta.get("model"), meta.get("threshold")
     published = published_budgets(model, float(threshold)) if model and threshold else None
     fig, ax = plt.subplots(figsize=(8, 4.4))
-    title = f"The schedule: budget per position bin ({schedule.name})"
+    drafts = meta.get("speculate")  # plan-schedule --speculate's draft budgets
+    title = (f"The draft schedule for --speculate {drafts}" if drafts else "The schedule"
+             ) + f": budget per position bin ({schedule.name})"
     if not table:  # no bin to draw, and "every bin is dense" would be false
         say(ax, "the schedule has no bins")
         return save(fig, out, name, title, f"From {schedule.name}: no bins, so no budget to draw.", plt, 0)
@@ -144,7 +146,9 @@ def schedule_figure(schedule: Path, name: str, out: Path, plt) -> Figure:
     source = ((f", model {model}" if model else "")
               + (f", threshold {float(threshold):.3g}" if threshold else "")
               + (f", the sampler a training run used ({meta['source']}), not a plan"
-                 if _sampled(meta) else ""))
+                 if _sampled(meta) else "")
+              + (f", draft budgets for exact speculative rollouts (--speculate {drafts}), planned for speed "
+                 "under verification with no tail threshold behind them" if drafts else ""))
     return save(fig, out, name, title,
                  f"From {schedule.name}{source}: {what}. Grey spans are dense bins (every cached token is "
                  "attended); the last bin extends to the end of the context."

@@ -33,11 +33,36 @@ def step_names(run: Path) -> list[Path]:
     return sorted(folder.glob("step=*.parquet")) if folder.is_dir() else []
 
 
+def is_run(folder: Path) -> bool:
+    """A training run: a metrics.parquet or per-step mismatch files (a run whose metrics are missing still
+    has its mismatch to draw)."""
+    return (folder / "metrics.parquet").exists() or bool(step_names(folder))
+
+
+RUN_DEPTH = 2  # runs in a subdirectory, or in a subdirectory's subdirectory (a sweep's folder of runs)
+
+
 def find_runs(run_dir: Path) -> list[Path]:
-    """The training runs: `run_dir` itself, then its immediate subdirectories, that hold a metrics.parquet
-    or per-step mismatch files (a run whose metrics are missing still has its mismatch to draw)."""
-    candidates = [run_dir, *(p for p in sorted(run_dir.iterdir()) if p.is_dir())]
-    return [p for p in candidates if (p / "metrics.parquet").exists() or step_names(p)]
+    """The training runs: `run_dir` itself, then those in its subdirectories down to RUN_DEPTH, in name
+    order; a run's own folders are not searched."""
+    runs = [run_dir] if is_run(run_dir) else []
+
+    def visit(folder: Path, depth: int) -> None:
+        for p in sorted(folder.iterdir()):
+            if not p.is_dir() or p.name.startswith("."):
+                continue
+            if is_run(p):
+                runs.append(p)
+            elif depth > 1:
+                visit(p, depth - 1)
+
+    visit(run_dir, RUN_DEPTH)
+    return runs
+
+
+def run_label(run: Path, run_dir: Path) -> str:
+    """A run as the report names it: its path under `run_dir` (`sweep/dense`), or the folder's name."""
+    return "/".join(run.relative_to(run_dir).parts) or run_dir.name
 
 
 def find_artifacts(folder: Path, skipped: list[str], runs: list[Path]) -> dict[str, list[Path]]:
@@ -54,6 +79,9 @@ def find_artifacts(folder: Path, skipped: list[str], runs: list[Path]) -> dict[s
         if p.name.startswith(".") or p in own:
             continue
         if p.is_dir() and not any(c.suffix == ".parquet" for c in p.iterdir()):
+            if not any(r.is_relative_to(p) for r in runs) and _deeper_parquet(p):
+                skipped.append(f"{p} (its Parquet files lie in its subfolders, below what the report reads; "
+                               f"`sparrow report` on the folder that holds them draws them)")
             continue
         if not p.is_dir() and p.suffix != ".parquet":
             continue
@@ -68,18 +96,29 @@ def find_artifacts(folder: Path, skipped: list[str], runs: list[Path]) -> dict[s
     return out
 
 
+def _holds_parquet(p: Path) -> bool:
+    """A Parquet file, or a folder with Parquet files in it."""
+    return p.suffix == ".parquet" or (p.is_dir() and any(c.suffix == ".parquet" for c in p.iterdir()))
+
+
+def _deeper_parquet(folder: Path) -> bool:
+    """Parquet files one or two folders below `folder`."""
+    return any(folder.glob("*/*.parquet")) or any(folder.glob("*/*/*.parquet"))
+
+
 def note_inside_runs(run_dir: Path, runs: list[Path], skipped: list[str]) -> None:
     """A subdirectory run is drawn by its metrics and mismatch; its other Parquet files and folders (its
-    schedule, say) are named in `skipped`, with the command that draws them."""
+    schedule, say) are named in `skipped`, one line per run, with the command that draws them."""
     for run in runs:
         if run == run_dir:
             continue
         own = {run / "metrics.parquet", run / "mismatch"}
-        for p in sorted(run.iterdir()):
-            if p.name.startswith(".") or p in own:
-                continue
-            if p.suffix == ".parquet" or (p.is_dir() and any(c.suffix == ".parquet" for c in p.iterdir())):
-                skipped.append(f"{p} (inside the training run {run.name}; `sparrow report {run}` draws it)")
+        other = [p.name for p in sorted(run.iterdir())
+                 if not p.name.startswith(".") and p not in own and _holds_parquet(p)]
+        if other:
+            what = run / other[0] if len(other) == 1 else f"{', '.join(other)} in {run}"
+            skipped.append(f"{what} (inside the training run {run_label(run, run_dir)}; "
+                           f"`sparrow report {run}` draws {'them' if len(other) > 1 else 'it'})")
 
 
 def checked_steps(files: list[Path], skipped: list[str]) -> tuple[list[Path], int]:
@@ -105,13 +144,14 @@ def checked_steps(files: list[Path], skipped: list[str]) -> tuple[list[Path], in
 
 
 def find_steps(run_dir: Path, runs: list[Path], kinds: dict[str, list[Path]], skipped: list[str]
-           ) -> dict[Path, Steps]:
+               ) -> dict[Path, Steps]:
     """Each run's per-step mismatch, then each train_mismatch artifact outside a run (the files directly in
     `run_dir` as one), keyed by what they belong to."""
     out: dict[Path, Steps] = {}
     for run in runs:
         if names := step_names(run):
-            out[run] = Steps(f"{run.name}/mismatch", f"train-mismatch-{run.name}.png",
+            label = run_label(run, run_dir)
+            out[run] = Steps(f"{label}/mismatch", f"train-mismatch-{label.replace('/', '-')}.png",
                              *checked_steps(names, skipped))
     loose = [p for p in kinds.get("train_mismatch", []) if p.parent == run_dir and not p.is_dir()]
     if loose:  # keyed and named apart from `run_dir` itself, which may be a run

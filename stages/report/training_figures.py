@@ -25,14 +25,15 @@ EMPTY_PANEL = {"eval_accuracy": "no eval: the run had no --eval-prompts",
                "alpha_lb_p5": "not logged by this run"}
 
 
-def training_figure(run: Path, out: Path, plt) -> Figure:
+def training_figure(run: Path, label: str, out: Path, plt) -> Figure:
+    """The run's curves from its metrics.parquet; `label` names it (its path under the report's folder)."""
     from matplotlib.lines import Line2D
     from matplotlib.ticker import MaxNLocator
 
     rows = read_artifact(run / "metrics.parquet", "metrics").sort_by("step").to_pylist()
     meta = artifact_metadata(run / "metrics.parquet")
-    label = meta.get("label", "unknown")
-    name = f"train-{run.name}.png"
+    outcome = meta.get("label", "unknown")
+    name = f"train-{label.replace('/', '-')}.png"
     fig, axes = plt.subplots(2, 3, figsize=(13, 7))
     flagged = [r["step"] for r in rows if r.get("collapse")]
     warn_level = Detectors().mismatch_kl_limit
@@ -69,17 +70,17 @@ def training_figure(run: Path, out: Path, plt) -> Figure:
         handles.insert(0, Line2D([], [], color="r", alpha=0.5, label="a collapse reason held at this step"))
     fig.legend(handles=handles, loc="upper right", fontsize=8, frameon=False, ncols=len(handles),
                bbox_to_anchor=(1, 0.955))
-    story = f"label {label}" + (f" ({meta['reasons']})" if meta.get("reasons") else "")
+    story = f"label {outcome}" + (f" ({meta['reasons']})" if meta.get("reasons") else "")
     if meta.get("warnings"):
         story += f"; warning: {meta['warnings']}"
-    caption = (f"From {run.name}/metrics.parquet: {len(rows)} steps; {story}. The label is the whole run's "
+    caption = (f"From {label}/metrics.parquet: {len(rows)} steps; {story}. The label is the whole run's "
                "(its last step's collapse reasons: reward, grad norm, entropy, truncation or repetition); "
                + ("red lines mark the steps whose history up to them held a reason. " if flagged else
                   "no step held a collapse reason. ")
                + ("Step N is the row logged after N updates; eval accuracy at step 0 is before any update."
                   if meta.get("initial_eval_accuracy")
                   is not None else ""))
-    return save(fig, out, name, f"Training run {run.name}: {label}", caption, plt, len(rows), top_in=0.3)
+    return save(fig, out, name, f"Training run {label}: {outcome}", caption, plt, len(rows), top_in=0.3)
 
 
 def train_mismatch_figure(steps: Steps, out: Path, plt) -> Figure | None:
