@@ -31,6 +31,24 @@ def non_negative_seed(ctx: typer.Context, param: typer.CallbackParam, value: int
     fail(f"--seed must be >= 0, got {value}")
 
 
+def option_given(ctx: typer.Context, name: str) -> bool:
+    """Whether the option `name` was given (on the command line or in the environment), not defaulted."""
+    source = ctx.get_parameter_source(name)  # typer vendors click: compare by name, not by enum class
+    return source is not None and source.name in ("COMMANDLINE", "ENVIRONMENT")
+
+
+RUN_FORMAT_HELP = ("The summary's format: table, csv, json or tsv on stdout, in any case (default: table "
+                   "on a terminal, tsv in a pipe).")
+
+
+def run_format_option():
+    """--format/-f of a command whose product is a directory (train, distill): -o - is refused there, so its
+    help says nothing of stdout carrying an artifact."""
+    from .output import FORMAT_METAVAR
+
+    return typer.Option(None, "--format", "-f", metavar=FORMAT_METAVAR, help=RUN_FORMAT_HELP)
+
+
 def given_path(flag: str, give: str = "a file (- = stdin)"):
     """typer parser of a path option: an empty path is refused as one (a Path of '' would be the working
     directory), before any work; the sentence asks for `give`, what the option names."""

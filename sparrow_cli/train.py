@@ -33,12 +33,14 @@ from .options import (
     kv_compression_option,
     kv_window_option,
     non_negative_seed,
+    option_given,
     random_weights_of,
+    run_format_option,
     set_threads,
     sparsity_policy,
     threads_option,
 )
-from .output import emit_record, format_option, resolve_format
+from .output import emit_record, resolve_format
 
 TRAIN_LABELS = {"reward_first": "reward, first step", "reward_last": "reward, last step",
                 "initial_eval_accuracy": "eval accuracy before training",
@@ -60,6 +62,7 @@ TRAIN_LABELS = {"reward_first": "reward, first step", "reward_last": "reward, la
 
 @friendly_errors
 def train(
+    ctx: typer.Context,
     model: str = typer.Option("smollm2-135m", "--model", help="Preset, checkpoint dir or .gguf."),
     prompts: Path = typer.Option(..., "--prompts", callback=input_path, parser=given_path("--prompts"),
                                  metavar="<path>", help="Training prompts (with answers; - = stdin): a "
@@ -77,7 +80,9 @@ def train(
     schedule: Path = typer.Option(None, "--schedule", callback=input_path, parser=given_path("--schedule"),
                                   metavar="<path>", help="Roll out with this schedule artifact."),
     budget: int = typer.Option(None, "--budget", help="Roll out with a fixed budget (tokens)."),
-    dense: bool = typer.Option(False, "--dense/--no-dense", help="Roll out densely (the default)."),
+    dense: bool = typer.Option(False, "--dense/--no-dense", show_default=False,
+                               help="Roll out densely, as a run does without --budget, --schedule or "
+                               "--kv-compression."),
     kv_compression: str = kv_compression_option(),
     kv_budget: int = kv_budget_option(),
     kv_window: int = kv_window_option(),
@@ -197,7 +202,7 @@ def train(
         "(RUN/metrics.jsonl) | tensorboard (RUN/tensorboard/) | wandb (offline, RUN/wandb/) | none; "
         "RUN/metrics.parquet is always written."),
     threads: int = threads_option(),
-    format: str = format_option(),
+    format: str = run_format_option(),
 ) -> None:
     """GRPO whose rollouts come from the sparse engine: rewards from the task's scorer, dense recompute of
     the sampled tokens, rollout correction, PPO-clipped update. Writes RUN/metrics.parquet,
@@ -230,8 +235,7 @@ def train(
     for flag, path in (("--prompts", prompts), ("--eval-prompts", eval_prompts)):
         if path is not None and not path.exists():
             raise UsageError(f"{flag} {path}: no such file")
-    if lora_rank < 1 and not full:
-        raise UsageError(f"--lora-rank must be at least 1, got {lora_rank}; for full fine-tuning pass --full")
+    _check_lora(ctx, full, lora_rank, lora_alpha)
     cfg = TrainConfig(model=model, steps=steps, prompts_per_step=prompts_per_step, samples=samples,
                       max_new_tokens=max_new_tokens, temperature=temperature, ignore_eos=ignore_eos, lr=lr,
                       lora_rank=0 if full else lora_rank, lora_alpha=lora_alpha, correction=correction,
@@ -274,6 +278,23 @@ def train(
     with launched(cfg, workers, ray_address) as pool:
         _run(cfg, inputs, RunOptions(resume=resume, force=force, world=world, pool=pool, report_to=trackers,
                                      gpu_memory_utilization=gpu_memory_utilization), fmt)
+
+
+def _check_lora(ctx: typer.Context, full: bool, rank: int, alpha: float) -> None:
+    """The LoRA's options, before the model loads: under --full there is no LoRA, so a --lora-rank or
+    --lora-alpha given with it is refused rather than dropped; a LoRA needs rank >= 1 and alpha > 0 (its
+    scale alpha / rank multiplies every update, so alpha 0 trains nothing and a negative one reverses it)."""
+    if full:
+        for name, value in (("lora_rank", rank), ("lora_alpha", alpha)):
+            flag = f"--{name.replace('_', '-')}"
+            if option_given(ctx, name):
+                raise UsageError(f"{flag} {value:g} sets the LoRA, but --full trains every weight without "
+                                 f"one; drop {flag} or --full")
+        return
+    if rank < 1:
+        raise UsageError(f"--lora-rank must be at least 1, got {rank}; for full fine-tuning pass --full")
+    if not alpha > 0:
+        raise UsageError(f"--lora-alpha must be positive, got {alpha}")
 
 
 def _check_step_memory(rows: list[dict], cfg) -> None:

@@ -6,6 +6,7 @@ The conventions (clip bounds, aggregation modes, clip statistics): docs/training
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -109,7 +110,38 @@ class LossConfig:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
-        self.rules()  # the thresholds parse
+        self._refuse_idle_options(self.rules())  # the thresholds parse
+
+    def _refuse_idle_options(self, rules: rc.Rules) -> None:
+        """An option given that the resolved `rules` never read is refused, as --rollout-rs-threshold
+        without --rollout-rs is: the run's config.json would record a correction that does not run. As in
+        verl, the IS threshold, mode and batch normalisation act only with IS on (the normalisation also
+        divides alpha weights, so --alpha-weight gives it weights too) and --rejection-c only with the
+        stochastic rejection on; an option left unset or set to off is never refused."""
+        if rules.is_level is None:
+            no_is = self._turned_off("rollout_is", "IS", lambda r: r.is_level is not None)
+            for name, does in (("rollout_is_threshold", "bounds the IS weights"),
+                               ("rollout_is_mode", "picks how the IS weights are bounded")):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"--{name.replace('_', '-')} {does}, but {no_is}")
+            if self.rollout_is_batch_normalize and not rules.alpha_weight:
+                raise ValueError(f"--rollout-is-batch-normalize divides the IS or alpha weights by their "
+                                 f"mean, but {no_is}, or add --alpha-weight")
+        if self.rejection_c is not None and rules.rejection is None:
+            no_rejection = self._turned_off("rejection", "stochastic rejection", lambda r: r.stochastic)
+            raise ValueError(f"--rejection-c is the stochastic rejection's C, but {no_rejection}")
+        if self.rollout_rs_threshold is not None and not rules.rejections:
+            raise ValueError(f"--rollout-rs-threshold needs --rollout-rs options to bound, and --rollout-rs "
+                             f"{self.rollout_rs} names none")
+
+    def _turned_off(self, name: str, what: str, has: Callable[[rc.Rules], bool]) -> str:
+        """Why `what` is off (option `name` set to none, or a preset without it) and how to turn it on."""
+        flag = f"--{name.replace('_', '-')}"
+        if getattr(self, name) == "none":
+            return f"{flag} none turns {what} off: give {flag} token or sequence"
+        presets = ", ".join(p for p in rc.PRESETS if has(rc.preset(p)))
+        return (f"--correction {self.correction} has no {what}: add {flag} token or sequence, or pick a "
+                f"--correction with it ({presets})")
 
 
 def group_advantages(rewards: Tensor, cfg: LossConfig) -> Tensor:
