@@ -236,6 +236,7 @@ def train(
         if path is not None and not path.exists():
             raise UsageError(f"{flag} {path}: no such file")
     _check_lora(ctx, full, lora_rank, lora_alpha)
+    _check_distill(ctx, distill_sparse, distill_rank, distill_alpha)
     cfg = TrainConfig(model=model, steps=steps, prompts_per_step=prompts_per_step, samples=samples,
                       max_new_tokens=max_new_tokens, temperature=temperature, ignore_eos=ignore_eos, lr=lr,
                       lora_rank=0 if full else lora_rank, lora_alpha=lora_alpha, correction=correction,
@@ -295,6 +296,26 @@ def _check_lora(ctx: typer.Context, full: bool, rank: int, alpha: float) -> None
         raise UsageError(f"--lora-rank must be at least 1, got {rank}; for full fine-tuning pass --full")
     if not alpha > 0:
         raise UsageError(f"--lora-alpha must be positive, got {alpha}")
+
+
+DISTILL_OPTIONS = ("distill_rank", "distill_alpha", "distill_lr_ratio", "distill_kl_coef")
+
+
+def _check_distill(ctx: typer.Context, distill_sparse: bool, rank: int, alpha: float) -> None:
+    """The sparse actor's LoRA options act only under --distill-sparse: given without it they are refused
+    rather than dropped; with it its LoRA needs rank >= 1 and alpha > 0, as the learner's does."""
+    if not distill_sparse:
+        given = [f"--{n.replace('_', '-')}" for n in DISTILL_OPTIONS if option_given(ctx, n)]
+        if given:
+            one = len(given) == 1
+            raise UsageError(f"{', '.join(given)} set{'s' * one} the sparse actor's LoRA, which only "
+                             "--distill-sparse trains; add --distill-sparse or drop "
+                             f"{'it' if one else 'them'}")
+        return
+    if rank < 1:
+        raise UsageError(f"--distill-rank must be at least 1, got {rank}")
+    if not alpha > 0:
+        raise UsageError(f"--distill-alpha must be positive, got {alpha}")
 
 
 def _check_step_memory(rows: list[dict], cfg) -> None:

@@ -106,6 +106,21 @@ def test_lora_options_that_act_pass_the_checks(tmp_path, stop_after_validation, 
     assert isinstance(runner.invoke(app, train_args(tmp_path, *extra)).exception, Validated)
 
 
+@pytest.mark.parametrize("extra,expected", [
+    (["--distill-rank", "8"], "error: --distill-rank sets the sparse actor's LoRA, which only --distill-sparse "
+                              "trains; add --distill-sparse or drop it"),
+    (["--distill-alpha", "8", "--distill-kl-coef", "0.01"],
+     "error: --distill-alpha, --distill-kl-coef set the sparse actor's LoRA, which only --distill-sparse "
+     "trains; add --distill-sparse or drop them"),
+    (["--distill-sparse", "--distill-alpha", "0"], "error: --distill-alpha must be positive, got 0.0"),
+    (["--distill-sparse", "--distill-rank", "0"], "error: --distill-rank must be at least 1, got 0"),
+])
+def test_sparse_actor_options_without_its_lora_are_refused(tmp_path, no_work, extra, expected):
+    result = runner.invoke(app, train_args(tmp_path, "--budget", "64", *extra))
+    assert result.exit_code == 2 and error_line(result) == expected
+    assert not (tmp_path / "run").exists()
+
+
 # ---------------------------------------------------------------- correction options without effect
 
 
