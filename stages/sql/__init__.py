@@ -66,7 +66,7 @@ def query(run_dir: str | Path, sql: str, limits: Limits | None = None, warn: War
     views = run_views(run_dir, warn)
     used = _used_views(sql)
     for view in views:
-        said = mixed_warning(view) if view.name in used else None
+        said = mixed_warning(view, sql) if view.name in used else None
         if said:
             warn(said)
     con, spill = open_views(run_dir, views, warn, limits.memory // 2)

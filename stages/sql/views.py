@@ -142,10 +142,13 @@ def _by_file(view: View, name: str) -> str:
     return f"CASE {cases} ELSE NULL END"
 
 
-def mixed_warning(view: View) -> str | None:
-    """One sentence when a union view pools files of different provenance; None otherwise."""
+def mixed_warning(view: View, sql: str = "") -> str | None:
+    """One sentence when a union view pools files of different provenance; None otherwise, or when the
+    query `sql` names the columns that tell the files apart (`source_file` or a differing `source_*`):
+    then it filters or groups by them."""
     mixed = view.mixed() if view.union and len(view.sources) > 1 else []
-    if not mixed:
+    named = sql.lower()
+    if not mixed or any(f"source_{n}" in named for n in ("file", *mixed)):
         return None
     differ = "; ".join(f"{name}: " + ", ".join(sorted({str(getattr(s.provenance, name) or "none")
                                                          for s in view.sources})) for name in mixed)
