@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -22,6 +24,7 @@ from .common import (
     parse_int_list,
     raw_prompts_option,
     say_loading,
+    warn,
     warn_first_token_stops,
 )
 from .options import (
@@ -37,12 +40,17 @@ from .options import (
     gpu_memory_option,
     load_actor,
     non_negative_seed,
+    option_given,
     output_path,
     rollouts_temperature,
+    run_format_option,
     set_threads,
     threads_option,
 )
-from .output import emit, format_option, resolve_format
+from .output import emit, resolve_format
+
+if TYPE_CHECKING:
+    from sparrow.stages.core.schedule import Schedule
 
 DISTILL_PHASES = {"sampling": "sampling training trajectories (samples)",
                   "sampling eval": "sampling eval trajectories (samples)",
@@ -100,12 +108,6 @@ def load_init_adapter(path: Path, cfg, rank: int, alpha: float, model: str | Non
     return load_file(path / "adapter_model.safetensors"), lora
 
 
-def option_given(ctx: typer.Context, name: str) -> bool:
-    """Whether the option `name` was given (on the command line or in the environment), not defaulted."""
-    source = ctx.get_parameter_source(name)  # typer vendors click: compare by name, not by enum class
-    return source is not None and source.name in ("COMMANDLINE", "ENVIRONMENT")
-
-
 def refuse_sampling_flags(ctx: typer.Context, rollouts: Path) -> None:
     """With --rollouts and no --eval-prompts nothing is sampled: refuse the sampling options rather than
     ignore them."""
@@ -158,6 +160,93 @@ def check_k3_trajectories(path: Path, sampler: str | None, speculate: int | None
         raise UsageError(f"--objective k3 needs trajectories sampled by the sparse actor, but {path} holds "
                          f"exact speculative samples (--speculate {speculate}), which are the dense model's; "
                          "use --objective kl, or sample with sparrow rollout --budget or --schedule alone")
+
+
+@dataclass(frozen=True)
+class K3Actor:
+    """The sparse actor that `--objective k3` distills, whose own samples the estimator needs: its sampling
+    sparsity (--budget or --schedule), the budgets it is taught at (None: that sparsity itself) and the
+    adapter it starts from (--init-adapter; None: a fresh, zero one)."""
+
+    sparsity: int | Schedule  # --budget, or the --schedule read
+    schedule: Path | None
+    taught: list[int] | None
+    init_adapter: Path | None
+
+    def sampler(self) -> str:
+        """The sampling flag as given: --budget B or --schedule FILE."""
+        return f"--schedule {self.schedule}" if self.schedule is not None else f"--budget {self.sparsity}"
+
+
+def check_k3_taught(actor: K3Actor, sampled: str) -> None:
+    """k3 at a budget other than the one that sampled the tokens estimates another actor's KL: the taught
+    budgets must be the sampling sparsity itself (`sampled` names where the samples come from)."""
+    if actor.taught is None or (isinstance(actor.sparsity, int) and actor.taught == [actor.sparsity]):
+        return
+    hint = f"--train-budgets {actor.sparsity}" if isinstance(actor.sparsity, int) else "no --train-budgets"
+    taught = ",".join(map(str, actor.taught))
+    raise UsageError(f"--objective k3 needs trajectories sampled by the actor it teaches, but {sampled} "
+                     f"{actor.sampler()} while the adapter is taught at budgets {taught} (--train-budgets, "
+                     f"which defaults to --eval-budgets); give {hint}, or use --objective kl, which needs "
+                     "only the tokens")
+
+
+def check_k3_actor(path: Path, sampler: str, actor: K3Actor) -> None:
+    """A rollouts file's recorded sampler (its `sparsity` and `lora` metadata) must be the actor being
+    distilled: the same budget or schedule, the adapter it starts from (none for a fresh one), and no other
+    budget taught; one sentence naming the file's sampler and the flag otherwise."""
+    from sparrow.schemas import artifact_metadata
+
+    kl = "use --objective kl, which needs only the tokens"
+    if not _same_sparsity(sampler, actor):
+        kind, _, value = sampler.partition(":")
+        hint = f"give --{kind} {value}, or " if kind in ("budget", "schedule") else ""
+        raise UsageError(f"--objective k3 needs trajectories sampled by the sparse actor it distills, but "
+                         f"{path} was sampled with {sampler} (its metadata), not by the {actor.sampler()} "
+                         f"actor; {hint}{kl}")
+    check_k3_taught(actor, f"{path} was sampled with")
+    lora = str(artifact_metadata(path).get("lora") or "")
+    start = f"--init-adapter {actor.init_adapter}" if actor.init_adapter is not None else "a fresh adapter"
+    if lora and actor.init_adapter is not None and _same_adapter(Path(lora), actor.init_adapter):
+        return
+    if lora or actor.init_adapter is not None:
+        recorded = f"the adapter {lora} (its metadata 'lora')" if lora else "no adapter (its metadata)"
+        fix = f"give --init-adapter {lora}" if lora else "drop --init-adapter"
+        raise UsageError(f"--objective k3 needs trajectories sampled by the sparse actor it distills, but "
+                         f"{path} was sampled with {recorded} and distill starts from {start}; {fix}, or "
+                         f"{kl}")
+
+
+def _same_sparsity(sampler: str, actor: K3Actor) -> bool:
+    """Whether a recorded sampler ("budget:48", "schedule:FILE") is the actor's --budget or --schedule; a
+    recorded schedule is the same if it is the same file or holds the same bins and budgets."""
+    from sparrow.schemas import ArtifactError
+    from sparrow.stages.core.schedule import Schedule
+
+    kind, _, value = sampler.partition(":")
+    if actor.schedule is None:
+        return kind == "budget" and value == str(actor.sparsity)
+    if kind != "schedule":
+        return False
+    if Path(value).resolve() == actor.schedule.resolve():
+        return True
+    try:
+        recorded = Schedule.from_artifact(value)
+    except (ArtifactError, OSError, ValueError):
+        return False
+    return (recorded.bin_starts, recorded.budgets) == (actor.sparsity.bin_starts, actor.sparsity.budgets)
+
+
+def _same_adapter(recorded: Path, given: Path) -> bool:
+    """The same adapter directory, or one with the same weights (the recorded path may be relative to
+    another working directory)."""
+    if recorded.resolve() == given.resolve():
+        return True
+    weights = "adapter_model.safetensors"
+    try:
+        return (recorded / weights).read_bytes() == (given / weights).read_bytes()
+    except OSError:
+        return False
 
 
 @friendly_errors
@@ -238,7 +327,7 @@ def distill(
                                 parser=output_path("an adapter directory")),
     force: bool = force_option(),
     threads: int = threads_option(),
-    format: str = format_option(),
+    format: str = run_format_option(),
 ) -> None:
     """Distill the sparse actor (block top-k attention + a LoRA on every linear layer, gradients through the
     LoRA only) toward the frozen dense policy, teacher forced on trajectories. Writes OUTPUT/ in peft's
@@ -253,7 +342,6 @@ def distill(
         DistillHooks,
         DistillRun,
         distill_to_folder,
-        tail_comparison,
     )
     from sparrow.stages.model.loading import DTYPES, resolve_config
 
@@ -299,6 +387,9 @@ def distill(
     for flag, path in (("--prompts", prompts), ("--rollouts", rollouts), ("--eval-prompts", eval_prompts)):
         if path is not None and not path.exists():
             raise UsageError(f"{flag} {path}: no such file")
+    actor = K3Actor(sparsity, schedule, taught, init_adapter)
+    if objective == "k3" and prompts is not None:  # sampled by the actor itself, at its sampling sparsity
+        check_k3_taught(actor, "--prompts are sampled with")
     prompt_sets = read_prompt_sets(prompts, eval_prompts, samples, max_new_tokens, model_cfg.vocab_size)
     trajectories, batch_given = None, option_given(ctx, "batch_size")
     if prompts is not None:
@@ -309,6 +400,7 @@ def distill(
         trajectories = read_rollouts(rollouts)
         if objective == "k3":
             check_k3_trajectories(rollouts, trajectories.sampler, trajectories.speculate)
+            check_k3_actor(rollouts, trajectories.sampler, actor)
         cfg.batch_size = steps_batch(batch_size, batch_given,
                                      sum(bool(r["token_ids"]) for r in trajectories.rows),
                                      f"of --rollouts {rollouts}")
@@ -319,7 +411,8 @@ def distill(
                      init_adapter=init_adapter, init=init,
                      samples=samples, max_new_tokens=max_new_tokens, raw_prompts=raw_prompts, dtype=dtype,
                      bin_width=bin_width, device=device, gradient_checkpointing=gradient_checkpointing,
-                     gpu_memory_utilization=gpu_memory_utilization)
+                     gpu_memory_utilization=gpu_memory_utilization, quantile=quantile,
+                     threshold=resolved.value)
 
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console, transient=True,
@@ -351,10 +444,11 @@ def distill(
                   f"{f'budgets {run.taught}' if taught else run.sampler}, {result.seconds:.1f} s of "
                   f"training; {objective} loss {h[0]['loss']:.4g} -> {h[-1]['loss']:.4g}); per-token "
                   f"mismatch before and after: {folder / 'mismatch'}/")
-    rows = tail_comparison(result.before, result.after, quantile, resolved.value)
+    for warning in result.warnings:
+        warn(warning)
     columns = ("bin", "budget", "tokens", "tail_before", "tail_after", "mean_before", "mean_after",
-               "above_after")
-    emit(columns, [[r[c] for c in columns] for r in rows], fmt,
+               "above_after", "worse_after")
+    emit(columns, [[r[c] for c in columns] for r in result.comparison], fmt,
          title=f"alpha per bin and budget, plain vs distilled sparse actor (tail = {quantile:g} quantile, "
-               f"above = tail >= threshold {resolved.short}; eval: "
+               f"above = tail >= threshold {resolved.short}, worse = tail or mean below before; eval: "
                f"{eval_prompts or 'training trajectories'})")

@@ -42,6 +42,7 @@ from .options import (
     check_tail,
     check_workers,
     default_threshold,
+    distilled_adapter,
     eviction_from_flags,
     finite,
     given_path,
@@ -131,9 +132,11 @@ def profile(
     threshold: float = typer.Option(None, "--threshold", callback=finite, show_default=False,
                                     help="Tail threshold shown in the summary (default: the calibration "
                                     "shipped for --model if there is one, else the published prior 0.86)."),
-    adapter: Path = typer.Option(None, "--adapter", help="The sparse actor's LoRA (sparrow distill): every "
-                                 "budget is scored as sparse attention + this adapter against the dense "
-                                 "model without it, and a sparse --sampler samples with it."),
+    adapter: Path = typer.Option(None, "--adapter", help="The sparse actor's LoRA (sparrow distill's, or "
+                                 "train --distill-sparse's RUN/sparse_adapter): every budget is scored as "
+                                 "sparse attention + this adapter against the dense model without it, and a "
+                                 "sparse --sampler samples with it. Not a trained learner's LoRA (train's "
+                                 "RUN/adapter): merge that into a checkpoint folder and give it as --model."),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
     dtype: str = typer.Option("auto", "--dtype", help="Weights and KV cache: auto (bfloat16 on cuda, float32 "
                               "on cpu), float32 or bfloat16; the scores are fp32 either way (fp32 head)."),
@@ -205,6 +208,7 @@ def profile(
     source = ctx.get_parameter_source("budgets")  # typer vendors click: compare by name, not by enum class
     _check_context(opts, cfg, model, source is not None and source.name in ("COMMANDLINE", "ENVIRONMENT"))
     opts.adapter = load_actor(adapter, cfg, model)  # before any weights load
+    check_sparse_actor(adapter)
     run = ProfileRun(model, output, device, str(resolve_dtype(dtype, device)).removeprefix("torch."),
                      False, adapter, workers, ray_address)
     if rollouts is not None:
@@ -253,6 +257,21 @@ def _check_context(opts, cfg, model: str, given_budgets: bool) -> None:
             opts.policy.validate(cfg.max_position_embeddings, label=f"--sampler {opts.sampler} for {model}")
     except ValueError as e:
         raise UsageError(str(e)) from None
+
+
+def check_sparse_actor(adapter: Path | None) -> None:
+    """--adapter is the sparse actor's alone, scored against the dense model without it: an adapter that
+    sparrow distill (or train --distill-sparse) did not write, such as a trained learner's, would count its
+    own training as mismatch, so it is refused. Profile has no way to merge a LoRA into both sides; a merged
+    checkpoint folder does that as --model."""
+    if adapter is not None and not distilled_adapter(adapter):
+        raise UsageError(f"--adapter {adapter} is not a sparse actor's adapter (it has no "
+                         "sparrow_distill.json, which sparrow distill and train --distill-sparse write), and "
+                         "profile scores --adapter on the sparse side only, against the dense model without "
+                         "it, so a trained learner's LoRA would count its own training as mismatch; to "
+                         "profile a learner, merge its LoRA into a checkpoint folder (peft's "
+                         "merge_and_unload, then save_pretrained with the tokenizer) and give that folder as "
+                         "--model")
 
 
 def sampler_policy(spec: str):

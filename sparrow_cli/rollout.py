@@ -107,7 +107,8 @@ def rollout(
                                   metavar="<path>", help="A schedule artifact (sparrow plan-schedule)."),
     budget: int = typer.Option(None, "--budget", help="A fixed budget in tokens (multiple of 16, "
                                "at least 48)."),
-    dense: bool = typer.Option(False, "--dense/--no-dense", help="Dense attention (the default)."),
+    dense: bool = typer.Option(False, "--dense/--no-dense", show_default=False,
+                               help="Dense attention, as without --budget, --schedule or --kv-compression."),
     kv_compression: str = kv_compression_option(),
     kv_budget: int = kv_budget_option(),
     kv_window: int = kv_window_option(),
@@ -130,7 +131,8 @@ def rollout(
                                  "samples grow and preempts (then recomputes) the latest sample when full: "
                                  "less memory, some recompute, and in fp32 the same tokens."),
     lora: Path = typer.Option(None, "--adapter", "--lora", help="A peft LoRA adapter directory (e.g. "
-                              "`sparrow train`'s RUN/adapter), merged into the weights."),
+                              "`sparrow train`'s RUN/adapter), merged into the weights; a sparse actor's "
+                              "(sparrow distill's) only with --budget or --schedule."),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda (bf16, Triton kernels, CUDA graphs)."),
     dtype: str = typer.Option("auto", "--dtype", help="Weights and KV cache: auto (bfloat16 on cuda, "
                               "float32 on cpu), float32 or bfloat16. bfloat16 decodes about 1.5x faster on "
@@ -168,6 +170,7 @@ def rollout(
     mean budget, KV tokens held against dense, reward) goes to stdout and into the artifact's metadata
     ("summary"). With --workers N the same rollouts (same seeds) come from N Ray workers."""
     set_threads(threads)
+    from sparrow.schemas import input_name
     from sparrow.stages.backends.vllm_sampler import vllm_checkpoint
     from sparrow.stages.core.prompt_set import PromptSet
     from sparrow.stages.engine import DecodeStep, SamplingParams
@@ -189,10 +192,7 @@ def rollout(
     kv = (kv_compression, kv_budget, kv_window, kv_buffer)
     policy = sparsity_policy(schedule, budget, dense, kv, model)
     check_speculative_schedule(schedule, speculate)
-    if speculate and lora is not None and distilled_adapter(lora):
-        raise UsageError(f"--adapter {lora} is a sparse actor (sparrow distill's, with "
-                         "sparrow_distill.json), and --speculate verifies with the dense model, which that "
-                         "adapter is not: drop one of them")
+    _check_sparse_actor(lora, policy, speculate)
     for flag, value in (("--samples", samples), ("--max-new-tokens", max_new_tokens),
                         ("--max-num-seqs", max_batch), ("--kv-pages", 1 if kv_pages is None else kv_pages),
                         ("--max-num-batched-tokens", max_num_batched_tokens)):
@@ -238,7 +238,8 @@ def rollout(
                           else DecodeStep.AUTO,
                           gpu_memory_utilization=gpu_memory_utilization,
                           max_prefill_tokens=max_num_batched_tokens, speculate=speculate)
-    mode = f"schedule {schedule}" if schedule is not None else policy.spec().replace("budget:", "budget ")
+    mode = (f"schedule {input_name(schedule)}" if schedule is not None
+            else policy.spec().replace("budget:", "budget "))
     if speculate:
         mode = f"speculative, {mode} drafts {speculate} a cycle"
     run = RolloutRun(model, prompts, mode, output, device, dtype_name, lora, workers, ray_address)
@@ -331,6 +332,24 @@ def _check_speculate(speculate: int, engine: str, kv_compression, block_topk: bo
     if not block_topk:
         raise UsageError("--speculate drafts with block top-k attention (--budget or --schedule), not with "
                          "dense attention; give --budget or --schedule")
+
+
+def _check_sparse_actor(lora: Path | None, policy, speculate: int) -> None:
+    """A sparse actor's adapter (sparrow distill's, with sparrow_distill.json) belongs to sparse sampling
+    only: the dense policy is the base alone, so a dense rollout with it, or the dense verification of
+    --speculate, is refused rather than merged."""
+    if lora is None or not distilled_adapter(lora):
+        return
+    if speculate:
+        raise UsageError(f"--adapter {lora} is a sparse actor (sparrow distill's, with "
+                         "sparrow_distill.json), and --speculate verifies with the dense model, which that "
+                         "adapter is not: drop one of them")
+    if not policy.sparse:
+        raise UsageError(f"--adapter {lora} is a sparse actor (sparrow distill's, with "
+                         "sparrow_distill.json), which samples with sparse attention only, but this "
+                         "rollout is dense (--dense, or no --budget/--schedule/--kv-compression), whose "
+                         "policy is the base alone: give --budget or --schedule to sample with the actor, "
+                         "or drop --adapter")
 
 
 def _lengths(table) -> list[int]:

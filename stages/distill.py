@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -16,6 +16,7 @@ from torch import Tensor
 from sparrow.schemas import input_name, write_artifact
 
 from .attention import DEFAULT_DENSE_LAYERS, PAGE_SIZE
+from .core.definitions import PRIOR_THRESHOLD, RESERVED_PAGES, TAIL_QUANTILE
 from .core.prompt_set import PromptSet
 from .core.schedule import Schedule
 from .core.sparsity import BudgetFn, budget_fn
@@ -35,6 +36,7 @@ from .train.sparse_actor import JointSparseActor, SharedPromptSparse, actor_hidd
 OBJECTIVES = ("kl", "k3")
 PUBLISHED_LORA_ALPHA = 16.0
 MAX_BUDGET_WEIGHT = 100.0
+WORSE_BY = 1e-4  # an alpha drop below this is the rounding of scoring merged weights, not a worse actor
 
 
 @dataclass
@@ -112,6 +114,8 @@ class DistillResult:
     before: pa.Table | None = None  # mismatch of the eval trajectories, plain actor
     after: pa.Table | None = None  # the same, distilled actor
     lora: LoraWeights | None = field(default=None, repr=False)
+    comparison: list[dict] = field(default_factory=list)  # `tail_comparison` of before and after
+    warnings: list[str] = field(default_factory=list)  # one sentence each, recorded in sparrow_distill.json
 
 
 class Distiller:
@@ -258,14 +262,63 @@ class Distiller:
 
 
 
+def reads_sparsely(lengths: Iterable[tuple[int, int]], budget_fns: Sequence[BudgetFn]) -> bool:
+    """Whether a taught budget reads some generated position of these (prompt, completion) lengths
+    sparsely. The first token comes from the dense prefill; token j >= 1 is produced at cache length n + j,
+    where block top-k at budget b keeps every page while the cache holds at most b tokens
+    (attention/block_topk.py). Where none is read sparsely the actor is the dense policy."""
+    return any(0 < int(f(n + j)) < n + j for n, t in lengths for j in range(1, t) for f in budget_fns)
+
+
+def check_sparse(lengths: Sequence[tuple[int, int]], budget_fns: Sequence[BudgetFn], taught: str,
+                 source: str, page_size: int = PAGE_SIZE) -> None:
+    """Refuse, before any training, trajectories (`source`: "every ...", as (prompt, completion) lengths,
+    or the longest they may be) that the taught budgets cover whole: the actor would start equal to the
+    dense policy, with a zero objective, and AdamW would turn its float-noise gradient into full steps away
+    from dense."""
+    if not lengths or reads_sparsely(lengths, budget_fns):
+        return
+    longest = max(n + max(t - 1, 0) for n, t in lengths)
+    smallest = RESERVED_PAGES * page_size
+    fix = (f"give a --budget or --train-budgets below {longest}, or longer trajectories" if longest > smallest
+           else f"give longer trajectories (even the smallest budget, {smallest}, covers these)")
+    raise ValueError(f"{source} fits within the budget the actor is taught at ({taught}): the longest "
+                     f"reaches at most {longest} tokens of context, so the sparse actor reads every cached "
+                     f"token and equals the dense policy, with nothing to distill; {fix}")
+
+
+def regression_warning(rows: Sequence[dict], folder: Path, shown: int = 3) -> str | None:
+    """One sentence naming the bins and budgets of `tail_comparison` where the adapter made the sparse actor
+    worse (`worse_after`), or None. The adapter is written all the same, with this sentence in its record:
+    it may be worse in some cells and better in others, and whether to sample with it is the user's call."""
+    worse = [r for r in rows if r["worse_after"]]
+    if not worse:
+        return None
+    cells = "; ".join(f"bin {r['bin']} budget {r['budget']}: tail {r['tail_before']:.4g} -> "
+                      f"{r['tail_after']:.4g}, mean {r['mean_before']:.4g} -> {r['mean_after']:.4g}"
+                      for r in worse[:shown]) + ("; ..." if len(worse) > shown else "")
+    return (f"the distilled actor is worse than the plain one in {len(worse)} of {len(rows)} bins and "
+            f"budgets of the eval ({cells}), so sampling with --adapter {folder} there is farther from the "
+            "dense policy than sampling without it; distill with fewer --steps, a lower --lr or more "
+            "trajectories, or leave the adapter out")
+
+
 def tail_comparison(before: pa.Table, after: pa.Table, quantile: float, threshold: float) -> list[dict]:
-    """Per bin and budget: tokens, tail and mean alpha before and after distillation."""
+    """Per bin and budget: tokens, tail and mean alpha before and after distillation, whether the tail after
+    clears `threshold`, and whether the distilled actor is worse there (`_worse`)."""
     a = {(r["bin"], r["budget"]): r for r in summarize(before, quantile, threshold).to_pylist()}
     b = {(r["bin"], r["budget"]): r for r in summarize(after, quantile, threshold).to_pylist()}
     return [{"bin": k[0], "budget": k[1], "tokens": a[k]["tokens"],
              "tail_before": a[k]["tail_alpha"], "tail_after": b[k]["tail_alpha"],
              "mean_before": a[k]["mean_alpha"], "mean_after": b[k]["mean_alpha"],
-             "above_after": bool(b[k]["tail_alpha"] >= threshold)} for k in sorted(a) if k in b]
+             "above_after": bool(b[k]["tail_alpha"] >= threshold), "worse_after": _worse(a[k], b[k])}
+            for k in sorted(a) if k in b]
+
+
+def _worse(before: dict, after: dict) -> bool:
+    """Whether the distilled actor's tail or mean alpha is below the plain actor's by more than WORSE_BY."""
+    return bool(after["tail_alpha"] < before["tail_alpha"] - WORSE_BY
+                or after["mean_alpha"] < before["mean_alpha"] - WORSE_BY)
 
 
 @dataclass
@@ -344,6 +397,8 @@ class DistillRun:
     dtype: str = "auto"
     gpu_memory_utilization: float = 0.9
     gradient_checkpointing: bool | None = None  # None: on when the model is on a CUDA device
+    quantile: float = TAIL_QUANTILE  # the tail of the before/after comparison
+    threshold: float = PRIOR_THRESHOLD  # what its `above_after` marks
 
     @property
     def taught(self) -> str | None:
@@ -366,6 +421,8 @@ def distill_to_folder(run: DistillRun, cfg: DistillConfig, hooks: DistillHooks) 
     as it starts, the eval trajectories sampled densely, the distillation, and its folder written."""
     model_cfg = resolve_config(run.model)
     fits = (model_cfg.vocab_size, model_cfg.max_position_embeddings, run.max_new_tokens)
+    taught = run.train_budgets or [run.sparsity]
+    budget_fns = [budget_fn(b) for b in taught]
     trajectories = None
     if run.rollouts is not None and not run.rollouts.needs_tokenizer:
         trajectories = run.rollouts.trajectories(None, *fits[:2])
@@ -373,6 +430,7 @@ def distill_to_folder(run: DistillRun, cfg: DistillConfig, hooks: DistillHooks) 
                                       if path is not None}
     for prompt_set in prompt_sets.values():
         prompt_set.check_fits(*fits)
+    _check_covered(run, budget_fns, trajectories, prompt_sets)  # before any weights load, where known
     hooks.on_loading()
     loaded = loading.load_model(run.model, device=run.device, dtype=resolve_dtype(run.dtype, run.device))
     on_gpu = loaded.model.embed_tokens.weight.is_cuda
@@ -383,6 +441,7 @@ def distill_to_folder(run: DistillRun, cfg: DistillConfig, hooks: DistillHooks) 
             prompt_set.check_fits(*fits)
     if run.prompts is None and trajectories is None:
         trajectories = run.rollouts.trajectories(loaded.tokenizer, *fits[:2])
+    _check_covered(run, budget_fns, trajectories, prompt_sets)  # text tokenized: before any sampling
     init, init_actor = run.init or (None, None)
     sampling = dict(budgets=run.eval_budgets, samples=run.samples, max_new_tokens=run.max_new_tokens,
                     temperature=cfg.temperature, gpu_memory_utilization=run.gpu_memory_utilization,
@@ -395,6 +454,7 @@ def distill_to_folder(run: DistillRun, cfg: DistillConfig, hooks: DistillHooks) 
         train_set = prompt_sets[run.prompts]
         trajectories = sample_trajectories(loaded, train_set.ids, train_set.tokens, opts, hooks.progress)
         hooks.on_sampled([len(t.completion) for t in trajectories])
+        _check_covered(run, budget_fns, trajectories, prompt_sets)
     eval_trajectories = trajectories
     if run.eval_prompts is not None:  # the dense policy's: the same prefixes before and after
         opts = ProfileOptions(sampler="dense", seed=cfg.seed + 1, **sampling)
@@ -403,11 +463,28 @@ def distill_to_folder(run: DistillRun, cfg: DistillConfig, hooks: DistillHooks) 
         eval_trajectories = sample_trajectories(
             loaded, eval_set.ids, eval_set.tokens, opts,
             None if progress is None else lambda _, done, total: progress("sampling eval", done, total))
-    taught = run.train_budgets or [run.sparsity]
-    job = DistillJob(trajectories, [budget_fn(b) for b in taught], eval_trajectories, run.eval_budgets,
-                     run.bin_width, init, init_actor)
+    job = DistillJob(trajectories, budget_fns, eval_trajectories, run.eval_budgets, run.bin_width, init,
+                     init_actor)
     distiller, result = run_distill(loaded, job, cfg, hooks.on_step, hooks.on_phase, hooks.progress)
+    result.comparison = tail_comparison(result.before, result.after, run.quantile, run.threshold)
+    result.warnings = [w for w in [regression_warning(result.comparison, run.output)] if w]
     return save_result(distiller, result, run), result
+
+
+def _check_covered(run: DistillRun, budget_fns: Sequence[BudgetFn], trajectories: Sequence[Trajectory] | None,
+                   prompt_sets: dict[Path, PromptSet]) -> None:
+    """`check_sparse` of what is known so far: the trajectories read or sampled, else the prompts to
+    sample, each at --max-new-tokens, once they are token ids."""
+    taught = run.taught or run.sampler
+    if trajectories is not None:
+        source = (f"every trajectory sampled from --prompts {run.prompts}" if run.prompts is not None
+                  else f"every trajectory of --rollouts {run.rollouts_path}")
+        lengths = [(len(t.prompt), len(t.completion)) for t in trajectories if t.completion]
+        check_sparse(lengths, budget_fns, taught, source)
+    elif run.prompts is not None and not prompt_sets[run.prompts].needs_tokenizer:
+        lengths = [(len(p), run.max_new_tokens) for p in prompt_sets[run.prompts].tokens]
+        check_sparse(lengths, budget_fns, taught, f"every prompt of --prompts {run.prompts} with "
+                     f"--max-new-tokens {run.max_new_tokens}")
 
 
 def save_result(distiller: Distiller, result: DistillResult, run: DistillRun) -> Path:
@@ -424,7 +501,7 @@ def save_result(distiller: Distiller, result: DistillResult, run: DistillRun) ->
               "bin_width": run.bin_width, "init_adapter": str(run.init_adapter) if run.init_adapter else None,
               "config": {**asdict(cfg), "dense_layers": list(cfg.dense_layers)},
               "budget_weights": distiller.weights, "training_seconds": result.seconds,
-              "history": result.history}
+              "history": result.history, "comparison": result.comparison, "warnings": result.warnings}
     (folder / "sparrow_distill.json").write_text(json.dumps(record, indent=2, default=str))
     meta = {"model": run.model, "bin_width": run.bin_width, "temperature": cfg.temperature,
             "budgets": json.dumps(sorted({int(b) for b in result.before.column("budget").to_pylist()})),
@@ -432,11 +509,12 @@ def save_result(distiller: Distiller, result: DistillResult, run: DistillRun) ->
     write_artifact(result.before, folder / "mismatch" / "before.parquet", "mismatch",
                    metadata=meta | {"actor": "plain sparse actor (before distillation)"})
     write_artifact(result.after, folder / "mismatch" / "after.parquet", "mismatch",
-                   metadata=meta | {"actor": f"sparse actor + {folder}", "adapter": str(folder)})
+                   metadata=meta | {"actor": f"sparse actor + {folder}", "adapter": str(folder)}
+                   | ({"warnings": "; ".join(result.warnings)} if result.warnings else {}))
     return folder
 
 
 __all__ = ["OBJECTIVES", "DistillConfig", "DistillHooks", "DistillJob", "DistillResult", "DistillRun",
-           "Distiller", "JointSparseActor", "SharedPromptSparse", "actor_hidden", "distill_to_folder",
-           "evaluate", "kl_terms", "run_distill", "sampled_logprobs", "save_result", "tail_comparison",
-           "token_losses"]
+           "Distiller", "JointSparseActor", "SharedPromptSparse", "actor_hidden", "check_sparse",
+           "distill_to_folder", "evaluate", "kl_terms", "reads_sparsely", "regression_warning", "run_distill",
+           "sampled_logprobs", "save_result", "tail_comparison", "token_losses"]

@@ -170,7 +170,7 @@ def test_json_is_typed_and_the_text_formats_render_alike(tmp_path):
     assert "134.5M" in tsv[[line.split("\t")[0] for line in tsv].index("smollm2-135m")]
     plan = json.loads(runner.invoke(app, ["plan-schedule", "--model", "qwen3-4b", "-f", "json"]
                                     ).stdout.splitlines()[0])
-    assert isinstance(plan[0]["tail"], float) and isinstance(plan[0]["budget"], int)
+    assert isinstance(plan["schedule"][0]["tail"], float) and isinstance(plan["schedule"][0]["budget"], int)
 
     cost = ["fit-cost", "--model", "tiny-llama", "--device", "cpu", "--batches", "1,2",
             "--contexts", "64,128", "--budgets", "dense,48", "--repeats", "1", "--warmup", "0",
@@ -370,11 +370,14 @@ def test_train_and_distill_warn_when_their_samples_end_at_the_first_token(tmp_pa
     r = runner.invoke(app, _train_args(model, prompts, tmp_path / "run", "--steps", "1"))
     assert r.exit_code == 0, r.output
     assert "warning: 2 of 2 samples ended at their first token" in " ".join(r.stderr.split())
-    r = runner.invoke(app, ["distill", "--model", model, "--prompts", str(prompts), "--budget", "48",
+    long_prompts = _token_prompts(tmp_path / "long.parquet", length=60)  # past budget 48
+    r = runner.invoke(app, ["distill", "--model", model, "--prompts", str(long_prompts), "--budget", "48",
                             "--steps", "1", "--samples", "1", "--max-new-tokens", "4", "--lora-rank", "2",
                             "-o", str(tmp_path / "adapter")])
-    assert r.exit_code == 0, r.output
-    assert "warning: 2 of 2 samples ended at their first token" in " ".join(r.stderr.split())
+    stderr = " ".join(r.stderr.split())
+    assert "warning: 2 of 2 samples ended at their first token" in stderr
+    # a first token comes from the dense prefill: no position is read sparsely, so there is nothing to distill
+    assert r.exit_code == 2 and "nothing to distill" in stderr and not (tmp_path / "adapter").exists()
 
 
 # ---------------------------------------------------------------- item 20: a dependency's SyntaxWarnings

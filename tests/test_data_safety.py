@@ -126,6 +126,19 @@ def test_prompts_dash_reads_stdin(tmp_path):
     assert artifact_metadata(out)["prompts"] == "-"  # what the user gave, not the gone temporary copy
 
 
+def test_a_schedule_from_stdin_is_recorded_as_stdin(tmp_path):
+    """The sampler a rollout records (and `sql` shows as source_sparsity) names what the user gave, `-`,
+    not the private copy of stdin that is gone when the command ends."""
+    one_bin = {"bin": [0], "bin_start": [0], "bin_end": [None], "budget": [64], "tail": [None],
+               "predicted_step_seconds": [None]}
+    schedule = write_artifact(one_bin, tmp_path / "s.parquet", "schedule", metadata={"page_size": 16})
+    out = tmp_path / "r.parquet"
+    r = rollout(str(token_prompts(tmp_path / "p.parquet")), str(out), "--schedule", "-",
+                input=schedule.read_bytes())
+    assert r.exit_code == 0, r.output
+    assert artifact_metadata(out)["sparsity"] == "schedule -"
+
+
 def test_prompts_from_a_fifo_are_buffered(tmp_path):
     data = token_prompts(tmp_path / "p.parquet").read_bytes()
     fifo = tmp_path / "prompts.fifo"

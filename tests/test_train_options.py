@@ -107,8 +107,8 @@ def test_lora_options_that_act_pass_the_checks(tmp_path, stop_after_validation, 
 
 
 @pytest.mark.parametrize("extra,expected", [
-    (["--distill-rank", "8"], "error: --distill-rank sets the sparse actor's LoRA, which only --distill-sparse "
-                              "trains; add --distill-sparse or drop it"),
+    (["--distill-rank", "8"], "error: --distill-rank sets the sparse actor's LoRA, which only "
+                              "--distill-sparse trains; add --distill-sparse or drop it"),
     (["--distill-alpha", "8", "--distill-kl-coef", "0.01"],
      "error: --distill-alpha, --distill-kl-coef set the sparse actor's LoRA, which only --distill-sparse "
      "trains; add --distill-sparse or drop them"),
