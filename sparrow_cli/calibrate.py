@@ -120,7 +120,7 @@ def calibrate_threshold(
                     tokens=tokens)
     sensitivity = margin_sensitivity(loaded, results, det) if results else []
     per_run = [{"run": r.name, "tail": r.tail, "mean": r.mean, "kv_read": r.kv_read, "collapsed": r.collapsed,
-                "reasons": r.reasons, "warnings": r.warnings, "reference": r.reference,
+                "reasons": r.reasons, "notes": r.notes, "warnings": r.warnings, "reference": r.reference,
                 "sampler_gap": r.sampler_gap, "eval_change": r.eval_change, "reward_gap": r.reward_gap,
                 "seed": r.seed, "correction": r.correction} for r in results]
     meta = {**cal.provenance, "profile": str(profile), "runs": json.dumps(per_run),
@@ -137,17 +137,24 @@ def calibrate_threshold(
     for line in sensitivity:
         console.print(line, highlight=False)
     console.print(f"wrote {output}")
-    if results:  # the runs are the data; the threshold itself is in the artifact
-        rows = [[r.name, r.tail, r.mean, r.kv_read, r.sampler_gap, r.eval_change,
-                 "collapsed" if r.collapsed else "stable", "; ".join(r.reasons + r.notes),
-                 "; ".join(r.warnings)]
-                for r in sorted(results, key=lambda r: r.tail)]
-        emit(("run", "tail", "mean_alpha", "kv_read", "sampler_gap", "eval_change", "label", "reasons",
-              "warnings"), rows, fmt, title="runs", left=("run", "label", "reasons", "warnings"))
+    if results:  # the runs are the data, as the artifact's `runs` holds them; the threshold is in it too
+        print_runs(results, fmt)
     else:  # no runs to show: the data is the threshold row itself, as the artifact holds it
         row = threshold_table(cal, quantile)
         emit(tuple(row), [[v[0] for v in row.values()]], fmt, title="threshold",
              left=("source", "note"))
+
+
+def print_runs(results, fmt: str) -> None:
+    """One row per run, by tail: its label and the collapse reasons behind it (none for a stable run),
+    apart from its notes (what could not be compared, which profiled budget stood in) and its mismatch
+    warnings, each list joined by "; " and kept apart in the artifact's `runs` metadata too."""
+    rows = [[r.name, r.tail, r.mean, r.kv_read, r.sampler_gap, r.eval_change,
+             "collapsed" if r.collapsed else "stable", "; ".join(r.reasons), "; ".join(r.notes),
+             "; ".join(r.warnings)]
+            for r in sorted(results, key=lambda r: r.tail)]
+    emit(("run", "tail", "mean_alpha", "kv_read", "sampler_gap", "eval_change", "label", "reasons", "notes",
+          "warnings"), rows, fmt, title="runs", left=("run", "label", "reasons", "notes", "warnings"))
 
 
 # (flag, lowest, highest, what the value is); None: unbounded on that side

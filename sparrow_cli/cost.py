@@ -20,12 +20,15 @@ from .common import (
     stage_errors,
     warn,
 )
-from .options import check_gpu_memory, gpu_memory_option, non_negative_seed, output_path
+from .options import check_gpu_memory, gpu_memory_option, non_negative_seed, option_given, output_path
 from .output import emit, format_option, resolve_format
 
 MEASURED_GRID = ("1,4", "1024,2048,4096", "dense,256,512")
 ANALYTIC_GRID = ("1,16,64", "2048,8192,16384,32768", "dense,512,2048,4096")
 NOISY_FIT = 0.25  # a median relative error above this says the timings, not the model, were measured
+# parameter -> flag of the options that only timing reads: --hardware refuses them rather than ignore them
+MEASURING_FLAGS = {"repeats": "--repeats", "warmup": "--warmup", "threads": "--threads", "seed": "--seed",
+                   "gpu_memory_utilization": "--gpu-memory-utilization"}
 
 
 def parse_budgets(text: str) -> list[int]:
@@ -36,20 +39,44 @@ def parse_budgets(text: str) -> list[int]:
     return [0 if x == "dense" else parse_int_list(x, "--budgets")[0] for x in items]
 
 
+def once(values: list[int], flag: str, what: str) -> list[int]:
+    """`values` of a grid list, refused in one sentence where one is listed twice: a grid point would be
+    timed twice and counted twice in the fit's spare points."""
+    repeated = sorted({v for v in values if values.count(v) > 1})
+    if repeated:
+        shown = ", ".join("dense" if flag == "--budgets" and v == 0 else str(v) for v in repeated)
+        raise UsageError(f"{flag} lists {shown} more than once; give each {what} once")
+    return values
+
+
+def refuse_measuring_flags(ctx: typer.Context, hardware: str) -> None:
+    """One sentence naming the timing flags given beside --hardware, which times nothing: ignored, they
+    would look as if they took effect."""
+    given = [flag for name, flag in MEASURING_FLAGS.items() if option_given(ctx, name)]
+    if given:
+        verb = "applies" if len(given) == 1 else "apply"
+        raise UsageError(f"{', '.join(given)} {verb} only when measuring on a device; --hardware {hardware} "
+                         "writes the analytic preset, which times nothing")
+
+
 @friendly_errors
 def fit_cost(
+    ctx: typer.Context,
     model: str = typer.Option("smollm2-135m", "--model", help="Preset, checkpoint dir or .gguf."),
     device: str = typer.Option(None, "--device", help="Measure decode steps here: cpu or cuda "
                                "(the default when --hardware is not given is cpu)."),
     hardware: str = typer.Option(None, "--hardware", help="Write the analytic model of a hardware "
-                                 "preset (h100, h200, a100) instead of measuring."),
+                                 "preset (h100, h200, a100) instead of measuring; it times nothing, so "
+                                 "--repeats, --warmup, --threads, --seed and --gpu-memory-utilization are "
+                                 "refused beside it."),
     batches: str = typer.Option(None, "--batches", help="Batch sizes of the grid, sequences decoded "
                                 "together as rollout's --max-num-seqs (a list, as --contexts and --budgets; "
                                 f"measured {MEASURED_GRID[0]}; analytic {ANALYTIC_GRID[0]})."),
     contexts: str = typer.Option(None, "--contexts", help="Cache lengths of the grid "
                                  f"(measured {MEASURED_GRID[1]}; analytic {ANALYTIC_GRID[1]})."),
     budgets: str = typer.Option(None, "--budgets", help="Budgets of the grid, 'dense' for dense "
-                                f"(measured {MEASURED_GRID[2]}; analytic {ANALYTIC_GRID[2]})."),
+                                f"(measured {MEASURED_GRID[2]}; analytic {ANALYTIC_GRID[2]}). Each list "
+                                "names a value once."),
     repeats: int = typer.Option(5, "--repeats", help="Timed decode steps per point (the fastest is kept)."),
     warmup: int = typer.Option(2, "--warmup", help="Untimed steps per point before timing."),
     threads: int = typer.Option(None, "--threads", help="CPU threads for torch while timing (default: "
@@ -86,13 +113,14 @@ def fit_cost(
     if hardware:
         with stage_errors():
             get_hardware(hardware)
+        refuse_measuring_flags(ctx, hardware)
     grid_defaults = ANALYTIC_GRID if hardware else MEASURED_GRID
     cfg = resolve_config(model)
-    b_list = parse_int_list(batches or grid_defaults[0], "--batches")
-    c_list = parse_int_list(contexts or grid_defaults[1], "--contexts")
+    b_list = once(parse_int_list(batches or grid_defaults[0], "--batches"), "--batches", "batch size")
+    c_list = once(parse_int_list(contexts or grid_defaults[1], "--contexts"), "--contexts", "context")
     if not contexts:  # the default grid stays inside the model's context
         c_list = [c for c in c_list if c <= cfg.max_position_embeddings] or [cfg.max_position_embeddings]
-    k_list = parse_budgets(budgets or grid_defaults[2])
+    k_list = once(parse_budgets(budgets or grid_defaults[2]), "--budgets", "budget")
     if min(b_list) < 1 or min(c_list) < 1:
         raise UsageError("--batches and --contexts must be positive")
     if max(c_list) > cfg.max_position_embeddings:

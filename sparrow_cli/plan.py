@@ -30,11 +30,13 @@ from .output import FORMAT_HELP, FORMAT_METAVAR, emit, json_rows, resolve_format
 
 EXPORTS = ("json", "sglang-vortex")
 EXPORT_TO_GIVE = "a file such as schedule.json (- = stdout)"  # what an empty --export-to is asked for
-FORMAT_TABLES_HELP = (f"{FORMAT_HELP} With --sweep or --speculate, json is one object with a key per "
-                      "table (schedule, frontier, speculative), and with --speculate its K (speculate) and "
-                      "predicted speedups (speculative_speedup, speculation_pays, lossy_speedup, "
-                      "speedups_by_k); csv and tsv carry the schedule table alone, and the rest goes to "
-                      "stderr.")
+FORMAT_TABLES_HELP = (f"{FORMAT_HELP} json is one object: the predicted speedup (speedup, speedup_scope, "
+                      "decode_speedup, prefill_seconds, gen_len, prompt_len, batch, cost), the threshold, "
+                      "quantile and the schedule's bins (schedule); --sweep adds frontier, and --speculate "
+                      "the drafts (speculative), their K (speculate) and speedups (speculative_speedup, "
+                      "speculation_pays, lossy_speedup, speedups_by_k). csv and tsv carry one table, every "
+                      "float whole and a missing value null: the schedule, or with --speculate the draft "
+                      "schedule that -o writes; the rest goes to stderr.")
 
 
 def parse_thresholds(text: str) -> list[float]:
@@ -111,12 +113,14 @@ def plan_schedule(
                                    "--profile's mean alpha per bin: the draft budget per bin and the K (1-8) "
                                    "of the fewest predicted seconds per token, printed beside the lossy "
                                    "plan; -o then writes the draft schedule (its K in the metadata), with a "
-                                   "warning where no K is predicted to beat dense sampling."),
+                                   "warning where no K is predicted to beat dense sampling, and csv or tsv "
+                                   "on stdout is that draft schedule (the lossy one goes to stderr)."),
     format: str = typer.Option(None, "--format", "-f", metavar=FORMAT_METAVAR, help=FORMAT_TABLES_HELP),
 ) -> None:
     """Plan the sparsity schedule: for each position bin the cheapest budget whose tail statistic is
-    at or above the threshold, non-decreasing across bins; prints the table and the predicted
-    rollout speedup over dense."""
+    at or above the threshold, non-decreasing across bins; prints the table and the predicted speedup
+    over dense: of the whole rollout (the prompt's dense prefill on both sides) where the cost model
+    prices a prefill, as the analytic presets do, else of decode alone, labelled so."""
     from sparrow.stages.plan import PlanRequest, plan_kv_budget, plan_schedule
 
     fmt = resolve_format(format)
@@ -183,17 +187,18 @@ def plan_schedule(
         planned = plan_schedule(req, output, export_to)
     result = planned.plan
     # stdout carries one product: the --export text when it goes there, else the plan's tables
-    tables = PlanTables(None if planned.exported is not None and export_to is None else fmt)
+    tables = PlanTables(None if planned.exported is not None and export_to is None else fmt,
+                        "schedule" if planned.speculative is None else "speculative")
+    put_speedup(planned, tables)
     print_plan(planned, tables)
     for note in result.notes:
         console.print(f"[yellow]note:[/] {note}", highlight=False)
     for warning in planned.warnings:
         warn(warning)
-    console.print(f"predicted rollout speedup over dense: [bold]{format_speedup(planned.speedup)}[/]",
-                  highlight=False)
-    for line in (f"  for {planned.lengths.describe(batch)}", f"  cost: {planned.cost_source}",
-                 f"  profile: {result.source}", *("  " + t for t in planned.threshold.lines())):
-        console.print(line, highlight=False, markup=False)
+    print_speedup(planned)
+    console.print(f"  profile: {result.source}", highlight=False, markup=False)
+    for line in planned.threshold.lines():
+        console.print("  " + line, highlight=False, markup=False)
     if planned.frontier:
         print_frontier(planned, tables)
     if planned.speculative is not None:
@@ -248,12 +253,21 @@ def _eviction_profile(profile: Path | None, kv_compression: str | None) -> str |
 
 
 def print_eviction_plan(result, fmt: str) -> None:
+    """The profiled KV budgets, and the plan: in json one object with the chosen budget (kv_budget, null
+    where none holds), its rollout flags, the threshold and the budgets' rows (budgets)."""
+    tables = PlanTables(fmt, "budgets")
+    for name, value in (("policy", result.policy), ("kv_budget", result.budget),
+                        ("flags", result.flags() if result.budget is not None else None),
+                        ("threshold", result.threshold), ("quantile", result.quantile),
+                        ("bin_width", result.bin_width)):
+        tables.put(name, value)
     rows = [[r["budget"], r["tail"], r["weakest_bin"], r["mean_alpha"], r["tokens"], r["holds"]]
             for r in result.rows]
-    _show(("kv_budget", "tail", "weakest_bin", "mean_alpha", "tokens", "holds"), rows, fmt,
-          f"{result.policy} KV budgets (tail = {result.quantile:g} quantile of alpha, the weakest of the "
-          f"{result.bin_width}-token bins; threshold {result.threshold:g})",
-          render={"tail": _fixed(4), "mean_alpha": _fixed(4), "holds": lambda h: "yes" if h else "no"})
+    tables.show("budgets", ("kv_budget", "tail", "weakest_bin", "mean_alpha", "tokens", "holds"), rows,
+                f"{result.policy} KV budgets (tail = {result.quantile:g} quantile of alpha, the weakest of "
+                f"the {result.bin_width}-token bins; threshold {result.threshold:g})",
+                reading={"tail": _fixed(4), "mean_alpha": _fixed(4)})
+    tables.close()
     threshold = result.resolved
     if result.budget is None:
         console.print(f"no profiled {result.policy} budget keeps the tail at or above the threshold: "
@@ -299,29 +313,36 @@ def check_export_to(path: Path | None, export: str | None, force: bool) -> None:
                          "replace it, or choose another path")
 
 
-def _show(columns, rows, fmt: str | None, title: str, render=None) -> None:
-    """A table on stdout in `fmt`, or (fmt None: stdout is taken) as a rich table on stderr."""
-    emit(columns, rows, fmt or "table", title=title, to=None if fmt is not None else console, render=render)
+def _show(columns, rows, fmt: str | None, title: str, render=None, reading=None) -> None:
+    """A table on stdout in `fmt`, or (fmt None: stdout is taken) as a rich table on stderr. `render`
+    gives a column's text in every text format (a dense budget as "dense"); `reading` only in a table,
+    for the eye (rounded floats, "thin" or "open" for a missing value): csv and tsv lose nothing, a float
+    whole and a missing value null, as every command's do."""
+    table = fmt in (None, "table") or stdout_taken()
+    shown = {**(render or {}), **(reading or {})} if table else render
+    emit(columns, rows, fmt or "table", title=title, to=None if fmt is not None else console, render=shown)
 
 
 class PlanTables:
     """The plan's tables (schedule, then --sweep's frontier and --speculate's drafts) as one document on
-    stdout, so a reader parses it whole: json is the schedule's array alone, or one object with a key per
-    table when there are more; csv and tsv are one table, the schedule, and the others go to stderr as
-    tables (two CSV headers in one stream would parse as neither). A table goes where it is shown, in
-    order, except in json, which is written whole by `close`. fmt None: stdout is taken, all to stderr."""
+    stdout, so a reader parses it whole: json is one object, the values `put` beside a key per table,
+    whatever the flags; csv and tsv are one table, the `primary` one (the schedule, or with --speculate
+    the drafts, the schedule that -o writes), and the others go to stderr as tables (two CSV headers in
+    one stream would parse as neither). A table goes where it is shown, in order, except in json, which is
+    written whole by `close`. fmt None: stdout is taken, all to stderr."""
 
-    def __init__(self, fmt: str | None) -> None:
+    def __init__(self, fmt: str | None, primary: str = "schedule") -> None:
         self.fmt = fmt
+        self.primary = primary
         self.collected: dict[str, object] = {}
 
-    def show(self, name: str, columns, rows, title: str, render=None) -> None:
+    def show(self, name: str, columns, rows, title: str, render=None, reading=None) -> None:
         if self._json():
             self.collected[name] = json_rows(columns, rows)
-        elif self.fmt in ("csv", "tsv") and name != "schedule":
-            _show(columns, rows, None, title, render)
+        elif self.fmt in ("csv", "tsv") and name != self.primary:
+            _show(columns, rows, None, title, render, reading)
         else:
-            _show(columns, rows, self.fmt, title, render)
+            _show(columns, rows, self.fmt, title, render, reading)
 
     def put(self, name: str, value: object) -> None:
         """A value beside the tables in the json document (the text formats print it as a message)."""
@@ -332,10 +353,9 @@ class PlanTables:
         return self.fmt == "json" and not stdout_taken()
 
     def close(self) -> None:
-        if not self.collected:
+        if not self._json():
             return
-        doc = self.collected if len(self.collected) > 1 else next(iter(self.collected.values()))
-        sys.stdout.write(json.dumps(doc) + "\n")
+        sys.stdout.write(json.dumps(self.collected) + "\n")
         sys.stdout.flush()
 
 
@@ -343,9 +363,37 @@ def _fixed(digits: int, suffix: str = "", missing: str = "-"):
     return lambda v: missing if v is None else f"{v:.{digits}f}{suffix}"
 
 
-PLAN_RENDER = {"end": lambda e: "open" if e is None else str(e),
-               "budget": lambda b: "dense" if b is None else str(b), "tail": _fixed(4, missing="thin"),
-               "step_ms": _fixed(2), "dense_ms": _fixed(2)}
+DENSE = {"budget": lambda b: "dense" if b is None else str(b)}
+PLAN_READING = {"end": lambda e: "open" if e is None else str(e), "tail": _fixed(4, missing="thin"),
+                "step_ms": _fixed(2), "dense_ms": _fixed(2)}
+
+
+def put_speedup(planned, tables: PlanTables) -> None:
+    """The predicted speedup and what it is for, first in the json document (the keys of the schedule
+    artifact's metadata, shorter: speedup, decode_speedup), then the plan's threshold."""
+    fields = planned.speedup_fields()
+    names = {"predicted_speedup": "speedup", "predicted_decode_speedup": "decode_speedup"}
+    for key, value in fields.items():
+        tables.put(names.get(key, key), value)
+    tables.put("threshold", planned.plan.threshold)
+    tables.put("quantile", planned.plan.quantile)
+
+
+def print_speedup(planned) -> None:
+    """The headline on stderr: the predicted speedup, labelled with what it covers (SpeedupScope), the
+    lengths and batch it is for, the prefill on both sides (or why there is none) and the cost model."""
+    scope, lengths = planned.scope, planned.lengths
+    console.print(f"predicted {scope.label()}: [bold]{format_speedup(planned.speedup)}[/]", highlight=False)
+    lines = [f"  for {lengths.describe(planned.batch)}"]
+    if scope.prefill_s is None:
+        lines.append(f"  prefill: not priced ({planned.cost_source} times decode steps only), so this is "
+                     "decode alone; with the prompt's prefill the rollout's speedup is nearer 1x")
+    elif lengths.prompt_len:
+        lines.append(f"  prefill: {scope.prefill_s * 1e3:.4g} ms, dense, on both sides of the ratio (decode "
+                     f"alone: {format_speedup(planned.decode_speedup)})")
+    lines.append(f"  cost: {planned.cost_source}")
+    for line in lines:
+        console.print(line, highlight=False, markup=False)
 
 
 def print_plan(planned, tables: PlanTables) -> None:
@@ -354,28 +402,34 @@ def print_plan(planned, tables: PlanTables) -> None:
              float(planned.sparse_s[i] * 1e3), float(planned.dense_s[i] * 1e3)]
             for i, budget in enumerate(result.schedule.budgets)]
     tables.show("schedule", ("bin", "start", "end", "budget", "tail", "step_ms", "dense_ms"), rows,
-          f"schedule (threshold {result.threshold:g}, tail = {result.quantile:g} quantile of alpha; step "
-          f"times at batch {planned.batch}, mid-bin)", render=PLAN_RENDER)
+                f"schedule (threshold {result.threshold:g}, tail = {result.quantile:g} quantile of alpha; "
+                f"step times at batch {planned.batch}, mid-bin)", render=DENSE, reading=PLAN_READING)
 
 
 def print_frontier(planned, tables: PlanTables) -> None:
     rows = [[p.threshold, p.speedup, p.mean_budget, p.dense_bins] for p in planned.frontier]
     tables.show("frontier", ("threshold", "speedup", "mean_budget", "dense_bins"), rows,
-          f"stability-speed frontier ({planned.cost_source}, {planned.lengths.gen_len} tokens, "
-          f"batch {planned.batch})",
-          render={"threshold": lambda t: f"{t:g}", "speedup": _fixed(2, "x"), "mean_budget": _fixed(0)})
+                f"stability-speed frontier ({planned.scope.name} speedup; {planned.cost_source}, "
+                f"{planned.lengths.gen_len} tokens, batch {planned.batch})",
+                reading={"threshold": lambda t: f"{t:g}", "speedup": _fixed(2, "x"),
+                         "mean_budget": _fixed(0)})
 
 
 def print_speculative(planned, tables: PlanTables, output: Path | None = None) -> None:
     """The drafts' table, K and speedups (json: beside the tables). The rollout command names the -o that
     holds the drafts, when there is one to name, and only where speculation is predicted to pay: where
     no K beats dense, a warning says so instead (dense sampling is exact too)."""
-    spec = planned.speculative
-    rows = [[i, b, a, t] for i, (b, a, t) in
+    spec, result = planned.speculative, planned.plan
+    rows = [[i, result.schedule.bin_starts[i], result.bin_end(i), b, a, t] for i, (b, a, t) in
             enumerate(zip(spec.budgets, spec.mean_alpha, spec.tokens_per_cycle))]
-    tables.show("speculative", ("bin", "draft_budget", "mean_alpha", "tokens_per_cycle"), rows,
-          f"exact speculative rollouts: K = {spec.k} drafts a cycle", render={
-              "mean_alpha": _fixed(3, missing="thin"), "tokens_per_cycle": _fixed(2, missing="thin")})
+    columns = ("bin", "start", "end", "draft_budget", "mean_alpha", "tokens_per_cycle")
+    tables.show("speculative", columns, rows,
+                f"exact speculative rollouts: K = {spec.k} drafts a cycle (the draft schedule -o writes)",
+                reading={"end": PLAN_READING["end"], "mean_alpha": _fixed(3, missing="thin"),
+                         "tokens_per_cycle": _fixed(2, missing="thin")})
+    if tables.fmt in ("csv", "tsv") and not stdout_taken():
+        console.print(f"stdout holds the draft schedule (the one -o writes) as {tables.fmt}; the lossy "
+                      "schedule is the table on stderr", highlight=False, markup=False)
     for name, value in (("speculate", spec.k), ("speculative_speedup", spec.speedup),
                         ("speculation_pays", spec.pays), ("lossy_speedup", planned.speedup),
                         ("speedups_by_k", {str(k): v for k, v in spec.speedups_by_k.items()})):
@@ -384,7 +438,7 @@ def print_speculative(planned, tables: PlanTables, output: Path | None = None) -
         console.print(f"[yellow]note:[/] {note}", highlight=False)
     by_k = ", ".join(f"K={k} {format_speedup(v)}" for k, v in spec.speedups_by_k.items())
     exact, lossy = format_speedup(spec.speedup), format_speedup(planned.speedup)
-    console.print(f"predicted speedup over dense: speculative (exact) [bold]{exact}[/] at K = {spec.k}, "
+    console.print(f"predicted {planned.scope.label()}: speculative (exact) [bold]{exact}[/] at K = {spec.k}, "
                   f"lossy schedule {lossy}", highlight=False)
     console.print(f"  by K: {by_k}", highlight=False, markup=False)
     written = output is not None and str(output) != "-"
@@ -402,8 +456,9 @@ def print_comparison(hardware: str, threshold: float | None, gen_len: int | None
 
     threshold, gen_len, rows = compare_published_at(hardware, threshold, gen_len, batch, prompt_len)
     table = [[r["model"], r["published"], r["predicted"], r["ratio"]] for r in rows]
-    emit(("model", "published", "predicted", "predicted_over_published"), table, fmt,
-         render={"published": _fixed(2, "x"), "predicted": _fixed(2, "x"),
-                 "predicted_over_published": _fixed(2)},
-         title=f"rollout speedup over dense at threshold {threshold:g}: analytic {hardware} model "
-               f"({gen_len} tokens, batch {batch}) vs published (4 x H200, AIME24)")
+    _show(("model", "published", "predicted", "predicted_over_published"), table, fmt,
+          f"rollout speedup over dense at threshold {threshold:g}: analytic {hardware} model "
+          f"({gen_len} tokens after a {prompt_len}-token prompt, batch {batch}) vs published (4 x H200, "
+          "AIME24)",
+          reading={"published": _fixed(2, "x"), "predicted": _fixed(2, "x"),
+                   "predicted_over_published": _fixed(2)})

@@ -1,8 +1,9 @@
 """Decode-step cost model: analytic (hardware presets, spec-sheet numbers) or fitted to the rollout engine's
 timed decode steps, in one linear form of four features of a step (per step, per sequence, KV tokens
-read, pages scored), so that `plan-schedule` can price a schedule against dense. The model shape
-travels with the coefficients, so a cost artifact is never applied to another model. The derivation of
-the features and coefficients is docs/cost-model.md.
+read, pages scored), so that `plan-schedule` can price a schedule against dense; an analytic model also
+prices the prompt's dense prefill, which a plan's speedup adds to both sides (`SpeedupScope`). The model
+shape travels with the coefficients, so a cost artifact is never applied to another model. The derivation
+of the features and coefficients is docs/cost-model.md.
 """
 
 from __future__ import annotations
@@ -121,9 +122,35 @@ class CostModel:
         return float(self.step_seconds(batch, contexts, budgets).sum())
 
     def speedup(self, budget_at: Callable[[np.ndarray], np.ndarray], gen_len: int, batch: int,
-                prompt_len: int = 0) -> float:
-        return (self.rollout_seconds(None, gen_len, batch, prompt_len)
-                / self.rollout_seconds(budget_at, gen_len, batch, prompt_len))
+                prompt_len: int = 0, prefill_s: float = 0.0) -> float:
+        """Predicted speedup over dense: (prefill_s + dense decode seconds) / (prefill_s + sparse decode
+        seconds); `prefill_s` 0 gives decode alone (`SpeedupScope` says which a plan prints)."""
+        return ((prefill_s + self.rollout_seconds(None, gen_len, batch, prompt_len))
+                / (prefill_s + self.rollout_seconds(budget_at, gen_len, batch, prompt_len)))
+
+    @property
+    def hardware(self) -> Hardware | None:
+        """The hardware preset of an analytic model (its metadata carries it); None for a measured one."""
+        spec = self.extra.get("hardware") if self.source.startswith("analytic:") else None
+        return Hardware(**json.loads(spec)) if spec else None
+
+    def prefill_seconds(self, batch: int, prompt_len: int) -> float | None:
+        """Predicted seconds of the dense prefill of `batch` prompts of `prompt_len` tokens in one forward,
+        in the eFLOPs form of the analytic decode step (docs/cost-model.md): the weights read once, every
+        prompt token through the active parameters, causal attention in every layer, K and V written. Each
+        sequence prefills its own prompt, as each reads its own KV in decode. 0 with no prompt; None for a
+        measured model, whose fit timed decode steps only and so cannot price a prefill."""
+        if prompt_len == 0:
+            return 0.0
+        hw = self.hardware
+        if hw is None:
+            return None
+        cfg = self.config
+        p = active_parameters(cfg)
+        attention = 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * (prompt_len + 1)  # per query token
+        flops = batch * prompt_len * (2 * p + attention)
+        written = batch * prompt_len * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * BF16
+        return hw.overhead + flops / hw.flops + (p * BF16 + written) / hw.bandwidth
 
     def check_model(self, cfg: ModelConfig, subject: str) -> None:
         theirs, ours = shape_of(self.config), shape_of(cfg)
@@ -146,13 +173,53 @@ class CostModel:
             coefficients = json.loads(meta["coefficients"])
             cfg = ModelConfig.from_dict(json.loads(meta["model_config"]))
             verify = json.loads(meta["verify_coefficients"]) if "verify_coefficients" in meta else None
-            return cls(cfg, {k: float(coefficients[k]) for k in FEATURES}, str(meta["source"]),
+            source = str(meta["source"])
+            hardware = meta.get("hardware") if source.startswith("analytic:") else None
+            if hardware:  # the preset that prices a prefill: a malformed one is refused here, with the rest
+                Hardware(**json.loads(hardware))
+            return cls(cfg, {k: float(coefficients[k]) for k in FEATURES}, source,
                        int(meta.get("page_size", PAGE_SIZE)),
                        tuple(json.loads(meta.get("dense_layers", "[0, 1]"))),
+                       {"hardware": str(hardware)} if hardware else {},
                        verify=None if verify is None else {k: float(verify[k]) for k in VERIFY_FEATURES})
         except (KeyError, TypeError, ValueError) as e:
             raise CostError(f"{subject} lacks usable cost-model metadata ({type(e).__name__}: {e}); "
                             "write it with `sparrow fit-cost`") from None
+
+
+@dataclass(frozen=True)
+class SpeedupScope:
+    """What a plan's predicted speedups over dense cover. The dense prefill of the prompt is the same in a
+    sparse and a dense rollout, but it does not cancel from a ratio: (P + D_dense) / (P + D_sparse) is
+    below D_dense / D_sparse. So where the cost model prices a prefill (`prefill_s`, 0 with no prompt) it
+    is on both sides and the speedup is the whole rollout's; where it cannot (a measured model: None) the
+    speedup is of decode alone and says so."""
+
+    prefill_s: float | None
+    prompt_len: int
+
+    @classmethod
+    def of(cls, cost: CostModel, batch: int, prompt_len: int) -> SpeedupScope:
+        return cls(cost.prefill_seconds(batch, prompt_len), prompt_len)
+
+    @property
+    def name(self) -> str:
+        """The artifacts' `speedup_scope`: "rollout" (prefill included, or no prompt) or "decode" (prefill
+        excluded)."""
+        return "decode" if self.prefill_s is None else "rollout"
+
+    @property
+    def prefill(self) -> float:
+        """Seconds added to both sides of the ratio (0 where the prefill is not priced)."""
+        return self.prefill_s or 0.0
+
+    def label(self) -> str:
+        """The headline's words: "rollout speedup", with what it includes where there is a prompt."""
+        if self.prefill_s is None:
+            return "decode speedup over dense (prefill excluded)"
+        if self.prompt_len:
+            return "rollout speedup over dense (the prompt's dense prefill included)"
+        return "rollout speedup over dense"
 
 
 def analytic(cfg: ModelConfig, hardware: str | Hardware, page_size: int = PAGE_SIZE,

@@ -41,6 +41,7 @@ from .core.schedule import (
 )
 from .cost import (
     CostModel,
+    SpeedupScope,
     analytic,
     extrapolation_warning,
     fitted_range,
@@ -162,7 +163,8 @@ class FrontierPoint:
 
 @dataclass
 class PlannedSchedule:
-    """A plan with its predicted speedup, mid-bin step times, frontier and export form."""
+    """A plan with its predicted speedup (of the whole rollout or of decode alone, as `scope` says; the
+    frontier's and the drafts' speedups alike), mid-bin step times, frontier and export form."""
 
     plan: Plan
     cost_source: str
@@ -176,6 +178,16 @@ class PlannedSchedule:
     exported: dict | list | None
     speculative: SpeculativePlan | None = None
     warnings: list[str] = field(default_factory=list)  # one sentence each, said once
+    scope: SpeedupScope = SpeedupScope(0.0, 0)
+    decode_speedup: float = 0.0  # of decode alone, prefill excluded
+
+    def speedup_fields(self) -> dict:
+        """The predicted speedup and what it is for, under the keys of the schedule artifact's metadata,
+        its --export json and the -f json document."""
+        return {"predicted_speedup": self.speedup, "speedup_scope": self.scope.name,
+                "predicted_decode_speedup": self.decode_speedup, "prefill_seconds": self.scope.prefill_s,
+                "gen_len": self.lengths.gen_len, "prompt_len": self.lengths.prompt_len, "batch": self.batch,
+                "cost": self.cost_source}
 
 
 def check_profile_model(profile: Path, model: str, name: str) -> None:
@@ -211,13 +223,16 @@ def plan_schedule(req: PlanRequest, output: Path | None = None, export_to: Path 
         raise ScheduleError(f"--prompt-len {prompt_len} + --gen-len {gen_len} exceeds the model's "
                             f"context of {cfg.max_position_embeddings}")
     result = plan(tails, threshold)
-    speedup = cost_model.speedup(result.schedule.budgets_at, gen_len, req.batch, prompt_len)
-    frontier = [frontier_point(plan(tails, t), t, cost_model, gen_len, req.batch, prompt_len)
+    scope = SpeedupScope.of(cost_model, req.batch, prompt_len)
+    speedup = cost_model.speedup(result.schedule.budgets_at, gen_len, req.batch, prompt_len, scope.prefill)
+    frontier = [frontier_point(plan(tails, t), t, cost_model, gen_len, req.batch, prompt_len, scope.prefill)
                 for t in req.sweep]
     mids = mid_contexts(result)
     sparse_s = cost_model.step_seconds(req.batch, mids, result.schedule.budgets_at(mids))
     planned = PlannedSchedule(result, cost_model.source, resolved, lengths, req.batch, speedup,
-                              sparse_s, cost_model.step_seconds(req.batch, mids, 0), frontier, None)
+                              sparse_s, cost_model.step_seconds(req.batch, mids, 0), frontier, None,
+                              scope=scope, decode_speedup=cost_model.speedup(
+                                  result.schedule.budgets_at, gen_len, req.batch, prompt_len))
     said = extrapolation_warning(f"the cost model {req.cost}", fitted, req.batch,
                                  np.arange(prompt_len + 1, prompt_len + gen_len))
     planned.warnings += [said] if said else []
@@ -233,9 +248,9 @@ def plan_schedule(req: PlanRequest, output: Path | None = None, export_to: Path 
                                 "metadata), so its mismatch is not the model's and the plan says nothing of "
                                 "its training")
     if req.speculate:
-        planned.speculative = _plan_speculation(req, cost_model, tails, lengths)
+        planned.speculative = _plan_speculation(req, cost_model, tails, lengths, scope)
     if req.export == "json":
-        planned.exported = _export_json(planned, name, gen_len)
+        planned.exported = _export_json(planned, name)
     elif req.export == "sglang-vortex":
         planned.exported = export_sglang_vortex(result, cfg.max_position_embeddings,
                                                  f"sparrow-{name}-{threshold:.3g}")
@@ -254,42 +269,42 @@ def _write_schedule(planned: PlannedSchedule, output: Path, name: str, model_con
     metadata describes the drafts alone (no threshold, quantile or tail: the mean alpha sets them)."""
     from sparrow.schemas import write_artifact
 
-    result, lengths = planned.plan, planned.lengths
+    result = planned.plan
     meta = {"model": name, "model_config": model_config, "page_size": result.schedule.page_size,
-            "bin_width": result.bin_width, "profile": result.source, "cost": planned.cost_source,
-            "gen_len": lengths.gen_len, "prompt_len": lengths.prompt_len, "batch": planned.batch}
+            "bin_width": result.bin_width, "profile": result.source, **planned.speedup_fields()}
     if planned.speculative is not None:
         write_artifact(schedule_table(_drafts(result, planned.speculative)), output, "schedule",
                        metadata={**meta, **_speculative_meta(planned.speculative), "min_tokens": min_tokens})
         return
     write_artifact(schedule_table(result, planned.sparse_s), output, "schedule", metadata={
         **meta, "threshold": result.threshold, "threshold_source": planned.threshold.source,
-        "quantile": result.quantile, "predicted_speedup": planned.speedup, "notes": json.dumps(result.notes)})
+        "quantile": result.quantile, "notes": json.dumps(result.notes)})
 
 
-def _plan_speculation(req: PlanRequest, cost_model: CostModel, tails: TailProfile, lengths: Lengths
-                      ) -> SpeculativePlan:
+def _plan_speculation(req: PlanRequest, cost_model: CostModel, tails: TailProfile, lengths: Lengths,
+                      scope: SpeedupScope) -> SpeculativePlan:
     """The draft plan from the profile's mean alpha, its bins thin by --min-tokens as the lossy plan's are."""
     if req.profile is None:
         raise ScheduleError("--speculate plans from a measured --profile (its mean alpha per bin sets the "
                             "drafts' acceptance); the reference profile holds tails only")
     alpha = mean_alpha(read_artifact(req.profile, "mismatch"), tails.bin_width, tails.num_bins,
                        req.min_tokens)
-    return plan_speculation(cost_model, alpha, req.batch, lengths.prompt_len, lengths.gen_len)
+    return plan_speculation(cost_model, alpha, req.batch, lengths.prompt_len, lengths.gen_len,
+                            prefill_s=scope.prefill)
 
 
-def _export_json(planned: PlannedSchedule, name: str, gen_len: int) -> dict:
+def _export_json(planned: PlannedSchedule, name: str) -> dict:
     """The json export of the schedule that -o writes: with --speculate the draft schedule (its K and
     speculative speedup beside it), so the two files never hold different plans; else the lossy plan."""
-    extra = {"predicted_speedup": planned.speedup, "cost": planned.cost_source, "gen_len": gen_len,
-             "batch": planned.batch}
+    extra = planned.speedup_fields()
     spec = planned.speculative
     if spec is None:
         return export_json(planned.plan, name, extra)
     meta = _speculative_meta(spec)
     return export_json(_drafts(planned.plan, spec), name, {
         **extra, "threshold": None, "quantile": None, "speculate": spec.k, "predicted_speedup": spec.speedup,
-        "role": meta["role"], "tokens_per_cycle": json.loads(meta["speculative_tokens_per_cycle"])})
+        "predicted_decode_speedup": spec.decode_speedup, "role": meta["role"],
+        "tokens_per_cycle": json.loads(meta["speculative_tokens_per_cycle"])})
 
 
 def _drafts(result: Plan, spec: SpeculativePlan) -> Plan:
@@ -302,6 +317,7 @@ def _speculative_meta(spec: SpeculativePlan) -> dict:
     """The draft plan's metadata: its K, speedups, tokens per cycle and notes (thin bins, and the warning
     where speculation is not predicted to pay)."""
     return {"speculate": spec.k, "predicted_speedup": spec.speedup,
+            "predicted_decode_speedup": spec.decode_speedup,
             "speedups_by_k": json.dumps({str(k): v for k, v in spec.speedups_by_k.items()}),
             "speculative_tokens_per_cycle": json.dumps([None if t is None else round(t, 4)
                                                         for t in spec.tokens_per_cycle]),
@@ -316,9 +332,9 @@ def export_text(exported: dict | list, form: str) -> str:
 
 
 def frontier_point(result: Plan, threshold: float, cost_model: CostModel, gen_len: int, batch: int,
-                   prompt_len: int) -> FrontierPoint:
+                   prompt_len: int, prefill_s: float = 0.0) -> FrontierPoint:
     budgets = [b for b in result.schedule.budgets if b]
-    speedup = cost_model.speedup(result.schedule.budgets_at, gen_len, batch, prompt_len)
+    speedup = cost_model.speedup(result.schedule.budgets_at, gen_len, batch, prompt_len, prefill_s)
     return FrontierPoint(threshold, speedup, sum(budgets) / len(budgets) if budgets else None,
                          len(result.schedule.budgets) - len(budgets))
 
@@ -415,12 +431,14 @@ def plan_eviction(profile: Path, threshold: float, quantile: float, bin_width: i
 
 def compare_published(hardware: str = "h200", threshold: float = PUBLISHED_SPEEDUP_THRESHOLD,
                       gen_len: int = 32768, batch: int = 64, prompt_len: int = 0) -> list[dict]:
-    """Predicted rollout speedup of the analytic model next to the published one, per Qwen3 model."""
+    """Predicted rollout speedup of the analytic model (the prompt's dense prefill on both sides) next
+    to the published one, per Qwen3 model."""
     rows = []
     for model in published_models():
         cost = analytic(get_preset(model).config, hardware)
         schedule = plan(reference_profile(model), threshold).schedule
-        predicted = cost.speedup(schedule.budgets_at, gen_len, batch, prompt_len)
+        prefill = SpeedupScope.of(cost, batch, prompt_len).prefill
+        predicted = cost.speedup(schedule.budgets_at, gen_len, batch, prompt_len, prefill)
         published = (PUBLISHED_SPEEDUPS.get(model)
                      if abs(threshold - PUBLISHED_SPEEDUP_THRESHOLD) < 1e-9 else None)
         rows.append({"model": model, "published": published, "predicted": predicted,

@@ -129,9 +129,10 @@ class SpeculativePlan:
     budgets: list[int]  # draft budget per bin
     mean_alpha: list[float | None]  # per bin, at its draft budget; None: a thin bin (no trusted mean)
     tokens_per_cycle: list[float | None]  # per bin: expected tokens a sample's cycle emits (None as above)
-    speedup: float  # predicted over dense decoding, over the planned positions
-    speedups_by_k: dict[int, float]  # the best plan's predicted speedup for each K tried
+    speedup: float  # predicted over dense, with the prefill on both sides where priced (SpeedupScope)
+    speedups_by_k: dict[int, float]  # the best plan's predicted speedup for each K tried, as `speedup`
     notes: list[str] = field(default_factory=list)  # how thin bins were priced, one sentence each
+    decode_speedup: float = 0.0  # over dense decoding alone, prefill excluded
 
     @property
     def pays(self) -> bool:
@@ -149,9 +150,11 @@ class SpeculativePlan:
 
 
 def plan_speculation(cost: CostModel, alpha: MeanAlpha, batch: int, prompt_len: int, gen_len: int,
-                     max_k: int = MAX_SPECULATE) -> SpeculativePlan:
+                     max_k: int = MAX_SPECULATE, prefill_s: float = 0.0) -> SpeculativePlan:
     """The K in 1..max_k and the per-bin draft budgets that minimise the predicted decode seconds of
-    `gen_len` tokens after `prompt_len`; positions as `CostModel.rollout_seconds` counts them."""
+    `gen_len` tokens after `prompt_len`; positions as `CostModel.rollout_seconds` counts them. The
+    speedups add `prefill_s` (the prompt's dense prefill, the same for every K) to both sides, which
+    changes no choice."""
     if alpha.thin.all():
         raise ScheduleError(f"no bin of the profile has the --min-tokens {alpha.min_tokens} tokens a mean "
                             "alpha needs; profile more samples or lower --min-tokens")
@@ -164,12 +167,19 @@ def plan_speculation(cost: CostModel, alpha: MeanAlpha, batch: int, prompt_len: 
     by_k = {}
     for k in range(1, max_k + 1):
         plan = _plan_for_k(cost, priced, thin, batch, contexts, bins, k, dense)
-        by_k[k] = plan.speedup
         if best is None or plan.speedup > best.speedup:
             best = plan
-    best.speedups_by_k = by_k
+        by_k[k] = plan.speedup
+    best.decode_speedup = best.speedup
+    best.speedup = _with_prefill(best.speedup, dense, prefill_s)
+    best.speedups_by_k = {k: _with_prefill(v, dense, prefill_s) for k, v in by_k.items()}
     best.notes = thin_notes(alpha) + ([] if alpha.drafts else [LOSSY_ALPHA_NOTE])
     return best
+
+
+def _with_prefill(decode_speedup: float, dense: float, prefill_s: float) -> float:
+    """A decode speedup over `dense` decode seconds as the speedup with `prefill_s` on both sides."""
+    return (prefill_s + dense) / (prefill_s + dense / decode_speedup)
 
 
 def thin_notes(alpha: MeanAlpha) -> list[str]:

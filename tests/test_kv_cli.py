@@ -124,7 +124,9 @@ def test_plan_schedule_plans_the_cheapest_eviction_budget_whose_tail_holds(tmp_p
         r = runner.invoke(app, ["plan-schedule", "--model", "tiny-llama", "--profile", str(profile),
                                 "--threshold", str(threshold), "--format", "json", *extra])
         assert r.exit_code == 0, r.output
-        table = {row["kv_budget"]: row for row in json.loads(r.stdout)}
+        doc = json.loads(r.stdout)
+        table = {row["kv_budget"]: row for row in doc["budgets"]}
+        assert doc["kv_budget"] == 128 and doc["flags"].startswith("--kv-compression snapkv --kv-budget 128")
         for b in data:
             assert abs(table[b]["tail"] - tails[b]) < 1e-9 and table[b]["holds"] == (tails[b] >= threshold)
         assert "plan: --kv-compression snapkv --kv-budget 128 --kv-window 8 --kv-buffer 32" in r.stderr
@@ -185,7 +187,7 @@ def test_compressed_rollouts_profile_back_to_their_own_logprobs(tmp_path):
     r = runner.invoke(app, ["plan-schedule", "--model", "tiny-llama", "--profile", str(mismatch),
                             "--bin-width", "16", "--min-tokens", "1", "--format", "json"])
     assert r.exit_code == 0, r.output
-    assert {row["kv_budget"] for row in json.loads(r.stdout)} == {20, 24}
+    assert {row["kv_budget"] for row in json.loads(r.stdout)["budgets"]} == {20, 24}
 
 
 @pytest.fixture(scope="module")

@@ -71,7 +71,7 @@ def test_formats_parse_with_csv_and_json():
     plan = runner.invoke(app, ["plan-schedule", "--model", "qwen3-4b", "--format", "json"])
     assert plan.exit_code == 0, plan.output
     first = json.loads(plan.stdout.splitlines()[0])
-    assert {"bin", "budget", "tail"} <= set(first[0])
+    assert {"bin", "budget", "tail"} <= set(first["schedule"][0])
 
 
 @pytest.mark.parametrize(

@@ -111,7 +111,7 @@ def test_speculation_slower_than_dense_is_said_plainly_and_no_rollout_is_advised
     assert any(n.startswith("speculation is not predicted to pay here") for n in json.loads(meta["notes"]))
     assert meta["role"].endswith("; not predicted faster than dense)")
     assert read_artifact(out, "schedule").num_rows == 2 and int(meta["speculate"]) >= 1
-    shown = re.findall(r"(\d+\.\d+)x", r.stderr.split("predicted speedup over dense:")[1])
+    shown = re.findall(r"(\d+\.\d+)x", r.stderr.split("speculative (exact)")[1])
     speedups = json.loads(meta["speedups_by_k"])
     assert all(float(v) < 1 for v in speedups.values())
     assert [s for s in shown[2:] if not s.startswith("0.")] == []  # by K, all below 1

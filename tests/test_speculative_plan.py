@@ -139,9 +139,14 @@ def test_bins_without_profiled_tokens_are_marked_thin_not_given_made_up_values(t
     r = runner.invoke(app, ["plan-schedule", "--model", "smollm2-135m", "--profile", str(profile),
                             "--speculate", "--threshold", "0.5", "--min-tokens", "1", "--prompt-len", "0",
                             "--gen-len", "500", "-f", "tsv"])
-    cells = [[c.strip() for c in line.strip().strip("│").split("│")] for line in r.stderr.splitlines()
+    rows = [line.split("\t") for line in r.stdout.splitlines()]  # tsv: the drafts, the schedule -o writes
+    assert rows[0][-2:] == ["mean_alpha", "tokens_per_cycle"] and rows[1][-2:] == ["\\N", "\\N"]
+    r = runner.invoke(app, ["plan-schedule", "--model", "smollm2-135m", "--profile", str(profile),
+                            "--speculate", "--threshold", "0.5", "--min-tokens", "1", "--prompt-len", "0",
+                            "--gen-len", "500", "-f", "table"])
+    cells = [[c.strip() for c in line.strip().strip("│").split("│")] for line in r.stdout.splitlines()
              if line.strip().startswith("│")]
-    assert next(c for c in cells if c[0] == "0" and len(c) == 4)[2:] == ["thin", "thin"]  # the drafts' bin 0
+    assert next(c for c in cells if c[0] == "0" and len(c) == 6)[4:] == ["thin", "thin"]  # the drafts' bin 0
 
 
 def _profile(tmp_path, positions=(100, 500), alpha=(0.7, 1.0)):
@@ -163,7 +168,8 @@ def _profile(tmp_path, positions=(100, 500), alpha=(0.7, 1.0)):
 @pytest.mark.parametrize("fmt", ["json", "csv", "tsv"])
 def test_speculate_and_sweep_print_one_document_on_stdout(tmp_path, fmt):
     """The lossy schedule, the frontier and the drafts: one JSON object with a key per table, or one CSV/TSV
-    table (the schedule; the others on stderr), never two documents one after the other."""
+    table (the drafts, the schedule -o writes; the others on stderr), never two documents one after the
+    other."""
     import csv
     import json
 
@@ -173,15 +179,15 @@ def test_speculate_and_sweep_print_one_document_on_stdout(tmp_path, fmt):
     assert r.exit_code == 0, r.output
     if fmt == "json":
         doc = json.loads(r.stdout)
-        assert set(doc) == {"schedule", "frontier", "speculative", "speculate", "speculative_speedup",
-                            "speculation_pays", "lossy_speedup", "speedups_by_k"}
+        assert {"schedule", "frontier", "speculative", "speculate", "speculative_speedup",
+                "speculation_pays", "lossy_speedup", "speedups_by_k", "speedup"} <= set(doc)
         assert doc["speculation_pays"] == (doc["speculative_speedup"] > 1)
         assert len(doc["frontier"]) == 2 and len(doc["speculative"]) == len(doc["schedule"])
         return
     rows = list(csv.reader(r.stdout.splitlines(), delimiter="," if fmt == "csv" else "\t"))
-    assert rows[0] == ["bin", "start", "end", "budget", "tail", "step_ms", "dense_ms"]
-    assert all(len(row) == 7 for row in rows[1:])
-    assert "draft_budget" in r.stderr and "frontier" in r.stderr
+    assert rows[0] == ["bin", "start", "end", "draft_budget", "mean_alpha", "tokens_per_cycle"]
+    assert all(len(row) == 6 for row in rows[1:])
+    assert "dense_ms" in r.stderr and "frontier" in r.stderr
 
 
 def test_the_export_holds_the_schedule_that_o_writes(tmp_path):
