@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -205,19 +206,64 @@ def write_artifact_parts(tables: Sequence[TableLike], path: str | os.PathLike, k
 
 def replace_dir(path: Path, fill: Callable[[Path], None]) -> None:
     """`fill` a fresh hidden directory beside `path`, then put it in place of `path`: readers see the old
-    directory or the new one, never a mix; the hidden one is removed on any error."""
+    directory or the new one, never a mix; the hidden one is removed on any error. A process killed
+    inside leaves hidden siblings that `recover_replaced` clears up."""
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.tmp")
+    old = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.old")
     try:
         tmp.mkdir(parents=True)
         fill(tmp)
-        old = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.old")
         if path.exists():
             os.replace(path, old)
         os.replace(tmp, path)
-        shutil.rmtree(old, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        if old.exists() and not os.path.lexists(path):  # stopped between the two renames
+            os.replace(old, path)
         raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def leftovers(path: Path) -> tuple[list[Path], list[Path]]:
+    """The hidden siblings that a killed `replace_dir` or `_write` of `path` leaves: its temporaries
+    (`.NAME.<hex>.tmp`, half-written) and the previous versions it had moved aside (`.NAME.<hex>.old`),
+    each list oldest first."""
+    pattern = re.compile(rf"\.{re.escape(path.name)}\.[0-9a-f]{{8,32}}\.(tmp|old)")
+    found: dict[str, list[Path]] = {"tmp": [], "old": []}
+    if path.parent.is_dir():
+        for f in path.parent.iterdir():
+            match = pattern.fullmatch(f.name)
+            if match:
+                found[match.group(1)].append(f)
+    return (sorted(found["tmp"], key=lambda f: f.lstat().st_mtime),
+            sorted(found["old"], key=lambda f: f.lstat().st_mtime))
+
+
+def recover_replaced(path: Path) -> bool:
+    """Undo what a process killed while it replaced `path` left: its temporaries are removed, and when
+    `path` itself is missing (killed between moving the old version aside and putting the new one in
+    place) the newest version moved aside is put back; returns whether one was. A temporary may be
+    complete, but nothing says so: the version moved aside is the one known whole."""
+    tmps, olds = leftovers(path)
+    restored = bool(olds) and not os.path.lexists(path)
+    if restored:
+        os.replace(olds.pop(), path)
+    for f in (*tmps, *olds):
+        _remove(f)
+    return restored
+
+
+def remove_leftovers(path: Path) -> None:
+    """Remove every hidden sibling a killed replacement of `path` left (`path` itself stays as it is)."""
+    for f in (f for found in leftovers(path) for f in found):
+        _remove(f)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def _read_parquet(path: Path) -> pa.Table:

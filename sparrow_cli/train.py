@@ -43,6 +43,7 @@ from .options import (
 from .output import emit_record, resolve_format
 
 TRAIN_LABELS = {"reward_first": "reward, first step", "reward_last": "reward, last step",
+                "model": "fine-tuned model (Hugging Face checkpoint)",
                 "initial_eval_accuracy": "eval accuracy before training",
                 "initial_sampler_gap": "sampler gap before training (dense minus sparse sampled reward)",
                 "final_eval_accuracy": "eval accuracy, last eval",
@@ -107,7 +108,9 @@ def train(
                                      help="LoRA scale numerator: 2 x the default rank, "
                                      "the usual choice; distill's sparse-actor LoRA uses DistillSparse's "
                                      "published 16."),
-    full: bool = typer.Option(False, "--full/--no-full", help="Full fine-tuning instead of a LoRA."),
+    full: bool = typer.Option(False, "--full/--no-full", help="Full fine-tuning instead of a LoRA; writes "
+                              "RUN/model/, a Hugging Face checkpoint that --model, transformers and vLLM "
+                              "load."),
     correction: str = typer.Option(
         "tis", "--correction", help="A preset: none | tis | mis | veto | sparse-rl | icepop | seq-mask-tis | "
         "opsm | sparrow (stages/train/corrections.py); the options below replace the parts they name."),
@@ -188,10 +191,11 @@ def train(
                                     "(default: a local Ray started for the run)."),
     resume: bool = typer.Option(False, "--resume/--no-resume",
                                 help="Continue the run in -o/--output from its "
-                                "checkpoint (the same options and input contents; only --steps may change)."),
+                                "checkpoint (the same options and input contents; only --steps may change). "
+                                "A run stopped after its last step is finished by the same --steps."),
     force: bool = typer.Option(False, "--force/--no-force",
                                help="Start the run in -o/--output over: its metrics, "
-                               "per-step mismatch, schedule, checkpoint and adapters are replaced."),
+                               "per-step mismatch, schedule, checkpoint, adapters and model are replaced."),
     output_dir: Path = typer.Option(..., "-o", "--output", "--output-dir",
                                     parser=given_path("-o", "a run directory"),
                                     help="The run directory (TRL's output_dir). One that holds a run "
@@ -207,8 +211,9 @@ def train(
     """GRPO whose rollouts come from the sparse engine: rewards from the task's scorer, dense recompute of
     the sampled tokens, rollout correction, PPO-clipped update. Writes RUN/metrics.parquet,
     RUN/mismatch/step=N.parquet (query both with `sparrow sql --run RUN`), RUN/checkpoint/ and, with a
-    LoRA, RUN/adapter/ (peft format). Under `torchrun --nproc-per-node N` the ranks share each step's
-    batch and DDP sums their gradients; rank 0 writes, and a run resumes under any number of ranks."""
+    LoRA, RUN/adapter/ (peft format), with --full RUN/model/ (a Hugging Face checkpoint). Under `torchrun
+    --nproc-per-node N` the ranks share each step's batch and DDP sums their gradients; rank 0 writes, and
+    a run resumes under any number of ranks."""
     set_threads(threads)
     from sparrow.stages.core.prompt_set import PromptSet
     from sparrow.stages.core.sparsity import spec_of
@@ -249,7 +254,7 @@ def train(
                       loss=loss, oversample=oversample, alpha_sequences=alpha_sequences,
                       distill_sparse=distill_sparse, distill_rank=distill_rank, distill_alpha=distill_alpha,
                       distill_lr_ratio=distill_lr_ratio, distill_kl_coef=distill_kl_coef,
-                      raw_prompts=raw_prompts, speculate=speculate)
+                      raw_prompts=raw_prompts, speculate=speculate, reward=reward, reward_fn=reward_fn)
     try:
         cfg.validate()
     except ValueError as e:

@@ -14,6 +14,7 @@ import torch
 from sparrow.schemas.io import replace_dir
 
 from .config import TrainConfig
+from .run_dir import finished, saved_config, unwritten
 
 RngStates = tuple  # (torch, numpy, python)
 
@@ -60,12 +61,21 @@ def load_checkpoint(run_dir: Path, mmap: bool = False) -> dict:
 
 
 def check_resumable(run_dir: Path, steps: int) -> None:
-    """Before any weights load: the checkpoint's state.pt reads, and --steps goes beyond the steps it holds
-    (a resume with no step left to train would load the model and do nothing)."""
+    """Before any weights load: the checkpoint's state.pt reads, and --steps goes beyond the steps it holds,
+    or equals them in a run stopped before it wrote its outputs and summary (the resume writes them;
+    one with nothing left to do would load the model for nothing)."""
     done = load_checkpoint(run_dir, mmap=True)["step"]
-    if steps <= done:
-        raise ValueError(f"--resume: {run_dir} already holds {done} step{'s' * (done != 1)}, so --steps "
-                         f"{steps} leaves none to train; give --steps above {done} to continue it")
+    if steps > done:
+        return
+    cfg, _ = saved_config(run_dir)
+    if finished(run_dir, cfg, done):
+        finish = ""
+    elif steps == done:
+        return
+    else:
+        finish = f"--steps {done} to finish it ({unwritten(cfg)} are not written yet) or "
+    raise ValueError(f"--resume: {run_dir} already holds {done} step{'s' * (done != 1)}, so --steps {steps} "
+                     f"leaves none to train; give {finish}--steps above {done} to continue it")
 
 
 def drop_mismatch_after(run_dir: Path, step: int) -> None:

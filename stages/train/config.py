@@ -49,7 +49,10 @@ class TrainConfig:
     oversample: int = 0  # k' > samples: roll out k' per prompt, keep the `samples` of highest mean alpha
     alpha_sequences: int = 4  # sequences per step whose alpha is computed exactly (exact_alpha.py); 0: none
     speculate: int = 0  # exact speculative rollouts: the run's sparsity drafts K tokens, dense verifies
+    reward: str | None = None  # --reward (math | code) scores every prompt; None: each prompt's own task
+    reward_fn: str | None = None  # --reward-fn path.py:function scores every prompt
     # what the run reads, by content (filled by the Trainer; run_dir.py): a resume must read the same
+    reward_fn_sha256: str = ""  # the --reward-fn file's
     prompts_sha256: str = ""
     eval_prompts_sha256: str = ""
     schedule_sha256: str = ""
@@ -88,6 +91,8 @@ class TrainConfig:
             raise ValueError(f"--lora-rank must be >= 0 (0 = full fine-tuning), got {self.lora_rank}")
         if self.kl_coef < 0:
             raise ValueError(f"--kl-coef must be >= 0, got {self.kl_coef}")
+        if self.reward is not None and self.reward_fn is not None:
+            raise ValueError("--reward and --reward-fn are two ways to score; give one of them")
         grpo.LossConfig(correction=self.correction, kl_coef=self.kl_coef, **self.loss).validate()
         if self.oversample and self.oversample <= self.samples:
             raise ValueError(f"--oversample must exceed --samples ({self.samples}) to select among the "

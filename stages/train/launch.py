@@ -121,5 +121,5 @@ def summary_record(history: list[dict], s: dict) -> dict:
             "skipped_updates": s.get("skipped_updates", 0), **{f"mean_{k}": mean(k) for k in MEANS},
             "label": s["label"], "first_collapse_step": s["first_collapse_step"],
             "reasons": "; ".join(s["reasons"]), "warnings": "; ".join(s.get("warnings", [])),
-            "adapter": s["adapter"] or None,
+            "adapter": s["adapter"] or None, **({"model": s["model"]} if s.get("model") else {}),
             **({"sparse_adapter": s["sparse_adapter"]} if s.get("sparse_adapter") else {})}

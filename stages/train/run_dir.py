@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shutil
 import signal
 import threading
@@ -18,10 +19,12 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
+from sparrow.schemas.io import recover_replaced, remove_leftovers
 from sparrow.schemas.locations import describe
 
 from ..core.schedule import Schedule
 from ..kv_policies import BlockTopK, KVPolicy
+from ..model.export import MARKER as MODEL_MARKER
 from .config import TrainConfig
 from .data import PromptRow
 
@@ -32,7 +35,12 @@ RUN_FILES = {"metrics.parquet": "metrics", "schedule.parquet": "schedule"}
 # run's (damaged), so --resume names the missing file and --force replaces it
 REPLACED_DIRS = {"checkpoint": ("state.pt", "config.json", "progress.json"),
                  "adapter": ("adapter_config.json",), "sparse_adapter": ("adapter_config.json",)}
+MODEL_DIR = "model"  # a --full run's export; a folder of that name without MODEL_MARKER is someone else's
 RUN_NAMES = (*RUN_FILES, *REPLACED_DIRS, "mismatch", "metrics.jsonl", "tensorboard", "wandb")
+# written by replacing them whole: a killed write leaves hidden siblings (schemas.io.leftovers)
+REPLACED_NAMES = (*RUN_FILES, *REPLACED_DIRS, MODEL_DIR, "metrics.jsonl")
+STALE_MISMATCH = re.compile(r"\.step=\d+\.parquet\.[0-9a-f]{8,32}\.tmp")
+REWARD_FIELDS = ("reward", "reward_fn", "reward_fn_sha256")  # a run of an older Sparrow lacks them
 
 
 class TrainingInterrupted(KeyboardInterrupt):
@@ -63,12 +71,24 @@ def sparsity_fingerprint(policy: KVPolicy) -> str:
     return sha256_json([schedule.page_size, list(schedule.bin_starts), list(schedule.budgets)])
 
 
+def reward_fn_fingerprint(spec: str | None) -> str:
+    """The sha256 of the file that a --reward-fn path.py:function names; "" for none, or for a file that
+    cannot be read (loading the reward names it). Modules the file imports are not part of it."""
+    if not spec:
+        return ""
+    try:
+        return hashlib.sha256(Path(spec.rpartition(":")[0]).expanduser().read_bytes()).hexdigest()
+    except OSError:
+        return ""
+
+
 def with_fingerprints(cfg: TrainConfig, prompts: Sequence[PromptRow] | None,
                       eval_prompts: Sequence[PromptRow] | None, policy: KVPolicy) -> TrainConfig:
     """`cfg` with the content hashes of what the run reads."""
     return replace(cfg, prompts_sha256=prompts_fingerprint(prompts),
                    eval_prompts_sha256=prompts_fingerprint(eval_prompts),
-                   schedule_sha256=sparsity_fingerprint(policy))
+                   schedule_sha256=sparsity_fingerprint(policy),
+                   reward_fn_sha256=reward_fn_fingerprint(cfg.reward_fn))
 
 
 # ---------------------------------------------------------------- what the directory holds
@@ -98,12 +118,17 @@ def _holds(run_dir: Path) -> str:
     return ", ".join(words)
 
 
-def _check_kinds(run_dir: Path, force: bool) -> None:
-    """Files of a run's names that are not of its kind: refused (folders even with force)."""
-    for name, markers in REPLACED_DIRS.items():
+def _ours(folder: Path, markers: Sequence[str]) -> bool:
+    return folder.is_dir() and any((folder / m).exists() for m in markers)
+
+
+def _check_kinds(run_dir: Path, force: bool, full: bool) -> None:
+    """Files of a run's names that are not of its kind: refused (folders even with force); the model
+    folder only for a --full run, which writes it (a LoRA run leaves a folder of that name alone)."""
+    folders = {**REPLACED_DIRS, **({MODEL_DIR: (MODEL_MARKER,)} if full else {})}
+    for name, markers in folders.items():
         folder = run_dir / name
-        if folder.exists() and not any((folder / m).exists() for m in markers) and (
-                folder.is_file() or any(folder.iterdir())):
+        if folder.exists() and not _ours(folder, markers) and (folder.is_file() or any(folder.iterdir())):
             raise ValueError(f"{folder} exists and is not a training run's {name}, and the run would replace "
                              "it; choose another run directory (-o)")
     mismatch = run_dir / "mismatch"
@@ -136,7 +161,9 @@ def check_run_dir(run_dir: str | Path, cfg: TrainConfig, resume: bool, force: bo
         if resume:
             raise ValueError(f"--resume: {run_dir} does not exist, so there is no run to resume")
         return
-    _check_kinds(run_dir, force)
+    if resume:
+        recover_run(run_dir)
+    _check_kinds(run_dir, force, full=not cfg.lora_rank)
     others = sorted(f.name for f in run_dir.iterdir() if not f.name.startswith("."))
     if others and not resume and not force and not any((run_dir / n).exists() for n in RUN_NAMES):
         raise ValueError(f"{run_dir} holds files that are not a training run's (such as {others[0]}); pass "
@@ -167,45 +194,141 @@ def _check_foreign_schedule(path: Path) -> None:
                          "another run directory (-o)")
 
 
-def check_same_run(run_dir: Path, cfg: TrainConfig) -> None:
-    """A resume agrees with the checkpoint on everything but `steps`; else one sentence naming it."""
+def saved_config(run_dir: Path) -> tuple[TrainConfig, set[str]]:
+    """The configuration RUN/checkpoint/config.json records, and the fields it names (an older Sparrow's
+    lacks the newer ones); ValueError in one sentence when it cannot be read."""
     try:
         raw = json.loads((run_dir / "checkpoint" / "config.json").read_text())
-        saved = TrainConfig(**raw)
+        return TrainConfig(**raw), set(raw)
     except (OSError, ValueError, TypeError) as e:
         raise ValueError(f"--resume: {run_dir}/checkpoint/config.json cannot be read as this Sparrow's "
                          f"training configuration ({e})") from None
+
+
+def check_same_run(run_dir: Path, cfg: TrainConfig) -> None:
+    """A resume agrees with the checkpoint on everything but `steps`; else one sentence naming it."""
+    saved, recorded = saved_config(run_dir)
     if not saved.prompts_sha256:
         raise ValueError(f"--resume: {run_dir} was written by a Sparrow that did not record its prompts, so "
                          "resuming cannot check that they are the same; pass --force instead of --resume to "
                          "start it over")
-    for name in differences(saved, cfg):
-        was, now = getattr(saved, name), getattr(cfg, name)
-        what = {"prompts_sha256": "on other prompts than --prompts holds (their content differs)",
-                "eval_prompts_sha256": ("without --eval-prompts" if not was else "with no --eval-prompts"
-                                        if not now else "on other held-out prompts than --eval-prompts "
-                                        "holds (their content differs)"),
-                "schedule_sha256": "with another schedule than --schedule holds (its budgets differ)",
-                }.get(name, f"with {FLAGS.get(name, '--' + name.replace('_', '-'))} {was!r}, not {now!r}")
-        raise ValueError(f"--resume: {run_dir} was trained {what}; only --steps may change on resume")
+    for name in differences(saved, cfg, recorded):
+        raise ValueError(f"--resume: {run_dir} was trained {_what_differs(name, saved, cfg)}; only --steps "
+                         "may change on resume")
 
 
-def differences(saved: TrainConfig, now: TrainConfig) -> list[str]:
-    """The fields that differ but `steps`; two schedules are compared by content, not by path."""
+def _what_differs(name: str, saved: TrainConfig, now: TrainConfig) -> str:
+    was, new = getattr(saved, name), getattr(now, name)
+    if name in ("reward", "reward_fn"):
+        return f"with {_scoring(saved)}, not {_scoring(now)}"
+    return {"prompts_sha256": "on other prompts than --prompts holds (their content differs)",
+            "eval_prompts_sha256": ("without --eval-prompts" if not was else "with no --eval-prompts"
+                                    if not new else "on other held-out prompts than --eval-prompts "
+                                    "holds (their content differs)"),
+            "schedule_sha256": "with another schedule than --schedule holds (its budgets differ)",
+            "reward_fn_sha256": f"with --reward-fn {saved.reward_fn}, whose file held other code than "
+                                f"{(now.reward_fn or '').rpartition(':')[0]} holds now (their content "
+                                "differs)",
+            }.get(name, f"with {FLAGS.get(name, '--' + name.replace('_', '-'))} {was!r}, not {new!r}")
+
+
+def _scoring(cfg: TrainConfig) -> str:
+    """How a run scored its prompts, as the flag that said so."""
+    if cfg.reward_fn:
+        return f"--reward-fn {cfg.reward_fn}"
+    if cfg.reward:
+        return f"--reward {cfg.reward}"
+    return "each prompt's own task's scorer (neither --reward nor --reward-fn)"
+
+
+def differences(saved: TrainConfig, now: TrainConfig, recorded: set[str] | None = None) -> list[str]:
+    """The fields that differ but `steps`; two schedules are compared by content, not by path, and so are
+    two reward functions of the same name. Reward fields a checkpoint did not record (`recorded`: the
+    fields it names) are not compared: its prompts' fingerprint holds the task they are scored by."""
     both_schedules = saved.sparsity.startswith("schedule:") and now.sparsity.startswith("schedule:")
-    skip = {"steps"} | ({"sparsity"} if both_schedules else set())
+    same_function = bool(saved.reward_fn and now.reward_fn) and (
+        saved.reward_fn.rpartition(":")[2] == now.reward_fn.rpartition(":")[2])
+    skip = ({"steps"} | ({"sparsity"} if both_schedules else set())
+            | ({"reward_fn"} if same_function else set())
+            | {f for f in REWARD_FIELDS if recorded is not None and f not in recorded})
     return [f.name for f in fields(saved)
             if f.name not in skip and getattr(saved, f.name) != getattr(now, f.name)]
 
 
 def clear_run(run_dir: Path) -> None:
-    """`--force`: remove what a run wrote (checked as the run's own by `check_run_dir`), nothing else."""
+    """`--force`: remove what a run wrote (checked as the run's own by `check_run_dir`), nothing else: the
+    hidden leftovers of a killed write among it, and a model folder only when a run exported it."""
     for name in RUN_FILES:
         (run_dir / name).unlink(missing_ok=True)
     for name in REPLACED_DIRS:
         shutil.rmtree(run_dir / name, ignore_errors=True)
+    if _ours(run_dir / MODEL_DIR, (MODEL_MARKER,)):
+        shutil.rmtree(run_dir / MODEL_DIR, ignore_errors=True)
     for f in (run_dir / "mismatch").glob("step=*.parquet"):
         f.unlink()
+    for name in REPLACED_NAMES:
+        remove_leftovers(run_dir / name)
+    _remove_stale_mismatch(run_dir)
+
+
+def recover_run(run_dir: Path) -> None:
+    """`--resume`: undo what a run killed while it wrote left (hidden temporaries are removed; a checkpoint
+    or export moved aside and not replaced is put back), so the run resumes from what it had written."""
+    for name in REPLACED_NAMES:
+        recover_replaced(run_dir / name)
+    _remove_stale_mismatch(run_dir)
+
+
+def _remove_stale_mismatch(run_dir: Path) -> None:
+    folder = run_dir / "mismatch"
+    for f in folder.iterdir() if folder.is_dir() else ():
+        if STALE_MISMATCH.fullmatch(f.name):
+            f.unlink(missing_ok=True)
+
+
+# ---------------------------------------------------------------- a finished run
+
+def run_outputs(cfg: TrainConfig) -> dict[str, str]:
+    """What a finished run leaves beside its logs: folder -> the file that shows it written."""
+    out = {"adapter": "adapter_config.json"} if cfg.lora_rank else {MODEL_DIR: MODEL_MARKER}
+    if cfg.distill_sparse:
+        out["sparse_adapter"] = "adapter_config.json"
+    return out
+
+
+def recorded_summary(run_dir: Path) -> dict | None:
+    """The summary a finished run recorded in its metrics metadata (None: none, or unreadable)."""
+    from sparrow.schemas import ArtifactError, artifact_metadata
+
+    try:
+        text = artifact_metadata(run_dir / "metrics.parquet").get("summary")
+        summary = json.loads(text) if isinstance(text, str) else None
+    except (ArtifactError, OSError, ValueError):  # a missing or damaged file records none
+        return None
+    return summary if isinstance(summary, dict) else None
+
+
+def record_summary(run_dir: Path, summary: dict) -> None:
+    """The run's summary into its metrics metadata (key `summary`, JSON text), the rows and the rest of
+    the metadata as they are; written last, it marks the run finished."""
+    from sparrow.schemas import artifact_metadata, read_artifact, write_artifact
+
+    path = run_dir / "metrics.parquet"
+    table = read_artifact(path, "metrics")
+    write_artifact(table, path, "metrics", {**artifact_metadata(table), "summary": json.dumps(summary)})
+
+
+def finished(run_dir: Path, cfg: TrainConfig, steps: int) -> bool:
+    """Whether the run of `steps` steps wrote all it leaves: its outputs and, last, its summary."""
+    summary = recorded_summary(run_dir)
+    return (summary is not None and summary.get("steps") == steps
+            and all((run_dir / folder / marker).is_file() for folder, marker in run_outputs(cfg).items()))
+
+
+def unwritten(cfg: TrainConfig) -> str:
+    """What an unfinished run of all its steps has yet to write, in words."""
+    names = {"adapter": "adapter", MODEL_DIR: "model (RUN/model)", "sparse_adapter": "sparse adapter"}
+    return f"its {', '.join(names[f] for f in run_outputs(cfg))} and summary"
 
 
 # ---------------------------------------------------------------- interrupts

@@ -1,11 +1,17 @@
 """Live tracking of each training step's metrics (`--report-to`: jsonl, tensorboard, wandb offline or
-none) beside RUN/metrics.parquet, which stays the source of truth (docs/training.md, tracking)."""
+none) beside RUN/metrics.parquet, which stays the source of truth (docs/training.md, tracking).
+
+A resumed run hands each tracker the rows of the steps its checkpoint holds (`history`): a tracker that
+lacks some of them (a step whose line an interrupt cut off, or a run started with another --report-to)
+gets them before the new steps, so every tracker ends with every step of metrics.parquet.
+"""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 import math
+from collections.abc import Sequence
 from pathlib import Path
 
 from sparrow.schemas.io import write_bytes
@@ -37,38 +43,61 @@ def _scalars(row: dict) -> dict[str, float]:
             if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step" and math.isfinite(v)}
 
 
+def _jsonl_line(row: dict) -> str:
+    clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
+    return json.dumps(clean, default=str)
+
+
+def _line_step(line: str) -> int | None:
+    try:
+        step = json.loads(line).get("step")
+    except (ValueError, AttributeError):
+        return None
+    return step if isinstance(step, int) else None
+
+
 class JsonlTracker:
-    def __init__(self, run_dir: Path, start_step: int):
+    def __init__(self, run_dir: Path, start_step: int, history: Sequence[dict] = ()):
+        """A resume keeps the lines of the steps up to `start_step`, adds those of `history` it lacks (in
+        step order) and drops the rest; a fresh run starts with none."""
         self.path = run_dir / "metrics.jsonl"
-        kept = []
+        lines: dict[int, str] = {}
         if start_step and self.path.exists():
-            kept = [line for line in self.path.read_text().splitlines()
-                    if line.strip() and json.loads(line).get("step", 0) <= start_step]
-        if kept:
-            write_bytes(self.path, "".join(line + "\n" for line in kept).encode())
+            for line in self.path.read_text().splitlines():
+                step = _line_step(line)
+                if step is not None and step <= start_step:
+                    lines.setdefault(step, line)
+        for row in history if start_step else ():
+            if row["step"] <= start_step:
+                lines.setdefault(row["step"], _jsonl_line(row))
+        if lines:
+            write_bytes(self.path, "".join(lines[s] + "\n" for s in sorted(lines)).encode())
         else:  # made by the first step's line: a run stopped before it leaves none
             self.path.unlink(missing_ok=True)
 
     def log(self, row: dict) -> None:
-        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
         with self.path.open("a") as f:
-            f.write(json.dumps(clean, default=str) + "\n")
+            f.write(_jsonl_line(row) + "\n")
 
     def close(self) -> None:
         pass
 
 
 class TensorboardTracker:
-    def __init__(self, run_dir: Path, start_step: int, config: dict):
+    def __init__(self, run_dir: Path, start_step: int, config: dict, history: Sequence[dict] = ()):
+        """A resume purges the earlier events of every step from 1 on and writes `history` again, since
+        which steps the event files hold is not known without reading them all."""
         from torch.utils.tensorboard import SummaryWriter
 
         folder = run_dir / "tensorboard"
         if start_step == 0:  # a run started (over): no events of an earlier one
             for f in folder.glob("events.out.tfevents.*"):
                 f.unlink()
-        self.writer = SummaryWriter(log_dir=str(folder), purge_step=start_step + 1 if start_step else None)
+        self.writer = SummaryWriter(log_dir=str(folder), purge_step=1 if start_step else None)
         if start_step == 0:
             self.writer.add_text("config", json.dumps(config, indent=2, default=str))
+        for row in history if start_step else ():
+            self.log(row)
 
     def log(self, row: dict) -> None:
         for key, value in _scalars(row).items():
@@ -80,12 +109,16 @@ class TensorboardTracker:
 
 
 class WandbTracker:
-    def __init__(self, run_dir: Path, start_step: int, config: dict):
+    def __init__(self, run_dir: Path, start_step: int, config: dict, history: Sequence[dict] = ()):
+        """A resume logs `history` first, so the offline run it makes holds every step of the run
+        (wandb ignores steps that a run it continued already holds)."""
         import wandb
 
         (run_dir / "wandb").mkdir(parents=True, exist_ok=True)
         self.run = wandb.init(mode="offline", dir=str(run_dir), project="sparrow", name=run_dir.name,
                               config=config, resume="allow" if start_step else None)
+        for row in history if start_step else ():
+            self.log(row)
 
     def log(self, row: dict) -> None:
         self.run.log(_scalars(row), step=row["step"])
@@ -98,12 +131,14 @@ class Trackers:
     """The run's trackers: `log` each step's row, `close` at the end (rank 0 only)."""
 
     def __init__(self, names: tuple[str, ...], run_dir: str | Path, start_step: int = 0,
-                 config: dict | None = None):
+                 config: dict | None = None, history: Sequence[dict] = ()):
+        """`history`: the rows of the steps up to `start_step` (a resume's), which trackers that lack
+        them write first."""
         run_dir = Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
-        makers = {"jsonl": lambda: JsonlTracker(run_dir, start_step),
-                  "tensorboard": lambda: TensorboardTracker(run_dir, start_step, config or {}),
-                  "wandb": lambda: WandbTracker(run_dir, start_step, config or {})}
+        makers = {"jsonl": lambda: JsonlTracker(run_dir, start_step, history),
+                  "tensorboard": lambda: TensorboardTracker(run_dir, start_step, config or {}, history),
+                  "wandb": lambda: WandbTracker(run_dir, start_step, config or {}, history)}
         self.trackers = [makers[n]() for n in names if n != "none"]
 
     def log(self, row: dict) -> None:

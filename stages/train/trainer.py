@@ -21,6 +21,7 @@ from ..core.sparsity import budget_fn
 from ..engine import SamplingParams
 from ..kv_policies import Dense, KVPolicy
 from ..model.adapter import add_lora, load_lora_state, lora_state, save_adapter
+from ..model.export import export_model
 from ..model.loading import LoadedModel
 from ..tasks import score_batch
 from . import objective as grpo
@@ -42,17 +43,25 @@ from .metrics import (
 )
 from .rollouts import Rollouts
 from .run_dir import (
+    MODEL_DIR,
     TrainingInterrupted,
     check_run_dir,
     checkpoint_step,
     clear_run,
     interrupts_deferred,
     planned_schedule,
+    record_summary,
+    run_outputs,
+    unwritten,
     with_fingerprints,
 )
 from .sparse_actor import JointSparseActor
 from .tracking import Trackers
 from .update import Learner
+
+# the per-step numbers the summary averages over the run's steps (mean_<name>)
+SUMMARY_MEANS = ("mismatch_kl", "alpha_p5", "alpha_lb_p5", "masked_fraction", "vetoed_fraction",
+                 "rollout_seconds", "scoring_seconds", "update_seconds", "weight_sync_seconds")
 
 
 @dataclass
@@ -91,6 +100,7 @@ class Trainer:
         self.loss_cfg = grpo.LossConfig(correction=config.correction, kl_coef=config.kl_coef, **config.loss)
         self.history: list[dict] = []
         self.step = 0
+        self.trackers: Trackers | None = None  # rank 0's, while the run runs
         self.initial_eval: InitialEval | None = None
         check_run_dir(self.run_dir, config, opts.resume, opts.force)
         self.start_over = opts.force
@@ -123,36 +133,41 @@ class Trainer:
     # ------------------------------------------------------------------ the run
 
     def run(self) -> dict:
-        """Train until `steps`; returns the run's summary (also in the metrics artifact's metadata). On an
-        interrupt, a checkpoint at the last complete step (run_dir.py), then TrainingInterrupted."""
-        trackers = None
+        """Train until `steps`, then write the run's outputs (adapter or model) and, last, its summary
+        (also in the metrics artifact's metadata), which it returns. On an interrupt, a checkpoint at the
+        last complete step (run_dir.py), then TrainingInterrupted; a run interrupted after its last step
+        is finished by a resume with the same --steps."""
         try:
-            if self.start_over and self.world.main:
-                clear_run(self.run_dir)
-                self.start_over = False
-            if self.world.main and self.opts.report_to:
-                trackers = Trackers(self.opts.report_to, self.run_dir, self.step, asdict(self.cfg))
-            if self.step == 0 and self.world.main:
-                self._write_schedule()
-                if self.eval_prompts:
-                    self.on_phase("initial eval")
-                    self.initial_eval = self.evaluate_start()
+            self._start()
             while self.step < self.cfg.steps:
-                row = self.train_step()
-                if trackers is not None:
-                    trackers.log(row)
-                self.on_step(row)
+                self.train_step()
                 if self.step % self.cfg.checkpoint_every == 0 or self.step == self.cfg.steps:
                     self._save_checkpoint()
+            summary = self._finish()
         except KeyboardInterrupt:
             self._interrupted()
         finally:
-            if trackers is not None:
-                trackers.close()
+            if self.trackers is not None:
+                self.trackers.close()
+                self.trackers = None
             self.rollouts.close()
-        summary = self.summary()
         self.world.barrier()
         return summary
+
+    def _start(self) -> None:
+        """A forced run's directory cleared, the trackers (a resume's given the steps they lack), and
+        before the first step the schedule and the initial eval."""
+        if self.start_over and self.world.main:
+            clear_run(self.run_dir)
+            self.start_over = False
+        if self.world.main and self.opts.report_to:
+            self.trackers = Trackers(self.opts.report_to, self.run_dir, self.step, asdict(self.cfg),
+                                     self.history)
+        if self.step == 0 and self.world.main:
+            self._write_schedule()
+            if self.eval_prompts:
+                self.on_phase("initial eval")
+                self.initial_eval = self.evaluate_start()
 
     def _interrupted(self):
         """Keep the last complete step resumable, say so, and go on interrupting."""
@@ -162,9 +177,15 @@ class Trainer:
                 f"a step was being applied, so {self.run_dir} keeps " + (
                     f"its checkpoint at step {at}; {self._again('--resume', 'continue from it')}"
                     if at is not None else f"no checkpoint; {self._again('--force', 'start it over')}"))
-        self._save_checkpoint(self.rng_at_step)
+        if self.start_over or checkpoint_step(self.run_dir) != self.step:  # else it holds this very step
+            self._save_checkpoint(self.rng_at_step)
+        steps = self.cfg.steps
+        if self.step == steps:
+            raise TrainingInterrupted(f"{self.run_dir}/checkpoint holds the run's {steps} step"
+                                      f"{'s' * (steps != 1)}, but {unwritten(self.cfg)} are not written "
+                                      f"yet; {self._again('--resume', 'write them')}") from None
         raise TrainingInterrupted(f"{self.run_dir}/checkpoint holds the {self.step} complete "
-                                  f"step{'s' * (self.step != 1)} of {self.cfg.steps}; "
+                                  f"step{'s' * (self.step != 1)} of {steps}; "
                                   f"{self._again('--resume', 'continue')}") from None
 
     def _again(self, flag: str, what: str) -> str:
@@ -180,11 +201,16 @@ class Trainer:
         return f"add {flag} to the same command to {what}"
 
     def train_step(self) -> dict:
+        """One step; from its update to its tracker lines and `on_step` an interrupt waits (a step the
+        metrics hold is a step the trackers and the log hold)."""
         exp = self.experience(self.step)
         with interrupts_deferred():  # the weights change from here to the end of the step's writes
             self.applying = True
             row = self._apply(exp)
             self.applying = False
+            if self.trackers is not None:
+                self.trackers.log(row)
+            self.on_step(row)
         return row
 
     # ------------------------------------------------------------------ one step
@@ -306,7 +332,10 @@ class Trainer:
         write_schedule(self.run_dir, schedule, self.cfg.sparsity)
 
     def summary(self) -> dict:
+        """The run's numbers and where its outputs go (`adapter`: the LoRA, `model`: a --full run's
+        Hugging Face checkpoint, `sparse_adapter`: DistillSparse's; None: not this run's kind)."""
         h = self.history
+        outputs = run_outputs(self.cfg)
         out = {"steps": len(h), **label(h),
                "reward_first": h[0]["reward_mean"] if h else None,
                "reward_last": h[-1]["reward_mean"] if h else None,
@@ -317,18 +346,38 @@ class Trainer:
                "final_eval_accuracy_sparse": next((r["eval_accuracy_sparse"] for r in reversed(h)
                                                   if r.get("eval_accuracy_sparse") is not None), None),
                "skipped_updates": sum(r.get("update_skipped") is not None for r in h),
-               "seconds": sum(r["seconds"] for r in h), "adapter": None}
-        if self.lora_config is not None and self.world.main:
-            out["adapter"] = str(save_adapter(self.model, self.lora_config, self.run_dir / "adapter",
-                                              self.cfg.model))
+               "seconds": sum(r["seconds"] for r in h), **step_means(h),
+               **{name: str(self.run_dir / name) if name in outputs else None
+                  for name in ("adapter", MODEL_DIR)}}
+        if "sparse_adapter" in outputs:
+            out["sparse_adapter"] = str(self.run_dir / "sparse_adapter")
+        return out
+
+    def _finish(self) -> dict:
+        """The outputs written (rank 0), then the summary recorded in the metrics metadata: written last,
+        it is what marks the run finished (a resume of all its steps writes what is missing)."""
+        summary = self.summary()
+        if self.world.main:
+            self._write_outputs()
+            record_summary(self.run_dir, summary)
+        return summary
+
+    def _write_outputs(self) -> None:
+        """RUN/adapter/ (a LoRA, peft format) or RUN/model/ (--full: a Hugging Face checkpoint), and
+        RUN/sparse_adapter/ with DistillSparse; each replaced whole."""
+        cfg = self.cfg
+        if self.lora_config is not None:
+            save_adapter(self.model, self.lora_config, self.run_dir / "adapter", cfg.model)
+        else:
+            export_model(self.model, self.loaded.tokenizer, self.run_dir / MODEL_DIR,
+                         {"written_by": "sparrow train --full", "base_model": cfg.model, "steps": self.step,
+                          "sparsity": cfg.sparsity})
         if self.sparse_actor is not None:
             folder = save_adapter(self.model, self.sparse_actor.config, self.run_dir / "sparse_adapter",
-                                  self.cfg.model, adapter=self.sparse_actor.ADAPTER)
+                                  cfg.model, adapter=self.sparse_actor.ADAPTER)
             (folder / "sparrow_distill.json").write_text(json.dumps(
-                {"mode": "joint (sparrow train --distill-sparse)", "sparsity": self.cfg.sparsity,
+                {"mode": "joint (sparrow train --distill-sparse)", "sparsity": cfg.sparsity,
                  "history": self.sparse_history}, indent=2))
-            out["sparse_adapter"] = str(folder)
-        return out
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -366,6 +415,15 @@ class Trainer:
             write_metrics(self.run_dir, self.history, self.cfg, self.initial_eval)
 
 
+def step_means(history: list[dict]) -> dict[str, float | None]:
+    """mean_<name> over the steps that logged <name>, for each of SUMMARY_MEANS (None: none did)."""
+    out = {}
+    for key in SUMMARY_MEANS:
+        values = [r[key] for r in history if r.get(key) is not None]
+        out[f"mean_{key}"] = sum(values) / len(values) if values else None
+    return out
+
+
 def _check_launch(cfg: TrainConfig, world: World, pool: RolloutPool | None) -> None:
     if pool is not None and world.distributed:
         raise ValueError("Ray rollout workers and torchrun ranks cannot be combined; use one of them")
@@ -378,4 +436,4 @@ def _check_launch(cfg: TrainConfig, world: World, pool: RolloutPool | None) -> N
                          "the update")
 
 
-__all__ = ["RunOptions", "Trainer"]
+__all__ = ["SUMMARY_MEANS", "RunOptions", "Trainer", "step_means"]
