@@ -80,7 +80,7 @@ def calibrate_threshold(
     are printed beside it. Without runs, or when the runs do not separate (as measured, or in most
     draws), the calibration shipped for the profile's model is written if there is one, else the
     published prior 0.86, marked as such."""
-    from sparrow.schemas import artifact_metadata, read_artifact, write_artifact
+    from sparrow.schemas import artifact_metadata, input_name, read_artifact, write_artifact
     from sparrow.stages.calibrate import (
         Detectors,
         ProfileTokens,
@@ -123,7 +123,7 @@ def calibrate_threshold(
                 "reasons": r.reasons, "notes": r.notes, "warnings": r.warnings, "reference": r.reference,
                 "sampler_gap": r.sampler_gap, "eval_change": r.eval_change, "reward_gap": r.reward_gap,
                 "seed": r.seed, "correction": r.correction} for r in results]
-    meta = {**cal.provenance, "profile": str(profile), "runs": json.dumps(per_run),
+    meta = {**cal.provenance, "profile": input_name(profile), "runs": json.dumps(per_run),
             "mean_threshold": cal.mean_threshold, "mean_note": cal.mean_note or None,
             "separations": json.dumps([asdict(s) for s in cal.separations]) if cal.separations else None,
             "margin_sensitivity": json.dumps(sensitivity) if sensitivity else None}

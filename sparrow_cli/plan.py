@@ -8,6 +8,7 @@ from pathlib import Path
 
 import typer
 
+from sparrow.schemas import input_name
 from sparrow.stages.core.published_schedules import REFERENCE_GEN_LEN
 from sparrow.stages.plan import export_text
 from sparrow.stages.speculative_plan import format_speedup
@@ -196,7 +197,7 @@ def plan_schedule(
     for warning in planned.warnings:
         warn(warning)
     print_speedup(planned)
-    console.print(f"  profile: {result.source}", highlight=False, markup=False)
+    console.print(f"  profile: {input_name(result.source)}", highlight=False, markup=False)
     for line in planned.threshold.lines():
         console.print("  " + line, highlight=False, markup=False)
     if planned.frontier:

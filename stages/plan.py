@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from sparrow.schemas import artifact_metadata, read_artifact
+from sparrow.schemas import artifact_metadata, input_name, read_artifact
 
 from .calibrate import ResolvedThreshold, resolve_threshold
 from .core.published_schedules import (
@@ -271,7 +271,7 @@ def _write_schedule(planned: PlannedSchedule, output: Path, name: str, model_con
 
     result = planned.plan
     meta = {"model": name, "model_config": model_config, "page_size": result.schedule.page_size,
-            "bin_width": result.bin_width, "profile": result.source, **planned.speedup_fields()}
+            "bin_width": result.bin_width, "profile": input_name(result.source), **planned.speedup_fields()}
     if planned.speculative is not None:
         write_artifact(schedule_table(_drafts(result, planned.speculative)), output, "schedule",
                        metadata={**meta, **_speculative_meta(planned.speculative), "min_tokens": min_tokens})

@@ -302,3 +302,15 @@ def test_fit_cost_refuses_timing_flags_beside_hardware(tmp_path, no_timing):
     r = runner.invoke(app, base)  # the defaults of those flags are no refusal
     assert r.exit_code == 0, r.output
     assert set(read_artifact(out, "cost").column("batch").to_pylist()) == {1, 2}
+
+
+def test_a_profile_from_stdin_is_recorded_as_stdin(tmp_path):
+    """`sparrow profile ... -o - | sparrow plan-schedule --profile -`: the schedule records and prints what
+    the user gave, `-`, not the private copy of stdin that is gone when the command ends."""
+    profile, _ = _profile(tmp_path / "m.parquet")
+    out = tmp_path / "s.parquet"
+    r = runner.invoke(app, ["plan-schedule", "--model", MODEL, "--threshold", "0.5", "--min-tokens", "1",
+                            "--profile", "-", "-o", str(out)], input=profile.read_bytes())
+    assert r.exit_code == 0, r.output
+    assert artifact_metadata(out)["profile"] == "-"
+    assert "profile: -" in r.stderr and "sparrow-input-" not in r.output
