@@ -266,33 +266,36 @@ def block_topk_sparsity(schedule: Path | None, budget: int | None, dense: bool, 
     return sparsity
 
 
-def check_speculative_schedule(schedule: Path | None, speculate: int) -> None:
+def check_speculative_schedule(schedule: Path | None, speculate: int, label: str | None = None,
+                               budget_flag: str = "--budget") -> None:
     """A schedule's fit for the sampler it drives: under --speculate, one dense in every bin is refused
     (its drafts would be the verification's own dense steps); without it, a draft schedule that
     `plan-schedule --speculate` wrote is warned about (its budgets were planned for speed under
-    verification, with no tail threshold behind them)."""
+    verification, with no tail threshold behind them). `label` is how the user gave the schedule
+    (`--schedule FILE` unless told) and `budget_flag` how a fixed budget is given instead, so rollout,
+    train and profile say the same sentences in their own flags."""
     from sparrow.schemas import ArtifactError, artifact_metadata
     from sparrow.stages.core.schedule import Schedule
 
     if schedule is None:
         return
+    label = label or f"--schedule {schedule}"
     budgets = Schedule.from_artifact(schedule).budgets
     if speculate > 0 and not any(budgets):
-        raise UsageError(f"--schedule {schedule} is dense in every bin, so --speculate would draft with the "
-                         "dense model itself; give a sparse schedule or --budget, or drop --speculate")
+        raise UsageError(f"{label} is dense in every bin, so --speculate would draft with the dense model "
+                         f"itself; give a sparse schedule or {budget_flag}, or drop --speculate")
     if speculate > 0 and not all(budgets):
         dense = [str(i) for i, b in enumerate(budgets) if not b]
-        warn(f"--schedule {schedule} is dense in bin{'s' * (len(dense) > 1)} {', '.join(dense)}, where "
-             "--speculate drafts with the dense model itself: those cycles cost a verification for nothing")
+        warn(f"{label} is dense in bin{'s' * (len(dense) > 1)} {', '.join(dense)}, where --speculate drafts "
+             "with the dense model itself: those cycles cost a verification for nothing")
     try:
         drafts = artifact_metadata(schedule).get("speculate")
     except ArtifactError:
         return
     if drafts and speculate == 0:
-        warn(f"--schedule {schedule} holds draft budgets for --speculate {drafts} (plan-schedule "
-             "--speculate), planned for speed under verification with no tail threshold; as a lossy "
-             f"schedule it may train off-policy: add --speculate {drafts}, or plan a lossy schedule without "
-             "--speculate")
+        warn(f"{label} holds draft budgets for --speculate {drafts} (plan-schedule --speculate), planned for "
+             "speed under verification with no tail threshold; as a lossy schedule it may train off-policy: "
+             f"add --speculate {drafts}, or plan a lossy schedule without --speculate")
 
 
 def check_budgets(budgets: list[int], context: int, flag: str, model: str) -> None:
@@ -381,18 +384,25 @@ def read_adapter_config(path: Path, flag: str = "--adapter") -> dict:
     import json
 
     config_file = path / "adapter_config.json"
+    if not path.exists():
+        raise UsageError(f"{flag} {path} does not exist; give a peft LoRA adapter directory (with "
+                         "adapter_config.json and adapter_model.safetensors)")
+    if not path.is_dir():
+        raise UsageError(f"{flag} {path} is a file, not a peft LoRA adapter directory (with "
+                         "adapter_config.json and adapter_model.safetensors)")
     if not config_file.is_file():
         raise UsageError(f"{flag} {path}: not a LoRA adapter directory (no adapter_config.json)")
     try:
         config = json.loads(config_file.read_text())
     except (ValueError, UnicodeDecodeError) as e:
-        raise UsageError(f"{config_file} is not valid JSON ({e})") from None
+        raise UsageError(f"{flag} {path}: {config_file} is not valid JSON ({e})") from None
     if not isinstance(config, dict):
-        raise UsageError(f"{config_file} holds a JSON {type(config).__name__}, not peft's adapter config "
-                         "object")
+        raise UsageError(f"{flag} {path}: {config_file} holds a JSON {type(config).__name__}, not peft's "
+                         "adapter config object")
     for key in ("r", "lora_alpha"):
         if isinstance(config.get(key), bool) or not isinstance(config.get(key), (int, float)):
-            raise UsageError(f"{config_file}: {key!r} must be a number, got {config.get(key)!r}")
+            raise UsageError(f"{flag} {path}: {config_file}: {key!r} must be a number, got "
+                             f"{config.get(key)!r}")
     if not (path / "adapter_model.safetensors").is_file():
         raise UsageError(f"{flag} {path}: no adapter_model.safetensors beside its adapter_config.json")
     return config

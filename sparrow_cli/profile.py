@@ -39,6 +39,7 @@ from .options import (
     check_budgets,
     check_gpu_memory,
     check_sampling_memory,
+    check_speculative_schedule,
     check_tail,
     check_workers,
     default_threshold,
@@ -63,7 +64,8 @@ if TYPE_CHECKING:
     import pyarrow as pa
 
     from sparrow.stages.calibrate import ResolvedThreshold
-    from sparrow.stages.profile import Hooks
+    from sparrow.stages.model.lora import LoraWeights
+    from sparrow.stages.profile import Hooks, Speculation
 
 
 SAMPLING_FLAGS = {"samples": "--samples", "max_new_tokens": "--max-new-tokens", "sampler": "--sampler",
@@ -136,7 +138,13 @@ def profile(
                                  "train --distill-sparse's RUN/sparse_adapter): every budget is scored as "
                                  "sparse attention + this adapter against the dense model without it, and a "
                                  "sparse --sampler samples with it. Not a trained learner's LoRA (train's "
-                                 "RUN/adapter): merge that into a checkpoint folder and give it as --model."),
+                                 "RUN/adapter): that is --lora."),
+    lora: Path = typer.Option(None, "--lora", help="A trained learner's LoRA (a peft directory such as "
+                              "sparrow train's RUN/adapter), merged into the weights on both sides, as "
+                              "sparrow rollout --lora does: the samples, the dense scores and every budget's "
+                              "sparse scores are the learner's. With --adapter (train --distill-sparse's "
+                              "RUN/sparse_adapter) the sparse side is the learner plus that actor. Recorded "
+                              "as the artifact's lora (sparrow sql: source_lora)."),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
     dtype: str = typer.Option("auto", "--dtype", help="Weights and KV cache: auto (bfloat16 on cuda, float32 "
                               "on cpu), float32 or bfloat16; the scores are fp32 either way (fp32 head)."),
@@ -195,6 +203,7 @@ def profile(
         raise UsageError(SPECULATE_WITH_ADAPTER)
     if draft_alpha and adapter is not None:
         raise UsageError(DRAFT_ALPHA_WITH_ADAPTER)
+    check_learner(lora)
     check_tail(quantile, threshold)
     check_device(device, remote=bool(ray_address))
     if dtype not in DTYPES:
@@ -204,13 +213,15 @@ def profile(
     resolved = default_threshold(threshold, model, quantile)
     cfg = resolve_config(model)
     if prompts is not None:
-        opts.policy = sampler_policy(sampler)
+        opts.policy = sampler_policy(sampler, cfg, speculate)
     source = ctx.get_parameter_source("budgets")  # typer vendors click: compare by name, not by enum class
     _check_context(opts, cfg, model, source is not None and source.name in ("COMMANDLINE", "ENVIRONMENT"))
     opts.adapter = load_actor(adapter, cfg, model)  # before any weights load
     check_sparse_actor(adapter)
+    opts.lora = load_learner(lora, cfg, model)
     run = ProfileRun(model, output, device, str(resolve_dtype(dtype, device)).removeprefix("torch."),
-                     False, adapter, workers, ray_address)
+                     False, adapter, workers, ray_address, lora)
+    counted: list[Speculation] = []  # under --speculate: the sampling's counts
     if rollouts is not None:
         given = read_rollouts(rollouts)
         opts.temperature = rollouts_temperature(rollouts, given.temperature, temperature)
@@ -230,10 +241,13 @@ def profile(
         run.random_weights = random_weights and random_weights_of(model, RANDOM_WEIGHTS_NOTE)
         with progress_hooks(workers) as hooks:
             hooks.loading = lambda: say_loading(model, device)
+            hooks.speculation = counted.append
             table = profile_prompts(run, prompt_set, prompts, opts, not raw_prompts, hooks)
         warn_first_token_stops(sample_lengths(table, len(opts.budgets)), max_new_tokens, raw_prompts)
     console.print(f"wrote {table.num_rows} rows ({table.num_rows // len(opts.budgets)} tokens x "
                   f"{len(opts.budgets)} budgets) to {output}")
+    if counted:
+        console.print(speculation_line(counted[0], speculate), highlight=False)
     print_summary(summarize(table, quantile, resolved.value), quantile, resolved, fmt)
     console.print(f"above: the tail is at or above the threshold {resolved.short}", highlight=False)
 
@@ -262,29 +276,76 @@ def _check_context(opts, cfg, model: str, given_budgets: bool) -> None:
 def check_sparse_actor(adapter: Path | None) -> None:
     """--adapter is the sparse actor's alone, scored against the dense model without it: an adapter that
     sparrow distill (or train --distill-sparse) did not write, such as a trained learner's, would count its
-    own training as mismatch, so it is refused. Profile has no way to merge a LoRA into both sides; a merged
-    checkpoint folder does that as --model."""
+    own training as mismatch, so it is refused; --lora merges a learner's into both sides."""
     if adapter is not None and not distilled_adapter(adapter):
         raise UsageError(f"--adapter {adapter} is not a sparse actor's adapter (it has no "
                          "sparrow_distill.json, which sparrow distill and train --distill-sparse write), and "
                          "profile scores --adapter on the sparse side only, against the dense model without "
                          "it, so a trained learner's LoRA would count its own training as mismatch; to "
-                         "profile a learner, merge its LoRA into a checkpoint folder (peft's "
-                         "merge_and_unload, then save_pretrained with the tokenizer) and give that folder as "
-                         "--model")
+                         f"profile a learner, give it as --lora {adapter}, which merges it into both sides")
 
 
-def sampler_policy(spec: str):
-    """--sampler (checked by ProfileOptions.validate) as the KV policy the engine samples with."""
-    from sparrow.stages.core.schedule import Schedule
+def check_learner(lora: Path | None) -> None:
+    """--lora is a learner's LoRA, merged into both sides: a sparse actor's (sparrow_distill.json beside
+    it) belongs to the sparse side alone, so it is refused there and pointed at --adapter."""
+    if lora is not None and distilled_adapter(lora):
+        raise UsageError(f"--lora {lora} is a sparse actor's adapter (its sparrow_distill.json: sparrow "
+                         "distill's or train --distill-sparse's), which adapts the sparse side only, but "
+                         "--lora merges a learner's LoRA into both sides; give it as --adapter")
+
+
+def load_learner(lora: Path | None, cfg, model: str) -> LoraWeights | None:
+    """--lora's weights, checked against the model's shapes as rollout's are (`load_actor`), and a LoRA on
+    lm_head refused where the model ties it to the embeddings (there is no head of its own to merge
+    into); one sentence before any weights load."""
+    weights = load_actor(lora, cfg, model, "--lora")
+    if weights is not None and "lm_head" in weights.modules and cfg.tie_word_embeddings:
+        raise UsageError(f"--lora {lora} adapts lm_head, which {model} ties to its embeddings, so it cannot "
+                         "be merged into the weights")
+    return weights
+
+
+def sampler_policy(spec: str, cfg=None, speculate: int = 0):
+    """--sampler (checked by ProfileOptions.validate) as the KV policy the engine samples with. A
+    schedule:FILE is read as rollout's --schedule is: an empty path refused as one, the schedule checked
+    against the engine's pages and the model's shape (`cfg`), and a draft schedule (or one dense where
+    --speculate drafts) said in rollout's sentences."""
     from sparrow.stages.core.sparsity import as_policy
 
     kind, _, path = spec.partition(":")
-    sampler = Schedule.from_artifact(path) if kind == "schedule" else spec  # its own one-sentence errors
+    if kind != "schedule":
+        try:
+            return as_policy(spec)
+        except ValueError as e:
+            raise UsageError(f"--sampler {spec}: {e}") from None
+    if not path.strip():
+        raise UsageError(f"--sampler {spec} is an empty path; give a schedule file, as in "
+                         "schedule:run/schedule.parquet")
+    schedule = _sampler_schedule(Path(path), cfg)
+    check_speculative_schedule(Path(path), speculate, f"--sampler {spec}", "--sampler budget:B")
+    return as_policy(schedule)
+
+
+def _sampler_schedule(path: Path, cfg):
+    """schedule:FILE's schedule, by rollout's own reading (`sparsity_from_flags`: a missing file, another
+    model's shape or another page size is one sentence)."""
+    from sparrow.stages.attention import PAGE_SIZE
+    from sparrow.stages.core.sparsity import sparsity_from_flags
+
     try:
-        return as_policy(sampler)
+        return sparsity_from_flags(path, None, False, PAGE_SIZE, cfg)
     except ValueError as e:
-        raise UsageError(f"--sampler {spec}: {e}") from None
+        raise UsageError(str(e)) from None
+
+
+def speculation_line(counted: Speculation, speculate: int) -> str:
+    """The speculative sampling's counts in one line, in the words of `sparrow rollout`'s summary."""
+    acceptance = "none proposed" if counted.acceptance is None else f"{counted.acceptance:.4g}"
+    per_cycle = "" if counted.tokens_per_cycle is None else \
+        f", {counted.tokens_per_cycle:.4g} tokens per sample's cycle"
+    return (f"speculative sampling (--speculate {speculate}): {counted.cycles} speculative cycles, "
+            f"{counted.drafted_tokens} drafts proposed, {counted.accepted_drafts} drafts kept (dense "
+            f"verification), acceptance (kept / proposed) {acceptance}{per_cycle}")
 
 
 def sample_lengths(table: pa.Table, budgets: int) -> list[int]:
@@ -326,10 +387,10 @@ def progress_hooks(workers: int) -> Iterator[Hooks]:
 
 
 def print_summary(summary, quantile: float, threshold: ResolvedThreshold, fmt: str) -> None:
-    """Mean and tail alpha per bin and budget, on stdout; `above` says whether the tail clears the
-    threshold."""
-    columns = ("bin", "budget", "tokens", "mean_alpha", "tail_alpha", "above")
-    rows = [[r["bin"], r["budget"], r["tokens"], r["mean_alpha"], r["tail_alpha"], bool(r["above"])]
-            for r in summary.to_pylist()]
+    """Mean and tail alpha per bin and budget, on stdout, with a draft's beside them when it was scored
+    (--draft-alpha); `above` says whether the (lossy) tail clears the threshold."""
+    draft = ("mean_alpha_draft", "tail_alpha_draft") if "tail_alpha_draft" in summary.column_names else ()
+    columns = ("bin", "budget", "tokens", "mean_alpha", "tail_alpha", *draft, "above")
+    rows = [[r[c] for c in columns[:-1]] + [bool(r["above"])] for r in summary.to_pylist()]
     emit(columns, rows, fmt, title=f"alpha per bin and budget (tail = {quantile:g} quantile, "
                                    f"above = tail >= threshold {threshold.short})")

@@ -7,6 +7,11 @@ rollout engine, each sample seeded from (seed, prompt, sample), so `run_profile`
 the rows `profile_trajectories` gives over the `sparrow rollout` artifact of the same prompts and seed.
 Rows are long and narrow (one per token per budget): `summarize` is the one GROUP BY a user would type.
 With `kv_compression` the budgets are KV budgets of that eviction policy, each replayed teacher forced.
+
+Two LoRAs differ in where they apply. A trained learner's (`lora`, `sparrow rollout --lora`'s) is the
+policy itself: merged into the weights for the whole run, so the samples, the dense scores and every
+budget's sparse scores are the learner's. A sparse actor's (`adapter`, `sparrow distill`'s) adapts the
+sparse side only, on top of the learner when both are given (train --distill-sparse's pair).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from .core.definitions import TAIL_QUANTILE
 from .core.schedule import Schedule
 from .core.sparsity import as_policy
 from .core.trajectories import Trajectory
-from .engine import Engine, EngineConfig, SamplingParams
+from .engine import Engine, EngineConfig, EngineStats, SamplingParams
 from .kv_policies import Dense, KVPolicy
 from .model.loading import LoadedModel, model_name, resolve_config
 from .model.lora import LoraWeights, lora_merged
@@ -61,6 +66,7 @@ class ProfileOptions:
     policy: KVPolicy | None = field(default=None, repr=False)  # the sampler (None: read from `sampler`)
     schedule: Schedule | None = field(default=None, repr=False)  # without `policy`: schedule:FILE's schedule
     adapter: LoraWeights | None = field(default=None, repr=False)  # the sparse actor's LoRA (distill)
+    lora: LoraWeights | None = field(default=None, repr=False)  # a learner's LoRA, merged on both sides
     gpu_memory_utilization: float = 0.9  # on CUDA, the share of device memory the engine may take
     kv_compression: str | None = None  # snapkv | rkv: the budgets are that eviction policy's KV budgets
     kv_window: int | None = None
@@ -154,7 +160,8 @@ class ProfileOptions:
     def metadata(self, sampled: bool = True) -> dict:
         """The options as artifact metadata; without `sampled` (given trajectories) the sampling
         options, which did not apply, are left out."""
-        left_out = ("policy", "schedule", "adapter", "gpu_memory_utilization") + (() if sampled else SAMPLING)
+        left_out = ("policy", "schedule", "adapter", "lora", "gpu_memory_utilization") + (
+            () if sampled else SAMPLING)
         d = {k: v for k, v in asdict(self).items() if k not in left_out}
         d["budgets"] = json.dumps(self.budgets)
         d["dense_layers"] = json.dumps(list(self.dense_layers))
@@ -163,22 +170,74 @@ class ProfileOptions:
         return {k: v for k, v in d.items() if not (k.startswith("kv_") and v is None)}
 
 
+@dataclass
+class Speculation:
+    """What exact speculative sampling did while the trajectories were sampled, from the engine's own
+    counts (`EngineStats`), as `sparrow rollout`'s summary gives them (stages/rollout.py): cycles, the
+    samples' cycles, the tokens those emitted, drafts proposed and drafts the dense verification kept."""
+
+    cycles: int = 0
+    sample_cycles: int = 0
+    cycle_tokens: int = 0
+    drafted_tokens: int = 0
+    accepted_drafts: int = 0
+
+    @classmethod
+    def of(cls, stats: EngineStats) -> Speculation | None:
+        """The counts of an engine run (None: it did not speculate)."""
+        if not stats.speculative:
+            return None
+        return cls(stats.decode_steps, stats.sample_cycles, stats.cycle_tokens, stats.drafted_tokens,
+                   stats.accepted_drafts)
+
+    def __add__(self, other: Speculation) -> Speculation:
+        """The counts of two runs (Ray shards) together."""
+        return Speculation(*(a + b for a, b in zip(asdict(self).values(), asdict(other).values())))
+
+    @property
+    def acceptance(self) -> float | None:
+        """Kept drafts / drafts proposed."""
+        return self.accepted_drafts / self.drafted_tokens if self.drafted_tokens else None
+
+    @property
+    def tokens_per_cycle(self) -> float | None:
+        """Tokens a sample's cycle emitted on average (its kept drafts and the dense model's one)."""
+        return self.cycle_tokens / self.sample_cycles if self.sample_cycles else None
+
+    def metadata(self) -> dict:
+        """The counts under the keys of `sparrow rollout`'s summary."""
+        def rounded(x: float | None) -> float | None:
+            return None if x is None else round(x, 4)
+
+        return {"speculative_cycles": self.cycles, "sample_cycles": self.sample_cycles,
+                "drafted_tokens": self.drafted_tokens, "accepted_drafts": self.accepted_drafts,
+                "acceptance": rounded(self.acceptance), "tokens_per_cycle": rounded(self.tokens_per_cycle)}
+
+
+OnSpeculation = Callable[[Speculation], None]
+
+
 def run_profile(model: LoadedModel, prompt_ids: Sequence[str], prompts: Sequence[list[int]],
-                opts: ProfileOptions, progress: Progress | None = None) -> pa.Table:
+                opts: ProfileOptions, progress: Progress | None = None,
+                on_speculation: OnSpeculation | None = None) -> pa.Table:
     """Sample `opts.samples` trajectories per prompt through the engine; score each token under each
-    budget."""
+    budget. `on_speculation` gets the speculative counts of the sampling, under `opts.speculate`."""
     opts.validate()
-    trajectories = sample_trajectories(model, prompt_ids, prompts, opts, progress)
+    trajectories = sample_trajectories(model, prompt_ids, prompts, opts, progress,
+                                       on_speculation=on_speculation)
     return profile_trajectories(model, trajectories, opts, progress)
 
 
 def sample_trajectories(model: LoadedModel, prompt_ids: Sequence[str], prompts: Sequence[list[int]],
                         opts: ProfileOptions, progress: Progress | None = None,
-                        request_ids: Sequence[int] | None = None) -> list[Trajectory]:
+                        request_ids: Sequence[int] | None = None,
+                        on_speculation: OnSpeculation | None = None) -> list[Trajectory]:
     """The engine's samples under `opts.sampler`, in prompt order then sample order; `request_ids`:
-    the prompts' indices in the whole set when these are a shard of it (they seed the samples). A sparse
-    sampler is the sparse actor: with `opts.adapter`, the engine runs with it merged (`stages.distill`);
-    with `opts.speculate` it only drafts, and the samples are the dense model's (engine/speculative.py)."""
+    the prompts' indices in the whole set when these are a shard of it (they seed the samples). With
+    `opts.lora` every sample is the learner's (its LoRA merged for the run). A sparse sampler is the
+    sparse actor: with `opts.adapter`, the engine runs with it merged too (`stages.distill`); with
+    `opts.speculate` it only drafts, and the samples are the dense model's (engine/speculative.py), whose
+    counts go to `on_speculation`."""
     params = SamplingParams(max_new_tokens=opts.max_new_tokens, temperature=opts.temperature,
                             top_p=opts.top_p, top_k=opts.top_k, seed=opts.seed, n=opts.samples)
     total, done = len(prompts) * opts.samples, 0
@@ -190,11 +249,16 @@ def sample_trajectories(model: LoadedModel, prompt_ids: Sequence[str], prompts: 
 
     policy = opts.sampler_policy()
     actor = opts.adapter if not isinstance(policy, Dense) else None
-    engine = Engine(model.model, policy, EngineConfig(
-        max_batch=opts.batch_size, page_size=opts.page_size, dense_layers=opts.dense_layers,
-        gpu_memory_utilization=opts.gpu_memory_utilization, speculate=opts.speculate))
-    with engine, lora_merged(model.model, actor):
-        results = engine.generate(prompts, params, on_step if progress else None, request_ids=request_ids)
+    with lora_merged(model.model, opts.lora):
+        engine = Engine(model.model, policy, EngineConfig(
+            max_batch=opts.batch_size, page_size=opts.page_size, dense_layers=opts.dense_layers,
+            gpu_memory_utilization=opts.gpu_memory_utilization, speculate=opts.speculate))
+        with engine, lora_merged(model.model, actor):
+            results = engine.generate(prompts, params, on_step if progress else None,
+                                      request_ids=request_ids)
+    speculation = Speculation.of(engine.stats)
+    if on_speculation is not None and speculation is not None:
+        on_speculation(speculation)
     return [Trajectory(pid, c.sample, list(p), c.token_ids)
             for pid, p, completions in zip(prompt_ids, prompts, results) for c in completions]
 
@@ -202,9 +266,16 @@ def sample_trajectories(model: LoadedModel, prompt_ids: Sequence[str], prompts: 
 def profile_trajectories(model: LoadedModel, trajectories: Sequence[Trajectory], opts: ProfileOptions,
                          progress: Progress | None = None) -> pa.Table:
     """Score every generated token of the given trajectories (any sampler's) under dense attention and
-    each of `opts.budgets`, teacher forced, at `opts.temperature`; the sparse modes are the sparse actor
-    (with `opts.adapter` merged, see `stages.distill`), dense is the model's own weights."""
+    each of `opts.budgets`, teacher forced, at `opts.temperature`; both sides run with `opts.lora` (a
+    learner's) merged, the sparse modes are the sparse actor (with `opts.adapter` merged on top, see
+    `stages.distill`), dense is the model's own weights."""
     opts.validate()
+    with lora_merged(model.model, opts.lora):
+        return _score_trajectories(model, trajectories, opts, progress)
+
+
+def _score_trajectories(model: LoadedModel, trajectories: Sequence[Trajectory], opts: ProfileOptions,
+                        progress: Progress | None = None) -> pa.Table:
     jobs = [t for t in trajectories if t.completion]
     lengths = [len(t.prompt) + len(t.completion) for t in jobs]
     order = sorted(range(len(jobs)), key=lambda i: lengths[i])
@@ -274,26 +345,40 @@ def _to_table(columns: dict[str, list[np.ndarray]]) -> pa.Table:
 def summarize(mismatch: pa.Table, quantile: float = TAIL_QUANTILE,
               threshold: float = PRIOR_THRESHOLD) -> pa.Table:
     """Per bin and budget: tokens, mean alpha, the q-quantile of alpha, and whether it clears the
-    threshold. The same GROUP BY a user would type into `sparrow sql`."""
+    threshold; with a draft alpha scored (--draft-alpha), its mean and q-quantile too (`mean_alpha_draft`,
+    `tail_alpha_draft`). The same GROUP BY a user would type into `sparrow sql`; `above` is the lossy
+    tail's."""
     con = duckdb.connect()
     con.register("mismatch", mismatch)
+    draft = has_draft_alpha(mismatch)
+    drafted = ("avg(alpha_draft) AS mean_alpha_draft, quantile_cont(alpha_draft::DOUBLE, ?) AS "
+               "tail_alpha_draft," if draft else "")
     return con.sql(
-        """SELECT bin, budget, count(*) AS tokens, avg(alpha) AS mean_alpha,
-                  quantile_cont(alpha::DOUBLE, ?) AS tail_alpha,
-                  quantile_cont(alpha::DOUBLE, ?) >= ? AS above
-           FROM mismatch GROUP BY bin, budget ORDER BY bin, budget""",
-        params=[quantile, quantile, threshold],
+        f"""SELECT bin, budget, count(*) AS tokens, avg(alpha) AS mean_alpha,
+                   quantile_cont(alpha::DOUBLE, ?) AS tail_alpha, {drafted}
+                   quantile_cont(alpha::DOUBLE, ?) >= ? AS above
+            FROM mismatch GROUP BY bin, budget ORDER BY bin, budget""",
+        params=[quantile, *([quantile] if draft else []), quantile, threshold],
     ).to_arrow_table()
 
 
+def has_draft_alpha(mismatch: pa.Table) -> bool:
+    """Whether a mismatch table holds a draft's alpha (profile --draft-alpha), not only its null column."""
+    names = mismatch.column_names
+    return "alpha_draft" in names and mismatch.column("alpha_draft").null_count < mismatch.num_rows
+
+
 def profile_shard(loaded: LoadedModel, items: list, indices: list[int], opts: ProfileOptions,
-                  sample: bool) -> pa.Table:
+                  sample: bool) -> tuple[pa.Table, Speculation | None]:
     """A Ray worker's share of `sparrow profile`: (prompt id, prompt ids) pairs sampled first, seeded
-    by their indices in the whole set, or trajectories."""
+    by their indices in the whole set, or trajectories -> its rows and, under --speculate, the sampling's
+    speculative counts. The options carry the LoRAs' weights to the worker."""
+    speculation: list[Speculation] = []
     if sample:
         ids, prompts = [i for i, _ in items], [p for _, p in items]
-        items = sample_trajectories(loaded, ids, prompts, opts, request_ids=indices)
-    return profile_trajectories(loaded, items, opts)
+        items = sample_trajectories(loaded, ids, prompts, opts, request_ids=indices,
+                                    on_speculation=speculation.append)
+    return profile_trajectories(loaded, items, opts), (speculation[0] if speculation else None)
 
 
 @dataclass
@@ -309,11 +394,14 @@ class ProfileRun:
     adapter: Path | None = None  # recorded; the adapter's weights travel in ProfileOptions.adapter
     workers: int = 0
     ray_address: str | None = None
+    lora: Path | None = None  # recorded as `lora` (rollout's key); the weights travel in ProfileOptions.lora
 
     def metadata(self) -> dict:
         """What the artifact records of the run beside the options."""
         adapter = {"adapter": str(self.adapter)} if self.adapter is not None else {}
-        return adapter | {"dtype": self.dtype} | ({"random_weights": True} if self.random_weights else {})
+        lora = {"lora": str(self.lora)} if self.lora is not None else {}
+        return adapter | lora | {"dtype": self.dtype} | (
+            {"random_weights": True} if self.random_weights else {})
 
     def load(self) -> LoadedModel | _TokenizerOnly:
         """The model, or with workers only its tokenizer (the weights load in the workers)."""
@@ -343,6 +431,7 @@ class Hooks:
     on_shard: Callable | None = None
     ready: Callable[[], None] | None = None
     loading: Callable[[], None] | None = None  # just before the weights load in this process
+    speculation: OnSpeculation | None = None  # under --speculate: the sampling's counts, all shards together
 
 
 def profile_prompts(run: ProfileRun, prompt_set, source: Path, opts: ProfileOptions, chat: bool = True,
@@ -362,9 +451,18 @@ def profile_prompts(run: ProfileRun, prompt_set, source: Path, opts: ProfileOpti
     meta = opts.metadata() | {"prompts": input_name(source)} | run.metadata()
     if run.workers:
         items = list(zip(prompt_set.ids, prompt_set.tokens))
-        return _profile_on_ray(run, items, opts, True, meta, hooks.on_shard)
-    table = run_profile(loaded, prompt_set.ids, prompt_set.tokens, opts, hooks.progress)
-    return _write(table, run, meta)
+        return _profile_on_ray(run, items, opts, True, meta, hooks)
+    counted: list[Speculation] = []
+    table = run_profile(loaded, prompt_set.ids, prompt_set.tokens, opts, hooks.progress, counted.append)
+    table = _write(table, run, meta | _speculation_meta(counted))
+    if counted and hooks.speculation:
+        hooks.speculation(counted[0])
+    return table
+
+
+def _speculation_meta(counted: list[Speculation]) -> dict:
+    """The artifact's record of the speculative sampling (rollout's summary keys), when it ran."""
+    return {"speculation": sum(counted[1:], counted[0]).metadata()} if counted else {}
 
 
 def profile_rollouts(run: ProfileRun, given, source: Path, opts: ProfileOptions, hooks: Hooks | None = None
@@ -388,7 +486,7 @@ def profile_rollouts(run: ProfileRun, given, source: Path, opts: ProfileOptions,
         {"sampler": given.sampler} if given.sampler else {}) | (
         {"speculate": given.speculate} if given.speculate else {})
     if run.workers:
-        return _profile_on_ray(run, trajectories, opts, False, meta, hooks.on_shard)
+        return _profile_on_ray(run, trajectories, opts, False, meta, hooks)
     return _write(profile_trajectories(loaded, trajectories, opts, hooks.progress), run, meta)
 
 
@@ -400,9 +498,9 @@ def _write(table: pa.Table, run: ProfileRun, meta: dict) -> pa.Table:
 
 
 def _profile_on_ray(run: ProfileRun, items: list, opts: ProfileOptions, sample: bool, meta: dict,
-                    on_shard: Callable | None = None) -> pa.Table:
+                    hooks: Hooks) -> pa.Table:
     """The profile of `items` (prompts to sample, or trajectories) on a Ray pool, one mismatch part per
-    shard under `run.output`; returns all rows."""
+    shard under `run.output`, the speculative counts summed over the shards; returns all rows."""
     from sparrow.schemas import write_artifact_parts
 
     from .backends.ray_pool import RolloutPool
@@ -410,11 +508,15 @@ def _profile_on_ray(run: ProfileRun, items: list, opts: ProfileOptions, sample: 
     pool = RolloutPool(run.model, run.workers, address=run.ray_address, device=run.device,
                        random_weights=run.random_weights, dtype=run.dtype)
     try:
-        results = pool.map(profile_shard, items, opts, sample, on_shard=on_shard)
+        results = pool.map(profile_shard, items, opts, sample, on_shard=hooks.on_shard)
     finally:
         pool.close()
-    meta = meta | {"model": model_name(run.model)}
-    write_artifact_parts([r.value for r in results], run.output, "mismatch",
+    counted = [r.value[1] for r in results if r.value[1] is not None]
+    meta = meta | {"model": model_name(run.model)} | _speculation_meta(counted)
+    tables = [r.value[0] for r in results]
+    write_artifact_parts(tables, run.output, "mismatch",
                          [meta | {"part": r.shard, "parts": len(results), "worker_pid": r.worker_pid,
                                   "attempts": r.attempts} for r in results])
-    return pa.concat_tables([r.value for r in results])
+    if counted and hooks.speculation:
+        hooks.speculation(sum(counted[1:], counted[0]))
+    return pa.concat_tables(tables)

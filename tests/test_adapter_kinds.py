@@ -108,7 +108,7 @@ def test_profile_refuses_a_learner_adapter(tiny, tmp_path, no_work):
     args = ["profile", "--model", tiny, "--prompts", str(source), "--budgets", "48", "-o", str(out)]
     line = error_line(runner.invoke(app, [*args, "--adapter", str(learner)]))
     assert f"--adapter {learner} is not a sparse actor's adapter (it has no sparrow_distill.json" in line
-    assert "give that folder as --model" in line and not out.exists()
+    assert f"give it as --lora {learner}" in line and not out.exists()
     actor = adapter(tiny, tmp_path / "actor", distilled=True)
     assert passed_the_checks(runner.invoke(app, [*args, "--adapter", str(actor)]))
 
