@@ -431,12 +431,16 @@ def print_speculative(planned, tables: PlanTables, output: Path | None = None) -
     if tables.fmt in ("csv", "tsv") and not stdout_taken():
         console.print(f"stdout holds the draft schedule (the one -o writes) as {tables.fmt}; the lossy "
                       "schedule is the table on stderr", highlight=False, markup=False)
-    for name, value in (("speculate", spec.k), ("speculative_speedup", spec.speedup),
-                        ("speculation_pays", spec.pays), ("lossy_speedup", planned.speedup),
+    for name, value in (("speculate", spec.k), ("priced_at", spec.priced_at),
+                        ("speculative_speedup", spec.speedup), ("speculation_pays", spec.pays),
+                        ("lossy_speedup", planned.speedup),
                         ("speedups_by_k", {str(k): v for k, v in spec.speedups_by_k.items()})):
         tables.put(name, value)
     for note in spec.notes:
         console.print(f"[yellow]note:[/] {note}", highlight=False)
+    if spec.priced_at == "alpha_draft":
+        console.print("drafts priced at the profile's alpha_draft (a draft's own alpha, over the dense KV "
+                      "that verification keeps)", highlight=False, markup=False)
     by_k = ", ".join(f"K={k} {format_speedup(v)}" for k, v in spec.speedups_by_k.items())
     exact, lossy = format_speedup(spec.speedup), format_speedup(planned.speedup)
     console.print(f"predicted {planned.scope.label()}: speculative (exact) [bold]{exact}[/] at K = {spec.k}, "

@@ -133,6 +133,7 @@ class SpeculativePlan:
     speedups_by_k: dict[int, float]  # the best plan's predicted speedup for each K tried, as `speedup`
     notes: list[str] = field(default_factory=list)  # how thin bins were priced, one sentence each
     decode_speedup: float = 0.0  # over dense decoding alone, prefill excluded
+    priced_at: str = "alpha"  # the profile's column the drafts were priced at: alpha_draft or (lossy) alpha
 
     @property
     def pays(self) -> bool:
@@ -174,6 +175,7 @@ def plan_speculation(cost: CostModel, alpha: MeanAlpha, batch: int, prompt_len: 
     best.speedup = _with_prefill(best.speedup, dense, prefill_s)
     best.speedups_by_k = {k: _with_prefill(v, dense, prefill_s) for k, v in by_k.items()}
     best.notes = thin_notes(alpha) + ([] if alpha.drafts else [LOSSY_ALPHA_NOTE])
+    best.priced_at = "alpha_draft" if alpha.drafts else "alpha"
     return best
 
 

@@ -223,3 +223,23 @@ def test_a_lossy_plan_predicted_slower_than_dense_is_said(tmp_path):
     fast = _plan("--profile", _profile(tmp_path, cells, "m2.parquet"), "--threshold", "0.5", "--min-tokens",
                  "1")  # the analytic H100 model: 1.19x
     assert fast.exit_code == 0 and "predicted slower than dense" not in fast.stderr
+
+
+def test_the_plan_says_which_alpha_priced_the_drafts(tmp_path):
+    """A profile with alpha_draft in every row prices the drafts at it and says so (stderr and -f json's
+    `priced_at`); without it the lossy alpha, with the note that the speedups are then conservative."""
+    rows = _rows([("p", range(3000, 3400), 0.9)])
+    rows["alpha_draft"] = [0.97] * len(rows["alpha"])
+    spec = _profile(tmp_path, [("p", range(3000, 3400), 0.9)])
+    drafted = write_artifact(rows, tmp_path / "drafted.parquet", "mismatch",
+                             metadata={"model": "smollm2-135m", "bin_width": WIDTH})
+    for profile, priced_at in ((drafted, "alpha_draft"), (spec, "alpha")):
+        r = _plan("--profile", profile, "--speculate", "--threshold", "0.5", "-f", "json")
+        assert r.exit_code == 0, r.output
+        doc, said = json.loads(r.stdout), " ".join(r.stderr.split())
+        assert doc["priced_at"] == priced_at
+        assert ("drafts priced at the profile's alpha_draft" in said) == (priced_at == "alpha_draft")
+        assert ("drafts priced at the profile's lossy alpha" in said) == (priced_at == "alpha")
+        expected = 0.97 if priced_at == "alpha_draft" else 0.9
+        priced = [row["mean_alpha"] for row in doc["speculative"] if row["mean_alpha"] is not None]
+        assert priced and priced == [pytest.approx(expected)] * len(priced)
