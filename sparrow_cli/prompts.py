@@ -87,8 +87,8 @@ def prompts(
                                    "format the prompts"),
     context_tokens: int | None = typer.Option(
         None, "--context-tokens",
-        help=f"prompt length in tokens for long-context tasks (default {DEFAULT_CONTEXT_TOKENS}, "
-             "or half the model's context if that is less)"),
+        help=f"prompt length in tokens for long-context tasks, at least {MIN_CONTEXT_TOKENS} (default "
+             f"{DEFAULT_CONTEXT_TOKENS}, or half the model's context if that is less)"),
     split: str | None = typer.Option(
         None, "--split",
         help="humaneval only: a fixed partition of its 164 problems, so that training and evaluation "

@@ -25,7 +25,8 @@ from sparrow.stages.core.schedule import Plan, Schedule, export_sglang_vortex
 # (sglang/python/sglang/srt/server_args.py)
 SERVER_ARGS = {"enable_vortex_sparsity", "vortex_module_name", "attention_backend", "page_size",
                "vortex_block_size", "vortex_block_reserved_bos", "vortex_block_reserved_eos",
-               "vortex_layers_skip", "vortex_schedule_policy", "vortex_topk_val", "vortex_topk_ratio"}
+               "vortex_layers_skip", "vortex_schedule_policy", "vortex_topk_val", "vortex_topk_ratio",
+               "disable_overlap_schedule", "disable_cuda_graph"}  # the last two: SGLang's own server args
 # one of the release's own named schedules (utils_sglang.py), planned by its authors from the same tails
 runner = CliRunner()
 RELEASE_QWEN3_4B_086 = [29, 45, 61, 77, 93, 125, 157, 221, 253, 253, 317, 317, 317, 317, 381, 381, 381, 381,
@@ -82,6 +83,9 @@ def test_export_reads_as_the_releases_own_named_schedule(tmp_path):
         in form["verl_overrides"]
     overrides = form["verl_overrides"]
     assert "+actor_rollout_ref.rollout.engine_kwargs.sglang.vortex_layers_skip=[0,1]" in overrides
+    # the release README's key block runs vortex with SGLang's overlap scheduler off and CUDA graphs on
+    assert "+actor_rollout_ref.rollout.engine_kwargs.sglang.disable_overlap_schedule=True" in overrides
+    assert "+actor_rollout_ref.rollout.engine_kwargs.sglang.disable_cuda_graph=False" in overrides
 
 
 @pytest.mark.parametrize("starts, budgets, aligned", [

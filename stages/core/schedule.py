@@ -293,7 +293,8 @@ def export_sglang_vortex(plan_: Plan, context: int, name: str, reserved_pages: i
     sglang = {"enable_vortex_sparsity": True, "vortex_module_name": "block_sparse_attention",
               "attention_backend": "flashinfer", "page_size": page, "vortex_block_size": page,
               "vortex_block_reserved_bos": 1, "vortex_block_reserved_eos": reserved_pages - 1,
-              "vortex_layers_skip": list(dense_layers), "vortex_schedule_policy": name}
+              "vortex_layers_skip": list(dense_layers), "vortex_schedule_policy": name,
+              "disable_overlap_schedule": True, "disable_cuda_graph": False}  # the release's key block
     return {"vortex_schedule_policy": name, "num_selected_pages": values, "page_size": page,
             "bin_tokens": bin_tokens, "reserved_pages": reserved_pages, "engine_kwargs": {"sglang": sglang},
             "verl_overrides": [f"+actor_rollout_ref.rollout.engine_kwargs.sglang.{k}={_hydra(v)}"
