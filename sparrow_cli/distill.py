@@ -146,8 +146,9 @@ def steps_batch(batch_size: int, explicit: bool, available: int, source: str) ->
     return min(batch_size, available)
 
 
-def check_k3_trajectories(path: Path, sampler: str | None, speculate: int | None = None) -> None:
-    """k3 estimates KL(actor || dense) only on tokens the sparse actor sampled."""
+def check_k3_trajectories(path: Path, sampler: str | None, speculate: int | None = None,
+                          truncated: str | None = None) -> None:
+    """k3 estimates KL(actor || dense) only on tokens the sparse actor sampled from its whole softmax."""
     if sampler is None:
         raise UsageError(f"--objective k3 needs trajectories sampled by the sparse actor, and {path} "
                          "does not record how it was sampled (no 'sparsity' in its metadata); use "
@@ -160,6 +161,10 @@ def check_k3_trajectories(path: Path, sampler: str | None, speculate: int | None
         raise UsageError(f"--objective k3 needs trajectories sampled by the sparse actor, but {path} holds "
                          f"exact speculative samples (--speculate {speculate}), which are the dense model's; "
                          "use --objective kl, or sample with sparrow rollout --budget or --schedule alone")
+    if truncated:
+        raise UsageError(f"--objective k3 needs tokens drawn from the sparse actor's whole distribution, but "
+                         f"{path} was sampled with {truncated}, which cuts it; use --objective kl, or sample "
+                         "with sparrow rollout --top-p 1 --top-k 0")
 
 
 @dataclass(frozen=True)
@@ -399,7 +404,8 @@ def distill(
     if rollouts is not None:
         trajectories = read_rollouts(rollouts)
         if objective == "k3":
-            check_k3_trajectories(rollouts, trajectories.sampler, trajectories.speculate)
+            check_k3_trajectories(rollouts, trajectories.sampler, trajectories.speculate,
+                                  trajectories.truncated)
             check_k3_actor(rollouts, trajectories.sampler, actor)
         cfg.batch_size = steps_batch(batch_size, batch_given,
                                      sum(bool(r["token_ids"]) for r in trajectories.rows),

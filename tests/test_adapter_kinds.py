@@ -245,7 +245,8 @@ def sampled(tiny, tmp_path_factory) -> dict:
                    "schedule", metadata={"page_size": PAGE})
     files = {"A": str(a), "B": str(b), "PROMPTS": str(source), "SCHEDULE": str(tmp / "s.parquet")}
     for name, flags in (("ACTOR", ["--budget", "48", "--adapter", str(a)]), ("PLAIN", ["--budget", "48"]),
-                        ("SCHEDULED", ["--schedule", str(tmp / "s.parquet")])):
+                        ("SCHEDULED", ["--schedule", str(tmp / "s.parquet")]),
+                        ("CUT", ["--budget", "48", "--top-p", "0.9"])):
         files[name] = str(tmp / f"{name.lower()}.parquet")
         r = runner.invoke(app, ["rollout", "--model", tiny, "--prompts", str(source), "--samples", "2",
                                 "--max-new-tokens", "3", *flags, "-o", files[name]])
@@ -287,6 +288,17 @@ def test_k3_refuses_the_samples_of_another_actor(tiny, sampled, tmp_path, no_wor
                                           "-o", str(out)]))
     assert "--objective k3 needs trajectories sampled by" in line and message.format(**sampled) in line
     assert "--objective kl" in line and not out.exists()
+
+
+def test_k3_refuses_samples_from_a_cut_of_the_actors_softmax(tiny, sampled, tmp_path, no_work):
+    """top-p below 1 (or top-k) draws from a truncated distribution, not the actor's: k3 over those tokens
+    is biased, so they are refused as another sampler's."""
+    out = tmp_path / "act"
+    line = error_line(runner.invoke(app, ["distill", "--model", tiny, "--rollouts", sampled["CUT"],
+                                          "--budget", "48", "--objective", "k3", "--lora-rank", "2",
+                                          "-o", str(out)]))
+    assert f"{sampled['CUT']} was sampled with top_p 0.9, which cuts it; use --objective kl" in line
+    assert not out.exists()
 
 
 @pytest.mark.parametrize("args", [

@@ -62,6 +62,7 @@ class RolloutsFile:
     temperature: float | None  # the sampling temperature its metadata records
     sampler: str | None  # how it was sampled, as its metadata says, in --sampler's words
     speculate: int | None = None  # drafts per cycle of exact speculative sampling (the drafts' sampler above)
+    truncated: str | None = None  # "top_p 0.9", "top_k 20": drawn from a cut of the softmax; None: all of it
 
     @property
     def needs_tokenizer(self) -> bool:
@@ -110,8 +111,16 @@ def read_rollouts(path: str | os.PathLike) -> RolloutsFile:
         temperature = meta.get("temperature")
         sampler, speculate = sampler_words(meta.get("sparsity"))
         return RolloutsFile(path, _rows(table, path), None if temperature is None else float(temperature),
-                            sampler, speculate)
+                            sampler, speculate, _truncation(meta))
     return RolloutsFile(path, _rows(_read_foreign(path), path), None, None)
+
+
+def _truncation(meta: dict) -> str | None:
+    """How a rollouts artifact's sampling cut the softmax (top-p below 1, top-k above 0); None: it did not."""
+    top_p, top_k = meta.get("top_p"), meta.get("top_k")
+    cut = ([f"top_p {float(top_p):g}"] if top_p is not None and float(top_p) < 1 else []) + \
+        ([f"top_k {int(top_k)}"] if top_k is not None and int(top_k) > 0 else [])
+    return ", ".join(cut) or None
 
 
 def sampler_words(sparsity: str | None) -> tuple[str | None, int | None]:
