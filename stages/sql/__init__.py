@@ -2,9 +2,10 @@
 
 Views are named after the artifact kind in each Parquet footer, unioned by column name, with a
 `source_file` column and the files' provenance as `source_*` columns; each file is also a view of its
-own. Unreadable files are skipped with a warning. Read only, twice over: only one read statement runs,
-and DuckDB is sandboxed to the run's files. Bounded: memory, time, and a Ctrl-C or SIGTERM stops the
-query; the spill folder goes whatever happens. docs/sql.md gives the rules.
+own. Unreadable files, and files that name a kind Sparrow does not know, are skipped with a warning.
+Read only, twice over: only one read statement runs, and DuckDB is sandboxed to the run's files before
+any view exists. Bounded: memory, spill disk, time, and a Ctrl-C or SIGTERM stops the query; the spill
+folder goes whatever happens. docs/sql.md gives the rules.
 
 views.py names the views, connection.py opens DuckDB over them and checks a statement, limits.py
 bounds a query while it runs; here, the query itself, streamed.
@@ -12,7 +13,9 @@ bounds a query while it runs; here, the query itself, streamed.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import os
 import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -61,6 +64,7 @@ def query(run_dir: str | Path, sql: str, limits: Limits | None = None, warn: War
     while the block is open. Refusals, errors and limits are QueryError (one sentence); SIGINT and
     SIGTERM are `Stopped`; the connection and its spill folder are gone when the block ends."""
     limits = limits or Limits()
+    limits = dataclasses.replace(limits, spill=limits.spill_bytes())  # one value for DuckDB and messages
     warn = warn or python_warning
     check_query(sql)
     views = run_views(run_dir, warn)
@@ -69,7 +73,7 @@ def query(run_dir: str | Path, sql: str, limits: Limits | None = None, warn: War
         said = mixed_warning(view, sql) if view.name in used else None
         if said:
             warn(said)
-    con, spill = open_views(run_dir, views, warn, limits.memory // 2)
+    con, spill = open_views(run_dir, views, warn, limits.memory // 2, limits.spill)
     try:
         with guarded(con, limits) as guard:
             translate = functools.partial(_translated, guard=guard, con=con, run_dir=run_dir)
@@ -127,11 +131,17 @@ def _translated(e: BaseException, guard: Guard, con: duckdb.DuckDBPyConnection, 
     engine = isinstance(e, duckdb.Error | OSError | pa.ArrowException | RuntimeError)
     if guard.timed_out.is_set() and engine:
         return QueryLimit(guard.timeout_message())
+    if engine and "max_temp_directory_size" in str(e):
+        return QueryLimit(guard.spill_message())
     if isinstance(e, MemoryError) or (engine and re.search(r"out of memory|bad_alloc", str(e), re.I)):
         return QueryLimit(guard.memory_message())
     if not engine:
         return e
     message = first_line(e)
+    if isinstance(e, duckdb.CatalogException) and (path := _missing_path(message)):
+        message = (f'Permission Error: Cannot access file "{path}" - file system operations are disabled by '
+                   'configuration')
+        e = duckdb.PermissionException(message)
     if isinstance(e, duckdb.CatalogException):
         views = [r[0] for r in con.execute("SELECT view_name FROM duckdb_views() "
                                            "WHERE NOT internal ORDER BY view_name").fetchall()]
@@ -139,6 +149,16 @@ def _translated(e: BaseException, guard: Guard, con: duckdb.DuckDBPyConnection, 
     elif isinstance(e, duckdb.PermissionException):
         message += " (sparrow sql reads only the run's artifacts, through their views)"
     return QueryError(message)
+
+
+def _missing_path(message: str) -> str | None:
+    """The table name of DuckDB's "does not exist" when it is a file's path (`FROM '/etc/passwd'`: DuckDB
+    reads a quoted name as a file only by its suffix), so that it is refused as every outside file is."""
+    m = re.match(r"Catalog Error: Table with name (.+) does not exist!", message)
+    if m is None:
+        return None
+    name = m.group(1)
+    return name if "/" in name or os.sep in name or os.path.exists(name) else None
 
 
 def _listing(views: list[str], most: int = 12) -> str:

@@ -1,13 +1,16 @@
-"""The bounds of one query while it runs: memory (DuckDB's limit and the process's data size), wall time
-(a timer interrupts DuckDB) and SIGINT/SIGTERM (a thread watching Python's wakeup fd interrupts DuckDB,
-which may not hand back to Python until then). Each ends the query with one sentence."""
+"""The bounds of one query while it runs: memory (DuckDB's limit and the process's data size), disk
+(DuckDB's spill folder), wall time (a timer interrupts DuckDB) and SIGINT/SIGTERM (a thread watching
+Python's wakeup fd interrupts DuckDB, which may not hand back to Python until then). Each ends the query
+with one sentence."""
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import socket
+import tempfile
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -18,6 +21,8 @@ import duckdb
 
 DEFAULT_TIMEOUT = 300.0
 DEFAULT_MEMORY = "25%"
+SPILL_PER_MEMORY = 2  # the default spill: twice the memory limit ...
+SPILL_DISK_SHARE = 0.25  # ... and at most this share of the temporary directory's free disk
 
 
 class QueryError(ValueError):
@@ -39,10 +44,26 @@ class Stopped(KeyboardInterrupt):
 @dataclass(frozen=True)
 class Limits:
     """What one query may take: `memory` bytes in all (DuckDB's working memory, half of it, plus the
-    result on its way out) and `seconds` of wall time (None: no limit)."""
+    result on its way out), `seconds` of wall time (None: no limit) and `spill` bytes of disk in its
+    spill folder (None: `default_spill`)."""
 
     memory: int = field(default_factory=lambda: parse_memory(DEFAULT_MEMORY))
     seconds: float | None = DEFAULT_TIMEOUT
+    spill: int | None = None
+
+    def spill_bytes(self) -> int:
+        return self.spill if self.spill is not None else default_spill(self.memory)
+
+
+def default_spill(memory: int) -> int:
+    """The disk a query may spill to: SPILL_PER_MEMORY times its memory limit, at most SPILL_DISK_SHARE of
+    the free disk where the spill folder goes (the temporary directory), which other jobs share; at least
+    16MiB."""
+    try:
+        free = shutil.disk_usage(tempfile.gettempdir()).free
+    except OSError:
+        free = SPILL_PER_MEMORY * memory
+    return max(min(SPILL_PER_MEMORY * memory, int(SPILL_DISK_SHARE * free)), 2**24)
 
 
 def parse_memory(text: str) -> int:
@@ -116,6 +137,12 @@ class Guard:
     def timeout_message(self) -> str:
         return (f"the query ran past its time limit of {self.limits.seconds:g} s and was stopped (raise it "
                 f"with --timeout)")
+
+    def spill_message(self) -> str:
+        return (f"the query spilled more than its disk limit of {memory_text(self.limits.spill_bytes())} to "
+                f"its temporary folder and was stopped (the limit is {SPILL_PER_MEMORY} times "
+                f"--memory-limit, at most {SPILL_DISK_SHARE:.0%} of the free disk: raise --memory-limit, or "
+                f"let SQL aggregate more)")
 
     def memory_message(self) -> str:
         return (f"the query needed more memory than its limit of {memory_text(self.limits.memory)} and was "

@@ -1,6 +1,10 @@
 """The views of a run directory: one per artifact kind (the union of its files, by column name, with
 `source_file` and the files' provenance as `source_*` columns), one per artifact file, one per other
-Parquet file. Pooling files of different provenance is said, never silent."""
+Parquet file. Pooling files of different provenance is said, never silent.
+
+A run directory is untrusted input (runs are downloaded and shared), so nothing read from it reaches SQL
+as text: a kind must be one of Sparrow's (otherwise the file is skipped), view names are built from
+[A-Za-z0-9_] only and quoted, and paths and provenance values are string literals (`sql_literal`)."""
 
 from __future__ import annotations
 
@@ -10,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from sparrow.schemas import ArtifactError, artifact_metadata
+from sparrow.schemas import SCHEMAS, ArtifactError, artifact_metadata
 from sparrow.schemas.footer import kind_version, read_schema
 
 
@@ -81,7 +85,14 @@ def run_views(run_dir: str | Path, warn: Warn | None = None) -> list[View]:
         except ArtifactError as e:
             warn(f"{e}; skipped it")
             continue
+        except UnicodeDecodeError:
+            warn(f"{p} has Sparrow metadata that is not UTF-8 text; skipped it")
+            continue
         rel = p.relative_to(run_dir)
+        if kind is not None and kind not in SCHEMAS:
+            warn(f"{p} names the artifact kind {_shown(kind)}, which is none of Sparrow's "
+                 f"({', '.join(sorted(SCHEMAS))}); skipped it")
+            continue
         source = Source(root / rel, rel.as_posix(), Provenance.of(meta))
         (by_kind.setdefault(kind, []) if kind is not None else plain).append(source)
     kinds = sorted(by_kind.items())
@@ -117,6 +128,11 @@ def _free(name: str, taken: set[str]) -> str:
         candidate, i = f"{name}_{i}", i + 1
     taken.add(candidate)
     return candidate
+
+
+def _shown(text: str, most: int = 40) -> str:
+    """Untrusted text in a message: quoted, cut to `most` characters."""
+    return repr(text if len(text) <= most else text[:most] + "...")
 
 
 def view_sql(view: View, root: Path) -> str:
@@ -167,10 +183,23 @@ def python_warning(message: str) -> None:
     warnings.warn(message, stacklevel=3)
 
 
+IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
 def identifier(stem: str) -> str:
-    name = re.sub(r"\W+", "_", stem).strip("_") or "file"
+    """A view name from a file's name: runs of anything but ASCII letters, digits and `_` become one `_`."""
+    name = re.sub(r"[^A-Za-z0-9_]+", "_", stem).strip("_") or "file"
     return f"_{name}" if name[0].isdigit() else name
 
 
+def quoted_identifier(name: str) -> str:
+    """`name` as an SQL identifier; ValueError unless it is ASCII letters, digits and `_` (as every view
+    name is), so that quoting is a second guard, never the only one."""
+    if not IDENTIFIER.fullmatch(name):
+        raise ValueError(f"{_shown(name)} is not a view name (ASCII letters, digits and _)")
+    return '"' + name + '"'
+
+
 def sql_literal(text: str) -> str:
+    """`text` as a DuckDB string literal: standard SQL strings, where only `'` is special (doubled)."""
     return "'" + text.replace("'", "''") + "'"
