@@ -101,6 +101,9 @@ def _text(head: bytes) -> bool:
 
 
 def kind_version(schema: pa.Schema) -> tuple[str | None, str | None]:
+    """The artifact kind and schema version a footer records; text that is not UTF-8 is read with its bad
+    bytes replaced, so that it names no known kind and is refused as such."""
     meta = schema.metadata or {}
     kind, version = meta.get(KEY_KIND.encode()), meta.get(KEY_VERSION.encode())
-    return (kind.decode() if kind is not None else None, version.decode() if version is not None else None)
+    return (kind.decode(errors="replace") if kind is not None else None,
+            version.decode(errors="replace") if version is not None else None)
