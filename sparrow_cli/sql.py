@@ -67,8 +67,9 @@ def sql(
     memory_limit: Annotated[str, typer.Option("--memory-limit", help="The memory the query may take in "
                                               "all, as 4GB, 512MiB or a share of this machine's memory "
                                               "such as 25%, at most all of it: DuckDB works in half of it "
-                                              "(and spills to a temporary folder beyond that), the result "
-                                              "on its way out in the rest.")] = DEFAULT_MEMORY,
+                                              "(and spills to a temporary folder beyond that, of at most "
+                                              "twice this limit and a quarter of the free disk), the "
+                                              "result on its way out in the rest.")] = DEFAULT_MEMORY,
     timeout: Annotated[float, typer.Option("--timeout", help="Stop the query after this many seconds "
                                            "(0: no limit).")] = DEFAULT_TIMEOUT,
     max_rows: Annotated[int, typer.Option("--max-rows", help="At most this many rows on stdout (table, "
