@@ -22,15 +22,23 @@ Reward rule (`score`), deterministic and in [0, 1]:
   that parses. None found: 0, and nothing runs. The cut runs in our process, outside the sandbox, so
   its work is bounded: after a failed parse it goes straight to the line the error names (an unclosed
   bracket or string is never closed further down, and the tokens up to an invalid one are the same in
-  every longer cut), and it parses at most `PARSE_BUDGET` characters in all.
+  every longer cut), and it parses at most `PARSE_BUDGET` characters in all. Only the first
+  `MAX_CODE_CHARS` characters (whole lines) of a block are read, and a parse that fails by nesting too
+  deep or running out of memory (`---...-x`, a kind of degenerate repetition models produce) is a failed
+  parse like a syntax error, never a crash of the command.
 - The program runs in the sandbox (`sandbox.Sandbox`, limits `LIMITS`) and its function is called on
   each hidden input from the host, one second per call (`calls.py`). A run that does not end by itself
   with status 0 within its limits, or stops answering (a timeout, too much output, a crash, an early
   exit, a kill) scores 0.
-- Otherwise reward = (1 - w) * passed / tests + w * clean, with w = `format_weight` (default 0.1):
-  a test passes when the call returned a value whose canonical JSON equals the expected one (so
-  `True` is not `1`), and `clean` is 1 when every call returned (no exception): a parsable, runnable
-  function that gets nothing right earns w, a correct one 1. Accuracy is reward == 1.
+- Otherwise reward = (1 - w) * passed / tests + w * clean, with w = `FORMAT_WEIGHT` (0.1), the
+  published rule (docs/tasks.md): a test passes when the call returned a value whose canonical JSON
+  equals the expected one (so `True` is not `1`), and `clean` is 1 when every call returned (no
+  exception): a parsable, runnable function that gets nothing right earns w, a correct one 1. Accuracy
+  is reward == 1, so only a function that passes every test counts. A prompt's metadata may carry
+  `format_weight` (Sparrow writes the constant there, for readers of the file), but a prompts file that
+  holds any other value is refused before any work (`check_metadata`): the weight is the task's, not the
+  dataset's, or a shared file could make a wrong function earn 1. A status of `timeout` covers a call
+  that ran out of its second as well as a run that ran out of its limit.
 The program in the sandbox receives each hidden input and hands back only a plain value, which is
 compared here, so nothing the program does in the sandbox can report a test as passed.
 """
@@ -55,6 +63,7 @@ DEFAULT_TESTS = 6
 DEFAULT_LEVEL = 2
 FORMAT_WEIGHT = 0.1
 SECONDS_PER_TEST = 1.0
+TIMED_OUT = "_Timeout"  # the exception name a call that ran out of its time ends with (calls.py)
 LIMITS = Limits(seconds=8.0, cpu_seconds=8, memory_mb=512, processes=6, file_mb=8, open_files=64,
                 output_kb=256, tmp_mb=32)
 
@@ -215,12 +224,30 @@ def _defines(tree: ast.Module, name: str) -> bool:
 
 
 PARSE_BUDGET = 4_000_000  # characters parsed in all while cutting one block (module docstring)
+MAX_CODE_CHARS = 100_000  # characters of a block read at most (module docstring)
+PARSE_FAILURES = (SyntaxError, ValueError, RecursionError, MemoryError)  # what ast.parse fails with
+
+
+def _bounded_lines(code: str) -> list[str]:
+    """The whole lines of `code` within its first `MAX_CODE_CHARS` characters."""
+    if len(code) <= MAX_CODE_CHARS:
+        return code.rstrip().splitlines()
+    return code[:MAX_CODE_CHARS].splitlines()[:-1]
+
+
+def parses(text: str) -> ast.Module | None:
+    """`text`'s syntax tree, or None when it does not parse: a syntax error, a null byte, nesting too deep
+    for the parser or a tree too large for memory all count as not parsing."""
+    try:
+        return ast.parse(text)
+    except PARSE_FAILURES:
+        return None
 
 
 def _parsable_prefix(code: str, name: str) -> str | None:
     """`code`, or its longest prefix of whole lines that parses, if that defines `name` at top level. A
     failed parse of lines[:end] moves the cut to the error's line (never past end - 1)."""
-    lines = code.rstrip().splitlines()
+    lines = _bounded_lines(code)
     end, budget = len(lines), PARSE_BUDGET
     while end > 0 and budget > 0:
         text = "\n".join(lines[:end])
@@ -230,7 +257,7 @@ def _parsable_prefix(code: str, name: str) -> str | None:
         except SyntaxError as e:
             end = min(end - 1, e.lineno or end)
             continue
-        except ValueError:  # null bytes
+        except PARSE_FAILURES:  # a null byte, too deep a nesting, too large a tree
             end -= 1
             continue
         return text.rstrip() + "\n" if _defines(tree, name) else None
@@ -281,9 +308,12 @@ class Verdict:
         if results is None or not outcome.ok:
             status = outcome.status if outcome.status in ("timeout", "output_limit") else "error"
             return cls(0.0, 0, tests, False, outcome, status)
-        passed = results.count("passed")
+        if not 0.0 <= format_weight < 1.0:  # below 1, a function that fails a test never earns 1
+            raise ValueError(f"format_weight must be in [0, 1), got {format_weight}")
+        passed = min(results.count("passed"), tests)
         reward = min(1.0, (1 - format_weight) * (passed / max(tests, 1)) + format_weight * clean)
-        return cls(reward, passed, tests, clean, outcome, "passed" if passed == tests else "failed")
+        status = "passed" if passed == tests else "timeout" if TIMED_OUT in results else "failed"
+        return cls(reward, passed, tests, clean, outcome, status)
 
     @classmethod
     def no_code(cls, tests: int) -> Verdict:
@@ -292,6 +322,22 @@ class Verdict:
     @property
     def judgement(self) -> Judgement:
         return Judgement(self.reward, self.status, self.passed, self.tests)
+
+
+def format_weight_of(metadata: dict[str, Any]) -> float:
+    """The format credit of a prompt: `FORMAT_WEIGHT`; TaskError when its metadata names another value
+    (module docstring: the weight is the task's published constant, not a dataset's)."""
+    given = metadata.get("format_weight", FORMAT_WEIGHT)
+    if isinstance(given, bool) or not isinstance(given, (int, float)) or given != FORMAT_WEIGHT:
+        raise TaskError(f"its metadata's format_weight is {given!r}, but the code tasks' reward gives a "
+                        f"runnable function {FORMAT_WEIGHT} (docs/tasks.md); leave the key out or set it to "
+                        f"{FORMAT_WEIGHT}")
+    return FORMAT_WEIGHT
+
+
+def check_metadata(metadata: dict[str, Any]) -> None:
+    """TaskError for a prompt's metadata this task will not score (its format weight), before any work."""
+    format_weight_of(metadata)
 
 
 def _same(value: Any, expected: Any) -> bool | None:
@@ -345,7 +391,7 @@ def verdict(completion: str, answer: str, metadata: dict[str, Any],
     if code is None:
         return Verdict.no_code(len(metadata["cases"]))
     return run_tests(code, name, metadata["cases"], metadata["expected"], sandbox or default_sandbox(),
-                     float(metadata.get("format_weight", FORMAT_WEIGHT)))
+                     format_weight_of(metadata))
 
 
 def judge(completion: str, answer: str, metadata: dict[str, Any] | None = None) -> Judgement:
@@ -360,4 +406,4 @@ def tasks() -> list[Task]:
     return [Task("code", "code", "write a small Python function; reward = the fraction of hidden tests it "
                  "passes when run in a sandbox, plus a little for a runnable function",
                  generate, score, ("level", "tests"), runs_code=True,
-                 metadata_keys=("function", "cases", "expected"), judge=judge)]
+                 metadata_keys=("function", "cases", "expected"), judge=judge, check_metadata=check_metadata)]

