@@ -81,7 +81,9 @@ def prompts(
     task: str = typer.Option(..., "--task", help=f"task to generate: {', '.join(TASKS)}"),
     n: int = typer.Option(16, "--n", help="number of prompts"),
     seed: int = typer.Option(0, "--seed", callback=non_negative_seed,
-                             help="generator seed: same seed, same prompts"),
+                             help="generator seed: same seed, same prompts; another seed holds prompts "
+                                  "out by their inputs and wording (for code, the same functions: "
+                                  "humaneval --split holds problems out)"),
     model: str = typer.Option("smollm2-135m", "--model",
                               help="preset, checkpoint dir or .gguf; its tokenizer and chat template "
                                    "format the prompts"),

@@ -45,8 +45,9 @@ ANSWER_STATUSES = ("correct", "incorrect", "unparsed")
 @dataclass(frozen=True)
 class Judgement:
     """A completion's reward and why. `status`, for code tasks: passed (every test), failed (the run ended
-    well and some test did not pass), timeout, output_limit, error (the program crashed, exited early or
-    did not exit 0), no_code (no function found, nothing ran); for the others: correct (reward 1),
+    well and some test did not pass), timeout (the program, or one call, ran past its time), output_limit,
+    error (the program crashed, exited early or did not exit 0), no_code (no function found, or no
+    parsable one, so nothing ran); for the others: correct (reward 1),
     incorrect (an answer was found; its reward may still be partial credit), unparsed (none was found);
     None for a user's reward function. `tests_passed` and `tests_total` are a code task's (None for the
     others)."""
