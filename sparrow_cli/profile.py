@@ -33,6 +33,7 @@ from .common import (
     parse_int_list,
     raw_prompts_option,
     say_loading,
+    warn,
     warn_first_token_stops,
 )
 from .options import (
@@ -224,6 +225,7 @@ def profile(
     counted: list[Speculation] = []  # under --speculate: the sampling's counts
     if rollouts is not None:
         given = read_rollouts(rollouts)
+        warn_unmerged_learner(rollouts, lora)
         opts.temperature = rollouts_temperature(rollouts, given.temperature, temperature)
         run.random_weights = random_weights and random_weights_of(model, RANDOM_WEIGHTS_NOTE)
         note = f"{rollouts} records no sampling temperature; alpha is measured at temperature 1 " \
@@ -283,6 +285,26 @@ def check_sparse_actor(adapter: Path | None) -> None:
                          "profile scores --adapter on the sparse side only, against the dense model without "
                          "it, so a trained learner's LoRA would count its own training as mismatch; to "
                          f"profile a learner, give it as --lora {adapter}, which merges it into both sides")
+
+
+def warn_unmerged_learner(rollouts: Path, lora: Path | None) -> None:
+    """Rollouts sampled with a learner's LoRA (their metadata's `lora`, a folder still there without
+    sparrow_distill.json) are that policy's samples: profiling them without the same --lora scores another
+    policy on them, which a warning says. A sparse actor's adapter, or a folder that is gone, says nothing."""
+    from sparrow.schemas import ArtifactError, artifact_metadata
+
+    try:
+        recorded = artifact_metadata(rollouts).get("lora") or ""
+    except (ArtifactError, OSError, ValueError):
+        return
+    sampled = Path(recorded) if isinstance(recorded, str) and recorded else None
+    if sampled is None or not sampled.is_dir() or distilled_adapter(sampled):
+        return
+    if lora is not None and lora.resolve() == sampled.resolve():
+        return
+    scored = "the model without it" if lora is None else f"the model with --lora {lora}"
+    warn(f"--rollouts {rollouts} were sampled with the learner's LoRA {sampled} (their metadata 'lora'), "
+         f"but the profile scores {scored}; give --lora {sampled} to profile the policy that sampled them")
 
 
 def check_learner(lora: Path | None) -> None:

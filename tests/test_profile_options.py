@@ -289,3 +289,26 @@ def test_a_ray_shard_carries_the_learners_lora(tiny, prompts, adapters):
     assert speculation is None
     assert table.column("token_id").to_pylist() == merged.column("token_id").to_pylist()
     assert np.allclose(table.column("alpha").to_numpy(), merged.column("alpha").to_numpy(), atol=1e-4)
+
+
+def test_rollouts_of_a_learner_profiled_without_it_are_warned_about(tiny, prompts, adapters, tmp_path):
+    """Rollouts sampled with a learner's LoRA are that policy's samples: profiling them on the base model
+    says so and names the --lora to give; with that --lora, or for a sparse actor's adapter, nothing."""
+    learner, actor = adapters["learner"], adapters["actor"]
+    by = {}
+    for name, flags in (("learner", ["--lora", str(learner)]), ("actor", ["--adapter", str(actor),
+                                                                           "--budget", "48"])):
+        by[name] = tmp_path / f"{name}.parquet"
+        r = _rollout(tiny, prompts, by[name], "--samples", "1", "--max-new-tokens", "2", *flags)
+        assert r.exit_code == 0, r.output
+
+    def profile(rollouts: Path, *extra: str) -> str:
+        r = runner.invoke(app, ["profile", "--model", str(tiny), "--rollouts", str(rollouts), "--budgets",
+                                "48", *extra, "-o", str(tmp_path / "m.parquet"), "--force"])
+        assert r.exit_code == 0, r.output
+        return " ".join(r.stderr.split())
+
+    said = profile(by["learner"])
+    assert f"were sampled with the learner's LoRA {learner}" in said and f"give --lora {learner}" in said
+    assert "learner's LoRA" not in profile(by["learner"], "--lora", str(learner))
+    assert "learner's LoRA" not in profile(by["actor"])
