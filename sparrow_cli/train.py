@@ -297,10 +297,7 @@ def _check_lora(ctx: typer.Context, full: bool, rank: int, alpha: float) -> None
                 raise UsageError(f"{flag} {value:g} sets the LoRA, but --full trains every weight without "
                                  f"one; drop {flag} or --full")
         return
-    if rank < 1:
-        raise UsageError(f"--lora-rank must be at least 1, got {rank}; for full fine-tuning pass --full")
-    if not alpha > 0:
-        raise UsageError(f"--lora-alpha must be positive, got {alpha}")
+    _check_size("--lora", rank, alpha, "; for full fine-tuning pass --full")
 
 
 DISTILL_OPTIONS = ("distill_rank", "distill_alpha", "distill_lr_ratio", "distill_kl_coef")
@@ -317,10 +314,15 @@ def _check_distill(ctx: typer.Context, distill_sparse: bool, rank: int, alpha: f
                              "--distill-sparse trains; add --distill-sparse or drop "
                              f"{'it' if one else 'them'}")
         return
+    _check_size("--distill", rank, alpha)
+
+
+def _check_size(prefix: str, rank: int, alpha: float, hint: str = "") -> None:
+    """A LoRA's rank >= 1 and alpha > 0 (PREFIX-rank, PREFIX-alpha)."""
     if rank < 1:
-        raise UsageError(f"--distill-rank must be at least 1, got {rank}")
+        raise UsageError(f"{prefix}-rank must be at least 1, got {rank}{hint}")
     if not alpha > 0:
-        raise UsageError(f"--distill-alpha must be positive, got {alpha}")
+        raise UsageError(f"{prefix}-alpha must be positive, got {alpha}")
 
 
 def _check_step_memory(rows: list[dict], cfg) -> None:
@@ -430,5 +432,5 @@ def _run(cfg, inputs, opts, fmt: str) -> None:
         console.print(f"metrics: {run / 'metrics.parquet'}; per-token mismatch: {run / 'mismatch'}/")
         for warning in summary.get("warnings", []):
             console.print(f"[yellow]warning:[/] {warning}", highlight=False)
-        emit_record(summary_record(trainer.history, summary), fmt, title=f"sparrow train: {run}",
+        emit_record(summary_record(summary), fmt, title=f"sparrow train: {run}",
                     labels=TRAIN_LABELS)

@@ -180,7 +180,7 @@ def test_a_measured_cost_prices_no_prefill_and_says_the_speedup_is_decode_alone(
     assert artifact_metadata(out)["speedup_scope"] == "decode"
 
 
-def test_the_cost_model_page_no_longer_says_the_prefill_cancels_from_a_ratio():
+def test_the_cost_model_page_puts_the_prefill_on_both_sides_of_the_ratio():
     text = (Path(__file__).resolve().parents[1] / "docs" / "cost-model.md").read_text()
     assert "cancels out" not in text and "(P + D_dense) / (P + D_sparse)" in text
 

@@ -85,9 +85,6 @@ def run_views(run_dir: str | Path, warn: Warn | None = None) -> list[View]:
         except ArtifactError as e:
             warn(f"{e}; skipped it")
             continue
-        except UnicodeDecodeError:
-            warn(f"{p} has Sparrow metadata that is not UTF-8 text; skipped it")
-            continue
         rel = p.relative_to(run_dir)
         if kind is not None and kind not in SCHEMAS:
             warn(f"{p} names the artifact kind {_shown(kind)}, which is none of Sparrow's "

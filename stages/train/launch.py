@@ -19,10 +19,7 @@ from .config import TrainConfig
 from .data import PromptRow, load_prompts
 from .distributed import World, init_world, shutdown_world
 from .run_dir import check_run_dir, with_fingerprints
-from .trainer import RunOptions, Trainer
-
-MEANS = ("mismatch_kl", "alpha_p5", "alpha_lb_p5", "masked_fraction", "vetoed_fraction", "rollout_seconds",
-         "scoring_seconds", "update_seconds", "weight_sync_seconds")
+from .trainer import SUMMARY_MEANS, RunOptions, Trainer
 
 
 @dataclass
@@ -105,20 +102,17 @@ def start_training(cfg: TrainConfig, inputs: TrainInputs, opts: RunOptions) -> T
                    policy=inputs.policy)
 
 
-def summary_record(history: list[dict], s: dict) -> dict:
-    """The run's summary as the one record `sparrow train` prints (per-step numbers: metrics.parquet)."""
-
-    def mean(key: str) -> float | None:
-        values = [r[key] for r in history if r.get(key) is not None]
-        return sum(values) / len(values) if values else None
-
+def summary_record(s: dict) -> dict:
+    """The run's summary (`Trainer.summary`) as the one record `sparrow train` prints (per-step numbers:
+    metrics.parquet)."""
     sparse_eval = s.get("final_eval_accuracy_sparse")
     return {**{k: s[k] for k in ("steps", "reward_first", "reward_last", "initial_eval_accuracy",
                                  "final_eval_accuracy")},
             **({"final_eval_accuracy_sparse": sparse_eval} if sparse_eval is not None else {}),
             **({"initial_sampler_gap": s["initial_sampler_gap"]} if s.get("initial_sampler_gap") is not None
                else {}),
-            "skipped_updates": s.get("skipped_updates", 0), **{f"mean_{k}": mean(k) for k in MEANS},
+            "skipped_updates": s.get("skipped_updates", 0),
+            **{f"mean_{k}": s[f"mean_{k}"] for k in SUMMARY_MEANS},
             "label": s["label"], "first_collapse_step": s["first_collapse_step"],
             "reasons": "; ".join(s["reasons"]), "warnings": "; ".join(s.get("warnings", [])),
             "adapter": s["adapter"] or None, **({"model": s["model"]} if s.get("model") else {}),

@@ -436,4 +436,4 @@ def _check_launch(cfg: TrainConfig, world: World, pool: RolloutPool | None) -> N
                          "the update")
 
 
-__all__ = ["SUMMARY_MEANS", "RunOptions", "Trainer", "step_means"]
+__all__ = ["SUMMARY_MEANS", "RunOptions", "Trainer"]
