@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from sparrow.stages.attention import validate_budget
+from sparrow.stages.core.definitions import validate_budget
 from sparrow.stages.core.sparsity import as_policy
 from sparrow.stages.engine import Engine, EngineConfig, SamplingParams
 from sparrow.stages.model.loading import load_model

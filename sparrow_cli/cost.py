@@ -99,7 +99,7 @@ def fit_cost(
     write the analytic model of a hardware preset. A grid that cannot determine every coefficient is
     refused before any timing. Every decode-step point is printed and written as a row of the artifact
     with its prediction."""
-    from sparrow.stages.attention import validate_budget
+    from sparrow.stages.core.definitions import validate_budget
     from sparrow.stages.cost import Grid, get_hardware, grid_problem, write_analytic, write_fitted
     from sparrow.stages.model.loading import model_name, resolve_config
 

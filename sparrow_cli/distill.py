@@ -63,7 +63,7 @@ SAMPLING_FLAGS = {"samples": "--samples", "max_new_tokens": "--max-new-tokens",
 
 def budget_list(given: str, flag: str, once: bool = False) -> list[int]:
     """The budgets of `flag`, each a valid block top-k budget (and given once where `once`)."""
-    from sparrow.stages.attention import validate_budget
+    from sparrow.stages.core.definitions import validate_budget
 
     budgets = parse_int_list(given, flag)
     repeated = sorted({b for b in budgets if budgets.count(b) > 1}) if once else []

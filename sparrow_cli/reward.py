@@ -59,7 +59,7 @@ def reward(
     (--reward, --reward-fn)."""
     from sparrow.schemas import input_name, write_artifact
     from sparrow.stages.core.prompt_set import PromptSet
-    from sparrow.stages.tasks.rewarding import check_prompts, read_completions, score_completions
+    from sparrow.stages.reward import check_prompts, read_completions, score_completions
     from sparrow.stages.tasks.sandbox import UNSAFE_ENV
 
     fmt = resolve_format(fmt)

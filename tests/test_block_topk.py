@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from sparrow.stages.attention.block_topk import kept_page_mask, page_centroids, validate_budget
+from sparrow.stages.attention.block_topk import kept_page_mask, page_centroids
+from sparrow.stages.core.definitions import validate_budget
 
 
 def brute_force_pages(q, keys, t, budget, page=16):

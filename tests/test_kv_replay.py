@@ -1,4 +1,4 @@
-"""Teacher-forced scoring under eviction (stages/kv_policies/replay.py via `score_sequences`) against
+"""Teacher-forced scoring under eviction (stages/attention/eviction_replay.py via `score_sequences`) against
 the float64 brute-force decoder of eviction_reference.py, and the replay's retained cache against a
 dense forward (kept keys are the dense keys of their original positions: RoPE unchanged).
 
@@ -13,8 +13,8 @@ import pytest
 import torch
 from eviction_reference import brute_force_logprobs, float64_copy
 
+from sparrow.stages.attention.eviction_replay import replay
 from sparrow.stages.kv_policies import RKV, SnapKV
-from sparrow.stages.kv_policies.replay import replay
 from sparrow.stages.model.loading import load_model
 from sparrow.stages.scoring.mismatch import score_sequences
 

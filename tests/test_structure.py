@@ -103,6 +103,26 @@ def test_cycle_finder_sees_function_level_imports(tmp_path):
     assert cycles(graph) == [["p.a", "p.b"]]
 
 
+def folder_of(name: str) -> str:
+    """A module's part of the tree: the sub-package of stages/ it lies in (sparrow.stages.engine for
+    sparrow.stages.engine.gpu.runner), else the top package (sparrow.cli, sparrow.kernels, ...)."""
+    parts = name.split(".")
+    if parts[:2] == ["sparrow", "stages"] and len(parts) > 3:
+        return ".".join(parts[:3])
+    return name if parts[:2] == ["sparrow", "stages"] else ".".join(parts[:2])
+
+
+def test_folders_import_each_other_one_way():
+    """No loop among the parts either: two sub-packages never import each other, not even through a
+    third, so every part of stages/ stands on the ones it uses."""
+    graph: dict[str, set[str]] = {}
+    for name, targets in import_graph().items():
+        graph.setdefault(folder_of(name), set()).update(folder_of(t) for t in targets)
+    graph = {f: targets - {f} for f, targets in graph.items()}
+    shown = [" <-> ".join(c) for c in cycles(graph)]
+    assert not shown, "folders importing each other: " + "; ".join(shown)
+
+
 STAGE_LAYERS = ("sparrow.cli", "sparrow.stages.train", "sparrow.stages.scoring", "sparrow.stages.backends",
                 "sparrow.stages.tasks")
 

@@ -17,16 +17,6 @@ from torch import Tensor
 from ..core.definitions import PAGE_SIZE, RESERVED_PAGES
 
 
-def validate_budget(budget: int, page: int = PAGE_SIZE) -> None:
-    if budget % page:
-        raise ValueError(f"budget {budget} is not a multiple of the page size {page}")
-    if budget < RESERVED_PAGES * page:
-        raise ValueError(
-            f"budget {budget} is below three pages ({RESERVED_PAGES * page} tokens): the sink page "
-            "and the two most recent pages are always kept"
-        )
-
-
 def page_centroids(keys: Tensor, page: int = PAGE_SIZE) -> Tensor:
     """keys [B, Hkv, S, D] -> mean key of each page [B, Hkv, ceil(S/page), D] (last may be partial)."""
     b, h, s, d = keys.shape

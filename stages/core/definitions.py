@@ -3,6 +3,7 @@ CLI module imports (planning and the CLI's start-up never import torch for them)
 
 - Page: PAGE_SIZE consecutive KV positions; RESERVED_PAGES (the first page and the two most recent) are
   always kept by block top-k selection, so a budget is at least RESERVED_PAGES pages.
+  `validate_budget` refuses any other budget.
 - Layers in DEFAULT_DENSE_LAYERS attend densely in every mode.
 - Tail statistic of a position bin: the TAIL_QUANTILE-quantile of alpha over its tokens.
 - PRIOR_THRESHOLD: the published critical threshold on the tail, used when no runs calibrate one.
@@ -13,3 +14,14 @@ RESERVED_PAGES = 3
 DEFAULT_DENSE_LAYERS = (0, 1)
 TAIL_QUANTILE = 0.05
 PRIOR_THRESHOLD = 0.86
+
+
+def validate_budget(budget: int, page: int = PAGE_SIZE) -> None:
+    """A block top-k budget is a whole number of pages, at least the RESERVED_PAGES always kept."""
+    if budget % page:
+        raise ValueError(f"budget {budget} is not a multiple of the page size {page}")
+    if budget < RESERVED_PAGES * page:
+        raise ValueError(
+            f"budget {budget} is below three pages ({RESERVED_PAGES * page} tokens): the sink page "
+            "and the two most recent pages are always kept"
+        )

@@ -14,9 +14,9 @@ from pathlib import Path
 
 from sparrow.schemas import input_path
 
-from ..attention import PAGE_SIZE, validate_budget
 from ..kv_policies import EVICTION_POLICIES, BlockTopK, BudgetFn, Dense, Eviction, KVPolicy, parse_eviction
 from ..model.config import SHAPE_KEYS, ModelConfig, shape_of
+from .definitions import PAGE_SIZE, validate_budget
 from .schedule import Schedule
 
 Sparsity = KVPolicy | BudgetFn | Schedule | int | str | None  # None / 0 / "dense": dense

@@ -424,7 +424,7 @@ class ModelRunner:
         """A preempted evicting sample's cache, rebuilt into `pages` by replaying its eviction over its
         prompt and every generated token but the last (the next decode step feeds that one), with the
         query window its next compression reads."""
-        from ..kv_policies.replay import replay
+        from ..attention.eviction_replay import replay
 
         dev, policy = self.device, seq.policy
         fed = seq.tokens[:-1]

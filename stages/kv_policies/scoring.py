@@ -1,8 +1,9 @@
 """The eviction rules of eviction.py in torch, batched over samples and KV heads.
 
-The engine's compaction (stages/engine/compaction.py) and teacher-forced replay (replay.py) both
-call `retained_slots`, on whatever device the cache lives; the tests hold it to a float64 brute force
-written from the papers' definitions. Scores are computed in float32 at least (float64 stays float64).
+The engine's compaction (stages/engine/compaction.py) and teacher-forced replay
+(stages/attention/eviction_replay.py) both call `retained_slots`, on whatever device the cache lives;
+the tests hold it to a float64 brute force written from the papers' definitions. Scores are computed in
+float32 at least (float64 stays float64).
 R-KV's [L, L] similarity is built in blocks of rows, so a first compression over a long prompt never
 holds a [Hkv, L, L] matrix.
 """

@@ -5,7 +5,7 @@ then one pass over the completions per attention mode (dense, and each budget) o
 prompt KV; in a sparse pass every generated position selects its own pages from its own prefix (see
 `attention.SparseAttention`; on CUDA the engine's selection kernels, every position selecting as a
 decode query of its own, and the block-sparse prefill kernel), which reproduces incremental sparse
-decoding exactly. An eviction policy (SnapKV, R-KV) is replayed instead (stages/kv_policies/replay.py:
+decoding exactly. An eviction policy (SnapKV, R-KV) is replayed instead (stages/attention/eviction_replay.py:
 the generated tokens between two compressions in one forward over the retained cache, compressing where
 decoding compressed), each prompt length's sequences together, on a prompt prefilled again for it. Only
 the final hidden states of each mode are kept ([tokens, hidden] per mode); the vocabulary-sized work
@@ -33,8 +33,8 @@ import torch
 from torch import Tensor
 
 from ..attention import DEFAULT_DENSE_LAYERS, PAGE_SIZE, SparseAttention
+from ..attention.eviction_replay import replay
 from ..kv_policies import BlockTopK, BudgetFn, Eviction, KVPolicy
-from ..kv_policies.replay import replay
 from ..model.head import POSITION_CHUNK
 from ..model.llama import Attention, KVCache, Transformer
 from ..model.lora import LoraWeights, lora_merged
@@ -159,7 +159,7 @@ def score_sequences(model: Transformer, prompts: Sequence[Sequence[int]],
 def evicted_hidden(model: Transformer, prompts: Sequence[Sequence[int]], gen_tok: Tensor, g: Tensor,
                    policy: Eviction) -> Tensor:
     """[B, Gmax, H]: row j predicts completion token j under `policy`'s eviction, replayed
-    (stages/kv_policies/replay.py) for the sequences of each prompt length together."""
+    (stages/attention/eviction_replay.py) for the sequences of each prompt length together."""
     b, width = gen_tok.shape
     out = None
     by_length: dict[int, list[int]] = {}

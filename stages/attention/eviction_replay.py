@@ -24,9 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..attention.paged import attend_after_prefix
+from ..kv_policies.eviction import Eviction
 from ..model.llama import AttentionContext, Transformer
-from .eviction import Eviction
+from .paged import attend_after_prefix
 
 
 class ReplayAttention:

@@ -40,9 +40,10 @@ from sparrow.schemas.footer import artifact_parts, kind_version
 from sparrow.schemas.io import opens_json, utf8_lines
 from sparrow.schemas.locations import is_stdio
 
-from . import TASKS, get_task, has_scorer, judge_batch
-from .base import row_of
-from .extras import extra_json
+from .core.prompt_set import PromptSet
+from .tasks import TASKS, get_task, has_scorer, judge_batch
+from .tasks.base import row_of
+from .tasks.extras import extra_json
 
 COMPLETIONS = ArtifactSpec("completions", "completions of any sampler, read by their columns", (
     Col("prompt_id", pa.string()),
@@ -294,8 +295,6 @@ def _prompt_rows(recorded: str | None, prompts_path: Path) -> dict[str, dict]:
     """The rows of the prompts file a rollouts artifact names, by prompt id; none where it is not there
     (it was named relative to another folder, moved, or read from a pipe), cannot be read, or is the
     prompts file itself."""
-    from ..core.prompt_set import PromptSet
-
     if recorded is None:
         return {}
     path = Path(recorded)
