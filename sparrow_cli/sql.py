@@ -2,7 +2,10 @@
 
 Results stream to stdout as a table, TSV, CSV or JSON records (at most --max-rows), or with `-o` to
 Parquet; the query is read-only and bounded in memory and time (stages/sql/), so `-o` is the only
-thing written.
+thing written. A value text has no form of its own for is written as PostgreSQL writes it, so that its
+COPY (TSV, CSV) and JSON readers read it back: bytes as bytea's hex (`\\x0102`), an interval as ISO 8601
+(`P1DT2H`); in JSON, NaN and the infinities are the strings PostgreSQL's to_json gives them ("NaN",
+"Infinity", "-Infinity") and only NULL is null.
 """
 
 from __future__ import annotations
@@ -188,7 +191,7 @@ def _print_csv(schema: pa.Schema, batches: Iterator[pa.RecordBatch]) -> None:
     for batch in batches:
         for row in _rows(batch):
             writer.writerow(["" if v is None else json.dumps(_jsonable(v)) if isinstance(v, list | dict)
-                             else v for v in row])
+                             else _text_value(v) for v in row])
     sys.stdout.flush()
 
 
@@ -222,7 +225,7 @@ def _cell(v: object) -> Text:
         return Text("null", style="dim")
     if isinstance(v, float):
         return Text(f"{v:.6g}")
-    text = json.dumps(_jsonable(v)) if isinstance(v, list | dict) else str(v)
+    text = json.dumps(_jsonable(v)) if isinstance(v, list | dict) else str(_text_value(v))
     return Text(text if len(text) <= 80 else text[:77] + "...")
 
 
@@ -230,12 +233,20 @@ def _tsv_cell(v: object) -> object:
     """A list or struct as JSON text, a boolean as CSV and the table show it (True, False)."""
     if isinstance(v, bool):
         return str(v)
-    return json.dumps(_jsonable(v)) if isinstance(v, list | dict) else v
+    return json.dumps(_jsonable(v)) if isinstance(v, list | dict) else _text_value(v)
+
+
+NON_FINITE = {math.inf: "Infinity", -math.inf: "-Infinity"}  # and NaN: "NaN"
 
 
 def _jsonable(v: object) -> object:
+    """A value as strict JSON: NaN and the infinities as PostgreSQL's to_json writes them ("NaN",
+    "Infinity", "-Infinity"), so that null is NULL alone; bytes and intervals as the text formats write
+    them."""
     if isinstance(v, float):
-        return v if math.isfinite(v) else None
+        return v if math.isfinite(v) else NON_FINITE.get(v, "NaN")
+    if isinstance(v, bytes | pa.MonthDayNano | dt.timedelta):
+        return _text_value(v)
     if isinstance(v, Decimal):
         return int(v) if v == v.to_integral_value() else float(v)
     if isinstance(v, dict):
@@ -244,8 +255,42 @@ def _jsonable(v: object) -> object:
         return [_jsonable(x) for x in v]
     if isinstance(v, dt.date | dt.time | dt.datetime):
         return v.isoformat()
-    if isinstance(v, dt.timedelta):
-        return v.total_seconds()
-    if isinstance(v, bytes):
-        return v.hex()
     return v
+
+
+def _text_value(v: object) -> object:
+    """A value as PostgreSQL writes it where Python's text of it is a repr no reader parses: bytes as
+    bytea's hex (`\\x0102`), an interval (DuckDB's months, days and nanoseconds) or a duration as an ISO 8601
+    duration; any other value as it is."""
+    if isinstance(v, bytes):
+        return "\\x" + v.hex()
+    if isinstance(v, pa.MonthDayNano):
+        return iso_duration(v.months, v.days, v.nanoseconds)
+    if isinstance(v, dt.timedelta):
+        return iso_duration(0, 0, ((v.days * 86400 + v.seconds) * 10**6 + v.microseconds) * 1000)
+    return v
+
+
+def iso_duration(months: int, days: int, nanoseconds: int) -> str:
+    """An interval as ISO 8601's format with designators, each part with its own sign, as PostgreSQL writes
+    one (IntervalStyle iso_8601) and reads it back: `P1Y2M3DT4H5M6.5S`, `P-1Y-2M3DT-4H`, `PT0S` for
+    none. Months split into years and months, nanoseconds into hours, minutes and seconds, each toward
+    zero, so every part keeps its own sign (an interval's parts may differ in sign)."""
+    years, months = _toward_zero(months, 12)
+    hours, rest = _toward_zero(nanoseconds, 3600 * 10**9)
+    minutes, rest = _toward_zero(rest, 60 * 10**9)
+    date = "".join(f"{n}{unit}" for n, unit in ((years, "Y"), (months, "M"), (days, "D")) if n)
+    time = "".join(f"{n}{unit}" for n, unit in ((hours, "H"), (minutes, "M")) if n)
+    if rest:
+        whole, fraction = divmod(abs(rest), 10**9)
+        digits = f".{fraction:09d}".rstrip("0") if fraction else ""
+        time += f"{'-' if rest < 0 else ''}{whole}{digits}S"
+    if not date and not time:
+        return "PT0S"
+    return "P" + date + (f"T{time}" if time else "")
+
+
+def _toward_zero(n: int, unit: int) -> tuple[int, int]:
+    """n // unit rounded toward zero, and what is left (with n's sign)."""
+    whole = abs(n) // unit * (1 if n >= 0 else -1)
+    return whole, n - whole * unit

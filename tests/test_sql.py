@@ -130,7 +130,7 @@ def test_cli_csv_and_json(run_dir):
                                     {"bin": 1, "budget": None, "tail": None}]
     r = invoke("SELECT sum(budget) AS s, 'nan'::DOUBLE AS x, [1, 2] AS l FROM schedule", "--run",
                str(run_dir), "-f", "json")
-    assert json.loads(r.stdout) == [{"s": 128, "x": None, "l": [1, 2]}]
+    assert json.loads(r.stdout) == [{"s": 128, "x": "NaN", "l": [1, 2]}]
 
 
 def test_cli_table(run_dir):

@@ -10,7 +10,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from sparrow.schemas import artifact_metadata, read_artifact
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from sparrow.schemas import VERSION, ArtifactError, artifact_metadata, read_artifact
+from sparrow.schemas.footer import artifact_parts, kind_version, read_schema
 from sparrow.schemas.io import write_bytes
 
 from ..calibrate import ResolvedThreshold, resolve_threshold
@@ -50,6 +54,8 @@ def build_report(run_dir: str | Path, out_dir: str | Path | None = None,
     steps = find_steps(run_dir, runs, kinds, skipped)
     curves = find_curves(runs, skipped)
     calibrations = find_calibrations(kinds, skipped)
+    kinds, curves = _check_artifacts(kinds, curves, steps, skipped)
+    calibrations = [p for p in calibrations if p in kinds.get("threshold", [])]
     if not (curves or calibrations or any(s.files for s in steps.values())
             or any(kinds.get(k) for k in DRAWN)):
         raise ValueError(f"{run_dir} holds nothing to plot (no mismatch, schedule, cost, rollouts, "
@@ -58,7 +64,7 @@ def build_report(run_dir: str | Path, out_dir: str | Path | None = None,
                          + ")")
     for why in skipped:
         note(f"not drawn: {why}")
-    thresholds = _check_artifacts(kinds, curves, steps)
+    thresholds = {p: _threshold(kinds, p) for p in kinds.get("mismatch", [])}
     out.mkdir(parents=True, exist_ok=True)
     before = listed_figures(out)
     draw = {"mismatch": ("tail", lambda p, n: tail_figure(p, n, thresholds[p], out, plt)),
@@ -95,19 +101,48 @@ def build_report(run_dir: str | Path, out_dir: str | Path | None = None,
     return out / "index.html", figures
 
 
-def _check_artifacts(kinds: dict[str, list[Path]], runs: list[Path], steps: dict[Path, Steps]
-                     ) -> dict[Path, ResolvedThreshold]:
-    """Every artifact to draw read against its schema (a bad value is refused with the one sentence every
-    command gives), and each profile's threshold resolved, before any figure is written."""
-    for kind, paths in kinds.items():
-        for path in paths if kind != "train_mismatch" else ():  # read file by file, as `steps`
-            read_artifact(path, kind)
-    for run in runs:
-        read_artifact(run / "metrics.parquet", "metrics")
+def _check_artifacts(kinds: dict[str, list[Path]], curves: list[Path], steps: dict[Path, Steps],
+                     skipped: list[str]) -> tuple[dict[str, list[Path]], list[Path]]:
+    """Every artifact to draw read against its schema before any figure is written; the artifacts and the
+    runs with curves that remain. A file that cannot be read at all (a damaged data page, which the footer
+    check cannot see) or has another schema version is left out with its `skipped` line, as a truncated
+    one is, so that one damaged file does not keep the rest from being drawn; a bad value (a NaN alpha)
+    refuses the report with the one sentence every command gives."""
+    kept = {kind: [p for p in paths if kind == "train_mismatch" or _readable(p, kind, skipped)]
+            for kind, paths in kinds.items()}  # train_mismatch: read file by file, as `steps`
     for series in steps.values():
-        for f in series.files:
-            read_artifact(f, "train_mismatch")
-    return {p: _threshold(kinds, p) for p in kinds.get("mismatch", [])}
+        good = [f for f in series.files if _readable(f, "train_mismatch", skipped)]
+        series.left_out += len(series.files) - len(good)
+        series.files = good
+    curves = [run for run in curves
+              if _readable(run / "metrics.parquet", "metrics", skipped, f"the training curves of {run}")]
+    return kept, curves
+
+
+def _readable(path: Path, kind: str, skipped: list[str], what: str | None = None) -> bool:
+    """Whether `path` reads as a `kind` artifact. When it does not because its bytes are unreadable or its
+    schema version is not this Sparrow's, the sentence every command gives goes to `skipped` (as
+    "`what` (sentence)" when `what` is given); any other refusal (a value outside its range) is raised."""
+    try:
+        read_artifact(path, kind)
+        return True
+    except ArtifactError as e:
+        if not any(_unreadable(f) for f in (artifact_parts(path) if path.is_dir() else [path])):
+            raise
+        skipped.append(f"{what} ({e})" if what else str(e))
+        return False
+
+
+def _unreadable(path: Path) -> bool:
+    """A Parquet file whose footer names another schema version than this Sparrow's (or none), or whose
+    data pyarrow cannot read."""
+    if kind_version(read_schema(path))[1] != VERSION:
+        return True
+    try:
+        pq.read_table(path)
+    except (pa.ArrowException, OSError):
+        return True
+    return False
 
 
 def _threshold(kinds: dict[str, list[Path]], mismatch: Path) -> ResolvedThreshold:

@@ -248,14 +248,17 @@ def rollouts_figure(rollouts: Path, name: str, out: Path, plt) -> Figure:
     axes[0].set_ylabel("samples")
     axes[0].legend(fontsize=8, loc="best")
     rewards = np.array([r["reward"] for r in rows if r["reward"] is not None], dtype=float)
-    if len(rewards):
-        axes[1].hist(rewards, bins=np.linspace(0, 1, 11))
-        axes[1].set_xlim(0, 1)
+    finite = rewards[np.isfinite(rewards)]
+    if len(finite):
+        edges = reward_bins(finite)
+        axes[1].hist(finite, bins=edges)
+        axes[1].set_xlim(edges[0], edges[-1])
         axes[1].set_xlabel("reward")
         axes[1].set_ylabel("samples")
-        axes[1].set_title(f"reward per sample (mean {rewards.mean():.3f})", fontsize=10)
+        axes[1].set_title(f"reward per sample (mean {finite.mean():.3f})", fontsize=10)
     else:
-        say(axes[1], "no rewards: the prompts carry no answer, or their task has no scorer")
+        say(axes[1], "no finite reward to draw: every reward is NaN or infinite" if len(rewards)
+            else "no rewards: the prompts carry no answer, or their task has no scorer")
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.yaxis.set_major_locator(MaxNLocator(integer=True))  # counts of samples
@@ -266,5 +269,25 @@ def rollouts_figure(rollouts: Path, name: str, out: Path, plt) -> Figure:
                + (f" (mean budget of sparse tokens {np.mean(budgets):.0f})" if budgets else "")
                + (", every sample ran to --max-new-tokens (--ignore-eos)" if ignore_eos
                   else f", {stops.mean():.0%} stopped at EOS")
-               + (f", {float(speed):.1f} tokens/s" if speed else "") + ".")
+               + (f", {float(speed):.1f} tokens/s" if speed else "") + "."
+               + _reward_range(finite, len(rewards) - len(finite)))
     return save(fig, out, name, f"Rollouts: lengths and rewards ({rollouts.name})", caption, plt, len(rows))
+
+
+def reward_bins(rewards: np.ndarray, bins: int = 10) -> np.ndarray:
+    """The edges of the reward histogram: `bins` equal bins over [0, 1] widened to the rewards' own range,
+    so that every reward is drawn (a reward function's are kept as it returns them: -1, a bonus of 1.5)
+    and the usual [0, 1] rewards keep their usual axis."""
+    return np.linspace(min(0.0, float(rewards.min())), max(1.0, float(rewards.max())), bins + 1)
+
+
+def _reward_range(finite: np.ndarray, not_finite: int) -> str:
+    """The caption's words on the rewards the histogram's axis does not say: a range beyond [0, 1], and
+    the NaN or infinite rewards it cannot draw."""
+    said = ""
+    if len(finite) and (finite.min() < 0 or finite.max() > 1):
+        said += f" Rewards range from {finite.min():.4g} to {finite.max():.4g}, beyond [0, 1]."
+    if not_finite:
+        said += (f" {not_finite} reward{'s are' if not_finite > 1 else ' is'} NaN or infinite, not in the "
+                 "histogram.")
+    return said

@@ -3,11 +3,14 @@ what is left out (each with why, for the page's "Not drawn" list). Only footers 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from sparrow.schemas import ArtifactError, artifact_metadata
 from sparrow.schemas.footer import artifact_parts, kind_version, read_schema
+
+from ..sql.views import Provenance, file_metadata, not_regular
 
 DRAWN = ("mismatch", "schedule", "cost", "rollouts")
 
@@ -85,8 +88,8 @@ def find_artifacts(folder: Path, skipped: list[str], runs: list[Path]) -> dict[s
             continue
         if not p.is_dir() and p.suffix != ".parquet":
             continue
-        if p.exists() and not p.is_dir() and not p.is_file():  # a FIFO or a device: reading it could block
-            skipped.append(f"{p} is not a regular file")
+        if not p.is_dir() and (why := not_regular(p)):  # a FIFO (reading it could block) or a broken link
+            skipped.append(why)
             continue
         for kind, path in kinds_of(p, skipped):
             if kind in FIGURED:
@@ -127,8 +130,8 @@ def checked_steps(files: list[Path], skipped: list[str]) -> tuple[list[Path], in
     the middle of writing a step still has its other steps drawn."""
     good: list[Path] = []
     for f in files:
-        if not f.is_file():  # a FIFO or a device: reading it could block
-            skipped.append(f"{f} is not a regular file")
+        if why := not_regular(f):  # a FIFO (reading it could block) or a broken link
+            skipped.append(why)
             continue
         try:
             kind = kind_version(read_schema(f))[0]
@@ -171,7 +174,7 @@ def find_curves(runs: list[Path], skipped: list[str]) -> list[Path]:
     out: list[Path] = []
     for run in runs:
         metrics = run / "metrics.parquet"
-        why = f"{metrics} does not exist" if not metrics.exists() else None
+        why = f"{metrics} does not exist" if not os.path.lexists(metrics) else not_regular(metrics)
         if why is None:
             try:
                 kind = kind_version(read_schema(metrics))[0]
@@ -213,14 +216,14 @@ def kinds_of(path: Path, skipped: list[str]) -> list[tuple[str, Path]]:
     `--workers` output); one whose files share only the kind holds several artifacts, each drawn on its
     own (distill's profiles before and after its adapter: pooled, the curve would be neither's); one of
     several kinds is not one artifact and is skipped whole, in one line, so that the rest is drawn."""
-    from ..sql.views import Provenance
-
     files = artifact_parts(path) if path.is_dir() else [path]
     found: list[tuple[str | None, Provenance, Path]] = []
     try:
         for f in files:
+            if why := not_regular(f):
+                raise ArtifactError(why)
             schema = read_schema(f)
-            found.append((kind_version(schema)[0], Provenance.of(artifact_metadata(schema)), f))
+            found.append((kind_version(schema)[0], Provenance.of(file_metadata(schema, f)), f))
     except ArtifactError as e:
         skipped.append(f"{path} ({e})" if path.is_dir() else str(e))
         return []

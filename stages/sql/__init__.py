@@ -8,7 +8,9 @@ any view exists. Bounded: memory, spill disk, time, and a Ctrl-C or SIGTERM stop
 folder goes whatever happens. docs/sql.md gives the rules.
 
 views.py names the views, connection.py opens DuckDB over them and checks a statement, limits.py
-bounds a query while it runs; here, the query itself, streamed.
+bounds a query while it runs; here, the query itself, streamed. A query that fails on a damaged file
+(a data page DuckDB cannot decode, which the footer check cannot see) says which file: DuckDB's own
+message names none, so the files of the views it read are read again, one by one, to find it.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from .limits import (
     memory_text,
     parse_memory,
 )
-from .views import View, Warn, mixed_warning, python_warning, run_views
+from .views import Source, View, Warn, mixed_warning, python_warning, run_views, sql_literal
 
 __all__ = ["DEFAULT_MEMORY", "DEFAULT_TIMEOUT", "Limits", "QueryError", "QueryLimit", "Result", "Stopped",
            "View", "check_query", "check_read_only", "machine_memory", "memory_text", "open_run",
@@ -70,13 +72,14 @@ def query(run_dir: str | Path, sql: str, limits: Limits | None = None, warn: War
     views = run_views(run_dir, warn)
     used = _used_views(sql)
     for view in views:
-        said = mixed_warning(view, sql) if view.name in used else None
+        said = mixed_warning(view, sql) if view.name.lower() in used else None
         if said:
             warn(said)
     con, spill = open_views(run_dir, views, warn, limits.memory // 2, limits.spill)
+    read = _sources([v for v in views if v.name.lower() in used])
     try:
         with guarded(con, limits) as guard:
-            translate = functools.partial(_translated, guard=guard, con=con, run_dir=run_dir)
+            translate = functools.partial(_translated, guard=guard, con=con, run_dir=run_dir, read=read)
             try:
                 rel = con.sql(sql)
                 reader = rel.to_arrow_reader(BATCH_ROWS) if rel is not None else None
@@ -121,9 +124,10 @@ def _batches(reader: pa.RecordBatchReader, schema: pa.Schema, guard: Guard,
         yield pa.RecordBatch.from_arrays(batch.columns, schema=schema)
 
 
-def _translated(e: BaseException, guard: Guard, con: duckdb.DuckDBPyConnection, run_dir: str | Path
-                ) -> BaseException:
-    """What the caller sees of an exception DuckDB (or the stream from it) raised while a query ran."""
+def _translated(e: BaseException, guard: Guard, con: duckdb.DuckDBPyConnection, run_dir: str | Path,
+                read: tuple[Source, ...] = ()) -> BaseException:
+    """What the caller sees of an exception DuckDB (or the stream from it) raised while a query ran; `read`:
+    the files of the views the query names, searched for a damaged one when the error names no file."""
     if guard.signum is not None:
         return e if isinstance(e, Stopped) else Stopped(guard.signum)
     if isinstance(e, QueryError | KeyboardInterrupt):
@@ -148,7 +152,44 @@ def _translated(e: BaseException, guard: Guard, con: duckdb.DuckDBPyConnection, 
         message += f" (views in {run_dir}: {_listing(views)})"
     elif isinstance(e, duckdb.PermissionException):
         message += " (sparrow sql reads only the run's artifacts, through their views)"
-    return QueryError(message)
+    elif _unnamed_read_error(e, message, read) and (bad := _damaged(con, read, guard)) is not None:
+        message = (f"{Path(run_dir) / bad.name} cannot be read, its data is damaged ({message}); the other "
+                   f"files' views still read (SHOW TABLES lists them)")
+    return QueryError(_printable(message))
+
+
+def _printable(text: str) -> str:
+    """`text` with its control characters escaped (`\\x0e`): DuckDB quotes a damaged file's bytes in its
+    messages, and a shift-out byte would garble the terminal that prints the error."""
+    return re.sub(r"[\x00-\x08\x0b-\x1f\x7f]", lambda m: f"\\x{ord(m[0]):02x}", text)
+
+
+def _sources(views: list[View]) -> tuple[Source, ...]:
+    """The files of `views`, each once, in view order."""
+    return tuple({s.path: s for view in views for s in view.sources}.values())
+
+
+def _unnamed_read_error(e: BaseException, message: str, read: tuple[Source, ...]) -> bool:
+    """An error of DuckDB's Parquet reader that names no file: a damaged page raises DuckDB's bare `Error`
+    ("TProtocolException: ...", "don't know what type"), the same through the Arrow stream once rows have
+    come (an OSError, "Invalid Error: ..."), or fails in its Python binding."""
+    bare = type(e) is duckdb.Error or isinstance(e, RuntimeError | OSError | pa.ArrowException)
+    return bare and not any(str(s.path) in message for s in read)
+
+
+def _damaged(con: duckdb.DuckDBPyConnection, read: tuple[Source, ...], guard: Guard) -> Source | None:
+    """The first of `read` that DuckDB cannot read whole (every column of every row, streamed); None when
+    each reads, or when the query's time ran out or a signal came while looking."""
+    for source in read:
+        if guard.signum is not None or guard.timed_out.is_set():
+            return None
+        try:
+            rel = con.sql(f"SELECT * FROM read_parquet([{sql_literal(str(source.path))}])")
+            for _ in rel.to_arrow_reader(BATCH_ROWS):
+                pass
+        except Exception:  # noqa: BLE001 - any failure to read it is the answer
+            return source
+    return None
 
 
 def _missing_path(message: str) -> str | None:
@@ -171,8 +212,9 @@ def _listing(views: list[str], most: int = 12) -> str:
 
 
 def _used_views(sql: str) -> set[str]:
+    """The table names `sql` reads, in lower case (SQL names are case-insensitive)."""
     try:
-        return set(duckdb.get_table_names(sql))
+        return {name.lower() for name in duckdb.get_table_names(sql)}
     except duckdb.Error:
         return set()
 

@@ -4,17 +4,25 @@ Parquet file. Pooling files of different provenance is said, never silent.
 
 A run directory is untrusted input (runs are downloaded and shared), so nothing read from it reaches SQL
 as text: a kind must be one of Sparrow's (otherwise the file is skipped), view names are built from
-[A-Za-z0-9_] only and quoted, and paths and provenance values are string literals (`sql_literal`)."""
+[A-Za-z0-9_] only and quoted, and paths and provenance values are string literals (`sql_literal`).
+
+Every file left out is said, naming it: a FIFO or a broken symlink as much as a truncated file. A file of
+another schema version is read all the same (a view reads columns, not a schema), with a warning naming
+its version, since every other command refuses it."""
 
 from __future__ import annotations
 
+import os
 import re
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from sparrow.schemas import SCHEMAS, ArtifactError, artifact_metadata
+import pyarrow as pa
+
+from sparrow.schemas import SCHEMAS, VERSION, ArtifactError, artifact_metadata
+from sparrow.schemas.artifacts import KEY_VERSION
 from sparrow.schemas.footer import kind_version, read_schema
 
 
@@ -77,11 +85,14 @@ def run_views(run_dir: str | Path, warn: Warn | None = None) -> list[View]:
         raise ArtifactError(f"{run_dir} is not a directory, and a run is a directory of artifacts")
     by_kind: dict[str, list[Source]] = {}
     plain: list[Source] = []
+    other_version: dict[tuple[str, str | None], list[Path]] = {}
     root = run_dir.resolve()
     for p in _run_files(run_dir):
         try:
+            if why := not_regular(p):
+                raise ArtifactError(why)
             schema = read_schema(p)
-            kind, meta = kind_version(schema)[0], artifact_metadata(schema)
+            (kind, version), meta = kind_version(schema), file_metadata(schema, p)
         except ArtifactError as e:
             warn(f"{e}; skipped it")
             continue
@@ -90,8 +101,12 @@ def run_views(run_dir: str | Path, warn: Warn | None = None) -> list[View]:
             warn(f"{p} names the artifact kind {_shown(kind)}, which is none of Sparrow's "
                  f"({', '.join(sorted(SCHEMAS))}); skipped it")
             continue
+        if kind is not None and version != VERSION:
+            other_version.setdefault((kind, version), []).append(p)
         source = Source(root / rel, rel.as_posix(), Provenance.of(meta))
         (by_kind.setdefault(kind, []) if kind is not None else plain).append(source)
+    for (kind, version), paths in other_version.items():
+        warn(version_warning(paths, kind, version))
     kinds = sorted(by_kind.items())
     recorded = {kind: _recorded(sources) for kind, sources in kinds}
     views = [View(kind, tuple(sources), True, True, recorded[kind]) for kind, sources in kinds]
@@ -110,12 +125,55 @@ def _recorded(sources: list[Source]) -> tuple[str, ...]:
 
 
 def _run_files(run_dir: Path) -> list[Path]:
-    files = sorted(p for p in run_dir.glob("*.parquet") if p.is_file())
+    """The `*.parquet` entries that are not folders (a FIFO or a broken symlink among them, to be said),
+    then those of each subfolder that holds nothing else (the parts of a partitioned artifact)."""
+    files = sorted(p for p in run_dir.glob("*.parquet") if not p.is_dir())
     for sub in sorted(p for p in run_dir.iterdir() if p.is_dir() and not p.name.startswith(".")):
         entries = [e for e in sub.iterdir() if not e.name.startswith(".")]
-        if entries and all(e.is_file() and e.suffix == ".parquet" for e in entries):
+        if entries and all(not e.is_dir() and e.suffix == ".parquet" for e in entries):
             files += sorted(entries)
     return files
+
+
+def not_regular(path: Path) -> str | None:
+    """Why `path` is no file to read, or None: a broken symlink, or a FIFO, socket or device (reading one
+    could block)."""
+    if path.is_symlink() and not path.exists():
+        return f"{path} is a broken symlink (to {os.readlink(path)})"
+    if not path.is_file():
+        return f"{path} is not a regular file"
+    return None
+
+
+def file_metadata(schema: pa.Schema, path: Path) -> dict:
+    """The `sparrow.meta` object of `path`'s footer `schema`; ArtifactError naming the file when it is not
+    a JSON object (read again by path, so that the one sentence every command gives names it)."""
+    try:
+        return artifact_metadata(schema)
+    except ArtifactError:
+        return artifact_metadata(path)
+
+
+def version_warning(paths: list[Path], kind: str, version: str | None) -> str:
+    """One sentence for the artifacts of one kind whose footers record the same other schema version than
+    this Sparrow's (or none): their views read their columns as they are, where every other command
+    refuses them. One sentence for them all, since a run from another Sparrow has many (its steps)."""
+    one = len(paths) == 1
+    who = str(paths[0]) if one else f"{paths[0]} and {len(paths) - 1} more '{kind}' files"
+    has = "has" if one else "have"
+    which = (f"{has} no '{KEY_VERSION}' key" if version is None
+             else f"{has} version {_shown(version)} of the '{kind}' schema")
+    it, its = ("it", "its") if one else ("them", "their")
+    hint = f"upgrade Sparrow to read {it}" if _newer(version) else f"regenerate {it} with this Sparrow"
+    return (f"{who} {which}, but this Sparrow reads only version {VERSION}; {its} views read {its} columns "
+            f"as they are, where other commands refuse {it} ({hint})")
+
+
+def _newer(version: str | None) -> bool:
+    try:
+        return version is not None and int(version) > int(VERSION)
+    except ValueError:
+        return False
 
 
 def _free(name: str, taken: set[str]) -> str:
