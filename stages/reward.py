@@ -5,7 +5,8 @@ Design decisions:
   scripts), a directory of Parquet parts (`rollout --workers`, read as every artifact directory is) or
   JSONL, read by their columns: `prompt_id` and `text` are needed, `sample` is optional (the row's rank
   within its prompt by default); other columns are ignored. A Sparrow artifact of another kind is
-  refused.
+  refused. A file that starts with Parquet's magic bytes is Parquet whatever its suffix. An integer
+  `prompt_id` is read as its text, as a dataset's integer ids are.
 - JSONL is read line by line with `json`, keeping only those three keys, so a column nothing reads may
   change type from line to line, as other samplers' dumps do; each line is decoded as UTF-8 on its own
   (a bad byte names its line), and a UTF-8 byte order mark at the start of the file is skipped.
@@ -41,6 +42,7 @@ from sparrow.schemas.io import opens_json, utf8_lines
 from sparrow.schemas.locations import is_stdio
 
 from .core.prompt_set import PromptSet
+from .core.user_data import PARQUET_MAGIC
 from .tasks import TASKS, get_task, has_scorer, judge_batch
 from .tasks.base import row_of
 from .tasks.extras import extra_json
@@ -50,8 +52,8 @@ COMPLETIONS = ArtifactSpec("completions", "completions of any sampler, read by t
     Col("sample", pa.int32(), nullable=True, range="[0, inf)"),
     Col("text", pa.string(), nullable=True),
 ))
-JSON_COLUMNS = {"prompt_id": (str, "text", pa.string()), "sample": (int, "an integer", pa.int64()),
-                "text": (str, "text", pa.string())}
+JSON_COLUMNS = {"prompt_id": (str | int, "text or an integer", pa.string()),
+                "sample": (int, "an integer", pa.int64()), "text": (str, "text", pa.string())}
 REFUSED_KIND = "give rollouts, or any Parquet or JSONL file with columns 'prompt_id' and 'text'"
 
 
@@ -66,6 +68,12 @@ class Completion:
 
 
 def _is_jsonl(path: Path) -> bool:
+    """JSON lines by the suffix or the first byte, unless the file starts with Parquet's magic bytes (an
+    artifact written under a .jsonl name is Parquet)."""
+    if path.is_file():
+        with open(path, "rb") as f:
+            if f.read(4) == PARQUET_MAGIC:
+                return False
     return path.suffix in (".jsonl", ".ndjson", ".json") or opens_json(path)
 
 
@@ -133,7 +141,7 @@ def _json_lines(path: Path) -> pa.Table:
             if value is not None and (not isinstance(value, kind) or isinstance(value, bool)):
                 raise ArtifactError(f"--completions {path} line {n}: '{name}' is {_json_kind(value)}, "
                                     f"expected {what}")
-            columns[name].append(value)
+            columns[name].append(str(value) if name == "prompt_id" and value is not None else value)
     if not columns["prompt_id"]:  # one entry per object read
         raise ArtifactError(f"--completions {path} holds no completions (no JSON lines)")
     try:
@@ -169,7 +177,7 @@ def _json_kind(value: Any) -> str:
 def read_completions(path: str | os.PathLike) -> list[Completion]:
     """The completions of a file (module docstring), validated; samples numbered where the file has none."""
     path = Path(path)
-    table = _table(path)
+    table = _integer_ids_as_text(_table(path))
     subject = f"--completions {path} (read by its columns)"
     if "text" not in table.column_names:
         raise ArtifactError(f"{subject} lacks column 'text' (the completion's text, which is scored)")
@@ -191,6 +199,14 @@ def read_completions(path: str | os.PathLike) -> list[Completion]:
     if not out:
         raise ArtifactError(f"--completions {path} holds no completions")
     return out
+
+
+def _integer_ids_as_text(table: pa.Table) -> pa.Table:
+    """An integer `prompt_id` column as text, as a dataset's integer ids are read (`101` is "101")."""
+    if "prompt_id" not in table.column_names or not pa.types.is_integer(table.schema.field("prompt_id").type):
+        return table
+    i = table.column_names.index("prompt_id")
+    return table.set_column(i, "prompt_id", table.column(i).cast(pa.string()))
 
 
 def _first_prompt_tokens(table: pa.Table) -> dict[int, tuple[int, ...]]:

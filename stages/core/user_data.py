@@ -2,27 +2,40 @@
 JSONL or a `save_to_disk` folder.
 
 Design decisions:
-- The format is read from the columns, never from a flag. A Sparrow prompts artifact, and any file with
-  our columns (`prompt_id` and `task`, or `prompt_token_ids`), stays ours
-  (`prompt_set.py`). A file with `prompt` and `reward_model` is verl's (examples/data_preprocess/*.py):
-  the ground truth is `reward_model.ground_truth`. A file with `prompt` otherwise is TRL's: the answer is
-  the `--answer-column`, else the first of ANSWER_COLUMNS it has, else none (a reward function may need
-  none). Anything else is refused in one sentence listing the columns found and what is expected.
+- The format is read from the file, never from a flag. A Sparrow artifact (its Parquet footer says so)
+  stays ours (`prompt_set.py`). So does a file without the footer (DuckDB's, pandas', JSON lines) that
+  only ours can be, unless it is verl's (`prompt` and `reward_model`): one with `prompt_token_ids`, or
+  without `prompt` but with `prompt_id` or `task` (the prompts reader names what it lacks), or one of
+  text prompts with `prompt_id` and `task` where every task is one Sparrow scores. A user's multi-task
+  mix that has those two column names (with tasks of its own, chat prompts or a `reward_model`) is a
+  dataset, whose every column reaches the reward as its trainer passes them. A file taken for ours that
+  has columns our reader drops names them on stderr, with the rename that has it read as a dataset, and
+  --answer-column on it is refused with that rename. A file with `prompt` and `reward_model` is verl's
+  (examples/data_preprocess/*.py): the ground truth is `reward_model.ground_truth`. A file with `prompt`
+  otherwise is TRL's: the answer is the `--answer-column`, else the first of ANSWER_COLUMNS it has, else
+  none (a reward function may need none). Anything else is refused in one sentence listing the columns
+  found and what is expected.
 - The answer is the value as stored (a number, a list, a struct as a dict), since verl passes
   `reward_model.ground_truth` to a reward function as stored; `tasks.rewards.answer_for` gives each
   built-in reward what it reads (math-verify: text, a number as its text, anything else refused before
   any work; code: the tests as JSON text). A dotted `--answer-column` whose field no row's struct has is
   a typo, refused with the struct's fields.
-- Files are Parquet, JSON lines (UTF-8, one object per line) or a `save_to_disk` folder. Other files (CSV,
-  one JSON array, a lone Arrow file) are refused with the formats read and a one-line conversion that
-  needs only pyarrow or the standard library.
+- Files are Parquet (known by its magic bytes, whatever the file's suffix), JSON lines (UTF-8, one
+  object per line), a `save_to_disk` folder or a folder of Parquet files: a Sparrow artifact's parts, or
+  a dataset's shards as the Hugging Face Hub keeps them (`train-00000-of-00002.parquet`...), read in
+  name order as one dataset; a folder mixing the shards of several splits is refused with the splits.
+  Other files (CSV, one JSON array, a lone Arrow file) are refused with the formats read and a one-line
+  conversion that needs only pyarrow or the standard library.
 - `prompt` is text or a list of chat messages ({"role", "content"}); messages become text through the
-  model's chat template when the prompts are tokenized, as TRL applies it (add_generation_prompt, or
-  continue_final_message when the last turn is the assistant's).
+  model's chat template when the prompts are tokenized, as TRL's GRPOTrainer applies it
+  (`prompt_set.apply_messages`).
 - A row keeps the dataset's other columns in its metadata, as JSON: {"format", "file", "row", "prompt",
-  "columns"}, which is what the rewards (`tasks/rewards.py`) pass to a user's function and use to name a
-  row. Prompt ids are the file's `prompt_id` column, else `<file stem>-<row>`. Rows count from 0, in
-  the ids and in every message (`tasks.base.row_of`), as pyarrow and pandas count them.
+  "columns", and "answer_column" when --answer-column names it}, which is what the rewards
+  (`tasks/rewards.py`) pass to a user's function, check the ground truth by and use to name a row;
+  values JSON has no type for (datetime, Decimal, bytes) travel tagged and reach the function as those
+  Python values (`tasks.extras.column_json`). Prompt ids are the file's `prompt_id` column (an integer
+  id as its text), else `<file stem>-<row>`. Rows count from 0, in the ids and in every message
+  (`tasks.base.row_of`), as pyarrow and pandas count them.
 - A `save_to_disk` folder is read with pyarrow from its Arrow files (state.json lists them), so the
   `datasets` package is not needed; a DatasetDict folder is refused with the split folders to name.
 """
@@ -30,6 +43,9 @@ Design decisions:
 from __future__ import annotations
 
 import json
+import re
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,7 +53,9 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-ANSWER_COLUMNS = ("answer", "solution", "ground_truth", "target")
+OUR_COLUMNS = ("prompt_id", "task", "prompt", "prompt_token_ids", "answer", "metadata")  # what ours keep
+PARQUET_MAGIC = b"PAR1"
+_SHARD = re.compile(r"(?P<split>.+)-\d+-of-\d+\.parquet")  # the Hub's shard names
 FORMATS = "Parquet, JSON lines (one object per line) or a `datasets` save_to_disk folder"
 EXPECTED = ("a Sparrow prompts file (prompt_id, task, and prompt or prompt_token_ids), a verl dataset "
             "(prompt as chat messages, reward_model with ground_truth, data_source...) or a TRL / Hugging "
@@ -73,17 +91,48 @@ class DataOptions:
         return None
 
 
-def dataset_metadata(fmt: str, path: Path, row: int, prompt: Any, columns: dict[str, Any]) -> str:
-    return json.dumps({"format": fmt, "file": path.name, "row": row, "prompt": prompt, "columns": columns},
-                      default=str, sort_keys=True)
+@dataclass(frozen=True)
+class Source:
+    """A user's file as read: its columns, and its records (of the columns named, else all) when asked."""
+
+    columns: list[str]
+    read: Callable[[list[str] | None], list[dict]]
+
+    def records(self, columns: list[str] | None = None) -> list[dict]:
+        return self.read(columns)
+
+    @classmethod
+    def of_records(cls, records: list[dict]) -> Source:
+        return cls(list(dict.fromkeys(k for r in records for k in r)), lambda columns: records)
+
+    @classmethod
+    def of_table(cls, table: pa.Table) -> Source:
+        return cls(table.column_names, lambda names: table.select(names or table.column_names).to_pylist())
+
+
+def dataset_metadata(fmt: str, path: Path, row: int, prompt: Any, columns: dict[str, Any],
+                     answer_column: str | None = None) -> str:
+    """A row's metadata (module docstring); `answer_column` is the --answer-column its ground truth was
+    read from (kept only when given: else it follows from the format, `rewards.answer_column_of`)."""
+    from ..tasks.extras import column_json
+
+    meta = {"format": fmt, "file": path.name, "row": row, "prompt": column_json(prompt),
+            "columns": column_json(columns)}
+    if answer_column is not None:
+        meta["answer_column"] = answer_column
+    return json.dumps(meta, sort_keys=True)
 
 
 def read_dataset(path: Path, answer_column: str | None = None) -> list[dict] | None:
     """The rows (prompt_set.COLUMNS plus `messages`) of a verl or TRL dataset; None for a file of ours."""
-    columns, records = _load(path)
-    if columns is None:
+    from ..tasks.rewards import ANSWER_COLUMNS
+
+    source = _load(path)
+    if source is None:
         return None
-    if {"prompt_id", "task"} <= set(columns) or "prompt_token_ids" in columns:
+    columns = source.columns
+    if _ours(columns, source):
+        _taken_for_ours(path, columns, answer_column)
         return None  # ours (missing something, its reader names what)
     if "prompt" not in columns:
         raise DatasetError(f"{path} has columns {', '.join(columns) or 'none'}, which fit none of the "
@@ -92,7 +141,7 @@ def read_dataset(path: Path, answer_column: str | None = None) -> list[dict] | N
     if answer_column is not None and answer_column.split(".")[0] not in columns:
         raise DatasetError(f"{path} has no column {answer_column!r} (--answer-column); its columns: "
                            f"{', '.join(columns)}")
-    records = records()
+    records = source.records()
     if not records:
         raise DatasetError(f"{path}: the dataset is empty")
     if answer_column is not None:
@@ -108,8 +157,42 @@ def read_dataset(path: Path, answer_column: str | None = None) -> list[dict] | N
                      else f"{path.stem}-{i}",
                      "task": fmt, "prompt": text, "messages": messages, "prompt_token_ids": None,
                      "answer": _answer(record, answer_at),
-                     "metadata": dataset_metadata(fmt, path, i, prompt, others)})
+                     "metadata": dataset_metadata(fmt, path, i, prompt, others, answer_column)})
     return rows
+
+
+def _ours(columns: list[str], source: Source) -> bool:
+    """Whether a file without Sparrow's footer is a prompts file of ours by its content (module
+    docstring): not verl's, and with `prompt_token_ids`, or without `prompt` but with a column of ours,
+    or with text prompts, `prompt_id` and `task` whose every task Sparrow scores."""
+    from ..tasks import has_scorer
+
+    names = set(columns)
+    if "reward_model" in names and "prompt" in names:
+        return False
+    if "prompt_token_ids" in names or "prompt" not in names:
+        return bool(names & {"prompt_id", "task", "prompt_token_ids"})
+    if not {"prompt_id", "task"} <= names:
+        return False
+    return all(isinstance(r.get("task"), str) and has_scorer(r["task"])
+               and not isinstance(r.get("prompt"), list) for r in source.records(["task", "prompt"]))
+
+
+def _taken_for_ours(path: Path, columns: list[str], answer_column: str | None) -> None:
+    """A file read as ours by its columns: --answer-column refused, and columns our reader drops named,
+    each with the rename that has the file read as a dataset instead."""
+    if "prompt" not in columns:
+        return
+    why = "has columns 'prompt_id' and 'task', and every task is one of Sparrow's"
+    rename = "rename its column 'task' to have it read as a TRL dataset, which passes every column"
+    if answer_column is not None:
+        raise DatasetError(f"{path} is read as a Sparrow prompts file (it {why}), whose answer is its column "
+                           f"'answer'; --answer-column names the answer of a verl or TRL dataset: {rename}")
+    dropped = [c for c in columns if c not in OUR_COLUMNS]
+    if dropped:
+        print(f"warning: {path} is read as a Sparrow prompts file (it {why}), so its columns "
+              f"{', '.join(map(repr, dropped))} do not reach the reward; {rename}", file=sys.stderr,
+              flush=True)
 
 
 def _prompt(prompt: Any, path: Path, row: int) -> tuple[str | None, list[dict] | None]:
@@ -135,9 +218,9 @@ def _answer(record: dict, at: str | None) -> Any:
         value = value.get(key) if isinstance(value, dict) else None
     if value is None or isinstance(value, str | int | float):
         return value
-    if isinstance(value, dict | list | tuple):  # JSON's types, odd leaves (bytes, dates) as text
-        return json.loads(json.dumps(value, default=str))
-    return str(value)
+    from ..tasks.extras import column_json
+
+    return column_json(value)  # JSON's types, odd leaves (dates, decimals, bytes) tagged
 
 
 _KINDS = {str: "text", int: "integers", float: "numbers", bool: "booleans", list: "lists"}
@@ -162,30 +245,65 @@ def _check_fields(records: list[dict], at: str, path: Path) -> None:
         values = [v.get(key) for v in structs]
 
 
-def _load(path: Path):
-    """(columns, a function giving the records) of a user's dataset, or (None, None) for a file of ours."""
+def _load(path: Path) -> Source | None:
+    """A user's dataset as read (module docstring), or None for a Sparrow artifact (its footer says so)."""
     from sparrow.schemas import artifact_kind
     from sparrow.schemas.io import opens_json
 
     if path.is_dir():
-        if (path / "dataset_dict.json").exists():
-            splits = sorted(p.name for p in path.iterdir() if (p / "state.json").exists())
-            raise DatasetError(f"{path} is a Hugging Face DatasetDict; give one split's folder "
-                               f"({', '.join(str(path / s) for s in splits) or 'none found'})")
-        if not (path / "state.json").exists():
-            return None, None  # a directory of Parquet parts: ours
-        table = _arrow_dataset(path)
-        return table.column_names, table.to_pylist
-    if path.suffix in (".jsonl", ".ndjson") or opens_json(path):
+        return _folder(path)
+    if not _is_parquet(path) and (path.suffix in (".jsonl", ".ndjson") or opens_json(path)):
         records = _json_lines(path)
         if records is None:
-            return None, None
-        return list(dict.fromkeys(k for r in records for k in r)), lambda: records
+            return None
+        return Source.of_records(records)
     _check_parquet(path)
     if artifact_kind(path) is not None:
-        return None, None
-    names = pq.read_schema(path).names
-    return names, lambda: pq.read_table(path).to_pylist()
+        return None
+    return Source(pq.read_schema(path).names, lambda names: pq.read_table(path, columns=names).to_pylist())
+
+
+def _is_parquet(path: Path) -> bool:
+    """A file that starts with Parquet's magic bytes (whatever its suffix: -o wrote prompts.jsonl)."""
+    if not path.is_file():
+        return False
+    with open(path, "rb") as f:
+        return f.read(4) == PARQUET_MAGIC
+
+
+def _folder(path: Path) -> Source | None:
+    """A `save_to_disk` folder, a dataset's Parquet shards, or None for a Sparrow artifact's parts."""
+    from sparrow.schemas import artifact_kind
+
+    if (path / "dataset_dict.json").exists():
+        splits = sorted(p.name for p in path.iterdir() if (p / "state.json").exists())
+        raise DatasetError(f"{path} is a Hugging Face DatasetDict; give one split's folder "
+                           f"({', '.join(str(path / s) for s in splits) or 'none found'})")
+    if (path / "state.json").exists():
+        return Source.of_table(_arrow_dataset(path))
+    parts = sorted(p for p in path.iterdir() if p.suffix == ".parquet" and not p.name.startswith("."))
+    if not parts:
+        data = path / "data"
+        hint = f"; a dataset repository keeps them in {data}, give that folder" if data.is_dir() else ""
+        raise DatasetError(f"{path} is a folder without Parquet files and without a save_to_disk state.json, "
+                           f"so it holds no prompts{hint}")
+    for part in parts:
+        _check_parquet(part)
+    if artifact_kind(parts[0]) is not None:
+        return None
+    return Source.of_table(_shards(path, parts))
+
+
+def _shards(path: Path, parts: list[Path]) -> pa.Table:
+    """A dataset's Parquet shards as one table, in name order; shards of several splits are refused."""
+    splits = {m["split"] for m in map(_SHARD.fullmatch, (p.name for p in parts)) if m}
+    if len(splits) > 1:
+        raise DatasetError(f"{path} holds the Parquet shards of splits {', '.join(sorted(splits))}; give a "
+                           "folder holding one split's shards (or one shard file)")
+    try:
+        return pa.concat_tables([pq.read_table(p) for p in parts], promote_options="permissive")
+    except (pa.ArrowException, OSError) as e:
+        raise DatasetError(f"{path}: its Parquet files do not form one dataset ({e})") from None
 
 
 def _json_lines(path: Path) -> list[dict] | None:

@@ -13,14 +13,23 @@ Design decisions:
   Values JSON has no type for (a datetime, an object) are kept as their `str()`.
 - Only what cannot be written at all is refused: a container that holds itself, or a nesting deeper
   than Python can walk. The refusal is one sentence naming the function and the row.
+- A dataset's columns travel to a user's reward function inside a prompt's metadata, which is JSON
+  (`column_json`, `column_value`): the values pyarrow reads that JSON has no type for (datetime, date,
+  time, timedelta, Decimal, bytes) are written as a tagged object {TAG: type, "value": text} and read back
+  as those Python values, the values `datasets` hands TRL's reward functions (a datetime keeps its UTC
+  offset, not the name of its time zone). A dict of the user's that is exactly such a pair would be read
+  back as the value; no dataset is expected to hold one.
 """
 
 from __future__ import annotations
 
+import base64
+import datetime
+import decimal
 import json
 import math
 import numbers
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from .base import RewardError, row_of
@@ -102,3 +111,51 @@ def _row(prompt_id: str, metadata: str | Mapping[str, Any] | None) -> str:
     if isinstance(meta, Mapping) and isinstance(meta.get("row"), int) and meta.get("file"):
         return f"{row_of(meta['row'])} of {meta['file']} (prompt {prompt_id!r})"
     return f"prompt {prompt_id!r}"
+
+
+# ---------------------------------------------------------------- a dataset's columns as JSON
+
+TAG = "$sparrow.type"
+_ENCODE: dict[type, tuple[str, Callable[[Any], str]]] = {
+    datetime.datetime: ("datetime", lambda v: v.isoformat()),
+    datetime.date: ("date", lambda v: v.isoformat()),
+    datetime.time: ("time", lambda v: v.isoformat()),
+    datetime.timedelta: ("timedelta", lambda v: str(v // datetime.timedelta(microseconds=1))),
+    decimal.Decimal: ("decimal", str),
+    bytes: ("bytes", lambda v: base64.b64encode(v).decode("ascii")),
+}
+_DECODE: dict[str, Callable[[str], Any]] = {
+    "datetime": datetime.datetime.fromisoformat,
+    "date": datetime.date.fromisoformat,
+    "time": datetime.time.fromisoformat,
+    "timedelta": lambda v: datetime.timedelta(microseconds=int(v)),
+    "decimal": decimal.Decimal,
+    "bytes": base64.b64decode,
+}
+
+
+def column_json(value: Any) -> Any:
+    """A column's value as JSON values, the types JSON lacks tagged (module docstring); anything else
+    unknown as its text."""
+    if value is None or isinstance(value, str | bool | int | float):
+        return value
+    if isinstance(value, Mapping):
+        return {str(k): column_json(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [column_json(v) for v in value]
+    kind = next((k for k in type(value).__mro__ if k in _ENCODE), None)
+    if kind is None:
+        return str(value)
+    name, text = _ENCODE[kind]
+    return {TAG: name, "value": text(value)}
+
+
+def column_value(value: Any) -> Any:
+    """`column_json`'s output read back as Python values."""
+    if isinstance(value, list):
+        return [column_value(v) for v in value]
+    if not isinstance(value, dict):
+        return value
+    if set(value) == {TAG, "value"} and value[TAG] in _DECODE and isinstance(value["value"], str):
+        return _DECODE[value[TAG]](value["value"])
+    return {k: column_value(v) for k, v in value.items()}

@@ -4,7 +4,13 @@ user's function (`--reward-fn path.py:function`), each a `Task` found by `get_ta
 Design decisions:
 - `math`, as verl's math-verify reward: the ground truth is read as LaTeX inside \\boxed{}, the completion
   by math-verify's expression and LaTeX extraction; reward 1 when math-verify finds them equal, else 0
-  (status unparsed when nothing was extracted from the completion).
+  (status unparsed when nothing was extracted from the completion). A ground truth in GSM8K's solution
+  form ("... #### 72", the `answer` column of openai/gsm8k) is read as the number after ####, as verl's
+  gsm8k preprocessing extracts it, since a verl user's gold is that number. A ground truth that is empty,
+  NaN, a missing-value mark as pandas writes them ("N/A", "nan", "None"...) or that math-verify reads no
+  expression from would pay 0 for every completion (TRL's accuracy reward skips such a row): it is
+  refused before any work, naming the row and the column (`check_math_gold`, which reads the row's
+  columns), and at scoring too.
 - `code`: the ground truth is the tests, JSON as verl's and the APPS/TACO datasets keep them: `inputs` and
   `outputs` lists, with `fn_name` for call tests (the completion's function called on each input list,
   its value compared with the output as JSON) and without it for stdin/stdout tests (the completion's
@@ -30,6 +36,11 @@ Design decisions:
   the dataset's columns as each row is checked (`Task.check_metadata`, which rollout, train and reward
   run before any work). A parameter TRL fills and Sparrow does not (completion_ids, trainer_state) must
   have a default.
+- TRL's `log_metric(name, value)` and `log_extra(column, values)` are passed as GRPOTrainer passes them,
+  to a function that names them or takes **kwargs. What a call logs is kept with the completions it
+  scored, in each one's extra fields (`reward_extra` in rollouts and rewards): a column's own value, and
+  the call's mean of each metric. `logged_metrics` also gives the metrics' means since it was last read,
+  for a command that reports them per step (TRL averages them over a logging step).
 - A TRL function's result is any sequence, as TRL iterates it: a list, a tuple, a 1-d numpy array or
   tensor. TRL reads a None reward as "not applicable" and sums the other reward functions' rewards
   without it; Sparrow scores with one function, where that sum is empty (a NaN would spoil the group's
@@ -45,13 +56,17 @@ Design decisions:
   carrying its data (`-o -` Parquet, `-f json`), and verl's reward functions print. Python's sys.stdout
   is redirected, and so is descriptor 1 (C extensions, child processes) where it is open.
 - Rows reach a reward in the users' dataset layout (`core/user_data.py`): metadata {"format", "file",
-  "row", "prompt", "columns"}, so a function sees the columns its trainer would pass.
+  "row", "prompt", "columns", "answer_column"?}, so a function sees the columns its trainer would pass,
+  as the Python values `datasets` gives (a datetime, a Decimal, bytes: `extras.column_value`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
+import decimal
+import functools
 import importlib.util
 import inspect
 import json
@@ -66,8 +81,10 @@ from pathlib import Path
 from typing import Any
 
 from .base import Judgement, RewardError, Task, TaskError, row_of
+from .extras import column_value
 
 MATH, CODE = "math-verify", "code-tests"
+ANSWER_COLUMNS = ("answer", "solution", "ground_truth", "target")  # a TRL dataset's answer, the first found
 STDIO_FUNCTION = "__sparrow_stdio_main"
 _FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)(?:\n[ \t]*```|\Z)", re.DOTALL)
 
@@ -81,16 +98,102 @@ def _no_prompts(*args, **kwargs):
 # ---------------------------------------------------------------- math
 
 
+# verl's examples/data_preprocess/gsm8k.py: the final answer of a GSM8K solution, commas dropped
+_GSM8K_FINAL = re.compile(r"#### (\-?[0-9\.\,]+)")
+# what pandas reads as a missing value in a CSV (read_csv's default na_values): a gold that is one of
+# these arrived as a missing answer
+MISSING_MARKS = frozenset({"", "#N/A", "#N/A N/A", "#NA", "-1.#IND", "-1.#QNAN", "-NaN", "-nan", "1.#IND",
+                           "1.#QNAN", "<NA>", "N/A", "NA", "NULL", "NaN", "None", "n/a", "nan", "null"})
+_NUMBER = re.compile(r"-?(\d[\d,]*(\.\d*)?|\.\d+)")
+
+
+def math_text(answer: str) -> str:
+    """The text math-verify compares with: a GSM8K solution ("... #### 72") gives the number after ####,
+    as verl's gsm8k preprocessing extracts it; any other text is itself."""
+    final = _GSM8K_FINAL.search(answer)
+    return final.group(1).replace(",", "") if final else answer
+
+
+@functools.lru_cache(maxsize=4096)
+def _gold(answer: str) -> tuple:
+    """The ground truth as math-verify reads it: LaTeX inside \\boxed{} (parsed once per text)."""
+    from math_verify import LatexExtractionConfig, parse
+
+    return tuple(parse("\\boxed{" + answer + "}", extraction_config=[LatexExtractionConfig()]))
+
+
+def unreadable_gold(answer: str) -> str | None:
+    """Why math-verify cannot score against `answer` (a phrase), None when it can: an empty text, a
+    missing-value mark, or a text it reads no expression from (it returns the text alone, which no
+    completion verifies against)."""
+    text = answer.strip()
+    if not text:
+        return "is empty"
+    if text in MISSING_MARKS:
+        return "is a missing-value mark (pandas reads it as NaN)"
+    if _NUMBER.fullmatch(text) or any(not isinstance(g, str) for g in _gold(answer)):
+        return None
+    return "holds no answer math-verify can read"
+
+
 def math_judge(completion: str, answer: str, metadata: dict[str, Any] | None = None) -> Judgement:
-    """1 when math-verify finds the completion's answer equal to the ground truth (module docstring)."""
+    """1 when math-verify finds the completion's answer equal to the ground truth (module docstring); a
+    ground truth it cannot read (refused before any work, `check_math_gold`) is a RewardError, never a 0."""
     from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
-    gold = parse("\\boxed{" + str(answer) + "}", extraction_config=[LatexExtractionConfig()])
+    answer = str(answer)
+    why = unreadable_gold(answer)
+    if why is not None:
+        meta = metadata or {}
+        row = f" of {row_of(meta['row'])} of {meta.get('file')}" if isinstance(meta.get("row"), int) else ""
+        raise RewardError(f"the math-verify reward's ground truth {_cut(repr(answer))}{row} {why}; "
+                          f"{GOLD_ADVICE}")
     given = parse(completion, extraction_config=[ExprExtractionConfig(), LatexExtractionConfig()])
     if not given:
         return Judgement(0.0, "unparsed")
-    correct = bool(verify(gold, given))
+    correct = bool(verify(list(_gold(answer)), given))
     return Judgement(float(correct), "correct" if correct else "incorrect")
+
+
+GOLD_ADVICE = ("give the final answer alone (a number or LaTeX), leave the row out, or score such rows with "
+               "--reward-fn")
+
+
+def answer_column_of(metadata: dict[str, Any], columns: dict[str, Any]) -> str:
+    """The column a row's ground truth was read from: its --answer-column, else verl's
+    reward_model.ground_truth, a TRL dataset's first ANSWER_COLUMNS, our prompts' answer."""
+    if metadata.get("answer_column"):
+        return metadata["answer_column"]
+    if metadata.get("format") == "verl":
+        return "reward_model.ground_truth"
+    if metadata.get("format") == "trl":
+        return next((c for c in ANSWER_COLUMNS if c in columns), "answer")
+    return "answer"
+
+
+def check_math_gold(metadata: dict[str, Any]) -> None:
+    """TaskError in one phrase, naming the row and the column, when a row's ground truth is one math-verify
+    cannot score against (`unreadable_gold`, or NaN): it would pay 0 for every completion. The ground truth
+    is read from the row's columns (`answer_column_of`); a null one is refused where the rows are read."""
+    columns = column_value(metadata.get("columns") or {})
+    column = answer_column_of(metadata, columns)
+    value: Any = columns
+    for key in column.split("."):
+        value = value.get(key) if isinstance(value, dict) else None
+    if value is None:
+        return
+    shown = _cut(repr(value))
+    row = f" of {row_of(metadata['row'])}" if isinstance(metadata.get("row"), int) else ""
+    if isinstance(value, float) and not math.isfinite(value):
+        why = "is NaN, a missing value" if math.isnan(value) else "is infinite"
+    else:
+        try:
+            why = unreadable_gold(answer_for(MATH, value))
+        except ValueError:  # not one answer: refused where the rows are read
+            return
+    if why is not None:
+        raise TaskError(f"the ground truth {shown} in column {column!r}{row} {why}, so math-verify would "
+                        f"score every completion 0; {GOLD_ADVICE}")
 
 
 # ---------------------------------------------------------------- code
@@ -225,14 +328,21 @@ def stdout_to_stderr() -> Iterator[None]:
 
 def answer_for(reward: str, answer: Any) -> Any:
     """The ground truth as the reward `reward` reads it (module docstring): a user's function gets it as
-    stored; math-verify gets text, or a number as its text (a bool, list or struct is refused: it compares
-    the completion with one answer); code gets its tests as JSON text. ValueError in one phrase."""
-    if answer is None or isinstance(answer, str) or reward not in (MATH, CODE):
+    stored; math-verify gets text (a GSM8K solution's final number, `math_text`), or a number, a decimal or
+    a date as its text (a bool, bytes, list or struct is refused: it compares the completion with one
+    answer); code gets its tests as JSON text. ValueError in one phrase."""
+    if reward not in (MATH, CODE):
         return answer
+    answer = column_value(answer)
+    if isinstance(answer, decimal.Decimal | datetime.date | datetime.time | datetime.timedelta):
+        answer = str(answer)
+    if answer is None or isinstance(answer, str):
+        return math_text(answer) if reward == MATH and answer is not None else answer
     if reward == MATH and (isinstance(answer, bool) or not isinstance(answer, int | float)):
         shown = json.dumps(answer, default=str)
         shown = shown if len(shown) <= 60 else shown[:57] + "..."
-        kind = {bool: "a bool", list: "a list", dict: "a struct"}.get(type(answer), type(answer).__name__)
+        kind = {bool: "a bool", list: "a list", dict: "a struct", bytes: "bytes"}.get(type(answer),
+                                                                                  type(answer).__name__)
         fix = ("name the field that holds the answer with --answer-column column.field"
                if isinstance(answer, dict) else "score such rows with --reward-fn")
         raise ValueError(f"its ground truth is {kind} ({shown}), not text or a number, and math-verify "
@@ -242,6 +352,49 @@ def answer_for(reward: str, answer: Any) -> Any:
 
 VERL_KEYWORDS = ("data_source", "solution_str", "ground_truth", "extra_info")
 TRL_ONLY = ("completion_ids", "trainer_state")  # what TRL passes its functions and Sparrow does not
+TRL_LOGGERS = ("log_metric", "log_extra")  # what TRL passes its functions for logging, and so does Sparrow
+
+
+@dataclass
+class Logged:
+    """What a TRL function logged in one call through the `log_metric(name, value)` and
+    `log_extra(column, values)` keywords, as GRPOTrainer takes them: scalars by name (several in one call
+    are averaged, as TRL averages them over a logging step), and per-completion columns."""
+
+    metrics: dict[str, list[float]] = field(default_factory=dict)
+    columns: dict[str, list] = field(default_factory=dict)
+
+    def log_metric(self, name: str, value: float) -> None:
+        self.metrics.setdefault(str(name), []).append(float(value))
+
+    def log_extra(self, column: str, values: list) -> None:
+        self.columns.setdefault(str(column), []).extend(values)
+
+    def extras(self, n: int, spec: str) -> list[dict[str, Any]]:
+        """The logged values as `n` completions' extra fields: a metric's mean on each of them, a column's
+        own value on each; RewardError when a column does not have one value per completion."""
+        for column, values in self.columns.items():
+            if len(values) != n:
+                raise RewardError(f"--reward-fn {spec} logged {len(values)} values for column {column!r} "
+                                  f"with log_extra, for a batch of {n} completions; log_extra takes one "
+                                  "value per completion")
+        means = {name: sum(v) / len(v) for name, v in self.metrics.items()}
+        for name, values in self.metrics.items():
+            total = _METRICS.setdefault(name, [0.0, 0])
+            total[0] += sum(values)
+            total[1] += len(values)
+        return [{**means, **{c: v[i] for c, v in self.columns.items()}} for i in range(n)]
+
+
+_METRICS: dict[str, list] = {}  # name -> [sum, count] of what log_metric logged since `logged_metrics`
+
+
+def logged_metrics() -> dict[str, float]:
+    """The mean of each metric users' reward functions logged with log_metric since the last call (as TRL
+    averages them over a logging step), then forgotten; for a command's step metrics or summary."""
+    means = {name: total / count for name, (total, count) in _METRICS.items() if count}
+    _METRICS.clear()
+    return means
 
 
 @contextlib.contextmanager
@@ -265,6 +418,7 @@ class RewardFunction:
     name: str
     fn: Callable
     style: str  # "verl" or "trl"
+    loggers: tuple[str, ...] = ()  # the TRL_LOGGERS it takes (by name or through **kwargs)
     checked: set[frozenset[str]] = field(default_factory=set, compare=False, repr=False)  # TRL columns
 
     @property
@@ -282,12 +436,15 @@ class RewardFunction:
         if self.style != "trl" or frozenset(columns) in self.checked:
             return
         try:
-            inspect.signature(self.fn).bind(prompts=None, completions=None, **dict.fromkeys(columns))
+            inspect.signature(self.fn).bind(prompts=None, completions=None,
+                                            **dict.fromkeys([*columns, *self.loggers]))
         except TypeError as e:
             shown = ", ".join(columns) or "none"
             advice = ("a TRL reward function takes **kwargs for the columns it does not read"
                       if "unexpected keyword" in str(e) else "TRL fills each parameter beyond prompts and "
-                      "completions from the dataset's column of that name")
+                      "completions from the dataset's column of that name, or with its own "
+                      f"{', '.join(TRL_LOGGERS + TRL_ONLY)}, of which Sparrow passes all but "
+                      f"{' and '.join(TRL_ONLY)}")
             raise TaskError(f"--reward-fn {self.spec} takes ({_parameters(self.fn)}), which cannot take "
                             "what TRL passes it for this row: prompts, completions and the dataset's "
                             f"columns ({shown}) as keywords ({e}); {advice}") from None
@@ -300,18 +457,22 @@ class RewardFunction:
     def _verl(self, items: list[Item]) -> list[Judgement]:
         out = []
         for completion, answer, meta in items:
-            columns = meta.get("columns") or {}
+            columns = column_value(meta.get("columns") or {})
             try:
                 value = _awaited(self.fn(data_source=columns.get("data_source"), solution_str=completion,
-                                         ground_truth=answer, extra_info=columns.get("extra_info")))
+                                         ground_truth=column_value(answer),
+                                         extra_info=columns.get("extra_info")))
             except USER_ERRORS as e:  # the user's error, named with its row
                 raise self._raised(e, meta) from None
             out.append(self._judgement(value, meta))
         return out
 
     def _trl(self, items: list[Item]) -> list[Judgement]:
+        """One call for the batch (module docstring); what it logged lands in each completion's extra
+        fields, and only a call that returned counts (a batch called again item by item logs again)."""
+        logged = Logged()
         try:
-            values = _awaited(self._call_trl(items))
+            values = _awaited(self._call_trl(items, logged))
         except USER_ERRORS as e:  # named with its row: the batch's items again, one at a time
             if len(items) == 1:
                 raise self._raised(e, items[0][2]) from None
@@ -329,20 +490,27 @@ class RewardFunction:
                                   "None as 'not applicable' and leaves the completion to its other reward "
                                   "functions, but Sparrow scores with this one function alone, so it must "
                                   "return a number for every completion")
-        return [self._judgement(v, meta) for v, (_, _, meta) in zip(listed, items)]
+        judged = [self._judgement(v, meta) for v, (_, _, meta) in zip(listed, items)]
+        extras = logged.extras(len(items), self.spec)
+        return [Judgement(j.reward, j.status, j.tests_passed, j.tests_total,
+                          {**(j.extra or {}), **extra} or None) for j, extra in zip(judged, extras)]
 
-    def _call_trl(self, items: list[Item]) -> Any:
+    def _call_trl(self, items: list[Item], logged: Logged) -> Any:
+        """The function called as GRPOTrainer calls it: prompts, completions, each column as a list of the
+        batch's values (as `datasets` gives them, `column_value`), and the loggers it takes."""
         prompts, completions, columns = [], [], {}
         keys = list(dict.fromkeys(k for _, _, meta in items for k in (meta.get("columns") or {})))
         for completion, _, meta in items:
-            prompt = meta.get("prompt")
+            prompt = column_value(meta.get("prompt"))
             prompts.append(prompt)
             conversational = isinstance(prompt, list)
             completions.append([{"role": "assistant", "content": completion}] if conversational
                                else completion)
+            row = column_value(meta.get("columns") or {})
             for k in keys:
-                columns.setdefault(k, []).append((meta.get("columns") or {}).get(k))
-        return self.fn(prompts=prompts, completions=completions, **columns)
+                columns.setdefault(k, []).append(row.get(k))
+        loggers = {name: getattr(logged, name) for name in self.loggers}
+        return self.fn(prompts=prompts, completions=completions, **{**columns, **loggers})
 
     def _raised(self, e: BaseException, meta: dict[str, Any]) -> RewardError:
         exited = isinstance(e, SystemExit)
@@ -446,7 +614,16 @@ def load_reward_function(spec: str) -> RewardFunction:
                           f"({_shown(fn)}), not a function")
     style = _style(fn, spec)
     _check_keywords(fn, spec, style)
-    return RewardFunction(spec, path, name, fn, style)
+    return RewardFunction(spec, path, name, fn, style, _loggers(fn) if style == "trl" else ())
+
+
+def _loggers(fn: Callable) -> tuple[str, ...]:
+    """The TRL_LOGGERS a TRL function takes: those it names, or all of them through **kwargs (TRL passes
+    them to every function; Sparrow passes none to a function that could not take them)."""
+    params = inspect.signature(fn).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return TRL_LOGGERS
+    return tuple(name for name in TRL_LOGGERS if name in params)
 
 
 def _import(spec: str, path: Path) -> Any:
@@ -519,7 +696,8 @@ def _reward(name: str, description: str, **fields: Any) -> Task:
 
 
 REWARDS: dict[str, Task] = {
-    MATH: _reward(MATH, "math-verify of the completion against the ground truth", judge=math_judge),
+    MATH: _reward(MATH, "math-verify of the completion against the ground truth", judge=math_judge,
+                  check_metadata=check_math_gold),
     CODE: _reward(CODE, "the dataset's code tests run on the completion's program in the sandbox",
                   judge=code_judge, runs_code=True, check_answer=check_code_tests),
 }
