@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -24,11 +25,24 @@ from . import (  # noqa: E402
     sql,
     train,
 )
-from .common import Command, Group  # noqa: E402
+from .common import Command, Group, drop_stream  # noqa: E402
+from .output import write_out  # noqa: E402
+
+
+class Sparrow(Group):
+    """The `sparrow` command: its subcommands run with `main`'s rule for a reader that stops early."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except BrokenPipeError:  # main's rule; what a command prints comes after what it writes
+            drop_stream(sys.stdout)
+            return None
+
 
 app = typer.Typer(
     name="sparrow",
-    cls=Group,
+    cls=Sparrow,
     help="Sparse-attention rollouts for RLVR with the sparse-to-dense mismatch kept in check. "
     "Stages read and write Parquet artifacts; chain them in shell pipelines and query them with "
     "`sparrow sql`.",
@@ -46,7 +60,7 @@ def _version(value: bool) -> None:
             number = version("sparrow-rl")
         except PackageNotFoundError:  # run from a source tree that was never installed
             number = "unknown (not installed)"
-        print(f"sparrow {number}")
+        write_out(f"sparrow {number}\n")
         raise typer.Exit()
 
 
@@ -66,4 +80,9 @@ for _name, _command in COMMANDS.items():
 
 
 def main() -> None:
+    """Run `sparrow`. A reader that stops early (`| head`, `| true`) is not a failure: the command carries
+    on to its end and exits 0, and says nothing of it on stderr. Every command writes its artifacts before
+    it prints, so a closed stdout never costs a file: the consoles (common.MessageConsole.on_broken_pipe)
+    and the plain writers (output.write_out) send the rest of the output to /dev/null, and
+    `Sparrow.invoke` does so for any other write, ending the command there."""
     app()

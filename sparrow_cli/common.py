@@ -7,6 +7,7 @@ to force it, and `-o -` hands stdout to the artifact (tables and summaries then 
 from __future__ import annotations
 
 import functools
+import os
 import re
 import signal
 import sys
@@ -18,7 +19,7 @@ from pathlib import Path
 from typing import NoReturn
 
 import typer
-from rich.console import Console
+from rich.console import Console, ConsoleDimensions
 from rich.text import Text
 from typer.core import TyperCommand, TyperGroup
 
@@ -39,6 +40,38 @@ class MessageConsole(Console):
         if markup or (markup is None and self._markup):
             text = _TAG.sub(_literal_unless_own, text)
         return super().render_str(text, emoji=False, markup=markup, **kwargs)
+
+    @property
+    def size(self) -> ConsoleDimensions:
+        """A terminal's own size; anywhere else (a pipe, a file, a log) no width at all, so that nothing
+        printed there is cut or wrapped to a width that no reader has: a table is as wide as its cells."""
+        size = super().size
+        return size if self.is_terminal else ConsoleDimensions(UNBOUNDED_WIDTH, size.height)
+
+    @size.setter
+    def size(self, new_size: tuple[int, int]) -> None:
+        self._width, self._height = new_size
+
+    def on_broken_pipe(self) -> None:
+        """The reader stopped early (`| head`): what this console prints from now on goes nowhere, and the
+        command carries on to its end (a reader that stops early is not a failure; app.main)."""
+        drop_stream(self.file)
+
+
+UNBOUNDED_WIDTH = 100_000  # the width of a console that is not a terminal: wider than any table
+
+
+def drop_stream(stream) -> None:
+    """Point `stream`'s file descriptor at /dev/null: its reader is gone, so what is still buffered or
+    written later (also Python's flush at exit) goes nowhere instead of failing again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, stream.fileno())
+        finally:
+            os.close(devnull)
+    except (OSError, ValueError):  # not a real file (under a test runner): nothing to redirect
+        pass
 
 
 def _literal_unless_own(tag: re.Match) -> str:
@@ -107,11 +140,53 @@ def _bare_flags(params: list) -> list:
     return params
 
 
+# The other names of an idea's option (vLLM's, verl's or TRL's, and Sparrow's older ones), keyed by the name
+# that every command with the idea declares. docs/commands.md, "Option names", lists them.
+ALIASES: dict[str, tuple[str, ...]] = {
+    "--max-num-seqs": ("--max-batch", "--batch-size", "--batch"),
+    "--samples": ("--num-generations",),
+    "--max-new-tokens": ("--max-completion-length", "--max-tokens"),
+    "--output": ("--output-dir",),
+    "--lr": ("--learning-rate",),
+    "--kl-coef": ("--beta",),
+}
+
+
+def take_aliases(params: list) -> dict:
+    """Each option named in ALIASES -> its other names, taken out of its declared names (so that --help
+    shows the option under its one name, the others in a last sentence of its help): every command with
+    the idea answers to all of them, except a name that already names another of its options (distill's
+    --batch-size, its trajectories per step, stays that)."""
+    taken = {name for param in params for name in (*param.opts, *getattr(param, "secondary_opts", ()))}
+    aliases = {}
+    for param in params:
+        primary = next((n for n in param.opts if n in ALIASES), None)
+        if primary is None:
+            continue
+        names = [a for a in ALIASES[primary] if a in param.opts or a not in taken]
+        param.opts = [n for n in param.opts if n not in names]
+        param.help = f"{param.help or ''} Also {', '.join(names)}.".lstrip()
+        aliases[param] = names
+    return aliases
+
+
 class Command(TyperCommand):
-    """A subcommand whose --help shows flags without a value placeholder."""
+    """A subcommand whose --help shows flags without a value placeholder and whose options answer to their
+    names in ALIASES (`take_aliases`)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.aliases = take_aliases(self.params)
 
     def get_params(self, ctx) -> list:
         return _bare_flags(super().get_params(ctx))
+
+    def make_parser(self, ctx):
+        parser = super().make_parser(ctx)
+        for param, names in self.aliases.items():
+            parser.add_option(obj=param, opts=names, dest=param.name,
+                              action="append" if param.multiple else "store", nargs=param.nargs)
+        return parser
 
 
 class Group(TyperGroup):

@@ -273,7 +273,10 @@ def distill(
     steps: int = typer.Option(50, "--steps"),
     batch_size: int = typer.Option(8, "--trajectories-per-step", "--batch-size", help="Trajectories per "
                                    "optimizer step (as train's --prompts-per-step counts prompts); at most "
-                                   "the trajectories there are (the default: all of them where fewer)."),
+                                   "the trajectories there are (the default: all of them where fewer). "
+                                   "--batch-size is its older name here; on rollout, profile and "
+                                   "plan-schedule --batch-size is --max-num-seqs, the sequences decoded "
+                                   "together."),
     lora_rank: int = typer.Option(16, "--lora-rank", help="LoRA rank on every linear layer of every block."),
     lora_alpha: float = typer.Option(16.0, "--lora-alpha", callback=finite,
                                      help="Published: 16 (DistillSparse's, as train's "

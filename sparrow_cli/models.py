@@ -17,7 +17,7 @@ def _count(n: object) -> str:
 
 
 @friendly_errors
-def models(format: str = format_option()) -> None:
+def models(format: str = format_option(artifact=False)) -> None:
     """Print the built-in model presets (shapes; where weights and tokenizer come from)."""
     fmt = resolve_format(format)
     rows = []

@@ -31,6 +31,15 @@ def non_negative_seed(ctx: typer.Context, param: typer.CallbackParam, value: int
     fail(f"--seed must be >= 0, got {value}")
 
 
+def spec_kind_any_case(ctx: typer.Context, param: typer.CallbackParam, value: str | None) -> str | None:
+    """typer callback of a sampler spec (dense, budget:B, schedule:FILE, snapkv:B, rkv:B): its kind in any
+    case, as --kv-compression takes its kind; what follows the kind (a budget, a path) as given."""
+    if value is None or ctx.resilient_parsing:
+        return value
+    kind, sep, rest = value.partition(":")
+    return kind.lower() + sep + rest
+
+
 def option_given(ctx: typer.Context, name: str) -> bool:
     """Whether the option `name` was given (on the command line or in the environment), not defaulted."""
     source = ctx.get_parameter_source(name)  # typer vendors click: compare by name, not by enum class

@@ -9,11 +9,11 @@ Rows hold typed values, one value per cell (numbers, booleans, None, text). The 
 csv, tsv) share the rendering of a value where it is a choice: a column's renderer where the command
 gives one (a budget of None shown as "dense", a parameter count as "134.5M"), else yes/no for booleans.
 They differ where a reader needs it. The table is for reading: floats to 6 significant digits, None an
-empty cell, tabs and newlines in text shown as spaces. CSV and TSV are for machines and lose nothing:
-floats in their shortest form that reads back to the same number (repr). CSV quotes text and leaves None
-an empty cell; TSV is one line per row in PostgreSQL COPY's text format: None is \\N, and a backslash, tab,
-newline or carriage return in text is escaped as \\\\, \\t, \\n, \\r. JSON keeps the types: numbers are
-numbers, booleans are booleans, None (and NaN) is null.
+empty cell, tabs and newlines in text shown as spaces, and no cell cut short (`print_table`). CSV and TSV
+are for machines and lose nothing: floats in their shortest form that reads back to the same number
+(repr). CSV quotes text and leaves None an empty cell; TSV is one line per row in PostgreSQL COPY's
+text format: None is \\N, and a backslash, tab, newline or carriage return in text is escaped as \\\\,
+\\t, \\n, \\r. JSON keeps the types: numbers are numbers, booleans are booleans, None (and NaN) is null.
 
 A stage's summary (rollout, profile, fit-cost, train) is data too: `emit_record` prints one record as a
 two-column rich table on a terminal, and as a header and one row (csv, tsv) or one JSON object elsewhere,
@@ -23,26 +23,34 @@ with the same keys that scripts find in the artifact's metadata.
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 import sys
 from collections.abc import Callable, Mapping, Sequence
 
 import typer
+from rich import box
 from rich.console import Console
+from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
-from .common import UsageError, console, out, stdout_taken
+from .common import UNBOUNDED_WIDTH, UsageError, console, drop_stream, out, stdout_taken
 
 FORMATS = ("table", "csv", "json", "tsv")
 FORMAT_HELP = ("table, csv, json or tsv on stdout, in any case (default: table on a terminal, tsv in a "
-               "pipe). With -o - stdout carries the artifact, and the summary is a table on stderr.")
+               "pipe).")
+ARTIFACT_FORMAT_HELP = (f"{FORMAT_HELP} With -o -, stdout carries the artifact and this output goes to "
+                        "stderr as a table (-f then changes nothing).")
 FORMAT_METAVAR = f"[{'|'.join(FORMATS)}]"
 
 
-def format_option():
-    return typer.Option(None, "--format", "-f", metavar=FORMAT_METAVAR, help=FORMAT_HELP)
+def format_option(artifact: bool = True):
+    """--format/-f of a command that prints a table; `artifact`: the command writes one with -o, which
+    takes stdout with -o - (its help then says where the table goes)."""
+    return typer.Option(None, "--format", "-f", metavar=FORMAT_METAVAR,
+                        help=ARTIFACT_FORMAT_HELP if artifact else FORMAT_HELP)
 
 
 def resolve_format(fmt: str | None) -> str:
@@ -129,18 +137,98 @@ def emit(columns: Sequence[str], rows: Sequence[Sequence[object]], fmt: str, tit
             t.add_column(Text(c), justify="left" if c in left else "right")
         for r in rows:
             t.add_row(*(Text(str(_cell(c, v, render))) for c, v in zip(columns, r)))
-        (to or out).print(t)
+        print_table(t, to or out)
     elif fmt == "json":
-        sys.stdout.write(json.dumps(json_rows(columns, rows)) + "\n")
+        write_out(json.dumps(json_rows(columns, rows)) + "\n")
     elif fmt == "csv":
-        writer = csv.writer(sys.stdout, lineterminator="\n")
+        text = io.StringIO()
+        writer = csv.writer(text, lineterminator="\n")
         writer.writerow(columns)
         writer.writerows([[_cell(c, v, render, "csv") for c, v in zip(columns, r)] for r in rows])
+        write_out(text.getvalue())
     else:
-        sys.stdout.write("\t".join(map(tsv_field, columns)) + "\n")
-        for r in rows:
-            sys.stdout.write(tsv_line(r, columns, render))
-    sys.stdout.flush()
+        write_out("".join(["\t".join(map(tsv_field, columns)) + "\n",
+                           *(tsv_line(r, columns, render) for r in rows)]))
+
+
+def write_out(text: str) -> None:
+    """`text` on stdout, flushed. A reader that stops early (`| head`) is not a failure (app.main): the rest
+    goes to /dev/null and the command carries on."""
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        drop_stream(sys.stdout)
+
+
+# ---------------------------------------------------------------- tables for reading
+
+def print_table(table: Table, to: Console) -> None:
+    """A rich table that loses nothing: no cell is ever cut to "...". Anywhere but a terminal the console
+    has no width (common.MessageConsole), so the table is as wide as its cells. On a terminal a table wider
+    than it is fitted (`fit_table`): headers fold first, then the table drops its box, and only then do
+    cells fold, the first (key) column last."""
+    for column in table.columns:
+        column.overflow = "fold"
+    if to.is_terminal:
+        fit_table(table, to, to.width)
+    to.print(table)
+
+
+COMPACT = {"box": box.SIMPLE_HEAD, "show_edge": False, "padding": 0, "pad_edge": False}  # one space apart
+
+
+def fit_table(table: Table, console: Console, width: int) -> None:
+    """Set `table`'s columns (and, where needed, its style) so it fits `width`, in this order of
+    preference: as it is; its headers folded to the width of their cells; the same without a box
+    (COMPACT); and last, cells folded too but the first column's kept whole where it leaves room."""
+    if _natural_width(table, console) <= width or _fold_headers(table, console, width):
+        return
+    for name, value in COMPACT.items():
+        setattr(table, name, value)
+    if _natural_width(table, console) <= width or _fold_headers(table, console, width):
+        return
+    key = _widths(table, console)[0][0]
+    if key + _overhead(table, console) + len(table.columns) - 1 <= width:
+        table.columns[0].width = key
+
+
+def _widths(table: Table, console: Console) -> tuple[list[int], list[int]]:
+    """Each column's widest cell and its header's width, in cells of the terminal."""
+    def measure(renderable) -> int:
+        return Measurement.get(console, console.options, renderable).maximum
+
+    cells = [max([1, *(measure(c) for c in column.cells)]) for column in table.columns]
+    return cells, [measure(column.header) for column in table.columns]
+
+
+def _natural_width(table: Table, console: Console) -> int:
+    return Measurement.get(console, console.options.update_width(UNBOUNDED_WIDTH), table).maximum
+
+
+def _overhead(table: Table, console: Console) -> int:
+    """What the table's box and padding take beside its columns' text."""
+    cells, headers = _widths(table, console)
+    return _natural_width(table, console) - sum(map(max, cells, headers))
+
+
+def _fold_headers(table: Table, console: Console, width: int) -> bool:
+    """Each column as wide as its widest cell, the room left over given to the headers that fold into the
+    most lines; False (the table unchanged) if the cells alone do not fit."""
+    cells, headers = _widths(table, console)
+    spare = width - _overhead(table, console) - sum(cells)
+    if spare < 0:
+        return False
+    widths = list(cells)
+    for _ in range(spare):
+        lines = [-(-h // w) for h, w in zip(headers, widths)]
+        if max(lines) == 1:
+            break
+        widest = max(range(len(widths)), key=lambda i: (lines[i], headers[i]))
+        widths[widest] += 1
+    for column, w in zip(table.columns, widths):
+        column.width = w
+    return True
 
 
 def emit_record(record: Mapping[str, object], fmt: str, title: str | None = None,
@@ -154,7 +242,6 @@ def emit_record(record: Mapping[str, object], fmt: str, title: str | None = None
         emit(("field", "value"), [[labels.get(k, k), _cell(k, v, render)] for k, v in record.items()], fmt,
              title=title, left=("field",))
     elif fmt == "json":
-        sys.stdout.write(json.dumps({k: _plain(v) for k, v in record.items()}) + "\n")
-        sys.stdout.flush()
+        write_out(json.dumps({k: _plain(v) for k, v in record.items()}) + "\n")
     else:
         emit(list(record), [list(record.values())], fmt, render=render)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import typer
@@ -27,17 +26,17 @@ from .common import (
     warn,
 )
 from .options import finite, given_path, output_path
-from .output import FORMAT_HELP, FORMAT_METAVAR, emit, json_rows, resolve_format
+from .output import ARTIFACT_FORMAT_HELP, FORMAT_METAVAR, emit, json_rows, resolve_format, write_out
 
 EXPORTS = ("json", "sglang-vortex")
 EXPORT_TO_GIVE = "a file such as schedule.json (- = stdout)"  # what an empty --export-to is asked for
-FORMAT_TABLES_HELP = (f"{FORMAT_HELP} json is one object: the predicted speedup (speedup, speedup_scope, "
-                      "decode_speedup, prefill_seconds, gen_len, prompt_len, batch, cost), the threshold, "
-                      "quantile and the schedule's bins (schedule); --sweep adds frontier, and --speculate "
-                      "the drafts (speculative), their K (speculate) and speedups (speculative_speedup, "
-                      "speculation_pays, lossy_speedup, speedups_by_k). csv and tsv carry one table, every "
-                      "float whole and a missing value null: the schedule, or with --speculate the draft "
-                      "schedule that -o writes; the rest goes to stderr.")
+FORMAT_TABLES_HELP = (f"{ARTIFACT_FORMAT_HELP} json is one object: the predicted speedup (speedup, "
+                      "speedup_scope, decode_speedup, prefill_seconds, gen_len, prompt_len, batch, cost), "
+                      "the threshold, quantile and the schedule's bins (schedule); --sweep adds frontier, "
+                      "and --speculate the drafts (speculative), their K (speculate) and speedups "
+                      "(speculative_speedup, speculation_pays, lossy_speedup, speedups_by_k). csv and tsv "
+                      "carry one table, every float whole and a missing value null: the schedule, or with "
+                      "--speculate the draft schedule that -o writes; the rest goes to stderr.")
 
 
 def parse_thresholds(text: str) -> list[float]:
@@ -356,8 +355,7 @@ class PlanTables:
     def close(self) -> None:
         if not self._json():
             return
-        sys.stdout.write(json.dumps(self.collected) + "\n")
-        sys.stdout.flush()
+        write_out(json.dumps(self.collected) + "\n")
 
 
 def _fixed(digits: int, suffix: str = "", missing: str = "-"):

@@ -78,7 +78,7 @@ def _check_request(spec: Task, n: int, split: str | None) -> None:
 
 @friendly_errors
 def prompts(
-    task: str = typer.Option(..., "--task", help=f"task to generate: {', '.join(TASKS)}"),
+    task: str = typer.Option(..., "--task", help=f"task to generate: {', '.join(TASKS)} (any case)"),
     n: int = typer.Option(16, "--n", help="number of prompts"),
     seed: int = typer.Option(0, "--seed", callback=non_negative_seed,
                              help="generator seed: same seed, same prompts; another seed holds prompts "
@@ -105,7 +105,7 @@ def prompts(
     from sparrow.stages.model.loading import resolve_config
     from sparrow.stages.tasks.tokenizers import load_model_tokenizer
 
-    spec = get_task(task)
+    spec = get_task(task.lower())
     if n < 1:
         raise UsageError(f"--n must be at least 1, got {n}")
     _check_request(spec, n, split)

@@ -49,7 +49,8 @@ def reward(
     reward_name: str = reward_option(),
     reward_fn: str = reward_fn_option(),
     workers: int = typer.Option(None, "--workers", help="Programs run at once for code tasks (default: "
-                                "the CPU count)."),
+                                "the CPU count): the sandbox pool's size, not Ray workers as rollout's, "
+                                "profile's and train's --workers are."),
     unsafe_code_execution: bool = typer.Option(False, "--unsafe-code-execution/--no-unsafe-code-execution",
                                                help=UNSAFE_HELP),
     fmt: str = format_option(),

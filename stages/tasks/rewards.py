@@ -398,6 +398,18 @@ def logged_metrics() -> dict[str, float]:
 
 
 @contextlib.contextmanager
+def working_directory_kept() -> Iterator[None]:
+    """User code that changes the working directory (os.chdir) has it changed back when it returns, so
+    the command's relative paths (its outputs, the run folder) still name what the user gave."""
+    cwd = os.getcwd()
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            os.chdir(cwd)
+
+
+@contextlib.contextmanager
 def folder_on_path(folder: Path) -> Iterator[None]:
     """The reward file's folder first on sys.path while user code runs, as `python file.py` has it."""
     entry = str(folder)
@@ -451,7 +463,7 @@ class RewardFunction:
         self.checked.add(frozenset(columns))
 
     def judge_many(self, items: list[Item]) -> list[Judgement]:
-        with stdout_to_stderr(), folder_on_path(self.path.resolve().parent):
+        with stdout_to_stderr(), working_directory_kept(), folder_on_path(self.path.resolve().parent):
             return self._verl(items) if self.style == "verl" else self._trl(items)
 
     def _verl(self, items: list[Item]) -> list[Judgement]:
@@ -635,7 +647,7 @@ def _import(spec: str, path: Path) -> Any:
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[module_name] = module
     try:
-        with stdout_to_stderr(), folder_on_path(path.resolve().parent):
+        with stdout_to_stderr(), working_directory_kept(), folder_on_path(path.resolve().parent):
             module_spec.loader.exec_module(module)
     except USER_ERRORS as e:  # the user's file, named
         sys.modules.pop(module_name, None)
