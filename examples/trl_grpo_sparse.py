@@ -8,37 +8,47 @@ each optimizer step, and the mismatch metrics appear among TRL's logs as sparrow
     .venv/bin/python examples/trl_grpo_sparse.py                       # 3 steps, budget 64
     .venv/bin/python examples/trl_grpo_sparse.py --schedule run/schedule.parquet --steps 10
 
-Needs the `bench` extra (trl, datasets): .venv/bin/uv pip install --python .venv/bin/python -e '.[bench]'.
+Needs TRL and datasets (the `bench` extra): .venv/bin/uv pip install --python .venv/bin/python trl datasets.
+Every flag, the prompts' length and the extra are checked before the model loads, each refusal one line.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 import tempfile
+from typing import TYPE_CHECKING
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is marked experimental in TRL
-
-import torch  # noqa: E402
-from datasets import Dataset  # noqa: E402
-from peft import LoraConfig  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
-from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from sparrow.schemas import ArtifactError, artifact_metadata  # noqa: E402
 from sparrow.stages.integrations.trl import SparseRollout  # noqa: E402
 from sparrow.stages.model.adapter import TARGET_MODULES  # noqa: E402
-from sparrow.stages.model.loading import embedded_checkpoint  # noqa: E402
-from sparrow.stages.tasks import chat_format, get_task, score  # noqa: E402
+from sparrow.stages.model.loading import embedded_checkpoint, resolve_config  # noqa: E402
+from sparrow.stages.tasks import TaskError, chat_format, get_task, score  # noqa: E402
+from sparrow.stages.tasks.learnable import MIN_CONTEXT_TOKENS  # noqa: E402
+
+if TYPE_CHECKING:
+    from datasets import Dataset
+
+INSTALL = ".venv/bin/uv pip install --python .venv/bin/python trl datasets"
 
 
-def passkey_dataset(tokenizer, n: int, context: int, seed: int) -> Dataset:
-    """n passkey prompts of about `context` tokens as TRL's conversational rows (prompt = messages)."""
+def passkey_rows(tokenizer, n: int, context: int, seed: int) -> list[tuple[str, str, int]]:
+    """n passkey prompts of about `context` tokens -> (user message, answer, prompt tokens) each."""
     measure = lambda user: len(chat_format(tokenizer, user)[1])
-    rows = list(get_task("passkey").generate(n, seed, measure, context_tokens=context))
-    return Dataset.from_dict({"prompt": [[{"role": "user", "content": r.user}] for r in rows],
-                              "answer": [r.answer for r in rows]})
+    return [(r.user, r.answer, measure(r.user))
+            for r in get_task("passkey").generate(n, seed, measure, context_tokens=context)]
+
+
+def passkey_dataset(rows: list[tuple[str, str, int]]) -> Dataset:
+    """The prompts as TRL's conversational rows (prompt = messages)."""
+    from datasets import Dataset
+
+    return Dataset.from_dict({"prompt": [[{"role": "user", "content": user}] for user, _, _ in rows],
+                              "answer": [answer for _, answer, _ in rows]})
 
 
 def passkey_reward(completions, answer, **_) -> list[float]:
@@ -48,8 +58,9 @@ def passkey_reward(completions, answer, **_) -> list[float]:
 
 MODEL = "smollm2-135m"
 # samples: GRPO compares a prompt's samples, so one gives no advantage
-AT_LEAST = {"steps": 1, "prompts_per_step": 1, "samples": 2, "context": 1, "max_new_tokens": 1,
-            "bin_width": 1, "seed": 0}
+# context: the passkey task's shortest document
+AT_LEAST = {"steps": 1, "prompts_per_step": 1, "samples": 2, "context": MIN_CONTEXT_TOKENS,
+            "max_new_tokens": 1, "bin_width": 1, "seed": 0}
 
 
 def checked_rollout(ap: argparse.ArgumentParser, args: argparse.Namespace) -> SparseRollout:
@@ -57,8 +68,14 @@ def checked_rollout(ap: argparse.ArgumentParser, args: argparse.Namespace) -> Sp
     for name, low in AT_LEAST.items():
         if getattr(args, name) < low:
             ap.error(f"--{name.replace('_', '-')} must be at least {low}, got {getattr(args, name)}")
+    window = resolve_config(MODEL).max_position_embeddings
+    if args.context + args.max_new_tokens > window:
+        ap.error(f"--context {args.context} with --max-new-tokens {args.max_new_tokens} exceeds {MODEL}'s "
+                 f"context of {window} tokens")
+    if args.schedule is not None and not args.schedule.strip():
+        ap.error("--schedule is an empty path; give a schedule file")
     budget = 64 if args.budget is None else args.budget
-    sparsity = f"schedule:{args.schedule}" if args.schedule else f"budget:{budget}"
+    sparsity = f"schedule:{args.schedule}" if args.schedule is not None else f"budget:{budget}"
     try:
         rollout = SparseRollout(sparsity, bin_width=args.bin_width)
     except (ValueError, ArtifactError) as e:
@@ -68,6 +85,34 @@ def checked_rollout(ap: argparse.ArgumentParser, args: argparse.Namespace) -> Sp
         print(f"warning: --schedule {args.schedule} was planned for {planned_for}, not {MODEL}",
               file=sys.stderr)
     return rollout
+
+
+def checked_prompts(ap: argparse.ArgumentParser, args: argparse.Namespace, tokenizer
+                    ) -> list[tuple[str, str, int]]:
+    """The passkey prompts, made with the tokenizer alone; a prompt that with --max-new-tokens does not
+    fit the model's context (a passkey prompt may run a few tokens past --context) is one line."""
+    try:
+        rows = passkey_rows(tokenizer, args.steps * args.prompts_per_step, args.context, args.seed)
+    except TaskError as e:
+        ap.error(str(e).replace("--context-tokens", "--context"))
+    window, longest = resolve_config(MODEL).max_position_embeddings, max(n for _, _, n in rows)
+    if longest + args.max_new_tokens > window:
+        ap.error(f"--context {args.context} makes prompts of up to {longest} tokens, which with "
+                 f"--max-new-tokens {args.max_new_tokens} exceed {MODEL}'s context of {window} tokens")
+    return rows
+
+
+def require_extra(ap: argparse.ArgumentParser) -> None:
+    """TRL and datasets importable, else one line naming the install (exit 2)."""
+    missing = []
+    for module in ("trl", "datasets"):
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            missing.append(module)
+    if missing:
+        ap.exit(2, f"{ap.prog}: error: this example needs {' and '.join(missing)} (the bench extra), which "
+                   f"are not installed; install them with: {INSTALL}\n")
 
 
 def main() -> None:
@@ -85,11 +130,24 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     rollout = checked_rollout(ap, args)  # before the model loads: a bad flag is one line, not a traceback
-
     folder = str(embedded_checkpoint(MODEL))  # the packaged GGUF, converted once, offline
+
+    from transformers import AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(folder)
+    rows = checked_prompts(ap, args, tokenizer)
+    require_extra(ap)
+    train(args, rollout, folder, tokenizer, passkey_dataset(rows))
+
+
+def train(args: argparse.Namespace, rollout: SparseRollout, folder: str, tokenizer, data: Dataset) -> None:
+    """The model loaded and TRL's GRPO steps with Sparrow's sampler; each logged step printed."""
+    import torch
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM
+    from trl import GRPOConfig, GRPOTrainer
+
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    data = passkey_dataset(tokenizer, args.steps * args.prompts_per_step, args.context, args.seed)
     n = args.prompts_per_step * args.samples
     config = GRPOConfig(
         output_dir=tempfile.mkdtemp(prefix="trl-sparse-"), max_steps=args.steps, seed=args.seed,

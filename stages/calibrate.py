@@ -302,19 +302,20 @@ def resolve_threshold(threshold: float | None, threshold_file: Path | None, quan
     """The one threshold rule every command follows: given, else from a threshold artifact, else the
     calibration shipped for `model` (a preset name) at this quantile, else the published prior. A
     quantile of None is the artifact's, else the default. Refusals are one-sentence ScheduleErrors."""
-    from sparrow.schemas import read_artifact
+    from sparrow.schemas import input_name, read_artifact
 
     from .core.schedule import ScheduleError, check_quantile, check_threshold
 
     if threshold_file is not None:
+        given = input_name(threshold_file)  # `-` for stdin, never the spooled copy that is gone at exit
         rows = read_artifact(threshold_file, "threshold").to_pylist()
         if len(rows) != 1:
-            raise ScheduleError(f"{threshold_file} has {len(rows)} rows, expected one threshold")
+            raise ScheduleError(f"{given} has {len(rows)} rows, expected one threshold")
         row = rows[0]
         if quantile is not None and abs(quantile - row["quantile"]) > 1e-12:
             raise ScheduleError(f"--quantile {quantile:g} differs from the quantile {row['quantile']:g} "
-                                f"that {threshold_file} was calibrated at")
-        resolved = ResolvedThreshold(row["threshold"], row["quantile"], f"{row['source']}, {threshold_file}",
+                                f"that {given} was calibrated at")
+        resolved = ResolvedThreshold(row["threshold"], row["quantile"], f"{row['source']}, {given}",
                                      interval=(row["lower"], row["upper"]))
     else:
         quantile = TAIL_QUANTILE if quantile is None else quantile

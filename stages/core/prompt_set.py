@@ -168,7 +168,9 @@ class PromptSet:
         unless `chat_template` is False or the text is formatted already (it ends with the template's
         generation prompt); chat messages always go through it, as TRL applies it, and `chat_template`
         False (--raw-prompts) says once on stderr that it left them so. The row's text becomes what the
-        model sees."""
+        model sees. Rendered text is tokenized without special tokens (the template writes its own, as
+        `apply_chat_template(tokenize=True)` does); raw text with them (a BOS where the tokenizer adds
+        one), as TRL's GRPOTrainer and vLLM tokenize a text prompt."""
         pending = [r for r in self.rows if not r.get("prompt_token_ids")]
         if not chat_template and tokenizer is not None and any(r.get("messages") for r in pending):
             print(f"warning: --raw-prompts applies to text prompts only; {self.path}'s chat-message prompts "
@@ -181,7 +183,8 @@ class PromptSet:
                                   "has no tokenizer; write prompts with token ids")
             elif chat_template:
                 r["prompt"] = apply_chat_template(tokenizer, r["prompt"])
-            r["prompt_token_ids"] = tokenizer(r["prompt"], add_special_tokens=False).input_ids
+            raw = not chat_template and not r.get("messages")
+            r["prompt_token_ids"] = tokenizer(r["prompt"], add_special_tokens=raw).input_ids
 
     def check_fits(self, vocab_size: int, context: int, max_new_tokens: int) -> None:
         """Ids from another tokenizer and prompts too long for the context, among the tokenized rows."""
@@ -218,13 +221,12 @@ def apply_chat_template(tokenizer, text: str) -> str:
 
 
 def apply_messages(tokenizer, messages: list[dict], path: Path, prompt_id: str) -> str:
-    """Chat messages as TRL frames a conversational prompt: the template with the generation prompt, or
-    continuing the final message when it is the assistant's. A model without a tokenizer, or whose
-    tokenizer has no chat template, cannot take them."""
+    """Chat messages as TRL's GRPOTrainer frames a conversational prompt for generation: the template with
+    the generation prompt, whatever the last message's role (a final assistant message is closed and a
+    new assistant turn opened, not continued). A model without a tokenizer, or whose tokenizer has no
+    chat template, cannot take them."""
     if not getattr(tokenizer, "chat_template", None):
         lacks = "has no tokenizer" if tokenizer is None else "has a tokenizer without a chat template"
         raise PromptError(f"{path}: prompt {prompt_id!r} is a list of chat messages, and a model without a "
                           f"chat template cannot take chat messages (this one {lacks})")
-    final = messages[-1]["role"] == "assistant"
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=not final,
-                                         continue_final_message=final)
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

@@ -10,6 +10,7 @@ schedule planned for another model shape is refused, so a wrong spec is one sent
 
 from __future__ import annotations
 
+import numbers
 from pathlib import Path
 
 from sparrow.schemas import input_path
@@ -70,6 +71,9 @@ def parse_sparsity(spec: str, page_size: int = PAGE_SIZE, model: ModelConfig | N
         validate_budget(budget, page_size)
         return budget
     if kind == "schedule":
+        if not value.strip():
+            raise ValueError(f"sparsity {spec!r} is an empty path; give a schedule file, as in "
+                             "schedule:run/schedule.parquet")
         return load_schedule(value, page_size, model)
     raise ValueError(f"unknown sparsity {spec!r}: expected dense, budget:B, schedule:FILE, snapkv:B or rkv:B")
 
@@ -108,7 +112,8 @@ def spec_of(sparsity: Schedule | int | KVPolicy | None, schedule_path: Path | No
 
 
 def as_policy(sparsity: Sparsity, page_size: int = PAGE_SIZE) -> KVPolicy:
-    """Any sparsity spec or value -> its `KVPolicy`, budgets validated for the page size."""
+    """Any sparsity spec or value -> its `KVPolicy`, budgets validated for the page size. A number that
+    is not a whole budget (64.5, True) is refused rather than truncated."""
     if isinstance(sparsity, KVPolicy):
         return sparsity
     if sparsity is None or sparsity == "dense" or sparsity == 0:
@@ -125,6 +130,10 @@ def as_policy(sparsity: Sparsity, page_size: int = PAGE_SIZE) -> KVPolicy:
         return BlockTopK(sparsity.budget_at, "schedule", sparsity)
     if callable(sparsity):
         return BlockTopK(sparsity)
+    if isinstance(sparsity, bool) or not isinstance(sparsity, numbers.Integral):
+        raise TypeError(f"sparsity {sparsity!r} is not a whole number of tokens; give an int budget, a "
+                        "spec ('dense', 'budget:B', 'schedule:PATH', 'snapkv:B', 'rkv:B'), a Schedule, a "
+                        "KVPolicy, a budget function or None (dense)")
     budget = int(sparsity)
     validate_budget(budget, page_size)
     return BlockTopK(lambda _: budget, f"budget:{budget}")

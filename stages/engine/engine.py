@@ -11,6 +11,7 @@ the pipelined decode loop: docs/engine.md.
 
 from __future__ import annotations
 
+import operator
 import time
 from collections import deque
 from collections.abc import Callable
@@ -75,6 +76,17 @@ class EngineStats:
         return self.prefill_s + self.decode_s
 
 
+def check_policy(policy: object) -> None:
+    if policy is not None and not isinstance(policy, KVPolicy):
+        raise TypeError(f"the engine's policy must be a KVPolicy or None (dense), got {policy!r}; make one "
+                        "with sparrow.stages.core.sparsity.as_policy")
+
+
+def check_params(params: object, whose: str) -> None:
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"{whose} sampling parameters must be a SamplingParams, got {type(params).__name__}")
+
+
 def make_runner(model: Transformer, config: EngineConfig) -> ModelRunner:
     """The runner for the model's device: `GpuRunner` on CUDA, and for the Triton kernels on CPU tensors
     (Backend.TRITON, under TRITON_INTERPRET=1), `CpuRunner` on a CPU otherwise."""
@@ -90,10 +102,52 @@ def make_runner(model: Transformer, config: EngineConfig) -> ModelRunner:
     return ModelRunner(model, config)
 
 
+def check_inputs(model: object, policy: object, config: object) -> None:
+    """What `Engine` is built from, each wrong kind refused in one sentence before anything is set up:
+    our decoder (not `load_model`'s `LoadedModel` around it, nor a transformers model), a `KVPolicy` or
+    None (not a bare budget: `as_policy` reads one), an `EngineConfig`."""
+    if not isinstance(model, Transformer):
+        wraps = isinstance(getattr(model, "model", None), Transformer)
+        hint = (f"pass its decoder, the {type(model).__name__}'s .model" if wraps else
+                "load one with sparrow.stages.model.loading.load_model(...).model")
+        raise TypeError(f"Engine runs Sparrow's decoder (a stages.model.llama.Transformer), got "
+                        f"{type(model).__name__}; {hint}")
+    check_policy(policy)
+    if not isinstance(config, EngineConfig):
+        raise TypeError(f"Engine's config must be an EngineConfig, got {type(config).__name__}")
+
+
+def token_ids(prompt: object, vocab_size: int, where: str) -> list[int]:
+    """A prompt as the engine takes it, a sequence of token ids each in [0, vocab_size); text, a lone
+    id, a non-integer id or one outside the vocabulary is refused in one sentence naming the prompt
+    (`where`), rather than truncated or failing inside the embedding."""
+    if isinstance(prompt, (str, bytes)):
+        raise TypeError(f"{where} is text ({str(prompt)[:40]!r}); the engine takes token ids: tokenize it "
+                        "first, e.g. load_model(...).tokenizer(text).input_ids")
+    if not isinstance(prompt, Seq) and not hasattr(prompt, "tolist"):
+        raise TypeError(f"{where} is not a sequence of token ids (got {type(prompt).__name__} "
+                        f"{prompt!r:.40}); generate takes a list of prompts, each a list of ids (one prompt: "
+                        "[ids])")
+    try:
+        ids = [operator.index(t) for t in (prompt.tolist() if hasattr(prompt, "tolist") else prompt)]
+    except TypeError:
+        raise TypeError(f"{where} holds something other than whole token ids (text or floats); the engine "
+                        "takes token ids, one list per prompt") from None
+    if not ids:
+        raise ValueError(f"{where} is empty; every prompt needs at least one token")
+    bad = min(ids) if min(ids) < 0 else max(ids)
+    if not 0 <= bad < vocab_size:
+        raise ValueError(f"{where} has token id {bad}, but the model's vocabulary has {vocab_size} tokens "
+                         f"(ids 0 to {vocab_size - 1}; were the ids made with another tokenizer?)")
+    return ids
+
+
 class Engine:
     def __init__(self, model: Transformer, policy: KVPolicy | None = None,
                  config: EngineConfig = EngineConfig()):
-        """`policy`: the KV policy of every request (None: dense) unless `generate` overrides it."""
+        """`model`: Sparrow's decoder (`load_model(...).model`); `policy`: the KV policy of every request
+        (None: dense; `as_policy` makes one from a budget or spec) unless `generate` overrides it."""
+        check_inputs(model, policy, config)
         self.config = config
         self.runner = make_runner(model, config)
         self.model, self.cfg = model, model.cfg
@@ -151,9 +205,9 @@ class Engine:
     def add_request(self, prompt: Seq[int], params: SamplingParams, request_id: int | None = None,
                     policy: KVPolicy | None = None) -> int:
         """Queue a prompt (token ids) for `params.n` samples; `policy` overrides the engine's."""
-        prompt = [int(t) for t in prompt]
-        if not prompt:
-            raise ValueError("every prompt needs at least one token")
+        prompt = token_ids(prompt, self.cfg.vocab_size, "the prompt")
+        check_params(params, "the prompt's")
+        check_policy(policy)
         if len(prompt) + params.max_new_tokens > self.cfg.max_position_embeddings:
             raise ValueError(f"a prompt of {len(prompt)} tokens with max_new_tokens "
                              f"{params.max_new_tokens} exceeds the model's context of "
@@ -297,7 +351,8 @@ class Engine:
         its global prompt indices samples exactly what the whole set run in one engine samples for those
         prompts. `policy` overrides the engine's for these prompts. Called on an idle engine, it starts
         a run: `stats` then count this call's steps only."""
-        params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        prompts, params = self._checked(prompts, params)
+        check_policy(policy)
         if not self.has_work():
             self.stats = EngineStats(speculative=self.config.speculate > 0)
             self._next_id = 0
@@ -316,6 +371,24 @@ class Engine:
             if on_step is not None:
                 on_step(new, len(done))
         return [sorted(out[i], key=lambda c: c.sample) for i in ids]
+
+    def _checked(self, prompts: Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams]
+                 ) -> tuple[list[list[int]], list[SamplingParams]]:
+        """Every prompt's ids and its params checked before any is queued (a bad prompt 3 leaves
+        nothing of prompts 0-2 behind)."""
+        if isinstance(prompts, (str, bytes)):
+            raise TypeError("generate takes a list of prompts, each a list of token ids, not text; tokenize "
+                            "it first, e.g. [load_model(...).tokenizer(text).input_ids]")
+        ids = [token_ids(p, self.cfg.vocab_size, f"prompt {i}") for i, p in enumerate(prompts)]
+        if isinstance(params, SamplingParams):
+            return ids, [params] * len(ids)
+        params = list(params)
+        if len(params) != len(ids):
+            raise ValueError(f"generate got {len(params)} SamplingParams for {len(ids)} prompts; give one "
+                             "for all or one per prompt")
+        for i, sp in enumerate(params):
+            check_params(sp, f"prompt {i}'s")
+        return ids, params
 
     # ------------------------------------------------------------------ prefill
 

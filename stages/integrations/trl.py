@@ -6,8 +6,9 @@
 
 Decisions:
 - TRL calls `rollout_func(prompts, trainer)` with this process's prompts, each already repeated
-  `num_generations` times. The chat template is applied as TRL's own generation applies it; consecutive
-  copies of a prompt become one engine request of n samples (one prefill), one completion per prompt.
+  `num_generations` times. They are tokenized as TRL's own generation tokenizes them (`tokenize_prompts`),
+  which `sparrow rollout`/`train` also follow (`core.prompt_set`); consecutive copies of a prompt become
+  one engine request of n samples (one prefill), one completion per prompt.
 - The engine runs our decoder, built at the first call from the trainer's model (its config and weights,
   LoRA merged: base + delta of every peft layer, the trainer's model untouched). Its weights are copied
   again whenever `trainer.state.global_step` moved since the last copy, the check TRL makes before a vLLM
@@ -326,8 +327,10 @@ def pad(rows: Sequence[Sequence[float]], width: int) -> Tensor:
 
 
 def tokenize_prompts(prompts: list, trainer) -> list[list[int]]:
-    """The prompts' token ids as TRL's own generation makes them: a conversation through the chat
-    template with the generation prompt (the trainer's template and its kwargs), text as it is."""
+    """The prompts' token ids as TRL's GRPOTrainer makes them for generation: a conversation through the
+    chat template with the generation prompt (the trainer's template and its kwargs), even after a final
+    assistant message, which is closed rather than continued; text by the tokenizer with its special
+    tokens (a BOS where it adds one)."""
     from trl.data_utils import is_conversational
 
     tokenizer = trainer.processing_class

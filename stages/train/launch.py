@@ -11,6 +11,7 @@ from pathlib import Path
 from sparrow.schemas import check_output_dir
 
 from ..backends.ray_pool import RolloutPool
+from ..core.prompt_set import PromptError, PromptSet
 from ..core.user_data import DataOptions
 from ..kv_policies import KVPolicy
 from ..model import loading
@@ -79,6 +80,24 @@ def launched(cfg: TrainConfig, workers: int, ray_address: str | None) -> Iterato
         shutdown_world()
 
 
+def check_fits(cfg: TrainConfig, inputs: TrainInputs, rows: list[PromptRow],
+               held_out: list[PromptRow] | None) -> None:
+    """Each prompt file's token ids within the model's vocabulary and its longest prompt plus
+    --max-new-tokens within its context, by the prompt reader's own check (`PromptSet.check_fits`: the
+    file and the prompt id), the flag that named the file said first."""
+    model = loading.resolve_config(cfg.model)
+    for flag, path, got in (("--prompts", inputs.prompts, rows), ("--eval-prompts", inputs.eval_prompts,
+                                                                   held_out)):
+        if not got:
+            continue
+        tokenized = PromptSet(Path(path), [{"prompt_id": r.prompt_id, "prompt_token_ids": r.token_ids}
+                                           for r in got])
+        try:
+            tokenized.check_fits(model.vocab_size, model.max_position_embeddings, cfg.max_new_tokens)
+        except PromptError as e:
+            raise PromptError(f"{flag} {e}") from None
+
+
 def start_training(cfg: TrainConfig, inputs: TrainInputs, opts: RunOptions) -> Trainer:
     """The prompts read with the model's tokenizer and checked against its context before its weights
     load, then the model and the Trainer (a refused resume says so here); ValueError in one sentence,
@@ -89,11 +108,7 @@ def start_training(cfg: TrainConfig, inputs: TrainInputs, opts: RunOptions) -> T
                          "sampled answers; train a model with a tokenizer (a checkpoint with tokenizer "
                          "files)")
     rows, held_out = read_prompts(cfg, inputs, tokenizer)
-    longest = max(len(r.token_ids) for r in rows + (held_out or []))
-    context = loading.resolve_config(cfg.model).max_position_embeddings
-    if longest + cfg.max_new_tokens > context:
-        raise ValueError(f"a prompt of {longest} tokens with --max-new-tokens {cfg.max_new_tokens} exceeds "
-                         f"the model's context of {context}")
+    check_fits(cfg, inputs, rows, held_out)
     if opts.on_phase:
         opts.on_phase("loading")
     loaded = loading.load_model(cfg.model, device=cfg.device, random_weights=cfg.random_weights,
