@@ -295,3 +295,17 @@ def test_as_policy_refuses_a_budget_that_is_not_a_whole_number():
         with pytest.raises(TypeError, match=want):
             as_policy(value)
     assert as_policy(np.int64(64)).spec() == as_policy(64).spec() == "budget:64"
+
+
+@pytest.mark.parametrize("field, value, named", [
+    ("n", 0, "n must be at least 1 (samples per prompt), got 0"),
+    ("top_k", -1, "top_k must be >= 0 (0: off), got -1"),
+    ("logprobs", -2, "logprobs must be >= 0, got -2"),
+    ("max_new_tokens", 0, "max_new_tokens must be at least 1, got 0"),
+])
+def test_sampling_params_name_the_field_that_is_wrong(field, value, named):
+    from sparrow.stages.engine.sequence import SamplingParams
+
+    with pytest.raises(ValueError) as raised:
+        SamplingParams(**{field: value})
+    assert str(raised.value) == named

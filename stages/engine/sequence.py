@@ -27,14 +27,15 @@ class SamplingParams:
     logprobs: int = 0  # also return this many top logprobs per generated token
 
     def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ValueError("max_new_tokens must be at least 1")
-        if self.temperature < 0:
-            raise ValueError("temperature must be >= 0")
-        if not 0 < self.top_p <= 1:
-            raise ValueError("top_p must be in (0, 1]")
-        if self.top_k < 0 or self.n < 1 or self.logprobs < 0:
-            raise ValueError("top_k and logprobs must be >= 0 and n >= 1")
+        checks = ((self.max_new_tokens >= 1, f"max_new_tokens must be at least 1, got {self.max_new_tokens}"),
+                  (self.temperature >= 0, f"temperature must be >= 0 (0: greedy), got {self.temperature}"),
+                  (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
+                  (self.top_k >= 0, f"top_k must be >= 0 (0: off), got {self.top_k}"),
+                  (self.n >= 1, f"n must be at least 1 (samples per prompt), got {self.n}"),
+                  (self.logprobs >= 0, f"logprobs must be >= 0, got {self.logprobs}"))
+        for holds, message in checks:
+            if not holds:
+                raise ValueError(message)
 
 
 @dataclass
