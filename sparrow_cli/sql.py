@@ -34,7 +34,7 @@ from sparrow.stages.sql import query as run_sql
 
 from .common import FORCE_HELP, UsageError, check_output, console, fail, friendly_errors, out, warn
 from .options import output_path
-from .output import FORMAT_HELP, FORMAT_METAVAR, resolve_format, tsv_field
+from .output import FORMAT_HELP, FORMAT_METAVAR, print_table, resolve_format, tsv_field
 
 TABLE_ROWS = 1000
 DEFAULT_MAX_ROWS = 1_000_000
@@ -80,6 +80,9 @@ def sql(
                                           "fails (0: no limit; -o writes every row).")] = DEFAULT_MAX_ROWS,
 ) -> None:
     """Run one SQL query (DuckDB) over the artifacts of a run directory, bounded in memory and time."""
+    if output is not None and format is not None:
+        fail("-f/--format chooses how rows print on stdout, and -o writes them as Parquet instead; give one "
+             "of the two")
     try:
         format = resolve_format(format)
     except UsageError as e:
@@ -173,7 +176,7 @@ def _table(schema: pa.Schema, rows: list[dict], caption: str) -> None:
         t.add_column(Text(field.name), justify="right" if numeric else "left")
     for row in rows:
         t.add_row(*(_cell(v) for v in row.values()))
-    out.print(t)
+    print_table(t, out)
 
 
 def _print_tsv(schema: pa.Schema, batches: Iterator[pa.RecordBatch]) -> None:

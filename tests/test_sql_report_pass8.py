@@ -335,3 +335,22 @@ def test_the_table_shows_blob_and_interval_as_text(tmp_path):
                   "-f", "table")
     assert result.exit_code == 0, result.output
     assert "\\x01ff" in result.stdout and "PT36H" in result.stdout and "b'" not in result.stdout
+
+
+def test_format_and_parquet_output_together_are_refused_before_the_query(tmp_path):
+    _profile(tmp_path / "mismatch.parquet")
+    out = tmp_path / "rows.parquet"
+    r = CliRunner().invoke(app, ["sql", "SELECT 1 AS x", "--run", str(tmp_path), "-f", "csv", "-o", str(out)])
+    assert r.exit_code == 2
+    line = error_line(r)
+    assert "-f/--format" in line and "-o writes them as Parquet" in line
+    assert not out.exists()
+
+
+def test_a_wide_sql_table_into_a_pipe_keeps_every_column_name_whole(tmp_path):
+    _profile(tmp_path / "mismatch.parquet")
+    names = [f"a_rather_long_column_name_{i}" for i in range(8)]
+    query = "SELECT " + ", ".join(f"{i} AS {n}" for i, n in enumerate(names))
+    r = CliRunner().invoke(app, ["sql", query, "--run", str(tmp_path), "-f", "table"])
+    assert r.exit_code == 0, r.output
+    assert all(n in r.stdout for n in names) and "…" not in r.stdout
