@@ -298,7 +298,9 @@ _RS_RULES = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "se
              "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3", "veto", "opsm", "rejection")
 TRAIN_CORRECTION_METRICS = tuple("rollout_corr/" + n for n in (
     "rollout_is_mean", "rollout_is_std", "rollout_is_min", "rollout_is_max", "rollout_is_eff_sample_size",
-    "rollout_is_ratio_fraction_high", "rollout_is_ratio_fraction_low", "rollout_rs_masked_fraction",
+    "rollout_is_ratio_fraction_high", "rollout_is_ratio_fraction_low", "rollout_is_masked_fraction",
+    "rollout_is_seq_masked_fraction", "is_bounded_mean", "is_bounded_std", "is_bounded_min", "is_bounded_max",
+    "is_bounded_eff_sample_size", "rollout_rs_masked_fraction",
     "rollout_rs_seq_masked_fraction", *(f"rollout_rs_{r}_masked_fraction" for r in _RS_RULES),
     "training_ppl", "rollout_ppl", "ppl_ratio", "log_ppl_diff", "log_ppl_abs_diff", "log_ppl_diff_max",
     "log_ppl_diff_min", "kl", "k3_kl", "chi2_token", "chi2_seq"))

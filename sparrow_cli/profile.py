@@ -57,6 +57,7 @@ from .options import (
     random_weights_of,
     rollouts_temperature,
     set_threads,
+    spec_kind_any_case,
     threads_option,
 )
 from .output import emit, format_option, resolve_format
@@ -65,6 +66,7 @@ if TYPE_CHECKING:
     import pyarrow as pa
 
     from sparrow.stages.calibrate import ResolvedThreshold
+    from sparrow.stages.kv_policies import Eviction
     from sparrow.stages.model.lora import LoraWeights
     from sparrow.stages.profile import Hooks, Speculation
 
@@ -104,7 +106,7 @@ def profile(
     samples: int = typer.Option(4, "--samples", help="Trajectories per prompt."),
     max_new_tokens: int = typer.Option(256, "--max-new-tokens", help="Tokens generated at most per "
                                        "trajectory, as sparrow rollout's."),
-    sampler: str = typer.Option("dense", "--sampler",
+    sampler: str = typer.Option("dense", "--sampler", callback=spec_kind_any_case,
                                 help="How trajectories are sampled: dense, budget:B, schedule:FILE, or with "
                                 "KV compression snapkv:B or rkv:B (optionally ,window=W,buffer=N)."),
     bin_width: int = typer.Option(512, "--bin-width", help="Position bin width in tokens "
@@ -180,6 +182,7 @@ def profile(
         profile_prompts,
         profile_rollouts,
         summarize,
+        unevicted,
     )
 
     fmt = resolve_format(format)
@@ -196,6 +199,8 @@ def profile(
                           kv_compression=kv_compression and kv_compression.lower(), kv_window=kv_window,
                           kv_buffer=kv_buffer)
     eviction_from_flags(kv_compression, None, kv_window, kv_buffer, need_budget=False)  # the flags' own
+    if opts.kv_compression:
+        replay_sampler_eviction(opts, rollouts, sampler)
     try:
         opts.validate()
     except ValueError as e:
@@ -248,6 +253,7 @@ def profile(
         warn_first_token_stops(sample_lengths(table, len(opts.budgets)), max_new_tokens, raw_prompts)
     console.print(f"wrote {table.num_rows} rows ({table.num_rows // len(opts.budgets)} tokens x "
                   f"{len(opts.budgets)} budgets) to {output}")
+    warn_unevicted(unevicted(table, opts), opts.kv_compression)
     if counted:
         console.print(speculation_line(counted[0], speculate), highlight=False)
     print_summary(summarize(table, quantile, resolved.value), quantile, resolved, fmt)
@@ -273,6 +279,59 @@ def _check_context(opts, cfg, model: str, given_budgets: bool) -> None:
             opts.policy.validate(cfg.max_position_embeddings, label=f"--sampler {opts.sampler} for {model}")
     except ValueError as e:
         raise UsageError(str(e)) from None
+
+
+def sampled_eviction(rollouts: Path | None, sampler: str) -> tuple[Eviction | None, str]:
+    """The eviction policy that sampled the trajectories, and how to name it: --sampler's, or the one a
+    --rollouts artifact records (its metadata's sparsity); None for any other sampler, or a file that
+    records none (its reader names a damaged one later)."""
+    from sparrow.schemas import ArtifactError, artifact_metadata
+    from sparrow.stages.core.trajectories import sampler_words
+    from sparrow.stages.kv_policies import EVICTION_POLICIES, parse_eviction
+
+    if rollouts is None:
+        spec, source = sampler, f"--sampler {sampler}"
+    else:
+        try:
+            spec = sampler_words(artifact_metadata(rollouts).get("sparsity"))[0] or ""
+        except (ArtifactError, OSError, ValueError):
+            return None, ""
+        source = f"the eviction that sampled --rollouts {rollouts} ({spec}, their metadata's sparsity)"
+    if spec.partition(":")[0].lower() not in EVICTION_POLICIES:
+        return None, ""
+    try:
+        return parse_eviction(spec), source
+    except ValueError:
+        return None, ""  # --sampler's own check names it
+
+
+def replay_sampler_eviction(opts, rollouts: Path | None, sampler: str) -> None:
+    """Under --kv-compression, trajectories sampled with an eviction policy are scored with its window,
+    buffer and sink, so that each budget replays the eviction that ran: the defaults (buffer 128) would
+    compress short sequences never and score the dense cache as the budget's. A --kv-window or
+    --kv-buffer other than the sampler's is refused, one sentence before any weights load."""
+    sampled, source = sampled_eviction(rollouts, sampler)
+    if sampled is None:
+        return
+    for flag, name in (("--kv-window", "window"), ("--kv-buffer", "buffer")):
+        given, own = getattr(opts, f"kv_{name}"), getattr(sampled, name)
+        if given is not None and given != own:
+            raise UsageError(f"{flag} {given} differs from the {name} ({own} tokens) of {source}, which each "
+                             f"budget replays; drop {flag} to score with the sampler's own")
+    opts.kv_window, opts.kv_buffer, opts.kv_sink = sampled.window, sampled.buffer, sampled.sink
+
+
+def warn_unevicted(modes: list[Eviction], kind: str | None) -> None:
+    """Scored eviction budgets under which no sequence was ever compressed: their alpha of 1 is the dense
+    cache's, so a warning says plainly that it measures no eviction."""
+    if not modes:
+        return
+    budgets = ", ".join(str(m.budget) for m in modes)
+    caps = ", ".join(f"{m.budget} + {m.buffer} = {m.capacity}" for m in modes)
+    its, them = ("their", "them") if len(modes) > 1 else ("its", "it")
+    warn(f"--budgets {budgets} under --kv-compression {kind} evicted nothing: no sequence grew to budget + "
+         f"buffer ({caps} tokens) before its last generated token, so {its} alpha of 1 is the dense cache's "
+         f"and says nothing about eviction (plan no KV budget from {them})")
 
 
 def check_sparse_actor(adapter: Path | None) -> None:

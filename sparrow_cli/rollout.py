@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -22,6 +22,7 @@ from .common import (
     output_help,
     raw_prompts_option,
     say_loading,
+    stdout_taken,
     warn,
     warn_first_token_stops,
 )
@@ -49,8 +50,9 @@ from .options import (
 )
 from .output import emit_record, format_option, resolve_format
 
-SUMMARY_LABELS = {"tokens": "generated tokens", "seconds": "seconds (total)",
+SUMMARY_LABELS = {"tokens": "generated tokens", "seconds": "seconds (sampling)",
                   "prefill_seconds": "  prefill seconds", "decode_seconds": "  decode seconds",
+                  "reward_seconds": "reward seconds (scoring, after sampling)",
                   "tokens_per_s": "tokens / s", "mean_budget": "mean budget (sparse tokens)",
                   "dense_fraction": "dense tokens (fraction)", "stop_fraction": "stopped at EOS (fraction)",
                   "reward_mean": "mean reward",
@@ -65,10 +67,12 @@ SUMMARY_LABELS = {"tokens": "generated tokens", "seconds": "seconds (total)",
                   "accepted_drafts": "  drafts kept (dense verification)",
                   "acceptance": "  acceptance (kept / proposed)",
                   "tokens_per_cycle": "  tokens per sample's cycle"}
-# the text formats' word for a null (JSON keeps the null)
-SUMMARY_RENDER = {"mean_budget": lambda v: "dense" if v is None else f"{v:g}",
-                  "reward_mean": lambda v: "no scorer" if v is None else f"{v:.6g}",
-                  "kv_saved": lambda v: "-" if v is None else f"{v:.3f}"}
+# every text format's word for a dense run's mean budget (JSON keeps the null), as other commands say dense
+SUMMARY_WORDS = {"mean_budget": lambda v: "dense" if v is None else v}
+# the table's alone, for the eye: csv and tsv write a float whole and a null as their null
+SUMMARY_READING = {"mean_budget": lambda v: "dense" if v is None else f"{v:g}",
+                   "reward_mean": lambda v: "no scorer" if v is None else f"{v:.6g}",
+                   "kv_saved": lambda v: "-" if v is None else f"{v:.3f}"}
 
 
 def _check_vllm_flags(schedule, budget, lora, top_k: int, top_p: float, kv_compression=None) -> None:
@@ -242,26 +246,30 @@ def rollout(
             else policy.spec().replace("budget:", "budget "))
     if speculate:
         mode = f"speculative, {mode} drafts {speculate} a cycle"
-    run = RolloutRun(model, prompts, mode, output, device, dtype_name, lora, workers, ray_address)
+    run = RolloutRun(model, prompts, mode, output, device, dtype_name, lora, workers, ray_address,
+                     reward=reward, reward_fn=reward_fn, raw_prompts=raw_prompts)
     if engine == "vllm":
         console.print(f"starting vLLM on {vllm_checkpoint(model)} ({dtype_name}; 1-4 minutes on a small CPU)")
-        table, summary, timing = write_rollouts_with_vllm(
-            prompt_set, sampling, run, max_batch, not raw_prompts)  # top-k/top-p refused: the defaults
+        with _progress(None, 0, rate=False) as bars:
+            table, summary, timing = write_rollouts_with_vllm(  # top-k/top-p refused: the defaults
+                prompt_set, sampling, run, max_batch, not raw_prompts, on_scored=bars.scored)
         warn_first_token_stops(_lengths(table), max_new_tokens, raw_prompts)
         console.print(f"wrote {table.num_rows} rollouts to {output} (vLLM start-up {timing.startup_s:.0f} s)")
         return _print_summary(summary, fmt, "dense, vLLM")
     if workers:
-        with _progress(f"rollouts (samples) on {workers} workers", total, rate=False) as advance:
+        with _progress(f"rollouts (samples) on {workers} workers", total, rate=False) as bars:
             summary, n = write_rollouts_on_ray(run, prompt_set, opts, not raw_prompts,
-                                               lambda r: advance(r.table.num_rows, 0))
+                                               lambda r: bars.advance(r.table.num_rows, 0))
         console.print(f"wrote {n} rollouts in {workers} parts to {output}/")
+        _warn_uncompressed(policy, summary)
         return _print_summary(summary, fmt, f"{mode}, {workers} workers")
-    with _progress("rollouts (samples)", total, rate=True) as advance:
+    with _progress("rollouts (samples)", total, rate=True) as bars:
         table, summary = write_rollouts(run, prompt_set, opts, not raw_prompts,
-                                        lambda new, finished: advance(finished, new),
-                                        on_loading=lambda: say_loading(model, device))
+                                        lambda new, finished: bars.advance(finished, new),
+                                        on_loading=lambda: say_loading(model, device), on_scored=bars.scored)
     warn_first_token_stops(_lengths(table), max_new_tokens, raw_prompts)
     console.print(f"wrote {table.num_rows} rollouts to {output}")
+    _warn_uncompressed(policy, summary)
     _print_summary(summary, fmt, mode)
 
 
@@ -281,25 +289,45 @@ def _check_tokenizer(model: str, prompt_set) -> None:
                       highlight=False)
 
 
+class _Bars:
+    """A rollout's progress on stderr, bars on a terminal and whole lines for a log: the samples (with the
+    token rate when `rate`; none when `what` is None), then the rewards, which are scored once sampling is
+    done."""
+
+    def __init__(self, bar: Progress, what: str | None, total: int, rate: bool) -> None:
+        self.bar, self.total, self.rate = bar, total, rate
+        self.start, self.tokens, self.done = time.perf_counter(), 0, 0
+        self.task = bar.add_task(what, total=total, rate="") if what is not None else None
+        self.log = LogProgress(what) if what is not None else None
+        self.scoring: tuple[object, LogProgress] | None = None
+
+    def advance(self, finished: int, new_tokens: int) -> None:
+        """Samples finished and tokens generated since the last call."""
+        self.tokens += new_tokens
+        self.done += finished
+        speed = self.tokens / max(time.perf_counter() - self.start, 1e-9)
+        info = f"{self.tokens} tokens, {speed:,.1f} tok/s" if self.rate else ""
+        if self.task is not None and self.log is not None:
+            self.bar.update(self.task, completed=self.done, rate=info)
+            self.log(self.done, self.total, info)
+
+    def scored(self, done: int, total: int) -> None:
+        """Samples rewarded so far, of `total`."""
+        if self.scoring is None:
+            what = "scoring rewards (samples)"
+            self.scoring = (self.bar.add_task(what, total=total, rate=""), LogProgress(what))
+        task, log = self.scoring
+        self.bar.update(task, completed=done, total=total)
+        log(done, total)
+
+
 @contextmanager
-def _progress(what: str, total: int, rate: bool) -> Iterator[Callable[[int, int], None]]:
-    """A bar of samples on stderr (with the token rate when `rate`), whole lines for a log; yields
-    advance(samples finished, tokens generated)."""
-    start, state = time.perf_counter(), {"tokens": 0, "done": 0}
+def _progress(what: str | None, total: int, rate: bool) -> Iterator[_Bars]:
+    """The bars of a rollout (`_Bars`) for the length of the block."""
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), console=console,
                   transient=True, disable=not console.is_terminal) as bar:
-        task, log = bar.add_task(what, total=total, rate=""), LogProgress(what)
-
-        def advance(finished: int, new_tokens: int) -> None:
-            state["tokens"] += new_tokens
-            state["done"] += finished
-            speed = state["tokens"] / max(time.perf_counter() - start, 1e-9)
-            info = f"{state['tokens']} tokens, {speed:,.1f} tok/s" if rate else ""
-            bar.update(task, completed=state["done"], rate=info)
-            log(state["done"], total, info)
-
-        yield advance
+        yield _Bars(bar, what, total, rate)
 
 
 def _warn_unscored_tasks(prompt_set) -> None:
@@ -352,10 +380,26 @@ def _check_sparse_actor(lora: Path | None, policy, speculate: int) -> None:
                          "or drop --adapter")
 
 
+def _warn_uncompressed(policy, summary) -> None:
+    """A compressed KV cache that no sample filled to budget + buffer was never compressed: the rollouts
+    are dense samples although their budgets column reads the KV budget, which a warning says."""
+    from sparrow.stages.kv_policies import Eviction
+
+    if isinstance(policy, Eviction) and summary.samples and not summary.compactions:
+        capacity = f"{policy.budget} + {policy.buffer} = {policy.capacity} tokens"
+        warn(f"--kv-compression {policy.name} --kv-budget {policy.budget}: no sample's cache reached "
+             f"budget + buffer ({capacity}) before its last token, so none was compressed: these are dense "
+             "samples")
+
+
 def _lengths(table) -> list[int]:
     return [len(t) for t in table.column("token_ids").to_pylist()]
 
 
 def _print_summary(summary, fmt: str, what: str) -> None:
+    """The summary as every command's record: the table rounds and words its nulls for the eye (no scorer,
+    -), while csv and tsv lose nothing (a float whole, a null as the format's null) and json keeps types;
+    a dense run's mean budget reads dense in every text format."""
+    table = fmt == "table" or stdout_taken()
     emit_record(summary.metadata(), fmt, title=f"rollouts ({what})", labels=SUMMARY_LABELS,
-                render=SUMMARY_RENDER)
+                render={**SUMMARY_WORDS, **SUMMARY_READING} if table else SUMMARY_WORDS)

@@ -24,6 +24,7 @@ from pathlib import Path
 import duckdb
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from .attention import DEFAULT_DENSE_LAYERS, PAGE_SIZE, validate_budget
 from .calibrate import PRIOR_THRESHOLD
@@ -69,8 +70,9 @@ class ProfileOptions:
     lora: LoraWeights | None = field(default=None, repr=False)  # a learner's LoRA, merged on both sides
     gpu_memory_utilization: float = 0.9  # on CUDA, the share of device memory the engine may take
     kv_compression: str | None = None  # snapkv | rkv: the budgets are that eviction policy's KV budgets
-    kv_window: int | None = None
+    kv_window: int | None = None  # None: the policy's default (or, by the CLI, the sampler's own)
     kv_buffer: int | None = None
+    kv_sink: int | None = None
 
     def modes(self) -> list:
         """The scored modes, one per budget: the budget (block top-k) or the eviction policy at it."""
@@ -78,7 +80,8 @@ class ProfileOptions:
             return list(self.budgets)
         from .kv_policies import EVICTION_POLICIES
 
-        options = {k: v for k, v in (("window", self.kv_window), ("buffer", self.kv_buffer)) if v is not None}
+        options = {k: v for k, v in (("window", self.kv_window), ("buffer", self.kv_buffer),
+                                     ("sink", self.kv_sink)) if v is not None}
         return [EVICTION_POLICIES[self.kv_compression](b, **options) for b in self.budgets]
 
     def validate(self) -> None:
@@ -360,6 +363,22 @@ def summarize(mismatch: pa.Table, quantile: float = TAIL_QUANTILE,
             FROM mismatch GROUP BY bin, budget ORDER BY bin, budget""",
         params=[quantile, *([quantile] if draft else []), quantile, threshold],
     ).to_arrow_table()
+
+
+def unevicted(mismatch: pa.Table, opts: ProfileOptions) -> list:
+    """The scored eviction policies (under `opts.kv_compression`) that compressed no sequence of the
+    mismatch table before its last generated token: a sequence of prompt P and G generated tokens feeds
+    G - 1 of them when teacher forced, so a policy evicts something a token reads only when its first
+    compression comes after fewer fed tokens (`Eviction.first_compression`). Such a budget scores the
+    dense cache, alpha 1, which says nothing about its eviction."""
+    if opts.kv_compression is None or not mismatch.num_rows:
+        return []
+    first = mismatch.filter(pc.equal(mismatch.column("budget"), opts.budgets[0]))
+    lengths = first.group_by(["prompt_id", "sample"]).aggregate([("position", "min"), ("position", "count")])
+    sequences = list(zip(lengths.column("position_min").to_pylist(),
+                         lengths.column("position_count").to_pylist()))
+    return [mode for mode in opts.modes()
+            if not any(mode.first_compression(prompt) < generated - 1 for prompt, generated in sequences)]
 
 
 def has_draft_alpha(mismatch: pa.Table) -> bool:

@@ -5,6 +5,7 @@ with what dense caches would hold."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field, replace
@@ -53,6 +54,7 @@ class RolloutSummary:
     dense_fraction: float  # of generated tokens produced with dense attention (incl. the first)
     reward_mean: float | None
     stop_fraction: float
+    reward_seconds: float | None = None  # scoring the rewards, after sampling (None: nothing was scored)
     preemptions: int = 0  # samples preempted (KV pool full) and recomputed
     kv_policy: str | None = None  # the policies of the samples ("; "-joined when several)
     kv_tokens_peak: int | None = None  # KV tokens the running samples held at the fullest decode step
@@ -99,6 +101,7 @@ class RolloutSummary:
         return {"samples": self.samples, "tokens": self.tokens, "seconds": round(self.seconds, 4),
                 "prefill_seconds": round(self.prefill_seconds, 4),
                 "decode_seconds": round(self.decode_seconds, 4),
+                "reward_seconds": _rounded(self.reward_seconds),
                 "tokens_per_s": round(self.tokens_per_s, 3), "mean_budget": self.mean_budget,
                 "dense_fraction": self.dense_fraction, "stop_fraction": self.stop_fraction,
                 "reward_mean": self.reward_mean, "preemptions": self.preemptions, "kv_policy": self.kv_policy,
@@ -120,16 +123,19 @@ def _rounded(x: float | None) -> float | None:
 
 def run_rollouts(loaded: LoadedModel, rows: Seq[dict], opts: RolloutOptions,
                  on_step: Callable[[int, int], None] | None = None,
-                 request_ids: Seq[int] | None = None) -> tuple[pa.Table, RolloutSummary]:
+                 request_ids: Seq[int] | None = None,
+                 on_scored: Scored | None = None) -> tuple[pa.Table, RolloutSummary]:
     """`rows`: prompts-artifact rows with `prompt_id` and `prompt_token_ids` (and optionally `task`,
     `answer`, `metadata` for the reward). `request_ids`: the rows' indices in the whole prompt set when
-    `rows` is a shard of it (they seed the samples; default 0, 1, ...)."""
+    `rows` is a shard of it (they seed the samples; default 0, 1, ...). `on_scored(done, total)`: the
+    rewards' progress once sampling is done."""
     with Engine(loaded.model, opts.policy, engine_config(opts)) as engine, \
             lora_merged(loaded.model, opts.lora):
         results = engine.generate([r["prompt_token_ids"] for r in rows], opts.sampling, on_step,
                                   request_ids=request_ids)
-    out = rollout_columns(rows, results, loaded.tokenizer)
-    return pa.table(out), summarize(out, engine.stats)
+    out, items = sample_columns(rows, results, loaded.tokenizer)
+    seconds = score_rewards(out, items, on_scored)
+    return pa.table(out), summarize(out, engine.stats, seconds)
 
 
 def engine_config(opts: RolloutOptions) -> EngineConfig:
@@ -140,24 +146,47 @@ def engine_config(opts: RolloutOptions) -> EngineConfig:
                         max_prefill_tokens=opts.max_prefill_tokens, speculate=opts.speculate)
 
 
-def rollout_columns(rows: Seq[dict], results: Seq[Seq[Completion]], tokenizer) -> dict[str, list]:
+Scored = Callable[[int, int], None]  # (samples scored, samples to score)
+
+
+@dataclass(frozen=True)
+class RewardItem:
+    """A sample to reward: its row in the columns and what its task's scorer reads."""
+
+    index: int
+    task: str
+    text: str
+    answer: str | None
+    metadata: str | dict | None
+
+
+def rollout_columns(rows: Seq[dict], results: Seq[Seq[Completion]], tokenizer,
+                    on_scored: Scored | None = None) -> dict[str, list]:
     """The rollouts artifact's columns from the completions of each prompt row, whichever sampler made
     them (our engine, or vLLM in backends/vllm_sampler.py): decoded text and the reward of the row's task
     (or of the reward the command named), with any extra fields a user's reward function returned."""
-    from .tasks import get_task, has_scorer, judge_batch
-    from .tasks.extras import extra_json
+    out, items = sample_columns(rows, results, tokenizer)
+    score_rewards(out, items, on_scored)
+    return out
+
+
+def sample_columns(rows: Seq[dict], results: Seq[Seq[Completion]], tokenizer
+                   ) -> tuple[dict[str, list], list[RewardItem]]:
+    """The columns with every reward still null, and the samples a scorer rewards (`score_rewards`)."""
+    from .tasks import get_task, has_scorer
 
     out = {k: [] for k in ("prompt_id", "sample", "prompt_token_ids", "token_ids", "text", "logprobs",
                            "budgets", "finish_reason", "reward", "kv_policy", "kv_lens", "reward_extra",
                            "accepted", "drafted")}
-    scored = []  # (index, task, text, answer, metadata) of the samples with a reward, scored at the end
+    items = []
     for row, completions in zip(rows, results):
         scorer = get_task(row["task"]) if has_scorer(row.get("task")) else None
         for c in completions:
             text = tokenizer.decode(c.token_ids, skip_special_tokens=True) if tokenizer is not None else None
             if text is not None and scorer is not None and (row.get("answer") is not None
                                                              or not scorer.needs_answer):
-                scored.append((len(out["reward"]), row["task"], text, row.get("answer"), row.get("metadata")))
+                items.append(RewardItem(len(out["reward"]), row["task"], text, row.get("answer"),
+                                        row.get("metadata")))
             out["prompt_id"].append(row["prompt_id"])
             out["sample"].append(c.sample)
             out["prompt_token_ids"].append(c.prompt_token_ids)
@@ -172,13 +201,48 @@ def rollout_columns(rows: Seq[dict], results: Seq[Seq[Completion]], tokenizer) -
             out["reward_extra"].append(None)
             out["accepted"].append(c.accepted)
             out["drafted"].append(None if c.accepted is None else c.drafted)
-    for (i, task, _, _, metadata), judged in zip(scored, judge_batch([item for _, *item in scored])):
-        out["reward"][i] = judged.reward
-        out["reward_extra"][i] = extra_json(judged.extra, task, out["prompt_id"][i], metadata)
-    return out
+    return out, items
 
 
-def summarize(out: dict, stats: EngineStats) -> RolloutSummary:
+def score_rewards(out: dict[str, list], items: Seq[RewardItem], on_scored: Scored | None = None
+                  ) -> float | None:
+    """Fill the reward (and a user's function's extra fields) of each item into `out`; the seconds it
+    took (None: nothing to score). The items are judged in chunks of whole prompts, each at least as
+    large as the reward pool, so that `on_scored` hears of a slow reward as it goes, code rewards still
+    fill their pool and a batch reward (TRL's) still sees every sample of a prompt at once."""
+    from .tasks import judge_batch, reward_workers
+    from .tasks.extras import extra_json
+
+    if not items:
+        return None
+    start, done = time.perf_counter(), 0
+    if on_scored is not None:
+        on_scored(0, len(items))
+    for chunk in _prompt_chunks(items, out["prompt_id"], reward_workers()):
+        judged = judge_batch([(it.task, it.text, it.answer, it.metadata) for it in chunk])
+        for it, j in zip(chunk, judged):
+            out["reward"][it.index] = j.reward
+            out["reward_extra"][it.index] = extra_json(j.extra, it.task, out["prompt_id"][it.index],
+                                                       it.metadata)
+        done += len(chunk)
+        if on_scored is not None:
+            on_scored(done, len(items))
+    return time.perf_counter() - start
+
+
+def _prompt_chunks(items: Seq[RewardItem], prompt_ids: list, size: int) -> list[list[RewardItem]]:
+    """`items` in order, cut only where the prompt changes, each chunk at least `size` items (but the
+    last)."""
+    chunks: list[list[RewardItem]] = []
+    for it in items:
+        full = bool(chunks) and len(chunks[-1]) >= size
+        if not chunks or (full and prompt_ids[it.index] != prompt_ids[chunks[-1][-1].index]):
+            chunks.append([])
+        chunks[-1].append(it)
+    return chunks
+
+
+def summarize(out: dict, stats: EngineStats, reward_seconds: float | None = None) -> RolloutSummary:
     budgets = np.concatenate([np.asarray(b, dtype=np.int64) for b in out["budgets"]] or [np.zeros(0)])
     sparse = budgets[budgets > 0]
     rewards = [r for r in out["reward"] if r is not None]
@@ -194,7 +258,7 @@ def summarize(out: dict, stats: EngineStats) -> RolloutSummary:
         samples=n, tokens=int(budgets.size), seconds=stats.seconds, prefill_seconds=stats.prefill_s,
         decode_seconds=stats.decode_s, mean_budget=float(sparse.mean()) if sparse.size else None,
         dense_fraction=float((budgets == 0).mean()) if budgets.size else 1.0,
-        reward_mean=float(np.mean(rewards)) if rewards else None,
+        reward_mean=float(np.mean(rewards)) if rewards else None, reward_seconds=reward_seconds,
         stop_fraction=sum(f == "stop" for f in out["finish_reason"]) / max(n, 1),
         preemptions=stats.preemptions, kv_policy="; ".join(policies) or None,
         compactions=getattr(stats, "compactions", 0), **kv, **_speculation(stats))
@@ -221,10 +285,14 @@ class RolloutRun:
     lora: Path | None = None
     workers: int = 0  # Ray workers (0: this process)
     ray_address: str | None = None
+    reward: str | None = None  # --reward (math | code); None with reward_fn: each prompt's own task scorer
+    reward_fn: str | None = None  # --reward-fn path.py:function, as given
+    raw_prompts: bool = False  # text prompts tokenized as they are, without the chat template
 
     def metadata(self, sampling: SamplingParams, prompt_set, engine: str = "ours") -> dict:
         """What the artifact records of the run; `prompt_digests` for the prompts read as text or chat
-        messages (`PromptSet.digests`), which `sparrow reward` checks a prompts file against."""
+        messages (`PromptSet.digests`), which `sparrow reward` checks a prompts file against. What scored
+        the rewards is recorded under train's config keys (`reward_provenance`)."""
         from sparrow.schemas import input_name
 
         digests = prompt_set.digests()
@@ -234,7 +302,24 @@ class RolloutRun:
                 "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
                 "seed": sampling.seed, "ignore_eos": sampling.ignore_eos, "page_size": PAGE_SIZE,
                 "device": self.device, "dtype": self.dtype, "engine": engine,
-                "lora": str(self.lora) if self.lora else ""}
+                "lora": str(self.lora) if self.lora else "", "raw_prompts": self.raw_prompts,
+                **reward_provenance(self.reward, self.reward_fn)}
+
+
+def reward_provenance(reward: str | None, reward_fn: str | None) -> dict:
+    """What scored the rewards, as `sparrow train` records it in its config: `reward` (--reward's name),
+    `reward_fn` (--reward-fn's path.py:function) and `reward_fn_sha256`, the sha256 of that file's bytes
+    when it was read ("" for none; the modules it imports are not part of it). Both None: each prompt's
+    own task scorer."""
+    import hashlib
+
+    digest = ""
+    if reward_fn:
+        try:
+            digest = hashlib.sha256(Path(reward_fn.rpartition(":")[0]).expanduser().read_bytes()).hexdigest()
+        except OSError:
+            digest = ""
+    return {"reward": reward, "reward_fn": reward_fn, "reward_fn_sha256": digest}
 
 
 def prompt_rows(prompt_set, tokenizer, chat: bool, opts: RolloutOptions, model: str) -> list[dict]:
@@ -267,10 +352,11 @@ def check_kv_pages(opts: RolloutOptions, rows: list[dict]) -> None:
 
 def write_rollouts(run: RolloutRun, prompt_set, opts: RolloutOptions, chat: bool = True,
                    on_step: Callable[[int, int], None] | None = None,
-                   on_loading: Callable[[], None] | None = None) -> tuple[pa.Table, RolloutSummary]:
+                   on_loading: Callable[[], None] | None = None,
+                   on_scored: Scored | None = None) -> tuple[pa.Table, RolloutSummary]:
     """`run_rollouts` of the prompt set in this process, written to `run.output` with the summary in its
     metadata. The prompts are tokenized and checked against the pool before the weights load
-    (`on_loading` is called just before)."""
+    (`on_loading` is called just before); `on_scored` follows the rewards."""
     import torch
 
     from sparrow.schemas import write_artifact
@@ -283,7 +369,7 @@ def write_rollouts(run: RolloutRun, prompt_set, opts: RolloutOptions, chat: bool
     if on_loading is not None:
         on_loading()
     loaded = load_model(run.model, device=run.device, dtype=getattr(torch, run.dtype))
-    table, summary = run_rollouts(loaded, rows, opts, on_step)
+    table, summary = run_rollouts(loaded, rows, opts, on_step, on_scored=on_scored)
     write_artifact(table, run.output, "rollouts",
                    metadata={**run.metadata(opts.sampling, prompt_set), "summary": summary.metadata()})
     return table, summary
@@ -299,8 +385,6 @@ def write_rollouts_on_ray(run: RolloutRun, prompt_set, opts: RolloutOptions, cha
                           on_shard: Callable | None = None) -> tuple[RolloutSummary, int]:
     """Rollouts of the prompt set on `run.workers` Ray workers (this process only tokenizes), one part
     per shard under `run.output`; (summary, rows)."""
-    import time
-
     from sparrow.schemas import write_artifact_parts
 
     from .backends.ray_pool import RolloutPool
@@ -324,7 +408,7 @@ def write_rollouts_on_ray(run: RolloutRun, prompt_set, opts: RolloutOptions, cha
 
 
 def write_rollouts_with_vllm(prompt_set, sampling: SamplingParams, run: RolloutRun, max_batch: int,
-                             chat: bool = True):
+                             chat: bool = True, on_scored: Scored | None = None):
     """Dense sampling with vLLM into the same rollouts artifact (budget 0 for every token); the prompts
     are tokenized with the checkpoint's tokenizer when they are text. (table, summary, vLLM timing)."""
     from sparrow.schemas import write_artifact
@@ -342,9 +426,12 @@ def write_rollouts_with_vllm(prompt_set, sampling: SamplingParams, run: RolloutR
     sampler = VllmSampler(checkpoint, dtype=run.dtype, seed=sampling.seed, max_batch=max_batch,
                           max_model_len=min(cfg.max_position_embeddings, longest + sampling.max_new_tokens),
                           eos_ids=cfg.eos_token_ids)
-    out = rollout_columns(rows, sampler.generate([r["prompt_token_ids"] for r in rows], sampling), tokenizer)
+    out, items = sample_columns(rows, sampler.generate([r["prompt_token_ids"] for r in rows], sampling),
+                                tokenizer)
+    reward_seconds = score_rewards(out, items, on_scored)
     t = sampler.timing
-    summary = summarize(out, EngineStats(prefill_s=t.prefill_s, decode_s=t.seconds - t.prefill_s))
+    summary = summarize(out, EngineStats(prefill_s=t.prefill_s, decode_s=t.seconds - t.prefill_s),
+                        reward_seconds)
     table = pa.table(out)
     meta = run.metadata(sampling, prompt_set, engine="vllm") | {
         "top_p": 1.0, "top_k": 0, "seed_scope": "vLLM global seed (per-request seeds fail on the CPU)",
@@ -356,14 +443,16 @@ def write_rollouts_with_vllm(prompt_set, sampling: SamplingParams, run: RolloutR
 def merge_summaries(results: Seq, wall_seconds: float) -> RolloutSummary:
     """One summary over the shards' (table, summary) results: counts and reward over every part;
     `seconds` is the wall-clock time of the parallel run (so tokens/s is the pool's throughput) and
-    prefill/decode seconds are summed over workers."""
+    prefill, decode and reward seconds are summed over workers."""
     table = pa.concat_tables([r.table for r in results])
     cols = {k: table.column(k).to_pylist() for k in ("budgets", "reward", "finish_reason", "sample",
                                                       "kv_policy")}
+    scored = [r.summary.reward_seconds for r in results if r.summary.reward_seconds is not None]
     merged = summarize(cols, _Stats(sum(r.summary.prefill_seconds for r in results),
                                     sum(r.summary.decode_seconds for r in results),
                                     sum(r.summary.preemptions for r in results),
-                                    sum(r.summary.compactions for r in results)))
+                                    sum(r.summary.compactions for r in results)),
+                       sum(scored) if scored else None)
     # each worker has its own pool: the KV held is each pool's, so the peaks and means are the largest
     # worker's (a sum over pools that never ran at the same step would mean nothing)
     kv = {k: max((getattr(r.summary, k) for r in results if getattr(r.summary, k) is not None), default=None)

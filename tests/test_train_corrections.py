@@ -320,8 +320,9 @@ def test_off_policy_metrics_match_reference():
 
 
 def test_is_metrics_match_reference():
-    """rollout_is_* and the effective sample size of min(r, 2) over tokens (token IS) and of the
-    sequence weights (sequence IS), with the unbounded ratio's fractions above U and below 1/U."""
+    """is_bounded_* (the weights the loss reads): min(r, 2) over tokens (token IS) and the sequence
+    weights (sequence IS), their effective sample size, and the unbounded ratio's fractions above U and
+    below 1/U."""
     from sparrow.stages.train.corrections import metrics
 
     _, logp_old, lr, adv, mask, _ = batch()
@@ -336,11 +337,11 @@ def test_is_metrics_match_reference():
             logs = [sum(row) for row in rows_]
         w = [min(math.exp(clamp(x)), 2.0) for x in logs]
         mean = sum(w) / len(w)
-        assert got["rollout_corr/rollout_is_mean"] == pytest.approx(mean, rel=1e-12)
-        assert got["rollout_corr/rollout_is_max"] == pytest.approx(max(w), rel=1e-12)
-        assert got["rollout_corr/rollout_is_std"] == pytest.approx(
+        assert got["rollout_corr/is_bounded_mean"] == pytest.approx(mean, rel=1e-12)
+        assert got["rollout_corr/is_bounded_max"] == pytest.approx(max(w), rel=1e-12)
+        assert got["rollout_corr/is_bounded_std"] == pytest.approx(
             math.sqrt(sum((x - mean) ** 2 for x in w) / len(w)), rel=1e-12)
-        assert got["rollout_corr/rollout_is_eff_sample_size"] == pytest.approx(
+        assert got["rollout_corr/is_bounded_eff_sample_size"] == pytest.approx(
             1 / (sum((x / mean) ** 2 for x in w) / len(w)), rel=1e-12)
         assert got["rollout_corr/rollout_is_ratio_fraction_high"] == pytest.approx(
             sum(x > math.log(2) for x in logs) / len(logs))

@@ -86,8 +86,8 @@ def test_correction_metrics_agree_with_the_per_token_log(deep_llama, vowel_promp
         w = (-lr).exp().clamp(max=2.0)
         assert r["rollout_corr/kl"] == pytest.approx(float(lr.mean()), abs=1e-6)
         assert r["rollout_corr/k3_kl"] == pytest.approx(sum(t["k3"] for t in log) / len(log), abs=1e-6)
-        assert r["rollout_corr/rollout_is_mean"] == pytest.approx(float(w.mean()), abs=1e-5)
-        assert r["rollout_corr/rollout_is_eff_sample_size"] == pytest.approx(
+        assert r["rollout_corr/is_bounded_mean"] == pytest.approx(float(w.mean()), abs=1e-5)
+        assert r["rollout_corr/is_bounded_eff_sample_size"] == pytest.approx(
             float(w.mean() ** 2 / (w ** 2).mean()), abs=1e-5)
         masked = sum(t["masked"] for t in log) / len(log)
         assert r["rollout_corr/rollout_rs_masked_fraction"] == pytest.approx(masked)

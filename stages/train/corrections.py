@@ -189,18 +189,31 @@ def stochastic_rejection(log_ratio: Tensor, mask: Tensor, level: str, c: float,
     return (u < accept.double().cpu()).to(mask.device)[:, None] & mask
 
 
-def is_weights(log_ratio: Tensor, mask: Tensor, rules: Rules) -> Tensor:
-    """IS weights [N, T] before rejection: token or sequence ratio, truncated or masked to the bounds."""
+def is_ratios(log_ratio: Tensor, mask: Tensor, rules: Rules) -> Tensor:
+    """The IS ratios [N, T] before their bounds: exp of each token's log ratio (token IS) or of its
+    sequence's summed log ratios (sequence IS, on every token of the sequence), the log clamped to the
+    safety bound; 1 without IS."""
     if rules.is_level is None:
         return torch.ones_like(log_ratio)
     lr = torch.where(mask, log_ratio, 0.0)
     if rules.is_level == "sequence":
         lr = lr.sum(1, keepdim=True).expand_as(lr)
-    w = lr.clamp(-SAFETY_BOUND, SAFETY_BOUND).exp()
+    return lr.clamp(-SAFETY_BOUND, SAFETY_BOUND).exp()
+
+
+def inside_bounds(ratios: Tensor, rules: Rules) -> Tensor:
+    """[N, T] bool: the ratios that the mask mode keeps, in [lower (0 when not given), upper]."""
+    return (ratios <= rules.is_upper) & (ratios >= (rules.is_lower or 0.0))
+
+
+def is_weights(log_ratio: Tensor, mask: Tensor, rules: Rules) -> Tensor:
+    """IS weights [N, T] before rejection: token or sequence ratio, truncated or masked to the bounds."""
+    w = is_ratios(log_ratio, mask, rules)
+    if rules.is_level is None:
+        return w
     if rules.is_mode == "truncate":
         return w.clamp(min=rules.is_lower, max=rules.is_upper)
-    inside = (w <= rules.is_upper) & (w >= (rules.is_lower or 0.0))
-    return torch.where(inside, w, 0.0)
+    return torch.where(inside_bounds(w, rules), w, 0.0)
 
 
 def batch_normalized(weights: Tensor, keep: Tensor, level: str | None) -> Tensor:
@@ -222,7 +235,8 @@ class Correction:
     mask: Tensor  # [N, T] bool, tokens kept in the loss
     vetoed: Tensor  # [N] bool, sequences dropped whole (veto, OPSM, sequence-level rejections)
     stats: dict[str, float]
-    raw_weights: Tensor | None = None  # [N, T] the IS weights before rejection and normalisation
+    bounded_weights: Tensor | None = None  # [N, T] the IS weights truncated or masked, before rejection and
+    # normalisation (0 at padding)
 
 
 def apply(rules: Rules, log_ratio: Tensor, mask: Tensor, advantages: Tensor | None = None,
@@ -269,7 +283,7 @@ def apply(rules: Rules, log_ratio: Tensor, mask: Tensor, advantages: Tensor | No
              "vetoed_fraction": float(dropped.float().mean()) if len(dropped) else 0.0,
              "mean_weight": float(weights[keep].mean()) if bool(keep.any()) else 0.0,
              **{f"rollout_rs_{k}_masked_fraction": float((mask & ~v).sum()) / n for k, v in per_rule.items()}}
-    return Correction(weights, keep, dropped, stats, raw_weights=torch.where(mask, raw, 0.0))
+    return Correction(weights, keep, dropped, stats, bounded_weights=torch.where(mask, raw, 0.0))
 
 
 def with_overrides(rules: Rules, **changes) -> Rules:
@@ -286,23 +300,60 @@ def _masked_mean(x: Tensor, mask: Tensor) -> float:
     return float(x[mask].double().mean()) if bool(mask.any()) else float("nan")
 
 
-def is_metrics(corr: Correction, mask: Tensor, rules: Rules) -> dict[str, float]:
-    """verl's rollout_is_* of the IS weights before rejection (token IS: over tokens; sequence IS: over
-    sequences); the ratio fractions against [lower or 1/upper, upper]."""
-    if rules.is_level is None or corr.raw_weights is None or not bool(mask.any()):
+def is_metrics(log_ratio: Tensor, mask: Tensor, rules: Rules) -> dict[str, float]:
+    """verl's rollout_is_{mean,std,min,max,eff_sample_size} (its compute_is_metrics), taken where verl
+    takes them: on the ratios before truncation or masking, over the response tokens (sequence IS: each
+    token carries its sequence's ratio). Token IS: min and max of the tokens' ratios; sequence IS: of the
+    sequences', from their summed log ratios (max capped at exp of the safety bound, min not). std and
+    the effective sample size E[w]^2 / E[w^2] are those of the ratios clamped to [lower or 1/upper,
+    upper], as verl clamps them for stability. The weights the loss reads are `bounded_metrics`'."""
+    if rules.is_level is None or not bool(mask.any()):
         return {}
-    w = corr.raw_weights.double()
+    values = is_ratios(log_ratio.double(), mask, rules)[mask]
     if rules.is_level == "sequence":
         rows = mask.any(1)
-        w, sel = w.amax(1)[rows], torch.ones(int(rows.sum()), dtype=torch.bool)
+        sums = torch.where(mask, log_ratio.double(), 0.0).sum(1)[rows]
+        high, low = float(sums.max().clamp(max=SAFETY_BOUND).exp()), float(sums.min().exp())
     else:
-        sel = mask
-    values = w[sel]
+        high, low = float(values.max()), float(values.min())
+    clamped = values.clamp(min=_lower(rules), max=rules.is_upper)
+    mean_c = clamped.mean()
+    square = clamped.square().mean()
+    std = float((square - mean_c.square()).clamp(min=0).sqrt()) if len(values) > 1 else 0.0
+    return {"rollout_is_mean": float(values.mean()), "rollout_is_std": std, "rollout_is_min": low,
+            "rollout_is_max": high, "rollout_is_eff_sample_size": float(mean_c.square() / square)}
+
+
+def _lower(rules: Rules) -> float:
+    """The lower IS bound the metrics read: the one given, else 1 / upper (verl's)."""
+    return rules.is_lower if rules.is_lower is not None else 1.0 / rules.is_upper
+
+
+def bounded_metrics(corr: Correction, mask: Tensor, rules: Rules) -> dict[str, float]:
+    """Sparrow's is_bounded_{mean,std,min,max,eff_sample_size}: the same statistics of the IS weights as
+    the loss reads them, truncated or masked (a masked token's 0 included), before rejection and
+    normalisation; over tokens (token IS) or sequences (sequence IS), std the population's and the
+    effective sample size E[w]^2 / E[w^2]."""
+    if rules.is_level is None or corr.bounded_weights is None or not bool(mask.any()):
+        return {}
+    w = corr.bounded_weights.double()
+    values = w.amax(1)[mask.any(1)] if rules.is_level == "sequence" else w[mask]
     ess = 1.0 / float(((values / values.mean().clamp(min=1e-12)) ** 2).mean())
-    return {"rollout_is_mean": float(values.mean()),
-            "rollout_is_std": float(values.std(unbiased=False)),
-            "rollout_is_min": float(values.min()), "rollout_is_max": float(values.max()),
-            "rollout_is_eff_sample_size": ess}
+    return {"is_bounded_mean": float(values.mean()), "is_bounded_std": float(values.std(unbiased=False)),
+            "is_bounded_min": float(values.min()), "is_bounded_max": float(values.max()),
+            "is_bounded_eff_sample_size": ess}
+
+
+def mask_metrics(log_ratio: Tensor, mask: Tensor, rules: Rules) -> dict[str, float]:
+    """Under the mask mode (IcePop), verl's rollout_is_masked_fraction (the response tokens whose IS weight
+    the bounds zero) and rollout_is_seq_masked_fraction (the sequences with such a token). The tokens stay
+    in the loss's denominator with weight 0, so masked_fraction and rollout_rs_* do not count them."""
+    if rules.is_level is None or rules.is_mode != "mask" or not bool(mask.any()):
+        return {}
+    zeroed = ~inside_bounds(is_ratios(log_ratio, mask, rules), rules) & mask
+    rows = mask.any(1)
+    return {"rollout_is_masked_fraction": float(zeroed.sum()) / int(mask.sum()),
+            "rollout_is_seq_masked_fraction": float(zeroed.any(1)[rows].double().mean())}
 
 
 def ratio_fractions(log_ratio: Tensor, mask: Tensor, rules: Rules) -> dict[str, float]:
@@ -313,7 +364,7 @@ def ratio_fractions(log_ratio: Tensor, mask: Tensor, rules: Rules) -> dict[str, 
     if rules.is_level == "sequence":
         rows = mask.any(1)
         lr, mask = lr.sum(1, keepdim=True)[rows], torch.ones(int(rows.sum()), 1, dtype=torch.bool)
-    lower = rules.is_lower if rules.is_lower is not None else 1.0 / rules.is_upper
+    lower = _lower(rules)
     return {"rollout_is_ratio_fraction_high": _masked_mean((lr > math.log(rules.is_upper)).double(), mask),
             "rollout_is_ratio_fraction_low": _masked_mean((lr < math.log(lower)).double(), mask)}
 
@@ -344,9 +395,11 @@ def off_policy_metrics(logp_old: Tensor, logp_rollout: Tensor, mask: Tensor) -> 
 
 def metrics(corr: Correction, log_ratio: Tensor, logp_old: Tensor, logp_rollout: Tensor, mask: Tensor,
             rules: Rules) -> dict[str, float]:
-    """One step's rollout_corr/ family under verl's names."""
+    """One step's rollout_corr/ family: verl's diagnostics under verl's names (each verl's quantity), and
+    the statistics of the weights as the loss reads them under names of their own (is_bounded_*)."""
     n_seq = max(int(mask.any(1).sum()), 1)
-    out = {**is_metrics(corr, mask, rules), **ratio_fractions(log_ratio, mask, rules),
+    out = {**is_metrics(log_ratio, mask, rules), **bounded_metrics(corr, mask, rules),
+           **mask_metrics(log_ratio, mask, rules), **ratio_fractions(log_ratio, mask, rules),
            "rollout_rs_masked_fraction": corr.stats["masked_fraction"],
            "rollout_rs_seq_masked_fraction": float((mask & ~corr.mask).any(1).sum()) / n_seq,
            **{k: v for k, v in corr.stats.items() if k.startswith("rollout_rs_")},
