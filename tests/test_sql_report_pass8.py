@@ -354,3 +354,18 @@ def test_a_wide_sql_table_into_a_pipe_keeps_every_column_name_whole(tmp_path):
     r = CliRunner().invoke(app, ["sql", query, "--run", str(tmp_path), "-f", "table"])
     assert r.exit_code == 0, r.output
     assert all(n in r.stdout for n in names) and "…" not in r.stdout
+
+
+def test_rollouts_scored_by_different_rewards_are_not_pooled_unawares(tmp_path):
+    for name, fn in (("a", "fns.py:strict"), ("b", "fns.py:lenient")):
+        _rollouts(tmp_path / f"{name}.parquet", [1.0, 0.0])
+        table = pq.read_table(tmp_path / f"{name}.parquet")
+        meta = json.loads(table.schema.metadata[b"sparrow.meta"])
+        meta.update(reward_fn=fn, reward_fn_sha256=name * 64)
+        _set_footer(tmp_path / f"{name}.parquet", sparrow_meta=json.dumps(meta).encode())
+    r = CliRunner().invoke(app, ["sql", "SELECT avg(reward) AS r FROM rollouts", "--run", str(tmp_path),
+                                 "-f", "json"])
+    assert r.exit_code == 0, r.output
+    warning = _said(r.stderr)
+    assert "pools 2 files of different provenance" in warning
+    assert "reward_fn: fns.py:lenient, fns.py:strict" in warning and "source_reward_fn" in warning

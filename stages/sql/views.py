@@ -39,6 +39,10 @@ class Provenance:
     lora: str | None = None
     dtype: str | None = None
     engine: str | None = None
+    reward: str | None = None  # what scored rollouts and training: a task's reward or --reward
+    reward_fn: str | None = None  # --reward-fn path.py:function, and its file's digest
+    reward_fn_sha256: str | None = None
+    raw_prompts: str | None = None  # prompts tokenized as given, without the chat template
 
     @classmethod
     def of(cls, meta: dict) -> Provenance:
