@@ -61,6 +61,7 @@ def reward(
     from sparrow.schemas import input_name, write_artifact
     from sparrow.stages.core.prompt_set import PromptSet
     from sparrow.stages.reward import check_prompts, read_completions, score_completions
+    from sparrow.stages.tasks.rewards import reward_provenance
     from sparrow.stages.tasks.sandbox import UNSAFE_ENV
 
     fmt = resolve_format(fmt)
@@ -79,7 +80,8 @@ def reward(
     scored = score_completions(rows, done, workers)
     seconds = time.perf_counter() - start
     meta = {"prompts": input_name(prompts), "completions": input_name(completions), "n": len(scored),
-            "mean_reward": sum(r["reward"] for r in scored) / len(scored), "seconds": seconds}
+            "mean_reward": sum(r["reward"] for r in scored) / len(scored), "seconds": seconds,
+            **reward_provenance(reward_name, reward_fn)}
     path = write_artifact(scored, output, "rewards", meta)
 
     tasks = list(dict.fromkeys(r["task"] for r in scored))

@@ -23,6 +23,7 @@ from .engine.sequence import Completion, SamplingParams
 from .kv_policies import Dense, Eviction, KVPolicy
 from .model.loading import LoadedModel, model_name
 from .model.lora import LoraWeights, lora_merged
+from .tasks.rewards import reward_provenance
 
 
 @dataclass
@@ -304,22 +305,6 @@ class RolloutRun:
                 "device": self.device, "dtype": self.dtype, "engine": engine,
                 "lora": str(self.lora) if self.lora else "", "raw_prompts": self.raw_prompts,
                 **reward_provenance(self.reward, self.reward_fn)}
-
-
-def reward_provenance(reward: str | None, reward_fn: str | None) -> dict:
-    """What scored the rewards, as `sparrow train` records it in its config: `reward` (--reward's name),
-    `reward_fn` (--reward-fn's path.py:function) and `reward_fn_sha256`, the sha256 of that file's bytes
-    when it was read ("" for none; the modules it imports are not part of it). Both None: each prompt's
-    own task scorer."""
-    import hashlib
-
-    digest = ""
-    if reward_fn:
-        try:
-            digest = hashlib.sha256(Path(reward_fn.rpartition(":")[0]).expanduser().read_bytes()).hexdigest()
-        except OSError:
-            digest = ""
-    return {"reward": reward, "reward_fn": reward_fn, "reward_fn_sha256": digest}
 
 
 def prompt_rows(prompt_set, tokenizer, chat: bool, opts: RolloutOptions, model: str) -> list[dict]:

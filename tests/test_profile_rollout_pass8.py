@@ -273,3 +273,22 @@ def test_rollout_text_summary_writes_nulls_as_nulls(tmp_path, fmt):
     assert row["mean_budget"] == "dense"
     assert float(row["seconds"]) == summary["seconds"]
     assert float(row["tokens_per_s"]) == summary["tokens_per_s"]
+
+
+def test_the_rewards_artifact_records_its_reward_function(tmp_path):
+    import hashlib
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt_id": "a", "prompt": "What is 2 + 2?", "answer": "4"}) + "\n")
+    completions = tmp_path / "c.jsonl"
+    completions.write_text(json.dumps({"prompt_id": "a", "sample": 0, "text": "4"}) + "\n")
+    fns = tmp_path / "fns.py"
+    fns.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                   "    return 1.0\n")
+    out = tmp_path / "rw.parquet"
+    r = runner.invoke(app, ["reward", "--prompts", str(prompts), "--completions", str(completions),
+                            "--reward-fn", f"{fns}:compute_score", "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    meta = artifact_metadata(out)
+    assert (meta["reward"], meta["reward_fn"]) == (None, f"{fns}:compute_score")
+    assert meta["reward_fn_sha256"] == hashlib.sha256(fns.read_bytes()).hexdigest()

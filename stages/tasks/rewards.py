@@ -397,6 +397,26 @@ def logged_metrics() -> dict[str, float]:
     return means
 
 
+def reward_fn_sha256(spec: str | None) -> str:
+    """The sha256 of the file that a --reward-fn path.py:function names; "" for none, or for a file that
+    cannot be read (loading the reward names it). Modules the file imports are not part of it."""
+    if not spec:
+        return ""
+    import hashlib
+
+    try:
+        return hashlib.sha256(Path(spec.rpartition(":")[0]).expanduser().read_bytes()).hexdigest()
+    except OSError:
+        return ""
+
+
+def reward_provenance(reward: str | None, reward_fn: str | None) -> dict[str, str | None]:
+    """What scored rewards, under the keys every artifact and run config records it by: `reward`
+    (--reward's name), `reward_fn` (--reward-fn's path.py:function) and `reward_fn_sha256`. Both None:
+    each prompt's own task scorer."""
+    return {"reward": reward, "reward_fn": reward_fn, "reward_fn_sha256": reward_fn_sha256(reward_fn)}
+
+
 @contextlib.contextmanager
 def working_directory_kept() -> Iterator[None]:
     """User code that changes the working directory (os.chdir) has it changed back when it returns, so
