@@ -11,6 +11,14 @@ Design decisions:
   columns absent from the input are filled with nulls. The bytes go to a hidden temporary file in
   the target folder, which is fsynced and then renamed over the target with os.replace, so readers
   see the old artifact or the new one, never half of one; the temporary file is removed on any error.
+- A replaced file keeps its mode, and its owner and group where this process may set them (the group
+  alone otherwise), as editors do: a private artifact stays private. A replaced directory keeps its
+  own, and so does each file in it that the new version has under the same name.
+- A temporary is named `.NAME.<hex>-<pid>.tmp` and locked (flock) by its writer while it writes. A
+  process killed there (SIGKILL, the OOM killer) cannot remove it, so the next write of the same path
+  removes the temporaries whose writer is gone: its process is not running here and its lock is free
+  (a writer on another host of a shared folder still holds its lock). Those of an older Sparrow, named
+  without a pid, are left to `recover_replaced`.
 - A directory of Parquet parts (`part-00000.parquet`, ...: one per Ray worker of `sparrow rollout
   --workers N`) is one artifact: `read_artifact` validates every part (all of one kind) and
   concatenates them in name order; its metadata and kind are those of the first part. Hidden files
@@ -23,10 +31,12 @@ Design decisions:
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
 import shutil
+import stat
 import sys
 import tempfile
 import uuid
@@ -104,8 +114,9 @@ def write_bytes(path: str | os.PathLike, data: bytes) -> Path:
 
 
 def _write(path: Path, write: Callable[[BinaryIO], object]) -> None:
-    """`write(f)` into a hidden temporary sibling of where `path` lands, fsynced, then renamed over it;
-    for `-`, into an anonymous temporary file whose bytes are then copied to stdout."""
+    """`write(f)` into a hidden temporary sibling of where `path` lands, fsynced, then renamed over it
+    (keeping the replaced file's mode and group); for `-`, into an anonymous temporary file whose bytes
+    are then copied to stdout."""
     if is_stdio(path):
         with tempfile.TemporaryFile() as f:
             write(f)
@@ -117,20 +128,58 @@ def _write(path: Path, write: Callable[[BinaryIO], object]) -> None:
                 raise ArtifactError("stdout was closed before the whole file was written to it") from None
         return
     target = output_target(path)
-    tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex[:12]}.tmp")
+    tmp = _temporary(target, "tmp")
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
+        _remove_dead(leftovers(target)[0])
         with open(tmp, "xb") as f:
+            _lock_quietly(f.fileno())
             write(f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, target)
+            _keep_access(target, f.fileno())
+            os.replace(tmp, target)  # still locked: never taken for a dead writer's
     except OSError as e:
         tmp.unlink(missing_ok=True)
         raise ArtifactError(f"cannot write {path} ({e.strerror or first_line(e)})") from None
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def _temporary(path: Path, kind: str) -> Path:
+    """`.NAME.<hex>-<pid>.<kind>` beside `path`: hidden, unique, and telling whose it is."""
+    return path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}-{os.getpid()}.{kind}")
+
+
+def _lock_quietly(fd: int) -> None:
+    """Lock a temporary while it is written (what tells a live writer from a dead one); a filesystem
+    without locks goes without."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        pass
+
+
+def _keep_access(replaced: Path, fd: int | None = None, new: Path | None = None) -> None:
+    """Give the new file (open as `fd`, or at `new`) the mode of `replaced`, and its owner and group
+    where allowed (the group alone when the owner cannot be; neither when the group cannot be either).
+    Nothing when `replaced` does not exist."""
+    try:
+        old = os.stat(replaced)
+    except OSError:
+        return
+    target: int | Path = fd if fd is not None else new
+    for uid in (old.st_uid, -1):
+        try:
+            os.chown(target, uid, old.st_gid)
+            break
+        except OSError:
+            continue
+    try:
+        os.chmod(target, stat.S_IMODE(old.st_mode))
+    except OSError:  # a filesystem without modes
+        pass
 
 
 def read_artifact(path: str | os.PathLike, kind: str | None = None) -> pa.Table:
@@ -206,13 +255,16 @@ def write_artifact_parts(tables: Sequence[TableLike], path: str | os.PathLike, k
 
 def replace_dir(path: Path, fill: Callable[[Path], None]) -> None:
     """`fill` a fresh hidden directory beside `path`, then put it in place of `path`: readers see the old
-    directory or the new one, never a mix; the hidden one is removed on any error. A process killed
-    inside leaves hidden siblings that `recover_replaced` clears up."""
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.tmp")
-    old = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.old")
+    directory or the new one, never a mix; the hidden one is removed on any error. The new directory
+    keeps the old one's mode and group, and so do its files that the old one had. A process killed
+    inside leaves hidden siblings: the next replacement removes those whose process is gone, and
+    `recover_replaced` puts back a version moved aside."""
+    tmp, old = _temporary(path, "tmp"), _temporary(path, "old")
     try:
+        _remove_dead(leftovers(path)[0])
         tmp.mkdir(parents=True)
         fill(tmp)
+        _keep_tree_access(path, tmp)
         if path.exists():
             os.replace(path, old)
         os.replace(tmp, path)
@@ -222,21 +274,88 @@ def replace_dir(path: Path, fill: Callable[[Path], None]) -> None:
             os.replace(old, path)
         raise
     shutil.rmtree(old, ignore_errors=True)
+    _remove_dead(leftovers(path)[1])  # versions moved aside by dead writers: `path` is whole again
+
+
+def _keep_tree_access(old: Path, new: Path) -> None:
+    """`new` (a directory) and each file in it given the access of its namesake in `old`, if any."""
+    if not old.is_dir():
+        return
+    for f in sorted(new.rglob("*"), reverse=True):  # a folder after what it holds
+        was = old / f.relative_to(new)
+        if not f.is_symlink() and not was.is_symlink():
+            _keep_access(was, new=f)
+    _keep_access(old, new=new)
+
+
+LEFTOVER = r"\.{name}\.[0-9a-f]{{8,32}}(?:-(\d+))?\.(tmp|old)"  # a replacement's hidden sibling of NAME
 
 
 def leftovers(path: Path) -> tuple[list[Path], list[Path]]:
     """The hidden siblings that a killed `replace_dir` or `_write` of `path` leaves: its temporaries
-    (`.NAME.<hex>.tmp`, half-written) and the previous versions it had moved aside (`.NAME.<hex>.old`),
-    each list oldest first."""
-    pattern = re.compile(rf"\.{re.escape(path.name)}\.[0-9a-f]{{8,32}}\.(tmp|old)")
+    (`.NAME.<hex>-<pid>.tmp`, half-written) and the previous versions it had moved aside
+    (`.NAME.<hex>-<pid>.old`), each list oldest first (an older Sparrow's names have no `-<pid>`)."""
+    pattern = re.compile(LEFTOVER.format(name=re.escape(path.name)))
     found: dict[str, list[Path]] = {"tmp": [], "old": []}
     if path.parent.is_dir():
         for f in path.parent.iterdir():
             match = pattern.fullmatch(f.name)
             if match:
-                found[match.group(1)].append(f)
-    return (sorted(found["tmp"], key=lambda f: f.lstat().st_mtime),
-            sorted(found["old"], key=lambda f: f.lstat().st_mtime))
+                found[match.group(2)].append(f)
+    return sorted(found["tmp"], key=_mtime), sorted(found["old"], key=_mtime)
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.lstat().st_mtime
+    except OSError:  # gone meanwhile (its writer finished)
+        return 0.0
+
+
+def writer_pid(leftover: Path) -> int | None:
+    """The process that made a hidden sibling `.NAME.<hex>-<pid>.tmp|old` (None: an older name)."""
+    match = re.search(r"-(\d+)\.(tmp|old)$", leftover.name)
+    return int(match.group(1)) if match else None
+
+
+def dead_writer(leftover: Path) -> bool:
+    """Whether the process that made `leftover` is gone: it names one that is not running here, and
+    (for a file) nobody holds its lock, so no writer on another host of a shared folder has it either.
+    False for an older name without a pid: nothing tells."""
+    pid = writer_pid(leftover)
+    if pid is None or _running(pid):
+        return False
+    if leftover.is_dir() or leftover.is_symlink():
+        return True
+    try:
+        fd = os.open(leftover, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    except OSError:  # no locks here: the pid alone tells
+        pass
+    finally:
+        os.close(fd)
+    return True
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process
+        return True
+    return True
+
+
+def _remove_dead(found: Iterable[Path]) -> None:
+    for f in found:
+        if dead_writer(f):
+            _remove(f)
 
 
 def recover_replaced(path: Path) -> bool:

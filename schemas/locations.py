@@ -16,13 +16,26 @@ Design decisions (one rule for every command that writes):
   forcing never deletes a directory of someone else's files.
 - The location is checked before any work: the nearest existing folder on the way must be a directory
   in which a file can be created (checked by creating and removing one), so that an unwritable `-o`
-  fails at once, not after a long run. Nothing is created by the check.
+  fails at once, not after a long run. A symlink on the way counts as existing: one that leads to no
+  folder (dangling, or a loop) is refused there, since nothing can be created under it. Nothing is
+  created by the check.
+- An artifact is Parquet whatever the file is called, so a file output whose suffix names a table format
+  Sparrow prints or reads as text (.json, .jsonl, .ndjson, .csv, .tsv) is refused, even with `force`:
+  the file would not be what its name says, and a reader going by the name would misread it. Any other
+  name is taken. A path ending in a slash names a directory, never
+  a file output (`check_file_path`, on the text the user gave, since a Path drops the slash).
+- A folder that a long-running command writes (a training run) is held by an exclusive advisory lock
+  (`hold_folder`: flock on FOLDER/.sparrow.lock), so a second writer is refused at once instead of
+  mixing its files with the first's. The kernel drops the lock when its process ends, however it ends,
+  so a killed writer never blocks the next one; the lock file is removed when the lock is released, and
+  a lock is taken only on the file that is still at that path (a releaser may have just removed it).
 """
 
 from __future__ import annotations
 
 import atexit
 import errno
+import fcntl
 import os
 import shutil
 import stat
@@ -93,12 +106,15 @@ def _link_target(link: Path) -> Path:
 
 
 def check_writable(folder: Path, shown: str | os.PathLike) -> None:
-    """Refuse a folder that cannot be created or written: its nearest existing ancestor must be a
-    directory in which a file can be made (tried, then removed)."""
+    """Refuse a folder that cannot be created or written: its nearest existing ancestor (a symlink
+    included) must be a directory in which a file can be made (tried, then removed)."""
     folder = Path(os.path.abspath(folder))
     existing = folder
-    while not existing.exists() and existing != existing.parent:
+    while not os.path.lexists(existing) and existing != existing.parent:
         existing = existing.parent
+    if existing.is_symlink() and not existing.exists():
+        raise ArtifactError(f"{shown} cannot be written: {existing} is {_broken_link(existing)}, so no "
+                            "folder can be created under it; fix the link or give another path")
     if not existing.is_dir():
         raise ArtifactError(f"{shown} cannot be written: {existing} is a file, so nothing can be created "
                             "under it")
@@ -107,6 +123,43 @@ def check_writable(folder: Path, shown: str | os.PathLike) -> None:
     except OSError as e:
         raise ArtifactError(f"{shown} cannot be written: no file can be created in {existing} "
                             f"({e.strerror or e})") from None
+
+
+def _broken_link(link: Path) -> str:
+    """'a symlink to X, which does not exist' or 'a symlink that loops back on itself', for a link that
+    leads nowhere."""
+    try:
+        os.stat(link)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return "a symlink that loops back on itself"
+    return f"a symlink to {os.path.realpath(link)}, which does not exist"
+
+
+# the table formats Sparrow prints (--format) or reads (JSON lines prompts) as text: a file named so says it
+# holds that format; a plain .txt says nothing of its layout and is taken
+TEXT_SUFFIXES = {".json": "JSON", ".jsonl": "JSON lines", ".ndjson": "JSON lines", ".csv": "CSV",
+                 ".tsv": "TSV"}
+
+
+def check_parquet_name(path: str | os.PathLike) -> None:
+    """Refuse a Parquet file output whose suffix names a text format (TEXT_SUFFIXES)."""
+    suffix = Path(path).suffix.lower()
+    if suffix in TEXT_SUFFIXES:
+        raise ArtifactError(f"{path} would hold Parquet under a {TEXT_SUFFIXES[suffix]} name, so give a path "
+                            f"ending in .parquet (not {Path(path).name}); sparrow sql --format csv or json "
+                            "turns an artifact into text")
+
+
+def check_file_path(text: str) -> None:
+    """Refuse, as given on the command line, a file output that names a directory: a path ending in a
+    slash (or in . or ..), which a Path would silently turn into a file of the folder's name."""
+    if is_stdio(text):
+        return
+    if text.endswith(("/", os.sep)) or os.path.basename(text) in (".", ".."):
+        folder = text.rstrip("/" + os.sep) or text
+        raise ArtifactError(f"{text} names a directory; give a file path such as "
+                            f"{os.path.join(folder, 'out.parquet')}")
 
 
 PLAIN = "a Parquet file without Sparrow metadata"
@@ -136,10 +189,11 @@ def check_output(path: str | os.PathLike, kind: str | None, force: bool = False,
     """Refuse, before any work, an output location that must not or cannot be written.
 
     `kind` is the artifact kind written (None: a query result, marked by QUERY_KEY); `parts`: a
-    directory of Parquet parts (`--workers`). An existing artifact of `kind` (or query result, or an
-    empty file) is replaced; anything else, a Parquet file without Sparrow's marks included, raises
-    OutputRefused unless `force` (a directory that is not such an artifact: ArtifactError, since forcing
-    would delete it)."""
+    directory of Parquet parts (`--workers`). A file named as a text format is refused
+    (`check_parquet_name`). An existing artifact of `kind` (or query result, or an empty file) is
+    replaced; anything else, a Parquet file without Sparrow's marks included, raises OutputRefused
+    unless `force` (a directory that is not such an artifact: ArtifactError, since forcing would delete
+    it)."""
     if is_stdio(path):
         if parts:
             raise ArtifactError("-o - writes one Parquet file to stdout, but --workers writes a directory "
@@ -147,6 +201,8 @@ def check_output(path: str | os.PathLike, kind: str | None, force: bool = False,
         return
     path = Path(path)
     target = output_target(path, directory=parts)
+    if not parts:
+        check_parquet_name(path)
     wanted = f"a '{kind}' artifact" if kind else QUERY_RESULT
     if target.exists() and not _empty(target):
         found, words = describe(target)
@@ -175,6 +231,103 @@ def check_output_dir(path: str | os.PathLike, what: str, ours: Callable[[Path], 
             raise OutputRefused(f"{path} exists and is not {what}")
     check_writable(target, path)
     return target
+
+# ---------------------------------------------------------------- a folder's writer
+
+LOCK_NAME = ".sparrow.lock"
+_HELD: dict[str, tuple[int, int]] = {}  # realpath of a folder held -> (its lock file's descriptor, pid)
+
+
+class FolderBusy(ArtifactError):
+    """A folder that another process holds (`hold_folder`)."""
+
+
+def hold_folder(folder: str | os.PathLike, writer: str, instead: str) -> None:
+    """Hold the exclusive lock of `folder` (which must exist) for this process until `release_folder`;
+    holding it already is a no-op. FolderBusy in one sentence when another process holds it: `writer`
+    names what writes the folder ("sparrow train"), `instead` what else to choose ("another run directory
+    (-o)"). A filesystem without locks (or a lock file that cannot be opened) leaves the folder
+    unlocked: the lock is advisory, and refusing every run there would be worse."""
+    key = os.path.realpath(folder)
+    if key in _HELD:
+        return
+    lock = Path(key) / LOCK_NAME
+    for _ in range(100):
+        fd = _open_lock(lock)
+        if fd is None:
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _holder(fd)
+            os.close(fd)
+            raise FolderBusy(f"{folder} is being written by another {writer}{holder}, and a second one "
+                             f"would mix its files with that one's; wait for it to end, or choose "
+                             f"{instead}") from None
+        except OSError:
+            os.close(fd)
+            return
+        if _still_there(fd, lock):
+            break
+        os.close(fd)  # its holder removed it as it let go: lock the file now at the path
+    else:  # the file keeps changing under us: not a filesystem whose lock can be told
+        return
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()} {writer}\n".encode(), 0)
+    except OSError:  # opened read-only (another user's lock file): held all the same
+        pass
+    _HELD[key] = (fd, os.getpid())
+
+
+def release_folder(folder: str | os.PathLike) -> None:
+    """Let go of the lock `hold_folder` took on `folder` (nothing when this process holds none); its lock
+    file is removed first, so a finished writer leaves nothing behind."""
+    key = os.path.realpath(folder)
+    fd, pid = _HELD.pop(key, (None, None))
+    if fd is None or pid != os.getpid():  # a forked child's copy is its parent's lock
+        return
+    try:
+        os.unlink(Path(key) / LOCK_NAME)
+    except OSError:
+        pass
+    os.close(fd)
+
+
+@atexit.register
+def _release_all() -> None:
+    """At exit, every lock this process still holds (a command refused after taking one) let go of, so
+    its lock file does not stay behind."""
+    for folder in list(_HELD):
+        release_folder(folder)
+
+
+def _open_lock(lock: Path) -> int | None:
+    flags = os.O_CLOEXEC | os.O_NOFOLLOW
+    for mode in (os.O_RDWR | os.O_CREAT, os.O_RDONLY):
+        try:
+            return os.open(lock, mode | flags, 0o644)
+        except OSError:
+            continue
+    return None
+
+
+def _still_there(fd: int, lock: Path) -> bool:
+    """Whether the locked descriptor `fd` is the file now at `lock`."""
+    try:
+        here, held = os.stat(lock, follow_symlinks=False), os.fstat(fd)
+    except OSError:
+        return False
+    return (here.st_dev, here.st_ino) == (held.st_dev, held.st_ino)
+
+
+def _holder(fd: int) -> str:
+    """' (pid N)' as the holder recorded it in its lock file; '' when it has not yet."""
+    try:
+        pid = os.pread(fd, 64, 0).split()[0].decode()
+    except (OSError, IndexError, UnicodeDecodeError):
+        return ""
+    return f" (pid {pid})" if pid.isdigit() else ""
 
 
 # ---------------------------------------------------------------- inputs

@@ -14,7 +14,7 @@ import torch
 from sparrow.schemas.io import replace_dir
 
 from .config import TrainConfig
-from .run_dir import finished, saved_config, unwritten
+from .run_dir import finished, saved_config, unlocked_on_refusal, unwritten
 
 RngStates = tuple  # (torch, numpy, python)
 
@@ -63,7 +63,13 @@ def load_checkpoint(run_dir: Path, mmap: bool = False) -> dict:
 def check_resumable(run_dir: Path, steps: int) -> None:
     """Before any weights load: the checkpoint's state.pt reads, and --steps goes beyond the steps it holds,
     or equals them in a run stopped before it wrote its outputs and summary (the resume writes them;
-    one with nothing left to do would load the model for nothing)."""
+    one with nothing left to do would load the model for nothing). A refusal lets go of the run
+    directory's lock."""
+    with unlocked_on_refusal(run_dir):
+        _check_steps_left(run_dir, steps)
+
+
+def _check_steps_left(run_dir: Path, steps: int) -> None:
     done = load_checkpoint(run_dir, mmap=True)["step"]
     if steps > done:
         return

@@ -1,13 +1,20 @@
-"""A training run's directory: what may be written over, what a resume must agree on, and interrupts.
+"""A training run's directory: what may be written over, what a resume must agree on, who writes it, and
+interrupts.
 
 The rules (fingerprints of what a run reads, what --force removes, how interrupts are deferred):
-docs/training.md (design notes).
+docs/training.md (design notes). One process writes a run at a time: the writer (torchrun's rank 0, or
+the single process) holds the folder's lock (schemas.locations.hold_folder) from the check of the run
+directory to the end of the run, so a second `sparrow train -o RUN` is refused at once instead of mixing
+its steps into the first's files. The lock is taken after the checks that read the folder alone (a
+folder of someone else's files is refused without a lock file made in it) and before anything in it
+changes (a resume's recovery of a killed write included); a refusal lets go of it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import shutil
 import signal
@@ -19,8 +26,9 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
+from sparrow.schemas import ArtifactError, read_artifact
 from sparrow.schemas.io import recover_replaced, remove_leftovers
-from sparrow.schemas.locations import describe
+from sparrow.schemas.locations import describe, hold_folder, release_folder
 
 from ..core.schedule import Schedule
 from ..kv_policies import BlockTopK, KVPolicy
@@ -39,7 +47,8 @@ MODEL_DIR = "model"  # a --full run's export; a folder of that name without MODE
 RUN_NAMES = (*RUN_FILES, *REPLACED_DIRS, "mismatch", "metrics.jsonl", "tensorboard", "wandb")
 # written by replacing them whole: a killed write leaves hidden siblings (schemas.io.leftovers)
 REPLACED_NAMES = (*RUN_FILES, *REPLACED_DIRS, MODEL_DIR, "metrics.jsonl")
-STALE_MISMATCH = re.compile(r"\.step=\d+\.parquet\.[0-9a-f]{8,32}\.tmp")
+STALE_MISMATCH = re.compile(r"\.step=\d+\.parquet\.[0-9a-f]{8,32}(?:-\d+)?\.tmp")
+WRITER = "sparrow train"  # what holds a run directory's lock, as a refusal names it
 REWARD_FIELDS = ("reward", "reward_fn", "reward_fn_sha256")  # a run of an older Sparrow lacks them
 
 
@@ -150,7 +159,8 @@ def _check_kinds(run_dir: Path, force: bool, full: bool) -> None:
 
 def check_run_dir(run_dir: str | Path, cfg: TrainConfig, resume: bool, force: bool = False) -> None:
     """Refuse, in one sentence, a run directory this run must not write (see the module's docstring).
-    `cfg` carries the fingerprints of what the run reads."""
+    `cfg` carries the fingerprints of what the run reads. An existing directory is locked for this
+    process when it writes the run (`lock_run`); a refusal lets go of it."""
     run_dir = Path(run_dir)
     if resume and force:
         raise ValueError("pass --resume (continue the run) or --force (start it over), not both")
@@ -161,13 +171,22 @@ def check_run_dir(run_dir: str | Path, cfg: TrainConfig, resume: bool, force: bo
         if resume:
             raise ValueError(f"--resume: {run_dir} does not exist, so there is no run to resume")
         return
-    if resume:
-        recover_run(run_dir)
     _check_kinds(run_dir, force, full=not cfg.lora_rank)
     others = sorted(f.name for f in run_dir.iterdir() if not f.name.startswith("."))
     if others and not resume and not force and not any((run_dir / n).exists() for n in RUN_NAMES):
         raise ValueError(f"{run_dir} holds files that are not a training run's (such as {others[0]}); pass "
                          "--force to start a run among them (they are kept), or choose another --output-dir")
+    if writes_run():
+        lock_run(run_dir)
+    with unlocked_on_refusal(run_dir):
+        _check_held_run(run_dir, cfg, resume, force)
+
+
+def _check_held_run(run_dir: Path, cfg: TrainConfig, resume: bool, force: bool) -> None:
+    """The checks of a run directory that this process holds: a resume's recovery of a killed write, then
+    what the directory holds against --resume/--force."""
+    if resume:
+        recover_run(run_dir)
     has_run = (run_dir / "metrics.parquet").exists() or (run_dir / "checkpoint").exists()
     if not (has_run or resume or force):
         _check_foreign_schedule(run_dir / "schedule.parquet")
@@ -177,10 +196,56 @@ def check_run_dir(run_dir: str | Path, cfg: TrainConfig, resume: bool, force: bo
                 raise ValueError(f"--resume: {run_dir} holds {_holds(run_dir)}, so there is nothing to "
                                  "resume from; pass --force instead of --resume to start it over")
             raise ValueError(f"--resume: {run_dir} holds no run to resume")
+        _check_metrics_readable(run_dir / "metrics.parquet")
         check_same_run(run_dir, cfg)
     elif has_run and not force:
         raise ValueError(f"{run_dir} already holds a run ({_holds(run_dir)}); pass --resume to continue it, "
                          "--force to start it over, or choose another run directory (-o)")
+
+
+def _check_metrics_readable(path: Path) -> None:
+    """A resume rewrites RUN/metrics.parquet whole from the checkpoint's history, so it must read the file
+    as every reader does: one of another schema version (a newer Sparrow's columns) is refused, not
+    rewritten without what this Sparrow does not know."""
+    if not path.exists():
+        return
+    try:
+        read_artifact(path, "metrics")
+    except ArtifactError as e:
+        raise ValueError(f"--resume: {e} (a resume rewrites it whole, so it must read it first)") from None
+
+
+# ---------------------------------------------------------------- who writes the directory
+
+def writes_run() -> bool:
+    """Whether this process writes the run: torchrun's rank 0 (its RANK), or a process outside torchrun."""
+    return os.environ.get("RANK", "0").strip() in ("", "0")
+
+
+def lock_run(run_dir: Path) -> None:
+    """Hold the run directory (made when missing) for this process until `release_run`; ValueError in one
+    sentence when another process writes it."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"{run_dir} cannot be created ({e.strerror or e}); choose another run "
+                         "directory (-o)") from None
+    hold_folder(run_dir, WRITER, "another run directory (-o)")
+
+
+def release_run(run_dir: Path) -> None:
+    """Let go of the run directory's lock (nothing when this process holds none)."""
+    release_folder(run_dir)
+
+
+@contextmanager
+def unlocked_on_refusal(run_dir: Path) -> Iterator[None]:
+    """A refusal (ValueError) inside lets go of the run directory: the run will not write it."""
+    try:
+        yield
+    except ValueError:
+        release_run(run_dir)
+        raise
 
 
 def _check_foreign_schedule(path: Path) -> None:

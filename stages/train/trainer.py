@@ -49,8 +49,10 @@ from .run_dir import (
     checkpoint_step,
     clear_run,
     interrupts_deferred,
+    lock_run,
     planned_schedule,
     record_summary,
+    release_run,
     run_outputs,
     unwritten,
     with_fingerprints,
@@ -103,6 +105,16 @@ class Trainer:
         self.trackers: Trackers | None = None  # rank 0's, while the run runs
         self.initial_eval: InitialEval | None = None
         check_run_dir(self.run_dir, config, opts.resume, opts.force)
+        if world.main:  # held until the run ends (run_dir.py)
+            lock_run(self.run_dir)
+        try:
+            self._prepare(config, loaded, opts, world)
+        except BaseException:
+            release_run(self.run_dir)
+            raise
+
+    def _prepare(self, config: TrainConfig, loaded: LoadedModel, opts: RunOptions, world: World) -> None:
+        """The learner, its optimizer, the sparse actor and the rollouts; a resume's checkpoint restored."""
         self.start_over = opts.force
         self.applying = False  # inside a step's update and writes: an interrupt there leaves no checkpoint
         torch.manual_seed(config.seed)
@@ -151,6 +163,7 @@ class Trainer:
                 self.trackers.close()
                 self.trackers = None
             self.rollouts.close()
+            release_run(self.run_dir)
         self.world.barrier()
         return summary
 
