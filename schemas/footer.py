@@ -77,8 +77,16 @@ def read_schema(path: Path) -> pa.Schema:
                             f"was its writer interrupted?)")
     try:
         return pq.read_schema(path)
-    except (pa.ArrowException, OSError) as e:
+    except (pa.ArrowException, OSError, UnicodeDecodeError) as e:  # a name in the footer may not be UTF-8
         raise ArtifactError(f"{path} is a corrupt Parquet file ({first_line(e)})") from None
+
+
+def parquet_magic(path: Path) -> bool:
+    """A regular file that starts with the Parquet magic bytes: Parquet by content, whatever its name."""
+    if not path.is_file():
+        return False
+    with open(path, "rb") as f:
+        return f.read(len(MAGIC)) == MAGIC
 
 
 def json_text(path: Path) -> bool:

@@ -57,7 +57,7 @@ from .artifacts import (
     ArtifactSpec,
     first_line,
 )
-from .footer import artifact_parts, json_text, kind_version, read_schema
+from .footer import artifact_parts, json_text, kind_version, parquet_magic, read_schema
 from .locations import is_stdio, output_target
 
 TableLike = pa.Table | pa.RecordBatch | Mapping[str, Sequence] | Sequence[Mapping[str, object]]
@@ -194,7 +194,8 @@ def read_artifact(path: str | os.PathLike, kind: str | None = None) -> pa.Table:
         _spec(kind)
     if path.is_dir():
         return _read_parts(path, kind)
-    if kind == "prompts" and (path.suffix in (".jsonl", ".ndjson") or json_text(path)):
+    named_jsonl = path.suffix in (".jsonl", ".ndjson") and not parquet_magic(path)
+    if kind == "prompts" and (named_jsonl or json_text(path)):
         return _read_foreign(_read_jsonl(path), path, kind)
     schema = read_schema(path)
     found, version = kind_version(schema)

@@ -332,7 +332,7 @@ def distill(
     output: Path = typer.Option(..., "-o", "--output", help="The adapter directory to write. An existing "
                                 "directory is replaced only if it holds an adapter from sparrow distill "
                                 "(another adapter: --force; other files: never).",
-                                parser=output_path("an adapter directory")),
+                                parser=output_path("an adapter directory", folder=True)),
     force: bool = force_option(),
     threads: int = threads_option(),
     format: str = run_format_option(),

@@ -70,9 +70,24 @@ def given_path(flag: str, give: str = "a file (- = stdin)"):
     return parse
 
 
-def output_path(give: str = "a file path such as out.parquet (- = stdout)"):
-    """typer parser of an -o option: `given_path` for -o, asking for `give`."""
-    return given_path("-o", give)
+def output_path(give: str = "a file path such as out.parquet (- = stdout)", folder: bool = False):
+    """typer parser of an -o option: `given_path` for -o, asking for `give`; a file output written as a
+    directory (out/), which a Path would turn into a file of that name, is refused as it is typed."""
+    from sparrow.schemas import ArtifactError
+    from sparrow.schemas.locations import check_file_path
+
+    parse_given = given_path("-o", give)
+
+    def parse(value: str) -> Path:
+        path = parse_given(value)
+        if not folder:
+            try:
+                check_file_path(value)
+            except ArtifactError as e:
+                fail(f"-o {e}")
+        return path
+
+    return parse
 
 
 def check_tail(quantile: float, threshold: float | None = None) -> None:

@@ -22,7 +22,7 @@ def report(
     output: Path = typer.Option(None, "-o", "--output", help="Folder for the figures (default RUN/report). A "
                                 "folder that holds something else than a report is written into only with "
                                 "--force (then only files of the report's names are replaced).",
-                                parser=output_path("a folder")),
+                                parser=output_path("a folder", folder=True)),
     force: bool = force_option(),
 ) -> None:
     """Draw what the run directory holds: tail and mean alpha per bin and budget against the threshold,

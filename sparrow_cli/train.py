@@ -418,7 +418,12 @@ def _run(cfg, inputs, opts, fmt: str) -> None:
             warned.append(step)
             warn_first_token_stops(lengths, cfg.max_new_tokens, cfg.raw_prompts)
 
+    def on_warning(message: str) -> None:
+        if world.main:
+            warn(message)
+
     opts.on_step, opts.on_phase, opts.on_rollouts = on_step, on_phase, on_rollouts
+    opts.on_warning = on_warning
     try:  # a refused --resume says so before any bar is drawn
         trainer = start_training(cfg, inputs, opts)
     except ValueError as e:

@@ -320,3 +320,37 @@ def test_prompts_refuses_a_jsonl_output_before_any_work(tmp_path):
     args = ["prompts", "--task", "basic_arithmetic", "--n", "1", "-o", str(out)]
     line = error_line(runner.invoke(app, args))
     assert "would hold Parquet under a JSON lines name" in line and not out.exists()
+
+
+@pytest.mark.parametrize("command", [["prompts", "--task", "chain_sum", "--n", "1"],
+                                     ["sql", "SELECT 1 AS x", "--run", "."]])
+def test_a_file_output_typed_as_a_folder_is_refused_before_work(command, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    r = CliRunner().invoke(app, [*command, "-o", "out/"])
+    assert r.exit_code == 2
+    assert error_line(r) == "error: -o out/ names a directory; give a file path such as out/out.parquet"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_folder_output_may_end_in_a_slash(tmp_path):
+    """report -o names a folder: out/ is that folder, not a refused file name."""
+    r = CliRunner().invoke(app, ["report", str(tmp_path), "-o", f"{tmp_path}/page/"])
+    assert "names a directory" not in r.output
+
+
+def test_a_prompts_artifact_renamed_to_jsonl_is_read_as_the_parquet_it_is(tmp_path):
+    out = tmp_path / "p.parquet"
+    r = CliRunner().invoke(app, ["prompts", "--task", "chain_sum", "--n", "2", "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    renamed = (tmp_path / "p.parquet").rename(tmp_path / "p.jsonl")
+    expected = pq.read_table(renamed).column("prompt").to_pylist()
+    assert read_artifact(renamed, "prompts").column("prompt").to_pylist() == expected
+
+
+def test_a_footer_whose_column_name_is_not_utf8_is_one_sentence(tmp_path):
+    path = tmp_path / "m.parquet"
+    pq.write_table(pa.table({"qzqzqz": [1, 2]}), path)
+    raw = path.read_bytes()
+    path.write_bytes(raw.replace(b"qzqzqz", b"\xff\xfe\xfd\xfc\xfb\xfa"))
+    with pytest.raises(ArtifactError, match="is a corrupt Parquet file"):
+        read_artifact(path, "mismatch")

@@ -299,3 +299,21 @@ def test_parquet_under_a_json_lines_name_is_read_as_parquet(tmp_path):
     r = _reward("--prompts", data, "--completions", comps, "--reward", "math", "-o", out)
     assert r.exit_code == 0, r.output
     assert [x["reward"] for x in read_artifact(out, "rewards").to_pylist()] == [1.0]
+
+
+def test_train_says_once_that_it_does_not_record_logged_metrics(tmp_path):
+    from tiny_models import tiny_chat_llama
+
+    model = tiny_chat_llama(tmp_path / "model")
+    fn = tmp_path / "logging_reward.py"
+    fn.write_text("def reward(prompts, completions, log_metric, **kwargs):\n"
+                  "    log_metric('my/len', float(len(completions)))\n"
+                  "    return [0.5] * len(completions)\n")
+    data = _jsonl(tmp_path / "t.jsonl", [{"prompt": f"What is {i} + 1?", "solution": str(i + 1)}
+                                         for i in range(2)])
+    r = runner.invoke(app, ["train", "--model", model, "--prompts", str(data), "--reward-fn", f"{fn}:reward",
+                            "--steps", "2", "--prompts-per-step", "1", "--samples", "2",
+                            "--max-new-tokens", "2", "-o", str(tmp_path / "run")])
+    assert r.exit_code == 0, r.output
+    said = [line for line in r.stderr.splitlines() if "log_metric" in line]
+    assert len(said) == 1 and "logged my/len with log_metric, which train does not record" in said[0], said

@@ -33,6 +33,7 @@ from sparrow.schemas.locations import describe, hold_folder, release_folder
 from ..core.schedule import Schedule
 from ..kv_policies import BlockTopK, KVPolicy
 from ..model.export import MARKER as MODEL_MARKER
+from ..tasks.rewards import reward_fn_sha256
 from .config import TrainConfig
 from .data import PromptRow
 
@@ -80,24 +81,13 @@ def sparsity_fingerprint(policy: KVPolicy) -> str:
     return sha256_json([schedule.page_size, list(schedule.bin_starts), list(schedule.budgets)])
 
 
-def reward_fn_fingerprint(spec: str | None) -> str:
-    """The sha256 of the file that a --reward-fn path.py:function names; "" for none, or for a file that
-    cannot be read (loading the reward names it). Modules the file imports are not part of it."""
-    if not spec:
-        return ""
-    try:
-        return hashlib.sha256(Path(spec.rpartition(":")[0]).expanduser().read_bytes()).hexdigest()
-    except OSError:
-        return ""
-
-
 def with_fingerprints(cfg: TrainConfig, prompts: Sequence[PromptRow] | None,
                       eval_prompts: Sequence[PromptRow] | None, policy: KVPolicy) -> TrainConfig:
     """`cfg` with the content hashes of what the run reads."""
     return replace(cfg, prompts_sha256=prompts_fingerprint(prompts),
                    eval_prompts_sha256=prompts_fingerprint(eval_prompts),
                    schedule_sha256=sparsity_fingerprint(policy),
-                   reward_fn_sha256=reward_fn_fingerprint(cfg.reward_fn))
+                   reward_fn_sha256=reward_fn_sha256(cfg.reward_fn))
 
 
 # ---------------------------------------------------------------- what the directory holds

@@ -24,6 +24,7 @@ from ..model.adapter import add_lora, load_lora_state, lora_state, save_adapter
 from ..model.export import export_model
 from ..model.loading import LoadedModel
 from ..tasks import score_batch
+from ..tasks.rewards import logged_metrics
 from . import objective as grpo
 from .checkpoint import drop_mismatch_after, load_checkpoint, rng_states, save_checkpoint, set_rng_states
 from .config import TrainConfig, kv_policy
@@ -80,6 +81,7 @@ class RunOptions:
     on_phase: Callable[[str], None] | None = None  # "loading" | "initial eval" | "rollout" | "scoring" |
     # "update"
     on_rollouts: Callable[[int, list[int]], None] | None = None  # each step's completion lengths
+    on_warning: Callable[[str], None] | None = None  # once per cause: what the run drops or cannot use
 
 
 class Trainer:
@@ -98,6 +100,8 @@ class Trainer:
         self.run_dir, self.opts = Path(run_dir), opts
         self.on_step = opts.on_step or (lambda row: None)
         self.on_phase = opts.on_phase or (lambda phase: None)
+        self.on_warning = opts.on_warning or (lambda message: None)
+        self.dropped_logs: set[str] = set()  # the names a reward function logged that the run does not keep
         self.on_rollouts = opts.on_rollouts or (lambda step, lengths: None)
         self.loss_cfg = grpo.LossConfig(correction=config.correction, kl_coef=config.kl_coef, **config.loss)
         self.history: list[dict] = []
@@ -277,7 +281,16 @@ class Trainer:
         tok = self.loaded.tokenizer
         rewards = score_batch([(r.task, tok.decode(c.token_ids, skip_special_tokens=True), r.answer,
                                 r.metadata) for r, group in zip(prompts, groups) for c in group])
+        self._drop_logged()
         return np.array(rewards).reshape(len(prompts), -1)
+
+    def _drop_logged(self) -> None:
+        """A reward function's log_metric values have no column in metrics.parquet: said once per name."""
+        new = sorted(set(logged_metrics()) - self.dropped_logs)
+        if new:
+            self.dropped_logs.update(new)
+            self.on_warning(f"the reward function logged {', '.join(new)} with log_metric, which train does "
+                            "not record (sparrow rollout and sparrow reward keep it in reward_extra)")
 
     def _apply(self, exp: Experience) -> dict:
         """The update, the sparse actor's step, the metrics row, the eval and the step's logs."""
