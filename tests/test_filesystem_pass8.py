@@ -354,3 +354,17 @@ def test_a_footer_whose_column_name_is_not_utf8_is_one_sentence(tmp_path):
     path.write_bytes(raw.replace(b"qzqzqz", b"\xff\xfe\xfd\xfc\xfb\xfa"))
     with pytest.raises(ArtifactError, match="is a corrupt Parquet file"):
         read_artifact(path, "mismatch")
+
+
+def test_a_replaced_adapter_keeps_its_access_and_leaves_no_temporary_folder(tmp_path):
+    from sparrow.stages.model.adapter import add_lora, save_adapter
+
+    model = load_model("tiny-llama").model
+    config = add_lora(model, 2, 4.0)
+    folder = save_adapter(model, config, tmp_path / "adapter", "tiny-llama")
+    os.chmod(folder, 0o700)
+    os.chmod(folder / "adapter_model.safetensors", 0o600)
+    save_adapter(model, config, folder, "tiny-llama")
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+    assert stat.S_IMODE((folder / "adapter_model.safetensors").stat().st_mode) == 0o600
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter"]

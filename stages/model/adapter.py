@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import uuid
 from pathlib import Path
 
 import torch
@@ -65,25 +63,22 @@ def load_lora_state(model: nn.Module, state: dict[str, Tensor], adapter: str = "
 
 def save_adapter(model: nn.Module, config, folder: str | os.PathLike, base_model: str,
                  adapter: str = "default") -> Path:
-    """Write the adapter directory atomically (a temporary sibling, then a rename)."""
+    """Write the adapter directory atomically (`replace_dir`: a hidden sibling, then a rename; the old
+    directory's access kept, a killed writer's leftovers removed by the next write)."""
     from safetensors.torch import save_file
 
     from sparrow.schemas import output_target
+    from sparrow.schemas.io import replace_dir
 
     folder = Path(folder)
     target = output_target(folder, directory=True)  # a symlink is written through, not replaced
-    tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex[:8]}.tmp")
-    tmp.mkdir(parents=True)
-    try:
+
+    def fill(tmp: Path) -> None:
         cfg = config.to_dict()
         cfg["base_model_name_or_path"] = base_model
         cfg["target_modules"] = sorted(cfg["target_modules"])
         (tmp / "adapter_config.json").write_text(json.dumps(cfg, indent=2, default=str))
         save_file(lora_state(model, adapter), str(tmp / "adapter_model.safetensors"))
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+
+    replace_dir(target, fill)
     return folder
