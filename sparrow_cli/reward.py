@@ -80,7 +80,7 @@ def reward(
     scored = score_completions(rows, done, workers)
     seconds = time.perf_counter() - start
     meta = {"prompts": input_name(prompts), "completions": input_name(completions), "n": len(scored),
-            "mean_reward": sum(r["reward"] for r in scored) / len(scored), "seconds": seconds,
+            "reward_mean": sum(r["reward"] for r in scored) / len(scored), "seconds": seconds,
             **reward_provenance(reward_name, reward_fn)}
     path = write_artifact(scored, output, "rewards", meta)
 
@@ -90,6 +90,6 @@ def reward(
         mine = [r["reward"] for r in scored if r["task"] == task]
         accuracy = sum(x >= 1.0 - 1e-9 for x in mine) / len(mine)
         table.append([task, len(mine), sum(mine) / len(mine), accuracy])
-    emit(("task", "completions", "mean_reward", "accuracy"), table, fmt, title="rewards", left=("task",))
+    emit(("task", "completions", "reward_mean", "accuracy"), table, fmt, title="rewards", left=("task",))
     console.print(f"[green]wrote[/] {len(scored)} rewards to [bold]{path}[/] ({seconds:.1f} s)",
                   highlight=False)

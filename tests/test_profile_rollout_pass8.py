@@ -292,3 +292,17 @@ def test_the_rewards_artifact_records_its_reward_function(tmp_path):
     meta = artifact_metadata(out)
     assert (meta["reward"], meta["reward_fn"]) == (None, f"{fns}:compute_score")
     assert meta["reward_fn_sha256"] == hashlib.sha256(fns.read_bytes()).hexdigest()
+
+
+def test_reward_names_the_mean_reward_as_rollout_and_train_do(tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt_id": "a", "prompt": "What is 2 + 2?", "answer": "4"}) + "\n")
+    completions = tmp_path / "c.jsonl"
+    completions.write_text("".join(json.dumps({"prompt_id": "a", "sample": i, "text": t}) + "\n"
+                                   for i, t in enumerate(["\\boxed{4}", "\\boxed{5}"])))
+    out = tmp_path / "rw.parquet"
+    r = runner.invoke(app, ["reward", "--prompts", str(prompts), "--completions", str(completions),
+                            "--reward", "math", "-o", str(out), "-f", "json"])
+    assert r.exit_code == 0, r.output
+    assert artifact_metadata(out)["reward_mean"] == 0.5
+    assert json.loads(r.stdout)[0]["reward_mean"] == 0.5
