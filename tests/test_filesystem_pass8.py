@@ -15,7 +15,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from test_train import VOWELS, tiny_llama  # noqa: F401 - tiny_llama is a fixture
+from test_train import VOWELS, tiny_llama, vowel_token_prompts  # noqa: F401 - tiny_llama is a fixture
 from typer.testing import CliRunner
 
 from sparrow.cli.app import app
@@ -37,10 +37,7 @@ def setup(tiny_llama, tmp_path_factory):  # noqa: F811 - the imported fixture
     patch.setitem(TASKS, "vowels", VOWELS)
     root = tmp_path_factory.mktemp("fs8")
     tok = load_model(tiny_llama[0]).tokenizer
-    rows = [{"prompt_id": f"vowels-{i}", "task": "vowels", "prompt": None,
-             "prompt_token_ids": tok(f"Write the number {i * 37}. " * 4).input_ids, "answer": str(i * 37),
-             "metadata": None} for i in range(4)]
-    prompts = write_artifact(rows, root / "prompts.parquet", "prompts")
+    prompts = write_artifact(vowel_token_prompts(tok, 4, 4), root / "prompts.parquet", "prompts")
 
     def args(run, steps: int, *extra: str) -> list[str]:
         return ["train", "--model", tiny_llama[0], "--prompts", str(prompts), "--steps", str(steps),

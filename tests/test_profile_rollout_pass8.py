@@ -16,23 +16,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from test_kv_cli import _prompts
 from typer.testing import CliRunner
 
 from sparrow.cli.app import app
-from sparrow.schemas import artifact_metadata, read_artifact, write_artifact
+from sparrow.schemas import artifact_metadata, read_artifact
 
 from cli_checks import error_line
 from tiny_models import tiny_chat_llama
 
 runner = CliRunner()
-
-
-def _prompts(path: Path, n: int = 2, length: int = 30) -> Path:
-    rng = np.random.default_rng(0)
-    rows = [{"prompt_id": f"p{i}", "task": "basic_arithmetic", "prompt": None,
-             "prompt_token_ids": rng.integers(3, 500, length).tolist(), "answer": "5", "metadata": None}
-            for i in range(n)]
-    return write_artifact(rows, path, "prompts")
 
 
 # ----------------------------------------------------------------- profile --rollouts of compressed rollouts

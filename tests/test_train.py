@@ -194,6 +194,13 @@ def tiny_llama(tmp_path_factory):
     return str(path), hf
 
 
+def vowel_token_prompts(tokenizer, n: int, repeat: int) -> list[dict]:
+    """Prompts rows of the vowels task as token ids only: "Write the number N. " `repeat` times."""
+    return [{"prompt_id": f"vowels-{i}", "task": "vowels", "prompt": None,
+             "prompt_token_ids": tokenizer(f"Write the number {i * 37}. " * repeat).input_ids,
+             "answer": str(i * 37), "metadata": None} for i in range(n)]
+
+
 @pytest.fixture()
 def vowel_prompts(tmp_path, monkeypatch, tiny_llama):
     monkeypatch.setitem(TASKS, "vowels", VOWELS)

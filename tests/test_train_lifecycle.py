@@ -20,7 +20,7 @@ import pytest
 import torch
 import transformers
 from safetensors.torch import load_file
-from test_train import TIMING, VOWELS, tiny_llama  # noqa: F401 - tiny_llama is a fixture
+from test_train import TIMING, VOWELS, tiny_llama, vowel_token_prompts  # noqa: F401 - tiny_llama is a fixture
 from typer.testing import CliRunner
 
 from sparrow.cli.app import app
@@ -70,10 +70,7 @@ def setup(tiny_llama, tmp_path_factory):  # noqa: F811 - the imported fixture
     patch.setitem(TASKS, "vowels", VOWELS)
     root = tmp_path_factory.mktemp("lifecycle")
     tok = load_model(tiny_llama[0]).tokenizer
-    rows = [{"prompt_id": f"vowels-{i}", "task": "vowels", "prompt": None,
-             "prompt_token_ids": tok(f"Write the number {i * 37}. " * 6).input_ids, "answer": str(i * 37),
-             "metadata": None} for i in range(4)]
-    prompts = write_artifact(rows, root / "prompts.parquet", "prompts")
+    prompts = write_artifact(vowel_token_prompts(tok, 4, 6), root / "prompts.parquet", "prompts")
 
     def args(run, *extra: str) -> list[str]:
         return ["train", "--model", tiny_llama[0], "--prompts", str(prompts), "--steps", "2",
