@@ -30,6 +30,7 @@ from .output import ARTIFACT_FORMAT_HELP, FORMAT_METAVAR, emit, json_rows, resol
 
 EXPORTS = ("json", "sglang-vortex")
 EXPORT_TO_GIVE = "a file such as schedule.json (- = stdout)"  # what an empty --export-to is asked for
+PARQUET_SUFFIXES = (".parquet", ".pq")  # a name that says Parquet, which the JSON export is not
 FORMAT_TABLES_HELP = (f"{ARTIFACT_FORMAT_HELP} json is one object: the predicted speedup (speedup, "
                       "speedup_scope, decode_speedup, prefill_seconds, gen_len, prompt_len, batch, cost), "
                       "the threshold, quantile and the schedule's bins (schedule); --sweep adds frontier, "
@@ -261,14 +262,20 @@ def print_eviction_plan(result, fmt: str) -> None:
                         ("threshold", result.threshold), ("quantile", result.quantile),
                         ("bin_width", result.bin_width)):
         tables.put(name, value)
-    rows = [[r["budget"], r["tail"], r["weakest_bin"], r["mean_alpha"], r["tokens"], r["holds"]]
-            for r in result.rows]
-    tables.show("budgets", ("kv_budget", "tail", "weakest_bin", "mean_alpha", "tokens", "holds"), rows,
+    columns = ("kv_budget", "tail", "weakest_bin", "mean_alpha", "tokens", "holds", "evicted")
+    rows = [[r["budget"], *(r[c] for c in columns[1:])] for r in result.rows]
+    tables.show("budgets", columns, rows,
                 f"{result.policy} KV budgets (tail = {result.quantile:g} quantile of alpha, the weakest of "
                 f"the {result.bin_width}-token bins; threshold {result.threshold:g})",
                 reading={"tail": _fixed(4), "mean_alpha": _fixed(4)})
     tables.close()
     threshold = result.resolved
+    idle = [str(r["budget"]) for r in result.rows if not r["evicted"]]
+    if idle:
+        console.print(f"KV budget{'s' if len(idle) > 1 else ''} {', '.join(idle)} never compressed a "
+                      "profiled sequence (no prompt plus its tokens outgrew it), so their alpha of 1 is the "
+                      "dense cache's: not planned; profile longer trajectories to judge them",
+                      highlight=False)
     if result.budget is None:
         console.print(f"no profiled {result.policy} budget keeps the tail at or above the threshold: "
                       "sample dense, or profile larger --budgets", highlight=False)
@@ -303,6 +310,9 @@ def check_export_to(path: Path | None, export: str | None, force: bool) -> None:
     if path.is_dir():
         raise UsageError(f"--export-to {path} is a directory; give a file path such as "
                          f"{path / 'schedule.json'}")
+    if path.suffix.lower() in PARQUET_SUFFIXES:
+        raise UsageError(f"--export-to {path} would hold the {export} form, which is JSON text, under a "
+                         f"Parquet name; give a path ending in .json (-o writes the Parquet schedule)")
     try:
         target = output_target(path)
         check_writable(target.parent, path)

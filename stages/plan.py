@@ -358,11 +358,13 @@ class EvictionPlan:
     """The cheapest profiled KV budget of an eviction policy whose tail holds. An evicted token is gone
     for every later position, so the budget is one number for the whole sequence, not one per bin: a
     budget holds when the tail statistic (the quantile of alpha) of every trusted position bin is at or
-    above the threshold. Only profiled budgets are candidates (no interpolation between them)."""
+    above the threshold. Only profiled budgets that evicted something are candidates (no interpolation
+    between them)."""
 
     policy: str  # snapkv | rkv
     specs: dict[int, str]  # budget -> the policy's full spec (window, buffer, sink) as profiled
-    rows: list[dict]  # per budget: tail (min over trusted bins), weakest bin, mean alpha, tokens, holds
+    rows: list[dict]  # per budget: tail (min over trusted bins), weakest bin, mean alpha, tokens, holds,
+    # evicted (whether it compressed any profiled sequence)
     budget: int | None  # the cheapest budget that holds; None: none does (stay dense)
     threshold: float
     quantile: float
@@ -415,18 +417,34 @@ def plan_eviction(profile: Path, threshold: float, quantile: float, bin_width: i
         """SELECT budget, position // ? AS bin, count(*) AS tokens, quantile_cont(alpha::DOUBLE, ?) AS tail,
                   avg(alpha::DOUBLE) AS mean
            FROM mismatch GROUP BY ALL ORDER BY budget, bin""", [width, quantile]).fetchall()
+    sequences = con.execute(
+        "SELECT budget, min(position), count(*) FROM mismatch GROUP BY budget, prompt_id, sample").fetchall()
     rows: list[dict] = []
     for budget in sorted({r[0] for r in per_bin}):
         bins = [r for r in per_bin if r[0] == budget]
         trusted = [r for r in bins if r[2] >= min_tokens] or bins  # all bins thin: judge them all
         weakest = min(trusted, key=lambda r: r[3])
         tokens = sum(r[2] for r in bins)
+        lengths = [(int(r[1]), int(r[2])) for r in sequences if r[0] == budget]
         rows.append({"budget": int(budget), "tail": float(weakest[3]), "weakest_bin": int(weakest[1]),
                      "mean_alpha": sum(r[4] * r[2] for r in bins) / tokens, "tokens": int(tokens),
-                     "holds": bool(weakest[3] >= threshold)})
-    chosen = next((r["budget"] for r in rows if r["holds"]), None)
+                     "holds": bool(weakest[3] >= threshold), "evicted": evicted(specs.get(budget), lengths)})
+    chosen = next((r["budget"] for r in rows if r["holds"] and r["evicted"]), None)
     return EvictionPlan(policy, {int(b): str(sp) for b, sp in specs.items()}, rows, chosen, threshold,
                         quantile, width, str(profile))
+
+
+def evicted(spec: str | None, lengths: list[tuple[int, int]]) -> bool:
+    """Whether the eviction `spec` compressed the cache of any profiled sequence, each given as (its first
+    generated position = prompt length, its scored tokens), before that sequence's last scored token. A
+    budget that never did scored the dense cache: its alpha of 1 says nothing about eviction, so it is
+    no candidate. A profile that does not record its specs is taken as evicting."""
+    from .kv_policies import parse_eviction
+
+    if spec is None:
+        return True
+    policy = parse_eviction(spec)
+    return any(policy.first_compression(prompt) < scored - 1 for prompt, scored in lengths)
 
 
 def compare_published(hardware: str = "h200", threshold: float = PUBLISHED_SPEEDUP_THRESHOLD,

@@ -135,6 +135,29 @@ def test_plan_schedule_plans_the_cheapest_eviction_budget_whose_tail_holds(tmp_p
     assert r.exit_code == 0 and "no profiled snapkv budget keeps the tail" in r.output
 
 
+def test_a_kv_budget_that_never_evicted_is_not_planned(tmp_path):
+    """One 20-token trajectory after a 40-token prompt: snapkv:16 (window 8, buffer 32) first compresses
+    after 8 fed tokens, snapkv:256 never (its cache would need 288 tokens), so its alpha of 1 is the dense
+    cache's and it must not be the plan even though its tail is the best."""
+    path = tmp_path / "m.parquet"
+    rows = [{"prompt_id": "p", "sample": 0, "position": pos, "bin": pos // 100, "budget": budget,
+             "token_id": 1, "alpha": 0.2 if budget == 16 else 1.0, "logp_dense": -1.0, "logp_sparse": -1.0,
+             "log_ratio": 0.0, "k1": 0.0, "k2": 0.0, "k3": 0.0, "entropy_dense": 1.0}
+            for budget in (16, 256) for pos in range(40, 60)]
+    specs = [f"snapkv:{b},window=8,buffer=32,sink=4" for b in (16, 256)]
+    write_artifact(rows, path, "mismatch", metadata={
+        "bin_width": 100, "model": "tiny-llama", "kv_compression": "snapkv", "budgets": json.dumps([16, 256]),
+        "kv_policies": json.dumps(specs)})
+    r = runner.invoke(app, ["plan-schedule", "--model", "tiny-llama", "--profile", str(path), "--threshold",
+                            "0.5", "--min-tokens", "1", "--format", "json"])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    table = {row["kv_budget"]: row for row in doc["budgets"]}
+    assert doc["kv_budget"] is None and table[256]["holds"] and not table[256]["evicted"]
+    assert table[16]["evicted"] and not table[16]["holds"]
+    assert "KV budget 256 never compressed a profiled sequence" in r.stderr
+
+
 @pytest.mark.parametrize("args, message", [
     (["-o", "plan.parquet"], "-o does not apply to an eviction plan"),
     (["--gen-len", "4096"], "--gen-len does not apply to an eviction plan"),

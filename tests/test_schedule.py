@@ -437,6 +437,16 @@ def test_export_to_the_file_of_o_is_refused_and_writes_nothing(tmp_path):
     assert not same.exists()
 
 
+@pytest.mark.parametrize("form", ["json", "sglang-vortex"])
+def test_export_to_a_parquet_name_is_refused_and_writes_nothing(tmp_path, form):
+    """Both export forms are JSON text; a .parquet name would make every reader take the file for a
+    Parquet artifact."""
+    target = tmp_path / "sched.Parquet"
+    line = one_error_line(invoke("--model", "qwen3-4b", "--export", form, "--export-to", target))
+    assert line.startswith(f"error: --export-to {target} would hold the {form} form, which is JSON text, ")
+    assert not target.exists()
+
+
 def test_export_names_a_json_file_and_takes_any_case(tmp_path):
     """The export is JSON: a folder or '' as --export-to is answered with a .json name, and --export
     takes any case, as --format does."""
