@@ -235,7 +235,7 @@ def check_output_dir(path: str | os.PathLike, what: str, ours: Callable[[Path], 
 # ---------------------------------------------------------------- a folder's writer
 
 LOCK_NAME = ".sparrow.lock"
-_HELD: dict[str, tuple[int, int]] = {}  # realpath of a folder held -> (its lock file's descriptor, pid)
+_HELD: dict[str, tuple[int, int, Path]] = {}  # realpath of what is held -> (its lock's descriptor, pid, path)
 
 
 class FolderBusy(ArtifactError):
@@ -249,9 +249,25 @@ def hold_folder(folder: str | os.PathLike, writer: str, instead: str) -> None:
     (-o)"). A filesystem without locks (or a lock file that cannot be opened) leaves the folder
     unlocked: the lock is advisory, and refusing every run there would be worse."""
     key = os.path.realpath(folder)
+    _hold(key, Path(key) / LOCK_NAME, writer, f"{folder} is being written by another {writer}{{holder}}, and "
+          f"a second one would mix its files with that one's; wait for it to end, or choose {instead}")
+
+
+def hold_output(path: str | os.PathLike, writer: str, instead: str) -> None:
+    """`hold_folder` for an output that is replaced whole when its writer ends (an adapter directory), so
+    may not exist yet: the lock is the hidden file `.NAME.sparrow.lock` beside it, and a second writer of
+    the same output is refused at once instead of replacing the first one's result when it ends."""
+    key = os.path.realpath(path)
+    folder, name = os.path.split(key)
+    _hold(key, Path(folder) / f".{name}{LOCK_NAME}", writer,
+          f"{path} is being written by another {writer}{{holder}}, and a second one would replace that "
+          f"one's result when it ends; wait for it to end, or choose {instead}")
+
+
+def _hold(key: str, lock: Path, writer: str, busy: str) -> None:
+    """Lock `lock` for `key`, or FolderBusy(`busy` with the holder's pid at {holder})."""
     if key in _HELD:
         return
-    lock = Path(key) / LOCK_NAME
     for _ in range(100):
         fd = _open_lock(lock)
         if fd is None:
@@ -261,9 +277,7 @@ def hold_folder(folder: str | os.PathLike, writer: str, instead: str) -> None:
         except BlockingIOError:
             holder = _holder(fd)
             os.close(fd)
-            raise FolderBusy(f"{folder} is being written by another {writer}{holder}, and a second one "
-                             f"would mix its files with that one's; wait for it to end, or choose "
-                             f"{instead}") from None
+            raise FolderBusy(busy.replace("{holder}", holder, 1)) from None
         except OSError:
             os.close(fd)
             return
@@ -277,18 +291,18 @@ def hold_folder(folder: str | os.PathLike, writer: str, instead: str) -> None:
         os.pwrite(fd, f"{os.getpid()} {writer}\n".encode(), 0)
     except OSError:  # opened read-only (another user's lock file): held all the same
         pass
-    _HELD[key] = (fd, os.getpid())
+    _HELD[key] = (fd, os.getpid(), lock)
 
 
 def release_folder(folder: str | os.PathLike) -> None:
-    """Let go of the lock `hold_folder` took on `folder` (nothing when this process holds none); its lock
-    file is removed first, so a finished writer leaves nothing behind."""
+    """Let go of the lock `hold_folder` or `hold_output` took on `folder` (nothing when this process holds
+    none); its lock file is removed first, so a finished writer leaves nothing behind."""
     key = os.path.realpath(folder)
-    fd, pid = _HELD.pop(key, (None, None))
+    fd, pid, lock = _HELD.pop(key, (None, None, None))
     if fd is None or pid != os.getpid():  # a forked child's copy is its parent's lock
         return
     try:
-        os.unlink(Path(key) / LOCK_NAME)
+        os.unlink(lock)
     except OSError:
         pass
     os.close(fd)

@@ -377,6 +377,7 @@ def distill(
         raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     check_output_dir(output, "an adapter written by sparrow distill", force=force, ours=distilled_adapter,
                      replaceable=lambda d: (d / "adapter_config.json").exists())
+    hold_adapter_dir(output)
     resolved = default_threshold(threshold, model, quantile)
     sparsity = block_topk_sparsity(schedule, budget, False, model)
     if sparsity is None:
@@ -461,3 +462,15 @@ def distill(
          title=f"alpha per bin and budget, plain vs distilled sparse actor (tail = {quantile:g} quantile, "
                f"above = tail >= threshold {resolved.short}, worse = tail or mean below before; eval: "
                f"{eval_prompts or 'training trajectories'})")
+
+
+def hold_adapter_dir(output: Path) -> None:
+    """One distill per adapter directory: a second one writing the same -o is refused at once, not left
+    to replace the first one's adapter when it ends (the lock goes with the process)."""
+    from sparrow.schemas import ArtifactError
+    from sparrow.schemas.locations import hold_output
+
+    try:
+        hold_output(output, "sparrow distill", "another adapter directory (-o)")
+    except ArtifactError as e:
+        raise UsageError(str(e)) from None

@@ -429,6 +429,42 @@ def test_cli_accepts_up_to_the_weights(cli_files, tmp_path, no_model_load, args)
     assert isinstance(r.exception, AssertionError) and "the weights were loaded" in str(r.exception), r.output
 
 
+HOLD_ADAPTER = """
+import sys, time
+from sparrow.schemas.locations import hold_output
+hold_output(sys.argv[1], "sparrow distill", "another adapter directory (-o)")
+print("held", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_second_distill_into_an_adapter_being_written_is_refused(cli_files, tmp_path, no_model_load):
+    """While another process writes -o (holding the lock beside it, as a running distill does), a second
+    distill to the same directory is refused before its weights load; once that writer is gone, the same
+    command goes on to the weights, and no lock file is left beside the adapter."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    args = ["distill", "--model", cli_files["MODEL"], "--budget", "48", "--rollouts", cli_files["DENSE"],
+            "-o", str(out)]
+    proc = subprocess.Popen([sys.executable, "-c", HOLD_ADAPTER, str(out)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "held"
+        line = error_line(runner.invoke(app, args))
+        assert f"{out} is being written by another sparrow distill (pid {proc.pid})" in line, line
+        assert "choose another adapter directory (-o)" in line and not out.exists()
+    finally:
+        proc.kill()
+        proc.wait()
+    r = runner.invoke(app, args)
+    assert isinstance(r.exception, AssertionError) and "the weights were loaded" in str(r.exception), r.output
+    from sparrow.schemas.locations import release_folder
+
+    release_folder(out)  # what the command's exit does
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
 def test_cli_rollouts_alone_sample_nothing_and_a_step_holds_them_all(cli_files, tmp_path):
     """--rollouts without --eval-prompts samples nothing and says nothing of sampling; the default
     trajectories per step is lowered to the trajectories there are, as the record says."""
