@@ -389,7 +389,8 @@ SCHEMAS: dict[str, ArtifactSpec] = {s.kind: s for s in (
           Col("alpha_mean", F64, nullable=True, range=UNIT), Col("alpha_p5", F64, nullable=True, range=UNIT),
           Col("alpha_p5_by_bin", LIST_F32, nullable=True),
           Col("sampler_gap", F64, nullable=True),
-          Col("draft_acceptance", F64, nullable=True, range=UNIT)),
+          Col("draft_acceptance", F64, nullable=True, range=UNIT),
+          Col("reward_extra", STR, nullable=True)),
     _spec("rewards", "one row per scored completion (sparrow reward): reward (in [0, 1] for our tasks, as "
           "returned by a user's function), status, a code task's tests, a user's function's extra fields",
           Col("prompt_id", STR), Col("sample", I32, range=NONNEG), Col("task", STR),

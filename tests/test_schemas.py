@@ -73,7 +73,7 @@ VALID: dict[str, dict[str, list]] = {
         "oversample_acceptance_dropped": [None, 0.8],
         "frac_reward_zero_std": [None, 0.5], "alpha_mean": [None, 0.9], "alpha_p5": [None, 0.6],
         "alpha_p5_by_bin": [None, [0.6, 0.7]], "sampler_gap": [0.1, None],
-        "draft_acceptance": [None, 0.8],
+        "draft_acceptance": [None, 0.8], "reward_extra": [None, '{"acc": 0.5}'],
     },
     "train_mismatch": {
         "step": [0, 0], "prompt_id": ["p0", "p0"], "sample": [0, 1], "position": [100, 101], "bin": [0, 0],

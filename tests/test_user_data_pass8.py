@@ -301,19 +301,41 @@ def test_parquet_under_a_json_lines_name_is_read_as_parquet(tmp_path):
     assert [x["reward"] for x in read_artifact(out, "rewards").to_pylist()] == [1.0]
 
 
-def test_train_says_once_that_it_does_not_record_logged_metrics(tmp_path):
+TRL_LOGGING = ("def reward(prompts, completions, log_metric, log_extra, **kwargs):\n"
+               "    log_metric('my/pos', 1.0)\n"
+               "    log_metric('my/pos', 3.0)\n"
+               "    log_extra('flag', [1, 0][:len(completions)])\n"
+               "    return [0.5] * len(completions)\n")
+VERL_EXTRAS = ("def reward(data_source, solution_str, ground_truth, extra_info=None):\n"
+               "    return {'score': 0.5, 'acc': 1.0 if ground_truth == '2' else 0.0, 'pred': 'text'}\n")
+
+
+@pytest.mark.parametrize("source, expected", [
+    (TRL_LOGGING, {"flag": 0.5, "my/pos": 2.0}),  # log_metric: the mean of 1 and 3; log_extra: of 1 and 0
+    (VERL_EXTRAS, {"acc": 0.5}),  # prompt 0 (answer 2) and prompt 1 (answer 3), one per step
+], ids=["trl", "verl"])
+def test_train_records_what_a_reward_reports_beside_its_scores(tmp_path, source, expected):
+    """Each step's row keeps the means of a user reward's numeric extras: TRL's log_metric (the mean of the
+    values logged) and log_extra, verl's returned fields (text left out); over the run's two steps, one
+    prompt each, verl's acc is 1 on one and 0 on the other."""
     from tiny_models import tiny_chat_llama
 
     model = tiny_chat_llama(tmp_path / "model")
     fn = tmp_path / "logging_reward.py"
-    fn.write_text("def reward(prompts, completions, log_metric, **kwargs):\n"
-                  "    log_metric('my/len', float(len(completions)))\n"
-                  "    return [0.5] * len(completions)\n")
-    data = _jsonl(tmp_path / "t.jsonl", [{"prompt": f"What is {i} + 1?", "solution": str(i + 1)}
+    fn.write_text(source)
+    data = _jsonl(tmp_path / "t.jsonl", [{"prompt": f"What is {i} + 1?", "solution": str(i + 2)}
                                          for i in range(2)])
+    run = tmp_path / "run"
     r = runner.invoke(app, ["train", "--model", model, "--prompts", str(data), "--reward-fn", f"{fn}:reward",
                             "--steps", "2", "--prompts-per-step", "1", "--samples", "2",
-                            "--max-new-tokens", "2", "-o", str(tmp_path / "run")])
+                            "--max-new-tokens", "2", "-o", str(run)])
     assert r.exit_code == 0, r.output
-    said = [line for line in r.stderr.splitlines() if "log_metric" in line]
-    assert len(said) == 1 and "logged my/len with log_metric, which train does not record" in said[0], said
+    assert "log_metric" not in r.stderr
+    rows = [json.loads(x) for x in read_artifact(run / "metrics.parquet", "metrics")
+            .column("reward_extra").to_pylist()]
+    if "acc" in expected:  # one prompt per step: the two steps' acc are 1 and 0 in some order
+        assert sorted(row["acc"] for row in rows) == [0.0, 1.0] and all(set(row) == {"acc"} for row in rows)
+    else:
+        assert rows == [expected, expected]
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [line["reward_extra"] for line in lines] == rows

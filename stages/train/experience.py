@@ -67,6 +67,7 @@ class Experience:
     scoring_seconds: float
     reward_seconds: float
     selection: dict[str, float] | None = None  # oversampling's mean acceptance kept / dropped
+    reward_extra: dict[str, float] | None = None  # the step's means of what a user's reward reported
 
 
 def pad_rows(rows: Sequence[Sequence[float]], fill: float = 0.0, dtype=torch.float32) -> Tensor:

@@ -77,6 +77,7 @@ def metrics_row(run_id: str, exp: Experience, update: dict, update_seconds: floa
     }
     row.update(exp.selection or {})
     row["reward_seconds"] = exp.reward_seconds
+    row["reward_extra"] = json.dumps(exp.reward_extra) if exp.reward_extra else None
     return row
 
 

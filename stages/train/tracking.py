@@ -39,12 +39,22 @@ def parse_report_to(text: str) -> tuple[str, ...]:
 
 
 def _scalars(row: dict) -> dict[str, float]:
-    return {k: float(v) for k, v in row.items()
+    """The row's finite numbers by name, with a user reward's step means as `reward_extra/<name>`."""
+    flat = {**row, **{f"reward_extra/{k}": v for k, v in _reward_extra(row).items()}}
+    return {k: float(v) for k, v in flat.items()
             if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step" and math.isfinite(v)}
+
+
+def _reward_extra(row: dict) -> dict:
+    """The row's `reward_extra` (a JSON object in metrics.parquet) as a dict."""
+    text = row.get("reward_extra")
+    return json.loads(text) if isinstance(text, str) else {}
 
 
 def _jsonl_line(row: dict) -> str:
     clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
+    if isinstance(clean.get("reward_extra"), str):
+        clean["reward_extra"] = _reward_extra(row)  # an object in the line, not its JSON text
     return json.dumps(clean, default=str)
 
 

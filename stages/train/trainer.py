@@ -23,7 +23,7 @@ from ..kv_policies import Dense, KVPolicy
 from ..model.adapter import add_lora, load_lora_state, lora_state, save_adapter
 from ..model.export import export_model
 from ..model.loading import LoadedModel
-from ..tasks import score_batch
+from ..tasks import judge_batch, score_batch
 from ..tasks.rewards import logged_metrics
 from . import objective as grpo
 from .checkpoint import drop_mismatch_after, load_checkpoint, rng_states, save_checkpoint, set_rng_states
@@ -81,7 +81,7 @@ class RunOptions:
     on_phase: Callable[[str], None] | None = None  # "loading" | "initial eval" | "rollout" | "scoring" |
     # "update"
     on_rollouts: Callable[[int, list[int]], None] | None = None  # each step's completion lengths
-    on_warning: Callable[[str], None] | None = None  # once per cause: what the run drops or cannot use
+    on_warning: Callable[[str], None] | None = None  # once per cause: what the run cannot use
 
 
 class Trainer:
@@ -101,7 +101,6 @@ class Trainer:
         self.on_step = opts.on_step or (lambda row: None)
         self.on_phase = opts.on_phase or (lambda phase: None)
         self.on_warning = opts.on_warning or (lambda message: None)
-        self.dropped_logs: set[str] = set()  # the names a reward function logged that the run does not keep
         self.on_rollouts = opts.on_rollouts or (lambda step, lengths: None)
         self.loss_cfg = grpo.LossConfig(correction=config.correction, kl_coef=config.kl_coef, **config.loss)
         self.history: list[dict] = []
@@ -248,7 +247,7 @@ class Trainer:
         t_roll = time.perf_counter() - t0
         self.on_rollouts(step, [len(c.token_ids) for c in completions])
         t_reward = time.perf_counter()  # code tasks run each sample's program in a pool of sandboxes
-        rewards = self._rewards(prompts, groups)
+        rewards, reward_extra = self._rewards(prompts, groups)
         t_reward = time.perf_counter() - t_reward
         t1 = time.perf_counter()
         self.on_phase("scoring")
@@ -268,7 +267,7 @@ class Trainer:
                                              advantages=advantages, alpha=scores.acceptance(),
                                              generator=rejection_generator(cfg.seed, step))
         return Experience(step, prompts, completions, rewards, advantages, scores, correction, t_roll,
-                          t_score, t_reward, selection)
+                          t_score, t_reward, selection, reward_extra)
 
     def _sampling(self, step: int) -> SamplingParams:
         cfg = self.cfg
@@ -276,21 +275,14 @@ class Trainer:
                               temperature=cfg.temperature, seed=cfg.seed * 1_000_003 + step,
                               logprobs=TOP_LOGPROBS, ignore_eos=cfg.ignore_eos)
 
-    def _rewards(self, prompts: list[PromptRow], groups) -> np.ndarray:
-        """[P, samples] from each task's scorer."""
+    def _rewards(self, prompts: list[PromptRow], groups) -> tuple[np.ndarray, dict[str, float] | None]:
+        """[P, samples] from each task's scorer, and the step's means of what a user's reward function
+        reported beside its scores (`reward_extra_means`)."""
         tok = self.loaded.tokenizer
-        rewards = score_batch([(r.task, tok.decode(c.token_ids, skip_special_tokens=True), r.answer,
-                                r.metadata) for r, group in zip(prompts, groups) for c in group])
-        self._drop_logged()
-        return np.array(rewards).reshape(len(prompts), -1)
-
-    def _drop_logged(self) -> None:
-        """A reward function's log_metric values have no column in metrics.parquet: said once per name."""
-        new = sorted(set(logged_metrics()) - self.dropped_logs)
-        if new:
-            self.dropped_logs.update(new)
-            self.on_warning(f"the reward function logged {', '.join(new)} with log_metric, which train does "
-                            "not record (sparrow rollout and sparrow reward keep it in reward_extra)")
+        judged = judge_batch([(r.task, tok.decode(c.token_ids, skip_special_tokens=True), r.answer,
+                               r.metadata) for r, group in zip(prompts, groups) for c in group])
+        rewards = np.array([j.reward for j in judged]).reshape(len(prompts), -1)
+        return rewards, reward_extra_means([j.extra for j in judged], logged_metrics())
 
     def _apply(self, exp: Experience) -> dict:
         """The update, the sparse actor's step, the metrics row, the eval and the step's logs."""
@@ -339,6 +331,7 @@ class Trainer:
         tok = self.loaded.tokenizer
         rewards = score_batch([(r.task, tok.decode(c.token_ids, skip_special_tokens=True), r.answer,
                                 r.metadata) for r, group in zip(rows, out) for c in group[:params.n]])
+        logged_metrics()  # what the reward logged on the eval prompts is not the next step's
         return float(np.mean(rewards) if sampled else np.mean([x >= 1.0 - 1e-9 for x in rewards]))
 
     def evaluate_start(self) -> InitialEval:
@@ -463,3 +456,18 @@ def _check_launch(cfg: TrainConfig, world: World, pool: RolloutPool | None) -> N
 
 
 __all__ = ["SUMMARY_MEANS", "RunOptions", "Trainer"]
+
+
+def reward_extra_means(extras: Sequence[dict | None], logged: dict[str, float]) -> dict[str, float] | None:
+    """A step's means of what a user's reward function reported beside its scores: each numeric field of
+    its returned dicts (verl's reward_extra_info) or of its log_extra columns, over the completions that
+    have it, and each log_metric name's mean over what was logged (TRL's); non-finite values left out;
+    None when there is nothing."""
+    sums: dict[str, list[float]] = {}
+    for extra in extras:
+        for name, value in (extra or {}).items():
+            if isinstance(value, int | float) and not isinstance(value, bool) and np.isfinite(value):
+                sums.setdefault(name, []).append(float(value))
+    means = {name: float(np.mean(values)) for name, values in sums.items()}
+    means.update({name: value for name, value in logged.items() if np.isfinite(value)})
+    return dict(sorted(means.items())) or None
