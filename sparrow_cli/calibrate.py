@@ -19,6 +19,7 @@ from .common import (
     friendly_errors,
     input_path,
     output_help,
+    warn,
 )
 from .options import finite, given_path, output_path
 from .output import emit, format_option, resolve_format
@@ -66,6 +67,9 @@ def calibrate_threshold(
                                       "than this or the seed spread, whichever is larger."),
     bootstrap: int = typer.Option(1000, "--bootstrap", help="Bootstrap draws of the profile's prompts (and "
                                   "of the tokens within each) for the intervals."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the bootstrap draws (recorded in the artifact's "
+                             "metadata and printed with the interval), to see how much the interval moves "
+                             "with it."),
     output: Path = typer.Option(..., "-o", "--output", help=output_help("the threshold artifact"),
                                 parser=output_path()),
     force: bool = force_option(),
@@ -75,7 +79,8 @@ def calibrate_threshold(
     its own curves, and the dense run of the same configuration and seed when one is among --runs; a
     sampler gap present at step 0 never counts), relate that to each run's tail statistic under its
     schedule, and write the critical threshold: the midpoint of the identified set (highest collapsed
-    tail, lowest stable tail) with a 95% interval over bootstrap draws of the profile's prompts. The
+    tail, lowest stable tail) with a 95% interval over the bootstrap draws of the profile's prompts in which
+    the runs separate (--seed draws them; the share that separate is printed). The
     same test on the mean of alpha and on the share of the KV read, and the labels under other margins,
     are printed beside it. Without runs, or when the runs do not separate (as measured, or in most
     draws), the calibration shipped for the profile's model is written if there is one, else the
@@ -85,6 +90,7 @@ def calibrate_threshold(
         Detectors,
         ProfileTokens,
         calibrate,
+        few_prompts_warning,
         label_runs,
         margin_sensitivity,
         read_runs,
@@ -96,6 +102,8 @@ def calibrate_threshold(
         raise UsageError(f"--quantile must be in (0, 1), got {quantile}")
     if bootstrap < 1:
         raise UsageError(f"--bootstrap must be at least 1 (draws of the profile's prompts), got {bootstrap}")
+    if seed < 0:
+        raise UsageError(f"--seed must be at least 0 (numpy seeds the bootstrap with it), got {seed}")
     for flag, value in (("--reward-margin", reward_margin), ("--eval-margin", eval_margin)):
         if not 0 <= value <= 1:
             raise UsageError(f"{flag} must be in [0, 1] (a reward or accuracy gap), got {value}")
@@ -115,15 +123,20 @@ def calibrate_threshold(
                       highlight=False, markup=False)
     loaded = read_runs(runs)  # all validated before writing
     tokens = ProfileTokens.from_table(mismatch)
-    results = label_runs(loaded, tokens, quantile, det)
-    cal = calibrate(results, quantile, bootstrap, model=artifact_metadata(profile).get("model"),
-                    tokens=tokens)
+    results = label_runs(loaded, tokens, quantile, det, input_name(profile))
+    model = artifact_metadata(profile).get("model")
+    few = few_prompts_warning(tokens, input_name(profile)) if results else None
+    if few:
+        warn(few)
+    cal = calibrate(results, quantile, bootstrap, seed, model=model, tokens=tokens)
     sensitivity = margin_sensitivity(loaded, results, det) if results else []
     per_run = [{"run": r.name, "tail": r.tail, "mean": r.mean, "kv_read": r.kv_read, "collapsed": r.collapsed,
                 "reasons": r.reasons, "notes": r.notes, "warnings": r.warnings, "reference": r.reference,
                 "sampler_gap": r.sampler_gap, "eval_change": r.eval_change, "reward_gap": r.reward_gap,
                 "seed": r.seed, "correction": r.correction} for r in results]
-    meta = {**cal.provenance, "profile": input_name(profile), "runs": json.dumps(per_run),
+    # the model and profile it was calibrated on: plan-schedule refuses it for another model
+    meta = {**cal.provenance, "model": model, "profile": input_name(profile), "runs": json.dumps(per_run),
+            "bootstrap": bootstrap if results else None, "bootstrap_seed": seed if results else None,
             "mean_threshold": cal.mean_threshold, "mean_note": cal.mean_note or None,
             "separations": json.dumps([asdict(s) for s in cal.separations]) if cal.separations else None,
             "margin_sensitivity": json.dumps(sensitivity) if sensitivity else None}

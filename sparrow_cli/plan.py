@@ -61,7 +61,9 @@ def plan_schedule(
                                     "else the published prior 0.86)."),
     threshold_file: Path = typer.Option(None, "--threshold-file", callback=input_path,
                                         parser=given_path("--threshold-file"),
-                                        help="A threshold artifact (sparrow calibrate-threshold)."),
+                                        help="A threshold artifact (sparrow calibrate-threshold); one "
+                                        "calibrated on another model than --model is refused without "
+                                        "--allow-model-mismatch."),
     quantile: float = typer.Option(None, "--quantile", callback=finite, help="Tail quantile of alpha per bin "
                                    "(default 0.05, or the threshold file's)."),
     cost: Path = typer.Option(None, "--cost", callback=input_path, parser=given_path("--cost"),
@@ -84,7 +86,8 @@ def plan_schedule(
                                    "first trusted bin's, for leading ones)."),
     allow_model_mismatch: bool = typer.Option(False, "--allow-model-mismatch/--no-allow-model-mismatch",
                                               help="Plan for --model from "
-                                              "a --profile measured on another model (its metadata names "
+                                              "a --profile measured on another model, or with a calibrated "
+                                              "--threshold-file of another model (their metadata names "
                                               "the model); refused without this flag."),
     sweep: str = typer.Option(None, "--sweep", help="Also print the predicted speedup at each of "
                               "these thresholds, e.g. 0.80,0.83,0.86,0.90,0.92."),
@@ -119,7 +122,8 @@ def plan_schedule(
     format: str = typer.Option(None, "--format", "-f", metavar=FORMAT_METAVAR, help=FORMAT_TABLES_HELP),
 ) -> None:
     """Plan the sparsity schedule: for each position bin the cheapest budget whose tail statistic is
-    at or above the threshold, non-decreasing across bins; prints the table and the predicted speedup
+    at or above the threshold (of a measured --profile, the cheapest profiled budget: a budget it never
+    scored is never planned), non-decreasing across bins; prints the table and the predicted speedup
     over dense: of the whole rollout (the prompt's dense prefill on both sides) where the cost model
     prices a prefill, as the analytic presets do, else of decode alone, labelled so."""
     from sparrow.stages.plan import PlanRequest, plan_kv_budget, plan_schedule

@@ -54,22 +54,38 @@ class ProfileTokens:
         return cls(budgets, np.stack([p.column("alpha").to_numpy().astype(float) for p in parts], 1),
                    prompt, first.column("position").to_numpy(), first.column("bin").to_numpy())
 
-    def at(self, schedule: Schedule) -> tuple[np.ndarray, np.ndarray, list[str]]:
-        """(alpha, kv_read, notes) per token at `schedule`'s budget for its position: a budget that was not
-        profiled reads the largest profiled budget below it (a lower bound on its alpha); dense tokens
-        and budgets that cover the whole cache have alpha 1. kv_read: the share of the cache read."""
+    def below_profiled(self, schedule: Schedule) -> list[int]:
+        """The budgets `schedule` gives profiled tokens that are below every profiled budget: no profiled
+        budget bounds their alpha from below."""
         want = schedule.budgets_at(self.position)
-        notes = []
-        missing = sorted(set(want[(want > 0) & (want < self.budgets[0])].tolist()))
-        if missing:
-            notes.append(f"budgets {missing} are below every profiled budget; used {self.budgets[0]}")
-        substituted = sorted(set(want[(want > 0) & ~np.isin(want, self.budgets)].tolist()) - set(missing))
-        if substituted:
-            notes.append(f"budgets {substituted} not profiled; used the next profiled budget below")
+        return sorted(set(want[(want > 0) & (want < self.budgets[0])].tolist()))
+
+    def at(self, schedule: Schedule) -> tuple[np.ndarray, np.ndarray, list[str]]:
+        """(alpha, kv_read, notes) per token at `schedule`'s budget for its position. A budget that was not
+        profiled reads its alpha at the largest profiled budget below it (a lower bound on its alpha, a
+        larger budget never being worse), and a note says so; its kv_read stays its own (min(1, budget /
+        position): the share of the cache the run read). Dense tokens have alpha 1 and read the whole
+        cache. A budget below every profiled one has no lower bound and is refused (ArtifactError)."""
+        from sparrow.schemas import ArtifactError
+
+        want = schedule.budgets_at(self.position)
+        if below := self.below_profiled(schedule):
+            raise ArtifactError(f"budgets {below} are below every profiled budget "
+                                f"({', '.join(map(str, self.budgets.tolist()))}), so no profiled budget "
+                                "bounds their alpha from below")
         col = np.clip(np.searchsorted(self.budgets, want, "right") - 1, 0, None)
+        stand_in = {b: int(self.budgets[np.searchsorted(self.budgets, b, "right") - 1])
+                    for b in sorted(set(want[(want > 0) & ~np.isin(want, self.budgets)].tolist()))}
+        notes = [f"budget {b} not profiled: its tail and mean alpha are budget {below}'s (the next profiled "
+                 f"below, a lower bound), its KV read is budget {b}'s" for b, below in stand_in.items()]
         alpha = np.where(want == 0, 1.0, self.alpha[np.arange(len(want)), col])
         kv_read = np.where(want == 0, 1.0, np.minimum(1.0, want / np.maximum(self.position, 1)))
         return alpha, kv_read, notes
+
+    @property
+    def num_prompts(self) -> int:
+        """The distinct prompts the bootstrap draws from."""
+        return int(self.prompt.max()) + 1 if len(self.prompt) else 0
 
     def resample(self, rng: np.random.Generator) -> np.ndarray:
         """Token indices of one bootstrap draw: prompts with replacement, then tokens within each drawn
@@ -175,16 +191,18 @@ class Separation:
     what: str
     point: float | None  # midpoint of the identified set; None: the runs do not separate
     identified: tuple[float, float] | None  # (highest collapsed, lowest stable) when they separate
-    lower: float | None  # 95% bootstrap interval of the midpoint over prompts (and tokens)
+    lower: float | None  # 95% bootstrap interval of the midpoint over the draws in which the runs separate
     upper: float | None
     separating_share: float | None  # the share of bootstrap draws in which the runs separate
     note: str
+    seed: int | None = None  # of the bootstrap draws
 
     def line(self) -> str:
         if self.point is None:
             return f"{self.what}: does not separate the runs ({self.note})"
-        interval = (f", 95% interval {self.lower:.4f}-{self.upper:.4f} over prompts, separating in "
-                    f"{self.separating_share:.0%} of the draws" if self.lower is not None else "")
+        interval = (f", 95% interval {self.lower:.4f}-{self.upper:.4f} over the bootstrap draws in which "
+                    f"the runs separate ({self.separating_share:.0%} of the draws)"
+                    if self.lower is not None else "")
         return (f"{self.what}: boundary {self.point:.4f}, identified set [{self.identified[0]:.4f}, "
                 f"{self.identified[1]:.4f}]{interval} ({self.note})")
 
@@ -214,9 +232,13 @@ def boundary(stats: np.ndarray, collapsed: np.ndarray) -> float | None:
 MIN_SEPARATING_SHARE = 0.5  # calibrated only if the runs separate in at least this share of the draws
 
 
-def separation(stats: np.ndarray, draws: np.ndarray | None, collapsed: np.ndarray, what: str) -> Separation:
+def separation(stats: np.ndarray, draws: np.ndarray | None, collapsed: np.ndarray, what: str,
+               seed: int | None = None) -> Separation:
     """The boundary of one statistic at the profile as measured, and over bootstrap `draws` [n_boot, runs]
-    of the statistic (None: no profile to resample), the labels held fixed."""
+    of the statistic (None: no profile to resample; `seed`: what drew them), the labels held fixed. The
+    interval is the 2.5-97.5% quantiles of the boundaries of the draws in which the runs separate (a
+    draw that does not separate has no boundary), so it is conditional on separating; the share of such
+    draws is reported beside it."""
     point = boundary(stats, collapsed)
     n_c, n_s = int(collapsed.sum()), int((~collapsed).sum())
     if point is None:
@@ -232,7 +254,8 @@ def separation(stats: np.ndarray, draws: np.ndarray | None, collapsed: np.ndarra
     share = len(boots) / len(draws)
     lower, upper = (np.quantile(boots, [0.025, 0.975]) if boots else (np.nan, np.nan))
     return Separation(what, point, identified, float(lower), float(upper), share,
-                      note + f"; {len(draws)} bootstrap draws over the profile's prompts and their tokens")
+                      note + f"; {len(draws)} bootstrap draws (seed {seed}) over the profile's prompts and "
+                      "their tokens", seed)
 
 
 SHIPPED = Path(__file__).parent / "data"  # threshold-<model>.parquet, written by bench/threshold_sweep.py
@@ -374,7 +397,7 @@ def calibrate(runs: list[RunResult], quantile: float = TAIL_QUANTILE, n_boot: in
     draws = (bootstrap_statistics(runs, tokens, quantile, n_boot, seed)
              if tokens is not None and n_boot > 0 and all(r.schedule is not None for r in runs) else None)
     seps = [separation(np.array([getattr(r, key) for r in runs]), None if draws is None else draws[key],
-                       collapsed, what)
+                       collapsed, what, seed)
             for key, what in (("tail", "tails"), ("mean", "mean alpha"), ("kv_read", "KV read"))]
     tail, mean = seps[0], seps[1]
     mean_note = (f"The mean of alpha separates the runs too: {mean.line()}" if mean.point is not None
@@ -519,9 +542,42 @@ def judge(run: LoadedRun, loaded: list[LoadedRun], det: Detectors) -> Verdict:
     return verdict
 
 
-def label_runs(loaded: list[LoadedRun], tokens: ProfileTokens, quantile: float, det: Detectors
-               ) -> list[RunResult]:
-    """Labels (judge), statistics and outcomes of every run, in order."""
+def check_profiled(loaded: list[LoadedRun], tokens: ProfileTokens, profile: str = "the profile") -> None:
+    """Every run's budgets have a profiled budget at or below them (ProfileTokens.at reads a budget not
+    profiled at the next profiled one below, a lower bound on its alpha); a run with a budget below every
+    profiled one has no such bound, so it is refused in one sentence (ArtifactError) before any run is
+    labelled, rather than given a larger budget's, optimistic, tail."""
+    from sparrow.schemas import ArtifactError
+
+    for run in loaded:
+        if below := tokens.below_profiled(run.schedule):
+            many = len(below) > 1
+            raise ArtifactError(
+                f"{run.name}: its schedule's budget{'s' * many} {', '.join(map(str, below))} "
+                f"{'are' if many else 'is'} below every budget {profile} profiled "
+                f"({', '.join(map(str, tokens.budgets.tolist()))}), so no profiled budget bounds its tail "
+                f"from below; profile budget {below[0]} (sparrow profile --budgets) or leave the run out")
+
+
+MIN_BOOTSTRAP_PROMPTS = 5  # fewer prompts cannot support a bootstrap over prompts
+
+
+def few_prompts_warning(tokens: ProfileTokens, profile: str = "the profile") -> str | None:
+    """A warning when the profile has fewer than MIN_BOOTSTRAP_PROMPTS prompts: a bootstrap over so few
+    prompts has so few distinct draws that its interval says little about the sampling error."""
+    n = tokens.num_prompts
+    if n >= MIN_BOOTSTRAP_PROMPTS:
+        return None
+    return (f"{profile} has {n} prompt{'s' * (n != 1)}, fewer than {MIN_BOOTSTRAP_PROMPTS}: a bootstrap over "
+            "so few prompts cannot say how the tail varies between prompts, so read its intervals as "
+            "rough; profile more prompts (sparrow prompts --n)")
+
+
+def label_runs(loaded: list[LoadedRun], tokens: ProfileTokens, quantile: float, det: Detectors,
+               profile: str = "the profile") -> list[RunResult]:
+    """Labels (judge), statistics and outcomes of every run, in order; every run's budgets checked against
+    the profiled ones first (check_profiled)."""
+    check_profiled(loaded, tokens, profile)
     results = []
     for run in loaded:
         alpha, kv_read, notes = tokens.at(run.schedule)

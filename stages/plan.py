@@ -190,17 +190,35 @@ class PlannedSchedule:
                 "cost": self.cost_source}
 
 
+def _other_model(recorded: object, model: str, name: str) -> bool:
+    """Whether an artifact's recorded model names another model than --model (`model`, resolved to `name`);
+    an artifact that records none is taken as the model's."""
+    from .model.loading import model_name
+
+    base = model_name(str(recorded).rstrip("/")).lower() if recorded else None
+    return bool(base) and base not in (model_name(model.rstrip("/")).lower(), name.lower())
+
+
 def check_profile_model(profile: Path, model: str, name: str) -> None:
     """A schedule planned from one model's mismatch, labelled with another model, would be trusted for a
     model it says nothing about: refused (the CLI's --allow-model-mismatch skips this check)."""
-    from .model.loading import model_name
-
     measured = artifact_metadata(profile).get("model")
-    base = model_name(str(measured).rstrip("/")).lower() if measured else None
-    if base and base not in (model_name(model.rstrip("/")).lower(), name.lower()):
+    if _other_model(measured, model, name):
         raise ScheduleError(f"--profile {profile} was measured on {measured} (its metadata), not on --model "
                             f"{model}; plan with --model {measured}, or pass --allow-model-mismatch to plan "
                             f"for {model} from it")
+
+
+def check_threshold_model(threshold_file: Path, resolved: ResolvedThreshold, model: str, name: str) -> None:
+    """A threshold calibrated on one model's runs says as little about another model as its profile does:
+    a calibrated --threshold-file whose metadata names another model is refused as a --profile of another
+    model is (--allow-model-mismatch skips this check). The published prior (source `prior`) is no model's
+    calibration, and an artifact that records no model is accepted as it is."""
+    calibrated_on = artifact_metadata(threshold_file).get("model")
+    if resolved.origin.startswith("calibrated") and _other_model(calibrated_on, model, name):
+        raise ScheduleError(f"--threshold-file {input_name(threshold_file)} was calibrated on "
+                            f"{calibrated_on} (its metadata), not on --model {model}; calibrate it from a "
+                            f"profile of {model}, or pass --allow-model-mismatch to plan for {model} with it")
 
 
 def plan_schedule(req: PlanRequest, output: Path | None = None, export_to: Path | None = None
@@ -213,6 +231,8 @@ def plan_schedule(req: PlanRequest, output: Path | None = None, export_to: Path 
         check_threshold(t)
     if req.profile is not None and not req.allow_model_mismatch:
         check_profile_model(req.profile, req.model, name)
+    if req.threshold_file is not None and not req.allow_model_mismatch:
+        check_threshold_model(req.threshold_file, resolved, req.model, name)
     cost_model = load_cost(req.cost, cfg) if req.cost is not None else analytic(cfg, req.hardware or "h100")
     measured = read_artifact(req.cost, "cost") if req.cost is not None else None
     fitted = fitted_range(measured) if measured is not None else None
@@ -389,6 +409,8 @@ def plan_kv_budget(req: PlanRequest) -> EvictionPlan:
     if not req.allow_model_mismatch:
         check_profile_model(req.profile, req.model, name)
     resolved = resolve_threshold(req.threshold, req.threshold_file, req.quantile, req.model)
+    if req.threshold_file is not None and not req.allow_model_mismatch:
+        check_threshold_model(req.threshold_file, resolved, req.model, name)
     result = plan_eviction(req.profile, resolved.value, resolved.quantile, req.bin_width, req.min_tokens)
     result.resolved = resolved
     return result

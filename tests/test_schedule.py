@@ -130,10 +130,10 @@ def synthetic_mismatch(rng, positions, thin_bin=None):
 
 
 def brute_force(rows, threshold, quantile, min_tokens, num_bins):
-    """Straight from the definitions: quantile per bin and budget, running max over budgets, linear
-    in log2(budget) over every page count, smallest budget at or above the threshold, running max
-    over bins, thin bins inheriting; None = dense."""
-    cands = np.arange(BUDGETS[0], BUDGETS[-1] + 1, 16)
+    """Straight from the definitions: quantile per bin and budget, running max over budgets, smallest
+    profiled budget (never one between two profiled ones) at or above the threshold, running max over
+    bins, thin bins inheriting; None = dense."""
+    cands = np.array(BUDGETS)
     choice, thin = [], []
     for b in range(num_bins):
         sel = rows["position"] // WIDTH == b
@@ -142,8 +142,7 @@ def brute_force(rows, threshold, quantile, min_tokens, num_bins):
             a = rows["alpha"][sel & (rows["budget"] == budget)].astype(np.float32).astype(np.float64)
             tails.append(np.quantile(a, quantile) if len(a) else -1)
         tails = np.maximum.accumulate(tails)
-        curve = np.interp(np.log2(cands), np.log2(BUDGETS), tails)
-        ok = cands[curve >= threshold]
+        ok = cands[tails >= threshold]
         thin.append(sel.sum() / len(BUDGETS) < min_tokens)
         choice.append(int(ok[0]) if len(ok) else None)
     out, current = [], None

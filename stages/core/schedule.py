@@ -51,8 +51,10 @@ class Schedule:
 # ---------------------------------------------------------------- the planner
 #
 # A `TailProfile` is the tail statistic (q-quantile of alpha) per position bin and candidate budget,
-# non-decreasing in the budget. It comes from a measured `mismatch` artifact (`measured_profile`) or,
-# for the Qwen3 presets, from the published schedules (`reference_profiles.reference_profile`).
+# non-decreasing in the budget. It comes from a measured `mismatch` artifact (`measured_profile`: the
+# candidates are the profiled budgets alone, so every tail a plan reports was measured) or, for the Qwen3
+# presets, from the published schedules (`reference_profiles.reference_profile`: every page count, on a
+# curve built to give the published budgets at the published thresholds).
 # `plan` picks, per bin, the smallest candidate budget whose tail is at or above the threshold; the
 # smallest is the cheapest, because a step's cost grows with its budget (except in the sliver where a
 # budget almost covers the cache and scoring pages costs more than it saves, ignored). Budgets are then
@@ -82,6 +84,7 @@ class TailProfile:
     tokens: np.ndarray | None = None  # [n] tokens per bin (measured profiles)
     threshold_range: tuple[float, float] | None = None  # thresholds the profile is built from
     min_tokens: int | None = None  # the fewest tokens a measured bin needs to be trusted
+    measured: np.ndarray | None = None  # [n, m] a measured profile's tails before the running max: reported
 
     @property
     def num_bins(self) -> int:
@@ -145,17 +148,31 @@ def plan(profile: TailProfile, threshold: float) -> Plan:
     reach = f"no profiled budget reaches a tail of {threshold:g}, so"
     _note_bins(notes, dense, profile, f"{reach} it is dense, and so is every later bin",
                f"{reach} they are dense, and so is every later bin")
-    tails = []
+    tails = _reported_tails(profile, budgets, thin)
+    _note_bins(notes, np.flatnonzero([t is not None and t < threshold for t in tails]), profile,
+               f"its measured tail at the budget it keeps from the bin before is below {threshold:g}, "
+               "although a smaller profiled budget's reaches it (a larger budget is taken as no worse)",
+               f"their measured tails at the budget each keeps from the bin before are below {threshold:g}, "
+               "although a smaller profiled budget's reaches it (a larger budget is taken as no worse)")
+    schedule = Schedule(tuple(int(s) for s in profile.bin_starts),
+                        tuple(0 if b == DENSE else int(b) for b in budgets), profile.page_size)
+    return Plan(schedule, profile.bin_width, tails, threshold, profile.quantile, profile.source, notes)
+
+
+def _reported_tails(profile: TailProfile, budgets: np.ndarray, thin: np.ndarray) -> list[float | None]:
+    """The tail of each bin at its chosen budget: None for a thin bin, 1.0 for a dense one, else the
+    measured tail at that budget (a measured profile's, before the running max over budgets), or the
+    reference profile's curve."""
+    values = profile.tail if profile.measured is None else profile.measured
+    tails: list[float | None] = []
     for i, b in enumerate(budgets):
         if thin[i]:
             tails.append(None)
         elif b == DENSE:
             tails.append(1.0)
         else:
-            tails.append(float(profile.tail[i, np.searchsorted(profile.candidates, b)]))
-    schedule = Schedule(tuple(int(s) for s in profile.bin_starts),
-                        tuple(0 if b == DENSE else int(b) for b in budgets), profile.page_size)
-    return Plan(schedule, profile.bin_width, tails, threshold, profile.quantile, profile.source, notes)
+            tails.append(float(values[i, np.searchsorted(profile.candidates, b)]))
+    return tails
 
 
 def _note_bins(notes: list[str], bins: np.ndarray, profile: TailProfile, one: str, many: str) -> None:
@@ -175,11 +192,12 @@ def measured_profile(mismatch, quantile: float, bin_width: int, num_bins: int, s
     """Tails from a `mismatch` table: the q-quantile of alpha per bin (position // bin_width) and
     profiled budget, the same quantile DuckDB's quantile_cont (and `sparrow profile`) computes.
 
-    A larger budget is never worse: the measured tails are replaced by their running maximum from
-    the smallest to the largest budget (sampling noise can make a larger budget look slightly worse
-    than a smaller one, which the planner must not exploit). Candidate budgets are every page count
-    from the smallest to the largest profiled budget; between profiled budgets the tail is linear in
-    log2(budget). No candidate lies outside the profiled range.
+    The candidate budgets are the profiled ones alone: a budget the profile never scored has no measured
+    tail, and a tail guessed between two profiled budgets can err either way, so a plan never schedules
+    one. A larger budget is never worse: the planner chooses on the running maximum of the tails from
+    the smallest to the largest budget (sampling noise can make a larger budget look slightly worse than
+    a smaller one, which the planner must not exploit), and reports the tail measured at the budget it
+    chose (`measured`).
     """
     import duckdb
 
@@ -210,13 +228,11 @@ def measured_profile(mismatch, quantile: float, bin_width: int, num_bins: int, s
             tails[b, np.searchsorted(measured, budget)] = tail
             tokens[b] = max(tokens[b], count)
     monotone = np.fmax.accumulate(np.nan_to_num(tails, nan=-np.inf), axis=1)
-    candidates = np.arange(measured[0], measured[-1] + 1, page_size)
-    x, xp = np.log2(candidates), np.log2(measured)
-    interp = np.stack([np.interp(x, xp, row) for row in monotone])
-    thin = (tokens < min_tokens) | ~np.isfinite(interp).all(axis=1)
-    interp = np.where(np.isfinite(interp), interp, 0.0)
-    return TailProfile(np.arange(num_bins) * bin_width, bin_width, candidates, interp, quantile,
-                       source, page_size, thin, tokens, min_tokens=min_tokens)
+    thin = (tokens < min_tokens) | ~np.isfinite(monotone).all(axis=1)
+    monotone = np.where(np.isfinite(monotone), monotone, 0.0)
+    return TailProfile(np.arange(num_bins) * bin_width, bin_width, measured, monotone, quantile,
+                       source, page_size, thin, tokens, min_tokens=min_tokens,
+                       measured=np.where(np.isnan(tails), monotone, tails))
 
 
 def check_quantile(quantile: float) -> None:

@@ -78,7 +78,8 @@ def calibration_figure(threshold: Path, name: str, out: Path, plt) -> Figure | N
     y = np.array([1.0 if r["collapsed"] else 0.0 for r in runs]) + jitter
     colour = ["tab:red" if r["collapsed"] else "tab:green" for r in runs]
     mean_at = meta.get("mean_threshold")
-    for ax, key, line, what in ((axes[0], "tail", t["threshold"], "tail: min over bins of p5 alpha"),
+    tail_is = f"p{t['quantile'] * 100:g}"  # the quantile the runs' tails were calibrated at
+    for ax, key, line, what in ((axes[0], "tail", t["threshold"], f"tail: min over bins of {tail_is} alpha"),
                                 (axes[1], "mean", mean_at, "mean alpha")):
         ax.scatter([r[key] for r in runs], y, c=colour, s=36, edgecolors="k", linewidths=0.4)
         if line is not None and (key == "mean" or t["source"] == "calibrated"):
@@ -96,7 +97,9 @@ def calibration_figure(threshold: Path, name: str, out: Path, plt) -> Figure | N
     interval = f" [{t['lower']:.3g}, {t['upper']:.3g}]" if t["lower"] is not None else ""
     return save(fig, out, name, f"Runs' tail and mean alpha against their outcome ({threshold.name})",
                  f"From {threshold.name}: {len(runs)} runs, {n_c} collapsed (labelled by what training did, "
-                 f"never by mismatch). Threshold {t['threshold']:.3g}{interval} ({t['source']}). "
+                 f"never by mismatch); each run's tail is the minimum over position bins of the "
+                 f"{t['quantile']:g} quantile ({tail_is}) of alpha. Threshold {t['threshold']:.3g}{interval} "
+                 f"({t['source']}). "
                  f"{meta.get('mean_note') or ''}", plt, len(runs))
 
 
@@ -151,9 +154,24 @@ def schedule_figure(schedule: Path, name: str, out: Path, plt) -> Figure:
                  "under verification with no tail threshold behind them" if drafts else ""))
     return save(fig, out, name, title,
                  f"From {schedule.name}{source}: {what}. Grey spans are dense bins (every cached token is "
-                 "attended); the last bin extends to the end of the context."
+                 f"attended); {_last_bin(meta, last, edges[-1])}"
                  + (" The dashed line is the published schedule at this threshold." if published else ""),
                  plt, len(table))
+
+
+def _last_bin(meta: dict, end: int | None, drawn_to: int) -> str:
+    """The caption's words on the last bin: where an open one is drawn to and where it really ends (the
+    model's context, from the schedule's `model_config` where it records one)."""
+    if end is not None:
+        return f"the last bin ends at position {end}."
+    import json
+
+    try:
+        context = json.loads(meta.get("model_config") or "{}").get("max_position_embeddings")
+    except (TypeError, ValueError):
+        context = None
+    ends = f"the end of the context ({int(context):,} tokens)" if context else "the end of the context"
+    return f"the last bin is open: it is drawn to position {drawn_to:,} but holds its budget to {ends}."
 
 
 def _sampled(meta: dict) -> bool:
