@@ -369,7 +369,7 @@ def spool_input(path: str | os.PathLike, flag: str) -> Path:
     suffix = ".parquet" if data[:4] == b"PAR1" else ".jsonl"
     spooled = folder / (name if name.endswith(suffix) else name + suffix)
     spooled.write_bytes(data)
-    _SPOOLED[spooled] = "-" if is_stdio(path) else str(path)
+    _SPOOLED[spooled] = "-" if is_stdio(path) else str(Path(path).absolute())
     return spooled
 
 
@@ -377,9 +377,11 @@ _SPOOLED: dict[Path, str] = {}  # a spooled input's private copy -> what the use
 
 
 def input_name(path: str | os.PathLike) -> str:
-    """What a user gave for an input, as an artifact's metadata records it: `-` for stdin and the FIFO's
-    own path for a spooled pipe, never the private temporary copy that is gone when the command ends."""
-    return _SPOOLED.get(Path(path), str(path))
+    """What a user gave for an input, as an artifact's metadata records it: its absolute path (symlinks
+    kept as named), `-` for stdin and the FIFO's own path for a spooled pipe, never the private temporary
+    copy that is gone when the command ends."""
+    given = _SPOOLED.get(Path(path))
+    return given if given is not None else str(Path(path).absolute())
 
 
 def input_path(path: str | os.PathLike) -> str:

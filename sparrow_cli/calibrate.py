@@ -130,7 +130,8 @@ def calibrate_threshold(
         warn(few)
     cal = calibrate(results, quantile, bootstrap, seed, model=model, tokens=tokens)
     sensitivity = margin_sensitivity(loaded, results, det) if results else []
-    per_run = [{"run": r.name, "tail": r.tail, "mean": r.mean, "kv_read": r.kv_read, "collapsed": r.collapsed,
+    per_run = [{"run": str(Path(r.name).absolute()), "tail": r.tail, "mean": r.mean, "kv_read": r.kv_read,
+                "collapsed": r.collapsed,
                 "reasons": r.reasons, "notes": r.notes, "warnings": r.warnings, "reference": r.reference,
                 "sampler_gap": r.sampler_gap, "eval_change": r.eval_change, "reward_gap": r.reward_gap,
                 "seed": r.seed, "correction": r.correction} for r in results]

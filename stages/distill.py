@@ -429,6 +429,8 @@ def distill_to_folder(run: DistillRun, cfg: DistillConfig, hooks: DistillHooks) 
     prompt_sets = run.prompt_sets or {path: PromptSet.read(path) for path in (run.prompts, run.eval_prompts)
                                       if path is not None}
     for prompt_set in prompt_sets.values():
+        if prompt_set.needs_tokenizer_for(run.model):  # ids made for another tokenizer are made again
+            prompt_set.match_model(run.model, loading.spec_tokenizer(run.model), not run.raw_prompts)
         prompt_set.check_fits(*fits)
     _check_covered(run, budget_fns, trajectories, prompt_sets)  # before any weights load, where known
     hooks.on_loading()
@@ -437,7 +439,7 @@ def distill_to_folder(run: DistillRun, cfg: DistillConfig, hooks: DistillHooks) 
     cfg.gradient_checkpointing = on_gpu if run.gradient_checkpointing is None else run.gradient_checkpointing
     for prompt_set in prompt_sets.values():
         if prompt_set.needs_tokenizer:
-            prompt_set.tokenize(loaded.tokenizer, not run.raw_prompts)
+            prompt_set.tokenize(loaded.tokenizer, not run.raw_prompts, run.model)
             prompt_set.check_fits(*fits)
     if run.prompts is None and trajectories is None:
         trajectories = run.rollouts.trajectories(loaded.tokenizer, *fits[:2])

@@ -417,8 +417,10 @@ class ProfileRun:
 
     def metadata(self) -> dict:
         """What the artifact records of the run beside the options."""
-        adapter = {"adapter": str(self.adapter)} if self.adapter is not None else {}
-        lora = {"lora": str(self.lora)} if self.lora is not None else {}
+        from sparrow.schemas import input_path
+
+        adapter = {"adapter": input_path(self.adapter)} if self.adapter is not None else {}
+        lora = {"lora": input_path(self.lora)} if self.lora is not None else {}
         return adapter | lora | {"dtype": self.dtype} | (
             {"random_weights": True} if self.random_weights else {})
 
@@ -457,20 +459,24 @@ def profile_prompts(run: ProfileRun, prompt_set, source: Path, opts: ProfileOpti
                     hooks: Hooks | None = None) -> pa.Table:
     """Sample and score the prompts of `prompt_set` (read from `source`), text through the chat template
     when `chat`; written to `run.output`, returns all rows."""
-    from sparrow.schemas import input_name
+    from sparrow.schemas import input_path
+
+    from .model.loading import spec_tokenizer
 
     cfg, hooks = resolve_config(run.model), hooks or Hooks()
-    prompt_set.check_fits(cfg.vocab_size, cfg.max_position_embeddings, opts.max_new_tokens)  # before weights
-    if hooks.loading and not run.workers:
-        hooks.loading()
-    loaded = run.load()
-    if prompt_set.needs_tokenizer:
-        prompt_set.tokenize(loaded.tokenizer, chat)
-        prompt_set.check_fits(cfg.vocab_size, cfg.max_position_embeddings, opts.max_new_tokens)
-    meta = opts.metadata() | {"prompts": input_name(source)} | run.metadata()
+    if prompt_set.needs_tokenizer_for(run.model):  # before weights: the tokenizer load_model returns
+        tokenizer = spec_tokenizer(run.model)
+        prompt_set.match_model(run.model, tokenizer, chat)
+        if prompt_set.needs_tokenizer:
+            prompt_set.tokenize(tokenizer, chat, run.model)
+    prompt_set.check_fits(cfg.vocab_size, cfg.max_position_embeddings, opts.max_new_tokens)
+    meta = opts.metadata() | {"prompts": input_path(source)} | run.metadata()
     if run.workers:
         items = list(zip(prompt_set.ids, prompt_set.tokens))
         return _profile_on_ray(run, items, opts, True, meta, hooks)
+    if hooks.loading:
+        hooks.loading()
+    loaded = run.load()
     counted: list[Speculation] = []
     table = run_profile(loaded, prompt_set.ids, prompt_set.tokens, opts, hooks.progress, counted.append)
     table = _write(table, run, meta | _speculation_meta(counted))
@@ -488,7 +494,7 @@ def profile_rollouts(run: ProfileRun, given, source: Path, opts: ProfileOptions,
                      ) -> pa.Table:
     """Score the trajectories of a rollouts file (`given`, read from `source`); written to `run.output`,
     returns all rows."""
-    from sparrow.schemas import input_name
+    from sparrow.schemas import input_path
 
     cfg, hooks = resolve_config(run.model), hooks or Hooks()
     from .model.loading import spec_tokenizer
@@ -501,7 +507,7 @@ def profile_rollouts(run: ProfileRun, given, source: Path, opts: ProfileOptions,
     loaded = run.load()
     if hooks.ready:
         hooks.ready()
-    meta = opts.metadata(sampled=False) | {"rollouts": input_name(source)} | run.metadata() | (
+    meta = opts.metadata(sampled=False) | {"rollouts": input_path(source)} | run.metadata() | (
         {"sampler": given.sampler} if given.sampler else {}) | (
         {"speculate": given.speculate} if given.speculate else {})
     if run.workers:

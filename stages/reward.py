@@ -249,14 +249,17 @@ def _some_ids(prompts: dict[str, dict]) -> str:
 def check_sampled_from(prompts: dict[str, dict], completions: list[Completion], prompts_path: Path,
                        completions_path: Path) -> None:
     """Rollouts' completions answer the prompts of `prompts_path` (module docstring): by the prompt token
-    ids where that file has them, else by the prompt the file the rollouts' metadata names holds."""
+    ids where that file has them and the rollouts sampled those ids, else by the digest of each prompt's
+    text or messages the rollouts record (ids remade for another model's tokenizer), else by the prompt
+    the file the rollouts' metadata names holds."""
     unchecked = []
+    digests = _recorded_digests(completions_path)
     for i, c in enumerate(completions):
         if c.prompt_token_ids is None:
             continue
         mine = prompts[c.prompt_id].get("prompt_token_ids")
-        if not mine:
-            unchecked.append(c.prompt_id)
+        if not mine or (tuple(mine) != c.prompt_token_ids and c.prompt_id in (digests or {})):
+            unchecked.append(c.prompt_id)  # no ids here, or ids remade from the text for their model
         elif tuple(mine) != c.prompt_token_ids:
             raise ArtifactError(f"--completions {completions_path}: prompt {c.prompt_id!r}, {row_of(i)}, was "
                                 "sampled from other token ids (column 'prompt_token_ids') than --prompts "
@@ -264,7 +267,6 @@ def check_sampled_from(prompts: dict[str, dict], completions: list[Completion], 
                                 f"{_sampled_from(completions_path)}")
     if not unchecked:
         return
-    digests = _recorded_digests(completions_path)
     if digests is not None:
         for pid in unchecked:
             if pid in digests and digests[pid] != prompts[pid].get("digest"):

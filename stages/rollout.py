@@ -294,27 +294,29 @@ class RolloutRun:
         """What the artifact records of the run; `prompt_digests` for the prompts read as text or chat
         messages (`PromptSet.digests`), which `sparrow reward` checks a prompts file against. What scored
         the rewards is recorded under train's config keys (`reward_provenance`)."""
-        from sparrow.schemas import input_name
+        from sparrow.schemas import input_path
 
         digests = prompt_set.digests()
-        return {"model": model_name(self.model), "prompts": input_name(self.prompts),
+        return {"model": model_name(self.model), "prompts": input_path(self.prompts),
                 **({"prompt_digests": digests} if digests else {}),
                 "sparsity": self.sparsity, "samples": sampling.n, "max_new_tokens": sampling.max_new_tokens,
                 "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
                 "seed": sampling.seed, "ignore_eos": sampling.ignore_eos, "page_size": PAGE_SIZE,
                 "device": self.device, "dtype": self.dtype, "engine": engine,
-                "lora": str(self.lora) if self.lora else "", "raw_prompts": self.raw_prompts,
+                "lora": input_path(self.lora) if self.lora else "", "raw_prompts": self.raw_prompts,
                 **reward_provenance(self.reward, self.reward_fn)}
 
 
 def prompt_rows(prompt_set, tokenizer, chat: bool, opts: RolloutOptions, model: str) -> list[dict]:
-    """The prompt set's rows, text tokenized (through the chat template when `chat`), checked against the
-    model's vocabulary and context and, with `opts.kv_pages`, against the pool."""
+    """The prompt set's rows, text (and ids made by another model's tokenizer: `PromptSet.match_model`)
+    tokenized (through the chat template when `chat`), checked against the model's vocabulary and context
+    and, with `opts.kv_pages`, against the pool."""
     from .model.loading import resolve_config
 
+    prompt_set.match_model(model, tokenizer, chat)
     if prompt_set.needs_tokenizer:
         cfg = resolve_config(model)
-        prompt_set.tokenize(tokenizer, chat)
+        prompt_set.tokenize(tokenizer, chat, model)
         prompt_set.check_fits(cfg.vocab_size, cfg.max_position_embeddings, opts.sampling.max_new_tokens)
     check_kv_pages(opts, prompt_set.rows)
     return prompt_set.rows
@@ -349,7 +351,7 @@ def write_rollouts(run: RolloutRun, prompt_set, opts: RolloutOptions, chat: bool
     from .model.loading import load_model
     from .tasks.tokenizers import load_model_tokenizer
 
-    tokenizer = load_model_tokenizer(run.model) if prompt_set.needs_tokenizer else None
+    tokenizer = load_model_tokenizer(run.model) if prompt_set.needs_tokenizer_for(run.model) else None
     rows = prompt_rows(prompt_set, tokenizer, chat, opts, run.model)
     if on_loading is not None:
         on_loading()
@@ -375,7 +377,7 @@ def write_rollouts_on_ray(run: RolloutRun, prompt_set, opts: RolloutOptions, cha
     from .backends.ray_pool import RolloutPool
     from .model.loading import spec_tokenizer
 
-    tokenizer = spec_tokenizer(run.model) if prompt_set.needs_tokenizer else None
+    tokenizer = spec_tokenizer(run.model) if prompt_set.needs_tokenizer_for(run.model) else None
     rows = prompt_rows(prompt_set, tokenizer, chat, opts, run.model)
     pool = RolloutPool(run.model, run.workers, address=run.ray_address, device=run.device, dtype=run.dtype)
     try:
@@ -403,8 +405,9 @@ def write_rollouts_with_vllm(prompt_set, sampling: SamplingParams, run: RolloutR
 
     cfg, checkpoint = resolve_config(run.model), vllm_checkpoint(run.model)
     tokenizer = spec_tokenizer(str(checkpoint))
+    prompt_set.match_model(run.model, tokenizer, chat)
     if prompt_set.needs_tokenizer:
-        prompt_set.tokenize(tokenizer, chat)
+        prompt_set.tokenize(tokenizer, chat, run.model)
         prompt_set.check_fits(cfg.vocab_size, cfg.max_position_embeddings, sampling.max_new_tokens)
     rows = prompt_set.rows
     longest = max(len(r["prompt_token_ids"]) for r in rows)

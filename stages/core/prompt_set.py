@@ -7,6 +7,14 @@ input with the same sentence. The checks that need no weights (the file exists a
 token ids fit the vocabulary, the longest prompt plus the generation fits the context) run before any
 weights load; prompts that carry only text are tokenized once the model's tokenizer is there and then
 checked the same way.
+
+Token ids are the model's input only when the model's tokenizer made them: a prompts artifact records the
+model it was tokenized for (its metadata's `model`), and a --model whose tokenizer has another vocabulary
+has the prompts re-tokenized from their text, each user message taken out of the other model's chat
+template and framed by its own, as `sparrow prompts --model` would write them (a note on stderr names both
+models); prompts with only ids are refused. Tokenizers are compared, not names, where the recorded model
+still resolves; else the last components of the names are (a checkpoint may have moved). A model without
+a tokenizer takes the ids as they are.
 """
 
 from __future__ import annotations
@@ -15,10 +23,10 @@ import hashlib
 import json
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from sparrow.schemas import read_artifact
+from sparrow.schemas import ArtifactError, artifact_metadata, read_artifact
 
 from .user_data import DataOptions, DatasetError, dataset_metadata, read_dataset
 
@@ -44,12 +52,25 @@ def prompt_digest(row: dict) -> str:
     return hashlib.sha256(json.dumps(given, sort_keys=True, ensure_ascii=False).encode()).hexdigest()[:16]
 
 
+_SAID: set[str] = set()  # the notes already printed by this process
+
+
+def _note(message: str) -> None:
+    """`message` on stderr, once per process (train reads its prompts more than once)."""
+    if message not in _SAID:
+        _SAID.add(message)
+        print(f"note: {message}", file=sys.stderr, flush=True)
+
+
 @dataclass
 class PromptSet:
     path: Path
     # the COLUMNS the file has (a dataset's rows also `messages`: chat messages, turned into `prompt` by
-    # tokenize()); prompt_token_ids may be empty until tokenize()
+    # tokenize()), a `digest` of the text as read, and `from_text` where its ids are made here;
+    # prompt_token_ids may be empty until tokenize()
     rows: list[dict]
+    meta: dict = field(default_factory=dict)  # a prompts artifact's metadata (task, n, seed, model...)
+    matched: bool = False  # match_model has run (a command reads its prompts for one model)
 
     @classmethod
     def read(cls, path: str | os.PathLike, data: DataOptions | None = None) -> PromptSet:
@@ -62,27 +83,83 @@ class PromptSet:
             rows = read_dataset(path, data.answer_column)
         except (DatasetError, ValueError) as e:
             raise PromptError(str(e)) from None
+        meta = {}
         if rows is None:
             if data.answer_column is not None:
                 raise PromptError(f"{path} is a prompts file with its own 'answer' column; --answer-column "
                                   "names the answer of a verl or TRL dataset")
             table = read_artifact(path, "prompts")
+            meta = _artifact_meta(table)
             rows = table.select([c for c in COLUMNS if c in table.column_names]).to_pylist()
         if not rows:
             raise PromptError(f"{path}: the prompt set is empty")
         for r in rows:
-            if not r.get("prompt_token_ids"):
-                r["digest"] = prompt_digest(r)
-        prompts = cls(path, rows)
+            r["digest"] = prompt_digest(r)
+            r["from_text"] = not r.get("prompt_token_ids")
+        prompts = cls(path, rows, meta)
         prompts.check_rows()
         if reward is not None:
             prompts.use_reward(reward)
         return prompts
 
     def digests(self) -> dict[str, str]:
-        """The digest of each prompt read as text or chat messages (`prompt_digest`), by prompt id: what
-        rollouts record, so that `sparrow reward` can tell a dataset of the same ids from the one sampled."""
-        return {r["prompt_id"]: r["digest"] for r in self.rows if r.get("digest")}
+        """The digest of each prompt tokenized here from its text or chat messages (`prompt_digest`), by
+        prompt id: what rollouts record, so that `sparrow reward` can tell a dataset of the same ids from
+        the one sampled (and prompts re-tokenized for the model from the ids the file holds)."""
+        return {r["prompt_id"]: r["digest"] for r in self.rows if r.get("from_text") and r.get("digest")}
+
+    @property
+    def made_for(self) -> str | None:
+        """The --model the file's token ids were made for, as its metadata records it (None: unknown)."""
+        model = self.meta.get("model")
+        return model if isinstance(model, str) and model else None
+
+    def needs_tokenizer_for(self, model: str) -> bool:
+        """Whether reading the prompts for `model` needs its tokenizer: rows with only text, or token ids
+        recorded as made for another model, whose tokenizer `match_model` compares."""
+        made_for = self.made_for
+        return self.needs_tokenizer or (made_for is not None and not self.matched
+                                        and not _same_spec(made_for, model)
+                                        and any(r.get("prompt_token_ids") for r in self.rows))
+
+    def match_model(self, model: str | None, tokenizer, chat_template: bool = True) -> None:
+        """Token ids made by another tokenizer than `tokenizer` (--model's) dropped, to be remade from the
+        text by tokenize() (module docstring); with `chat_template` each row's user message is first taken
+        out of the recorded model's template. Prompts with only ids are refused; `model` None (a caller
+        that knows only the tokenizer) compares tokenizers alone and keeps the ids where it cannot."""
+        made_for = self.made_for
+        stale = [r for r in self.rows if r.get("prompt_token_ids")]
+        if made_for is None or not stale or tokenizer is None or self.matched or (
+                model is not None and _same_spec(made_for, model)):
+            return
+        self.matched = True
+        recorded = _tokenizer_of(made_for)
+        if recorded is not None:
+            if _same_vocabulary(recorded, tokenizer):
+                return
+        elif model is None or _base_name(made_for) == _base_name(model):
+            return
+        given = f"--model {model}" if model is not None else f"the model ({tokenizer.name_or_path})"
+        bare = next((r for r in stale if not (r.get("prompt") or "").strip()), None)
+        if bare is not None:
+            raise PromptError(f"{self.path} holds token ids made for {made_for} (its metadata), and prompt "
+                              f"{bare['prompt_id']!r} has no text to tokenize again, while {given} has "
+                              f"another tokenizer; remake the prompts for it: {self._remake(model)}")
+        for r in stale:
+            if chat_template and recorded is not None:
+                r["prompt"] = user_message(recorded, r["prompt"]) or r["prompt"]
+            r["prompt_token_ids"], r["from_text"] = None, True
+        _note(f"{self.path} was tokenized for {made_for} (its metadata), and {given} has another tokenizer, "
+              "so its prompts are tokenized again from their text")
+
+    def _remake(self, model: str | None) -> str:
+        """The `sparrow prompts` command that writes these prompts for `model`."""
+        task, n, seed = (self.meta.get(k) for k in ("task", "n", "seed"))
+        recipe = f"--task {task} --n {n} --seed {seed} " if task and n and seed is not None else ""
+        if recipe:
+            recipe += "".join(f"--{k.replace('_', '-')} {self.meta[k]} " for k in ("context_tokens", "split")
+                              if self.meta.get(k) is not None)
+        return f"sparrow prompts {recipe}--model {model or 'MODEL'} -o NEW.parquet"
 
     def use_reward(self, task: str) -> None:
         """Score every row by the reward `task` (rewards.py): rows of ours get the datasets' metadata
@@ -162,28 +239,35 @@ class PromptSet:
     def tokens(self) -> list[list[int]]:
         return [list(r["prompt_token_ids"]) for r in self.rows]
 
-    def tokenize(self, tokenizer, chat_template: bool = True) -> None:
+    def tokenize(self, tokenizer, chat_template: bool = True, model: str | None = None) -> None:
         """Token ids for the rows that have only text or chat messages (token ids, when present, win).
         Text goes through the model's chat template as one user message, as `sparrow prompts` formats it,
         unless `chat_template` is False or the text is formatted already (it ends with the template's
         generation prompt); chat messages always go through it, as TRL applies it, and `chat_template`
-        False (--raw-prompts) says once on stderr that it left them so. The row's text becomes what the
-        model sees. Rendered text is tokenized without special tokens (the template writes its own, as
-        `apply_chat_template(tokenize=True)` does); raw text with them (a BOS where the tokenizer adds
-        one), as TRL's GRPOTrainer and vLLM tokenize a text prompt."""
+        False (--raw-prompts) says once on stderr that it left them so. A tokenizer without a chat template
+        takes text as --raw-prompts sends it, and a note (naming `model`) says so once. The row's text
+        becomes what the model sees. Rendered text is tokenized without special tokens (the template
+        writes its own, as `apply_chat_template(tokenize=True)` does); raw text with them (a BOS where the
+        tokenizer adds one), as TRL's GRPOTrainer and vLLM tokenize a text prompt."""
         pending = [r for r in self.rows if not r.get("prompt_token_ids")]
         if not chat_template and tokenizer is not None and any(r.get("messages") for r in pending):
             print(f"warning: --raw-prompts applies to text prompts only; {self.path}'s chat-message prompts "
                   "go through the model's chat template", file=sys.stderr, flush=True)
+        templated = chat_template and bool(getattr(tokenizer, "chat_template", None))
+        if chat_template and tokenizer is not None and not templated and any(not r.get("messages")
+                                                                             for r in pending):
+            name = f"--model {model}" if model is not None else "the model"
+            _note(f"{name} has no chat template, so the text prompts of {self.path} go in as plain text, as "
+                  "--raw-prompts sends them")
         for r in pending:
             if r.get("messages"):
                 r["prompt"] = apply_messages(tokenizer, r["messages"], self.path, r["prompt_id"])
             elif tokenizer is None:
                 raise PromptError(f"{self.path}: prompt {r['prompt_id']!r} has only text and the model "
                                   "has no tokenizer; write prompts with token ids")
-            elif chat_template:
+            elif templated:
                 r["prompt"] = apply_chat_template(tokenizer, r["prompt"])
-            raw = not chat_template and not r.get("messages")
+            raw = not templated and not r.get("messages")
             r["prompt_token_ids"] = tokenizer(r["prompt"], add_special_tokens=raw).input_ids
 
     def check_fits(self, vocab_size: int, context: int, max_new_tokens: int) -> None:
@@ -192,9 +276,11 @@ class PromptSet:
         for r in rows:
             top = max(r["prompt_token_ids"])
             if top >= vocab_size:
+                made = (f"the file was tokenized for {self.made_for}, its metadata says" if self.made_for
+                        else "were the ids made with another tokenizer?")
                 raise PromptError(f"{self.path}: prompt {r['prompt_id']!r} has token id {top} in column "
                                   f"'prompt_token_ids', but the model's vocabulary has {vocab_size} tokens "
-                                  "(were the ids made with another tokenizer?)")
+                                  f"({made})")
         if not rows:
             return
         longest = max(rows, key=lambda r: len(r["prompt_token_ids"]))
@@ -205,19 +291,77 @@ class PromptSet:
                 f"of {context}")
 
 
+def _frame(tokenizer) -> tuple[str, str]:
+    """What the model's chat template writes before and after one user message, generation prompt
+    included."""
+    marker = "\x00"
+    framed = tokenizer.apply_chat_template([{"role": "user", "content": marker}], add_generation_prompt=True,
+                                           tokenize=False)
+    head, _, tail = framed.partition(marker)
+    return head, tail
+
+
 def apply_chat_template(tokenizer, text: str) -> str:
     """`text` as the model's chat template frames one user message for generation; unchanged when the
     tokenizer has no template or `text` already ends with the template's generation prompt."""
     if not getattr(tokenizer, "chat_template", None):
         return text
-    marker = "\x00"
-    framed = tokenizer.apply_chat_template([{"role": "user", "content": marker}], add_generation_prompt=True,
-                                           tokenize=False)
-    generation_prompt = framed.split(marker)[-1].strip()
+    generation_prompt = _frame(tokenizer)[1].strip()
     if generation_prompt and text.rstrip().endswith(generation_prompt):
         return text
     return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                          tokenize=False)
+
+
+def user_message(tokenizer, text: str) -> str | None:
+    """The user message of `text` when it is one user message framed by `tokenizer`'s chat template for
+    generation, as `sparrow prompts` writes it; None for any other text."""
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    head, tail = _frame(tokenizer)
+    if len(text) < len(head) + len(tail) or not (text.startswith(head) and text.endswith(tail)):
+        return None
+    return text[len(head):len(text) - len(tail)]
+
+
+def _artifact_meta(table) -> dict:
+    """A prompts artifact's metadata ({} for a file without it, or with unreadable metadata)."""
+    try:
+        return artifact_metadata(table)
+    except ArtifactError:
+        return {}
+
+
+def _tokenizer_of(spec: str):
+    """The tokenizer of a recorded --model, or None where it no longer resolves (a relative path read
+    from another folder, a moved checkpoint) or has none."""
+    from ..model.loading import spec_tokenizer
+
+    try:
+        return spec_tokenizer(spec)
+    except (ValueError, OSError, KeyError, ImportError):
+        return None
+
+
+def _same_vocabulary(a, b) -> bool:
+    """Two tokenizers whose ids mean the same tokens."""
+    return a is b or (len(a) == len(b) and a.get_vocab() == b.get_vocab())
+
+
+def _same_spec(a: str, b: str) -> bool:
+    """Two --model arguments that name the same preset (in any case), directory or file as written (no
+    files read)."""
+    from ..model.presets import PRESETS
+
+    if a.lower() in PRESETS or b.lower() in PRESETS:
+        return a.lower() == b.lower()
+    return os.path.abspath(os.path.expanduser(a)) == os.path.abspath(os.path.expanduser(b))
+
+
+def _base_name(spec: str) -> str:
+    """A --model's last path component (a preset's name), what tells models apart when a recorded one no
+    longer resolves: the same checkpoint may have moved since."""
+    return Path(spec.rstrip("/") or spec).name.lower()
 
 
 def apply_messages(tokenizer, messages: list[dict], path: Path, prompt_id: str) -> str:

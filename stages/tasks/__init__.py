@@ -49,14 +49,16 @@ def has_scorer(name: str | None) -> bool:
 
 
 def chat_format(tokenizer, user: str, system: str | None = None) -> tuple[str, list[int]]:
-    """The prompt text a model sees for one user message, and its token ids."""
+    """The prompt text a model sees for one user message, and its token ids: rendered by the chat
+    template (which writes its own special tokens), or for a model without one the plain text with the
+    tokenizer's special tokens (a BOS where it adds one), as vLLM and TRL tokenize a text prompt."""
     if getattr(tokenizer, "chat_template", None):
         messages = [{"role": "system", "content": system}] if system else []
         messages.append({"role": "user", "content": user})
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    else:
-        text = f"{system}\n\n{user}" if system else user
-    return text, list(tokenizer(text, add_special_tokens=False).input_ids)
+        return text, list(tokenizer(text, add_special_tokens=False).input_ids)
+    text = f"{system}\n\n{user}" if system else user
+    return text, list(tokenizer(text, add_special_tokens=True).input_ids)
 
 
 def make_prompts(task: str | Task, n: int, seed: int, tokenizer, *, system: str | None = None,

@@ -413,7 +413,10 @@ def reward_fn_sha256(spec: str | None) -> str:
 def reward_provenance(reward: str | None, reward_fn: str | None) -> dict[str, str | None]:
     """What scored rewards, under the keys every artifact and run config records it by: `reward`
     (--reward's name), `reward_fn` (--reward-fn's path.py:function) and `reward_fn_sha256`. Both None:
-    each prompt's own task scorer."""
+    each prompt's own task scorer. The file is named by its absolute path."""
+    if reward_fn:
+        file, _, function = reward_fn.rpartition(":")
+        reward_fn = f"{Path(file).expanduser().absolute()}:{function}"
     return {"reward": reward, "reward_fn": reward_fn, "reward_fn_sha256": reward_fn_sha256(reward_fn)}
 
 

@@ -37,9 +37,9 @@ class TrainInputs:
 def read_prompts(cfg: TrainConfig, inputs: TrainInputs, tokenizer) -> tuple[list[PromptRow],
                                                                            list[PromptRow] | None]:
     chat = not cfg.raw_prompts
-    rows = load_prompts(inputs.prompts, tokenizer, chat, inputs.data)
+    rows = load_prompts(inputs.prompts, tokenizer, chat, inputs.data, model=cfg.model)
     held_out = None if inputs.eval_prompts is None else load_prompts(inputs.eval_prompts, tokenizer, chat,
-                                                                      inputs.data)
+                                                                      inputs.data, model=cfg.model)
     return rows, held_out
 
 
