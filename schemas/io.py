@@ -26,7 +26,7 @@ Design decisions:
 - Where a write lands is `locations.output_target`: a symlink's target (the link survives), never a
   FIFO or device; `-` is stdout (the whole file is written to a temporary file first, then copied, so
   a pipe gets a valid Parquet file or nothing). A folder that cannot be created or written is an
-  ArtifactError naming it.
+  ArtifactError naming it; so is a stdout that cannot be written (full, closed, an I/O error).
 """
 
 from __future__ import annotations
@@ -121,11 +121,7 @@ def _write(path: Path, write: Callable[[BinaryIO], object]) -> None:
         with tempfile.TemporaryFile() as f:
             write(f)
             f.seek(0)
-            try:
-                shutil.copyfileobj(f, sys.stdout.buffer)
-                sys.stdout.buffer.flush()
-            except BrokenPipeError:
-                raise ArtifactError("stdout was closed before the whole file was written to it") from None
+            _copy_to_stdout(f)
         return
     target = output_target(path)
     tmp = _temporary(target, "tmp")
@@ -145,6 +141,32 @@ def _write(path: Path, write: Callable[[BinaryIO], object]) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def _copy_to_stdout(f: BinaryIO) -> None:
+    """The whole file `f` onto stdout. A failure (its reader gone, a full disk, a closed stdout) is an
+    ArtifactError, stdout then pointed at /dev/null so that Python's flush at exit does not fail again."""
+    if sys.stdout is None:
+        raise ArtifactError("cannot write stdout (it is closed)")
+    try:
+        shutil.copyfileobj(f, sys.stdout.buffer)
+        sys.stdout.buffer.flush()
+    except BrokenPipeError:
+        raise ArtifactError("stdout was closed before the whole file was written to it") from None
+    except OSError as e:
+        _drop_stdout()
+        raise ArtifactError(f"cannot write stdout ({e.strerror or first_line(e)})") from None
+
+
+def _drop_stdout() -> None:
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, sys.stdout.fileno())
+        finally:
+            os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # not a real file (under a test runner)
+        pass
 
 
 def _temporary(path: Path, kind: str) -> Path:

@@ -25,12 +25,28 @@ from . import (  # noqa: E402
     sql,
     train,
 )
-from .common import Command, Group, drop_stream  # noqa: E402
+from .common import (  # noqa: E402
+    Command,
+    Group,
+    StdoutFailed,
+    drop_stream,
+    say_error,
+    stopped,
+    writing_stdout,
+)
 from .output import write_out  # noqa: E402
 
 
 class Sparrow(Group):
-    """The `sparrow` command: its subcommands run with `main`'s rule for a reader that stops early."""
+    """The `sparrow` command: its subcommands run with `main`'s rules for stdout and for Ctrl-C, also
+    while their options are read (an input spooled from a slow pipe) and outside a command's own
+    handling (`common.friendly_errors`)."""
+
+    def make_context(self, *args, **kwargs):
+        try:  # reading the command line imports more (typer's own coercion): click would exit 130 silently
+            return super().make_context(*args, **kwargs)
+        except KeyboardInterrupt:
+            stopped()
 
     def invoke(self, ctx):
         try:
@@ -38,6 +54,11 @@ class Sparrow(Group):
         except BrokenPipeError:  # main's rule; what a command prints comes after what it writes
             drop_stream(sys.stdout)
             return None
+        except StdoutFailed as e:
+            say_error(str(e))
+            sys.exit(2)
+        except KeyboardInterrupt:  # click would exit 130 without a word
+            stopped()
 
 
 app = typer.Typer(
@@ -48,6 +69,7 @@ app = typer.Typer(
     "`sparrow sql`.",
     no_args_is_help=True,
     add_completion=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
     pretty_exceptions_enable=False,
 )
 
@@ -84,5 +106,35 @@ def main() -> None:
     on to its end and exits 0, and says nothing of it on stderr. Every command writes its artifacts before
     it prints, so a closed stdout never costs a file: the consoles (common.MessageConsole.on_broken_pipe)
     and the plain writers (output.write_out) send the rest of the output to /dev/null, and
-    `Sparrow.invoke` does so for any other write, ending the command there."""
-    app()
+    `Sparrow.invoke` does so for any other write, ending the command there. Any other failure to write
+    stdout (a full disk, an I/O error, a closed stdout) is one "error: cannot write stdout (...)" line and
+    exit 2 (common.writing_stdout), also for --help and --version and for what is still buffered at the
+    end. Ctrl-C is one line and exit 130 (entry.main, which also covers the imports)."""
+    try:
+        app()
+    except StdoutFailed as e:  # --help, --version: written while the command line is read
+        _stdout_failed(e)
+    except SystemExit as e:
+        _flush_stdout()
+        raise SystemExit(e.code) from None
+    _flush_stdout()
+
+
+def _flush_stdout() -> None:
+    """What a command left buffered on stdout, written before Python's own flush at exit could fail on it
+    with a traceback-like report and exit 120."""
+    if sys.stdout is None:  # closed from the start: a command that printed has said so already
+        return
+    try:
+        with writing_stdout():
+            sys.stdout.flush()
+    except BrokenPipeError:
+        drop_stream(sys.stdout)
+    except StdoutFailed as e:
+        _stdout_failed(e)
+
+
+def _stdout_failed(error: StdoutFailed) -> None:
+    say_error(str(error))
+    sys.exit(2)
+

@@ -57,6 +57,14 @@ class MessageConsole(Console):
         command carries on to its end (a reader that stops early is not a failure; app.main)."""
         drop_stream(self.file)
 
+    def _check_buffer(self) -> None:
+        """Stdout's console fails as every stdout writer does (`writing_stdout`): a full disk, an I/O error
+        or a closed stdout is StdoutFailed, never a traceback nor a table silently dropped."""
+        if self.stderr or self._file is not None:
+            return super()._check_buffer()
+        with writing_stdout():
+            super()._check_buffer()
+
 
 UNBOUNDED_WIDTH = 100_000  # the width of a console that is not a terminal: wider than any table
 
@@ -72,6 +80,49 @@ def drop_stream(stream) -> None:
             os.close(devnull)
     except (OSError, ValueError):  # not a real file (under a test runner): nothing to redirect
         pass
+
+
+class StdoutFailed(Exception):
+    """Writing stdout failed other than by its reader stopping early: a full disk, an I/O error, a closed
+    stdout. The command ends with one sentence and exit 2 (`friendly_errors`, app.Sparrow, app.main); what
+    it wrote to files before is whole, since every artifact is written before anything is printed."""
+
+
+def stdout_failed(error: OSError | None = None) -> StdoutFailed:
+    """The StdoutFailed of `error` (None: stdout is closed). Stdout is pointed at /dev/null first, so that
+    what is still buffered does not fail again when Python flushes it at exit."""
+    if sys.stdout is not None:
+        drop_stream(sys.stdout)
+    reason = "it is closed" if error is None else error.strerror or first_words(error)
+    return StdoutFailed(f"cannot write stdout ({reason})")
+
+
+def first_words(error: BaseException) -> str:
+    """An exception's first line, for a message that quotes it."""
+    return (str(error).splitlines() or [type(error).__name__])[0]
+
+
+@contextmanager
+def writing_stdout() -> Iterator[None]:
+    """A block that writes stdout: a reader that stops early (BrokenPipeError) passes through to the
+    caller's rule (a reader that stops early is not a failure; app.main); any other OSError, or a closed
+    stdout, is StdoutFailed."""
+    if sys.stdout is None:
+        raise stdout_failed()
+    try:
+        yield
+    except BrokenPipeError:
+        raise
+    except OSError as e:
+        raise stdout_failed(e) from None
+
+
+def is_terminal(stream) -> bool:
+    """Whether `stream` (sys.stdin, sys.stdout) is a terminal; a closed one (None) is not."""
+    try:
+        return stream is not None and stream.isatty()
+    except (OSError, ValueError):  # a stream whose file descriptor is gone
+        return False
 
 
 def _literal_unless_own(tag: re.Match) -> str:
@@ -188,6 +239,10 @@ class Command(TyperCommand):
                               action="append" if param.multiple else "store", nargs=param.nargs)
         return parser
 
+    def format_help(self, ctx, formatter) -> None:
+        with writing_stdout():  # --help into a full disk or a closed stdout: one sentence
+            super().format_help(ctx, formatter)
+
 
 class Group(TyperGroup):
     """The `sparrow` command itself, its flags (--version, --help) shown as its subcommands' are."""
@@ -195,17 +250,26 @@ class Group(TyperGroup):
     def get_params(self, ctx) -> list:
         return _bare_flags(super().get_params(ctx))
 
+    def format_help(self, ctx, formatter) -> None:
+        with writing_stdout():
+            super().format_help(ctx, formatter)
+
 
 class UsageError(ValueError):
     """Bad input found before any work starts."""
 
 
 def fail(message: str, code: int = 2) -> NoReturn:
+    say_error(message)
+    raise typer.Exit(code)
+
+
+def say_error(message: str) -> None:
+    """The one "error: ..." line on stderr, every spooled input named as the user gave it."""
     from sparrow.schemas.locations import name_inputs
 
     # as Text: the message quotes user input (a path, a spec, a prompt) that no markup may touch
     console.print(Text.assemble(("error:", "bold red"), " ", name_inputs(message)), soft_wrap=True)
-    raise typer.Exit(code)
 
 
 def warn(message: str) -> None:
@@ -229,19 +293,27 @@ def friendly_errors(fn: Callable) -> Callable:
             with sigterm_as_interrupt(terminated):
                 return fn(*args, **kwargs)
         except (UsageError, ArtifactError, ModelSpecError, PromptError, PoolTooSmall, RewardError,
-                KeyError) as e:
+                StdoutFailed, KeyError) as e:
             fail(str(e.args[0]) if e.args else str(e))
         except KeyboardInterrupt as e:  # a stage may say what it kept and how to go on
-            said = str(e.args[0]) if e.args else "nothing half-written was left behind"
+            said = str(e.args[0]) if e.args else NOTHING_LEFT
             # a stage may stop on a signal itself (sql's query watch) and name it; else the handler's record
-            signum = getattr(e, "signum", signal.SIGTERM if terminated else signal.SIGINT)
-            what = "interrupted" if signum == signal.SIGINT else "terminated"
-            console.print(Text(f"{what}; {said}", style="yellow"))
-            sys.exit(128 + signum)
+            stopped(getattr(e, "signum", signal.SIGTERM if terminated else signal.SIGINT), said)
         finally:
             _stdout["taken"] = False  # per command (several run in one process under tests)
 
     return wrapper
+
+
+NOTHING_LEFT = "nothing half-written was left behind"
+
+
+def stopped(signum: int = signal.SIGINT, said: str = NOTHING_LEFT) -> NoReturn:
+    """The one line of a command stopped by a signal (`said`: what it kept and how to go on), and exit
+    128 + the signal, as the shell reports a signal's end."""
+    what = "interrupted" if signum == signal.SIGINT else "terminated"
+    console.print(Text(f"{what}; {said}", style="yellow"))
+    sys.exit(128 + signum)
 
 
 @contextmanager
@@ -279,15 +351,35 @@ def stage_errors() -> Iterator[None]:
         raise UsageError(str(e)) from None
 
 
-def check_device(device: str, remote: bool = False, indexed: bool = False) -> None:
-    """--device: cpu or cuda (cuda:N where `indexed`), and CUDA present here unless the work runs on a Ray
-    cluster (`remote`); one sentence otherwise, before any work. Shared by every command with --device."""
+DEVICE_HELP = ("cpu or cuda (cuda:0 is cuda; for another GPU, select it with CUDA_VISIBLE_DEVICES, e.g. "
+               "CUDA_VISIBLE_DEVICES=1 with --device cuda).")
+
+
+def parse_device(value: str) -> str:
+    """typer parser of every --device: cpu or cuda in any case, cuda:0 as cuda. The engine runs on the
+    current CUDA device (its kernels and CUDA graphs launch there), so another index is refused in one
+    sentence that says how to pick that GPU instead."""
+    device = value.strip().lower()
+    kind, colon, index = device.partition(":")
+    if kind == "cuda" and colon and index.isdigit():
+        if int(index) == 0:
+            return "cuda"
+        fail(f"--device {value}: Sparrow runs on the first visible GPU only; select GPU {int(index)} with "
+             f"CUDA_VISIBLE_DEVICES={int(index)} and pass --device cuda")
+    if device not in ("cpu", "cuda"):
+        fail(f"--device must be cpu or cuda (or cuda:0), got {value!r}")
+    return device
+
+
+def check_device(device: str, remote: bool = False) -> None:
+    """--device (already `parse_device`'s cpu or cuda) with CUDA present here, unless the work runs on a
+    Ray cluster (`remote`); one sentence otherwise, before any work. Shared by every command with
+    --device."""
     import torch
 
-    kind, _, index = device.partition(":")
-    if kind not in ("cpu", "cuda") or (index and not (indexed and kind == "cuda" and index.isdigit())):
-        raise UsageError(f"--device must be cpu or cuda{' (or cuda:N)' if indexed else ''}, got {device!r}")
-    if kind == "cuda" and not remote and not torch.cuda.is_available():
+    if device not in ("cpu", "cuda"):
+        raise UsageError(f"--device must be cpu or cuda (or cuda:0), got {device!r}")
+    if device == "cuda" and not remote and not torch.cuda.is_available():
         raise UsageError(f"--device {device} was given but no CUDA device is available")
 
 
@@ -352,7 +444,10 @@ def check_output(path: Path | None, kind: str | None, force: bool, flag: str = "
 
     if path is None:
         return
-    if is_stdio(path) and sys.stdout.isatty():
+    if is_stdio(path) and sys.stdout is None:
+        raise UsageError(f"{flag} - writes Parquet to stdout, which is closed here; give a file path, or "
+                         "redirect stdout to a file or a pipe")
+    if is_stdio(path) and is_terminal(sys.stdout):
         raise UsageError(f"{flag} - writes Parquet to stdout, which is a terminal here; redirect it to a "
                          "file or a pipe")
     try:
@@ -376,12 +471,50 @@ def check_output_dir(path: Path, what: str, ours: Callable[[Path], bool], force:
 
 def input_path(ctx: typer.Context, param: typer.CallbackParam, value: Path | None) -> Path | None:
     """typer callback of an artifact input: `-` is stdin, and stdin or a FIFO (such as /dev/stdin in a
-    pipe) is read whole first, since Parquet is read by seeking to its footer."""
+    pipe) is read whole first, since Parquet is read by seeking to its footer. Stdin on a terminal (a
+    forgotten pipe or `<`) would wait for typing forever, so it is refused at once, as `-o -` to a
+    terminal is; so is a closed stdin."""
     from sparrow.schemas import ArtifactError, spool_input
 
     if value is None or ctx.resilient_parsing:
         return value
+    flag = param.opts[0] if param.opts else param.name
+    check_input_stream(value, flag)
     try:
-        return spool_input(value, param.opts[0] if param.opts else param.name)
+        return spool_input(value, flag)
     except ArtifactError as e:
         fail(str(e))
+
+
+def check_input_stream(path: Path, flag: str) -> None:
+    """`-` with stdin closed or on a terminal, or a path that is a terminal (/dev/stdin, /dev/tty): one
+    sentence, before anything waits on it."""
+    from sparrow.schemas.locations import is_stdio
+
+    if is_stdio(path):
+        if sys.stdin is None:
+            fail(f"{flag} - reads stdin, which is closed here; pipe or redirect a Parquet or JSONL file "
+                 "into it, or give a file path")
+        if is_terminal(sys.stdin):
+            fail(f"{flag} - reads a Parquet or JSONL file from stdin, which is a terminal here; pipe or "
+                 "redirect a file into it, or give a file path")
+    elif _is_terminal_device(path):
+        fail(f"{flag} {path} is a terminal, not a Parquet or JSONL file; pipe or redirect a file into "
+             f"stdin, or give a file path")
+
+
+def _is_terminal_device(path: Path) -> bool:
+    """Whether `path` is a character device that is a terminal (opened without waiting or becoming this
+    process's controlling terminal); False for anything that cannot be opened so."""
+    import stat
+
+    try:
+        if not stat.S_ISCHR(os.stat(path).st_mode):
+            return False
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
+    except OSError:
+        return False
+    try:
+        return os.isatty(fd)
+    finally:
+        os.close(fd)

@@ -20,7 +20,14 @@ from .common import (
     stage_errors,
     warn,
 )
-from .options import check_gpu_memory, gpu_memory_option, non_negative_seed, option_given, output_path
+from .options import (
+    check_gpu_memory,
+    device_option,
+    gpu_memory_option,
+    non_negative_seed,
+    option_given,
+    output_path,
+)
 from .output import emit, format_option, resolve_format
 
 MEASURED_GRID = ("1,4", "1024,2048,4096", "dense,256,512")
@@ -63,8 +70,8 @@ def refuse_measuring_flags(ctx: typer.Context, hardware: str) -> None:
 def fit_cost(
     ctx: typer.Context,
     model: str = typer.Option("smollm2-135m", "--model", help="Preset, checkpoint dir or .gguf."),
-    device: str = typer.Option(None, "--device", help="Measure decode steps here: cpu or cuda "
-                               "(the default when --hardware is not given is cpu)."),
+    device: str = device_option(None, " Where the decode steps are measured (default cpu; not with "
+                                "--hardware)."),
     hardware: str = typer.Option(None, "--hardware", help="Write the analytic model of a hardware "
                                  "preset (h100, h200, a100) instead of measuring; it times nothing, so "
                                  "--repeats, --warmup, --threads, --seed and --gpu-memory-utilization are "
@@ -81,7 +88,9 @@ def fit_cost(
     warmup: int = typer.Option(2, "--warmup", help="Untimed steps per point before timing."),
     threads: int = typer.Option(None, "--threads", help="CPU threads for torch while timing (default: "
                                 "torch's own choice; 1 gives steadier timings on a shared machine)."),
-    seed: int = typer.Option(0, "--seed", callback=non_negative_seed),
+    seed: int = typer.Option(0, "--seed", callback=non_negative_seed,
+                             help="Seed of the random weights and random prompt tokens whose decode "
+                             "steps are timed."),
     gpu_memory_utilization: float = gpu_memory_option(),
     speculate: bool = typer.Option(False, "--speculate/--no-speculate", help="Also time the speculative "
                                    "verification forward (2 and 5 fed tokens per sample at every batch and "
@@ -140,7 +149,7 @@ def fit_cost(
     if threads is not None and threads < 1:
         raise UsageError(f"--threads must be at least 1, got {threads}")
     if device is not None:
-        check_device(device, indexed=True)
+        check_device(device)
     check_gpu_memory(gpu_memory_utilization)
     name, grid = model_name(model), Grid(b_list, c_list, k_list, warmup, repeats)
     if not hardware and (problem := grid_problem(cfg, grid, speculate)) is not None:

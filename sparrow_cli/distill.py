@@ -34,6 +34,7 @@ from .options import (
     check_sampling_memory,
     check_tail,
     default_threshold,
+    device_option,
     distilled_adapter,
     finite,
     given_path,
@@ -270,7 +271,9 @@ def distill(
     schedule: Path = typer.Option(None, "--schedule", callback=input_path, parser=given_path("--schedule"),
                                   metavar="<path>", help="The schedule the actor samples with."),
     budget: int = typer.Option(None, "--budget", help="The fixed budget the actor samples with (tokens)."),
-    steps: int = typer.Option(50, "--steps"),
+    steps: int = typer.Option(50, "--steps", help="Optimizer steps of the sparse actor's LoRA, at least 1, "
+                              "each on --trajectories-per-step trajectories (in turn, a new order each "
+                              "pass)."),
     batch_size: int = typer.Option(8, "--trajectories-per-step", "--batch-size", help="Trajectories per "
                                    "optimizer step (as train's --prompts-per-step counts prompts); at most "
                                    "the trajectories there are (the default: all of them where fewer). "
@@ -319,13 +322,15 @@ def distill(
                                       "--rollouts records); the objectives use it."),
     seed: int = typer.Option(0, "--seed", callback=non_negative_seed,
                              help="Sampling and batch order; eval trajectories use seed + 1."),
-    bin_width: int = typer.Option(512, "--bin-width"),
-    device: str = typer.Option("cpu", "--device", help="cpu or cuda (the actor's sampling and distillation "
-                               "on the GPU)."),
+    bin_width: int = typer.Option(512, "--bin-width", help="Position bin width in tokens of the before and "
+                                  "after mismatch (OUTPUT/mismatch/) and of the tail per bin, as profile's."),
+    device: str = device_option(also=" On cuda, the actor's sampling and the distillation run on the GPU."),
     dtype: str = typer.Option("auto", "--dtype", help="Base weights and KV cache: auto (bfloat16 on cuda, "
                               "float32 on cpu), float32 or bfloat16; the LoRA trains in fp32 either way."),
     gpu_memory_utilization: float = gpu_memory_option(),
-    quantile: float = typer.Option(TAIL_QUANTILE, "--quantile", callback=finite),
+    quantile: float = typer.Option(TAIL_QUANTILE, "--quantile", callback=finite,
+                                   help="Tail quantile of alpha per bin that the before/after summary shows "
+                                   "(as profile's)."),
     threshold: float = typer.Option(None, "--threshold", callback=finite, show_default=False,
                                     help="Tail threshold the summary marks (default: the calibration shipped "
                                     "for --model if there is one, else the published prior 0.86)."),

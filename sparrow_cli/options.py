@@ -10,7 +10,7 @@ from pathlib import Path
 
 import typer
 
-from .common import UsageError, console, fail, warn
+from .common import DEVICE_HELP, UsageError, console, fail, parse_device, warn
 
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 
@@ -29,6 +29,38 @@ def non_negative_seed(ctx: typer.Context, param: typer.CallbackParam, value: int
     if value is None or ctx.resilient_parsing or value >= 0:
         return value
     fail(f"--seed must be >= 0, got {value}")
+
+
+def top_k_off(ctx: typer.Context, param: typer.CallbackParam, value: int | None) -> int | None:
+    """typer callback of every --top-k: -1 (vLLM's "off") is 0, the engine's; below -1 is refused in one
+    sentence as the command line is read."""
+    if value is None or ctx.resilient_parsing or value >= 0:
+        return value
+    if value == -1:
+        return 0
+    fail(f"--top-k must be a number of tokens >= 1, or 0 or -1 for off, got {value}")
+
+
+TOP_K_HELP = ("Sample from the K most likely tokens only; 0 or -1 (vLLM's spelling) = off, the whole "
+              "vocabulary.")
+TOP_P_HELP = ("Nucleus sampling: sample from the fewest most likely tokens whose probabilities add up to P, "
+              "in (0, 1]; 1 = off, the whole vocabulary.")
+SAMPLE_SEED_HELP = ("Each sample draws from its own generator seeded from (seed, prompt, sample): the same "
+                    "--seed gives the same samples whatever --max-num-seqs or --workers, and another "
+                    "seed other samples (greedy, --temperature 0, draws nothing).")
+
+
+def top_k_option(also: str = ""):
+    return typer.Option(0, "--top-k", callback=top_k_off, help=TOP_K_HELP + also)
+
+
+def top_p_option(also: str = ""):
+    return typer.Option(1.0, "--top-p", callback=finite, help=TOP_P_HELP + also)
+
+
+def device_option(default: str | None = "cpu", also: str = ""):
+    """--device: cpu or cuda (cuda:0 is cuda; another index says to use CUDA_VISIBLE_DEVICES)."""
+    return typer.Option(default, "--device", parser=parse_device, help=DEVICE_HELP + also)
 
 
 def spec_kind_any_case(ctx: typer.Context, param: typer.CallbackParam, value: str | None) -> str | None:

@@ -36,7 +36,16 @@ from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
-from .common import UNBOUNDED_WIDTH, UsageError, console, drop_stream, out, stdout_taken
+from .common import (
+    UNBOUNDED_WIDTH,
+    UsageError,
+    console,
+    drop_stream,
+    is_terminal,
+    out,
+    stdout_taken,
+    writing_stdout,
+)
 
 FORMATS = ("table", "csv", "json", "tsv")
 FORMAT_HELP = ("table, csv, json or tsv on stdout, in any case (default: table on a terminal, tsv in a "
@@ -55,7 +64,7 @@ def format_option(artifact: bool = True):
 
 def resolve_format(fmt: str | None) -> str:
     if fmt is None:
-        return "table" if sys.stdout.isatty() else "tsv"
+        return "table" if is_terminal(sys.stdout) else "tsv"
     if fmt.lower() not in FORMATS:
         raise UsageError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
     return fmt.lower()
@@ -153,10 +162,12 @@ def emit(columns: Sequence[str], rows: Sequence[Sequence[object]], fmt: str, tit
 
 def write_out(text: str) -> None:
     """`text` on stdout, flushed. A reader that stops early (`| head`) is not a failure (app.main): the rest
-    goes to /dev/null and the command carries on."""
+    goes to /dev/null and the command carries on. Any other failure (a full disk, a closed stdout) is
+    StdoutFailed: one sentence and exit 2."""
     try:
-        sys.stdout.write(text)
-        sys.stdout.flush()
+        with writing_stdout():
+            sys.stdout.write(text)
+            sys.stdout.flush()
     except BrokenPipeError:
         drop_stream(sys.stdout)
 

@@ -44,6 +44,7 @@ from .options import (
     check_tail,
     check_workers,
     default_threshold,
+    device_option,
     distilled_adapter,
     eviction_from_flags,
     finite,
@@ -59,6 +60,8 @@ from .options import (
     set_threads,
     spec_kind_any_case,
     threads_option,
+    top_k_option,
+    top_p_option,
 )
 from .output import emit, format_option, resolve_format
 
@@ -115,8 +118,8 @@ def profile(
                                       help="Sampling temperature (0 = greedy; "
                                       "default 1, or what a --rollouts artifact records); alpha is "
                                       "measured at this temperature (1 when greedy)."),
-    top_p: float = typer.Option(1.0, "--top-p", callback=finite),
-    top_k: int = typer.Option(0, "--top-k", help="0 = off (as rollout's)."),
+    top_p: float = top_p_option(" As rollout's."),
+    top_k: int = top_k_option(" As rollout's."),
     seed: int = typer.Option(0, "--seed", callback=non_negative_seed, help="Each sample draws from its "
                              "own generator seeded from (seed, prompt, sample): the same trajectories as "
                              "sparrow rollout --seed."),
@@ -148,7 +151,7 @@ def profile(
                               "sparse scores are the learner's. With --adapter (train --distill-sparse's "
                               "RUN/sparse_adapter) the sparse side is the learner plus that actor. Recorded "
                               "as the artifact's lora (sparrow sql: source_lora)."),
-    device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
+    device: str = device_option(),
     dtype: str = typer.Option("auto", "--dtype", help="Weights and KV cache: auto (bfloat16 on cuda, float32 "
                               "on cpu), float32 or bfloat16; the scores are fp32 either way (fp32 head)."),
     random_weights: bool = typer.Option(False, "--random-weights/--no-random-weights",

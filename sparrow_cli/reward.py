@@ -35,12 +35,14 @@ UNSAFE_HELP = ("Where no sandbox can run (no user namespaces, no bwrap), run cod
 
 @friendly_errors
 def reward(
-    prompts: Path = typer.Option(..., "--prompts", callback=input_path, help="The prompts the completions "
-                                 "answer: a prompts artifact, any Parquet or JSONL file with its columns "
-                                 "(prompt_id, task, answer, metadata), or a verl or TRL dataset scored by "
-                                 "--reward or --reward-fn.", parser=given_path("--prompts")),
-    completions: Path = typer.Option(..., "--completions", callback=input_path, help="A rollouts artifact, "
-                                     "or any Parquet or JSONL file with columns prompt_id and text (and "
+    prompts: Path = typer.Option(..., "--prompts", callback=input_path,
+                                 help="The prompts the completions answer (- = stdin): a prompts artifact, "
+                                 "any Parquet or JSONL file with its columns (prompt_id, task, answer, "
+                                 "metadata), or a verl or TRL dataset scored by --reward or --reward-fn.",
+                                 parser=given_path("--prompts")),
+    completions: Path = typer.Option(..., "--completions", callback=input_path,
+                                     help="A rollouts artifact (- = stdin, for one of the two inputs), or "
+                                     "any Parquet or JSONL file with columns prompt_id and text (and "
                                      "optionally sample), from any sampler.",
                                      parser=given_path("--completions")),
     output: Path = typer.Option(..., "-o", "--output", help=output_help("the rewards artifact"),

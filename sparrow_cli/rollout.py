@@ -28,11 +28,13 @@ from .common import (
 )
 from .data_options import answer_column_option, data_options, reward_fn_option, reward_option
 from .options import (
+    SAMPLE_SEED_HELP,
     check_gpu_memory,
     check_host_memory,
     check_sampling_memory,
     check_speculative_schedule,
     check_workers,
+    device_option,
     distilled_adapter,
     finite,
     given_path,
@@ -47,6 +49,8 @@ from .options import (
     set_threads,
     sparsity_policy,
     threads_option,
+    top_k_option,
+    top_p_option,
 )
 from .output import emit_record, format_option, resolve_format
 
@@ -122,10 +126,11 @@ def rollout(
                                 "sample a group of 4 per prompt."),
     max_new_tokens: int = typer.Option(256, "--max-new-tokens", help="Tokens generated at most per sample "
                                        "(vLLM's max_tokens)."),
-    temperature: float = typer.Option(1.0, "--temperature", callback=finite, help="0 = greedy."),
-    top_p: float = typer.Option(1.0, "--top-p", callback=finite),
-    top_k: int = typer.Option(0, "--top-k", help="0 = off."),
-    seed: int = typer.Option(0, "--seed", callback=non_negative_seed),
+    temperature: float = typer.Option(1.0, "--temperature", callback=finite, help="Sampling temperature, "
+                                      ">= 0 (0 = greedy: the most likely token at every step)."),
+    top_p: float = top_p_option(" Not with --engine vllm."),
+    top_k: int = top_k_option(" Not with --engine vllm."),
+    seed: int = typer.Option(0, "--seed", callback=non_negative_seed, help=SAMPLE_SEED_HELP),
     ignore_eos: bool = typer.Option(False, "--ignore-eos/--no-ignore-eos",
                                     help="Always generate --max-new-tokens."),
     max_batch: int = typer.Option(16, "--max-num-seqs", "--max-batch", help="Sequences (samples) decoded "
@@ -137,7 +142,7 @@ def rollout(
     lora: Path = typer.Option(None, "--adapter", "--lora", help="A peft LoRA adapter directory (e.g. "
                               "`sparrow train`'s RUN/adapter), merged into the weights; a sparse actor's "
                               "(sparrow distill's) only with --budget or --schedule."),
-    device: str = typer.Option("cpu", "--device", help="cpu or cuda (bf16, Triton kernels, CUDA graphs)."),
+    device: str = device_option(also=" On cuda: bfloat16, Triton kernels, CUDA graphs."),
     dtype: str = typer.Option("auto", "--dtype", help="Weights and KV cache: auto (bfloat16 on cuda, "
                               "float32 on cpu), float32 or bfloat16. bfloat16 decodes about 1.5x faster on "
                               "a CPU with AVX512-BF16; float32 matches teacher-forced scoring exactly."),
@@ -207,8 +212,6 @@ def rollout(
         raise UsageError(f"--temperature must be >= 0, got {temperature}")
     if not 0 < top_p <= 1:
         raise UsageError(f"--top-p must be in (0, 1], got {top_p}")
-    if top_k < 0:
-        raise UsageError(f"--top-k must be >= 0, got {top_k}")
     check_device(device, remote=bool(ray_address))
     if dtype not in DTYPES:
         raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
@@ -292,24 +295,44 @@ def _check_tokenizer(model: str, prompt_set) -> None:
 class _Bars:
     """A rollout's progress on stderr, bars on a terminal and whole lines for a log: the samples (with the
     token rate when `rate`; none when `what` is None), then the rewards, which are scored once sampling is
-    done."""
+    done. With `rate` the samples' bar and its clock start at the engine's first step, after the prompts
+    were read and tokenized and the model loaded: its elapsed time is the sampling's, and its tok/s counts
+    the tokens after that first step over the time since, as the summary's tokens / s counts sampling alone
+    (the first step's prefill aside). Without it (Ray workers, whose own loading is in their shards'
+    time), the bar shows from the start."""
 
     def __init__(self, bar: Progress, what: str | None, total: int, rate: bool) -> None:
-        self.bar, self.total, self.rate = bar, total, rate
-        self.start, self.tokens, self.done = time.perf_counter(), 0, 0
-        self.task = bar.add_task(what, total=total, rate="") if what is not None else None
-        self.log = LogProgress(what) if what is not None else None
+        self.bar, self.what, self.total, self.rate = bar, what, total, rate
+        self.tokens, self.done = 0, 0
+        self.start: float | None = None  # the first step's time, and the tokens then (the rate's origin)
+        self.tokens_at_start = 0
+        self.task, self.log = None, None
+        if what is not None and not rate:
+            self._show()
         self.scoring: tuple[object, LogProgress] | None = None
+
+    def _show(self) -> None:
+        self.task = self.bar.add_task(self.what, total=self.total, rate="")
+        self.log = LogProgress(self.what)
 
     def advance(self, finished: int, new_tokens: int) -> None:
         """Samples finished and tokens generated since the last call."""
         self.tokens += new_tokens
         self.done += finished
-        speed = self.tokens / max(time.perf_counter() - self.start, 1e-9)
-        info = f"{self.tokens} tokens, {speed:,.1f} tok/s" if self.rate else ""
-        if self.task is not None and self.log is not None:
-            self.bar.update(self.task, completed=self.done, rate=info)
-            self.log(self.done, self.total, info)
+        if self.what is None:
+            return
+        now = time.perf_counter()
+        if self.start is None:
+            self.start, self.tokens_at_start = now, self.tokens
+            if self.task is None:
+                self._show()
+        info = ""
+        if self.rate:
+            info = f"{self.tokens} tokens"
+            if now > self.start and self.tokens > self.tokens_at_start:
+                info += f", {(self.tokens - self.tokens_at_start) / (now - self.start):,.1f} tok/s"
+        self.bar.update(self.task, completed=self.done, rate=info)
+        self.log(self.done, self.total, info)
 
     def scored(self, done: int, total: int) -> None:
         """Samples rewarded so far, of `total`."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import csv
 import datetime as dt
+import itertools
 import json
 import math
 import os
@@ -24,15 +25,26 @@ from typing import Annotated
 import pyarrow as pa
 import typer
 from rich.cells import cell_len
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
 
 from sparrow.schemas.io import write_batches
-from sparrow.schemas.locations import QUERY_KEY
+from sparrow.schemas.locations import QUERY_KEY, is_stdio, special_kind
 from sparrow.stages.sql import DEFAULT_MEMORY, DEFAULT_TIMEOUT, Limits, QueryError, QueryLimit, parse_memory
 from sparrow.stages.sql import query as run_sql
 
-from .common import FORCE_HELP, UsageError, check_output, console, fail, friendly_errors, out, warn
+from .common import (
+    FORCE_HELP,
+    UsageError,
+    check_output,
+    console,
+    fail,
+    friendly_errors,
+    out,
+    stdout_failed,
+    warn,
+)
 from .options import output_path
 from .output import FORMAT_HELP, FORMAT_METAVAR, print_table, resolve_format, tsv_field
 
@@ -87,19 +99,23 @@ def sql(
         format = resolve_format(format)
     except UsageError as e:
         fail(str(e))
-    if output is not None and output.suffix != ".parquet" and str(output) != "-":
+    if output is not None and not is_stdio(output) and special_kind(output) is None \
+            and output.suffix != ".parquet":  # a device or FIFO: check_output names it
         fail(f"-o writes Parquet, so give a path ending in .parquet (not {output.name}); "
              f"use --format csv or json with a shell redirect for text")
     limits = _limits(memory_limit, timeout, max_rows)
     check_output(output, None, force)
+    # rows on a terminal's stdout stop the clock at the first batch; a file or a pipe's run to the end
+    until_first = output is None and format != "table" and out.is_terminal
     try:
-        with run_sql(run, query, limits, warn=warn) as result:
+        with _QueryClock() as clock, run_sql(run, query, limits, warn=warn) as result:
+            batches = clock.batches(result.batches, until_first)
             if output is not None:
-                rows = write_batches(_marked(result.schema, query), result.batches, output)
+                rows = write_batches(_marked(result.schema, query), batches, output)
                 console.print(f"wrote {rows} rows x {len(result.schema)} columns to "
                               f"{'stdout' if str(output) == '-' else output}", highlight=False, markup=False)
             else:
-                PRINTERS[format](result.schema, _capped(result.batches, max_rows))
+                PRINTERS[format](result.schema, _capped(batches, max_rows))
     except QueryLimit as e:
         fail(str(e))
     except QueryError as e:
@@ -108,6 +124,71 @@ def sql(
         fail(str(e))
     except BrokenPipeError:  # the reader stopped early (| head): not an error
         _drop_stdout()
+
+
+class _QueryClock:
+    """While a query runs, a spinner with its elapsed time (and the rows it has given) on stderr, when
+    stderr is a terminal; nothing anywhere else. Stdout is never touched: for rows printed on a terminal
+    (`until_first`) the clock stops once the first batch is in, before anything is printed; else it runs
+    until the last batch."""
+
+    def __init__(self) -> None:
+        self.bar = Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+                            console=console, transient=True, disable=not console.is_terminal,
+                            redirect_stdout=False, redirect_stderr=False)  # rows go to stdout as they are
+
+    def __enter__(self) -> _QueryClock:
+        self.bar.start()
+        self.task = self.bar.add_task("running the query", total=None)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.bar.stop()
+
+    def batches(self, batches: Iterator[pa.RecordBatch], until_first: bool) -> Iterator[pa.RecordBatch]:
+        """`batches` as they come, the clock following them; with `until_first`, the first one is read
+        (most of a query's time, for an aggregate) and the clock stopped before this returns."""
+        if not until_first:
+            return self._counted(batches)
+        batches = iter(batches)
+        first = next(batches, None)
+        self.bar.stop()
+        return batches if first is None else itertools.chain([first], batches)
+
+    def _counted(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        rows = 0
+        for batch in batches:
+            rows += batch.num_rows
+            self.bar.update(self.task, description=f"running the query: {rows:,} row{'s' * (rows != 1)}")
+            yield batch
+        self.bar.stop()
+
+
+class _Stdout:
+    """Stdout for the row printers: a failed write other than a reader stopping early (a full disk, an
+    I/O error, a closed stdout) is StdoutFailed, one sentence and exit 2; a BrokenPipeError passes to the
+    command's own rule."""
+
+    def __init__(self) -> None:
+        if sys.stdout is None:
+            raise stdout_failed()
+        self.stream = sys.stdout
+
+    def write(self, text: str) -> int:
+        try:
+            return self.stream.write(text)
+        except BrokenPipeError:
+            raise
+        except OSError as e:
+            raise stdout_failed(e) from None
+
+    def flush(self) -> None:
+        try:
+            self.stream.flush()
+        except BrokenPipeError:
+            raise
+        except OSError as e:
+            raise stdout_failed(e) from None
 
 
 def _marked(schema: pa.Schema, query: str) -> pa.Schema:
@@ -181,37 +262,39 @@ def _table(schema: pa.Schema, rows: list[dict], caption: str) -> None:
 
 def _print_tsv(schema: pa.Schema, batches: Iterator[pa.RecordBatch]) -> None:
     """One line per row, every value exact (output.tsv_field): NULL is \\N, text escaped."""
-    sys.stdout.write("\t".join(tsv_field(name) for name in schema.names) + "\n")
+    stdout = _Stdout()
+    stdout.write("\t".join(tsv_field(name) for name in schema.names) + "\n")
     for batch in batches:
         for row in _rows(batch):
-            sys.stdout.write("\t".join(tsv_field(_tsv_cell(v)) for v in row) + "\n")
-    sys.stdout.flush()
+            stdout.write("\t".join(tsv_field(_tsv_cell(v)) for v in row) + "\n")
+    stdout.flush()
 
 
 def _print_csv(schema: pa.Schema, batches: Iterator[pa.RecordBatch]) -> None:
-    writer = csv.writer(sys.stdout, lineterminator="\n")
+    stdout = _Stdout()
+    writer = csv.writer(stdout, lineterminator="\n")
     writer.writerow(schema.names)
     for batch in batches:
         for row in _rows(batch):
             writer.writerow(["" if v is None else json.dumps(_jsonable(v)) if isinstance(v, list | dict)
                              else _text_value(v) for v in row])
-    sys.stdout.flush()
+    stdout.flush()
 
 
 def _print_json(schema: pa.Schema, batches: Iterator[pa.RecordBatch]) -> None:
     """One JSON list of records, written as the rows come (closed also when --max-rows cuts it)."""
-    sep = ""
-    sys.stdout.write("[")
+    stdout, sep = _Stdout(), ""
+    stdout.write("[")
     try:
         for batch in batches:
             for record in batch.to_pylist():
-                sys.stdout.write(sep + json.dumps(_jsonable(record)))
+                stdout.write(sep + json.dumps(_jsonable(record)))
                 sep = ", "
     except TooManyRows:
-        sys.stdout.write("]\n")
+        stdout.write("]\n")
         raise
-    sys.stdout.write("]\n")
-    sys.stdout.flush()
+    stdout.write("]\n")
+    stdout.flush()
 
 
 def _rows(batch: pa.RecordBatch) -> Iterator[list]:

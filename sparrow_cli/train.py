@@ -25,6 +25,7 @@ from .options import (
     check_sampling_memory,
     check_speculative_schedule,
     check_workers,
+    device_option,
     finite,
     given_path,
     gpu_memory_option,
@@ -88,15 +89,21 @@ def train(
     kv_budget: int = kv_budget_option(),
     kv_window: int = kv_window_option(),
     kv_buffer: int = kv_buffer_option(),
-    steps: int = typer.Option(20, "--steps"),
-    prompts_per_step: int = typer.Option(4, "--prompts-per-step"),
+    steps: int = typer.Option(20, "--steps", help="Training steps (optimizer updates after each step's "
+                              "rollouts), at least 1; with --resume, the run's new total."),
+    prompts_per_step: int = typer.Option(4, "--prompts-per-step", help="Prompts each step rolls out, each "
+                                         "with --samples samples (the step's batch is their product); the "
+                                         "prompts are taken in turn, in a new order each pass."),
     samples: int = typer.Option(4, "--samples", "--num-generations", help="Samples per prompt: the GRPO "
                                 "group (TRL's num_generations)."),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", "--max-completion-length",
                                        help="Tokens sampled at most per sample (TRL's "
                                        "max_completion_length). Default 64: every step samples and "
                                        "backpropagates through them; rollout and profile default to 256."),
-    temperature: float = typer.Option(1.0, "--temperature", callback=finite),
+    temperature: float = typer.Option(1.0, "--temperature", callback=finite,
+                                      help="Sampling temperature of the rollouts, above 0 (0, greedy, is "
+                                      "refused: a group of identical samples has no reward spread to learn "
+                                      "from); the update's logprobs use it too."),
     ignore_eos: bool = typer.Option(False, "--ignore-eos/--no-ignore-eos",
                                     help="Every sample generates --max-new-tokens "
                                     "tokens (fixed-length steps, for timing)."),
@@ -140,7 +147,8 @@ def train(
                                      help="verl's bypass: the PPO ratio against the "
                                      "rollout logprobs instead of the dense recompute."),
     oversample: int = typer.Option(0, "--oversample", help="Roll out this many samples per prompt (more than "
-                                   "--samples) and keep the --samples of highest mean acceptance."),
+                                   "--samples) and keep the --samples of highest mean acceptance (0 = off: "
+                                   "roll out --samples)."),
     alpha_sequences: int = typer.Option(
         4, "--alpha-sequences", help="Sequences per step whose every token's alpha is computed exactly "
         "(full vocabulary, teacher-forced dense vs the run's sparsity) and logged as alpha_p5 / alpha_mean, "
@@ -151,17 +159,25 @@ def train(
                                   "verifies them, so every rollout is on-policy (no correction needed) and "
                                   "draft_acceptance is logged per step. 0 = off; not with --workers."),
     kl_coef: float = typer.Option(0.0, "--kl-coef", "--beta", callback=finite,
-                                  help="k3 KL to the initial policy (TRL's "
-                                  "beta)."),
+                                  help="Coefficient of the k3 KL to the initial policy (TRL's "
+                                  "beta); 0 = no KL term."),
     loss_agg: str = typer.Option(
         "token-mean", "--loss-agg", help="token-mean (over the batch's tokens; TRL's dapo) | "
         "seq-mean-token-mean (per sequence, then over sequences; grpo) | seq-mean-token-sum-norm (the sum "
         "over sequences x --max-new-tokens; dr_grpo) | bnpo (each micro-batch's token mean, averaged)."),
-    seed: int = typer.Option(0, "--seed", callback=non_negative_seed),
+    seed: int = typer.Option(0, "--seed", callback=non_negative_seed,
+                             help="Seeds the run: the prompts' order, the LoRA's initial weights and every "
+                             "step's samples (each from its own generator, per step, prompt and sample, as "
+                             "rollout's --seed)."),
     micro_batch: int = typer.Option(8, "--micro-batch", help="Sequences per forward/backward."),
-    ppo_epochs: int = typer.Option(1, "--ppo-epochs"),
-    checkpoint_every: int = typer.Option(10, "--checkpoint-every"),
-    eval_every: int = typer.Option(5, "--eval-every"),
+    ppo_epochs: int = typer.Option(1, "--ppo-epochs", help="Passes of the update over each step's "
+                                   "samples, at least 1 (TRL's num_iterations): 1 is on-policy GRPO, more "
+                                   "reuse the samples with the PPO clip."),
+    checkpoint_every: int = typer.Option(10, "--checkpoint-every", help="Save RUN/checkpoint (what --resume "
+                                         "continues from) every this many steps, at least 1; the last step "
+                                         "and an interrupted run always save one."),
+    eval_every: int = typer.Option(5, "--eval-every", help="With --eval-prompts: evaluate every this many "
+                                   "steps, at least 1; the start and the last step are always evaluated."),
     bin_width: int = typer.Option(512, "--bin-width", help="Position bin of the mismatch logs."),
     distill_sparse: bool = typer.Option(False, "--distill-sparse/--no-distill-sparse",
                                         help="DistillSparse: train a second LoRA "
@@ -174,7 +190,7 @@ def train(
     distill_kl_coef: float = typer.Option(0.001, "--distill-kl-coef", callback=finite,
                                           help="Its k3 coefficient toward the "
                                           "dense logprobs (published: 0.001)."),
-    device: str = typer.Option("cpu", "--device", help="cpu or cuda (Triton kernels, CUDA graphs)."),
+    device: str = device_option(also=" On cuda: Triton kernels, CUDA graphs."),
     dtype: str = typer.Option("auto", "--dtype", help="Weights and KV cache: auto (bfloat16 on cuda, "
                               "float32 on a CPU), float32 or bfloat16 (as profile's and rollout's)."),
     random_weights: bool = typer.Option(False, "--random-weights/--no-random-weights",
