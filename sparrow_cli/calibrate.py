@@ -52,8 +52,16 @@ def calibrate_threshold(
     mismatch_kl_limit: float = typer.Option(0.05, "--mismatch-kl-limit", callback=finite,
                                             help="Warn when the smoothed mismatch KL exceeds it (a "
                                             "diagnostic: never a collapse reason)."),
-    truncation_limit: float = typer.Option(0.5, "--truncation-limit", callback=finite),
-    repetition_limit: float = typer.Option(0.5, "--repetition-limit", callback=finite),
+    truncation_limit: float = typer.Option(
+        0.5, "--truncation-limit", callback=finite,
+        help="A run collapsed if its smoothed truncation rate (samples cut at --max-new-tokens) ends above "
+             "this, having risen at least 0.25 over its first window's mean (a rate high from the start says "
+             "nothing about training)."),
+    repetition_limit: float = typer.Option(
+        0.5, "--repetition-limit", callback=finite,
+        help="A run collapsed if its smoothed repetition rate (samples in which fewer than half of the "
+             "4-grams are distinct) ends above this, having risen at least 0.25 over its first window's "
+             "mean."),
     entropy_factor: float = typer.Option(3.0, "--entropy-factor", callback=finite,
                                          help="Collapsed if entropy ends above this x its start."),
     reward_margin: float = typer.Option(0.1, "--reward-margin", callback=finite,

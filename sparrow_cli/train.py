@@ -40,6 +40,8 @@ from .options import (
     set_threads,
     sparsity_policy,
     threads_option,
+    top_k_option,
+    top_p_option,
 )
 from .output import emit_record, resolve_format
 
@@ -104,6 +106,9 @@ def train(
                                       help="Sampling temperature of the rollouts, above 0 (0, greedy, is "
                                       "refused: a group of identical samples has no reward spread to learn "
                                       "from); the update's logprobs use it too."),
+    top_p: float = top_p_option(" As TRL's and verl's top_p, the logprobs the correction and the update read "
+                                "are of the whole distribution at --temperature (vLLM's raw logprobs)."),
+    top_k: int = top_k_option(" As --top-p, it shapes which tokens are sampled, not the logprobs."),
     ignore_eos: bool = typer.Option(False, "--ignore-eos/--no-ignore-eos",
                                     help="Every sample generates --max-new-tokens "
                                     "tokens (fixed-length steps, for timing)."),
@@ -259,7 +264,8 @@ def train(
     _check_lora(ctx, full, lora_rank, lora_alpha)
     _check_distill(ctx, distill_sparse, distill_rank, distill_alpha)
     cfg = TrainConfig(model=model, steps=steps, prompts_per_step=prompts_per_step, samples=samples,
-                      max_new_tokens=max_new_tokens, temperature=temperature, ignore_eos=ignore_eos, lr=lr,
+                      max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                      ignore_eos=ignore_eos, lr=lr,
                       lora_rank=0 if full else lora_rank, lora_alpha=lora_alpha, correction=correction,
                       kl_coef=kl_coef, seed=seed, micro_batch=micro_batch, ppo_epochs=ppo_epochs,
                       checkpoint_every=checkpoint_every, eval_every=eval_every, bin_width=bin_width,

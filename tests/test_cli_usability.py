@@ -647,7 +647,7 @@ def test_rollout_runs_on_the_threads_it_is_given(tmp_path):
 
 def test_profile_samples_with_top_k_as_rollout_does(tmp_path):
     """--top-k 1 at temperature 1 keeps only the most likely token: the greedy (--temperature 0)
-    trajectories, token for token; a negative --top-k is one sentence before any work."""
+    trajectories, token for token; a --top-k below -1 (vLLM's off) is one sentence before any work."""
     prompts = _token_prompts(tmp_path / "p.parquet", n=2, length=12)
     common_args = ["profile", "--model", "tiny-llama", "--prompts", str(prompts), "--budgets", "48",
                    "--samples", "2", "--max-new-tokens", "6", "--format", "tsv"]
@@ -660,8 +660,8 @@ def test_profile_samples_with_top_k_as_rollout_does(tmp_path):
                                                         ("position", "ascending")])
         tokens.append(table.column("token_id").to_pylist())
     assert tokens[0] == tokens[1] and len(tokens[0]) == 2 * 2 * 6
-    line = error_line(runner.invoke(app, [*common_args, "--top-k", "-1", "-o", str(tmp_path / "x.parquet")]))
-    assert line == "error: --top-k must be >= 0 (0 = off), got -1"
+    line = error_line(runner.invoke(app, [*common_args, "--top-k", "-2", "-o", str(tmp_path / "x.parquet")]))
+    assert line == "error: --top-k must be a number of tokens >= 1, or 0 or -1 for off, got -2"
     assert not (tmp_path / "x.parquet").exists()
 
 

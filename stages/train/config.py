@@ -21,6 +21,8 @@ class TrainConfig:
     samples: int = 4
     max_new_tokens: int = 64
     temperature: float = 1.0
+    top_p: float = 1.0  # nucleus sampling of the rollouts (1 = off); logprobs stay the untruncated ones
+    top_k: int = 0  # the k most likely tokens only (0 = off)
     ignore_eos: bool = False  # every sample generates max_new_tokens (fixed-length steps, for timing)
     lr: float = 1e-4
     lora_rank: int = 16  # 0 = full fine-tuning
@@ -73,6 +75,10 @@ class TrainConfig:
         if self.temperature == 0:
             raise ValueError("--temperature must be above 0, got 0: greedy samples of a prompt are all the "
                              "same, so no group has a reward spread for GRPO's advantage to learn from")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"--top-p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"--top-k must be >= 0 (0 = off), got {self.top_k}")
         if self.lr <= 0:
             raise ValueError(f"--lr must be positive, got {self.lr}")
         if self.speculate < 0:
@@ -107,6 +113,9 @@ class TrainConfig:
             if not self.lora_rank:
                 raise ValueError("--distill-sparse needs the learner to train a LoRA (not --full): the "
                                  "sparse adapter is a second peft adapter beside it")
+            if self.top_p < 1 or self.top_k:
+                raise ValueError("--distill-sparse's k3 estimator needs tokens drawn from the sparse actor's "
+                                 "whole distribution, which --top-p/--top-k cut; leave them at 1 and 0")
             if self.distill_rank < 1 or self.distill_lr_ratio <= 0 or self.distill_kl_coef < 0:
                 raise ValueError("--distill-rank must be >= 1, --distill-lr-ratio > 0 and --distill-kl-coef "
                                  ">= 0")

@@ -272,8 +272,9 @@ class Trainer:
     def _sampling(self, step: int) -> SamplingParams:
         cfg = self.cfg
         return SamplingParams(max_new_tokens=cfg.max_new_tokens, n=cfg.oversample or cfg.samples,
-                              temperature=cfg.temperature, seed=cfg.seed * 1_000_003 + step,
-                              logprobs=TOP_LOGPROBS, ignore_eos=cfg.ignore_eos)
+                              temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                              seed=cfg.seed * 1_000_003 + step, logprobs=TOP_LOGPROBS,
+                              ignore_eos=cfg.ignore_eos)
 
     def _rewards(self, prompts: list[PromptRow], groups) -> tuple[np.ndarray, dict[str, float] | None]:
         """[P, samples] from each task's scorer, and the step's means of what a user's reward function
@@ -320,8 +321,8 @@ class Trainer:
         step's, for both samplers, so their gap is not the seeds')."""
         cfg = self.cfg
         params = (SamplingParams(max_new_tokens=cfg.max_new_tokens, n=cfg.samples,
-                                 temperature=cfg.temperature, seed=cfg.seed * 1_000_003 + 1_000_002,
-                                 ignore_eos=cfg.ignore_eos) if sampled
+                                 temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                                 seed=cfg.seed * 1_000_003 + 1_000_002, ignore_eos=cfg.ignore_eos) if sampled
                   else SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=0.0))
         self.model.eval()
         rows = self.eval_prompts
