@@ -226,6 +226,10 @@ def rollout(
     adapter = load_actor(lora, cfg, model)  # one sentence for a bad adapter, before any weights load
     prompt_set = PromptSet.read(prompts, data)
     prompt_set.check_rewards()
+    if prompt_set.needs_tokenizer_for(model):  # ids made for another tokenizer are made again from the text
+        from sparrow.stages.model.loading import spec_tokenizer
+
+        prompt_set.match_model(model, spec_tokenizer(model), not raw_prompts)
     prompt_set.check_fits(cfg.vocab_size, cfg.max_position_embeddings, max_new_tokens)  # before weights
     total = len(prompt_set.rows) * samples
     hint = "roll out fewer samples per call, or split the prompts into several files"
