@@ -273,7 +273,8 @@ def rollout(
     with _progress("rollouts (samples)", total, rate=True) as bars:
         table, summary = write_rollouts(run, prompt_set, opts, not raw_prompts,
                                         lambda new, finished: bars.advance(finished, new),
-                                        on_loading=lambda: say_loading(model, device), on_scored=bars.scored)
+                                        on_loading=lambda: say_loading(model, device), on_scored=bars.scored,
+                                        on_tokenizing=_say_tokenizing)
     warn_first_token_stops(_lengths(table), max_new_tokens, raw_prompts)
     console.print(f"wrote {table.num_rows} rollouts to {output}")
     _warn_uncompressed(policy, summary)
@@ -294,6 +295,14 @@ def _check_tokenizer(model: str, prompt_set) -> None:
         console.print(f"[yellow]warning:[/] --model {model} has no tokenizer, so the samples have no text "
                       "and their task's scorer cannot reward them (text and reward are left null)",
                       highlight=False)
+
+
+TOKENIZING_NOTE = 1000  # prompts from which their tokenizing, seconds or minutes, is said before it starts
+
+
+def _say_tokenizing(count: int) -> None:
+    if count >= TOKENIZING_NOTE:
+        console.print(f"tokenizing {count:,} prompts with the model's tokenizer ...", highlight=False)
 
 
 class _Bars:

@@ -340,10 +340,12 @@ def check_kv_pages(opts: RolloutOptions, rows: list[dict]) -> None:
 def write_rollouts(run: RolloutRun, prompt_set, opts: RolloutOptions, chat: bool = True,
                    on_step: Callable[[int, int], None] | None = None,
                    on_loading: Callable[[], None] | None = None,
-                   on_scored: Scored | None = None) -> tuple[pa.Table, RolloutSummary]:
+                   on_scored: Scored | None = None,
+                   on_tokenizing: Callable[[int], None] | None = None) -> tuple[pa.Table, RolloutSummary]:
     """`run_rollouts` of the prompt set in this process, written to `run.output` with the summary in its
-    metadata. The prompts are tokenized and checked against the pool before the weights load
-    (`on_loading` is called just before); `on_scored` follows the rewards."""
+    metadata. The prompts are tokenized (`on_tokenizing(count)` first, when some need it) and checked
+    against the pool before the weights load (`on_loading` is called just before); `on_scored` follows
+    the rewards."""
     import torch
 
     from sparrow.schemas import write_artifact
@@ -352,6 +354,8 @@ def write_rollouts(run: RolloutRun, prompt_set, opts: RolloutOptions, chat: bool
     from .tasks.tokenizers import load_model_tokenizer
 
     tokenizer = load_model_tokenizer(run.model) if prompt_set.needs_tokenizer_for(run.model) else None
+    if tokenizer is not None and on_tokenizing is not None:
+        on_tokenizing(len(prompt_set.rows))
     rows = prompt_rows(prompt_set, tokenizer, chat, opts, run.model)
     if on_loading is not None:
         on_loading()
