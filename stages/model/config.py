@@ -8,6 +8,12 @@ whose frequencies are a fixed function of the position, which Qwen3 (yarn) and L
 checkpoints use, plus linear, become a `RopeScaling` that the decoder's rotary tables apply exactly as
 transformers does; any other type (dynamic NTK, whose frequencies change with the current sequence
 length, longrope, ...) is refused with one sentence naming the checkpoint and the type.
+
+What the decoder computes is fixed: SiLU-gated MLPs without bias, full causal attention in every layer,
+q/k/v bias for Qwen2 only. A config.json that asks for anything else (another `hidden_act`, a sliding
+window that is shorter than the context, `mlp_bias`, Llama's or Qwen3's `attention_bias`) is refused
+before any weight is read, in one sentence naming the file and the field, rather than run with other math
+than transformers and vLLM run.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
+ACTIVATION = "silu"  # the MLP's activation, the only one the decoder has
 HF_ARCHITECTURE_NAMES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
@@ -98,10 +105,14 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     rope_scaling: RopeScaling | None = None
+    hidden_act: str = ACTIVATION
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHITECTURES:
-            raise ValueError(f"unknown architecture {self.arch!r}; expected one of {ARCHITECTURES}")
+            raise ValueError(f"unknown architecture {self.arch!r}; Sparrow runs {supported_types()}")
+        if self.hidden_act != ACTIVATION:
+            raise ValueError(f"hidden_act {self.hidden_act!r} is not supported; Sparrow runs {ACTIVATION} "
+                             "MLPs only")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}"
@@ -154,13 +165,8 @@ class ModelConfig:
                 generation: dict | None = None) -> ModelConfig:
         """From a Hugging Face config.json dictionary (`source` names it in errors) and, when the
         checkpoint has one, its generation_config.json: the EOS ids are the union of both files'."""
+        check_supported(hf, source)
         model_type = hf.get("model_type", "llama")
-        if model_type not in ARCHITECTURES:
-            raise ValueError(
-                f"model_type {model_type!r} is not supported; expected one of {ARCHITECTURES}"
-            )
-        if model_type == "llama" and hf.get("attention_bias"):
-            raise ValueError("Llama checkpoints with attention_bias are not supported")
         eos = _ids(hf.get("eos_token_id")) + _ids((generation or {}).get("eos_token_id"))
         eos_ids = tuple(dict.fromkeys(eos))  # the union, config.json's first
         num_heads = hf["num_attention_heads"]
@@ -183,6 +189,7 @@ class ModelConfig:
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
             rope_scaling=RopeScaling.from_hf(hf, source),
+            hidden_act=_activation(hf),
         )
 
     def to_hf(self) -> dict:
@@ -201,7 +208,7 @@ class ModelConfig:
             "rms_norm_eps": self.rms_norm_eps,
             "tie_word_embeddings": self.tie_word_embeddings,
             "max_position_embeddings": self.max_position_embeddings,
-            "hidden_act": "silu",
+            "hidden_act": self.hidden_act,
             "torch_dtype": "float32",
         }
         if self.arch == "llama":
@@ -216,6 +223,56 @@ class ModelConfig:
         if self.rope_scaling is not None:
             hf["rope_scaling"] = self.rope_scaling.to_hf()
         return hf
+
+
+def supported_types(conjunction: str = "and") -> str:
+    """The model types that run, in words: "llama, qwen2 and qwen3"."""
+    return f"{', '.join(ARCHITECTURES[:-1])} {conjunction} {ARCHITECTURES[-1]}"
+
+
+def check_supported(hf: dict, source: str) -> None:
+    """Refuse, in one sentence naming `source` and the field, a config.json whose model the decoder would
+    compute differently from transformers: another model type, activation, bias layout or attention span."""
+    model_type = hf.get("model_type", "llama")
+    if model_type not in ARCHITECTURES:
+        raise ModelSpecError(f"{source}: model_type {model_type!r} is not supported; Sparrow runs "
+                             f"{supported_types()} checkpoints")
+    act = _activation(hf)
+    if act != ACTIVATION:
+        key = "hidden_act" if hf.get("hidden_act") else "hidden_activation"
+        raise ModelSpecError(f"{source}: {key} {act!r} is not supported; Sparrow runs {ACTIVATION} MLPs only")
+    if model_type in ("llama", "qwen3") and hf.get("attention_bias"):
+        raise ModelSpecError(f"{source}: attention_bias true is not supported for {model_type}; Sparrow runs "
+                             "attention projections without bias (q/k/v bias for qwen2 only)")
+    if model_type == "llama" and hf.get("mlp_bias"):
+        raise ModelSpecError(f"{source}: mlp_bias true is not supported; Sparrow runs MLPs without bias")
+    _check_sliding_window(hf, source)
+
+
+def _activation(hf: dict) -> str:
+    """The MLP activation a config.json names (transformers' default for these models: silu)."""
+    return str(hf.get("hidden_act") or hf.get("hidden_activation") or ACTIVATION)
+
+
+def _check_sliding_window(hf: dict, source: str) -> None:
+    """A sliding window shorter than the context, on any layer, is refused. The layers that slide are
+    found as transformers finds them: `layer_types` when given, else (Qwen2/Qwen3) every layer from
+    `max_window_layers` on when `use_sliding_window` is true."""
+    window, context = hf.get("sliding_window"), hf.get("max_position_embeddings", 8192)
+    types = hf.get("layer_types")
+    if isinstance(types, list):
+        sliding = [i for i, kind in enumerate(types) if kind == "sliding_attention"]
+        field_ = "layer_types"
+    else:
+        first = hf.get("max_window_layers")
+        first = 28 if first is None else int(first)  # transformers' default
+        sliding = (list(range(first, int(hf.get("num_hidden_layers") or 0)))
+                   if hf.get("use_sliding_window") else [])
+        field_ = "use_sliding_window"
+    if sliding and window is not None and window < context:
+        raise ModelSpecError(f"{source}: {field_} makes {len(sliding)} layer(s) attend over a sliding window "
+                             f"of {window} tokens (sliding_window), shorter than the context of {context}; "
+                             "Sparrow runs full causal attention in every layer")
 
 
 SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",

