@@ -356,7 +356,7 @@ def distill(
         DistillRun,
         distill_to_folder,
     )
-    from sparrow.stages.model.loading import DTYPES, resolve_config
+    from sparrow.stages.model.loading import canonical_dtype, resolve_config
 
     fmt = resolve_format(format)
     if (prompts is None) == (rollouts is None):
@@ -378,8 +378,10 @@ def distill(
     check_gpu_memory(gpu_memory_utilization)
     check_tail(quantile, threshold)
     check_device(device)
-    if dtype not in DTYPES:
-        raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    try:
+        dtype = canonical_dtype(dtype)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     check_output_dir(output, "an adapter written by sparrow distill", force=force, ours=distilled_adapter,
                      replaceable=lambda d: (d / "adapter_config.json").exists())
     hold_adapter_dir(output)

@@ -403,9 +403,9 @@ def random_weights_of(model: str, consequence: str) -> bool:
 
 def base_name(spec: str) -> str:
     """A model's name for comparison: a preset, or a checkpoint directory's (or a hub id's) last part."""
-    from sparrow.stages.model.loading import model_name
+    from sparrow.stages.model.loading import short_name
 
-    return model_name(spec.rstrip("/")).lower()
+    return short_name(spec.rstrip("/")).lower()
 
 
 def load_actor(path: Path | None, cfg, model: str | None = None, flag: str = "--adapter"):

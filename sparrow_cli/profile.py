@@ -176,7 +176,7 @@ def profile(
     set_threads(threads)
     from sparrow.stages.core.prompt_set import PromptSet
     from sparrow.stages.core.trajectories import read_rollouts
-    from sparrow.stages.model.loading import DTYPES, resolve_config, resolve_dtype
+    from sparrow.stages.model.loading import canonical_dtype, resolve_config, resolve_dtype
     from sparrow.stages.profile import (
         DRAFT_ALPHA_WITH_ADAPTER,
         SPECULATE_WITH_ADAPTER,
@@ -215,8 +215,10 @@ def profile(
     check_learner(lora)
     check_tail(quantile, threshold)
     check_device(device, remote=bool(ray_address))
-    if dtype not in DTYPES:
-        raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    try:
+        dtype = canonical_dtype(dtype)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     check_workers(workers, ray_address, output)
     check_output(output, "mismatch", force, parts=bool(workers))
     resolved = default_threshold(threshold, model, quantile)

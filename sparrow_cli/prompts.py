@@ -102,7 +102,7 @@ def prompts(
 ) -> None:
     """Generate prompts with verifiable answers for a task, formatted with the model's chat template."""
     from sparrow.schemas import write_artifact
-    from sparrow.stages.model.loading import resolve_config
+    from sparrow.stages.model.loading import model_name, resolve_config
     from sparrow.stages.tasks.tokenizers import load_model_tokenizer
 
     spec = get_task(task.lower())
@@ -126,7 +126,7 @@ def prompts(
     finally:
         progress.close()
 
-    metadata = {"task": spec.name, "n": n, "seed": seed, "model": model}
+    metadata = {"task": spec.name, "n": n, "seed": seed, "model": model_name(model)}
     if context is not None:
         metadata["context_tokens"] = context
     if split is not None:

@@ -183,7 +183,7 @@ def rollout(
     from sparrow.stages.backends.vllm_sampler import vllm_checkpoint
     from sparrow.stages.core.prompt_set import PromptSet
     from sparrow.stages.engine import DecodeStep, SamplingParams
-    from sparrow.stages.model.loading import DTYPES, resolve_config, resolve_dtype
+    from sparrow.stages.model.loading import canonical_dtype, resolve_config, resolve_dtype
     from sparrow.stages.rollout import (
         RolloutOptions,
         RolloutRun,
@@ -213,8 +213,10 @@ def rollout(
     if not 0 < top_p <= 1:
         raise UsageError(f"--top-p must be in (0, 1], got {top_p}")
     check_device(device, remote=bool(ray_address))
-    if dtype not in DTYPES:
-        raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    try:
+        dtype = canonical_dtype(dtype)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     dtype_name = str(resolve_dtype(dtype, device)).removeprefix("torch.")
     check_workers(workers, ray_address, output)
     if workers and reward_fn:

@@ -682,7 +682,7 @@ def test_train_takes_dtype_as_profile_and_rollout_do(tiny_chat, tmp_path, monkey
     bad = tmp_path / "bad"
     line = error_line(runner.invoke(app, _train_args(tiny_chat, prompts, bad, "--steps", "1", "--dtype",
                                                      "float16")))
-    assert line == "error: --dtype must be one of auto, float32, bfloat16, got 'float16'"
+    assert line == "error: --dtype float16: float16 is not supported; use bfloat16 (or float32)"
     assert loaded_as == [] and not bad.exists()
     run = tmp_path / "run"
     r = runner.invoke(app, _train_args(tiny_chat, prompts, run, "--steps", "1", "--dtype", "bfloat16"))

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from ..core.sparsity import as_policy, parse_sparsity
 from ..kv_policies import KVPolicy
 from ..model.config import ModelConfig
-from ..model.loading import DTYPES
+from ..model.loading import canonical_dtype
 from . import objective as grpo
 
 
@@ -65,8 +65,7 @@ class TrainConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        self.dtype = canonical_dtype(self.dtype)
         if self.samples < 2:
             raise ValueError(f"--samples must be at least 2, got {self.samples}: GRPO's advantage is a "
                              "sample's reward against its group's, so a group of one sample learns nothing")
