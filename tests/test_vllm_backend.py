@@ -73,6 +73,16 @@ def test_vllm_checkpoint_is_a_loadable_directory():
         vllm_checkpoint("model.gguf")
 
 
+def test_vllm_checkpoint_expands_the_home_directory(tmp_path, monkeypatch):
+    """`~/ckpt` names the folder under $HOME, as --model reads it for our engine."""
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    for name in ("config.json", "tokenizer_config.json"):
+        (folder / name).write_text("{}")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert vllm_checkpoint("~/ckpt") == folder
+
+
 # ---------------------------------------------------------------------------- with vLLM installed
 
 

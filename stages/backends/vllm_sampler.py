@@ -46,7 +46,7 @@ def vllm_checkpoint(spec: str) -> Path:
             raise ModelSpecError(f"--engine vllm: preset {preset.name!r} has no weights; pass a Hugging "
                                  "Face checkpoint directory to --model")
         return embedded_checkpoint(preset.name)
-    path = Path(spec)
+    path = Path(spec).expanduser()  # as load_model reads it
     if not path.is_dir():
         raise ModelSpecError(f"--engine vllm reads a Hugging Face checkpoint directory (config.json, "
                              f"safetensors, tokenizer files), not {spec!r}")
