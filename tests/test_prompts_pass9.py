@@ -182,3 +182,38 @@ def test_metadata_names_the_prompts_by_absolute_path(tmp_path, monkeypatch):
                             "-o", "m2.parquet", "--threads", "1"])
     assert r.exit_code == 0, r.output
     assert artifact_metadata(tmp_path / "m2.parquet")["rollouts"] == str((tmp_path / "r.parquet").resolve())
+
+
+# ---------------------------------------------------------------- a damaged footer, refused alike
+
+def _damaged_meta(path: Path) -> Path:
+    """`path` rewritten with its `sparrow.meta` footer entry no longer a JSON object."""
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(path)
+    pq.write_table(table.replace_schema_metadata({**table.schema.metadata, b"sparrow.meta": b"{not json"}),
+                   path)
+    return path
+
+
+@pytest.mark.parametrize("kind", ["prompts", "rollouts"])
+def test_a_prompts_or_rollouts_artifact_with_damaged_metadata_is_refused(tmp_path, kind):
+    """As a profile already was: the record a stage reads from the metadata (the model prompts were made for,
+    the prompts rollouts were sampled from) is not silently dropped."""
+    prompts = write_artifact([{"prompt_id": "p0", "task": "basic_arithmetic", "prompt": "What is 1 + 1?",
+                               "prompt_token_ids": None, "answer": "2", "metadata": None}],
+                             tmp_path / "p.parquet", "prompts", metadata={"model": "smollm2-135m"})
+    if kind == "prompts":
+        bad = _damaged_meta(prompts)
+        args = ["rollout", "--prompts", str(bad), "--max-new-tokens", "2", "-o", str(tmp_path / "r.parquet")]
+    else:
+        rollouts = write_artifact([{"prompt_id": "p0", "sample": 0, "prompt_token_ids": [1, 2],
+                                    "token_ids": [3], "text": "2", "logprobs": [-0.5], "budgets": [0],
+                                    "finish_reason": "length"}], tmp_path / "r.parquet", "rollouts")
+        bad = _damaged_meta(rollouts)
+        args = ["reward", "--prompts", str(prompts), "--completions", str(bad), "-o",
+                str(tmp_path / "rw.parquet")]
+    line = error_line(runner.invoke(app, args))
+    assert line == f"error: {bad} has 'sparrow.meta' metadata that is not a JSON object", line
+    assert not (tmp_path / "rw.parquet").exists()
+    assert kind == "rollouts" or not (tmp_path / "r.parquet").exists()
