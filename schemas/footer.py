@@ -45,6 +45,12 @@ def artifact_metadata(table_or_path: pa.Table | pa.Schema | str | os.PathLike) -
     else:
         where = Path(table_or_path)
         schema = read_schema(artifact_parts(where)[0] if where.is_dir() else where)
+    return stage_metadata(schema, where)
+
+
+def stage_metadata(schema: pa.Schema, where: object) -> dict:
+    """`schema`'s `sparrow.meta` JSON object ({} when it has none); ArtifactError naming `where` (a file,
+    "the table") when it is not a JSON object."""
     raw = (schema.metadata or {}).get(KEY_META.encode())
     if raw is None:
         return {}

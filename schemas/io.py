@@ -57,7 +57,7 @@ from .artifacts import (
     ArtifactSpec,
     first_line,
 )
-from .footer import artifact_parts, json_text, kind_version, parquet_magic, read_schema
+from .footer import artifact_parts, json_text, kind_version, parquet_magic, read_schema, stage_metadata
 from .locations import is_stdio, output_target
 
 TableLike = pa.Table | pa.RecordBatch | Mapping[str, Sequence] | Sequence[Mapping[str, object]]
@@ -204,20 +204,6 @@ def _keep_access(replaced: Path, fd: int | None = None, new: Path | None = None)
         pass
 
 
-def _check_stage_metadata(schema: pa.Schema, path: Path) -> None:
-    """A Sparrow artifact's own metadata (`sparrow.meta`), when it has any, is a JSON object: every kind
-    is refused alike when it is not, as a damaged artifact, rather than read with its record dropped."""
-    raw = (schema.metadata or {}).get(KEY_META.encode())
-    if raw is None:
-        return
-    try:
-        meta = json.loads(raw)
-    except ValueError:
-        meta = None
-    if not isinstance(meta, dict):
-        raise ArtifactError(f"{path} has '{KEY_META}' metadata that is not a JSON object")
-
-
 def read_artifact(path: str | os.PathLike, kind: str | None = None) -> pa.Table:
     """Read and validate an artifact; `kind=None` accepts any known kind.
 
@@ -253,7 +239,7 @@ def read_artifact(path: str | os.PathLike, kind: str | None = None) -> pa.Table:
         hint = "upgrade Sparrow to read it" if _newer(version) else "regenerate it with this Sparrow"
         raise ArtifactError(f"{path} has version {version} of the '{found}' schema but this Sparrow reads "
                             f"only version {VERSION}, so {hint}")
-    _check_stage_metadata(schema, path)
+    stage_metadata(schema, path)  # a damaged record is refused for every kind, not read as empty
     try:
         table = pq.read_table(path)
     except (pa.ArrowException, OSError) as e:

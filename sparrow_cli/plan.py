@@ -276,9 +276,10 @@ def print_eviction_plan(result, fmt: str) -> None:
     threshold = result.resolved
     idle = [str(r["budget"]) for r in result.rows if not r["evicted"]]
     if idle:
-        console.print(f"KV budget{'s' if len(idle) > 1 else ''} {', '.join(idle)} never compressed a "
-                      "profiled sequence (no prompt plus its tokens outgrew it), so their alpha of 1 is the "
-                      "dense cache's: not planned; profile longer trajectories to judge them",
+        them, their = ("them", "their") if len(idle) > 1 else ("it", "its")
+        console.print(f"KV budget{'s' * (len(idle) > 1)} {', '.join(idle)} never compressed a profiled "
+                      f"sequence (no prompt plus its tokens outgrew {them}), so {their} alpha of 1 is the "
+                      f"dense cache's: not planned; profile longer trajectories to judge {them}",
                       highlight=False)
     if result.budget is None:
         console.print(f"no profiled {result.policy} budget keeps the tail at or above the threshold: "

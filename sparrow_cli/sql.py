@@ -44,6 +44,7 @@ from .common import (
     out,
     stdout_failed,
     warn,
+    writing_stdout,
 )
 from .options import output_path
 from .output import FORMAT_HELP, FORMAT_METAVAR, print_table, resolve_format, tsv_field
@@ -175,20 +176,12 @@ class _Stdout:
         self.stream = sys.stdout
 
     def write(self, text: str) -> int:
-        try:
+        with writing_stdout():
             return self.stream.write(text)
-        except BrokenPipeError:
-            raise
-        except OSError as e:
-            raise stdout_failed(e) from None
 
     def flush(self) -> None:
-        try:
+        with writing_stdout():
             self.stream.flush()
-        except BrokenPipeError:
-            raise
-        except OSError as e:
-            raise stdout_failed(e) from None
 
 
 def _marked(schema: pa.Schema, query: str) -> pa.Schema:

@@ -466,7 +466,7 @@ def evicted(spec: str | None, lengths: list[tuple[int, int]]) -> bool:
     if spec is None:
         return True
     policy = parse_eviction(spec)
-    return any(policy.first_compression(prompt) < scored - 1 for prompt, scored in lengths)
+    return any(policy.evicts_within(prompt, scored) for prompt, scored in lengths)
 
 
 def compare_published(hardware: str = "h200", threshold: float = PUBLISHED_SPEEDUP_THRESHOLD,

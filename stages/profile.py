@@ -369,7 +369,7 @@ def unevicted(mismatch: pa.Table, opts: ProfileOptions) -> list:
     """The scored eviction policies (under `opts.kv_compression`) that compressed no sequence of the
     mismatch table before its last generated token: a sequence of prompt P and G generated tokens feeds
     G - 1 of them when teacher forced, so a policy evicts something a token reads only when its first
-    compression comes after fewer fed tokens (`Eviction.first_compression`). Such a budget scores the
+    compression comes after fewer fed tokens (`Eviction.evicts_within`). Such a budget scores the
     dense cache, alpha 1, which says nothing about its eviction."""
     if opts.kv_compression is None or not mismatch.num_rows:
         return []
@@ -378,7 +378,7 @@ def unevicted(mismatch: pa.Table, opts: ProfileOptions) -> list:
     sequences = list(zip(lengths.column("position_min").to_pylist(),
                          lengths.column("position_count").to_pylist()))
     return [mode for mode in opts.modes()
-            if not any(mode.first_compression(prompt) < generated - 1 for prompt, generated in sequences)]
+            if not any(mode.evicts_within(prompt, generated) for prompt, generated in sequences)]
 
 
 def has_draft_alpha(mismatch: pa.Table) -> bool:

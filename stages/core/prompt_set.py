@@ -26,7 +26,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sparrow.schemas import ArtifactError, artifact_metadata, read_artifact
+from sparrow.schemas import artifact_metadata, read_artifact
 
 from .user_data import DataOptions, DatasetError, dataset_metadata, read_dataset
 
@@ -89,7 +89,7 @@ class PromptSet:
                 raise PromptError(f"{path} is a prompts file with its own 'answer' column; --answer-column "
                                   "names the answer of a verl or TRL dataset")
             table = read_artifact(path, "prompts")
-            meta = _artifact_meta(table)
+            meta = artifact_metadata(table)  # a damaged record was refused by read_artifact
             rows = table.select([c for c in COLUMNS if c in table.column_names]).to_pylist()
         if not rows:
             raise PromptError(f"{path}: the prompt set is empty")
@@ -324,14 +324,6 @@ def user_message(tokenizer, text: str) -> str | None:
     return text[len(head):len(text) - len(tail)]
 
 
-def _artifact_meta(table) -> dict:
-    """A prompts artifact's metadata ({} for a file without it, or with unreadable metadata)."""
-    try:
-        return artifact_metadata(table)
-    except ArtifactError:
-        return {}
-
-
 def _tokenizer_of(spec: str):
     """The tokenizer of a recorded --model, or None where it no longer resolves (a relative path read
     from another folder, a moved checkpoint) or has none."""
@@ -351,17 +343,17 @@ def _same_vocabulary(a, b) -> bool:
 def _same_spec(a: str, b: str) -> bool:
     """Two --model arguments that name the same preset (in any case), directory or file as written (no
     files read)."""
-    from ..model.presets import PRESETS
+    from ..model.loading import model_name
 
-    if a.lower() in PRESETS or b.lower() in PRESETS:
-        return a.lower() == b.lower()
-    return os.path.abspath(os.path.expanduser(a)) == os.path.abspath(os.path.expanduser(b))
+    return model_name(a) == model_name(b)
 
 
 def _base_name(spec: str) -> str:
     """A --model's last path component (a preset's name), what tells models apart when a recorded one no
     longer resolves: the same checkpoint may have moved since."""
-    return Path(spec.rstrip("/") or spec).name.lower()
+    from ..model.loading import short_name
+
+    return short_name(spec).lower()
 
 
 def apply_messages(tokenizer, messages: list[dict], path: Path, prompt_id: str) -> str:

@@ -72,6 +72,11 @@ class Eviction(KVPolicy):
         """Generated tokens fed when the first compression runs."""
         return max(1, self.capacity - prompt_len)
 
+    def evicts_within(self, prompt_len: int, generated: int) -> bool:
+        """Whether a teacher-forced sequence of `generated` tokens after its prompt (G - 1 of them fed)
+        has any token read a compressed cache: its first compression comes before the last one is fed."""
+        return self.first_compression(prompt_len) < generated - 1
+
     def cache_len(self, prompt_len: int, fed: int) -> int:
         first = self.first_compression(prompt_len)
         if fed < first:

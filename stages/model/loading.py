@@ -163,7 +163,7 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 @functools.lru_cache(maxsize=4)
 def _decoder_shapes(cfg: ModelConfig) -> tuple[tuple[str, tuple[int, ...]], ...]:
     """The decoder's tensors' shapes, from one built with uninitialised parameters (address space, no
-    page touched, a fraction of a second; not the meta device, whose first use imports torch._dynamo)."""
+    page touched; not the meta device, whose first use imports torch._dynamo)."""
     with uninitialised_parameters():
         model = Transformer(cfg)
     return tuple((k, tuple(v.shape)) for k, v in model.state_dict().items())

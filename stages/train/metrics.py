@@ -4,6 +4,7 @@ RUN/mismatch/step=NNNNN.parquet (every generated token's mismatch) and RUN/sched
 from __future__ import annotations
 
 import json
+import numbers
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -196,3 +197,18 @@ def write_schedule(run_dir: Path, schedule: Schedule, source: str) -> None:
 def read_metrics(run_dir: str | Path) -> tuple[list[dict], dict]:
     path = Path(run_dir) / "metrics.parquet"
     return read_artifact(path, "metrics").to_pylist(), artifact_metadata(path)
+
+
+def reward_extra_means(extras: Sequence[dict | None], logged: dict[str, float]) -> dict[str, float] | None:
+    """A step's means of what a user's reward function reported beside its scores: each numeric field of
+    its returned dicts (verl's reward_extra_info) or of its log_extra columns, over the completions that
+    have it, and each log_metric name's mean over what was logged (TRL's); non-finite values left out;
+    None when there is nothing."""
+    sums: dict[str, list[float]] = {}
+    for extra in extras:
+        for name, value in (extra or {}).items():
+            if isinstance(value, numbers.Real) and not isinstance(value, bool) and np.isfinite(value):
+                sums.setdefault(name, []).append(float(value))
+    means = {name: float(np.mean(values)) for name, values in sums.items()}
+    means.update({name: value for name, value in logged.items() if np.isfinite(value)})
+    return dict(sorted(means.items())) or None

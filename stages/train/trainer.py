@@ -38,6 +38,7 @@ from .metrics import (
     global_step,
     label,
     metrics_row,
+    reward_extra_means,
     write_metrics,
     write_mismatch,
     write_schedule,
@@ -458,17 +459,3 @@ def _check_launch(cfg: TrainConfig, world: World, pool: RolloutPool | None) -> N
 
 __all__ = ["SUMMARY_MEANS", "RunOptions", "Trainer"]
 
-
-def reward_extra_means(extras: Sequence[dict | None], logged: dict[str, float]) -> dict[str, float] | None:
-    """A step's means of what a user's reward function reported beside its scores: each numeric field of
-    its returned dicts (verl's reward_extra_info) or of its log_extra columns, over the completions that
-    have it, and each log_metric name's mean over what was logged (TRL's); non-finite values left out;
-    None when there is nothing."""
-    sums: dict[str, list[float]] = {}
-    for extra in extras:
-        for name, value in (extra or {}).items():
-            if isinstance(value, int | float) and not isinstance(value, bool) and np.isfinite(value):
-                sums.setdefault(name, []).append(float(value))
-    means = {name: float(np.mean(values)) for name, values in sums.items()}
-    means.update({name: value for name, value in logged.items() if np.isfinite(value)})
-    return dict(sorted(means.items())) or None
