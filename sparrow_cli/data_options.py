@@ -15,9 +15,22 @@ def answer_column_option():
                         "solution, ground_truth, target that the file has.")
 
 
+def _reward_name(value: str | None) -> str | None:
+    """--reward in any case, as --format is taken."""
+    return value.strip().lower() if value else value
+
+
+def _reward_fn_spec(value: str | None) -> str | None:
+    """--reward-fn as path.py:function, a file named alone meaning its compute_score (as in verl)."""
+    from sparrow.stages.tasks.rewards import reward_fn_spec
+
+    return reward_fn_spec(value) if value else value
+
+
 def reward_option():
-    return typer.Option(None, "--reward", help="Score every prompt with one reward instead of its task's "
-                        "scorer: math (math-verify of the completion against the ground truth, as verl's "
+    return typer.Option(None, "--reward", callback=_reward_name,
+                        help="Score every prompt with one reward instead of its task's scorer (any "
+                        "case): math (math-verify of the completion against the ground truth, as verl's "
                         "and TRL's math rewards) or code (the ground truth's tests, JSON with inputs, "
                         "outputs and fn_name for call tests or without it for stdin/stdout, run on the "
                         "completion's program in the sandbox; reward = the share passed). A verl or TRL "
@@ -25,11 +38,13 @@ def reward_option():
 
 
 def reward_fn_option():
-    return typer.Option(None, "--reward-fn", help="Score every prompt with your function, path.py:function, "
-                        "run in this process: verl's compute_score(data_source, solution_str, ground_truth, "
-                        "extra_info) returning a number or a dict with 'score' (its other fields are kept "
-                        "in the artifact's reward_extra), or TRL's f(prompts, completions, **columns) "
-                        "returning one number per completion; the signature tells which.")
+    return typer.Option(None, "--reward-fn", callback=_reward_fn_spec,
+                        help="Score every prompt with your function, path.py:function (a file alone: its "
+                        "compute_score, as verl's custom_reward_function; a file, not a module's dotted "
+                        "path), run in this process: verl's compute_score(data_source, solution_str, "
+                        "ground_truth, extra_info) returning a number or a dict with 'score' (its other "
+                        "fields are kept in the artifact's reward_extra), or TRL's f(prompts, completions, "
+                        "**columns) returning one number per completion; the signature tells which.")
 
 
 def data_options(answer_column: str | None, reward: str | None, reward_fn: str | None):

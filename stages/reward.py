@@ -5,12 +5,16 @@ Design decisions:
   scripts), a directory of Parquet parts (`rollout --workers`, read as every artifact directory is) or
   JSONL, read by their columns: `prompt_id` and `text` are needed, `sample` is optional (the row's rank
   within its prompt by default); other columns are ignored. A Sparrow artifact of another kind is
-  refused. A file that starts with Parquet's magic bytes is Parquet whatever its suffix. An integer
-  `prompt_id` is read as its text, as a dataset's integer ids are.
+  refused. A file that starts with Parquet's magic bytes is Parquet whatever its suffix; a gzip one is
+  refused with the command that decompresses it. `prompt_id` is read by the rule a dataset's ids are
+  (`user_data.prompt_id_text`): text, an integer as its text, a whole-number float (7.0, as pandas
+  stores an integer column with a missing value) as the integer's; a fraction or a null is refused,
+  naming the row.
 - JSONL is read line by line with `json`, keeping only those three keys, so a column nothing reads may
   change type from line to line, as other samplers' dumps do; each line is decoded as UTF-8 on its own
   (a bad byte names its line), and a UTF-8 byte order mark at the start of the file is skipped.
-- Prompt ids are `<file stem>-<row>` for a verl or TRL dataset, so two files with one stem share them.
+- Prompt ids are `<file stem>-<row>` for a verl or TRL dataset without a `prompt_id` column, so two files
+  with one stem share them.
   Rollouts record what they were sampled from, so a prompts file that is not it is refused: a prompt's
   token ids where both files have them; else the digest of its text or chat messages, which rollouts
   record for every prompt that had no token ids (`prompt_digests`; for rollouts written before, the
@@ -42,7 +46,7 @@ from sparrow.schemas.io import opens_json, utf8_lines
 from sparrow.schemas.locations import is_stdio
 
 from .core.prompt_set import PromptSet
-from .core.user_data import PARQUET_MAGIC
+from .core.user_data import GZIP_MAGIC, PARQUET_MAGIC, DatasetError, compressed, made_ids, prompt_id_text
 from .tasks import TASKS, get_task, has_scorer, judge_batch
 from .tasks.base import row_of
 from .tasks.extras import extra_json
@@ -52,7 +56,7 @@ COMPLETIONS = ArtifactSpec("completions", "completions of any sampler, read by t
     Col("sample", pa.int32(), nullable=True, range="[0, inf)"),
     Col("text", pa.string(), nullable=True),
 ))
-JSON_COLUMNS = {"prompt_id": (str | int, "text or an integer", pa.string()),
+JSON_COLUMNS = {"prompt_id": (str | int | float, "text or an integer", pa.string()),  # then by `_id`
                 "sample": (int, "an integer", pa.int64()), "text": (str, "text", pa.string())}
 REFUSED_KIND = "give rollouts, or any Parquet or JSONL file with columns 'prompt_id' and 'text'"
 
@@ -80,6 +84,10 @@ def _is_jsonl(path: Path) -> bool:
 def _table(path: Path) -> pa.Table:
     if not path.exists():
         raise ArtifactError(f"--completions {path}: no such file")
+    if path.is_file():
+        with open(path, "rb") as f:
+            if f.read(2) == GZIP_MAGIC:
+                raise ArtifactError(f"--completions {compressed(path)}")
     if path.is_dir():
         return _parts(path)
     if _is_jsonl(path):
@@ -127,6 +135,7 @@ def _json_lines(path: Path) -> pa.Table:
     """The completion columns of a JSON lines file, read line by line (module docstring)."""
     columns: dict[str, list] = {name: [] for name in JSON_COLUMNS}
     present: set[str] = set()
+    line_numbers = []  # the line of each object read
     try:
         lines = list(utf8_lines(path))
     except ArtifactError as e:
@@ -135,15 +144,19 @@ def _json_lines(path: Path) -> pa.Table:
         record = _json_line(line, path, n)
         if record is None:
             continue
+        line_numbers.append(n)
         present.update(name for name in JSON_COLUMNS if name in record)
         for name, (kind, what, _) in JSON_COLUMNS.items():
             value = record.get(name)
             if value is not None and (not isinstance(value, kind) or isinstance(value, bool)):
                 raise ArtifactError(f"--completions {path} line {n}: '{name}' is {_json_kind(value)}, "
                                     f"expected {what}")
-            columns[name].append(str(value) if name == "prompt_id" and value is not None else value)
-    if not columns["prompt_id"]:  # one entry per object read
+            columns[name].append(value)
+    if not line_numbers:
         raise ArtifactError(f"--completions {path} holds no completions (no JSON lines)")
+    if "prompt_id" in present:
+        columns["prompt_id"] = [_id(v, f"--completions {path} line {n}") for v, n in
+                                zip(columns["prompt_id"], line_numbers)]
     try:
         return pa.table({k: pa.array(v, JSON_COLUMNS[k][2]) for k, v in columns.items() if k in present})
     except (pa.ArrowException, UnicodeError) as e:
@@ -177,7 +190,7 @@ def _json_kind(value: Any) -> str:
 def read_completions(path: str | os.PathLike) -> list[Completion]:
     """The completions of a file (module docstring), validated; samples numbered where the file has none."""
     path = Path(path)
-    table = _integer_ids_as_text(_table(path))
+    table = _ids_as_text(_table(path), path)
     subject = f"--completions {path} (read by its columns)"
     if "text" not in table.column_names:
         raise ArtifactError(f"{subject} lacks column 'text' (the completion's text, which is scored)")
@@ -201,12 +214,27 @@ def read_completions(path: str | os.PathLike) -> list[Completion]:
     return out
 
 
-def _integer_ids_as_text(table: pa.Table) -> pa.Table:
-    """An integer `prompt_id` column as text, as a dataset's integer ids are read (`101` is "101")."""
-    if "prompt_id" not in table.column_names or not pa.types.is_integer(table.schema.field("prompt_id").type):
+def _ids_as_text(table: pa.Table, path: Path) -> pa.Table:
+    """The `prompt_id` column as text, read as a dataset's ids are (module docstring): `101` and `101.0`
+    are "101"; a fraction, a null or another value refused with its row."""
+    if "prompt_id" not in table.column_names:
         return table
     i = table.column_names.index("prompt_id")
-    return table.set_column(i, "prompt_id", table.column(i).cast(pa.string()))
+    column = table.column(i)
+    if column.null_count == 0 and (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
+        return table
+    if column.null_count == 0 and pa.types.is_integer(column.type):
+        return table.set_column(i, "prompt_id", column.cast(pa.string()))
+    ids = [_id(v, f"--completions {path}, {row_of(n)}") for n, v in enumerate(column.to_pylist())]
+    return table.set_column(i, "prompt_id", pa.array(ids, pa.string()))
+
+
+def _id(value: Any, where: str) -> str:
+    """A completion's prompt id, by the rule a dataset's ids are read (`user_data.prompt_id_text`)."""
+    try:
+        return prompt_id_text(value, where)
+    except DatasetError as e:
+        raise ArtifactError(str(e)) from None
 
 
 def _first_prompt_tokens(table: pa.Table) -> dict[int, tuple[int, ...]]:
@@ -226,7 +254,8 @@ def check_prompts(prompts: dict[str, dict], completions: list[Completion], promp
     for i, c in enumerate(completions):
         if c.prompt_id not in prompts:
             raise ArtifactError(f"--completions {completions_path}: prompt {c.prompt_id!r}, {row_of(i)}, is "
-                                f"not in --prompts {prompts_path} (column 'prompt_id'; {_some_ids(prompts)})")
+                                f"not in --prompts {prompts_path} ({_ids_from(prompts)}; "
+                                f"{_some_ids(prompts)})")
     check_sampled_from(prompts, completions, prompts_path, completions_path)
     for c in completions:
         row = prompts[c.prompt_id]
@@ -238,6 +267,13 @@ def check_prompts(prompts: dict[str, dict], completions: list[Completion], promp
             raise ArtifactError(f"--prompts {prompts_path}: prompt {c.prompt_id!r} has no answer (column "
                                 "'answer'), so its completions cannot be scored")
         _check_metadata(row, prompts_path)
+
+
+def _ids_from(prompts: dict[str, dict]) -> str:
+    """Where a prompts file's ids come from: its column, or its name and rows (a dataset without one)."""
+    if prompts and all(map(made_ids, prompts.values())):
+        return "it has no 'prompt_id' values, so its ids were made from the file's name and row"
+    return "column 'prompt_id'"
 
 
 def _some_ids(prompts: dict[str, dict]) -> str:

@@ -1,18 +1,24 @@
-"""A program cannot forge its HumanEval reward: every known way for the code under test to reach the
-verdict scores what its function's own return values earn, which for these programs is 0.
+"""A program cannot forge its reward: every known way for the code under test to reach the verdict scores
+what its function's own return values earn, which for these programs is 0.
 
 Each forging program solves `has_close_elements` (HumanEval/0: 7 asserts, 3 of them expect False) with a
 function that raises, so without the forgery it scores 0; the forgery tries to make the tests look
 passed. A correct solution still scores 1 next to them. Expected rewards come from the problem's test
 text (which asserts expect True or False), not from the scorer.
+
+The last section raises exceptions named as the host's own verdicts (`passed`, `wrong`, `AssertionError`,
+`_Timeout`) on every code reward (`code`, `humaneval`, `--reward code` call and stdin/stdout tests): a
+function that raises passes nothing and has no runnable-function credit, so each scores 0, status failed.
 """
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
 
+from sparrow.stages.tasks import code, rewards
 from sparrow.stages.tasks import sandbox as sb
 from sparrow.stages.tasks.humaneval import problems, verdict
 
@@ -253,3 +259,92 @@ def test_a_program_that_ignores_its_alarm_is_given_up_on_within_the_test_time(pr
     got = verdict(f"```python\n{program}```", _meta(problem))
     assert (got.reward, got.status) == (0.0, "timeout")
     assert time.monotonic() - start < 4.0  # one test's second and the grace, not the run's 8 s
+
+
+# ---------------------------------------------------------------- exception names are not verdicts
+
+FORGED_NAMES = ("passed", "wrong", "AssertionError", "_Timeout")
+BASES = ("Exception", "BaseException", "KeyboardInterrupt", "SystemExit")
+# How the function ends in the forged exception: raising it, or handing back a value whose conversion to
+# plain data (in the sandbox's server, after the function returned) raises it. A stdin/stdout program
+# hands back its output: it replaces io.StringIO, so the next run's output is such a value.
+RAISERS = {
+    "raise": "raise _Forged()",
+    "a returned str whose __str__ raises": "return _Str('x')",
+    "a returned list whose __iter__ raises": "return _List([1])",
+}
+
+
+def _forged(name: str, base: str) -> str:
+    return (f"_Forged = type({name!r}, ({base},), {{}})\n"
+            "class _Str(str):\n    def __str__(self):\n        raise _Forged()\n"
+            "class _List(list):\n    def __iter__(self):\n        raise _Forged()\n")
+
+
+def _forging(function: str, params: str, name: str, base: str, raiser: str) -> str:
+    return _forged(name, base) + f"def {function}({params}):\n    {RAISERS[raiser]}\n"
+
+
+def _forging_script(name: str, base: str, raiser: str) -> str:
+    if raiser == "raise":
+        return _forged(name, base) + "raise _Forged()\n"
+    return (_forged(name, base) + "import io\nclass _Out(io.StringIO):\n    def getvalue(self):\n"
+            f"        {RAISERS[raiser]}\nio.StringIO = _Out\n")
+
+
+def _fenced(program: str) -> str:
+    return f"```python\n{program}```"
+
+
+PALINDROMES = {"function": "is_palindrome", "cases": [["ab"], ["aba"], ["noon"]],
+               "expected": [False, True, True]}
+ADD_TESTS = json.dumps({"fn_name": "add", "inputs": [[1, 2], [3, 4]], "outputs": [3, 7]})
+SUM_TESTS = json.dumps({"inputs": ["1 2\n", "3 4\n"], "outputs": ["3\n", "7\n"]})
+
+
+def _score(route: str, name: str, base: str, raiser: str, problem: dict) -> tuple[float, str, int]:
+    """(reward, status, tests passed) of a program whose function ends in exception `name` on `route`."""
+    if route == "code":
+        got = code.judge(_fenced(_forging("is_palindrome", "word", name, base, raiser)), "", PALINDROMES)
+    elif route == "humaneval":
+        v = verdict(_fenced(_forging("has_close_elements", "numbers, threshold", name, base, raiser)),
+                    _meta(problem))
+        return v.reward, v.status, v.passed
+    elif route == "code-tests call":
+        got = rewards.code_judge(_fenced(_forging("add", "a, b", name, base, raiser)), ADD_TESTS)
+    else:  # stdin/stdout: the program is run as a script on each input, inside the host's call
+        got = rewards.code_judge(_fenced(_forging_script(name, base, raiser)), SUM_TESTS)
+    return got.reward, got.status, got.tests_passed
+
+
+ROUTES_OF_A_RAISE = ("code", "humaneval", "code-tests call", "code-tests stdin/stdout")
+
+
+@pytest.mark.parametrize("route", ROUTES_OF_A_RAISE)
+@pytest.mark.parametrize("name", FORGED_NAMES)
+def test_an_exception_named_as_a_verdict_is_an_exception(problem, route, name):
+    assert _score(route, name, "Exception", "raise", problem) == (0.0, "failed", 0)
+
+
+@pytest.mark.parametrize("route", ROUTES_OF_A_RAISE)
+@pytest.mark.parametrize("base", BASES[1:])
+def test_a_base_exception_named_passed_is_an_exception(problem, route, base):
+    assert _score(route, "passed", base, "raise", problem) == (0.0, "failed", 0)
+
+
+@pytest.mark.parametrize("route", ROUTES_OF_A_RAISE)
+@pytest.mark.parametrize("raiser", list(RAISERS)[1:])
+def test_a_returned_value_that_raises_passed_as_it_is_sent_is_an_exception(problem, route, raiser):
+    assert _score(route, "passed", "Exception", raiser, problem) == (0.0, "failed", 0)
+
+
+def test_honest_programs_still_score_by_their_values():
+    """A correct function earns 1 on each route; one that returns a wrong value earns the format credit
+    (0.1 of the published rule, docs/tasks.md) on `code`; `--reward code` gives none (its weight is 0)."""
+    right = "def is_palindrome(word):\n    return word == word[::-1]\n"
+    wrong = "def is_palindrome(word):\n    return 'no'\n"
+    assert code.judge(_fenced(right), "", PALINDROMES).reward == 1.0
+    assert code.judge(_fenced(wrong), "", PALINDROMES).reward == pytest.approx(0.1)
+    assert rewards.code_judge(_fenced("def add(a, b):\n    return a + b\n"), ADD_TESTS).reward == 1.0
+    summed = "a, b = map(int, input().split())\nprint(a + b)\n"
+    assert rewards.code_judge(_fenced(summed), SUM_TESTS).reward == 1.0

@@ -341,9 +341,10 @@ def test_train_records_what_a_reward_reports_beside_its_scores(tmp_path, source,
     assert [line["reward_extra"] for line in lines] == rows
 
 
-def test_reward_extra_means_take_numpy_numbers_and_leave_text_bools_and_nan_out():
-    """A verl function's numpy scalars count as numbers (np.float32 is no Python float); text, bools and
-    non-finite values are not averaged; a log_metric name takes TRL's mean of what was logged."""
+def test_reward_extra_means_take_numpy_numbers_and_bools_and_leave_text_and_nan_out():
+    """A verl function's numpy scalars count as numbers (np.float32 is no Python float) and its bools as
+    0/1, as verl's np.mean reads an `acc` field; text and non-finite values are not averaged; a
+    log_metric name takes TRL's mean of what was logged."""
     import numpy as np
 
     from sparrow.stages.train.metrics import reward_extra_means
@@ -351,5 +352,5 @@ def test_reward_extra_means_take_numpy_numbers_and_leave_text_bools_and_nan_out(
     extras = [{"acc": np.float32(1.0), "pred": "7", "ok": True, "x": float("nan")},
               {"acc": np.int64(0), "x": 2.0}, None]
     assert reward_extra_means(extras, {"my/pos": 2.0, "bad": float("inf")}) == \
-        {"acc": 0.5, "my/pos": 2.0, "x": 2.0}
+        {"acc": 0.5, "my/pos": 2.0, "ok": 1.0, "x": 2.0}
     assert reward_extra_means([None, {"pred": "7"}], {}) is None

@@ -25,7 +25,8 @@ Design decisions:
   a dataset's shards as the Hugging Face Hub keeps them (`train-00000-of-00002.parquet`...), read in
   name order as one dataset; a folder mixing the shards of several splits is refused with the splits.
   Other files (CSV, one JSON array, a lone Arrow file) are refused with the formats read and a one-line
-  conversion that needs only pyarrow or the standard library.
+  conversion that needs only pyarrow or the standard library; a gzip-compressed file (`.jsonl.gz`, which
+  `datasets` decompresses on the fly) with the `gunzip` command that gives a file read here.
 - `prompt` is text or a list of chat messages ({"role", "content"}); messages become text through the
   model's chat template when the prompts are tokenized, as TRL's GRPOTrainer applies it
   (`prompt_set.apply_messages`).
@@ -33,9 +34,18 @@ Design decisions:
   "columns", and "answer_column" when --answer-column names it}, which is what the rewards
   (`tasks/rewards.py`) pass to a user's function, check the ground truth by and use to name a row;
   values JSON has no type for (datetime, Decimal, bytes) travel tagged and reach the function as those
-  Python values (`tasks.extras.column_json`). Prompt ids are the file's `prompt_id` column (an integer
-  id as its text), else `<file stem>-<row>`. Rows count from 0, in the ids and in every message
+  Python values (`tasks.extras.column_json`). Prompt ids are the file's `prompt_id` column where some
+  row has one, else `<file stem>-<row>`. One rule reads the column here and in completions files
+  (`prompt_id_text`): text as it is, an integer as its digits, a float that is a whole number as the
+  integer's (pandas stores an integer column with a missing value as float64, so 7.0 is '7'); a
+  fraction, a null in a column of ids, or any other value is refused naming the file, the column and
+  the row, never given a made-up id. Rows count from 0, in the ids and in every message
   (`tasks.base.row_of`), as pyarrow and pandas count them.
+- Sparrow's models are text-only, so a multimodal dataset is refused before any weights load, whatever
+  form it takes (`_check_text_only`): TRL's (message content as a list of typed parts, or an `image` or
+  `images` column GRPOTrainer hands the processor) and verl's (an `images`, `videos` or
+  `multi_modal_data` column, or the `<image>`/`<video>` placeholders its processor replaces in the
+  prompt). Sampling the text alone would answer a question about a picture nobody sees.
 - A `save_to_disk` folder is read with pyarrow from its Arrow files (state.json lists them), so the
   `datasets` package is not needed; a DatasetDict folder is refused with the split folders to name.
 """
@@ -43,6 +53,7 @@ Design decisions:
 from __future__ import annotations
 
 import json
+import numbers
 import re
 import sys
 from collections.abc import Callable
@@ -57,6 +68,9 @@ OUR_COLUMNS = ("prompt_id", "task", "prompt", "prompt_token_ids", "answer", "met
 PARQUET_MAGIC = b"PAR1"
 _SHARD = re.compile(r"(?P<split>.+)-\d+-of-\d+\.parquet")  # the Hub's shard names
 FORMATS = "Parquet, JSON lines (one object per line) or a `datasets` save_to_disk folder"
+MEDIA_COLUMNS = ("image", "images", "videos", "multi_modal_data")  # TRL's and verl's multimodal inputs
+_MEDIA_PLACEHOLDER = re.compile(r"<(image|video)>")  # what verl's processor replaces with the media
+GZIP_MAGIC = b"\x1f\x8b"
 EXPECTED = ("a Sparrow prompts file (prompt_id, task, and prompt or prompt_token_ids), a verl dataset "
             "(prompt as chat messages, reward_model with ground_truth, data_source...) or a TRL / Hugging "
             "Face dataset (prompt as text or chat messages, and an answer column)")
@@ -68,8 +82,9 @@ class DatasetError(ValueError):
 
 @dataclass(frozen=True)
 class DataOptions:
-    """How a command reads users' datasets and scores them: `reward` is "math" or "code", `reward_fn` a
-    user's function as path.py:function (at most one of them)."""
+    """How a command reads users' datasets and scores them: `reward` is "math" or "code" (in any case),
+    `reward_fn` a user's function as path.py:function, or a file alone for its compute_score (at most one
+    of them)."""
 
     answer_column: str | None = None
     reward: str | None = None
@@ -82,10 +97,10 @@ class DataOptions:
         if self.reward is not None and self.reward_fn is not None:
             raise DatasetError("--reward and --reward-fn are two ways to score; give one of them")
         if self.reward is not None:
-            if self.reward not in rewards.CHOICES:
+            if self.reward.lower() not in rewards.CHOICES:
                 raise DatasetError(f"--reward must be one of {', '.join(rewards.CHOICES)}, got "
                                    f"{self.reward!r}")
-            return rewards.CHOICES[self.reward]
+            return rewards.CHOICES[self.reward.lower()]
         if self.reward_fn is not None:
             return rewards.register_function(self.reward_fn)
         return None
@@ -146,6 +161,8 @@ def read_dataset(path: Path, answer_column: str | None = None) -> list[dict] | N
         raise DatasetError(f"{path}: the dataset is empty")
     if answer_column is not None:
         _check_fields(records, answer_column, path)
+    _check_text_only(records, columns, path)
+    ids = _prompt_ids(records, path)
     answer_at = answer_column or ("reward_model.ground_truth" if fmt == "verl"
                                   else next((c for c in ANSWER_COLUMNS if c in columns), None))
     rows = []
@@ -153,12 +170,97 @@ def read_dataset(path: Path, answer_column: str | None = None) -> list[dict] | N
         prompt = record.get("prompt")
         text, messages = _prompt(prompt, path, i)
         others = {k: v for k, v in record.items() if k != "prompt"}
-        rows.append({"prompt_id": str(record["prompt_id"]) if record.get("prompt_id") is not None
-                     else f"{path.stem}-{i}",
-                     "task": fmt, "prompt": text, "messages": messages, "prompt_token_ids": None,
-                     "answer": _answer(record, answer_at),
+        rows.append({"prompt_id": ids[i], "task": fmt, "prompt": text, "messages": messages,
+                     "prompt_token_ids": None, "answer": _answer(record, answer_at),
                      "metadata": dataset_metadata(fmt, path, i, prompt, others, answer_column)})
     return rows
+
+
+def prompt_id_text(value: Any, where: str) -> str:
+    """A `prompt_id` value as the id it is read as, in a prompts file and a completions file alike (module
+    docstring); DatasetError naming `where` (the file and the row) for a value that is no id."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return str(int(value))
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    raise DatasetError(f"{where}: column 'prompt_id' holds {_id_kind(value)}, and an id is text or an "
+                       "integer (a whole number stored as a float, 7.0, reads as '7'), one in every row")
+
+
+def _id_kind(value: Any) -> str:
+    if value is None:
+        return "no value (null)"
+    if isinstance(value, bool):
+        return f"the boolean {value}"
+    if isinstance(value, float):
+        return f"the number {value!r}"
+    kinds = {list: "a list", dict: "a struct", bytes: "bytes"}
+    return next((what for kind, what in kinds.items() if isinstance(value, kind)), type(value).__name__)
+
+
+def _prompt_ids(records: list[dict], path: Path) -> list[str]:
+    """Each row's prompt id: the `prompt_id` column where some row has one (`prompt_id_text`), else
+    `<file stem>-<row>`."""
+    from ..tasks.base import row_of
+
+    given = [r.get("prompt_id") for r in records]
+    if all(v is None for v in given):
+        return [f"{path.stem}-{i}" for i in range(len(records))]
+    return [prompt_id_text(v, f"{path}, {row_of(i)}") for i, v in enumerate(given)]
+
+
+def made_ids(row: dict) -> bool:
+    """Whether a prompt's id was made from its file's name and row (a dataset without `prompt_id`)."""
+    try:
+        meta = json.loads(row.get("metadata") or "{}")
+    except ValueError:
+        return False
+    return (isinstance(meta, dict) and meta.get("format") in ("verl", "trl")
+            and isinstance(meta.get("columns"), dict) and meta["columns"].get("prompt_id") is None)
+
+
+def _check_text_only(records: list[dict], columns: list[str], path: Path) -> None:
+    """The first row with images or videos, in any of TRL's and verl's forms (module docstring), refused
+    in one sentence that names it and the form."""
+    from ..tasks.base import row_of
+
+    media = [c for c in MEDIA_COLUMNS if c in columns]
+    for i, record in enumerate(records):
+        prompt = record.get("prompt")
+        held = next((c for c in media if record.get(c) not in (None, [], {})), None)
+        part = _media_part(prompt)
+        placeholder = next((m.group(0) for m in map(_MEDIA_PLACEHOLDER.search, _texts(prompt)) if m), None)
+        if held is not None:
+            what = f"has media in column {held!r} (a multimodal dataset's images or videos)"
+        elif part is not None:
+            what = (f"has a 'prompt' whose message content holds a part of type {part!r} (TRL's multimodal "
+                    "layout)")
+        elif placeholder is not None:
+            what = (f"has the placeholder {placeholder!r} in its prompt, where verl's multimodal layout puts "
+                    "an image or a video")
+        else:
+            continue
+        raise DatasetError(f"{path}: {row_of(i)} {what}; Sparrow's models are text-only, so they cannot see "
+                           "images or videos (give a text-only dataset)")
+
+
+def _texts(prompt: Any) -> list[str]:
+    """The text of a prompt: itself, or its chat messages' text contents."""
+    if isinstance(prompt, str):
+        return [prompt]
+    messages = prompt if isinstance(prompt, list) else []
+    return [m["content"] for m in messages if isinstance(m, dict) and isinstance(m.get("content"), str)]
+
+
+def _media_part(prompt: Any) -> str | None:
+    """The type of the first non-text part of a message's content given as typed parts (TRL's multimodal
+    layout, `[{"type": "image"}, {"type": "text", "text": ...}]`); None for none."""
+    messages = prompt if isinstance(prompt, list) else []
+    parts = [p for m in messages if isinstance(m, dict) and isinstance(m.get("content"), list)
+             for p in m["content"] if isinstance(p, dict)]
+    return next((str(p.get("type")) for p in parts if p.get("type") not in (None, "text")), None)
 
 
 def _ours(columns: list[str], source: Source) -> bool:
@@ -252,7 +354,9 @@ def _load(path: Path) -> Source | None:
 
     if path.is_dir():
         return _folder(path)
-    if not _is_parquet(path) and (path.suffix in (".jsonl", ".ndjson") or opens_json(path)):
+    if _starts_with(path, GZIP_MAGIC):
+        raise DatasetError(compressed(path))
+    if not _starts_with(path, PARQUET_MAGIC) and (path.suffix in (".jsonl", ".ndjson") or opens_json(path)):
         records = _json_lines(path)
         if records is None:
             return None
@@ -263,12 +367,12 @@ def _load(path: Path) -> Source | None:
     return Source(pq.read_schema(path).names, lambda names: pq.read_table(path, columns=names).to_pylist())
 
 
-def _is_parquet(path: Path) -> bool:
-    """A file that starts with Parquet's magic bytes (whatever its suffix: -o wrote prompts.jsonl)."""
+def _starts_with(path: Path, magic: bytes) -> bool:
+    """A file that starts with a format's magic bytes, whatever its suffix (-o wrote prompts.jsonl)."""
     if not path.is_file():
         return False
     with open(path, "rb") as f:
-        return f.read(4) == PARQUET_MAGIC
+        return f.read(len(magic)) == magic
 
 
 def _folder(path: Path) -> Source | None:
@@ -370,6 +474,13 @@ def _check_parquet(path: Path) -> None:
                            f"Sparrow reads prompts from {FORMATS}")
     raise DatasetError(f"{path} is {what}, which Sparrow does not read: give {FORMATS} (convert it with "
                        f"{how})")
+
+
+def compressed(path: Path) -> str:
+    """The refusal of a gzip-compressed file (module docstring), with the command that decompresses it."""
+    plain = path.with_suffix("") if path.suffix.lower() == ".gz" else path.with_name(f"{path.name}.out")
+    return (f"{path} is gzip-compressed, which Sparrow does not read: decompress it first "
+            f"(gunzip -c {_shell(path)} > {_shell(plain)}) and give {plain}")
 
 
 def _beside(path: Path, suffix: str) -> Path:

@@ -12,7 +12,9 @@ So a program can do no more than any function can: for each call the host makes,
 the host's own test code compares), raise, or not answer. Calling or patching the server, writing fake
 lines to any descriptor, exiting early or hanging all come down to one of these: a line that is not
 the answer to the pending request is ignored, and a run that ends or stops answering before the host's
-tests are done is over (`RunOver`), which the tasks score 0.
+tests are done is over (`RunOver`), which the tasks score 0. An exception's name is the program's to
+choose (a class named `passed` or `_Timeout`, or a server it rewrote), so it is display text only
+(`Raised.name`): whether a call ran out of its time is the host's clock's to say (`Raised.timed_out`).
 """
 
 from __future__ import annotations
@@ -67,11 +69,14 @@ class RunOver(BaseException):  # not an Exception: test code's `except Exception
 
 
 class Raised(Exception):
-    """The program's function raised (`name`: the exception's class name) or returned no plain data."""
+    """The program's function raised or returned no plain data. `name`: the class name the program gave,
+    display text only, never a verdict; `timed_out`: by the host's clock, the call's time was up when the
+    answer came (an alarm in the sandbox never fires early) or before the call was made."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, timed_out: bool = False):
         super().__init__(name)
         self.name = name
+        self.timed_out = timed_out
 
 
 class Remote:
@@ -89,7 +94,7 @@ class Remote:
     def __call__(self, *args: Any) -> Any:
         left = self.until - time.monotonic()
         if left <= 0:
-            raise Raised("_Timeout")
+            raise Raised("no time left", timed_out=True)
         self.seq += 1
         request = json.dumps([self.seq, left, values.encode(list(args))]).encode() + b"\n"
         if not self.running.send(request, self.until + GRACE):
@@ -103,7 +108,7 @@ class Remote:
                 break
         kind, value = answer
         if kind == "raised":
-            raise Raised(value)
+            raise Raised(value, timed_out=time.monotonic() >= self.until)
         return value
 
     def _why(self) -> str:

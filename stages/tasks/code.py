@@ -19,13 +19,15 @@ Reward rule (`score`), deterministic and in [0, 1]:
 - The code is extracted from the completion after any `</think>` (`extract_code`): the last fenced
   block (```python, ``` or an unclosed last fence) that defines the function, else the unfenced text
   from the function's `def` (with the imports above it); either is cut at the end to the longest part
-  that parses. None found: 0, and nothing runs. The cut runs in our process, outside the sandbox, so
-  its work is bounded: after a failed parse it goes straight to the line the error names (an unclosed
+  that parses. None found: 0, and nothing runs. Extraction runs in our process, outside the sandbox, so
+  its work is bounded: the fences are found in one pass over the text (`fenced_blocks`: a fence opens at
+  ``` and runs to the end of its line, its block to the next line that starts with ``` after spaces,
+  or to the end); after a failed parse the cut goes straight to the line the error names (an unclosed
   bracket or string is never closed further down, and the tokens up to an invalid one are the same in
-  every longer cut), and it parses at most `PARSE_BUDGET` characters in all. Only the first
-  `MAX_CODE_CHARS` characters (whole lines) of a block are read, and a parse that fails by nesting too
-  deep or running out of memory (`---...-x`, a kind of degenerate repetition models produce) is a failed
-  parse like a syntax error, never a crash of the command.
+  every longer cut), and one completion's blocks parse at most `PARSE_BUDGET` characters in all. Only
+  the first `MAX_CODE_CHARS` characters (whole lines) of a block are read, and a parse that fails by
+  nesting too deep or running out of memory (`---...-x`, a kind of degenerate repetition models produce)
+  is a failed parse like a syntax error, never a crash of the command.
 - The program runs in the sandbox (`sandbox.Sandbox`, limits `LIMITS`) and its function is called on
   each hidden input from the host, one second per call (`calls.py`). A run that does not end by itself
   with status 0 within its limits, or stops answering (a timeout, too much output, a crash, an early
@@ -40,12 +42,17 @@ Reward rule (`score`), deterministic and in [0, 1]:
   dataset's, or a shared file could make a wrong function earn 1. A status of `timeout` covers a call
   that ran out of its second as well as a run that ran out of its limit.
 The program in the sandbox receives each hidden input and hands back only a plain value, which is
-compared here, so nothing the program does in the sandbox can report a test as passed.
+compared here, so nothing the program does in the sandbox can report a test as passed. Each test ends in
+one of the host's own categories (`Result`), decided by the host's comparison and clock: an exception
+the function raised is `RAISED` whatever its class is called (a class named `passed`, `AssertionError` or
+`_Timeout` is only a name the program chose), and the format credit and the `timeout` status are read
+from these categories, never from a name that crossed from the sandbox.
 """
 
 from __future__ import annotations
 
 import ast
+import enum
 import functools
 import json
 import os
@@ -63,7 +70,6 @@ DEFAULT_TESTS = 6
 DEFAULT_LEVEL = 2
 FORMAT_WEIGHT = 0.1
 SECONDS_PER_TEST = 1.0
-TIMED_OUT = "_Timeout"  # the exception name a call that ran out of its time ends with (calls.py)
 LIMITS = Limits(seconds=8.0, cpu_seconds=8, memory_mb=512, processes=6, file_mb=8, open_files=64,
                 output_kb=256, tmp_mb=32)
 
@@ -215,7 +221,28 @@ def generate(n: int, seed: int, measure: Measure, level: int = DEFAULT_LEVEL,
 
 # ---------------------------------------------------------------- extraction
 
-_FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)(?:\n[ \t]*```|\Z)", re.DOTALL)
+_FENCE = "```"
+_LANGUAGE = re.compile(r"[ \t]*([A-Za-z0-9_+-]*)")
+_CLOSING = re.compile(r"\n[ \t]*```")
+
+
+@dataclass(frozen=True)
+class Fenced:
+    language: str  # the word after the opening fence ("python", "py", ""...)
+    code: str
+
+
+def fenced_blocks(text: str) -> list[Fenced]:
+    """The fenced blocks of `text`, in order (module docstring), found in time linear in its length: each
+    search starts where the last block ended, and a fence with no newline after it opens nothing."""
+    blocks, at = [], 0
+    while (start := text.find(_FENCE, at)) >= 0 and (newline := text.find("\n", start + len(_FENCE))) >= 0:
+        language = _LANGUAGE.match(text, start + len(_FENCE), newline).group(1)
+        closing = _CLOSING.search(text, newline + 1)
+        end = len(text) if closing is None else closing.start()
+        blocks.append(Fenced(language, text[newline + 1:end]))
+        at = len(text) if closing is None else closing.end()
+    return blocks
 
 
 def _defines(tree: ast.Module, name: str) -> bool:
@@ -223,7 +250,7 @@ def _defines(tree: ast.Module, name: str) -> bool:
                for node in tree.body)
 
 
-PARSE_BUDGET = 4_000_000  # characters parsed in all while cutting one block (module docstring)
+PARSE_BUDGET = 4_000_000  # characters parsed in all while cutting one completion's blocks (module docstring)
 MAX_CODE_CHARS = 100_000  # characters of a block read at most (module docstring)
 PARSE_FAILURES = (SyntaxError, ValueError, RecursionError, MemoryError)  # what ast.parse fails with
 
@@ -244,24 +271,35 @@ def parses(text: str) -> ast.Module | None:
         return None
 
 
+class _Cut:
+    """Cuts the blocks of one completion to what parses, all of them within one `PARSE_BUDGET`."""
+
+    def __init__(self, name: str):
+        self.name, self.budget = name, PARSE_BUDGET
+
+    def __call__(self, code: str) -> str | None:
+        """`code`, or its longest prefix of whole lines that parses, if that defines the function at top
+        level. A failed parse of lines[:end] moves the cut to the error's line (never past end - 1)."""
+        lines = _bounded_lines(code)
+        end = len(lines)
+        while end > 0 and self.budget > 0:
+            text = "\n".join(lines[:end])
+            self.budget -= len(text)
+            try:
+                tree = ast.parse(text)
+            except SyntaxError as e:
+                end = min(end - 1, e.lineno or end)
+                continue
+            except PARSE_FAILURES:  # a null byte, too deep a nesting, too large a tree
+                end -= 1
+                continue
+            return text.rstrip() + "\n" if _defines(tree, self.name) else None
+        return None
+
+
 def _parsable_prefix(code: str, name: str) -> str | None:
-    """`code`, or its longest prefix of whole lines that parses, if that defines `name` at top level. A
-    failed parse of lines[:end] moves the cut to the error's line (never past end - 1)."""
-    lines = _bounded_lines(code)
-    end, budget = len(lines), PARSE_BUDGET
-    while end > 0 and budget > 0:
-        text = "\n".join(lines[:end])
-        budget -= len(text)
-        try:
-            tree = ast.parse(text)
-        except SyntaxError as e:
-            end = min(end - 1, e.lineno or end)
-            continue
-        except PARSE_FAILURES:  # a null byte, too deep a nesting, too large a tree
-            end -= 1
-            continue
-        return text.rstrip() + "\n" if _defines(tree, name) else None
-    return None
+    """One block cut on a budget of its own."""
+    return _Cut(name)(code)
 
 
 def _unfenced(text: str, name: str) -> str | None:
@@ -280,15 +318,33 @@ def _unfenced(text: str, name: str) -> str | None:
 def extract_code(completion: str, name: str) -> str | None:
     """The program a completion gives for function `name` (see the module docstring), or None."""
     text = completion.rsplit("</think>", 1)[-1]
-    for block in reversed([m.group(2) for m in _FENCE.finditer(text)]):
-        code = _parsable_prefix(block, name)
+    cut = _Cut(name)
+    for block in reversed(fenced_blocks(text)):
+        code = cut(block.code)
         if code is not None:
             return code
     unfenced = _unfenced(text, name)
-    return _parsable_prefix(unfenced, name) if unfenced is not None else None
+    return cut(unfenced) if unfenced is not None else None
 
 
 # ---------------------------------------------------------------- running
+
+
+class Result(enum.Enum):
+    """How one test ended, in the host's own words (module docstring)."""
+
+    PASSED = "passed"
+    FAILED = "failed"  # the host's check failed: a wrong value or output, a failed assert
+    NOT_JSON = "not_json"  # returned a value with no canonical JSON (a set, bytes) where one is compared
+    RAISED = "raised"  # the function raised or returned no plain data, or the test raised on its value
+    TIMED_OUT = "timed_out"  # by the host's clock, the call ran out of its time
+
+    @classmethod
+    def of(cls, raised: Raised) -> Result:
+        return cls.TIMED_OUT if raised.timed_out else cls.RAISED
+
+
+CLEAN = frozenset({Result.PASSED, Result.FAILED})  # tests whose calls all returned: the format credit
 
 
 @dataclass(frozen=True)
@@ -301,18 +357,19 @@ class Verdict:
     status: str  # base.CODE_STATUSES
 
     @classmethod
-    def judged(cls, results: list[str] | None, outcome: Outcome, tests: int, clean: bool,
+    def judged(cls, results: list[Result] | None, outcome: Outcome, tests: int,
                format_weight: float) -> Verdict:
-        """The verdict on a run whose tests gave `results` ("passed" or how each failed; None: the run was
-        over before the tests were done): 0 unless the run also ended by itself with status 0."""
+        """The verdict on a run whose tests gave `results` (None: the run was over before the tests were
+        done): 0 unless the run also ended by itself with status 0. `clean`: every test in `CLEAN`."""
         if results is None or not outcome.ok:
             status = outcome.status if outcome.status in ("timeout", "output_limit") else "error"
             return cls(0.0, 0, tests, False, outcome, status)
         if not 0.0 <= format_weight < 1.0:  # below 1, a function that fails a test never earns 1
             raise ValueError(f"format_weight must be in [0, 1), got {format_weight}")
-        passed = min(results.count("passed"), tests)
+        passed = min(results.count(Result.PASSED), tests)
+        clean = all(r in CLEAN for r in results)
         reward = min(1.0, (1 - format_weight) * (passed / max(tests, 1)) + format_weight * clean)
-        status = "passed" if passed == tests else "timeout" if TIMED_OUT in results else "failed"
+        status = "passed" if passed == tests else "timeout" if Result.TIMED_OUT in results else "failed"
         return cls(reward, passed, tests, clean, outcome, status)
 
     @classmethod
@@ -341,25 +398,26 @@ def check_metadata(metadata: dict[str, Any]) -> None:
 
 
 def _same(value: Any, expected: Any) -> bool | None:
-    """Whether `value`'s canonical JSON is `expected`'s; None when `value` has none (a set, bytes...)."""
+    """Whether `value`'s canonical JSON is `expected`'s; None when `value` has none (a set, bytes, a nesting
+    too deep to write)."""
     try:
         return _canonical(value) == _canonical(expected)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, RecursionError):
         return None
 
 
-def _call_cases(cases: list[list], expected: list) -> Callable[[Remote], list[str]]:
+def _call_cases(cases: list[list], expected: list) -> Callable[[Remote], list[Result]]:
     """The hidden tests, run here: each case's call, its value compared with the expected one."""
-    def run(remote: Remote) -> list[str]:
+    def run(remote: Remote) -> list[Result]:
         results = []
         for args, want in zip(cases, expected):
             remote.begin(SECONDS_PER_TEST)
             try:
                 same = _same(remote(*args), want)
             except Raised as e:
-                results.append(e.name)
+                results.append(Result.of(e))
                 continue
-            results.append({True: "passed", False: "wrong", None: "not_json"}[same])
+            results.append({True: Result.PASSED, False: Result.FAILED, None: Result.NOT_JSON}[same])
         return results
     return run
 
@@ -369,8 +427,7 @@ def run_tests(code: str, name: str, cases: list[list], expected: list, sandbox: 
     """Run `code` in `sandbox`, call its function on the hidden tests from here and score it (module
     docstring)."""
     results, outcome = call_tests(sandbox, code, name, _call_cases(cases, expected))
-    clean = results is not None and all(r in ("passed", "wrong") for r in results)
-    return Verdict.judged(results, outcome, len(cases), clean, format_weight)
+    return Verdict.judged(results, outcome, len(cases), format_weight)
 
 
 def default_sandbox() -> Sandbox:

@@ -23,7 +23,10 @@ statement that calls the candidate holds an assert, so a run passes every test e
 passes, HumanEval's own all-or-nothing verdict (status `passed`, reward 1); the fraction below it is
 Sparrow's partial credit.
 Whatever the program does in the sandbox, a test sees only the plain value its call returned (or that
-it raised), so it cannot reach the verdict, read the expected values or bring its own `==`. A run that
+it raised), so it cannot reach the verdict, read the expected values or bring its own `==`. A test ends
+in one of the host's categories (`code.Result`): passed, a failed assertion (an `AssertionError` of the
+host's own test code, which only ever sees built-in values), raised (the function raised, whatever its
+exception is called, or the test raised on its value) or timed out (the host's clock). A run that
 ends, stops answering or does not exit with status 0 within its limits scores 0; otherwise reward =
 0.9 x tests passed / tests + 0.1 when every test ended in a pass or a failed assertion (no exception).
 
@@ -48,7 +51,15 @@ from typing import Any
 
 from .base import Example, Judgement, Measure, Task, TaskError
 from .calls import Raised, Remote, call_tests
-from .code import FORMAT_WEIGHT, SECONDS_PER_TEST, Verdict, default_sandbox, extract_code, format_weight_of
+from .code import (
+    FORMAT_WEIGHT,
+    SECONDS_PER_TEST,
+    Result,
+    Verdict,
+    default_sandbox,
+    extract_code,
+    format_weight_of,
+)
 from .sandbox import Sandbox
 
 PROMPT = ("Complete the following Python function. Reply with the complete function, its signature "
@@ -191,19 +202,21 @@ def _namespace(problem: dict, candidate: Remote) -> dict[str, Any]:
     return env
 
 
-def _run_tests(problem: dict, candidate: Remote) -> list[str]:
-    """Each test's result: "passed", or the name of the exception that ended it."""
+def _run_tests(problem: dict, candidate: Remote) -> list[Result]:
+    """Each test's result (module docstring)."""
     env = _namespace(problem, candidate)
     results = []
     for statement, is_test in test_statements(problem["test"], problem["entry_point"]):
         candidate.begin(SECONDS_PER_TEST)
         try:
             exec(compile(ast.Module([statement], type_ignores=[]), "tests.py", "exec"), env)
-            result = "passed"
+            result = Result.PASSED
         except Raised as e:
-            result = e.name
-        except Exception as e:
-            result = type(e).__name__
+            result = Result.of(e)
+        except AssertionError:
+            result = Result.FAILED
+        except Exception:
+            result = Result.RAISED
         if is_test:
             results.append(result)
     return results
@@ -218,8 +231,7 @@ def verdict(completion: str, metadata: dict[str, Any], sandbox: Sandbox | None =
         return Verdict.no_code(total)
     results, outcome = call_tests(sandbox or default_sandbox(), code, name,
                                   functools.partial(_run_tests, problem))
-    clean = results is not None and all(r in ("passed", "AssertionError") for r in results)
-    return Verdict.judged(results, outcome, total, clean, format_weight_of(metadata))
+    return Verdict.judged(results, outcome, total, format_weight_of(metadata))
 
 
 def judge(completion: str, answer: str, metadata: dict[str, Any] | None = None) -> Judgement:

@@ -19,18 +19,23 @@ Design decisions:
   program runs in the code tasks' sandbox (`code.py`), one run per completion; reward = tests passed /
   tests, as `code.Verdict` judges a run (0 for a run that times out, crashes or floods its output).
   Tests without a case are refused with the row, before any work: no completion could earn a reward.
+- `--reward-fn` names a file and a function in it, `path.py:function`; a file named alone means its
+  `compute_score`, as verl's `custom_reward_function.name` defaults to it. A module's dotted import path
+  (TRL's `reward_funcs="my_lib.rewards.fn"`) is not taken: a file is, imported as a script.
 - A user's function runs in this process, as verl and TRL run theirs. Which convention it follows is read
   from its signature: a `solution_str` parameter is verl's `compute_score(data_source, solution_str,
   ground_truth, extra_info)`, called once per completion with keyword arguments; else a `completions`
   parameter (or **kwargs) is TRL's `f(prompts, completions, **columns) -> list[float]`, called once per
-  batch with the dataset's other columns as lists. A verl function may return a number (a bool or a numpy
-  scalar too, as verl takes them) or a dict with a numeric `score` (the dict's other fields are kept as
-  the completion's `extra`); anything else, a non-finite number (an int too large for a float is one),
-  or a TRL result of the wrong length is refused in one sentence, a dict without `score` naming the keys
-  it has. A function that raises, or exits (SystemExit: sys.exit() in a script's scorer would otherwise
-  end the command silently, with nothing written), is named with the dataset row of the completion (a
-  TRL batch that raises is called again one item at a time to find it); KeyboardInterrupt still
-  interrupts. Importing the file is held to the same rule.
+  batch with the dataset's other columns as lists, but for `completion` and `completion_ids`, which
+  GRPOTrainer leaves out as it does `prompt` (it passes its own completions). A verl function may return
+  a number (a bool, a numpy scalar, or a 0-d array or tensor, whose `.item()` verl's reward manager
+  takes) or a dict with a numeric `score` (the dict's other fields are kept as the completion's
+  `extra`); anything else, a non-finite number (an int too large for a float is one), or a TRL result of
+  the wrong length is refused in one sentence, a dict without `score` naming the keys it has. A function
+  that raises, or exits (SystemExit: sys.exit() in a script's scorer would otherwise end the command
+  silently, with nothing written), is named with the dataset row of the completion (a TRL batch that
+  raises is called again one item at a time to find it); KeyboardInterrupt still interrupts. Importing
+  the file is held to the same rule.
 - The signature is checked before any work, with `inspect.signature(...).bind` of what will be passed:
   verl's four keywords when the file is loaded; for TRL, prompts and completions when it is loaded, and
   the dataset's columns as each row is checked (`Task.check_metadata`, which rollout, train and reward
@@ -86,7 +91,6 @@ from .extras import column_value
 MATH, CODE = "math-verify", "code-tests"
 ANSWER_COLUMNS = ("answer", "solution", "ground_truth", "target")  # a TRL dataset's answer, the first found
 STDIO_FUNCTION = "__sparrow_stdio_main"
-_FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)(?:\n[ \t]*```|\Z)", re.DOTALL)
 
 Item = tuple[str, "str | None", dict[str, Any]]  # (completion, answer, metadata)
 
@@ -256,9 +260,11 @@ def _parses(code: str) -> bool:
 def _program(completion: str) -> str | None:
     """A stdin/stdout program in a completion (after any </think>): the last fenced block marked Python (or
     unmarked) that parses, else the whole text when it parses; None when there is none."""
+    from .code import fenced_blocks
+
     text = completion.rsplit("</think>", 1)[-1]
     python = ("", "python", "py", "python3")
-    blocks = [m.group(2) for m in _FENCE.finditer(text) if m.group(1).lower() in python]
+    blocks = [b.code for b in fenced_blocks(text) if b.language.lower() in python]
     return next((b for b in reversed(blocks) if _parses(b)), text if not blocks and _parses(text) else None)
 
 
@@ -270,7 +276,7 @@ def _same_lines(got: Any, want: str) -> bool:
 def code_judge(completion: str, answer: str, metadata: dict[str, Any] | None = None) -> Judgement:
     """The completion's program on the row's tests, in the sandbox (module docstring)."""
     from .calls import Raised, Remote, call_tests
-    from .code import SECONDS_PER_TEST, Verdict, default_sandbox, extract_code, run_tests
+    from .code import SECONDS_PER_TEST, Result, Verdict, default_sandbox, extract_code, run_tests
 
     tests = CodeTests.parse(answer)
     if tests.fn_name is not None:
@@ -282,20 +288,19 @@ def code_judge(completion: str, answer: str, metadata: dict[str, Any] | None = N
     if code is None:
         return Verdict.no_code(len(tests.inputs)).judgement
 
-    def run(remote: Remote) -> list[str]:
+    def run(remote: Remote) -> list[Result]:
         results = []
         for stdin, want in zip(tests.inputs, tests.outputs):
             remote.begin(SECONDS_PER_TEST)
             try:
-                results.append("passed" if _same_lines(remote(stdin), want) else "wrong")
-            except Raised as e:
-                results.append(e.name)
+                results.append(Result.PASSED if _same_lines(remote(stdin), want) else Result.FAILED)
+            except Raised as e:  # whatever the program named its exception (code.Result)
+                results.append(Result.of(e))
         return results
 
     wrapper = STDIO_WRAPPER.format(source=code, name=STDIO_FUNCTION)
     results, outcome = call_tests(default_sandbox(), wrapper, STDIO_FUNCTION, run)
-    clean = results is not None and all(r in ("passed", "wrong") for r in results)
-    return Verdict.judged(results, outcome, len(tests.inputs), clean, 0.0).judgement
+    return Verdict.judged(results, outcome, len(tests.inputs), 0.0).judgement
 
 
 def check_code_tests(answer: str | None) -> None:
@@ -352,6 +357,8 @@ def answer_for(reward: str, answer: Any) -> Any:
 
 VERL_KEYWORDS = ("data_source", "solution_str", "ground_truth", "extra_info")
 TRL_ONLY = ("completion_ids", "trainer_state")  # what TRL passes its functions and Sparrow does not
+TRL_UNPASSED = ("prompt", "completion", "completion_ids")  # dataset columns GRPOTrainer does not pass
+DEFAULT_FUNCTION = "compute_score"  # verl's custom_reward_function.name default
 TRL_LOGGERS = ("log_metric", "log_extra")  # what TRL passes its functions for logging, and so does Sparrow
 
 
@@ -397,6 +404,17 @@ def logged_metrics() -> dict[str, float]:
     return means
 
 
+def reward_fn_spec(spec: str) -> str:
+    """A --reward-fn as path.py:function: a file named alone (or whose name holds a colon) means its
+    DEFAULT_FUNCTION, as in verl; anything else as given (`load_reward_function` names what is wrong)."""
+    path_text, sep, name = spec.rpartition(":")
+    if sep and path_text and name.isidentifier():
+        return spec
+    if not sep or Path(spec).expanduser().is_file():
+        return f"{spec}:{DEFAULT_FUNCTION}"
+    return spec
+
+
 def reward_fn_sha256(spec: str | None) -> str:
     """The sha256 of the file that a --reward-fn path.py:function names; "" for none, or for a file that
     cannot be read (loading the reward names it). Modules the file imports are not part of it."""
@@ -404,8 +422,9 @@ def reward_fn_sha256(spec: str | None) -> str:
         return ""
     import hashlib
 
+    file = Path(reward_fn_spec(spec).rpartition(":")[0]).expanduser()
     try:
-        return hashlib.sha256(Path(spec.rpartition(":")[0]).expanduser().read_bytes()).hexdigest()
+        return hashlib.sha256(file.read_bytes()).hexdigest()
     except OSError:
         return ""
 
@@ -415,7 +434,7 @@ def reward_provenance(reward: str | None, reward_fn: str | None) -> dict[str, st
     (--reward's name), `reward_fn` (--reward-fn's path.py:function) and `reward_fn_sha256`. Both None:
     each prompt's own task scorer. The file is named by its absolute path."""
     if reward_fn:
-        file, _, function = reward_fn.rpartition(":")
+        file, _, function = reward_fn_spec(reward_fn).rpartition(":")
         reward_fn = f"{Path(file).expanduser().absolute()}:{function}"
     return {"reward": reward, "reward_fn": reward_fn, "reward_fn_sha256": reward_fn_sha256(reward_fn)}
 
@@ -467,7 +486,7 @@ class RewardFunction:
     def check_row(self, metadata: dict[str, Any]) -> None:
         """TaskError in one phrase when a TRL function cannot take a row's columns as keywords (verl's
         keywords are checked when the file loads); each set of columns is checked once."""
-        columns = list(metadata.get("columns") or {})
+        columns = _passed(metadata.get("columns") or {})
         if self.style != "trl" or frozenset(columns) in self.checked:
             return
         try:
@@ -531,10 +550,10 @@ class RewardFunction:
                           {**(j.extra or {}), **extra} or None) for j, extra in zip(judged, extras)]
 
     def _call_trl(self, items: list[Item], logged: Logged) -> Any:
-        """The function called as GRPOTrainer calls it: prompts, completions, each column as a list of the
-        batch's values (as `datasets` gives them, `column_value`), and the loggers it takes."""
+        """The function called as GRPOTrainer calls it: prompts, completions, each column it passes as a
+        list of the batch's values (as `datasets` gives them, `column_value`), and the loggers it takes."""
         prompts, completions, columns = [], [], {}
-        keys = list(dict.fromkeys(k for _, _, meta in items for k in (meta.get("columns") or {})))
+        keys = list(dict.fromkeys(k for _, _, meta in items for k in _passed(meta.get("columns") or {})))
         for completion, _, meta in items:
             prompt = column_value(meta.get("prompt"))
             prompts.append(prompt)
@@ -563,10 +582,24 @@ class RewardFunction:
                                   "number or a dict with a numeric 'score'")
             extra = {k: v for k, v in value.items() if k != "score"}
             value = value["score"]
+        value = _scalar(value)
         if not isinstance(value, numbers.Real) or not _finite(value):
             raise RewardError(f"--reward-fn {self.spec} returned {_shown(returned)} on {self.where(meta)}; "
                               "a reward function returns a finite number or a dict with a numeric 'score'")
         return Judgement(float(value), None, extra=extra)
+
+
+def _passed(columns: Mapping[str, Any]) -> list[str]:
+    """The dataset columns a TRL function gets as keywords: all but TRL_UNPASSED."""
+    return [c for c in columns if c not in TRL_UNPASSED]
+
+
+def _scalar(value: Any) -> Any:
+    """A 0-d numpy array or tensor as its Python number (`.item()`, as verl's reward manager reads a
+    score); any other value as it is."""
+    if getattr(value, "ndim", None) == 0 and callable(getattr(value, "item", None)):
+        return value.item()
+    return value
 
 
 def _awaited(value: Any) -> Any:
@@ -633,13 +666,16 @@ def _parameters(fn: Callable) -> str:
 def load_reward_function(spec: str) -> RewardFunction:
     """`path.py:function` loaded, its convention read from its signature and the keywords it will be
     called with checked (module docstring); RewardError in one sentence."""
+    spec = reward_fn_spec(spec)
     path_text, sep, name = spec.rpartition(":")
     if not sep or not path_text or not name.isidentifier():
         raise RewardError(f"--reward-fn {spec!r} is not path.py:function (a Python file and the name of a "
                           "function in it)")
     path = Path(path_text).expanduser()
     if not path.is_file():
-        raise RewardError(f"--reward-fn {spec}: no such file {path}")
+        dotted = "" if path.suffix == ".py" or "/" in path_text else (
+            "; --reward-fn takes a file, not a module's dotted import path (give path/to/module.py:function)")
+        raise RewardError(f"--reward-fn {spec}: no such file {path}{dotted}")
     module = _import(spec, path)
     fn = getattr(module, name, None)
     if fn is None and not hasattr(module, name):

@@ -200,14 +200,15 @@ def read_metrics(run_dir: str | Path) -> tuple[list[dict], dict]:
 
 
 def reward_extra_means(extras: Sequence[dict | None], logged: dict[str, float]) -> dict[str, float] | None:
-    """A step's means of what a user's reward function reported beside its scores: each numeric field of
-    its returned dicts (verl's reward_extra_info) or of its log_extra columns, over the completions that
-    have it, and each log_metric name's mean over what was logged (TRL's); non-finite values left out;
-    None when there is nothing."""
+    """A step's means of what a user's reward function reported beside its scores: each numeric or boolean
+    field of its returned dicts (verl's reward_extra_info) or of its log_extra columns, over the
+    completions that have it, a boolean counting as 0 or 1 (verl averages its `acc` so), and each
+    log_metric name's mean over what was logged (TRL's); non-finite values left out; None when there is
+    nothing."""
     sums: dict[str, list[float]] = {}
     for extra in extras:
         for name, value in (extra or {}).items():
-            if isinstance(value, numbers.Real) and not isinstance(value, bool) and np.isfinite(value):
+            if isinstance(value, numbers.Real | np.bool_) and np.isfinite(value):
                 sums.setdefault(name, []).append(float(value))
     means = {name: float(np.mean(values)) for name, values in sums.items()}
     means.update({name: value for name, value in logged.items() if np.isfinite(value)})
