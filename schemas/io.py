@@ -14,7 +14,8 @@ Design decisions:
 - A replaced file keeps its mode, and its owner and group where this process may set them (the group
   alone otherwise), as editors do: a private artifact stays private. A replaced directory keeps its
   own, and so does each file in it that the new version has under the same name.
-- A temporary is named `.NAME.<hex>-<pid>.tmp` and locked (flock) by its writer while it writes. A
+- A temporary is named `.NAME.<hex>-<pid>.tmp` (NAME a digest of a name too long for these marks to
+  fit the file system's limit: `locations.hidden_stem`) and locked (flock) by its writer while it writes. A
   process killed there (SIGKILL, the OOM killer) cannot remove it, so the next write of the same path
   removes the temporaries whose writer is gone: its process is not running here and its lock is free
   (a writer on another host of a shared folder still holds its lock). Those of an older Sparrow, named
@@ -58,7 +59,7 @@ from .artifacts import (
     first_line,
 )
 from .footer import artifact_parts, json_text, kind_version, parquet_magic, read_schema, stage_metadata
-from .locations import is_stdio, output_target
+from .locations import hidden_stem, is_stdio, output_target
 
 TableLike = pa.Table | pa.RecordBatch | Mapping[str, Sequence] | Sequence[Mapping[str, object]]
 
@@ -136,11 +137,20 @@ def _write(path: Path, write: Callable[[BinaryIO], object]) -> None:
             _keep_access(target, f.fileno())
             os.replace(tmp, target)  # still locked: never taken for a dead writer's
     except OSError as e:
-        tmp.unlink(missing_ok=True)
+        _discard(tmp)
         raise ArtifactError(f"cannot write {path} ({e.strerror or first_line(e)})") from None
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        _discard(tmp)
         raise
+
+
+def _discard(tmp: Path) -> None:
+    """Remove a temporary after a failed write; a failure here (it was never made, the folder is gone)
+    must not hide the write's own error, and a dead writer's temporary is removed by the next write."""
+    try:
+        _remove(tmp)
+    except OSError:
+        pass
 
 
 def _copy_to_stdout(f: BinaryIO) -> None:
@@ -170,8 +180,9 @@ def _drop_stdout() -> None:
 
 
 def _temporary(path: Path, kind: str) -> Path:
-    """`.NAME.<hex>-<pid>.<kind>` beside `path`: hidden, unique, and telling whose it is."""
-    return path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}-{os.getpid()}.{kind}")
+    """`.NAME.<hex>-<pid>.<kind>` beside `path`: hidden, unique, and telling whose it is (NAME is a digest
+    of a name too long to take these marks: `hidden_stem`)."""
+    return path.with_name(f".{hidden_stem(path)}.{uuid.uuid4().hex[:12]}-{os.getpid()}.{kind}")
 
 
 def _lock_quietly(fd: int) -> None:
@@ -279,7 +290,8 @@ def write_artifact_parts(tables: Sequence[TableLike], path: str | os.PathLike, k
 
 def replace_dir(path: Path, fill: Callable[[Path], None]) -> None:
     """`fill` a fresh hidden directory beside `path`, then put it in place of `path`: readers see the old
-    directory or the new one, never a mix; the hidden one is removed on any error. The new directory
+    directory or the new one, never a mix; the hidden one is removed on any error, and an OSError is an
+    ArtifactError naming `path` (a full disk, a folder that cannot be written). The new directory
     keeps the old one's mode and group, and so do its files that the old one had. A process killed
     inside leaves hidden siblings: the next replacement removes those whose process is gone, and
     `recover_replaced` puts back a version moved aside."""
@@ -292,13 +304,26 @@ def replace_dir(path: Path, fill: Callable[[Path], None]) -> None:
         if path.exists():
             os.replace(path, old)
         os.replace(tmp, path)
+    except OSError as e:
+        _undo_replace(path, tmp, old)
+        raise ArtifactError(f"cannot write {path} ({e.strerror or first_line(e)})") from None
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if old.exists() and not os.path.lexists(path):  # stopped between the two renames
-            os.replace(old, path)
+        _undo_replace(path, tmp, old)
         raise
     shutil.rmtree(old, ignore_errors=True)
     _remove_dead(leftovers(path)[1])  # versions moved aside by dead writers: `path` is whole again
+
+
+def _undo_replace(path: Path, tmp: Path, old: Path) -> None:
+    """After a failed `replace_dir`: the new directory removed and, when stopped between the two renames,
+    the old one put back. A failure here must not hide the replacement's own error: what is left is
+    what a killed writer leaves, which `recover_replaced` and the next replacement undo."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        if os.path.lexists(old) and not os.path.lexists(path):
+            os.replace(old, path)
+    except OSError:
+        pass
 
 
 def _keep_tree_access(old: Path, new: Path) -> None:
@@ -319,7 +344,7 @@ def leftovers(path: Path) -> tuple[list[Path], list[Path]]:
     """The hidden siblings that a killed `replace_dir` or `_write` of `path` leaves: its temporaries
     (`.NAME.<hex>-<pid>.tmp`, half-written) and the previous versions it had moved aside
     (`.NAME.<hex>-<pid>.old`), each list oldest first (an older Sparrow's names have no `-<pid>`)."""
-    pattern = re.compile(LEFTOVER.format(name=re.escape(path.name)))
+    pattern = re.compile(LEFTOVER.format(name=re.escape(hidden_stem(path))))
     found: dict[str, list[Path]] = {"tmp": [], "old": []}
     if path.parent.is_dir():
         for f in path.parent.iterdir():

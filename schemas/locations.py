@@ -18,7 +18,12 @@ Design decisions (one rule for every command that writes):
   in which a file can be created (checked by creating and removing one), so that an unwritable `-o`
   fails at once, not after a long run. A symlink on the way counts as existing: one that leads to no
   folder (dangling, or a loop) is refused there, since nothing can be created under it. Nothing is
-  created by the check.
+  created by the check. A name longer than the file system takes (PC_NAME_MAX, else 255 bytes) is
+  refused there too; every shorter one can be written, since a hidden sibling of a name too long to
+  take the sibling's marks is named by a digest of it (`hidden_stem`).
+- An output is never one of the files the command reads (the same file, through any link), nor a
+  directory replaced whole that holds one: `force` does not allow it, since the write would destroy
+  the input (a profile may be hours of GPU) that the run was made from.
 - An artifact is Parquet whatever the file is called, so a file output whose suffix names a table format
   Sparrow prints or reads as text (.json, .jsonl, .ndjson, .csv, .tsv) is refused, even with `force`:
   the file would not be what its name says, and a reader going by the name would misread it. Any other
@@ -36,12 +41,14 @@ from __future__ import annotations
 import atexit
 import errno
 import fcntl
+import hashlib
 import os
 import shutil
 import stat
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 
 from .artifacts import ArtifactError
@@ -52,6 +59,12 @@ STDIO = "-"
 
 class OutputRefused(ArtifactError):
     """An existing output that is not of the kind written; `force` would replace it."""
+
+
+class UnusableOutput(ArtifactError):
+    """An output path that no `force` makes writable: a name too long for its file system, a path that
+    cannot be looked at, or a file the command itself reads. Its message starts with the path, so that
+    the CLI can put the flag before it."""
 
 
 def is_stdio(path: str | os.PathLike | None) -> bool:
@@ -74,19 +87,78 @@ def special_kind(path: Path) -> str | None:
 
 def output_target(path: str | os.PathLike, directory: bool = False) -> Path:
     """The path a write to `path` replaces: its final target when `path` is a symlink. Refuses a FIFO,
-    device or socket, and a directory where a file is expected (a file where a directory is)."""
+    device or socket, a directory where a file is expected (a file where a directory is), a name longer
+    than its file system takes, and a path that cannot be looked at (UnusableOutput)."""
     path = Path(path)
-    target = _link_target(path) if path.is_symlink() else path
-    shown = f"{path} (a symlink to {target})" if target != path else str(path)
-    special = special_kind(target)
-    if special:
-        raise ArtifactError(f"{shown} is {special}, not a file that an artifact can be written to; give a "
-                            "file path, or - for stdout")
-    if not directory and target.is_dir():
-        raise ArtifactError(f"{shown} is a directory; give a file path such as {path / 'out.parquet'}")
-    if directory and target.exists() and not target.is_dir():
-        raise ArtifactError(f"{shown} is a file, but a directory is written there")
+    check_name_lengths(path)
+    with _looking_at(path):
+        target = _link_target(path) if path.is_symlink() else path
+        if target != path:
+            check_name_lengths(target)
+        shown = f"{path} (a symlink to {target})" if target != path else str(path)
+        special = special_kind(target)
+        if special:
+            raise ArtifactError(f"{shown} is {special}, not a file that an artifact can be written to; give "
+                                "a file path, or - for stdout")
+        if not directory and target.is_dir():
+            raise ArtifactError(f"{shown} is a directory; give a file path such as {path / 'out.parquet'}")
+        if directory and target.exists() and not target.is_dir():
+            raise ArtifactError(f"{shown} is a file, but a directory is written there")
     return target
+
+
+@contextmanager
+def _looking_at(path: Path) -> Iterator[None]:
+    """A block that looks at an output path (stat, is_symlink): an OSError there (a folder on the way
+    that may not be searched, a path longer than the system takes) is one sentence naming it."""
+    try:
+        yield
+    except OSError as e:
+        raise UnusableOutput(f"{_short(path)} cannot be written ({e.strerror or e})") from None
+
+
+NAME_MAX = 255  # Linux's, where a file system does not tell its own
+# what a hidden sibling adds to the name it is made for: `.NAME.<12 hex>-<pid>.tmp`, a pid of up to 7 digits
+HIDDEN_MARKS = len("." + "." + "0" * 12 + "-" + "0" * 7 + ".tmp")
+
+
+def name_max(folder: str | os.PathLike) -> int:
+    """The most bytes a file name may have in `folder` (or, where it does not exist yet, in its nearest
+    existing ancestor): its file system's PC_NAME_MAX, else NAME_MAX."""
+    existing = Path(os.path.abspath(folder))
+    while not os.path.isdir(existing) and existing != existing.parent:
+        existing = existing.parent
+    try:
+        return os.pathconf(existing, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        return NAME_MAX
+
+
+def check_name_lengths(path: Path) -> None:
+    """Refuse a path with a name (the file's, or a folder's on the way) longer than its file system takes,
+    in one sentence, before anything looks it up (which would fail with ENAMETOOLONG)."""
+    limit = name_max(path.parent)
+    for part in path.parts:
+        size = len(os.fsencode(part))
+        if size > limit:
+            what = "its name" if part == path.name else f"a folder on its way ({_short(part)})"
+            raise UnusableOutput(f"{_short(path)} cannot be written: {what} is {size} bytes, and a file name "
+                                 f"may have at most {limit} bytes here; choose a shorter name")
+
+
+def hidden_stem(path: Path) -> str:
+    """The NAME in the names of `path`'s hidden siblings (temporaries, versions moved aside, its lock):
+    its own name, or where that name plus their marks (HIDDEN_MARKS) would be too long for its folder, a
+    digest of it, so that every name its file system takes can be written."""
+    if len(os.fsencode(path.name)) + HIDDEN_MARKS <= name_max(path.parent):
+        return path.name
+    return hashlib.sha256(os.fsencode(path.name)).hexdigest()[:32]
+
+
+def _short(path: str | os.PathLike, keep: int = 40) -> str:
+    """`path` as a message shows it: whole, but for a name in it too long to read, cut in the middle."""
+    cut = [p if len(p) <= 2 * keep + 1 else f"{p[:keep]}…{p[-keep:]}" for p in os.fspath(path).split(os.sep)]
+    return os.sep.join(cut)
 
 
 def _link_target(link: Path) -> Path:
@@ -184,16 +256,20 @@ def describe(path: Path) -> tuple[str | None, str]:
     return kind, f"a '{kind}' artifact"
 
 
+InputPaths = Mapping[str, str | os.PathLike | Iterable[str | os.PathLike] | None]
+
+
 def check_output(path: str | os.PathLike, kind: str | None, force: bool = False,
-                 parts: bool = False) -> None:
+                 parts: bool = False, inputs: InputPaths | None = None) -> None:
     """Refuse, before any work, an output location that must not or cannot be written.
 
     `kind` is the artifact kind written (None: a query result, marked by QUERY_KEY); `parts`: a
-    directory of Parquet parts (`--workers`). A file named as a text format is refused
-    (`check_parquet_name`). An existing artifact of `kind` (or query result, or an empty file) is
-    replaced; anything else, a Parquet file without Sparrow's marks included, raises OutputRefused
-    unless `force` (a directory that is not such an artifact: ArtifactError, since forcing would delete
-    it)."""
+    directory of Parquet parts (`--workers`); `inputs`: the files the command reads, by flag (a flag's
+    several files as a list), none of which it may replace (`check_not_input`). A file named as a text
+    format is refused (`check_parquet_name`). An existing artifact of `kind` (or query result, or an
+    empty file) is replaced; anything else, a Parquet file without Sparrow's marks included, raises
+    OutputRefused unless `force` (a directory that is not such an artifact: ArtifactError, since forcing
+    would delete it)."""
     if is_stdio(path):
         if parts:
             raise ArtifactError("-o - writes one Parquet file to stdout, but --workers writes a directory "
@@ -201,36 +277,73 @@ def check_output(path: str | os.PathLike, kind: str | None, force: bool = False,
         return
     path = Path(path)
     target = output_target(path, directory=parts)
+    check_not_input(target, path, inputs or {})
     if not parts:
         check_parquet_name(path)
     wanted = f"a '{kind}' artifact" if kind else QUERY_RESULT
-    if target.exists() and not _empty(target):
-        found, words = describe(target)
-        if words != wanted:
-            if target.is_dir():
-                raise ArtifactError(f"{path} is {words}, not {wanted}, and replacing it would delete it; "
-                                    "choose another path")
-            if not force:
-                raise OutputRefused(f"{path} exists and is {words}, not {wanted}")
-    check_writable(target if parts and target.is_dir() else target.parent, path)
+    with _looking_at(path):
+        if target.exists() and not _empty(target):
+            found, words = describe(target)
+            if words != wanted:
+                if target.is_dir():
+                    raise ArtifactError(f"{path} is {words}, not {wanted}, and replacing it would delete it; "
+                                        "choose another path")
+                if not force:
+                    raise OutputRefused(f"{path} exists and is {words}, not {wanted}")
+        check_writable(target if parts and target.is_dir() else target.parent, path)
 
 
 def check_output_dir(path: str | os.PathLike, what: str, ours: Callable[[Path], bool],
-                     replaceable: Callable[[Path], bool] = lambda d: False, force: bool = False) -> Path:
+                     replaceable: Callable[[Path], bool] = lambda d: False, force: bool = False,
+                     inputs: InputPaths | None = None) -> Path:
     """Refuse, before any work, a directory output that is not `ours` (an output of the same kind) or
-    empty: OutputRefused when `replaceable(dir)` (forcing may replace it), ArtifactError otherwise. Returns
-    the directory written (a symlink's target)."""
+    empty: OutputRefused when `replaceable(dir)` (forcing may replace it), ArtifactError otherwise; and one
+    that is or holds one of the command's `inputs` (`check_not_input`). Returns the directory written (a
+    symlink's target)."""
     path = Path(path)
     if is_stdio(path):
         raise ArtifactError(f"-o - means stdout, but {what} is a directory; give a directory path")
     target = output_target(path, directory=True)
-    if target.is_dir() and any(target.iterdir()) and not ours(target):
-        if not replaceable(target):
-            raise ArtifactError(f"{path} is a directory that is not {what}; choose a new directory")
-        if not force:
-            raise OutputRefused(f"{path} exists and is not {what}")
-    check_writable(target, path)
+    check_not_input(target, path, inputs or {})
+    with _looking_at(path):
+        if target.is_dir() and any(target.iterdir()) and not ours(target):
+            if not replaceable(target):
+                raise ArtifactError(f"{path} is a directory that is not {what}; choose a new directory")
+            if not force:
+                raise OutputRefused(f"{path} exists and is not {what}")
+        check_writable(target, path)
     return target
+
+
+def check_not_input(target: Path, shown: str | os.PathLike, inputs: InputPaths) -> None:
+    """Refuse an output whose `target` is one of `inputs` (flag -> a path or a list of paths; the same
+    file through any symlink or hard link), or a directory, replaced whole, that holds one: writing it
+    would destroy what the command reads, so no `force` allows it (UnusableOutput, in one sentence)."""
+    for flag, given in inputs.items():
+        one = isinstance(given, str | os.PathLike)
+        paths = [given] if one else list(given or ())
+        which = f"the {flag}" if one else f"a file of the {flag}"
+        for read in paths:
+            if _same_file(target, read):
+                raise UnusableOutput(f"{shown} is {which} this command reads; choose another path")
+            if _holds(target, read):
+                raise UnusableOutput(f"{shown} holds {read}, {which} this command reads, and would be "
+                                     "replaced whole; choose another directory")
+
+
+def _same_file(a: str | os.PathLike, b: str | os.PathLike) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except (OSError, ValueError):  # either does not exist (a new output, stdin)
+        return False
+
+
+def _holds(folder: Path, path: str | os.PathLike) -> bool:
+    """Whether `path` (followed through symlinks) lies inside the existing directory `folder`."""
+    if not folder.is_dir():
+        return False
+    inside, outer = os.path.realpath(path), os.path.realpath(folder)
+    return inside != outer and os.path.commonpath([inside, outer]) == outer
 
 # ---------------------------------------------------------------- a folder's writer
 
@@ -258,8 +371,7 @@ def hold_output(path: str | os.PathLike, writer: str, instead: str) -> None:
     may not exist yet: the lock is the hidden file `.NAME.sparrow.lock` beside it, and a second writer of
     the same output is refused at once instead of replacing the first one's result when it ends."""
     key = os.path.realpath(path)
-    folder, name = os.path.split(key)
-    _hold(key, Path(folder) / f".{name}{LOCK_NAME}", writer,
+    _hold(key, Path(key).with_name(f".{hidden_stem(Path(key))}{LOCK_NAME}"), writer,
           f"{path} is being written by another {writer}{{holder}}, and a second one would replace that "
           f"one's result when it ends; wait for it to end, or choose {instead}")
 

@@ -117,7 +117,8 @@ def calibrate_threshold(
             raise UsageError(f"{flag} must be in [0, 1] (a reward or accuracy gap), got {value}")
     check_detectors(window, reward_drop, grad_norm_factor, mismatch_kl_limit, truncation_limit,
                     repetition_limit, entropy_factor)
-    check_output(output, "threshold", force)
+    check_output(output, "threshold", force, inputs={"--profile": profile,
+                                                     "--runs": run_artifacts([*runs, *(more_runs or [])])})
     mismatch = read_artifact(profile, "mismatch")
     if mismatch.num_rows == 0:
         raise UsageError(f"{profile}: the mismatch profile has no tokens")
@@ -187,6 +188,21 @@ DETECTOR_RANGES = (("--window", 1, None, "steps of smoothing"),
                    ("--truncation-limit", 0, 1, "a rate"),
                    ("--repetition-limit", 0, 1, "a rate"),
                    ("--entropy-factor", 1, None, "a multiple of the starting entropy"))
+
+
+def run_artifacts(runs: list[Path]) -> list[Path]:
+    """The metrics and schedule artifacts in the run directories: what calibrating reads of them, which
+    -o may not replace (a threshold written beside them may)."""
+    from sparrow.schemas import ArtifactError, artifact_kind
+
+    found = []
+    for path in (p for run in runs if run.is_dir() for p in sorted(run.glob("*.parquet"))):
+        try:
+            if artifact_kind(path) in ("metrics", "schedule"):
+                found.append(path)
+        except ArtifactError:  # not an artifact: reading the runs says so
+            continue
+    return found
 
 
 def check_detectors(*values: float) -> None:

@@ -269,12 +269,25 @@ def say_error(message: str) -> None:
     from sparrow.schemas.locations import name_inputs
 
     # as Text: the message quotes user input (a path, a spec, a prompt) that no markup may touch
-    console.print(Text.assemble(("error:", "bold red"), " ", name_inputs(message)), soft_wrap=True)
+    console.print(Text.assemble(("error:", "bold red"), " ", printable(name_inputs(message))), soft_wrap=True)
 
 
 def warn(message: str) -> None:
-    """A warning on stderr, its text (which may quote user input) printed as written."""
-    console.print(Text.assemble(("warning:", "yellow"), " ", message), soft_wrap=True)
+    """A warning on stderr, one line, its text (which may quote user input) printed as written but for its
+    control characters (`printable`)."""
+    console.print(Text.assemble(("warning:", "yellow"), " ", printable(message)), soft_wrap=True)
+
+
+CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f-\x9f]")
+ESCAPES = {"\n": "\\n", "\r": "\\r"}
+
+
+def printable(text: str) -> str:
+    """`text` with its control characters escaped (`\\n`, `\\r`, `\\x1b`; a tab stays): a message quotes
+    what no one checked (a run's file names, an artifact's metadata, the bytes DuckDB quotes from a damaged
+    file), where an escape sequence would clear or retitle the terminal and a newline would start a line
+    of its own, such as a forged "warning: ..."."""
+    return CONTROL.sub(lambda m: ESCAPES.get(m[0], f"\\x{ord(m[0]):02x}"), text)
 
 
 def friendly_errors(fn: Callable) -> Callable:
@@ -436,11 +449,13 @@ def stdout_taken() -> bool:
 
 
 def check_output(path: Path | None, kind: str | None, force: bool, flag: str = "-o",
-                 parts: bool = False) -> None:
-    """The output location rule (sparrow.schemas.locations) before any work, as one sentence."""
+                 parts: bool = False, inputs: dict[str, object] | None = None) -> None:
+    """The output location rule (sparrow.schemas.locations) before any work, as one sentence; `inputs`
+    (flag -> the path it reads, a list of paths, or None where not given) are files the output may not
+    replace, even forced."""
     from sparrow.schemas import OutputRefused
     from sparrow.schemas import check_output as check
-    from sparrow.schemas.locations import is_stdio
+    from sparrow.schemas.locations import UnusableOutput, is_stdio
 
     if path is None:
         return
@@ -451,22 +466,29 @@ def check_output(path: Path | None, kind: str | None, force: bool, flag: str = "
         raise UsageError(f"{flag} - writes Parquet to stdout, which is a terminal here; redirect it to a "
                          "file or a pipe")
     try:
-        check(path, kind, force, parts)
+        check(path, kind, force, parts, inputs)
     except OutputRefused as e:
         raise UsageError(f"{flag} {e}; pass --force to replace it, or choose another path") from None
+    except UnusableOutput as e:
+        raise UsageError(f"{flag} {e}") from None
     _stdout["taken"] = _stdout["taken"] or is_stdio(path)
 
 
 def check_output_dir(path: Path, what: str, ours: Callable[[Path], bool], force: bool,
-                     replaceable: Callable[[Path], bool] = lambda d: False, flag: str = "-o") -> Path:
-    """The rule for a directory output (a run, an adapter, a report folder); the directory written."""
+                     replaceable: Callable[[Path], bool] = lambda d: False, flag: str = "-o",
+                     inputs: dict[str, object] | None = None) -> Path:
+    """The rule for a directory output (a run, an adapter, a report folder); the directory written.
+    `inputs` as `check_output`'s: the directory may neither be one nor hold one."""
     from sparrow.schemas import OutputRefused
     from sparrow.schemas import check_output_dir as check
+    from sparrow.schemas.locations import UnusableOutput
 
     try:
-        return check(path, what, ours, replaceable, force)
+        return check(path, what, ours, replaceable, force, inputs)
     except OutputRefused as e:
         raise UsageError(f"{flag} {e}; pass --force to replace it, or choose another directory") from None
+    except UnusableOutput as e:
+        raise UsageError(f"{flag} {e}") from None
 
 
 def input_path(ctx: typer.Context, param: typer.CallbackParam, value: Path | None) -> Path | None:

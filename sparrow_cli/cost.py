@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from .common import (
     LogProgress,
@@ -24,6 +25,7 @@ from .options import (
     check_gpu_memory,
     device_option,
     gpu_memory_option,
+    model_file,
     non_negative_seed,
     option_given,
     output_path,
@@ -109,11 +111,20 @@ def fit_cost(
     refused before any timing. Every decode-step point is printed and written as a row of the artifact
     with its prediction."""
     from sparrow.stages.core.definitions import validate_budget
-    from sparrow.stages.cost import Grid, get_hardware, grid_problem, write_analytic, write_fitted
+    from sparrow.stages.cost import (
+        VERIFY_TOKENS,
+        Grid,
+        context_problem,
+        generated_tokens,
+        get_hardware,
+        grid_problem,
+        write_analytic,
+        write_fitted,
+    )
     from sparrow.stages.model.loading import model_name, resolve_config
 
     fmt = resolve_format(format)
-    check_output(output, "cost", force)
+    check_output(output, "cost", force, inputs={"--model": model_file(model)})
     if device and hardware:
         raise UsageError("--device measures and --hardware writes an analytic preset; pass only one")
     if speculate and hardware:
@@ -127,8 +138,10 @@ def fit_cost(
     cfg = resolve_config(model)
     b_list = once(parse_int_list(batches or grid_defaults[0], "--batches"), "--batches", "batch size")
     c_list = once(parse_int_list(contexts or grid_defaults[1], "--contexts"), "--contexts", "context")
-    if not contexts:  # the default grid stays inside the model's context
-        c_list = [c for c in c_list if c <= cfg.max_position_embeddings] or [cfg.max_position_embeddings]
+    verify = VERIFY_TOKENS if speculate else ()
+    if not contexts:  # the default grid stays inside the model's context, with room for the tokens generated
+        room = cfg.max_position_embeddings - (0 if hardware else generated_tokens(warmup, repeats, verify))
+        c_list = [c for c in c_list if c <= room] or [room]
     k_list = once(parse_budgets(budgets or grid_defaults[2]), "--budgets", "budget")
     if min(b_list) < 1 or min(c_list) < 1:
         raise UsageError("--batches and --contexts must be positive")
@@ -152,7 +165,7 @@ def fit_cost(
         check_device(device)
     check_gpu_memory(gpu_memory_utilization)
     name, grid = model_name(model), Grid(b_list, c_list, k_list, warmup, repeats)
-    if not hardware and (problem := grid_problem(cfg, grid, speculate)) is not None:
+    if not hardware and (problem := context_problem(cfg, grid, verify) or grid_problem(cfg, grid, speculate)):
         raise UsageError(problem)
     with stage_errors():
         if hardware:
@@ -189,15 +202,17 @@ def measure(model: str, device: str, grid, seed: int, threads: int | None = None
         torch.set_num_threads(threads)
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     loaded = load_model(model, device=device, dtype=dtype, random_weights=True, seed=seed)
+    # the time left is the points' mean so far: later points (larger batches, longer contexts) take longer
     with Progress(TextColumn("timing the engine's decode step (points)"), BarColumn(),
-                  MofNCompleteColumn(), console=console, transient=True,
+                  MofNCompleteColumn(), TimeRemainingColumn(), console=console, transient=True,
                   disable=not console.is_terminal) as bar:
         task = bar.add_task("timing", total=len(grid.points()))
         log = LogProgress("timing the engine's decode step (points)")
 
         def on_point(done: int, total: int) -> None:
             bar.update(task, completed=done)
-            log(done, total)
+            left = (time.monotonic() - log.start) / done * (total - done)
+            log(done, total, f"about {left:.0f} s left" if done < total else "")
 
         points = time_decode_steps(loaded, grid, device, seed, on_point, gpu_memory_utilization)
     verify = []

@@ -40,6 +40,7 @@ from .options import (
     given_path,
     gpu_memory_option,
     load_actor,
+    model_file,
     non_negative_seed,
     option_given,
     output_path,
@@ -383,7 +384,9 @@ def distill(
     except ValueError as e:
         raise UsageError(str(e)) from None
     check_output_dir(output, "an adapter written by sparrow distill", force=force, ours=distilled_adapter,
-                     replaceable=lambda d: (d / "adapter_config.json").exists())
+                     replaceable=lambda d: (d / "adapter_config.json").exists(),
+                     inputs={"--prompts": prompts, "--rollouts": rollouts, "--schedule": schedule,
+                             "--eval-prompts": eval_prompts, "--model": model_file(model)})
     hold_adapter_dir(output)
     resolved = default_threshold(threshold, model, quantile)
     sparsity = block_topk_sparsity(schedule, budget, False, model)

@@ -102,6 +102,14 @@ def given_path(flag: str, give: str = "a file (- = stdin)"):
     return parse
 
 
+def model_file(model: str | None) -> Path | None:
+    """The checkpoint directory or .gguf file that --model reads, which no output may replace (None for a
+    preset, read from no file)."""
+    from sparrow.stages.model.presets import PRESETS
+
+    return None if model is None or model.lower() in PRESETS else Path(model).expanduser()
+
+
 def output_path(give: str = "a file path such as out.parquet (- = stdout)", folder: bool = False):
     """typer parser of an -o option: `given_path` for -o, asking for `give`; a file output written as a
     directory (out/), which a Path would turn into a file of that name, is refused as it is typed."""
@@ -379,7 +387,7 @@ def check_workers(workers: int, ray_address: str | None, output: Path | None) ->
         require_ray()
     except RayMissing as e:
         raise UsageError(str(e)) from None
-    if output is not None and output.is_file():
+    if output is not None and os.path.isfile(output):  # False for a name too long: check_output says so
         raise UsageError(f"-o {output} is a file, but --workers writes a directory of Parquet parts")
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import typer
@@ -25,7 +26,7 @@ from .common import (
     stdout_taken,
     warn,
 )
-from .options import finite, given_path, output_path
+from .options import finite, given_path, model_file, output_path
 from .output import ARTIFACT_FORMAT_HELP, FORMAT_METAVAR, emit, json_rows, resolve_format, write_out
 
 EXPORTS = ("json", "sglang-vortex")
@@ -174,14 +175,16 @@ def plan_schedule(
                          "json (the drafts) or drop --speculate")
     if export_to is not None and str(export_to) == "-":
         export_to = None  # stdout is where --export prints anyway
-    check_output(output, "schedule", force)
+    inputs = {"--profile": profile, "--threshold-file": threshold_file, "--cost": cost,
+              "--model": model_file(model)}
+    check_output(output, "schedule", force, inputs=inputs)
     if export is not None and export_to is None and output is not None and str(output) == "-":
         raise UsageError("--export without --export-to prints to stdout, which -o - takes; give --export-to")
     if export_to is not None and output is not None and str(output) != "-" \
             and export_to.resolve() == output.resolve():
         raise UsageError(f"--export-to and -o both name {output}; the schedule artifact and its "
                          f"--export {export} form need two files")
-    check_export_to(export_to, export, force)
+    check_export_to(export_to, export, force, inputs)
     for flag, value, low in (("--max-num-seqs", batch, 1), ("--prompt-len", prompt_len, 0),
                              ("--gen-len", gen_len, 2), ("--bin-width", bin_width, 1),
                              ("--min-tokens", min_tokens, 1)):
@@ -304,15 +307,17 @@ def _export_form(path: Path) -> str | None:
     return None
 
 
-def check_export_to(path: Path | None, export: str | None, force: bool) -> None:
+def check_export_to(path: Path | None, export: str | None, force: bool,
+                    inputs: dict[str, Path | None] | None = None) -> None:
     """--export-to follows the -o rule: a symlink is written through, a FIFO, device or directory is
-    refused, and an existing file is replaced only if it holds the same form (or with --force)."""
+    refused, and an existing file is replaced only if it holds the same form (or with --force), never
+    when it is one of the command's `inputs`."""
     from sparrow.schemas import ArtifactError
-    from sparrow.schemas.locations import check_writable, output_target
+    from sparrow.schemas.locations import check_not_input, check_writable, output_target
 
     if path is None:
         return
-    if path.is_dir():
+    if os.path.isdir(path):  # False for a name too long to look up: output_target says so
         raise UsageError(f"--export-to {path} is a directory; give a file path such as "
                          f"{path / 'schedule.json'}")
     if path.suffix.lower() in PARQUET_SUFFIXES:
@@ -320,6 +325,7 @@ def check_export_to(path: Path | None, export: str | None, force: bool) -> None:
                          f"Parquet name; give a path ending in .json (-o writes the Parquet schedule)")
     try:
         target = output_target(path)
+        check_not_input(target, path, inputs or {})
         check_writable(target.parent, path)
     except ArtifactError as e:
         raise UsageError(f"--export-to {e}") from None

@@ -53,6 +53,7 @@ from .options import (
     kv_buffer_option,
     kv_window_option,
     load_actor,
+    model_file,
     non_negative_seed,
     output_path,
     random_weights_of,
@@ -220,7 +221,9 @@ def profile(
     except ValueError as e:
         raise UsageError(str(e)) from None
     check_workers(workers, ray_address, output)
-    check_output(output, "mismatch", force, parts=bool(workers))
+    check_output(output, "mismatch", force, parts=bool(workers),
+                 inputs={"--prompts": prompts, "--rollouts": rollouts, "--sampler": sampler_file(sampler),
+                         "--adapter": adapter, "--lora": lora, "--model": model_file(model)})
     resolved = default_threshold(threshold, model, quantile)
     cfg = resolve_config(model)
     if prompts is not None:
@@ -410,6 +413,12 @@ def sampler_policy(spec: str, cfg=None, speculate: int = 0):
     schedule = _sampler_schedule(Path(path), cfg)
     check_speculative_schedule(Path(path), speculate, f"--sampler {spec}", "--sampler budget:B")
     return as_policy(schedule)
+
+
+def sampler_file(spec: str) -> Path | None:
+    """The schedule file a --sampler schedule:FILE reads (None for any other sampler)."""
+    kind, _, path = spec.partition(":")
+    return Path(path) if kind == "schedule" and path.strip() else None
 
 
 def _sampler_schedule(path: Path, cfg):

@@ -1,8 +1,8 @@
 """`sparrow prompts`: build a prompts artifact for a task, formatted for a model's chat template.
 
 Everything the user typed is checked before any work (task, count, split, model, context length); then
-only the model's tokenizer is loaded, never its weights. A progress bar appears only when
-generation runs longer than a second.
+only the model's tokenizer is loaded, never its weights. Progress (a bar on a terminal, lines in a log)
+appears only when generation runs longer than a second.
 """
 
 from __future__ import annotations
@@ -15,30 +15,45 @@ import typer
 from sparrow.stages.tasks import TASKS, Task, TaskError, get_task, make_prompts
 from sparrow.stages.tasks.longcontext import DEFAULT_CONTEXT_TOKENS, MIN_CONTEXT_TOKENS
 
-from .common import UsageError, check_output, console, force_option, friendly_errors, output_help
-from .options import check_host_memory, non_negative_seed, output_path
+from .common import (
+    LogProgress,
+    UsageError,
+    check_output,
+    console,
+    force_option,
+    friendly_errors,
+    output_help,
+)
+from .options import check_host_memory, model_file, non_negative_seed, output_path
 
 
 class _LazyProgress:
-    """A progress callback that shows a bar once the work has taken more than `delay` seconds."""
+    """A progress callback that shows progress once the work has taken more than `delay` seconds: a bar
+    with the time left on a terminal, whole lines in a log (LogProgress), so that a quick run shows none."""
 
     def __init__(self, total: int, label: str, delay: float = 1.0):
         self.total, self.label, self.delay = total, label, delay
         self.started = time.monotonic()
         self.bar = None
         self.task_id = None
+        self.log: LogProgress | None = None
 
     def __call__(self, done: int) -> None:
-        if (self.bar is None and console.is_terminal and time.monotonic() - self.started > self.delay
-                and done < self.total):
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
+        late = time.monotonic() - self.started > self.delay
+        if self.bar is None and console.is_terminal and late and done < self.total:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-            self.bar = Progress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
+            self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                                 TimeRemainingColumn(), console=console, transient=True)
             self.bar.start()
             self.task_id = self.bar.add_task(self.label, total=self.total)
         if self.bar is not None:
             self.bar.update(self.task_id, completed=done)
+        if self.log is None and not console.is_terminal and late:
+            self.log = LogProgress(self.label)
+            self.log.start = self.started
+        if self.log is not None:
+            self.log(done, self.total)
 
     def close(self) -> None:
         if self.bar is not None:
@@ -110,7 +125,7 @@ def prompts(
         raise UsageError(f"--n must be at least 1, got {n}")
     _check_request(spec, n, split)
     check_host_memory(n, f"{n:,} prompts (--n)", "write fewer prompts per file")
-    check_output(output, "prompts", force)
+    check_output(output, "prompts", force, inputs={"--model": model_file(model)})
     config = resolve_config(model)
     context = _context_tokens(spec.name, spec.long_context, context_tokens, model,
                               config.max_position_embeddings)

@@ -69,7 +69,7 @@ def reward(
     fmt = resolve_format(fmt)
     if workers is not None and workers < 1:
         raise UsageError(f"--workers must be at least 1, got {workers}")
-    check_output(output, "rewards", force)
+    check_output(output, "rewards", force, inputs={"--prompts": prompts, "--completions": completions})
     if unsafe_code_execution:
         os.environ[UNSAFE_ENV] = "1"
     prompt_set = PromptSet.read(prompts, data_options(answer_column, reward_name, reward_fn))

@@ -44,6 +44,7 @@ from .options import (
     kv_compression_option,
     kv_window_option,
     load_actor,
+    model_file,
     non_negative_seed,
     output_path,
     set_threads,
@@ -223,7 +224,9 @@ def rollout(
         raise UsageError("--reward-fn runs in this process, not in Ray workers; roll out with --workers and "
                          "score the rollouts with sparrow reward --reward-fn")
     data = data_options(answer_column, reward, reward_fn)
-    check_output(output, "rollouts", force, parts=bool(workers))
+    check_output(output, "rollouts", force, parts=bool(workers),
+                 inputs={"--prompts": prompts, "--schedule": schedule, "--adapter": lora,
+                         "--model": model_file(model)})
     cfg = resolve_config(model)
     adapter = load_actor(lora, cfg, model)  # one sentence for a bad adapter, before any weights load
     prompt_set = PromptSet.read(prompts, data)

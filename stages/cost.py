@@ -317,6 +317,29 @@ COEFFICIENT_NAMES = {"step": "per-step", "seq": "batch", "kv": "KV token-layer",
 VERIFY_NAMES = {"step": "per-forward", "token": "fed-token", "kv": "KV token-layer"}
 
 
+def generated_tokens(warmup: int, repeats: int, verify: Sequence[int] = ()) -> int:
+    """The most tokens a timed point generates after its context: the prefill's first token and the
+    warmup and timed decode steps (`time_decode_steps`), or, verifying (`time_verifications`), as many
+    cycles of up to max(verify) fed tokens per sample and a last token."""
+    steps = warmup + repeats + 1
+    return max([steps, *(steps * t + 1 for t in verify)])
+
+
+def context_problem(cfg: ModelConfig, grid: Grid, verify: Sequence[int] = ()) -> str | None:
+    """One sentence when the grid's largest context leaves no room in the model's context for the tokens
+    its points generate (verifying `verify` fed tokens too): which flags make those tokens, and the
+    largest context that fits; None when all fit."""
+    generated = generated_tokens(grid.warmup, grid.repeats, verify)
+    room = cfg.max_position_embeddings - generated
+    if max(grid.contexts) <= room:
+        return None
+    how = (f"--warmup {grid.warmup} and --repeats {grid.repeats} decode steps after the prefill's token"
+           + (f", verifying up to {max(verify)} tokens per step with --speculate" if verify else ""))
+    return (f"--contexts {max(grid.contexts)} plus the {generated} tokens each timed point generates ({how}) "
+            f"is beyond the model's context of {cfg.max_position_embeddings}; give contexts of at most "
+            f"{room}, or fewer --warmup or --repeats")
+
+
 def verify_grid(grid: Grid, tokens: Sequence[int] = VERIFY_TOKENS) -> list[tuple[int, int, int]]:
     """The (batch, context, fed tokens per sample) points that `time_verifications` times for `grid`."""
     return [(b, c, t) for t in tokens for b in grid.batches for c in grid.contexts]
@@ -483,10 +506,9 @@ def time_decode_steps(loaded, grid: Grid, device: str = "cpu", seed: int = 0,
     from .engine import Engine, EngineConfig, SamplingParams
 
     model, cfg = loaded.model.eval(), loaded.config
-    steps = grid.warmup + grid.repeats + 1  # the first token comes from the prefill, not a decode step
-    if max(grid.contexts) > cfg.max_position_embeddings - steps:
-        raise CostError(f"context {max(grid.contexts)} plus {steps} generated tokens is beyond the model's "
-                        f"{cfg.max_position_embeddings}")
+    steps = generated_tokens(grid.warmup, grid.repeats)  # the first token comes from the prefill
+    if (problem := context_problem(cfg, grid)) is not None:
+        raise CostError(problem)
     gen = torch.Generator().manual_seed(seed)
     prompts = {c: torch.randint(0, cfg.vocab_size, (c - 1,), generator=gen).tolist() for c in grid.contexts}
     params = lambda batch: SamplingParams(max_new_tokens=steps, n=batch,
@@ -517,13 +539,12 @@ def time_verifications(loaded, grid: Grid, tokens: Sequence[int] = VERIFY_TOKENS
     model, cfg = loaded.model.eval(), loaded.config
     cycles = grid.warmup + grid.repeats
     draft = min((b for b in grid.budgets if b), default=0) or None
+    if (problem := context_problem(cfg, grid, tokens)) is not None:
+        raise CostError(problem)
     gen = torch.Generator().manual_seed(seed)
     out = []
     for t in tokens:
         new = (cycles + 1) * t + 1  # the timed cycles all draft K: max_new_tokens never cuts them short
-        if max(grid.contexts) > cfg.max_position_embeddings - new:
-            raise CostError(f"context {max(grid.contexts)} plus {new} generated tokens is beyond the model's "
-                            f"{cfg.max_position_embeddings}")
         config = EngineConfig(max_batch=max(grid.batches), dense_layers=DEFAULT_DENSE_LAYERS,
                               gpu_memory_utilization=gpu_memory_utilization, speculate=t - 1)
         with Engine(model, as_policy(draft), config) as engine:

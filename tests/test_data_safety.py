@@ -223,11 +223,12 @@ def test_report_writes_into_a_foreign_folder_only_when_forced(tmp_path):
 
 def test_an_artifact_of_another_kind_is_refused_before_any_work(tmp_path, no_work):
     prompts = token_prompts(tmp_path / "p.parquet")
-    before = digest(prompts)
+    other = token_prompts(tmp_path / "other.parquet")  # not its input, which even --force never replaces
+    before = digest(other)
     line = error_line(runner.invoke(app, ["profile", "--model", "tiny-llama", "--prompts", str(prompts),
-                                          "-o", str(prompts)]))
+                                          "-o", str(other)]))
     assert "is a 'prompts' artifact, not a 'mismatch' artifact; pass --force" in line
-    assert digest(prompts) == before
+    assert digest(other) == before
 
 
 def test_an_artifact_of_the_same_kind_is_replaced(tmp_path):
@@ -380,8 +381,8 @@ def test_sql_writes_only_through_its_own_output(run_dir, tmp_path):
     assert sql(run_dir, "SELECT 1 AS a", "-o", str(out)).exit_code == 0
     assert sql(run_dir, "SELECT 2 AS a", "-o", str(out)).exit_code == 0  # a query result: replaced
     assert pq.read_table(out).to_pylist() == [{"a": 2}]
-    line = error_line(sql(run_dir, "SELECT 3 AS a", "-o", str(run_dir / "prompts.parquet")))
-    assert "is a 'prompts' artifact, not a query result of sparrow sql; pass --force" in line
+    line = error_line(sql(run_dir, "SELECT 3 AS a", "-o", str(run_dir / "prompts.parquet"), "--force"))
+    assert "is a file of the --run this command reads; choose another path" in line
     assert artifact_kind(run_dir / "prompts.parquet") == "prompts"
     r = sql(run_dir, "SELECT 4 AS a", "-o", "-")
     assert r.exit_code == 0 and pq.read_table(io.BytesIO(r.stdout_bytes)).to_pylist() == [{"a": 4}]

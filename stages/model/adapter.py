@@ -64,8 +64,10 @@ def load_lora_state(model: nn.Module, state: dict[str, Tensor], adapter: str = "
 def save_adapter(model: nn.Module, config, folder: str | os.PathLike, base_model: str,
                  adapter: str = "default") -> Path:
     """Write the adapter directory atomically (`replace_dir`: a hidden sibling, then a rename; the old
-    directory's access kept, a killed writer's leftovers removed by the next write)."""
-    from safetensors.torch import save_file
+    directory's access kept, a killed writer's leftovers removed by the next write). The weights file is
+    written as the others are, so its mode follows the umask (safetensors' save_file makes it 0600, which
+    a group sharing the folder could not load); an adapter is small enough to be serialized in memory."""
+    from safetensors.torch import save
 
     from sparrow.schemas import output_target
     from sparrow.schemas.io import replace_dir
@@ -78,7 +80,7 @@ def save_adapter(model: nn.Module, config, folder: str | os.PathLike, base_model
         cfg["base_model_name_or_path"] = base_model
         cfg["target_modules"] = sorted(cfg["target_modules"])
         (tmp / "adapter_config.json").write_text(json.dumps(cfg, indent=2, default=str))
-        save_file(lora_state(model, adapter), str(tmp / "adapter_model.safetensors"))
+        (tmp / "adapter_model.safetensors").write_bytes(save(lora_state(model, adapter)))
 
     replace_dir(target, fill)
     return folder

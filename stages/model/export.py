@@ -17,12 +17,12 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from torch import Tensor
 
 from sparrow.schemas.io import replace_dir
 
 from .llama import Transformer, ours_to_hf
+from .loading import save_weights
 
 MARKER = "sparrow_train.json"
 
@@ -56,7 +56,7 @@ def export_model(model: Transformer, tokenizer, folder: Path, provenance: dict) 
     folder = Path(folder)
 
     def fill(tmp: Path) -> None:
-        save_file(hf_state(model), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        save_weights(hf_state(model), tmp / "model.safetensors")
         (tmp / "config.json").write_text(json.dumps(hf_config(model), indent=2))
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))

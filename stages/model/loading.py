@@ -375,6 +375,15 @@ def _own_storage(t: torch.Tensor) -> torch.Tensor:
     return t if t.untyped_storage().nbytes() == t.numel() * t.element_size() else t.to("cpu", copy=True)
 
 
+def save_weights(state: dict[str, torch.Tensor], path: Path) -> None:
+    """safetensors' save_file, the file's mode then made what a plain open() gives under the umask:
+    save_file creates it 0600, which a group sharing the folder could not load."""
+    save_file(state, str(path), metadata={"format": "pt"})
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+
+
 def save_checkpoint(model: Transformer, tokenizer, folder: Path) -> None:
     """Write a Hugging Face style checkpoint directory (config.json, model.safetensors, tokenizer)."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -382,7 +391,7 @@ def save_checkpoint(model: Transformer, tokenizer, folder: Path) -> None:
              if not k.startswith("rope_")}
     if model.cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
-    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    save_weights(state, folder / "model.safetensors")
     (folder / "config.json").write_text(json.dumps(model.cfg.to_hf(), indent=2))
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)

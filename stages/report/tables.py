@@ -1,0 +1,120 @@
+"""What the figures read of an artifact, in bounded memory, from files that are untrusted input.
+
+An artifact was read against its schema before any figure (`build_report`); a figure then reads only the
+columns it draws, batch by batch, and keeps per sample only the numbers it plots (a rollout's length, not
+its tokens), so that a run of millions of samples is drawn in the memory of those numbers, and a signal
+stops it between two batches. Aggregates over tokens (a profile's tail per bin) are DuckDB's, over the
+artifact's files alone: a connection that reads those files through the read-only file system of `sparrow
+sql` (..sql.files) and no other file, with every path an SQL string literal, so that no file name, however
+made, runs as SQL or reaches another file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from sparrow.schemas.footer import artifact_parts
+
+from ..sql.files import RunFiles, file_url
+from ..sql.views import sql_literal
+
+BATCH_ROWS = 65_536
+
+
+def files_of(path: Path) -> list[Path]:
+    """An artifact's Parquet files: itself, or its parts."""
+    return artifact_parts(path) if path.is_dir() else [path]
+
+
+def sql_rows(files: list[Path], query: Callable[[str], str]) -> list[tuple]:
+    """The rows of `query(scan)`, where `scan` is DuckDB's read_parquet over `files`, in a connection that
+    reads those files and nothing else, and writes no file."""
+    import duckdb
+
+    paths = [str(Path(f).absolute()) for f in files]
+    urls = [sql_literal(file_url(p)) for p in paths]
+    con = duckdb.connect(":memory:", config={"autoinstall_known_extensions": False,
+                                             "autoload_known_extensions": False})
+    try:
+        con.register_filesystem(RunFiles(paths))
+        con.execute(f"SET allowed_paths = [{', '.join(urls)}]")
+        con.execute("SET enable_external_access = false")
+        con.execute("SET lock_configuration = true")
+        return con.sql(query(f"read_parquet([{', '.join(urls)}])")).fetchall()
+    finally:
+        con.close()
+
+
+def column_batches(path: Path, columns: tuple[str, ...]) -> Iterator[dict[str, pa.Array | None]]:
+    """`columns` of an artifact (a file or its parts), one record batch at a time; a column a file lacks
+    (a nullable one added to the schema after it was written) is None."""
+    for part in files_of(path):
+        with pq.ParquetFile(part) as f:
+            have = [c for c in columns if c in f.schema_arrow.names]
+            for batch in f.iter_batches(batch_size=BATCH_ROWS, columns=have):
+                yield {c: batch.column(c) if c in have else None for c in columns}
+
+
+def _numpy(array: pa.Array) -> np.ndarray:
+    return array.to_numpy(zero_copy_only=False)
+
+
+@dataclass
+class RolloutStats:
+    """What the rollouts figure draws: per sample its generated tokens and whether it stopped at EOS; the
+    rewards of the samples that have one (NaN or infinite ones kept); the sparse tokens' budgets, summed
+    and counted."""
+
+    lengths: np.ndarray
+    stops: np.ndarray
+    rewards: np.ndarray
+    sparse_budget_sum: int
+    sparse_tokens: int
+
+
+def rollout_stats(path: Path) -> RolloutStats:
+    lengths, stops, rewards = [], [], []
+    budget_sum = sparse = 0
+    for batch in column_batches(path, ("token_ids", "finish_reason", "reward", "budgets")):
+        lengths.append(_numpy(pc.list_value_length(batch["token_ids"])).astype(np.int64))
+        stops.append(_numpy(pc.fill_null(pc.equal(batch["finish_reason"], "stop"), False)))
+        if batch["reward"] is not None:
+            rewards.append(_numpy(batch["reward"].drop_null().cast(pa.float64())))
+        flat = pc.list_flatten(batch["budgets"])
+        kept = pc.filter(flat, pc.greater(flat, 0))
+        budget_sum += pc.sum(kept.cast(pa.int64())).as_py() or 0
+        sparse += len(kept)
+    return RolloutStats(_joined(lengths, np.int64), _joined(stops, bool), _joined(rewards, float), budget_sum,
+                        sparse)
+
+
+def _joined(parts: list[np.ndarray], dtype) -> np.ndarray:
+    return np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype)
+
+
+@dataclass
+class RewardStats:
+    """What the rewards figure draws: per scored completion its reward and its status (None: none)."""
+
+    rewards: np.ndarray
+    statuses: list[tuple[str | None, int]]  # each status and its count, most frequent first
+
+
+def reward_stats(path: Path) -> RewardStats:
+    rewards, counts = [], {}
+    for batch in column_batches(path, ("reward", "status")):
+        rewards.append(_numpy(batch["reward"].cast(pa.float64())))
+        status = batch["status"]
+        found = ([(None, len(batch["reward"]))] if status is None else
+                 [(row["values"], row["counts"]) for row in pc.value_counts(status).to_pylist()])  # a few
+        for value, n in found:
+            counts[value] = counts.get(value, 0) + n
+    ordered = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0] is None, kv[0] or ""))
+    return RewardStats(_joined(rewards, float), ordered)

@@ -1,0 +1,79 @@
+"""The run's files as DuckDB reads them: through a file system of their own (`RunFiles`, an fsspec file
+system registered on the connection) that opens the run's files for reading and nothing else.
+
+DuckDB's sandbox (`allowed_paths`) lets a statement write an allowed file as well as read it (`COPY ... TO`
+it), and has no read-only setting. So the views name each file by its `sparrow-run://` URL, the URLs are
+the only allowed paths, and every write through this file system fails: whatever a statement is, and
+whatever DuckDB's parser makes of it, no file of the run can be written, truncated, moved or removed.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import io
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+from fsspec import AbstractFileSystem
+
+PROTOCOL = "sparrow-run"
+PREFIX = f"{PROTOCOL}://"
+
+
+def file_url(path: str | Path) -> str:
+    """The URL through which DuckDB reads the run's file at the absolute `path`."""
+    return PREFIX + str(path)
+
+
+def local_paths(text: str) -> str:
+    """`text` (a DuckDB message) with the run's file URLs back to their paths, as the user knows them."""
+    return text.replace(PREFIX, "")
+
+
+class RunFiles(AbstractFileSystem):
+    """A file system of the given files, read only: each opens for reading; anything else (another file,
+    a write, a directory made, a file removed or moved) is PermissionError, or the base class's
+    NotImplementedError."""
+
+    protocol = PROTOCOL
+    cachable = False  # one per connection, with its own files
+
+    def __init__(self, files: Iterable[str | Path]):
+        super().__init__()
+        self.files = frozenset(str(f) for f in files)
+
+    def _path(self, path: str) -> str:
+        path = str(path).removeprefix(PREFIX)
+        if path not in self.files:
+            raise PermissionError(f"{path} is not a file of the run")
+        return path
+
+    def _open(self, path: str, mode: str = "rb", **kwargs):
+        if mode != "rb":
+            raise PermissionError(f"{str(path).removeprefix(PREFIX)} is read only: sparrow sql writes no "
+                                  "file of the run")
+        return _File(io.FileIO(self._path(path), "rb"))
+
+    def info(self, path: str, **kwargs) -> dict:
+        local = self._path(path)
+        st = os.stat(local)
+        return {"name": local, "size": st.st_size, "type": "file", "mtime": st.st_mtime}
+
+    def glob(self, path: str, **kwargs) -> list[str]:
+        """The file itself: a view names each file, never a pattern (a `*`, `?` or `[` in a file's name is
+        part of the name)."""
+        return [self._path(path)]
+
+    def ls(self, path: str, detail: bool = True, **kwargs) -> list:
+        return [self.info(path)] if detail else [self._path(path)]
+
+    def modified(self, path: str) -> dt.datetime:
+        return dt.datetime.fromtimestamp(self.info(path)["mtime"], tz=dt.timezone.utc)
+
+
+class _File(io.BufferedReader):
+    """A file DuckDB reads: closed when DuckDB lets it go (DuckDB drops its files without closing them)."""
+
+    def __del__(self) -> None:
+        self.close()
