@@ -55,12 +55,23 @@ def stage_metadata(schema: pa.Schema, where: object) -> dict:
     if raw is None:
         return {}
     try:
-        meta = json.loads(raw)
+        meta = file_json(raw)
     except ValueError:
         meta = None
     if not isinstance(meta, dict):
         raise ArtifactError(f"{where} has '{KEY_META}' metadata that is not a JSON object")
     return meta
+
+
+def file_json(text: str | bytes) -> object:
+    """JSON text that a file supplies (a footer's metadata, a column of JSON objects), parsed: json.loads,
+    whose ValueError is every failure, also for JSON nested deeper than Python's parser recurses (there
+    json.loads raises RecursionError, which no caller takes for bad input: a command would end in a
+    traceback)."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("the JSON nests too deeply to read") from None
 
 
 def read_schema(path: Path) -> pa.Schema:

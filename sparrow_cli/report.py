@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from .common import UsageError, check_output_dir, console, force_option, friendly_errors
+from .common import UsageError, check_output_dir, console, force_option, friendly_errors, printable
 from .options import output_path
 
 
@@ -18,7 +18,10 @@ def report_folder(folder: Path) -> bool:
 
 @friendly_errors
 def report(
-    run: Path = typer.Argument(..., help="A run directory (artifacts, and training runs in subdirectories)."),
+    run: Path | None = typer.Argument(None, metavar="RUN", show_default=False, help="A run directory "
+                                      "(artifacts, and training runs in subdirectories); or --run RUN."),
+    run_option: Path | None = typer.Option(None, "--run", show_default=False, help="The run directory, as "
+                                           "`sparrow sql --run` takes it (instead of the argument)."),
     output: Path = typer.Option(None, "-o", "--output", help="Folder for the figures (default RUN/report). A "
                                 "folder that holds something else than a report is written into only with "
                                 "--force (then only files of the report's names are replaced).",
@@ -27,9 +30,11 @@ def report(
 ) -> None:
     """Draw what the run directory holds: tail and mean alpha per bin and budget against the threshold,
     the schedule (against the published one for Qwen3 presets), the cost model against measured steps,
-    rollout lengths and rewards, and each training run's curves with its collapse steps."""
+    rollout lengths and rewards, rewards scored by `sparrow reward`, and each training run's curves with
+    its collapse steps."""
     from sparrow.stages.report import build_report
 
+    run = _run_dir(run, run_option)
     if run.exists() and not run.is_dir():
         raise UsageError(f"{run} is a file, not a run directory (report draws the artifacts of a directory)")
     if not run.is_dir():
@@ -37,12 +42,28 @@ def report(
     check_output_dir(output or run / "report", "a Sparrow report folder", force=force, ours=report_folder,
                      replaceable=lambda d: True)
     try:
-        page, figures = build_report(run, output, progress=lambda what: console.print(what, highlight=False,
-                                                                                     markup=False))
+        page, figures = build_report(run, output, progress=_note)
     except ValueError as e:
         raise UsageError(str(e)) from None
     for f in figures:
         said = "".join(f"; {s}" for s in f.said)
-        console.print(f"  {f.file}: {f.title} ({f.points} points{said})", highlight=False, markup=False)
-    console.print(f"report: {page}")
+        _note(f"  {f.file}: {f.title} ({f.points} points{said})")
+    _note(f"report: {page}")
     print(page)
+
+
+def _run_dir(argument: Path | None, option: Path | None) -> Path:
+    """The run directory, given as the argument or as --run (once)."""
+    if argument is not None and option is not None and argument != option:
+        raise UsageError(f"the run directory was given twice, as {argument} and as --run {option}; give it "
+                         "once")
+    run = argument if argument is not None else option
+    if run is None:
+        raise UsageError("give the run directory to draw: sparrow report RUN (or --run RUN)")
+    return run
+
+
+def _note(text: str) -> None:
+    """A line of progress or of the summary on stderr; the names it quotes come from the run's files, so
+    their control characters are escaped (`printable`)."""
+    console.print(printable(text), highlight=False, markup=False)

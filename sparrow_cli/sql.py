@@ -30,7 +30,7 @@ from rich.table import Table
 from rich.text import Text
 
 from sparrow.schemas.io import write_batches
-from sparrow.schemas.locations import QUERY_KEY, is_stdio, special_kind
+from sparrow.schemas.locations import QUERY_KEY, describe, is_stdio, special_kind
 from sparrow.stages.sql import DEFAULT_MEMORY, DEFAULT_TIMEOUT, Limits, QueryError, QueryLimit, parse_memory
 from sparrow.stages.sql import query as run_sql
 
@@ -71,10 +71,12 @@ class TooManyRows(UsageError):
 
 @friendly_errors
 def sql(
-    query: Annotated[str, typer.Argument(help="One SQL statement over the run's views, e.g. \"SELECT bin, "
-                                              "budget, quantile_cont(alpha, 0.05) FROM mismatch GROUP BY "
-                                              "ALL\".")],
-    run: Annotated[Path, typer.Option("--run", help=VIEWS_HELP)] = Path("."),
+    words: Annotated[list[str], typer.Argument(metavar="[RUN] QUERY", show_default=False, help="The run "
+                                               "directory (as --run gives it; default: the current "
+                                               "directory), then one SQL statement over its views, e.g. "
+                                               "\"SELECT bin, budget, quantile_cont(alpha, 0.05) FROM "
+                                               "mismatch GROUP BY ALL\".")],
+    run_option: Annotated[Path | None, typer.Option("--run", show_default=False, help=VIEWS_HELP)] = None,
     format: Annotated[str | None, typer.Option("--format", "-f", metavar=FORMAT_METAVAR,
                                                help=FORMAT_HELP)] = None,
     output: Annotated[Path | None, typer.Option("-o", "--output", help=OUTPUT_HELP,
@@ -93,6 +95,7 @@ def sql(
                                           "fails (0: no limit; -o writes every row).")] = DEFAULT_MAX_ROWS,
 ) -> None:
     """Run one SQL query (DuckDB) over the artifacts of a run directory, bounded in memory and time."""
+    run, query = _run_and_query(words, run_option)
     if output is not None and format is not None:
         fail("-f/--format chooses how rows print on stdout, and -o writes them as Parquet instead; give one "
              "of the two")
@@ -105,7 +108,7 @@ def sql(
         fail(f"-o writes Parquet, so give a path ending in .parquet (not {output.name}); "
              f"use --format csv or json with a shell redirect for text")
     limits = _limits(memory_limit, timeout, max_rows)
-    check_output(output, None, force)
+    check_output(output, None, force, inputs={"--run": _artifacts_of_the_run(output, run)})
     # rows on a terminal's stdout stop the clock at the first batch; a file or a pipe's run to the end
     until_first = output is None and format != "table" and out.is_terminal
     try:
@@ -125,6 +128,31 @@ def sql(
         fail(str(e))
     except BrokenPipeError:  # the reader stopped early (| head): not an error
         _drop_stdout()
+
+
+def _artifacts_of_the_run(output: Path | None, run: Path) -> list[Path]:
+    """An existing -o that is an artifact of the run the query reads, which even --force may not replace
+    (an earlier query result there may be)."""
+    if output is None or is_stdio(output) or not output.is_file():
+        return []
+    inside = output.resolve().is_relative_to(run.resolve())
+    return [output] if inside and describe(output)[0] is not None else []
+
+
+def _run_and_query(words: list[str], run: Path | None) -> tuple[Path, str]:
+    """The run directory and the query from `sparrow sql [RUN] QUERY` (or `QUERY --run RUN`): one argument
+    is the query, two are the run directory then the query."""
+    if len(words) == 1:
+        return run or Path("."), words[0]
+    if len(words) > 2:
+        raise UsageError(f"sparrow sql takes the run directory and one query, got {len(words)} arguments; "
+                         "quote the query as one argument: sparrow sql RUN \"SELECT ...\"")
+    first, query = words
+    if run is not None:
+        raise UsageError(f"the run directory was given twice, as {first} and as --run {run}; give it once")
+    if not Path(first).is_dir() and Path(query).is_dir():
+        raise UsageError(f"sparrow sql takes the run directory before the query: sparrow sql {query} QUERY")
+    return Path(first), query
 
 
 class _QueryClock:

@@ -41,7 +41,7 @@ import pyarrow.parquet as pq
 
 from sparrow.schemas import ArtifactError, ArtifactSpec, Col, artifact_kind, artifact_metadata, read_artifact
 from sparrow.schemas.artifacts import first_line
-from sparrow.schemas.footer import artifact_parts, kind_version
+from sparrow.schemas.footer import artifact_parts, file_json, kind_version
 from sparrow.schemas.io import opens_json, utf8_lines
 from sparrow.schemas.locations import is_stdio
 
@@ -169,10 +169,12 @@ def _json_line(line: str, path: Path, n: int) -> dict[str, Any] | None:
     if not line.strip():
         return None
     try:
-        record = json.loads(line)
+        record = file_json(line)
     except json.JSONDecodeError as e:
         raise ArtifactError(f"--completions {path} line {n} is not JSON ({e.msg} at column "
                             f"{e.colno})") from None
+    except ValueError as e:
+        raise ArtifactError(f"--completions {path} line {n} cannot be read: {e}") from None
     if isinstance(record, list):
         raise ArtifactError(f"--completions {path} line {n} is a JSON array; completions are JSON lines, one "
                             "object per line with 'prompt_id' and 'text'")
@@ -371,15 +373,18 @@ def _same_prompt(a: dict, b: dict) -> bool:
 
 
 def _check_metadata(row: dict, path: Path) -> None:
-    """The metadata keys the prompt's task scorer reads are there (a JSON object in column 'metadata')."""
-    keys = get_task(row["task"]).metadata_keys
-    if not keys:
-        return
+    """The prompt's metadata is a JSON object (column 'metadata'; the scorers are handed it) that holds the
+    keys its task's scorer reads."""
     try:
-        meta = json.loads(row.get("metadata") or "{}")
-    except ValueError:
-        meta = None
-    missing = [k for k in keys if not isinstance(meta, dict) or k not in meta]
+        meta = file_json(row.get("metadata") or "{}")
+    except ValueError as e:
+        raise ArtifactError(f"--prompts {path}: prompt {row['prompt_id']!r} has a column 'metadata' that "
+                            f"cannot be read ({e}); expected a JSON object") from None
+    if not isinstance(meta, dict):
+        raise ArtifactError(f"--prompts {path}: prompt {row['prompt_id']!r} has a column 'metadata' that is "
+                            "not a JSON object")
+    keys = get_task(row["task"]).metadata_keys
+    missing = [k for k in keys if k not in meta]
     if missing:
         raise ArtifactError(f"--prompts {path}: prompt {row['prompt_id']!r} of task {row['task']} lacks "
                             f"{', '.join(map(repr, missing))} in column 'metadata' (a JSON object), which "

@@ -497,8 +497,13 @@ def _rewards(path):
                            "tests_total": [None, None], "reward_extra": [None, None]}, path, "rewards")
 
 
+def _prompts(path):
+    return write_artifact({"prompt_id": ["a"], "task": ["math"], "prompt": ["What is 2 + 3?"],
+                           "prompt_token_ids": [None], "answer": ["5"], "metadata": [None]}, path, "prompts")
+
+
 def test_an_artifact_without_a_figure_gets_its_not_drawn_line(tmp_path):
-    """Beside rollouts: a rewards artifact, a plain Parquet file and a threshold without calibrated runs
+    """Beside rollouts: a prompts artifact, a plain Parquet file and a threshold without calibrated runs
     that no profile uses are each named once, and the rollouts are drawn."""
     import shutil
 
@@ -509,33 +514,49 @@ def test_an_artifact_without_a_figure_gets_its_not_drawn_line(tmp_path):
     ds.mkdir()
     shutil.copy(full / "rollouts.parquet", ds / "rollouts.parquet")
     shutil.copy(full / "threshold.parquet", ds / "threshold.parquet")
-    _rewards(ds / "rewards.parquet")
+    _prompts(ds / "prompts.parquet")
     pq.write_table(pa.table({"x": [1]}), ds / "gsm8k.parquet")
     result = CliRunner().invoke(app, ["report", str(ds)])
     assert result.exit_code == 0, result.output
     assert _not_drawn(result) == [
         f"{ds / 'gsm8k.parquet'} is a Parquet file without Sparrow artifact metadata",
-        f"{ds / 'rewards.parquet'} (a 'rewards' artifact has no figure)",
+        f"{ds / 'prompts.parquet'} (a 'prompts' artifact has no figure)",
         f"{ds / 'threshold.parquet'} (a 'threshold' artifact without calibrated runs has no figure of its "
         "own)"]
     page = (ds / "report" / "index.html").read_text()
     assert set(_embedded(page)) == {"rollouts.png"}
-    assert "rewards.parquet (a &#x27;rewards&#x27; artifact has no figure)" in page
+    assert "prompts.parquet (a &#x27;prompts&#x27; artifact has no figure)" in page
 
 
 def test_a_folder_of_artifacts_without_figures_is_refused_naming_each(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     from cli_checks import error_line
 
     only = tmp_path / "only"
-    _rewards(only / "rewards.parquet")
-    write_artifact({"prompt_id": ["a"], "task": ["math"], "prompt": ["What is 2 + 3?"],
-                    "prompt_token_ids": [None], "answer": ["5"], "metadata": [None]},
-                   only / "prompts.parquet", "prompts")
+    _prompts(only / "prompts.parquet")
+    pq.write_table(pa.table({"x": [1]}), only / "gsm8k.parquet")
     before = {p.name: p.read_bytes() for p in only.iterdir()}
     result = CliRunner().invoke(app, ["report", str(only)])
     assert result.exit_code == 2
     assert error_line(result) == (
-        f"error: {only} holds nothing to plot (no mismatch, schedule, cost, rollouts, calibrated threshold "
-        f"or training run; not drawn: {only / 'prompts.parquet'} (a 'prompts' artifact has no figure); "
-        f"{only / 'rewards.parquet'} (a 'rewards' artifact has no figure))")
+        f"error: {only} holds nothing to plot (no mismatch, schedule, cost, rollouts, rewards, calibrated "
+        f"threshold or training run; not drawn: {only / 'gsm8k.parquet'} is a Parquet file without Sparrow "
+        f"artifact metadata; {only / 'prompts.parquet'} (a 'prompts' artifact has no figure))")
     assert {p.name: p.read_bytes() for p in only.iterdir()} == before
+
+
+def test_the_run_directory_may_be_given_as_run(tmp_path):
+    """`sparrow report --run RUN` as `sparrow sql --run RUN`; given twice, or not at all, one sentence."""
+    from cli_checks import error_line
+
+    run = _run_dir(tmp_path)
+    result = CliRunner().invoke(app, ["report", "--run", str(run), "-o", str(tmp_path / "rep")])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "rep" / "index.html").is_file()
+    twice = error_line(CliRunner().invoke(app, ["report", str(run), "--run", str(tmp_path)]))
+    assert twice == (f"error: the run directory was given twice, as {run} and as --run {tmp_path}; give it "
+                     "once")
+    assert error_line(CliRunner().invoke(app, ["report"])) == (
+        "error: give the run directory to draw: sparrow report RUN (or --run RUN)")

@@ -6,6 +6,7 @@ import csv
 import io
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -244,9 +245,13 @@ def test_o_refuses_a_text_file_and_an_artifact(run_dir, tmp_path_factory):
     assert "is not a Sparrow artifact, not a query result of sparrow sql; pass --force" in one_error(r)
     plan = run_dir / "plan.parquet"
     before = digest(plan)
-    r = invoke("SELECT 1 AS a", "--run", str(run_dir), "-o", str(plan))
+    elsewhere = folder / "plan.parquet"
+    shutil.copy(plan, elsewhere)
+    r = invoke("SELECT 1 AS a", "--run", str(run_dir), "-o", str(elsewhere))
     assert "is a 'schedule' artifact, not a query result of sparrow sql; pass --force" in one_error(r)
-    assert notes.read_text() == "my notes" and digest(plan) == before
+    r = invoke("SELECT 1 AS a", "--run", str(run_dir), "-o", str(plan), "--force")  # what the query reads
+    assert "is a file of the --run this command reads; choose another path" in one_error(r)
+    assert notes.read_text() == "my notes" and digest(plan) == before == digest(elsewhere)
 
 
 @pytest.mark.parametrize("args,words", [
@@ -261,6 +266,20 @@ def test_cli_errors(run_dir, args, words):
     err = " ".join(r.stderr.split())
     assert err.startswith("error:") and words in err, r.stderr
     assert "Traceback" not in r.output and r.stdout == ""
+
+
+def test_the_run_directory_may_come_before_the_query(run_dir, monkeypatch):
+    """`sparrow sql RUN QUERY` as `sparrow report RUN`; one argument is the query, over --run or here."""
+    q = "SELECT count(*) AS n FROM mismatch"
+    for args in ([str(run_dir), q], [q, "--run", str(run_dir)]):
+        r = invoke(*args, "-f", "json")
+        assert r.exit_code == 0 and json.loads(r.stdout) == [{"n": 4000}], r.output
+    monkeypatch.chdir(run_dir)
+    assert json.loads(invoke(q, "-f", "json").stdout) == [{"n": 4000}]
+    for args, said in (([str(run_dir), q, "--run", str(run_dir)], "the run directory was given twice"),
+                       ([q, str(run_dir)], f"the run directory before the query: sparrow sql {run_dir} "),
+                       ([str(run_dir), q, "SELECT 2"], "got 3 arguments")):
+        assert said in one_error(invoke(*args))
 
 
 def test_cli_missing_run_and_corrupt_file(tmp_path):

@@ -78,6 +78,20 @@ def test_quotes_in_file_names_and_provenance_are_data(tmp_path):
     assert names == ["schedule", "schedule__a_b_c", "schedule__d"]
 
 
+def test_glob_characters_in_a_file_name_are_part_of_the_name(tmp_path):
+    """A view reads its file by name: `*`, `?` and `[...]` in it match nothing else (`b[1].parquet` is not a
+    pattern for `b1.parquet`), and the file is read, not skipped."""
+    for name, model in (("a*?.parquet", "star"), ("b[1].parquet", "bracket"), ("b1.parquet", "plain")):
+        _artifact(tmp_path / name, model)
+    warnings: list[str] = []
+    rows = run_query(tmp_path, "SELECT source_file, source_model FROM schedule ORDER BY source_file",
+                     warn=warnings.append).to_pylist()
+    assert rows == [{"source_file": "a*?.parquet", "source_model": "star"},
+                    {"source_file": "b1.parquet", "source_model": "plain"},
+                    {"source_file": "b[1].parquet", "source_model": "bracket"}]
+    assert [w for w in warnings if "skipped" in w] == []
+
+
 def test_a_path_named_as_a_table_gets_the_sandbox_sentence(tmp_path):
     _artifact(tmp_path / "p.parquet")
     sentences = []

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from sparrow.schemas import artifact_metadata, read_artifact
+from sparrow.schemas.footer import file_json
 
 from .user_data import DataOptions, DatasetError, dataset_metadata, read_dataset
 
@@ -40,7 +41,7 @@ class PromptError(ValueError):
 def _metadata(row: dict) -> dict:
     """A row's metadata as a dict ({} where it is missing or not a JSON object)."""
     try:
-        meta = json.loads(row.get("metadata") or "{}")
+        meta = file_json(row.get("metadata") or "{}")
     except ValueError:
         return {}
     return meta if isinstance(meta, dict) else {}

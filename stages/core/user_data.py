@@ -64,6 +64,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from sparrow.schemas.footer import file_json
+
 OUR_COLUMNS = ("prompt_id", "task", "prompt", "prompt_token_ids", "answer", "metadata")  # what ours keep
 PARQUET_MAGIC = b"PAR1"
 _SHARD = re.compile(r"(?P<split>.+)-\d+-of-\d+\.parquet")  # the Hub's shard names
@@ -214,7 +216,7 @@ def _prompt_ids(records: list[dict], path: Path) -> list[str]:
 def made_ids(row: dict) -> bool:
     """Whether a prompt's id was made from its file's name and row (a dataset without `prompt_id`)."""
     try:
-        meta = json.loads(row.get("metadata") or "{}")
+        meta = file_json(row.get("metadata") or "{}")
     except ValueError:
         return False
     return (isinstance(meta, dict) and meta.get("format") in ("verl", "trl")
@@ -425,7 +427,7 @@ def _json_lines(path: Path) -> list[dict] | None:
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
+            record = file_json(line)
         except ValueError:
             return None if records else _json_array(path)
         if not isinstance(record, dict):
@@ -440,7 +442,7 @@ def _json_array(path: Path) -> None:
     if not text.lstrip().startswith("["):
         return None
     try:
-        json.loads(text)
+        file_json(text)
     except ValueError:
         return None
     jsonl = _beside(path, ".jsonl")

@@ -7,7 +7,9 @@ docs/report.md lists the figures.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import shutil
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pyarrow as pa
@@ -18,7 +20,14 @@ from sparrow.schemas.footer import artifact_parts, kind_version, read_schema
 from sparrow.schemas.io import write_bytes
 
 from ..calibrate import ResolvedThreshold, resolve_threshold
-from .artifact_figures import calibration_figure, cost_figure, rollouts_figure, schedule_figure, tail_figure
+from .artifact_figures import (
+    calibration_figure,
+    cost_figure,
+    rewards_figure,
+    rollouts_figure,
+    schedule_figure,
+    tail_figure,
+)
 from .canvas import Figure, pyplot
 from .collect import (
     DRAWN,
@@ -59,46 +68,63 @@ def build_report(run_dir: str | Path, out_dir: str | Path | None = None,
     if not (curves or calibrations or any(s.files for s in steps.values())
             or any(kinds.get(k) for k in DRAWN)):
         raise ValueError(f"{run_dir} holds nothing to plot (no mismatch, schedule, cost, rollouts, "
-                         "calibrated threshold or training run"
+                         "rewards, calibrated threshold or training run"
                          + (f"; not drawn: {'; '.join(skipped)}" if skipped else f"; {_holdings(run_dir)}")
                          + ")")
     for why in skipped:
         note(f"not drawn: {why}")
     thresholds = {p: _threshold(kinds, p) for p in kinds.get("mismatch", [])}
-    out.mkdir(parents=True, exist_ok=True)
-    before = listed_figures(out)
-    draw = {"mismatch": ("tail", lambda p, n: tail_figure(p, n, thresholds[p], out, plt)),
-            "schedule": ("schedule", lambda p, n: schedule_figure(p, n, out, plt)),
-            "cost": ("cost", lambda p, n: cost_figure(p, n, out, plt)),
-            "rollouts": ("rollouts", lambda p, n: rollouts_figure(p, n, out, plt))}
-    figures: list[Figure] = []
-    for kind, (stem, figure) in draw.items():
-        paths = kinds.get(kind, [])
-        for path in paths:
-            note(f"drawing {kind} {path.name}")
-            figures.append(figure(path, figure_name(stem, path, len(paths) > 1, run_dir)))
-    for path in calibrations:
-        many = len(kinds["threshold"]) > 1
-        fig_ = calibration_figure(path, figure_name("calibration", path, many, run_dir), out, plt)
-        if fig_ is not None:
-            note(f"drawing calibration {path.name}")
-            figures.append(fig_)
-    for run in runs:
-        if run in curves or (run in steps and steps[run].files):
-            note(f"drawing training run {run_label(run, run_dir)}")
-        if run in curves:
-            figures.append(training_figure(run, run_label(run, run_dir), out, plt))
-        if run in steps and (per_bin := train_mismatch_figure(steps[run], out, plt)) is not None:
-            figures.append(per_bin)
-    for key, series in steps.items():
-        if key in runs or not series.files:
-            continue
-        note(f"drawing train_mismatch {series.where}")
-        if (per_bin := train_mismatch_figure(series, out, plt)) is not None:
-            figures.append(per_bin)
-    write_bytes(out / "index.html", html_page(run_dir, out, figures, skipped).encode())
-    remove_stale(out, before - {f.file for f in figures})
+    with _removed_if_stopped(out):
+        before = listed_figures(out)
+        draw = {"mismatch": ("tail", lambda p, n: tail_figure(p, n, thresholds[p], out, plt)),
+                "schedule": ("schedule", lambda p, n: schedule_figure(p, n, out, plt)),
+                "cost": ("cost", lambda p, n: cost_figure(p, n, out, plt)),
+                "rollouts": ("rollouts", lambda p, n: rollouts_figure(p, n, out, plt)),
+                "rewards": ("rewards", lambda p, n: rewards_figure(p, n, out, plt))}
+        figures: list[Figure] = []
+        for kind, (stem, figure) in draw.items():
+            paths = kinds.get(kind, [])
+            for path in paths:
+                note(f"drawing {kind} {path.name}")
+                figures.append(figure(path, figure_name(stem, path, len(paths) > 1, run_dir)))
+        for path in calibrations:
+            many = len(kinds["threshold"]) > 1
+            fig_ = calibration_figure(path, figure_name("calibration", path, many, run_dir), out, plt)
+            if fig_ is not None:
+                note(f"drawing calibration {path.name}")
+                figures.append(fig_)
+        for run in runs:
+            if run in curves or (run in steps and steps[run].files):
+                note(f"drawing training run {run_label(run, run_dir)}")
+            if run in curves:
+                figures.append(training_figure(run, run_label(run, run_dir), out, plt))
+            if run in steps and (per_bin := train_mismatch_figure(steps[run], out, plt)) is not None:
+                figures.append(per_bin)
+        for key, series in steps.items():
+            if key in runs or not series.files:
+                continue
+            note(f"drawing train_mismatch {series.where}")
+            if (per_bin := train_mismatch_figure(series, out, plt)) is not None:
+                figures.append(per_bin)
+        write_bytes(out / "index.html", html_page(run_dir, out, figures, skipped).encode())
+        remove_stale(out, before - {f.file for f in figures})
     return out / "index.html", figures
+
+
+@contextmanager
+def _removed_if_stopped(out: Path) -> Iterator[None]:
+    """`out`, made if missing; a folder made here is removed whole if the report stops before its page is
+    written, so a rerun never finds a half-made folder it would take for someone else's. (In a folder that
+    was there, each figure is written whole and the page last, so a stopped report keeps the previous
+    page.)"""
+    fresh = not out.exists()
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        yield
+    except BaseException:
+        if fresh:
+            shutil.rmtree(out, ignore_errors=True)
+        raise
 
 
 def _check_artifacts(kinds: dict[str, list[Path]], curves: list[Path], steps: dict[Path, Steps],
@@ -139,7 +165,9 @@ def _unreadable(path: Path) -> bool:
     if kind_version(read_schema(path))[1] != VERSION:
         return True
     try:
-        pq.read_table(path)
+        with pq.ParquetFile(path) as f:
+            for _ in f.iter_batches():  # every column of every row, a batch at a time
+                pass
     except (pa.ArrowException, OSError):
         return True
     return False

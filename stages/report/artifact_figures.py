@@ -1,5 +1,6 @@
 """One figure per artifact: a profile's tail and mean alpha, a calibration's runs, a schedule, a cost model,
-rollouts. Each reads its artifact (DuckDB for the per-bin aggregates) and returns the saved Figure."""
+rollouts, rewards. Each reads what it draws of its artifact (tables.py: DuckDB for the per-bin aggregates,
+the columns it draws batch by batch for the per-sample ones) and returns the saved Figure."""
 
 from __future__ import annotations
 
@@ -9,29 +10,20 @@ from pathlib import Path
 import numpy as np
 
 from sparrow.schemas import artifact_metadata, read_artifact
+from sparrow.schemas.footer import file_json
 
 from ..calibrate import ResolvedThreshold
 from .canvas import Figure, save, say
 from .collect import calibrated_runs
-
-
-def sql_rows(query: str) -> list[tuple]:
-    import duckdb
-
-    return duckdb.sql(query).fetchall()
-
-
-def _files(path: Path) -> str:
-    """DuckDB's read_parquet argument for an artifact file or a directory of parts."""
-    return f"'{path}/*.parquet'" if path.is_dir() else f"'{path}'"
+from .tables import files_of, reward_stats, rollout_stats, sql_rows
 
 
 def tail_figure(mismatch: Path, name: str, threshold: ResolvedThreshold, out: Path, plt) -> Figure:
     """Tail and mean alpha per bin and budget, each point at the mean position of its bin's tokens (a bin's
     tokens may fill only part of it); the threshold applies to the tail only."""
-    rows = sql_rows(f"""SELECT budget, bin, quantile_cont(alpha, {threshold.quantile}) AS tail,
-                    avg(alpha) AS mean, count(*) AS n, avg(position) AS at
-                    FROM read_parquet({_files(mismatch)}) GROUP BY ALL ORDER BY ALL""")
+    rows = sql_rows(files_of(mismatch), lambda scan: f"""SELECT budget, bin,
+                    quantile_cont(alpha, {float(threshold.quantile)}) AS tail, avg(alpha) AS mean,
+                    count(*) AS n, avg(position) AS at FROM {scan} GROUP BY ALL ORDER BY ALL""")
     width = int(artifact_metadata(mismatch).get("bin_width", 2000))
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.6), sharey=True)
     if not rows:
@@ -164,13 +156,13 @@ def _last_bin(meta: dict, end: int | None, drawn_to: int) -> str:
     model's context, from the schedule's `model_config` where it records one)."""
     if end is not None:
         return f"the last bin ends at position {end}."
-    import json
-
     try:
-        context = json.loads(meta.get("model_config") or "{}").get("max_position_embeddings")
+        config = file_json(meta.get("model_config") or "{}")
     except (TypeError, ValueError):
-        context = None
-    ends = f"the end of the context ({int(context):,} tokens)" if context else "the end of the context"
+        config = None
+    context = config.get("max_position_embeddings") if isinstance(config, dict) else None
+    known = isinstance(context, int) and not isinstance(context, bool) and context > 0
+    ends = f"the end of the context ({context:,} tokens)" if known else "the end of the context"
     return f"the last bin is open: it is drawn to position {drawn_to:,} but holds its budget to {ends}."
 
 
@@ -243,16 +235,16 @@ def cost_figure(cost: Path, name: str, out: Path, plt) -> Figure:
 def rollouts_figure(rollouts: Path, name: str, out: Path, plt) -> Figure:
     from matplotlib.ticker import MaxNLocator
 
-    rows = read_artifact(rollouts, "rollouts").to_pylist()
+    stats = rollout_stats(rollouts)
     meta = artifact_metadata(rollouts)
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    if not rows:
+    n = len(stats.lengths)
+    if not n:
         for ax in axes:
             say(ax, "the rollouts artifact has no samples")
         return save(fig, out, name, f"Rollouts ({rollouts.name})", f"From {rollouts.name}: no samples.",
                      plt, 0)
-    lengths = np.array([len(r["token_ids"]) for r in rows])
-    stops = np.array([r["finish_reason"] == "stop" for r in rows])
+    lengths, stops = stats.lengths, stats.stops
     low, top = int(lengths.min()), int(lengths.max())
     bins = np.arange(low - 1, top + 3) - 0.5 if top - low < 40 else 20  # one bar per length when few
     ignore_eos = bool(meta.get("ignore_eos"))
@@ -265,31 +257,70 @@ def rollouts_figure(rollouts: Path, name: str, out: Path, plt) -> Figure:
     axes[0].set_title(f"length per sample (mean {lengths.mean():.1f})", fontsize=10)
     axes[0].set_ylabel("samples")
     axes[0].legend(fontsize=8, loc="best")
-    rewards = np.array([r["reward"] for r in rows if r["reward"] is not None], dtype=float)
-    finite = rewards[np.isfinite(rewards)]
-    if len(finite):
-        edges = reward_bins(finite)
-        axes[1].hist(finite, bins=edges)
-        axes[1].set_xlim(edges[0], edges[-1])
-        axes[1].set_xlabel("reward")
-        axes[1].set_ylabel("samples")
-        axes[1].set_title(f"reward per sample (mean {finite.mean():.3f})", fontsize=10)
-    else:
-        say(axes[1], "no finite reward to draw: every reward is NaN or infinite" if len(rewards)
-            else "no rewards: the prompts carry no answer, or their task has no scorer")
+    finite = _reward_panel(axes[1], stats.rewards,
+                           "no rewards: the prompts carry no answer, or their task has no scorer")
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.yaxis.set_major_locator(MaxNLocator(integer=True))  # counts of samples
     summary = meta.get("summary") or {}
     speed = summary.get("tokens_per_s") if isinstance(summary, dict) else None
-    budgets = [b for r in rows for b in r["budgets"] if b]
-    caption = (f"From {rollouts.name}: {len(rows)} samples, sampler {meta.get('sparsity', 'unknown')}"
-               + (f" (mean budget of sparse tokens {np.mean(budgets):.0f})" if budgets else "")
+    mean_budget = stats.sparse_budget_sum / stats.sparse_tokens if stats.sparse_tokens else None
+    caption = (f"From {rollouts.name}: {n} samples, sampler {meta.get('sparsity', 'unknown')}"
+               + (f" (mean budget of sparse tokens {mean_budget:.0f})" if mean_budget is not None else "")
                + (", every sample ran to --max-new-tokens (--ignore-eos)" if ignore_eos
                   else f", {stops.mean():.0%} stopped at EOS")
-               + (f", {float(speed):.1f} tokens/s" if speed else "") + "."
-               + _reward_range(finite, len(rewards) - len(finite)))
-    return save(fig, out, name, f"Rollouts: lengths and rewards ({rollouts.name})", caption, plt, len(rows))
+               + (f", {float(speed):.1f} tokens/s" if _number(speed) else "") + "."
+               + _reward_range(finite, len(stats.rewards) - len(finite)))
+    return save(fig, out, name, f"Rollouts: lengths and rewards ({rollouts.name})", caption, plt, n)
+
+
+def rewards_figure(rewards: Path, name: str, out: Path, plt) -> Figure:
+    """A `sparrow reward` artifact: its rewards as rollouts' are drawn, and how many completions got each
+    status (passed, failed, timeout, ...)."""
+    from matplotlib.ticker import MaxNLocator
+
+    stats = reward_stats(rewards)
+    meta = artifact_metadata(rewards)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    n = len(stats.rewards)
+    if not n:
+        for ax in axes:
+            say(ax, "the rewards artifact has no scored completions")
+        return save(fig, out, name, f"Rewards ({rewards.name})", f"From {rewards.name}: no completions.",
+                     plt, 0)
+    finite = _reward_panel(axes[0], stats.rewards, "")
+    labels = [status or "none" for status, _ in stats.statuses]
+    axes[1].barh(labels[::-1], [count for _, count in stats.statuses][::-1])
+    axes[1].set_xlabel("completions")
+    axes[1].set_title("status per completion", fontsize=10)
+    axes[1].xaxis.set_major_locator(MaxNLocator(integer=True))
+    axes[0].yaxis.set_major_locator(MaxNLocator(integer=True))
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    scorer = meta.get("reward")
+    statuses = ", ".join(f"{count} {status or 'without a status'}" for status, count in stats.statuses)
+    caption = (f"From {rewards.name}: {n} scored completions" + (f", reward {scorer}" if scorer else "")
+               + f", {statuses}." + _reward_range(finite, n - len(finite)))
+    return save(fig, out, name, f"Rewards: per completion and by status ({rewards.name})", caption, plt, n)
+
+
+def _reward_panel(ax, rewards: np.ndarray, none_why: str) -> np.ndarray:
+    """The histogram of `rewards` on `ax` (or why there is none); the finite rewards it holds."""
+    finite = rewards[np.isfinite(rewards)]
+    if len(finite):
+        edges = reward_bins(finite)
+        ax.hist(finite, bins=edges)
+        ax.set_xlim(edges[0], edges[-1])
+        ax.set_xlabel("reward")
+        ax.set_ylabel("samples")
+        ax.set_title(f"reward per sample (mean {finite.mean():.3f})", fontsize=10)
+    else:
+        say(ax, "no finite reward to draw: every reward is NaN or infinite" if len(rewards) else none_why)
+    return finite
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and bool(np.isfinite(value))
 
 
 def reward_bins(rewards: np.ndarray, bins: int = 10) -> np.ndarray:

@@ -8,11 +8,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sparrow.schemas import ArtifactError, artifact_metadata
-from sparrow.schemas.footer import artifact_parts, kind_version, read_schema
+from sparrow.schemas.artifacts import KEY_META
+from sparrow.schemas.footer import artifact_parts, file_json, kind_version, read_schema
 
 from ..sql.views import Provenance, file_metadata, not_regular
 
-DRAWN = ("mismatch", "schedule", "cost", "rollouts")
+DRAWN = ("mismatch", "schedule", "cost", "rollouts", "rewards")
 
 FIGURED = (*DRAWN, "threshold", "train_mismatch")  # threshold: when calibrated on runs
 
@@ -188,11 +189,21 @@ def find_curves(runs: list[Path], skipped: list[str]) -> list[Path]:
     return out
 
 
-def calibrated_runs(threshold: Path) -> list[dict]:
-    """The runs a threshold artifact was calibrated on; none for the prior or a shipped calibration."""
-    import json
+RUN_KEYS = ("tail", "mean", "collapsed")  # what the calibration figure draws of each run
 
-    return json.loads(artifact_metadata(threshold).get("runs") or "[]")
+
+def calibrated_runs(threshold: Path) -> list[dict]:
+    """The runs a threshold artifact was calibrated on; none for the prior or a shipped calibration.
+    ArtifactError naming the file when its metadata's 'runs' is not a JSON list of such runs."""
+    try:
+        runs = file_json(artifact_metadata(threshold).get("runs") or "[]")
+    except (TypeError, ValueError):
+        runs = None
+    if not isinstance(runs, list) or not all(isinstance(r, dict) and all(k in r for k in RUN_KEYS)
+                                             for r in runs):
+        raise ArtifactError(f"{threshold} has a 'runs' entry in its '{KEY_META}' metadata that is not a "
+                            f"JSON list of calibrated runs (each with {', '.join(RUN_KEYS)})")
+    return runs
 
 
 def find_calibrations(kinds: dict[str, list[Path]], skipped: list[str]) -> list[Path]:
@@ -202,7 +213,12 @@ def find_calibrations(kinds: dict[str, list[Path]], skipped: list[str]) -> list[
     used = thresholds[0] if thresholds and kinds.get("mismatch") else None
     out: list[Path] = []
     for path in thresholds:
-        if calibrated_runs(path):
+        try:
+            runs = calibrated_runs(path)
+        except ArtifactError as e:
+            skipped.append(str(e))
+            continue
+        if runs:
             out.append(path)
         elif path != used:
             skipped.append(f"{path} (a 'threshold' artifact without calibrated runs has no figure of its own"

@@ -9,9 +9,9 @@ from sparrow.schemas import artifact_metadata, read_artifact
 
 from ..core.definitions import TAIL_QUANTILE
 from ..train.detectors import Detectors
-from .artifact_figures import sql_rows
 from .canvas import Figure, save, say
 from .collect import Steps
+from .tables import sql_rows
 
 TRAIN_PANELS = (("reward_mean", "reward (train, mean per step)"),
                 ("eval_accuracy", "eval accuracy (greedy)"),
@@ -89,14 +89,11 @@ def train_mismatch_figure(steps: Steps, out: Path, plt) -> Figure | None:
     read; None when none did."""
     from matplotlib.ticker import MaxNLocator
 
-    from ..sql.views import sql_literal
-
     files = steps.files
     if not files:
         return None
-    paths = ", ".join(sql_literal(str(p)) for p in files)
-    rows = sql_rows(f"""SELECT bin, step, quantile_cont(alpha_top20_lb, {TAIL_QUANTILE}) AS p5, avg(k3) AS k3,
-                    count(*) AS n FROM read_parquet([{paths}]) GROUP BY ALL ORDER BY ALL""")
+    rows = sql_rows(files, lambda scan: f"""SELECT bin, step, quantile_cont(alpha_top20_lb, {TAIL_QUANTILE})
+                    AS p5, avg(k3) AS k3, count(*) AS n FROM {scan} GROUP BY ALL ORDER BY ALL""")
     width = int(artifact_metadata(files[0]).get("bin_width", 512))
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     bins = sorted({r[0] for r in rows})

@@ -3,14 +3,16 @@
 Views are named after the artifact kind in each Parquet footer, unioned by column name, with a
 `source_file` column and the files' provenance as `source_*` columns; each file is also a view of its
 own. Unreadable files, and files that name a kind Sparrow does not know, are skipped with a warning.
-Read only, twice over: only one read statement runs, and DuckDB is sandboxed to the run's files before
-any view exists. Bounded: memory, spill disk, time, and a Ctrl-C or SIGTERM stops the query; the spill
+Read only, twice over: only one read statement runs (as DuckDB's parser reads it), and DuckDB is
+sandboxed to the run's files, which it reads through a file system that cannot write them, before any
+view exists. Bounded: memory, spill disk, time, and a Ctrl-C or SIGTERM stops the query; the spill
 folder goes whatever happens. docs/sql.md gives the rules.
 
-views.py names the views, connection.py opens DuckDB over them and checks a statement, limits.py
-bounds a query while it runs; here, the query itself, streamed. A query that fails on a damaged file
-(a data page DuckDB cannot decode, which the footer check cannot see) says which file: DuckDB's own
-message names none, so the files of the views it read are read again, one by one, to find it.
+views.py names the views, files.py is the read-only file system they read through, connection.py opens
+DuckDB over them and checks a statement, limits.py bounds a query while it runs; here, the query itself,
+streamed. A query that fails on a damaged file (a data page DuckDB cannot decode, which the footer check
+cannot see) says which file: DuckDB's own message names none, so the files of the views it read are read
+again, one by one, to find it.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import duckdb
 import pyarrow as pa
 
 from .connection import check_query, check_read_only, close_run, first_line, open_run, open_views
+from .files import file_url
 from .limits import (
     DEFAULT_MEMORY,
     DEFAULT_TIMEOUT,
@@ -155,13 +158,7 @@ def _translated(e: BaseException, guard: Guard, con: duckdb.DuckDBPyConnection, 
     elif _unnamed_read_error(e, message, read) and (bad := _damaged(con, read, guard)) is not None:
         message = (f"{Path(run_dir) / bad.name} cannot be read, its data is damaged ({message}); the other "
                    f"files' views still read (SHOW TABLES lists them)")
-    return QueryError(_printable(message))
-
-
-def _printable(text: str) -> str:
-    """`text` with its control characters escaped (`\\x0e`): DuckDB quotes a damaged file's bytes in its
-    messages, and a shift-out byte would garble the terminal that prints the error."""
-    return re.sub(r"[\x00-\x08\x0b-\x1f\x7f]", lambda m: f"\\x{ord(m[0]):02x}", text)
+    return QueryError(message)  # as DuckDB says it: the CLI's printer escapes the bytes it quotes
 
 
 def _sources(views: list[View]) -> tuple[Source, ...]:
@@ -184,7 +181,7 @@ def _damaged(con: duckdb.DuckDBPyConnection, read: tuple[Source, ...], guard: Gu
         if guard.signum is not None or guard.timed_out.is_set():
             return None
         try:
-            rel = con.sql(f"SELECT * FROM read_parquet([{sql_literal(str(source.path))}])")
+            rel = con.sql(f"SELECT * FROM read_parquet([{sql_literal(file_url(source.path))}])")
             for _ in rel.to_arrow_reader(BATCH_ROWS):
                 pass
         except Exception:  # noqa: BLE001 - any failure to read it is the answer

@@ -1,11 +1,21 @@
-"""The DuckDB connection over a run's views, read only twice over: only one read statement runs, and
-DuckDB is locked to the run's files (no other file read or written, no extension, no network), before
-the views are made. Its spill folder is bounded, goes with it, and a killed query's folder with the next
-query."""
+"""The DuckDB connection over a run's views, read only twice over: only one read statement runs (as
+DuckDB's own parser reads it), and DuckDB is locked to the run's files, which it reads through a file system
+that opens them for reading only (files.py), before the views are made: no other file is read, no file is
+written, no extension is loaded, no network is reached. Its spill folder is bounded, goes with it, and a
+killed query's folder with the next query.
+
+The statement check trusts DuckDB's parser, never the statement's first word: DuckDB types a statement by
+its top node, so a write can hide in a statement typed SELECT (a COPY or an INSERT in a WITH clause), and
+DuckDB types MULTI every statement that holds a PIVOT whose columns come from the data (`COPY (PIVOT ...)
+TO`, `CREATE TABLE ... AS PIVOT` as much as `PIVOT ...`). A SELECT runs when the tree DuckDB serializes for
+it (`json_serialize_sql`) holds query nodes only; a MULTI, which DuckDB cannot serialize, runs when DuckDB
+parses it as a subquery (`SELECT * FROM (...)`, where only a query parses) and no keyword of a write
+(INSERT, UPDATE, DELETE, MERGE, COPY) is in it: a column of such a name must then be quoted."""
 
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import re
 import shutil
@@ -14,6 +24,7 @@ from pathlib import Path
 
 import duckdb
 
+from .files import RunFiles, file_url, local_paths
 from .limits import Limits, QueryError, default_spill
 from .views import View, Warn, python_warning, quoted_identifier, run_views, sql_literal, view_sql
 
@@ -52,7 +63,8 @@ def open_views(run_dir: str | Path, views: list[View], warn: Warn, memory: int |
     root = Path(run_dir).resolve()
     try:
         files = sorted({str(p) for view in views for p in view.files})
-        con.execute(f"SET allowed_paths = [{', '.join(sql_literal(p) for p in files)}]")
+        con.register_filesystem(RunFiles(files))  # the only way to the run's files: read only
+        con.execute(f"SET allowed_paths = [{', '.join(sql_literal(file_url(p)) for p in files)}]")
         con.execute("SET enable_progress_bar = false")  # stdout holds only the result
         con.execute("SET enable_external_access = false")
         for view in views:
@@ -108,27 +120,107 @@ def _alive(pid: int) -> bool:
     return True
 
 
-READ_ONLY = {duckdb.StatementType.SELECT, duckdb.StatementType.MULTI}  # MULTI: PIVOT
+QUERY_NODES = {"SELECT_NODE", "SET_OPERATION_NODE", "CTE_NODE", "RECURSIVE_CTE_NODE"}
+QUERY_WORDS = {"SELECT", "FROM", "WITH", "VALUES", "TABLE", "PIVOT", "UNPIVOT", "PIVOT_WIDER", "PIVOT_LONGER",
+               "DESCRIBE", "SHOW", "SUMMARIZE"}
+WRITE_WORDS = ("COPY", "INSERT", "UPDATE", "DELETE", "MERGE")  # the statements a WITH clause may hold
 WHY = {"COPY": "it writes files; write a result with -o FILE.parquet, or --format csv and a shell "
                "redirect",
        "EXPORT": "it writes files; write a result with -o FILE.parquet",
        "ATTACH": "it opens a database outside the run",
-       "INSTALL": "no extension is installed or loaded", "LOAD": "no extension is installed or loaded"}
+       "INSTALL": "no extension is installed or loaded", "LOAD": "no extension is installed or loaded",
+       **{w: f"it writes a table (a column named {w.lower()} is read when quoted: \"{w.lower()}\")"
+          for w in ("INSERT", "UPDATE", "DELETE", "MERGE")}}
+READS = "only SELECT queries (WITH, DESCRIBE, SHOW, SUMMARIZE, PIVOT, EXPLAIN) run"
 
 
 def check_read_only(query: str) -> None:
     """Refuse, with one sentence, any statement but a read (see the module's docstring)."""
     for st in _statements(query):
         text = st.query.strip()
-        if st.type == duckdb.StatementType.EXPLAIN:
-            inner = re.sub(r"^EXPLAIN\s+(ANALYZE\s+)?", "", text, flags=re.IGNORECASE)
-            if inner != text:
-                check_read_only(inner)
-                continue
-        if st.type not in READ_ONLY:
-            word = (text.split(None, 1) or ["?"])[0].upper()
-            why = WHY.get(word, "only SELECT queries (WITH, DESCRIBE, SHOW, SUMMARIZE, PIVOT, EXPLAIN) run")
-            raise QueryError(f"sparrow sql is read-only over the run's views, so {word} is refused: {why}")
+        words = _keywords(text)
+        if words[:1] == ["EXPLAIN"]:
+            inner = re.sub(r"^EXPLAIN\s+(ANALYZE\s+)?(\(\s*FORMAT\s+\w+\s*\)\s*)?", "", _uncommented(text),
+                           flags=re.IGNORECASE)
+            check_read_only(inner)
+            continue
+        write = _write_in(st, text, words)
+        if write is not None:
+            why = WHY.get(write, READS)
+            raise QueryError(f"sparrow sql is read-only over the run's views, so {write} is refused: {why}")
+
+
+def _write_in(st, text: str, words: list[str]) -> str | None:
+    """The first word of what makes the statement `st` more than a read, or None for a read."""
+    first = words[0] if words else "?"
+    if st.type == duckdb.StatementType.SELECT:
+        nodes = _serialized_nodes(text)
+        if nodes is not None:
+            other = [node.split("_")[0] for node in sorted(nodes - QUERY_NODES)]
+            return next((w for w in other if w in WRITE_WORDS), first) if other else None
+    elif st.type != duckdb.StatementType.MULTI:
+        return first
+    return _unparsed_write(text, words)
+
+
+def _unparsed_write(text: str, words: list[str]) -> str | None:
+    """For a statement DuckDB cannot serialize (a MULTI): its first word unless a query's, then the first
+    keyword of a write in it, unless DuckDB parses it as a subquery; None for a read."""
+    first = words[0] if words else "?"
+    if first not in QUERY_WORDS and not text.lstrip().startswith("("):
+        return first
+    if write := next((w for w in words if w in WRITE_WORDS), None):
+        return write
+    try:
+        subquery = duckdb.extract_statements(f"SELECT * FROM (\n{text}\n)")
+    except duckdb.Error:
+        return first
+    return None if len(subquery) == 1 else first
+
+
+def _serialized_nodes(text: str) -> set[str] | None:
+    """The query node types of the tree DuckDB's parser builds for `text` (SELECT_NODE, INSERT_QUERY_NODE,
+    COPY_QUERY_NODE, ...); None when DuckDB cannot serialize it."""
+    con = duckdb.connect(":memory:", config={"autoinstall_known_extensions": False,
+                                             "autoload_known_extensions": False})
+    try:
+        tree = json.loads(con.execute("SELECT json_serialize_sql(?::VARCHAR)", [text]).fetchone()[0])
+    except (duckdb.Error, ValueError, RecursionError):
+        return None
+    finally:
+        con.close()
+    if tree.get("error") or not tree.get("statements"):
+        return None
+    return _node_types(tree["statements"], set())
+
+
+def _node_types(tree: object, found: set[str]) -> set[str]:
+    stack = [tree]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            kind = item.get("type")
+            if isinstance(kind, str) and kind.endswith("_NODE"):
+                found.add(kind)
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return found
+
+
+def _keywords(text: str) -> list[str]:
+    """The keywords of `text` in order, upper case, as DuckDB's tokenizer finds them (not in comments,
+    strings or quoted names)."""
+    tokens = duckdb.tokenize(text)
+    ends = [start for start, _ in tokens[1:]] + [len(text)]
+    return [text[start:end].split(None, 1)[0].upper() for (start, kind), end in zip(tokens, ends)
+            if kind == duckdb.token_type.keyword and text[start:end].strip()]
+
+
+def _uncommented(text: str) -> str:
+    """`text` from its first token on (leading comments and spaces dropped)."""
+    tokens = [start for start, kind in duckdb.tokenize(text) if kind != duckdb.token_type.comment]
+    return text[tokens[0]:] if tokens else ""
 
 
 def check_query(query: str) -> None:
@@ -150,4 +242,9 @@ def _statements(query: str) -> list:
 
 
 def first_line(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+    """An error's first line, the run's file URLs back to their paths; for a Python exception raised inside
+    DuckDB (its file system's), the traceback's last line, which says what failed."""
+    lines = [line for line in str(e).strip().splitlines() if line.strip()]
+    if lines and lines[0].startswith("Traceback (most recent call last)"):
+        lines = lines[-1:]
+    return local_paths((lines or [type(e).__name__])[0])

@@ -25,6 +25,8 @@ from sparrow.schemas import SCHEMAS, VERSION, ArtifactError, artifact_metadata
 from sparrow.schemas.artifacts import KEY_VERSION
 from sparrow.schemas.footer import kind_version, read_schema
 
+from .files import PREFIX, file_url
+
 
 @dataclass(frozen=True)
 class Provenance:
@@ -195,10 +197,11 @@ def _shown(text: str, most: int = 40) -> str:
 
 
 def view_sql(view: View, root: Path) -> str:
-    files = ", ".join(sql_literal(str(p)) for p in view.files)
+    """The view's SELECT, reading its files through their URLs (files.py: read only)."""
+    files = ", ".join(sql_literal(file_url(p)) for p in view.files)
     if not view.artifact:
         return f"SELECT * FROM read_parquet([{files}])"
-    columns = [f"substr(filename, {len(str(root)) + 2}) AS source_file"]
+    columns = [f"substr(filename, {len(PREFIX) + len(str(root)) + 2}) AS source_file"]
     columns += [f"{_by_file(view, name)} AS source_{name}" for name in view.recorded]
     return (f"SELECT * EXCLUDE (filename), {', '.join(columns)} "
             f"FROM read_parquet([{files}], union_by_name = true, filename = true)")
@@ -208,7 +211,7 @@ def _by_file(view: View, name: str) -> str:
     """A provenance field as an SQL expression: a constant, or a CASE over the files that differ."""
     files_by_value: dict[str | None, list[str]] = {}
     for s in view.sources:
-        files_by_value.setdefault(getattr(s.provenance, name), []).append(sql_literal(str(s.path)))
+        files_by_value.setdefault(getattr(s.provenance, name), []).append(sql_literal(file_url(s.path)))
     if len(files_by_value) == 1:
         value = next(iter(files_by_value))
         return "NULL::VARCHAR" if value is None else sql_literal(value)

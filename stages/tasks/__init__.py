@@ -26,6 +26,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from sparrow.schemas.footer import file_json
+
 from . import code, humaneval, learnable, longcontext, reasoning, rewards
 from .base import Example, Judgement, RewardError, Task, TaskError
 
@@ -99,7 +101,7 @@ def make_prompts(task: str | Task, n: int, seed: int, tokenizer, *, system: str 
 
 
 def _meta(metadata: str | dict | None) -> dict[str, Any]:
-    return json.loads(metadata) if isinstance(metadata, str) and metadata else (metadata or {})
+    return file_json(metadata) if isinstance(metadata, str) and metadata else (metadata or {})
 
 
 def _clamped(task: Task, reward: float) -> float:

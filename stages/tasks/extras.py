@@ -32,6 +32,8 @@ import numbers
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from sparrow.schemas.footer import file_json
+
 from .base import RewardError, row_of
 
 DEMAND = ("a reward function returns a finite number or a dict with a numeric 'score', whose other fields "
@@ -105,7 +107,7 @@ def _row(prompt_id: str, metadata: str | Mapping[str, Any] | None) -> str:
     meta = metadata
     if isinstance(metadata, str):
         try:
-            meta = json.loads(metadata)
+            meta = file_json(metadata)
         except ValueError:
             meta = None
     if isinstance(meta, Mapping) and isinstance(meta.get("row"), int) and meta.get("file"):
