@@ -250,7 +250,7 @@ def _defines(tree: ast.Module, name: str) -> bool:
                for node in tree.body)
 
 
-PARSE_BUDGET = 4_000_000  # characters parsed in all while cutting one completion's blocks (module docstring)
+PARSE_BUDGET = 1_000_000  # characters parsed in all while cutting one completion's blocks (module docstring)
 MAX_CODE_CHARS = 100_000  # characters of a block read at most (module docstring)
 PARSE_FAILURES = (SyntaxError, ValueError, RecursionError, MemoryError)  # what ast.parse fails with
 
