@@ -133,7 +133,7 @@ def sql(
 def _artifacts_of_the_run(output: Path | None, run: Path) -> list[Path]:
     """An existing -o that is an artifact of the run the query reads, which even --force may not replace
     (an earlier query result there may be)."""
-    if output is None or is_stdio(output) or not output.is_file():
+    if output is None or is_stdio(output) or not os.path.isfile(output):  # False for a name too long
         return []
     inside = output.resolve().is_relative_to(run.resolve())
     return [output] if inside and describe(output)[0] is not None else []

@@ -259,14 +259,14 @@ def check_prompts(prompts: dict[str, dict], completions: list[Completion], promp
                                 f"not in --prompts {prompts_path} ({_ids_from(prompts)}; "
                                 f"{_some_ids(prompts)})")
     check_sampled_from(prompts, completions, prompts_path, completions_path)
-    for c in completions:
-        row = prompts[c.prompt_id]
+    for prompt_id in dict.fromkeys(c.prompt_id for c in completions):  # each prompt once
+        row = prompts[prompt_id]
         if not has_scorer(row.get("task")):
-            raise ArtifactError(f"--prompts {prompts_path}: prompt {c.prompt_id!r} has task "
+            raise ArtifactError(f"--prompts {prompts_path}: prompt {prompt_id!r} has task "
                                 f"{row.get('task')!r}, which has no scorer (known: {', '.join(TASKS)}; a "
                                 "verl or TRL dataset is scored by --reward or --reward-fn)")
         if row.get("answer") is None and get_task(row["task"]).needs_answer:
-            raise ArtifactError(f"--prompts {prompts_path}: prompt {c.prompt_id!r} has no answer (column "
+            raise ArtifactError(f"--prompts {prompts_path}: prompt {prompt_id!r} has no answer (column "
                                 "'answer'), so its completions cannot be scored")
         _check_metadata(row, prompts_path)
 

@@ -56,3 +56,10 @@ def test_a_report_stopped_in_an_earlier_reports_folder_keeps_that_page(tmp_path,
     with pytest.raises(KeyboardInterrupt):
         report.build_report(tmp_path, out)
     assert (out / "index.html").read_bytes() == page
+
+
+def test_the_folders_a_stopped_report_made_on_its_way_are_removed_too(tmp_path, stopped_while_drawing):
+    rollouts(tmp_path)
+    with pytest.raises(KeyboardInterrupt):
+        report.build_report(tmp_path, tmp_path / "a" / "b" / "report")
+    assert not (tmp_path / "a").exists()

@@ -130,3 +130,25 @@ def test_a_pivot_query_through_the_cli(run):
     assert r.exit_code == 0, r.output
     assert r.stdout.strip() == ('[{"task": "code", "error": 0, "failed": 2, "passed": 1}, '
                                 '{"task": "math", "error": 1, "failed": 0, "passed": 2}]')
+
+
+@pytest.mark.parametrize("query", [
+    "EXPLAIN(FORMAT json) SELECT count(*) FROM scores",
+    "EXPLAIN/**/SELECT count(*) FROM scores",
+    "EXPLAIN (ANALYZE) SELECT count(*) FROM scores",
+    "EXPLAIN (FORMAT json, ANALYZE) SELECT count(*) FROM scores",
+])
+def test_every_form_of_explain_that_duckdb_takes_runs(run, query):
+    assert run_query(run, query).num_rows == len(direct(run, query))
+
+
+@pytest.mark.parametrize("query", ["EXPLAIN (ANALYZE) COPY scores TO 'x.parquet'",
+                                   "EXPLAIN/**/ANALYZE COPY scores TO 'x.parquet'"])
+def test_a_write_under_any_form_of_explain_is_refused(run, query):
+    line = error_line(sql(run, query))
+    assert "COPY is refused" in line
+
+
+def test_sql_refuses_an_output_name_too_long_in_one_sentence(run, tmp_path):
+    line = error_line(sql(run, "SELECT 1 AS a", "-o", str(tmp_path / ("a" * 300 + ".parquet"))))
+    assert "choose a shorter name" in line

@@ -91,14 +91,14 @@ def _geo3k(path, *, images=True, placeholder=True):
     return path
 
 
-@pytest.mark.parametrize("form", ["verl images and placeholder", "verl placeholder", "verl images",
-                                  "trl image part", "trl image column"])
+@pytest.mark.parametrize("form", ["verl images and placeholder", "verl images", "trl image part",
+                                  "trl image column"])
 def test_a_multimodal_dataset_is_refused_naming_its_row(tmp_path, form):
     """Each multimodal form is refused in one sentence naming the file, the row (1: row 0 is text-only)
     and what it holds; nothing is sampled as text with the images dropped."""
     if form.startswith("verl"):
         path = _geo3k(tmp_path / "geo3k.parquet", images="images" in form, placeholder="placeholder" in form)
-        said = "'images'" if "images" in form else "'<image>'"
+        said = "'images'"
     elif form == "trl image part":
         path = _jsonl(tmp_path / "vlm.jsonl", [
             {"prompt": [{"role": "user", "content": "What is 2 + 3?"}], "solution": "5"},
@@ -116,6 +116,15 @@ def test_a_multimodal_dataset_is_refused_naming_its_row(tmp_path, form):
     message = str(e.value)
     assert message.startswith(f"{path}: row 1 (counting from 0)") and said in message
     assert "text-only" in message and "\n" not in message
+
+
+def test_a_placeholder_word_in_a_text_dataset_without_media_is_text(tmp_path):
+    """verl puts media only where a row has them; a question about HTML's <video> tag is a text prompt."""
+    text = "Write an HTML page that embeds a clip with the <video> tag."
+    path = _jsonl(tmp_path / "html.jsonl", [{"prompt": text, "solution": "ok"}])
+    assert [r["prompt"] for r in PromptSet.read(path).rows] == [text]
+    placeholder_only = _geo3k(tmp_path / "geo3k.parquet", images=False)
+    assert len(PromptSet.read(placeholder_only).rows) == 2
 
 
 def test_a_multimodal_dataset_is_refused_by_rollout_before_the_model_loads(tmp_path):

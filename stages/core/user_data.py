@@ -44,8 +44,9 @@ Design decisions:
 - Sparrow's models are text-only, so a multimodal dataset is refused before any weights load, whatever
   form it takes (`_check_text_only`): TRL's (message content as a list of typed parts, or an `image` or
   `images` column GRPOTrainer hands the processor) and verl's (an `images`, `videos` or
-  `multi_modal_data` column, or the `<image>`/`<video>` placeholders its processor replaces in the
-  prompt). Sampling the text alone would answer a question about a picture nobody sees.
+  `multi_modal_data` column, whose media its processor puts where the prompt says `<image>` or
+  `<video>`). Sampling the text alone would answer a question about a picture nobody sees. Those words
+  in a prompt without media are text (a question about HTML's `<video>` tag), as verl reads them.
 - A `save_to_disk` folder is read with pyarrow from its Arrow files (state.json lists them), so the
   `datasets` package is not needed; a DatasetDict folder is refused with the split folders to name.
 """
@@ -71,7 +72,6 @@ PARQUET_MAGIC = b"PAR1"
 _SHARD = re.compile(r"(?P<split>.+)-\d+-of-\d+\.parquet")  # the Hub's shard names
 FORMATS = "Parquet, JSON lines (one object per line) or a `datasets` save_to_disk folder"
 MEDIA_COLUMNS = ("image", "images", "videos", "multi_modal_data")  # TRL's and verl's multimodal inputs
-_MEDIA_PLACEHOLDER = re.compile(r"<(image|video)>")  # what verl's processor replaces with the media
 GZIP_MAGIC = b"\x1f\x8b"
 EXPECTED = ("a Sparrow prompts file (prompt_id, task, and prompt or prompt_token_ids), a verl dataset "
             "(prompt as chat messages, reward_model with ground_truth, data_source...) or a TRL / Hugging "
@@ -233,27 +233,15 @@ def _check_text_only(records: list[dict], columns: list[str], path: Path) -> Non
         prompt = record.get("prompt")
         held = next((c for c in media if record.get(c) not in (None, [], {})), None)
         part = _media_part(prompt)
-        placeholder = next((m.group(0) for m in map(_MEDIA_PLACEHOLDER.search, _texts(prompt)) if m), None)
         if held is not None:
             what = f"has media in column {held!r} (a multimodal dataset's images or videos)"
         elif part is not None:
             what = (f"has a 'prompt' whose message content holds a part of type {part!r} (TRL's multimodal "
                     "layout)")
-        elif placeholder is not None:
-            what = (f"has the placeholder {placeholder!r} in its prompt, where verl's multimodal layout puts "
-                    "an image or a video")
         else:
             continue
         raise DatasetError(f"{path}: {row_of(i)} {what}; Sparrow's models are text-only, so they cannot see "
                            "images or videos (give a text-only dataset)")
-
-
-def _texts(prompt: Any) -> list[str]:
-    """The text of a prompt: itself, or its chat messages' text contents."""
-    if isinstance(prompt, str):
-        return [prompt]
-    messages = prompt if isinstance(prompt, list) else []
-    return [m["content"] for m in messages if isinstance(m, dict) and isinstance(m.get("content"), str)]
 
 
 def _media_part(prompt: Any) -> str | None:

@@ -379,9 +379,19 @@ def save_weights(state: dict[str, torch.Tensor], path: Path) -> None:
     """safetensors' save_file, the file's mode then made what a plain open() gives under the umask:
     save_file creates it 0600, which a group sharing the folder could not load."""
     save_file(state, str(path), metadata={"format": "pt"})
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(path, 0o666 & ~umask)
+    os.chmod(path, 0o666 & ~_umask())
+
+
+def _umask() -> int:
+    """The process's umask, read where Linux shows it: os.umask only sets it, and another thread that
+    creates a file between setting and restoring it would get the temporary mask."""
+    try:
+        status = Path("/proc/self/status").read_text()
+        return int(next(line for line in status.splitlines() if line.startswith("Umask:")).split()[1], 8)
+    except (OSError, StopIteration, ValueError, IndexError):
+        mask = os.umask(0o077)  # briefly the strictest usual mask, never a looser one
+        os.umask(mask)
+        return mask
 
 
 def save_checkpoint(model: Transformer, tokenizer, folder: Path) -> None:

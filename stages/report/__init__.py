@@ -117,13 +117,16 @@ def _removed_if_stopped(out: Path) -> Iterator[None]:
     written, so a rerun never finds a half-made folder it would take for someone else's. (In a folder that
     was there, each figure is written whole and the page last, so a stopped report keeps the previous
     page.)"""
-    fresh = not out.exists()
+    made = out  # the outermost folder made here: `out`, or a missing folder above it
+    while not made.parent.exists() and made.parent != made:
+        made = made.parent
+    fresh = not made.exists()
     out.mkdir(parents=True, exist_ok=True)
     try:
         yield
     except BaseException:
         if fresh:
-            shutil.rmtree(out, ignore_errors=True)
+            shutil.rmtree(made, ignore_errors=True)
         raise
 
 

@@ -1,12 +1,12 @@
-"""What the figures read of an artifact, in bounded memory, from files that are untrusted input.
+"""What the figures read of an artifact, from files that are untrusted input.
 
-An artifact was read against its schema before any figure (`build_report`); a figure then reads only the
-columns it draws, batch by batch, and keeps per sample only the numbers it plots (a rollout's length, not
-its tokens), so that a run of millions of samples is drawn in the memory of those numbers, and a signal
-stops it between two batches. Aggregates over tokens (a profile's tail per bin) are DuckDB's, over the
-artifact's files alone: a connection that reads those files through the read-only file system of `sparrow
-sql` (..sql.files) and no other file, with every path an SQL string literal, so that no file name, however
-made, runs as SQL or reaches another file.
+An artifact was read against its schema before any figure (`build_report`, whole); a figure then reads
+only the columns it draws, batch by batch, and keeps per sample only the numbers it plots (a rollout's
+length, not its tokens, and no Python object per token), and a signal stops it between two batches.
+Aggregates over tokens (a profile's tail per bin) are DuckDB's, over the artifact's files alone: a
+connection that reads those files through the read-only file system of `sparrow sql` (..sql.files) and no
+other file, with every path an SQL string literal, so that no file name, however made, runs as SQL or
+reaches another file.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 
 from sparrow.schemas.footer import artifact_parts
 
-from ..sql.files import RunFiles, file_url
+from ..sql.files import file_url, reading_only
 from ..sql.views import sql_literal
 
 BATCH_ROWS = 65_536
@@ -43,9 +43,7 @@ def sql_rows(files: list[Path], query: Callable[[str], str]) -> list[tuple]:
     con = duckdb.connect(":memory:", config={"autoinstall_known_extensions": False,
                                              "autoload_known_extensions": False})
     try:
-        con.register_filesystem(RunFiles(paths))
-        con.execute(f"SET allowed_paths = [{', '.join(urls)}]")
-        con.execute("SET enable_external_access = false")
+        reading_only(con, paths)
         con.execute("SET lock_configuration = true")
         return con.sql(query(f"read_parquet([{', '.join(urls)}])")).fetchall()
     finally:

@@ -17,16 +17,15 @@ from __future__ import annotations
 import atexit
 import json
 import os
-import re
 import shutil
 import tempfile
 from pathlib import Path
 
 import duckdb
 
-from .files import RunFiles, file_url, local_paths
+from .files import local_paths, reading_only
 from .limits import Limits, QueryError, default_spill
-from .views import View, Warn, python_warning, quoted_identifier, run_views, sql_literal, view_sql
+from .views import View, Warn, python_warning, quoted_identifier, run_views, view_sql
 
 SPILL_PREFIX = "sparrow-sql-"
 
@@ -63,10 +62,8 @@ def open_views(run_dir: str | Path, views: list[View], warn: Warn, memory: int |
     root = Path(run_dir).resolve()
     try:
         files = sorted({str(p) for view in views for p in view.files})
-        con.register_filesystem(RunFiles(files))  # the only way to the run's files: read only
-        con.execute(f"SET allowed_paths = [{', '.join(sql_literal(file_url(p)) for p in files)}]")
+        reading_only(con, files)  # the only way to the run's files: read only
         con.execute("SET enable_progress_bar = false")  # stdout holds only the result
-        con.execute("SET enable_external_access = false")
         for view in views:
             _create_view(con, view, root, run_dir, warn)
         con.execute("SET lock_configuration = true")
@@ -140,9 +137,7 @@ def check_read_only(query: str) -> None:
         text = st.query.strip()
         words = _keywords(text)
         if words[:1] == ["EXPLAIN"]:
-            inner = re.sub(r"^EXPLAIN\s+(ANALYZE\s+)?(\(\s*FORMAT\s+\w+\s*\)\s*)?", "", _uncommented(text),
-                           flags=re.IGNORECASE)
-            check_read_only(inner)
+            check_read_only(_explained(text))
             continue
         write = _write_in(st, text, words)
         if write is not None:
@@ -217,10 +212,18 @@ def _keywords(text: str) -> list[str]:
             if kind == duckdb.token_type.keyword and text[start:end].strip()]
 
 
-def _uncommented(text: str) -> str:
-    """`text` from its first token on (leading comments and spaces dropped)."""
-    tokens = [start for start, kind in duckdb.tokenize(text) if kind != duckdb.token_type.comment]
-    return text[tokens[0]:] if tokens else ""
+def _explained(text: str) -> str:
+    """What an EXPLAIN statement explains: `text` after EXPLAIN and its options (ANALYZE, or a
+    parenthesised list such as (FORMAT json, ANALYZE)), found by DuckDB's tokenizer, so that comments
+    and spacing do not matter; always shorter than `text`."""
+    tokens = [(start, kind) for start, kind in duckdb.tokenize(text) if kind != duckdb.token_type.comment]
+    ends = [start for start, _ in tokens[1:]] + [len(text)]
+    words = [text[start:end].strip().upper() for (start, _), end in zip(tokens, ends)]
+    at, depth = 1, 0  # tokens[0] is EXPLAIN
+    while at < len(tokens) and (depth or words[at] in ("ANALYZE", "(")):
+        depth += words[at].count("(") - words[at].count(")")
+        at += 1
+    return text[tokens[at][0]:] if at < len(tokens) else ""
 
 
 def check_query(query: str) -> None:

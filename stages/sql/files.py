@@ -72,8 +72,19 @@ class RunFiles(AbstractFileSystem):
         return dt.datetime.fromtimestamp(self.info(path)["mtime"], tz=dt.timezone.utc)
 
 
+def reading_only(con, files: Iterable[str | Path]) -> None:
+    """Lock the DuckDB connection `con` to reading `files` (absolute paths) through `RunFiles`: their URLs
+    are the only allowed paths, and nothing outside is reached. The caller sets lock_configuration once its
+    views exist."""
+    urls = ", ".join("'" + file_url(f).replace("'", "''") + "'" for f in files)  # SQL string literals
+    con.register_filesystem(RunFiles(files))
+    con.execute(f"SET allowed_paths = [{urls}]")
+    con.execute("SET enable_external_access = false")
+
+
 class _File(io.BufferedReader):
-    """A file DuckDB reads: closed when DuckDB lets it go (DuckDB drops its files without closing them)."""
+    """A file DuckDB reads. DuckDB drops its files without closing them: closed here when collected,
+    without the ResourceWarning an unclosed file gives."""
 
     def __del__(self) -> None:
         self.close()

@@ -24,7 +24,9 @@ Reward rule (`score`), deterministic and in [0, 1]:
   ``` and runs to the end of its line, its block to the next line that starts with ``` after spaces,
   or to the end); after a failed parse the cut goes straight to the line the error names (an unclosed
   bracket or string is never closed further down, and the tokens up to an invalid one are the same in
-  every longer cut), and one completion's blocks parse at most `PARSE_BUDGET` characters in all. Only
+  every longer cut), and one completion's blocks parse at most `PARSE_BUDGET` characters in all (blocks
+  tried after the budget is spent count as not parsing: a completion whose later blocks use it all up
+  scores as one without code). Only
   the first `MAX_CODE_CHARS` characters (whole lines) of a block are read, and a parse that fails by
   nesting too deep or running out of memory (`---...-x`, a kind of degenerate repetition models produce)
   is a failed parse like a syntax error, never a crash of the command.
