@@ -2,10 +2,16 @@
 
 The checks run before any data is read: existence, the Parquet magic bytes at both ends (a missing
 footer means a truncated file), then the kind and version from the schema's metadata.
+
+pyarrow is handed an open file, never a path: it encodes a `str` path strictly as UTF-8, so a file name
+that is not UTF-8 (a Latin-1 name from an old share, which Python holds with surrogate escapes) could not
+be read. A read that fails for lack of memory or threads (under `ulimit -v`, as batch schedulers set it) is
+said as such, never as a corrupt file: the file is fine, and the user should not regenerate it.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from pathlib import Path
@@ -93,9 +99,51 @@ def read_schema(path: Path) -> pa.Schema:
         raise ArtifactError(f"{path} is a truncated Parquet file (its footer is missing; "
                             f"was its writer interrupted?)")
     try:
-        return pq.read_schema(path)
+        with pa.OSFile(os.fsencode(path)) as f:
+            return pq.read_schema(f)
     except (pa.ArrowException, OSError, UnicodeDecodeError) as e:  # a name in the footer may not be UTF-8
-        raise ArtifactError(f"{path} is a corrupt Parquet file ({first_line(e)})") from None
+        raise unreadable(path, e) from None
+
+
+def read_parquet(path: Path, columns: list[str] | None = None) -> pa.Table:
+    """The table of the Parquet file `path` (its `columns`, or all); ArtifactError naming the file when
+    it cannot be read."""
+    try:
+        with pa.OSFile(os.fsencode(path)) as f:
+            return pq.read_table(f, columns=columns)
+    except (pa.ArrowException, OSError) as e:
+        raise unreadable(path, e) from None
+
+
+_RESOURCE_WORDS = ("failed to launch worker thread", "resource temporarily unavailable",
+                   "cannot allocate memory", "out of memory")
+
+
+def unreadable(path: Path, e: BaseException) -> ArtifactError:
+    """Why pyarrow could not read `path`: the process's limits (memory, threads), or a corrupt file."""
+    if resource_failure(e):
+        return ArtifactError(f"{path} could not be read for lack of memory or threads under this process's "
+                             f"limits ({address_space_limit()}), not because the file is damaged "
+                             f"({first_line(e)})")
+    return ArtifactError(f"{path} is a corrupt Parquet file ({first_line(e)})")
+
+
+def resource_failure(e: BaseException) -> bool:
+    """An error of the process's resources, not of the file: pyarrow says so only in its message."""
+    if isinstance(e, MemoryError) or (isinstance(e, OSError) and e.errno in (errno.ENOMEM, errno.EAGAIN)):
+        return True
+    text = str(e).lower()
+    return any(words in text for words in _RESOURCE_WORDS)
+
+
+def address_space_limit() -> str:
+    """The process's address space limit, in `ulimit -v`'s words (KiB)."""
+    import resource  # POSIX only
+
+    soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+    if soft == resource.RLIM_INFINITY:
+        return "ulimit -v is unlimited; see ulimit -u for threads"
+    return f"ulimit -v is {soft // 1024} KiB; raise it"
 
 
 def parquet_magic(path: Path) -> bool:

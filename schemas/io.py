@@ -58,7 +58,15 @@ from .artifacts import (
     ArtifactSpec,
     first_line,
 )
-from .footer import artifact_parts, json_text, kind_version, parquet_magic, read_schema, stage_metadata
+from .footer import (
+    artifact_parts,
+    json_text,
+    kind_version,
+    parquet_magic,
+    read_parquet,
+    read_schema,
+    stage_metadata,
+)
 from .locations import hidden_stem, is_stdio, output_target
 
 TableLike = pa.Table | pa.RecordBatch | Mapping[str, Sequence] | Sequence[Mapping[str, object]]
@@ -234,7 +242,7 @@ def read_artifact(path: str | os.PathLike, kind: str | None = None) -> pa.Table:
     found, version = kind_version(schema)
     if found is None:
         if kind is not None:
-            return _read_foreign(_read_parquet(path), path, kind)
+            return _read_foreign(read_parquet(path), path, kind)
         raise ArtifactError(f"{path} is a Parquet file without Sparrow artifact metadata "
                             f"(no '{KEY_KIND}' key), so its kind is unknown; read it where a specific "
                             "artifact kind is expected")
@@ -251,10 +259,7 @@ def read_artifact(path: str | os.PathLike, kind: str | None = None) -> pa.Table:
         raise ArtifactError(f"{path} has version {version} of the '{found}' schema but this Sparrow reads "
                             f"only version {VERSION}, so {hint}")
     stage_metadata(schema, path)  # a damaged record is refused for every kind, not read as empty
-    try:
-        table = pq.read_table(path)
-    except (pa.ArrowException, OSError) as e:
-        raise ArtifactError(f"{path} is a corrupt Parquet file ({first_line(e)})") from None
+    table = read_parquet(path)
     # a nullable column this artifact lacks was added to the schema after it was written: null, so that a
     # newer Sparrow reads the run directories of an older one (sql, report, calibrate-threshold, --resume)
     table = SCHEMAS[found].conform(table, str(path), fill_missing=True)
@@ -432,13 +437,6 @@ def _remove(path: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
     else:
         path.unlink(missing_ok=True)
-
-
-def _read_parquet(path: Path) -> pa.Table:
-    try:
-        return pq.read_table(path)
-    except (pa.ArrowException, OSError) as e:
-        raise ArtifactError(f"{path} is a corrupt Parquet file ({first_line(e)})") from None
 
 
 def opens_json(path: Path) -> bool:

@@ -59,8 +59,16 @@ class MessageConsole(Console):
 
     def _check_buffer(self) -> None:
         """Stdout's console fails as every stdout writer does (`writing_stdout`): a full disk, an I/O error
-        or a closed stdout is StdoutFailed, never a traceback nor a table silently dropped."""
-        if self.stderr or self._file is not None:
+        or a closed stdout is StdoutFailed, never a traceback nor a table silently dropped. A stderr that
+        cannot be written (a log on a full disk) is as one whose reader is gone: messages go nowhere and
+        the command carries on, since losing a run for a progress line would be worse."""
+        if self.stderr:
+            try:
+                return super()._check_buffer()
+            except OSError:
+                self.on_broken_pipe()
+                return None
+        if self._file is not None:
             return super()._check_buffer()
         with writing_stdout():
             super()._check_buffer()

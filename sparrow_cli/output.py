@@ -27,7 +27,8 @@ import io
 import json
 import math
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 
 import typer
 from rich import box
@@ -175,33 +176,56 @@ def write_out(text: str) -> None:
 # ---------------------------------------------------------------- tables for reading
 
 def print_table(table: Table, to: Console) -> None:
-    """A rich table that loses nothing: no cell is ever cut to "...". Anywhere but a terminal the console
-    has no width (common.MessageConsole), so the table is as wide as its cells. On a terminal a table wider
-    than it is fitted (`fit_table`): headers fold first, then the table drops its box, and only then do
-    cells fold, the first (key) column last."""
+    """A rich table that loses nothing: no cell is ever cut to "..." and no column is dropped. Anywhere but
+    a terminal the console has no width (common.MessageConsole), so the table is as wide as its cells. On a
+    terminal a table wider than it is fitted (`fit_table`): headers fold first, then the table drops its
+    box, and only then do cells fold, the first (key) column last. A table whose columns cannot all fit
+    even one character wide (or a terminal of no usable width, COLUMNS=0) is printed as wide as its cells,
+    uncropped: the terminal wraps its lines, where rich would leave columns out."""
     for column in table.columns:
         column.overflow = "fold"
-    if to.is_terminal:
-        fit_table(table, to, to.width)
+    if to.is_terminal and not fit_table(table, to, to.width):
+        with _as_wide_as(to, _natural_width(table, to)):
+            to.print(table)
+        return
     to.print(table)
+
+
+@contextmanager
+def _as_wide_as(console: Console, width: int) -> Iterator[None]:
+    """`console` `width` cells wide while in the block, then as it was: rich prints nothing below one cell
+    and crops every line to the console's width, so a table wider than the terminal needs a wider console."""
+    saved = console._width  # None: the terminal's own width, read at each print
+    console.width = width
+    try:
+        yield
+    finally:
+        console._width = saved
 
 
 COMPACT = {"box": box.SIMPLE_HEAD, "show_edge": False, "padding": 0, "pad_edge": False}  # one space apart
 
 
-def fit_table(table: Table, console: Console, width: int) -> None:
+def fit_table(table: Table, console: Console, width: int) -> bool:
     """Set `table`'s columns (and, where needed, its style) so it fits `width`, in this order of
     preference: as it is; its headers folded to the width of their cells; the same without a box
-    (COMPACT); and last, cells folded too but the first column's kept whole where it leaves room."""
+    (COMPACT); and last, cells folded too but the first column's kept whole where it leaves room. False
+    where not every column fits even one character wide (a width below 1 never fits)."""
+    if width < 1:
+        return False
     if _natural_width(table, console) <= width or _fold_headers(table, console, width):
-        return
+        return True
     for name, value in COMPACT.items():
         setattr(table, name, value)
     if _natural_width(table, console) <= width or _fold_headers(table, console, width):
-        return
+        return True
+    overhead = _overhead(table, console)
+    if overhead + len(table.columns) > width:
+        return False
     key = _widths(table, console)[0][0]
-    if key + _overhead(table, console) + len(table.columns) - 1 <= width:
+    if key + overhead + len(table.columns) - 1 <= width:
         table.columns[0].width = key
+    return True
 
 
 def _widths(table: Table, console: Console) -> tuple[list[int], list[int]]:

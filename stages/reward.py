@@ -41,7 +41,7 @@ import pyarrow.parquet as pq
 
 from sparrow.schemas import ArtifactError, ArtifactSpec, Col, artifact_kind, artifact_metadata, read_artifact
 from sparrow.schemas.artifacts import first_line
-from sparrow.schemas.footer import artifact_parts, file_json, kind_version
+from sparrow.schemas.footer import artifact_parts, file_json, kind_version, unreadable
 from sparrow.schemas.io import opens_json, utf8_lines
 from sparrow.schemas.locations import is_stdio
 
@@ -103,10 +103,11 @@ def _parquet(path: Path, shown: str) -> pa.Table:
     if kind is not None:
         raise ArtifactError(f"{shown} is a '{kind}' artifact; {REFUSED_KIND}")
     try:
-        names = pq.read_schema(path).names
-        return pq.read_table(path, columns=[c for c in names if c in COMPLETIONS.names])
+        with pa.OSFile(os.fsencode(path)) as f:  # a name that is not UTF-8 reads too
+            names = pq.read_schema(f).names
+            return pq.read_table(f, columns=[c for c in names if c in COMPLETIONS.names])
     except (pa.ArrowException, OSError) as e:
-        raise ArtifactError(f"{shown} is a corrupt Parquet file ({first_line(e)})") from None
+        raise unreadable(Path(shown), e) from None
 
 
 def _parts(path: Path) -> pa.Table:

@@ -23,7 +23,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from sparrow.schemas import (
     SCHEMAS,
@@ -34,7 +33,7 @@ from sparrow.schemas import (
     artifact_metadata,
     read_artifact,
 )
-from sparrow.schemas.artifacts import first_line
+from sparrow.schemas.footer import read_parquet
 
 NEEDED = ("prompt_id", "token_ids")
 FOREIGN_ROLLOUTS = ArtifactSpec(
@@ -136,10 +135,7 @@ def sampler_words(sparsity: str | None) -> tuple[str | None, int | None]:
 
 
 def _read_foreign(path: Path) -> pa.Table:
-    try:
-        table = pq.read_table(path)
-    except (pa.ArrowException, OSError) as e:
-        raise ArtifactError(f"{path} is a corrupt Parquet file ({first_line(e)})") from None
+    table = read_parquet(path)
     subject = f"{path} (read as 'rollouts' by its columns)"
     table = table.select([c for c in table.column_names if c in FOREIGN_ROLLOUTS.names])
     if "prompt_token_ids" not in table.column_names and "prompt" not in table.column_names:

@@ -63,9 +63,9 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
-from sparrow.schemas.footer import file_json
+from sparrow.schemas.artifacts import ArtifactError
+from sparrow.schemas.footer import file_json, read_parquet, read_schema
 
 OUR_COLUMNS = ("prompt_id", "task", "prompt", "prompt_token_ids", "answer", "metadata")  # what ours keep
 PARQUET_MAGIC = b"PAR1"
@@ -354,7 +354,7 @@ def _load(path: Path) -> Source | None:
     _check_parquet(path)
     if artifact_kind(path) is not None:
         return None
-    return Source(pq.read_schema(path).names, lambda names: pq.read_table(path, columns=names).to_pylist())
+    return Source(read_schema(path).names, lambda names: read_parquet(path, columns=names).to_pylist())
 
 
 def _starts_with(path: Path, magic: bytes) -> bool:
@@ -395,8 +395,8 @@ def _shards(path: Path, parts: list[Path]) -> pa.Table:
         raise DatasetError(f"{path} holds the Parquet shards of splits {', '.join(sorted(splits))}; give a "
                            "folder holding one split's shards (or one shard file)")
     try:
-        return pa.concat_tables([pq.read_table(p) for p in parts], promote_options="permissive")
-    except (pa.ArrowException, OSError) as e:
+        return pa.concat_tables([read_parquet(p) for p in parts], promote_options="permissive")
+    except (pa.ArrowException, OSError, ArtifactError) as e:
         raise DatasetError(f"{path}: its Parquet files do not form one dataset ({e})") from None
 
 

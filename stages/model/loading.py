@@ -36,7 +36,7 @@ from safetensors.torch import load_file, save_file
 
 from .config import ModelConfig, ModelSpecError, supported_types
 from .gguf_loader import read_gguf
-from .home import sparrow_home
+from .home import building, sparrow_home
 from .llama import Transformer, hf_to_ours, ours_to_hf
 from .presets import PRESETS, get_preset
 
@@ -486,11 +486,12 @@ def embedded_checkpoint(name: str = "smollm2-135m") -> Path:
     folder = sparrow_home() / "models" / name
     if _cache_ok(folder):
         return folder
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    with open(folder.parent / f".{name}.lock", "w") as lock:  # one converter at a time
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not _cache_ok(folder):
-            _build_embedded(folder)
+    with building(f"the {name} cache", folder):
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        with open(folder.parent / f".{name}.lock", "w") as lock:  # one converter at a time
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not _cache_ok(folder):
+                _build_embedded(folder)
     return folder
 
 

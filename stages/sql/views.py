@@ -6,9 +6,10 @@ A run directory is untrusted input (runs are downloaded and shared), so nothing 
 as text: a kind must be one of Sparrow's (otherwise the file is skipped), view names are built from
 [A-Za-z0-9_] only and quoted, and paths and provenance values are string literals (`sql_literal`).
 
-Every file left out is said, naming it: a FIFO or a broken symlink as much as a truncated file. A file of
-another schema version is read all the same (a view reads columns, not a schema), with a warning naming
-its version, since every other command refuses it."""
+Every file left out is said, naming it: a FIFO or a broken symlink as much as a truncated file, or a file
+whose name is not UTF-8 (DuckDB takes paths as UTF-8 text only; the name is said with its bytes escaped).
+A file of another schema version is read all the same (a view reads columns, not a schema), with a
+warning naming its version, since every other command refuses it."""
 
 from __future__ import annotations
 
@@ -95,7 +96,7 @@ def run_views(run_dir: str | Path, warn: Warn | None = None) -> list[View]:
     root = run_dir.resolve()
     for p in _run_files(run_dir):
         try:
-            if why := not_regular(p):
+            if why := not_regular(p) or not_utf8(p, root / p.relative_to(run_dir)):
                 raise ArtifactError(why)
             schema = read_schema(p)
             (kind, version), meta = kind_version(schema), file_metadata(schema, p)
@@ -149,6 +150,22 @@ def not_regular(path: Path) -> str | None:
     if not path.is_file():
         return f"{path} is not a regular file"
     return None
+
+
+def not_utf8(path: Path, opened: Path) -> str | None:
+    """Why DuckDB cannot be given `opened` (the file `path`), or None: a name that is not UTF-8 (which
+    Python holds with surrogate escapes)."""
+    try:
+        str(opened).encode("utf-8")
+    except UnicodeEncodeError:
+        return (f"{escaped(path)} has a name that is not UTF-8, which DuckDB cannot open; "
+                "rename it to query it")
+    return None
+
+
+def escaped(path: Path) -> str:
+    """`path` for a message: bytes that are not UTF-8 as \\xNN escapes."""
+    return os.fsencode(path).decode("utf-8", errors="backslashreplace")
 
 
 def file_metadata(schema: pa.Schema, path: Path) -> dict:
