@@ -30,7 +30,7 @@ from rich.table import Table
 from rich.text import Text
 
 from sparrow.schemas.io import write_batches
-from sparrow.schemas.locations import QUERY_KEY, describe, is_stdio, special_kind
+from sparrow.schemas.locations import PLAIN, QUERY_KEY, describe, is_stdio, special_kind
 from sparrow.stages.sql import DEFAULT_MEMORY, DEFAULT_TIMEOUT, Limits, QueryError, QueryLimit, parse_memory
 from sparrow.stages.sql import query as run_sql
 
@@ -108,7 +108,7 @@ def sql(
         fail(f"-o writes Parquet, so give a path ending in .parquet (not {output.name}); "
              f"use --format csv or json with a shell redirect for text")
     limits = _limits(memory_limit, timeout, max_rows)
-    check_output(output, None, force, inputs={"--run": _artifacts_of_the_run(output, run)})
+    check_output(output, None, force, inputs={"--run": _tables_of_the_run(output, run)})
     # rows on a terminal's stdout stop the clock at the first batch; a file or a pipe's run to the end
     until_first = output is None and format != "table" and out.is_terminal
     try:
@@ -130,13 +130,15 @@ def sql(
         _drop_stdout()
 
 
-def _artifacts_of_the_run(output: Path | None, run: Path) -> list[Path]:
-    """An existing -o that is an artifact of the run the query reads, which even --force may not replace
-    (an earlier query result there may be)."""
+def _tables_of_the_run(output: Path | None, run: Path) -> list[Path]:
+    """An existing -o that is one of the tables the query reads (an artifact of the run, or another Parquet
+    file there, which has a view too), which even --force may not replace; an earlier query result may
+    be."""
     if output is None or is_stdio(output) or not os.path.isfile(output):  # False for a name too long
         return []
     inside = output.resolve().is_relative_to(run.resolve())
-    return [output] if inside and describe(output)[0] is not None else []
+    kind, words = describe(output)
+    return [output] if inside and (kind is not None or words == PLAIN) else []
 
 
 def _run_and_query(words: list[str], run: Path | None) -> tuple[Path, str]:

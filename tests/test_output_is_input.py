@@ -145,3 +145,14 @@ def test_sql_never_replaces_an_artifact_of_the_run_it_reads_but_replaces_a_query
     for _ in range(2):  # an earlier query result in the run is replaced, as before
         r = runner.invoke(app, [*query, "-o", str(result_file)])
         assert r.exit_code == 0, r.output
+
+
+def test_sql_never_replaces_another_tools_parquet_file_of_the_run(tmp_path):
+    """A pandas- or DuckDB-written Parquet file in the run has a view of its own: the query reads it."""
+    scores = tmp_path / "scores.parquet"
+    pq.write_table(pa.table({"prompt_id": ["a"], "reward": [1.0]}), scores)
+    before = digest(scores)
+    line = error_line(runner.invoke(app, ["sql", "--run", str(tmp_path), "SELECT 1 AS a", "-o", str(scores),
+                                          "--force"]))
+    assert "is a file of the --run this command reads" in line
+    assert digest(scores) == before
