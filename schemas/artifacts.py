@@ -3,14 +3,16 @@
 Design decisions:
 - A column is declared once (`Col`): Arrow type, nullability, an allowed range in interval notation
   ("[0, 1]", "(0, inf)") that applies to every element of list columns, and optional allowed values.
-  Cross-column rules are small functions that return a problem phrase or None.
+  Cross-column rules are small functions that return the rows failing them (a `Failure`) or None.
 - Types are checked by family, not width: integer columns take any integer width, float columns any
   float width (and integers, which widen), string columns string/large_string, list columns any list
   kind of the right value family; values are then cast to the declared type, safely (an int64 that
   does not fit int32 is an error, never a wraparound). All-null columns of Arrow type null are fine.
 - Closed bounds of float columns allow a 1e-6 tolerance (float32 rounding); NaN is out of any range.
 - Unknown columns are an error (catches typos; a new column means a new schema version).
-- Validation uses pyarrow.compute on whole columns, so it stays fast on millions of per-token rows.
+- Validation uses pyarrow.compute on whole columns, so it stays fast on millions of per-token rows. A
+  large file is checked a batch of rows at a time (`check_batches`): each check reports its `Failure`, and
+  the earliest check any batch fails is reported with its counts summed, as the whole table would be.
 - Every problem is one sentence that starts with the subject (the file, or the data meant for it).
 """
 
@@ -18,8 +20,8 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import pyarrow as pa
@@ -73,7 +75,53 @@ class Col:
         return pa.field(self.name, self.type, nullable=self.nullable)
 
 
-Rule = Callable[[pa.Table], "str | None"]
+@dataclass(frozen=True)
+class Failure:
+    """A check some rows fail: `order` ranks the check where `conform` runs it (earlier checks win), `n`
+    counts what fails it, `row` is the first failing row and `say(n, row)` the phrase that follows the
+    subject."""
+
+    order: tuple[int, int]
+    n: int
+    row: int
+    say: Callable[[int, int], str]
+
+    @property
+    def phrase(self) -> str:
+        return self.say(self.n, self.row)
+
+    def after(self, rows: int) -> Failure:
+        return replace(self, row=self.row + rows)
+
+
+Rule = Callable[[pa.Table], "Failure | None"]  # its order is given by `ArtifactSpec.checked`
+SCHEMA_LEVEL = (-1, 0)  # duplicated, unknown or missing columns: every batch of a table says the same
+
+
+def whole_table(rule: Rule) -> Rule:
+    """Mark a rule that relates rows to each other, so that a table is not checked batch by batch."""
+    rule.whole_table = True  # type: ignore[attr-defined]
+    return rule
+
+
+def _failed(n: int, row: int, say: Callable[[int, int], str]) -> Failure:
+    return Failure(SCHEMA_LEVEL, n, row, say)
+
+
+def _said(phrase: str) -> Failure:
+    return _failed(0, 0, lambda n, row: phrase)
+
+
+def merged(found: Failure | None, new: Failure | None) -> Failure | None:
+    """The failure a whole table reports, from those of two of its batches (`found` of the earlier rows):
+    the earlier check, its counts summed."""
+    if new is None:
+        return found
+    if found is None or new.order < found.order:
+        return new
+    if new.order == found.order:
+        return replace(found, n=found.n + new.n)
+    return found
 
 
 @dataclass(frozen=True)
@@ -92,73 +140,111 @@ class ArtifactSpec:
         meta = {KEY_KIND: self.kind, KEY_VERSION: VERSION}
         return pa.schema([c.field for c in self.columns], metadata=meta)
 
+    @property
+    def by_batches(self) -> bool:
+        """Whether a table of this kind can be checked a batch of rows at a time."""
+        return not any(getattr(rule, "whole_table", False) for rule in self.rules)
+
     def conform(self, table: pa.Table, subject: str, fill_missing: bool = False) -> pa.Table:
         """Cast `table` to this schema and check every rule; raise ArtifactError("<subject> ...")."""
+        out, failure = self.checked(table, fill_missing)
+        if failure:
+            raise ArtifactError(f"{subject} {failure.phrase}")
+        return out
 
-        def problem(phrase: str) -> ArtifactError:
-            return ArtifactError(f"{subject} {phrase}")
+    def check_batches(self, schema: pa.Schema, batches: Iterable[pa.Table], subject: str) -> int:
+        """Check a table of `schema` given a batch of rows at a time exactly as `conform` checks it whole
+        (the same sentence, rows counted from the table's start), holding one batch at a time; missing
+        nullable columns are allowed. Returns the number of rows."""
+        if not self.by_batches:
+            batches = [pa.concat_tables([schema.empty_table(), *batches], promote_options="default")]
+        found = self.checked(schema.empty_table(), fill_missing=True)[1]
+        rows = 0
+        for batch in batches:
+            if found and found.order == SCHEMA_LEVEL:
+                break
+            found = merged(found, self.checked(batch, fill_missing=True, first_row=rows)[1])
+            rows += batch.num_rows
+        if found:
+            raise ArtifactError(f"{subject} {found.phrase}")
+        return rows
 
+    def checked(self, table: pa.Table, fill_missing: bool = False,
+                first_row: int = 0) -> tuple[pa.Table | None, Failure | None]:
+        """`table` cast to this schema, or the first check it fails (its rows numbered from `first_row`)."""
         names = table.column_names
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
-            raise problem(f"has column {_quoted(dupes)} more than once")
+            return None, _said(f"has column {_quoted(dupes)} more than once")
         unknown = [n for n in names if n not in self.names]
         if unknown:
-            raise problem(f"has column {_quoted(unknown)}, which the '{self.kind}' schema does not have "
-                          f"(its columns: {', '.join(self.names)})")
+            return None, _said(f"has column {_quoted(unknown)}, which the '{self.kind}' schema does not have "
+                               f"(its columns: {', '.join(self.names)})")
         missing = [c.name for c in self.columns if c.name not in names and not (fill_missing and c.nullable)]
         if missing:
-            raise problem(f"lacks column {_quoted(missing)} required by the '{self.kind}' schema")
+            return None, _said(f"lacks column {_quoted(missing)} required by the '{self.kind}' schema")
 
         arrays = []
-        for col in self.columns:
+        for i, col in enumerate(self.columns):
             if col.name not in names:
                 arrays.append(pa.nulls(table.num_rows, col.type))
                 continue
-            arrays.append(_check_column(table.column(col.name), col, problem))
+            values, failure = _check_column(table.column(col.name), col)
+            if failure:
+                return None, replace(failure, order=(i, failure.order[1])).after(first_row)
+            arrays.append(values)
         out = pa.Table.from_arrays(arrays, schema=self.schema)
-        for rule in self.rules:
-            phrase = rule(out)
-            if phrase:
-                raise problem(phrase)
-        return out
+        for j, rule in enumerate(self.rules):
+            failure = rule(out)
+            if failure:
+                return None, replace(failure, order=(len(self.columns) + j, 0)).after(first_row)
+        return out, None
 
 
-def _check_column(values: pa.ChunkedArray, col: Col,
-                  problem: Callable[[str], ArtifactError]) -> pa.ChunkedArray:
+def _step(step: int, n: int, row: int, say: Callable[[int, int], str]) -> Failure:
+    return Failure((0, step), n, row, say)
+
+
+def _check_column(values: pa.ChunkedArray, col: Col) -> tuple[pa.ChunkedArray, Failure | None]:
+    """The column cast to `col`'s type, or the first of its checks it fails (order (0, step))."""
     if not _accepts(col.type, values.type):
-        raise problem(f"has column '{col.name}' of type {_type_name(values.type)}, expected "
-                      f"{_type_name(col.type)} "
-                      f"({_family(col.type)})")
+        return values, _step(0, 0, 0, lambda n, row: (
+            f"has column '{col.name}' of type {_type_name(values.type)}, expected "
+            f"{_type_name(col.type)} ({_family(col.type)})"))
     if values.type != col.type:
         try:
             values = values.cast(col.type)
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
-            raise problem(f"has values in column '{col.name}' that do not fit {_type_name(col.type)} "
-                          f"({first_line(e)})") from None
+            error = first_line(e)
+            return values, _step(1, 0, 0, lambda n, row: (
+                f"has values in column '{col.name}' that do not fit {_type_name(col.type)} ({error})"))
     if not col.nullable and values.null_count:
-        raise problem(f"has nulls in {_count(values.null_count, 'row')} of column '{col.name}', "
-                      f"which allows no nulls")
+        return values, _step(2, values.null_count, 0, lambda n, row: (
+            f"has nulls in {_count(n, 'row')} of column '{col.name}', which allows no nulls"))
     is_list = pa.types.is_list(col.type)
     elements = pc.list_flatten(values) if is_list else values
     if is_list and not col.nullable and elements.null_count:
-        raise problem(f"has {_count(elements.null_count, 'null element')} inside the lists of "
-                      f"column '{col.name}'")
+        return values, _step(3, elements.null_count, 0, lambda n, row: (
+            f"has {_count(n, 'null element')} inside the lists of column '{col.name}'"))
     if col.range:
         interval = Interval.parse(col.range)
         tol = FLOAT_TOL if pa.types.is_floating(elements.type) else 0.0
         n, first = _count_first(interval.outside(elements, tol))
         if n:
             row = pc.list_parent_indices(values)[first].as_py() if is_list else first
-            raise problem(f"has {_count(n, 'value')} of column '{col.name}' outside the allowed range "
-                          f"{interval.text} (first: {_fmt(elements[first].as_py())} in row {row})")
+            shown = _fmt(elements[first].as_py())
+            return values, _step(4, n, row, lambda n, row: (
+                f"has {_count(n, 'value')} of column '{col.name}' outside the allowed range "
+                f"{interval.text} (first: {shown} in row {row})"))
     if col.choices:
         bad = pc.and_(pc.is_valid(values), pc.invert(pc.is_in(values, value_set=pa.array(col.choices))))
         n, first = _count_first(bad)
         if n:
-            raise problem(f"has {_count(n, 'value')} of column '{col.name}' other than "
-                          f"{_quoted(col.choices, ' or ')} (first: {values[first].as_py()!r} in row {first})")
-    return values
+            shown = repr(values[first].as_py())
+            return values, _step(5, n, first, lambda n, row: (
+                f"has {_count(n, 'value')} of column '{col.name}' other than "
+                f"{_quoted(col.choices, ' or ')} (first: {shown} in row {row})"))
+    return values, None
 
 
 def _family(t: pa.DataType) -> str:
@@ -223,50 +309,54 @@ def first_line(e: BaseException) -> str:
     return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
-# Cross-column rules: each returns a phrase that follows the subject, or None.
+# Cross-column rules: each returns the Failure of the rows that break it, or None.
 
-def _prompt_or_token_ids(t: pa.Table) -> str | None:
+def _prompt_or_token_ids(t: pa.Table) -> Failure | None:
     n, first = _count_first(pc.and_(pc.is_null(t["prompt"]), pc.is_null(t["prompt_token_ids"])))
     if n:
-        return f"has {_count(n, 'row')} with neither 'prompt' nor 'prompt_token_ids' (first: row {first})"
+        return _failed(n, first, lambda n, row: (
+            f"has {_count(n, 'row')} with neither 'prompt' nor 'prompt_token_ids' (first: row {row})"))
     return None
 
 
-def _tests_passed_within_total(t: pa.Table) -> str | None:
+def _tests_passed_within_total(t: pa.Table) -> Failure | None:
     over = pc.fill_null(pc.greater(t["tests_passed"], t["tests_total"]), False)
     n, first = _count_first(over)
     if n:
-        return (f"has more tests passed than tests in {_count(n, 'row')} (columns 'tests_passed' and "
-                f"'tests_total'; first: row {first})")
+        return _failed(n, first, lambda n, row: (
+            f"has more tests passed than tests in {_count(n, 'row')} (columns 'tests_passed' and "
+            f"'tests_total'; first: row {row})"))
     return None
 
 
-def _budget_non_decreasing(t: pa.Table) -> str | None:
+@whole_table
+def _budget_non_decreasing(t: pa.Table) -> Failure | None:
     bins = t["bin"].to_numpy()
     order = np.argsort(bins, kind="stable")
     bins = bins[order]
     budgets = t["budget"].fill_null(np.iinfo(np.int32).max).to_numpy()[order]
     dup = np.flatnonzero(np.diff(bins) == 0)
     if dup.size:
-        return f"has bin {bins[dup[0]]} more than once"
+        return _said(f"has bin {bins[dup[0]]} more than once")
     dec = np.flatnonzero(np.diff(budgets) < 0)
     if dec.size:
         i = dec[0]
         shown = ["dense" if b == np.iinfo(np.int32).max else str(b) for b in budgets[i:i + 2]]
-        return (f"has budget {shown[0]} in bin {bins[i]} but {shown[1]} in bin {bins[i + 1]}, and a "
-                f"schedule's budget must not decrease with position (null = dense counts as largest)")
+        return _said(f"has budget {shown[0]} in bin {bins[i]} but {shown[1]} in bin {bins[i + 1]}, and a "
+                     f"schedule's budget must not decrease with position (null = dense counts as largest)")
     return None
 
 
 def _equal_lengths(*names: str) -> Rule:
-    def rule(t: pa.Table) -> str | None:
+    def rule(t: pa.Table) -> Failure | None:
         lengths = [pc.list_value_length(t[n]) for n in names]
         bad = pc.or_(pc.not_equal(lengths[0], lengths[1]), pc.not_equal(lengths[0], lengths[2]))
         n, first = _count_first(pc.fill_null(bad, False))
         if n:
             found = ", ".join(str(ln[first].as_py()) for ln in lengths)
-            return (f"has {_count(n, 'row')} whose {_quoted(names)} lengths differ "
-                    f"(first: row {first} with lengths {found})")
+            return _failed(n, first, lambda n, row: (
+                f"has {_count(n, 'row')} whose {_quoted(names)} lengths differ "
+                f"(first: row {row} with lengths {found})"))
         return None
 
     return rule
@@ -275,12 +365,12 @@ def _equal_lengths(*names: str) -> Rule:
 def _same_length_if_given(name: str) -> Rule:
     """A nullable per-token column: where present, as long as token_ids."""
 
-    def rule(t: pa.Table) -> str | None:
+    def rule(t: pa.Table) -> Failure | None:
         bad = pc.not_equal(pc.list_value_length(t[name]), pc.list_value_length(t["token_ids"]))
         n, first = _count_first(pc.fill_null(bad, False))
         if n:
-            return (f"has {_count(n, 'row')} whose '{name}' and 'token_ids' lengths differ "
-                    f"(first: row {first})")
+            return _failed(n, first, lambda n, row: (
+                f"has {_count(n, 'row')} whose '{name}' and 'token_ids' lengths differ (first: row {row})"))
         return None
 
     return rule

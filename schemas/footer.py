@@ -14,6 +14,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pyarrow as pa
@@ -113,6 +114,42 @@ def read_parquet(path: Path, columns: list[str] | None = None) -> pa.Table:
             return pq.read_table(f, columns=columns)
     except (pa.ArrowException, OSError) as e:
         raise unreadable(path, e) from None
+
+
+BATCH_BYTES = 64 << 20  # what one batch of `parquet_batches` holds decoded, about
+_WIDTH = {"BOOLEAN": 1, "INT32": 4, "FLOAT": 4, "INT64": 8, "DOUBLE": 8, "INT96": 12}
+
+
+def parquet_batches(path: Path, columns: list[str] | None = None) -> Iterator[pa.Table]:
+    """The rows of the Parquet file `path` (its `columns`, or all) as tables of about BATCH_BYTES each,
+    however long its rows (a rollout of 32K tokens) and however large its row groups, the column chunks
+    read a page at a time; ArtifactError naming the file when it cannot be read."""
+    try:
+        with (pa.OSFile(os.fsencode(path)) as raw,
+              pq.ParquetFile(raw, buffer_size=1 << 20, pre_buffer=False) as f):
+            rows = max(1, BATCH_BYTES // max(1, _row_bytes(f.metadata, columns)))
+            for batch in f.iter_batches(batch_size=rows, columns=columns, use_threads=False):
+                yield pa.Table.from_batches([batch])
+    except (pa.ArrowException, OSError) as e:
+        raise unreadable(path, e) from None
+
+
+def _row_bytes(meta: pq.FileMetaData, columns: list[str] | None) -> int:
+    """The decoded bytes of a row of `columns`, at most: each leaf's values at their width, or its
+    uncompressed pages when wider (strings), with an offset per value for nested leaves."""
+    if not meta.num_rows:
+        return 1
+    wanted = None if columns is None else set(columns)
+    total = 0
+    for g in range(meta.num_row_groups):
+        group = meta.row_group(g)
+        for c in range(group.num_columns):
+            chunk = group.column(c)
+            if wanted is not None and chunk.path_in_schema.split(".")[0] not in wanted:
+                continue
+            fixed = chunk.num_values * (_WIDTH.get(chunk.physical_type, 0) + 4)
+            total += max(fixed, chunk.total_uncompressed_size)
+    return total // meta.num_rows + 1
 
 
 _RESOURCE_WORDS = ("failed to launch worker thread", "resource temporarily unavailable",

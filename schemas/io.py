@@ -62,6 +62,7 @@ from .footer import (
     artifact_parts,
     json_text,
     kind_version,
+    parquet_batches,
     parquet_magic,
     read_parquet,
     read_schema,
@@ -235,14 +236,59 @@ def read_artifact(path: str | os.PathLike, kind: str | None = None) -> pa.Table:
         _spec(kind)
     if path.is_dir():
         return _read_parts(path, kind)
-    named_jsonl = path.suffix in (".jsonl", ".ndjson") and not parquet_magic(path)
-    if kind == "prompts" and (named_jsonl or json_text(path)):
+    if _jsonl_prompts(path, kind):
         return _read_foreign(_read_jsonl(path), path, kind)
     schema = read_schema(path)
+    found = _known_kind(path, schema, kind)
+    if found is None:
+        return _read_foreign(read_parquet(path), path, kind)
+    table = read_parquet(path)
+    # a nullable column this artifact lacks was added to the schema after it was written: null, so that a
+    # newer Sparrow reads the run directories of an older one (sql, report, calibrate-threshold, --resume)
+    table = SCHEMAS[found].conform(table, str(path), fill_missing=True)
+    return table.replace_schema_metadata(schema.metadata)
+
+
+def check_artifact(path: str | os.PathLike, kind: str | None = None) -> int:
+    """Validate an artifact as `read_artifact` does, with the same sentence on the same file and row,
+    holding a bounded batch of rows at a time instead of the whole table; returns its number of rows."""
+    path = Path(path)
+    if kind is not None:
+        _spec(kind)
+    if not path.is_dir():
+        return _check_file(path, kind)[1]
+    parts = artifact_parts(path)
+    found, rows = _check_file(parts[0], kind)
+    return rows + sum(_check_file(p, found)[1] for p in parts[1:])
+
+
+def _check_file(path: Path, kind: str | None) -> tuple[str | None, int]:
+    if _jsonl_prompts(path, kind):
+        return kind, read_artifact(path, kind).num_rows  # a prompt set: read whole wherever it is used
+    schema = read_schema(path)
+    found = _known_kind(path, schema, kind)
+    if found is not None:
+        return found, SCHEMAS[found].check_batches(schema, parquet_batches(path), str(path))
+    spec = SCHEMAS[kind]
+    known = [f for f in schema if f.name in spec.names]
+    if len({f.name for f in known}) < len(known):  # a column twice: the sentence of a whole read
+        return kind, read_artifact(path, kind).num_rows
+    batches = parquet_batches(path, [f.name for f in known])
+    return kind, spec.check_batches(pa.schema(known), batches, f"{path} (read as '{kind}' by its columns)")
+
+
+def _jsonl_prompts(path: Path, kind: str | None) -> bool:
+    named_jsonl = path.suffix in (".jsonl", ".ndjson") and not parquet_magic(path)
+    return kind == "prompts" and (named_jsonl or json_text(path))
+
+
+def _known_kind(path: Path, schema: pa.Schema, kind: str | None) -> str | None:
+    """The Sparrow kind the footer `schema` names, checked against `kind` and this Sparrow's version; None
+    for another tool's Parquet file read as `kind`."""
     found, version = kind_version(schema)
     if found is None:
         if kind is not None:
-            return _read_foreign(read_parquet(path), path, kind)
+            return None
         raise ArtifactError(f"{path} is a Parquet file without Sparrow artifact metadata "
                             f"(no '{KEY_KIND}' key), so its kind is unknown; read it where a specific "
                             "artifact kind is expected")
@@ -259,11 +305,7 @@ def read_artifact(path: str | os.PathLike, kind: str | None = None) -> pa.Table:
         raise ArtifactError(f"{path} has version {version} of the '{found}' schema but this Sparrow reads "
                             f"only version {VERSION}, so {hint}")
     stage_metadata(schema, path)  # a damaged record is refused for every kind, not read as empty
-    table = read_parquet(path)
-    # a nullable column this artifact lacks was added to the schema after it was written: null, so that a
-    # newer Sparrow reads the run directories of an older one (sql, report, calibrate-threshold, --resume)
-    table = SCHEMAS[found].conform(table, str(path), fill_missing=True)
-    return table.replace_schema_metadata(schema.metadata)
+    return found
 
 
 def _read_parts(path: Path, kind: str | None) -> pa.Table:

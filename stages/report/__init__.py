@@ -12,12 +12,9 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.parquet as pq
-
-from sparrow.schemas import VERSION, ArtifactError, artifact_metadata, read_artifact
-from sparrow.schemas.footer import artifact_parts, kind_version, read_schema
-from sparrow.schemas.io import write_bytes
+from sparrow.schemas import VERSION, ArtifactError, artifact_metadata
+from sparrow.schemas.footer import artifact_parts, kind_version, parquet_batches, read_schema
+from sparrow.schemas.io import check_artifact, write_bytes
 
 from ..calibrate import ResolvedThreshold, resolve_threshold
 from .artifact_figures import (
@@ -153,7 +150,7 @@ def _readable(path: Path, kind: str, skipped: list[str], what: str | None = None
     schema version is not this Sparrow's, the sentence every command gives goes to `skipped` (as
     "`what` (sentence)" when `what` is given); any other refusal (a value outside its range) is raised."""
     try:
-        read_artifact(path, kind)
+        check_artifact(path, kind)
         return True
     except ArtifactError as e:
         if not any(_unreadable(f) for f in (artifact_parts(path) if path.is_dir() else [path])):
@@ -168,10 +165,9 @@ def _unreadable(path: Path) -> bool:
     if kind_version(read_schema(path))[1] != VERSION:
         return True
     try:
-        with pq.ParquetFile(path) as f:
-            for _ in f.iter_batches():  # every column of every row, a batch at a time
-                pass
-    except (pa.ArrowException, OSError):
+        for _ in parquet_batches(path):  # every column of every row, a batch at a time
+            pass
+    except ArtifactError:
         return True
     return False
 

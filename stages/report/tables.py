@@ -1,8 +1,9 @@
 """What the figures read of an artifact, from files that are untrusted input.
 
-An artifact was read against its schema before any figure (`build_report`, whole); a figure then reads
-only the columns it draws, batch by batch, and keeps per sample only the numbers it plots (a rollout's
-length, not its tokens, and no Python object per token), and a signal stops it between two batches.
+An artifact was checked against its schema before any figure (`build_report`, a bounded batch of rows at a
+time); a figure then reads only the columns it draws, batch by batch, and keeps per sample only the
+numbers it plots (a rollout's length, not its tokens, and no Python object per token), and a signal stops
+it between two batches.
 Aggregates over tokens (a profile's tail per bin) are DuckDB's, over the artifact's files alone: a
 connection that reads those files through the read-only file system of `sparrow sql` (..sql.files) and no
 other file, with every path an SQL string literal, so that no file name, however made, runs as SQL or
@@ -18,14 +19,11 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
-from sparrow.schemas.footer import artifact_parts
+from sparrow.schemas.footer import artifact_parts, parquet_batches, read_schema
 
 from ..sql.files import file_url, reading_only
 from ..sql.views import sql_literal
-
-BATCH_ROWS = 65_536
 
 
 def files_of(path: Path) -> list[Path]:
@@ -51,13 +49,13 @@ def sql_rows(files: list[Path], query: Callable[[str], str]) -> list[tuple]:
 
 
 def column_batches(path: Path, columns: tuple[str, ...]) -> Iterator[dict[str, pa.Array | None]]:
-    """`columns` of an artifact (a file or its parts), one record batch at a time; a column a file lacks
-    (a nullable one added to the schema after it was written) is None."""
+    """`columns` of an artifact (a file or its parts), a bounded batch of rows at a time (`parquet_batches`:
+    a few rows of 32K-token rollouts, many of short ones); a column a file lacks (a nullable one added to the
+    schema after it was written) is None."""
     for part in files_of(path):
-        with pq.ParquetFile(part) as f:
-            have = [c for c in columns if c in f.schema_arrow.names]
-            for batch in f.iter_batches(batch_size=BATCH_ROWS, columns=have):
-                yield {c: batch.column(c) if c in have else None for c in columns}
+        have = [c for c in columns if c in read_schema(part).names]
+        for batch in parquet_batches(part, have):
+            yield {c: batch.column(c).combine_chunks() if c in have else None for c in columns}
 
 
 def _numpy(array: pa.Array) -> np.ndarray:
