@@ -2,7 +2,7 @@
 
 from .artifacts import SCHEMAS, VERSION, ArtifactError, ArtifactSpec, Col
 from .footer import artifact_kind, artifact_metadata, artifact_parts
-from .io import read_artifact, write_artifact, write_artifact_parts
+from .io import check_artifact, read_artifact, read_columns, write_artifact, write_artifact_parts
 from .locations import (
     STDIO,
     OutputRefused,
@@ -15,6 +15,6 @@ from .locations import (
 )
 
 __all__ = ["SCHEMAS", "STDIO", "VERSION", "ArtifactError", "ArtifactSpec", "Col", "OutputRefused",
-           "artifact_kind", "artifact_metadata", "artifact_parts", "check_output", "check_output_dir",
-           "input_name", "input_path", "output_target", "read_artifact", "spool_input", "write_artifact",
-           "write_artifact_parts"]
+           "artifact_kind", "artifact_metadata", "artifact_parts", "check_artifact", "check_output",
+           "check_output_dir", "input_name", "input_path", "output_target", "read_artifact", "read_columns",
+           "spool_input", "write_artifact", "write_artifact_parts"]

@@ -262,6 +262,50 @@ def check_artifact(path: str | os.PathLike, kind: str | None = None) -> int:
     return rows + sum(_check_file(p, found)[1] for p in parts[1:])
 
 
+def read_columns(path: str | os.PathLike, kind: str, columns: Sequence[str]) -> pa.Table:
+    """`columns` of a `kind` artifact (a file or its parts), checked whole first as `read_artifact` checks
+    it (`check_artifact`, a batch at a time), then read without its other columns: the memory of what a
+    stage uses, not of the artifact. Columns are of the schema's types, a nullable one a file lacks is null,
+    and the table keeps the artifact's metadata."""
+    check_artifact(path, kind)
+    table = pa.concat_tables(_column_tables(Path(path), kind, columns, whole=True))
+    return table.replace_schema_metadata(_metadata(Path(path), kind))
+
+
+def column_reader(path: str | os.PathLike, kind: str, columns: Sequence[str]) -> pa.RecordBatchReader:
+    """`columns` of a `kind` artifact that `check_artifact` has checked, as `read_columns` gives them, a
+    bounded batch of rows at a time (`parquet_batches`): what DuckDB aggregates in the memory of its
+    state, not of the artifact. Read once; make another for another query."""
+    spec = _spec(kind)
+    schema = pa.schema([spec.schema.field(c) for c in columns])
+    batches = (b for t in _column_tables(Path(path), kind, columns, whole=False) for b in t.to_batches())
+    return pa.RecordBatchReader.from_batches(schema, batches)
+
+
+def _column_tables(path: Path, kind: str, columns: Sequence[str], whole: bool) -> Iterator[pa.Table]:
+    spec = _spec(kind)
+    types = {c.name: c.type for c in spec.columns}
+    if unknown := [c for c in columns if c not in types]:
+        raise ArtifactError(f"'{kind}' artifacts have no column {', '.join(map(repr, unknown))}")
+    schema = pa.schema([spec.schema.field(c) for c in columns])
+    for part in artifact_parts(path) if path.is_dir() else [path]:
+        if _jsonl_prompts(part, kind):
+            yield read_artifact(part, kind).select(list(columns))
+            continue
+        have = [c for c in columns if c in read_schema(part).names]
+        for found in [read_parquet(part, have)] if whole else parquet_batches(part, have):
+            yield pa.table([found[c].cast(types[c]) if c in have else pa.nulls(found.num_rows, types[c])
+                            for c in columns], schema=schema)
+
+
+def _metadata(path: Path, kind: str) -> dict[bytes, bytes] | None:
+    """The metadata `read_artifact` gives a `kind` artifact: its own, or the schema's for another tool's."""
+    first = artifact_parts(path)[0] if path.is_dir() else path
+    if not _jsonl_prompts(first, kind) and kind_version(schema := read_schema(first))[0] is not None:
+        return schema.metadata
+    return SCHEMAS[kind].schema.metadata
+
+
 def _check_file(path: Path, kind: str | None) -> tuple[str | None, int]:
     if _jsonl_prompts(path, kind):
         return kind, read_artifact(path, kind).num_rows  # a prompt set: read whole wherever it is used

@@ -93,7 +93,7 @@ def calibrate_threshold(
     are printed beside it. Without runs, or when the runs do not separate (as measured, or in most
     draws), the calibration shipped for the profile's model is written if there is one, else the
     published prior 0.86, marked as such."""
-    from sparrow.schemas import artifact_metadata, input_name, read_artifact, write_artifact
+    from sparrow.schemas import artifact_metadata, input_name, read_columns, write_artifact
     from sparrow.stages.calibrate import (
         Detectors,
         ProfileTokens,
@@ -119,7 +119,7 @@ def calibrate_threshold(
                     repetition_limit, entropy_factor)
     check_output(output, "threshold", force, inputs={"--profile": profile,
                                                      "--runs": run_artifacts([*runs, *(more_runs or [])])})
-    mismatch = read_artifact(profile, "mismatch")
+    mismatch = read_columns(profile, "mismatch", ProfileTokens.COLUMNS)
     if mismatch.num_rows == 0:
         raise UsageError(f"{profile}: the mismatch profile has no tokens")
     det = Detectors(window=window, reward_drop=reward_drop, grad_norm_factor=grad_norm_factor,

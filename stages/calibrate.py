@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import pyarrow as pa
@@ -39,8 +40,11 @@ class ProfileTokens:
     position: np.ndarray  # [n] cache length when the token was produced
     bins: np.ndarray  # [n]
 
+    COLUMNS: ClassVar[tuple[str, ...]] = ("prompt_id", "sample", "position", "bin", "budget", "alpha")
+
     @classmethod
     def from_table(cls, mismatch: pa.Table) -> ProfileTokens:
+        """From a mismatch table with (at least) COLUMNS."""
         budgets = np.array(sorted(set(pc.unique(mismatch.column("budget")).to_pylist())))
         key = ["prompt_id", "sample", "position"]
         parts = [mismatch.filter(pc.equal(mismatch.column("budget"), int(b))).sort_by([(k, "ascending")

@@ -10,12 +10,15 @@ a ScheduleError (or CostError) whose message is one sentence.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 
-from sparrow.schemas import artifact_metadata, input_name, read_artifact
+from sparrow.schemas import artifact_metadata, check_artifact, input_name, read_artifact
+from sparrow.schemas.io import column_reader
 
 from .calibrate import ResolvedThreshold, resolve_threshold
 from .core.published_schedules import (
@@ -77,13 +80,24 @@ class Lengths:
         return f"{what}, batch {batch}"
 
 
-def trajectory_lengths(table) -> tuple[list[int], list[int]]:
-    """Per trajectory (prompt_id, sample) of a mismatch table: its prompt length (the position of its first
-    generated token) and its generated tokens (its distinct positions)."""
+PROFILE_COLUMNS = ("prompt_id", "sample", "position", "budget", "alpha", "alpha_draft")  # what plans read
+
+
+def profile_rows(profile: Path) -> Callable[[], pa.RecordBatchReader]:
+    """A mismatch profile, checked, as a maker of readers of the columns plans use: each query streams the
+    artifact a bounded batch at a time, so planning holds DuckDB's aggregates, not the profile."""
+    if check_artifact(profile, "mismatch") == 0:
+        raise ScheduleError(f"{profile}: the mismatch profile has no tokens")
+    return lambda: column_reader(profile, "mismatch", PROFILE_COLUMNS)
+
+
+def trajectory_lengths(mismatch) -> tuple[list[int], list[int]]:
+    """Per trajectory (prompt_id, sample) of a mismatch table or reader: its prompt length (the position of
+    its first generated token) and its generated tokens (its distinct positions)."""
     import duckdb
 
     con = duckdb.connect()
-    con.register("mismatch", table)
+    con.register("mismatch", mismatch)
     rows = con.execute("SELECT min(position), max(position) - min(position) + 1 FROM mismatch "
                        "GROUP BY prompt_id, sample").fetchall()
     return [r[0] for r in rows], [r[1] for r in rows]
@@ -109,21 +123,20 @@ def load_profile(name: str, profile: Path | None, quantile: float, bin_width: in
             raise ScheduleError(f"the reference profile has {tails.bin_width}-token bins; --bin-width "
                                 f"{bin_width} needs a measured --profile")
         return tails, Lengths(prompt_len or 0, gen_len or REFERENCE_GEN_LEN)
-    table = read_artifact(profile, "mismatch")
-    if table.num_rows == 0:
-        raise ScheduleError(f"{profile}: the mismatch profile has no tokens")
-    meta = artifact_metadata(table)
+    rows = profile_rows(profile)
+    meta = artifact_metadata(profile)
     if meta.get("kv_compression"):
         raise ScheduleError(f"{profile} profiles {meta['kv_compression']} eviction budgets, which "
                             "`plan_eviction` plans (one KV budget), not a per-bin schedule")
     width = bin_width or int(meta.get("bin_width", 2000))
-    prompts, generated = trajectory_lengths(table)
+    prompts, generated = trajectory_lengths(rows())
     measured = prompt_len is None or gen_len is None
     lengths = Lengths(round(float(np.mean(prompts))) if prompt_len is None else prompt_len,
                       max(round(float(np.mean(generated))), 2) if gen_len is None else gen_len,
                       len(prompts) if measured else 0)
-    last = max(int(table.column("position").to_numpy().max()), lengths.prompt_len + lengths.gen_len - 1)
-    tails = measured_profile(table, quantile, width, last // width + 1, str(profile),
+    profiled = max(p + g - 1 for p, g in zip(prompts, generated, strict=True))  # the last scored position
+    last = max(profiled, lengths.prompt_len + lengths.gen_len - 1)
+    tails = measured_profile(rows(), quantile, width, last // width + 1, str(profile),
                              int(meta.get("page_size", 16)), min_tokens)
     return tails, lengths
 
@@ -307,8 +320,7 @@ def _plan_speculation(req: PlanRequest, cost_model: CostModel, tails: TailProfil
     if req.profile is None:
         raise ScheduleError("--speculate plans from a measured --profile (its mean alpha per bin sets the "
                             "drafts' acceptance); the reference profile holds tails only")
-    alpha = mean_alpha(read_artifact(req.profile, "mismatch"), tails.bin_width, tails.num_bins,
-                       req.min_tokens)
+    alpha = mean_alpha(profile_rows(req.profile)(), tails.bin_width, tails.num_bins, req.min_tokens)
     return plan_speculation(cost_model, alpha, req.batch, lengths.prompt_len, lengths.gen_len,
                             prefill_s=scope.prefill)
 
@@ -422,10 +434,8 @@ def plan_eviction(profile: Path, threshold: float, quantile: float, bin_width: i
 
     check_threshold(threshold)
     check_quantile(quantile)
-    table = read_artifact(profile, "mismatch")
-    if table.num_rows == 0:
-        raise ScheduleError(f"{profile}: the mismatch profile has no tokens")
-    meta = artifact_metadata(table)
+    rows = profile_rows(profile)
+    meta = artifact_metadata(profile)
     policy = meta.get("kv_compression")
     if not policy:
         raise ScheduleError(f"{profile} profiles block top-k budgets, not an eviction policy's; plan it "
@@ -434,11 +444,12 @@ def plan_eviction(profile: Path, threshold: float, quantile: float, bin_width: i
     budgets = json.loads(meta.get("budgets", "[]"))
     specs = dict(zip(budgets, json.loads(meta.get("kv_policies", "[]"))))
     con = duckdb.connect()
-    con.register("mismatch", table)
+    con.register("mismatch", rows())
     per_bin = con.execute(
         """SELECT budget, position // ? AS bin, count(*) AS tokens, quantile_cont(alpha::DOUBLE, ?) AS tail,
                   avg(alpha::DOUBLE) AS mean
            FROM mismatch GROUP BY ALL ORDER BY budget, bin""", [width, quantile]).fetchall()
+    con.register("mismatch", rows())
     sequences = con.execute(
         "SELECT budget, min(position), count(*) FROM mismatch GROUP BY budget, prompt_id, sample").fetchall()
     rows: list[dict] = []

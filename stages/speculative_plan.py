@@ -71,7 +71,7 @@ class MeanAlpha:
 
 
 def mean_alpha(mismatch, bin_width: int, num_bins: int, min_tokens: int = 1) -> MeanAlpha:
-    """Mean alpha per bin (position // bin_width) and budget from a `mismatch` table: a draft's
+    """Mean alpha per bin (position // bin_width) and budget from a `mismatch` table or reader: a draft's
     (alpha_draft, `profile --draft-alpha`) where every row has it, else the lossy sampler's; a bin with
     fewer than `min_tokens` tokens at every budget (--min-tokens, as the lossy plan counts them) is thin:
     nan."""
@@ -79,17 +79,17 @@ def mean_alpha(mismatch, bin_width: int, num_bins: int, min_tokens: int = 1) -> 
 
     con = duckdb.connect()
     con.register("mismatch", mismatch)
-    drafts = "alpha_draft" in mismatch.column_names and mismatch.column("alpha_draft").null_count == 0 \
-        and mismatch.num_rows > 0
-    column = "alpha_draft" if drafts else "alpha"
-    rows = con.execute(f"""SELECT position // ? AS bin, budget, avg({column}::DOUBLE), count(*) FROM mismatch
+    draft = "alpha_draft" if "alpha_draft" in mismatch.schema.names else "NULL::FLOAT"
+    rows = con.execute(f"""SELECT position // ? AS bin, budget, avg(alpha::DOUBLE), avg({draft}::DOUBLE),
+                                  count(*), count({draft}) FROM mismatch
                            GROUP BY ALL ORDER BY bin, budget""", [bin_width]).fetchall()
+    drafts = bool(rows) and all(r[4] == r[5] for r in rows)
     budgets = np.array(sorted({int(r[1]) for r in rows}), dtype=np.int64)
     mean = np.full((num_bins, len(budgets)), np.nan)
     tokens = np.zeros(num_bins, dtype=np.int64)
-    for b, budget, value, count in rows:
+    for b, budget, lossy, draft_mean, count, _ in rows:
         if b < num_bins:
-            mean[b, np.searchsorted(budgets, budget)] = value
+            mean[b, np.searchsorted(budgets, budget)] = draft_mean if drafts else lossy
             tokens[b] = max(tokens[b], count)
     mean[tokens < min_tokens] = np.nan
     return MeanAlpha(budgets, mean, bin_width, tokens, min_tokens, drafts)

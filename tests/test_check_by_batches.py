@@ -14,7 +14,7 @@ import pytest
 from test_schemas import raw_write, valid
 
 from sparrow.schemas import ArtifactError, footer, read_artifact, write_artifact
-from sparrow.schemas.io import check_artifact
+from sparrow.schemas.io import check_artifact, column_reader, read_columns
 
 ROWS = 40
 
@@ -115,3 +115,25 @@ def test_another_tools_file_and_parts(tmp_path):
 def test_an_empty_artifact(tmp_path):
     path = write_artifact({}, tmp_path / "r.parquet", "rollouts")
     assert check_artifact(path, "rollouts") == 0
+
+
+def test_columns_read_without_the_rest_match_a_whole_read(tmp_path):
+    parts = tmp_path / "parts"
+    parts.mkdir()
+    write_artifact(rollouts(), parts / "part-00000.parquet", "rollouts")
+    older = pa.table(rollouts()).drop_columns(["kv_lens", "accepted", "drafted"])  # before those columns
+    raw_write(older, parts / "part-00001.parquet", "rollouts")
+    columns = ("sample", "kv_lens", "token_ids")
+    whole = read_artifact(parts, "rollouts").select(list(columns))
+    got = read_columns(parts, "rollouts", columns)
+    assert got.equals(whole) and got.schema.metadata == read_artifact(parts, "rollouts").schema.metadata
+    streamed = pa.Table.from_batches(list(column_reader(parts, "rollouts", columns)))
+    assert streamed.equals(whole.replace_schema_metadata(None))
+    assert got["kv_lens"].null_count >= ROWS  # the older part's rows
+
+
+def test_columns_are_checked_first(tmp_path):
+    path = tmp_path / "r.parquet"
+    raw_write(pa.table(rollouts(logprobs={30: [0.5, 0.0, 0.0]})), path, "rollouts")
+    with pytest.raises(ArtifactError, match=r"first: 0.5 in row 30"):
+        read_columns(path, "rollouts", ("sample",))
