@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime as dt
 import io
 import os
+import threading
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -53,7 +54,7 @@ class RunFiles(AbstractFileSystem):
         if mode != "rb":
             raise PermissionError(f"{str(path).removeprefix(PREFIX)} is read only: sparrow sql writes no "
                                   "file of the run")
-        return _File(io.FileIO(self._path(path), "rb"))
+        return _File(self._path(path))
 
     def info(self, path: str, **kwargs) -> dict:
         local = self._path(path)
@@ -82,9 +83,55 @@ def reading_only(con, files: Iterable[str | Path]) -> None:
     con.execute("SET enable_external_access = false")
 
 
-class _File(io.BufferedReader):
-    """A file DuckDB reads. DuckDB drops its files without closing them: closed here when collected,
-    without the ResourceWarning an unclosed file gives."""
+class _File(io.RawIOBase):
+    """A file DuckDB reads, at a position of each thread's own, by `os.pread`.
 
-    def __del__(self) -> None:
-        self.close()
+    DuckDB reads one open file from several threads, each a seek and then a read; with one shared
+    position, another thread's seek between the two made a read return bytes of the wrong place (a good
+    file then read as corrupt, at random). DuckDB drops its files without closing them: closed here when
+    collected."""
+
+    def __init__(self, path: str):
+        super().__init__()
+        self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        self._size = os.fstat(self._fd).st_size
+        self._local = threading.local()
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return getattr(self._local, "position", 0)
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        base = {os.SEEK_SET: 0, os.SEEK_CUR: self.tell(), os.SEEK_END: self._size}[whence]
+        self._local.position = max(0, base + offset)
+        return self._local.position
+
+    def read(self, size: int | None = -1) -> bytes:
+        start = self.tell()
+        want = self._size - start if size is None or size < 0 else size
+        data = bytearray()
+        while len(data) < want:
+            chunk = os.pread(self._fd, want - len(data), start + len(data))
+            if not chunk:
+                break
+            data += chunk
+        self._local.position = start + len(data)
+        return bytes(data)
+
+    def readall(self) -> bytes:
+        return self.read(-1)
+
+    def readinto(self, buffer) -> int:
+        data = self.read(len(buffer))
+        memoryview(buffer).cast("B")[:len(data)] = data
+        return len(data)
+
+    def close(self) -> None:
+        if not self.closed:
+            os.close(self._fd)
+        super().close()
