@@ -93,7 +93,7 @@ def calibrate_threshold(
     are printed beside it. Without runs, or when the runs do not separate (as measured, or in most
     draws), the calibration shipped for the profile's model is written if there is one, else the
     published prior 0.86, marked as such."""
-    from sparrow.schemas import artifact_metadata, input_name, read_columns, write_artifact
+    from sparrow.schemas import artifact_metadata, check_artifact, input_name, read_columns, write_artifact
     from sparrow.stages.calibrate import (
         Detectors,
         ProfileTokens,
@@ -119,20 +119,22 @@ def calibrate_threshold(
                     repetition_limit, entropy_factor)
     check_output(output, "threshold", force, inputs={"--profile": profile,
                                                      "--runs": run_artifacts([*runs, *(more_runs or [])])})
-    mismatch = read_columns(profile, "mismatch", ProfileTokens.COLUMNS)
-    if mismatch.num_rows == 0:
+    given = [*runs, *(more_runs or [])]
+    # the profile's tokens are needed only to score runs; without any, it is checked a batch at a time
+    mismatch = read_columns(profile, "mismatch", ProfileTokens.COLUMNS) if given else None
+    if (check_artifact(profile, "mismatch") if mismatch is None else mismatch.num_rows) == 0:
         raise UsageError(f"{profile}: the mismatch profile has no tokens")
     det = Detectors(window=window, reward_drop=reward_drop, grad_norm_factor=grad_norm_factor,
                     mismatch_kl_limit=mismatch_kl_limit, truncation_limit=truncation_limit,
                     repetition_limit=repetition_limit, entropy_factor=entropy_factor,
                     reward_margin=reward_margin, eval_margin=eval_margin)
-    runs, repeated = distinct_runs([*runs, *(more_runs or [])])
+    runs, repeated = distinct_runs(given)
     for path in repeated:
         console.print(f"note: {path} was given more than once (the same run directory); counted once",
                       highlight=False, markup=False)
     loaded = read_runs(runs)  # all validated before writing
-    tokens = ProfileTokens.from_table(mismatch)
-    results = label_runs(loaded, tokens, quantile, det, input_name(profile))
+    tokens = ProfileTokens.from_table(mismatch) if mismatch is not None else None
+    results = label_runs(loaded, tokens, quantile, det, input_name(profile)) if tokens is not None else []
     model = artifact_metadata(profile).get("model")
     few = few_prompts_warning(tokens, input_name(profile)) if results else None
     if few:

@@ -44,19 +44,21 @@ class ProfileTokens:
 
     @classmethod
     def from_table(cls, mismatch: pa.Table) -> ProfileTokens:
-        """From a mismatch table with (at least) COLUMNS."""
-        budgets = np.array(sorted(set(pc.unique(mismatch.column("budget")).to_pylist())))
-        key = ["prompt_id", "sample", "position"]
-        parts = [mismatch.filter(pc.equal(mismatch.column("budget"), int(b))).sort_by([(k, "ascending")
-                                                                                       for k in key])
-                 for b in budgets]
-        first = parts[0]
-        if any(p.num_rows != first.num_rows or p.select(key) != first.select(key) for p in parts[1:]):
+        """From a mismatch table with (at least) COLUMNS: its rows sorted once, by budget, then prompt, sample
+        and position, on integer keys."""
+        budget = mismatch.column("budget").to_numpy()
+        budgets, per_budget = np.unique(budget, return_counts=True)
+        keys = np.stack([_sorted_codes(mismatch.column("prompt_id")), mismatch.column("sample").to_numpy(),
+                         mismatch.column("position").to_numpy()])  # [3, rows]
+        order = np.lexsort((keys[2], keys[1], keys[0], budget))
+        n = int(per_budget[0]) if len(budgets) else 0
+        keys = keys[:, order].reshape(3, len(budgets), n) if (per_budget == n).all() else None
+        if keys is None or (keys != keys[:, :1]).any():
             raise ValueError("the mismatch profile does not score the same tokens at every budget")
-        prompt_ids = first.column("prompt_id").to_numpy(zero_copy_only=False)
-        _, prompt = np.unique(prompt_ids, return_inverse=True)
-        return cls(budgets, np.stack([p.column("alpha").to_numpy().astype(float) for p in parts], 1),
-                   prompt, first.column("position").to_numpy(), first.column("bin").to_numpy())
+        alpha = mismatch.column("alpha").to_numpy().astype(float)[order].reshape(len(budgets), n).T
+        position = keys[2, 0].astype(mismatch.schema.field("position").type.to_pandas_dtype())
+        bins = mismatch.column("bin").to_numpy()[order[:n]]
+        return cls(budgets.astype(np.int64), alpha, keys[0, 0], position, bins)
 
     def below_profiled(self, schedule: Schedule) -> list[int]:
         """The budgets `schedule` gives profiled tokens that are below every profiled budget: no profiled
@@ -164,6 +166,15 @@ def reference_reasons(metrics: pa.Table, reference: pa.Table, dense_runs: list[p
             reasons.append(f"{name} {shown} below the dense run's {ref:.3f} (seed {seed}) by more than "
                            f"{margin:.3f} (seed spread {spread:.3f}, floor {floor:g})")
     return reasons
+
+
+def _sorted_codes(values: pa.ChunkedArray) -> np.ndarray:
+    """Each value's index among the sorted distinct values (np.unique's inverse), without a Python string
+    per row: a profile has millions of tokens and a few hundred prompts."""
+    encoded = pc.dictionary_encode(values.combine_chunks())
+    rank = np.empty(len(encoded.dictionary), dtype=np.int64)
+    rank[np.argsort(encoded.dictionary.to_numpy(zero_copy_only=False), kind="stable")] = np.arange(len(rank))
+    return rank[encoded.indices.to_numpy(zero_copy_only=False)]
 
 
 @dataclass
