@@ -233,6 +233,12 @@ def test_train_with_compression_logs_the_kv_budget_and_no_schedule(tiny_chat, tm
     logged = read_artifact(run / "mismatch" / "step=00001.parquet", "train_mismatch")
     budgets = np.asarray(logged.column("budget"))
     assert set(budgets[np.asarray(logged.column("position")) > 30].tolist()) == {16}
+    # log r_t of the correction, as datasets.md and verl name it: the learner's logprob minus the rollout's
+    dense, rollout = (np.asarray(logged.column(c), dtype=np.float64) for c in ("logp_dense", "logp_rollout"))
+    log_r = dense - rollout
+    assert np.abs(log_r).max() > 1e-2  # the evicted cache changed the sampler's logprobs
+    np.testing.assert_allclose(np.asarray(logged.column("log_ratio")), log_r, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(logged.column("k3")), np.expm1(log_r) - log_r, atol=1e-5)
     assert not (run / "schedule.parquet").exists()
     profile = write_artifact({"prompt_id": ["p0"], "sample": [0], "position": [31], "bin": [0],
                               "budget": [64], "token_id": [5], "alpha": [0.9], "logp_dense": [-1.0],

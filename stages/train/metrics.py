@@ -132,7 +132,7 @@ def write_mismatch(run_dir: Path, exp: Experience, cfg: TrainConfig) -> None:
     seq, pos_in = s.mask.nonzero(as_tuple=True)
     prompt_ids = [exp.prompts[i // cfg.samples].prompt_id for i in range(len(flat))]
     position = _positions(exp)[seq, pos_in]
-    log_ratio = (s.logp_rollout - s.logp)[seq, pos_in]
+    log_ratio = (s.logp - s.logp_rollout)[seq, pos_in]  # log r_t, as the corrections read it
     rows, cols = seq.tolist(), pos_in.tolist()
     table = {
         "step": [global_step(exp)] * len(seq), "prompt_id": [prompt_ids[i] for i in rows],
@@ -141,7 +141,7 @@ def write_mismatch(run_dir: Path, exp: Experience, cfg: TrainConfig) -> None:
         "token_id": [flat[i].token_ids[j] for i, j in zip(rows, cols)],
         "logp_rollout": s.logp_rollout[seq, pos_in].tolist(),
         "logp_dense": s.logp[seq, pos_in].clamp(max=0).tolist(),
-        "log_ratio": log_ratio.tolist(), "k3": grpo.k3(-log_ratio).tolist(),
+        "log_ratio": log_ratio.tolist(), "k3": grpo.k3(log_ratio).tolist(),
         "alpha_top20_lb": s.alpha_lb[seq, pos_in].clamp(0, 1).tolist(),
         "alpha": [None] * len(rows) if s.alpha is None else
         [None if a != a else a for a in s.alpha[seq, pos_in].clamp(0, 1).tolist()],
