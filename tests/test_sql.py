@@ -451,6 +451,27 @@ def test_a_query_that_tells_the_files_apart_is_not_warned(mixed_run):
     assert "pools 2 files of different provenance" in r.stderr  # the model does not tell them apart
 
 
+def test_sampling_settings_are_provenance_and_seeds_pool_without_a_warning(tmp_path):
+    """Greedy and T=1 rollouts, or rollouts cut at different lengths, are different data; two seeds of one
+    setting are more samples of it."""
+    run = tmp_path / "sampled"
+    run.mkdir()
+    sampling = {"top_p": 1.0, "top_k": 0, "max_new_tokens": 24}
+    for name, temperature, seed, n in (("t1_s0", 1.0, 0, 3), ("t1_s1", 1.0, 1, 4), ("greedy", 0.0, 0, 5)):
+        write_artifact(mismatch(n, 0), run / f"{name}.parquet", "mismatch",
+                       {"model": "m", "temperature": temperature, "seed": seed, **sampling})
+    r = invoke("SELECT count(*) AS n FROM mismatch", "--run", str(run), "-f", "json")
+    assert r.exit_code == 0 and json.loads(r.stdout) == [{"n": 12}], r.output
+    assert "(temperature: 0.0, 1.0); filter on source_temperature," in " ".join(r.stderr.split())
+    r = invoke("SELECT source_seed, count(*) AS n FROM mismatch WHERE source_temperature = '1.0' "
+               "GROUP BY ALL ORDER BY source_seed", "--run", str(run), "-f", "json")
+    assert r.exit_code == 0 and r.stderr == "", r.output
+    assert json.loads(r.stdout) == [{"source_seed": "0", "n": 3}, {"source_seed": "1", "n": 4}]
+    shutil.move(run / "greedy.parquet", tmp_path / "greedy.parquet")
+    r = invoke("SELECT count(*) AS n FROM mismatch", "--run", str(run), "-f", "json")
+    assert r.exit_code == 0 and r.stderr == "" and json.loads(r.stdout) == [{"n": 7}], r.output
+
+
 def test_each_artifact_file_is_a_view_of_its_own_without_the_warning(mixed_run):
     r = invoke("SELECT (SELECT count(*) FROM mismatch__dense) AS dense, (SELECT count(*) FROM mismatch__b64) "
                "AS b64", "--run", str(mixed_run), "-f", "json")

@@ -46,10 +46,18 @@ class Provenance:
     reward_fn: str | None = None  # --reward-fn path.py:function, and its file's digest
     reward_fn_sha256: str | None = None
     raw_prompts: str | None = None  # prompts tokenized as given, without the chat template
+    temperature: str | None = None  # sampling: greedy evaluation and T=1 training rollouts differ in kind
+    top_p: str | None = None
+    top_k: str | None = None
+    max_new_tokens: str | None = None  # where generations were cut: their length and truncation rate
+    seed: str | None = None  # a column to group a seed sweep by; pooling seeds is how one gets more samples
 
     @classmethod
     def of(cls, meta: dict) -> Provenance:
         return cls(**{f.name: meta_text(meta.get(f.name)) for f in fields(cls)})
+
+
+POOLED_ON_PURPOSE = frozenset({"seed"})
 
 
 @dataclass(frozen=True)
@@ -72,9 +80,10 @@ class View:
         return tuple(s.path for s in self.sources)
 
     def mixed(self) -> list[str]:
-        """The provenance fields in which the view's files differ."""
-        return [f.name for f in fields(Provenance)
-                if len({getattr(s.provenance, f.name) for s in self.sources}) > 1]
+        """The provenance fields in which the view's files differ, but the seed: files of several seeds are
+        more samples of one thing."""
+        return [f.name for f in fields(Provenance) if f.name not in POOLED_ON_PURPOSE
+                and len({getattr(s.provenance, f.name) for s in self.sources}) > 1]
 
 
 Warn = Callable[[str], None]
