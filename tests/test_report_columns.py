@@ -5,6 +5,7 @@ DuckDB's over the artifact's files alone, so a file name that spells SQL stays a
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import numpy as np
 from typer.testing import CliRunner
 
 from sparrow.cli.app import app
-from sparrow.schemas import write_artifact
+from sparrow.schemas import read_artifact, write_artifact
 from sparrow.stages.report import build_report
 from sparrow.stages.report.tables import reward_stats, rollout_stats
 
@@ -59,6 +60,19 @@ def test_the_rollouts_caption_gives_the_hand_counted_numbers(tmp_path):
     assert caption.startswith("From rollouts.parquet: 5 samples, sampler unknown (mean budget of sparse "
                               f"tokens {512 / 4:.0f}), {3 / 5:.0%} stopped at EOS.")
     assert "Rewards range from -1 to 1, beyond [0, 1]. 1 reward is NaN or infinite" in caption
+
+
+def test_two_seeds_of_one_prompt_set_are_told_apart_by_their_captions(tmp_path):
+    run = tmp_path / "run"
+    for name, meta in (("greedy.parquet", {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0}),
+                       ("s7.parquet", {"temperature": 0.7, "top_p": 0.95, "top_k": 20, "seed": 7})):
+        rows = rollouts(tmp_path / "plain.parquet")
+        write_artifact(read_artifact(rows), run / name, "rollouts", metadata=meta)
+    _, figures = build_report(run)
+    captions = {f.file: f.caption for f in figures if f.file.startswith("rollouts")}
+    assert len(captions) == 2
+    said = sorted(re.search(r"; sampled (.*?)\.(?: |$)", c)[1] for c in captions.values())
+    assert said == ["greedy, seed 0", "temperature 0.7, top-p 0.95, top-k 20, seed 7"]
 
 
 def rewards(path: Path, values: list[float], statuses: list[str | None]) -> Path:

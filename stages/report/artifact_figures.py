@@ -269,9 +269,25 @@ def rollouts_figure(rollouts: Path, name: str, out: Path, plt) -> Figure:
                + (f" (mean budget of sparse tokens {mean_budget:.0f})" if mean_budget is not None else "")
                + (", every sample ran to --max-new-tokens (--ignore-eos)" if ignore_eos
                   else f", {stops.mean():.0%} stopped at EOS")
-               + (f", {float(speed):.1f} tokens/s" if _number(speed) else "") + "."
+               + (f", {float(speed):.1f} tokens/s" if _number(speed) else "") + _sampling(meta) + "."
                + _reward_range(finite, len(stats.rewards) - len(finite)))
     return save(fig, out, name, f"Rollouts: lengths and rewards ({rollouts.name})", caption, plt, n)
+
+
+def _sampling(meta: dict) -> str:
+    """The caption's words on how the samples were drawn, as the artifact records it: two panels of one
+    prompt set differ by these."""
+    temperature, seed = meta.get("temperature"), meta.get("seed")
+    words = []
+    if _number(temperature):
+        words.append("greedy" if float(temperature) <= 0 else f"temperature {float(temperature):g}")
+    if _number(meta.get("top_p")) and float(meta["top_p"]) < 1:
+        words.append(f"top-p {float(meta['top_p']):g}")
+    if _number(meta.get("top_k")) and int(meta["top_k"]) > 0:
+        words.append(f"top-k {int(meta['top_k'])}")
+    if _number(seed):
+        words.append(f"seed {int(seed)}")
+    return "; sampled " + ", ".join(words) if words else ""
 
 
 def rewards_figure(rewards: Path, name: str, out: Path, plt) -> Figure:
