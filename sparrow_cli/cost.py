@@ -143,8 +143,9 @@ def fit_cost(
         room = cfg.max_position_embeddings - (0 if hardware else generated_tokens(warmup, repeats, verify))
         c_list = [c for c in c_list if c <= room] or [room]
     k_list = once(parse_budgets(budgets or grid_defaults[2]), "--budgets", "budget")
-    if min(b_list) < 1 or min(c_list) < 1:
-        raise UsageError("--batches and --contexts must be positive")
+    for flag, values in (("--batches", b_list), ("--contexts", c_list)):
+        if min(values) < 1:
+            raise UsageError(f"{flag} must be positive, got {min(values)}")
     if max(c_list) > cfg.max_position_embeddings:
         raise UsageError(f"--contexts {max(c_list)} exceeds the model's context of "
                          f"{cfg.max_position_embeddings}")
@@ -154,8 +155,9 @@ def fit_cost(
                 validate_budget(k)
             except ValueError as e:
                 raise UsageError(f"--budgets: {e}") from None
-    if repeats < 1 or warmup < 0:
-        raise UsageError("--repeats must be at least 1 and --warmup at least 0")
+    for flag, value, low in (("--repeats", repeats, 1), ("--warmup", warmup, 0)):
+        if value < low:
+            raise UsageError(f"{flag} must be at least {low}, got {value}")
     if not hardware and len(set(b_list)) * len(set(c_list)) * len(set(k_list)) < 2:
         raise UsageError("fitting the cost model needs at least two grid points; give more than one value "
                          "to --batches, --contexts or --budgets")

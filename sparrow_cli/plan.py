@@ -274,8 +274,10 @@ def print_eviction_plan(result, fmt: str) -> None:
     tables.show("budgets", columns, rows,
                 f"{result.policy} KV budgets (tail = {result.quantile:g} quantile of alpha, the weakest of "
                 f"the {result.bin_width}-token bins; threshold {result.threshold:g})",
-                reading={"tail": _fixed(4), "mean_alpha": _fixed(4)})
+                reading={"tail": _fixed(4, missing="thin"), "mean_alpha": _fixed(4)})
     tables.close()
+    for note in result.notes:
+        console.print(f"[yellow]note:[/] {note}", highlight=False)
     threshold = result.resolved
     idle = [str(r["budget"]) for r in result.rows if not r["evicted"]]
     if idle:

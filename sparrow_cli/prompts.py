@@ -104,8 +104,10 @@ def prompts(
                                    "format the prompts"),
     context_tokens: int | None = typer.Option(
         None, "--context-tokens",
-        help=f"prompt length in tokens for long-context tasks, at least {MIN_CONTEXT_TOKENS} (default "
-             f"{DEFAULT_CONTEXT_TOKENS}, or half the model's context if that is less)"),
+        help=f"long-context tasks: the most tokens a prompt may have, chat template included (its "
+             f"prompt_token_ids; the document holds as many records as fit, so a prompt falls short by "
+             f"less than one record), at least {MIN_CONTEXT_TOKENS} (default {DEFAULT_CONTEXT_TOKENS}, or "
+             "half the model's context if that is less)"),
     split: str | None = typer.Option(
         None, "--split",
         help="humaneval only: a fixed partition of its 164 problems, so that training and evaluation "

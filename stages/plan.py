@@ -103,12 +103,34 @@ def trajectory_lengths(mismatch) -> tuple[list[int], list[int]]:
     return [r[0] for r in rows], [r[1] for r in rows]
 
 
+def check_context(lengths: Lengths, prompt_given: bool, gen_given: bool, context: int) -> None:
+    """The lengths a speedup is priced at must fit the model's context; the sentence names where each
+    number came from: its flag, the measured profile's means, or the published generation length."""
+    if lengths.prompt_len + lengths.gen_len <= context:
+        return
+    p, g, n = lengths.prompt_len, lengths.gen_len, lengths.trajectories
+    if n and not (prompt_given or gen_given):
+        over = f"the profile's trajectories (a mean prompt of {p} + a mean of {g} generated tokens, over {n})"
+        raise ScheduleError(f"{over} exceed the model's context of {context}; give --prompt-len and "
+                            "--gen-len that fit it")
+    means = f" (over its {n} trajectories)"
+    prompt = f"--prompt-len {p}" if prompt_given else f"the profile's mean prompt of {p} tokens{means}" if n \
+        else ""
+    gen = (f"--gen-len {g}" if gen_given else f"the profile's mean of {g} generated tokens{means}" if n
+           else f"the published generation length of {g} tokens")
+    total = " + ".join(part for part in (prompt, gen) if part)
+    raise ScheduleError(f"{total} exceeds the model's context of {context}; give --prompt-len and --gen-len "
+                        "that fit it")
+
+
 def load_profile(name: str, profile: Path | None, quantile: float, bin_width: int | None,
-                 prompt_len: int | None, gen_len: int | None, min_tokens: int
+                 prompt_len: int | None, gen_len: int | None, min_tokens: int, context: int
                  ) -> tuple[TailProfile, Lengths]:
     """The tail profile, and the prompt and generation lengths it is planned for: given, else for a
     measured profile the means over its trajectories (every profiled bin is planned), else 0 and the
-    published generation length."""
+    published generation length. Lengths beyond the model's `context` are refused before the tails are
+    read."""
+    given = prompt_len is not None, gen_len is not None
     if profile is None:
         tails = reference_profile(name)
         if tails is None:
@@ -122,7 +144,11 @@ def load_profile(name: str, profile: Path | None, quantile: float, bin_width: in
         if bin_width is not None and bin_width != tails.bin_width:
             raise ScheduleError(f"the reference profile has {tails.bin_width}-token bins; --bin-width "
                                 f"{bin_width} needs a measured --profile")
-        return tails, Lengths(prompt_len or 0, gen_len or REFERENCE_GEN_LEN)
+        lengths = Lengths(prompt_len or 0, gen_len or REFERENCE_GEN_LEN)
+        check_context(lengths, *given, context)
+        return tails, lengths
+    if all(given):
+        check_context(Lengths(prompt_len, gen_len), *given, context)
     rows = profile_rows(profile)
     meta = artifact_metadata(profile)
     if meta.get("kv_compression"):
@@ -130,10 +156,10 @@ def load_profile(name: str, profile: Path | None, quantile: float, bin_width: in
                             "`plan_eviction` plans (one KV budget), not a per-bin schedule")
     width = bin_width or int(meta.get("bin_width", 2000))
     prompts, generated = trajectory_lengths(rows())
-    measured = prompt_len is None or gen_len is None
     lengths = Lengths(round(float(np.mean(prompts))) if prompt_len is None else prompt_len,
                       max(round(float(np.mean(generated))), 2) if gen_len is None else gen_len,
-                      len(prompts) if measured else 0)
+                      0 if all(given) else len(prompts))
+    check_context(lengths, *given, context)
     profiled = max(p + g - 1 for p, g in zip(prompts, generated, strict=True))  # the last scored position
     last = max(profiled, lengths.prompt_len + lengths.gen_len - 1)
     tails = measured_profile(rows(), quantile, width, last // width + 1, str(profile),
@@ -250,11 +276,8 @@ def plan_schedule(req: PlanRequest, output: Path | None = None, export_to: Path 
     measured = read_artifact(req.cost, "cost") if req.cost is not None else None
     fitted = fitted_range(measured) if measured is not None else None
     tails, lengths = load_profile(name, req.profile, resolved.quantile, req.bin_width, req.prompt_len,
-                                  req.gen_len, req.min_tokens)
+                                  req.gen_len, req.min_tokens, cfg.max_position_embeddings)
     prompt_len, gen_len = lengths.prompt_len, lengths.gen_len
-    if prompt_len + gen_len > cfg.max_position_embeddings:
-        raise ScheduleError(f"--prompt-len {prompt_len} + --gen-len {gen_len} exceeds the model's "
-                            f"context of {cfg.max_position_embeddings}")
     result = plan(tails, threshold)
     scope = SpeedupScope.of(cost_model, req.batch, prompt_len)
     speedup = cost_model.speedup(result.schedule.budgets_at, gen_len, req.batch, prompt_len, scope.prefill)
@@ -403,6 +426,7 @@ class EvictionPlan:
     bin_width: int
     source: str
     resolved: ResolvedThreshold | None = None  # the threshold with its origin
+    notes: list[str] = field(default_factory=list)  # the thin bins left unjudged
 
     def flags(self) -> str:
         """The rollout and train flags of the chosen budget."""
@@ -452,19 +476,50 @@ def plan_eviction(profile: Path, threshold: float, quantile: float, bin_width: i
     con.register("mismatch", rows())
     sequences = con.execute(
         "SELECT budget, min(position), count(*) FROM mismatch GROUP BY budget, prompt_id, sample").fetchall()
+    thin = thin_bins(per_bin, min_tokens, profile)
     rows: list[dict] = []
     for budget in sorted({r[0] for r in per_bin}):
-        bins = [r for r in per_bin if r[0] == budget]
-        trusted = [r for r in bins if r[2] >= min_tokens] or bins  # all bins thin: judge them all
-        weakest = min(trusted, key=lambda r: r[3])
-        tokens = sum(r[2] for r in bins)
         lengths = [(int(r[1]), int(r[2])) for r in sequences if r[0] == budget]
-        rows.append({"budget": int(budget), "tail": float(weakest[3]), "weakest_bin": int(weakest[1]),
-                     "mean_alpha": sum(r[4] * r[2] for r in bins) / tokens, "tokens": int(tokens),
-                     "holds": bool(weakest[3] >= threshold), "evicted": evicted(specs.get(budget), lengths)})
+        rows.append(budget_row(budget, [r for r in per_bin if r[0] == budget], thin, threshold,
+                               evicted(specs.get(budget), lengths)))
     chosen = next((r["budget"] for r in rows if r["holds"] and r["evicted"]), None)
+    notes = [thin_note(thin, width, min_tokens)] if thin else []
     return EvictionPlan(policy, {int(b): str(sp) for b, sp in specs.items()}, rows, chosen, threshold,
-                        quantile, width, str(profile))
+                        quantile, width, str(profile), notes=notes)
+
+
+def budget_row(budget: int, bins: list[tuple], thin: dict[int, int], threshold: float, evicts: bool) -> dict:
+    """One budget's row from its (budget, bin, tokens, tail, mean) rows: the tail of its weakest trusted
+    bin (None, and so not holding, where it was scored in thin bins alone), its mean alpha and tokens."""
+    weakest = min((r for r in bins if r[1] not in thin), key=lambda r: r[3], default=None)
+    tokens = sum(r[2] for r in bins)
+    return {"budget": int(budget), "tail": None if weakest is None else float(weakest[3]),
+            "weakest_bin": None if weakest is None else int(weakest[1]),
+            "mean_alpha": sum(r[4] * r[2] for r in bins) / tokens, "tokens": int(tokens),
+            "holds": weakest is not None and bool(weakest[3] >= threshold), "evicted": evicts}
+
+
+def thin_bins(per_bin: list[tuple], min_tokens: int, profile: Path) -> dict[int, int]:
+    """The position bins with fewer than `min_tokens` tokens at every budget -> their tokens, from the
+    (budget, bin, tokens, ...) rows of an eviction profile: their tails are not judged, as the block top-k
+    planner trusts no thin bin. Every bin thin is refused as `plan` refuses it, in the same sentence."""
+    tokens: dict[int, int] = {}
+    for r in per_bin:
+        tokens[int(r[1])] = max(tokens.get(int(r[1]), 0), int(r[2]))
+    if all(n < min_tokens for n in tokens.values()):
+        raise ScheduleError(f"{profile}: no bin has the --min-tokens {min_tokens} tokens a tail needs (the "
+                            f"most in one bin is {max(tokens.values())}); profile more samples or longer "
+                            "generations, or lower --min-tokens")
+    return {b: n for b, n in sorted(tokens.items()) if n < min_tokens}
+
+
+def thin_note(thin: dict[int, int], width: int, min_tokens: int) -> str:
+    """One sentence naming the thin bins an eviction plan did not judge, with their tokens."""
+    shown = ", ".join(f"{b} ({b * width}+, {n} tokens)" for b, n in list(thin.items())[:8])
+    more = f" and {len(thin) - 8} more" if len(thin) > 8 else ""
+    one = len(thin) == 1
+    return (f"bin{'' if one else 's'} {shown}{more}: fewer tokens than --min-tokens ({min_tokens}), so "
+            f"{'its tail is' if one else 'their tails are'} not judged")
 
 
 def evicted(spec: str | None, lengths: list[tuple[int, int]]) -> bool:

@@ -170,12 +170,12 @@ def test_trl_example_refuses_flags_its_run_would_fail_on_before_the_model_loads(
         (["--context", "100"], "--context must be at least 160, got 100"),
         (["--max-new-tokens", "9000"], f"--context 400 with --max-new-tokens 9000 exceeds smollm2-135m's "
                                        f"context of {window} tokens"),
-        (["--prompts-per-step", "3", "--context", "160", "--max-new-tokens", str(window - max(lengths) + 1)],
-         f"--context 160 makes prompts of up to {max(lengths)} tokens, which with --max-new-tokens "
-         f"{window - max(lengths) + 1} exceed smollm2-135m's context of {window} tokens"),
+        (["--prompts-per-step", "3", "--context", "160", "--max-new-tokens", str(window - 160 + 1)],
+         f"--context 160 with --max-new-tokens {window - 160 + 1} exceeds smollm2-135m's context of "
+         f"{window} tokens"),
         (["--schedule", ""], "--schedule is an empty path; give a schedule file"),
     ]
-    assert max(lengths) > 160  # a passkey prompt can run past --context: the check is on the prompts made
+    assert max(lengths) <= 160  # the prompts made are at most --context tokens
     for args, message in cases:
         code, _, err = _run_example(monkeypatch, capsys, "--steps", "1", *args, extra=True)
         assert code == 2 and err.splitlines()[-1] == f"trl_grpo_sparse.py: error: {message}", err

@@ -122,6 +122,10 @@ def test_cost_artifact_for_another_shape_is_rejected(tmp_path):
     (["--device", "cpu", "--budgets", "dense,100"], "not a multiple of the page size"),
     (["--device", "cpu", "--contexts", "100000"], "exceeds the model's context"),
     (["--device", "tpu"], "--device must be cpu or cuda"),
+    (["--device", "cpu", "--batches", "0,2"], "error: --batches must be positive, got 0"),
+    (["--device", "cpu", "--contexts", "0,256"], "error: --contexts must be positive, got 0"),
+    (["--device", "cpu", "--repeats", "0"], "error: --repeats must be at least 1, got 0"),
+    (["--device", "cpu", "--warmup", "-1"], "error: --warmup must be at least 0, got -1"),
 ])
 def test_fit_cost_bad_input(tmp_path, args, phrase):
     out = tmp_path / "cost.parquet"

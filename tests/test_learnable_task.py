@@ -42,8 +42,9 @@ def test_generation_is_deterministic_per_seed(tok):
 
 @pytest.mark.parametrize("target", [200, 256, 1000, 2000])
 def test_prompts_fit_the_requested_length(tok, target):
+    """At most the tokens asked for, short by less than a filler sentence (at most about 20 tokens)."""
     for row in make_prompts("passkey", 3, 0, tok, context_tokens=target):
-        assert abs(len(row["prompt_token_ids"]) - target) <= 0.05 * target
+        assert 0 <= target - len(row["prompt_token_ids"]) <= 20
 
 
 def test_needle_distractors_and_question(tok):

@@ -16,10 +16,10 @@ sampled reward starts well inside [0.1, 0.6]: difficulty rises with both the dis
 length (at temperature 1, 2 distractors: about 0.33 at 1,000 tokens and 0.13 at 2,000; 0 distractors
 at 1,000 tokens: 0.65). bench/task_baseline.py measures it.
 
-Length: the document is grown one filler sentence at a time from one seeded stream and fitted to the
-chat-formatted prompt length (`context_tokens`, default 1,500, down to about 160 with the embedded
-chat template), so the same task has a short variant where attention is trivially dense and a long
-one where the needle is pages away. The needle sits at relative depth `depth` of the document
+Length: the document is grown one filler sentence at a time from one seeded stream, as many as fit in the
+chat-formatted prompt length (`context_tokens`, at most that many tokens; default 1,500, down to about 160
+with the embedded chat template), so the same task has a short variant where attention is trivially
+dense and a long one where the needle is pages away. The needle sits at relative depth `depth` of the document
 (default: drawn from [0, 0.5], so it is at least half a document back); distractors are placed
 uniformly. Placement is by fraction of the record count, so a document with N records is the same
 whatever path the length fit took, prompts are deterministic per seed, and one seed gives the same

@@ -7,8 +7,10 @@ Both are generated here from a seed (no downloads) as natural-looking documents:
 - `count`: a wildlife observation log; the question asks how many entries report one animal,
   with its first sighting near the start and the rest spread through the log.
 
-Length is fitted to the *chat-formatted* prompt: the document is rendered with N records, measured
-with the model's tokenizer, and N is solved for by the secant method (a few tokenisations).
+Length is fitted to the *chat-formatted* prompt, counted as `prompt_token_ids` holds it: the document is
+rendered with N records, measured with the model's tokenizer, and N is the most records whose prompt is at
+most `context_tokens` tokens (the secant method, then a bisection: a few tokenisations), so a prompt is
+never longer than asked and short of it by less than one record.
 Records are drawn from one random stream in order, so a document with N records is the same
 whatever path the fit took, and prompts are deterministic for a seed. Scoring is exact match after
 normalisation (case, markup, punctuation; integers also accept number words).
@@ -25,7 +27,7 @@ from .base import Example, Measure, Task, TaskError
 
 DEFAULT_CONTEXT_TOKENS = 3000
 MIN_CONTEXT_TOKENS = 512
-TOLERANCE = 0.01  # the fit stops within 1% of the requested length (the promise is 10%)
+TOLERANCE = 0.01  # the secant stops within 1% of the requested length; a bisection then fits it from below
 ANSWER_FORMAT = 'End your reply with a final line of the form "Answer: {what}".'
 
 ADJECTIVES = ("amber", "silver", "crimson", "quiet", "northern", "hollow", "golden", "rusty", "misty",
@@ -61,7 +63,11 @@ class _Stream:
 
 
 def fit_records(render: Callable[[int], str], measure: Measure, target: int, minimum: int) -> tuple[str, int]:
-    """The rendering whose measured length is closest to `target`, and its record count."""
+    """The rendering with the most records whose measured length is at most `target` (the rendering with
+    `minimum` records when even it is longer: the tasks refuse such a target first), and its record count.
+
+    The secant method gets near `target` in a few measurements; a bisection between the largest count
+    seen that fits and the smallest that does not then finds the last count that fits."""
     seen: dict[int, int] = {}
 
     def length(n: int) -> int:
@@ -78,8 +84,18 @@ def fit_records(render: Callable[[int], str], measure: Measure, target: int, min
         if nxt in seen:
             break
         a, b = b, nxt
-    best = min(seen, key=lambda n: abs(seen[n] - target))
-    return render(best), best
+    fits = max((n for n, tokens in seen.items() if tokens <= target), default=minimum)
+    over = min((n for n, tokens in seen.items() if tokens > target and n > fits), default=None)
+    step = max(1, fits - minimum)
+    while over is None:  # every count seen fits: grow until one does not
+        if length(fits + step) <= target:
+            fits, step = fits + step, step * 2
+        else:
+            over = fits + step
+    while over - fits > 1:
+        mid = (fits + over) // 2
+        fits, over = (mid, over) if length(mid) <= target else (fits, mid)
+    return render(fits), fits
 
 
 def _check_length(context_tokens: int, smallest: int) -> None:
