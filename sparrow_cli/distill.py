@@ -416,7 +416,7 @@ def distill(
         cfg.batch_size = steps_batch(batch_size, batch_given, n * samples, f"that --prompts {prompts} "
                                      f"samples ({n} prompt{'s' * (n != 1)} x --samples {samples})")
     if rollouts is not None:
-        trajectories = read_rollouts(rollouts)
+        trajectories = read_rollouts(rollouts, context=model_cfg.max_position_embeddings)
         if objective == "k3":
             check_k3_trajectories(rollouts, trajectories.sampler, trajectories.speculate,
                                   trajectories.truncated)

@@ -237,7 +237,7 @@ def profile(
                      False, adapter, workers, ray_address, lora)
     counted: list[Speculation] = []  # under --speculate: the sampling's counts
     if rollouts is not None:
-        given = read_rollouts(rollouts)
+        given = read_rollouts(rollouts, context=cfg.max_position_embeddings)
         warn_unmerged_learner(rollouts, lora)
         opts.temperature = rollouts_temperature(rollouts, given.temperature, temperature)
         run.random_weights = random_weights and random_weights_of(model, RANDOM_WEIGHTS_NOTE)

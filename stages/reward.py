@@ -23,6 +23,9 @@ Design decisions:
 - Everything that can be wrong (a column, a missing text, a prompt id the prompts file lacks, a
   prompt without a known task or an answer, a repeated sample, completions of other prompts) is found
   before anything is scored, as one sentence naming the file, the row and the column.
+- A rollouts artifact is checked whole a batch of rows at a time (`read_columns`), as every artifact is,
+  and then only the columns scoring and its checks read are held (`ROLLOUTS_READ`): not the token ids,
+  logprobs and budgets of each completion, which are most of the file.
 - Scoring is `judge_batch`: code tasks' programs run in a pool of sandboxes. Each row says why it got
   its reward (`status`; for code tasks also the tests passed of the tests run), so a timeout, an output
   kill, a crash, a missing function and a partial pass tell apart.
@@ -39,7 +42,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from sparrow.schemas import ArtifactError, ArtifactSpec, Col, artifact_kind, artifact_metadata, read_artifact
+from sparrow.schemas import ArtifactError, ArtifactSpec, Col, artifact_kind, artifact_metadata, read_columns
 from sparrow.schemas.artifacts import first_line
 from sparrow.schemas.footer import artifact_parts, file_json, kind_version, unreadable
 from sparrow.schemas.io import opens_json, utf8_lines
@@ -59,6 +62,7 @@ COMPLETIONS = ArtifactSpec("completions", "completions of any sampler, read by t
 JSON_COLUMNS = {"prompt_id": (str | int | float, "text or an integer", pa.string()),  # then by `_id`
                 "sample": (int, "an integer", pa.int64()), "text": (str, "text", pa.string())}
 REFUSED_KIND = "give rollouts, or any Parquet or JSONL file with columns 'prompt_id' and 'text'"
+ROLLOUTS_READ = ("prompt_id", "sample", "text", "prompt_token_ids")  # what scoring and its checks read
 
 
 @dataclass(frozen=True)
@@ -96,10 +100,10 @@ def _table(path: Path) -> pa.Table:
 
 
 def _parquet(path: Path, shown: str) -> pa.Table:
-    """A Parquet file's completion columns: a rollouts artifact whole, another file's columns we read."""
+    """A Parquet file's completion columns: a rollouts artifact's (checked whole), another file's we read."""
     kind = artifact_kind(path)
     if kind == "rollouts":
-        return read_artifact(path, "rollouts")
+        return read_columns(path, "rollouts", ROLLOUTS_READ)
     if kind is not None:
         raise ArtifactError(f"{shown} is a '{kind}' artifact; {REFUSED_KIND}")
     try:
@@ -111,8 +115,9 @@ def _parquet(path: Path, shown: str) -> pa.Table:
 
 
 def _parts(path: Path) -> pa.Table:
-    """A directory of Parquet parts (`rollout --workers`): a rollouts artifact read as every artifact
-    directory is (`read_artifact`), else each part's completion columns, concatenated in name order."""
+    """A directory of Parquet parts (`rollout --workers`): a rollouts artifact checked and read as every
+    artifact directory is (`read_columns`), else each part's completion columns, concatenated in name
+    order."""
     try:
         parts = artifact_parts(path)
     except ArtifactError:
@@ -121,7 +126,7 @@ def _parts(path: Path) -> pa.Table:
                             ) from None
     kind = artifact_kind(parts[0])
     if kind == "rollouts":
-        return read_artifact(path, "rollouts")
+        return read_columns(path, "rollouts", ROLLOUTS_READ)
     if kind is not None:
         raise ArtifactError(f"--completions {path} is a directory of '{kind}' parts; {REFUSED_KIND}")
     tables = [_parquet(p, f"--completions {path}: part {p.name}") for p in parts]
