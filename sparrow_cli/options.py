@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import typer
+from rich.text import Text
 
-from .common import DEVICE_HELP, UsageError, console, fail, parse_device, warn
+from .common import DEVICE_HELP, UsageError, console, fail, parse_device, printable, warn
 
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 
@@ -70,6 +72,20 @@ def spec_kind_any_case(ctx: typer.Context, param: typer.CallbackParam, value: st
         return value
     kind, sep, rest = value.partition(":")
     return kind.lower() + sep + rest
+
+
+def any_case(ctx: typer.Context, param: typer.CallbackParam, value: str | None) -> str | None:
+    """typer callback of a choice flag (--correction, --rollout-is, ...): any case, as --kv-compression and
+    -f take theirs; the lower-case name is what every later check, message and record sees."""
+    if value is None or ctx.resilient_parsing:
+        return value
+    return value.lower()
+
+
+def note(message: str) -> None:
+    """A note on stderr, one line: something the user may not expect that changes nothing they asked for
+    (`warn`'s form, its text printed as written but for its control characters)."""
+    console.print(Text.assemble(("note:", "yellow"), " ", printable(message)), soft_wrap=True)
 
 
 def option_given(ctx: typer.Context, name: str) -> bool:
@@ -266,8 +282,12 @@ def eviction_from_flags(kind: str | None, budget: int | None, window: int | None
         raise UsageError(f"--kv-compression must be one of {', '.join(EVICTION_POLICIES)}, got {kind!r}"
                          + _spec_hint(kind))
     given = [flag for flag, value in (block_topk or {}).items() if value]
+    if given == ["--dense"]:
+        raise UsageError("--kv-compression and --dense were given together: eviction and --dense (attention "
+                         "over the whole cache) do not combine; pick one")
     if given:
-        raise UsageError(f"--kv-compression and {given[0]} were given together: eviction and block top-k "
+        topk = next(flag for flag in given if flag != "--dense")
+        raise UsageError(f"--kv-compression and {topk} were given together: eviction and block top-k "
                          "selection do not combine; pick one")
     if budget is None and need_budget:
         raise UsageError(f"--kv-compression {kind} needs --kv-budget (the tokens a compressed cache keeps)")
@@ -331,13 +351,15 @@ def block_topk_sparsity(schedule: Path | None, budget: int | None, dense: bool, 
 
 
 def check_speculative_schedule(schedule: Path | None, speculate: int, label: str | None = None,
-                               budget_flag: str = "--budget") -> None:
+                               budget_flag: str = "--budget",
+                               say: Callable[[str], None] | None = None) -> None:
     """A schedule's fit for the sampler it drives: under --speculate, one dense in every bin is refused
     (its drafts would be the verification's own dense steps); without it, a draft schedule that
     `plan-schedule --speculate` wrote is warned about (its budgets were planned for speed under
     verification, with no tail threshold behind them). `label` is how the user gave the schedule
     (`--schedule FILE` unless told) and `budget_flag` how a fixed budget is given instead, so rollout,
-    train and profile say the same sentences in their own flags."""
+    train and profile say the same sentences in their own flags. A draft schedule run with another K than
+    it was planned for gets a note (to `say`, which may hold it until the other checks passed)."""
     from sparrow.schemas import ArtifactError, artifact_metadata
     from sparrow.stages.core.schedule import Schedule
 
@@ -360,6 +382,49 @@ def check_speculative_schedule(schedule: Path | None, speculate: int, label: str
         warn(f"{label} holds draft budgets for --speculate {drafts} (plan-schedule --speculate), planned for "
              "speed under verification with no tail threshold; as a lossy schedule it may train off-policy: "
              f"add --speculate {drafts}, or plan a lossy schedule without --speculate")
+    elif drafts and speculate != int(drafts):
+        _note_other_k(label, int(drafts), speculate, artifact_metadata(schedule).get("predicted_speedup"),
+                      say or note)
+
+
+def _note_other_k(label: str, planned: int, speculate: int, speedup: object,
+                  say: Callable[[str], None]) -> None:
+    """A draft schedule run with another K than it was planned for: exact all the same (any K keeps the
+    dense law), but its predicted speedup is the planned K's, which a note says."""
+    predicted = "its predicted speedup" if not isinstance(speedup, int | float) else \
+        f"its predicted speedup ({speedup:.3f}x)"
+    say(f"{label} was planned for --speculate {planned} (plan-schedule --speculate); {predicted} is for "
+         f"K = {planned}, not for K = {speculate}")
+
+
+def capped_speculate(speculate: int, max_new_tokens: int, say: Callable[[str], None] | None = None) -> int:
+    """--speculate K as the engine can use it: a cycle drafts at most --max-new-tokens - 2 tokens (a sample's
+    first token comes from the prefill, and every cycle ends with a token of the dense verification), so
+    a larger K is capped there (at least 1), with a note (or `say`); the samples are the same."""
+    most = max(max_new_tokens - 2, 1)
+    if speculate <= most:
+        return speculate
+    drafts = f"at most {most} token{'s' * (most != 1)}" if max_new_tokens > 2 else "no token"
+    (say or note)(f"--speculate {speculate} is capped at {most}: with --max-new-tokens {max_new_tokens} a "
+                  f"cycle drafts {drafts} (the first token comes from the prefill and every cycle ends with "
+                  "one of the dense verification)")
+    return most
+
+
+def check_speculative_budget(budget: int | None, speculate: int, prompt_lengths: list[int] | None,
+                             max_new_tokens: int) -> None:
+    """--budget B --speculate K where B covers every sample's cache (its longest prompt plus
+    --max-new-tokens - 1 tokens, the most a token's attention reads): every draft would be the dense
+    model's own step, as a schedule dense in every bin, which is refused alike. `prompt_lengths` None (text
+    prompts, tokenized later): not checked."""
+    if budget is None or not speculate or not prompt_lengths:
+        return
+    longest = max(prompt_lengths) + max_new_tokens - 1
+    if budget >= longest:
+        raise UsageError(f"--budget {budget} covers every sample's cache (the longest prompt, "
+                         f"{max(prompt_lengths)} tokens, with --max-new-tokens {max_new_tokens} reaches at "
+                         f"most {longest} tokens), so --speculate would draft with the dense model itself; "
+                         f"give a --budget below {longest}, or drop --speculate")
 
 
 def check_budgets(budgets: list[int], context: int, flag: str, model: str) -> None:

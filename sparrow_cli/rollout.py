@@ -29,9 +29,11 @@ from .common import (
 from .data_options import answer_column_option, data_options, reward_fn_option, reward_option
 from .options import (
     SAMPLE_SEED_HELP,
+    capped_speculate,
     check_gpu_memory,
     check_host_memory,
     check_sampling_memory,
+    check_speculative_budget,
     check_speculative_schedule,
     check_workers,
     device_option,
@@ -46,6 +48,7 @@ from .options import (
     load_actor,
     model_file,
     non_negative_seed,
+    note,
     output_path,
     set_threads,
     sparsity_policy,
@@ -201,13 +204,15 @@ def rollout(
         _check_vllm_flags(schedule, budget, lora, top_k, top_p, kv_compression)
     kv = (kv_compression, kv_budget, kv_window, kv_buffer)
     policy = sparsity_policy(schedule, budget, dense, kv, model)
-    check_speculative_schedule(schedule, speculate)
     _check_sparse_actor(lora, policy, speculate)
     for flag, value in (("--samples", samples), ("--max-new-tokens", max_new_tokens),
                         ("--max-num-seqs", max_batch), ("--kv-pages", 1 if kv_pages is None else kv_pages),
                         ("--max-num-batched-tokens", max_num_batched_tokens)):
         if value < 1:
             raise UsageError(f"{flag} must be at least 1, got {value}")
+    notes: list[str] = []  # said once every check passed, so that a refusal is its one line
+    speculate = capped_speculate(speculate, max_new_tokens, notes.append)
+    check_speculative_schedule(schedule, speculate, say=notes.append)
     check_gpu_memory(gpu_memory_utilization)
     if temperature < 0:
         raise UsageError(f"--temperature must be >= 0, got {temperature}")
@@ -236,6 +241,8 @@ def rollout(
 
         prompt_set.match_model(model, spec_tokenizer(model), not raw_prompts)
     prompt_set.check_fits(cfg.vocab_size, cfg.max_position_embeddings, max_new_tokens)  # before weights
+    check_speculative_budget(budget, speculate, None if prompt_set.needs_tokenizer else
+                             [len(r.get("prompt_token_ids") or ()) for r in prompt_set.rows], max_new_tokens)
     total = len(prompt_set.rows) * samples
     hint = "roll out fewer samples per call, or split the prompts into several files"
     check_host_memory(total, f"{total:,} samples (--samples {samples} for {len(prompt_set.rows)} prompts)",
@@ -246,6 +253,8 @@ def rollout(
     if kv_pages is not None and engine == "vllm":
         raise UsageError("--kv-pages sizes our engine's pool; vLLM sizes its own (VLLM_CPU_KVCACHE_SPACE)")
     _warn_unscored_tasks(prompt_set)
+    for line in notes:
+        note(line)
     sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                               top_k=top_k, seed=seed, n=samples, ignore_eos=ignore_eos)
     opts = RolloutOptions(sampling=sampling, max_batch=max_batch, policy=policy,
@@ -275,7 +284,8 @@ def rollout(
         console.print(f"wrote {n} rollouts in {workers} parts to {output}/")
         _warn_uncompressed(policy, summary)
         return _print_summary(summary, fmt, f"{mode}, {workers} workers")
-    with _progress("rollouts (samples)", total, rate=True) as bars:
+    with _progress("rollouts (samples)", total, rate=True, most_tokens=max_new_tokens,
+                   exact=ignore_eos) as bars:
         table, summary = write_rollouts(run, prompt_set, opts, not raw_prompts,
                                         lambda new, finished: bars.advance(finished, new),
                                         on_loading=lambda: say_loading(model, device), on_scored=bars.scored,
@@ -317,10 +327,14 @@ class _Bars:
     were read and tokenized and the model loaded: its elapsed time is the sampling's, and its tok/s counts
     the tokens after that first step over the time since, as the summary's tokens / s counts sampling alone
     (the first step's prefill aside). Without it (Ray workers, whose own loading is in their shards'
-    time), the bar shows from the start."""
+    time), the bar shows from the start. With `most_tokens` (--max-new-tokens) the rate also gives the
+    time left (`time_left`): at most that, since a stop token may end a sample early, or about that when
+    every sample generates them all (`exact`, --ignore-eos)."""
 
-    def __init__(self, bar: Progress, what: str | None, total: int, rate: bool) -> None:
+    def __init__(self, bar: Progress, what: str | None, total: int, rate: bool,
+                 most_tokens: int | None = None, exact: bool = False) -> None:
         self.bar, self.what, self.total, self.rate = bar, what, total, rate
+        self.most_tokens, self.exact = most_tokens, exact
         self.tokens, self.done = 0, 0
         self.start: float | None = None  # the first step's time, and the tokens then (the rate's origin)
         self.tokens_at_start = 0
@@ -348,9 +362,21 @@ class _Bars:
         if self.rate:
             info = f"{self.tokens} tokens"
             if now > self.start and self.tokens > self.tokens_at_start:
-                info += f", {(self.tokens - self.tokens_at_start) / (now - self.start):,.1f} tok/s"
+                per_s = (self.tokens - self.tokens_at_start) / (now - self.start)
+                info += f", {per_s:,.1f} tok/s" + self.time_left(per_s)
         self.bar.update(self.task, completed=self.done, rate=info)
         self.log(self.done, self.total, info)
+
+    def time_left(self, per_s: float) -> str:
+        """", at most 0:02:35 left": the tokens that may remain at the current rate. Each unfinished sample
+        generates at most --max-new-tokens, and all samples together at most total x --max-new-tokens,
+        so the smaller of the two bounds, less what was generated, is what remains at most."""
+        if self.most_tokens is None or self.done >= self.total:
+            return ""
+        most = self.total * self.most_tokens
+        left = min(most - self.tokens, (self.total - self.done) * self.most_tokens)
+        clock = _clock(max(left, 0) / per_s)
+        return f", about {clock} left" if self.exact else f", at most {clock} left"
 
     def scored(self, done: int, total: int) -> None:
         """Samples rewarded so far, of `total`."""
@@ -362,13 +388,20 @@ class _Bars:
         log(done, total)
 
 
+def _clock(seconds: float) -> str:
+    """Seconds as h:mm:ss, rich's elapsed column's form."""
+    whole = round(seconds)
+    return f"{whole // 3600}:{whole // 60 % 60:02d}:{whole % 60:02d}"
+
+
 @contextmanager
-def _progress(what: str | None, total: int, rate: bool) -> Iterator[_Bars]:
+def _progress(what: str | None, total: int, rate: bool, most_tokens: int | None = None,
+              exact: bool = False) -> Iterator[_Bars]:
     """The bars of a rollout (`_Bars`) for the length of the block."""
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), console=console,
                   transient=True, disable=not console.is_terminal) as bar:
-        yield _Bars(bar, what, total, rate)
+        yield _Bars(bar, what, total, rate, most_tokens, exact)
 
 
 def _warn_unscored_tasks(prompt_set) -> None:

@@ -21,8 +21,11 @@ from .common import (
 )
 from .data_options import answer_column_option, data_options, reward_fn_option, reward_option
 from .options import (
+    any_case,
+    capped_speculate,
     check_gpu_memory,
     check_sampling_memory,
+    check_speculative_budget,
     check_speculative_schedule,
     check_workers,
     device_option,
@@ -34,6 +37,7 @@ from .options import (
     kv_compression_option,
     kv_window_option,
     non_negative_seed,
+    note,
     option_given,
     random_weights_of,
     run_format_option,
@@ -124,26 +128,28 @@ def train(
                               "RUN/model/, a Hugging Face checkpoint that --model, transformers and vLLM "
                               "load."),
     correction: str = typer.Option(
-        "tis", "--correction", help="A preset: none | tis | mis | veto | sparse-rl | icepop | seq-mask-tis | "
-        "opsm | sparrow (stages/train/corrections.py); the options below replace the parts they name."),
-    rollout_is: str = typer.Option(None, "--rollout-is", help="verl's rollout_is: token | sequence | none."),
+        "tis", "--correction", callback=any_case, help="A preset: none | tis | mis | veto | sparse-rl | "
+        "icepop | seq-mask-tis | opsm | sparrow, in any case (stages/train/corrections.py); the options "
+        "below replace the parts they name."),
+    rollout_is: str = typer.Option(None, "--rollout-is", callback=any_case,
+                                   help="verl's rollout_is: token | sequence | none."),
     rollout_is_threshold: str = typer.Option(None, "--rollout-is-threshold", help="U, or L_U (default 2.0)."),
-    rollout_is_mode: str = typer.Option(None, "--rollout-is-mode",
+    rollout_is_mode: str = typer.Option(None, "--rollout-is-mode", callback=any_case,
                                         help="truncate (TIS) | mask (IcePop; TRL's *_mask)."),
     rollout_is_batch_normalize: bool = typer.Option(
         None, "--rollout-is-batch-normalize/--no-rollout-is-batch-normalize",
         help="Divide the kept weights by their mean."),
     rollout_rs: str = typer.Option(
-        None, "--rollout-rs", help="verl's rollout_rs, a comma list of token_k1..3, seq_sum_k1..3, "
-        "seq_mean_k1..3, seq_max_k2..3 (all must keep), or none."),
+        None, "--rollout-rs", callback=any_case, help="verl's rollout_rs, a comma list of token_k1..3, "
+        "seq_sum_k1..3, seq_mean_k1..3, seq_max_k2..3 (all must keep), or none."),
     rollout_rs_threshold: str = typer.Option(
         None, "--rollout-rs-threshold", help="One per option, or one for all: L_U ratio bounds for k1 (U "
         "alone: L = 1/U), an upper bound for k2 and k3 (default 2.0)."),
     off_policy_mask_threshold: float = typer.Option(None, "--off-policy-mask-threshold", callback=finite,
                                                     help="OPSM's delta (TRL's name)."),
     rejection: str = typer.Option(
-        None, "--rejection", help="The Sparrow recipe's stochastic rejection, keep with probability "
-        "min(1, r / C): token | sequence | none."),
+        None, "--rejection", callback=any_case, help="The Sparrow recipe's stochastic rejection, keep with "
+        "probability min(1, r / C): token | sequence | none."),
     rejection_c: float = typer.Option(None, "--rejection-c", callback=finite, help="Its C (default 1)."),
     alpha_weight: bool = typer.Option(
         None, "--alpha-weight/--no-alpha-weight", help="Weight each token by its acceptance alpha (top-20 "
@@ -167,9 +173,10 @@ def train(
                                   help="Coefficient of the k3 KL to the initial policy (TRL's "
                                   "beta); 0 = no KL term."),
     loss_agg: str = typer.Option(
-        "token-mean", "--loss-agg", help="token-mean (over the batch's tokens; TRL's dapo) | "
-        "seq-mean-token-mean (per sequence, then over sequences; grpo) | seq-mean-token-sum-norm (the sum "
-        "over sequences x --max-new-tokens; dr_grpo) | bnpo (each micro-batch's token mean, averaged)."),
+        "token-mean", "--loss-agg", callback=any_case, help="token-mean (over the batch's tokens; TRL's "
+        "dapo) | seq-mean-token-mean (per sequence, then over sequences; grpo) | seq-mean-token-sum-norm "
+        "(the sum over sequences x --max-new-tokens; dr_grpo) | bnpo (each micro-batch's token mean, "
+        "averaged)."),
     seed: int = typer.Option(0, "--seed", callback=non_negative_seed,
                              help="Seeds the run: the prompts' order, the LoRA's initial weights and every "
                              "step's samples (each from its own generator, per step, prompt and sample, as "
@@ -211,9 +218,10 @@ def train(
     ray_address: str = typer.Option(None, "--ray-address", help="An existing Ray cluster for --workers "
                                     "(default: a local Ray started for the run)."),
     resume: bool = typer.Option(False, "--resume/--no-resume",
-                                help="Continue the run in -o/--output from its "
-                                "checkpoint (the same options and input contents; only --steps may change). "
-                                "A run stopped after its last step is finished by the same --steps."),
+                                help="Continue the run in -o/--output from its checkpoint (the same "
+                                "options and input contents; only --steps, --checkpoint-every and "
+                                "--eval-every may change, and another --threads is said in a note). A run "
+                                "stopped after its last step is finished by the same --steps."),
     force: bool = typer.Option(False, "--force/--no-force",
                                help="Start the run in -o/--output over: its metrics, "
                                "per-step mismatch, schedule, checkpoint, adapters and model are replaced."),
@@ -236,17 +244,23 @@ def train(
     --nproc-per-node N` the ranks share each step's batch and DDP sums their gradients; rank 0 writes, and
     a run resumes under any number of ranks."""
     set_threads(threads)
+    import torch
+
     from sparrow.stages.core.prompt_set import PromptSet
     from sparrow.stages.core.sparsity import spec_of
     from sparrow.stages.train import TrainConfig
     from sparrow.stages.train.launch import TrainInputs, check_run_location, join_world, launched
+    from sparrow.stages.train.run_dir import resume_notes
     from sparrow.stages.train.tracking import parse_report_to
     from sparrow.stages.train.trainer import RunOptions
 
     fmt = resolve_format(format)
     kv = (kv_compression, kv_budget, kv_window, kv_buffer)
     policy = sparsity_policy(schedule, budget, dense, kv, model)
-    check_speculative_schedule(schedule, speculate)
+    notes: list[str] = []  # said once, by the process that writes the run
+    if max_new_tokens >= 1:
+        speculate = capped_speculate(speculate, max_new_tokens, notes.append)
+    check_speculative_schedule(schedule, speculate, say=notes.append)
     try:
         trackers = parse_report_to(report_to)
     except ValueError as e:
@@ -276,24 +290,31 @@ def train(
                       loss=loss, oversample=oversample, alpha_sequences=alpha_sequences,
                       distill_sparse=distill_sparse, distill_rank=distill_rank, distill_alpha=distill_alpha,
                       distill_lr_ratio=distill_lr_ratio, distill_kl_coef=distill_kl_coef,
-                      raw_prompts=raw_prompts, speculate=speculate, reward=reward, reward_fn=reward_fn)
+                      raw_prompts=raw_prompts, speculate=speculate, reward=reward, reward_fn=reward_fn,
+                      threads=torch.get_num_threads())
     try:
         cfg.validate()
     except ValueError as e:
         raise UsageError(str(e)) from None
+    notes += _speculative_correction(cfg)
     check_device(device)
     check_gpu_memory(gpu_memory_utilization)
     if speculate and workers:
         raise UsageError("--speculate runs in this process's engine; drop --workers")
     check_workers(workers, ray_address, None)
     data = data_options(answer_column, reward, reward_fn)
-    rows = PromptSet.read(prompts, data).rows
+    prompt_set = PromptSet.read(prompts, data)
+    rows = prompt_set.rows
     _check_step_memory(rows, cfg)
+    check_speculative_budget(budget, speculate, None if prompt_set.needs_tokenizer_for(model) else
+                             [len(r["prompt_token_ids"]) for r in rows], max_new_tokens)
     inputs = TrainInputs(prompts, output_dir, policy, eval_prompts, data)
     try:
         check_run_location(cfg, inputs, resume, force)
     except ValueError as e:
         raise UsageError(str(e)) from None
+    if resume:
+        notes += resume_notes(output_dir, cfg)
     overlap = _check_prompt_sets(rows, prompts, eval_prompts, data, prompts_per_step)
     try:
         world = join_world(device, workers)
@@ -301,11 +322,26 @@ def train(
         raise UsageError(str(e)) from None
     if world.main and overlap:
         warn(overlap)
+    for line in notes if world.main else ():
+        note(line)
     if world.main and random_weights:
         random_weights_of(model, "this run times its steps, but its rewards and adapter are not the model's")
     with launched(cfg, workers, ray_address) as pool:
         _run(cfg, inputs, RunOptions(resume=resume, force=force, world=world, pool=pool, report_to=trackers,
                                      gpu_memory_utilization=gpu_memory_utilization), fmt)
+
+
+def _speculative_correction(cfg) -> list[str]:
+    """A note under --speculate with a rollout correction on (tis, the default, among them): the samples
+    are the dense policy's own, so the correction has nothing to correct (docs/speculative.md)."""
+    extra = sorted(set(cfg.loss) - {"loss_agg", "bypass_mode"})
+    if not cfg.speculate or (cfg.correction == "none" and not extra):
+        return []
+    named = f"--correction {cfg.correction}" + (" and its options" if extra and cfg.correction != "none" else
+                                                 "" if not extra else " with its options")
+    return [f"--speculate {cfg.speculate} rolls out the dense policy's exact samples (their ratio to the "
+            f"learner's recompute is 1 to float precision), so the rollout correction ({named}) has "
+            "nothing to correct; --correction none leaves it out"]
 
 
 def _check_lora(ctx: typer.Context, full: bool, rank: int, alpha: float) -> None:

@@ -471,7 +471,7 @@ def _run_files(run_dir: Path) -> tuple[Path, Path]:
 
 REFERENCE_FREE = {"sparsity", "schedule_sha256", "correction", "distill_sparse", "distill_rank",
                   "distill_alpha", "distill_lr_ratio", "distill_kl_coef", "steps", "checkpoint_every",
-                  "eval_every", "device", "random_weights", "gradient_checkpointing",
+                  "eval_every", "device", "random_weights", "gradient_checkpointing", "threads",
                   "speculate"}  # speculative rollouts are dense samples: a dense run is their reference
 
 

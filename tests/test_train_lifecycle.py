@@ -307,15 +307,15 @@ def test_the_reward_is_recorded_and_a_resume_names_its_change(setup, tmp_path, m
     with pytest.raises(ValueError) as e:
         resume(reward="math", reward_fn=None)
     assert str(e.value) == (f"--resume: {run} was trained with --reward-fn {spec}, not --reward math; only "
-                            "--steps may change on resume")
+                            "--steps, --checkpoint-every and --eval-every may change on resume")
     (tmp_path / "copy.py").write_text(source)
     resume(reward_fn="copy.py:compute_score")  # the same function at another path: the same run
     (tmp_path / "rf" / "r.py").write_text(source.replace("0.5", "0.25"))
     with pytest.raises(ValueError) as e:
         resume()
     assert str(e.value) == (f"--resume: {run} was trained with --reward-fn {spec}, whose file held other "
-                            "code than rf/r.py holds now (their content differs); only --steps may change on "
-                            "resume")
+                            "code than rf/r.py holds now (their content differs); only --steps, "
+                            "--checkpoint-every and --eval-every may change on resume")
     for key in ("reward", "reward_fn", "reward_fn_sha256"):  # a run of an older Sparrow: not compared
         del saved[key]
     (run / "checkpoint" / "config.json").write_text(json.dumps(saved))

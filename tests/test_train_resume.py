@@ -89,7 +89,7 @@ def test_resume_with_other_prompts_is_refused_naming_them(setup, tmp_path):
     other = write_artifact(setup["rows"][:4], tmp_path / "other.parquet", "prompts")
     line = error_line(runner.invoke(app, setup["args"](run, "--resume", prompts_path=other)))
     assert f"--resume: {run} was trained on other prompts than --prompts holds" in line
-    assert "only --steps may change on resume" in line
+    assert "only --steps, --checkpoint-every and --eval-every may change on resume" in line
     line = error_line(runner.invoke(app, [*setup["args"](run, "--resume"), "--lr", "0.1"]))
     assert "was trained with --lr 0.05, not 0.1" in line
     line = error_line(runner.invoke(app, [*setup["args"](run, "--resume"), "--budget", "64"]))

@@ -13,7 +13,8 @@ from . import objective as grpo
 
 @dataclass
 class TrainConfig:
-    """Everything that defines a run; a resumed run must agree on all of it but `steps`."""
+    """Everything that defines a run; a resumed run must agree on all of it but `steps` and the options a
+    resume may change (run_dir.MAY_CHANGE: when to checkpoint and evaluate, the thread count)."""
 
     model: str
     steps: int = 20
@@ -51,6 +52,7 @@ class TrainConfig:
     oversample: int = 0  # k' > samples: roll out k' per prompt, keep the `samples` of highest mean alpha
     alpha_sequences: int = 4  # sequences per step whose alpha is computed exactly (exact_alpha.py); 0: none
     speculate: int = 0  # exact speculative rollouts: the run's sparsity drafts K tokens, dense verifies
+    threads: int = 0  # torch's CPU threads (--threads, else torch's choice); 0: not recorded (an older run)
     reward: str | None = None  # --reward (math | code) scores every prompt; None: each prompt's own task
     reward_fn: str | None = None  # --reward-fn path.py:function scores every prompt
     # what the run reads, by content (filled by the Trainer; run_dir.py): a resume must read the same

@@ -51,6 +51,10 @@ REPLACED_NAMES = (*RUN_FILES, *REPLACED_DIRS, MODEL_DIR, "metrics.jsonl")
 STALE_MISMATCH = re.compile(r"\.step=\d+\.parquet\.[0-9a-f]{8,32}(?:-\d+)?\.tmp")
 WRITER = "sparrow train"  # what holds a run directory's lock, as a refusal names it
 REWARD_FIELDS = ("reward", "reward_fn", "reward_fn_sha256")  # a run of an older Sparrow lacks them
+# what a resume may change besides --steps: when to checkpoint and evaluate do not change the weights or the
+# training metrics (the new value applies from the resume on, and the next checkpoint records it); the
+# thread count is the machine's, said in a note since the last digits of a CPU's logprobs depend on it
+MAY_CHANGE = {"checkpoint_every": "--checkpoint-every", "eval_every": "--eval-every", "threads": "--threads"}
 
 
 class TrainingInterrupted(KeyboardInterrupt):
@@ -261,15 +265,32 @@ def saved_config(run_dir: Path) -> tuple[TrainConfig, set[str]]:
 
 
 def check_same_run(run_dir: Path, cfg: TrainConfig) -> None:
-    """A resume agrees with the checkpoint on everything but `steps`; else one sentence naming it."""
+    """A resume agrees with the checkpoint on everything but `steps` and `MAY_CHANGE`; else one sentence
+    naming it."""
     saved, recorded = saved_config(run_dir)
     if not saved.prompts_sha256:
         raise ValueError(f"--resume: {run_dir} was written by a Sparrow that did not record its prompts, so "
                          "resuming cannot check that they are the same; pass --force instead of --resume to "
                          "start it over")
     for name in differences(saved, cfg, recorded):
-        raise ValueError(f"--resume: {run_dir} was trained {_what_differs(name, saved, cfg)}; only --steps "
-                         "may change on resume")
+        raise ValueError(f"--resume: {run_dir} was trained {_what_differs(name, saved, cfg)}; only --steps, "
+                         "--checkpoint-every and --eval-every may change on resume")
+
+
+def resume_notes(run_dir: Path, cfg: TrainConfig) -> list[str]:
+    """What a resume changes of `MAY_CHANGE`, one sentence each: a new --checkpoint-every or --eval-every
+    applies from the resume on, and a CPU run resumed with another thread count than it ran with is no
+    longer bit for bit an uninterrupted run (a checkpoint that did not record its threads says nothing)."""
+    saved, _ = saved_config(run_dir)
+    notes = [f"--resume: {MAY_CHANGE[name]} changes from {getattr(saved, name)} to {getattr(cfg, name)} from "
+             "the resumed step on (the next checkpoint records it)"
+             for name in ("checkpoint_every", "eval_every") if getattr(saved, name) != getattr(cfg, name)]
+    if saved.threads and cfg.threads and saved.threads != cfg.threads and cfg.device == "cpu":
+        notes.append(f"--resume: {run_dir} ran with {saved.threads} CPU threads and resumes with "
+                     f"{cfg.threads}; a CPU's logprobs differ in their last digits with the thread count, "
+                     "so the resumed steps are not bit for bit those of an uninterrupted run (--threads "
+                     f"{saved.threads} keeps them)")
+    return notes
 
 
 def _what_differs(name: str, saved: TrainConfig, now: TrainConfig) -> str:
@@ -297,13 +318,14 @@ def _scoring(cfg: TrainConfig) -> str:
 
 
 def differences(saved: TrainConfig, now: TrainConfig, recorded: set[str] | None = None) -> list[str]:
-    """The fields that differ but `steps`; two schedules are compared by content, not by path, and so are
-    two reward functions of the same name. Reward fields a checkpoint did not record (`recorded`: the
-    fields it names) are not compared: its prompts' fingerprint holds the task they are scored by."""
+    """The fields that differ but `steps` and `MAY_CHANGE`; two schedules are compared by content, not by
+    path, and so are two reward functions of the same name. Reward fields a checkpoint did not record
+    (`recorded`: the fields it names) are not compared: its prompts' fingerprint holds the task they are
+    scored by."""
     both_schedules = saved.sparsity.startswith("schedule:") and now.sparsity.startswith("schedule:")
     same_function = bool(saved.reward_fn and now.reward_fn) and (
         saved.reward_fn.rpartition(":")[2] == now.reward_fn.rpartition(":")[2])
-    skip = ({"steps"} | ({"sparsity"} if both_schedules else set())
+    skip = ({"steps", *MAY_CHANGE} | ({"sparsity"} if both_schedules else set())
             | ({"reward_fn"} if same_function else set())
             | {f for f in REWARD_FIELDS if recorded is not None and f not in recorded})
     return [f.name for f in fields(saved)
