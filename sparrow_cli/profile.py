@@ -122,7 +122,7 @@ def profile(
     top_p: float = top_p_option(" As rollout's."),
     top_k: int = top_k_option(" As rollout's."),
     seed: int = typer.Option(0, "--seed", callback=non_negative_seed, help="Each sample draws from its "
-                             "own generator seeded from (seed, prompt, sample): the same trajectories as "
+                             "own generator seeded from (seed, prompt row, sample): the same trajectories as "
                              "sparrow rollout --seed."),
     batch_size: int = typer.Option(16, "--max-num-seqs", "--batch-size", help="Sequences (samples) decoded "
                                    "together (vLLM's name; on a CPU, up to 16, it does not change the "

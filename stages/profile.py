@@ -3,7 +3,7 @@ generated token under dense attention and under each candidate budget, teacher f
 
 Sampling and scoring are separate so that the trajectories come from whichever sampler the user names
 (dense, a budget, a schedule, an eviction policy), as a run's rollouts would. The one sampler is the
-rollout engine, each sample seeded from (seed, prompt, sample), so `run_profile` over a prompt set gives
+rollout engine, each sample seeded from (seed, prompt row, sample), so `run_profile` over a prompt set gives
 the rows `profile_trajectories` gives over the `sparrow rollout` artifact of the same prompts and seed.
 Rows are long and narrow (one per token per budget): `summarize` is the one GROUP BY a user would type.
 With `kv_compression` the budgets are KV budgets of that eviction policy, each replayed teacher forced.
