@@ -160,9 +160,7 @@ class ArtifactSpec:
             batches = [pa.concat_tables([schema.empty_table(), *batches], promote_options="default")]
         found = self.checked(schema.empty_table(), fill_missing=True)[1]
         rows = 0
-        for batch in batches:
-            if found and found.order == SCHEMA_LEVEL:
-                break
+        for batch in batches if not (found and found.order == SCHEMA_LEVEL) else ():
             found = merged(found, self.checked(batch, fill_missing=True, first_row=rows)[1])
             rows += batch.num_rows
         if found:
@@ -371,6 +369,22 @@ def _same_length_if_given(name: str) -> Rule:
         if n:
             return _failed(n, first, lambda n, row: (
                 f"has {_count(n, 'row')} whose '{name}' and 'token_ids' lengths differ (first: row {row})"))
+        return None
+
+    return rule
+
+
+def no_null_elements(name: str) -> Rule:
+    """A nullable list column whose lists, where given, hold no null (a null list stays allowed)."""
+
+    def rule(t: pa.Table) -> Failure | None:
+        values = t[name]
+        elements = pc.list_flatten(values)  # the elements of the lists that are not null
+        n, first = _count_first(pc.is_null(elements))
+        if n:
+            row = pc.list_parent_indices(values)[first].as_py()
+            return _failed(n, row, lambda n, row: (
+                f"has {_count(n, 'null element')} inside the lists of column '{name}' (first: in row {row})"))
         return None
 
     return rule

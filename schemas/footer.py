@@ -121,35 +121,36 @@ _WIDTH = {"BOOLEAN": 1, "INT32": 4, "FLOAT": 4, "INT64": 8, "DOUBLE": 8, "INT96"
 
 
 def parquet_batches(path: Path, columns: list[str] | None = None) -> Iterator[pa.Table]:
-    """The rows of the Parquet file `path` (its `columns`, or all) as tables of about BATCH_BYTES each,
-    however long its rows (a rollout of 32K tokens) and however large its row groups, the column chunks
-    read a page at a time; ArtifactError naming the file when it cannot be read."""
+    """The rows of the Parquet file `path` (its `columns`, or all) as tables of about BATCH_BYTES each (rows
+    counted from the average row of their row group, so a run of rows far longer than the group's average
+    makes a larger batch), however large its row groups, the column chunks read a page at a time;
+    ArtifactError naming the file when it cannot be read."""
     try:
         with (pa.OSFile(os.fsencode(path)) as raw,
               pq.ParquetFile(raw, buffer_size=1 << 20, pre_buffer=False) as f):
-            rows = max(1, BATCH_BYTES // max(1, _row_bytes(f.metadata, columns)))
-            for batch in f.iter_batches(batch_size=rows, columns=columns, use_threads=False):
-                yield pa.Table.from_batches([batch])
+            for group in range(f.num_row_groups):  # sized by each group's own rows
+                rows = max(1, BATCH_BYTES // max(1, _row_bytes(f.metadata.row_group(group), columns)))
+                for batch in f.iter_batches(batch_size=rows, row_groups=[group], columns=columns,
+                                            use_threads=False):
+                    yield pa.Table.from_batches([batch])
     except (pa.ArrowException, OSError) as e:
         raise unreadable(path, e) from None
 
 
-def _row_bytes(meta: pq.FileMetaData, columns: list[str] | None) -> int:
-    """The decoded bytes of a row of `columns`, at most: each leaf's values at their width, or its
-    uncompressed pages when wider (strings), with an offset per value for nested leaves."""
-    if not meta.num_rows:
+def _row_bytes(group: pq.RowGroupMetaData, columns: list[str] | None) -> int:
+    """The decoded bytes of an average row of `columns` in a row group, at most: each leaf's values at their
+    width, or its uncompressed pages when wider (strings), with an offset per value for nested leaves."""
+    if not group.num_rows:
         return 1
     wanted = None if columns is None else set(columns)
     total = 0
-    for g in range(meta.num_row_groups):
-        group = meta.row_group(g)
-        for c in range(group.num_columns):
-            chunk = group.column(c)
-            if wanted is not None and chunk.path_in_schema.split(".")[0] not in wanted:
-                continue
-            fixed = chunk.num_values * (_WIDTH.get(chunk.physical_type, 0) + 4)
-            total += max(fixed, chunk.total_uncompressed_size)
-    return total // meta.num_rows + 1
+    for c in range(group.num_columns):
+        chunk = group.column(c)
+        if wanted is not None and chunk.path_in_schema.split(".")[0] not in wanted:
+            continue
+        fixed = chunk.num_values * (_WIDTH.get(chunk.physical_type, 0) + 4)
+        total += max(fixed, chunk.total_uncompressed_size)
+    return total // group.num_rows + 1
 
 
 _RESOURCE_WORDS = ("failed to launch worker thread", "resource temporarily unavailable",

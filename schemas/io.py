@@ -240,8 +240,11 @@ def read_artifact(path: str | os.PathLike, kind: str | None = None) -> pa.Table:
         return _read_foreign(_read_jsonl(path), path, kind)
     schema = read_schema(path)
     found = _known_kind(path, schema, kind)
-    if found is None:
-        return _read_foreign(read_parquet(path), path, kind)
+    if found is None:  # another tool's file: its columns of the schema, each once
+        known = [name for name in schema.names if name in SCHEMAS[kind].names]
+        _refuse_twice(known, f"{path} (read as '{kind}' by its columns)")
+        return _read_foreign(read_parquet(path, known), path, kind)
+    _refuse_twice(schema.names, str(path))  # pyarrow would not read it, and call it corrupt
     table = read_parquet(path)
     # a nullable column this artifact lacks was added to the schema after it was written: null, so that a
     # newer Sparrow reads the run directories of an older one (sql, report, calibrate-threshold, --resume)
@@ -315,10 +318,16 @@ def _check_file(path: Path, kind: str | None) -> tuple[str | None, int]:
         return found, SCHEMAS[found].check_batches(schema, parquet_batches(path), str(path))
     spec = SCHEMAS[kind]
     known = [f for f in schema if f.name in spec.names]
-    if len({f.name for f in known}) < len(known):  # a column twice: the sentence of a whole read
-        return kind, read_artifact(path, kind).num_rows
+    _refuse_twice([f.name for f in known], f"{path} (read as '{kind}' by its columns)")
     batches = parquet_batches(path, [f.name for f in known])
     return kind, spec.check_batches(pa.schema(known), batches, f"{path} (read as '{kind}' by its columns)")
+
+
+def _refuse_twice(names: list[str], subject: str) -> None:
+    """The sentence `conform` gives a column that is there twice, from the footer's names."""
+    if twice := sorted({n for n in names if names.count(n) > 1}):
+        shown = ", ".join(f"'{n}'" for n in twice)
+        raise ArtifactError(f"{subject} has column {shown} more than once")
 
 
 def _jsonl_prompts(path: Path, kind: str | None) -> bool:

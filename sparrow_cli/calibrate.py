@@ -133,7 +133,10 @@ def calibrate_threshold(
         console.print(f"note: {path} was given more than once (the same run directory); counted once",
                       highlight=False, markup=False)
     loaded = read_runs(runs)  # all validated before writing
-    tokens = ProfileTokens.from_table(mismatch) if mismatch is not None else None
+    try:
+        tokens = ProfileTokens.from_table(mismatch) if mismatch is not None else None
+    except ValueError as e:
+        raise UsageError(f"{profile}: {e}") from None
     results = label_runs(loaded, tokens, quantile, det, input_name(profile)) if tokens is not None else []
     model = artifact_metadata(profile).get("model")
     few = few_prompts_warning(tokens, input_name(profile)) if results else None

@@ -48,10 +48,12 @@ class ProfileTokens:
         and position, on integer keys."""
         budget = mismatch.column("budget").to_numpy()
         budgets, per_budget = np.unique(budget, return_counts=True)
+        if not len(budgets):
+            raise ValueError("the mismatch profile has no tokens")
         keys = np.stack([_sorted_codes(mismatch.column("prompt_id")), mismatch.column("sample").to_numpy(),
                          mismatch.column("position").to_numpy()])  # [3, rows]
         order = np.lexsort((keys[2], keys[1], keys[0], budget))
-        n = int(per_budget[0]) if len(budgets) else 0
+        n = int(per_budget[0])
         keys = keys[:, order].reshape(3, len(budgets), n) if (per_budget == n).all() else None
         if keys is None or (keys != keys[:, :1]).any():
             raise ValueError("the mismatch profile does not score the same tokens at every budget")

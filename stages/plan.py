@@ -80,10 +80,11 @@ class Lengths:
         return f"{what}, batch {batch}"
 
 
+ProfileRows = Callable[[], pa.RecordBatchReader]  # a checked profile's columns, read again per query
 PROFILE_COLUMNS = ("prompt_id", "sample", "position", "budget", "alpha", "alpha_draft")  # what plans read
 
 
-def profile_rows(profile: Path) -> Callable[[], pa.RecordBatchReader]:
+def profile_rows(profile: Path) -> ProfileRows:
     """A mismatch profile, checked, as a maker of readers of the columns plans use: each query streams the
     artifact a bounded batch at a time, so planning holds DuckDB's aggregates, not the profile."""
     if check_artifact(profile, "mismatch") == 0:
@@ -125,11 +126,11 @@ def check_context(lengths: Lengths, prompt_given: bool, gen_given: bool, context
 
 def load_profile(name: str, profile: Path | None, quantile: float, bin_width: int | None,
                  prompt_len: int | None, gen_len: int | None, min_tokens: int, context: int
-                 ) -> tuple[TailProfile, Lengths]:
+                 ) -> tuple[TailProfile, Lengths, ProfileRows | None]:
     """The tail profile, and the prompt and generation lengths it is planned for: given, else for a
     measured profile the means over its trajectories (every profiled bin is planned), else 0 and the
-    published generation length. Lengths beyond the model's `context` are refused before the tails are
-    read."""
+    published generation length; and a measured profile's rows, checked once (`profile_rows`). Lengths
+    beyond the model's `context` are refused before the tails are read."""
     given = prompt_len is not None, gen_len is not None
     if profile is None:
         tails = reference_profile(name)
@@ -146,7 +147,7 @@ def load_profile(name: str, profile: Path | None, quantile: float, bin_width: in
                                 f"{bin_width} needs a measured --profile")
         lengths = Lengths(prompt_len or 0, gen_len or REFERENCE_GEN_LEN)
         check_context(lengths, *given, context)
-        return tails, lengths
+        return tails, lengths, None
     if all(given):
         check_context(Lengths(prompt_len, gen_len), *given, context)
     rows = profile_rows(profile)
@@ -164,7 +165,7 @@ def load_profile(name: str, profile: Path | None, quantile: float, bin_width: in
     last = max(profiled, lengths.prompt_len + lengths.gen_len - 1)
     tails = measured_profile(rows(), quantile, width, last // width + 1, str(profile),
                              int(meta.get("page_size", 16)), min_tokens)
-    return tails, lengths
+    return tails, lengths, rows
 
 
 @dataclass
@@ -275,7 +276,7 @@ def plan_schedule(req: PlanRequest, output: Path | None = None, export_to: Path 
     cost_model = load_cost(req.cost, cfg) if req.cost is not None else analytic(cfg, req.hardware or "h100")
     measured = read_artifact(req.cost, "cost") if req.cost is not None else None
     fitted = fitted_range(measured) if measured is not None else None
-    tails, lengths = load_profile(name, req.profile, resolved.quantile, req.bin_width, req.prompt_len,
+    tails, lengths, rows = load_profile(name, req.profile, resolved.quantile, req.bin_width, req.prompt_len,
                                   req.gen_len, req.min_tokens, cfg.max_position_embeddings)
     prompt_len, gen_len = lengths.prompt_len, lengths.gen_len
     result = plan(tails, threshold)
@@ -304,7 +305,7 @@ def plan_schedule(req: PlanRequest, output: Path | None = None, export_to: Path 
                                 "metadata), so its mismatch is not the model's and the plan says nothing of "
                                 "its training")
     if req.speculate:
-        planned.speculative = _plan_speculation(req, cost_model, tails, lengths, scope)
+        planned.speculative = _plan_speculation(req, cost_model, tails, lengths, scope, rows)
     if req.export == "json":
         planned.exported = _export_json(planned, name)
     elif req.export == "sglang-vortex":
@@ -338,12 +339,12 @@ def _write_schedule(planned: PlannedSchedule, output: Path, name: str, model_con
 
 
 def _plan_speculation(req: PlanRequest, cost_model: CostModel, tails: TailProfile, lengths: Lengths,
-                      scope: SpeedupScope) -> SpeculativePlan:
+                      scope: SpeedupScope, rows: ProfileRows | None) -> SpeculativePlan:
     """The draft plan from the profile's mean alpha, its bins thin by --min-tokens as the lossy plan's are."""
-    if req.profile is None:
+    if rows is None:
         raise ScheduleError("--speculate plans from a measured --profile (its mean alpha per bin sets the "
                             "drafts' acceptance); the reference profile holds tails only")
-    alpha = mean_alpha(profile_rows(req.profile)(), tails.bin_width, tails.num_bins, req.min_tokens)
+    alpha = mean_alpha(rows(), tails.bin_width, tails.num_bins, req.min_tokens)
     return plan_speculation(cost_model, alpha, req.batch, lengths.prompt_len, lengths.gen_len,
                             prefill_s=scope.prefill)
 

@@ -172,3 +172,17 @@ def test_trajectories_are_the_files_rows_across_batches(tmp_path, monkeypatch):
     with pytest.raises(ArtifactError, match="prompt 'b' sample 4 has token id 9 in column "
                                             "'prompt_token_ids', but the model's vocabulary has 9 tokens"):
         given.trajectories(Words(), 9, 16)
+
+
+def test_a_hole_in_another_tools_prompt_ids_is_refused(tmp_path):
+    """A text prompt may stand in for a row's prompt ids (a null list), but a null inside the ids is a hole:
+    one sentence naming the file, the column and the row, never float ids."""
+    path = tmp_path / "foreign.parquet"
+    pq.write_table(pa.table({"prompt_id": ["a", "b", "c"],
+                             "prompt_token_ids": pa.array([[4, 5], None, [1, None, 3]], pa.list_(pa.int32())),
+                             "prompt": [None, "hi", None],
+                             "token_ids": pa.array([[7], [8], [9]], pa.list_(pa.int32()))}), path)
+    with pytest.raises(ArtifactError) as e:
+        read_rollouts(path).trajectories(None, vocab_size=50, context=100)
+    assert str(e.value) == (f"{path} (read as 'rollouts' by its columns) has 1 null element inside the lists "
+                            "of column 'prompt_token_ids' (first: in row 2)")

@@ -202,6 +202,17 @@ def test_a_run_with_a_schedule_of_no_bins_is_refused_naming_it(tmp_path):
     assert line.startswith(f"error: {run / 'schedule.parquet'} is a schedule with no bins")
 
 
+def test_a_profile_that_scores_other_tokens_at_each_budget_is_one_sentence(tmp_path):
+    prof = tmp_path / "mismatch.parquet"
+    rows = read_artifact(write_artifact(synthetic_mismatch(np.random.default_rng(4)), prof, "mismatch"))
+    write_artifact(rows.slice(1), prof, "mismatch")  # a token scored at one budget short of the others
+    line = _one_error_line(runner.invoke(app, ["calibrate-threshold", "--profile", str(prof), "-o",
+                                               str(tmp_path / "t.parquet"),
+                                               "--runs", str(_run_dir(tmp_path, "a", (64, 64), False))]))
+    assert line == f"error: {prof}: the mismatch profile does not score the same tokens at every budget"
+    assert not (tmp_path / "t.parquet").exists()
+
+
 def _trace(reward_end: float, evals: tuple[float, float], steps: int = 16) -> dict:
     """A healthy-looking run of its own (no detector of its own curves fires) whose reward climbs
     linearly to `reward_end` from 0.05, with eval accuracy evals[0] at step 0 and evals[1] at the end."""

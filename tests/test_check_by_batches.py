@@ -137,3 +137,19 @@ def test_columns_are_checked_first(tmp_path):
     raw_write(pa.table(rollouts(logprobs={30: [0.5, 0.0, 0.0]})), path, "rollouts")
     with pytest.raises(ArtifactError, match=r"first: 0.5 in row 30"):
         read_columns(path, "rollouts", ("sample",))
+
+
+def test_a_column_twice_is_said_as_such_by_both_reads(tmp_path):
+    """pyarrow reads no file with a name twice: the footer's names are checked first, so a healthy file is not
+    called corrupt; another tool's file is read by its schema's columns alone, so an unknown one twice is
+    dropped as any unknown column is."""
+    table = pa.table(rollouts())
+    twice = pa.Table.from_arrays([*table.columns, table["text"]], names=[*table.column_names, "text"])
+    path = tmp_path / "r.parquet"
+    raw_write(twice, path, "rollouts")
+    assert same_sentence(path).endswith("has column 'text' more than once")
+    foreign = tmp_path / "f.parquet"
+    extra = pa.array(["x"] * ROWS)
+    pq.write_table(pa.Table.from_arrays([*table.columns, extra, extra],
+                                        names=[*table.column_names, "junk", "junk"]), foreign)
+    assert read_artifact(foreign, "rollouts").num_rows == check_artifact(foreign, "rollouts") == ROWS

@@ -42,6 +42,7 @@ from sparrow.schemas import (
     artifact_parts,
     check_artifact,
 )
+from sparrow.schemas.artifacts import no_null_elements
 from sparrow.schemas.footer import parquet_batches, read_schema
 from sparrow.schemas.io import column_reader
 
@@ -55,6 +56,7 @@ FOREIGN_ROLLOUTS = ArtifactSpec(
         Col("prompt", pa.string(), nullable=True),
         *(replace(c, nullable=c.name not in NEEDED) for c in SCHEMAS["rollouts"].columns),
     ),
+    rules=(no_null_elements("prompt_token_ids"),),  # a text prompt may stand in for the ids, not a hole
 )
 Batch = pa.Table | pa.RecordBatch
 

@@ -91,6 +91,8 @@ class _File(io.RawIOBase):
     file then read as corrupt, at random). DuckDB drops its files without closing them: closed here when
     collected."""
 
+    _fd = -1  # until opened: a failed open leaves nothing to close
+
     def __init__(self, path: str):
         super().__init__()
         self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
@@ -107,8 +109,10 @@ class _File(io.RawIOBase):
         return getattr(self._local, "position", 0)
 
     def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
-        base = {os.SEEK_SET: 0, os.SEEK_CUR: self.tell(), os.SEEK_END: self._size}[whence]
-        self._local.position = max(0, base + offset)
+        bases = {os.SEEK_SET: 0, os.SEEK_CUR: self.tell(), os.SEEK_END: self._size}
+        if whence not in bases:
+            raise ValueError(f"invalid whence ({whence})")
+        self._local.position = max(0, bases[whence] + offset)
         return self._local.position
 
     def read(self, size: int | None = -1) -> bytes:
@@ -132,6 +136,7 @@ class _File(io.RawIOBase):
         return len(data)
 
     def close(self) -> None:
-        if not self.closed:
+        if not self.closed and self._fd >= 0:
             os.close(self._fd)
+            self._fd = -1
         super().close()
