@@ -48,9 +48,9 @@ TOP_K_HELP = ("Sample from the K most likely tokens only; 0 or -1 (vLLM's spelli
 TOP_P_HELP = ("Nucleus sampling: sample from the fewest most likely tokens whose probabilities add up to P, "
               "in (0, 1]; 1 = off, the whole vocabulary.")
 SAMPLE_SEED_HELP = ("Each sample draws from its own generator seeded from (seed, the prompt's row in the "
-                    "prompt file, sample): the same --seed gives the same samples whatever --max-num-seqs "
-                    "or --workers, and another seed other samples (greedy, --temperature 0, draws nothing); "
-                    "a prompt moved to another row draws other samples.")
+                    "prompt file, sample): at a given --threads the same --seed gives the same samples "
+                    "whatever --max-num-seqs or --workers, and another seed other samples (greedy, "
+                    "--temperature 0, draws nothing); a prompt moved to another row draws other samples.")
 
 
 def top_k_option(also: str = ""):

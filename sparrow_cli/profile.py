@@ -126,7 +126,7 @@ def profile(
                              "sparrow rollout --seed."),
     batch_size: int = typer.Option(16, "--max-num-seqs", "--batch-size", help="Sequences (samples) decoded "
                                    "together (vLLM's name; on a CPU, up to 16, it does not change the "
-                                   "trajectories)."),
+                                   "trajectories at a given --threads)."),
     speculate: int = typer.Option(0, "--speculate", help="Exact speculative sampling (rollout --speculate): "
                                   "the sparse --sampler (budget:B or schedule:FILE) drafts up to K tokens a "
                                   "cycle and the dense model verifies them, so the trajectories are dense "

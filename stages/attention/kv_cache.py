@@ -2,8 +2,8 @@
 
 `k[l]`, `v[l]` are [num_pages, Hkv, P, D] in the model dtype, `centroids[l]` [num_pages, Hkv, D] (the mean
 of the post-RoPE keys written into the page); one tensor for all layers makes a page copy one indexing
-op. Zero-initialised (calloc'd on the CPU). Under an eviction policy the pool also holds the query ring
-the compressions read (`queries`, compaction.py).
+op. Zero-initialised (filled, so resident, when made). Under an eviction policy the pool also holds the
+query ring the compressions read (`queries`, compaction.py).
 """
 
 from __future__ import annotations

@@ -1,9 +1,15 @@
-"""Linear layers prepacked for the CPU decode step (fp32 and bf16).
+"""Linear layers prepacked for the CPU decode step (fp32 and bf16), and the prefill's row-exact products.
 
 A decode step multiplies a few rows by every weight; packing each weight once (oneDNN's blocked layout,
 or our C++ product's where it runs, at most 16 rows) avoids a reorder per call. Projections that share an
 input (q/k/v, gate/up) are packed stacked and computed as one product. Packed copies follow each weight's
 version counter, so the engine always samples with the current weights.
+
+A prefill forward stacks the rows the scheduler admitted together, so its products have as many rows as
+that batch's tokens. torch's CPU product (MKL's sgemm) splits the sum over the inputs between threads
+for some row counts, which rounds a row differently with other rows beside it; oneDNN's product on the
+plain weight sums each row alike for any number of rows from 2 on, so `row_exact_linears` routes the
+prefill's linears there (no copy of the weights) and gives a lone row a duplicate.
 """
 
 from __future__ import annotations
@@ -95,6 +101,31 @@ class PackedLinears:
                 del m.forward
             for owner, method, _ in self.groups:
                 delattr(owner, method)
+
+
+@contextmanager
+def row_exact_linears(model: nn.Module) -> Iterator[None]:
+    """Within: every nn.Linear of the model computes through oneDNN on its own weight, each row's sums
+    the same whatever rows share the call (call only where `packing_available`)."""
+    linears = [m for m in model.modules() if type(m) is nn.Linear]
+    for m in linears:
+        m.forward = _row_exact(m)
+    try:
+        yield
+    finally:
+        for m in linears:
+            del m.forward
+
+
+def _row_exact(linear: nn.Linear) -> Callable[[Tensor], Tensor]:
+    def forward(x: Tensor) -> Tensor:
+        if x.numel() != x.shape[-1]:
+            return torch.ops.mkldnn._linear_pointwise(x, linear.weight, linear.bias, "none", [], "")
+        pair = torch.cat([x.reshape(1, -1)] * 2)  # oneDNN's one-row product sums in another order
+        out = torch.ops.mkldnn._linear_pointwise(pair, linear.weight, linear.bias, "none", [], "")
+        return out[:1].view(*x.shape[:-1], -1)
+
+    return forward
 
 
 def _product(packed: tuple[str, Tensor], bias: Tensor | None) -> Callable[[Tensor], Tensor]:

@@ -31,7 +31,7 @@ from .allocator import tune_cpu_allocator
 from .attention import Cascade, CpuDecodeAttention
 from .fused_decode import FusedCpuDecode
 from .layers import CpuLayerOps, cpu_layers_available
-from .packed_linears import PackedLinears, dot_product, packing_available
+from .packed_linears import PackedLinears, dot_product, packing_available, row_exact_linears
 from .prefix_store import PrefixStore, SharedPrefix
 
 
@@ -90,7 +90,8 @@ class CpuRunner(ModelRunner):
     # ------------------------------------------------------------------ prefill
 
     def prefill(self, rows: list[PrefillRow]) -> Tensor | None:
-        """As the plain path, and each fresh prompt's full pages copied for cascade attention where the
+        """As the plain path, with each row's products independent of the rows beside it
+        (`row_exact_linears`), and each fresh prompt's full pages copied for cascade attention where the
         pool can spare them."""
         self._copies: dict[int, SharedPrefix] = {}  # by row: the prompt copies this prefill fills
         if self.store is not None:
@@ -104,7 +105,8 @@ class CpuRunner(ModelRunner):
         if self.packed is not None:
             self.packed.refresh()  # the packed head (`_head`) now, not at the first decode step
         try:
-            return super().prefill(rows)
+            with row_exact_linears(self.model) if self.packed is not None else nullcontext():
+                return super().prefill(rows)
         finally:
             self._copies = {}
 
