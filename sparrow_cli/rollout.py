@@ -288,7 +288,8 @@ def rollout(
                    exact=ignore_eos) as bars:
         table, summary = write_rollouts(run, prompt_set, opts, not raw_prompts,
                                         lambda new, finished: bars.advance(finished, new),
-                                        on_loading=lambda: say_loading(model, device), on_scored=bars.scored,
+                                        on_loading=lambda longest: _say_loading(model, device, longest),
+                                        on_scored=bars.scored,
                                         on_tokenizing=_say_tokenizing)
     warn_first_token_stops(_lengths(table), max_new_tokens, raw_prompts)
     console.print(f"wrote {table.num_rows} rollouts to {output}")
@@ -313,6 +314,16 @@ def _check_tokenizer(model: str, prompt_set) -> None:
 
 
 TOKENIZING_NOTE = 1000  # prompts from which their tokenizing, seconds or minutes, is said before it starts
+LONG_PREFILL_NOTE = 4096  # prompt tokens from which the first step, a long prefill, is said before it starts
+
+
+def _say_loading(model: str, device: str, longest: int) -> None:
+    """The loading line, and for long prompts what the first step is about to do: progress can show only
+    after it, and on a CPU an 8K-token prefill takes a minute."""
+    say_loading(model, device)
+    if longest >= LONG_PREFILL_NOTE:
+        console.print(f"the first step prefills prompts of up to {longest:,} tokens; progress follows it",
+                      highlight=False)
 
 
 def _say_tokenizing(count: int) -> None:

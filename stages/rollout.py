@@ -339,12 +339,13 @@ def check_kv_pages(opts: RolloutOptions, rows: list[dict]) -> None:
 
 def write_rollouts(run: RolloutRun, prompt_set, opts: RolloutOptions, chat: bool = True,
                    on_step: Callable[[int, int], None] | None = None,
-                   on_loading: Callable[[], None] | None = None,
+                   on_loading: Callable[[int], None] | None = None,
                    on_scored: Scored | None = None,
                    on_tokenizing: Callable[[int], None] | None = None) -> tuple[pa.Table, RolloutSummary]:
     """`run_rollouts` of the prompt set in this process, written to `run.output` with the summary in its
     metadata. The prompts are tokenized (`on_tokenizing(count)` first, when some need it) and checked
-    against the pool before the weights load (`on_loading` is called just before); `on_scored` follows
+    against the pool before the weights load (`on_loading(longest prompt's tokens)` is called just before,
+    as the first engine step prefills such prompts before any progress); `on_scored` follows
     the rewards."""
     import torch
 
@@ -358,7 +359,7 @@ def write_rollouts(run: RolloutRun, prompt_set, opts: RolloutOptions, chat: bool
         on_tokenizing(len(prompt_set.rows))
     rows = prompt_rows(prompt_set, tokenizer, chat, opts, run.model)
     if on_loading is not None:
-        on_loading()
+        on_loading(max((len(r["prompt_token_ids"]) for r in rows), default=0))
     loaded = load_model(run.model, device=run.device, dtype=getattr(torch, run.dtype))
     table, summary = run_rollouts(loaded, rows, opts, on_step, on_scored=on_scored)
     write_artifact(table, run.output, "rollouts",

@@ -170,3 +170,12 @@ def test_rollout_progress_gives_the_time_left_at_the_token_rate(monkeypatch, exa
         # 3 samples done, 36 tokens in 30 s: 1.2 tok/s; at most min(40 - 36, 1 x 10) = 4 tokens -> 3.3 s
         bars.advance(2, 16)
         assert progress.tasks[0].fields["rate"] == f"36 tokens, 1.2 tok/s, {word} 0:00:03 left"
+
+
+def test_a_long_prompt_says_what_the_first_step_does_before_it(tmp_path, no_work, monkeypatch):
+    """Progress shows after each engine step, and the first one prefills the prompts: a long one is said."""
+    monkeypatch.setattr(rollout_cli, "LONG_PREFILL_NOTE", 40)
+    r = rollout(tmp_path, [12, 41, 30], "--max-new-tokens", "4")
+    assert "the first step prefills prompts of up to 41 tokens; progress follows it" in said(r)
+    r = rollout(tmp_path, [12, 39], "--max-new-tokens", "4")
+    assert "loading model" in said(r) and "prefills" not in said(r)
