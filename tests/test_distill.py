@@ -357,7 +357,7 @@ def cli_files(tiny, tmp_path_factory):
     (["distill", "--model", "MODEL", "--rollouts", "DENSE", "--budget", "48", "--objective", "k3"],
      "was sampled densely"),
     (["distill", "--model", "MODEL", "--rollouts", "SPECULATIVE", "--budget", "48", "--objective", "k3"],
-     "holds exact speculative samples (--speculate 2), which are the dense model's"),
+     "holds exact speculative samples (--speculate 1), which are the dense model's"),  # 2 capped: 3 tokens
     (["distill", "--model", "MODEL", "--rollouts", "FOREIGN", "--budget", "48", "--objective", "k3"],
      "does not record how it was sampled"),
     (["distill", "--model", "MODEL", "--prompts", "PROMPTS"], "give --budget or --schedule"),

@@ -74,15 +74,16 @@ def test_resume_is_bit_exact_with_the_stochastic_rejection(tiny_llama, vowel_pro
 
 
 def test_correction_metrics_agree_with_the_per_token_log(deep_llama, vowel_prompts, tmp_path):
-    """kl and k3_kl are the means of the logged per-token log ratio and k3; the IS statistics those of
-    min(r, 2) over the logged tokens (r = exp(-log_ratio)); the masked fraction that of the log."""
+    """kl is the mean of log p_rollout - log p_dense (the logged log ratio log r_t, negated), k3_kl the mean
+    of the logged k3; the IS statistics those of min(r, 2) over the logged tokens (r = exp(log_ratio)); the
+    masked fraction that of the log."""
     run = tmp_path / "run"
     loss = {"rollout_rs": "token_k1", "rollout_rs_threshold": "0.999_1.001"}
     cfg = dict(steps=2, sparsity="budget:48", ignore_eos=True, loss=loss)
     _train(deep_llama[0], vowel_prompts, run, cfg=cfg)
     for r in rows(run):
         log = mismatch(run, r["step"])
-        lr = torch.tensor([t["log_ratio"] for t in log], dtype=torch.float64)  # log p_rollout - log p_dense
+        lr = -torch.tensor([t["log_ratio"] for t in log], dtype=torch.float64)  # log p_rollout - log p_dense
         w = (-lr).exp().clamp(max=2.0)
         assert r["rollout_corr/kl"] == pytest.approx(float(lr.mean()), abs=1e-6)
         assert r["rollout_corr/k3_kl"] == pytest.approx(sum(t["k3"] for t in log) / len(log), abs=1e-6)
