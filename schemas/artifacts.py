@@ -160,9 +160,10 @@ class ArtifactSpec:
             batches = [pa.concat_tables([schema.empty_table(), *batches], promote_options="default")]
         found = self.checked(schema.empty_table(), fill_missing=True)[1]
         rows = 0
-        for batch in batches if not (found and found.order == SCHEMA_LEVEL) else ():
-            found = merged(found, self.checked(batch, fill_missing=True, first_row=rows)[1])
-            rows += batch.num_rows
+        if not (found and found.order == SCHEMA_LEVEL):  # else every batch would say the same
+            for batch in batches:
+                found = merged(found, self.checked(batch, fill_missing=True, first_row=rows)[1])
+                rows += batch.num_rows
         if found:
             raise ArtifactError(f"{subject} {found.phrase}")
         return rows

@@ -242,7 +242,7 @@ def read_artifact(path: str | os.PathLike, kind: str | None = None) -> pa.Table:
     found = _known_kind(path, schema, kind)
     if found is None:  # another tool's file: its columns of the schema, each once
         known = [name for name in schema.names if name in SCHEMAS[kind].names]
-        _refuse_twice(known, f"{path} (read as '{kind}' by its columns)")
+        _refuse_twice(known, _foreign(path, kind))
         return _read_foreign(read_parquet(path, known), path, kind)
     _refuse_twice(schema.names, str(path))  # pyarrow would not read it, and call it corrupt
     table = read_parquet(path)
@@ -270,8 +270,9 @@ def read_columns(path: str | os.PathLike, kind: str, columns: Sequence[str]) -> 
     it (`check_artifact`, a batch at a time), then read without its other columns: the memory of what a
     stage uses, not of the artifact. Columns are of the schema's types, a nullable one a file lacks is null,
     and the table keeps the artifact's metadata."""
+    schema = _columns(kind, columns)
     check_artifact(path, kind)
-    table = pa.concat_tables(_column_tables(Path(path), kind, columns, whole=True))
+    table = pa.concat_tables(_column_tables(Path(path), kind, schema, whole=True))
     return table.replace_schema_metadata(_metadata(Path(path), kind))
 
 
@@ -279,26 +280,30 @@ def column_reader(path: str | os.PathLike, kind: str, columns: Sequence[str]) ->
     """`columns` of a `kind` artifact that `check_artifact` has checked, as `read_columns` gives them, a
     bounded batch of rows at a time (`parquet_batches`): what DuckDB aggregates in the memory of its
     state, not of the artifact. Read once; make another for another query."""
-    spec = _spec(kind)
-    schema = pa.schema([spec.schema.field(c) for c in columns])
-    batches = (b for t in _column_tables(Path(path), kind, columns, whole=False) for b in t.to_batches())
+    schema = _columns(kind, columns)
+    batches = (b for t in _column_tables(Path(path), kind, schema, whole=False) for b in t.to_batches())
     return pa.RecordBatchReader.from_batches(schema, batches)
 
 
-def _column_tables(path: Path, kind: str, columns: Sequence[str], whole: bool) -> Iterator[pa.Table]:
+def _columns(kind: str, columns: Sequence[str]) -> pa.Schema:
+    """The fields of `columns` in the `kind` schema."""
     spec = _spec(kind)
-    types = {c.name: c.type for c in spec.columns}
-    if unknown := [c for c in columns if c not in types]:
+    if unknown := [c for c in columns if c not in spec.names]:
         raise ArtifactError(f"'{kind}' artifacts have no column {', '.join(map(repr, unknown))}")
-    schema = pa.schema([spec.schema.field(c) for c in columns])
+    return pa.schema([spec.schema.field(c) for c in columns])
+
+
+def _column_tables(path: Path, kind: str, schema: pa.Schema, whole: bool) -> Iterator[pa.Table]:
+    """The `schema` columns of each part, whole or a bounded batch at a time, cast to their types; a
+    nullable column a part lacks is null."""
     for part in artifact_parts(path) if path.is_dir() else [path]:
         if _jsonl_prompts(part, kind):
-            yield read_artifact(part, kind).select(list(columns))
+            yield read_artifact(part, kind).select(schema.names)
             continue
-        have = [c for c in columns if c in read_schema(part).names]
+        have = [c for c in schema.names if c in read_schema(part).names]
         for found in [read_parquet(part, have)] if whole else parquet_batches(part, have):
-            yield pa.table([found[c].cast(types[c]) if c in have else pa.nulls(found.num_rows, types[c])
-                            for c in columns], schema=schema)
+            yield pa.table([found[f.name].cast(f.type) if f.name in have else pa.nulls(found.num_rows, f.type)
+                            for f in schema], schema=schema)
 
 
 def _metadata(path: Path, kind: str) -> dict[bytes, bytes] | None:
@@ -318,9 +323,14 @@ def _check_file(path: Path, kind: str | None) -> tuple[str | None, int]:
         return found, SCHEMAS[found].check_batches(schema, parquet_batches(path), str(path))
     spec = SCHEMAS[kind]
     known = [f for f in schema if f.name in spec.names]
-    _refuse_twice([f.name for f in known], f"{path} (read as '{kind}' by its columns)")
+    _refuse_twice([f.name for f in known], _foreign(path, kind))
     batches = parquet_batches(path, [f.name for f in known])
-    return kind, spec.check_batches(pa.schema(known), batches, f"{path} (read as '{kind}' by its columns)")
+    return kind, spec.check_batches(pa.schema(known), batches, _foreign(path, kind))
+
+
+def _foreign(path: Path, kind: str) -> str:
+    """How a refusal names another tool's file."""
+    return f"{path} (read as '{kind}' by its columns)"
 
 
 def _refuse_twice(names: list[str], subject: str) -> None:
@@ -584,7 +594,7 @@ def _read_jsonl(path: Path) -> pa.Table:
 def _read_foreign(table: pa.Table, path: Path, kind: str) -> pa.Table:
     spec = SCHEMAS[kind]
     table = table.select([c for c in table.column_names if c in spec.names])
-    table = spec.conform(table, f"{path} (read as '{kind}' by its columns)", fill_missing=True)
+    table = spec.conform(table, _foreign(path, kind), fill_missing=True)
     return table.replace_schema_metadata(spec.schema.metadata)
 
 

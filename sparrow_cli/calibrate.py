@@ -18,6 +18,7 @@ from .common import (
     force_option,
     friendly_errors,
     input_path,
+    note,
     output_help,
     warn,
 )
@@ -122,7 +123,8 @@ def calibrate_threshold(
     given = [*runs, *(more_runs or [])]
     # the profile's tokens are needed only to score runs; without any, it is checked a batch at a time
     mismatch = read_columns(profile, "mismatch", ProfileTokens.COLUMNS) if given else None
-    if (check_artifact(profile, "mismatch") if mismatch is None else mismatch.num_rows) == 0:
+    tokens_profiled = mismatch.num_rows if mismatch is not None else check_artifact(profile, "mismatch")
+    if tokens_profiled == 0:
         raise UsageError(f"{profile}: the mismatch profile has no tokens")
     det = Detectors(window=window, reward_drop=reward_drop, grad_norm_factor=grad_norm_factor,
                     mismatch_kl_limit=mismatch_kl_limit, truncation_limit=truncation_limit,
@@ -130,8 +132,7 @@ def calibrate_threshold(
                     reward_margin=reward_margin, eval_margin=eval_margin)
     runs, repeated = distinct_runs(given)
     for path in repeated:
-        console.print(f"note: {path} was given more than once (the same run directory); counted once",
-                      highlight=False, markup=False)
+        note(f"{path} was given more than once (the same run directory); counted once")
     loaded = read_runs(runs)  # all validated before writing
     try:
         tokens = ProfileTokens.from_table(mismatch) if mismatch is not None else None

@@ -286,6 +286,12 @@ def warn(message: str) -> None:
     console.print(Text.assemble(("warning:", "yellow"), " ", printable(message)), soft_wrap=True)
 
 
+def note(message: str) -> None:
+    """A note on stderr, one line, as `warn` prints: something the user may not expect that changes nothing
+    they asked for."""
+    console.print(Text.assemble(("note:", "yellow"), " ", printable(message)), soft_wrap=True)
+
+
 CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f-\x9f]")
 ESCAPES = {"\n": "\\n", "\r": "\\r"}
 

@@ -10,9 +10,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import typer
-from rich.text import Text
 
-from .common import DEVICE_HELP, UsageError, console, fail, parse_device, printable, warn
+from .common import DEVICE_HELP, UsageError, console, fail, note, parse_device, warn
 
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 
@@ -81,12 +80,6 @@ def any_case(ctx: typer.Context, param: typer.CallbackParam, value: str | None) 
     if value is None or ctx.resilient_parsing:
         return value
     return value.lower()
-
-
-def note(message: str) -> None:
-    """A note on stderr, one line: something the user may not expect that changes nothing they asked for
-    (`warn`'s form, its text printed as written but for its control characters)."""
-    console.print(Text.assemble(("note:", "yellow"), " ", printable(message)), soft_wrap=True)
 
 
 def option_given(ctx: typer.Context, name: str) -> bool:

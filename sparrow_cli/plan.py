@@ -20,6 +20,7 @@ from .common import (
     force_option,
     friendly_errors,
     input_path,
+    note,
     out,
     output_help,
     stage_errors,
@@ -199,8 +200,8 @@ def plan_schedule(
                         "schedule" if planned.speculative is None else "speculative")
     put_speedup(planned, tables)
     print_plan(planned, tables)
-    for note in result.notes:
-        console.print(f"[yellow]note:[/] {note}", highlight=False)
+    for line in result.notes:
+        note(line)
     for warning in planned.warnings:
         warn(warning)
     print_speedup(planned)
@@ -276,8 +277,8 @@ def print_eviction_plan(result, fmt: str) -> None:
                 f"the {result.bin_width}-token bins; threshold {result.threshold:g})",
                 reading={"tail": _fixed(4, missing="thin"), "mean_alpha": _fixed(4)})
     tables.close()
-    for note in result.notes:
-        console.print(f"[yellow]note:[/] {note}", highlight=False)
+    for line in result.notes:
+        note(line)
     threshold = result.resolved
     idle = [str(r["budget"]) for r in result.rows if not r["evicted"]]
     if idle:
@@ -457,8 +458,8 @@ def print_speculative(planned, tables: PlanTables, output: Path | None = None) -
                         ("lossy_speedup", planned.speedup),
                         ("speedups_by_k", {str(k): v for k, v in spec.speedups_by_k.items()})):
         tables.put(name, value)
-    for note in spec.notes:
-        console.print(f"[yellow]note:[/] {note}", highlight=False)
+    for line in spec.notes:
+        note(line)
     if spec.priced_at == "alpha_draft":
         console.print("drafts priced at the profile's alpha_draft (a draft's own alpha, over the dense KV "
                       "that verification keeps)", highlight=False, markup=False)

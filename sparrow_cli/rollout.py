@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import timedelta
 from pathlib import Path
 
 import typer
@@ -19,6 +20,7 @@ from .common import (
     force_option,
     friendly_errors,
     input_path,
+    note,
     output_help,
     raw_prompts_option,
     say_loading,
@@ -48,7 +50,6 @@ from .options import (
     load_actor,
     model_file,
     non_negative_seed,
-    note,
     output_path,
     set_threads,
     sparsity_policy,
@@ -386,7 +387,7 @@ class _Bars:
             return ""
         most = self.total * self.most_tokens
         left = min(most - self.tokens, (self.total - self.done) * self.most_tokens)
-        clock = _clock(max(left, 0) / per_s)
+        clock = timedelta(seconds=round(max(left, 0) / per_s))  # h:mm:ss, as rich's elapsed column
         return f", about {clock} left" if self.exact else f", at most {clock} left"
 
     def scored(self, done: int, total: int) -> None:
@@ -397,12 +398,6 @@ class _Bars:
         task, log = self.scoring
         self.bar.update(task, completed=done, total=total)
         log(done, total)
-
-
-def _clock(seconds: float) -> str:
-    """Seconds as h:mm:ss, rich's elapsed column's form."""
-    whole = round(seconds)
-    return f"{whole // 3600}:{whole // 60 % 60:02d}:{whole % 60:02d}"
 
 
 @contextmanager

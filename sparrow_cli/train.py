@@ -14,6 +14,7 @@ from .common import (
     friendly_errors,
     input_path,
     log_line,
+    note,
     raw_prompts_option,
     say_loading,
     warn,
@@ -37,7 +38,6 @@ from .options import (
     kv_compression_option,
     kv_window_option,
     non_negative_seed,
-    note,
     option_given,
     random_weights_of,
     run_format_option,
@@ -337,8 +337,7 @@ def _speculative_correction(cfg) -> list[str]:
     extra = sorted(set(cfg.loss) - {"loss_agg", "bypass_mode"})
     if not cfg.speculate or (cfg.correction == "none" and not extra):
         return []
-    named = f"--correction {cfg.correction}" + (" and its options" if extra and cfg.correction != "none" else
-                                                 "" if not extra else " with its options")
+    named = f"--correction {cfg.correction}" + (" with its options" if extra else "")
     return [f"--speculate {cfg.speculate} rolls out the dense policy's exact samples (their ratio to the "
             f"learner's recompute is 1 to float precision), so the rollout correction ({named}) has "
             "nothing to correct; --correction none leaves it out"]

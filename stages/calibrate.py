@@ -58,9 +58,9 @@ class ProfileTokens:
         if keys is None or (keys != keys[:, :1]).any():
             raise ValueError("the mismatch profile does not score the same tokens at every budget")
         alpha = mismatch.column("alpha").to_numpy().astype(float)[order].reshape(len(budgets), n).T
-        position = keys[2, 0].astype(mismatch.schema.field("position").type.to_pandas_dtype())
-        bins = mismatch.column("bin").to_numpy()[order[:n]]
-        return cls(budgets.astype(np.int64), alpha, keys[0, 0], position, bins)
+        first = order[:n]  # the rows of the smallest budget, in the shared order
+        return cls(budgets.astype(np.int64), alpha, keys[0, 0], mismatch.column("position").to_numpy()[first],
+                   mismatch.column("bin").to_numpy()[first])
 
     def below_profiled(self, schedule: Schedule) -> list[int]:
         """The budgets `schedule` gives profiled tokens that are below every profiled budget: no profiled

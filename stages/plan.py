@@ -115,13 +115,18 @@ def check_context(lengths: Lengths, prompt_given: bool, gen_given: bool, context
         raise ScheduleError(f"{over} exceed the model's context of {context}; give --prompt-len and "
                             "--gen-len that fit it")
     means = f" (over its {n} trajectories)"
-    prompt = f"--prompt-len {p}" if prompt_given else f"the profile's mean prompt of {p} tokens{means}" if n \
-        else ""
-    gen = (f"--gen-len {g}" if gen_given else f"the profile's mean of {g} generated tokens{means}" if n
-           else f"the published generation length of {g} tokens")
-    total = " + ".join(part for part in (prompt, gen) if part)
-    raise ScheduleError(f"{total} exceeds the model's context of {context}; give --prompt-len and --gen-len "
-                        "that fit it")
+    parts = []
+    if prompt_given:
+        parts.append(f"--prompt-len {p}")
+    elif n:
+        parts.append(f"the profile's mean prompt of {p} tokens{means}")
+    if gen_given:
+        parts.append(f"--gen-len {g}")
+    else:
+        parts.append(f"the profile's mean of {g} generated tokens{means}" if n
+                     else f"the published generation length of {g} tokens")
+    raise ScheduleError(f"{' + '.join(parts)} exceeds the model's context of {context}; give --prompt-len "
+                        "and --gen-len that fit it")
 
 
 def load_profile(name: str, profile: Path | None, quantile: float, bin_width: int | None,
@@ -459,7 +464,7 @@ def plan_eviction(profile: Path, threshold: float, quantile: float, bin_width: i
 
     check_threshold(threshold)
     check_quantile(quantile)
-    rows = profile_rows(profile)
+    scan = profile_rows(profile)
     meta = artifact_metadata(profile)
     policy = meta.get("kv_compression")
     if not policy:
@@ -469,12 +474,12 @@ def plan_eviction(profile: Path, threshold: float, quantile: float, bin_width: i
     budgets = json.loads(meta.get("budgets", "[]"))
     specs = dict(zip(budgets, json.loads(meta.get("kv_policies", "[]"))))
     con = duckdb.connect()
-    con.register("mismatch", rows())
+    con.register("mismatch", scan())
     per_bin = con.execute(
         """SELECT budget, position // ? AS bin, count(*) AS tokens, quantile_cont(alpha::DOUBLE, ?) AS tail,
                   avg(alpha::DOUBLE) AS mean
            FROM mismatch GROUP BY ALL ORDER BY budget, bin""", [width, quantile]).fetchall()
-    con.register("mismatch", rows())
+    con.register("mismatch", scan())
     sequences = con.execute(
         "SELECT budget, min(position), count(*) FROM mismatch GROUP BY budget, prompt_id, sample").fetchall()
     thin = thin_bins(per_bin, min_tokens, profile)

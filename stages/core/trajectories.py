@@ -177,7 +177,6 @@ def _read_foreign(path: Path) -> Iterator[pa.Table]:
             f"{subject} lacks column 'prompt_token_ids' (or 'prompt' with the prompt's "
             "text), which profiling needs"
         )
-    FOREIGN_ROLLOUTS.conform(known.empty_table(), subject, fill_missing=True)  # columns, before any data
     FOREIGN_ROLLOUTS.check_batches(known, parquet_batches(path, known.names), subject)
     read = [c for c in READ if c in known.names]
     for batch in parquet_batches(path, read):
