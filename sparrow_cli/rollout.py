@@ -319,8 +319,8 @@ LONG_PREFILL_NOTE = 4096  # prompt tokens from which the first step, a long pref
 
 
 def _say_loading(model: str, device: str, longest: int) -> None:
-    """The loading line, and for long prompts what the first step is about to do: progress can show only
-    after it, and on a CPU an 8K-token prefill takes a minute."""
+    """The loading line, and for long prompts what the first step is about to do: a long prefill, with
+    nothing to show until it ends, since progress can show only after a step."""
     say_loading(model, device)
     if longest >= LONG_PREFILL_NOTE:
         console.print(f"the first step prefills prompts of up to {longest:,} tokens; progress follows it",
