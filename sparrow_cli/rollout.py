@@ -12,12 +12,12 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from .common import (
+    FORCE_HELP,
     LogProgress,
     UsageError,
     check_device,
     check_output,
     console,
-    force_option,
     friendly_errors,
     input_path,
     note,
@@ -75,7 +75,8 @@ SUMMARY_LABELS = {"tokens": "generated tokens", "seconds": "seconds (sampling)",
                   "sample_cycles": "  samples' cycles", "drafted_tokens": "  drafts proposed",
                   "accepted_drafts": "  drafts kept (dense verification)",
                   "acceptance": "  acceptance (kept / proposed)",
-                  "tokens_per_cycle": "  tokens per sample's cycle"}
+                  "tokens_per_cycle": "  tokens per sample's cycle",
+                  "resumed_prompts": "prompts kept from the interrupted run (--resume)"}
 # every text format's word for a dense run's mean budget (JSON keeps the null), as other commands say dense
 SUMMARY_WORDS = {"mean_budget": lambda v: "dense" if v is None else v}
 # the table's alone, for the eye: csv and tsv write a float whole and a null as their null
@@ -171,7 +172,19 @@ def rollout(
                                     "ray://head:10001 or auto); default: a local Ray started for the run."),
     output: Path = typer.Option(..., "-o", "--output", help=output_help("the rollouts artifact"),
                                 parser=output_path()),
-    force: bool = force_option(),
+    force: bool = typer.Option(False, "--force/--no-force", help=FORCE_HELP + " Also starts over an "
+                               "interrupted run's journal (OUT.partial/, beside -o) instead of refusing it."),
+    resume: bool = typer.Option(False, "--resume/--no-resume", help="Continue the run that an interruption "
+                                "(Ctrl-C, SIGTERM, a crash, a lost machine) stopped: the prompts finished in "
+                                "its journal OUT.partial/ are kept and the rest are sampled with the seeds "
+                                "they had, when every flag that decides the samples is the same "
+                                "(docs/resume.md). Our engine in this process only."),
+    checkpoint_interval: float = typer.Option(None, "--checkpoint-interval", callback=finite,
+                                              show_default=False, metavar="SECONDS", help="How often the "
+                                              "prompts whose samples have all finished are journaled in "
+                                              "OUT.partial/, beside -o, for --resume (default 60; 0 = as "
+                                              "each prompt finishes); the folder is removed when the run "
+                                              "completes."),
     engine: str = typer.Option("ours", "--engine", help="ours (dense, budget or schedule) or vllm (dense "
                                "only; the optional extra .\\[vllm])."),
     threads: int = threads_option(),
@@ -182,7 +195,9 @@ def rollout(
     token, the KV tokens each token read, finish reason and the task's reward (or --reward's, or
     --reward-fn's with the extra fields it returns). The summary (tokens/s,
     mean budget, KV tokens held against dense, reward) goes to stdout and into the artifact's metadata
-    ("summary"). With --workers N the same rollouts (same seeds) come from N Ray workers."""
+    ("summary"). With --workers N the same rollouts (same seeds) come from N Ray workers. A run of our
+    engine in this process journals its finished prompts in OUT.partial/ as it goes; an interrupted run
+    continues from there with --resume."""
     set_threads(threads)
     from sparrow.schemas import input_name
     from sparrow.stages.backends.vllm_sampler import vllm_checkpoint
@@ -200,6 +215,7 @@ def rollout(
     fmt = resolve_format(format)
     if engine not in ("ours", "vllm"):
         raise UsageError(f"--engine must be ours or vllm, got {engine!r}")
+    journaled = _check_journal_flags(resume, checkpoint_interval, workers, engine, output)
     _check_speculate(speculate, engine, kv_compression, schedule is not None or budget is not None)
     if engine == "vllm":
         _check_vllm_flags(schedule, budget, lora, top_k, top_p, kv_compression)
@@ -233,6 +249,10 @@ def rollout(
     check_output(output, "rollouts", force, parts=bool(workers),
                  inputs={"--prompts": prompts, "--schedule": schedule, "--adapter": lora,
                          "--model": model_file(model)})
+    if journaled:
+        from sparrow.stages.rollout_journal import check_folder
+
+        check_folder(output, resume, force)
     cfg = resolve_config(model)
     adapter = load_actor(lora, cfg, model)  # one sentence for a bad adapter, before any weights load
     prompt_set = PromptSet.read(prompts, data)
@@ -269,7 +289,8 @@ def rollout(
     if speculate:
         mode = f"speculative, {mode} drafts {speculate} a cycle"
     run = RolloutRun(model, prompts, mode, output, device, dtype_name, lora, workers, ray_address,
-                     reward=reward, reward_fn=reward_fn, raw_prompts=raw_prompts)
+                     reward=reward, reward_fn=reward_fn, raw_prompts=raw_prompts, resume=resume, force=force,
+                     checkpoint_interval=60.0 if checkpoint_interval is None else checkpoint_interval)
     if engine == "vllm":
         console.print(f"starting vLLM on {vllm_checkpoint(model)} ({dtype_name}; 1-4 minutes on a small CPU)")
         with _progress(None, 0, rate=False) as bars:
@@ -291,11 +312,47 @@ def rollout(
                                         lambda new, finished: bars.advance(finished, new),
                                         on_loading=lambda longest: _say_loading(model, device, longest),
                                         on_scored=bars.scored,
-                                        on_tokenizing=_say_tokenizing)
+                                        on_tokenizing=_say_tokenizing,
+                                        on_resume=lambda found: _say_resuming(found, bars, samples))
     warn_first_token_stops(_lengths(table), max_new_tokens, raw_prompts)
-    console.print(f"wrote {table.num_rows} rollouts to {output}")
+    kept = f" ({summary.resumed_prompts} prompts from the interrupted run)" if summary.resumed_prompts else ""
+    console.print(f"wrote {table.num_rows} rollouts to {output}{kept}")
     _warn_uncompressed(policy, summary)
     _print_summary(summary, fmt, mode)
+
+
+def _check_journal_flags(resume: bool, interval: float | None, workers: int, engine: str, output: Path
+                         ) -> bool:
+    """Whether the run keeps a journal beside -o (our engine in this process, to a file), with --resume
+    and --checkpoint-interval refused where it keeps none."""
+    from sparrow.schemas.locations import is_stdio
+
+    if interval is not None and interval < 0:
+        raise UsageError(f"--checkpoint-interval must be >= 0 seconds (0 = as each prompt finishes), got "
+                         f"{interval:g}")
+    why = ("--workers runs in Ray workers, which keep no journal" if workers else
+           "--engine vllm keeps no journal" if engine == "vllm" else
+           "-o - (stdout) has no folder beside it for one" if is_stdio(output) else None)
+    if why is None:
+        return True
+    for given, flag in ((resume, "--resume"), (interval is not None, "--checkpoint-interval")):
+        if given:
+            raise UsageError(f"{flag} needs the journal that our engine keeps in this process beside -o "
+                             f"(OUT.partial/), and {why}; drop {flag}")
+    return False
+
+
+def _say_resuming(found, bars: _Bars, samples: int) -> None:
+    """What --resume found, said before the work starts; the progress then starts at the kept samples."""
+    for line in found.notes:
+        note(line)
+    if not found.kept:
+        note(f"--resume: {found.folder}/ holds no finished prompt of an interrupted run (or is not there), "
+             "so there is nothing to resume: the run starts from the first prompt")
+        return
+    console.print(f"resuming {found.folder}/: {found.kept} of {found.total} prompts done, "
+                  f"{found.total - found.kept} to go", highlight=False)
+    bars.skip(found.kept * samples)
 
 
 def _check_tokenizer(model: str, prompt_set) -> None:
@@ -348,6 +405,7 @@ class _Bars:
         self.bar, self.what, self.total, self.rate = bar, what, total, rate
         self.most_tokens, self.exact = most_tokens, exact
         self.tokens, self.done = 0, 0
+        self.skipped = 0  # samples kept from a journal (--resume): done, but not generated by this run
         self.start: float | None = None  # the first step's time, and the tokens then (the rate's origin)
         self.tokens_at_start = 0
         self.task, self.log = None, None
@@ -358,6 +416,11 @@ class _Bars:
     def _show(self) -> None:
         self.task = self.bar.add_task(self.what, total=self.total, rate="")
         self.log = LogProgress(self.what)
+
+    def skip(self, samples: int) -> None:
+        """Samples done before this run (kept from its journal): the bar starts there."""
+        self.done += samples
+        self.skipped += samples
 
     def advance(self, finished: int, new_tokens: int) -> None:
         """Samples finished and tokens generated since the last call."""
@@ -385,7 +448,7 @@ class _Bars:
         so the smaller of the two bounds, less what was generated, is what remains at most."""
         if self.most_tokens is None or self.done >= self.total:
             return ""
-        most = self.total * self.most_tokens
+        most = (self.total - self.skipped) * self.most_tokens  # what this run's samples generate at most
         left = min(most - self.tokens, (self.total - self.done) * self.most_tokens)
         clock = timedelta(seconds=round(max(left, 0) / per_s))  # h:mm:ss, as rich's elapsed column
         return f", about {clock} left" if self.exact else f", at most {clock} left"

@@ -1,7 +1,8 @@
 """The `sparrow rollout` stage: the engine (or vLLM, or Ray workers) over a prompt set, written as a
 `rollouts` artifact: one row per sample with its tokens, sampled-token logprobs, the budget and KV
 tokens each token read, finish reason and the task's reward; the summary compares the KV tokens held
-with what dense caches would hold."""
+with what dense caches would hold. Our engine in this process journals its finished prompts beside the
+output, so that a stopped run continues where it stopped (rollout_journal.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -20,9 +22,18 @@ from .attention import DEFAULT_DENSE_LAYERS, PAGE_SIZE
 from .engine.config import DecodeStep, EngineConfig
 from .engine.engine import Engine, EngineStats
 from .engine.sequence import Completion, SamplingParams
-from .kv_policies import Dense, Eviction, KVPolicy
+from .kv_policies import BlockTopK, Dense, Eviction, KVPolicy
 from .model.loading import LoadedModel, model_name
 from .model.lora import LoraWeights, lora_merged
+from .rollout_journal import (
+    Journal,
+    Manifest,
+    Resumed,
+    RolloutInterrupted,
+    adapter_sha256,
+    prompts_sha256,
+    schedule_sha256,
+)
 from .tasks.rewards import reward_provenance
 
 
@@ -71,6 +82,7 @@ class RolloutSummary:
     cycle_tokens: int | None = None
     drafted_tokens: int | None = None
     accepted_drafts: int | None = None
+    resumed_prompts: int | None = None  # prompts kept from the journal of an interrupted run (None: none)
 
     @property
     def acceptance(self) -> float | None:
@@ -115,7 +127,8 @@ class RolloutSummary:
                     "speculative_cycles": self.cycles, "sample_cycles": self.sample_cycles,
                     "drafted_tokens": self.drafted_tokens,
                     "accepted_drafts": self.accepted_drafts, "acceptance": _rounded(self.acceptance),
-                    "tokens_per_cycle": _rounded(self.tokens_per_cycle)})}
+                    "tokens_per_cycle": _rounded(self.tokens_per_cycle)}),
+                **({} if self.resumed_prompts is None else {"resumed_prompts": self.resumed_prompts})}
 
 
 def _rounded(x: float | None) -> float | None:
@@ -166,9 +179,14 @@ def rollout_columns(rows: Seq[dict], results: Seq[Seq[Completion]], tokenizer,
     """The rollouts artifact's columns from the completions of each prompt row, whichever sampler made
     them (our engine, or vLLM in backends/vllm_sampler.py): decoded text and the reward of the row's task
     (or of the reward the command named), with any extra fields a user's reward function returned."""
+    return scored_columns(rows, results, tokenizer, on_scored)[0]
+
+
+def scored_columns(rows: Seq[dict], results: Seq[Seq[Completion]], tokenizer, on_scored: Scored | None = None
+                   ) -> tuple[dict[str, list], float | None]:
+    """`rollout_columns`, and the seconds scoring took (None: nothing was scored)."""
     out, items = sample_columns(rows, results, tokenizer)
-    score_rewards(out, items, on_scored)
-    return out
+    return out, score_rewards(out, items, on_scored)
 
 
 def sample_columns(rows: Seq[dict], results: Seq[Seq[Completion]], tokenizer
@@ -265,6 +283,12 @@ def summarize(out: dict, stats: EngineStats, reward_seconds: float | None = None
         compactions=getattr(stats, "compactions", 0), **kv, **_speculation(stats))
 
 
+def summary_columns(table: pa.Table) -> dict[str, list]:
+    """The columns of a rollouts table that `summarize` counts."""
+    return {k: table.column(k).to_pylist()
+            for k in ("budgets", "reward", "finish_reason", "sample", "kv_policy")}
+
+
 def _speculation(stats) -> dict:
     if not getattr(stats, "speculative", False):
         return {}
@@ -289,6 +313,9 @@ class RolloutRun:
     reward: str | None = None  # --reward (math | code); None with reward_fn: each prompt's own task scorer
     reward_fn: str | None = None  # --reward-fn path.py:function, as given
     raw_prompts: bool = False  # text prompts tokenized as they are, without the chat template
+    resume: bool = False  # continue the journal an interrupted run left (OUT.partial/)
+    force: bool = False  # a journal that holds finished prompts is started over (without `resume`)
+    checkpoint_interval: float = 60.0  # seconds between the journal's parts (0: as prompts finish)
 
     def metadata(self, sampling: SamplingParams, prompt_set, engine: str = "ours") -> dict:
         """What the artifact records of the run; `prompt_digests` for the prompts read as text or chat
@@ -341,15 +368,18 @@ def write_rollouts(run: RolloutRun, prompt_set, opts: RolloutOptions, chat: bool
                    on_step: Callable[[int, int], None] | None = None,
                    on_loading: Callable[[int], None] | None = None,
                    on_scored: Scored | None = None,
-                   on_tokenizing: Callable[[int], None] | None = None) -> tuple[pa.Table, RolloutSummary]:
+                   on_tokenizing: Callable[[int], None] | None = None,
+                   on_resume: Callable[[Resumed], None] | None = None) -> tuple[pa.Table, RolloutSummary]:
     """`run_rollouts` of the prompt set in this process, written to `run.output` with the summary in its
-    metadata. The prompts are tokenized (`on_tokenizing(count)` first, when some need it) and checked
-    against the pool before the weights load (`on_loading(longest prompt's tokens)` is called just before,
-    as the first engine step prefills such prompts before any progress); `on_scored` follows
-    the rewards."""
+    metadata, its finished prompts journaled in `OUT.partial/` as it goes (`run_journaled`; none for
+    stdout). The prompts are tokenized (`on_tokenizing(count)` first, when some need it) and checked
+    against the pool and, with `run.resume`, against the journal (`on_resume` hears what it keeps) before
+    the weights load (`on_loading(longest prompt's tokens)` is called just before, as the first engine step
+    prefills such prompts before any progress); `on_scored` follows the rewards."""
     import torch
 
     from sparrow.schemas import write_artifact
+    from sparrow.schemas.locations import is_stdio
 
     from .model.loading import load_model
     from .tasks.tokenizers import load_model_tokenizer
@@ -358,13 +388,73 @@ def write_rollouts(run: RolloutRun, prompt_set, opts: RolloutOptions, chat: bool
     if tokenizer is not None and on_tokenizing is not None:
         on_tokenizing(len(prompt_set.rows))
     rows = prompt_rows(prompt_set, tokenizer, chat, opts, run.model)
-    if on_loading is not None:
-        on_loading(max((len(r["prompt_token_ids"]) for r in rows), default=0))
-    loaded = load_model(run.model, device=run.device, dtype=getattr(torch, run.dtype))
-    table, summary = run_rollouts(loaded, rows, opts, on_step, on_scored=on_scored)
-    write_artifact(table, run.output, "rollouts",
-                   metadata={**run.metadata(opts.sampling, prompt_set), "summary": summary.metadata()})
+    meta = run.metadata(opts.sampling, prompt_set)
+    if is_stdio(run.output):
+        if on_loading is not None:
+            on_loading(max((len(r["prompt_token_ids"]) for r in rows), default=0))
+        loaded = load_model(run.model, device=run.device, dtype=getattr(torch, run.dtype))
+        table, summary = run_rollouts(loaded, rows, opts, on_step, on_scored=on_scored)
+        write_artifact(table, run.output, "rollouts", metadata={**meta, "summary": summary.metadata()})
+        return table, summary
+    journal, notes = Journal.open(run.output, run_manifest(run, opts, rows), rows, run.resume, run.force,
+                                  run.checkpoint_interval, meta)
+    if on_resume is not None and run.resume:
+        on_resume(Resumed(journal.folder, journal.kept_prompts, len(rows), notes))
+    completed = False
+    try:
+        journal.start()
+        loaded = None
+        if journal.todo:
+            if on_loading is not None:
+                on_loading(max(len(rows[i]["prompt_token_ids"]) for i in journal.todo))
+            loaded = load_model(run.model, device=run.device, dtype=getattr(torch, run.dtype))
+        table, summary = run_journaled(loaded, journal, opts, on_step, on_scored)
+        write_artifact(table, run.output, "rollouts", metadata={**meta, "summary": summary.metadata()})
+        completed = True
+    except RolloutInterrupted:
+        raise
+    except KeyboardInterrupt:
+        raise journal.interrupted() from None
+    finally:
+        journal.close(completed)
     return table, summary
+
+
+def run_manifest(run: RolloutRun, opts: RolloutOptions, rows: Seq[dict]) -> Manifest:
+    """The identity of a run of these tokenized prompt rows, as its journal records it."""
+    import torch
+
+    s, policy = opts.sampling, opts.policy
+    schedule = policy.schedule if isinstance(policy, BlockTopK) else None
+    return Manifest(model=model_name(run.model), prompts=len(rows), prompts_sha256=prompts_sha256(rows),
+                    samples=s.n, max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
+                    top_k=s.top_k, seed=s.seed, ignore_eos=s.ignore_eos, kv_policy=policy.spec(),
+                    schedule_sha256=schedule_sha256(schedule), dense_layers=tuple(opts.dense_layers),
+                    page_size=opts.page_size, speculate=opts.speculate, dtype=run.dtype, device=run.device,
+                    adapter_sha256=adapter_sha256(opts.lora), **reward_provenance(run.reward, run.reward_fn),
+                    raw_prompts=run.raw_prompts, threads=torch.get_num_threads())
+
+
+def run_journaled(loaded: LoadedModel | None, journal: Journal, opts: RolloutOptions,
+                  on_step: Callable[[int, int], None] | None = None, on_scored: Scored | None = None
+                  ) -> tuple[pa.Table, RolloutSummary]:
+    """`run_rollouts` of the journal's prompts still to do (`loaded` may be None when there are none),
+    seeded by their row indices, each prompt journaled once its samples finish; the table holds every row
+    (the kept ones too) in prompt order, and the summary counts them all, with the engine time of the
+    kept parts and of this run."""
+    todo, rows = journal.todo, journal.rows
+    stats = EngineStats(speculative=opts.speculate > 0)
+    if todo:
+        with Engine(loaded.model, opts.policy, engine_config(opts)) as engine, \
+                lora_merged(loaded.model, opts.lora):
+            columns = partial(scored_columns, tokenizer=loaded.tokenizer)
+            with journal.recording(lambda: engine.stats, columns, on_step) as step:
+                engine.generate([rows[i]["prompt_token_ids"] for i in todo], opts.sampling, step,
+                                request_ids=todo, on_prompt=journal.finished)
+        stats = engine.stats
+    table, reward_seconds = journal.result(on_scored)
+    summary = summarize(summary_columns(table), journal.stats(stats), reward_seconds)
+    return table, replace(summary, resumed_prompts=journal.kept_prompts or None)
 
 
 def rollout_shard(loaded: LoadedModel, rows: list[dict], indices: list[int], opts: RolloutOptions
@@ -437,9 +527,7 @@ def merge_summaries(results: Seq, wall_seconds: float) -> RolloutSummary:
     """One summary over the shards' (table, summary) results: counts and reward over every part;
     `seconds` is the wall-clock time of the parallel run (so tokens/s is the pool's throughput) and
     prefill, decode and reward seconds are summed over workers."""
-    table = pa.concat_tables([r.table for r in results])
-    cols = {k: table.column(k).to_pylist() for k in ("budgets", "reward", "finish_reason", "sample",
-                                                      "kv_policy")}
+    cols = summary_columns(pa.concat_tables([r.table for r in results]))
     scored = [r.summary.reward_seconds for r in results if r.summary.reward_seconds is not None]
     merged = summarize(cols, _Stats(sum(r.summary.prefill_seconds for r in results),
                                     sum(r.summary.decode_seconds for r in results),

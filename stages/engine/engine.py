@@ -344,9 +344,12 @@ class Engine:
     def generate(self, prompts: Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams],
                  on_step: Callable[[int, int], None] | None = None,
                  request_ids: Seq[int] | None = None,
-                 policy: KVPolicy | None = None) -> list[list[Completion]]:
+                 policy: KVPolicy | None = None,
+                 on_prompt: Callable[[int, list[Completion]], None] | None = None) -> list[list[Completion]]:
         """All samples of every prompt, in prompt order then sample order. `on_step(new_tokens,
-        finished_samples)` is called after every engine step. `request_ids` (default: consecutive, from 0
+        finished_samples)` is called after every engine step; `on_prompt(request_id, completions)` once
+        for each prompt, as soon as all of its samples have finished (in sample order), before that
+        step's `on_step`. `request_ids` (default: consecutive, from 0
         when the engine is idle) name the prompts in the per-sample seeds, so a shard of a prompt set given
         its global prompt indices samples exactly what the whole set run in one engine samples for those
         prompts. `policy` overrides the engine's for these prompts. Called on an idle engine, it starts
@@ -363,11 +366,14 @@ class Engine:
             raise ValueError("request_ids must name every prompt once")
         ids = [self.add_request(p, sp, rid, policy) for p, sp, rid in zip(prompts, params, request_ids)]
         out: dict[int, list[Completion]] = {i: [] for i in ids}
+        samples = {i: sp.n for i, sp in zip(ids, params)}
         while self.has_work():
             done, new = self.step()
             for c in done:
                 if c.request_id in out:
                     out[c.request_id].append(c)
+                    if on_prompt is not None and len(out[c.request_id]) == samples[c.request_id]:
+                        on_prompt(c.request_id, sorted(out[c.request_id], key=lambda x: x.sample))
             if on_step is not None:
                 on_step(new, len(done))
         return [sorted(out[i], key=lambda c: c.sample) for i in ids]

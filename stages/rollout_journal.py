@@ -1,0 +1,508 @@
+"""The journal of a `sparrow rollout` in progress, `OUT.partial/` beside its output, from which a stopped
+run (a crash, a preempted machine, Ctrl-C, SIGTERM) continues where it stopped (`--resume`).
+
+Decisions:
+- What is journaled: the prompts whose every sample has finished, their rewards scored, as parts
+  `part-NNNNN.parquet`, each a valid `rollouts` artifact written atomically (`write_artifact`: a hidden
+  temporary, then a rename), so a part is there whole or not at all. At most one part per `interval`
+  seconds (0: after every engine step in which a prompt finished), and, when the run stops on an
+  exception (an interrupt, SIGTERM), whatever has finished, written before the exception goes on. A
+  SIGKILL loses what was not yet in a part, nothing more.
+- A part's metadata is the run's (as its artifact records it), `prompt_rows` (the indices of its
+  prompts in the prompt set, ascending; their samples follow in sample order) and `engine_stats`: the
+  engine's `EngineStats` since the previous part (counts and seconds as differences, peaks as the run's
+  so far), with `reward_seconds` its scoring took. So a resumed run's summary adds up the engine time of
+  the work it kept (`merged_stats`: sums add, peaks take the largest).
+- `manifest.json` records the run's identity (`Manifest`): everything that decides the samples and their
+  rewards, nothing that changes only speed (the batch, the pool's size, prefill chunking, CUDA graphs).
+  A resume needs an equal manifest; the CPU thread count is recorded beside it, and another one is a
+  note, not a refusal: it changes the last bits of a CPU's logprobs, not what the run is.
+- A resumed run keeps the prompts of the parts as they were written and samples the rest with their
+  row indices as request ids, so each sample has the seed of an uninterrupted run; the artifact holds
+  every row in prompt order, then sample order.
+- One process writes a journal (`hold_folder`, from its start to its end). A run that completes removes
+  the folder after writing its artifact; one that stops before its first part removes it too, as a
+  journal without parts holds nothing to resume. Only `part-*.parquet` files are parts: the hidden
+  temporaries a killed write left are ignored (and removed by the next write of that part's name).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+import shutil
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+import pyarrow as pa
+
+from sparrow.schemas import SCHEMAS, ArtifactError, artifact_metadata, read_artifact, write_artifact
+from sparrow.schemas.io import write_bytes
+from sparrow.schemas.locations import LOCK_NAME, hold_folder, release_folder
+
+from .engine.engine import EngineStats
+from .engine.sequence import Completion
+
+SUFFIX = ".partial"
+MANIFEST = "manifest.json"
+PART = re.compile(r"part-(\d{5,})\.parquet")
+WRITER = "sparrow rollout"
+JOURNAL_VERSION = 1
+PEAKS = ("max_running", "peak_pages", "kv_tokens_peak", "dense_kv_tokens_peak")  # merged by max, not sum
+
+
+class JournalRefused(ArtifactError):
+    """A journal that this run may not continue or replace as asked; one sentence."""
+
+
+class RolloutInterrupted(KeyboardInterrupt):
+    """An interrupt that left the run resumable; the message says what the journal keeps."""
+
+
+def partial_folder(output: str | Path) -> Path:
+    """The journal of a run writing `output`: `OUT.partial` beside it, under the name the user gave."""
+    output = Path(output)
+    return output.with_name(output.name + SUFFIX)
+
+
+def shown(folder: Path) -> str:
+    """A journal folder as messages name it, with its slash: `OUT.partial/`."""
+    return f"{folder}/"
+
+
+# ---------------------------------------------------------------- the run's identity
+
+@dataclass(frozen=True)
+class Manifest:
+    """What decides a run's samples and rewards; two runs with equal manifests (`threads` aside) sample the
+    same rows. Field order is the order in which a difference is named."""
+
+    model: str
+    prompts: int
+    prompts_sha256: str  # prompt_id, token ids, task, answer and metadata of every row, in order
+    samples: int
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    ignore_eos: bool
+    kv_policy: str  # the policy's spec (a schedule's by its content, `schedule_sha256`)
+    schedule_sha256: str
+    dense_layers: tuple[int, ...]
+    page_size: int
+    speculate: int
+    dtype: str
+    device: str
+    adapter_sha256: str
+    reward: str | None
+    reward_fn: str | None
+    reward_fn_sha256: str
+    raw_prompts: bool
+    threads: int = field(default=0, compare=False)  # torch's CPU threads: a note when it differs
+
+    def to_json(self) -> bytes:
+        return json.dumps({"journal": JOURNAL_VERSION, **asdict(self)}, indent=1).encode() + b"\n"
+
+    @classmethod
+    def read(cls, folder: Path) -> Manifest:
+        """The manifest in `folder`; JournalRefused naming it when it is missing or not one of ours."""
+        path = folder / MANIFEST
+        try:
+            raw = json.loads(path.read_bytes())
+            if not isinstance(raw, dict) or raw.pop("journal", None) != JOURNAL_VERSION:
+                raise ValueError("not a rollout journal's manifest")
+            raw["dense_layers"] = tuple(raw["dense_layers"])
+            return cls(**raw)
+        except (OSError, ValueError, TypeError, KeyError) as e:
+            raise JournalRefused(f"{path} cannot be read as a rollout journal's manifest ({e}); pass --force "
+                                 "to start the run over") from None
+
+    def difference(self, now: Manifest) -> str | None:
+        """The first field (in field order) in which `now` differs from this manifest; None when equal."""
+        for f in fields(self):
+            if f.compare and getattr(self, f.name) != getattr(now, f.name):
+                return f.name
+        return None
+
+    def describe(self, name: str) -> str:
+        """The value of field `name` as a message shows it."""
+        value = getattr(self, name)
+        if name in ("prompts", "prompts_sha256"):
+            return f"{self.prompts} prompts (sha256 {self.prompts_sha256[:12]})"
+        if name.endswith("_sha256"):
+            return f"sha256 {value[:12]}" if value else "none"
+        if isinstance(value, bool):
+            return "on" if value else "off"
+        if name == "dense_layers":
+            return ",".join(map(str, value)) or "none"
+        return "none" if value is None else str(value)
+
+
+# what each field is on the command line, for the sentence that names a difference
+FLAGS = {"model": "--model", "prompts": "--prompts", "prompts_sha256": "--prompts", "samples": "--samples",
+         "max_new_tokens": "--max-new-tokens", "temperature": "--temperature", "top_p": "--top-p",
+         "top_k": "--top-k", "seed": "--seed", "ignore_eos": "--ignore-eos",
+         "kv_policy": "the sparsity (--budget/--schedule/--kv-compression)",
+         "schedule_sha256": "a --schedule of other budgets", "dense_layers": "dense layers",
+         "page_size": "pages of", "speculate": "--speculate", "dtype": "--dtype", "device": "--device",
+         "adapter_sha256": "--adapter", "reward": "--reward", "reward_fn": "--reward-fn",
+         "reward_fn_sha256": "a --reward-fn file of other code", "raw_prompts": "--raw-prompts"}
+
+
+def sha256_json(value: object) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def prompts_sha256(rows: Sequence[dict]) -> str:
+    """The digest of the prompt rows as the run samples and rewards them."""
+    return sha256_json([[r["prompt_id"], [int(t) for t in r["prompt_token_ids"]], r.get("task"),
+                         r.get("answer"), r.get("metadata")] for r in rows])
+
+
+def schedule_sha256(schedule) -> str:
+    """The digest of a `Schedule`'s budgets; "" for none (dense, a fixed budget, eviction)."""
+    if schedule is None:
+        return ""
+    return sha256_json([schedule.page_size, list(schedule.bin_starts), list(schedule.budgets)])
+
+
+def adapter_sha256(lora) -> str:
+    """The digest of a `LoraWeights`' weights (scale, rank, every module's A and B); "" for none."""
+    if lora is None:
+        return ""
+    h = hashlib.sha256(json.dumps([lora.alpha, lora.r, sorted(lora.modules)]).encode())
+    for name in sorted(lora.modules):
+        for t in lora.modules[name]:
+            h.update(t.detach().float().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+# ---------------------------------------------------------------- engine stats per part
+
+def stats_since(now: EngineStats, before: dict[str, float]) -> dict[str, float]:
+    """The engine's counts and seconds since `before` (an earlier `stats_since(...)` total, {} at the
+    start), and its peaks so far; lists (per-step times) are left out."""
+    out: dict[str, float] = {}
+    for f in fields(now):
+        value = getattr(now, f.name)
+        if isinstance(value, bool):
+            out[f.name] = value
+        elif isinstance(value, int | float):
+            out[f.name] = value if f.name in PEAKS else value - before.get(f.name, 0)
+    return out
+
+
+def stats_total(now: EngineStats) -> dict[str, float]:
+    return stats_since(now, {})
+
+
+def merged_stats(parts: Sequence[dict], this_run: EngineStats) -> EngineStats:
+    """`this_run`'s stats with the parts' (kept from earlier runs) added: sums add, peaks the largest."""
+    merged = EngineStats(speculative=this_run.speculative)
+    for f in fields(merged):
+        values = [getattr(this_run, f.name)] + [p[f.name] for p in parts if f.name in p]
+        if isinstance(values[0], bool):
+            setattr(merged, f.name, any(values))
+        elif isinstance(values[0], int | float):
+            setattr(merged, f.name, max(values) if f.name in PEAKS else sum(values))
+    return merged
+
+
+# ---------------------------------------------------------------- what a journal holds
+
+@dataclass(frozen=True)
+class Resumed:
+    """What `--resume` found: the journal, the prompts it keeps of the run's, and what to note."""
+
+    folder: Path
+    kept: int
+    total: int
+    notes: list[str]
+
+
+@dataclass
+class Chunk:
+    """Rows of whole prompts: `table` holds the samples of `indices[0]`, then of `indices[1]`, ..."""
+
+    indices: list[int]
+    table: pa.Table
+    stats: dict[str, float] = field(default_factory=dict)
+    reward_seconds: float | None = None
+
+
+@dataclass(frozen=True)
+class Found:
+    """A journal folder as found on disk: its manifest (None: unreadable) and the prompts its parts hold."""
+
+    folder: Path
+    manifest: Manifest | None
+    parts: list[Path]
+    prompts_done: int
+
+    @property
+    def total(self) -> str:
+        return "" if self.manifest is None else f" of {self.manifest.prompts}"
+
+
+def part_files(folder: Path) -> list[Path]:
+    """The parts of a journal, in the order they were written."""
+    return sorted((p for p in folder.iterdir() if PART.fullmatch(p.name)), key=_number)
+
+
+def _number(part: Path) -> int:
+    return int(PART.fullmatch(part.name).group(1))
+
+
+def find(folder: Path) -> Found | None:
+    """The journal at `folder` (None: there is none). A folder that is not a journal's (a file, or a
+    folder with files but no manifest) is refused: nothing of someone else's is read back or removed."""
+    if not folder.exists() and not folder.is_symlink():
+        return None
+    if not folder.is_dir():
+        raise JournalRefused(f"{folder} is in the way of this run's journal {shown(folder)} and is not one; "
+                             "move it away, or choose another -o")
+    names = [p.name for p in folder.iterdir() if not p.name.startswith(".")]  # not the lock, temporaries
+    if names and MANIFEST not in names:
+        raise JournalRefused(f"{shown(folder)} holds no {MANIFEST}, so it is not the journal of a rollout; "
+                             "move it away, or choose another -o")
+    try:
+        manifest = Manifest.read(folder) if names else None
+    except JournalRefused:  # a resume names it; --force replaces it
+        manifest = None
+    parts = part_files(folder)
+    return Found(folder, manifest, parts, sum(_prompts_in(p) for p in parts))
+
+
+def _prompts_in(part: Path) -> int:
+    """The prompts a part's footer names (0 for one that cannot be read: a resume names it)."""
+    try:
+        return len(artifact_metadata(part).get("prompt_rows") or ())
+    except (ArtifactError, OSError):
+        return 0
+
+
+def check_folder(output: str | Path, resume: bool, force: bool) -> Found | None:
+    """Before any work: the journal beside `output` (returned; None: there is none) is not being written
+    by another process, and one that holds finished prompts is continued (`resume`) or started over
+    (`force`), never replaced unasked. Changes nothing on disk."""
+    folder = partial_folder(output)
+    found = find(folder)
+    if found is None:
+        return None
+    hold_folder(folder, WRITER, "another -o")  # refuses when another run writes it
+    release_folder(folder)
+    if found.parts and not resume and not force:
+        raise JournalRefused(f"an interrupted run left {found.prompts_done}{found.total} prompts in "
+                             f"{shown(folder)}; pass --resume to continue it, or --force to start over")
+    return found
+
+
+# (rows, their completions, on_scored=...) -> their columns, rewards scored, and the seconds scoring took
+Columns = Callable[..., tuple[dict, "float | None"]]
+
+
+class Journal:
+    """The journal of this run: the chunks kept from an earlier run, the parts this run writes, and the
+    prompts finished since the last part."""
+
+    def __init__(self, folder: Path, manifest: Manifest, rows: Sequence[dict], kept: list[Chunk],
+                 fresh: bool, interval: float, metadata: dict):
+        self.folder, self.manifest, self.rows = folder, manifest, rows
+        self.kept, self.written = kept, []  # chunks from earlier runs' parts, and from this run's
+        self.fresh = fresh  # no journal of this run's identity was there: (re)made at `start`
+        self.interval, self.metadata = interval, metadata
+        self.pending: dict[int, list[Completion]] = {}
+        self.next_part = 0 if fresh else 1 + max(_number(p) for p in part_files(folder))
+        self.columns: Columns | None = None
+        self.engine_stats: Callable[[], EngineStats] | None = None
+        self.last_stats: dict[str, float] = {}
+        self.last_write = time.monotonic()
+        self.held = False
+
+    # ------------------------------------------------------------ opening
+
+    @classmethod
+    def open(cls, output: str | Path, manifest: Manifest, rows: Sequence[dict], resume: bool, force: bool,
+             interval: float, metadata: dict) -> tuple[Journal, list[str]]:
+        """The journal of a run writing `output`, and the notes a resume gives (another thread count).
+        With `resume`, an earlier journal is checked (its manifest equal to `manifest`, every part a
+        rollouts artifact of whole prompts of `rows`) and its prompts kept; without, or where there is
+        none, the run starts from the first prompt (`check_folder`'s rule). Nothing on disk changes here
+        (`start` does)."""
+        found = check_folder(output, resume, force)
+        folder = partial_folder(output)
+        if not resume or found is None or not found.parts:
+            return cls(folder, manifest, rows, [], True, interval, metadata), []
+        saved = found.manifest or Manifest.read(folder)
+        name = saved.difference(manifest)
+        if name is not None:
+            again = "drop --resume (keeping --force)" if force else "pass --force"
+            raise JournalRefused(f"{shown(folder)} was written with {FLAGS[name]} {saved.describe(name)}, "
+                                 f"this run has {manifest.describe(name)}; rerun with the same flags, or "
+                                 f"{again} to start over")
+        kept = _read_parts(found.parts, rows, manifest.samples)
+        notes = []
+        if saved.threads != manifest.threads and manifest.device == "cpu":
+            notes.append(f"--resume: {shown(folder)} was written with {saved.threads} CPU threads and this "
+                         f"run has {manifest.threads}; a CPU's logprobs may differ in their last bits with "
+                         "the thread count, so the resumed rows are samples of the same seeds but not bit "
+                         f"for bit those of an uninterrupted run (--threads {saved.threads} keeps them)")
+        return cls(folder, manifest, rows, kept, False, interval, metadata), notes
+
+    @property
+    def kept_prompts(self) -> int:
+        return sum(len(c.indices) for c in self.kept)
+
+    @property
+    def todo(self) -> list[int]:
+        """The row indices still to sample, in order."""
+        done = {i for c in self.kept for i in c.indices}
+        return [i for i in range(len(self.rows)) if i not in done]
+
+    def start(self) -> None:
+        """Hold the folder for this run; a fresh journal replaces whatever journal was there (--force:
+        every check has passed) and records the manifest."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        hold_folder(self.folder, WRITER, "another -o")
+        self.held = True
+        if self.fresh:
+            for p in self.folder.iterdir():
+                if p.name != LOCK_NAME:
+                    shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+            write_bytes(self.folder / MANIFEST, self.manifest.to_json())
+
+    def close(self, completed: bool) -> None:
+        """Let go of the folder, removing it when the run completed (its artifact is written) or when it
+        holds no part (nothing to resume)."""
+        if not self.held:
+            return
+        if completed or not part_files(self.folder):
+            shutil.rmtree(self.folder, ignore_errors=True)
+        release_folder(self.folder)
+        self.held = False
+
+    # ------------------------------------------------------------ recording
+
+    @contextmanager
+    def recording(self, engine_stats: Callable[[], EngineStats], columns: Columns,
+                  on_step: Callable[[int, int], None] | None) -> Iterator[Callable[[int, int], None]]:
+        """The block in which the engine samples: it yields the `on_step` to give the engine (a part is
+        written after a step once `interval` seconds have passed since the last one, then `on_step` runs).
+        On an exception the prompts finished so far are written first; an interrupt goes on as
+        `RolloutInterrupted`, saying what the journal keeps."""
+        self.engine_stats, self.columns = engine_stats, columns
+        self.last_write = time.monotonic()
+
+        def step(new: int, finished: int) -> None:
+            if self.pending and time.monotonic() - self.last_write >= self.interval:
+                self.flush()
+            if on_step is not None:
+                on_step(new, finished)
+
+        try:
+            yield step
+        except BaseException as e:
+            try:
+                self.flush()
+            except Exception:  # the run's own error (or its interrupt) is the one to report
+                pass
+            if isinstance(e, KeyboardInterrupt):
+                raise self.interrupted() from None
+            raise
+
+    def finished(self, index: int, completions: list[Completion]) -> None:
+        """The engine's `on_prompt`: every sample of row `index` has finished."""
+        self.pending[index] = completions
+
+    def flush(self) -> None:
+        """The prompts finished since the last part, scored and written as the next part."""
+        if not self.pending:
+            return
+        indices = sorted(self.pending)
+        out, reward_seconds = self.columns([self.rows[i] for i in indices],
+                                           [self.pending[i] for i in indices])
+        now = self.engine_stats()
+        stats, since = stats_total(now), stats_since(now, self.last_stats)
+        chunk = Chunk(indices, _conformed(pa.table(out)), since, reward_seconds)
+        meta = {**self.metadata, "part": self.next_part, "prompt_rows": indices, "engine_stats": since,
+                "reward_seconds": reward_seconds}
+        write_artifact(chunk.table, self.folder / f"part-{self.next_part:05d}.parquet", "rollouts", meta)
+        self.written.append(chunk)
+        self.next_part += 1
+        self.last_stats, self.last_write = stats, time.monotonic()
+        self.pending = {}
+
+    def interrupted(self) -> RolloutInterrupted:
+        kept = self.kept_prompts + sum(len(c.indices) for c in self.written)
+        if not kept:
+            return RolloutInterrupted("no prompt had been journaled yet, so nothing was kept")
+        return RolloutInterrupted(f"{shown(self.folder)} keeps the {kept} of {len(self.rows)} prompts that "
+                                  "had finished; run the same command with --resume to continue")
+
+    # ------------------------------------------------------------ the whole run
+
+    def result(self, on_scored: Callable[[int, int], None] | None = None) -> tuple[pa.Table, float | None]:
+        """Every row in prompt order, then sample order: the kept parts', this run's parts' and the prompts
+        finished since the last part (scored now, `on_scored` following them); and the seconds every
+        part's scoring and this one took (None: nothing was scored)."""
+        chunks = [*self.kept, *self.written]
+        seconds = [c.reward_seconds for c in chunks if c.reward_seconds is not None]
+        if self.pending:
+            indices = sorted(self.pending)
+            out, scored = self.columns([self.rows[i] for i in indices], [self.pending[i] for i in indices],
+                                       on_scored=on_scored)
+            chunks.append(Chunk(indices, _conformed(pa.table(out))))
+            seconds += [scored] if scored is not None else []
+            self.pending = {}
+        n = self.manifest.samples
+        by_prompt: dict[int, pa.Table] = {}
+        for c in chunks:
+            for j, i in enumerate(c.indices):
+                by_prompt[i] = c.table.slice(j * n, n)
+        table = pa.concat_tables([by_prompt[i] for i in range(len(self.rows))])
+        return table, (math.fsum(seconds) if seconds else None)
+
+    def stats(self, this_run: EngineStats) -> EngineStats:
+        """The run's engine stats: this run's, with those of the parts kept from earlier runs."""
+        return merged_stats([c.stats for c in self.kept], this_run)
+
+
+def _conformed(table: pa.Table) -> pa.Table:
+    """A table of the rollouts schema, without metadata, so chunks of any origin concatenate."""
+    return SCHEMAS["rollouts"].conform(table, "the rollouts", fill_missing=True).replace_schema_metadata(None)
+
+
+def _read_parts(parts: list[Path], rows: Sequence[dict], samples: int) -> list[Chunk]:
+    """The parts of an earlier run, each checked: a rollouts artifact whose rows are the samples of the
+    prompts its metadata names, each prompt in one part only."""
+    chunks, seen = [], set()
+    for part in parts:
+        try:
+            table = read_artifact(part, "rollouts")
+        except ArtifactError as e:
+            raise JournalRefused(f"{e}; it is a part of the interrupted run's journal: remove it to resume "
+                                 "without its prompts, or pass --force to start over") from None
+        meta = artifact_metadata(table)
+        indices = meta.get("prompt_rows")
+        if not isinstance(indices, list) or not all(isinstance(i, int) for i in indices):
+            raise JournalRefused(f"{part} has no prompt_rows in its metadata, so it is not a part of a "
+                                 "rollout journal; remove it, or pass --force to start over")
+        ids = table.column("prompt_id").to_pylist()
+        expected = [rows[i]["prompt_id"] for i in indices if 0 <= i < len(rows) for _ in range(samples)]
+        sample = table.column("sample").to_pylist()
+        if (seen & set(indices) or len(indices) != len(set(indices)) or ids != expected
+                or sample != list(range(samples)) * len(indices)):
+            raise JournalRefused(f"{part} does not hold the {samples} samples of each of the prompts it "
+                                 "names (rows of --prompts), each once; remove it to resume without it, or "
+                                 "pass --force to start over")
+        seen.update(indices)
+        stats = meta.get("engine_stats")
+        chunks.append(Chunk(indices, _conformed(table), stats if isinstance(stats, dict) else {},
+                            meta.get("reward_seconds")))
+    return chunks

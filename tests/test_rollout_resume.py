@@ -1,0 +1,300 @@
+"""`sparrow rollout --resume`: a stopped rollout continues from its journal (OUT.partial/) and writes what
+an uninterrupted run writes.
+
+The independent expectation is the rollout as the engine gives it without any journal: `run_rollouts`
+over the whole prompt set in one call (the path `sparrow rollout` took before it journaled). At one
+thread count on a CPU a resumed run must give the same rows bit for bit: tokens, logprobs, budgets,
+rewards. The model is a tiny random Llama with SmolLM2's tokenizer, so samples have text and the test
+task `vowels` (dist_helper.py) gives them graded rewards.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from sparrow.cli.app import app
+from sparrow.schemas import SCHEMAS, artifact_metadata, read_artifact
+from sparrow.stages.core.sparsity import as_policy
+from sparrow.stages.engine import EngineStats, SamplingParams
+from sparrow.stages.model.loading import load_model
+from sparrow.stages.rollout import RolloutOptions, run_rollouts
+from sparrow.stages.rollout_journal import merged_stats
+
+from cli_checks import error_line
+
+runner = CliRunner()
+TESTS = Path(__file__).parent
+SAMPLES, NEW_TOKENS, BATCH = 2, 8, 2
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Bit for bit holds at one thread count: every run here (and the subprocess) uses one thread."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(model, prompts): 6 prompts of the `vowels` task, about 100 tokens each (budget 48 is sparse)."""
+    from sparrow.stages.tasks import TASKS
+
+    from dist_helper import make_tiny, register_vowels
+
+    register_vowels()
+    yield make_tiny(tmp_path_factory.mktemp("tiny-resume"))
+    TASKS.pop("vowels", None)
+
+
+def _plain(table: pa.Table) -> pa.Table:
+    return SCHEMAS["rollouts"].conform(table, "rollouts", fill_missing=True).replace_schema_metadata(None)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny):
+    """budget (None: dense) -> the rollouts of `run_rollouts` over every prompt in one engine call."""
+    model, prompts = tiny
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    loaded = load_model(model)
+    rows = read_artifact(prompts, "prompts").to_pylist()
+    out = {}
+    for budget in (None, 48):
+        opts = RolloutOptions(sampling=SamplingParams(n=SAMPLES, max_new_tokens=NEW_TOKENS, seed=0),
+                              max_batch=BATCH, policy=as_policy(budget))
+        out[budget] = _plain(run_rollouts(loaded, rows, opts)[0])
+    torch.set_num_threads(before)
+    assert all(r is not None for r in out[None].column("reward").to_pylist())  # scored: rewards compared
+    return out
+
+
+def _args(tiny, out: Path, budget: int | None, *extra: str) -> list[str]:
+    model, prompts = tiny
+    return ["rollout", "--model", model, "--prompts", prompts, "--samples", str(SAMPLES), "--max-new-tokens",
+            str(NEW_TOKENS), "--max-num-seqs", str(BATCH), "--threads", "1", "-o", str(out),
+            *(["--budget", str(budget)] if budget else []), *extra]
+
+
+def _partial(out: Path) -> Path:
+    return out.with_name(out.name + ".partial")
+
+
+def _interrupt_after(monkeypatch, prompts: int) -> None:
+    """Ctrl-C from the progress callback once `prompts` prompts have finished (one at a time here: a batch
+    of 2 holds one prompt's 2 samples)."""
+    from sparrow.cli import rollout as cli
+
+    advance = cli._Bars.advance
+
+    def interrupted(self, finished, new_tokens):
+        advance(self, finished, new_tokens)
+        if self.done >= prompts * SAMPLES:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli._Bars, "advance", interrupted)
+
+
+def _snapshot(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+@pytest.fixture(scope="module")
+def journal(tiny, tmp_path_factory):
+    """The journal a dense run interrupted after 2 of its 6 prompts left (copied by the tests that use it)."""
+    out = tmp_path_factory.mktemp("interrupted") / "r.parquet"
+    with pytest.MonkeyPatch.context() as mp:
+        _interrupt_after(mp, 2)
+        r = runner.invoke(app, _args(tiny, out, None))
+    assert r.exit_code == 130, r.output
+    return _partial(out)
+
+
+def _copy(journal: Path, out: Path) -> Path:
+    import shutil
+
+    shutil.copytree(journal, _partial(out))
+    return _partial(out)
+
+
+@pytest.mark.parametrize("budget", [None, 48], ids=["dense", "budget48"])
+def test_an_interrupted_run_resumed_writes_the_uninterrupted_rows(tiny, reference, tmp_path, monkeypatch,
+                                                                  budget):
+    """Ctrl-C after 2 prompts: the `finally` journals them (the default interval had written no part), the
+    message says how to go on; --resume samples the other 4 and the artifact is the uninterrupted one."""
+    out = tmp_path / "r.parquet"
+    with monkeypatch.context() as mp:
+        _interrupt_after(mp, 2)
+        r = runner.invoke(app, _args(tiny, out, budget))
+    assert r.exit_code == 130 and not out.exists(), r.output
+    assert "keeps the 2 of 6 prompts that had finished; run the same command with --resume" in r.stderr
+    parts = sorted(_partial(out).glob("part-*.parquet"))
+    assert [p.name for p in parts] == ["part-00000.parquet"]
+    assert artifact_metadata(parts[0])["prompt_rows"] == [0, 1]
+    assert read_artifact(parts[0], "rollouts").num_rows == 2 * SAMPLES
+
+    r = runner.invoke(app, _args(tiny, out, budget, "--resume", "--format", "json"))
+    assert r.exit_code == 0, r.output
+    assert f"resuming {_partial(out)}/: 2 of 6 prompts done, 4 to go" in r.stderr
+    assert "(2 prompts from the interrupted run)" in r.stderr
+    assert _plain(read_artifact(out, "rollouts")).equals(reference[budget])
+    assert not _partial(out).exists()
+    summary = artifact_metadata(out)["summary"]
+    ref = reference[budget]
+    assert summary["samples"] == ref.num_rows and summary["resumed_prompts"] == 2
+    assert summary["tokens"] == sum(len(t) for t in ref.column("token_ids").to_pylist())
+    assert summary["reward_mean"] == pytest.approx(sum(ref.column("reward").to_pylist()) / ref.num_rows)
+
+
+_KILLED = """
+import sys, time
+sys.path.insert(0, sys.argv[1])
+from dist_helper import register_vowels
+from sparrow.stages import rollout_journal
+
+register_vowels()
+flush = rollout_journal.Journal.flush
+
+def flush_then_wait(self):  # the test kills the process here, with a part on disk and prompts to go
+    flush(self)
+    time.sleep(60)
+
+rollout_journal.Journal.flush = flush_then_wait
+from sparrow.cli.app import app
+app(sys.argv[2:])
+"""
+
+
+def test_a_killed_run_resumed_writes_the_uninterrupted_rows(tiny, reference, tmp_path):
+    """SIGKILL (no `finally` runs) once the first part is on disk: --resume keeps it and completes the run."""
+    out = tmp_path / "r.parquet"
+    args = _args(tiny, out, 48, "--checkpoint-interval", "0")
+    proc = subprocess.Popen([sys.executable, "-c", _KILLED, str(TESTS), *args], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+                            cwd=tmp_path)  # not the repository, whose kernels/ would shadow the package
+    first = _partial(out) / "part-00000.parquet"
+    deadline = time.monotonic() + 120
+    while not first.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    _, err = proc.communicate()
+    assert first.exists(), err.decode()[-2000:]
+    assert not out.exists() and not (_partial(out) / "part-00001.parquet").exists()
+    done = len(artifact_metadata(first)["prompt_rows"])
+
+    r = runner.invoke(app, _args(tiny, out, 48, "--resume"))
+    assert r.exit_code == 0, r.output
+    assert f"{done} of 6 prompts done, {6 - done} to go" in r.stderr
+    assert _plain(read_artifact(out, "rollouts")).equals(reference[48])
+    assert not _partial(out).exists()
+
+
+@pytest.mark.parametrize("extra,named", [
+    (["--temperature", "0.7"], "was written with --temperature 1.0, this run has 0.7;"),
+    (["--budget", "48"], "was written with the sparsity (--budget/--schedule/--kv-compression) dense, this "
+                         "run has budget:48;"),
+    (["--prompts", "OTHER"], "was written with --prompts 6 prompts (sha256 "),
+])
+def test_a_journal_of_another_run_is_refused_and_left_as_it_was(tiny, journal, tmp_path, extra, named):
+    out = tmp_path / "r.parquet"
+    folder = _copy(journal, out)
+    before = _snapshot(folder)
+    if "OTHER" in extra:
+        rows = read_artifact(tiny[1], "prompts").slice(0, 5)
+        other = tmp_path / "other.parquet"
+        from sparrow.schemas import write_artifact
+
+        write_artifact(rows, other, "prompts")
+        extra = ["--prompts", str(other)]
+    r = runner.invoke(app, [*_args(tiny, out, None, "--resume"), *extra])
+    line = error_line(r)
+    assert r.exit_code != 0 and line.startswith(f"error: {folder}/ ") and named in line, r.output
+    assert "rerun with the same flags, or pass --force to start over" in line
+    assert _snapshot(folder) == before and not out.exists()
+
+
+def test_a_part_that_does_not_read_is_refused_by_name_and_temporaries_are_ignored(tiny, journal, tmp_path):
+    out = tmp_path / "r.parquet"
+    folder = _copy(journal, out)
+    (folder / ".part-00001.parquet.0123456789ab-999999.tmp").write_bytes(b"PAR1 half")  # a killed write's
+    (folder / "part-00001.parquet").write_bytes(b"PAR1 truncated")
+    r = runner.invoke(app, _args(tiny, out, None, "--resume"))
+    line = error_line(r)
+    assert r.exit_code != 0 and str(folder / "part-00001.parquet") in line, r.output
+    assert "remove it to resume without its prompts, or pass --force" in line
+    (folder / "part-00001.parquet").unlink()
+    r = runner.invoke(app, _args(tiny, out, None, "--resume"))
+    assert r.exit_code == 0 and "2 of 6 prompts done" in r.stderr, r.output
+
+
+def test_a_journal_without_resume_is_refused_and_force_starts_over(tiny, journal, reference, tmp_path):
+    out = tmp_path / "r.parquet"
+    folder = _copy(journal, out)
+    before = _snapshot(folder)
+    r = runner.invoke(app, _args(tiny, out, None))
+    assert error_line(r) == (f"error: an interrupted run left 2 of 6 prompts in {folder}/; pass --resume to "
+                             "continue it, or --force to start over"), r.output
+    assert _snapshot(folder) == before and not out.exists()
+    r = runner.invoke(app, _args(tiny, out, None, "--force"))
+    assert r.exit_code == 0 and "prompts from the interrupted run" not in r.stderr, r.output
+    assert _plain(read_artifact(out, "rollouts")).equals(reference[None])
+    assert "resumed_prompts" not in artifact_metadata(out)["summary"] and not folder.exists()
+
+
+def test_resume_without_a_journal_notes_it_and_runs_everything(tiny, reference, tmp_path):
+    out = tmp_path / "r.parquet"
+    r = runner.invoke(app, _args(tiny, out, None, "--resume"))
+    assert r.exit_code == 0, r.output
+    assert "note: --resume:" in r.stderr and "nothing to resume" in r.stderr
+    assert _plain(read_artifact(out, "rollouts")).equals(reference[None])
+
+
+def test_an_uninterrupted_run_writes_what_run_rollouts_gives_and_leaves_no_journal(tiny, reference, tmp_path):
+    """The journal changes nothing of the artifact: --checkpoint-interval 0 writes a part per finished
+    prompt along the way, and the artifact is the engine's rows without a journal, the folder gone."""
+    out = tmp_path / "r.parquet"
+    r = runner.invoke(app, _args(tiny, out, 48, "--checkpoint-interval", "0"))
+    assert r.exit_code == 0, r.output
+    assert _plain(read_artifact(out, "rollouts")).equals(reference[48])
+    assert not _partial(out).exists() and sorted(p.name for p in tmp_path.iterdir()) == ["r.parquet"]
+    summary = artifact_metadata(out)["summary"]
+    assert summary["samples"] == 12 and "resumed_prompts" not in summary
+
+
+@pytest.mark.parametrize("extra,why", [
+    (["--workers", "2"], "--workers runs in Ray workers, which keep no journal"),
+    (["--engine", "vllm"], "--engine vllm keeps no journal"),
+    (["-o", "-"], "-o - (stdout) has no folder beside it for one"),
+])
+def test_resume_where_no_journal_is_kept_is_refused(tiny, tmp_path, extra, why):
+    r = runner.invoke(app, [*_args(tiny, tmp_path / "out", None, "--resume"), *extra])
+    assert error_line(r) == ("error: --resume needs the journal that our engine keeps in this process beside "
+                             f"-o (OUT.partial/), and {why}; drop --resume"), r.output
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_merged_stats_add_sums_and_take_the_largest_peak():
+    """Two kept parts and this run's engine: counts and seconds add, peaks are the largest of the three,
+    and the mean KV tokens come from the summed sums over the summed decode steps."""
+    parts = [{"decode_steps": 10, "kv_tokens_sum": 1000, "kv_tokens_peak": 150, "prefill_s": 0.5,
+              "decode_s": 2.0, "preemptions": 1},
+             {"decode_steps": 5, "kv_tokens_sum": 900, "kv_tokens_peak": 250, "prefill_s": 0.25,
+              "decode_s": 1.0, "preemptions": 0}]
+    this_run = EngineStats(decode_steps=5, kv_tokens_sum=100, kv_tokens_peak=30, prefill_s=0.25, decode_s=1.0,
+                           preemptions=2)
+    merged = merged_stats(parts, this_run)
+    assert (merged.decode_steps, merged.kv_tokens_sum, merged.kv_tokens_peak, merged.preemptions) == (
+        20, 2000, 250, 3)
+    assert merged.seconds == pytest.approx(5.0)
+    assert merged.kv_tokens_sum / merged.decode_steps == 100.0
