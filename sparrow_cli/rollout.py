@@ -62,7 +62,8 @@ from .output import emit_record, format_option, resolve_format
 SUMMARY_LABELS = {"tokens": "generated tokens", "seconds": "seconds (sampling)",
                   "prefill_seconds": "  prefill seconds", "decode_seconds": "  decode seconds",
                   "reward_seconds": "reward seconds (scoring, after sampling)",
-                  "tokens_per_s": "tokens / s", "mean_budget": "mean budget (sparse tokens)",
+                  "tokens_per_s": "tokens / s (prefill included)",
+                  "mean_budget": "mean budget (sparse tokens)",
                   "dense_fraction": "dense tokens (fraction)", "stop_fraction": "stopped at EOS (fraction)",
                   "reward_mean": "mean reward",
                   "preemptions": "preemptions (KV pool full, recomputed)", "kv_policy": "KV policy",
@@ -213,6 +214,7 @@ def rollout(
     )
 
     fmt = resolve_format(format)
+    engine = engine.lower()  # as --format, --task and --reward take any case
     if engine not in ("ours", "vllm"):
         raise UsageError(f"--engine must be ours or vllm, got {engine!r}")
     journaled = _check_journal_flags(resume, checkpoint_interval, workers, engine, output)

@@ -67,7 +67,7 @@ def test_workers_without_ray_is_one_sentence(tmp_path, monkeypatch):
                             "-o", str(tmp_path / "out")])
     assert r.exit_code != 0
     lines = [line for line in r.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and "pip install 'sparrow-rl[ray]'" in lines[0], r.stderr
+    assert len(lines) == 1 and "pip install -e '.[ray]'" in lines[0], r.stderr
     assert not (tmp_path / "out").exists()
 
 

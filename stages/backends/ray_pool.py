@@ -25,7 +25,7 @@ def require_ray():
         import ray
     except ImportError:
         raise RayMissing("--workers needs Ray, which is not installed: install it with "
-                         "`pip install 'sparrow-rl[ray]'` (or `pip install ray`)") from None
+                         "`pip install -e '.[ray]'` in the checkout (or `pip install ray`)") from None
     return ray
 
 
