@@ -346,8 +346,10 @@ def stopped(signum: int = signal.SIGINT, said: str = NOTHING_LEFT) -> NoReturn:
 @contextmanager
 def sigterm_as_interrupt(received: list[int]) -> Iterator[None]:
     """SIGTERM, what schedulers (Slurm, Kubernetes) send to stop a job, takes SIGINT's path: the SIGINT
-    handler in place runs (a training step defers it until its writes end), else KeyboardInterrupt.
-    `received` records it. Only in the main thread, where Python runs signal handlers."""
+    handler in place runs, else (SIGINT ignored, as in a shell's background job) KeyboardInterrupt.
+    `received` records it. A training step defers this handler itself until its writes end, whatever
+    SIGINT's is (stages/train/run_dir.py: interrupts_deferred). Only in the main thread, where Python runs
+    signal handlers."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return

@@ -57,8 +57,8 @@ TRAIN_LABELS = {"reward_first": "reward, first step", "reward_last": "reward, la
                 "final_eval_accuracy_sparse": "eval accuracy under the run's sparsity, last eval",
                 "skipped_updates": "steps whose update was skipped (every token rejected)",
                 "mean_mismatch_kl": "mismatch KL (mean)",
-                "mean_alpha_p5": "alpha p5, exact on a subsample (mean over steps)",
-                "mean_alpha_lb_p5": "alpha top-20 lower bound, p5 (mean over steps)",
+                "mean_alpha_p5": "alpha p5, min over position bins, exact on a subsample (mean over steps)",
+                "mean_alpha_lb_p5": "alpha top-20 lower bound, p5 pooled over tokens (mean over steps)",
                 "mean_masked_fraction": "masked tokens (mean fraction)",
                 "mean_vetoed_fraction": "vetoed tokens (mean fraction)",
                 "mean_rollout_seconds": "s per step: rollout", "mean_scoring_seconds": "s per step: scoring",
@@ -169,6 +169,16 @@ def train(
                                   "the run's sparsity drafts up to K tokens per sample and the dense policy "
                                   "verifies them, so every rollout is on-policy (no correction needed) and "
                                   "draft_acceptance is logged per step. 0 = off; not with --workers."),
+    epsilon: float = typer.Option(0.2, "--epsilon", callback=finite,
+                                  help="PPO clip, low side: the ratio of a negative-advantage token is cut "
+                                  "at 1 - epsilon (TRL's epsilon; verl's clip_ratio_low)."),
+    epsilon_high: float = typer.Option(0.28, "--epsilon-high", callback=finite,
+                                       help="PPO clip, high side: a positive-advantage token's ratio is cut "
+                                       "at 1 + epsilon_high (DAPO's clip-higher; TRL's epsilon_high, verl's "
+                                       "clip_ratio_high)."),
+    max_grad_norm: float = typer.Option(1.0, "--max-grad-norm", callback=finite,
+                                        help="Clip the gradient's global norm to this (TRL's "
+                                        "max_grad_norm)."),
     kl_coef: float = typer.Option(0.0, "--kl-coef", "--beta", callback=finite,
                                   help="Coefficient of the k3 KL to the initial policy (TRL's "
                                   "beta); 0 = no KL term."),
@@ -270,8 +280,9 @@ def train(
         rollout_is_batch_normalize=rollout_is_batch_normalize, rollout_rs=rollout_rs,
         rollout_rs_threshold=rollout_rs_threshold, off_policy_mask_threshold=off_policy_mask_threshold,
         rejection=rejection, rejection_c=rejection_c, alpha_weight=alpha_weight,
-        bypass_mode=bypass_mode or None, loss_agg=None if loss_agg == "token-mean" else loss_agg).items()
-        if v is not None}
+        bypass_mode=bypass_mode or None, loss_agg=None if loss_agg == "token-mean" else loss_agg,
+        clip_low=None if epsilon == 0.2 else epsilon, clip_high=None if epsilon_high == 0.28 else epsilon_high
+    ).items() if v is not None}  # a default left out: the configuration a run of an older Sparrow recorded
     for flag, path in (("--prompts", prompts), ("--eval-prompts", eval_prompts)):
         if path is not None and not path.exists():
             raise UsageError(f"{flag} {path}: no such file")
@@ -282,6 +293,7 @@ def train(
                       ignore_eos=ignore_eos, lr=lr,
                       lora_rank=0 if full else lora_rank, lora_alpha=lora_alpha, correction=correction,
                       kl_coef=kl_coef, seed=seed, micro_batch=micro_batch, ppo_epochs=ppo_epochs,
+                      max_grad_norm=max_grad_norm,
                       checkpoint_every=checkpoint_every, eval_every=eval_every, bin_width=bin_width,
                       sparsity=spec_of(policy, schedule), device=device, dtype=dtype,
                       random_weights=random_weights,
@@ -448,9 +460,14 @@ def _run(cfg, inputs, opts, fmt: str) -> None:
         if phase == "loading":
             return say_loading(cfg.model, cfg.device)
         bar.update(task, description=f"train steps ({phase})")
-        if not done:  # a log hears of the first step's phases; each step's line follows it
-            log_line(f"{phase} of train step {trainer_step[0] + 1}/{steps} ..." if phase != "initial eval"
-                     else "initial eval of the --eval-prompts ...")
+        if phase == "initial eval":
+            log_line("initial eval of the --eval-prompts ...")
+        elif phase.startswith("initial eval "):  # each of its passes: greedy and sampled, dense and sparse
+            log_line(f"  {phase} ...")
+        elif phase == "final eval":
+            log_line(f"final eval of the --eval-prompts (step {steps} was logged without one) ...")
+        elif not done:  # a log hears of the first step's phases; each step's line follows it
+            log_line(f"{phase} of train step {trainer_step[0] + 1}/{steps} ...")
 
     def on_step(r: dict) -> None:
         done.append(r["step"])

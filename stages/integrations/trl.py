@@ -287,10 +287,10 @@ class SparseRollout:
                                          extra_ids=top_ids, entropy=False)
         mask = scores.mask.cpu()
         logp = scores.logp.float().cpu()
-        alpha = torch.minimum(scores.extra_logp.float().cpu().exp(), top_lp.exp()).sum(-1).clamp(max=1.0)
-        alpha = torch.where(mask, alpha, 0.0)
         rollout_lp = pad([c.logprobs for c in completions], width)
         budgets = pad([c.budgets for c in completions], width)
+        alpha = torch.minimum(scores.extra_logp.float().cpu().exp(), top_lp.exp()).sum(-1).clamp(max=1.0)
+        alpha = torch.where(mask, torch.where(budgets == 0, 1.0, alpha), 0.0)  # dense tokens: alpha is 1
         keep = None if self.correction is None else self.correction.keep(logp - rollout_lp, mask)
         rows = lambda x: [x[i, : len(c)].tolist() for i, c in enumerate(comps)]
         record = RolloutRecord(
@@ -307,12 +307,16 @@ class SparseRollout:
 
     def metrics(self, alpha: Tensor, positions: Tensor, log_ratio: Tensor, budgets: Tensor,
                 keep: Tensor | None) -> dict[str, float]:
-        """The mismatch metrics of one rollout's tokens, named as TRL names its own ("sparrow/...")."""
+        """The mismatch metrics of one rollout's tokens, named as TRL names its own ("sparrow/...");
+        mean_budget is over the sparse tokens (budget > 0), as `sparrow rollout` and `sparrow train` say it,
+        and left out when every token was produced densely (TRL averages what is logged: no null)."""
         q = f"p{100 * self.quantile:g}"
         out = {"sparrow/alpha_lb_mean": float(alpha.mean()),
                f"sparrow/alpha_lb_{q}": float(torch.quantile(alpha, self.quantile)),
-               "sparrow/mismatch_kl": float(k3(log_ratio).mean()),
-               "sparrow/mean_budget": float(budgets.float().mean())}
+               "sparrow/mismatch_kl": float(k3(log_ratio).mean())}
+        sparse = budgets[budgets > 0]
+        if len(sparse):
+            out["sparrow/mean_budget"] = float(sparse.float().mean())
         bins = positions // self.bin_width
         for b in sorted(set(bins.tolist())):
             out[f"sparrow/alpha_lb_{q}/bin_{b}"] = float(torch.quantile(alpha[bins == b], self.quantile))

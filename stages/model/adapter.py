@@ -61,6 +61,22 @@ def load_lora_state(model: nn.Module, state: dict[str, Tensor], adapter: str = "
             params[name].copy_(value)
 
 
+def adapter_base(spec: str, random_weights: bool = False) -> str:
+    """What an adapter_config.json names as its base model, so that peft's AutoPeftModelForCausalLM loads
+    it: a preset with weights by its converted checkpoint's absolute path (a Hugging Face directory), a
+    checkpoint directory or GGUF file by its absolute path; a shapes-only preset, or random weights, by the
+    preset's name (no checkpoint holds them)."""
+    from .loading import embedded_checkpoint, model_name
+    from .presets import PRESETS
+
+    preset = PRESETS.get(spec.lower())
+    if preset is None:
+        return model_name(spec)
+    if preset.weights == "embedded" and not random_weights:
+        return str(embedded_checkpoint(preset.name).resolve())
+    return preset.name
+
+
 def save_adapter(model: nn.Module, config, folder: str | os.PathLike, base_model: str,
                  adapter: str = "default") -> Path:
     """Write the adapter directory atomically (`replace_dir`: a hidden sibling, then a rename; the old

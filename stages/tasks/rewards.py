@@ -730,7 +730,7 @@ def _style(fn: Callable, spec: str) -> str:
         return "trl"
     raise RewardError(f"--reward-fn {spec} takes ({_parameters(fn)}), neither verl's compute_score("
                       "data_source, solution_str, ground_truth, extra_info) nor TRL's "
-                      "f(completions, **kwargs)")
+                      "f(prompts, completions, **kwargs)")
 
 
 def _check_keywords(fn: Callable, spec: str, style: str) -> None:

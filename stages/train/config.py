@@ -98,6 +98,15 @@ class TrainConfig:
             raise ValueError(f"--lora-rank must be >= 0 (0 = full fine-tuning), got {self.lora_rank}")
         if self.kl_coef < 0:
             raise ValueError(f"--kl-coef must be >= 0, got {self.kl_coef}")
+        if not self.max_grad_norm > 0:
+            raise ValueError(f"--max-grad-norm must be positive, got {self.max_grad_norm}")
+        clip = grpo.LossConfig()
+        low, high = self.loss.get("clip_low", clip.clip_low), self.loss.get("clip_high", clip.clip_high)
+        if not 0 < low < 1:
+            raise ValueError(f"--epsilon must be between 0 and 1 (the ratio is cut at 1 - epsilon), "
+                             f"got {low}")
+        if not high > 0:
+            raise ValueError(f"--epsilon-high must be positive, got {high}")
         if self.reward is not None and self.reward_fn is not None:
             raise ValueError("--reward and --reward-fn are two ways to score; give one of them")
         grpo.LossConfig(correction=self.correction, kl_coef=self.kl_coef, **self.loss).validate()

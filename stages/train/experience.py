@@ -32,7 +32,8 @@ class Scores:
     mask: Tensor  # [N, T] bool, a generated token
     logp_rollout: Tensor  # [N, T] the sampler's logprobs
     budgets: Tensor  # [N, T] int32, the budget each token was sampled at (0: dense)
-    alpha_lb: Tensor  # [N, T] the top-20 lower bound of alpha (0 at padding)
+    alpha_lb: Tensor  # [N, T] the top-20 lower bound of alpha; 1 where sampled densely (budget 0: the
+    # sampler's distribution is the learner's, so alpha is 1 exactly), 0 at padding
     ref: Tensor | None  # [N, T] the reference policy's logprobs (with a KL term)
     alpha: Tensor | None = None  # [N, T] exact alpha of a subsample of sequences, NaN elsewhere
     # (exact_alpha.py; None: a dense sampler, or not computed)
@@ -85,10 +86,10 @@ def score(model: Transformer, completions: list[Completion], cfg: TrainConfig, w
     parts = world.gather(_score_rows(model, mine, width, cfg, reference))
     logp, entropy, alpha_lb, ref = (None if p[0] is None else torch.cat(p) for p in zip(*parts))
     mask = completion_mask([len(c.token_ids) for c in completions], "cpu")
+    budgets = pad_rows([c.budgets for c in completions], 0, torch.int32)
     return Scores(logp=logp, entropy=entropy, mask=mask,
-                  logp_rollout=pad_rows([c.logprobs for c in completions]),
-                  budgets=pad_rows([c.budgets for c in completions], 0, torch.int32),
-                  alpha_lb=torch.where(mask, alpha_lb, 0.0), ref=ref)
+                  logp_rollout=pad_rows([c.logprobs for c in completions]), budgets=budgets,
+                  alpha_lb=torch.where(mask, torch.where(budgets == 0, 1.0, alpha_lb), 0.0), ref=ref)
 
 
 def _top_logprobs(completions: list[Completion], width: int) -> tuple[Tensor, Tensor]:

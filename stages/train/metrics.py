@@ -51,7 +51,7 @@ def metrics_row(run_id: str, exp: Experience, update: dict, update_seconds: floa
     t_roll, t_score = exp.rollout_seconds, exp.scoring_seconds
     row = {
         "run_id": run_id, "step": global_step(exp), "reward_mean": float(rewards.mean()),
-        "reward_std": float(rewards.std()), "frac_reward_zero_std": frac_reward_zero_std(exp),
+        "reward_std": reward_std(rewards), "frac_reward_zero_std": frac_reward_zero_std(exp),
         "accuracy": float((rewards >= 1.0 - 1e-9).mean()),
         "eval_accuracy": None, "eval_accuracy_sparse": None, "sampler_gap": None,
         "draft_acceptance": draft_acceptance(flat), "oversample_acceptance_kept": None,
@@ -65,7 +65,7 @@ def metrics_row(run_id: str, exp: Experience, update: dict, update_seconds: floa
         "vetoed_fraction": correction.stats["vetoed_fraction"],
         "alpha_lb_mean": float(alpha.mean()), "alpha_lb_p5": float(torch.quantile(alpha, TAIL_QUANTILE)),
         **exact_alpha_stats(exp, cfg.bin_width, cfg.speculate > 0),
-        "mean_budget": float(s.budgets[mask].float().mean()),
+        "mean_budget": mean_budget(s.budgets[mask]),
         "truncation_rate": float(np.mean([c.finish_reason == "length" for c in flat])),
         "repetition_rate": float(np.mean([repetition(c.token_ids) for c in flat])),
         "response_length": generated / len(flat), "lr": cfg.lr,
@@ -80,6 +80,19 @@ def metrics_row(run_id: str, exp: Experience, update: dict, update_seconds: floa
     row["reward_seconds"] = exp.reward_seconds
     row["reward_extra"] = json.dumps(exp.reward_extra) if exp.reward_extra else None
     return row
+
+
+def reward_std(rewards: np.ndarray) -> float:
+    """TRL's reward_std (GRPOTrainer, from TRL 0.27 on): the standard deviation of all the step's rewards
+    with Bessel's correction (ddof 1), not the mean of the groups' (earlier TRL releases logged that)."""
+    return float(np.std(np.asarray(rewards, dtype=float), ddof=1))
+
+
+def mean_budget(budgets: Tensor) -> float | None:
+    """The mean budget of the sparse tokens (budget > 0), as `sparrow rollout` reports it; None when every
+    token was produced densely (budget 0 means no budget, not a budget of 0 tokens)."""
+    sparse = budgets[budgets > 0]
+    return float(sparse.float().mean()) if len(sparse) else None
 
 
 def frac_reward_zero_std(exp: Experience) -> float:

@@ -19,10 +19,11 @@ import re
 import shutil
 import signal
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import fields, replace
 from pathlib import Path
+from types import FrameType
 
 import pyarrow.parquet as pq
 
@@ -37,8 +38,9 @@ from ..tasks.rewards import reward_fn_sha256
 from .config import TrainConfig
 from .data import PromptRow
 
-FLAGS = {"lora_rank": "--lora-rank (0 = --full)", "loss": "the loss options (--loss-agg, --rollout-is*, ...)",
-         "sparsity": "--budget/--schedule/--dense", "max_grad_norm": "max_grad_norm"}
+FLAGS = {"lora_rank": "--lora-rank (0 = --full)",
+         "loss": "the loss options (--loss-agg, --rollout-is*, --epsilon, --epsilon-high, ...)",
+         "sparsity": "--budget/--schedule/--dense", "max_grad_norm": "--max-grad-norm"}
 RUN_FILES = {"metrics.parquet": "metrics", "schedule.parquet": "schedule"}
 # a folder is the run's when it holds one of its files: a checkpoint that lost its state.pt is still the
 # run's (damaged), so --resume names the missing file and --force replaces it
@@ -298,9 +300,10 @@ def _what_differs(name: str, saved: TrainConfig, now: TrainConfig) -> str:
     if name in ("reward", "reward_fn"):
         return f"with {_scoring(saved)}, not {_scoring(now)}"
     return {"prompts_sha256": "on other prompts than --prompts holds (their content differs)",
-            "eval_prompts_sha256": ("without --eval-prompts" if not was else "with no --eval-prompts"
-                                    if not new else "on other held-out prompts than --eval-prompts "
-                                    "holds (their content differs)"),
+            "eval_prompts_sha256": ("without --eval-prompts, but this command gives them" if not was
+                                    else "with --eval-prompts, but this command gives none" if not new
+                                    else "on other held-out prompts than --eval-prompts holds (their "
+                                    "content differs)"),
             "schedule_sha256": "with another schedule than --schedule holds (its budgets differ)",
             "reward_fn_sha256": f"with --reward-fn {saved.reward_fn}, whose file held other code than "
                                 f"{(now.reward_fn or '').rpartition(':')[0]} holds now (their content "
@@ -410,25 +413,81 @@ def unwritten(cfg: TrainConfig) -> str:
 
 # ---------------------------------------------------------------- interrupts
 
-@contextmanager
-def interrupts_deferred() -> Iterator[None]:
-    """SIGINT waits until the block ends, then interrupts; a second SIGINT interrupts at once. Outside the
-    main thread, or when someone else handles SIGINT, the block runs as it is."""
-    if (threading.current_thread() is not threading.main_thread()
-            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
-        yield
-        return
-    pending: list[int] = []
+INTERRUPTS = (signal.SIGINT, signal.SIGTERM)
 
-    def handler(signum, frame) -> None:
-        if pending:
+
+class Deferral:
+    """The interrupts a block defers: each one that came (signal, frame) waits for the block's end, where
+    the handler it was meant for runs (SIGINT's raises KeyboardInterrupt; the CLI's SIGTERM handler records
+    it first, sparrow_cli.common.sigterm_as_interrupt); a second one interrupts at once. `allowed()` opens
+    a part of the block that interrupts stop at once."""
+
+    def __init__(self) -> None:
+        self.previous: dict[int, Callable] = {}  # the handlers it replaced, by signal
+        self.pending: list[tuple[int, FrameType | None] | None] = []  # None: one raised in `allowed()`
+
+    def handler(self, signum: int, frame: FrameType | None) -> None:
+        if self.pending:
+            self.previous[signum](signum, frame)
             raise KeyboardInterrupt
-        pending.append(signum)
+        self.pending.append((signum, frame))
 
-    previous = signal.signal(signal.SIGINT, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    if pending:
+    def install(self) -> None:
+        for signum in self.previous:
+            signal.signal(signum, self.handler)
+
+    def restore(self) -> None:
+        for signum, previous in self.previous.items():
+            signal.signal(signum, previous)
+
+    @contextmanager
+    def allowed(self) -> Iterator[None]:
+        """Inside the block, a part an interrupt stops at once (its KeyboardInterrupt propagates, and the
+        block's end interrupts again); one that came before it stops it before it starts."""
+        if self.pending:
+            raise KeyboardInterrupt
+        self.restore()
+        try:
+            yield
+        except KeyboardInterrupt:
+            self.pending.append(None)
+            raise
+        finally:
+            self.install()
+
+    def end(self) -> None:
+        """At the block's end: the first interrupt that came, handled as it was meant to be."""
+        if not self.pending:
+            return
+        first = self.pending[0]
+        if first is not None:
+            signum, frame = first
+            self.previous[signum](signum, frame)
         raise KeyboardInterrupt
+
+
+def _deferrable(signum: int) -> bool:
+    """SIGINT when Python's own handler has it (another handler is someone else's; SIG_IGN: ignored, as
+    in a shell's background job); SIGTERM when a Python handler has it (the CLI's turns it into an
+    interrupt; SIG_DFL ends the process, as the caller chose)."""
+    handler = signal.getsignal(signum)
+    if signum == signal.SIGINT:
+        return handler is signal.default_int_handler
+    return callable(handler)
+
+
+@contextmanager
+def interrupts_deferred() -> Iterator[Deferral]:
+    """SIGINT and SIGTERM (`Deferral`) wait until the block ends, then interrupt; a second one interrupts at
+    once. SIGTERM is deferred whatever SIGINT's handler is, so a job the shell started in the background
+    (SIGINT ignored) stops where a foreground one does. Outside the main thread, where Python runs no
+    signal handler, the block runs as it is."""
+    deferral = Deferral()
+    if threading.current_thread() is threading.main_thread():
+        deferral.previous = {s: signal.getsignal(s) for s in INTERRUPTS if _deferrable(s)}
+    deferral.install()
+    try:
+        yield deferral
+    finally:
+        deferral.restore()
+    deferral.end()

@@ -20,7 +20,7 @@ from ..core.schedule import Schedule
 from ..core.sparsity import budget_fn
 from ..engine import SamplingParams
 from ..kv_policies import Dense, KVPolicy
-from ..model.adapter import add_lora, load_lora_state, lora_state, save_adapter
+from ..model.adapter import adapter_base, add_lora, load_lora_state, lora_state, save_adapter
 from ..model.export import export_model
 from ..model.loading import LoadedModel
 from ..tasks import judge_batch, score_batch
@@ -46,6 +46,7 @@ from .metrics import (
 from .rollouts import Rollouts
 from .run_dir import (
     MODEL_DIR,
+    Deferral,
     TrainingInterrupted,
     check_run_dir,
     checkpoint_step,
@@ -80,7 +81,7 @@ class RunOptions:
     report_to: Sequence[str] = ()  # live trackers of each step's row (tracking.py)
     on_step: Callable[[dict], None] | None = None  # each step's metrics row
     on_phase: Callable[[str], None] | None = None  # "loading" | "initial eval" | "rollout" | "scoring" |
-    # "update"
+    # "update" | "eval" | "final eval", and "initial eval I/N: <pass>" per pass of the initial eval
     on_rollouts: Callable[[int, list[int]], None] | None = None  # each step's completion lengths
     on_warning: Callable[[str], None] | None = None  # once per cause: what the run cannot use
 
@@ -121,6 +122,7 @@ class Trainer:
         """The learner, its optimizer, the sparse actor and the rollouts; a resume's checkpoint restored."""
         self.start_over = opts.force
         self.applying = False  # inside a step's update and writes: an interrupt there leaves no checkpoint
+        self.schedule_written = False  # by this process, before the run's first step
         torch.manual_seed(config.seed)
         self.reference = None
         self.lora_config = None
@@ -159,9 +161,13 @@ class Trainer:
                 self.train_step()
                 if self.step % self.cfg.checkpoint_every == 0 or self.step == self.cfg.steps:
                     self._save_checkpoint()
+            self._final_eval()
             summary = self._finish()
         except KeyboardInterrupt:
             self._interrupted()
+        except Exception:
+            self._discard_unstarted()
+            raise
         finally:
             if self.trackers is not None:
                 self.trackers.close()
@@ -205,6 +211,13 @@ class Trainer:
                                   f"step{'s' * (self.step != 1)} of {steps}; "
                                   f"{self._again('--resume', 'continue')}") from None
 
+    def _discard_unstarted(self) -> None:
+        """A run that an error (a reward function that raised, say) stops before anything resumable was
+        written leaves no schedule.parquet of its own behind: the folder holds what it held before."""
+        if self.schedule_written and checkpoint_step(self.run_dir) is None and \
+                not (self.run_dir / "metrics.parquet").exists():
+            (self.run_dir / "schedule.parquet").unlink(missing_ok=True)
+
     def _again(self, flag: str, what: str) -> str:
         """How the same command goes on with `flag` (--resume or --force) to do `what`: run again when it
         has the flag, the other flag replaced when it has that one (the two are refused together), else
@@ -219,11 +232,12 @@ class Trainer:
 
     def train_step(self) -> dict:
         """One step; from its update to its tracker lines and `on_step` an interrupt waits (a step the
-        metrics hold is a step the trackers and the log hold)."""
+        metrics hold is a step the trackers and the log hold), except during the step's eval, which it
+        stops at once: the step is then logged without its eval numbers, and the run stops after it."""
         exp = self.experience(self.step)
-        with interrupts_deferred():  # the weights change from here to the end of the step's writes
+        with interrupts_deferred() as deferral:  # the weights change from here to the end of its writes
             self.applying = True
-            row = self._apply(exp)
+            row = self._apply(exp, deferral)
             self.applying = False
             if self.trackers is not None:
                 self.trackers.log(row)
@@ -286,8 +300,9 @@ class Trainer:
         rewards = np.array([j.reward for j in judged]).reshape(len(prompts), -1)
         return rewards, reward_extra_means([j.extra for j in judged], logged_metrics())
 
-    def _apply(self, exp: Experience) -> dict:
-        """The update, the sparse actor's step, the metrics row, the eval and the step's logs."""
+    def _apply(self, exp: Experience, deferral: Deferral) -> dict:
+        """The update, the sparse actor's step, the metrics row, the eval (which an interrupt stops:
+        `deferral`) and the step's logs."""
         cfg = self.cfg
         t0 = time.perf_counter()
         self.on_phase("update")
@@ -301,12 +316,13 @@ class Trainer:
         self.step = global_step(exp)
         row = metrics_row(self.run_dir.name, exp, update, t_update, cfg, self.loss_cfg,
                           self.rollouts.sync_seconds)
-        last = self.step == cfg.steps  # the final eval is never left blank
+        last = self.step == cfg.steps  # the final eval is never left blank (else `_final_eval` runs it)
         if self.eval_prompts and self.world.main and (self.step % cfg.eval_every == 0 or last):
-            row["eval_accuracy"] = self.evaluate()
-            if self.policy.sparse:  # the run's sampler too
-                row["eval_accuracy_sparse"] = self.evaluate(sparse=True)
-                row["sampler_gap"] = row["eval_accuracy"] - row["eval_accuracy_sparse"]
+            try:
+                with deferral.allowed():
+                    row.update(self._step_eval())
+            except KeyboardInterrupt:
+                pass  # the step is logged without its eval; the deferral's end interrupts
         self.history.append(row)
         row["collapse"] = collapse(self.history, self.initial_eval)
         if self.world.main:
@@ -314,6 +330,28 @@ class Trainer:
             write_metrics(self.run_dir, self.history, cfg, self.initial_eval)
         self.rng_at_step = rng_states()
         return row
+
+    def _step_eval(self) -> dict[str, float]:
+        """A step's eval numbers: greedy dense accuracy and, in a sparse run, under the run's sampler too."""
+        self.on_phase("eval")
+        out = {"eval_accuracy": self.evaluate()}
+        if self.policy.sparse:
+            out["eval_accuracy_sparse"] = self.evaluate(sparse=True)
+            out["sampler_gap"] = out["eval_accuracy"] - out["eval_accuracy_sparse"]
+        return out
+
+    def _final_eval(self) -> None:
+        """The last step's eval when its row has none (a resume whose --steps ends at the steps done, or a
+        run interrupted during that eval), into the metrics and the checkpoint before the summary."""
+        h = self.history
+        if not (self.eval_prompts and self.world.main and h) or h[-1].get("eval_accuracy") is not None:
+            return
+        self.on_phase("final eval")
+        h[-1].update(self._step_eval())
+        h[-1]["collapse"] = collapse(h, self.initial_eval)
+        with interrupts_deferred():
+            write_metrics(self.run_dir, h, self.cfg, self.initial_eval)
+            self._save_checkpoint(self.rng_at_step)
 
     def evaluate(self, sparse: bool = False, sampled: bool = False) -> float:
         """Accuracy of greedy completions of the eval prompts (reward 1 counts as correct), dense or, with
@@ -337,11 +375,17 @@ class Trainer:
         return float(np.mean(rewards) if sampled else np.mean([x >= 1.0 - 1e-9 for x in rewards]))
 
     def evaluate_start(self) -> InitialEval:
-        """Step 0: the dense and the run's sampler, greedy and sampled (InitialEval)."""
-        sparse = self.policy.sparse
-        return InitialEval(self.evaluate(), self.evaluate(sparse=True) if sparse else None,
-                           self.evaluate(sampled=True),
-                           self.evaluate(sparse=True, sampled=True) if sparse else None)
+        """Step 0: the dense and the run's sampler, greedy and sampled (InitialEval); each pass named to
+        `on_phase` as it starts."""
+        passes = [("greedy, dense", False, False), ("greedy, sparse", True, False),
+                  ("sampled, dense", False, True), ("sampled, sparse", True, True)]
+        passes = [p for p in passes if self.policy.sparse or not p[1]]
+        out: dict[str, float] = {}
+        for i, (name, sparse, sampled) in enumerate(passes, 1):
+            self.on_phase(f"initial eval {i}/{len(passes)}: {name}")
+            out[name] = self.evaluate(sparse=sparse, sampled=sampled)
+        return InitialEval(out["greedy, dense"], out.get("greedy, sparse"), out["sampled, dense"],
+                           out.get("sampled, sparse"))
 
     # ------------------------------------------------------------------ what the run leaves
 
@@ -351,6 +395,7 @@ class Trainer:
             return
         schedule = planned_schedule(self.policy) or Schedule.constant(self.policy.read_budget(0))
         write_schedule(self.run_dir, schedule, self.cfg.sparsity)
+        self.schedule_written = True
 
     def summary(self) -> dict:
         """The run's numbers and where its outputs go (`adapter`: the LoRA, `model`: a --full run's
@@ -387,15 +432,16 @@ class Trainer:
         """RUN/adapter/ (a LoRA, peft format) or RUN/model/ (--full: a Hugging Face checkpoint), and
         RUN/sparse_adapter/ with DistillSparse; each replaced whole."""
         cfg = self.cfg
+        base = adapter_base(cfg.model, cfg.random_weights)  # what AutoPeftModelForCausalLM loads
         if self.lora_config is not None:
-            save_adapter(self.model, self.lora_config, self.run_dir / "adapter", cfg.model)
+            save_adapter(self.model, self.lora_config, self.run_dir / "adapter", base)
         else:
             export_model(self.model, self.loaded.tokenizer, self.run_dir / MODEL_DIR,
                          {"written_by": "sparrow train --full", "base_model": cfg.model, "steps": self.step,
                           "sparsity": cfg.sparsity})
         if self.sparse_actor is not None:
             folder = save_adapter(self.model, self.sparse_actor.config, self.run_dir / "sparse_adapter",
-                                  cfg.model, adapter=self.sparse_actor.ADAPTER)
+                                  base, adapter=self.sparse_actor.ADAPTER)
             (folder / "sparrow_distill.json").write_text(json.dumps(
                 {"mode": "joint (sparrow train --distill-sparse)", "sparsity": cfg.sparsity,
                  "history": self.sparse_history}, indent=2))

@@ -1,0 +1,53 @@
+"""TRL's everyday GRPO knobs on `sparrow train`: --epsilon / --epsilon-high (the PPO clip's two sides) and
+--max-grad-norm reach the loss and the update, are recorded in the run's configuration, and a resume
+must keep them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from test_train import VOWELS, tiny_llama, vowel_token_prompts  # noqa: F401 - tiny_llama is a fixture
+from typer.testing import CliRunner
+
+from sparrow.cli.app import app
+from sparrow.schemas import write_artifact
+from sparrow.stages.model.loading import load_model
+from sparrow.stages.tasks import TASKS
+
+from cli_checks import error_line
+
+runner = CliRunner()
+
+
+@pytest.fixture()
+def args(tiny_llama, tmp_path, monkeypatch):  # noqa: F811 - the imported fixture
+    monkeypatch.setitem(TASKS, "vowels", VOWELS)
+    tok = load_model(tiny_llama[0]).tokenizer
+    prompts = write_artifact(vowel_token_prompts(tok, 2, 2), tmp_path / "p.parquet", "prompts")
+    return lambda *extra: ["train", "--model", tiny_llama[0], "--prompts", str(prompts), "--steps", "1",
+                           "--prompts-per-step", "2", "--samples", "2", "--max-new-tokens", "4",
+                           "--lora-rank", "2", "--threads", "1", "-o", str(tmp_path / "run"), *extra]
+
+
+@pytest.mark.parametrize("flag,value,said", [
+    ("--epsilon", "1.5", "--epsilon must be between 0 and 1"),
+    ("--epsilon", "0", "--epsilon must be between"),
+    ("--epsilon-high", "-0.1", "--epsilon-high must be positive"),
+    ("--max-grad-norm", "0", "--max-grad-norm must be positive")])
+def test_bad_clip_values_are_refused_before_work(args, tmp_path, flag, value, said):
+    line = error_line(runner.invoke(app, args(flag, value)))
+    assert said in line and not (tmp_path / "run").exists()
+
+
+def test_the_clip_options_are_recorded_and_kept_on_resume(args, tmp_path):
+    r = runner.invoke(app, args("--epsilon", "0.1", "--epsilon-high", "0.5", "--max-grad-norm", "0.5"))
+    assert r.exit_code == 0, r.output
+    config = json.loads((tmp_path / "run" / "checkpoint" / "config.json").read_text())
+    assert config["loss"] == {"clip_low": 0.1, "clip_high": 0.5} and config["max_grad_norm"] == 0.5
+    line = error_line(runner.invoke(app, [*args("--epsilon", "0.2", "--epsilon-high", "0.5",
+                                                "--max-grad-norm", "0.5", "--resume"), "--steps", "2"]))
+    assert "--epsilon" in line and "{'clip_low': 0.1, 'clip_high': 0.5}" in line
+    line = error_line(runner.invoke(app, [*args("--epsilon", "0.1", "--epsilon-high", "0.5", "--resume"),
+                                          "--steps", "2"]))
+    assert "--max-grad-norm 0.5, not 1.0" in line

@@ -1,0 +1,79 @@
+"""What `sparrow train`'s per-step numbers mean, checked against their definitions: reward_std is TRL's
+(GRPOTrainer: the std of the step's rewards, ddof 1), mean_budget averages the sparse tokens only (as
+`sparrow rollout` does; null for a dense run), and alpha's top-20 lower bound is 1 for a token produced
+densely (its sampler is the learner). The TRL integration says mean_budget the same way."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from test_train import VOWELS, tiny_llama, vowel_token_prompts  # noqa: F401 - tiny_llama is a fixture
+from typer.testing import CliRunner
+
+from sparrow.cli.app import app
+from sparrow.schemas import read_artifact, write_artifact
+from sparrow.stages.integrations.trl import SparseRollout
+from sparrow.stages.model.loading import load_model
+from sparrow.stages.tasks import TASKS
+from sparrow.stages.train.metrics import mean_budget, reward_std
+
+runner = CliRunner()
+
+
+def test_reward_std_is_trl_s_batch_std_with_bessel_s_correction():
+    rewards = np.array([[1.0, 0.0, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0]])  # two groups of four
+    # by hand: mean 0.25, squared deviations 2 x 0.5625 + 6 x 0.0625 = 1.5, over n - 1 = 7
+    assert reward_std(rewards) == pytest.approx(math.sqrt(1.5 / 7))
+    # TRL's GRPOTrainer: self._metrics[mode]["reward_std"].append(rewards.std().item())
+    assert reward_std(rewards) == pytest.approx(torch.tensor(rewards.ravel()).std().item())
+
+
+def test_mean_budget_averages_the_sparse_tokens_only():
+    assert mean_budget(torch.tensor([0, 64, 64, 0, 128], dtype=torch.int32)) == pytest.approx(256 / 3)
+    assert mean_budget(torch.tensor([0, 0, 0], dtype=torch.int32)) is None
+
+
+def test_trl_mean_budget_is_over_sparse_tokens_and_absent_when_dense():
+    me = SimpleNamespace(quantile=0.05, bin_width=512)
+    alpha, positions, log_ratio = torch.tensor([1.0, 0.9, 0.8]), torch.tensor([10, 11, 12]), torch.zeros(3)
+    out = SparseRollout.metrics(me, alpha, positions, log_ratio, torch.tensor([0.0, 48.0, 48.0]), None)
+    assert out["sparrow/mean_budget"] == pytest.approx(48.0)
+    out = SparseRollout.metrics(me, alpha, positions, log_ratio, torch.zeros(3), None)
+    assert "sparrow/mean_budget" not in out
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_llama, tmp_path_factory):  # noqa: F811 - the imported fixture
+    patch = pytest.MonkeyPatch()
+    patch.setitem(TASKS, "vowels", VOWELS)
+    tok = load_model(tiny_llama[0]).tokenizer
+    path = tmp_path_factory.mktemp("defs") / "prompts.parquet"
+    yield write_artifact(vowel_token_prompts(tok, 2, 4), path, "prompts")
+    patch.undo()
+
+
+def _train(model: str, prompts, run, *extra: str) -> tuple[dict, list[dict]]:
+    r = runner.invoke(app, ["train", "--model", model, "--prompts", str(prompts), "--steps", "1",
+                            "--prompts-per-step", "2", "--samples", "2", "--max-new-tokens", "6",
+                            "--lora-rank", "2", "--threads", "1", "-o", str(run), *extra])
+    assert r.exit_code == 0, r.output
+    (row,) = read_artifact(run / "metrics.parquet", "metrics").to_pylist()
+    return row, read_artifact(run / "mismatch" / "step=00001.parquet", "train_mismatch").to_pylist()
+
+
+def test_a_dense_run_has_alpha_lb_one_and_no_mean_budget(tiny_llama, prompts, tmp_path):  # noqa: F811
+    row, tokens = _train(tiny_llama[0], prompts, tmp_path / "dense", "--dense")
+    assert all(t["budget"] == 0 and t["alpha_top20_lb"] == 1.0 for t in tokens)
+    assert row["alpha_lb_p5"] == 1.0 and row["alpha_lb_mean"] == 1.0 and row["mean_budget"] is None
+
+
+def test_a_sparse_run_logs_the_mean_of_its_sparse_budgets(tiny_llama, prompts, tmp_path):  # noqa: F811
+    row, tokens = _train(tiny_llama[0], prompts, tmp_path / "b48", "--budget", "48")
+    sparse = [t["budget"] for t in tokens if t["budget"] > 0]
+    assert sparse and len(sparse) < len(tokens)  # each sample's first token comes from the dense prefill
+    assert row["mean_budget"] == pytest.approx(np.mean(sparse))
+    assert all(t["alpha_top20_lb"] == 1.0 for t in tokens if t["budget"] == 0)
