@@ -20,6 +20,7 @@ from .common import (
     input_path,
     note,
     output_help,
+    stage_errors,
     warn,
 )
 from .options import finite, given_path, output_path
@@ -93,7 +94,9 @@ def calibrate_threshold(
     same test on the mean of alpha and on the share of the KV read, and the labels under other margins,
     are printed beside it. Without runs, or when the runs do not separate (as measured, or in most
     draws), the calibration shipped for the profile's model is written if there is one, else the
-    published prior 0.86, marked as such."""
+    published prior 0.86, marked as such, its lower and upper null (its published range 0.85-0.90 is no
+    interval); the prior is a rule on the 0.05 quantile, so at another --quantile nothing stands in and
+    the command refuses."""
     from sparrow.schemas import artifact_metadata, check_artifact, input_name, read_columns, write_artifact
     from sparrow.stages.calibrate import (
         Detectors,
@@ -143,7 +146,8 @@ def calibrate_threshold(
     few = few_prompts_warning(tokens, input_name(profile)) if results else None
     if few:
         warn(few)
-    cal = calibrate(results, quantile, bootstrap, seed, model=model, tokens=tokens)
+    with stage_errors():  # no threshold to write: the prior stands in at the 0.05 quantile only
+        cal = calibrate(results, quantile, bootstrap, seed, model=model, tokens=tokens)
     sensitivity = margin_sensitivity(loaded, results, det) if results else []
     per_run = [{"run": str(Path(r.name).absolute()), "tail": r.tail, "mean": r.mean, "kv_read": r.kv_read,
                 "collapsed": r.collapsed,

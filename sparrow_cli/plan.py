@@ -8,9 +8,9 @@ from pathlib import Path
 
 import typer
 
-from sparrow.schemas import input_name
 from sparrow.stages.core.published_schedules import REFERENCE_GEN_LEN
-from sparrow.stages.plan import export_text
+from sparrow.stages.core.schedule import MIN_TOKENS
+from sparrow.stages.plan import export_text, profile_name
 from sparrow.stages.speculative_plan import format_speedup
 
 from .common import (
@@ -59,8 +59,9 @@ def plan_schedule(
                                  help="A mismatch artifact (sparrow profile); default: the reference "
                                  "profile of a Qwen3 preset."),
     threshold: float = typer.Option(None, "--threshold", callback=finite, help="Tail threshold (default: the "
-                                    "calibration shipped for --model if there is one, "
-                                    "else the published prior 0.86)."),
+                                    "calibration shipped for --model at --quantile if there is one, "
+                                    "else the published prior 0.86, a rule on the 0.05 quantile only: "
+                                    "another --quantile needs a threshold)."),
     threshold_file: Path = typer.Option(None, "--threshold-file", callback=input_path,
                                         parser=given_path("--threshold-file"),
                                         help="A threshold artifact (sparrow calibrate-threshold); one "
@@ -74,7 +75,9 @@ def plan_schedule(
                                  "(h100, h200, a100; default h100 when no --cost)."),
     gen_len: int = typer.Option(None, "--gen-len", help="Generated tokens per rollout for the "
                                 f"predicted speedup (default {REFERENCE_GEN_LEN} with the reference "
-                                "profile; with a measured one, the mean over its trajectories)."),
+                                "profile; with a measured one, the mean over its trajectories, rounded "
+                                "half up; one that rounds to 1 is refused: the first token comes from "
+                                "the prefill, so no decode step is left to price)."),
     prompt_len: int = typer.Option(None, "--prompt-len", help="Prompt tokens before generation (default 0 "
                                    "with the reference profile; with a measured one, the mean over its "
                                    "trajectories)."),
@@ -83,7 +86,7 @@ def plan_schedule(
                               "rollout's batch; sparrow rollout's own default of 16 suits a CPU."),
     bin_width: int = typer.Option(None, "--bin-width", help="Position bin width in tokens (default: "
                                   "the profile's; the reference profile has 2,000-token bins)."),
-    min_tokens: int = typer.Option(50, "--min-tokens", help="Bins of a measured profile with fewer "
+    min_tokens: int = typer.Option(MIN_TOKENS, "--min-tokens", help="Bins of a measured profile with fewer "
                                    "tokens are not trusted: they take the budget of the bin before (the "
                                    "first trusted bin's, for leading ones)."),
     allow_model_mismatch: bool = typer.Option(False, "--allow-model-mismatch/--no-allow-model-mismatch",
@@ -158,7 +161,8 @@ def plan_schedule(
                        "--profile": profile is not None, "--threshold-file": threshold_file is not None,
                        "--quantile": quantile is not None,
                        "--cost": cost is not None, "--bin-width": bin_width is not None,
-                       "--min-tokens": min_tokens != 50, "--allow-model-mismatch": allow_model_mismatch,
+                       "--min-tokens": min_tokens != MIN_TOKENS,
+                       "--allow-model-mismatch": allow_model_mismatch,
                        "--sweep": sweep is not None, "--export": export is not None,
                        "--export-to": export_to is not None, "--speculate": speculate})
         with stage_errors():
@@ -205,7 +209,7 @@ def plan_schedule(
     for warning in planned.warnings:
         warn(warning)
     print_speedup(planned)
-    console.print(f"  profile: {input_name(result.source)}", highlight=False, markup=False)
+    console.print(f"  profile: {profile_name(result.source)}", highlight=False, markup=False)
     for line in planned.threshold.lines():
         console.print("  " + line, highlight=False, markup=False)
     if planned.frontier:

@@ -7,6 +7,10 @@ circular. The threshold is the midpoint of the identified set (the gap between t
 and the lowest stable tail) with a bootstrap interval over the profile's prompts and their tokens; the
 mean of alpha and the share of the KV read get the same test beside it. Where the runs do not separate,
 the shipped calibration or the prior. docs/calibration.md gives the rules.
+
+The published prior is a rule on the per-bin 5th percentile (PRIOR_QUANTILE): at any other quantile it is
+refused, never applied, and a threshold must be given or calibrated. Its published range (0.85-0.90) is no
+confidence interval, so a prior's `lower` and `upper` are null and the range is said as a range.
 """
 
 from __future__ import annotations
@@ -20,12 +24,20 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from .core.definitions import PRIOR_THRESHOLD, TAIL_QUANTILE
-from .core.schedule import Schedule
+from .core.definitions import PRIOR_QUANTILE, PRIOR_THRESHOLD, TAIL_QUANTILE
+from .core.schedule import Schedule, ScheduleError
 from .train.detectors import Detectors, InitialEval, collapse_reasons, metric, mismatch_warnings
 
-PRIOR_RANGE = (0.85, 0.90)  # the published 'between 0.85 and 0.90'
+PRIOR_RANGE = (0.85, 0.90)  # the published 'between 0.85 and 0.90': a range, not an interval
 PRIOR_NOTE = "published prior (Sparrow, arXiv 2606.08446): keep the per-bin 5th percentile above 0.86"
+
+
+def range_words(low: float, high: float) -> str:
+    """A published range as one, never as an interval: none was published."""
+    return f"published range {low:.2f}-{high:.2f} (no confidence interval was published)"
+
+
+PRIOR_RANGE_NOTE = range_words(*PRIOR_RANGE)
 
 
 @dataclass(frozen=True)
@@ -307,7 +319,14 @@ class ResolvedThreshold:
     quantile: float
     origin: str  # short: "given", "published prior", "shipped calibration for M", "calibrated, FILE"
     provenance: str = ""  # how it was made, possibly long (a shipped calibration's sweep)
-    interval: tuple[float, float] | None = None
+    interval: tuple[float, float] | None = None  # a calibration's 95% bootstrap interval
+    published_range: tuple[float, float] | None = None  # the prior's stated range (no interval)
+
+    @classmethod
+    def prior(cls, quantile: float) -> ResolvedThreshold:
+        """The published prior, refused at a quantile it is not stated on (check_prior_quantile)."""
+        check_prior_quantile(quantile)
+        return cls(PRIOR_THRESHOLD, quantile, "published prior", PRIOR_NOTE, published_range=PRIOR_RANGE)
 
     @property
     def source(self) -> str:
@@ -324,7 +343,7 @@ class ResolvedThreshold:
 
     def lines(self, width: int = 100) -> list[str]:
         """A readable account for a terminal: the value and origin, then the interval and the provenance
-        wrapped and indented."""
+        wrapped and indented, then a prior's published range."""
         import textwrap
 
         out = [f"threshold {self.value:.3g} on the {self.quantile:g} quantile of alpha: {self.origin}"]
@@ -334,6 +353,8 @@ class ResolvedThreshold:
             self.provenance.startswith(self.origin)) else self.provenance  # the origin is on the first line
         if told:
             out += textwrap.wrap(told, width, initial_indent="  ", subsequent_indent="    ")
+        if self.published_range is not None:
+            out.append(f"  {range_words(*self.published_range)}")
         return out
 
 
@@ -344,7 +365,7 @@ def resolve_threshold(threshold: float | None, threshold_file: Path | None, quan
     quantile of None is the artifact's, else the default. Refusals are one-sentence ScheduleErrors."""
     from sparrow.schemas import input_name, read_artifact
 
-    from .core.schedule import ScheduleError, check_quantile, check_threshold
+    from .core.schedule import check_quantile, check_threshold
 
     if threshold_file is not None:
         given = input_name(threshold_file)  # `-` for stdin, never the spooled copy that is gone at exit
@@ -355,8 +376,17 @@ def resolve_threshold(threshold: float | None, threshold_file: Path | None, quan
         if quantile is not None and abs(quantile - row["quantile"]) > 1e-12:
             raise ScheduleError(f"--quantile {quantile:g} differs from the quantile {row['quantile']:g} "
                                 f"that {given} was calibrated at")
-        resolved = ResolvedThreshold(row["threshold"], row["quantile"], f"{row['source']}, {given}",
-                                     interval=(row["lower"], row["upper"]))
+        if row["source"] == "prior":
+            if abs(row["quantile"] - PRIOR_QUANTILE) > 1e-12:
+                raise ScheduleError(f"{given} holds the published prior {row['threshold']:g} under the "
+                                    f"{row['quantile']:g} quantile, but the prior is a threshold on the "
+                                    f"{PRIOR_QUANTILE:g} quantile of alpha only; give a threshold for the "
+                                    f"{row['quantile']:g} quantile")
+            resolved = ResolvedThreshold(row["threshold"], row["quantile"], f"prior, {given}", PRIOR_NOTE,
+                                         published_range=PRIOR_RANGE)
+        else:
+            resolved = ResolvedThreshold(row["threshold"], row["quantile"], f"{row['source']}, {given}",
+                                         interval=(row["lower"], row["upper"]))
     else:
         quantile = TAIL_QUANTILE if quantile is None else quantile
         shipped = None if threshold is not None else shipped_threshold(model, quantile)
@@ -367,18 +397,36 @@ def resolve_threshold(threshold: float | None, threshold_file: Path | None, quan
                                          shipped.provenance.get("provenance", "no provenance"),
                                          (shipped.lower, shipped.upper))
         else:
-            resolved = ResolvedThreshold(PRIOR_THRESHOLD, quantile, "published prior", PRIOR_NOTE,
-                                         PRIOR_RANGE)
+            check_quantile(quantile)  # a quantile out of range is refused as such, not as the prior's
+            resolved = ResolvedThreshold.prior(quantile)
     check_threshold(resolved.value)
     check_quantile(resolved.quantile)
     return resolved
 
 
+def check_prior_quantile(quantile: float) -> None:
+    """The published prior is a threshold on the PRIOR_QUANTILE of alpha: at another quantile it is
+    refused in one sentence (ScheduleError), never applied."""
+    if abs(quantile - PRIOR_QUANTILE) > 1e-12:
+        raise ScheduleError(f"the published prior {PRIOR_THRESHOLD:g} is a threshold on the "
+                            f"{PRIOR_QUANTILE:g} quantile of alpha, not on the {quantile:g} quantile; give "
+                            f"--threshold for the {quantile:g} quantile")
+
+
 def fallback(model: str | None, quantile: float, why: str, runs: list[RunResult]) -> Calibration:
-    """Where the runs do not calibrate: the model's shipped calibration, else the published prior."""
+    """Where the runs do not calibrate: the model's shipped calibration at `quantile`, else the published
+    prior, which exists at PRIOR_QUANTILE only: at another quantile nothing stands in, and the refusal
+    (ScheduleError) says why the runs did not calibrate. The prior's lower and upper are null: its range
+    was published, no interval."""
     if (shipped := shipped_threshold(model, quantile)) is not None:
         return replace(shipped, note=f"{shipped.note}; the given runs do not calibrate: {why}", runs=runs)
-    return Calibration(PRIOR_THRESHOLD, *PRIOR_RANGE, "prior", f"{PRIOR_NOTE} ({why})", runs)
+    if abs(quantile - PRIOR_QUANTILE) > 1e-12:
+        raise ScheduleError(f"--quantile {quantile:g}: the runs do not calibrate a threshold ({why}), and "
+                            f"the published prior {PRIOR_THRESHOLD:g} stands in only at the "
+                            f"{PRIOR_QUANTILE:g} quantile of alpha; give runs whose tails separate, or "
+                            f"--quantile {PRIOR_QUANTILE:g}")
+    return Calibration(PRIOR_THRESHOLD, None, None, "prior", f"{PRIOR_NOTE}; {PRIOR_RANGE_NOTE} ({why})",
+                       runs)
 
 
 def bootstrap_statistics(runs: list[RunResult], tokens: ProfileTokens, quantile: float, n_boot: int,

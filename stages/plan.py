@@ -27,8 +27,9 @@ from .core.published_schedules import (
     REFERENCE_GEN_LEN,
     published_models,
 )
-from .core.reference_profiles import QUANTILE, reference_profile
+from .core.reference_profiles import QUANTILE, REFERENCE_PREFIX, reference_profile
 from .core.schedule import (
+    MIN_TOKENS,
     Plan,
     Schedule,
     ScheduleError,
@@ -90,6 +91,17 @@ def profile_rows(profile: Path) -> ProfileRows:
     if check_artifact(profile, "mismatch") == 0:
         raise ScheduleError(f"{profile}: the mismatch profile has no tokens")
     return lambda: column_reader(profile, "mismatch", PROFILE_COLUMNS)
+
+
+def half_up(mean: float) -> int:
+    """A mean shown as a count, rounded half up (18.5 -> 19), not to the even neighbour as round() does."""
+    return int(np.floor(float(mean) + 0.5))
+
+
+def profile_name(source: str) -> str:
+    """A plan's profile as a schedule records it: the reference profile by its name (`reference:M`), a
+    measured one by the path the user gave, absolute (input_name)."""
+    return source if source.startswith(REFERENCE_PREFIX) else input_name(source)
 
 
 def trajectory_lengths(mismatch) -> tuple[list[int], list[int]]:
@@ -162,9 +174,15 @@ def load_profile(name: str, profile: Path | None, quantile: float, bin_width: in
                             "`plan_eviction` plans (one KV budget), not a per-bin schedule")
     width = bin_width or int(meta.get("bin_width", 2000))
     prompts, generated = trajectory_lengths(rows())
-    lengths = Lengths(round(float(np.mean(prompts))) if prompt_len is None else prompt_len,
-                      max(round(float(np.mean(generated))), 2) if gen_len is None else gen_len,
+    lengths = Lengths(half_up(np.mean(prompts)) if prompt_len is None else prompt_len,
+                      half_up(np.mean(generated)) if gen_len is None else gen_len,
                       0 if all(given) else len(prompts))
+    if gen_len is None and lengths.gen_len < 2:
+        mean = float(np.mean(generated))
+        raise ScheduleError(f"{profile}: its {len(generated)} trajectories average {mean:.3g} generated "
+                            f"token{'s' * (mean != 1)} each, and a rollout's first token "
+                            "comes from the dense prefill, so there is no decode step to price; give "
+                            "--gen-len (at least 2)")
     check_context(lengths, *given, context)
     profiled = max(p + g - 1 for p, g in zip(prompts, generated, strict=True))  # the last scored position
     last = max(profiled, lengths.prompt_len + lengths.gen_len - 1)
@@ -189,7 +207,7 @@ class PlanRequest:
     prompt_len: int | None = None
     batch: int = 64
     bin_width: int | None = None
-    min_tokens: int = 50
+    min_tokens: int = MIN_TOKENS
     allow_model_mismatch: bool = False
     sweep: list[float] = field(default_factory=list)  # thresholds of the stability-speed frontier
     export: str | None = None  # json | sglang-vortex
@@ -333,7 +351,7 @@ def _write_schedule(planned: PlannedSchedule, output: Path, name: str, model_con
 
     result = planned.plan
     meta = {"model": name, "model_config": model_config, "page_size": result.schedule.page_size,
-            "bin_width": result.bin_width, "profile": input_name(result.source), **planned.speedup_fields()}
+            "bin_width": result.bin_width, "profile": profile_name(result.source), **planned.speedup_fields()}
     if planned.speculative is not None:
         write_artifact(schedule_table(_drafts(result, planned.speculative)), output, "schedule",
                        metadata={**meta, **_speculative_meta(planned.speculative), "min_tokens": min_tokens})
@@ -459,7 +477,7 @@ def plan_kv_budget(req: PlanRequest) -> EvictionPlan:
 
 
 def plan_eviction(profile: Path, threshold: float, quantile: float, bin_width: int | None = None,
-                  min_tokens: int = 50) -> EvictionPlan:
+                  min_tokens: int = MIN_TOKENS) -> EvictionPlan:
     import duckdb
 
     check_threshold(threshold)
@@ -521,7 +539,7 @@ def thin_bins(per_bin: list[tuple], min_tokens: int, profile: Path) -> dict[int,
 
 def thin_note(thin: dict[int, int], width: int, min_tokens: int) -> str:
     """One sentence naming the thin bins an eviction plan did not judge, with their tokens."""
-    shown = ", ".join(f"{b} ({b * width}+, {n} tokens)" for b, n in list(thin.items())[:8])
+    shown = ", ".join(f"{b} ({b * width}-{(b + 1) * width}, {n} tokens)" for b, n in list(thin.items())[:8])
     more = f" and {len(thin) - 8} more" if len(thin) > 8 else ""
     one = len(thin) == 1
     return (f"bin{'' if one else 's'} {shown}{more}: fewer tokens than --min-tokens ({min_tokens}), so "

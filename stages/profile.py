@@ -509,10 +509,24 @@ def profile_rollouts(run: ProfileRun, given, source: Path, opts: ProfileOptions,
         hooks.ready()
     meta = opts.metadata(sampled=False) | {"rollouts": input_path(source)} | run.metadata() | (
         {"sampler": given.sampler} if given.sampler else {}) | (
-        {"speculate": given.speculate} if given.speculate else {})
+        {"speculate": given.speculate} if given.speculate else {}) | recorded_sampling(given.path)
     if run.workers:
         return _profile_on_ray(run, trajectories, opts, False, meta, hooks)
     return _write(profile_trajectories(loaded, trajectories, opts, hooks.progress), run, meta)
+
+
+ROLLOUT_SAMPLING = ("top_p", "top_k", "max_new_tokens")  # how the given trajectories were drawn
+
+
+def recorded_sampling(path: Path) -> dict:
+    """The sampling options a rollouts artifact records (ROLLOUT_SAMPLING), kept in the profile's metadata
+    as they were: they describe the trajectories it scores (another tool's file records none)."""
+    from sparrow.schemas import artifact_kind, artifact_metadata
+
+    if artifact_kind(path) != "rollouts":
+        return {}
+    meta = artifact_metadata(path)
+    return {k: meta[k] for k in ROLLOUT_SAMPLING if meta.get(k) is not None}
 
 
 def _write(table: pa.Table, run: ProfileRun, meta: dict) -> pa.Table:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .core.schedule import ScheduleError
+from .core.schedule import ScheduleError, bin_span
 from .cost import VERIFY_FEATURES, CostModel
 
 MAX_SPECULATE = 8
@@ -194,7 +194,8 @@ def thin_notes(alpha: MeanAlpha) -> list[str]:
     for bins, whose in ((leading, f"bin {trusted}, the first bin with enough"),
                         (later, f"the nearest trusted bin before {'it' if len(later) == 1 else 'each'}")):
         if len(bins):
-            shown = ", ".join(f"{i} ({i * alpha.bin_width}+)" for i in bins[:8])
+            starts = np.arange(len(thin)) * alpha.bin_width
+            shown = ", ".join(f"{i} ({bin_span(starts, i)})" for i in bins[:8])
             more = f" and {len(bins) - 8} more" if len(bins) > 8 else ""
             one = len(bins) == 1
             empty = alpha.tokens is not None and not alpha.tokens[bins].any()

@@ -480,6 +480,7 @@ def test_plan_schedule_defaults_to_the_calibration_shipped_for_the_model(tmp_pat
 
 def test_profile_summary_marks_the_shipped_threshold(monkeypatch, tmp_path):
     import sparrow.stages.calibrate as calibrate
+    from sparrow.cli.common import UsageError
     from sparrow.cli.options import default_threshold
 
     monkeypatch.setattr(calibrate, "SHIPPED", tmp_path / "nothing")
@@ -487,7 +488,8 @@ def test_profile_summary_marks_the_shipped_threshold(monkeypatch, tmp_path):
     _ship(tmp_path, monkeypatch, 0.4)
     assert default_threshold(None, "smollm2-135m", 0.05).value == 0.4
     assert default_threshold(0.7, "smollm2-135m", 0.05).value == 0.7
-    assert default_threshold(None, "smollm2-135m", 0.1).value == 0.86  # calibrated at another quantile
+    with pytest.raises(UsageError, match="0.05 quantile of alpha, not on the 0.1 quantile"):
+        default_threshold(None, "smollm2-135m", 0.1)  # shipped at another quantile, and no prior at 0.1
     assert default_threshold(None, "/some/checkpoint/smollm2-135m", 0.05).value == 0.86  # not the preset
 
 
@@ -585,7 +587,7 @@ def test_without_runs_the_threshold_row_goes_to_stdout_in_the_format_asked(tmp_p
     assert r.exit_code == 0, r.output
     [row] = json.loads(r.stdout)
     assert row == read_artifact(out, "threshold").to_pylist()[0]
-    assert (row["threshold"], row["lower"], row["upper"], row["source"]) == (0.86, 0.85, 0.9, "prior")
+    assert (row["threshold"], row["lower"], row["upper"], row["source"]) == (0.86, None, None, "prior")
     r = runner.invoke(app, ["calibrate-threshold", "--profile", str(prof), "-o", str(out), "-f", "tsv"])
     header, line = r.stdout.splitlines()
     assert dict(zip(header.split("\t"), line.split("\t")))["threshold"] == "0.86"

@@ -505,7 +505,9 @@ def test_sigterm_is_an_interrupt_that_writes_nothing(tmp_path, monkeypatch, sigt
     out = tmp_path / "r.parquet"
     result = runner.invoke(app, rollout_args(token_prompts(tmp_path / "p.parquet"), out))
     assert result.exit_code == 143
-    assert result.stderr.strip().splitlines()[-1] == "terminated; nothing half-written was left behind"
+    # a rollout to a file journals its finished prompts: none had finished, so neither journal nor file
+    assert result.stderr.strip().splitlines()[-1] == (
+        "terminated; no prompt had been journaled yet, so nothing was kept")
     assert files_under(tmp_path) == ["p.parquet"]
 
 

@@ -69,7 +69,7 @@ def test_the_draft_artifact_describes_the_drafts_not_the_lossy_plan(tmp_path):
     assert not {"threshold", "threshold_source", "quantile"} & set(meta)
     notes = json.loads(meta["notes"])
     assert notes and not any("tail" in n or "dense" in n.split(":")[0] for n in notes)
-    assert any(n.startswith("bin 0 (0+): fewer profiled tokens than --min-tokens (50)") for n in notes)
+    assert any(n.startswith("bin 0 (0-256): fewer profiled tokens than --min-tokens (50)") for n in notes)
     form = json.loads(exported.read_text())
     assert form["threshold"] is None and all(b["tail"] is None for b in form["bins"])
     assert [b["budget"] for b in form["bins"]] == budgets
@@ -150,8 +150,8 @@ def test_a_thin_bin_is_thin_for_the_drafts_too(tmp_path):
     assert doc["schedule"][0]["tail"] is None  # the lossy plan's thin bin
     assert (doc["speculative"][0]["mean_alpha"], doc["speculative"][0]["tokens_per_cycle"]) == (None, None)
     assert doc["speculative"][1]["mean_alpha"] == pytest.approx(0.95)
-    assert "bin 0 (0+): fewer profiled tokens than --min-tokens (50), so its drafts are priced at the mean " \
-           "alpha of bin 1" in r.stderr
+    assert "bin 0 (0-256): fewer profiled tokens than --min-tokens (50), so its drafts are priced at the " \
+           "mean alpha of bin 1" in r.stderr
     r = _plan(*args, "--min-tokens", "5")
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)["speculative"][0]["mean_alpha"] == pytest.approx(0.2)

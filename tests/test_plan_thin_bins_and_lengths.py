@@ -85,7 +85,7 @@ def test_a_thin_bin_beside_a_trusted_one_is_named_and_not_judged(tmp_path):
         assert rows[budget]["tail"] == pytest.approx(np.percentile(alphas, 5), rel=1e-9)
         assert rows[budget]["tokens"] == GENERATED
     assert doc["kv_budget"] == 48
-    assert ("note: bin 0 (0+, 16 tokens): fewer tokens than --min-tokens (20), so its tail is not judged"
+    assert ("note: bin 0 (0-100, 16 tokens): fewer tokens than --min-tokens (20), so its tail is not judged"
             in r.stderr)
 
 

@@ -170,7 +170,7 @@ def test_measured_profile_plan_matches_brute_force(tmp_path, threshold):
     assert result.exit_code == 0, result.output
     got = read_artifact(out, "schedule").column("budget").to_pylist()
     assert got == brute_force(rows, threshold, 0.05, 50, 4)
-    assert "bin 1 (512+): fewer tokens" in result.output.replace("\n", " ")  # the thin bin
+    assert "bin 1 (512-1024): fewer tokens" in result.output.replace("\n", " ")  # the thin bin
     assert artifact_metadata(out)["gen_len"] == int(rows["position"].max()) + 1
 
 
@@ -331,7 +331,8 @@ def test_model_without_a_reference_profile_says_to_profile_first(tmp_path):
     (["--threshold", "0.9", "--threshold-file", "x.parquet"], "not both"),
     (["--cost", "c.parquet", "--hardware", "h100"], "not both"),
     (["--export", "yaml"], "--export must be"),
-    (["--quantile", "0.1"], "needs a measured --profile"),
+    (["--quantile", "0.1", "--threshold", "0.9"], "needs a measured --profile"),
+    (["--quantile", "0.1"], "give --threshold for the 0.1 quantile"),  # the prior is a 0.05 rule
     (["--bin-width", "512"], "needs a measured --profile"),
     (["--gen-len", "50000"], "exceeds the model's context"),
 ])

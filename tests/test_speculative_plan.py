@@ -124,7 +124,7 @@ def test_bins_without_profiled_tokens_are_marked_thin_not_given_made_up_values(t
     alpha = mean_alpha(read_artifact(profile, "mismatch"), 256, 2)
     plan = plan_speculation(analytic(get_preset("smollm2-135m").config, "h100"), alpha, 64, 0, 500)
     assert plan.mean_alpha[0] is None and plan.tokens_per_cycle[0] is None
-    assert plan.notes == ["bin 0 (0+): no profiled tokens, so its drafts are priced at the mean alpha of "
+    assert plan.notes == ["bin 0 (0-256): no profiled tokens, so its drafts are priced at the mean alpha of "
                           "bin 1, the first bin with enough", LOSSY_ALPHA_NOTE]
     assert 0.7 < plan.mean_alpha[1] < 1 and plan.tokens_per_cycle[1] > 1
     assert plan.speedup > 0.5  # bin 0's positions are priced at bin 1's mean alpha, not as impossible

@@ -6,7 +6,9 @@ CLI module imports (planning and the CLI's start-up never import torch for them)
   `validate_budget` refuses any other budget.
 - Layers in DEFAULT_DENSE_LAYERS attend densely in every mode.
 - Tail statistic of a position bin: the TAIL_QUANTILE-quantile of alpha over its tokens.
-- PRIOR_THRESHOLD: the published critical threshold on the tail, used when no runs calibrate one.
+- PRIOR_THRESHOLD: the published critical threshold on the tail, used when no runs calibrate one. It is a
+  rule on PRIOR_QUANTILE (the per-bin 5th percentile) alone: at another quantile it says nothing, so no
+  command applies it there.
 """
 
 PAGE_SIZE = 16
@@ -14,6 +16,7 @@ RESERVED_PAGES = 3
 DEFAULT_DENSE_LAYERS = (0, 1)
 TAIL_QUANTILE = 0.05
 PRIOR_THRESHOLD = 0.86
+PRIOR_QUANTILE = 0.05
 
 
 def validate_budget(budget: int, page: int = PAGE_SIZE) -> None:

@@ -38,6 +38,7 @@ from .published_schedules import (
 from .schedule import TailProfile
 
 QUANTILE = 0.05  # the published tail statistic: the 5th percentile of alpha per bin
+REFERENCE_PREFIX = "reference:"  # a reference profile's source: `reference:<model>`, no file
 
 
 def has_reference(model: str) -> bool:
@@ -56,7 +57,7 @@ def reference_profile(model: str) -> TailProfile | None:
     tail = np.stack([_bin_curve(candidates, thresholds, budgets[:, i], _bin_end(i), model, i)
                      for i in range(NUM_BINS)])
     return TailProfile(np.arange(NUM_BINS) * BIN_TOKENS, BIN_TOKENS, candidates, tail, QUANTILE,
-                       f"reference:{model}", PAGE_SIZE,
+                       f"{REFERENCE_PREFIX}{model}", PAGE_SIZE,
                        threshold_range=(float(thresholds.min()), float(thresholds.max())))
 
 

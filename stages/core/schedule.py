@@ -65,6 +65,7 @@ class Schedule:
 # cases are reported in `Plan.notes`.
 
 DENSE = np.iinfo(np.int32).max  # sorts above every budget while planning; 0 in a Schedule
+MIN_TOKENS = 50  # the fewest tokens a measured bin needs for its tail to be trusted (--min-tokens)
 
 
 class ScheduleError(ValueError):
@@ -116,7 +117,8 @@ def plan(profile: TailProfile, threshold: float) -> Plan:
     thin = profile.thin if profile.thin is not None else np.zeros(n, dtype=bool)
     if thin.all():
         most = int(profile.tokens.max()) if profile.tokens is not None else 0
-        raise ScheduleError(f"{profile.source}: no bin has the --min-tokens {profile.min_tokens or 50} "
+        needed = profile.min_tokens or MIN_TOKENS
+        raise ScheduleError(f"{profile.source}: no bin has the --min-tokens {needed} "
                             f"tokens a tail needs (the most in one bin is {most}); profile more samples or "
                             "longer generations, or lower --min-tokens")
     feasible = profile.tail >= threshold
@@ -175,9 +177,15 @@ def _reported_tails(profile: TailProfile, budgets: np.ndarray, thin: np.ndarray)
     return tails
 
 
+def bin_span(starts, i: int) -> str:
+    """Bin `i`'s positions as the schedule's table gives them: "start-end" (the end is the next bin's start,
+    itself not in the bin), or "start+" for the last bin, which is open to the end of the context."""
+    return f"{starts[i]}-{starts[i + 1]}" if i + 1 < len(starts) else f"{starts[i]}+"
+
+
 def _note_bins(notes: list[str], bins: np.ndarray, profile: TailProfile, one: str, many: str) -> None:
     if len(bins):
-        shown = ", ".join(f"{i} ({profile.bin_starts[i]}+)" for i in bins[:8])
+        shown = ", ".join(f"{i} ({bin_span(profile.bin_starts, i)})" for i in bins[:8])
         more = f" and {len(bins) - 8} more" if len(bins) > 8 else ""
         notes.append(f"bin{'s' * (len(bins) > 1)} {shown}{more}: {one if len(bins) == 1 else many}")
 
@@ -188,7 +196,7 @@ def check_threshold(threshold: float) -> None:
 
 
 def measured_profile(mismatch, quantile: float, bin_width: int, num_bins: int, source: str,
-                     page_size: int = 16, min_tokens: int = 50) -> TailProfile:
+                     page_size: int = 16, min_tokens: int = MIN_TOKENS) -> TailProfile:
     """Tails from a `mismatch` table: the q-quantile of alpha per bin (position // bin_width) and
     profiled budget, the same quantile DuckDB's quantile_cont (and `sparrow profile`) computes.
 

@@ -173,10 +173,28 @@ def _unreadable(path: Path) -> bool:
 
 
 def _threshold(kinds: dict[str, list[Path]], mismatch: Path) -> ResolvedThreshold:
-    """The threshold a profile's tail is drawn against, by the rule every command follows: the folder's
-    threshold artifact, else the calibration shipped for the profile's model, else the prior."""
-    files = kinds.get("threshold") or [None]
-    return resolve_threshold(None, files[0], None, artifact_metadata(mismatch).get("model"))
+    """The threshold a profile's tail is drawn against: the folder's threshold artifact, else the one the
+    folder's schedule was planned at (so that the tail figure and the schedule beside it tell one story),
+    else, by the rule every command follows, the calibration shipped for the profile's model, else the
+    prior."""
+    model = artifact_metadata(mismatch).get("model")
+    if files := kinds.get("threshold"):
+        return resolve_threshold(None, files[0], None, model)
+    planned = next(filter(None, map(planned_threshold, kinds.get("schedule", []))), None)
+    return planned or resolve_threshold(None, None, None, model)
+
+
+def planned_threshold(schedule: Path) -> ResolvedThreshold | None:
+    """The threshold and quantile a plan-schedule schedule records in its metadata, with where it came
+    from; None for a schedule that records none (a draft schedule, a training run's sampler) or records
+    them out of range."""
+    meta = artifact_metadata(schedule)
+    value, quantile = meta.get("threshold"), meta.get("quantile")
+    if not all(isinstance(v, int | float) and not isinstance(v, bool) and 0 < v < 1
+               for v in (value, quantile)):
+        return None
+    return ResolvedThreshold(float(value), float(quantile), f"{schedule.name} was planned at it",
+                             str(meta.get("threshold_source") or ""))
 
 
 def _holdings(run_dir: Path, shown: int = 8) -> str:

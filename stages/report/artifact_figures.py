@@ -12,7 +12,8 @@ import numpy as np
 from sparrow.schemas import artifact_metadata, read_artifact
 from sparrow.schemas.footer import file_json
 
-from ..calibrate import ResolvedThreshold
+from ..calibrate import PRIOR_RANGE_NOTE, ResolvedThreshold
+from ..core.schedule import MIN_TOKENS
 from .canvas import Figure, save, say
 from .collect import calibrated_runs
 from .tables import files_of, reward_stats, rollout_stats, sql_rows
@@ -32,11 +33,18 @@ def tail_figure(mismatch: Path, name: str, threshold: ResolvedThreshold, out: Pa
     for budget in sorted({r[0] for r in rows}):
         part = [r for r in rows if r[0] == budget]
         x = [r[5] for r in part]
-        axes[0].plot(x, [r[2] for r in part], marker="o", label=f"budget {budget}")
-        axes[1].plot(x, [r[3] for r in part], marker="o", label=f"budget {budget}")
+        for ax, column in ((axes[0], 2), (axes[1], 3)):
+            line, = ax.plot(x, [r[column] for r in part], marker="o", label=f"budget {budget}")
+            thin = [(r[5], r[column]) for r in part if r[4] < MIN_TOKENS]
+            if thin:  # hollow: a tail the planner does not trust
+                ax.plot(*zip(*thin), ls="none", marker="o", mfc="white", mec=line.get_color())
+    thin_bins = sorted({r[1] for r in rows if r[4] < MIN_TOKENS})
     label = f"threshold {threshold.short}"
     if rows:
         axes[0].axhline(threshold.value, color="k", ls="--", lw=1, label=label)
+        if thin_bins:
+            axes[0].plot([], [], ls="none", marker="o", mfc="white", mec="grey",
+                         label=f"fewer than {MIN_TOKENS} tokens")
         for ax, title in zip(axes, (f"p{threshold.quantile * 100:g} of alpha (the tail)", "mean alpha")):
             ax.set_xlabel("position (cache length when the token was produced)")
             ax.set_ylim(-0.02, 1.02)
@@ -49,11 +57,16 @@ def tail_figure(mismatch: Path, name: str, threshold: ResolvedThreshold, out: Pa
         return save(fig, out, name, title, f"From {mismatch.name}: no scored tokens, so no tail to draw.",
                      plt, 0)
     tokens = sum(r[4] for r in rows) // max(len({r[0] for r in rows}), 1)
+    said = "bin " if len(thin_bins) == 1 else "bins "
+    thin_words = (f" Hollow points: {said}{', '.join(map(str, thin_bins))}, with fewer than {MIN_TOKENS} "
+                  f"tokens, whose tails plan-schedule does not trust (--min-tokens {MIN_TOKENS})."
+                  if thin_bins else "")
     return save(fig, out, name, title,
                  f"From {mismatch.name}: {tokens} generated tokens, each scored at every budget, in bins of "
                  f"{width} tokens (each point sits at the mean position of its bin's tokens). The dashed "
                  f"line on the tail panel is the {label}: a budget whose tail stays above it in a bin may be "
-                 "scheduled there.", plt, len(rows))
+                 f"scheduled there. Where the threshold comes from: {threshold.source}.{thin_words}", plt,
+                 len(rows))
 
 
 def calibration_figure(threshold: Path, name: str, out: Path, plt) -> Figure | None:
@@ -80,18 +93,20 @@ def calibration_figure(threshold: Path, name: str, out: Path, plt) -> Figure | N
             ax.legend(fontsize=8, loc="center left")
         ax.set_xlabel(what)
         ax.grid(alpha=0.3)
-    if t["source"] == "calibrated" and t["lower"] is not None:
+    if t["source"] == "calibrated" and t["lower"] is not None and t["upper"] is not None:
         axes[0].axvspan(t["lower"], t["upper"], color="grey", alpha=0.25, label="95% interval")
         axes[0].legend(fontsize=8, loc="center left")
     axes[0].set_yticks([0, 1], ["stable", "collapsed"])
     axes[0].set_ylim(-0.5, 1.5)
     n_c = sum(r["collapsed"] for r in runs)
-    interval = f" [{t['lower']:.3g}, {t['upper']:.3g}]" if t["lower"] is not None else ""
+    calibrated = t["source"] == "calibrated" and t["lower"] is not None and t["upper"] is not None
+    interval = (f" [{t['lower']:.3g}, {t['upper']:.3g}] (calibrated, 95% bootstrap interval)" if calibrated
+                else f" ({t['source']})" if t["source"] != "prior" else f" (prior; {PRIOR_RANGE_NOTE})")
     return save(fig, out, name, f"Runs' tail and mean alpha against their outcome ({threshold.name})",
                  f"From {threshold.name}: {len(runs)} runs, {n_c} collapsed (labelled by what training did, "
                  f"never by mismatch); each run's tail is the minimum over position bins of the "
-                 f"{t['quantile']:g} quantile ({tail_is}) of alpha. Threshold {t['threshold']:.3g}{interval} "
-                 f"({t['source']}). "
+                 f"{t['quantile']:g} quantile ({tail_is}) of alpha. Threshold "
+                 f"{t['threshold']:.3g}{interval}. "
                  f"{meta.get('mean_note') or ''}", plt, len(runs))
 
 

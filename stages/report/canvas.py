@@ -29,6 +29,14 @@ def pyplot():
     return plt
 
 
+def integer_steps(axis) -> None:
+    """Ticks at whole steps only, even where the view holds one whole number (a run of one step), where
+    matplotlib's integer locator would fall back to fractions."""
+    from matplotlib.ticker import MaxNLocator
+
+    axis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
+
+
 def say(ax, why: str) -> None:
     """A panel with nothing to draw says why, in place of empty axes."""
     ax.set_xticks([])

@@ -9,7 +9,7 @@ from sparrow.schemas import artifact_metadata, read_artifact
 
 from ..core.definitions import TAIL_QUANTILE
 from ..train.detectors import Detectors
-from .canvas import Figure, save, say
+from .canvas import Figure, integer_steps, save, say
 from .collect import Steps
 from .tables import sql_rows
 
@@ -28,7 +28,6 @@ EMPTY_PANEL = {"eval_accuracy": "no eval: the run had no --eval-prompts",
 def training_figure(run: Path, label: str, out: Path, plt) -> Figure:
     """The run's curves from its metrics.parquet; `label` names it (its path under the report's folder)."""
     from matplotlib.lines import Line2D
-    from matplotlib.ticker import MaxNLocator
 
     rows = read_artifact(run / "metrics.parquet", "metrics").sort_by("step").to_pylist()
     meta = artifact_metadata(run / "metrics.parquet")
@@ -45,7 +44,7 @@ def training_figure(run: Path, label: str, out: Path, plt) -> Figure:
         if not pts:
             say(ax, EMPTY_PANEL.get(key, "not logged by this run"))
             continue
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        integer_steps(ax.xaxis)
         ax.plot(*zip(*pts), marker="o", ms=3, label="dense sampler")
         sparse = [(r["step"], r["eval_accuracy_sparse"]) for r in rows
                   if r.get("eval_accuracy_sparse") is not None]
@@ -87,8 +86,6 @@ def train_mismatch_figure(steps: Steps, out: Path, plt) -> Figure | None:
     """The sparse actor's mismatch over training, one line per position bin: the per-step summaries over
     all positions are in the training figure already. Only the files that passed the footer check are
     read; None when none did."""
-    from matplotlib.ticker import MaxNLocator
-
     files = steps.files
     if not files:
         return None
@@ -108,7 +105,7 @@ def train_mismatch_figure(steps: Steps, out: Path, plt) -> Figure | None:
     axes[1].set_ylim(bottom=0)
     for ax in axes:
         ax.set_xlabel("step")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        integer_steps(ax.xaxis)
         ax.grid(alpha=0.3)
     if not rows:
         for ax in axes:
