@@ -150,8 +150,8 @@ def test_plan_schedule_says_the_profiled_prompt_length_and_why_a_bin_takes_its_b
     assert r.exit_code == 0, r.output
     err = " ".join(r.stderr.split())
     assert "96 generated tokens after a 1500-token prompt" in err
-    assert ("bins 0 (0-512), 1 (512-1024): fewer tokens than --min-tokens (50), so they take the budget of bin 2"
-            in err)
+    assert ("bins 0 (0-512), 1 (512-1024): fewer tokens than --min-tokens (50), so they take the budget of "
+            "bin 2" in err)
     assert "previous bin" not in err
     line = error_line(runner.invoke(app, ["plan-schedule", "--model", "smollm2-135m", "--profile",
                                           str(profile), "--min-tokens", "1000"]))
