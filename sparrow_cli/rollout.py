@@ -61,7 +61,7 @@ from .output import emit_record, format_option, resolve_format
 
 SUMMARY_LABELS = {"tokens": "generated tokens", "seconds": "seconds (sampling)",
                   "prefill_seconds": "  prefill seconds", "decode_seconds": "  decode seconds",
-                  "reward_seconds": "reward seconds (scoring, after sampling)",
+                  "reward_seconds": "reward seconds (scoring)",
                   "tokens_per_s": "tokens / s (prefill included)",
                   "mean_budget": "mean budget (sparse tokens)",
                   "dense_fraction": "dense tokens (fraction)", "stop_fraction": "stopped at EOS (fraction)",
@@ -308,14 +308,19 @@ def rollout(
         console.print(f"wrote {n} rollouts in {workers} parts to {output}/")
         _warn_uncompressed(policy, summary)
         return _print_summary(summary, fmt, f"{mode}, {workers} workers")
-    with _progress("rollouts (samples)", total, rate=True, most_tokens=max_new_tokens,
-                   exact=ignore_eos) as bars:
-        table, summary = write_rollouts(run, prompt_set, opts, not raw_prompts,
-                                        lambda new, finished: bars.advance(finished, new),
-                                        on_loading=lambda longest: _say_loading(model, device, longest),
-                                        on_scored=bars.scored,
-                                        on_tokenizing=_say_tokenizing,
-                                        on_resume=lambda found: _say_resuming(found, bars, samples))
+    from sparrow.stages.rollout_journal import AlreadyComplete
+
+    try:
+        with _progress("rollouts (samples)", total, rate=True, most_tokens=max_new_tokens,
+                       exact=ignore_eos) as bars:
+            table, summary = write_rollouts(run, prompt_set, opts, not raw_prompts,
+                                            lambda new, finished: bars.advance(finished, new),
+                                            on_loading=lambda longest: _say_loading(model, device, longest),
+                                            on_scored=bars.scored,
+                                            on_tokenizing=_say_tokenizing,
+                                            on_resume=lambda found: _say_resuming(found, bars, samples))
+    except AlreadyComplete as done:
+        return console.print(str(done), highlight=False)
     warn_first_token_stops(_lengths(table), max_new_tokens, raw_prompts)
     kept = f" ({summary.resumed_prompts} prompts from the interrupted run)" if summary.resumed_prompts else ""
     console.print(f"wrote {table.num_rows} rollouts to {output}{kept}")

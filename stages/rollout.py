@@ -26,11 +26,13 @@ from .kv_policies import BlockTopK, Dense, Eviction, KVPolicy
 from .model.loading import LoadedModel, model_name
 from .model.lora import LoraWeights, lora_merged
 from .rollout_journal import (
+    MANIFEST_KEY,
     Journal,
     Manifest,
     Resumed,
     RolloutInterrupted,
     adapter_sha256,
+    model_files_sha256,
     prompts_sha256,
     schedule_sha256,
 )
@@ -396,8 +398,10 @@ def write_rollouts(run: RolloutRun, prompt_set, opts: RolloutOptions, chat: bool
         table, summary = run_rollouts(loaded, rows, opts, on_step, on_scored=on_scored)
         write_artifact(table, run.output, "rollouts", metadata={**meta, "summary": summary.metadata()})
         return table, summary
-    journal, notes = Journal.open(run.output, run_manifest(run, opts, rows), rows, run.resume, run.force,
-                                  run.checkpoint_interval, meta)
+    manifest = run_manifest(run, opts, rows)
+    journal, notes = Journal.open(run.output, manifest, rows, run.resume, run.force, run.checkpoint_interval,
+                                  meta)
+    meta = {**meta, MANIFEST_KEY: manifest.record()}  # so that a --resume after the end finds it complete
     if on_resume is not None and run.resume:
         on_resume(Resumed(journal.folder, journal.kept_prompts, len(rows), notes))
     completed = False
@@ -426,13 +430,18 @@ def run_manifest(run: RolloutRun, opts: RolloutOptions, rows: Seq[dict]) -> Mani
 
     s, policy = opts.sampling, opts.policy
     schedule = policy.schedule if isinstance(policy, BlockTopK) else None
+    from .model.presets import PRESETS
+
+    checkpoint = None if run.model.lower() in PRESETS else Path(run.model).expanduser()
     return Manifest(model=model_name(run.model), prompts=len(rows), prompts_sha256=prompts_sha256(rows),
                     samples=s.n, max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
                     top_k=s.top_k, seed=s.seed, ignore_eos=s.ignore_eos, kv_policy=policy.spec(),
                     schedule_sha256=schedule_sha256(schedule), dense_layers=tuple(opts.dense_layers),
                     page_size=opts.page_size, speculate=opts.speculate, dtype=run.dtype, device=run.device,
                     adapter_sha256=adapter_sha256(opts.lora), **reward_provenance(run.reward, run.reward_fn),
-                    raw_prompts=run.raw_prompts, threads=torch.get_num_threads())
+                    raw_prompts=run.raw_prompts, model_files_sha256=model_files_sha256(checkpoint),
+                    threads=torch.get_num_threads(), max_batch=opts.max_batch, kv_pages=opts.kv_pages,
+                    max_prefill_tokens=opts.max_prefill_tokens)
 
 
 def run_journaled(loaded: LoadedModel | None, journal: Journal, opts: RolloutOptions,
@@ -448,11 +457,11 @@ def run_journaled(loaded: LoadedModel | None, journal: Journal, opts: RolloutOpt
         with Engine(loaded.model, opts.policy, engine_config(opts)) as engine, \
                 lora_merged(loaded.model, opts.lora):
             columns = partial(scored_columns, tokenizer=loaded.tokenizer)
-            with journal.recording(lambda: engine.stats, columns, on_step) as step:
+            with journal.recording(lambda: engine.stats, columns, on_step, on_scored) as step:
                 engine.generate([rows[i]["prompt_token_ids"] for i in todo], opts.sampling, step,
                                 request_ids=todo, on_prompt=journal.finished)
         stats = engine.stats
-    table, reward_seconds = journal.result(on_scored)
+    table, reward_seconds = journal.result()
     summary = summarize(summary_columns(table), journal.stats(stats), reward_seconds)
     return table, replace(summary, resumed_prompts=journal.kept_prompts or None)
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import re
 import shutil
 import time
@@ -43,13 +44,14 @@ import pyarrow as pa
 
 from sparrow.schemas import SCHEMAS, ArtifactError, artifact_metadata, read_artifact, write_artifact
 from sparrow.schemas.io import write_bytes
-from sparrow.schemas.locations import LOCK_NAME, hold_folder, release_folder
+from sparrow.schemas.locations import LOCK_NAME, hidden_stem, hold_folder, release_folder
 
 from .engine.engine import EngineStats
 from .engine.sequence import Completion
 
 SUFFIX = ".partial"
 MANIFEST = "manifest.json"
+MANIFEST_KEY = "journal_manifest"  # the manifest in the finished artifact's metadata
 PART = re.compile(r"part-(\d{5,})\.parquet")
 WRITER = "sparrow rollout"
 JOURNAL_VERSION = 1
@@ -58,6 +60,10 @@ PEAKS = ("max_running", "peak_pages", "kv_tokens_peak", "dense_kv_tokens_peak") 
 
 class JournalRefused(ArtifactError):
     """A journal that this run may not continue or replace as asked; one sentence."""
+
+
+class AlreadyComplete(Exception):
+    """`--resume` of a run whose artifact is written: nothing to do; the message says so."""
 
 
 class RolloutInterrupted(KeyboardInterrupt):
@@ -104,21 +110,36 @@ class Manifest:
     reward_fn: str | None
     reward_fn_sha256: str
     raw_prompts: bool
-    threads: int = field(default=0, compare=False)  # torch's CPU threads: a note when it differs
+    model_files_sha256: str = ""  # a checkpoint's files (names, sizes, times): one rewritten since differs
+    # what changes how rows share a step, not what a run is: a note when it differs, as the last bits of a
+    # logprob may follow it (torch's CPU threads, the batch, the pool, the prefill's chunk)
+    threads: int = field(default=0, compare=False)
+    max_batch: int = field(default=0, compare=False)
+    kv_pages: int | None = field(default=None, compare=False)
+    max_prefill_tokens: int = field(default=0, compare=False)
 
     def to_json(self) -> bytes:
-        return json.dumps({"journal": JOURNAL_VERSION, **asdict(self)}, indent=1).encode() + b"\n"
+        return json.dumps(self.record(), indent=1).encode() + b"\n"
+
+    def record(self) -> dict:
+        """The manifest as JSON values, as the journal and the finished artifact's metadata keep it."""
+        return {"journal": JOURNAL_VERSION, **asdict(self)}
+
+    @classmethod
+    def of(cls, raw: object) -> Manifest:
+        """A manifest from its `record`; ValueError, TypeError or KeyError when it is not one."""
+        if not isinstance(raw, dict) or raw.get("journal") != JOURNAL_VERSION:
+            raise ValueError("not a rollout journal's manifest")
+        raw = {k: v for k, v in raw.items() if k != "journal"}
+        raw["dense_layers"] = tuple(raw["dense_layers"])
+        return cls(**raw)
 
     @classmethod
     def read(cls, folder: Path) -> Manifest:
         """The manifest in `folder`; JournalRefused naming it when it is missing or not one of ours."""
         path = folder / MANIFEST
         try:
-            raw = json.loads(path.read_bytes())
-            if not isinstance(raw, dict) or raw.pop("journal", None) != JOURNAL_VERSION:
-                raise ValueError("not a rollout journal's manifest")
-            raw["dense_layers"] = tuple(raw["dense_layers"])
-            return cls(**raw)
+            return cls.of(json.loads(path.read_bytes()))
         except (OSError, ValueError, TypeError, KeyError) as e:
             raise JournalRefused(f"{path} cannot be read as a rollout journal's manifest ({e}); pass --force "
                                  "to start the run over") from None
@@ -129,6 +150,23 @@ class Manifest:
             if f.compare and getattr(self, f.name) != getattr(now, f.name):
                 return f.name
         return None
+
+    def speed_notes(self, now: Manifest, folder: Path) -> list[str]:
+        """What a resume says where `now` runs the rows otherwise than this manifest's run did."""
+        flags = {"max_batch": "--max-num-seqs", "kv_pages": "--kv-pages",
+                 "max_prefill_tokens": "--max-num-batched-tokens"}
+        if now.device == "cpu":
+            flags = {"threads": "--threads", **flags}
+        changed = [(flag, getattr(self, name), getattr(now, name)) for name, flag in flags.items()
+                   if getattr(self, name) != getattr(now, name)]
+        if not changed:
+            return []
+        was = ", ".join(f"{flag} {old}" for flag, old, _ in changed)
+        has = ", ".join(f"{flag} {new}" for flag, _, new in changed)
+        return [f"--resume: {shown(folder)} was written with {was} and this run has {has}; rows that share a "
+                "step otherwise may round logprobs otherwise in their last bits, so the resumed rows are "
+                "samples of the same seeds but not bit for bit those of an uninterrupted run (the same flags "
+                "keep them)"]
 
     def describe(self, name: str) -> str:
         """The value of field `name` as a message shows it."""
@@ -144,6 +182,18 @@ class Manifest:
         return "none" if value is None else str(value)
 
 
+def check_not_complete(output: Path, manifest: Manifest) -> None:
+    """`--resume` with no journal: AlreadyComplete when `output` is the finished artifact of a run with this
+    manifest (a retry after the run ended), so that it is not sampled again."""
+    try:
+        recorded = Manifest.of(artifact_metadata(output).get(MANIFEST_KEY)) if output.is_file() else None
+    except (ArtifactError, OSError, ValueError, TypeError, KeyError):
+        recorded = None
+    if recorded is not None and recorded.difference(manifest) is None:
+        raise AlreadyComplete(f"{output} is the finished artifact of a run with these flags, so there is "
+                              "nothing to resume; drop --resume to sample it again")
+
+
 # what each field is on the command line, for the sentence that names a difference
 FLAGS = {"model": "--model", "prompts": "--prompts", "prompts_sha256": "--prompts", "samples": "--samples",
          "max_new_tokens": "--max-new-tokens", "temperature": "--temperature", "top_p": "--top-p",
@@ -152,7 +202,8 @@ FLAGS = {"model": "--model", "prompts": "--prompts", "prompts_sha256": "--prompt
          "schedule_sha256": "a --schedule of other budgets", "dense_layers": "dense layers",
          "page_size": "pages of", "speculate": "--speculate", "dtype": "--dtype", "device": "--device",
          "adapter_sha256": "--adapter", "reward": "--reward", "reward_fn": "--reward-fn",
-         "reward_fn_sha256": "a --reward-fn file of other code", "raw_prompts": "--raw-prompts"}
+         "reward_fn_sha256": "a --reward-fn file of other code", "raw_prompts": "--raw-prompts",
+         "model_files_sha256": "--model files changed since, at"}
 
 
 def sha256_json(value: object) -> str:
@@ -163,6 +214,18 @@ def prompts_sha256(rows: Sequence[dict]) -> str:
     """The digest of the prompt rows as the run samples and rewards them."""
     return sha256_json([[r["prompt_id"], [int(t) for t in r["prompt_token_ids"]], r.get("task"),
                          r.get("answer"), r.get("metadata")] for r in rows])
+
+
+def model_files_sha256(model_path: Path | None) -> str:
+    """The digest of a checkpoint's files as the file system lists them (name, size, modification time),
+    so that one rewritten in place (a re-exported run) is told apart without reading its weights; "" for a
+    preset (None), which this installation embeds."""
+    if model_path is None:
+        return ""
+    files = sorted(model_path.rglob("*")) if model_path.is_dir() else [model_path]
+    listing = [[str(f.relative_to(model_path)) if model_path.is_dir() else f.name, st.st_size, st.st_mtime_ns]
+               for f in files if f.is_file() and (st := f.stat())]
+    return sha256_json(listing)
 
 
 def schedule_sha256(schedule) -> str:
@@ -211,6 +274,8 @@ def merged_stats(parts: Sequence[dict], this_run: EngineStats) -> EngineStats:
             setattr(merged, f.name, any(values))
         elif isinstance(values[0], int | float):
             setattr(merged, f.name, max(values) if f.name in PEAKS else sum(values))
+        else:  # per-step lists: this run's steps only (parts keep counts, not steps)
+            setattr(merged, f.name, values[0])
     return merged
 
 
@@ -338,6 +403,8 @@ class Journal:
         found = check_folder(output, resume, force)
         folder = partial_folder(output)
         if not resume or found is None or not found.parts:
+            if resume:
+                check_not_complete(Path(output), manifest)
             return cls(folder, manifest, rows, [], True, interval, metadata), []
         saved = found.manifest or Manifest.read(folder)
         name = saved.difference(manifest)
@@ -347,12 +414,7 @@ class Journal:
                                  f"this run has {manifest.describe(name)}; rerun with the same flags, or "
                                  f"{again} to start over")
         kept = _read_parts(found.parts, rows, manifest.samples)
-        notes = []
-        if saved.threads != manifest.threads and manifest.device == "cpu":
-            notes.append(f"--resume: {shown(folder)} was written with {saved.threads} CPU threads and this "
-                         f"run has {manifest.threads}; a CPU's logprobs may differ in their last bits with "
-                         "the thread count, so the resumed rows are samples of the same seeds but not bit "
-                         f"for bit those of an uninterrupted run (--threads {saved.threads} keeps them)")
+        notes = saved.speed_notes(manifest, folder)
         return cls(folder, manifest, rows, kept, False, interval, metadata), notes
 
     @property
@@ -371,9 +433,9 @@ class Journal:
         self.folder.mkdir(parents=True, exist_ok=True)
         hold_folder(self.folder, WRITER, "another -o")
         self.held = True
-        if self.fresh:
+        if self.fresh:  # the old manifest goes last (replaced whole), so no part is ever left without one
             for p in self.folder.iterdir():
-                if p.name != LOCK_NAME:
+                if p.name not in (LOCK_NAME, MANIFEST):
                     shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
             write_bytes(self.folder / MANIFEST, self.manifest.to_json())
 
@@ -382,19 +444,23 @@ class Journal:
         holds no part (nothing to resume)."""
         if not self.held:
             return
-        if completed or not part_files(self.folder):
-            shutil.rmtree(self.folder, ignore_errors=True)
+        discard = completed or not part_files(self.folder)
         release_folder(self.folder)
         self.held = False
+        if discard:
+            _remove(self.folder)
 
     # ------------------------------------------------------------ recording
 
     @contextmanager
     def recording(self, engine_stats: Callable[[], EngineStats], columns: Columns,
-                  on_step: Callable[[int, int], None] | None) -> Iterator[Callable[[int, int], None]]:
+                  on_step: Callable[[int, int], None] | None,
+                  on_scored: Callable[[int, int], None] | None = None) -> Iterator[Callable]:
         """The block in which the engine samples: it yields the `on_step` to give the engine (a part is
         written after a step once `interval` seconds have passed since the last one, then `on_step` runs).
-        On an exception the prompts finished so far are written first; an interrupt goes on as
+        At its end the prompts finished since the last part are the last part (`on_scored` following
+        their rewards), so that every finished prompt is in a part before the artifact is written. On an
+        exception the prompts finished so far are written first; an interrupt goes on as
         `RolloutInterrupted`, saying what the journal keeps."""
         self.engine_stats, self.columns = engine_stats, columns
         self.last_write = time.monotonic()
@@ -407,6 +473,7 @@ class Journal:
 
         try:
             yield step
+            self.flush(on_scored)
         except BaseException as e:
             try:
                 self.flush()
@@ -420,23 +487,31 @@ class Journal:
         """The engine's `on_prompt`: every sample of row `index` has finished."""
         self.pending[index] = completions
 
-    def flush(self) -> None:
-        """The prompts finished since the last part, scored and written as the next part."""
+    def flush(self, on_scored: Callable[[int, int], None] | None = None) -> None:
+        """The prompts finished since the last part, scored and written as the next part. They leave
+        `pending` before the write, and come back only if the part was not written, so that an interrupt at
+        any point never writes a prompt into two parts."""
         if not self.pending:
             return
-        indices = sorted(self.pending)
-        out, reward_seconds = self.columns([self.rows[i] for i in indices],
-                                           [self.pending[i] for i in indices])
-        now = self.engine_stats()
-        stats, since = stats_total(now), stats_since(now, self.last_stats)
-        chunk = Chunk(indices, _conformed(pa.table(out)), since, reward_seconds)
-        meta = {**self.metadata, "part": self.next_part, "prompt_rows": indices, "engine_stats": since,
-                "reward_seconds": reward_seconds}
-        write_artifact(chunk.table, self.folder / f"part-{self.next_part:05d}.parquet", "rollouts", meta)
+        pending, self.pending = self.pending, {}
+        indices = sorted(pending)
+        path = self.folder / f"part-{self.next_part:05d}.parquet"
+        try:
+            out, reward_seconds = self.columns([self.rows[i] for i in indices], [pending[i] for i in indices],
+                                               on_scored=on_scored)
+            now = self.engine_stats()
+            stats, since = stats_total(now), stats_since(now, self.last_stats)
+            chunk = Chunk(indices, _conformed(pa.table(out)), since, reward_seconds)
+            meta = {**self.metadata, "part": self.next_part, "prompt_rows": indices, "engine_stats": since,
+                    "reward_seconds": reward_seconds}
+            write_artifact(chunk.table, path, "rollouts", meta)
+        except BaseException:
+            if not path.exists():
+                self.pending = {**pending, **self.pending}
+            raise
         self.written.append(chunk)
         self.next_part += 1
         self.last_stats, self.last_write = stats, time.monotonic()
-        self.pending = {}
 
     def interrupted(self) -> RolloutInterrupted:
         kept = self.kept_prompts + sum(len(c.indices) for c in self.written)
@@ -447,19 +522,12 @@ class Journal:
 
     # ------------------------------------------------------------ the whole run
 
-    def result(self, on_scored: Callable[[int, int], None] | None = None) -> tuple[pa.Table, float | None]:
-        """Every row in prompt order, then sample order: the kept parts', this run's parts' and the prompts
-        finished since the last part (scored now, `on_scored` following them); and the seconds every
-        part's scoring and this one took (None: nothing was scored)."""
+    def result(self) -> tuple[pa.Table, float | None]:
+        """Every row in prompt order, then sample order, from the kept parts and this run's (`recording`
+        leaves no finished prompt outside a part); and the seconds their scoring took (None: nothing was
+        scored)."""
         chunks = [*self.kept, *self.written]
         seconds = [c.reward_seconds for c in chunks if c.reward_seconds is not None]
-        if self.pending:
-            indices = sorted(self.pending)
-            out, scored = self.columns([self.rows[i] for i in indices], [self.pending[i] for i in indices],
-                                       on_scored=on_scored)
-            chunks.append(Chunk(indices, _conformed(pa.table(out))))
-            seconds += [scored] if scored is not None else []
-            self.pending = {}
         n = self.manifest.samples
         by_prompt: dict[int, pa.Table] = {}
         for c in chunks:
@@ -471,6 +539,17 @@ class Journal:
     def stats(self, this_run: EngineStats) -> EngineStats:
         """The run's engine stats: this run's, with those of the parts kept from earlier runs."""
         return merged_stats([c.stats for c in self.kept], this_run)
+
+
+def _remove(folder: Path) -> None:
+    """Remove a journal folder whole: moved to a hidden sibling first, so that an interrupt while its files
+    are deleted never leaves parts without their manifest under the journal's name."""
+    gone = folder.with_name(f".{hidden_stem(folder)}.removed-{os.getpid()}")
+    try:
+        folder.rename(gone)
+    except OSError:
+        gone = folder
+    shutil.rmtree(gone, ignore_errors=True)
 
 
 def _conformed(table: pa.Table) -> pa.Table:

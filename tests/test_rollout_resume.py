@@ -298,3 +298,61 @@ def test_merged_stats_add_sums_and_take_the_largest_peak():
         20, 2000, 250, 3)
     assert merged.seconds == pytest.approx(5.0)
     assert merged.kv_tokens_sum / merged.decode_steps == 100.0
+
+
+def test_an_interrupt_while_the_last_prompts_are_scored_keeps_them_all(tiny, reference, tmp_path,
+                                                                         monkeypatch):
+    """Every prompt had finished and the last ones were being scored (a slow reward): an interrupt then
+    keeps all 6 (the last part is written before the artifact), and the resume samples nothing."""
+    import sparrow.stages.rollout as stage
+
+    out, scored, interrupts = tmp_path / "r.parquet", stage.score_rewards, []
+
+    def interrupted_when_all_done(out_columns, items, on_scored=None):
+        # the one part of a run with the default interval holds every prompt: one Ctrl-C in its scoring
+        if len(out_columns["prompt_id"]) == 6 * SAMPLES and not interrupts:
+            interrupts.append(1)
+            raise KeyboardInterrupt
+        return scored(out_columns, items, on_scored)
+
+    with monkeypatch.context() as mp:
+        mp.setattr(stage, "score_rewards", interrupted_when_all_done)
+        first = runner.invoke(app, _args(tiny, out, None))
+    assert first.exit_code == 130 and not out.exists(), first.output
+    # the scoring is run again on the interrupt's way out, writing the part: nothing is lost
+    assert "keeps the 6 of 6 prompts" in first.stderr
+    parts = sorted(p.name for p in _partial(out).iterdir() if p.name.startswith("part-"))
+    assert parts == ["part-00000.parquet"]
+    assert artifact_metadata(_partial(out) / parts[0])["prompt_rows"] == list(range(6))
+    r = runner.invoke(app, _args(tiny, out, None, "--resume"))
+    assert r.exit_code == 0, r.output
+    assert "6 of 6 prompts done, 0 to go" in r.output
+    assert _plain(read_artifact(out, "rollouts")).equals(reference[None])
+
+
+def test_resume_after_the_run_ended_samples_nothing(tiny, tmp_path):
+    """A retry with --resume after the artifact was written (no journal left): one line, exit 0, the
+    artifact untouched; with another flag it is a fresh run, as without --resume."""
+    out = tmp_path / "r.parquet"
+    assert runner.invoke(app, _args(tiny, out, None)).exit_code == 0
+    before = (out.stat().st_mtime_ns, out.read_bytes())
+    r = runner.invoke(app, _args(tiny, out, None, "--resume"))
+    assert r.exit_code == 0, r.output
+    assert "is the finished artifact of a run with these flags, so there is nothing to resume" in r.output
+    assert (out.stat().st_mtime_ns, out.read_bytes()) == before
+    assert not _partial(out).exists()
+    r = runner.invoke(app, _args(tiny, out, None, "--resume", "--seed", "1"))
+    assert r.exit_code == 0 and "nothing to resume: the run starts from the first prompt" in r.stderr
+
+
+def test_resume_with_another_batch_says_the_rows_may_round_otherwise(tiny, journal, tmp_path):
+    """--max-num-seqs is not part of what a run is: a resume with another one runs, with a note."""
+    out = tmp_path / "r.parquet"
+    _copy(journal, out)
+    args = _args(tiny, out, None, "--resume")
+    args[args.index("--max-num-seqs") + 1] = "3"
+    r = runner.invoke(app, args)
+    assert r.exit_code == 0, r.output
+    note = " ".join(r.stderr.split())
+    assert "was written with --max-num-seqs 2 and this run has --max-num-seqs 3" in note
+    assert "not bit for bit those of an uninterrupted run" in note
