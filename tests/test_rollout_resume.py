@@ -356,3 +356,24 @@ def test_resume_with_another_batch_says_the_rows_may_round_otherwise(tiny, journ
     note = " ".join(r.stderr.split())
     assert "was written with --max-num-seqs 2 and this run has --max-num-seqs 3" in note
     assert "not bit for bit those of an uninterrupted run" in note
+
+
+def test_generate_hands_each_prompt_over_once_and_keeps_it_no_longer(tiny):
+    """Engine.generate's on_prompt: once per prompt, all its samples in sample order, as generate without
+    it returns them; the engine then keeps none (the lists it returns are empty for those prompts)."""
+    from sparrow.stages.engine import Engine
+
+    model, prompts = tiny
+    loaded = load_model(model)
+    ids = [r["prompt_token_ids"] for r in read_artifact(prompts, "prompts").to_pylist()]
+    params = SamplingParams(n=SAMPLES, max_new_tokens=NEW_TOKENS, seed=0)
+    with Engine(loaded.model, as_policy(None)) as engine:
+        plain = engine.generate(ids, params)
+    handed: dict[int, list] = {}
+    with Engine(loaded.model, as_policy(None)) as engine:
+        kept = engine.generate(ids, params, on_prompt=lambda rid, cs: handed.setdefault(rid, []).extend(cs))
+    assert kept == [[] for _ in ids]
+    assert sorted(handed) == list(range(len(ids)))
+    for i, completions in enumerate(plain):
+        assert [c.sample for c in handed[i]] == list(range(SAMPLES))
+        assert [c.token_ids for c in handed[i]] == [c.token_ids for c in completions]

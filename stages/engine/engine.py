@@ -349,7 +349,8 @@ class Engine:
         """All samples of every prompt, in prompt order then sample order. `on_step(new_tokens,
         finished_samples)` is called after every engine step; `on_prompt(request_id, completions)` once
         for each prompt, as soon as all of its samples have finished (in sample order), before that
-        step's `on_step`. `request_ids` (default: consecutive, from 0
+        step's `on_step`, and the engine keeps them no longer (their lists here are empty), so a long run
+        holds each prompt's samples once. `request_ids` (default: consecutive, from 0
         when the engine is idle) name the prompts in the per-sample seeds, so a shard of a prompt set given
         its global prompt indices samples exactly what the whole set run in one engine samples for those
         prompts. `policy` overrides the engine's for these prompts. Called on an idle engine, it starts
@@ -373,10 +374,10 @@ class Engine:
                 if c.request_id in out:
                     out[c.request_id].append(c)
                     if on_prompt is not None and len(out[c.request_id]) == samples[c.request_id]:
-                        on_prompt(c.request_id, sorted(out[c.request_id], key=lambda x: x.sample))
+                        on_prompt(c.request_id, sorted(out.pop(c.request_id), key=lambda x: x.sample))
             if on_step is not None:
                 on_step(new, len(done))
-        return [sorted(out[i], key=lambda c: c.sample) for i in ids]
+        return [sorted(out.get(i, ()), key=lambda c: c.sample) for i in ids]
 
     def _checked(self, prompts: Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams]
                  ) -> tuple[list[list[int]], list[SamplingParams]]:
