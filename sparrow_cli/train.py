@@ -7,6 +7,8 @@ from pathlib import Path
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from sparrow.stages.train.clip import CLIP_HIGH, CLIP_LOW
+
 from .common import (
     UsageError,
     check_device,
@@ -169,10 +171,10 @@ def train(
                                   "the run's sparsity drafts up to K tokens per sample and the dense policy "
                                   "verifies them, so every rollout is on-policy (no correction needed) and "
                                   "draft_acceptance is logged per step. 0 = off; not with --workers."),
-    epsilon: float = typer.Option(0.2, "--epsilon", callback=finite,
+    epsilon: float = typer.Option(CLIP_LOW, "--epsilon", callback=finite,
                                   help="PPO clip, low side: the ratio of a negative-advantage token is cut "
                                   "at 1 - epsilon (TRL's epsilon; verl's clip_ratio_low)."),
-    epsilon_high: float = typer.Option(0.28, "--epsilon-high", callback=finite,
+    epsilon_high: float = typer.Option(CLIP_HIGH, "--epsilon-high", callback=finite,
                                        help="PPO clip, high side: a positive-advantage token's ratio is cut "
                                        "at 1 + epsilon_high (DAPO's clip-higher; TRL's epsilon_high, verl's "
                                        "clip_ratio_high)."),
@@ -281,8 +283,9 @@ def train(
         rollout_rs_threshold=rollout_rs_threshold, off_policy_mask_threshold=off_policy_mask_threshold,
         rejection=rejection, rejection_c=rejection_c, alpha_weight=alpha_weight,
         bypass_mode=bypass_mode or None, loss_agg=None if loss_agg == "token-mean" else loss_agg,
-        clip_low=None if epsilon == 0.2 else epsilon, clip_high=None if epsilon_high == 0.28 else epsilon_high
-    ).items() if v is not None}  # a default left out: the configuration a run of an older Sparrow recorded
+        clip_low=None if epsilon == CLIP_LOW else epsilon,
+        clip_high=None if epsilon_high == CLIP_HIGH else epsilon_high,
+    ).items() if v is not None}  # a default left out: the recorded configuration names only what differs
     for flag, path in (("--prompts", prompts), ("--eval-prompts", eval_prompts)):
         if path is not None and not path.exists():
             raise UsageError(f"{flag} {path}: no such file")

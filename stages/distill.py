@@ -22,7 +22,7 @@ from .core.schedule import Schedule
 from .core.sparsity import BudgetFn, budget_fn
 from .core.trajectories import RolloutsFile, Trajectory
 from .model import loading
-from .model.adapter import add_lora, load_lora_state, lora_state, save_adapter
+from .model.adapter import adapter_base, add_lora, load_lora_state, lora_state, save_adapter
 from .model.head import POSITION_CHUNK, over_chunks, token_scores
 from .model.llama import Transformer
 from .model.loading import LoadedModel, resolve_config, resolve_dtype
@@ -495,7 +495,7 @@ def save_result(distiller: Distiller, result: DistillResult, run: DistillRun) ->
     mismatch/after.parquet (`mismatch` artifacts of the eval trajectories, plain and distilled actor;
     `sparrow sql --run OUTPUT` sees both in one view, `sparrow plan-schedule` plans from either)."""
     cfg = distiller.cfg
-    folder = distiller.save(run.output, run.model)
+    folder = distiller.save(run.output, adapter_base(run.model))  # what AutoPeftModelForCausalLM loads
     record = {"model": run.model, "sparsity": run.sampler, "objective": cfg.objective,
               "train_budgets": run.taught or run.sampler,
               "trajectories": input_name(run.rollouts_path or run.prompts),

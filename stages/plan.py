@@ -358,7 +358,7 @@ def _write_schedule(planned: PlannedSchedule, output: Path, name: str, model_con
         return
     write_artifact(schedule_table(result, planned.sparse_s), output, "schedule", metadata={
         **meta, "threshold": result.threshold, "threshold_source": planned.threshold.source,
-        "quantile": result.quantile, "notes": json.dumps(result.notes)})
+        "quantile": result.quantile, "min_tokens": min_tokens, "notes": json.dumps(result.notes)})
 
 
 def _plan_speculation(req: PlanRequest, cost_model: CostModel, tails: TailProfile, lengths: Lengths,

@@ -19,6 +19,7 @@ import pyarrow as pa
 from sparrow.kernels.ops import Backend
 
 from .attention import DEFAULT_DENSE_LAYERS, PAGE_SIZE
+from .core.token_budgets import mean_sparse_budget
 from .engine.config import DecodeStep, EngineConfig
 from .engine.engine import Engine, EngineStats
 from .engine.sequence import Completion, SamplingParams
@@ -265,7 +266,6 @@ def _prompt_chunks(items: Seq[RewardItem], prompt_ids: list, size: int) -> list[
 
 def summarize(out: dict, stats: EngineStats, reward_seconds: float | None = None) -> RolloutSummary:
     budgets = np.concatenate([np.asarray(b, dtype=np.int64) for b in out["budgets"]] or [np.zeros(0)])
-    sparse = budgets[budgets > 0]
     rewards = [r for r in out["reward"] if r is not None]
     n = len(out["sample"])
     policies = sorted({p for p in out.get("kv_policy", []) if p is not None})
@@ -277,7 +277,7 @@ def summarize(out: dict, stats: EngineStats, reward_seconds: float | None = None
                "dense_kv_tokens_mean": stats.dense_kv_tokens_sum / steps}
     return RolloutSummary(
         samples=n, tokens=int(budgets.size), seconds=stats.seconds, prefill_seconds=stats.prefill_s,
-        decode_seconds=stats.decode_s, mean_budget=float(sparse.mean()) if sparse.size else None,
+        decode_seconds=stats.decode_s, mean_budget=mean_sparse_budget(budgets),
         dense_fraction=float((budgets == 0).mean()) if budgets.size else 1.0,
         reward_mean=float(np.mean(rewards)) if rewards else None, reward_seconds=reward_seconds,
         stop_fraction=sum(f == "stop" for f in out["finish_reason"]) / max(n, 1),

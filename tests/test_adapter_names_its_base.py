@@ -43,3 +43,25 @@ def test_auto_peft_loads_a_trained_adapter_with_its_base(tiny_llama, tmp_path, m
     base = tiny_llama[1].state_dict()
     embed = next(k for k in model.state_dict() if k.endswith("embed_tokens.weight"))
     assert torch.equal(model.state_dict()[embed], base["model.embed_tokens.weight"])
+
+
+def test_a_distilled_adapter_names_its_base_as_a_trained_one(tiny_llama, tmp_path, monkeypatch):  # noqa: F811
+    """`sparrow distill` with --model given relative to the working directory: the adapter names the
+    checkpoint by its absolute path (what AutoPeftModelForCausalLM resolves from anywhere), not as typed."""
+    from peft import AutoPeftModelForCausalLM
+
+    checkpoint = Path(tiny_llama[0])
+    tok = load_model(str(checkpoint)).tokenizer
+    prompts = write_artifact(vowel_token_prompts(tok, 2, 12), tmp_path / "p.parquet", "prompts")
+    monkeypatch.chdir(checkpoint.parent)
+    out = tmp_path / "distilled"
+    r = CliRunner().invoke(app, ["distill", "--model", checkpoint.name, "--prompts", str(prompts),
+                                 "--budget", "48", "--samples", "1", "--max-new-tokens", "4", "--steps", "1",
+                                 "--lora-rank", "2", "--threads", "1", "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(checkpoint.resolve())
+    monkeypatch.chdir(tmp_path)  # the adapter's base found from another directory
+    model = AutoPeftModelForCausalLM.from_pretrained(str(out))
+    embed = next(k for k in model.state_dict() if k.endswith("embed_tokens.weight"))
+    assert torch.equal(model.state_dict()[embed], tiny_llama[1].state_dict()["model.embed_tokens.weight"])

@@ -159,7 +159,8 @@ def test_group_advantages_against_numpy():
 
 
 @pytest.mark.parametrize("bad,message", [(dict(correction="nope"), "--correction must be one of"),
-                                         (dict(clip_low=0.0), "clip bounds"),
+                                         (dict(clip_low=0.0), "--epsilon must be between 0 and 1"),
+                                         (dict(clip_high=0.0), "--epsilon-high must be positive"),
                                          (dict(dual_clip=1.0), "dual clip"),
                                          (dict(loss_agg="sum"), "--loss-agg must be one of")])
 def test_loss_config_rejects_bad_values(bad, message):

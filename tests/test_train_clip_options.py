@@ -51,3 +51,22 @@ def test_the_clip_options_are_recorded_and_kept_on_resume(args, tmp_path):
     line = error_line(runner.invoke(app, [*args("--epsilon", "0.1", "--epsilon-high", "0.5", "--resume"),
                                           "--steps", "2"]))
     assert "--max-grad-norm 0.5, not 1.0" in line
+
+
+def test_the_cli_defaults_are_the_loss_config_s():
+    """--epsilon / --epsilon-high default to LossConfig's bounds (0.2 and 0.28, TRL's and DAPO's), and a run
+    at those defaults records no loss option."""
+    import inspect
+
+    from sparrow.cli.train import train
+    from sparrow.stages.train.objective import LossConfig
+
+    options = inspect.signature(train).parameters
+    assert options["epsilon"].default.default == LossConfig().clip_low == 0.2
+    assert options["epsilon_high"].default.default == LossConfig().clip_high == 0.28
+
+
+def test_a_run_at_the_default_clip_records_no_loss_option(args, tmp_path):
+    r = runner.invoke(app, args("--epsilon", "0.2", "--epsilon-high", "0.28"))
+    assert r.exit_code == 0, r.output
+    assert json.loads((tmp_path / "run" / "checkpoint" / "config.json").read_text())["loss"] == {}

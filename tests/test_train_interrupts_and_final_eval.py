@@ -137,7 +137,8 @@ def test_an_interrupt_during_a_step_eval_stops_it_at_once(setup, tmp_path, monke
 def test_a_resume_with_steps_equal_to_the_steps_done_runs_the_final_eval(setup, tmp_path, monkeypatch):
     """A 2-step run stopped during step 2's rollout holds step 1 without an eval (--eval-every 5); resumed
     with --steps 1 it ends there, so step 1 is the last: its eval (dense and sparse) is the one a run of
-    --steps 1 never interrupted logs, and the summary names it."""
+    --steps 1 never interrupted logs, in the metrics and the trackers (one jsonl line for the step, with
+    the eval), and the summary names it."""
     straight = tmp_path / "straight"
     r = runner.invoke(app, [*setup["args"](straight), "--steps", "1"])
     assert r.exit_code == 0, r.output
@@ -156,11 +157,14 @@ def test_a_resume_with_steps_equal_to_the_steps_done_runs_the_final_eval(setup, 
         m.setattr(Trainer, "experience", interrupted)
         assert runner.invoke(app, setup["args"](run)).exit_code == 130
     assert rows(run)[0]["eval_accuracy"] is None
-    r = runner.invoke(app, [*setup["args"](run, "--resume"), "--steps", "1"])
+    r = runner.invoke(app, [*setup["args"](run, "--resume"), "--steps", "1", "--report-to", "jsonl"])
     assert r.exit_code == 0, r.output
     (row,) = rows(run)
+    (line,) = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]  # the tracker's
     for name in ("eval_accuracy", "eval_accuracy_sparse", "sampler_gap"):
         assert row[name] == expected[name], name
+        assert line[name] == expected[name], name
+    assert line["step"] == 1
     summary = json.loads(artifact_metadata(run / "metrics.parquet")["summary"])
     assert summary["final_eval_accuracy"] == expected["eval_accuracy"]
     assert summary["final_eval_accuracy_sparse"] == expected["eval_accuracy_sparse"]

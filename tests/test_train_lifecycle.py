@@ -316,7 +316,7 @@ def test_the_reward_is_recorded_and_a_resume_names_its_change(setup, tmp_path, m
     assert str(e.value) == (f"--resume: {run} was trained with --reward-fn {spec}, whose file held other "
                             "code than rf/r.py holds now (their content differs); only --steps, "
                             "--checkpoint-every and --eval-every may change on resume")
-    for key in ("reward", "reward_fn", "reward_fn_sha256"):  # a run of an older Sparrow: not compared
+    for key in ("reward", "reward_fn", "reward_fn_sha256"):  # a checkpoint that names none: not compared
         del saved[key]
     (run / "checkpoint" / "config.json").write_text(json.dumps(saved))
     resume()

@@ -1,7 +1,7 @@
 """What `sparrow train`'s per-step numbers mean, checked against their definitions: reward_std is TRL's
 (GRPOTrainer: the std of the step's rewards, ddof 1), mean_budget averages the sparse tokens only (as
-`sparrow rollout` does; null for a dense run), and alpha's top-20 lower bound is 1 for a token produced
-densely (its sampler is the learner). The TRL integration says mean_budget the same way."""
+`sparrow rollout` does, in float64; null for a dense run), and alpha's top-20 lower bound is 1 for a token
+produced densely (its sampler is the learner). The TRL integration says both the same way."""
 
 from __future__ import annotations
 
@@ -16,10 +16,12 @@ from typer.testing import CliRunner
 
 from sparrow.cli.app import app
 from sparrow.schemas import read_artifact, write_artifact
+from sparrow.stages.core.token_budgets import dense_alpha_is_one, mean_sparse_budget
 from sparrow.stages.integrations.trl import SparseRollout
 from sparrow.stages.model.loading import load_model
 from sparrow.stages.tasks import TASKS
-from sparrow.stages.train.metrics import mean_budget, reward_std
+from sparrow.stages.train.experience import Scores
+from sparrow.stages.train.metrics import reward_std
 
 runner = CliRunner()
 
@@ -33,8 +35,10 @@ def test_reward_std_is_trl_s_batch_std_with_bessel_s_correction():
 
 
 def test_mean_budget_averages_the_sparse_tokens_only():
-    assert mean_budget(torch.tensor([0, 64, 64, 0, 128], dtype=torch.int32)) == pytest.approx(256 / 3)
-    assert mean_budget(torch.tensor([0, 0, 0], dtype=torch.int32)) is None
+    assert mean_sparse_budget(torch.tensor([0, 64, 64, 0, 128], dtype=torch.int32)) == pytest.approx(256 / 3)
+    assert mean_sparse_budget(np.array([0, 48, 64, 64])) == 176 / 3  # float64, as the rollout summary's
+    assert mean_sparse_budget(torch.tensor([0, 0, 0], dtype=torch.int32)) is None
+    assert mean_sparse_budget(np.zeros(0)) is None
 
 
 def test_trl_mean_budget_is_over_sparse_tokens_and_absent_when_dense():
@@ -44,6 +48,18 @@ def test_trl_mean_budget_is_over_sparse_tokens_and_absent_when_dense():
     assert out["sparrow/mean_budget"] == pytest.approx(48.0)
     out = SparseRollout.metrics(me, alpha, positions, log_ratio, torch.zeros(3), None)
     assert "sparrow/mean_budget" not in out
+    alpha, positions, log_ratio = torch.ones(4), torch.arange(4), torch.zeros(4)
+    out = SparseRollout.metrics(me, alpha, positions, log_ratio, torch.tensor([0.0, 48.0, 64.0, 64.0]), None)
+    assert out["sparrow/mean_budget"] == 176 / 3  # the same number `sparrow rollout` reports, not float32's
+
+
+def test_a_densely_produced_token_s_alpha_bound_is_one():
+    bound, budgets = torch.tensor([[0.25, 0.5, 0.75]]), torch.tensor([[0, 48, 0]], dtype=torch.int32)
+    assert dense_alpha_is_one(bound, budgets).tolist() == [[1.0, 0.5, 1.0]]
+    zeros = torch.zeros(1, 3)
+    scores = Scores(logp=zeros, entropy=zeros, mask=torch.ones(1, 3, dtype=torch.bool), logp_rollout=zeros,
+                    budgets=budgets, alpha_lb=bound, ref=None)
+    assert scores.acceptance().tolist() == [[1.0, 0.5, 1.0]]
 
 
 @pytest.fixture(scope="module")

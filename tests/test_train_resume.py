@@ -130,7 +130,7 @@ def test_a_checkpoint_without_recorded_prompts_is_refused_then_forced(setup, tmp
     config = run / "checkpoint" / "config.json"
     saved = json.loads(config.read_text())
     for key in ("prompts_sha256", "eval_prompts_sha256", "schedule_sha256"):
-        del saved[key]  # as an older Sparrow wrote it
+        del saved[key]  # a configuration that does not name them
     config.write_text(json.dumps(saved))
     line = error_line(runner.invoke(app, setup["args"](run, "--resume")))
     assert "was written by a Sparrow that did not record its prompts" in line and "--force" in line

@@ -39,6 +39,7 @@ from torch import Tensor, nn
 
 from ..core.definitions import TAIL_QUANTILE
 from ..core.sparsity import Sparsity, as_policy
+from ..core.token_budgets import dense_alpha_is_one, mean_sparse_budget
 from ..engine import Completion, Engine, EngineConfig, SamplingParams, draft_acceptance
 from ..model.config import ModelConfig
 from ..model.llama import Transformer, hf_to_ours
@@ -290,7 +291,7 @@ class SparseRollout:
         rollout_lp = pad([c.logprobs for c in completions], width)
         budgets = pad([c.budgets for c in completions], width)
         alpha = torch.minimum(scores.extra_logp.float().cpu().exp(), top_lp.exp()).sum(-1).clamp(max=1.0)
-        alpha = torch.where(mask, torch.where(budgets == 0, 1.0, alpha), 0.0)  # dense tokens: alpha is 1
+        alpha = torch.where(mask, dense_alpha_is_one(alpha, budgets), 0.0)
         keep = None if self.correction is None else self.correction.keep(logp - rollout_lp, mask)
         rows = lambda x: [x[i, : len(c)].tolist() for i, c in enumerate(comps)]
         record = RolloutRecord(
@@ -314,9 +315,8 @@ class SparseRollout:
         out = {"sparrow/alpha_lb_mean": float(alpha.mean()),
                f"sparrow/alpha_lb_{q}": float(torch.quantile(alpha, self.quantile)),
                "sparrow/mismatch_kl": float(k3(log_ratio).mean())}
-        sparse = budgets[budgets > 0]
-        if len(sparse):
-            out["sparrow/mean_budget"] = float(sparse.float().mean())
+        if (budget := mean_sparse_budget(budgets)) is not None:
+            out["sparrow/mean_budget"] = budget
         bins = positions // self.bin_width
         for b in sorted(set(bins.tolist())):
             out[f"sparrow/alpha_lb_{q}/bin_{b}"] = float(torch.quantile(alpha[bins == b], self.quantile))

@@ -62,10 +62,11 @@ def load_lora_state(model: nn.Module, state: dict[str, Tensor], adapter: str = "
 
 
 def adapter_base(spec: str, random_weights: bool = False) -> str:
-    """What an adapter_config.json names as its base model, so that peft's AutoPeftModelForCausalLM loads
-    it: a preset with weights by its converted checkpoint's absolute path (a Hugging Face directory), a
-    checkpoint directory or GGUF file by its absolute path; a shapes-only preset, or random weights, by the
-    preset's name (no checkpoint holds them)."""
+    """What an adapter_config.json names as its base model (`base_model_name_or_path`, which peft's
+    AutoPeftModelForCausalLM loads): a preset with weights by its converted checkpoint's absolute path (a
+    Hugging Face directory), a checkpoint directory by its absolute path. A GGUF file is named by its
+    absolute path too, which identifies the base but which peft cannot load; a shapes-only preset, or
+    random weights, by the preset's name (no checkpoint holds them)."""
     from .loading import embedded_checkpoint, model_name
     from .presets import PRESETS
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import shutil
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 from sparrow.schemas import VERSION, ArtifactError, artifact_metadata
@@ -17,7 +18,9 @@ from sparrow.schemas.footer import artifact_parts, kind_version, parquet_batches
 from sparrow.schemas.io import check_artifact, write_bytes
 
 from ..calibrate import ResolvedThreshold, resolve_threshold
+from ..core.schedule import MIN_TOKENS
 from .artifact_figures import (
+    TailLine,
     calibration_figure,
     cost_figure,
     rewards_figure,
@@ -70,7 +73,7 @@ def build_report(run_dir: str | Path, out_dir: str | Path | None = None,
                          + ")")
     for why in skipped:
         note(f"not drawn: {why}")
-    thresholds = {p: _threshold(kinds, p) for p in kinds.get("mismatch", [])}
+    thresholds = {p: _tail_line(kinds, p, note) for p in kinds.get("mismatch", [])}
     with _removed_if_stopped(out):
         before = listed_figures(out)
         draw = {"mismatch": ("tail", lambda p, n: tail_figure(p, n, thresholds[p], out, plt)),
@@ -172,29 +175,58 @@ def _unreadable(path: Path) -> bool:
     return False
 
 
-def _threshold(kinds: dict[str, list[Path]], mismatch: Path) -> ResolvedThreshold:
-    """The threshold a profile's tail is drawn against: the folder's threshold artifact, else the one the
-    folder's schedule was planned at (so that the tail figure and the schedule beside it tell one story),
-    else, by the rule every command follows, the calibration shipped for the profile's model, else the
-    prior."""
+@dataclass(frozen=True)
+class Planned:
+    """A folder's schedule that records the threshold it was planned at."""
+
+    path: Path
+    threshold: ResolvedThreshold
+    min_tokens: int  # its --min-tokens (the planner's default where it records none)
+    profile: str | None  # the profile it was planned from, as it records it
+
+
+def _tail_line(kinds: dict[str, list[Path]], mismatch: Path, note: Callable[[str], None]) -> TailLine:
+    """What a profile's tail is drawn against: the folder's threshold artifact, else the threshold, quantile
+    and --min-tokens of a schedule in the folder (so that the tail figure and the schedule beside it tell
+    one story): one planned from this very profile first, else the first; a warning names the schedules
+    when they were planned at different thresholds. Else, by the rule every command follows, the
+    calibration shipped for the profile's model, else the prior."""
     model = artifact_metadata(mismatch).get("model")
     if files := kinds.get("threshold"):
-        return resolve_threshold(None, files[0], None, model)
-    planned = next(filter(None, map(planned_threshold, kinds.get("schedule", []))), None)
-    return planned or resolve_threshold(None, None, None, model)
+        return TailLine(resolve_threshold(None, files[0], None, model))
+    planned = [p for p in map(planned_schedule, kinds.get("schedule", [])) if p is not None]
+    if not planned:
+        return TailLine(resolve_threshold(None, None, None, model))
+    chosen = next((p for p in planned if _same_path(p.profile, mismatch)), planned[0])
+    if len({(p.threshold.value, p.threshold.quantile) for p in planned}) > 1:
+        each = "; ".join(f"{p.path.name}: {p.threshold.value:g} at quantile {p.threshold.quantile:g}"
+                         for p in planned)
+        why = "planned from it" if _same_path(chosen.profile, mismatch) else "the first"
+        note(f"warning: the folder's schedules were planned at different thresholds ({each}); the tail of "
+             f"{mismatch.name} is drawn against {chosen.path.name}'s ({why})")
+    return TailLine(chosen.threshold, chosen.min_tokens)
 
 
-def planned_threshold(schedule: Path) -> ResolvedThreshold | None:
+def _same_path(recorded: str | None, path: Path) -> bool:
+    """Whether a path an artifact records names `path` (symlinks followed)."""
+    return recorded is not None and Path(recorded).resolve() == path.resolve()
+
+
+def planned_schedule(schedule: Path) -> Planned | None:
     """The threshold and quantile a plan-schedule schedule records in its metadata, with where it came
-    from; None for a schedule that records none (a draft schedule, a training run's sampler) or records
-    them out of range."""
+    from, its --min-tokens and its profile; None for a schedule that records none (a draft schedule, a
+    training run's sampler) or records them out of range."""
     meta = artifact_metadata(schedule)
-    value, quantile = meta.get("threshold"), meta.get("quantile")
+    value, quantile, min_tokens = meta.get("threshold"), meta.get("quantile"), meta.get("min_tokens")
     if not all(isinstance(v, int | float) and not isinstance(v, bool) and 0 < v < 1
                for v in (value, quantile)):
         return None
-    return ResolvedThreshold(float(value), float(quantile), f"{schedule.name} was planned at it",
-                             str(meta.get("threshold_source") or ""))
+    if not (isinstance(min_tokens, int) and not isinstance(min_tokens, bool) and min_tokens >= 1):
+        min_tokens = MIN_TOKENS
+    profile = meta.get("profile")
+    threshold = ResolvedThreshold(float(value), float(quantile), f"{schedule.name} was planned at it",
+                                  str(meta.get("threshold_source") or ""))
+    return Planned(schedule, threshold, min_tokens, profile if isinstance(profile, str) else None)
 
 
 def _holdings(run_dir: Path, shown: int = 8) -> str:

@@ -5,6 +5,7 @@ the columns it draws batch by batch for the per-sample ones) and returns the sav
 from __future__ import annotations
 
 import textwrap
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -19,9 +20,20 @@ from .collect import calibrated_runs
 from .tables import files_of, reward_stats, rollout_stats, sql_rows
 
 
-def tail_figure(mismatch: Path, name: str, threshold: ResolvedThreshold, out: Path, plt) -> Figure:
+@dataclass(frozen=True)
+class TailLine:
+    """What a profile's tail is drawn against: the threshold, and the fewest tokens a bin needs for the
+    planner to trust its tail (--min-tokens, as the schedule that gave the threshold records it; the
+    planner's default else). Bins with fewer are drawn hollow."""
+
+    threshold: ResolvedThreshold
+    min_tokens: int = MIN_TOKENS
+
+
+def tail_figure(mismatch: Path, name: str, line_at: TailLine, out: Path, plt) -> Figure:
     """Tail and mean alpha per bin and budget, each point at the mean position of its bin's tokens (a bin's
     tokens may fill only part of it); the threshold applies to the tail only."""
+    threshold, min_tokens = line_at.threshold, line_at.min_tokens
     rows = sql_rows(files_of(mismatch), lambda scan: f"""SELECT budget, bin,
                     quantile_cont(alpha, {float(threshold.quantile)}) AS tail, avg(alpha) AS mean,
                     count(*) AS n, avg(position) AS at FROM {scan} GROUP BY ALL ORDER BY ALL""")
@@ -35,16 +47,16 @@ def tail_figure(mismatch: Path, name: str, threshold: ResolvedThreshold, out: Pa
         x = [r[5] for r in part]
         for ax, column in ((axes[0], 2), (axes[1], 3)):
             line, = ax.plot(x, [r[column] for r in part], marker="o", label=f"budget {budget}")
-            thin = [(r[5], r[column]) for r in part if r[4] < MIN_TOKENS]
+            thin = [(r[5], r[column]) for r in part if r[4] < min_tokens]
             if thin:  # hollow: a tail the planner does not trust
                 ax.plot(*zip(*thin), ls="none", marker="o", mfc="white", mec=line.get_color())
-    thin_bins = sorted({r[1] for r in rows if r[4] < MIN_TOKENS})
+    thin_bins = sorted({r[1] for r in rows if r[4] < min_tokens})
     label = f"threshold {threshold.short}"
     if rows:
         axes[0].axhline(threshold.value, color="k", ls="--", lw=1, label=label)
         if thin_bins:
             axes[0].plot([], [], ls="none", marker="o", mfc="white", mec="grey",
-                         label=f"fewer than {MIN_TOKENS} tokens")
+                         label=f"fewer than {min_tokens} tokens")
         for ax, title in zip(axes, (f"p{threshold.quantile * 100:g} of alpha (the tail)", "mean alpha")):
             ax.set_xlabel("position (cache length when the token was produced)")
             ax.set_ylim(-0.02, 1.02)
@@ -58,8 +70,8 @@ def tail_figure(mismatch: Path, name: str, threshold: ResolvedThreshold, out: Pa
                      plt, 0)
     tokens = sum(r[4] for r in rows) // max(len({r[0] for r in rows}), 1)
     said = "bin " if len(thin_bins) == 1 else "bins "
-    thin_words = (f" Hollow points: {said}{', '.join(map(str, thin_bins))}, with fewer than {MIN_TOKENS} "
-                  f"tokens, whose tails plan-schedule does not trust (--min-tokens {MIN_TOKENS})."
+    thin_words = (f" Hollow points: {said}{', '.join(map(str, thin_bins))}, with fewer than {min_tokens} "
+                  f"tokens, whose tails plan-schedule does not trust (--min-tokens {min_tokens})."
                   if thin_bins else "")
     return save(fig, out, name, title,
                  f"From {mismatch.name}: {tokens} generated tokens, each scored at every budget, in bins of "

@@ -52,7 +52,7 @@ class TrainConfig:
     oversample: int = 0  # k' > samples: roll out k' per prompt, keep the `samples` of highest mean alpha
     alpha_sequences: int = 4  # sequences per step whose alpha is computed exactly (exact_alpha.py); 0: none
     speculate: int = 0  # exact speculative rollouts: the run's sparsity drafts K tokens, dense verifies
-    threads: int = 0  # torch's CPU threads (--threads, else torch's choice); 0: not recorded (an older run)
+    threads: int = 0  # torch's CPU threads (--threads, else torch's choice); 0: none recorded
     reward: str | None = None  # --reward (math | code) scores every prompt; None: each prompt's own task
     reward_fn: str | None = None  # --reward-fn path.py:function scores every prompt
     # what the run reads, by content (filled by the Trainer; run_dir.py): a resume must read the same
@@ -100,13 +100,6 @@ class TrainConfig:
             raise ValueError(f"--kl-coef must be >= 0, got {self.kl_coef}")
         if not self.max_grad_norm > 0:
             raise ValueError(f"--max-grad-norm must be positive, got {self.max_grad_norm}")
-        clip = grpo.LossConfig()
-        low, high = self.loss.get("clip_low", clip.clip_low), self.loss.get("clip_high", clip.clip_high)
-        if not 0 < low < 1:
-            raise ValueError(f"--epsilon must be between 0 and 1 (the ratio is cut at 1 - epsilon), "
-                             f"got {low}")
-        if not high > 0:
-            raise ValueError(f"--epsilon-high must be positive, got {high}")
         if self.reward is not None and self.reward_fn is not None:
             raise ValueError("--reward and --reward-fn are two ways to score; give one of them")
         grpo.LossConfig(correction=self.correction, kl_coef=self.kl_coef, **self.loss).validate()

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..core.token_budgets import dense_alpha_is_one
 from ..engine import Completion
 from ..model.llama import Transformer
 from ..model.lora import adapters_disabled
@@ -45,8 +46,8 @@ class Scores:
 
     def acceptance(self) -> Tensor:
         """Each token's acceptance rate alpha [N, T]: 1 where it was sampled densely (the sampler's
-        distribution is the learner's), else the top-20 lower bound."""
-        return torch.where(self.budgets == 0, 1.0, self.alpha_lb)
+        distribution is the learner's), else the top-20 lower bound (padding: 1, budget 0)."""
+        return dense_alpha_is_one(self.alpha_lb, self.budgets)
 
     def select(self, rows: Tensor, width: int) -> Scores:
         pick = lambda x: None if x is None else x[rows][:, :width]
@@ -89,7 +90,7 @@ def score(model: Transformer, completions: list[Completion], cfg: TrainConfig, w
     budgets = pad_rows([c.budgets for c in completions], 0, torch.int32)
     return Scores(logp=logp, entropy=entropy, mask=mask,
                   logp_rollout=pad_rows([c.logprobs for c in completions]), budgets=budgets,
-                  alpha_lb=torch.where(mask, torch.where(budgets == 0, 1.0, alpha_lb), 0.0), ref=ref)
+                  alpha_lb=torch.where(mask, dense_alpha_is_one(alpha_lb, budgets), 0.0), ref=ref)
 
 
 def _top_logprobs(completions: list[Completion], width: int) -> tuple[Tensor, Tensor]:

@@ -19,6 +19,7 @@ from sparrow.schemas.artifacts import TRAIN_CORRECTION_METRICS
 
 from ..core.definitions import TAIL_QUANTILE
 from ..core.schedule import Schedule
+from ..core.token_budgets import mean_sparse_budget
 from ..engine import draft_acceptance
 from . import corrections as rc
 from . import objective as grpo
@@ -65,7 +66,7 @@ def metrics_row(run_id: str, exp: Experience, update: dict, update_seconds: floa
         "vetoed_fraction": correction.stats["vetoed_fraction"],
         "alpha_lb_mean": float(alpha.mean()), "alpha_lb_p5": float(torch.quantile(alpha, TAIL_QUANTILE)),
         **exact_alpha_stats(exp, cfg.bin_width, cfg.speculate > 0),
-        "mean_budget": mean_budget(s.budgets[mask]),
+        "mean_budget": mean_sparse_budget(s.budgets[mask]),
         "truncation_rate": float(np.mean([c.finish_reason == "length" for c in flat])),
         "repetition_rate": float(np.mean([repetition(c.token_ids) for c in flat])),
         "response_length": generated / len(flat), "lr": cfg.lr,
@@ -83,16 +84,9 @@ def metrics_row(run_id: str, exp: Experience, update: dict, update_seconds: floa
 
 
 def reward_std(rewards: np.ndarray) -> float:
-    """TRL's reward_std (GRPOTrainer, from TRL 0.27 on): the standard deviation of all the step's rewards
-    with Bessel's correction (ddof 1), not the mean of the groups' (earlier TRL releases logged that)."""
+    """`reward_std`: the standard deviation of all the step's rewards with Bessel's correction (ddof 1), as
+    TRL's GRPOTrainer logs it; not the mean of the groups' standard deviations."""
     return float(np.std(np.asarray(rewards, dtype=float), ddof=1))
-
-
-def mean_budget(budgets: Tensor) -> float | None:
-    """The mean budget of the sparse tokens (budget > 0), as `sparrow rollout` reports it; None when every
-    token was produced densely (budget 0 means no budget, not a budget of 0 tokens)."""
-    sparse = budgets[budgets > 0]
-    return float(sparse.float().mean()) if len(sparse) else None
 
 
 def frac_reward_zero_std(exp: Experience) -> float:

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from . import corrections as rc
+from .clip import CLIP_HIGH, CLIP_LOW
 from .corrections import Correction, k3
 
 CORRECTIONS = rc.PRESETS
@@ -24,8 +25,8 @@ AGG_ALIASES = {"dapo": "token-mean", "grpo": "seq-mean-token-mean", "dr_grpo": "
 class LossConfig:
     correction: str = "tis"
     kl_coef: float = 0.0
-    clip_low: float = 0.2
-    clip_high: float = 0.28
+    clip_low: float = CLIP_LOW  # --epsilon
+    clip_high: float = CLIP_HIGH  # --epsilon-high
     dual_clip: float = 3.0
     tis_cap: float = 2.0
     mis_low: float = 0.5
@@ -79,9 +80,11 @@ class LossConfig:
             raise ValueError(f"--loss-agg must be one of {', '.join(AGGREGATIONS)} (or TRL's "
                              f"{', '.join(AGG_ALIASES)}), got {self.loss_agg!r}")
         self._validate_rules()
-        if not (0 < self.clip_low < 1 and self.clip_high > 0):
-            raise ValueError(f"the clip bounds must satisfy 0 < clip_low < 1 and clip_high > 0, got "
-                             f"{self.clip_low} and {self.clip_high}")
+        if not 0 < self.clip_low < 1:
+            raise ValueError(f"--epsilon must be between 0 and 1 (the ratio is cut at 1 - epsilon), "
+                             f"got {self.clip_low}")
+        if not self.clip_high > 0:
+            raise ValueError(f"--epsilon-high must be positive, got {self.clip_high}")
         if self.dual_clip <= 1:
             raise ValueError(f"the dual clip constant must be > 1, got {self.dual_clip}")
         for name in ("mis", "sparse_rl"):

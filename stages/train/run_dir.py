@@ -52,7 +52,7 @@ RUN_NAMES = (*RUN_FILES, *REPLACED_DIRS, "mismatch", "metrics.jsonl", "tensorboa
 REPLACED_NAMES = (*RUN_FILES, *REPLACED_DIRS, MODEL_DIR, "metrics.jsonl")
 STALE_MISMATCH = re.compile(r"\.step=\d+\.parquet\.[0-9a-f]{8,32}(?:-\d+)?\.tmp")
 WRITER = "sparrow train"  # what holds a run directory's lock, as a refusal names it
-REWARD_FIELDS = ("reward", "reward_fn", "reward_fn_sha256")  # a run of an older Sparrow lacks them
+REWARD_FIELDS = ("reward", "reward_fn", "reward_fn_sha256")  # not compared where a checkpoint names none
 # what a resume may change besides --steps: when to checkpoint and evaluate do not change the weights or the
 # training metrics (the new value applies from the resume on, and the next checkpoint records it); the
 # thread count is the machine's, said in a note since the last digits of a CPU's logprobs depend on it
@@ -256,8 +256,8 @@ def _check_foreign_schedule(path: Path) -> None:
 
 
 def saved_config(run_dir: Path) -> tuple[TrainConfig, set[str]]:
-    """The configuration RUN/checkpoint/config.json records, and the fields it names (an older Sparrow's
-    lacks the newer ones); ValueError in one sentence when it cannot be read."""
+    """The configuration RUN/checkpoint/config.json records, and the fields it names (a field it does not
+    name takes TrainConfig's default); ValueError in one sentence when it cannot be read."""
     try:
         raw = json.loads((run_dir / "checkpoint" / "config.json").read_text())
         return TrainConfig(**raw), set(raw)

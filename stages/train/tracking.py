@@ -3,7 +3,9 @@ none) beside RUN/metrics.parquet, which stays the source of truth (docs/training
 
 A resumed run hands each tracker the rows of the steps its checkpoint holds (`history`): a tracker that
 lacks some of them (a step whose line an interrupt cut off, or a run started with another --report-to)
-gets them before the new steps, so every tracker ends with every step of metrics.parquet.
+gets them before the new steps, so every tracker ends with every step of metrics.parquet. A final eval
+that runs after the last step was logged (`Trainer._final_eval`) logs that step's row again, with the
+eval: the jsonl replaces the step's line, tensorboard and wandb add its scalars at that step.
 """
 
 from __future__ import annotations
@@ -84,10 +86,19 @@ class JsonlTracker:
             write_bytes(self.path, "".join(lines[s] + "\n" for s in sorted(lines)).encode())
         else:  # made by the first step's line: a run stopped before it leaves none
             self.path.unlink(missing_ok=True)
+        self.steps = set(lines)
 
     def log(self, row: dict) -> None:
+        """A step's line appended; a step logged again (its final eval added) replaces its line."""
+        line = _jsonl_line(row)
+        if row["step"] in self.steps:
+            old = self.path.read_text().splitlines()
+            write_bytes(self.path, "".join((line if _line_step(o) == row["step"] else o) + "\n"
+                                           for o in old).encode())
+            return
         with self.path.open("a") as f:
-            f.write(_jsonl_line(row) + "\n")
+            f.write(line + "\n")
+        self.steps.add(row["step"])
 
     def close(self) -> None:
         pass

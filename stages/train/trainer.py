@@ -342,7 +342,8 @@ class Trainer:
 
     def _final_eval(self) -> None:
         """The last step's eval when its row has none (a resume whose --steps ends at the steps done, or a
-        run interrupted during that eval), into the metrics and the checkpoint before the summary."""
+        run interrupted during that eval), into the metrics, the checkpoint and the trackers (the step's
+        row again, with its eval) before the summary."""
         h = self.history
         if not (self.eval_prompts and self.world.main and h) or h[-1].get("eval_accuracy") is not None:
             return
@@ -352,6 +353,8 @@ class Trainer:
         with interrupts_deferred():
             write_metrics(self.run_dir, h, self.cfg, self.initial_eval)
             self._save_checkpoint(self.rng_at_step)
+            if self.trackers is not None:
+                self.trackers.log(h[-1])
 
     def evaluate(self, sparse: bool = False, sampled: bool = False) -> float:
         """Accuracy of greedy completions of the eval prompts (reward 1 counts as correct), dense or, with
@@ -475,7 +478,7 @@ class Trainer:
             self.sparse_history = sparse["history"]
         set_rng_states(state)
         self.step, self.history = state["step"], state["history"]
-        initial = state["initial_eval"]  # a checkpoint of an older run holds the dense accuracy alone
+        initial = state["initial_eval"]  # an InitialEval, or the dense accuracy alone (a float)
         self.initial_eval = InitialEval(initial) if isinstance(initial, float) else initial
         if self.world.main:
             drop_mismatch_after(self.run_dir, self.step)
