@@ -43,6 +43,7 @@ import errno
 import fcntl
 import hashlib
 import os
+import re
 import shutil
 import stat
 import sys
@@ -457,6 +458,28 @@ def _holder(fd: int) -> str:
 
 
 # ---------------------------------------------------------------- inputs
+
+# ---------------------------------------------------------------- a rollout's journal
+
+JOURNAL_SUFFIX = ".partial"  # OUT.partial/ beside a rollout's -o holds its finished prompts while it runs
+JOURNAL_MANIFEST = "manifest.json"
+JOURNAL_PART = re.compile(r"part-(\d{5,})\.parquet")
+
+
+def journal_folder(output: str | os.PathLike) -> Path:
+    """The journal of a rollout writing `output`: `OUT.partial` beside it, under the name the user gave."""
+    output = Path(output)
+    return output.with_name(output.name + JOURNAL_SUFFIX)
+
+
+def journal_parts(folder: Path) -> list[Path] | None:
+    """The parts of the rollout journal `folder`, in the order they were written; None when `folder` is no
+    journal (a folder named OUT.partial holding a manifest). Every part is a whole `rollouts` artifact."""
+    if not folder.name.endswith(JOURNAL_SUFFIX) or not (folder / JOURNAL_MANIFEST).is_file():
+        return None
+    parts = (p for p in folder.iterdir() if JOURNAL_PART.fullmatch(p.name))
+    return sorted(parts, key=lambda p: int(JOURNAL_PART.fullmatch(p.name).group(1)))
+
 
 def spool_input(path: str | os.PathLike, flag: str) -> Path:
     """`-` (stdin), or a FIFO or device such as /dev/stdin in a pipe, read whole into a private

@@ -32,7 +32,6 @@ import hashlib
 import json
 import math
 import os
-import re
 import shutil
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -44,15 +43,22 @@ import pyarrow as pa
 
 from sparrow.schemas import SCHEMAS, ArtifactError, artifact_metadata, read_artifact, write_artifact
 from sparrow.schemas.io import write_bytes
-from sparrow.schemas.locations import LOCK_NAME, hidden_stem, hold_folder, release_folder
+from sparrow.schemas.locations import (
+    JOURNAL_MANIFEST,
+    JOURNAL_PART,
+    LOCK_NAME,
+    hidden_stem,
+    hold_folder,
+    journal_folder,
+    journal_parts,
+    release_folder,
+)
 
 from .engine.engine import EngineStats
 from .engine.sequence import Completion
 
-SUFFIX = ".partial"
-MANIFEST = "manifest.json"
+MANIFEST = JOURNAL_MANIFEST
 MANIFEST_KEY = "journal_manifest"  # the manifest in the finished artifact's metadata
-PART = re.compile(r"part-(\d{5,})\.parquet")
 WRITER = "sparrow rollout"
 JOURNAL_VERSION = 1
 PEAKS = ("max_running", "peak_pages", "kv_tokens_peak", "dense_kv_tokens_peak")  # merged by max, not sum
@@ -68,12 +74,6 @@ class AlreadyComplete(Exception):
 
 class RolloutInterrupted(KeyboardInterrupt):
     """An interrupt that left the run resumable; the message says what the journal keeps."""
-
-
-def partial_folder(output: str | Path) -> Path:
-    """The journal of a run writing `output`: `OUT.partial` beside it, under the name the user gave."""
-    output = Path(output)
-    return output.with_name(output.name + SUFFIX)
 
 
 def shown(folder: Path) -> str:
@@ -317,11 +317,11 @@ class Found:
 
 def part_files(folder: Path) -> list[Path]:
     """The parts of a journal, in the order they were written."""
-    return sorted((p for p in folder.iterdir() if PART.fullmatch(p.name)), key=_number)
+    return journal_parts(folder) or []
 
 
 def _number(part: Path) -> int:
-    return int(PART.fullmatch(part.name).group(1))
+    return int(JOURNAL_PART.fullmatch(part.name).group(1))
 
 
 def find(folder: Path) -> Found | None:
@@ -356,7 +356,7 @@ def check_folder(output: str | Path, resume: bool, force: bool) -> Found | None:
     """Before any work: the journal beside `output` (returned; None: there is none) is not being written
     by another process, and one that holds finished prompts is continued (`resume`) or started over
     (`force`), never replaced unasked. Changes nothing on disk."""
-    folder = partial_folder(output)
+    folder = journal_folder(output)
     found = find(folder)
     if found is None:
         return None
@@ -401,7 +401,7 @@ class Journal:
         none, the run starts from the first prompt (`check_folder`'s rule). Nothing on disk changes here
         (`start` does)."""
         found = check_folder(output, resume, force)
-        folder = partial_folder(output)
+        folder = journal_folder(output)
         if not resume or found is None or not found.parts:
             if resume:
                 check_not_complete(Path(output), manifest)

@@ -377,3 +377,25 @@ def test_generate_hands_each_prompt_over_once_and_keeps_it_no_longer(tiny):
     for i, completions in enumerate(plain):
         assert [c.sample for c in handed[i]] == list(range(SAMPLES))
         assert [c.token_ids for c in handed[i]] == [c.token_ids for c in completions]
+
+
+def test_sql_reads_an_unfinished_rollouts_journal_and_skips_a_finished_ones(tiny, journal, tmp_path):
+    """A long rollout can be queried while it runs: `sparrow sql` reads the journal's parts as rollouts
+    (with a warning that says so); once OUT is written, the journal beside it is skipped, as OUT holds its
+    rows."""
+    out = tmp_path / "r.parquet"
+    folder = _copy(journal, out)
+    kept = sum(len(artifact_metadata(p)["prompt_rows"]) for p in folder.glob("part-*.parquet"))
+    r = runner.invoke(app, ["sql", "SELECT count(*) AS n FROM rollouts", "--run", str(tmp_path), "-f", "csv"])
+    assert r.exit_code == 0, r.output
+    assert r.stdout.splitlines()[-1] == str(kept * SAMPLES)
+    assert "is the journal of an unfinished rollout" in " ".join(r.stderr.split())
+    read_artifact(folder / "part-00000.parquet", "rollouts")  # a part is a whole artifact
+    import shutil
+
+    shutil.copy(folder / "part-00000.parquet", out)  # stands for the finished artifact
+    r = runner.invoke(app, ["sql", "SELECT count(*) AS n FROM rollouts", "--run", str(tmp_path), "-f", "csv"])
+    assert r.exit_code == 0, r.output
+    first = read_artifact(out, "rollouts").num_rows
+    assert r.stdout.splitlines()[-1] == str(first)
+    assert "whose rows that file holds; skipped it" in " ".join(r.stderr.split())

@@ -25,6 +25,7 @@ import pyarrow as pa
 from sparrow.schemas import SCHEMAS, VERSION, ArtifactError, artifact_metadata
 from sparrow.schemas.artifacts import KEY_VERSION
 from sparrow.schemas.footer import kind_version, read_schema
+from sparrow.schemas.locations import JOURNAL_SUFFIX, journal_parts
 
 from .files import PREFIX, file_url
 
@@ -103,7 +104,7 @@ def run_views(run_dir: str | Path, warn: Warn | None = None) -> list[View]:
     plain: list[Source] = []
     other_version: dict[tuple[str, str | None], list[Path]] = {}
     root = run_dir.resolve()
-    for p in _run_files(run_dir):
+    for p in _run_files(run_dir, warn):
         try:
             if why := not_regular(p) or not_utf8(p, root / p.relative_to(run_dir)):
                 raise ArtifactError(why)
@@ -140,15 +141,35 @@ def _recorded(sources: list[Source]) -> tuple[str, ...]:
                  if any(getattr(s.provenance, f.name) is not None for s in sources))
 
 
-def _run_files(run_dir: Path) -> list[Path]:
+def _run_files(run_dir: Path, warn: Warn) -> list[Path]:
     """The `*.parquet` entries that are not folders (a FIFO or a broken symlink among them, to be said),
-    then those of each subfolder that holds nothing else (the parts of a partitioned artifact)."""
+    then those of each subfolder that holds nothing else (the parts of a partitioned artifact), and the
+    parts of an unfinished rollout's journal (`_journal_files`)."""
     files = sorted(p for p in run_dir.glob("*.parquet") if not p.is_dir())
     for sub in sorted(p for p in run_dir.iterdir() if p.is_dir() and not p.name.startswith(".")):
+        if (parts := journal_parts(sub)) is not None:
+            files += _journal_files(sub, parts, warn)
+            continue
         entries = [e for e in sub.iterdir() if not e.name.startswith(".")]
         if entries and all(not e.is_dir() and e.suffix == ".parquet" for e in entries):
             files += sorted(entries)
     return files
+
+
+def _journal_files(folder: Path, parts: list[Path], warn: Warn) -> list[Path]:
+    """The parts of a rollout's journal (OUT.partial/) while the rollout is unfinished, said once, so that
+    a long rollout can be queried as it runs; none once its artifact OUT is written, since they hold rows
+    that OUT holds too."""
+    finished = folder.with_name(folder.name.removesuffix(JOURNAL_SUFFIX))
+    if finished.exists():
+        if parts:
+            warn(f"{folder}/ is the journal of the rollout {finished.name}, whose rows that file holds; "
+                 "skipped it")
+        return []
+    if parts:
+        warn(f"{folder}/ is the journal of an unfinished rollout: its {len(parts)} parts are read as the "
+             "rollouts it has finished so far")
+    return parts
 
 
 def not_regular(path: Path) -> str | None:
