@@ -322,7 +322,8 @@ def rollout(
     except AlreadyComplete as done:
         return console.print(str(done), highlight=False)
     warn_first_token_stops(_lengths(table), max_new_tokens, raw_prompts)
-    kept = f" ({summary.resumed_prompts} prompts from the interrupted run)" if summary.resumed_prompts else ""
+    n = summary.resumed_prompts
+    kept = f" ({n} prompt{'s' * (n != 1)} from the interrupted run)" if n else ""
     console.print(f"wrote {table.num_rows} rollouts to {output}{kept}")
     _warn_uncompressed(policy, summary)
     _print_summary(summary, fmt, mode)

@@ -199,11 +199,11 @@ FLAGS = {"model": "--model", "prompts": "--prompts", "prompts_sha256": "--prompt
          "max_new_tokens": "--max-new-tokens", "temperature": "--temperature", "top_p": "--top-p",
          "top_k": "--top-k", "seed": "--seed", "ignore_eos": "--ignore-eos",
          "kv_policy": "the sparsity (--budget/--schedule/--kv-compression)",
-         "schedule_sha256": "a --schedule of other budgets", "dense_layers": "dense layers",
+         "schedule_sha256": "the --schedule's budgets at", "dense_layers": "dense layers",
          "page_size": "pages of", "speculate": "--speculate", "dtype": "--dtype", "device": "--device",
          "adapter_sha256": "--adapter", "reward": "--reward", "reward_fn": "--reward-fn",
          "reward_fn_sha256": "a --reward-fn file of other code", "raw_prompts": "--raw-prompts",
-         "model_files_sha256": "--model files changed since, at"}
+         "model_files_sha256": "the --model checkpoint's files at"}
 
 
 def sha256_json(value: object) -> str:

@@ -167,8 +167,9 @@ def _journal_files(folder: Path, parts: list[Path], warn: Warn) -> list[Path]:
                  "skipped it")
         return []
     if parts:
-        warn(f"{folder}/ is the journal of an unfinished rollout: its {len(parts)} parts are read as the "
-             "rollouts it has finished so far")
+        some = f"its {len(parts)} parts are" if len(parts) > 1 else "its part is"
+        warn(f"{folder}/ is the journal of an unfinished rollout: {some} read as the rollouts it has "
+             "finished so far")
     return parts
 
 

@@ -380,15 +380,14 @@ class Trainer:
     def evaluate_start(self) -> InitialEval:
         """Step 0: the dense and the run's sampler, greedy and sampled (InitialEval); each pass named to
         `on_phase` as it starts."""
-        passes = [("greedy, dense", False, False), ("greedy, sparse", True, False),
-                  ("sampled, dense", False, True), ("sampled, sparse", True, True)]
-        passes = [p for p in passes if self.policy.sparse or not p[1]]
-        out: dict[str, float] = {}
-        for i, (name, sparse, sampled) in enumerate(passes, 1):
+        passes = [(sparse, sampled) for sampled in (False, True) for sparse in (False, True)
+                  if self.policy.sparse or not sparse]  # InitialEval's order
+        out: dict[tuple[bool, bool], float] = {}
+        for i, (sparse, sampled) in enumerate(passes, 1):
+            name = f"{'sampled' if sampled else 'greedy'}, {'sparse' if sparse else 'dense'}"
             self.on_phase(f"initial eval {i}/{len(passes)}: {name}")
-            out[name] = self.evaluate(sparse=sparse, sampled=sampled)
-        return InitialEval(out["greedy, dense"], out.get("greedy, sparse"), out["sampled, dense"],
-                           out.get("sampled, sparse"))
+            out[sparse, sampled] = self.evaluate(sparse=sparse, sampled=sampled)
+        return InitialEval(out[False, False], out.get((True, False)), out[False, True], out.get((True, True)))
 
     # ------------------------------------------------------------------ what the run leaves
 
