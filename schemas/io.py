@@ -5,6 +5,9 @@ Design decisions:
   with the stage's own metadata (page size, cost coefficients, ...). A table read from disk keeps all
   three, so `artifact_metadata(read_artifact(p))` works and `write_artifact` of such a table keeps
   its metadata unless new metadata is given.
+- Every file written here, artifact or plain Parquet, also records `sparrow.provenance`: the versions of
+  Sparrow, Python, torch, transformers and pyarrow that wrote it (provenance.py), always this process's,
+  also for a table read from disk.
 - The file is checked before its data is read: existence, Parquet magic bytes at both ends (a missing
   footer means a truncated file), then kind and version from the footer alone.
 - Writing validates exactly as reading does (errors name the target path), except that nullable
@@ -69,6 +72,7 @@ from .footer import (
     stage_metadata,
 )
 from .locations import hidden_stem, is_stdio, output_target
+from .provenance import stamped
 
 TableLike = pa.Table | pa.RecordBatch | Mapping[str, Sequence] | Sequence[Mapping[str, object]]
 
@@ -88,7 +92,8 @@ def write_artifact(data: TableLike, path: str | os.PathLike, kind: str,
         except (TypeError, ValueError) as e:
             raise ArtifactError(f"the metadata for {path} is not JSON-serializable ({e})") from None
     table = spec.conform(table, subject, fill_missing=True)
-    table = table.replace_schema_metadata({**spec.schema.metadata, KEY_META.encode(): meta_json.encode()})
+    footer_keys = {**spec.schema.metadata, KEY_META.encode(): meta_json.encode()}
+    table = table.replace_schema_metadata(stamped(footer_keys))
 
     _write(path, lambda f: pq.write_table(table, f, compression="zstd"))
     return path
@@ -96,6 +101,7 @@ def write_artifact(data: TableLike, path: str | os.PathLike, kind: str,
 
 def write_table(table: pa.Table, path: str | os.PathLike) -> Path:
     """Write a plain Parquet file (no artifact kind: a query's result) by the artifacts' rule."""
+    table = table.replace_schema_metadata(stamped(table.schema.metadata))
     _write(Path(path), lambda f: pq.write_table(table, f, compression="zstd"))
     return Path(path)
 
@@ -104,6 +110,7 @@ def write_batches(schema: pa.Schema, batches: Iterable[pa.RecordBatch], path: st
     """Write record batches as they come as one plain Parquet file (a streamed query result), by the
     artifacts' rule; the rows written."""
     rows = 0
+    schema = schema.with_metadata(stamped(schema.metadata))
 
     def write(f: BinaryIO) -> None:
         nonlocal rows

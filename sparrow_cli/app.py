@@ -76,13 +76,9 @@ app = typer.Typer(
 
 def _version(value: bool) -> None:
     if value:
-        from importlib.metadata import PackageNotFoundError, version
+        from sparrow.schemas.provenance import sparrow_version  # what every written file records
 
-        try:
-            number = version("sparrow-rl")
-        except PackageNotFoundError:  # run from a source tree that was never installed
-            number = "unknown (not installed)"
-        write_out(f"sparrow {number}\n")
+        write_out(f"sparrow {sparrow_version()}\n")
         raise typer.Exit()
 
 
