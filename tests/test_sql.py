@@ -324,7 +324,8 @@ def test_a_cross_join_stops_at_max_rows_with_unique_column_names(run_dir, privat
     assert one_error(r) == ("error: the result has more than 100 rows, so only its first 100 were printed; "
                             "raise --max-rows (0: no limit), or write every row with -o FILE.parquet")
     lines = r.stdout.splitlines()
-    columns = list(mismatch(1, 0)) + ["alpha_draft", "source_file"]  # the schema's nullable column filled
+    columns = list(mismatch(1, 0)) + ["alpha_draft", "source_file",  # the schema's nullable column filled
+                                      "source_sparrow_version", "source_torch_version"]
     assert len(lines) == 101 and all(line.count("\t") == 3 * len(columns) - 1 for line in lines)
     header = lines[0].split("\t")
     assert header == columns + [f"{c}_1" for c in columns] + [f"{c}_2" for c in columns]

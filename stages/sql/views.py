@@ -26,6 +26,7 @@ from sparrow.schemas import SCHEMAS, VERSION, ArtifactError, artifact_metadata
 from sparrow.schemas.artifacts import KEY_VERSION
 from sparrow.schemas.footer import kind_version, read_schema
 from sparrow.schemas.locations import JOURNAL_SUFFIX, journal_parts
+from sparrow.schemas.provenance import KEY_PROVENANCE, artifact_provenance
 
 from .files import PREFIX, file_url
 
@@ -52,10 +53,16 @@ class Provenance:
     top_k: str | None = None
     max_new_tokens: str | None = None  # where generations were cut: their length and truncation rate
     seed: str | None = None  # a column to group a seed sweep by; pooling seeds is how one gets more samples
+    sparrow_version: str | None = None  # from the footer's `sparrow.provenance`: which code wrote the file
+    torch_version: str | None = None
 
     @classmethod
-    def of(cls, meta: dict) -> Provenance:
-        return cls(**{f.name: meta_text(meta.get(f.name)) for f in fields(cls)})
+    def of(cls, meta: dict, written_by: dict | None = None) -> Provenance:
+        """From a file's `sparrow.meta` object and its `sparrow.provenance` object (none in older files)."""
+        written_by = written_by or {}
+        found = {**meta, "sparrow_version": written_by.get("sparrow"),
+                 "torch_version": written_by.get("torch")}
+        return cls(**{f.name: meta_text(found.get(f.name)) for f in fields(cls)})
 
 
 POOLED_ON_PURPOSE = frozenset({"seed"})
@@ -110,6 +117,7 @@ def run_views(run_dir: str | Path, warn: Warn | None = None) -> list[View]:
                 raise ArtifactError(why)
             schema = read_schema(p)
             (kind, version), meta = kind_version(schema), file_metadata(schema, p)
+            written_by = _written_by(schema, p, warn)
         except ArtifactError as e:
             warn(f"{e}; skipped it")
             continue
@@ -120,7 +128,7 @@ def run_views(run_dir: str | Path, warn: Warn | None = None) -> list[View]:
             continue
         if kind is not None and version != VERSION:
             other_version.setdefault((kind, version), []).append(p)
-        source = Source(root / rel, rel.as_posix(), Provenance.of(meta))
+        source = Source(root / rel, rel.as_posix(), Provenance.of(meta, written_by))
         (by_kind.setdefault(kind, []) if kind is not None else plain).append(source)
     for (kind, version), paths in other_version.items():
         warn(version_warning(paths, kind, version))
@@ -206,6 +214,17 @@ def file_metadata(schema: pa.Schema, path: Path) -> dict:
         return artifact_metadata(schema)
     except ArtifactError:
         return artifact_metadata(path)
+
+
+def _written_by(schema: pa.Schema, path: Path, warn: Warn) -> dict:
+    """The versions that wrote `path` (its footer's `sparrow.provenance`); {} for a file without them, and
+    for one whose record is damaged, said: the file's rows are still read."""
+    try:
+        return artifact_provenance(schema)
+    except ArtifactError:
+        warn(f"{path} has a '{KEY_PROVENANCE}' footer key that is not a JSON object; its "
+             "source_sparrow_version and source_torch_version are null")
+        return {}
 
 
 def version_warning(paths: list[Path], kind: str, version: str | None) -> str:
