@@ -202,6 +202,16 @@ def vowel_token_prompts(tokenizer, n: int, repeat: int) -> list[dict]:
              "answer": str(i * 37), "metadata": None} for i in range(n)]
 
 
+def vowel_train_args(tiny_llama, tmp_path, monkeypatch, *extra: str) -> list[str]:
+    """A one-step `sparrow train` of the vowels task on two token-id prompts, writing tmp_path/run."""
+    monkeypatch.setitem(TASKS, "vowels", VOWELS)
+    tok = load_model(tiny_llama[0]).tokenizer
+    prompts = write_artifact(vowel_token_prompts(tok, 2, 2), tmp_path / "p.parquet", "prompts")
+    return ["train", "--model", tiny_llama[0], "--prompts", str(prompts), "--steps", "1",
+            "--prompts-per-step", "2", "--samples", "2", "--max-new-tokens", "4",
+            "--lora-rank", "2", "--threads", "1", "-o", str(tmp_path / "run"), *extra]
+
+
 @pytest.fixture()
 def vowel_prompts(tmp_path, monkeypatch, tiny_llama):
     monkeypatch.setitem(TASKS, "vowels", VOWELS)

@@ -7,13 +7,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_train import VOWELS, tiny_llama, vowel_token_prompts  # noqa: F401 - tiny_llama is a fixture
+from test_train import tiny_llama, vowel_train_args  # noqa: F401 - tiny_llama is a fixture
 from typer.testing import CliRunner
 
 from sparrow.cli.app import app
-from sparrow.schemas import write_artifact
-from sparrow.stages.model.loading import load_model
-from sparrow.stages.tasks import TASKS
 
 from cli_checks import error_line
 
@@ -22,12 +19,7 @@ runner = CliRunner()
 
 @pytest.fixture()
 def args(tiny_llama, tmp_path, monkeypatch):  # noqa: F811 - the imported fixture
-    monkeypatch.setitem(TASKS, "vowels", VOWELS)
-    tok = load_model(tiny_llama[0]).tokenizer
-    prompts = write_artifact(vowel_token_prompts(tok, 2, 2), tmp_path / "p.parquet", "prompts")
-    return lambda *extra: ["train", "--model", tiny_llama[0], "--prompts", str(prompts), "--steps", "1",
-                           "--prompts-per-step", "2", "--samples", "2", "--max-new-tokens", "4",
-                           "--lora-rank", "2", "--threads", "1", "-o", str(tmp_path / "run"), *extra]
+    return lambda *extra: vowel_train_args(tiny_llama, tmp_path, monkeypatch, *extra)
 
 
 @pytest.mark.parametrize("flag,value,said", [

@@ -4,13 +4,10 @@ under the run's sparsity), and a fresh run that a reward error stops leaves no s
 from __future__ import annotations
 
 import pytest
-from test_train import VOWELS, tiny_llama, vowel_token_prompts  # noqa: F401 - tiny_llama is a fixture
+from test_train import tiny_llama, vowel_train_args  # noqa: F401 - tiny_llama is a fixture
 from typer.testing import CliRunner
 
 from sparrow.cli.app import app
-from sparrow.schemas import write_artifact
-from sparrow.stages.model.loading import load_model
-from sparrow.stages.tasks import TASKS
 from sparrow.stages.tasks.base import RewardError
 from sparrow.stages.train import Trainer
 
@@ -19,12 +16,8 @@ runner = CliRunner()
 
 @pytest.fixture()
 def args(tiny_llama, tmp_path, monkeypatch):  # noqa: F811 - the imported fixture
-    monkeypatch.setitem(TASKS, "vowels", VOWELS)
-    tok = load_model(tiny_llama[0]).tokenizer
-    prompts = write_artifact(vowel_token_prompts(tok, 2, 2), tmp_path / "p.parquet", "prompts")
-    return ["train", "--model", tiny_llama[0], "--prompts", str(prompts), "--eval-prompts", str(prompts),
-            "--steps", "1", "--prompts-per-step", "2", "--samples", "2", "--max-new-tokens", "4",
-            "--lora-rank", "2", "--budget", "48", "--threads", "1", "-o", str(tmp_path / "run")]
+    prompts = str(tmp_path / "p.parquet")
+    return vowel_train_args(tiny_llama, tmp_path, monkeypatch, "--eval-prompts", prompts, "--budget", "48")
 
 
 def test_the_initial_eval_says_each_pass(args):
