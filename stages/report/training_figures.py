@@ -25,6 +25,15 @@ EMPTY_PANEL = {"eval_accuracy": "no eval: the run had no --eval-prompts",
                "alpha_lb_p5": "not logged by this run"}
 
 
+def _sparse_eval(rows: list[dict], meta: dict) -> list[tuple[int, float]]:
+    """The run's sparse sampler's eval accuracy by step, from step 0 (the initial eval, before any update)
+    where the run recorded it, so that the gap between the samplers at the start shows."""
+    pts = [(r["step"], r["eval_accuracy_sparse"]) for r in rows if r.get("eval_accuracy_sparse") is not None]
+    if meta.get("initial_eval_accuracy_sparse") is not None:
+        pts.insert(0, (0, float(meta["initial_eval_accuracy_sparse"])))
+    return pts
+
+
 def training_figure(run: Path, label: str, out: Path, plt) -> Figure:
     """The run's curves from its metrics.parquet; `label` names it (its path under the report's folder)."""
     from matplotlib.lines import Line2D
@@ -46,8 +55,7 @@ def training_figure(run: Path, label: str, out: Path, plt) -> Figure:
             continue
         integer_steps(ax.xaxis)
         ax.plot(*zip(*pts), marker="o", ms=3, label="dense sampler")
-        sparse = [(r["step"], r["eval_accuracy_sparse"]) for r in rows
-                  if r.get("eval_accuracy_sparse") is not None]
+        sparse = _sparse_eval(rows, meta)
         if key == "eval_accuracy" and sparse:  # the run's own sparse sampler, evaluated beside dense
             ax.plot(*zip(*sparse), marker="s", ms=3, label="the run's sparse sampler")
             ax.legend(fontsize=7)
