@@ -358,8 +358,9 @@ def _say_resuming(found, bars: _Bars, samples: int) -> None:
         note(f"--resume: {found.folder}/ holds no finished prompt of an interrupted run (or is not there), "
              "so there is nothing to resume: the run starts from the first prompt")
         return
+    first = f"; the rewards of {found.unscored} are scored first" if found.unscored else ""
     console.print(f"resuming {found.folder}/: {found.kept} of {found.total} prompts done, "
-                  f"{found.total - found.kept} to go", highlight=False)
+                  f"{found.total - found.kept} to go{first}", highlight=False)
     bars.skip(found.kept * samples)
 
 

@@ -37,6 +37,7 @@ from .rollout_journal import (
     prompts_sha256,
     schedule_sha256,
 )
+from .tasks.base import Task
 from .tasks.rewards import reward_provenance
 
 
@@ -205,10 +206,8 @@ def sample_columns(rows: Seq[dict], results: Seq[Seq[Completion]], tokenizer
         scorer = get_task(row["task"]) if has_scorer(row.get("task")) else None
         for c in completions:
             text = tokenizer.decode(c.token_ids, skip_special_tokens=True) if tokenizer is not None else None
-            if text is not None and scorer is not None and (row.get("answer") is not None
-                                                             or not scorer.needs_answer):
-                items.append(RewardItem(len(out["reward"]), row["task"], text, row.get("answer"),
-                                        row.get("metadata")))
+            if (item := _reward_item(row, scorer, len(out["reward"]), text)) is not None:
+                items.append(item)
             out["prompt_id"].append(row["prompt_id"])
             out["sample"].append(c.sample)
             out["prompt_token_ids"].append(c.prompt_token_ids)
@@ -224,6 +223,42 @@ def sample_columns(rows: Seq[dict], results: Seq[Seq[Completion]], tokenizer
             out["accepted"].append(c.accepted)
             out["drafted"].append(None if c.accepted is None else c.drafted)
     return out, items
+
+
+def _reward_item(row: dict, scorer: Task | None, index: int, text: str | None) -> RewardItem | None:
+    """The sample at `index` of the columns to reward, or None when its task has no scorer, it has no text,
+    or its scorer needs the answer that the row lacks."""
+    if text is None or scorer is None or (row.get("answer") is None and scorer.needs_answer):
+        return None
+    return RewardItem(index, row["task"], text, row.get("answer"), row.get("metadata"))
+
+
+def unscored_columns(rows: Seq[dict], results: Seq[Seq[Completion]], tokenizer) -> dict[str, list]:
+    """The rollouts columns of the completions of each prompt row, every reward null (`score_table` scores
+    them)."""
+    return sample_columns(rows, results, tokenizer)[0]
+
+
+def score_table(rows: Seq[dict], table: pa.Table, on_scored: Scored | None = None
+                ) -> tuple[pa.Table, float | None]:
+    """A rollouts table (of the rollouts schema) with its rewards, and a user's function's extra fields,
+    scored from its text as `sample_columns` and `score_rewards` score them; `rows[k]` is the prompt row of
+    the table's row k. The seconds scoring took too (None: nothing was scored)."""
+    from .tasks import get_task, has_scorer
+
+    n = table.num_rows
+    out = {"prompt_id": table.column("prompt_id").to_pylist(), "reward": [None] * n,
+           "reward_extra": [None] * n}
+    items = []
+    for index, (row, text) in enumerate(zip(rows, table.column("text").to_pylist())):
+        scorer = get_task(row["task"]) if has_scorer(row.get("task")) else None
+        if (item := _reward_item(row, scorer, index, text)) is not None:
+            items.append(item)
+    seconds = score_rewards(out, items, on_scored)
+    for name in ("reward", "reward_extra"):
+        i = table.schema.get_field_index(name)
+        table = table.set_column(i, table.schema.field(i), pa.array(out[name], table.schema.field(i).type))
+    return table, seconds
 
 
 def score_rewards(out: dict[str, list], items: Seq[RewardItem], on_scored: Scored | None = None
@@ -403,7 +438,8 @@ def write_rollouts(run: RolloutRun, prompt_set, opts: RolloutOptions, chat: bool
                                   meta)
     meta = {**meta, MANIFEST_KEY: manifest.record()}  # so that a --resume after the end finds it complete
     if on_resume is not None and run.resume:
-        on_resume(Resumed(journal.folder, journal.kept_prompts, len(rows), notes))
+        on_resume(Resumed(journal.folder, journal.kept_prompts, len(rows), notes,
+                          journal.unscored_prompts))
     completed = False
     try:
         journal.start()
@@ -448,16 +484,18 @@ def run_journaled(loaded: LoadedModel | None, journal: Journal, opts: RolloutOpt
                   on_step: Callable[[int, int], None] | None = None, on_scored: Scored | None = None
                   ) -> tuple[pa.Table, RolloutSummary]:
     """`run_rollouts` of the journal's prompts still to do (`loaded` may be None when there are none),
-    seeded by their row indices, each prompt journaled once its samples finish; the table holds every row
-    (the kept ones too) in prompt order, and the summary counts them all, with the engine time of the
-    kept parts and of this run."""
+    seeded by their row indices, each prompt journaled once its samples finish, after the kept prompts that
+    an interrupt journaled unscored are scored (not sampled again); the table holds every row (the kept
+    ones too) in prompt order, and the summary counts them all, with the engine time of the kept parts
+    and of this run."""
     todo, rows = journal.todo, journal.rows
     stats = EngineStats(speculative=opts.speculate > 0)
+    journal.score_kept(score_table, on_scored)
     if todo:
         with Engine(loaded.model, opts.policy, engine_config(opts)) as engine, \
                 lora_merged(loaded.model, opts.lora):
-            columns = partial(scored_columns, tokenizer=loaded.tokenizer)
-            with journal.recording(lambda: engine.stats, columns, on_step, on_scored) as step:
+            columns = partial(unscored_columns, tokenizer=loaded.tokenizer)
+            with journal.recording(lambda: engine.stats, columns, score_table, on_step, on_scored) as step:
                 engine.generate([rows[i]["prompt_token_ids"] for i in todo], opts.sampling, step,
                                 request_ids=todo, on_prompt=journal.finished)
         stats = engine.stats

@@ -5,14 +5,23 @@ Decisions:
 - What is journaled: the prompts whose every sample has finished, their rewards scored, as parts
   `part-NNNNN.parquet`, each a valid `rollouts` artifact written atomically (`write_artifact`: a hidden
   temporary, then a rename), so a part is there whole or not at all. At most one part per `interval`
-  seconds (0: after every engine step in which a prompt finished), and, when the run stops on an
-  exception (an interrupt, SIGTERM), whatever has finished, written before the exception goes on. A
-  SIGKILL loses what was not yet in a part, nothing more.
+  seconds (0: after every engine step in which a prompt finished).
+- When the run stops on an exception (an interrupt, SIGTERM), whatever has finished is written before the
+  exception goes on, unscored: a reward can take seconds a sample (code run in a sandbox), more than a
+  scheduler waits between SIGTERM and SIGKILL, so the interrupt writes the samples alone, at once, as
+  `unscored-NNNNN.parquet`, a `rollouts` artifact whose rewards are null. Only `part-*` files are the
+  rollouts finished so far (what `sparrow sql` reads); `--resume` scores an unscored file first (its
+  samples are not drawn again) and writes it as the part of its number, then removes it, so an unscored
+  file beside the part of its number is one whose removal an interrupt stopped, and is ignored. A
+  second interrupt stops the write or that scoring where it is, the journal whole: what it had not
+  written is sampled again with the same seeds. A SIGKILL loses what was not yet in a file, nothing more.
 - A part's metadata is the run's (as its artifact records it), `prompt_rows` (the indices of its
   prompts in the prompt set, ascending; their samples follow in sample order) and `engine_stats`: the
   engine's `EngineStats` since the previous part (counts and seconds as differences, peaks as the run's
   so far), with `reward_seconds` its scoring took. So a resumed run's summary adds up the engine time of
-  the work it kept (`merged_stats`: sums add, peaks take the largest).
+  the work it kept (`merged_stats`: sums add, peaks take the largest). The engine counts its steps, not
+  each sample's, so a part's counters include the steps of samples in flight when it was written; those
+  an interrupt threw away are counted again when the resume samples them.
 - `manifest.json` records the run's identity (`Manifest`): everything that decides the samples and their
   rewards, nothing that changes only speed (the batch, the pool's size, prefill chunking, CUDA graphs).
   A resume needs an equal manifest; the CPU thread count is recorded beside it, and another one is a
@@ -21,9 +30,10 @@ Decisions:
   row indices as request ids, so each sample has the seed of an uninterrupted run; the artifact holds
   every row in prompt order, then sample order.
 - One process writes a journal (`hold_folder`, from its start to its end). A run that completes removes
-  the folder after writing its artifact; one that stops before its first part removes it too, as a
-  journal without parts holds nothing to resume. Only `part-*.parquet` files are parts: the hidden
-  temporaries a killed write left are ignored (and removed by the next write of that part's name).
+  the folder after writing its artifact; one that stops before its first file removes it too, as a
+  journal without files holds nothing to resume. Only `part-*.parquet` and `unscored-*.parquet` files
+  are read: the hidden temporaries a killed write left are ignored (and removed by the next write of
+  that name).
 """
 
 from __future__ import annotations
@@ -32,11 +42,12 @@ import hashlib
 import json
 import math
 import os
+import re
 import shutil
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import pyarrow as pa
@@ -62,6 +73,7 @@ MANIFEST_KEY = "journal_manifest"  # the manifest in the finished artifact's met
 WRITER = "sparrow rollout"
 JOURNAL_VERSION = 1
 PEAKS = ("max_running", "peak_pages", "kv_tokens_peak", "dense_kv_tokens_peak")  # merged by max, not sum
+UNSCORED = re.compile(r"unscored-(\d{5,})\.parquet")  # finished prompts an interrupt wrote, rewards null
 
 
 class JournalRefused(ArtifactError):
@@ -289,25 +301,39 @@ class Resumed:
     kept: int
     total: int
     notes: list[str]
+    unscored: int = 0  # of the kept prompts, those whose rewards the resume scores first
 
 
 @dataclass
 class Chunk:
-    """Rows of whole prompts: `table` holds the samples of `indices[0]`, then of `indices[1]`, ..."""
+    """Rows of whole prompts: `table` holds the samples of `indices[0]`, then of `indices[1]`, ...; its
+    file in the journal is the part of its `number`, or the unscored file when not `scored`."""
 
     indices: list[int]
     table: pa.Table
     stats: dict[str, float] = field(default_factory=dict)
     reward_seconds: float | None = None
+    scored: bool = True
+    number: int = 0
+
+    @property
+    def name(self) -> str:
+        return file_name(self.number, self.scored)
+
+
+def file_name(number: int, scored: bool) -> str:
+    """The journal's file of this number: a part, or an unscored file."""
+    return f"{'part' if scored else 'unscored'}-{number:05d}.parquet"
 
 
 @dataclass(frozen=True)
 class Found:
-    """A journal folder as found on disk: its manifest (None: unreadable) and the prompts its parts hold."""
+    """A journal folder as found on disk: its manifest (None: unreadable), its parts and unscored files (in
+    the order they were written) and the prompts they hold."""
 
     folder: Path
     manifest: Manifest | None
-    parts: list[Path]
+    files: list[Path]
     prompts_done: int
 
     @property
@@ -320,8 +346,23 @@ def part_files(folder: Path) -> list[Path]:
     return journal_parts(folder) or []
 
 
-def _number(part: Path) -> int:
-    return int(JOURNAL_PART.fullmatch(part.name).group(1))
+def unscored_files(folder: Path, stale: bool = False) -> list[Path]:
+    """The unscored files of a journal, in the order they were written: those without a part of their
+    number (with `stale`, those with one: scored by a resume that was stopped before it removed them)."""
+    if not folder.is_dir():
+        return []
+    parts = {_number(p) for p in part_files(folder)}
+    found = (p for p in folder.iterdir() if UNSCORED.fullmatch(p.name))
+    return sorted((p for p in found if (_number(p) in parts) == stale), key=_number)
+
+
+def journal_files(folder: Path) -> list[Path]:
+    """What a resume reads of a journal: its parts and its unscored files, in the order they were written."""
+    return sorted([*part_files(folder), *unscored_files(folder)], key=_number)
+
+
+def _number(file: Path) -> int:
+    return int((JOURNAL_PART.fullmatch(file.name) or UNSCORED.fullmatch(file.name)).group(1))
 
 
 def find(folder: Path) -> Found | None:
@@ -340,8 +381,8 @@ def find(folder: Path) -> Found | None:
         manifest = Manifest.read(folder) if names else None
     except JournalRefused:  # a resume names it; --force replaces it
         manifest = None
-    parts = part_files(folder)
-    return Found(folder, manifest, parts, sum(_prompts_in(p) for p in parts))
+    files = journal_files(folder)
+    return Found(folder, manifest, files, sum(_prompts_in(p) for p in files))
 
 
 def _prompts_in(part: Path) -> int:
@@ -362,29 +403,32 @@ def check_folder(output: str | Path, resume: bool, force: bool) -> Found | None:
         return None
     hold_folder(folder, WRITER, "another -o")  # refuses when another run writes it
     release_folder(folder)
-    if found.parts and not resume and not force:
+    if found.files and not resume and not force:
         raise JournalRefused(f"an interrupted run left {found.prompts_done}{found.total} prompts in "
                              f"{shown(folder)}; pass --resume to continue it, or --force to start over")
     return found
 
 
-# (rows, their completions, on_scored=...) -> their columns, rewards scored, and the seconds scoring took
-Columns = Callable[..., tuple[dict, "float | None"]]
+# (prompt rows, the completions of each) -> their rollouts columns, rewards null
+Columns = Callable[[list[dict], list[list[Completion]]], dict]
+# (the prompt row of each row, a rollouts table, on_scored) -> the table with its rewards, the seconds it took
+Score = Callable[[list[dict], pa.Table, "Callable[[int, int], None] | None"], tuple[pa.Table, "float | None"]]
 
 
 class Journal:
-    """The journal of this run: the chunks kept from an earlier run, the parts this run writes, and the
-    prompts finished since the last part."""
+    """The journal of this run: the chunks kept from an earlier run, the files this run writes, and the
+    prompts finished since the last one."""
 
     def __init__(self, folder: Path, manifest: Manifest, rows: Sequence[dict], kept: list[Chunk],
                  fresh: bool, interval: float, metadata: dict):
         self.folder, self.manifest, self.rows = folder, manifest, rows
-        self.kept, self.written = kept, []  # chunks from earlier runs' parts, and from this run's
+        self.kept, self.written = kept, []  # chunks from earlier runs' files, and from this run's
         self.fresh = fresh  # no journal of this run's identity was there: (re)made at `start`
         self.interval, self.metadata = interval, metadata
         self.pending: dict[int, list[Completion]] = {}
-        self.next_part = 0 if fresh else 1 + max(_number(p) for p in part_files(folder))
+        self.next_part = 0 if fresh else 1 + max(_number(p) for p in journal_files(folder))
         self.columns: Columns | None = None
+        self.score: Score | None = None
         self.engine_stats: Callable[[], EngineStats] | None = None
         self.last_stats: dict[str, float] = {}
         self.last_write = time.monotonic()
@@ -396,13 +440,13 @@ class Journal:
     def open(cls, output: str | Path, manifest: Manifest, rows: Sequence[dict], resume: bool, force: bool,
              interval: float, metadata: dict) -> tuple[Journal, list[str]]:
         """The journal of a run writing `output`, and the notes a resume gives (another thread count).
-        With `resume`, an earlier journal is checked (its manifest equal to `manifest`, every part a
+        With `resume`, an earlier journal is checked (its manifest equal to `manifest`, every file a
         rollouts artifact of whole prompts of `rows`) and its prompts kept; without, or where there is
         none, the run starts from the first prompt (`check_folder`'s rule). Nothing on disk changes here
         (`start` does)."""
         found = check_folder(output, resume, force)
         folder = journal_folder(output)
-        if not resume or found is None or not found.parts:
+        if not resume or found is None or not found.files:
             if resume:
                 check_not_complete(Path(output), manifest)
             return cls(folder, manifest, rows, [], True, interval, metadata), []
@@ -413,13 +457,18 @@ class Journal:
             raise JournalRefused(f"{shown(folder)} was written with {FLAGS[name]} {saved.describe(name)}, "
                                  f"this run has {manifest.describe(name)}; rerun with the same flags, or "
                                  f"{again} to start over")
-        kept = _read_parts(found.parts, rows, manifest.samples)
+        kept = _read_parts(found.files, rows, manifest.samples)
         notes = saved.speed_notes(manifest, folder)
         return cls(folder, manifest, rows, kept, False, interval, metadata), notes
 
     @property
     def kept_prompts(self) -> int:
         return sum(len(c.indices) for c in self.kept)
+
+    @property
+    def unscored_prompts(self) -> int:
+        """The journal's prompts whose rewards are still to score."""
+        return sum(len(c.indices) for c in [*self.kept, *self.written] if not c.scored)
 
     @property
     def todo(self) -> list[int]:
@@ -438,13 +487,15 @@ class Journal:
                 if p.name not in (LOCK_NAME, MANIFEST):
                     shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
             write_bytes(self.folder / MANIFEST, self.manifest.to_json())
+        for p in unscored_files(self.folder, stale=True):
+            p.unlink()
 
     def close(self, completed: bool) -> None:
         """Let go of the folder, removing it when the run completed (its artifact is written) or when it
         holds no part (nothing to resume)."""
         if not self.held:
             return
-        discard = completed or not part_files(self.folder)
+        discard = completed or not journal_files(self.folder)
         release_folder(self.folder)
         self.held = False
         if discard:
@@ -452,17 +503,27 @@ class Journal:
 
     # ------------------------------------------------------------ recording
 
+    def score_kept(self, score: Score, on_scored: Callable[[int, int], None] | None = None) -> None:
+        """Score the kept prompts that an interrupt journaled unscored (`on_scored` following); each file is
+        then written as the part of its number and removed. An interrupt meanwhile leaves it as it was."""
+        for k, chunk in enumerate(self.kept):
+            if chunk.scored:
+                continue
+            table, seconds = score(self._prompt_rows(chunk.indices), chunk.table, on_scored)
+            self.kept[k] = self._write(replace(chunk, table=table, reward_seconds=seconds, scored=True))
+            (self.folder / chunk.name).unlink(missing_ok=True)
+
     @contextmanager
-    def recording(self, engine_stats: Callable[[], EngineStats], columns: Columns,
+    def recording(self, engine_stats: Callable[[], EngineStats], columns: Columns, score: Score,
                   on_step: Callable[[int, int], None] | None,
                   on_scored: Callable[[int, int], None] | None = None) -> Iterator[Callable]:
         """The block in which the engine samples: it yields the `on_step` to give the engine (a part is
         written after a step once `interval` seconds have passed since the last one, then `on_step` runs).
         At its end the prompts finished since the last part are the last part (`on_scored` following
         their rewards), so that every finished prompt is in a part before the artifact is written. On an
-        exception the prompts finished so far are written first; an interrupt goes on as
-        `RolloutInterrupted`, saying what the journal keeps."""
-        self.engine_stats, self.columns = engine_stats, columns
+        exception the prompts finished so far are written first, unscored (at once, however slow the
+        reward); an interrupt goes on as `RolloutInterrupted`, saying what the journal keeps."""
+        self.engine_stats, self.columns, self.score = engine_stats, columns, score
         self.last_write = time.monotonic()
 
         def step(new: int, finished: int) -> None:
@@ -476,7 +537,7 @@ class Journal:
             self.flush(on_scored)
         except BaseException as e:
             try:
-                self.flush()
+                self.flush(scored=False)
             except Exception:  # the run's own error (or its interrupt) is the one to report
                 pass
             if isinstance(e, KeyboardInterrupt):
@@ -487,38 +548,52 @@ class Journal:
         """The engine's `on_prompt`: every sample of row `index` has finished."""
         self.pending[index] = completions
 
-    def flush(self, on_scored: Callable[[int, int], None] | None = None) -> None:
-        """The prompts finished since the last part, scored and written as the next part. They leave
-        `pending` before the write, and come back only if the part was not written, so that an interrupt at
-        any point never writes a prompt into two parts."""
+    def flush(self, on_scored: Callable[[int, int], None] | None = None, scored: bool = True) -> None:
+        """The prompts finished since the last part, scored and written as the next part (not `scored`: as
+        the next unscored file). They leave `pending` before the write, and come back only if it was not
+        written, so that an interrupt at any point never writes a prompt into two files; so does the
+        file's number, so that no file an interrupt left is given the number of another."""
         if not self.pending:
             return
         pending, self.pending = self.pending, {}
         indices = sorted(pending)
-        path = self.folder / f"part-{self.next_part:05d}.parquet"
+        number, self.next_part = self.next_part, self.next_part + 1
+        path = self.folder / file_name(number, scored)
         try:
-            out, reward_seconds = self.columns([self.rows[i] for i in indices], [pending[i] for i in indices],
-                                               on_scored=on_scored)
+            table = _conformed(pa.table(self.columns([self.rows[i] for i in indices],
+                                                     [pending[i] for i in indices])))
+            reward_seconds = None
+            if scored:
+                table, reward_seconds = self.score(self._prompt_rows(indices), table, on_scored)
             now = self.engine_stats()
             stats, since = stats_total(now), stats_since(now, self.last_stats)
-            chunk = Chunk(indices, _conformed(pa.table(out)), since, reward_seconds)
-            meta = {**self.metadata, "part": self.next_part, "prompt_rows": indices, "engine_stats": since,
-                    "reward_seconds": reward_seconds}
-            write_artifact(chunk.table, path, "rollouts", meta)
+            chunk = self._write(Chunk(indices, table, since, reward_seconds, scored, number))
         except BaseException:
             if not path.exists():
-                self.pending = {**pending, **self.pending}
+                self.pending, self.next_part = {**pending, **self.pending}, number
             raise
         self.written.append(chunk)
-        self.next_part += 1
         self.last_stats, self.last_write = stats, time.monotonic()
+
+    def _write(self, chunk: Chunk) -> Chunk:
+        """`chunk` written as its file: a rollouts artifact with the run's metadata and the chunk's."""
+        meta = {**self.metadata, "part": chunk.number, "prompt_rows": chunk.indices,
+                "engine_stats": chunk.stats, "reward_seconds": chunk.reward_seconds}
+        write_artifact(chunk.table, self.folder / chunk.name, "rollouts", meta)
+        return chunk
+
+    def _prompt_rows(self, indices: list[int]) -> list[dict]:
+        """The prompt row of each row of a chunk of these prompts."""
+        return [self.rows[i] for i in indices for _ in range(self.manifest.samples)]
 
     def interrupted(self) -> RolloutInterrupted:
         kept = self.kept_prompts + sum(len(c.indices) for c in self.written)
         if not kept:
             return RolloutInterrupted("no prompt had been journaled yet, so nothing was kept")
+        unscored = self.unscored_prompts
+        first = f", which scores the rewards of {unscored} of them first" if unscored else ""
         return RolloutInterrupted(f"{shown(self.folder)} keeps the {kept} of {len(self.rows)} prompts that "
-                                  "had finished; run the same command with --resume to continue")
+                                  f"had finished; run the same command with --resume to continue{first}")
 
     # ------------------------------------------------------------ the whole run
 
@@ -558,8 +633,8 @@ def _conformed(table: pa.Table) -> pa.Table:
 
 
 def _read_parts(parts: list[Path], rows: Sequence[dict], samples: int) -> list[Chunk]:
-    """The parts of an earlier run, each checked: a rollouts artifact whose rows are the samples of the
-    prompts its metadata names, each prompt in one part only."""
+    """The parts and unscored files of an earlier run, each checked: a rollouts artifact whose rows are the
+    samples of the prompts its metadata names, each prompt in one file only."""
     chunks, seen = [], set()
     for part in parts:
         try:
@@ -583,5 +658,6 @@ def _read_parts(parts: list[Path], rows: Sequence[dict], samples: int) -> list[C
         seen.update(indices)
         stats = meta.get("engine_stats")
         chunks.append(Chunk(indices, _conformed(table), stats if isinstance(stats, dict) else {},
-                            meta.get("reward_seconds")))
+                            meta.get("reward_seconds"), JOURNAL_PART.fullmatch(part.name) is not None,
+                            _number(part)))
     return chunks

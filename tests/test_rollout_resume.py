@@ -112,11 +112,12 @@ def _snapshot(folder: Path) -> dict[str, bytes]:
 
 @pytest.fixture(scope="module")
 def journal(tiny, tmp_path_factory):
-    """The journal a dense run interrupted after 2 of its 6 prompts left (copied by the tests that use it)."""
+    """The journal a dense run interrupted after 2 of its 6 prompts left, a scored part per prompt (copied by
+    the tests that use it)."""
     out = tmp_path_factory.mktemp("interrupted") / "r.parquet"
     with pytest.MonkeyPatch.context() as mp:
         _interrupt_after(mp, 2)
-        r = runner.invoke(app, _args(tiny, out, None))
+        r = runner.invoke(app, _args(tiny, out, None, "--checkpoint-interval", "0"))
     assert r.exit_code == 130, r.output
     return _partial(out)
 
@@ -131,22 +132,25 @@ def _copy(journal: Path, out: Path) -> Path:
 @pytest.mark.parametrize("budget", [None, 48], ids=["dense", "budget48"])
 def test_an_interrupted_run_resumed_writes_the_uninterrupted_rows(tiny, reference, tmp_path, monkeypatch,
                                                                   budget):
-    """Ctrl-C after 2 prompts: the `finally` journals them (the default interval had written no part), the
-    message says how to go on; --resume samples the other 4 and the artifact is the uninterrupted one."""
+    """Ctrl-C after 2 prompts: the `finally` journals them unscored (the default interval had written no
+    part), the message says how to go on; --resume scores them, samples the other 4 and the artifact is the
+    uninterrupted one."""
     out = tmp_path / "r.parquet"
     with monkeypatch.context() as mp:
         _interrupt_after(mp, 2)
         r = runner.invoke(app, _args(tiny, out, budget))
     assert r.exit_code == 130 and not out.exists(), r.output
-    assert "keeps the 2 of 6 prompts that had finished; run the same command with --resume" in r.stderr
-    parts = sorted(_partial(out).glob("part-*.parquet"))
-    assert [p.name for p in parts] == ["part-00000.parquet"]
-    assert artifact_metadata(parts[0])["prompt_rows"] == [0, 1]
-    assert read_artifact(parts[0], "rollouts").num_rows == 2 * SAMPLES
+    assert ("keeps the 2 of 6 prompts that had finished; run the same command with --resume to continue, "
+            "which scores the rewards of 2 of them first") in " ".join(r.stderr.split())
+    assert _journal_files(out) == ["manifest.json", "unscored-00000.parquet"]
+    unscored = _partial(out) / "unscored-00000.parquet"
+    assert artifact_metadata(unscored)["prompt_rows"] == [0, 1]
+    assert read_artifact(unscored, "rollouts").num_rows == 2 * SAMPLES
 
     r = runner.invoke(app, _args(tiny, out, budget, "--resume", "--format", "json"))
     assert r.exit_code == 0, r.output
-    assert f"resuming {_partial(out)}/: 2 of 6 prompts done, 4 to go" in r.stderr
+    assert (f"resuming {_partial(out)}/: 2 of 6 prompts done, 4 to go; the rewards of 2 are scored first"
+            in " ".join(r.stderr.split()))
     assert "(2 prompts from the interrupted run)" in r.stderr
     assert _plain(read_artifact(out, "rollouts")).equals(reference[budget])
     assert not _partial(out).exists()
@@ -166,8 +170,8 @@ from sparrow.stages import rollout_journal
 register_vowels()
 flush = rollout_journal.Journal.flush
 
-def flush_then_wait(self):  # the test kills the process here, with a part on disk and prompts to go
-    flush(self)
+def flush_then_wait(self, *args, **kwargs):  # the test kills it here, with a part on disk and prompts to go
+    flush(self, *args, **kwargs)
     time.sleep(60)
 
 rollout_journal.Journal.flush = flush_then_wait
@@ -227,13 +231,13 @@ def test_a_journal_of_another_run_is_refused_and_left_as_it_was(tiny, journal, t
 def test_a_part_that_does_not_read_is_refused_by_name_and_temporaries_are_ignored(tiny, journal, tmp_path):
     out = tmp_path / "r.parquet"
     folder = _copy(journal, out)
-    (folder / ".part-00001.parquet.0123456789ab-999999.tmp").write_bytes(b"PAR1 half")  # a killed write's
-    (folder / "part-00001.parquet").write_bytes(b"PAR1 truncated")
+    (folder / ".part-00002.parquet.0123456789ab-999999.tmp").write_bytes(b"PAR1 half")  # a killed write's
+    (folder / "part-00002.parquet").write_bytes(b"PAR1 truncated")
     r = runner.invoke(app, _args(tiny, out, None, "--resume"))
     line = error_line(r)
-    assert r.exit_code != 0 and str(folder / "part-00001.parquet") in line, r.output
+    assert r.exit_code != 0 and str(folder / "part-00002.parquet") in line, r.output
     assert "remove it to resume without its prompts, or pass --force" in line
-    (folder / "part-00001.parquet").unlink()
+    (folder / "part-00002.parquet").unlink()
     r = runner.invoke(app, _args(tiny, out, None, "--resume"))
     assert r.exit_code == 0 and "2 of 6 prompts done" in r.stderr, r.output
 
@@ -303,7 +307,8 @@ def test_merged_stats_add_sums_and_take_the_largest_peak():
 def test_an_interrupt_while_the_last_prompts_are_scored_keeps_them_all(tiny, reference, tmp_path,
                                                                          monkeypatch):
     """Every prompt had finished and the last ones were being scored (a slow reward): an interrupt then
-    keeps all 6 (the last part is written before the artifact), and the resume samples nothing."""
+    keeps all 6, unscored (the last part is written before the artifact), and the resume samples nothing
+    and scores them."""
     import sparrow.stages.rollout as stage
 
     out, scored, interrupts = tmp_path / "r.parquet", stage.score_rewards, []
@@ -319,14 +324,13 @@ def test_an_interrupt_while_the_last_prompts_are_scored_keeps_them_all(tiny, ref
         mp.setattr(stage, "score_rewards", interrupted_when_all_done)
         first = runner.invoke(app, _args(tiny, out, None))
     assert first.exit_code == 130 and not out.exists(), first.output
-    # the scoring is run again on the interrupt's way out, writing the part: nothing is lost
+    # the interrupt's way out writes them unscored: nothing is lost
     assert "keeps the 6 of 6 prompts" in first.stderr
-    parts = sorted(p.name for p in _partial(out).iterdir() if p.name.startswith("part-"))
-    assert parts == ["part-00000.parquet"]
-    assert artifact_metadata(_partial(out) / parts[0])["prompt_rows"] == list(range(6))
+    assert _journal_files(out) == ["manifest.json", "unscored-00000.parquet"]
+    assert artifact_metadata(_partial(out) / "unscored-00000.parquet")["prompt_rows"] == list(range(6))
     r = runner.invoke(app, _args(tiny, out, None, "--resume"))
     assert r.exit_code == 0, r.output
-    assert "6 of 6 prompts done, 0 to go" in r.output
+    assert "6 of 6 prompts done, 0 to go; the rewards of 6 are scored first" in r.output
     assert _plain(read_artifact(out, "rollouts")).equals(reference[None])
 
 
@@ -383,19 +387,162 @@ def test_sql_reads_an_unfinished_rollouts_journal_and_skips_a_finished_ones(tiny
     """A long rollout can be queried while it runs: `sparrow sql` reads the journal's parts as rollouts
     (with a warning that says so); once OUT is written, the journal beside it is skipped, as OUT holds its
     rows."""
+    import shutil
+
     out = tmp_path / "r.parquet"
     folder = _copy(journal, out)
     kept = sum(len(artifact_metadata(p)["prompt_rows"]) for p in folder.glob("part-*.parquet"))
+    shutil.copy(folder / "part-00000.parquet", folder / "unscored-00002.parquet")  # not a part: not read
     r = runner.invoke(app, ["sql", "SELECT count(*) AS n FROM rollouts", "--run", str(tmp_path), "-f", "csv"])
     assert r.exit_code == 0, r.output
     assert r.stdout.splitlines()[-1] == str(kept * SAMPLES)
     assert "is the journal of an unfinished rollout" in " ".join(r.stderr.split())
     read_artifact(folder / "part-00000.parquet", "rollouts")  # a part is a whole artifact
-    import shutil
-
     shutil.copy(folder / "part-00000.parquet", out)  # stands for the finished artifact
     r = runner.invoke(app, ["sql", "SELECT count(*) AS n FROM rollouts", "--run", str(tmp_path), "-f", "csv"])
     assert r.exit_code == 0, r.output
     first = read_artifact(out, "rollouts").num_rows
     assert r.stdout.splitlines()[-1] == str(first)
     assert "whose rows that file holds; skipped it" in " ".join(r.stderr.split())
+
+
+# a reward as slow as a code reward in a sandbox when SLOW_REWARD_SECONDS says so; else the `vowels` scorer's
+SLOW_REWARD = """
+import os
+import time
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info):
+    time.sleep(float(os.environ.get("SLOW_REWARD_SECONDS") or 0))
+    letters = [ch for ch in solution_str.lower() if ch.isalpha()]
+    return sum(ch in "aeiou" for ch in letters) / max(len(letters), 1)
+"""
+
+
+@pytest.fixture
+def slow_reward(tmp_path) -> str:
+    path = tmp_path / "slow_reward.py"
+    path.write_text(SLOW_REWARD)
+    return str(path)
+
+
+def _signal_after(monkeypatch, prompts: int, signum: int) -> list[float]:
+    """A real signal to this process (the CLI runs in its main thread) from the progress callback once
+    `prompts` prompts have finished; the list receives when it was sent."""
+    from sparrow.cli import rollout as cli
+
+    advance, sent = cli._Bars.advance, []
+
+    def signalled(self, finished, new_tokens):
+        advance(self, finished, new_tokens)
+        if self.done >= prompts * SAMPLES and not sent:
+            sent.append(time.monotonic())
+            os.kill(os.getpid(), signum)
+
+    monkeypatch.setattr(cli._Bars, "advance", signalled)
+    return sent
+
+
+def _journal_files(out: Path) -> list[str]:
+    return sorted(p.name for p in _partial(out).iterdir() if not p.name.startswith("."))
+
+
+def test_sigterm_with_a_slow_reward_journals_the_finished_prompts_unscored_at_once(tiny, reference, tmp_path,
+                                                                                  monkeypatch, slow_reward):
+    """A scheduler's SIGTERM with a reward of a second a sample: the 2 finished prompts are journaled at once,
+    unscored (scoring their 4 samples would take 4 s, past what a grace period allows), exit 143; --resume
+    scores them without sampling them again and writes the uninterrupted rows."""
+    out = tmp_path / "r.parquet"
+    args = _args(tiny, out, None, "--reward-fn", slow_reward)
+    monkeypatch.setenv("SLOW_REWARD_SECONDS", "1")
+    with monkeypatch.context() as mp:
+        sent = _signal_after(mp, 2, signal.SIGTERM)
+        r = runner.invoke(app, args)
+    took = time.monotonic() - sent[0]
+    assert r.exit_code == 143 and not out.exists(), r.output
+    assert took < 1.0, f"the interrupt took {took:.1f} s to exit"
+    assert "keeps the 2 of 6 prompts that had finished; run the same command with --resume" in r.stderr
+    assert _journal_files(out) == ["manifest.json", "unscored-00000.parquet"]
+    unscored = _partial(out) / "unscored-00000.parquet"
+    assert artifact_metadata(unscored)["prompt_rows"] == [0, 1]
+    assert read_artifact(unscored, "rollouts").column("reward").to_pylist() == [None] * (2 * SAMPLES)
+
+    r = runner.invoke(app, args)
+    assert error_line(r) == (f"error: an interrupted run left 2 of 6 prompts in {_partial(out)}/; pass "
+                             "--resume to continue it, or --force to start over"), r.output
+
+    monkeypatch.setenv("SLOW_REWARD_SECONDS", "0")
+    r = runner.invoke(app, [*args, "--resume"])
+    assert r.exit_code == 0, r.output
+    assert "2 of 6 prompts done, 4 to go" in r.stderr and "the rewards of 2 are scored first" in r.stderr
+    assert _plain(read_artifact(out, "rollouts")).equals(reference[None])
+    assert artifact_metadata(out)["summary"]["resumed_prompts"] == 2 and not _partial(out).exists()
+
+
+def test_a_second_interrupt_exits_at_once_and_leaves_a_journal_that_resumes(tiny, reference, tmp_path,
+                                                                            monkeypatch, slow_reward):
+    """Ctrl-C while a resume scores the unscored prompts stops it there, the journal as it was; Ctrl-C again
+    while an interrupt writes its unscored prompts stops that write, the scored part kept; the last resume
+    writes the uninterrupted rows."""
+    from sparrow.cli import rollout as cli
+    from sparrow.stages import rollout_journal
+
+    out = tmp_path / "r.parquet"
+    args = _args(tiny, out, None, "--reward-fn", slow_reward)
+    monkeypatch.setenv("SLOW_REWARD_SECONDS", "0.5")
+    with monkeypatch.context() as mp:
+        _signal_after(mp, 2, signal.SIGINT)
+        assert runner.invoke(app, args).exit_code == 130
+    before = _snapshot(_partial(out))
+    assert sorted(before) == ["manifest.json", "unscored-00000.parquet"]
+
+    scored, sent = cli._Bars.scored, []
+
+    def interrupted_while_scoring(self, done, total):  # after the first prompt's samples, of 2 prompts
+        scored(self, done, total)
+        if done and not sent:
+            sent.append(time.monotonic())
+            os.kill(os.getpid(), signal.SIGINT)
+
+    with monkeypatch.context() as mp:
+        mp.setattr(cli._Bars, "scored", interrupted_while_scoring)
+        r = runner.invoke(app, [*args, "--resume"])
+    assert r.exit_code == 130 and time.monotonic() - sent[0] < 1.0, r.output
+    assert "keeps the 2 of 6 prompts that had finished" in r.stderr
+    assert _snapshot(_partial(out)) == before
+
+    monkeypatch.setenv("SLOW_REWARD_SECONDS", "0")
+    write, again = rollout_journal.write_artifact, []
+
+    def interrupted_again(table, path, *a, **k):  # the interrupt's write of prompt 2, unscored
+        if Path(path).name.startswith("unscored-"):
+            again.append(time.monotonic())
+            os.kill(os.getpid(), signal.SIGINT)
+        return write(table, path, *a, **k)
+
+    with monkeypatch.context() as mp:
+        _signal_after(mp, 3, signal.SIGINT)
+        mp.setattr(rollout_journal, "write_artifact", interrupted_again)
+        r = runner.invoke(app, [*args, "--resume"])
+    assert r.exit_code == 130 and again and time.monotonic() - again[0] < 1.0, r.output
+    assert "Traceback" not in r.output
+    assert _journal_files(out) == ["manifest.json", "part-00000.parquet"]
+    assert artifact_metadata(_partial(out) / "part-00000.parquet")["prompt_rows"] == [0, 1]
+
+    r = runner.invoke(app, [*args, "--resume"])
+    assert r.exit_code == 0 and "2 of 6 prompts done, 4 to go" in r.stderr, r.output
+    assert _plain(read_artifact(out, "rollouts")).equals(reference[None])
+
+
+def test_an_unscored_file_beside_the_part_of_its_number_is_ignored(tiny, journal, reference, tmp_path):
+    """A resume stopped after it wrote an unscored file's prompts as the part of its number, before it
+    removed the file, leaves both: the part is read, the file removed, and the prompts counted once."""
+    import shutil
+
+    out = tmp_path / "r.parquet"
+    folder = _copy(journal, out)
+    shutil.copy(folder / "part-00001.parquet", folder / "unscored-00001.parquet")
+    r = runner.invoke(app, _args(tiny, out, None, "--resume"))
+    assert r.exit_code == 0 and "2 of 6 prompts done, 4 to go" in r.stderr, r.output
+    assert "scored first" not in r.stderr
+    assert _plain(read_artifact(out, "rollouts")).equals(reference[None]) and not folder.exists()
