@@ -15,6 +15,9 @@ Design decisions:
 - Artifacts identify a model by `model_name`: a preset by its name, a checkpoint directory or GGUF file
   by its absolute path, so that checkpoints in folders of the same name (`.../actor/huggingface`,
   `RUN/model`) stay apart; `short_name` is the last path component, for display.
+- The embedded cache is converted by one process at a time (a lock file beside it) into a hidden sibling
+  named with the converter's pid (`.NAME.<hex>-<pid>.tmp`, as schemas/io.py names its temporaries), made
+  with the umask's mode, then renamed into place; the next converter removes what a killed one left.
 """
 
 from __future__ import annotations
@@ -26,17 +29,21 @@ import json
 import os
 import re
 import shutil
-import tempfile
+import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
+
+from sparrow.schemas.io import dead_writer, leftovers
+from sparrow.schemas.locations import hidden_stem
 
 from .config import ModelConfig, ModelSpecError, supported_types
 from .gguf_loader import read_gguf
-from .home import building, sparrow_home
+from .home import building, check_readable, sparrow_home
 from .llama import Transformer, hf_to_ours, ours_to_hf
 from .presets import PRESETS, get_preset
 
@@ -377,9 +384,23 @@ def _own_storage(t: torch.Tensor) -> torch.Tensor:
 
 def save_weights(state: dict[str, torch.Tensor], path: Path) -> None:
     """safetensors' save_file, the file's mode then made what a plain open() gives under the umask:
-    save_file creates it 0600, which a group sharing the folder could not load."""
-    save_file(state, str(path), metadata={"format": "pt"})
+    save_file creates it 0600, which a group sharing the folder could not load. A write that fails (a full
+    disk, a quota) is the OSError it stands for, as a plain write's would be, so that the callers' one
+    sentence for a failed write covers it: safetensors raises its own SafetensorError instead."""
+    try:
+        save_file(state, str(path), metadata={"format": "pt"})
+    except SafetensorError as e:
+        code = _os_errno(e)
+        if code is None:  # not a failed write: a tensor it cannot serialize
+            raise
+        raise OSError(code, os.strerror(code), str(path)) from e
     os.chmod(path, 0o666 & ~_umask())
+
+
+def _os_errno(error: SafetensorError) -> int | None:
+    """The errno N of safetensors' "I/O error: REASON (os error N)"; None for another error."""
+    found = re.search(r"\(os error (\d+)\)", str(error))
+    return int(found.group(1)) if found else None
 
 
 def _umask() -> int:
@@ -486,10 +507,12 @@ def embedded_checkpoint(name: str = "smollm2-135m") -> Path:
     folder = sparrow_home() / "models" / name
     if _cache_ok(folder):
         return folder
+    check_readable(f"the {name} cache", folder)
     with building(f"the {name} cache", folder):
         folder.parent.mkdir(parents=True, exist_ok=True)
         with open(folder.parent / f".{name}.lock", "w") as lock:  # one converter at a time
             fcntl.flock(lock, fcntl.LOCK_EX)
+            _remove_stale_builds(folder)
             if not _cache_ok(folder):
                 _build_embedded(folder)
     return folder
@@ -511,11 +534,15 @@ def _cache_ok(folder: Path) -> bool:
 
 
 def _build_embedded(folder: Path) -> None:
+    """Convert the GGUF into a hidden sibling of `folder` (`.NAME.<hex>-<pid>.tmp`, made as mkdir makes a
+    folder: the umask's mode, so a shared home's cache is readable by whom the umask allows), then rename
+    it into place."""
     src = embedded_gguf()
     cfg, state = read_gguf(src)
     model = build_model(cfg, state)
     folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
+    tmp = folder.with_name(f".{hidden_stem(folder)}.{uuid.uuid4().hex[:12]}-{os.getpid()}.tmp")
+    tmp.mkdir()
     try:
         save_checkpoint(model, gguf_tokenizer(src), tmp)
         weights = tmp / "model.safetensors"
@@ -529,3 +556,17 @@ def _build_embedded(folder: Path) -> None:
         tmp.rename(folder)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _remove_stale_builds(folder: Path) -> None:
+    """Remove what builders killed midway (SIGKILL, the OOM killer) left beside `folder`: up to a whole
+    converted model each. Called under the converters' lock, so no other builder is at work; a temporary
+    whose process still runs is kept all the same. An older Sparrow's temporaries (`.NAME-XXXXXXXX`, no
+    pid) were made under the same lock, so they are a dead builder's too."""
+    older = re.compile(rf"\.{re.escape(folder.name)}-[a-z0-9_]{{8}}")
+    for tmp in leftovers(folder)[0]:
+        if dead_writer(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+    for tmp in folder.parent.iterdir():
+        if older.fullmatch(tmp.name) and tmp.is_dir() and not tmp.is_symlink():
+            shutil.rmtree(tmp, ignore_errors=True)

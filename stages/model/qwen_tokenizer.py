@@ -21,7 +21,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from .home import building, sparrow_home
+from .home import building, check_readable, sparrow_home
 
 CACHE_FORMAT = 1
 VOCAB_SIZE = 151936  # the embedding rows of Qwen3 models; the tokenizer uses 151,669 of them
@@ -156,6 +156,7 @@ def _qwen3_tokenizer_at(folder: Path):
             return _wrap(path)
         except Exception:
             pass
+    check_readable("the Qwen3 tokenizer", folder)  # another user's private cache: said as such
     with building("the Qwen3 tokenizer", folder):
         build_tokenizer_json(path)
     return _wrap(path)
