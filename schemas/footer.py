@@ -86,11 +86,14 @@ def read_schema(path: Path) -> pa.Schema:
         raise ArtifactError(f"{path} does not exist")
     if path.is_dir():
         raise ArtifactError(f"{path} is a directory, not a Parquet file")
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(4)
-        f.seek(max(size - 4, 0))
-        tail = f.read(4)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(4)
+            f.seek(max(size - 4, 0))
+            tail = f.read(4)
+    except FileNotFoundError:  # removed since it was looked at
+        raise ArtifactError(f"{path} does not exist") from None
     if size == 0:
         raise ArtifactError(f"{path} is an empty file, not a Parquet file")
     if head != MAGIC:

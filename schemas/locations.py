@@ -20,7 +20,13 @@ Design decisions (one rule for every command that writes):
   folder (dangling, or a loop) is refused there, since nothing can be created under it. Nothing is
   created by the check. A name longer than the file system takes (PC_NAME_MAX, else 255 bytes) is
   refused there too; every shorter one can be written, since a hidden sibling of a name too long to
-  take the sibling's marks is named by a digest of it (`hidden_stem`).
+  take the sibling's marks is named by a digest of it (`hidden_stem`). A rollout's journal keeps the
+  name the user gave (`OUT.partial`, so that `sparrow sql` tells whose journal it is), so an `-o` too
+  long to take that suffix is refused, in one sentence, before any work.
+- An existing output in a sticky folder (mode +t, as /tmp or a shared /scratch) that belongs to another
+  user, in a folder of another user's, cannot be renamed over (the kernel refuses it, but to a process
+  with CAP_FOWNER): it is refused before any work, since the write would fail only at its end. The rule
+  is tested, not tried: no rename over someone else's file is a harmless probe.
 - An output is never one of the files the command reads (the same file, through any link), nor a
   directory replaced whole that holds one: `force` does not allow it, since the write would destroy
   the input (a profile may be hours of GPU) that the run was made from.
@@ -198,6 +204,12 @@ def check_writable(folder: Path, shown: str | os.PathLike) -> None:
                             f"({e.strerror or e})") from None
 
 
+def missing(path: str | os.PathLike) -> str:
+    """Why the input `path` cannot be found, as the end of a sentence that starts with it: 'does not exist',
+    or the broken symlink it is ('is a symlink to X, which does not exist', '... loops back on itself')."""
+    return f"is {_broken_link(Path(path))}" if os.path.islink(path) else "does not exist"
+
+
 def _broken_link(link: Path) -> str:
     """'a symlink to X, which does not exist' or 'a symlink that loops back on itself', for a link that
     leads nowhere."""
@@ -291,7 +303,36 @@ def check_output(path: str | os.PathLike, kind: str | None, force: bool = False,
                                         "choose another path")
                 if not force:
                     raise OutputRefused(f"{path} exists and is {words}, not {wanted}")
+        check_replaceable(target, path)
         check_writable(target if parts and target.is_dir() else target.parent, path)
+
+
+CAP_FOWNER = 3  # capabilities(7): the bit that lets a process act on files it does not own
+
+
+def check_replaceable(target: Path, shown: str | os.PathLike) -> None:
+    """Refuse an existing `target` that a rename cannot replace: in a sticky folder, where the kernel lets
+    only the owner of the file or of the folder (or a process with CAP_FOWNER) rename over it."""
+    try:
+        found, folder = os.stat(target, follow_symlinks=False), os.stat(target.parent)
+    except OSError:  # nothing to replace, or a way that `check_writable` names
+        return
+    if not folder.st_mode & stat.S_ISVTX or os.geteuid() in (folder.st_uid, found.st_uid) or has_fowner():
+        return
+    raise UnusableOutput(f"{shown} belongs to another user in the sticky folder {target.parent} (mode "
+                         f"{stat.S_IMODE(folder.st_mode):o}), where only its owner may replace it; choose "
+                         "another path, or ask its owner to remove it")
+
+
+def has_fowner() -> bool:
+    """Whether this process holds CAP_FOWNER (in /proc/self/status's CapEff); True where that cannot be
+    read, so that a folder is never refused on a guess."""
+    try:
+        with open("/proc/self/status") as f:
+            effective = next(line.split()[1] for line in f if line.startswith("CapEff:"))
+        return bool(int(effective, 16) >> CAP_FOWNER & 1)
+    except (OSError, StopIteration, IndexError, ValueError):
+        return True
 
 
 def check_output_dir(path: str | os.PathLike, what: str, ours: Callable[[Path], bool],
@@ -467,9 +508,18 @@ JOURNAL_PART = re.compile(r"part-(\d{5,})\.parquet")
 
 
 def journal_folder(output: str | os.PathLike) -> Path:
-    """The journal of a rollout writing `output`: `OUT.partial` beside it, under the name the user gave."""
+    """The journal of a rollout writing `output`: `OUT.partial` beside it, under the name the user gave;
+    UnusableOutput, in one sentence, for an `output` whose name is too long for its file system to take
+    the suffix."""
     output = Path(output)
-    return output.with_name(output.name + JOURNAL_SUFFIX)
+    folder = output.with_name(output.name + JOURNAL_SUFFIX)
+    size, limit = len(os.fsencode(folder.name)), name_max(output.parent)
+    if size > limit:
+        raise UnusableOutput(f"{_short(output)} cannot be written by a rollout: its journal "
+                             f"{_short(folder.name)} beside it would have a name of {size} bytes, and a file "
+                             f"name may have at most {limit} bytes here; choose a name of at most "
+                             f"{limit - len(os.fsencode(JOURNAL_SUFFIX))} bytes")
+    return folder
 
 
 def journal_parts(folder: Path) -> list[Path] | None:

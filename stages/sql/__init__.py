@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import os
 import re
 from collections.abc import Callable, Iterator
@@ -44,10 +45,21 @@ from .limits import (
     memory_text,
     parse_memory,
 )
-from .views import Source, View, Warn, mixed_warning, python_warning, run_views, sql_literal
+from .views import (
+    RunChanged,
+    Source,
+    View,
+    Warn,
+    mixed_warning,
+    python_warning,
+    run_changed,
+    run_views,
+    sql_literal,
+    vanished,
+)
 
-__all__ = ["DEFAULT_MEMORY", "DEFAULT_TIMEOUT", "Limits", "QueryError", "QueryLimit", "Result", "Stopped",
-           "View", "check_query", "check_read_only", "machine_memory", "memory_text", "open_run",
+__all__ = ["DEFAULT_MEMORY", "DEFAULT_TIMEOUT", "Limits", "QueryError", "QueryLimit", "Result", "RunChanged",
+           "Stopped", "View", "check_query", "check_read_only", "machine_memory", "memory_text", "open_run",
            "parse_memory", "query", "run_query", "run_views"]
 
 BATCH_ROWS = 8192
@@ -67,40 +79,65 @@ def query(run_dir: str | Path, sql: str, limits: Limits | None = None, warn: War
           ) -> Iterator[Result]:
     """Run one read statement against a run directory's views within `limits`; the result streams
     while the block is open. Refusals, errors and limits are QueryError (one sentence); SIGINT and
-    SIGTERM are `Stopped`; the connection and its spill folder are gone when the block ends."""
+    SIGTERM are `Stopped`; the connection and its spill folder are gone when the block ends. A file of
+    the run that goes before the first rows come (a finished rollout moves its journal away, once OUT
+    holds its rows) lists the run again, once; what is said of the run is said of the listing answered.
+    One gone after that, or again, is RunChanged (one sentence: run the query again)."""
     limits = limits or Limits()
     limits = dataclasses.replace(limits, spill=limits.spill_bytes())  # one value for DuckDB and messages
     warn = warn or python_warning
     check_query(sql)
-    views = run_views(run_dir, warn)
     used = _used_views(sql)
-    for view in views:
-        said = mixed_warning(view, sql) if view.name.lower() in used else None
-        if said:
-            warn(said)
-    con, spill = open_views(run_dir, views, warn, limits.memory // 2, limits.spill)
-    read = _sources([v for v in views if v.name.lower() in used])
-    try:
-        with guarded(con, limits) as guard:
-            translate = functools.partial(_translated, guard=guard, con=con, run_dir=run_dir, read=read)
-            try:
-                rel = con.sql(sql)
-                reader = rel.to_arrow_reader(BATCH_ROWS) if rel is not None else None
-            except (Exception, KeyboardInterrupt) as e:
-                raise translate(e) from None
-            if reader is None:
-                yield Result(pa.schema([]), iter(()))
+    for last in (False, True):
+        said: list[str] = []
+        try:
+            views = run_views(run_dir, said.append)
+            said += [w for v in views if v.name.lower() in used and (w := mixed_warning(v, sql))]
+            con, spill = open_views(run_dir, views, said.append, limits.memory // 2, limits.spill)
+        except RunChanged:
+            if last:
+                raise
+            continue
+        try:
+            with guarded(con, limits) as guard:
+                translate = functools.partial(_translated, guard=guard, con=con, run_dir=run_dir,
+                                              read=_sources([v for v in views if v.name.lower() in used]),
+                                              listed=_sources(views))
+                try:
+                    result = _started(con, sql, guard, translate)
+                except RunChanged:
+                    if last:
+                        raise
+                    continue
+                for message in said:
+                    warn(message)
+                try:
+                    yield result
+                except MemoryError:
+                    raise QueryLimit(guard.memory_message()) from None
+                except KeyboardInterrupt as e:
+                    stopped = guard.signum is not None and not isinstance(e, Stopped)
+                    raise (Stopped(guard.signum) if stopped else e) from None
                 return
-            schema = _unique_names(reader.schema)
-            try:
-                yield Result(schema, _batches(reader, schema, guard, translate))
-            except MemoryError:
-                raise QueryLimit(guard.memory_message()) from None
-            except KeyboardInterrupt as e:
-                stopped = guard.signum is not None and not isinstance(e, Stopped)
-                raise (Stopped(guard.signum) if stopped else e) from None
-    finally:
-        close_run(con, spill)
+        finally:
+            close_run(con, spill)
+
+
+def _started(con: duckdb.DuckDBPyConnection, sql: str, guard: Guard,
+             translate: Callable[[BaseException], BaseException]) -> Result:
+    """The statement run, its first batch read already: a file gone before then (RunChanged) may still be
+    answered from a new listing, since nothing has streamed."""
+    try:
+        rel = con.sql(sql)
+        reader = rel.to_arrow_reader(BATCH_ROWS) if rel is not None else None
+    except (Exception, KeyboardInterrupt) as e:
+        raise translate(e) from None
+    if reader is None:
+        return Result(pa.schema([]), iter(()))
+    schema = _unique_names(reader.schema)
+    batches = _batches(reader, schema, guard, translate)
+    first = next(batches, None)
+    return Result(schema, batches if first is None else itertools.chain([first], batches))
 
 
 def run_query(run_dir: str | Path, sql: str, warn: Warn | None = None, limits: Limits | None = None
@@ -128,14 +165,17 @@ def _batches(reader: pa.RecordBatchReader, schema: pa.Schema, guard: Guard,
 
 
 def _translated(e: BaseException, guard: Guard, con: duckdb.DuckDBPyConnection, run_dir: str | Path,
-                read: tuple[Source, ...] = ()) -> BaseException:
+                read: tuple[Source, ...] = (), listed: tuple[Source, ...] = ()) -> BaseException:
     """What the caller sees of an exception DuckDB (or the stream from it) raised while a query ran; `read`:
-    the files of the views the query names, searched for a damaged one when the error names no file."""
+    the files of the views the query names, searched for a damaged one when the error names no file;
+    `listed`: every view's files, one of which gone since the listing is RunChanged."""
     if guard.signum is not None:
         return e if isinstance(e, Stopped) else Stopped(guard.signum)
     if isinstance(e, QueryError | KeyboardInterrupt):
         return e
     engine = isinstance(e, duckdb.Error | OSError | pa.ArrowException | RuntimeError)
+    if engine and (gone := vanished(listed)) is not None:
+        return run_changed(gone.path)
     if guard.timed_out.is_set() and engine:
         return QueryLimit(guard.timeout_message())
     if engine and "max_temp_directory_size" in str(e):

@@ -25,7 +25,7 @@ import duckdb
 
 from .files import local_paths, reading_only
 from .limits import Limits, QueryError, default_spill
-from .views import View, Warn, python_warning, quoted_identifier, run_views, view_sql
+from .views import View, Warn, python_warning, quoted_identifier, run_changed, run_views, vanished, view_sql
 
 SPILL_PREFIX = "sparrow-sql-"
 
@@ -75,8 +75,9 @@ def open_views(run_dir: str | Path, views: list[View], warn: Warn, memory: int |
 
 def _create_view(con: duckdb.DuckDBPyConnection, view: View, root: Path, run_dir: str | Path,
                  warn: Warn) -> None:
-    """Create `view`, or skip it with a `warn`. Its SQL must parse as one CREATE statement: a second
-    guard, after the names and literals it is built from."""
+    """Create `view`, or skip it with a `warn`; RunChanged when one of its files went since the run was
+    listed (DuckDB reads their footers here). Its SQL must parse as one CREATE statement: a second guard,
+    after the names and literals it is built from."""
     names = ", ".join(s.name for s in view.sources)
     try:
         sql = f"CREATE VIEW {quoted_identifier(view.name)} AS {view_sql(view, root)}"
@@ -85,6 +86,8 @@ def _create_view(con: duckdb.DuckDBPyConnection, view: View, root: Path, run_dir
             raise ValueError("its SQL is not one CREATE VIEW statement")
         con.execute(sql)
     except (duckdb.Error, ValueError) as e:
+        if (gone := vanished(view.sources)) is not None:
+            raise run_changed(gone.path) from None
         warn(f"DuckDB cannot read {names} in {run_dir} ({first_line(e)}); skipped the view '{view.name}'")
 
 

@@ -9,14 +9,18 @@ as text: a kind must be one of Sparrow's (otherwise the file is skipped), view n
 Every file left out is said, naming it: a FIFO or a broken symlink as much as a truncated file, or a file
 whose name is not UTF-8 (DuckDB takes paths as UTF-8 text only; the name is said with its bytes escaped).
 A file of another schema version is read all the same (a view reads columns, not a schema), with a
-warning naming its version, since every other command refuses it."""
+warning naming its version, since every other command refuses it.
+
+A run may change while it is read: a rollout that finishes writes OUT, then moves its journal away. A file
+or folder listed that is gone when it is read is never said to be unreadable, nor skipped (the view would
+silently miss its rows): it is RunChanged, and the query lists the run again (`query`)."""
 
 from __future__ import annotations
 
 import os
 import re
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -25,7 +29,7 @@ import pyarrow as pa
 from sparrow.schemas import SCHEMAS, VERSION, ArtifactError, artifact_metadata
 from sparrow.schemas.artifacts import KEY_VERSION
 from sparrow.schemas.footer import kind_version, read_schema
-from sparrow.schemas.locations import JOURNAL_SUFFIX, journal_parts
+from sparrow.schemas.locations import JOURNAL_PART, JOURNAL_SUFFIX, journal_parts, missing
 from sparrow.schemas.provenance import KEY_PROVENANCE, artifact_provenance
 
 from .files import PREFIX, file_url
@@ -97,14 +101,35 @@ class View:
 Warn = Callable[[str], None]
 
 
+class RunChanged(ArtifactError):
+    """A file or folder of the run went between its listing and its read (a finished rollout moves its
+    journal away); its message says so in one sentence, and to run the query again."""
+
+
+def run_changed(path: Path) -> RunChanged:
+    """RunChanged for the gone `path`: a rollout's journal (or one of its parts) is named as such."""
+    folder = path if path.name.endswith(JOURNAL_SUFFIX) else path.parent
+    if folder.name.endswith(JOURNAL_SUFFIX) and (folder == path or JOURNAL_PART.fullmatch(path.name)):
+        out = folder.name.removesuffix(JOURNAL_SUFFIX)
+        return RunChanged(f"the rollout writing {out} finished while this query read its journal {folder}/, "
+                          f"so run the query again (it then reads {out})")
+    return RunChanged(f"{path} went away while this query read it; run the query again")
+
+
+def vanished(sources: Iterable[Source]) -> Source | None:
+    """The first of `sources` whose file is no longer there; None when every one is."""
+    return next((s for s in sources if not os.path.lexists(s.path)), None)
+
+
 def run_views(run_dir: str | Path, warn: Warn | None = None) -> list[View]:
     """The views of a run directory: one per artifact kind (all its files), one per artifact file
     (`<kind>__<path>`), then one per other Parquet file (its stem). Files that are not readable Parquet
-    are skipped, each with a `warn` (default: a Python warning)."""
+    are skipped, each with a `warn` (default: a Python warning); one listed that is gone when read is
+    RunChanged."""
     run_dir = Path(run_dir)
     warn = warn or python_warning
     if not run_dir.exists():
-        raise ArtifactError(f"run directory {run_dir} does not exist")
+        raise ArtifactError(f"run directory {run_dir} {missing(run_dir)}")
     if not run_dir.is_dir():
         raise ArtifactError(f"{run_dir} is not a directory, and a run is a directory of artifacts")
     by_kind: dict[str, list[Source]] = {}
@@ -118,8 +143,10 @@ def run_views(run_dir: str | Path, warn: Warn | None = None) -> list[View]:
             schema = read_schema(p)
             (kind, version), meta = kind_version(schema), file_metadata(schema, p)
             written_by = _written_by(schema, p, warn)
-        except ArtifactError as e:
-            warn(f"{e}; skipped it")
+        except (ArtifactError, OSError) as e:
+            if not os.path.lexists(p):
+                raise run_changed(p) from None
+            warn(f"{e if isinstance(e, ArtifactError) else unreadable(p, e)}; skipped it")
             continue
         rel = p.relative_to(run_dir)
         if kind is not None and kind not in SCHEMAS:
@@ -152,16 +179,39 @@ def _recorded(sources: list[Source]) -> tuple[str, ...]:
 def _run_files(run_dir: Path, warn: Warn) -> list[Path]:
     """The `*.parquet` entries that are not folders (a FIFO or a broken symlink among them, to be said),
     then those of each subfolder that holds nothing else (the parts of a partitioned artifact), and the
-    parts of an unfinished rollout's journal (`_journal_files`)."""
-    files = sorted(p for p in run_dir.glob("*.parquet") if not p.is_dir())
-    for sub in sorted(p for p in run_dir.iterdir() if p.is_dir() and not p.name.startswith(".")):
-        if (parts := journal_parts(sub)) is not None:
-            files += _journal_files(sub, parts, warn)
-            continue
-        entries = [e for e in sub.iterdir() if not e.name.startswith(".")]
-        if entries and all(not e.is_dir() and e.suffix == ".parquet" for e in entries):
-            files += sorted(entries)
+    parts of an unfinished rollout's journal (`_journal_files`). A subfolder that cannot be listed is
+    skipped with a `warn`; one that went since the run was listed is RunChanged."""
+    try:  # one listing for both: a rollout writes OUT, then moves its journal away, so one of the two is
+        # in it (a journal gone when looked into is RunChanged)
+        with os.scandir(run_dir) as listing:
+            folders = {run_dir / e.name: e.is_dir() for e in listing}
+        files = sorted(p for p, folder in folders.items() if not folder and p.name.endswith(".parquet"))
+        subs = sorted(p for p, folder in folders.items() if folder and not p.name.startswith("."))
+    except OSError as e:
+        raise ArtifactError(f"run directory {unreadable(run_dir, e)}") from None
+    for sub in subs:
+        try:
+            files += _folder_files(sub, warn)
+        except OSError as e:
+            if not os.path.lexists(sub):
+                raise run_changed(sub) from None
+            warn(f"{unreadable(sub, e)}; skipped it")
     return files
+
+
+def _folder_files(sub: Path, warn: Warn) -> list[Path]:
+    """The files of the subfolder `sub` that are the run's (see `_run_files`)."""
+    if (parts := journal_parts(sub)) is not None:
+        return _journal_files(sub, parts, warn)
+    entries = [e for e in sub.iterdir() if not e.name.startswith(".")]
+    if entries and all(not e.is_dir() and e.suffix == ".parquet" for e in entries):
+        return sorted(entries)
+    return []
+
+
+def unreadable(path: Path, e: OSError) -> str:
+    """'PATH cannot be read (why)' for an OSError met reading `path`."""
+    return f"{path} cannot be read ({e.strerror or e})"
 
 
 def _journal_files(folder: Path, parts: list[Path], warn: Warn) -> list[Path]:
