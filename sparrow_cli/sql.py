@@ -42,6 +42,7 @@ from .common import (
     fail,
     friendly_errors,
     out,
+    printable,
     stdout_failed,
     warn,
     writing_stdout,
@@ -116,8 +117,9 @@ def sql(
             batches = clock.batches(result.batches, until_first)
             if output is not None:
                 rows = write_batches(_marked(result.schema, query), batches, output)
-                console.print(f"wrote {rows} rows x {len(result.schema)} columns to "
-                              f"{'stdout' if str(output) == '-' else output}", highlight=False, markup=False)
+                where = "stdout" if str(output) == "-" else printable(str(output))
+                console.print(f"wrote {rows} rows x {len(result.schema)} columns to {where}", highlight=False,
+                              markup=False)
             else:
                 PRINTERS[format](result.schema, _capped(batches, max_rows))
     except QueryLimit as e:

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from sparrow.schemas import artifact_metadata, read_artifact
 from sparrow.schemas.footer import file_json
+from sparrow.schemas.locations import missing
 
 from .user_data import DataOptions, DatasetError, dataset_metadata, read_dataset
 
@@ -78,7 +79,8 @@ class PromptSet:
         """The prompts of `path`, each scored by `data`'s reward when it names one."""
         path, data = Path(path), data or DataOptions()
         if not path.exists():
-            raise PromptError(f"{path}: no such prompts file")
+            raise PromptError(f"{path}: no such prompts file" if not path.is_symlink()
+                              else f"the prompts file {path} {missing(path)}")
         try:
             reward = data.reward_task()
             rows = read_dataset(path, data.answer_column)
