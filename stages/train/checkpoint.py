@@ -1,5 +1,10 @@
 """RUN/checkpoint/: the trainable weights, optimizer, step, history and RNG states of a step boundary, with
-config.json and progress.json, replaced atomically: what a resume needs to match an uninterrupted run."""
+config.json and progress.json, replaced atomically: what a resume needs to match an uninterrupted run.
+
+A checkpoint that cannot be written (a full disk, a quota) stops the run in one sentence that names it,
+the OS's reason and how to go on: the previous checkpoint is left as it was, and a resume from it drops
+what was logged after it (metrics, mismatch logs, tracker lines) and trains those steps again.
+"""
 
 from __future__ import annotations
 
@@ -7,14 +12,16 @@ import json
 import random
 from dataclasses import asdict
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 import torch
 
+from sparrow.schemas import ArtifactError
 from sparrow.schemas.io import replace_dir
 
 from .config import TrainConfig
-from .run_dir import finished, saved_config, unlocked_on_refusal, unwritten
+from .run_dir import checkpoint_step, finished, saved_config, unlocked_on_refusal, unwritten
 
 RngStates = tuple  # (torch, numpy, python)
 
@@ -34,12 +41,54 @@ def save_checkpoint(run_dir: Path, state: dict, cfg: TrainConfig, rng: RngStates
     torch_rng, numpy_rng, python_rng = rng
 
     def fill(tmp: Path) -> None:
-        torch.save({**state, "torch_rng": torch_rng, "numpy_rng": numpy_rng, "python_rng": python_rng},
-                   tmp / "state.pt")
+        _torch_save({**state, "torch_rng": torch_rng, "numpy_rng": numpy_rng, "python_rng": python_rng},
+                    tmp / "state.pt")
         (tmp / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
         (tmp / "progress.json").write_text(json.dumps({"step": state["step"], "steps": cfg.steps}))
 
-    replace_dir(run_dir / "checkpoint", fill)
+    try:
+        replace_dir(run_dir / "checkpoint", fill)
+    except ArtifactError as e:
+        raise ArtifactError(f"{e}; {_how_to_go_on(run_dir)}") from None
+
+
+def _how_to_go_on(run_dir: Path) -> str:
+    """After a failed checkpoint write: what the run directory keeps, and the flag that goes on from it."""
+    at = checkpoint_step(run_dir)
+    if at is None:
+        return f"{run_dir} holds no checkpoint yet, so once it can be written, --force starts the run over"
+    return (f"{run_dir} keeps its checkpoint at step {at}, so once it can be written, --resume continues "
+            f"from there (the steps logged after step {at} are trained again)")
+
+
+class _Sink:
+    """The file torch.save writes through, keeping the OSError of a failed write: torch reports one as a
+    RuntimeError ("unexpected pos") that does not say why."""
+
+    def __init__(self, f: BinaryIO):
+        self.f, self.error = f, None
+
+    def write(self, data: bytes) -> int:
+        try:
+            return self.f.write(data)
+        except OSError as e:
+            self.error = e
+            raise
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def _torch_save(obj: dict, path: Path) -> None:
+    """torch.save, a failed write an OSError with the OS's reason (a full disk, a file size limit)."""
+    with open(path, "wb") as f:
+        sink = _Sink(f)
+        try:
+            torch.save(obj, sink)
+        except RuntimeError:
+            if sink.error is None:
+                raise
+            raise sink.error from None
 
 
 def load_checkpoint(run_dir: Path, mmap: bool = False) -> dict:

@@ -28,7 +28,7 @@ from types import FrameType
 import pyarrow.parquet as pq
 
 from sparrow.schemas import ArtifactError, read_artifact
-from sparrow.schemas.io import recover_replaced, remove_leftovers
+from sparrow.schemas.io import leftovers, recover_replaced, remove_leftovers
 from sparrow.schemas.locations import describe, hold_folder, release_folder
 
 from ..core.schedule import Schedule
@@ -118,9 +118,18 @@ def _holds(run_dir: Path) -> str:
     words = [f"{steps} logged step{'s' * (steps != 1)}" if steps is not None else "no metrics"]
     if (run_dir / "checkpoint").exists():
         words.append(f"a checkpoint at step {at}" if at is not None else "a checkpoint")
+    elif _resumable(run_dir):
+        words.append("a checkpoint that a killed write moved aside, which --resume puts back")
     else:
         words.append("no checkpoint")
     return ", ".join(words)
+
+
+def _resumable(run_dir: Path) -> bool:
+    """Whether --resume has a checkpoint to continue from: RUN/checkpoint, or the version a killed
+    replacement moved aside (`recover_run` puts it back)."""
+    checkpoint = run_dir / "checkpoint"
+    return checkpoint.exists() or bool(leftovers(checkpoint)[1])
 
 
 def _ours(folder: Path, markers: Sequence[str]) -> bool:
@@ -183,7 +192,7 @@ def _check_held_run(run_dir: Path, cfg: TrainConfig, resume: bool, force: bool) 
     what the directory holds against --resume/--force."""
     if resume:
         recover_run(run_dir)
-    has_run = (run_dir / "metrics.parquet").exists() or (run_dir / "checkpoint").exists()
+    has_run = (run_dir / "metrics.parquet").exists() or _resumable(run_dir)
     if not (has_run or resume or force):
         _check_foreign_schedule(run_dir / "schedule.parquet")
     if resume:
@@ -195,8 +204,10 @@ def _check_held_run(run_dir: Path, cfg: TrainConfig, resume: bool, force: bool) 
         _check_metrics_readable(run_dir / "metrics.parquet")
         check_same_run(run_dir, cfg)
     elif has_run and not force:
-        raise ValueError(f"{run_dir} already holds a run ({_holds(run_dir)}); pass --resume to continue it, "
-                         "--force to start it over, or choose another run directory (-o)")
+        go_on = ("; pass --resume to continue it," if _resumable(run_dir)
+                 else ", which cannot be resumed; pass")
+        raise ValueError(f"{run_dir} already holds a run ({_holds(run_dir)}){go_on} --force to start it "
+                         "over, or choose another run directory (-o)")
 
 
 def _check_metrics_readable(path: Path) -> None:

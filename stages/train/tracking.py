@@ -6,20 +6,31 @@ lacks some of them (a step whose line an interrupt cut off, or a run started wit
 gets them before the new steps, so every tracker ends with every step of metrics.parquet. A final eval
 that runs after the last step was logged (`Trainer._final_eval`) logs that step's row again, with the
 eval: the jsonl replaces the step's line, tensorboard and wandb add its scalars at that step.
+
+A tracker whose files cannot be written (a full disk, a quota) is a convenience lost, not the run: it is
+said once (`warn`) and the tracker logs no further steps of the run, which goes on to its checkpoints;
+metrics.parquet holds every step. A jsonl line cut off by a full disk is taken back, so the file holds
+whole lines; a resume gives each tracker the steps it lacks.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import math
-from collections.abc import Sequence
+import os
+import warnings
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from sparrow.schemas import ArtifactError
+from sparrow.schemas.artifacts import first_line
 from sparrow.schemas.io import write_bytes
 
 TRACKERS = ("jsonl", "tensorboard", "wandb", "none")
 NEEDS = {"tensorboard": "tensorboard", "wandb": "wandb"}
+WRITES = {"jsonl": "metrics.jsonl", "tensorboard": "tensorboard", "wandb": "wandb"}  # in the run directory
 
 
 def parse_report_to(text: str) -> tuple[str, ...]:
@@ -96,9 +107,23 @@ class JsonlTracker:
             write_bytes(self.path, "".join((line if _line_step(o) == row["step"] else o) + "\n"
                                            for o in old).encode())
             return
-        with self.path.open("a") as f:
-            f.write(line + "\n")
+        self._append(line + "\n")
         self.steps.add(row["step"])
+
+    def _append(self, line: str) -> None:
+        """`line` at the file's end, or (a failed write) the file as it was: no half line."""
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+        try:
+            start, data = os.fstat(fd).st_size, line.encode()
+            try:
+                while data:
+                    data = data[os.write(fd, data):]
+            except OSError:
+                with contextlib.suppress(OSError):
+                    os.ftruncate(fd, start)
+                raise
+        finally:
+            os.close(fd)
 
     def close(self) -> None:
         pass
@@ -148,25 +173,57 @@ class WandbTracker:
         self.run.finish()
 
 
+Tracker = JsonlTracker | TensorboardTracker | WandbTracker
+
+
+def _python_warning(message: str) -> None:
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
 class Trackers:
-    """The run's trackers: `log` each step's row, `close` at the end (rank 0 only)."""
+    """The run's trackers: `log` each step's row, `close` at the end (rank 0 only). One whose files cannot
+    be written is dropped with a warning (the module's docstring)."""
 
     def __init__(self, names: tuple[str, ...], run_dir: str | Path, start_step: int = 0,
-                 config: dict | None = None, history: Sequence[dict] = ()):
+                 config: dict | None = None, history: Sequence[dict] = (),
+                 warn: Callable[[str], None] | None = None):
         """`history`: the rows of the steps up to `start_step` (a resume's), which trackers that lack
-        them write first."""
-        run_dir = Path(run_dir)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        makers = {"jsonl": lambda: JsonlTracker(run_dir, start_step, history),
-                  "tensorboard": lambda: TensorboardTracker(run_dir, start_step, config or {}, history),
-                  "wandb": lambda: WandbTracker(run_dir, start_step, config or {}, history)}
-        self.trackers = [makers[n]() for n in names if n != "none"]
+        them write first. `warn`: how a dropped tracker is said (default: a Python warning)."""
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.warn = warn or _python_warning
+        makers = {"jsonl": lambda: JsonlTracker(self.run_dir, start_step, history),
+                  "tensorboard": lambda: TensorboardTracker(self.run_dir, start_step, config or {}, history),
+                  "wandb": lambda: WandbTracker(self.run_dir, start_step, config or {}, history)}
+        self.trackers: dict[str, Tracker] = {}
+        for name in (n for n in names if n != "none"):
+            try:
+                self.trackers[name] = makers[name]()
+            except (OSError, ArtifactError) as e:
+                self._said(name, e, "logs no step of this run")
 
     def log(self, row: dict) -> None:
-        for t in self.trackers:
-            t.log(row)
+        for name, t in list(self.trackers.items()):
+            try:
+                t.log(row)
+            except (OSError, ArtifactError) as e:
+                self._drop(name)
+                self._said(name, e, f"logs no further step of this run (from step {row['step']} on)")
 
     def close(self) -> None:
-        for t in self.trackers:
-            t.close()
-        self.trackers = []
+        for name, t in self.trackers.items():
+            try:
+                t.close()
+            except (OSError, ArtifactError) as e:
+                self._said(name, e, "may lack the last steps it was given")
+        self.trackers = {}
+
+    def _drop(self, name: str) -> None:
+        """A tracker that failed, closed as far as it can be (its files are as full as the disk)."""
+        with contextlib.suppress(OSError, ArtifactError):
+            self.trackers.pop(name).close()
+
+    def _said(self, name: str, e: OSError | ArtifactError, what: str) -> None:
+        cannot = str(e) if isinstance(e, ArtifactError) else (
+            f"cannot write {self.run_dir / WRITES[name]} ({e.strerror or first_line(e)})")
+        self.warn(f"{cannot}, so --report-to {name} {what}; metrics.parquet holds every step")
