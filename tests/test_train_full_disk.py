@@ -139,6 +139,7 @@ def test_a_full_disk_at_the_full_model_export_is_one_sentence_and_resume_writes_
     run = tmp_path / "run"
     line = failed(runner.invoke(app, full(args)))
     assert f"cannot write {run}/model (File too large)" in line
+    assert "checkpoint holds the last step (1), so once it can be written, --resume with the same" in line
     assert not (run / "model").exists() and checkpoint_at(run) == 1
     monkeypatch.undo()
     r = runner.invoke(app, full(args, "--resume"))

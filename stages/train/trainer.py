@@ -15,6 +15,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from sparrow.schemas import ArtifactError
+
 from ..backends.ray_pool import RolloutPool
 from ..core.schedule import Schedule
 from ..core.sparsity import budget_fn
@@ -185,7 +187,7 @@ class Trainer:
             self.start_over = False
         if self.world.main and self.opts.report_to:
             self.trackers = Trackers(self.opts.report_to, self.run_dir, self.step, asdict(self.cfg),
-                                     self.history)
+                                     self.history, warn=self.on_warning)
         if self.step == 0 and self.world.main:
             self._write_schedule()
             if self.eval_prompts:
@@ -426,7 +428,12 @@ class Trainer:
         it is what marks the run finished (a resume of all its steps writes what is missing)."""
         summary = self.summary()
         if self.world.main:
-            self._write_outputs()
+            try:
+                self._write_outputs()
+            except ArtifactError as e:
+                hint = (f"{self.run_dir}/checkpoint holds the last step ({self.step}), so once it can be "
+                        "written, --resume with the same --steps writes it")
+                raise ArtifactError(f"{e}; {hint}") from None
             record_summary(self.run_dir, summary)
         return summary
 
