@@ -415,7 +415,7 @@ def write_rollouts(run: RolloutRun, prompt_set, opts: RolloutOptions, chat: bool
     prefills such prompts before any progress); `on_scored` follows the rewards."""
     import torch
 
-    from sparrow.schemas import write_artifact
+    from sparrow.schemas import ArtifactError, write_artifact
     from sparrow.schemas.locations import is_stdio
 
     from .model.loading import load_model
@@ -449,7 +449,11 @@ def write_rollouts(run: RolloutRun, prompt_set, opts: RolloutOptions, chat: bool
                 on_loading(max(len(rows[i]["prompt_token_ids"]) for i in journal.todo))
             loaded = load_model(run.model, device=run.device, dtype=getattr(torch, run.dtype))
         table, summary = run_journaled(loaded, journal, opts, on_step, on_scored)
-        write_artifact(table, run.output, "rollouts", metadata={**meta, "summary": summary.metadata()})
+        try:
+            write_artifact(table, run.output, "rollouts", metadata={**meta, "summary": summary.metadata()})
+        except ArtifactError as e:  # a full disk after the sampling: the journal holds every prompt
+            raise ArtifactError(f"{e}; the journal {journal.folder}/ keeps all {len(rows)} prompts, so once "
+                                "it can be written, run the same command with --resume") from None
         completed = True
     except RolloutInterrupted:
         raise

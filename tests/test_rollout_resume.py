@@ -546,3 +546,31 @@ def test_an_unscored_file_beside_the_part_of_its_number_is_ignored(tiny, journal
     assert r.exit_code == 0 and "2 of 6 prompts done, 4 to go" in r.stderr, r.output
     assert "scored first" not in r.stderr
     assert _plain(read_artifact(out, "rollouts")).equals(reference[None]) and not folder.exists()
+
+
+def test_a_final_write_that_fails_keeps_the_journal_and_says_resume(tiny, reference, tmp_path, monkeypatch):
+    """A full disk when the artifact is written after the sampling: one sentence that the journal keeps
+    every prompt, and --resume writes the uninterrupted rows without sampling again."""
+    import sparrow.schemas as schemas
+    from sparrow.schemas import ArtifactError
+
+    out = tmp_path / "r.parquet"
+    write = schemas.write_artifact
+
+    def full_at_out(data, path, *a, **k):
+        if Path(path) == out:
+            raise ArtifactError(f"cannot write {path} (No space left on device)")
+        return write(data, path, *a, **k)
+
+    with monkeypatch.context() as mp:
+        mp.setattr(schemas, "write_artifact", full_at_out)
+        r = runner.invoke(app, _args(tiny, out, None))
+    assert r.exit_code == 2, r.output
+    line = r.stderr.splitlines()[-1]
+    assert line == (f"error: cannot write {out} (No space left on device); the journal {_partial(out)}/ "
+                    "keeps all 6 prompts, so once it can be written, run the same command with --resume")
+    assert not out.exists() and _partial(out).is_dir()
+    r = runner.invoke(app, _args(tiny, out, None, "--resume"))
+    assert r.exit_code == 0, r.output
+    assert "6 of 6 prompts done, 0 to go" in " ".join(r.stderr.split())
+    assert _plain(read_artifact(out, "rollouts")).equals(reference[None])
