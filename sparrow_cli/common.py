@@ -46,11 +46,34 @@ class MessageConsole(Console):
         """A terminal's own size; anywhere else (a pipe, a file, a log) no width at all, so that nothing
         printed there is cut or wrapped to a width that no reader has: a table is as wide as its cells."""
         size = super().size
-        return size if self.is_terminal else ConsoleDimensions(UNBOUNDED_WIDTH, size.height)
+        return size if self.on_terminal else ConsoleDimensions(UNBOUNDED_WIDTH, size.height)
 
     @size.setter
     def size(self, new_size: tuple[int, int]) -> None:
         self._width, self._height = new_size
+
+    @property
+    def on_terminal(self) -> bool:
+        """Whether this console writes to a terminal: its file's own isatty, or `force_terminal` where the
+        console was made with one (a test's terminal in a string). Rich's `is_terminal` also says yes to
+        FORCE_COLOR (any value, 0 too) and TTY_COMPATIBLE=1, which here only colour the text: a log stays a
+        log, its lines whole."""
+        if self._force_terminal is not None:
+            return self._force_terminal
+        return is_terminal(self.file)
+
+    @property
+    def redraws(self) -> bool:
+        """Whether a live display (a progress bar) redraws in place here: rich's rule for `is_interactive`
+        (TTY_INTERACTIVE=0 or 1 if set, else not a dumb terminal: TERM dumb or unknown, as Emacs' shell and
+        some web consoles set, where rich's Live never refreshes) on `on_terminal`. Read here each time, as
+        rich fixes `is_interactive` when the console is made, from its own `is_terminal`."""
+        if not self.on_terminal:
+            return False
+        forced = self._environ.get("TTY_INTERACTIVE")
+        if forced in ("0", "1"):
+            return forced == "1"
+        return self._environ.get("TERM", "").lower() not in ("dumb", "unknown")
 
     def on_broken_pipe(self) -> None:
         """The reader stopped early (`| head`): what this console prints from now on goes nowhere, and the
@@ -145,16 +168,66 @@ console = MessageConsole(stderr=True, soft_wrap=True)  # messages and progress; 
 out = MessageConsole()
 
 
+def live_progress() -> bool:
+    """Whether progress shows as live bars on stderr (`disable=not live_progress()` of every bar) rather
+    than as whole lines (`log_line`): only where stderr is a terminal that redraws (MessageConsole.redraws).
+    A log, a pipe or a dumb terminal gets the lines, whatever FORCE_COLOR says, so that no line is cut to 80
+    columns, left stale, or drawn over and over with carriage returns."""
+    return console.redraws
+
+
+_logged = {"at": time.monotonic()}  # when the last progress line was printed (Heartbeat's silence)
+
+
 def log_line(text: str) -> None:
-    """A progress line for a log: printed whole when stderr is not a terminal (where every progress bar is
-    off, so that no line is cut to 80 columns or left stale), nothing on a terminal (the bar shows it)."""
-    if not console.is_terminal:
+    """A progress line for a log: printed whole where progress is not live (`live_progress`: a log, a pipe,
+    a dumb terminal), nothing where the bar shows it."""
+    if not live_progress():
+        _logged["at"] = time.monotonic()
         console.print(text, highlight=False, markup=False, soft_wrap=True)
 
 
+HEARTBEAT_SECONDS = 30.0
+
+
+class Heartbeat:
+    """A log's sign of life during long work that reports no progress of its own (a training step's
+    rollout, update or eval): while `doing` names the work, a line saying what runs and for how long
+    whenever no progress line was printed for `every` seconds. A thread of its own keeps the time, since
+    the work gives no callback until it ends; where progress is live (a bar with its clock) there is none."""
+
+    def __init__(self, every: float | None = None):
+        self.every = HEARTBEAT_SECONDS if every is None else every
+        self.what: str | None = None
+        self.since = time.monotonic()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def doing(self, what: str | None) -> None:
+        """The work that runs from now on (None: nothing worth a line)."""
+        self.what, self.since = what, time.monotonic()
+
+    def __enter__(self) -> Heartbeat:
+        if not live_progress():
+            self._thread = threading.Thread(target=self._beat, name="sparrow-heartbeat", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _beat(self) -> None:
+        while not self._stop.wait(min(self.every, 1.0)):
+            what, since, now = self.what, self.since, time.monotonic()
+            if what is not None and now - _logged["at"] >= self.every:
+                log_line(f"{what} ... ({now - since:.0f} s so far)")
+
+
 class LogProgress:
-    """Progress of long work as whole lines for a log (stderr not a terminal, where the bars are off): the
-    first update, then at most one line every `every` seconds, and the last one."""
+    """Progress of long work as whole lines where progress is not live (`live_progress`): the first update,
+    then at most one line every `every` seconds, and the last one."""
 
     def __init__(self, what: str, every: float = 10.0):
         self.what, self.every, self.last = what, every, None
@@ -248,7 +321,7 @@ class Command(TyperCommand):
         return parser
 
     def format_help(self, ctx, formatter) -> None:
-        with writing_stdout():  # --help into a full disk or a closed stdout: one sentence
+        with writing_stdout(), whole_help_cells():  # a full disk or a closed stdout: one sentence
             super().format_help(ctx, formatter)
 
 
@@ -259,8 +332,99 @@ class Group(TyperGroup):
         return _bare_flags(super().get_params(ctx))
 
     def format_help(self, ctx, formatter) -> None:
-        with writing_stdout():
+        with writing_stdout(), whole_help_cells():
             super().format_help(ctx, formatter)
+
+
+# ---------------------------------------------------------------- --help's options, never cut
+
+HELP_MIN_WIDTH = 30  # the least width an option's help gets beside its names; narrower, it goes below them
+PANEL_FRAME = 4  # an options panel's border and padding, both sides
+
+
+@contextmanager
+def whole_help_cells() -> Iterator[None]:
+    """typer's --help, its panels laid out so that nothing in them is cut: typer's own tables cut option
+    names, types, defaults and long words of help to "..." wherever their columns do not fit (80 columns, a
+    pipe, a log). typer prints each panel with one `console.print`, where its table is laid out first: the
+    options by `whole_cells`, the commands with their descriptions folded (`folded`)."""
+    from typer import rich_utils
+
+    layouts = {"_print_options_panel": whole_cells, "_print_commands_panel": folded}
+    typer_panels = {name: getattr(rich_utils, name) for name in layouts}
+    for name, layout in layouts.items():
+        setattr(rich_utils, name, functools.partial(_laid_out, typer_panels[name], layout))
+    try:
+        yield
+    finally:
+        for name, panel in typer_panels.items():
+            setattr(rich_utils, name, panel)
+
+
+def _laid_out(typer_panel: Callable, layout: Callable, *, console: Console, **kwargs) -> None:
+    typer_panel(console=_LayoutConsole(console, layout), **kwargs)
+
+
+class _LayoutConsole:
+    """The console a help panel is printed on: its table laid out by `layout` first."""
+
+    def __init__(self, console: Console, layout: Callable):
+        self.console, self.layout = console, layout
+
+    def print(self, panel, **kwargs) -> None:
+        panel.renderable = self.layout(panel.renderable, self.console)
+        self.console.print(panel, **kwargs)
+
+
+def folded(table, console: Console):
+    """A table whose cells fold a word wider than their column onto the next line, never cut it."""
+    for column in table.columns:
+        column.overflow = "fold"
+    return table
+
+
+def whole_cells(table, console: Console):
+    """typer's options table (the required mark where any option is required, the names, the negative
+    names, the type, the help) laid out so that nothing in it is cut: the names and the type each on one
+    line beside a help column of at least HELP_MIN_WIDTH (and its longest word), which wraps; where the
+    console is too narrow for that, each option's names and type on a line of their own, its help indented
+    below. A help word wider than the space it has (a long path) folds onto the next line."""
+    from rich.measure import Measurement
+
+    cells = [list(column.cells) for column in table.columns]
+    for help_cell in cells[-1]:
+        for item in getattr(help_cell, "renderables", ()):
+            if isinstance(item, Text):
+                item.overflow = "fold"
+    options = console.options
+    widest = [max((Measurement.get(console, options, c).maximum for c in column), default=0)
+              for column in cells[:-1]]
+    help_words = max((Measurement.get(console, options, item).minimum
+                      for cell in cells[-1] for item in getattr(cell, "renderables", ())), default=0)
+    room = console.width - PANEL_FRAME - sum(w + 2 for w in widest) - 2  # 2: each column's padding
+    if room >= max(HELP_MIN_WIDTH, help_words):
+        for column in table.columns[:-1]:
+            column.no_wrap, column.overflow = True, "fold"  # only the help column gives way
+        return table
+    return _stacked(list(zip(*cells)), marked=len(table.columns) == 7)
+
+
+def _stacked(rows: list[tuple], marked: bool):
+    """Each option as a line of its names and type (`* --name, -n / --no-name <type>`), its help below."""
+    from rich.padding import Padding
+    from rich.table import Table
+
+    grid = Table.grid(expand=True)
+    grid.add_column(overflow="fold")
+    for *names, kind, help_cell in rows:
+        texts = [Text(c) if isinstance(c, str) else c for c in (*names, kind)]
+        mark = texts.pop(0) if marked else Text()
+        groups = [Text(", ").join([t for t in group if t.plain]) for group in (texts[0:2], texts[2:4])]
+        line = Text(" ").join([t for t in (mark, Text(" / ").join([g for g in groups if g.plain]), texts[4])
+                               if t.plain])
+        grid.add_row(line)
+        grid.add_row(Padding(help_cell, (0, 0, 0, 4)))
+    return grid
 
 
 class UsageError(ValueError):

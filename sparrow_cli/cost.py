@@ -16,6 +16,7 @@ from .common import (
     console,
     force_option,
     friendly_errors,
+    live_progress,
     output_help,
     parse_int_list,
     stage_errors,
@@ -207,7 +208,7 @@ def measure(model: str, device: str, grid, seed: int, threads: int | None = None
     # the time left is the points' mean so far: later points (larger batches, longer contexts) take longer
     with Progress(TextColumn("timing the engine's decode step (points)"), BarColumn(),
                   MofNCompleteColumn(), TimeRemainingColumn(), console=console, transient=True,
-                  disable=not console.is_terminal) as bar:
+                  disable=not live_progress()) as bar:
         task = bar.add_task("timing", total=len(grid.points()))
         log = LogProgress("timing the engine's decode step (points)")
 

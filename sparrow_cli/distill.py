@@ -20,6 +20,7 @@ from .common import (
     force_option,
     friendly_errors,
     input_path,
+    live_progress,
     log_line,
     parse_int_list,
     raw_prompts_option,
@@ -134,6 +135,12 @@ def read_prompt_sets(prompts: Path | None, eval_prompts: Path | None, samples: i
         check_sampling_memory(lengths, samples, max_new_tokens, vocab, "sample fewer trajectories per "
                               f"prompt (--samples applies to {which}), or give fewer prompts")
     return sets
+
+
+def shown_loss(loss: float) -> float:
+    """A step's loss as a line shows it: both objectives (KL and its k3 estimate) are never negative, so a
+    value a rounding below 0 (-1e-9) shows as 0; the history keeps the number as computed."""
+    return max(loss, 0.0)
 
 
 def steps_batch(batch_size: int, explicit: bool, available: int, source: str) -> int:
@@ -436,7 +443,7 @@ def distill(
 
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console, transient=True,
-                  disable=not console.is_terminal) as bar:
+                  disable=not live_progress()) as bar:
         phases = PhaseProgress(bar, DISTILL_PHASES)
         task = []  # the distilling steps' bar, from the phase on
 
@@ -446,7 +453,7 @@ def distill(
             log_line(name)
 
         def on_step(r: dict) -> None:
-            info = (f"{objective} loss {r['loss']:.4g} | grad norm {r['grad_norm']:.3g} | "
+            info = (f"{objective} loss {shown_loss(r['loss']):.4g} | grad norm {r['grad_norm']:.3g} | "
                     f"{r['seconds']:.1f} s/step")
             bar.update(task[0], completed=r["step"], info=info)
             log_line(f"distilling step {r['step']}/{steps}: {info}")
@@ -462,8 +469,9 @@ def distill(
     h = result.history
     console.print(f"wrote the adapter to {folder} ({len(h)} steps at "
                   f"{f'budgets {run.taught}' if taught else run.sampler}, {result.seconds:.1f} s of "
-                  f"training; {objective} loss {h[0]['loss']:.4g} -> {h[-1]['loss']:.4g}); per-token "
-                  f"mismatch before and after: {folder / 'mismatch'}/")
+                  f"training; {objective} loss {shown_loss(h[0]['loss']):.4g} -> "
+                  f"{shown_loss(h[-1]['loss']):.4g}); per-token mismatch before and after: "
+                  f"{folder / 'mismatch'}/")
     for warning in result.warnings:
         warn(warning)
     columns = ("bin", "budget", "tokens", "tail_before", "tail_after", "mean_before", "mean_after",

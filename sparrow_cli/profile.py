@@ -29,6 +29,7 @@ from .common import (
     force_option,
     friendly_errors,
     input_path,
+    live_progress,
     output_help,
     parse_int_list,
     raw_prompts_option,
@@ -466,7 +467,7 @@ def progress_hooks(workers: int) -> Iterator[Hooks]:
 
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn() if workers else TimeRemainingColumn(), console=console, transient=True,
-                  disable=not console.is_terminal) as bar:
+                  disable=not live_progress()) as bar:
         if workers:
             what = f"profile on {workers} Ray workers (shards)"
             task, log, done = bar.add_task(what, total=workers), LogProgress(what), [0]

@@ -22,6 +22,7 @@ from .common import (
     console,
     force_option,
     friendly_errors,
+    live_progress,
     output_help,
 )
 from .options import check_host_memory, model_file, non_negative_seed, output_path
@@ -40,7 +41,7 @@ class _LazyProgress:
 
     def __call__(self, done: int) -> None:
         late = time.monotonic() - self.started > self.delay
-        if self.bar is None and console.is_terminal and late and done < self.total:
+        if self.bar is None and live_progress() and late and done < self.total:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
             self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -49,7 +50,7 @@ class _LazyProgress:
             self.task_id = self.bar.add_task(self.label, total=self.total)
         if self.bar is not None:
             self.bar.update(self.task_id, completed=done)
-        if self.log is None and not console.is_terminal and late:
+        if self.log is None and not live_progress() and late:
             self.log = LogProgress(self.label)
             self.log.start = self.started
         if self.log is not None:

@@ -20,6 +20,7 @@ from .common import (
     console,
     friendly_errors,
     input_path,
+    live_progress,
     note,
     output_help,
     raw_prompts_option,
@@ -478,7 +479,7 @@ def _progress(what: str | None, total: int, rate: bool, most_tokens: int | None 
     """The bars of a rollout (`_Bars`) for the length of the block."""
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), console=console,
-                  transient=True, disable=not console.is_terminal) as bar:
+                  transient=True, disable=not live_progress()) as bar:
         yield _Bars(bar, what, total, rate, most_tokens, exact)
 
 

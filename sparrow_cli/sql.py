@@ -41,6 +41,7 @@ from .common import (
     console,
     fail,
     friendly_errors,
+    live_progress,
     out,
     printable,
     stdout_failed,
@@ -111,7 +112,7 @@ def sql(
     limits = _limits(memory_limit, timeout, max_rows)
     check_output(output, None, force, inputs={"--run": _tables_of_the_run(output, run)})
     # rows on a terminal's stdout stop the clock at the first batch; a file or a pipe's run to the end
-    until_first = output is None and format != "table" and out.is_terminal
+    until_first = output is None and format != "table" and out.on_terminal
     try:
         with _QueryClock() as clock, run_sql(run, query, limits, warn=warn) as result:
             batches = clock.batches(result.batches, until_first)
@@ -167,7 +168,7 @@ class _QueryClock:
 
     def __init__(self) -> None:
         self.bar = Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
-                            console=console, transient=True, disable=not console.is_terminal,
+                            console=console, transient=True, disable=not live_progress(),
                             redirect_stdout=False, redirect_stderr=False)  # rows go to stdout as they are
 
     def __enter__(self) -> _QueryClock:

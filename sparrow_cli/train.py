@@ -10,11 +10,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from sparrow.stages.train.clip import CLIP_HIGH, CLIP_LOW
 
 from .common import (
+    Heartbeat,
     UsageError,
     check_device,
     console,
     friendly_errors,
     input_path,
+    live_progress,
     log_line,
     note,
     raw_prompts_option,
@@ -442,6 +444,14 @@ def _prompt_text(row: dict) -> str:
     return text or json.dumps(row.get("messages") or list(row.get("prompt_token_ids") or []), default=str)
 
 
+def _phase_of_step(phase: str, step: int, steps: int) -> str:
+    """What a log's heartbeat says runs: a step's phase (rollout, scoring, update, eval) with the step it
+    belongs to, the initial and final evals as they are."""
+    if phase.startswith(("initial eval", "final eval")):
+        return phase
+    return f"{phase} of train step {step}/{steps}"
+
+
 def _run(cfg, inputs, opts, fmt: str) -> None:
     """The run with a progress bar (a terminal) or one line per step (a log), then its summary."""
     from sparrow.stages.train.launch import start_training, summary_record
@@ -450,12 +460,13 @@ def _run(cfg, inputs, opts, fmt: str) -> None:
     # a terminal gets a live bar; a log gets one whole line per step (a bar there is cut to 80 columns)
     bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                    TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console,
-                   disable=not world.main or not console.is_terminal)
+                   disable=not world.main or not live_progress())
     task = bar.add_task("train steps", total=steps, info="")
     done: list[int] = []  # the steps finished in this process
     trainer_step = [0]  # the step the run starts from (a resume's checkpoint)
     warned: list[int] = []
     silent: list[int] = []
+    heartbeat = Heartbeat()  # a log hears of every step's phases only when one runs long
 
     def on_phase(phase: str) -> None:
         if not world.main:
@@ -463,6 +474,7 @@ def _run(cfg, inputs, opts, fmt: str) -> None:
         if phase == "loading":
             return say_loading(cfg.model, cfg.device)
         bar.update(task, description=f"train steps ({phase})")
+        heartbeat.doing(_phase_of_step(phase, trainer_step[0] + len(done) + 1, steps))
         if phase == "initial eval":
             log_line("initial eval of the --eval-prompts ...")
         elif phase.startswith("initial eval "):  # each of its passes: greedy and sampled, dense and sparse
@@ -480,6 +492,7 @@ def _run(cfg, inputs, opts, fmt: str) -> None:
                 + (f" | collapse: {r['collapse']}" if r.get("collapse") else ""))
         bar.update(task, completed=r["step"], info=info)
         if world.main:
+            heartbeat.doing(None)
             log_line(f"train step {r['step']}/{steps}: {info}")
         on_signal(r)
 
@@ -506,7 +519,7 @@ def _run(cfg, inputs, opts, fmt: str) -> None:
     except ValueError as e:
         raise UsageError(str(e)) from None
     trainer_step[0] = trainer.step
-    with bar:
+    with bar, heartbeat:
         bar.update(task, completed=trainer.step)
         summary = trainer.run()
     if world.main:

@@ -469,7 +469,7 @@ def test_steps_are_numbered_as_the_data_numbers_them_and_no_learning_signal_is_w
     monkeypatch.setattr(Axes, "plot", lambda ax, *a, **k: drawn.append((ax, list(a[0])))
                         or plot(ax, *a, **k))
     assert runner.invoke(app, ["report", str(run)]).exit_code == 0
-    assert [x for ax, x in drawn if ax.get_title() == "eval accuracy (greedy)"] == [[0, 1, 2], [1, 2]]
+    assert [x for ax, x in drawn if ax.get_title() == "eval accuracy (greedy)"] == [[0, 1, 2], [0, 1, 2]]
 
 
 # ---------------------------------------------------------------- one name per idea across the commands
