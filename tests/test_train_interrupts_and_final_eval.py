@@ -160,7 +160,8 @@ def test_a_resume_with_steps_equal_to_the_steps_done_runs_the_final_eval(setup, 
     r = runner.invoke(app, [*setup["args"](run, "--resume"), "--steps", "1", "--report-to", "jsonl"])
     assert r.exit_code == 0, r.output
     (row,) = rows(run)
-    (line,) = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]  # the tracker's
+    zero, line = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]  # the tracker's
+    assert zero["step"] == 0  # the initial eval
     for name in ("eval_accuracy", "eval_accuracy_sparse", "sampler_gap"):
         assert row[name] == expected[name], name
         assert line[name] == expected[name], name

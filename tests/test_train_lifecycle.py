@@ -153,8 +153,8 @@ def test_a_resume_writes_the_jsonl_lines_it_lacks(setup, tmp_path):
 
 
 def test_tensorboard_on_resume_purges_and_rewrites_every_step(tmp_path, monkeypatch):
-    """Which steps earlier event files hold is unknown, so a resume purges from step 1 and logs the
-    checkpoint's steps again before the new ones (a stand-in SummaryWriter records the calls)."""
+    """Which steps earlier event files hold is unknown, so a resume purges from step 0 and writes the config
+    and the checkpoint's steps again before the new ones (a stand-in SummaryWriter records the calls)."""
     calls = []
 
     class Writer:
@@ -177,7 +177,8 @@ def test_tensorboard_on_resume_purges_and_rewrites_every_step(tmp_path, monkeypa
     history = [{"step": 1, "reward_mean": 0.5, "collapse": None}, {"step": 2, "reward_mean": 0.25}]
     trackers = Trackers(("tensorboard",), tmp_path, start_step=2, history=history)
     trackers.log({"step": 3, "reward_mean": 1.0})
-    assert calls == [("open", 1), ("reward_mean", 0.5, 1), ("reward_mean", 0.25, 2), ("reward_mean", 1.0, 3)]
+    assert calls == [("open", 0), ("text",), ("reward_mean", 0.5, 1), ("reward_mean", 0.25, 2),
+                     ("reward_mean", 1.0, 3)]
 
 
 # ---------------------------------------------------------------- --full leaves a model

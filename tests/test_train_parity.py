@@ -160,7 +160,7 @@ def test_cli_correction_options_and_trackers(tiny_llama, vowel_prompts, tmp_path
         events = EventAccumulator(str(run / "tensorboard"))
         events.Reload()
         kl = events.Scalars("rollout_corr/kl")
-        assert [e.step for e in kl] == [0, 1]
+        assert [e.step for e in kl] == [1, 2]
         assert [e.value for e in kl] == pytest.approx([r["rollout_corr/kl"] for r in lines], rel=1e-6)
     for bad, words in ((["--rollout-rs", "token_k9"], "--rollout-rs must be a comma list of"),
                        (["--rollout-is-threshold", "3_2"], "L < U"),

@@ -7,6 +7,12 @@ gets them before the new steps, so every tracker ends with every step of metrics
 that runs after the last step was logged (`Trainer._final_eval`) logs that step's row again, with the
 eval: the jsonl replaces the step's line, tensorboard and wandb add its scalars at that step.
 
+Step 0 is the initial eval (`initial_eval_row`), logged as TRL's `eval_on_start` logs its eval: under the
+periodic evals' names, so their curves start before any update; the jsonl's step-0 line holds only those
+fields. A resume hands it to the trackers with the checkpoint's steps (`tracked_history`). The per-bin
+tails (`alpha_lb_p5_by_bin`, `alpha_p5_by_bin`, lists) reach tensorboard and wandb as one scalar per
+position bin, `<name>/bin_<k>` with k zero-padded so the tags sort in bin order.
+
 A tracker whose files cannot be written (a full disk, a quota) is a convenience lost, not the run: it is
 said once (`warn`) and the tracker logs no further steps of the run, which goes on to its checkpoints;
 metrics.parquet holds every step. A jsonl line cut off by a full disk is taken back, so the file holds
@@ -28,9 +34,12 @@ from sparrow.schemas import ArtifactError
 from sparrow.schemas.artifacts import first_line
 from sparrow.schemas.io import write_bytes
 
+from .detectors import InitialEval
+
 TRACKERS = ("jsonl", "tensorboard", "wandb", "none")
 NEEDS = {"tensorboard": "tensorboard", "wandb": "wandb"}
 WRITES = {"jsonl": "metrics.jsonl", "tensorboard": "tensorboard", "wandb": "wandb"}  # in the run directory
+BY_BIN = ("alpha_lb_p5_by_bin", "alpha_p5_by_bin")  # one p5 per position bin (None: a bin without tokens)
 
 
 def parse_report_to(text: str) -> tuple[str, ...]:
@@ -51,11 +60,35 @@ def parse_report_to(text: str) -> tuple[str, ...]:
     return () if names == ("none",) else names
 
 
+def initial_eval_row(initial: InitialEval) -> dict:
+    """Step 0's row: the initial eval under a periodic eval's names (`sampler_gap`: dense minus sparse
+    greedy accuracy), its sampled rewards as `eval_reward(_sparse)` and their difference under its
+    metadata name, `initial_sampler_gap`; a field the run has not (a dense run's sparse ones) left out."""
+    sparse = initial.accuracy_sparse
+    row = {"step": 0, "eval_accuracy": initial.accuracy, "eval_accuracy_sparse": sparse,
+           "sampler_gap": None if sparse is None else initial.accuracy - sparse,
+           "eval_reward": initial.reward, "eval_reward_sparse": initial.reward_sparse,
+           "initial_sampler_gap": initial.sampler_gap}
+    return {k: v for k, v in row.items() if v is not None}
+
+
+def tracked_history(history: Sequence[dict], initial: InitialEval | None) -> list[dict]:
+    """The rows a resume hands the trackers: step 0's (a run with an initial eval), then its steps'."""
+    return ([initial_eval_row(initial)] if initial is not None else []) + list(history)
+
+
 def _scalars(row: dict) -> dict[str, float]:
-    """The row's finite numbers by name, with a user reward's step means as `reward_extra/<name>`."""
-    flat = {**row, **{f"reward_extra/{k}": v for k, v in _reward_extra(row).items()}}
+    """The row's finite numbers by name, with a user reward's step means as `reward_extra/<name>` and the
+    per-bin tails as `<name>/bin_<k>`."""
+    flat = {**row, **{f"reward_extra/{k}": v for k, v in _reward_extra(row).items()}, **_by_bin(row)}
     return {k: float(v) for k, v in flat.items()
             if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step" and math.isfinite(v)}
+
+
+def _by_bin(row: dict) -> dict:
+    """`alpha_lb_p5_by_bin: [a, None, c]` -> {"alpha_lb_p5_by_bin/bin_000": a, ".../bin_002": c}."""
+    return {f"{name}/bin_{k:03d}": v for name in BY_BIN for k, v in enumerate(row.get(name) or ())
+            if v is not None}
 
 
 def _reward_extra(row: dict) -> dict:
@@ -131,17 +164,18 @@ class JsonlTracker:
 
 class TensorboardTracker:
     def __init__(self, run_dir: Path, start_step: int, config: dict, history: Sequence[dict] = ()):
-        """A resume purges the earlier events of every step from 1 on and writes `history` again, since
-        which steps the event files hold is not known without reading them all."""
+        """A resume purges every earlier event (from step 0, the initial eval's) and writes the config and
+        `history` again, since which steps the event files hold is not known without reading them all.
+        Every writer opens with a session start at step 0 (`purge_step=0`): TensorBoard takes a run's first
+        one for its start and purges at a later one only, so a fresh run's must be there too."""
         from torch.utils.tensorboard import SummaryWriter
 
         folder = run_dir / "tensorboard"
         if start_step == 0:  # a run started (over): no events of an earlier one
             for f in folder.glob("events.out.tfevents.*"):
                 f.unlink()
-        self.writer = SummaryWriter(log_dir=str(folder), purge_step=1 if start_step else None)
-        if start_step == 0:
-            self.writer.add_text("config", json.dumps(config, indent=2, default=str))
+        self.writer = SummaryWriter(log_dir=str(folder), purge_step=0)
+        self.writer.add_text("config", json.dumps(config, indent=2, default=str))
         for row in history if start_step else ():
             self.log(row)
 

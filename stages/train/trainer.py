@@ -63,7 +63,7 @@ from .run_dir import (
     with_fingerprints,
 )
 from .sparse_actor import JointSparseActor
-from .tracking import Trackers
+from .tracking import Trackers, initial_eval_row, tracked_history
 from .update import Learner
 
 # the per-step numbers the summary averages over the run's steps (mean_<name>)
@@ -180,19 +180,21 @@ class Trainer:
         return summary
 
     def _start(self) -> None:
-        """A forced run's directory cleared, the trackers (a resume's given the steps they lack), and
-        before the first step the schedule and the initial eval."""
+        """A forced run's directory cleared, the trackers (a resume's given the steps they lack, step 0
+        included), and before the first step the schedule and the initial eval, logged as step 0."""
         if self.start_over and self.world.main:
             clear_run(self.run_dir)
             self.start_over = False
         if self.world.main and self.opts.report_to:
             self.trackers = Trackers(self.opts.report_to, self.run_dir, self.step, asdict(self.cfg),
-                                     self.history, warn=self.on_warning)
+                                     tracked_history(self.history, self.initial_eval), warn=self.on_warning)
         if self.step == 0 and self.world.main:
             self._write_schedule()
             if self.eval_prompts:
                 self.on_phase("initial eval")
                 self.initial_eval = self.evaluate_start()
+                if self.trackers is not None:
+                    self.trackers.log(initial_eval_row(self.initial_eval))
 
     def _interrupted(self):
         """Keep the last complete step resumable, say so, and go on interrupting."""
