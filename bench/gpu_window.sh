@@ -86,6 +86,7 @@ if [[ $WHAT == --plan ]]; then
 fi
 
 [[ $WHAT == a ]] && BUDGET=$BUDGET_A || BUDGET=$BUDGET_B
+need_gpu
 gpu_site
 echo "=== phase $WHAT: budget ${BUDGET}s, logs in $OUT"
 "phase_$WHAT"

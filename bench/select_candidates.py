@@ -1,5 +1,5 @@
 """A candidate for the decode step's page selection, timed beside the radix select by
-`bench/kernels.py --part select-sweep` (which checks that it keeps the same pages).
+`bench/kernel_times.py --part select-sweep` (which checks that it keeps the same pages).
 
 The radix select (kernels/page_scoring.py) makes five dependent passes over a row's scores, four of
 them a 256-bin histogram. Here one program holds its whole row in registers and finds the n-th largest

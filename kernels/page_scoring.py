@@ -288,7 +288,7 @@ def select_from_scores_triton(scores: Tensor, seq_lens: Tensor, budgets: Tensor,
 
 
 SELECT_BLOCK = 1024  # pages per chunk of the selection kernel's passes
-SELECT_WARPS = 4  # warps per (sample, KV head) program (bench/kernels.py --part select-sweep times others)
+SELECT_WARPS = 4  # warps per (sample, KV head) program (bench/kernel_times.py --part select-sweep: others)
 
 
 def page_scoring_triton(q: Tensor, centroids: Tensor, block_table: Tensor, seq_lens: Tensor,

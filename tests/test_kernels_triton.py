@@ -202,7 +202,7 @@ def test_selection_kernel_equals_finish_selection(block, monkeypatch):
 
 
 def test_counting_select_candidate_keeps_the_radix_selects_pages():
-    """bench/select_candidates.py's counting select (timed beside the radix select by bench/kernels.py
+    """bench/select_candidates.py's counting select (timed beside the radix select by bench/kernel_times.py
     --part select-sweep) keeps exactly the radix select's pages: ties (lowest page first), rows from empty
     to a few hundred pages, dense budgets and budgets that keep no candidate, 2- and 4-bit digits."""
     from sparrow.kernels.page_scoring import select_from_scores_triton

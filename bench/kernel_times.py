@@ -20,9 +20,9 @@ many calls a Qwen3-4B-shaped step makes (2 norms per layer and the final one, on
 On a CPU the torch references run instead, at a smaller default size (the CPU engine's path).
 Writes bench/results/kernels.parquet.
 
-    .venv/bin/python bench/kernels.py                                  # GPU: the issue's shapes
-    .venv/bin/python bench/kernels.py --part elementwise               # the fused chain only
-    .venv/bin/python bench/kernels.py --device cpu --batch 4 --contexts 4096,8192
+    .venv/bin/python bench/kernel_times.py                                  # GPU: the issue's shapes
+    .venv/bin/python bench/kernel_times.py --part elementwise               # the fused chain only
+    .venv/bin/python bench/kernel_times.py --device cpu --batch 4 --contexts 4096,8192
 """
 
 from __future__ import annotations
