@@ -505,6 +505,7 @@ def _holder(fd: int) -> str:
 JOURNAL_SUFFIX = ".partial"  # OUT.partial/ beside a rollout's -o holds its finished prompts while it runs
 JOURNAL_MANIFEST = "manifest.json"
 JOURNAL_PART = re.compile(r"part-(\d{5,})\.parquet")
+JOURNAL_UNSCORED = re.compile(r"unscored-(\d{5,})\.parquet")  # finished prompts an interrupt wrote, unscored
 
 
 def journal_folder(output: str | os.PathLike) -> Path:
@@ -529,6 +530,15 @@ def journal_parts(folder: Path) -> list[Path] | None:
         return None
     parts = (p for p in folder.iterdir() if JOURNAL_PART.fullmatch(p.name))
     return sorted(parts, key=lambda p: int(JOURNAL_PART.fullmatch(p.name).group(1)))
+
+
+def journal_unscored(folder: Path) -> list[Path]:
+    """The files of finished prompts that an interrupt wrote unscored into the journal `folder` (rewards null
+    until `--resume` scores them and writes each as the part of its number), in the order they were
+    written; one beside the part of its number is already scored and is not among them."""
+    scored = {JOURNAL_PART.fullmatch(p.name).group(1) for p in journal_parts(folder) or []}
+    found = ((p, m.group(1)) for p in folder.iterdir() if (m := JOURNAL_UNSCORED.fullmatch(p.name)))
+    return [p for p, number in sorted(found, key=lambda f: int(f[1])) if number not in scored]
 
 
 def spool_input(path: str | os.PathLike, flag: str) -> Path:

@@ -42,7 +42,6 @@ import hashlib
 import json
 import math
 import os
-import re
 import shutil
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -57,6 +56,7 @@ from sparrow.schemas.io import write_bytes
 from sparrow.schemas.locations import (
     JOURNAL_MANIFEST,
     JOURNAL_PART,
+    JOURNAL_UNSCORED,
     LOCK_NAME,
     hidden_stem,
     hold_folder,
@@ -73,7 +73,7 @@ MANIFEST_KEY = "journal_manifest"  # the manifest in the finished artifact's met
 WRITER = "sparrow rollout"
 JOURNAL_VERSION = 1
 PEAKS = ("max_running", "peak_pages", "kv_tokens_peak", "dense_kv_tokens_peak")  # merged by max, not sum
-UNSCORED = re.compile(r"unscored-(\d{5,})\.parquet")  # finished prompts an interrupt wrote, rewards null
+UNSCORED = JOURNAL_UNSCORED  # finished prompts an interrupt wrote, rewards null
 
 
 class JournalRefused(ArtifactError):

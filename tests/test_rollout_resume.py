@@ -397,6 +397,8 @@ def test_sql_reads_an_unfinished_rollouts_journal_and_skips_a_finished_ones(tiny
     assert r.exit_code == 0, r.output
     assert r.stdout.splitlines()[-1] == str(kept * SAMPLES)
     assert "is the journal of an unfinished rollout" in " ".join(r.stderr.split())
+    assert ("; 1 file of finished prompts that an interrupt left unscored (unscored-*.parquet) are read once "
+            "`sparrow rollout --resume` scores them") in " ".join(r.stderr.split())
     read_artifact(folder / "part-00000.parquet", "rollouts")  # a part is a whole artifact
     shutil.copy(folder / "part-00000.parquet", out)  # stands for the finished artifact
     r = runner.invoke(app, ["sql", "SELECT count(*) AS n FROM rollouts", "--run", str(tmp_path), "-f", "csv"])

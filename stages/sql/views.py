@@ -29,7 +29,7 @@ import pyarrow as pa
 from sparrow.schemas import SCHEMAS, VERSION, ArtifactError, artifact_metadata
 from sparrow.schemas.artifacts import KEY_VERSION
 from sparrow.schemas.footer import kind_version, read_schema
-from sparrow.schemas.locations import JOURNAL_PART, JOURNAL_SUFFIX, journal_parts, missing
+from sparrow.schemas.locations import JOURNAL_PART, JOURNAL_SUFFIX, journal_parts, journal_unscored, missing
 from sparrow.schemas.provenance import KEY_PROVENANCE, artifact_provenance
 
 from .files import PREFIX, file_url
@@ -224,10 +224,16 @@ def _journal_files(folder: Path, parts: list[Path], warn: Warn) -> list[Path]:
             warn(f"{folder}/ is the journal of the rollout {finished.name}, whose rows that file holds; "
                  "skipped it")
         return []
+    unscored = journal_unscored(folder)
+    files = f"{len(unscored)} file{'s' if len(unscored) > 1 else ''}"
+    waiting = (f"; {files} of finished prompts that an interrupt left unscored (unscored-*.parquet) are read "
+               "once `sparrow rollout --resume` scores them" if unscored else "")
     if parts:
         some = f"its {len(parts)} parts are" if len(parts) > 1 else "its part is"
         warn(f"{folder}/ is the journal of an unfinished rollout: {some} read as the rollouts it has "
-             "finished so far")
+             f"finished so far{waiting}")
+    elif unscored:
+        warn(f"{folder}/ is the journal of an unfinished rollout with no part yet{waiting}")
     return parts
 
 

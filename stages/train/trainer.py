@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from sparrow.schemas import ArtifactError
+from sparrow.schemas.io import write_bytes
 
 from ..backends.ray_pool import RolloutPool
 from ..core.schedule import Schedule
@@ -453,9 +454,9 @@ class Trainer:
         if self.sparse_actor is not None:
             folder = save_adapter(self.model, self.sparse_actor.config, self.run_dir / "sparse_adapter",
                                   base, adapter=self.sparse_actor.ADAPTER)
-            (folder / "sparrow_distill.json").write_text(json.dumps(
+            write_bytes(folder / "sparrow_distill.json", json.dumps(
                 {"mode": "joint (sparrow train --distill-sparse)", "sparsity": cfg.sparsity,
-                 "history": self.sparse_history}, indent=2))
+                 "history": self.sparse_history}, indent=2).encode())
 
     # ------------------------------------------------------------------ checkpoints
 
