@@ -152,8 +152,9 @@ def rollout(
                               "(sparrow distill's) only with --budget or --schedule."),
     device: str = device_option(also=" On cuda: bfloat16, Triton kernels, CUDA graphs."),
     dtype: str = typer.Option("auto", "--dtype", help="Weights and KV cache: auto (bfloat16 on cuda, "
-                              "float32 on cpu), float32 or bfloat16. bfloat16 decodes about 1.5x faster on "
-                              "a CPU with AVX512-BF16; float32 matches teacher-forced scoring exactly."),
+                              "float32 on cpu), float32 or bfloat16. bfloat16 decodes faster on a CPU with "
+                              "AVX512-BF16 (docs/benchmarks.md); float32 matches teacher-forced scoring to "
+                              "about 1e-4."),
     eager: bool = typer.Option(False, "--eager/--no-eager",
                                help="On cuda, run the decode step eagerly instead of "
                                "replaying CUDA graphs: the same step and tokens (for debugging; slower)."),
@@ -359,7 +360,8 @@ def _say_resuming(found, bars: _Bars, samples: int) -> None:
         note(f"--resume: {found.folder}/ holds no finished prompt of an interrupted run (or is not there), "
              "so there is nothing to resume: the run starts from the first prompt")
         return
-    first = f"; the rewards of {found.unscored} are scored first" if found.unscored else ""
+    n = found.unscored
+    first = f"; the rewards of {n} of the done prompt{'s' if n > 1 else ''} are scored first" if n else ""
     console.print(f"resuming {found.folder}/: {found.kept} of {found.total} prompts done, "
                   f"{found.total - found.kept} to go{first}", highlight=False)
     bars.skip(found.kept * samples)
