@@ -43,8 +43,9 @@ def artifact_kind(path: str | os.PathLike) -> str | None:
     return kind_version(read_schema(path))[0]
 
 
-def artifact_metadata(table_or_path: pa.Table | pa.Schema | str | os.PathLike) -> dict:
-    """The stage's own metadata (the `sparrow.meta` JSON object) of a table or an artifact file."""
+def artifact_metadata(table_or_path: pa.Table | pa.Schema | str | os.PathLike, key: str = KEY_META) -> dict:
+    """The stage's own metadata (the `sparrow.meta` JSON object, or the one under footer key `key`) of a
+    table, a schema or an artifact file (a directory of parts: its first part); {} when it has none."""
     if isinstance(table_or_path, pa.Table | pa.RecordBatch):
         schema, where = table_or_path.schema, "the table"
     elif isinstance(table_or_path, pa.Schema):
@@ -52,13 +53,13 @@ def artifact_metadata(table_or_path: pa.Table | pa.Schema | str | os.PathLike) -
     else:
         where = Path(table_or_path)
         schema = read_schema(artifact_parts(where)[0] if where.is_dir() else where)
-    return stage_metadata(schema, where)
+    return stage_metadata(schema, where, key)
 
 
-def stage_metadata(schema: pa.Schema, where: object) -> dict:
-    """`schema`'s `sparrow.meta` JSON object ({} when it has none); ArtifactError naming `where` (a file,
-    "the table") when it is not a JSON object."""
-    raw = (schema.metadata or {}).get(KEY_META.encode())
+def stage_metadata(schema: pa.Schema, where: object, key: str = KEY_META) -> dict:
+    """`schema`'s `sparrow.meta` JSON object (or the one under footer key `key`; {} when it has none);
+    ArtifactError naming `where` (a file, "the table") when it is not a JSON object."""
+    raw = (schema.metadata or {}).get(key.encode())
     if raw is None:
         return {}
     try:
@@ -66,7 +67,7 @@ def stage_metadata(schema: pa.Schema, where: object) -> dict:
     except ValueError:
         meta = None
     if not isinstance(meta, dict):
-        raise ArtifactError(f"{where} has '{KEY_META}' metadata that is not a JSON object")
+        raise ArtifactError(f"{where} has '{key}' metadata that is not a JSON object")
     return meta
 
 

@@ -141,7 +141,7 @@ def _write(path: Path, write: Callable[[BinaryIO], object]) -> None:
             _copy_to_stdout(f)
         return
     target = output_target(path)
-    tmp = _temporary(target, "tmp")
+    tmp = temporary(target, "tmp")
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         _remove_dead(leftovers(target)[0])
@@ -195,10 +195,12 @@ def _drop_stdout() -> None:
         pass
 
 
-def _temporary(path: Path, kind: str) -> Path:
+def temporary(path: Path, kind: str) -> Path:
     """`.NAME.<hex>-<pid>.<kind>` beside `path`: hidden, unique, and telling whose it is (NAME is a digest
-    of a name too long to take these marks: `hidden_stem`)."""
+    of a name too long to take these marks: `hidden_stem`); the name `leftovers` finds, for a file or a
+    folder that replaces `path`."""
     return path.with_name(f".{hidden_stem(path)}.{uuid.uuid4().hex[:12]}-{os.getpid()}.{kind}")
+
 
 
 def _lock_quietly(fd: int) -> None:
@@ -412,7 +414,7 @@ def replace_dir(path: Path, fill: Callable[[Path], None]) -> None:
     keeps the old one's mode and group, and so do its files that the old one had. A process killed
     inside leaves hidden siblings: the next replacement removes those whose process is gone, and
     `recover_replaced` puts back a version moved aside."""
-    tmp, old = _temporary(path, "tmp"), _temporary(path, "old")
+    tmp, old = temporary(path, "tmp"), temporary(path, "old")
     try:
         _remove_dead(leftovers(path)[0])
         tmp.mkdir(parents=True)

@@ -26,12 +26,10 @@ import platform
 from dataclasses import asdict, dataclass
 from functools import cache
 from importlib.metadata import PackageNotFoundError, version
-from pathlib import Path
 
 import pyarrow as pa
 
-from .artifacts import ArtifactError
-from .footer import artifact_parts, file_json, read_schema
+from .footer import artifact_metadata
 
 KEY_PROVENANCE = "sparrow.provenance"
 DISTRIBUTION = "sparrow-rl"  # the package name in pyproject.toml
@@ -82,21 +80,6 @@ def stamped(metadata: dict[bytes, bytes] | None) -> dict[bytes, bytes]:
 
 def artifact_provenance(table_or_path: pa.Table | pa.Schema | str | os.PathLike) -> dict:
     """The recorded provenance (a JSON object) of a table, a schema or a Parquet file (a directory of parts:
-    its first part); {} for a file without one (an older Sparrow's, another tool's)."""
-    if isinstance(table_or_path, pa.Table | pa.RecordBatch):
-        schema, where = table_or_path.schema, "the table"
-    elif isinstance(table_or_path, pa.Schema):
-        schema, where = table_or_path, "the schema"
-    else:
-        where = Path(table_or_path)
-        schema = read_schema(artifact_parts(where)[0] if where.is_dir() else where)
-    raw = (schema.metadata or {}).get(KEY_PROVENANCE.encode())
-    if raw is None:
-        return {}
-    try:
-        found = file_json(raw)
-    except ValueError:
-        found = None
-    if not isinstance(found, dict):
-        raise ArtifactError(f"{where} has '{KEY_PROVENANCE}' metadata that is not a JSON object")
-    return found
+    its first part); {} for a file without one (an older Sparrow's, another tool's); ArtifactError naming
+    it when the record is not a JSON object."""
+    return artifact_metadata(table_or_path, KEY_PROVENANCE)

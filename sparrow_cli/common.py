@@ -193,21 +193,23 @@ HEARTBEAT_SECONDS = 30.0
 class Heartbeat:
     """A log's sign of life during long work that reports no progress of its own (a training step's
     rollout, update or eval): while `doing` names the work, a line saying what runs and for how long
-    whenever no progress line was printed for `every` seconds. A thread of its own keeps the time, since
-    the work gives no callback until it ends; where progress is live (a bar with its clock) there is none."""
+    whenever no progress line (`log_line`) was printed for `every` seconds, counted from the heartbeat's
+    start at the earliest. A thread of its own keeps the time, since the work gives no callback until it
+    ends; where progress is live (a bar with its clock) there is none. The work and its start are one
+    value (`state`), stored and read at once, so that a line never times one phase from another's start."""
 
     def __init__(self, every: float | None = None):
         self.every = HEARTBEAT_SECONDS if every is None else every
-        self.what: str | None = None
-        self.since = time.monotonic()
+        self.state: tuple[str | None, float] = (None, time.monotonic())  # what runs, since when
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def doing(self, what: str | None) -> None:
         """The work that runs from now on (None: nothing worth a line)."""
-        self.what, self.since = what, time.monotonic()
+        self.state = (what, time.monotonic())
 
     def __enter__(self) -> Heartbeat:
+        _logged["at"] = time.monotonic()  # the silence is counted from here, not from the last line before
         if not live_progress():
             self._thread = threading.Thread(target=self._beat, name="sparrow-heartbeat", daemon=True)
             self._thread.start()
@@ -220,7 +222,7 @@ class Heartbeat:
 
     def _beat(self) -> None:
         while not self._stop.wait(min(self.every, 1.0)):
-            what, since, now = self.what, self.since, time.monotonic()
+            (what, since), now = self.state, time.monotonic()
             if what is not None and now - _logged["at"] >= self.every:
                 log_line(f"{what} ... ({now - since:.0f} s so far)")
 
@@ -347,13 +349,16 @@ def whole_help_cells() -> Iterator[None]:
     """typer's --help, its panels laid out so that nothing in them is cut: typer's own tables cut option
     names, types, defaults and long words of help to "..." wherever their columns do not fit (80 columns, a
     pipe, a log). typer prints each panel with one `console.print`, where its table is laid out first: the
-    options by `whole_cells`, the commands with their descriptions folded (`folded`)."""
+    options by `whole_cells`, the commands with their descriptions folded (`folded`).
+
+    The panel printers are typer's private functions: one that a typer release renamed, or that it calls
+    another way, or a table of another shape, is left to typer's own layout, so that --help never fails."""
     from typer import rich_utils
 
     layouts = {"_print_options_panel": whole_cells, "_print_commands_panel": folded}
-    typer_panels = {name: getattr(rich_utils, name) for name in layouts}
-    for name, layout in layouts.items():
-        setattr(rich_utils, name, functools.partial(_laid_out, typer_panels[name], layout))
+    typer_panels = {name: panel for name in layouts if callable(panel := getattr(rich_utils, name, None))}
+    for name, panel in typer_panels.items():
+        setattr(rich_utils, name, functools.partial(_laid_out, panel, layouts[name]))
     try:
         yield
     finally:
@@ -361,19 +366,29 @@ def whole_help_cells() -> Iterator[None]:
             setattr(rich_utils, name, panel)
 
 
-def _laid_out(typer_panel: Callable, layout: Callable, *, console: Console, **kwargs) -> None:
-    typer_panel(console=_LayoutConsole(console, layout), **kwargs)
+def _laid_out(typer_panel: Callable, layout: Callable, *args, **kwargs) -> None:
+    if isinstance(kwargs.get("console"), Console):
+        kwargs["console"] = _LayoutConsole(kwargs["console"], layout)
+    typer_panel(*args, **kwargs)
 
 
 class _LayoutConsole:
-    """The console a help panel is printed on: its table laid out by `layout` first."""
+    """The console a help panel is printed on: its table laid out by `layout` first; anything else asked
+    of it is the console's."""
 
     def __init__(self, console: Console, layout: Callable):
         self.console, self.layout = console, layout
 
-    def print(self, panel, **kwargs) -> None:
-        panel.renderable = self.layout(panel.renderable, self.console)
-        self.console.print(panel, **kwargs)
+    def print(self, panel, *args, **kwargs) -> None:
+        from rich.panel import Panel
+        from rich.table import Table
+
+        if isinstance(panel, Panel) and isinstance(panel.renderable, Table):
+            panel.renderable = self.layout(panel.renderable, self.console)
+        self.console.print(panel, *args, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self.console, name)
 
 
 def folded(table, console: Console):
@@ -388,9 +403,12 @@ def whole_cells(table, console: Console):
     names, the type, the help) laid out so that nothing in it is cut: the names and the type each on one
     line beside a help column of at least HELP_MIN_WIDTH (and its longest word), which wraps; where the
     console is too narrow for that, each option's names and type on a line of their own, its help indented
-    below. A help word wider than the space it has (a long path) folds onto the next line."""
+    below. A help word wider than the space it has (a long path) folds onto the next line. A table of
+    another shape than typer's 6 or 7 columns is left as it is."""
     from rich.measure import Measurement
 
+    if len(table.columns) not in (6, 7):
+        return table
     cells = [list(column.cells) for column in table.columns]
     for help_cell in cells[-1]:
         for item in getattr(help_cell, "renderables", ()):

@@ -143,3 +143,24 @@ def test_a_source_tree_without_metadata_says_so(tmp_path, monkeypatch):
     assert recorded(path) == {**expected(), "sparrow": "unknown (not installed)"}
     shown = CliRunner().invoke(app, ["--version"])
     assert shown.exit_code == 0 and shown.stdout == "sparrow unknown (not installed)\n"
+
+
+def test_every_form_of_an_artifact_gives_its_record_and_names_itself_when_damaged(tmp_path):
+    """A table, a schema, a file and a directory of parts (its first part): the record written by hand,
+    and a damaged one said with the form's name, for both footer keys."""
+    parts = tmp_path / "parts"
+    parts.mkdir()
+    first = _older_file(parts / "part-0.parquet", OLD)
+    _older_file(parts / "part-1.parquet", {"sparrow": "another"})
+    table = pq.read_table(first)
+    for form in (table, table.schema, first, parts):
+        assert artifact_provenance(form) == OLD and artifact_metadata(form) == META
+    bad = {b"sparrow.meta": b"[1]", b"sparrow.provenance": b"[1]"}
+    damaged = table.replace_schema_metadata(bad)
+    pq.write_table(damaged, tmp_path / "bad.parquet")
+    for form, where in ((damaged, "the table"), (damaged.schema, "the schema"),
+                        (tmp_path / "bad.parquet", str(tmp_path / "bad.parquet"))):
+        for read, key in ((artifact_provenance, "sparrow.provenance"), (artifact_metadata, "sparrow.meta")):
+            with pytest.raises(ArtifactError) as e:
+                read(form)
+            assert str(e.value) == f"{where} has '{key}' metadata that is not a JSON object"

@@ -1,6 +1,7 @@
 """--help at any width shows every option name whole and cuts nothing to "...": in a pipe or a log (80
 columns), at 60 and 40 columns. The names expected are the click command's own (its options' names and
-negative names, and the other names `take_aliases` moved into the help), independent of the rendering."""
+negative names, and the other names `take_aliases` moved into the help), independent of the rendering.
+A typer whose private panel printers are gone or print another table gets its own layout, never a crash."""
 
 from __future__ import annotations
 
@@ -8,9 +9,13 @@ import re
 
 import pytest
 import typer
+from rich.panel import Panel
+from rich.table import Table
+from typer import rich_utils
 from typer.testing import CliRunner
 
 from sparrow.cli.app import app
+from sparrow.cli.common import whole_help_cells
 
 runner = CliRunner()
 GROUP = typer.main.get_command(app)
@@ -44,3 +49,38 @@ def test_the_top_level_help_cuts_nothing(width):
     assert r.exit_code == 0 and "…" not in r.stdout
     assert all(_shown_whole(name, r.stdout) for name in GROUP.commands)
     assert all(_shown_whole(n, r.stdout) for n in ("--version", "--help", "-h"))
+
+
+PRINTERS = ("_print_options_panel", "_print_commands_panel")
+
+
+def test_this_typer_has_the_panel_printers_that_help_lays_out():
+    """Without them --help still prints (typer's layout, cut to "..."); a typer that renamed them fails
+    here, not in front of a user."""
+    assert all(callable(getattr(rich_utils, name, None)) for name in PRINTERS)
+
+
+def test_a_typer_without_the_private_panel_printers_is_left_alone(monkeypatch):
+    for name in PRINTERS:
+        monkeypatch.delattr(rich_utils, name)
+    with whole_help_cells():
+        assert not any(hasattr(rich_utils, name) for name in PRINTERS)
+    assert not any(hasattr(rich_utils, name) for name in PRINTERS)
+
+
+def test_an_options_table_of_another_shape_is_printed_as_typer_made_it(monkeypatch):
+    """A typer release whose options table has 3 columns: at 40 columns, where Sparrow would stack typer's
+    7 columns, --help prints typer's table as it is."""
+
+    def three_columns(*, name, params, ctx, markup_mode, console):
+        table = Table(show_header=False, expand=True)
+        for _ in range(3):
+            table.add_column()
+        for param in params:
+            table.add_row(param.opts[0], "TEXT", "the option's help")
+        console.print(Panel(table, title=name))
+
+    monkeypatch.setattr(rich_utils, "_print_options_panel", three_columns)
+    r = runner.invoke(app, ["sql", "--help"], env={"COLUMNS": "40"})
+    assert r.exit_code == 0, r.output
+    assert _shown_whole("--run", r.stdout)

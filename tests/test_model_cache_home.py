@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import resource
 import shutil
 import stat
@@ -233,3 +234,21 @@ def test_a_killed_conversions_temporaries_are_removed_and_a_live_ones_kept(tmp_p
         alive.kill()
         alive.wait()
     assert left == sorted([".smollm2-135m.lock", live_tmp.name, other.name, "smollm2-135m"])
+
+
+def test_a_conversions_temporary_is_named_as_every_writer_names_its_own(tmp_path, monkeypatch,
+                                                                         fake_conversion):
+    """Hidden beside the cache, this process's pid in it: the name the next converter judges a dead one's
+    temporary by (schemas/io.py's `leftovers`)."""
+    monkeypatch.setenv("SPARROW_HOME", str(tmp_path / "home"))
+    real, seen = loading.save_checkpoint, []
+
+    def recorded(model, tokenizer, folder):
+        seen.append((folder, loading.leftovers(tmp_path / "home" / "models" / "smollm2-135m")[0]))
+        return real(model, tokenizer, folder)
+
+    monkeypatch.setattr(loading, "save_checkpoint", recorded)
+    loading.embedded_checkpoint()
+    (folder, found), = seen
+    assert re.fullmatch(rf"\.smollm2-135m\.[0-9a-f]{{12}}-{os.getpid()}\.tmp", folder.name)
+    assert found == [folder]

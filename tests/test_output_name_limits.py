@@ -103,9 +103,9 @@ def test_a_killed_writers_temporary_of_a_long_name_is_found_and_removed(tmp_path
     if dead == 0:
         os._exit(0)
     os.waitpid(dead, 0)
-    from sparrow.schemas.io import _temporary
+    from sparrow.schemas.io import temporary
 
-    left = _temporary(target, "tmp")
+    left = temporary(target, "tmp")
     left = left.with_name(left.name.replace(f"-{os.getpid()}.", f"-{dead}."))
     left.write_bytes(b"half")
     assert leftovers(target)[0] == [left]

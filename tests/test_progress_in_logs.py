@@ -97,6 +97,43 @@ def test_a_heartbeat_says_what_runs_while_a_log_hears_nothing_else(stderr_pipe):
     assert stderr_pipe() == ""  # nothing named: nothing said
 
 
+class SlowStores(Heartbeat):
+    """A heartbeat whose every attribute store, once `slow`, is followed by a pause: the thread then runs
+    between any two stores that `doing` makes."""
+
+    slow = False
+
+    def __setattr__(self, name, value):
+        super().__setattr__(name, value)
+        if self.slow:
+            time.sleep(0.3)
+
+
+def test_a_heartbeat_times_a_phase_from_its_own_start(stderr_pipe):
+    with SlowStores(every=0.05) as heartbeat:
+        heartbeat.doing("rollout of train step 1/2")
+        time.sleep(1.1)
+        stderr_pipe()
+        object.__setattr__(heartbeat, "slow", True)
+        heartbeat.doing("update of train step 1/2")
+        object.__setattr__(heartbeat, "slow", False)
+        heartbeat.doing(None)
+        said = stderr_pipe()
+    lines = [line for line in said.splitlines() if line.startswith("update of")]
+    assert lines and all(line.endswith("(0 s so far)") for line in lines), said  # started 0.3 s ago at most
+
+
+def test_a_heartbeat_counts_the_silence_from_its_own_start(stderr_pipe, monkeypatch):
+    """The last progress line long before (another command's, or none since import): the first line still
+    waits `every` seconds, not the thread's first tick (1 s)."""
+    monkeypatch.setitem(common._logged, "at", time.monotonic() - 100)
+    with Heartbeat(every=1.5) as heartbeat:
+        heartbeat.doing("eval of train step 1/1")
+        time.sleep(1.2)
+        said = stderr_pipe()
+    assert said == ""
+
+
 def test_no_heartbeat_where_the_bar_shows_the_time(stderr_tty, monkeypatch):
     monkeypatch.setenv("TERM", "xterm")
     with Heartbeat(every=0.01) as heartbeat:

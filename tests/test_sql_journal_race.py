@@ -5,16 +5,22 @@ unreadable, and never a traceback.
 
 The race is made deterministic by finishing the rollout at a chosen moment: while the run is listed,
 between the listing and DuckDB's views, between the views and the query. The expected count is the rows
-written by hand (PARTS parts of ROWS rows; OUT holds them all).
+written by hand (PARTS parts of ROWS rows; OUT holds them all). A query listed again has only what the first
+pass left of its --timeout, and an error of its own (its time, a bad cast) is never hidden behind a journal
+that went.
 """
 
 from __future__ import annotations
 
 import re
 import shutil
+import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import typer
 from typer.testing import CliRunner
@@ -24,7 +30,7 @@ import sparrow.stages.sql.views as views_module
 from sparrow.cli import sql as sql_cli
 from sparrow.schemas import ArtifactError, write_artifact
 from sparrow.schemas.footer import read_schema
-from sparrow.stages.sql import RunChanged, run_query, run_views
+from sparrow.stages.sql import Limits, QueryError, QueryLimit, RunChanged, run_query, run_views
 
 from cli_checks import error_line
 
@@ -196,3 +202,74 @@ def test_a_subfolder_that_cannot_be_listed_is_skipped_with_a_warning(run, monkey
     assert count(run, said) == PARTS * ROWS
     assert any("locked cannot be read (Permission denied); skipped it" in s for s in said), said
 
+
+
+def test_a_query_listed_again_runs_within_what_is_left_of_its_timeout(run, monkeypatch):
+    """The first pass spends SPENT seconds, then the rollout finishes under it: the second pass's timer
+    gets at most the 5 s asked for less SPENT, and its message still names the 5 s asked for."""
+    spent, real, given, guards = 0.5, sql_stage.guarded, [], []
+
+    @contextmanager
+    def slow_first_pass(con, limits, seconds=None):
+        given.append(limits.seconds if seconds is None else seconds)
+        with real(con, limits, seconds) as guard:
+            guards.append(guard)
+            if len(given) == 1:
+                time.sleep(spent)
+                finish(run)
+            yield guard
+
+    monkeypatch.setattr(sql_stage, "guarded", slow_first_pass)
+    table = run_query(run, COUNT, warn=lambda s: None, limits=Limits(seconds=5.0))
+    assert table.column("n").to_pylist() == [PARTS * ROWS]
+    assert len(given) == 2 and given[0] <= 5.0 and given[1] <= 5.0 - spent, given
+    assert "time limit of 5 s" in guards[1].timeout_message()
+
+
+@pytest.fixture()
+def gone_after_views(run, monkeypatch):
+    """Every listing's journal goes once DuckDB's views over it exist (and is back for the next listing),
+    OUT never written: each pass's query meets its journal gone."""
+    real_list, real_open = sql_stage.run_views, sql_stage.open_views
+    journal, aside = run / "r.parquet.partial", run.parent / "aside"
+
+    def listed(*args, **kwargs):
+        if aside.exists():
+            aside.rename(journal)
+        return real_list(*args, **kwargs)
+
+    def opened_then_gone(*args, **kwargs):
+        out = real_open(*args, **kwargs)
+        journal.rename(aside)
+        return out
+
+    monkeypatch.setattr(sql_stage, "run_views", listed)
+    monkeypatch.setattr(sql_stage, "open_views", opened_then_gone)
+    return run
+
+
+def test_a_query_out_of_time_says_so_though_its_journal_went(gone_after_views, monkeypatch):
+    real = sql_stage.guarded
+
+    @contextmanager
+    def out_of_time(con, limits, seconds=None):
+        with real(con, limits, seconds) as guard:
+            guard.expire()
+            yield guard
+
+    monkeypatch.setattr(sql_stage, "guarded", out_of_time)
+    with pytest.raises(QueryLimit, match="ran past its time limit of 7 s"):
+        run_query(gone_after_views, COUNT, warn=lambda s: None, limits=Limits(seconds=7.0))
+
+
+def test_an_error_of_a_query_stays_its_own_when_a_journal_it_does_not_read_goes(gone_after_views):
+    pq.write_table(pa.table({"s": ["abc"]}), gone_after_views / "other.parquet")
+    with pytest.raises(QueryError) as e:
+        run_query(gone_after_views, "SELECT CAST(s AS INTEGER) AS n FROM other", warn=lambda s: None)
+    assert "Could not convert string 'abc' to INT32" in str(e.value)
+
+
+def test_a_query_whose_views_the_parser_cannot_name_is_run_again_when_a_journal_goes(gone_after_views):
+    """DuckDB's parser names no table of a PIVOT (several statements to it): every view counts as read."""
+    with pytest.raises(RunChanged, match="finished while this query read its journal"):
+        run_query(gone_after_views, "PIVOT mismatch ON bin USING count(*)", warn=lambda s: None)

@@ -16,7 +16,7 @@ Design decisions:
   by its absolute path, so that checkpoints in folders of the same name (`.../actor/huggingface`,
   `RUN/model`) stay apart; `short_name` is the last path component, for display.
 - The embedded cache is converted by one process at a time (a lock file beside it) into a hidden sibling
-  named with the converter's pid (`.NAME.<hex>-<pid>.tmp`, as schemas/io.py names its temporaries), made
+  named with the converter's pid (`.NAME.<hex>-<pid>.tmp`, schemas/io.py's `temporary`), made
   with the umask's mode, then renamed into place; the next converter removes what a killed one left.
 """
 
@@ -29,7 +29,6 @@ import json
 import os
 import re
 import shutil
-import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -38,8 +37,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from sparrow.schemas.io import dead_writer, leftovers
-from sparrow.schemas.locations import hidden_stem
+from sparrow.schemas.io import dead_writer, leftovers, temporary
 
 from .config import ModelConfig, ModelSpecError, supported_types
 from .gguf_loader import read_gguf
@@ -541,7 +539,7 @@ def _build_embedded(folder: Path) -> None:
     cfg, state = read_gguf(src)
     model = build_model(cfg, state)
     folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = folder.with_name(f".{hidden_stem(folder)}.{uuid.uuid4().hex[:12]}-{os.getpid()}.tmp")
+    tmp = temporary(folder, "tmp")
     tmp.mkdir()
     try:
         save_checkpoint(model, gguf_tokenizer(src), tmp)

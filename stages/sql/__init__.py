@@ -22,6 +22,7 @@ import functools
 import itertools
 import os
 import re
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -81,28 +82,32 @@ def query(run_dir: str | Path, sql: str, limits: Limits | None = None, warn: War
     while the block is open. Refusals, errors and limits are QueryError (one sentence); SIGINT and
     SIGTERM are `Stopped`; the connection and its spill folder are gone when the block ends. A file of
     the run that goes before the first rows come (a finished rollout moves its journal away, once OUT
-    holds its rows) lists the run again, once; what is said of the run is said of the listing answered.
-    One gone after that, or again, is RunChanged (one sentence: run the query again)."""
+    holds its rows) lists the run again, once, within what is left of the time limit; what is said of the
+    run is said of the listing answered. One gone after that, or again, is RunChanged (one sentence: run the
+    query again)."""
     limits = limits or Limits()
     limits = dataclasses.replace(limits, spill=limits.spill_bytes())  # one value for DuckDB and messages
     warn = warn or python_warning
     check_query(sql)
     used = _used_views(sql)
+    deadline: float | None = None
     for last in (False, True):
         said: list[str] = []
         try:
             views = run_views(run_dir, said.append)
-            said += [w for v in views if v.name.lower() in used and (w := mixed_warning(v, sql))]
+            said += [w for v in views if v.name.lower() in (used or ()) and (w := mixed_warning(v, sql))]
             con, spill = open_views(run_dir, views, said.append, limits.memory // 2, limits.spill)
         except RunChanged:
             if last:
                 raise
             continue
         try:
-            with guarded(con, limits) as guard:
+            if deadline is None and limits.seconds:
+                deadline = time.monotonic() + limits.seconds
+            with _guarded_until(con, limits, deadline) as guard:
+                read = views if used is None else [v for v in views if v.name.lower() in used]
                 translate = functools.partial(_translated, guard=guard, con=con, run_dir=run_dir,
-                                              read=_sources([v for v in views if v.name.lower() in used]),
-                                              listed=_sources(views))
+                                              read=_sources(read))
                 try:
                     result = _started(con, sql, guard, translate)
                 except RunChanged:
@@ -121,6 +126,19 @@ def query(run_dir: str | Path, sql: str, limits: Limits | None = None, warn: War
                 return
         finally:
             close_run(con, spill)
+
+
+@contextmanager
+def _guarded_until(con: duckdb.DuckDBPyConnection, limits: Limits, deadline: float | None
+                   ) -> Iterator[Guard]:
+    """`guarded` with the wall time left until `deadline`, so that a query listed again runs within the
+    --timeout of the first pass, never a second one; its messages name the limit asked for."""
+    left = None if deadline is None else deadline - time.monotonic()
+    seconds = None if left is None else max(left, 1e-3)  # guarded sets no timer for 0
+    with guarded(con, limits, seconds) as guard:
+        if left is not None and left <= 0:
+            guard.expire()
+        yield guard
 
 
 def _started(con: duckdb.DuckDBPyConnection, sql: str, guard: Guard,
@@ -165,17 +183,17 @@ def _batches(reader: pa.RecordBatchReader, schema: pa.Schema, guard: Guard,
 
 
 def _translated(e: BaseException, guard: Guard, con: duckdb.DuckDBPyConnection, run_dir: str | Path,
-                read: tuple[Source, ...] = (), listed: tuple[Source, ...] = ()) -> BaseException:
+                read: tuple[Source, ...] = ()) -> BaseException:
     """What the caller sees of an exception DuckDB (or the stream from it) raised while a query ran; `read`:
-    the files of the views the query names, searched for a damaged one when the error names no file;
-    `listed`: every view's files, one of which gone since the listing is RunChanged."""
+    the files of the views the query names. A signal or a limit is said as such whatever else happened;
+    otherwise one of `read` gone since the listing is RunChanged (a file the query does not read going
+    says nothing of its error), and one that DuckDB cannot decode is searched for when the error names
+    no file."""
     if guard.signum is not None:
         return e if isinstance(e, Stopped) else Stopped(guard.signum)
     if isinstance(e, QueryError | KeyboardInterrupt):
         return e
     engine = isinstance(e, duckdb.Error | OSError | pa.ArrowException | RuntimeError)
-    if engine and (gone := vanished(listed)) is not None:
-        return run_changed(gone.path)
     if guard.timed_out.is_set() and engine:
         return QueryLimit(guard.timeout_message())
     if engine and "max_temp_directory_size" in str(e):
@@ -184,6 +202,8 @@ def _translated(e: BaseException, guard: Guard, con: duckdb.DuckDBPyConnection, 
         return QueryLimit(guard.memory_message())
     if not engine:
         return e
+    if (gone := vanished(read)) is not None:
+        return run_changed(gone.path)
     message = first_line(e)
     if isinstance(e, duckdb.CatalogException) and (path := _missing_path(message)):
         message = (f'Permission Error: Cannot access file "{path}" - file system operations are disabled by '
@@ -248,12 +268,13 @@ def _listing(views: list[str], most: int = 12) -> str:
             "(<kind>__<file>; SHOW TABLES lists them all)")
 
 
-def _used_views(sql: str) -> set[str]:
-    """The table names `sql` reads, in lower case (SQL names are case-insensitive)."""
+def _used_views(sql: str) -> set[str] | None:
+    """The table names `sql` reads, in lower case (SQL names are case-insensitive); None when DuckDB's
+    parser cannot name them (a PIVOT is several statements to it): then every view may be read."""
     try:
         return {name.lower() for name in duckdb.get_table_names(sql)}
     except duckdb.Error:
-        return set()
+        return None
 
 
 def _unique_names(schema: pa.Schema) -> pa.Schema:
