@@ -67,6 +67,7 @@ from sparrow.schemas.locations import (
 
 from .engine.engine import EngineStats
 from .engine.sequence import Completion
+from .tasks.base import RewardError
 
 MANIFEST = JOURNAL_MANIFEST
 MANIFEST_KEY = "journal_manifest"  # the manifest in the finished artifact's metadata
@@ -522,7 +523,9 @@ class Journal:
         At its end the prompts finished since the last part are the last part (`on_scored` following
         their rewards), so that every finished prompt is in a part before the artifact is written. On an
         exception the prompts finished so far are written first, unscored (at once, however slow the
-        reward); an interrupt goes on as `RolloutInterrupted`, saying what the journal keeps."""
+        reward), but for a reward's own error: the reward fixed, a resume would refuse the journal, whose
+        manifest names the reward; an interrupt goes on as `RolloutInterrupted`, saying what the journal
+        keeps."""
         self.engine_stats, self.columns, self.score = engine_stats, columns, score
         self.last_write = time.monotonic()
 
@@ -537,7 +540,8 @@ class Journal:
             self.flush(on_scored)
         except BaseException as e:
             try:
-                self.flush(scored=False)
+                if not isinstance(e, RewardError):  # kept for a resume, which a fixed reward would refuse
+                    self.flush(scored=False)
             except Exception:  # the run's own error (or its interrupt) is the one to report
                 pass
             if isinstance(e, KeyboardInterrupt):

@@ -111,6 +111,8 @@ class Trainer:
         self.history: list[dict] = []
         self.step = 0
         self.trackers: Trackers | None = None  # rank 0's, while the run runs
+        # the initial eval's tracker row, held until the first step's: a run stopped before then logs nothing
+        self.step0: dict | None = None
         self.initial_eval: InitialEval | None = None
         check_run_dir(self.run_dir, config, opts.resume, opts.force)
         if world.main:  # held until the run ends (run_dir.py)
@@ -182,7 +184,8 @@ class Trainer:
 
     def _start(self) -> None:
         """A forced run's directory cleared, the trackers (a resume's given the steps they lack, step 0
-        included), and before the first step the schedule and the initial eval, logged as step 0."""
+        included), and before the first step the schedule and the initial eval, logged as step 0 with the
+        first step."""
         if self.start_over and self.world.main:
             clear_run(self.run_dir)
             self.start_over = False
@@ -194,8 +197,7 @@ class Trainer:
             if self.eval_prompts:
                 self.on_phase("initial eval")
                 self.initial_eval = self.evaluate_start()
-                if self.trackers is not None:
-                    self.trackers.log(initial_eval_row(self.initial_eval))
+                self.step0 = initial_eval_row(self.initial_eval)  # logged with the first step's row
 
     def _interrupted(self):
         """Keep the last complete step resumable, say so, and go on interrupting."""
@@ -245,7 +247,9 @@ class Trainer:
             row = self._apply(exp, deferral)
             self.applying = False
             if self.trackers is not None:
-                self.trackers.log(row)
+                for logged in ([self.step0] if self.step0 else []) + [row]:
+                    self.trackers.log(logged)
+            self.step0 = None
             self.on_step(row)
         return row
 
