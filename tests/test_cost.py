@@ -153,6 +153,7 @@ def _measure_smollm2(tmp_path):
     return out, artifact_metadata(out), result
 
 
+@pytest.mark.slow  # fit-cost's CPU timing stays in the fast set through its --speculate test
 def test_measured_fit_on_cpu_writes_every_point(tmp_path):
     out, meta, _ = _measure_smollm2(tmp_path)
     assert meta["source"] == "measured:cpu" and meta["points"] == 12 and meta["threads"] == 1

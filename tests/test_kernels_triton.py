@@ -164,7 +164,8 @@ def _kept_scores(scores, selected):
     return picked.masked_fill(selected < 0, float("inf")).sort(-1).values
 
 
-@pytest.mark.parametrize("block", [1024, 16], ids=["one-chunk", "chunked"])
+@pytest.mark.parametrize("block", [1024, pytest.param(16, marks=pytest.mark.slow)],  # both in the GPU window
+                         ids=["one-chunk", "chunked"])
 def test_selection_kernel_equals_finish_selection(block, monkeypatch):
     """The fused top-k selection kernel against the torch reference on random score rows: short and
     empty requests, dense and sparse budgets, the sync-free widths, rows in one chunk and in several

@@ -159,6 +159,7 @@ def test_gguf_file_loads_directly(smollm2):
         assert torch.equal(direct.model(tokens), smollm2.model(tokens))
 
 
+@pytest.mark.slow  # a real 538 MB conversion; test_model_cache_home builds caches of a tiny model
 def test_corrupt_cache_is_rebuilt(tmp_path, monkeypatch, smollm2):
     from sparrow.stages.model import loading
 

@@ -43,7 +43,7 @@ def _rollouts(model, prompts, max_batch: int, budget: int | None):
         return [c for cs in engine.generate(prompts, params) for c in cs]
 
 
-@pytest.mark.parametrize("budget", [None, 48])
+@pytest.mark.parametrize("budget", [None, pytest.param(48, marks=pytest.mark.slow)])
 def test_rollouts_are_the_same_with_any_max_batch_up_to_16(smollm2, two_threads, budget):
     """Three prompts of 80, 59 and 56 tokens (admitted one, two or three to a prefill), 2 samples each:
     every --max-num-seqs gives what --max-num-seqs 16 gives, tokens and logprobs bit for bit."""
