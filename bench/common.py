@@ -1,12 +1,25 @@
 """Helpers shared by the benchmarks: device sync, timing, copy bandwidth, glibc allocator settings, the
-`sparrow` command of this environment."""
+`sparrow` command of this environment, atomic result files, and the settings a resumable stage is reused by.
+
+Decisions on resuming (`reuse_or_refuse`, `record_settings`):
+- A stage's output (a file or a run folder) is reused only under the settings that made it: they are
+  recorded beside it, in `NAME.settings.json`, and compared on every later call. Other settings are
+  refused in one sentence naming the first that differs, both values, and what to do; a stale result
+  under new labels is worse than a stopped bench.
+- The record is written before the stage makes its output, never after: a record without its output is
+  harmless (the output is made again and the record rewritten), and a stopped stage's partial output (a
+  run's checkpoint, a matrix's first rows) is checked like a finished one.
+- An output without a record (an older bench's, or one whose record was deleted) is refused too: its
+  settings cannot be known.
+"""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -62,15 +75,18 @@ def copy_bandwidth(device: torch.device, gib: float = 1.0) -> float:
     return 2 * src.numel() * 4 / min(timed(lambda: dst.copy_(src), device, 5))
 
 
-def write_results(rows: list[dict], name: str) -> None:
-    """bench/results/<name>.parquet (machine-specific, not tracked)."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+RESULTS = Path(__file__).parent / "results"  # machine-specific, not tracked
 
-    out = Path(__file__).parent / "results" / f"{name}.parquet"
-    out.parent.mkdir(exist_ok=True)
+
+def write_results(rows: list[dict], name: str) -> None:
+    """RESULTS/<name>.parquet, written atomically: a stop mid-write leaves the previous file."""
+    import pyarrow as pa
+
+    from sparrow.schemas.io import write_table
+
+    out = RESULTS / f"{name}.parquet"
     columns = list(dict.fromkeys(k for r in rows for k in r))  # every row's keys: not only the first row's
-    pq.write_table(pa.Table.from_pylist([{k: r.get(k) for k in columns} for r in rows]), out)
+    write_table(pa.Table.from_pylist([{k: r.get(k) for k in columns} for r in rows]), out)
     print(f"wrote {out}")
 
 
@@ -78,19 +94,84 @@ SPARROW = str(Path(sys.executable).with_name("sparrow"))  # the CLI installed be
 
 
 def sparrow(*args: str) -> None:
-    """Run a sparrow command, echoed first; a failure stops the bench."""
+    """Run a sparrow command, echoed first; a failure stops the bench with its exit status (the command
+    said why)."""
     print("$ sparrow " + " ".join(args), flush=True)
-    subprocess.run([SPARROW, *args], check=True)
+    code = subprocess.run([SPARROW, *args]).returncode
+    if code:
+        raise SystemExit(code)
 
 
-def profile_once(path: Path, model: str, prompts: Path, budgets: str, samples: int, max_new_tokens: int,
-                 bin_width: int, *extra: str) -> Path:
-    """`sparrow profile` of the prompts into `path`, unless a stopped bench already wrote it (seed 0)."""
-    if not path.exists():
+def profile_once(path: Path, settings: Mapping[str, object], model: str, prompts: Path, budgets: str,
+                 samples: int, max_new_tokens: int, bin_width: int, *extra: str) -> Path:
+    """`sparrow profile` of the prompts into `path` (seed 0), unless an earlier call made it with the same
+    `settings` (what decides it: the prompts' settings and these flags; `extra` must not change it)."""
+    if not reuse_or_refuse(path, settings):
+        record_settings(path, settings)
         sparrow("profile", "--model", model, "--prompts", str(prompts), "--budgets", budgets,
                 "--samples", str(samples), "--max-new-tokens", str(max_new_tokens),
                 "--bin-width", str(bin_width), "--seed", "0", "-o", str(path), *extra)
     return path
+
+
+# ---------------------------------------------------------------- resuming under the same settings
+
+
+def flags(args, *names: str) -> dict[str, object]:
+    """The values of `names` in `args`, keyed by their flags (`--train-prompts`), as a refusal names them."""
+    return {"--" + name.replace("_", "-"): getattr(args, name) for name in names}
+
+
+def settings_path(output: Path) -> Path:
+    """Where the settings that made `output` (a file or a folder) are recorded: beside it."""
+    return output.with_name(output.name + ".settings.json")
+
+
+def record_settings(output: Path, settings: Mapping[str, object]) -> None:
+    """Record `settings` beside `output`, atomically, before the stage makes it."""
+    from sparrow.schemas.io import write_bytes
+
+    write_bytes(settings_path(output), (json.dumps(_plain(settings), indent=1) + "\n").encode())
+
+
+def reuse_or_refuse(output: Path, settings: Mapping[str, object], quiet: bool = False) -> bool:
+    """Whether a stage may reuse `output`: True when it exists and was made with `settings` (said unless
+    `quiet`), False when it does not exist (record the settings, then make it). An output made with other
+    settings, or without a record of them, is a SystemExit in one sentence."""
+    if not output.exists():
+        return False
+    record = settings_path(output)
+    instead = f"use another --out, or delete {output}"
+    try:
+        was = json.loads(record.read_text())
+    except FileNotFoundError:
+        raise SystemExit(f"{output} has no record of the settings that made it ({record.name}: an older "
+                         f"bench wrote it, or the record was deleted); {instead}") from None
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"{record} cannot be read ({e}); {instead}") from None
+    now = _plain(settings)
+    for key in [*now, *(k for k in was if k not in now)]:
+        if was.get(key) != now.get(key):
+            raise SystemExit(f"{output} was made with {key} {_shown(was.get(key))}, not "
+                             f"{_shown(now.get(key))}; {instead}")
+    if not quiet:
+        print(f"reused {output} (same settings)", flush=True)
+    return True
+
+
+def _plain(settings: Mapping[str, object]) -> dict:
+    """The settings as JSON gives them back (paths as text, tuples as lists), so a record compares equal."""
+    return json.loads(json.dumps(dict(settings), default=str))
+
+
+def _shown(value: object) -> str:
+    if value is None:
+        return "unset"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, list):
+        return ",".join(map(str, value))
+    return str(value)
 
 
 # the 0.975 quantile of Student's t by degrees of freedom 1-30 (two-sided 95% intervals)

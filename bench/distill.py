@@ -6,15 +6,18 @@ trajectories of the dense policy (the same prefixes before and after) under ever
 plain and with the adapter. Prints, per position bin: tokens, the p5 of alpha at --budget before -> after,
 and the smallest profiled budget whose p5 reaches --threshold before -> after; then the schedule planned
 from each profile (`schedule.plan` over `measured_profile`) and its predicted rollout speedup under the
-analytic --hardware cost model at the profile's own prompt and generation lengths; and the training
-seconds (sampling and scoring not included). The adapter is taught at every candidate budget in turn
+analytic --hardware cost model at the means over the profile's trajectories of their prompt and generated
+lengths, as `sparrow plan-schedule --profile` prices it ("no schedule" where none can be planned); and the
+training seconds (sampling and scoring not included). The adapter is taught at every candidate budget in turn
 (--train-budgets all, the default; `distilled` teaches it at --budget only, as stop 17 did) and is used
 with every candidate budget in the "after" profile. The published aim is read off a last table: per bin
 and budget b, the distilled actor's p5 at b against the plain actor's at 2b. Writes
 bench/results/distill.parquet (one row per seed, held-out set, bin and budget). With several --seeds each
-seed is a distillation of its own (kept under bench/results/distill-seeds/, so a stopped bench resumes
-seed by seed) scored on every --eval-sets held-out set, and a last table gives, per set, bin and budget,
-the p5 change as a mean with a 95% t-interval over seeds and in how many seeds the aim was reached.
+seed is a distillation of its own (kept under --out, bench/results/distill-seeds/, so a stopped bench
+resumes seed by seed) scored on every --eval-sets held-out set, and a last table gives, per set, bin and
+budget, the p5 change as a mean with a 95% t-interval over seeds and in how many seeds the aim was reached.
+A kept seed is reused only under the same flags (all but --seeds and --out, recorded beside it:
+bench/common.py); one kept under other flags is refused before any work, naming the flag.
 
     .venv/bin/python bench/distill.py                       # defaults: about 30 min on a 2-core CPU
     .venv/bin/python bench/distill.py --seeds 0,1,2 --eval-sets 1,2   # error bars: about 1.5 h
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -32,15 +36,19 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
-from common import t_half_width, write_results
+from common import flags, record_settings, reuse_or_refuse, t_half_width, write_results
 
+from sparrow.schemas.io import write_table
 from sparrow.stages.core.schedule import ScheduleError, measured_profile, plan
 from sparrow.stages.core.sparsity import budget_fn
 from sparrow.stages.cost import analytic
 from sparrow.stages.distill import DistillConfig, DistillJob, run_distill
-from sparrow.stages.model.loading import load_model
+from sparrow.stages.model.loading import load_model, spec_tokenizer
+from sparrow.stages.plan import half_up, trajectory_lengths
 from sparrow.stages.profile import ProfileOptions, sample_trajectories, summarize
-from sparrow.stages.tasks import make_prompts
+from sparrow.stages.tasks import TaskError, make_prompts
+
+NOT_SETTINGS = ("seeds", "out")  # every other flag decides a seed's rows
 
 
 def parse():
@@ -73,7 +81,30 @@ def parse():
     ap.add_argument("--bin-width", type=int, default=256)
     ap.add_argument("--hardware", default="h100")
     ap.add_argument("--batch", type=int, default=64, help="decode batch of the cost model")
+    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "distill-seeds",
+                    help="where each finished seed is kept")
     return ap.parse_args()
+
+
+@dataclass(frozen=True)
+class Prompts:
+    """The training prompts (set 0) and each held-out set's, made once for every seed."""
+
+    train: list[dict]
+    eval_sets: dict[int, list[dict]]
+
+
+def make_all_prompts(args) -> Prompts:
+    """Every prompt, with the model's tokenizer and before its weights are read: a --context the task
+    cannot honour is one sentence before any work."""
+    tok = spec_tokenizer(args.model)
+    try:
+        train = make_prompts(args.task, args.train_prompts, 0, tok, context_tokens=args.context)
+        held = {e: make_prompts(args.task, args.eval_prompts, e, tok, context_tokens=args.context)
+                for e in (int(x) for x in args.eval_sets.split(","))}
+    except TaskError as e:
+        raise SystemExit(str(e).replace("--context-tokens", "--context")) from None
+    return Prompts(train, held)
 
 
 def tails(table, quantile: float, threshold: float) -> dict[tuple[int, int], dict]:
@@ -85,31 +116,54 @@ def smallest(t: dict, b: int, budgets: list[int], threshold: float) -> int | Non
     return min(ok) if ok else None
 
 
-def predicted_speedup(table, args, cfg) -> tuple[tuple[int, ...], float, int, int]:
-    positions = np.asarray(table.column("position"))
-    prompt_len, gen_len = int(positions.min()), int(positions.max() - positions.min() + 1)
-    num_bins = int(positions.max()) // args.bin_width + 1
-    profile = measured_profile(table, args.quantile, args.bin_width, num_bins, "bench", min_tokens=20)
+@dataclass(frozen=True)
+class Planned:
+    """The schedule planned from a profile and its predicted speedup (None: no schedule, and why), at the
+    means over the profile's trajectories of their prompt and generated lengths."""
+
+    budgets: tuple[int, ...]
+    speedup: float | None
+    prompt_len: int
+    gen_len: int
+    trajectories: int
+    why_none: str = ""
+
+    def describe(self, args, name: str) -> str:
+        what = f"schedule planned from the {name} profile at {args.threshold}"
+        if self.speedup is None:
+            return f"{what}: no schedule ({self.why_none})"
+        return (f"{what}: budgets {list(self.budgets)} per {args.bin_width}-token bin, predicted speedup "
+                f"{self.speedup:.3f}x ({args.hardware}, batch {args.batch}, a mean of {self.gen_len} "
+                f"generated tokens after a mean prompt of {self.prompt_len}, over {self.trajectories} "
+                "trajectories)")
+
+
+def predicted_speedup(table, args, cfg) -> Planned:
+    """As `sparrow plan-schedule --profile` prices a measured profile: at the means over its trajectories
+    (prompt_id, sample), a trajectory's generated tokens being its distinct positions."""
+    prompts, generated = trajectory_lengths(table)
+    prompt_len, gen_len = half_up(np.mean(prompts)), half_up(np.mean(generated))
+    lengths = (prompt_len, gen_len, len(prompts))
+    if gen_len < 2:  # the first token comes from the dense prefill: no decode step to price
+        return Planned((), None, *lengths, f"a mean of {gen_len} generated token: no decode step to price")
+    last = max(max(p + g - 1 for p, g in zip(prompts, generated, strict=True)), prompt_len + gen_len - 1)
     try:
-        result = plan(profile, args.threshold)
+        result = plan(measured_profile(table, args.quantile, args.bin_width, last // args.bin_width + 1,
+                                       "the profile", min_tokens=20), args.threshold)
     except ScheduleError as e:  # too few tokens in every bin to plan from
-        print(f"no schedule planned: {e}")
-        return (), float("nan"), prompt_len, gen_len
+        return Planned((), None, *lengths, str(e))
     cost = analytic(cfg, args.hardware)
     speedup = cost.speedup(result.schedule.budgets_at, gen_len, args.batch, prompt_len)
-    return result.schedule.budgets, speedup, prompt_len, gen_len
+    return Planned(result.schedule.budgets, float(speedup), *lengths)
 
 
-def run_one(args, loaded, seed: int) -> list[dict]:
+def run_one(args, loaded, prompts: Prompts, seed: int) -> list[dict]:
     """One distillation (training seed `seed`: the adapter's initialisation and batches, and the plain
     actor's training samples), scored on every --eval-sets held-out set; rows per set, bin and budget."""
     budgets = [int(x) for x in args.budgets.split(",")]
-    tok = loaded.tokenizer
     torch.manual_seed(seed)
-    train_rows = make_prompts(args.task, args.train_prompts, 0, tok, context_tokens=args.context)
-    eval_sets = [int(x) for x in args.eval_sets.split(",")]
-    eval_rows = {e: make_prompts(args.task, args.eval_prompts, e, tok, context_tokens=args.context)
-                 for e in eval_sets}
+    train_rows, eval_rows = prompts.train, prompts.eval_sets
+    eval_sets = list(eval_rows)
     ids = lambda rows: [r["prompt_id"] for r in rows]
     toks = lambda rows: [r["prompt_token_ids"] for r in rows]
     t0 = time.perf_counter()
@@ -148,15 +202,15 @@ def run_one(args, loaded, seed: int) -> list[dict]:
                       tails(after, args.quantile, args.threshold), f"seed {seed}, held-out set {e}")
         plan_before = predicted_speedup(before, args, loaded.config)
         plan_after = predicted_speedup(after, args, loaded.config)
-        for name, (sched, speedup, prompt_len, gen_len) in (("before", plan_before), ("after", plan_after)):
-            print(f"schedule planned from the {name} profile at {args.threshold}: budgets {list(sched)} per "
-                  f"{args.bin_width}-token bin, predicted speedup {speedup:.3f}x ({args.hardware}, batch "
-                  f"{args.batch}, {gen_len} tokens after {prompt_len})")
+        for name, planned in (("before", plan_before), ("after", plan_after)):
+            print(planned.describe(args, name))
         meta = {"seed": seed, "eval_set": e, "training_seconds": result.seconds,
-                "speedup_before": plan_before[1], "speedup_after": plan_after[1], "taught": str(taught),
-                "schedule_before": str(list(plan_before[0])), "schedule_after": str(list(plan_after[0])),
+                "speedup_before": plan_before.speedup, "speedup_after": plan_after.speedup,
+                "taught": str(taught), "schedule_before": str(list(plan_before.budgets)),
+                "schedule_after": str(list(plan_after.budgets)), "prompt_len": plan_before.prompt_len,
+                "gen_len": plan_before.gen_len,
                 "loss_first": result.history[0]["loss"], "loss_last": result.history[-1]["loss"],
-                **{k: v for k, v in vars(args).items() if k not in ("seeds", "eval_sets")}}
+                **{k: v for k, v in vars(args).items() if k not in (*NOT_SETTINGS, "eval_sets")}}
         out += [{**meta, **r} for r in rows]  # the row's own budget, not --budget
     return out
 
@@ -214,20 +268,21 @@ def summary(rows: list[dict]) -> None:
 
 def main() -> None:
     args = parse()
-    loaded = load_model(args.model)
-    folder = Path(__file__).parent / "results" / "distill-seeds"
-    folder.mkdir(parents=True, exist_ok=True)
+    settings = flags(args, *(k for k in vars(args) if k not in NOT_SETTINGS))
     tag = (f"{args.task}-{args.context}-b{args.budget}-{args.train_budgets}-{args.objective}-s{args.steps}"
            f"-e{args.eval_sets.replace(',', '_')}")
+    paths = {int(x): args.out / f"{tag}-seed{x}.parquet" for x in args.seeds.split(",")}
+    kept = {seed: reuse_or_refuse(path, settings) for seed, path in paths.items()}  # before any work
+    prompts = None if all(kept.values()) else make_all_prompts(args)
+    loaded = None if prompts is None else load_model(args.model)
     rows = []
-    for seed in (int(x) for x in args.seeds.split(",")):
-        path = folder / f"{tag}-seed{seed}.parquet"
-        if path.exists():  # a finished seed is reused: the bench resumes seed by seed
+    for seed, path in paths.items():
+        if kept[seed]:  # a finished seed: the bench resumes seed by seed
             rows += pq.read_table(path).to_pylist()
-            print(f"seed {seed}: reused {path}")
             continue
-        part = run_one(args, loaded, seed)
-        pq.write_table(pa.Table.from_pylist(part), path)
+        record_settings(path, settings)
+        part = run_one(args, loaded, prompts, seed)
+        write_table(pa.Table.from_pylist(part), path)
         rows += part
     write_results(rows, "distill")
     if len({r["seed"] for r in rows}) > 1:

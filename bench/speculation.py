@@ -150,6 +150,30 @@ def floor_prediction(args, a: float, k: int, kept: bool) -> float:
     return expected_tokens(a, k) * float(cost.step_seconds(b, c, 0)) / cycle
 
 
+TABLE_HEADER = (f"{'sampler':52} {'total s':>8} {'decode s':>9} {'tok/s':>7} {'x dense':>8} {'accept':>7} "
+                f"{'alpha':>6} {'draft a':>7} {'tok/cycle (95%)':>17} {'predicted':>9} {'by draft a':>10} "
+                f"{'floor x':>8}")
+
+
+def cell(value: float | None, width: int, digits: int, suffix: str = "") -> str:
+    """A number in a column of `width` (its suffix included), or "-" where it does not apply."""
+    text = "-" if value is None else f"{value:.{digits}f}{suffix}"
+    return f"{text:>{width}}"
+
+
+def table_line(r: dict) -> str:
+    """A row of the table: acceptance, alpha, tokens per cycle, their predictions and the floor apply to
+    speculation only, and are "-" on the dense and lossy rows."""
+    spec = r["speculate"] > 0
+    cyc = f"{r['tokens_per_cycle']:.2f} +- {r['tokens_per_cycle_half_width']:.2f}" if spec else None
+    return (f"{r['sampler']:52} {r['total_s']:8.1f} {r['decode_s']:9.1f} {r['tokens_per_s']:7.1f} "
+            f"{cell(r['speedup'], 8, 2, 'x')} {cell(r.get('acceptance'), 7, 3)} "
+            f"{cell(r.get('alpha_mean'), 6, 3)} {cell(r.get('draft_alpha_mean'), 7, 3)} {cyc or '-':>17} "
+            f"{cell(r.get('predicted_tokens_per_cycle'), 9, 2)} "
+            f"{cell(r.get('draft_predicted_tokens_per_cycle'), 10, 2)} "
+            f"{cell(r.get('floor_speedup'), 8, 2, 'x')}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
@@ -211,19 +235,10 @@ def main() -> None:
                        draft_predicted_tokens_per_cycle=expected_tokens(a_draft, k),
                        floor_speedup=floor_prediction(args, a, k, reuse))
             rows.append(row)
-    print(f"{'sampler':52} {'total s':>8} {'decode s':>9} {'tok/s':>7} {'x dense':>8} {'accept':>7} "
-          f"{'alpha':>6} {'draft a':>7} {'tok/cycle (95%)':>17} {'predicted':>9} {'by draft a':>10} "
-          f"{'floor x':>8}")
+    print(TABLE_HEADER)
     for r in rows:
-        spec = r["speculate"] > 0
         r["speedup"] = dense["total_s"] / r["total_s"]
-        cyc = f"{r['tokens_per_cycle']:.2f} +- {r['tokens_per_cycle_half_width']:.2f}" if spec else "-"
-        print(f"{r['sampler']:52} {r['total_s']:8.1f} {r['decode_s']:9.1f} {r['tokens_per_s']:7.1f} "
-              f"{r['speedup']:7.2f}x {(r['acceptance'] or 0):7.3f} {r.get('alpha_mean') or 0:6.3f} "
-              f"{r.get('draft_alpha_mean') or 0:7.3f} {cyc:>17} "
-              f"{r.get('predicted_tokens_per_cycle', 0):9.2f} "
-              f"{r.get('draft_predicted_tokens_per_cycle', 0):10.2f} "
-              f"{r.get('floor_speedup', 0):7.2f}x")
+        print(table_line(r))
     print(f"floor x: the analytic {args.hardware} model's speedup over dense for {args.floor_model} at "
           f"{args.floor_context} tokens, batch {args.floor_batch}, with this acceptance")
     for r in rows:

@@ -20,8 +20,11 @@ reward once the sampler's own step-0 gap is added back; never its mismatch). The
   marked (docs/tail-test.png with --figure).
 
 Every stage is a file or a run directory under --out and is skipped when complete (a run stopped midway
-resumes from its checkpoint; a finished run is reused while its settings agree), so the same command
-continues a stopped bench. `--phase` stops after a phase; `--parallel 2` trains two runs at a time.
+resumes from its checkpoint), so the same command continues a stopped bench (Ctrl-C: one line says what
+is kept). The settings that decide a stage are recorded beside it (NAME.settings.json, bench/common.py),
+and a stage made with other settings is refused before any work, naming the setting: a run may change
+only --steps, --eval-every and --checkpoint-every, as `sparrow train --resume` allows. `--phase` stops
+after a phase; `--parallel 2` trains two runs at a time.
 
     .venv/bin/python bench/tail_test.py --parallel 2          # everything (several hours on 2 cores)
     .venv/bin/python bench/tail_test.py --phase designs       # prompts, profile, the chosen schedules
@@ -31,7 +34,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from itertools import combinations_with_replacement
@@ -40,31 +45,62 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-from common import SPARROW, profile_once, sparrow
+from common import SPARROW, flags, profile_once, record_settings, reuse_or_refuse, sparrow
 
 PHASES = ("designs", "train", "matrix", "calibrate", "figure")
+STOP_GRACE_S = 60  # how long a stopped bench waits for a run to write its checkpoint before interrupting it
 
 
 # ---------------------------------------------------------------- prompts, profile, designs
 
 
+# what decides each stage's output (bench/common.py: reuse_or_refuse); each includes what its inputs' did
+
+
+def prompt_settings(args) -> dict[str, object]:
+    return flags(args, "model", "contexts", "train_prompts", "eval_prompts")
+
+
+def profile_settings(args) -> dict[str, object]:
+    """The profile's, and the designs' and their schedules' (all three follow from the profile)."""
+    return prompt_settings(args) | flags(args, "budgets", "samples", "max_new_tokens", "bin_width")
+
+
+def run_settings(args) -> dict[str, object]:
+    """A run's, besides what its folder's name says (design, correction, seed, DistillSparse): all but
+    --steps, --eval-every and --checkpoint-every, which `sparrow train --resume` lets change."""
+    return prompt_settings(args) | flags(args, "prompts_per_step", "samples", "max_new_tokens", "lr",
+                                         "lora_rank", "bin_width", "alpha_sequences")
+
+
+def matrix_settings(args) -> dict[str, object]:
+    """The matrix's: its rows are the final policies of runs of --steps (its budgets are in its rows)."""
+    return run_settings(args) | flags(args, "steps")
+
+
 def prompt_files(args, out: Path) -> tuple[Path, Path]:
     """Train and held-out prompts, half at each context length (seeds 0 and 1: disjoint sets)."""
     from sparrow.schemas import write_artifact
-    from sparrow.stages.model.loading import load_model
-    from sparrow.stages.tasks import make_prompts
+    from sparrow.stages.model.loading import spec_tokenizer
+    from sparrow.stages.tasks import TaskError, make_prompts
 
     train, held_out = out / "prompts.parquet", out / "eval-prompts.parquet"
-    if not (train.exists() and held_out.exists()):
-        tok = load_model(args.model).tokenizer
-        contexts = [int(c) for c in args.contexts.split(",")]
-        for path, n, seed in ((train, args.train_prompts, 0), (held_out, args.eval_prompts, 1)):
-            rows = []
-            for i, context in enumerate(contexts):
+    settings = prompt_settings(args)
+    if all([reuse_or_refuse(path, settings) for path in (train, held_out)]):  # both checked
+        return train, held_out
+    tok = spec_tokenizer(args.model)
+    contexts = [int(c) for c in args.contexts.split(",")]
+    for path, n, seed in ((train, args.train_prompts, 0), (held_out, args.eval_prompts, 1)):
+        rows = []
+        for i, context in enumerate(contexts):
+            try:
                 rows += make_prompts("passkey", n // len(contexts), seed * 100 + i, tok,
                                      context_tokens=context)
-            order = np.random.default_rng(seed).permutation(len(rows))  # lengths mixed in every step
-            write_artifact([rows[i] for i in order], path, "prompts")
+            except TaskError as e:
+                raise SystemExit(str(e).replace("--context-tokens", "--contexts")) from None
+        order = np.random.default_rng(seed).permutation(len(rows))  # lengths mixed in every step
+        record_settings(path, settings)
+        write_artifact([rows[i] for i in order], path, "prompts")
     return train, held_out
 
 
@@ -107,8 +143,11 @@ def choose(designs: list[Design], most_aggressive: int) -> list[Design]:
     the smallest budget (the most aggressive, to see an instability if there is one)."""
     chosen: list[Design] = []
     pairs = [(a, b) for i, a in enumerate(designs) for b in designs[i + 1:]]
-    for key, other, tol in (("tail", "mean", 0.02), ("mean", "tail", 0.03)):
+    for key, other, tol, what in (("tail", "mean", 0.02, "mean alpha"), ("mean", "tail", 0.03, "tails")):
         close = [p for p in pairs if abs(getattr(p[0], other) - getattr(p[1], other)) <= tol]
+        if not close:
+            raise SystemExit(f"no two schedules of the profiled budgets have {what} within {tol}, so none "
+                             f"pulls the {key} apart at a similar {other}; profile more budgets (--budgets)")
         a, b = max(close, key=lambda p: abs(getattr(p[0], key) - getattr(p[1], key)))
         chosen += [d for d in (a, b) if d not in chosen]
     uniform = next(d for d in designs if d.budgets == (most_aggressive, most_aggressive))
@@ -117,19 +156,23 @@ def choose(designs: list[Design], most_aggressive: int) -> list[Design]:
 
 def designs(args, out: Path, mismatch: Path) -> list[tuple[Design, Path]]:
     """The chosen schedules (out/designs.json, written once so a resumed bench trains the same ones)."""
+    from sparrow.schemas.io import write_bytes
     from sparrow.stages.core.schedule import Schedule
     from sparrow.stages.train.metrics import write_schedule
 
     path = out / "designs.json"
-    if not path.exists():
+    settings = profile_settings(args)
+    if not reuse_or_refuse(path, settings):
         picked = choose(candidates(args, mismatch), int(args.budgets.split(",")[0]))
-        path.write_text(json.dumps([d.__dict__ for d in picked], indent=1))
+        record_settings(path, settings)
+        write_bytes(path, json.dumps([d.__dict__ for d in picked], indent=1).encode())
     picked = [Design(tuple(d["budgets"]), d["tail"], d["mean"], d["kv_read"])
               for d in json.loads(path.read_text())]
     made = []
     for d in picked:
         folder = out / "schedules" / d.name
-        if not (folder / "schedule.parquet").exists():
+        if not reuse_or_refuse(folder / "schedule.parquet", settings, quiet=True):
+            record_settings(folder / "schedule.parquet", settings)
             write_schedule(folder, Schedule((0, args.bin_width), d.budgets), f"tail test design {d.name}")
         made.append((d, folder / "schedule.parquet"))
         print(f"design {d.name}: tail {d.tail:.3f}, mean alpha {d.mean:.3f}, KV read {d.kv_read:.3f}")
@@ -177,8 +220,20 @@ def run_specs(args, made: list[tuple[Design, Path]]) -> list[RunSpec]:
 
 
 def finished(args, folder: Path) -> bool:
-    metrics = folder / "metrics.parquet"
-    return metrics.exists() and pq.read_metadata(metrics).num_rows >= args.steps
+    """Whether the run wrote all it leaves (its summary, written last) after at least --steps steps: one
+    stopped after its last step, before its adapter, is resumed to write it."""
+    from sparrow.stages.train.run_dir import recorded_summary
+
+    summary = recorded_summary(folder)
+    return summary is not None and summary.get("steps", 0) >= args.steps
+
+
+def check_made(args, out: Path, specs: list[RunSpec]) -> None:
+    """Every run begun and the matrix, against this command's settings, before any work: a SystemExit
+    naming the first setting that differs (bench/common.py: reuse_or_refuse)."""
+    for spec in specs:
+        reuse_or_refuse(spec.folder(out), run_settings(args), quiet=True)
+    reuse_or_refuse(out / "matrix.parquet", matrix_settings(args), quiet=True)
 
 
 def train_command(args, spec: RunSpec, prompts: Path, held_out: Path, out: Path) -> list[str]:
@@ -198,16 +253,33 @@ def train_command(args, spec: RunSpec, prompts: Path, held_out: Path, out: Path)
 
 
 def train_all(args, specs: list[RunSpec], prompts: Path, held_out: Path, out: Path) -> None:
-    """Every unfinished run, --parallel at a time, each its own process at one thread (logs beside it)."""
+    """Every unfinished run, --parallel at a time, each its own process at one thread (logs beside it).
+    Ctrl-C: the runs in training write their checkpoint and stop, and one line says what is kept."""
     todo = [s for s in specs if not finished(args, s.folder(out))]
-    print(f"{len(specs) - len(todo)} of {len(specs)} runs done; {len(todo)} to train", flush=True)
+    print(f"{len(specs) - len(todo)} of {len(specs)} runs done (same settings); {len(todo)} to train",
+          flush=True)
     running: list[tuple[RunSpec, subprocess.Popen, float]] = []  # each with its log file open
+    try:
+        launch_and_wait(args, todo, running, prompts, held_out, out)
+    except KeyboardInterrupt:
+        stop(running)
+        done = sum(finished(args, s.folder(out)) for s in specs)
+        stopped = "".join(f"; {spec.folder(out).name} stopped (its .log says what its checkpoint holds)"
+                          for spec, _, _ in running)
+        print(f"stopped: {done} of {len(specs)} runs finished, kept{stopped}; the same command continues",
+              file=sys.stderr, flush=True)
+        raise SystemExit(130) from None
+
+
+def launch_and_wait(args, todo: list[RunSpec], running: list[tuple[RunSpec, subprocess.Popen, float]],
+                    prompts: Path, held_out: Path, out: Path) -> None:
     while todo or running:
         while todo and len(running) < args.parallel:
             spec = todo.pop(0)
             folder = spec.folder(out)
             folder.parent.mkdir(parents=True, exist_ok=True)
             print(f"== {folder.name}", flush=True)
+            record_settings(folder, run_settings(args))
             with open(folder.parent / f"{folder.name}.log", "a") as log:  # the child keeps its own handle
                 running.append((spec, subprocess.Popen(train_command(args, spec, prompts, held_out, out),
                                                        stdout=log, stderr=subprocess.STDOUT), time.time()))
@@ -220,6 +292,21 @@ def train_all(args, specs: list[RunSpec], prompts: Path, held_out: Path, out: Pa
                 print(f"   {spec.folder(out).name}: {status} in {time.time() - t0:.0f} s", flush=True)
                 if proc.returncode != 0:
                     raise SystemExit(proc.returncode)
+
+
+def stop(running: list[tuple[RunSpec, subprocess.Popen, float]]) -> None:
+    """Wait for the runs in training to stop: a Ctrl-C at the terminal reached them too (one process group)
+    and each writes its checkpoint first; one that did not hear it (the bench alone was signalled) is
+    interrupted after STOP_GRACE_S. A second Ctrl-C stops waiting."""
+    try:
+        for _, proc, _ in running:
+            try:
+                proc.wait(timeout=STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                proc.send_signal(signal.SIGINT)
+                proc.wait()
+    except KeyboardInterrupt:
+        pass
 
 
 # ---------------------------------------------------------------- the sampler-versus-learning matrix
@@ -246,12 +333,18 @@ def matrix(args, out: Path, held_out: Path, made: list[tuple[Design, Path]], spe
     import torch
 
     from sparrow.schemas import read_artifact
+    from sparrow.schemas.io import write_table
     from sparrow.stages.engine import Engine, EngineConfig, SamplingParams
     from sparrow.stages.kv_policies import BlockTopK, Dense
     from sparrow.stages.tasks import score_batch
 
     path = out / "matrix.parquet"
-    rows = pq.read_table(path).to_pylist() if path.exists() else []
+    settings = matrix_settings(args)
+    if reuse_or_refuse(path, settings, quiet=True):
+        rows = pq.read_table(path).to_pylist()
+    else:
+        rows = []
+        record_settings(path, settings)
     done = {(r["policy"], r["sampler"]) for r in rows}
     by_tail = sorted(made, key=lambda m: m[0].tail)
     keep = {"dense"} | {by_tail[0][0].name, by_tail[len(by_tail) // 2][0].name}  # aggressive and middle
@@ -284,7 +377,7 @@ def matrix(args, out: Path, held_out: Path, made: list[tuple[Design, Path]], spe
                 result[kind] = float(np.mean(rewards) if kind == "reward"
                                      else np.mean([x >= 1 - 1e-9 for x in rewards]))
             rows.append({"policy": name, "sampler": sampler, **result})
-            pq.write_table(pa.Table.from_pylist(rows), path)
+            write_table(pa.Table.from_pylist(rows), path)
             print(f"   matrix {name} x {sampler}: reward {result['reward']:.3f}, accuracy "
                   f"{result['accuracy']:.3f} ({time.time() - t0:.0f} s)", flush=True)
         engine.close()
@@ -499,12 +592,14 @@ def main() -> None:
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
     prompts, held_out = prompt_files(args, out)
-    mismatch = profile_once(out / "mismatch.parquet", args.model, prompts, args.budgets, args.samples,
-                            args.max_new_tokens, args.bin_width, "--threads", str(args.threads))
+    mismatch = profile_once(out / "mismatch.parquet", profile_settings(args), args.model, prompts,
+                            args.budgets, args.samples, args.max_new_tokens, args.bin_width,
+                            "--threads", str(args.threads))
     made = designs(args, out, mismatch)
     specs = run_specs(args, made)
     if args.phase == "designs":
         return
+    check_made(args, out, specs)
     if args.train:
         train_all(args, specs, prompts, held_out, out)
     if args.phase == "train":

@@ -10,7 +10,10 @@ of alpha, so that one sees which of the two separates stable from collapsed runs
 
 Every stage is a file or a run directory under --out, and each is skipped when it is complete: the
 sweep can be stopped at any point (Ctrl-C, a killed process) and run again with the same command to
-continue; a training run stopped midway resumes from its last checkpoint. Thresholds that plan the
+continue; a training run stopped midway resumes from its last checkpoint. The settings that decide a
+stage are recorded beside it (NAME.settings.json, bench/common.py) and a stage made with other settings
+is refused before any work, naming the setting (a run may change only --steps, --eval-every and
+--checkpoint-every, as a resumed training run may). Thresholds that plan the
 same schedule share its runs. The task is passkey retrieval at --context tokens, where a small budget
 reads only part of the prompt, so the tail differs across the ladder.
 
@@ -28,22 +31,48 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 import torch
-from common import profile_once, sparrow
+from common import flags, profile_once, record_settings, reuse_or_refuse, sparrow
 
 from sparrow.schemas import artifact_metadata, write_artifact
 from sparrow.stages.core.definitions import TAIL_QUANTILE
-from sparrow.stages.model.loading import load_model
-from sparrow.stages.tasks import make_prompts
+from sparrow.stages.model.loading import load_model, spec_tokenizer
+from sparrow.stages.tasks import TaskError, make_prompts
 from sparrow.stages.train import RunOptions, TrainConfig, Trainer, load_prompts
+from sparrow.stages.train.run_dir import recorded_summary
+
+# what decides each stage's output (bench/common.py: reuse_or_refuse); each includes what its inputs' did
+
+
+def prompt_settings(args) -> dict[str, object]:
+    return flags(args, "model", "task", "context", "train_prompts", "eval_prompts")
+
+
+def profile_settings(args) -> dict[str, object]:
+    """The profile's, and the planned schedules' (a schedule's threshold is in its file's name)."""
+    return prompt_settings(args) | flags(args, "budgets", "samples", "max_new_tokens", "bin_width")
+
+
+def run_settings(args, sparsity: str) -> dict[str, object]:
+    """A run's, besides its name and seed (its folder's name): a planned run's schedule follows from the
+    profile; all but --steps, --eval-every and --checkpoint-every, which a resumed run may change."""
+    return ((prompt_settings(args) if sparsity == "dense" else profile_settings(args))
+            | flags(args, "prompts_per_step", "samples", "max_new_tokens", "lr", "lora_rank", "micro_batch",
+                    "bin_width", "correction"))
 
 
 def prompt_files(args, out: Path) -> tuple[Path, Path]:
     train, held_out = out / "prompts.parquet", out / "eval-prompts.parquet"
-    if not (train.exists() and held_out.exists()):
-        tok = load_model(args.model).tokenizer
-        for path, n, seed in ((train, args.train_prompts, 0), (held_out, args.eval_prompts, 1)):
+    settings = prompt_settings(args)
+    if all([reuse_or_refuse(path, settings) for path in (train, held_out)]):  # both checked
+        return train, held_out
+    tok = spec_tokenizer(args.model)
+    for path, n, seed in ((train, args.train_prompts, 0), (held_out, args.eval_prompts, 1)):
+        try:
             rows = make_prompts(args.task, n, seed, tok, context_tokens=args.context)
-            write_artifact(rows, path, "prompts")
+        except TaskError as e:
+            raise SystemExit(str(e).replace("--context-tokens", "--context")) from None
+        record_settings(path, settings)
+        write_artifact(rows, path, "prompts")
     return train, held_out
 
 
@@ -64,9 +93,11 @@ def plan(args, out: Path, mismatch: Path) -> dict[str, Path]:
     """threshold -> schedule file; thresholds that plan the same budgets share the first one's file."""
     plans: dict[str, Path] = {}
     by_budgets: dict[tuple, Path] = {}
+    settings = profile_settings(args)
     for t in ladder(args, mismatch):
         path = out / f"schedule-{t}.parquet"
-        if not path.exists():
+        if not reuse_or_refuse(path, settings, quiet=True):
+            record_settings(path, settings)
             sparrow("plan-schedule", "--model", args.model, "--profile", str(mismatch), "--threshold", t,
                     "--bin-width", str(args.bin_width), "-o", str(path), "--format", "tsv")
         budgets = tuple(pq.read_table(path, columns=["budget"]).column("budget").to_pylist())
@@ -77,9 +108,10 @@ def plan(args, out: Path, mismatch: Path) -> dict[str, Path]:
 def train(args, name: str, sparsity: str, seed: int, prompts: Path, held_out: Path, out: Path) -> Path:
     """One run directory, trained to --steps (skipped when done, resumed when stopped midway)."""
     run_dir = out / "runs" / f"{name}-seed{seed}"
-    metrics = run_dir / "metrics.parquet"
-    if metrics.exists() and pq.read_metadata(metrics).num_rows >= args.steps:
+    summary = recorded_summary(run_dir)  # written last: a run stopped before it is resumed
+    if summary is not None and summary.get("steps", 0) >= args.steps:
         return run_dir
+    record_settings(run_dir, run_settings(args, sparsity))
     loaded = load_model(args.model)  # fresh base weights for every run
     cfg = TrainConfig(model=args.model, steps=args.steps, prompts_per_step=args.prompts_per_step,
                       samples=args.samples, max_new_tokens=args.max_new_tokens, lr=args.lr,
@@ -109,8 +141,9 @@ def summarise(run_dir: Path, threshold_meta: dict) -> dict:
     k = max(1, len(m) // 4)
     evals = [r["eval_accuracy"] for r in m if r.get("eval_accuracy") is not None]
     label = next((r for r in json.loads(threshold_meta["runs"]) if Path(r["run"]) == run_dir), {})
+    first = meta.get("initial_eval_accuracy")  # 0.0 is an accuracy, not a missing one
     return {"run": run_dir.name, "sparsity": cfg["sparsity"], "seed": cfg["seed"],
-            "eval_first": float(meta["initial_eval_accuracy"]) if meta.get("initial_eval_accuracy") else None,
+            "eval_first": float(first) if first is not None else None,
             "eval_last": evals[-1] if evals else None,
             "reward_first": float(np.mean([r["reward_mean"] for r in m[:k]])),
             "reward_last": float(np.mean([r["reward_mean"] for r in m[-k:]])),
@@ -155,8 +188,8 @@ def main() -> None:
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
     prompts, held_out = prompt_files(args, out)
-    mismatch = profile_once(out / "mismatch.parquet", args.model, prompts, args.budgets, args.samples,
-                            args.max_new_tokens, args.bin_width)
+    mismatch = profile_once(out / "mismatch.parquet", profile_settings(args), args.model, prompts,
+                            args.budgets, args.samples, args.max_new_tokens, args.bin_width)
     plans = plan(args, out, mismatch)
     seeds = [int(s) for s in args.seeds.split(",")]
     configs = [("dense", "dense")]
@@ -165,6 +198,9 @@ def main() -> None:
             print(f"== threshold {t} plans the same schedule as {schedule.name}: its runs stand for both")
             continue
         configs.append((f"t{t}", f"schedule:{schedule}"))
+    for s in seeds:  # every run begun, before any work
+        for name, sparsity in configs:
+            reuse_or_refuse(out / "runs" / f"{name}-seed{s}", run_settings(args, sparsity), quiet=True)
     # seed by seed: a sweep stopped early still holds a whole ladder
     runs = [train(args, name, sparsity, s, prompts, held_out, out)
             for s in seeds for name, sparsity in configs]

@@ -11,10 +11,12 @@ credit), once per configuration and seed from the same base weights, and prints:
   bench/train.py's passkey runs), mismatch KL, the collapse label, median seconds per phase.
 Configurations: `dense`, and `planned` (the --planned budget, or --schedule FILE, with truncated IS).
 Whether GRPO learned: the eval gain against the seed spread when --seeds has several (reported, not
-asserted). Writes bench/results/train_code.parquet and one run directory per run under
-bench/results/train-code-runs/; a finished run leaves its row there (`bench_row.json`) and is not run
+asserted). Writes bench/results/train_code.parquet and one run directory per run under --out
+(bench/results/train-code-runs/); a finished run leaves its row there (`bench_row.json`) and is not run
 again, so a stopped study continues where it stopped, and seeds can run in separate processes (one
-`--seeds 0`, another `--seeds 1`) before one call with every seed prints the whole table.
+`--seeds 0`, another `--seeds 1`) before one call with every seed prints the whole table. The settings
+that decide the prompts and each run are recorded beside them (NAME.settings.json, bench/common.py), and
+one made with other settings is refused before any work, naming the setting.
 
     .venv/bin/python bench/train_code.py --steps 2 --prompts-per-step 2 --samples 2 --eval-prompts 4
     .venv/bin/python bench/train_code.py --steps 24 --seeds 0,1,2     # the study (long on a CPU)
@@ -30,15 +32,16 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from common import write_results
+from common import flags, record_settings, reuse_or_refuse, write_results
 
 from sparrow.schemas import write_artifact
-from sparrow.stages.model.loading import load_model
+from sparrow.schemas.io import write_bytes
+from sparrow.stages.model.loading import load_model, spec_tokenizer
 from sparrow.stages.tasks import make_prompts
 from sparrow.stages.train import RunOptions, TrainConfig, Trainer, load_prompts
 
-RUNS = Path(__file__).parent / "results" / "train-code-runs"
 PHASES = ("rollout_seconds", "scoring_seconds", "update_seconds", "reward_seconds")
+CONFIGS = ("dense", "planned")
 
 
 def parse_args() -> argparse.Namespace:
@@ -61,24 +64,31 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--configs", default="dense,planned")
     ap.add_argument("--seeds", default="0")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "train-code-runs",
+                    help="the prompts and the run directories")
     return ap.parse_args()
 
 
-def prompt_file(loaded, args, n: int, seed: int, path: Path) -> Path:
+def prompt_file(tokenizer, args, count: str, seed: int, path: Path) -> Path:
+    """`count` (train_prompts or eval_prompts) code prompts of generator seed `seed`, made once."""
+    settings = flags(args, "model", "level", count)
+    if reuse_or_refuse(path, settings):
+        return path
     options = {} if args.level is None else {"level": args.level}
-    return write_artifact(make_prompts("code", n, seed, loaded.tokenizer, **options), path, "prompts")
+    record_settings(path, settings)
+    rows = make_prompts("code", getattr(args, count), seed, tokenizer, **options)
+    return write_artifact(rows, path, "prompts")
 
 
 def run_one(args, name: str, seed: int, prompts: Path, eval_prompts: Path) -> dict:
-    run_dir = RUNS / f"{name}-seed{seed}"
+    run_dir = args.out / f"{name}-seed{seed}"
     done = run_dir / "bench_row.json"
-    if done.exists():
-        row = json.loads(done.read_text())
-        if row.get("args") == run_key(args):
-            print(f"    done before: {run_dir}", flush=True)
-            return row
+    if reuse_or_refuse(run_dir, run_key(args, name), quiet=True) and done.exists():
+        print(f"    done before: {run_dir} (same settings)", flush=True)
+        return json.loads(done.read_text())
+    record_settings(run_dir, run_key(args, name))
     loaded = load_model(args.model)  # fresh base weights for every run
-    shutil.rmtree(run_dir, ignore_errors=True)
+    shutil.rmtree(run_dir, ignore_errors=True)  # a stopped run starts over: it kept no checkpoint
     sparsity = "dense" if name == "dense" else (
         f"schedule:{args.schedule}" if args.schedule else f"budget:{args.planned}")
     cfg = TrainConfig(model=args.model, steps=args.steps, prompts_per_step=args.prompts_per_step,
@@ -107,31 +117,36 @@ def run_one(args, name: str, seed: int, prompts: Path, eval_prompts: Path) -> di
             "reward_first": mean("reward_mean", h[:k]), "reward_last": mean("reward_mean", h[-k:]),
             "alpha_lb_p5": mean("alpha_lb_p5", h), "mismatch_kl": mean("mismatch_kl", h),
             "label": summary["label"], **{k.replace("_seconds", "_s"): median(k) for k in PHASES},
-            "wall_s": time.perf_counter() - t0, "args": run_key(args)}
-    done.write_text(json.dumps(row))
+            "wall_s": time.perf_counter() - t0}
+    write_bytes(done, json.dumps(row).encode())
     return row
 
 
-def run_key(args) -> dict:
-    """What a finished run must agree on to be reused instead of run again."""
+def run_key(args, name: str) -> dict[str, object]:
+    """What a finished run must agree on to be reused (its config and seed are in its folder's name)."""
     keys = ("model", "level", "train_prompts", "eval_prompts", "steps", "eval_every", "prompts_per_step",
-            "samples", "max_new_tokens", "lr", "lora_rank", "micro_batch", "bin_width", "planned")
-    return {k: getattr(args, k) for k in keys} | {"schedule": str(args.schedule) if args.schedule else None}
+            "samples", "max_new_tokens", "lr", "lora_rank", "micro_batch", "bin_width")
+    sparse = flags(args, "planned") | {"--schedule": str(args.schedule) if args.schedule else None}
+    return flags(args, *keys) | (sparse if name == "planned" else {})
 
 
 def main() -> None:
     args = parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    base = load_model(args.model)
-    RUNS.mkdir(parents=True, exist_ok=True)
-    prompts = prompt_file(base, args, args.train_prompts, 0, RUNS / "prompts.parquet")
-    eval_prompts = prompt_file(base, args, args.eval_prompts, 1, RUNS / "eval_prompts.parquet")
-    rows = []
-    for name in args.configs.split(","):
-        if name not in ("dense", "planned"):
+    configs, seeds = args.configs.split(","), [int(s) for s in args.seeds.split(",")]
+    for name in configs:
+        if name not in CONFIGS:
             raise SystemExit(f"--configs takes dense and planned, got {name!r}")
-        for seed in [int(s) for s in args.seeds.split(",")]:
+    for name in configs:  # every run begun, before any work
+        for seed in seeds:
+            reuse_or_refuse(args.out / f"{name}-seed{seed}", run_key(args, name), quiet=True)
+    tokenizer = spec_tokenizer(args.model)
+    prompts = prompt_file(tokenizer, args, "train_prompts", 0, args.out / "prompts.parquet")
+    eval_prompts = prompt_file(tokenizer, args, "eval_prompts", 1, args.out / "eval_prompts.parquet")
+    rows = []
+    for name in configs:
+        for seed in seeds:
             print(f"== {name}, seed {seed}", flush=True)
             rows.append(run_one(args, name, seed, prompts, eval_prompts))
     print(f"{args.model}, code (level {args.level or 'default'}), {args.steps} steps x "
@@ -151,7 +166,7 @@ def main() -> None:
         gains = finals - np.array([r["eval_start"] for r in dense])
         print(f"dense: eval gain {gains.mean():.3f} (per seed {np.round(gains, 3).tolist()}), spread of the "
               f"final eval accuracy over seeds: range {finals.max() - finals.min():.3f}")
-    write_results([{k: v for k, v in r.items() if k != "args"} for r in rows], "train_code")
+    write_results(rows, "train_code")
 
 
 if __name__ == "__main__":
