@@ -532,13 +532,21 @@ def journal_parts(folder: Path) -> list[Path] | None:
     return sorted(parts, key=lambda p: int(JOURNAL_PART.fullmatch(p.name).group(1)))
 
 
-def journal_unscored(folder: Path) -> list[Path]:
+def journal_unscored(folder: Path, stale: bool = False) -> list[Path]:
     """The files of finished prompts that an interrupt wrote unscored into the journal `folder` (rewards null
     until `--resume` scores them and writes each as the part of its number), in the order they were
-    written; one beside the part of its number is already scored and is not among them."""
-    scored = {JOURNAL_PART.fullmatch(p.name).group(1) for p in journal_parts(folder) or []}
-    found = ((p, m.group(1)) for p in folder.iterdir() if (m := JOURNAL_UNSCORED.fullmatch(p.name)))
-    return [p for p, number in sorted(found, key=lambda f: int(f[1])) if number not in scored]
+    written: those without a part of their number (with `stale`, those with one: scored by a resume that
+    was stopped before it removed them)."""
+    if not folder.is_dir():
+        return []
+    scored = {journal_file_number(p) for p in journal_parts(folder) or []}
+    found = (p for p in folder.iterdir() if JOURNAL_UNSCORED.fullmatch(p.name))
+    return sorted((p for p in found if (journal_file_number(p) in scored) == stale), key=journal_file_number)
+
+
+def journal_file_number(file: Path) -> int:
+    """A journal file's number: part-NNNNN.parquet or unscored-NNNNN.parquet."""
+    return int((JOURNAL_PART.fullmatch(file.name) or JOURNAL_UNSCORED.fullmatch(file.name)).group(1))
 
 
 def spool_input(path: str | os.PathLike, flag: str) -> Path:

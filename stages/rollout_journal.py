@@ -56,12 +56,13 @@ from sparrow.schemas.io import write_bytes
 from sparrow.schemas.locations import (
     JOURNAL_MANIFEST,
     JOURNAL_PART,
-    JOURNAL_UNSCORED,
     LOCK_NAME,
     hidden_stem,
     hold_folder,
+    journal_file_number,
     journal_folder,
     journal_parts,
+    journal_unscored,
     release_folder,
 )
 
@@ -74,7 +75,6 @@ MANIFEST_KEY = "journal_manifest"  # the manifest in the finished artifact's met
 WRITER = "sparrow rollout"
 JOURNAL_VERSION = 1
 PEAKS = ("max_running", "peak_pages", "kv_tokens_peak", "dense_kv_tokens_peak")  # merged by max, not sum
-UNSCORED = JOURNAL_UNSCORED  # finished prompts an interrupt wrote, rewards null
 
 
 class JournalRefused(ArtifactError):
@@ -347,23 +347,11 @@ def part_files(folder: Path) -> list[Path]:
     return journal_parts(folder) or []
 
 
-def unscored_files(folder: Path, stale: bool = False) -> list[Path]:
-    """The unscored files of a journal, in the order they were written: those without a part of their
-    number (with `stale`, those with one: scored by a resume that was stopped before it removed them)."""
-    if not folder.is_dir():
-        return []
-    parts = {_number(p) for p in part_files(folder)}
-    found = (p for p in folder.iterdir() if UNSCORED.fullmatch(p.name))
-    return sorted((p for p in found if (_number(p) in parts) == stale), key=_number)
-
-
 def journal_files(folder: Path) -> list[Path]:
     """What a resume reads of a journal: its parts and its unscored files, in the order they were written."""
-    return sorted([*part_files(folder), *unscored_files(folder)], key=_number)
+    return sorted([*part_files(folder), *journal_unscored(folder)], key=journal_file_number)
 
 
-def _number(file: Path) -> int:
-    return int((JOURNAL_PART.fullmatch(file.name) or UNSCORED.fullmatch(file.name)).group(1))
 
 
 def find(folder: Path) -> Found | None:
@@ -427,7 +415,7 @@ class Journal:
         self.fresh = fresh  # no journal of this run's identity was there: (re)made at `start`
         self.interval, self.metadata = interval, metadata
         self.pending: dict[int, list[Completion]] = {}
-        self.next_part = 0 if fresh else 1 + max(_number(p) for p in journal_files(folder))
+        self.next_part = 0 if fresh else 1 + max(journal_file_number(p) for p in journal_files(folder))
         self.columns: Columns | None = None
         self.score: Score | None = None
         self.engine_stats: Callable[[], EngineStats] | None = None
@@ -488,7 +476,7 @@ class Journal:
                 if p.name not in (LOCK_NAME, MANIFEST):
                     shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
             write_bytes(self.folder / MANIFEST, self.manifest.to_json())
-        for p in unscored_files(self.folder, stale=True):
+        for p in journal_unscored(self.folder, stale=True):
             p.unlink()
 
     def close(self, completed: bool) -> None:
@@ -663,5 +651,5 @@ def _read_parts(parts: list[Path], rows: Sequence[dict], samples: int) -> list[C
         stats = meta.get("engine_stats")
         chunks.append(Chunk(indices, _conformed(table), stats if isinstance(stats, dict) else {},
                             meta.get("reward_seconds"), JOURNAL_PART.fullmatch(part.name) is not None,
-                            _number(part)))
+                            journal_file_number(part)))
     return chunks
