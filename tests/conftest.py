@@ -1,18 +1,8 @@
 import os
-import sys
 from pathlib import Path
 
 import pytest
 
-
-def _keep_the_repository_root_off_sys_path() -> None:
-    """`python -m pytest` puts the working directory first on sys.path, where the repository's kernels/
-    folder (installed as sparrow.kernels) would shadow the `kernels` package that transformers imports."""
-    root = Path(__file__).resolve().parent.parent
-    sys.path[:] = [p for p in sys.path if Path(p or os.getcwd()).resolve() != root]
-
-
-_keep_the_repository_root_off_sys_path()
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
