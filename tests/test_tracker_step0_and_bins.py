@@ -1,7 +1,8 @@
 """The trackers get the initial eval at step 0 (as TRL's eval_on_start logs its eval), under the periodic
 evals' names, once, a resumed run included; and the per-bin tails reach tensorboard as one scalar per
-position bin. A stand-in SummaryWriter records what tensorboard would be handed (the package is not in
-the dev environment); the expectations are read back with pyarrow from what the run wrote."""
+position bin. A stand-in SummaryWriter records what tensorboard is handed (what TensorBoard's own reader
+shows is tests/test_tensorboard_events.py); the expectations are read back with pyarrow from what the run
+wrote."""
 
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ class Writer:
 def writer(monkeypatch):
     Writer.calls = []
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", types.SimpleNamespace(SummaryWriter=Writer))
-    monkeypatch.delitem(tracking.NEEDS, "tensorboard")  # --report-to tensorboard without the package
+    monkeypatch.delitem(tracking.NEEDS, "tensorboard")  # the stand-in needs no package
     return Writer
 
 
