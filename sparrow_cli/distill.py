@@ -102,6 +102,10 @@ def load_init_adapter(path: Path, cfg, rank: int, alpha: float, model: str | Non
     if not path.is_dir():
         raise UsageError(f"--init-adapter {path} is a file, not an adapter directory")
     lora = load_actor(path, cfg, model, "--init-adapter")
+    if lora.scales:
+        raise UsageError(f"--init-adapter {path}: the adapter scales some modules by its own rule (peft's "
+                         "use_rslora, alpha_pattern or rank_pattern), which distill trains at alpha / rank; "
+                         "merge it into a checkpoint (peft's merge_and_unload) and pass that as --model")
     if lora.r != rank:
         raise UsageError(f"--init-adapter {path}: the adapter has rank {lora.r}, but --lora-rank is {rank}; "
                          f"pass --lora-rank {lora.r} to continue it")

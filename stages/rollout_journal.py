@@ -249,10 +249,12 @@ def schedule_sha256(schedule) -> str:
 
 
 def adapter_sha256(lora) -> str:
-    """The digest of a `LoraWeights`' weights (scale, rank, every module's A and B); "" for none."""
+    """The digest of a `LoraWeights`' weights (scale, rank, the modules' own scales where they have them,
+    every module's A and B); "" for none."""
     if lora is None:
         return ""
-    h = hashlib.sha256(json.dumps([lora.alpha, lora.r, sorted(lora.modules)]).encode())
+    own = [sorted(lora.scales.items())] if lora.scales else []  # kept out when empty: older digests hold
+    h = hashlib.sha256(json.dumps([lora.alpha, lora.r, sorted(lora.modules), *own]).encode())
     for name in sorted(lora.modules):
         for t in lora.modules[name]:
             h.update(t.detach().float().cpu().contiguous().numpy().tobytes())

@@ -12,6 +12,7 @@ import io
 import json
 import math
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -748,3 +749,57 @@ def test_verl_gsm8k_on_smollm2(tmp_path):
     truth = {f"gsm8k-{i}": a for i, (_, a) in enumerate(PROBLEMS)}
     assert [r["reward"] for r in rows] == [math_verify_reward(r["text"], truth[r["prompt_id"]]) for r in rows]
     assert all(not math.isnan(r["reward"]) for r in rows)
+
+
+# ---------------------------------------------------------- a row without an answer; back to the dataset
+
+
+def test_a_verl_row_without_ground_truth_is_told_where_verl_keeps_it(tmp_path):
+    from sparrow.stages.core.user_data import missing_answer_advice, read_dataset
+
+    data = tmp_path / "gsm8k.parquet"
+    pq.write_table(pa.Table.from_pylist([{"data_source": "openai/gsm8k", "prompt": [{"role": "user",
+                                                                                     "content": "2 + 3?"}],
+                                          "reward_model": {"style": "rule", "ground_truth": None}}]), data)
+    (row,) = read_dataset(data)
+    advice = missing_answer_advice(json.loads(row["metadata"]))
+    assert "reward_model.ground_truth" in advice and "--answer-column" not in advice
+    trl = tmp_path / "trl.jsonl"
+    trl.write_text(json.dumps({"prompt": "2 + 3?"}) + "\n")
+    assert "--answer-column" in missing_answer_advice(json.loads(read_dataset(trl)[0]["metadata"]))
+
+
+def _docs_command(marker: str) -> list[str]:
+    """The `sparrow ...` command of the docs/datasets.md bash block that holds `marker`, as argv."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "datasets.md").read_text()
+    blocks = re.findall(r"```bash\n(.*?)```", text, re.S)
+    (block,) = [b for b in blocks if marker in b]
+    argv = shlex.split(block.replace("\\\n", " "))
+    assert argv[0] == "sparrow"
+    return argv[1:]
+
+
+def test_the_docs_join_gives_each_rollout_its_verl_rows_columns(tiny_chat, tmp_path, monkeypatch):
+    """The query docs/datasets.md shows, run as written on a verl dataset (one row's extra_info null) and
+    its rollouts: each sample gets the columns of the dataset row its id names, as pyarrow reads them."""
+    ds = tmp_path / "ds"
+    ds.mkdir()
+    write_verl_gsm8k(ds / "gsm8k.parquet")
+    table = pq.read_table(ds / "gsm8k.parquet").to_pylist()
+    table[1]["extra_info"] = None
+    pq.write_table(pa.Table.from_pylist(table), ds / "gsm8k.parquet")
+    r = runner.invoke(app, ["rollout", "--model", tiny_chat, "--prompts", str(ds / "gsm8k.parquet"),
+                            "--samples", "2", "--max-new-tokens", "3", "-o", str(ds / "rollouts.parquet")])
+    assert r.exit_code == 0, r.output
+    monkeypatch.chdir(tmp_path)
+    r = runner.invoke(app, [*_docs_command("rollouts__rollouts r JOIN dataset"), "-f", "json"])
+    assert r.exit_code == 0, r.output
+    got = json.loads(r.stdout)
+    rollouts = pq.read_table(ds / "rollouts.parquet").to_pylist()
+    assert len(got) == len(rollouts) == 2 * len(table)
+    expected = sorted(({"prompt_id": x["prompt_id"], "sample": x["sample"], "text": x["text"],
+                        "reward": x["reward"], "data_source": row["data_source"], "ability": row["ability"],
+                        "gts": row["reward_model"]["ground_truth"], "extra_info": row["extra_info"]}
+                       for x in rollouts for row in [table[int(x["prompt_id"].rsplit("-", 1)[1])]]),
+                      key=lambda e: (e["prompt_id"], e["sample"]))
+    assert got == expected

@@ -270,8 +270,9 @@ def test_verl_extra_info_and_ground_truth_keep_their_types(tmp_path, fns):
     r = _reward("--prompts", data, "--completions", comps, "--reward-fn", f"{fn}:verl", "-o",
                 tmp_path / "rw.parquet")
     assert r.exit_code == 0, r.output
+    verl_keys = {"num_turns": 2, "rollout_reward_scores": {}}  # what verl's reward manager adds
     assert _calls(calls) == [{"data_source": "src", "ground_truth": decimal.Decimal("2.5"),
-                              "extra_info": extra}]
+                              "extra_info": {**extra, **verl_keys}}]
 
 
 # ---------------------------------------------------------------- integer ids, Parquet under a JSON name

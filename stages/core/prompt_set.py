@@ -30,7 +30,7 @@ from sparrow.schemas import artifact_metadata, read_artifact
 from sparrow.schemas.footer import file_json
 from sparrow.schemas.locations import missing
 
-from .user_data import DataOptions, DatasetError, dataset_metadata, read_dataset
+from .user_data import DataOptions, DatasetError, dataset_metadata, missing_answer_advice, read_dataset
 
 COLUMNS = ("prompt_id", "task", "prompt", "prompt_token_ids", "answer", "metadata")
 
@@ -181,8 +181,7 @@ class PromptSet:
             r["task"] = task
             if reward.needs_answer and r.get("answer") is None:
                 raise PromptError(f"{self.path}: prompt {r['prompt_id']!r}, {row_of(i)}, has no answer, "
-                                  "which --reward scores against (for a TRL dataset: name it with "
-                                  "--answer-column)")
+                                  f"which --reward scores against ({missing_answer_advice(_metadata(r))})")
             try:
                 r["answer"] = answer_for(task, r.get("answer"))
                 if reward.check_answer is not None:

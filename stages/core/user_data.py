@@ -140,6 +140,19 @@ def dataset_metadata(fmt: str, path: Path, row: int, prompt: Any, columns: dict[
     return json.dumps(meta, sort_keys=True)
 
 
+def missing_answer_advice(metadata: dict[str, Any]) -> str:
+    """Where a row that has no answer should have one, by the format its metadata names: the
+    --answer-column it was read from, a verl dataset's reward_model.ground_truth, a TRL dataset's answer
+    column (named with --answer-column), our prompts' 'answer' column."""
+    if metadata.get("answer_column"):
+        return f"its --answer-column {metadata['answer_column']!r} is null there"
+    if metadata.get("format") == "verl":
+        return "a verl dataset's ground truth is reward_model.ground_truth, which is null in this row"
+    if metadata.get("format") == "trl":
+        return "for a TRL dataset: name the answer column with --answer-column"
+    return "its column 'answer' is null"
+
+
 def read_dataset(path: Path, answer_column: str | None = None) -> list[dict] | None:
     """The rows (prompt_set.COLUMNS plus `messages`) of a verl or TRL dataset; None for a file of ours."""
     from ..tasks.rewards import ANSWER_COLUMNS

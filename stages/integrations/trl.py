@@ -20,6 +20,13 @@ Decisions:
 - `speculate=K`: the sparsity only drafts and the dense model verifies (engine/speculative.py), so the
   completions are the dense policy's with its logprobs, and `sparrow/draft_acceptance` is logged instead
   of a mismatch there is none of.
+- Sampling settings: GRPOConfig's max_completion_length, temperature, top_p and top_k, with
+  `generation_kwargs` applied on top of them as TRL applies them to its own generation; of its keys
+  max_new_tokens (transformers' name) or max_tokens (vLLM's), temperature, top_p and top_k are applied,
+  and any other is refused rather than ignored. A temperature there is the sampling temperature, at which
+  the dense scores behind the mismatch metrics and the correction are computed too. max_completion_length
+  None is refused unless generation_kwargs gives the length: a completion "up to the context" would size
+  every rollout by the model's whole context window.
 - Correction: TRL corrects the sampler's mismatch only for vLLM. The trainer's own settings
   (`vllm_importance_sampling_correction`, a `*_mask` mode, `..._clip_min/max`) are applied here to
   our samples instead, as `env_mask`, the per-token loss mask a rollout function may return; the
@@ -30,8 +37,8 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -49,6 +56,47 @@ from ..train.policy import completion_logprobs
 
 TOP_LOGPROBS = 20
 MASK_MODES = ("token_mask", "sequence_mask")
+# generation_kwargs keys applied (transformers' and vLLM's names) -> SamplingParams' field
+GENERATION_KWARGS = {"max_new_tokens": "max_new_tokens", "max_tokens": "max_new_tokens",
+                     "temperature": "temperature", "top_p": "top_p", "top_k": "top_k"}
+
+
+def trl_sampling(args) -> SamplingParams:
+    """The sampling a `GRPOConfig` asks for: its max_completion_length, temperature, top_p and top_k, with
+    the supported keys of its `generation_kwargs` on top (one sentence for any other key, or a bad value)."""
+    extra: Mapping = getattr(args, "generation_kwargs", None) or {}
+    if not isinstance(extra, Mapping):
+        raise ValueError(f"generation_kwargs must be a dict, got {type(extra).__name__}")
+    unknown = [k for k in extra if k not in GENERATION_KWARGS]
+    if unknown:
+        raise ValueError(f"SparseRollout applies generation_kwargs' {', '.join(GENERATION_KWARGS)} only; "
+                         f"remove {', '.join(map(repr, unknown))}")
+    settings = {"max_new_tokens": args.max_completion_length, "temperature": args.temperature,
+                "top_p": args.top_p, "top_k": args.top_k}
+    given = {}
+    for key, value in extra.items():
+        name = GENERATION_KWARGS[key]
+        if name in given and given[name][1] != value:
+            raise ValueError(f"generation_kwargs gives {given[name][0]}={given[name][1]!r} and "
+                             f"{key}={value!r}; give one")
+        if isinstance(value, bool) or not isinstance(value, int | float) or \
+                (name in ("max_new_tokens", "top_k") and not isinstance(value, int)):
+            kind = "an integer" if name in ("max_new_tokens", "top_k") else "a number"
+            raise ValueError(f"generation_kwargs[{key!r}] must be {kind}, got {value!r}")
+        given[name] = (key, value)
+        settings[name] = value
+    if settings["max_new_tokens"] is None:
+        raise ValueError("SparseRollout needs a completion length: set max_completion_length (or "
+                         "generation_kwargs' max_new_tokens), as None would size every rollout by the "
+                         "model's whole context")
+    top_k = settings["top_k"]
+    try:
+        return SamplingParams(max_new_tokens=int(settings["max_new_tokens"]),
+                              temperature=float(settings["temperature"]),
+                              top_p=1.0 if settings["top_p"] is None else float(settings["top_p"]),
+                              top_k=0 if top_k is None or top_k == -1 else int(top_k))  # -1: vLLM's off
+    except ValueError as e:
+        raise ValueError(f"GRPOConfig's sampling settings: {e}") from None
 
 
 @dataclass(frozen=True)
@@ -159,6 +207,7 @@ class SparseRollout:
         self.model: Transformer | None = None
         self.engine: Engine | None = None
         self.correction: MaskCorrection | None = None
+        self.sampling: SamplingParams | None = None
         self.synced_step: int | None = None
         self.calls = 0
         self.last: RolloutRecord | None = None
@@ -176,7 +225,7 @@ class SparseRollout:
             self.sync(trainer)
         t1 = time.perf_counter()
         prompt_ids = [list(map(int, p)) for p in tokenize_prompts(prompts, trainer)]
-        completions = self._generate(prompt_ids, trainer.args)
+        completions = self._generate(prompt_ids, trainer.args.seed)
         t2 = time.perf_counter()
         record = self._score(prompt_ids, completions, trainer)
         record.seconds = {"sync": t1 - t0, "generate": t2 - t1, "score": time.perf_counter() - t2}
@@ -219,6 +268,7 @@ class SparseRollout:
         if getattr(args, "min_p", None) is not None or getattr(args, "repetition_penalty", 1.0) != 1.0:
             raise ValueError("SparseRollout samples with temperature, top_p and top_k only; unset min_p and "
                              "repetition_penalty")
+        self.sampling = trl_sampling(args)
         self.correction = MaskCorrection.from_trl(args)
         hf = trainer.accelerator.unwrap_model(trainer.model)
         base = hf.get_base_model() if hasattr(hf, "get_base_model") else hf
@@ -259,18 +309,17 @@ class SparseRollout:
 
     # ------------------------------------------------------------------ sampling and scoring
 
-    def _generate(self, prompt_ids: list[list[int]], args) -> list[Completion]:
-        """One completion per prompt; consecutive copies of a prompt share one request (one prefill)."""
+    def _generate(self, prompt_ids: list[list[int]], seed: int) -> list[Completion]:
+        """One completion per prompt with the trainer's sampling (`trl_sampling`); consecutive copies of a
+        prompt share one request (one prefill)."""
         runs: list[list] = []
         for p in prompt_ids:
             if runs and runs[-1][0] == p:
                 runs[-1][1] += 1
             else:
                 runs.append([p, 1])
-        seed = int(np.random.SeedSequence([int(args.seed), self.calls]).generate_state(1)[0])
-        params = [SamplingParams(max_new_tokens=args.max_completion_length, temperature=args.temperature,
-                                 top_p=args.top_p if args.top_p is not None else 1.0, top_k=args.top_k or 0,
-                                 seed=seed, n=n, ignore_eos=self.ignore_eos, logprobs=TOP_LOGPROBS)
+        seed = int(np.random.SeedSequence([int(seed), self.calls]).generate_state(1)[0])
+        params = [replace(self.sampling, seed=seed, n=n, ignore_eos=self.ignore_eos, logprobs=TOP_LOGPROBS)
                   for _, n in runs]
         groups = self.engine.generate([p for p, _ in runs], params)
         return [c for group in groups for c in group]
@@ -284,7 +333,7 @@ class SparseRollout:
             pairs = torch.tensor(c.top_logprobs, dtype=torch.float64)  # [T, 20, (id, logp)]
             top_ids[i, : len(pairs)], top_lp[i, : len(pairs)] = pairs[..., 0].long(), pairs[..., 1].float()
         with torch.inference_mode():
-            scores = completion_logprobs(self.model, prompt_ids, comps, trainer.args.temperature,
+            scores = completion_logprobs(self.model, prompt_ids, comps, self.sampling.temperature,
                                          extra_ids=top_ids, entropy=False)
         mask = scores.mask.cpu()
         logp = scores.logp.float().cpu()
@@ -347,4 +396,5 @@ def tokenize_prompts(prompts: list, trainer) -> list[list[int]]:
     return tokenizer(text=prompts)["input_ids"]
 
 
-__all__ = ["MaskCorrection", "RolloutRecord", "SparseRollout", "merged_weights", "tokenize_prompts"]
+__all__ = ["MaskCorrection", "RolloutRecord", "SparseRollout", "merged_weights", "tokenize_prompts",
+           "trl_sampling"]

@@ -36,6 +36,11 @@ Design decisions:
   silently, with nothing written), is named with the dataset row of the completion (a TRL batch that
   raises is called again one item at a time to find it); KeyboardInterrupt still interrupts. Importing
   the file is held to the same rule.
+- A verl function's `extra_info` is what verl's reward manager passes: a copy of the row's extra_info
+  as a dict (`{}` where the column is missing or null, as verl's RLHFDataset reads it) with the keys the
+  manager adds: `num_turns` 2 (a prompt and its completion, as verl's single-turn agent loop counts them)
+  and `rollout_reward_scores` {} (no tool scored the rollout). So a function written for verl's trainer
+  runs here unchanged, and what it changes in the dict does not reach another sample.
 - The signature is checked before any work, with `inspect.signature(...).bind` of what will be passed:
   verl's four keywords when the file is loaded; for TRL, prompts and completions when it is loaded, and
   the dataset's columns as each row is checked (`Task.check_metadata`, which rollout, train and reward
@@ -404,6 +409,14 @@ def logged_metrics() -> dict[str, float]:
     return means
 
 
+def verl_extra_info(value: Any) -> Any:
+    """The `extra_info` verl's naive reward manager passes for a row's extra_info column (module
+    docstring); a value that is not a struct is passed as it is."""
+    if value is not None and not isinstance(value, Mapping):
+        return value
+    return {**(value or {}), "num_turns": 2, "rollout_reward_scores": {}}
+
+
 def reward_fn_spec(spec: str) -> str:
     """A --reward-fn as path.py:function: a file named alone (or whose name holds a colon) means its
     DEFAULT_FUNCTION, as in verl; anything else as given (`load_reward_function` names what is wrong)."""
@@ -515,7 +528,7 @@ class RewardFunction:
             try:
                 value = _awaited(self.fn(data_source=columns.get("data_source"), solution_str=completion,
                                          ground_truth=column_value(answer),
-                                         extra_info=columns.get("extra_info")))
+                                         extra_info=verl_extra_info(columns.get("extra_info"))))
             except USER_ERRORS as e:  # the user's error, named with its row
                 raise self._raised(e, meta) from None
             out.append(self._judgement(value, meta))
