@@ -454,7 +454,8 @@ SCHEMAS: dict[str, ArtifactSpec] = {s.kind: s for s in (
           Col("predicted_step_seconds", F64, nullable=True, range=NONNEG),
           rules=(_budget_non_decreasing,)),
     _spec("rollouts", "one row per sample; budgets per token, 0 = dense; the sample's KV policy and the "
-          "KV tokens each token's query read (kv_lens: the retained cache, = its position without eviction); "
+          "KV tokens its cache held at each token (kv_lens: the retained cache under eviction, else the "
+          "whole cache, of which block top-k reads only its budget); "
           "reward_extra: the fields beside 'score' a user's reward function returned (a JSON object); "
           "speculative decoding (--speculate): accepted, per token whether it was a draft the dense model "
           "kept (else drawn from the dense model), and drafted, the drafts the sample proposed",

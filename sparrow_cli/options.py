@@ -398,10 +398,14 @@ def capped_speculate(speculate: int, max_new_tokens: int, say: Callable[[str], N
     most = max(max_new_tokens - 2, 1)
     if speculate <= most:
         return speculate
-    drafts = f"at most {most} token{'s' * (most != 1)}" if max_new_tokens > 2 else "no token"
-    (say or note)(f"--speculate {speculate} is capped at {most}: with --max-new-tokens {max_new_tokens} a "
-                  f"cycle drafts {drafts} (the first token comes from the prefill and every cycle ends with "
-                  "one of the dense verification)")
+    why = "(the first token comes from the prefill and every cycle ends with one of the dense verification)"
+    if max_new_tokens > 2:
+        said = f"is capped at {most}: with --max-new-tokens {max_new_tokens} a cycle drafts at most {most} " \
+               f"token{'s' * (most != 1)} {why}"
+    else:
+        said = f"drafts nothing: with --max-new-tokens {max_new_tokens} no cycle has a token to draft " \
+               f"{why}, so every token is the dense model's own step"
+    (say or note)(f"--speculate {speculate} {said}")
     return most
 
 

@@ -145,8 +145,9 @@ def profile(
     adapter: Path = typer.Option(None, "--adapter", help="The sparse actor's LoRA (sparrow distill's, or "
                                  "train --distill-sparse's RUN/sparse_adapter): every budget is scored as "
                                  "sparse attention + this adapter against the dense model without it, and a "
-                                 "sparse --sampler samples with it. Not a trained learner's LoRA (train's "
-                                 "RUN/adapter): that is --lora."),
+                                 "block top-k --sampler samples with it; not with --kv-compression or an "
+                                 "eviction --sampler (it was trained for block top-k). Not a trained "
+                                 "learner's LoRA (train's RUN/adapter): that is --lora."),
     lora: Path = typer.Option(None, "--lora", help="A trained learner's LoRA (a peft directory such as "
                               "sparrow train's RUN/adapter), merged into the weights on both sides, as "
                               "sparrow rollout --lora does: the samples, the dense scores and every budget's "
@@ -212,6 +213,7 @@ def profile(
         raise UsageError(str(e)) from None
     if speculate and adapter is not None:  # the adapter's weights load later; refused before then
         raise UsageError(SPECULATE_WITH_ADAPTER)
+    check_actor_under_eviction(adapter, opts.kv_compression, sampler)
     if draft_alpha and adapter is not None:
         raise UsageError(DRAFT_ALPHA_WITH_ADAPTER)
     check_learner(lora)
@@ -341,6 +343,21 @@ def warn_unevicted(modes: list[Eviction], kind: str | None) -> None:
     warn(f"--budgets {budgets} under --kv-compression {kind} evicted nothing: no sequence grew to budget + "
          f"buffer ({caps} tokens) before its last generated token, so {its} alpha of 1 is the dense cache's "
          f"and says nothing about eviction (plan no KV budget from {them})")
+
+
+def check_actor_under_eviction(adapter: Path | None, kv_compression: str | None, sampler: str) -> None:
+    """A sparse actor (sparrow distill's) was trained for block top-k attention: scoring it under
+    --kv-compression, or sampling with it merged into an eviction sampler, is refused in one sentence."""
+    if adapter is None or not distilled_adapter(adapter):
+        return
+    actor = (f"--adapter {adapter} is a sparse actor (sparrow distill's, with sparrow_distill.json), trained "
+             "for block top-k attention")
+    if kv_compression:
+        raise UsageError(f"{actor}, not for --kv-compression's eviction: score block top-k budgets (drop "
+                         "--kv-compression) or drop --adapter")
+    if sampler.split(":", 1)[0] in ("snapkv", "rkv"):
+        raise UsageError(f"{actor}, not for the eviction of --sampler {sampler}, which would sample with it "
+                         "merged: sample with --sampler dense, budget:B or schedule:FILE, or drop --adapter")
 
 
 def check_sparse_actor(adapter: Path | None) -> None:

@@ -195,7 +195,7 @@ def rollout(
 ) -> None:
     """Generate K samples per prompt with dense, fixed-budget or scheduled block top-k sparse attention,
     or a compressed KV cache (--kv-compression): tokens, sampled-token logprobs, the budget of every
-    token, the KV tokens each token read, finish reason and the task's reward (or --reward's, or
+    token, the KV tokens the cache held at each token, finish reason and the task's reward (or --reward's, or
     --reward-fn's with the extra fields it returns). The summary (tokens/s,
     mean budget, KV tokens held against dense, reward) goes to stdout and into the artifact's metadata
     ("summary"). With --workers N the same rollouts (same seeds) come from N Ray workers. A run of our
@@ -518,11 +518,19 @@ def _check_speculate(speculate: int, engine: str, kv_compression, block_topk: bo
 
 
 def _check_sparse_actor(lora: Path | None, policy, speculate: int) -> None:
-    """A sparse actor's adapter (sparrow distill's, with sparrow_distill.json) belongs to sparse sampling
-    only: the dense policy is the base alone, so a dense rollout with it, or the dense verification of
-    --speculate, is refused rather than merged."""
+    """A sparse actor's adapter (sparrow distill's, with sparrow_distill.json) belongs to block top-k
+    sampling only: the dense policy is the base alone, so a dense rollout with it, or the dense verification
+    of --speculate, is refused rather than merged, as is an eviction rollout (--kv-compression), whose
+    cache is not the one the actor was trained to read."""
+    from sparrow.stages.kv_policies import Eviction
+
     if lora is None or not distilled_adapter(lora):
         return
+    if isinstance(policy, Eviction):
+        raise UsageError(f"--adapter {lora} is a sparse actor (sparrow distill's, with "
+                         "sparrow_distill.json), trained for block top-k attention, not for "
+                         "--kv-compression's eviction: give --budget or --schedule to sample with the actor, "
+                         "or drop --adapter")
     if speculate:
         raise UsageError(f"--adapter {lora} is a sparse actor (sparrow distill's, with "
                          "sparrow_distill.json), and --speculate verifies with the dense model, which that "

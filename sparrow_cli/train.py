@@ -163,7 +163,7 @@ def train(
                                      "rollout logprobs instead of the dense recompute."),
     oversample: int = typer.Option(0, "--oversample", help="Roll out this many samples per prompt (more than "
                                    "--samples) and keep the --samples of highest mean acceptance (0 = off: "
-                                   "roll out --samples)."),
+                                   "roll out --samples). Not with --speculate, whose samples are all dense."),
     alpha_sequences: int = typer.Option(
         4, "--alpha-sequences", help="Sequences per step whose every token's alpha is computed exactly "
         "(full vocabulary, teacher-forced dense vs the run's sparsity) and logged as alpha_p5 / alpha_mean, "
@@ -172,7 +172,8 @@ def train(
     speculate: int = typer.Option(0, "--speculate", help="Exact speculative rollouts (rollout --speculate): "
                                   "the run's sparsity drafts up to K tokens per sample and the dense policy "
                                   "verifies them, so every rollout is on-policy (no correction needed) and "
-                                  "draft_acceptance is logged per step. 0 = off; not with --workers."),
+                                  "draft_acceptance is logged per step. 0 = off; not with --workers or "
+                                  "--oversample."),
     epsilon: float = typer.Option(CLIP_LOW, "--epsilon", callback=finite,
                                   help="PPO clip, low side: the ratio of a negative-advantage token is cut "
                                   "at 1 - epsilon (TRL's epsilon; verl's clip_ratio_low)."),

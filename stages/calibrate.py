@@ -505,24 +505,42 @@ def _run_files(run_dir: Path) -> tuple[Path, Path]:
     files = {p: artifact_kind(p) for p in sorted(run_dir.glob("*.parquet"))}
     metrics = [p for p, k in files.items() if k == "metrics"]
     schedules = [p for p, k in files.items() if k == "schedule"]
-    if len(metrics) == 1 and not schedules:
-        from sparrow.schemas import artifact_metadata
-
-        sparsity = json.loads(artifact_metadata(metrics[0]).get("config") or "{}").get("sparsity", "")
-        if str(sparsity).split(":", 1)[0] in ("snapkv", "rkv"):
-            raise ArtifactError(f"{run_dir}: the run rolled out with KV compression ({sparsity}); "
-                                "calibrate-threshold fits block top-k's tail threshold, which eviction runs "
-                                "do not inform")
+    if len(metrics) == 1:
+        _check_sparse_rollouts(run_dir, metrics[0])
     if len(metrics) != 1 or len(schedules) != 1:
         raise ArtifactError(f"{run_dir}: a run directory needs exactly one metrics and one schedule "
                             f"artifact, found {len(metrics)} and {len(schedules)}")
     return metrics[0], schedules[0]
 
 
+def _check_sparse_rollouts(run_dir: Path, metrics: Path) -> None:
+    """A run is labelled by what its sparse rollouts did to training: a run that rolled out with KV
+    compression (eviction) or with --speculate (the dense policy's exact samples) has no block top-k
+    rollouts whose tail its stability could speak for, so it is refused in one sentence."""
+    from sparrow.schemas import ArtifactError, artifact_metadata
+
+    try:
+        config = json.loads(artifact_metadata(metrics).get("config") or "{}")
+    except ValueError:
+        return  # read_runs reads it again, as a run without a configuration
+    if not isinstance(config, dict):
+        return
+    sparsity = config.get("sparsity", "")
+    if str(sparsity).split(":", 1)[0] in ("snapkv", "rkv"):
+        raise ArtifactError(f"{run_dir}: the run rolled out with KV compression ({sparsity}); "
+                            "calibrate-threshold fits block top-k's tail threshold, which eviction runs "
+                            "do not inform")
+    if config.get("speculate"):
+        raise ArtifactError(f"{run_dir}: the run rolled out with --speculate {config['speculate']}, the "
+                            "dense policy's exact samples; calibrate-threshold fits block top-k's tail "
+                            "threshold, which speculative runs do not inform (their sparse attention only "
+                            "drafted)")
+
+
 REFERENCE_FREE = {"sparsity", "schedule_sha256", "correction", "distill_sparse", "distill_rank",
                   "distill_alpha", "distill_lr_ratio", "distill_kl_coef", "steps", "checkpoint_every",
                   "eval_every", "device", "random_weights", "gradient_checkpointing", "threads",
-                  "speculate"}  # speculative rollouts are dense samples: a dense run is their reference
+                  "speculate"}  # a --speculate run itself is refused (_check_sparse_rollouts)
 
 
 def _config_key(config: dict, with_seed: bool) -> str:

@@ -179,3 +179,11 @@ def test_a_long_prompt_says_what_the_first_step_does_before_it(tmp_path, no_work
     assert "the first step prefills prompts of up to 41 tokens; progress follows it" in said(r)
     r = rollout(tmp_path, [12, 39], "--max-new-tokens", "4")
     assert "loading model" in said(r) and "prefills" not in said(r)
+
+
+def test_a_cycle_with_no_room_to_draft_is_said_to_draft_nothing():
+    from sparrow.cli.options import capped_speculate
+
+    said: list[str] = []
+    assert capped_speculate(3, 2, said.append) == 1  # one prefill token, one verified: no draft between
+    assert said == [s for s in said if "drafts nothing" in s and "capped" not in s] and len(said) == 1

@@ -431,7 +431,12 @@ class Engine:
         self.stats.prefill_tokens += sum(len(r.tokens) for r in rows)
         self.stats.recomputed_tokens += sum(len(r.tokens) for r in rows if r.budgets is not None)
         for seq in restored:  # an evicting sample: its retained cache, replayed (runner.restore)
-            seq.cached = seq.policy.cache_len(len(seq.request.prompt), len(seq.tokens) - 1)
+            prompt_len, generated = len(seq.request.prompt), len(seq.tokens) - 1
+            seq.cached = seq.policy.cache_len(prompt_len, generated)
+            # a compression that was due when it was preempted is the replay's, never the scheduler's
+            replayed = seq.policy.compressions(prompt_len, generated)
+            self.scheduler.compactions += replayed - seq.compactions
+            seq.compactions = replayed
             seq.pages = [blocks.allocate() for _ in range(blocks.pages_for(seq.cached))]
             self.runner.restore(seq, seq.pages)
             fed = len(seq.request.prompt) + len(seq.tokens) - 1
@@ -469,7 +474,7 @@ class Engine:
                 return
         budgets = [s.budget_now() for s in seqs]
         # what the rollouts record of each token: the budget of its step (an evicting policy's KV budget),
-        # and the KV tokens its query reads (the cache with the fed token)
+        # and the KV tokens the cache holds (with the fed token)
         recorded = [s.policy.token_budget(s.num_tokens) for s in seqs]
         self.runner.launch_decode(seqs, budgets)
         held = dense = 0

@@ -50,7 +50,7 @@ class Completion:
     budgets: list[int]  # budget of the step that produced each token (0 = dense; the first is prefill)
     finish_reason: str  # stop | length
     top_logprobs: list[list[tuple[int, float]]] | None = None
-    kv_lens: list[int] | None = None  # KV tokens each token's query attended to (the retained cache)
+    kv_lens: list[int] | None = None  # KV tokens the cache held at each token (eviction's retained set)
     policy: str | None = None  # the request's KV policy (its spec)
     # speculative decoding: per token, whether it was a draft the dense model kept (else drawn densely),
     # and the drafts this sample proposed; None / 0 otherwise

@@ -172,7 +172,7 @@ class Drafting:
 @dataclass
 class Emitted:
     """What a cycle gives one sample: its tokens (kept drafts, then the resampled or bonus token), their
-    dense logprobs, top logprobs rows (or None) and the KV tokens each token's query read."""
+    dense logprobs, top logprobs rows (or None) and the KV tokens the cache held at each token."""
 
     seq: Sequence
     tokens: list[int]

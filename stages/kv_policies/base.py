@@ -35,6 +35,11 @@ class KVPolicy:
         were fed by decode steps (compressions included)."""
         return prompt_len + fed
 
+    def compressions(self, prompt_len: int, fed: int) -> int:
+        """The compressions a sample's cache went through by the time `fed` of its generated tokens were
+        fed (those `cache_len` includes): what a recompute's replay rebuilds."""
+        return 0
+
     def max_cache(self, prompt_len: int, max_new_tokens: int) -> int:
         """The most tokens a sample's cache ever holds (its last sampled token is never fed back)."""
         return prompt_len + max_new_tokens - 1

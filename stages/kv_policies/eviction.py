@@ -83,6 +83,10 @@ class Eviction(KVPolicy):
             return prompt_len + fed
         return self.budget + (fed - first) % self.buffer
 
+    def compressions(self, prompt_len: int, fed: int) -> int:
+        first = self.first_compression(prompt_len)
+        return 0 if fed < first else 1 + (fed - first) // self.buffer
+
     def max_cache(self, prompt_len: int, max_new_tokens: int) -> int:
         return min(prompt_len + max_new_tokens - 1, max(prompt_len + 1, self.capacity))
 

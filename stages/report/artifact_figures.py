@@ -37,7 +37,9 @@ def tail_figure(mismatch: Path, name: str, line_at: TailLine, out: Path, plt) ->
     rows = sql_rows(files_of(mismatch), lambda scan: f"""SELECT budget, bin,
                     quantile_cont(alpha, {float(threshold.quantile)}) AS tail, avg(alpha) AS mean,
                     count(*) AS n, avg(position) AS at FROM {scan} GROUP BY ALL ORDER BY ALL""")
-    width = int(artifact_metadata(mismatch).get("bin_width", 2000))
+    meta = artifact_metadata(mismatch)
+    width, evicting = int(meta.get("bin_width", 2000)), meta.get("kv_compression") or None
+    budget_word = f"{evicting} KV budget" if evicting else "budget"
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.6), sharey=True)
     if not rows:
         for ax in axes:
@@ -46,7 +48,7 @@ def tail_figure(mismatch: Path, name: str, line_at: TailLine, out: Path, plt) ->
         part = [r for r in rows if r[0] == budget]
         x = [r[5] for r in part]
         for ax, column in ((axes[0], 2), (axes[1], 3)):
-            line, = ax.plot(x, [r[column] for r in part], marker="o", label=f"budget {budget}")
+            line, = ax.plot(x, [r[column] for r in part], marker="o", label=f"{budget_word} {budget}")
             thin = [(r[5], r[column]) for r in part if r[4] < min_tokens]
             if thin:  # hollow: a tail the planner does not trust
                 ax.plot(*zip(*thin), ls="none", marker="o", mfc="white", mec=line.get_color())
@@ -64,7 +66,7 @@ def tail_figure(mismatch: Path, name: str, line_at: TailLine, out: Path, plt) ->
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)
         axes[0].set_ylabel("acceptance alpha")
-    title = f"Tail and mean alpha per position bin and budget: {mismatch.name}"
+    title = f"Tail and mean alpha per position bin and {budget_word}: {mismatch.name}"
     if not rows:
         return save(fig, out, name, title, f"From {mismatch.name}: no scored tokens, so no tail to draw.",
                      plt, 0)
@@ -74,11 +76,20 @@ def tail_figure(mismatch: Path, name: str, line_at: TailLine, out: Path, plt) ->
                   f"tokens, whose tails plan-schedule does not trust (--min-tokens {min_tokens})."
                   if thin_bins else "")
     return save(fig, out, name, title,
-                 f"From {mismatch.name}: {tokens} generated tokens, each scored at every budget, in bins of "
-                 f"{width} tokens (each point sits at the mean position of its bin's tokens). The dashed "
-                 f"line on the tail panel is the {label}: a budget whose tail stays above it in a bin may be "
-                 f"scheduled there. Where the threshold comes from: {threshold.source}.{thin_words}", plt,
-                 len(rows))
+                 f"From {mismatch.name}: {tokens} generated tokens, each scored at every {budget_word}, in "
+                 f"bins of {width} tokens (each point sits at the mean position of its bin's tokens). The "
+                 f"dashed line on the tail panel is the {label}: {_planned(evicting)} Where the threshold "
+                 f"comes from: {threshold.source}.{thin_words}", plt, len(rows))
+
+
+def _planned(evicting: str | None) -> str:
+    """How plan-schedule reads the tail against the threshold: block top-k per bin, eviction one KV budget
+    for the whole sequence (what it evicts is gone for every later position)."""
+    if not evicting:
+        return "a budget whose tail stays above it in a bin may be scheduled there."
+    return (f"{evicting} keeps one KV budget for the whole sequence (an evicted token is gone for every "
+            "later position), so plan-schedule plans the cheapest KV budget whose tail stays at or above it "
+            "in every trusted bin, never one budget per bin.")
 
 
 def calibration_figure(threshold: Path, name: str, out: Path, plt) -> Figure | None:

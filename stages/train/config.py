@@ -92,6 +92,10 @@ class TrainConfig:
         if self.speculate and self.distill_sparse:
             raise ValueError("--speculate samples from the dense policy, so DistillSparse's sparse actor "
                              "would never roll out: drop one of --speculate and --distill-sparse")
+        if self.speculate and self.oversample:
+            raise ValueError("--oversample keeps the samples of highest sparse acceptance, which "
+                             "--speculate's dense samples all share (1): drop one of --speculate and "
+                             "--oversample")
         if self.alpha_sequences < 0:
             raise ValueError(f"--alpha-sequences must be >= 0 (0 = none), got {self.alpha_sequences}")
         if self.lora_rank < 0:
