@@ -1,8 +1,8 @@
 """The `sparrow rollout` stage: the engine (or vLLM, or Ray workers) over a prompt set, written as a
-`rollouts` artifact: one row per sample with its tokens, sampled-token logprobs, the budget and KV
-tokens each token read, finish reason and the task's reward; the summary compares the KV tokens held
-with what dense caches would hold. Our engine in this process journals its finished prompts beside the
-output, so that a stopped run continues where it stopped (rollout_journal.py)."""
+`rollouts` artifact: one row per sample with its tokens, sampled-token logprobs, the budget and the KV
+tokens the cache held at each token, finish reason and the task's reward; the summary compares the KV
+tokens held with what dense caches would hold. Our engine in this process journals its finished
+prompts beside the output, so that a stopped run continues where it stopped (rollout_journal.py)."""
 
 from __future__ import annotations
 
@@ -577,8 +577,10 @@ def write_rollouts_with_vllm(prompt_set, sampling: SamplingParams, run: RolloutR
 def merge_summaries(results: Seq, wall_seconds: float) -> RolloutSummary:
     """One summary over the shards' (table, summary) results: counts and reward over every part;
     `seconds` is the wall-clock time of the parallel run (so tokens/s is the pool's throughput) and
-    prefill, decode and reward seconds are summed over workers."""
-    cols = summary_columns(pa.concat_tables([r.table for r in results]))
+    prefill, decode and reward seconds are summed over workers. A part without rows (a worker given no
+    prompts) counts nothing, whatever its columns' types."""
+    tables = [r.table for r in results]
+    cols = summary_columns(pa.concat_tables([t for t in tables if t.num_rows] or tables[:1]))
     scored = [r.summary.reward_seconds for r in results if r.summary.reward_seconds is not None]
     merged = summarize(cols, _Stats(sum(r.summary.prefill_seconds for r in results),
                                     sum(r.summary.decode_seconds for r in results),

@@ -120,6 +120,44 @@ def test_two_workers_equal_one_process_and_a_dead_workers_shard_is_redone(ray_cl
     assert metas[0]["summary"]["samples"] == 10 and metas[0]["summary"]["tokens"] == 120
     assert pa.concat_tables([read_artifact(p) for p in parts]).num_rows == 10  # nothing counted twice
     assert "wrote 10 rollouts in 2 parts" in two.stderr
+    assert (f"warning: Ray worker pid {dead_pid} died during shard 0 of 2; shard 0 is redone on a new worker "
+            "(attempt 2 of 3)") in two.stderr
+    assert "(raylet)" not in two.stdout and two.stdout.startswith("samples\t")  # stdout: the summary only
+
+
+@pytest.mark.slow  # 3 worker processes, then 3 more: about 2 minutes on 2 shared cores
+def test_more_workers_than_work_and_an_exception_inside_a_worker(ray_cluster, tmp_path, capsys):
+    """No worker is given an empty shard (a note says how many would have nothing to do), and an exception
+    a task raises in its worker comes out as that exception, not as Ray's wrapper."""
+    from sparrow.stages.backends.ray_pool import RolloutPool
+
+    def shard_of(loaded, items, indices):  # local: pickled by value
+        return list(zip(items, indices))
+
+    def refuses(loaded, items, indices):
+        raise ArtifactError("p.parquet: column prompt_token_ids holds a string, expected token ids")
+
+    pool = RolloutPool("tiny-llama", 3)
+    try:
+        got = pool.map(shard_of, ["a", "b"])
+        assert [(r.shard, r.value) for r in got] == [(0, [("a", 0)]), (1, [("b", 1)])]
+        with pytest.raises(ArtifactError) as e:
+            pool.map(refuses, ["a", "b", "c"])
+        assert str(e.value) == "p.parquet: column prompt_token_ids holds a string, expected token ids"
+    finally:
+        pool.close()
+    assert capsys.readouterr().err.count("note: 3 Ray workers for 2 work items, so the work goes in 2 shards "
+                                         "and 1 worker would have nothing to do") == 1
+
+    rows = read_artifact(_prompts(tmp_path / "p5.parquet")).slice(0, 2)  # 2 prompts on 3 workers
+    prompts = write_artifact(rows, tmp_path / "p.parquet", "prompts")
+    r = runner.invoke(app, ["rollout", "--model", "tiny-qwen3", "--prompts", str(prompts), "--samples", "2",
+                            "--max-new-tokens", "4", "--dense", "--workers", "3", "-o", str(tmp_path / "o")])
+    assert r.exit_code == 0, r.output
+    assert sorted(p.name for p in (tmp_path / "o").iterdir()) == ["part-00000.parquet", "part-00001.parquet"]
+    table = read_artifact(tmp_path / "o", "rollouts")
+    assert list(zip(table.column("prompt_id").to_pylist(), table.column("sample").to_pylist())) == [
+        ("p0", 0), ("p0", 1), ("p1", 0), ("p1", 1)]
 
 
 @pytest.fixture(scope="module")

@@ -1,11 +1,23 @@
 """Data-parallel work on Ray: one actor per worker, each a process that loads the model once; shards
 of a list go to idle workers and a dead worker's shard is redone by a replacement, so every shard's
 result is taken exactly once. A shard's work is a worker method or a stage's function, so the pool
-imports no stage. docs/ray-workers.md gives the design."""
+imports no stage. docs/ray-workers.md gives the design.
+
+Ray is kept to Sparrow's conventions in the driver: `ray.init` installs its own SIGTERM handler
+(sys.exit), so the handlers in place before it are put back after it (SIGTERM then stops a run as it
+does without workers); Ray's start-up log lines below ERROR are not shown; the messages Ray's driver
+prints about its workers (a `(raylet)` line when one dies) go to stderr, not to stdout, which carries
+data; and the pool says itself, in one line each, when it starts, when workers would have nothing to do,
+and when a worker died and its shard is redone. An exception raised inside a worker comes out as that
+exception (its type and sentence), not as Ray's wrapper with the worker's traceback."""
 
 from __future__ import annotations
 
+import logging
 import os
+import signal
+import sys
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -14,6 +26,12 @@ from dataclasses import dataclass
 import pyarrow as pa
 
 OBJECT_STORE_MB = 500
+HANDLERS_KEPT = (signal.SIGINT, signal.SIGTERM)
+
+
+def say(line: str) -> None:
+    """One line of the pool's on stderr (stdout carries the command's data)."""
+    print(line, file=sys.stderr, flush=True)
 
 
 class RayMissing(RuntimeError):
@@ -121,17 +139,20 @@ class RolloutPool:
         if workers < 1:
             raise ValueError(f"--workers must be at least 1, got {workers}")
         ray = require_ray()
+        self._noted_idle = False
         self.started_ray = not ray.is_initialized()
+        say(f"starting {workers} Ray worker{'s' * (workers != 1)} (loading the model in each)")
+        _driver_messages_to_stderr(ray)
         if self.started_ray:
-            if address:
-                ray.init(address=address, log_to_driver=False)
-            else:
-                ray.init(num_cpus=workers * threads, object_store_memory=OBJECT_STORE_MB * 2**20,
-                         include_dashboard=False, log_to_driver=False)
+            local = {} if address else dict(num_cpus=workers * threads, include_dashboard=False,
+                                             object_store_memory=OBJECT_STORE_MB * 2**20)
+            init_keeping_handlers(ray.init, address=address or None, log_to_driver=False,
+                                  logging_level=logging.ERROR, **local)
         gpus = 1 if device == "cuda" else 0
         self._actor_cls = ray.remote(num_cpus=threads, num_gpus=gpus, max_restarts=0)(self.worker_class)
         self._args = (model, device, threads, random_weights, dtype)
         self.max_attempts = max_attempts
+        self._pid_refs: dict[int, object] = {}  # id(worker) -> its pid() call, to name a dead worker
         self.workers = [self._new_worker() for _ in range(workers)]
         self.replaced = 0
 
@@ -139,6 +160,7 @@ class RolloutPool:
         """A worker in the pool's current state: the LoRA injected and the last weights pushed (calls
         on an actor run in order, so its first task sees them)."""
         worker = self._actor_cls.remote(*self._args)
+        self._pid_refs[id(worker)] = worker.pid.remote()
         if getattr(self, "_lora", None):
             worker.add_lora.remote(*self._lora)
         if getattr(self, "_weights", None):
@@ -154,11 +176,14 @@ class RolloutPool:
 
     def map(self, task: str | Callable, items: Sequence, *args,
             on_shard: Callable[[ShardResult], None] | None = None) -> list[ShardResult]:
-        """`task` (see `RolloutWorker.work`) over len(workers) contiguous shards of `items`, in shard
-        order."""
+        """`task` (see `RolloutWorker.work`) over contiguous shards of `items`, one per worker but never
+        an empty one (`plan_shards`), in shard order. An exception the task raises comes out as itself."""
         ray = require_ray()
-        n = len(self.workers)
-        shards = _contiguous_shards(len(items), n)
+        shards = plan_shards(len(items), len(self.workers))
+        n = len(shards)
+        if n < len(self.workers) and not self._noted_idle:
+            say(idle_note(len(items), len(self.workers)))
+            self._noted_idle = True
         pending, idle = deque(range(n)), list(self.workers)
         running: dict = {}
         attempts = [0] * n
@@ -174,20 +199,34 @@ class RolloutPool:
             k, worker = running.pop(done[0])
             try:
                 value, pid = ray.get(done[0])
-            except ray.exceptions.RayActorError:
+            except ray.exceptions.RayTaskError as e:  # raised by the task itself: the same on any worker
+                raise worker_exception(e) from None
+            except ray.exceptions.RayActorError as e:
+                if getattr(e, "actor_init_failed", False):  # its model load failed: so would a new one's
+                    raise RuntimeError(f"a Ray worker could not start: {_last_line(e)}") from None
                 if attempts[k] >= self.max_attempts:
                     raise RuntimeError(f"rollout shard {k} failed on {attempts[k]} workers; "
                                        "giving up") from None
+                dead = self._dead_pid(worker)
                 pending.append(k)  # redone by another worker
                 self.workers[self.workers.index(worker)] = replacement = self._new_worker()
                 self.replaced += 1
                 idle.append(replacement)
+                say(f"warning: Ray worker {dead} died during shard {k} of {n}; shard {k} is redone on a new "
+                    f"worker (attempt {attempts[k] + 1} of {self.max_attempts})")
                 continue
             results[k] = ShardResult(k, value, pid, attempts[k])
             idle.append(worker)
             if on_shard is not None:
                 on_shard(results[k])
         return [results[k] for k in range(n)]
+
+    def _dead_pid(self, worker) -> str:
+        """The pid of a worker that died, for the warning ("pid unknown" if it died before saying it)."""
+        try:
+            return f"pid {require_ray().get(self._pid_refs.pop(id(worker)), timeout=5)}"
+        except Exception:  # noqa: BLE001 - only a name for a message
+            return "(pid unknown)"
 
     def push_weights(self, state: dict, lora: bool) -> float:
         """Weight sync: every worker loads `state` (LoRA tensors, or a full state dict) from one copy
@@ -208,13 +247,78 @@ class RolloutPool:
         ray = require_ray()
         for w in self.workers:
             ray.kill(w)
-        self.workers = []
+        self.workers, self._pid_refs = [], {}
         if self.started_ray:
             ray.shutdown()
 
 
-def _contiguous_shards(total: int, n: int) -> list[slice]:
-    """n contiguous shares of `total` items, the first total % n one larger (as `World.shard` splits)."""
+def plan_shards(total: int, workers: int) -> list[slice]:
+    """Contiguous shares of `total` items for `workers` workers, the first ones one larger (as
+    `World.shard` splits): one per worker, but no empty one (a worker with nothing to do stays idle),
+    and a single empty one when there are no items, so the task still returns its empty result."""
+    n = max(1, min(workers, total))
     base, extra = divmod(total, n)
     starts = [k * base + min(k, extra) for k in range(n + 1)]
     return [slice(starts[k], starts[k + 1]) for k in range(n)]
+
+
+def idle_note(items: int, workers: int) -> str:
+    n = len(plan_shards(items, workers))
+    idle = workers - n
+    return (f"note: {workers} Ray workers for {items} work item{'s' * (items != 1)}, so the work goes in "
+            f"{n} shard{'s' * (n != 1)} and {idle} worker{'s' * (idle != 1)} would have nothing to do")
+
+
+def worker_exception(error: Exception) -> Exception:
+    """What a task raised inside its worker (Ray's RayTaskError carries it as `cause`), so the command
+    reports it as it does without workers; Ray's own error, in one line, when the cause cannot be had."""
+    cause = getattr(error, "cause", None)
+    if isinstance(cause, Exception):
+        return cause
+    return RuntimeError(f"a Ray worker failed: {_last_line(error)}")
+
+
+def _last_line(error: Exception) -> str:
+    """The last line of Ray's error text (where a traceback ends in the exception's own sentence)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[-1] if lines else type(error).__name__
+
+
+def init_keeping_handlers(init: Callable[..., object], **kwargs) -> None:
+    """`init(**kwargs)` (ray.init) with this process's SIGINT and SIGTERM handlers put back after it:
+    ray.init sets SIGTERM to sys.exit, which would go around the CLI's handler (checkpoint, `terminated`,
+    exit 143). A SIGTERM that comes during the init is handed to the handler that was in place."""
+    main = threading.current_thread() is threading.main_thread()
+    kept = {s: signal.getsignal(s) for s in HANDLERS_KEPT} if main else {}
+    try:
+        init(**kwargs)
+    except SystemExit as e:
+        if e.code != signal.SIGTERM or not callable(kept.get(signal.SIGTERM)):
+            raise
+        _restore(kept)
+        kept[signal.SIGTERM](signal.SIGTERM, None)
+        raise
+    finally:
+        _restore(kept)
+
+
+def _restore(handlers: dict) -> None:
+    for signum, handler in handlers.items():
+        if handler is not None:  # None: set outside Python, which cannot be put back from here
+            signal.signal(signum, handler)
+
+
+def _driver_messages_to_stderr(ray) -> None:
+    """Ray's driver prints the messages its cluster publishes about workers (a worker that died, one
+    that could not start) on stdout, whatever `log_to_driver` says, and has no setting for it: the
+    printer it calls is wrapped so that they go to stderr. Ray without that printer is left as it is."""
+    module = getattr(getattr(ray, "_private", None), "worker", None)
+    printer = getattr(module, "print_to_stdstream", None)
+    if printer is None or getattr(printer, "to_stderr", False):
+        return
+
+    def to_stderr(data: dict, *args, **kwargs):
+        return printer({**data, "is_err": True}, *args, **kwargs)
+
+    to_stderr.to_stderr = True
+    module.print_to_stdstream = to_stderr
