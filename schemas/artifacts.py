@@ -8,6 +8,10 @@ Design decisions:
   float width (and integers, which widen), string columns string/large_string, list columns any list
   kind of the right value family; values are then cast to the declared type, safely (an int64 that
   does not fit int32 is an error, never a wraparound). All-null columns of Arrow type null are fine.
+- An integer column also takes floats whose every non-null value is a whole number in the declared
+  type's range: pandas reads an integer column that holds a null as float64 (NaN the null) and saves it
+  so, and such a round trip changes no value. A float with a fraction, NaN or out of range keeps the
+  type's sentence.
 - Closed bounds of float columns allow a 1e-6 tolerance (float32 rounding); NaN is out of any range.
 - Unknown columns are an error (catches typos; a new column means a new schema version).
 - Validation uses pyarrow.compute on whole columns, so it stays fast on millions of per-token rows. A
@@ -206,7 +210,7 @@ def _step(step: int, n: int, row: int, say: Callable[[int, int], str]) -> Failur
 
 def _check_column(values: pa.ChunkedArray, col: Col) -> tuple[pa.ChunkedArray, Failure | None]:
     """The column cast to `col`'s type, or the first of its checks it fails (order (0, step))."""
-    if not _accepts(col.type, values.type):
+    if not _accepts(col.type, values.type) or not _whole_if_float(values, col.type):
         return values, _step(0, 0, 0, lambda n, row: (
             f"has column '{col.name}' of type {_type_name(values.type)}, expected "
             f"{_type_name(col.type)} ({_family(col.type)})"))
@@ -246,6 +250,29 @@ def _check_column(values: pa.ChunkedArray, col: Col) -> tuple[pa.ChunkedArray, F
     return values, None
 
 
+def _whole_if_float(values: pa.ChunkedArray, target: pa.DataType) -> bool:
+    """Whether a float column (or list of floats) meant for an integer type holds only whole numbers in
+    its range (nulls aside); True for any other pairing, which `_accepts` judges."""
+    if pa.types.is_dictionary(values.type):
+        values = values.cast(values.type.value_type)
+    while pa.types.is_list(target) and _is_list_kind(values.type):
+        values, target = pc.list_flatten(values), target.value_type
+    if not (pa.types.is_integer(target) and pa.types.is_floating(values.type)):
+        return True
+    if values.null_count == len(values):
+        return True
+    if not pc.all(pc.equal(values, pc.floor(values))).as_py():  # NaN equals nothing: refused too
+        return False
+    bounds = np.iinfo(target.to_pandas_dtype())
+    low, high = pc.min_max(values).values()
+    return bounds.min <= low.as_py() and high.as_py() <= bounds.max
+
+
+def _is_list_kind(t: pa.DataType) -> bool:
+    return (pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t)
+            or pa.types.is_list_view(t) or pa.types.is_large_list_view(t))
+
+
 def _family(t: pa.DataType) -> str:
     if pa.types.is_integer(t):
         return "any integer type"
@@ -271,17 +298,14 @@ def _accepts(target: pa.DataType, found: pa.DataType) -> bool:
         found = found.value_type
     if pa.types.is_null(found):
         return True
-    if pa.types.is_integer(target):
-        return pa.types.is_integer(found)
+    if pa.types.is_integer(target):  # floats: if whole (`_whole_if_float`)
+        return pa.types.is_integer(found) or pa.types.is_floating(found)
     if pa.types.is_floating(target):
         return pa.types.is_floating(found) or pa.types.is_integer(found)
     if pa.types.is_string(target):
         return pa.types.is_string(found) or pa.types.is_large_string(found) or pa.types.is_string_view(found)
     if pa.types.is_list(target):
-        is_list = (pa.types.is_list(found) or pa.types.is_large_list(found)
-                   or pa.types.is_fixed_size_list(found) or pa.types.is_list_view(found)
-                   or pa.types.is_large_list_view(found))
-        return is_list and _accepts(target.value_type, found.value_type)
+        return _is_list_kind(found) and _accepts(target.value_type, found.value_type)
     return found == target
 
 

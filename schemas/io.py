@@ -106,21 +106,42 @@ def write_table(table: pa.Table, path: str | os.PathLike) -> Path:
     return Path(path)
 
 
+ROW_GROUP_ROWS = 128 * 1024  # a streamed result's row group: what a scan skips or reads at once
+ROW_GROUP_BYTES = 64 * 1024 * 1024  # ... or fewer rows when they are this large in memory
+
+
 def write_batches(schema: pa.Schema, batches: Iterable[pa.RecordBatch], path: str | os.PathLike) -> int:
     """Write record batches as they come as one plain Parquet file (a streamed query result), by the
-    artifacts' rule; the rows written."""
+    artifacts' rule; the rows written. Batches are gathered into row groups of ROW_GROUP_ROWS rows, or
+    fewer of ROW_GROUP_BYTES, so that memory holds one row group, not the result."""
     rows = 0
     schema = schema.with_metadata(stamped(schema.metadata))
 
     def write(f: BinaryIO) -> None:
         nonlocal rows
         with pq.ParquetWriter(f, schema, compression="zstd") as writer:
-            for batch in batches:
-                writer.write_batch(batch)
-                rows += batch.num_rows
+            for group in _row_groups(batches):
+                table = pa.Table.from_batches(group, schema=schema)
+                writer.write_table(table, row_group_size=ROW_GROUP_ROWS)
+                rows += table.num_rows
 
     _write(Path(path), write)
     return rows
+
+
+def _row_groups(batches: Iterable[pa.RecordBatch]) -> Iterator[list[pa.RecordBatch]]:
+    """The batches gathered up to ROW_GROUP_ROWS rows or ROW_GROUP_BYTES bytes each (a larger batch
+    alone), in order."""
+    group: list[pa.RecordBatch] = []
+    rows = size = 0
+    for batch in batches:
+        if group and (rows + batch.num_rows > ROW_GROUP_ROWS or size + batch.nbytes > ROW_GROUP_BYTES):
+            yield group
+            group, rows, size = [], 0, 0
+        group.append(batch)
+        rows, size = rows + batch.num_rows, size + batch.nbytes
+    if group:
+        yield group
 
 
 def write_bytes(path: str | os.PathLike, data: bytes) -> Path:

@@ -31,7 +31,15 @@ from rich.text import Text
 
 from sparrow.schemas.io import write_batches
 from sparrow.schemas.locations import PLAIN, QUERY_KEY, describe, is_stdio, special_kind
-from sparrow.stages.sql import DEFAULT_MEMORY, DEFAULT_TIMEOUT, Limits, QueryError, QueryLimit, parse_memory
+from sparrow.stages.sql import (
+    DEFAULT_MEMORY,
+    DEFAULT_TIMEOUT,
+    Limits,
+    QueryError,
+    QueryLimit,
+    parquet_refusal,
+    parse_memory,
+)
 from sparrow.stages.sql import query as run_sql
 
 from .common import (
@@ -117,6 +125,8 @@ def sql(
         with _QueryClock() as clock, run_sql(run, query, limits, warn=warn) as result:
             batches = clock.batches(result.batches, until_first)
             if output is not None:
+                if refused := parquet_refusal(result.schema):
+                    fail(refused)
                 rows = write_batches(_marked(result.schema, query), batches, output)
                 where = "stdout" if str(output) == "-" else printable(str(output))
                 console.print(f"wrote {rows} rows x {len(result.schema)} columns to {where}", highlight=False,

@@ -5,12 +5,21 @@ schedule artifact and its export.
 
 Torch-free for presets, so planning for a Qwen3 preset starts in a fraction of a second. Every refusal is
 a ScheduleError (or CostError) whose message is one sentence.
+
+A measured profile's bin width is the one its metadata records (`sparrow.meta` bin_width), or --bin-width,
+which re-bins its tokens by position. A profile that records none (saved again by pandas, DuckDB or polars,
+which drop the footer) has it inferred from its `bin` column (`profile_bin_width`): `bin == position // w`
+on every row bounds w from both sides, per bin, by its first and last position, so one bounded scan gives
+every width the rows fit; the largest is taken (where no trajectory crosses a bin's start, the widths
+below it fit too), and a `bin` column no width fits is refused. The width and where it came from are a
+note of the plan when the metadata does not give it. Its page size needs no such care: Sparrow profiles at
+one page size (PAGE_SIZE), and a budget that is not a multiple of it is refused by the planner.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -21,6 +30,7 @@ from sparrow.schemas import artifact_metadata, check_artifact, input_name, read_
 from sparrow.schemas.io import column_reader
 
 from .calibrate import ResolvedThreshold, resolve_threshold
+from .core.definitions import PAGE_SIZE
 from .core.published_schedules import (
     PUBLISHED_SPEEDUP_THRESHOLD,
     PUBLISHED_SPEEDUPS,
@@ -93,6 +103,78 @@ def profile_rows(profile: Path) -> ProfileRows:
     return lambda: column_reader(profile, "mismatch", PROFILE_COLUMNS)
 
 
+PROFILE_BIN_WIDTH = 512  # `sparrow profile --bin-width`'s default: taken where any width fits the rows
+
+
+@dataclass(frozen=True)
+class BinWidth:
+    """A profile's bin width in tokens, and where it came from: `recorded` (its metadata), `given`
+    (--bin-width) or `inferred` (its `bin` column: any of `low`..`high` fits it, high None for unbounded)."""
+
+    width: int
+    origin: str  # recorded | given | inferred
+    low: int = 0
+    high: int | None = None
+
+    @property
+    def note(self) -> str | None:
+        """The one line a plan says of its width where the profile's metadata does not give it."""
+        if self.origin == "given":
+            return f"bins of {self.width} tokens (--bin-width)"
+        if self.origin != "inferred":
+            return None
+        if self.high == self.low:
+            return (f"bins of {self.width} tokens, inferred from the profile's bin column (it records no bin "
+                    "width; give --bin-width to re-bin it)")
+        fits = f"{self.low} to {self.high}" if self.high is not None else f"any from {self.low}"
+        return (f"bins of {self.width} tokens, inferred from the profile's bin column, which widths {fits} "
+                "fit (it records no bin width; give --bin-width to re-bin it)")
+
+
+BinSpan = tuple[int, int, int]  # a bin's number, and the first and last position of its rows
+
+
+def profile_bin_width(profile: Path, given: int | None = None,
+                      spans: Iterable[BinSpan] | None = None) -> BinWidth:
+    """The bin width of a mismatch profile (module docstring): --bin-width `given`, else its metadata's,
+    else inferred from its `bin` column, from `spans` when the caller has them (per bin, or finer), else
+    from a scan of the checked profile's positions and bins. ScheduleError when no width fits the rows."""
+    recorded = artifact_metadata(profile).get("bin_width")
+    if given is not None:
+        return BinWidth(given, "recorded" if recorded is not None and int(recorded) == given else "given")
+    if recorded is not None:
+        return BinWidth(int(recorded), "recorded")
+    return inferred_bin_width(bin_spans(profile) if spans is None else spans, profile)
+
+
+def bin_spans(profile: Path) -> list[BinSpan]:
+    """Per bin of a checked mismatch profile, its first and last position: one streamed aggregate."""
+    import duckdb
+
+    con = duckdb.connect()
+    con.register("mismatch", column_reader(profile, "mismatch", ("position", "bin")))
+    return con.execute("SELECT bin, min(position), max(position) FROM mismatch GROUP BY bin").fetchall()
+
+
+def inferred_bin_width(spans: Iterable[BinSpan], profile: Path | str) -> BinWidth:
+    """The largest w with bin == position // w for the rows `spans` sums up: bin b's positions must lie
+    in [b*w, (b+1)*w), so w > last // (b+1) and, past bin 0, w <= first // b. Where every row is in bin
+    0 (no upper bound), PROFILE_BIN_WIDTH if it fits, else the smallest width that does."""
+    low, high, low_at, high_at = 1, None, None, None
+    for b, first, last in spans:
+        if last // (b + 1) + 1 > low:
+            low, low_at = last // (b + 1) + 1, (b, last)
+        if b > 0 and (high is None or first // b < high):
+            high, high_at = first // b, (b, first)
+    if high is not None and low > high:
+        said = f"bin {high_at[0]} starts at position {high_at[1]}"
+        said += f" but bin {low_at[0]} reaches position {low_at[1]}" if low_at else ""
+        raise ScheduleError(f"{profile} records no bin width (no Sparrow metadata) and its 'bin' column is "
+                            f"not position // w for any width w ({said}); give --bin-width to bin its tokens "
+                            "by position")
+    return BinWidth(high if high is not None else max(low, PROFILE_BIN_WIDTH), "inferred", low, high)
+
+
 def half_up(mean: float) -> int:
     """A mean shown as a count, rounded half up (18.5 -> 19), not to the even neighbour as round() does."""
     return int(np.floor(float(mean) + 0.5))
@@ -143,11 +225,12 @@ def check_context(lengths: Lengths, prompt_given: bool, gen_given: bool, context
 
 def load_profile(name: str, profile: Path | None, quantile: float, bin_width: int | None,
                  prompt_len: int | None, gen_len: int | None, min_tokens: int, context: int
-                 ) -> tuple[TailProfile, Lengths, ProfileRows | None]:
+                 ) -> tuple[TailProfile, Lengths, ProfileRows | None, BinWidth | None]:
     """The tail profile, and the prompt and generation lengths it is planned for: given, else for a
     measured profile the means over its trajectories (every profiled bin is planned), else 0 and the
-    published generation length; and a measured profile's rows, checked once (`profile_rows`). Lengths
-    beyond the model's `context` are refused before the tails are read."""
+    published generation length; and a measured profile's rows, checked once (`profile_rows`), and its
+    bin width (`profile_bin_width`). Lengths beyond the model's `context` are refused before the tails are
+    read."""
     given = prompt_len is not None, gen_len is not None
     if profile is None:
         tails = reference_profile(name)
@@ -164,7 +247,7 @@ def load_profile(name: str, profile: Path | None, quantile: float, bin_width: in
                                 f"{bin_width} needs a measured --profile")
         lengths = Lengths(prompt_len or 0, gen_len or REFERENCE_GEN_LEN)
         check_context(lengths, *given, context)
-        return tails, lengths, None
+        return tails, lengths, None, None
     if all(given):
         check_context(Lengths(prompt_len, gen_len), *given, context)
     rows = profile_rows(profile)
@@ -172,7 +255,7 @@ def load_profile(name: str, profile: Path | None, quantile: float, bin_width: in
     if meta.get("kv_compression"):
         raise ScheduleError(f"{profile} profiles {meta['kv_compression']} eviction budgets, which "
                             "`plan_eviction` plans (one KV budget), not a per-bin schedule")
-    width = bin_width or int(meta.get("bin_width", 2000))
+    width = profile_bin_width(profile, bin_width)
     prompts, generated = trajectory_lengths(rows())
     lengths = Lengths(half_up(np.mean(prompts)) if prompt_len is None else prompt_len,
                       half_up(np.mean(generated)) if gen_len is None else gen_len,
@@ -186,9 +269,9 @@ def load_profile(name: str, profile: Path | None, quantile: float, bin_width: in
     check_context(lengths, *given, context)
     profiled = max(p + g - 1 for p, g in zip(prompts, generated, strict=True))  # the last scored position
     last = max(profiled, lengths.prompt_len + lengths.gen_len - 1)
-    tails = measured_profile(rows(), quantile, width, last // width + 1, str(profile),
-                             int(meta.get("page_size", 16)), min_tokens)
-    return tails, lengths, rows
+    tails = measured_profile(rows(), quantile, width.width, last // width.width + 1, str(profile),
+                             int(meta.get("page_size", PAGE_SIZE)), min_tokens)
+    return tails, lengths, rows, width
 
 
 @dataclass
@@ -299,10 +382,13 @@ def plan_schedule(req: PlanRequest, output: Path | None = None, export_to: Path 
     cost_model = load_cost(req.cost, cfg) if req.cost is not None else analytic(cfg, req.hardware or "h100")
     measured = read_artifact(req.cost, "cost") if req.cost is not None else None
     fitted = fitted_range(measured) if measured is not None else None
-    tails, lengths, rows = load_profile(name, req.profile, resolved.quantile, req.bin_width, req.prompt_len,
-                                  req.gen_len, req.min_tokens, cfg.max_position_embeddings)
+    tails, lengths, rows, width = load_profile(name, req.profile, resolved.quantile, req.bin_width,
+                                               req.prompt_len, req.gen_len, req.min_tokens,
+                                               cfg.max_position_embeddings)
     prompt_len, gen_len = lengths.prompt_len, lengths.gen_len
     result = plan(tails, threshold)
+    if width is not None and width.note:
+        result.notes.insert(0, width.note)
     scope = SpeedupScope.of(cost_model, req.batch, prompt_len)
     speedup = cost_model.speedup(result.schedule.budgets_at, gen_len, req.batch, prompt_len, scope.prefill)
     frontier = [frontier_point(plan(tails, t), t, cost_model, gen_len, req.batch, prompt_len, scope.prefill)
@@ -488,7 +574,8 @@ def plan_eviction(profile: Path, threshold: float, quantile: float, bin_width: i
     if not policy:
         raise ScheduleError(f"{profile} profiles block top-k budgets, not an eviction policy's; plan it "
                             "without --kv-compression")
-    width = bin_width or int(meta.get("bin_width", 2000))
+    binned = profile_bin_width(profile, bin_width)
+    width = binned.width
     budgets = json.loads(meta.get("budgets", "[]"))
     specs = dict(zip(budgets, json.loads(meta.get("kv_policies", "[]"))))
     con = duckdb.connect()
@@ -507,7 +594,7 @@ def plan_eviction(profile: Path, threshold: float, quantile: float, bin_width: i
         rows.append(budget_row(budget, [r for r in per_bin if r[0] == budget], thin, threshold,
                                evicted(specs.get(budget), lengths)))
     chosen = next((r["budget"] for r in rows if r["holds"] and r["evicted"]), None)
-    notes = [thin_note(thin, width, min_tokens)] if thin else []
+    notes = [n for n in (binned.note, thin_note(thin, width, min_tokens) if thin else None) if n]
     return EvictionPlan(policy, {int(b): str(sp) for b, sp in specs.items()}, rows, chosen, threshold,
                         quantile, width, str(profile), notes=notes)
 

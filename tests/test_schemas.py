@@ -333,7 +333,7 @@ def test_unknown_column(tmp_path):
 @pytest.mark.parametrize("kind,column,values,found", [
     ("mismatch", "bin", ["0", "0", "0"], "string"),
     ("mismatch", "alpha", [True, True, False], "bool"),
-    ("schedule", "bin", [0.0, 1.0, 2.0], "double"),
+    ("schedule", "bin", [0.0, 1.5, 2.0], "double"),  # a whole float is read as its integer
     ("rollouts", "token_ids", [["7"], ["8"]], "list<string>"),
     ("prompts", "prompt", [1, 2], "int64"),
 ])

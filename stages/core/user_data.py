@@ -293,11 +293,26 @@ def _taken_for_ours(path: Path, columns: list[str], answer_column: str | None) -
     if answer_column is not None:
         raise DatasetError(f"{path} is read as a Sparrow prompts file (it {why}), whose answer is its column "
                            f"'answer'; --answer-column names the answer of a verl or TRL dataset: {rename}")
-    dropped = [c for c in columns if c not in OUR_COLUMNS]
+    index = pandas_index(path, columns)
+    dropped = [c for c in columns if c not in OUR_COLUMNS and c not in index]
     if dropped:
         print(f"warning: {path} is read as a Sparrow prompts file (it {why}), so its columns "
               f"{', '.join(map(repr, dropped))} do not reach the reward; {rename}", file=sys.stderr,
               flush=True)
+
+
+def pandas_index(path: Path, columns: list[str]) -> set[str]:
+    """Those of `columns` that hold pandas' index (`__index_level_0__`, or a named index that the footer's
+    `pandas` record of a Parquet file lists): pandas' row labels, not data, so our reader drops them
+    without a word."""
+    named: set[str] = set()
+    if _starts_with(path, PARQUET_MAGIC):
+        try:
+            recorded = (read_schema(path).pandas_metadata or {}).get("index_columns", [])
+        except (ArtifactError, ValueError):  # a damaged `pandas` record: no index to drop
+            recorded = []
+        named = {c for c in recorded if isinstance(c, str)}
+    return {c for c in columns if c in named or re.fullmatch(r"__index_level_\d+__", c)}
 
 
 def _prompt(prompt: Any, path: Path, row: int) -> tuple[str | None, list[dict] | None]:

@@ -14,7 +14,8 @@ from sparrow.schemas import artifact_metadata, read_artifact
 from sparrow.schemas.footer import file_json
 
 from ..calibrate import PRIOR_RANGE_NOTE, ResolvedThreshold
-from ..core.schedule import MIN_TOKENS
+from ..core.schedule import MIN_TOKENS, ScheduleError
+from ..plan import profile_bin_width
 from .canvas import Figure, save, say
 from .collect import calibrated_runs
 from .tables import files_of, reward_stats, rollout_stats, sql_rows
@@ -36,9 +37,9 @@ def tail_figure(mismatch: Path, name: str, line_at: TailLine, out: Path, plt) ->
     threshold, min_tokens = line_at.threshold, line_at.min_tokens
     rows = sql_rows(files_of(mismatch), lambda scan: f"""SELECT budget, bin,
                     quantile_cont(alpha, {float(threshold.quantile)}) AS tail, avg(alpha) AS mean,
-                    count(*) AS n, avg(position) AS at FROM {scan} GROUP BY ALL ORDER BY ALL""")
-    meta = artifact_metadata(mismatch)
-    width, evicting = int(meta.get("bin_width", 2000)), meta.get("kv_compression") or None
+                    count(*) AS n, avg(position) AS at, min(position) AS first, max(position) AS last
+                    FROM {scan} GROUP BY ALL ORDER BY ALL""")
+    evicting = artifact_metadata(mismatch).get("kv_compression") or None
     budget_word = f"{evicting} KV budget" if evicting else "budget"
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.6), sharey=True)
     if not rows:
@@ -77,9 +78,21 @@ def tail_figure(mismatch: Path, name: str, line_at: TailLine, out: Path, plt) ->
                   if thin_bins else "")
     return save(fig, out, name, title,
                  f"From {mismatch.name}: {tokens} generated tokens, each scored at every {budget_word}, in "
-                 f"bins of {width} tokens (each point sits at the mean position of its bin's tokens). The "
+                 f"{_bins(mismatch, rows)} (each point sits at the mean position of its bin's tokens). The "
                  f"dashed line on the tail panel is the {label}: {_planned(evicting)} Where the threshold "
                  f"comes from: {threshold.source}.{thin_words}", plt, len(rows))
+
+
+def _bins(mismatch: Path, rows: list[tuple]) -> str:
+    """The profile's bins as the caption names them: their width, and where it came from when the profile's
+    metadata does not record it (plan-schedule's rule, `profile_bin_width`)."""
+    try:
+        width = profile_bin_width(mismatch, spans=[(r[1], r[6], r[7]) for r in rows])
+    except ScheduleError:
+        return "the bins of its 'bin' column, which fit no one width (it records none)"
+    if width.origin == "inferred":
+        return f"bins of {width.width} tokens (inferred from its 'bin' column: it records no bin width)"
+    return f"bins of {width.width} tokens"
 
 
 def _planned(evicting: str | None) -> str:

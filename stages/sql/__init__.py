@@ -13,12 +13,19 @@ DuckDB over them and checks a statement, limits.py bounds a query while it runs;
 streamed. A query that fails on a damaged file (a data page DuckDB cannot decode, which the footer check
 cannot see) says which file: DuckDB's own message names none, so the files of the views it read are read
 again, one by one, to find it.
+
+A result written as Parquet (`-o`) may hold only what Parquet holds: a column of a type pyarrow's Parquet
+writer has no form for (DuckDB's INTERVAL, a UNION, or a list, struct or map of one) is refused in one
+sentence naming it (`parquet_refusal`), before anything is written. None is cast on the user's behalf:
+neither text nor seconds is faithful to DuckDB's months, days and nanoseconds for every reader (DuckDB
+cannot read the ISO 8601 text back, and a month has no fixed length), so the query says which it wants.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import io
 import itertools
 import os
 import re
@@ -30,6 +37,7 @@ from pathlib import Path
 
 import duckdb
 import pyarrow as pa
+import pyarrow.parquet as pq
 
 from .connection import check_query, check_read_only, close_run, first_line, open_run, open_views
 from .files import file_url
@@ -61,7 +69,7 @@ from .views import (
 
 __all__ = ["DEFAULT_MEMORY", "DEFAULT_TIMEOUT", "Limits", "QueryError", "QueryLimit", "Result", "RunChanged",
            "Stopped", "View", "check_query", "check_read_only", "machine_memory", "memory_text", "open_run",
-           "parse_memory", "query", "run_query", "run_views"]
+           "parquet_refusal", "parse_memory", "query", "run_query", "run_views"]
 
 BATCH_ROWS = 8192
 
@@ -73,6 +81,51 @@ class Result:
 
     schema: pa.Schema
     batches: Iterator[pa.RecordBatch]
+
+
+def parquet_refusal(schema: pa.Schema) -> str | None:
+    """One sentence naming the first column of `schema` that Parquet cannot hold, with what to do; None
+    when every column can be written."""
+    for field in schema:
+        try:
+            pq.ParquetWriter(io.BytesIO(), pa.schema([field])).close()
+        except (pa.ArrowNotImplementedError, pa.ArrowInvalid, pa.ArrowTypeError):
+            return (f"column '{field.name}' {_held(field.type)}, which Parquet cannot hold; cast it in the "
+                    f"query ({_cast_advice(field)}) or print the result with -f tsv, csv or json")
+    return None
+
+
+def _held(t: pa.DataType) -> str:
+    """What a column of type `t` is or holds, in DuckDB's words where they differ from Arrow's."""
+    inner = _unwritable_part(t)
+    if inner is None:
+        return f"is of type {t}"
+    what = {"interval": "an INTERVAL", "union": "a UNION"}[inner]
+    return f"is {what}" if _unwritable_part(t, nested=False) else f"holds {what}"
+
+
+def _unwritable_part(t: pa.DataType, nested: bool = True) -> str | None:
+    """'interval' or 'union' for the part of `t` Parquet cannot hold (looked for inside lists, structs and
+    maps unless not `nested`), else None."""
+    if pa.types.is_interval(t):
+        return "interval"
+    if pa.types.is_union(t):
+        return "union"
+    if not nested:
+        return None
+    children = [t.field(i).type for i in range(t.num_fields)]
+    return next((found for child in children if (found := _unwritable_part(child))), None)
+
+
+def _cast_advice(field: pa.Field) -> str:
+    name = field.name if re.fullmatch(r"[a-z_][a-z0-9_]*", field.name) else _identifier(field.name)
+    if pa.types.is_interval(field.type):
+        return f"epoch({name}) for its seconds, or {name}::VARCHAR for its text"
+    return f"{name}::VARCHAR for its text"
+
+
+def _identifier(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"'
 
 
 @contextmanager
