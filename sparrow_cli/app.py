@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -30,6 +31,7 @@ from .common import (  # noqa: E402
     Group,
     StdoutFailed,
     drop_stream,
+    parser_errors,
     say_error,
     stopped,
     writing_stdout,
@@ -38,27 +40,31 @@ from .output import write_out  # noqa: E402
 
 
 class Sparrow(Group):
-    """The `sparrow` command: its subcommands run with `main`'s rules for stdout and for Ctrl-C, also
-    while their options are read (an input spooled from a slow pipe) and outside a command's own
-    handling (`common.friendly_errors`)."""
+    """The `sparrow` command: its subcommands run with `main`'s rules for stdout and for Ctrl-C (or
+    SIGTERM, entry.Terminated), also while their options are read (an input spooled from a slow pipe) and
+    outside a command's own handling (`common.friendly_errors`). A command line that does not parse (an
+    unknown command or option, a bad value, a missing option) is one "error: ..." line
+    (`common.parser_errors`), here where click raises it, before typer would draw its box."""
 
     def make_context(self, *args, **kwargs):
         try:  # reading the command line imports more (typer's own coercion): click would exit 130 silently
-            return super().make_context(*args, **kwargs)
-        except KeyboardInterrupt:
-            stopped()
+            with parser_errors():
+                return super().make_context(*args, **kwargs)
+        except KeyboardInterrupt as e:
+            stopped(getattr(e, "signum", signal.SIGINT))
 
     def invoke(self, ctx):
         try:
-            return super().invoke(ctx)
+            with parser_errors():  # the subcommand's name, and then its own command line
+                return super().invoke(ctx)
         except BrokenPipeError:  # main's rule; what a command prints comes after what it writes
             drop_stream(sys.stdout)
             return None
         except StdoutFailed as e:
             say_error(str(e))
             sys.exit(2)
-        except KeyboardInterrupt:  # click would exit 130 without a word
-            stopped()
+        except KeyboardInterrupt as e:  # click would exit 130 without a word
+            stopped(getattr(e, "signum", signal.SIGINT))
 
 
 app = typer.Typer(
@@ -105,7 +111,8 @@ def main() -> None:
     `Sparrow.invoke` does so for any other write, ending the command there. Any other failure to write
     stdout (a full disk, an I/O error, a closed stdout) is one "error: cannot write stdout (...)" line and
     exit 2 (common.writing_stdout), also for --help and --version and for what is still buffered at the
-    end. Ctrl-C is one line and exit 130 (entry.main, which also covers the imports)."""
+    end. Ctrl-C is one line and exit 130, SIGTERM one line and exit 143 (entry.main, which also covers the
+    imports)."""
     try:
         app()
     except StdoutFailed as e:  # --help, --version: written while the command line is read

@@ -6,6 +6,7 @@ to force it, and `-o -` hands stdout to the artifact (tables and summaries then 
 
 from __future__ import annotations
 
+import difflib
 import functools
 import os
 import re
@@ -15,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
 
@@ -22,6 +24,13 @@ import typer
 from rich.console import Console, ConsoleDimensions
 from rich.text import Text
 from typer.core import TyperCommand, TyperGroup
+
+try:  # typer 0.2x parses with a copy of click of its own
+    from typer._click.exceptions import NoSuchOption
+    from typer._click.exceptions import UsageError as ParserError
+except ImportError:
+    from click.exceptions import NoSuchOption
+    from click.exceptions import UsageError as ParserError
 
 OWN_STYLES = frozenset({"bold", "bold red", "dim", "green", "yellow", "/"})
 _TAG = re.compile(r"(\\*)\[([a-z#/@][^[]*?)]")  # rich's markup tag, with the backslashes before it
@@ -283,6 +292,11 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "--output": ("--output-dir",),
     "--lr": ("--learning-rate",),
     "--kl-coef": ("--beta",),
+    "--eager": ("--enforce-eager",),
+    "--speculate": ("--num-speculative-tokens",),
+    "--ppo-epochs": ("--num-iterations",),
+    "--loss-agg": ("--loss-type",),
+    "--epsilon-high": ("--clip-ratio-high",),
 }
 
 
@@ -290,14 +304,17 @@ def take_aliases(params: list) -> dict:
     """Each option named in ALIASES -> its other names, taken out of its declared names (so that --help
     shows the option under its one name, the others in a last sentence of its help): every command with
     the idea answers to all of them, except a name that already names another of its options (distill's
-    --batch-size, its trajectories per step, stays that)."""
+    --batch-size, its trajectories per step, stays that); a switch answers only to the aliases it declares
+    (fit-cost's and plan-schedule's --speculate switches are another idea than a token count)."""
     taken = {name for param in params for name in (*param.opts, *getattr(param, "secondary_opts", ()))}
     aliases = {}
     for param in params:
         primary = next((n for n in param.opts if n in ALIASES), None)
         if primary is None:
             continue
-        names = [a for a in ALIASES[primary] if a in param.opts or a not in taken]
+        names = [a for a in ALIASES[primary] if a in param.opts or (a not in taken and not param.is_flag)]
+        if not names:
+            continue
         param.opts = [n for n in param.opts if n not in names]
         param.help = f"{param.help or ''} Also {', '.join(names)}.".lstrip()
         aliases[param] = names
@@ -315,11 +332,18 @@ class Command(TyperCommand):
     def get_params(self, ctx) -> list:
         return _bare_flags(super().get_params(ctx))
 
+    def parse_args(self, ctx, args: list[str]) -> list[str]:
+        with parsing(ctx):
+            return super().parse_args(ctx, args)
+
     def make_parser(self, ctx):
         parser = super().make_parser(ctx)
         for param, names in self.aliases.items():
-            parser.add_option(obj=param, opts=names, dest=param.name,
-                              action="append" if param.multiple else "store", nargs=param.nargs)
+            if param.is_flag:  # an alias of a switch takes no value
+                parser.add_option(obj=param, opts=names, dest=param.name, action="store_const", const=True)
+            else:
+                parser.add_option(obj=param, opts=names, dest=param.name,
+                                  action="append" if param.multiple else "store", nargs=param.nargs)
         return parser
 
     def format_help(self, ctx, formatter) -> None:
@@ -333,9 +357,25 @@ class Group(TyperGroup):
     def get_params(self, ctx) -> list:
         return _bare_flags(super().get_params(ctx))
 
+    def parse_args(self, ctx, args: list[str]) -> list[str]:
+        with parsing(ctx):
+            return super().parse_args(ctx, args)
+
     def format_help(self, ctx, formatter) -> None:
         with writing_stdout(), whole_help_cells():
             super().format_help(ctx, formatter)
+
+
+@contextmanager
+def parsing(ctx) -> Iterator[None]:
+    """Reading `ctx`'s command line: an error of click's parser that names no command (an option without
+    its value, a flag given one) is `ctx`'s, so that its line says whose --help to read (`parser_message`)."""
+    try:
+        yield
+    except ParserError as e:
+        if e.ctx is None:
+            e.ctx, e.cmd = ctx, ctx.command
+        raise
 
 
 # ---------------------------------------------------------------- --help's options, never cut
@@ -447,6 +487,111 @@ def _stacked(rows: list[tuple], marked: bool):
 
 class UsageError(ValueError):
     """Bad input found before any work starts."""
+
+
+@contextmanager
+def parser_errors() -> Iterator[None]:
+    """A command line that click cannot parse (an unknown command or option, a value of the wrong type, a
+    missing option or argument) as one "error: ..." line and exit 2, as every other refusal: typer would
+    draw the usage, a hint and a box of 5 or more lines, cut at 80 columns in a log, without "error:". A
+    bare `sparrow` has printed its help already."""
+    try:
+        yield
+    except ParserError as e:
+        if type(e).__name__ != "NoArgsIsHelpError":  # click 8.2's; typer prints nothing more of it either
+            say_error(parser_message(e))
+        sys.exit(e.exit_code)
+
+
+def parser_message(error: ParserError) -> str:
+    """click's message in the style of Sparrow's own (a lower-case start, no closing full stop), an
+    unknown option's hint our own (`option_hint`), and where to read the command's options."""
+    if isinstance(error, NoSuchOption):
+        hint = option_hint(error.option_name, error.ctx)
+        message = f"No such option: {error.option_name}" + (f". {hint}" if hint else "")
+    else:
+        message = error.format_message()
+    message = message.strip().rstrip(".")
+    message = message[:1].lower() + message[1:]
+    ctx = error.ctx
+    if ctx is not None and ctx.help_option_names:
+        message += f" (try '{ctx.command_path} {ctx.help_option_names[0]}')"
+    return message
+
+
+@dataclass(frozen=True)
+class ForeignName:
+    """An option name of another tool for an idea Sparrow names otherwise."""
+
+    ours: str  # Sparrow's option for the idea
+    theirs: str  # whose name it is, as the help cites it
+    flag: bool = False  # a switch, so that only a switch of ours answers for it
+    unlike: tuple[str, str] | None = None  # (an option, how ours differs on the commands that have it)
+
+
+_STEPS = ("--ppo-epochs", "which counts steps of rollouts, each of --ppo-epochs optimizer updates")
+# What a vLLM, TRL or verl user types, for the commands that do not accept it as an alias (ALIASES). A
+# hint names our option only where the command has it; a name listed here never gets a look-alike hint.
+FOREIGN_NAMES: dict[str, ForeignName] = {
+    "--n": ForeignName("--samples", "vLLM's n"),
+    "--num-return-sequences": ForeignName("--samples", "transformers' num_return_sequences"),
+    "--enforce-eager": ForeignName("--eager", "vLLM's enforce_eager", flag=True),
+    "--num-speculative-tokens": ForeignName("--speculate", "vLLM's num_speculative_tokens"),
+    "--num-iterations": ForeignName("--ppo-epochs", "TRL's num_iterations"),
+    "--loss-type": ForeignName("--loss-agg", "TRL's loss_type"),
+    "--loss-agg-mode": ForeignName("--loss-agg", "verl's loss_agg_mode"),
+    "--clip-ratio-low": ForeignName("--epsilon", "verl's clip_ratio_low"),
+    "--clip-ratio-high": ForeignName("--epsilon-high", "verl's clip_ratio_high"),
+    "--kl-loss-coef": ForeignName("--kl-coef", "verl's kl_loss_coef"),
+    "--grad-clip": ForeignName("--max-grad-norm", "verl's grad_clip"),
+    "--lora-r": ForeignName("--lora-rank", "TRL's lora_r"),
+    "--max-steps": ForeignName("--steps", "TRL's max_steps", unlike=_STEPS),
+    "--total-training-steps": ForeignName("--steps", "verl's total_training_steps"),
+    "--save-steps": ForeignName("--checkpoint-every", "TRL's save_steps", unlike=_STEPS),
+    "--save-freq": ForeignName("--checkpoint-every", "verl's save_freq"),
+    "--eval-steps": ForeignName("--eval-every", "TRL's eval_steps", unlike=_STEPS),
+    "--test-freq": ForeignName("--eval-every", "verl's test_freq"),
+    "--vllm-gpu-memory-utilization": ForeignName("--gpu-memory-utilization",
+                                                 "TRL's vllm_gpu_memory_utilization"),
+}
+HINT_SIMILARITY = 0.8  # of the names without their dashes: a typo (--sampels), not a neighbour (--n, --dense)
+
+
+def option_hint(typed: str, ctx) -> str | None:
+    """What to say of an unknown option: our name for another tool's (FOREIGN_NAMES, also spelt with
+    underscores), else the command's options that look like a typo of it. click's own suggestions (difflib
+    at 0.6 on the whole names) point a vLLM user's --n at --dense and --quiet at --budget."""
+    options = _option_names(ctx)
+    name = typed.replace("_", "-")
+    foreign = FOREIGN_NAMES.get(name)
+    if foreign is not None:
+        ours = options.get(foreign.ours)
+        if ours is None or bool(getattr(ours, "is_flag", False)) != foreign.flag:
+            return None
+        if foreign.unlike is not None and foreign.unlike[0] in options:
+            return f"Sparrow's nearest to {foreign.theirs} is {foreign.ours}, {foreign.unlike[1]}"
+        return f"Sparrow's name for {foreign.theirs} is {foreign.ours}"
+    if name in options:  # --top_p
+        return f"Did you mean {name}?"
+    if not name.startswith("--"):
+        return None
+    longs = {option[2:]: option for option in options if option.startswith("--")}
+    close = difflib.get_close_matches(name[2:], longs, n=3, cutoff=HINT_SIMILARITY)
+    return f"Did you mean {' or '.join(longs[c] for c in close)}?" if close else None
+
+
+def _option_names(ctx) -> dict:
+    """Every option name of `ctx`'s command, its aliases (ALIASES) and --no- forms included -> its option."""
+    if ctx is None:
+        return {}
+    command = ctx.command
+    names = {}
+    for param in command.get_params(ctx):
+        for name in (*param.opts, *getattr(param, "secondary_opts", ())):
+            names[name] = param
+    for param, aliases in getattr(command, "aliases", {}).items():
+        names.update(dict.fromkeys(aliases, param))
+    return names
 
 
 def fail(message: str, code: int = 2) -> NoReturn:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import typer
@@ -38,7 +39,7 @@ ANALYTIC_GRID = ("1,16,64", "2048,8192,16384,32768", "dense,512,2048,4096")
 NOISY_FIT = 0.25  # a median relative error above this says the timings, not the model, were measured
 # parameter -> flag of the options that only timing reads: --hardware refuses them rather than ignore them
 MEASURING_FLAGS = {"repeats": "--repeats", "warmup": "--warmup", "threads": "--threads", "seed": "--seed",
-                   "gpu_memory_utilization": "--gpu-memory-utilization"}
+                   "dtype": "--dtype", "gpu_memory_utilization": "--gpu-memory-utilization"}
 
 
 def parse_budgets(text: str) -> list[int]:
@@ -77,8 +78,8 @@ def fit_cost(
                                 "--hardware)."),
     hardware: str = typer.Option(None, "--hardware", help="Write the analytic model of a hardware "
                                  "preset (h100, h200, a100) instead of measuring; it times nothing, so "
-                                 "--repeats, --warmup, --threads, --seed and --gpu-memory-utilization are "
-                                 "refused beside it."),
+                                 "--repeats, --warmup, --threads, --seed, --dtype and "
+                                 "--gpu-memory-utilization are refused beside it."),
     batches: str = typer.Option(None, "--batches", help="Batch sizes of the grid, sequences decoded "
                                 "together as rollout's --max-num-seqs (a list, as --contexts and --budgets; "
                                 f"measured {MEASURED_GRID[0]}; analytic {ANALYTIC_GRID[0]})."),
@@ -94,6 +95,10 @@ def fit_cost(
     seed: int = typer.Option(0, "--seed", callback=non_negative_seed,
                              help="Seed of the random weights and random prompt tokens whose decode "
                              "steps are timed."),
+    dtype: str = typer.Option("auto", "--dtype", help="Weights and KV cache of the timed steps, as "
+                              "rollout's --dtype: auto (bfloat16 on cuda, float32 on cpu), float32 or "
+                              "bfloat16; time the dtype the rollouts run in (recorded in the artifact's "
+                              "metadata, dtype, which plan-schedule names)."),
     gpu_memory_utilization: float = gpu_memory_option(),
     speculate: bool = typer.Option(False, "--speculate/--no-speculate", help="Also time the speculative "
                                    "verification forward (2 and 5 fed tokens per sample at every batch and "
@@ -122,9 +127,13 @@ def fit_cost(
         write_analytic,
         write_fitted,
     )
-    from sparrow.stages.model.loading import model_name, resolve_config
+    from sparrow.stages.model.loading import canonical_dtype, model_name, resolve_config
 
     fmt = resolve_format(format)
+    try:
+        dtype = canonical_dtype(dtype)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     check_output(output, "cost", force, inputs={"--model": model_file(model)})
     if device and hardware:
         raise UsageError("--device measures and --hardware writes an analytic preset; pass only one")
@@ -178,33 +187,46 @@ def fit_cost(
                           f"to {output}")
             return print_predictions(table, fmt)
         device = device or "cpu"
-        points, verify, threads = measure(model, device, grid, seed, threads, gpu_memory_utilization,
-                                          speculate)
-        cost, table = write_fitted(cfg, name, points, device, threads, output, verify)
+        timed = measure(model, device, grid, seed, threads, gpu_memory_utilization, speculate, dtype)
+        points, verify = timed.points, timed.verify
+        cost, table = write_fitted(cfg, name, points, device, timed.threads, output, verify, timed.dtype)
     print_coefficients(cost)
     print_fit_quality(cost, "fit", len(points), "")
     if cost.verify is not None:
         print_fit_quality(cost, "verification fit", len(verify), "verify_")
-    console.print(f"wrote {output}")
+    console.print(f"wrote {output} (decode steps timed in {timed.dtype})")
     print_points(table, fmt)
     if cost.verify is not None:
         print_verify_points(cost, fmt)
 
 
+@dataclass(frozen=True)
+class Timed:
+    """What `measure` timed: the decode-step points, the verification forwards (with --speculate), the CPU
+    threads torch used and the dtype of the weights the steps ran with (read off the loaded model)."""
+
+    points: list[tuple[int, int, int, float]]
+    verify: list[tuple[int, int, int, float]]
+    threads: int
+    dtype: str
+
+
 def measure(model: str, device: str, grid, seed: int, threads: int | None = None,
-            gpu_memory_utilization: float = 0.9, speculate: bool = False):
-    """Timed points, timed verification forwards (with `speculate`) and the CPU threads torch used."""
+            gpu_memory_utilization: float = 0.9, speculate: bool = False, dtype: str = "auto") -> Timed:
+    """Time the rollout engine's decode step (and, with `speculate`, its verification forward) on `device`
+    with weights and KV cache in `dtype` (--dtype's names; auto as rollout resolves it)."""
     import torch
 
     from sparrow.stages.cost import time_decode_steps, time_verifications
-    from sparrow.stages.model.loading import load_model
+    from sparrow.stages.model.loading import load_model, resolve_dtype
 
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise UsageError("--device cuda was asked for but torch sees no CUDA device")
     if threads is not None:
         torch.set_num_threads(threads)
-    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    loaded = load_model(model, device=device, dtype=dtype, random_weights=True, seed=seed)
+    loaded = load_model(model, device=device, dtype=resolve_dtype(dtype, device), random_weights=True,
+                        seed=seed)
+    weights = str(loaded.model.embed_tokens.weight.dtype).removeprefix("torch.")
     # the time left is the points' mean so far: later points (larger batches, longer contexts) take longer
     with Progress(TextColumn("timing the engine's decode step (points)"), BarColumn(),
                   MofNCompleteColumn(), TimeRemainingColumn(), console=console, transient=True,
@@ -222,7 +244,7 @@ def measure(model: str, device: str, grid, seed: int, threads: int | None = None
     if speculate:
         console.print("timing the speculative verification forward (2 and 5 tokens per sample) ...")
         verify = time_verifications(loaded, grid, seed=seed, gpu_memory_utilization=gpu_memory_utilization)
-    return points, verify, torch.get_num_threads()
+    return Timed(points, verify, torch.get_num_threads(), weights)
 
 
 def print_points(table, fmt: str) -> None:

@@ -383,6 +383,8 @@ def distill(
         cfg.validate()
     except ValueError as e:
         raise UsageError(str(e)) from None
+    if temperature is not None and temperature < 0:  # rollout's check and sentence, before any model loads
+        raise UsageError(f"--temperature must be >= 0, got {temperature}")
     for flag, value in (("--samples", samples), ("--max-new-tokens", max_new_tokens),
                         ("--bin-width", bin_width)):
         if value < 1:
@@ -471,7 +473,7 @@ def distill(
         except ValueError as e:
             raise UsageError(str(e)) from None
     h = result.history
-    console.print(f"wrote the adapter to {folder} ({len(h)} steps at "
+    console.print(f"wrote the adapter to {folder} ({len(h)} step{'s' * (len(h) != 1)} at "
                   f"{f'budgets {run.taught}' if taught else run.sampler}, {result.seconds:.1f} s of "
                   f"training; {objective} loss {shown_loss(h[0]['loss']):.4g} -> "
                   f"{shown_loss(h[-1]['loss']):.4g}); per-token mismatch before and after: "

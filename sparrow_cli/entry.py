@@ -1,39 +1,70 @@
 """The `sparrow` console script (pyproject's [project.scripts]). It imports nothing heavy before its
-handlers are in place, so that Ctrl-C while the CLI is still importing numpy, pyarrow or torch is the same
-one line and exit 130 as during a command (common.stopped), never a traceback. The line is written here
-without rich, which may not be imported yet."""
+handlers are in place, so that Ctrl-C or SIGTERM while the CLI is still importing numpy, pyarrow or torch
+is the same one line and exit 130 or 143 as during a command (common.stopped), never a traceback nor a
+silent end. The line is written here without rich, which may not be imported yet.
+
+SIGTERM (what a scheduler sends to cancel a job) takes Ctrl-C's path from the start: `Terminated`, a
+KeyboardInterrupt that names its signal, so that every handler of Ctrl-C on the way (app.Sparrow,
+common.friendly_errors) says "terminated" and exits 143. A command replaces this handler with its own
+while it runs (common.sigterm_as_interrupt) and puts it back after."""
 
 from __future__ import annotations
 
 import os
 import sys
 
-INTERRUPTED = "interrupted; nothing half-written was left behind"
+NOTHING_LEFT = "nothing half-written was left behind"
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where Ctrl-C would be; `signum` names it (its args stay empty: a stage's own
+    KeyboardInterrupt says there what it kept, common.friendly_errors)."""
+
+    def __init__(self, signum: int):
+        super().__init__()
+        self.signum = signum
 
 
 def main() -> None:
-    """Run `sparrow` (app.main) with Ctrl-C at any moment, the imports included, as one line and exit 130."""
+    """Run `sparrow` (app.main) with Ctrl-C and SIGTERM at any moment, the imports included, as one line
+    and exit 130 or 143."""
     try:
         _occupy_closed_streams()
+        _terminate_as_interrupt()
         from .app import main as run
 
         run()
-    except KeyboardInterrupt:
-        interrupted()
+    except KeyboardInterrupt as e:
+        interrupted(getattr(e, "signum", None))
 
 
-def interrupted() -> None:
-    """Say that Ctrl-C stopped the command and exit 130 (never returns); a second Ctrl-C meanwhile ends it
-    at once. Nothing here imports typing or more: the CLI may not have imported anything yet."""
+def _terminate_as_interrupt() -> None:
+    """SIGTERM raises `Terminated`, unless whoever started us ignores it."""
     import signal
 
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN:
+        signal.signal(signal.SIGTERM, _terminate)
+
+
+def _terminate(signum: int, frame) -> None:
+    raise Terminated(signum)
+
+
+def interrupted(signum: int | None = None) -> None:
+    """Say that Ctrl-C (None, SIGINT) or SIGTERM stopped the command and exit 128 + the signal (never
+    returns); the same signal again meanwhile ends it at once. Nothing here imports typing or more: the
+    CLI may not have imported anything yet."""
+    import signal
+
+    signum = signal.SIGINT if signum is None else signum
+    signal.signal(signum, signal.SIG_DFL)
+    what = "interrupted" if signum == signal.SIGINT else "terminated"
     try:
-        sys.stderr.write(INTERRUPTED + "\n")
+        sys.stderr.write(f"{what}; {NOTHING_LEFT}\n")
         sys.stderr.flush()
     except (AttributeError, OSError, ValueError):  # stderr closed or gone: the exit status still says it
         pass
-    sys.exit(130)
+    sys.exit(128 + signum)
 
 
 def _occupy_closed_streams() -> None:

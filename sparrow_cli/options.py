@@ -82,6 +82,26 @@ def any_case(ctx: typer.Context, param: typer.CallbackParam, value: str | None) 
     return value.lower()
 
 
+UNSAFE_HELP = ("Where no sandbox can run (no user namespaces, no bwrap), run code tasks' programs anyway, "
+               "with resource limits only and without isolation: a program can then read your files and "
+               "reach the network. Said on stderr when it happens.")
+
+
+def unsafe_code_option():
+    """--unsafe-code-execution of every command that scores code tasks (reward, rollout, train)."""
+    return typer.Option(False, "--unsafe-code-execution/--no-unsafe-code-execution", help=UNSAFE_HELP)
+
+
+def allow_unsafe_code(unsafe: bool) -> None:
+    """--unsafe-code-execution as reward passes it on: SPARROW_UNSAFE_CODE_EXECUTION=1, which the code
+    tasks' sandbox reads, for this process and those it starts; without the flag the variable is left as
+    the user set it."""
+    from sparrow.stages.tasks.sandbox import UNSAFE_ENV
+
+    if unsafe:
+        os.environ[UNSAFE_ENV] = "1"
+
+
 def option_given(ctx: typer.Context, name: str) -> bool:
     """Whether the option `name` was given (on the command line or in the environment), not defaulted."""
     source = ctx.get_parameter_source(name)  # typer vendors click: compare by name, not by enum class

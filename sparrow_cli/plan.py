@@ -54,7 +54,9 @@ def parse_thresholds(text: str) -> list[float]:
 
 @friendly_errors
 def plan_schedule(
-    model: str = typer.Option(None, "--model", help="Preset, checkpoint dir or .gguf."),
+    model: str = typer.Option(None, "--model", show_default="the profile's model",
+                              help="Preset, checkpoint dir or .gguf (default: the model the --profile "
+                              "records, else the --threshold-file's; required where neither records one)."),
     profile: Path = typer.Option(None, "--profile", callback=input_path, parser=given_path("--profile"),
                                  help="A mismatch artifact (sparrow profile); default: the reference "
                                  "profile of a Qwen3 preset."),
@@ -131,6 +133,7 @@ def plan_schedule(
     scored is never planned), non-decreasing across bins; prints the table and the predicted speedup
     over dense: of the whole rollout (the prompt's dense prefill on both sides) where the cost model
     prices a prefill, as the analytic presets do, else of decode alone, labelled so."""
+    from sparrow.stages.cost import timed_dtype
     from sparrow.stages.plan import PlanRequest, plan_kv_budget, plan_schedule
 
     fmt = resolve_format(format)
@@ -181,7 +184,7 @@ def plan_schedule(
     if export_to is not None and str(export_to) == "-":
         export_to = None  # stdout is where --export prints anyway
     inputs = {"--profile": profile, "--threshold-file": threshold_file, "--cost": cost,
-              "--model": model_file(model)}
+              "--model": model_file(req.model)}
     check_output(output, "schedule", force, inputs=inputs)
     if export is not None and export_to is None and output is not None and str(output) == "-":
         raise UsageError("--export without --export-to prints to stdout, which -o - takes; give --export-to")
@@ -208,7 +211,7 @@ def plan_schedule(
         note(line)
     for warning in planned.warnings:
         warn(warning)
-    print_speedup(planned)
+    print_speedup(planned, timed_dtype(cost) if cost is not None else None)
     console.print(f"  profile: {profile_name(result.source)}", highlight=False, markup=False)
     for line in planned.threshold.lines():
         console.print("  " + line, highlight=False, markup=False)
@@ -236,11 +239,30 @@ def refuse_unused(mode: str, what: str, given: dict[str, bool]) -> None:
 
 
 def _check_plan_inputs(req) -> None:
-    """The checks that a schedule and an eviction plan share, one sentence before any work."""
-    if req.model is None:
-        raise UsageError("--model is required (a preset such as qwen3-4b, a checkpoint dir or a .gguf)")
+    """The checks that a schedule and an eviction plan share, one sentence before any work; --model
+    defaulted to the model its inputs record (`recorded_model`)."""
     if req.threshold is not None and req.threshold_file is not None:
         raise UsageError("pass --threshold or --threshold-file, not both")
+    req.model = req.model or recorded_model(req.profile, req.threshold_file)
+
+
+def recorded_model(profile: Path | None, threshold_file: Path | None) -> str:
+    """The model a plan is for when --model is not given: the one the --profile's metadata records (sparrow
+    profile's, a preset's name or a checkpoint's path), else the --threshold-file's; one sentence where
+    neither records one."""
+    from sparrow.schemas import artifact_metadata
+
+    for path in (profile, threshold_file):
+        recorded = artifact_metadata(path).get("model") if path is not None else None
+        if recorded:
+            return str(recorded)
+    given = [f"{flag} {path}" for flag, path in (("--profile", profile), ("--threshold-file", threshold_file))
+             if path is not None]
+    if not given:
+        raise UsageError("--model is required without a --profile that records it (a preset such as "
+                         "qwen3-4b, planned from its reference profile, a checkpoint dir or a .gguf)")
+    raise UsageError(f"--model is required: {' and '.join(given)} record{'s' * (len(given) == 1)} no model "
+                     "(give a preset such as qwen3-4b, a checkpoint dir or a .gguf)")
 
 
 def _eviction_profile(profile: Path | None, kv_compression: str | None) -> str | None:
@@ -406,9 +428,10 @@ def put_speedup(planned, tables: PlanTables) -> None:
     tables.put("quantile", planned.plan.quantile)
 
 
-def print_speedup(planned) -> None:
+def print_speedup(planned, dtype: str | None = None) -> None:
     """The headline on stderr: the predicted speedup, labelled with what it covers (SpeedupScope), the
-    lengths and batch it is for, the prefill on both sides (or why there is none) and the cost model."""
+    lengths and batch it is for, the prefill on both sides (or why there is none) and the cost model, with
+    the dtype its decode steps were timed in where the cost artifact records one (`dtype`)."""
     scope, lengths = planned.scope, planned.lengths
     console.print(f"predicted {scope.label()}: [bold]{format_speedup(planned.speedup)}[/]", highlight=False)
     lines = [f"  for {lengths.describe(planned.batch)}"]
@@ -419,6 +442,8 @@ def print_speedup(planned) -> None:
         lines.append(f"  prefill: {scope.prefill_s * 1e3:.4g} ms, dense, on both sides of the ratio (decode "
                      f"alone: {format_speedup(planned.decode_speedup)})")
     lines.append(f"  cost: {planned.cost_source}")
+    if dtype is not None:
+        lines.append(f"  cost timed in: {dtype} (the weights and KV cache of fit-cost's decode steps)")
     for line in lines:
         console.print(line, highlight=False, markup=False)
 

@@ -30,6 +30,7 @@ from .common import (
     friendly_errors,
     input_path,
     live_progress,
+    note,
     output_help,
     parse_int_list,
     raw_prompts_option,
@@ -38,6 +39,7 @@ from .common import (
     warn_first_token_stops,
 )
 from .options import (
+    block_topk_sparsity,
     check_budgets,
     check_gpu_memory,
     check_sampling_memory,
@@ -56,6 +58,7 @@ from .options import (
     load_actor,
     model_file,
     non_negative_seed,
+    option_given,
     output_path,
     random_weights_of,
     rollouts_temperature,
@@ -77,6 +80,7 @@ if TYPE_CHECKING:
 
 
 SAMPLING_FLAGS = {"samples": "--samples", "max_new_tokens": "--max-new-tokens", "sampler": "--sampler",
+                  "budget": "--budget", "schedule": "--schedule",
                   "top_p": "--top-p", "top_k": "--top-k", "seed": "--seed",
                   "batch_size": "--max-num-seqs", "speculate": "--speculate"}
 PHASES = {"sampling": "sampling (samples)", "scoring": "scoring (sequences)"}
@@ -101,7 +105,8 @@ def profile(
                                   "score these trajectories instead."),
     budgets: str = typer.Option("256,512,1024", "--budgets",
                                 help="Candidate budgets in tokens, multiples of the page size (with "
-                                "--kv-compression: KV budgets, any number above the sink plus the window)."),
+                                "--kv-compression: KV budgets, any number above the sink plus the window): "
+                                "the budgets scored, not the sampler's (--budget)."),
     kv_compression: str = typer.Option(None, "--kv-compression", help="Score each of --budgets as the KV "
                                        "budget of this eviction policy, snapkv or rkv (Sparse-RL's KV "
                                        "compression, replayed teacher forced), instead of block top-k. A "
@@ -113,7 +118,15 @@ def profile(
                                        "trajectory, as sparrow rollout's."),
     sampler: str = typer.Option("dense", "--sampler", callback=spec_kind_any_case,
                                 help="How trajectories are sampled: dense, budget:B, schedule:FILE, or with "
-                                "KV compression snapkv:B or rkv:B (optionally ,window=W,buffer=N)."),
+                                "KV compression snapkv:B or rkv:B (optionally ,window=W,buffer=N). "
+                                "--budget B and --schedule FILE say budget:B and schedule:FILE as rollout "
+                                "does."),
+    budget: int = typer.Option(None, "--budget", help="Sample with this fixed block top-k budget, as "
+                               "rollout's --budget: the same as --sampler budget:B, and not with --sampler "
+                               "(--budgets lists the budgets scored)."),
+    schedule: Path = typer.Option(None, "--schedule", callback=input_path, parser=given_path("--schedule"),
+                                  metavar="<path>", help="Sample with this schedule, as rollout's "
+                                  "--schedule: the same as --sampler schedule:FILE, and not with --sampler."),
     bin_width: int = typer.Option(512, "--bin-width", help="Position bin width in tokens "
                                   "(the embedded model's 8K context wants 512; Qwen3 runs use 2000)."),
     temperature: float = typer.Option(None, "--temperature", callback=finite,
@@ -197,6 +210,7 @@ def profile(
                          "(score trajectories sampled before)" + (", not both" if prompts else ""))
     if rollouts is not None:
         refuse_sampling_flags(ctx, rollouts)
+    sampler, sampler_label = sampler_of_flags(ctx, sampler, budget, schedule, model)
     opts = ProfileOptions(budgets=parse_int_list(budgets, "--budgets"), samples=samples,
                           max_new_tokens=max_new_tokens, sampler=sampler, bin_width=bin_width,
                           temperature=1.0 if temperature is None else temperature, top_p=top_p, top_k=top_k,
@@ -230,7 +244,7 @@ def profile(
     resolved = default_threshold(threshold, model, quantile)
     cfg = resolve_config(model)
     if prompts is not None:
-        opts.policy = sampler_policy(sampler, cfg, speculate)
+        opts.policy = sampler_policy(sampler, cfg, speculate, sampler_label)
     source = ctx.get_parameter_source("budgets")  # typer vendors click: compare by name, not by enum class
     _check_context(opts, cfg, model, source is not None and source.name in ("COMMANDLINE", "ENVIRONMENT"))
     opts.adapter = load_actor(adapter, cfg, model)  # before any weights load
@@ -244,11 +258,11 @@ def profile(
         warn_unmerged_learner(rollouts, lora)
         opts.temperature = rollouts_temperature(rollouts, given.temperature, temperature)
         run.random_weights = random_weights and random_weights_of(model, RANDOM_WEIGHTS_NOTE)
-        note = f"{rollouts} records no sampling temperature; alpha is measured at temperature 1 " \
+        said = f"{rollouts} records no sampling temperature; alpha is measured at temperature 1 " \
                "(--temperature sets another)"
         unrecorded = given.temperature is None and temperature is None
         with progress_hooks(workers) as hooks:
-            hooks.ready = (lambda: console.print(note)) if unrecorded else None
+            hooks.ready = (lambda: console.print(said)) if unrecorded else None
             hooks.loading = lambda: say_loading(model, device)
             table = profile_rollouts(run, given, rollouts, opts, hooks)
     else:
@@ -412,11 +426,31 @@ def load_learner(lora: Path | None, cfg, model: str) -> LoraWeights | None:
     return weights
 
 
-def sampler_policy(spec: str, cfg=None, speculate: int = 0):
+def sampler_of_flags(ctx: typer.Context, sampler: str, budget: int | None, schedule: Path | None,
+                     model: str) -> tuple[str, str]:
+    """The --sampler spec and how the user named the sampler: --budget B and --schedule FILE (rollout's and
+    train's flags) are budget:B and schedule:FILE, checked by rollout's own checks; given with --sampler,
+    or together, they are refused in one sentence."""
+    given = [flag for flag, value in (("--budget", budget), ("--schedule", schedule)) if value is not None]
+    if not given:
+        return sampler, f"--sampler {sampler}"
+    if len(given) > 1:
+        raise UsageError("--budget and --schedule were given together; pick one")
+    if option_given(ctx, "sampler"):
+        spec = "budget:B" if budget is not None else "schedule:FILE"
+        raise UsageError(f"{given[0]} and --sampler were given together; {given[0]} is --sampler {spec}, so "
+                         "give one of them")
+    block_topk_sparsity(schedule, budget, False, model)
+    if budget is not None:
+        return f"budget:{budget}", f"--budget {budget}"
+    return f"schedule:{schedule}", f"--schedule {schedule}"
+
+
+def sampler_policy(spec: str, cfg=None, speculate: int = 0, label: str | None = None):
     """--sampler (checked by ProfileOptions.validate) as the KV policy the engine samples with. A
     schedule:FILE is read as rollout's --schedule is: an empty path refused as one, the schedule checked
     against the engine's pages and the model's shape (`cfg`), and a draft schedule (or one dense where
-    --speculate drafts) said in rollout's sentences."""
+    --speculate drafts) said in rollout's sentences, naming the sampler as the user did (`label`)."""
     from sparrow.stages.core.sparsity import as_policy
 
     kind, _, path = spec.partition(":")
@@ -429,7 +463,9 @@ def sampler_policy(spec: str, cfg=None, speculate: int = 0):
         raise UsageError(f"--sampler {spec} is an empty path; give a schedule file, as in "
                          "schedule:run/schedule.parquet")
     schedule = _sampler_schedule(Path(path), cfg)
-    check_speculative_schedule(Path(path), speculate, f"--sampler {spec}", "--sampler budget:B")
+    by_flags = label is not None and label.startswith("--schedule")
+    check_speculative_schedule(Path(path), speculate, label or f"--sampler {spec}",
+                               "--budget" if by_flags else "--sampler budget:B")
     return as_policy(schedule)
 
 
@@ -486,15 +522,22 @@ def progress_hooks(workers: int) -> Iterator[Hooks]:
                   TimeElapsedColumn() if workers else TimeRemainingColumn(), console=console, transient=True,
                   disable=not live_progress()) as bar:
         if workers:
-            what = f"profile on {workers} Ray workers (shards)"
-            task, log, done = bar.add_task(what, total=workers), LogProgress(what), [0]
+            what = "profile on Ray workers (shards)"
+            task, log, done, total = bar.add_task(what, total=workers), LogProgress(what), [0], [workers]
+
+            def shards(n: int) -> None:
+                if n < workers:
+                    note(f"--workers {workers} is capped at the {n} items to profile: a worker with none "
+                         "would load the model for nothing")
+                total[0] = n
+                bar.update(task, total=n)
 
             def on_shard(_result) -> None:
                 done[0] += 1
                 bar.advance(task)
-                log(done[0], workers)
+                log(done[0], total[0])
 
-            yield Hooks(on_shard=on_shard)
+            yield Hooks(on_shard=on_shard, shards=shards)
             return
         yield Hooks(progress=PhaseProgress(bar, PHASES))
 

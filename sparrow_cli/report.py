@@ -47,7 +47,7 @@ def report(
         raise UsageError(str(e)) from None
     for f in figures:
         said = "".join(f"; {s}" for s in f.said)
-        _note(f"  {f.file}: {f.title} ({f.points} points{said})")
+        _note(f"  {f.file}: {f.title} ({f.points} point{'s' * (f.points != 1)}{said})")
     _note(f"report: {page}")
     print(page)
 

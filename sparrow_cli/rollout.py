@@ -32,6 +32,7 @@ from .common import (
 from .data_options import answer_column_option, data_options, reward_fn_option, reward_option
 from .options import (
     SAMPLE_SEED_HELP,
+    allow_unsafe_code,
     capped_speculate,
     check_gpu_memory,
     check_host_memory,
@@ -57,6 +58,7 @@ from .options import (
     threads_option,
     top_k_option,
     top_p_option,
+    unsafe_code_option,
 )
 from .output import emit_record, format_option, resolve_format
 
@@ -119,12 +121,14 @@ def rollout(
     answer_column: str = answer_column_option(),
     reward: str = reward_option(),
     reward_fn: str = reward_fn_option(),
+    unsafe_code_execution: bool = unsafe_code_option(),
     schedule: Path = typer.Option(None, "--schedule", callback=input_path, parser=given_path("--schedule"),
                                   metavar="<path>", help="A schedule artifact (sparrow plan-schedule)."),
     budget: int = typer.Option(None, "--budget", help="A fixed budget in tokens (multiple of 16, "
                                "at least 48)."),
     dense: bool = typer.Option(False, "--dense/--no-dense", show_default=False,
-                               help="Dense attention, as without --budget, --schedule or --kv-compression."),
+                               help="Dense attention, as without --budget, --schedule or --kv-compression; "
+                               "--no-dense, the default, leaves the choice to them."),
     kv_compression: str = kv_compression_option(),
     kv_budget: int = kv_budget_option(),
     kv_window: int = kv_window_option(),
@@ -155,14 +159,15 @@ def rollout(
                               "float32 on cpu), float32 or bfloat16. bfloat16 decodes faster on a CPU with "
                               "AVX512-BF16 (docs/benchmarks.md); float32 matches teacher-forced scoring to "
                               "about 1e-4."),
-    eager: bool = typer.Option(False, "--eager/--no-eager",
+    eager: bool = typer.Option(False, "--eager/--no-eager", "--enforce-eager",
                                help="On cuda, run the decode step eagerly instead of "
                                "replaying CUDA graphs: the same step and tokens (for debugging; slower)."),
     gpu_memory_utilization: float = gpu_memory_option(),
     max_num_batched_tokens: int = typer.Option(8192, "--max-num-batched-tokens", help="The most prompt "
                                                "tokens one prefill forward takes (vLLM's name); longer "
                                                "prompts are prefilled in chunks of this many."),
-    speculate: int = typer.Option(0, "--speculate", help="Exact speculative decoding (vLLM's "
+    speculate: int = typer.Option(0, "--speculate", "--num-speculative-tokens",
+                                  help="Exact speculative decoding (vLLM's "
                                   "num_speculative_tokens): the sparse attention of --budget/--schedule "
                                   "drafts up to K tokens per sample, one dense forward verifies them "
                                   "and rejection sampling keeps the dense model's law. The rollouts are "
@@ -260,6 +265,7 @@ def rollout(
     cfg = resolve_config(model)
     adapter = load_actor(lora, cfg, model)  # one sentence for a bad adapter, before any weights load
     prompt_set = PromptSet.read(prompts, data)
+    allow_unsafe_code(unsafe_code_execution)
     prompt_set.check_rewards()
     if prompt_set.needs_tokenizer_for(model):  # ids made for another tokenizer are made again from the text
         from sparrow.stages.model.loading import spec_tokenizer
@@ -292,6 +298,10 @@ def rollout(
             else policy.spec().replace("budget:", "budget "))
     if speculate:
         mode = f"speculative, {mode} drafts {speculate} a cycle"
+    if workers > len(prompt_set.rows):  # a worker per prompt at most: each loads the model
+        note(f"--workers {workers} is capped at the {len(prompt_set.rows)} prompts: a worker with none would "
+             "load the model for nothing")
+        workers = len(prompt_set.rows)
     run = RolloutRun(model, prompts, mode, output, device, dtype_name, lora, workers, ray_address,
                      reward=reward, reward_fn=reward_fn, raw_prompts=raw_prompts, resume=resume, force=force,
                      checkpoint_interval=60.0 if checkpoint_interval is None else checkpoint_interval)

@@ -26,6 +26,7 @@ from .common import (
 )
 from .data_options import answer_column_option, data_options, reward_fn_option, reward_option
 from .options import (
+    allow_unsafe_code,
     any_case,
     capped_speculate,
     check_gpu_memory,
@@ -50,6 +51,7 @@ from .options import (
     threads_option,
     top_k_option,
     top_p_option,
+    unsafe_code_option,
 )
 from .output import emit_record, resolve_format
 
@@ -84,6 +86,7 @@ def train(
     answer_column: str = answer_column_option(),
     reward: str = reward_option(),
     reward_fn: str = reward_fn_option(),
+    unsafe_code_execution: bool = unsafe_code_option(),
     eval_prompts: Path = typer.Option(None, "--eval-prompts", callback=input_path,
                                       parser=given_path("--eval-prompts"), metavar="<path>",
                                       help="Held-out prompts: "
@@ -94,13 +97,14 @@ def train(
     budget: int = typer.Option(None, "--budget", help="Roll out with a fixed budget (tokens)."),
     dense: bool = typer.Option(False, "--dense/--no-dense", show_default=False,
                                help="Roll out densely, as a run does without --budget, --schedule or "
-                               "--kv-compression."),
+                               "--kv-compression. --no-dense, the default, leaves the choice to them."),
     kv_compression: str = kv_compression_option(),
     kv_budget: int = kv_budget_option(),
     kv_window: int = kv_window_option(),
     kv_buffer: int = kv_buffer_option(),
-    steps: int = typer.Option(20, "--steps", help="Training steps (optimizer updates after each step's "
-                              "rollouts), at least 1; with --resume, the run's new total."),
+    steps: int = typer.Option(20, "--steps", help="Training steps, each a rollout then --ppo-epochs "
+                              "optimizer updates, at least 1; with --resume, the run's new total (verl's "
+                              "total_training_steps; TRL's max_steps counts the updates)."),
     prompts_per_step: int = typer.Option(4, "--prompts-per-step", help="Prompts each step rolls out, each "
                                          "with --samples samples (the step's batch is their product); the "
                                          "prompts are taken in turn, in a new order each pass."),
@@ -169,7 +173,8 @@ def train(
         "(full vocabulary, teacher-forced dense vs the run's sparsity) and logged as alpha_p5 / alpha_mean, "
         "the tail the stability criterion reads; with --distill-sparse the sparse side carries the sparse "
         "actor's adapter; 0: none (alpha_lb_p5, the top-20 lower bound, is logged regardless)."),
-    speculate: int = typer.Option(0, "--speculate", help="Exact speculative rollouts (rollout --speculate): "
+    speculate: int = typer.Option(0, "--speculate", "--num-speculative-tokens",
+                                  help="Exact speculative rollouts (rollout --speculate): "
                                   "the run's sparsity drafts up to K tokens per sample and the dense policy "
                                   "verifies them, so every rollout is on-policy (no correction needed) and "
                                   "draft_acceptance is logged per step. 0 = off; not with --workers or "
@@ -177,10 +182,11 @@ def train(
     epsilon: float = typer.Option(CLIP_LOW, "--epsilon", callback=finite,
                                   help="PPO clip, low side: the ratio of a negative-advantage token is cut "
                                   "at 1 - epsilon (TRL's epsilon; verl's clip_ratio_low)."),
-    epsilon_high: float = typer.Option(CLIP_HIGH, "--epsilon-high", callback=finite,
+    epsilon_high: float = typer.Option(CLIP_HIGH, "--epsilon-high", "--clip-ratio-high", callback=finite,
                                        help="PPO clip, high side: a positive-advantage token's ratio is cut "
                                        "at 1 + epsilon_high (DAPO's clip-higher; TRL's epsilon_high, verl's "
-                                       "clip_ratio_high)."),
+                                       "clip_ratio_high). The default is DAPO's 0.28, not TRL's (unset: "
+                                       "epsilon's, 0.2) nor verl's (0.2)."),
     max_grad_norm: float = typer.Option(1.0, "--max-grad-norm", callback=finite,
                                         help="Clip the gradient's global norm to this (TRL's "
                                         "max_grad_norm)."),
@@ -188,16 +194,18 @@ def train(
                                   help="Coefficient of the k3 KL to the initial policy (TRL's "
                                   "beta); 0 = no KL term."),
     loss_agg: str = typer.Option(
-        "token-mean", "--loss-agg", callback=any_case, help="token-mean (over the batch's tokens; TRL's "
-        "dapo) | seq-mean-token-mean (per sequence, then over sequences; grpo) | seq-mean-token-sum-norm "
-        "(the sum over sequences x --max-new-tokens; dr_grpo) | bnpo (each micro-batch's token mean, "
-        "averaged)."),
+        "token-mean", "--loss-agg", "--loss-type", callback=any_case, help="How the loss averages its "
+        "tokens (verl's loss_agg_mode; TRL's loss_type, whose values dapo, grpo, dr_grpo and bnpo are "
+        "accepted too): token-mean (over the batch's tokens; dapo) | seq-mean-token-mean (per sequence, "
+        "then over sequences; grpo) | seq-mean-token-sum-norm (the sum over sequences x --max-new-tokens; "
+        "dr_grpo) | bnpo (each micro-batch's token mean, averaged)."),
     seed: int = typer.Option(0, "--seed", callback=non_negative_seed,
                              help="Seeds the run: the prompts' order, the LoRA's initial weights and every "
                              "step's samples (each from its own generator, per step, prompt and sample, as "
                              "rollout's --seed)."),
     micro_batch: int = typer.Option(8, "--micro-batch", help="Sequences per forward/backward."),
-    ppo_epochs: int = typer.Option(1, "--ppo-epochs", help="Passes of the update over each step's "
+    ppo_epochs: int = typer.Option(1, "--ppo-epochs", "--num-iterations",
+                                   help="Passes of the update over each step's "
                                    "samples, at least 1 (TRL's num_iterations): 1 is on-policy GRPO, more "
                                    "reuse the samples with the PPO clip."),
     checkpoint_every: int = typer.Option(10, "--checkpoint-every", help="Save RUN/checkpoint (what --resume "
@@ -205,7 +213,7 @@ def train(
                                          "and an interrupted run always save one."),
     eval_every: int = typer.Option(5, "--eval-every", help="With --eval-prompts: evaluate every this many "
                                    "steps, at least 1; the start and the last step are always evaluated."),
-    bin_width: int = typer.Option(512, "--bin-width", help="Position bin of the mismatch logs."),
+    bin_width: int = typer.Option(512, "--bin-width", help="Position bin of the mismatch logs, in tokens."),
     distill_sparse: bool = typer.Option(False, "--distill-sparse/--no-distill-sparse",
                                         help="DistillSparse: train a second LoRA "
                                         "that only the sparse actor uses, jointly (RUN/sparse_adapter)."),
@@ -321,6 +329,7 @@ def train(
         raise UsageError("--speculate runs in this process's engine; drop --workers")
     check_workers(workers, ray_address, None)
     data = data_options(answer_column, reward, reward_fn)
+    allow_unsafe_code(unsafe_code_execution)
     prompt_set = PromptSet.read(prompts, data)
     rows = prompt_set.rows
     _check_step_memory(rows, cfg)

@@ -592,18 +592,29 @@ def write_analytic(cfg: ModelConfig, name: str, hardware: str, grid: Grid, outpu
 
 
 def write_fitted(cfg: ModelConfig, name: str, points: Sequence[tuple[int, int, int, float]], device: str,
-                 threads: int, output, verify_points: Sequence[tuple[int, int, int, float]] = ()
-                 ) -> tuple[CostModel, pa.Table]:
-    """The model fitted to timed points on `device` (with `threads` CPU threads), and to timed
-    verification forwards when given, as a cost artifact."""
+                 threads: int, output, verify_points: Sequence[tuple[int, int, int, float]] = (),
+                 dtype: str | None = None) -> tuple[CostModel, pa.Table]:
+    """The model fitted to timed points on `device` (with `threads` CPU threads, weights and KV cache in
+    `dtype`, recorded as the metadata's dtype), and to timed verification forwards when given, as a cost
+    artifact."""
     from sparrow.schemas import write_artifact
 
     cost = fit(cfg, points, f"measured:{device}")
     if verify_points:
         cost = fit_verify(cost, verify_points)
     table = cost_table(cost, name, device, points)
-    write_artifact(table, output, "cost", metadata=cost.metadata() | {"model": name, "threads": threads})
+    timed = {"model": name, "threads": threads} | ({"dtype": dtype} if dtype else {})
+    write_artifact(table, output, "cost", metadata=cost.metadata() | timed)
     return cost, table
+
+
+def timed_dtype(path) -> str | None:
+    """The dtype a measured cost artifact's decode steps were timed in (its metadata's dtype); None for an
+    analytic one, or one that records none."""
+    from sparrow.schemas import artifact_metadata
+
+    dtype = artifact_metadata(path).get("dtype")
+    return str(dtype) if dtype else None
 
 
 def load_cost(path, cfg: ModelConfig) -> CostModel:

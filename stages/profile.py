@@ -453,6 +453,7 @@ class Hooks:
     ready: Callable[[], None] | None = None
     loading: Callable[[], None] | None = None  # just before the weights load in this process
     speculation: OnSpeculation | None = None  # under --speculate: the sampling's counts, all shards together
+    shards: Callable[[int], None] | None = None  # the Ray shards there will be, before they start
 
 
 def profile_prompts(run: ProfileRun, prompt_set, source: Path, opts: ProfileOptions, chat: bool = True,
@@ -544,7 +545,10 @@ def _profile_on_ray(run: ProfileRun, items: list, opts: ProfileOptions, sample: 
 
     from .backends.ray_pool import RolloutPool
 
-    pool = RolloutPool(run.model, run.workers, address=run.ray_address, device=run.device,
+    workers = min(run.workers, len(items))  # a worker with no items would load the model for nothing
+    if hooks.shards:
+        hooks.shards(workers)
+    pool = RolloutPool(run.model, workers, address=run.ray_address, device=run.device,
                        random_weights=run.random_weights, dtype=run.dtype)
     try:
         results = pool.map(profile_shard, items, opts, sample, on_shard=hooks.on_shard)

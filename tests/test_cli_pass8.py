@@ -166,10 +166,12 @@ def test_every_alias_the_docs_list_names_the_same_option_on_every_command_with_i
             param = _param_of(command, primary)
             if param is None:
                 continue
-            value = VALUES.get(primary, "3")
-            expected = _parsed(command, primary, value)[param.name]
+            value = [] if param.is_flag else [VALUES.get(primary, "3")]  # a switch takes none
+            expected = _parsed(command, primary, *value)[param.name]
             for other in others:
-                assert _parsed(command, other, value)[param.name] == expected, (command, other)
+                if param.is_flag and other not in COMMANDS[command].aliases.get(param, ()):
+                    continue  # a switch answers only to its own aliases (fit-cost's --speculate is no K)
+                assert _parsed(command, other, *value)[param.name] == expected, (command, other)
                 checked += 1
     assert checked >= 30
 

