@@ -15,7 +15,10 @@ if __name__ == "kernels":
     del sys.modules[__name__]
     try:
         sys.modules[__name__] = importlib.import_module("kernels")
-    except ModuleNotFoundError:
+    except ModuleNotFoundError as e:
+        sys.path.append(str(_root))  # as it was, but last
+        if e.name != "kernels":  # the installed package lacks something of its own
+            raise
         raise ModuleNotFoundError(
             f"No module named 'kernels': {_root / 'kernels'} is Sparrow's sparrow.kernels, not the kernels "
             "package (start Python outside the repository root, or install kernels).",

@@ -261,11 +261,14 @@ def _whole_if_float(values: pa.ChunkedArray, target: pa.DataType) -> bool:
         return True
     if values.null_count == len(values):
         return True
+    if pa.types.is_float16(values.type):  # Arrow has no floor for half floats; float32 holds them exactly
+        values = values.cast(pa.float32())
     if not pc.all(pc.equal(values, pc.floor(values))).as_py():  # NaN equals nothing: refused too
         return False
     bounds = np.iinfo(target.to_pandas_dtype())
-    low, high = pc.min_max(values).values()
-    return bounds.min <= low.as_py() and high.as_py() <= bounds.max
+    exact = 2 ** (np.finfo(values.type.to_pandas_dtype()).nmant + 1)  # past it, the float was rounded
+    low, high = (v.as_py() for v in pc.min_max(values).values())
+    return max(bounds.min, -exact) <= low and high <= min(bounds.max, exact)
 
 
 def _is_list_kind(t: pa.DataType) -> bool:

@@ -676,8 +676,9 @@ def sigterm_as_interrupt(received: list[int]) -> Iterator[None]:
     handler in place runs, else (SIGINT ignored, as in a shell's background job) KeyboardInterrupt.
     `received` records it. A training step defers this handler itself until its writes end, whatever
     SIGINT's is (stages/train/run_dir.py: interrupts_deferred). Only in the main thread, where Python runs
-    signal handlers."""
-    if threading.current_thread() is not threading.main_thread():
+    signal handlers. A SIGTERM the parent ignores (`trap '' TERM`) stays ignored, as at start-up (entry)."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGTERM) is signal.SIG_IGN:
         yield
         return
 

@@ -92,14 +92,25 @@ def unsafe_code_option():
     return typer.Option(False, "--unsafe-code-execution/--no-unsafe-code-execution", help=UNSAFE_HELP)
 
 
-def allow_unsafe_code(unsafe: bool) -> None:
-    """--unsafe-code-execution as reward passes it on: SPARROW_UNSAFE_CODE_EXECUTION=1, which the code
-    tasks' sandbox reads, for this process and those it starts; without the flag the variable is left as
-    the user set it."""
+def allow_unsafe_code(ctx: typer.Context, unsafe: bool) -> None:
+    """--unsafe-code-execution passed on: SPARROW_UNSAFE_CODE_EXECUTION=1, which the code tasks' sandbox
+    reads, for this process and those it starts, until the command ends (`ctx` closes: a later command in
+    the same process, a test's or a notebook's, is sandboxed again); without the flag the variable is left
+    as the user set it."""
     from sparrow.stages.tasks.sandbox import UNSAFE_ENV
 
-    if unsafe:
-        os.environ[UNSAFE_ENV] = "1"
+    if not unsafe:
+        return
+    before = os.environ.get(UNSAFE_ENV)
+    os.environ[UNSAFE_ENV] = "1"
+
+    def put_back() -> None:
+        if before is None:
+            os.environ.pop(UNSAFE_ENV, None)
+        else:
+            os.environ[UNSAFE_ENV] = before
+
+    ctx.call_on_close(put_back)
 
 
 def option_given(ctx: typer.Context, name: str) -> bool:

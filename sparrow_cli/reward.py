@@ -9,7 +9,6 @@ printed as a table.
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
@@ -25,16 +24,13 @@ from .common import (
     output_help,
 )
 from .data_options import answer_column_option, data_options, reward_fn_option, reward_option
-from .options import given_path, output_path
+from .options import allow_unsafe_code, given_path, output_path, unsafe_code_option
 from .output import emit, format_option, resolve_format
-
-UNSAFE_HELP = ("Where no sandbox can run (no user namespaces, no bwrap), run code tasks' programs anyway, "
-               "with resource limits only and without isolation: a program can then read your files and "
-               "reach the network. Said on stderr when it happens.")
 
 
 @friendly_errors
 def reward(
+    ctx: typer.Context,
     prompts: Path = typer.Option(..., "--prompts", callback=input_path,
                                  help="The prompts the completions answer (- = stdin): a prompts artifact, "
                                  "any Parquet or JSONL file with its columns (prompt_id, task, answer, "
@@ -53,8 +49,7 @@ def reward(
     workers: int = typer.Option(None, "--workers", help="Programs run at once for code tasks (default: "
                                 "the CPU count): the sandbox pool's size, not Ray workers as rollout's, "
                                 "profile's and train's --workers are."),
-    unsafe_code_execution: bool = typer.Option(False, "--unsafe-code-execution/--no-unsafe-code-execution",
-                                               help=UNSAFE_HELP),
+    unsafe_code_execution: bool = unsafe_code_option(),
     fmt: str = format_option(),
     force: bool = force_option(),
 ) -> None:
@@ -64,14 +59,12 @@ def reward(
     from sparrow.stages.core.prompt_set import PromptSet
     from sparrow.stages.reward import check_prompts, read_completions, score_completions
     from sparrow.stages.tasks.rewards import reward_provenance
-    from sparrow.stages.tasks.sandbox import UNSAFE_ENV
 
     fmt = resolve_format(fmt)
     if workers is not None and workers < 1:
         raise UsageError(f"--workers must be at least 1, got {workers}")
     check_output(output, "rewards", force, inputs={"--prompts": prompts, "--completions": completions})
-    if unsafe_code_execution:
-        os.environ[UNSAFE_ENV] = "1"
+    allow_unsafe_code(ctx, unsafe_code_execution)
     prompt_set = PromptSet.read(prompts, data_options(answer_column, reward_name, reward_fn))
     rows = {r["prompt_id"]: r for r in prompt_set.rows}
     done = read_completions(completions)

@@ -111,6 +111,7 @@ def _check_vllm_flags(schedule, budget, lora, top_k: int, top_p: float, kv_compr
 
 @friendly_errors
 def rollout(
+    ctx: typer.Context,
     model: str = typer.Option("smollm2-135m", "--model", help="Preset, checkpoint dir or .gguf."),
     prompts: Path = typer.Option(..., "--prompts", callback=input_path, parser=given_path("--prompts"),
                                  metavar="<path>", help="A prompts artifact (sparrow "
@@ -265,7 +266,7 @@ def rollout(
     cfg = resolve_config(model)
     adapter = load_actor(lora, cfg, model)  # one sentence for a bad adapter, before any weights load
     prompt_set = PromptSet.read(prompts, data)
-    allow_unsafe_code(unsafe_code_execution)
+    allow_unsafe_code(ctx, unsafe_code_execution)
     prompt_set.check_rewards()
     if prompt_set.needs_tokenizer_for(model):  # ids made for another tokenizer are made again from the text
         from sparrow.stages.model.loading import spec_tokenizer

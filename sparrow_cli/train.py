@@ -329,7 +329,7 @@ def train(
         raise UsageError("--speculate runs in this process's engine; drop --workers")
     check_workers(workers, ray_address, None)
     data = data_options(answer_column, reward, reward_fn)
-    allow_unsafe_code(unsafe_code_execution)
+    allow_unsafe_code(ctx, unsafe_code_execution)
     prompt_set = PromptSet.read(prompts, data)
     rows = prompt_set.rows
     _check_step_memory(rows, cfg)

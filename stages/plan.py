@@ -10,8 +10,10 @@ A measured profile's bin width is the one its metadata records (`sparrow.meta` b
 which re-bins its tokens by position. A profile that records none (saved again by pandas, DuckDB or polars,
 which drop the footer) has it inferred from its `bin` column (`profile_bin_width`): `bin == position // w`
 on every row bounds w from both sides, per bin, by its first and last position, so one bounded scan gives
-every width the rows fit; the largest is taken (where no trajectory crosses a bin's start, the widths
-below it fit too), and a `bin` column no width fits is refused. The width and where it came from are a
+every width the rows fit. Of those, `sparrow profile`'s default (512) is taken where it fits, else the
+smallest multiple of the page size, else the smallest: a narrower bin starts the next, denser budget
+earlier, never later, than the profile's did (schedules never decrease). A `bin` column no width fits is
+refused. The width and where it came from are a
 note of the plan when the metadata does not give it. Its page size needs no such care: Sparrow profiles at
 one page size (PAGE_SIZE), and a budget that is not a multiple of it is refused by the planner.
 """
@@ -157,9 +159,9 @@ def bin_spans(profile: Path) -> list[BinSpan]:
 
 
 def inferred_bin_width(spans: Iterable[BinSpan], profile: Path | str) -> BinWidth:
-    """The largest w with bin == position // w for the rows `spans` sums up: bin b's positions must lie
-    in [b*w, (b+1)*w), so w > last // (b+1) and, past bin 0, w <= first // b. Where every row is in bin
-    0 (no upper bound), PROFILE_BIN_WIDTH if it fits, else the smallest width that does."""
+    """A w with bin == position // w for the rows `spans` sums up: bin b's positions must lie in
+    [b*w, (b+1)*w), so w > last // (b+1) and, past bin 0, w <= first // b. Of the widths that fit,
+    PROFILE_BIN_WIDTH, else the smallest multiple of PAGE_SIZE, else the smallest (`_preferred_width`)."""
     low, high, low_at, high_at = 1, None, None, None
     for b, first, last in spans:
         if last // (b + 1) + 1 > low:
@@ -172,7 +174,17 @@ def inferred_bin_width(spans: Iterable[BinSpan], profile: Path | str) -> BinWidt
         raise ScheduleError(f"{profile} records no bin width (no Sparrow metadata) and its 'bin' column is "
                             f"not position // w for any width w ({said}); give --bin-width to bin its tokens "
                             "by position")
-    return BinWidth(high if high is not None else max(low, PROFILE_BIN_WIDTH), "inferred", low, high)
+    return BinWidth(_preferred_width(low, high), "inferred", low, high)
+
+
+def _preferred_width(low: int, high: int | None) -> int:
+    """Of the widths in [low, high] (high None: no bound), sparrow profile's default, else the smallest
+    multiple of the page size, else the smallest."""
+    fits = (lambda w: low <= w and (high is None or w <= high))
+    if fits(PROFILE_BIN_WIDTH):
+        return PROFILE_BIN_WIDTH
+    paged = -(-low // PAGE_SIZE) * PAGE_SIZE
+    return paged if fits(paged) else low
 
 
 def half_up(mean: float) -> int:

@@ -10,6 +10,8 @@ same completions.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import typer
 from typer.testing import CliRunner
@@ -124,7 +126,7 @@ def test_rollout_runs_code_prompts_as_reward_does(no_sandbox, tmp_path, monkeypa
     sampled = read_artifact(out, "rollouts").to_pylist()
     assert len(sampled) == 2 and [r["reward"] for r in sampled] == [0.0, 0.0]  # no program in 2 tokens
 
-    monkeypatch.setenv(sb.UNSAFE_ENV, "0")  # the flag set it for this process, as reward's does
+    assert os.environ[sb.UNSAFE_ENV] == "0"  # the flag held for its command only
     assert error_line(runner.invoke(app, reward)) == refused
     result = runner.invoke(app, [*reward, "--unsafe-code-execution"])
     assert result.exit_code == 0, result.output

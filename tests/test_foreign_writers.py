@@ -60,10 +60,14 @@ def pandas_copy(path, to):
     return to
 
 
-def largest_fitting_width(positions: np.ndarray, bins: np.ndarray, up_to: int = 4096) -> int | None:
-    """Brute force: the largest w <= up_to with bin == position // w on every row."""
-    fits = [w for w in range(1, up_to + 1) if np.array_equal(positions // w, bins)]
-    return fits[-1] if fits else None
+def fitting_widths(positions: np.ndarray, bins: np.ndarray, up_to: int = 4096) -> list[int]:
+    """Brute force: every w <= up_to with bin == position // w on every row."""
+    return [w for w in range(1, up_to + 1) if np.array_equal(positions // w, bins)]
+
+
+def preferred(fits: list[int]) -> int:
+    """512 where it fits, else the smallest multiple of 16, else the smallest (the narrower bins)."""
+    return 512 if 512 in fits else next((w for w in fits if w % 16 == 0), fits[0])
 
 
 # ---- 1. the bin width of a profile that lost its footer
@@ -88,7 +92,7 @@ def test_a_bin_column_no_width_fits_is_refused(tmp_path):
     bins = positions // 512
     bins[0] = 5  # position 480 in bin 5: no w has 480 // w == 5 and 511 // w == 0
     write_artifact(profile_rows(positions, bins, {64: np.full(len(positions), 0.99)}), path, "mismatch")
-    assert largest_fitting_width(np.tile(positions, 1), bins) is None
+    assert fitting_widths(positions, bins) == []
     copy = pandas_copy(path, tmp_path / "edited_pandas.parquet")
     with pytest.raises(ScheduleError, match=r"records no bin width .* 'bin' column is not position // w for "
                                             r"any width w .*give --bin-width"):
@@ -105,16 +109,17 @@ def test_recorded_width_and_a_different_bin_width_flag_keep_their_meaning(tmp_pa
 
 
 @pytest.mark.parametrize("width, first, n", [(512, 480, 64), (512, 512, 32), (300, 100, 700), (97, 0, 1000),
-                                             (2000, 1500, 900)])
-def test_inferred_width_is_the_largest_that_fits(width, first, n):
+                                             (2000, 1500, 900), (516, 3100, 164), (2010, 2010, 290)])
+def test_inferred_width_prefers_the_default_then_the_narrowest(width, first, n):
     positions = np.arange(first, first + n)
     bins = positions // width
     spans = [(int(b), int(positions[bins == b].min()), int(positions[bins == b].max())) for b in set(bins)]
     found = inferred_bin_width(spans, "p")
     if bins.max() == 0:  # any width past the last position fits: sparrow profile's default if it does
-        assert found.width == max(512, int(positions.max()) + 1) and found.high is None
+        past = int(positions.max()) + 1  # the narrowest width that fits
+        assert found.width == (512 if past <= 512 else -(-past // 16) * 16) and found.high is None
     else:
-        assert found.width == largest_fitting_width(positions, bins, up_to=8192)
+        assert found.width == preferred(fitting_widths(positions, bins, up_to=8192))
 
 
 def test_eviction_plan_infers_its_bin_width(tmp_path):
@@ -187,6 +192,21 @@ def test_a_float_that_is_not_a_whole_integer_is_still_refused(tmp_path, values, 
         check_artifact(path, "schedule")
     assert str(e.value) == sentence, why
 
+
+
+@pytest.mark.parametrize("dtype, values, whole", [
+    (pa.float16(), [1.0, 2.0], True), (pa.float16(), [1.5, 2.0], False),  # Arrow has no floor for halves
+    (pa.float32(), [16.0, 2.0 ** 24], True), (pa.float32(), [16.0, 2.0 ** 24 + 2], False)])  # 2^24+: rounded
+def test_a_float_is_taken_for_an_integer_only_where_it_is_exact(tmp_path, dtype, values, whole):
+    path = tmp_path / "s.parquet"
+    pq.write_table(pa.table({"bin": pa.array([0, 1], pa.int32()), "bin_start": [0, 512],
+                             "bin_end": pa.array([512, None], pa.int64()), "budget": pa.array(values, dtype),
+                             "tail": [0.9, None], "predicted_step_seconds": [0.01, 0.02]}), path)
+    if whole:
+        assert read_artifact(path, "schedule").column("budget").to_pylist() == [int(v) for v in values]
+    else:
+        with pytest.raises(ArtifactError, match="has column 'budget' of type"):
+            read_artifact(path, "schedule")
 
 # ---- 2. and the row groups of `sql -o`
 

@@ -77,6 +77,22 @@ def test_a_sigterm_during_ray_init_takes_the_clis_path():
         signal.signal(signal.SIGTERM, previous)
 
 
+
+def test_a_sigterm_during_ray_init_still_stops_where_the_handler_only_records_it():
+    received: list[int] = []
+
+    def init_then_sigterm(**kwargs):
+        _ray_like_init()
+        signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)  # Ray's handler: SystemExit(15)
+
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: received.append(signum))  # a deferral
+    try:
+        with pytest.raises(KeyboardInterrupt):  # not Ray's SystemExit(15): the init did not finish
+            init_keeping_handlers(init_then_sigterm)
+        assert received == [signal.SIGTERM]
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
 class RayTaskErrorLike(Exception):
     """As ray.exceptions.RayTaskError: the worker's traceback as its text, the exception as `cause`."""
 

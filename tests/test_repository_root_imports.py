@@ -39,3 +39,13 @@ def test_without_the_package_the_refusal_names_the_folder():
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("ModuleNotFoundError: No module named 'kernels'")
     assert "sparrow.kernels" in last
+
+
+def test_a_missing_dependency_of_the_installed_package_is_named_as_itself(tmp_path):
+    fake = tmp_path / "site" / "kernels"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("import a_dependency_nobody_has\n")
+    code = f"import sys; sys.path[:0] = ['', {str(fake.parent)!r}]; import kernels"
+    proc = _python("-S", "-c", code)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last == "ModuleNotFoundError: No module named 'a_dependency_nobody_has'"

@@ -296,8 +296,8 @@ def init_keeping_handlers(init: Callable[..., object], **kwargs) -> None:
         if e.code != signal.SIGTERM or not callable(kept.get(signal.SIGTERM)):
             raise
         _restore(kept)
-        kept[signal.SIGTERM](signal.SIGTERM, None)
-        raise
+        kept[signal.SIGTERM](signal.SIGTERM, None)  # the CLI's raises its interrupt here
+        raise KeyboardInterrupt from None  # one that defers still stops: the init did not finish
     finally:
         _restore(kept)
 

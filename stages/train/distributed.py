@@ -87,10 +87,17 @@ def init_world(device: str = "cpu") -> World:
         return current_world()
     if not dist.is_initialized():
         timeout = rendezvous_timeout()
+        local = int(os.environ.get("LOCAL_RANK", "0"))
         if device == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(local)
         backend = "nccl" if device == "cuda" else "gloo"
-        wait_for_ranks(lambda: dist.init_process_group(backend), Rendezvous.from_env(size), timeout)
+
+        def join() -> None:  # in the waiting thread, whose current CUDA device is its own setting
+            if device == "cuda":
+                torch.cuda.set_device(local)
+            dist.init_process_group(backend)
+
+        wait_for_ranks(join, Rendezvous.from_env(size), timeout)
     return current_world()
 
 
