@@ -9,3 +9,8 @@ def error_line(result) -> str:
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error:"), result.stderr
     return lines[0]
+
+
+def passed_the_checks(result) -> bool:
+    """Under conftest's `no_work`: the command got past every refusal to the model's loading."""
+    return isinstance(result.exception, AssertionError) and "a model was loaded" in str(result.exception)

@@ -26,6 +26,18 @@ def _share_the_cores_between_workers() -> None:
 _share_the_cores_between_workers()
 
 
+
+@pytest.fixture()
+def no_work(monkeypatch):
+    """A command that gets as far as loading a model stops there with an AssertionError: refusals must come
+    first (`cli_checks.passed_the_checks` tells that a command got past them)."""
+    import sparrow.stages.model.loading as loading
+
+    def refuse(*a, **k):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(loading, "load_model", refuse)
+
 @pytest.fixture(scope="module")
 def prompts_file(tmp_path_factory, smollm2):
     """Two basic_arithmetic prompts (the embedded model's tokenizer) as a prompts artifact; test modules

@@ -32,7 +32,7 @@ from sparrow.stages.distill import WORSE_BY, reads_sparsely, regression_warning,
 from sparrow.stages.model.adapter import add_lora, save_adapter
 from sparrow.stages.model.loading import load_model
 
-from cli_checks import error_line
+from cli_checks import error_line, passed_the_checks
 
 runner = CliRunner()
 VOCAB = 300
@@ -50,22 +50,6 @@ def tiny(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("tiny-adapters")
     transformers.AutoModelForCausalLM.from_config(cfg).float().eval().save_pretrained(path)
     return str(path)
-
-
-@pytest.fixture()
-def no_work(monkeypatch):
-    """Fails a command that gets as far as loading a model (an AssertionError as its exception)."""
-    import sparrow.stages.model.loading as loading
-
-    def refuse(*a, **k):
-        raise AssertionError("a model was loaded")
-
-    monkeypatch.setattr(loading, "load_model", refuse)
-
-
-def passed_the_checks(result) -> bool:
-    """Under `no_work`: the command got past every refusal to the model's loading."""
-    return isinstance(result.exception, AssertionError) and "a model was loaded" in str(result.exception)
 
 
 def adapter(model: str, folder: Path, distilled: bool, seed: int = 0) -> Path:

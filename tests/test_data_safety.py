@@ -48,17 +48,6 @@ def rollout(prompts: str, out: str, *extra: str, **kw):
                                "2", "-o", out, *extra], **kw)
 
 
-@pytest.fixture()
-def no_work(monkeypatch):
-    """Fails the test if a command gets as far as loading a model: refusals must come first."""
-    import sparrow.stages.model.loading as loading
-
-    def refuse(*a, **k):
-        raise AssertionError("a model was loaded before the refusal")
-
-    monkeypatch.setattr(loading, "load_model", refuse)
-
-
 # ---------------------------------------------------------------- 1. what an output points at
 
 def test_a_symlink_output_is_written_through_and_stays_a_link(tmp_path):

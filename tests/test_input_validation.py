@@ -35,17 +35,6 @@ def files_under(folder: Path) -> list[str]:
     return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
 
 
-@pytest.fixture()
-def no_work(monkeypatch):
-    """Fails the test if a command gets as far as loading a model: refusals must come first."""
-    import sparrow.stages.model.loading as loading
-
-    def refuse(*a, **k):
-        raise AssertionError("a model was loaded before the refusal")
-
-    monkeypatch.setattr(loading, "load_model", refuse)
-
-
 @pytest.fixture(scope="module")
 def rollouts(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("rollouts")

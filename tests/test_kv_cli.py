@@ -32,16 +32,6 @@ def _prompts(path: Path, n: int = 2, length: int = 30) -> Path:
     return write_artifact(rows, path, "prompts")
 
 
-@pytest.fixture()
-def no_work(monkeypatch):
-    import sparrow.stages.model.loading as loading
-
-    def refuse(*a, **k):
-        raise AssertionError("a model was loaded before the refusal")
-
-    monkeypatch.setattr(loading, "load_model", refuse)
-
-
 ROLLOUT_REFUSALS = [
     (["--kv-compression", "h2o", "--kv-budget", "64"],
      "--kv-compression must be one of snapkv, rkv, got 'h2o'"),

@@ -21,25 +21,10 @@ from sparrow.schemas import write_artifact
 from sparrow.stages.model.adapter import add_lora, save_adapter
 from sparrow.stages.model.loading import load_model
 
-from cli_checks import error_line
+from cli_checks import error_line, passed_the_checks
 
 runner = CliRunner()
 MODEL = "tiny-llama"
-
-
-@pytest.fixture()
-def no_work(monkeypatch):
-    """A command that gets as far as loading a model stops there (AssertionError)."""
-    import sparrow.stages.model.loading as loading
-
-    def refuse(*a, **k):
-        raise AssertionError("a model was loaded")
-
-    monkeypatch.setattr(loading, "load_model", refuse)
-
-
-def passed_the_checks(result) -> bool:
-    return isinstance(result.exception, AssertionError) and "a model was loaded" in str(result.exception)
 
 
 def token_prompts(path: Path, lengths: list[int]) -> Path:

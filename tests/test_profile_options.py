@@ -86,17 +86,6 @@ def prompts(tmp_path_factory) -> Path:
     return write_artifact(rows, tmp_path_factory.mktemp("prompts") / "prompts.parquet", "prompts")
 
 
-@pytest.fixture()
-def no_work(monkeypatch):
-    """Fails a command that gets as far as loading a model (an AssertionError as its exception)."""
-    import sparrow.stages.model.loading as loading
-
-    def refuse(*a, **k):
-        raise AssertionError("a model was loaded")
-
-    monkeypatch.setattr(loading, "load_model", refuse)
-
-
 def _schedule(path: Path, budgets: list[int | None], **meta) -> Path:
     """A two-bin schedule artifact (bins of 256 tokens) with these budgets and extra metadata."""
     return write_artifact({"bin": [0, 1], "bin_start": [0, 256], "bin_end": [256, None], "budget": budgets,

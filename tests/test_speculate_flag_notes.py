@@ -17,7 +17,7 @@ import sparrow.cli.train as train_cli
 from sparrow.cli.app import app
 from sparrow.schemas import write_artifact
 
-from cli_checks import error_line
+from cli_checks import error_line, passed_the_checks
 
 runner = CliRunner()
 
@@ -36,18 +36,6 @@ def draft_schedule(path: Path, **meta) -> Path:
                           metadata={"page_size": 16, **meta})
 
 
-@pytest.fixture()
-def no_work(monkeypatch):
-    """A command that gets as far as loading a model stops there (AssertionError): what it said before is
-    what the test reads."""
-    import sparrow.stages.model.loading as loading
-
-    def refuse(*a, **k):
-        raise AssertionError("a model was loaded")
-
-    monkeypatch.setattr(loading, "load_model", refuse)
-
-
 def rollout(tmp_path: Path, lengths: list[int], *extra: str):
     prompts = token_prompts(tmp_path / "p.parquet", lengths)
     return runner.invoke(app, ["rollout", "--model", "tiny-llama", "--prompts", str(prompts),
@@ -56,10 +44,6 @@ def rollout(tmp_path: Path, lengths: list[int], *extra: str):
 
 def said(result) -> str:
     return " ".join(result.stderr.split())
-
-
-def reached_loading(result) -> bool:
-    return isinstance(result.exception, AssertionError) and "a model was loaded" in str(result.exception)
 
 
 # ---------------------------------------------------------------- --kv-compression with --dense
@@ -126,10 +110,10 @@ def test_train_caps_a_speculate_beyond_max_new_tokens(train_run):
 
 def test_rollout_caps_a_speculate_beyond_max_new_tokens(tmp_path, no_work):
     result = rollout(tmp_path, [70], "--budget", "64", "--speculate", "100000", "--max-new-tokens", "8")
-    assert reached_loading(result), result.output
+    assert passed_the_checks(result), result.output
     assert "note: --speculate 100000 is capped at 6: with --max-new-tokens 8" in said(result)
     result = rollout(tmp_path, [70], "--budget", "64", "--speculate", "6", "--max-new-tokens", "8")
-    assert reached_loading(result) and "capped" not in said(result)
+    assert passed_the_checks(result) and "capped" not in said(result)
 
 
 def test_a_budget_covering_every_cache_is_refused_under_speculate(tmp_path, no_work):
@@ -140,19 +124,19 @@ def test_a_budget_covering_every_cache_is_refused_under_speculate(tmp_path, no_w
     assert "--speculate would draft with the dense model itself" in line
     # one token more: its last step reads 65 tokens, 64 of them selected, so it drafts sparsely
     result = rollout(tmp_path, [20, 62], "--budget", "64", "--speculate", "2", "--max-new-tokens", "4")
-    assert reached_loading(result), result.output
+    assert passed_the_checks(result), result.output
     result = rollout(tmp_path, [20, 61], "--budget", "64", "--max-new-tokens", "4")  # lossy: dense is fine
-    assert reached_loading(result), result.output
+    assert passed_the_checks(result), result.output
 
 
 def test_a_draft_schedule_run_with_another_k_says_whose_speedup_was_predicted(tmp_path, no_work):
     schedule = draft_schedule(tmp_path / "drafts.parquet", speculate=1, predicted_speedup=1.25)
     result = rollout(tmp_path, [20], "--schedule", str(schedule), "--speculate", "4", "--max-new-tokens", "8")
-    assert reached_loading(result), result.output
+    assert passed_the_checks(result), result.output
     assert (f"note: --schedule {schedule} was planned for --speculate 1 (plan-schedule --speculate); its "
             "predicted speedup (1.250x) is for K = 1, not for K = 4") in said(result)
     result = rollout(tmp_path, [20], "--schedule", str(schedule), "--speculate", "1", "--max-new-tokens", "8")
-    assert reached_loading(result) and "planned for" not in said(result)
+    assert passed_the_checks(result) and "planned for" not in said(result)
 
 
 # ---------------------------------------------------------------- the time left

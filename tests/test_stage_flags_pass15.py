@@ -236,17 +236,7 @@ def test_profile_sampler_flags_are_refused_in_one_sentence(tmp_path, args, phras
 # ---------------------------------------------------------------- 7. distill --temperature
 
 
-@pytest.fixture()
-def no_model(monkeypatch):
-    import sparrow.stages.model.loading as loading
-
-    def refuse(*a, **k):
-        raise AssertionError("a model was loaded")
-
-    monkeypatch.setattr(loading, "load_model", refuse)
-
-
-def test_distill_refuses_a_negative_temperature_as_rollout_does(tiny, tmp_path, no_model):
+def test_distill_refuses_a_negative_temperature_as_rollout_does(tiny, tmp_path, no_work):
     prompts = str(tiny / "prompts.parquet")
     theirs = error_line(runner.invoke(app, ["rollout", "--prompts", prompts, "--temperature", "-1", "-o",
                                             str(tmp_path / "r.parquet")]))

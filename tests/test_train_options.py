@@ -23,17 +23,6 @@ runner = CliRunner()
 WITH_IS = "tis, sparse-rl, icepop, seq-mask-tis, sparrow"  # the presets whose rules weight by IS
 
 
-@pytest.fixture()
-def no_work(monkeypatch):
-    """Fails the command if it gets as far as loading a model: refusals must come first."""
-    import sparrow.stages.model.loading as loading
-
-    def refuse(*a, **k):
-        raise AssertionError("a model was loaded")
-
-    monkeypatch.setattr(loading, "load_model", refuse)
-
-
 def train_args(tmp_path: Path, *extra: str) -> list[str]:
     """A one-step tiny-llama run over two token-id prompts (no tokenizer needed)."""
     rows = [{"prompt_id": f"p{i}", "task": "basic_arithmetic", "prompt": None,
