@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from sparrow.stages.core.definitions import TAIL_QUANTILE
+from sparrow.stages.core.definitions import DEFAULT_BIN_WIDTH, TAIL_QUANTILE
 
 from .common import (
     PhaseProgress,
@@ -334,8 +334,9 @@ def distill(
                                       "--rollouts records); the objectives use it."),
     seed: int = typer.Option(0, "--seed", callback=non_negative_seed,
                              help="Sampling and batch order; eval trajectories use seed + 1."),
-    bin_width: int = typer.Option(512, "--bin-width", help="Position bin width in tokens of the before and "
-                                  "after mismatch (OUTPUT/mismatch/) and of the tail per bin, as profile's."),
+    bin_width: int = typer.Option(DEFAULT_BIN_WIDTH, "--bin-width",
+                                  help="Position bin width in tokens of the before and after mismatch "
+                                  "(OUTPUT/mismatch/) and of the tail per bin, as profile's."),
     device: str = device_option(also=" On cuda, the actor's sampling and the distillation run on the GPU."),
     dtype: str = typer.Option("auto", "--dtype", help="Base weights and KV cache: auto (bfloat16 on cuda, "
                               "float32 on cpu), float32 or bfloat16; the LoRA trains in fp32 either way."),

@@ -17,7 +17,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from sparrow.stages.core.definitions import TAIL_QUANTILE
+from sparrow.stages.core.definitions import DEFAULT_BIN_WIDTH, TAIL_QUANTILE
 
 from .common import (
     LogProgress,
@@ -127,7 +127,7 @@ def profile(
     schedule: Path = typer.Option(None, "--schedule", callback=input_path, parser=given_path("--schedule"),
                                   metavar="<path>", help="Sample with this schedule, as rollout's "
                                   "--schedule: the same as --sampler schedule:FILE, and not with --sampler."),
-    bin_width: int = typer.Option(512, "--bin-width", help="Position bin width in tokens "
+    bin_width: int = typer.Option(DEFAULT_BIN_WIDTH, "--bin-width", help="Position bin width in tokens "
                                   "(the embedded model's 8K context wants 512; Qwen3 runs use 2000)."),
     temperature: float = typer.Option(None, "--temperature", callback=finite,
                                       help="Sampling temperature (0 = greedy; "

@@ -7,6 +7,7 @@ from pathlib import Path
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from sparrow.stages.core.definitions import DEFAULT_BIN_WIDTH
 from sparrow.stages.train.clip import CLIP_HIGH, CLIP_LOW
 
 from .common import (
@@ -213,7 +214,8 @@ def train(
                                          "and an interrupted run always save one."),
     eval_every: int = typer.Option(5, "--eval-every", help="With --eval-prompts: evaluate every this many "
                                    "steps, at least 1; the start and the last step are always evaluated."),
-    bin_width: int = typer.Option(512, "--bin-width", help="Position bin of the mismatch logs, in tokens."),
+    bin_width: int = typer.Option(DEFAULT_BIN_WIDTH, "--bin-width",
+                                  help="Position bin of the mismatch logs, in tokens."),
     distill_sparse: bool = typer.Option(False, "--distill-sparse/--no-distill-sparse",
                                         help="DistillSparse: train a second LoRA "
                                         "that only the sparse actor uses, jointly (RUN/sparse_adapter)."),

@@ -16,7 +16,7 @@ from torch import Tensor
 from sparrow.schemas import input_name, write_artifact
 
 from .attention import DEFAULT_DENSE_LAYERS, PAGE_SIZE
-from .core.definitions import PRIOR_THRESHOLD, RESERVED_PAGES, TAIL_QUANTILE
+from .core.definitions import DEFAULT_BIN_WIDTH, PRIOR_THRESHOLD, RESERVED_PAGES, TAIL_QUANTILE
 from .core.prompt_set import PromptSet
 from .core.schedule import Schedule
 from .core.sparsity import BudgetFn, budget_fn
@@ -330,7 +330,7 @@ class DistillJob:
     budget_at: BudgetFn | Sequence[BudgetFn]
     eval_trajectories: Sequence[Trajectory]
     eval_budgets: Sequence[int]
-    bin_width: int = 512
+    bin_width: int = DEFAULT_BIN_WIDTH
     init: dict[str, Tensor] | None = None  # its peft state dict
     init_actor: LoraWeights | None = None  # its merge-ready weights
 
@@ -392,7 +392,7 @@ class DistillRun:
     samples: int = 4
     max_new_tokens: int = 64
     raw_prompts: bool = False
-    bin_width: int = 512
+    bin_width: int = DEFAULT_BIN_WIDTH
     device: str = "cpu"
     dtype: str = "auto"
     gpu_memory_utilization: float = 0.9

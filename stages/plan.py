@@ -32,7 +32,7 @@ from sparrow.schemas import artifact_metadata, check_artifact, input_name, read_
 from sparrow.schemas.io import column_reader
 
 from .calibrate import ResolvedThreshold, resolve_threshold
-from .core.definitions import PAGE_SIZE
+from .core.definitions import DEFAULT_BIN_WIDTH, PAGE_SIZE
 from .core.published_schedules import (
     PUBLISHED_SPEEDUP_THRESHOLD,
     PUBLISHED_SPEEDUPS,
@@ -105,9 +105,6 @@ def profile_rows(profile: Path) -> ProfileRows:
     return lambda: column_reader(profile, "mismatch", PROFILE_COLUMNS)
 
 
-PROFILE_BIN_WIDTH = 512  # `sparrow profile --bin-width`'s default: taken where any width fits the rows
-
-
 @dataclass(frozen=True)
 class BinWidth:
     """A profile's bin width in tokens, and where it came from: `recorded` (its metadata), `given`
@@ -161,7 +158,7 @@ def bin_spans(profile: Path) -> list[BinSpan]:
 def inferred_bin_width(spans: Iterable[BinSpan], profile: Path | str) -> BinWidth:
     """A w with bin == position // w for the rows `spans` sums up: bin b's positions must lie in
     [b*w, (b+1)*w), so w > last // (b+1) and, past bin 0, w <= first // b. Of the widths that fit,
-    PROFILE_BIN_WIDTH, else the smallest multiple of PAGE_SIZE, else the smallest (`_preferred_width`)."""
+    DEFAULT_BIN_WIDTH, else the smallest multiple of PAGE_SIZE, else the smallest (`_preferred_width`)."""
     low, high, low_at, high_at = 1, None, None, None
     for b, first, last in spans:
         if last // (b + 1) + 1 > low:
@@ -181,8 +178,8 @@ def _preferred_width(low: int, high: int | None) -> int:
     """Of the widths in [low, high] (high None: no bound), sparrow profile's default, else the smallest
     multiple of the page size, else the smallest."""
     fits = (lambda w: low <= w and (high is None or w <= high))
-    if fits(PROFILE_BIN_WIDTH):
-        return PROFILE_BIN_WIDTH
+    if fits(DEFAULT_BIN_WIDTH):
+        return DEFAULT_BIN_WIDTH
     paged = -(-low // PAGE_SIZE) * PAGE_SIZE
     return paged if fits(paged) else low
 

@@ -28,7 +28,7 @@ import pyarrow.compute as pc
 
 from .attention import DEFAULT_DENSE_LAYERS, PAGE_SIZE, validate_budget
 from .calibrate import PRIOR_THRESHOLD
-from .core.definitions import TAIL_QUANTILE
+from .core.definitions import DEFAULT_BIN_WIDTH, TAIL_QUANTILE
 from .core.schedule import Schedule
 from .core.sparsity import as_policy
 from .core.trajectories import Trajectory
@@ -53,7 +53,7 @@ class ProfileOptions:
     samples: int = 4
     max_new_tokens: int = 256
     sampler: str = "dense"  # the sampler's spec as given (dense, budget:B, schedule:FILE, snapkv:B, rkv:B)
-    bin_width: int = 512
+    bin_width: int = DEFAULT_BIN_WIDTH
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 = off

@@ -5,6 +5,8 @@ CLI module imports (planning and the CLI's start-up never import torch for them)
   always kept by block top-k selection, so a budget is at least RESERVED_PAGES pages.
   `validate_budget` refuses any other budget.
 - Layers in DEFAULT_DENSE_LAYERS attend densely in every mode.
+- Position bin: DEFAULT_BIN_WIDTH tokens unless a command is given --bin-width; a profile that records no
+  width is read at this one where its `bin` column fits it.
 - Tail statistic of a position bin: the TAIL_QUANTILE-quantile of alpha over its tokens.
 - PRIOR_THRESHOLD: the published critical threshold on the tail, used when no runs calibrate one. It is a
   rule on PRIOR_QUANTILE (the per-bin 5th percentile) alone: at another quantile it says nothing, so no
@@ -14,6 +16,7 @@ CLI module imports (planning and the CLI's start-up never import torch for them)
 PAGE_SIZE = 16
 RESERVED_PAGES = 3
 DEFAULT_DENSE_LAYERS = (0, 1)
+DEFAULT_BIN_WIDTH = 512
 TAIL_QUANTILE = 0.05
 PRIOR_THRESHOLD = 0.86
 PRIOR_QUANTILE = 0.05

@@ -3,11 +3,14 @@ bin over the steps from mismatch/step=N.parquet."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from sparrow.schemas import artifact_metadata, read_artifact
 
 from ..core.definitions import TAIL_QUANTILE
+from ..core.schedule import ScheduleError
+from ..plan import profile_bin_width
 from ..train.detectors import Detectors
 from .canvas import Figure, integer_steps, save, say
 from .collect import Steps
@@ -98,13 +101,15 @@ def train_mismatch_figure(steps: Steps, out: Path, plt) -> Figure | None:
     if not files:
         return None
     rows = sql_rows(files, lambda scan: f"""SELECT bin, step, quantile_cont(alpha_top20_lb, {TAIL_QUANTILE})
-                    AS p5, avg(k3) AS k3, count(*) AS n FROM {scan} GROUP BY ALL ORDER BY ALL""")
-    width = int(artifact_metadata(files[0]).get("bin_width", 512))
+                    AS p5, avg(k3) AS k3, count(*) AS n, min(position), max(position)
+                    FROM {scan} GROUP BY ALL ORDER BY ALL""")
+    width = _bin_width(files[0], rows)
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     bins = sorted({r[0] for r in rows})
     for b in bins:
         part = [r for r in rows if r[0] == b]
-        label = f"positions {b * width}-{(b + 1) * width - 1}"
+        label = (f"positions {b * width.tokens}-{(b + 1) * width.tokens - 1}" if width.tokens
+                 else f"bin {b}")
         axes[0].plot([r[1] for r in part], [r[2] for r in part], marker="o", ms=4, label=label)
         axes[1].plot([r[1] for r in part], [r[3] for r in part], marker="o", ms=4, label=label)
     axes[0].set_title("p5 of alpha's top-20 lower bound", fontsize=10)
@@ -125,6 +130,25 @@ def train_mismatch_figure(steps: Steps, out: Path, plt) -> Figure | None:
                 "named under Not drawn)" if steps.left_out else "")
     return save(fig, out, steps.name, f"Mismatch per position bin over training: {steps.where}",
                  f"From {len(files)} train_mismatch files in {steps.where}{left_out}: every generated token "
-                 f"of {n_steps} steps, in bins of {width} tokens, one line per bin (the sampled-token k3 and "
+                 f"of {n_steps} steps, in {width.words}, one line per bin (the sampled-token k3 and "
                  "the top-20 lower bound of alpha, as the rollout and the dense recompute saw them).", plt,
                  len(rows))
+
+
+@dataclass(frozen=True)
+class StepBins:
+    """The steps' bin width in tokens (None: their `bin` column fits no one width), as a caption says it."""
+    tokens: int | None
+    words: str
+
+
+def _bin_width(first: Path, rows: list[tuple]) -> StepBins:
+    """The bin width the first step file records, else the one its rows' positions imply (plan-schedule's
+    rule for a profile that records none, `profile_bin_width`)."""
+    try:
+        width = profile_bin_width(first, spans=[(r[0], r[5], r[6]) for r in rows])
+    except ScheduleError:
+        return StepBins(None, "the bins of their 'bin' column, which fit no one width (they record none)")
+    inferred = " (inferred from the 'bin' column: the files record no bin width)"
+    words = f"bins of {width.width} tokens" + (inferred if width.origin == "inferred" else "")
+    return StepBins(width.width, words)

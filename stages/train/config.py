@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..core.definitions import DEFAULT_BIN_WIDTH
 from ..core.sparsity import as_policy, parse_sparsity
 from ..kv_policies import KVPolicy
 from ..model.config import ModelConfig
@@ -36,7 +37,7 @@ class TrainConfig:
     max_grad_norm: float = 1.0
     checkpoint_every: int = 10
     eval_every: int = 5
-    bin_width: int = 512
+    bin_width: int = DEFAULT_BIN_WIDTH
     sparsity: str = "dense"  # "dense" | "budget:B" | "schedule:<path>" | "snapkv:B,..." | "rkv:B,..."
     device: str = "cpu"  # cuda: the engine's Triton kernels and CUDA graphs
     dtype: str = "auto"  # the weights': auto = bfloat16 on cuda, float32 on a CPU (exact against scoring)
