@@ -6,8 +6,8 @@ import re
 
 from typer.testing import CliRunner
 
-from sparrow.schemas import write_artifact
 from sparrow.cli.app import app
+from sparrow.schemas import write_artifact
 
 
 def _steps(run, bin_width: int, metadata: dict | None) -> None:
