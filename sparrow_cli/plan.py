@@ -152,8 +152,9 @@ def plan_schedule(
             raise UsageError(f"{given[0]} does not apply to an eviction plan ({profile} profiles {evicting} "
                              "KV budgets): the plan is one --kv-budget, printed, with no schedule or speedup")
         _check_plan_inputs(req)
-        if bin_width is not None and bin_width < 1 or min_tokens < 1:
-            raise UsageError("--bin-width and --min-tokens must be at least 1")
+        for flag, value in (("--bin-width", bin_width), ("--min-tokens", min_tokens)):
+            if value is not None and value < 1:
+                raise UsageError(f"{flag} must be at least 1, got {value}")
         with stage_errors():
             result = plan_kv_budget(req)
         return print_eviction_plan(result, fmt)

@@ -106,11 +106,12 @@ class ProfileOptions:
                 raise ValueError(f"--budgets: {e}") from None
         for name in ("samples", "max_new_tokens", "bin_width", "batch_size"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{FLAGS.get(name, '--' + name.replace('_', '-'))} must be at least 1")
+                raise ValueError(f"{FLAGS.get(name, '--' + name.replace('_', '-'))} must be at least 1, "
+                                 f"got {getattr(self, name)}")
         if self.temperature < 0:
-            raise ValueError("--temperature must be >= 0")
+            raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
-            raise ValueError("--top-p must be in (0, 1]")
+            raise ValueError(f"--top-p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"--top-k must be >= 0 (0 = off), got {self.top_k}")
         if self.sampler.startswith("budget:"):
