@@ -47,8 +47,8 @@ def reward(
     reward_name: str = reward_option(),
     reward_fn: str = reward_fn_option(),
     workers: int = typer.Option(None, "--workers", help="Programs run at once for code tasks (default: "
-                                "$SPARROW_REWARD_WORKERS, else the CPU count): the sandbox pool's size, not Ray workers as rollout's, "
-                                "profile's and train's --workers are."),
+                                "$SPARROW_REWARD_WORKERS, else the CPU count): the sandbox pool's size, "
+                                "not Ray workers as rollout's, profile's and train's --workers are."),
     unsafe_code_execution: bool = unsafe_code_option(),
     fmt: str = format_option(),
     force: bool = force_option(),
