@@ -32,6 +32,7 @@ from .common import (  # noqa: E402
     StdoutFailed,
     drop_stream,
     parser_errors,
+    print_stage_messages,
     say_error,
     stopped,
     writing_stdout,
@@ -101,6 +102,7 @@ COMMANDS = {"models": models.models, "prompts": prompts.prompts, "sql": sql.sql,
             "train": train.train, "distill": distill.distill, "report": report.report}
 for _name, _command in COMMANDS.items():
     app.command(_name, cls=Command)(_command)
+print_stage_messages()
 
 
 def main() -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import logging
 import os
 import re
 import signal
@@ -182,7 +183,7 @@ def live_progress() -> bool:
     than as whole lines (`log_line`): only where stderr is a terminal that redraws (MessageConsole.redraws).
     A log, a pipe or a dumb terminal gets the lines, whatever FORCE_COLOR says, so that no line is cut to 80
     columns, left stale, or drawn over and over with carriage returns."""
-    return console.redraws
+    return console.redraws and not console.quiet
 
 
 _logged = {"at": time.monotonic()}  # when the last progress line was printed (Heartbeat's silence)
@@ -322,12 +323,13 @@ def take_aliases(params: list) -> dict:
 
 
 class Command(TyperCommand):
-    """A subcommand whose --help shows flags without a value placeholder and whose options answer to their
-    names in ALIASES (`take_aliases`)."""
+    """A subcommand whose --help shows flags without a value placeholder, whose options answer to their
+    names in ALIASES (`take_aliases`), and which takes -q/--quiet (`quiet_option`)."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.aliases = take_aliases(self.params)
+        self.params.append(quiet_option())
 
     def get_params(self, ctx) -> list:
         return _bare_flags(super().get_params(ctx))
@@ -349,6 +351,28 @@ class Command(TyperCommand):
     def format_help(self, ctx, formatter) -> None:
         with writing_stdout(), whole_help_cells():  # a full disk or a closed stdout: one sentence
             super().format_help(ctx, formatter)
+
+
+@functools.cache
+def quiet_option():
+    """-q/--quiet: stderr holds only warnings and errors (no progress, notes or summary) for this command;
+    stdout's data and the files written are the same. Built as typer builds any option, then shared."""
+    probe = typer.Typer()
+
+    @probe.command()
+    def _quiet(quiet: bool = typer.Option(
+            False, "--quiet/--no-quiet", "-q", is_eager=True, expose_value=False, callback=_be_quiet,
+            help="Print only warnings and errors on stderr: no progress, notes or summary (stdout's data "
+                 "and the files written are the same).")) -> None:
+        """Never run: only its option is taken."""
+
+    return typer.main.get_command(probe).params[0]
+
+
+def _be_quiet(ctx, param, value: bool) -> None:
+    if value:
+        console.quiet = True
+        ctx.call_on_close(lambda: setattr(console, "quiet", False))
 
 
 class Group(TyperGroup):
@@ -604,13 +628,39 @@ def say_error(message: str) -> None:
     from sparrow.schemas.locations import name_inputs
 
     # as Text: the message quotes user input (a path, a spec, a prompt) that no markup may touch
-    console.print(Text.assemble(("error:", "bold red"), " ", printable(name_inputs(message))), soft_wrap=True)
+    _always(Text.assemble(("error:", "bold red"), " ", printable(name_inputs(message))))
 
 
 def warn(message: str) -> None:
     """A warning on stderr, one line, its text (which may quote user input) printed as written but for its
-    control characters (`printable`)."""
-    console.print(Text.assemble(("warning:", "yellow"), " ", printable(message)), soft_wrap=True)
+    control characters (`printable`); --quiet keeps it."""
+    _always(Text.assemble(("warning:", "yellow"), " ", printable(message)))
+
+
+class StageMessages(logging.Handler):
+    """What stages say through the `sparrow` logger: INFO as a note, WARNING and above as a warning, so that
+    --quiet treats them as it treats the CLI's own."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        (warn if record.levelno >= logging.WARNING else note)(record.getMessage())
+
+
+def print_stage_messages() -> None:
+    """Send the `sparrow` logger's records to stderr as notes and warnings (`StageMessages`), once."""
+    logger = logging.getLogger("sparrow")
+    if not any(isinstance(h, StageMessages) for h in logger.handlers):
+        logger.addHandler(StageMessages())
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+
+
+def _always(text: Text) -> None:
+    """`text` on stderr, --quiet or not: an error or a warning is never silenced."""
+    quiet, console.quiet = console.quiet, False
+    try:
+        console.print(text, soft_wrap=True)
+    finally:
+        console.quiet = quiet
 
 
 def note(message: str) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import typer
 
-from .common import DEVICE_HELP, UsageError, console, fail, note, parse_device, warn
+from .common import DEVICE_HELP, UsageError, fail, note, parse_device, warn
 
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 
@@ -527,8 +527,8 @@ def load_actor(path: Path | None, cfg, model: str | None = None, flag: str = "--
     except (ValueError, KeyError, OSError, SafetensorError) as e:
         raise UsageError(f"{flag} {path}: {e.args[0] if e.args else e}") from None
     if model is not None and base and base_name(base) != base_name(model):
-        console.print(f"[yellow]warning:[/] {flag} {path} was trained on {base!r} (its adapter_config.json), "
-                      f"not on --model {model}; its shapes fit, so it is used as given", highlight=False)
+        warn(f"{flag} {path} was trained on {base!r} (its adapter_config.json), not on --model {model}; its "
+             "shapes fit, so it is used as given")
     return lora
 
 

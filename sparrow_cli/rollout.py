@@ -389,9 +389,8 @@ def _check_tokenizer(model: str, prompt_set) -> None:
     if prompt_set.needs_tokenizer:
         prompt_set.tokenize(None)  # refuses text-only prompts in its own sentence, before any weights load
     if any(has_scorer(r.get("task")) for r in prompt_set.rows):
-        console.print(f"[yellow]warning:[/] --model {model} has no tokenizer, so the samples have no text "
-                      "and their task's scorer cannot reward them (text and reward are left null)",
-                      highlight=False)
+        warn(f"--model {model} has no tokenizer, so the samples have no text and their task's scorer cannot "
+             "reward them (text and reward are left null)")
 
 
 TOKENIZING_NOTE = 1000  # prompts from which their tokenizing, seconds or minutes, is said before it starts

@@ -238,6 +238,10 @@ def train(
                                                 "pass (less memory, more compute); default: on with "
                                                 "--device cuda, off on the CPU."),
     gpu_memory_utilization: float = gpu_memory_option(),
+    max_num_seqs: int = typer.Option(None, "--max-num-seqs", help="Samples the rollout engine decodes "
+                                     "together, at least 1 (vLLM's and verl's max_num_seqs; default: all "
+                                     "of a step's, --prompts-per-step x --samples); the others wait their "
+                                     "turn."),
     workers: int = typer.Option(0, "--workers", help="Roll out on N Ray workers (each loads the model once; "
                                 "the weights are pushed to them before every step's rollout)."),
     ray_address: str = typer.Option(None, "--ray-address", help="An existing Ray cluster for --workers "
@@ -327,6 +331,8 @@ def train(
     notes += _speculative_correction(cfg)
     check_device(device)
     check_gpu_memory(gpu_memory_utilization)
+    if max_num_seqs is not None and max_num_seqs < 1:
+        raise UsageError(f"--max-num-seqs must be at least 1, got {max_num_seqs}")
     if speculate and workers:
         raise UsageError("--speculate runs in this process's engine; drop --workers")
     check_workers(workers, ray_address, None)
@@ -357,7 +363,8 @@ def train(
         random_weights_of(model, "this run times its steps, but its rewards and adapter are not the model's")
     with launched(cfg, workers, ray_address) as pool:
         _run(cfg, inputs, RunOptions(resume=resume, force=force, world=world, pool=pool, report_to=trackers,
-                                     gpu_memory_utilization=gpu_memory_utilization), fmt)
+                                     gpu_memory_utilization=gpu_memory_utilization,
+                                     max_num_seqs=max_num_seqs), fmt)
 
 
 def _speculative_correction(cfg) -> list[str]:
@@ -511,9 +518,9 @@ def _run(cfg, inputs, opts, fmt: str) -> None:
     def on_signal(r: dict) -> None:  # the first step without learning signal says so at once
         if world.main and not silent and r.get("frac_reward_zero_std") == 1.0:
             silent.append(r["step"])
-            console.print(f"[yellow]warning:[/] step {r['step']}: every group's samples got the same reward "
-                          "(frac_reward_zero_std 1), so its advantages are zero and the update learns "
-                          "nothing from them; metrics.parquet logs the share per step", highlight=False)
+            warn(f"step {r['step']}: every group's samples got the same reward (frac_reward_zero_std 1), so "
+                 "its advantages are zero and the update learns nothing from them; metrics.parquet logs the "
+                 "share per step")
 
     def on_rollouts(step: int, lengths: list[int]) -> None:  # the first step's samples tell
         if world.main and not warned:
@@ -538,6 +545,6 @@ def _run(cfg, inputs, opts, fmt: str) -> None:
         run = inputs.output_dir
         console.print(f"metrics: {run / 'metrics.parquet'}; per-token mismatch: {run / 'mismatch'}/")
         for warning in summary.get("warnings", []):
-            console.print(f"[yellow]warning:[/] {warning}", highlight=False)
+            warn(warning)
         emit_record(summary_record(summary), fmt, title=f"sparrow train: {run}",
                     labels=TRAIN_LABELS)

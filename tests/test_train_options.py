@@ -244,3 +244,9 @@ def test_format_help_of_a_run_does_not_describe_stdout_output():
     assert "-o -" not in fmt.help and "stderr" not in fmt.help
     assert fmt.help.startswith("The summary's format: table, csv, json or tsv on stdout")
 
+
+
+
+def test_max_num_seqs_below_one_is_refused(tmp_path, no_work):
+    result = runner.invoke(app, train_args(tmp_path, "--max-num-seqs", "0"))
+    assert error_line(result) == "error: --max-num-seqs must be at least 1, got 0"

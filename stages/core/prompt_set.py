@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import sys
 from dataclasses import dataclass, field
@@ -58,10 +59,11 @@ _SAID: set[str] = set()  # the notes already printed by this process
 
 
 def _note(message: str) -> None:
-    """`message` on stderr, once per process (train reads its prompts more than once)."""
+    """`message` as a note (the `sparrow` logger at INFO, which the CLI prints as "note: ..."), once per
+    process (train reads its prompts more than once)."""
     if message not in _SAID:
         _SAID.add(message)
-        print(f"note: {message}", file=sys.stderr, flush=True)
+        logging.getLogger("sparrow").info(message)
 
 
 @dataclass

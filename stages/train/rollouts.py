@@ -28,12 +28,14 @@ def make_engine(model: nn.Module, policy: KVPolicy, max_batch: int, gpu_memory_u
 
 class Rollouts:
     def __init__(self, model: nn.Module, policy: KVPolicy, world: World, pool: RolloutPool | None = None,
-                 gpu_memory_utilization: float = 0.9, speculate: int = 0):
+                 gpu_memory_utilization: float = 0.9, speculate: int = 0, max_num_seqs: int | None = None):
         """`gpu_memory_utilization`: on CUDA, the share of device memory the engine may take (its KV pool,
         graphs and activations; the learner's update needs the rest). `speculate` = K: exact speculative
-        rollouts, the policy drafting (in this process's engine only)."""
+        rollouts, the policy drafting (in this process's engine only). `max_num_seqs`: the most samples an
+        engine decodes together (vLLM's max_num_seqs); the others wait their turn (None: no bound)."""
         self.model, self.policy, self.world, self.pool = model, policy, world, pool
         self.gpu_memory_utilization, self.speculate = gpu_memory_utilization, speculate
+        self.max_num_seqs = max_num_seqs
         self.engine: Engine | None = None
         self.sync_seconds: float | None = None  # the last weight push to the workers
 
@@ -45,8 +47,8 @@ class Rollouts:
             state = (lora_state(self.model) if lora
                      else {k: v.detach().cpu() for k, v in self.model.state_dict().items()})
             self.sync_seconds = self.pool.push_weights(state, lora)
-            results = self.pool.map("generate", list(prompts), params, self.policy, len(prompts) * params.n,
-                                    self.gpu_memory_utilization)
+            results = self.pool.map("generate", list(prompts), params, self.policy,
+                                    self._batch(len(prompts) * params.n), self.gpu_memory_utilization)
             return [group for r in results for group in r.value]
         shard = self.world.shard(len(prompts))  # a prompt's group stays on one rank
         mine = self.run_engine(prompts_per_step, params.n).generate(
@@ -57,9 +59,14 @@ class Rollouts:
         """The run's engine, made once; its batch is this rank's share of a step's samples."""
         if self.engine is None:
             mine = self.world.shard(prompts_per_step)
-            self.engine = make_engine(self.model, self.policy, max(mine.stop - mine.start, 1) * n,
-                                      self.gpu_memory_utilization, self.speculate)
+            batch = self._batch(max(mine.stop - mine.start, 1) * n)
+            self.engine = make_engine(self.model, self.policy, batch, self.gpu_memory_utilization,
+                                      self.speculate)
         return self.engine
+
+    def _batch(self, samples: int) -> int:
+        """An engine's batch for `samples` samples: all of them, or --max-num-seqs where that is fewer."""
+        return samples if self.max_num_seqs is None else min(samples, self.max_num_seqs)
 
     def updated(self) -> None:
         """The next rollouts sample with the updated weights."""

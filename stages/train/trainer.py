@@ -81,6 +81,7 @@ class RunOptions:
     world: World | None = None  # None: this process's (torchrun's, or the single process)
     pool: RolloutPool | None = None  # Ray rollout workers
     gpu_memory_utilization: float = 0.9  # on CUDA, the rollout engine's share of device memory
+    max_num_seqs: int | None = None  # samples one engine decodes together (None: all of a step's at once)
     report_to: Sequence[str] = ()  # live trackers of each step's row (tracking.py)
     on_step: Callable[[dict], None] | None = None  # each step's metrics row
     on_phase: Callable[[str], None] | None = None  # "loading" | "initial eval" | "rollout" | "scoring" |
@@ -147,7 +148,7 @@ class Trainer:
         self.learner = Learner(self.model, data_parallel(self.model, world), self.optimizer, self.loss_cfg,
                                config, world)
         self.rollouts = Rollouts(self.model, self.policy, world, opts.pool,
-                                 opts.gpu_memory_utilization, config.speculate)
+                                 opts.gpu_memory_utilization, config.speculate, opts.max_num_seqs)
         if opts.pool is not None and self.lora_config is not None:
             opts.pool.add_lora(config.lora_rank, config.lora_alpha)
         self.rng_at_step = rng_states()  # the RNG states at the last step boundary
