@@ -13,6 +13,7 @@ from pathlib import Path
 import typer
 
 from sparrow.stages.tasks import TASKS, Task, TaskError, get_task, make_prompts
+from sparrow.stages.tasks.code import DEFAULT_LEVEL, DEFAULT_TESTS, LEVELS, MAX_TESTS
 from sparrow.stages.tasks.longcontext import DEFAULT_CONTEXT_TOKENS, MIN_CONTEXT_TOKENS
 
 from .common import (
@@ -79,8 +80,16 @@ def _context_tokens(task_name: str, long_context: bool, requested: int | None, m
     return requested
 
 
-def _check_request(spec: Task, n: int, split: str | None) -> None:
-    """What the task itself refuses (a split it lacks, more prompts than its problems), before any work."""
+def _check_request(spec: Task, n: int, split: str | None, code: dict[str, int]) -> None:
+    """What the task itself refuses (a split it lacks, more prompts than its problems, the code task's
+    options given to another or out of range), before any work."""
+    for name in code:
+        if name not in spec.options:
+            raise UsageError(f"--{name} applies only to --task code, not to {spec.name}")
+    if code.get("level", DEFAULT_LEVEL) not in LEVELS:
+        raise UsageError(f"--level must be one of {', '.join(map(str, LEVELS))}, got {code['level']}")
+    if not 1 <= code.get("tests", DEFAULT_TESTS) <= MAX_TESTS:
+        raise UsageError(f"--tests must be in [1, {MAX_TESTS}], got {code['tests']}")
     if split is not None and "split" not in spec.options:
         with_splits = ", ".join(t.name for t in TASKS.values() if "split" in t.options)
         raise UsageError(f"--split applies only to tasks with a fixed set of problems ({with_splits}), not "
@@ -114,6 +123,12 @@ def prompts(
         help="humaneval only: a fixed partition of its 164 problems, so that training and evaluation "
              "prompts never share one whatever the seeds: test (every fourth problem, HumanEval/0, /4, "
              "...: 41), train (the other 123) or all (default)"),
+    level: int | None = typer.Option(
+        None, "--level", help=f"code only: 1 one-liner functions, 2 functions that need a loop or a "
+                              f"condition, 0 both (default {DEFAULT_LEVEL})"),
+    tests: int | None = typer.Option(
+        None, "--tests", help=f"code only: hidden tests per prompt, 1 to {MAX_TESTS} "
+                              f"(default {DEFAULT_TESTS})"),
     output: Path = typer.Option(..., "-o", "--output", help=output_help("the prompts artifact"),
                                 parser=output_path()),
     force: bool = force_option(),
@@ -126,7 +141,8 @@ def prompts(
     spec = get_task(task.lower())
     if n < 1:
         raise UsageError(f"--n must be at least 1, got {n}")
-    _check_request(spec, n, split)
+    code = {k: v for k, v in (("level", level), ("tests", tests)) if v is not None}
+    _check_request(spec, n, split, code)
     check_host_memory(n, f"{n:,} prompts (--n)", "write fewer prompts per file")
     check_output(output, "prompts", force, inputs={"--model": model_file(model)})
     config = resolve_config(model)
@@ -138,7 +154,8 @@ def prompts(
         raise UsageError(f"model {model} has no tokenizer, and prompts need one to apply its chat template")
     progress = _LazyProgress(n, f"{spec.name} prompts")
     try:
-        rows = make_prompts(spec, n, seed, tokenizer, progress=progress, context_tokens=context, split=split)
+        rows = make_prompts(spec, n, seed, tokenizer, progress=progress, context_tokens=context, split=split,
+                            **code)
     except TaskError as e:
         raise UsageError(str(e)) from None
     finally:
@@ -149,6 +166,7 @@ def prompts(
         metadata["context_tokens"] = context
     if split is not None:
         metadata["split"] = split
+    metadata.update(code)
     path = write_artifact(rows, output, "prompts", metadata)
 
     lengths = [len(r["prompt_token_ids"]) for r in rows]

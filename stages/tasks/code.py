@@ -179,6 +179,7 @@ FAMILIES = (
            "    return sum(x > 0 for x in numbers)", lambda r: (_ints(r, n=(0, 8)),), 2),
 )
 LEVELS = (0, 1, 2)
+MAX_TESTS = 50
 
 PROMPT = (
     "Write a Python function `{name}({params}) -> {returns}` that {spec}.\n\n"
@@ -215,8 +216,8 @@ def generate(n: int, seed: int, measure: Measure, level: int = DEFAULT_LEVEL,
              tests: int = DEFAULT_TESTS) -> Iterator[Example]:
     if level not in LEVELS:
         raise TaskError(f"--level must be one of {', '.join(map(str, LEVELS))}, got {level}")
-    if not 1 <= tests <= 50:
-        raise TaskError(f"--tests must be in [1, 50], got {tests}")
+    if not 1 <= tests <= MAX_TESTS:
+        raise TaskError(f"--tests must be in [1, {MAX_TESTS}], got {tests}")
     for i in range(n):
         yield _example(random.Random(f"code/{seed}/{i}"), level, tests)
 
