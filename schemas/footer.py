@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -69,6 +70,29 @@ def stage_metadata(schema: pa.Schema, where: object, key: str = KEY_META) -> dic
     if not isinstance(meta, dict):
         raise ArtifactError(f"{where} has '{key}' metadata that is not a JSON object")
     return meta
+
+
+WHOLE = "a positive whole number"
+OPEN_UNIT = "a number between 0 and 1 (both excluded)"
+FOOTER_NUMBERS = {"bin_width": WHOLE, "min_tokens": WHOLE, "threshold": OPEN_UNIT, "quantile": OPEN_UNIT}
+
+
+def footer_number(meta: dict, key: str, where: object) -> int | float | None:
+    """The numeric `sparrow.meta` key `key` (one of FOOTER_NUMBERS) of the artifact `where`, whose metadata
+    is `meta`: None when absent or null; an int for a whole number (512.0 as 512), a float in (0, 1) for
+    the others. ArtifactError naming the file and the key when the value is anything else (text, a
+    boolean, zero), so that no caller divides by it or converts it first."""
+    value = meta.get(key)
+    if value is None:
+        return None
+    number = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    if FOOTER_NUMBERS[key] == WHOLE and number and value >= 1 and float(value).is_integer():
+        return int(value)
+    if FOOTER_NUMBERS[key] == OPEN_UNIT and number and 0 < value < 1:
+        return float(value)
+    shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:40] + "..."
+    raise ArtifactError(f"{where} records {key} {shown} in its '{KEY_META}' metadata, not "
+                        f"{FOOTER_NUMBERS[key]}")
 
 
 def file_json(text: str | bytes) -> object:

@@ -29,6 +29,7 @@ import numpy as np
 import pyarrow as pa
 
 from sparrow.schemas import artifact_metadata, check_artifact, input_name, read_artifact
+from sparrow.schemas.footer import footer_number
 from sparrow.schemas.io import column_reader
 
 from .calibrate import ResolvedThreshold, resolve_threshold
@@ -137,12 +138,16 @@ def profile_bin_width(profile: Path, given: int | None = None,
                       spans: Iterable[BinSpan] | None = None) -> BinWidth:
     """The bin width of a mismatch profile (module docstring): --bin-width `given`, else its metadata's,
     else inferred from its `bin` column, from `spans` when the caller has them (per bin, or finer), else
-    from a scan of the checked profile's positions and bins. ScheduleError when no width fits the rows."""
-    recorded = artifact_metadata(profile).get("bin_width")
-    if given is not None:
-        return BinWidth(given, "recorded" if recorded is not None and int(recorded) == given else "given")
+    from a scan of the checked profile's positions and bins. ScheduleError when no width fits the rows;
+    ArtifactError naming the file when the width it records is not a positive whole number."""
+    meta = artifact_metadata(profile)
+    if given is not None:  # a recorded value that is no width is not read: --bin-width replaces it
+        recorded = meta.get("bin_width")
+        same = isinstance(recorded, int | float) and not isinstance(recorded, bool) and recorded == given
+        return BinWidth(given, "recorded" if same else "given")
+    recorded = footer_number(meta, "bin_width", profile)
     if recorded is not None:
-        return BinWidth(int(recorded), "recorded")
+        return BinWidth(recorded, "recorded")
     return inferred_bin_width(bin_spans(profile) if spans is None else spans, profile)
 
 

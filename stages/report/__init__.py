@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sparrow.schemas import VERSION, ArtifactError, artifact_metadata
-from sparrow.schemas.footer import artifact_parts, kind_version, parquet_batches, read_schema
+from sparrow.schemas.footer import artifact_parts, footer_number, kind_version, parquet_batches, read_schema
 from sparrow.schemas.io import check_artifact, write_bytes
 
 from ..calibrate import ResolvedThreshold, resolve_threshold
@@ -23,6 +23,7 @@ from .artifact_figures import (
     TailLine,
     calibration_figure,
     cost_figure,
+    distill_figure,
     rewards_figure,
     rollouts_figure,
     schedule_figure,
@@ -32,6 +33,7 @@ from .canvas import Figure, pyplot
 from .collect import (
     DRAWN,
     Steps,
+    adapter_pairs,
     figure_name,
     find_artifacts,
     find_calibrations,
@@ -87,6 +89,11 @@ def build_report(run_dir: str | Path, out_dir: str | Path | None = None,
             for path in paths:
                 note(f"drawing {kind} {path.name}")
                 figures.append(figure(path, figure_name(stem, path, len(paths) > 1, run_dir)))
+            if kind == "mismatch":
+                for plain, adapted in adapter_pairs(paths):
+                    note(f"drawing mismatch {plain.name} against {adapted.name}")
+                    figures.append(distill_figure(plain, adapted, _pair_name(plain.parent, run_dir),
+                                                  thresholds[adapted], out, plt))
         for path in calibrations:
             many = len(kinds["threshold"]) > 1
             fig_ = calibration_figure(path, figure_name("calibration", path, many, run_dir), out, plt)
@@ -109,6 +116,11 @@ def build_report(run_dir: str | Path, out_dir: str | Path | None = None,
         write_bytes(out / "index.html", html_page(run_dir, out, figures, skipped).encode())
         remove_stale(out, before - {f.file for f in figures})
     return out / "index.html", figures
+
+
+def _pair_name(folder: Path, run_dir: Path) -> str:
+    """The figure of a folder's profiles without and with an adapter: `tail-adapter-<folder>.png`."""
+    return f"tail-adapter-{'-'.join(folder.relative_to(run_dir).parts) or run_dir.name}.png"
 
 
 @contextmanager
@@ -135,12 +147,15 @@ def _check_artifacts(kinds: dict[str, list[Path]], curves: list[Path], steps: di
     """Every artifact to draw read against its schema before any figure is written; the artifacts and the
     runs with curves that remain. A file that cannot be read at all (a damaged data page, which the footer
     check cannot see) or has another schema version is left out with its `skipped` line, as a truncated
-    one is, so that one damaged file does not keep the rest from being drawn; a bad value (a NaN alpha)
-    refuses the report with the one sentence every command gives."""
-    kept = {kind: [p for p in paths if kind == "train_mismatch" or _readable(p, kind, skipped)]
+    one is, so that one damaged file does not keep the rest from being drawn, and so is one whose footer
+    records a number the figures read as something else (bin_width 'wide'); a bad value in its rows (a NaN
+    alpha) refuses the report with the one sentence every command gives."""
+    kept = {kind: [p for p in paths if kind == "train_mismatch"
+                   or (_readable(p, kind, skipped) and _numbers_read(p, kind, skipped))]
             for kind, paths in kinds.items()}  # train_mismatch: read file by file, as `steps`
     for series in steps.values():
-        good = [f for f in series.files if _readable(f, "train_mismatch", skipped)]
+        good = [f for f in series.files
+                if _readable(f, "train_mismatch", skipped) and _numbers_read(f, "train_mismatch", skipped)]
         series.left_out += len(series.files) - len(good)
         series.files = good
     curves = [run for run in curves
@@ -160,6 +175,23 @@ def _readable(path: Path, kind: str, skipped: list[str], what: str | None = None
             raise
         skipped.append(f"{what} ({e})" if what else str(e))
         return False
+
+
+FOOTER_NUMBERS = {"mismatch": ("bin_width",), "train_mismatch": ("bin_width",),
+                  "schedule": ("bin_width", "threshold", "quantile", "min_tokens")}  # what the figures read
+
+
+def _numbers_read(path: Path, kind: str, skipped: list[str]) -> bool:
+    """Whether the numbers the figures read of `path`'s footer (FOOTER_NUMBERS) are numbers of their kind;
+    when one is not, the sentence naming the file and the key goes to `skipped`, as for a damaged file."""
+    try:
+        meta = artifact_metadata(path)
+        for key in FOOTER_NUMBERS.get(kind, ()):
+            footer_number(meta, key, path)
+    except ArtifactError as e:
+        skipped.append(str(e))
+        return False
+    return True
 
 
 def _unreadable(path: Path) -> bool:

@@ -11,14 +11,15 @@ from pathlib import Path
 import numpy as np
 
 from sparrow.schemas import artifact_metadata, read_artifact
-from sparrow.schemas.footer import file_json
+from sparrow.schemas.footer import file_json, footer_number
 
 from ..calibrate import PRIOR_RANGE_NOTE, ResolvedThreshold
 from ..core.schedule import MIN_TOKENS, ScheduleError
+from ..kv_policies.eviction import EVICTION_POLICIES
 from ..plan import profile_bin_width
-from .canvas import Figure, save, say
+from .canvas import Figure, integer_steps, save, say
 from .collect import calibrated_runs
-from .tables import files_of, reward_stats, rollout_stats, sql_rows
+from .tables import RolloutStats, files_of, reward_stats, rollout_stats, sql_rows
 
 
 @dataclass(frozen=True)
@@ -35,11 +36,9 @@ def tail_figure(mismatch: Path, name: str, line_at: TailLine, out: Path, plt) ->
     """Tail and mean alpha per bin and budget, each point at the mean position of its bin's tokens (a bin's
     tokens may fill only part of it); the threshold applies to the tail only."""
     threshold, min_tokens = line_at.threshold, line_at.min_tokens
-    rows = sql_rows(files_of(mismatch), lambda scan: f"""SELECT budget, bin,
-                    quantile_cont(alpha, {float(threshold.quantile)}) AS tail, avg(alpha) AS mean,
-                    count(*) AS n, avg(position) AS at, min(position) AS first, max(position) AS last
-                    FROM {scan} GROUP BY ALL ORDER BY ALL""")
-    evicting = artifact_metadata(mismatch).get("kv_compression") or None
+    rows = tail_rows(mismatch, threshold.quantile)
+    meta = artifact_metadata(mismatch)
+    evicting = meta.get("kv_compression") or None
     budget_word = f"{evicting} KV budget" if evicting else "budget"
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.6), sharey=True)
     if not rows:
@@ -62,12 +61,13 @@ def tail_figure(mismatch: Path, name: str, line_at: TailLine, out: Path, plt) ->
                          label=f"fewer than {min_tokens} tokens")
         for ax, title in zip(axes, (f"p{threshold.quantile * 100:g} of alpha (the tail)", "mean alpha")):
             ax.set_xlabel("position (cache length when the token was produced)")
+            integer_steps(ax.xaxis)  # positions are whole numbers
             ax.set_ylim(-0.02, 1.02)
             ax.set_title(title, fontsize=10)
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)
         axes[0].set_ylabel("acceptance alpha")
-    title = f"Tail and mean alpha per position bin and {budget_word}: {mismatch.name}"
+    title = f"Tail and mean alpha per position bin and {budget_word}: {mismatch.name}{_actor(meta)[0]}"
     if not rows:
         return save(fig, out, name, title, f"From {mismatch.name}: no scored tokens, so no tail to draw.",
                      plt, 0)
@@ -80,7 +80,63 @@ def tail_figure(mismatch: Path, name: str, line_at: TailLine, out: Path, plt) ->
                  f"From {mismatch.name}: {tokens} generated tokens, each scored at every {budget_word}, in "
                  f"{_bins(mismatch, rows)} (each point sits at the mean position of its bin's tokens). The "
                  f"dashed line on the tail panel is the {label}: {_planned(evicting)} Where the threshold "
-                 f"comes from: {threshold.source}.{thin_words}", plt, len(rows))
+                 f"comes from: {threshold.source}.{thin_words}{_actor(meta)[1]}", plt, len(rows))
+
+
+def tail_rows(mismatch: Path, quantile: float) -> list[tuple]:
+    """Per budget and bin of a profile: its tail (the `quantile` of alpha), mean alpha, token count, and the
+    mean, first and last position of its tokens."""
+    return sql_rows(files_of(mismatch), lambda scan: f"""SELECT budget, bin,
+                    quantile_cont(alpha, {float(quantile)}) AS tail, avg(alpha) AS mean,
+                    count(*) AS n, avg(position) AS at, min(position) AS first, max(position) AS last
+                    FROM {scan} GROUP BY ALL ORDER BY ALL""")
+
+
+def _actor(meta: dict) -> tuple[str, str]:
+    """The title's and the caption's words on the actor that scored a profile, where it records one
+    (`sparrow distill` writes its profiles before and after its adapter): ("", "") otherwise."""
+    adapter, actor = meta.get("adapter"), meta.get("actor")
+    if isinstance(adapter, str) and adapter:
+        return (f", with the adapter {Path(adapter).name}",
+                f" Scored by the sparse actor with the distilled adapter {adapter}.")
+    if isinstance(actor, str) and actor:
+        return ", without an adapter", f" Scored by the {actor}, without an adapter."
+    return "", ""
+
+
+def distill_figure(before: Path, after: Path, name: str, line_at: TailLine, out: Path, plt) -> Figure:
+    """A profile scored without and with a distilled adapter (distill's before.parquet and after.parquet):
+    their tails per position bin and budget on one panel, against the threshold of `line_at`."""
+    threshold = line_at.threshold
+    fig, ax = plt.subplots(figsize=(9, 4.8))
+    rows = {path: tail_rows(path, threshold.quantile) for path in (before, after)}
+    budgets = sorted({r[0] for part in rows.values() for r in part})
+    for i, budget in enumerate(budgets):
+        colour = f"C{i % 10}"
+        for path, style, words in ((before, "--", "without"), (after, "-", "with")):
+            part = [r for r in rows[path] if r[0] == budget]
+            if part:
+                ax.plot([r[5] for r in part], [r[2] for r in part], style, color=colour, marker="o",
+                        mfc="white" if path == before else colour,
+                        label=f"budget {budget}, {words} the adapter")
+    if not budgets:
+        say(ax, "neither profile has scored tokens")
+    else:
+        ax.axhline(threshold.value, color="k", ls=":", lw=1, label=f"threshold {threshold.short}")
+        ax.set_xlabel("position (cache length when the token was produced)")
+        integer_steps(ax.xaxis)
+        ax.set_ylabel(f"p{threshold.quantile * 100:g} of alpha (the tail)")
+        ax.set_ylim(-0.02, 1.02)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, ncols=2)
+    adapter = artifact_metadata(after).get("adapter")
+    return save(fig, out, name, f"Tail per position bin without and with the distilled adapter "
+                f"({before.parent.name}/)",
+                f"From {before.name} (without the adapter: dashed, hollow) and {after.name} (with the "
+                f"adapter {adapter}: solid), each point at the mean position of its bin's tokens; a point "
+                f"above the dotted line is a bin where that budget's tail reaches the threshold "
+                f"({threshold.source}).",
+                plt, sum(len(part) for part in rows.values()))
 
 
 def _bins(mismatch: Path, rows: list[tuple]) -> str:
@@ -132,6 +188,9 @@ def calibration_figure(threshold: Path, name: str, out: Path, plt) -> Figure | N
     if t["source"] == "calibrated" and t["lower"] is not None and t["upper"] is not None:
         axes[0].axvspan(t["lower"], t["upper"], color="grey", alpha=0.25, label="95% interval")
         axes[0].legend(fontsize=8, loc="center left")
+    if mean_at is not None and (between := _mean_interval(meta)) is not None:
+        axes[1].axvspan(*between, color="grey", alpha=0.25, label="95% interval")
+        axes[1].legend(fontsize=8, loc="center left")
     axes[0].set_yticks([0, 1], ["stable", "collapsed"])
     axes[0].set_ylim(-0.5, 1.5)
     n_c = sum(r["collapsed"] for r in runs)
@@ -146,13 +205,27 @@ def calibration_figure(threshold: Path, name: str, out: Path, plt) -> Figure | N
                  f"{meta.get('mean_note') or ''}", plt, len(runs))
 
 
+def _mean_interval(meta: dict) -> tuple[float, float] | None:
+    """The 95% bootstrap interval of the boundary on mean alpha, from the threshold artifact's `separations`
+    (what `calibrate-threshold` says in the caption's mean note); None where it records none."""
+    try:
+        separations = file_json(meta.get("separations") or "[]")
+    except (TypeError, ValueError):
+        return None
+    for s in separations if isinstance(separations, list) else []:
+        if isinstance(s, dict) and s.get("what") == "mean alpha":
+            low, high = s.get("lower"), s.get("upper")
+            return (float(low), float(high)) if _number(low) and _number(high) and low <= high else None
+    return None
+
+
 def schedule_figure(schedule: Path, name: str, out: Path, plt) -> Figure:
     from ..core.published_schedules import published_budgets
 
     table = read_artifact(schedule, "schedule").sort_by("bin").to_pylist()
     meta = artifact_metadata(schedule)
-    model, threshold = meta.get("model"), meta.get("threshold")
-    published = published_budgets(model, float(threshold)) if model and threshold else None
+    model, threshold = meta.get("model"), footer_number(meta, "threshold", schedule)
+    published = published_budgets(model, threshold) if model and threshold else None
     fig, ax = plt.subplots(figsize=(8, 4.4))
     drafts = meta.get("speculate")  # plan-schedule --speculate's draft budgets
     title = (f"The draft schedule for --speculate {drafts}" if drafts else "The schedule"
@@ -163,7 +236,7 @@ def schedule_figure(schedule: Path, name: str, out: Path, plt) -> Figure:
     starts = [r["bin_start"] for r in table]
     budgets = [r["budget"] or 0 for r in table]
     last = table[-1]["bin_end"] if table else None
-    width = int(meta.get("bin_width") or (starts[1] - starts[0] if len(starts) > 1 else 2000))
+    width = footer_number(meta, "bin_width", schedule) or (starts[1] - starts[0] if len(starts) > 1 else 2000)
     edges = [*starts, last if last is not None else (starts[-1] if starts else 0) + width]
     if any(budgets):
         sparse = [b if b else np.nan for b in budgets]
@@ -190,7 +263,7 @@ def schedule_figure(schedule: Path, name: str, out: Path, plt) -> Figure:
     what = (f"{len(table)} bins, {dense} dense" + (f", budgets {min(b for b in budgets if b)}-{max(budgets)}"
                                                      if any(budgets) else ""))
     source = ((f", model {model}" if model else "")
-              + (f", threshold {float(threshold):.3g}" if threshold else "")
+              + (f", threshold {threshold:.3g}" if threshold else "")
               + (f", the sampler a training run used ({meta['source']}), not a plan"
                  if _sampled(meta) else "")
               + (f", draft budgets for exact speculative rollouts (--speculate {drafts}), planned for speed "
@@ -245,12 +318,18 @@ def cost_figure(cost: Path, name: str, out: Path, plt) -> Figure:
         measured = np.array([r["seconds"] for r in measured_rows]) * 1e3
         predicted = np.array([r["predicted_seconds"] for r in measured_rows]) * 1e3
         sparse = np.array([r["budget"] is not None for r in measured_rows])
-        ax.scatter(measured[~sparse], predicted[~sparse], label="dense", s=18)
-        ax.scatter(measured[sparse], predicted[sparse], label="sparse", s=18)
-        top = max(measured.max(), predicted.max()) * 1.05
-        ax.plot([0, top], [0, top], "k--", lw=1, label="y = x (a perfect fit)")
-        ax.set_xlabel("measured decode step (ms)")
-        ax.set_ylabel("cost model (ms)")
+        for chosen, label in ((~sparse, "dense"), (sparse, "sparse")):
+            if chosen.any():  # a legend names only what was drawn
+                ax.scatter(measured[chosen], predicted[chosen], label=label, s=18)
+        both = np.concatenate([measured, predicted])
+        logged = spans_decades(both)
+        low, top = (both.min() / 1.2, both.max() * 1.2) if logged else (0, both.max() * 1.05)
+        ax.plot([low, top], [low, top], "k--", lw=1, label="y = x (a perfect fit)")
+        if logged:
+            ax.set_xscale("log")
+            ax.set_yscale("log")
+        ax.set_xlabel("measured decode step (ms" + (", log scale)" if logged else ")"))
+        ax.set_ylabel("cost model (ms" + (", log scale)" if logged else ")"))
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
         err = np.abs(predicted - measured) / measured
@@ -265,7 +344,8 @@ def cost_figure(cost: Path, name: str, out: Path, plt) -> Figure:
         return save(fig, out, name, f"Cost model ({cost.name})", f"From {cost.name}: no points to draw.",
                      plt, 0)
     batches = sorted({r["batch"] for r in rows})
-    for batch, style in zip(batches[-2:], ("-", "--")):  # the two largest batches
+    drawn = batches[:-3:-1]  # the largest batch, then the next
+    for batch, style in zip(drawn, ("-", "--")):
         for budget in sorted({r["budget"] or 0 for r in rows}):
             pts = sorted((r["context"], r["predicted_seconds"] * 1e3) for r in rows
                          if r["batch"] == batch and (r["budget"] or 0) == budget)
@@ -279,8 +359,16 @@ def cost_figure(cost: Path, name: str, out: Path, plt) -> Figure:
     return save(fig, out, name, f"Analytic cost model: predicted decode step ({cost.name})",
                  f"From {cost.name}: the {meta.get('source', 'analytic')} model for "
                  f"{meta.get('model', 'the model')}, predicted only (no measured points to compare with; "
-                 "`sparrow fit-cost --device` measures them). Solid: the largest batch, dashed: the next.",
-                 plt, len(rows))
+                 "`sparrow fit-cost --device` measures them). "
+                 + (f"Solid: the largest batch ({drawn[0]}), dashed: the next ({drawn[1]})." if len(drawn) > 1
+                    else f"One batch ({drawn[0]})."), plt, len(rows))
+
+
+def spans_decades(values: np.ndarray, ratio: float = 10.0) -> bool:
+    """Positive values whose largest is `ratio` times their smallest or more: drawn on a linear axis, the
+    small ones would sit in one blob at the origin, so their axis is logarithmic."""
+    positive = values[values > 0]
+    return len(positive) == len(values) and len(values) > 1 and positive.max() >= ratio * positive.min()
 
 
 def rollouts_figure(rollouts: Path, name: str, out: Path, plt) -> Figure:
@@ -310,19 +398,41 @@ def rollouts_figure(rollouts: Path, name: str, out: Path, plt) -> Figure:
     axes[0].legend(fontsize=8, loc="best")
     finite = _reward_panel(axes[1], stats.rewards,
                            "no rewards: the prompts carry no answer, or their task has no scorer")
-    for ax in axes:
+    for ax in axes[:2 if len(finite) else 1]:  # a panel that says why it is empty gets no ticks
         ax.grid(alpha=0.3)
         ax.yaxis.set_major_locator(MaxNLocator(integer=True))  # counts of samples
     summary = meta.get("summary") or {}
-    speed = summary.get("tokens_per_s") if isinstance(summary, dict) else None
-    mean_budget = stats.sparse_budget_sum / stats.sparse_tokens if stats.sparse_tokens else None
+    summary = summary if isinstance(summary, dict) else {}
+    speed = summary.get("tokens_per_s")
     caption = (f"From {rollouts.name}: {n} samples, sampler {meta.get('sparsity', 'unknown')}"
-               + (f" (mean budget of sparse tokens {mean_budget:.0f})" if mean_budget is not None else "")
+               + _budget_words(stats) + _speculation_words(stats, summary.get("tokens_per_cycle"))
                + (", every sample ran to --max-new-tokens (--ignore-eos)" if ignore_eos
                   else f", {stops.mean():.0%} stopped at EOS")
                + (f", {float(speed):.1f} tokens/s" if _number(speed) else "") + _sampling(meta) + "."
                + _reward_range(finite, len(stats.rewards) - len(finite)))
     return save(fig, out, name, f"Rollouts: lengths and rewards ({rollouts.name})", caption, plt, n)
+
+
+def _budget_words(stats: RolloutStats) -> str:
+    """The caption's words on the budgets of the sparse tokens: under an eviction policy the KV budget (the
+    tokens its cache keeps), else block top-k's budget (the cached tokens a step reads)."""
+    if not stats.sparse_tokens:
+        return ""
+    mean = stats.sparse_budget_sum / stats.sparse_tokens
+    names = {p.split(":")[0] for p in stats.policies}
+    if evicting := sorted(n for n in names if n.lower() in EVICTION_POLICIES):
+        return f" (mean KV budget {mean:.0f}: the cached tokens {' and '.join(evicting)} eviction keeps)"
+    return f" (mean budget of sparse tokens {mean:.0f})"
+
+
+def _speculation_words(stats: RolloutStats, tokens_per_cycle: object) -> str:
+    """The caption's words on speculative rollouts: the acceptance the artifact records (drafts the dense
+    model kept over drafts proposed), and the tokens a sample's cycle emitted where the summary has them."""
+    if not stats.drafted:
+        return ""
+    per_cycle = f", {float(tokens_per_cycle):.2f} tokens per cycle" if _number(tokens_per_cycle) else ""
+    return (f"; acceptance {stats.accepted / stats.drafted:.1%} ({stats.accepted} of {stats.drafted} drafts "
+            f"kept){per_cycle}")
 
 
 def _sampling(meta: dict) -> str:
@@ -361,8 +471,9 @@ def rewards_figure(rewards: Path, name: str, out: Path, plt) -> Figure:
     axes[1].set_xlabel("completions")
     axes[1].set_title("status per completion", fontsize=10)
     axes[1].xaxis.set_major_locator(MaxNLocator(integer=True))
-    axes[0].yaxis.set_major_locator(MaxNLocator(integer=True))
-    for ax in axes:
+    if len(finite):  # a panel that says why it is empty gets no ticks
+        axes[0].yaxis.set_major_locator(MaxNLocator(integer=True))
+    for ax in axes[0 if len(finite) else 1:]:
         ax.grid(alpha=0.3)
     scorer = meta.get("reward")
     statuses = ", ".join(f"{count} {status or 'without a status'}" for status, count in stats.statuses)

@@ -253,9 +253,26 @@ def kinds_of(path: Path, skipped: list[str]) -> list[tuple[str, Path]]:
         skipped.append(f"{path} {'holds Parquet files' if path.is_dir() else 'is a Parquet file'} without "
                        "Sparrow artifact metadata")
         return []
-    if path.is_dir() and len({p for _, p, _ in found}) > 1:
-        return [(kind, f) for _, _, f in found]
+    if path.is_dir() and len({p for _, p, _ in found}) > 1:  # the profile without an adapter first
+        return [(kind, f) for _, _, f in sorted(found, key=lambda x: x[1].adapter is not None)]
     return [(kind, path)]
+
+
+def adapter_pairs(profiles: list[Path]) -> list[tuple[Path, Path]]:
+    """(without, with) of the profiles of one folder that `sparrow distill` scored without and with its
+    adapter: a folder whose profiles are one that records an `adapter` and one that records the `actor` but
+    no adapter (its before.parquet and after.parquet)."""
+    by_folder: dict[Path, list[Path]] = {}
+    for p in profiles:
+        by_folder.setdefault(p.parent, []).append(p)
+    pairs = []
+    for files in by_folder.values():
+        metas = [artifact_metadata(f) for f in files]
+        adapted = [f for f, m in zip(files, metas) if m.get("adapter")]
+        plain = [f for f, m in zip(files, metas) if m.get("actor") and not m.get("adapter")]
+        if len(files) == 2 and len(adapted) == 1 and len(plain) == 1:
+            pairs.append((plain[0], adapted[0]))
+    return pairs
 
 
 def figure_name(kind: str, path: Path, many: bool, run_dir: Path) -> str:

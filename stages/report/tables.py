@@ -13,7 +13,7 @@ reaches another file.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +23,7 @@ import pyarrow.compute as pc
 from sparrow.schemas.footer import artifact_parts, parquet_batches, read_schema
 
 from ..sql.files import file_url, reading_only
-from ..sql.views import sql_literal
+from ..sql.views import absent_columns, sql_literal
 
 
 def files_of(path: Path) -> list[Path]:
@@ -31,19 +31,24 @@ def files_of(path: Path) -> list[Path]:
     return artifact_parts(path) if path.is_dir() else [path]
 
 
-def sql_rows(files: list[Path], query: Callable[[str], str]) -> list[tuple]:
-    """The rows of `query(scan)`, where `scan` is DuckDB's read_parquet over `files`, in a connection that
-    reads those files and nothing else, and writes no file."""
+def sql_rows(files: list[Path], query: Callable[[str], str], kind: str | None = None) -> list[tuple]:
+    """The rows of `query(scan)`, where `scan` is DuckDB's read_parquet over `files` (by column name), with
+    the nullable columns of `kind`'s schema that no file has read as NULL, as `sparrow sql`'s views read
+    them, in a connection that reads those files and nothing else, and writes no file."""
     import duckdb
 
     paths = [str(Path(f).absolute()) for f in files]
     urls = [sql_literal(file_url(p)) for p in paths]
+    absent = absent_columns(kind, {c for f in files for c in read_schema(Path(f)).names}) if kind else []
+    scan = f"read_parquet([{', '.join(urls)}], union_by_name = true)"
+    if absent:
+        scan = f"(SELECT *, {', '.join(absent)} FROM {scan})"
     con = duckdb.connect(":memory:", config={"autoinstall_known_extensions": False,
                                              "autoload_known_extensions": False})
     try:
         reading_only(con, paths)
         con.execute("SET lock_configuration = true")
-        return con.sql(query(f"read_parquet([{', '.join(urls)}])")).fetchall()
+        return con.sql(query(scan)).fetchall()
     finally:
         con.close()
 
@@ -73,12 +78,17 @@ class RolloutStats:
     rewards: np.ndarray
     sparse_budget_sum: int
     sparse_tokens: int
+    policies: set[str] = field(default_factory=set)  # the samples' KV policies (kv_policy), where recorded
+    drafted: int = 0  # speculative decoding: the drafts the samples proposed, and those the dense model kept
+    accepted: int = 0
 
 
 def rollout_stats(path: Path) -> RolloutStats:
     lengths, stops, rewards = [], [], []
-    budget_sum = sparse = 0
-    for batch in column_batches(path, ("token_ids", "finish_reason", "reward", "budgets")):
+    budget_sum = sparse = drafted = accepted = 0
+    policies: set[str] = set()
+    for batch in column_batches(path, ("token_ids", "finish_reason", "reward", "budgets", "kv_policy",
+                                       "drafted", "accepted")):
         lengths.append(_numpy(pc.list_value_length(batch["token_ids"])).astype(np.int64))
         stops.append(_numpy(pc.fill_null(pc.equal(batch["finish_reason"], "stop"), False)))
         if batch["reward"] is not None:
@@ -87,8 +97,14 @@ def rollout_stats(path: Path) -> RolloutStats:
         kept = pc.filter(flat, pc.greater(flat, 0))
         budget_sum += pc.sum(kept.cast(pa.int64())).as_py() or 0
         sparse += len(kept)
+        if batch["kv_policy"] is not None:
+            policies.update(p for p in pc.unique(batch["kv_policy"].drop_null()).to_pylist())
+        if batch["drafted"] is not None:
+            drafted += pc.sum(batch["drafted"].cast(pa.int64())).as_py() or 0
+        if batch["accepted"] is not None:
+            accepted += pc.sum(pc.list_flatten(batch["accepted"]).cast(pa.int64())).as_py() or 0
     return RolloutStats(_joined(lengths, np.int64), _joined(stops, bool), _joined(rewards, float), budget_sum,
-                        sparse)
+                        sparse, policies, drafted, accepted)
 
 
 def _joined(parts: list[np.ndarray], dtype) -> np.ndarray:

@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from sparrow.schemas import artifact_metadata, read_artifact
 
 from ..core.definitions import TAIL_QUANTILE
@@ -48,6 +50,7 @@ def training_figure(run: Path, label: str, out: Path, plt) -> Figure:
     fig, axes = plt.subplots(2, 3, figsize=(13, 7))
     flagged = [r["step"] for r in rows if r.get("collapse")]
     warn_level = Detectors().mismatch_kl_limit
+    kl_top = None  # the top of the mismatch KL axis, where it is drawn
     for ax, (key, title) in zip(axes.flat, TRAIN_PANELS):
         pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
         if key == "eval_accuracy" and meta.get("initial_eval_accuracy") is not None:
@@ -71,15 +74,19 @@ def training_figure(run: Path, label: str, out: Path, plt) -> Figure:
         if key == "mismatch_kl":
             ax.axhline(warn_level, color="orange", ls="--", lw=1)
             peak = max(v for _, v in pts)
-            ax.set_ylim(0, max(peak, warn_level) * 1.1 if peak > warn_level / 4 else peak * 1.1 or 1e-3)
+            kl_top = max(peak, warn_level) * 1.1 if peak > warn_level / 4 else peak * 1.1 or 1e-3
+            ax.set_ylim(0, kl_top)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-    handles = [Line2D([], [], color="orange", ls="--", label=f"mismatch KL warning level {warn_level:g} "
-                      "(a diagnostic, not a collapse reason)")]
+    handles = [] if kl_top is None else [Line2D([], [], color="orange", ls="--", label=(
+        f"mismatch KL warning level {warn_level:g} ("
+        + ("above the KL panel's axis, so not drawn; " if warn_level > kl_top else "")
+        + "a diagnostic, not a collapse reason)"))]
     if flagged:
         handles.insert(0, Line2D([], [], color="r", alpha=0.5, label="a collapse reason held at this step"))
-    fig.legend(handles=handles, loc="upper right", fontsize=8, frameon=False, ncols=len(handles),
-               bbox_to_anchor=(1, 0.955))
+    if handles:
+        fig.legend(handles=handles, loc="upper right", fontsize=8, frameon=False, ncols=len(handles),
+                   bbox_to_anchor=(1, 0.955))
     story = f"label {outcome}" + (f" ({meta['reasons']})" if meta.get("reasons") else "")
     if meta.get("warnings"):
         story += f"; warning: {meta['warnings']}"
@@ -102,29 +109,39 @@ def train_mismatch_figure(steps: Steps, out: Path, plt) -> Figure | None:
         return None
     rows = sql_rows(files, lambda scan: f"""SELECT bin, step, quantile_cont(alpha_top20_lb, {TAIL_QUANTILE})
                     AS p5, avg(k3) AS k3, count(*) AS n, min(position), max(position)
-                    FROM {scan} GROUP BY ALL ORDER BY ALL""")
+                    FROM {scan} GROUP BY ALL ORDER BY ALL""", kind="train_mismatch")
     width = _bin_width(files[0], rows)
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    bins = sorted({r[0] for r in rows})
-    for b in bins:
+    logged = any(r[2] is not None for r in rows)  # alpha_top20_lb is nullable: a file may not log it
+    for b in sorted({r[0] for r in rows}):
         part = [r for r in rows if r[0] == b]
         label = (f"positions {b * width.tokens}-{(b + 1) * width.tokens - 1}" if width.tokens
                  else f"bin {b}")
-        axes[0].plot([r[1] for r in part], [r[2] for r in part], marker="o", ms=4, label=label)
+        if logged:
+            axes[0].plot([r[1] for r in part], [np.nan if r[2] is None else r[2] for r in part], marker="o",
+                         ms=4, label=label)
         axes[1].plot([r[1] for r in part], [r[3] for r in part], marker="o", ms=4, label=label)
     axes[0].set_title("p5 of alpha's top-20 lower bound", fontsize=10)
-    axes[0].set_ylim(-0.02, 1.02)
     axes[1].set_title("mean k3 (sparse rollout vs dense learner)", fontsize=10)
-    axes[1].set_ylim(bottom=0)
-    for ax in axes:
-        ax.set_xlabel("step")
-        integer_steps(ax.xaxis)
-        ax.grid(alpha=0.3)
     if not rows:
         for ax in axes:
             say(ax, "the steps' mismatch files hold no tokens")
-    else:
-        axes[1].legend(fontsize=8, title="bin", title_fontsize=8)
+        return _saved_steps(fig, steps, rows, width, out, plt)
+    axes[0].set_ylim(-0.02, 1.02)
+    axes[1].set_ylim(bottom=0)
+    for ax in axes if logged else axes[1:]:
+        ax.set_xlabel("step")
+        integer_steps(ax.xaxis)
+        ax.grid(alpha=0.3)
+    if not logged:
+        say(axes[0], "not logged by these files: their alpha_top20_lb is null or missing")
+    axes[1].legend(fontsize=8, title="bin", title_fontsize=8)
+    return _saved_steps(fig, steps, rows, width, out, plt)
+
+
+def _saved_steps(fig, steps: Steps, rows: list[tuple], width: StepBins, out: Path, plt) -> Figure:
+    """The per-bin figure of the steps' mismatch, with its caption, saved."""
+    files = steps.files
     n_steps = len({r[1] for r in rows})
     left_out = (f" ({steps.left_out} unreadable {'file' if steps.left_out == 1 else 'files'} left out, each "
                 "named under Not drawn)" if steps.left_out else "")

@@ -77,6 +77,7 @@ class Source:
     path: Path  # as DuckDB opens it: the run directory resolved, then the file's path inside it
     name: str  # the path inside the run directory: the `source_file` column
     provenance: Provenance = field(default_factory=Provenance)
+    columns: frozenset[str] = frozenset()  # the file's columns, from its footer
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,12 @@ class View:
     artifact: bool  # files carry Sparrow metadata (then the view has `source_file` and `source_*`)
     union: bool = False  # every file of one artifact kind
     recorded: tuple[str, ...] = ()  # the Provenance fields that some file of the kind records
+    kind: str | None = None  # the artifact kind of its files
+
+    @property
+    def columns(self) -> set[str]:
+        """The columns some file of the view has."""
+        return set().union(*(s.columns for s in self.sources))
 
     @property
     def files(self) -> tuple[Path, ...]:
@@ -155,18 +162,18 @@ def run_views(run_dir: str | Path, warn: Warn | None = None) -> list[View]:
             continue
         if kind is not None and version != VERSION:
             other_version.setdefault((kind, version), []).append(p)
-        source = Source(root / rel, rel.as_posix(), Provenance.of(meta, written_by))
+        source = Source(root / rel, rel.as_posix(), Provenance.of(meta, written_by), frozenset(schema.names))
         (by_kind.setdefault(kind, []) if kind is not None else plain).append(source)
     for (kind, version), paths in other_version.items():
         warn(version_warning(paths, kind, version))
     kinds = sorted(by_kind.items())
     recorded = {kind: _recorded(sources) for kind, sources in kinds}
-    views = [View(kind, tuple(sources), True, True, recorded[kind]) for kind, sources in kinds]
+    views = [View(kind, tuple(sources), True, True, recorded[kind], kind) for kind, sources in kinds]
     taken = set(by_kind)
     for kind, sources in kinds:
         for s in sources:
             name = _free(f"{kind}__{identifier(s.name.removesuffix('.parquet'))}", taken)
-            views.append(View(name, (s,), True, False, recorded[kind]))
+            views.append(View(name, (s,), True, False, recorded[kind], kind))
     views += [View(_free(identifier(Path(s.name).stem), taken), (s,), False) for s in plain]
     return views
 
@@ -324,10 +331,34 @@ def view_sql(view: View, root: Path) -> str:
     files = ", ".join(sql_literal(file_url(p)) for p in view.files)
     if not view.artifact:
         return f"SELECT * FROM read_parquet([{files}])"
-    columns = [f"substr(filename, {len(PREFIX) + len(str(root)) + 2}) AS source_file"]
+    columns = absent_columns(view.kind, view.columns)
+    columns += [f"substr(filename, {len(PREFIX) + len(str(root)) + 2}) AS source_file"]
     columns += [f"{_by_file(view, name)} AS source_{name}" for name in view.recorded]
     return (f"SELECT * EXCLUDE (filename), {', '.join(columns)} "
             f"FROM read_parquet([{files}], union_by_name = true, filename = true)")
+
+
+_DUCKDB_TYPES = {pa.float32(): "FLOAT", pa.float64(): "DOUBLE", pa.int32(): "INTEGER", pa.int64(): "BIGINT",
+                 pa.string(): "VARCHAR", pa.bool_(): "BOOLEAN"}
+
+
+def absent_columns(kind: str | None, present: Iterable[str]) -> list[str]:
+    """`NULL::TYPE AS "name"` for each nullable column of `kind`'s schema that no file has (one written
+    before the column was added, or by a writer that left it out, as the schema allows), so that a query
+    naming it reads NULL, as from a file that holds it; none for a kind that is not Sparrow's."""
+    if kind not in SCHEMAS:
+        return []
+    have = set(present)
+    return [f"NULL::{_duckdb_type(c.type)} AS \"{c.name}\"" for c in SCHEMAS[kind].columns
+            if c.nullable and c.name not in have and _duckdb_type(c.type)]
+
+
+def _duckdb_type(arrow: pa.DataType) -> str | None:
+    """DuckDB's name of a schema column's type (a list's as ITEM[]); None for a type without one here."""
+    if pa.types.is_list(arrow):
+        item = _duckdb_type(arrow.value_type)
+        return f"{item}[]" if item else None
+    return _DUCKDB_TYPES.get(arrow)
 
 
 def _by_file(view: View, name: str) -> str:
