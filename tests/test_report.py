@@ -324,6 +324,20 @@ def test_a_training_runs_dense_schedule_says_it_was_dense_by_choice(tmp_path):
         (run / "report" / "index.html").read_text(), "schedule.png")
 
 
+
+def test_a_training_runs_all_dense_schedule_file_is_not_called_no_schedule(tmp_path):
+    """A run given --schedule FILE whose bins are all dense sampled with that file: the figure names it."""
+    run = tmp_path / "run"
+    write_artifact({"bin": [0], "bin_start": [0], "bin_end": [None], "budget": [None], "tail": [None],
+                    "predicted_step_seconds": [None]}, run / "schedule.parquet", "schedule",
+                   metadata={"page_size": 16, "source": "schedule:/data/s.parquet"})
+    result = CliRunner().invoke(app, ["report", str(run)])
+    assert result.exit_code == 0, result.output
+    listed = next(line for line in result.stderr.splitlines() if "schedule.png: " in line)
+    assert "no schedule" not in listed
+    assert "the training run's schedule (schedule:/data/s.parquet) has the whole cache" in listed
+
+
 def test_a_draft_schedule_is_drawn_as_one(tmp_path):
     """plan-schedule --speculate's draft budgets (metadata `speculate`: K) are named drafts for K, planned
     for speed with no threshold, not a lossy plan."""

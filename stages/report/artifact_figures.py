@@ -304,8 +304,11 @@ def _all_dense(meta: dict) -> str:
                 "position is decoded sparsely (a lower threshold, or larger profiled budgets, would give a "
                 "sparse bin).")
     if _sampled(meta):
-        return (f"Dense run (no schedule): the training run sampled with the whole cache at every position "
-                f"(sampler {meta['source']}); no profile or threshold was involved.")
+        plain = meta["source"] == "dense"
+        return ((f"Dense run (no schedule): the training run sampled with the whole cache at every position "
+                 f"(sampler {meta['source']})" if plain else
+                 f"Dense run: the training run's schedule ({meta['source']}) has the whole cache at every "
+                 "position") + "; no profile or threshold was involved.")
     return "Every bin is dense: every position attends to the whole cache (the artifact names no plan)."
 
 
