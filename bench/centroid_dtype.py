@@ -19,10 +19,9 @@ Writes nothing; prints a table (paste into docs/gpu.md with the machine state).
 
 from __future__ import annotations
 
-import argparse
-
 import numpy as np
 import torch
+from common import bench_parser
 
 from sparrow.kernels.ops import Backend
 from sparrow.stages.attention.block_topk import kept_page_mask, page_centroids
@@ -109,7 +108,7 @@ def rollout_gaps(model, prompt: list[int], args) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = bench_parser(__doc__)
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--tokens", type=int, default=2048, help="length of the text for the selection study")
     ap.add_argument("--budgets", default="128,256")

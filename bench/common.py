@@ -1,5 +1,14 @@
 """Helpers shared by the benchmarks: device sync, timing, copy bandwidth, glibc allocator settings, the
-`sparrow` command of this environment, atomic result files, and the settings a resumable stage is reused by.
+`sparrow` command of this environment, the parser every bench starts from, atomic result files, the one
+line a resumable bench stops with, and the settings a resumable stage is reused by.
+
+Decisions on result tables (`bench_parser`, `write_results`):
+- A bench's table goes to `--results DIR`, else `$SPARROW_BENCH_RESULTS`, else bench/results beside the
+  scripts; its --help names the table and the folder. The run folders a bench keeps beside its table
+  (and the default --out of the resumable ones) follow the same folder, so one setting keeps a checkout
+  clean. A table replaces the one of the same name: runs to compare go to folders of their own.
+- --help shows the whole module docstring (what is measured, the smoke and full-size commands) and the
+  default of every flag whose help does not already state it.
 
 Decisions on resuming (`reuse_or_refuse`, `record_settings`):
 - A stage's output (a file or a run folder) is reused only under the settings that made it: they are
@@ -15,7 +24,10 @@ Decisions on resuming (`reuse_or_refuse`, `record_settings`):
 
 from __future__ import annotations
 
+import argparse
+import copy
 import json
+import os
 import subprocess
 import sys
 import time
@@ -76,18 +88,63 @@ def copy_bandwidth(device: torch.device, gib: float = 1.0) -> float:
 
 
 RESULTS = Path(__file__).parent / "results"  # machine-specific, not tracked
+RESULTS_ENV = "SPARROW_BENCH_RESULTS"
 
 
-def write_results(rows: list[dict], name: str) -> None:
-    """RESULTS/<name>.parquet, written atomically: a stop mid-write leaves the previous file."""
+def default_results() -> Path:
+    """The folder of result tables when --results is not given: $SPARROW_BENCH_RESULTS, else RESULTS."""
+    return Path(os.environ.get(RESULTS_ENV) or RESULTS)
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """The docstring as written, and each flag's default where its help does not already say it (a
+    default of None or off is the flag's absence, and says nothing)."""
+
+    def _format_action(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        silent = action.default is None or action.default is False or action.default == argparse.SUPPRESS
+        if action.option_strings and not silent and "default" not in text:
+            action = copy.copy(action)  # the parser's own action keeps its help
+            action.help = f"{text} (default: %(default)s)".lstrip()
+        return super()._format_action(action)
+
+
+def bench_parser(doc: str | None, *tables: str) -> argparse.ArgumentParser:
+    """The parser of a bench whose module docstring is `doc`; with `tables` (result names, written by
+    `write_results`), the --results option that says where they go."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=HelpFormatter)
+    if tables:
+        names = ", ".join(f"{t}.parquet" for t in tables)
+        where = str(default_results()).replace("%", "%%")
+        ap.add_argument("--results", type=Path, default=default_results(), metavar="DIR",
+                        help=f"the folder {names} (and any run folders of this bench) go to; default "
+                        f"${RESULTS_ENV}, else bench/results beside the scripts (here: {where})")
+    return ap
+
+
+def write_results(rows: list[dict], name: str, folder: Path | None = None) -> Path:
+    """folder/<name>.parquet (folder: a bench's --results, by default `default_results()`), written
+    atomically: a stop mid-write leaves the previous file."""
     import pyarrow as pa
 
     from sparrow.schemas.io import write_table
 
-    out = RESULTS / f"{name}.parquet"
+    out = (folder or default_results()) / f"{name}.parquet"
     columns = list(dict.fromkeys(k for r in rows for k in r))  # every row's keys: not only the first row's
     write_table(pa.Table.from_pylist([{k: r.get(k) for k in columns} for r in rows]), out)
     print(f"wrote {out}")
+    return out
+
+
+def stop_on_interrupt(main: Callable[[], None], kept: str) -> None:
+    """Run a resumable bench's `main`; an interrupt (Ctrl-C, or sparrow's TrainingInterrupted, a
+    KeyboardInterrupt whose advice names `sparrow train`'s flags) ends it in one line saying what is
+    `kept` and that the same command continues, exit status 130."""
+    try:
+        main()
+    except KeyboardInterrupt:
+        print(f"stopped: {kept}; the same command continues", file=sys.stderr, flush=True)
+        raise SystemExit(130) from None
 
 
 SPARROW = str(Path(sys.executable).with_name("sparrow"))  # the CLI installed beside this interpreter

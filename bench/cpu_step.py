@@ -5,17 +5,18 @@ One prompt of --context random tokens shared by --samples samples (so cascade at
 one by one (median and fastest, in ms: this VM's speed moves, so compare within one run) and, with
 --profile, prints the ATen ops by self CPU time over three more steps. The gap between the ops' total and
 the wall time is Python between the ops. `bench/rollout.py` measures whole commands against vLLM; this
-is for finding what to make faster.
+is for finding what to make faster. Writes nothing; prints.
 
     .venv/bin/python bench/cpu_step.py --budget 512 --dtype bfloat16 --profile
 """
 
 from __future__ import annotations
 
-import argparse
 import time
 
+import numpy as np
 import torch
+from common import bench_parser
 
 from sparrow.stages.core.definitions import validate_budget
 from sparrow.stages.core.sparsity import as_policy
@@ -24,7 +25,7 @@ from sparrow.stages.model.loading import load_model
 
 
 def parse():
-    ap = argparse.ArgumentParser()
+    ap = bench_parser(__doc__)
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--context", type=int, default=6000, help="prompt tokens")
     ap.add_argument("--samples", type=int, default=8)
@@ -35,6 +36,8 @@ def parse():
     ap.add_argument("--no-cascade", action="store_true")
     ap.add_argument("--profile", action="store_true")
     args = ap.parse_args()
+    if args.steps < 1:
+        ap.error(f"--steps must be at least 1, got {args.steps}")
     if args.budget:
         try:
             validate_budget(args.budget)
@@ -61,11 +64,10 @@ def main() -> None:
         t0 = time.perf_counter()
         engine.step()
         seconds.append(time.perf_counter() - t0)
-    seconds.sort()
     name = f"budget {args.budget}" if args.budget else "dense"
     print(f"{args.model}, {name}, {args.dtype}, {args.samples} samples at {args.context} tokens, "
-          f"{args.threads} threads: step median {1e3 * seconds[len(seconds) // 2]:.1f} ms, "
-          f"fastest {1e3 * seconds[0]:.1f} ms")
+          f"{args.threads} threads: step median {1e3 * np.median(seconds):.1f} ms, "
+          f"fastest {1e3 * min(seconds):.1f} ms")
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 

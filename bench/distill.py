@@ -12,11 +12,11 @@ training seconds (sampling and scoring not included). The adapter is taught at e
 (--train-budgets all, the default; `distilled` teaches it at --budget only, as stop 17 did) and is used
 with every candidate budget in the "after" profile. The published aim is read off a last table: per bin
 and budget b, the distilled actor's p5 at b against the plain actor's at 2b. Writes
-bench/results/distill.parquet (one row per seed, held-out set, bin and budget). With several --seeds each
-seed is a distillation of its own (kept under --out, bench/results/distill-seeds/, so a stopped bench
+distill.parquet into --results (one row per seed, held-out set, bin and budget). With several --seeds each
+seed is a distillation of its own (kept under --out, default distill-seeds/ in --results, so a stopped bench
 resumes seed by seed) scored on every --eval-sets held-out set, and a last table gives, per set, bin and
 budget, the p5 change as a mean with a 95% t-interval over seeds and in how many seeds the aim was reached.
-A kept seed is reused only under the same flags (all but --seeds and --out, recorded beside it:
+A kept seed is reused only under the same flags (all but --seeds, --out and --results, recorded beside it:
 bench/common.py); one kept under other flags is refused before any work, naming the flag.
 
     .venv/bin/python bench/distill.py                       # defaults: about 30 min on a 2-core CPU
@@ -26,7 +26,6 @@ bench/common.py); one kept under other flags is refused before any work, naming 
 
 from __future__ import annotations
 
-import argparse
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +35,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
-from common import flags, record_settings, reuse_or_refuse, t_half_width, write_results
+from common import bench_parser, flags, record_settings, reuse_or_refuse, t_half_width, write_results
 
 from sparrow.schemas.io import write_table
 from sparrow.stages.core.schedule import ScheduleError, measured_profile, plan
@@ -48,18 +47,18 @@ from sparrow.stages.plan import half_up, trajectory_lengths
 from sparrow.stages.profile import ProfileOptions, sample_trajectories, summarize
 from sparrow.stages.tasks import TaskError, make_prompts
 
-NOT_SETTINGS = ("seeds", "out")  # every other flag decides a seed's rows
+NOT_SETTINGS = ("seeds", "out", "results")  # every other flag decides a seed's rows
 
 
 def parse():
-    ap = argparse.ArgumentParser()
+    ap = bench_parser(__doc__, "distill")
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--task", default="kv_lookup")
     ap.add_argument("--context", type=int, default=768, help="prompt tokens")
     ap.add_argument("--train-prompts", type=int, default=8)
     ap.add_argument("--eval-prompts", type=int, default=8)
     ap.add_argument("--seeds", default="0", help="training seeds (adapter init, batches, the plain actor's "
-                    "samples); each finished seed is kept in bench/results/distill-seeds/ and reused")
+                    "samples); each finished seed is kept under --out and reused")
     ap.add_argument("--eval-sets", default="1", help="held-out prompt sets (their generator seeds; the "
                     "training prompts are set 0), each scored before and after")
     ap.add_argument("--samples", type=int, default=4)
@@ -81,9 +80,11 @@ def parse():
     ap.add_argument("--bin-width", type=int, default=256)
     ap.add_argument("--hardware", default="h100")
     ap.add_argument("--batch", type=int, default=64, help="decode batch of the cost model")
-    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "distill-seeds",
-                    help="where each finished seed is kept")
-    return ap.parse_args()
+    ap.add_argument("--out", type=Path, default=None,
+                    help="where each finished seed is kept (default: distill-seeds in --results)")
+    args = ap.parse_args()
+    args.out = args.out or args.results / "distill-seeds"
+    return args
 
 
 @dataclass(frozen=True)
@@ -284,7 +285,7 @@ def main() -> None:
         part = run_one(args, loaded, prompts, seed)
         write_table(pa.Table.from_pylist(part), path)
         rows += part
-    write_results(rows, "distill")
+    write_results(rows, "distill", args.results)
     if len({r["seed"] for r in rows}) > 1:
         summary(rows)
 

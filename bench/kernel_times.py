@@ -18,7 +18,7 @@ captured in one graph, per call: what a decode step's graph pays for it, launch 
 table gives their bytes, the time those bytes take at the measured bandwidth and at 3.0 TB/s, and how
 many calls a Qwen3-4B-shaped step makes (2 norms per layer and the final one, one of each other per layer).
 On a CPU the torch references run instead, at a smaller default size (the CPU engine's path).
-Writes bench/results/kernels.parquet.
+Writes kernels.parquet into --results (default bench/results).
 
     .venv/bin/python bench/kernel_times.py                                  # GPU: the shapes
     .venv/bin/python bench/kernel_times.py --part elementwise               # the fused chain only
@@ -27,12 +27,11 @@ Writes bench/results/kernels.parquet.
 
 from __future__ import annotations
 
-import argparse
 import re
 import statistics
 
 import torch
-from common import copy_bandwidth, timed, timed_graph, write_results
+from common import bench_parser, copy_bandwidth, timed, timed_graph, write_results
 from select_candidates import select_count_triton
 
 from sparrow.kernels import ops, page_scoring
@@ -211,7 +210,7 @@ def bench_elementwise(args, device, dtype, bw: float) -> list[dict]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = bench_parser(__doc__, "kernels")
     gpu = torch.cuda.is_available()
     ap.add_argument("--device", default="cuda" if gpu else "cpu")
     ap.add_argument("--model", default="qwen3-4b", help="a preset whose attention shapes to use")
@@ -271,7 +270,7 @@ def main() -> None:
             for r in bench_select_sweep(args, device, context):
                 rows.append(r)
                 print(f"{context:>8} {r['kernel']:>22} {r['ms']:>9.4f} ms  same pages: {r['same_pages']}")
-    write_results(rows, "kernels")
+    write_results(rows, "kernels", args.results)
 
 
 if __name__ == "__main__":

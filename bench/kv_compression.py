@@ -1,6 +1,7 @@
 """KV compression (Sparse-RL's SnapKV and R-KV eviction) against dense and block top-k, at equal budgets.
 
-Three parts, each printed as a table and written to bench/results/kv_compression-<part>.parquet:
+Three parts, each printed as a table and written to kv_compression-<part>.parquet in --results
+(default bench/results; the train part's runs in its kv-compression-runs/):
 
 - `rollout`: long generation (EOS ignored) after a passkey prompt, every policy at --budget: the KV
   tokens the decode steps held against what dense caches would have held (mean and fullest step;
@@ -34,14 +35,12 @@ kv-compression) runs `rollout` at Qwen3-4B shapes with random bf16 weights and r
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
-from common import write_results
+from common import bench_parser, write_results
 
 from sparrow.schemas import write_artifact
 from sparrow.stages.core.sparsity import as_policy
@@ -52,7 +51,7 @@ from sparrow.stages.model.loading import load_model
 from sparrow.stages.scoring.mismatch import score_sequences
 from sparrow.stages.tasks import make_prompts, score_batch
 
-RUNS = Path(__file__).parent / "results" / "kv-compression-runs"
+RUNS = "kv-compression-runs"  # in --results
 CASCADE = False  # the CPU's shared-prompt copies take pool pages for dense and block top-k only: off for all
 
 
@@ -218,17 +217,18 @@ def run_train(args) -> list[dict]:
     from sparrow.stages.train import RunOptions, TrainConfig, Trainer, load_prompts
 
     base = load_model(args.model)
-    RUNS.mkdir(parents=True, exist_ok=True)
+    runs = args.results / RUNS
+    runs.mkdir(parents=True, exist_ok=True)
     train_file = write_artifact(passkey_prompts(base, args.train_prompts, 0, args.context),
-                                RUNS / "prompts.parquet", "prompts")
+                                runs / "prompts.parquet", "prompts")
     eval_file = write_artifact(passkey_prompts(base, args.eval_prompts, 1, args.context),
-                               RUNS / "eval_prompts.parquet", "prompts")
+                               runs / "eval_prompts.parquet", "prompts")
     buffer = {} if args.buffer is None else {"buffer": args.buffer}
     probes = {b: SnapKV(b, **buffer) for b in (args.train_budget, args.small_budget)}
     out = []
     for name, overrides in train_configs(args).items():
         loaded = load_model(args.model)
-        run_dir = RUNS / name.replace(":", "-")
+        run_dir = runs / name.replace(":", "-")
         shutil.rmtree(run_dir, ignore_errors=True)
         cfg = TrainConfig(model=args.model, steps=args.steps, prompts_per_step=args.prompts_per_step,
                           samples=args.samples, max_new_tokens=args.max_new_tokens, lr=args.lr,
@@ -275,7 +275,7 @@ def print_train(rows: list[dict], budgets: tuple[int, int]) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = bench_parser(__doc__, "kv_compression-rollout", "kv_compression-accuracy", "kv_compression-train")
     ap.add_argument("part", choices=("rollout", "accuracy", "train", "all"))
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--device", default="cpu")
@@ -317,18 +317,18 @@ def main() -> None:
               f"{args.new_tokens} new tokens, budget {args.budget}", flush=True)
         result = run_rollout(args, loaded, rows)
         print_rollout(result, args)
-        write_results(result, "kv_compression-rollout")
+        write_results(result, "kv_compression-rollout", args.results)
     if args.part in ("accuracy", "all"):
         loaded = load_model(args.model, device=args.device, dtype=dtype)
         print(f"accuracy: passkey at {args.context} tokens, {args.eval_prompts} prompts, greedy", flush=True)
-        write_results(run_accuracy(args, loaded), "kv_compression-accuracy")
+        write_results(run_accuracy(args, loaded), "kv_compression-accuracy", args.results)
     if args.part in ("train", "all"):
         rows = run_train(args)
         print(f"GRPO: passkey at {args.context} tokens, {args.steps} steps x {args.prompts_per_step} "
               f"prompts x {args.samples} samples, {args.max_new_tokens} new tokens, LoRA {args.lora_rank}, "
               f"lr {args.lr}")
         print_train(rows, (args.train_budget, args.small_budget))
-        write_results(rows, "kv_compression-train")
+        write_results(rows, "kv_compression-train", args.results)
 
 
 if __name__ == "__main__":

@@ -7,9 +7,8 @@ measured in another device call than the one that fitted the model.
 
 from __future__ import annotations
 
-import argparse
-
 import pyarrow.parquet as pq
+from common import bench_parser
 from rollout import predict
 
 from sparrow.stages.cost import load_cost
@@ -17,9 +16,10 @@ from sparrow.stages.model.loading import resolve_config
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = bench_parser(__doc__)
     ap.add_argument("--cost", required=True, help="a `sparrow fit-cost` artifact for the runs' model")
-    ap.add_argument("--results", required=True, help="bench/rollout.py's results (a whole-rollout run)")
+    ap.add_argument("--results", required=True,
+                    help="bench/rollout.py's results table (a whole-rollout run); read, not written")
     args = ap.parse_args()
     rows = pq.read_table(args.results).to_pylist()
     if not rows or "sampler" not in rows[0] or "kv_tokens" in rows[0]:

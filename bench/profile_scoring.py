@@ -6,21 +6,19 @@ same machine, SmolLM2-135M, 8 sequences of 4K tokens (a 3K prompt + 1K completio
 - score(b): `score_sequences` with one budget b, everything the profile does for that budget
   (dense prefill, dense and sparse completion passes, alpha over the full vocabulary);
 - marginal(b): score(b) minus scoring with no budget, the cost of each extra budget.
-Prints tokens/s, ratios and peak resident memory; writes bench/results/profile_scoring.parquet.
+Prints tokens/s, ratios and peak resident memory; writes profile_scoring.parquet into --results (default
+bench/results).
 
     .venv/bin/python bench/profile_scoring.py [--seqs 8] [--prompt 3072] [--completion 1024]
 """
 
 from __future__ import annotations
 
-import argparse
 import resource
 import time
-from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
+from common import bench_parser, write_results
 
 from sparrow.stages.model.loading import load_model
 from sparrow.stages.scoring.mismatch import score_sequences
@@ -31,7 +29,7 @@ def peak_rss_gib() -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = bench_parser(__doc__, "profile_scoring")
     ap.add_argument("--seqs", type=int, default=8)
     ap.add_argument("--prompt", type=int, default=3072)
     ap.add_argument("--completion", type=int, default=1024)
@@ -76,9 +74,7 @@ def main() -> None:
         print(f"{r['mode']:>17} {r['budget']:>7} {r['seconds']:>8.2f} {r['tokens_per_s']:>8.0f} "
               f"{r['ratio_to_dense']:>11.2f}")
     print(f"peak resident memory {peak_rss_gib():.2f} GiB")
-    out = Path(__file__).parent / "results" / "profile_scoring.parquet"
-    out.parent.mkdir(exist_ok=True)
-    pq.write_table(pa.Table.from_pylist(rows), out)
+    write_results(rows, "profile_scoring", args.results)
 
 
 if __name__ == "__main__":

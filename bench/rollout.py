@@ -33,7 +33,7 @@ samples, new tokens and temperature, dense (not with random weights): vLLM in `-
 caching, in-process, its start-up timed apart, one untimed warm-up; HF with every prompt repeated once per
 sample (it prefills every copy; the engine prefills once and shares the pages). On the CPU our engine tunes
 glibc's allocator for the process (stages/engine/cpu/allocator.py), so every run here runs with it. Writes
-bench/results/rollout.parquet (or rollout-own-kv.parquet).
+rollout.parquet (or rollout-own-kv.parquet) into --results (default bench/results).
 
     .venv/bin/python bench/rollout.py --threads 1                       # the CPU run (about 25 minutes)
     .venv/bin/python bench/rollout.py --prompts 2 --samples 2 --prompt-len 300 --new-tokens 48 \\
@@ -46,16 +46,16 @@ bench/results/rollout.parquet (or rollout-own-kv.parquet).
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import platform
 import time
 
 import numpy as np
 import torch
-from common import copy_bandwidth, sync, write_results
+from common import bench_parser, copy_bandwidth, sync, write_results
 
 from sparrow.kernels import cpu_attention
+from sparrow.stages.core.definitions import validate_budget
 from sparrow.stages.core.published_schedules import published_budgets
 from sparrow.stages.core.schedule import Schedule
 from sparrow.stages.core.sparsity import as_policy, budget_fn
@@ -409,7 +409,7 @@ def print_table(rows: list[dict], columns: list[tuple[str, str, int, str]]) -> N
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = bench_parser(__doc__, "rollout", "rollout-own-kv")
     ap.add_argument("--model", default=None, help="default: qwen3-4b (random weights) on a GPU, "
                     "smollm2-135m on a CPU")
     ap.add_argument("--prompts", type=int, default=1, help="distinct prompts (P)")
@@ -460,6 +460,10 @@ def main() -> None:
     dtype = getattr(torch, args.dtype) if args.dtype else dtype
     args.schedule = args.schedule or ("published:qwen3-4b:0.86" if gpu else "cpu-default")
     parse_schedule(args.schedule)  # a bad one is refused before the model loads
+    try:
+        validate_budget(args.budget)
+    except ValueError as e:
+        ap.error(f"--budget: {e}")
     t0 = time.perf_counter()
     loaded = load_model(args.model, device=str(device), dtype=dtype, random_weights=args.random_weights)
     load_s = time.perf_counter() - t0
@@ -490,7 +494,7 @@ def main() -> None:
         print_table(rows, [("seqs x KV", "config", 11, ""), ("engine", "engine", 16, ""),
                            ("budget", "budget_at_length", 6, "d"), *STEP_COLUMNS,
                            ("x dense", "step_speedup", 7, ".2f"), ("floor x", "floor_speedup", 7, ".2f")])
-        write_results(rows, "rollout-own-kv")
+        write_results(rows, "rollout-own-kv", args.results)
         return
     args.prompt_len = rows[0]["prompt_tokens"]
     tokens = args.prompts * args.samples * args.new_tokens
@@ -511,7 +515,7 @@ def main() -> None:
                        ("floor x", "floor_speedup", 7, ".2f")])
     if cost is not None:
         predict(rows, cost, args.cost)
-    write_results(rows, "rollout")
+    write_results(rows, "rollout", args.results)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ is timed apart from the rollouts; each configuration does one warm-up run, then 
 (the best is reported: the machine is shared, and the best run is the least disturbed one). The
 2-worker / 1-worker ratio of tokens/s is the scaling; with 2 CPU cores shared with other users expect
 well under 2x. On a cluster each worker owns a GPU (`--device cuda`, one per actor).
-Writes bench/results/scale.parquet.
+Writes scale.parquet into --results (default bench/results).
 
     .venv/bin/python bench/scale.py                              # SmolLM2-135M, 4 prompts x 2 x 32 tokens
     .venv/bin/python bench/scale.py --prompts 16 --new-tokens 128 --reps 2   # a longer one
@@ -16,13 +16,12 @@ Writes bench/results/scale.parquet.
 
 from __future__ import annotations
 
-import argparse
 import os
 import platform
 import time
 
 import torch
-from common import write_results
+from common import bench_parser, write_results
 
 from sparrow.stages.backends.ray_pool import RolloutPool
 from sparrow.stages.core.sparsity import as_policy
@@ -43,7 +42,7 @@ def best(fn, reps: int) -> tuple[float, object]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = bench_parser(__doc__, "scale")
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--samples", type=int, default=2)
@@ -94,7 +93,7 @@ def main() -> None:
         r["vs_one_worker"] = r["tokens_per_s"] / base["tokens_per_s"]
         print(f"{r['config']:<34}{r['startup_s']:>10.1f}{r['seconds']:>9.2f}{r['tokens_per_s']:>10.1f}"
               f"{r['vs_one_worker']:>12.2f}x")
-    write_results(results, "scale")
+    write_results(results, "scale", args.results)
 
 
 if __name__ == "__main__":

@@ -85,7 +85,7 @@ def engines(args) -> int:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="what", required=True)
     sub.add_parser("run").add_argument("argv", nargs=argparse.REMAINDER)
     e = sub.add_parser("engines")

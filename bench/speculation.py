@@ -19,7 +19,8 @@ The prediction of the floors: with the acceptance measured here, the analytic co
 for --floor-model at --floor-context tokens (batch --floor-batch) prices a cycle as K decode steps at the
 budget and one dense forward of K + 1 tokens per sample (stages/speculative_plan.py), printed beside the
 measured ratio: on a CPU the weights, not the KV, dominate a SmolLM2 step, so the verification forward
-costs what a dense step does and speculation pays only where the KV read dominates.
+costs what a dense step does and speculation pays only where the KV read dominates. Writes
+speculation.parquet into --results (default bench/results).
 
     .venv/bin/python bench/speculation.py --threads 2                        # CPU: 6K-token prompts
     .venv/bin/python bench/speculation.py --prompt-len 600 --new-tokens 32 --samples 2 --speculate 2 \\
@@ -38,29 +39,40 @@ import time
 
 import numpy as np
 import torch
-from common import t_half_width, write_results
+from common import bench_parser, t_half_width, write_results
 
+from sparrow.stages.core.definitions import validate_budget
 from sparrow.stages.core.sparsity import as_policy
 from sparrow.stages.cost import analytic
 from sparrow.stages.engine import Engine, EngineConfig, SamplingParams
 from sparrow.stages.engine.config import DecodeStep
-from sparrow.stages.model.loading import load_model
+from sparrow.stages.model.loading import has_tokenizer, load_model, spec_tokenizer
 from sparrow.stages.model.presets import get_preset
 from sparrow.stages.scoring.mismatch import score_sequences
 from sparrow.stages.speculative_plan import cycle_seconds, expected_tokens
-from sparrow.stages.tasks import make_prompts
+from sparrow.stages.tasks import TaskError, make_prompts
 
 DENSE_LAYERS = (0, 1)
 
 
-def prompts_for(loaded, args) -> list[list[int]]:
-    if args.random_weights or loaded.tokenizer is None:
-        g = torch.Generator().manual_seed(0)
-        return [torch.randint(0, loaded.config.vocab_size, (args.prompt_len,), generator=g).tolist()
-                for _ in range(args.prompts)]
-    rows = make_prompts("kv_lookup", args.prompts, 0, loaded.tokenizer, context_tokens=args.prompt_len)
+def text_prompts(args) -> list[list[int]] | None:
+    """The kv_lookup prompts, cut to the shortest, made with the model's tokenizer before its weights are
+    read (a --prompt-len the task cannot honour is a TaskError before any work); None where the prompts
+    are random tokens (random weights, or a model without a tokenizer)."""
+    if args.random_weights or not has_tokenizer(args.model):
+        return None
+    tokenizer = spec_tokenizer(args.model)
+    if tokenizer is None:
+        return None
+    rows = make_prompts("kv_lookup", args.prompts, 0, tokenizer, context_tokens=args.prompt_len)
     prompts = [list(r["prompt_token_ids"]) for r in rows]
     return [p[: min(map(len, prompts))] for p in prompts]
+
+
+def random_prompts(loaded, args) -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, loaded.config.vocab_size, (args.prompt_len,), generator=g).tolist()
+            for _ in range(args.prompts)]
 
 
 def run(model, prompts, args, label: str, budget: int | None, k: int,
@@ -91,7 +103,7 @@ def run(model, prompts, args, label: str, budget: int | None, k: int,
            "tokens_per_s": tokens / wall, "drafted": st.drafted_tokens, "kept": st.accepted_drafts,
            "acceptance": st.accepted_drafts / st.drafted_tokens if st.drafted_tokens else None}
     print(f"{label}: {wall:.2f} s ({st.decode_s:.2f} s decode), {tokens / wall:.1f} tok/s, acceptance "
-          f"{row['acceptance'] if row['acceptance'] is not None else '-'}", flush=True)
+          f"{'-' if row['acceptance'] is None else format(row['acceptance'], '.3f')}", flush=True)
     return row, [c for group in out for c in group]
 
 
@@ -175,7 +187,7 @@ def table_line(r: dict) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = bench_parser(__doc__, "speculation")
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="bfloat16")
@@ -203,10 +215,18 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     args.random_weights = args.random_weights or (device.type == "cuda" and args.model == "qwen3-4b")
+    try:
+        validate_budget(args.budget)
+    except ValueError as e:
+        ap.error(f"--budget: {e}")
+    try:
+        prompts = text_prompts(args)
+    except TaskError as e:
+        ap.error(str(e).replace("--context-tokens", "--prompt-len"))
     loaded = load_model(args.model, device=args.device, dtype=getattr(torch, args.dtype),
                         random_weights=args.random_weights)
     model = loaded.model
-    prompts = prompts_for(loaded, args)
+    prompts = prompts or random_prompts(loaded, args)
     print(f"{args.model} on {platform.node()} ({args.device}, {args.dtype}, {args.threads} threads): "
           f"{len(prompts)} prompt(s) of {len(prompts[0])} tokens x {args.samples} samples x "
           f"{args.new_tokens} new tokens, temperature {args.temperature}", flush=True)
@@ -244,7 +264,7 @@ def main() -> None:
     for r in rows:
         r.update(model=args.model, device=args.device, dtype=args.dtype, threads=args.threads,
                  prompt_tokens=len(prompts[0]), samples=args.samples, new_tokens=args.new_tokens)
-    write_results(rows, "speculation")
+    write_results(rows, "speculation", args.results)
 
 
 if __name__ == "__main__":

@@ -14,11 +14,11 @@ kernels: stages/engine/gpu/layers.py), to compare the two in the same session.
 
 from __future__ import annotations
 
-import argparse
 import time
 from collections import defaultdict
 
 import torch
+from common import bench_parser
 
 from sparrow.stages.core.sparsity import as_policy
 from sparrow.stages.engine import DecodeStep, Engine, EngineConfig, SamplingParams
@@ -50,7 +50,7 @@ def engine_steps(model, prompt, args, step: DecodeStep):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = bench_parser(__doc__)
     ap.add_argument("--model", default="qwen3-4b")
     ap.add_argument("--context", type=int, default=32768)
     ap.add_argument("--samples", type=int, default=32)

@@ -45,7 +45,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-from common import SPARROW, flags, profile_once, record_settings, reuse_or_refuse, sparrow
+from common import SPARROW, default_results, flags, profile_once, record_settings, reuse_or_refuse, sparrow
 
 PHASES = ("designs", "train", "matrix", "calibrate", "figure")
 STOP_GRACE_S = 60  # how long a stopped bench waits for a run to write its checkpoint before interrupting it
@@ -587,7 +587,7 @@ def main() -> None:
                     help="--no-train: the later phases over the runs finished so far")
     ap.add_argument("--phase", choices=PHASES, default=PHASES[-1], help="stop after this phase")
     ap.add_argument("--figure", type=Path, default=None, help="also save the figure here (docs/)")
-    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "tail-test")
+    ap.add_argument("--out", type=Path, default=default_results() / "tail-test")
     args = ap.parse_args()
     out = args.out
     out.mkdir(parents=True, exist_ok=True)

@@ -9,12 +9,12 @@ curves and the dense run of the same seed), and calibrate the threshold from the
 of alpha, so that one sees which of the two separates stable from collapsed runs.
 
 Every stage is a file or a run directory under --out, and each is skipped when it is complete: the
-sweep can be stopped at any point (Ctrl-C, a killed process) and run again with the same command to
-continue; a training run stopped midway resumes from its last checkpoint. The settings that decide a
-stage are recorded beside it (NAME.settings.json, bench/common.py) and a stage made with other settings
-is refused before any work, naming the setting (a run may change only --steps, --eval-every and
---checkpoint-every, as a resumed training run may). Thresholds that plan the
-same schedule share its runs. The task is passkey retrieval at --context tokens, where a small budget
+sweep can be stopped at any point (Ctrl-C, one line and exit status 130; a killed process) and run again
+with the same command to continue; a training run stopped midway resumes from its last checkpoint. The
+settings that decide a stage are recorded beside it (NAME.settings.json, bench/common.py) and a stage
+made with other settings is refused before any work, naming the setting (a run may change only --steps,
+--eval-every and --checkpoint-every, as a resumed training run may). Thresholds that plan the same
+schedule share its runs. The task is passkey retrieval at --context tokens, where a small budget
 reads only part of the prompt, so the tail differs across the ladder.
 
     .venv/bin/python bench/threshold_sweep.py --threads 1         # the sweep in docs/calibration.md
@@ -23,7 +23,6 @@ reads only part of the prompt, so the tail differs across the ladder.
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from pathlib import Path
@@ -31,7 +30,16 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 import torch
-from common import flags, profile_once, record_settings, reuse_or_refuse, sparrow
+from common import (
+    bench_parser,
+    default_results,
+    flags,
+    profile_once,
+    record_settings,
+    reuse_or_refuse,
+    sparrow,
+    stop_on_interrupt,
+)
 
 from sparrow.schemas import artifact_metadata, write_artifact
 from sparrow.stages.core.definitions import TAIL_QUANTILE
@@ -155,7 +163,7 @@ def summarise(run_dir: Path, threshold_meta: dict) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = bench_parser(__doc__)
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--task", default="passkey")
     ap.add_argument("--context", type=int, default=256, help="prompt tokens")
@@ -181,7 +189,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--ship", action="store_true",
                     help="copy a calibrated threshold into the package as the model's default")
-    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "threshold-sweep")
+    ap.add_argument("--out", type=Path, default=default_results() / "threshold-sweep",
+                    help="every stage's file and run directory (under $SPARROW_BENCH_RESULTS when set)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -259,4 +268,5 @@ def ship(args, threshold: Path, rows: list[dict]) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    stop_on_interrupt(main, "finished stages and runs kept, and a stopped run resumes from its last "
+                      "complete step")

@@ -16,8 +16,8 @@ update. Configurations:
   released recipe: stochastic rejection + alpha reweighting + TIS) and `+sparrow-os` (the same with
   8 samples per prompt, the 4 of highest acceptance kept).
 Whether GRPO learned: the dense run's eval gain against the spread of its final eval accuracy over
---seeds (reported, not asserted). Writes bench/results/train.parquet and one run directory per run under
-bench/results/train-runs/.
+--seeds (reported, not asserted). Writes train.parquet into --results (default bench/results) and one run
+directory per run under its train-runs/.
 
     .venv/bin/python bench/train.py                                     # defaults: minutes per run on 2 cores
     .venv/bin/python bench/train.py --steps 30 --seeds 0,1,2 --configs dense
@@ -25,21 +25,20 @@ bench/results/train-runs/.
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
-from common import write_results
+from common import bench_parser, write_results
 
 from sparrow.schemas import write_artifact
 from sparrow.stages.model.loading import load_model
 from sparrow.stages.tasks import make_prompts
 from sparrow.stages.train import RunOptions, TrainConfig, Trainer, load_prompts
 
-RUNS = Path(__file__).parent / "results" / "train-runs"
+RUNS = "train-runs"  # in --results
 
 
 def make_prompt_file(loaded, task: str, n: int, seed: int, context: int, path: Path) -> Path:
@@ -70,7 +69,7 @@ def configs(args) -> dict[str, dict]:
 
 def run_one(args, name: str, overrides: dict, seed: int, prompts: Path, eval_prompts: Path) -> dict:
     loaded = load_model(args.model)  # fresh base weights for every run
-    run_dir = RUNS / f"{name}-seed{seed}"
+    run_dir = args.results / RUNS / f"{name}-seed{seed}"
     shutil.rmtree(run_dir, ignore_errors=True)
     cfg = TrainConfig(model=args.model, steps=args.steps, prompts_per_step=args.prompts_per_step,
                       samples=args.samples, max_new_tokens=args.max_new_tokens, lr=args.lr,
@@ -106,7 +105,7 @@ def run_one(args, name: str, overrides: dict, seed: int, prompts: Path, eval_pro
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = bench_parser(__doc__, "train")
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--task", default="passkey")
     ap.add_argument("--context", type=int, default=1024, help="prompt tokens")
@@ -130,10 +129,11 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     base = load_model(args.model)
-    RUNS.mkdir(parents=True, exist_ok=True)
-    prompts = make_prompt_file(base, args.task, args.train_prompts, 0, args.context, RUNS / "prompts.parquet")
+    runs = args.results / RUNS
+    runs.mkdir(parents=True, exist_ok=True)
+    prompts = make_prompt_file(base, args.task, args.train_prompts, 0, args.context, runs / "prompts.parquet")
     eval_prompts = make_prompt_file(base, args.task, args.eval_prompts, 1, args.context,
-                                    RUNS / "eval_prompts.parquet")
+                                    runs / "eval_prompts.parquet")
     rows = []
     for name, overrides in configs(args).items():
         for seed in [int(s) for s in args.seeds.split(",")]:
@@ -159,7 +159,7 @@ def main() -> None:
         print(f"dense: eval gain {gains.mean():.3f} (per seed {np.round(gains, 3).tolist()}), "
               f"spread of final eval accuracy over seeds: range {finals.max() - finals.min():.3f}, "
               f"std {finals.std(ddof=1):.3f}")
-    write_results(rows, "train")
+    write_results(rows, "train", args.results)
 
 
 if __name__ == "__main__":

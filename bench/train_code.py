@@ -11,10 +11,12 @@ credit), once per configuration and seed from the same base weights, and prints:
   bench/train.py's passkey runs), mismatch KL, the collapse label, median seconds per phase.
 Configurations: `dense`, and `planned` (the --planned budget, or --schedule FILE, with truncated IS).
 Whether GRPO learned: the eval gain against the seed spread when --seeds has several (reported, not
-asserted). Writes bench/results/train_code.parquet and one run directory per run under --out
-(bench/results/train-code-runs/); a finished run leaves its row there (`bench_row.json`) and is not run
-again, so a stopped study continues where it stopped, and seeds can run in separate processes (one
-`--seeds 0`, another `--seeds 1`) before one call with every seed prints the whole table. The settings
+asserted). Writes train_code.parquet into --results (default bench/results) and one run directory per
+run under --out (default train-code-runs/ in --results); a finished run leaves its row there
+(`bench_row.json`) and is not run again, so a stopped study (Ctrl-C: one line, exit status 130) continues
+where it stopped with the same command, a stopped run starting over (it keeps no checkpoint), and seeds
+can run in separate processes (one `--seeds 0`, another `--seeds 1`) before one call with every seed
+prints the whole table. The settings
 that decide the prompts and each run are recorded beside them (NAME.settings.json, bench/common.py), and
 one made with other settings is refused before any work, naming the setting.
 
@@ -32,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from common import flags, record_settings, reuse_or_refuse, write_results
+from common import bench_parser, flags, record_settings, reuse_or_refuse, stop_on_interrupt, write_results
 
 from sparrow.schemas import write_artifact
 from sparrow.schemas.io import write_bytes
@@ -45,7 +47,7 @@ CONFIGS = ("dense", "planned")
 
 
 def parse_args() -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = bench_parser(__doc__, "train_code")
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--level", type=int, default=None, help="code task level (default: the task's)")
     ap.add_argument("--train-prompts", type=int, default=64)
@@ -64,9 +66,11 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--configs", default="dense,planned")
     ap.add_argument("--seeds", default="0")
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "train-code-runs",
-                    help="the prompts and the run directories")
-    return ap.parse_args()
+    ap.add_argument("--out", type=Path, default=None,
+                    help="the prompts and the run directories (default: train-code-runs in --results)")
+    args = ap.parse_args()
+    args.out = args.out or args.results / "train-code-runs"
+    return args
 
 
 def prompt_file(tokenizer, args, count: str, seed: int, path: Path) -> Path:
@@ -166,8 +170,8 @@ def main() -> None:
         gains = finals - np.array([r["eval_start"] for r in dense])
         print(f"dense: eval gain {gains.mean():.3f} (per seed {np.round(gains, 3).tolist()}), spread of the "
               f"final eval accuracy over seeds: range {finals.max() - finals.min():.3f}")
-    write_results(rows, "train_code")
+    write_results(rows, "train_code", args.results)
 
 
 if __name__ == "__main__":
-    main()
+    stop_on_interrupt(main, "finished runs kept (a stopped run starts over: it keeps no checkpoint)")

@@ -13,7 +13,8 @@ a constant lr, temperature 1, micro-batches of --micro-batch sequences, no gradi
   `on_step_end`) less the reward function.
 Prints per side the median over the steps after the first (reported apart, as warm-up) of rollout / scoring /
 update seconds, their total, the wall time of the whole step, generated tokens per step, and each side's
-ratio to the first side. Writes bench/results/train_vs_trl.parquet.
+ratio to the first side. Writes train_vs_trl.parquet into --results (default bench/results; our runs in its
+train_vs_trl-runs/).
 
     .venv/bin/python bench/train_vs_trl.py            # ours dense vs TRL: 1K-token prompts, 64 new tokens
     .venv/bin/python bench/train_vs_trl.py --long     # ours dense vs ours budget:256 at 512 new tokens
@@ -22,25 +23,23 @@ ratio to the first side. Writes bench/results/train_vs_trl.parquet.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import shutil
 import statistics
 import tempfile
 import time
-from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
 import torch
-from common import write_results
+from common import bench_parser, write_results
 
 from sparrow.stages.model.adapter import TARGET_MODULES
 from sparrow.stages.model.loading import embedded_checkpoint, load_model
 from sparrow.stages.tasks import make_prompts, score
 from sparrow.stages.train import PromptRow, TrainConfig, Trainer
 
-RUNS = Path(__file__).parent / "results" / "train_vs_trl-runs"
+RUNS = "train_vs_trl-runs"  # in --results
 PHASES = ("rollout", "scoring", "update")
 
 
@@ -53,7 +52,7 @@ def step_batches(rows: list[PromptRow], seed: int, p: int, steps: int) -> list[l
 
 def run_ours(args, side: str, rows: list[PromptRow], batches) -> list[dict]:
     loaded = load_model(args.model)
-    run_dir = RUNS / side
+    run_dir = args.results / RUNS / side
     shutil.rmtree(run_dir, ignore_errors=True)
     config = dict(
         model=args.model,
@@ -247,7 +246,7 @@ def summarize(side: str, steps: list[dict], args) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = bench_parser(__doc__, "train_vs_trl")
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--task", default="passkey")
     ap.add_argument("--context", type=int, default=1024, help="prompt tokens")
@@ -280,7 +279,7 @@ def main() -> None:
     texts = {r["prompt_id"]: r["prompt"] for r in made}  # chat-formatted text: what TRL tokenizes
     batches = step_batches(rows, args.seed, args.prompts_per_step, args.steps)
     del base
-    RUNS.mkdir(parents=True, exist_ok=True)
+    (args.results / RUNS).mkdir(parents=True, exist_ok=True)
     results = []
     for side in sides:
         print(f"== {side}", flush=True)
@@ -317,7 +316,7 @@ def main() -> None:
             f"{r['side']}/{ref['side']}: "
             + ", ".join(f"{k} {ratio(r[f'{k}_s'], ref[f'{k}_s']):.2f}x" for k in (*PHASES, "total", "wall"))
         )
-    write_results(results, "train_vs_trl")
+    write_results(results, "train_vs_trl", args.results)
 
 
 if __name__ == "__main__":

@@ -12,8 +12,8 @@ importance-sampling correction, and exactly --max-new-tokens tokens per completi
 Per step: the wall time (`on_step_begin` to `on_step_end`) and the rollout (TRL's `_generate`, which calls
 the rollout function). Each side's steps after the first (reported apart, as warm-up) give its medians;
 the ratio is TRL's step time over ours, both measured in the same run. A side measured before with the same
-settings is read back from bench/results/trl_sparse-sides/ instead of run again (--fresh reruns it).
-Writes bench/results/trl_sparse.parquet.
+settings is read back from trl_sparse-sides/ in --results instead of run again (--fresh reruns it).
+Writes trl_sparse.parquet into --results (default bench/results).
 
     .venv/bin/python bench/trl_sparse.py                 # 2 prompts x 4 samples x 64 tokens at 1K tokens
     .venv/bin/python bench/trl_sparse.py --context 2048 --budget 256 --fresh
@@ -21,24 +21,22 @@ Writes bench/results/trl_sparse.parquet.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
 import tempfile
 import time
-from pathlib import Path
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 import torch  # noqa: E402
-from common import write_results  # noqa: E402
+from common import bench_parser, write_results  # noqa: E402
 
 from sparrow.stages.model.adapter import TARGET_MODULES  # noqa: E402
 from sparrow.stages.model.loading import embedded_checkpoint, load_model  # noqa: E402
 from sparrow.stages.tasks import make_prompts, score  # noqa: E402
 
-SIDES = Path(__file__).parent / "results" / "trl_sparse-sides"
+SIDES = "trl_sparse-sides"  # in --results
 
 
 def run_side(side: str, args, rows: list[dict]) -> list[dict]:
@@ -125,7 +123,7 @@ def settings(args) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = bench_parser(__doc__, "trl_sparse")
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--task", default="passkey")
     ap.add_argument("--context", type=int, default=1024, help="prompt tokens")
@@ -148,10 +146,11 @@ def main() -> None:
     rows = make_prompts(args.task, args.prompts_per_step * args.steps, args.seed, base.tokenizer,
                         context_tokens=args.context)
     del base
-    SIDES.mkdir(parents=True, exist_ok=True)
+    sides = args.results / SIDES
+    sides.mkdir(parents=True, exist_ok=True)
     results = []
     for side in args.sides.split(","):
-        stored = SIDES / f"{side}.json"
+        stored = sides / f"{side}.json"
         kept = json.loads(stored.read_text()) if stored.exists() and not args.fresh else None
         if kept is not None and all(kept.get(k) == v for k, v in settings(args).items()):
             print(f"== {side}: measured before ({stored}; --fresh reruns it)", flush=True)
@@ -176,7 +175,7 @@ def main() -> None:
     if {"trl", "sparse"} <= by.keys():
         print(f"trl / sparse: step {by['trl']['wall_s'] / by['sparse']['wall_s']:.2f}x, rollout "
               f"{by['trl']['rollout_s'] / by['sparse']['rollout_s']:.2f}x")
-    write_results(results, "trl_sparse")
+    write_results(results, "trl_sparse", args.results)
 
 
 if __name__ == "__main__":
