@@ -12,6 +12,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from sparrow.stages.core.definitions import DEFAULT_BIN_WIDTH, TAIL_QUANTILE
 
 from .common import (
+    Heartbeat,
     PhaseProgress,
     UsageError,
     check_device,
@@ -51,6 +52,7 @@ from .options import (
     threads_option,
 )
 from .output import emit, resolve_format
+from .profile import PHASE_BEAT_SECONDS, BeatingPhases
 
 if TYPE_CHECKING:
     from sparrow.stages.core.schedule import Schedule
@@ -58,6 +60,7 @@ if TYPE_CHECKING:
 DISTILL_PHASES = {"sampling": "sampling training trajectories (samples)",
                   "sampling eval": "sampling eval trajectories (samples)",
                   "scoring before": "scoring before (trajectories)",
+                  "balance weights": "balance weights, the starting objective per taught budget (budgets)",
                   "scoring after": "scoring after (trajectories)"}
 # what only sampling uses: trajectories given by --rollouts are already sampled
 SAMPLING_FLAGS = {"samples": "--samples", "max_new_tokens": "--max-new-tokens",
@@ -450,14 +453,15 @@ def distill(
 
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console, transient=True,
-                  disable=not live_progress()) as bar:
-        phases = PhaseProgress(bar, DISTILL_PHASES)
+                  disable=not live_progress()) as bar, Heartbeat(PHASE_BEAT_SECONDS) as beat:
+        phases = BeatingPhases(PhaseProgress(bar, DISTILL_PHASES), beat)
         task = []  # the distilling steps' bar, from the phase on
 
         def on_phase(name: str) -> None:
             if name == "distilling":
                 task.append(bar.add_task("distilling", total=steps, info=""))
             log_line(name)
+            phases.doing(name)
 
         def on_step(r: dict) -> None:
             info = (f"{objective} loss {shown_loss(r['loss']):.4g} | grad norm {r['grad_norm']:.3g} | "

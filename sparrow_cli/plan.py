@@ -17,6 +17,7 @@ from .common import (
     UsageError,
     check_output,
     console,
+    fail,
     force_option,
     friendly_errors,
     input_path,
@@ -40,6 +41,14 @@ FORMAT_TABLES_HELP = (f"{ARTIFACT_FORMAT_HELP} json is one object: the predicted
                       "(speculative_speedup, speculation_pays, lossy_speedup, speedups_by_k). csv and tsv "
                       "carry one table, every float whole and a missing value null: the schedule, or with "
                       "--speculate the draft schedule that -o writes; the rest goes to stderr.")
+
+
+def sweep_list(value: str) -> str:
+    """typer parser of --sweep: thresholds are in (0, 1), so a value that starts with '-' is the next
+    option taken as --sweep's value (`--sweep -f json`), refused as such while the command line is read."""
+    if value.startswith("-"):
+        fail(f"--sweep needs a comma-separated list of thresholds, got {value!r}")
+    return value
 
 
 def parse_thresholds(text: str) -> list[float]:
@@ -96,8 +105,8 @@ def plan_schedule(
                                               "a --profile measured on another model, or with a calibrated "
                                               "--threshold-file of another model (their metadata names "
                                               "the model); refused without this flag."),
-    sweep: str = typer.Option(None, "--sweep", help="Also print the predicted speedup at each of "
-                              "these thresholds, e.g. 0.80,0.83,0.86,0.90,0.92."),
+    sweep: str = typer.Option(None, "--sweep", parser=sweep_list, help="Also print the predicted speedup "
+                              "at each of these thresholds, e.g. 0.80,0.83,0.86,0.90,0.92."),
     export: str = typer.Option(None, "--export", help="Also print the schedule as json, or as "
                                "sglang-vortex: the named schedule and SGLang settings the Sparrow "
                                "release's verl/SGLang reads (stdout, or --export-to), in any case. With "

@@ -8,6 +8,10 @@ and the lowest stable tail) with a bootstrap interval over the profile's prompts
 mean of alpha and the share of the KV read get the same test beside it. Where the runs do not separate,
 the shipped calibration or the prior. docs/calibration.md gives the rules.
 
+Every statistic's verdict reads one way (Separation.line), in the threshold's note, the mean's and the KV
+read's lines and each margin's alike: `tails: no separation, no run collapsed`, or its boundary and
+identified set; no parenthesis inside another, so that a line can be found by what it says.
+
 The published prior is a rule on the per-bin 5th percentile (PRIOR_QUANTILE): at any other quantile it is
 refused, never applied, and a threshold must be given or calibrated. Its published range (0.85-0.90) is no
 confidence interval, so a prior's `lower` and `upper` are null and the range is said as a range.
@@ -227,13 +231,15 @@ class Separation:
     seed: int | None = None  # of the bootstrap draws
 
     def line(self) -> str:
+        """`what: verdict`, the one form of every statistic's line: `tails: no separation, no run
+        collapsed`, or its boundary, identified set and interval."""
         if self.point is None:
-            return f"{self.what}: does not separate the runs ({self.note})"
+            return f"{self.what}: no separation, {self.note}"
         interval = (f", 95% interval {self.lower:.4f}-{self.upper:.4f} over the bootstrap draws in which "
-                    f"the runs separate ({self.separating_share:.0%} of the draws)"
+                    f"the runs separate, {self.separating_share:.0%} of them"
                     if self.lower is not None else "")
         return (f"{self.what}: boundary {self.point:.4f}, identified set [{self.identified[0]:.4f}, "
-                f"{self.identified[1]:.4f}]{interval} ({self.note})")
+                f"{self.identified[1]:.4f}]{interval}; {self.note}")
 
 
 @dataclass
@@ -245,7 +251,7 @@ class Calibration:
     note: str
     runs: list[RunResult]
     mean_threshold: float | None = None  # the same boundary on the mean of alpha; None: no separation
-    mean_note: str = ""
+    mean_note: str = ""  # the mean's line (Separation.line)
     provenance: dict = field(default_factory=dict)  # a shipped calibration's metadata (model, task, runs)
     separations: list[Separation] = field(default_factory=list)  # tail, mean alpha, KV read
 
@@ -272,8 +278,8 @@ def separation(stats: np.ndarray, draws: np.ndarray | None, collapsed: np.ndarra
     n_c, n_s = int(collapsed.sum()), int((~collapsed).sum())
     if point is None:
         why = ("all runs collapsed" if n_s == 0 else "no run collapsed" if n_c == 0
-               else f"collapsed and stable runs overlap in {what} (collapsed up to "
-                    f"{stats[collapsed].max():.4f}, stable from {stats[~collapsed].min():.4f})")
+               else f"collapsed runs up to {stats[collapsed].max():.4f} overlap stable runs from "
+                    f"{stats[~collapsed].min():.4f}")
         return Separation(what, None, None, None, None, None, why)
     identified = (float(stats[collapsed].max()), float(stats[~collapsed].min()))
     note = f"{n_c} collapsed runs <= {identified[0]:.4f}, {n_s} stable runs >= {identified[1]:.4f}"
@@ -283,8 +289,8 @@ def separation(stats: np.ndarray, draws: np.ndarray | None, collapsed: np.ndarra
     share = len(boots) / len(draws)
     lower, upper = (np.quantile(boots, [0.025, 0.975]) if boots else (np.nan, np.nan))
     return Separation(what, point, identified, float(lower), float(upper), share,
-                      note + f"; {len(draws)} bootstrap draws (seed {seed}) over the profile's prompts and "
-                      "their tokens", seed)
+                      note + f"; {len(draws)} bootstrap draws from seed {seed} over the profile's prompts "
+                      "and their tokens", seed)
 
 
 SHIPPED = Path(__file__).parent / "data"  # threshold-<model>.parquet, written by bench/threshold_sweep.py
@@ -419,13 +425,13 @@ def fallback(model: str | None, quantile: float, why: str, runs: list[RunResult]
     (ScheduleError) says why the runs did not calibrate. The prior's lower and upper are null: its range
     was published, no interval."""
     if (shipped := shipped_threshold(model, quantile)) is not None:
-        return replace(shipped, note=f"{shipped.note}; the given runs do not calibrate: {why}", runs=runs)
+        return replace(shipped, note=f"{shipped.note}; {why}", runs=runs)
     if abs(quantile - PRIOR_QUANTILE) > 1e-12:
         raise ScheduleError(f"--quantile {quantile:g}: the runs do not calibrate a threshold ({why}), and "
                             f"the published prior {PRIOR_THRESHOLD:g} stands in only at the "
                             f"{PRIOR_QUANTILE:g} quantile of alpha; give runs whose tails separate, or "
                             f"--quantile {PRIOR_QUANTILE:g}")
-    return Calibration(PRIOR_THRESHOLD, None, None, "prior", f"{PRIOR_NOTE}; {PRIOR_RANGE_NOTE} ({why})",
+    return Calibration(PRIOR_THRESHOLD, None, None, "prior", f"{PRIOR_NOTE}; {PRIOR_RANGE_NOTE}; {why}",
                        runs)
 
 
@@ -465,16 +471,14 @@ def calibrate(runs: list[RunResult], quantile: float = TAIL_QUANTILE, n_boot: in
                        collapsed, what, seed)
             for key, what in (("tail", "tails"), ("mean", "mean alpha"), ("kv_read", "KV read"))]
     tail, mean = seps[0], seps[1]
-    mean_note = (f"The mean of alpha separates the runs too: {mean.line()}" if mean.point is not None
-                 else f"The mean of alpha does not separate the runs: {mean.note}")
     if tail.point is None:
-        cal = fallback(model, quantile, tail.note, runs)
+        cal = fallback(model, quantile, tail.line(), runs)
     elif tail.separating_share is not None and tail.separating_share < MIN_SEPARATING_SHARE:
-        cal = fallback(model, quantile, f"the tails separate the runs as measured but in only "
+        cal = fallback(model, quantile, f"{tail.what}: separation as measured, but in only "
                        f"{tail.separating_share:.0%} of the bootstrap draws over prompts", runs)
     else:
         cal = Calibration(tail.point, tail.lower, tail.upper, "calibrated", tail.line(), runs)
-    return replace(cal, mean_threshold=mean.point, mean_note=mean_note, separations=seps)
+    return replace(cal, mean_threshold=mean.point, mean_note=mean.line(), separations=seps)
 
 
 def margin_sensitivity(loaded: list[LoadedRun], results: list[RunResult], det: Detectors,
@@ -488,8 +492,8 @@ def margin_sensitivity(loaded: list[LoadedRun], results: list[RunResult], det: D
         at = replace(det, reward_margin=m, eval_margin=m)
         collapsed = np.array([bool(judge(run, loaded, at).reasons) for run in loaded])
         sep = separation(tails, None, collapsed, "tails")
-        verdict = (f"identified set [{sep.identified[0]:.4f}, {sep.identified[1]:.4f}]"
-                   if sep.point is not None else f"no separation ({sep.note})")
+        verdict = (f"{sep.what}: identified set [{sep.identified[0]:.4f}, {sep.identified[1]:.4f}]"
+                   if sep.point is not None else sep.line())
         lines.append(f"margin {m:g}: {int(collapsed.sum())} of {len(loaded)} runs collapsed; {verdict}")
     return lines
 

@@ -123,7 +123,10 @@ class Distiller:
 
     def __init__(self, loaded: LoadedModel, trajectories: Sequence[Trajectory],
                  budget_at: BudgetFn | Sequence[BudgetFn], cfg: DistillConfig,
-                 init: dict[str, Tensor] | None = None, on_step: Callable[[dict], None] | None = None):
+                 init: dict[str, Tensor] | None = None, on_step: Callable[[dict], None] | None = None,
+                 on_balance: Callable[[int, int], None] | None = None):
+        """`on_balance` hears (done, total) of the budgets whose starting objective the balance weights
+        measure (`_balance_weights`, a forward pass per budget before any step), from (0, total) on."""
         self.cfg = cfg.validate()
         self.loaded, self.model = loaded, loaded.model
         self.trajectories = [t for t in trajectories if t.completion]
@@ -147,7 +150,7 @@ class Distiller:
         self._dense: dict[int, Tensor] = {}
         self.weights = [1.0] * len(self.budget_fns)
         if cfg.balance_budgets and len(self.budget_fns) > 1:
-            self.weights = self._balance_weights()
+            self.weights = self._balance_weights(on_balance or (lambda done, total: None))
 
     def _order(self, step: int) -> list[int]:
         """A step's trajectories; a batch larger than the data visits each once."""
@@ -216,7 +219,7 @@ class Distiller:
             loss = loss + terms.sum() * self.weights[j]
         return loss
 
-    def _balance_weights(self) -> list[float]:
+    def _balance_weights(self, progress: Callable[[int, int], None]) -> list[float]:
         """Per budget function: mean(o) / o_j, o_j the token-mean objective of the actor as it starts
         at budget j over the first 2 x batch_size trajectories of the batch order, at most
         MAX_BUDGET_WEIGHT (a budget that covers these trajectories' whole context is dense, o_j = 0).
@@ -224,8 +227,12 @@ class Distiller:
         self.model.eval()
         idx = list(dict.fromkeys(self._order(0) + self._order(1)))
         tokens = sum(len(self.trajectories[i].completion) for i in idx)
-        start = [self.step_loss(idx, tokens, [j] * len(idx), backward=False)
-                 for j in range(len(self.budget_fns))]
+        m = len(self.budget_fns)
+        progress(0, m)
+        start = []
+        for j in range(m):
+            start.append(self.step_loss(idx, tokens, [j] * len(idx), backward=False))
+            progress(j + 1, m)
         mean = sum(start) / len(start)
         if mean <= 0:
             return [1.0] * len(start)
@@ -352,16 +359,23 @@ def run_distill(loaded: LoadedModel, job: DistillJob, cfg: DistillConfig,
                 on_phase: Callable[[str], None] | None = None, progress: Progress | None = None
                 ) -> tuple[Distiller, DistillResult]:
     """Score the eval trajectories with the actor as it starts, distill, score them again with the
-    distilled actor (`progress` hears of the scoring as "scoring before" and "scoring after"). The model
-    keeps the LoRA injected afterwards."""
+    distilled actor (`progress` hears of the scoring as "scoring before" and "scoring after", and of the
+    balance weights' starting objectives, where several budgets are taught, as "balance weights", a phase
+    of its own). The model keeps the LoRA injected afterwards."""
     phase = on_phase or (lambda name: None)
 
     def scoring(name: str) -> Progress | None:
         return None if progress is None else lambda _, done, total: progress(name, done, total)
 
+    def balancing(done: int, total: int) -> None:
+        if done == 0:
+            phase("balance weights")
+        if progress is not None:
+            progress("balance weights", done, total)
+
     phase("scoring before")
     before = evaluate(loaded, job, job.init_actor, cfg, scoring("scoring before"))
-    distiller = Distiller(loaded, job.trajectories, job.budget_at, cfg, job.init, on_step)
+    distiller = Distiller(loaded, job.trajectories, job.budget_at, cfg, job.init, on_step, balancing)
     phase("distilling")
     t0 = time.perf_counter()
     history = distiller.run()

@@ -370,7 +370,7 @@ def test_runs_are_judged_against_the_dense_run_of_their_seed(tmp_path):
     assert lo < cal.lower < cal.upper < hi  # the draws move the tails, within the gap here
     assert cal.separations[0].separating_share == 1.0
     assert cal.threshold == pytest.approx((lo + hi) / 2)
-    assert cal.mean_threshold is not None and "separates" in cal.mean_note
+    assert cal.mean_threshold is not None and cal.mean_note.startswith("mean alpha: boundary ")
 
 
 def test_the_mean_that_overlaps_is_reported_as_not_separating():
@@ -382,7 +382,9 @@ def test_the_mean_that_overlaps_is_reported_as_not_separating():
             RunResult("s1", 0.70, [], mean=0.93), RunResult("s2", 0.80, [], mean=0.99)]
     cal = calibrate(runs, n_boot=200)
     assert cal.source == "calibrated" and cal.threshold == pytest.approx(0.575)
-    assert cal.mean_threshold is None and "does not separate" in cal.mean_note
+    assert cal.mean_threshold is None
+    assert cal.mean_note == ("mean alpha: no separation, collapsed runs up to 0.9700 overlap stable runs "
+                             "from 0.9300")
 
 
 def test_shipped_calibration_is_the_fallback_for_its_model(tmp_path, monkeypatch):
@@ -429,11 +431,11 @@ def test_cli_labels_against_dense_and_report_draws_the_calibration(tmp_path):
     r = runner.invoke(app, ["calibrate-threshold", "--profile", str(prof), "-o", str(out), "--format", "tsv",
                             "--runs", *map(str, runs)])
     assert r.exit_code == 0, r.output
-    assert "(calibrated)" in r.output and "mean of alpha" in r.output
+    assert "(calibrated)" in r.output and "\nmean alpha: " in r.output
     assert "identified set [" in r.output and "95% interval" in r.output and "KV read" in r.output
     # the low runs' eval is 0.3 under dense's: collapsed at every margin up to 0.2
     for margin in ("0.05", "0.1", "0.15", "0.2"):
-        assert f"margin {margin}: 2 of 6 runs collapsed; identified set [" in r.output
+        assert f"margin {margin}: 2 of 6 runs collapsed; tails: identified set [" in r.output
     meta = artifact_metadata(out)
     assert [s["what"] for s in json.loads(meta["separations"])] == ["tails", "mean alpha", "KV read"]
     assert len(json.loads(meta["margin_sensitivity"])) == 4

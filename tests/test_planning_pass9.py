@@ -266,7 +266,7 @@ def test_calibrate_threshold_seed_is_recorded_printed_and_reproducible(tmp_path)
         assert r.exit_code == 0, r.output
         meta = artifact_metadata(out)
         assert meta["bootstrap"] == 40 and meta["bootstrap_seed"] == (seed or 0)
-        assert f"(seed {seed or 0})" in r.stderr
+        assert f"from seed {seed or 0} " in r.stderr
         assert all(s["seed"] == (seed or 0) for s in json.loads(meta["separations"]))
         assert "fewer than 5" not in r.stderr  # 8 prompts
         rows[name] = read_artifact(out, "threshold").to_pylist()[0]

@@ -202,7 +202,7 @@ def calibration_figure(threshold: Path, name: str, out: Path, plt) -> Figure | N
                  f"never by mismatch); each run's tail is the minimum over position bins of the "
                  f"{t['quantile']:g} quantile ({tail_is}) of alpha. Threshold "
                  f"{t['threshold']:.3g}{interval}. "
-                 f"{meta.get('mean_note') or ''}", plt, len(runs))
+                 f"{_sentence(meta.get('mean_note') or '')}", plt, len(runs))
 
 
 def _mean_interval(meta: dict) -> tuple[float, float] | None:
@@ -310,6 +310,11 @@ def _all_dense(meta: dict) -> str:
                  f"Dense run: the training run's schedule ({meta['source']}) has the whole cache at every "
                  "position") + "; no profile or threshold was involved.")
     return "Every bin is dense: every position attends to the whole cache (the artifact names no plan)."
+
+
+def _sentence(line: str) -> str:
+    """A printed line ("mean alpha: ...") as a caption's sentence: capitalised, ended by a full stop."""
+    return f"{line[:1].upper()}{line[1:]}{'' if not line or line.endswith('.') else '.'}"
 
 
 def cost_figure(cost: Path, name: str, out: Path, plt) -> Figure:
