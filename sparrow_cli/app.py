@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -30,6 +32,7 @@ from .common import (  # noqa: E402
     Command,
     Group,
     StdoutFailed,
+    console,
     drop_stream,
     parser_errors,
     print_stage_messages,
@@ -56,7 +59,7 @@ class Sparrow(Group):
 
     def invoke(self, ctx):
         try:
-            with parser_errors():  # the subcommand's name, and then its own command line
+            with parser_errors(), _quiet_for_this_command():  # the subcommand's name, then its command line
                 return super().invoke(ctx)
         except BrokenPipeError:  # main's rule; what a command prints comes after what it writes
             drop_stream(sys.stdout)
@@ -66,6 +69,16 @@ class Sparrow(Group):
             sys.exit(2)
         except KeyboardInterrupt as e:  # click would exit 130 without a word
             stopped(getattr(e, "signum", signal.SIGINT))
+
+
+@contextmanager
+def _quiet_for_this_command() -> Iterator[None]:
+    """-q holds for the command that was given it: lifted at its end, however it ends (a refused command
+    line included, where click closes no context), so that the next command in a process speaks."""
+    try:
+        yield
+    finally:
+        console.quiet = False
 
 
 app = typer.Typer(

@@ -370,9 +370,9 @@ def quiet_option():
 
 
 def _be_quiet(ctx, param, value: bool) -> None:
+    """Quiet from here to the command's end (`Sparrow.invoke` lifts it, also after a refused command line)."""
     if value:
         console.quiet = True
-        ctx.call_on_close(lambda: setattr(console, "quiet", False))
 
 
 class Group(TyperGroup):

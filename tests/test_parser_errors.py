@@ -109,7 +109,7 @@ def test_trains_foreign_names_are_accepted_or_name_ours(typed, hint):
 
 
 @pytest.mark.parametrize(("command", "typed"), [
-    ("rollout", "--quiet"),  # click: --budget
+    ("rollout", "--silent"),  # click: --seed
     ("rollout", "--verbose"),  # click: --dense
     ("rollout", "--version"),  # click: --kv-compression
     ("rollout", "--num-iterations"),  # train's --ppo-epochs; click: --num-generations

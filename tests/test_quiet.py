@@ -47,3 +47,12 @@ def test_quiet_keeps_warnings(tmp_path):
     lines = result.stderr.splitlines()
     assert lines and all(line.startswith("warning:") for line in lines), lines
     assert any("has no tokenizer" in line for line in lines) and out.exists()
+
+
+def test_a_refused_command_line_does_not_leave_the_next_command_quiet(tmp_path):
+    refused = runner.invoke(app, ["prompts", "-q", "--task", "chain_sum", "--bogus", "-o",
+                                  str(tmp_path / "x.parquet")])
+    assert refused.exit_code == 2 and refused.stderr.startswith("error: no such option: --bogus")
+    told = runner.invoke(app, ["prompts", "--task", "chain_sum", "--n", "1", "-o",
+                               str(tmp_path / "p.parquet")])
+    assert told.exit_code == 0 and "wrote 1 chain_sum prompts" in told.stderr
