@@ -716,7 +716,7 @@ def stopped(signum: int = signal.SIGINT, said: str = NOTHING_LEFT) -> NoReturn:
     """The one line of a command stopped by a signal (`said`: what it kept and how to go on), and exit
     128 + the signal, as the shell reports a signal's end."""
     what = "interrupted" if signum == signal.SIGINT else "terminated"
-    console.print(Text(f"{what}; {said}", style="yellow"))
+    _always(Text(f"{what}; {said}", style="yellow"))  # --quiet keeps it: what was kept, how to go on
     sys.exit(128 + signum)
 
 

@@ -141,8 +141,10 @@ def prompts(
     spec = get_task(task.lower())
     if n < 1:
         raise UsageError(f"--n must be at least 1, got {n}")
-    code = {k: v for k, v in (("level", level), ("tests", tests)) if v is not None}
-    _check_request(spec, n, split, code)
+    given = {k: v for k, v in (("level", level), ("tests", tests)) if v is not None}
+    _check_request(spec, n, split, given)
+    defaults = {"level": DEFAULT_LEVEL, "tests": DEFAULT_TESTS}
+    code = {k: v for k, v in given.items() if v != defaults[k]}  # a default changes nothing, ids included
     check_host_memory(n, f"{n:,} prompts (--n)", "write fewer prompts per file")
     check_output(output, "prompts", force, inputs={"--model": model_file(model)})
     config = resolve_config(model)

@@ -15,6 +15,7 @@ from .common import (
     UsageError,
     check_device,
     console,
+    fail,
     friendly_errors,
     input_path,
     live_progress,
@@ -73,6 +74,15 @@ TRAIN_LABELS = {"reward_first": "reward, first step", "reward_last": "reward, la
                 "mean_weight_sync_seconds": "s per step: weight sync to the Ray workers (in rollout)",
                 "first_collapse_step": "first collapse step (of the streak that ends the run)",
                 "reasons": "collapse reasons", "warnings": "warnings (not collapse reasons)"}
+
+
+def _no_batch_size(ctx: typer.Context, param: typer.CallbackParam, value: str | None) -> None:
+    """--batch-size and --batch name the rollout engine's --max-num-seqs on rollout and profile, but a TRL or
+    verl user means a training batch by them: on train they are refused, with the options that say which."""
+    if value is not None and not ctx.resilient_parsing:
+        fail(f"{' and '.join(param.opts)} are ambiguous for a training run: a step's batch is "
+             "--prompts-per-step x --samples, the update's --micro-batch, and the rollout engine's "
+             "--max-num-seqs")
 
 
 @friendly_errors
@@ -242,6 +252,8 @@ def train(
                                      "together, at least 1 (vLLM's and verl's max_num_seqs; default: all "
                                      "of a step's, --prompts-per-step x --samples); the others wait their "
                                      "turn."),
+    _batch_size: str = typer.Option(None, "--batch-size", "--batch", hidden=True, callback=_no_batch_size,
+                                    help="Refused: ambiguous for a training run."),
     workers: int = typer.Option(0, "--workers", help="Roll out on N Ray workers (each loads the model once; "
                                 "the weights are pushed to them before every step's rollout)."),
     ray_address: str = typer.Option(None, "--ray-address", help="An existing Ray cluster for --workers "

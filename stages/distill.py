@@ -522,8 +522,10 @@ def save_result(distiller: Distiller, result: DistillResult, run: DistillRun) ->
     meta = {"model": run.model, "bin_width": run.bin_width, "temperature": cfg.temperature,
             "budgets": json.dumps(sorted({int(b) for b in result.before.column("budget").to_pylist()})),
             "dense_layers": json.dumps(list(cfg.dense_layers)), "page_size": cfg.page_size}
-    write_artifact(result.before, folder / "mismatch" / "before.parquet", "mismatch",
-                   metadata=meta | {"actor": "plain sparse actor (before distillation)"})
+    start = {"actor": f"sparse actor + {run.init_adapter} (the starting adapter, before distillation)",
+             "init_adapter": str(run.init_adapter)} if run.init_adapter else \
+        {"actor": "plain sparse actor (before distillation)"}
+    write_artifact(result.before, folder / "mismatch" / "before.parquet", "mismatch", metadata=meta | start)
     write_artifact(result.after, folder / "mismatch" / "after.parquet", "mismatch",
                    metadata=meta | {"actor": f"sparse actor + {folder}", "adapter": str(folder)}
                    | ({"warnings": "; ".join(result.warnings)} if result.warnings else {}))

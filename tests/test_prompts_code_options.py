@@ -27,6 +27,20 @@ def test_level_and_tests_reach_the_prompts(tmp_path):
     assert artifact_metadata(out)["level"] == 1 and artifact_metadata(out)["tests"] == 3
 
 
+def test_another_level_or_test_count_gets_other_prompt_ids(tmp_path):
+    """Samples, rewards and mismatch rows are keyed by prompt_id: prompts of another level or test count
+    from the same seed must not share ids; the defaults, given or not, keep the plain ones."""
+    ids = {}
+    for name, extra in (("plain", []), ("default", ["--level", "2", "--tests", "6"]),
+                        ("one", ["--level", "1"]), ("three", ["--tests", "3"])):
+        out = tmp_path / f"{name}.parquet"
+        result = runner.invoke(app, ["prompts", "--task", "code", "--n", "2", *extra, "-o", str(out)])
+        assert result.exit_code == 0, result.output
+        ids[name] = read_artifact(out, "prompts")["prompt_id"].to_pylist()
+    assert ids["plain"] == ids["default"] == ["code-0-0", "code-0-1"]
+    assert ids["one"] == ["code-L1-0-0", "code-L1-0-1"] and ids["three"] == ["code-T3-0-0", "code-T3-0-1"]
+
+
 @pytest.mark.parametrize(("args", "expected"), [
     (["--task", "chain_sum", "--level", "1"], "error: --level applies only to --task code, not to chain_sum"),
     (["--task", "humaneval", "--tests", "2"], "error: --tests applies only to --task code, not to humaneval"),

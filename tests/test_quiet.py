@@ -56,3 +56,32 @@ def test_a_refused_command_line_does_not_leave_the_next_command_quiet(tmp_path):
     told = runner.invoke(app, ["prompts", "--task", "chain_sum", "--n", "1", "-o",
                                str(tmp_path / "p.parquet")])
     assert told.exit_code == 0 and "wrote 1 chain_sum prompts" in told.stderr
+
+
+def test_a_stage_note_reaches_stderr_where_no_logger_takes_it(capsys, monkeypatch):
+    """A script that uses the stages without the CLI (no handler on the `sparrow` logger) still hears a
+    prompt set's note."""
+    import logging
+
+    import sparrow.stages.core.prompt_set as prompt_set
+
+    logger = logging.getLogger("sparrow")
+    monkeypatch.setattr(logger, "handlers", [])
+    monkeypatch.setattr(logger, "propagate", False)
+    monkeypatch.setattr(prompt_set, "_SAID", set())
+    prompt_set._note("the prompts go in as plain text")
+    assert capsys.readouterr().err == "note: the prompts go in as plain text\n"
+
+
+def test_quiet_keeps_the_line_of_a_stopped_command(capsys, monkeypatch):
+    """Ctrl-C or SIGTERM under -q still says what was kept and how to go on (exit 128 + the signal)."""
+    import signal
+
+    from sparrow.cli import common
+
+    monkeypatch.setattr(common.console, "quiet", True)
+    with pytest.raises(SystemExit) as stop:
+        common.stopped(signal.SIGTERM, "12 prompts were journaled; --resume continues")
+    assert stop.value.code == 143
+    assert capsys.readouterr().err == "terminated; 12 prompts were journaled; --resume continues\n"
+    assert common.console.quiet  # what the command asked for stands until the command ends

@@ -108,10 +108,26 @@ def test_a_distill_folder_is_drawn_before_then_after_each_named_and_overlaid(tmp
     alpha = np.array([0.5 - k / 100 for k in range(19)])  # bin 0: positions 500-511, bin 1: 512-518
     want = [np.quantile(alpha[:12], 0.05), np.quantile(alpha[12:], 0.05)]
     assert np.allclose(tails["budget 64, without the adapter"], want)
-    assert np.allclose(tails["budget 64, with the adapter"], np.array(want) + 0.1)
+    assert np.allclose(tails["budget 64, with the distilled adapter"], np.array(want) + 0.1)
     for fig, _, _ in figures[:1]:  # positions are whole numbers: so are the ticks
         ticks = fig.axes[0].get_xticks()
         assert np.allclose(ticks, np.round(ticks))
+
+
+def test_a_distill_from_a_starting_adapter_says_so_before(tmp_path, monkeypatch):
+    """distill --init-adapter scores before.parquet with the adapter it starts from: no figure may say
+    'without an adapter' of it."""
+    run = tmp_path / "out"
+    start = tmp_path / "start"
+    _profile(run / "mismatch" / "before.parquet", 0.0, init_adapter=str(start),
+             actor=f"sparse actor + {start} (the starting adapter, before distillation)")
+    _profile(run / "mismatch" / "after.parquet", 0.1, actor=f"sparse actor + {run}", adapter=str(run))
+    figures = _drawn(monkeypatch)
+    _report(run)
+    titles = [fig._suptitle.get_text() for fig, _, _ in figures]
+    assert titles[0].endswith("before.parquet, with the starting adapter start")
+    labels = [line.get_label() for line in figures[2][0].axes[0].get_lines()]
+    assert "budget 64, the starting adapter" in labels and not any("without" in x for x in labels)
 
 
 def test_a_narrow_tail_figure_ticks_whole_positions(tmp_path, monkeypatch):

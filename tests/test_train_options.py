@@ -250,3 +250,19 @@ def test_format_help_of_a_run_does_not_describe_stdout_output():
 def test_max_num_seqs_below_one_is_refused(tmp_path, no_work):
     result = runner.invoke(app, train_args(tmp_path, "--max-num-seqs", "0"))
     assert error_line(result) == "error: --max-num-seqs must be at least 1, got 0"
+
+
+@pytest.mark.parametrize("flag", ["--batch-size", "--batch"])
+def test_an_ambiguous_batch_flag_is_refused_on_train(tmp_path, no_work, flag):
+    """On rollout and profile --batch-size is the engine's --max-num-seqs; a TRL or verl user means a
+    training batch by it, so train names the options that say which instead of taking either."""
+    line = error_line(runner.invoke(app, train_args(tmp_path, flag, "8")))
+    assert line == ("error: --batch-size and --batch are ambiguous for a training run: a step's batch is "
+                    "--prompts-per-step x "
+                    "--samples, the update's --micro-batch, and the rollout engine's --max-num-seqs")
+    assert not (tmp_path / "run").exists()
+
+
+def test_max_batch_stays_an_alias_of_max_num_seqs_on_train(tmp_path, stop_after_validation):
+    with pytest.raises(Validated):
+        runner.invoke(app, train_args(tmp_path, "--max-batch", "2"), catch_exceptions=False)

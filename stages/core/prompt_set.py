@@ -59,11 +59,17 @@ _SAID: set[str] = set()  # the notes already printed by this process
 
 
 def _note(message: str) -> None:
-    """`message` as a note (the `sparrow` logger at INFO, which the CLI prints as "note: ..."), once per
-    process (train reads its prompts more than once)."""
-    if message not in _SAID:
-        _SAID.add(message)
-        logging.getLogger("sparrow").info(message)
+    """`message` as a note, once per process (train reads its prompts more than once): to the `sparrow`
+    logger at INFO where something takes it (the CLI prints it as "note: ...", --quiet drops it), else
+    straight to stderr, so that a script using the stages still hears it."""
+    if message in _SAID:
+        return
+    _SAID.add(message)
+    logger = logging.getLogger("sparrow")
+    if logger.hasHandlers() and logger.isEnabledFor(logging.INFO):
+        logger.info(message)
+    else:
+        print(f"note: {message}", file=sys.stderr, flush=True)
 
 
 @dataclass

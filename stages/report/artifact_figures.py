@@ -95,10 +95,13 @@ def tail_rows(mismatch: Path, quantile: float) -> list[tuple]:
 def _actor(meta: dict) -> tuple[str, str]:
     """The title's and the caption's words on the actor that scored a profile, where it records one
     (`sparrow distill` writes its profiles before and after its adapter): ("", "") otherwise."""
-    adapter, actor = meta.get("adapter"), meta.get("actor")
+    adapter, actor, start = meta.get("adapter"), meta.get("actor"), meta.get("init_adapter")
     if isinstance(adapter, str) and adapter:
         return (f", with the adapter {Path(adapter).name}",
                 f" Scored by the sparse actor with the distilled adapter {adapter}.")
+    if isinstance(start, str) and start:
+        return (f", with the starting adapter {Path(start).name}",
+                f" Scored by the sparse actor with the adapter distillation started from, {start}.")
     if isinstance(actor, str) and actor:
         return ", without an adapter", f" Scored by the {actor}, without an adapter."
     return "", ""
@@ -108,17 +111,21 @@ def distill_figure(before: Path, after: Path, name: str, line_at: TailLine, out:
     """A profile scored without and with a distilled adapter (distill's before.parquet and after.parquet):
     their tails per position bin and budget on one panel, against the threshold of `line_at`."""
     threshold = line_at.threshold
+    start = artifact_metadata(before).get("init_adapter")
+    started = isinstance(start, str) and bool(start)
+    before_label = "the starting adapter" if started else "without the adapter"
+    before_said = f"with the starting adapter {start}" if started else "without the adapter"
     fig, ax = plt.subplots(figsize=(9, 4.8))
     rows = {path: tail_rows(path, threshold.quantile) for path in (before, after)}
     budgets = sorted({r[0] for part in rows.values() for r in part})
     for i, budget in enumerate(budgets):
         colour = f"C{i % 10}"
-        for path, style, words in ((before, "--", "without"), (after, "-", "with")):
+        for path, style, words in ((before, "--", before_label), (after, "-", "with the distilled adapter")):
             part = [r for r in rows[path] if r[0] == budget]
             if part:
                 ax.plot([r[5] for r in part], [r[2] for r in part], style, color=colour, marker="o",
                         mfc="white" if path == before else colour,
-                        label=f"budget {budget}, {words} the adapter")
+                        label=f"budget {budget}, {words}")
     if not budgets:
         say(ax, "neither profile has scored tokens")
     else:
@@ -130,9 +137,9 @@ def distill_figure(before: Path, after: Path, name: str, line_at: TailLine, out:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, ncols=2)
     adapter = artifact_metadata(after).get("adapter")
-    return save(fig, out, name, f"Tail per position bin without and with the distilled adapter "
-                f"({before.parent.name}/)",
-                f"From {before.name} (without the adapter: dashed, hollow) and {after.name} (with the "
+    title = f"Tail per position bin before and after distillation ({before.parent.name}/)"
+    return save(fig, out, name, title,
+                f"From {before.name} ({before_said}: dashed, hollow) and {after.name} (with the "
                 f"adapter {adapter}: solid), each point at the mean position of its bin's tokens; a point "
                 f"above the dotted line is a bin where that budget's tail reaches the threshold "
                 f"({threshold.source}).",

@@ -63,6 +63,9 @@ def chat_format(tokenizer, user: str, system: str | None = None) -> tuple[str, l
     return text, list(tokenizer(text, add_special_tokens=True).input_ids)
 
 
+VARIANT_TAGS = {"level": "L", "tests": "T"}  # options that change a seed's prompts: named in their ids
+
+
 def make_prompts(task: str | Task, n: int, seed: int, tokenizer, *, system: str | None = None,
                  progress: Callable[[int], None] | None = None, **options: Any) -> list[dict]:
     """`n` rows of the prompts artifact for `task`; `progress(done)` is called after each row."""
@@ -82,7 +85,8 @@ def make_prompts(task: str | Task, n: int, seed: int, tokenizer, *, system: str 
     if task.check is not None:
         task.check(n, **options)
     split = [options["split"]] if options.get("split", "all") != "all" else []
-    prefix = "-".join([task.name, *split, str(seed)])
+    variant = [f"{tag}{options[name]}" for name, tag in VARIANT_TAGS.items() if name in options]
+    prefix = "-".join([task.name, *split, *variant, str(seed)])
     measure = lambda user: len(chat_format(tokenizer, user, system)[1])
     rows = []
     for i, example in enumerate(task.generate(n, seed, measure, **options)):
