@@ -28,6 +28,15 @@ seconds predicted by the fitted cost model (`CostModel.rollout_seconds`, batch P
 L + N), printed beside the measured ones, with the whole-rollout speedup it predicts (the predicted decode
 plus each run's measured prefill, which is dense in every sampler) and the relative error.
 
+`--repeats N` (whole rollout; default 1, one run per sampler and no interval): with N >= 2 the dense run
+and each sampler's run are repeated N times, interleaved (dense, budget, schedule, dense, ...) so a drift
+of the machine hits all alike, each with the same seed and prompts. "x dense" and "dec x" are then the
+means of the per-repeat ratios (dense seconds / the sampler's, whole rollout and decode), "±" and "dec ±"
+the half-widths of their 95% t-intervals, and a line per sampler after the table says both; seconds, tok/s
+and steps are the means over the repeats (vLLM and HF run once, over dense's mean). The per-repeat seconds
+are kept in the table (repeat_total_s, repeat_decode_s). To get an interval, pass --repeats 3 or more (2
+gives a wide one).
+
 vLLM (when installed: `make vllm`) and transformers' `generate` run after our engine on the same prompts,
 samples, new tokens and temperature, dense (not with random weights): vLLM in `--vllm-dtype` with prefix
 caching, in-process, its start-up timed apart, one untimed warm-up; HF with every prompt repeated once per
@@ -52,7 +61,7 @@ import time
 
 import numpy as np
 import torch
-from common import bench_parser, copy_bandwidth, sync, write_results
+from common import bench_parser, copy_bandwidth, sync, t_half_width, write_results
 
 from sparrow.kernels import cpu_attention
 from sparrow.stages.core.definitions import validate_budget
@@ -281,20 +290,27 @@ def whole_rollout(loaded, args, device, dtype) -> list[dict]:
         return {int(budget_at(c)) if budget_at else 0 for c in lengths}
 
     elem = torch.tensor([], dtype=dtype).element_size()
+    runs: dict[str, list[dict]] = {label: [] for label, _ in samplers}
+    budget_ats = {}
+    for repeat in range(args.repeats):  # interleaved: a drift of the machine hits every sampler alike
+        for label, sampler in samplers:
+            row, budget_ats[label] = run_engine(model, prompts, args, sampler, label, args.new_tokens,
+                                                args.samples, budgets_of)
+            runs[label].append(row)
+            times = row["step_times"]
+            tag = f" (repeat {repeat + 1}/{args.repeats})" if args.repeats > 1 else ""
+            print(f"  {label}{tag}: {row['total_s']:.1f} s (prefill {row['prefill_s']:.1f} s, decode "
+                  f"{row['decode_s']:.1f} s, step mean {1e3 * np.mean(times):.2f} ms, median "
+                  f"{1e3 * np.median(times):.2f} ms)", flush=True)
     rows = []
-    for label, sampler in samplers:
-        row, budget_at = run_engine(model, prompts, args, sampler, label, args.new_tokens, args.samples,
-                                    budgets_of)
+    for label, _ in samplers:
+        row = merge_repeats(runs[label])
         for key, once in (("kv_bytes_per_step", False), ("kv_unique_bytes_per_step", True)):
-            row[key] = args.prompts * kv_bytes_per_step(cfg, length, args.new_tokens, args.samples, budget_at,
-                                                        DENSE_LAYERS, elem, shared_once=once,
-                                                        cent_elem=row["cent_elem"])
+            row[key] = args.prompts * kv_bytes_per_step(cfg, length, args.new_tokens, args.samples,
+                                                        budget_ats[label], DENSE_LAYERS, elem,
+                                                        shared_once=once, cent_elem=row["cent_elem"])
         row["prompt_tokens"] = length
         rows.append(row)
-        times = row["step_times"]
-        print(f"  {label}: {row['total_s']:.1f} s (prefill {row['prefill_s']:.1f} s, decode "
-              f"{row['decode_s']:.1f} s, step mean {1e3 * np.mean(times):.2f} ms, median "
-              f"{1e3 * np.median(times):.2f} ms)", flush=True)
     real_weights = not args.random_weights and loaded.tokenizer is not None
     if real_weights and not args.no_vllm and importlib.util.find_spec("vllm") is not None:
         for vdtype in (args.vllm_dtype or str(dtype).removeprefix("torch.")).split(","):
@@ -316,6 +332,26 @@ def whole_rollout(loaded, args, device, dtype) -> list[dict]:
         rows.append(row)
         print(f"  hf-generate: {row['total_s']:.1f} s", flush=True)
     return rows
+
+
+def merge_repeats(runs: list[dict]) -> dict:
+    """One row of a sampler's repeated runs: the mean seconds, every repeat's decode steps, and each
+    repeat's whole-rollout and decode seconds (what its speedups over dense are taken from)."""
+    row = dict(runs[0])
+    for key in ("total_s", "prefill_s", "decode_s", "mean_budget"):
+        row[key] = float(np.mean([r[key] for r in runs]))
+    row["step_times"] = [t for r in runs for t in r["step_times"]]
+    row.update(repeats=len(runs), repeat_total_s=[r["total_s"] for r in runs],
+               repeat_decode_s=[r["decode_s"] for r in runs])
+    return row
+
+
+def ratio_interval(dense_s, sampler_s) -> tuple[float, float | None]:
+    """The mean of the per-repeat speedups dense_s[i] / sampler_s[i] and the half-width of their 95%
+    t-interval (None for one repeat: no interval)."""
+    with np.errstate(divide="ignore", invalid="ignore"):  # no decode (one new token): nan, as the table says
+        ratios = np.asarray(dense_s, dtype=np.float64) / np.asarray(sampler_s, dtype=np.float64)
+    return float(ratios.mean()), (t_half_width(ratios) if len(ratios) > 1 else None)
 
 
 def own_kv(loaded, args, dtype) -> list[dict]:
@@ -366,9 +402,15 @@ def add_floors(rows: list[dict], w_bytes: int, bw: float, group: str | None = No
         r["dense_floor_ms"] = d["floor_ms"] if d else float("nan")
         r["floor_speedup"] = r["dense_floor_ms"] / r["floor_ms"]
         r["step_speedup"] = d["step_ms"] / r["step_ms"] if d else float("nan")
-        if "total_s" in r and d:
-            r["speedup"] = d["total_s"] / r["total_s"]
-            r["decode_speedup"] = d["decode_s"] / r["decode_s"]
+        if "repeat_total_s" in r and d:  # our engine's runs: repeat i over dense's repeat i
+            r["speedup"], r["speedup_half_width"] = ratio_interval(d["repeat_total_s"], r["repeat_total_s"])
+            r["decode_speedup"], r["decode_speedup_half_width"] = ratio_interval(d["repeat_decode_s"],
+                                                                                 r["repeat_decode_s"])
+        elif "total_s" in r and d:  # a peer, run once: over dense's mean
+            r["speedup"], r["speedup_half_width"] = ratio_interval([d["total_s"]], [r["total_s"]])
+            r["decode_speedup"], r["decode_speedup_half_width"] = ratio_interval([d["decode_s"]],
+                                                                                 [r["decode_s"]])
+            r["repeats"] = 1
 
 
 def predict(rows: list[dict], cost, label: str) -> None:
@@ -402,10 +444,11 @@ STEP_COLUMNS = [("step ms", "step_ms", 8, ".2f"), ("median", "median_step_ms", 7
 
 
 def print_table(rows: list[dict], columns: list[tuple[str, str, int, str]]) -> None:
-    """Columns (header, key, width, format spec); a missing value prints as nan."""
+    """Columns (header, key, width, format spec); a missing value (or None) prints as nan."""
     print(" ".join(f"{h:>{w}}" for h, _, w, _ in columns))
     for r in rows:
-        print(" ".join(format(r.get(k, float("nan")), f">{w}{f}") for _, k, w, f in columns))
+        values = [float("nan") if r.get(k) is None else r[k] for _, k, _, _ in columns]
+        print(" ".join(format(v, f">{w}{f}") for v, (_, _, w, f) in zip(values, columns)))
 
 
 def main() -> None:
@@ -427,6 +470,8 @@ def main() -> None:
                     "cpu-default (default: published:qwen3-4b:0.86 on a GPU; cpu-default on a CPU: 256 below "
                     "4K tokens, 512 to 6.5K, 768 beyond)")
     ap.add_argument("--samplers", default="dense,budget,schedule", help="which runs, dense first")
+    ap.add_argument("--repeats", type=int, default=1, help="whole rollout: run dense and each sampler this "
+                    "many times, interleaved; 2 or more gives each speedup a 95%% t-interval")
     ap.add_argument("--cost", default=None, help="a fit-cost artifact: print its predicted speedups")
     ap.add_argument("--random-weights", action="store_true", help="random weights (default on a GPU: "
                     "Qwen3-4B shapes have no weights here; random prompt tokens, no HF or vLLM)")
@@ -443,6 +488,10 @@ def main() -> None:
     ap.add_argument("--vllm-dtype", default=None, help="vLLM's dtype, or several comma-separated, one "
                     "engine each (default: our engine's; bfloat16 is vLLM's own CPU default)")
     args = ap.parse_args()
+    if args.repeats < 1:
+        ap.error(f"--repeats must be at least 1, got {args.repeats}")
+    if args.repeats > 1 and args.own_kv:
+        ap.error("--repeats applies to the whole rollout, not --own-kv")
     device = torch.device(args.device)
     gpu = device.type == "cuda"
     args.model = args.model or ("qwen3-4b" if gpu else "smollm2-135m")
@@ -508,11 +557,20 @@ def main() -> None:
                  prompt_tokens=args.prompt_len)
     print(f"{loaded.name}, {args.prompts} prompts x {args.samples} samples, {args.prompt_len}-token prompts, "
           f"{args.new_tokens} new tokens (EOS ignored, temperature {args.temperature}), {where}")
+    intervals = [("±", "speedup_half_width", 5, ".2f")] if args.repeats > 1 else []
+    decode_intervals = ([("dec ±", "decode_speedup_half_width", 5, ".2f"), ("repeats", "repeats", 7, "d")]
+                        if args.repeats > 1 else [])
     print_table(rows, [("engine", "engine", 16, ""), ("command s", "command_s", 9, ".1f"),
                        ("total s", "total_s", 8, ".1f"), ("prefill s", "prefill_s", 9, ".1f"),
                        ("decode s", "decode_s", 9, ".1f"), ("tok/s", "tok_s", 7, ".1f"),
-                       ("x dense", "speedup", 7, ".2f"), ("dec x", "decode_speedup", 6, ".2f"), *STEP_COLUMNS,
-                       ("floor x", "floor_speedup", 7, ".2f")])
+                       ("x dense", "speedup", 7, ".2f"), *intervals, ("dec x", "decode_speedup", 6, ".2f"),
+                       *decode_intervals, *STEP_COLUMNS, ("floor x", "floor_speedup", 7, ".2f")])
+    if args.repeats > 1:
+        for r in rows[1:]:
+            if r.get("speedup_half_width") is not None:
+                print(f"  {r['engine']} over dense, mean of {r['repeats']} repeats (95% t-interval): whole "
+                      f"{r['speedup']:.2f}x ± {r['speedup_half_width']:.2f}, decode "
+                      f"{r['decode_speedup']:.2f}x ± {r['decode_speedup_half_width']:.2f}")
     if cost is not None:
         predict(rows, cost, args.cost)
     write_results(rows, "rollout", args.results)
