@@ -276,6 +276,34 @@ class PhaseProgress:
         self.logs[phase](done, total)
 
 
+# a teacher-forced batch of long sequences can take minutes, its count moving only when it ends: a log
+# hears that the phase still runs at least this often
+PHASE_BEAT_SECONDS = 10.0
+
+
+class BeatingPhases:
+    """PhaseProgress that also names the running phase to a Heartbeat, so that a log hears of a phase whose
+    count moves only when a whole batch ends (teacher-forced scoring): `scoring (sequences) ... (40 s so
+    far)` whenever no progress line was printed for the heartbeat's seconds, timed from the phase's start."""
+
+    def __init__(self, phases: PhaseProgress, beat: Heartbeat):
+        self.phases, self.beat, self.running = phases, beat, None
+
+    def __call__(self, phase: str, done: int, total: int) -> None:
+        self.phases(phase, done, total)
+        if done >= total:
+            self.running = None
+            self.beat.doing(None)
+        elif phase != self.running:
+            self.running = phase
+            self.beat.doing(self.phases.labels.get(phase, phase))
+
+    def doing(self, phase: str | None) -> None:
+        """A phase that reports no count of its own (None: nothing worth a line)."""
+        self.running = phase
+        self.beat.doing(None if phase is None else self.phases.labels.get(phase, phase))
+
+
 def _bare_flags(params: list) -> list:
     """Flags take no value: --help shows no value placeholder (such as <bool>) beside them."""
     for param in params:

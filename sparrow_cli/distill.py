@@ -12,6 +12,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from sparrow.stages.core.definitions import DEFAULT_BIN_WIDTH, TAIL_QUANTILE
 
 from .common import (
+    PHASE_BEAT_SECONDS,
+    BeatingPhases,
     Heartbeat,
     PhaseProgress,
     UsageError,
@@ -52,7 +54,6 @@ from .options import (
     threads_option,
 )
 from .output import emit, resolve_format
-from .profile import PHASE_BEAT_SECONDS, BeatingPhases
 
 if TYPE_CHECKING:
     from sparrow.stages.core.schedule import Schedule

@@ -20,6 +20,8 @@ from rich.progress import (
 from sparrow.stages.core.definitions import DEFAULT_BIN_WIDTH, TAIL_QUANTILE
 
 from .common import (
+    PHASE_BEAT_SECONDS,
+    BeatingPhases,
     Heartbeat,
     LogProgress,
     PhaseProgress,
@@ -85,9 +87,6 @@ SAMPLING_FLAGS = {"samples": "--samples", "max_new_tokens": "--max-new-tokens", 
                   "top_p": "--top-p", "top_k": "--top-k", "seed": "--seed",
                   "batch_size": "--max-num-seqs", "speculate": "--speculate"}
 PHASES = {"sampling": "sampling (samples)", "scoring": "scoring (sequences)"}
-# a teacher-forced batch of long sequences can take minutes, its count moving only when it ends: a log
-# hears that the phase still runs at least this often
-PHASE_BEAT_SECONDS = 10.0
 RANDOM_WEIGHTS_NOTE = ("this profile times the scoring and measures its memory, but its mismatch is not the "
                        "model's: plan no schedule from it")
 
@@ -545,29 +544,6 @@ def progress_hooks(workers: int) -> Iterator[Hooks]:
             return
         with Heartbeat(PHASE_BEAT_SECONDS) as beat:
             yield Hooks(progress=BeatingPhases(PhaseProgress(bar, PHASES), beat))
-
-
-class BeatingPhases:
-    """PhaseProgress that also names the running phase to a Heartbeat, so that a log hears of a phase whose
-    count moves only when a whole batch ends (teacher-forced scoring): `scoring (sequences) ... (40 s so
-    far)` whenever no progress line was printed for the heartbeat's seconds, timed from the phase's start."""
-
-    def __init__(self, phases: PhaseProgress, beat: Heartbeat):
-        self.phases, self.beat, self.running = phases, beat, None
-
-    def __call__(self, phase: str, done: int, total: int) -> None:
-        self.phases(phase, done, total)
-        if done >= total:
-            self.running = None
-            self.beat.doing(None)
-        elif phase != self.running:
-            self.running = phase
-            self.beat.doing(self.phases.labels.get(phase, phase))
-
-    def doing(self, phase: str | None) -> None:
-        """A phase that reports no count of its own (None: nothing worth a line)."""
-        self.running = phase
-        self.beat.doing(None if phase is None else self.phases.labels.get(phase, phase))
 
 
 def print_summary(summary, quantile: float, threshold: ResolvedThreshold, fmt: str) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 import typer
 
 from sparrow.stages.tasks import TASKS, Task, TaskError, get_task, make_prompts
-from sparrow.stages.tasks.code import DEFAULT_LEVEL, DEFAULT_TESTS, LEVELS, MAX_TESTS
+from sparrow.stages.tasks.code import DEFAULT_LEVEL, DEFAULT_TESTS, MAX_TESTS
 from sparrow.stages.tasks.longcontext import DEFAULT_CONTEXT_TOKENS, MIN_CONTEXT_TOKENS
 
 from .common import (
@@ -86,17 +86,13 @@ def _check_request(spec: Task, n: int, split: str | None, code: dict[str, int]) 
     for name in code:
         if name not in spec.options:
             raise UsageError(f"--{name} applies only to --task code, not to {spec.name}")
-    if code.get("level", DEFAULT_LEVEL) not in LEVELS:
-        raise UsageError(f"--level must be one of {', '.join(map(str, LEVELS))}, got {code['level']}")
-    if not 1 <= code.get("tests", DEFAULT_TESTS) <= MAX_TESTS:
-        raise UsageError(f"--tests must be in [1, {MAX_TESTS}], got {code['tests']}")
     if split is not None and "split" not in spec.options:
         with_splits = ", ".join(t.name for t in TASKS.values() if "split" in t.options)
         raise UsageError(f"--split applies only to tasks with a fixed set of problems ({with_splits}), not "
                          f"to {spec.name}, whose prompts are generated")
     if spec.check is not None:
         try:
-            spec.check(n, **({"split": split} if split is not None else {}))
+            spec.check(n, **({"split": split} if split is not None else {}), **code)
         except TaskError as e:
             raise UsageError(str(e)) from None
 

@@ -14,12 +14,11 @@ from sparrow.schemas import artifact_metadata, read_artifact
 from sparrow.schemas.footer import file_json, footer_number
 
 from ..calibrate import PRIOR_RANGE_NOTE, ResolvedThreshold
-from ..core.schedule import MIN_TOKENS, ScheduleError
+from ..core.schedule import MIN_TOKENS
 from ..kv_policies.eviction import EVICTION_POLICIES
-from ..plan import profile_bin_width
 from .canvas import Figure, integer_steps, save, say
 from .collect import calibrated_runs
-from .tables import RolloutStats, files_of, reward_stats, rollout_stats, sql_rows
+from .tables import RolloutStats, caption_bins, files_of, reward_stats, rollout_stats, sql_rows
 
 
 @dataclass(frozen=True)
@@ -147,15 +146,8 @@ def distill_figure(before: Path, after: Path, name: str, line_at: TailLine, out:
 
 
 def _bins(mismatch: Path, rows: list[tuple]) -> str:
-    """The profile's bins as the caption names them: their width, and where it came from when the profile's
-    metadata does not record it (plan-schedule's rule, `profile_bin_width`)."""
-    try:
-        width = profile_bin_width(mismatch, spans=[(r[1], r[6], r[7]) for r in rows])
-    except ScheduleError:
-        return "the bins of its 'bin' column, which fit no one width (it records none)"
-    if width.origin == "inferred":
-        return f"bins of {width.width} tokens (inferred from its 'bin' column: it records no bin width)"
-    return f"bins of {width.width} tokens"
+    """The profile's bins as the caption names them (`caption_bins`)."""
+    return caption_bins(mismatch, [(r[1], r[6], r[7]) for r in rows]).words
 
 
 def _planned(evicting: str | None) -> str:

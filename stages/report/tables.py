@@ -12,7 +12,7 @@ reaches another file.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,6 +22,8 @@ import pyarrow.compute as pc
 
 from sparrow.schemas.footer import artifact_parts, parquet_batches, read_schema
 
+from ..core.schedule import ScheduleError
+from ..plan import BinSpan, profile_bin_width
 from ..sql.files import file_url, reading_only
 from ..sql.views import absent_columns, sql_literal
 
@@ -130,3 +132,26 @@ def reward_stats(path: Path) -> RewardStats:
             counts[value] = counts.get(value, 0) + n
     ordered = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0] is None, kv[0] or ""))
     return RewardStats(_joined(rewards, float), ordered)
+
+
+@dataclass(frozen=True)
+class CaptionBins:
+    """A mismatch artifact's bin width in tokens (None: its `bin` column fits no one width), as a caption
+    says it, with where it came from when no file records it."""
+
+    tokens: int | None
+    words: str
+
+
+def caption_bins(first: Path, spans: Iterable[BinSpan], files: int = 1) -> CaptionBins:
+    """The bin width `first` records, else the one `spans` (bin, first and last position) imply:
+    plan-schedule's rule for a profile that records none (`profile_bin_width`); `files`: how many files
+    the caption speaks of."""
+    its, records = ("its", "it records") if files == 1 else ("the", "the files record")
+    try:
+        width = profile_bin_width(first, spans=spans)
+    except ScheduleError:
+        return CaptionBins(None, f"the bins of {its} 'bin' column, which fit no one width ({records} none)")
+    inferred = (f" (inferred from {its} 'bin' column: {records} no bin width)" if width.origin == "inferred"
+                else "")
+    return CaptionBins(width.width, f"bins of {width.width} tokens{inferred}")

@@ -3,7 +3,6 @@ bin over the steps from mismatch/step=N.parquet."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -11,12 +10,10 @@ import numpy as np
 from sparrow.schemas import artifact_metadata, read_artifact
 
 from ..core.definitions import TAIL_QUANTILE
-from ..core.schedule import ScheduleError
-from ..plan import profile_bin_width
 from ..train.detectors import Detectors
 from .canvas import Figure, integer_steps, save, say
 from .collect import Steps
-from .tables import sql_rows
+from .tables import CaptionBins, caption_bins, sql_rows
 
 TRAIN_PANELS = (("reward_mean", "reward (train, mean per step)"),
                 ("eval_accuracy", "eval accuracy (greedy)"),
@@ -110,7 +107,7 @@ def train_mismatch_figure(steps: Steps, out: Path, plt) -> Figure | None:
     rows = sql_rows(files, lambda scan: f"""SELECT bin, step, quantile_cont(alpha_top20_lb, {TAIL_QUANTILE})
                     AS p5, avg(k3) AS k3, count(*) AS n, min(position), max(position)
                     FROM {scan} GROUP BY ALL ORDER BY ALL""", kind="train_mismatch")
-    width = _bin_width(files[0], rows)
+    width = caption_bins(files[0], [(r[0], r[5], r[6]) for r in rows], len(files))
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     logged = any(r[2] is not None for r in rows)  # alpha_top20_lb is nullable: a file may not log it
     for b in sorted({r[0] for r in rows}):
@@ -139,7 +136,7 @@ def train_mismatch_figure(steps: Steps, out: Path, plt) -> Figure | None:
     return _saved_steps(fig, steps, rows, width, out, plt)
 
 
-def _saved_steps(fig, steps: Steps, rows: list[tuple], width: StepBins, out: Path, plt) -> Figure:
+def _saved_steps(fig, steps: Steps, rows: list[tuple], width: CaptionBins, out: Path, plt) -> Figure:
     """The per-bin figure of the steps' mismatch, with its caption, saved."""
     files = steps.files
     n_steps = len({r[1] for r in rows})
@@ -151,21 +148,3 @@ def _saved_steps(fig, steps: Steps, rows: list[tuple], width: StepBins, out: Pat
                  "the top-20 lower bound of alpha, as the rollout and the dense recompute saw them).", plt,
                  len(rows))
 
-
-@dataclass(frozen=True)
-class StepBins:
-    """The steps' bin width in tokens (None: their `bin` column fits no one width), as a caption says it."""
-    tokens: int | None
-    words: str
-
-
-def _bin_width(first: Path, rows: list[tuple]) -> StepBins:
-    """The bin width the first step file records, else the one its rows' positions imply (plan-schedule's
-    rule for a profile that records none, `profile_bin_width`)."""
-    try:
-        width = profile_bin_width(first, spans=[(r[0], r[5], r[6]) for r in rows])
-    except ScheduleError:
-        return StepBins(None, "the bins of their 'bin' column, which fit no one width (they record none)")
-    inferred = " (inferred from the 'bin' column: the files record no bin width)"
-    words = f"bins of {width.width} tokens" + (inferred if width.origin == "inferred" else "")
-    return StepBins(width.width, words)

@@ -212,12 +212,18 @@ def _example(rng: random.Random, level: int, tests: int) -> Example:
     return Example(user, family.source, metadata)
 
 
-def generate(n: int, seed: int, measure: Measure, level: int = DEFAULT_LEVEL,
-             tests: int = DEFAULT_TESTS) -> Iterator[Example]:
+def check_options(n: int, level: int = DEFAULT_LEVEL, tests: int = DEFAULT_TESTS) -> None:
+    """The task's `check`: a level it has and a test count it can run, before any work."""
     if level not in LEVELS:
         raise TaskError(f"--level must be one of {', '.join(map(str, LEVELS))}, got {level}")
     if not 1 <= tests <= MAX_TESTS:
         raise TaskError(f"--tests must be in [1, {MAX_TESTS}], got {tests}")
+
+
+def generate(n: int, seed: int, measure: Measure, level: int = DEFAULT_LEVEL,
+             tests: int = DEFAULT_TESTS) -> Iterator[Example]:
+    """`n` problems at `level` with `tests` hidden tests each (checked first by `check_options`, the task's
+    `check`, which make_prompts runs)."""
     for i in range(n):
         yield _example(random.Random(f"code/{seed}/{i}"), level, tests)
 
@@ -466,4 +472,5 @@ def tasks() -> list[Task]:
     return [Task("code", "code", "write a small Python function; reward = the fraction of hidden tests it "
                  "passes when run in a sandbox, plus a little for a runnable function",
                  generate, score, ("level", "tests"), runs_code=True,
-                 metadata_keys=("function", "cases", "expected"), judge=judge, check_metadata=check_metadata)]
+                 metadata_keys=("function", "cases", "expected"), judge=judge, check_metadata=check_metadata,
+                 check=check_options)]
