@@ -1,7 +1,8 @@
 """What the figures say of themselves: the rollouts figure's acceptance of speculative drafts and an
 eviction policy's KV budget, no ticks on a panel that says why it is empty, the training figure's legend
-on a KL warning line its axis cuts off, the calibration's interval on mean alpha, whole positions on the
-tail figure, and a distill folder's profiles named and overlaid without and with the adapter."""
+on a KL warning line its axis cuts off, the calibration's interval on mean alpha, whole positions and one
+legend above the panels on the tail figure, and a distill folder's profiles named and overlaid without
+and with the adapter."""
 
 from __future__ import annotations
 
@@ -141,3 +142,21 @@ def test_a_narrow_tail_figure_ticks_whole_positions(tmp_path, monkeypatch):
     for ax in figures[0][0].axes:
         ticks = ax.get_xticks()
         assert ticks.size and np.allclose(ticks, np.round(ticks)), ticks
+
+
+def test_the_tail_figure_has_one_legend_above_its_panels(tmp_path, monkeypatch):
+    rows = [{"prompt_id": "p", "sample": 0, "position": 100 + k, "bin": 0, "budget": b, "token_id": 1,
+             "alpha": a, "logp_dense": -1.0, "logp_sparse": -1.0, "log_ratio": 0.0, "k1": 0.0, "k2": 0.0,
+             "k3": 0.0, "entropy_dense": 1.0} for b, a in ((64, 0.2), (128, 0.5)) for k in range(60)]
+    write_artifact(rows, tmp_path / "run" / "mismatch.parquet", "mismatch", metadata={"bin_width": 512})
+    figures = _drawn(monkeypatch)
+    _report(tmp_path / "run")
+    fig = figures[0][0]
+    assert all(ax.get_legend() is None for ax in fig.axes)  # inside a panel a legend covers its lines
+    (legend,) = fig.legends
+    labels = [t.get_text() for t in legend.get_texts()]
+    assert labels[:2] == ["budget 64", "budget 128"] and labels[2].startswith("threshold 0.86")
+    panels_top = max(ax.get_position().y1 for ax in fig.axes)
+    fig.canvas.draw()
+    box = legend.get_window_extent().transformed(fig.transFigure.inverted())
+    assert box.y0 > panels_top  # above the panels, not over them

@@ -64,8 +64,8 @@ def tail_figure(mismatch: Path, name: str, line_at: TailLine, out: Path, plt) ->
             ax.set_ylim(-0.02, 1.02)
             ax.set_title(title, fontsize=10)
             ax.grid(alpha=0.3)
-            ax.legend(fontsize=8)
         axes[0].set_ylabel("acceptance alpha")
+    top_in = _shared_legend(fig, axes[0]) if rows else 0.0
     title = f"Tail and mean alpha per position bin and {budget_word}: {mismatch.name}{_actor(meta)[0]}"
     if not rows:
         return save(fig, out, name, title, f"From {mismatch.name}: no scored tokens, so no tail to draw.",
@@ -79,7 +79,7 @@ def tail_figure(mismatch: Path, name: str, line_at: TailLine, out: Path, plt) ->
                  f"From {mismatch.name}: {tokens} generated tokens, each scored at every {budget_word}, in "
                  f"{_bins(mismatch, rows)} (each point sits at the mean position of its bin's tokens). The "
                  f"dashed line on the tail panel is the {label}: {_planned(evicting)} Where the threshold "
-                 f"comes from: {threshold.source}.{thin_words}{_actor(meta)[1]}", plt, len(rows))
+                 f"comes from: {threshold.source}.{thin_words}{_actor(meta)[1]}", plt, len(rows), top_in)
 
 
 def tail_rows(mismatch: Path, quantile: float) -> list[tuple]:
@@ -143,6 +143,22 @@ def distill_figure(before: Path, after: Path, name: str, line_at: TailLine, out:
                 f"above the dotted line is a bin where that budget's tail reaches the threshold "
                 f"({threshold.source}).",
                 plt, sum(len(part) for part in rows.values()))
+
+
+LEGEND_COLUMNS = 4
+LEGEND_ROW_IN = 0.18  # a legend row's height, inches, at fontsize 8
+
+
+def _shared_legend(fig, ax) -> float:
+    """One legend for both panels, above them (inside a panel it covers lines, and the panels share their
+    budgets' colours); returns the inches it takes at the figure's top."""
+    handles, labels = ax.get_legend_handles_labels()
+    columns = min(len(handles), LEGEND_COLUMNS)
+    rows = -(-len(handles) // columns)
+    height_in = fig.get_size_inches()[1]
+    fig.legend(handles, labels, loc="upper center", ncols=columns, fontsize=8, frameon=False,
+               bbox_to_anchor=(0.5, 1 - 0.3 / height_in))
+    return 0.15 + rows * LEGEND_ROW_IN
 
 
 def _bins(mismatch: Path, rows: list[tuple]) -> str:
