@@ -28,27 +28,20 @@ from . import (  # noqa: E402
     sql,
     train,
 )
-from .common import (  # noqa: E402
-    Command,
-    Group,
-    StdoutFailed,
-    console,
-    drop_stream,
-    parser_errors,
-    print_stage_messages,
-    say_error,
-    stopped,
-    writing_stdout,
-)
+from .command import Command, Group  # noqa: E402
+from .console import StdoutFailed, console, drop_stream, writing_stdout  # noqa: E402
+from .errors import stopped  # noqa: E402
+from .messages import forget_stage_messages, print_stage_messages, say_error  # noqa: E402
 from .output import write_out  # noqa: E402
+from .parser_errors import parser_errors  # noqa: E402
 
 
 class Sparrow(Group):
     """The `sparrow` command: its subcommands run with `main`'s rules for stdout and for Ctrl-C (or
     SIGTERM, entry.Terminated), also while their options are read (an input spooled from a slow pipe) and
-    outside a command's own handling (`common.friendly_errors`). A command line that does not parse (an
+    outside a command's own handling (`errors.friendly_errors`). A command line that does not parse (an
     unknown command or option, a bad value, a missing option) is one "error: ..." line
-    (`common.parser_errors`), here where click raises it, before typer would draw its box."""
+    (`parser_errors.parser_errors`), here where click raises it, before typer would draw its box."""
 
     def make_context(self, *args, **kwargs):
         try:  # reading the command line imports more (typer's own coercion): click would exit 130 silently
@@ -59,7 +52,7 @@ class Sparrow(Group):
 
     def invoke(self, ctx):
         try:
-            with parser_errors(), _quiet_for_this_command():  # the subcommand's name, then its command line
+            with parser_errors(), _this_command_only():  # the subcommand's name, then its command line
                 return super().invoke(ctx)
         except BrokenPipeError:  # main's rule; what a command prints comes after what it writes
             drop_stream(sys.stdout)
@@ -72,13 +65,15 @@ class Sparrow(Group):
 
 
 @contextmanager
-def _quiet_for_this_command() -> Iterator[None]:
-    """-q holds for the command that was given it: lifted at its end, however it ends (a refused command
-    line included, where click closes no context), so that the next command in a process speaks."""
+def _this_command_only() -> Iterator[None]:
+    """-q, and the stage messages already said, hold for the command that was given them: lifted at its
+    end, however it ends (a refused command line included, where click closes no context), so that the next
+    command in a process speaks, its stages' notes included."""
     try:
         yield
     finally:
         console.quiet = False
+        forget_stage_messages()
 
 
 app = typer.Typer(
@@ -121,11 +116,11 @@ print_stage_messages()
 def main() -> None:
     """Run `sparrow`. A reader that stops early (`| head`, `| true`) is not a failure: the command carries
     on to its end and exits 0, and says nothing of it on stderr. Every command writes its artifacts before
-    it prints, so a closed stdout never costs a file: the consoles (common.MessageConsole.on_broken_pipe)
+    it prints, so a closed stdout never costs a file: the consoles (console.MessageConsole.on_broken_pipe)
     and the plain writers (output.write_out) send the rest of the output to /dev/null, and
     `Sparrow.invoke` does so for any other write, ending the command there. Any other failure to write
     stdout (a full disk, an I/O error, a closed stdout) is one "error: cannot write stdout (...)" line and
-    exit 2 (common.writing_stdout), also for --help and --version and for what is still buffered at the
+    exit 2 (console.writing_stdout), also for --help and --version and for what is still buffered at the
     end. Ctrl-C is one line and exit 130, SIGTERM one line and exit 143 (entry.main, which also covers the
     imports)."""
     try:

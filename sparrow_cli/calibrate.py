@@ -10,21 +10,12 @@ import typer
 
 from sparrow.stages.core.definitions import TAIL_QUANTILE
 
-from .common import (
-    UsageError,
-    check_output,
-    console,
-    fail,
-    force_option,
-    friendly_errors,
-    input_path,
-    note,
-    output_help,
-    stage_errors,
-    warn,
-)
+from .console import console
+from .errors import UsageError, friendly_errors, stage_errors
+from .messages import fail, note, warn
 from .options import finite, given_path, output_path
 from .output import emit, format_option, resolve_format
+from .paths import check_output, force_option, input_path, output_help
 
 
 def run_path(value: str) -> Path:

@@ -9,20 +9,10 @@ from pathlib import Path
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from .common import (
-    LogProgress,
-    UsageError,
-    check_device,
-    check_output,
-    console,
-    force_option,
-    friendly_errors,
-    live_progress,
-    output_help,
-    parse_int_list,
-    stage_errors,
-    warn,
-)
+from .console import console
+from .errors import UsageError, friendly_errors, stage_errors
+from .messages import warn
+from .option_values import check_device, parse_int_list
 from .options import (
     check_gpu_memory,
     device_option,
@@ -33,6 +23,8 @@ from .options import (
     output_path,
 )
 from .output import emit, format_option, resolve_format
+from .paths import check_output, force_option, output_help
+from .progress import LogProgress, live_progress
 
 MEASURED_GRID = ("1,4", "1024,2048,4096", "dense,256,512")
 ANALYTIC_GRID = ("1,16,64", "2048,8192,16384,32768", "dense,512,2048,4096")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import typer
 
-from .common import UsageError
+from .errors import UsageError
 
 
 def answer_column_option():
@@ -22,7 +22,7 @@ def _reward_name(value: str | None) -> str | None:
 
 def _reward_fn_spec(value: str | None) -> str | None:
     """--reward-fn as path.py:function, a file named alone meaning its compute_score (as in verl)."""
-    from sparrow.stages.tasks.rewards import reward_fn_spec
+    from sparrow.stages.tasks.reward_function import reward_fn_spec
 
     return reward_fn_spec(value) if value else value
 

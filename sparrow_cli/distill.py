@@ -11,26 +11,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from sparrow.stages.core.definitions import DEFAULT_BIN_WIDTH, TAIL_QUANTILE
 
-from .common import (
-    PHASE_BEAT_SECONDS,
-    BeatingPhases,
-    Heartbeat,
-    PhaseProgress,
-    UsageError,
-    check_device,
-    check_output_dir,
-    console,
-    force_option,
-    friendly_errors,
-    input_path,
-    live_progress,
-    log_line,
-    parse_int_list,
-    raw_prompts_option,
-    say_loading,
-    warn,
-    warn_first_token_stops,
-)
+from .console import console
+from .errors import UsageError, friendly_errors
+from .messages import warn
+from .option_values import check_device, parse_int_list, raw_prompts_option, warn_first_token_stops
 from .options import (
     block_topk_sparsity,
     check_budgets,
@@ -54,6 +38,16 @@ from .options import (
     threads_option,
 )
 from .output import emit, resolve_format
+from .paths import check_output_dir, force_option, input_path
+from .progress import (
+    PHASE_BEAT_SECONDS,
+    BeatingPhases,
+    Heartbeat,
+    PhaseProgress,
+    live_progress,
+    log_line,
+    say_loading,
+)
 
 if TYPE_CHECKING:
     from sparrow.stages.core.schedule import Schedule

@@ -1,12 +1,12 @@
 """The `sparrow` console script (pyproject's [project.scripts]). It imports nothing heavy before its
 handlers are in place, so that Ctrl-C or SIGTERM while the CLI is still importing numpy, pyarrow or torch
-is the same one line and exit 130 or 143 as during a command (common.stopped), never a traceback nor a
+is the same one line and exit 130 or 143 as during a command (errors.stopped), never a traceback nor a
 silent end. The line is written here without rich, which may not be imported yet.
 
 SIGTERM (what a scheduler sends to cancel a job) takes Ctrl-C's path from the start: `Terminated`, a
 KeyboardInterrupt that names its signal, so that every handler of Ctrl-C on the way (app.Sparrow,
-common.friendly_errors) says "terminated" and exits 143. A command replaces this handler with its own
-while it runs (common.sigterm_as_interrupt) and puts it back after."""
+errors.friendly_errors) says "terminated" and exits 143. A command replaces this handler with its own
+while it runs (errors.sigterm_as_interrupt) and puts it back after."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ NOTHING_LEFT = "nothing half-written was left behind"
 
 class Terminated(KeyboardInterrupt):
     """SIGTERM, raised where Ctrl-C would be; `signum` names it (its args stay empty: a stage's own
-    KeyboardInterrupt says there what it kept, common.friendly_errors)."""
+    KeyboardInterrupt says there what it kept, errors.friendly_errors)."""
 
     def __init__(self, signum: int):
         super().__init__()

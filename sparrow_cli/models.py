@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from sparrow.stages.model.presets import PRESETS
 
-from .common import friendly_errors
+from .errors import friendly_errors
 from .output import emit, format_option, resolve_format
 
 COLUMNS = ("preset", "arch", "layers", "hidden", "q_heads", "kv_heads", "head_dim", "ffn", "vocab", "tied",

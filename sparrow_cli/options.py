@@ -11,7 +11,9 @@ from pathlib import Path
 
 import typer
 
-from .common import DEVICE_HELP, UsageError, fail, note, parse_device, warn
+from .errors import UsageError
+from .messages import fail, note, warn
+from .option_values import DEVICE_HELP, parse_device
 
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 

@@ -37,16 +37,8 @@ from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
-from .common import (
-    UNBOUNDED_WIDTH,
-    UsageError,
-    console,
-    drop_stream,
-    is_terminal,
-    out,
-    stdout_taken,
-    writing_stdout,
-)
+from .console import UNBOUNDED_WIDTH, console, drop_stream, is_terminal, out, stdout_taken, writing_stdout
+from .errors import UsageError
 
 FORMATS = ("table", "csv", "json", "tsv")
 FORMAT_HELP = ("table, csv, json or tsv on stdout, in any case (default: table on a terminal, tsv in a "
@@ -177,7 +169,7 @@ def write_out(text: str) -> None:
 
 def print_table(table: Table, to: Console) -> None:
     """A rich table that loses nothing: no cell is ever cut to "..." and no column is dropped. Anywhere but
-    a terminal the console has no width (common.MessageConsole), so the table is as wide as its cells. On a
+    a terminal the console has no width (console.MessageConsole), so the table is as wide as its cells. On a
     terminal a table wider than it is fitted (`fit_table`): headers fold first, then the table drops its
     box, and only then do cells fold, the first (key) column last. A table whose columns cannot all fit
     even one character wide (or a terminal of no usable width, COLUMNS=0) is printed as wide as its cells,

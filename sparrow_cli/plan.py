@@ -13,23 +13,12 @@ from sparrow.stages.core.schedule import MIN_TOKENS
 from sparrow.stages.plan import export_text, profile_name
 from sparrow.stages.speculative_plan import format_speedup
 
-from .common import (
-    UsageError,
-    check_output,
-    console,
-    fail,
-    force_option,
-    friendly_errors,
-    input_path,
-    note,
-    out,
-    output_help,
-    stage_errors,
-    stdout_taken,
-    warn,
-)
+from .console import console, out, stdout_taken
+from .errors import UsageError, friendly_errors, stage_errors
+from .messages import fail, note, warn
 from .options import finite, given_path, model_file, output_path
 from .output import ARTIFACT_FORMAT_HELP, FORMAT_METAVAR, emit, json_rows, resolve_format, write_out
+from .paths import check_output, force_option, input_path, output_help
 
 EXPORTS = ("json", "sglang-vortex")
 EXPORT_TO_GIVE = "a file such as schedule.json (- = stdout)"  # what an empty --export-to is asked for

@@ -19,28 +19,10 @@ from rich.progress import (
 
 from sparrow.stages.core.definitions import DEFAULT_BIN_WIDTH, TAIL_QUANTILE
 
-from .common import (
-    PHASE_BEAT_SECONDS,
-    BeatingPhases,
-    Heartbeat,
-    LogProgress,
-    PhaseProgress,
-    UsageError,
-    check_device,
-    check_output,
-    console,
-    force_option,
-    friendly_errors,
-    input_path,
-    live_progress,
-    note,
-    output_help,
-    parse_int_list,
-    raw_prompts_option,
-    say_loading,
-    warn,
-    warn_first_token_stops,
-)
+from .console import console
+from .errors import UsageError, friendly_errors
+from .messages import note, warn
+from .option_values import check_device, parse_int_list, raw_prompts_option, warn_first_token_stops
 from .options import (
     block_topk_sparsity,
     check_budgets,
@@ -72,6 +54,16 @@ from .options import (
     top_p_option,
 )
 from .output import emit, format_option, resolve_format
+from .paths import check_output, force_option, input_path, output_help
+from .progress import (
+    PHASE_BEAT_SECONDS,
+    BeatingPhases,
+    Heartbeat,
+    LogProgress,
+    PhaseProgress,
+    live_progress,
+    say_loading,
+)
 
 if TYPE_CHECKING:
     import pyarrow as pa

@@ -16,17 +16,11 @@ from sparrow.stages.tasks import TASKS, Task, TaskError, get_task, make_prompts
 from sparrow.stages.tasks.code import DEFAULT_LEVEL, DEFAULT_TESTS, MAX_TESTS
 from sparrow.stages.tasks.longcontext import DEFAULT_CONTEXT_TOKENS, MIN_CONTEXT_TOKENS
 
-from .common import (
-    LogProgress,
-    UsageError,
-    check_output,
-    console,
-    force_option,
-    friendly_errors,
-    live_progress,
-    output_help,
-)
+from .console import console
+from .errors import UsageError, friendly_errors
 from .options import check_host_memory, model_file, non_negative_seed, output_path
+from .paths import check_output, force_option, output_help
+from .progress import LogProgress, live_progress
 
 
 class _LazyProgress:

@@ -6,8 +6,11 @@ from pathlib import Path
 
 import typer
 
-from .common import UsageError, check_output_dir, console, force_option, friendly_errors, printable
+from .console import console
+from .errors import UsageError, friendly_errors
+from .messages import printable
 from .options import output_path
+from .paths import check_output_dir, force_option
 
 
 def report_folder(folder: Path) -> bool:

@@ -14,18 +14,12 @@ from pathlib import Path
 
 import typer
 
-from .common import (
-    UsageError,
-    check_output,
-    console,
-    force_option,
-    friendly_errors,
-    input_path,
-    output_help,
-)
+from .console import console
 from .data_options import answer_column_option, data_options, reward_fn_option, reward_option
+from .errors import UsageError, friendly_errors
 from .options import allow_unsafe_code, given_path, output_path, unsafe_code_option
 from .output import emit, format_option, resolve_format
+from .paths import check_output, force_option, input_path, output_help
 
 
 @friendly_errors
@@ -58,7 +52,7 @@ def reward(
     from sparrow.schemas import input_name, write_artifact
     from sparrow.stages.core.prompt_set import PromptSet
     from sparrow.stages.reward import check_prompts, read_completions, score_completions
-    from sparrow.stages.tasks.rewards import reward_provenance
+    from sparrow.stages.tasks.reward_function import reward_provenance
 
     fmt = resolve_format(fmt)
     if workers is not None and workers < 1:

@@ -11,25 +11,11 @@ from pathlib import Path
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from .common import (
-    FORCE_HELP,
-    LogProgress,
-    UsageError,
-    check_device,
-    check_output,
-    console,
-    friendly_errors,
-    input_path,
-    live_progress,
-    note,
-    output_help,
-    raw_prompts_option,
-    say_loading,
-    stdout_taken,
-    warn,
-    warn_first_token_stops,
-)
+from .console import console, stdout_taken
 from .data_options import answer_column_option, data_options, reward_fn_option, reward_option
+from .errors import UsageError, friendly_errors
+from .messages import note, warn
+from .option_values import check_device, raw_prompts_option, warn_first_token_stops
 from .options import (
     SAMPLE_SEED_HELP,
     allow_unsafe_code,
@@ -61,6 +47,8 @@ from .options import (
     unsafe_code_option,
 )
 from .output import emit_record, format_option, resolve_format
+from .paths import FORCE_HELP, check_output, input_path, output_help
+from .progress import LogProgress, live_progress, say_loading
 
 SUMMARY_LABELS = {"tokens": "generated tokens", "seconds": "seconds (sampling)",
                   "prefill_seconds": "  prefill seconds", "decode_seconds": "  decode seconds",

@@ -42,22 +42,13 @@ from sparrow.stages.sql import (
 )
 from sparrow.stages.sql import query as run_sql
 
-from .common import (
-    FORCE_HELP,
-    UsageError,
-    check_output,
-    console,
-    fail,
-    friendly_errors,
-    live_progress,
-    out,
-    printable,
-    stdout_failed,
-    warn,
-    writing_stdout,
-)
+from .console import console, out, stdout_failed, writing_stdout
+from .errors import UsageError, friendly_errors
+from .messages import fail, printable, warn
 from .options import output_path
 from .output import FORMAT_HELP, FORMAT_METAVAR, print_table, resolve_format, tsv_field
+from .paths import FORCE_HELP, check_output
+from .progress import live_progress
 
 TABLE_ROWS = 1000
 DEFAULT_MAX_ROWS = 1_000_000

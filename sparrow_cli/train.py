@@ -10,23 +10,11 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from sparrow.stages.core.definitions import DEFAULT_BIN_WIDTH
 from sparrow.stages.train.clip import CLIP_HIGH, CLIP_LOW
 
-from .common import (
-    Heartbeat,
-    UsageError,
-    check_device,
-    console,
-    fail,
-    friendly_errors,
-    input_path,
-    live_progress,
-    log_line,
-    note,
-    raw_prompts_option,
-    say_loading,
-    warn,
-    warn_first_token_stops,
-)
+from .console import console
 from .data_options import answer_column_option, data_options, reward_fn_option, reward_option
+from .errors import UsageError, friendly_errors
+from .messages import fail, note, warn
+from .option_values import check_device, raw_prompts_option, warn_first_token_stops
 from .options import (
     allow_unsafe_code,
     any_case,
@@ -56,6 +44,8 @@ from .options import (
     unsafe_code_option,
 )
 from .output import emit_record, resolve_format
+from .paths import input_path
+from .progress import Heartbeat, live_progress, log_line, say_loading
 
 TRAIN_LABELS = {"reward_first": "reward, first step", "reward_last": "reward, last step",
                 "model": "fine-tuned model (Hugging Face checkpoint)",

@@ -38,7 +38,7 @@ from .rollout_journal import (
     schedule_sha256,
 )
 from .tasks.base import Task
-from .tasks.rewards import reward_provenance
+from .tasks.reward_function import reward_provenance
 
 
 @dataclass

@@ -482,7 +482,7 @@ def test_plan_schedule_defaults_to_the_calibration_shipped_for_the_model(tmp_pat
 
 def test_profile_summary_marks_the_shipped_threshold(monkeypatch, tmp_path):
     import sparrow.stages.calibrate as calibrate
-    from sparrow.cli.common import UsageError
+    from sparrow.cli.errors import UsageError
     from sparrow.cli.options import default_threshold
 
     monkeypatch.setattr(calibrate, "SHIPPED", tmp_path / "nothing")

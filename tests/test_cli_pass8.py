@@ -27,7 +27,7 @@ from typer.testing import CliRunner
 
 from sparrow.cli import output
 from sparrow.cli.app import app
-from sparrow.cli.common import MessageConsole
+from sparrow.cli.console import MessageConsole
 from sparrow.schemas import read_artifact, write_artifact
 from sparrow.stages.model.presets import PRESETS
 

@@ -30,7 +30,7 @@ from typer.testing import CliRunner
 
 from sparrow.cli import output, rollout
 from sparrow.cli.app import app
-from sparrow.cli.common import StdoutFailed
+from sparrow.cli.console import StdoutFailed
 from sparrow.schemas import artifact_metadata, read_artifact, write_artifact
 
 from cli_checks import error_line

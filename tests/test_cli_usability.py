@@ -19,8 +19,8 @@ import transformers
 import typer
 from typer.testing import CliRunner
 
-from sparrow.cli import common
 from sparrow.cli.app import app
+from sparrow.cli.console import console
 from sparrow.schemas import read_artifact, write_artifact
 from sparrow.stages.model.loading import embedded_checkpoint, load_model
 
@@ -267,7 +267,7 @@ def _train_args(model: str, prompts: Path, run: Path, *more: str) -> list[str]:
 
 
 def test_a_refused_resume_draws_no_progress_bar_first(tiny_chat, tmp_path, monkeypatch):
-    monkeypatch.setattr(common.console, "_force_terminal", True)  # a terminal: the bar would show
+    monkeypatch.setattr(console, "_force_terminal", True)  # a terminal: the bar would show
     run = tmp_path / "run"
     run.mkdir()
     line = error_line(runner.invoke(app, _train_args(tiny_chat, _token_prompts(tmp_path / "p.parquet"), run,

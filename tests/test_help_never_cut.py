@@ -15,7 +15,7 @@ from typer import rich_utils
 from typer.testing import CliRunner
 
 from sparrow.cli.app import app
-from sparrow.cli.common import whole_help_cells
+from sparrow.cli.help_layout import whole_help_cells
 
 runner = CliRunner()
 GROUP = typer.main.get_command(app)

@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 from sparrow.cli import output, sql
 from sparrow.cli.app import app
-from sparrow.cli.common import MessageConsole
+from sparrow.cli.console import MessageConsole
 from sparrow.stages.model.presets import PRESETS
 
 runner = CliRunner()

@@ -94,7 +94,7 @@ def test_the_prompts_bar_on_a_terminal_shows_its_label_not_markup(monkeypatch):
     import io
 
     from sparrow.cli import prompts as cli_prompts
-    from sparrow.cli.common import MessageConsole, console
+    from sparrow.cli.console import MessageConsole, console
 
     monkeypatch.setattr(console, "_force_terminal", True)
     monkeypatch.setattr(console, "_file", io.StringIO())  # the private slot: `file` would pin stderr

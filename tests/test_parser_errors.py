@@ -141,7 +141,7 @@ def _started_and_terminated(when: str) -> subprocess.CompletedProcess:
     imported, or while `models`' command line is read."""
     script = textwrap.dedent(f"""
         import importlib.abc, os, signal, sys
-        from sparrow.cli import common, entry
+        from sparrow.cli import command, entry
 
         def terminate():
             os.kill(os.getpid(), signal.SIGTERM)
@@ -155,11 +155,11 @@ def _started_and_terminated(when: str) -> subprocess.CompletedProcess:
         if {when!r} == "import":
             sys.meta_path.insert(0, AtImport())
         else:
-            parse = common.Command.parse_args
+            parse = command.Command.parse_args
             def parse_args(self, ctx, args):
                 terminate()
                 return parse(self, ctx, args)
-            common.Command.parse_args = parse_args
+            command.Command.parse_args = parse_args
         sys.argv = ["sparrow", "models"]
         entry.main()
     """)

@@ -14,10 +14,11 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from sparrow.cli import common
+from sparrow.cli import progress
 from sparrow.cli.app import app
-from sparrow.cli.common import Heartbeat, console, live_progress, log_line
+from sparrow.cli.console import console
 from sparrow.cli.distill import shown_loss
+from sparrow.cli.progress import Heartbeat, live_progress, log_line
 from sparrow.schemas import write_artifact
 
 from tiny_models import tiny_chat_llama
@@ -126,7 +127,7 @@ def test_a_heartbeat_times_a_phase_from_its_own_start(stderr_pipe):
 def test_a_heartbeat_counts_the_silence_from_its_own_start(stderr_pipe, monkeypatch):
     """The last progress line long before (another command's, or none since import): the first line still
     waits `every` seconds, not the thread's first tick (1 s)."""
-    monkeypatch.setitem(common._logged, "at", time.monotonic() - 100)
+    monkeypatch.setitem(progress._logged, "at", time.monotonic() - 100)
     with Heartbeat(every=1.5) as heartbeat:
         heartbeat.doing("eval of train step 1/1")
         time.sleep(1.2)
@@ -159,7 +160,7 @@ def test_train_into_a_log_with_force_color_logs_every_step_and_its_phases(tmp_pa
     """The Slurm case: stderr a log, FORCE_COLOR=1 in the job's environment. Every step is a whole line,
     no carriage return or escape; a phase that runs longer than the heartbeat says so for any step."""
     model = tiny_chat_llama(tmp_path / "tiny")
-    monkeypatch.setattr(common, "HEARTBEAT_SECONDS", 0.01)
+    monkeypatch.setattr(progress, "HEARTBEAT_SECONDS", 0.01)
     run = tmp_path / "run"
     prompts = _token_prompts(tmp_path / "p.parquet")
     r = runner.invoke(app, ["train", "--model", model, "--prompts", str(prompts),

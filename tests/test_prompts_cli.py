@@ -138,7 +138,7 @@ def test_through_the_real_app(tmp_path):
 
 
 def test_progress_bar_appears_only_after_the_delay_on_a_terminal(monkeypatch):
-    from sparrow.cli.common import console
+    from sparrow.cli.console import console
 
     in_a_pipe = _LazyProgress(3, "x", delay=0)  # a log gets no bar (issue 26, item 17)
     in_a_pipe(1)

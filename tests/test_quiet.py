@@ -77,11 +77,30 @@ def test_quiet_keeps_the_line_of_a_stopped_command(capsys, monkeypatch):
     """Ctrl-C or SIGTERM under -q still says what was kept and how to go on (exit 128 + the signal)."""
     import signal
 
-    from sparrow.cli import common
+    from sparrow.cli.console import console
+    from sparrow.cli.errors import stopped
 
-    monkeypatch.setattr(common.console, "quiet", True)
+    monkeypatch.setattr(console, "quiet", True)
     with pytest.raises(SystemExit) as stop:
-        common.stopped(signal.SIGTERM, "12 prompts were journaled; --resume continues")
+        stopped(signal.SIGTERM, "12 prompts were journaled; --resume continues")
     assert stop.value.code == 143
     assert capsys.readouterr().err == "terminated; 12 prompts were journaled; --resume continues\n"
-    assert common.console.quiet  # what the command asked for stands until the command ends
+    assert console.quiet  # what the command asked for stands until the command ends
+
+
+def test_a_note_a_quiet_command_dropped_is_said_by_the_next_command(capsys):
+    """Stage notes go once per command, not once per process: -q on one command does not silence them for
+    the commands after it in the same process."""
+    from sparrow.cli.app import _this_command_only
+    from sparrow.cli.console import console
+    from sparrow.stages.core import prompt_set
+
+    message = "the prompts of q.parquet go in as plain text"
+    with _this_command_only():
+        console.quiet = True
+        prompt_set._note(message)
+    assert capsys.readouterr().err == ""
+    with _this_command_only():
+        prompt_set._note(message)
+        prompt_set._note(message)  # train reads its prompts more than once: said once
+    assert capsys.readouterr().err == f"note: {message}\n"

@@ -42,7 +42,7 @@ def _ray_like_init(**kwargs) -> None:
 
 
 def test_the_handlers_in_place_before_ray_init_are_put_back():
-    def cli_handler(signum, frame):  # as sparrow_cli.common.sigterm_as_interrupt's
+    def cli_handler(signum, frame):  # as sparrow_cli.errors.sigterm_as_interrupt's
         raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGTERM, cli_handler)

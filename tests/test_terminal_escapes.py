@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from sparrow.cli.app import app
-from sparrow.cli.common import printable
+from sparrow.cli.messages import printable
 from sparrow.schemas import write_artifact
 
 runner = CliRunner()

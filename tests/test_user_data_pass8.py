@@ -21,7 +21,7 @@ from sparrow.cli.app import app
 from sparrow.schemas import read_artifact
 from sparrow.stages.core.prompt_set import PromptError, PromptSet
 from sparrow.stages.core.user_data import DataOptions
-from sparrow.stages.tasks import rewards
+from sparrow.stages.tasks import reward_function
 
 from cli_checks import error_line
 
@@ -204,13 +204,13 @@ def test_trl_log_extra_of_the_wrong_length_is_refused(tmp_path, fns):
 
 def test_logged_metrics_are_averaged_for_a_command_to_read(tmp_path, fns):
     fn, _ = fns
-    rewards.logged_metrics()
-    reward = rewards.load_reward_function(f"{fn}:logs")
+    reward_function.logged_metrics()
+    reward = reward_function.load_reward_function(f"{fn}:logs")
     meta = {"prompt": "p", "columns": {}, "row": 0, "file": "f"}
     reward.judge_many([("ab", None, meta), ("abcd", None, meta)])
     reward.judge_many([("abcdef", None, meta)])
-    assert rewards.logged_metrics() == {"my/len": (3.0 + 0.0 + 6.0 + 0.0) / 4}
-    assert rewards.logged_metrics() == {}
+    assert reward_function.logged_metrics() == {"my/len": (3.0 + 0.0 + 6.0 + 0.0) / 4}
+    assert reward_function.logged_metrics() == {}
 
 
 # ---------------------------------------------------------------- a folder of Hub Parquet shards

@@ -55,20 +55,18 @@ def prompt_digest(row: dict) -> str:
     return hashlib.sha256(json.dumps(given, sort_keys=True, ensure_ascii=False).encode()).hexdigest()[:16]
 
 
-_SAID: set[str] = set()  # the notes already printed by this process
+_SAID: set[str] = set()  # the notes already printed to stderr by this process
 
 
 def _note(message: str) -> None:
-    """`message` as a note, once per process (train reads its prompts more than once): to the `sparrow`
-    logger at INFO where something takes it (the CLI prints it as "note: ...", --quiet drops it), else
-    straight to stderr, so that a script using the stages still hears it."""
-    if message in _SAID:
-        return
-    _SAID.add(message)
+    """`message` as a note: to the `sparrow` logger at INFO where something takes it (the CLI prints it as
+    "note: ...", once per command; --quiet drops it), else straight to stderr once per process (train reads
+    its prompts more than once), so that a script using the stages still hears it."""
     logger = logging.getLogger("sparrow")
     if logger.hasHandlers() and logger.isEnabledFor(logging.INFO):
         logger.info(message)
-    else:
+    elif message not in _SAID:
+        _SAID.add(message)
         print(f"note: {message}", file=sys.stderr, flush=True)
 
 

@@ -32,15 +32,15 @@ Design decisions:
   (`prompt_set.apply_messages`).
 - A row keeps the dataset's other columns in its metadata, as JSON: {"format", "file", "row", "prompt",
   "columns", and "answer_column" when --answer-column names it}, which is what the rewards
-  (`tasks/rewards.py`) pass to a user's function, check the ground truth by and use to name a row;
-  values JSON has no type for (datetime, Decimal, bytes) travel tagged and reach the function as those
-  Python values (`tasks.extras.column_json`). Prompt ids are the file's `prompt_id` column where some
+  (`tasks/rewards.py`, `reward_function.py`) pass to a user's function, check the ground truth by and use to
+  name a row; values JSON has no type for (datetime, Decimal, bytes) travel tagged and reach the function as
+  those Python values (`tasks.extras.column_json`). Prompt ids are the file's `prompt_id` column where some
   row has one, else `<file stem>-<row>`. One rule reads the column here and in completions files
-  (`prompt_id_text`): text as it is, an integer as its digits, a float that is a whole number as the
-  integer's (pandas stores an integer column with a missing value as float64, so 7.0 is '7'); a
-  fraction, a null in a column of ids, or any other value is refused naming the file, the column and
-  the row, never given a made-up id. Rows count from 0, in the ids and in every message
-  (`tasks.base.row_of`), as pyarrow and pandas count them.
+  (`prompt_id_text`): text as it is, an integer as its digits, a float that is a whole number as the integer's
+  (pandas stores an integer column with a missing value as float64, so 7.0 is '7'); a fraction, a null in a
+  column of ids, or any other value is refused naming the file, the column and the row, never given a made-up
+  id. Rows count from 0, in the ids and in every message (`tasks.base.row_of`), as pyarrow and pandas count
+  them.
 - Sparrow's models are text-only, so a multimodal dataset is refused before any weights load, whatever
   form it takes (`_check_text_only`): TRL's (message content as a list of typed parts, or an `image` or
   `images` column GRPOTrainer hands the processor) and verl's (an `images`, `videos` or
@@ -94,7 +94,7 @@ class DataOptions:
 
     def reward_task(self) -> str | None:
         """The task name every row is scored by (None: each row's own task)."""
-        from ..tasks import rewards
+        from ..tasks import reward_function, rewards
 
         if self.reward is not None and self.reward_fn is not None:
             raise DatasetError("--reward and --reward-fn are two ways to score; give one of them")
@@ -104,7 +104,7 @@ class DataOptions:
                                    f"{self.reward!r}")
             return rewards.CHOICES[self.reward.lower()]
         if self.reward_fn is not None:
-            return rewards.register_function(self.reward_fn)
+            return reward_function.register_function(self.reward_fn)
         return None
 
 

@@ -13,9 +13,9 @@ each waiting on its own sandboxed process, so a step's rewards take about the lo
 rather than the sum; every completion is scored on its own, so the rewards do not depend on the pool's
 size.
 
-Rewards for users' datasets (`rewards.py`: math-verify, code tests from the dataset, a user's function)
-are looked up beside the tasks (`get_task`), never listed as tasks to generate; a reward with
-`judge_many` scores a batch's items of it in one call, as the trainers call such functions.
+Rewards for users' datasets (`rewards.py`: math-verify, code tests from the dataset; `reward_function.py`:
+a user's function) are looked up beside the tasks (`get_task`), never listed as tasks to generate; a
+reward with `judge_many` scores a batch's items of it in one call, as the trainers call such functions.
 """
 
 from __future__ import annotations

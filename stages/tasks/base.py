@@ -73,8 +73,8 @@ class Task:
     given: Callable[[str], Any] | None = None  # the answer `score` reads in a completion (None: none found)
     check: Callable[..., None] | None = None  # (n, **options): TaskError for a request it cannot honour
     check_metadata: Callable[[dict[str, Any]], Any] | None = None  # TaskError for metadata it will not score
-    # a reward for users' datasets (rewards.py): judges many items at once ((completion, answer, metadata)
-    # each), passes its rewards through unclamped and may need no answer
+    # a reward for users' datasets (rewards.py, reward_function.py): judges many items at once
+    # ((completion, answer, metadata) each), passes its rewards through unclamped and may need no answer
     judge_many: Callable[[list[tuple[str, str | None, dict[str, Any]]]], list[Judgement]] | None = None
     clamp: bool = True  # rewards clamped to [0, 1]
     needs_answer: bool = True

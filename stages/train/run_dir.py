@@ -34,7 +34,7 @@ from sparrow.schemas.locations import describe, hold_folder, release_folder
 from ..core.schedule import Schedule
 from ..kv_policies import BlockTopK, KVPolicy
 from ..model.export import MARKER as MODEL_MARKER
-from ..tasks.rewards import reward_fn_sha256
+from ..tasks.reward_function import reward_fn_sha256
 from .config import TrainConfig
 from .data import PromptRow
 
@@ -430,7 +430,7 @@ INTERRUPTS = (signal.SIGINT, signal.SIGTERM)
 class Deferral:
     """The interrupts a block defers: each one that came (signal, frame) waits for the block's end, where
     the handler it was meant for runs (SIGINT's raises KeyboardInterrupt; the CLI's SIGTERM handler records
-    it first, sparrow_cli.common.sigterm_as_interrupt); a second one interrupts at once. `allowed()` opens
+    it first, sparrow_cli.errors.sigterm_as_interrupt); a second one interrupts at once. `allowed()` opens
     a part of the block that interrupts stop at once."""
 
     def __init__(self) -> None:

@@ -27,7 +27,7 @@ from ..model.adapter import adapter_base, add_lora, load_lora_state, lora_state,
 from ..model.export import export_model
 from ..model.loading import LoadedModel
 from ..tasks import judge_batch, score_batch
-from ..tasks.rewards import logged_metrics
+from ..tasks.reward_function import logged_metrics
 from . import objective as grpo
 from .checkpoint import drop_mismatch_after, load_checkpoint, rng_states, save_checkpoint, set_rng_states
 from .config import TrainConfig, kv_policy

@@ -1,0 +1,140 @@
+"""Progress on stderr: live bars where stderr is a terminal that redraws, whole lines anywhere else.
+
+A log, a pipe or a dumb terminal never gets a line cut to 80 columns or drawn over with carriage returns
+(`live_progress`, `log_line`): it gets the first update, at most one line every few seconds, and the last
+(LogProgress), one per phase (PhaseProgress). Work that counts nothing for minutes (a training step, a
+teacher-forced batch) still gets a line of life every HEARTBEAT_SECONDS, from a thread of its own
+(Heartbeat, BeatingPhases). --quiet silences all of it."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from .console import console
+
+
+def live_progress() -> bool:
+    """Whether progress shows as live bars on stderr (`disable=not live_progress()` of every bar) rather
+    than as whole lines (`log_line`): only where stderr is a terminal that redraws (MessageConsole.redraws).
+    A log, a pipe or a dumb terminal gets the lines, whatever FORCE_COLOR says, so that no line is cut to 80
+    columns, left stale, or drawn over and over with carriage returns."""
+    return console.redraws and not console.quiet
+
+
+_logged = {"at": time.monotonic()}  # when the last progress line was printed (Heartbeat's silence)
+
+
+def log_line(text: str) -> None:
+    """A progress line for a log: printed whole where progress is not live (`live_progress`: a log, a pipe,
+    a dumb terminal), nothing where the bar shows it."""
+    if not live_progress():
+        _logged["at"] = time.monotonic()
+        console.print(text, highlight=False, markup=False, soft_wrap=True)
+
+
+HEARTBEAT_SECONDS = 30.0
+
+
+class Heartbeat:
+    """A log's sign of life during long work that reports no progress of its own (a training step's
+    rollout, update or eval): while `doing` names the work, a line saying what runs and for how long
+    whenever no progress line (`log_line`) was printed for `every` seconds, counted from the heartbeat's
+    start at the earliest. A thread of its own keeps the time, since the work gives no callback until it
+    ends; where progress is live (a bar with its clock) there is none. The work and its start are one
+    value (`state`), stored and read at once, so that a line never times one phase from another's start."""
+
+    def __init__(self, every: float | None = None):
+        self.every = HEARTBEAT_SECONDS if every is None else every
+        self.state: tuple[str | None, float] = (None, time.monotonic())  # what runs, since when
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def doing(self, what: str | None) -> None:
+        """The work that runs from now on (None: nothing worth a line)."""
+        self.state = (what, time.monotonic())
+
+    def __enter__(self) -> Heartbeat:
+        _logged["at"] = time.monotonic()  # the silence is counted from here, not from the last line before
+        if not live_progress():
+            self._thread = threading.Thread(target=self._beat, name="sparrow-heartbeat", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _beat(self) -> None:
+        while not self._stop.wait(min(self.every, 1.0)):
+            (what, since), now = self.state, time.monotonic()
+            if what is not None and now - _logged["at"] >= self.every:
+                log_line(f"{what} ... ({now - since:.0f} s so far)")
+
+
+class LogProgress:
+    """Progress of long work as whole lines where progress is not live (`live_progress`): the first update,
+    then at most one line every `every` seconds, and the last one."""
+
+    def __init__(self, what: str, every: float = 10.0):
+        self.what, self.every, self.last = what, every, None
+        self.start = time.monotonic()
+
+    def __call__(self, done: int, total: int, info: str = "") -> None:
+        now = time.monotonic()
+        if self.last is not None and done < total and now - self.last < self.every:
+            return
+        self.last = now
+        log_line(f"{self.what}: {done}/{total}{f', {info}' if info else ''} ({now - self.start:.0f} s)")
+
+
+def say_loading(model: str, device: str) -> None:
+    """The line that says the model is loading (seconds to minutes, with nothing else to show)."""
+    console.print(f"loading model {model} on {device} ...", highlight=False, markup=False)
+
+
+class PhaseProgress:
+    """(phase, done, total) progress on stderr: one bar per phase on a terminal (in `bar`), whole lines in a
+    log (LogProgress). Each phase shows as soon as it starts (0 of its total), not at its first batch."""
+
+    def __init__(self, bar, labels: dict[str, str] | None = None):
+        self.bar, self.labels = bar, labels or {}
+        self.tasks: dict[str, object] = {}
+        self.logs: dict[str, LogProgress] = {}
+
+    def __call__(self, phase: str, done: int, total: int) -> None:
+        if phase not in self.tasks:
+            label = self.labels.get(phase, phase)
+            self.tasks[phase] = self.bar.add_task(label, total=total, info="")
+            self.logs[phase] = LogProgress(label)
+        self.bar.update(self.tasks[phase], completed=done, total=total)
+        self.logs[phase](done, total)
+
+
+# a teacher-forced batch of long sequences can take minutes, its count moving only when it ends: a log
+# hears that the phase still runs at least this often
+PHASE_BEAT_SECONDS = 10.0
+
+
+class BeatingPhases:
+    """PhaseProgress that also names the running phase to a Heartbeat, so that a log hears of a phase whose
+    count moves only when a whole batch ends (teacher-forced scoring): `scoring (sequences) ... (40 s so
+    far)` whenever no progress line was printed for the heartbeat's seconds, timed from the phase's start."""
+
+    def __init__(self, phases: PhaseProgress, beat: Heartbeat):
+        self.phases, self.beat, self.running = phases, beat, None
+
+    def __call__(self, phase: str, done: int, total: int) -> None:
+        self.phases(phase, done, total)
+        if done >= total:
+            self.running = None
+            self.beat.doing(None)
+        elif phase != self.running:
+            self.running = phase
+            self.beat.doing(self.phases.labels.get(phase, phase))
+
+    def doing(self, phase: str | None) -> None:
+        """A phase that reports no count of its own (None: nothing worth a line)."""
+        self.running = phase
+        self.beat.doing(None if phase is None else self.phases.labels.get(phase, phase))
