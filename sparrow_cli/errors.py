@@ -28,6 +28,7 @@ class UsageError(ValueError):
 def friendly_errors(fn: Callable) -> Callable:
     """Turn the project's input errors into one clear line and a non-zero exit."""
     from sparrow.schemas import ArtifactError
+    from sparrow.stages.backends.ray_pool import WorkersFailed
     from sparrow.stages.core.prompt_set import PromptError
     from sparrow.stages.engine.memory import PoolTooSmall
     from sparrow.stages.model.config import ModelSpecError
@@ -41,7 +42,7 @@ def friendly_errors(fn: Callable) -> Callable:
             with sigterm_as_interrupt(terminated):
                 return fn(*args, **kwargs)
         except (UsageError, ArtifactError, ModelSpecError, PromptError, PoolTooSmall, RewardError,
-                StdoutFailed, KeyError) as e:
+                StdoutFailed, WorkersFailed, KeyError) as e:
             fail(str(e.args[0]) if e.args else str(e))
         except KeyboardInterrupt as e:  # a stage may say what it kept and how to go on
             said = str(e.args[0]) if e.args else NOTHING_LEFT

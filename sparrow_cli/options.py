@@ -469,9 +469,9 @@ def check_budgets(budgets: list[int], context: int, flag: str, model: str) -> No
 # ---------------------------------------------------------------- Ray workers
 
 def check_workers(workers: int, ray_address: str | None, output: Path | None) -> None:
-    """--workers/--ray-address: a count, Ray installed, and -o (when the parts go there) a directory; one
-    sentence otherwise, before any work."""
-    from sparrow.stages.backends.ray_pool import RayMissing, require_ray
+    """--workers/--ray-address: a count, Ray installed, a cluster that answers at --ray-address (or
+    RAY_ADDRESS), and -o (when the parts go there) a directory; one sentence otherwise, before any work."""
+    from sparrow.stages.backends.ray_pool import RayMissing, RayUnreachable, check_cluster, require_ray
 
     if workers < 0:
         raise UsageError(f"--workers must be >= 0, got {workers}")
@@ -485,6 +485,10 @@ def check_workers(workers: int, ray_address: str | None, output: Path | None) ->
         raise UsageError(str(e)) from None
     if output is not None and os.path.isfile(output):  # False for a name too long: check_output says so
         raise UsageError(f"-o {output} is a file, but --workers writes a directory of Parquet parts")
+    try:
+        check_cluster(ray_address)
+    except RayUnreachable as e:
+        raise UsageError(str(e)) from None
 
 
 # ---------------------------------------------------------------- adapters, weights and thresholds

@@ -6,7 +6,13 @@ The Ray test starts worker processes that import torch and load the model: run i
 from __future__ import annotations
 
 import os
+import re
+import shutil
+import socket
+import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -71,6 +77,50 @@ def test_workers_without_ray_is_one_sentence(tmp_path, monkeypatch):
     assert not (tmp_path / "out").exists()
 
 
+def sparrow(*args: str, tmp: Path, timeout: float, **env: str) -> subprocess.CompletedProcess:
+    """The CLI in a process of its own, with no RAY_ADDRESS and Ray's temp folder (its record of the last
+    `ray start`, its sessions) under `tmp`."""
+    environ = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"RAY_TMPDIR": str(tmp), **env}
+    return subprocess.run([sys.executable, "-c", "from sparrow.cli.app import main; main()", *args],
+                          env=environ, capture_output=True, text=True, timeout=timeout)
+
+
+def _closed_port() -> int:
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        return server.getsockname()[1]  # nothing listens there once closed
+
+
+def test_a_ray_address_where_no_cluster_answers_is_one_line_before_any_work(tmp_path):
+    """A host:port where nothing listens (ray.init would retry it for minutes), and `auto` where the last
+    `ray start`'s record names a cluster that is gone: one line and exit 2, in seconds, before Ray starts."""
+    ray = pytest.importorskip("ray")
+    prompts, port = _prompts(tmp_path / "p.parquet"), _closed_port()
+    (tmp_path / "ray").mkdir()
+    (tmp_path / "ray" / "ray_current_cluster").write_text(f"127.0.0.1:{port}")  # a cluster that crashed
+    # `auto` prefers a cluster running on this machine to the record
+    for address in [f"127.0.0.1:{port}"] + ["auto"] * (not ray._private.services.find_gcs_addresses()):
+        t0 = time.monotonic()
+        r = sparrow("rollout", "--model", "tiny-qwen3", "--prompts", str(prompts), "--workers", "2",
+                    "--ray-address", address, "-o", str(tmp_path / "out"), tmp=tmp_path, timeout=60)
+        assert time.monotonic() - t0 < 30 and r.returncode == 2, r.stderr
+        assert re.fullmatch(rf"error: --ray-address {address}: no Ray cluster answered at [0-9.]+:{port} "
+                            r"\(connection refused\); start one with `ray start --head`, or leave out "
+                            r"--ray-address for a local one\n", r.stderr), r.stderr
+        assert r.stdout == "" and not (tmp_path / "out").exists()
+
+
+def test_ray_address_auto_without_a_cluster_is_one_line(tmp_path):
+    ray = pytest.importorskip("ray")
+    if ray._private.services.find_gcs_addresses():  # `auto` takes any cluster running on this machine
+        pytest.skip("a Ray cluster runs on this machine")
+    prompts = _prompts(tmp_path / "p.parquet")
+    r = sparrow("rollout", "--model", "tiny-qwen3", "--prompts", str(prompts), "--workers", "2",
+                "--ray-address", "auto", "-o", str(tmp_path / "out"), tmp=tmp_path, timeout=60)
+    assert r.returncode == 2 and r.stderr == (
+        "error: --ray-address auto: no running Ray cluster was found on this machine; start one with `ray "
+        "start --head`, or leave out --ray-address for a local one\n"), r.stderr
+
+
 @pytest.fixture(scope="module")
 def ray_cluster():
     ray = pytest.importorskip("ray")
@@ -123,6 +173,33 @@ def test_two_workers_equal_one_process_and_a_dead_workers_shard_is_redone(ray_cl
     assert (f"warning: Ray worker pid {dead_pid} died during shard 0 of 2; shard 0 is redone on a new worker "
             "(attempt 2 of 3)") in two.stderr
     assert "(raylet)" not in two.stdout and two.stdout.startswith("samples\t")  # stdout: the summary only
+
+
+def test_workers_that_rays_memory_monitor_kills_are_replaced_then_the_run_ends_in_one_line(tmp_path):
+    """Ray's memory monitor with a threshold below what the machine already uses kills every worker: each
+    is replaced and its shard given to the new one, and the third loss ends the run in one sentence that
+    names the cause, not in Ray's OutOfMemoryError report. No --ray-address: a local Ray starts, even where
+    the record of a `ray start` names a cluster (a stale one here)."""
+    pytest.importorskip("ray")
+    prompts = _prompts(tmp_path / "p.parquet")
+    short = Path(tempfile.mkdtemp(prefix="ray", dir="/tmp"))  # Ray's socket paths must stay short
+    try:
+        (short / "ray").mkdir()
+        (short / "ray" / "ray_current_cluster").write_text(f"127.0.0.1:{_closed_port()}")
+        r = sparrow("rollout", "--model", "tiny-qwen3", "--prompts", str(prompts), "--max-new-tokens", "4",
+                    "--workers", "1", "-o", str(tmp_path / "out"), tmp=short, timeout=300,
+                    RAY_memory_usage_threshold="0.01", RAY_memory_monitor_refresh_ms="100")
+    finally:
+        shutil.rmtree(short, ignore_errors=True)
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.splitlines()
+    assert lines[-1] == ("error: shard 0 of 1 failed on 3 Ray workers; giving up (Ray's memory monitor "
+                         "killed the last one: the node ran low on memory)"), r.stderr
+    warned = [line for line in lines if line.startswith("warning: Ray worker")]
+    assert [w.split(" died during ")[1] for w in warned] == [
+        f"shard 0 of 1 (Ray's memory monitor killed it: the node ran low on memory); shard 0 is redone on a "
+        f"new worker (attempt {n} of 3)" for n in (2, 3)], r.stderr
+    assert "Traceback" not in r.stderr and r.stdout == "" and not (tmp_path / "out").exists()
 
 
 @pytest.mark.slow  # 3 worker processes, then 3 more: about 2 minutes on 2 shared cores

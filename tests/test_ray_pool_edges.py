@@ -1,11 +1,15 @@
-"""The Ray pool's edges that need no Ray: shards never empty, the CLI's signal handlers kept across
-ray.init, a worker's own exception, Ray's driver messages on stderr, an empty part merged
-(stages/backends/ray_pool.py, stages/rollout.py: merge_summaries). tests/test_ray.py runs them on Ray."""
+"""The Ray pool's edges that need no Ray cluster: shards never empty, the CLI's signal handlers kept across
+ray.init, a worker's own exception, Ray's driver messages on stderr, an empty part merged, and a worker that
+Ray says is gone (killed by its memory monitor, crashed, its node dead) on a stand-in for Ray's runtime that
+raises Ray's own exceptions (stages/backends/ray_pool.py, stages/rollout.py: merge_summaries).
+tests/test_ray.py runs them on Ray."""
 
 from __future__ import annotations
 
 import signal
+import socket
 import sys
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import pyarrow as pa
@@ -139,3 +143,217 @@ def test_an_empty_part_merges_as_nothing():
     merged = merge_summaries([_part(rows, 2, 5), _part(empty, 0, 0)], wall_seconds=3.0)
     assert (merged.samples, merged.tokens, merged.stop_fraction, merged.reward_mean) == (2, 5, 0.5, 0.5)
     assert merged.seconds == 3.0 and merged.prefill_seconds == 1.0
+
+
+# ---- a worker that Ray says is gone, on a stand-in for Ray's runtime with Ray's own exception classes ----
+
+class _Ref:
+    def __init__(self, run: Callable[[], object]):
+        self.run = run
+
+
+class _Actor:
+    """An actor handle: `handle.method.remote(*args)` gives a _Ref whose result the method computes when
+    ray.get asks, or the exception the runtime's script gives for that shard and attempt."""
+
+    def __init__(self, runtime: _Runtime, number: int):
+        self.runtime, self.number = runtime, number
+
+    def __getattr__(self, method: str):
+        def remote(*args):
+            if method == "work":
+                return _Ref(lambda: self.runtime.work(self.number, *args))
+            return _Ref(lambda: 1000 + self.number)  # pid()
+        return SimpleNamespace(remote=remote)
+
+
+class _Runtime:
+    """What RolloutPool calls of Ray (remote, wait, get, kill), in this process. `losses[(shard, attempt)]`
+    is the error Ray gives for that try of the shard; every try runs the task as a worker would."""
+
+    def __init__(self, exceptions, losses: dict):
+        self.exceptions, self.losses = exceptions, losses
+        self.tries: dict[int, int] = {}
+        self.started, self.killed = 0, []
+
+    def is_initialized(self) -> bool:
+        return True
+
+    def remote(self, **options):
+        def actor_class(cls):
+            def start(*args):
+                self.started += 1
+                return _Actor(self, self.started)
+            return SimpleNamespace(remote=start)
+        return actor_class
+
+    def work(self, number: int, task, shard: int, items: list, indices: list[int], *args):
+        self.tries[shard] = self.tries.get(shard, 0) + 1
+        lost = self.losses.get((shard, self.tries[shard]))
+        if lost is not None:
+            raise lost
+        return task(None, items, indices, *args), 1000 + number
+
+    def wait(self, refs: list, num_returns: int = 1):
+        return refs[:1], refs[1:]
+
+    def get(self, ref, timeout: float | None = None):
+        return [self.get(r) for r in ref] if isinstance(ref, list) else ref.run()
+
+    def kill(self, actor) -> None:
+        self.killed.append(actor.number)
+
+
+def _squares(loaded, items, indices):
+    return [i * i for i in items]
+
+
+def _pool_on(monkeypatch, losses: dict, workers: int = 2):
+    from sparrow.stages.backends.ray_pool import RolloutPool
+
+    exceptions = pytest.importorskip("ray.exceptions")
+    runtime = _Runtime(exceptions, {k: make(exceptions) for k, make in losses.items()})
+    monkeypatch.setitem(sys.modules, "ray", runtime)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    return RolloutPool("tiny-llama", workers), runtime
+
+
+def _oom(x):
+    return x.OutOfMemoryError("2 worker(s) were killed due to the node running low on memory.\nMemory on the "
+                              "node was 4.40GB used / 23.59GB limit\n...\nRefer to the documentation.")
+
+
+def test_a_worker_that_rays_memory_monitor_kills_has_its_shard_redone(monkeypatch, capsys):
+    pool, runtime = _pool_on(monkeypatch, {(0, 1): _oom, (1, 1): lambda x: x.WorkerCrashedError(),
+                                           (1, 2): lambda x: x.NodeDiedError("node 10.0.0.2 died")})
+    got = pool.map(_squares, [1, 2, 3, 4, 5])
+    assert [r.value for r in got] == [[1, 4, 9], [16, 25]]  # 5 items on 2 workers: 3 and 2
+    assert [r.attempts for r in got] == [2, 3]
+    assert runtime.started == 5 and pool.replaced == 3 and runtime.killed == [1, 2, 4]
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+    assert warnings == [
+        "warning: Ray worker pid 1001 died during shard 0 of 2 (Ray's memory monitor killed it: the node ran "
+        "low on memory); shard 0 is redone on a new worker (attempt 2 of 3)",
+        "warning: Ray worker pid 1002 died during shard 1 of 2 (its process crashed); shard 1 is redone on a "
+        "new worker (attempt 2 of 3)",
+        "warning: Ray worker pid 1004 died during shard 1 of 2 (its node died); shard 1 is redone on a new "
+        "worker (attempt 3 of 3)"]
+
+
+def _died(x):
+    return x.ActorDiedError()
+
+
+def test_a_shard_that_takes_every_try_with_it_ends_in_one_sentence(monkeypatch):
+    from sparrow.stages.backends.ray_pool import WorkersFailed
+
+    pool, _ = _pool_on(monkeypatch, {(0, 1): _died, (0, 2): _oom, (0, 3): _oom}, workers=1)
+    with pytest.raises(WorkersFailed) as e:
+        pool.map(_squares, [1, 2])
+    assert str(e.value) == ("shard 0 of 1 failed on 3 Ray workers; giving up (Ray's memory monitor killed "
+                            "the last one: the node ran low on memory)")
+    pool, _ = _pool_on(monkeypatch, {(0, 1): _died, (0, 2): _died}, workers=1)
+    pool.max_attempts = 2
+    with pytest.raises(WorkersFailed) as e:
+        pool.map(_squares, [1, 2])
+    assert str(e.value) == "shard 0 of 1 failed on 2 Ray workers; giving up (the last one's process died)"
+
+
+def test_any_other_error_of_rays_is_one_sentence(monkeypatch):
+    from sparrow.stages.backends.ray_pool import WorkersFailed
+
+    pool, _ = _pool_on(monkeypatch, {(1, 1): lambda x: x.RaySystemError(
+        "the raylet went away", "  File raylet.py, line 3\nRayletDied: no answer from the raylet")})
+    with pytest.raises(WorkersFailed) as e:
+        pool.map(_squares, [1, 2, 3])
+    assert str(e.value) == ("Ray failed while the workers ran their shards: RaySystemError: RayletDied: no "
+                            "answer from the raylet")
+
+
+# ---- --ray-address: a cluster that does not answer is one sentence, before ray.init ----
+
+def _no_ray_yet(monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "ray", SimpleNamespace(is_initialized=lambda: False))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+
+
+def test_the_address_forms_ray_takes_pass_where_something_listens(monkeypatch):
+    from sparrow.stages.backends.ray_pool import check_cluster
+
+    _no_ray_yet(monkeypatch)
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+        for address in (None, "local", f"127.0.0.1:{port}", f"localhost:{port}", f"ray://127.0.0.1:{port}",
+                        f"ray://127.0.0.1:{port}/namespace",
+                        "anyscale://my-cluster"):  # a scheme of another Ray Client: left to Ray
+            check_cluster(address)
+    if socket.has_ipv6:
+        try:
+            server = socket.create_server(("::1", 0), family=socket.AF_INET6)
+        except OSError:
+            return
+        with server:
+            check_cluster(f"[::1]:{server.getsockname()[1]}")
+
+
+def test_an_address_where_nothing_listens_is_one_sentence(monkeypatch):
+    from sparrow.stages.backends.ray_pool import RayUnreachable, check_cluster
+
+    _no_ray_yet(monkeypatch)
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]  # closed below: nothing listens there then
+    with pytest.raises(RayUnreachable) as e:
+        check_cluster(f"127.0.0.1:{port}")
+    assert str(e.value) == (f"--ray-address 127.0.0.1:{port}: no Ray cluster answered at 127.0.0.1:{port} "
+                            "(connection refused); start one with `ray start --head`, or leave out "
+                            "--ray-address for a local one")
+    with pytest.raises(RayUnreachable) as e:
+        check_cluster(f"ray://127.0.0.1:{port}")
+    assert str(e.value).startswith(f"--ray-address ray://127.0.0.1:{port}: no Ray cluster answered at "
+                                   f"127.0.0.1:{port} (connection refused)")
+    monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")  # Ray's stand-in for a missing or `auto` address
+    for address in (None, "auto"):
+        with pytest.raises(RayUnreachable) as e:
+            check_cluster(address)
+        assert str(e.value).startswith(f"RAY_ADDRESS=127.0.0.1:{port}: no Ray cluster answered")
+        assert str(e.value).endswith("`ray start --head`, or unset RAY_ADDRESS for a local one")
+    with pytest.raises(RayUnreachable) as e:
+        check_cluster("head-node")
+    assert str(e.value) == ("--ray-address head-node: expected auto, HOST:PORT (a cluster's GCS) or "
+                            "ray://HOST:PORT (Ray Client), got 'head-node'")
+
+
+def test_a_cluster_that_ray_init_cannot_reach_is_one_sentence():
+    from sparrow.stages.backends.ray_pool import ClusterAddress, RayUnreachable, RolloutPool, WorkersFailed
+
+    def init(**kwargs):
+        raise ConnectionError("Failed to connect to Ray cluster at 10.0.0.1:6379\nsee gcs_server.out")
+
+    ray = SimpleNamespace(init=init, exceptions=SimpleNamespace(RayError=type("RayError", (Exception,), {})))
+    with pytest.raises(RayUnreachable) as e:
+        RolloutPool._init_ray(ray, ClusterAddress("10.0.0.1:6379", "--ray-address 10.0.0.1:6379"), 2)
+    assert str(e.value) == ("--ray-address 10.0.0.1:6379: Ray could not connect to the cluster (see "
+                            "gcs_server.out); start one with `ray start --head`, or leave out --ray-address "
+                            "for a local one")
+    with pytest.raises(WorkersFailed, match="^a local Ray could not start: see gcs_server.out$"):
+        RolloutPool._init_ray(ray, ClusterAddress(None, "--ray-address None"), 2)
+
+
+def test_a_run_whose_workers_keep_being_killed_ends_in_one_line(monkeypatch, tmp_path):
+    from typer.testing import CliRunner
+
+    from sparrow.cli.app import app
+    from sparrow.schemas import write_artifact
+
+    _pool_on(monkeypatch, {(0, n): _oom for n in (1, 2, 3)})
+    row = {"prompt_id": "p0", "task": "none", "prompt": "", "answer": None, "metadata": None,
+           "prompt_token_ids": [5, 6, 7]}
+    prompts = write_artifact([row], tmp_path / "p.parquet", "prompts")
+    r = CliRunner().invoke(app, ["rollout", "--model", "tiny-qwen3", "--prompts", str(prompts), "--workers",
+                                 "1", "--max-new-tokens", "4", "-o", str(tmp_path / "out")])
+    assert r.exit_code == 2, r.output
+    lines = r.stderr.splitlines()
+    assert lines[-1] == ("error: shard 0 of 1 failed on 3 Ray workers; giving up (Ray's memory monitor "
+                         "killed the last one: the node ran low on memory)"), r.stderr
+    assert sum(line.startswith("warning: Ray worker") for line in lines) == 2 and "Traceback" not in r.stderr
+    assert not (tmp_path / "out").exists()

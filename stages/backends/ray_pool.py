@@ -9,24 +9,35 @@ does without workers); Ray's start-up log lines below ERROR are not shown; the m
 prints about its workers (a `(raylet)` line when one dies) go to stderr, not to stdout, which carries
 data; and the pool says itself, in one line each, when it starts, when workers would have nothing to do,
 and when a worker died and its shard is redone. An exception raised inside a worker comes out as that
-exception (its type and sentence), not as Ray's wrapper with the worker's traceback."""
+exception (its type and sentence), not as Ray's wrapper with the worker's traceback.
+
+A worker is gone, and its shard redone by a replacement, whatever Ray says took it: the process died
+(RayActorError), Ray's memory monitor killed it (OutOfMemoryError), it crashed (WorkerCrashedError) or its
+node died (NodeDiedError). Every other failure of Ray's, and a shard that took `max_attempts` workers with
+it, is a `WorkersFailed`: one sentence, never Ray's report. A cluster given by address (--ray-address, or
+Ray's RAY_ADDRESS) is checked before `ray.init`, which would otherwise retry an address where nothing
+listens for ever: `auto` must find a cluster and a host:port (or ray://host:port) must take a TCP
+connection within `PROBE_SECONDS`; otherwise `RayUnreachable` says so in one sentence."""
 
 from __future__ import annotations
 
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import pyarrow as pa
 
 OBJECT_STORE_MB = 500
 HANDLERS_KEPT = (signal.SIGINT, signal.SIGTERM)
+PROBE_SECONDS = 10.0  # how long a cluster's address may take to answer a TCP connection
 
 
 def say(line: str) -> None:
@@ -38,6 +49,14 @@ class RayMissing(RuntimeError):
     pass
 
 
+class WorkersFailed(RuntimeError):
+    """The pool could not do its work (workers that keep dying, an error of Ray's): one sentence."""
+
+
+class RayUnreachable(WorkersFailed):
+    """No Ray cluster where the address says, or one that Ray could not connect to."""
+
+
 def require_ray():
     try:
         import ray
@@ -45,6 +64,89 @@ def require_ray():
         raise RayMissing("--workers needs Ray, which is not installed: install it with "
                          "`pip install -e '.[ray]'` in the checkout (or `pip install ray`)") from None
     return ray
+
+
+@dataclass(frozen=True)
+class ClusterAddress:
+    """Where `ray.init` connects: `value` None (or Ray's `local`) starts a local Ray; `named` is how the
+    user gave it, for messages."""
+    value: str | None
+    named: str
+
+    @property
+    def local(self) -> bool:
+        return self.value in (None, "local")
+
+    @property
+    def instead(self) -> str:
+        """What to do without a cluster."""
+        leave_out = "unset RAY_ADDRESS" if self.named.startswith("RAY_ADDRESS") else "leave out --ray-address"
+        return f"start one with `ray start --head`, or {leave_out} for a local one"
+
+
+def cluster_address(address: str | None) -> ClusterAddress:
+    """--ray-address as Ray reads it: RAY_ADDRESS, when set, stands for a missing or `auto` address."""
+    env = os.environ.get("RAY_ADDRESS")
+    if env and address in (None, "auto"):
+        return ClusterAddress(env, f"RAY_ADDRESS={env}")
+    return ClusterAddress(address, f"--ray-address {address}")
+
+
+def check_cluster(address: str | None) -> None:
+    """A cluster given by address answers: `auto` finds one and its (or a given) host:port takes a TCP
+    connection within PROBE_SECONDS. A local start, a process already connected to Ray and a Ray Client
+    scheme other than ray:// are not checked. Raises RayUnreachable."""
+    ray = require_ray()
+    target = cluster_address(address)
+    if target.local or ray.is_initialized():
+        return
+    host_port = _host_port(ray, target)
+    if host_port is None:
+        return
+    host, port = host_port
+    try:
+        with socket.create_connection((host, port), timeout=PROBE_SECONDS):
+            pass
+    except OSError as e:
+        raise RayUnreachable(f"{target.named}: no Ray cluster answered at {host}:{port} ({_refusal(e)}); "
+                             f"{target.instead}") from None
+
+
+def _host_port(ray, target: ClusterAddress) -> tuple[str, int] | None:
+    """The host and port `target` connects to: `auto` resolved as ray.init resolves it (the cluster of
+    the last `ray start` on this machine, else a running one), ray:// stripped; None where that cannot be
+    told (another scheme, a Ray without its resolver)."""
+    value = target.value
+    if value == "auto":
+        services = getattr(getattr(ray, "_private", None), "services", None)
+        resolve = getattr(services, "canonicalize_bootstrap_address", None)
+        if resolve is None:
+            return None
+        try:
+            value = resolve("auto")
+        except ConnectionError:
+            raise RayUnreachable(f"{target.named}: no running Ray cluster was found on this machine; "
+                                 f"{target.instead}") from None
+    if "://" in value:
+        scheme, _, rest = value.partition("://")
+        if scheme != "ray":
+            return None
+        value = rest.split("/")[0]
+    host, _, port = value.rpartition(":")
+    if not host or not port.isdigit():
+        raise RayUnreachable(f"{target.named}: expected auto, HOST:PORT (a cluster's GCS) or "
+                             f"ray://HOST:PORT (Ray Client), got {target.value!r}")
+    return host.strip("[]"), int(port)
+
+
+def _refusal(error: OSError) -> str:
+    if isinstance(error, TimeoutError):
+        return f"no answer within {PROBE_SECONDS:.0f} s"
+    if isinstance(error, ConnectionRefusedError):
+        return "connection refused"
+    if isinstance(error, socket.gaierror):
+        return "unknown host"
+    return error.strerror or type(error).__name__
 
 
 class RolloutWorker:
@@ -141,13 +243,11 @@ class RolloutPool:
         ray = require_ray()
         self._noted_idle = False
         self.started_ray = not ray.is_initialized()
+        check_cluster(address)
         say(f"starting {workers} Ray worker{'s' * (workers != 1)} (loading the model in each)")
         _driver_messages_to_stderr(ray)
         if self.started_ray:
-            local = {} if address else dict(num_cpus=workers * threads, include_dashboard=False,
-                                             object_store_memory=OBJECT_STORE_MB * 2**20)
-            init_keeping_handlers(ray.init, address=address or None, log_to_driver=False,
-                                  logging_level=logging.ERROR, **local)
+            self._init_ray(ray, cluster_address(address), workers * threads)
         gpus = 1 if device == "cuda" else 0
         self._actor_cls = ray.remote(num_cpus=threads, num_gpus=gpus, max_restarts=0)(self.worker_class)
         self._args = (model, device, threads, random_weights, dtype)
@@ -155,6 +255,22 @@ class RolloutPool:
         self._pid_refs: dict[int, object] = {}  # id(worker) -> its pid() call, to name a dead worker
         self.workers = [self._new_worker() for _ in range(workers)]
         self.replaced = 0
+
+    @staticmethod
+    def _init_ray(ray, target: ClusterAddress, cpus: int) -> None:
+        """ray.init: a local Ray of `cpus` CPUs and a small object store, or the cluster at `target`; a
+        failure to start or to connect in one sentence. The local one is asked for as `local`: ray.init
+        without an address would join the cluster of the last `ray start` on this machine instead."""
+        local = dict(address="local", num_cpus=cpus, include_dashboard=False,
+                     object_store_memory=OBJECT_STORE_MB * 2**20)
+        try:
+            init_keeping_handlers(ray.init, log_to_driver=False, logging_level=logging.ERROR,
+                                  **(local if target.local else {"address": target.value}))
+        except (ConnectionError, TimeoutError, ray.exceptions.RayError) as e:
+            if target.local:
+                raise WorkersFailed(f"a local Ray could not start: {_last_line(e)}") from None
+            raise RayUnreachable(f"{target.named}: Ray could not connect to the cluster ({_last_line(e)}); "
+                                 f"{target.instead}") from None
 
     def _new_worker(self):
         """A worker in the pool's current state: the LoRA injected and the last weights pushed (calls
@@ -169,10 +285,13 @@ class RolloutPool:
 
     def pids(self) -> list[int]:
         ray = require_ray()
-        return ray.get([w.pid.remote() for w in self.workers])
+        with ray_errors(ray, "the workers said their pids"):
+            return ray.get([w.pid.remote() for w in self.workers])
 
     def tokenize(self, texts: list[str]) -> list[list[int]]:
-        return require_ray().get(self.workers[0].tokenize.remote(texts))
+        ray = require_ray()
+        with ray_errors(ray, "a worker tokenized the prompts"):
+            return ray.get(self.workers[0].tokenize.remote(texts))
 
     def map(self, task: str | Callable, items: Sequence, *args,
             on_shard: Callable[[ShardResult], None] | None = None) -> list[ShardResult]:
@@ -188,38 +307,52 @@ class RolloutPool:
         running: dict = {}
         attempts = [0] * n
         results: dict[int, ShardResult] = {}
-        while pending or running:
-            while pending and idle:
-                k, worker = pending.popleft(), idle.pop(0)
-                attempts[k] += 1
-                fut = worker.work.remote(task, k, list(items[shards[k]]),
-                                         list(range(len(items)))[shards[k]], *args)
-                running[fut] = (k, worker)
-            done, _ = ray.wait(list(running), num_returns=1)
-            k, worker = running.pop(done[0])
-            try:
-                value, pid = ray.get(done[0])
-            except ray.exceptions.RayTaskError as e:  # raised by the task itself: the same on any worker
-                raise worker_exception(e) from None
-            except ray.exceptions.RayActorError as e:
-                if getattr(e, "actor_init_failed", False):  # its model load failed: so would a new one's
-                    raise RuntimeError(f"a Ray worker could not start: {_last_line(e)}") from None
-                if attempts[k] >= self.max_attempts:
-                    raise RuntimeError(f"rollout shard {k} failed on {attempts[k]} workers; "
-                                       "giving up") from None
-                dead = self._dead_pid(worker)
-                pending.append(k)  # redone by another worker
-                self.workers[self.workers.index(worker)] = replacement = self._new_worker()
-                self.replaced += 1
-                idle.append(replacement)
-                say(f"warning: Ray worker {dead} died during shard {k} of {n}; shard {k} is redone on a new "
-                    f"worker (attempt {attempts[k] + 1} of {self.max_attempts})")
-                continue
-            results[k] = ShardResult(k, value, pid, attempts[k])
-            idle.append(worker)
-            if on_shard is not None:
-                on_shard(results[k])
+        with ray_errors(ray, "the workers ran their shards"):
+            while pending or running:
+                while pending and idle:
+                    k, worker = pending.popleft(), idle.pop(0)
+                    attempts[k] += 1
+                    fut = worker.work.remote(task, k, list(items[shards[k]]),
+                                             list(range(len(items)))[shards[k]], *args)
+                    running[fut] = (k, worker)
+                done, _ = ray.wait(list(running), num_returns=1)
+                k, worker = running.pop(done[0])
+                try:
+                    value, pid = ray.get(done[0])
+                except ray.exceptions.RayTaskError as e:  # raised by the task itself: the same on any worker
+                    raise worker_exception(e) from None
+                except worker_gone(ray) as e:
+                    pending.append(k)  # redone by another worker
+                    idle.append(self._replace(worker, e, k, n, attempts[k]))
+                    continue
+                results[k] = ShardResult(k, value, pid, attempts[k])
+                idle.append(worker)
+                if on_shard is not None:
+                    on_shard(results[k])
         return [results[k] for k in range(n)]
+
+    def _replace(self, worker, error: Exception, k: int, n: int, attempt: int):
+        """A new worker in the place of one that Ray says is gone with shard k's `attempt`-th try, and
+        the warning that says so; WorkersFailed where a new one would fare no better (the worker could not
+        start) or the shard has taken `max_attempts` workers."""
+        ray = require_ray()
+        if getattr(error, "actor_init_failed", False):  # its model load failed: so would a new one's
+            raise WorkersFailed(f"a Ray worker could not start: {_last_line(error)}")
+        cause = loss_cause(ray, error)
+        if attempt >= self.max_attempts:
+            last = (cause or "{its} process died").format(it="the last one", its="the last one's")
+            raise WorkersFailed(f"shard {k} of {n} failed on {attempt} Ray workers; giving up ({last})")
+        dead = self._dead_pid(worker)
+        try:
+            ray.kill(worker)  # in case Ray lost only its task: it is not given another
+        except ray.exceptions.RayError:
+            pass
+        self.workers[self.workers.index(worker)] = replacement = self._new_worker()
+        self.replaced += 1
+        why = f" ({cause.format(it='it', its='its')})" if cause else ""
+        say(f"warning: Ray worker {dead} died during shard {k} of {n}{why}; shard {k} is redone on a new "
+            f"worker (attempt {attempt + 1} of {self.max_attempts})")
+        return replacement
 
     def _dead_pid(self, worker) -> str:
         """The pid of a worker that died, for the warning ("pid unknown" if it died before saying it)."""
@@ -234,14 +367,16 @@ class RolloutPool:
         get the last state pushed."""
         ray = require_ray()
         t0 = time.perf_counter()
-        self._weights = (ray.put(state), lora)
-        ray.get([w.load_weights.remote(*self._weights) for w in self.workers])
+        with ray_errors(ray, "the workers loaded the learner's weights"):
+            self._weights = (ray.put(state), lora)
+            ray.get([w.load_weights.remote(*self._weights) for w in self.workers])
         return time.perf_counter() - t0
 
     def add_lora(self, rank: int, alpha: float) -> None:
         ray = require_ray()
         self._lora = (rank, alpha)
-        ray.get([w.add_lora.remote(rank, alpha) for w in self.workers])
+        with ray_errors(ray, "the workers added the LoRA"):
+            ray.get([w.add_lora.remote(rank, alpha) for w in self.workers])
 
     def close(self) -> None:
         ray = require_ray()
@@ -275,7 +410,38 @@ def worker_exception(error: Exception) -> Exception:
     cause = getattr(error, "cause", None)
     if isinstance(cause, Exception):
         return cause
-    return RuntimeError(f"a Ray worker failed: {_last_line(error)}")
+    return WorkersFailed(f"a Ray worker failed: {_last_line(error)}")
+
+
+def worker_gone(ray) -> tuple[type[Exception], ...]:
+    """The errors by which Ray says a worker is gone with the task it ran (not that the task failed)."""
+    x = ray.exceptions
+    return x.RayActorError, x.OutOfMemoryError, x.WorkerCrashedError, x.NodeDiedError
+
+
+def loss_cause(ray, error: Exception) -> str | None:
+    """Why a worker is gone, in words with {it}/{its} for the worker; None for a process that died with no
+    reason given."""
+    x = ray.exceptions
+    if isinstance(error, x.OutOfMemoryError) or "OUT_OF_MEMORY" in str(error):  # an actor's death says it so
+        return "Ray's memory monitor killed {it}: the node ran low on memory"
+    if isinstance(error, x.NodeDiedError) or getattr(error, "preempted", False):
+        return "{its} node died"
+    if isinstance(error, x.WorkerCrashedError):
+        return "{its} process crashed"
+    return None
+
+
+@contextmanager
+def ray_errors(ray, during: str) -> Iterator[None]:
+    """Ray's errors out of the pool as a command reports errors: what a task raised as itself, any other
+    of Ray's in one sentence (Ray's own text is a report of many lines)."""
+    try:
+        yield
+    except ray.exceptions.RayTaskError as e:
+        raise worker_exception(e) from None
+    except ray.exceptions.RayError as e:
+        raise WorkersFailed(f"Ray failed while {during}: {type(e).__name__}: {_last_line(e)}") from None
 
 
 def _last_line(error: Exception) -> str:
