@@ -42,6 +42,14 @@ def check_device(device: str, remote: bool = False) -> None:
         raise UsageError(f"--device {device} was given but no CUDA device is available")
 
 
+def on_a_cluster(workers: int, ray_address: str | None) -> bool:
+    """Whether --workers run on a Ray cluster elsewhere (--ray-address, or RAY_ADDRESS as Ray reads it), so
+    that --device names its devices, not this machine's; `local` is this machine."""
+    from sparrow.stages.backends.ray_pool import cluster_address
+
+    return workers > 0 and not cluster_address(ray_address).local
+
+
 RAW_PROMPTS_HELP = ("Tokenize text prompts (a prompt file with text but no token ids, e.g. from DuckDB or "
                     "JSONL) as they are; by default they go through the model's chat template as one user "
                     "message, as `sparrow prompts` formats them.")

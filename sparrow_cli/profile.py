@@ -22,7 +22,13 @@ from sparrow.stages.core.definitions import DEFAULT_BIN_WIDTH, TAIL_QUANTILE
 from .console import console
 from .errors import UsageError, friendly_errors
 from .messages import note, warn
-from .option_values import check_device, parse_int_list, raw_prompts_option, warn_first_token_stops
+from .option_values import (
+    check_device,
+    on_a_cluster,
+    parse_int_list,
+    raw_prompts_option,
+    warn_first_token_stops,
+)
 from .options import (
     block_topk_sparsity,
     check_budgets,
@@ -227,7 +233,7 @@ def profile(
         raise UsageError(DRAFT_ALPHA_WITH_ADAPTER)
     check_learner(lora)
     check_tail(quantile, threshold)
-    check_device(device, remote=bool(ray_address))
+    check_device(device, remote=on_a_cluster(workers, ray_address))
     try:
         dtype = canonical_dtype(dtype)
     except ValueError as e:

@@ -15,7 +15,7 @@ from .console import console, stdout_taken
 from .data_options import answer_column_option, data_options, reward_fn_option, reward_option
 from .errors import UsageError, friendly_errors
 from .messages import note, warn
-from .option_values import check_device, raw_prompts_option, warn_first_token_stops
+from .option_values import check_device, on_a_cluster, raw_prompts_option, warn_first_token_stops
 from .options import (
     SAMPLE_SEED_HELP,
     allow_unsafe_code,
@@ -233,7 +233,7 @@ def rollout(
         raise UsageError(f"--temperature must be >= 0, got {temperature}")
     if not 0 < top_p <= 1:
         raise UsageError(f"--top-p must be in (0, 1], got {top_p}")
-    check_device(device, remote=bool(ray_address))
+    check_device(device, remote=on_a_cluster(workers, ray_address))
     try:
         dtype = canonical_dtype(dtype)
     except ValueError as e:

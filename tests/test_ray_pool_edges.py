@@ -357,3 +357,52 @@ def test_a_run_whose_workers_keep_being_killed_ends_in_one_line(monkeypatch, tmp
                          "killed the last one: the node ran low on memory)"), r.stderr
     assert sum(line.startswith("warning: Ray worker") for line in lines) == 2 and "Traceback" not in r.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_a_cluster_of_another_ray_version_is_one_sentence():
+    """ray.init raises a plain RuntimeError when the driver's Ray or Python differs from the cluster's."""
+    from sparrow.stages.backends.ray_pool import ClusterAddress, RayUnreachable, RolloutPool
+
+    def init(**kwargs):
+        raise RuntimeError("Version mismatch: The cluster was started with:\n    Ray: 2.59.0\n"
+                           "This process on node 10.0.0.2 was started with:\n    Ray: 2.60.0")
+
+    ray = SimpleNamespace(init=init, exceptions=SimpleNamespace(RayError=type("RayError", (Exception,), {})))
+    with pytest.raises(RayUnreachable) as e:
+        RolloutPool._init_ray(ray, ClusterAddress("head:6379", "--ray-address head:6379"), 2)
+    assert str(e.value) == ("--ray-address head:6379: this process's Ray or Python differs from the "
+                            "cluster's (Version mismatch: The cluster was started with: Ray: 2.59.0 This "
+                            "process on node 10.0.0.2 was started with: Ray: 2.60.0); run with the cluster's "
+                            "versions")
+
+
+def test_closing_a_pool_whose_ray_is_gone_keeps_the_run_s_own_error():
+    from sparrow.stages.backends.ray_pool import RolloutPool
+
+    def gone(*args):
+        raise ConnectionError("raylet is gone")
+
+    pool = RolloutPool.__new__(RolloutPool)
+    pool.workers, pool._pid_refs, pool.started_ray = [object(), object()], {}, True
+    fake = SimpleNamespace(kill=gone, shutdown=gone)
+    import sparrow.stages.backends.ray_pool as ray_pool
+
+    original = ray_pool.require_ray
+    ray_pool.require_ray = lambda: fake
+    try:
+        pool.close()  # raises nothing: a failed run's WorkersFailed is what the user reads
+    finally:
+        ray_pool.require_ray = original
+    assert pool.workers == []
+
+
+def test_the_device_check_reads_the_cluster_address_as_ray_does(monkeypatch):
+    """--device cuda is checked against this machine unless the workers run on a cluster elsewhere:
+    --ray-address HOST:PORT, or RAY_ADDRESS for a missing or `auto` one; `local` is this machine."""
+    from sparrow.cli.option_values import on_a_cluster
+
+    monkeypatch.setenv("RAY_ADDRESS", "ray://gpu-head:10001")
+    assert on_a_cluster(2, None) and on_a_cluster(2, "auto")
+    assert not on_a_cluster(2, "local") and not on_a_cluster(0, None)
+    monkeypatch.delenv("RAY_ADDRESS")
+    assert not on_a_cluster(2, None) and on_a_cluster(2, "head:6379")

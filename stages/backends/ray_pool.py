@@ -21,6 +21,7 @@ connection within `PROBE_SECONDS`; otherwise `RayUnreachable` says so in one sen
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -266,9 +267,12 @@ class RolloutPool:
         try:
             init_keeping_handlers(ray.init, log_to_driver=False, logging_level=logging.ERROR,
                                   **(local if target.local else {"address": target.value}))
-        except (ConnectionError, TimeoutError, ray.exceptions.RayError) as e:
+        except Exception as e:  # a refused connection, a version mismatch (RuntimeError), Ray's own errors
             if target.local:
                 raise WorkersFailed(f"a local Ray could not start: {_last_line(e)}") from None
+            if str(e).startswith("Version mismatch"):
+                raise RayUnreachable(f"{target.named}: this process's Ray or Python differs from the "
+                                     f"cluster's ({_one_line(e)}); run with the cluster's versions") from None
             raise RayUnreachable(f"{target.named}: Ray could not connect to the cluster ({_last_line(e)}); "
                                  f"{target.instead}") from None
 
@@ -379,12 +383,16 @@ class RolloutPool:
             ray.get([w.add_lora.remote(rank, alpha) for w in self.workers])
 
     def close(self) -> None:
+        """Stop the workers, and the local Ray this pool started. Called on the way out of a failed run too,
+        where a Ray that is already gone must not replace the run's own error with its traceback."""
         ray = require_ray()
         for w in self.workers:
-            ray.kill(w)
+            with contextlib.suppress(Exception):
+                ray.kill(w)
         self.workers, self._pid_refs = [], {}
         if self.started_ray:
-            ray.shutdown()
+            with contextlib.suppress(Exception):
+                ray.shutdown()
 
 
 def plan_shards(total: int, workers: int) -> list[slice]:
@@ -415,19 +423,22 @@ def worker_exception(error: Exception) -> Exception:
 
 def worker_gone(ray) -> tuple[type[Exception], ...]:
     """The errors by which Ray says a worker is gone with the task it ran (not that the task failed)."""
-    x = ray.exceptions
-    return x.RayActorError, x.OutOfMemoryError, x.WorkerCrashedError, x.NodeDiedError
+    named = ("RayActorError", "OutOfMemoryError", "WorkerCrashedError", "NodeDiedError")  # the last three
+    return tuple(kind for name in named if (kind := getattr(ray.exceptions, name, None)))  # not in every Ray
 
 
 def loss_cause(ray, error: Exception) -> str | None:
     """Why a worker is gone, in words with {it}/{its} for the worker; None for a process that died with no
     reason given."""
-    x = ray.exceptions
-    if isinstance(error, x.OutOfMemoryError) or "OUT_OF_MEMORY" in str(error):  # an actor's death says it so
+    def raised(name: str) -> bool:
+        kind = getattr(ray.exceptions, name, None)
+        return kind is not None and isinstance(error, kind)
+
+    if raised("OutOfMemoryError") or "OUT_OF_MEMORY" in str(error):  # an actor's death says it so
         return "Ray's memory monitor killed {it}: the node ran low on memory"
-    if isinstance(error, x.NodeDiedError) or getattr(error, "preempted", False):
+    if raised("NodeDiedError") or getattr(error, "preempted", False):
         return "{its} node died"
-    if isinstance(error, x.WorkerCrashedError):
+    if raised("WorkerCrashedError"):
         return "{its} process crashed"
     return None
 
@@ -442,6 +453,11 @@ def ray_errors(ray, during: str) -> Iterator[None]:
         raise worker_exception(e) from None
     except ray.exceptions.RayError as e:
         raise WorkersFailed(f"Ray failed while {during}: {type(e).__name__}: {_last_line(e)}") from None
+
+
+def _one_line(error: Exception) -> str:
+    """Ray's whole error text on one line: a version mismatch says both sides' versions over several."""
+    return " ".join(str(error).split())
 
 
 def _last_line(error: Exception) -> str:
