@@ -319,8 +319,8 @@ def test_an_address_where_nothing_listens_is_one_sentence(monkeypatch):
         assert str(e.value).endswith("`ray start --head`, or unset RAY_ADDRESS for a local one")
     with pytest.raises(RayUnreachable) as e:
         check_cluster("head-node")
-    assert str(e.value) == ("--ray-address head-node: expected auto, HOST:PORT (a cluster's GCS) or "
-                            "ray://HOST:PORT (Ray Client), got 'head-node'")
+    assert str(e.value) == ("--ray-address head-node: expected auto, local (a new Ray here), HOST:PORT (a "
+                            "cluster's GCS) or ray://HOST:PORT (Ray Client), got 'head-node'")
 
 
 def test_a_cluster_that_ray_init_cannot_reach_is_one_sentence():

@@ -135,8 +135,8 @@ def _host_port(ray, target: ClusterAddress) -> tuple[str, int] | None:
         value = rest.split("/")[0]
     host, _, port = value.rpartition(":")
     if not host or not port.isdigit():
-        raise RayUnreachable(f"{target.named}: expected auto, HOST:PORT (a cluster's GCS) or "
-                             f"ray://HOST:PORT (Ray Client), got {target.value!r}")
+        raise RayUnreachable(f"{target.named}: expected auto, local (a new Ray here), HOST:PORT (a "
+                             f"cluster's GCS) or ray://HOST:PORT (Ray Client), got {target.value!r}")
     return host.strip("[]"), int(port)
 
 
