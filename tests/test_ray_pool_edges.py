@@ -376,23 +376,16 @@ def test_a_cluster_of_another_ray_version_is_one_sentence():
                             "versions")
 
 
-def test_closing_a_pool_whose_ray_is_gone_keeps_the_run_s_own_error():
-    from sparrow.stages.backends.ray_pool import RolloutPool
+def test_closing_a_pool_whose_ray_is_gone_keeps_the_run_s_own_error(monkeypatch):
+    import sparrow.stages.backends.ray_pool as ray_pool
 
     def gone(*args):
         raise ConnectionError("raylet is gone")
 
-    pool = RolloutPool.__new__(RolloutPool)
+    pool = ray_pool.RolloutPool.__new__(ray_pool.RolloutPool)
     pool.workers, pool._pid_refs, pool.started_ray = [object(), object()], {}, True
-    fake = SimpleNamespace(kill=gone, shutdown=gone)
-    import sparrow.stages.backends.ray_pool as ray_pool
-
-    original = ray_pool.require_ray
-    ray_pool.require_ray = lambda: fake
-    try:
-        pool.close()  # raises nothing: a failed run's WorkersFailed is what the user reads
-    finally:
-        ray_pool.require_ray = original
+    monkeypatch.setattr(ray_pool, "require_ray", lambda: SimpleNamespace(kill=gone, shutdown=gone))
+    pool.close()  # raises nothing: a failed run's WorkersFailed is what the user reads
     assert pool.workers == []
 
 

@@ -321,10 +321,8 @@ class RolloutPool:
                     running[fut] = (k, worker)
                 done, _ = ray.wait(list(running), num_returns=1)
                 k, worker = running.pop(done[0])
-                try:
+                try:  # an error the task itself raised (the same on any worker) is ray_errors' to report
                     value, pid = ray.get(done[0])
-                except ray.exceptions.RayTaskError as e:  # raised by the task itself: the same on any worker
-                    raise worker_exception(e) from None
                 except worker_gone(ray) as e:
                     pending.append(k)  # redone by another worker
                     idle.append(self._replace(worker, e, k, n, attempts[k]))
