@@ -33,13 +33,19 @@ and each sampler's run are repeated N times, interleaved (dense, budget, schedul
 of the machine hits all alike, each with the same seed and prompts. "x dense" and "dec x" are then the
 means of the per-repeat ratios (dense seconds / the sampler's, whole rollout and decode), "±" and "dec ±"
 the half-widths of their 95% t-intervals, and a line per sampler after the table says both; seconds, tok/s
-and steps are the means over the repeats (vLLM and HF run once, over dense's mean). The per-repeat seconds
-are kept in the table (repeat_total_s, repeat_decode_s). To get an interval, pass --repeats 3 or more (2
-gives a wide one).
+and steps are the means over the repeats (HF runs once, over dense's mean). The per-repeat seconds are
+kept in the table (repeat_total_s, repeat_decode_s). To get an interval, pass --repeats 3 or more (2 gives
+a wide one).
 
-vLLM (when installed: `make vllm`) and transformers' `generate` run after our engine on the same prompts,
-samples, new tokens and temperature, dense (not with random weights): vLLM in `--vllm-dtype` with prefix
-caching, in-process, its start-up timed apart, one untimed warm-up; HF with every prompt repeated once per
+vLLM (when installed: `make vllm`) starts once per `--vllm-dtype`, before the first repeat, and runs in
+every repeat after our samplers, so each of our runs has a vLLM run beside it: a line per sampler and
+peer after the table gives our speed over vLLM's (its seconds over ours, whole rollout and decode, the
+mean of the per-repeat ratios with a 95% t-interval; in the table `x_vllm-<dtype>`,
+`x_vllm-<dtype>_decode` and their `_half_width`).
+
+vLLM and transformers' `generate` run on the same prompts, samples, new tokens and temperature, dense
+(not with random weights): vLLM in `--vllm-dtype` with prefix caching (reset before each timed run),
+in-process, its start-up timed apart, one untimed warm-up; HF with every prompt repeated once per
 sample (it prefills every copy; the engine prefills once and shares the pages). On the CPU our engine tunes
 glibc's allocator for the process (stages/engine/cpu/allocator.py), so every run here runs with it. Writes
 rollout.parquet (or rollout-own-kv.parquet) into --results (default bench/results).
@@ -251,29 +257,35 @@ def run_hf(args, prompts, device, dtype):
             "mean_budget": 0.0}
 
 
-def run_vllm(args, prompts, cfg, dtype: str):
-    """vLLM dense on the same workload: start-up, an untimed warm-up, then the timed generate."""
-    from sparrow.stages.backends.vllm_sampler import VllmSampler, vllm_checkpoint
+class VllmPeer:
+    """vLLM dense on the same workload: started once (its start-up timed apart) with an untimed warm-up,
+    then `run` is one timed generate, called in every repeat beside our engine's runs."""
 
-    sampler = VllmSampler(vllm_checkpoint(args.model), dtype=dtype, seed=0,
-                          max_batch=args.samples * len(prompts),
-                          max_model_len=max(len(p) for p in prompts) + args.new_tokens,
-                          eos_ids=cfg.eos_token_ids)
-    startup = sampler.timing.startup_s
-    other = random_prompts(cfg, 1, 256, seed=1)  # another prompt: the warm-up leaves no prefix to reuse
-    params = SamplingParams(max_new_tokens=args.new_tokens, n=args.samples, temperature=args.temperature,
-                            seed=0, ignore_eos=True)
-    sampler.generate(other, SamplingParams(max_new_tokens=8, n=args.samples,
-                                           temperature=args.temperature, ignore_eos=True))
-    sampler.llm.reset_prefix_cache()
-    out = sampler.generate(prompts, params)
-    t = sampler.timing
-    assert all(len(c.token_ids) == args.new_tokens for r in out for c in r)
-    step_ms = 1e3 * t.decode_s / max(args.new_tokens - 1, 1)
-    del sampler
-    return {"engine": f"vllm-{dtype}", "total_s": t.seconds, "setup_s": startup, "prefill_s": t.prefill_s,
-            "decode_s": t.decode_s, "decode_steps": args.new_tokens - 1, "step_times": [step_ms / 1e3],
-            "mean_budget": 0.0}
+    def __init__(self, args, prompts, cfg, dtype: str):
+        from sparrow.stages.backends.vllm_sampler import VllmSampler, vllm_checkpoint
+
+        self.args, self.prompts, self.dtype = args, prompts, dtype
+        self.sampler = VllmSampler(vllm_checkpoint(args.model), dtype=dtype, seed=0,
+                                   max_batch=args.samples * len(prompts),
+                                   max_model_len=max(len(p) for p in prompts) + args.new_tokens,
+                                   eos_ids=cfg.eos_token_ids)
+        self.startup_s = self.sampler.timing.startup_s
+        other = random_prompts(cfg, 1, 256, seed=1)  # another prompt: the warm-up leaves no prefix to reuse
+        self.sampler.generate(other, SamplingParams(max_new_tokens=8, n=args.samples,
+                                                    temperature=args.temperature, ignore_eos=True))
+
+    def run(self) -> dict:
+        args = self.args
+        params = SamplingParams(max_new_tokens=args.new_tokens, n=args.samples, temperature=args.temperature,
+                                seed=0, ignore_eos=True)
+        self.sampler.llm.reset_prefix_cache()  # every repeat prefills the prompt, as ours does
+        out = self.sampler.generate(self.prompts, params)
+        t = self.sampler.timing
+        assert all(len(c.token_ids) == args.new_tokens for r in out for c in r)
+        step_ms = 1e3 * t.decode_s / max(args.new_tokens - 1, 1)
+        return {"engine": f"vllm-{self.dtype}", "total_s": t.seconds, "setup_s": self.startup_s,
+                "prefill_s": t.prefill_s, "decode_s": t.decode_s, "decode_steps": args.new_tokens - 1,
+                "step_times": [step_ms / 1e3], "mean_budget": 0.0}
 
 
 # ---------------------------------------------------------------------------------------- the modes
@@ -290,18 +302,29 @@ def whole_rollout(loaded, args, device, dtype) -> list[dict]:
         return {int(budget_at(c)) if budget_at else 0 for c in lengths}
 
     elem = torch.tensor([], dtype=dtype).element_size()
+    real_weights = not args.random_weights and loaded.tokenizer is not None
+    peers = []
+    if real_weights and not args.no_vllm and importlib.util.find_spec("vllm") is not None:
+        peers = [VllmPeer(args, prompts, cfg, vdtype)
+                 for vdtype in (args.vllm_dtype or str(dtype).removeprefix("torch.")).split(",")]
     runs: dict[str, list[dict]] = {label: [] for label, _ in samplers}
+    peer_runs: dict[str, list[dict]] = {f"vllm-{peer.dtype}": [] for peer in peers}
     budget_ats = {}
     for repeat in range(args.repeats):  # interleaved: a drift of the machine hits every sampler alike
+        tag = f" (repeat {repeat + 1}/{args.repeats})" if args.repeats > 1 else ""
         for label, sampler in samplers:
             row, budget_ats[label] = run_engine(model, prompts, args, sampler, label, args.new_tokens,
                                                 args.samples, budgets_of)
             runs[label].append(row)
             times = row["step_times"]
-            tag = f" (repeat {repeat + 1}/{args.repeats})" if args.repeats > 1 else ""
             print(f"  {label}{tag}: {row['total_s']:.1f} s (prefill {row['prefill_s']:.1f} s, decode "
                   f"{row['decode_s']:.1f} s, step mean {1e3 * np.mean(times):.2f} ms, median "
                   f"{1e3 * np.median(times):.2f} ms)", flush=True)
+        for peer in peers:
+            row = peer.run()
+            peer_runs[row["engine"]].append(row)
+            print(f"  {row['engine']}{tag}: {row['total_s']:.1f} s (prefill {row['prefill_s']:.1f} s, decode "
+                  f"{row['decode_s']:.1f} s; + {row['setup_s']:.0f} s start-up, once)", flush=True)
     rows = []
     for label, _ in samplers:
         row = merge_repeats(runs[label])
@@ -311,18 +334,15 @@ def whole_rollout(loaded, args, device, dtype) -> list[dict]:
                                                         shared_once=once, cent_elem=row["cent_elem"])
         row["prompt_tokens"] = length
         rows.append(row)
-    real_weights = not args.random_weights and loaded.tokenizer is not None
-    if real_weights and not args.no_vllm and importlib.util.find_spec("vllm") is not None:
-        for vdtype in (args.vllm_dtype or str(dtype).removeprefix("torch.")).split(","):
-            row = run_vllm(args, prompts, cfg, vdtype)
-            velem = torch.tensor([], dtype=getattr(torch, vdtype)).element_size()
-            row["weight_bytes"] = weight_bytes(model) * velem // torch.tensor([], dtype=dtype).element_size()
-            for key, once in (("kv_bytes_per_step", False), ("kv_unique_bytes_per_step", True)):
-                row[key] = args.prompts * kv_bytes_per_step(cfg, length, args.new_tokens, args.samples, None,
-                                                            DENSE_LAYERS, velem, shared_once=once)
-            rows.append(row)
-            print(f"  {row['engine']}: {row['total_s']:.1f} s (+ {row['setup_s']:.0f} s start-up)",
-                  flush=True)
+    for peer in peers:
+        row = merge_repeats(peer_runs[f"vllm-{peer.dtype}"])
+        velem = torch.tensor([], dtype=getattr(torch, peer.dtype)).element_size()
+        row["weight_bytes"] = weight_bytes(model) * velem // elem
+        for key, once in (("kv_bytes_per_step", False), ("kv_unique_bytes_per_step", True)):
+            row[key] = args.prompts * kv_bytes_per_step(cfg, length, args.new_tokens, args.samples, None,
+                                                        DENSE_LAYERS, velem, shared_once=once)
+        rows.append(row)
+    over_peers(rows)
     if real_weights and not args.no_hf:
         row = run_hf(args, prompts, device, dtype)
         elem = torch.tensor([], dtype=dtype).element_size()
@@ -344,6 +364,29 @@ def merge_repeats(runs: list[dict]) -> dict:
     row.update(repeats=len(runs), repeat_total_s=[r["total_s"] for r in runs],
                repeat_decode_s=[r["decode_s"] for r in runs])
     return row
+
+
+def over_peers(rows: list[dict]) -> None:
+    """Each of our runs' speed over each vLLM peer's, as `x_<peer>` (whole rollout) and `x_<peer>_decode`:
+    the mean of the per-repeat ratios (the peer's seconds in repeat i over ours in repeat i, the two run
+    back to back) with the half-widths of their 95% t-intervals."""
+    ours = [r for r in rows if r.get("sampler")]
+    for peer in (r for r in rows if r["engine"].startswith("vllm-")):
+        for r in ours:
+            for key, seconds in (("", "repeat_total_s"), ("_decode", "repeat_decode_s")):
+                mean, half = ratio_interval(peer[seconds], r[seconds])
+                r[f"x_{peer['engine']}{key}"], r[f"x_{peer['engine']}{key}_half_width"] = mean, half
+
+
+def interval_words(row: dict, key: str) -> str:
+    """'1.80x ± 0.05', or '1.80x' where one run gives no interval."""
+    half = row.get(f"{key}_half_width")
+    return f"{row[key]:.2f}x" + ("" if half is None else f" ± {half:.2f}")
+
+
+def interval_kind(row: dict) -> str:
+    return (f"mean of {row['repeats']} repeats, 95% t-interval" if row.get("repeats", 1) > 1
+            else "one run, no interval")
 
 
 def ratio_interval(dense_s, sampler_s) -> tuple[float, float | None]:
@@ -567,10 +610,14 @@ def main() -> None:
                        *decode_intervals, *STEP_COLUMNS, ("floor x", "floor_speedup", 7, ".2f")])
     if args.repeats > 1:
         for r in rows[1:]:
-            if r.get("speedup_half_width") is not None:
+            if r.get("sampler") and r.get("speedup_half_width") is not None:
                 print(f"  {r['engine']} over dense, mean of {r['repeats']} repeats (95% t-interval): whole "
                       f"{r['speedup']:.2f}x ± {r['speedup_half_width']:.2f}, decode "
                       f"{r['decode_speedup']:.2f}x ± {r['decode_speedup_half_width']:.2f}")
+    for peer in (r["engine"] for r in rows if r["engine"].startswith("vllm-")):
+        for r in (r for r in rows if r.get("sampler")):
+            print(f"  {r['engine']} over {peer}: whole {interval_words(r, f'x_{peer}')}, decode "
+                  f"{interval_words(r, f'x_{peer}_decode')} ({interval_kind(r)})")
     if cost is not None:
         predict(rows, cost, args.cost)
     write_results(rows, "rollout", args.results)

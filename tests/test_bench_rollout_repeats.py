@@ -67,3 +67,20 @@ def test_repeats_with_own_kv_are_refused_before_loading(monkeypatch, capsys):
         rollout.main()
     assert e.value.code == 2
     assert "--repeats applies to the whole rollout, not --own-kv" in capsys.readouterr().err
+
+
+def test_our_speed_over_a_vllm_peer_pairs_each_repeat_with_the_peer_run_beside_it():
+    # whole: vLLM 20 s, 18 s over ours 10 s, 12 s -> ratios 2.0, 1.5 (mean 1.75, sd 0.3536, t(0.975, 1) =
+    # 12.706); decode: 16 / 8 and 18 / 9 -> 2.0 both, no spread
+    dense = {"engine": "dense", "sampler": "dense", "repeats": 2, "repeat_total_s": [10.0, 12.0],
+             "repeat_decode_s": [8.0, 9.0]}
+    peer = {"engine": "vllm-bfloat16", "repeats": 2, "repeat_total_s": [20.0, 18.0],
+            "repeat_decode_s": [16.0, 18.0]}
+    rollout.over_peers([dense, peer])
+    assert dense["x_vllm-bfloat16"] == pytest.approx(1.75)
+    assert dense["x_vllm-bfloat16_half_width"] == pytest.approx(12.706 * 0.5 / math.sqrt(2) / math.sqrt(2))
+    assert dense["x_vllm-bfloat16_decode"] == pytest.approx(2.0)
+    assert dense["x_vllm-bfloat16_decode_half_width"] == pytest.approx(0.0)
+    assert "x_vllm-bfloat16" not in peer
+    assert rollout.interval_words(dense, "x_vllm-bfloat16_decode") == "2.00x ± 0.00"
+    assert rollout.interval_kind(dense) == "mean of 2 repeats, 95% t-interval"
