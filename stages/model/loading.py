@@ -29,6 +29,7 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -44,9 +45,6 @@ from .gguf_loader import read_gguf
 from .home import building, check_readable, sparrow_home
 from .llama import Transformer, hf_to_ours, ours_to_hf
 from .presets import PRESETS, get_preset
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CACHE_FORMAT = 1
@@ -253,6 +251,18 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype:
     return getattr(torch, dtype)
 
 
+@contextmanager
+def _own_random_stream(seed: int, device: str) -> Iterator[None]:
+    """Seed torch's generator (the device's too) for the block and give the caller's stream back after:
+    loading a model leaves the user's random numbers alone."""
+    where = torch.device(device)
+    cuda = where.type == "cuda"
+    index = where.index if where.index is not None or not cuda else torch.cuda.current_device()
+    with torch.random.fork_rng(devices=[index] if cuda else []):
+        torch.manual_seed(seed)
+        yield
+
+
 def load_model(spec: str, device: str = "cpu", dtype: torch.dtype = torch.float32,
                random_weights: bool = False, seed: int = 0) -> LoadedModel:
     """Load `spec` for inference. `random_weights` allows weightless presets (timing only)."""
@@ -268,9 +278,8 @@ def load_model(spec: str, device: str = "cpu", dtype: torch.dtype = torch.float3
             )
         tokenizer = load_tokenizer(preset.tokenizer)
         cfg = with_tokenizer_eos(preset.config, tokenizer)
-        torch.manual_seed(seed)
-        with torch.device(device):  # built where it runs: a 4B model is 16 GB in fp32 on the host
-            model = Transformer(cfg)
+        with _own_random_stream(seed, device), torch.device(device):  # built where it runs: a 4B model
+            model = Transformer(cfg)                                    # is 16 GB in fp32 on the host
             _init_random(model)
         return LoadedModel(preset.name, cfg, model.to(dtype=dtype), tokenizer)
     path = _path(spec)
@@ -462,13 +471,13 @@ def _dir_tokenizer(path: Path):
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(path))
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
 
 
 def gguf_tokenizer(path: Path):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
 
 
 def load_tokenizer(kind: str):
@@ -481,7 +490,7 @@ def load_tokenizer(kind: str):
     if kind == "embedded":
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(str(embedded_checkpoint("smollm2-135m")))
+        return AutoTokenizer.from_pretrained(str(embedded_checkpoint("smollm2-135m")), local_files_only=True)
     raise ValueError(f"unknown tokenizer kind {kind!r}")
 
 
