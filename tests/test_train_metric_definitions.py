@@ -16,7 +16,14 @@ from typer.testing import CliRunner
 
 from sparrow.cli.app import app
 from sparrow.schemas import read_artifact, write_artifact
-from sparrow.stages.core.token_budgets import dense_alpha_is_one, mean_sparse_budget
+from sparrow.stages.core.sparsity import as_policy
+from sparrow.stages.core.token_budgets import (
+    dense_alpha_is_one,
+    mean_sparse_budget,
+    produced_densely,
+    token_positions,
+)
+from sparrow.stages.engine import Engine, EngineConfig, SamplingParams
 from sparrow.stages.integrations.trl import SparseRollout
 from sparrow.stages.model.loading import load_model
 from sparrow.stages.tasks import TASKS
@@ -55,11 +62,45 @@ def test_trl_mean_budget_is_over_sparse_tokens_and_absent_when_dense():
 
 def test_a_densely_produced_token_s_alpha_bound_is_one():
     bound, budgets = torch.tensor([[0.25, 0.5, 0.75]]), torch.tensor([[0, 48, 0]], dtype=torch.int32)
-    assert dense_alpha_is_one(bound, budgets).tolist() == [[1.0, 0.5, 1.0]]
+    positions = torch.tensor([[100, 101, 102]])  # past the budget: only budget 0 is dense here
+    assert dense_alpha_is_one(bound, budgets, positions).tolist() == [[1.0, 0.5, 1.0]]
     zeros = torch.zeros(1, 3)
     scores = Scores(logp=zeros, entropy=zeros, mask=torch.ones(1, 3, dtype=torch.bool), logp_rollout=zeros,
-                    budgets=budgets, alpha_lb=bound, ref=None)
+                    budgets=budgets, positions=positions, alpha_lb=bound, ref=None)
     assert scores.acceptance().tolist() == [[1.0, 0.5, 1.0]]
+
+
+def test_a_token_whose_cache_fits_within_its_budget_was_produced_densely():
+    # budget 48 = 3 pages: a cache of 48 tokens is 3 pages, all kept (DESIGN: at most B/16 pages is dense);
+    # 49 tokens are 4 pages, one of which the block top-k rule may drop
+    bound = torch.tensor([[0.25, 0.5, 0.75, 0.625]])
+    budgets = torch.full((1, 4), 48, dtype=torch.int32)
+    positions = torch.tensor([[46, 47, 48, 49]])
+    assert produced_densely(budgets, positions).tolist() == [[True, True, True, False]]
+    assert dense_alpha_is_one(bound, budgets, positions).tolist() == [[1.0, 1.0, 1.0, 0.625]]
+    assert token_positions([3, 5], 2).tolist() == [[3, 4], [5, 6]]
+
+
+def test_the_engine_samples_densely_while_the_cache_fits_within_the_budget():
+    # the rule above against the engine itself: at budget 48, every token produced at a cache length of at
+    # most 48 carries the dense run's logprob of the same token; the first one past it, not (random weights:
+    # the attention is spread, so dropping a page moves the logprob)
+    loaded = load_model("tiny-llama", random_weights=True)
+    prompt = [list(range(1, 31))]  # 30 tokens: positions 30, 31, ... for the new tokens
+    params = SamplingParams(max_new_tokens=30, temperature=1.0, seed=3, ignore_eos=True)
+    runs = {}
+    for budget in (None, 48):
+        with Engine(loaded.model, as_policy(budget), EngineConfig(dense_layers=())) as engine:
+            runs[budget] = engine.generate(prompt, params)[0][0]
+    sparse, dense = runs[48], runs[None]
+    positions = token_positions([30], 30)[0]
+    assert sparse.token_ids[:19] == dense.token_ids[:19]  # positions 30..48: the same distribution
+    fits = positions <= 48
+    assert fits.sum() == 19
+    np.testing.assert_allclose(sparse.logprobs[:19], dense.logprobs[:19], atol=1e-5)
+    assert produced_densely(np.asarray(sparse.budgets), positions).tolist() == fits.tolist()
+    if sparse.token_ids[19] == dense.token_ids[19]:  # position 49: four pages, one dropped
+        assert abs(sparse.logprobs[19] - dense.logprobs[19]) > 1e-4
 
 
 @pytest.fixture(scope="module")

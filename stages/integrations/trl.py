@@ -46,7 +46,7 @@ from torch import Tensor, nn
 
 from ..core.definitions import TAIL_QUANTILE
 from ..core.sparsity import Sparsity, as_policy
-from ..core.token_budgets import dense_alpha_is_one, mean_sparse_budget
+from ..core.token_budgets import dense_alpha_is_one, mean_sparse_budget, token_positions
 from ..engine import Completion, Engine, EngineConfig, SamplingParams, draft_acceptance
 from ..model.config import ModelConfig
 from ..model.llama import Transformer, hf_to_ours
@@ -340,14 +340,14 @@ class SparseRollout:
         rollout_lp = pad([c.logprobs for c in completions], width)
         budgets = pad([c.budgets for c in completions], width)
         alpha = torch.minimum(scores.extra_logp.float().cpu().exp(), top_lp.exp()).sum(-1).clamp(max=1.0)
-        alpha = torch.where(mask, dense_alpha_is_one(alpha, budgets), 0.0)
+        positions = torch.from_numpy(token_positions([len(p) for p in prompt_ids], width))
+        alpha = torch.where(mask, dense_alpha_is_one(alpha, budgets, positions), 0.0)
         keep = None if self.correction is None else self.correction.keep(logp - rollout_lp, mask)
         rows = lambda x: [x[i, : len(c)].tolist() for i, c in enumerate(comps)]
         record = RolloutRecord(
             step=trainer.state.global_step, prompt_ids=prompt_ids, completion_ids=[list(c) for c in comps],
             logprobs=[list(c.logprobs) for c in completions], budgets=[list(c.budgets) for c in completions],
             logp_dense=rows(logp), alpha_lb=rows(alpha), env_mask=None if keep is None else rows(keep.int()))
-        positions = torch.tensor([len(p) for p in prompt_ids])[:, None] + torch.arange(width)[None, :]
         record.metrics = self.metrics(alpha[mask], positions[mask], (logp - rollout_lp)[mask], budgets[mask],
                                       None if keep is None else keep[mask])
         acceptance = draft_acceptance(completions)

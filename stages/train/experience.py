@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..core.token_budgets import dense_alpha_is_one
+from ..core.token_budgets import dense_alpha_is_one, token_positions
 from ..engine import Completion
 from ..model.llama import Transformer
 from ..model.lora import adapters_disabled
@@ -33,8 +33,9 @@ class Scores:
     mask: Tensor  # [N, T] bool, a generated token
     logp_rollout: Tensor  # [N, T] the sampler's logprobs
     budgets: Tensor  # [N, T] int32, the budget each token was sampled at (0: dense)
-    alpha_lb: Tensor  # [N, T] the top-20 lower bound of alpha; 1 where sampled densely (budget 0: the
-    # sampler's distribution is the learner's, so alpha is 1 exactly), 0 at padding
+    positions: Tensor  # [N, T] each token's position: the cache length it was produced at
+    alpha_lb: Tensor  # [N, T] the top-20 lower bound of alpha; 1 where sampled densely (budget 0, or a cache
+    # within the budget: the sampler's distribution is the learner's, so alpha is 1 exactly), 0 at padding
     ref: Tensor | None  # [N, T] the reference policy's logprobs (with a KL term)
     alpha: Tensor | None = None  # [N, T] exact alpha of a subsample of sequences, NaN elsewhere
     # (exact_alpha.py; None: a dense sampler, or not computed)
@@ -47,7 +48,7 @@ class Scores:
     def acceptance(self) -> Tensor:
         """Each token's acceptance rate alpha [N, T]: 1 where it was sampled densely (the sampler's
         distribution is the learner's), else the top-20 lower bound (padding: 1, budget 0)."""
-        return dense_alpha_is_one(self.alpha_lb, self.budgets)
+        return dense_alpha_is_one(self.alpha_lb, self.budgets, self.positions)
 
     def select(self, rows: Tensor, width: int) -> Scores:
         pick = lambda x: None if x is None else x[rows][:, :width]
@@ -88,9 +89,11 @@ def score(model: Transformer, completions: list[Completion], cfg: TrainConfig, w
     logp, entropy, alpha_lb, ref = (None if p[0] is None else torch.cat(p) for p in zip(*parts))
     mask = completion_mask([len(c.token_ids) for c in completions], "cpu")
     budgets = pad_rows([c.budgets for c in completions], 0, torch.int32)
+    positions = torch.from_numpy(token_positions([len(c.prompt_token_ids) for c in completions], width))
     return Scores(logp=logp, entropy=entropy, mask=mask,
                   logp_rollout=pad_rows([c.logprobs for c in completions]), budgets=budgets,
-                  alpha_lb=torch.where(mask, dense_alpha_is_one(alpha_lb, budgets), 0.0), ref=ref)
+                  positions=positions,
+                  alpha_lb=torch.where(mask, dense_alpha_is_one(alpha_lb, budgets, positions), 0.0), ref=ref)
 
 
 def _top_logprobs(completions: list[Completion], width: int) -> tuple[Tensor, Tensor]:
