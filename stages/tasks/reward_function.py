@@ -83,18 +83,21 @@ TRL_UNPASSED = ("prompt", "completion", "completion_ids")  # dataset columns GRP
 DEFAULT_FUNCTION = "compute_score"  # verl's custom_reward_function.name default
 TRL_LOGGERS = ("log_metric", "log_extra")  # what TRL passes its functions for logging, and so does Sparrow
 
-_LOADED: dict[str, str] = {}  # --reward-fn spec -> its task name
+_LOADED: dict[tuple[str, str], str] = {}  # (--reward-fn spec, its file's sha256) -> its task name
 
 
 def register_function(spec: str) -> str:
-    """The task name of a user's reward function, loaded once per process (`--reward-fn`)."""
-    if spec not in _LOADED:
+    """The task name of a user's reward function, loaded once per process and version of its file
+    (`--reward-fn`): a notebook that edits the file and runs again scores with the edited function, the
+    one whose sha256 the provenance records."""
+    key = (spec, reward_fn_sha256(spec))
+    if key not in _LOADED:
         reward = load_reward_function(spec)
         REWARDS[reward.task_name] = dataset_reward(reward.task_name, f"the user's function {spec}",
                                                    judge_many=reward.judge_many, clamp=False,
                                                    needs_answer=False, check_metadata=reward.check_row)
-        _LOADED[spec] = reward.task_name
-    return _LOADED[spec]
+        _LOADED[key] = reward.task_name
+    return _LOADED[key]
 
 
 # ---------------------------------------------------------------- what names the function and its file
