@@ -11,6 +11,7 @@ the pipelined decode loop: docs/engine.md.
 
 from __future__ import annotations
 
+import numbers
 import operator
 import time
 from collections import deque
@@ -105,7 +106,7 @@ def make_runner(model: Transformer, config: EngineConfig) -> ModelRunner:
 def check_inputs(model: object, policy: object, config: object) -> None:
     """What `Engine` is built from, each wrong kind refused in one sentence before anything is set up:
     our decoder (not `load_model`'s `LoadedModel` around it, nor a transformers model), a `KVPolicy` or
-    None (not a bare budget: `as_policy` reads one), an `EngineConfig`."""
+    None (not a bare budget: `as_policy` reads one), an `EngineConfig` whose dense layers the model has."""
     if not isinstance(model, Transformer):
         wraps = isinstance(getattr(model, "model", None), Transformer)
         hint = (f"pass its decoder, the {type(model).__name__}'s .model" if wraps else
@@ -115,24 +116,38 @@ def check_inputs(model: object, policy: object, config: object) -> None:
     check_policy(policy)
     if not isinstance(config, EngineConfig):
         raise TypeError(f"Engine's config must be an EngineConfig, got {type(config).__name__}")
+    layers = model.cfg.num_layers
+    if any(i >= layers for i in config.dense_layers):
+        raise ValueError(f"dense_layers must be layer indices of the model, 0 to {layers - 1}, got "
+                         f"{config.dense_layers}")
 
 
 def token_ids(prompt: object, vocab_size: int, where: str) -> list[int]:
-    """A prompt as the engine takes it, a sequence of token ids each in [0, vocab_size); text, a lone
-    id, a non-integer id or one outside the vocabulary is refused in one sentence naming the prompt
-    (`where`), rather than truncated or failing inside the embedding."""
+    """A prompt as the engine takes it, a flat sequence of token ids each in [0, vocab_size); text, a lone
+    id, a 2-D array, a non-integer id (a bool included) or one outside the vocabulary is refused in one
+    sentence naming the prompt (`where`), rather than truncated or failing inside the embedding."""
     if isinstance(prompt, (str, bytes)):
         raise TypeError(f"{where} is text ({str(prompt)[:40]!r}); the engine takes token ids: tokenize it "
                         "first, e.g. load_model(...).tokenizer(text).input_ids")
-    if not isinstance(prompt, Seq) and not hasattr(prompt, "tolist"):
+    ndim = getattr(prompt, "ndim", None)
+    if ndim == 0 or (not isinstance(prompt, Seq) and not hasattr(prompt, "tolist")):
         raise TypeError(f"{where} is not a sequence of token ids (got {type(prompt).__name__} "
                         f"{prompt!r:.40}); generate takes a list of prompts, each a list of ids (one prompt: "
                         "[ids])")
-    try:
-        ids = [operator.index(t) for t in (prompt.tolist() if hasattr(prompt, "tolist") else prompt)]
-    except TypeError:
-        raise TypeError(f"{where} holds something other than whole token ids (text or floats); the engine "
-                        "takes token ids, one list per prompt") from None
+    if ndim is not None and ndim > 1:
+        raise TypeError(f"{where} is a {ndim}-D array of shape {tuple(prompt.shape)}, not one prompt's ids; "
+                        "pass a [B, T] tensor as the prompt list itself, or its rows (a tokenizer's [1, T] "
+                        "input_ids: input_ids[0])")
+    ids = []
+    for j, t in enumerate(prompt.tolist() if hasattr(prompt, "tolist") else prompt):
+        try:
+            if isinstance(t, (bool, np.bool_)):
+                raise TypeError
+            ids.append(operator.index(t))
+        except TypeError:
+            raise TypeError(f"{where} holds something other than whole token ids: {type(t).__name__} "
+                            f"{t!r:.40} at index {j}; the engine takes token ids, one flat list per "
+                            "prompt") from None
     if not ids:
         raise ValueError(f"{where} is empty; every prompt needs at least one token")
     bad = min(ids) if min(ids) < 0 else max(ids)
@@ -140,6 +155,18 @@ def token_ids(prompt: object, vocab_size: int, where: str) -> list[int]:
         raise ValueError(f"{where} has token id {bad}, but the model's vocabulary has {vocab_size} tokens "
                          f"(ids 0 to {vocab_size - 1}; were the ids made with another tokenizer?)")
     return ids
+
+
+def check_request_ids(request_ids: Seq[object], count: int) -> list[int]:
+    """Request ids seed their prompts' samples: whole numbers >= 0, one per prompt, none twice."""
+    ids = list(request_ids)
+    for rid in ids:
+        if isinstance(rid, (bool, np.bool_)) or not isinstance(rid, numbers.Integral) or rid < 0:
+            raise ValueError(f"request ids must be whole numbers >= 0 (they seed their prompts' samples), "
+                             f"got {rid!r}")
+    if len(ids) != count or len(set(ids)) != len(ids):
+        raise ValueError("request_ids must name every prompt once")
+    return [int(rid) for rid in ids]
 
 
 class Engine:
@@ -186,6 +213,24 @@ class Engine:
         self._finished, self._new = [], 0
         self.num_pages = self.fixed_pages
 
+    def abort(self) -> None:
+        """Drop every request, queued or running, and the decode steps in flight (waited for, their tokens
+        dropped): the engine is idle, its pool and CUDA graphs kept for the next run. `generate` calls it
+        when it raises (an interrupt, a callback's exception), so the next run gives what a fresh engine
+        gives. If the device fails while the steps are waited for, the pool is freed too (as `close`)."""
+        try:
+            self.runner.collect(keep=0)
+            self.runner.forget_rows()
+        except BaseException:
+            self.runner.close()
+            self.num_pages = self.fixed_pages
+            raise
+        finally:
+            self.scheduler = self.blocks = None
+            self._pending = []
+            self._launched.clear()
+            self._finished, self._new = [], 0
+
     def update_weights(self) -> None:
         """The model's weights changed (an optimizer step, a checkpoint load): the next steps sample
         with the new ones (packed copies are rebuilt, stale graphs captured again)."""
@@ -208,11 +253,23 @@ class Engine:
         prompt = token_ids(prompt, self.cfg.vocab_size, "the prompt")
         check_params(params, "the prompt's")
         check_policy(policy)
+        if request_id is not None:
+            request_id = check_request_ids([request_id], 1)[0]
+        policy = self.policy if policy is None else policy
+        self._check_request(prompt, params, policy)
+        return self._queue(prompt, params, request_id, policy)
+
+    def _check_request(self, prompt: list[int], params: SamplingParams, policy: KVPolicy) -> None:
+        """Refuse in one sentence a request this engine cannot run (nothing is queued): past the model's
+        context, more top logprobs than the vocabulary has, a policy the engine cannot run, more pages than
+        a fixed or running pool holds."""
+        if params.logprobs > self.cfg.vocab_size:
+            raise ValueError(f"logprobs must be at most the model's vocabulary of {self.cfg.vocab_size} "
+                             f"tokens, got {params.logprobs}")
         if len(prompt) + params.max_new_tokens > self.cfg.max_position_embeddings:
             raise ValueError(f"a prompt of {len(prompt)} tokens with max_new_tokens "
                              f"{params.max_new_tokens} exceeds the model's context of "
                              f"{self.cfg.max_position_embeddings}")
-        policy = self.policy if policy is None else policy
         if policy.evicts and self.config.speculate:
             raise ValueError(f"speculative decoding drafts with dense or block top-k attention, not with "
                              f"{policy.name}'s eviction")
@@ -224,8 +281,13 @@ class Engine:
         if running and policy.evicts and policy.window > self.runner.cache.window:
             raise ValueError(f"a {policy.name} request can join a run only if the run started with one (its "
                              "pool then holds the query windows eviction reads); add it before the run")
+
+    def _queue(self, prompt: list[int], params: SamplingParams, request_id: int | None,
+               policy: KVPolicy) -> int:
+        """Queue a checked request (`_check_request`) and return its id."""
         rid = self._next_id if request_id is None else request_id
         self._next_id = max(self._next_id, rid + 1)
+        running = self._running()
         req = Request(rid, prompt, params, policy, frozenset() if params.ignore_eos else self.eos_ids)
         if running:
             self.scheduler.add(req)
@@ -354,18 +416,29 @@ class Engine:
         when the engine is idle) name the prompts in the per-sample seeds, so a shard of a prompt set given
         its global prompt indices samples exactly what the whole set run in one engine samples for those
         prompts. `policy` overrides the engine's for these prompts. Called on an idle engine, it starts
-        a run: `stats` then count this call's steps only."""
-        prompts, params = self._checked(prompts, params)
-        check_policy(policy)
-        if not self.has_work():
+        a run: `stats` then count this call's steps only. Every prompt is checked before any is queued,
+        so a refusal changes nothing; if the run raises (an interrupt, a callback's exception), every
+        request is dropped (`abort`) and the engine is idle again."""
+        prompts, params, policy = self._checked(prompts, params, policy)
+        idle = not self.has_work()
+        base = 0 if idle else self._next_id
+        if request_ids is None:
+            request_ids = range(base, base + len(prompts))
+        request_ids = check_request_ids(request_ids, len(prompts))
+        if idle:
             self.stats = EngineStats(speculative=self.config.speculate > 0)
             self._next_id = 0
-        base = self._next_id
-        if request_ids is None:
-            request_ids = [base + i for i in range(len(prompts))]
-        if len(request_ids) != len(prompts) or len(set(request_ids)) != len(request_ids):
-            raise ValueError("request_ids must name every prompt once")
-        ids = [self.add_request(p, sp, rid, policy) for p, sp, rid in zip(prompts, params, request_ids)]
+        try:
+            return self._run(prompts, params, request_ids, policy, on_step, on_prompt)
+        except BaseException:
+            self.abort()
+            raise
+
+    def _run(self, prompts: list[list[int]], params: list[SamplingParams], request_ids: list[int],
+             policy: KVPolicy, on_step: Callable[[int, int], None] | None,
+             on_prompt: Callable[[int, list[Completion]], None] | None) -> list[list[Completion]]:
+        """`generate`'s run over checked requests."""
+        ids = [self._queue(p, sp, rid, policy) for p, sp, rid in zip(prompts, params, request_ids)]
         out: dict[int, list[Completion]] = {i: [] for i in ids}
         samples = {i: sp.n for i, sp in zip(ids, params)}
         while self.has_work():
@@ -379,23 +452,32 @@ class Engine:
                 on_step(new, len(done))
         return [sorted(out.get(i, ()), key=lambda c: c.sample) for i in ids]
 
-    def _checked(self, prompts: Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams]
-                 ) -> tuple[list[list[int]], list[SamplingParams]]:
-        """Every prompt's ids and its params checked before any is queued (a bad prompt 3 leaves
-        nothing of prompts 0-2 behind)."""
+    def _checked(self, prompts: Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams],
+                 policy: KVPolicy | None) -> tuple[list[list[int]], list[SamplingParams], KVPolicy]:
+        """Every prompt's ids, its params and the policy (None: the engine's) checked before any is queued
+        (a bad prompt 3 leaves nothing of prompts 0-2 behind)."""
         if isinstance(prompts, (str, bytes)):
             raise TypeError("generate takes a list of prompts, each a list of token ids, not text; tokenize "
                             "it first, e.g. [load_model(...).tokenizer(text).input_ids]")
+        object_array = getattr(prompts, "dtype", None) == np.dtype(object)  # a pandas column of id lists
+        if getattr(prompts, "ndim", None) in (0, 1) and not object_array:
+            raise TypeError(f"generate takes a list of prompts, got one {type(prompts).__name__} of token "
+                            f"ids (shape {tuple(prompts.shape)}); one prompt goes in a list: [ids]")
         ids = [token_ids(p, self.cfg.vocab_size, f"prompt {i}") for i, p in enumerate(prompts)]
         if isinstance(params, SamplingParams):
-            return ids, [params] * len(ids)
-        params = list(params)
-        if len(params) != len(ids):
-            raise ValueError(f"generate got {len(params)} SamplingParams for {len(ids)} prompts; give one "
-                             "for all or one per prompt")
-        for i, sp in enumerate(params):
-            check_params(sp, f"prompt {i}'s")
-        return ids, params
+            params = [params] * len(ids)
+        else:
+            params = list(params)
+            if len(params) != len(ids):
+                raise ValueError(f"generate got {len(params)} SamplingParams for {len(ids)} prompts; give "
+                                 "one for all or one per prompt")
+            for i, sp in enumerate(params):
+                check_params(sp, f"prompt {i}'s")
+        check_policy(policy)
+        policy = self.policy if policy is None else policy
+        for p, sp in zip(ids, params):
+            self._check_request(p, sp, policy)
+        return ids, params, policy
 
     # ------------------------------------------------------------------ prefill
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import enum
+import math
+import numbers
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
@@ -10,12 +12,24 @@ import torch
 
 from ..kv_policies import KVPolicy
 
+MIN_TEMPERATURE = 1e-6  # below it, logits / T can overflow float32 (NaN logprobs): 0 is greedy
+TEMPERATURE_FLOOR = f"must be 0 (greedy) or at least {MIN_TEMPERATURE:g}"  # what flags say of a smaller one
+
+
+def below_temperature_floor(t: float) -> bool:
+    """A positive temperature too small to divide the logits by (0 itself is greedy)."""
+    return 0 < t < MIN_TEMPERATURE
+
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to sample. Temperature 0 is greedy. Top-k (0 = off) is applied before top-p. Reported
-    logprobs are those of the full distribution at the sampling temperature (1 when greedy), before
-    any top-k/top-p truncation: the convention of `stages.scoring.generate.sample_next`."""
+    """How to sample. Temperature 0 is greedy, else at least MIN_TEMPERATURE and finite. Top-k (0 = off)
+    is applied before top-p. Reported logprobs are those of the full distribution at the sampling
+    temperature (1 when greedy), before any top-k/top-p truncation: the convention of
+    `stages.scoring.generate.sample_next`. `seed` (with the request id and the sample's index) seeds each
+    sample's draws, so it is a whole number >= 0: there is no "random" seed. Each field of a wrong
+    type or range is refused in one sentence naming it, here at construction; `logprobs` past the
+    vocabulary is refused by `Engine.generate`, which knows the model."""
 
     max_new_tokens: int = 256
     temperature: float = 1.0
@@ -27,15 +41,39 @@ class SamplingParams:
     logprobs: int = 0  # also return this many top logprobs per generated token
 
     def __post_init__(self) -> None:
-        checks = ((self.max_new_tokens >= 1, f"max_new_tokens must be at least 1, got {self.max_new_tokens}"),
-                  (self.temperature >= 0, f"temperature must be >= 0 (0: greedy), got {self.temperature}"),
-                  (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
-                  (self.top_k >= 0, f"top_k must be >= 0 (0: off), got {self.top_k}"),
-                  (self.n >= 1, f"n must be at least 1 (samples per prompt), got {self.n}"),
-                  (self.logprobs >= 0, f"logprobs must be >= 0, got {self.logprobs}"))
-        for holds, message in checks:
-            if not holds:
-                raise ValueError(message)
+        whole = {"max_new_tokens": (1, "at least 1"), "top_k": (0, ">= 0 (0: off)"),
+                 "seed": (0, ">= 0 (with the request id and sample index it seeds each sample's draws; "
+                          "there is no random seed)"),
+                 "n": (1, "at least 1 (samples per prompt)"), "logprobs": (0, ">= 0")}
+        for name, (least, rule) in whole.items():
+            object.__setattr__(self, name, whole_number(name, getattr(self, name), least, rule))
+        for name in ("temperature", "top_p"):
+            object.__setattr__(self, name, real_number(name, getattr(self, name)))
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+        t = self.temperature
+        if not (t == 0 or MIN_TEMPERATURE <= t < math.inf):
+            raise ValueError(f"temperature must be 0 (greedy) or a finite number of at least "
+                             f"{MIN_TEMPERATURE:g}, got {t}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+def whole_number(name: str, value: object, least: int, rule: str) -> int:
+    """`value` as an int if it is a whole number (not a bool) of at least `least`, else one sentence naming
+    the field: `name` must be `rule`."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be a whole number {rule}, got {value!r}")
+    if value < least:
+        raise ValueError(f"{name} must be {rule}, got {value}")
+    return int(value)
+
+
+def real_number(name: str, value: object) -> float:
+    """`value` as a float if it is a real number (not a bool), else one sentence naming the field."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    return float(value)
 
 
 @dataclass
