@@ -384,6 +384,10 @@ def distill(
         raise UsageError(str(e)) from None
     if temperature is not None and temperature < 0:  # rollout's check and sentence, before any model loads
         raise UsageError(f"--temperature must be >= 0, got {temperature}")
+    from sparrow.stages.engine.sequence import TEMPERATURE_FLOOR, below_temperature_floor
+
+    if temperature is not None and below_temperature_floor(temperature):
+        raise UsageError(f"--temperature {TEMPERATURE_FLOOR}, got {temperature}")
     for flag, value in (("--samples", samples), ("--max-new-tokens", max_new_tokens),
                         ("--bin-width", bin_width)):
         if value < 1:

@@ -231,6 +231,10 @@ def rollout(
     check_gpu_memory(gpu_memory_utilization)
     if temperature < 0:
         raise UsageError(f"--temperature must be >= 0, got {temperature}")
+    from sparrow.stages.engine.sequence import TEMPERATURE_FLOOR, below_temperature_floor
+
+    if below_temperature_floor(temperature):
+        raise UsageError(f"--temperature {TEMPERATURE_FLOOR}, got {temperature}")
     if not 0 < top_p <= 1:
         raise UsageError(f"--top-p must be in (0, 1], got {top_p}")
     check_device(device, remote=on_a_cluster(workers, ray_address))

@@ -33,6 +33,7 @@ from .core.schedule import Schedule
 from .core.sparsity import as_policy
 from .core.trajectories import Trajectory
 from .engine import Engine, EngineConfig, EngineStats, SamplingParams
+from .engine.sequence import TEMPERATURE_FLOOR, below_temperature_floor
 from .kv_policies import Dense, KVPolicy
 from .model.loading import LoadedModel, model_name, resolve_config
 from .model.lora import LoraWeights, lora_merged
@@ -110,6 +111,8 @@ class ProfileOptions:
                                  f"got {getattr(self, name)}")
         if self.temperature < 0:
             raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
+        if below_temperature_floor(self.temperature):
+            raise ValueError(f"--temperature {TEMPERATURE_FLOOR}, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"--top-p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:

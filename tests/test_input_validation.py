@@ -143,6 +143,22 @@ def test_a_negative_seed_is_one_sentence_before_any_work(tmp_path, no_work, comm
     assert not out.exists()
 
 
+@pytest.mark.parametrize("command", ["rollout", "profile", "train", "distill"])
+def test_a_temperature_too_small_to_divide_by_is_one_sentence_before_any_work(tmp_path, no_work, command):
+    # below the engine's floor of 1e-6, logits / T can overflow float32 (NaN logprobs); 0 is greedy
+    prompts, out = token_prompts(tmp_path / "p.parquet"), tmp_path / "out"
+    args = {"rollout": rollout_args(prompts, out),
+            "profile": ["profile", "--model", "tiny-llama", "--prompts", str(prompts), "-o", str(out)],
+            "train": train_args("tiny-llama", prompts, out),
+            "distill": ["distill", "--model", "tiny-llama", "--prompts", str(prompts), "--budget", "48",
+                        "-o", str(out)]}[command]
+    result = runner.invoke(app, [*args, "--temperature", "1e-8"])
+    expected = ("error: --temperature must be at least 1e-06, got 1e-08" if command == "train" else
+                "error: --temperature must be 0 (greedy) or at least 1e-06, got 1e-08")
+    assert result.exit_code == 2 and error_line(result) == expected
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("command", ["rollout", "train"])
 def test_speculation_without_a_sparse_drafter_is_refused(tmp_path, no_work, command):
     prompts, out = token_prompts(tmp_path / "p.parquet"), tmp_path / "out"

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from ..core.definitions import DEFAULT_BIN_WIDTH
 from ..core.sparsity import as_policy, parse_sparsity
+from ..engine.sequence import MIN_TEMPERATURE, below_temperature_floor
 from ..kv_policies import KVPolicy
 from ..model.config import ModelConfig
 from ..model.loading import canonical_dtype
@@ -77,6 +78,8 @@ class TrainConfig:
         if self.temperature == 0:
             raise ValueError("--temperature must be above 0, got 0: greedy samples of a prompt are all the "
                              "same, so no group has a reward spread for GRPO's advantage to learn from")
+        if below_temperature_floor(self.temperature):
+            raise ValueError(f"--temperature must be at least {MIN_TEMPERATURE:g}, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"--top-p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
