@@ -5,6 +5,7 @@ a wrong type or range are refused in one sentence naming the field before any wo
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ import torch
 from sparrow.stages.engine import Engine, EngineConfig, SamplingParams
 from sparrow.stages.engine.config import DecodeStep
 from sparrow.stages.engine.sequence import MIN_TEMPERATURE
+from sparrow.stages.model.llama import Transformer
 
 P = [[5, 17, 42, 7, 99], [3, 1, 4, 1, 5, 9, 2, 6]]  # the prompts whose results are compared
 Q = [[11, 12, 13], [200, 201, 202, 203, 204, 205]]  # the run that is interrupted
@@ -150,6 +152,12 @@ def test_engine_config_refuses_a_wrong_type_or_range_naming_the_field(field, val
     with pytest.raises(ValueError) as raised:
         EngineConfig(**{field: value})
     assert str(raised.value).startswith(start) and "\n" not in str(raised.value)
+
+
+def test_the_default_dense_layers_are_the_first_two_a_one_layer_model_has(tiny):
+    one_layer = Transformer(replace(tiny.cfg, num_layers=1))
+    with Engine(one_layer) as engine:  # the default (0, 1) is not a refusal: layer 0 is dense
+        assert len(engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=2))[0][0].token_ids) == 2
 
 
 def test_dense_layers_past_the_models_are_refused_by_the_engine(tiny):

@@ -24,6 +24,7 @@ import torch
 
 from sparrow.kernels.ops import TRITON, ops_for
 
+from ..core.definitions import DEFAULT_DENSE_LAYERS
 from ..kv_policies import BlockTopK, Dense, KVPolicy
 from ..model.llama import Transformer
 from .block_manager import BlockManager
@@ -117,7 +118,8 @@ def check_inputs(model: object, policy: object, config: object) -> None:
     if not isinstance(config, EngineConfig):
         raise TypeError(f"Engine's config must be an EngineConfig, got {type(config).__name__}")
     layers = model.cfg.num_layers
-    if any(i >= layers for i in config.dense_layers):
+    given = config.dense_layers != DEFAULT_DENSE_LAYERS  # the default: the first two, of those the model has
+    if given and any(i >= layers for i in config.dense_layers):
         raise ValueError(f"dense_layers must be layer indices of the model, 0 to {layers - 1}, got "
                          f"{config.dense_layers}")
 
