@@ -87,6 +87,23 @@ def copy_bandwidth(device: torch.device, gib: float = 1.0) -> float:
     return 2 * src.numel() * 4 / min(timed(lambda: dst.copy_(src), device, 5))
 
 
+def device_name(device: torch.device) -> str:
+    """What the numbers were measured on: the GPU's name, or the CPU's model with the vector extensions the
+    CPU kernels and oneDNN choose by (speed differs by several times between CPUs of one architecture)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "cpu"
+    fields = dict(line.split(":", 1) for line in info.splitlines() if ":" in line)  # the CPUs are alike
+    fields = {key.strip(): value.strip() for key, value in fields.items()}
+    model, flags = fields.get("model name", "cpu"), set(fields.get("flags", "").split())
+    known = (("avx512_bf16", "AVX512-BF16"), ("amx_bf16", "AMX"))
+    extensions = [name for flag, name in known if flag in flags]
+    return f"{model}, {' '.join(extensions)}" if extensions else model
+
+
 RESULTS = Path(__file__).parent / "results"  # machine-specific, not tracked
 RESULTS_ENV = "SPARROW_BENCH_RESULTS"
 

@@ -31,7 +31,7 @@ import re
 import statistics
 
 import torch
-from common import bench_parser, copy_bandwidth, timed, timed_graph, write_results
+from common import bench_parser, copy_bandwidth, device_name, timed, timed_graph, write_results
 from select_candidates import select_count_triton
 
 from sparrow.kernels import ops, page_scoring
@@ -240,7 +240,7 @@ def main() -> None:
     contexts = [int(c) for c in (args.contexts or ("16384,32768" if on_gpu else "4096,8192")).split(",")]
     dtype = torch.bfloat16 if on_gpu else torch.float32
     bw = copy_bandwidth(device)
-    name = torch.cuda.get_device_name(device) if on_gpu else "cpu"
+    name = device_name(device)
     impl = "Triton" if ops.ops_for(device) is ops.TRITON else "torch reference"
     timing = "eager calls" if args.eager or not on_gpu else "CUDA graph replays"
     print(f"{args.model} attention shapes, batch {args.batch}, budget {args.budget}, {dtype}, {name}, "

@@ -34,6 +34,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 import torch.nn.functional as F
+from common import device_name
 from torch import Tensor
 
 from sparrow.kernels import sparse_prefill
@@ -203,7 +204,7 @@ def main() -> None:
         results[path], seconds, peak = measure(device, lambda: score_sequences(
             model, [prompt], [completion], budgets, dense_layers=dense_layers))
         print(json.dumps({"path": path, "seconds": round(seconds, 3), "peak_gib": peak, "model": args.model,
-                          "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                          "device": device_name(device),
                           "length": args.length, "prompt_tokens": args.prompt_tokens, "budgets": budgets,
                           "text": args.text}),
               flush=True)

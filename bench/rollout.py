@@ -62,12 +62,11 @@ rollout.parquet (or rollout-own-kv.parquet) into --results (default bench/result
 from __future__ import annotations
 
 import importlib.util
-import platform
 import time
 
 import numpy as np
 import torch
-from common import bench_parser, copy_bandwidth, sync, t_half_width, write_results
+from common import bench_parser, copy_bandwidth, device_name, sync, t_half_width, write_results
 
 from sparrow.kernels import cpu_attention
 from sparrow.stages.core.definitions import validate_budget
@@ -572,11 +571,12 @@ def main() -> None:
         rows = whole_rollout(loaded, args, device, dtype)
     bw = copy_bandwidth(device)  # after the runs: its fresh memory slowed a following prefill
     add_floors(rows, w_bytes, bw, group="kv_tokens" if args.own_kv else None)
-    name = torch.cuda.get_device_name(device) if gpu else platform.processor() or platform.machine()
+    name = device_name(device)
     where = (f"{device} ({name}, {torch.get_num_threads()} threads), copy bandwidth {bw / 1e9:.1f} GB/s, "
              f"weights {w_bytes / 1e6:.0f} MB")
     for r in rows:
-        r.update(device=str(device), threads=torch.get_num_threads(), copy_gb_s=bw / 1e9, model=args.model,
+        r.update(device=str(device), device_name=name, threads=torch.get_num_threads(), copy_gb_s=bw / 1e9,
+                 model=args.model,
                  temperature=args.temperature)
     if args.own_kv:
         print(f"{loaded.name}, own KV (decode steps only: {args.warmup} untimed, {args.steps} timed), "
