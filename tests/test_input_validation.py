@@ -130,14 +130,19 @@ def test_train_refuses_settings_that_cannot_train(tmp_path, no_work, extra, expe
     assert not run.exists()
 
 
-@pytest.mark.parametrize("command", ["rollout", "profile", "train", "distill"])
-def test_a_negative_seed_is_one_sentence_before_any_work(tmp_path, no_work, command):
-    prompts, out = token_prompts(tmp_path / "p.parquet"), tmp_path / "out"
-    args = {"rollout": rollout_args(prompts, out),
+def sampling_stage_args(command: str, prompts: Path, out: Path) -> list[str]:
+    """A run of one of the stages that sample (rollout, profile, train, distill) on tiny-llama."""
+    return {"rollout": rollout_args(prompts, out),
             "profile": ["profile", "--model", "tiny-llama", "--prompts", str(prompts), "-o", str(out)],
             "train": train_args("tiny-llama", prompts, out),
             "distill": ["distill", "--model", "tiny-llama", "--prompts", str(prompts), "--budget", "48",
                         "-o", str(out)]}[command]
+
+
+@pytest.mark.parametrize("command", ["rollout", "profile", "train", "distill"])
+def test_a_negative_seed_is_one_sentence_before_any_work(tmp_path, no_work, command):
+    prompts, out = token_prompts(tmp_path / "p.parquet"), tmp_path / "out"
+    args = sampling_stage_args(command, prompts, out)
     result = runner.invoke(app, [*args, "--seed", "-5"])
     assert result.exit_code == 2 and error_line(result) == "error: --seed must be >= 0, got -5"
     assert not out.exists()
@@ -147,11 +152,7 @@ def test_a_negative_seed_is_one_sentence_before_any_work(tmp_path, no_work, comm
 def test_a_temperature_too_small_to_divide_by_is_one_sentence_before_any_work(tmp_path, no_work, command):
     # below the engine's floor of 1e-6, logits / T can overflow float32 (NaN logprobs); 0 is greedy
     prompts, out = token_prompts(tmp_path / "p.parquet"), tmp_path / "out"
-    args = {"rollout": rollout_args(prompts, out),
-            "profile": ["profile", "--model", "tiny-llama", "--prompts", str(prompts), "-o", str(out)],
-            "train": train_args("tiny-llama", prompts, out),
-            "distill": ["distill", "--model", "tiny-llama", "--prompts", str(prompts), "--budget", "48",
-                        "-o", str(out)]}[command]
+    args = sampling_stage_args(command, prompts, out)
     result = runner.invoke(app, [*args, "--temperature", "1e-8"])
     expected = ("error: --temperature must be at least 1e-06, got 1e-08" if command == "train" else
                 "error: --temperature must be 0 (greedy) or at least 1e-06, got 1e-08")
