@@ -89,7 +89,7 @@ def copy_bandwidth(device: torch.device, gib: float = 1.0) -> float:
 
 def device_name(device: torch.device) -> str:
     """What the numbers were measured on: the GPU's name, or the CPU's model with the vector extensions the
-    CPU kernels and oneDNN choose by (speed differs by several times between CPUs of one architecture)."""
+    CPU kernels and oneDNN choose by (x86_64 alone does not tell two CPUs apart)."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     try:
