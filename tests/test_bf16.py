@@ -29,28 +29,31 @@ def smollm2_bf16():
     return load_model("smollm2-135m", dtype=torch.bfloat16)
 
 
-def _gaps(engine_model, reference_model, prompt, sparsity):
+def _gaps(engine_model, reference_models, prompt, sparsity):
+    """Per reference model, the engine's logprobs' distance from its teacher-forced scores."""
     engine = Engine(engine_model, as_policy(sparsity), EngineConfig(max_batch=4))
     samples = engine.generate([prompt], SamplingParams(max_new_tokens=24, n=3, seed=1, ignore_eos=True))[0]
     assert engine.blocks.used == 0 and not engine.runner.prefixes
     budget_at = budget_fn(sparsity)
-    scored = score_sequences(reference_model, [c.prompt_token_ids for c in samples],
-                             [c.token_ids for c in samples], [budget_at] if budget_at else [])
-    expected = scored.sparse[budget_at][1] if budget_at else scored.logp_dense
-    return np.abs(np.concatenate([c.logprobs for c in samples]) - expected)
+    gaps = []
+    for reference_model in reference_models:
+        scored = score_sequences(reference_model, [c.prompt_token_ids for c in samples],
+                                 [c.token_ids for c in samples], [budget_at] if budget_at else [])
+        expected = scored.sparse[budget_at][1] if budget_at else scored.logp_dense
+        gaps.append(np.abs(np.concatenate([c.logprobs for c in samples]) - expected))
+    return gaps
 
 
 def test_bf16_dense_logprobs_within_the_stated_tolerance(smollm2, smollm2_bf16):
     prompt = make_prompts("kv_lookup", 1, 0, smollm2.tokenizer, context_tokens=600)[0]["prompt_token_ids"]
-    to_bf16 = _gaps(smollm2_bf16.model, smollm2_bf16.model, prompt, None)
-    to_fp32 = _gaps(smollm2_bf16.model, smollm2.model, prompt, None)
+    to_bf16, to_fp32 = _gaps(smollm2_bf16.model, [smollm2_bf16.model, smollm2.model], prompt, None)
     assert to_bf16.max() < 0.3 and to_bf16.mean() < 0.04
     assert to_fp32.max() < 0.3 and to_fp32.mean() < 0.04
 
 
 def test_bf16_sparse_logprobs_within_the_stated_tolerance(smollm2, smollm2_bf16):
     prompt = make_prompts("kv_lookup", 1, 0, smollm2.tokenizer, context_tokens=600)[0]["prompt_token_ids"]
-    gaps = _gaps(smollm2_bf16.model, smollm2_bf16.model, prompt, 96)
+    gaps, = _gaps(smollm2_bf16.model, [smollm2_bf16.model], prompt, 96)
     assert np.median(gaps) < 0.03 and gaps.mean() < 0.15
 
 
@@ -122,3 +125,34 @@ def test_fused_decode_layers_equal_the_modular_step(name, dtype):
             runs.append(engine.generate([prompt], params)[0])
         for a, b in zip(*runs):
             assert a.token_ids == b.token_ids and a.logprobs == b.logprobs, (name, budget)
+
+
+def test_bf16_without_onednn_bf16_runs_torch_products(monkeypatch):
+    """A CPU whose oneDNN has no bf16 products (AVX2 only): no packing for bf16 (oneDNN would refuse the
+    reorder), fp32 packs as before, and a bf16 engine samples through torch's products."""
+    from sparrow.stages.engine.cpu import packed_linears
+
+    monkeypatch.setattr(packed_linears, "onednn_runs_bf16", lambda: False)
+    model = load_model("tiny-qwen3", dtype=torch.bfloat16).model
+    assert not packed_linears.packing_available(model)
+    assert packed_linears.packing_available(torch.nn.Linear(4, 4)) == torch.backends.mkldnn.is_available()
+    engine = Engine(model, as_policy(None), EngineConfig(max_batch=2))
+    assert engine.runner.packed is None
+    out = engine.generate([[1, 2, 3, 4]], SamplingParams(max_new_tokens=3, n=2, seed=0, ignore_eos=True))[0]
+    assert [len(c.token_ids) for c in out] == [3, 3]
+
+
+def test_bf16_without_onednn_bf16_is_noted(monkeypatch):
+    """On such a CPU the engine says once that float32 is the faster choice here."""
+    from sparrow.stages.engine.cpu import packed_linears, runner
+
+    said: list[str] = []
+    monkeypatch.setattr(runner, "onednn_runs_bf16", lambda: False)
+    monkeypatch.setattr(runner, "note", said.append)
+    model = load_model("tiny-qwen3", dtype=torch.bfloat16).model
+    Engine(model, as_policy(None), EngineConfig(max_batch=2))
+    assert len(said) == 1 and "--dtype float32" in said[0]
+    said.clear()
+    monkeypatch.setattr(runner, "onednn_runs_bf16", packed_linears.onednn_runs_bf16)
+    Engine(load_model("tiny-qwen3").model, as_policy(None), EngineConfig(max_batch=2))  # fp32: nothing
+    assert not said

@@ -91,8 +91,8 @@ def test_engine_with_cascade_matches_engine_without(smollm2, sparsity, chunks, m
     model = smollm2.model
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 1000, (n,), generator=g).tolist() for n in (150, 97)]
-    params = [SamplingParams(max_new_tokens=24, n=3, temperature=1.0, seed=3, ignore_eos=True),
-              SamplingParams(max_new_tokens=24, n=1, temperature=1.0, seed=3, ignore_eos=True)]
+    params = [SamplingParams(max_new_tokens=12, n=3, temperature=1.0, seed=3, ignore_eos=True),
+              SamplingParams(max_new_tokens=12, n=1, temperature=1.0, seed=3, ignore_eos=True)]
     runs = []
     for cascade in (True, False):
         engine = Engine(model, as_policy(sparsity), EngineConfig(max_batch=8, cascade=cascade))

@@ -63,13 +63,13 @@ def test_a_stage_note_reaches_stderr_where_no_logger_takes_it(capsys, monkeypatc
     prompt set's note."""
     import logging
 
-    import sparrow.stages.core.prompt_set as prompt_set
+    from sparrow.stages.core import notes
 
     logger = logging.getLogger("sparrow")
     monkeypatch.setattr(logger, "handlers", [])
     monkeypatch.setattr(logger, "propagate", False)
-    monkeypatch.setattr(prompt_set, "_SAID", set())
-    prompt_set._note("the prompts go in as plain text")
+    monkeypatch.setattr(notes, "_SAID", set())
+    notes.note("the prompts go in as plain text")
     assert capsys.readouterr().err == "note: the prompts go in as plain text\n"
 
 
@@ -93,14 +93,14 @@ def test_a_note_a_quiet_command_dropped_is_said_by_the_next_command(capsys):
     the commands after it in the same process."""
     from sparrow.cli.app import _this_command_only
     from sparrow.cli.console import console
-    from sparrow.stages.core import prompt_set
+    from sparrow.stages.core.notes import note
 
     message = "the prompts of q.parquet go in as plain text"
     with _this_command_only():
         console.quiet = True
-        prompt_set._note(message)
+        note(message)
     assert capsys.readouterr().err == ""
     with _this_command_only():
-        prompt_set._note(message)
-        prompt_set._note(message)  # train reads its prompts more than once: said once
+        note(message)
+        note(message)  # train reads its prompts more than once: said once
     assert capsys.readouterr().err == f"note: {message}\n"

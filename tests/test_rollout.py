@@ -449,12 +449,14 @@ def test_cli_writes_rollouts(prompts_file, tmp_path):
 
 def test_cli_small_kv_pool_preempts_and_gives_the_same_rollouts(prompts_file, tmp_path):
     longest = max(len(r["prompt_token_ids"]) for r in read_artifact(prompts_file, "prompts").to_pylist())
-    pages = -(-(longest + 40 - 1) // 16) + 2  # one sample fits, not four
+    new_tokens = 24
+    pages = -(-(longest + new_tokens - 1) // 16) + 2  # one sample fits, not four
     tables = []
     for extra in ([], ["--kv-pages", str(pages)]):
         out = tmp_path / f"r{len(extra)}.parquet"
         r = runner.invoke(app, ["rollout", "--prompts", str(prompts_file), "--samples", "4", "--ignore-eos",
-                                "--max-new-tokens", "40", "--temperature", "1", "-o", str(out), *extra])
+                                "--max-new-tokens", str(new_tokens), "--temperature", "1", "-o", str(out),
+                                *extra])
         assert r.exit_code == 0, r.output
         tables.append(read_artifact(out, "rollouts").to_pylist())
         preempted = artifact_metadata(out)["summary"]["preemptions"]

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
 import sys
 from dataclasses import dataclass, field
@@ -31,6 +30,7 @@ from sparrow.schemas import artifact_metadata, read_artifact
 from sparrow.schemas.footer import file_json
 from sparrow.schemas.locations import missing
 
+from .notes import note
 from .user_data import DataOptions, DatasetError, dataset_metadata, missing_answer_advice, read_dataset
 
 COLUMNS = ("prompt_id", "task", "prompt", "prompt_token_ids", "answer", "metadata")
@@ -53,21 +53,6 @@ def prompt_digest(row: dict) -> str:
     """A prompt's text or chat messages as read from its file (before any chat template), hashed."""
     given = row.get("messages") or row.get("prompt") or ""
     return hashlib.sha256(json.dumps(given, sort_keys=True, ensure_ascii=False).encode()).hexdigest()[:16]
-
-
-_SAID: set[str] = set()  # the notes already printed to stderr by this process
-
-
-def _note(message: str) -> None:
-    """`message` as a note: to the `sparrow` logger at INFO where something takes it (the CLI prints it as
-    "note: ...", once per command; --quiet drops it), else straight to stderr once per process (train reads
-    its prompts more than once), so that a script using the stages still hears it."""
-    logger = logging.getLogger("sparrow")
-    if logger.hasHandlers() and logger.isEnabledFor(logging.INFO):
-        logger.info(message)
-    elif message not in _SAID:
-        _SAID.add(message)
-        print(f"note: {message}", file=sys.stderr, flush=True)
 
 
 @dataclass
@@ -158,7 +143,7 @@ class PromptSet:
             if chat_template and recorded is not None:
                 r["prompt"] = user_message(recorded, r["prompt"]) or r["prompt"]
             r["prompt_token_ids"], r["from_text"] = None, True
-        _note(f"{self.path} was tokenized for {made_for} (its metadata), and {given} has another tokenizer, "
+        note(f"{self.path} was tokenized for {made_for} (its metadata), and {given} has another tokenizer, "
               "so its prompts are tokenized again from their text")
 
     def _remake(self, model: str | None) -> str:
@@ -265,7 +250,7 @@ class PromptSet:
         if chat_template and tokenizer is not None and not templated and any(not r.get("messages")
                                                                              for r in pending):
             name = f"--model {model}" if model is not None else "the model"
-            _note(f"{name} has no chat template, so the text prompts of {self.path} go in as plain text, as "
+            note(f"{name} has no chat template, so the text prompts of {self.path} go in as plain text, as "
                   "--raw-prompts sends them")
         for r in pending:
             if r.get("messages"):

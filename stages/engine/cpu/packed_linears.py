@@ -24,10 +24,18 @@ from sparrow.kernels.ops import CPU
 
 
 def packing_available(model: nn.Module) -> bool:
-    """fp32 or bf16 weights on a CPU whose torch has oneDNN's packed linear."""
+    """fp32 or bf16 weights on a CPU whose torch has oneDNN's packed linear, for bf16 one whose oneDNN runs
+    bf16 products (AVX512 or AVX-NE-CONVERT; an AVX2-only CPU computes bf16 with torch's own products)."""
     w = next(model.parameters())
     return (w.device.type == "cpu" and w.dtype in (torch.float32, torch.bfloat16)
-            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and (w.dtype == torch.float32 or onednn_runs_bf16()))
+
+
+def onednn_runs_bf16() -> bool:
+    """Whether this CPU's oneDNN has bf16 products (AVX512 or AVX-NE-CONVERT); without them torch computes
+    bf16 with generic kernels, slower than its fp32 products."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 # methods of our model's modules that apply several linears to one input, and those linears' names
@@ -118,21 +126,27 @@ def row_exact_linears(model: nn.Module) -> Iterator[None]:
 
 
 def _row_exact(linear: nn.Linear) -> Callable[[Tensor], Tensor]:
-    def forward(x: Tensor) -> Tensor:
-        if x.numel() != x.shape[-1]:
-            return torch.ops.mkldnn._linear_pointwise(x, linear.weight, linear.bias, "none", [], "")
-        pair = torch.cat([x.reshape(1, -1)] * 2)  # oneDNN's one-row product sums in another order
-        out = torch.ops.mkldnn._linear_pointwise(pair, linear.weight, linear.bias, "none", [], "")
-        return out[:1].view(*x.shape[:-1], -1)
-
-    return forward
+    return lambda x: _row_exact_product(linear.weight, linear.bias)(x)
 
 
 def _product(packed: tuple[str, Tensor], bias: Tensor | None) -> Callable[[Tensor], Tensor]:
     kind, weight = packed
     if kind == "dot":
         return lambda x: dot_product(x, weight, bias)
-    return lambda x: torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return _row_exact_product(weight, bias)
+
+
+def _row_exact_product(weight: Tensor, bias: Tensor | None) -> Callable[[Tensor], Tensor]:
+    """oneDNN's product (on a plain or a packed weight) sums each row alike for any number of rows from 2
+    on; a lone row (a decode step of one sequence) sums in another order, so it goes with a duplicate."""
+    def forward(x: Tensor) -> Tensor:
+        if x.numel() != x.shape[-1]:
+            return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+        pair = torch.cat([x.reshape(1, -1)] * 2)
+        out = torch.ops.mkldnn._linear_pointwise(pair, weight, bias, "none", [], "")
+        return out[:1].view(*x.shape[:-1], -1)
+
+    return forward
 
 
 def dot_product(x: Tensor, weight: Tensor, bias: Tensor | None, fp32_out: bool = False) -> Tensor:

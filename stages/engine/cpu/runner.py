@@ -21,6 +21,7 @@ from sparrow.kernels.cascade_decode import suffix_pages
 from sparrow.kernels.ops import CPU, GatherWorkspace
 
 from ...attention.paged import DecodeAttention, DecodeBatch, KeyTap
+from ...core.notes import note
 from ...model.llama import Transformer
 from ..block_manager import BlockManager
 from ..config import EngineConfig
@@ -31,7 +32,7 @@ from .allocator import tune_cpu_allocator
 from .attention import Cascade, CpuDecodeAttention
 from .fused_decode import FusedCpuDecode
 from .layers import CpuLayerOps, cpu_layers_available
-from .packed_linears import PackedLinears, dot_product, packing_available, row_exact_linears
+from .packed_linears import PackedLinears, dot_product, onednn_runs_bf16, packing_available, row_exact_linears
 from .prefix_store import PrefixStore, SharedPrefix
 
 
@@ -43,6 +44,10 @@ class CpuRunner(ModelRunner):
         own = self.ops is CPU  # the torch references: no C++ kernel anywhere in the step
         self.workspace = GatherWorkspace()  # the torch references' K/V gather buffers, reused every step
         self.packed = PackedLinears(model, self.max_batch, own) if packing_available(model) else None
+        if self.dtype == torch.bfloat16 and not onednn_runs_bf16():
+            note("this CPU has no bf16 products (no AVX512 or AVX-NE-CONVERT), so bfloat16 runs through "
+                 "torch's generic kernels, slower than float32 here: --dtype float32 is faster on this "
+                 "machine")
         self.layer_ops = CpuLayerOps(model) if own and cpu_layers_available(model) else None
         self.fused = FusedCpuDecode(model, self.packed) if (
             self.packed is not None and self.packed.dot and self.layer_ops is not None

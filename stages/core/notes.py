@@ -1,0 +1,21 @@
+"""A stage's note to the user: one line, through the `sparrow` logger where something takes it.
+
+The CLI prints the logger's INFO records as "note: ..." once per command (--quiet drops them); a script
+using the stages with no handler still hears each note once per process, on stderr.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+_SAID: set[str] = set()  # the notes already printed to stderr by this process
+
+
+def note(message: str) -> None:
+    logger = logging.getLogger("sparrow")
+    if logger.hasHandlers() and logger.isEnabledFor(logging.INFO):
+        logger.info(message)
+    elif message not in _SAID:
+        _SAID.add(message)
+        print(f"note: {message}", file=sys.stderr, flush=True)
