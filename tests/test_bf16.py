@@ -51,7 +51,7 @@ def test_bf16_dense_logprobs_within_the_stated_tolerance(smollm2, smollm2_bf16):
     assert to_fp32.max() < 0.3 and to_fp32.mean() < 0.04
 
 
-@pytest.mark.slow  # minutes on a CPU without bf16 products; test_cli_rollout_in_bf16 runs a budget in bf16
+@pytest.mark.slow  # bf16 scoring is slow where oneDNN has no bf16; test_cli_rollout_in_bf16 runs a budget
 def test_bf16_sparse_logprobs_within_the_stated_tolerance(smollm2, smollm2_bf16):
     prompt = make_prompts("kv_lookup", 1, 0, smollm2.tokenizer, context_tokens=600)[0]["prompt_token_ids"]
     gaps, = _gaps(smollm2_bf16.model, [smollm2_bf16.model], prompt, 96)

@@ -383,7 +383,7 @@ def test_train_and_distill_warn_when_their_samples_end_at_the_first_token(tmp_pa
 # ---------------------------------------------------------------- item 20: a dependency's SyntaxWarnings
 
 
-@pytest.mark.slow  # compiles reasoning-gym's dependencies from source: half a minute a task
+@pytest.mark.slow  # compiles reasoning-gym's dependencies from source
 @pytest.mark.parametrize("task", ["chain_sum", "gsm_symbolic"])
 def test_prompts_print_no_syntax_warnings_without_bytecode(tmp_path, task):
     """With no bytecode cache, Python compiles reasoning-gym's dependencies from source on every run."""

@@ -12,6 +12,7 @@ import torch
 from sparrow.kernels.ops import Backend
 
 from ..core.definitions import DEFAULT_DENSE_LAYERS, PAGE_SIZE
+from .memory import check_memory_utilization
 from .sequence import whole_number
 
 
@@ -66,10 +67,7 @@ class EngineConfig:
             raise ValueError(f"decode_step must be a DecodeStep, got {self.decode_step!r}")
         if not isinstance(self.kernels, Backend):
             raise ValueError(f"kernels must be a Backend, got {self.kernels!r}")
-        utilization = self.gpu_memory_utilization
-        if isinstance(utilization, bool) or not isinstance(utilization, numbers.Real) or \
-                not 0 < utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization must be a fraction in (0, 1], got {utilization!r}")
+        check_memory_utilization(self.gpu_memory_utilization, "gpu_memory_utilization")
         if isinstance(self.speculate, bool) or not isinstance(self.speculate, numbers.Integral):
             raise ValueError(f"speculate must be a whole number of draft tokens per cycle, got "
                              f"{self.speculate!r}")

@@ -7,6 +7,7 @@ pool as nano-vllm sizes it, capped by the workload (docs/engine.md, "Pool sizing
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -19,9 +20,12 @@ class PoolTooSmall(RuntimeError):
     pass
 
 
-def check_memory_utilization(fraction: float) -> float:
+def check_memory_utilization(fraction: object, name: str = "--gpu-memory-utilization") -> float:
+    """`fraction` if it is a real number in (0, 1], else one sentence naming `name` (a flag or a field)."""
+    if isinstance(fraction, bool) or not isinstance(fraction, numbers.Real):
+        raise ValueError(f"{name} must be a fraction in (0, 1], got {fraction!r}")
     if not 0 < fraction <= 1:
-        raise ValueError(f"--gpu-memory-utilization must be a fraction in (0, 1], got {fraction:g}")
+        raise ValueError(f"{name} must be a fraction in (0, 1], got {fraction:g}")
     return fraction
 
 

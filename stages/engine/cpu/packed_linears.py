@@ -9,7 +9,8 @@ A prefill forward stacks the rows the scheduler admitted together, so its produc
 that batch's tokens. torch's CPU product (MKL's sgemm) splits the sum over the inputs between threads
 for some row counts, which rounds a row differently with other rows beside it; oneDNN's product on the
 plain weight sums each row alike for any number of rows from 2 on, so `row_exact_linears` routes the
-prefill's linears there (no copy of the weights) and gives a lone row a duplicate.
+prefill's linears there (no copy of the weights); a lone row, at prefill or in a decode step on oneDNN's
+packed weights, goes with a duplicate.
 """
 
 from __future__ import annotations
@@ -126,27 +127,24 @@ def row_exact_linears(model: nn.Module) -> Iterator[None]:
 
 
 def _row_exact(linear: nn.Linear) -> Callable[[Tensor], Tensor]:
-    return lambda x: _row_exact_product(linear.weight, linear.bias)(x)
+    return lambda x: _onednn_rows(x, linear.weight, linear.bias)
 
 
 def _product(packed: tuple[str, Tensor], bias: Tensor | None) -> Callable[[Tensor], Tensor]:
     kind, weight = packed
     if kind == "dot":
         return lambda x: dot_product(x, weight, bias)
-    return _row_exact_product(weight, bias)
+    return lambda x: _onednn_rows(x, weight, bias)
 
 
-def _row_exact_product(weight: Tensor, bias: Tensor | None) -> Callable[[Tensor], Tensor]:
+def _onednn_rows(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     """oneDNN's product (on a plain or a packed weight) sums each row alike for any number of rows from 2
     on; a lone row (a decode step of one sequence) sums in another order, so it goes with a duplicate."""
-    def forward(x: Tensor) -> Tensor:
-        if x.numel() != x.shape[-1]:
-            return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-        pair = torch.cat([x.reshape(1, -1)] * 2)
-        out = torch.ops.mkldnn._linear_pointwise(pair, weight, bias, "none", [], "")
-        return out[:1].view(*x.shape[:-1], -1)
-
-    return forward
+    if x.numel() != x.shape[-1]:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    pair = torch.cat([x.reshape(1, -1)] * 2)
+    out = torch.ops.mkldnn._linear_pointwise(pair, weight, bias, "none", [], "")
+    return out[:1].view(*x.shape[:-1], -1)
 
 
 def dot_product(x: Tensor, weight: Tensor, bias: Tensor | None, fp32_out: bool = False) -> Tensor:
