@@ -143,7 +143,7 @@ def test_prefix_copy_lives_in_the_pool_and_is_given_back_before_a_preemption(smo
     an engine without cascade in every case."""
     model = smollm2.model
     prompt = torch.randint(0, 1000, (150,), generator=torch.Generator().manual_seed(2)).tolist()
-    params = SamplingParams(max_new_tokens=40, n=3, temperature=1.0, seed=3, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=24, n=3, temperature=1.0, seed=3, ignore_eos=True)
     want = Engine(model, None, EngineConfig(max_batch=8, cascade=False)).generate([prompt], params)[0]
     for pages, copy_at_start, copy_at_end in ((None, True, True), (23, True, False), (20, False, False)):
         engine = Engine(model, None, EngineConfig(max_batch=8, cascade=True, num_pages=pages))
