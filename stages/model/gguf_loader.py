@@ -81,6 +81,13 @@ def read_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
 
     reader = gguf.GGUFReader(str(path))
     cfg = gguf_config(reader, str(path))
+    return cfg, gguf_weights(reader, cfg)
+
+
+def gguf_weights(reader, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """The dequantised fp32 weights of a parsed GGUF file, under transformers' names."""
+    import gguf
+
     state: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
         w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
@@ -94,4 +101,4 @@ def read_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
         else:
             name = f"{_GLOBAL_NAMES[parts[0]]}.{parts[1]}"
         state[name] = torch.from_numpy(np.ascontiguousarray(w))
-    return cfg, state
+    return state

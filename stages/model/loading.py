@@ -41,7 +41,7 @@ from safetensors.torch import load_file, save_file
 from sparrow.schemas.io import dead_writer, leftovers, temporary
 
 from .config import ModelConfig, ModelSpecError, supported_types
-from .gguf_loader import read_gguf
+from .gguf_loader import gguf_config, gguf_weights, read_gguf
 from .home import building, check_readable, sparrow_home
 from .llama import Transformer, hf_to_ours, ours_to_hf
 from .presets import PRESETS, get_preset
@@ -97,18 +97,23 @@ def resolve_config(spec: str) -> ModelConfig:
             _check_weight_headers(cfg, files, path)
         return cfg
     if path.suffix == ".gguf" and path.is_file():
-        import gguf
-
-        from .gguf_loader import gguf_config
-
-        try:
-            return gguf_config(gguf.GGUFReader(str(path)), str(path))
-        except ModelSpecError:
-            raise
-        except (ValueError, KeyError, IndexError, TypeError, OSError) as e:
-            raise ModelSpecError(f"{path} cannot be read as a GGUF model ({e.args[0] if e.args else e})"
-                                 ) from None
+        return _open_gguf(path)[1]
     raise _unknown(spec)
+
+
+def _open_gguf(path: Path) -> tuple[object, ModelConfig]:
+    """The parsed GGUF file (a gguf.GGUFReader; parsing its vocabulary takes seconds, so once per load)
+    and its model config; a file that is not GGUF: one sentence."""
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+        return reader, gguf_config(reader, str(path))
+    except ModelSpecError:
+        raise
+    except (ValueError, KeyError, IndexError, TypeError, OSError) as e:
+        reason = e.args[0] if e.args else e
+        raise ModelSpecError(f"{path} cannot be read as a GGUF model ({reason})") from None
 
 
 def _config_from_hf(cfg_file: Path, generation: dict | None) -> ModelConfig:
@@ -296,8 +301,8 @@ def load_model(spec: str, device: str = "cpu", dtype: torch.dtype = torch.float3
         model = build_model(with_tokenizer_eos(cfg, tokenizer), state, str(path), "its config.json")
         return LoadedModel(model_name(spec), model.cfg, model.to(device=device, dtype=dtype), tokenizer)
     if path.suffix == ".gguf" and path.is_file():
-        resolve_config(spec)  # a file that is not GGUF: one sentence
-        cfg, state = read_gguf(path)
+        reader, cfg = _open_gguf(path)
+        state = gguf_weights(reader, cfg)
         tokenizer = gguf_tokenizer(path)
         model = build_model(with_tokenizer_eos(cfg, tokenizer), state, str(path), "its GGUF metadata")
         return LoadedModel(model_name(spec), model.cfg, model.to(device=device, dtype=dtype), tokenizer)
