@@ -51,6 +51,7 @@ bench: setup
 	$(BIN)/python bench/rollout.py --own-kv 4x1024,8x512 --steps 8 --threads 1
 	$(BIN)/python bench/speculation.py --prompt-len 600 --new-tokens 32 --samples 2 --speculate 2 --threads 2
 	$(BIN)/python bench/cpu_step.py --budget 512 --dtype bfloat16 --profile
+	$(BIN)/python bench/bf16_prefill.py --context 256 --repeats 1
 	$(BIN)/python bench/kernel_times.py --device cpu --batch 4 --contexts 4096,8192
 	$(BIN)/python bench/centroid_dtype.py --model smollm2-135m --tokens 2048 --budgets 128,256
 	$(BIN)/python bench/prefill_tiles.py --task kv_lookup

@@ -32,7 +32,7 @@ def smollm2_bf16():
 def _gaps(engine_model, reference_models, prompt, sparsity):
     """Per reference model, the engine's logprobs' distance from its teacher-forced scores."""
     engine = Engine(engine_model, as_policy(sparsity), EngineConfig(max_batch=4))
-    samples = engine.generate([prompt], SamplingParams(max_new_tokens=24, n=3, seed=1, ignore_eos=True))[0]
+    samples = engine.generate([prompt], SamplingParams(max_new_tokens=24, n=2, seed=1, ignore_eos=True))[0]
     assert engine.blocks.used == 0 and not engine.runner.prefixes
     budget_at = budget_fn(sparsity)
     gaps = []
@@ -157,3 +157,34 @@ def test_bf16_without_onednn_bf16_is_noted(monkeypatch):
     monkeypatch.setattr(runner, "onednn_runs_bf16", packed_linears.onednn_runs_bf16)
     Engine(load_model("tiny-qwen3").model, as_policy(None), EngineConfig(max_batch=2))  # fp32: nothing
     assert not said
+
+
+def test_fp32_products_of_bf16_linears_where_onednn_has_no_bf16(monkeypatch):
+    """Where oneDNN has no bf16 products: within `fp32_products`, a bf16 linear of 16 rows or more equals
+    the float64 product of its bf16 values rounded to bf16 (within one rounding, as a bf16 product
+    accumulated in fp32); fewer rows, a call recording gradients and the model outside are untouched."""
+    from sparrow.stages.model import bf16_products
+    from sparrow.stages.model.bf16_products import MIN_ROWS, fp32_products
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 48)).bfloat16()
+    linear = model[0]
+    monkeypatch.setattr(bf16_products, "onednn_runs_bf16", lambda: False)
+    calls: list[torch.dtype] = []
+    real_linear = torch.nn.functional.linear
+    monkeypatch.setattr(bf16_products.F, "linear", lambda x, *a: calls.append(x.dtype) or real_linear(x, *a))
+    x = torch.randn(2, MIN_ROWS // 2, 64).bfloat16()  # MIN_ROWS rows in all
+    want = (x.double() @ linear.weight.double().T + linear.bias.double()).bfloat16().double()
+    with fp32_products(model), torch.no_grad():
+        got = model(x)
+        few = model(x[:1, :3])
+    with fp32_products(model):
+        graded = model(x)
+    assert got.dtype == torch.bfloat16 and calls == [torch.float32, torch.bfloat16, torch.bfloat16]
+    torch.testing.assert_close(got.double(), want, atol=0, rtol=2 ** -7)
+    assert graded.requires_grad and few.shape == (1, 3, 48)
+    assert "forward" not in linear.__dict__
+    monkeypatch.setattr(bf16_products, "onednn_runs_bf16", lambda: True)
+    with fp32_products(model):
+        assert "forward" not in linear.__dict__
+

@@ -35,6 +35,7 @@ from torch import Tensor
 from ..attention import DEFAULT_DENSE_LAYERS, PAGE_SIZE, SparseAttention
 from ..attention.eviction_replay import replay
 from ..kv_policies import BlockTopK, BudgetFn, Eviction, KVPolicy
+from ..model.bf16_products import fp32_products
 from ..model.head import POSITION_CHUNK
 from ..model.llama import Attention, KVCache, Transformer
 from ..model.lora import LoraWeights, lora_merged
@@ -133,7 +134,7 @@ def score_sequences(model: Transformer, prompts: Sequence[Sequence[int]],
         h = model.hidden_states(gen_tok, cache, positions=gen_pos, attention=attention)
         return torch.cat([last_prompt_h[:, None], h[:, :-1]], dim=1)
 
-    with torch.inference_mode():
+    with fp32_products(model), torch.inference_mode():
         last_prompt_h = prefill()
         hidden = {None: completion_hidden(last_prompt_h, None)}
         if drafts and actor is not None:
@@ -142,7 +143,7 @@ def score_sequences(model: Transformer, prompts: Sequence[Sequence[int]],
             decode_budgets(gen_pos, n, mode_policy(mode).read_budget), dense_layers, page,
             chunk_elements=SPARSE_CHUNK_ELEMENTS[device.type == "cuda"], over_cached=True))
             for mode in budgets if drafts and not mode_policy(mode).evicts}
-    with lora_merged(model, actor), torch.inference_mode():
+    with lora_merged(model, actor), fp32_products(model), torch.inference_mode():
         if actor is not None:
             last_prompt_h = prefill()  # the actor's own prompt KV (prefill runs with its LoRA too)
         for mode in budgets:

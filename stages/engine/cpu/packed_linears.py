@@ -23,6 +23,8 @@ from torch import Tensor, nn
 
 from sparrow.kernels.ops import CPU
 
+from ...model.bf16_products import onednn_runs_bf16
+
 
 def packing_available(model: nn.Module) -> bool:
     """fp32 or bf16 weights on a CPU whose torch has oneDNN's packed linear, for bf16 one whose oneDNN runs
@@ -31,12 +33,6 @@ def packing_available(model: nn.Module) -> bool:
     return (w.device.type == "cpu" and w.dtype in (torch.float32, torch.bfloat16)
             and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
             and (w.dtype == torch.float32 or onednn_runs_bf16()))
-
-
-def onednn_runs_bf16() -> bool:
-    """Whether this CPU's oneDNN has bf16 products (AVX512 or AVX-NE-CONVERT); without them torch computes
-    bf16 with generic kernels, slower than its fp32 products."""
-    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 # methods of our model's modules that apply several linears to one input, and those linears' names

@@ -22,6 +22,7 @@ from sparrow.kernels.ops import CPU, GatherWorkspace
 
 from ...attention.paged import DecodeAttention, DecodeBatch, KeyTap
 from ...core.notes import note
+from ...model.bf16_products import fp32_products
 from ...model.llama import Transformer
 from ..block_manager import BlockManager
 from ..config import EngineConfig
@@ -45,9 +46,9 @@ class CpuRunner(ModelRunner):
         self.workspace = GatherWorkspace()  # the torch references' K/V gather buffers, reused every step
         self.packed = PackedLinears(model, self.max_batch, own) if packing_available(model) else None
         if self.dtype == torch.bfloat16 and not onednn_runs_bf16():
-            note("this CPU has no bf16 products (no AVX512 or AVX-NE-CONVERT), so bfloat16 runs through "
-                 "torch's generic kernels, slower than float32 here: --dtype float32 is faster on this "
-                 "machine")
+            note("this CPU has no bf16 products (no AVX512 or AVX-NE-CONVERT), so bfloat16 decode steps run "
+                 "through torch's generic kernels (a prefill's products in float32), slower than float32 "
+                 "here: --dtype float32 is faster on this machine")
         self.layer_ops = CpuLayerOps(model) if own and cpu_layers_available(model) else None
         self.fused = FusedCpuDecode(model, self.packed) if (
             self.packed is not None and self.packed.dot and self.layer_ops is not None
@@ -96,8 +97,8 @@ class CpuRunner(ModelRunner):
 
     def prefill(self, rows: list[PrefillRow]) -> Tensor | None:
         """As the plain path, with each row's products independent of the rows beside it
-        (`row_exact_linears`), and each fresh prompt's full pages copied for cascade attention where the
-        pool can spare them."""
+        (`row_exact_linears`; bf16 without oneDNN's bf16 products: in fp32, `fp32_products`), and each
+        fresh prompt's full pages copied for cascade attention where the pool can spare them."""
         self._copies: dict[int, SharedPrefix] = {}  # by row: the prompt copies this prefill fills
         if self.store is not None:
             for i, row in enumerate(rows):
@@ -110,7 +111,7 @@ class CpuRunner(ModelRunner):
         if self.packed is not None:
             self.packed.refresh()  # the packed head (`_head`) now, not at the first decode step
         try:
-            with row_exact_linears(self.model) if self.packed is not None else nullcontext():
+            with row_exact_linears(self.model) if self.packed is not None else fp32_products(self.model):
                 return super().prefill(rows)
         finally:
             self._copies = {}
@@ -125,7 +126,7 @@ class CpuRunner(ModelRunner):
         per sample, a decode step's shape more than a prefill's."""
         if self.packed is not None:
             self.packed.refresh()
-        with (self.packed.active() if self.packed is not None else nullcontext(),
+        with (self.packed.active() if self.packed is not None else fp32_products(self.model),
               self.layer_ops.active() if self.layer_ops is not None else nullcontext()):
             return super().verify(seqs, starts)
 
