@@ -297,6 +297,18 @@ def test_as_policy_refuses_a_budget_that_is_not_a_whole_number():
     assert as_policy(np.int64(64)).spec() == as_policy(64).spec() == "budget:64"
 
 
+def test_budget_0_is_refused_alike_as_an_int_a_spec_and_a_flag():
+    """Dense is None or 'dense'; 0 is not a budget in any of the three forms (schedules' 0 is dense)."""
+    from sparrow.stages.core.sparsity import as_policy, sparsity_from_flags
+
+    for value in (0, np.int64(0), "budget:0"):
+        with pytest.raises(ValueError, match="^budget 0 would be dense attention, which is asked"):
+            as_policy(value)
+    with pytest.raises(ValueError, match="^--budget: budget 0 would be dense attention"):
+        sparsity_from_flags(None, 0, False)
+    assert as_policy(None).spec() == as_policy("dense").spec() == "dense"
+
+
 @pytest.mark.parametrize("field, value, named", [
     ("n", 0, "n must be at least 1 (samples per prompt), got 0"),
     ("top_k", -1, "top_k must be >= 0 (0: off), got -1"),

@@ -113,10 +113,10 @@ def spec_of(sparsity: Schedule | int | KVPolicy | None, schedule_path: Path | No
 
 def as_policy(sparsity: Sparsity, page_size: int = PAGE_SIZE) -> KVPolicy:
     """Any sparsity spec or value -> its `KVPolicy`, budgets validated for the page size. A number that
-    is not a whole budget (64.5, True) is refused rather than truncated."""
+    is not a whole budget (64.5, True, 0: dense is None or 'dense') is refused rather than truncated."""
     if isinstance(sparsity, KVPolicy):
         return sparsity
-    if sparsity is None or sparsity == "dense" or sparsity == 0:
+    if sparsity is None or (isinstance(sparsity, str) and sparsity == "dense"):
         return Dense()
     if isinstance(sparsity, str):
         return as_policy(parse_sparsity(sparsity, page_size), page_size)
