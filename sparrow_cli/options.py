@@ -446,7 +446,8 @@ def check_speculative_budget(budget: int | None, speculate: int, prompt_lengths:
                              max_new_tokens: int) -> None:
     """--budget B --speculate K where B covers every sample's cache (its longest prompt plus
     --max-new-tokens - 1 tokens, the most a token's attention reads): every draft would be the dense
-    model's own step, as a schedule dense in every bin, which is refused alike. `prompt_lengths` None (text
+    model's own step, as a schedule dense in every bin, which is refused alike; where it covers some
+    prompts' whole caches, a warning says so, as for a schedule's dense bins. `prompt_lengths` None (text
     prompts, tokenized later): not checked."""
     if budget is None or not speculate or not prompt_lengths:
         return
@@ -456,6 +457,11 @@ def check_speculative_budget(budget: int | None, speculate: int, prompt_lengths:
                          f"{max(prompt_lengths)} tokens, with --max-new-tokens {max_new_tokens} reaches at "
                          f"most {longest} tokens), so --speculate would draft with the dense model itself; "
                          f"give a --budget below {longest}, or drop --speculate")
+    covered = sum(n + max_new_tokens - 1 <= budget for n in prompt_lengths)
+    if covered:
+        warn(f"--budget {budget} covers the whole cache of {covered} of {len(prompt_lengths)} prompts (up to "
+             f"{budget - max_new_tokens + 1} prompt tokens with --max-new-tokens {max_new_tokens}), where "
+             "--speculate drafts with the dense model itself: their cycles cost a verification for nothing")
 
 
 def check_budgets(budgets: list[int], context: int, flag: str, model: str) -> None:

@@ -122,9 +122,14 @@ def test_a_budget_covering_every_cache_is_refused_under_speculate(tmp_path, no_w
                               "--max-new-tokens", "4"))
     assert "--budget 64 covers every sample's cache" in line and "at most 64 tokens" in line
     assert "--speculate would draft with the dense model itself" in line
-    # one token more: its last step reads 65 tokens, 64 of them selected, so it drafts sparsely
+    # one token more: its last step reads 65 tokens, 64 of them selected, so it drafts sparsely; the
+    # 20-token prompt's whole cache is within the budget, which a warning says
     result = rollout(tmp_path, [20, 62], "--budget", "64", "--speculate", "2", "--max-new-tokens", "4")
     assert passed_the_checks(result), result.output
+    assert ("warning: --budget 64 covers the whole cache of 1 of 2 prompts (up to 61 prompt tokens with "
+            "--max-new-tokens 4), where --speculate drafts with the dense model itself") in said(result)
+    result = rollout(tmp_path, [62, 70], "--budget", "64", "--speculate", "2", "--max-new-tokens", "4")
+    assert passed_the_checks(result) and "covers the whole cache" not in said(result)
     result = rollout(tmp_path, [20, 61], "--budget", "64", "--max-new-tokens", "4")  # lossy: dense is fine
     assert passed_the_checks(result), result.output
 
