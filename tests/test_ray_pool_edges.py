@@ -9,7 +9,9 @@ from __future__ import annotations
 import signal
 import socket
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from types import SimpleNamespace
 
 import pyarrow as pa
@@ -277,23 +279,105 @@ def _no_ray_yet(monkeypatch) -> None:
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
 
 
-def test_the_address_forms_ray_takes_pass_where_something_listens(monkeypatch):
+SETTINGS = bytes(3) + bytes([4]) + bytes(5)  # an empty HTTP/2 SETTINGS frame, as a gRPC server's first
+
+
+@contextmanager
+def _serving(answer: bytes | None, host: str = "127.0.0.1") -> Iterator[int]:
+    """A server on a free port of `host` that reads each connection's first bytes, answers `answer` and
+    closes it (None: keeps it open and says nothing) -> its port."""
+    server = socket.create_server((host, 0), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+    server.settimeout(0.1)
+    stop, held = threading.Event(), []
+
+    def serve():
+        while not stop.is_set():
+            try:
+                connection, _ = server.accept()
+            except OSError:  # the accept's timeout: look at `stop` again
+                continue
+            if answer is None:
+                held.append(connection)
+                continue
+            with connection:
+                connection.settimeout(5)
+                connection.recv(64)
+                connection.sendall(answer)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield server.getsockname()[1]
+    finally:
+        stop.set()
+        thread.join()
+        for connection in held:
+            connection.close()
+        server.close()
+
+
+def test_the_address_forms_ray_takes_pass_where_a_grpc_server_listens(monkeypatch):
     from sparrow.stages.backends.ray_pool import check_cluster
 
     _no_ray_yet(monkeypatch)
-    with socket.create_server(("127.0.0.1", 0)) as server:
-        port = server.getsockname()[1]
+    with _serving(SETTINGS) as port:
         for address in (None, "local", f"127.0.0.1:{port}", f"localhost:{port}", f"ray://127.0.0.1:{port}",
                         f"ray://127.0.0.1:{port}/namespace",
                         "anyscale://my-cluster"):  # a scheme of another Ray Client: left to Ray
             check_cluster(address)
-    if socket.has_ipv6:
-        try:
-            server = socket.create_server(("::1", 0), family=socket.AF_INET6)
-        except OSError:
-            return
-        with server:
-            check_cluster(f"[::1]:{server.getsockname()[1]}")
+    if _ipv6_loopback():
+        with _serving(SETTINGS, "::1") as port:
+            check_cluster(f"[::1]:{port}")
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        socket.create_server(("::1", 0), family=socket.AF_INET6).close()
+    except OSError:
+        return False
+    return True
+
+
+def test_a_real_grpc_server_passes_the_probe(monkeypatch):
+    """The probe against grpc's own server (a cluster's GCS and Ray Client's server are ones), not only
+    against the frame written above."""
+    grpc = pytest.importorskip("grpc")
+    from concurrent.futures import ThreadPoolExecutor
+
+    from sparrow.stages.backends.ray_pool import check_cluster
+
+    _no_ray_yet(monkeypatch)
+    server = grpc.server(ThreadPoolExecutor(max_workers=1))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        check_cluster(f"127.0.0.1:{port}")
+        check_cluster(f"ray://127.0.0.1:{port}")
+    finally:
+        server.stop(None)
+
+
+def test_a_port_that_is_not_a_ray_cluster_is_one_sentence(monkeypatch):
+    """Something listens, but not a gRPC server: a web server, one that closes at once, one that says
+    nothing (within the probe's time)."""
+    from sparrow.stages.backends import ray_pool
+    from sparrow.stages.backends.ray_pool import RayUnreachable, check_cluster
+
+    _no_ray_yet(monkeypatch)
+    monkeypatch.setattr(ray_pool, "PROBE_SECONDS", 1.0)
+    for answer in (b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n", b""):
+        with _serving(answer) as port, pytest.raises(RayUnreachable) as e:
+            check_cluster(f"127.0.0.1:{port}")
+        assert str(e.value) == (f"--ray-address 127.0.0.1:{port}: what listens at 127.0.0.1:{port} is not a "
+                                "Ray cluster (it does not answer as a gRPC server); start one with `ray "
+                                "start --head`, or leave out --ray-address for a local one")
+    with _serving(None) as port, pytest.raises(RayUnreachable) as e:
+        check_cluster(f"127.0.0.1:{port}")
+    assert str(e.value).startswith(f"--ray-address 127.0.0.1:{port}: no Ray cluster answered at "
+                                   f"127.0.0.1:{port} (no answer within 1 s)")
+    monkeypatch.setenv("RAY_USE_TLS", "1")  # a TLS server answers a handshake first: the connection is enough
+    with _serving(None) as port:
+        check_cluster(f"127.0.0.1:{port}")
 
 
 def test_an_address_where_nothing_listens_is_one_sentence(monkeypatch):

@@ -16,8 +16,9 @@ A worker is gone, and its shard redone by a replacement, whatever Ray says took 
 node died (NodeDiedError). Every other failure of Ray's, and a shard that took `max_attempts` workers with
 it, is a `WorkersFailed`: one sentence, never Ray's report. A cluster given by address (--ray-address, or
 Ray's RAY_ADDRESS) is checked before `ray.init`, which would otherwise retry an address where nothing
-listens for ever: `auto` must find a cluster and a host:port (or ray://host:port) must take a TCP
-connection within `PROBE_SECONDS`; otherwise `RayUnreachable` says so in one sentence."""
+listens for ever: `auto` must find a cluster and a host:port (or ray://host:port) must answer as a gRPC
+server does (a cluster's GCS and Ray Client's server both are one: HTTP/2's client preface is answered
+with a SETTINGS frame) within `PROBE_SECONDS`; otherwise `RayUnreachable` says so in one sentence."""
 
 from __future__ import annotations
 
@@ -38,7 +39,9 @@ import pyarrow as pa
 
 OBJECT_STORE_MB = 500
 HANDLERS_KEPT = (signal.SIGINT, signal.SIGTERM)
-PROBE_SECONDS = 10.0  # how long a cluster's address may take to answer a TCP connection
+PROBE_SECONDS = 10.0  # how long a cluster's address may take to answer a TCP connection and HTTP/2
+HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes(3) + b"\x04" + bytes(5)  # + an empty SETTINGS
+SETTINGS_FRAME = 4  # the type byte of an HTTP/2 frame header (length 3 bytes, type, flags, stream 4 bytes)
 
 
 def say(line: str) -> None:
@@ -94,9 +97,9 @@ def cluster_address(address: str | None) -> ClusterAddress:
 
 
 def check_cluster(address: str | None) -> None:
-    """A cluster given by address answers: `auto` finds one and its (or a given) host:port takes a TCP
-    connection within PROBE_SECONDS. A local start, a process already connected to Ray and a Ray Client
-    scheme other than ray:// are not checked. Raises RayUnreachable."""
+    """A cluster given by address answers: `auto` finds one and its (or a given) host:port answers HTTP/2
+    as a gRPC server, within PROBE_SECONDS. A local start, a process already connected to Ray and a Ray
+    Client scheme other than ray:// are not checked. Raises RayUnreachable."""
     ray = require_ray()
     target = cluster_address(address)
     if target.local or ray.is_initialized():
@@ -106,11 +109,31 @@ def check_cluster(address: str | None) -> None:
         return
     host, port = host_port
     try:
-        with socket.create_connection((host, port), timeout=PROBE_SECONDS):
-            pass
+        with socket.create_connection((host, port), timeout=PROBE_SECONDS) as connection:
+            grpc = _tls() or _answers_http2(connection)  # under TLS, HTTP/2 comes after a handshake
     except OSError as e:
         raise RayUnreachable(f"{target.named}: no Ray cluster answered at {host}:{port} ({_refusal(e)}); "
                              f"{target.instead}") from None
+    if not grpc:
+        raise RayUnreachable(f"{target.named}: what listens at {host}:{port} is not a Ray cluster (it does "
+                             f"not answer as a gRPC server); {target.instead}")
+
+
+def _tls() -> bool:
+    """Whether Ray connects over TLS (RAY_USE_TLS, as Ray reads it)."""
+    return os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true")
+
+
+def _answers_http2(connection: socket.socket) -> bool:
+    """Whether the server at the other end answers HTTP/2's client preface with a SETTINGS frame."""
+    connection.sendall(HTTP2_PREFACE)
+    head = b""
+    while len(head) < 9:
+        chunk = connection.recv(9 - len(head))
+        if not chunk:
+            break
+        head += chunk
+    return len(head) == 9 and head[3] == SETTINGS_FRAME
 
 
 def _host_port(ray, target: ClusterAddress) -> tuple[str, int] | None:
