@@ -32,7 +32,7 @@ def smollm2_bf16():
 def _gaps(engine_model, reference_models, prompt, sparsity):
     """Per reference model, the engine's logprobs' distance from its teacher-forced scores."""
     engine = Engine(engine_model, as_policy(sparsity), EngineConfig(max_batch=4))
-    samples = engine.generate([prompt], SamplingParams(max_new_tokens=24, n=2, seed=1, ignore_eos=True))[0]
+    samples = engine.generate([prompt], SamplingParams(max_new_tokens=24, n=3, seed=1, ignore_eos=True))[0]
     assert engine.blocks.used == 0 and not engine.runner.prefixes
     budget_at = budget_fn(sparsity)
     gaps = []
