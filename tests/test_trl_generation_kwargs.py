@@ -75,9 +75,10 @@ def reference_logp(hf, prompt: list[int], completion: list[int], temperature: fl
 
 
 def test_generation_kwargs_length_and_temperature_are_applied(hf):
-    out = SparseRollout(None, ignore_eos=True)(
-        PROMPTS, trainer(hf, generation_kwargs={"max_new_tokens": 3, "temperature": 0.5}))
+    rollout = SparseRollout(None, ignore_eos=True)
+    out = rollout(PROMPTS, trainer(hf, generation_kwargs={"max_new_tokens": 3, "temperature": 0.5}))
     assert [len(c) for c in out["completion_ids"]] == [3, 3]
+    assert rollout.last.metrics["sparrow/completions/mean_length"] == 3.0
     for p, c, lp in zip(out["prompt_ids"], out["completion_ids"], out["logprobs"]):
         torch.testing.assert_close(torch.tensor(lp), reference_logp(hf, p, c, 0.5), rtol=0, atol=1e-4)
         assert (torch.tensor(lp) - reference_logp(hf, p, c, 1.0)).abs().max() > 1e-2

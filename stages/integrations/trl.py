@@ -350,6 +350,8 @@ class SparseRollout:
             logp_dense=rows(logp), alpha_lb=rows(alpha), env_mask=None if keep is None else rows(keep.int()))
         record.metrics = self.metrics(alpha[mask], positions[mask], (logp - rollout_lp)[mask], budgets[mask],
                                       None if keep is None else keep[mask])
+        # TRL's completions/mean_length counts only the tokens a returned env_mask keeps
+        record.metrics["sparrow/completions/mean_length"] = float(np.mean([len(c) for c in comps]))
         acceptance = draft_acceptance(completions)
         if acceptance is not None:
             record.metrics["sparrow/draft_acceptance"] = acceptance
