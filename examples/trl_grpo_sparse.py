@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is marked experimental in TRL
 
 from sparrow.schemas import ArtifactError, artifact_metadata  # noqa: E402
+from sparrow.stages.core.definitions import validate_budget  # noqa: E402
 from sparrow.stages.integrations.trl import SparseRollout  # noqa: E402
 from sparrow.stages.model.adapter import TARGET_MODULES  # noqa: E402
 from sparrow.stages.model.loading import embedded_checkpoint, resolve_config  # noqa: E402
@@ -75,6 +76,10 @@ def checked_rollout(ap: argparse.ArgumentParser, args: argparse.Namespace) -> Sp
     if args.schedule is not None and not args.schedule.strip():
         ap.error("--schedule is an empty path; give a schedule file")
     budget = 64 if args.budget is None else args.budget
+    try:
+        validate_budget(budget)
+    except ValueError as e:
+        ap.error(f"--budget: {e}")
     sparsity = f"schedule:{args.schedule}" if args.schedule is not None else f"budget:{budget}"
     try:
         rollout = SparseRollout(sparsity, bin_width=args.bin_width)

@@ -301,10 +301,14 @@ def test_budget_0_is_refused_alike_as_an_int_a_spec_and_a_flag():
     """Dense is None or 'dense'; 0 is not a budget in any of the three forms (schedules' 0 is dense)."""
     from sparrow.stages.core.sparsity import as_policy, sparsity_from_flags
 
-    for value in (0, np.int64(0), "budget:0"):
-        with pytest.raises(ValueError, match="^budget 0 would be dense attention, which is asked"):
+    for value in (0, np.int64(0)):
+        with pytest.raises(ValueError, match="^budget 0 is dense attention, not a block top-k budget; "
+                                             "dense is None or 'dense'$"):
             as_policy(value)
-    with pytest.raises(ValueError, match="^--budget: budget 0 would be dense attention"):
+    with pytest.raises(ValueError, match="^sparsity 'budget:0' is dense attention, not a block top-k budget; "
+                                         "say 'dense'$"):
+        as_policy("budget:0")
+    with pytest.raises(ValueError, match="^--budget: budget 0 is dense attention, not a block top-k budget$"):
         sparsity_from_flags(None, 0, False)
     assert as_policy(None).spec() == as_policy("dense").spec() == "dense"
 

@@ -233,7 +233,7 @@ def _assert_transformers_dense(record, logprobs) -> None:
 
 @pytest.mark.parametrize("flags, said", [
     (["--samples", "1"], "--samples must be at least 2, got 1"),
-    (["--budget", "0"], "--budget: budget 0 would be dense attention"),
+    (["--budget", "0"], "--budget: budget 0 is dense attention, not a block top-k budget"),
     (["--schedule", "nonexistent.parquet"], "--schedule: nonexistent.parquet does not exist"),
 ])
 def test_the_trl_example_refuses_a_bad_flag_in_one_line_before_the_model_loads(tmp_path, flags, said):

@@ -26,8 +26,7 @@ def validate_budget(budget: int, page: int = PAGE_SIZE) -> None:
     """A block top-k budget is a whole number of pages, at least the RESERVED_PAGES always kept. Budget 0
     stands for dense in schedules and artifacts, but is not a budget one asks for."""
     if budget == 0:
-        raise ValueError("budget 0 would be dense attention, which is asked for as dense (--dense, 'dense' "
-                         "or None), not as a budget")
+        raise ValueError("budget 0 is dense attention, not a block top-k budget")
     if budget % page:
         raise ValueError(f"budget {budget} is not a multiple of the page size {page}")
     if budget < RESERVED_PAGES * page:

@@ -68,6 +68,8 @@ def parse_sparsity(spec: str, page_size: int = PAGE_SIZE, model: ModelConfig | N
             budget = int(value)
         except ValueError:
             raise ValueError(f"sparsity {spec!r}: the budget must be an integer number of tokens") from None
+        if budget == 0:
+            raise ValueError(f"sparsity {spec!r} is dense attention, not a block top-k budget; say 'dense'")
         validate_budget(budget, page_size)
         return budget
     if kind == "schedule":
@@ -135,6 +137,8 @@ def as_policy(sparsity: Sparsity, page_size: int = PAGE_SIZE) -> KVPolicy:
                         "spec ('dense', 'budget:B', 'schedule:PATH', 'snapkv:B', 'rkv:B'), a Schedule, a "
                         "KVPolicy, a budget function or None (dense)")
     budget = int(sparsity)
+    if budget == 0:
+        raise ValueError("budget 0 is dense attention, not a block top-k budget; dense is None or 'dense'")
     validate_budget(budget, page_size)
     return BlockTopK(lambda _: budget, f"budget:{budget}")
 
