@@ -158,6 +158,10 @@ def _run_and_query(words: list[str], run: Path | None) -> tuple[Path, str]:
         raise UsageError(f"the run directory was given twice, as {first} and as --run {run}; give it once")
     if not Path(first).is_dir() and Path(query).is_dir():
         raise UsageError(f"sparrow sql takes the run directory before the query: sparrow sql {query} QUERY")
+    if not Path(first).is_dir() and Path(query).is_file():
+        raise UsageError(f"sparrow sql takes a run directory, then the query, and {query} is a file: give "
+                         f"its directory first, sparrow sql {Path(query).parent} QUERY (each of its "
+                         "artifacts is a view)")
     return Path(first), query
 
 

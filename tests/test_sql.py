@@ -280,6 +280,9 @@ def test_the_run_directory_may_come_before_the_query(run_dir, monkeypatch):
                        ([q, str(run_dir)], f"the run directory before the query: sparrow sql {run_dir} "),
                        ([str(run_dir), q, "SELECT 2"], "got 3 arguments")):
         assert said in one_error(invoke(*args))
+    artifact = next(run_dir.glob("*.parquet"))  # a file after the query: its directory is the run
+    assert (f"sparrow sql takes a run directory, then the query, and {artifact} is a file: give its "
+            f"directory first, sparrow sql {run_dir} QUERY") in one_error(invoke(q, str(artifact)))
 
 
 def test_cli_missing_run_and_corrupt_file(tmp_path):
