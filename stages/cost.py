@@ -8,6 +8,7 @@ of the features and coefficients is docs/cost-model.md.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 from collections.abc import Callable, Sequence
@@ -526,11 +527,17 @@ def time_decode_steps(loaded, grid: Grid, device: str = "cpu", seed: int = 0,
     return out
 
 
+class _CyclesTimed(Exception):
+    """Raised from a timed generation's step callback once the cycles to time have run."""
+
+
 def time_verifications(loaded, grid: Grid, tokens: Sequence[int] = VERIFY_TOKENS, seed: int = 0,
                        gpu_memory_utilization: float = 0.9) -> list[tuple[int, int, int, float]]:
     """Seconds of one speculative verification forward per (batch, context, fed tokens per sample): the
     engine speculating with K = tokens - 1 drafts at the grid's smallest budget (dense when it has none),
-    the fastest of `repeats` cycles after `warmup`, every timed cycle verifying K + 1 tokens per sample."""
+    the fastest of `repeats` cycles after `warmup`, every timed cycle verifying K + 1 tokens per sample.
+    A generation stops once its cycles are timed (rejected drafts would otherwise add cycles up to its
+    length)."""
     import torch
 
     from .core.sparsity import as_policy
@@ -548,11 +555,17 @@ def time_verifications(loaded, grid: Grid, tokens: Sequence[int] = VERIFY_TOKENS
         config = EngineConfig(max_batch=max(grid.batches), dense_layers=DEFAULT_DENSE_LAYERS,
                               gpu_memory_utilization=gpu_memory_utilization, speculate=t - 1)
         with Engine(model, as_policy(draft), config) as engine:
+            def stop_once_timed(_tokens: int, _finished: int) -> None:
+                if len(engine.stats.verify_times) >= cycles:
+                    raise _CyclesTimed
+
             for batch in grid.batches:
                 for context in grid.contexts:
                     prompt = torch.randint(0, cfg.vocab_size, (context - 1,), generator=gen).tolist()
-                    engine.generate([prompt], SamplingParams(max_new_tokens=new, n=batch, temperature=1.0,
-                                                             seed=seed, ignore_eos=True))
+                    with contextlib.suppress(_CyclesTimed):  # the engine drops the rest and is idle again
+                        engine.generate([prompt], SamplingParams(max_new_tokens=new, n=batch, temperature=1.0,
+                                                                 seed=seed, ignore_eos=True),
+                                        on_step=stop_once_timed)
                     timed = engine.stats.verify_times[grid.warmup: cycles]
                     out.append((batch, context, t, min(timed)))
     return out
