@@ -118,7 +118,7 @@ def as_policy(sparsity: Sparsity, page_size: int = PAGE_SIZE) -> KVPolicy:
     is not a whole budget (64.5, True, 0: dense is None or 'dense') is refused rather than truncated."""
     if isinstance(sparsity, KVPolicy):
         return sparsity
-    if sparsity is None or (isinstance(sparsity, str) and sparsity == "dense"):
+    if sparsity is None:
         return Dense()
     if isinstance(sparsity, str):
         return as_policy(parse_sparsity(sparsity, page_size), page_size)

@@ -11,12 +11,14 @@ reads half the bytes of weight and costs less than the weight's conversion.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from .linear_forwards import linear_forwards
 
 MIN_ROWS = 16
 
@@ -33,21 +35,10 @@ def bf16_products_are_slow(model: nn.Module) -> bool:
     return w.device.type == "cpu" and w.dtype == torch.bfloat16 and not onednn_runs_bf16()
 
 
-@contextmanager
-def fp32_products(model: nn.Module) -> Iterator[None]:
+def fp32_products(model: nn.Module) -> AbstractContextManager[None]:
     """Within: the model's nn.Linear products of MIN_ROWS rows or more computed in fp32 and rounded to bf16,
     where `bf16_products_are_slow`; elsewhere nothing changes."""
-    if not bf16_products_are_slow(model):
-        yield
-        return
-    linears = [m for m in model.modules() if type(m) is nn.Linear and "forward" not in m.__dict__]
-    for m in linears:
-        m.forward = _in_fp32(m)
-    try:
-        yield
-    finally:
-        for m in linears:
-            del m.forward
+    return linear_forwards(model, _in_fp32) if bf16_products_are_slow(model) else nullcontext()
 
 
 def _in_fp32(linear: nn.Linear) -> Callable[[Tensor], Tensor]:

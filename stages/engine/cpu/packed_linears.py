@@ -16,7 +16,7 @@ packed weights, goes with a duplicate.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 
 import torch
 from torch import Tensor, nn
@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from sparrow.kernels.ops import CPU
 
 from ...model.bf16_products import onednn_runs_bf16
+from ...model.linear_forwards import linear_forwards
 
 
 def packing_available(model: nn.Module) -> bool:
@@ -108,18 +109,10 @@ class PackedLinears:
                 delattr(owner, method)
 
 
-@contextmanager
-def row_exact_linears(model: nn.Module) -> Iterator[None]:
+def row_exact_linears(model: nn.Module) -> AbstractContextManager[None]:
     """Within: every nn.Linear of the model computes through oneDNN on its own weight, each row's sums
     the same whatever rows share the call (call only where `packing_available`)."""
-    linears = [m for m in model.modules() if type(m) is nn.Linear]
-    for m in linears:
-        m.forward = _row_exact(m)
-    try:
-        yield
-    finally:
-        for m in linears:
-            del m.forward
+    return linear_forwards(model, _row_exact)
 
 
 def _row_exact(linear: nn.Linear) -> Callable[[Tensor], Tensor]:
