@@ -216,7 +216,15 @@ def run_specs(args, made: list[tuple[Design, Path]]) -> list[RunSpec]:
             specs += [RunSpec(d.name, f"schedule:{path}", correction, seed) for seed in seeds]
             if correction == "tis" and d is aggressive[0]:
                 specs, distilled = specs + distilled, []
-    return specs + distilled
+    specs += distilled
+    if args.designs is None:
+        return specs
+    wanted = args.designs.split(",")
+    unknown = sorted(set(wanted) - {s.name for s in specs})
+    if unknown:
+        raise SystemExit(f"--designs: no design {', '.join(unknown)}; the designs are dense and "
+                         f"{', '.join(d.name for d, _ in made)}")
+    return [s for s in specs if s.name in wanted]
 
 
 def finished(args, folder: Path) -> bool:
@@ -567,6 +575,8 @@ def main() -> None:
     ap.add_argument("--budgets", default="48,64,80,96,128,192", help="profiled budgets (the designs' levels)")
     ap.add_argument("--matrix-budgets", default="48,64,80,96,128")
     ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--designs", default=None,
+                    help="only these designs' runs (names as printed, dense too), e.g. more seeds of two")
     ap.add_argument("--corrections", default="none,tis",
                     help="each design trains with each; dense with the last")
     ap.add_argument("--steps", type=int, default=40)
