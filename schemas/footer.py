@@ -15,6 +15,7 @@ import errno
 import json
 import math
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -99,11 +100,36 @@ def file_json(text: str | bytes) -> object:
     """JSON text that a file supplies (a footer's metadata, a column of JSON objects), parsed: json.loads,
     whose ValueError is every failure, also for JSON nested deeper than Python's parser recurses (there
     json.loads raises RecursionError, which no caller takes for bad input: a command would end in a
-    traceback)."""
+    traceback), and for a string escape of half a UTF-16 surrogate pair (`"\\ud800"`), which JSON's
+    grammar allows but no UTF-8 text holds (Arrow and Parquet would fail on it later, far from the line)."""
     try:
-        return json.loads(text)
+        value = json.loads(text)
     except RecursionError:
         raise ValueError("the JSON nests too deeply to read") from None
+    if _SURROGATE_ESCAPE.search(text if isinstance(text, str) else text.decode("utf-8", "replace")):
+        if (half := _lone_surrogate(value)) is not None:
+            raise ValueError(f"a string holds the escape \\u{ord(half):04x}, half of a UTF-16 surrogate pair "
+                             "without its other half, which is not text")
+    return value
+
+
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+def _lone_surrogate(value: object) -> str | None:
+    """The first unpaired surrogate in the strings (keys too) of a parsed JSON value, or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            return value[e.start]
+        return None
+    items = value.items() if isinstance(value, dict) else value if isinstance(value, list) else ()
+    for item in items:
+        for part in item if isinstance(value, dict) else (item,):
+            if (half := _lone_surrogate(part)) is not None:
+                return half
+    return None
 
 
 def read_schema(path: Path) -> pa.Schema:

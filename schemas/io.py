@@ -63,6 +63,7 @@ from .artifacts import (
 )
 from .footer import (
     artifact_parts,
+    file_json,
     json_text,
     kind_version,
     parquet_batches,
@@ -604,9 +605,11 @@ def _read_jsonl(path: Path) -> pa.Table:
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
+            row = file_json(line)
         except json.JSONDecodeError as e:
             raise ArtifactError(f"{path} line {i} is not JSON ({e.msg})") from None
+        except ValueError as e:
+            raise ArtifactError(f"{path} line {i} cannot be read: {e}") from None
         if not isinstance(row, dict):
             raise ArtifactError(f"{path} line {i} is not a JSON object")
         if isinstance(row.get("metadata"), dict):

@@ -17,6 +17,8 @@ from .options import finite, given_path, output_path
 from .output import emit, format_option, resolve_format
 from .paths import check_output, force_option, input_path, output_help
 
+MAX_BOOTSTRAP = 100_000  # draws; each holds a statistic per run, and the intervals' ends have long settled
+
 
 def run_path(value: str) -> Path:
     """typer parser of a run directory (--runs and what follows it): an empty path is refused as one, not
@@ -67,7 +69,7 @@ def calibrate_threshold(
                                       "own at step 0 by more than this, or below the dense run's by more "
                                       "than this or the seed spread, whichever is larger."),
     bootstrap: int = typer.Option(1000, "--bootstrap", help="Bootstrap draws of the profile's prompts (and "
-                                  "of the tokens within each) for the intervals."),
+                                  "of the tokens within each) for the intervals, at most 100,000."),
     seed: int = typer.Option(0, "--seed", help="Seed of the bootstrap draws (recorded in the artifact's "
                              "metadata and printed with the interval), to see how much the interval moves "
                              "with it."),
@@ -103,8 +105,9 @@ def calibrate_threshold(
     fmt = resolve_format(format)
     if not 0 < quantile < 1:
         raise UsageError(f"--quantile must be in (0, 1), got {quantile}")
-    if bootstrap < 1:
-        raise UsageError(f"--bootstrap must be at least 1 (draws of the profile's prompts), got {bootstrap}")
+    if not 1 <= bootstrap <= MAX_BOOTSTRAP:
+        raise UsageError(f"--bootstrap must be from 1 to {MAX_BOOTSTRAP:,} (draws of the profile's prompts), "
+                         f"got {bootstrap}")
     if seed < 0:
         raise UsageError(f"--seed must be at least 0 (numpy seeds the bootstrap with it), got {seed}")
     for flag, value in (("--reward-margin", reward_margin), ("--eval-margin", eval_margin)):

@@ -76,7 +76,7 @@ class Command(TyperCommand):
         return _bare_flags(super().get_params(ctx))
 
     def parse_args(self, ctx, args: list[str]) -> list[str]:
-        with parsing(ctx):
+        with parsing(ctx, list(args)):  # the parser empties `args`
             return super().parse_args(ctx, args)
 
     def make_parser(self, ctx):
@@ -123,7 +123,7 @@ class Group(TyperGroup):
         return _bare_flags(super().get_params(ctx))
 
     def parse_args(self, ctx, args: list[str]) -> list[str]:
-        with parsing(ctx):
+        with parsing(ctx, list(args)):  # the parser empties `args`
             return super().parse_args(ctx, args)
 
     def format_help(self, ctx, formatter) -> None:

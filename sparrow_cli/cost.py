@@ -15,6 +15,7 @@ from .messages import warn
 from .option_values import check_device, parse_int_list
 from .options import (
     check_gpu_memory,
+    check_threads,
     device_option,
     gpu_memory_option,
     model_file,
@@ -138,13 +139,15 @@ def fit_cost(
         refuse_measuring_flags(ctx, hardware)
     grid_defaults = ANALYTIC_GRID if hardware else MEASURED_GRID
     cfg = resolve_config(model)
-    b_list = once(parse_int_list(batches or grid_defaults[0], "--batches"), "--batches", "batch size")
-    c_list = once(parse_int_list(contexts or grid_defaults[1], "--contexts"), "--contexts", "context")
+    given = [default if value is None else value
+             for default, value in zip(grid_defaults, (batches, contexts, budgets))]
+    b_list = once(parse_int_list(given[0], "--batches"), "--batches", "batch size")
+    c_list = once(parse_int_list(given[1], "--contexts"), "--contexts", "context")
     verify = VERIFY_TOKENS if speculate else ()
-    if not contexts:  # the default grid stays inside the model's context, with room for the tokens generated
+    if contexts is None:  # the default grid stays inside the model's context, with room for the tokens made
         room = cfg.max_position_embeddings - (0 if hardware else generated_tokens(warmup, repeats, verify))
         c_list = [c for c in c_list if c <= room] or [room]
-    k_list = once(parse_budgets(budgets or grid_defaults[2]), "--budgets", "budget")
+    k_list = once(parse_budgets(given[2]), "--budgets", "budget")
     for flag, values in (("--batches", b_list), ("--contexts", c_list)):
         if min(values) < 1:
             raise UsageError(f"{flag} must be positive, got {min(values)}")
@@ -163,8 +166,7 @@ def fit_cost(
     if not hardware and len(set(b_list)) * len(set(c_list)) * len(set(k_list)) < 2:
         raise UsageError("fitting the cost model needs at least two grid points; give more than one value "
                          "to --batches, --contexts or --budgets")
-    if threads is not None and threads < 1:
-        raise UsageError(f"--threads must be at least 1, got {threads}")
+    check_threads(threads)
     if device is not None:
         check_device(device)
     check_gpu_memory(gpu_memory_utilization)

@@ -243,12 +243,23 @@ def threads_option():
                              "cores to other work on a shared machine).")
 
 
-def set_threads(threads: int | None) -> None:
-    """Apply --threads before any work (torch is imported only when it is given)."""
+def check_threads(threads: int | None) -> None:
+    """--threads between 1 and this machine's CPUs: more threads than CPUs only slow torch down, and
+    tens of thousands fail to start at all."""
     if threads is None:
         return
     if threads < 1:
         raise UsageError(f"--threads must be at least 1, got {threads}")
+    cpus = os.cpu_count() or 1
+    if threads > cpus:
+        raise UsageError(f"--threads {threads} is more than this machine's {cpus} CPUs; give at most {cpus}")
+
+
+def set_threads(threads: int | None) -> None:
+    """Apply --threads before any work (torch is imported only when it is given)."""
+    check_threads(threads)
+    if threads is None:
+        return
     import torch
 
     torch.set_num_threads(threads)

@@ -8,6 +8,7 @@ the command's options that look like a typo of it, never click's loose look-alik
 from __future__ import annotations
 
 import difflib
+import re
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -24,15 +25,33 @@ from .messages import say_error
 
 
 @contextmanager
-def parsing(ctx) -> Iterator[None]:
-    """Reading `ctx`'s command line: an error of click's parser that names no command (an option without
-    its value, a flag given one) is `ctx`'s, so that its line says whose --help to read (`parser_message`)."""
+def parsing(ctx, args: list[str]) -> Iterator[None]:
+    """Reading `ctx`'s command line `args`: an error of click's parser that names no command (an option
+    without its value, a flag given one) is `ctx`'s, so that its line says whose --help to read
+    (`parser_message`); an extra argument that follows a switch is said to be that switch's value."""
     try:
         yield
     except ParserError as e:
         if e.ctx is None:
             e.ctx, e.cmd = ctx, ctx.command
+        switch = _switch_given_a_value(e, args)
+        if switch is not None:
+            e.message = (f"{e.message.rstrip('.')}: {switch} takes no value on {ctx.command_path}, it is a "
+                         "switch")
         raise
+
+
+def _switch_given_a_value(error: ParserError, args: list[str]) -> str | None:
+    """The switch (a flag option) right before the first extra argument click refused, if one is."""
+    extra = re.fullmatch(r"Got unexpected extra argument(?:s|\(s\))? \((.*)\)", error.format_message())
+    if extra is None or error.ctx is None:
+        return None
+    options = _option_names(error.ctx)
+    for name, value in zip(args, args[1:]):
+        option = options.get(name)
+        if option is not None and getattr(option, "is_flag", False) and extra.group(1).startswith(value):
+            return name
+    return None
 
 
 @contextmanager

@@ -197,7 +197,7 @@ def plan_schedule(
                              ("--min-tokens", min_tokens, 1)):
         if value is not None and value < low:
             raise UsageError(f"{flag} must be at least {low}, got {value}")
-    req.sweep = parse_thresholds(sweep) if sweep else []
+    req.sweep = parse_thresholds(sweep) if sweep is not None else []
     with stage_errors():
         planned = plan_schedule(req, output, export_to)
     result = planned.plan

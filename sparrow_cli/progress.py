@@ -8,8 +8,12 @@ teacher-forced batch) still gets a line of life every HEARTBEAT_SECONDS, from a 
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
+
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from .console import console
 
@@ -71,6 +75,20 @@ class Heartbeat:
             (what, since), now = self.state, time.monotonic()
             if what is not None and now - _logged["at"] >= self.every:
                 log_line(f"{what} ... ({now - since:.0f} s so far)")
+
+
+@contextlib.contextmanager
+def working(what: str) -> Iterator[None]:
+    """Long work that counts nothing (a user's reward function over every completion): a spinner with its
+    clock where progress is live, else a Heartbeat's line every HEARTBEAT_SECONDS of it."""
+    if not live_progress():
+        with Heartbeat() as beat:
+            beat.doing(what)
+            yield
+        return
+    with Progress(SpinnerColumn(), TextColumn(what), TimeElapsedColumn(), console=console, transient=True,
+                  redirect_stdout=False, redirect_stderr=False):
+        yield
 
 
 class LogProgress:

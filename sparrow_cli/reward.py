@@ -20,6 +20,7 @@ from .errors import UsageError, friendly_errors
 from .options import allow_unsafe_code, given_path, output_path, unsafe_code_option
 from .output import emit, format_option, resolve_format
 from .paths import check_output, force_option, input_path, output_help
+from .progress import working
 
 
 @friendly_errors
@@ -66,7 +67,8 @@ def reward(
     PromptSet(prompts, [rows[pid] for pid in dict.fromkeys(c.prompt_id for c in done)]).check_rewards()
 
     start = time.perf_counter()
-    scored = score_completions(rows, done, workers)
+    with working(f"scoring {len(done):,} completions"):
+        scored = score_completions(rows, done, workers)
     seconds = time.perf_counter() - start
     meta = {"prompts": input_name(prompts), "completions": input_name(completions), "n": len(scored),
             "reward_mean": sum(r["reward"] for r in scored) / len(scored), "seconds": seconds,

@@ -34,6 +34,7 @@ from sparrow.schemas.locations import PLAIN, QUERY_KEY, describe, is_stdio, spec
 from sparrow.stages.sql import (
     DEFAULT_MEMORY,
     DEFAULT_TIMEOUT,
+    MAX_TIMEOUT,
     Limits,
     QueryError,
     QueryLimit,
@@ -45,7 +46,7 @@ from sparrow.stages.sql import query as run_sql
 from .console import console, out, stdout_failed, writing_stdout
 from .errors import UsageError, friendly_errors
 from .messages import fail, printable, warn
-from .options import output_path
+from .options import finite, output_path
 from .output import FORMAT_HELP, FORMAT_METAVAR, print_table, resolve_format, tsv_field
 from .paths import FORCE_HELP, check_output
 from .progress import live_progress
@@ -89,8 +90,8 @@ def sql(
                                               "(and spills to a temporary folder beyond that, of at most "
                                               "twice this limit and a quarter of the free disk), the "
                                               "result on its way out in the rest.")] = DEFAULT_MEMORY,
-    timeout: Annotated[float, typer.Option("--timeout", help="Stop the query after this many seconds "
-                                           "(0: no limit).")] = DEFAULT_TIMEOUT,
+    timeout: Annotated[float, typer.Option("--timeout", callback=finite, help="Stop the query after this "
+                                           "many seconds (0: no limit).")] = DEFAULT_TIMEOUT,
     max_rows: Annotated[int, typer.Option("--max-rows", help="At most this many rows on stdout (table, "
                                           "csv, json, tsv); a larger result prints its first rows and "
                                           "fails (0: no limit; -o writes every row).")] = DEFAULT_MAX_ROWS,
@@ -233,8 +234,9 @@ def _limits(memory: str, timeout: float, max_rows: int) -> Limits:
         size = parse_memory(memory)
     except ValueError as e:
         raise UsageError(f"--memory-limit {e}") from None
-    if timeout < 0:
-        raise UsageError(f"--timeout must be a number of seconds >= 0 (0: no limit), got {timeout:g}")
+    if not 0 <= timeout <= MAX_TIMEOUT:  # nan too; the timer takes no later moment than the C library's
+        raise UsageError(f"--timeout must be a number of seconds from 0 (no limit) to {MAX_TIMEOUT:,} "
+                         f"(a year), got {timeout:g}")
     if max_rows < 0:
         raise UsageError(f"--max-rows must be >= 0 (0: no limit), got {max_rows}")
     return Limits(memory=size, seconds=timeout or None)

@@ -50,7 +50,7 @@ from sparrow.schemas.locations import is_stdio
 
 from .core.prompt_set import PromptSet
 from .core.user_data import GZIP_MAGIC, PARQUET_MAGIC, DatasetError, compressed, made_ids, prompt_id_text
-from .tasks import TASKS, get_task, has_scorer, judge_batch
+from .tasks import get_task, has_scorer, judge_batch, no_scorer
 from .tasks.base import row_of
 from .tasks.extras import extra_json
 
@@ -268,9 +268,8 @@ def check_prompts(prompts: dict[str, dict], completions: list[Completion], promp
     for prompt_id in dict.fromkeys(c.prompt_id for c in completions):  # each prompt once
         row = prompts[prompt_id]
         if not has_scorer(row.get("task")):
-            raise ArtifactError(f"--prompts {prompts_path}: prompt {prompt_id!r} has task "
-                                f"{row.get('task')!r}, which has no scorer (known: {', '.join(TASKS)}; a "
-                                "verl or TRL dataset is scored by --reward or --reward-fn)")
+            raise ArtifactError(f"--prompts {prompts_path}: prompt {prompt_id!r} "
+                                f"{no_scorer(row.get('task'))}")
         if row.get("answer") is None and get_task(row["task"]).needs_answer:
             raise ArtifactError(f"--prompts {prompts_path}: prompt {prompt_id!r} has no answer (column "
                                 "'answer'), so its completions cannot be scored")

@@ -169,7 +169,7 @@ def test_bad_run_dir(tmp_path):
     assert not (tmp_path / "t.parquet").exists()
     r = runner.invoke(app, ["calibrate-threshold", "--profile", str(prof), "-o", str(tmp_path / "t.parquet"),
                             "--bootstrap", "0"])
-    assert r.exit_code == 2 and "--bootstrap must be at least 1" in r.output
+    assert r.exit_code == 2 and "--bootstrap must be from 1 to 100,000" in r.output
     assert not (tmp_path / "t.parquet").exists()
 
 

@@ -560,3 +560,89 @@ def test_an_empty_train_output_is_refused_as_empty(tmp_path, no_work, monkeypatc
     assert result.exit_code == 2
     assert error_line(result) == "error: -o is an empty path; give a run directory"
     assert files_under(tmp_path) == ["p.parquet"]
+
+
+# ---------------------------------------------------------------- the rest of a demanding user's inputs
+
+
+def _float_options() -> list[tuple[str, str]]:
+    """(command, option) for every float option of every command, read off the CLI itself."""
+    import typer.main
+
+    group = typer.main.get_command(app)
+    found = []
+    for name, command in sorted(group.commands.items()):
+        for param in command.params:
+            if getattr(param, "opts", None) and param.bare_type() == "float":
+                found.append((name, param.opts[0]))
+    return found
+
+
+@pytest.mark.parametrize("command,flag", _float_options())
+def test_every_float_option_refuses_nan_as_it_is_read(no_work, command, flag):
+    result = runner.invoke(app, [command, flag, "nan"])
+    assert result.exit_code == 2, result.output
+    assert error_line(result).startswith(f"error: {flag} must be ")
+    assert "nan" in error_line(result)
+
+
+@pytest.mark.parametrize("value", ["inf", "1e30", "-1"])
+def test_sql_timeout_beyond_what_a_timer_takes_is_one_sentence(tmp_path, value):
+    result = runner.invoke(app, ["sql", "SELECT 1", "--run", str(tmp_path), "--timeout", value])
+    assert result.exit_code == 2, result.output
+    assert error_line(result).startswith("error: --timeout must be ")
+    assert "Traceback" not in result.output
+
+
+def test_threads_beyond_the_cpus_is_one_sentence_before_work(tmp_path, no_work):
+    prompts, out = token_prompts(tmp_path / "p.parquet"), tmp_path / "r.parquet"
+    cpus = os.cpu_count()
+    for args in (rollout_args(prompts, out, "--threads", "100000"),
+                 ["fit-cost", "--model", "tiny-llama", "--threads", "100000", "-o", str(out)]):
+        result = runner.invoke(app, args)
+        assert result.exit_code == 2, result.output
+        assert error_line(result) == (f"error: --threads 100000 is more than this machine's {cpus} CPUs; "
+                                      f"give at most {cpus}")
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("flag", ["--batches", "--contexts", "--budgets"])
+def test_fit_cost_refuses_an_empty_grid_list(tmp_path, no_work, flag):
+    out = tmp_path / "c.parquet"
+    result = runner.invoke(app, ["fit-cost", "--model", "tiny-llama", flag, "", "-o", str(out)])
+    assert result.exit_code == 2 and error_line(result) == f"error: {flag} is empty"
+    assert not out.exists()
+
+
+def test_plan_schedule_refuses_an_empty_sweep():
+    result = runner.invoke(app, ["plan-schedule", "--model", "qwen3-4b", "--sweep", ""])
+    assert result.exit_code == 2 and error_line(result) == "error: --sweep is empty"
+
+
+def test_calibrate_bootstrap_is_bounded(tmp_path):
+    out = tmp_path / "t.parquet"
+    result = runner.invoke(app, ["calibrate-threshold", "--profile", str(tmp_path / "m.parquet"),
+                                 "--bootstrap", "1000000000", "-o", str(out)])
+    assert result.exit_code == 2
+    assert error_line(result) == ("error: --bootstrap must be from 1 to 100,000 (draws of the profile's "
+                                  "prompts), got 1000000000")
+
+
+def test_a_value_given_to_a_switch_is_named_as_such(tmp_path):
+    out = tmp_path / "c.parquet"
+    result = runner.invoke(app, ["fit-cost", "--hardware", "h100", "--speculate", "4", "-o", str(out)])
+    assert result.exit_code == 2
+    assert error_line(result) == ("error: got unexpected extra argument(s) (4): --speculate takes no value "
+                                  "on sparrow fit-cost, it is a switch (try 'sparrow fit-cost -h')")
+    assert not out.exists()
+
+
+def test_prompts_jsonl_with_half_a_surrogate_pair_is_one_sentence(tmp_path, no_work):
+    prompts, out = tmp_path / "p.jsonl", tmp_path / "r.parquet"
+    prompts.write_text('{"prompt_id": "p0", "task": "passkey", "prompt": "a\\ud800b", "answer": "1"}\n')
+    result = runner.invoke(app, rollout_args(prompts, out))
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert error_line(result) == (f"error: {prompts} line 1 cannot be read: a string holds the escape "
+                                  "\\ud800, half of a UTF-16 surrogate pair without its other half, which is "
+                                  "not text")
+    assert not out.exists()

@@ -62,3 +62,17 @@ def test_output_over_it(folder, tmp_path_factory):
     r = sparrow("sql", query, "--run", folder, "-o", out, "--force")
     assert r.returncode == 0, r.stderr
     assert read_artifact(out, "prompts").column("prompt_id").to_pylist() == ["p9"]
+
+
+def test_report_leaves_it_out_and_names_it(folder, tmp_path_factory):
+    """The report draws the rest, naming the file that it cannot hand to DuckDB instead of failing on it."""
+    run = tmp_path_factory.mktemp("run")
+    planned = sparrow("plan-schedule", "--model", "qwen3-4b", "-o", run / "s.parquet")
+    assert planned.returncode == 0, planned.stderr
+    os.rename(run / "s.parquet", run / os.fsdecode(b"s\xe9.parquet"))
+    assert sparrow("plan-schedule", "--model", "qwen3-4b", "-o", run / "s.parquet").returncode == 0
+    r = sparrow("report", run, "-o", run / "report")
+    assert r.returncode == 0, r.stderr
+    assert "Traceback" not in r.stderr
+    assert f"not drawn: {run}/s\\xe9.parquet has a name that is not UTF-8" in r.stderr
+    assert (run / "report" / "schedule.png").exists()

@@ -173,3 +173,20 @@ def test_train_into_a_log_with_force_color_logs_every_step_and_its_phases(tmp_pa
     assert steps == ["train step 1/2", "train step 2/2"]
     assert any(line.endswith(" s") and line.startswith("train step 2/2: ") for line in r.stderr.splitlines())
     assert any(" of train step 2/2 ... (" in line for line in r.stderr.splitlines()), r.stderr
+
+
+def test_reward_with_a_slow_function_says_it_still_scores_in_a_log(tmp_path, monkeypatch):
+    """`sparrow reward` counts nothing while a user's function runs over every completion: a log hears
+    that it still scores, as it does of a training step's phase."""
+    monkeypatch.setattr(progress, "HEARTBEAT_SECONDS", 0.05)
+    prompts = _token_prompts(tmp_path / "p.parquet")
+    completions = tmp_path / "c.jsonl"
+    completions.write_text('{"prompt_id": "p0", "text": "5"}\n{"prompt_id": "p1", "text": "6"}\n')
+    slow = tmp_path / "slow.py"
+    slow.write_text("import time\n\ndef compute_score(data_source, solution_str, ground_truth, extra_info):\n"
+                    "    time.sleep(0.3)\n    return 1.0\n")
+    r = runner.invoke(app, ["reward", "--prompts", str(prompts), "--completions", str(completions),
+                            "--reward-fn", str(slow), "-o", str(tmp_path / "r.parquet")])
+    assert r.exit_code == 0, r.output
+    assert any(line.startswith("scoring 2 completions ... (") for line in r.stderr.splitlines()), r.stderr
+    assert CR not in r.stderr and ESC not in r.stderr

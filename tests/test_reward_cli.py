@@ -341,6 +341,16 @@ def test_completions_jsonl_read_by_line(dataset):
     assert result.exit_code == 2
     assert "--completions latin1.jsonl line 2 is not UTF-8 text (byte 0xe9" in line
     assert out.read_bytes() == before
+    half = Path("half.jsonl")  # JSON's grammar lets an escape name half a surrogate pair; no text holds one
+    half.write_text('{"prompt_id": "gsm8k-0", "text": "5 \\ud83d\\ude00"}\n'
+                    '{"prompt_id": "gsm8k-1", "text": "24 \\ud800"}\n')
+    result = _reward("--prompts", dataset["data"], "--completions", half, "--reward", "math", "-o", out,
+                     "--force")
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert error_line(result) == ("error: --completions half.jsonl line 2 cannot be read: a string holds the "
+                                  "escape \\ud800, half of a UTF-16 surrogate pair without its other half, "
+                                  "which is not text")
+    assert out.read_bytes() == before
     typed = Path("typed.jsonl")
     typed.write_text(json.dumps({"prompt_id": "gsm8k-0", "text": 5}) + "\n")
     line = error_line(_reward("--prompts", dataset["data"], "--completions", typed, "--reward", "math", "-o",

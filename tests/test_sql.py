@@ -389,7 +389,8 @@ def test_a_query_that_spills_leaves_no_folder_and_old_ones_of_dead_runs_go(run_d
     (["--memory-limit", "lots"], "--memory-limit must be a size such as 4GB, 512MiB or 25% (of this "
                                  "machine's memory), got 'lots'"),
     (["--memory-limit", "1MB"], "--memory-limit must be at least 16MiB, got '1MB'"),
-    (["--timeout", "-1"], "--timeout must be a number of seconds >= 0 (0: no limit), got -1"),
+    (["--timeout", "-1"], "--timeout must be a number of seconds from 0 (no limit) to 31,536,000 (a year), "
+                          "got -1"),
     (["--max-rows", "-5"], "--max-rows must be >= 0 (0: no limit), got -5"),
 ])
 def test_bad_limits_are_refused_before_the_query(run_dir, args, words):

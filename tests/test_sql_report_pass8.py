@@ -228,6 +228,24 @@ def test_sql_warns_of_a_fifo_and_a_broken_symlink_as_report_does(tmp_path, no_ha
     assert f"{run / 'broken.parquet'} is a broken symlink (to {tmp_path / 'nowhere'})" in _not_drawn(reported)
 
 
+def test_links_in_a_loop_leave_the_rest_of_the_run_readable(tmp_path, no_hang):
+    """Two links that lead to each other (one named like an artifact, two not) are no folder and no file:
+    the run is read without them, the `.parquet` one said as a broken link."""
+    run = tmp_path / "run"
+    _rollouts(run / "r.parquet", [1.0])
+    os.symlink("loop-b", run / "loop-a")
+    os.symlink("loop-a", run / "loop-b")
+    os.symlink("x.parquet", run / "x.parquet")
+    result = _sql("SELECT reward FROM rollouts", "--run", str(run), "-f", "json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout) == [{"reward": 1.0}]
+    assert [_said(line) for line in result.stderr.splitlines()] == [
+        f"warning: {run / 'x.parquet'} is a broken symlink (to x.parquet); skipped it"]
+    reported = CliRunner().invoke(app, ["report", str(run)])
+    assert reported.exit_code == 0, reported.output
+    assert f"{run / 'x.parquet'} is a broken symlink (to x.parquet)" in _not_drawn(reported)
+
+
 def test_sql_reads_another_schema_version_with_a_warning_naming_file_and_version(tmp_path):
     run = tmp_path / "run"
     old = _set_footer(_profile(run / "m_v0.parquet"), sparrow_version=b"0")

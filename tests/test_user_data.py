@@ -138,6 +138,28 @@ def prints(data_source, solution_str, ground_truth, extra_info=None):
     print("DEBUG from the reward function")
     os.write(1, b"DEBUG written to descriptor 1\\n")
     return 1.0
+
+class Unprintable(Exception):
+    def __str__(self):
+        raise RuntimeError("no text")
+
+def raises_unprintable(data_source, solution_str, ground_truth, extra_info=None):
+    raise Unprintable()
+
+class Odd(BaseException):
+    pass
+
+def raises_base_exception(data_source, solution_str, ground_truth, extra_info=None):
+    raise Odd("not an Exception")
+
+def raises_generator_exit(data_source, solution_str, ground_truth, extra_info=None):
+    raise GeneratorExit()
+
+def closes_its_stdout(data_source, solution_str, ground_truth, extra_info=None):
+    import sys
+    sys.stdout.close()
+    sys.stderr.close()
+    return 1.0
 '''
 
 
@@ -532,6 +554,9 @@ def test_reward_fn_verl_signature_equals_direct_call(verl_file, user_fns, tmp_pa
     ("two_args", "takes (a, b), neither verl's compute_score(data_source, solution_str, ground_truth, "
                  "extra_info) nor TRL's"),
     ("missing", "has no function 'missing'"),
+    ("raises_unprintable", "raised Unprintable on row 0 (counting from 0) of train.parquet"),
+    ("raises_base_exception", "raised Odd (not an Exception) on row 0 (counting from 0) of train.parquet"),
+    ("raises_generator_exit", "raised GeneratorExit on row 0 (counting from 0) of train.parquet"),
 ])
 def test_reward_fn_refusals_are_one_sentence_and_write_nothing(verl_file, user_fns, tmp_path, name, message):
     _completions_jsonl(tmp_path / "c.jsonl", ["train-0", "train-1", "train-2"])
@@ -579,6 +604,19 @@ def test_reward_fn_output_goes_to_stderr_not_into_the_data(verl_file, user_fns, 
     assert summary.exit_code == 0, summary.output
     assert json.loads(summary.stdout)[0]["completions"] == 2 * len(COMPLETIONS)
     assert "DEBUG from the reward function" in summary.stderr
+
+
+def test_reward_fn_closing_its_stdout_leaves_the_commands_streams(verl_file, user_fns, tmp_path):
+    """Code that closes sys.stdout and sys.stderr closes stand-ins: the command still prints its table and
+    its last line, and exits 0 (the real CLI: a closed stderr would end it in CPython's own complaint)."""
+    _completions_jsonl(tmp_path / "c.jsonl", ["train-0"])
+    sparrow = Path(__file__).resolve().parents[1] / ".venv" / "bin" / "sparrow"
+    args = ["reward", "--prompts", str(verl_file), "--completions", str(tmp_path / "c.jsonl"), "--reward-fn",
+            f"{user_fns}:closes_its_stdout", "-o", str(tmp_path / "r.parquet"), "-f", "tsv"]
+    done = subprocess.run([str(sparrow), *args], capture_output=True, timeout=300, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("task\tcompletions") and "wrote 6 rewards" in done.stderr
+    assert "Exception" not in done.stderr
 
 
 def test_reward_fn_numbers_as_verl_takes_them(verl_file, user_fns):
@@ -728,7 +766,8 @@ def test_train_with_reward_fn_raising_names_the_row(tiny_chat, verl_file, user_f
     assert [p.name for p in (tmp_path / "run").iterdir()] == []  # nothing resumable, so no schedule either
     r = runner.invoke(app, ["train", "--model", tiny_chat, "--prompts", str(verl_file), "--steps", "1",
                             "--prompts-per-step", "3", "-o", str(tmp_path / "run2")])
-    assert "a verl or TRL dataset is scored by --reward math|code or --reward-fn" in error_line(r)
+    assert error_line(r).endswith("is a row of a verl dataset, which names no reward of its own; score it "
+                                  "with --reward math|code or --reward-fn path.py:function")
 
 
 def test_distill_reads_a_verl_dataset(tiny_chat, verl_file, tmp_path):

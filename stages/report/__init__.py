@@ -113,7 +113,8 @@ def build_report(run_dir: str | Path, out_dir: str | Path | None = None,
             note(f"drawing train_mismatch {series.where}")
             if (per_bin := train_mismatch_figure(series, out, plt)) is not None:
                 figures.append(per_bin)
-        write_bytes(out / "index.html", html_page(run_dir, out, figures, skipped).encode())
+        page = html_page(run_dir, out, figures, skipped)  # a name that is not UTF-8 as \x escapes
+        write_bytes(out / "index.html", page.encode(errors="backslashreplace"))
         remove_stale(out, before - {f.file for f in figures})
     return out / "index.html", figures
 

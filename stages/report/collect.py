@@ -11,7 +11,7 @@ from sparrow.schemas import ArtifactError, artifact_metadata
 from sparrow.schemas.artifacts import KEY_META
 from sparrow.schemas.footer import artifact_parts, file_json, kind_version, read_schema
 
-from ..sql.views import Provenance, file_metadata, not_regular
+from ..sql.views import Provenance, escaped, file_metadata, not_regular, not_utf8
 
 DRAWN = ("mismatch", "schedule", "cost", "rollouts", "rewards")
 
@@ -66,7 +66,7 @@ def find_runs(run_dir: Path) -> list[Path]:
 
 def run_label(run: Path, run_dir: Path) -> str:
     """A run as the report names it: its path under `run_dir` (`sweep/dense`), or the folder's name."""
-    return "/".join(run.relative_to(run_dir).parts) or run_dir.name
+    return escaped(Path(*run.relative_to(run_dir).parts)) if run != run_dir else escaped(Path(run_dir.name))
 
 
 def find_artifacts(folder: Path, skipped: list[str], runs: list[Path]) -> dict[str, list[Path]]:
@@ -89,7 +89,7 @@ def find_artifacts(folder: Path, skipped: list[str], runs: list[Path]) -> dict[s
             continue
         if not p.is_dir() and p.suffix != ".parquet":
             continue
-        if not p.is_dir() and (why := not_regular(p)):  # a FIFO (reading it could block) or a broken link
+        if why := unreadable(p):
             skipped.append(why)
             continue
         for kind, path in kinds_of(p, skipped):
@@ -98,6 +98,12 @@ def find_artifacts(folder: Path, skipped: list[str], runs: list[Path]) -> dict[s
             else:
                 skipped.append(f"{path} ({NO_FIGURE.get(kind, f'a {kind!r} artifact has no figure')})")
     return out
+
+
+def unreadable(p: Path) -> str | None:
+    """Why the report cannot read the file or folder of parts `p`, or None: a FIFO (reading it could
+    block), a broken link, or a name that DuckDB cannot be given."""
+    return (None if p.is_dir() else not_regular(p)) or not_utf8(p, use="draw")
 
 
 def _holds_parquet(p: Path) -> bool:
@@ -131,7 +137,7 @@ def checked_steps(files: list[Path], skipped: list[str]) -> tuple[list[Path], in
     the middle of writing a step still has its other steps drawn."""
     good: list[Path] = []
     for f in files:
-        if why := not_regular(f):  # a FIFO (reading it could block) or a broken link
+        if why := unreadable(f):
             skipped.append(why)
             continue
         try:

@@ -44,6 +44,7 @@ from .files import file_url
 from .limits import (
     DEFAULT_MEMORY,
     DEFAULT_TIMEOUT,
+    MAX_TIMEOUT,
     Guard,
     Limits,
     QueryError,
@@ -67,9 +68,9 @@ from .views import (
     vanished,
 )
 
-__all__ = ["DEFAULT_MEMORY", "DEFAULT_TIMEOUT", "Limits", "QueryError", "QueryLimit", "Result", "RunChanged",
-           "Stopped", "View", "check_query", "check_read_only", "machine_memory", "memory_text", "open_run",
-           "parquet_refusal", "parse_memory", "query", "run_query", "run_views"]
+__all__ = ["DEFAULT_MEMORY", "DEFAULT_TIMEOUT", "MAX_TIMEOUT", "Limits", "QueryError", "QueryLimit", "Result",
+           "RunChanged", "Stopped", "View", "check_query", "check_read_only", "machine_memory", "memory_text",
+           "open_run", "parquet_refusal", "parse_memory", "query", "run_query", "run_views"]
 
 BATCH_ROWS = 8192
 

@@ -20,6 +20,7 @@ from pathlib import Path
 import duckdb
 
 DEFAULT_TIMEOUT = 300.0
+MAX_TIMEOUT = 365 * 24 * 3600  # a year: the timer takes no later moment than the C library's time_t
 DEFAULT_MEMORY = "25%"
 SPILL_PER_MEMORY = 2  # the default spill: twice the memory limit ...
 SPILL_DISK_SHARE = 0.25  # ... and at most this share of the temporary directory's free disk
@@ -50,6 +51,11 @@ class Limits:
     memory: int = field(default_factory=lambda: parse_memory(DEFAULT_MEMORY))
     seconds: float | None = DEFAULT_TIMEOUT
     spill: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.seconds is not None and not 0 <= self.seconds <= MAX_TIMEOUT:  # nan too
+            raise ValueError(f"a query's time limit must be from 0 to {MAX_TIMEOUT:,} seconds (a year), "
+                             f"got {self.seconds:g}")
 
     def spill_bytes(self) -> int:
         return self.spill if self.spill is not None else default_spill(self.memory)

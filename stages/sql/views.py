@@ -191,7 +191,7 @@ def _run_files(run_dir: Path, warn: Warn) -> list[Path]:
     try:  # one listing for both: a rollout writes OUT, then moves its journal away, so one of the two is
         # in it (a journal gone when looked into is RunChanged)
         with os.scandir(run_dir) as listing:
-            folders = {run_dir / e.name: e.is_dir() for e in listing}
+            folders = {run_dir / e.name: _is_folder(e) for e in listing}
         files = sorted(p for p, folder in folders.items() if not folder and p.name.endswith(".parquet"))
         subs = sorted(p for p, folder in folders.items() if folder and not p.name.startswith("."))
     except OSError as e:
@@ -204,6 +204,15 @@ def _run_files(run_dir: Path, warn: Warn) -> list[Path]:
                 raise run_changed(sub) from None
             warn(f"{unreadable(sub, e)}; skipped it")
     return files
+
+
+def _is_folder(entry: os.DirEntry) -> bool:
+    """Whether a listed entry is a folder; a link in a loop is none (a `.parquet` one is then said to be a
+    broken link, as one to nothing)."""
+    try:
+        return entry.is_dir()
+    except OSError:
+        return False
 
 
 def _folder_files(sub: Path, warn: Warn) -> list[Path]:
@@ -254,14 +263,14 @@ def not_regular(path: Path) -> str | None:
     return None
 
 
-def not_utf8(path: Path, opened: Path) -> str | None:
-    """Why DuckDB cannot be given `opened` (the file `path`), or None: a name that is not UTF-8 (which
-    Python holds with surrogate escapes)."""
+def not_utf8(path: Path, opened: Path | None = None, use: str = "query") -> str | None:
+    """Why DuckDB cannot be given `opened` (default `path`; the file `path`), or None: a name that is not
+    UTF-8 (which Python holds with surrogate escapes). `use`: what renaming it lets the user do with it."""
     try:
-        str(opened).encode("utf-8")
+        str(path if opened is None else opened).encode("utf-8")
     except UnicodeEncodeError:
         return (f"{escaped(path)} has a name that is not UTF-8, which DuckDB cannot open; "
-                "rename it to query it")
+                f"rename it to {use} it")
     return None
 
 

@@ -50,6 +50,15 @@ def has_scorer(name: str | None) -> bool:
     return name in TASKS or name in rewards.REWARDS
 
 
+def no_scorer(task: str | None) -> str:
+    """Why a prompt of `task` cannot be scored, after its name ("prompt 'p0' ..."): a verl or TRL
+    dataset's row (whose task is its format until a reward is named), or an unknown task."""
+    if task in ("verl", "trl"):
+        return (f"is a row of a {'verl' if task == 'verl' else 'TRL'} dataset, which names no reward of its "
+                "own; score it with --reward math|code or --reward-fn path.py:function")
+    return f"has task {task!r}, which has no scorer (known: {', '.join(TASKS)})"
+
+
 def chat_format(tokenizer, user: str, system: str | None = None) -> tuple[str, list[int]]:
     """The prompt text a model sees for one user message, and its token ids: rendered by the chat
     template (which writes its own special tokens), or for a model without one the plain text with the

@@ -17,10 +17,11 @@ Design decisions:
   takes) or a dict with a numeric `score` (the dict's other fields are kept as the completion's
   `extra`); anything else, a non-finite number (an int too large for a float is one), or a TRL result of
   the wrong length is refused in one sentence, a dict without `score` naming the keys it has. A function
-  that raises, or exits (SystemExit: sys.exit() in a script's scorer would otherwise end the command
-  silently, with nothing written), is named with the dataset row of the completion (a TRL batch that
-  raises is called again one item at a time to find it); KeyboardInterrupt still interrupts. Importing
-  the file is held to the same rule.
+  that raises (any exception, a BaseException too), or exits (SystemExit: sys.exit() in a script's scorer
+  would otherwise end the command silently, with nothing written), is named with the dataset row of the
+  completion (a TRL batch that raises is called again one item at a time to find it); KeyboardInterrupt
+  still interrupts. Importing the file is held to the same rule. Code that closes its stdout or stderr
+  closes a stand-in (`Unclosable`), not the command's.
 - A verl function's `extra_info` is what verl's reward manager passes: a copy of the row's extra_info
   as a dict (`{}` where the column is missing or null, as verl's RLHFDataset reads it) with the keys the
   manager adds: `num_turns` 2 (a prompt and its completion, as verl's single-turn agent loop counts them)
@@ -76,7 +77,6 @@ from .rewards import REWARDS, cut, dataset_reward
 Item = tuple[str, "str | None", dict[str, Any]]  # (completion, answer, metadata)
 Style = Literal["verl", "trl"]
 
-USER_ERRORS = (Exception, SystemExit)  # what user code may end with, named; KeyboardInterrupt is not
 VERL_KEYWORDS = ("data_source", "solution_str", "ground_truth", "extra_info")
 TRL_ONLY = ("completion_ids", "trainer_state")  # what TRL passes its functions and Sparrow does not
 TRL_UNPASSED = ("prompt", "completion", "completion_ids")  # dataset columns GRPOTrainer does not pass
@@ -180,7 +180,9 @@ def _import(spec: str, path: Path) -> Any:
     try:
         with stdout_to_stderr(), working_directory_kept(), folder_on_path(path.resolve().parent):
             module_spec.loader.exec_module(module)
-    except USER_ERRORS as e:  # the user's file, named
+    except KeyboardInterrupt:  # Ctrl-C, SIGTERM: still the command's
+        raise
+    except BaseException as e:  # anything else the user's file ends with, named
         sys.modules.pop(module_name, None)
         relative = isinstance(e, ImportError) and "relative import" in str(e)
         advice = ("; a reward file is imported as a script, with its folder on sys.path, so import the "
@@ -298,7 +300,9 @@ class RewardFunction:
                 value = _awaited(self.fn(data_source=columns.get("data_source"), solution_str=completion,
                                          ground_truth=column_value(answer),
                                          extra_info=verl_extra_info(columns.get("extra_info"))))
-            except USER_ERRORS as e:  # the user's error, named with its row
+            except KeyboardInterrupt:
+                raise
+            except BaseException as e:  # the user's error, named with its row
                 raise self._raised(e, meta) from None
             out.append(self._judgement(value, meta))
         return out
@@ -309,7 +313,9 @@ class RewardFunction:
         logged = Logged()
         try:
             values = _awaited(self._call_trl(items, logged))
-        except USER_ERRORS as e:  # named with its row: the batch's items again, one at a time
+        except KeyboardInterrupt:
+            raise
+        except BaseException as e:  # named with its row: the batch's items again, one at a time
             if len(items) == 1:
                 raise self._raised(e, items[0][2]) from None
             return [j for item in items for j in self._trl([item])]
@@ -456,13 +462,28 @@ def stdout_to_stderr() -> Iterator[None]:
         os.dup2(2, 1)
     except OSError:  # no descriptor 1 or 2: Python's stdout is still redirected
         saved = None
+    stream = Unclosable(sys.stderr)
     try:
-        with contextlib.redirect_stdout(sys.stderr):
+        with contextlib.redirect_stdout(stream), contextlib.redirect_stderr(stream):
             yield
     finally:
         if saved is not None:
             os.dup2(saved, 1)
             os.close(saved)
+
+
+class Unclosable:
+    """The command's stderr as user code's sys.stdout and sys.stderr: closing it only flushes it, so that
+    code which closes its stdout leaves the command its stderr."""
+
+    def __init__(self, stream: Any):
+        self._stream = stream
+
+    def close(self) -> None:
+        self._stream.flush()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
 
 
 @contextlib.contextmanager
@@ -533,7 +554,10 @@ def _ended(e: BaseException) -> str:
     """How user code ended: "exited (sys.exit(0))" or "raised ValueError (its message's first line)"."""
     if isinstance(e, SystemExit):
         return f"exited (sys.exit({'' if e.code is None else repr(e.code)}))"
-    message = (str(e).strip().splitlines() or [""])[0]
+    try:
+        message = (str(e).strip().splitlines() or [""])[0]
+    except Exception:  # an exception whose __str__ raises is named by its type alone
+        message = ""
     return f"raised {type(e).__name__}" + (f" ({message})" if message else "")
 
 

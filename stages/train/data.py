@@ -9,7 +9,7 @@ import numpy as np
 
 from ..core.prompt_set import PromptError, PromptSet
 from ..core.user_data import DataOptions
-from ..tasks import TASKS, get_task, has_scorer
+from ..tasks import get_task, has_scorer, no_scorer
 
 
 @dataclass
@@ -31,9 +31,7 @@ def load_prompts(path: str | os.PathLike, tokenizer=None, chat_template: bool = 
     for r in prompt_set.rows:
         where = f"{path}: prompt {r['prompt_id']!r}"
         if not has_scorer(r.get("task")):
-            hint = ("a verl or TRL dataset is scored by --reward math|code or --reward-fn path.py:function"
-                    if r.get("task") in ("verl", "trl") else f"known: {', '.join(TASKS)}")
-            raise PromptError(f"{where} has task {r.get('task')!r}, which has no scorer ({hint})")
+            raise PromptError(f"{where} {no_scorer(r.get('task'))}")
         if r.get("answer") is None and get_task(r["task"]).needs_answer:
             raise PromptError(f"{where} has no answer, so its reward cannot be verified")
     prompt_set.check_rewards()
