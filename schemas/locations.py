@@ -565,8 +565,11 @@ def spool_input(path: str | os.PathLike, flag: str) -> Path:
     except OSError as e:
         raise ArtifactError(f"{flag} {path} cannot be read ({e.strerror or e})") from None
     if not data:
-        raise ArtifactError(f"{flag} {path}: nothing was read (pipe a Parquet or JSONL file into it; stdin "
-                            "serves one input only)")
+        piped = (is_stdio(path) or special_kind(Path(path)) == "a FIFO (named pipe)"
+                 or str(path).startswith("/dev/std"))
+        hint = ("pipe a Parquet or JSONL file into it; stdin serves one input only" if piped else
+                "it holds nothing; give a Parquet or JSONL file")
+        raise ArtifactError(f"{flag} {path}: nothing was read ({hint})")
     folder = Path(tempfile.mkdtemp(prefix="sparrow-input-"))
     atexit.register(shutil.rmtree, folder, ignore_errors=True)
     suffix = ".parquet" if data[:4] == b"PAR1" else ".jsonl"

@@ -89,6 +89,15 @@ RANDOM_WEIGHTS_NOTE = ("this profile times the scoring and measures its memory, 
                        "model's: plan no schedule from it")
 
 
+def scored_budgets(text: str) -> list[int]:
+    """--budgets as a list; `dense` is refused as what every budget is scored against (fit-cost's and
+    plan-schedule's lists take it: there it is a step to time or a bin's choice)."""
+    if "dense" in (x.strip().lower() for x in text.split(",")):
+        raise UsageError("--budgets lists dense, which every budget is scored against (alpha 1 by "
+                         "definition); give the block top-k budgets to score, such as 256,512")
+    return parse_int_list(text, "--budgets")
+
+
 @friendly_errors
 def profile(
     ctx: typer.Context,
@@ -212,7 +221,7 @@ def profile(
     if rollouts is not None:
         refuse_sampling_flags(ctx, rollouts)
     sampler, sampler_label = sampler_of_flags(ctx, sampler, budget, schedule, model)
-    opts = ProfileOptions(budgets=parse_int_list(budgets, "--budgets"), samples=samples,
+    opts = ProfileOptions(budgets=scored_budgets(budgets), samples=samples,
                           max_new_tokens=max_new_tokens, sampler=sampler, bin_width=bin_width,
                           temperature=1.0 if temperature is None else temperature, top_p=top_p, top_k=top_k,
                           seed=seed, batch_size=batch_size, speculate=speculate, draft_alpha=draft_alpha,

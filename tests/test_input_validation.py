@@ -646,3 +646,23 @@ def test_prompts_jsonl_with_half_a_surrogate_pair_is_one_sentence(tmp_path, no_w
                                   "\\ud800, half of a UTF-16 surrogate pair without its other half, which is "
                                   "not text")
     assert not out.exists()
+
+
+def test_dev_null_as_input_says_it_holds_nothing(tmp_path, no_work):
+    out = tmp_path / "r.parquet"
+    result = runner.invoke(app, rollout_args(Path("/dev/null"), out))
+    assert result.exit_code == 2
+    assert error_line(result) == ("error: --prompts /dev/null: nothing was read (it holds nothing; give a "
+                                  "Parquet or JSONL file)")
+
+
+def test_profile_budgets_naming_dense_say_why_not(tmp_path, no_work):
+    out = tmp_path / "m.parquet"
+    result = runner.invoke(app, ["profile", "--model", "tiny-llama", "--prompts",
+                                 str(token_prompts(tmp_path / "p.parquet")), "--budgets", "dense,64", "-o",
+                                 str(out)])
+    assert result.exit_code == 2
+    assert error_line(result) == ("error: --budgets lists dense, which every budget is scored against "
+                                  "(alpha 1 by definition); give the block top-k budgets to score, such as "
+                                  "256,512")
+    assert not out.exists()
