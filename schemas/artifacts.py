@@ -373,6 +373,31 @@ def _budget_non_decreasing(t: pa.Table) -> Failure | None:
     return None
 
 
+@whole_table
+def _bins_tile_positions(t: pa.Table) -> Failure | None:
+    """A schedule's bins, in bin order, start at position 0, each where the one before ends, the last open
+    (null bin_end): every position has exactly one budget."""
+    if t.num_rows == 0:
+        return None
+    order = np.argsort(t["bin"].to_numpy(), kind="stable")
+    starts = t["bin_start"].to_numpy()[order]
+    ends = [t["bin_end"][int(i)].as_py() for i in order]
+    if starts[0] != 0:
+        return _said(f"starts its first bin at position {starts[0]}, and a schedule's bins start at 0, so "
+                     "that every position has a budget")
+    for i in range(len(starts) - 1):
+        if starts[i + 1] <= starts[i]:
+            return _said(f"starts a bin at position {starts[i + 1]}, not after the one before it "
+                         f"({starts[i]}); bin_start increases with bin")
+        if ends[i] is not None and ends[i] != starts[i + 1]:
+            return _said(f"ends the bin at {starts[i]} at {ends[i]} but starts the next at {starts[i + 1]}; "
+                         "each bin ends where the next starts")
+    if ends[-1] is not None:
+        return _said(f"ends its last bin at {ends[-1]}; a schedule's last bin is open (null bin_end), its "
+                     "budget holding at every later position")
+    return None
+
+
 def _equal_lengths(*names: str) -> Rule:
     def rule(t: pa.Table) -> Failure | None:
         lengths = [pc.list_value_length(t[n]) for n in names]
@@ -479,7 +504,7 @@ SCHEMAS: dict[str, ArtifactSpec] = {s.kind: s for s in (
           Col("budget", I32, nullable=True, range=POS),
           Col("tail", F64, nullable=True, range=UNIT),
           Col("predicted_step_seconds", F64, nullable=True, range=NONNEG),
-          rules=(_budget_non_decreasing,)),
+          rules=(_budget_non_decreasing, _bins_tile_positions)),
     _spec("rollouts", "one row per sample; budgets per token, 0 = dense; the sample's KV policy and the "
           "KV tokens its cache held at each token (kv_lens: the retained cache under eviction, else the "
           "whole cache, of which block top-k reads only its budget); "

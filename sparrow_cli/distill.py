@@ -402,7 +402,8 @@ def distill(
     check_output_dir(output, "an adapter written by sparrow distill", force=force, ours=distilled_adapter,
                      replaceable=lambda d: (d / "adapter_config.json").exists(),
                      inputs={"--prompts": prompts, "--rollouts": rollouts, "--schedule": schedule,
-                             "--eval-prompts": eval_prompts, "--model": model_file(model)})
+                             "--eval-prompts": eval_prompts, "--model": model_file(model),
+                             "--init-adapter": init_adapter})
     hold_adapter_dir(output)
     resolved = default_threshold(threshold, model, quantile)
     sparsity = block_topk_sparsity(schedule, budget, False, model)

@@ -26,12 +26,17 @@ def finite(ctx: typer.Context, param: typer.CallbackParam, value: float | None) 
     fail(f"{param.opts[0] if param.opts else param.name} must be a finite number, got {value}")
 
 
+MAX_SEED = 2**63 - 1  # torch's generators take a signed 64-bit seed
+
+
 def non_negative_seed(ctx: typer.Context, param: typer.CallbackParam, value: int | None) -> int | None:
-    """typer callback of every --seed: a negative seed is refused in one sentence as the command line is
-    read (numpy's generators, which every sample's seed goes through, take none)."""
-    if value is None or ctx.resilient_parsing or value >= 0:
+    """typer callback of every --seed: a negative seed (numpy's generators, which every sample's seed goes
+    through, take none) or one beyond 64 bits (torch's) is refused in one sentence as the command line is
+    read."""
+    if value is None or ctx.resilient_parsing or 0 <= value <= MAX_SEED:
         return value
-    fail(f"--seed must be >= 0, got {value}")
+    fail(f"--seed must be >= 0, got {value}" if value < 0 else
+         f"--seed must be at most 2**63 - 1, got {value}")
 
 
 def top_k_off(ctx: typer.Context, param: typer.CallbackParam, value: int | None) -> int | None:

@@ -131,11 +131,14 @@ def plan_schedule(
     scored is never planned), non-decreasing across bins; prints the table and the predicted speedup
     over dense: of the whole rollout (the prompt's dense prefill on both sides) where the cost model
     prices a prefill, as the analytic presets do, else of decode alone, labelled so."""
-    from sparrow.stages.cost import timed_dtype
+    from sparrow.stages.cost import get_hardware, timed_dtype
     from sparrow.stages.plan import PlanRequest, plan_kv_budget, plan_schedule
 
     fmt = resolve_format(format)
     export = export.lower() if export is not None else None
+    if hardware is not None:  # an empty name too, which would otherwise read as no --hardware
+        with stage_errors():
+            get_hardware(hardware)
     req = PlanRequest(model, profile, threshold, threshold_file, quantile, cost, hardware, gen_len,
                       prompt_len, batch, bin_width, min_tokens, allow_model_mismatch, export=export,
                       speculate=speculate)

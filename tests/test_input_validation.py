@@ -666,3 +666,71 @@ def test_profile_budgets_naming_dense_say_why_not(tmp_path, no_work):
                                   "(alpha 1 by definition); give the block top-k budgets to score, such as "
                                   "256,512")
     assert not out.exists()
+
+
+def test_distill_refuses_to_write_over_the_adapter_it_continues(tmp_path, no_work):
+    adapter = tmp_path / "ad"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{}")
+    result = runner.invoke(app, ["distill", "--model", "tiny-llama", "--prompts",
+                                 str(token_prompts(tmp_path / "p.parquet")), "--budget", "48",
+                                 "--init-adapter", str(adapter), "-o", str(adapter)])
+    assert result.exit_code == 2
+    assert error_line(result) == (f"error: -o {adapter} is the --init-adapter this command reads; choose "
+                                  "another path")
+    assert [p.name for p in adapter.iterdir()] == ["adapter_config.json"]
+
+
+@pytest.mark.parametrize("command", ["rollout", "train"])
+def test_a_seed_beyond_64_bits_is_one_sentence(tmp_path, no_work, command):
+    prompts, out = token_prompts(tmp_path / "p.parquet"), tmp_path / "out"
+    args = rollout_args(prompts, out) if command == "rollout" else train_args("tiny-llama", prompts, out)
+    result = runner.invoke(app, [*args, "--seed", str(2**64)])
+    assert result.exit_code == 2
+    assert error_line(result) == f"error: --seed must be at most 2**63 - 1, got {2**64}"
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("key,value,words", [
+    ("num_hidden_layers", "two", 'num_hidden_layers must be a positive whole number, got "two"'),
+    ("num_hidden_layers", 2.0, "num_hidden_layers must be a positive whole number, got 2.0"),
+    ("num_attention_heads", None, "num_attention_heads must be a positive whole number, got null"),
+    ("rms_norm_eps", "x", 'rms_norm_eps must be a positive number, got "x"'),
+    ("rope_scaling", "yarn", 'rope_scaling must be an object (or null), got "yarn"'),
+    ("eos_token_id", "x", 'eos_token_id must be a token id or a list of them, got "x"'),
+])
+def test_a_config_field_of_the_wrong_type_is_named(tmp_path, tiny_chat, no_work, key, value, words):
+    import json
+    import shutil
+
+    model = tmp_path / "m"
+    shutil.copytree(tiny_chat, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, key: value}))
+    for args in (["plan-schedule", "--model", str(model)],
+                 rollout_args(token_prompts(tmp_path / "p.parquet"), tmp_path / "r.parquet")[:-4]):
+        args = [a if a != "tiny-llama" else str(model) for a in args]
+        result = runner.invoke(app, [*args, "-o", str(tmp_path / "r.parquet")])
+        assert result.exit_code == 2, result.output
+        assert error_line(result) == f"error: {model}/config.json: {words}"
+
+
+@pytest.mark.parametrize("name,text", [("tokenizer.json", "{bad"), ("chat_template.jinja", "{% if %}")])
+def test_a_damaged_tokenizer_is_named(tmp_path, tiny_chat, no_work, name, text):
+    import shutil
+
+    model = tmp_path / "m"
+    shutil.copytree(tiny_chat, model)
+    (model / name).write_text(text)
+    result = runner.invoke(app, ["prompts", "--task", "kv_lookup", "--n", "1", "--context-tokens", "512",
+                                 "--model", str(model), "-o", str(tmp_path / "p.parquet")])
+    assert result.exit_code != 0 and "Traceback" not in result.output
+    line = error_line(result)
+    assert line.startswith(f"error: {model}: its tokenizer does not read (") and "damaged" in line
+    assert not (tmp_path / "p.parquet").exists()
+
+
+def test_plan_schedule_refuses_an_empty_hardware_name():
+    result = runner.invoke(app, ["plan-schedule", "--model", "qwen3-4b", "--hardware", ""])
+    assert result.exit_code == 2
+    assert error_line(result).startswith("error: unknown hardware ''; known hardware presets: h100")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import numpy as np
 import pyarrow as pa
@@ -434,8 +435,22 @@ def test_schedule_budget_must_not_decrease(tmp_path):
         write_artifact(valid("schedule", budget=[512, 256, None]), tmp_path / "w.parquet", "schedule")
     with pytest.raises(ArtifactError, match="has bin 1 more than once"):
         write_artifact(valid("schedule", bin=[0, 1, 1]), tmp_path / "w.parquet", "schedule")
-    unsorted_ok = valid("schedule", bin=[2, 1, 0], budget=[None, 512, 256])
+    unsorted_ok = valid("schedule", bin=[2, 1, 0], bin_start=[4000, 2000, 0], bin_end=[None, 4000, 2000],
+                        budget=[None, 512, 256])
     write_artifact(unsorted_ok, tmp_path / "w.parquet", "schedule")
+
+
+@pytest.mark.parametrize("starts,ends,words", [
+    ([16, 2000, 4000], [2000, 4000, None], "starts its first bin at position 16"),
+    ([0, 4000, 2000], [4000, 2000, None], "starts a bin at position 2000, not after"),
+    ([0, 2000, 4000], [1000, 4000, None], "ends the bin at 0 at 1000 but starts the next at 2000"),
+    ([0, 2000, 4000], [2000, 4000, 8000], "ends its last bin at 8000"),
+])
+def test_schedule_bins_tile_every_position(tmp_path, starts, ends, words):
+    """A schedule's bins start at 0 and meet, the last open, so that every position has one budget."""
+    with pytest.raises(ArtifactError, match=re.escape(words)):
+        write_artifact(valid("schedule", bin_start=starts, bin_end=ends), tmp_path / "s.parquet",
+                       "schedule")
 
 
 def test_rollout_lists_have_equal_lengths(tmp_path):

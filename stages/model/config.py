@@ -18,6 +18,7 @@ than transformers and vLLM run.
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass, field
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
@@ -166,6 +167,7 @@ class ModelConfig:
         """From a Hugging Face config.json dictionary (`source` names it in errors) and, when the
         checkpoint has one, its generation_config.json: the EOS ids are the union of both files'."""
         check_supported(hf, source)
+        check_field_types(hf, source)
         model_type = hf.get("model_type", "llama")
         eos = _ids(hf.get("eos_token_id")) + _ids((generation or {}).get("eos_token_id"))
         eos_ids = tuple(dict.fromkeys(eos))  # the union, config.json's first
@@ -223,6 +225,33 @@ class ModelConfig:
         if self.rope_scaling is not None:
             hf["rope_scaling"] = self.rope_scaling.to_hf()
         return hf
+
+
+REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+POSITIVE_INTS = (*REQUIRED, "num_key_value_heads", "head_dim", "max_position_embeddings")
+POSITIVE_NUMBERS = ("rope_theta", "rms_norm_eps")
+
+
+def check_field_types(hf: dict, source: str) -> None:
+    """The config fields Sparrow reads, each of its JSON type, in one sentence naming the field (a string,
+    float or null where a count belongs would otherwise fail deep in the model's construction)."""
+    def refuse(key: str, what: str) -> None:
+        raise ModelSpecError(f"{source}: {key} must be {what}, got {json.dumps(hf[key])[:40]}")
+
+    for key in POSITIVE_INTS:
+        if key in hf and (hf[key] is not None or key in REQUIRED) and not (
+                type(hf[key]) is int and hf[key] > 0):
+            refuse(key, "a positive whole number")
+    for key in POSITIVE_NUMBERS:
+        if hf.get(key) is not None and not (type(hf[key]) in (int, float) and hf[key] > 0):
+            refuse(key, "a positive number")
+    if hf.get("rope_scaling") is not None and not isinstance(hf["rope_scaling"], dict):
+        refuse("rope_scaling", "an object (or null)")
+    for key, what in (("bos_token_id", "a token id"), ("eos_token_id", "a token id or a list of them")):
+        value = hf.get(key)
+        ids = value if isinstance(value, list) and key == "eos_token_id" else [value]
+        if value is not None and not all(type(i) is int and i >= 0 for i in ids):
+            refuse(key, what)
 
 
 def supported_types(conjunction: str = "and") -> str:

@@ -38,6 +38,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from sparrow.schemas.artifacts import first_line
 from sparrow.schemas.io import dead_writer, leftovers, temporary
 
 from .config import ModelConfig, ModelSpecError, supported_types
@@ -472,11 +473,24 @@ def _tokenizer_files(path: Path) -> bool:
 
 
 def _dir_tokenizer(path: Path):
+    """The tokenizer of a checkpoint folder (None: it has none); one whose files or chat template do not
+    read is a ModelSpecError naming the folder, before any work."""
     if not _tokenizer_files(path):
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        template = getattr(tokenizer, "chat_template", None)
+        if isinstance(template, str):
+            import jinja2
+
+            jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
+    except Exception as e:  # transformers raises whatever its parsers do: JSON, jinja, tokenizers' own
+        raise ModelSpecError(f"{path}: its tokenizer does not read ({type(e).__name__}: "
+                             f"{first_line(e)}); its tokenizer.json, tokenizer_config.json or chat "
+                             "template is damaged") from None
+    return tokenizer
 
 
 def gguf_tokenizer(path: Path):
