@@ -34,11 +34,28 @@ def whole_help_cells() -> Iterator[None]:
     typer_panels = {name: panel for name in layouts if callable(panel := getattr(rich_utils, name, None))}
     for name, panel in typer_panels.items():
         setattr(rich_utils, name, functools.partial(_laid_out, panel, layouts[name]))
+    make_console = getattr(rich_utils, "_get_rich_console", None)
+    if callable(make_console):
+        rich_utils._get_rich_console = functools.partial(_at_least_help_width, make_console)
     try:
         yield
     finally:
         for name, panel in typer_panels.items():
             setattr(rich_utils, name, panel)
+        if callable(make_console):
+            rich_utils._get_rich_console = make_console
+
+
+HELP_FLOOR = 40  # the narrowest help laid out; a narrower terminal (COLUMNS=20, or 0) wraps its lines
+
+
+def _at_least_help_width(make_console: Callable, *args, **kwargs) -> Console:
+    """typer's help console, at least HELP_FLOOR wide: at COLUMNS=0 rich prints nothing at all, and below
+    it no option's name fits beside anything."""
+    console = make_console(*args, **kwargs)
+    if console.width < HELP_FLOOR:
+        console.width = HELP_FLOOR
+    return console
 
 
 def _laid_out(typer_panel: Callable, layout: Callable, *args, **kwargs) -> None:

@@ -43,6 +43,17 @@ def test_every_option_name_is_whole_and_nothing_is_cut(name, width):
     assert max(len(line) for line in r.stdout.splitlines()) <= int(width)
 
 
+@pytest.mark.parametrize("width", ["0", "1", "20"])
+@pytest.mark.parametrize("name", ["rollout", "train"])
+def test_narrower_than_40_columns_help_is_laid_out_at_40(name, width):
+    """At COLUMNS=0 rich prints nothing, and below 40 no name fits beside its help: the help is laid out
+    at 40 columns, every name whole, and the terminal wraps its lines."""
+    r = runner.invoke(app, [name, "--help"], env={"COLUMNS": width})
+    assert r.exit_code == 0 and "…" not in r.stdout
+    assert not [n for n in _names(GROUP.commands[name]) if not _shown_whole(n, r.stdout)]
+    assert max(len(line) for line in r.stdout.splitlines()) == 40
+
+
 @pytest.mark.parametrize("width", WIDTHS)
 def test_the_top_level_help_cuts_nothing(width):
     r = runner.invoke(app, ["--help"], env={"COLUMNS": width})
