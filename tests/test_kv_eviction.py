@@ -127,6 +127,7 @@ def test_specs_round_trip_and_bad_ones_get_one_sentence():
         ("h2o:64", "unknown sparsity 'h2o:64': expected dense, budget:B, schedule:FILE, snapkv:B or rkv:B"),
         ("rkv:x", "the KV budget must be an integer"),
         ("rkv:64,kernel=5", "unknown option 'kernel'"),
+        ("rkv:64,window=8,window=9", "window= is given twice; give it once"),
         ("snapkv:64,window=0", "the window and the buffer must be at least 1"),
     ]:
         with pytest.raises(ValueError, match=re.escape(message)):

@@ -166,6 +166,8 @@ def parse_eviction(spec: str) -> Eviction:
         if key not in ("window", "buffer", "sink"):
             raise ValueError(f"sparsity {spec!r}: unknown option {key!r} (expected window=, buffer= or "
                              "sink=)")
+        if key in kw:
+            raise ValueError(f"sparsity {spec!r}: {key}= is given twice; give it once")
         try:
             kw[key] = int(value)
         except ValueError:
