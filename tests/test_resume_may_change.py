@@ -62,3 +62,18 @@ def test_another_thread_count_on_resume_is_said_in_a_note(setup, tmp_path):  # n
     config.write_text(json.dumps(saved))
     r = runner.invoke(app, setup["args"](run, "--resume", "--steps", "3"))
     assert r.exit_code == 0 and "CPU threads" not in said(r)
+
+
+def test_two_paths_of_one_model_folder_are_one_model(tmp_path, monkeypatch):
+    """A run started with --model m/ckpt resumes with the folder's absolute path (and the other way); a
+    path of another folder, or another preset, still differs."""
+    from sparrow.stages.train.config import TrainConfig
+    from sparrow.stages.train.run_dir import differences
+
+    (tmp_path / "m" / "ckpt").mkdir(parents=True)
+    (tmp_path / "m" / "other").mkdir()
+    monkeypatch.chdir(tmp_path)
+    saved = TrainConfig(model="m/ckpt")
+    assert differences(saved, TrainConfig(model=str(tmp_path / "m" / "ckpt"))) == []
+    assert differences(saved, TrainConfig(model="m/other")) == ["model"]
+    assert differences(TrainConfig(model="smollm2-135m"), TrainConfig(model="tiny-llama")) == ["model"]

@@ -333,17 +333,25 @@ def _scoring(cfg: TrainConfig) -> str:
 
 def differences(saved: TrainConfig, now: TrainConfig, recorded: set[str] | None = None) -> list[str]:
     """The fields that differ but `steps` and `MAY_CHANGE`; two schedules are compared by content, not by
-    path, and so are two reward functions of the same name. Reward fields a checkpoint did not record
-    (`recorded`: the fields it names) are not compared: its prompts' fingerprint holds the task they are
-    scored by."""
+    path, and so are two reward functions of the same name; two paths of one model folder are one model.
+    Reward fields a checkpoint did not record (`recorded`: the fields it names) are not compared: its
+    prompts' fingerprint holds the task they are scored by."""
     both_schedules = saved.sparsity.startswith("schedule:") and now.sparsity.startswith("schedule:")
     same_function = bool(saved.reward_fn and now.reward_fn) and (
         saved.reward_fn.rpartition(":")[2] == now.reward_fn.rpartition(":")[2])
+    same_model = _same_folder(saved.model, now.model)
     skip = ({"steps", *MAY_CHANGE} | ({"sparsity"} if both_schedules else set())
-            | ({"reward_fn"} if same_function else set())
+            | ({"reward_fn"} if same_function else set()) | ({"model"} if same_model else set())
             | {f for f in REWARD_FIELDS if recorded is not None and f not in recorded})
     return [f.name for f in fields(saved)
             if f.name not in skip and getattr(saved, f.name) != getattr(now, f.name)]
+
+
+def _same_folder(a: str, b: str) -> bool:
+    """Two --model paths that name one checkpoint folder or file (m/ckpt and /home/me/m/ckpt), as
+    resolved from the working directory; presets compare as their names."""
+    pa, pb = Path(a), Path(b)
+    return a != b and pa.exists() and pb.exists() and pa.resolve() == pb.resolve()
 
 
 def clear_run(run_dir: Path) -> None:
