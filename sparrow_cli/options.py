@@ -551,9 +551,12 @@ def load_actor(path: Path | None, cfg, model: str | None = None, flag: str = "--
     base = read_adapter_config(path, flag).get("base_model_name_or_path")
     try:
         lora = load_lora(path)
-        check_lora_fits(lora, cfg, str(path))
     except (ValueError, KeyError, OSError, SafetensorError) as e:
         raise UsageError(f"{flag} {path}: {e.args[0] if e.args else e}") from None
+    try:
+        check_lora_fits(lora, cfg, f"{flag} {path}")
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     if model is not None and base and base_name(base) != base_name(model):
         warn(f"{flag} {path} was trained on {base!r} (its adapter_config.json), not on --model {model}; its "
              "shapes fit, so it is used as given")

@@ -420,6 +420,16 @@ def _check_size(prefix: str, rank: int, alpha: float, hint: str = "") -> None:
         raise UsageError(f"{prefix}-alpha must be positive, got {alpha}")
 
 
+def _check_ranks(cfg, width: int) -> None:
+    """A LoRA rank (--lora-rank, --distill-rank) above the model's hidden size `width` is refused: above its
+    layers' width an adapter is no longer low-rank, only larger and slower."""
+    ranks = (("--lora-rank", cfg.lora_rank), ("--distill-rank", cfg.distill_sparse and cfg.distill_rank))
+    for flag, rank in ranks:
+        if rank and rank > width:
+            raise UsageError(f"{flag} {rank} is more than {cfg.model}'s hidden size ({width}): above its "
+                             "layers' width an adapter is no longer low-rank, only larger and slower")
+
+
 def _check_step_memory(rows: list[dict], cfg) -> None:
     """Refuse a step's samples (--prompts-per-step prompts x --samples, or --oversample) that this machine
     could not hold, by rollout's check (`check_sampling_memory`) before anything is written, counted at the
@@ -428,9 +438,11 @@ def _check_step_memory(rows: list[dict], cfg) -> None:
     from sparrow.stages.model.loading import resolve_config
 
     try:
-        vocab = resolve_config(cfg.model).vocab_size
+        model = resolve_config(cfg.model)
     except ModelSpecError:
         return  # the model's own error comes when it loads
+    _check_ranks(cfg, model.hidden_size)
+    vocab = model.vocab_size
     lengths = sorted(len(r.get("prompt_token_ids") or ()) for r in rows)
     check_sampling_memory(lengths[:cfg.prompts_per_step], cfg.oversample or cfg.samples, cfg.max_new_tokens,
                           vocab, "train with fewer --samples (or --oversample) or --prompts-per-step")

@@ -371,6 +371,7 @@ def test_cli_bad_input(cli_files, tmp_path, args, message):
     r = runner.invoke(app, [cli_files.get(a, a) for a in args] + ["-o", str(out)])
     line = error_line(r)
     assert message in line, line
+    assert line.count(cli_files["ADAPTER"]) <= 1, line  # the adapter named once, by its flag
     assert not out.exists()
 
 

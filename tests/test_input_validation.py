@@ -734,3 +734,25 @@ def test_plan_schedule_refuses_an_empty_hardware_name():
     result = runner.invoke(app, ["plan-schedule", "--model", "qwen3-4b", "--hardware", ""])
     assert result.exit_code == 2
     assert error_line(result).startswith("error: unknown hardware ''; known hardware presets: h100")
+
+
+def test_a_lora_rank_above_the_hidden_size_is_refused_before_work(tmp_path, no_work):
+    from sparrow.stages.model.loading import resolve_config
+
+    width = resolve_config("tiny-llama").hidden_size
+    prompts, run = token_prompts(tmp_path / "p.parquet"), tmp_path / "run"
+    result = runner.invoke(app, train_args("tiny-llama", prompts, run, "--lora-rank", str(width + 1)))
+    assert result.exit_code == 2
+    assert error_line(result).startswith(f"error: --lora-rank {width + 1} is more than tiny-llama's hidden "
+                                         f"size ({width})")
+    assert not run.exists()
+
+
+@pytest.mark.parametrize("flag,value,words", [("--distill-lr-ratio", "0", "must be > 0, got 0"),
+                                              ("--distill-kl-coef", "-1", "must be >= 0, got -1")])
+def test_distill_sparse_options_name_their_own_flag(tmp_path, no_work, flag, value, words):
+    prompts, run = token_prompts(tmp_path / "p.parquet"), tmp_path / "run"
+    result = runner.invoke(app, train_args("tiny-llama", prompts, run, "--budget", "48", "--distill-sparse",
+                                           flag, value))
+    assert result.exit_code == 2
+    assert error_line(result).endswith(f"{flag} {words}")

@@ -192,7 +192,7 @@ def _note_bins(notes: list[str], bins: np.ndarray, profile: TailProfile, one: st
 
 def check_threshold(threshold: float) -> None:
     if not 0 < threshold < 1:
-        raise ScheduleError(f"the threshold must be in (0, 1), got {threshold:g}")
+        raise ScheduleError(f"the threshold must be in (0, 1), got {threshold:.15g}")
 
 
 def measured_profile(mismatch, quantile: float, bin_width: int, num_bins: int, source: str,
@@ -245,7 +245,7 @@ def measured_profile(mismatch, quantile: float, bin_width: int, num_bins: int, s
 
 def check_quantile(quantile: float) -> None:
     if not 0 < quantile < 1:
-        raise ScheduleError(f"the tail quantile must be in (0, 1), got {quantile:g}")
+        raise ScheduleError(f"the tail quantile must be in (0, 1), got {quantile:.15g}")
 
 
 # ---------------------------------------------------------------- outputs

@@ -127,9 +127,12 @@ class TrainConfig:
             if self.top_p < 1 or self.top_k:
                 raise ValueError("--distill-sparse's k3 estimator needs tokens drawn from the sparse actor's "
                                  "whole distribution, which --top-p/--top-k cut; leave them at 1 and 0")
-            if self.distill_rank < 1 or self.distill_lr_ratio <= 0 or self.distill_kl_coef < 0:
-                raise ValueError("--distill-rank must be >= 1, --distill-lr-ratio > 0 and --distill-kl-coef "
-                                 ">= 0")
+            bounds = (("--distill-rank", self.distill_rank, self.distill_rank >= 1, ">= 1"),
+                      ("--distill-lr-ratio", self.distill_lr_ratio, self.distill_lr_ratio > 0, "> 0"),
+                      ("--distill-kl-coef", self.distill_kl_coef, self.distill_kl_coef >= 0, ">= 0"))
+            for flag, value, ok, what in bounds:
+                if not ok:
+                    raise ValueError(f"{flag} must be {what}, got {value:g}")
 
 
 def kv_policy(spec: str, model: ModelConfig) -> KVPolicy:
