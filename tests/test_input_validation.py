@@ -756,3 +756,14 @@ def test_distill_sparse_options_name_their_own_flag(tmp_path, no_work, flag, val
                                            flag, value))
     assert result.exit_code == 2
     assert error_line(result).endswith(f"{flag} {words}")
+
+
+@pytest.mark.parametrize("command", ["rollout", "train"])
+def test_an_empty_model_is_named_as_empty(tmp_path, no_work, command):
+    prompts, out = token_prompts(tmp_path / "p.parquet"), tmp_path / "out"
+    args = rollout_args(prompts, out) if command == "rollout" else train_args("tiny-llama", prompts, out)
+    args[args.index("tiny-llama")] = ""
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2
+    assert error_line(result) == ("error: --model is empty; give a preset name (sparrow models), a "
+                                  "checkpoint directory or a .gguf file")

@@ -77,6 +77,9 @@ def short_name(spec: str) -> str:
 
 
 def _path(spec: str) -> Path:
+    if not spec.strip():  # Path("") is the working directory
+        raise ModelSpecError("--model is empty; give a preset name (sparrow models), a checkpoint directory "
+                             "or a .gguf file")
     return Path(spec).expanduser()
 
 

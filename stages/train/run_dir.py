@@ -274,7 +274,8 @@ def saved_config(run_dir: Path) -> tuple[TrainConfig, set[str]]:
         return TrainConfig(**raw), set(raw)
     except (OSError, ValueError, TypeError) as e:
         raise ValueError(f"--resume: {run_dir}/checkpoint/config.json cannot be read as this Sparrow's "
-                         f"training configuration ({e})") from None
+                         f"training configuration ({e}); pass --force instead of --resume to start the run "
+                         "over") from None
 
 
 def check_same_run(run_dir: Path, cfg: TrainConfig) -> None:
