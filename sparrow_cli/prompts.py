@@ -65,7 +65,12 @@ def _context_tokens(task_name: str, long_context: bool, requested: int | None, m
                              f"not to {task_name}")
         return None
     if requested is None:
-        return min(DEFAULT_CONTEXT_TOKENS, max_positions // 2)
+        default = min(DEFAULT_CONTEXT_TOKENS, max_positions // 2)
+        if default < MIN_CONTEXT_TOKENS:
+            raise UsageError(f"{model}'s context of {max_positions} tokens leaves no room for a long-context "
+                             f"prompt of at least {MIN_CONTEXT_TOKENS} tokens and its answer; use a model "
+                             "with a longer context, or a task that is not long-context")
+        return default
     if requested > max_positions:
         raise UsageError(f"--context-tokens {requested} exceeds the context of {model} "
                          f"({max_positions} tokens)")

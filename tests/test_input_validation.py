@@ -767,3 +767,18 @@ def test_an_empty_model_is_named_as_empty(tmp_path, no_work, command):
     assert result.exit_code == 2
     assert error_line(result) == ("error: --model is empty; give a preset name (sparrow models), a "
                                   "checkpoint directory or a .gguf file")
+
+
+def test_a_context_too_short_for_the_default_long_prompt_says_so(tmp_path, tiny_chat, no_work):
+    import json
+    import shutil
+
+    model = tmp_path / "m"
+    shutil.copytree(tiny_chat, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 600}))
+    result = runner.invoke(app, ["prompts", "--task", "kv_lookup", "--n", "1", "--model", str(model), "-o",
+                                 str(tmp_path / "p.parquet")])
+    assert result.exit_code == 2
+    assert error_line(result).startswith(f"error: {model}'s context of 600 tokens leaves no room for a "
+                                         "long-context prompt of at least 512 tokens")
