@@ -4,6 +4,7 @@ teacher-forced, differentiable form of sparse decoding for completions that shar
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
@@ -89,7 +90,9 @@ class JointSparseActor:
         self.temperature = cfg.temperature
         self.config = LoraConfig(r=cfg.distill_rank, lora_alpha=cfg.distill_alpha, lora_dropout=0.0,
                                  bias="none", target_modules=list(TARGET_MODULES), task_type="CAUSAL_LM")
-        inject_adapter_in_model(self.config, model, adapter_name=self.ADAPTER)
+        with warnings.catch_warnings():  # the second adapter beside the learner's is this design, not a slip
+            warnings.filterwarnings("ignore", message="Already found a `peft_config` attribute")
+            inject_adapter_in_model(self.config, model, adapter_name=self.ADAPTER)
         self.layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
         self._sparse_layers = {m for m in self.layers if self.ADAPTER in getattr(m, "lora_A", {})}
         lora = [(n, p) for n, p in model.named_parameters() if "lora_" in n]
