@@ -782,3 +782,20 @@ def test_a_context_too_short_for_the_default_long_prompt_says_so(tmp_path, tiny_
     assert result.exit_code == 2
     assert error_line(result).startswith(f"error: {model}'s context of 600 tokens leaves no room for a "
                                          "long-context prompt of at least 512 tokens")
+
+
+def test_an_adapter_or_a_run_checkpoint_given_as_the_model_says_what_it_is(tmp_path):
+    adapter, run = tmp_path / "adapter", tmp_path / "run"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{}")
+    (run / "checkpoint").mkdir(parents=True)
+    (run / "checkpoint" / "config.json").write_text('{"steps": 3}')
+    (run / "metrics.jsonl").write_text("")
+    result = runner.invoke(app, ["plan-schedule", "--model", str(adapter)])
+    assert result.exit_code == 2
+    assert error_line(result) == (f"error: {adapter} is a LoRA adapter (adapter_config.json), not a model: "
+                                  "give its base model as --model and the adapter as --lora (--adapter)")
+    result = runner.invoke(app, ["plan-schedule", "--model", str(run / "checkpoint")])
+    assert result.exit_code == 2
+    assert error_line(result).startswith(f"error: {run / 'checkpoint'} is a sparrow train run's checkpoint")
+    assert f"--lora {run / 'adapter'}" in error_line(result)

@@ -91,8 +91,15 @@ def resolve_config(spec: str) -> ModelConfig:
     path = _path(spec)
     if path.is_dir():
         cfg_file = path / "config.json"
+        if not cfg_file.exists() and (path / "adapter_config.json").exists():
+            raise ModelSpecError(f"{path} is a LoRA adapter (adapter_config.json), not a model: give its "
+                                 "base model as --model and the adapter as --lora (--adapter)")
         if not cfg_file.exists():
             raise ModelSpecError(f"model directory {path} has no config.json")
+        if path.name == "checkpoint" and (path.parent / "metrics.jsonl").exists():
+            raise ModelSpecError(f"{path} is a sparrow train run's checkpoint (its optimizer state), not a "
+                                 "model: give the run's base model as --model, with --lora "
+                                 f"{path.parent / 'adapter'} for a LoRA run's policy")
         cfg = _config_from_hf(cfg_file, _generation_config(path))
         files = weight_files(path)
         for f in files:
