@@ -159,6 +159,14 @@ def test_gguf_file_loads_directly(smollm2):
         assert torch.equal(direct.model(tokens), smollm2.model(tokens))
 
 
+def test_a_gguf_suffix_in_capitals_is_a_gguf_file(tmp_path, smollm2):
+    from sparrow.stages.model.loading import embedded_gguf, resolve_config
+
+    upper = tmp_path / "SmolLM2.GGUF"
+    upper.symlink_to(embedded_gguf())
+    assert resolve_config(str(upper)) == smollm2.config
+
+
 @pytest.mark.slow  # a real 538 MB conversion; test_model_cache_home builds caches of a tiny model
 def test_corrupt_cache_is_rebuilt(tmp_path, monkeypatch, smollm2):
     from sparrow.stages.model import loading

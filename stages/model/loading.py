@@ -73,7 +73,7 @@ def model_name(spec: str) -> str:
 def short_name(spec: str) -> str:
     """A model's name for display: a preset's name, a GGUF file's stem, a directory's last component."""
     p = Path(spec.rstrip("/") or spec)
-    return spec.lower() if spec.lower() in PRESETS else (p.stem if p.suffix == ".gguf" else p.name)
+    return spec.lower() if spec.lower() in PRESETS else (p.stem if p.suffix.lower() == ".gguf" else p.name)
 
 
 def _path(spec: str) -> Path:
@@ -107,7 +107,7 @@ def resolve_config(spec: str) -> ModelConfig:
         if files:
             _check_weight_headers(cfg, files, path)
         return cfg
-    if path.suffix == ".gguf" and path.is_file():
+    if path.suffix.lower() == ".gguf" and path.is_file():
         return _open_gguf(path)[1]
     raise _unknown(spec)
 
@@ -233,8 +233,8 @@ def _unknown(spec: str) -> ModelSpecError:
         return ModelSpecError(
             f"no such directory: {spec}; Sparrow does not download Hugging Face Hub ids: get a local folder "
             f"with `huggingface-cli download {spec} --local-dir DIR` and pass --model DIR{shapes}")
-    if "/" in spec or spec.startswith((".", "~")) or path.suffix == ".gguf":
-        kind = "GGUF file" if path.suffix == ".gguf" else "directory"
+    if "/" in spec or spec.startswith((".", "~")) or path.suffix.lower() == ".gguf":
+        kind = "GGUF file" if path.suffix.lower() == ".gguf" else "directory"
         return ModelSpecError(f"no such {kind}: {spec}")
     return ModelSpecError(
         f"unknown model {spec!r}: expected a preset ({', '.join(PRESETS)}), a Hugging Face checkpoint "
@@ -311,7 +311,7 @@ def load_model(spec: str, device: str = "cpu", dtype: torch.dtype = torch.float3
         tokenizer = _dir_tokenizer(path)
         model = build_model(with_tokenizer_eos(cfg, tokenizer), state, str(path), "its config.json")
         return LoadedModel(model_name(spec), model.cfg, model.to(device=device, dtype=dtype), tokenizer)
-    if path.suffix == ".gguf" and path.is_file():
+    if path.suffix.lower() == ".gguf" and path.is_file():
         reader, cfg = _open_gguf(path)
         state = gguf_weights(reader, cfg)
         tokenizer = gguf_tokenizer(path)
@@ -465,7 +465,7 @@ def spec_tokenizer(spec: str):
     path = _path(spec)
     if path.is_dir():
         return _dir_tokenizer(path)
-    if path.suffix == ".gguf" and path.is_file():
+    if path.suffix.lower() == ".gguf" and path.is_file():
         return gguf_tokenizer(path)
     raise _unknown(spec)
 

@@ -19,7 +19,7 @@ def load_model_tokenizer(spec: str):
     path = Path(spec)
     if path.is_dir():
         return loading._dir_tokenizer(path)
-    if path.suffix == ".gguf" and path.is_file():
+    if path.suffix.lower() == ".gguf" and path.is_file():
         return loading.gguf_tokenizer(path)
     loading.resolve_config(spec)  # raises the one-line "unknown model" error
     return None
