@@ -124,12 +124,10 @@ def _lone_surrogate(value: object) -> str | None:
         except UnicodeEncodeError as e:
             return value[e.start]
         return None
-    items = value.items() if isinstance(value, dict) else value if isinstance(value, list) else ()
-    for item in items:
-        for part in item if isinstance(value, dict) else (item,):
-            if (half := _lone_surrogate(part)) is not None:
-                return half
-    return None
+    parts = [*value.keys(), *value.values()] if isinstance(value, dict) else value
+    if not isinstance(parts, list):  # a number, a bool, null
+        return None
+    return next((half for part in parts if (half := _lone_surrogate(part)) is not None), None)
 
 
 def read_schema(path: Path) -> pa.Schema:

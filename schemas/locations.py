@@ -549,6 +549,16 @@ def journal_file_number(file: Path) -> int:
     return int((JOURNAL_PART.fullmatch(file.name) or JOURNAL_UNSCORED.fullmatch(file.name)).group(1))
 
 
+def _piped(path: str | os.PathLike) -> bool:
+    """Stdin, /dev/stdin and the like, or a FIFO: an input something is meant to be piped into."""
+    if is_stdio(path) or str(path).startswith("/dev/std"):
+        return True
+    try:
+        return stat.S_ISFIFO(os.stat(path).st_mode)
+    except OSError:
+        return False
+
+
 def spool_input(path: str | os.PathLike, flag: str) -> Path:
     """`-` (stdin), or a FIFO or device such as /dev/stdin in a pipe, read whole into a private
     temporary file (removed at exit) whose path is returned; any other path as it is. Parquet or JSONL
@@ -565,9 +575,7 @@ def spool_input(path: str | os.PathLike, flag: str) -> Path:
     except OSError as e:
         raise ArtifactError(f"{flag} {path} cannot be read ({e.strerror or e})") from None
     if not data:
-        piped = (is_stdio(path) or special_kind(Path(path)) == "a FIFO (named pipe)"
-                 or str(path).startswith("/dev/std"))
-        hint = ("pipe a Parquet or JSONL file into it; stdin serves one input only" if piped else
+        hint = ("pipe a Parquet or JSONL file into it; stdin serves one input only" if _piped(path) else
                 "it holds nothing; give a Parquet or JSONL file")
         raise ArtifactError(f"{flag} {path}: nothing was read ({hint})")
     folder = Path(tempfile.mkdtemp(prefix="sparrow-input-"))

@@ -342,7 +342,10 @@ def train(
     allow_unsafe_code(ctx, unsafe_code_execution)
     prompt_set = PromptSet.read(prompts, data)
     rows = prompt_set.rows
-    _check_step_memory(rows, cfg)
+    shapes = _model_shapes(cfg.model)
+    if shapes is not None:
+        _check_ranks(cfg, shapes.hidden_size)
+        _check_step_memory(rows, cfg, shapes.vocab_size)
     check_speculative_budget(budget, speculate, None if prompt_set.needs_tokenizer_for(model) else
                              [len(r["prompt_token_ids"]) for r in rows], max_new_tokens)
     inputs = TrainInputs(prompts, output_dir, policy, eval_prompts, data)
@@ -430,19 +433,22 @@ def _check_ranks(cfg, width: int) -> None:
                              "layers' width an adapter is no longer low-rank, only larger and slower")
 
 
-def _check_step_memory(rows: list[dict], cfg) -> None:
-    """Refuse a step's samples (--prompts-per-step prompts x --samples, or --oversample) that this machine
-    could not hold, by rollout's check (`check_sampling_memory`) before anything is written, counted at the
-    least they take: over the shortest prompts, each as long as its token ids (text: not yet tokenized)."""
+def _model_shapes(model: str):
+    """The model's config without its weights; None where it does not resolve (its own error comes when it
+    loads)."""
     from sparrow.stages.model.config import ModelSpecError
     from sparrow.stages.model.loading import resolve_config
 
     try:
-        model = resolve_config(cfg.model)
+        return resolve_config(model)
     except ModelSpecError:
-        return  # the model's own error comes when it loads
-    _check_ranks(cfg, model.hidden_size)
-    vocab = model.vocab_size
+        return None
+
+
+def _check_step_memory(rows: list[dict], cfg, vocab: int) -> None:
+    """Refuse a step's samples (--prompts-per-step prompts x --samples, or --oversample) that this machine
+    could not hold, by rollout's check (`check_sampling_memory`) before anything is written, counted at the
+    least they take: over the shortest prompts, each as long as its token ids (text: not yet tokenized)."""
     lengths = sorted(len(r.get("prompt_token_ids") or ()) for r in rows)
     check_sampling_memory(lengths[:cfg.prompts_per_step], cfg.oversample or cfg.samples, cfg.max_new_tokens,
                           vocab, "train with fewer --samples (or --oversample) or --prompts-per-step")

@@ -799,3 +799,20 @@ def test_an_adapter_or_a_run_checkpoint_given_as_the_model_says_what_it_is(tmp_p
     assert result.exit_code == 2
     assert error_line(result).startswith(f"error: {run / 'checkpoint'} is a sparrow train run's checkpoint")
     assert f"--lora {run / 'adapter'}" in error_line(result)
+
+
+def test_a_chat_template_with_transformers_own_tags_still_loads(tmp_path, tiny_chat):
+    """The template is compiled as transformers compiles it: its {% generation %} tag (assistant masks) is
+    no damage."""
+    import shutil
+
+    from sparrow.stages.model.loading import spec_tokenizer
+
+    model = tmp_path / "m"
+    shutil.copytree(tiny_chat, model)
+    (model / "chat_template.jinja").write_text(
+        "{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}{{ m.content }}"
+        "{% endgeneration %}{% else %}{{ m.content }}{% endif %}{% endfor %}")
+    tokenizer = spec_tokenizer(str(model))
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    assert tokenizer.apply_chat_template(messages, tokenize=False) == "hiyo"

@@ -239,8 +239,8 @@ def check_field_types(hf: dict, source: str) -> None:
         raise ModelSpecError(f"{source}: {key} must be {what}, got {json.dumps(hf[key])[:40]}")
 
     for key in POSITIVE_INTS:
-        if key in hf and (hf[key] is not None or key in REQUIRED) and not (
-                type(hf[key]) is int and hf[key] > 0):
+        given = key in REQUIRED and key in hf or hf.get(key) is not None  # an optional null is its default
+        if given and not (type(hf[key]) is int and hf[key] > 0):
             refuse(key, "a positive whole number")
     for key in POSITIVE_NUMBERS:
         if hf.get(key) is not None and not (type(hf[key]) in (int, float) and hf[key] > 0):

@@ -491,16 +491,25 @@ def _dir_tokenizer(path: Path):
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-        template = getattr(tokenizer, "chat_template", None)
-        if isinstance(template, str):
-            import jinja2
-
-            jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
+        _compile_chat_template(tokenizer)
     except Exception as e:  # transformers raises whatever its parsers do: JSON, jinja, tokenizers' own
         raise ModelSpecError(f"{path}: its tokenizer does not read ({type(e).__name__}: "
                              f"{first_line(e)}); its tokenizer.json, tokenizer_config.json or chat "
                              "template is damaged") from None
     return tokenizer
+
+
+def _compile_chat_template(tokenizer) -> None:
+    """The tokenizer's chat template compiled as transformers compiles it at first use (its own tags, such
+    as {% generation %}, included; cached there, so that use costs nothing more): a damaged template fails
+    here, as the model loads. A transformers without that compiler leaves it to the first use."""
+    template = getattr(tokenizer, "chat_template", None)
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+    except ImportError:
+        return
+    if isinstance(template, str):
+        _compile_jinja_template(template)
 
 
 def gguf_tokenizer(path: Path):
