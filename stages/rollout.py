@@ -19,6 +19,7 @@ import pyarrow as pa
 from sparrow.kernels.ops import Backend
 
 from .attention import DEFAULT_DENSE_LAYERS, PAGE_SIZE
+from .core.fingerprints import checkpoint_path, model_files_sha256, schedule_sha256
 from .core.token_budgets import mean_sparse_budget
 from .engine.config import DecodeStep, EngineConfig
 from .engine.engine import Engine, EngineStats
@@ -33,9 +34,7 @@ from .rollout_journal import (
     Resumed,
     RolloutInterrupted,
     adapter_sha256,
-    model_files_sha256,
     prompts_sha256,
-    schedule_sha256,
 )
 from .tasks.base import Task
 from .tasks.reward_function import reward_provenance
@@ -470,16 +469,14 @@ def run_manifest(run: RolloutRun, opts: RolloutOptions, rows: Seq[dict]) -> Mani
 
     s, policy = opts.sampling, opts.policy
     schedule = policy.schedule if isinstance(policy, BlockTopK) else None
-    from .model.presets import PRESETS
-
-    checkpoint = None if run.model.lower() in PRESETS else Path(run.model).expanduser()
+    model_files = model_files_sha256(checkpoint_path(run.model))
     return Manifest(model=model_name(run.model), prompts=len(rows), prompts_sha256=prompts_sha256(rows),
                     samples=s.n, max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
                     top_k=s.top_k, seed=s.seed, ignore_eos=s.ignore_eos, kv_policy=policy.spec(),
                     schedule_sha256=schedule_sha256(schedule), dense_layers=tuple(opts.dense_layers),
                     page_size=opts.page_size, speculate=opts.speculate, dtype=run.dtype, device=run.device,
                     adapter_sha256=adapter_sha256(opts.lora), **reward_provenance(run.reward, run.reward_fn),
-                    raw_prompts=run.raw_prompts, model_files_sha256=model_files_sha256(checkpoint),
+                    raw_prompts=run.raw_prompts, model_files_sha256=model_files,
                     threads=torch.get_num_threads(), max_batch=opts.max_batch, kv_pages=opts.kv_pages,
                     max_prefill_tokens=opts.max_prefill_tokens)
 

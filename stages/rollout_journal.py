@@ -66,6 +66,7 @@ from sparrow.schemas.locations import (
     release_folder,
 )
 
+from .core.fingerprints import sha256_json
 from .engine.engine import EngineStats
 from .engine.sequence import Completion
 from .tasks.base import RewardError
@@ -219,33 +220,10 @@ FLAGS = {"model": "--model", "prompts": "--prompts", "prompts_sha256": "--prompt
          "model_files_sha256": "the --model checkpoint's files at"}
 
 
-def sha256_json(value: object) -> str:
-    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()
-
-
 def prompts_sha256(rows: Sequence[dict]) -> str:
     """The digest of the prompt rows as the run samples and rewards them."""
     return sha256_json([[r["prompt_id"], [int(t) for t in r["prompt_token_ids"]], r.get("task"),
                          r.get("answer"), r.get("metadata")] for r in rows])
-
-
-def model_files_sha256(model_path: Path | None) -> str:
-    """The digest of a checkpoint's files as the file system lists them (name, size, modification time),
-    so that one rewritten in place (a re-exported run) is told apart without reading its weights; "" for a
-    preset (None), which this installation embeds."""
-    if model_path is None:
-        return ""
-    files = sorted(model_path.rglob("*")) if model_path.is_dir() else [model_path]
-    listing = [[str(f.relative_to(model_path)) if model_path.is_dir() else f.name, st.st_size, st.st_mtime_ns]
-               for f in files if f.is_file() and (st := f.stat())]
-    return sha256_json(listing)
-
-
-def schedule_sha256(schedule) -> str:
-    """The digest of a `Schedule`'s budgets; "" for none (dense, a fixed budget, eviction)."""
-    if schedule is None:
-        return ""
-    return sha256_json([schedule.page_size, list(schedule.bin_starts), list(schedule.budgets)])
 
 
 def adapter_sha256(lora) -> str:

@@ -124,6 +124,41 @@ def test_resume_with_other_eval_prompts_or_schedule_content_is_refused(setup, tm
     assert "was trained on other held-out prompts than --eval-prompts holds" in line
 
 
+def test_resume_from_a_model_rewritten_in_place_is_refused(setup, tmp_path):
+    """A checkpoint folder written again since the run began (a re-export at the same path) is not the
+    model the run's steps were taken from; a run that did not record its model's files is not checked."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_llama_path(setup), model)
+    run = tmp_path / "run"
+
+    def args(*extra: str) -> list[str]:
+        given = setup["args"](run, *extra)
+        return [str(model) if a == tiny_llama_path(setup) else a for a in given]
+
+    assert runner.invoke(app, args("--steps", "1")).exit_code == 0
+    weights = model / "model.safetensors"
+    weights.write_bytes(weights.read_bytes())  # the same bytes, written again
+    before = digest(run / "metrics.parquet")
+    line = error_line(runner.invoke(app, args("--resume", "--steps", "2")))
+    assert f"--resume: {run} was trained from {model} as its files were then; they have been written " \
+           "since" in line
+    assert digest(run / "metrics.parquet") == before
+    config = run / "checkpoint" / "config.json"
+    saved = json.loads(config.read_text())
+    del saved["model_files_sha256"]  # a checkpoint that did not record it
+    config.write_text(json.dumps(saved))
+    r = runner.invoke(app, args("--resume", "--steps", "2"))
+    assert r.exit_code == 0, r.output
+    assert len(metrics(run)) == 2
+
+
+def tiny_llama_path(setup) -> str:
+    args = setup["args"](setup["root"])
+    return args[args.index("--model") + 1]
+
+
 def test_a_checkpoint_without_recorded_prompts_is_refused_then_forced(setup, tmp_path):
     run = tmp_path / "run"
     assert runner.invoke(app, setup["args"](run, "--steps", "1")).exit_code == 0

@@ -62,6 +62,7 @@ class TrainConfig:
     prompts_sha256: str = ""
     eval_prompts_sha256: str = ""
     schedule_sha256: str = ""
+    model_files_sha256: str = ""  # a --model checkpoint's files (core/fingerprints.py); "" for a preset
 
     def validate(self) -> None:
         positive = ("steps", "prompts_per_step", "samples", "max_new_tokens", "micro_batch", "ppo_epochs",

@@ -12,7 +12,6 @@ changes (a resume's recovery of a killed write included); a refusal lets go of i
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -31,6 +30,7 @@ from sparrow.schemas import ArtifactError, read_artifact
 from sparrow.schemas.io import leftovers, recover_replaced, remove_leftovers
 from sparrow.schemas.locations import describe, hold_folder, release_folder
 
+from ..core.fingerprints import checkpoint_path, model_files_sha256, schedule_sha256, sha256_json
 from ..core.schedule import Schedule
 from ..kv_policies import BlockTopK, KVPolicy
 from ..model.export import MARKER as MODEL_MARKER
@@ -52,7 +52,8 @@ RUN_NAMES = (*RUN_FILES, *REPLACED_DIRS, "mismatch", "metrics.jsonl", "tensorboa
 REPLACED_NAMES = (*RUN_FILES, *REPLACED_DIRS, MODEL_DIR, "metrics.jsonl")
 STALE_MISMATCH = re.compile(r"\.step=\d+\.parquet\.[0-9a-f]{8,32}(?:-\d+)?\.tmp")
 WRITER = "sparrow train"  # what holds a run directory's lock, as a refusal names it
-REWARD_FIELDS = ("reward", "reward_fn", "reward_fn_sha256")  # not compared where a checkpoint names none
+# not compared where a checkpoint names none (it was written before they were recorded)
+UNRECORDED = ("reward", "reward_fn", "reward_fn_sha256", "model_files_sha256")
 # what a resume may change besides --steps: when to checkpoint and evaluate do not change the weights or the
 # training metrics (the new value applies from the resume on, and the next checkpoint records it); the
 # thread count is the machine's, said in a note since the last digits of a CPU's logprobs depend on it
@@ -61,10 +62,6 @@ MAY_CHANGE = {"checkpoint_every": "--checkpoint-every", "eval_every": "--eval-ev
 
 class TrainingInterrupted(KeyboardInterrupt):
     """An interrupt that left the run resumable; the message says where it stopped and how to go on."""
-
-
-def sha256_json(value: object) -> str:
-    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()
 
 
 def prompts_fingerprint(rows: Sequence[PromptRow] | None) -> str:
@@ -81,10 +78,7 @@ def planned_schedule(policy: KVPolicy) -> Schedule | None:
 
 def sparsity_fingerprint(policy: KVPolicy) -> str:
     """The sha256 of a schedule's content; "" for dense or a fixed budget (its spec says it all)."""
-    schedule = planned_schedule(policy)
-    if schedule is None:
-        return ""
-    return sha256_json([schedule.page_size, list(schedule.bin_starts), list(schedule.budgets)])
+    return schedule_sha256(planned_schedule(policy))
 
 
 def with_fingerprints(cfg: TrainConfig, prompts: Sequence[PromptRow] | None,
@@ -93,7 +87,8 @@ def with_fingerprints(cfg: TrainConfig, prompts: Sequence[PromptRow] | None,
     return replace(cfg, prompts_sha256=prompts_fingerprint(prompts),
                    eval_prompts_sha256=prompts_fingerprint(eval_prompts),
                    schedule_sha256=sparsity_fingerprint(policy),
-                   reward_fn_sha256=reward_fn_sha256(cfg.reward_fn))
+                   reward_fn_sha256=reward_fn_sha256(cfg.reward_fn),
+                   model_files_sha256=model_files_sha256(checkpoint_path(cfg.model)))
 
 
 # ---------------------------------------------------------------- what the directory holds
@@ -317,6 +312,9 @@ def _what_differs(name: str, saved: TrainConfig, now: TrainConfig) -> str:
                                     else "on other held-out prompts than --eval-prompts holds (their "
                                     "content differs)"),
             "schedule_sha256": "with another schedule than --schedule holds (its budgets differ)",
+            "model_files_sha256": (f"from {now.model} as its files were then; they have been written since "
+                                   "(their names, sizes or modification times differ), so the checkpoint's "
+                                   "steps were not taken from these weights"),
             "reward_fn_sha256": f"with --reward-fn {saved.reward_fn}, whose file held other code than "
                                 f"{(now.reward_fn or '').rpartition(':')[0]} holds now (their content "
                                 "differs)",
@@ -343,7 +341,7 @@ def differences(saved: TrainConfig, now: TrainConfig, recorded: set[str] | None 
     same_model = _same_folder(saved.model, now.model)
     skip = ({"steps", *MAY_CHANGE} | ({"sparsity"} if both_schedules else set())
             | ({"reward_fn"} if same_function else set()) | ({"model"} if same_model else set())
-            | {f for f in REWARD_FIELDS if recorded is not None and f not in recorded})
+            | {f for f in UNRECORDED if recorded is not None and f not in recorded})
     return [f.name for f in fields(saved)
             if f.name not in skip and getattr(saved, f.name) != getattr(now, f.name)]
 
