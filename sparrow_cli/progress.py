@@ -91,9 +91,13 @@ def working(what: str) -> Iterator[None]:
         yield
 
 
+ETA_AFTER_SECONDS = 5.0  # a rate measured over less time says little about what is left
+
+
 class LogProgress:
     """Progress of long work as whole lines where progress is not live (`live_progress`): the first update,
-    then at most one line every `every` seconds, and the last one."""
+    then at most one line every `every` seconds, and the last one. A line past ETA_AFTER_SECONDS also says
+    how long the rest takes at the rate so far, as the live bar's time-remaining column does."""
 
     def __init__(self, what: str, every: float = 10.0):
         self.what, self.every, self.last = what, every, None
@@ -104,7 +108,17 @@ class LogProgress:
         if self.last is not None and done < total and now - self.last < self.every:
             return
         self.last = now
-        log_line(f"{self.what}: {done}/{total}{f', {info}' if info else ''} ({now - self.start:.0f} s)")
+        elapsed = now - self.start
+        log_line(f"{self.what}: {done}/{total}{f', {info}' if info else ''} ({elapsed:.0f} s"
+                 f"{_left(elapsed, done, total)})")
+
+
+def _left(elapsed: float, done: int, total: int) -> str:
+    """', about N s left' at the rate so far; "" before ETA_AFTER_SECONDS, before any work or after all."""
+    if elapsed < ETA_AFTER_SECONDS or not 0 < done < total:
+        return ""
+    left = elapsed * (total - done) / done
+    return f", about {left:.0f} s left" if left < 120 else f", about {left / 60:.0f} min left"
 
 
 def say_loading(model: str, device: str) -> None:

@@ -105,3 +105,20 @@ def test_the_prompts_bar_on_a_terminal_shows_its_label_not_markup(monkeypatch):
     bar.close()
     text = shown.file.getvalue()
     assert "kv_lookup prompts" in text and "[progress.description]" not in text, text
+
+
+def test_a_log_line_past_a_few_seconds_says_how_long_the_rest_takes_at_the_rate_so_far(monkeypatch):
+    """Linear in the work left: 100 of 400 in 20 s leaves 60 s; 10 of 400 in 60 s leaves 39 min."""
+    from sparrow.cli import progress
+
+    lines: list[str] = []
+    monkeypatch.setattr(progress, "log_line", lines.append)
+    clock = iter([0.0, 1.0, 20.0, 40.0, 40.0])
+    monkeypatch.setattr(progress.time, "monotonic", lambda: next(clock))
+    log = progress.LogProgress("prompts", every=0)
+    for done in (1, 100, 400):
+        log(done, 400)
+    log(400, 400)
+    assert lines[:3] == ["prompts: 1/400 (1 s)", "prompts: 100/400 (20 s, about 60 s left)",
+                         "prompts: 400/400 (40 s)"]
+    assert progress._left(60.0, 10, 400) == ", about 39 min left"
