@@ -65,7 +65,7 @@ class TrainConfig:
     model_files_sha256: str = ""  # a --model checkpoint's files (core/fingerprints.py); "" for a preset
 
     def validate(self) -> None:
-        positive = ("steps", "prompts_per_step", "samples", "max_new_tokens", "micro_batch", "ppo_epochs",
+        positive = ("steps", "prompts_per_step", "max_new_tokens", "micro_batch", "ppo_epochs",
                     "checkpoint_every", "eval_every", "bin_width")
         for name in positive:
             if getattr(self, name) < 1:
