@@ -117,7 +117,8 @@ def test_profile_checks_its_summary_flags_before_any_work(tmp_path, rollouts, no
     (["--lora-rank", "0"], "error: --lora-rank must be at least 1, got 0; for full fine-tuning pass --full"),
     (["--samples", "1"], "error: --samples must be at least 2, got 1: GRPO's advantage is a sample's reward "
                          "against its group's, so a group of one sample learns nothing"),
-    (["--samples", "0"], "error: --samples must be at least 2, got 0"),
+    (["--samples", "0"], "error: --samples must be at least 2, got 0: GRPO's advantage is a sample's reward "
+                         "against its group's, so a group of one sample learns nothing"),
     (["--temperature", "0"], "error: --temperature must be above 0, got 0: greedy samples of a prompt are "
                              "all the same, so no group has a reward spread for GRPO's advantage to learn "
                              "from"),
