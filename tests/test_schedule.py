@@ -461,3 +461,18 @@ def test_export_names_a_json_file_and_takes_any_case(tmp_path):
     assert [b["budget"] for b in json.loads(target.read_text())["bins"]] == list(
         published_budgets("qwen3-4b", 0.86))
     assert invoke("--model", "qwen3-8b", "--export", "SGLang-Vortex").exit_code == 0
+
+
+@pytest.mark.parametrize("page_size", ["x", 16.5, None, 0, True])
+def test_a_schedule_whose_page_size_is_not_a_whole_number_is_refused_naming_it(tmp_path, page_size):
+    from sparrow.schemas import ArtifactError
+    from sparrow.stages.core.schedule import Schedule
+
+    path = write_artifact({"bin": [0], "bin_start": [0], "bin_end": [None], "budget": [64], "tail": [None],
+                           "predicted_step_seconds": [None]}, tmp_path / "s.parquet", "schedule",
+                          {"page_size": page_size})
+    with pytest.raises(ArtifactError, match=f"gives page_size {page_size!r}, expected a positive whole"):
+        Schedule.from_artifact(path)
+    write_artifact({"bin": [0], "bin_start": [0], "bin_end": [None], "budget": [64], "tail": [None],
+                    "predicted_step_seconds": [None]}, path, "schedule", {"page_size": "16"})
+    assert Schedule.from_artifact(path).page_size == 16

@@ -45,7 +45,21 @@ class Schedule:
         meta = artifact_metadata(table)
         budgets = [0 if b is None else int(b) for b in table.column("budget").to_pylist()]
         starts = [int(s) for s in table.column("bin_start").to_pylist()]
-        return cls(tuple(starts), tuple(budgets), int(meta.get("page_size", 16)))
+        return cls(tuple(starts), tuple(budgets), _page_size(meta.get("page_size", 16), path))
+
+
+def _page_size(value: object, path: str | Path) -> int:
+    """The page size a schedule's metadata records, a positive whole number; ArtifactError otherwise."""
+    from sparrow.schemas import ArtifactError
+
+    try:
+        size = int(value) if not isinstance(value, bool) and float(value) == int(value) else 0
+    except (TypeError, ValueError, OverflowError):
+        size = 0
+    if size < 1:
+        raise ArtifactError(f"{path}: the schedule's metadata gives page_size {value!r}, expected a positive "
+                            "whole number of tokens (plan-schedule writes the profile's page size)")
+    return size
 
 
 # ---------------------------------------------------------------- the planner
