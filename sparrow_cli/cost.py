@@ -39,7 +39,8 @@ def parse_budgets(text: str) -> list[int]:
     """'dense,256,512' -> [0, 256, 512] (0 = dense)."""
     items = [x.strip().lower() for x in text.split(",") if x.strip()]
     if not items:
-        raise UsageError("--budgets is empty")
+        raise UsageError("--budgets is empty; it takes comma-separated budgets in tokens, dense for none "
+                         "(for example dense,256,512)")
     return [0 if x == "dense" else parse_int_list(x, "--budgets")[0] for x in items]
 
 

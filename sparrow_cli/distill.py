@@ -81,7 +81,7 @@ def budget_list(given: str, flag: str, once: bool = False) -> list[int]:
 
 def eval_budgets_of(sparsity, given: str | None) -> list[int]:
     """--eval-budgets, else the distilled budget, or the schedule's distinct sparse budgets."""
-    if given:
+    if given is not None:
         return budget_list(given, "--eval-budgets", once=True)
     if isinstance(sparsity, int):
         return [sparsity]

@@ -76,5 +76,5 @@ def parse_int_list(text: str, flag: str) -> list[int]:
     except ValueError:
         raise UsageError(f"{flag} expects comma-separated integers, got {text!r}") from None
     if not values:
-        raise UsageError(f"{flag} is empty")
+        raise UsageError(f"{flag} is empty; it takes comma-separated integers (for example 64,128)")
     return values

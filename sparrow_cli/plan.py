@@ -46,7 +46,7 @@ def parse_thresholds(text: str) -> list[float]:
     except ValueError:
         raise UsageError(f"--sweep expects comma-separated thresholds, got {text!r}") from None
     if not values:
-        raise UsageError("--sweep is empty")
+        raise UsageError("--sweep is empty; it takes comma-separated thresholds (for example 0.5,0.6,0.7)")
     return values
 
 

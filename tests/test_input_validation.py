@@ -612,13 +612,16 @@ def test_threads_beyond_the_cpus_is_one_sentence_before_work(tmp_path, no_work):
 def test_fit_cost_refuses_an_empty_grid_list(tmp_path, no_work, flag):
     out = tmp_path / "c.parquet"
     result = runner.invoke(app, ["fit-cost", "--model", "tiny-llama", flag, "", "-o", str(out)])
-    assert result.exit_code == 2 and error_line(result) == f"error: {flag} is empty"
+    assert result.exit_code == 2
+    assert error_line(result).startswith(f"error: {flag} is empty; it takes comma-separated ")
     assert not out.exists()
 
 
 def test_plan_schedule_refuses_an_empty_sweep():
     result = runner.invoke(app, ["plan-schedule", "--model", "qwen3-4b", "--sweep", ""])
-    assert result.exit_code == 2 and error_line(result) == "error: --sweep is empty"
+    assert result.exit_code == 2
+    assert error_line(result) == ("error: --sweep is empty; it takes comma-separated thresholds "
+                                  "(for example 0.5,0.6,0.7)")
 
 
 def test_calibrate_bootstrap_is_bounded(tmp_path):
@@ -818,3 +821,12 @@ def test_a_chat_template_with_transformers_own_tags_still_loads(tmp_path, tiny_c
     tokenizer = spec_tokenizer(str(model))
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
     assert tokenizer.apply_chat_template(messages, tokenize=False) == "hiyo"
+
+
+def test_distill_refuses_empty_eval_budgets_instead_of_falling_back(tmp_path, no_work):
+    prompts, out = token_prompts(tmp_path / "p.parquet"), tmp_path / "d"
+    result = runner.invoke(app, ["distill", "--model", "tiny-llama", "--prompts", str(prompts), "--budget",
+                                 "48", "--eval-budgets", "", "-o", str(out)])
+    assert result.exit_code == 2, result.output
+    assert error_line(result).startswith("error: --eval-budgets is empty; it takes comma-separated integers")
+    assert not out.exists()
