@@ -6,7 +6,13 @@ silent end. The line is written here without rich, which may not be imported yet
 SIGTERM (what a scheduler sends to cancel a job) takes Ctrl-C's path from the start: `Terminated`, a
 KeyboardInterrupt that names its signal, so that every handler of Ctrl-C on the way (app.Sparrow,
 errors.friendly_errors) says "terminated" and exits 143. A command replaces this handler with its own
-while it runs (errors.sigterm_as_interrupt) and puts it back after."""
+while it runs (errors.sigterm_as_interrupt) and puts it back after.
+
+A thread that code run in this process started and never ends (a user's reward function's) would keep
+Python from exiting after the command has written everything and said so: where such threads are alive
+when the command ends, a watchdog exits with the command's status once they have had LINGER_SECONDS to
+finish, saying which one it left. Python's own exit (its thread joins and atexit handlers) runs as ever
+where they finish in time."""
 
 from __future__ import annotations
 
@@ -14,6 +20,7 @@ import os
 import sys
 
 NOTHING_LEFT = "nothing half-written was left behind"
+LINGER_SECONDS = 10.0
 
 
 class Terminated(KeyboardInterrupt):
@@ -36,6 +43,51 @@ def main() -> None:
         run()
     except KeyboardInterrupt as e:
         interrupted(getattr(e, "signum", None))
+    except SystemExit as e:
+        _watch_lingering_threads(e.code)
+        raise
+    _watch_lingering_threads(0)
+
+
+def _watch_lingering_threads(code: object, linger: float = LINGER_SECONDS) -> None:
+    """Where threads other than daemons outlive the command, a daemon that ends the process with `code`
+    after `linger` seconds, naming the first thread still running (module docstring). Ctrl-C and SIGTERM
+    meanwhile end it at once: the command is over."""
+    import threading
+
+    def left() -> list[threading.Thread]:
+        return [t for t in threading.enumerate()
+                if t is not threading.main_thread() and not t.daemon and t.is_alive()]
+
+    if not left():
+        return
+    import signal
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        if signal.getsignal(signum) is not signal.SIG_IGN:
+            signal.signal(signum, signal.SIG_DFL)
+    status = 0 if code is None else code if isinstance(code, int) else 1
+
+    def watch() -> None:
+        import time
+
+        time.sleep(linger)
+        still = left()
+        if not still:
+            return
+        try:
+            sys.stdout.flush()
+        except (AttributeError, OSError, ValueError):
+            pass
+        try:
+            sys.stderr.write(f"warning: a thread started during the command ({still[0].name}) was still "
+                             f"running {linger:.0f} s after it ended; exiting without it\n")
+            sys.stderr.flush()
+        except (AttributeError, OSError, ValueError):
+            pass
+        os._exit(status)
+
+    threading.Thread(target=watch, name="sparrow-exit-watchdog", daemon=True).start()
 
 
 def _terminate_as_interrupt() -> None:

@@ -216,6 +216,24 @@ def test_the_console_script_is_the_small_entry_module():
     assert top == ["from __future__ import annotations", "import os", "import sys"]
 
 
+def test_a_thread_left_running_by_the_command_does_not_keep_the_process_alive():
+    """A non-daemon thread that never ends (started by a user's reward function, say) would hang Python's
+    exit after the command's work; the watchdog exits with the command's status once it has lingered."""
+    code = ("import threading, time; from sparrow.cli.entry import _watch_lingering_threads; "
+            "threading.Thread(target=time.sleep, args=(600,), name='stuck').start(); "
+            "_watch_lingering_threads(3, linger=1)")
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 3 and time.monotonic() - start < 30
+    assert done.stderr.strip() == ("warning: a thread started during the command (stuck) was still running "
+                                   "1 s after it ended; exiting without it")
+    finished = ("import threading, time; from sparrow.cli.entry import _watch_lingering_threads; "
+                "threading.Thread(target=time.sleep, args=(1,)).start(); "
+                "_watch_lingering_threads(0, linger=5)")
+    done = subprocess.run([sys.executable, "-c", finished], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stderr == ""  # a thread that ends in time: Python's own exit
+
+
 # ---------------------------------------------------------------- `-` on a terminal's stdin
 
 
