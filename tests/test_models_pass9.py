@@ -261,7 +261,11 @@ def test_model_errors_say_what_is_wrong(tmp_path, monkeypatch):
     cases = {"./qwen3x": "no such directory: ./qwen3x",
              "~/no/such/folder": "no such directory: ~/no/such/folder",
              "q/config.json": "model q/config.json is a config.json; pass the checkpoint directory",
-             "nope": "unknown model 'nope': expected a preset"}
+             "nope": "unknown model 'nope': expected a preset",
+             "q/x.gguf": "no such GGUF file: q/x.gguf",  # in a local folder: not a Hub id
+             "q/other": "no such directory: q/other"}
+    (tmp_path / "q" / "gone.gguf").symlink_to(tmp_path / "nowhere.gguf")
+    cases["q/gone.gguf"] = f"model q/gone.gguf is a link to {tmp_path / 'nowhere.gguf'}, which does not exist"
     for spec, expected in cases.items():
         with pytest.raises(ModelSpecError) as e:
             resolve_config(spec)

@@ -227,7 +227,10 @@ def _unknown(spec: str) -> ModelSpecError:
                                   f"it ({path.parent})")
         return ModelSpecError(f"model {spec} is a file but not a .gguf file; pass a preset, a Hugging Face "
                               "checkpoint directory or a .gguf file")
-    if HUB_ID.fullmatch(spec) and not path.exists():
+    if path.is_symlink() and not path.exists():
+        return ModelSpecError(f"model {spec} is a link to {os.readlink(path)}, which does not exist")
+    local = path.suffix.lower() == ".gguf" or path.parent.is_dir() and path.parent != Path(".")
+    if HUB_ID.fullmatch(spec) and not path.exists() and not local:
         preset = next((p for p in PRESETS if p == spec.split("/")[-1].lower()), None)
         shapes = f" (the preset {preset} holds its shapes only, no weights)" if preset else ""
         return ModelSpecError(
