@@ -485,6 +485,27 @@ def test_train_keeps_a_planned_schedule_in_a_directory_that_holds_no_run(tmp_pat
     check_run_dir(folder, TrainConfig(model="tiny-llama"), resume=False)
 
 
+def test_train_refuses_to_replace_a_metrics_jsonl_it_did_not_write(tmp_path):
+    """metrics.jsonl is a common name for a log of one's own: a run replaces only its own, or with
+    --force."""
+    from sparrow.stages.train.config import TrainConfig
+    from sparrow.stages.train.run_dir import check_run_dir
+
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    log = folder / "metrics.jsonl"
+    log.write_text("my own log\n")
+    result = runner.invoke(app, train_args("tiny-llama", token_prompts(tmp_path / "p.parquet"), folder))
+    assert result.exit_code == 2
+    assert error_line(result) == (f"error: {log} exists and is not a training run's metrics log (a JSON line "
+                                  "per step), and the run would replace it; pass --force to replace it, or "
+                                  "choose another run directory (-o)")
+    assert log.read_text() == "my own log\n"
+    check_run_dir(folder, TrainConfig(model="tiny-llama"), resume=False, force=True)
+    log.write_text('{"run_id": "mine", "step": 0, "reward_mean": null}\n')  # a run's own
+    check_run_dir(folder, TrainConfig(model="tiny-llama"), resume=False)
+
+
 # ---------------------------------------------------------------- SIGTERM
 
 

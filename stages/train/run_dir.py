@@ -47,9 +47,10 @@ RUN_FILES = {"metrics.parquet": "metrics", "schedule.parquet": "schedule"}
 REPLACED_DIRS = {"checkpoint": ("state.pt", "config.json", "progress.json"),
                  "adapter": ("adapter_config.json",), "sparse_adapter": ("adapter_config.json",)}
 MODEL_DIR = "model"  # a --full run's export; a folder of that name without MODEL_MARKER is someone else's
-RUN_NAMES = (*RUN_FILES, *REPLACED_DIRS, "mismatch", "metrics.jsonl", "tensorboard", "wandb")
+METRICS_LOG = "metrics.jsonl"  # --report-to jsonl's
+RUN_NAMES = (*RUN_FILES, *REPLACED_DIRS, "mismatch", METRICS_LOG, "tensorboard", "wandb")
 # written by replacing them whole: a killed write leaves hidden siblings (schemas.io.leftovers)
-REPLACED_NAMES = (*RUN_FILES, *REPLACED_DIRS, MODEL_DIR, "metrics.jsonl")
+REPLACED_NAMES = (*RUN_FILES, *REPLACED_DIRS, MODEL_DIR, METRICS_LOG)
 STALE_MISMATCH = re.compile(r"\.step=\d+\.parquet\.[0-9a-f]{8,32}(?:-\d+)?\.tmp")
 WRITER = "sparrow train"  # what holds a run directory's lock, as a refusal names it
 # not compared where a checkpoint names none (it was written before they were recorded)
@@ -131,6 +132,20 @@ def _ours(folder: Path, markers: Sequence[str]) -> bool:
     return folder.is_dir() and any((folder / m).exists() for m in markers)
 
 
+def _is_metrics_log(path: Path) -> bool:
+    """Whether `path` is a run's metrics.jsonl: empty, or its first line a JSON object with a run id and a
+    whole step (what tracking.JsonlTracker writes)."""
+    try:
+        with path.open("rb") as f:
+            line = f.readline(1 << 20)
+        if not line.strip():
+            return path.is_file()
+        row = json.loads(line)
+    except (OSError, ValueError):
+        return False
+    return isinstance(row, dict) and "run_id" in row and isinstance(row.get("step"), int)
+
+
 def _check_kinds(run_dir: Path, force: bool, full: bool) -> None:
     """Files of a run's names that are not of its kind: refused (folders even with force); the model
     folder only for a --full run, which writes it (a LoRA run leaves a folder of that name alone)."""
@@ -148,6 +163,11 @@ def _check_kinds(run_dir: Path, force: bool, full: bool) -> None:
                          "another run directory (-o)")
     if force:
         return
+    log = run_dir / METRICS_LOG
+    if log.exists() and not _is_metrics_log(log):
+        raise ValueError(f"{log} exists and is not a training run's metrics log (a JSON line per step), and "
+                         "the run would replace it; pass --force to replace it, or choose another run "
+                         "directory (-o)")
     for name, kind in RUN_FILES.items():
         path = run_dir / name
         if path.exists():
