@@ -454,3 +454,25 @@ def test_rollout_columns_encode_extras_with_the_same_function(dataset):
                                           r"\(counting from 0\) of gsm8k.parquet"):
         columns("circular")
     assert math.isfinite(columns("mixed")["reward"][0])
+
+
+def test_a_ground_truth_in_e_notation_is_the_number_it_writes(tmp_path, monkeypatch):
+    """A float ground truth such as 1e-05 is the number, not 1 * e - 5 (math-verify's LaTeX reading of
+    Python's text for it): right answers score 1, a wrong one 0, whether stored as numbers or as text."""
+    monkeypatch.chdir(tmp_path)
+    golds = [1e-05, 2.5e-07, 1e20, 0.5]
+    texts = ["The answer is 0.00001", "$2.5 \\times 10^{-7}$", "\\boxed{10^{20}}", "The answer is 0.25"]
+    for name, stored in (("numbers", golds), ("text", [repr(g) for g in golds])):
+        data = Path(f"{name}/sci.parquet")
+        data.parent.mkdir()
+        prompt = [{"role": "user", "content": "q"}]
+        pq.write_table(pa.table({"data_source": ["phys"] * 4, "prompt": [prompt] * 4,
+                                 "reward_model": [{"style": "rule", "ground_truth": g} for g in stored]}),
+                       data)
+        completions = Path(f"{name}/c.jsonl")
+        completions.write_text("".join(json.dumps({"prompt_id": f"sci-{i}", "text": t}) + "\n"
+                                       for i, t in enumerate(texts)))
+        out = Path(f"{name}/rewards.parquet")
+        result = _reward("--prompts", data, "--completions", completions, "--reward", "math", "-o", out)
+        assert result.exit_code == 0, result.output
+        assert [r["reward"] for r in _rewards(out)] == [1.0, 1.0, 1.0, 0.0], name

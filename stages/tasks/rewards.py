@@ -8,7 +8,9 @@ Design decisions:
   by math-verify's expression and LaTeX extraction; reward 1 when math-verify finds them equal, else 0
   (status unparsed when nothing was extracted from the completion). A ground truth in GSM8K's solution
   form ("... #### 72", the `answer` column of openai/gsm8k) is read as the number after ####, as verl's
-  gsm8k preprocessing extracts it, since a verl user's gold is that number. A ground truth that is empty,
+  gsm8k preprocessing extracts it, since a verl user's gold is that number. A number in E notation (a
+  float such as 1e-05 stored as a number, whose text Python writes so, or such text) is given as
+  `1 \\times 10^{-5}`: read as LaTeX, `1e-05` is 1 * e - 5 with Euler's e. A ground truth that is empty,
   NaN, a missing-value mark as pandas writes them ("N/A", "nan", "None"...) or that math-verify reads no
   expression from would pay 0 for every completion (TRL's accuracy reward skips such a row): it is
   refused before any work, naming the row and the column (`check_math_gold`, which reads the row's
@@ -70,6 +72,19 @@ def math_text(answer: str) -> str:
     as verl's gsm8k preprocessing extracts it; any other text is itself."""
     final = _GSM8K_FINAL.search(answer)
     return final.group(1).replace(",", "") if final else answer
+
+
+_SCIENTIFIC = re.compile(r"\s*([+-]?(?:\d+\.?\d*|\.\d+))[eE]([+-]?\d+)\s*")
+
+
+def scientific_as_latex(text: str) -> str:
+    """A number in E notation (`1e-05`, Python's text of a small or large float) as LaTeX, `1 \\times
+    10^{-5}`: read as LaTeX, which is how the ground truth is read, `1e-05` is 1 * e - 5 (Euler's e)."""
+    match = _SCIENTIFIC.fullmatch(text)
+    if match is None:
+        return text
+    mantissa, exponent = match.groups()
+    return f"{mantissa.rstrip('.')} \\times 10^{{{int(exponent)}}}"
 
 
 @functools.lru_cache(maxsize=4096)
@@ -278,7 +293,7 @@ def answer_for(reward: str, answer: Any) -> Any:
     if isinstance(answer, decimal.Decimal | datetime.date | datetime.time | datetime.timedelta):
         answer = str(answer)
     if answer is None or isinstance(answer, str):
-        return math_text(answer) if reward == MATH and answer is not None else answer
+        return scientific_as_latex(math_text(answer)) if reward == MATH and answer is not None else answer
     if reward == MATH and (isinstance(answer, bool) or not isinstance(answer, int | float)):
         shown = cut(json.dumps(answer, default=str))
         kind = {bool: "a bool", list: "a list", dict: "a struct", bytes: "bytes"}.get(type(answer),
@@ -287,7 +302,9 @@ def answer_for(reward: str, answer: Any) -> Any:
                if isinstance(answer, dict) else "score such rows with --reward-fn")
         raise ValueError(f"its ground truth is {kind} ({shown}), not text or a number, and math-verify "
                          f"compares the completion with one answer ({fix})")
-    return json.dumps(answer, default=str) if isinstance(answer, dict | list) else str(answer)
+    if isinstance(answer, dict | list):
+        return json.dumps(answer, default=str)
+    return scientific_as_latex(str(answer)) if reward == MATH else str(answer)
 
 
 # ---------------------------------------------------------------- the registry
