@@ -14,7 +14,7 @@ from typer.core import TyperCommand, TyperGroup
 
 from .console import console, writing_stdout
 from .help_layout import whole_help_cells
-from .parser_errors import parsing
+from .parser_errors import parsing, refuse_repeated_options
 
 
 def _bare_flags(params: list) -> list:
@@ -81,6 +81,15 @@ class Command(TyperCommand):
 
     def make_parser(self, ctx):
         parser = super().make_parser(ctx)
+        parse = parser.parse_args
+
+        def parse_once(args: list[str]):
+            given = list(args)  # the parser empties `args`
+            opts, rest, order = parse(args=args)
+            refuse_repeated_options(ctx, order, given)
+            return opts, rest, order
+
+        parser.parse_args = parse_once
         for param, names in self.aliases.items():
             if param.is_flag:  # an alias of a switch takes no value
                 parser.add_option(obj=param, opts=names, dest=param.name, action="store_const", const=True)

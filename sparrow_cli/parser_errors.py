@@ -157,3 +157,63 @@ def _option_names(ctx) -> dict:
     for param, aliases in getattr(command, "aliases", {}).items():
         names.update(dict.fromkeys(aliases, param))
     return names
+
+
+# what to do instead where an option given twice reads as a wish for several values
+REPEATED_ADVICE = {
+    "prompts": "to use several datasets, join them into one file first: with a.parquet and b.parquet in DIR, "
+               "sparrow sql \"SELECT * FROM a UNION ALL BY NAME SELECT * FROM b\" --run DIR -o all.parquet",
+    "reward_fn": "Sparrow scores with one reward function; to sum several as TRL does, call them from one "
+                 "function",
+}
+
+
+def refuse_repeated_options(ctx, order: list, args: list[str]) -> None:
+    """A UsageError where an option that names one file, or what scores the rewards, was given more than
+    once (under any of its names): click keeps the last silently, and a second --prompts or --reward-fn
+    reads as a wish for both. A setting given again (--seed 1 ... --seed 2) is the override that scripts
+    rely on, in Sparrow as in argparse's tools (vLLM, TRL): the last one counts. The values are shown as
+    typed in `args`, where they can be found there."""
+    counts: dict = {}
+    for param in order:
+        if _one_of_a_kind(param):
+            counts[param] = counts.get(param, 0) + 1
+    repeated = next((p for p, n in counts.items() if n > 1), None)
+    if repeated is None:
+        return
+    names = {n for n, p in _option_names(ctx).items() if p is repeated}
+    given = [f"{name} {value}" for name, value in _given(args, names)]
+    shown = f" ({', then '.join(given)})" if len(given) > 1 else ""
+    advice = REPEATED_ADVICE.get(repeated.name)
+    flag = next((o for o in repeated.opts if o.startswith("--")), repeated.opts[0])
+    raise ParserError(f"{flag} is given {_times(counts[repeated])}{shown}, but it takes one value"
+                      f"{'; ' + advice if advice else ''}", ctx=ctx)
+
+
+# the options (by parameter name) whose repeat reads as a wish for several: the files a command reads and
+# writes, and what scores the rewards
+ONE_VALUE = ("prompts", "eval_prompts", "completions", "rollouts", "profile", "schedule", "cost", "adapter",
+             "init_adapter", "lora", "threshold_file", "run", "run_option", "output", "output_dir",
+             "export_to", "reward", "reward_fn")
+
+
+def _one_of_a_kind(param) -> bool:
+    return (getattr(param, "param_type_name", "") == "option" and param.name in ONE_VALUE
+            and not param.multiple)
+
+
+def _given(args: list[str], names: set[str]) -> list[tuple[str, str]]:
+    """(name, value) of each occurrence of an option of `names` in `args`, as `--name value` or
+    `--name=value`; nothing after `--`."""
+    found = []
+    for i, arg in enumerate(args):
+        if arg == "--":
+            break
+        name, eq, value = arg.partition("=")
+        if name in names and (eq or i + 1 < len(args)):
+            found.append((name, value if eq else args[i + 1]))
+    return found
+
+
+def _times(n: int) -> str:
+    return {2: "twice", 3: "three times"}.get(n, f"{n} times")
