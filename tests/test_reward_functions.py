@@ -42,6 +42,12 @@ def only_solution(solution_str):
 def verl_kwargs(solution_str, **kwargs):
     return 0.5
 
+def compute_score(**kwargs):
+    return float(kwargs["ground_truth"] in kwargs["solution_str"])
+
+def kwargs_only(**kwargs):
+    return [0.25] * len(kwargs["completions"])
+
 not_a_function = 3
 
 def big(data_source, solution_str, ground_truth, extra_info=None):
@@ -160,6 +166,13 @@ def test_a_verl_signature_that_cannot_take_verls_keywords_is_refused_at_load(wor
 def test_a_verl_function_with_kwargs_takes_them(work):
     assert _reward(work, "verl_kwargs").exit_code == 0
     assert _rewards(work) == [0.5] * 6
+
+
+def test_a_function_of_kwargs_alone_is_verls_under_verls_default_name_else_trls(work):
+    assert _reward(work, "compute_score").exit_code == 0  # called per completion with verl's keywords
+    assert _rewards(work) == [1.0, 0.0, 0.0, 0.0, 1.0, 0.0]  # "5" in "it is 5"; "24" in "24"
+    assert _reward(work, "kwargs_only", "train", "--force").exit_code == 0  # called per batch, as TRL does
+    assert _rewards(work) == [0.25] * 6
 
 
 @pytest.mark.parametrize("name, message", [

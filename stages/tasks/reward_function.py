@@ -9,8 +9,9 @@ Design decisions:
   (TRL's `reward_funcs="my_lib.rewards.fn"`) is not taken: a file is, imported as a script.
 - A user's function runs in this process, as verl and TRL run theirs. Which convention it follows is read
   from its signature: a `solution_str` parameter is verl's `compute_score(data_source, solution_str,
-  ground_truth, extra_info)`, called once per completion with keyword arguments; else a `completions`
-  parameter (or **kwargs) is TRL's `f(prompts, completions, **columns) -> list[float]`, called once per
+  ground_truth, extra_info)`, called once per completion with keyword arguments, and so is a function of
+  **kwargs alone named compute_score (verl's default name); else a `completions` parameter (or **kwargs)
+  is TRL's `f(prompts, completions, **columns) -> list[float]`, called once per
   batch with the dataset's other columns as lists, but for `completion` and `completion_ids`, which
   GRPOTrainer leaves out as it does `prompt` (it passes its own completions). A verl function may return
   a number (a bool, a numpy scalar, or a 0-d array or tensor, whose `.item()` verl's reward manager
@@ -161,7 +162,7 @@ def load_reward_function(spec: str) -> RewardFunction:
     if not callable(fn):
         raise RewardError(f"--reward-fn {spec}: {name!r} in {path} is {_a(type(fn).__name__)} "
                           f"({_shown(fn)}), not a function")
-    style = _style(fn, spec)
+    style = _style(fn, spec, name)
     if style == "verl":
         _check_verl_keywords(fn, spec)
     else:
@@ -192,7 +193,9 @@ def _import(spec: str, path: Path) -> Any:
     return module
 
 
-def _style(fn: Callable, spec: str) -> Style:
+def _style(fn: Callable, spec: str, name: str) -> Style:
+    """verl's where the function names solution_str, or takes only **kwargs under verl's default name
+    compute_score; TRL's where it names completions or takes **kwargs otherwise."""
     try:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):
@@ -200,8 +203,10 @@ def _style(fn: Callable, spec: str) -> Style:
                           "is unknown; define it with def") from None
     if "solution_str" in params:
         return "verl"
-    if "completions" in params or any(p.kind is p.VAR_KEYWORD for p in params.values()):
+    if "completions" in params:
         return "trl"
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return "verl" if name == DEFAULT_FUNCTION else "trl"
     raise RewardError(f"--reward-fn {spec} takes ({_parameters(fn)}), neither verl's compute_score("
                       "data_source, solution_str, ground_truth, extra_info) nor TRL's "
                       "f(prompts, completions, **kwargs)")
