@@ -158,12 +158,24 @@ class Manifest:
             raise JournalRefused(f"{path} cannot be read as a rollout journal's manifest ({e}); pass --force "
                                  "to start the run over") from None
 
-    def difference(self, now: Manifest) -> str | None:
-        """The first field (in field order) in which `now` differs from this manifest; None when equal."""
+    def difference(self, now: Manifest, ignoring: Sequence[str] = ()) -> str | None:
+        """The first field (in field order) in which `now` differs from this manifest, but for `ignoring`;
+        None when equal."""
         for f in fields(self):
-            if f.compare and getattr(self, f.name) != getattr(now, f.name):
+            if f.compare and f.name not in ignoring and getattr(self, f.name) != getattr(now, f.name):
                 return f.name
         return None
+
+    @property
+    def scorer(self) -> dict[str, str | None]:
+        """What scores the rewards, under the keys each part's metadata records it by."""
+        return {name: getattr(self, name) for name in REWARD_FIELDS}
+
+    def scored_by(self) -> str:
+        """The reward as its flags name it, for a note."""
+        if self.reward_fn:
+            return f"--reward-fn {self.reward_fn} (sha256 {self.reward_fn_sha256[:12]})"
+        return f"--reward {self.reward}" if self.reward else "each prompt's task scorer"
 
     def speed_notes(self, now: Manifest, folder: Path) -> list[str]:
         """What a resume says where `now` runs the rows otherwise than this manifest's run did."""
@@ -207,6 +219,9 @@ def check_not_complete(output: Path, manifest: Manifest) -> None:
         raise AlreadyComplete(f"{output} is the finished artifact of a run with these flags, so there is "
                               "nothing to resume; drop --resume to sample it again")
 
+
+# what scores the rewards: a resume may change it, scoring the journal's prompts again (`Journal.open`)
+REWARD_FIELDS = ("reward", "reward_fn", "reward_fn_sha256")
 
 # what each field is on the command line, for the sentence that names a difference
 FLAGS = {"model": "--model", "prompts": "--prompts", "prompts_sha256": "--prompts", "samples": "--samples",
@@ -296,6 +311,7 @@ class Chunk:
     reward_seconds: float | None = None
     scored: bool = True
     number: int = 0
+    rescored: bool = False  # a part scored by another reward than this run's: scored again, as if unscored
 
     @property
     def name(self) -> str:
@@ -402,6 +418,7 @@ class Journal:
         self.last_stats: dict[str, float] = {}
         self.last_write = time.monotonic()
         self.held = False
+        self.new_manifest = False  # a resume with another reward: `start` records this run's
 
     # ------------------------------------------------------------ opening
 
@@ -420,15 +437,21 @@ class Journal:
                 check_not_complete(Path(output), manifest)
             return cls(folder, manifest, rows, [], True, interval, metadata), []
         saved = found.manifest or Manifest.read(folder)
-        name = saved.difference(manifest)
+        name = saved.difference(manifest, ignoring=REWARD_FIELDS)
         if name is not None:
             again = "drop --resume (keeping --force)" if force else "pass --force"
             raise JournalRefused(f"{shown(folder)} was written with {FLAGS[name]} {saved.describe(name)}, "
                                  f"this run has {manifest.describe(name)}; rerun with the same flags, or "
                                  f"{again} to start over")
-        kept = _read_parts(found.files, rows, manifest.samples)
+        kept = _read_parts(found.files, rows, manifest.samples, manifest.scorer)
         notes = saved.speed_notes(manifest, folder)
-        return cls(folder, manifest, rows, kept, False, interval, metadata), notes
+        again = sum(len(c.indices) for c in kept if c.rescored)
+        if again:
+            notes.append(f"--resume: {again} of the journal's prompts were scored with {saved.scored_by()}; "
+                         f"this run scores them again, first, with {manifest.scored_by()}")
+        journal = cls(folder, manifest, rows, kept, False, interval, metadata)
+        journal.new_manifest = saved != manifest
+        return journal, notes
 
     @property
     def kept_prompts(self) -> int:
@@ -455,6 +478,8 @@ class Journal:
             for p in self.folder.iterdir():
                 if p.name not in (LOCK_NAME, MANIFEST):
                     shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+            write_bytes(self.folder / MANIFEST, self.manifest.to_json())
+        elif self.new_manifest:  # each part records its own reward, so this may come first
             write_bytes(self.folder / MANIFEST, self.manifest.to_json())
         for p in journal_unscored(self.folder, stale=True):
             p.unlink()
@@ -491,9 +516,9 @@ class Journal:
         At its end the prompts finished since the last part are the last part (`on_scored` following
         their rewards), so that every finished prompt is in a part before the artifact is written. On an
         exception the prompts finished so far are written first, unscored (at once, however slow the
-        reward), but for a reward's own error: the reward fixed, a resume would refuse the journal, whose
-        manifest names the reward; an interrupt goes on as `RolloutInterrupted`, saying what the journal
-        keeps."""
+        reward); an interrupt goes on as `RolloutInterrupted`, and a reward's own error as itself, each
+        saying what the journal keeps (a resume with the reward fixed scores them, and the parts the
+        broken reward had scored, again)."""
         self.engine_stats, self.columns, self.score = engine_stats, columns, score
         self.last_write = time.monotonic()
 
@@ -508,12 +533,15 @@ class Journal:
             self.flush(on_scored)
         except BaseException as e:
             try:
-                if not isinstance(e, RewardError):  # kept for a resume, which a fixed reward would refuse
-                    self.flush(scored=False)
+                self.flush(scored=False)
             except Exception:  # the run's own error (or its interrupt) is the one to report
                 pass
             if isinstance(e, KeyboardInterrupt):
                 raise self.interrupted() from None
+            if isinstance(e, RewardError) and self.kept_prompts + sum(len(c.indices) for c in self.written):
+                raise RewardError(f"{e}; {self.keeps()}, so once the reward is fixed, run the same command "
+                                  "with --resume: it scores them with the fixed reward and samples the rest"
+                                  ) from None
             raise
 
     def finished(self, index: int, completions: list[Completion]) -> None:
@@ -558,14 +586,17 @@ class Journal:
         """The prompt row of each row of a chunk of these prompts."""
         return [self.rows[i] for i in indices for _ in range(self.manifest.samples)]
 
-    def interrupted(self) -> RolloutInterrupted:
+    def keeps(self) -> str:
+        """What the journal keeps, as a clause."""
         kept = self.kept_prompts + sum(len(c.indices) for c in self.written)
-        if not kept:
+        return f"{shown(self.folder)} keeps the {kept} of {len(self.rows)} prompts that had finished"
+
+    def interrupted(self) -> RolloutInterrupted:
+        if not self.kept_prompts + sum(len(c.indices) for c in self.written):
             return RolloutInterrupted("no prompt had been journaled yet, so nothing was kept")
         unscored = self.unscored_prompts
         first = f", which scores the rewards of {unscored} of them first" if unscored else ""
-        return RolloutInterrupted(f"{shown(self.folder)} keeps the {kept} of {len(self.rows)} prompts that "
-                                  f"had finished; run the same command with --resume to continue{first}")
+        return RolloutInterrupted(f"{self.keeps()}; run the same command with --resume to continue{first}")
 
     # ------------------------------------------------------------ the whole run
 
@@ -604,9 +635,10 @@ def _conformed(table: pa.Table) -> pa.Table:
     return SCHEMAS["rollouts"].conform(table, "the rollouts", fill_missing=True).replace_schema_metadata(None)
 
 
-def _read_parts(parts: list[Path], rows: Sequence[dict], samples: int) -> list[Chunk]:
+def _read_parts(parts: list[Path], rows: Sequence[dict], samples: int, scorer: dict) -> list[Chunk]:
     """The parts and unscored files of an earlier run, each checked: a rollouts artifact whose rows are the
-    samples of the prompts its metadata names, each prompt in one file only."""
+    samples of the prompts its metadata names, each prompt in one file only. A part that its metadata says
+    another reward than `scorer` scored is read as unscored (`rescored`): the resume scores it again."""
     chunks, seen = [], set()
     for part in parts:
         try:
@@ -629,7 +661,9 @@ def _read_parts(parts: list[Path], rows: Sequence[dict], samples: int) -> list[C
                                  "pass --force to start over")
         seen.update(indices)
         stats = meta.get("engine_stats")
+        scored = JOURNAL_PART.fullmatch(part.name) is not None
+        other = scored and any(k in meta and meta[k] != v for k, v in scorer.items())
         chunks.append(Chunk(indices, _conformed(table), stats if isinstance(stats, dict) else {},
-                            meta.get("reward_seconds"), JOURNAL_PART.fullmatch(part.name) is not None,
-                            journal_file_number(part)))
+                            meta.get("reward_seconds"), scored and not other, journal_file_number(part),
+                            rescored=other))
     return chunks

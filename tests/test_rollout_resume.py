@@ -220,7 +220,7 @@ def test_a_journal_of_another_run_is_refused_and_left_as_it_was(tiny, journal, t
         from sparrow.schemas import write_artifact
 
         write_artifact(rows, other, "prompts")
-        extra = ["--prompts", str(other)]
+        tiny, extra = (tiny[0], str(other)), []
     r = runner.invoke(app, [*_args(tiny, out, None, "--resume"), *extra])
     line = error_line(r)
     assert r.exit_code != 0 and line.startswith(f"error: {folder}/ ") and named in line, r.output
@@ -577,3 +577,44 @@ def test_a_final_write_that_fails_keeps_the_journal_and_says_resume(tiny, refere
     assert r.exit_code == 0, r.output
     assert "6 of 6 prompts done, 0 to go" in " ".join(r.stderr.split())
     assert _plain(read_artifact(out, "rollouts")).equals(reference[None])
+
+
+FAILING_REWARD = """
+calls = []
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    calls.append(1)
+    if len(calls) == 7:
+        raise ValueError("bug")
+    return 1.0
+"""
+
+
+def test_a_reward_that_raises_keeps_the_journal_and_a_resume_scores_it_again_with_the_fixed_one(
+        tiny, reference, tmp_path):
+    """The reward raising on prompt 4: prompts 1-3 were journaled scored (by the broken reward), prompt 4
+    unscored; the message says so. The reward fixed, --resume scores all of them with it (a note says the
+    journal's parts were scored otherwise) and samples the rest: the uninterrupted rows, rewards of the
+    fixed reward."""
+    reward = tmp_path / "reward.py"
+    reward.write_text(FAILING_REWARD)
+    out = tmp_path / "r.parquet"
+    args = _args(tiny, out, None, "--reward-fn", str(reward), "--checkpoint-interval", "0")
+    r = runner.invoke(app, args)
+    assert r.exit_code == 2 and not out.exists()
+    assert r.stderr.strip().splitlines()[-1].endswith(f"{_partial(out)}/ keeps the 4 of 6 prompts that had finished, so once the "
+                                  "reward is fixed, run the same command with --resume: it scores them with "
+                                  "the fixed reward and samples the rest")
+    assert _journal_files(out) == ["manifest.json", "part-00000.parquet", "part-00001.parquet",
+                                   "part-00002.parquet", "unscored-00003.parquet"]
+    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    return 0.5\n")
+    r = runner.invoke(app, [*args, "--resume"])
+    assert r.exit_code == 0, r.output
+    said = " ".join(r.stderr.split())
+    assert "--resume: 3 of the journal's prompts were scored with --reward-fn" in said
+    table = _plain(read_artifact(out, "rollouts"))
+    assert table.column("reward").to_pylist() == [0.5] * 12
+    drop = ["reward", "reward_extra"]
+    assert table.drop_columns(drop).equals(reference[None].drop_columns(drop))
+    assert not _partial(out).exists()

@@ -8,6 +8,7 @@ from test_train import tiny_llama, vowel_train_args  # noqa: F401 - tiny_llama i
 from typer.testing import CliRunner
 
 from sparrow.cli.app import app
+from sparrow.schemas import read_artifact
 from sparrow.stages.tasks.base import RewardError
 from sparrow.stages.train import Trainer
 
@@ -40,3 +41,27 @@ def test_a_reward_error_in_a_fresh_run_leaves_no_schedule(args, tmp_path, monkey
     run = tmp_path / "run"
     assert not (run / "schedule.parquet").exists()
     assert not [p.name for p in run.iterdir() if not p.name.startswith(".")]
+
+
+def test_a_reward_error_after_complete_steps_keeps_them_resumable(args, tmp_path, monkeypatch):
+    """The reward raising in step 3 leaves a checkpoint of steps 1-2, as an interrupt does; the reward
+    fixed, --resume trains step 3."""
+    rewards = Trainer._rewards
+
+    def failing_in_step_3(self, prompts, groups):
+        if self.step == 2:
+            raise RewardError("--reward-fn r.py:f returned NaN for row 0")
+        return rewards(self, prompts, groups)
+
+    three = [*args, "--steps", "3", "--checkpoint-every", "10"]
+    with monkeypatch.context() as m:
+        m.setattr(Trainer, "_rewards", failing_in_step_3)
+        r = runner.invoke(app, three)
+    run = tmp_path / "run"
+    assert r.exit_code == 2
+    assert " ".join(r.stderr.split()).endswith(
+        f"returned NaN for row 0; {run}/checkpoint holds the 2 complete steps of 3, so once the reward is "
+        "fixed, add --resume to the same command to continue")
+    r = runner.invoke(app, [*three, "--resume"])
+    assert r.exit_code == 0, r.output
+    assert [row["step"] for row in read_artifact(run / "metrics.parquet", "metrics").to_pylist()] == [1, 2, 3]

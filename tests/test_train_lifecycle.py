@@ -30,7 +30,7 @@ from sparrow.stages.model.loading import load_model
 from sparrow.stages.tasks import TASKS
 from sparrow.stages.train import TrainConfig, Trainer, check_run_dir, load_prompts, with_fingerprints
 from sparrow.stages.train.config import kv_policy
-from sparrow.stages.train.run_dir import clear_run
+from sparrow.stages.train.run_dir import clear_run, resume_notes
 from sparrow.stages.train.tracking import Trackers
 from sparrow.stages.train.update import Learner
 
@@ -311,12 +311,17 @@ def test_the_reward_is_recorded_and_a_resume_names_its_change(setup, tmp_path, m
                             "--steps, --checkpoint-every and --eval-every may change on resume")
     (tmp_path / "copy.py").write_text(source)
     resume(reward_fn="copy.py:compute_score")  # the same function at another path: the same run
-    (tmp_path / "rf" / "r.py").write_text(source.replace("0.5", "0.25"))
-    with pytest.raises(ValueError) as e:
-        resume()
+    (tmp_path / "copy.py").write_text(source.replace("0.5", "0.25"))
+    with pytest.raises(ValueError) as e:  # another file of other code
+        resume(reward_fn="copy.py:compute_score")
     assert str(e.value) == (f"--resume: {run} was trained with --reward-fn {spec}, whose file held other "
-                            "code than rf/r.py holds now (their content differs); only --steps, "
+                            "code than copy.py holds now (their content differs); only --steps, "
                             "--checkpoint-every and --eval-every may change on resume")
+    (tmp_path / "rf" / "r.py").write_text(source.replace("0.5", "0.25"))  # the run's file, fixed in place
+    resume()
+    now = with_fingerprints(replace(cfg, steps=2), rows, None, policy)
+    assert resume_notes(run, now) == [f"--resume: rf/r.py holds other code than when {run} was "
+                                      "checkpointed; the steps after step 1 score with its code as it is now"]
     for key in ("reward", "reward_fn", "reward_fn_sha256"):  # a checkpoint that names none: not compared
         del saved[key]
     (run / "checkpoint" / "config.json").write_text(json.dumps(saved))

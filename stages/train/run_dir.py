@@ -133,8 +133,8 @@ def _ours(folder: Path, markers: Sequence[str]) -> bool:
 
 
 def _is_metrics_log(path: Path) -> bool:
-    """Whether `path` is a run's metrics.jsonl: empty, or its first line a JSON object with a run id and a
-    whole step (what tracking.JsonlTracker writes)."""
+    """Whether `path` is a run's metrics.jsonl: empty, or its first line a JSON object with a whole step
+    (what tracking.JsonlTracker writes)."""
     try:
         with path.open("rb") as f:
             line = f.readline(1 << 20)
@@ -143,7 +143,7 @@ def _is_metrics_log(path: Path) -> bool:
         row = json.loads(line)
     except (OSError, ValueError):
         return False
-    return isinstance(row, dict) and "run_id" in row and isinstance(row.get("step"), int)
+    return isinstance(row, dict) and isinstance(row.get("step"), int)
 
 
 def _check_kinds(run_dir: Path, force: bool, full: bool) -> None:
@@ -314,6 +314,10 @@ def resume_notes(run_dir: Path, cfg: TrainConfig) -> list[str]:
     notes = [f"--resume: {MAY_CHANGE[name]} changes from {getattr(saved, name)} to {getattr(cfg, name)} from "
              "the resumed step on (the next checkpoint records it)"
              for name in ("checkpoint_every", "eval_every") if getattr(saved, name) != getattr(cfg, name)]
+    if reward_file_edited(saved, cfg):
+        notes.append(f"--resume: {cfg.reward_fn.rpartition(':')[0]} holds other code than when {run_dir} "
+                     f"was checkpointed; the steps after step {checkpoint_step(run_dir)} score with its code "
+                     "as it is now")
     if saved.threads and cfg.threads and saved.threads != cfg.threads and cfg.device == "cpu":
         notes.append(f"--resume: {run_dir} ran with {saved.threads} CPU threads and resumes with "
                      f"{cfg.threads}; a CPU's logprobs differ in their last digits with the thread count, "
@@ -361,9 +365,19 @@ def differences(saved: TrainConfig, now: TrainConfig, recorded: set[str] | None 
     same_model = _same_folder(saved.model, now.model)
     skip = ({"steps", *MAY_CHANGE} | ({"sparsity"} if both_schedules else set())
             | ({"reward_fn"} if same_function else set()) | ({"model"} if same_model else set())
+            | ({"reward_fn_sha256"} if reward_file_edited(saved, now) else set())
             | {f for f in UNRECORDED if recorded is not None and f not in recorded})
     return [f.name for f in fields(saved)
             if f.name not in skip and getattr(saved, f.name) != getattr(now, f.name)]
+
+
+def reward_file_edited(saved: TrainConfig, now: TrainConfig) -> bool:
+    """Whether the run's --reward-fn is the same function of the same file, whose code has changed since
+    the checkpoint (a reward fixed after it raised): a resume goes on, with a note (`resume_notes`)."""
+    if not (saved.reward_fn and now.reward_fn) or saved.reward_fn_sha256 == now.reward_fn_sha256:
+        return False
+    (a, _, fa), (b, _, fb) = saved.reward_fn.rpartition(":"), now.reward_fn.rpartition(":")
+    return fa == fb and (a == b or _same_folder(a, b))
 
 
 def _same_folder(a: str, b: str) -> bool:

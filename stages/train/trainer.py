@@ -27,6 +27,7 @@ from ..model.adapter import adapter_base, add_lora, load_lora_state, lora_state,
 from ..model.export import export_model
 from ..model.loading import LoadedModel
 from ..tasks import judge_batch, score_batch
+from ..tasks.base import RewardError
 from ..tasks.reward_function import logged_metrics
 from . import objective as grpo
 from .checkpoint import drop_mismatch_after, load_checkpoint, rng_states, save_checkpoint, set_rng_states
@@ -171,6 +172,8 @@ class Trainer:
             summary = self._finish()
         except KeyboardInterrupt:
             self._interrupted()
+        except RewardError as e:
+            self._reward_failed(e)
         except Exception:
             self._discard_unstarted()
             raise
@@ -218,6 +221,19 @@ class Trainer:
         raise TrainingInterrupted(f"{self.run_dir}/checkpoint holds the {self.step} complete "
                                   f"step{'s' * (self.step != 1)} of {steps}; "
                                   f"{self._again('--resume', 'continue')}") from None
+
+    def _reward_failed(self, error: RewardError) -> None:
+        """A reward that raised (a user's function, say) keeps the complete steps resumable, as an
+        interrupt does, so that the reward fixed, --resume goes on from them (run_dir: a reward file edited
+        in place is noted on resume, not refused)."""
+        if self.applying or self.step == 0:
+            self._discard_unstarted()
+            raise error
+        if self.start_over or checkpoint_step(self.run_dir) != self.step:
+            self._save_checkpoint(self.rng_at_step)
+        steps = f"{self.step} complete step{'s' * (self.step != 1)} of {self.cfg.steps}"
+        raise RewardError(f"{error}; {self.run_dir}/checkpoint holds the {steps}, so once the reward is "
+                          f"fixed, {self._again('--resume', 'continue')}") from None
 
     def _discard_unstarted(self) -> None:
         """A run that an error (a reward function that raised, say) stops before anything resumable was
