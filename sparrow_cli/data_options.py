@@ -16,8 +16,14 @@ def answer_column_option():
 
 
 def _reward_name(value: str | None) -> str | None:
-    """--reward in any case, as --format is taken."""
-    return value.strip().lower() if value else value
+    """--reward in any case, as --format is taken, and by the task name its artifacts record (math-verify:
+    math), so that a run records the choice."""
+    if not value:
+        return value
+    from sparrow.stages.tasks.rewards import CHOICES, reward_choice
+
+    task = reward_choice(value)
+    return next((k for k, v in CHOICES.items() if v == task), value.strip().lower())
 
 
 def _reward_fn_spec(value: str | None) -> str | None:
@@ -30,8 +36,9 @@ def _reward_fn_spec(value: str | None) -> str | None:
 def reward_option():
     return typer.Option(None, "--reward", callback=_reward_name,
                         help="Score every prompt with one reward instead of its task's scorer (any "
-                        "case): math (math-verify of the completion against the ground truth, as verl's "
-                        "and TRL's math rewards) or code (the ground truth's tests, JSON with inputs, "
+                        "case; math-verify and code-tests, the names its artifacts record, too): math "
+                        "(math-verify of the completion against the ground truth, as verl's and TRL's "
+                        "math rewards) or code (the ground truth's tests, JSON with inputs, "
                         "outputs and fn_name for call tests or without it for stdin/stdout, run on the "
                         "completion's program in the sandbox; reward = the share passed). A verl or TRL "
                         "dataset has no reward without --reward or --reward-fn.")

@@ -243,7 +243,7 @@ def test_a_name_that_is_not_a_function_is_called_so(work):
 ])
 def test_a_number_too_large_for_a_float_is_refused_as_inf_is(work, name, shown):
     _refused(_reward(work, name), f"fns.py:{name} {shown} on row 0 (counting from 0) of train.parquet; a "
-             "reward function returns a finite number or a dict with a numeric 'score'")
+             "verl reward function returns a finite number or a dict with a numeric 'score'")
     assert not (work / "out.parquet").exists()
 
 
@@ -362,3 +362,22 @@ def test_rollouts_of_a_dataset_are_told_from_another_with_its_ids_wherever_the_f
     r = reward("../moved/train.parquet", "../rollouts.parquet")
     assert r.exit_code == 0, r.output
     assert len(_rewards(work)) == 2
+
+
+def test_a_reward_named_by_its_task_or_a_folder_as_the_function_file(work):
+    """--reward math-verify (the task name its artifacts record) is --reward math; a folder given as the
+    function's file is named as one."""
+    args = ["reward", "--prompts", str(work / "train.parquet"), "--completions", str(work / "train-c.jsonl"),
+            "-o", str(work / "out.parquet")]
+    r = runner.invoke(app, [*args, "--reward", "MATH_VERIFY"])
+    assert r.exit_code == 0, r.output
+    assert read_artifact(work / "out.parquet", "rewards").column("task").to_pylist() == ["math-verify"] * 6
+    _refused(runner.invoke(app, [*args, "--force", "--reward-fn", str(work / "lib")]),
+             f"--reward-fn {work / 'lib'}:compute_score: {work / 'lib'} is a folder; name a Python file")
+
+
+def test_a_trl_function_returning_nan_is_told_what_trl_functions_return(work):
+    (work / "lib" / "nan.py").write_text("def f(completions, **kw):\n"
+                                         "    return [float('nan')] * len(completions)\n")
+    _refused(_reward(work, f"{work / 'lib' / 'nan.py'}:f", "trl"), "returned nan on row 0 (counting from 0) "
+             "of trl.jsonl; a TRL reward function returns a list of one finite number per completion")

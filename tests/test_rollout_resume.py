@@ -602,9 +602,9 @@ def test_a_reward_that_raises_keeps_the_journal_and_a_resume_scores_it_again_wit
     args = _args(tiny, out, None, "--reward-fn", str(reward), "--checkpoint-interval", "0")
     r = runner.invoke(app, args)
     assert r.exit_code == 2 and not out.exists()
-    assert r.stderr.strip().splitlines()[-1].endswith(f"{_partial(out)}/ keeps the 4 of 6 prompts that had finished, so once the "
-                                  "reward is fixed, run the same command with --resume: it scores them with "
-                                  "the fixed reward and samples the rest")
+    assert r.stderr.strip().splitlines()[-1].endswith(
+        f"{_partial(out)}/ keeps the 4 of 6 prompts that had finished, so once the reward is fixed, run the "
+        "same command with --resume: it scores them with the fixed reward and samples the rest")
     assert _journal_files(out) == ["manifest.json", "part-00000.parquet", "part-00001.parquet",
                                    "part-00002.parquet", "unscored-00003.parquet"]
     reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"

@@ -540,8 +540,8 @@ def test_reward_fn_verl_signature_equals_direct_call(verl_file, user_fns, tmp_pa
 
 @pytest.mark.parametrize("name, message", [
     ("raises", "raised ValueError (cannot read the answer) on row 1 (counting from 0) of train.parquet"),
-    ("says_yes", "returned 'yes' on row 0 (counting from 0) of train.parquet; a reward function returns a "
-                 "finite number or a dict with a numeric 'score'"),
+    ("says_yes", "returned 'yes' on row 0 (counting from 0) of train.parquet; a verl reward function "
+                 "returns a finite number or a dict with a numeric 'score'"),
     ("no_score", "returned a dict without a 'score' key (its keys: 'acc') on row 0 (counting from 0) of "
                  "train.parquet; a verl reward function returns a finite number or a dict with a numeric "
                  "'score'"),
@@ -732,20 +732,24 @@ def test_dataset_through_the_pipeline(tiny_chat, tmp_path, layout):
     assert len(rows) == 2 * len(PROBLEMS)
 
 
-def test_reward_fn_raising_in_rollout_writes_nothing(tiny_chat, verl_file, user_fns, tmp_path):
+def test_reward_fn_raising_in_rollout_writes_no_artifact_and_keeps_the_samples(tiny_chat, verl_file, user_fns,
+                                                                              tmp_path):
     out = tmp_path / "rollouts.parquet"
     r = runner.invoke(app, ["rollout", "--model", tiny_chat, "--prompts", str(verl_file), "--reward-fn",
                             f"{user_fns}:raises", "--max-new-tokens", "4", "-o", str(out)])
     line = stage_error(r)
     assert "raised ValueError (cannot read the answer) on row 1 (counting from 0) of train.parquet" in line
+    assert "keeps the 3 of 3 prompts that had finished" in " ".join(line.split())  # for a resume
     assert not out.exists() and list(tmp_path.glob(".rollouts.parquet*")) == []
+    assert sorted(p.name for p in (tmp_path / "rollouts.parquet.partial").iterdir()
+                  if not p.name.startswith(".")) == ["manifest.json", "unscored-00000.parquet"]
     r = runner.invoke(app, ["rollout", "--model", tiny_chat, "--prompts", str(verl_file), "--reward-fn",
-                            f"{user_fns}:exits", "--max-new-tokens", "4", "-o", str(out)])
+                            f"{user_fns}:exits", "--max-new-tokens", "4", "-o", str(out), "--force"])
     assert r.exit_code == 2 and "exited (sys.exit(0)) on row 1 (counting from 0)" in stage_error(r)
     assert not out.exists() and list(tmp_path.glob(".rollouts.parquet*")) == []
     r = runner.invoke(app, ["rollout", "--model", tiny_chat, "--prompts", str(verl_file), "--reward-fn",
                             f"{user_fns}:compute_score", "--samples", "2", "--max-new-tokens", "4",
-                            "-o", str(out)])
+                            "-o", str(out), "--force"])
     assert r.exit_code == 0, r.output
     fn = _import(user_fns, "compute_score")
     source = pq.read_table(verl_file).to_pylist()

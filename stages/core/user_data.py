@@ -99,10 +99,11 @@ class DataOptions:
         if self.reward is not None and self.reward_fn is not None:
             raise DatasetError("--reward and --reward-fn are two ways to score; give one of them")
         if self.reward is not None:
-            if self.reward.lower() not in rewards.CHOICES:
+            task = rewards.reward_choice(self.reward)
+            if task is None:
                 raise DatasetError(f"--reward must be one of {', '.join(rewards.CHOICES)}, got "
                                    f"{self.reward!r}")
-            return rewards.CHOICES[self.reward.lower()]
+            return task
         if self.reward_fn is not None:
             return reward_function.register_function(self.reward_fn)
         return None

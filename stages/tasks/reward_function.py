@@ -151,6 +151,9 @@ def load_reward_function(spec: str) -> RewardFunction:
         raise RewardError(f"--reward-fn {spec!r} is not path.py:function (a Python file and the name of a "
                           "function in it)")
     path = Path(path_text).expanduser()
+    if path.is_dir():
+        raise RewardError(f"--reward-fn {spec}: {path} is a folder; name a Python file in it and the "
+                          "function (path/to/module.py:function)")
     if not path.is_file():
         dotted = "" if path.suffix == ".py" or "/" in path_text else (
             "; --reward-fn takes a file, not a module's dotted import path (give path/to/module.py:function)")
@@ -383,8 +386,11 @@ class RewardFunction:
             value = value["score"]
         value = _scalar(value)
         if not isinstance(value, numbers.Real) or not _finite(value):
+            expected = ("a TRL reward function returns a list of one finite number per completion"
+                        if self.style == "trl" else
+                        "a verl reward function returns a finite number or a dict with a numeric 'score'")
             raise RewardError(f"--reward-fn {self.spec} returned {_shown(returned)} on {self.where(meta)}; "
-                              "a reward function returns a finite number or a dict with a numeric 'score'")
+                              f"{expected}")
         return Judgement(float(value), None, extra=extra)
 
 

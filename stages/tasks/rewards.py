@@ -326,3 +326,10 @@ REWARDS: dict[str, Task] = {
                          judge=code_judge, runs_code=True, check_answer=check_code_tests),
 }
 CHOICES = {"math": MATH, "code": CODE}
+
+
+def reward_choice(name: str) -> str | None:
+    """The task of a --reward, given by its choice or by the task name its artifacts record (math-verify,
+    code-tests; any case, _ for -); None for anything else."""
+    key = name.strip().lower().replace("_", "-")
+    return CHOICES.get(key) or (key if key in CHOICES.values() else None)
