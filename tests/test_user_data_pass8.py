@@ -227,6 +227,18 @@ def test_a_folder_of_parquet_shards_is_one_dataset(tmp_path):
         (f"data-{i}", row["prompt"], row["solution"]) for i, row in enumerate(rows)]
 
 
+def test_shards_that_do_not_merge_are_named(tmp_path):
+    shards = tmp_path / "data"
+    shards.mkdir()
+    for i, answer in enumerate(["1", "2", 3]):  # the last shard's column is an integer
+        shard = shards / f"train-0000{i}-of-00003.parquet"
+        pq.write_table(pa.table({"prompt": ["a"], "answer": [answer]}), shard)
+    with pytest.raises(PromptError, match=r"train-00002-of-00003.parquet does not merge with the 2 before it "
+                                          r"\(train-00000-of-00003.parquet, ...\) \(Unable to merge: Field "
+                                          r"answer has incompatible types: string vs int64\)"):
+        PromptSet.read(shards)
+
+
 def test_a_folder_of_several_splits_is_refused_with_the_splits(tmp_path):
     shards = tmp_path / "data"
     shards.mkdir()

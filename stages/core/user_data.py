@@ -424,9 +424,22 @@ def _shards(path: Path, parts: list[Path]) -> pa.Table:
         raise DatasetError(f"{path} holds the Parquet shards of splits {', '.join(sorted(splits))}; give a "
                            "folder holding one split's shards (or one shard file)")
     try:
-        return pa.concat_tables([read_parquet(p) for p in parts], promote_options="permissive")
+        tables = [read_parquet(p) for p in parts]
     except (pa.ArrowException, OSError, ArtifactError) as e:
         raise DatasetError(f"{path}: its Parquet files do not form one dataset ({e})") from None
+    merged = tables[0]
+    for part, table in zip(parts[1:], tables[1:]):
+        try:
+            merged = pa.concat_tables([merged, table], promote_options="permissive")
+        except pa.ArrowException as e:
+            raise DatasetError(f"{path}: its Parquet files do not form one dataset: {part.name} does not "
+                               f"merge with {_files_before(parts, part)} ({e})") from None
+    return merged
+
+
+def _files_before(parts: list[Path], part: Path) -> str:
+    before = parts[:parts.index(part)]
+    return before[0].name if len(before) == 1 else f"the {len(before)} before it ({before[0].name}, ...)"
 
 
 def _json_lines(path: Path) -> list[dict] | None:
