@@ -261,6 +261,23 @@ def test_unfit_columns_refused_in_one_sentence(tmp_path):
         line = error_line(r)
         assert "has columns question, label, which fit none of the formats" in line, line
         assert "a verl dataset (prompt as chat messages" in line and "loading model" not in r.output
+        assert line.endswith(f"; if its column 'question' is the prompt, rename it: sparrow sql \"SELECT "
+                             f"question AS prompt, * EXCLUDE (question) FROM odd\" --run {tmp_path} -o "
+                             "prompts.parquet")
+
+
+def test_a_conversation_dataset_is_told_how_to_make_prompts_of_it_and_the_query_does(tmp_path):
+    """SFT data's `messages` (whole conversations): the hint's query gives every turn but the last as the
+    prompt and the last one's content as the answer."""
+    sft = tmp_path / "sft.parquet"
+    turns = [{"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": "5"}]
+    pq.write_table(pa.table({"messages": [turns]}), sft)
+    r = runner.invoke(app, ["rollout", "--prompts", str(sft), "-o", str(tmp_path / "out")])
+    query = error_line(r).split('sparrow sql "')[1].split('"')[0]
+    r = runner.invoke(app, ["sql", query, "--run", str(tmp_path), "-o", str(tmp_path / "prompts.parquet")])
+    assert r.exit_code == 0, r.output
+    rows = PromptSet.read(tmp_path / "prompts.parquet", DataOptions(reward="math")).rows
+    assert [(r["messages"], r["answer"]) for r in rows] == [(turns[:1], "5")]
 
 
 def test_rows_are_counted_from_0_in_every_message_as_in_the_ids(tmp_path):

@@ -167,7 +167,7 @@ def read_dataset(path: Path, answer_column: str | None = None) -> list[dict] | N
         return None  # ours (missing something, its reader names what)
     if "prompt" not in columns:
         raise DatasetError(f"{path} has columns {', '.join(columns) or 'none'}, which fit none of the "
-                           f"formats Sparrow reads: {EXPECTED}")
+                           f"formats Sparrow reads: {EXPECTED}{_rename_hint(path, columns)}")
     fmt = "verl" if "reward_model" in columns else "trl"
     if answer_column is not None and answer_column.split(".")[0] not in columns:
         raise DatasetError(f"{path} has no column {answer_column!r} (--answer-column); its columns: "
@@ -190,6 +190,29 @@ def read_dataset(path: Path, answer_column: str | None = None) -> list[dict] | N
                      "prompt_token_ids": None, "answer": _answer(record, answer_at),
                      "metadata": dataset_metadata(fmt, path, i, prompt, others, answer_column)})
     return rows
+
+
+PROMPT_LIKE = ("question", "problem", "query", "instruction", "input")  # what raw datasets call a prompt
+
+
+def _rename_hint(path: Path, columns: list[str]) -> str:
+    """How to make a near miss readable, as a `sparrow sql` query over the file's folder (each file is a
+    view named by its stem): a column that is the prompt by another name, or a `messages` column of whole
+    conversations (SFT data), whose prompt is every turn but the last and whose answer is the last."""
+    view = re.sub(r"\W", "_", path.stem) if path.is_file() else "<the file's name>"
+    rename = next((c for c in columns if c.lower() == "prompt"), None) or next(
+        (c for c in columns if c.lower() in PROMPT_LIKE), None)
+    if rename is not None:
+        query = f"SELECT {rename} AS prompt, * EXCLUDE ({rename}) FROM {view}"
+        return (f"; if its column {rename!r} is the prompt, rename it: sparrow sql \"{query}\" --run "
+                f"{path.parent} -o prompts.parquet")
+    if "messages" in columns:
+        query = (f"SELECT messages[:-2] AS prompt, messages[-1].content AS answer, * EXCLUDE (messages) "
+                 f"FROM {view}")
+        return (f"; its 'messages' column holds whole conversations: the prompt is every turn but the last, "
+                f"the answer the last one's content: sparrow sql \"{query}\" --run {path.parent} -o "
+                "prompts.parquet")
+    return ""
 
 
 def prompt_id_text(value: Any, where: str) -> str:
