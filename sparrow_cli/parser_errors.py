@@ -169,10 +169,10 @@ REPEATED_ADVICE = {
 
 
 def refuse_repeated_options(ctx, order: list, args: list[str]) -> None:
-    """A UsageError where an option that names one file, or what scores the rewards, was given more than
-    once (under any of its names): click keeps the last silently, and a second --prompts or --reward-fn
-    reads as a wish for both. A setting given again (--seed 1 ... --seed 2) is the override that scripts
-    rely on, in Sparrow as in argparse's tools (vLLM, TRL): the last one counts. The values are shown as
+    """A UsageError where an option of ONE_VALUE was given more than once (under any of its names): click
+    keeps the last silently, and a second --prompts or --reward-fn reads as a wish for both. Anything else
+    given again (--seed 1 ... --seed 2, -o a ... -o b) is the override that scripts rely on, in Sparrow as
+    in argparse's tools (vLLM, TRL): the last one counts. The values are shown as
     typed in `args`, where they can be found there."""
     counts: dict = {}
     for param in order:
@@ -190,11 +190,10 @@ def refuse_repeated_options(ctx, order: list, args: list[str]) -> None:
                       f"{'; ' + advice if advice else ''}", ctx=ctx)
 
 
-# the options (by parameter name) whose repeat reads as a wish for several: the files a command reads and
-# writes, and what scores the rewards
-ONE_VALUE = ("prompts", "eval_prompts", "completions", "rollouts", "profile", "schedule", "cost", "adapter",
-             "init_adapter", "lora", "threshold_file", "run", "run_option", "output", "output_dir",
-             "export_to", "reward", "reward_fn")
+# the options (by parameter name) whose repeat reads as a wish for several, as other tools take several:
+# the datasets and artifacts a command reads (verl's data.train_files list), what scores the rewards (TRL's
+# reward_funcs list)
+ONE_VALUE = ("prompts", "eval_prompts", "completions", "rollouts", "profile", "reward", "reward_fn")
 
 
 def _one_of_a_kind(param) -> bool:

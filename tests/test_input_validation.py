@@ -855,7 +855,7 @@ def test_distill_refuses_empty_eval_budgets_instead_of_falling_back(tmp_path, no
 
 def test_a_second_input_file_or_reward_function_is_refused_not_dropped(tmp_path):
     """A second --prompts or --reward-fn reads as a wish for both, which click would drop silently; a
-    setting given again is an override (the last one counts), as in argparse's tools."""
+    setting or an output given again is an override (the last one counts), as in argparse's tools."""
     result = runner.invoke(app, ["train", "--prompts", "a.parquet", "--prompts", "b.parquet", "-o", "x"])
     assert result.exit_code == 2
     line = error_line(result)
@@ -865,10 +865,10 @@ def test_a_second_input_file_or_reward_function_is_refused_not_dropped(tmp_path)
                                  "a.py:f", "--reward-fn=b.py:g", "-o", "r.parquet"])
     assert error_line(result).startswith("error: --reward-fn is given twice (--reward-fn a.py:f, then "
                                          "--reward-fn b.py:g), but it takes one value; Sparrow scores with")
-    result = runner.invoke(app, ["rollout", "--prompts", "p.jsonl", "--output", "a.parquet", "-o",
-                                 "b.parquet"])
-    assert error_line(result).startswith("error: --output is given twice (--output a.parquet, then -o "
-                                         "b.parquet)")
+    result = runner.invoke(app, ["reward", "--prompts", "p.jsonl", "--completions", "a.jsonl",
+                                 "--completions=b.jsonl", "-o", "r.parquet"])
+    assert error_line(result) == ("error: --completions is given twice (--completions a.jsonl, then "
+                                  "--completions b.jsonl), but it takes one value (try 'sparrow reward -h')")
     result = runner.invoke(app, ["plan-schedule", "--model", "qwen3-4b", "--threshold", "0.5", "--threshold",
                                  "0.6"])
     assert result.exit_code == 0, result.output  # the override: the plan at 0.6

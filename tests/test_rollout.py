@@ -545,7 +545,8 @@ def test_cli_bad_input(prompts_file, tmp_path, args, message):
     files["EMPTY"] = str(empty)
     out = tmp_path / "r.parquet"
     args = [files.get(a, a) for a in args]
-    r = runner.invoke(app, ["rollout", "--prompts", str(prompts_file), "-o", str(out), *args])
+    given = [] if "--prompts" in args else ["--prompts", str(prompts_file)]
+    r = runner.invoke(app, ["rollout", *given, "-o", str(out), *args])
     assert message in error_line(r)
     assert not out.exists()
 
