@@ -24,8 +24,9 @@ Design decisions:
   prompt without a known task or an answer, a repeated sample, completions of other prompts) is found
   before anything is scored, as one sentence naming the file, the row and the column.
 - A rollouts artifact is checked whole a batch of rows at a time (`read_columns`), as every artifact is,
-  and then only the columns scoring and its checks read are held (`ROLLOUTS_READ`): not the token ids,
-  logprobs and budgets of each completion, which are most of the file.
+  and then only the columns scoring and its checks read are held (`ROLLOUTS_READ`): not the logprobs and
+  budgets of each completion. The token ids are held as Arrow keeps them (4 bytes a token), for a user's
+  TRL function, which takes them as completion_ids.
 - Scoring is `judge_batch`: code tasks' programs run in a pool of sandboxes. Each row says why it got
   its reward (`status`; for code tasks also the tests passed of the tests run), so a timeout, an output
   kill, a crash, a missing function and a partial pass tell apart.
@@ -50,7 +51,7 @@ from sparrow.schemas.locations import is_stdio
 
 from .core.prompt_set import PromptSet
 from .core.user_data import GZIP_MAGIC, PARQUET_MAGIC, DatasetError, compressed, made_ids, prompt_id_text
-from .tasks import get_task, has_scorer, judge_batch, no_scorer
+from .tasks import get_task, has_scorer, judge_batch, no_scorer, with_completion_ids
 from .tasks.base import row_of
 from .tasks.extras import extra_json
 
@@ -62,7 +63,8 @@ COMPLETIONS = ArtifactSpec("completions", "completions of any sampler, read by t
 JSON_COLUMNS = {"prompt_id": (str | int | float, "text or an integer", pa.string()),  # then by `_id`
                 "sample": (int, "an integer", pa.int64()), "text": (str, "text", pa.string())}
 REFUSED_KIND = "give rollouts, or any Parquet or JSONL file with columns 'prompt_id' and 'text'"
-ROLLOUTS_READ = ("prompt_id", "sample", "text", "prompt_token_ids")  # what scoring and its checks read
+# what scoring and its checks read
+ROLLOUTS_READ = ("prompt_id", "sample", "text", "prompt_token_ids", "token_ids")
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,8 @@ class Completion:
     # the prompt's token ids a rollouts artifact recorded, on the prompt's first completion (its samples
     # share them); None for the others and for any other file
     prompt_token_ids: tuple[int, ...] | None = None
+    # the completion's token ids: a rollouts artifact's token_ids, or a file's completion_ids (TRL's name)
+    token_ids: Any = None  # a numpy array of a file's column, a list of the engine's
 
 
 def _is_jsonl(path: Path) -> bool:
@@ -109,7 +113,7 @@ def _parquet(path: Path, shown: str) -> pa.Table:
     try:
         with pa.OSFile(os.fsencode(path)) as f:  # a name that is not UTF-8 reads too
             names = pq.read_schema(f).names
-            return pq.read_table(f, columns=[c for c in names if c in COMPLETIONS.names])
+            return pq.read_table(f, columns=[c for c in names if c in (*COMPLETIONS.names, "completion_ids")])
     except (pa.ArrowException, OSError) as e:
         raise unreadable(Path(shown), e) from None
 
@@ -203,6 +207,7 @@ def read_completions(path: str | os.PathLike) -> list[Completion]:
     if "text" not in table.column_names:
         raise ArtifactError(f"{subject} lacks column 'text' (the completion's text, which is scored)")
     tokens = _first_prompt_tokens(table) if kind_version(table.schema)[0] == "rollouts" else {}
+    ids = _completion_ids(table, path)
     table = COMPLETIONS.conform(table.select([c for c in table.column_names if c in COMPLETIONS.names]),
                                 subject, fill_missing=True)
     out, seen, rank = [], set(), {}
@@ -216,9 +221,32 @@ def read_completions(path: str | os.PathLike) -> list[Completion]:
             raise ArtifactError(f"--completions {path}: {row_of(i)} repeats prompt {r['prompt_id']!r} sample "
                                 f"{sample} (columns 'prompt_id' and 'sample')")
         seen.add((r["prompt_id"], sample))
-        out.append(Completion(r["prompt_id"], sample, r["text"], tokens.get(i)))
+        out.append(Completion(r["prompt_id"], sample, r["text"], tokens.get(i), ids[i] if ids else None))
     if not out:
         raise ArtifactError(f"--completions {path} holds no completions")
+    return out
+
+
+def _completion_ids(table: pa.Table, path: Path) -> list | None:
+    """Each completion's token ids (a rollouts artifact's token_ids, else a completion_ids column), for a
+    user's TRL function; None where the file has neither. A column that is not lists of integers is
+    refused."""
+    name = ("token_ids" if kind_version(table.schema)[0] == "rollouts" else
+            "completion_ids" if "completion_ids" in table.column_names else None)
+    if name is None:
+        return None
+    column = table.column(name)
+    kind = column.type
+    listed = pa.types.is_list(kind) or pa.types.is_large_list(kind)
+    if not listed or not pa.types.is_integer(kind.value_type):
+        raise ArtifactError(f"--completions {path} has column {name!r} of type {kind}, expected lists of "
+                            "token ids (integers)")
+    out: list = []
+    for chunk in column.chunks:  # numpy views, not Python ints: a long completion is 4 bytes a token
+        values = chunk.values.to_numpy(zero_copy_only=False)
+        offsets = chunk.offsets.to_numpy()
+        valid = chunk.is_valid().to_numpy(zero_copy_only=False)
+        out += [values[a:b] if ok else None for a, b, ok in zip(offsets[:-1], offsets[1:], valid)]
     return out
 
 
@@ -400,7 +428,7 @@ def score_completions(prompts: dict[str, dict], completions: list[Completion],
                       workers: int | None = None) -> list[dict]:
     """Rows of the `rewards` artifact, in the completions' order."""
     items = [(prompts[c.prompt_id]["task"], c.text, prompts[c.prompt_id]["answer"],
-              prompts[c.prompt_id].get("metadata")) for c in completions]
+              with_completion_ids(prompts[c.prompt_id].get("metadata"), c.token_ids)) for c in completions]
     judged = judge_batch(items, workers)
     return [{"prompt_id": c.prompt_id, "sample": c.sample, "task": item[0], "reward": j.reward,
              "status": j.status, "tests_passed": j.tests_passed, "tests_total": j.tests_total,

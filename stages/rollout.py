@@ -205,7 +205,7 @@ def sample_columns(rows: Seq[dict], results: Seq[Seq[Completion]], tokenizer
         scorer = get_task(row["task"]) if has_scorer(row.get("task")) else None
         for c in completions:
             text = tokenizer.decode(c.token_ids, skip_special_tokens=True) if tokenizer is not None else None
-            if (item := _reward_item(row, scorer, len(out["reward"]), text)) is not None:
+            if (item := _reward_item(row, scorer, len(out["reward"]), text, c.token_ids)) is not None:
                 items.append(item)
             out["prompt_id"].append(row["prompt_id"])
             out["sample"].append(c.sample)
@@ -224,12 +224,17 @@ def sample_columns(rows: Seq[dict], results: Seq[Seq[Completion]], tokenizer
     return out, items
 
 
-def _reward_item(row: dict, scorer: Task | None, index: int, text: str | None) -> RewardItem | None:
-    """The sample at `index` of the columns to reward, or None when its task has no scorer, it has no text,
-    or its scorer needs the answer that the row lacks."""
+def _reward_item(row: dict, scorer: Task | None, index: int, text: str | None,
+                 token_ids: Seq[int] | None) -> RewardItem | None:
+    """The sample at `index` of the columns to reward (its token ids in its metadata, for a user's TRL
+    function), or None when its task has no scorer, it has no text, or its scorer needs the answer that the
+    row lacks."""
+    from .tasks import with_completion_ids
+
     if text is None or scorer is None or (row.get("answer") is None and scorer.needs_answer):
         return None
-    return RewardItem(index, row["task"], text, row.get("answer"), row.get("metadata"))
+    return RewardItem(index, row["task"], text, row.get("answer"),
+                      with_completion_ids(row.get("metadata"), token_ids))
 
 
 def unscored_columns(rows: Seq[dict], results: Seq[Seq[Completion]], tokenizer) -> dict[str, list]:
@@ -249,9 +254,10 @@ def score_table(rows: Seq[dict], table: pa.Table, on_scored: Scored | None = Non
     out = {"prompt_id": table.column("prompt_id").to_pylist(), "reward": [None] * n,
            "reward_extra": [None] * n}
     items = []
-    for index, (row, text) in enumerate(zip(rows, table.column("text").to_pylist())):
+    texts, token_ids = table.column("text").to_pylist(), table.column("token_ids").to_pylist()
+    for index, (row, text, ids) in enumerate(zip(rows, texts, token_ids)):
         scorer = get_task(row["task"]) if has_scorer(row.get("task")) else None
-        if (item := _reward_item(row, scorer, index, text)) is not None:
+        if (item := _reward_item(row, scorer, index, text, ids)) is not None:
             items.append(item)
     seconds = score_rewards(out, items, on_scored)
     for name in ("reward", "reward_extra"):

@@ -69,7 +69,10 @@ def needs_answer(completions, answer, **kwargs):
     return [1.0] * len(completions)
 
 def needs_ids(prompts, completions, completion_ids, **kwargs):
-    return [1.0] * len(completions)
+    return [float(len(ids)) for ids in completion_ids]
+
+def ids_in_kwargs(completions, **kwargs):
+    return [float(len(ids)) for ids in kwargs["completion_ids"]]
 
 def ids_optional(prompts, completions, completion_ids=None, **kwargs):
     return [0.5] * len(completions)
@@ -179,8 +182,8 @@ def test_a_function_of_kwargs_alone_is_verls_under_verls_default_name_else_trls(
     ("no_prompts", "takes (completions, solution), which cannot take the keywords TRL passes, prompts, "
                    "completions and the dataset's columns (got an unexpected keyword argument 'prompts'); a "
                    "TRL reward function takes **kwargs for those it does not read"),
-    ("needs_ids", "needs completion_ids, which TRL passes and Sparrow does not (it passes prompts, "
-                  "completions and the dataset's columns); give it a default"),
+    ("needs_ids", "needs completion_ids, and these completions are text alone; score a rollouts artifact "
+                  "(it keeps each completion's token ids) or give a completion_ids column"),
 ])
 def test_a_trl_signature_that_cannot_take_what_is_passed_is_refused_at_load(work, name, message):
     _refused(_reward(work, name, "trl"), f"--reward-fn {work / 'lib' / 'fns.py'}:{name} {message}")
@@ -209,6 +212,29 @@ def test_a_trl_function_without_kwargs_must_name_every_column(work):
 @pytest.fixture(scope="module")
 def tiny_chat(tmp_path_factory) -> str:
     return tiny_chat_llama(tmp_path_factory.mktemp("tiny-chat"))
+
+
+@pytest.mark.parametrize("name", ["needs_ids", "ids_in_kwargs"])
+def test_a_trl_function_gets_each_completions_token_ids_as_trl_passes_them(work, tiny_chat, name):
+    """completion_ids, as GRPOTrainer passes them (TRL's length rewards read them): the rollout's own token
+    ids, and in `sparrow reward` those of a rollouts artifact or of a completion_ids column."""
+    spec = f"{work / 'lib' / 'fns.py'}:{name}"
+    rollouts = work / "rollouts.parquet"
+    prompts = str(work / "trl.jsonl")
+    r = runner.invoke(app, ["rollout", "--model", tiny_chat, "--prompts", prompts, "--samples", "2",
+                            "--max-new-tokens", "6", "--reward-fn", spec, "-o", str(rollouts)])
+    assert r.exit_code == 0, r.output
+    rows = read_artifact(rollouts, "rollouts").to_pylist()
+    assert [row["reward"] for row in rows] == [float(len(row["token_ids"])) for row in rows]
+    table = pa.table({"prompt_id": ["trl-0", "trl-1"], "text": ["a", "b"],
+                      "completion_ids": [[1, 2, 3], [4]]})
+    pq.write_table(table, work / "given.parquet")
+    for completions, expected in ((rollouts, [float(len(row["token_ids"])) for row in rows]),
+                                  (work / "given.parquet", [3.0, 1.0])):
+        r = runner.invoke(app, ["reward", "--prompts", prompts, "--completions", str(completions),
+                                "--reward-fn", spec, "-o", str(work / "out.parquet"), "--force"])
+        assert r.exit_code == 0, r.output
+        assert _rewards(work) == expected
 
 
 @pytest.mark.parametrize("command", ["rollout", "train"])

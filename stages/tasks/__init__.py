@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 from sparrow.schemas.footer import file_json
 
 from . import code, humaneval, learnable, longcontext, reasoning, rewards
-from .base import Example, Judgement, RewardError, Task, TaskError
+from .base import COMPLETION_IDS, Example, Judgement, RewardError, Task, TaskError
 
 __all__ = ["TASKS", "Example", "Judgement", "RewardError", "Task", "TaskError", "chat_format", "get_task",
            "has_scorer", "judge", "judge_batch", "make_prompts", "score", "score_batch"]
@@ -115,6 +115,14 @@ def make_prompts(task: str | Task, n: int, seed: int, tokenizer, *, system: str 
 
 def _meta(metadata: str | dict | None) -> dict[str, Any]:
     return file_json(metadata) if isinstance(metadata, str) and metadata else (metadata or {})
+
+
+def with_completion_ids(metadata: str | dict | None, token_ids: Sequence[int] | None) -> str | dict | None:
+    """An item's metadata with its completion's token ids, which a user's TRL function takes as
+    `completion_ids`; as it is where they are not known."""
+    if token_ids is None:
+        return metadata
+    return {**_meta(metadata), COMPLETION_IDS: token_ids}
 
 
 def _clamped(task: Task, reward: float) -> float:

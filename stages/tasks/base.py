@@ -16,6 +16,9 @@ from typing import Any
 Measure = Callable[[str], int]
 
 
+COMPLETION_IDS = "completion_ids"  # where an item's metadata carries its completion's token ids, if known
+
+
 class TaskError(ValueError):
     """A task asked for something it cannot do (unknown option, impossible length...)."""
 

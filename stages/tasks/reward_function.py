@@ -31,8 +31,11 @@ Design decisions:
 - The signature is checked before any work, with `inspect.signature(...).bind` of what will be passed:
   verl's four keywords when the file is loaded; for TRL, prompts and completions when it is loaded, and
   the dataset's columns as each row is checked (`Task.check_metadata`, which rollout, train and reward
-  run before any work). A parameter TRL fills and Sparrow does not (completion_ids, trainer_state) must
-  have a default.
+  run before any work). A parameter TRL fills and Sparrow does not (trainer_state) must
+  have a default. `completion_ids` (each completion's token ids, which TRL's length rewards read) is
+  passed where the completions' token ids are known: always in rollout and train, in `sparrow reward` for
+  a rollouts artifact or a file with a `completion_ids` column; a function that needs them and gets
+  completions of text alone is refused in one sentence.
 - TRL's `log_metric(name, value)` and `log_extra(column, values)` are passed as GRPOTrainer passes them,
   to a function that names them or takes **kwargs. What a call logs is kept with the completions it
   scored, in each one's extra fields (`reward_extra` in rollouts and rewards): a column's own value, and
@@ -71,7 +74,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from .base import Judgement, RewardError, TaskError, row_of
+from .base import COMPLETION_IDS, Judgement, RewardError, TaskError, row_of
 from .extras import column_value
 from .rewards import REWARDS, cut, dataset_reward
 
@@ -79,7 +82,7 @@ Item = tuple[str, "str | None", dict[str, Any]]  # (completion, answer, metadata
 Style = Literal["verl", "trl"]
 
 VERL_KEYWORDS = ("data_source", "solution_str", "ground_truth", "extra_info")
-TRL_ONLY = ("completion_ids", "trainer_state")  # what TRL passes its functions and Sparrow does not
+TRL_ONLY = ("trainer_state",)  # what TRL passes its functions and Sparrow does not
 TRL_UNPASSED = ("prompt", "completion", "completion_ids")  # dataset columns GRPOTrainer does not pass
 DEFAULT_FUNCTION = "compute_score"  # verl's custom_reward_function.name default
 TRL_LOGGERS = ("log_metric", "log_extra")  # what TRL passes its functions for logging, and so does Sparrow
@@ -283,7 +286,7 @@ class RewardFunction:
             return
         try:
             inspect.signature(self.fn).bind(prompts=None, completions=None,
-                                            **dict.fromkeys([*columns, *self.loggers]))
+                                            **dict.fromkeys([*columns, *self.loggers, *self._ids_taken()]))
         except TypeError as e:
             shown = ", ".join(columns) or "none"
             advice = ("a TRL reward function takes **kwargs for the columns it does not read"
@@ -318,9 +321,9 @@ class RewardFunction:
     def _trl(self, items: list[Item]) -> list[Judgement]:
         """One call for the batch (module docstring); what it logged lands in each completion's extra
         fields, and only a call that returned counts (a batch called again item by item logs again)."""
-        logged = Logged()
+        logged, ids = Logged(), self._ids(items)
         try:
-            values = _awaited(self._call_trl(items, logged))
+            values = _awaited(self._call_trl(items, logged, ids))
         except KeyboardInterrupt:
             raise
         except BaseException as e:  # named with its row: the batch's items again, one at a time
@@ -333,9 +336,10 @@ class RewardFunction:
         return [Judgement(j.reward, j.status, j.tests_passed, j.tests_total,
                           {**(j.extra or {}), **extra} or None) for j, extra in zip(judged, extras)]
 
-    def _call_trl(self, items: list[Item], logged: Logged) -> Any:
+    def _call_trl(self, items: list[Item], logged: Logged, ids: dict[str, list]) -> Any:
         """The function called as GRPOTrainer calls it: prompts, completions, each column it passes as a
-        list of the batch's values (as `datasets` gives them, `column_value`), and the loggers it takes."""
+        list of the batch's values (as `datasets` gives them, `column_value`), the loggers it takes and
+        `ids` (completion_ids, where known)."""
         prompts, completions, columns = [], [], {}
         keys = list(dict.fromkeys(k for _, _, meta in items for k in _passed(meta.get("columns") or {})))
         for completion, _, meta in items:
@@ -348,7 +352,28 @@ class RewardFunction:
             for k in keys:
                 columns.setdefault(k, []).append(row.get(k))
         loggers = {name: getattr(logged, name) for name in self.loggers}
-        return self.fn(prompts=prompts, completions=completions, **{**columns, **loggers})
+        return self.fn(prompts=prompts, completions=completions, **{**columns, **loggers, **ids})
+
+    def _ids_taken(self) -> tuple[str, ...]:
+        """("completion_ids",) where the function names it or takes **kwargs, as TRL passes it to all."""
+        params = inspect.signature(self.fn).parameters
+        takes = COMPLETION_IDS in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+        return (COMPLETION_IDS,) if takes else ()
+
+    def _ids(self, items: list[Item]) -> dict[str, list]:
+        """The batch's completion_ids where the function takes them and every completion's are known;
+        RewardError where it needs them and they are not (completions of text alone)."""
+        if not self._ids_taken():
+            return {}
+        ids = [meta.get(COMPLETION_IDS) for _, _, meta in items]
+        if all(i is not None for i in ids):
+            return {COMPLETION_IDS: [[int(t) for t in i] for i in ids]}  # as TRL passes them: lists of ints
+        param = inspect.signature(self.fn).parameters.get(COMPLETION_IDS)
+        if param is not None and param.default is param.empty:
+            raise RewardError(f"--reward-fn {self.spec} needs completion_ids, and these completions are "
+                              "text alone; score a rollouts artifact (it keeps each completion's token ids) "
+                              "or give a completion_ids column")
+        return {}
 
     def _listed(self, values: Any, items: list[Item]) -> list:
         """A TRL call's result as one value per completion (`_as_list`); RewardError for a result of

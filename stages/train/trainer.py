@@ -26,7 +26,7 @@ from ..kv_policies import Dense, KVPolicy
 from ..model.adapter import adapter_base, add_lora, load_lora_state, lora_state, save_adapter
 from ..model.export import export_model
 from ..model.loading import LoadedModel
-from ..tasks import judge_batch, score_batch
+from ..tasks import judge_batch, score_batch, with_completion_ids
 from ..tasks.base import RewardError
 from ..tasks.reward_function import logged_metrics
 from . import objective as grpo
@@ -322,7 +322,8 @@ class Trainer:
         reported beside its scores (`reward_extra_means`)."""
         tok = self.loaded.tokenizer
         judged = judge_batch([(r.task, tok.decode(c.token_ids, skip_special_tokens=True), r.answer,
-                               r.metadata) for r, group in zip(prompts, groups) for c in group])
+                               with_completion_ids(r.metadata, c.token_ids))
+                              for r, group in zip(prompts, groups) for c in group])
         rewards = np.array([j.reward for j in judged]).reshape(len(prompts), -1)
         return rewards, reward_extra_means([j.extra for j in judged], logged_metrics())
 
@@ -399,7 +400,8 @@ class Trainer:
                               policy=self.policy if sparse else Dense())
         tok = self.loaded.tokenizer
         rewards = score_batch([(r.task, tok.decode(c.token_ids, skip_special_tokens=True), r.answer,
-                                r.metadata) for r, group in zip(rows, out) for c in group[:params.n]])
+                                with_completion_ids(r.metadata, c.token_ids))
+                               for r, group in zip(rows, out) for c in group[:params.n]])
         logged_metrics()  # what the reward logged on the eval prompts is not the next step's
         return float(np.mean(rewards) if sampled else np.mean([x >= 1.0 - 1e-9 for x in rewards]))
 
