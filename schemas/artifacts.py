@@ -557,6 +557,12 @@ SCHEMAS: dict[str, ArtifactSpec] = {s.kind: s for s in (
           Col("tests_total", I32, nullable=True, range=NONNEG),
           Col("reward_extra", STR, nullable=True),
           rules=(_tests_passed_within_total,)),
+    _spec("train_completions", "one row per sampled completion per training step: its text, reward and "
+          "advantage (TRL's log_completions, verl's rollout_data_dir)",
+          Col("step", I32, range=NONNEG), Col("prompt_id", STR), Col("sample", I32, range=NONNEG),
+          Col("text", STR), Col("tokens", I32, range=NONNEG), Col("finish_reason", STR),
+          Col("reward", F64, range="(-inf, inf)"), Col("advantage", F64, range="(-inf, inf)"),
+          Col("mean_budget", F64, nullable=True, range=NONNEG)),
     _spec("train_mismatch", "one row per generated token per training step (the sparse actor vs the "
           "dense learner)",
           Col("step", I32, range=NONNEG), Col("prompt_id", STR), Col("sample", I32, range=NONNEG),

@@ -82,6 +82,11 @@ VALID: dict[str, dict[str, list]] = {
         "log_ratio": [-0.1, 1.0], "k3": [0.005, 0.37], "alpha_top20_lb": [0.95, None], "alpha": [None, 0.97],
         "weight": [1.0, 0.0], "masked": [False, True], "vetoed": [False, False],
     },
+    "train_completions": {
+        "step": [1, 1], "prompt_id": ["p0", "p0"], "sample": [0, 1], "text": ["It is 5.", "six"],
+        "tokens": [4, 2], "finish_reason": ["stop", "length"], "reward": [1.0, 0.0], "advantage": [0.7, -0.7],
+        "mean_budget": [None, 64.0],
+    },
     "rewards": {"prompt_id": ["code-0-0", "code-0-0"], "sample": [0, 1], "task": ["code", "code"],
                 "reward": [1.0, 0.1], "status": ["passed", "failed"], "tests_passed": [6, 0],
                 "tests_total": [6, 6], "reward_extra": [None, '{"pred": "x"}']},
@@ -110,7 +115,8 @@ def one_sentence(e: pytest.ExceptionInfo, path) -> str:
 
 def test_every_kind_has_valid_example():
     assert set(VALID) == set(SCHEMAS) == {"prompts", "mismatch", "threshold", "cost", "schedule",
-                                          "rollouts", "metrics", "train_mismatch", "rewards"}
+                                          "rollouts", "metrics", "train_mismatch", "train_completions",
+                                          "rewards"}
     for kind, spec in SCHEMAS.items():
         assert spec.schema.metadata == {b"sparrow.artifact": kind.encode(), b"sparrow.version": b"1"}
         assert set(VALID[kind]) == set(spec.names)

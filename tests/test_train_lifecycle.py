@@ -366,3 +366,31 @@ def test_an_exported_qwen3_loads_in_transformers_with_the_same_logits(tmp_path):
         for param in hf.parameters():  # the same bf16 rounding of the weights (not of the rotary buffers)
             param.copy_(param.to(torch.bfloat16).float())
         assert (back.eval()(x).logits - hf(x).logits).abs().max() < 1e-5
+
+
+# ---------------------------------------------------------------- the completions each step sampled
+
+def test_each_steps_completions_are_logged_with_their_reward_and_advantage(setup):
+    """RUN/completions/step=N.parquet: every sampled completion of the step. Checked against the task's
+    scorer on the logged text and GRPO's group-relative advantage computed here from those rewards, and
+    against the step's mean reward in the metrics."""
+    run = setup["straight"]
+    files = sorted(p.name for p in (run / "completions").iterdir())
+    assert files == ["step=00001.parquet", "step=00002.parquet"]
+    rows = read_artifact(run / "completions", "train_completions").to_pylist()
+    metrics = {m["step"]: m for m in read_artifact(run / "metrics.parquet", "metrics").to_pylist()}
+    for step in (1, 2):
+        mine = [r for r in rows if r["step"] == step]
+        assert len(mine) == 2 * 2  # prompts per step x samples
+        for r in mine:
+            assert r["reward"] == pytest.approx(VOWELS.score(r["text"], "", None), abs=1e-12)
+            assert 1 <= r["tokens"] <= 6 and r["finish_reason"] in ("stop", "length")
+        for pid in {r["prompt_id"] for r in mine}:
+            group = [r for r in mine if r["prompt_id"] == pid]
+            rewards = torch.tensor([r["reward"] for r in group], dtype=torch.float64)
+            expected = (rewards - rewards.mean()) / (rewards.std() + 1e-4)
+            assert [r["advantage"] for r in group] == pytest.approx(expected.tolist(), abs=1e-5)
+        assert sum(r["reward"] for r in mine) / len(mine) == pytest.approx(metrics[step]["reward_mean"])
+    r = runner.invoke(app, ["sql", "SELECT count(*) AS n FROM train_completions", "--run", str(run), "-f",
+                            "csv"])
+    assert r.exit_code == 0 and r.stdout.split() == ["n", "8"], r.output

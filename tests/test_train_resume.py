@@ -194,6 +194,8 @@ def test_an_interrupted_run_resumes_to_the_uninterrupted_one(setup, tmp_path, mo
     r = runner.invoke(app, setup["args"](run, "--resume"))
     assert r.exit_code == 0, r.output
     assert metrics(run) == metrics(setup["straight"])
+    logged = [read_artifact(r / "completions", "train_completions") for r in (run, setup["straight"])]
+    assert logged[0].to_pylist() == logged[1].to_pylist()  # each step's completions once, as uninterrupted
     a, b = adapter(run), adapter(setup["straight"])
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 

@@ -78,6 +78,7 @@ def find_artifacts(folder: Path, skipped: list[str], runs: list[Path]) -> dict[s
         own.add(folder / "metrics.parquet")
         if step_names(folder):
             own.add(folder / "mismatch")
+        own.add(folder / "completions")  # the samples' text: read with sparrow sql, no figure
     out: dict[str, list[Path]] = {}
     for p in sorted(folder.iterdir()):
         if p.name.startswith(".") or p in own:

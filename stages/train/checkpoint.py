@@ -21,7 +21,7 @@ from sparrow.schemas import ArtifactError
 from sparrow.schemas.io import replace_dir
 
 from .config import TrainConfig
-from .run_dir import checkpoint_step, finished, saved_config, unlocked_on_refusal, unwritten
+from .run_dir import STEP_FOLDERS, checkpoint_step, finished, saved_config, unlocked_on_refusal, unwritten
 
 RngStates = tuple  # (torch, numpy, python)
 
@@ -134,8 +134,9 @@ def _check_steps_left(run_dir: Path, steps: int) -> None:
 
 
 def drop_mismatch_after(run_dir: Path, step: int) -> None:
-    """The per-step mismatch logs of steps a resume will run again (those after `step`, the updates the
-    checkpoint holds)."""
-    for f in (run_dir / "mismatch").glob("step=*.parquet"):
-        if int(f.stem.split("=")[1]) > step:
-            f.unlink()
+    """The per-step logs (mismatch, completions) of steps a resume will run again (those after `step`, the
+    updates the checkpoint holds)."""
+    for name in STEP_FOLDERS:
+        for f in (run_dir / name).glob("step=*.parquet"):
+            if int(f.stem.split("=")[1]) > step:
+                f.unlink()

@@ -1,5 +1,6 @@
 """What a run logs: RUN/metrics.parquet (one row per step; the label and configuration in its metadata),
-RUN/mismatch/step=NNNNN.parquet (every generated token's mismatch) and RUN/schedule.parquet."""
+RUN/mismatch/step=NNNNN.parquet (every generated token's mismatch), RUN/completions/step=NNNNN.parquet
+(every sampled completion's text, reward and advantage) and RUN/schedule.parquet."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from . import objective as grpo
 from .config import TrainConfig
 from .detectors import InitialEval, collapse_reasons, mismatch_warnings, signal_warnings
 from .experience import Experience
+from .run_dir import COMPLETIONS_DIR, MISMATCH_DIR
 
 
 def repetition(tokens: Sequence[int], n: int = 4) -> bool:
@@ -155,8 +157,26 @@ def write_mismatch(run_dir: Path, exp: Experience, cfg: TrainConfig) -> None:
         "weight": correction.weights[seq, pos_in].tolist(),
         "masked": (~correction.mask[seq, pos_in]).tolist(), "vetoed": correction.vetoed[seq].tolist(),
     }
-    write_artifact(table, run_dir / "mismatch" / f"step={global_step(exp):05d}.parquet", "train_mismatch",
+    write_artifact(table, run_dir / MISMATCH_DIR / f"step={global_step(exp):05d}.parquet", "train_mismatch",
                    metadata={"bin_width": cfg.bin_width, "sparsity": cfg.sparsity})
+
+
+def write_completions(run_dir: Path, exp: Experience, cfg: TrainConfig, tokenizer) -> None:
+    """RUN/completions/step=NNNNN.parquet: one row per sampled completion of the step, as the learner saw
+    it (its text, its reward, its group-relative advantage)."""
+    flat = exp.completions
+    rewards = exp.rewards.reshape(-1).tolist()
+    table = {
+        "step": [global_step(exp)] * len(flat),
+        "prompt_id": [exp.prompts[i // cfg.samples].prompt_id for i in range(len(flat))],
+        "sample": [c.sample for c in flat],
+        "text": [tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in flat],
+        "tokens": [len(c.token_ids) for c in flat], "finish_reason": [c.finish_reason for c in flat],
+        "reward": [float(r) for r in rewards], "advantage": exp.advantages.tolist(),
+        "mean_budget": [mean_sparse_budget(c.budgets) for c in flat],
+    }
+    write_artifact(table, run_dir / COMPLETIONS_DIR / f"step={global_step(exp):05d}.parquet",
+                   "train_completions", metadata={"sparsity": cfg.sparsity})
 
 
 def collapse(history: list[dict], initial: InitialEval | None = None) -> str | None:

@@ -48,7 +48,9 @@ REPLACED_DIRS = {"checkpoint": ("state.pt", "config.json", "progress.json"),
                  "adapter": ("adapter_config.json",), "sparse_adapter": ("adapter_config.json",)}
 MODEL_DIR = "model"  # a --full run's export; a folder of that name without MODEL_MARKER is someone else's
 METRICS_LOG = "metrics.jsonl"  # --report-to jsonl's
-RUN_NAMES = (*RUN_FILES, *REPLACED_DIRS, "mismatch", METRICS_LOG, "tensorboard", "wandb")
+MISMATCH_DIR, COMPLETIONS_DIR = "mismatch", "completions"
+STEP_FOLDERS = (MISMATCH_DIR, COMPLETIONS_DIR)  # filled with a file per step, step=NNNNN.parquet
+RUN_NAMES = (*RUN_FILES, *REPLACED_DIRS, *STEP_FOLDERS, METRICS_LOG, "tensorboard", "wandb")
 # written by replacing them whole: a killed write leaves hidden siblings (schemas.io.leftovers)
 REPLACED_NAMES = (*RUN_FILES, *REPLACED_DIRS, MODEL_DIR, METRICS_LOG)
 STALE_MISMATCH = re.compile(r"\.step=\d+\.parquet\.[0-9a-f]{8,32}(?:-\d+)?\.tmp")
@@ -155,12 +157,13 @@ def _check_kinds(run_dir: Path, force: bool, full: bool) -> None:
         if folder.exists() and not _ours(folder, markers) and (folder.is_file() or any(folder.iterdir())):
             raise ValueError(f"{folder} exists and is not a training run's {name}, and the run would replace "
                              "it; choose another run directory (-o)")
-    mismatch = run_dir / "mismatch"
-    if mismatch.is_file() or mismatch.is_dir() and any(
-            not (f.name.startswith("step=") and f.suffix == ".parquet") for f in mismatch.iterdir()
-            if not f.name.startswith(".")):
-        raise ValueError(f"{mismatch} holds files that are not a training run's per-step mismatch; choose "
-                         "another run directory (-o)")
+    for name in STEP_FOLDERS:
+        folder = run_dir / name
+        if folder.is_file() or folder.is_dir() and any(
+                not (f.name.startswith("step=") and f.suffix == ".parquet") for f in folder.iterdir()
+                if not f.name.startswith(".")):
+            raise ValueError(f"{folder} holds files that are not a training run's per-step {name}; choose "
+                             "another run directory (-o)")
     if force:
         return
     log = run_dir / METRICS_LOG
@@ -396,8 +399,9 @@ def clear_run(run_dir: Path) -> None:
         shutil.rmtree(run_dir / name, ignore_errors=True)
     if _ours(run_dir / MODEL_DIR, (MODEL_MARKER,)):
         shutil.rmtree(run_dir / MODEL_DIR, ignore_errors=True)
-    for f in (run_dir / "mismatch").glob("step=*.parquet"):
-        f.unlink()
+    for name in STEP_FOLDERS:
+        for f in (run_dir / name).glob("step=*.parquet"):
+            f.unlink()
     for name in REPLACED_NAMES:
         remove_leftovers(run_dir / name)
     _remove_stale_mismatch(run_dir)
@@ -412,10 +416,11 @@ def recover_run(run_dir: Path) -> None:
 
 
 def _remove_stale_mismatch(run_dir: Path) -> None:
-    folder = run_dir / "mismatch"
-    for f in folder.iterdir() if folder.is_dir() else ():
-        if STALE_MISMATCH.fullmatch(f.name):
-            f.unlink(missing_ok=True)
+    """The temporaries a killed write of a per-step file left."""
+    for folder in (run_dir / name for name in STEP_FOLDERS):
+        for f in folder.iterdir() if folder.is_dir() else ():
+            if STALE_MISMATCH.fullmatch(f.name):
+                f.unlink(missing_ok=True)
 
 
 # ---------------------------------------------------------------- a finished run

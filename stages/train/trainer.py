@@ -43,6 +43,7 @@ from .metrics import (
     label,
     metrics_row,
     reward_extra_means,
+    write_completions,
     write_metrics,
     write_mismatch,
     write_schedule,
@@ -354,6 +355,7 @@ class Trainer:
         row["collapse"] = collapse(self.history, self.initial_eval)
         if self.world.main:
             write_mismatch(self.run_dir, exp, cfg)
+            write_completions(self.run_dir, exp, cfg, self.loaded.tokenizer)
             write_metrics(self.run_dir, self.history, cfg, self.initial_eval)
         self.rng_at_step = rng_states()
         return row
