@@ -35,6 +35,7 @@ Design decisions:
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -442,17 +443,39 @@ def replace_dir(path: Path, fill: Callable[[Path], None]) -> None:
         tmp.mkdir(parents=True)
         fill(tmp)
         _keep_tree_access(path, tmp)
-        if path.exists():
-            os.replace(path, old)
-        os.replace(tmp, path)
     except OSError as e:
         _undo_replace(path, tmp, old)
         raise ArtifactError(f"cannot write {path} ({e.strerror or first_line(e)})") from None
+    except ArtifactError as e:  # a file of the new version: named where it was going
+        _undo_replace(path, tmp, old)
+        raise ArtifactError(str(e).replace(str(tmp), str(path))) from None
     except BaseException:
         _undo_replace(path, tmp, old)
         raise
-    shutil.rmtree(old, ignore_errors=True)
+    with signals_held():  # both renames or neither, and the old version gone, whenever Ctrl-C comes
+        try:
+            if path.exists():
+                os.replace(path, old)
+            os.replace(tmp, path)
+        except OSError as e:
+            _undo_replace(path, tmp, old)
+            raise ArtifactError(f"cannot write {path} ({e.strerror or first_line(e)})") from None
+        shutil.rmtree(old, ignore_errors=True)
     _remove_dead(leftovers(path)[1])  # versions moved aside by dead writers: `path` is whole again
+
+
+@contextlib.contextmanager
+def signals_held() -> Iterator[None]:
+    """SIGINT and SIGTERM held back while the block runs (in the main thread, where Python handles them),
+    then delivered: a few renames that must happen together are not cut in two by an interrupt."""
+    import signal
+
+    held = {signal.SIGINT, signal.SIGTERM}
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
 def _undo_replace(path: Path, tmp: Path, old: Path) -> None:

@@ -264,8 +264,8 @@ class Distiller:
         """The trained adapter as merge-ready weights (peft's names, our modules)."""
         return LoraWeights.from_state_dict(lora_state(self.model), self.cfg.lora_alpha, self.cfg.lora_rank)
 
-    def save(self, folder, base_model: str):
-        return save_adapter(self.model, self.lora_config, folder, base_model)
+    def save(self, folder, base_model: str, beside: Callable[[Path], None] | None = None) -> Path:
+        return save_adapter(self.model, self.lora_config, folder, base_model, beside=beside)
 
 
 
@@ -509,7 +509,7 @@ def save_result(distiller: Distiller, result: DistillResult, run: DistillRun) ->
     mismatch/after.parquet (`mismatch` artifacts of the eval trajectories, plain and distilled actor;
     `sparrow sql --run OUTPUT` sees both in one view, `sparrow plan-schedule` plans from either)."""
     cfg = distiller.cfg
-    folder = distiller.save(run.output, adapter_base(run.model))  # what AutoPeftModelForCausalLM loads
+    folder = Path(run.output)
     record = {"model": run.model, "sparsity": run.sampler, "objective": cfg.objective,
               "train_budgets": run.taught or run.sampler,
               "trajectories": input_name(run.rollouts_path or run.prompts),
@@ -518,18 +518,21 @@ def save_result(distiller: Distiller, result: DistillResult, run: DistillRun) ->
               "config": {**asdict(cfg), "dense_layers": list(cfg.dense_layers)},
               "budget_weights": distiller.weights, "training_seconds": result.seconds,
               "history": result.history, "comparison": result.comparison, "warnings": result.warnings}
-    (folder / "sparrow_distill.json").write_text(json.dumps(record, indent=2, default=str))
     meta = {"model": run.model, "bin_width": run.bin_width, "temperature": cfg.temperature,
             "budgets": json.dumps(sorted({int(b) for b in result.before.column("budget").to_pylist()})),
             "dense_layers": json.dumps(list(cfg.dense_layers)), "page_size": cfg.page_size}
     start = {"actor": f"sparse actor + {run.init_adapter} (the starting adapter, before distillation)",
              "init_adapter": str(run.init_adapter)} if run.init_adapter else \
         {"actor": "plain sparse actor (before distillation)"}
-    write_artifact(result.before, folder / "mismatch" / "before.parquet", "mismatch", metadata=meta | start)
-    write_artifact(result.after, folder / "mismatch" / "after.parquet", "mismatch",
-                   metadata=meta | {"actor": f"sparse actor + {folder}", "adapter": str(folder)}
-                   | ({"warnings": "; ".join(result.warnings)} if result.warnings else {}))
-    return folder
+
+    def beside(tmp: Path) -> None:  # written before the folder replaces the old one: it holds all or none
+        (tmp / "sparrow_distill.json").write_text(json.dumps(record, indent=2, default=str))
+        write_artifact(result.before, tmp / "mismatch" / "before.parquet", "mismatch", metadata=meta | start)
+        write_artifact(result.after, tmp / "mismatch" / "after.parquet", "mismatch",
+                       metadata=meta | {"actor": f"sparse actor + {folder}", "adapter": str(folder)}
+                       | ({"warnings": "; ".join(result.warnings)} if result.warnings else {}))
+
+    return distiller.save(folder, adapter_base(run.model), beside)  # what AutoPeftModelForCausalLM loads
 
 
 __all__ = ["OBJECTIVES", "DistillConfig", "DistillHooks", "DistillJob", "DistillResult", "DistillRun",

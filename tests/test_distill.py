@@ -477,6 +477,34 @@ def test_cli_rollouts_alone_sample_nothing_and_a_step_holds_them_all(cli_files, 
     assert json.loads((out / "sparrow_distill.json").read_text())["config"]["batch_size"] == 1
 
 
+def test_a_write_that_fails_late_leaves_the_previous_output_whole(cli_files, tmp_path, monkeypatch):
+    """The folder is replaced whole: a full disk at its last file (mismatch/after.parquet) leaves the
+    previous run's folder as it was, every file of it, and says which file could not be written."""
+    from sparrow.schemas import ArtifactError
+    from sparrow.stages import distill
+
+    out = tmp_path / "out"
+    args = ["distill", "--model", cli_files["MODEL"], "--rollouts", cli_files["DENSE"], "--budget", "48",
+            "--steps", "1", "--lora-rank", "2", "-o", str(out)]
+    assert runner.invoke(app, args).exit_code == 0
+    before = {p.relative_to(out): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+    write = distill.write_artifact
+
+    def full_at_after(data, path, *a, **k):
+        if str(path).endswith("after.parquet"):
+            raise ArtifactError(f"cannot write {path} (No space left on device)")
+        return write(data, path, *a, **k)
+
+    monkeypatch.setattr(distill, "write_artifact", full_at_after)
+    r = runner.invoke(app, [*args, "--seed", "7", "--force"])
+    assert r.exit_code == 2
+    assert r.stderr.strip().splitlines()[-1] == (f"error: cannot write {out}/mismatch/after.parquet (No "
+                                                 "space left on device)")
+    assert {p.relative_to(out): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()} == before
+    beside = [p.name for p in tmp_path.iterdir() if not p.name.endswith(".sparrow.lock")]
+    assert beside == ["out"]  # no hidden version left beside it
+
+
 # ---------------------------------------------------------------------------- sparrow train --distill-sparse
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -79,7 +80,7 @@ def adapter_base(spec: str, random_weights: bool = False) -> str:
 
 
 def save_adapter(model: nn.Module, config, folder: str | os.PathLike, base_model: str,
-                 adapter: str = "default") -> Path:
+                 adapter: str = "default", beside: Callable[[Path], None] | None = None) -> Path:
     """Write the adapter directory atomically (`replace_dir`: a hidden sibling, then a rename; the old
     directory's access kept, a killed writer's leftovers removed by the next write). The weights file is
     written as the others are, so its mode follows the umask (safetensors' save_file makes it 0600, which
@@ -98,6 +99,8 @@ def save_adapter(model: nn.Module, config, folder: str | os.PathLike, base_model
         cfg["target_modules"] = sorted(cfg["target_modules"])
         (tmp / "adapter_config.json").write_text(json.dumps(cfg, indent=2, default=str))
         (tmp / "adapter_model.safetensors").write_bytes(save(lora_state(model, adapter)))
+        if beside is not None:  # the files the folder holds beside the adapter, in place with it at once
+            beside(tmp)
 
     replace_dir(target, fill)
     return folder
