@@ -226,3 +226,38 @@ def test_tracker_warnings_without_a_warn_are_python_warnings(tmp_path):
     with pytest.warns(RuntimeWarning, match="metrics.jsonl"):
         with file_size_limit(0):
             trackers.log({"step": 1})
+
+
+def test_an_interrupt_while_the_checkpoint_is_written_stays_an_interrupt(tmp_path, monkeypatch):
+    """torch.save turns an exception of the file's write into a RuntimeError ("unexpected pos"); Ctrl-C
+    there must reach the run as the interrupt it is (a checkpoint at the last step, exit 130), not as a
+    traceback."""
+    import builtins
+
+    from sparrow.stages.train import checkpoint
+
+    real_open, writes = builtins.open, []
+
+    class Interrupted:
+        def __init__(self, f):
+            self.f = f
+
+        def write(self, data):
+            writes.append(len(data))
+            if len(writes) == 3:
+                raise KeyboardInterrupt
+            return self.f.write(data)
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+    monkeypatch.setattr(checkpoint, "open", lambda *a, **k: Interrupted(real_open(*a, **k)), raising=False)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint._torch_save({"w": torch.zeros(1000)}, tmp_path / "state.pt")
+    assert len(writes) == 3

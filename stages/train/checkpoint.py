@@ -62,8 +62,9 @@ def _how_to_go_on(run_dir: Path) -> str:
 
 
 class _Sink:
-    """The file torch.save writes through, keeping the OSError of a failed write: torch reports one as a
-    RuntimeError ("unexpected pos") that does not say why."""
+    """The file torch.save writes through, keeping the OSError of a failed write, or the interrupt (Ctrl-C,
+    SIGTERM) that came during one: torch reports either as a RuntimeError ("unexpected pos") that does not
+    say why, and an interrupt must stay an interrupt."""
 
     def __init__(self, f: BinaryIO):
         self.f, self.error = f, None
@@ -71,7 +72,7 @@ class _Sink:
     def write(self, data: bytes) -> int:
         try:
             return self.f.write(data)
-        except OSError as e:
+        except (OSError, KeyboardInterrupt) as e:
             self.error = e
             raise
 
@@ -80,15 +81,25 @@ class _Sink:
 
 
 def _torch_save(obj: dict, path: Path) -> None:
-    """torch.save, a failed write an OSError with the OS's reason (a full disk, a file size limit)."""
+    """torch.save, a failed write an OSError with the OS's reason (a full disk, a file size limit), an
+    interrupt during it the interrupt."""
     with open(path, "wb") as f:
         sink = _Sink(f)
         try:
             torch.save(obj, sink)
-        except RuntimeError:
-            if sink.error is None:
+        except RuntimeError as e:
+            cause = sink.error or _interrupt_behind(e)
+            if cause is None:
                 raise
-            raise sink.error from None
+            raise cause from None
+
+
+def _interrupt_behind(error: BaseException) -> KeyboardInterrupt | None:
+    """The interrupt that a RuntimeError of torch's was raised while handling, if one was."""
+    seen = error.__context__
+    while seen is not None and not isinstance(seen, KeyboardInterrupt):
+        seen = seen.__context__
+    return seen
 
 
 def load_checkpoint(run_dir: Path, mmap: bool = False) -> dict:
