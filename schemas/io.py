@@ -35,7 +35,6 @@ Design decisions:
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import json
 import os
@@ -75,6 +74,7 @@ from .footer import (
 )
 from .locations import hidden_stem, is_stdio, output_target
 from .provenance import stamped
+from .signals import held_signals
 
 TableLike = pa.Table | pa.RecordBatch | Mapping[str, Sequence] | Sequence[Mapping[str, object]]
 
@@ -452,7 +452,7 @@ def replace_dir(path: Path, fill: Callable[[Path], None]) -> None:
     except BaseException:
         _undo_replace(path, tmp, old)
         raise
-    with signals_held():  # both renames or neither, and the old version gone, whenever Ctrl-C comes
+    with held_signals():  # both renames or neither, and the old version gone, whenever Ctrl-C comes
         try:
             if path.exists():
                 os.replace(path, old)
@@ -463,19 +463,6 @@ def replace_dir(path: Path, fill: Callable[[Path], None]) -> None:
         shutil.rmtree(old, ignore_errors=True)
     _remove_dead(leftovers(path)[1])  # versions moved aside by dead writers: `path` is whole again
 
-
-@contextlib.contextmanager
-def signals_held() -> Iterator[None]:
-    """SIGINT and SIGTERM held back while the block runs (in the main thread, where Python handles them),
-    then delivered: a few renames that must happen together are not cut in two by an interrupt."""
-    import signal
-
-    held = {signal.SIGINT, signal.SIGTERM}
-    before = signal.pthread_sigmask(signal.SIG_BLOCK, held)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
 def _undo_replace(path: Path, tmp: Path, old: Path) -> None:

@@ -8,6 +8,10 @@ KeyboardInterrupt that names its signal, so that every handler of Ctrl-C on the 
 errors.friendly_errors) says "terminated" and exits 143. A command replaces this handler with its own
 while it runs (errors.sigterm_as_interrupt) and puts it back after.
 
+Importing torch runs C++ that calls back into Python, and an exception raised there by a signal handler
+ends the process in std::terminate (a core dump, exit 134): the import holds SIGINT and SIGTERM back
+(`_hold_signals_while_torch_imports`), so a Ctrl-C in the first seconds is delivered when it is done.
+
 A thread that code run in this process started and never ends (a user's reward function's) would keep
 Python from exiting after the command has written everything and said so: where such threads are alive
 when the command ends, a watchdog exits with the command's status once they have had LINGER_SECONDS to
@@ -37,6 +41,7 @@ def main() -> None:
     and exit 130 or 143."""
     try:
         _occupy_closed_streams()
+        _hold_signals_while_torch_imports()
         _terminate_as_interrupt()
         from .app import main as run
 
@@ -88,6 +93,46 @@ def _watch_lingering_threads(code: object, linger: float = LINGER_SECONDS) -> No
         os._exit(status)
 
     threading.Thread(target=watch, name="sparrow-exit-watchdog", daemon=True).start()
+
+
+class _HeldImport:
+    """A module's loader whose exec_module runs with SIGINT and SIGTERM held back (delivered after)."""
+
+    def __init__(self, loader):
+        self.loader = loader
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        from sparrow.schemas.signals import held_signals
+
+        module.__spec__.loader = module.__loader__ = self.loader  # torch sees its own loader
+        with held_signals():
+            self.loader.exec_module(module)
+
+    def __getattr__(self, name: str):
+        return getattr(self.loader, name)
+
+
+class _TorchFinder:
+    """Finds torch as the path finder does, its loader held (`_HeldImport`); once, then it steps aside."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "torch":
+            return None
+        from importlib.machinery import PathFinder
+
+        sys.meta_path.remove(self)
+        spec = PathFinder.find_spec(name, path)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _HeldImport(spec.loader)
+        return spec
+
+
+def _hold_signals_while_torch_imports() -> None:
+    if "torch" not in sys.modules:
+        sys.meta_path.insert(0, _TorchFinder())
 
 
 def _terminate_as_interrupt() -> None:

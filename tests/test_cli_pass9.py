@@ -234,6 +234,43 @@ def test_a_thread_left_running_by_the_command_does_not_keep_the_process_alive():
     assert done.returncode == 0 and done.stderr == ""  # a thread that ends in time: Python's own exit
 
 
+def test_ctrl_c_while_torch_imports_is_delivered_once_the_import_is_done():
+    """torch's import runs C++ that calls back into Python; a KeyboardInterrupt raised there ends the
+    process in std::terminate (exit 134, a core dump). Held back, it arrives once torch has imported, as
+    the interrupt the CLI turns into its one line."""
+    code = ("import os, signal, sys, threading\n"
+            "from sparrow.cli.entry import _hold_signals_while_torch_imports\n"
+            "import sparrow.schemas.signals  # as the CLI has by then\n"
+            "_hold_signals_while_torch_imports()\n"
+            "threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGINT)).start()\n"
+            "try:\n"
+            "    import torch\n"
+            "except KeyboardInterrupt:\n"
+            "    print('interrupted', 'torch._logging' in sys.modules)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.split() == ["interrupted", "True"], done.stderr
+
+
+def test_held_signals_deliver_the_first_after_the_block():
+    from sparrow.schemas.signals import held_signals
+
+    code = ("import os, signal\n"
+            "from sparrow.schemas.signals import held_signals\n"
+            "steps = []\n"
+            "try:\n"
+            "    with held_signals():\n"
+            "        os.kill(os.getpid(), signal.SIGINT)\n"
+            "        steps.append('after the signal')\n"
+            "        os.kill(os.getpid(), signal.SIGTERM)\n"
+            "        steps.append('after the second')\n"
+            "except KeyboardInterrupt:\n"
+            "    print(steps, 'then interrupted')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.stdout.strip() == "['after the signal', 'after the second'] then interrupted", done.stderr
+    with held_signals():  # outside the main thread it holds nothing back, and runs
+        pass
+
+
 # ---------------------------------------------------------------- `-` on a terminal's stdin
 
 
