@@ -523,7 +523,7 @@ def dead_writer(leftover: Path) -> bool:
     (for a file) nobody holds its lock, so no writer on another host of a shared folder has it either.
     False for an older name without a pid: nothing tells."""
     pid = writer_pid(leftover)
-    if pid is None or _running(pid):
+    if pid is None or process_alive(pid):
         return False
     if leftover.is_dir() or leftover.is_symlink():
         return True
@@ -542,7 +542,8 @@ def dead_writer(leftover: Path) -> bool:
     return True
 
 
-def _running(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether a process of this id runs (another user's counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

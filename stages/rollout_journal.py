@@ -52,7 +52,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from sparrow.schemas import SCHEMAS, ArtifactError, artifact_metadata, read_artifact, write_artifact
-from sparrow.schemas.io import write_bytes
+from sparrow.schemas.io import process_alive, write_bytes
 from sparrow.schemas.locations import (
     JOURNAL_MANIFEST,
     JOURNAL_PART,
@@ -65,6 +65,7 @@ from sparrow.schemas.locations import (
     journal_unscored,
     release_folder,
 )
+from sparrow.schemas.signals import held_signals
 
 from .core.fingerprints import sha256_json
 from .engine.engine import EngineStats
@@ -474,6 +475,7 @@ class Journal:
         self.folder.mkdir(parents=True, exist_ok=True)
         hold_folder(self.folder, WRITER, "another -o")
         self.held = True
+        _remove_abandoned(self.folder)
         if self.fresh:  # the old manifest goes last (replaced whole), so no part is ever left without one
             for p in self.folder.iterdir():
                 if p.name not in (LOCK_NAME, MANIFEST):
@@ -559,6 +561,7 @@ class Journal:
         indices = sorted(pending)
         number, self.next_part = self.next_part, self.next_part + 1
         path = self.folder / file_name(number, scored)
+        chunk = None
         try:
             table = _conformed(pa.table(self.columns([self.rows[i] for i in indices],
                                                      [pending[i] for i in indices])))
@@ -567,9 +570,12 @@ class Journal:
                 table, reward_seconds = self.score(self._prompt_rows(indices), table, on_scored)
             now = self.engine_stats()
             stats, since = stats_total(now), stats_since(now, self.last_stats)
-            chunk = self._write(Chunk(indices, table, since, reward_seconds, scored, number))
+            chunk = Chunk(indices, table, since, reward_seconds, scored, number)
+            self._write(chunk)
         except BaseException:
-            if not path.exists():
+            if chunk is not None and path.exists():  # put in place before the interrupt came: it is kept
+                self.written.append(chunk)
+            else:
                 self.pending, self.next_part = {**pending, **self.pending}, number
             raise
         self.written.append(chunk)
@@ -621,13 +627,28 @@ class Journal:
 
 def _remove(folder: Path) -> None:
     """Remove a journal folder whole: moved to a hidden sibling first, so that an interrupt while its files
-    are deleted never leaves parts without their manifest under the journal's name."""
-    gone = folder.with_name(f".{hidden_stem(folder)}.removed-{os.getpid()}")
-    try:
-        folder.rename(gone)
-    except OSError:
-        gone = folder
-    shutil.rmtree(gone, ignore_errors=True)
+    are deleted never leaves parts without their manifest under the journal's name; an interrupt is held
+    back until they are (a killed process's sibling is removed by the next run, `_remove_abandoned`)."""
+    gone = folder.with_name(f"{_removed_prefix(folder)}{os.getpid()}")
+    with held_signals():
+        try:
+            folder.rename(gone)
+        except OSError:
+            gone = folder
+        shutil.rmtree(gone, ignore_errors=True)
+
+
+def _removed_prefix(folder: Path) -> str:
+    return f".{hidden_stem(folder)}.removed-"
+
+
+def _remove_abandoned(folder: Path) -> None:
+    """The hidden siblings that a process killed while it removed this journal left (`_remove`)."""
+    prefix = _removed_prefix(folder)
+    for p in folder.parent.glob(f"{prefix}*") if folder.parent.is_dir() else ():
+        pid = p.name[len(prefix):]
+        if pid.isdigit() and not process_alive(int(pid)):
+            shutil.rmtree(p, ignore_errors=True)
 
 
 def _conformed(table: pa.Table) -> pa.Table:

@@ -618,3 +618,36 @@ def test_a_reward_that_raises_keeps_the_journal_and_a_resume_scores_it_again_wit
     drop = ["reward", "reward_extra"]
     assert table.drop_columns(drop).equals(reference[None].drop_columns(drop))
     assert not _partial(out).exists()
+
+
+def test_an_interrupt_right_after_a_part_is_in_place_counts_that_part(tiny, tmp_path, monkeypatch):
+    """Ctrl-C as the first part's rename returns: the part is whole and in the journal, and the message
+    says it is kept (not "nothing was kept", which would send a user to --force)."""
+    from sparrow.stages import rollout_journal
+
+    write, calls = rollout_journal.write_artifact, []
+
+    def interrupted_after_the_write(*args, **kwargs):
+        write(*args, **kwargs)
+        calls.append(1)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(rollout_journal, "write_artifact", interrupted_after_the_write)
+    out = tmp_path / "r.parquet"
+    r = runner.invoke(app, _args(tiny, out, None, "--checkpoint-interval", "0"))
+    assert r.exit_code == 130 and calls == [1], r.output
+    assert _journal_files(out) == ["manifest.json", "part-00000.parquet"]
+    assert f"{_partial(out)}/ keeps the 1 of 6 prompts that had finished" in " ".join(r.stderr.split())
+
+
+def test_a_journal_a_killed_process_was_removing_is_removed_by_the_next_run(tiny, tmp_path):
+    """The hidden sibling a journal is moved to before it is deleted: a process killed meanwhile leaves it,
+    and the next run with that -o removes it (one of a live process is left alone)."""
+    out = tmp_path / "r.parquet"
+    dead, live = (tmp_path / f".r.parquet.partial.removed-{pid}" for pid in (2**22 + 12345, os.getpid()))
+    for folder in (dead, live):
+        folder.mkdir()
+        (folder / "part-00000.parquet").write_bytes(b"x" * 100)
+    r = runner.invoke(app, _args(tiny, out, None))
+    assert r.exit_code == 0, r.output
+    assert not dead.exists() and live.exists()

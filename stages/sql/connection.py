@@ -23,6 +23,8 @@ from pathlib import Path
 
 import duckdb
 
+from sparrow.schemas.io import process_alive
+
 from .files import local_paths, reading_only
 from .limits import Limits, QueryError, default_spill
 from .views import View, Warn, python_warning, quoted_identifier, run_changed, run_views, vanished, view_sql
@@ -104,20 +106,13 @@ def _sweep_spills() -> None:
     for d in Path(tempfile.gettempdir()).glob(f"{SPILL_PREFIX}*-*"):
         pid = d.name[len(SPILL_PREFIX):].split("-", 1)[0]
         try:
-            if pid.isdigit() and d.is_dir() and d.stat().st_uid == os.getuid() and not _alive(int(pid)):
+            mine = d.is_dir() and d.stat().st_uid == os.getuid()
+            if pid.isdigit() and mine and not process_alive(int(pid)):
                 shutil.rmtree(d, ignore_errors=True)
         except OSError:
             continue
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 QUERY_NODES = {"SELECT_NODE", "SET_OPERATION_NODE", "CTE_NODE", "RECURSIVE_CTE_NODE"}
