@@ -7,6 +7,7 @@ docs/report.md lists the figures.
 
 from __future__ import annotations
 
+import os
 import shutil
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -15,7 +16,8 @@ from pathlib import Path
 
 from sparrow.schemas import VERSION, ArtifactError, artifact_metadata
 from sparrow.schemas.footer import artifact_parts, footer_number, kind_version, parquet_batches, read_schema
-from sparrow.schemas.io import check_artifact, write_bytes
+from sparrow.schemas.io import check_artifact, process_alive, write_bytes
+from sparrow.schemas.signals import held_signals
 
 from ..calibrate import ResolvedThreshold, resolve_threshold
 from ..core.schedule import MIN_TOKENS
@@ -76,47 +78,79 @@ def build_report(run_dir: str | Path, out_dir: str | Path | None = None,
     for why in skipped:
         note(f"not drawn: {why}")
     thresholds = {p: _tail_line(kinds, p, note) for p in kinds.get("mismatch", [])}
-    with _removed_if_stopped(out):
-        before = listed_figures(out)
-        draw = {"mismatch": ("tail", lambda p, n: tail_figure(p, n, thresholds[p], out, plt)),
-                "schedule": ("schedule", lambda p, n: schedule_figure(p, n, out, plt)),
-                "cost": ("cost", lambda p, n: cost_figure(p, n, out, plt)),
-                "rollouts": ("rollouts", lambda p, n: rollouts_figure(p, n, out, plt)),
-                "rewards": ("rewards", lambda p, n: rewards_figure(p, n, out, plt))}
-        figures: list[Figure] = []
-        for kind, (stem, figure) in draw.items():
-            paths = kinds.get(kind, [])
-            for path in paths:
-                note(f"drawing {kind} {path.name}")
-                figures.append(figure(path, figure_name(stem, path, len(paths) > 1, run_dir)))
-            if kind == "mismatch":
-                for plain, adapted in adapter_pairs(paths):
-                    note(f"drawing mismatch {plain.name} against {adapted.name}")
-                    figures.append(distill_figure(plain, adapted, _pair_name(plain.parent, run_dir),
-                                                  thresholds[adapted], out, plt))
-        for path in calibrations:
-            many = len(kinds["threshold"]) > 1
-            fig_ = calibration_figure(path, figure_name("calibration", path, many, run_dir), out, plt)
-            if fig_ is not None:
-                note(f"drawing calibration {path.name}")
-                figures.append(fig_)
-        for run in runs:
-            if run in curves or (run in steps and steps[run].files):
-                note(f"drawing training run {run_label(run, run_dir)}")
-            if run in curves:
-                figures.append(training_figure(run, run_label(run, run_dir), out, plt))
-            if run in steps and (per_bin := train_mismatch_figure(steps[run], out, plt)) is not None:
-                figures.append(per_bin)
-        for key, series in steps.items():
-            if key in runs or not series.files:
-                continue
-            note(f"drawing train_mismatch {series.where}")
-            if (per_bin := train_mismatch_figure(series, out, plt)) is not None:
-                figures.append(per_bin)
-        page = html_page(run_dir, out, figures, skipped)  # a name that is not UTF-8 as \x escapes
-        write_bytes(out / "index.html", page.encode(errors="backslashreplace"))
-        remove_stale(out, before - {f.file for f in figures})
+    with _removed_if_stopped(out), _drawing_folder(out) as drawn:
+        figures = _draw_all(run_dir, drawn, plt, note, kinds, thresholds, calibrations, runs, curves, steps)
+        with held_signals():  # the figures, the page and the stale figures' removal: all or none
+            before = listed_figures(out)
+            for f in figures:
+                os.replace(drawn / f.file, out / f.file)
+            page = html_page(run_dir, out, figures, skipped)  # a name that is not UTF-8 as \x escapes
+            write_bytes(out / "index.html", page.encode(errors="backslashreplace"))
+            remove_stale(out, before - {f.file for f in figures})
     return out / "index.html", figures
+
+
+def _draw_all(run_dir: Path, out: Path, plt, note: Callable[[str], None], kinds: dict[str, list[Path]],
+              thresholds: dict, calibrations: list[Path], runs: list[Path], curves: list[Path],
+              steps: dict[Path, Steps]) -> list[Figure]:
+    """Every figure of the run directory, drawn into `out`."""
+    draw = {"mismatch": ("tail", lambda p, n: tail_figure(p, n, thresholds[p], out, plt)),
+            "schedule": ("schedule", lambda p, n: schedule_figure(p, n, out, plt)),
+            "cost": ("cost", lambda p, n: cost_figure(p, n, out, plt)),
+            "rollouts": ("rollouts", lambda p, n: rollouts_figure(p, n, out, plt)),
+            "rewards": ("rewards", lambda p, n: rewards_figure(p, n, out, plt))}
+    figures: list[Figure] = []
+    for kind, (stem, figure) in draw.items():
+        paths = kinds.get(kind, [])
+        for path in paths:
+            note(f"drawing {kind} {path.name}")
+            figures.append(figure(path, figure_name(stem, path, len(paths) > 1, run_dir)))
+        if kind == "mismatch":
+            for plain, adapted in adapter_pairs(paths):
+                note(f"drawing mismatch {plain.name} against {adapted.name}")
+                figures.append(distill_figure(plain, adapted, _pair_name(plain.parent, run_dir),
+                                              thresholds[adapted], out, plt))
+    for path in calibrations:
+        many = len(kinds["threshold"]) > 1
+        fig_ = calibration_figure(path, figure_name("calibration", path, many, run_dir), out, plt)
+        if fig_ is not None:
+            note(f"drawing calibration {path.name}")
+            figures.append(fig_)
+    for run in runs:
+        if run in curves or (run in steps and steps[run].files):
+            note(f"drawing training run {run_label(run, run_dir)}")
+        if run in curves:
+            figures.append(training_figure(run, run_label(run, run_dir), out, plt))
+        if run in steps and (per_bin := train_mismatch_figure(steps[run], out, plt)) is not None:
+            figures.append(per_bin)
+    for key, series in steps.items():
+        if key in runs or not series.files:
+            continue
+        note(f"drawing train_mismatch {series.where}")
+        if (per_bin := train_mismatch_figure(series, out, plt)) is not None:
+            figures.append(per_bin)
+    return figures
+
+
+@contextmanager
+def _drawing_folder(out: Path) -> Iterator[Path]:
+    """A hidden folder in `out` that the figures are drawn into, so that a report stopped while it draws
+    leaves the previous one as it was (its page and the PNGs beside it agree); removed after, and one that
+    a killed report left is removed by the next."""
+    for stale in out.glob(".drawing-*"):
+        pid = stale.name.removeprefix(".drawing-")
+        if pid.isdigit() and not process_alive(int(pid)):
+            shutil.rmtree(stale, ignore_errors=True)
+    folder = out / f".drawing-{os.getpid()}"
+    folder.mkdir(exist_ok=True)
+    try:
+        yield folder
+    except ArtifactError as e:  # a figure that could not be written: named where it was going
+        raise ArtifactError(str(e).replace(str(folder), str(out))) from None
+    except OSError as e:
+        raise ArtifactError(f"cannot write {out} ({e.strerror or e})") from None
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _pair_name(folder: Path, run_dir: Path) -> str:
@@ -128,8 +162,8 @@ def _pair_name(folder: Path, run_dir: Path) -> str:
 def _removed_if_stopped(out: Path) -> Iterator[None]:
     """`out`, made if missing; a folder made here is removed whole if the report stops before its page is
     written, so a rerun never finds a half-made folder it would take for someone else's. (In a folder that
-    was there, each figure is written whole and the page last, so a stopped report keeps the previous
-    page.)"""
+    was there, the figures are drawn aside, `_drawing_folder`, so a stopped report keeps the previous page
+    and its figures.)"""
     made = out  # the outermost folder made here: `out`, or a missing folder above it
     while not made.parent.exists() and made.parent != made:
         made = made.parent
