@@ -105,6 +105,8 @@ def sql(
         format = resolve_format(format)
     except UsageError as e:
         fail(str(e))
+    if output is not None and output.is_dir():
+        fail(f"{output} is a directory; give a file path such as {output / 'out.parquet'}")
     if output is not None and not is_stdio(output) and special_kind(output) is None \
             and output.suffix != ".parquet":  # a device or FIFO: check_output names it
         fail(f"-o writes Parquet, so give a path ending in .parquet (not {output.name}); "

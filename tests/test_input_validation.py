@@ -873,3 +873,11 @@ def test_a_second_input_file_or_reward_function_is_refused_not_dropped(tmp_path)
                                  "0.6"])
     assert result.exit_code == 0, result.output  # the override: the plan at 0.6
     assert "threshold 0.6 " in result.stderr
+
+
+def test_sql_output_that_is_a_folder_is_named_as_every_command_names_it(tmp_path):
+    folder = tmp_path / "adir"
+    folder.mkdir()
+    r = runner.invoke(app, ["sql", "SELECT 1", "--run", str(tmp_path), "-o", str(folder)])
+    assert error_line(r) == (f"error: {folder} is a directory; give a file path such as "
+                             f"{folder / 'out.parquet'}")
