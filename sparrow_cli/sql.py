@@ -105,7 +105,7 @@ def sql(
         format = resolve_format(format)
     except UsageError as e:
         fail(str(e))
-    if output is not None and output.is_dir():
+    if output is not None and _is_dir(output):
         fail(f"{output} is a directory; give a file path such as {output / 'out.parquet'}")
     if output is not None and not is_stdio(output) and special_kind(output) is None \
             and output.suffix != ".parquet":  # a device or FIFO: check_output names it
@@ -415,3 +415,12 @@ def _toward_zero(n: int, unit: int) -> tuple[int, int]:
     """n // unit rounded toward zero, and what is left (with n's sign)."""
     whole = abs(n) // unit * (1 if n >= 0 else -1)
     return whole, n - whole * unit
+
+
+def _is_dir(path: Path) -> bool:
+    """Whether `path` is a folder; False for a name the system cannot look up (too long: check_output
+    names it)."""
+    try:
+        return path.is_dir()
+    except OSError:
+        return False
