@@ -863,3 +863,34 @@ def test_the_docs_join_gives_each_rollout_its_verl_rows_columns(tiny_chat, tmp_p
                        for x in rollouts for row in [table[int(x["prompt_id"].rsplit("-", 1)[1])]]),
                       key=lambda e: (e["prompt_id"], e["sample"]))
     assert got == expected
+
+
+def test_prompts_that_are_chat_messages_as_json_text_are_warned_of_and_the_fix_works(tmp_path, capsys):
+    """A dataset whose prompt column is json.dumps of the messages: read as text (as verl and TRL read a
+    string), with a warning whose query turns them into the list of structs verl keeps."""
+    turns = [{"role": "user", "content": "What is 2 + 3?"}]
+    data = tmp_path / "jsonp.parquet"
+    pq.write_table(pa.table({"prompt": [json.dumps(turns)] * 2, "answer": ["5", "6"]}), data)
+    rows = PromptSet.read(data, DataOptions(reward="math")).rows
+    assert rows[0]["prompt"] == json.dumps(turns)  # as stored
+    warned = " ".join(capsys.readouterr().err.split())
+    assert f"warning: {data}: the prompt of 2 of 2 rows (first: row 0 (counting from 0)) is text that " \
+           "holds chat messages as JSON" in warned
+    query = warned.split('sparrow sql "')[1].split('"')[0]
+    r = runner.invoke(app, ["sql", query, "--run", str(tmp_path), "-o", str(tmp_path / "prompts.parquet")])
+    assert r.exit_code == 0, r.output
+    fixed = PromptSet.read(tmp_path / "prompts.parquet", DataOptions(reward="math")).rows
+    assert [r["messages"] for r in fixed] == [turns, turns]
+    capsys.readouterr()
+    pq.write_table(pa.table({"prompt": [json.dumps(turns), "plain"], "answer": ["5", "6"]}), data)
+    PromptSet.read(data, DataOptions(reward="math"))
+    warned = " ".join(capsys.readouterr().err.split())
+    assert "the prompt of 1 of 2 rows" in warned and "sparrow sql" not in warned  # no one query fits both
+
+
+def test_a_map_extra_info_reaches_a_verl_function_as_a_dict():
+    from sparrow.stages.tasks.reward_function import verl_extra_info
+
+    assert verl_extra_info([("split", "train"), ("index", "3")]) == {
+        "split": "train", "index": "3", "num_turns": 2, "rollout_reward_scores": {}}
+    assert verl_extra_info('{"a": 1}') == '{"a": 1}'  # text is passed as verl passes it

@@ -189,17 +189,51 @@ def read_dataset(path: Path, answer_column: str | None = None) -> list[dict] | N
         rows.append({"prompt_id": ids[i], "task": fmt, "prompt": text, "messages": messages,
                      "prompt_token_ids": None, "answer": _answer(record, answer_at),
                      "metadata": dataset_metadata(fmt, path, i, prompt, others, answer_column)})
+    _warn_messages_as_text(path, [r["prompt"] for r in rows])
     return rows
 
 
+def _warn_messages_as_text(path: Path, prompts: list[str | None]) -> None:
+    """A warning where prompts are text holding chat messages as JSON (a dataset written with json.dumps of
+    its messages): they reach the model as that text, brackets and all, which is rarely what was meant."""
+    held = [i for i, p in enumerate(prompts) if _json_messages(p)]
+    if not held:
+        return
+    from ..tasks.base import row_of
+
+    query = ("SELECT prompt::JSON::STRUCT(role VARCHAR, content VARCHAR)[] AS prompt, * EXCLUDE (prompt) "
+             f"FROM {_view_name(path)}")
+    fix = (f", for instance with sparrow sql \"{query}\" --run {path.parent} -o prompts.parquet"
+           if len(held) == len(prompts) else "")
+    print(f"warning: {path}: the prompt of {len(held)} of {len(prompts)} rows (first: {row_of(held[0])}) is "
+          "text that holds chat messages as JSON, so the model reads that JSON text; store the messages as a "
+          f"list of structs, as verl does{fix}", file=sys.stderr, flush=True)
+
+
+def _json_messages(prompt: str | None) -> bool:
+    if not prompt or not prompt.lstrip().startswith("[{"):
+        return False
+    try:
+        value = json.loads(prompt)
+    except ValueError:
+        return False
+    return isinstance(value, list) and bool(value) and all(
+        isinstance(m, dict) and "role" in m and "content" in m for m in value)
+
+
 PROMPT_LIKE = ("question", "problem", "query", "instruction", "input")  # what raw datasets call a prompt
+
+
+def _view_name(path: Path) -> str:
+    """The view `sparrow sql --run FOLDER` gives a file of the folder (its stem, non-word characters as _)."""
+    return re.sub(r"\W", "_", path.stem) if path.is_file() else "<the file's name>"
 
 
 def _rename_hint(path: Path, columns: list[str]) -> str:
     """How to make a near miss readable, as a `sparrow sql` query over the file's folder (each file is a
     view named by its stem): a column that is the prompt by another name, or a `messages` column of whole
     conversations (SFT data), whose prompt is every turn but the last and whose answer is the last."""
-    view = re.sub(r"\W", "_", path.stem) if path.is_file() else "<the file's name>"
+    view = _view_name(path)
     rename = next((c for c in columns if c.lower() == "prompt"), None) or next(
         (c for c in columns if c.lower() in PROMPT_LIKE), None)
     if rename is not None:

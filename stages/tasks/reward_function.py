@@ -421,10 +421,18 @@ class RewardFunction:
 
 def verl_extra_info(value: Any) -> Any:
     """The `extra_info` verl's naive reward manager passes for a row's extra_info column (module
-    docstring); a value that is not a struct is passed as it is."""
+    docstring): a struct, or a map (Arrow's key-value pairs), as a dict; anything else as it is."""
+    if _pairs(value):
+        value = {k: v for k, v in value}
     if value is not None and not isinstance(value, Mapping):
         return value
     return {**(value or {}), "num_turns": 2, "rollout_reward_scores": {}}
+
+
+def _pairs(value: Any) -> bool:
+    """An Arrow map column's value as Python reads it: a list of (text key, value) pairs."""
+    return isinstance(value, list) and bool(value) and all(
+        isinstance(p, list | tuple) and len(p) == 2 and isinstance(p[0], str) for p in value)
 
 
 def _passed(columns: Mapping[str, Any]) -> list[str]:
