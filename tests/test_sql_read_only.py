@@ -6,6 +6,7 @@ read-only file system). Reads that hold a PIVOT give what DuckDB gives on the sa
 from __future__ import annotations
 
 import hashlib
+import json
 from collections import Counter
 from pathlib import Path
 
@@ -152,3 +153,20 @@ def test_a_write_under_any_form_of_explain_is_refused(run, query):
 def test_sql_refuses_an_output_name_too_long_in_one_sentence(run, tmp_path):
     line = error_line(sql(run, "SELECT 1 AS a", "-o", str(tmp_path / ("a" * 300 + ".parquet"))))
     assert "choose a shorter name" in line
+
+
+def test_a_json_lines_dataset_in_the_run_is_a_view_and_stays_read_only(run):
+    """A user's TRL-layout .jsonl is a view (its stem), read through the same read-only file system: it can
+    be queried and turned into Parquet, never written; one DuckDB cannot read is said and skipped."""
+    rows = [{"prompt": "What is 2 + 3?", "solution": "5"}, {"prompt": "What is 4 times 6?", "solution": "24"}]
+    (run / "gsm8k.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    r = sql(run, "SELECT prompt, solution FROM gsm8k ORDER BY solution DESC", "-f", "json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout) == rows
+    before = (run / "gsm8k.jsonl").read_bytes()
+    r = sql(run, f"COPY gsm8k TO '{run / 'gsm8k.jsonl'}' (FORMAT json)")
+    assert r.exit_code == 2 and (run / "gsm8k.jsonl").read_bytes() == before
+    (run / "broken.jsonl").write_text('{"a": 1}\nnot json\n')
+    r = sql(run, "SELECT count(*) AS n FROM gsm8k", "-f", "csv")
+    assert r.exit_code == 0 and r.stdout.split() == ["n", "2"]
+    assert "broken.jsonl" in r.stderr and "skipped the view 'broken'" in r.stderr

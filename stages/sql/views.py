@@ -88,6 +88,7 @@ class View:
     union: bool = False  # every file of one artifact kind
     recorded: tuple[str, ...] = ()  # the Provenance fields that some file of the kind records
     kind: str | None = None  # the artifact kind of its files
+    json_lines: bool = False  # a JSON lines file of the run's (a user's dataset), not Parquet
 
     @property
     def columns(self) -> set[str]:
@@ -175,7 +176,23 @@ def run_views(run_dir: str | Path, warn: Warn | None = None) -> list[View]:
             name = _free(f"{kind}__{identifier(s.name.removesuffix('.parquet'))}", taken)
             views.append(View(name, (s,), True, False, recorded[kind], kind))
     views += [View(_free(identifier(Path(s.name).stem), taken), (s,), False) for s in plain]
+    views += [View(_free(identifier(p.stem), taken), (Source(root / p.name, p.name),), False, json_lines=True)
+              for p in _json_lines_files(run_dir, root, warn)]
     return views
+
+
+def _json_lines_files(run_dir: Path, root: Path, warn: Warn) -> list[Path]:
+    """The `*.jsonl` files directly in the run directory (users' datasets in TRL's layout), each a view of
+    its own; one that is no regular file or has a name that is not UTF-8 is said and skipped."""
+    found = []
+    for p in sorted(run_dir.glob("*.jsonl")):
+        if p.name.startswith("."):
+            continue
+        if why := not_regular(p) or not_utf8(p, root / p.name):
+            warn(f"{why}; skipped it")
+            continue
+        found.append(p)
+    return found
 
 
 def _recorded(sources: list[Source]) -> tuple[str, ...]:
@@ -338,6 +355,8 @@ def _shown(text: str, most: int = 40) -> str:
 def view_sql(view: View, root: Path) -> str:
     """The view's SELECT, reading its files through their URLs (files.py: read only)."""
     files = ", ".join(sql_literal(file_url(p)) for p in view.files)
+    if view.json_lines:
+        return f"SELECT * FROM read_json_auto([{files}], format = 'newline_delimited')"
     if not view.artifact:
         return f"SELECT * FROM read_parquet([{files}])"
     columns = absent_columns(view.kind, view.columns)
