@@ -170,3 +170,18 @@ def test_a_json_lines_dataset_in_the_run_is_a_view_and_stays_read_only(run):
     r = sql(run, "SELECT count(*) AS n FROM gsm8k", "-f", "csv")
     assert r.exit_code == 0 and r.stdout.split() == ["n", "2"]
     assert "broken.jsonl" in r.stderr and "skipped the view 'broken'" in r.stderr
+
+
+def test_the_hubs_shards_of_a_split_are_one_view_named_by_the_split(tmp_path):
+    """train-00000-of-00002.parquet and train-00001-of-00002.parquet are one dataset, as `datasets`
+    reads them: one view `train`, its rows in shard order (so that row_number() gives a dataset's row)."""
+    data = tmp_path / "data"
+    data.mkdir()
+    first = pa.table({"prompt": ["a", "b"], "answer": ["1", "2"]})
+    pq.write_table(first, data / "train-00000-of-00002.parquet")
+    pq.write_table(pa.table({"prompt": ["c"], "answer": ["3"]}), data / "train-00001-of-00002.parquet")
+    pq.write_table(pa.table({"prompt": ["t"]}), data / "test-00000-of-00001.parquet")
+    r = sql(data, "SELECT prompt FROM train", "-f", "csv")
+    assert r.exit_code == 0 and r.stdout.split() == ["prompt", "a", "b", "c"], r.output
+    r = sql(data, "SHOW TABLES", "-f", "csv")
+    assert r.stdout.split() == ["name", "test", "train"]

@@ -175,10 +175,33 @@ def run_views(run_dir: str | Path, warn: Warn | None = None) -> list[View]:
         for s in sources:
             name = _free(f"{kind}__{identifier(s.name.removesuffix('.parquet'))}", taken)
             views.append(View(name, (s,), True, False, recorded[kind], kind))
-    views += [View(_free(identifier(Path(s.name).stem), taken), (s,), False) for s in plain]
+    for name, sources in _plain_views(plain):
+        views.append(View(_free(identifier(name), taken), tuple(sources), False))
     views += [View(_free(identifier(p.stem), taken), (Source(root / p.name, p.name),), False, json_lines=True)
               for p in _json_lines_files(run_dir, root, warn)]
     return views
+
+
+SHARD = re.compile(r"(?P<split>.+)-\d+-of-\d+\.parquet")  # the Hugging Face Hub's shard names
+
+
+def _plain_views(plain: list[Source]) -> list[tuple[str, list[Source]]]:
+    """The views of the Parquet files that are no artifacts: one per file (its stem), but the Hub's shards
+    of one split in one folder (train-00000-of-00002.parquet, ...), which are one dataset: one view, the
+    split's name, as `datasets` reads them."""
+    shards: dict[tuple[str, str], list[Source]] = {}
+    out: list[tuple[str, list[Source]]] = []
+    for s in plain:
+        path = Path(s.name)
+        if m := SHARD.fullmatch(path.name):
+            key = (str(path.parent), m["split"])
+            if key not in shards:
+                shards[key] = []
+                out.append((m["split"], shards[key]))
+            shards[key].append(s)
+        else:
+            out.append((path.stem, [s]))
+    return [(name, sorted(sources, key=lambda s: s.name)) for name, sources in out]
 
 
 def _json_lines_files(run_dir: Path, root: Path, warn: Warn) -> list[Path]:
@@ -358,7 +381,7 @@ def view_sql(view: View, root: Path) -> str:
     if view.json_lines:
         return f"SELECT * FROM read_json_auto([{files}], format = 'newline_delimited')"
     if not view.artifact:
-        return f"SELECT * FROM read_parquet([{files}])"
+        return f"SELECT * FROM read_parquet([{files}], union_by_name = true)"
     columns = absent_columns(view.kind, view.columns)
     columns += [f"substr(filename, {len(PREFIX) + len(str(root)) + 2}) AS source_file"]
     columns += [f"{_by_file(view, name)} AS source_{name}" for name in view.recorded]
