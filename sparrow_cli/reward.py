@@ -52,7 +52,7 @@ def reward(
     (--reward, --reward-fn)."""
     from sparrow.schemas import input_name, write_artifact
     from sparrow.stages.core.prompt_set import PromptSet
-    from sparrow.stages.reward import check_prompts, read_completions, score_completions
+    from sparrow.stages.reward import check_prompts, data_source, read_completions, score_completions
     from sparrow.stages.tasks.reward_function import reward_provenance
 
     fmt = resolve_format(fmt)
@@ -75,12 +75,15 @@ def reward(
             **reward_provenance(reward_name, reward_fn)}
     path = write_artifact(scored, output, "rewards", meta)
 
-    tasks = list(dict.fromkeys(r["task"] for r in scored))
+    sources = {pid: data_source(r.get("metadata")) for pid, r in rows.items()}
+    by_source = any(v is not None for v in sources.values())  # verl's per-data_source validation metrics
+    groups = list(dict.fromkeys((r["task"], sources[r["prompt_id"]]) for r in scored))
     table = []
-    for task in tasks:
-        mine = [r["reward"] for r in scored if r["task"] == task]
+    for task, source in groups:
+        mine = [r["reward"] for r in scored if r["task"] == task and sources[r["prompt_id"]] == source]
         accuracy = sum(x >= 1.0 - 1e-9 for x in mine) / len(mine)
-        table.append([task, len(mine), sum(mine) / len(mine), accuracy])
-    emit(("task", "completions", "reward_mean", "accuracy"), table, fmt, title="rewards", left=("task",))
+        table.append([task, *([source] if by_source else []), len(mine), sum(mine) / len(mine), accuracy])
+    columns = ("task", *(["data_source"] if by_source else []), "completions", "reward_mean", "accuracy")
+    emit(columns, table, fmt, title="rewards", left=("task", "data_source"))
     console.print(f"[green]wrote[/] {len(scored)} rewards to [bold]{path}[/] ({seconds:.1f} s)",
                   highlight=False)

@@ -424,6 +424,16 @@ def _check_metadata(row: dict, path: Path) -> None:
                             "its scorer reads")
 
 
+def data_source(metadata: str | dict | None) -> str | None:
+    """A dataset row's data_source column (verl's), as text; None where it has none."""
+    try:
+        meta = file_json(metadata) if isinstance(metadata, str) else metadata
+        value = (meta.get("columns") or {}).get("data_source")
+    except (ValueError, AttributeError):
+        return None
+    return None if value is None else str(value)
+
+
 def score_completions(prompts: dict[str, dict], completions: list[Completion],
                       workers: int | None = None) -> list[dict]:
     """Rows of the `rewards` artifact, in the completions' order."""

@@ -476,3 +476,21 @@ def test_a_ground_truth_in_e_notation_is_the_number_it_writes(tmp_path, monkeypa
         result = _reward("--prompts", data, "--completions", completions, "--reward", "math", "-o", out)
         assert result.exit_code == 0, result.output
         assert [r["reward"] for r in _rewards(out)] == [1.0, 1.0, 1.0, 0.0], name
+
+
+def test_the_summary_is_per_data_source_where_the_dataset_has_one(tmp_path, monkeypatch):
+    """verl's validation metrics are per data_source: a mixed dataset's summary row per source."""
+    monkeypatch.chdir(tmp_path)
+    data = Path("mix.parquet")
+    pq.write_table(pa.table({
+        "data_source": ["openai/gsm8k", "openai/gsm8k", "math"],
+        "prompt": [[{"role": "user", "content": q}] for q in ("2 + 3?", "4 * 6?", "1 + 1?")],
+        "reward_model": [{"style": "rule", "ground_truth": a} for a in ("5", "24", "2")]}), data)
+    completions = Path("c.jsonl")
+    completions.write_text("".join(json.dumps({"prompt_id": f"mix-{i}", "text": t}) + "\n"
+                                   for i, t in enumerate(["It is 5.", "It is 25.", "It is 2."])))
+    r = _reward("--prompts", data, "--completions", completions, "--reward", "math", "-o", "r.parquet",
+                "-f", "csv")
+    assert r.exit_code == 0, r.output
+    assert r.stdout.split() == ["task,data_source,completions,reward_mean,accuracy",
+                                "math-verify,openai/gsm8k,2,0.5,0.5", "math-verify,math,1,1.0,1.0"]
