@@ -632,7 +632,7 @@ def test_reward_fn_closing_its_stdout_leaves_the_commands_streams(verl_file, use
             f"{user_fns}:closes_its_stdout", "-o", str(tmp_path / "r.parquet"), "-f", "tsv"]
     done = subprocess.run([str(sparrow), *args], capture_output=True, timeout=300, text=True)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith("task\tcompletions") and "wrote 6 rewards" in done.stderr
+    assert done.stdout.startswith("task\tdata_source\tcompletions") and "wrote 6 rewards" in done.stderr
     assert "Exception" not in done.stderr
 
 
@@ -894,3 +894,18 @@ def test_a_map_extra_info_reaches_a_verl_function_as_a_dict():
     assert verl_extra_info([("split", "train"), ("index", "3")]) == {
         "split": "train", "index": "3", "num_turns": 2, "rollout_reward_scores": {}}
     assert verl_extra_info('{"a": 1}') == '{"a": 1}'  # text is passed as verl passes it
+
+
+def test_message_content_as_typed_text_parts_is_read_as_its_text(tmp_path):
+    """TRL's typed layout, text parts only: the parts' text joined; an image part is refused as before."""
+    data = tmp_path / "parts.parquet"
+    parts = [{"type": "text", "text": "What is "}, {"type": "text", "text": "2 + 3?"}]
+    pq.write_table(pa.Table.from_pylist([{"prompt": [{"role": "user", "content": parts}], "answer": "5"}]),
+                   data)
+    rows = PromptSet.read(data, DataOptions(reward="math")).rows
+    assert rows[0]["messages"] == [{"role": "user", "content": "What is 2 + 3?"}]
+    image = [{"type": "image", "text": None}, {"type": "text", "text": "What is this?"}]
+    row = {"prompt": [{"role": "user", "content": image}], "answer": "a cat"}
+    pq.write_table(pa.Table.from_pylist([row]), data)
+    with pytest.raises(PromptError, match="holds a part of type 'image'"):
+        PromptSet.read(data, DataOptions(reward="math"))

@@ -374,17 +374,30 @@ def pandas_index(path: Path, columns: list[str]) -> set[str]:
 
 
 def _prompt(prompt: Any, path: Path, row: int) -> tuple[str | None, list[dict] | None]:
+    """A prompt as text, or as chat messages whose content is text or a list of text parts (TRL's typed
+    layout, `[{"type": "text", "text": ...}]`, joined; other parts are refused before, `_check_text_only`)."""
     if prompt is None or isinstance(prompt, str):
         return prompt, None
     ok = isinstance(prompt, list) and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+        isinstance(m, dict) and isinstance(m.get("role"), str) and _text_content(m.get("content")) is not None
         for m in prompt)
     if not ok:
         from ..tasks.base import row_of
 
         raise DatasetError(f"{path}: {row_of(row)} has a 'prompt' that is neither text nor a list of chat "
-                           "messages with text 'role' and 'content'")
-    return None, [{"role": m["role"], "content": m["content"]} for m in prompt]
+                           "messages with text 'role' and 'content' (text, or a list of text parts)")
+    return None, [{"role": m["role"], "content": _text_content(m["content"])} for m in prompt]
+
+
+def _text_content(content: Any) -> str | None:
+    """A message's content as text: text as it is, typed text parts joined; None for anything else."""
+    if isinstance(content, str):
+        return content
+    texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"] \
+        if isinstance(content, list) else []
+    if texts and len(texts) == len(content) and all(isinstance(t, str) for t in texts):
+        return "".join(texts)
+    return None
 
 
 def _answer(record: dict, at: str | None) -> Any:
