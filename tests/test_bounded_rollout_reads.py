@@ -82,7 +82,8 @@ def test_reward_reads_only_the_columns_it_scores_and_writes_the_same_rewards(tmp
                    {"prompt_id": "b", "sample": 0, "task": "kv_lookup", "reward": 1.0},
                    {"prompt_id": "b", "sample": 1, "task": "kv_lookup", "reward": 0.0}]
     read = [c for name, columns in reads["whole"] if name == "r.parquet" for c in (columns or ["all"])]
-    assert sorted(read) == ["prompt_id", "prompt_token_ids", "sample", "text"], reads["whole"]
+    # the token ids too, a user's TRL function's completion_ids; never the logprobs, budgets or kv_lens
+    assert sorted(read) == ["prompt_id", "prompt_token_ids", "sample", "text", "token_ids"], reads["whole"]
 
 
 def test_reward_still_refuses_completions_of_other_prompt_ids(tmp_path, reads):
