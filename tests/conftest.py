@@ -26,6 +26,19 @@ def _share_the_cores_between_workers() -> None:
 _share_the_cores_between_workers()
 
 
+def _take_ctrl_c_as_python_does() -> None:
+    """Tests of Ctrl-C send SIGINT and expect Python's KeyboardInterrupt. A suite started in the background
+    by a non-interactive shell (`make test &` in a script) inherits SIGINT ignored, and Python then leaves it
+    ignored; take it as an interactive Python does (a child process then starts with it too)."""
+    import signal
+
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+_take_ctrl_c_as_python_does()
+
+
 
 @pytest.fixture()
 def no_work(monkeypatch):
