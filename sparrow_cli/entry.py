@@ -116,14 +116,15 @@ class _HeldImport:
 
 
 class _TorchFinder:
-    """Finds torch as the path finder does, its loader held (`_HeldImport`); once, then it steps aside."""
+    """Finds torch as the path finder does, its loader held (`_HeldImport`); any other module, or a torch
+    it does not find, it leaves to the finders after it. (It stays in sys.meta_path: taking itself out
+    while the import system walks the list would skip the finder after it.)"""
 
     def find_spec(self, name, path=None, target=None):
         if name != "torch":
             return None
         from importlib.machinery import PathFinder
 
-        sys.meta_path.remove(self)
         spec = PathFinder.find_spec(name, path)
         if spec is not None and spec.loader is not None:
             spec.loader = _HeldImport(spec.loader)
