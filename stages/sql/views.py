@@ -375,11 +375,16 @@ def _shown(text: str, most: int = 40) -> str:
     return repr(text if len(text) <= most else text[:most] + "...")
 
 
-def view_sql(view: View, root: Path) -> str:
-    """The view's SELECT, reading its files through their URLs (files.py: read only)."""
+def view_sql(view: View, root: Path, columns: list[tuple[str, str]] | None = None) -> str:
+    """The view's SELECT, reading its files through their URLs (files.py: read only); a JSON lines view's
+    with its `columns` (name, DuckDB type) when known, so that binding it does not sample the file."""
     files = ", ".join(sql_literal(file_url(p)) for p in view.files)
     if view.json_lines:
-        return f"SELECT * FROM read_json_auto([{files}], format = 'newline_delimited')"
+        if not columns:
+            return f"SELECT * FROM read_json_auto([{files}], format = 'newline_delimited')"
+        typed = ", ".join(f"{sql_literal(name)}: {sql_literal(kind)}" for name, kind in columns)
+        return (f"SELECT * FROM read_json([{files}], format = 'newline_delimited', auto_detect = false, "
+                f"columns = {{{typed}}})")
     if not view.artifact:
         return f"SELECT * FROM read_parquet([{files}], union_by_name = true)"
     columns = absent_columns(view.kind, view.columns)
