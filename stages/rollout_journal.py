@@ -540,7 +540,7 @@ class Journal:
                 pass
             if isinstance(e, KeyboardInterrupt):
                 raise self.interrupted() from None
-            if isinstance(e, RewardError) and self.kept_prompts + sum(len(c.indices) for c in self.written):
+            if isinstance(e, RewardError) and self.journaled_prompts:
                 raise RewardError(f"{e}; {self.keeps()}, so once the reward is fixed, run the same command "
                                   "with --resume: it scores them with the fixed reward and samples the rest"
                                   ) from None
@@ -592,13 +592,18 @@ class Journal:
         """The prompt row of each row of a chunk of these prompts."""
         return [self.rows[i] for i in indices for _ in range(self.manifest.samples)]
 
+    @property
+    def journaled_prompts(self) -> int:
+        """The prompts in the journal's files: kept from an earlier run and written by this one."""
+        return self.kept_prompts + sum(len(c.indices) for c in self.written)
+
     def keeps(self) -> str:
         """What the journal keeps, as a clause."""
-        kept = self.kept_prompts + sum(len(c.indices) for c in self.written)
-        return f"{shown(self.folder)} keeps the {kept} of {len(self.rows)} prompts that had finished"
+        return (f"{shown(self.folder)} keeps the {self.journaled_prompts} of {len(self.rows)} prompts that "
+                "had finished")
 
     def interrupted(self) -> RolloutInterrupted:
-        if not self.kept_prompts + sum(len(c.indices) for c in self.written):
+        if not self.journaled_prompts:
             return RolloutInterrupted("no prompt had been journaled yet, so nothing was kept")
         unscored = self.unscored_prompts
         first = f", which scores the rewards of {unscored} of them first" if unscored else ""

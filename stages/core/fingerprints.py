@@ -14,7 +14,8 @@ from pathlib import Path
 
 
 def sha256_json(value: object) -> str:
-    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()
+    """The digest of `value` as sorted JSON; a value JSON has no type for (a Decimal, a date) by its text."""
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def model_files_sha256(model_path: Path | None) -> str:

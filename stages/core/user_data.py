@@ -225,8 +225,10 @@ PROMPT_LIKE = ("question", "problem", "query", "instruction", "input")  # what r
 
 
 def _view_name(path: Path) -> str:
-    """The view `sparrow sql --run FOLDER` gives a file of the folder (its stem, non-word characters as _)."""
-    return re.sub(r"\W", "_", path.stem) if path.is_file() else "<the file's name>"
+    """The view `sparrow sql --run FOLDER` gives a file of the folder (by its stem)."""
+    from ..sql.views import identifier
+
+    return identifier(path.stem) if path.is_file() else "<the file's name>"
 
 
 def _rename_hint(path: Path, columns: list[str]) -> str:
@@ -498,18 +500,14 @@ def _shards(path: Path, parts: list[Path]) -> pa.Table:
     except (pa.ArrowException, OSError, ArtifactError) as e:
         raise DatasetError(f"{path}: its Parquet files do not form one dataset ({e})") from None
     merged = tables[0]
-    for part, table in zip(parts[1:], tables[1:]):
+    for i in range(1, len(parts)):
         try:
-            merged = pa.concat_tables([merged, table], promote_options="permissive")
+            merged = pa.concat_tables([merged, tables[i]], promote_options="permissive")
         except pa.ArrowException as e:
-            raise DatasetError(f"{path}: its Parquet files do not form one dataset: {part.name} does not "
-                               f"merge with {_files_before(parts, part)} ({e})") from None
+            before = parts[0].name if i == 1 else f"the {i} before it ({parts[0].name}, ...)"
+            raise DatasetError(f"{path}: its Parquet files do not form one dataset: {parts[i].name} does not "
+                               f"merge with {before} ({e})") from None
     return merged
-
-
-def _files_before(parts: list[Path], part: Path) -> str:
-    before = parts[:parts.index(part)]
-    return before[0].name if len(before) == 1 else f"the {len(before)} before it ({before[0].name}, ...)"
 
 
 def _json_lines(path: Path) -> list[dict] | None:

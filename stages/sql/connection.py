@@ -97,8 +97,8 @@ def _create_view(con: duckdb.DuckDBPyConnection, view: View, root: Path, run_dir
 def _json_columns(con: duckdb.DuckDBPyConnection, view: View, root: Path) -> list[tuple[str, str]]:
     """The (name, type) of a JSON lines view's columns, as DuckDB detects them, sampled once on one thread:
     the detection reads through RunFiles (Python) from DuckDB's threads while the caller waits in DuckDB,
-    which on a busy CPU took 15 s each time a view was made or bound; the view is then made with these
-    columns, so a query binds it without sampling again."""
+    which a busy CPU slows by orders of magnitude each time a view is made or bound; the view is then made
+    with these columns, so a query binds it without sampling again."""
     con.execute("SET threads = 1")
     try:
         return [(name, kind) for name, kind, *_ in con.execute(f"DESCRIBE {view_sql(view, root)}").fetchall()]

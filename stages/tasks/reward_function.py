@@ -173,7 +173,8 @@ def load_reward_function(spec: str) -> RewardFunction:
         _check_verl_keywords(fn, spec)
     else:
         _check_trl_keywords(fn, spec)
-    return RewardFunction(spec, path, name, fn, style, _loggers(fn) if style == "trl" else ())
+    trl = style == "trl"
+    return RewardFunction(spec, path, name, fn, style, _loggers(fn) if trl else (), trl and _takes_ids(fn))
 
 
 def _import(spec: str, path: Path) -> Any:
@@ -246,6 +247,12 @@ def _check_trl_keywords(fn: Callable, spec: str) -> None:
                           f"{'it a default' if len(unfilled) == 1 else 'them defaults'}")
 
 
+def _takes_ids(fn: Callable) -> bool:
+    """Whether a TRL function takes completion_ids: by name, or through **kwargs (TRL passes it to all)."""
+    params = inspect.signature(fn).parameters
+    return COMPLETION_IDS in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
 def _loggers(fn: Callable) -> tuple[str, ...]:
     """The TRL_LOGGERS a TRL function takes: those it names, or all of them through **kwargs (TRL passes
     them to every function; Sparrow passes none to a function that could not take them)."""
@@ -268,6 +275,7 @@ class RewardFunction:
     fn: Callable
     style: Style
     loggers: tuple[str, ...] = ()  # the TRL_LOGGERS it takes (by name or through **kwargs)
+    takes_ids: bool = False  # a TRL function that takes completion_ids (`_takes_ids`)
     checked: set[frozenset[str]] = field(default_factory=set, compare=False, repr=False)  # TRL columns
 
     @property
@@ -286,7 +294,8 @@ class RewardFunction:
             return
         try:
             inspect.signature(self.fn).bind(prompts=None, completions=None,
-                                            **dict.fromkeys([*columns, *self.loggers, *self._ids_taken()]))
+                                            **dict.fromkeys([*columns, *self.loggers,
+                                                             *[COMPLETION_IDS] * self.takes_ids]))
         except TypeError as e:
             shown = ", ".join(columns) or "none"
             advice = ("a TRL reward function takes **kwargs for the columns it does not read"
@@ -354,16 +363,10 @@ class RewardFunction:
         loggers = {name: getattr(logged, name) for name in self.loggers}
         return self.fn(prompts=prompts, completions=completions, **{**columns, **loggers, **ids})
 
-    def _ids_taken(self) -> tuple[str, ...]:
-        """("completion_ids",) where the function names it or takes **kwargs, as TRL passes it to all."""
-        params = inspect.signature(self.fn).parameters
-        takes = COMPLETION_IDS in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
-        return (COMPLETION_IDS,) if takes else ()
-
     def _ids(self, items: list[Item]) -> dict[str, list]:
         """The batch's completion_ids where the function takes them and every completion's are known;
         RewardError where it needs them and they are not (completions of text alone)."""
-        if not self._ids_taken():
+        if not self.takes_ids:
             return {}
         ids = [meta.get(COMPLETION_IDS) for _, _, meta in items]
         if all(i is not None for i in ids):
