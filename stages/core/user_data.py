@@ -225,10 +225,12 @@ PROMPT_LIKE = ("question", "problem", "query", "instruction", "input")  # what r
 
 
 def _view_name(path: Path) -> str:
-    """The view `sparrow sql --run FOLDER` gives a file of the folder (by its stem)."""
-    from ..sql.views import identifier
-
-    return identifier(path.stem) if path.is_file() else "<the file's name>"
+    """The view `sparrow sql --run FOLDER` gives a file of the folder, by its stem (the rule of
+    sql.views.identifier, which a part may not import)."""
+    if not path.is_file():
+        return "<the file's name>"
+    name = re.sub(r"[^A-Za-z0-9_]+", "_", path.stem).strip("_") or "file"
+    return f"_{name}" if name[0].isdigit() else name
 
 
 def _rename_hint(path: Path, columns: list[str]) -> str:
