@@ -30,7 +30,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .cpu_attention import packed_prefix_attention, paged_attention, usable
+from .cpu_attention import KEY_BLOCK, available, packed_prefix_attention, paged_attention, usable
+from .cpu_attention import merge_attention as cpu_merge
 from .page_scoring import SelectionPlan, mask_candidates
 from .sparse_decode import GatherWorkspace, PagePlan, attend_gathered, gather_pages, plan_pages
 
@@ -64,9 +65,9 @@ def prefix_attention(q: Tensor, prefix_k: Tensor, prefix_v: Tensor, scale: float
                      chunks: int | None = None) -> tuple[Tensor, Tensor]:
     """q [n, Hq, D] over a shared prefix [Hkv, S, D] -> out [n, Hq, D] float32, lse [n, Hq] float32,
     the keys in `chunks` pieces (default `key_chunks`). A prefix in the packed layouts of
-    kernels/cpu_attention.py (5-dim keys) goes to that kernel."""
-    if prefix_k.dim() == 5:
-        hkv, length = prefix_k.shape[0], prefix_k.shape[1] * prefix_k.shape[3]
+    kernels/cpu_attention.py (keys in blocks of 16: more than 3 dims) goes to that kernel."""
+    if prefix_k.dim() > 3:
+        hkv, length = prefix_k.shape[0], prefix_k.shape[1] * KEY_BLOCK
         c = key_chunks(hkv, length) if chunks is None else chunks
         return packed_prefix_attention(q, prefix_k, prefix_v, scale, c)
     n, hq, d = q.shape
@@ -103,7 +104,11 @@ def pages_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Te
 
 
 def merge_attention(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> Tensor:
-    """Softmax attention over the union of two disjoint key sets from each half's output and lse."""
+    """Softmax attention over the union of two disjoint key sets from each half's output and lse. Where
+    the C++ kernels run, row by row (`cpu_attention.merge_attention`): the same for a row whatever rows
+    share the step."""
+    if out_a.device.type == "cpu" and out_a.dtype == torch.float32 and available():
+        return cpu_merge(out_a, lse_a, out_b, lse_b)
     lse = torch.logaddexp(lse_a, lse_b)
     return out_a * (lse_a - lse).exp()[..., None] + out_b * (lse_b - lse).exp()[..., None]
 

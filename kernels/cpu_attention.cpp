@@ -1,11 +1,11 @@
-// CPU decode attention kernels (AVX512): the cascade's shared prefix in bf16 with AVX512-BF16 dot
-// products, and attention over listed pages of the paged pool read in place.
+// CPU decode attention kernels (kernels/cpu_simd.h's vectors): the cascade's shared prefix (bf16 with bf16 dot
+// products, or fp32), and attention over listed pages of the paged pool read in place.
 // The torch references, the layouts and why: kernels/cpu_attention.py.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <immintrin.h>
+#include <immintrin.h>  // _mm_prefetch
 
 #include <algorithm>
 #include <cmath>
@@ -23,38 +23,48 @@ namespace {
 
 constexpr int KB = sparrow_attend::KEYS;  // keys per block of the packed key layout
 
-using sparrow_attend::exp_ps;
+using simd::exp_le0;
 
-// q [H, R, D] bf16; kp [H, S/16, D/2, 16, 2] and vp [H, S/2, D, 2] bf16 -> out [H, R, D], lse [H, R] fp32
+// q [H, R, D] bf16; kp [H, S/16, D/2, 16, 2] and vp [H, S/2, D, 2] bf16, or q [H, R, D] fp32; kp [H, S/16, D,
+// 16] and vp [H, S, D] fp32 -> out [H, R, D], lse [H, R] fp32
 std::tuple<at::Tensor, at::Tensor> prefix_attention(const at::Tensor& q, const at::Tensor& kp,
                                                     const at::Tensor& vp, double scale, int64_t chunks) {
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && kp.scalar_type() == at::kBFloat16 &&
-              vp.scalar_type() == at::kBFloat16, "prefix_attention: bf16 tensors expected");
+  const bool f32 = q.scalar_type() == at::kFloat;
+  const auto dtype = f32 ? at::kFloat : at::kBFloat16;
+  TORCH_CHECK(q.scalar_type() == dtype && kp.scalar_type() == dtype && vp.scalar_type() == dtype,
+              "prefix_attention: bf16 or fp32 tensors, one dtype");
   TORCH_CHECK(q.is_contiguous() && kp.is_contiguous() && vp.is_contiguous(), "contiguous tensors expected");
   const int H = q.size(0), R = q.size(1), D = q.size(2);
   TORCH_CHECK(D == 64 || D == 128, "head dim 64 or 128 expected");
-  TORCH_CHECK(kp.dim() == 5 && kp.size(0) == H && kp.size(2) == D / 2 && kp.size(3) == KB, "packed keys");
+  TORCH_CHECK(f32 ? kp.dim() == 4 && kp.size(2) == D && kp.size(3) == KB
+                  : kp.dim() == 5 && kp.size(2) == D / 2 && kp.size(3) == KB, "packed keys");
+  TORCH_CHECK(kp.size(0) == H, "packed keys: one block list per head");
   const int blocks = kp.size(1), S = blocks * KB;
-  TORCH_CHECK(vp.dim() == 4 && vp.size(1) * 2 == S && vp.size(2) == D, "packed values");
+  TORCH_CHECK(f32 ? vp.dim() == 3 && vp.size(1) == S && vp.size(2) == D
+                  : vp.dim() == 4 && vp.size(1) * 2 == S && vp.size(2) == D, "packed values");
   const int per = (blocks + std::max<int64_t>(chunks, 1) - 1) / std::max<int64_t>(chunks, 1);
   const int C = (blocks + per - 1) / per;  // every chunk has keys
-  auto f32 = q.options().dtype(at::kFloat);
-  auto part = at::empty({H, C, R, D}, f32), pm = at::empty({H, C, R}, f32), pl = at::empty({H, C, R}, f32);
-  const auto* qd = reinterpret_cast<const uint32_t*>(q.data_ptr<at::BFloat16>());
-  const auto* kd = reinterpret_cast<const uint16_t*>(kp.data_ptr<at::BFloat16>());
-  const auto* vd = reinterpret_cast<const uint16_t*>(vp.data_ptr<at::BFloat16>());
+  auto opts = q.options().dtype(at::kFloat);
+  auto part = at::empty({H, C, R, D}, opts), pm = at::empty({H, C, R}, opts), pl = at::empty({H, C, R}, opts);
   float *po = part.data_ptr<float>(), *pmd = pm.data_ptr<float>(), *pld = pl.data_ptr<float>();
   at::parallel_for(0, H * C, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const int h = t / C, c = t % C, s0 = c * per * KB, s1 = std::min(S, s0 + per * KB);
-      const uint32_t* qh = qd + (int64_t)h * R * D / 2;
-      const uint16_t* kh = kd + (int64_t)h * S * D;
-      const uint16_t* vh = vd + (int64_t)h * S * D;
-      auto run = D == 64 ? sparrow_attend::attend<64> : sparrow_attend::attend<128>;
-      run(reinterpret_cast<const uint16_t*>(qh), nullptr, R, kh, vh, s0, s1, (float)scale, po + t * R * D, pmd + t * R, pld + t * R);
+      const int64_t head = (int64_t)h * S * D, rows = (int64_t)h * R * D;  // elements of a head's K/V, Q
+      if (f32) {
+        const float *qh = q.data_ptr<float>() + rows, *kh = kp.data_ptr<float>() + head, *vh = vp.data_ptr<float>() + head;
+        auto run = D == 64 ? sparrow_attend::attend<64, float> : sparrow_attend::attend<128, float>;
+        run(qh, nullptr, R, kh, vh, s0, s1, (float)scale, po + t * R * D, pmd + t * R, pld + t * R);
+      } else {
+        const auto* qh = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>()) + rows;
+        const auto* kh = reinterpret_cast<const uint16_t*>(kp.data_ptr<at::BFloat16>()) + head;
+        const auto* vh = reinterpret_cast<const uint16_t*>(vp.data_ptr<at::BFloat16>()) + head;
+        auto run = D == 64 ? sparrow_attend::attend<64> : sparrow_attend::attend<128>;
+        run(qh, nullptr, R, kh, vh, s0, s1, (float)scale, po + t * R * D, pmd + t * R, pld + t * R);
+      }
     }
   });
-  auto out = at::empty({H, R, D}, f32), lse = at::empty({H, R}, f32);
+  auto out = at::empty({H, R, D}, opts), lse = at::empty({H, R}, opts);
   float *od = out.data_ptr<float>(), *ld = lse.data_ptr<float>();
   for (int h = 0; h < H; ++h) {  // merge the chunks by their log-sum-exp
     for (int r = 0; r < R; ++r) {
@@ -76,49 +86,29 @@ std::tuple<at::Tensor, at::Tensor> prefix_attention(const at::Tensor& q, const a
 }
 
 
-inline __m512 load_f32(const float* x) { return _mm512_loadu_ps(x); }
-inline __m512 load_f32(const at::BFloat16* x) {  // 16 bf16 -> fp32: the bf16 bits are the high half
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)x)), 16));
-}
+inline simd::vf load_f32(const float* x) { return simd::loadu(x); }
+inline simd::vf load_f32(const at::BFloat16* x) { return simd::load_bf16(x); }
 
 inline void prefetch_l2(const void* p, int64_t bytes) {
   for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(static_cast<const char*>(p) + o, _MM_HINT_T1);
-}
-
-// 16 vectors -> one whose lane j is the sum of v[j]'s lanes (pairs, then quads, then 128-bit lanes combined)
-inline __m512 sum_lanes16(const __m512 (&v)[16]) {
-  __m512 a[8], b[4], c[2];
-#pragma GCC unroll 8
-  for (int i = 0; i < 8; ++i)
-    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-#pragma GCC unroll 4
-  for (int i = 0; i < 4; ++i) {
-    const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
-    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-  }
-#pragma GCC unroll 2
-  for (int i = 0; i < 2; ++i)
-    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
-                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
 }
 
 // The scores of G query rows q [G, D] (bf16 values in fp32) against one bf16 page of 16 keys kp [16, D] ->
 // s [G][16] (times scale): each key's dot product in D/32 vdpbf16ps steps, the 16 keys' partial sums
 // summed across lanes together (one horizontal sum per key cost about three times more).
 template <int D>
-inline void page_scores_bf16(const __m512bh (*qb)[D / 32], int G, const at::BFloat16* kp, float scale, __m512* s) {
+inline void page_scores_bf16(const simd::vbh (*qb)[D / 32], int G, const at::BFloat16* kp, float scale, simd::vf* s) {
   const auto* k = reinterpret_cast<const uint16_t*>(kp);
   for (int g = 0; g < G; ++g) {
-    __m512 acc[16];
+    simd::vf acc[16];
 #pragma GCC unroll 16
     for (int j = 0; j < 16; ++j) {
-      acc[j] = _mm512_dpbf16_ps(_mm512_setzero_ps(), qb[g][0], (__m512bh)_mm512_loadu_si512(k + j * D));
+      acc[j] = simd::dpbf16(simd::zero(), qb[g][0], simd::as_bh(simd::loadu_bits(k + j * D)));
 #pragma GCC unroll 4
       for (int d = 1; d < D / 32; ++d)
-        acc[j] = _mm512_dpbf16_ps(acc[j], qb[g][d], (__m512bh)_mm512_loadu_si512(k + j * D + d * 32));
+        acc[j] = simd::dpbf16(acc[j], qb[g][d], simd::as_bh(simd::loadu_bits(k + j * D + d * 32)));
     }
-    s[g] = _mm512_mul_ps(sum_lanes16(acc), _mm512_set1_ps(scale));
+    s[g] = simd::mul(simd::sum_lanes16(acc), simd::set1(scale));
   }
 }
 
@@ -155,38 +145,38 @@ void attend_pages(const float* q, int G, const T* k_pages, const T* v_pages, int
   for (int g = 0; g < G; ++g) m[g] = -std::numeric_limits<float>::infinity();
   if constexpr (std::is_same_v<T, at::BFloat16>) {
     if (P == 16) {
-      __m512bh qb[GMAX][D / 32];
+      simd::vbh qb[GMAX][D / 32];
       for (int g = 0; g < G; ++g)
         for (int d = 0; d < D / 32; ++d)
-          qb[g][d] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(q + g * D + d * 32 + 16), _mm512_loadu_ps(q + g * D + d * 32));
-      __m512 mx[GMAX], s[GMAX];
-      for (int g = 0; g < G; ++g) mx[g] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+          qb[g][d] = simd::pack_bf16(simd::loadu(q + g * D + d * 32 + 16), simd::loadu(q + g * D + d * 32));
+      simd::vf mx[GMAX], s[GMAX];
+      for (int g = 0; g < G; ++g) mx[g] = simd::set1(-std::numeric_limits<float>::infinity());
       for (int i = 0; i < K; ++i) {
         if (!valid[i]) continue;
-        const __mmask16 mask = (__mmask16)((1u << valid[i]) - 1);
+        const simd::vmask mask = simd::prefix(valid[i]);
         page_scores_bf16<D>(qb, G, page_at(k_pages, i), scale, s);
         for (int g = 0; g < G; ++g) {
-          _mm512_mask_storeu_ps(scores.data() + (size_t)g * width + i * P, mask, s[g]);
-          mx[g] = _mm512_mask_max_ps(mx[g], mask, mx[g], s[g]);
+          simd::mask_storeu(scores.data() + (size_t)g * width + i * P, mask, s[g]);
+          mx[g] = simd::mask_max(mx[g], mask, mx[g], s[g]);
         }
       }
-      for (int g = 0; g < G; ++g) m[g] = _mm512_reduce_max_ps(mx[g]);
+      for (int g = 0; g < G; ++g) m[g] = simd::reduce_max(mx[g]);
     }
   }
   if (!std::is_same_v<T, at::BFloat16> || P != 16) {
-    __m512 qv[GMAX][DV];
+    simd::vf qv[GMAX][DV];
     for (int g = 0; g < G; ++g)
-      for (int d = 0; d < DV; ++d) qv[g][d] = _mm512_mul_ps(_mm512_loadu_ps(q + g * D + d * 16), _mm512_set1_ps(scale));
+      for (int d = 0; d < DV; ++d) qv[g][d] = simd::mul(simd::loadu(q + g * D + d * 16), simd::set1(scale));
     for (int i = 0; i < K; ++i) {  // scores, one key at a time
       if (!valid[i]) continue;
       const T* kp = page_at(k_pages, i);
       for (int j = 0; j < valid[i]; ++j) {
-        __m512 kv[DV];
+        simd::vf kv[DV];
         for (int d = 0; d < DV; ++d) kv[d] = load_f32(kp + j * D + d * 16);
         for (int g = 0; g < G; ++g) {
-          __m512 dot = _mm512_mul_ps(qv[g][0], kv[0]);
-          for (int d = 1; d < DV; ++d) dot = _mm512_fmadd_ps(qv[g][d], kv[d], dot);
-          const float sc = _mm512_reduce_add_ps(dot);
+          simd::vf dot = simd::mul(qv[g][0], kv[0]);
+          for (int d = 1; d < DV; ++d) dot = simd::fmadd(qv[g][d], kv[d], dot);
+          const float sc = simd::reduce_add(dot);
           scores[(size_t)g * width + i * P + j] = sc;
           m[g] = std::max(m[g], sc);
         }
@@ -195,40 +185,40 @@ void attend_pages(const float* q, int G, const T* k_pages, const T* v_pages, int
   }
   float l[GMAX];
   for (int g = 0; g < G; ++g) {  // probabilities in place, each page's valid positions
-    __m512 sum = _mm512_setzero_ps();
-    const __m512 mv = _mm512_set1_ps(m[g]);
+    simd::vf sum = simd::zero();
+    const simd::vf mv = simd::set1(m[g]);
     for (int i = 0; i < K; ++i)
       for (int j0 = 0; j0 < valid[i]; j0 += 16) {
-        const __mmask16 mask = (__mmask16)((1u << std::min(16, valid[i] - j0)) - 1);
+        const simd::vmask mask = simd::prefix(std::min(16, valid[i] - j0));
         float* sp = scores.data() + (size_t)g * width + i * P + j0;
-        const __m512 pv = _mm512_maskz_mov_ps(mask, exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, sp), mv)));
-        _mm512_mask_storeu_ps(sp, mask, pv);
-        sum = _mm512_add_ps(sum, pv);
+        const simd::vf pv = simd::maskz_mov(mask, exp_le0(simd::sub(simd::maskz_loadu(mask, sp), mv)));
+        simd::mask_storeu(sp, mask, pv);
+        sum = simd::add(sum, pv);
       }
-    l[g] = _mm512_reduce_add_ps(sum);
+    l[g] = simd::reduce_add(sum);
   }
   constexpr int GB = D == 64 ? 4 : 2;  // heads per pass over the values: GB x DV accumulators in registers
   for (int g0 = 0; g0 < G; g0 += GB) {  // (indexed by constants only: GCC spills them to memory otherwise)
     const int gn = std::min(GB, G - g0);
-    __m512 acc[GB][DV];
+    simd::vf acc[GB][DV];
 #pragma GCC unroll 4
     for (int g = 0; g < GB; ++g)
 #pragma GCC unroll 8
-      for (int d = 0; d < DV; ++d) acc[g][d] = _mm512_setzero_ps();
+      for (int d = 0; d < DV; ++d) acc[g][d] = simd::zero();
     for (int i = 0; i < K; ++i) {  // values
       if (!valid[i]) continue;
       const T* vp = page_at(v_pages, i);
       const float* p = scores.data() + (size_t)g0 * width + i * P;
       for (int j = 0; j < valid[i]; ++j) {
-        __m512 vv[DV];
+        simd::vf vv[DV];
 #pragma GCC unroll 8
         for (int d = 0; d < DV; ++d) vv[d] = load_f32(vp + j * D + d * 16);
 #pragma GCC unroll 4
         for (int g = 0; g < GB; ++g) {
           if (g >= gn) break;
-          const __m512 pj = _mm512_set1_ps(p[(size_t)g * width + j]);
+          const simd::vf pj = simd::set1(p[(size_t)g * width + j]);
 #pragma GCC unroll 8
-          for (int d = 0; d < DV; ++d) acc[g][d] = _mm512_fmadd_ps(pj, vv[d], acc[g][d]);
+          for (int d = 0; d < DV; ++d) acc[g][d] = simd::fmadd(pj, vv[d], acc[g][d]);
         }
       }
     }
@@ -238,7 +228,7 @@ void attend_pages(const float* q, int G, const T* k_pages, const T* v_pages, int
       const float inv = l[g0 + g] > 0.f ? 1.f / l[g0 + g] : 0.f;
 #pragma GCC unroll 8
       for (int d = 0; d < DV; ++d)
-        _mm512_storeu_ps(out + (g0 + g) * D + d * 16, _mm512_mul_ps(acc[g][d], _mm512_set1_ps(inv)));
+        simd::storeu(out + (g0 + g) * D + d * 16, simd::mul(acc[g][d], simd::set1(inv)));
     }
   }
   for (int g = 0; g < G; ++g)
@@ -294,6 +284,31 @@ std::tuple<at::Tensor, at::Tensor> paged_attention(const at::Tensor& q, const at
     }
   });
   return {out, lse};
+}
+
+// Softmax attention over two disjoint key sets from each one's output out_a/out_b [N, D] and log-sum-exp
+// lse_a/lse_b [N] fp32 -> out [N, D] fp32, row by row in scalar arithmetic (so a row's result does not
+// depend on how many rows the call holds, as torch's vectorised loops with scalar tails would).
+at::Tensor merge_attention(const at::Tensor& out_a, const at::Tensor& lse_a, const at::Tensor& out_b,
+                           const at::Tensor& lse_b) {
+  for (const auto* t : {&out_a, &lse_a, &out_b, &lse_b})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous(), "merge_attention: contiguous fp32");
+  const int64_t N = lse_a.numel(), D = out_a.numel() / std::max<int64_t>(N, 1);
+  TORCH_CHECK(out_b.numel() == N * D && lse_b.numel() == N, "merge_attention: matching shapes");
+  auto out = at::empty_like(out_a);
+  const float *oa = out_a.data_ptr<float>(), *la = lse_a.data_ptr<float>();
+  const float *ob = out_b.data_ptr<float>(), *lb = lse_b.data_ptr<float>();
+  float* od = out.data_ptr<float>();
+  for (int64_t n = 0; n < N; ++n) {
+    const float hi = std::max(la[n], lb[n]);
+    float wa = 0.f, wb = 0.f;
+    if (hi > -std::numeric_limits<float>::infinity()) {
+      const float lse = hi + std::log(std::exp(la[n] - hi) + std::exp(lb[n] - hi));
+      wa = std::exp(la[n] - lse), wb = std::exp(lb[n] - lse);
+    }
+    for (int64_t d = 0; d < D; ++d) od[n * D + d] = oa[n * D + d] * wa + ob[n * D + d] * wb;
+  }
+  return out;
 }
 
 // Block top-k selection from page scores [B, Hkv, W] fp32 (-inf = not a candidate): per row keep pages
@@ -394,9 +409,9 @@ void append_kv(at::Tensor& k_pages, at::Tensor& v_pages, at::Tensor& centroids, 
 }
 
 inline float dot(const float* a, const float* b, int64_t D) {  // D a multiple of 16
-  __m512 acc = _mm512_setzero_ps();
-  for (int64_t d = 0; d < D; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), _mm512_loadu_ps(b + d), acc);
-  return _mm512_reduce_add_ps(acc);
+  simd::vf acc = simd::zero();
+  for (int64_t d = 0; d < D; d += 16) acc = simd::fmadd(simd::loadu(a + d), simd::loadu(b + d), acc);
+  return simd::reduce_add(acc);
 }
 
 // Page scores for block top-k: the mean query of each KV head's G query heads (q [B, Hq, D], fp32 or bf16)
@@ -481,6 +496,8 @@ TORCH_LIBRARY(sparrow_cpu, m) {
   m.def("paged_attention(Tensor q, Tensor k_pages, Tensor v_pages, Tensor block_table, Tensor seq_lens, "
         "Tensor pages, float scale) -> (Tensor, Tensor)");
   m.impl("paged_attention", c10::DispatchKey::CPU, TORCH_FN(paged_attention));
+  m.def("merge_attention(Tensor out_a, Tensor lse_a, Tensor out_b, Tensor lse_b) -> Tensor");
+  m.impl("merge_attention", c10::DispatchKey::CPU, TORCH_FN(merge_attention));
   m.def("select_pages(Tensor scores, Tensor seq_lens, Tensor budgets, int page_size, int reserved, "
         "int min_width) -> Tensor");
   m.impl("select_pages", c10::DispatchKey::CPU, TORCH_FN(select_pages));

@@ -1,4 +1,4 @@
-"""CPU attention kernels in C++ (AVX512-BF16), each beside its float64 or torch reference.
+"""CPU attention kernels in C++ (AVX512-BF16, or AVX2 and FMA), each beside its float64 or torch reference.
 
 `paged_attention` (listed pages read through the block table), `select_pages` and `score_pages` (block
 top-k in one op), `append_kv`, `sparse_decode_layer` (append, score, select, attend), the cascade's
@@ -24,18 +24,42 @@ from sparrow.stages.core.definitions import RESERVED_PAGES
 KEY_BLOCK = 16  # keys per packed key block
 
 
-def cpu_has_avx512_bf16() -> bool:
+def cpu_flags() -> set[str]:
     try:
-        flags = Path("/proc/cpuinfo").read_text()
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.partition(":")[2].split())
     except OSError:
-        return False
-    return " avx512_bf16" in flags and " avx512bw" in flags
+        pass
+    return set()
+
+
+def cpu_has_avx512_bf16() -> bool:
+    flags = cpu_flags()
+    return "avx512_bf16" in flags and "avx512bw" in flags
+
+
+# The instruction sets the kernels are built for (kernels/cpu_simd.h), the first this CPU has: AVX512-BF16,
+# else AVX2 with FMA (each vector two halves, bf16 products widened to fp32).
+ISA_FLAGS = {"avx512-bf16": ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512bf16"],
+             "avx2": ["-mavx2", "-mfma", "-mf16c"]}
+
+
+@functools.cache
+def isa() -> str | None:
+    """The instruction set the kernels are built for on this CPU, None where they do not run."""
+    if cpu_has_avx512_bf16():
+        return "avx512-bf16"
+    return "avx2" if {"avx2", "fma", "f16c"} <= cpu_flags() else None
 
 
 SOURCES = [Path(__file__).with_suffix(".cpp")] + [Path(__file__).with_name(f"cpu_{name}.cpp")
                                                  for name in ("layers", "prefill", "sampling")]
-HEADERS = [Path(__file__).with_name("cpu_attend.h")]
-CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512bf16", "-fopenmp"]
+HEADERS = [Path(__file__).with_name(f"cpu_{name}.h") for name in ("attend", "simd")]
+
+
+def cflags() -> list[str]:
+    return ["-O3", *ISA_FLAGS[isa() or "avx2"], "-fopenmp"]
 
 
 def _build_directory() -> Path:
@@ -44,7 +68,7 @@ def _build_directory() -> Path:
     from torch.utils.cpp_extension import _get_build_directory
 
     source = b"".join(p.read_bytes() for p in SOURCES + HEADERS)
-    digest = hashlib.sha256(source + " ".join(CFLAGS).encode() + torch.__version__.encode()).hexdigest()
+    digest = hashlib.sha256(source + " ".join(cflags()).encode() + torch.__version__.encode()).hexdigest()
     path = Path(_get_build_directory(f"sparrow_cpu_attention_{digest[:16]}", verbose=False))
     path.mkdir(parents=True, exist_ok=True)
     return path
@@ -53,7 +77,7 @@ def _build_directory() -> Path:
 @functools.cache
 def available() -> bool:
     """Whether the kernels run here (building them on the first call on this machine)."""
-    if os.environ.get("SPARROW_CPU_KERNELS", "1") == "0" or not cpu_has_avx512_bf16():
+    if os.environ.get("SPARROW_CPU_KERNELS", "1") == "0" or isa() is None:
         return False
     try:
         library = _build_directory() / "sparrow_cpu_attention.so"
@@ -66,7 +90,7 @@ def available() -> bool:
         from torch.utils.cpp_extension import load
 
         print("sparrow: building the CPU attention kernels (once per machine, 10-80 s)", file=sys.stderr)
-        load("sparrow_cpu_attention", [str(p) for p in SOURCES], extra_cflags=CFLAGS,
+        load("sparrow_cpu_attention", [str(p) for p in SOURCES], extra_cflags=cflags(),
              extra_ldflags=["-fopenmp"], build_directory=str(library.parent), is_python_module=False,
              verbose=False)
     except Exception as e:  # no compiler, no ninja, a failed build: the torch paths work everywhere
@@ -79,7 +103,7 @@ def available() -> bool:
 
 def supports(head_dim: int, page_size: int, dtype: torch.dtype) -> bool:
     """Whether a prefix of this shape can be packed for `packed_prefix_attention`."""
-    return dtype == torch.bfloat16 and head_dim in (64, 128) and page_size % KEY_BLOCK == 0
+    return dtype in (torch.bfloat16, torch.float32) and head_dim in (64, 128) and page_size % KEY_BLOCK == 0
 
 
 def usable(q: Tensor, k_pages: Tensor) -> bool:
@@ -125,6 +149,12 @@ def paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Te
         pages.long().contiguous(), scale)
 
 
+def merge_attention(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> Tensor:
+    """`cascade_decode.merge_attention` row by row in scalar arithmetic: out [..., D], lse [...] fp32."""
+    return torch.ops.sparrow_cpu.merge_attention(out_a.contiguous(), lse_a.contiguous(), out_b.contiguous(),
+                                                 lse_b.contiguous())
+
+
 def select_pages(scores: Tensor, seq_lens: Tensor, budgets: Tensor, page_size: int,
                  max_selected: int | None = None) -> Tensor:
     """`page_scoring.finish_selection` in one op: page scores [B, Hkv, W] (-inf = not a candidate) ->
@@ -162,32 +192,48 @@ def paged_attention_reference(q: Tensor, k_pages: Tensor, v_pages: Tensor, block
     return out, lse
 
 
-def packed_key_shape(hkv: int, length: int, head_dim: int) -> tuple[int, ...]:
+def packed_key_shape(hkv: int, length: int, head_dim: int,
+                     dtype: torch.dtype = torch.bfloat16) -> tuple[int, ...]:
+    """bf16: per block of 16 keys, per pair of dims, the 16 keys' two values (one vdpbf16ps operand);
+    fp32: per block of 16 keys, per dim, the 16 keys' values (one FMA operand)."""
+    if dtype == torch.float32:
+        return (hkv, length // KEY_BLOCK, head_dim, KEY_BLOCK)
     return (hkv, length // KEY_BLOCK, head_dim // 2, KEY_BLOCK, 2)
 
 
-def packed_value_shape(hkv: int, length: int, head_dim: int) -> tuple[int, ...]:
+def packed_value_shape(hkv: int, length: int, head_dim: int,
+                       dtype: torch.dtype = torch.bfloat16) -> tuple[int, ...]:
+    """bf16: per pair of keys, per dim, the two keys' values; fp32: the values as they are."""
+    if dtype == torch.float32:
+        return (hkv, length, head_dim)
     return (hkv, length // 2, head_dim, 2)
 
 
 def pack_keys(k: Tensor) -> Tensor:
-    """[Hkv, S, D] -> the packed key layout (a strided view; copy it into the store)."""
+    """[Hkv, S, D] -> the packed key layout of k's dtype (a strided view; copy it into the store)."""
     h, s, d = k.shape
+    if k.dtype == torch.float32:
+        return k.view(h, s // KEY_BLOCK, KEY_BLOCK, d).transpose(2, 3)
     return k.view(h, s // KEY_BLOCK, KEY_BLOCK, d // 2, 2).transpose(2, 3)
 
 
 def pack_values(v: Tensor) -> Tensor:
-    """[Hkv, S, D] -> the packed value layout (a strided view)."""
+    """[Hkv, S, D] -> the packed value layout of v's dtype (a strided view)."""
     h, s, d = v.shape
-    return v.view(h, s // 2, 2, d).transpose(2, 3)
+    return v if v.dtype == torch.float32 else v.view(h, s // 2, 2, d).transpose(2, 3)
 
 
 def unpack_keys(kp: Tensor) -> Tensor:
+    if kp.dim() == 4:  # fp32 [Hkv, S/16, D, 16]
+        h, blocks, d, block = kp.shape
+        return kp.transpose(2, 3).reshape(h, blocks * block, d)
     h, blocks, half, block, _ = kp.shape
     return kp.transpose(2, 3).reshape(h, blocks * block, half * 2)
 
 
 def unpack_values(vp: Tensor) -> Tensor:
+    if vp.dim() == 3:  # fp32, as they are
+        return vp
     h, pairs, d, _ = vp.shape
     return vp.transpose(2, 3).reshape(h, pairs * 2, d)
 
@@ -206,11 +252,8 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
     b, hkv, t, d = k.shape
     pad = -t % KEY_BLOCK
     k, v = (torch.nn.functional.pad(x, (0, 0, 0, pad)).reshape(b * hkv, t + pad, d) for x in (k, v))
-    if q.dtype == torch.float32:  # keys [B Hkv, Tp/16, D, 16] (16 keys' values per dim), values as they are
-        kp, vp = k.view(b * hkv, (t + pad) // KEY_BLOCK, KEY_BLOCK, d).transpose(2, 3).contiguous(), v
-    else:
-        kp, vp = pack_keys(k).contiguous(), pack_values(v).contiguous()
-    return torch.ops.sparrow_cpu.prefill_attention(q, kp, vp.contiguous(), scale).transpose(1, 2)
+    kp, vp = pack_keys(k).contiguous(), pack_values(v).contiguous()
+    return torch.ops.sparrow_cpu.prefill_attention(q, kp, vp, scale).transpose(1, 2)
 
 
 def causal_attention_reference(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
@@ -225,13 +268,14 @@ def causal_attention_reference(q: Tensor, k: Tensor, v: Tensor, scale: float) ->
 
 def packed_prefix_attention(q: Tensor, kp: Tensor, vp: Tensor, scale: float,
                             chunks: int) -> tuple[Tensor, Tensor]:
-    """q [n, Hq, D] over a packed shared prefix -> out [n, Hq, D] fp32, lse [n, Hq] fp32."""
+    """q [n, Hq, D] over a shared prefix packed in its dtype's layout (bf16 or fp32) -> out [n, Hq, D] fp32,
+    lse [n, Hq] fp32."""
     if not available():  # loads the op (built and cached on the first call)
         raise RuntimeError("the CPU prefix attention kernel is not available here")
     n, hq, d = q.shape
     hkv = kp.shape[0]
     g = hq // hkv
-    qh = q.view(n, hkv, g, d).transpose(0, 1).reshape(hkv, n * g, d).to(torch.bfloat16).contiguous()
+    qh = q.view(n, hkv, g, d).transpose(0, 1).reshape(hkv, n * g, d).to(kp.dtype).contiguous()
     out, lse = torch.ops.sparrow_cpu.prefix_attention(qh, kp, vp, scale, chunks)  # [Hkv, n*G, D], [Hkv, n*G]
     return (out.view(hkv, n, g, d).transpose(0, 1).reshape(n, hq, d),
             lse.view(hkv, n, g).transpose(0, 1).reshape(n, hq))

@@ -6,7 +6,6 @@
 // The torch references: stages/model/llama.py (RMSNorm, apply_rope), F.linear; where they are used and
 // why: stages/rollout/cpu_layers.py, stages/rollout/packed_linears.py.
 #include <ATen/ATen.h>
-#include <immintrin.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -16,41 +15,48 @@
 #include <type_traits>
 #include <vector>
 
-// libtorch_cpu's exp of 16 floats: the one torch's own vectorised silu uses, so that ours rounds as F.silu does
+#include "cpu_simd.h"
+
+// libtorch_cpu's exp of 16 (AVX512) or 8 (AVX2) floats: the one torch's own vectorised silu uses on this CPU,
+// so that ours rounds as F.silu does
+#if SPARROW_SIMD_AVX512
 extern "C" __m512 Sleef_expf16_u10(__m512);
+inline simd::vf exp16(simd::vf x) { return Sleef_expf16_u10(x); }
+#else
+extern "C" __m256 Sleef_expf8_u10(__m256);
+inline simd::vf exp16(simd::vf x) { return {Sleef_expf8_u10(x.lo), Sleef_expf8_u10(x.hi)}; }
+#endif
 
 namespace {
 
-inline __m512 load_bf16(const at::BFloat16* p, __mmask16 m) {  // 16 bf16 -> fp32 (the bf16 bits are the high half)
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+inline simd::vf load_bf16(const at::BFloat16* p, simd::vmask m) { return simd::maskz_load_bf16(m, p); }
+
+inline void store_bf16(at::BFloat16* p, simd::vf x, simd::vmask m) {  // rounded to nearest even, as c10::BFloat16
+  simd::mask_store_bf16(p, m, x);
 }
 
-inline void store_bf16(at::BFloat16* p, __m512 x, __mmask16 m) {  // rounded to nearest even, as c10::BFloat16
-  _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(x));
+inline simd::vf round_bf16(simd::vf x) {  // fp32 -> bf16 -> fp32
+  return simd::widen_bf16(simd::to_bf16(x));
 }
 
-inline __m512 round_bf16(__m512 x) {  // fp32 -> bf16 -> fp32
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x)), 16));
-}
-
-inline __mmask16 tail(int64_t n) { return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1); }
+inline simd::vmask tail(int64_t n) { return n >= 16 ? simd::all() : simd::prefix(n); }
 
 // out = a + b over n bf16 values, each sum rounded once (as a bf16 tensor add)
 void add_rows(const at::BFloat16* a, const at::BFloat16* b, at::BFloat16* out, int64_t n) {
   for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = tail(n - i);
-    store_bf16(out + i, _mm512_add_ps(load_bf16(a + i, m), load_bf16(b + i, m)), m);
+    const simd::vmask m = tail(n - i);
+    store_bf16(out + i, simd::add(load_bf16(a + i, m), load_bf16(b + i, m)), m);
   }
 }
 
 // act = bf16(bf16(silu(gate)) * up) over n values: F.silu(gate) * up of bf16 tensors
 void silu_mul(const at::BFloat16* gate, const at::BFloat16* up, at::BFloat16* act, int64_t n) {
-  const __m512 one = _mm512_set1_ps(1.f);
+  const simd::vf one = simd::set1(1.f);
   for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = tail(n - i);
-    const __m512 g = load_bf16(gate + i, m);
-    const __m512 silu = round_bf16(_mm512_div_ps(g, _mm512_add_ps(one, Sleef_expf16_u10(_mm512_sub_ps(_mm512_setzero_ps(), g)))));
-    store_bf16(act + i, _mm512_mul_ps(silu, load_bf16(up + i, m)), m);
+    const simd::vmask m = tail(n - i);
+    const simd::vf g = load_bf16(gate + i, m);
+    const simd::vf silu = round_bf16(simd::div(g, simd::add(one, exp16(simd::sub(simd::zero(), g)))));
+    store_bf16(act + i, simd::mul(silu, load_bf16(up + i, m)), m);
   }
 }
 
@@ -59,15 +65,15 @@ void rms_norm_rows(const T* x, const T* w, T* out, int64_t rows, int64_t H, floa
   for (int64_t r = 0; r < rows; ++r) {
     const T* xr = x + r * H;
     if constexpr (std::is_same_v<T, at::BFloat16>) {
-      __m512 ss = _mm512_setzero_ps();
+      simd::vf ss = simd::zero();
       for (int64_t i = 0; i < H; i += 16) {
-        const __m512 xv = load_bf16(xr + i, tail(H - i));
-        ss = _mm512_fmadd_ps(xv, xv, ss);
+        const simd::vf xv = load_bf16(xr + i, tail(H - i));
+        ss = simd::fmadd(xv, xv, ss);
       }
-      const __m512 inv = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(ss) / H + eps));
+      const simd::vf inv = simd::set1(1.f / std::sqrt(simd::reduce_add(ss) / H + eps));
       for (int64_t i = 0; i < H; i += 16) {  // as the reference: x * inv is rounded before the weight multiplies it
-        const __mmask16 m = tail(H - i);
-        store_bf16(out + r * H + i, _mm512_mul_ps(load_bf16(w + i, m), round_bf16(_mm512_mul_ps(load_bf16(xr + i, m), inv))), m);
+        const simd::vmask m = tail(H - i);
+        store_bf16(out + r * H + i, simd::mul(load_bf16(w + i, m), round_bf16(simd::mul(load_bf16(xr + i, m), inv))), m);
       }
     } else {
       float ss = 0.f;
@@ -106,12 +112,12 @@ void rope_rows(const T* x, const T* cos, const T* sin, T* out, int64_t B, int64_
       T* o = out + (b * H + h) * D;
       if constexpr (std::is_same_v<T, at::BFloat16>) {
         for (int64_t i = 0; i < half; i += 16) {  // x c + rotate_half(x) s, both halves of 16 lanes at a time
-          const __mmask16 m = tail(half - i);
-          const __m512 lo = load_bf16(xr + i, m), hi = load_bf16(xr + half + i, m);
-          store_bf16(o + i, _mm512_fmadd_ps(_mm512_sub_ps(_mm512_setzero_ps(), hi), load_bf16(s + i, m),
-                                            _mm512_mul_ps(lo, load_bf16(c + i, m))), m);
-          store_bf16(o + half + i, _mm512_fmadd_ps(lo, load_bf16(s + half + i, m),
-                                                   _mm512_mul_ps(hi, load_bf16(c + half + i, m))), m);
+          const simd::vmask m = tail(half - i);
+          const simd::vf lo = load_bf16(xr + i, m), hi = load_bf16(xr + half + i, m);
+          store_bf16(o + i, simd::fmadd(simd::sub(simd::zero(), hi), load_bf16(s + i, m),
+                                            simd::mul(lo, load_bf16(c + i, m))), m);
+          store_bf16(o + half + i, simd::fmadd(lo, load_bf16(s + half + i, m),
+                                                   simd::mul(hi, load_bf16(c + half + i, m))), m);
         }
       } else {
         for (int64_t i = 0; i < D; ++i) {
@@ -155,19 +161,18 @@ std::tuple<at::Tensor, at::Tensor> rope_qk(const at::Tensor& q, const at::Tensor
 template <int M, typename OutT>
 void linear_block(const uint32_t* x, const uint16_t* w, int K2, const at::BFloat16* bias, OutT* out,
                   int N, int n0) {
-  __m512 acc[M];
-  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+  simd::vf acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = simd::zero();
   for (int p = 0; p < K2; ++p) {
-    const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + (int64_t)p * 32);
-    for (int m = 0; m < M; ++m) acc[m] = _mm512_dpbf16_ps(acc[m], (__m512bh)_mm512_set1_epi32((int)x[m * K2 + p]), wv);
+    const simd::vbh wv = simd::as_bh(simd::loadu_bits(w + (int64_t)p * 32));
+    for (int m = 0; m < M; ++m) acc[m] = simd::dpbf16(acc[m], simd::as_bh(simd::set1_bits((int)x[m * K2 + p])), wv);
   }
-  const __m512 b = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(
-      _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(bias + n0))), 16)) : _mm512_setzero_ps();
+  const simd::vf b = bias ? simd::load_bf16(bias + n0) : simd::zero();
   for (int m = 0; m < M; ++m) {
     if constexpr (std::is_same_v<OutT, float>)
-      _mm512_storeu_ps(out + (int64_t)m * N + n0, _mm512_add_ps(acc[m], b));
+      simd::storeu(out + (int64_t)m * N + n0, simd::add(acc[m], b));
     else
-      _mm256_storeu_si256((__m256i*)(out + (int64_t)m * N + n0), (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[m], b)));
+      _mm256_storeu_si256((__m256i*)(out + (int64_t)m * N + n0), simd::to_bf16(simd::add(acc[m], b)));
   }
 }
 
@@ -198,14 +203,14 @@ void linear_rows(int rows, const uint32_t* x, const uint16_t* w, int K2, int NB,
 // input, the 16 outputs' weights) -> [M, N] fp32, plus an optional bias [N]; one FMA per weight and row.
 template <int M>
 void linear_block_f32(const float* x, const float* w, int K, const float* bias, float* out, int N, int n0) {
-  __m512 acc[M];
-  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+  simd::vf acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = simd::zero();
   for (int k = 0; k < K; ++k) {
-    const __m512 wv = _mm512_loadu_ps(w + (int64_t)k * 16);
-    for (int m = 0; m < M; ++m) acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(x[m * K + k]), wv, acc[m]);
+    const simd::vf wv = simd::loadu(w + (int64_t)k * 16);
+    for (int m = 0; m < M; ++m) acc[m] = simd::fmadd(simd::set1(x[m * K + k]), wv, acc[m]);
   }
-  const __m512 b = bias ? _mm512_loadu_ps(bias + n0) : _mm512_setzero_ps();
-  for (int m = 0; m < M; ++m) _mm512_storeu_ps(out + (int64_t)m * N + n0, _mm512_add_ps(acc[m], b));
+  const simd::vf b = bias ? simd::loadu(bias + n0) : simd::zero();
+  for (int m = 0; m < M; ++m) simd::storeu(out + (int64_t)m * N + n0, simd::add(acc[m], b));
 }
 
 template <int M>
@@ -284,18 +289,18 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const c1
 
 void add_rows(const float* a, const float* b, float* out, int64_t n) {
   for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = tail(n - i);
-    _mm512_mask_storeu_ps(out + i, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, a + i), _mm512_maskz_loadu_ps(m, b + i)));
+    const simd::vmask m = tail(n - i);
+    simd::mask_storeu(out + i, m, simd::add(simd::maskz_loadu(m, a + i), simd::maskz_loadu(m, b + i)));
   }
 }
 
 void silu_mul(const float* gate, const float* up, float* act, int64_t n) {  // F.silu(gate) * up in fp32
-  const __m512 one = _mm512_set1_ps(1.f);
+  const simd::vf one = simd::set1(1.f);
   for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = tail(n - i);
-    const __m512 g = _mm512_maskz_loadu_ps(m, gate + i);
-    const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, Sleef_expf16_u10(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-    _mm512_mask_storeu_ps(act + i, m, _mm512_mul_ps(silu, _mm512_maskz_loadu_ps(m, up + i)));
+    const simd::vmask m = tail(n - i);
+    const simd::vf g = simd::maskz_loadu(m, gate + i);
+    const simd::vf silu = simd::div(g, simd::add(one, exp16(simd::sub(simd::zero(), g))));
+    simd::mask_storeu(act + i, m, simd::mul(silu, simd::maskz_loadu(m, up + i)));
   }
 }
 

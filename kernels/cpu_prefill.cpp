@@ -4,8 +4,6 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <immintrin.h>
-
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -60,11 +58,11 @@ at::Tensor prefill(const at::Tensor& q, const at::Tensor& kp, const at::Tensor& 
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t t = t0 + r / G, hq = h * G + r % G;
         T* dst = od + ((b * T_ + t) * Hq + hq) * D;
-        const __m512 inv = _mm512_set1_ps(1.f / l[r]);
+        const simd::vf inv = simd::set1(1.f / l[r]);
         for (int64_t d = 0; d < D; d += 16) {
-          const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(&o[r * D + d]), inv);
-          if constexpr (std::is_same_v<T, float>) _mm512_storeu_ps(dst + d, x);
-          else _mm256_storeu_si256((__m256i*)(dst + d), (__m256i)_mm512_cvtneps_pbh(x));
+          const simd::vf x = simd::mul(simd::loadu(&o[r * D + d]), inv);
+          if constexpr (std::is_same_v<T, float>) simd::storeu(dst + d, x);
+          else _mm256_storeu_si256((__m256i*)(dst + d), simd::to_bf16(x));
         }
       }
     }

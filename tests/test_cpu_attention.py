@@ -1,5 +1,5 @@
-"""The AVX512-BF16 prefix attention kernel against float64 attention on the unpacked prefix, its
-layouts against their definition, and the engine using it in bf16 (kernels/cpu_attention.py)."""
+"""The C++ CPU kernels (AVX512-BF16, or AVX2 and FMA) against float64 attention and the torch references,
+the packed layouts against their definition, and the engine using them (kernels/cpu_attention.py)."""
 
 from __future__ import annotations
 
@@ -13,16 +13,20 @@ from sparrow.stages.core.sparsity import as_policy
 from sparrow.stages.engine import Engine, EngineConfig, SamplingParams
 from sparrow.stages.model.loading import load_model
 
-needs_kernel = pytest.mark.skipif(not kernel.available(), reason="no AVX512-BF16 or no C++ toolchain")
+needs_kernel = pytest.mark.skipif(not kernel.available(), reason="no AVX2 or no C++ toolchain")
 
 
 def test_the_kernels_build_where_the_cpu_runs_them():
-    """A CPU with AVX512-BF16 and a C++ compiler must build the kernels: a source that fails to compile
-    would otherwise turn every kernel test here into a skip and every engine into the torch paths."""
+    """A CPU with AVX512-BF16, or AVX2 and FMA, and a C++ compiler must build the kernels: a source that
+    fails to compile would otherwise turn every kernel test here into a skip and every engine into the
+    torch paths."""
     import shutil
 
-    if not kernel.cpu_has_avx512_bf16() or shutil.which("c++") is None:
-        pytest.skip("no AVX512-BF16 or no C++ compiler: the torch paths are the ones that run")
+    flags = kernel.cpu_flags()
+    if kernel.isa() is None or shutil.which("c++") is None:
+        assert not {"avx2", "fma", "f16c"} <= flags or shutil.which("c++") is None
+        pytest.skip("no AVX2 or no C++ compiler: the torch paths are the ones that run")
+    assert kernel.isa() == ("avx512-bf16" if "avx512_bf16" in flags and "avx512bw" in flags else "avx2")
     assert kernel.available()
 
 
@@ -39,18 +43,48 @@ def test_packed_layouts_hold_what_their_definition_says():
 @pytest.mark.parametrize("n,hq,hkv,d,length", [(8, 9, 3, 64, 1024), (1, 9, 3, 64, 48), (5, 9, 3, 64, 400),
                                                (2, 32, 8, 128, 272)])
 @pytest.mark.parametrize("chunks", [1, 3, 8])
-def test_kernel_equals_float64_attention(n, hq, hkv, d, length, chunks):
+@pytest.mark.parametrize("dtype,atol", [(torch.bfloat16, 2e-2), (torch.float32, 2e-5)])
+def test_kernel_equals_float64_attention(n, hq, hkv, d, length, chunks, dtype, atol):
     g = torch.Generator().manual_seed(n + d + length)
-    q = (torch.randn(n, hq, d, generator=g) * 2).bfloat16()
-    k, v = (torch.randn(2, hkv, length, d, generator=g) * 2).bfloat16()
+    q = (torch.randn(n, hq, d, generator=g) * 2).to(dtype)
+    k, v = (torch.randn(2, hkv, length, d, generator=g) * 2).to(dtype)
     kp, vp = kernel.pack_keys(k).contiguous(), kernel.pack_values(v).contiguous()
+    assert kp.shape == kernel.packed_key_shape(hkv, length, d, dtype)
+    assert vp.shape == kernel.packed_value_shape(hkv, length, d, dtype)
     want_out, want_lse = kernel.prefix_attention_reference(q, kp, vp, d ** -0.5)
     out, lse = prefix_attention(q, kp, vp, d ** -0.5, chunks=chunks)  # dispatches on the packed layout
-    # the probabilities are rounded to bf16 for the value product (as the flash kernel does in bf16)
-    torch.testing.assert_close(out.double(), want_out, atol=2e-2, rtol=0)
+    # in bf16 the probabilities are rounded to bf16 for the value product (as the flash kernel does in bf16)
+    torch.testing.assert_close(out.double(), want_out, atol=atol, rtol=0)
     torch.testing.assert_close(lse.double(), want_lse, atol=1e-4, rtol=0)
     flash_out, _ = prefix_attention(q, k, v, d ** -0.5, chunks=1)
-    assert (out.double() - want_out).abs().max() <= 2 * (flash_out.double() - want_out).abs().max() + 1e-3
+    flash_error = (flash_out.double() - want_out).abs().max()
+    assert (out.double() - want_out).abs().max() <= 2 * flash_error + atol / 20
+
+
+@needs_kernel
+def test_merge_attention_equals_attention_over_both_key_sets_row_by_row():
+    """Two halves of 40 keys merged by their log-sum-exp equal float64 attention over all 80 (a row with
+    no key on one side takes the other whole), and each row is what it is merged alone."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(n, 64, generator=g) for n in (7, 80, 80))
+    scores = q.double() @ k.double().T / 8
+
+    def half(keys: slice, empty_rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        s = scores[:, keys].clone()
+        s[empty_rows] = float("-inf")
+        lse = torch.logsumexp(s, -1)
+        out = torch.nan_to_num(torch.softmax(s, -1)) @ v[keys].double()
+        return out.float(), lse.float()
+
+    (out_a, lse_a), (out_b, lse_b) = half(slice(0, 40), [5]), half(slice(40, 80), [6])
+    got = kernel.merge_attention(out_a, lse_a, out_b, lse_b)
+    want = torch.softmax(scores, -1) @ v.double()
+    want[5] = torch.softmax(scores[5, 40:], -1) @ v[40:].double()
+    want[6] = torch.softmax(scores[6, :40], -1) @ v[:40].double()
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=0)
+    for r in range(7):
+        alone = kernel.merge_attention(out_a[r:r + 1], lse_a[r:r + 1], out_b[r:r + 1], lse_b[r:r + 1])
+        assert torch.equal(alone[0], got[r])
 
 
 @needs_kernel

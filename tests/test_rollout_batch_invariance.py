@@ -51,7 +51,7 @@ def test_rollouts_are_the_same_with_any_max_batch_up_to_16(smollm2, two_threads,
     if not packing_available(smollm2.model):
         pytest.skip("no oneDNN here")
     if not cpu_attention.available():
-        pytest.skip("the torch paths pad decode attention to the batch's longest sequence (no AVX512-BF16)")
+        pytest.skip("no C++ kernels: the torch paths pad decode attention to the batch's longest sequence")
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, 5000, (n,), generator=gen).tolist() for n in (80, 59, 56)]
     ref = _rollouts(smollm2.model, prompts, 16, budget)

@@ -30,7 +30,7 @@ class SharedPrefix:
     k: list[torch.Tensor]  # per layer [Hkv, tokens, D] model dtype, a view of the pool (or packed)
     v: list[torch.Tensor]
     centroids: list[torch.Tensor]  # per layer [len(pages), Hkv, D] float32, a view of the pool
-    packed: bool = False  # k and v in the AVX512-BF16 kernel's layouts (kernels/cpu_attention.py)
+    packed: bool = False  # k and v in the C++ prefix kernel's layouts (kernels/cpu_attention.py)
 
     @classmethod
     def in_pool(cls, cache: PagedKVCache, pages: list[int], run: list[int],
@@ -40,8 +40,8 @@ class SharedPrefix:
         first, end = run[0], run[0] + len(run)
         hkv, size, d = cache.k.shape[2:]
         tokens = len(run) * size
-        k_shape = packed_key_shape(hkv, tokens, d) if packed else (hkv, tokens, d)
-        v_shape = packed_value_shape(hkv, tokens, d) if packed else (hkv, tokens, d)
+        k_shape = packed_key_shape(hkv, tokens, d, cache.k[0].dtype) if packed else (hkv, tokens, d)
+        v_shape = packed_value_shape(hkv, tokens, d, cache.k[0].dtype) if packed else (hkv, tokens, d)
         return cls(tuple(pages), tuple(run), tokens, [k[first:end].view(k_shape) for k in cache.k],
                    [v[first:end].view(v_shape) for v in cache.v], [c[first:end] for c in cache.centroids],
                    packed)
