@@ -145,8 +145,9 @@ def rollout(
                               "(sparrow distill's) only with --budget or --schedule."),
     device: str = device_option(also=" On cuda: bfloat16, Triton kernels, CUDA graphs."),
     dtype: str = typer.Option("auto", "--dtype", help="Weights and KV cache: auto (bfloat16 on cuda, "
-                              "float32 on cpu), float32 or bfloat16. bfloat16 decodes faster on a CPU with "
-                              "AVX512-BF16 (docs/benchmarks.md); float32 matches teacher-forced scoring to "
+                              "float32 on cpu), float32 or bfloat16. bfloat16 decodes faster on a CPU that "
+                              "runs our C++ kernels (AVX512-BF16 or AVX2; docs/benchmarks.md); float32 "
+                              "matches teacher-forced scoring to "
                               "about 1e-4."),
     eager: bool = typer.Option(False, "--eager/--no-eager", "--enforce-eager",
                                help="On cuda, run the decode step eagerly instead of "

@@ -119,7 +119,7 @@ def test_fused_decode_layers_equal_the_modular_step(name, dtype):
         for fused in (True, False):
             engine = Engine(model, as_policy(budget), EngineConfig(max_batch=4))
             if engine.runner.fused is None:
-                pytest.skip("no C++ kernels or no AVX512-BF16 here")
+                pytest.skip("no C++ kernels here (no AVX2 or no C++ toolchain)")
             assert engine.runner.fused.ready()  # every projection packed for the fused ops
             if not fused:
                 engine.runner.fused = None
@@ -129,11 +129,14 @@ def test_fused_decode_layers_equal_the_modular_step(name, dtype):
 
 
 def test_bf16_without_onednn_bf16_runs_torch_products(monkeypatch):
-    """A CPU whose oneDNN has no bf16 products (AVX2 only): no packing for bf16 (oneDNN would refuse the
-    reorder), fp32 packs as before, and a bf16 engine samples through torch's products."""
+    """A CPU whose oneDNN has no bf16 products and that runs no C++ kernels: no packing for bf16 (oneDNN
+    would compute it with torch's generic products), fp32 packs as before, and a bf16 engine samples
+    through torch's products."""
+    from sparrow.kernels.ops import CPU
     from sparrow.stages.engine.cpu import packed_linears
 
     monkeypatch.setattr(packed_linears, "onednn_runs_bf16", lambda: False)
+    monkeypatch.setattr(CPU, "layers_usable", lambda weight: False)
     model = load_model("tiny-qwen3", dtype=torch.bfloat16).model
     assert not packed_linears.packing_available(model)
     assert packed_linears.packing_available(torch.nn.Linear(4, 4)) == torch.backends.mkldnn.is_available()
@@ -145,10 +148,13 @@ def test_bf16_without_onednn_bf16_runs_torch_products(monkeypatch):
 
 def test_bf16_without_onednn_bf16_is_noted(monkeypatch):
     """On such a CPU the engine says once that float32 is the faster choice here."""
+    from sparrow.kernels.ops import CPU
     from sparrow.stages.engine.cpu import packed_linears, runner
 
     said: list[str] = []
     monkeypatch.setattr(runner, "onednn_runs_bf16", lambda: False)
+    monkeypatch.setattr(packed_linears, "onednn_runs_bf16", lambda: False)
+    monkeypatch.setattr(CPU, "layers_usable", lambda weight: False)
     monkeypatch.setattr(runner, "note", said.append)
     model = load_model("tiny-qwen3", dtype=torch.bfloat16).model
     Engine(model, as_policy(None), EngineConfig(max_batch=2))
@@ -188,3 +194,30 @@ def test_fp32_products_of_bf16_linears_where_onednn_has_no_bf16(monkeypatch):
     with fp32_products(model):
         assert "forward" not in linear.__dict__
 
+
+
+def test_bf16_without_onednn_bf16_decodes_through_our_products(monkeypatch):
+    """Where oneDNN has no bf16 products but the C++ kernels run (an AVX2 CPU), a bf16 model's decode
+    products are ours (every weight packed for them), the engine says nothing of float32, and its tokens
+    are those of the same engine on torch's products (logprobs within bf16 rounding of a few ulps)."""
+    from sparrow.kernels import cpu_attention
+    from sparrow.kernels.ops import Backend
+    from sparrow.stages.engine.cpu import packed_linears, runner
+
+    if not cpu_attention.available():
+        pytest.skip("no C++ kernels here")
+    said: list[str] = []
+    monkeypatch.setattr(runner, "onednn_runs_bf16", lambda: False)
+    monkeypatch.setattr(packed_linears, "onednn_runs_bf16", lambda: False)
+    monkeypatch.setattr(runner, "note", said.append)
+    model = load_model("tiny-qwen3", dtype=torch.bfloat16).model
+    prompt = torch.randint(0, 500, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    params = SamplingParams(max_new_tokens=6, n=2, seed=3, ignore_eos=True, temperature=0.0)
+    engine = Engine(model, as_policy(None), EngineConfig(max_batch=2))
+    assert engine.runner.packed is not None and engine.runner.packed.dot and not said
+    ours = engine.generate([prompt], params)[0]
+    reference = Engine(model, as_policy(None), EngineConfig(max_batch=2, kernels=Backend.TORCH))
+    plain = reference.generate([prompt], params)[0]
+    assert [c.token_ids for c in ours] == [c.token_ids for c in plain]
+    for a, b in zip(ours, plain):
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=0.05)

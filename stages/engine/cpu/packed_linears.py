@@ -27,13 +27,14 @@ from ...model.bf16_products import onednn_runs_bf16
 from ...model.linear_forwards import linear_forwards
 
 
-def packing_available(model: nn.Module) -> bool:
+def packing_available(model: nn.Module, own_kernel: bool = True) -> bool:
     """fp32 or bf16 weights on a CPU whose torch has oneDNN's packed linear, for bf16 one whose oneDNN runs
-    bf16 products (AVX512 or AVX-NE-CONVERT; an AVX2-only CPU computes bf16 with torch's own products)."""
+    bf16 products (AVX512 or AVX-NE-CONVERT) or, with `own_kernel`, that runs our C++ products (an AVX2
+    CPU, where oneDNN has no bf16 products: a weight ours cannot take stays as it is)."""
     w = next(model.parameters())
     return (w.device.type == "cpu" and w.dtype in (torch.float32, torch.bfloat16)
             and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-            and (w.dtype == torch.float32 or onednn_runs_bf16()))
+            and (w.dtype == torch.float32 or onednn_runs_bf16() or (own_kernel and CPU.layers_usable(w))))
 
 
 # methods of our model's modules that apply several linears to one input, and those linears' names
@@ -87,6 +88,8 @@ class PackedLinears:
             return "dot", weight.view(n // 16, 16, k).transpose(1, 2).contiguous()
         if self.dot and n % 16 == 0 and k % 2 == 0:  # [N/16, K/2, 16, 2]: kernels/cpu_layers.cpp
             return "dot", weight.view(n // 16, 16, k // 2, 2).transpose(1, 2).contiguous()
+        if weight.dtype == torch.bfloat16 and not onednn_runs_bf16():
+            return "plain", weight
         return "onednn", torch.ops.mkldnn._reorder_linear_weight(weight, self.batch_hint)
 
     @contextmanager
@@ -123,6 +126,8 @@ def _product(packed: tuple[str, Tensor], bias: Tensor | None) -> Callable[[Tenso
     kind, weight = packed
     if kind == "dot":
         return lambda x: dot_product(x, weight, bias)
+    if kind == "plain":
+        return lambda x: torch.nn.functional.linear(x, weight, bias)
     return lambda x: _onednn_rows(x, weight, bias)
 
 

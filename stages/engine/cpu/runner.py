@@ -22,7 +22,7 @@ from sparrow.kernels.ops import CPU, GatherWorkspace
 
 from ...attention.paged import DecodeAttention, DecodeBatch, KeyTap
 from ...core.notes import note
-from ...model.bf16_products import fp32_products
+from ...model.bf16_products import bf16_products_are_slow, fp32_products
 from ...model.llama import Transformer
 from ..block_manager import BlockManager
 from ..config import EngineConfig
@@ -44,8 +44,8 @@ class CpuRunner(ModelRunner):
         self.cascade = config.cascade is not False
         own = self.ops is CPU  # the torch references: no C++ kernel anywhere in the step
         self.workspace = GatherWorkspace()  # the torch references' K/V gather buffers, reused every step
-        self.packed = PackedLinears(model, self.max_batch, own) if packing_available(model) else None
-        if self.dtype == torch.bfloat16 and not onednn_runs_bf16():
+        self.packed = PackedLinears(model, self.max_batch, own) if packing_available(model, own) else None
+        if self.dtype == torch.bfloat16 and not onednn_runs_bf16() and not (self.packed and self.packed.dot):
             note("this CPU has no bf16 products (no AVX512 or AVX-NE-CONVERT), so bfloat16 decode steps run "
                  "through torch's generic kernels (a prefill's products in float32), slower than float32 "
                  "here: --dtype float32 is faster on this machine")
@@ -77,7 +77,7 @@ class CpuRunner(ModelRunner):
         self.store = PrefixStore(blocks, self.cache, self._pack_prefixes()) if self.cascade else None
 
     def _pack_prefixes(self) -> bool:
-        """Prefix copies in the AVX512-BF16 kernel's layouts: bf16 on a CPU that runs the kernel."""
+        """Prefix copies in the C++ prefix kernel's layouts (bf16 or fp32) on a CPU that runs it."""
         return (cpu_attention.supports(self.cfg.head_dim, self.page_size, self.dtype)
                 and cpu_attention.available())
 
@@ -111,7 +111,8 @@ class CpuRunner(ModelRunner):
         if self.packed is not None:
             self.packed.refresh()  # the packed head (`_head`) now, not at the first decode step
         try:
-            with row_exact_linears(self.model) if self.packed is not None else fp32_products(self.model):
+            row_exact = self.packed is not None and not bf16_products_are_slow(self.model)
+            with row_exact_linears(self.model) if row_exact else fp32_products(self.model):
                 return super().prefill(rows)
         finally:
             self._copies = {}
