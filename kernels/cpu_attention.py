@@ -10,6 +10,7 @@ and the torch paths run. Design and layouts: docs/cpu-kernels.md.
 
 from __future__ import annotations
 
+import enum
 import functools
 import hashlib
 import os
@@ -34,23 +35,21 @@ def cpu_flags() -> set[str]:
     return set()
 
 
-def cpu_has_avx512_bf16() -> bool:
-    flags = cpu_flags()
-    return "avx512_bf16" in flags and "avx512bw" in flags
+class Isa(enum.Enum):
+    """The instruction sets the kernels are built for (kernels/cpu_simd.h), with their compiler flags."""
 
-
-# The instruction sets the kernels are built for (kernels/cpu_simd.h), the first this CPU has: AVX512-BF16,
-# else AVX2 with FMA (each vector two halves, bf16 products widened to fp32).
-ISA_FLAGS = {"avx512-bf16": ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512bf16"],
-             "avx2": ["-mavx2", "-mfma", "-mf16c"]}
+    AVX512_BF16 = ("-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512bf16")
+    AVX2 = ("-mavx2", "-mfma", "-mf16c")  # each vector two halves, bf16 products widened to fp32
 
 
 @functools.cache
-def isa() -> str | None:
-    """The instruction set the kernels are built for on this CPU, None where they do not run."""
-    if cpu_has_avx512_bf16():
-        return "avx512-bf16"
-    return "avx2" if {"avx2", "fma", "f16c"} <= cpu_flags() else None
+def isa() -> Isa | None:
+    """The instruction set the kernels are built for here (the first of `Isa` this CPU has), None where
+    they do not run."""
+    flags = cpu_flags()
+    if {"avx512_bf16", "avx512bw"} <= flags:
+        return Isa.AVX512_BF16
+    return Isa.AVX2 if {"avx2", "fma", "f16c"} <= flags else None
 
 
 SOURCES = [Path(__file__).with_suffix(".cpp")] + [Path(__file__).with_name(f"cpu_{name}.cpp")
@@ -58,17 +57,18 @@ SOURCES = [Path(__file__).with_suffix(".cpp")] + [Path(__file__).with_name(f"cpu
 HEADERS = [Path(__file__).with_name(f"cpu_{name}.h") for name in ("attend", "simd")]
 
 
-def cflags() -> list[str]:
-    return ["-O3", *ISA_FLAGS[isa() or "avx2"], "-fopenmp"]
+def cflags(target: Isa) -> list[str]:
+    return ["-O3", *target.value, "-fopenmp"]
 
 
-def _build_directory() -> Path:
+def _build_directory(target: Isa) -> Path:
     """One folder per version of the source and flags: checkouts with the same source share a build, and
     an edited source never loads a stale one."""
     from torch.utils.cpp_extension import _get_build_directory
 
     source = b"".join(p.read_bytes() for p in SOURCES + HEADERS)
-    digest = hashlib.sha256(source + " ".join(cflags()).encode() + torch.__version__.encode()).hexdigest()
+    flags = " ".join(cflags(target)).encode()
+    digest = hashlib.sha256(source + flags + torch.__version__.encode()).hexdigest()
     path = Path(_get_build_directory(f"sparrow_cpu_attention_{digest[:16]}", verbose=False))
     path.mkdir(parents=True, exist_ok=True)
     return path
@@ -77,10 +77,11 @@ def _build_directory() -> Path:
 @functools.cache
 def available() -> bool:
     """Whether the kernels run here (building them on the first call on this machine)."""
-    if os.environ.get("SPARROW_CPU_KERNELS", "1") == "0" or isa() is None:
+    target = isa()
+    if os.environ.get("SPARROW_CPU_KERNELS", "1") == "0" or target is None:
         return False
     try:
-        library = _build_directory() / "sparrow_cpu_attention.so"
+        library = _build_directory(target) / "sparrow_cpu_attention.so"
         if library.exists():  # torch's loader would run ninja and probe the compiler again: about 3 s
             try:
                 torch.ops.load_library(str(library))
@@ -90,7 +91,7 @@ def available() -> bool:
         from torch.utils.cpp_extension import load
 
         print("sparrow: building the CPU attention kernels (once per machine, 10-80 s)", file=sys.stderr)
-        load("sparrow_cpu_attention", [str(p) for p in SOURCES], extra_cflags=cflags(),
+        load("sparrow_cpu_attention", [str(p) for p in SOURCES], extra_cflags=cflags(target),
              extra_ldflags=["-fopenmp"], build_directory=str(library.parent), is_python_module=False,
              verbose=False)
     except Exception as e:  # no compiler, no ninja, a failed build: the torch paths work everywhere

@@ -1,10 +1,9 @@
 // The per-layer ops of a CPU decode step besides attention: RMSNorm and rotary embedding of q and k (each
 // one op instead of a handful of eager ones), decode-sized products (bf16 and fp32), and a decode layer as
 // two ops around the attention. Math in fp32, rounded to the activations' dtype where the eager modules round;
-// the bf16 elementwise work is vectorised (scalar c10::BFloat16 conversions had cost more than the
-// products: a decode_mlp call took 338 us against 135-165 us now, its three products alone 130-145 us).
+// the bf16 elementwise work is vectorised (scalar c10::BFloat16 conversions cost more than the products).
 // The torch references: stages/model/llama.py (RMSNorm, apply_rope), F.linear; where they are used and
-// why: stages/rollout/cpu_layers.py, stages/rollout/packed_linears.py.
+// why: stages/engine/cpu/layers.py, stages/engine/cpu/packed_linears.py.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>

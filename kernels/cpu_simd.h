@@ -64,22 +64,10 @@ inline void mask_store_bf16(void* p, vmask m, vf x) { _mm256_mask_storeu_epi16(p
 inline vbh pack_bf16(vf hi, vf lo) { return _mm512_cvtne2ps_pbh(hi, lo); }  // lo's 16 values, then hi's
 inline vf dpbf16(vf acc, vbh a, vbh b) { return _mm512_dpbf16_ps(acc, a, b); }
 
-// e^x for x <= 0, relative error below 1e-6 for x > -80 (x below -87 gives ~0)
-inline vf exp_le0(vf x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-  __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.69314718055994531f));
-  __m512 p = _mm512_set1_ps(1.f / 5040);  // e^f for |f| <= ln2 / 2: Taylor to degree 7
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 720));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 120));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
+inline vf round_nearest(vf x) {
+  return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 }
+inline vf scale_pow2(vf p, vf n) { return _mm512_scalef_ps(p, n); }  // p 2^n, n a whole number
 
 // 16 vectors -> one whose lane j is the sum of v[j]'s lanes (pairs, then quads, then 128-bit lanes combined)
 inline vf sum_lanes16(const vf (&v)[16]) {
@@ -190,24 +178,15 @@ inline __m256 dp8(__m256 acc, __m256i a, __m256i b) {
 }
 inline vf dpbf16(vf acc, vbh a, vbh b) { return {dp8(acc.lo, a.lo, b.lo), dp8(acc.hi, a.hi, b.hi)}; }
 
-inline __m256 exp8_le0(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
-  const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
-  const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m256 f = _mm256_mul_ps(_mm256_sub_ps(t, n), _mm256_set1_ps(0.69314718055994531f));
-  __m256 p = _mm256_set1_ps(1.f / 5040);
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 720));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 120));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 24));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 6));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
-  // p 2^n for -126 <= n <= 0: n into the exponent field
-  const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
+inline vf round_nearest(vf x) {
+  constexpr int mode = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  return {_mm256_round_ps(x.lo, mode), _mm256_round_ps(x.hi, mode)};
 }
-inline vf exp_le0(vf x) { return {exp8_le0(x.lo), exp8_le0(x.hi)}; }
+inline __m256 scale8_pow2(__m256 p, __m256 n) {  // n into the exponent field: for -126 <= n <= 127
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23)));
+}
+inline vf scale_pow2(vf p, vf n) { return {scale8_pow2(p.lo, n.lo), scale8_pow2(p.hi, n.hi)}; }
 
 inline __m256 sum_lanes8(const __m256* v) {  // lane j: the sum of v[j]'s 8 lanes
   const __m256 a0 = _mm256_hadd_ps(v[0], v[1]), a1 = _mm256_hadd_ps(v[2], v[3]);
@@ -223,5 +202,22 @@ inline vf sum_lanes16(const vf (&v)[16]) {
 }
 
 #endif
+
+// e^x for x <= 0, relative error below 1e-6 for x > -80 (x below -87 gives ~0)
+inline vf exp_le0(vf x) {
+  x = max(x, set1(-87.f));
+  const vf t = mul(x, set1(1.44269504088896341f));
+  const vf n = round_nearest(t);
+  const vf f = mul(sub(t, n), set1(0.69314718055994531f));
+  vf p = set1(1.f / 5040);  // e^f for |f| <= ln2 / 2: Taylor to degree 7
+  p = fmadd(p, f, set1(1.f / 720));
+  p = fmadd(p, f, set1(1.f / 120));
+  p = fmadd(p, f, set1(1.f / 24));
+  p = fmadd(p, f, set1(1.f / 6));
+  p = fmadd(p, f, set1(0.5f));
+  p = fmadd(p, f, set1(1.f));
+  p = fmadd(p, f, set1(1.f));
+  return scale_pow2(p, n);
+}
 
 }  // namespace simd

@@ -26,7 +26,8 @@ def test_the_kernels_build_where_the_cpu_runs_them():
     if kernel.isa() is None or shutil.which("c++") is None:
         assert not {"avx2", "fma", "f16c"} <= flags or shutil.which("c++") is None
         pytest.skip("no AVX2 or no C++ compiler: the torch paths are the ones that run")
-    assert kernel.isa() == ("avx512-bf16" if "avx512_bf16" in flags and "avx512bw" in flags else "avx2")
+    want = kernel.Isa.AVX512_BF16 if "avx512_bf16" in flags and "avx512bw" in flags else kernel.Isa.AVX2
+    assert kernel.isa() is want
     assert kernel.available()
 
 
