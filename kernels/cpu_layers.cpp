@@ -10,6 +10,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -152,19 +153,43 @@ std::tuple<at::Tensor, at::Tensor> rope_qk(const at::Tensor& q, const at::Tensor
   return {outs[0], outs[1]};
 }
 
-// Decode-sized products in bf16: x [M, K] (M <= 16 rows) times a weight packed as [N/16, K/2, 16, 2] (per
+// Rows a register block of the products holds, each row's sums over 16 outputs in one vector: AVX512's 32
+// registers hold 16 rows; AVX2's 16 registers of 8 lanes hold 6 rows in fp32 (two registers a row, two
+// for the weights, one for the input) and 5 in bf16 (the weights' odd and even values widened: four).
+constexpr int F32_ROWS = SPARROW_SIMD_AVX512 ? 16 : 6;
+constexpr int BF16_ROWS = SPARROW_SIMD_AVX512 ? 16 : 5;
+
+// The next block of 16 outputs' weights are fetched while this block computes: the rows' FMAs and the
+// weights' stream from memory overlap instead of taking turns. Into L2: the block itself stays in L1.
+inline void prefetch_l2(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
+
+// Decode-sized products in bf16: x [M, K] (M <= BF16_ROWS) times a weight packed as [N/16, K/2, 16, 2] (per
 // block of 16 outputs, per pair of inputs, the 16 outputs' two weights: one vdpbf16ps operand) -> [M, N]
 // bf16 (or fp32, OutT = float: the lm_head's logits, never rounded), fp32 accumulation, plus an optional
 // bias [N]. Each weight is read once for all rows; over a whole model's weights the product is bound by
-// memory bandwidth, not by vdpbf16ps.
+// memory bandwidth, not by vdpbf16ps. On AVX2 each pair of weights is widened once for the block's rows,
+// which take their inputs widened beforehand (xf [M, K] fp32), and sums as vdpbf16ps: odd, then even.
 template <int M, typename OutT>
-void linear_block(const uint32_t* x, const uint16_t* w, int K2, const at::BFloat16* bias, OutT* out,
-                  int N, int n0) {
+void linear_block(const uint32_t* x, const float* xf, const uint16_t* w, int K2, const at::BFloat16* bias,
+                  OutT* out, int N, int n0) {
   simd::vf acc[M];
   for (int m = 0; m < M; ++m) acc[m] = simd::zero();
   for (int p = 0; p < K2; ++p) {
-    const simd::vbh wv = simd::as_bh(simd::loadu_bits(w + (int64_t)p * 32));
-    for (int m = 0; m < M; ++m) acc[m] = simd::dpbf16(acc[m], simd::as_bh(simd::set1_bits((int)x[m * K2 + p])), wv);
+    prefetch_l2(w + ((int64_t)K2 + p) * 32);
+    const simd::vi wv = simd::loadu_bits(w + (int64_t)p * 32);
+#if SPARROW_SIMD_AVX512
+    (void)xf;
+    for (int m = 0; m < M; ++m)
+      acc[m] = simd::dpbf16(acc[m], simd::as_bh(simd::set1_bits((int)x[m * K2 + p])), simd::as_bh(wv));
+#else
+    (void)x;
+    const simd::vf odd = simd::odd_bf16(wv), even = simd::even_bf16(wv);
+    for (int m = 0; m < M; ++m) {
+      const float* xp = xf + ((int64_t)m * K2 + p) * 2;
+      acc[m] = simd::fmadd(simd::set1(xp[1]), odd, acc[m]);
+      acc[m] = simd::fmadd(simd::set1(xp[0]), even, acc[m]);
+    }
+#endif
   }
   const simd::vf b = bias ? simd::load_bf16(bias + n0) : simd::zero();
   for (int m = 0; m < M; ++m) {
@@ -176,25 +201,41 @@ void linear_block(const uint32_t* x, const uint16_t* w, int K2, const at::BFloat
 }
 
 template <int M, typename OutT>
-void block_dispatch(int rows, const uint32_t* x, const uint16_t* w, int K2, const at::BFloat16* bias, OutT* out,
-                    int N, int n0) {
+void block_dispatch(int rows, const uint32_t* x, const float* xf, const uint16_t* w, int K2,
+                    const at::BFloat16* bias, OutT* out, int N, int n0) {
   if constexpr (M > 1) {
-    if (rows < M) return block_dispatch<M - 1>(rows, x, w, K2, bias, out, N, n0);
+    if (rows < M) return block_dispatch<M - 1>(rows, x, xf, w, K2, bias, out, N, n0);
   }
-  linear_block<M>(x, w, K2, bias, out, N, n0);
+  linear_block<M>(x, xf, w, K2, bias, out, N, n0);
 }
 
-// Any number of rows: per block of 16 outputs, the rows in register blocks of 16 while the block's weights
-// stay in L1, so the weight is read from memory once (a verification's K + 1 rows per sample); each row's
+// `rows` split into register blocks of at most `most` rows, as even as they come (8 rows in 6s: 4 and 4)
+inline int block_rows(int rows, int most) {
+  const int blocks = (rows + most - 1) / most;
+  return (rows + blocks - 1) / blocks;
+}
+
+// Any number of rows: per block of 16 outputs, the rows in register blocks while the block's weights stay
+// in cache, so the weight is read from memory once (a verification's K + 1 rows per sample); each row's
 // sums are those of the row alone.
 template <typename OutT>
 void linear_rows(int rows, const uint32_t* x, const uint16_t* w, int K2, int NB, const at::BFloat16* bias,
                  OutT* out) {
+  std::vector<float> xf;
+  if (!SPARROW_SIMD_AVX512) {  // the inputs widened once for every block of outputs
+    xf.resize((size_t)rows * K2 * 2);
+    for (size_t i = 0; i < xf.size(); ++i) {
+      const uint32_t bits = static_cast<uint32_t>(reinterpret_cast<const uint16_t*>(x)[i]) << 16;
+      std::memcpy(&xf[i], &bits, sizeof(float));
+    }
+  }
+  const int step = block_rows(rows, BF16_ROWS);
   at::parallel_for(0, NB, 4, [&](int64_t a, int64_t b) {
     for (int64_t nb = a; nb < b; ++nb)
-      for (int r0 = 0; r0 < rows; r0 += 16)
-        block_dispatch<16>(std::min(16, rows - r0), x + (int64_t)r0 * K2, w + nb * K2 * 32, K2, bias,
-                           out + (int64_t)r0 * NB * 16, NB * 16, nb * 16);
+      for (int r0 = 0; r0 < rows; r0 += step)
+        block_dispatch<BF16_ROWS>(std::min(step, rows - r0), x + (int64_t)r0 * K2,
+                                  xf.data() + (int64_t)r0 * K2 * 2, w + nb * K2 * 32, K2, bias,
+                                  out + (int64_t)r0 * NB * 16, NB * 16, nb * 16);
   });
 }
 
@@ -205,6 +246,7 @@ void linear_block_f32(const float* x, const float* w, int K, const float* bias, 
   simd::vf acc[M];
   for (int m = 0; m < M; ++m) acc[m] = simd::zero();
   for (int k = 0; k < K; ++k) {
+    prefetch_l2(w + ((int64_t)K + k) * 16);
     const simd::vf wv = simd::loadu(w + (int64_t)k * 16);
     for (int m = 0; m < M; ++m) acc[m] = simd::fmadd(simd::set1(x[m * K + k]), wv, acc[m]);
   }
@@ -222,11 +264,12 @@ void block_dispatch_f32(int rows, const float* x, const float* w, int K, const f
 }
 
 void linear_rows_f32(int rows, const float* x, const float* w, int K, int NB, const float* bias, float* out) {
+  const int step = block_rows(rows, F32_ROWS);
   at::parallel_for(0, NB, 4, [&](int64_t a, int64_t b) {
     for (int64_t nb = a; nb < b; ++nb)
-      for (int r0 = 0; r0 < rows; r0 += 16)
-        block_dispatch_f32<16>(std::min(16, rows - r0), x + (int64_t)r0 * K, w + nb * K * 16, K, bias,
-                               out + (int64_t)r0 * NB * 16, NB * 16, nb * 16);
+      for (int r0 = 0; r0 < rows; r0 += step)
+        block_dispatch_f32<F32_ROWS>(std::min(step, rows - r0), x + (int64_t)r0 * K, w + nb * K * 16, K, bias,
+                                     out + (int64_t)r0 * NB * 16, NB * 16, nb * 16);
   });
 }
 

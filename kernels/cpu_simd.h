@@ -177,6 +177,14 @@ inline __m256 dp8(__m256 acc, __m256i a, __m256i b) {
   return _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(a, 16)), _mm256_castsi256_ps(_mm256_slli_epi32(b, 16)), acc);
 }
 inline vf dpbf16(vf acc, vbh a, vbh b) { return {dp8(acc.lo, a.lo, b.lo), dp8(acc.hi, a.hi, b.hi)}; }
+// the odd (high) and even (low) bf16 values of each pair, widened to fp32
+inline vf odd_bf16(vi x) {
+  const __m256i high = _mm256_set1_epi32((int)0xffff0000);
+  return {_mm256_castsi256_ps(_mm256_and_si256(x.lo, high)), _mm256_castsi256_ps(_mm256_and_si256(x.hi, high))};
+}
+inline vf even_bf16(vi x) {
+  return {_mm256_castsi256_ps(_mm256_slli_epi32(x.lo, 16)), _mm256_castsi256_ps(_mm256_slli_epi32(x.hi, 16))};
+}
 
 inline vf round_nearest(vf x) {
   constexpr int mode = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
