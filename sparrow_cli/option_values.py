@@ -55,6 +55,20 @@ RAW_PROMPTS_HELP = ("Tokenize text prompts (a prompt file with text but no token
                     "message, as `sparrow prompts` formats them.")
 
 
+MAX_PROMPTS_HELP = ("Sample the first N prompts of --prompts only (vLLM bench's --num-prompts): each keeps "
+                    "the prompt id, row and seeds it has in the whole file, so its samples are those a run "
+                    "over the whole file gives it. Default: every prompt.")
+
+
+def max_prompts_option():
+    return typer.Option(None, "--max-prompts", "--num-prompts", help=MAX_PROMPTS_HELP)
+
+
+def check_max_prompts(max_prompts: int | None) -> None:
+    if max_prompts is not None and max_prompts < 1:
+        raise UsageError(f"--max-prompts must be at least 1, got {max_prompts}")
+
+
 def raw_prompts_option():
     return typer.Option(False, "--raw-prompts/--no-raw-prompts", help=RAW_PROMPTS_HELP)
 

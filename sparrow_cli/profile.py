@@ -24,6 +24,8 @@ from .errors import UsageError, friendly_errors
 from .messages import note, warn
 from .option_values import (
     check_device,
+    check_max_prompts,
+    max_prompts_option,
     on_a_cluster,
     parse_int_list,
     raw_prompts_option,
@@ -80,7 +82,8 @@ if TYPE_CHECKING:
     from sparrow.stages.profile import Hooks, Speculation
 
 
-SAMPLING_FLAGS = {"samples": "--samples", "max_new_tokens": "--max-new-tokens", "sampler": "--sampler",
+SAMPLING_FLAGS = {"max_prompts": "--max-prompts", "samples": "--samples",
+                  "max_new_tokens": "--max-new-tokens", "sampler": "--sampler",
                   "budget": "--budget", "schedule": "--schedule",
                   "top_p": "--top-p", "top_k": "--top-k", "seed": "--seed",
                   "batch_size": "--max-num-seqs", "speculate": "--speculate"}
@@ -108,6 +111,7 @@ def profile(
                                  "ids or text): sample "
                                  "trajectories of these prompts with the engine."),
     raw_prompts: bool = raw_prompts_option(),
+    max_prompts: int = max_prompts_option(),
     rollouts: Path = typer.Option(None, "--rollouts", callback=input_path, parser=given_path("--rollouts"),
                                   metavar="<path>", help="A rollouts artifact "
                                   "(sparrow rollout; - = stdin), or any Parquet file from another sampler "
@@ -220,6 +224,7 @@ def profile(
                          "(score trajectories sampled before)" + (", not both" if prompts else ""))
     if rollouts is not None:
         refuse_sampling_flags(ctx, rollouts)
+    check_max_prompts(max_prompts)
     sampler, sampler_label = sampler_of_flags(ctx, sampler, budget, schedule, model)
     opts = ProfileOptions(budgets=scored_budgets(budgets), samples=samples,
                           max_new_tokens=max_new_tokens, sampler=sampler, bin_width=bin_width,
@@ -276,7 +281,7 @@ def profile(
             hooks.loading = lambda: say_loading(model, device)
             table = profile_rollouts(run, given, rollouts, opts, hooks)
     else:
-        prompt_set = PromptSet.read(prompts)
+        prompt_set = PromptSet.read(prompts, max_prompts=max_prompts)
         check_sampling_memory([len(r.get("prompt_token_ids") or ()) for r in prompt_set.rows], samples,
                               max_new_tokens, cfg.vocab_size, "sample fewer trajectories per prompt, or "
                               "split the prompts into several files")

@@ -15,7 +15,14 @@ from .console import console, stdout_taken
 from .data_options import answer_column_option, data_options, reward_fn_option, reward_option
 from .errors import UsageError, friendly_errors
 from .messages import note, warn
-from .option_values import check_device, on_a_cluster, raw_prompts_option, warn_first_token_stops
+from .option_values import (
+    check_device,
+    check_max_prompts,
+    max_prompts_option,
+    on_a_cluster,
+    raw_prompts_option,
+    warn_first_token_stops,
+)
 from .options import (
     SAMPLE_SEED_HELP,
     allow_unsafe_code,
@@ -107,6 +114,7 @@ def rollout(
                                  "or text), or a verl or TRL dataset (Parquet, JSONL or a save_to_disk "
                                  "folder; docs/datasets.md)."),
     raw_prompts: bool = raw_prompts_option(),
+    max_prompts: int = max_prompts_option(),
     answer_column: str = answer_column_option(),
     reward: str = reward_option(),
     reward_fn: str = reward_fn_option(),
@@ -226,6 +234,7 @@ def rollout(
                         ("--max-num-batched-tokens", max_num_batched_tokens)):
         if value < 1:
             raise UsageError(f"{flag} must be at least 1, got {value}")
+    check_max_prompts(max_prompts)
     notes: list[str] = []  # said once every check passed, so that a refusal is its one line
     speculate = capped_speculate(speculate, max_new_tokens, notes.append)
     check_speculative_schedule(schedule, speculate, say=notes.append)
@@ -258,7 +267,7 @@ def rollout(
         check_folder(output, resume, force)
     cfg = resolve_config(model)
     adapter = load_actor(lora, cfg, model)  # one sentence for a bad adapter, before any weights load
-    prompt_set = PromptSet.read(prompts, data)
+    prompt_set = PromptSet.read(prompts, data, max_prompts)
     allow_unsafe_code(ctx, unsafe_code_execution)
     prompt_set.check_rewards()
     if prompt_set.needs_tokenizer_for(model):  # ids made for another tokenizer are made again from the text

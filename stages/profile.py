@@ -476,6 +476,8 @@ def profile_prompts(run: ProfileRun, prompt_set, source: Path, opts: ProfileOpti
             prompt_set.tokenize(tokenizer, chat, run.model)
     prompt_set.check_fits(cfg.vocab_size, cfg.max_position_embeddings, opts.max_new_tokens)
     meta = opts.metadata() | {"prompts": input_path(source)} | run.metadata()
+    if prompt_set.max_prompts:
+        meta["max_prompts"] = prompt_set.max_prompts
     if run.workers:
         items = list(zip(prompt_set.ids, prompt_set.tokens))
         return _profile_on_ray(run, items, opts, True, meta, hooks)

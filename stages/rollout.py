@@ -367,6 +367,7 @@ class RolloutRun:
 
         digests = prompt_set.digests()
         return {"model": model_name(self.model), "prompts": input_path(self.prompts),
+                **({"max_prompts": prompt_set.max_prompts} if prompt_set.max_prompts else {}),
                 **({"prompt_digests": digests} if digests else {}),
                 "sparsity": self.sparsity, "samples": sampling.n, "max_new_tokens": sampling.max_new_tokens,
                 "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,

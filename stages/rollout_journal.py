@@ -225,7 +225,8 @@ def check_not_complete(output: Path, manifest: Manifest) -> None:
 REWARD_FIELDS = ("reward", "reward_fn", "reward_fn_sha256")
 
 # what each field is on the command line, for the sentence that names a difference
-FLAGS = {"model": "--model", "prompts": "--prompts", "prompts_sha256": "--prompts", "samples": "--samples",
+FLAGS = {"model": "--model", "prompts": "--prompts or --max-prompts", "prompts_sha256": "--prompts",
+         "samples": "--samples",
          "max_new_tokens": "--max-new-tokens", "temperature": "--temperature", "top_p": "--top-p",
          "top_k": "--top-k", "seed": "--seed", "ignore_eos": "--ignore-eos",
          "kv_policy": "the sparsity (--budget/--schedule/--kv-compression)",

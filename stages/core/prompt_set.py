@@ -64,10 +64,15 @@ class PromptSet:
     rows: list[dict]
     meta: dict = field(default_factory=dict)  # a prompts artifact's metadata (task, n, seed, model...)
     matched: bool = False  # match_model has run (a command reads its prompts for one model)
+    max_prompts: int | None = None  # the file's first rows only (--max-prompts); None: every row
 
     @classmethod
-    def read(cls, path: str | os.PathLike, data: DataOptions | None = None) -> PromptSet:
-        """The prompts of `path`, each scored by `data`'s reward when it names one."""
+    def read(cls, path: str | os.PathLike, data: DataOptions | None = None,
+             max_prompts: int | None = None) -> PromptSet:
+        """The prompts of `path`, each scored by `data`'s reward when it names one; with `max_prompts`
+        its first rows only, their ids, rows and seeds those of the whole file, so that their samples are
+        those a run over the whole file gives them. The file's format is checked in every row, the
+        prompts in the rows kept."""
         path, data = Path(path), data or DataOptions()
         if not path.exists():
             raise PromptError(f"{path}: no such prompts file" if not path.is_symlink()
@@ -87,10 +92,11 @@ class PromptSet:
             rows = table.select([c for c in COLUMNS if c in table.column_names]).to_pylist()
         if not rows:
             raise PromptError(f"{path}: the prompt set is empty")
+        rows = rows if max_prompts is None else rows[:max_prompts]
         for r in rows:
             r["digest"] = prompt_digest(r)
             r["from_text"] = not r.get("prompt_token_ids")
-        prompts = cls(path, rows, meta)
+        prompts = cls(path, rows, meta, max_prompts=max_prompts)
         prompts.check_rows()
         if reward is not None:
             prompts.use_reward(reward)
