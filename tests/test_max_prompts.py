@@ -28,8 +28,9 @@ def tiny(tmp_path_factory):
 
 
 def _verl(path, n=4):
-    pd.DataFrame([{"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": f"What is {i} + 1?"}],
-                   "ability": "math", "reward_model": {"style": "rule", "ground_truth": str(i + 1)},
+    pd.DataFrame([{"data_source": "openai/gsm8k",
+                   "prompt": [{"role": "user", "content": f"What is {i} + 1?"}], "ability": "math",
+                   "reward_model": {"style": "rule", "ground_truth": str(i + 1)},
                    "extra_info": {"index": i}} for i in range(n)]).to_parquet(path)
     return path
 
@@ -38,8 +39,8 @@ def _rollout(tiny, prompts, out, *extra):
     """Batches of one prompt's 2 samples: a step holds the same rows whatever follows them in the file (rows
     that share a step may round logprobs otherwise in their last bits)."""
     return runner.invoke(app, ["rollout", "--model", tiny[0], "--prompts", str(prompts), "--samples", "2",
-                               "--max-new-tokens", "6", "--max-num-seqs", "2", "--threads", "1", "-o", str(out),
-                               *extra])
+                               "--max-new-tokens", "6", "--max-num-seqs", "2", "--threads", "1",
+                               "-o", str(out), *extra])
 
 
 def _plain(table: pa.Table) -> pa.Table:
@@ -70,7 +71,8 @@ def test_a_dataset_rollout_of_its_first_prompts_is_scored_against_the_whole_data
     data, out = _verl(tmp_path / "gsm8k.parquet"), tmp_path / "r.parquet"
     r = _rollout(tiny, data, out, "--num-prompts", "2", "--reward", "math")
     assert r.exit_code == 0, r.output
-    assert sorted(set(read_artifact(out, "rollouts").column("prompt_id").to_pylist())) == ["gsm8k-0", "gsm8k-1"]
+    ids = read_artifact(out, "rollouts").column("prompt_id").to_pylist()
+    assert sorted(set(ids)) == ["gsm8k-0", "gsm8k-1"]
     r = runner.invoke(app, ["reward", "--prompts", str(data), "--completions", str(out), "--reward", "math",
                             "-o", str(tmp_path / "rewards.parquet")])
     assert r.exit_code == 0, r.output
