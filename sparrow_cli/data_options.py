@@ -54,13 +54,35 @@ def reward_fn_option():
                         "**columns) returning one number per completion; the signature tells which.")
 
 
-def data_options(answer_column: str | None, reward: str | None, reward_fn: str | None):
+def _reward_kwargs(value: str | None) -> dict | None:
+    """--reward-kwargs as the keywords it holds (a JSON object), refused in one sentence otherwise."""
+    if value is None:
+        return None
+    from sparrow.stages.tasks import RewardError
+    from sparrow.stages.tasks.reward_function import parse_reward_kwargs
+
+    try:
+        return parse_reward_kwargs(value)
+    except RewardError as e:
+        raise UsageError(str(e)) from None
+
+
+def reward_kwargs_option():
+    return typer.Option(None, "--reward-kwargs", metavar="<json>",
+                        help="Keywords for --reward-fn's function, a JSON object (verl's "
+                        "custom_reward_function.reward_kwargs), e.g. '{\"min_words\": 5}': passed to every "
+                        "call besides what verl or TRL passes (a key that is one of those is refused), and "
+                        "recorded with the rewards.")
+
+
+def data_options(answer_column: str | None, reward: str | None, reward_fn: str | None,
+                 reward_kwargs: str | None = None):
     """The `DataOptions` of the flags, checked before any work (the function is imported here, so a file
     that does not load is refused before any weights do)."""
     from sparrow.stages.core.user_data import DataOptions, DatasetError
     from sparrow.stages.tasks import RewardError
 
-    options = DataOptions(answer_column, reward, reward_fn)
+    options = DataOptions(answer_column, reward, reward_fn, _reward_kwargs(reward_kwargs))
     try:
         options.reward_task()
     except (DatasetError, RewardError) as e:

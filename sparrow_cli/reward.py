@@ -15,7 +15,13 @@ from pathlib import Path
 import typer
 
 from .console import console
-from .data_options import answer_column_option, data_options, reward_fn_option, reward_option
+from .data_options import (
+    answer_column_option,
+    data_options,
+    reward_fn_option,
+    reward_kwargs_option,
+    reward_option,
+)
 from .errors import UsageError, friendly_errors
 from .options import allow_unsafe_code, given_path, output_path, unsafe_code_option
 from .output import emit, format_option, resolve_format
@@ -41,6 +47,7 @@ def reward(
     answer_column: str = answer_column_option(),
     reward_name: str = reward_option(),
     reward_fn: str = reward_fn_option(),
+    reward_kwargs: str = reward_kwargs_option(),
     workers: int = typer.Option(None, "--workers", help="Programs run at once for code tasks (default: "
                                 "$SPARROW_REWARD_WORKERS, else the CPU count): the sandbox pool's size, "
                                 "not Ray workers as rollout's, profile's and train's --workers are."),
@@ -60,7 +67,8 @@ def reward(
         raise UsageError(f"--workers must be at least 1, got {workers}")
     check_output(output, "rewards", force, inputs={"--prompts": prompts, "--completions": completions})
     allow_unsafe_code(ctx, unsafe_code_execution)
-    prompt_set = PromptSet.read(prompts, data_options(answer_column, reward_name, reward_fn))
+    data = data_options(answer_column, reward_name, reward_fn, reward_kwargs)
+    prompt_set = PromptSet.read(prompts, data)
     rows = {r["prompt_id"]: r for r in prompt_set.rows}
     done = read_completions(completions)
     check_prompts(rows, done, prompts, completions)
@@ -72,7 +80,7 @@ def reward(
     seconds = time.perf_counter() - start
     meta = {"prompts": input_name(prompts), "completions": input_name(completions), "n": len(scored),
             "reward_mean": sum(r["reward"] for r in scored) / len(scored), "seconds": seconds,
-            **reward_provenance(reward_name, reward_fn)}
+            **reward_provenance(reward_name, reward_fn, data.reward_kwargs)}
     path = write_artifact(scored, output, "rewards", meta)
 
     sources = {pid: data_source(r.get("metadata")) for pid, r in rows.items()}

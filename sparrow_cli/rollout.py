@@ -12,7 +12,13 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from .console import console, stdout_taken
-from .data_options import answer_column_option, data_options, reward_fn_option, reward_option
+from .data_options import (
+    answer_column_option,
+    data_options,
+    reward_fn_option,
+    reward_kwargs_option,
+    reward_option,
+)
 from .errors import UsageError, friendly_errors
 from .messages import note, warn
 from .option_values import (
@@ -118,6 +124,7 @@ def rollout(
     answer_column: str = answer_column_option(),
     reward: str = reward_option(),
     reward_fn: str = reward_fn_option(),
+    reward_kwargs: str = reward_kwargs_option(),
     unsafe_code_execution: bool = unsafe_code_option(),
     schedule: Path = typer.Option(None, "--schedule", callback=input_path, parser=given_path("--schedule"),
                                   metavar="<path>", help="A schedule artifact (sparrow plan-schedule)."),
@@ -257,7 +264,7 @@ def rollout(
     if workers and reward_fn:
         raise UsageError("--reward-fn runs in this process, not in Ray workers; roll out with --workers and "
                          "score the rollouts with sparrow reward --reward-fn")
-    data = data_options(answer_column, reward, reward_fn)
+    data = data_options(answer_column, reward, reward_fn, reward_kwargs)
     check_output(output, "rollouts", force, parts=bool(workers),
                  inputs={"--prompts": prompts, "--schedule": schedule, "--adapter": lora,
                          "--model": model_file(model)})
@@ -306,7 +313,8 @@ def rollout(
              "load the model for nothing")
         workers = len(prompt_set.rows)
     run = RolloutRun(model, prompts, mode, output, device, dtype_name, lora, workers, ray_address,
-                     reward=reward, reward_fn=reward_fn, raw_prompts=raw_prompts, resume=resume, force=force,
+                     reward=reward, reward_fn=reward_fn, reward_kwargs=data.reward_kwargs,
+                     raw_prompts=raw_prompts, resume=resume, force=force,
                      checkpoint_interval=60.0 if checkpoint_interval is None else checkpoint_interval)
     if engine == "vllm":
         console.print(f"starting vLLM on {vllm_checkpoint(model)} ({dtype_name}; 1-4 minutes on a small CPU)")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import typer
@@ -11,7 +12,13 @@ from sparrow.stages.core.definitions import DEFAULT_BIN_WIDTH
 from sparrow.stages.train.clip import CLIP_HIGH, CLIP_LOW
 
 from .console import console
-from .data_options import answer_column_option, data_options, reward_fn_option, reward_option
+from .data_options import (
+    answer_column_option,
+    data_options,
+    reward_fn_option,
+    reward_kwargs_option,
+    reward_option,
+)
 from .errors import UsageError, friendly_errors
 from .messages import fail, note, warn
 from .option_values import check_device, raw_prompts_option, warn_first_token_stops
@@ -87,6 +94,7 @@ def train(
     answer_column: str = answer_column_option(),
     reward: str = reward_option(),
     reward_fn: str = reward_fn_option(),
+    reward_kwargs: str = reward_kwargs_option(),
     unsafe_code_execution: bool = unsafe_code_option(),
     eval_prompts: Path = typer.Option(None, "--eval-prompts", callback=input_path,
                                       parser=given_path("--eval-prompts"), metavar="<path>",
@@ -338,7 +346,10 @@ def train(
     if speculate and workers:
         raise UsageError("--speculate runs in this process's engine; drop --workers")
     check_workers(workers, ray_address, None)
-    data = data_options(answer_column, reward, reward_fn)
+    data = data_options(answer_column, reward, reward_fn, reward_kwargs)
+    from sparrow.stages.tasks.reward_function import reward_kwargs_text
+
+    cfg = dataclasses.replace(cfg, reward_kwargs=reward_kwargs_text(data.reward_kwargs))
     allow_unsafe_code(ctx, unsafe_code_execution)
     prompt_set = PromptSet.read(prompts, data)
     rows = prompt_set.rows

@@ -354,6 +354,7 @@ class RolloutRun:
     ray_address: str | None = None
     reward: str | None = None  # --reward (math | code); None with reward_fn: each prompt's own task scorer
     reward_fn: str | None = None  # --reward-fn path.py:function, as given
+    reward_kwargs: dict | None = None  # --reward-kwargs, passed to reward_fn's every call
     raw_prompts: bool = False  # text prompts tokenized as they are, without the chat template
     resume: bool = False  # continue the journal an interrupted run left (OUT.partial/)
     force: bool = False  # a journal that holds finished prompts is started over (without `resume`)
@@ -374,7 +375,7 @@ class RolloutRun:
                 "seed": sampling.seed, "ignore_eos": sampling.ignore_eos, "page_size": PAGE_SIZE,
                 "device": self.device, "dtype": self.dtype, "engine": engine,
                 "lora": input_path(self.lora) if self.lora else "", "raw_prompts": self.raw_prompts,
-                **reward_provenance(self.reward, self.reward_fn)}
+                **reward_provenance(self.reward, self.reward_fn, self.reward_kwargs)}
 
 
 def prompt_rows(prompt_set, tokenizer, chat: bool, opts: RolloutOptions, model: str) -> list[dict]:
@@ -482,7 +483,8 @@ def run_manifest(run: RolloutRun, opts: RolloutOptions, rows: Seq[dict]) -> Mani
                     top_k=s.top_k, seed=s.seed, ignore_eos=s.ignore_eos, kv_policy=policy.spec(),
                     schedule_sha256=schedule_sha256(schedule), dense_layers=tuple(opts.dense_layers),
                     page_size=opts.page_size, speculate=opts.speculate, dtype=run.dtype, device=run.device,
-                    adapter_sha256=adapter_sha256(opts.lora), **reward_provenance(run.reward, run.reward_fn),
+                    adapter_sha256=adapter_sha256(opts.lora),
+                    **reward_provenance(run.reward, run.reward_fn, run.reward_kwargs),
                     raw_prompts=run.raw_prompts, model_files_sha256=model_files,
                     threads=torch.get_num_threads(), max_batch=opts.max_batch, kv_pages=opts.kv_pages,
                     max_prefill_tokens=opts.max_prefill_tokens)

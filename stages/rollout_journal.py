@@ -126,6 +126,7 @@ class Manifest:
     reward_fn_sha256: str
     raw_prompts: bool
     model_files_sha256: str = ""  # a checkpoint's files (names, sizes, times): one rewritten since differs
+    reward_kwargs: str | None = None  # --reward-kwargs as recorded (`reward_kwargs_text`)
     # what changes how rows share a step, not what a run is: a note when it differs, as the last bits of a
     # logprob may follow it (torch's CPU threads, the batch, the pool, the prefill's chunk)
     threads: int = field(default=0, compare=False)
@@ -175,7 +176,8 @@ class Manifest:
     def scored_by(self) -> str:
         """The reward as its flags name it, for a note."""
         if self.reward_fn:
-            return f"--reward-fn {self.reward_fn} (sha256 {self.reward_fn_sha256[:12]})"
+            kwargs = f" with --reward-kwargs '{self.reward_kwargs}'" if self.reward_kwargs else ""
+            return f"--reward-fn {self.reward_fn} (sha256 {self.reward_fn_sha256[:12]}){kwargs}"
         return f"--reward {self.reward}" if self.reward else "each prompt's task scorer"
 
     def speed_notes(self, now: Manifest, folder: Path) -> list[str]:
@@ -222,7 +224,7 @@ def check_not_complete(output: Path, manifest: Manifest) -> None:
 
 
 # what scores the rewards: a resume may change it, scoring the journal's prompts again (`Journal.open`)
-REWARD_FIELDS = ("reward", "reward_fn", "reward_fn_sha256")
+REWARD_FIELDS = ("reward", "reward_fn", "reward_fn_sha256", "reward_kwargs")
 
 # what each field is on the command line, for the sentence that names a difference
 FLAGS = {"model": "--model", "prompts": "--prompts or --max-prompts", "prompts_sha256": "--prompts",
@@ -234,7 +236,7 @@ FLAGS = {"model": "--model", "prompts": "--prompts or --max-prompts", "prompts_s
          "page_size": "pages of", "speculate": "--speculate", "dtype": "--dtype", "device": "--device",
          "adapter_sha256": "--adapter", "reward": "--reward", "reward_fn": "--reward-fn",
          "reward_fn_sha256": "a --reward-fn file of other code", "raw_prompts": "--raw-prompts",
-         "model_files_sha256": "the --model checkpoint's files at"}
+         "model_files_sha256": "the --model checkpoint's files at", "reward_kwargs": "--reward-kwargs"}
 
 
 def prompts_sha256(rows: Sequence[dict]) -> str:

@@ -86,11 +86,12 @@ class DatasetError(ValueError):
 class DataOptions:
     """How a command reads users' datasets and scores them: `reward` is "math" or "code" (in any case),
     `reward_fn` a user's function as path.py:function, or a file alone for its compute_score (at most one
-    of them)."""
+    of them), called with `reward_kwargs` besides what its trainer passes."""
 
     answer_column: str | None = None
     reward: str | None = None
     reward_fn: str | None = None
+    reward_kwargs: dict[str, Any] | None = None
 
     def reward_task(self) -> str | None:
         """The task name every row is scored by (None: each row's own task)."""
@@ -98,6 +99,9 @@ class DataOptions:
 
         if self.reward is not None and self.reward_fn is not None:
             raise DatasetError("--reward and --reward-fn are two ways to score; give one of them")
+        if self.reward_kwargs and self.reward_fn is None:
+            raise DatasetError("--reward-kwargs passes keywords to a function of yours; name it with "
+                               "--reward-fn")
         if self.reward is not None:
             task = rewards.reward_choice(self.reward)
             if task is None:
@@ -105,7 +109,7 @@ class DataOptions:
                                    f"{self.reward!r}")
             return task
         if self.reward_fn is not None:
-            return reward_function.register_function(self.reward_fn)
+            return reward_function.register_function(self.reward_fn, self.reward_kwargs)
         return None
 
 

@@ -55,6 +55,11 @@ Design decisions:
 - User code's output goes to stderr while it runs (imported or called): the command's stdout may be
   carrying its data (`-o -` Parquet, `-f json`), and verl's reward functions print. Python's sys.stdout
   is redirected, and so is descriptor 1 (C extensions, child processes) where it is open.
+- `--reward-kwargs` (verl's `custom_reward_function.reward_kwargs`): a JSON object of keywords passed to
+  every call, verl's and TRL's functions alike, beside what the trainer passes; a key that is one of those
+  (verl's four keywords, TRL's prompts, completions, loggers, completion_ids or a dataset column) is refused
+  rather than overriding it, and the function must take every key (by name, or **kwargs). The keywords are
+  part of the reward's name (`reward-fn:file.py:fn(k=v)`) and of what artifacts record (`reward_kwargs`).
 - Rows reach the function in the users' dataset layout (`core/user_data.py`, `rewards.py`), its
   columns as the Python values `datasets` gives (a datetime, a Decimal, bytes: `extras.column_value`).
 """
@@ -65,6 +70,7 @@ import asyncio
 import contextlib
 import importlib.util
 import inspect
+import json
 import math
 import numbers
 import os
@@ -86,17 +92,19 @@ TRL_ONLY = ("trainer_state",)  # what TRL passes its functions and Sparrow does 
 TRL_UNPASSED = ("prompt", "completion", "completion_ids")  # dataset columns GRPOTrainer does not pass
 DEFAULT_FUNCTION = "compute_score"  # verl's custom_reward_function.name default
 TRL_LOGGERS = ("log_metric", "log_extra")  # what TRL passes its functions for logging, and so does Sparrow
+TRL_PASSED = ("prompts", "completions", COMPLETION_IDS, *TRL_LOGGERS, *TRL_ONLY)  # besides the columns
 
-_LOADED: dict[tuple[str, str], str] = {}  # (--reward-fn spec, its file's sha256) -> its task name
+_LOADED: dict[tuple[str, str, str | None], str] = {}  # (spec, its file's sha256, kwargs) -> task name
 
 
-def register_function(spec: str) -> str:
-    """The task name of a user's reward function, loaded once per process and version of its file
-    (`--reward-fn`): a notebook that edits the file and runs again scores with the edited function, the
-    one whose sha256 the provenance records."""
-    key = (spec, reward_fn_sha256(spec))
+def register_function(spec: str, kwargs: Mapping[str, Any] | None = None) -> str:
+    """The task name of a user's reward function called with `kwargs` besides what its trainer passes,
+    loaded once per process, version of its file and keywords (`--reward-fn`, `--reward-kwargs`): a notebook
+    that edits the file and runs again scores with the edited function, the one whose sha256 the provenance
+    records."""
+    key = (spec, reward_fn_sha256(spec), reward_kwargs_text(kwargs))
     if key not in _LOADED:
-        reward = load_reward_function(spec)
+        reward = load_reward_function(spec, kwargs)
         REWARDS[reward.task_name] = dataset_reward(reward.task_name, f"the user's function {spec}",
                                                    judge_many=reward.judge_many, clamp=False,
                                                    needs_answer=False, check_metadata=reward.check_row)
@@ -132,22 +140,47 @@ def reward_fn_sha256(spec: str | None) -> str:
         return ""
 
 
-def reward_provenance(reward: str | None, reward_fn: str | None) -> dict[str, str | None]:
+def reward_kwargs_text(kwargs: Mapping[str, Any] | None) -> str | None:
+    """--reward-kwargs as artifacts record it: compact JSON, keys sorted; None for none."""
+    return json.dumps(dict(kwargs), sort_keys=True, separators=(",", ":")) if kwargs else None
+
+
+def parse_reward_kwargs(text: str) -> dict[str, Any]:
+    """--reward-kwargs: a JSON object whose keys are Python names; RewardError in one sentence."""
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise RewardError(f"--reward-kwargs {cut(text)!r} is not JSON ({e}); give an object of keywords, "
+                          "e.g. '{\"min_words\": 5}'") from None
+    if not isinstance(value, dict):
+        raise RewardError(f"--reward-kwargs {cut(text)!r} is a JSON {type(value).__name__}, not an object of "
+                          "keywords, e.g. '{\"min_words\": 5}'")
+    bad = next((k for k in value if not k.isidentifier()), None)
+    if bad is not None:
+        raise RewardError(f"--reward-kwargs key {bad!r} is not a Python name, so no function can take it "
+                          "as a keyword")
+    return value
+
+
+def reward_provenance(reward: str | None, reward_fn: str | None,
+                      reward_kwargs: Mapping[str, Any] | None = None) -> dict[str, str | None]:
     """What scored rewards, under the keys every artifact and run config records it by: `reward`
-    (--reward's name), `reward_fn` (--reward-fn's path.py:function) and `reward_fn_sha256`. Both None:
-    each prompt's own task scorer. The file is named by its absolute path."""
+    (--reward's name), `reward_fn` (--reward-fn's path.py:function), `reward_fn_sha256` and
+    `reward_kwargs` (`reward_kwargs_text`). Both None: each prompt's own task scorer. The file is named by
+    its absolute path."""
     if reward_fn:
         file, _, function = reward_fn_spec(reward_fn).rpartition(":")
         reward_fn = f"{Path(file).expanduser().absolute()}:{function}"
-    return {"reward": reward, "reward_fn": reward_fn, "reward_fn_sha256": reward_fn_sha256(reward_fn)}
+    return {"reward": reward, "reward_fn": reward_fn, "reward_fn_sha256": reward_fn_sha256(reward_fn),
+            "reward_kwargs": reward_kwargs_text(reward_kwargs)}
 
 
 # ---------------------------------------------------------------- loading
 
 
-def load_reward_function(spec: str) -> RewardFunction:
+def load_reward_function(spec: str, kwargs: Mapping[str, Any] | None = None) -> RewardFunction:
     """`path.py:function` loaded, its convention read from its signature and the keywords it will be
-    called with checked (module docstring); RewardError in one sentence."""
+    called with (`kwargs` among them) checked (module docstring); RewardError in one sentence."""
     spec = reward_fn_spec(spec)
     path_text, sep, name = spec.rpartition(":")
     if not sep or not path_text or not name.isidentifier():
@@ -169,12 +202,25 @@ def load_reward_function(spec: str) -> RewardFunction:
         raise RewardError(f"--reward-fn {spec}: {name!r} in {path} is {_a(type(fn).__name__)} "
                           f"({_shown(fn)}), not a function")
     style = _style(fn, spec, name)
+    kwargs = dict(kwargs or {})
+    _check_own_keywords(kwargs, VERL_KEYWORDS if style == "verl" else TRL_PASSED, style)
     if style == "verl":
-        _check_verl_keywords(fn, spec)
+        _check_verl_keywords(fn, spec, kwargs)
     else:
-        _check_trl_keywords(fn, spec)
+        _check_trl_keywords(fn, spec, kwargs)
     trl = style == "trl"
-    return RewardFunction(spec, path, name, fn, style, _loggers(fn) if trl else (), trl and _takes_ids(fn))
+    return RewardFunction(spec, path, name, fn, style, _loggers(fn) if trl else (), trl and _takes_ids(fn),
+                          kwargs)
+
+
+def _check_own_keywords(kwargs: Mapping[str, Any], passed: Sequence[str], style: Style) -> None:
+    """RewardError for a --reward-kwargs key that the trainer's call passes itself (module docstring)."""
+    taken = [k for k in kwargs if k in passed]
+    if taken:
+        them = "it" if len(taken) == 1 else "them"
+        trainer = "verl" if style == "verl" else "TRL"
+        raise RewardError(f"--reward-kwargs {', '.join(taken)}: {trainer} passes {them} to the function "
+                          f"itself ({', '.join(passed)}); give your keywords other names")
 
 
 def _import(spec: str, path: Path) -> Any:
@@ -219,20 +265,27 @@ def _style(fn: Callable, spec: str, name: str) -> Style:
                       "f(prompts, completions, **kwargs)")
 
 
-def _check_verl_keywords(fn: Callable, spec: str) -> None:
-    """RewardError when a verl function cannot take verl's four keywords."""
+def _check_verl_keywords(fn: Callable, spec: str, kwargs: Mapping[str, Any]) -> None:
+    """RewardError when a verl function cannot take verl's four keywords and --reward-kwargs'."""
     try:
-        inspect.signature(fn).bind(**dict.fromkeys(VERL_KEYWORDS))
+        inspect.signature(fn).bind(**dict.fromkeys(VERL_KEYWORDS), **kwargs)
     except TypeError as e:
+        given = f" and --reward-kwargs' {', '.join(kwargs)}" if kwargs else ""
         raise RewardError(f"--reward-fn {spec} takes ({_parameters(fn)}), which cannot be called as verl "
-                          f"calls compute_score, with the keywords {', '.join(VERL_KEYWORDS)} "
+                          f"calls compute_score, with the keywords {', '.join(VERL_KEYWORDS)}{given} "
                           f"({e})") from None
 
 
-def _check_trl_keywords(fn: Callable, spec: str) -> None:
-    """RewardError when a TRL function cannot take prompts and completions, or needs what TRL passes and
-    Sparrow does not (the dataset's columns are checked per row, `RewardFunction.check_row`)."""
+def _check_trl_keywords(fn: Callable, spec: str, kwargs: Mapping[str, Any]) -> None:
+    """RewardError when a TRL function cannot take prompts, completions and --reward-kwargs, or needs what
+    TRL passes and Sparrow does not (each row's columns are checked as it is read: `check_row`)."""
     signature = inspect.signature(fn)
+    try:
+        signature.bind_partial(**kwargs)
+    except TypeError as e:
+        raise RewardError(f"--reward-fn {spec} takes ({_parameters(fn)}), which cannot take --reward-kwargs' "
+                          f"{', '.join(kwargs)} ({e}); a function takes **kwargs for keywords it does not "
+                          "name") from None
     try:
         signature.bind_partial(prompts=None, completions=None)
     except TypeError as e:
@@ -276,11 +329,13 @@ class RewardFunction:
     style: Style
     loggers: tuple[str, ...] = ()  # the TRL_LOGGERS it takes (by name or through **kwargs)
     takes_ids: bool = False  # a TRL function that takes completion_ids (`_takes_ids`)
+    kwargs: dict[str, Any] = field(default_factory=dict)  # --reward-kwargs, passed to every call
     checked: set[frozenset[str]] = field(default_factory=set, compare=False, repr=False)  # TRL columns
 
     @property
     def task_name(self) -> str:
-        return f"reward-fn:{self.path.name}:{self.name}"
+        bound = ", ".join(f"{k}={json.dumps(v, sort_keys=True)}" for k, v in sorted(self.kwargs.items()))
+        return f"reward-fn:{self.path.name}:{self.name}" + (f"({bound})" if bound else "")
 
     def where(self, metadata: dict[str, Any]) -> str:
         row, file = metadata.get("row"), metadata.get("file")
@@ -292,8 +347,13 @@ class RewardFunction:
         columns = _passed(metadata.get("columns") or {})
         if self.style != "trl" or frozenset(columns) in self.checked:
             return
+        both = [k for k in self.kwargs if k in columns]
+        if both:
+            named = "a column" if len(both) == 1 else "columns"
+            raise TaskError(f"--reward-kwargs {', '.join(both)}: the dataset has {named} of that name, which "
+                            "TRL passes the function as a keyword; give your keywords other names")
         try:
-            inspect.signature(self.fn).bind(prompts=None, completions=None,
+            inspect.signature(self.fn).bind(prompts=None, completions=None, **self.kwargs,
                                             **dict.fromkeys([*columns, *self.loggers,
                                                              *[COMPLETION_IDS] * self.takes_ids]))
         except TypeError as e:
@@ -319,7 +379,8 @@ class RewardFunction:
             try:
                 value = _awaited(self.fn(data_source=columns.get("data_source"), solution_str=completion,
                                          ground_truth=column_value(answer),
-                                         extra_info=verl_extra_info(columns.get("extra_info"))))
+                                         extra_info=verl_extra_info(columns.get("extra_info")),
+                                         **self.kwargs))
             except KeyboardInterrupt:
                 raise
             except BaseException as e:  # the user's error, named with its row
@@ -361,7 +422,8 @@ class RewardFunction:
             for k in keys:
                 columns.setdefault(k, []).append(row.get(k))
         loggers = {name: getattr(logged, name) for name in self.loggers}
-        return self.fn(prompts=prompts, completions=completions, **{**columns, **loggers, **ids})
+        return self.fn(prompts=prompts, completions=completions,
+                       **{**columns, **loggers, **ids, **self.kwargs})
 
     def _ids(self, items: list[Item]) -> dict[str, list]:
         """The batch's completion_ids where the function takes them and every completion's are known;

@@ -57,6 +57,7 @@ class TrainConfig:
     threads: int = 0  # torch's CPU threads (--threads, else torch's choice); 0: none recorded
     reward: str | None = None  # --reward (math | code) scores every prompt; None: each prompt's own task
     reward_fn: str | None = None  # --reward-fn path.py:function scores every prompt
+    reward_kwargs: str | None = None  # --reward-kwargs, compact JSON (`reward_kwargs_text`)
     # what the run reads, by content (filled by the Trainer; run_dir.py): a resume must read the same
     reward_fn_sha256: str = ""  # the --reward-fn file's
     prompts_sha256: str = ""
