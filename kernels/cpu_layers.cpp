@@ -159,8 +159,11 @@ std::tuple<at::Tensor, at::Tensor> rope_qk(const at::Tensor& q, const at::Tensor
 constexpr int F32_ROWS = SPARROW_SIMD_AVX512 ? 16 : 6;
 constexpr int BF16_ROWS = SPARROW_SIMD_AVX512 ? 16 : 5;
 
-// The next block of 16 outputs' weights are fetched while this block computes: the rows' FMAs and the
-// weights' stream from memory overlap instead of taking turns. Into L2: the block itself stays in L1.
+// The next block of 16 outputs' weights are fetched while a block of at least PREFETCH_ROWS rows computes:
+// the rows' FMAs and the weights' stream from memory overlap instead of taking turns. Into L2: the block
+// itself stays in L1. Fewer rows compute too little to hide a block behind, and the hardware prefetcher
+// streams the weights faster alone.
+constexpr int PREFETCH_ROWS = 4;
 inline void prefetch_l2(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
 
 // Decode-sized products in bf16: x [M, K] (M <= BF16_ROWS) times a weight packed as [N/16, K/2, 16, 2] (per
@@ -175,7 +178,7 @@ void linear_block(const uint32_t* x, const float* xf, const uint16_t* w, int K2,
   simd::vf acc[M];
   for (int m = 0; m < M; ++m) acc[m] = simd::zero();
   for (int p = 0; p < K2; ++p) {
-    prefetch_l2(w + ((int64_t)K2 + p) * 32);
+    if constexpr (M >= PREFETCH_ROWS) prefetch_l2(w + ((int64_t)K2 + p) * 32);
     const simd::vi wv = simd::loadu_bits(w + (int64_t)p * 32);
 #if SPARROW_SIMD_AVX512
     (void)xf;
@@ -246,7 +249,7 @@ void linear_block_f32(const float* x, const float* w, int K, const float* bias, 
   simd::vf acc[M];
   for (int m = 0; m < M; ++m) acc[m] = simd::zero();
   for (int k = 0; k < K; ++k) {
-    prefetch_l2(w + ((int64_t)K + k) * 16);
+    if constexpr (M >= PREFETCH_ROWS) prefetch_l2(w + ((int64_t)K + k) * 16);
     const simd::vf wv = simd::loadu(w + (int64_t)k * 16);
     for (int m = 0; m < M; ++m) acc[m] = simd::fmadd(simd::set1(x[m * K + k]), wv, acc[m]);
   }
