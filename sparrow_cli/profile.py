@@ -284,7 +284,7 @@ def profile(
         prompt_set = PromptSet.read(prompts, max_prompts=max_prompts)
         check_sampling_memory([len(r.get("prompt_token_ids") or ()) for r in prompt_set.rows], samples,
                               max_new_tokens, cfg.vocab_size, "sample fewer trajectories per prompt, or "
-                              "split the prompts into several files")
+                              "fewer prompts (--max-prompts, or several prompt files)")
         run.random_weights = random_weights and random_weights_of(model, RANDOM_WEIGHTS_NOTE)
         with progress_hooks(workers) as hooks:
             hooks.loading = lambda: say_loading(model, device)

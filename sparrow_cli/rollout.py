@@ -285,7 +285,7 @@ def rollout(
     check_speculative_budget(budget, speculate, None if prompt_set.needs_tokenizer else
                              [len(r.get("prompt_token_ids") or ()) for r in prompt_set.rows], max_new_tokens)
     total = len(prompt_set.rows) * samples
-    hint = "roll out fewer samples per call, or split the prompts into several files"
+    hint = "roll out fewer samples per call, or fewer prompts (--max-prompts, or several prompt files)"
     check_host_memory(total, f"{total:,} samples (--samples {samples} for {len(prompt_set.rows)} prompts)",
                       hint)
     check_sampling_memory([len(r.get("prompt_token_ids") or ()) for r in prompt_set.rows], samples,

@@ -276,8 +276,8 @@ def test_samples_whose_tokens_and_first_draws_cannot_fit_are_refused(tmp_path, n
     assert error_line(result) == (
         f"error: --samples {samples} for 2 prompts with --max-new-tokens 2 need at least {need:,.0f} GiB of "
         f"memory (their {tokens:,} tokens, and 49,152 first-token scores per sample, one per vocabulary "
-        "entry), more than this machine's 64 GiB; roll out fewer samples per call, or split the prompts into "
-        "several files")
+        "entry), more than this machine's 64 GiB; roll out fewer samples per call, or fewer prompts "
+        "(--max-prompts, or several prompt files)")
     assert not out.exists()
 
 

@@ -51,6 +51,7 @@ class Provenance:
     reward: str | None = None  # what scored rollouts and training: a task's reward or --reward
     reward_fn: str | None = None  # --reward-fn path.py:function, and its file's digest
     reward_fn_sha256: str | None = None
+    reward_kwargs: str | None = None  # --reward-kwargs: the function's keywords
     raw_prompts: str | None = None  # prompts tokenized as given, without the chat template
     temperature: str | None = None  # sampling: greedy evaluation and T=1 training rollouts differ in kind
     top_p: str | None = None
