@@ -463,9 +463,9 @@ def release_folder(folder: str | os.PathLike) -> None:
 
 
 @atexit.register
-def _release_all() -> None:
-    """At exit, every lock this process still holds (a command refused after taking one) let go of, so
-    its lock file does not stay behind."""
+def release_all() -> None:
+    """Every lock this process still holds let go of, so that no lock file stays behind: when a command
+    ends (its outputs' locks), and at exit (a command refused after taking one)."""
     for folder in list(_HELD):
         release_folder(folder)
 

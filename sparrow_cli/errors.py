@@ -28,6 +28,7 @@ class UsageError(ValueError):
 def friendly_errors(fn: Callable) -> Callable:
     """Turn the project's input errors into one clear line and a non-zero exit."""
     from sparrow.schemas import ArtifactError
+    from sparrow.schemas.locations import release_all
     from sparrow.stages.backends.ray_pool import WorkersFailed
     from sparrow.stages.core.prompt_set import PromptError
     from sparrow.stages.engine.memory import PoolTooSmall
@@ -50,6 +51,7 @@ def friendly_errors(fn: Callable) -> Callable:
             stopped(getattr(e, "signum", signal.SIGTERM if terminated else signal.SIGINT), said)
         finally:
             free_stdout()
+            release_all()  # the outputs and folders the command held
 
     return wrapper
 

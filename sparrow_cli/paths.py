@@ -2,7 +2,9 @@
 
 Every command that writes checks its output location with `check_output` (or `check_output_dir`) before
 any work: the rule itself is `sparrow.schemas.locations`; here it becomes one sentence that says how
-to force it, and `-o -` hands stdout to the artifact (tables and summaries then go to stderr). An input
+to force it, and `-o -` hands stdout to the artifact (tables and summaries then go to stderr). A file
+output is then held (`hold_output`: a lock beside it) until the command ends, so a second command writing
+it on this machine is refused at once instead of replacing the first one's result when it ends. An input
 of `-` or a FIFO is read whole first, since Parquet is read from its footer; stdin on a terminal or
 closed is refused at once, never waited on."""
 
@@ -58,6 +60,18 @@ def check_output(path: Path | None, kind: str | None, force: bool, flag: str = "
         raise UsageError(f"{flag} {e}") from None
     if is_stdio(path):
         take_stdout()
+    else:
+        _hold(path, flag)
+
+
+def _hold(path: Path, flag: str) -> None:
+    """The output held by this command until it ends (`errors.friendly_errors` lets go of it)."""
+    from sparrow.schemas.locations import FolderBusy, hold_output
+
+    try:
+        hold_output(path, "sparrow command", f"another {flag}")
+    except FolderBusy as e:
+        raise UsageError(f"{flag} {e}") from None
 
 
 def check_output_dir(path: Path, what: str, ours: Callable[[Path], bool], force: bool,
