@@ -225,7 +225,7 @@ template <typename OutT>
 void linear_rows(int rows, const uint32_t* x, const uint16_t* w, int K2, int NB, const at::BFloat16* bias,
                  OutT* out) {
   std::vector<float> xf;
-  if (!SPARROW_SIMD_AVX512) {  // the inputs widened once for every block of outputs
+  if constexpr (!SPARROW_SIMD_AVX512) {  // the inputs widened once for every block of outputs
     xf.resize((size_t)rows * K2 * 2);
     for (size_t i = 0; i < xf.size(); ++i) {
       const uint32_t bits = static_cast<uint32_t>(reinterpret_cast<const uint16_t*>(x)[i]) << 16;

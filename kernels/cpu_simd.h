@@ -171,20 +171,15 @@ inline void mask_store_bf16(void* p, vmask m, vf x) {
   std::memcpy(p, buf, lanes_on(m) * sizeof(uint16_t));
 }
 inline vbh pack_bf16(vf hi, vf lo) { return {to_bf16(lo), to_bf16(hi)}; }
+// the odd (high) and even (low) bf16 value of each pair of 8, widened to fp32
+inline __m256 odd8(__m256i x) { return _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32((int)0xffff0000))); }
+inline __m256 even8(__m256i x) { return _mm256_castsi256_ps(_mm256_slli_epi32(x, 16)); }
+inline vf odd_bf16(vi x) { return {odd8(x.lo), odd8(x.hi)}; }
+inline vf even_bf16(vi x) { return {even8(x.lo), even8(x.hi)}; }
 inline __m256 dp8(__m256 acc, __m256i a, __m256i b) {
-  const __m256i high = _mm256_set1_epi32((int)0xffff0000);
-  acc = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(a, high)), _mm256_castsi256_ps(_mm256_and_si256(b, high)), acc);
-  return _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(a, 16)), _mm256_castsi256_ps(_mm256_slli_epi32(b, 16)), acc);
+  return _mm256_fmadd_ps(even8(a), even8(b), _mm256_fmadd_ps(odd8(a), odd8(b), acc));
 }
 inline vf dpbf16(vf acc, vbh a, vbh b) { return {dp8(acc.lo, a.lo, b.lo), dp8(acc.hi, a.hi, b.hi)}; }
-// the odd (high) and even (low) bf16 values of each pair, widened to fp32
-inline vf odd_bf16(vi x) {
-  const __m256i high = _mm256_set1_epi32((int)0xffff0000);
-  return {_mm256_castsi256_ps(_mm256_and_si256(x.lo, high)), _mm256_castsi256_ps(_mm256_and_si256(x.hi, high))};
-}
-inline vf even_bf16(vi x) {
-  return {_mm256_castsi256_ps(_mm256_slli_epi32(x.lo, 16)), _mm256_castsi256_ps(_mm256_slli_epi32(x.hi, 16))};
-}
 
 inline vf round_nearest(vf x) {
   constexpr int mode = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;

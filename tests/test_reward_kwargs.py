@@ -77,7 +77,7 @@ def test_a_trl_function_gets_the_keywords_beside_the_columns(data):
     assert _scores(data[2] / "rewards.parquet") == {k: -abs(len(t) - 3) for k, t in TEXTS.items()}
 
 
-def test_two_keyword_sets_of_one_function_score_apart_in_one_process(data):
+def test_two_keyword_sets_of_one_function_register_apart_in_one_process(data):
     """The keywords are part of the reward's name: each set registers its own reward."""
     fn = str(data[2] / "verl_fn.py")
     one = DataOptions(reward_fn=fn, reward_kwargs={"bonus": 1})
