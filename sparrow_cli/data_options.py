@@ -1,5 +1,6 @@
-"""The options that read users' datasets and score them (--answer-column, --reward, --reward-fn), shared
-by rollout, train and reward; docs/datasets.md has the formats and conventions."""
+"""The options that read users' datasets and score them (--answer-column, --reward, --reward-fn) and
+fit their prompts' lengths (--max-prompt-length, --truncation, --filter-overlong-prompts), shared by the
+commands that read them; docs/datasets.md has the formats and conventions."""
 
 from __future__ import annotations
 
@@ -75,14 +76,52 @@ def reward_kwargs_option():
                         "recorded with the rewards.")
 
 
+def max_prompt_length_option():
+    return typer.Option(None, "--max-prompt-length", metavar="<int>",
+                        help="Prompt tokens at most, after the chat template (verl's data.max_prompt_length, "
+                        "TRL's max_prompt_length); a longer prompt is refused unless --truncation cuts it or "
+                        "--filter-overlong-prompts leaves it out. Default: what the model's context leaves "
+                        "beside --max-new-tokens.")
+
+
+def truncation_option():
+    return typer.Option("error", "--truncation", metavar="error|left|right|middle",
+                        help="A prompt longer than --max-prompt-length (verl's data.truncation): error "
+                        "refuses the run before any work; left keeps its last tokens (as TRL cuts), right "
+                        "its first, middle its first and last halves. What was cut is noted and recorded.")
+
+
+def filter_overlong_option():
+    return typer.Option(False, "--filter-overlong-prompts/--no-filter-overlong-prompts",
+                        help="Leave out the prompts longer than --max-prompt-length (without it: those that "
+                        "do not fit the context beside --max-new-tokens) instead of refusing the run (verl's "
+                        "data.filter_overlong_prompts); the others keep their ids and seeds. Said in a note "
+                        "and recorded as filtered_prompts.")
+
+
+def prompt_length(max_prompt_length: int | None = None, truncation: str = "error",
+                  filter_overlong: bool = False):
+    """The `PromptLength` of the flags, checked."""
+    from sparrow.stages.core.prompt_length import PromptLength
+
+    length = PromptLength(max_prompt_length, truncation.strip().lower(), filter_overlong)
+    try:
+        length.validate()
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    return length
+
+
 def data_options(answer_column: str | None, reward: str | None, reward_fn: str | None,
-                 reward_kwargs: str | None = None):
-    """The `DataOptions` of the flags, checked before any work (the function is imported here, so a file
-    that does not load is refused before any weights do)."""
+                 reward_kwargs: str | None = None, length=None):
+    """The `DataOptions` of the flags (with `length`, a `PromptLength`), checked before any work (the
+    function is imported here, so a file that does not load is refused before any weights do)."""
+    from sparrow.stages.core.prompt_length import PromptLength
     from sparrow.stages.core.user_data import DataOptions, DatasetError
     from sparrow.stages.tasks import RewardError
 
-    options = DataOptions(answer_column, reward, reward_fn, _reward_kwargs(reward_kwargs))
+    options = DataOptions(answer_column, reward, reward_fn, _reward_kwargs(reward_kwargs),
+                          length or PromptLength())
     try:
         options.reward_task()
     except (DatasetError, RewardError) as e:

@@ -20,6 +20,7 @@ from rich.progress import (
 from sparrow.stages.core.definitions import DEFAULT_BIN_WIDTH, TAIL_QUANTILE
 
 from .console import console
+from .data_options import filter_overlong_option, max_prompt_length_option, prompt_length, truncation_option
 from .errors import UsageError, friendly_errors
 from .messages import note, warn
 from .option_values import (
@@ -82,7 +83,9 @@ if TYPE_CHECKING:
     from sparrow.stages.profile import Hooks, Speculation
 
 
-SAMPLING_FLAGS = {"max_prompts": "--max-prompts", "samples": "--samples",
+SAMPLING_FLAGS = {"max_prompts": "--max-prompts", "max_prompt_length": "--max-prompt-length",
+                  "truncation": "--truncation", "filter_overlong_prompts": "--filter-overlong-prompts",
+                  "samples": "--samples",
                   "max_new_tokens": "--max-new-tokens", "sampler": "--sampler",
                   "budget": "--budget", "schedule": "--schedule",
                   "top_p": "--top-p", "top_k": "--top-k", "seed": "--seed",
@@ -112,6 +115,9 @@ def profile(
                                  "trajectories of these prompts with the engine."),
     raw_prompts: bool = raw_prompts_option(),
     max_prompts: int = max_prompts_option(),
+    max_prompt_length: int = max_prompt_length_option(),
+    truncation: str = truncation_option(),
+    filter_overlong_prompts: bool = filter_overlong_option(),
     rollouts: Path = typer.Option(None, "--rollouts", callback=input_path, parser=given_path("--rollouts"),
                                   metavar="<path>", help="A rollouts artifact "
                                   "(sparrow rollout; - = stdin), or any Parquet file from another sampler "
@@ -206,6 +212,7 @@ def profile(
     set_threads(threads)
     from sparrow.stages.core.prompt_set import PromptSet
     from sparrow.stages.core.trajectories import read_rollouts
+    from sparrow.stages.core.user_data import DataOptions
     from sparrow.stages.model.loading import canonical_dtype, resolve_config, resolve_dtype
     from sparrow.stages.profile import (
         DRAFT_ALPHA_WITH_ADAPTER,
@@ -225,6 +232,7 @@ def profile(
     if rollouts is not None:
         refuse_sampling_flags(ctx, rollouts)
     check_max_prompts(max_prompts)
+    length = prompt_length(max_prompt_length, truncation, filter_overlong_prompts)
     sampler, sampler_label = sampler_of_flags(ctx, sampler, budget, schedule, model)
     opts = ProfileOptions(budgets=scored_budgets(budgets), samples=samples,
                           max_new_tokens=max_new_tokens, sampler=sampler, bin_width=bin_width,
@@ -281,7 +289,7 @@ def profile(
             hooks.loading = lambda: say_loading(model, device)
             table = profile_rollouts(run, given, rollouts, opts, hooks)
     else:
-        prompt_set = PromptSet.read(prompts, max_prompts=max_prompts)
+        prompt_set = PromptSet.read(prompts, DataOptions(prompt_length=length), max_prompts)
         check_sampling_memory([len(r.get("prompt_token_ids") or ()) for r in prompt_set.rows], samples,
                               max_new_tokens, cfg.vocab_size, "sample fewer trajectories per prompt, or "
                               "fewer prompts (--max-prompts, or several prompt files)")

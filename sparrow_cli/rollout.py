@@ -15,9 +15,13 @@ from .console import console, stdout_taken
 from .data_options import (
     answer_column_option,
     data_options,
+    filter_overlong_option,
+    max_prompt_length_option,
+    prompt_length,
     reward_fn_option,
     reward_kwargs_option,
     reward_option,
+    truncation_option,
 )
 from .errors import UsageError, friendly_errors
 from .messages import note, warn
@@ -121,6 +125,9 @@ def rollout(
                                  "folder; docs/datasets.md)."),
     raw_prompts: bool = raw_prompts_option(),
     max_prompts: int = max_prompts_option(),
+    max_prompt_length: int = max_prompt_length_option(),
+    truncation: str = truncation_option(),
+    filter_overlong_prompts: bool = filter_overlong_option(),
     answer_column: str = answer_column_option(),
     reward: str = reward_option(),
     reward_fn: str = reward_fn_option(),
@@ -264,7 +271,8 @@ def rollout(
     if workers and reward_fn:
         raise UsageError("--reward-fn runs in this process, not in Ray workers; roll out with --workers and "
                          "score the rollouts with sparrow reward --reward-fn")
-    data = data_options(answer_column, reward, reward_fn, reward_kwargs)
+    data = data_options(answer_column, reward, reward_fn, reward_kwargs,
+                        prompt_length(max_prompt_length, truncation, filter_overlong_prompts))
     check_output(output, "rollouts", force, parts=bool(workers),
                  inputs={"--prompts": prompts, "--schedule": schedule, "--adapter": lora,
                          "--model": model_file(model)})

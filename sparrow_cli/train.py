@@ -15,9 +15,13 @@ from .console import console
 from .data_options import (
     answer_column_option,
     data_options,
+    filter_overlong_option,
+    max_prompt_length_option,
+    prompt_length,
     reward_fn_option,
     reward_kwargs_option,
     reward_option,
+    truncation_option,
 )
 from .errors import UsageError, friendly_errors
 from .messages import fail, note, warn
@@ -91,6 +95,9 @@ def train(
                                  "prompts artifact, or a verl or TRL dataset scored by --reward or "
                                  "--reward-fn."),
     raw_prompts: bool = raw_prompts_option(),
+    max_prompt_length: int = max_prompt_length_option(),
+    truncation: str = truncation_option(),
+    filter_overlong_prompts: bool = filter_overlong_option(),
     answer_column: str = answer_column_option(),
     reward: str = reward_option(),
     reward_fn: str = reward_fn_option(),
@@ -346,10 +353,13 @@ def train(
     if speculate and workers:
         raise UsageError("--speculate runs in this process's engine; drop --workers")
     check_workers(workers, ray_address, None)
-    data = data_options(answer_column, reward, reward_fn, reward_kwargs)
+    length = prompt_length(max_prompt_length, truncation, filter_overlong_prompts)
+    data = data_options(answer_column, reward, reward_fn, reward_kwargs, length)
     from sparrow.stages.tasks.reward_function import reward_kwargs_text
 
-    cfg = dataclasses.replace(cfg, reward_kwargs=reward_kwargs_text(data.reward_kwargs))
+    cfg = dataclasses.replace(cfg, reward_kwargs=reward_kwargs_text(data.reward_kwargs),
+                              max_prompt_length=length.max_length, truncation=length.truncation,
+                              filter_overlong_prompts=length.filter_overlong)
     allow_unsafe_code(ctx, unsafe_code_execution)
     prompt_set = PromptSet.read(prompts, data)
     rows = prompt_set.rows

@@ -29,6 +29,7 @@ import pyarrow.compute as pc
 from .attention import DEFAULT_DENSE_LAYERS, PAGE_SIZE, validate_budget
 from .calibrate import PRIOR_THRESHOLD
 from .core.definitions import DEFAULT_BIN_WIDTH, TAIL_QUANTILE
+from .core.prompt_set import seed_rows
 from .core.schedule import Schedule
 from .core.sparsity import as_policy
 from .core.trajectories import Trajectory
@@ -226,11 +227,13 @@ OnSpeculation = Callable[[Speculation], None]
 
 def run_profile(model: LoadedModel, prompt_ids: Sequence[str], prompts: Sequence[list[int]],
                 opts: ProfileOptions, progress: Progress | None = None,
-                on_speculation: OnSpeculation | None = None) -> pa.Table:
-    """Sample `opts.samples` trajectories per prompt through the engine; score each token under each
-    budget. `on_speculation` gets the speculative counts of the sampling, under `opts.speculate`."""
+                on_speculation: OnSpeculation | None = None,
+                request_ids: Sequence[int] | None = None) -> pa.Table:
+    """Sample `opts.samples` trajectories per prompt through the engine (seeded by `request_ids`, the
+    prompts' rows in their file; default 0, 1, ...); score each token under each budget.
+    `on_speculation` gets the speculative counts of the sampling, under `opts.speculate`."""
     opts.validate()
-    trajectories = sample_trajectories(model, prompt_ids, prompts, opts, progress,
+    trajectories = sample_trajectories(model, prompt_ids, prompts, opts, progress, request_ids=request_ids,
                                        on_speculation=on_speculation)
     return profile_trajectories(model, trajectories, opts, progress)
 
@@ -393,13 +396,13 @@ def has_draft_alpha(mismatch: pa.Table) -> bool:
 
 def profile_shard(loaded: LoadedModel, items: list, indices: list[int], opts: ProfileOptions,
                   sample: bool) -> tuple[pa.Table, Speculation | None]:
-    """A Ray worker's share of `sparrow profile`: (prompt id, prompt ids) pairs sampled first, seeded
-    by their indices in the whole set, or trajectories -> its rows and, under --speculate, the sampling's
+    """A Ray worker's share of `sparrow profile`: (prompt id, prompt ids, row in the file) triples sampled
+    first, seeded by their rows, or trajectories -> its rows and, under --speculate, the sampling's
     speculative counts. The options carry the LoRAs' weights to the worker."""
     speculation: list[Speculation] = []
     if sample:
-        ids, prompts = [i for i, _ in items], [p for _, p in items]
-        items = sample_trajectories(loaded, ids, prompts, opts, request_ids=indices,
+        ids, prompts, rows = ([item[k] for item in items] for k in range(3))
+        items = sample_trajectories(loaded, ids, prompts, opts, request_ids=rows,
                                     on_speculation=speculation.append)
     return profile_trajectories(loaded, items, opts), (speculation[0] if speculation else None)
 
@@ -475,17 +478,19 @@ def profile_prompts(run: ProfileRun, prompt_set, source: Path, opts: ProfileOpti
         if prompt_set.needs_tokenizer:
             prompt_set.tokenize(tokenizer, chat, run.model)
     prompt_set.check_fits(cfg.vocab_size, cfg.max_position_embeddings, opts.max_new_tokens)
-    meta = opts.metadata() | {"prompts": input_path(source)} | run.metadata()
+    meta = opts.metadata() | {"prompts": input_path(source)} | run.metadata() | prompt_set.length_metadata()
     if prompt_set.max_prompts:
         meta["max_prompts"] = prompt_set.max_prompts
+    seeds = seed_rows(prompt_set.rows)
     if run.workers:
-        items = list(zip(prompt_set.ids, prompt_set.tokens))
+        items = list(zip(prompt_set.ids, prompt_set.tokens, seeds))
         return _profile_on_ray(run, items, opts, True, meta, hooks)
     if hooks.loading:
         hooks.loading()
     loaded = run.load()
     counted: list[Speculation] = []
-    table = run_profile(loaded, prompt_set.ids, prompt_set.tokens, opts, hooks.progress, counted.append)
+    table = run_profile(loaded, prompt_set.ids, prompt_set.tokens, opts, hooks.progress, counted.append,
+                        request_ids=seeds)
     table = _write(table, run, meta | _speculation_meta(counted))
     if counted and hooks.speculation:
         hooks.speculation(counted[0])

@@ -20,6 +20,7 @@ from sparrow.kernels.ops import Backend
 
 from .attention import DEFAULT_DENSE_LAYERS, PAGE_SIZE
 from .core.fingerprints import checkpoint_path, model_files_sha256, schedule_sha256
+from .core.prompt_set import seed_rows
 from .core.token_budgets import mean_sparse_budget
 from .engine.config import DecodeStep, EngineConfig
 from .engine.engine import Engine, EngineStats
@@ -149,7 +150,7 @@ def run_rollouts(loaded: LoadedModel, rows: Seq[dict], opts: RolloutOptions,
     with Engine(loaded.model, opts.policy, engine_config(opts)) as engine, \
             lora_merged(loaded.model, opts.lora):
         results = engine.generate([r["prompt_token_ids"] for r in rows], opts.sampling, on_step,
-                                  request_ids=request_ids)
+                                  request_ids=seed_rows(rows, request_ids))
     out, items = sample_columns(rows, results, loaded.tokenizer)
     seconds = score_rewards(out, items, on_scored)
     return pa.table(out), summarize(out, engine.stats, seconds)
@@ -369,6 +370,7 @@ class RolloutRun:
         digests = prompt_set.digests()
         return {"model": model_name(self.model), "prompts": input_path(self.prompts),
                 **({"max_prompts": prompt_set.max_prompts} if prompt_set.max_prompts else {}),
+                **prompt_set.length_metadata(),
                 **({"prompt_digests": digests} if digests else {}),
                 "sparsity": self.sparsity, "samples": sampling.n, "max_new_tokens": sampling.max_new_tokens,
                 "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
@@ -506,8 +508,11 @@ def run_journaled(loaded: LoadedModel | None, journal: Journal, opts: RolloutOpt
                 lora_merged(loaded.model, opts.lora):
             columns = partial(unscored_columns, tokenizer=loaded.tokenizer)
             with journal.recording(lambda: engine.stats, columns, score_table, on_step, on_scored) as step:
+                seeds = seed_rows([rows[i] for i in todo], todo)  # the journal names rows by position
+                position = dict(zip(seeds, todo))
                 engine.generate([rows[i]["prompt_token_ids"] for i in todo], opts.sampling, step,
-                                request_ids=todo, on_prompt=journal.finished)
+                                request_ids=seeds,
+                                on_prompt=lambda seed, done: journal.finished(position[seed], done))
         stats = engine.stats
     table, reward_seconds = journal.result()
     summary = summarize(summary_columns(table), journal.stats(stats), reward_seconds)

@@ -227,7 +227,8 @@ def check_not_complete(output: Path, manifest: Manifest) -> None:
 REWARD_FIELDS = ("reward", "reward_fn", "reward_fn_sha256", "reward_kwargs")
 
 # what each field is on the command line, for the sentence that names a difference
-FLAGS = {"model": "--model", "prompts": "--prompts or --max-prompts", "prompts_sha256": "--prompts",
+FLAGS = {"model": "--model", "prompts": "--prompts, --max-prompts or --filter-overlong-prompts",
+         "prompts_sha256": "--prompts, --max-prompt-length or --truncation",
          "samples": "--samples",
          "max_new_tokens": "--max-new-tokens", "temperature": "--temperature", "top_p": "--top-p",
          "top_k": "--top-k", "seed": "--seed", "ignore_eos": "--ignore-eos",
@@ -242,7 +243,8 @@ FLAGS = {"model": "--model", "prompts": "--prompts or --max-prompts", "prompts_s
 def prompts_sha256(rows: Sequence[dict]) -> str:
     """The digest of the prompt rows as the run samples and rewards them."""
     return sha256_json([[r["prompt_id"], [int(t) for t in r["prompt_token_ids"]], r.get("task"),
-                         r.get("answer"), r.get("metadata")] for r in rows])
+                         r.get("answer"), r.get("metadata")] + ([r["row"]] if r.get("row", i) != i else [])
+                        for i, r in enumerate(rows)])  # a row's place in its file where it seeds otherwise
 
 
 def adapter_sha256(lora) -> str:

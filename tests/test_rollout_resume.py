@@ -204,12 +204,15 @@ def test_a_killed_run_resumed_writes_the_uninterrupted_rows(tiny, reference, tmp
     assert not _partial(out).exists()
 
 
+OTHER_PROMPTS = "was written with --prompts, --max-prompts or --filter-overlong-prompts 6 prompts (sha256 "
+
+
 @pytest.mark.parametrize("extra,named", [
     (["--temperature", "0.7"], "was written with --temperature 1.0, this run has 0.7;"),
     (["--budget", "48"], "was written with the sparsity (--budget/--schedule/--kv-compression) dense, this "
                          "run has budget:48;"),
-    (["--prompts", "OTHER"], "was written with --prompts or --max-prompts 6 prompts (sha256 "),
-    (["--max-prompts", "5"], "was written with --prompts or --max-prompts 6 prompts (sha256 "),
+    (["--prompts", "OTHER"], OTHER_PROMPTS),
+    (["--max-prompts", "5"], OTHER_PROMPTS),
 ])
 def test_a_journal_of_another_run_is_refused_and_left_as_it_was(tiny, journal, tmp_path, extra, named):
     out = tmp_path / "r.parquet"

@@ -23,6 +23,7 @@ import hashlib
 import json
 import os
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,6 +32,7 @@ from sparrow.schemas.footer import file_json
 from sparrow.schemas.locations import missing
 
 from .notes import note
+from .prompt_length import PromptLength
 from .user_data import DataOptions, DatasetError, dataset_metadata, missing_answer_advice, read_dataset
 
 COLUMNS = ("prompt_id", "task", "prompt", "prompt_token_ids", "answer", "metadata")
@@ -65,6 +67,10 @@ class PromptSet:
     meta: dict = field(default_factory=dict)  # a prompts artifact's metadata (task, n, seed, model...)
     matched: bool = False  # match_model has run (a command reads its prompts for one model)
     max_prompts: int | None = None  # the file's first rows only (--max-prompts); None: every row
+    length: PromptLength = PromptLength()  # what a prompt too long for the run gets (prompt_length.py)
+    left_out: list[str] = field(default_factory=list)  # ids of prompts too long, left out (filter_overlong)
+    cut: list[str] = field(default_factory=list)  # ids of prompts cut to length.max_length
+    length_notes: list[str] = field(default_factory=list)  # what was left out or cut, said once checked
 
     @classmethod
     def read(cls, path: str | os.PathLike, data: DataOptions | None = None,
@@ -93,10 +99,11 @@ class PromptSet:
         if not rows:
             raise PromptError(f"{path}: the prompt set is empty")
         rows = rows if max_prompts is None else rows[:max_prompts]
-        for r in rows:
+        for i, r in enumerate(rows):
             r["digest"] = prompt_digest(r)
             r["from_text"] = not r.get("prompt_token_ids")
-        prompts = cls(path, rows, meta, max_prompts=max_prompts)
+            r["row"] = i
+        prompts = cls(path, rows, meta, max_prompts=max_prompts, length=data.prompt_length)
         prompts.check_rows()
         if reward is not None:
             prompts.use_reward(reward)
@@ -106,7 +113,14 @@ class PromptSet:
         """The digest of each prompt tokenized here from its text or chat messages (`prompt_digest`), by
         prompt id: what rollouts record, so that `sparrow reward` can tell a dataset of the same ids from
         the one sampled (and prompts re-tokenized for the model from the ids the file holds)."""
-        return {r["prompt_id"]: r["digest"] for r in self.rows if r.get("from_text") and r.get("digest")}
+        return {r["prompt_id"]: r["digest"] for r in self.rows
+                if (r.get("from_text") or r["prompt_id"] in self.cut) and r.get("digest")}
+
+    def length_metadata(self) -> dict:
+        """What an artifact records of the prompts' lengths: the flags given (verl's names), and how many
+        prompts were left out or cut."""
+        counts = {"filtered_prompts": len(self.left_out), "truncated_prompts": len(self.cut)}
+        return self.length.metadata() | {k: n for k, n in counts.items() if n}
 
     @property
     def made_for(self) -> str | None:
@@ -270,7 +284,9 @@ class PromptSet:
             r["prompt_token_ids"] = tokenizer(r["prompt"], add_special_tokens=raw).input_ids
 
     def check_fits(self, vocab_size: int, context: int, max_new_tokens: int) -> None:
-        """Ids from another tokenizer and prompts too long for the context, among the tokenized rows."""
+        """Ids from another tokenizer and prompts too long for the context, among the tokenized rows; the
+        prompts too long for the run are cut or left out as `length` says, said in a note once every row
+        fits."""
         rows = [r for r in self.rows if r.get("prompt_token_ids")]
         for r in rows:
             top = max(r["prompt_token_ids"])
@@ -282,12 +298,57 @@ class PromptSet:
                                   f"({made})")
         if not rows:
             return
+        self._fit_lengths(rows, context, max_new_tokens)
+        rows = [r for r in self.rows if r.get("prompt_token_ids")]
         longest = max(rows, key=lambda r: len(r["prompt_token_ids"]))
         if len(longest["prompt_token_ids"]) + max_new_tokens > context:
             raise PromptError(
                 f"{self.path}: prompt {longest['prompt_id']!r} has {len(longest['prompt_token_ids'])} "
                 f"tokens, which with --max-new-tokens {max_new_tokens} exceeds the model's context "
-                f"of {context}")
+                f"of {context}; --filter-overlong-prompts leaves such prompts out, --max-prompt-length with "
+                "--truncation left|right|middle cuts them")
+        for line in self.length_notes:
+            note(line)
+
+    def _fit_lengths(self, rows: list[dict], context: int, max_new_tokens: int) -> None:
+        """Rows (of those with token ids) longer than the length's limit left out or cut, as `self.length`
+        says (prompt_length.py); refused when it says neither and a --max-prompt-length was given."""
+        length = self.length
+        limit = length.limit(context, max_new_tokens)
+        long = [r for r in rows if len(r["prompt_token_ids"]) > limit]
+        if not long:
+            return
+        first = f"{long[0]['prompt_id']!r} ({len(long[0]['prompt_token_ids'])} tokens)"
+        why = (f"--max-prompt-length {limit}" if length.max_length is not None else
+               f"the model's context of {context} less --max-new-tokens {max_new_tokens}")
+        if length.filter_overlong:
+            dropped = {id(r) for r in long}
+            self.rows = [r for r in self.rows if id(r) not in dropped]
+            self.left_out += [r["prompt_id"] for r in long]
+            if not self.rows:
+                raise PromptError(f"{self.path}: every prompt is longer than {limit} tokens ({why}), so "
+                                  "--filter-overlong-prompts leaves none to sample")
+            self.length_notes.append(f"{self.path}: {len(long)} prompt(s) longer than {limit} tokens ({why}) "
+                                     f"left out by --filter-overlong-prompts, the first {first}; "
+                                     f"{len(self.rows)} remain")
+            return
+        if length.max_length is None:
+            return  # the context check refuses the longest
+        if length.truncation == "error":
+            raise PromptError(f"{self.path}: prompt {first} is longer than --max-prompt-length {limit}; "
+                              "--truncation left|right|middle cuts such prompts, --filter-overlong-prompts "
+                              "leaves them out")
+        for r in long:
+            r["prompt_token_ids"] = length.cut(list(r["prompt_token_ids"]))
+            self.cut.append(r["prompt_id"])
+        self.length_notes.append(f"{self.path}: {len(long)} prompt(s) longer than --max-prompt-length "
+                                 f"{limit} cut to it (--truncation {length.truncation}), the first {first}")
+
+
+def seed_rows(rows: Sequence[dict], indices: Sequence[int] | None = None) -> list[int]:
+    """Each row's index in its file, which seeds its samples (prompt_length.py), where the prompt reader
+    recorded one, else its index in the prompt set (`indices`, default 0, 1, ...)."""
+    return [r.get("row", i) for r, i in zip(rows, range(len(rows)) if indices is None else indices)]
 
 
 def _frame(tokenizer) -> tuple[str, str]:

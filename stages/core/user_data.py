@@ -67,6 +67,8 @@ import pyarrow as pa
 from sparrow.schemas.artifacts import ArtifactError
 from sparrow.schemas.footer import file_json, read_parquet, read_schema
 
+from .prompt_length import PromptLength
+
 OUR_COLUMNS = ("prompt_id", "task", "prompt", "prompt_token_ids", "answer", "metadata")  # what ours keep
 PARQUET_MAGIC = b"PAR1"
 _SHARD = re.compile(r"(?P<split>.+)-\d+-of-\d+\.parquet")  # the Hub's shard names
@@ -92,6 +94,7 @@ class DataOptions:
     reward: str | None = None
     reward_fn: str | None = None
     reward_kwargs: dict[str, Any] | None = None
+    prompt_length: PromptLength = PromptLength()  # a prompt too long: refused, cut or left out
 
     def reward_task(self) -> str | None:
         """The task name every row is scored by (None: each row's own task)."""

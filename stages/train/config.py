@@ -58,6 +58,9 @@ class TrainConfig:
     reward: str | None = None  # --reward (math | code) scores every prompt; None: each prompt's own task
     reward_fn: str | None = None  # --reward-fn path.py:function scores every prompt
     reward_kwargs: str | None = None  # --reward-kwargs, compact JSON (`reward_kwargs_text`)
+    max_prompt_length: int | None = None  # a longer prompt is refused, cut or left out (prompt_length.py)
+    truncation: str = "error"
+    filter_overlong_prompts: bool = False
     # what the run reads, by content (filled by the Trainer; run_dir.py): a resume must read the same
     reward_fn_sha256: str = ""  # the --reward-fn file's
     prompts_sha256: str = ""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,11 +23,13 @@ class PromptRow:
 
 
 def load_prompts(path: str | os.PathLike, tokenizer=None, chat_template: bool = True,
-                 data: DataOptions | None = None, model: str | None = None) -> list[PromptRow]:
+                 data: DataOptions | None = None, model: str | None = None,
+                 fit: Callable[[PromptSet], None] | None = None) -> list[PromptRow]:
     """Rows of a prompts file (or a user's dataset, scored by `data`'s reward) that training can use:
     token ids (or text to tokenize), an answer and a known task or reward; anything else is refused with
     one sentence (a PromptError, a ValueError). Ids made by another tokenizer than `tokenizer` (that of
-    --model `model`, which the messages name) are made again from the text (`PromptSet.match_model`)."""
+    --model `model`, which the messages name) are made again from the text (`PromptSet.match_model`).
+    `fit` checks the tokenized set against the model (and cuts or leaves out prompts too long for it)."""
     prompt_set = PromptSet.read(path, data)
     for r in prompt_set.rows:
         where = f"{path}: prompt {r['prompt_id']!r}"
@@ -37,6 +40,8 @@ def load_prompts(path: str | os.PathLike, tokenizer=None, chat_template: bool = 
     prompt_set.check_rewards()
     prompt_set.match_model(model, tokenizer, chat_template)
     prompt_set.tokenize(tokenizer, chat_template, model)
+    if fit is not None:
+        fit(prompt_set)
     return [PromptRow(r["prompt_id"], r["task"], list(r["prompt_token_ids"]), r["answer"], r.get("metadata"))
             for r in prompt_set.rows]
 

@@ -3,7 +3,7 @@ prompts loaded and checked, the Ray rollout workers or torchrun ranks, and the s
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,6 +11,7 @@ from pathlib import Path
 from sparrow.schemas import check_output_dir
 
 from ..backends.ray_pool import RolloutPool
+from ..core.notes import muted, note
 from ..core.prompt_set import PromptError, PromptSet
 from ..core.user_data import DataOptions
 from ..kv_policies import KVPolicy
@@ -36,10 +37,11 @@ class TrainInputs:
 
 def read_prompts(cfg: TrainConfig, inputs: TrainInputs, tokenizer) -> tuple[list[PromptRow],
                                                                            list[PromptRow] | None]:
+    """Both prompt files tokenized and fitted to the model (`fitted`)."""
     chat = not cfg.raw_prompts
-    rows = load_prompts(inputs.prompts, tokenizer, chat, inputs.data, model=cfg.model)
-    held_out = None if inputs.eval_prompts is None else load_prompts(inputs.eval_prompts, tokenizer, chat,
-                                                                      inputs.data, model=cfg.model)
+    rows = load_prompts(inputs.prompts, tokenizer, chat, inputs.data, cfg.model, fitted(cfg, "--prompts"))
+    held_out = None if inputs.eval_prompts is None else load_prompts(
+        inputs.eval_prompts, tokenizer, chat, inputs.data, cfg.model, fitted(cfg, "--eval-prompts"))
     return rows, held_out
 
 
@@ -50,7 +52,8 @@ def check_run_location(cfg: TrainConfig, inputs: TrainInputs, resume: bool, forc
     check_output_dir(inputs.output_dir, "a training run", ours=lambda d: True, force=force)  # no FIFO
     if not (inputs.output_dir.exists() or resume):
         return
-    rows, held_out = read_prompts(cfg, inputs, loading.spec_tokenizer(cfg.model))
+    with muted():  # what the prompts' reading finds is said when the run reads them
+        rows, held_out = read_prompts(cfg, inputs, loading.spec_tokenizer(cfg.model))
     check_run_dir(inputs.output_dir, with_fingerprints(cfg, rows, held_out, inputs.policy), resume, force)
     if resume:
         check_resumable(inputs.output_dir, cfg.steps)
@@ -80,22 +83,27 @@ def launched(cfg: TrainConfig, workers: int, ray_address: str | None) -> Iterato
         shutdown_world()
 
 
-def check_fits(cfg: TrainConfig, inputs: TrainInputs, rows: list[PromptRow],
-               held_out: list[PromptRow] | None) -> None:
-    """Each prompt file's token ids within the model's vocabulary and its longest prompt plus
-    --max-new-tokens within its context, by the prompt reader's own check (`PromptSet.check_fits`: the
-    file and the prompt id), the flag that named the file said first."""
+def fitted(cfg: TrainConfig, flag: str) -> Callable[[PromptSet], None]:
+    """A prompt set's check against the model: token ids within its vocabulary, prompts too long for its
+    context (or --max-prompt-length) cut or left out as the run says, else refused (`PromptSet.check_fits`:
+    the file and the prompt id), the flag that named the file said first."""
     model = loading.resolve_config(cfg.model)
-    for flag, path, got in (("--prompts", inputs.prompts, rows), ("--eval-prompts", inputs.eval_prompts,
-                                                                   held_out)):
-        if not got:
-            continue
-        tokenized = PromptSet(Path(path), [{"prompt_id": r.prompt_id, "prompt_token_ids": r.token_ids}
-                                           for r in got])
+
+    def fit(prompt_set: PromptSet) -> None:
         try:
-            tokenized.check_fits(model.vocab_size, model.max_position_embeddings, cfg.max_new_tokens)
+            with muted():  # said below, once the prompts left suffice for a step
+                prompt_set.check_fits(model.vocab_size, model.max_position_embeddings, cfg.max_new_tokens)
         except PromptError as e:
             raise PromptError(f"{flag} {e}") from None
+        if flag == "--prompts" and cfg.prompts_per_step > len(prompt_set.rows):
+            raise PromptError(f"--prompts-per-step {cfg.prompts_per_step} is more than the "
+                              f"{len(prompt_set.rows)} prompts --filter-overlong-prompts keeps of "
+                              f"{prompt_set.path}; a step would roll out a prompt more than once, so give at "
+                              f"most {len(prompt_set.rows)}")
+        for line in prompt_set.length_notes:
+            note(line)
+
+    return fit
 
 
 def start_training(cfg: TrainConfig, inputs: TrainInputs, opts: RunOptions) -> Trainer:
@@ -108,7 +116,6 @@ def start_training(cfg: TrainConfig, inputs: TrainInputs, opts: RunOptions) -> T
                          "sampled answers; train a model with a tokenizer (a checkpoint with tokenizer "
                          "files)")
     rows, held_out = read_prompts(cfg, inputs, tokenizer)
-    check_fits(cfg, inputs, rows, held_out)
     if opts.on_phase:
         opts.on_phase("loading")
     loaded = loading.load_model(cfg.model, device=cfg.device, random_weights=cfg.random_weights,

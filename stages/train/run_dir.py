@@ -56,7 +56,8 @@ REPLACED_NAMES = (*RUN_FILES, *REPLACED_DIRS, MODEL_DIR, METRICS_LOG)
 STALE_MISMATCH = re.compile(r"\.step=\d+\.parquet\.[0-9a-f]{8,32}(?:-\d+)?\.tmp")
 WRITER = "sparrow train"  # what holds a run directory's lock, as a refusal names it
 # not compared where a checkpoint names none (it was written before they were recorded)
-UNRECORDED = ("reward", "reward_fn", "reward_fn_sha256", "reward_kwargs", "model_files_sha256")
+UNRECORDED = ("reward", "reward_fn", "reward_fn_sha256", "reward_kwargs", "model_files_sha256",
+              "max_prompt_length", "truncation", "filter_overlong_prompts")
 # what a resume may change besides --steps: when to checkpoint and evaluate do not change the weights or the
 # training metrics (the new value applies from the resume on, and the next checkpoint records it); the
 # thread count is the machine's, said in a note since the last digits of a CPU's logprobs depend on it
