@@ -272,7 +272,8 @@ def test_a_ray_shard_carries_the_learners_lora(tiny, prompts, adapters):
     opts = ProfileOptions(budgets=[48], samples=2, max_new_tokens=16, temperature=0.8, seed=3,
                           sampler="budget:48", lora=load_lora(adapters["learner"]))
     shipped = pickle.loads(pickle.dumps(opts))
-    table, speculation = profile_shard(load_model(str(tiny)), list(zip(ids, tokens)), [0, 1], shipped, True)
+    table, speculation = profile_shard(load_model(str(tiny)), list(zip(ids, tokens, [0, 1])), [0, 1], shipped,
+                                       True)  # (prompt id, token ids, row in the file)
     merged = run_profile(load_model(str(adapters["merged"])), ids, tokens, ProfileOptions(
         budgets=[48], samples=2, max_new_tokens=16, temperature=0.8, seed=3, sampler="budget:48"))
     assert speculation is None
