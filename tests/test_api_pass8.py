@@ -200,7 +200,9 @@ def test_train_names_the_flag_file_and_prompt_that_is_too_long(tmp_path, smol_to
         out = tmp_path / f"run{flag}"
         line = error_line(runner.invoke(app, [*base, *given, "-o", str(out)]))
         assert line == (f"error: {flag} {long_}: prompt 'held-1' has {n} tokens, which with "
-                        "--max-new-tokens 8 exceeds the model's context of 512")
+                        "--max-new-tokens 8 exceeds the model's context of 512; --filter-overlong-prompts "
+                        "leaves such prompts out, --max-prompt-length with --truncation left|right|middle "
+                        "cuts them")
         assert not out.exists()
 
 

@@ -95,7 +95,7 @@ def fitted(cfg: TrainConfig, flag: str) -> Callable[[PromptSet], None]:
                 prompt_set.check_fits(model.vocab_size, model.max_position_embeddings, cfg.max_new_tokens)
         except PromptError as e:
             raise PromptError(f"{flag} {e}") from None
-        if flag == "--prompts" and cfg.prompts_per_step > len(prompt_set.rows):
+        if flag == "--prompts" and prompt_set.left_out and cfg.prompts_per_step > len(prompt_set.rows):
             raise PromptError(f"--prompts-per-step {cfg.prompts_per_step} is more than the "
                               f"{len(prompt_set.rows)} prompts --filter-overlong-prompts keeps of "
                               f"{prompt_set.path}; a step would roll out a prompt more than once, so give at "
