@@ -9,6 +9,13 @@ import typer
 from .errors import UsageError
 
 
+def prompt_column_option():
+    return typer.Option(None, "--prompt-column", metavar="<column>",
+                        help="The prompt column of a verl or TRL / Hugging Face dataset, text or chat "
+                        "messages (verl's data.prompt_key), e.g. question or problem; default: prompt. Its "
+                        "other columns reach the reward as before; the prompt column is the prompt.")
+
+
 def answer_column_option():
     return typer.Option(None, "--answer-column", help="The ground-truth column of a TRL / Hugging Face "
                         "dataset (a dotted path reaches into a struct, e.g. reward_model.ground_truth). "
@@ -113,7 +120,7 @@ def prompt_length(max_prompt_length: int | None = None, truncation: str = "error
 
 
 def data_options(answer_column: str | None, reward: str | None, reward_fn: str | None,
-                 reward_kwargs: str | None = None, length=None):
+                 reward_kwargs: str | None = None, length=None, prompt_column: str | None = None):
     """The `DataOptions` of the flags (with `length`, a `PromptLength`), checked before any work (the
     function is imported here, so a file that does not load is refused before any weights do)."""
     from sparrow.stages.core.prompt_length import PromptLength
@@ -121,7 +128,7 @@ def data_options(answer_column: str | None, reward: str | None, reward_fn: str |
     from sparrow.stages.tasks import RewardError
 
     options = DataOptions(answer_column, reward, reward_fn, _reward_kwargs(reward_kwargs),
-                          length or PromptLength())
+                          length or PromptLength(), prompt_column)
     try:
         options.reward_task()
     except (DatasetError, RewardError) as e:

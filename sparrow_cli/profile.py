@@ -20,7 +20,13 @@ from rich.progress import (
 from sparrow.stages.core.definitions import DEFAULT_BIN_WIDTH, TAIL_QUANTILE
 
 from .console import console
-from .data_options import filter_overlong_option, max_prompt_length_option, prompt_length, truncation_option
+from .data_options import (
+    filter_overlong_option,
+    max_prompt_length_option,
+    prompt_column_option,
+    prompt_length,
+    truncation_option,
+)
 from .errors import UsageError, friendly_errors
 from .messages import note, warn
 from .option_values import (
@@ -83,7 +89,8 @@ if TYPE_CHECKING:
     from sparrow.stages.profile import Hooks, Speculation
 
 
-SAMPLING_FLAGS = {"max_prompts": "--max-prompts", "max_prompt_length": "--max-prompt-length",
+SAMPLING_FLAGS = {"max_prompts": "--max-prompts", "prompt_column": "--prompt-column",
+                  "max_prompt_length": "--max-prompt-length",
                   "truncation": "--truncation", "filter_overlong_prompts": "--filter-overlong-prompts",
                   "samples": "--samples",
                   "max_new_tokens": "--max-new-tokens", "sampler": "--sampler",
@@ -114,6 +121,7 @@ def profile(
                                  "ids or text): sample "
                                  "trajectories of these prompts with the engine."),
     raw_prompts: bool = raw_prompts_option(),
+    prompt_column: str = prompt_column_option(),
     max_prompts: int = max_prompts_option(),
     max_prompt_length: int = max_prompt_length_option(),
     truncation: str = truncation_option(),
@@ -289,7 +297,8 @@ def profile(
             hooks.loading = lambda: say_loading(model, device)
             table = profile_rollouts(run, given, rollouts, opts, hooks)
     else:
-        prompt_set = PromptSet.read(prompts, DataOptions(prompt_length=length), max_prompts)
+        prompt_set = PromptSet.read(prompts, DataOptions(prompt_length=length, prompt_column=prompt_column),
+                                    max_prompts)
         check_sampling_memory([len(r.get("prompt_token_ids") or ()) for r in prompt_set.rows], samples,
                               max_new_tokens, cfg.vocab_size, "sample fewer trajectories per prompt, or "
                               "fewer prompts (--max-prompts, or several prompt files)")

@@ -18,6 +18,7 @@ from .console import console
 from .data_options import (
     answer_column_option,
     data_options,
+    prompt_column_option,
     reward_fn_option,
     reward_kwargs_option,
     reward_option,
@@ -44,6 +45,7 @@ def reward(
                                      parser=given_path("--completions")),
     output: Path = typer.Option(..., "-o", "--output", help=output_help("the rewards artifact"),
                                 parser=output_path()),
+    prompt_column: str = prompt_column_option(),
     answer_column: str = answer_column_option(),
     reward_name: str = reward_option(),
     reward_fn: str = reward_fn_option(),
@@ -67,7 +69,7 @@ def reward(
         raise UsageError(f"--workers must be at least 1, got {workers}")
     check_output(output, "rewards", force, inputs={"--prompts": prompts, "--completions": completions})
     allow_unsafe_code(ctx, unsafe_code_execution)
-    data = data_options(answer_column, reward_name, reward_fn, reward_kwargs)
+    data = data_options(answer_column, reward_name, reward_fn, reward_kwargs, prompt_column=prompt_column)
     prompt_set = PromptSet.read(prompts, data)
     rows = {r["prompt_id"]: r for r in prompt_set.rows}
     done = read_completions(completions)

@@ -17,6 +17,7 @@ from .data_options import (
     data_options,
     filter_overlong_option,
     max_prompt_length_option,
+    prompt_column_option,
     prompt_length,
     reward_fn_option,
     reward_kwargs_option,
@@ -128,6 +129,7 @@ def rollout(
     max_prompt_length: int = max_prompt_length_option(),
     truncation: str = truncation_option(),
     filter_overlong_prompts: bool = filter_overlong_option(),
+    prompt_column: str = prompt_column_option(),
     answer_column: str = answer_column_option(),
     reward: str = reward_option(),
     reward_fn: str = reward_fn_option(),
@@ -272,7 +274,7 @@ def rollout(
         raise UsageError("--reward-fn runs in this process, not in Ray workers; roll out with --workers and "
                          "score the rollouts with sparrow reward --reward-fn")
     data = data_options(answer_column, reward, reward_fn, reward_kwargs,
-                        prompt_length(max_prompt_length, truncation, filter_overlong_prompts))
+                        prompt_length(max_prompt_length, truncation, filter_overlong_prompts), prompt_column)
     check_output(output, "rollouts", force, parts=bool(workers),
                  inputs={"--prompts": prompts, "--schedule": schedule, "--adapter": lora,
                          "--model": model_file(model)})

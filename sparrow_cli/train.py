@@ -17,6 +17,7 @@ from .data_options import (
     data_options,
     filter_overlong_option,
     max_prompt_length_option,
+    prompt_column_option,
     prompt_length,
     reward_fn_option,
     reward_kwargs_option,
@@ -98,6 +99,7 @@ def train(
     max_prompt_length: int = max_prompt_length_option(),
     truncation: str = truncation_option(),
     filter_overlong_prompts: bool = filter_overlong_option(),
+    prompt_column: str = prompt_column_option(),
     answer_column: str = answer_column_option(),
     reward: str = reward_option(),
     reward_fn: str = reward_fn_option(),
@@ -354,7 +356,7 @@ def train(
         raise UsageError("--speculate runs in this process's engine; drop --workers")
     check_workers(workers, ray_address, None)
     length = prompt_length(max_prompt_length, truncation, filter_overlong_prompts)
-    data = data_options(answer_column, reward, reward_fn, reward_kwargs, length)
+    data = data_options(answer_column, reward, reward_fn, reward_kwargs, length, prompt_column)
     from sparrow.stages.tasks.reward_function import reward_kwargs_text
 
     cfg = dataclasses.replace(cfg, reward_kwargs=reward_kwargs_text(data.reward_kwargs),

@@ -261,9 +261,7 @@ def test_unfit_columns_refused_in_one_sentence(tmp_path):
         line = error_line(r)
         assert "has columns question, label, which fit none of the formats" in line, line
         assert "a verl dataset (prompt as chat messages" in line and "loading model" not in r.output
-        assert line.endswith(f"; if its column 'question' is the prompt, rename it: sparrow sql \"SELECT "
-                             f"question AS prompt, * EXCLUDE (question) FROM odd\" --run {tmp_path} -o "
-                             "prompts.parquet")
+        assert line.endswith("; if its column 'question' is the prompt, pass --prompt-column question")
 
 
 def test_a_conversation_dataset_is_told_how_to_make_prompts_of_it_and_the_query_does(tmp_path):

@@ -85,7 +85,7 @@ class PromptSet:
                               else f"the prompts file {path} {missing(path)}")
         try:
             reward = data.reward_task()
-            rows = read_dataset(path, data.answer_column)
+            rows = read_dataset(path, data.answer_column, data.prompt_column)
         except (DatasetError, ValueError) as e:
             raise PromptError(str(e)) from None
         meta = {}

@@ -13,8 +13,10 @@ Design decisions:
   --answer-column on it is refused with that rename. A file with `prompt` and `reward_model` is verl's
   (examples/data_preprocess/*.py): the ground truth is `reward_model.ground_truth`. A file with `prompt`
   otherwise is TRL's: the answer is the `--answer-column`, else the first of ANSWER_COLUMNS it has, else
-  none (a reward function may need none). Anything else is refused in one sentence listing the columns
-  found and what is expected.
+  none (a reward function may need none). `--prompt-column` (verl's data.prompt_key) names another
+  column as the prompt: the file is then a dataset (verl's with `reward_model`, else TRL's) whose other
+  columns stay columns. Anything else is refused in one sentence listing the columns found and what is
+  expected (with the --prompt-column to pass where a column is named like a prompt).
 - The answer is the value as stored (a number, a list, a struct as a dict), since verl passes
   `reward_model.ground_truth` to a reward function as stored; `tasks.rewards.answer_for` gives each
   built-in reward what it reads (math-verify: text, a number as its text, anything else refused before
@@ -95,6 +97,7 @@ class DataOptions:
     reward_fn: str | None = None
     reward_kwargs: dict[str, Any] | None = None
     prompt_length: PromptLength = PromptLength()  # a prompt too long: refused, cut or left out
+    prompt_column: str | None = None  # the dataset's prompt column (verl's data.prompt_key); None: `prompt`
 
     def reward_task(self) -> str | None:
         """The task name every row is scored by (None: each row's own task)."""
@@ -136,15 +139,18 @@ class Source:
 
 
 def dataset_metadata(fmt: str, path: Path, row: int, prompt: Any, columns: dict[str, Any],
-                     answer_column: str | None = None) -> str:
+                     answer_column: str | None = None, prompt_column: str | None = None) -> str:
     """A row's metadata (module docstring); `answer_column` is the --answer-column its ground truth was
-    read from (kept only when given: else it follows from the format, `rewards.answer_column_of`)."""
+    read from (kept only when given: else it follows from the format, `rewards.answer_column_of`), and
+    `prompt_column` the --prompt-column its prompt was (kept only when given)."""
     from ..tasks.extras import column_json
 
     meta = {"format": fmt, "file": path.name, "row": row, "prompt": column_json(prompt),
             "columns": column_json(columns)}
     if answer_column is not None:
         meta["answer_column"] = answer_column
+    if prompt_column is not None:
+        meta["prompt_column"] = prompt_column
     return json.dumps(meta, sort_keys=True)
 
 
@@ -161,18 +167,27 @@ def missing_answer_advice(metadata: dict[str, Any]) -> str:
     return "its column 'answer' is null"
 
 
-def read_dataset(path: Path, answer_column: str | None = None) -> list[dict] | None:
-    """The rows (prompt_set.COLUMNS plus `messages`) of a verl or TRL dataset; None for a file of ours."""
+def read_dataset(path: Path, answer_column: str | None = None,
+                 prompt_column: str | None = None) -> list[dict] | None:
+    """The rows (prompt_set.COLUMNS plus `messages`) of a verl or TRL dataset, the prompt in its column
+    `prompt` or `prompt_column` (--prompt-column, verl's data.prompt_key); None for a file of ours."""
     from ..tasks.rewards import ANSWER_COLUMNS
 
     source = _load(path)
     if source is None:
+        if prompt_column is not None:
+            raise DatasetError(f"{path} is a Sparrow prompts file, whose prompt is its column 'prompt'; "
+                               "--prompt-column names the prompt of a verl or TRL dataset")
         return None
     columns = source.columns
-    if _ours(columns, source):
+    if prompt_column is not None and prompt_column not in columns:
+        raise DatasetError(f"{path} has no column {prompt_column!r} (--prompt-column); its columns: "
+                           f"{', '.join(columns)}")
+    if prompt_column is None and _ours(columns, source):
         _taken_for_ours(path, columns, answer_column)
         return None  # ours (missing something, its reader names what)
-    if "prompt" not in columns:
+    key = prompt_column or "prompt"
+    if key not in columns:
         raise DatasetError(f"{path} has columns {', '.join(columns) or 'none'}, which fit none of the "
                            f"formats Sparrow reads: {EXPECTED}{_rename_hint(path, columns)}")
     fmt = "verl" if "reward_model" in columns else "trl"
@@ -184,18 +199,19 @@ def read_dataset(path: Path, answer_column: str | None = None) -> list[dict] | N
         raise DatasetError(f"{path}: the dataset is empty")
     if answer_column is not None:
         _check_fields(records, answer_column, path)
-    _check_text_only(records, columns, path)
+    _check_text_only(records, columns, path, key)
     ids = _prompt_ids(records, path)
     answer_at = answer_column or ("reward_model.ground_truth" if fmt == "verl"
                                   else next((c for c in ANSWER_COLUMNS if c in columns), None))
     rows = []
     for i, record in enumerate(records):
-        prompt = record.get("prompt")
-        text, messages = _prompt(prompt, path, i)
-        others = {k: v for k, v in record.items() if k != "prompt"}
+        prompt = record.get(key)
+        text, messages = _prompt(prompt, path, i, key)
+        others = {k: v for k, v in record.items() if k != key}
         rows.append({"prompt_id": ids[i], "task": fmt, "prompt": text, "messages": messages,
                      "prompt_token_ids": None, "answer": _answer(record, answer_at),
-                     "metadata": dataset_metadata(fmt, path, i, prompt, others, answer_column)})
+                     "metadata": dataset_metadata(fmt, path, i, prompt, others, answer_column,
+                                                  prompt_column)})
     _warn_messages_as_text(path, [r["prompt"] for r in rows])
     return rows
 
@@ -241,16 +257,15 @@ def _view_name(path: Path) -> str:
 
 
 def _rename_hint(path: Path, columns: list[str]) -> str:
-    """How to make a near miss readable, as a `sparrow sql` query over the file's folder (each file is a
-    view named by its stem): a column that is the prompt by another name, or a `messages` column of whole
-    conversations (SFT data), whose prompt is every turn but the last and whose answer is the last."""
+    """How to make a near miss readable: a column that is the prompt by another name (--prompt-column), or
+    a `messages` column of whole conversations (SFT data), whose prompt is every turn but the last and whose
+    answer is the last, as a `sparrow sql` query over the file's folder (each file a view named by its
+    stem)."""
     view = _view_name(path)
     rename = next((c for c in columns if c.lower() == "prompt"), None) or next(
         (c for c in columns if c.lower() in PROMPT_LIKE), None)
     if rename is not None:
-        query = f"SELECT {rename} AS prompt, * EXCLUDE ({rename}) FROM {view}"
-        return (f"; if its column {rename!r} is the prompt, rename it: sparrow sql \"{query}\" --run "
-                f"{path.parent} -o prompts.parquet")
+        return f"; if its column {rename!r} is the prompt, pass --prompt-column {rename}"
     if "messages" in columns:
         query = (f"SELECT messages[:-2] AS prompt, messages[-1].content AS answer, * EXCLUDE (messages) "
                  f"FROM {view}")
@@ -305,20 +320,20 @@ def made_ids(row: dict) -> bool:
             and isinstance(meta.get("columns"), dict) and meta["columns"].get("prompt_id") is None)
 
 
-def _check_text_only(records: list[dict], columns: list[str], path: Path) -> None:
+def _check_text_only(records: list[dict], columns: list[str], path: Path, key: str = "prompt") -> None:
     """The first row with images or videos, in any of TRL's and verl's forms (module docstring), refused
-    in one sentence that names it and the form."""
+    in one sentence that names it and the form; the prompt is column `key`."""
     from ..tasks.base import row_of
 
     media = [c for c in MEDIA_COLUMNS if c in columns]
     for i, record in enumerate(records):
-        prompt = record.get("prompt")
+        prompt = record.get(key)
         held = next((c for c in media if record.get(c) not in (None, [], {})), None)
         part = _media_part(prompt)
         if held is not None:
             what = f"has media in column {held!r} (a multimodal dataset's images or videos)"
         elif part is not None:
-            what = (f"has a 'prompt' whose message content holds a part of type {part!r} (TRL's multimodal "
+            what = (f"has a {key!r} whose message content holds a part of type {part!r} (TRL's multimodal "
                     "layout)")
         else:
             continue
@@ -384,7 +399,7 @@ def pandas_index(path: Path, columns: list[str]) -> set[str]:
     return {c for c in columns if c in named or re.fullmatch(r"__index_level_\d+__", c)}
 
 
-def _prompt(prompt: Any, path: Path, row: int) -> tuple[str | None, list[dict] | None]:
+def _prompt(prompt: Any, path: Path, row: int, key: str = "prompt") -> tuple[str | None, list[dict] | None]:
     """A prompt as text, or as chat messages whose content is text or a list of text parts (TRL's typed
     layout, `[{"type": "text", "text": ...}]`, joined; other parts are refused before, `_check_text_only`)."""
     if prompt is None or isinstance(prompt, str):
@@ -395,7 +410,7 @@ def _prompt(prompt: Any, path: Path, row: int) -> tuple[str | None, list[dict] |
     if not ok:
         from ..tasks.base import row_of
 
-        raise DatasetError(f"{path}: {row_of(row)} has a 'prompt' that is neither text nor a list of chat "
+        raise DatasetError(f"{path}: {row_of(row)} has a {key!r} that is neither text nor a list of chat "
                            "messages with text 'role' and 'content' (text, or a list of text parts)")
     return None, [{"role": m["role"], "content": _text_content(m["content"])} for m in prompt]
 
