@@ -44,8 +44,9 @@ $SPARROW rollout --prompts "$RUN/prompts.parquet" --schedule "$RUN/schedule.parq
 echo "== dense vs budget 512 on this CPU: one 6K-token prompt shared by 8 samples x 48 tokens"
 echo "   (cascade attention reads the shared prompt once per step for all 8; block top-k saves its attention"
 echo "    compute but pays for the selection; over 48 tokens the ratio below moves with the CPU (our C++"
-echo "    kernels need AVX512, else the torch paths run) and from run to run; docs/benchmarks.md has repeated"
-echo "    measurements; the gain grows where each sample's own context is long: long generations, distinct prompts)"
+echo "    kernels are built for AVX512 or AVX2, else the torch paths run) and from run to run;"
+echo "    docs/benchmarks.md has repeated measurements; the gain grows where each sample's own context is long:"
+echo "    long generations, distinct prompts)"
 $SPARROW prompts --task kv_lookup --n 1 --seed 2 --context-tokens 6000 -o "$RUN/long-prompt.parquet"
 for mode in "--dense" "--budget 512"; do
     name=$(echo "$mode" | tr -d ' -')

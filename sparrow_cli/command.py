@@ -30,7 +30,7 @@ def _bare_flags(params: list) -> list:
 ALIASES: dict[str, tuple[str, ...]] = {
     "--max-num-seqs": ("--max-batch", "--batch-size", "--batch"),
     "--samples": ("--num-generations",),
-    "--max-new-tokens": ("--max-completion-length", "--max-tokens"),
+    "--max-new-tokens": ("--max-completion-length", "--max-tokens", "--max-response-length"),
     "--output": ("--output-dir",),
     "--lr": ("--learning-rate",),
     "--kl-coef": ("--beta",),

@@ -484,6 +484,7 @@ ALIASES = [
     ("train", "--output", "--output-dir", "elsewhere"),
     ("train", "--samples", "--num-generations", "3"),
     ("train", "--max-new-tokens", "--max-completion-length", "3"),
+    ("rollout", "--max-new-tokens", "--max-response-length", "3"),
     ("train", "--lr", "--learning-rate", "0.5"),
     ("train", "--kl-coef", "--beta", "0.5"),
     ("distill", "--samples", "--num-generations", "3"),
