@@ -291,7 +291,10 @@ def rollout(
         from sparrow.stages.model.loading import spec_tokenizer
 
         prompt_set.match_model(model, spec_tokenizer(model), not raw_prompts)
-    prompt_set.check_fits(cfg.vocab_size, cfg.max_position_embeddings, max_new_tokens)  # before weights
+    from sparrow.stages.core.notes import muted
+
+    with muted():  # what it left out or cut is said below, once every check has passed
+        prompt_set.check_fits(cfg.vocab_size, cfg.max_position_embeddings, max_new_tokens)  # before weights
     check_speculative_budget(budget, speculate, None if prompt_set.needs_tokenizer else
                              [len(r.get("prompt_token_ids") or ()) for r in prompt_set.rows], max_new_tokens)
     total = len(prompt_set.rows) * samples
@@ -304,7 +307,7 @@ def rollout(
     if kv_pages is not None and engine == "vllm":
         raise UsageError("--kv-pages sizes our engine's pool; vLLM sizes its own (VLLM_CPU_KVCACHE_SPACE)")
     _warn_unscored_tasks(prompt_set)
-    for line in notes:
+    for line in prompt_set.length_notes + notes:
         note(line)
     sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                               top_k=top_k, seed=seed, n=samples, ignore_eos=ignore_eos)
