@@ -124,16 +124,26 @@ def prompts(
     tests: int | None = typer.Option(
         None, "--tests", help=f"code only: hidden tests per prompt, 1 to {MAX_TESTS} "
                               f"(default {DEFAULT_TESTS})"),
+    layout: str = typer.Option("sparrow", "--layout", metavar="sparrow|verl",
+                               help="sparrow: a prompts artifact (the template's text and token ids); verl: "
+                               "a verl dataset (chat messages as prompt, data_source sparrow/<task>, "
+                               "reward_model.ground_truth, extra_info), for verl's data.train_files with "
+                               "this package's stages/integrations/verl.py as custom_reward_function.path "
+                               "(compute_score); Sparrow reads it as a verl dataset too."),
     output: Path = typer.Option(..., "-o", "--output", help=output_help("the prompts artifact"),
                                 parser=output_path()),
     force: bool = force_option(),
 ) -> None:
-    """Generate prompts with verifiable answers for a task, formatted with the model's chat template."""
+    """Generate prompts with verifiable answers for a task, formatted with the model's chat template (or
+    as a verl dataset, --layout verl)."""
     from sparrow.schemas import write_artifact
     from sparrow.stages.model.loading import model_name, resolve_config
     from sparrow.stages.tasks.tokenizers import load_model_tokenizer
 
     spec = get_task(task.lower())
+    layout = layout.strip().lower()
+    if layout not in ("sparrow", "verl"):
+        raise UsageError(f"--layout must be sparrow or verl, got {layout!r}")
     if n < 1:
         raise UsageError(f"--n must be at least 1, got {n}")
     given = {k: v for k, v in (("level", level), ("tests", tests)) if v is not None}
@@ -141,7 +151,8 @@ def prompts(
     defaults = {"level": DEFAULT_LEVEL, "tests": DEFAULT_TESTS}
     code = {k: v for k, v in given.items() if v != defaults[k]}  # a default changes nothing, ids included
     check_host_memory(n, f"{n:,} prompts (--n)", "write fewer prompts per file")
-    check_output(output, "prompts", force, inputs={"--model": model_file(model)})
+    kind = "prompts" if layout == "sparrow" else None  # a verl dataset is a plain Parquet file
+    check_output(output, kind, force, inputs={"--model": model_file(model)})
     config = resolve_config(model)
     context = _context_tokens(spec.name, spec.long_context, context_tokens, model,
                               config.max_position_embeddings)
@@ -152,7 +163,7 @@ def prompts(
     progress = _LazyProgress(n, f"{spec.name} prompts")
     try:
         rows = make_prompts(spec, n, seed, tokenizer, progress=progress, context_tokens=context, split=split,
-                            **code)
+                            messages=layout == "verl", **code)
     except TaskError as e:
         raise UsageError(str(e)) from None
     finally:
@@ -164,6 +175,8 @@ def prompts(
     if split is not None:
         metadata["split"] = split
     metadata.update(code)
+    if layout == "verl":
+        return _write_verl(rows, output, split, spec.name, model)
     path = write_artifact(rows, output, "prompts", metadata)
 
     lengths = [len(r["prompt_token_ids"]) for r in rows]
@@ -172,3 +185,17 @@ def prompts(
         f"prompt tokens: mean {sum(lengths) / len(lengths):.0f}, min {min(lengths)}, max {max(lengths)}",
         highlight=False,
     )
+
+
+def _write_verl(rows: list[dict], output: Path, split: str | None, task: str, model: str) -> None:
+    """The prompts as a verl dataset, and how verl reads and scores it."""
+    from sparrow.schemas.io import write_table
+    from sparrow.stages.integrations import verl
+
+    path = write_table(verl.verl_dataset(rows, split or "train"), output)
+    lengths = [len(r["prompt_token_ids"]) for r in rows]
+    console.print(
+        f"[green]wrote[/] {len(rows)} {task} prompts as a verl dataset to [bold]{path}[/] (prompt tokens "
+        f"with {model}'s template: mean {sum(lengths) / len(lengths):.0f}, max {max(lengths)})\n"
+        f"verl: data.train_files={path.resolve()} custom_reward_function.path={verl.__file__} "
+        "custom_reward_function.name=compute_score", highlight=False, soft_wrap=True)

@@ -59,14 +59,18 @@ def no_scorer(task: str | None) -> str:
     return f"has task {task!r}, which has no scorer (known: {', '.join(TASKS)})"
 
 
+def chat_messages(user: str, system: str | None = None) -> list[dict[str, str]]:
+    """One user message (after a system one, if any) as chat messages."""
+    return [{"role": "system", "content": system}] * bool(system) + [{"role": "user", "content": user}]
+
+
 def chat_format(tokenizer, user: str, system: str | None = None) -> tuple[str, list[int]]:
     """The prompt text a model sees for one user message, and its token ids: rendered by the chat
     template (which writes its own special tokens), or for a model without one the plain text with the
     tokenizer's special tokens (a BOS where it adds one), as vLLM and TRL tokenize a text prompt."""
     if getattr(tokenizer, "chat_template", None):
-        messages = [{"role": "system", "content": system}] if system else []
-        messages.append({"role": "user", "content": user})
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(chat_messages(user, system), add_generation_prompt=True,
+                                             tokenize=False)
         return text, list(tokenizer(text, add_special_tokens=False).input_ids)
     text = f"{system}\n\n{user}" if system else user
     return text, list(tokenizer(text, add_special_tokens=True).input_ids)
@@ -76,8 +80,10 @@ VARIANT_TAGS = {"level": "L", "tests": "T"}  # options that change a seed's prom
 
 
 def make_prompts(task: str | Task, n: int, seed: int, tokenizer, *, system: str | None = None,
-                 progress: Callable[[int], None] | None = None, **options: Any) -> list[dict]:
-    """`n` rows of the prompts artifact for `task`; `progress(done)` is called after each row."""
+                 progress: Callable[[int], None] | None = None, messages: bool = False,
+                 **options: Any) -> list[dict]:
+    """`n` rows of the prompts artifact for `task`; `progress(done)` is called after each row. With
+    `messages`, each row also holds the chat messages its prompt renders (`messages`), as a dataset's do."""
     task = get_task(task) if isinstance(task, str) else task
     if tokenizer is None:
         raise TaskError(
@@ -107,6 +113,7 @@ def make_prompts(task: str | Task, n: int, seed: int, tokenizer, *, system: str 
             "prompt_token_ids": ids,
             "answer": example.answer,
             "metadata": json.dumps(example.metadata, sort_keys=True),
+            **({"messages": chat_messages(example.user, system)} if messages else {}),
         })
         if progress is not None:
             progress(i + 1)
