@@ -22,6 +22,8 @@ from .options import check_host_memory, model_file, non_negative_seed, output_pa
 from .paths import check_output, force_option, output_help
 from .progress import LogProgress, live_progress
 
+LAYOUTS = {"sparrow": "Sparrow", "verl": "verl", "trl": "TRL"}  # --layout -> the name a message gives it
+
 
 class _LazyProgress:
     """A progress callback that shows progress once the work has taken more than `delay` seconds: a bar
@@ -124,12 +126,15 @@ def prompts(
     tests: int | None = typer.Option(
         None, "--tests", help=f"code only: hidden tests per prompt, 1 to {MAX_TESTS} "
                               f"(default {DEFAULT_TESTS})"),
-    layout: str = typer.Option("sparrow", "--layout", metavar="sparrow|verl",
+    layout: str = typer.Option("sparrow", "--layout", metavar="sparrow|verl|trl",
                                help="sparrow: a prompts artifact (the template's text and token ids); verl: "
                                "a verl dataset (chat messages as prompt, data_source sparrow/<task>, "
                                "reward_model.ground_truth, extra_info), for verl's data.train_files with "
                                "this package's stages/integrations/verl.py as custom_reward_function.path "
-                               "(compute_score); Sparrow reads it as a verl dataset too."),
+                               "(compute_score); trl: a TRL conversational dataset (prompt as chat messages, "
+                               "task, answer, metadata, prompt_id) scored by "
+                               "sparrow.stages.integrations.trl_tasks.task_reward. Sparrow reads both as "
+                               "datasets too (docs/tasks.md)."),
     output: Path = typer.Option(..., "-o", "--output", help=output_help("the prompts artifact"),
                                 parser=output_path()),
     force: bool = force_option(),
@@ -142,8 +147,8 @@ def prompts(
 
     spec = get_task(task.lower())
     layout = layout.strip().lower()
-    if layout not in ("sparrow", "verl"):
-        raise UsageError(f"--layout must be sparrow or verl, got {layout!r}")
+    if layout not in LAYOUTS:
+        raise UsageError(f"--layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
     if n < 1:
         raise UsageError(f"--n must be at least 1, got {n}")
     given = {k: v for k, v in (("level", level), ("tests", tests)) if v is not None}
@@ -151,7 +156,7 @@ def prompts(
     defaults = {"level": DEFAULT_LEVEL, "tests": DEFAULT_TESTS}
     code = {k: v for k, v in given.items() if v != defaults[k]}  # a default changes nothing, ids included
     check_host_memory(n, f"{n:,} prompts (--n)", "write fewer prompts per file")
-    kind = "prompts" if layout == "sparrow" else None  # a verl dataset is a plain Parquet file
+    kind = "prompts" if layout == "sparrow" else None  # a trainer's dataset is a plain Parquet file
     check_output(output, kind, force, inputs={"--model": model_file(model)})
     config = resolve_config(model)
     context = _context_tokens(spec.name, spec.long_context, context_tokens, model,
@@ -163,7 +168,7 @@ def prompts(
     progress = _LazyProgress(n, f"{spec.name} prompts")
     try:
         rows = make_prompts(spec, n, seed, tokenizer, progress=progress, context_tokens=context, split=split,
-                            messages=layout == "verl", **code)
+                            messages=layout != "sparrow", **code)
     except TaskError as e:
         raise UsageError(str(e)) from None
     finally:
@@ -175,8 +180,8 @@ def prompts(
     if split is not None:
         metadata["split"] = split
     metadata.update(code)
-    if layout == "verl":
-        return _write_verl(rows, output, split, spec.name, model)
+    if layout != "sparrow":
+        return _write_dataset(layout, rows, output, split, spec.name, model)
     path = write_artifact(rows, output, "prompts", metadata)
 
     lengths = [len(r["prompt_token_ids"]) for r in rows]
@@ -187,15 +192,23 @@ def prompts(
     )
 
 
-def _write_verl(rows: list[dict], output: Path, split: str | None, task: str, model: str) -> None:
-    """The prompts as a verl dataset, and how verl reads and scores it."""
+def _write_dataset(layout: str, rows: list[dict], output: Path, split: str | None, task: str,
+                   model: str) -> None:
+    """The prompts as a verl or TRL dataset, and how the trainer reads and scores it."""
     from sparrow.schemas.io import write_table
-    from sparrow.stages.integrations import verl
+    from sparrow.stages.integrations import trl_tasks, verl
 
-    path = write_table(verl.verl_dataset(rows, split or "train"), output)
+    if layout == "verl":
+        path = write_table(verl.verl_dataset(rows, split or "train"), output)
+        how = (f"verl: data.train_files={path.resolve()} custom_reward_function.path={verl.__file__} "
+               "custom_reward_function.name=compute_score")
+    else:
+        path = write_table(trl_tasks.trl_dataset(rows), output)
+        how = (f"TRL: load_dataset(\"parquet\", data_files=\"{path.resolve()}\", split=\"train\") with "
+               "reward_funcs=sparrow.stages.integrations.trl_tasks.task_reward")
     lengths = [len(r["prompt_token_ids"]) for r in rows]
     console.print(
-        f"[green]wrote[/] {len(rows)} {task} prompts as a verl dataset to [bold]{path}[/] (prompt tokens "
-        f"with {model}'s template: mean {sum(lengths) / len(lengths):.0f}, max {max(lengths)})\n"
-        f"verl: data.train_files={path.resolve()} custom_reward_function.path={verl.__file__} "
-        "custom_reward_function.name=compute_score", highlight=False, soft_wrap=True)
+        f"[green]wrote[/] {len(rows)} {task} prompts as a {LAYOUTS[layout]} dataset to [bold]{path}[/] "
+        f"(prompt tokens with {model}'s template: mean {sum(lengths) / len(lengths):.0f}, max "
+        f"{max(lengths)})\n{how}",
+        highlight=False, soft_wrap=True)
