@@ -250,6 +250,9 @@ def check_file_path(text: str) -> None:
 PLAIN = "a Parquet file without Sparrow metadata"
 QUERY_KEY = "sparrow.query"  # footer key of a `sparrow sql -o` result; its value is the query
 QUERY_RESULT = "a query result of sparrow sql"
+DATASET_KEY = "sparrow.dataset"  # footer key of a trainer's dataset (`sparrow prompts --layout`): the layout
+DATASET = "a verl or TRL dataset written by sparrow prompts"
+PLAIN_KINDS = {None: QUERY_RESULT, "dataset": DATASET}  # outputs that are no artifact, by their mark
 
 
 def _empty(path: Path) -> bool:
@@ -265,7 +268,10 @@ def describe(path: Path) -> tuple[str | None, str]:
         return None, "a directory that is not an artifact" if path.is_dir() else "not a Sparrow artifact"
     kind = kind_version(schema)[0]
     if kind is None:
-        return None, QUERY_RESULT if QUERY_KEY.encode() in (schema.metadata or {}) else PLAIN
+        footer = schema.metadata or {}
+        marked = next((words for key, words in ((QUERY_KEY, QUERY_RESULT), (DATASET_KEY, DATASET))
+                       if key.encode() in footer), PLAIN)
+        return None, marked
     return kind, f"a '{kind}' artifact"
 
 
@@ -276,7 +282,8 @@ def check_output(path: str | os.PathLike, kind: str | None, force: bool = False,
                  parts: bool = False, inputs: InputPaths | None = None) -> None:
     """Refuse, before any work, an output location that must not or cannot be written.
 
-    `kind` is the artifact kind written (None: a query result, marked by QUERY_KEY); `parts`: a
+    `kind` is the artifact kind written (None: a query result, marked by QUERY_KEY; "dataset": a trainer's
+    dataset, marked by DATASET_KEY); `parts`: a
     directory of Parquet parts (`--workers`); `inputs`: the files the command reads, by flag (a flag's
     several files as a list), none of which it may replace (`check_not_input`). A file named as a text
     format is refused (`check_parquet_name`). An existing artifact of `kind` (or query result, or an
@@ -293,7 +300,7 @@ def check_output(path: str | os.PathLike, kind: str | None, force: bool = False,
     check_not_input(target, path, inputs or {})
     if not parts:
         check_parquet_name(path)
-    wanted = f"a '{kind}' artifact" if kind else QUERY_RESULT
+    wanted = PLAIN_KINDS[kind] if kind in PLAIN_KINDS else f"a '{kind}' artifact"
     with _looking_at(path):
         if target.exists() and not _empty(target):
             found, words = describe(target)

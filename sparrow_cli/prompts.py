@@ -156,7 +156,7 @@ def prompts(
     defaults = {"level": DEFAULT_LEVEL, "tests": DEFAULT_TESTS}
     code = {k: v for k, v in given.items() if v != defaults[k]}  # a default changes nothing, ids included
     check_host_memory(n, f"{n:,} prompts (--n)", "write fewer prompts per file")
-    kind = "prompts" if layout == "sparrow" else None  # a trainer's dataset is a plain Parquet file
+    kind = "prompts" if layout == "sparrow" else "dataset"  # a trainer's dataset: Parquet with a mark
     check_output(output, kind, force, inputs={"--model": model_file(model)})
     config = resolve_config(model)
     context = _context_tokens(spec.name, spec.long_context, context_tokens, model,
@@ -196,15 +196,17 @@ def _write_dataset(layout: str, rows: list[dict], output: Path, split: str | Non
                    model: str) -> None:
     """The prompts as a verl or TRL dataset, and how the trainer reads and scores it."""
     from sparrow.schemas.io import write_table
+    from sparrow.schemas.locations import DATASET_KEY, is_stdio
     from sparrow.stages.integrations import trl_tasks, verl
 
+    table = verl.verl_dataset(rows, split or "train") if layout == "verl" else trl_tasks.trl_dataset(rows)
+    path = write_table(table.replace_schema_metadata({DATASET_KEY: layout}), output)
+    where = "FILE" if is_stdio(output) else path.resolve()
     if layout == "verl":
-        path = write_table(verl.verl_dataset(rows, split or "train"), output)
-        how = (f"verl: data.train_files={path.resolve()} custom_reward_function.path={verl.__file__} "
+        how = (f"verl: data.train_files={where} custom_reward_function.path={verl.__file__} "
                "custom_reward_function.name=compute_score")
     else:
-        path = write_table(trl_tasks.trl_dataset(rows), output)
-        how = (f"TRL: load_dataset(\"parquet\", data_files=\"{path.resolve()}\", split=\"train\") with "
+        how = (f"TRL: load_dataset(\"parquet\", data_files=\"{where}\", split=\"train\") with "
                "reward_funcs=sparrow.stages.integrations.trl_tasks.task_reward")
     lengths = [len(r["prompt_token_ids"]) for r in rows]
     console.print(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import transformers
@@ -106,3 +107,18 @@ def test_another_layout_is_refused_in_one_sentence(tmp_path):
     line = error_line(runner.invoke(app, [*ARGS, "--layout", "slime", "-o", str(tmp_path / "p.parquet")]))
     assert line == "error: --layout must be one of sparrow, verl, trl, got 'slime'"
     assert not (tmp_path / "p.parquet").exists()
+
+
+def test_a_dataset_it_wrote_is_replaced_and_nothing_else_is_without_force(tmp_path):
+    out = tmp_path / "d.parquet"
+    for layout in ("verl", "trl"):  # each replaces the other: both are datasets this command writes
+        assert runner.invoke(app, [*ARGS, "--layout", layout, "-o", str(out)]).exit_code == 0
+    assert pq.read_table(out).column_names == ["prompt", "task", "answer", "metadata", "prompt_id"]
+    line = error_line(runner.invoke(app, [*ARGS, "-o", str(out)]))  # a prompts artifact over it
+    assert line.startswith(f"error: -o {out} exists and is a verl or TRL dataset written by sparrow prompts, "
+                           "not a 'prompts' artifact; pass --force")
+    mine = tmp_path / "mine.parquet"  # a user's own Parquet file
+    pq.write_table(pa.table({"x": [1]}), mine)
+    line = error_line(runner.invoke(app, [*ARGS, "--layout", "verl", "-o", str(mine)]))
+    assert "exists and is a Parquet file without Sparrow metadata, not a verl or TRL dataset" in line
+    assert pq.read_table(mine).column_names == ["x"]
