@@ -12,7 +12,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from sparrow.stages.core.definitions import DEFAULT_BIN_WIDTH, TAIL_QUANTILE
 
 from .console import console
-from .data_options import prompt_column_option
+from .data_options import (
+    filter_overlong_option,
+    max_prompt_length_option,
+    prompt_column_option,
+    prompt_length,
+    truncation_option,
+)
 from .errors import UsageError, friendly_errors
 from .messages import warn
 from .option_values import check_device, parse_int_list, raw_prompts_option, warn_first_token_stops
@@ -60,7 +66,9 @@ DISTILL_PHASES = {"sampling": "sampling training trajectories (samples)",
                   "scoring after": "scoring after (trajectories)"}
 # what only sampling uses: trajectories given by --rollouts are already sampled
 SAMPLING_FLAGS = {"samples": "--samples", "max_new_tokens": "--max-new-tokens",
-                  "raw_prompts": "--raw-prompts", "prompt_column": "--prompt-column"}
+                  "raw_prompts": "--raw-prompts", "prompt_column": "--prompt-column",
+                  "max_prompt_length": "--max-prompt-length", "truncation": "--truncation",
+                  "filter_overlong_prompts": "--filter-overlong-prompts"}
 
 
 def budget_list(given: str, flag: str, once: bool = False) -> list[int]:
@@ -124,14 +132,14 @@ def refuse_sampling_flags(ctx: typer.Context, rollouts: Path) -> None:
 
 
 def read_prompt_sets(prompts: Path | None, eval_prompts: Path | None, samples: int, max_new_tokens: int,
-                     vocab: int, prompt_column: str | None = None) -> dict:
+                     vocab: int, prompt_column: str | None = None, length=None) -> dict:
     """The prompt sets to sample from, read once here; refused, before any weights load, if their samples
     could not fit in this machine's memory. The training trajectories are kept while the eval ones are
     sampled, so both sets count together."""
     from sparrow.stages.core.prompt_set import PromptSet
     from sparrow.stages.core.user_data import DataOptions
 
-    data = DataOptions(prompt_column=prompt_column)
+    data = DataOptions(prompt_column=prompt_column, **({"prompt_length": length} if length else {}))
     sets = {path: PromptSet.read(path, data) for path in (prompts, eval_prompts) if path is not None}
     if sets:
         lengths = [len(r.get("prompt_token_ids") or ()) for s in sets.values() for r in s.rows]
@@ -278,6 +286,9 @@ def distill(
                                  "--budget/--schedule)."),
     raw_prompts: bool = raw_prompts_option(),
     prompt_column: str = prompt_column_option(),
+    max_prompt_length: int = max_prompt_length_option(),
+    truncation: str = truncation_option(),
+    filter_overlong_prompts: bool = filter_overlong_option(),
     rollouts: Path = typer.Option(None, "--rollouts", callback=input_path, parser=given_path("--rollouts"),
                                   metavar="<path>", help="Training trajectories "
                                   "sampled before (sparrow rollout, or any sampler's Parquet with "
@@ -430,8 +441,9 @@ def distill(
     actor = K3Actor(sparsity, schedule, taught, init_adapter)
     if objective == "k3" and prompts is not None:  # sampled by the actor itself, at its sampling sparsity
         check_k3_taught(actor, "--prompts are sampled with")
+    length = prompt_length(max_prompt_length, truncation, filter_overlong_prompts)
     prompt_sets = read_prompt_sets(prompts, eval_prompts, samples, max_new_tokens, model_cfg.vocab_size,
-                                   prompt_column)
+                                   prompt_column, length)
     trajectories, batch_given = None, option_given(ctx, "batch_size")
     if prompts is not None:
         n = len(prompt_sets[prompts].rows)

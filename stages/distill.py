@@ -17,7 +17,7 @@ from sparrow.schemas import input_name, write_artifact
 
 from .attention import DEFAULT_DENSE_LAYERS, PAGE_SIZE
 from .core.definitions import DEFAULT_BIN_WIDTH, PRIOR_THRESHOLD, RESERVED_PAGES, TAIL_QUANTILE
-from .core.prompt_set import PromptSet
+from .core.prompt_set import PromptSet, seed_rows
 from .core.schedule import Schedule
 from .core.sparsity import BudgetFn, budget_fn
 from .core.trajectories import RolloutsFile, Trajectory
@@ -468,7 +468,8 @@ def distill_to_folder(run: DistillRun, cfg: DistillConfig, hooks: DistillHooks) 
         opts = ProfileOptions(sampler=run.sampler, seed=cfg.seed, adapter=init_actor,
                               schedule=None if isinstance(run.sparsity, int) else run.sparsity, **sampling)
         train_set = prompt_sets[run.prompts]
-        trajectories = sample_trajectories(loaded, train_set.ids, train_set.tokens, opts, hooks.progress)
+        trajectories = sample_trajectories(loaded, train_set.ids, train_set.tokens, opts, hooks.progress,
+                                           request_ids=seed_rows(train_set.rows))
         hooks.on_sampled([len(t.completion) for t in trajectories])
         _check_covered(run, budget_fns, trajectories, prompt_sets)
     eval_trajectories = trajectories
@@ -478,7 +479,8 @@ def distill_to_folder(run: DistillRun, cfg: DistillConfig, hooks: DistillHooks) 
         progress = hooks.progress
         eval_trajectories = sample_trajectories(
             loaded, eval_set.ids, eval_set.tokens, opts,
-            None if progress is None else lambda _, done, total: progress("sampling eval", done, total))
+            None if progress is None else lambda _, done, total: progress("sampling eval", done, total),
+            request_ids=seed_rows(eval_set.rows))
     job = DistillJob(trajectories, budget_fns, eval_trajectories, run.eval_budgets, run.bin_width, init,
                      init_actor)
     distiller, result = run_distill(loaded, job, cfg, hooks.on_step, hooks.on_phase, hooks.progress)
@@ -518,6 +520,10 @@ def save_result(distiller: Distiller, result: DistillResult, run: DistillRun) ->
               "config": {**asdict(cfg), "dense_layers": list(cfg.dense_layers)},
               "budget_weights": distiller.weights, "training_seconds": result.seconds,
               "history": result.history, "comparison": result.comparison, "warnings": result.warnings}
+    fitted = {str(path): prompt_set.length_metadata() for path, prompt_set in (run.prompt_sets or {}).items()
+              if prompt_set.length_metadata()}
+    if fitted:  # what --max-prompt-length, --truncation or --filter-overlong-prompts did, by prompt file
+        record["prompt_lengths"] = fitted
     meta = {"model": run.model, "bin_width": run.bin_width, "temperature": cfg.temperature,
             "budgets": json.dumps(sorted({int(b) for b in result.before.column("budget").to_pylist()})),
             "dense_layers": json.dumps(list(cfg.dense_layers)), "page_size": cfg.page_size}

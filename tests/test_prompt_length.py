@@ -7,6 +7,8 @@ with SmolLM2's tokenizer.
 
 from __future__ import annotations
 
+import json
+
 import pyarrow as pa
 import pytest
 from typer.testing import CliRunner
@@ -152,3 +154,17 @@ def test_train_records_the_lengths_and_a_resume_with_others_is_refused(tiny, tmp
     line = error_line(runner.invoke(app, [*base, "--truncation", "left", "--steps", "2",
                                           "--prompts-per-step", "3", "--resume", "-o", str(run)]))
     assert "was trained with --truncation 'error', not 'left'" in line
+
+
+def test_distill_leaves_out_the_long_prompts_and_records_it(tiny, tmp_path):
+    prompts, out = _write(_rows(), tmp_path / "prompts.parquet"), tmp_path / "adapter"
+    r = runner.invoke(app, ["distill", "--model", tiny, "--prompts", prompts, "--budget", "48",
+                            "--steps", "1", "--samples", "2", "--max-new-tokens", "4", "--lora-rank", "2",
+                            "--threads", "1",
+                            "--max-prompt-length", "150", "--filter-overlong-prompts", "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    before = read_artifact(out / "mismatch" / "before.parquet", "mismatch")
+    assert set(before.column("prompt_id").to_pylist()) <= {"p1", "p2", "p4"}
+    record = json.loads((out / "sparrow_distill.json").read_text())
+    assert record["prompt_lengths"] == {prompts: {"max_prompt_length": 150, "filter_overlong_prompts": True,
+                                                  "filtered_prompts": 2}}
