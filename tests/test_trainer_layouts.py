@@ -87,15 +87,27 @@ def test_trl_scores_completions_by_each_rows_task(files):
     assert trl_tasks.task_reward(completions=wrong, **columns) == [0.0] * 3
 
 
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny random Llama with SmolLM2's tokenizer: it samples the default model's prompts as they are."""
+    from dist_helper import make_tiny
+
+    return make_tiny(tmp_path_factory.mktemp("tiny-layouts"))[0]
+
+
 @pytest.mark.parametrize("layout,reward_fn", [
     ("verl", verl.__file__), ("trl", f"{trl_tasks.__file__}:task_reward"),
 ])
-def test_sparrow_samples_a_trainers_file_as_it_samples_the_artifact(files, tmp_path, layout, reward_fn):
+def test_sparrow_samples_a_trainers_file_as_it_samples_the_artifact(tiny, tmp_path, layout, reward_fn):
+    short = ["prompts", "--task", "basic_arithmetic", "--n", "3"]  # prompts that fit the tiny context
+    for name in (layout, "sparrow"):
+        r = runner.invoke(app, [*short, "--layout", name, "-o", str(tmp_path / f"{name}.parquet")])
+        assert r.exit_code == 0, r.output
     outs = {}
-    dataset = files[0] if layout == "verl" else files[2]
-    for name, given, extra in ((layout, dataset, ["--reward-fn", reward_fn]), ("sparrow", files[1], [])):
+    for name, extra in ((layout, ["--reward-fn", reward_fn]), ("sparrow", [])):
+        given = tmp_path / f"{name}.parquet"
         outs[name] = tmp_path / f"{name}-rollouts.parquet"
-        r = runner.invoke(app, ["rollout", "--prompts", str(given), *extra, "--samples", "2",
+        r = runner.invoke(app, ["rollout", "--model", tiny, "--prompts", str(given), *extra, "--samples", "2",
                                 "--max-new-tokens", "8", "-o", str(outs[name])])
         assert r.exit_code == 0, r.output
     a, b = (read_artifact(outs[k], "rollouts") for k in (layout, "sparrow"))
