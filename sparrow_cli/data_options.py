@@ -109,10 +109,10 @@ def filter_overlong_option():
 def prompt_length(max_prompt_length: int | None = None, truncation: str = "error",
                   filter_overlong: bool = False):
     """The `PromptLength` of the flags, checked."""
-    from sparrow.stages.core.prompt_length import PromptLength
+    from sparrow.stages.core.prompt_length import PromptLength, Truncation
 
-    length = PromptLength(max_prompt_length, truncation.strip().lower(), filter_overlong)
     try:
+        length = PromptLength(max_prompt_length, Truncation.of(truncation), filter_overlong)
         length.validate()
     except ValueError as e:
         raise UsageError(str(e)) from None

@@ -132,14 +132,15 @@ def refuse_sampling_flags(ctx: typer.Context, rollouts: Path) -> None:
 
 
 def read_prompt_sets(prompts: Path | None, eval_prompts: Path | None, samples: int, max_new_tokens: int,
-                     vocab: int, prompt_column: str | None = None, length=None) -> dict:
-    """The prompt sets to sample from, read once here; refused, before any weights load, if their samples
-    could not fit in this machine's memory. The training trajectories are kept while the eval ones are
+                     vocab: int, prompt_column: str | None, length) -> dict:
+    """The prompt sets to sample from (their prompt in `prompt_column`, fitted later to `length`, a
+    `PromptLength`), read once here; refused, before any weights load, if their samples could not fit in
+    this machine's memory. The training trajectories are kept while the eval ones are
     sampled, so both sets count together."""
     from sparrow.stages.core.prompt_set import PromptSet
     from sparrow.stages.core.user_data import DataOptions
 
-    data = DataOptions(prompt_column=prompt_column, **({"prompt_length": length} if length else {}))
+    data = DataOptions(prompt_length=length, prompt_column=prompt_column)
     sets = {path: PromptSet.read(path, data) for path in (prompts, eval_prompts) if path is not None}
     if sets:
         lengths = [len(r.get("prompt_token_ids") or ()) for s in sets.values() for r in s.rows]

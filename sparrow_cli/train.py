@@ -360,7 +360,7 @@ def train(
     from sparrow.stages.tasks.reward_function import reward_kwargs_text
 
     cfg = dataclasses.replace(cfg, reward_kwargs=reward_kwargs_text(data.reward_kwargs),
-                              max_prompt_length=length.max_length, truncation=length.truncation,
+                              max_prompt_length=length.max_length, truncation=length.truncation.value,
                               filter_overlong_prompts=length.filter_overlong)
     allow_unsafe_code(ctx, unsafe_code_execution)
     prompt_set = PromptSet.read(prompts, data)

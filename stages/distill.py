@@ -520,8 +520,8 @@ def save_result(distiller: Distiller, result: DistillResult, run: DistillRun) ->
               "config": {**asdict(cfg), "dense_layers": list(cfg.dense_layers)},
               "budget_weights": distiller.weights, "training_seconds": result.seconds,
               "history": result.history, "comparison": result.comparison, "warnings": result.warnings}
-    fitted = {str(path): prompt_set.length_metadata() for path, prompt_set in (run.prompt_sets or {}).items()
-              if prompt_set.length_metadata()}
+    fitted = {str(path): fits for path, prompt_set in (run.prompt_sets or {}).items()
+              if (fits := prompt_set.length_metadata())}
     if fitted:  # what --max-prompt-length, --truncation or --filter-overlong-prompts did, by prompt file
         record["prompt_lengths"] = fitted
     meta = {"model": run.model, "bin_width": run.bin_width, "temperature": cfg.temperature,

@@ -15,22 +15,36 @@ Decisions:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 
-TRUNCATIONS = ("error", "left", "right", "middle")
+
+class Truncation(StrEnum):
+    """What becomes of a prompt longer than --max-prompt-length (verl's data.truncation)."""
+
+    ERROR = "error"  # refused
+    LEFT = "left"  # its last tokens kept
+    RIGHT = "right"  # its first
+    MIDDLE = "middle"  # its first and last halves
+
+    @classmethod
+    def of(cls, value: str) -> Truncation:
+        """The truncation a flag's value names (any case), ValueError naming the choices otherwise."""
+        try:
+            return cls(value.strip().lower())
+        except ValueError:
+            raise ValueError(f"--truncation must be one of {', '.join(cls)}, got {value!r}") from None
 
 
 @dataclass(frozen=True)
 class PromptLength:
     max_length: int | None = None  # prompt tokens at most (None: what the context leaves)
-    truncation: str = "error"  # a longer prompt: error | left | right | middle
+    truncation: Truncation = Truncation.ERROR
     filter_overlong: bool = False  # a prompt too long is left out, not refused or cut
 
     def validate(self) -> None:
         if self.max_length is not None and self.max_length < 1:
             raise ValueError(f"--max-prompt-length must be at least 1, got {self.max_length}")
-        if self.truncation not in TRUNCATIONS:
-            raise ValueError(f"--truncation must be one of {', '.join(TRUNCATIONS)}, got {self.truncation!r}")
-        if self.truncation != "error" and self.max_length is None:
+        if self.truncation != Truncation.ERROR and self.max_length is None:
             raise ValueError(f"--truncation {self.truncation} cuts prompts to --max-prompt-length; give it "
                              "too")
 
@@ -42,24 +56,17 @@ class PromptLength:
     def cut(self, ids: list[int]) -> list[int]:
         """`ids` cut to `max_length` by `truncation` (left, right or middle)."""
         n = self.max_length
-        if n is None or len(ids) <= n or self.truncation == "error":
+        if n is None or len(ids) <= n or self.truncation == Truncation.ERROR:
             return ids
-        if self.truncation == "left":
+        if self.truncation == Truncation.LEFT:
             return ids[len(ids) - n:]
-        if self.truncation == "right":
+        if self.truncation == Truncation.RIGHT:
             return ids[:n]
         head = n // 2
         return ids[:head] + ids[len(ids) - (n - head):]
 
-    def flags(self) -> str:
-        """The flags as a message names them."""
-        parts = [] if self.max_length is None else [f"--max-prompt-length {self.max_length}"]
-        parts += [f"--truncation {self.truncation}"] if self.truncation != "error" else []
-        parts += ["--filter-overlong-prompts"] if self.filter_overlong else []
-        return " ".join(parts)
-
     def metadata(self) -> dict:
         """What an artifact records of the flags given (verl's names; nothing when none was)."""
         return ({} if self.max_length is None else {"max_prompt_length": self.max_length}) | (
-            {"truncation": self.truncation} if self.truncation != "error" else {}) | (
+            {"truncation": self.truncation.value} if self.truncation != Truncation.ERROR else {}) | (
             {"filter_overlong_prompts": True} if self.filter_overlong else {})

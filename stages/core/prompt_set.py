@@ -32,7 +32,7 @@ from sparrow.schemas.footer import file_json
 from sparrow.schemas.locations import missing
 
 from .notes import note
-from .prompt_length import PromptLength
+from .prompt_length import PromptLength, Truncation
 from .user_data import DataOptions, DatasetError, dataset_metadata, missing_answer_advice, read_dataset
 
 COLUMNS = ("prompt_id", "task", "prompt", "prompt_token_ids", "answer", "metadata")
@@ -334,7 +334,7 @@ class PromptSet:
             return
         if length.max_length is None:
             return  # the context check refuses the longest
-        if length.truncation == "error":
+        if length.truncation == Truncation.ERROR:
             raise PromptError(f"{self.path}: prompt {first} is longer than --max-prompt-length {limit}; "
                               "--truncation left|right|middle cuts such prompts, --filter-overlong-prompts "
                               "leaves them out")
@@ -342,7 +342,8 @@ class PromptSet:
             r["prompt_token_ids"] = length.cut(list(r["prompt_token_ids"]))
             self.cut.append(r["prompt_id"])
         self.length_notes.append(f"{self.path}: {len(long)} prompt(s) longer than --max-prompt-length "
-                                 f"{limit} cut to it (--truncation {length.truncation}), the first {first}")
+                                 f"{limit} cut to it (--truncation {length.truncation.value}), the first "
+                                 f"{first}")
 
 
 def seed_rows(rows: Sequence[dict], indices: Sequence[int] | None = None) -> list[int]:
