@@ -104,12 +104,25 @@ def _main(show_version: bool = typer.Option(False, "--version", callback=_versio
     write Parquet artifacts; chain them in shell pipelines and query them with `sparrow sql`."""
 
 
-COMMANDS = {"models": models.models, "prompts": prompts.prompts, "sql": sql.sql, "profile": profile.profile,
-            "calibrate-threshold": calibrate.calibrate_threshold, "fit-cost": cost.fit_cost,
-            "plan-schedule": plan.plan_schedule, "rollout": rollout.rollout, "reward": reward.reward,
-            "train": train.train, "distill": distill.distill, "report": report.report}
-for _name, _command in COMMANDS.items():
-    app.command(_name, cls=Command)(_command)
+# Each command with the one line `sparrow --help` lists it by (fitting 80 columns); its own --help says
+# the rest.
+COMMANDS = {
+    "models": (models.models, "List the model presets and their shapes."),
+    "prompts": (prompts.prompts, "Generate prompts with verifiable answers."),
+    "sql": (sql.sql, "Query a run's artifacts with read-only, bounded SQL."),
+    "profile": (profile.profile, "Measure the sparse-to-dense mismatch per token."),
+    "calibrate-threshold": (calibrate.calibrate_threshold,
+                            "Find the critical tail threshold from past runs."),
+    "fit-cost": (cost.fit_cost, "Time the decode step and fit the cost model."),
+    "plan-schedule": (plan.plan_schedule, "Plan the cheapest schedule above the tail threshold."),
+    "rollout": (rollout.rollout, "Sample with sparse attention or a compressed KV cache."),
+    "reward": (reward.reward, "Score completions with task scorers or your reward."),
+    "train": (train.train, "GRPO on sparse rollouts with rollout correction."),
+    "distill": (distill.distill, "Distill a LoRA for the sparse actor toward dense."),
+    "report": (report.report, "Draw a run directory's figures (PNG and HTML)."),
+}
+for _name, (_command, _summary) in COMMANDS.items():
+    app.command(_name, cls=Command, short_help=_summary)(_command)
 print_stage_messages()
 
 

@@ -62,6 +62,16 @@ def test_the_top_level_help_cuts_nothing(width):
     assert all(_shown_whole(n, r.stdout) for n in ("--version", "--help", "-h"))
 
 
+def test_the_top_level_help_lists_each_command_on_one_line_at_80_columns():
+    """A command's line in `sparrow --help` is its summary, one sentence; its own --help says the rest."""
+    r = runner.invoke(app, ["--help"], env={"COLUMNS": "80"})
+    rows = [line for line in r.stdout.splitlines() if line.startswith("│ ")]
+    listed = {line.split()[1]: line for line in rows if line.split()[1] in GROUP.commands}
+    assert set(listed) == set(GROUP.commands)
+    assert len(rows) == len(GROUP.commands) + 2, r.stdout  # the options panel's --version and --help
+    assert all(line.rstrip(" │").endswith(".") for line in listed.values()), r.stdout
+
+
 PRINTERS = ("_print_options_panel", "_print_commands_panel")
 
 
