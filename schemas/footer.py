@@ -215,6 +215,10 @@ def unreadable(path: Path, e: BaseException) -> ArtifactError:
         return ArtifactError(f"{path} could not be read for lack of memory or threads under this process's "
                              f"limits ({address_space_limit()}), not because the file is damaged "
                              f"({first_line(e)})")
+    repeated = re.search(r"Multiple matches for FieldRef\.Name\((.+?)\)", str(e))
+    if repeated:  # a valid file whose schema names a column twice (Arrow says so only in its message)
+        return ArtifactError(f"{path} has more than one column named {repeated.group(1)!r}; give each column "
+                             "its own name")
     return ArtifactError(f"{path} is a corrupt Parquet file ({first_line(e)})")
 
 

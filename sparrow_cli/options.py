@@ -99,13 +99,19 @@ def unsafe_code_option():
     return typer.Option(False, "--unsafe-code-execution/--no-unsafe-code-execution", help=UNSAFE_HELP)
 
 
-def allow_unsafe_code(ctx: typer.Context, unsafe: bool) -> None:
-    """--unsafe-code-execution passed on: SPARROW_UNSAFE_CODE_EXECUTION=1, which the code tasks' sandbox
-    reads, for this process and those it starts, until the command ends (`ctx` closes: a later command in
-    the same process, a test's or a notebook's, is sandboxed again); without the flag the variable is left
-    as the user set it."""
+def code_rewards(ctx: typer.Context, unsafe: bool) -> None:
+    """The settings of code rewards, before any work: $SPARROW_REWARD_WORKERS checked (a bad value refused
+    in one sentence, not after sampling), and --unsafe-code-execution passed on:
+    SPARROW_UNSAFE_CODE_EXECUTION=1, which the code tasks' sandbox reads, for this process and those it
+    starts, until the command ends (`ctx` closes: a later command in the same process, a test's or a
+    notebook's, is sandboxed again); without the flag the variable is left as the user set it."""
+    from sparrow.stages.tasks import TaskError, reward_workers
     from sparrow.stages.tasks.sandbox import UNSAFE_ENV
 
+    try:
+        reward_workers()
+    except TaskError as e:
+        raise UsageError(str(e)) from None
     if not unsafe:
         return
     before = os.environ.get(UNSAFE_ENV)

@@ -99,6 +99,12 @@ _STEPS = ("--ppo-epochs", "which counts steps of rollouts, each of --ppo-epochs 
 # hint names our option only where the command has it; a name listed here never gets a look-alike hint.
 FOREIGN_NAMES: dict[str, ForeignName] = {
     "--n": ForeignName("--samples", "vLLM's n"),
+    "--rollout-n": ForeignName("--samples", "verl's rollout.n"),
+    "--prompt-key": ForeignName("--prompt-column", "verl's data.prompt_key"),
+    "--train-files": ForeignName("--prompts", "verl's data.train_files"),
+    "--val-files": ForeignName("--eval-prompts", "verl's data.val_files"),
+    "--train-batch-size": ForeignName("--prompts-per-step", "verl's data.train_batch_size"),
+    "--reward-funcs": ForeignName("--reward-fn", "TRL's reward_funcs"),
     "--num-return-sequences": ForeignName("--samples", "transformers' num_return_sequences"),
     "--enforce-eager": ForeignName("--eager", "vLLM's enforce_eager", flag=True),
     "--num-speculative-tokens": ForeignName("--speculate", "vLLM's num_speculative_tokens"),
@@ -161,9 +167,10 @@ def _option_names(ctx) -> dict:
 
 # what to do instead where an option given twice reads as a wish for several values
 REPEATED_ADVICE = {
-    "prompts": "to use several datasets, join them into one file first: with a.parquet and b.parquet in DIR, "
-               "sparrow sql \"SELECT * FROM a UNION ALL BY NAME SELECT * FROM b\" --run DIR -o all.parquet",
-    "reward_fn": "Sparrow scores with one reward function; to sum several as TRL does, call them from one "
+    "--prompts": "to use several datasets, join them into one file first: with a.parquet and b.parquet in "
+               "DIR, sparrow sql \"SELECT * FROM a UNION ALL BY NAME SELECT * FROM b\" --run DIR -o "
+               "all.parquet",
+    "--reward-fn": "Sparrow scores with one reward function; to sum several as TRL does, call them from one "
                  "function",
 }
 
@@ -184,20 +191,21 @@ def refuse_repeated_options(ctx, order: list, args: list[str]) -> None:
     names = {n for n, p in _option_names(ctx).items() if p is repeated}
     given = [f"{name} {value}" for name, value in _given(args, names)]
     shown = f" ({', then '.join(given)})" if len(given) > 1 else ""
-    advice = REPEATED_ADVICE.get(repeated.name)
     flag = next((o for o in repeated.opts if o.startswith("--")), repeated.opts[0])
+    advice = REPEATED_ADVICE.get(flag)
     raise ParserError(f"{flag} is given {_times(counts[repeated])}{shown}, but it takes one value"
                       f"{'; ' + advice if advice else ''}", ctx=ctx)
 
 
-# the options (by parameter name) whose repeat reads as a wish for several, as other tools take several:
-# the datasets and artifacts a command reads (verl's data.train_files list), what scores the rewards (TRL's
-# reward_funcs list)
-ONE_VALUE = ("prompts", "eval_prompts", "completions", "rollouts", "profile", "reward", "reward_fn")
+# the options whose repeat reads as a wish for several, as other tools take several: the datasets and
+# artifacts a command reads (verl's data.train_files list), what scores the rewards (TRL's reward_funcs
+# list)
+ONE_VALUE = ("--prompts", "--eval-prompts", "--completions", "--rollouts", "--profile", "--reward",
+             "--reward-fn")
 
 
 def _one_of_a_kind(param) -> bool:
-    return (getattr(param, "param_type_name", "") == "option" and param.name in ONE_VALUE
+    return (getattr(param, "param_type_name", "") == "option" and any(o in ONE_VALUE for o in param.opts)
             and not param.multiple)
 
 

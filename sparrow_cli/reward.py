@@ -24,7 +24,7 @@ from .data_options import (
     reward_option,
 )
 from .errors import UsageError, friendly_errors
-from .options import allow_unsafe_code, given_path, output_path, unsafe_code_option
+from .options import code_rewards, given_path, output_path, unsafe_code_option
 from .output import emit, format_option, resolve_format
 from .paths import check_output, force_option, input_path, output_help
 from .progress import working
@@ -68,7 +68,7 @@ def reward(
     if workers is not None and workers < 1:
         raise UsageError(f"--workers must be at least 1, got {workers}")
     check_output(output, "rewards", force, inputs={"--prompts": prompts, "--completions": completions})
-    allow_unsafe_code(ctx, unsafe_code_execution)
+    code_rewards(ctx, unsafe_code_execution)
     data = data_options(answer_column, reward_name, reward_fn, reward_kwargs, prompt_column=prompt_column)
     prompt_set = PromptSet.read(prompts, data)
     rows = {r["prompt_id"]: r for r in prompt_set.rows}

@@ -36,7 +36,6 @@ from .option_values import (
 )
 from .options import (
     SAMPLE_SEED_HELP,
-    allow_unsafe_code,
     capped_speculate,
     check_gpu_memory,
     check_host_memory,
@@ -44,6 +43,7 @@ from .options import (
     check_speculative_budget,
     check_speculative_schedule,
     check_workers,
+    code_rewards,
     device_option,
     distilled_adapter,
     finite,
@@ -285,7 +285,7 @@ def rollout(
     cfg = resolve_config(model)
     adapter = load_actor(lora, cfg, model)  # one sentence for a bad adapter, before any weights load
     prompt_set = PromptSet.read(prompts, data, max_prompts)
-    allow_unsafe_code(ctx, unsafe_code_execution)
+    code_rewards(ctx, unsafe_code_execution)
     prompt_set.check_rewards()
     if prompt_set.needs_tokenizer_for(model):  # ids made for another tokenizer are made again from the text
         from sparrow.stages.model.loading import spec_tokenizer

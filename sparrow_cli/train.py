@@ -28,7 +28,6 @@ from .errors import UsageError, friendly_errors
 from .messages import fail, note, warn
 from .option_values import check_device, raw_prompts_option, warn_first_token_stops
 from .options import (
-    allow_unsafe_code,
     any_case,
     capped_speculate,
     check_gpu_memory,
@@ -36,6 +35,7 @@ from .options import (
     check_speculative_budget,
     check_speculative_schedule,
     check_workers,
+    code_rewards,
     device_option,
     finite,
     given_path,
@@ -362,7 +362,7 @@ def train(
     cfg = dataclasses.replace(cfg, reward_kwargs=reward_kwargs_text(data.reward_kwargs),
                               max_prompt_length=length.max_length, truncation=length.truncation.value,
                               filter_overlong_prompts=length.filter_overlong)
-    allow_unsafe_code(ctx, unsafe_code_execution)
+    code_rewards(ctx, unsafe_code_execution)
     prompt_set = PromptSet.read(prompts, data)
     rows = prompt_set.rows
     shapes = _model_shapes(cfg.model)

@@ -10,7 +10,8 @@ Design decisions:
   (`user_data.prompt_id_text`): text, an integer as its text, a whole-number float (7.0, as pandas
   stores an integer column with a missing value) as the integer's; a fraction or a null is refused,
   naming the row.
-- JSONL is read line by line with `json`, keeping only those three keys, so a column nothing reads may
+- JSONL is read line by line with `json`, keeping only those keys (and `completion_ids`, TRL's token
+  ids of a completion, for a user's reward function), so a column nothing reads may
   change type from line to line, as other samplers' dumps do; each line is decoded as UTF-8 on its own
   (a bad byte names its line), and a UTF-8 byte order mark at the start of the file is skipped.
 - Prompt ids are `<file stem>-<row>` for a verl or TRL dataset without a `prompt_id` column, so two files
@@ -61,7 +62,9 @@ COMPLETIONS = ArtifactSpec("completions", "completions of any sampler, read by t
     Col("text", pa.string(), nullable=True),
 ))
 JSON_COLUMNS = {"prompt_id": (str | int | float, "text or an integer", pa.string()),  # then by `_id`
-                "sample": (int, "an integer", pa.int64()), "text": (str, "text", pa.string())}
+                "sample": (int, "an integer", pa.int64()), "text": (str, "text", pa.string()),
+                "completion_ids": (list, "a list of token ids", pa.list_(pa.int64()))}
+INT64 = 2**63
 REFUSED_KIND = "give rollouts, or any Parquet or JSONL file with columns 'prompt_id' and 'text'"
 # what scoring and its checks read
 ROLLOUTS_READ = ("prompt_id", "sample", "text", "prompt_token_ids", "token_ids")
@@ -161,6 +164,11 @@ def _json_lines(path: Path) -> pa.Table:
             if value is not None and (not isinstance(value, kind) or isinstance(value, bool)):
                 raise ArtifactError(f"--completions {path} line {n}: '{name}' is {_json_kind(value)}, "
                                     f"expected {what}")
+            if name == "completion_ids" and value is not None:
+                _check_token_ids(value, f"--completions {path} line {n}")
+            if name == "sample" and value is not None and not -INT64 <= value < INT64:
+                raise ArtifactError(f"--completions {path} line {n}: 'sample' is {value}, expected a sample "
+                                    "index from 0")
             columns[name].append(value)
     if not line_numbers:
         raise ArtifactError(f"--completions {path} holds no completions (no JSON lines)")
@@ -172,6 +180,13 @@ def _json_lines(path: Path) -> pa.Table:
     except (pa.ArrowException, UnicodeError) as e:
         raise ArtifactError(f"--completions {path}: its lines do not form one table "
                             f"({first_line(e)})") from None
+
+
+def _check_token_ids(ids: list, where: str) -> None:
+    bad = next((v for v in ids if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < INT64), None)
+    if bad is not None or None in ids:
+        raise ArtifactError(f"{where}: 'completion_ids' holds {json.dumps(bad)}, expected token ids "
+                            "(integers from 0)")
 
 
 def _json_line(line: str, path: Path, n: int) -> dict[str, Any] | None:
@@ -208,6 +223,7 @@ def read_completions(path: str | os.PathLike) -> list[Completion]:
         raise ArtifactError(f"{subject} lacks column 'text' (the completion's text, which is scored)")
     tokens = _first_prompt_tokens(table) if kind_version(table.schema)[0] == "rollouts" else {}
     ids = _completion_ids(table, path)
+    numbered = "sample" in table.column_names  # else each row's rank within its prompt numbers it
     table = COMPLETIONS.conform(table.select([c for c in table.column_names if c in COMPLETIONS.names]),
                                 subject, fill_missing=True)
     out, seen, rank = [], set(), {}
@@ -215,6 +231,10 @@ def read_completions(path: str | os.PathLike) -> list[Completion]:
         if r["text"] is None:
             raise ArtifactError(f"--completions {path}: {row_of(i)}, prompt {r['prompt_id']!r}, has no text "
                                 "in column 'text'")
+        if numbered and r["sample"] is None:
+            raise ArtifactError(f"--completions {path}: {row_of(i)}, prompt {r['prompt_id']!r}, has no "
+                                "sample in column 'sample' (give every row one, or drop the column to number "
+                                "each prompt's rows in order)")
         sample = rank.get(r["prompt_id"], 0) if r["sample"] is None else r["sample"]
         rank[r["prompt_id"]] = max(rank.get(r["prompt_id"], 0), sample + 1)
         if (r["prompt_id"], sample) in seen:

@@ -74,9 +74,10 @@ def test_a_prompts_files_own_format_weight_is_refused_before_scoring(tmp_path, m
 @pytest.mark.parametrize("weight", [1.0, -1.0, 0.5, 0.0, "0.1", True, None])
 def test_only_the_published_format_weight_is_accepted(weight):
     with pytest.raises(TaskError, match="format_weight"):
-        check_metadata({"function": "f", "cases": [], "expected": [], "format_weight": weight})
-    check_metadata({"function": "f", "cases": [], "expected": []})
-    check_metadata({"function": "f", "cases": [], "expected": [], "format_weight": PUBLISHED_FORMAT_CREDIT})
+        check_metadata({"function": "f", "cases": [[1]], "expected": [1], "format_weight": weight})
+    check_metadata({"function": "f", "cases": [[1]], "expected": [1]})
+    check_metadata({"function": "f", "cases": [[1]], "expected": [1],
+                    "format_weight": PUBLISHED_FORMAT_CREDIT})
 
 
 @needs_sandbox

@@ -75,7 +75,7 @@ def test_quotes_in_file_names_and_provenance_are_data(tmp_path):
     assert rows == [{"source_file": "a'b\"é c.parquet", "source_model": model},
                     {"source_file": "d.parquet", "source_model": "plain"}]
     names = run_query(tmp_path, "SHOW TABLES").column("name").to_pylist()
-    assert names == ["schedule", "schedule__a_b_c", "schedule__d"]
+    assert names == ["schedule", "schedule__a_b_e_c", "schedule__d"]
 
 
 def test_glob_characters_in_a_file_name_are_part_of_the_name(tmp_path):

@@ -161,10 +161,24 @@ def missing_answer_advice(metadata: dict[str, Any]) -> str:
     if metadata.get("answer_column"):
         return f"its --answer-column {metadata['answer_column']!r} is null there"
     if metadata.get("format") == "verl":
-        return "a verl dataset's ground truth is reward_model.ground_truth, which is null in this row"
+        return _verl_ground_truth_advice(metadata)
     if metadata.get("format") == "trl":
         return "for a TRL dataset: name the answer column with --answer-column"
     return "its column 'answer' is null"
+
+
+def _verl_ground_truth_advice(metadata: dict[str, Any]) -> str:
+    """Why a verl row has no ground truth: its reward_model is not the struct verl writes, lacks the field,
+    or holds a null there."""
+    columns = metadata.get("columns")
+    reward_model = columns.get("reward_model") if isinstance(columns, dict) else None
+    if isinstance(reward_model, str):
+        return ("its reward_model is text; verl's is a struct with a field ground_truth, as {'style': "
+                "'rule', 'ground_truth': '42'}")
+    if isinstance(reward_model, dict) and "ground_truth" not in reward_model:
+        fields = ", ".join(reward_model) or "none"
+        return f"its reward_model's fields are {fields}; none is ground_truth"
+    return "a verl dataset's ground truth is reward_model.ground_truth, which is null in this row"
 
 
 def read_dataset(path: Path, answer_column: str | None = None,

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import re
+import unicodedata
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, fields
@@ -460,8 +461,10 @@ IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 def identifier(stem: str) -> str:
-    """A view name from a file's name: runs of anything but ASCII letters, digits and `_` become one `_`."""
-    name = re.sub(r"[^A-Za-z0-9_]+", "_", stem).strip("_") or "file"
+    """A view name from a file's name: letters with accents as their ASCII letter (ü.parquet is `u`), then
+    runs of anything but ASCII letters, digits and `_` become one `_`."""
+    ascii_stem = unicodedata.normalize("NFKD", stem).encode("ascii", "ignore").decode()
+    name = re.sub(r"[^A-Za-z0-9_]+", "_", ascii_stem).strip("_") or "file"
     return f"_{name}" if name[0].isdigit() else name
 
 

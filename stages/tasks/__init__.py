@@ -165,9 +165,19 @@ Item = tuple[str, str, "str | None", "str | dict | None"]  # (task, completion t
 T = TypeVar("T")
 
 
+REWARD_WORKERS_ENV = "SPARROW_REWARD_WORKERS"
+
+
 def reward_workers() -> int:
-    """Default pool size for programs' rewards: $SPARROW_REWARD_WORKERS, else the CPU count."""
-    return max(1, int(os.environ.get("SPARROW_REWARD_WORKERS") or os.cpu_count() or 1))
+    """Default pool size for programs' rewards: $SPARROW_REWARD_WORKERS, else the CPU count. A value that is
+    not a whole number of at least 1 is refused (TaskError)."""
+    given = os.environ.get(REWARD_WORKERS_ENV, "").strip()
+    if not given:
+        return os.cpu_count() or 1
+    if not given.isdecimal() or int(given) < 1:
+        raise TaskError(f"${REWARD_WORKERS_ENV} must be a whole number of at least 1 (the programs run at "
+                        f"once for code rewards), got {given!r}")
+    return int(given)
 
 
 def _batch(fn: Callable[..., T], items: Sequence[Item], workers: int | None,

@@ -402,7 +402,20 @@ def format_weight_of(metadata: dict[str, Any]) -> float:
 
 
 def check_metadata(metadata: dict[str, Any]) -> None:
-    """TaskError for a prompt's metadata this task will not score (its format weight), before any work."""
+    """TaskError for a prompt's metadata this task will not score, before any work: a function that is not
+    a Python name, hidden tests that are not a non-empty list of argument lists with one expected value
+    each, another format weight."""
+    name, cases, expected = (metadata.get(k) for k in ("function", "cases", "expected"))
+    if not (isinstance(name, str) and name.isidentifier()):
+        raise TaskError(f"its metadata's function {name!r} is not a Python name")
+    if not isinstance(cases, list) or not all(isinstance(c, list) for c in cases):
+        raise TaskError("its metadata's cases are not a list of argument lists (one list of arguments per "
+                        "hidden test)")
+    if not cases:
+        raise TaskError("its metadata's cases are an empty list, so no completion could pass a test")
+    if not isinstance(expected, list) or len(expected) != len(cases):
+        got = f"{len(expected)} expected values" if isinstance(expected, list) else f"expected {expected!r}"
+        raise TaskError(f"its metadata has {len(cases)} cases and {got}: one expected value per case")
     format_weight_of(metadata)
 
 
