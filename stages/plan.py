@@ -43,6 +43,7 @@ from .core.published_schedules import (
 from .core.reference_profiles import QUANTILE, REFERENCE_PREFIX, reference_profile
 from .core.schedule import (
     MIN_TOKENS,
+    BinCost,
     Plan,
     Schedule,
     ScheduleError,
@@ -400,13 +401,14 @@ def plan_schedule(req: PlanRequest, output: Path | None = None, export_to: Path 
                                                req.prompt_len, req.gen_len, req.min_tokens,
                                                cfg.max_position_embeddings)
     prompt_len, gen_len = lengths.prompt_len, lengths.gen_len
-    result = plan(tails, threshold)
+    bin_cost = rollout_bin_cost(cost_model, tails.bin_starts, req.batch, prompt_len, gen_len)
+    result = plan(tails, threshold, bin_cost)
     if width is not None and width.note:
         result.notes.insert(0, width.note)
     scope = SpeedupScope.of(cost_model, req.batch, prompt_len)
     speedup = cost_model.speedup(result.schedule.budgets_at, gen_len, req.batch, prompt_len, scope.prefill)
-    frontier = [frontier_point(plan(tails, t), t, cost_model, gen_len, req.batch, prompt_len, scope.prefill)
-                for t in req.sweep]
+    frontier = [frontier_point(plan(tails, t, bin_cost), t, cost_model, gen_len, req.batch, prompt_len,
+                               scope.prefill) for t in req.sweep]
     mids = mid_contexts(result)
     sparse_s = cost_model.step_seconds(req.batch, mids, result.schedule.budgets_at(mids))
     planned = PlannedSchedule(result, cost_model.source, resolved, lengths, req.batch, speedup,
@@ -418,7 +420,11 @@ def plan_schedule(req: PlanRequest, output: Path | None = None, export_to: Path 
     planned.warnings += [said] if said else []
     loose = underdetermined_warning(f"the cost model {req.cost}", measured, cost_model) if measured else None
     planned.warnings += [loose] if loose else []
-    if speedup < 1:
+    if not any(result.schedule.budgets) and any(plan(tails, threshold).schedule.budgets):
+        planned.warnings.append(f"the cost model prices every budget that reaches {threshold:g} above dense "
+                                f"decoding for {lengths.describe(req.batch)}, so the schedule is dense: "
+                                "roll out --dense, or plan for longer contexts (--gen-len)")
+    elif speedup < 1:
         planned.warnings.append(f"the schedule is predicted slower than dense decoding "
                                 f"({format_speedup(speedup)} for {lengths.describe(req.batch)}): its "
                                 "budgets' steps cost more than dense ones at these lengths, so roll out "
@@ -441,6 +447,19 @@ def plan_schedule(req: PlanRequest, output: Path | None = None, export_to: Path 
 
         write_bytes(export_to, (export_text(planned.exported, req.export) + "\n").encode())
     return planned
+
+
+def rollout_bin_cost(cost_model: CostModel, bin_starts: np.ndarray, batch: int, prompt_len: int,
+                     gen_len: int) -> BinCost:
+    """The predicted seconds of the rollout's decode steps in each bin under each budget: the steps that
+    `CostModel.rollout_seconds` prices, at the cache lengths `Schedule.budget_at` puts in that bin."""
+    contexts = np.arange(prompt_len + 1, prompt_len + gen_len)
+    index = np.searchsorted(bin_starts, contexts, side="right") - 1
+    bins = {i: contexts[np.clip(index, 0, None) == i] for i in range(len(bin_starts))}
+
+    def cost(i: int, budgets: np.ndarray) -> np.ndarray:
+        return cost_model.step_seconds(batch, bins[i][:, None], budgets[None, :]).sum(axis=0)
+    return cost
 
 
 def _write_schedule(planned: PlannedSchedule, output: Path, name: str, model_config: str,

@@ -199,10 +199,10 @@ def test_json_carries_the_k_and_the_speedups(tmp_path):
     assert doc["lossy_speedup"] > 0 and len(doc["speculative"]) == len(doc["schedule"])
 
 
-def test_a_lossy_plan_predicted_slower_than_dense_is_said(tmp_path):
+def test_a_lossy_plan_predicted_slower_than_dense_is_dense_and_said(tmp_path):
     """A cost model whose scored pages cost more than the KV they save (a step's page term at a
-    millisecond): the sparse budgets the tails ask for make the rollout slower than dense, which the plan
-    says in one warning with what to do."""
+    millisecond): the sparse budgets the tails ask for would make the rollout slower than dense, so the
+    cheapest schedule is dense, which the plan says in one warning with what to do."""
     from dataclasses import replace
 
     from sparrow.stages.cost import cost_table
@@ -218,8 +218,10 @@ def test_a_lossy_plan_predicted_slower_than_dense_is_said(tmp_path):
               "--min-tokens", "1", "-o", tmp_path / "s.parquet")
     assert r.exit_code == 0, r.output
     err = " ".join(r.stderr.split())
-    assert "warning: the schedule is predicted slower than dense decoding (0." in err
-    assert "so roll out --dense, or plan for longer contexts (--gen-len)" in err
+    assert "warning: the cost model prices every budget that reaches 0.5 above dense decoding for" in err
+    assert "so the schedule is dense: roll out --dense, or plan for longer contexts (--gen-len)" in err
+    assert read_artifact(tmp_path / "s.parquet").column("budget").to_pylist() in ([None, None], [0, 0])
+    assert "predicted decode speedup over dense (prefill excluded): 1.000x" in err
     fast = _plan("--profile", _profile(tmp_path, cells, "m2.parquet"), "--threshold", "0.5", "--min-tokens",
                  "1")  # the analytic H100 model: 1.19x
     assert fast.exit_code == 0 and "predicted slower than dense" not in fast.stderr

@@ -8,6 +8,7 @@ Budget 0 means dense.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -70,15 +71,21 @@ def _page_size(value: object, path: str | Path) -> int:
 # presets, from the published schedules (`reference_profiles.reference_profile`: every page count, on a
 # curve built to give the published budgets at the published thresholds).
 # `plan` picks, per bin, the smallest candidate budget whose tail is at or above the threshold; the
-# smallest is the cheapest, because a step's cost grows with its budget (except in the sliver where a
-# budget almost covers the cache and scoring pages costs more than it saves, ignored). Budgets are then
-# made non-decreasing across bins (a running maximum), so a bin never gets less than the one before.
+# smallest is the cheapest, because a step's cost grows with its budget. Budgets are then made
+# non-decreasing across bins (a running maximum), so a bin never gets less than the one before. Given the
+# cost of each bin's decode steps (`BinCost`), the plan is the cheapest over the whole rollout instead
+# (`_cheapest`): where a budget almost covers the cache, scoring its pages costs more than it saves, and a
+# dense bin (and every later one), or a budget that covers the bin and is priced as dense there, can be
+# cheaper; the choice is among the budgets the plain rule takes, those that cover a bin, and dense, so it
+# is never dearer than the plain plan or than dense.
 # A bin where no candidate reaches the threshold is dense (alpha = 1 exactly), and so is every later
 # bin. A measured bin with fewer than `min_tokens` tokens has no trustworthy tail: it keeps the
 # budget of the bin before it (leading thin bins take the first well-measured bin's budget); both
 # cases are reported in `Plan.notes`.
 
 DENSE = np.iinfo(np.int32).max  # sorts above every budget while planning; 0 in a Schedule
+# (bin, budgets [k], 0 = dense) -> [k] seconds of the rollout's decode steps in that bin under each budget
+BinCost = Callable[[int, np.ndarray], np.ndarray]
 MIN_TOKENS = 50  # the fewest tokens a measured bin needs for its tail to be trusted (--min-tokens)
 
 
@@ -124,8 +131,9 @@ class Plan:
         return None if i == self.num_bins - 1 else self.schedule.bin_starts[i + 1]
 
 
-def plan(profile: TailProfile, threshold: float) -> Plan:
-    """The cheapest non-decreasing schedule whose tail is at or above `threshold` in every bin."""
+def plan(profile: TailProfile, threshold: float, bin_cost: BinCost | None = None) -> Plan:
+    """The cheapest non-decreasing schedule whose tail is at or above `threshold` in every bin; with
+    `bin_cost`, the cheapest by that cost (the section's comment above)."""
     check_threshold(threshold)
     n = profile.num_bins
     thin = profile.thin if profile.thin is not None else np.zeros(n, dtype=bool)
@@ -153,6 +161,10 @@ def plan(profile: TailProfile, threshold: float) -> Plan:
         budgets[i] = current
     trusted = int(np.argmin(thin))
     budgets[budgets < 0] = budgets[trusted]  # leading thin bins
+    if bin_cost is not None:
+        cheapest = _cheapest(profile, feasible, thin, budgets, bin_cost)
+        _note_costlier(notes, profile, budgets, cheapest, threshold)
+        budgets = cheapest
     few = f"fewer tokens than --min-tokens{f' ({profile.min_tokens})' if profile.min_tokens else ''}"
     _note_bins(notes, np.flatnonzero(thin[:trusted]), profile,
                f"{few}, so it takes the budget of bin {trusted}, the first bin with enough",
@@ -173,6 +185,67 @@ def plan(profile: TailProfile, threshold: float) -> Plan:
     schedule = Schedule(tuple(int(s) for s in profile.bin_starts),
                         tuple(0 if b == DENSE else int(b) for b in budgets), profile.page_size)
     return Plan(schedule, profile.bin_width, tails, threshold, profile.quantile, profile.source, notes)
+
+
+def _cheapest(profile: TailProfile, feasible: np.ndarray, thin: np.ndarray, plain: np.ndarray,
+              bin_cost: BinCost) -> np.ndarray:
+    """[n] the non-decreasing budgets of least total `bin_cost` whose tails reach the threshold (`feasible`
+    [n, m]), among the options: the plain plan's budgets, for each bin the smallest candidate that covers
+    it (at least the next bin's start), and dense. A thin bin keeps the budget of the trusted bin it
+    follows (leading ones the first trusted bin's), as in the plain plan, so each trusted bin decides for
+    its group. Among plans of equal cost the smallest budgets win, so the plain plan stands wherever the
+    cost grows with the budget."""
+    covers = [profile.candidates[np.searchsorted(profile.candidates, start)]
+              for start in profile.bin_starts[1:] if start <= profile.candidates[-1]]
+    options = np.unique(np.concatenate([plain[plain != DENSE], np.asarray(covers, dtype=np.int64), [DENSE]]))
+    allowed = np.zeros((profile.num_bins, len(options)), dtype=bool)
+    allowed[:, -1] = True  # dense: alpha is 1
+    for k, budget in enumerate(options[:-1]):
+        allowed[:, k] = feasible[:, np.searchsorted(profile.candidates, budget)]
+    groups = _trusted_groups(thin)
+    priced = np.where(options == DENSE, 0, options)
+    costs = [sum(np.asarray(bin_cost(i, priced), dtype=np.float64) for i in members) for _, members in groups]
+    # best[g][k]: the least cost of groups g.. with group g at option k or above; value[g][k]: at k exactly
+    best = np.zeros((len(groups) + 1, len(options)))
+    value = np.full((len(groups), len(options)), np.inf)
+    for g in range(len(groups) - 1, -1, -1):
+        lead = groups[g][0]
+        value[g] = np.where(allowed[lead], costs[g] + best[g + 1], np.inf)
+        best[g] = np.minimum.accumulate(value[g][::-1])[::-1]
+    budgets = plain.copy()
+    k = 0
+    for g, (_, members) in enumerate(groups):
+        least = best[g][k]
+        k += int(np.argmax(value[g][k:] <= least + 1e-9 * max(abs(least), 1e-12)))
+        budgets[members] = options[k]
+    return budgets
+
+
+def _trusted_groups(thin: np.ndarray) -> list[tuple[int, list[int]]]:
+    """Each trusted bin with the thin bins that take its budget: those after it up to the next trusted
+    bin, and for the first, the leading ones too."""
+    groups: list[tuple[int, list[int]]] = []
+    for i in range(len(thin)):
+        if not thin[i]:
+            groups.append((i, [i]))
+        elif groups:
+            groups[-1][1].append(i)
+    leading = list(range(groups[0][0]))
+    groups[0] = (groups[0][0], leading + groups[0][1])
+    return groups
+
+
+def _note_costlier(notes: list[str], profile: TailProfile, plain: np.ndarray, cheapest: np.ndarray,
+                   threshold: float) -> None:
+    """Say where the cheapest plan takes more than the smallest budget that reaches the threshold."""
+    differ = np.flatnonzero(plain != cheapest)
+    dense = differ[cheapest[differ] == DENSE]
+    larger = differ[cheapest[differ] != DENSE]
+    why = (f"the cost model prices the steps of the smaller budgets that reach {threshold:g} there (and "
+           "in later bins, as a schedule never decreases) above")
+    _note_bins(notes, dense, profile, f"{why} dense ones, so it is dense", f"{why} dense ones, so they "
+               "are dense")
+    _note_bins(notes, larger, profile, f"{why} this larger budget's", f"{why} these larger budgets'")
 
 
 def _reported_tails(profile: TailProfile, budgets: np.ndarray, thin: np.ndarray) -> list[float | None]:
