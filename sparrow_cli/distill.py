@@ -363,7 +363,8 @@ def distill(
                                     "for --model if there is one, else the published prior 0.86)."),
     output: Path = typer.Option(..., "-o", "--output", help="The adapter directory to write. An existing "
                                 "directory is replaced only if it holds an adapter from sparrow distill "
-                                "(another adapter: --force; other files: never).",
+                                "(another adapter: --force; other files: never); files of yours in it "
+                                "(notes, a sparrow report) are kept.",
                                 parser=output_path("an adapter directory", folder=True)),
     force: bool = force_option(),
     threads: int = threads_option(),

@@ -298,3 +298,20 @@ def test_k3_takes_the_samples_of_the_actor_it_distills(tiny, sampled, tmp_path, 
     r = runner.invoke(app, ["distill", "--model", tiny, *args, "--objective", "k3", "--lora-rank", "2",
                             "--lora-alpha", "4", "-o", str(tmp_path / "act")])
     assert passed_the_checks(r), r.output
+
+
+def test_replacing_an_adapter_keeps_the_users_files_beside_it(tiny, tmp_path):
+    """A second adapter written to a folder replaces the writers' files (peft's, distill's record and
+    mismatch) and keeps what else it holds: a user's notes, a `sparrow report` folder."""
+    folder = adapter(tiny, tmp_path / "actor", distilled=True)
+    (folder / "mismatch").mkdir()
+    (folder / "mismatch" / "before.parquet").write_text("stale")
+    (folder / "notes.txt").write_text("mine")
+    (folder / "report").mkdir()
+    (folder / "report" / "index.html").write_text("<html>")
+    first = (folder / "adapter_model.safetensors").read_bytes()
+    adapter(tiny, folder, distilled=False, seed=1)
+    assert (folder / "adapter_model.safetensors").read_bytes() != first
+    assert (folder / "notes.txt").read_text() == "mine"
+    assert (folder / "report" / "index.html").read_text() == "<html>"
+    assert not (folder / "mismatch").exists() and not (folder / "sparrow_distill.json").exists()

@@ -82,9 +82,11 @@ def adapter_base(spec: str, random_weights: bool = False) -> str:
 def save_adapter(model: nn.Module, config, folder: str | os.PathLike, base_model: str,
                  adapter: str = "default", beside: Callable[[Path], None] | None = None) -> Path:
     """Write the adapter directory atomically (`replace_dir`: a hidden sibling, then a rename; the old
-    directory's access kept, a killed writer's leftovers removed by the next write). The weights file is
-    written as the others are, so its mode follows the umask (safetensors' save_file makes it 0600, which
-    a group sharing the folder could not load); an adapter is small enough to be serialized in memory."""
+    directory's access kept, a killed writer's leftovers removed by the next write). What the old folder
+    holds beside what an adapter writer writes (`WRITTEN`: a user's notes, a `sparrow report` of it) is
+    copied into the new one, so replacing an adapter never deletes it. The weights file is written as the
+    others are, so its mode follows the umask (safetensors' save_file makes it 0600, which a group sharing
+    the folder could not load); an adapter is small enough to be serialized in memory."""
     from safetensors.torch import save
 
     from sparrow.schemas import output_target
@@ -101,6 +103,27 @@ def save_adapter(model: nn.Module, config, folder: str | os.PathLike, base_model
         (tmp / "adapter_model.safetensors").write_bytes(save(lora_state(model, adapter)))
         if beside is not None:  # the files the folder holds beside the adapter, in place with it at once
             beside(tmp)
+        _keep_others(target, tmp)
 
     replace_dir(target, fill)
     return folder
+
+
+# what an adapter's writers write (peft's files, distill's record and mismatch): replaced, never kept
+WRITTEN = frozenset({"adapter_config.json", "adapter_model.safetensors", "adapter_model.bin",
+                     "sparrow_distill.json", "mismatch"})
+
+
+def _keep_others(old: Path, new: Path) -> None:
+    """Copy what the old adapter folder holds that is not `WRITTEN` (nor hidden) into the new one."""
+    import shutil
+
+    if not old.is_dir():
+        return
+    for entry in old.iterdir():
+        if entry.name in WRITTEN or entry.name.startswith(".") or (new / entry.name).exists():
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.copytree(entry, new / entry.name, symlinks=True)
+        else:
+            shutil.copy2(entry, new / entry.name, follow_symlinks=False)
