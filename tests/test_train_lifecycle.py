@@ -317,11 +317,14 @@ def test_the_reward_is_recorded_and_a_resume_names_its_change(setup, tmp_path, m
     assert str(e.value) == (f"--resume: {run} was trained with --reward-fn {spec}, whose file held other "
                             "code than copy.py holds now (their content differs); only --steps, "
                             "--checkpoint-every and --eval-every may change on resume")
+    assert resume_notes(run, replace(cfg, steps=2, reward_fn_sha256="")) == []  # as the CLI asks: no digest
     (tmp_path / "rf" / "r.py").write_text(source.replace("0.5", "0.25"))  # the run's file, fixed in place
     resume()
     now = with_fingerprints(replace(cfg, steps=2), rows, None, policy)
-    assert resume_notes(run, now) == [f"--resume: rf/r.py holds other code than when {run} was "
-                                      "checkpointed; the steps after step 1 score with its code as it is now"]
+    edited = [f"--resume: rf/r.py holds other code than when {run} was checkpointed; the steps after step 1 "
+              "score with its code as it is now"]
+    assert resume_notes(run, now) == edited
+    assert resume_notes(run, replace(cfg, steps=2, reward_fn_sha256="")) == edited
     for key in ("reward", "reward_fn", "reward_fn_sha256"):  # a checkpoint that names none: not compared
         del saved[key]
     (run / "checkpoint" / "config.json").write_text(json.dumps(saved))

@@ -378,7 +378,9 @@ def differences(saved: TrainConfig, now: TrainConfig, recorded: set[str] | None 
 def reward_file_edited(saved: TrainConfig, now: TrainConfig) -> bool:
     """Whether the run's --reward-fn is the same function of the same file, whose code has changed since
     the checkpoint (a reward fixed after it raised): a resume goes on, with a note (`resume_notes`)."""
-    if not (saved.reward_fn and now.reward_fn) or saved.reward_fn_sha256 == now.reward_fn_sha256:
+    if not (saved.reward_fn and now.reward_fn):
+        return False
+    if saved.reward_fn_sha256 == (now.reward_fn_sha256 or reward_fn_sha256(now.reward_fn)):
         return False
     (a, _, fa), (b, _, fb) = saved.reward_fn.rpartition(":"), now.reward_fn.rpartition(":")
     return fa == fb and (a == b or _same_folder(a, b))
