@@ -167,3 +167,16 @@ def test_verl_names_point_to_ours(typed, ours, theirs):
 
 def test_view_names_keep_accented_letters_as_their_ascii_letter():
     assert [identifier(s) for s in ("ü", "ö", "naïve-set", "日本")] == ["u", "o", "naive_set", "file"]
+
+
+def test_resume_of_a_folder_without_a_checkpoint_says_to_drop_resume(tmp_path, no_work):
+    """A run stopped while its model loaded leaves its folder without a checkpoint."""
+    rows = [{"prompt_id": f"p{i}", "task": "basic_arithmetic", "prompt": None,
+             "prompt_token_ids": list(range(5, 25)), "answer": "3", "metadata": None} for i in range(4)]
+    prompts = write_artifact(rows, tmp_path / "p.parquet", "prompts")
+    run = tmp_path / "run"
+    run.mkdir()
+    result = runner.invoke(app, ["train", "--model", "tiny-llama", "--prompts", str(prompts), "--resume",
+                                 "--prompts-per-step", "2", "-o", str(run)])
+    assert error_line(result) == (f"error: --resume: {run} holds no run to resume (none was checkpointed); "
+                                  "drop --resume to start the run there")

@@ -219,7 +219,8 @@ def _check_held_run(run_dir: Path, cfg: TrainConfig, resume: bool, force: bool) 
             if has_run:
                 raise ValueError(f"--resume: {run_dir} holds {_holds(run_dir)}, so there is nothing to "
                                  "resume from; pass --force instead of --resume to start it over")
-            raise ValueError(f"--resume: {run_dir} holds no run to resume")
+            raise ValueError(f"--resume: {run_dir} holds no run to resume (none was checkpointed); drop "
+                             "--resume to start the run there")
         _check_metrics_readable(run_dir / "metrics.parquet")
         check_same_run(run_dir, cfg)
     elif has_run and not force:
