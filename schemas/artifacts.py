@@ -390,8 +390,8 @@ def _bins_tile_positions(t: pa.Table) -> Failure | None:
             return _said(f"starts a bin at position {starts[i + 1]}, not after the one before it "
                          f"({starts[i]}); bin_start increases with bin")
         if ends[i] is not None and ends[i] != starts[i + 1]:
-            return _said(f"ends the bin at {starts[i]} at {ends[i]} but starts the next at {starts[i + 1]}; "
-                         "each bin ends where the next starts")
+            return _said(f"ends the bin that starts at position {starts[i]} at {ends[i]}, but starts the "
+                         f"next at {starts[i + 1]}; each bin ends where the next starts")
     if ends[-1] is not None:
         return _said(f"ends its last bin at {ends[-1]}; a schedule's last bin is open (null bin_end), its "
                      "budget holding at every later position")

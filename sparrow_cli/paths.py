@@ -76,9 +76,10 @@ def _hold(path: Path, flag: str) -> None:
 
 def check_output_dir(path: Path, what: str, ours: Callable[[Path], bool], force: bool,
                      replaceable: Callable[[Path], bool] = lambda d: False, flag: str = "-o",
-                     inputs: dict[str, object] | None = None) -> Path:
+                     inputs: dict[str, object] | None = None, forced: str = "replace it") -> Path:
     """The rule for a directory output (a run, an adapter, a report folder); the directory written.
-    `inputs` as `check_output`'s: the directory may neither be one nor hold one."""
+    `inputs` as `check_output`'s: the directory may neither be one nor hold one. `forced` says what
+    --force does to the directory."""
     from sparrow.schemas import OutputRefused
     from sparrow.schemas import check_output_dir as check
     from sparrow.schemas.locations import UnusableOutput
@@ -86,7 +87,7 @@ def check_output_dir(path: Path, what: str, ours: Callable[[Path], bool], force:
     try:
         return check(path, what, ours, replaceable, force, inputs)
     except OutputRefused as e:
-        raise UsageError(f"{flag} {e}; pass --force to replace it, or choose another directory") from None
+        raise UsageError(f"{flag} {e}; pass --force to {forced}, or choose another directory") from None
     except UnusableOutput as e:
         raise UsageError(f"{flag} {e}") from None
 

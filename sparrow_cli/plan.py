@@ -16,7 +16,7 @@ from sparrow.stages.speculative_plan import format_speedup
 from .console import console, out, stdout_taken
 from .errors import UsageError, friendly_errors, stage_errors
 from .messages import fail, note, warn
-from .options import finite, given_path, model_file, output_path
+from .options import check_tail, finite, given_path, model_file, output_path
 from .output import ARTIFACT_FORMAT_HELP, FORMAT_METAVAR, emit, json_rows, resolve_format, write_out
 from .paths import check_output, force_option, input_path, output_help
 
@@ -245,6 +245,9 @@ def _check_plan_inputs(req) -> None:
     defaulted to the model its inputs record (`recorded_model`)."""
     if req.threshold is not None and req.threshold_file is not None:
         raise UsageError("pass --threshold or --threshold-file, not both")
+    from sparrow.stages.core.definitions import TAIL_QUANTILE
+
+    check_tail(TAIL_QUANTILE if req.quantile is None else req.quantile, req.threshold)
     req.model = req.model or recorded_model(req.profile, req.threshold_file)
 
 

@@ -43,7 +43,8 @@ def report(
     if not run.is_dir():
         raise UsageError(f"{run}: no such run directory")
     check_output_dir(output or run / "report", "a Sparrow report folder", force=force, ours=report_folder,
-                     replaceable=lambda d: True)
+                     replaceable=lambda d: True, forced="write the report's files into it (its other files "
+                     "are kept)")
     try:
         page, figures = build_report(run, output, progress=_note)
     except ValueError as e:

@@ -202,7 +202,8 @@ def test_report_writes_into_a_foreign_folder_only_when_forced(tmp_path):
     mine.mkdir()
     (mine / "thesis.tex").write_text("...")
     line = error_line(runner.invoke(app, ["report", str(run), "-o", str(mine)]))
-    assert "is not a Sparrow report folder; pass --force" in line
+    assert line.endswith("is not a Sparrow report folder; pass --force to write the report's files into it "
+                         "(its other files are kept), or choose another directory")
     assert sorted(os.listdir(mine)) == ["thesis.tex"]
     r = runner.invoke(app, ["report", str(run), "-o", str(mine), "--force"])
     assert r.exit_code == 0, r.output

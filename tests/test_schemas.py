@@ -449,7 +449,8 @@ def test_schedule_budget_must_not_decrease(tmp_path):
 @pytest.mark.parametrize("starts,ends,words", [
     ([16, 2000, 4000], [2000, 4000, None], "starts its first bin at position 16"),
     ([0, 4000, 2000], [4000, 2000, None], "starts a bin at position 2000, not after"),
-    ([0, 2000, 4000], [1000, 4000, None], "ends the bin at 0 at 1000 but starts the next at 2000"),
+    ([0, 2000, 4000], [1000, 4000, None], "ends the bin that starts at position 0 at 1000, but starts the "
+                                          "next at 2000"),
     ([0, 2000, 4000], [2000, 4000, 8000], "ends its last bin at 8000"),
 ])
 def test_schedule_bins_tile_every_position(tmp_path, starts, ends, words):
