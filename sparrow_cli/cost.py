@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -231,8 +230,7 @@ def measure(model: str, device: str, grid, seed: int, threads: int | None = None
 
         def on_point(done: int, total: int) -> None:
             bar.update(task, completed=done)
-            left = (time.monotonic() - log.start) / done * (total - done)
-            log(done, total, f"about {left:.0f} s left" if done < total else "")
+            log(done, total)
 
         points = time_decode_steps(loaded, grid, device, seed, on_point, gpu_memory_utilization)
     verify = []

@@ -97,10 +97,11 @@ ETA_AFTER_SECONDS = 5.0  # a rate measured over less time says little about what
 class LogProgress:
     """Progress of long work as whole lines where progress is not live (`live_progress`): the first update,
     then at most one line every `every` seconds, and the last one. A line past ETA_AFTER_SECONDS also says
-    how long the rest takes at the rate so far, as the live bar's time-remaining column does."""
+    how long the rest takes at the rate so far, as the live bar's time-remaining column does, unless the
+    caller's `info` says it (`eta` False: a rollout's bound from its tokens)."""
 
-    def __init__(self, what: str, every: float = 10.0):
-        self.what, self.every, self.last = what, every, None
+    def __init__(self, what: str, every: float = 10.0, eta: bool = True):
+        self.what, self.every, self.last, self.eta = what, every, None, eta
         self.start = time.monotonic()
 
     def __call__(self, done: int, total: int, info: str = "") -> None:
@@ -109,8 +110,8 @@ class LogProgress:
             return
         self.last = now
         elapsed = now - self.start
-        log_line(f"{self.what}: {done}/{total}{f', {info}' if info else ''} ({elapsed:.0f} s"
-                 f"{_left(elapsed, done, total)})")
+        left = _left(elapsed, done, total) if self.eta else ""
+        log_line(f"{self.what}: {done}/{total}{f', {info}' if info else ''} ({elapsed:.0f} s{left})")
 
 
 def _left(elapsed: float, done: int, total: int) -> str:

@@ -460,7 +460,8 @@ class _Bars:
 
     def _show(self) -> None:
         self.task = self.bar.add_task(self.what, total=self.total, rate="")
-        self.log = LogProgress(self.what)
+        # `time_left` says what remains where the rate and --max-new-tokens bound it
+        self.log = LogProgress(self.what, eta=not (self.rate and self.most_tokens))
 
     def skip(self, samples: int) -> None:
         """Samples done before this run (kept from its journal): the bar starts there."""

@@ -122,3 +122,16 @@ def test_a_log_line_past_a_few_seconds_says_how_long_the_rest_takes_at_the_rate_
     assert lines[:3] == ["prompts: 1/400 (1 s)", "prompts: 100/400 (20 s, about 60 s left)",
                          "prompts: 400/400 (40 s)"]
     assert progress._left(60.0, 10, 400) == ", about 39 min left"
+
+
+def test_a_log_line_whose_caller_says_the_time_left_says_it_once(monkeypatch):
+    """A rollout's line bounds the time left by its tokens; the line adds no second estimate."""
+    from sparrow.cli import progress
+
+    lines: list[str] = []
+    monkeypatch.setattr(progress, "log_line", lines.append)
+    clock = iter([0.0, 20.0])
+    monkeypatch.setattr(progress.time, "monotonic", lambda: next(clock))
+    log = progress.LogProgress("rollouts (samples)", every=0, eta=False)
+    log(1, 8, "45 tokens, 3.0 tok/s, at most 0:00:27 left")
+    assert lines == ["rollouts (samples): 1/8, 45 tokens, 3.0 tok/s, at most 0:00:27 left (20 s)"]
