@@ -134,3 +134,17 @@ def data_options(answer_column: str | None, reward: str | None, reward_fn: str |
     except (DatasetError, RewardError) as e:
         raise UsageError(str(e)) from None
     return options
+
+
+def read_eval_prompts(path, data=None):
+    """The --eval-prompts set, whose refusals name the flag (they name the file, as --prompts' do, and the
+    two flags' files read alike)."""
+    from sparrow.schemas import ArtifactError
+    from sparrow.stages.core.prompt_set import PromptError, PromptSet
+    from sparrow.stages.core.user_data import DatasetError
+
+    try:
+        return PromptSet.read(path, data)
+    except (PromptError, DatasetError, ArtifactError) as e:
+        said = str(e)
+        raise UsageError(f"--eval-prompts {said}" if said.startswith(str(path)) else said) from None

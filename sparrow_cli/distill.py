@@ -17,6 +17,7 @@ from .data_options import (
     max_prompt_length_option,
     prompt_column_option,
     prompt_length,
+    read_eval_prompts,
     truncation_option,
 )
 from .errors import UsageError, friendly_errors
@@ -141,7 +142,9 @@ def read_prompt_sets(prompts: Path | None, eval_prompts: Path | None, samples: i
     from sparrow.stages.core.user_data import DataOptions
 
     data = DataOptions(prompt_length=length, prompt_column=prompt_column)
-    sets = {path: PromptSet.read(path, data) for path in (prompts, eval_prompts) if path is not None}
+    sets = {path: PromptSet.read(path, data) for path in (prompts,) if path is not None}
+    if eval_prompts is not None:
+        sets[eval_prompts] = read_eval_prompts(eval_prompts, data)
     if sets:
         lengths = [len(r.get("prompt_token_ids") or ()) for s in sets.values() for r in s.rows]
         which = " and ".join(flag for flag, path in (("--prompts", prompts), ("--eval-prompts", eval_prompts))

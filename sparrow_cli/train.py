@@ -19,6 +19,7 @@ from .data_options import (
     max_prompt_length_option,
     prompt_column_option,
     prompt_length,
+    read_eval_prompts,
     reward_fn_option,
     reward_kwargs_option,
     reward_option,
@@ -482,14 +483,13 @@ def _check_prompt_sets(rows: list[dict], prompts: Path, eval_prompts: Path | Non
     """Refuse more prompts per step than --prompts (`rows`) holds (a prompt would be several GRPO groups of
     one step, its samples' rows alike); returns the warning that --eval-prompts shares prompts with it, if
     so."""
-    from sparrow.stages.core.prompt_set import PromptSet
 
     if per_step > len(rows):
         raise UsageError(f"--prompts-per-step {per_step} is more than the {len(rows)} prompts of {prompts}; "
                          f"a step would roll out a prompt more than once, so give at most {len(rows)}")
     if eval_prompts is None:
         return None
-    held_out = PromptSet.read(eval_prompts, data).rows
+    held_out = read_eval_prompts(eval_prompts, data).rows
     seen = {_prompt_text(r) for r in rows}
     shared = sum(_prompt_text(r) in seen for r in held_out)
     if not shared:

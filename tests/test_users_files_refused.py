@@ -180,3 +180,14 @@ def test_resume_of_a_folder_without_a_checkpoint_says_to_drop_resume(tmp_path, n
                                  "--prompts-per-step", "2", "-o", str(run)])
     assert error_line(result) == (f"error: --resume: {run} holds no run to resume (none was checkpointed); "
                                   "drop --resume to start the run there")
+
+
+@pytest.mark.parametrize("command", ["train", "distill"])
+def test_a_bad_eval_prompts_file_names_the_flag(tmp_path, no_work, command):
+    prompts, junk = trl_text(tmp_path / "p.parquet"), tmp_path / "junk.parquet"
+    junk.write_text("junk")
+    flags = (["--reward", "math", "--prompts-per-step", "2"] if command == "train" else ["--budget", "64"])
+    result = runner.invoke(app, [command, "--prompts", str(prompts), "--eval-prompts", str(junk), *flags,
+                                 "-o", str(tmp_path / "out")])
+    assert error_line(result).startswith(f"error: --eval-prompts {junk} is not a Parquet file")
+    assert not (tmp_path / "out").exists()
