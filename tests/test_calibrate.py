@@ -611,3 +611,16 @@ def test_a_run_given_twice_counts_once(tmp_path):
     assert len(json.loads(artifact_metadata(out)["runs"])) == 1
     assert "given more than once (the same run directory); counted once" in r.stderr
     assert "0 of 1 runs collapsed" in r.stderr
+
+
+def test_a_nan_or_infinite_metric_labels_the_run_collapsed_and_a_null_does_not():
+    """A step without a measurement is a null; a NaN or an infinity is a diverged training."""
+    import pyarrow as pa
+
+    steps = list(range(1, 9))
+    steady = [0.5] * 8
+    assert collapse_reasons(pa.table({"step": steps, "reward_mean": steady[:3] + [None] + steady[4:]})) == []
+    nan = pa.table({"step": steps, "reward_mean": steady[:2] + [float("nan")] + steady[3:],
+                    "grad_norm": [1.0] * 7 + [float("inf")]})
+    assert collapse_reasons(nan) == ["grad_norm is inf at step 8 (training diverged)",
+                                     "reward_mean is nan at step 3 (training diverged)"]

@@ -1,7 +1,8 @@
 """Collapse detectors: what training did to a run, read from its per-step metrics.
 
 A run is labelled by its dense held-out accuracy falling below its own start, its own reward falling
-from its best, an exploding gradient norm, an entropy blow-up, or a surge in truncation or repetition;
+from its best, an exploding gradient norm, an entropy blow-up, a surge in truncation or repetition, or a
+NaN or infinity in its loss, gradient norm, reward or entropy;
 a gap between the dense and the sparse sampler's reward that was there at step 0 is the sampler's, not
 training's (`InitialEval.sampler_gap`), and never a reason; the mismatch KL is a warning, never the label
 (`calibrate-threshold` fits the threshold to these labels, so a label made of mismatch would be circular).
@@ -44,7 +45,7 @@ def metric(metrics: pa.Table, name: str) -> np.ndarray | None:
     if name not in metrics.column_names:
         return None
     x = metrics.column(name).to_numpy(zero_copy_only=False).astype(float)
-    x = x[~np.isnan(x)]
+    x = x[np.isfinite(x)]  # nulls (steps without it) and what `_diverged` reports
     return x if len(x) else None
 
 
@@ -52,7 +53,7 @@ def collapse_reasons(metrics: pa.Table, det: Detectors = Detectors(), start_eval
                      ) -> list[str]:
     """Why a run collapsed ([] = stable). `start_eval`: the dense held-out accuracy before any update."""
     metrics = metrics.sort_by("step")
-    w, reasons = det.window, []
+    w, reasons = det.window, _diverged(metrics)
     if start_eval is not None and (e := metric(metrics, "eval_accuracy")) is not None:
         if e[-1] < start_eval - det.eval_margin:
             reasons.append(f"dense eval accuracy fell from {start_eval:.3f} at step 0 to {e[-1]:.3f} (more "
@@ -75,6 +76,26 @@ def collapse_reasons(metrics: pa.Table, det: Detectors = Detectors(), start_eval
         first, last = e[:w].mean(), smooth(e, w)[-1]
         if first > 0 and last > det.entropy_factor * first:
             reasons.append(f"entropy blew up from {first:.3g} to {last:.3g}")
+    return reasons
+
+
+WATCHED = ("loss", "grad_norm", "reward_mean", "entropy")  # a NaN or infinity in one: training diverged
+
+
+def _diverged(metrics: pa.Table) -> list[str]:
+    """A NaN or infinite value (not a null: a step without that measurement) in a WATCHED column."""
+    import pyarrow.compute as pc
+
+    reasons = []
+    for name in WATCHED:
+        if name not in metrics.column_names or not pa.types.is_floating(metrics.schema.field(name).type):
+            continue
+        column = metrics.column(name)
+        bad = pc.fill_null(pc.or_(pc.is_nan(column), pc.is_inf(column)), False).to_numpy(zero_copy_only=False)
+        if bad.any():
+            first = int(np.argmax(bad))
+            step = metrics.column("step")[first].as_py()
+            reasons.append(f"{name} is {column[first].as_py()} at step {step} (training diverged)")
     return reasons
 
 
