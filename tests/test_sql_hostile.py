@@ -124,3 +124,11 @@ def test_a_query_past_the_spill_limit_stops_with_one_sentence(tmp_path):
            "ORDER BY s)")
     with pytest.raises(QueryLimit, match=r"spilled more than its disk limit of 32 MiB"):
         run_query(tmp_path, sql, limits=Limits(memory=64 * 2**20, seconds=60, spill=32 * 2**20))
+
+
+def test_a_json_lines_file_beside_an_artifact_of_its_stem_is_named_by_its_suffix(tmp_path):
+    pq.write_table(pa.table({"a": [1]}), tmp_path / "metrics.parquet")
+    (tmp_path / "metrics.jsonl").write_text('{"a": 2}\n')
+    (tmp_path / "other.jsonl").write_text('{"a": 3}\n')
+    assert sorted(run_query(tmp_path, "SHOW TABLES").column("name").to_pylist()) == [
+        "metrics", "metrics_jsonl", "other"]

@@ -191,3 +191,4 @@ def test_a_bad_eval_prompts_file_names_the_flag(tmp_path, no_work, command):
                                  "-o", str(tmp_path / "out")])
     assert error_line(result).startswith(f"error: --eval-prompts {junk} is not a Parquet file")
     assert not (tmp_path / "out").exists()
+

@@ -179,9 +179,16 @@ def run_views(run_dir: str | Path, warn: Warn | None = None) -> list[View]:
             views.append(View(name, (s,), True, False, recorded[kind], kind))
     for name, sources in _plain_views(plain):
         views.append(View(_free(identifier(name), taken), tuple(sources), False))
-    views += [View(_free(identifier(p.stem), taken), (Source(root / p.name, p.name),), False, json_lines=True)
-              for p in _json_lines_files(run_dir, root, warn)]
+    views += [View(_free(_json_lines_name(p, taken), taken), (Source(root / p.name, p.name),), False,
+                   json_lines=True) for p in _json_lines_files(run_dir, root, warn)]
     return views
+
+
+def _json_lines_name(path: Path, taken: set[str]) -> str:
+    """A JSON lines file's view: its stem, or with its suffix where the stem names a view already (a
+    training run's metrics.jsonl beside its metrics artifact is `metrics_jsonl`)."""
+    stem = identifier(path.stem)
+    return identifier(path.name) if stem in taken else stem
 
 
 SHARD = re.compile(r"(?P<split>.+)-\d+-of-\d+\.parquet")  # the Hugging Face Hub's shard names
