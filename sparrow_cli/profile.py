@@ -287,6 +287,7 @@ def profile(
     if rollouts is not None:
         given = read_rollouts(rollouts, context=cfg.max_position_embeddings)
         warn_unmerged_learner(rollouts, lora)
+        warn_other_sampler(rollouts, model)
         opts.temperature = rollouts_temperature(rollouts, given.temperature, temperature)
         run.random_weights = random_weights and random_weights_of(model, RANDOM_WEIGHTS_NOTE)
         said = f"{rollouts} records no sampling temperature; alpha is measured at temperature 1 " \
@@ -308,8 +309,9 @@ def profile(
             hooks.speculation = counted.append
             table = profile_prompts(run, prompt_set, prompts, opts, not raw_prompts, hooks)
         warn_first_token_stops(sample_lengths(table, len(opts.budgets)), max_new_tokens, raw_prompts)
-    console.print(f"wrote {table.num_rows} rows ({table.num_rows // len(opts.budgets)} tokens x "
-                  f"{len(opts.budgets)} budgets) to {output}")
+    n = len(opts.budgets)
+    console.print(f"wrote {table.num_rows} rows ({table.num_rows // n} tokens x {n} budget{'s' * (n > 1)}) "
+                  f"to {output}")
     warn_unevicted(unevicted(table, opts), opts.kv_compression)
     if counted:
         console.print(speculation_line(counted[0], speculate), highlight=False)
@@ -416,6 +418,18 @@ def check_sparse_actor(adapter: Path | None) -> None:
                          "profile scores --adapter on the sparse side only, against the dense model without "
                          "it, so a trained learner's LoRA would count its own training as mismatch; to "
                          f"profile a learner, give it as --lora {adapter}, which merges it into both sides")
+
+
+def warn_other_sampler(rollouts: Path, model: str) -> None:
+    """Rollouts that another model sampled (their metadata's model) are scored as given, and said to be
+    off-policy for --model: its mismatch on another policy's tokens."""
+    from sparrow.schemas import artifact_metadata
+    from sparrow.stages.plan import model_shape, other_model
+
+    sampled_by = artifact_metadata(rollouts).get("model")
+    if other_model(sampled_by, model, model_shape(model)[1]):
+        warn(f"--rollouts {rollouts} were sampled by {sampled_by} (their metadata), not by --model {model}: "
+             f"the mismatch is measured on another policy's tokens, off-policy for {model}")
 
 
 def warn_unmerged_learner(rollouts: Path, lora: Path | None) -> None:

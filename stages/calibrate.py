@@ -282,7 +282,8 @@ def separation(stats: np.ndarray, draws: np.ndarray | None, collapsed: np.ndarra
                     f"{stats[~collapsed].min():.4f}")
         return Separation(what, None, None, None, None, None, why)
     identified = (float(stats[collapsed].max()), float(stats[~collapsed].min()))
-    note = f"{n_c} collapsed runs <= {identified[0]:.4f}, {n_s} stable runs >= {identified[1]:.4f}"
+    note = (f"{n_c} collapsed run{'s' * (n_c > 1)} <= {identified[0]:.4f}, {n_s} stable run{'s' * (n_s > 1)} "
+            f">= {identified[1]:.4f}")
     if draws is None:
         return Separation(what, point, identified, None, None, None, note + "; no profile to resample")
     boots = [b for d in draws if (b := boundary(d, collapsed)) is not None]

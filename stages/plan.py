@@ -351,7 +351,7 @@ class PlannedSchedule:
                 "cost": self.cost_source}
 
 
-def _other_model(recorded: object, model: str, name: str) -> bool:
+def other_model(recorded: object, model: str, name: str) -> bool:
     """Whether an artifact's recorded model names another model than --model (`model`, resolved to `name`);
     an artifact that records none is taken as the model's."""
     from .model.loading import model_name
@@ -364,7 +364,7 @@ def check_profile_model(profile: Path, model: str, name: str) -> None:
     """A schedule planned from one model's mismatch, labelled with another model, would be trusted for a
     model it says nothing about: refused (the CLI's --allow-model-mismatch skips this check)."""
     measured = artifact_metadata(profile).get("model")
-    if _other_model(measured, model, name):
+    if other_model(measured, model, name):
         raise ScheduleError(f"--profile {profile} was measured on {measured} (its metadata), not on --model "
                             f"{model}; plan with --model {measured}, or pass --allow-model-mismatch to plan "
                             f"for {model} from it")
@@ -376,7 +376,7 @@ def check_threshold_model(threshold_file: Path, resolved: ResolvedThreshold, mod
     model is (--allow-model-mismatch skips this check). The published prior (source `prior`) is no model's
     calibration, and an artifact that records no model is accepted as it is."""
     calibrated_on = artifact_metadata(threshold_file).get("model")
-    if resolved.origin.startswith("calibrated") and _other_model(calibrated_on, model, name):
+    if resolved.origin.startswith("calibrated") and other_model(calibrated_on, model, name):
         raise ScheduleError(f"--threshold-file {input_name(threshold_file)} was calibrated on "
                             f"{calibrated_on} (its metadata), not on --model {model}; calibrate it from a "
                             f"profile of {model}, or pass --allow-model-mismatch to plan for {model} with it")

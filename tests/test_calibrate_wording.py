@@ -46,7 +46,7 @@ def test_a_separating_statistic_with_draws_nests_no_parentheses():
     lo, hi = np.quantile([0.3, 0.4, 0.2], [0.025, 0.975])
     assert line == (f"tails: boundary 0.4000, identified set [0.3000, 0.5000], 95% interval "
                     f"{lo:.4f}-{hi:.4f} over the bootstrap draws in which the runs separate, 75% of "
-                    "them; 1 collapsed runs <= 0.3000, 1 stable runs >= 0.5000; 4 bootstrap draws from "
+                    "them; 1 collapsed run <= 0.3000, 1 stable run >= 0.5000; 4 bootstrap draws from "
                     "seed 7 over the profile's prompts and their tokens")
     assert not nested(line)
 

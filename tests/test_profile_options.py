@@ -302,3 +302,18 @@ def test_rollouts_of_a_learner_profiled_without_it_are_warned_about(tiny, prompt
     assert f"were sampled with the learner's LoRA {learner}" in said and f"give --lora {learner}" in said
     assert "learner's LoRA" not in profile(by["learner"], "--lora", str(learner))
     assert "learner's LoRA" not in profile(by["actor"])
+
+
+def test_rollouts_of_another_model_are_warned_about(tiny, prompts, tmp_path):
+    """Their metadata names the model that sampled them; scored on --model, they are its mismatch on
+    another policy's tokens. Rollouts of --model (a path to it or its name) draw no warning."""
+    rollouts = tmp_path / "r.parquet"
+    r = _rollout(tiny, prompts, rollouts, "--samples", "1", "--max-new-tokens", "2")
+    assert r.exit_code == 0, r.output
+    for model, warned in (("tiny-llama", True), (str(tiny), False)):
+        r = runner.invoke(app, ["profile", "--model", model, "--rollouts", str(rollouts), "--budgets", "48",
+                                "-o", str(tmp_path / "m.parquet"), "--force"])
+        said = " ".join(r.stderr.split())
+        assert r.exit_code == 0, r.output
+        assert (f"--rollouts {rollouts} were sampled by {tiny} (their metadata), not by --model tiny-llama: "
+                "the mismatch is measured on another policy's tokens" in said) == warned, said
