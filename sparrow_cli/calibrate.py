@@ -95,6 +95,7 @@ def calibrate_threshold(
         Detectors,
         ProfileTokens,
         calibrate,
+        check_run_models,
         few_prompts_warning,
         label_runs,
         margin_sensitivity,
@@ -131,6 +132,7 @@ def calibrate_threshold(
     for path in repeated:
         note(f"{path} was given more than once (the same run directory); counted once")
     loaded = read_runs(runs)  # all validated before writing
+    check_run_models(loaded, artifact_metadata(profile).get("model"), input_name(profile))
     try:
         tokens = ProfileTokens.from_table(mismatch) if mismatch is not None else None
     except ValueError as e:

@@ -594,6 +594,25 @@ def read_runs(run_dirs: list[Path]) -> list[LoadedRun]:
     return loaded
 
 
+def check_run_models(loaded: list[LoadedRun], profiled: object, profile: str = "the profile") -> None:
+    """Every run trained the model the profile measured (its config's model against the profile's
+    metadata, by name: a preset's, or a checkpoint's folder or file name, since a run records the path it
+    was given, relative or not): a run of another model scored on this profile's tails would be labelled
+    against a mismatch it never had. A run or a profile that records no model is taken as the other's
+    (ArtifactError)."""
+    from sparrow.schemas import ArtifactError
+
+    from .model.loading import short_name
+
+    if not profiled:
+        return
+    for run in loaded:
+        trained = run.config.get("model")
+        if trained and short_name(str(trained)).lower() != short_name(str(profiled)).lower():
+            raise ArtifactError(f"{run.name} trained {trained} (its metrics' config), but {profile} was "
+                                f"measured on {profiled}; give runs and a profile of one model")
+
+
 @dataclass
 class Verdict:
     """What training did to a run: the reasons it collapsed ([] = stable), the dense run it was compared

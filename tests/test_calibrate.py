@@ -624,3 +624,20 @@ def test_a_nan_or_infinite_metric_labels_the_run_collapsed_and_a_null_does_not()
                     "grad_norm": [1.0] * 7 + [float("inf")]})
     assert collapse_reasons(nan) == ["grad_norm is inf at step 8 (training diverged)",
                                      "reward_mean is nan at step 3 (training diverged)"]
+
+
+def test_runs_of_another_model_than_the_profiles_are_refused():
+    """By name: a preset's, or a checkpoint's folder (a run records the path it was given)."""
+    from types import SimpleNamespace
+
+    from sparrow.schemas import ArtifactError
+    from sparrow.stages.calibrate import check_run_models
+
+    run = SimpleNamespace(name="runs/a", config={"model": "smollm2-135m"})
+    check_run_models([run], "smollm2-135m")
+    check_run_models([SimpleNamespace(name="r", config={"model": "ckpt/"})], "/data/ckpt")
+    check_run_models([SimpleNamespace(name="r", config={})], "tiny-llama")  # records none
+    with pytest.raises(ArtifactError) as e:
+        check_run_models([run], "tiny-llama", "p.parquet")
+    assert str(e.value) == ("runs/a trained smollm2-135m (its metrics' config), but p.parquet was measured "
+                            "on tiny-llama; give runs and a profile of one model")
