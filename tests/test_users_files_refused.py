@@ -192,3 +192,17 @@ def test_a_bad_eval_prompts_file_names_the_flag(tmp_path, no_work, command):
     assert error_line(result).startswith(f"error: --eval-prompts {junk} is not a Parquet file")
     assert not (tmp_path / "out").exists()
 
+
+
+def test_a_schedule_budget_beyond_the_models_context_is_refused_as_a_budget_is(tmp_path, no_work):
+    rows = [{"prompt_id": "p0", "task": "basic_arithmetic", "prompt": None,
+             "prompt_token_ids": list(range(5, 25)), "answer": "3", "metadata": None}]
+    prompts = write_artifact(rows, tmp_path / "p.parquet", "prompts")
+    schedule = write_artifact({"bin": [0], "bin_start": [0], "bin_end": [None], "budget": [99984],
+                               "tail": [None], "predicted_step_seconds": [None]}, tmp_path / "s.parquet",
+                              "schedule", {"page_size": 16})
+    result = runner.invoke(app, ["rollout", "--model", "tiny-llama", "--prompts", str(prompts), "--schedule",
+                                 str(schedule), "-o", str(tmp_path / "r.parquet")])
+    assert error_line(result) == (f"error: --schedule {schedule}: its budget 99984 exceeds the context of "
+                                  "tiny-llama (2048 tokens); a budget that covers the whole context is dense "
+                                  "attention")
