@@ -37,10 +37,10 @@ from .option_values import (
 from .options import (
     SAMPLE_SEED_HELP,
     capped_speculate,
+    check_budget_reach,
     check_gpu_memory,
     check_host_memory,
     check_sampling_memory,
-    check_speculative_budget,
     check_speculative_schedule,
     check_workers,
     code_rewards,
@@ -295,7 +295,7 @@ def rollout(
 
     with muted():  # what it left out or cut is said below, once every check has passed
         prompt_set.check_fits(cfg.vocab_size, cfg.max_position_embeddings, max_new_tokens)  # before weights
-    check_speculative_budget(budget, speculate, None if prompt_set.needs_tokenizer else
+    check_budget_reach(budget, speculate, None if prompt_set.needs_tokenizer else
                              [len(r.get("prompt_token_ids") or ()) for r in prompt_set.rows], max_new_tokens)
     total = len(prompt_set.rows) * samples
     hint = "roll out fewer samples per call, or fewer prompts (--max-prompts, or several prompt files)"

@@ -31,9 +31,9 @@ from .option_values import check_device, raw_prompts_option, warn_first_token_st
 from .options import (
     any_case,
     capped_speculate,
+    check_budget_reach,
     check_gpu_memory,
     check_sampling_memory,
-    check_speculative_budget,
     check_speculative_schedule,
     check_workers,
     code_rewards,
@@ -370,7 +370,7 @@ def train(
     if shapes is not None:
         _check_ranks(cfg, shapes.hidden_size)
         _check_step_memory(rows, cfg, shapes.vocab_size)
-    check_speculative_budget(budget, speculate, None if prompt_set.needs_tokenizer_for(model) else
+    check_budget_reach(budget, speculate, None if prompt_set.needs_tokenizer_for(model) else
                              [len(r["prompt_token_ids"]) for r in rows], max_new_tokens)
     inputs = TrainInputs(prompts, output_dir, policy, eval_prompts, data)
     try:

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from sparrow.cli.app import app
 from sparrow.schemas import artifact_kind, read_artifact, write_artifact
 
-from cli_checks import error_line
+from cli_checks import error_line, passed_the_checks
 from tiny_models import tiny_chat_llama, tiny_qwen3
 
 runner = CliRunner()
@@ -881,3 +881,17 @@ def test_sql_output_that_is_a_folder_is_named_as_every_command_names_it(tmp_path
     r = runner.invoke(app, ["sql", "SELECT 1", "--run", str(tmp_path), "-o", str(folder)])
     assert error_line(r) == (f"error: {folder} is a directory; give a file path such as "
                              f"{folder / 'out.parquet'}")
+
+
+def test_a_budget_that_covers_every_samples_cache_is_said_to_be_dense(tmp_path, no_work):
+    """Block top-k keeps every page of a cache no longer than its budget: the run is dense attention, which
+    a note says before the model loads; a budget below the longest cache says nothing."""
+    prompts = token_prompts(tmp_path / "p.parquet", lengths=[20, 100])
+    for budget, said in ((128, True), (96, False)):
+        result = runner.invoke(app, ["rollout", "--model", "tiny-llama", "--prompts", str(prompts),
+                                     "--budget", str(budget), "--max-new-tokens", "4", "-o",
+                                     str(tmp_path / "r.parquet")])
+        assert passed_the_checks(result)
+        assert (f"note: --budget {budget} covers every sample's cache (the longest prompt, 100 tokens, with "
+                "--max-new-tokens 4 reaches at most 103 tokens), so block top-k keeps every page: this run's "
+                "attention is dense" in " ".join(result.stderr.split())) == said
