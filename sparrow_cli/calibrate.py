@@ -16,6 +16,7 @@ from .messages import fail, note, warn
 from .options import finite, given_path, output_path
 from .output import emit, format_option, resolve_format
 from .paths import check_output, force_option, input_path, output_help
+from .progress import counting
 
 MAX_BOOTSTRAP = 100_000  # draws; each holds a statistic per run, and the intervals' ends have long settled
 
@@ -142,8 +143,9 @@ def calibrate_threshold(
     few = few_prompts_warning(tokens, input_name(profile)) if results else None
     if few:
         warn(few)
-    with stage_errors():  # no threshold to write: the prior stands in at the 0.05 quantile only
-        cal = calibrate(results, quantile, bootstrap, seed, model=model, tokens=tokens)
+    with stage_errors(), counting("bootstrap (draws of the profile's prompts)") as progress:
+        # no threshold to write: the prior stands in at the 0.05 quantile only
+        cal = calibrate(results, quantile, bootstrap, seed, model=model, tokens=tokens, progress=progress)
     sensitivity = margin_sensitivity(loaded, results, det) if results else []
     per_run = [{"run": str(Path(r.name).absolute()), "tail": r.tail, "mean": r.mean, "kv_read": r.kv_read,
                 "collapsed": r.collapsed,

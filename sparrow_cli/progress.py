@@ -11,9 +11,17 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
-from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    SpinnerColumn,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 
 from .console import console
 
@@ -120,6 +128,20 @@ def _left(elapsed: float, done: int, total: int) -> str:
         return ""
     left = elapsed * (total - done) / done
     return f", about {left:.0f} s left" if left < 120 else f", about {left / 60:.0f} min left"
+
+
+@contextlib.contextmanager
+def counting(what: str) -> Iterator[Callable[[int, int], None]]:
+    """A (done, total) callback for the length of the block: a bar with the time left on a terminal,
+    LogProgress's lines in a log."""
+    with Progress(TextColumn(what), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(), console=console,
+                  transient=True, disable=not live_progress()) as bar:
+        task, log = bar.add_task(what, total=None), LogProgress(what)
+
+        def update(done: int, total: int) -> None:
+            bar.update(task, completed=done, total=total)
+            log(done, total)
+        yield update
 
 
 def say_loading(model: str, device: str) -> None:

@@ -20,6 +20,7 @@ confidence interval, so a prior's `lower` and `upper` are null and the range is 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import ClassVar
@@ -437,9 +438,11 @@ def fallback(model: str | None, quantile: float, why: str, runs: list[RunResult]
 
 
 def bootstrap_statistics(runs: list[RunResult], tokens: ProfileTokens, quantile: float, n_boot: int,
-                         seed: int) -> dict[str, np.ndarray]:
+                         seed: int, progress: Callable[[int, int], None] | None = None
+                         ) -> dict[str, np.ndarray]:
     """[n_boot, runs] of each statistic (tail, mean, kv_read) over draws of the profile's prompts and
-    their tokens (ProfileTokens.resample); runs that share a schedule share their values."""
+    their tokens (ProfileTokens.resample); runs that share a schedule share their values. `progress`
+    hears (draws done, n_boot)."""
     per_schedule: dict[Schedule, tuple[np.ndarray, np.ndarray]] = {}
     for r in runs:
         if r.schedule not in per_schedule:
@@ -453,11 +456,14 @@ def bootstrap_statistics(runs: list[RunResult], tokens: ProfileTokens, quantile:
                   for s, (a, kv) in per_schedule.items()}
         for j, r in enumerate(runs):
             out["tail"][i, j], out["mean"][i, j], out["kv_read"][i, j] = values[r.schedule]
+        if progress is not None:
+            progress(i + 1, n_boot)
     return out
 
 
 def calibrate(runs: list[RunResult], quantile: float = TAIL_QUANTILE, n_boot: int = 2000,
-              seed: int = 0, model: str | None = None, tokens: ProfileTokens | None = None) -> Calibration:
+              seed: int = 0, model: str | None = None, tokens: ProfileTokens | None = None,
+              progress: Callable[[int, int], None] | None = None) -> Calibration:
     """The threshold from the runs' tails, with the identified set and a bootstrap interval over the
     profile's prompts (`tokens`; none without it), and the same boundary on the mean of alpha and on
     the share of the KV read, so that one sees which of them separates stable from collapsed runs. A
@@ -466,7 +472,7 @@ def calibrate(runs: list[RunResult], quantile: float = TAIL_QUANTILE, n_boot: in
     if not runs:
         return fallback(model, quantile, "no runs given", [])
     collapsed = np.array([r.collapsed for r in runs])
-    draws = (bootstrap_statistics(runs, tokens, quantile, n_boot, seed)
+    draws = (bootstrap_statistics(runs, tokens, quantile, n_boot, seed, progress)
              if tokens is not None and n_boot > 0 and all(r.schedule is not None for r in runs) else None)
     seps = [separation(np.array([getattr(r, key) for r in runs]), None if draws is None else draws[key],
                        collapsed, what, seed)
