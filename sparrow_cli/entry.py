@@ -57,7 +57,8 @@ def main() -> None:
 def _watch_lingering_threads(code: object, linger: float = LINGER_SECONDS) -> None:
     """Where threads other than daemons outlive the command, a daemon that ends the process with `code`
     after `linger` seconds, naming the first thread still running (module docstring). Ctrl-C and SIGTERM
-    meanwhile end it at once: the command is over."""
+    meanwhile end it at once with the command's status: the command is over, and a scheduler that stops
+    a finished job must not count it failed."""
     import threading
 
     def left() -> list[threading.Thread]:
@@ -68,10 +69,10 @@ def _watch_lingering_threads(code: object, linger: float = LINGER_SECONDS) -> No
         return
     import signal
 
+    status = 0 if code is None else code if isinstance(code, int) else 1
     for signum in (signal.SIGINT, signal.SIGTERM):
         if signal.getsignal(signum) is not signal.SIG_IGN:
-            signal.signal(signum, signal.SIG_DFL)
-    status = 0 if code is None else code if isinstance(code, int) else 1
+            signal.signal(signum, lambda *_: os._exit(status))
 
     def watch() -> None:
         import time

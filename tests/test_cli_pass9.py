@@ -234,6 +234,17 @@ def test_a_thread_left_running_by_the_command_does_not_keep_the_process_alive():
     assert done.returncode == 0 and done.stderr == ""  # a thread that ends in time: Python's own exit
 
 
+def test_sigterm_after_the_command_ended_exits_with_the_commands_status():
+    """A scheduler that stops a finished job while a thread lingers gets the command's status, not 143."""
+    code = ("import os, signal, threading, time; from sparrow.cli.entry import _watch_lingering_threads; "
+            "threading.Thread(target=time.sleep, args=(600,), name='stuck').start(); "
+            "_watch_lingering_threads(0, linger=60); "
+            "threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGTERM)).start()")
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and time.monotonic() - start < 30 and done.stderr == ""
+
+
 def test_ctrl_c_while_torch_imports_is_delivered_once_the_import_is_done():
     """torch's import runs C++ that calls back into Python; a KeyboardInterrupt raised there ends the
     process in std::terminate (exit 134, a core dump). Held back, it arrives once torch has imported, as
