@@ -670,7 +670,7 @@ def _read_parts(parts: list[Path], rows: Sequence[dict], samples: int, scorer: d
     """The parts and unscored files of an earlier run, each checked: a rollouts artifact whose rows are the
     samples of the prompts its metadata names, each prompt in one file only. A part that its metadata says
     another reward than `scorer` scored is read as unscored (`rescored`): the resume scores it again."""
-    chunks, seen = [], set()
+    chunks, seen = [], {}  # prompt row -> the file that holds it
     for part in parts:
         try:
             table = read_artifact(part, "rollouts")
@@ -682,15 +682,19 @@ def _read_parts(parts: list[Path], rows: Sequence[dict], samples: int, scorer: d
         if not isinstance(indices, list) or not all(isinstance(i, int) for i in indices):
             raise JournalRefused(f"{part} has no prompt_rows in its metadata, so it is not a part of a "
                                  "rollout journal; remove it, or pass --force to start over")
+        if (again := next((i for i in indices if i in seen), None)) is not None:
+            raise JournalRefused(f"{part} holds prompt row {again} of --prompts, which {seen[again].name} "
+                                 "holds already (a copied part?); remove one of them to resume, or pass "
+                                 "--force to start over")
         ids = table.column("prompt_id").to_pylist()
         expected = [rows[i]["prompt_id"] for i in indices if 0 <= i < len(rows) for _ in range(samples)]
         sample = table.column("sample").to_pylist()
-        if (seen & set(indices) or len(indices) != len(set(indices)) or ids != expected
-                or sample != list(range(samples)) * len(indices)):
+        whole = sample == list(range(samples)) * len(indices)
+        if len(indices) != len(set(indices)) or ids != expected or not whole:
             raise JournalRefused(f"{part} does not hold the {samples} samples of each of the prompts it "
                                  "names (rows of --prompts), each once; remove it to resume without it, or "
                                  "pass --force to start over")
-        seen.update(indices)
+        seen.update(dict.fromkeys(indices, part))
         stats = meta.get("engine_stats")
         scored = JOURNAL_PART.fullmatch(part.name) is not None
         other = scored and any(k in meta and meta[k] != v for k, v in scorer.items())

@@ -246,6 +246,18 @@ def test_a_part_that_does_not_read_is_refused_by_name_and_temporaries_are_ignore
     assert r.exit_code == 0 and "2 of 6 prompts done" in r.stderr, r.output
 
 
+def test_a_copied_part_is_refused_naming_the_part_that_holds_its_prompts(tiny, journal, tmp_path):
+    import shutil
+
+    out = tmp_path / "r.parquet"
+    folder = _copy(journal, out)
+    shutil.copy(folder / "part-00000.parquet", folder / "part-00009.parquet")
+    line = error_line(runner.invoke(app, _args(tiny, out, None, "--resume")))
+    assert line == (f"error: {folder / 'part-00009.parquet'} holds prompt row 0 of --prompts, which "
+                    "part-00000.parquet holds already (a copied part?); remove one of them to resume, or "
+                    "pass --force to start over")
+
+
 def test_a_journal_without_resume_is_refused_and_force_starts_over(tiny, journal, reference, tmp_path):
     out = tmp_path / "r.parquet"
     folder = _copy(journal, out)
