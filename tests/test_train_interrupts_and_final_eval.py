@@ -104,7 +104,8 @@ def test_sigterm_to_a_background_job_waits_for_the_step_and_leaves_its_checkpoin
 
 def test_an_interrupt_during_a_step_eval_stops_it_at_once(setup, tmp_path, monkeypatch, python_sigint):
     """A real SIGINT as step 1's eval starts: the eval does not run on (before, the interrupt waited for
-    every eval pass), step 1 is logged and checkpointed without its eval numbers, and --resume goes on."""
+    every eval pass), step 1 is logged and checkpointed without its eval numbers, and --resume runs that
+    eval first (step 1's weights are the checkpoint's: the numbers of a run never stopped) and goes on."""
     evaluate = Trainer.evaluate
     finished: list[int] = []
 
@@ -127,9 +128,12 @@ def test_an_interrupt_during_a_step_eval_stops_it_at_once(setup, tmp_path, monke
     assert row["step"] == 1 and row["eval_accuracy"] is None and row["eval_accuracy_sparse"] is None
     r = runner.invoke(app, setup["args"](run, "--eval-every", "1", "--resume"))
     assert r.exit_code == 0, r.output
-    last = rows(run)[-1]
-    assert last["step"] == 2
-    assert last["eval_accuracy"] is not None and last["eval_accuracy_sparse"] is not None
+    straight = tmp_path / "straight"
+    assert runner.invoke(app, setup["args"](straight, "--eval-every", "1")).exit_code == 0
+    names = ("step", "eval_accuracy", "eval_accuracy_sparse", "sampler_gap")
+    expected = [{k: row[k] for k in names} for row in rows(straight)]
+    assert [{k: row[k] for k in names} for row in rows(run)] == expected
+    assert all(row["eval_accuracy"] is not None for row in expected)
 
 
 # ---------------------------------------------------------------- a resume that ends at the steps done

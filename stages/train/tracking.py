@@ -4,7 +4,7 @@ none) beside RUN/metrics.parquet, which stays the source of truth (docs/training
 A resumed run hands each tracker the rows of the steps its checkpoint holds (`history`): a tracker that
 lacks some of them (a step whose line an interrupt cut off, or a run started with another --report-to)
 gets them before the new steps, so every tracker ends with every step of metrics.parquet. A final eval
-that runs after the last step was logged (`Trainer._final_eval`) logs that step's row again, with the
+that runs after the last step was logged (`Trainer._missing_eval`) logs that step's row again, with the
 eval: the jsonl replaces the step's line, tensorboard and wandb add its scalars at that step.
 
 Step 0 is the initial eval (`initial_eval_row`), logged as TRL's `eval_on_start` logs its eval: under the

@@ -165,11 +165,12 @@ class Trainer:
         is finished by a resume with the same --steps."""
         try:
             self._start()
+            self._missing_eval()  # a resume of a run stopped during its last step's eval
             while self.step < self.cfg.steps:
                 self.train_step()
                 if self.step % self.cfg.checkpoint_every == 0 or self.step == self.cfg.steps:
                     self._save_checkpoint()
-            self._final_eval()
+            self._missing_eval()
             summary = self._finish()
         except KeyboardInterrupt:
             self._interrupted()
@@ -344,7 +345,7 @@ class Trainer:
         self.step = global_step(exp)
         row = metrics_row(self.run_dir.name, exp, update, t_update, cfg, self.loss_cfg,
                           self.rollouts.sync_seconds)
-        last = self.step == cfg.steps  # the final eval is never left blank (else `_final_eval` runs it)
+        last = self.step == cfg.steps  # the final eval is never left blank (else `_missing_eval` runs it)
         if self.eval_prompts and self.world.main and (self.step % cfg.eval_every == 0 or last):
             try:
                 with deferral.allowed():
@@ -369,14 +370,17 @@ class Trainer:
             out["sampler_gap"] = out["eval_accuracy"] - out["eval_accuracy_sparse"]
         return out
 
-    def _final_eval(self) -> None:
-        """The last step's eval when its row has none (a resume whose --steps ends at the steps done, or a
-        run interrupted during that eval), into the metrics, the checkpoint and the trackers (the step's
-        row again, with its eval) before the summary."""
+    def _missing_eval(self) -> None:
+        """The eval of the last logged step when it was due (every --eval-every steps, and the last) and its
+        row has none: a run interrupted during that eval, resumed, or a resume whose --steps ends at the
+        steps done. The checkpoint holds that step's weights, so the numbers are an uninterrupted run's;
+        they go into the metrics, the checkpoint and the trackers (the step's row again, with its eval)."""
         h = self.history
         if not (self.eval_prompts and self.world.main and h) or h[-1].get("eval_accuracy") is not None:
             return
-        self.on_phase("final eval")
+        if self.step % self.cfg.eval_every and self.step != self.cfg.steps:
+            return
+        self.on_phase("eval" if self.step < self.cfg.steps else "final eval")
         h[-1].update(self._step_eval())
         h[-1]["collapse"] = collapse(h, self.initial_eval)
         with interrupts_deferred():
