@@ -24,7 +24,7 @@ from .options import (
 )
 from .output import emit, format_option, resolve_format
 from .paths import check_output, force_option, output_help
-from .progress import LogProgress, live_progress
+from .progress import LogProgress, live_progress, say_loading
 
 MEASURED_GRID = ("1,4", "1024,2048,4096", "dense,256,512")
 ANALYTIC_GRID = ("1,16,64", "2048,8192,16384,32768", "dense,512,2048,4096")
@@ -218,6 +218,7 @@ def measure(model: str, device: str, grid, seed: int, threads: int | None = None
         raise UsageError("--device cuda was asked for but torch sees no CUDA device")
     if threads is not None:
         torch.set_num_threads(threads)
+    say_loading(f"{model} (its shapes, random weights)", device)
     loaded = load_model(model, device=device, dtype=resolve_dtype(dtype, device), random_weights=True,
                         seed=seed)
     weights = str(loaded.model.embed_tokens.weight.dtype).removeprefix("torch.")

@@ -47,6 +47,10 @@ def parse_thresholds(text: str) -> list[float]:
         raise UsageError(f"--sweep expects comma-separated thresholds, got {text!r}") from None
     if not values:
         raise UsageError("--sweep is empty; it takes comma-separated thresholds (for example 0.5,0.6,0.7)")
+    repeated = sorted({v for v in values if values.count(v) > 1})
+    if repeated:
+        raise UsageError(f"--sweep lists {', '.join(f'{v:g}' for v in repeated)} more than once; give each "
+                         "threshold once")
     return values
 
 

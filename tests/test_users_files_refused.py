@@ -206,3 +206,15 @@ def test_a_schedule_budget_beyond_the_models_context_is_refused_as_a_budget_is(t
     assert error_line(result) == (f"error: --schedule {schedule}: its budget 99984 exceeds the context of "
                                   "tiny-llama (2048 tokens); a budget that covers the whole context is dense "
                                   "attention")
+
+
+def test_a_threshold_listed_twice_in_sweep_is_refused_as_fit_costs_grid_is():
+    result = runner.invoke(app, ["plan-schedule", "--model", "qwen3-4b", "--sweep", "0.3,0.3,0.5"])
+    assert error_line(result) == "error: --sweep lists 0.3 more than once; give each threshold once"
+
+
+def test_plan_schedules_range_errors_name_their_flag():
+    result = runner.invoke(app, ["plan-schedule", "--model", "qwen3-4b", "--threshold", "1.5"])
+    assert error_line(result) == "error: --threshold: the threshold must be in (0, 1), got 1.5"
+    result = runner.invoke(app, ["plan-schedule", "--model", "qwen3-4b", "--quantile", "0"])
+    assert error_line(result) == "error: --quantile: the tail quantile must be in (0, 1), got 0"
