@@ -45,6 +45,7 @@ Design decisions (one rule for every command that writes):
 from __future__ import annotations
 
 import atexit
+import contextlib
 import errno
 import fcntl
 import hashlib
@@ -398,19 +399,23 @@ def _holds(folder: Path, path: str | os.PathLike) -> bool:
 
 LOCK_NAME = ".sparrow.lock"
 _HELD: dict[str, tuple[int, int, Path]] = {}  # realpath of what is held -> (its lock's descriptor, pid, path)
+_MADE: set[str] = set()  # held folders their holder made: removed when let go of empty
 
 
 class FolderBusy(ArtifactError):
     """A folder that another process holds (`hold_folder`)."""
 
 
-def hold_folder(folder: str | os.PathLike, writer: str, instead: str) -> None:
+def hold_folder(folder: str | os.PathLike, writer: str, instead: str, made: bool = False) -> None:
     """Hold the exclusive lock of `folder` (which must exist) for this process until `release_folder`;
     holding it already is a no-op. FolderBusy in one sentence when another process holds it: `writer`
     names what writes the folder ("sparrow train"), `instead` what else to choose ("another run directory
     (-o)"). A filesystem without locks (or a lock file that cannot be opened) leaves the folder
-    unlocked: the lock is advisory, and refusing every run there would be worse."""
+    unlocked: the lock is advisory, and refusing every run there would be worse. `made`: the caller made
+    the folder for this, so that one let go of empty (a run stopped while its model loaded) is removed."""
     key = os.path.realpath(folder)
+    if made:
+        _MADE.add(key)
     _hold(key, Path(key) / LOCK_NAME, writer, f"{folder} is being written by another {writer}{{holder}}, and "
           f"a second one would mix its files with that one's; wait for it to end, or choose {instead}")
 
@@ -467,6 +472,10 @@ def release_folder(folder: str | os.PathLike) -> None:
     except OSError:
         pass
     os.close(fd)
+    if key in _MADE:
+        _MADE.discard(key)
+        with contextlib.suppress(OSError):  # not empty: the writer wrote something, which stays
+            os.rmdir(key)
 
 
 @atexit.register

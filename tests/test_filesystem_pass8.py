@@ -365,3 +365,19 @@ def test_a_replaced_adapter_keeps_its_access_and_leaves_no_temporary_folder(tmp_
     assert stat.S_IMODE(folder.stat().st_mode) == 0o700
     assert stat.S_IMODE((folder / "adapter_model.safetensors").stat().st_mode) == 0o600
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter"]
+
+
+def test_a_run_directory_the_run_made_and_left_empty_is_removed_when_let_go(tmp_path):
+    """A run stopped while its model loaded leaves no empty folder (a --resume there would find no run);
+    one it wrote into, or one that was there before, stays."""
+    from sparrow.stages.train.run_dir import lock_run, release_run
+
+    made, written, there = tmp_path / "made", tmp_path / "written", tmp_path / "there"
+    there.mkdir()
+    for run in (made, written, there):
+        lock_run(run)
+    (written / "metrics.parquet").write_bytes(b"x")
+    for run in (made, written, there):
+        release_run(run)
+    assert not made.exists() and written.exists() and there.exists()
+    assert os.listdir(written) == ["metrics.parquet"] and os.listdir(there) == []

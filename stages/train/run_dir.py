@@ -250,14 +250,16 @@ def writes_run() -> bool:
 
 
 def lock_run(run_dir: Path) -> None:
-    """Hold the run directory (made when missing) for this process until `release_run`; ValueError in one
-    sentence when another process writes it."""
+    """Hold the run directory (made when missing, and then removed if it is let go of empty: a run stopped
+    while its model loaded) for this process until `release_run`; ValueError in one sentence when another
+    process writes it."""
+    made = not run_dir.exists()
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ValueError(f"{run_dir} cannot be created ({e.strerror or e}); choose another run "
                          "directory (-o)") from None
-    hold_folder(run_dir, WRITER, "another run directory (-o)")
+    hold_folder(run_dir, WRITER, "another run directory (-o)", made=made)
 
 
 def release_run(run_dir: Path) -> None:
