@@ -235,7 +235,7 @@ def _run(root: Path, name: str, sparsity: str, budgets: tuple) -> Path:
     trace = {"run_id": ["r"] * steps, "step": step, "reward_mean": 0.05 + 0.8 * step / (steps - 1),
              "grad_norm": np.ones(steps), "mismatch_kl": np.full(steps, 0.001),
              "entropy": np.full(steps, 0.5), "eval_accuracy": [0.6] + [None] * (steps - 2) + [0.6]}
-    config = {"model": "m", "lr": 2e-4, "seed": 0, "sparsity": sparsity, "correction": "tis",
+    config = {"model": "smollm2-135m", "lr": 2e-4, "seed": 0, "sparsity": sparsity, "correction": "tis",
               "prompts_sha256": "abc", "steps": steps}
     write_artifact(trace, root / name / "metrics.parquet", "metrics", metadata={"config": json.dumps(config)})
     write_artifact({"bin": [0, 1], "bin_start": [0, 1024], "bin_end": [1024, None], "budget": list(budgets),
