@@ -135,3 +135,18 @@ def test_a_log_line_whose_caller_says_the_time_left_says_it_once(monkeypatch):
     log = progress.LogProgress("rollouts (samples)", every=0, eta=False)
     log(1, 8, "45 tokens, 3.0 tok/s, at most 0:00:27 left")
     assert lines == ["rollouts (samples): 1/8, 45 tokens, 3.0 tok/s, at most 0:00:27 left (20 s)"]
+
+
+def test_a_resumed_rollouts_progress_says_which_samples_came_from_the_journal(monkeypatch):
+    """Its count includes the journal's samples, its tokens are this run's: the line says so."""
+    from rich.progress import Progress
+
+    from sparrow.cli import progress
+    from sparrow.cli.rollout import _Bars
+
+    lines: list[str] = []
+    monkeypatch.setattr(progress, "log_line", lines.append)
+    bars = _Bars(Progress(disable=True), "rollouts (samples)", 16, rate=True)
+    bars.skip(6)
+    bars.advance(0, 2)
+    assert lines == ["rollouts (samples): 6/16, 6 from the journal, 2 tokens (0 s)"]
