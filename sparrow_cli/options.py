@@ -470,10 +470,10 @@ def capped_speculate(speculate: int, max_new_tokens: int, say: Callable[[str], N
 
 
 def check_budget_reach(budget: int | None, speculate: int, prompt_lengths: list[int] | None,
-                       max_new_tokens: int) -> None:
+                       max_new_tokens: int, say: Callable[[str], None] = note) -> None:
     """--budget B where B covers every sample's cache (its longest prompt plus --max-new-tokens - 1
-    tokens, the most a token's attention reads): block top-k keeps every page, which a note says (the run
-    is dense attention, at a sparse step's cost). With --speculate K every draft would be the dense
+    tokens, the most a token's attention reads): block top-k keeps every page, which a note to `say` says
+    (the run is dense attention, at a sparse step's cost). With --speculate K every draft would be the dense
     model's own step, as a schedule dense in every bin, which is refused alike; where it covers some
     prompts' whole caches, a warning says so, as for a schedule's dense bins. `prompt_lengths` None (text
     prompts, tokenized later): not checked."""
@@ -482,9 +482,9 @@ def check_budget_reach(budget: int | None, speculate: int, prompt_lengths: list[
     longest = max(prompt_lengths) + max_new_tokens - 1
     if not speculate:
         if budget >= longest:
-            note(f"--budget {budget} covers every sample's cache (the longest prompt, {max(prompt_lengths)} "
-                 f"tokens, with --max-new-tokens {max_new_tokens} reaches at most {longest} tokens), so "
-                 "block top-k keeps every page: this run's attention is dense")
+            say(f"--budget {budget} covers every sample's cache (the longest prompt, {max(prompt_lengths)} "
+                f"tokens, with --max-new-tokens {max_new_tokens} reaches at most {longest} tokens), so "
+                "block top-k keeps every page: this run's attention is dense")
         return
     if budget >= longest:
         raise UsageError(f"--budget {budget} covers every sample's cache (the longest prompt, "

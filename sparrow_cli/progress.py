@@ -106,14 +106,17 @@ class LogProgress:
     """Progress of long work as whole lines where progress is not live (`live_progress`): the first update,
     then at most one line every `every` seconds, and the last one. A line past ETA_AFTER_SECONDS also says
     how long the rest takes at the rate so far, as the live bar's time-remaining column does, unless the
-    caller's `info` says it (`eta` False: a rollout's bound from its tokens)."""
+    caller's `info` says it (`eta` False: a rollout's bound from its tokens). With `after`, nothing before
+    that many seconds: work that is usually quick says nothing when it is."""
 
-    def __init__(self, what: str, every: float = 10.0, eta: bool = True):
-        self.what, self.every, self.last, self.eta = what, every, None, eta
+    def __init__(self, what: str, every: float = 10.0, eta: bool = True, after: float = 0.0):
+        self.what, self.every, self.last, self.eta, self.after = what, every, None, eta, after
         self.start = time.monotonic()
 
     def __call__(self, done: int, total: int, info: str = "") -> None:
         now = time.monotonic()
+        if now - self.start < self.after:
+            return
         if self.last is not None and done < total and now - self.last < self.every:
             return
         self.last = now
@@ -133,10 +136,10 @@ def _left(elapsed: float, done: int, total: int) -> str:
 @contextlib.contextmanager
 def counting(what: str) -> Iterator[Callable[[int, int], None]]:
     """A (done, total) callback for the length of the block: a bar with the time left on a terminal,
-    LogProgress's lines in a log."""
+    LogProgress's lines in a log once it has taken ETA_AFTER_SECONDS (quick work says nothing there)."""
     with Progress(TextColumn(what), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(), console=console,
                   transient=True, disable=not live_progress()) as bar:
-        task, log = bar.add_task(what, total=None), LogProgress(what)
+        task, log = bar.add_task(what, total=None), LogProgress(what, after=ETA_AFTER_SECONDS)
 
         def update(done: int, total: int) -> None:
             bar.update(task, completed=done, total=total)

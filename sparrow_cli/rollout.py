@@ -295,8 +295,9 @@ def rollout(
 
     with muted():  # what it left out or cut is said below, once every check has passed
         prompt_set.check_fits(cfg.vocab_size, cfg.max_position_embeddings, max_new_tokens)  # before weights
-    check_budget_reach(budget, speculate, None if prompt_set.needs_tokenizer else
-                             [len(r.get("prompt_token_ids") or ()) for r in prompt_set.rows], max_new_tokens)
+    lengths = (None if prompt_set.needs_tokenizer else
+               [len(r.get("prompt_token_ids") or ()) for r in prompt_set.rows])
+    check_budget_reach(budget, speculate, lengths, max_new_tokens, notes.append)
     total = len(prompt_set.rows) * samples
     hint = "roll out fewer samples per call, or fewer prompts (--max-prompts, or several prompt files)"
     check_host_memory(total, f"{total:,} samples (--samples {samples} for {len(prompt_set.rows)} prompts)",

@@ -371,7 +371,7 @@ def train(
         _check_ranks(cfg, shapes.hidden_size)
         _check_step_memory(rows, cfg, shapes.vocab_size)
     check_budget_reach(budget, speculate, None if prompt_set.needs_tokenizer_for(model) else
-                             [len(r["prompt_token_ids"]) for r in rows], max_new_tokens)
+                             [len(r["prompt_token_ids"]) for r in rows], max_new_tokens, notes.append)
     inputs = TrainInputs(prompts, output_dir, policy, eval_prompts, data)
     try:
         check_run_location(cfg, inputs, resume, force)
