@@ -218,3 +218,16 @@ def test_plan_schedules_range_errors_name_their_flag():
     assert error_line(result) == "error: --threshold: the threshold must be in (0, 1), got 1.5"
     result = runner.invoke(app, ["plan-schedule", "--model", "qwen3-4b", "--quantile", "0"])
     assert error_line(result) == "error: --quantile: the tail quantile must be in (0, 1), got 0"
+
+
+def test_a_reward_functions_unwritable_fields_name_the_function_as_given(tmp_path):
+    folder = tmp_path / "fn"
+    folder.mkdir()
+    (folder / "selfref.py").write_text("def compute_score(data_source, solution_str, ground_truth, "
+                                       "extra_info=None):\n    d = {'score': 1.0}\n    d['me'] = d\n"
+                                       "    return d\n")
+    lines = jsonl(tmp_path / "c.jsonl", {"prompt_id": "p-0", "text": "5"})
+    spec = f"{folder}/selfref.py:compute_score"
+    line = error_line(reward(tmp_path, trl_text(tmp_path / "p.parquet"), lines, "--reward-fn", spec))
+    assert line.startswith(f"error: --reward-fn {spec} returned fields beside 'score' that cannot be JSON "
+                           "(it holds itself: a circular reference) on row 0 (counting from 0) of p.parquet")

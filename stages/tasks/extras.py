@@ -95,11 +95,20 @@ def _key(key: Any) -> str:
     return str(key)
 
 
+# a user's function's task name -> its --reward-fn as given (`shown_as`): messages name the path typed
+GIVEN: dict[str, str] = {}
+
+
+def shown_as(task: str, spec: str) -> None:
+    """Messages about `task` (a user's function) name it as `--reward-fn spec`, the path as typed."""
+    GIVEN[task] = spec
+
+
 def _function(task: str) -> str:
-    """How a message names the reward: a user's function as `--reward-fn file.py:name` (its task name
-    is `reward-fn:file.py:name`)."""
+    """How a message names the reward: a user's function as `--reward-fn dir/file.py:name`, as given (its
+    task name is `reward-fn:file.py:name`)."""
     kind, sep, name = task.partition(":")
-    return f"--{kind} {name}" if sep and kind == "reward-fn" else f"the {task} reward"
+    return f"--{kind} {GIVEN.get(task, name)}" if sep and kind == "reward-fn" else f"the {task} reward"
 
 
 def _row(prompt_id: str, metadata: str | Mapping[str, Any] | None) -> str:

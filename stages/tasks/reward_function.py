@@ -81,7 +81,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from .base import COMPLETION_IDS, Judgement, RewardError, TaskError, row_of
-from .extras import column_value
+from .extras import column_value, shown_as
 from .rewards import REWARDS, cut, dataset_reward
 
 Item = tuple[str, "str | None", dict[str, Any]]  # (completion, answer, metadata)
@@ -108,6 +108,7 @@ def register_function(spec: str, kwargs: Mapping[str, Any] | None = None) -> str
         REWARDS[reward.task_name] = dataset_reward(reward.task_name, f"the user's function {spec}",
                                                    judge_many=reward.judge_many, clamp=False,
                                                    needs_answer=False, check_metadata=reward.check_row)
+        shown_as(reward.task_name, spec)
         _LOADED[key] = reward.task_name
     return _LOADED[key]
 
