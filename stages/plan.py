@@ -494,7 +494,7 @@ def _plan_speculation(req: PlanRequest, cost_model: CostModel, tails: TailProfil
 def _export_json(planned: PlannedSchedule, name: str) -> dict:
     """The json export of the schedule that -o writes: with --speculate the draft schedule (its K and
     speculative speedup beside it), so the two files never hold different plans; else the lossy plan."""
-    extra = planned.speedup_fields()
+    extra = {**planned.speedup_fields(), "source": profile_name(planned.plan.source)}  # as the schedule's
     spec = planned.speculative
     if spec is None:
         return export_json(planned.plan, name, extra)

@@ -245,3 +245,17 @@ def test_the_plan_says_which_alpha_priced_the_drafts(tmp_path):
         expected = 0.97 if priced_at == "alpha_draft" else 0.9
         priced = [row["mean_alpha"] for row in doc["speculative"] if row["mean_alpha"] is not None]
         assert priced and priced == [pytest.approx(expected)] * len(priced)
+
+
+def test_the_json_export_names_the_profile_as_the_schedule_records_it(tmp_path, monkeypatch):
+    """The path given, absolute, as the schedule's metadata `profile` holds it, whatever the working
+    directory; a reference profile by its name."""
+    _profile(tmp_path, [("p", range(236, 456), 0.99)])
+    monkeypatch.chdir(tmp_path)
+    r = _plan("--profile", "m.parquet", "--threshold", "0.5", "--min-tokens", "1", "--export", "json", "-o",
+              "s.parquet")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["source"] == str(tmp_path / "m.parquet")
+    assert artifact_metadata(tmp_path / "s.parquet")["profile"] == str(tmp_path / "m.parquet")
+    r = runner.invoke(app, ["plan-schedule", "--model", "qwen3-4b", "--export", "json"])
+    assert json.loads(r.stdout)["source"] == "reference:qwen3-4b"

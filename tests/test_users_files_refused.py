@@ -231,3 +231,4 @@ def test_a_reward_functions_unwritable_fields_name_the_function_as_given(tmp_pat
     line = error_line(reward(tmp_path, trl_text(tmp_path / "p.parquet"), lines, "--reward-fn", spec))
     assert line.startswith(f"error: --reward-fn {spec} returned fields beside 'score' that cannot be JSON "
                            "(it holds itself: a circular reference) on row 0 (counting from 0) of p.parquet")
+
