@@ -19,6 +19,8 @@ from sparrow.stages.cost import analytic
 from sparrow.stages.model.presets import get_preset
 from sparrow.stages.speculative_plan import format_speedup, mean_alpha, plan_speculation
 
+from cli_checks import error_line
+
 runner = CliRunner()
 WIDTH = 256
 COLUMNS = ("prompt_id", "sample", "position", "bin", "budget", "token_id", "alpha", "logp_dense",
@@ -259,3 +261,16 @@ def test_the_json_export_names_the_profile_as_the_schedule_records_it(tmp_path, 
     assert artifact_metadata(tmp_path / "s.parquet")["profile"] == str(tmp_path / "m.parquet")
     r = runner.invoke(app, ["plan-schedule", "--model", "qwen3-4b", "--export", "json"])
     assert json.loads(r.stdout)["source"] == "reference:qwen3-4b"
+
+
+def test_a_profile_with_rows_missing_at_one_budget_is_refused(tmp_path):
+    """Every token is scored at every budget: a file filtered on something besides the budget (here the
+    alpha of budget 48's rows) compares tails of different tokens, so it is refused naming the bin."""
+    rows = _rows([("p", range(236, 456), 0.9)])
+    keep = [i for i, (b, p) in enumerate(zip(rows["budget"], rows["position"])) if not (b == 48 and p < 246)]
+    cut = write_artifact({c: [rows[c][i] for i in keep] for c in COLUMNS}, tmp_path / "cut.parquet",
+                         "mismatch", metadata={"model": "smollm2-135m", "bin_width": WIDTH})
+    r = _plan("--profile", cut, "--threshold", "0.5", "--min-tokens", "1")
+    assert error_line(r) == (f"error: {cut}: bin 0 holds 20 tokens at budget 96 but 10 at budget 48, where a "
+                             "profile scores every token at every budget, so rows are missing (a filtered or "
+                             "truncated file?); profile again, or keep the same tokens at every budget")

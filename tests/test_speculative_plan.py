@@ -84,7 +84,7 @@ def test_cli_plans_drafts_that_rollout_reads(tmp_path):
 
     n = 200
     rng = np.random.default_rng(1)
-    pos = rng.integers(100, 500, n)
+    pos = np.repeat(rng.integers(100, 500, n // 2), 2)  # each token at both budgets
     zeros = [0.0] * n
     write_artifact({"prompt_id": ["p"] * n, "sample": [0] * n, "position": pos.tolist(),
                     "bin": (pos // 256).tolist(), "budget": [48, 96] * (n // 2), "token_id": [1] * n,
@@ -150,12 +150,13 @@ def test_bins_without_profiled_tokens_are_marked_thin_not_given_made_up_values(t
 
 
 def _profile(tmp_path, positions=(100, 500), alpha=(0.7, 1.0)):
-    """A smollm2-135m profile of one trajectory over `positions`, its alpha uniform in `alpha`."""
+    """A smollm2-135m profile of one trajectory over `positions`, its alpha uniform in `alpha`, each token
+    scored at both budgets."""
     from sparrow.schemas import write_artifact
 
     n = 200
     rng = np.random.default_rng(1)
-    pos = rng.integers(*positions, n)
+    pos = np.repeat(rng.integers(*positions, n // 2), 2)
     zeros = [0.0] * n
     return write_artifact(
         {"prompt_id": ["p"] * n, "sample": [0] * n, "position": pos.tolist(), "bin": (pos // 256).tolist(),

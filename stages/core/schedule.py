@@ -310,6 +310,7 @@ def measured_profile(mismatch, quantile: float, bin_width: int, num_bins: int, s
     if bad:
         raise ScheduleError(f"{source}: budget {bad[0]} is not a multiple of the page size {page_size} "
                             "of at least three pages")
+    _check_even(rows, source)
     last = max(r[0] for r in rows)
     if num_bins > last + 1:
         raise ScheduleError(
@@ -328,6 +329,22 @@ def measured_profile(mismatch, quantile: float, bin_width: int, num_bins: int, s
     return TailProfile(np.arange(num_bins) * bin_width, bin_width, measured, monotone, quantile,
                        source, page_size, thin, tokens, min_tokens=min_tokens,
                        measured=np.where(np.isnan(tails), monotone, tails))
+
+
+def _check_even(rows: list[tuple], source: str) -> None:
+    """A profile scores every token at every budget: a bin whose budgets hold different token counts has
+    lost rows (a file filtered by budget and something else, or cut short), and tails compared across its
+    budgets would be of different tokens. ScheduleError naming the bin and two budgets."""
+    counts: dict[int, dict[int, int]] = {}
+    for b, budget, count, _ in rows:
+        counts.setdefault(int(b), {})[int(budget)] = int(count)
+    for b, by_budget in sorted(counts.items()):
+        if len(set(by_budget.values())) > 1:
+            most, least = max(by_budget, key=by_budget.get), min(by_budget, key=by_budget.get)
+            raise ScheduleError(f"{source}: bin {b} holds {by_budget[most]} tokens at budget {most} but "
+                                f"{by_budget[least]} at budget {least}, where a profile scores every token "
+                                "at every budget, so rows are missing (a filtered or truncated file?); "
+                                "profile again, or keep the same tokens at every budget")
 
 
 def check_quantile(quantile: float) -> None:
