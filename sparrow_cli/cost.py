@@ -6,7 +6,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from .console import console
 from .errors import UsageError, friendly_errors, stage_errors
@@ -24,7 +23,7 @@ from .options import (
 )
 from .output import emit, format_option, resolve_format
 from .paths import check_output, force_option, output_help
-from .progress import LogProgress, live_progress, say_loading
+from .progress import counting, say_loading
 
 MEASURED_GRID = ("1,4", "1024,2048,4096", "dense,256,512")
 ANALYTIC_GRID = ("1,16,64", "2048,8192,16384,32768", "dense,512,2048,4096")
@@ -223,16 +222,7 @@ def measure(model: str, device: str, grid, seed: int, threads: int | None = None
                         seed=seed)
     weights = str(loaded.model.embed_tokens.weight.dtype).removeprefix("torch.")
     # the time left is the points' mean so far: later points (larger batches, longer contexts) take longer
-    with Progress(TextColumn("timing the engine's decode step (points)"), BarColumn(),
-                  MofNCompleteColumn(), TimeRemainingColumn(), console=console, transient=True,
-                  disable=not live_progress()) as bar:
-        task = bar.add_task("timing", total=len(grid.points()))
-        log = LogProgress("timing the engine's decode step (points)")
-
-        def on_point(done: int, total: int) -> None:
-            bar.update(task, completed=done)
-            log(done, total)
-
+    with counting("timing the engine's decode step (points)", after=0) as on_point:
         points = time_decode_steps(loaded, grid, device, seed, on_point, gpu_memory_utilization)
     verify = []
     if speculate:

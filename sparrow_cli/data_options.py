@@ -4,9 +4,16 @@ commands that read them; docs/datasets.md has the formats and conventions."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import TYPE_CHECKING
+
 import typer
 
 from .errors import UsageError
+
+if TYPE_CHECKING:  # the stages load when a command runs, not when the CLI starts
+    from sparrow.stages.core.prompt_set import PromptSet
+    from sparrow.stages.core.user_data import DataOptions
 
 
 def prompt_column_option():
@@ -136,7 +143,7 @@ def data_options(answer_column: str | None, reward: str | None, reward_fn: str |
     return options
 
 
-def read_eval_prompts(path, data=None):
+def read_eval_prompts(path: Path, data: DataOptions | None = None) -> PromptSet:
     """The --eval-prompts set, whose refusals name the flag (they name the file, as --prompts' do, and the
     two flags' files read alike)."""
     from sparrow.schemas import ArtifactError

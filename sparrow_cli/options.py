@@ -396,11 +396,9 @@ def block_topk_sparsity(schedule: Path | None, budget: int | None, dense: bool, 
         raise UsageError(str(e)) from None
     if budget is not None and cfg is not None:
         check_budgets([budget], cfg.max_position_embeddings, "--budget", model)
-    if schedule is not None and cfg is not None:
-        from sparrow.stages.core.schedule import Schedule
-
-        budgets = [b for b in Schedule.from_artifact(schedule).budgets if b]
-        check_budgets(budgets, cfg.max_position_embeddings, f"--schedule {schedule}: its budget", model)
+    if schedule is not None and cfg is not None:  # `sparsity` is the schedule read, its budgets checked
+        check_budgets([b for b in sparsity.budgets if b], cfg.max_position_embeddings,
+                      f"--schedule {schedule}: its budget", model)
     return sparsity
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import typer
 
+from sparrow.stages.core.definitions import TAIL_QUANTILE
 from sparrow.stages.core.published_schedules import REFERENCE_GEN_LEN
 from sparrow.stages.core.schedule import MIN_TOKENS
 from sparrow.stages.plan import export_text, profile_name
@@ -249,8 +250,6 @@ def _check_plan_inputs(req) -> None:
     defaulted to the model its inputs record (`recorded_model`)."""
     if req.threshold is not None and req.threshold_file is not None:
         raise UsageError("pass --threshold or --threshold-file, not both")
-    from sparrow.stages.core.definitions import TAIL_QUANTILE
-
     check_tail(TAIL_QUANTILE if req.quantile is None else req.quantile, req.threshold)
     req.model = req.model or recorded_model(req.profile, req.threshold_file)
 

@@ -134,12 +134,12 @@ def _left(elapsed: float, done: int, total: int) -> str:
 
 
 @contextlib.contextmanager
-def counting(what: str) -> Iterator[Callable[[int, int], None]]:
+def counting(what: str, after: float = ETA_AFTER_SECONDS) -> Iterator[Callable[[int, int], None]]:
     """A (done, total) callback for the length of the block: a bar with the time left on a terminal,
-    LogProgress's lines in a log once it has taken ETA_AFTER_SECONDS (quick work says nothing there)."""
+    LogProgress's lines in a log once it has taken `after` seconds (quick work says nothing there)."""
     with Progress(TextColumn(what), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(), console=console,
                   transient=True, disable=not live_progress()) as bar:
-        task, log = bar.add_task(what, total=None), LogProgress(what, after=ETA_AFTER_SECONDS)
+        task, log = bar.add_task(what, total=None), LogProgress(what, after=after)
 
         def update(done: int, total: int) -> None:
             bar.update(task, completed=done, total=total)

@@ -482,7 +482,8 @@ class _Bars:
                 self._show()
         info = ""
         if self.rate:  # this run's tokens: the samples kept from a journal were generated before
-            info = f"{self.skipped} from the journal, " * bool(self.skipped) + f"{self.tokens} tokens"
+            kept = f"{self.skipped} from the journal, " if self.skipped else ""
+            info = f"{kept}{self.tokens} tokens"
             if now > self.start and self.tokens > self.tokens_at_start:
                 per_s = (self.tokens - self.tokens_at_start) / (now - self.start)
                 info += f", {per_s:,.1f} tok/s" + self.time_left(per_s)

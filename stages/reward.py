@@ -183,10 +183,10 @@ def _json_lines(path: Path) -> pa.Table:
 
 
 def _check_token_ids(ids: list, where: str) -> None:
-    bad = next((v for v in ids if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < INT64), None)
-    if bad is not None or None in ids:
-        raise ArtifactError(f"{where}: 'completion_ids' holds {json.dumps(bad)}, expected token ids "
-                            "(integers from 0)")
+    for v in ids:
+        if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < INT64:
+            raise ArtifactError(f"{where}: 'completion_ids' holds {json.dumps(v)}, expected token ids "
+                                "(integers from 0)")
 
 
 def _json_line(line: str, path: Path, n: int) -> dict[str, Any] | None:
