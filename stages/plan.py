@@ -286,6 +286,12 @@ def load_profile(name: str, profile: Path | None, quantile: float, bin_width: in
     last = max(profiled, lengths.prompt_len + lengths.gen_len - 1)
     tails = measured_profile(rows(), quantile, width.width, last // width.width + 1, str(profile),
                              int(meta.get("page_size", PAGE_SIZE)), min_tokens)
+    beyond = int(tails.candidates.max())
+    if beyond > context:
+        raise ScheduleError(f"{profile} holds budget {beyond}, beyond the model's context of {context} "
+                            "tokens, which a rollout refuses (a budget that covers the whole context is "
+                            "dense attention); profile again with --budgets within the context, or drop its "
+                            "rows")
     return tails, lengths, rows, width
 
 
@@ -396,7 +402,6 @@ def plan_schedule(req: PlanRequest, output: Path | None = None, export_to: Path 
         check_threshold_model(req.threshold_file, resolved, req.model, name)
     cost_model = load_cost(req.cost, cfg) if req.cost is not None else analytic(cfg, req.hardware or "h100")
     measured = read_artifact(req.cost, "cost") if req.cost is not None else None
-    fitted = fitted_range(measured) if measured is not None else None
     tails, lengths, rows, width = load_profile(name, req.profile, resolved.quantile, req.bin_width,
                                                req.prompt_len, req.gen_len, req.min_tokens,
                                                cfg.max_position_embeddings)
@@ -415,24 +420,8 @@ def plan_schedule(req: PlanRequest, output: Path | None = None, export_to: Path 
                               sparse_s, cost_model.step_seconds(req.batch, mids, 0), frontier, None,
                               scope=scope, decode_speedup=cost_model.speedup(
                                   result.schedule.budgets_at, gen_len, req.batch, prompt_len))
-    said = extrapolation_warning(f"the cost model {req.cost}", fitted, req.batch,
-                                 np.arange(prompt_len + 1, prompt_len + gen_len))
-    planned.warnings += [said] if said else []
-    loose = underdetermined_warning(f"the cost model {req.cost}", measured, cost_model) if measured else None
-    planned.warnings += [loose] if loose else []
-    if not any(result.schedule.budgets) and any(plan(tails, threshold).schedule.budgets):
-        planned.warnings.append(f"the cost model prices every budget that reaches {threshold:g} above dense "
-                                f"decoding for {lengths.describe(req.batch)}, so the schedule is dense: "
-                                "roll out --dense, or plan for longer contexts (--gen-len)")
-    elif speedup < 1:
-        planned.warnings.append(f"the schedule is predicted slower than dense decoding "
-                                f"({format_speedup(speedup)} for {lengths.describe(req.batch)}): its "
-                                "budgets' steps cost more than dense ones at these lengths, so roll out "
-                                "--dense, or plan for longer contexts (--gen-len)")
-    if req.profile is not None and artifact_metadata(req.profile).get("random_weights"):
-        planned.warnings.append(f"--profile {req.profile} was measured with random weights (its "
-                                "metadata), so its mismatch is not the model's and the plan says nothing of "
-                                "its training")
+    planned.warnings += _cost_warnings(req.cost, measured, cost_model, req.batch, lengths)
+    planned.warnings += _plan_warnings(req, planned)
     if req.speculate:
         planned.speculative = _plan_speculation(req, cost_model, tails, lengths, scope, rows)
     if req.export == "json":
@@ -447,6 +436,37 @@ def plan_schedule(req: PlanRequest, output: Path | None = None, export_to: Path 
 
         write_bytes(export_to, (export_text(planned.exported, req.export) + "\n").encode())
     return planned
+
+
+def _cost_warnings(cost: Path | None, measured, cost_model: CostModel, batch: int, lengths: Lengths
+                   ) -> list[str]:
+    """A measured cost model's warnings: lengths beyond what it was fitted on, a fit the data leave loose."""
+    if measured is None:
+        return []
+    contexts = np.arange(lengths.prompt_len + 1, lengths.prompt_len + lengths.gen_len)
+    said = [extrapolation_warning(f"the cost model {cost}", fitted_range(measured), batch, contexts),
+            underdetermined_warning(f"the cost model {cost}", measured, cost_model)]
+    return [w for w in said if w]
+
+
+def _plan_warnings(req: PlanRequest, planned: PlannedSchedule) -> list[str]:
+    """What the user should hear of the plan itself: a schedule priced dense or slower than dense, and a
+    profile of random weights."""
+    result, lengths, threshold = planned.plan, planned.lengths, planned.plan.threshold
+    warnings = []
+    if not any(result.schedule.budgets) and any(result.plain_budgets):
+        warnings.append(f"the cost model prices every budget that reaches {threshold:g} above dense "
+                        f"decoding for {lengths.describe(req.batch)}, so the schedule is dense: "
+                        "roll out --dense, or plan for longer contexts (--gen-len)")
+    elif planned.speedup < 1:
+        warnings.append(f"the schedule is predicted slower than dense decoding "
+                        f"({format_speedup(planned.speedup)} for {lengths.describe(req.batch)}): its "
+                        "budgets' steps cost more than dense ones at these lengths, so roll out "
+                        "--dense, or plan for longer contexts (--gen-len)")
+    if req.profile is not None and artifact_metadata(req.profile).get("random_weights"):
+        warnings.append(f"--profile {req.profile} was measured with random weights (its metadata), so its "
+                        "mismatch is not the model's and the plan says nothing of its training")
+    return warnings
 
 
 def rollout_bin_cost(cost_model: CostModel, bin_starts: np.ndarray, batch: int, prompt_len: int,

@@ -1,7 +1,8 @@
 """plan-schedule on hand-made profiles of known token counts: an eviction profile whose bins are all
 thinner than --min-tokens is refused in the block top-k plan's sentence (neither plans from thin bins),
 a thin bin beside a trusted one is named in a note and left unjudged; and lengths beyond the model's
-context are refused naming where each came from (the profile's means, or the flags given)."""
+context are refused naming where each came from (the profile's means, or the flags given), and so is a
+budget beyond it (a rollout would refuse the schedule)."""
 
 from __future__ import annotations
 
@@ -28,12 +29,14 @@ def _row(position: int, budget: int, alpha: float) -> dict:
             "k1": 0.0, "k2": 0.0, "k3": 0.0, "entropy_dense": 1.0}
 
 
-def _profile(path: Path, eviction: bool, prompt: int = PROMPT, generated: int = GENERATED) -> dict:
-    """One trajectory scored at budgets 48 and 96: bin 0's alphas are 0.1 (a tail no threshold passes),
-    bin 1's 0.6-1.0 at 48 and 0.8-1.0 at 96 -> {budget: bin 1's alphas, as stored (float32)}."""
+def _profile(path: Path, eviction: bool, prompt: int = PROMPT, generated: int = GENERATED,
+             budgets: tuple[int, int] = (48, 96)) -> dict:
+    """One trajectory scored at budgets 48 and 96 (or `budgets`): bin 0's alphas are 0.1 (a tail no
+    threshold passes), bin 1's 0.6-1.0 at 48 and 0.8-1.0 at 96 -> {budget: bin 1's alphas, as stored
+    (float32)}."""
     rng = np.random.default_rng(0)
     rows, later = [], {}
-    for budget, low in ((48, 0.6), (96, 0.8)):
+    for budget, low in zip(budgets, (0.6, 0.8)):
         alphas = rng.uniform(low, 1.0, generated).astype(np.float32)
         alphas[[p // WIDTH == 0 for p in range(prompt, prompt + generated)]] = 0.1
         later[budget] = np.array([a for p, a in zip(range(prompt, prompt + generated), alphas)
@@ -103,3 +106,15 @@ def test_a_profile_longer_than_the_context_is_refused_naming_its_means(tmp_path)
                            "--gen-len 9000 exceeds the model's context of 8192")
     line = _error(_plan(path, "--min-tokens", "1", "--prompt-len", "100", "--gen-len", "9000"))
     assert line.startswith("error: --prompt-len 100 + --gen-len 9000 exceeds the model's context of 8192")
+
+
+def test_a_profiled_budget_beyond_the_context_is_refused_before_a_schedule_is_written(tmp_path):
+    """A hand-edited profile scored at 8,208 tokens, beyond smollm2-135m's 8,192: the plan would schedule
+    a budget that `sparrow rollout --schedule` refuses, so plan-schedule refuses the profile first."""
+    path = tmp_path / "edited.parquet"
+    _profile(path, eviction=False, budgets=(48, 8208))
+    r = _plan(path, "--min-tokens", "1", "--threshold", "0.99", "-o", str(tmp_path / "schedule.parquet"))
+    assert _error(r) == (f"error: {path} holds budget 8208, beyond the model's context of 8192 tokens, which "
+                         "a rollout refuses (a budget that covers the whole context is dense attention); "
+                         "profile again with --budgets within the context, or drop its rows")
+    assert not (tmp_path / "schedule.parquet").exists()

@@ -122,6 +122,7 @@ class Plan:
     quantile: float
     source: str
     notes: list[str] = field(default_factory=list)
+    plain_budgets: tuple[int, ...] = ()  # the smallest reaching budgets before a cost prices them (0: dense)
 
     @property
     def num_bins(self) -> int:
@@ -161,6 +162,7 @@ def plan(profile: TailProfile, threshold: float, bin_cost: BinCost | None = None
         budgets[i] = current
     trusted = int(np.argmin(thin))
     budgets[budgets < 0] = budgets[trusted]  # leading thin bins
+    plain = tuple(0 if b == DENSE else int(b) for b in budgets)
     if bin_cost is not None:
         cheapest = _cheapest(profile, feasible, thin, budgets, bin_cost)
         _note_costlier(notes, profile, budgets, cheapest, threshold)
@@ -184,7 +186,7 @@ def plan(profile: TailProfile, threshold: float, bin_cost: BinCost | None = None
                "although a smaller profiled budget's reaches it (a larger budget is taken as no worse)")
     schedule = Schedule(tuple(int(s) for s in profile.bin_starts),
                         tuple(0 if b == DENSE else int(b) for b in budgets), profile.page_size)
-    return Plan(schedule, profile.bin_width, tails, threshold, profile.quantile, profile.source, notes)
+    return Plan(schedule, profile.bin_width, tails, threshold, profile.quantile, profile.source, notes, plain)
 
 
 def _cheapest(profile: TailProfile, feasible: np.ndarray, thin: np.ndarray, plain: np.ndarray,
