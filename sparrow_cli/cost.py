@@ -119,7 +119,8 @@ def fit_cost(
         write_analytic,
         write_fitted,
     )
-    from sparrow.stages.model.loading import canonical_dtype, model_name, resolve_config
+    from sparrow.stages.model.loading import canonical_dtype, resolve_config
+    from sparrow.stages.model.names import model_name
 
     fmt = resolve_format(format)
     try:

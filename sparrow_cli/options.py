@@ -549,7 +549,7 @@ def random_weights_of(model: str, consequence: str) -> bool:
 
 def base_name(spec: str) -> str:
     """A model's name for comparison: a preset, or a checkpoint directory's (or a hub id's) last part."""
-    from sparrow.stages.model.loading import short_name
+    from sparrow.stages.model.names import short_name
 
     return short_name(spec.rstrip("/")).lower()
 

@@ -424,10 +424,10 @@ def warn_other_sampler(rollouts: Path, model: str) -> None:
     """Rollouts that another model sampled (their metadata's model) are scored as given, and said to be
     off-policy for --model: its mismatch on another policy's tokens."""
     from sparrow.schemas import artifact_metadata
-    from sparrow.stages.plan import model_shape, other_model
+    from sparrow.stages.model.names import same_model
 
     sampled_by = artifact_metadata(rollouts).get("model")
-    if other_model(sampled_by, model, model_shape(model)[1]):
+    if not same_model(sampled_by, model):
         warn(f"--rollouts {rollouts} were sampled by {sampled_by} (their metadata), not by --model {model}: "
              f"the mismatch is measured on another policy's tokens, off-policy for {model}")
 

@@ -142,7 +142,8 @@ def prompts(
     """Generate prompts with verifiable answers for a task, formatted with the model's chat template (or
     as a verl dataset, --layout verl)."""
     from sparrow.schemas import write_artifact
-    from sparrow.stages.model.loading import model_name, resolve_config
+    from sparrow.stages.model.loading import resolve_config
+    from sparrow.stages.model.names import model_name
     from sparrow.stages.tasks.tokenizers import load_model_tokenizer
 
     spec = get_task(task.lower())

@@ -608,13 +608,13 @@ def check_run_models(loaded: list[LoadedRun], profiled: object, profile: str = "
     (ArtifactError)."""
     from sparrow.schemas import ArtifactError
 
-    from .model.loading import short_name
+    from .model.names import same_model
 
     if not profiled:
         return
     for run in loaded:
         trained = run.config.get("model")
-        if trained and short_name(str(trained)).lower() != short_name(str(profiled)).lower():
+        if not same_model(trained, str(profiled)):
             raise ArtifactError(f"{run.name} trained {trained} (its metrics' config), but {profile} was "
                                 f"measured on {profiled}; give runs and a profile of one model")
 

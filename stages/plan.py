@@ -66,6 +66,7 @@ from .cost import (
     load_cost,
     underdetermined_warning,
 )
+from .model.names import model_name, same_model
 from .model.presets import PRESETS, get_preset
 from .speculative_plan import SpeculativePlan, format_speedup, mean_alpha, plan_speculation
 
@@ -74,7 +75,7 @@ def model_shape(spec: str):
     """(ModelConfig, name); presets resolve without importing torch, so planning starts fast."""
     if spec.lower() in PRESETS:
         return PRESETS[spec.lower()].config, spec.lower()
-    from .model.loading import model_name, resolve_config  # torch, only for a checkpoint
+    from .model.loading import resolve_config  # torch, only for a checkpoint
 
     return resolve_config(spec), model_name(spec)
 
@@ -357,32 +358,23 @@ class PlannedSchedule:
                 "cost": self.cost_source}
 
 
-def other_model(recorded: object, model: str, name: str) -> bool:
-    """Whether an artifact's recorded model names another model than --model (`model`, resolved to `name`);
-    an artifact that records none is taken as the model's."""
-    from .model.loading import model_name
-
-    base = model_name(str(recorded).rstrip("/")).lower() if recorded else None
-    return bool(base) and base not in (model_name(model.rstrip("/")).lower(), name.lower())
-
-
-def check_profile_model(profile: Path, model: str, name: str) -> None:
+def check_profile_model(profile: Path, model: str) -> None:
     """A schedule planned from one model's mismatch, labelled with another model, would be trusted for a
     model it says nothing about: refused (the CLI's --allow-model-mismatch skips this check)."""
     measured = artifact_metadata(profile).get("model")
-    if other_model(measured, model, name):
+    if not same_model(measured, model):
         raise ScheduleError(f"--profile {profile} was measured on {measured} (its metadata), not on --model "
                             f"{model}; plan with --model {measured}, or pass --allow-model-mismatch to plan "
                             f"for {model} from it")
 
 
-def check_threshold_model(threshold_file: Path, resolved: ResolvedThreshold, model: str, name: str) -> None:
+def check_threshold_model(threshold_file: Path, resolved: ResolvedThreshold, model: str) -> None:
     """A threshold calibrated on one model's runs says as little about another model as its profile does:
     a calibrated --threshold-file whose metadata names another model is refused as a --profile of another
     model is (--allow-model-mismatch skips this check). The published prior (source `prior`) is no model's
     calibration, and an artifact that records no model is accepted as it is."""
     calibrated_on = artifact_metadata(threshold_file).get("model")
-    if resolved.origin.startswith("calibrated") and other_model(calibrated_on, model, name):
+    if resolved.origin.startswith("calibrated") and not same_model(calibrated_on, model):
         raise ScheduleError(f"--threshold-file {input_name(threshold_file)} was calibrated on "
                             f"{calibrated_on} (its metadata), not on --model {model}; calibrate it from a "
                             f"profile of {model}, or pass --allow-model-mismatch to plan for {model} with it")
@@ -397,9 +389,9 @@ def plan_schedule(req: PlanRequest, output: Path | None = None, export_to: Path 
     for t in req.sweep:
         check_threshold(t)
     if req.profile is not None and not req.allow_model_mismatch:
-        check_profile_model(req.profile, req.model, name)
+        check_profile_model(req.profile, req.model)
     if req.threshold_file is not None and not req.allow_model_mismatch:
-        check_threshold_model(req.threshold_file, resolved, req.model, name)
+        check_threshold_model(req.threshold_file, resolved, req.model)
     cost_model = load_cost(req.cost, cfg) if req.cost is not None else analytic(cfg, req.hardware or "h100")
     measured = read_artifact(req.cost, "cost") if req.cost is not None else None
     tails, lengths, rows, width = load_profile(name, req.profile, resolved.quantile, req.bin_width,
@@ -606,10 +598,10 @@ def plan_kv_budget(req: PlanRequest) -> EvictionPlan:
     """The eviction plan of `req.profile` (a profile of an eviction policy's KV budgets) for `req.model`."""
     _, name = model_shape(req.model)
     if not req.allow_model_mismatch:
-        check_profile_model(req.profile, req.model, name)
+        check_profile_model(req.profile, req.model)
     resolved = resolve_threshold(req.threshold, req.threshold_file, req.quantile, req.model)
     if req.threshold_file is not None and not req.allow_model_mismatch:
-        check_threshold_model(req.threshold_file, resolved, req.model, name)
+        check_threshold_model(req.threshold_file, resolved, req.model)
     result = plan_eviction(req.profile, resolved.value, resolved.quantile, req.bin_width, req.min_tokens)
     result.resolved = resolved
     return result

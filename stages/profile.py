@@ -36,8 +36,9 @@ from .core.trajectories import Trajectory
 from .engine import Engine, EngineConfig, EngineStats, SamplingParams
 from .engine.sequence import TEMPERATURE_FLOOR, below_temperature_floor
 from .kv_policies import Dense, KVPolicy
-from .model.loading import LoadedModel, model_name, resolve_config
+from .model.loading import LoadedModel, resolve_config
 from .model.lora import LoraWeights, lora_merged
+from .model.names import model_name
 from .scoring.mismatch import score_sequences
 
 Progress = Callable[[str, int, int], None]  # (phase, done, total)

@@ -26,8 +26,9 @@ from .engine.config import DecodeStep, EngineConfig
 from .engine.engine import Engine, EngineStats
 from .engine.sequence import Completion, SamplingParams
 from .kv_policies import BlockTopK, Dense, Eviction, KVPolicy
-from .model.loading import LoadedModel, model_name
+from .model.loading import LoadedModel
 from .model.lora import LoraWeights, lora_merged
+from .model.names import model_name
 from .rollout_journal import (
     MANIFEST_KEY,
     Journal,

@@ -627,7 +627,8 @@ def test_a_nan_or_infinite_metric_labels_the_run_collapsed_and_a_null_does_not()
 
 
 def test_runs_of_another_model_than_the_profiles_are_refused():
-    """By name: a preset's, or a checkpoint's folder (a run records the path it was given)."""
+    """By name: a preset's, or a checkpoint's path, whose parts a run records as it was given (relative or
+    not) must end the profile's absolute one."""
     from types import SimpleNamespace
 
     from sparrow.schemas import ArtifactError
@@ -636,6 +637,9 @@ def test_runs_of_another_model_than_the_profiles_are_refused():
     run = SimpleNamespace(name="runs/a", config={"model": "smollm2-135m"})
     check_run_models([run], "smollm2-135m")
     check_run_models([SimpleNamespace(name="r", config={"model": "ckpt/"})], "/data/ckpt")
+    check_run_models([SimpleNamespace(name="r", config={"model": "./step_50/hf"})], "/data/step_50/hf")
+    with pytest.raises(ArtifactError, match="trained ../step_100/hf "):  # the same last folder, another run
+        check_run_models([SimpleNamespace(name="r", config={"model": "../step_100/hf"})], "/data/step_50/hf")
     check_run_models([SimpleNamespace(name="r", config={})], "tiny-llama")  # records none
     with pytest.raises(ArtifactError) as e:
         check_run_models([run], "tiny-llama", "p.parquet")

@@ -17,14 +17,8 @@ from typer.testing import CliRunner
 from sparrow.cli.app import app
 from sparrow.schemas import artifact_metadata, write_artifact
 from sparrow.stages.model.config import ModelConfig, ModelSpecError
-from sparrow.stages.model.loading import (
-    canonical_dtype,
-    load_model,
-    model_name,
-    resolve_config,
-    resolve_dtype,
-    short_name,
-)
+from sparrow.stages.model.loading import canonical_dtype, load_model, resolve_config, resolve_dtype
+from sparrow.stages.model.names import model_name, short_name
 
 from cli_checks import error_line
 from tiny_models import tiny_chat_llama, tiny_qwen3
@@ -246,9 +240,9 @@ def test_checkpoints_in_folders_of_the_same_name_stay_apart(tmp_path, monkeypatc
     assert measured == str(Path.cwd() / "step_50" / "huggingface")
     assert model_name("step_100/huggingface") == str(Path.cwd() / "step_100" / "huggingface")
     assert short_name(str(b)) == "huggingface"
-    check_profile_model(out, "./step_50/huggingface", model_name("./step_50/huggingface"))
+    check_profile_model(out, "./step_50/huggingface")
     with pytest.raises(ScheduleError, match=f"plan with --model {measured}, "):
-        check_profile_model(out, "step_100/huggingface", model_name("step_100/huggingface"))
+        check_profile_model(out, "step_100/huggingface")
     assert model_name("Tiny-Qwen3") == "tiny-qwen3"
 
 

@@ -404,7 +404,7 @@ def _same_vocabulary(a, b) -> bool:
 def _same_spec(a: str, b: str) -> bool:
     """Two --model arguments that name the same preset (in any case), directory or file as written (no
     files read)."""
-    from ..model.loading import model_name
+    from ..model.names import model_name
 
     return model_name(a) == model_name(b)
 
@@ -412,7 +412,7 @@ def _same_spec(a: str, b: str) -> bool:
 def _base_name(spec: str) -> str:
     """A --model's last path component (a preset's name), what tells models apart when a recorded one no
     longer resolves: the same checkpoint may have moved since."""
-    from ..model.loading import short_name
+    from ..model.names import short_name
 
     return short_name(spec).lower()
 

@@ -68,7 +68,8 @@ def adapter_base(spec: str, random_weights: bool = False) -> str:
     Hugging Face directory), a checkpoint directory by its absolute path. A GGUF file is named by its
     absolute path too, which identifies the base but which peft cannot load; a shapes-only preset, or
     random weights, by the preset's name (no checkpoint holds them)."""
-    from .loading import embedded_checkpoint, model_name
+    from .loading import embedded_checkpoint
+    from .names import model_name
     from .presets import PRESETS
 
     preset = PRESETS.get(spec.lower())

@@ -12,9 +12,7 @@ Design decisions:
   first such tensor, before any is loaded into the model.
 - The stop ids are config.json's and generation_config.json's EOS ids plus the tokenizer's
   eos_token_id, as vLLM stops at all of them.
-- Artifacts identify a model by `model_name`: a preset by its name, a checkpoint directory or GGUF file
-  by its absolute path, so that checkpoints in folders of the same name (`.../actor/huggingface`,
-  `RUN/model`) stay apart; `short_name` is the last path component, for display.
+- Artifacts identify a model as names.py says.
 - The embedded cache is converted by one process at a time (a lock file beside it) into a hidden sibling
   named with the converter's pid (`.NAME.<hex>-<pid>.tmp`, schemas/io.py's `temporary`), made
   with the umask's mode, then renamed into place; the next converter removes what a killed one left.
@@ -45,6 +43,7 @@ from .config import ModelConfig, ModelSpecError, supported_types
 from .gguf_loader import gguf_config, gguf_weights, read_gguf
 from .home import building, check_readable, sparrow_home
 from .llama import Transformer, hf_to_ours, ours_to_hf
+from .names import model_name
 from .presets import PRESETS, get_preset
 
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -60,20 +59,6 @@ class LoadedModel:
     config: ModelConfig
     model: Transformer
     tokenizer: object | None  # a transformers PreTrainedTokenizerBase, when the source has one
-
-
-def model_name(spec: str) -> str:
-    """A model's identity in artifacts' metadata: a preset's name, else the absolute path of the
-    checkpoint directory or GGUF file (`~` expanded, symlinks kept as given)."""
-    if spec.lower() in PRESETS:
-        return spec.lower()
-    return os.path.abspath(os.path.expanduser(spec))
-
-
-def short_name(spec: str) -> str:
-    """A model's name for display: a preset's name, a GGUF file's stem, a directory's last component."""
-    p = Path(spec.rstrip("/") or spec)
-    return spec.lower() if spec.lower() in PRESETS else (p.stem if p.suffix.lower() == ".gguf" else p.name)
 
 
 def _path(spec: str) -> Path:
