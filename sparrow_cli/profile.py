@@ -564,7 +564,8 @@ def progress_hooks(workers: int) -> Iterator[Hooks]:
     process, or one bar of shards with Ray workers."""
     from sparrow.stages.profile import Hooks
 
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+    info = () if workers else (TextColumn("{task.fields[info]}"),)
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), *info,
                   TimeElapsedColumn() if workers else TimeRemainingColumn(), console=console, transient=True,
                   disable=not live_progress()) as bar:
         if workers:

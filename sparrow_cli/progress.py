@@ -154,20 +154,31 @@ def say_loading(model: str, device: str) -> None:
 
 class PhaseProgress:
     """(phase, done, total) progress on stderr: one bar per phase on a terminal (in `bar`), whole lines in a
-    log (LogProgress). Each phase shows as soon as it starts (0 of its total), not at its first batch."""
+    log (LogProgress). Each phase shows as soon as it starts (0 of its total), not at its first batch. A
+    phase that counts tokens (sampling) shows them and their rate since its first count, as a rollout's
+    bar does: its samples may all finish at the end."""
 
     def __init__(self, bar, labels: dict[str, str] | None = None):
         self.bar, self.labels = bar, labels or {}
         self.tasks: dict[str, object] = {}
         self.logs: dict[str, LogProgress] = {}
+        self.origins: dict[str, tuple[float, int]] = {}  # a phase's first token count and its time
 
-    def __call__(self, phase: str, done: int, total: int) -> None:
+    def __call__(self, phase: str, done: int, total: int, tokens: int | None = None) -> None:
         if phase not in self.tasks:
             label = self.labels.get(phase, phase)
             self.tasks[phase] = self.bar.add_task(label, total=total, info="")
             self.logs[phase] = LogProgress(label)
-        self.bar.update(self.tasks[phase], completed=done, total=total)
-        self.logs[phase](done, total)
+        info = "" if tokens is None else self._tokens(phase, tokens)
+        self.bar.update(self.tasks[phase], completed=done, total=total, info=info)
+        self.logs[phase](done, total, info)
+
+    def _tokens(self, phase: str, tokens: int) -> str:
+        """"1,024 tokens, 85.3 tok/s": the rate counts the tokens after the phase's first count."""
+        now = time.perf_counter()
+        start, before = self.origins.setdefault(phase, (now, tokens))
+        rate = f", {(tokens - before) / (now - start):,.1f} tok/s" if now > start and tokens > before else ""
+        return f"{tokens:,} tokens{rate}"
 
 
 # a teacher-forced batch of long sequences can take minutes, its count moving only when it ends: a log
@@ -183,8 +194,8 @@ class BeatingPhases:
     def __init__(self, phases: PhaseProgress, beat: Heartbeat):
         self.phases, self.beat, self.running = phases, beat, None
 
-    def __call__(self, phase: str, done: int, total: int) -> None:
-        self.phases(phase, done, total)
+    def __call__(self, phase: str, done: int, total: int, tokens: int | None = None) -> None:
+        self.phases(phase, done, total, tokens)
         if done >= total:
             self.running = None
             self.beat.doing(None)

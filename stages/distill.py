@@ -7,6 +7,7 @@ import json
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 
 import pyarrow as pa
@@ -328,6 +329,12 @@ def _worse(before: dict, after: dict) -> bool:
                 or after["mean_alpha"] < before["mean_alpha"] - WORSE_BY)
 
 
+def _renamed(progress: Progress, name: str, _phase: str, done: int, total: int, tokens: int | None = None
+             ) -> None:
+    """A phase's progress under the name distill shows it by."""
+    progress(name, done, total, tokens)
+
+
 @dataclass
 class DistillJob:
     """One distillation: the trajectories and the budget functions taught, the eval trajectories and
@@ -365,7 +372,7 @@ def run_distill(loaded: LoadedModel, job: DistillJob, cfg: DistillConfig,
     phase = on_phase or (lambda name: None)
 
     def scoring(name: str) -> Progress | None:
-        return None if progress is None else lambda _, done, total: progress(name, done, total)
+        return None if progress is None else partial(_renamed, progress, name)
 
     def balancing(done: int, total: int) -> None:
         if done == 0:
@@ -479,7 +486,7 @@ def distill_to_folder(run: DistillRun, cfg: DistillConfig, hooks: DistillHooks) 
         progress = hooks.progress
         eval_trajectories = sample_trajectories(
             loaded, eval_set.ids, eval_set.tokens, opts,
-            None if progress is None else lambda _, done, total: progress("sampling eval", done, total),
+            None if progress is None else partial(_renamed, progress, "sampling eval"),
             request_ids=seed_rows(eval_set.rows))
     job = DistillJob(trajectories, budget_fns, eval_trajectories, run.eval_budgets, run.bin_width, init,
                      init_actor)

@@ -20,6 +20,7 @@ import json
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import duckdb
 import numpy as np
@@ -41,7 +42,13 @@ from .model.lora import LoraWeights, lora_merged
 from .model.names import model_name
 from .scoring.mismatch import score_sequences
 
-Progress = Callable[[str, int, int], None]  # (phase, done, total)
+
+class Progress(Protocol):
+    """A phase's count of `total` done; a sampling phase also gives the tokens generated so far."""
+
+    def __call__(self, phase: str, done: int, total: int, tokens: int | None = None) -> None: ...
+
+
 SAMPLING = ("samples", "max_new_tokens", "sampler", "top_p", "top_k", "seed", "batch_size", "speculate")
 FLAGS = {"batch_size": "--max-num-seqs"}  # the options whose flag is not their name
 SPECULATE_WITH_ADAPTER = ("--speculate verifies with the dense model, which --adapter's sparse actor is not: "
@@ -251,12 +258,12 @@ def sample_trajectories(model: LoadedModel, prompt_ids: Sequence[str], prompts: 
     counts go to `on_speculation`."""
     params = SamplingParams(max_new_tokens=opts.max_new_tokens, temperature=opts.temperature,
                             top_p=opts.top_p, top_k=opts.top_k, seed=opts.seed, n=opts.samples)
-    total, done = len(prompts) * opts.samples, 0
+    total, done, tokens = len(prompts) * opts.samples, 0, 0
 
-    def on_step(_new_tokens: int, finished: int) -> None:
-        nonlocal done
-        done += finished
-        progress("sampling", done, total)
+    def on_step(new_tokens: int, finished: int) -> None:
+        nonlocal done, tokens
+        done, tokens = done + finished, tokens + new_tokens
+        progress("sampling", done, total, tokens)
 
     policy = opts.sampler_policy()
     actor = opts.adapter if not isinstance(policy, Dense) else None

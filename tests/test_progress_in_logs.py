@@ -190,3 +190,20 @@ def test_reward_with_a_slow_function_says_it_still_scores_in_a_log(tmp_path, mon
     assert r.exit_code == 0, r.output
     assert any(line.startswith("scoring 2 completions ... (") for line in r.stderr.splitlines()), r.stderr
     assert CR not in r.stderr and ESC not in r.stderr
+
+
+def test_profile_into_a_log_counts_the_tokens_it_samples(tmp_path):
+    """A profile's sampling line in a log says how many tokens were generated (its samples may all finish
+    at once, at the end): the last one counts every token the profile then scores, a trajectory's
+    completion as the mismatch file holds it at one budget."""
+    import pyarrow.parquet as pq
+
+    model = tiny_chat_llama(tmp_path / "tiny")
+    prompts = _token_prompts(tmp_path / "p.parquet")
+    out = tmp_path / "profile.parquet"
+    r = runner.invoke(app, ["profile", "--model", model, "--prompts", str(prompts), "--samples", "2",
+                            "--max-new-tokens", "6", "--budgets", "48", "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    lines = [line for line in r.stderr.splitlines() if line.startswith("sampling")]
+    scored = pq.read_table(out, columns=["budget"]).num_rows  # one budget: a row per completion token
+    assert lines and lines[-1].split(": ", 1)[1].startswith(f"4/4, {scored:,} tokens"), r.stderr
