@@ -267,7 +267,7 @@ def test_model_errors_say_what_is_wrong(tmp_path, monkeypatch):
     with pytest.raises(ModelSpecError) as e:
         resolve_config("Qwen/Qwen3-0.6B")
     assert "Hub ids" in str(e.value)
-    assert "huggingface-cli download Qwen/Qwen3-0.6B --local-dir DIR" in str(e.value)
+    assert "hf download Qwen/Qwen3-0.6B --local-dir DIR" in str(e.value)
     assert "qwen3-0.6b" in str(e.value)
     (tmp_path / "g").mkdir()
     (tmp_path / "g" / "config.json").write_text(json.dumps({**SHAPES, "model_type": "gpt2"}))

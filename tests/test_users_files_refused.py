@@ -165,8 +165,21 @@ def test_verl_names_point_to_ours(typed, ours, theirs):
                                   "(try 'sparrow rollout -h')")
 
 
-def test_view_names_keep_accented_letters_as_their_ascii_letter():
-    assert [identifier(s) for s in ("ü", "ö", "naïve-set", "日本")] == ["u", "o", "naive_set", "file"]
+def test_view_names_keep_accented_letters_as_their_ascii_letter_and_other_scripts_as_they_are():
+    names = ("ü", "ö", "naïve-set", "日本", "がく", "한국어 v2", "ＡＢ", "x\u202ey")
+    assert [identifier(s) for s in names] == ["u", "o", "naive_set", "日本", "がく", "한국어_v2", "AB", "x_y"]
+
+
+def test_a_file_named_in_chinese_is_queried_by_its_name_unquoted(tmp_path):
+    """A prompt set 数据.parquet is the view prompts__数据 (beside `prompts`, every prompt set), which
+    DuckDB reads unquoted, as the user typed the file's name."""
+    rows = [{"prompt_id": f"p{i}", "task": "count", "prompt": "x", "prompt_token_ids": None, "answer": "1",
+             "metadata": None} for i in range(3)]
+    write_artifact(rows, tmp_path / "数据.parquet", "prompts")
+    r = runner.invoke(app, ["sql", "SELECT count(*) AS n FROM prompts__数据", "--run", str(tmp_path),
+                            "-f", "csv"])
+    assert r.exit_code == 0, r.output
+    assert r.stdout.split() == ["n", "3"]
 
 
 def test_resume_of_a_folder_without_a_checkpoint_says_to_drop_resume(tmp_path, no_work):

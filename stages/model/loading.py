@@ -220,7 +220,7 @@ def _unknown(spec: str) -> ModelSpecError:
         shapes = f" (the preset {preset} holds its shapes only, no weights)" if preset else ""
         return ModelSpecError(
             f"no such directory: {spec}; Sparrow does not download Hugging Face Hub ids: get a local folder "
-            f"with `huggingface-cli download {spec} --local-dir DIR` and pass --model DIR{shapes}")
+            f"with `hf download {spec} --local-dir DIR` and pass --model DIR{shapes}")
     if "/" in spec or spec.startswith((".", "~")) or path.suffix.lower() == ".gguf":
         kind = "GGUF file" if path.suffix.lower() == ".gguf" else "directory"
         return ModelSpecError(f"no such {kind}: {spec}")

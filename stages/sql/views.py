@@ -464,22 +464,26 @@ def python_warning(message: str) -> None:
     warnings.warn(message, stacklevel=3)
 
 
-IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+IDENTIFIER = re.compile(r"[^\W\d]\w*")  # letters of any script, digits and _, not a digit first
 
 
 def identifier(stem: str) -> str:
-    """A view name from a file's name: letters with accents as their ASCII letter (ü.parquet is `u`), then
-    runs of anything but ASCII letters, digits and `_` become one `_`."""
-    ascii_stem = unicodedata.normalize("NFKD", stem).encode("ascii", "ignore").decode()
-    name = re.sub(r"[^A-Za-z0-9_]+", "_", ascii_stem).strip("_") or "file"
+    """A view name from a file's name, one a query can write unquoted: a Latin letter with accents as its
+    ASCII letter (ü.parquet is `u`, as people type it), letters of other scripts as they are (日本.parquet
+    is `日本`), then runs of anything but letters, digits and `_` become one `_`."""
+    decomposed = unicodedata.normalize("NFKD", stem)
+    kept = "".join(c for i, c in enumerate(decomposed)
+                   if not (unicodedata.combining(c) and i and decomposed[i - 1].isascii()))
+    name = re.sub(r"\W+", "_", unicodedata.normalize("NFC", kept)).strip("_") or "file"
     return f"_{name}" if name[0].isdigit() else name
 
 
 def quoted_identifier(name: str) -> str:
-    """`name` as an SQL identifier; ValueError unless it is ASCII letters, digits and `_` (as every view
-    name is), so that quoting is a second guard, never the only one."""
+    """`name` as an SQL identifier; ValueError unless it is letters, digits and `_` (as every view name
+    is: no quote, space, control or format character), so that quoting is a second guard, never the only
+    one."""
     if not IDENTIFIER.fullmatch(name):
-        raise ValueError(f"{_shown(name)} is not a view name (ASCII letters, digits and _)")
+        raise ValueError(f"{_shown(name)} is not a view name (letters, digits and _)")
     return '"' + name + '"'
 
 
