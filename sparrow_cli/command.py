@@ -33,11 +33,12 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "--max-new-tokens": ("--max-completion-length", "--max-tokens", "--max-response-length"),
     "--output": ("--output-dir",),
     "--lr": ("--learning-rate",),
-    "--kl-coef": ("--beta",),
+    "--kl-coef": ("--beta", "--kl-loss-coef"),
     "--eager": ("--enforce-eager",),
     "--speculate": ("--num-speculative-tokens",),
     "--ppo-epochs": ("--num-iterations",),
     "--loss-agg": ("--loss-type",),
+    "--epsilon": ("--clip-ratio-low",),
     "--epsilon-high": ("--clip-ratio-high",),
 }
 

@@ -299,7 +299,8 @@ def distill(
                                   "prompt_id, prompt_token_ids, token_ids)."),
     schedule: Path = typer.Option(None, "--schedule", callback=input_path, parser=given_path("--schedule"),
                                   metavar="<path>", help="The schedule the actor samples with."),
-    budget: int = typer.Option(None, "--budget", help="The fixed budget the actor samples with (tokens)."),
+    budget: int = typer.Option(None, "--budget", help="The fixed budget the actor samples with, in tokens "
+                               "(multiple of 16, at least 48)."),
     steps: int = typer.Option(50, "--steps", help="Optimizer steps of the sparse actor's LoRA, at least 1, "
                               "each on --trajectories-per-step trajectories (in turn, a new order each "
                               "pass)."),

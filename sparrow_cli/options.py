@@ -132,8 +132,8 @@ def option_given(ctx: typer.Context, name: str) -> bool:
     return source is not None and source.name in ("COMMANDLINE", "ENVIRONMENT")
 
 
-RUN_FORMAT_HELP = ("The summary's format: table, csv, json or tsv on stdout, in any case (default: table "
-                   "on a terminal, tsv in a pipe).")
+RUN_FORMAT_HELP = ("The summary's format: table, csv, json or tsv on stdout, case-insensitive (default: "
+                   "table on a terminal, tsv in a pipe).")
 
 
 def run_format_option():
@@ -293,9 +293,9 @@ def kv_compression_option():
                         "--kv-window are always kept; whenever a sample's cache reaches --kv-budget + "
                         "--kv-buffer tokens it is compressed back to --kv-budget (SnapKV: the tokens the "
                         "window's queries attend to most; R-KV: that minus key redundancy), freeing pages "
-                        "for more samples. The flag takes the kind alone, snapkv or rkv (any case), and "
-                        "--kv-budget its B; the spec form snapkv:B or rkv:B is profile's --sampler's. Not "
-                        "with --budget or --schedule (block top-k keeps every token; the two do not "
+                        "for more samples. The flag takes the kind alone, snapkv or rkv (case-insensitive), "
+                        "and --kv-budget its B; the spec form snapkv:B or rkv:B is profile's --sampler's. "
+                        "Not with --budget or --schedule (block top-k keeps every token; the two do not "
                         "combine).")
 
 

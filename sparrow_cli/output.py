@@ -41,7 +41,7 @@ from .console import UNBOUNDED_WIDTH, console, drop_stream, is_terminal, out, st
 from .errors import UsageError
 
 FORMATS = ("table", "csv", "json", "tsv")
-FORMAT_HELP = ("table, csv, json or tsv on stdout, in any case (default: table on a terminal, tsv in a "
+FORMAT_HELP = ("table, csv, json or tsv on stdout, case-insensitive (default: table on a terminal, tsv in a "
                "pipe).")
 ARTIFACT_FORMAT_HELP = (f"{FORMAT_HELP} With -o -, stdout carries the artifact and this output goes to "
                         "stderr as a table (-f then changes nothing).")

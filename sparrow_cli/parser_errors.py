@@ -115,6 +115,14 @@ FOREIGN_NAMES: dict[str, ForeignName] = {
     "--clip-ratio-high": ForeignName("--epsilon-high", "verl's clip_ratio_high"),
     "--kl-loss-coef": ForeignName("--kl-coef", "verl's kl_loss_coef"),
     "--grad-clip": ForeignName("--max-grad-norm", "verl's grad_clip"),
+    "--per-device-train-batch-size": ForeignName(
+        "--micro-batch", "TRL's per_device_train_batch_size",
+        unlike=("--micro-batch", "sequences per forward/backward; a step's batch is --prompts-per-step x "
+                "--samples")),
+    "--gradient-accumulation-steps": ForeignName(
+        "--micro-batch", "TRL's gradient_accumulation_steps",
+        unlike=("--micro-batch", "the sequences per forward/backward: a step accumulates the gradient of "
+                "all its --prompts-per-step x --samples sequences")),
     "--lora-r": ForeignName("--lora-rank", "TRL's lora_r"),
     "--max-steps": ForeignName("--steps", "TRL's max_steps", unlike=_STEPS),
     "--total-training-steps": ForeignName("--steps", "verl's total_training_steps"),

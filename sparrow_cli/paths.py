@@ -25,8 +25,8 @@ FORCE_HELP = ("Replace an existing output that is not an artifact of the kind th
               "directory of other files is never replaced).")
 
 
-def force_option():
-    return typer.Option(False, "--force/--no-force", help=FORCE_HELP)
+def force_option(help: str = FORCE_HELP):
+    return typer.Option(False, "--force/--no-force", help=help)
 
 
 def output_help(what: str) -> str:

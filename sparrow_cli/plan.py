@@ -103,7 +103,7 @@ def plan_schedule(
                               "at each of these thresholds, e.g. 0.80,0.83,0.86,0.90,0.92."),
     export: str = typer.Option(None, "--export", help="Also print the schedule as json, or as "
                                "sglang-vortex: the named schedule and SGLang settings the Sparrow "
-                               "release's verl/SGLang reads (stdout, or --export-to), in any case. With "
+                               "release's verl/SGLang reads (stdout, or --export-to), case-insensitive. With "
                                "--speculate, json holds the draft schedule that -o writes."),
     export_to: Path = typer.Option(None, "--export-to", help="Write the --export form here (an existing file "
                                    "only if it holds the same form, or --force).",

@@ -132,7 +132,8 @@ def profile(
                                   "with columns prompt_id, token_ids and prompt_token_ids (or prompt text): "
                                   "score these trajectories instead."),
     budgets: str = typer.Option("256,512,1024", "--budgets",
-                                help="Candidate budgets in tokens, multiples of the page size (with "
+                                help="Candidate budgets in tokens, multiples of the page size 16 of "
+                                "at least 48 (with "
                                 "--kv-compression: KV budgets, any number above the sink plus the window): "
                                 "the budgets scored, not the sampler's (--budget)."),
     kv_compression: str = typer.Option(None, "--kv-compression", help="Score each of --budgets as the KV "

@@ -100,7 +100,7 @@ def _check_request(spec: Task, n: int, split: str | None, code: dict[str, int]) 
 
 @friendly_errors
 def prompts(
-    task: str = typer.Option(..., "--task", help=f"task to generate: {', '.join(TASKS)} (any case)"),
+    task: str = typer.Option(..., "--task", help=f"task to generate: {', '.join(TASKS)} (case-insensitive)"),
     n: int = typer.Option(16, "--n", help="number of prompts"),
     seed: int = typer.Option(0, "--seed", callback=non_negative_seed,
                              help="generator seed: same seed, same prompts; another seed holds prompts "

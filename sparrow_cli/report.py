@@ -29,7 +29,8 @@ def report(
                                 "folder that holds something else than a report is written into only with "
                                 "--force (then only files of the report's names are replaced).",
                                 parser=output_path("a folder", folder=True)),
-    force: bool = force_option(),
+    force: bool = force_option("Write the report's files into a folder that holds other files (those are "
+                               "kept; files of the report's names are replaced)."),
 ) -> None:
     """Draw what the run directory holds: tail and mean alpha per bin and budget against the threshold,
     the schedule (against the published one for Qwen3 presets), the cost model against measured steps,

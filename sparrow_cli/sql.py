@@ -56,10 +56,11 @@ DEFAULT_MAX_ROWS = 1_000_000
 
 VIEWS_HELP = ("Run directory: each *.parquet artifact in it (and in a folder of parts) is read through "
               "views: one per artifact kind, all its files unioned by column name (mismatch, schedule, "
-              "...; with source_file and the files' provenance as source_* columns: source_model, "
-              "source_sampler, source_sparsity, source_temperature, source_seed and the others docs/sql.md "
-              "lists), one per artifact file named <kind>__<path in the run> (mismatch__mismatch_b64 "
-              "for mismatch_b64.parquet), and one per other Parquet file named after its stem. "
+              "...; with source_file and the files' provenance as source_* columns, those some file of "
+              "the kind records: source_model, source_temperature, source_seed, a profile's "
+              "source_sampler, rollouts' source_sparsity and the others docs/sql.md lists), one per "
+              "artifact file named <kind>__<path in the run> (mismatch__mismatch_b64 for "
+              "mismatch_b64.parquet), and one per other Parquet file named after its stem. "
               "\"SHOW TABLES\" lists them.")
 
 OUTPUT_HELP = ("Write the result to this Parquet file instead (- = stdout), every row; its footer marks it "

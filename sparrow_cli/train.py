@@ -113,7 +113,8 @@ def train(
                                       "after the last step."),
     schedule: Path = typer.Option(None, "--schedule", callback=input_path, parser=given_path("--schedule"),
                                   metavar="<path>", help="Roll out with this schedule artifact."),
-    budget: int = typer.Option(None, "--budget", help="Roll out with a fixed budget (tokens)."),
+    budget: int = typer.Option(None, "--budget", help="Roll out with a fixed budget in tokens (multiple of "
+                               "16, at least 48)."),
     dense: bool = typer.Option(False, "--dense/--no-dense", show_default=False,
                                help="Roll out densely, as a run does without --budget, --schedule or "
                                "--kv-compression. --no-dense, the default, leaves the choice to them."),
@@ -156,19 +157,24 @@ def train(
                               "load."),
     correction: str = typer.Option(
         "tis", "--correction", callback=any_case, help="A preset: none | tis | mis | veto | sparse-rl | "
-        "icepop | seq-mask-tis | opsm | sparrow, in any case (stages/train/corrections.py); the options "
-        "below replace the parts they name."),
+        "icepop | seq-mask-tis | opsm | sparrow, case-insensitive (docs/corrections.md says what each "
+        "does); the options below replace the parts they name."),
     rollout_is: str = typer.Option(None, "--rollout-is", callback=any_case,
                                    help="verl's rollout_is: token | sequence | none."),
-    rollout_is_threshold: str = typer.Option(None, "--rollout-is-threshold", help="U, or L_U (default 2.0)."),
+    rollout_is_threshold: str = typer.Option(
+        None, "--rollout-is-threshold", help="The importance weight's bounds: U, or L_U (0.5_2.0: L 0.5, "
+        "U 2.0; default 2.0)."),
     rollout_is_mode: str = typer.Option(None, "--rollout-is-mode", callback=any_case,
                                         help="truncate (TIS) | mask (IcePop; TRL's *_mask)."),
     rollout_is_batch_normalize: bool = typer.Option(
         None, "--rollout-is-batch-normalize/--no-rollout-is-batch-normalize",
-        help="Divide the kept weights by their mean."),
+        help="Divide the kept weights by their mean (default: the "
+        "--correction preset's)."),
     rollout_rs: str = typer.Option(
-        None, "--rollout-rs", callback=any_case, help="verl's rollout_rs, a comma list of token_k1..3, "
-        "seq_sum_k1..3, seq_mean_k1..3, seq_max_k2..3 (all must keep), or none."),
+        None, "--rollout-rs", callback=any_case, help="verl's rollout_rs: reject by the "
+        "rollout-to-policy log ratio's estimators of KL (k1 = the log ratio, k2 = half its square, k3 = "
+        "ratio - 1 - log ratio), a comma list of token_k1..3, seq_sum_k1..3, seq_mean_k1..3, seq_max_k2..3 "
+        "(a token must pass all), or none."),
     rollout_rs_threshold: str = typer.Option(
         None, "--rollout-rs-threshold", help="One per option, or one for all: L_U ratio bounds for k1 (U "
         "alone: L = 1/U), an upper bound for k2 and k3 (default 2.0)."),
@@ -180,7 +186,7 @@ def train(
     rejection_c: float = typer.Option(None, "--rejection-c", callback=finite, help="Its C (default 1)."),
     alpha_weight: bool = typer.Option(
         None, "--alpha-weight/--no-alpha-weight", help="Weight each token by its acceptance alpha (top-20 "
-        "lower bound; 1 where sampled densely)."),
+        "lower bound; 1 where sampled densely; default: the --correction preset's)."),
     bypass_mode: bool = typer.Option(False, "--bypass-mode/--no-bypass-mode",
                                      help="verl's bypass: the PPO ratio against the "
                                      "rollout logprobs instead of the dense recompute."),
@@ -211,7 +217,7 @@ def train(
                                         "max_grad_norm)."),
     kl_coef: float = typer.Option(0.0, "--kl-coef", "--beta", callback=finite,
                                   help="Coefficient of the k3 KL to the initial policy (TRL's "
-                                  "beta); 0 = no KL term."),
+                                  "beta; verl's kl_loss_coef); 0 = no KL term."),
     loss_agg: str = typer.Option(
         "token-mean", "--loss-agg", "--loss-type", callback=any_case, help="How the loss averages its "
         "tokens (verl's loss_agg_mode; TRL's loss_type, whose values dapo, grpo, dr_grpo and bnpo are "
@@ -287,8 +293,9 @@ def train(
     format: str = run_format_option(),
 ) -> None:
     """GRPO whose rollouts come from the sparse engine: rewards from the task's scorer, dense recompute of
-    the sampled tokens, rollout correction, PPO-clipped update. Writes RUN/metrics.parquet,
-    RUN/mismatch/step=N.parquet (query both with `sparrow sql --run RUN`), RUN/checkpoint/ and, with a
+    the sampled tokens, rollout correction, PPO-clipped update. Writes RUN/metrics.parquet (and
+    metrics.jsonl), RUN/mismatch/step=N.parquet, RUN/completions/step=N.parquet (query them with `sparrow
+    sql --run RUN`), RUN/schedule.parquet (the sparsity it sampled with), RUN/checkpoint/ and, with a
     LoRA, RUN/adapter/ (peft format), with --full RUN/model/ (a Hugging Face checkpoint). Under `torchrun
     --nproc-per-node N` the ranks share each step's batch and DDP sums their gradients; rank 0 writes, and
     a run resumes under any number of ranks."""

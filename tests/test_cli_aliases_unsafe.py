@@ -33,6 +33,7 @@ ALIASES = [
     ("train", "--num-iterations", "--ppo-epochs", "ppo_epochs", 2),
     ("train", "--loss-type", "--loss-agg", "loss_agg", "dr_grpo"),
     ("train", "--clip-ratio-high", "--epsilon-high", "epsilon_high", 0.3),
+    ("train", "--clip-ratio-low", "--epsilon", "epsilon", 0.1),
 ]
 
 

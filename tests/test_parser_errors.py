@@ -93,7 +93,14 @@ TRAIN_NAMES = [("--num-iterations", "Sparrow's name for TRL's num_iterations is 
                ("--test-freq", "Sparrow's name for verl's test_freq is --eval-every"),
                ("--max-steps", "Sparrow's nearest to TRL's max_steps is --steps" + UPDATES),
                ("--save-steps", "Sparrow's nearest to TRL's save_steps is --checkpoint-every" + UPDATES),
-               ("--eval-steps", "Sparrow's nearest to TRL's eval_steps is --eval-every" + UPDATES)]
+               ("--eval-steps", "Sparrow's nearest to TRL's eval_steps is --eval-every" + UPDATES),
+               ("--clip-ratio-low", "Sparrow's name for verl's clip_ratio_low is --epsilon"),
+               ("--per-device-train-batch-size", "Sparrow's nearest to TRL's per_device_train_batch_size is "
+                "--micro-batch, sequences per forward/backward; a step's batch is --prompts-per-step x "
+                "--samples"),
+               ("--gradient-accumulation-steps", "Sparrow's nearest to TRL's gradient_accumulation_steps is "
+                "--micro-batch, the sequences per forward/backward: a step accumulates the gradient of all "
+                "its --prompts-per-step x --samples sequences")]
 
 
 @pytest.mark.parametrize(("typed", "hint"), TRAIN_NAMES)
