@@ -526,3 +526,23 @@ def test_a_signal_stops_the_query_in_one_line(run_dir, tmp_path_factory, signum,
     assert p.returncode == 128 + signum and time.monotonic() - start < 10
     assert err.decode().splitlines() == [line] and out == b""
     assert list(tmp.iterdir()) == []
+
+
+def test_a_training_run_that_holds_its_schedule_alone_is_a_run_of_its_own(tmp_path):
+    """As `sparrow train -o run/train` starts, its folder holds its schedule and its lock file only: it is
+    the training run's, not parts of the pipeline directory's schedule artifact."""
+    from sparrow.schemas.locations import hold_folder, release_folder
+
+    write_artifact({"bin": [0], "bin_start": [0], "bin_end": [None], "budget": [128], "tail": [0.9],
+                    "predicted_step_seconds": [0.01]}, tmp_path / "schedule.parquet", "schedule",
+                   {"page_size": 16})
+    train = tmp_path / "train"
+    train.mkdir()
+    hold_folder(train, "sparrow train", "another run directory (-o)")
+    try:
+        shutil.copy(tmp_path / "schedule.parquet", train / "schedule.parquet")
+        views = run_views(tmp_path)
+        assert [v.name for v in views] == ["schedule", "schedule__schedule"]
+        assert [p.name for p in views[0].files] == ["schedule.parquet"]
+    finally:
+        release_folder(train)

@@ -30,7 +30,14 @@ import pyarrow as pa
 from sparrow.schemas import SCHEMAS, VERSION, ArtifactError, artifact_metadata
 from sparrow.schemas.artifacts import KEY_VERSION
 from sparrow.schemas.footer import kind_version, read_schema
-from sparrow.schemas.locations import JOURNAL_PART, JOURNAL_SUFFIX, journal_parts, journal_unscored, missing
+from sparrow.schemas.locations import (
+    JOURNAL_PART,
+    JOURNAL_SUFFIX,
+    LOCK_NAME,
+    journal_parts,
+    journal_unscored,
+    missing,
+)
 from sparrow.schemas.provenance import KEY_PROVENANCE, artifact_provenance
 
 from .files import PREFIX, file_url
@@ -265,9 +272,13 @@ def _is_folder(entry: os.DirEntry) -> bool:
 
 
 def _folder_files(sub: Path, warn: Warn) -> list[Path]:
-    """The files of the subfolder `sub` that are the run's (see `_run_files`)."""
+    """The files of the subfolder `sub` that are the run's (see `_run_files`): none of a folder a Sparrow
+    command holds or held as its output (its lock file), such as a training run that has so far written its
+    schedule alone."""
     if (parts := journal_parts(sub)) is not None:
         return _journal_files(sub, parts, warn)
+    if os.path.lexists(sub / LOCK_NAME):
+        return []
     entries = [e for e in sub.iterdir() if not e.name.startswith(".")]
     if entries and all(not e.is_dir() and e.suffix == ".parquet" for e in entries):
         return sorted(entries)
