@@ -87,7 +87,15 @@ def _text(v: object) -> str:
         return ""
     if isinstance(v, float):
         return f"{v:.6g}"
-    return str(v).replace("\t", " ").replace("\n", " ")
+    return one_line(str(v))
+
+
+def one_line(text: str) -> str:
+    """Text as a table cell shows it: tabs and line breaks as spaces, so that a row stays one line."""
+    return text.translate(_ONE_LINE)
+
+
+_ONE_LINE = str.maketrans({"\t": " ", "\n": " ", "\r": " "})
 
 
 def tsv_field(v: object) -> str:

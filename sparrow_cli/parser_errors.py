@@ -71,7 +71,9 @@ def parser_errors() -> Iterator[None]:
 def parser_message(error: ParserError) -> str:
     """click's message in the style of Sparrow's own (a lower-case start, no closing full stop), an
     unknown option's hint our own (`option_hint`), and where to read the command's options."""
-    if isinstance(error, NoSuchOption):
+    if isinstance(error, NoSuchOption) and any(c.isspace() for c in error.option_name):
+        message = _dashed_argument(error.option_name, error.ctx)
+    elif isinstance(error, NoSuchOption):
         hint = option_hint(error.option_name, error.ctx)
         message = f"No such option: {error.option_name}" + (f". {hint}" if hint else "")
     else:
@@ -82,6 +84,16 @@ def parser_message(error: ParserError) -> str:
     if ctx is not None and ctx.help_option_names:
         message += f" (try '{ctx.command_path} {ctx.help_option_names[0]}')"
     return message
+
+
+def _dashed_argument(typed: str, ctx) -> str:
+    """An argument that starts with a dash and holds a space (no option name does), such as a query that
+    opens with an SQL comment: read as an option by the parser, so `--` must come before it."""
+    shown = typed if len(typed) <= 30 and typed.isprintable() else \
+        repr(typed[:30]) + ("..." if len(typed) > 30 else "")
+    command = ctx.command_path if ctx is not None else "sparrow"
+    return (f"{shown} starts with a dash, so it was read as an option; put -- before it, after the options, "
+            f"to give it as an argument ({command} [OPTIONS] -- ARGUMENT)")
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,7 @@ from .console import console, out, stdout_failed, writing_stdout
 from .errors import UsageError, friendly_errors
 from .messages import fail, printable, warn
 from .options import finite, output_path
-from .output import FORMAT_HELP, FORMAT_METAVAR, print_table, resolve_format, tsv_field
+from .output import FORMAT_HELP, FORMAT_METAVAR, one_line, print_table, resolve_format, tsv_field
 from .paths import FORCE_HELP, check_output
 from .progress import live_progress
 
@@ -347,7 +347,7 @@ def _cell(v: object) -> Text:
         return Text("null", style="dim")
     if isinstance(v, float):
         return Text(f"{v:.6g}")
-    text = json.dumps(_jsonable(v)) if isinstance(v, list | dict) else str(_text_value(v))
+    text = json.dumps(_jsonable(v)) if isinstance(v, list | dict) else one_line(str(_text_value(v)))
     return Text(text if len(text) <= 80 else text[:77] + "...")
 
 

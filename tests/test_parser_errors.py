@@ -180,3 +180,12 @@ def test_sigterm_while_starting_is_one_line_and_exit_143(when):
     assert r.returncode == 128 + signal.SIGTERM, (r.returncode, r.stderr)
     assert [line for line in r.stderr.splitlines() if line.strip()] == [TERMINATED]
     assert r.stdout == ""
+
+
+def test_a_query_that_opens_with_an_sql_comment_is_told_to_follow_a_double_dash():
+    """`sparrow sql "$(cat q.sql)"` where q.sql starts with `-- count`: the parser takes it for an option;
+    the line says how to give it, on one line however many the query has."""
+    assert _refused(["sql", "-- count\nselect 1", "--run", "."]) == (
+        "error: '-- count\\nselect 1' starts with a dash, so it was read as an option; put -- before it, "
+        "after the options, to give it as an argument (sparrow sql [OPTIONS] -- ARGUMENT) "
+        "(try 'sparrow sql -h')")

@@ -140,6 +140,14 @@ def test_cli_table(run_dir):
     assert "budget" in r.stdout and "128" in r.stdout and "null" in r.stdout and "2 rows" in r.stdout
 
 
+def test_cli_table_keeps_a_row_on_one_line_where_its_text_breaks_lines(run_dir):
+    """commands.md: tabs and newlines in text show as spaces in a table (a completion's text has them)."""
+    r = invoke("SELECT 'a' || chr(10) || 'b' || chr(9) || 'c' || chr(13) || 'd' AS t", "--run", str(run_dir),
+               "--format", "table")
+    assert r.exit_code == 0, r.output
+    assert "│ a b c d │" in r.stdout.splitlines(), r.stdout
+
+
 def test_cli_table_prints_text_that_looks_like_markup_as_stored(run_dir):
     """A Llama-2 prompt's [/INST], a rich tag or an emoji code, in a cell or a header, is data."""
     r = invoke("SELECT 'foo [/INST] bar' AS s, ':x: [bold]hi[/bold]' AS \"[/bold]:fire:\"", "--run",
@@ -546,3 +554,21 @@ def test_a_training_run_that_holds_its_schedule_alone_is_a_run_of_its_own(tmp_pa
         assert [p.name for p in views[0].files] == ["schedule.parquet"]
     finally:
         release_folder(train)
+
+
+def test_file_names_that_differ_in_case_alone_are_two_views(tmp_path):
+    """DuckDB's names are case-insensitive: select.parquet and Select.parquet cannot both be `select`; the
+    second is suffixed as any clash is, and each file's rows are read from its own view."""
+    pq.write_table(pa.table({"x": [1]}), tmp_path / "select.parquet")
+    pq.write_table(pa.table({"y": [2]}), tmp_path / "Select.parquet")
+    write_artifact(mismatch(5, 0), tmp_path / "mismatch.parquet", "mismatch")
+    pq.write_table(pa.table({"z": [3]}), tmp_path / "Mismatch.parquet")
+    names = {v.name: [p.name for p in v.files] for v in run_views(tmp_path)}
+    assert names == {"mismatch": ["mismatch.parquet"], "mismatch__mismatch": ["mismatch.parquet"],
+                     "Mismatch_2": ["Mismatch.parquet"], "Select": ["Select.parquet"],
+                     "select_2": ["select.parquet"]}
+    con = open_run(tmp_path)
+    assert con.execute('SELECT x FROM "select_2"').fetchall() == [(1,)]
+    assert con.execute('SELECT y FROM "Select"').fetchall() == [(2,)]
+    assert con.execute("SELECT z FROM mismatch_2").fetchall() == [(3,)]
+    con.close()

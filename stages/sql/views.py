@@ -195,7 +195,7 @@ def _json_lines_name(path: Path, taken: set[str]) -> str:
     """A JSON lines file's view: its stem, or with its suffix where the stem names a view already (a
     training run's metrics.jsonl beside its metrics artifact is `metrics_jsonl`)."""
     stem = identifier(path.stem)
-    return identifier(path.name) if stem in taken else stem
+    return identifier(path.name) if stem.lower() in taken else stem
 
 
 SHARD = re.compile(r"(?P<split>.+)-\d+-of-\d+\.parquet")  # the Hugging Face Hub's shard names
@@ -382,11 +382,13 @@ def _newer(version: str | None) -> bool:
 
 
 def _free(name: str, taken: set[str]) -> str:
-    """`name`, suffixed with _2, _3, ... while it is taken; then taken."""
+    """`name`, suffixed with _2, _3, ... while it is taken in any case (`taken` holds names lower-cased, as
+    DuckDB's names are case-insensitive: select.parquet and Select.parquet are `select` and `Select_2`);
+    then taken."""
     candidate, i = name, 2
-    while candidate in taken:
+    while candidate.lower() in taken:
         candidate, i = f"{name}_{i}", i + 1
-    taken.add(candidate)
+    taken.add(candidate.lower())
     return candidate
 
 
