@@ -124,8 +124,9 @@ def sql(
                     fail(refused)
                 rows = write_batches(_marked(result.schema, query), batches, output)
                 where = "stdout" if str(output) == "-" else printable(str(output))
-                console.print(f"wrote {rows} rows x {len(result.schema)} columns to {where}", highlight=False,
-                              markup=False)
+                width = len(result.schema)
+                console.print(f"wrote {rows} row{'s' * (rows != 1)} x {width} column{'s' * (width != 1)} to "
+                              f"{where}", highlight=False, markup=False)
             else:
                 PRINTERS[format](result.schema, _capped(batches, max_rows))
     except QueryLimit as e:

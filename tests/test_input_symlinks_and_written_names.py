@@ -34,4 +34,4 @@ def test_the_sql_wrote_line_escapes_a_newline_in_the_name(tmp_path):
     r = runner.invoke(app, ["sql", "SELECT 1 AS x", "--run", str(tmp_path / "run"), "-o", str(out)])
     assert r.exit_code == 0, r.output
     assert out.exists()
-    assert f"wrote 1 rows x 1 columns to {tmp_path}/a\\nb.parquet" in r.output
+    assert f"wrote 1 row x 1 column to {tmp_path}/a\\nb.parquet" in r.output

@@ -128,3 +128,33 @@ def test_the_calibration_figure_of_a_prior_draws_and_captions_no_interval(tmp_pa
     page = (run / "report" / "index.html").read_text()
     assert f"Threshold 0.86 (prior; {RANGE})" in " ".join(page.split())
     assert spans == []
+
+
+def test_the_calibration_figure_draws_the_prior_threshold_its_runs_lie_below(tmp_path, monkeypatch):
+    """Runs that did not separate leave the prior 0.86 in force: its line is drawn (dotted, named the
+    prior's) on the tail panel, where a run at 0.739 then shows below it, and the axis reaches it."""
+    import matplotlib.pyplot as plt
+    from matplotlib.axes import Axes
+
+    from sparrow.stages.report.artifact_figures import calibration_figure
+
+    path = tmp_path / "threshold.parquet"
+    runs = [{"run": "a", "tail": 0.739, "mean": 0.9, "collapsed": False}]
+    write_artifact({"threshold": [0.86], "lower": [None], "upper": [None], "quantile": [0.05],
+                    "source": ["prior"], "n_runs": [1], "n_collapsed": [0], "note": ["prior"]},
+                   path, "threshold", metadata={"runs": json.dumps(runs)})
+    lines, limits = [], []
+    drawn = Axes.axvline
+
+    def recorded(ax, x, *a, **k):
+        lines.append((x, k["ls"], k["label"]))
+        line = drawn(ax, x, *a, **k)
+        limits.append(ax.get_xlim)
+        return line
+
+    monkeypatch.setattr(Axes, "axvline", recorded)
+    figure = calibration_figure(path, "calibration.png", tmp_path, plt)
+    assert figure is not None and lines == [(0.86, ":", "prior threshold 0.86")]
+    low, high = limits[0]()
+    assert low <= 0.739 and 0.86 <= high
+    assert "1 run, 0 collapsed" in figure.caption

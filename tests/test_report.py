@@ -552,13 +552,15 @@ def test_a_folder_of_artifacts_without_figures_is_refused_naming_each(tmp_path):
     only = tmp_path / "only"
     _prompts(only / "prompts.parquet")
     pq.write_table(pa.table({"x": [1]}), only / "gsm8k.parquet")
+    (only / "notes.csv").write_text("a,b\n")
     before = {p.name: p.read_bytes() for p in only.iterdir()}
     result = CliRunner().invoke(app, ["report", str(only)])
     assert result.exit_code == 2
     assert error_line(result) == (
         f"error: {only} holds nothing to plot (no mismatch, schedule, cost, rollouts, rewards, calibrated "
         f"threshold or training run; not drawn: {only / 'gsm8k.parquet'} is a Parquet file without Sparrow "
-        f"artifact metadata; {only / 'prompts.parquet'} (a 'prompts' artifact has no figure))")
+        f"artifact metadata; {only / 'prompts.parquet'} (a 'prompts' artifact has no figure); it also holds "
+        "notes.csv, which is not Parquet)")
     assert {p.name: p.read_bytes() for p in only.iterdir()} == before
 
 
@@ -575,3 +577,44 @@ def test_the_run_directory_may_be_given_as_run(tmp_path):
                      "once")
     assert error_line(CliRunner().invoke(app, ["report"])) == (
         "error: give the run directory to draw: sparrow report RUN (or --run RUN)")
+
+
+def test_a_training_runs_completions_are_said_not_drawn_and_never_said_drawn_elsewhere(tmp_path):
+    """report.md: what is left out is said. A run's completions/ (text) has no figure: the report of the run
+    says so, and the report of the folder that holds the run does not send the user there for it."""
+    import shutil
+
+    run, full = _training_run(tmp_path, "p4")
+    (run / "completions").mkdir()
+    shutil.copy(full / "rollouts.parquet", run / "completions" / "step=00001.parquet")
+    why = "a training run's sampled completions, text that no figure draws; `sparrow sql` reads them"
+    result = CliRunner().invoke(app, ["report", str(run)])
+    assert result.exit_code == 0, result.output
+    assert _not_drawn(result) == [f"{run / 'completions'} ({why})"]
+    parent = tmp_path / "pipeline"
+    parent.mkdir()
+    shutil.copytree(run, parent / "train", ignore=shutil.ignore_patterns("report"))
+    result = CliRunner().invoke(app, ["report", str(parent)])
+    assert result.exit_code == 0, result.output
+    assert _not_drawn(result) == [
+        f"{parent / 'train' / 'schedule.parquet'} (inside the training run train; `sparrow report "
+        f"{parent / 'train'}` draws it)", f"{parent / 'train' / 'completions'} ({why})"]
+
+
+def test_a_file_name_with_a_control_character_is_escaped_in_the_figure_and_the_page(tmp_path):
+    """A name holding ESC (a terminal's escape sequence) is shown as \\x1b in the PNG's title and the page,
+    as a terminal is shown it: never drawn as a missing glyph (a matplotlib warning on stderr) nor written
+    raw into the HTML."""
+    import shutil
+    import warnings
+
+    full = _run_dir(tmp_path / "source")
+    run = tmp_path / "run"
+    run.mkdir()
+    shutil.copy(full / "mismatch.parquet", run / "a\x1b[2Jb.parquet")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # matplotlib's missing-glyph UserWarning would fail the report
+        result = CliRunner().invoke(app, ["report", str(run)])
+    assert result.exit_code == 0, result.output
+    page = (run / "report" / "index.html").read_text()
+    assert "\x1b" not in page and "a\\x1b[2Jb.parquet" in page

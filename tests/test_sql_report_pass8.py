@@ -293,8 +293,12 @@ def test_the_reward_histogram_bins_every_reward_beyond_zero_to_one(tmp_path, mon
     counts, _ = np.histogram(finite, bins=np.asarray(edges))
     assert counts.sum() == len(finite) and edges[0] <= -1.0 and edges[-1] >= 3.0
     page = (run / "report" / "index.html").read_text()
-    assert "Rewards range from -1 to 3, beyond [0, 1]. 1 reward is NaN or infinite, not in the histogram." \
-        in _said(page)
+    assert ("Rewards range from -1 to 3, beyond [0, 1]. 1 reward is NaN or infinite, left out of the "
+            "histogram and of the mean in its title.") in _said(page)
+    titles = []
+    monkeypatch.setattr(Axes, "set_title", lambda ax, text, *a, **k: titles.append(text))
+    assert CliRunner().invoke(app, ["report", str(run), "--force"]).exit_code == 0
+    assert f"reward per sample (mean of the 5 finite {np.mean(finite):.3f})" in titles
 
 
 def test_rewards_within_zero_to_one_keep_the_usual_bins(tmp_path, monkeypatch):

@@ -73,8 +73,8 @@ def build_report(run_dir: str | Path, out_dir: str | Path | None = None,
             or any(kinds.get(k) for k in DRAWN)):
         raise ValueError(f"{run_dir} holds nothing to plot (no mismatch, schedule, cost, rollouts, "
                          "rewards, calibrated threshold or training run"
-                         + (f"; not drawn: {'; '.join(skipped)}" if skipped else f"; {_holdings(run_dir)}")
-                         + ")")
+                         + (f"; not drawn: {'; '.join(skipped)}{_others(run_dir)}" if skipped
+                            else f"; {_holdings(run_dir)}") + ")")
     for why in skipped:
         note(f"not drawn: {why}")
     thresholds = {p: _tail_line(kinds, p, note) for p in kinds.get("mismatch", [])}
@@ -294,6 +294,18 @@ def planned_schedule(schedule: Path) -> Planned | None:
     threshold = ResolvedThreshold(float(value), float(quantile), f"{schedule.name} was planned at it",
                                   str(meta.get("threshold_source") or ""))
     return Planned(schedule, threshold, min_tokens, profile if isinstance(profile, str) else None)
+
+
+def _others(run_dir: Path, shown: int = 8) -> str:
+    """"; it also holds x.csv, which is not Parquet": the files a report never reads, beside the Parquet
+    files it could not draw."""
+    names = [p.name for p in sorted(run_dir.iterdir())
+             if not p.name.startswith(".") and not p.is_dir() and p.suffix != ".parquet"]
+    if not names:
+        return ""
+    more = f", ... ({len(names)} in all)" if len(names) > shown else ""
+    verb = "is" if len(names) == 1 else "are"
+    return f"; it also holds {', '.join(names[:shown])}{more}, which {verb} not Parquet"
 
 
 def _holdings(run_dir: Path, shown: int = 8) -> str:

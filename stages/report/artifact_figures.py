@@ -194,9 +194,12 @@ def calibration_figure(threshold: Path, name: str, out: Path, plt) -> Figure | N
     for ax, key, line, what in ((axes[0], "tail", t["threshold"], f"tail: min over bins of {tail_is} alpha"),
                                 (axes[1], "mean", mean_at, "mean alpha")):
         ax.scatter([r[key] for r in runs], y, c=colour, s=36, edgecolors="k", linewidths=0.4)
-        if line is not None and (key == "mean" or t["source"] == "calibrated"):
-            ax.axvline(float(line), color="k", ls="--", lw=1,
-                       label=f"{'threshold' if key == 'tail' else 'boundary'} {float(line):.3g}")
+        if line is not None:  # a threshold the runs did not give (the prior) is drawn too, dotted, so
+            # the runs' tails show where they lie against the threshold a plan uses
+            given = key == "mean" or t["source"] == "calibrated"
+            what_line = "boundary" if key == "mean" else "threshold" if given else f"{t['source']} threshold"
+            ax.axvline(float(line), color="k", ls="--" if given else ":", lw=1,
+                       label=f"{what_line} {float(line):.3g}")
             ax.legend(fontsize=8, loc="center left")
         ax.set_xlabel(what)
         ax.grid(alpha=0.3)
@@ -213,9 +216,9 @@ def calibration_figure(threshold: Path, name: str, out: Path, plt) -> Figure | N
     interval = (f" [{t['lower']:.3g}, {t['upper']:.3g}] (calibrated, 95% bootstrap interval)" if calibrated
                 else f" ({t['source']})" if t["source"] != "prior" else f" (prior; {PRIOR_RANGE_NOTE})")
     return save(fig, out, name, f"Runs' tail and mean alpha against their outcome ({threshold.name})",
-                 f"From {threshold.name}: {len(runs)} runs, {n_c} collapsed (labelled by what training did, "
-                 f"never by mismatch); each run's tail is the minimum over position bins of the "
-                 f"{t['quantile']:g} quantile ({tail_is}) of alpha. Threshold "
+                 f"From {threshold.name}: {len(runs)} run{'s' * (len(runs) != 1)}, {n_c} collapsed "
+                 f"(labelled by what training did, never by mismatch); each run's tail is the minimum over "
+                 f"position bins of the {t['quantile']:g} quantile ({tail_is}) of alpha. Threshold "
                  f"{t['threshold']:.3g}{interval}. "
                  f"{_sentence(meta.get('mean_note') or '')}", plt, len(runs))
 
@@ -514,7 +517,8 @@ def _reward_panel(ax, rewards: np.ndarray, none_why: str) -> np.ndarray:
         ax.set_xlim(edges[0], edges[-1])
         ax.set_xlabel("reward")
         ax.set_ylabel("samples")
-        ax.set_title(f"reward per sample (mean {finite.mean():.3f})", fontsize=10)
+        over = "" if len(finite) == len(rewards) else f" of the {len(finite)} finite"
+        ax.set_title(f"reward per sample (mean{over} {finite.mean():.3f})", fontsize=10)
     else:
         say(ax, "no finite reward to draw: every reward is NaN or infinite" if len(rewards) else none_why)
     return finite
@@ -538,6 +542,6 @@ def _reward_range(finite: np.ndarray, not_finite: int) -> str:
     if len(finite) and (finite.min() < 0 or finite.max() > 1):
         said += f" Rewards range from {finite.min():.4g} to {finite.max():.4g}, beyond [0, 1]."
     if not_finite:
-        said += (f" {not_finite} reward{'s are' if not_finite > 1 else ' is'} NaN or infinite, not in the "
-                 "histogram.")
+        said += (f" {not_finite} reward{'s are' if not_finite > 1 else ' is'} NaN or infinite, left out of "
+                 "the histogram and of the mean in its title.")
     return said

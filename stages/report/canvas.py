@@ -47,10 +47,17 @@ def say(ax, why: str) -> None:
             fontsize=10, color="#555")
 
 
+def shown(text: str) -> str:
+    """Text for a figure or the page: control characters (of a file's name) as the escapes a terminal is
+    shown (\\x1b), never drawn as a missing glyph nor written raw into the HTML."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def save(fig, out: Path, name: str, title: str, caption: str, plt, points: int, top_in: float = 0.0
           ) -> Figure:
     """Title above (and `top_in` inches for a figure legend), the caption (wrapped to the figure's width)
     below the axes, then the PNG."""
+    title, caption = shown(title), shown(caption)
     width_in, height_in = fig.get_size_inches()
     lines = textwrap.wrap(caption, int(width_in * 15))
     fig.suptitle(title, fontsize=11)

@@ -18,6 +18,7 @@ DRAWN = ("mismatch", "schedule", "cost", "rollouts", "rewards")
 FIGURED = (*DRAWN, "threshold", "train_mismatch")  # threshold: when calibrated on runs
 
 NO_FIGURE = {"metrics": "a 'metrics' artifact is drawn only as a training run's metrics.parquet"}
+COMPLETIONS = "a training run's sampled completions, text that no figure draws; `sparrow sql` reads them"
 
 
 @dataclass
@@ -78,7 +79,9 @@ def find_artifacts(folder: Path, skipped: list[str], runs: list[Path]) -> dict[s
         own.add(folder / "metrics.parquet")
         if step_names(folder):
             own.add(folder / "mismatch")
-        own.add(folder / "completions")  # the samples' text: read with sparrow sql, no figure
+        if (folder / "completions").is_dir():
+            own.add(folder / "completions")
+            skipped.append(f"{folder / 'completions'} ({COMPLETIONS})")
     out: dict[str, list[Path]] = {}
     for p in sorted(folder.iterdir()):
         if p.name.startswith(".") or p in own:
@@ -123,13 +126,15 @@ def note_inside_runs(run_dir: Path, runs: list[Path], skipped: list[str]) -> Non
     for run in runs:
         if run == run_dir:
             continue
-        own = {run / "metrics.parquet", run / "mismatch"}
+        own = {run / "metrics.parquet", run / "mismatch", run / "completions"}
         other = [p.name for p in sorted(run.iterdir())
                  if not p.name.startswith(".") and p not in own and _holds_parquet(p)]
         if other:
             what = run / other[0] if len(other) == 1 else f"{', '.join(other)} in {run}"
             skipped.append(f"{what} (inside the training run {run_label(run, run_dir)}; "
                            f"`sparrow report {run}` draws {'them' if len(other) > 1 else 'it'})")
+        if (run / "completions").is_dir():
+            skipped.append(f"{run / 'completions'} ({COMPLETIONS})")
 
 
 def checked_steps(files: list[Path], skipped: list[str]) -> tuple[list[Path], int]:

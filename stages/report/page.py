@@ -8,7 +8,7 @@ import html
 import re
 from pathlib import Path
 
-from .canvas import Figure
+from .canvas import Figure, shown
 
 
 def listed_figures(out: Path) -> set[str]:
@@ -34,7 +34,7 @@ def remove_stale(out: Path, names: set[str]) -> None:
 
 
 def html_page(run_dir: Path, out: Path, figures: list[Figure], skipped: list[str]) -> str:
-    name = html.escape(str(run_dir))
+    name = html.escape(shown(str(run_dir)))
     parts = [f"<!doctype html><meta charset='utf-8'><title>Sparrow report: {name}</title>",
              "<style>body{font-family:sans-serif;max-width:1200px;margin:2em auto}img{max-width:100%}"
              "figure{margin:2em 0}figcaption{color:#444}</style>",
@@ -46,6 +46,6 @@ def html_page(run_dir: Path, out: Path, figures: list[Figure], skipped: list[str
                      f"<img src='data:image/png;base64,{data}' alt='{title}'>"
                      f"<figcaption>{html.escape(f.caption)} ({html.escape(f.file)})</figcaption></figure>")
     if skipped:
-        parts.append("<h2>Not drawn</h2><ul>" + "".join(f"<li>{html.escape(s)}</li>" for s in skipped)
+        parts.append("<h2>Not drawn</h2><ul>" + "".join(f"<li>{html.escape(shown(s))}</li>" for s in skipped)
                      + "</ul>")
     return "\n".join(parts) + "\n"

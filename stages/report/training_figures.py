@@ -60,7 +60,8 @@ def training_figure(run: Path, label: str, out: Path, plt) -> Figure:
         ax.plot(*zip(*pts), marker="o", ms=3, label="dense sampler")
         sparse = _sparse_eval(rows, meta)
         if key == "eval_accuracy" and sparse:  # the run's own sparse sampler, evaluated beside dense
-            ax.plot(*zip(*sparse), marker="s", ms=3, label="the run's sparse sampler")
+            # dashed over hollow squares: where both samplers score the same, the dense line shows through
+            ax.plot(*zip(*sparse), marker="s", ms=5, ls="--", mfc="none", label="the run's sparse sampler")
             ax.legend(fontsize=7)
         if key in UNIT_PANELS:
             ax.set_ylim(-0.02, 1.02)
@@ -87,7 +88,8 @@ def training_figure(run: Path, label: str, out: Path, plt) -> Figure:
     story = f"label {outcome}" + (f" ({meta['reasons']})" if meta.get("reasons") else "")
     if meta.get("warnings"):
         story += f"; warning: {meta['warnings']}"
-    caption = (f"From {label}/metrics.parquet: {len(rows)} steps; {story}. The label is the whole run's "
+    steps = f"{len(rows)} step{'s' * (len(rows) != 1)}"
+    caption = (f"From {label}/metrics.parquet: {steps}; {story}. The label is the whole run's "
                "(its last step's collapse reasons: reward, grad norm, entropy, truncation or repetition); "
                + ("red lines mark the steps whose history up to them held a reason. " if flagged else
                   "no step held a collapse reason. ")
@@ -142,9 +144,10 @@ def _saved_steps(fig, steps: Steps, rows: list[tuple], width: CaptionBins, out: 
     n_steps = len({r[1] for r in rows})
     left_out = (f" ({steps.left_out} unreadable {'file' if steps.left_out == 1 else 'files'} left out, each "
                 "named under Not drawn)" if steps.left_out else "")
+    counted = (f"{len(files)} train_mismatch file{'s' * (len(files) != 1)}",
+               f"{n_steps} step{'s' * (n_steps != 1)}")
     return save(fig, out, steps.name, f"Mismatch per position bin over training: {steps.where}",
-                 f"From {len(files)} train_mismatch files in {steps.where}{left_out}: every generated token "
-                 f"of {n_steps} steps, in {width.words}, one line per bin (the sampled-token k3 and "
-                 "the top-20 lower bound of alpha, as the rollout and the dense recompute saw them).", plt,
-                 len(rows))
+                f"From {counted[0]} in {steps.where}{left_out}: every generated token of {counted[1]}, in "
+                f"{width.words}, one line per bin (the sampled-token k3 and the top-20 lower bound of alpha, "
+                "as the rollout and the dense recompute saw them).", plt, len(rows))
 
