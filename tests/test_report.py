@@ -618,3 +618,27 @@ def test_a_file_name_with_a_control_character_is_escaped_in_the_figure_and_the_p
     assert result.exit_code == 0, result.output
     page = (run / "report" / "index.html").read_text()
     assert "\x1b" not in page and "a\\x1b[2Jb.parquet" in page
+
+
+def test_a_training_run_that_has_written_its_schedule_alone_is_not_drawn_as_a_folder_of_parts(tmp_path):
+    """As `sparrow train -o run/train` starts, its folder holds its schedule and its lock file: the report of
+    run/ says so instead of drawing the folder as a schedule artifact's parts."""
+    import shutil
+
+    from sparrow.schemas.locations import hold_folder, release_folder
+
+    full = _run_dir(tmp_path / "source")
+    run = tmp_path / "run"
+    (run / "train").mkdir(parents=True)
+    shutil.copy(full / "cost.parquet", run / "cost.parquet")
+    hold_folder(run / "train", "sparrow train", "another run directory (-o)")
+    try:
+        shutil.copy(full / "schedule.parquet", run / "train" / "schedule.parquet")
+        result = CliRunner().invoke(app, ["report", str(run)])
+    finally:
+        release_folder(run / "train")
+    assert result.exit_code == 0, result.output
+    assert _not_drawn(result) == [
+        f"{run / 'train'} (a Sparrow command's output folder, not an artifact's parts: a training run "
+        "that has logged no step yet, say; `sparrow report` draws it once it has)"]
+    assert set(_embedded((run / "report" / "index.html").read_text())) == {"cost.png"}
