@@ -642,3 +642,24 @@ def test_a_training_run_that_has_written_its_schedule_alone_is_not_drawn_as_a_fo
         f"{run / 'train'} (a Sparrow command's output folder, not an artifact's parts: a training run "
         "that has logged no step yet, say; `sparrow report` draws it once it has)"]
     assert set(_embedded((run / "report" / "index.html").read_text())) == {"cost.png"}
+
+
+def test_a_tail_drawn_against_another_threshold_than_the_schedules_is_warned_about(tmp_path):
+    """report.md: the tail figure and the schedule beside it tell one story. A threshold artifact (the prior
+    0.86) beside a schedule planned at 0.5: the tail is drawn against the artifact's, and a warning says the
+    schedule answers to another."""
+    import shutil
+
+    full = _run_dir(tmp_path / "source")
+    run = tmp_path / "run"
+    run.mkdir()
+    for name in ("mismatch.parquet", "threshold.parquet"):
+        shutil.copy(full / name, run / name)
+    write_artifact({"bin": [0], "bin_start": [0], "bin_end": [None], "budget": [64], "tail": [0.9],
+                    "predicted_step_seconds": [None]}, run / "schedule.parquet", "schedule",
+                   metadata={"page_size": 16, "threshold": 0.5, "quantile": 0.05})
+    result = CliRunner().invoke(app, ["report", str(run)])
+    assert result.exit_code == 0, result.output
+    assert ("warning: the tail of mismatch.parquet is drawn against threshold.parquet's threshold 0.86, but "
+            "the folder's schedules were planned at another (schedule.parquet at 0.5): their budgets answer "
+            "to that one") in " ".join(result.stderr.split())

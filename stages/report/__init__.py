@@ -259,9 +259,15 @@ def _tail_line(kinds: dict[str, list[Path]], mismatch: Path, note: Callable[[str
     when they were planned at different thresholds. Else, by the rule every command follows, the
     calibration shipped for the profile's model, else the prior."""
     model = artifact_metadata(mismatch).get("model")
-    if files := kinds.get("threshold"):
-        return TailLine(resolve_threshold(None, files[0], None, model))
     planned = [p for p in map(planned_schedule, kinds.get("schedule", [])) if p is not None]
+    if files := kinds.get("threshold"):
+        line = TailLine(resolve_threshold(None, files[0], None, model))
+        if other := [p for p in planned if abs(p.threshold.value - line.threshold.value) > 1e-12]:
+            each = ", ".join(f"{p.path.name} at {p.threshold.value:g}" for p in other)
+            note(f"warning: the tail of {mismatch.name} is drawn against {files[0].name}'s threshold "
+                 f"{line.threshold.value:g}, but the folder's schedules were planned at another ({each}): "
+                 "their budgets answer to that one")
+        return line
     if not planned:
         return TailLine(resolve_threshold(None, None, None, model))
     chosen = next((p for p in planned if _same_path(p.profile, mismatch)), planned[0])
