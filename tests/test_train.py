@@ -466,6 +466,33 @@ def test_cli_train_with_speculative_rollouts_is_on_policy(tiny_llama, vowel_prom
     assert refused.exit_code != 0 and "drop one of --speculate and --distill-sparse" in refused.output
 
 
+def test_a_schedule_dense_in_every_bin_trains_as_a_dense_run(tiny_llama, vowel_prompts, tmp_path):
+    """plan-schedule writes an all-dense schedule where its cost model prices every budget above dense: a
+    run on it decodes as a dense run, so its evaluations under 'the run's sampler' would repeat the dense
+    ones: none is run (two initial passes, not four) and no step logs a sparse accuracy."""
+    from typer.testing import CliRunner
+
+    from sparrow.cli.app import app
+    from sparrow.stages.core.sparsity import as_policy
+
+    schedule = tmp_path / "dense.parquet"
+    write_artifact({"bin": [0, 1], "bin_start": [0, 512], "bin_end": [512, None], "budget": [None, None],
+                    "tail": [1.0, 1.0], "predicted_step_seconds": [None, None]}, schedule, "schedule",
+                   metadata={"page_size": 16})
+    assert not as_policy(Schedule.from_artifact(schedule)).sparse
+    assert as_policy(Schedule((0, 512), (0, 64))).sparse
+    run = tmp_path / "run"
+    result = CliRunner().invoke(app, ["train", "--model", tiny_llama[0], "--prompts", str(vowel_prompts),
+                                      "--eval-prompts", str(vowel_prompts), "--steps", "1",
+                                      "--prompts-per-step", "2", "--samples", "2", "--max-new-tokens", "4",
+                                      "--lora-rank", "2", "--schedule", str(schedule), "-o", str(run)])
+    assert result.exit_code == 0, result.output
+    passes = [line.strip() for line in result.stderr.splitlines() if line.strip()[:14] == "initial eval 1"]
+    assert passes and all(line.startswith("initial eval 1/2: ") for line in passes), result.stderr
+    row = read_artifact(run / "metrics.parquet", "metrics").to_pylist()[0]
+    assert row["eval_accuracy"] is not None and row["eval_accuracy_sparse"] is None
+
+
 def test_a_schedule_planned_for_another_model_is_refused(tiny_llama, vowel_prompts, tmp_path):
     from typer.testing import CliRunner
 

@@ -82,7 +82,9 @@ class BlockTopK(KVPolicy):
 
     @property
     def sparse(self) -> bool:
-        return True
+        """False for a schedule dense in every bin (a plan whose cost model priced every budget above
+        dense): it decodes as dense decoding does."""
+        return self.schedule is None or any(self.schedule.budgets)
 
     def read_budget(self, cache_len: int) -> int:
         return int(self.budget_at(cache_len))
