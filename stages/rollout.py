@@ -481,7 +481,8 @@ def run_manifest(run: RolloutRun, opts: RolloutOptions, rows: Seq[dict]) -> Mani
     s, policy = opts.sampling, opts.policy
     schedule = policy.schedule if isinstance(policy, BlockTopK) else None
     model_files = model_files_sha256(checkpoint_path(run.model))
-    return Manifest(model=model_name(run.model), prompts=len(rows), prompts_sha256=prompts_sha256(rows),
+    digest = prompts_sha256(rows, task=not (run.reward or run.reward_fn))  # a reward's name is no prompt's
+    return Manifest(model=model_name(run.model), prompts=len(rows), prompts_sha256=digest,
                     samples=s.n, max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
                     top_k=s.top_k, seed=s.seed, ignore_eos=s.ignore_eos, kv_policy=policy.spec(),
                     schedule_sha256=schedule_sha256(schedule), dense_layers=tuple(opts.dense_layers),

@@ -213,14 +213,22 @@ class Manifest:
 
 def check_not_complete(output: Path, manifest: Manifest) -> None:
     """`--resume` with no journal: AlreadyComplete when `output` is the finished artifact of a run with this
-    manifest (a retry after the run ended), so that it is not sampled again."""
+    manifest (a retry after the run ended), so that it is not sampled again; JournalRefused naming the flag
+    where it is the finished artifact of a run with other flags, which --resume would replace unasked."""
     try:
         recorded = Manifest.of(artifact_metadata(output).get(MANIFEST_KEY)) if output.is_file() else None
     except (ArtifactError, OSError, ValueError, TypeError, KeyError):
         recorded = None
-    if recorded is not None and recorded.difference(manifest) is None:
+    if recorded is None:
+        return
+    name = recorded.difference(manifest)
+    if name is None:
         raise AlreadyComplete(f"{output} is the finished artifact of a run with these flags, so there is "
                               "nothing to resume; drop --resume to sample it again")
+    raise JournalRefused(f"--resume: {output} is the finished artifact of a run with {FLAGS[name]} "
+                         f"{recorded.describe(name)}, and this run has {manifest.describe(name)}, so there "
+                         "is no interrupted run to resume; drop --resume to sample it again with these "
+                         "flags, or give another -o")
 
 
 # what scores the rewards: a resume may change it, scoring the journal's prompts again (`Journal.open`)
@@ -240,11 +248,14 @@ FLAGS = {"model": "--model", "prompts": "--prompts, --max-prompts or --filter-ov
          "model_files_sha256": "the --model checkpoint's files at", "reward_kwargs": "--reward-kwargs"}
 
 
-def prompts_sha256(rows: Sequence[dict]) -> str:
-    """The digest of the prompt rows as the run samples and rewards them."""
-    return sha256_json([[r["prompt_id"], [int(t) for t in r["prompt_token_ids"]], r.get("task"),
-                         r.get("answer"), r.get("metadata")] + ([r["row"]] if r.get("row", i) != i else [])
-                        for i, r in enumerate(rows)])  # a row's place in its file where it seeds otherwise
+def prompts_sha256(rows: Sequence[dict], task: bool = True) -> str:
+    """The digest of the prompt rows as the run samples and rewards them; without their `task` where a
+    --reward or --reward-fn scores them (its name stands in the rows' task, and the manifest's reward
+    fields record it, which a resume may change)."""
+    return sha256_json([[r["prompt_id"], [int(t) for t in r["prompt_token_ids"]],
+                         r.get("task") if task else None, r.get("answer"), r.get("metadata")]
+                        + ([r["row"]] if r.get("row", i) != i else [])  # its place in its file where it seeds
+                        for i, r in enumerate(rows)])
 
 
 def adapter_sha256(lora) -> str:

@@ -254,4 +254,5 @@ def test_the_spec_form_given_to_the_flag_is_refused_with_the_flags_that_say_it(t
     shown = runner.invoke(app, [command, "--help"], env={"COLUMNS": "500"}).stdout
     help_text = " ".join(shown.replace("│", " ").split())  # the help's table, its cells' lines joined
     assert "The same as the spec" not in help_text
-    assert "The flag takes the kind alone, snapkv or rkv (case-insensitive), and --kv-budget its B" in help_text
+    assert ("The flag takes the kind alone, snapkv or rkv (case-insensitive), and --kv-budget its B"
+            in help_text)

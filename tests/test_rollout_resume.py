@@ -352,7 +352,8 @@ def test_an_interrupt_while_the_last_prompts_are_scored_keeps_them_all(tiny, ref
 
 def test_resume_after_the_run_ended_samples_nothing(tiny, tmp_path):
     """A retry with --resume after the artifact was written (no journal left): one line, exit 0, the
-    artifact untouched; with another flag it is a fresh run, as without --resume."""
+    artifact untouched; with another flag it is refused naming it, the artifact untouched (replacing it is
+    a run without --resume); with no artifact either it is a fresh run."""
     out = tmp_path / "r.parquet"
     assert runner.invoke(app, _args(tiny, out, None)).exit_code == 0
     before = (out.stat().st_mtime_ns, out.read_bytes())
@@ -362,6 +363,12 @@ def test_resume_after_the_run_ended_samples_nothing(tiny, tmp_path):
     assert (out.stat().st_mtime_ns, out.read_bytes()) == before
     assert not _partial(out).exists()
     r = runner.invoke(app, _args(tiny, out, None, "--resume", "--seed", "1"))
+    assert error_line(r) == (f"error: --resume: {out} is the finished artifact of a run with --seed 0, and "
+                             "this run has 1, so there is no interrupted run to resume; drop --resume to "
+                             "sample it again with these flags, or give another -o")
+    assert (out.stat().st_mtime_ns, out.read_bytes()) == before
+    other = tmp_path / "other.parquet"
+    r = runner.invoke(app, _args(tiny, other, None, "--resume", "--seed", "1"))
     assert r.exit_code == 0 and "nothing to resume: the run starts from the first prompt" in r.stderr
 
 
@@ -634,6 +641,29 @@ def test_a_reward_that_raises_keeps_the_journal_and_a_resume_scores_it_again_wit
     drop = ["reward", "reward_extra"]
     assert table.drop_columns(drop).equals(reference[None].drop_columns(drop))
     assert not _partial(out).exists()
+
+
+def test_a_resume_may_score_with_a_fixed_reward_in_another_file(tiny, reference, tmp_path):
+    """resume.md: --reward-fn may change on --resume. The broken reward in reward.py, the fixed one written
+    as fixed.py: the resume scores the journal with fixed.py (a note names both) and samples the rest, the
+    uninterrupted rows; the prompts are the same, whatever reward's name stands in their task."""
+    reward, fixed = tmp_path / "reward.py", tmp_path / "fixed.py"
+    reward.write_text(FAILING_REWARD)
+    fixed.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                     "    return 0.5\n")
+    out = tmp_path / "r.parquet"
+    r = runner.invoke(app, _args(tiny, out, None, "--reward-fn", str(reward), "--checkpoint-interval", "0"))
+    assert r.exit_code == 2 and not out.exists()
+    r = runner.invoke(app, [*_args(tiny, out, None, "--reward-fn", str(fixed), "--checkpoint-interval", "0"),
+                            "--resume"])
+    assert r.exit_code == 0, r.output
+    said = "".join(r.stderr.split())  # a long path may be wrapped anywhere
+    assert f"3ofthejournal'spromptswerescoredwith--reward-fn{reward}:compute_score(sha256" in said
+    assert f"thisrunscoresthemagain,first,with--reward-fn{fixed}:compute_score(sha256" in said
+    table = _plain(read_artifact(out, "rollouts"))
+    assert table.column("reward").to_pylist() == [0.5] * 12
+    drop = ["reward", "reward_extra"]
+    assert table.drop_columns(drop).equals(reference[None].drop_columns(drop))
 
 
 def test_an_interrupt_right_after_a_part_is_in_place_counts_that_part(tiny, tmp_path, monkeypatch):
