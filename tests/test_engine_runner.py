@@ -371,3 +371,21 @@ def test_engine_commands_refuse_an_out_of_range_memory_fraction(prompts_file, tm
     assert r.exit_code == 2
     assert "--gpu-memory-utilization must be a fraction in (0, 1], got -0.5" in error_line(r)
     assert not out.exists()
+
+
+def test_a_prompts_first_tokens_are_sampled_a_batch_at_a_time(tiny, monkeypatch):
+    """A prompt's many samples (vLLM's n, GRPO's group) wait beyond the batch in `ready`; their first
+    tokens come from the one prefill, sampled at most --max-num-seqs rows at a time (all at once held the
+    logits of every sample, twice, and 100,000 samples ran out of memory), the same tokens as one batch."""
+    params = SamplingParams(n=10, max_new_tokens=3, temperature=1.0, seed=3, ignore_eos=True)
+    prompts = _prompts([21, 9])
+    with Engine(tiny, Dense(), EngineConfig(max_batch=16)) as engine:
+        whole = engine.generate(prompts, params)
+    rows = []
+    sample = Engine._sample
+    monkeypatch.setattr(Engine, "_sample", lambda self, seqs, logits, *a: rows.append(len(logits))
+                        or sample(self, seqs, logits, *a))
+    with Engine(tiny, Dense(), EngineConfig(max_batch=4)) as engine:
+        parts = engine.generate(prompts, params)
+    assert rows and max(rows) <= 4
+    _same(parts, whole, tol=1e-5)  # the same tokens; a decode batch of 4 rounds otherwise than one of 16

@@ -537,8 +537,11 @@ class Engine:
                 seq.pages = [blocks.share(p) if s else p for p in row.pages]
                 seqs.append(seq)
                 owner.append(i)
-        if seqs:
-            self._sample(seqs, logits[torch.tensor(owner, device=logits.device)], [0] * len(seqs))
+        for start in range(0, len(seqs), self.max_batch):  # [max_batch, V] at a time: a prompt's samples
+            # beyond the batch wait in `ready`, and all of them at once would hold [n, V] logits twice
+            part = seqs[start:start + self.max_batch]
+            rows_of = torch.tensor(owner[start:start + len(part)], device=logits.device)
+            self._sample(part, logits[rows_of], [0] * len(part))
         again = [x for x in batch if isinstance(x, Sequence)]
         for seq, row in zip(again, (row for x, row in zip(batch, rows) if isinstance(x, Sequence))):
             seq.pages, seq.cached = row.pages, len(row.tokens)
