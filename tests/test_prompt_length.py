@@ -113,11 +113,16 @@ def test_cut_prompts_are_sampled_as_a_file_of_the_cut_prompts_is(tiny, tmp_path,
     (["--max-prompt-length", "100", "--truncation", "both"], "error: --truncation must be one of error, "
      "left, right, middle, got 'both'"),
     (["--max-prompt-length", "0"], "error: --max-prompt-length must be at least 1, got 0"),
+    (["--max-new-tokens", "100000", "--filter-overlong-prompts"], "error: --max-new-tokens 100000 leaves no "
+     "room for a prompt in the model's context of CONTEXT tokens; give at most"),
 ])
 def test_a_length_that_cannot_be_met_is_refused_in_one_sentence_before_any_work(tiny, tmp_path, extra, said):
     prompts, out = _write(_rows(), tmp_path / "prompts.parquet"), tmp_path / "r.parquet"
+    from sparrow.stages.model.loading import resolve_config
+
     line = error_line(_rollout(tiny, prompts, out, *extra))
-    assert line.startswith(said.replace("PROMPTS", prompts)), line
+    context = resolve_config(tiny).max_position_embeddings
+    assert line.startswith(said.replace("PROMPTS", prompts).replace("CONTEXT", str(context))), line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["prompts.parquet"]
 
 

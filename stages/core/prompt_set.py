@@ -298,6 +298,9 @@ class PromptSet:
                                   f"({made})")
         if not rows:
             return
+        if max_new_tokens >= context:  # no prompt fits, however it is cut or left out
+            raise PromptError(f"--max-new-tokens {max_new_tokens} leaves no room for a prompt in the model's "
+                              f"context of {context} tokens; give at most {context - 1}")
         self._fit_lengths(rows, context, max_new_tokens)
         rows = [r for r in self.rows if r.get("prompt_token_ids")]
         longest = max(rows, key=lambda r: len(r["prompt_token_ids"]))
