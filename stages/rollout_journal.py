@@ -413,6 +413,7 @@ def check_folder(output: str | Path, resume: bool, force: bool) -> Found | None:
 
 # (prompt rows, the completions of each) -> their rollouts columns, rewards null
 Columns = Callable[[list[dict], list[list[Completion]]], dict]
+Scored = Callable[[int, int], None]  # (samples scored, of how many)
 # (the prompt row of each row, a rollouts table, on_scored) -> the table with its rewards, the seconds it took
 Score = Callable[[list[dict], pa.Table, "Callable[[int, int], None] | None"], tuple[pa.Table, "float | None"]]
 
@@ -539,16 +540,17 @@ class Journal:
         broken reward had scored, again)."""
         self.engine_stats, self.columns, self.score = engine_stats, columns, score
         self.last_write = time.monotonic()
+        counted = self._over_the_run(on_scored)
 
         def step(new: int, finished: int) -> None:
             if self.pending and time.monotonic() - self.last_write >= self.interval:
-                self.flush()
+                self.flush(counted)  # a slow reward scores while the engine waits: its progress shows
             if on_step is not None:
                 on_step(new, finished)
 
         try:
             yield step
-            self.flush(on_scored)
+            self.flush(counted)
         except BaseException as e:
             try:
                 self.flush(scored=False)
@@ -561,6 +563,20 @@ class Journal:
                                   "with --resume: it scores them with the fixed reward and samples the rest"
                                   ) from None
             raise
+
+    def _over_the_run(self, on_scored: Scored | None) -> Scored | None:
+        """`on_scored` counting over the run's samples to score: a part's (done, total) after the samples of
+        the parts this run scored before it."""
+        if on_scored is None:
+            return None
+        total = self.manifest.samples * (len(self.rows) - self.kept_prompts)
+        before = [0]  # the samples of the parts scored so far
+
+        def count(done: int, part: int) -> None:
+            on_scored(before[0] + done, total)
+            if done == part:
+                before[0] += part
+        return count
 
     def finished(self, index: int, completions: list[Completion]) -> None:
         """The engine's `on_prompt`: every sample of row `index` has finished."""

@@ -697,3 +697,18 @@ def test_a_journal_a_killed_process_was_removing_is_removed_by_the_next_run(tiny
     r = runner.invoke(app, _args(tiny, out, None))
     assert r.exit_code == 0, r.output
     assert not dead.exists() and live.exists()
+
+
+def test_rewards_scored_while_sampling_show_their_progress_over_the_run(tiny, slow_reward, tmp_path):
+    """With --checkpoint-interval 0 each finished prompt is scored (and journaled) while the engine samples
+    the rest: a log hears of that scoring, counted over the run's 12 samples up to 12/12 (it heard of
+    the last part's alone, 2/2)."""
+    out = tmp_path / "r.parquet"
+    r = runner.invoke(app, _args(tiny, out, None, "--reward-fn", slow_reward, "--checkpoint-interval", "0"))
+    assert r.exit_code == 0, r.output
+    counts = [line.split(": ", 1)[1].split(" ", 1)[0] for line in r.stderr.splitlines()
+              if line.startswith("scoring rewards (samples): ")]
+    totals = {c.split("/")[1] for c in counts}
+    assert totals == {str(6 * SAMPLES)} and counts[-1] == f"{6 * SAMPLES}/{6 * SAMPLES}", r.stderr
+    done = [int(c.split("/")[0]) for c in counts]
+    assert done == sorted(done)  # a log's lines are 10 s apart: the first and the last here
