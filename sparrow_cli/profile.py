@@ -42,6 +42,7 @@ from .options import (
     block_topk_sparsity,
     check_budgets,
     check_gpu_memory,
+    check_has_weights,
     check_sampling_memory,
     check_speculative_schedule,
     check_tail,
@@ -275,6 +276,7 @@ def profile(
                          "--adapter": adapter, "--lora": lora, "--model": model_file(model)})
     resolved = default_threshold(threshold, model, quantile)
     cfg = resolve_config(model)
+    check_has_weights(model, random_weights)
     if prompts is not None:
         opts.policy = sampler_policy(sampler, cfg, speculate, sampler_label)
     source = ctx.get_parameter_source("budgets")  # typer vendors click: compare by name, not by enum class

@@ -39,6 +39,7 @@ from .options import (
     capped_speculate,
     check_budget_reach,
     check_gpu_memory,
+    check_has_weights,
     check_host_memory,
     check_sampling_memory,
     check_speculative_schedule,
@@ -283,6 +284,7 @@ def rollout(
 
         check_folder(output, resume, force)
     cfg = resolve_config(model)
+    check_has_weights(model)
     adapter = load_actor(lora, cfg, model)  # one sentence for a bad adapter, before any weights load
     prompt_set = PromptSet.read(prompts, data, max_prompts)
     code_rewards(ctx, unsafe_code_execution)

@@ -245,3 +245,18 @@ def test_a_reward_functions_unwritable_fields_name_the_function_as_given(tmp_pat
     assert line.startswith(f"error: --reward-fn {spec} returned fields beside 'score' that cannot be JSON "
                            "(it holds itself: a circular reference) on row 0 (counting from 0) of p.parquet")
 
+
+
+@pytest.mark.parametrize(("command", "timing"), [
+    ("rollout", ""), ("profile", ", or --random-weights to time its shapes")])
+def test_a_shapes_only_preset_is_refused_before_its_prompts_are_tokenized(tmp_path, no_work, command, timing):
+    """qwen3-0.6b has shapes and a tokenizer, no weights: refused first, not after the prompts' text is
+    tokenized for it and the model begins to load."""
+    rows = [{"prompt_id": "p0", "task": "count", "prompt": "Count to three.", "prompt_token_ids": None,
+             "answer": "3", "metadata": None}]
+    prompts = write_artifact(rows, tmp_path / "p.parquet", "prompts")
+    r = runner.invoke(app, [command, "--model", "qwen3-0.6b", "--prompts", str(prompts), "--max-new-tokens",
+                            "4", "-o", str(tmp_path / "out.parquet")])
+    assert error_line(r) == ("error: preset 'qwen3-0.6b' describes shapes only and has no weights; pass a "
+                             f"checkpoint directory or a .gguf file to --model{timing}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.parquet"]
