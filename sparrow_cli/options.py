@@ -475,6 +475,8 @@ def check_budget_reach(budget: int | None, speculate: int, prompt_lengths: list[
     model's own step, as a schedule dense in every bin, which is refused alike; where it covers some
     prompts' whole caches, a warning says so, as for a schedule's dense bins. `prompt_lengths` None (text
     prompts, tokenized later): not checked."""
+    from sparrow.stages.core.definitions import PAGE_SIZE, RESERVED_PAGES
+
     if budget is None or not prompt_lengths:
         return
     longest = max(prompt_lengths) + max_new_tokens - 1
@@ -484,11 +486,13 @@ def check_budget_reach(budget: int | None, speculate: int, prompt_lengths: list[
                 f"tokens, with --max-new-tokens {max_new_tokens} reaches at most {longest} tokens), so "
                 "block top-k keeps every page: this run's attention is dense")
         return
+    below = (longest - 1) // PAGE_SIZE * PAGE_SIZE  # the largest budget below the longest cache
     if budget >= longest:
         raise UsageError(f"--budget {budget} covers every sample's cache (the longest prompt, "
                          f"{max(prompt_lengths)} tokens, with --max-new-tokens {max_new_tokens} reaches at "
                          f"most {longest} tokens), so --speculate would draft with the dense model itself; "
-                         f"give a --budget below {longest}, or drop --speculate")
+                         + (f"give a --budget of at most {below} (a multiple of {PAGE_SIZE}), or drop "
+                            "--speculate" if below >= RESERVED_PAGES * PAGE_SIZE else "drop --speculate"))
     covered = sum(n + max_new_tokens - 1 <= budget for n in prompt_lengths)
     if covered:
         warn(f"--budget {budget} covers the whole cache of {covered} of {len(prompt_lengths)} prompts (up to "

@@ -398,7 +398,7 @@ def _say_resuming(found, bars: _Bars, samples: int) -> None:
              "so there is nothing to resume: the run starts from the first prompt")
         return
     n = found.unscored
-    first = f"; the rewards of {n} of the done prompt{'s' if n > 1 else ''} are scored first" if n else ""
+    first = f"; the rewards of {n} of the done prompts are scored first" if n else ""
     console.print(f"resuming {found.folder}/: {found.kept} of {found.total} prompts done, "
                   f"{found.total - found.kept} to go{first}", highlight=False)
     bars.skip(found.kept * samples)

@@ -122,6 +122,8 @@ def test_a_budget_covering_every_cache_is_refused_under_speculate(tmp_path, no_w
                               "--max-new-tokens", "4"))
     assert "--budget 64 covers every sample's cache" in line and "at most 64 tokens" in line
     assert "--speculate would draft with the dense model itself" in line
+    # the suggested budget is one a rollout takes (a multiple of 16 below 64, at least 48), not 63
+    assert line.endswith("give a --budget of at most 48 (a multiple of 16), or drop --speculate")
     # one token more: its last step reads 65 tokens, 64 of them selected, so it drafts sparsely; the
     # 20-token prompt's whole cache is within the budget, which a warning says
     result = rollout(tmp_path, [20, 62], "--budget", "64", "--speculate", "2", "--max-new-tokens", "4")
