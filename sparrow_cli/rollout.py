@@ -538,6 +538,11 @@ def _warn_unscored_tasks(prompt_set) -> None:
         have = "tasks {} have" if len(unknown) > 1 else "task {} has"
         warn(f"{prompt_set.path}: {have.format(named)} no scorer, so their samples get no reward (known "
              f"tasks: {', '.join(TASKS)})")
+    layouts = sorted({r.get("task") for r in prompt_set.rows} & {"verl", "trl"})
+    if layouts:
+        note(f"{prompt_set.path} is a {' and '.join(layouts)} dataset, whose rows name no Sparrow task to "
+             "score them, so the samples' rewards are null; give --reward math or code, or --reward-fn, to "
+             "score them")
 
 
 def _check_speculate(speculate: int, engine: str, kv_compression, block_topk: bool) -> None:

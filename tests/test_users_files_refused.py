@@ -260,3 +260,20 @@ def test_a_shapes_only_preset_is_refused_before_its_prompts_are_tokenized(tmp_pa
     assert error_line(r) == ("error: preset 'qwen3-0.6b' describes shapes only and has no weights; pass a "
                              f"checkpoint directory or a .gguf file to --model{timing}")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["p.parquet"]
+
+
+def test_a_verl_dataset_rolled_out_without_a_reward_says_its_rewards_are_null(tmp_path, no_work):
+    """A verl dataset's rows name no Sparrow task to score them, so without --reward or --reward-fn its
+    rewards are null (datasets.md): a note says so, and how to score them."""
+    prompts = tmp_path / "v.parquet"
+    assert runner.invoke(app, ["prompts", "--task", "gsm_symbolic", "--n", "2", "--layout", "verl",
+                               "-o", str(prompts)]).exit_code == 0
+    r = runner.invoke(app, ["rollout", "--prompts", str(prompts), "--max-new-tokens", "4",
+                            "-o", str(tmp_path / "r.parquet")])
+    assert passed_the_checks(r), r.output
+    assert (f"note: {prompts} is a verl dataset, whose rows name no Sparrow task to score them, so the "
+            "samples' rewards are null; give --reward math or code, or --reward-fn, to score them"
+            ) in " ".join(r.stderr.split())
+    r = runner.invoke(app, ["rollout", "--prompts", str(prompts), "--max-new-tokens", "4", "--reward", "math",
+                            "-o", str(tmp_path / "r.parquet")])
+    assert passed_the_checks(r) and "rewards are null" not in r.stderr
