@@ -286,9 +286,11 @@ def schedule_figure(schedule: Path, name: str, out: Path, plt) -> Figure:
                  if _sampled(meta) else "")
               + (f", draft budgets for exact speculative rollouts (--speculate {drafts}), planned for speed "
                  "under verification with no tail threshold behind them" if drafts else ""))
+    ends = _last_bin(meta, last, edges[-1])
     return save(fig, out, name, title,
-                 f"From {schedule.name}{source}: {what}. Grey spans are dense bins (every cached token is "
-                 f"attended); {_last_bin(meta, last, edges[-1])}"
+                 f"From {schedule.name}{source}: {what}. "
+                 + (f"Grey spans are dense bins (every cached token is attended); {ends}" if dense
+                    else _sentence(ends))
                  + (" The dashed line is the published schedule at this threshold." if published else ""),
                  plt, len(table))
 
