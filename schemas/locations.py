@@ -402,6 +402,13 @@ _HELD: dict[str, tuple[int, int, Path]] = {}  # realpath of what is held -> (its
 _MADE: set[str] = set()  # held folders their holder made: removed when let go of empty
 
 
+def command_output(folder: str | os.PathLike) -> bool:
+    """Whether `folder` is a folder a Sparrow command holds or held as its output (its lock file is in it):
+    a run of its own, never the parts of an artifact, even while it holds Parquet files alone (a training
+    run that has written only its schedule)."""
+    return os.path.lexists(Path(folder) / LOCK_NAME)
+
+
 class FolderBusy(ArtifactError):
     """A folder that another process holds (`hold_folder`)."""
 

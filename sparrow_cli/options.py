@@ -538,13 +538,11 @@ def check_workers(workers: int, ray_address: str | None, output: Path | None) ->
 def check_has_weights(model: str, random_weights: bool | None = None) -> None:
     """A shapes-only preset (qwen3-4b) has no weights to sample with: refused before the prompts are read
     or a model loads; `random_weights` None where the command has no --random-weights to time it with."""
-    from sparrow.stages.model.presets import PRESETS
+    from sparrow.stages.model.presets import shapes_only
 
-    preset = PRESETS.get(model.lower())
-    if preset is not None and preset.weights == "none" and not random_weights:
+    if (why := shapes_only(model)) and not random_weights:
         timing = "" if random_weights is None else ", or --random-weights to time its shapes"
-        raise UsageError(f"preset {preset.name!r} describes shapes only and has no weights; pass a "
-                         f"checkpoint directory or a .gguf file to --model{timing}")
+        raise UsageError(why + timing)
 
 
 def random_weights_of(model: str, consequence: str) -> bool:

@@ -44,7 +44,7 @@ from .gguf_loader import gguf_config, gguf_weights, read_gguf
 from .home import building, check_readable, sparrow_home
 from .llama import Transformer, hf_to_ours, ours_to_hf
 from .names import model_name
-from .presets import PRESETS, get_preset
+from .presets import PRESETS, get_preset, shapes_only
 
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CACHE_FORMAT = 1
@@ -275,11 +275,8 @@ def load_model(spec: str, device: str = "cpu", dtype: torch.dtype = torch.float3
         if preset.weights == "embedded" and not random_weights:
             loaded = load_model(str(embedded_checkpoint(preset.name)), device, dtype)
             return replace(loaded, name=preset.name)
-        if preset.weights == "none" and not random_weights:
-            raise ModelSpecError(
-                f"preset {preset.name!r} describes shapes only and has no weights; pass a checkpoint "
-                "directory or a .gguf file to --model"
-            )
+        if (why := shapes_only(spec)) and not random_weights:
+            raise ModelSpecError(why)
         tokenizer = load_tokenizer(preset.tokenizer)
         cfg = with_tokenizer_eos(preset.config, tokenizer)
         with _own_random_stream(seed, device), torch.device(device):  # built where it runs: a 4B model

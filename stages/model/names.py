@@ -36,7 +36,8 @@ def same_model(recorded: object, given: str) -> bool:
     if not recorded:
         return True
     record = str(recorded).rstrip("/") or str(recorded)
+    named = model_name(given.rstrip("/") or given)
     if record.lower() in PRESETS or os.path.isabs(os.path.expanduser(record)):
-        return model_name(record) == model_name(given.rstrip("/") or given)
+        return model_name(record) == named
     tail = tuple(part for part in Path(os.path.normpath(record)).parts if part != "..")
-    return bool(tail) and Path(model_name(given.rstrip("/") or given)).parts[-len(tail):] == tail
+    return bool(tail) and Path(named).parts[-len(tail):] == tail

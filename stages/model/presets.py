@@ -78,6 +78,15 @@ PRESETS: dict[str, Preset] = {
 }
 
 
+def shapes_only(spec: str) -> str | None:
+    """Why `spec` cannot be loaded for its weights, where it names a shapes-only preset; else None."""
+    preset = PRESETS.get(spec.lower())
+    if preset is None or preset.weights != "none":
+        return None
+    return (f"preset {preset.name!r} describes shapes only and has no weights; pass a checkpoint directory "
+            "or a .gguf file to --model")
+
+
 def get_preset(name: str) -> Preset:
     try:
         return PRESETS[name.lower()]

@@ -309,16 +309,18 @@ def _others(run_dir: Path, shown: int = 8) -> str:
              if not p.name.startswith(".") and not p.is_dir() and p.suffix != ".parquet"]
     if not names:
         return ""
-    more = f", ... ({len(names)} in all)" if len(names) > shown else ""
     verb = "is" if len(names) == 1 else "are"
-    return f"; it also holds {', '.join(names[:shown])}{more}, which {verb} not Parquet"
+    return f"; it also holds {_few(names, shown)}, which {verb} not Parquet"
 
 
 def _holdings(run_dir: Path, shown: int = 8) -> str:
     """What a folder holds, in a few names (folders end in /)."""
     names = [p.name + ("/" if p.is_dir() else "") for p in sorted(run_dir.iterdir())
              if not p.name.startswith(".")]
-    if not names:
-        return "it is empty"
+    return f"it holds {_few(names, shown)}" if names else "it is empty"
+
+
+def _few(names: list[str], shown: int) -> str:
+    """The first `shown` names, and how many there are in all where there are more."""
     more = f", ... ({len(names)} in all)" if len(names) > shown else ""
-    return f"it holds {', '.join(names[:shown])}{more}"
+    return ", ".join(names[:shown]) + more

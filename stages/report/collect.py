@@ -10,7 +10,7 @@ from pathlib import Path
 from sparrow.schemas import ArtifactError, artifact_metadata
 from sparrow.schemas.artifacts import KEY_META
 from sparrow.schemas.footer import artifact_parts, file_json, kind_version, read_schema
-from sparrow.schemas.locations import LOCK_NAME
+from sparrow.schemas.locations import command_output
 
 from ..sql.views import Provenance, escaped, file_metadata, not_regular, not_utf8
 
@@ -94,7 +94,7 @@ def find_artifacts(folder: Path, skipped: list[str], runs: list[Path]) -> dict[s
             continue
         if not p.is_dir() and p.suffix != ".parquet":
             continue
-        if p.is_dir() and os.path.lexists(p / LOCK_NAME):
+        if p.is_dir() and command_output(p):
             skipped.append(f"{p} (a Sparrow command's output folder, not an artifact's parts: a training run "
                            "that has logged no step yet, say; `sparrow report` draws it once it has)")
             continue

@@ -33,7 +33,7 @@ from sparrow.schemas.footer import kind_version, read_schema
 from sparrow.schemas.locations import (
     JOURNAL_PART,
     JOURNAL_SUFFIX,
-    LOCK_NAME,
+    command_output,
     journal_parts,
     journal_unscored,
     missing,
@@ -277,7 +277,7 @@ def _folder_files(sub: Path, warn: Warn) -> list[Path]:
     schedule alone."""
     if (parts := journal_parts(sub)) is not None:
         return _journal_files(sub, parts, warn)
-    if os.path.lexists(sub / LOCK_NAME):
+    if command_output(sub):
         return []
     entries = [e for e in sub.iterdir() if not e.name.startswith(".")]
     if entries and all(not e.is_dir() and e.suffix == ".parquet" for e in entries):
@@ -484,10 +484,14 @@ def identifier(stem: str) -> str:
     """A view name from a file's name, one a query can write unquoted: a Latin letter with accents as its
     ASCII letter (ü.parquet is `u`, as people type it), letters of other scripts as they are (日本.parquet
     is `日本`), then runs of anything but letters, digits and `_` become one `_`."""
-    decomposed = unicodedata.normalize("NFKD", stem)
-    kept = "".join(c for i, c in enumerate(decomposed)
-                   if not (unicodedata.combining(c) and i and decomposed[i - 1].isascii()))
-    name = re.sub(r"\W+", "_", unicodedata.normalize("NFC", kept)).strip("_") or "file"
+    kept, base = [], ""
+    for c in unicodedata.normalize("NFKD", stem):
+        if not unicodedata.combining(c):
+            base = c
+        elif base.isascii():  # an accent of a Latin letter (ệ has two): dropped, as people type it
+            continue
+        kept.append(c)
+    name = re.sub(r"\W+", "_", unicodedata.normalize("NFC", "".join(kept))).strip("_") or "file"
     return f"_{name}" if name[0].isdigit() else name
 
 
